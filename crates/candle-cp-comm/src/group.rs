@@ -1,0 +1,72 @@
+//! The [`ProcessGroup`] trait: the raw collectives every parallel algorithm is built on.
+//!
+//! Layering (after Megatron-Core's mappings):
+//! 1. raw collectives on a `ProcessGroup` (this module) — no autograd;
+//! 2. autograd ops whose backward is one call to the conjugate collective (`candle-cp-ops`);
+//! 3. public functions used by models.
+//!
+//! All collectives are *blocking and collective*: every rank of the group must call the same
+//! collective, in the same order, with tensors of the same shape and dtype (except where
+//! noted). A mismatch is reported as an `Err` on every participating rank; a rank that fails
+//! or panics makes the others' current or next collective return `Err` within the group's
+//! timeout.
+
+use candle_core::{Result, Tensor};
+use std::sync::Arc;
+
+/// A pending point-to-point receive started by [`ProcessGroup::send_recv`].
+///
+/// The transfer makes progress in the background (a communication thread for
+/// [`crate::ThreadGroup`], a communication stream for NCCL); call [`PendingRecv::wait`] to get
+/// the received tensor. Compute issued between `send_recv` and `wait` overlaps the transfer.
+pub trait PendingRecv: Send {
+    /// Block until the received tensor has arrived (or the group failed / timed out).
+    fn wait(self: Box<Self>) -> Result<Tensor>;
+}
+
+/// A group of `size()` ranks that communicate tensors.
+pub trait ProcessGroup: Send + Sync {
+    /// This rank's index in the group, `0..size()`.
+    fn rank(&self) -> usize;
+    /// Number of ranks in the group.
+    fn size(&self) -> usize;
+
+    /// Concatenate every rank's `t` along `dim`, in rank order. Every rank gets the result.
+    /// `t` must have the same shape on all ranks.
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor>;
+
+    /// Sum `t` over ranks, then split the sum into `size()` equal chunks along `dim`; rank `r`
+    /// gets chunk `r`. `t.dim(dim)` must be divisible by `size()`.
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor>;
+
+    /// Sum `t` over ranks; every rank gets the sum.
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor>;
+
+    /// Split `t` into `size()` equal chunks along `split_dim`, send chunk `j` to rank `j`, and
+    /// concatenate the chunks received from ranks `0..size()` along `concat_dim`.
+    fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor>;
+
+    /// Every rank gets `root`'s `t` (the other ranks' `t` give only shape and dtype).
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
+
+    /// Wait until every rank has reached the barrier.
+    fn barrier(&self) -> Result<()>;
+
+    /// Non-blocking exchange with ring neighbours: send `t` to rank `dst` and start receiving
+    /// a tensor from rank `src`. Returns at once with a handle on the receive. Every rank of
+    /// the group must call `send_recv` together (it is a collective step of a ring); the
+    /// tensor received must have been sent by `src` with `dst == self.rank()`.
+    fn send_recv(&self, t: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv>>;
+
+    /// Build the sub-group of the ranks that passed the same `color`, ordered by `key` (ties by
+    /// rank). Collective over this group: every rank must call it.
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>>;
+
+    /// Short description for error messages, e.g. `"thread group (rank 1 of 4)"`.
+    fn describe(&self) -> String {
+        format!("process group (rank {} of {})", self.rank(), self.size())
+    }
+}
+
+/// Shared handle on a process group; what the ops and layers take.
+pub type Group = Arc<dyn ProcessGroup>;

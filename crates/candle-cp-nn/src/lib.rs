@@ -1,0 +1,1 @@
+//! candle-cp-nn

@@ -1,0 +1,195 @@
+//! Attach a hand-written backward to a tensor computed outside candle's graph.
+//!
+//! Our parallel ops (ring attention, the Megatron/Ulysses collectives) compute their forward
+//! with raw tensor code and collectives, not with a single kernel on storages. To make the
+//! result differentiable we apply a `CustomOpN` whose forward *returns the precomputed output*
+//! (one device copy) and whose `bwd` calls a closure — typically one call to the conjugate
+//! collective or the ring backward. Inputs are only there so candle records the edges.
+
+use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
+use std::sync::Arc;
+
+/// Backward closure: gets `grad_out` (the gradient of the attached output) and returns one
+/// optional gradient per input, in input order.
+pub type BackwardFn = Arc<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+struct Attached {
+    name: &'static str,
+    out: Tensor,
+    bwd: BackwardFn,
+}
+
+impl Attached {
+    fn new(name: &'static str, out: Tensor, bwd: BackwardFn) -> Result<Self> {
+        let out = out.detach();
+        let l = out.layout();
+        let out = if l.is_contiguous() && l.start_offset() == 0 {
+            out
+        } else {
+            out.force_contiguous()?
+        };
+        Ok(Self { name, out, bwd })
+    }
+
+    fn cpu_out(&self) -> Result<(CpuStorage, Shape)> {
+        let (storage, _) = self.out.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cpu(s) => Ok((s.clone(), self.out.shape().clone())),
+            _ => candle_core::bail!("{}: precomputed output is not on the CPU", self.name),
+        }
+    }
+
+    #[cfg(feature = "cuda")]
+    fn cuda_out(&self) -> Result<(candle_core::CudaStorage, Shape)> {
+        use candle_core::backend::BackendStorage;
+        let (storage, layout) = self.out.storage_and_layout();
+        match &*storage {
+            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, self.out.shape().clone())),
+            _ => candle_core::bail!("{}: precomputed output is not on a CUDA device", self.name),
+        }
+    }
+
+    fn grads(&self, grad: &Tensor, n: usize) -> Result<Vec<Option<Tensor>>> {
+        let g = (self.bwd)(grad)?;
+        if g.len() != n {
+            candle_core::bail!("{}: backward returned {} gradients for {n} inputs", self.name, g.len())
+        }
+        Ok(g)
+    }
+}
+
+macro_rules! cuda_fwd_impl {
+    ($($arg:ident),*) => {
+        #[cfg(feature = "cuda")]
+        fn cuda_fwd(&self, $($arg: &candle_core::CudaStorage, _: &Layout),*) -> Result<(candle_core::CudaStorage, Shape)> {
+            $(let _ = $arg;)*
+            self.0.cuda_out()
+        }
+    };
+}
+
+struct Attached1(Attached);
+struct Attached2(Attached);
+struct Attached3(Attached);
+
+impl CustomOp1 for Attached1 {
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.0.cpu_out()
+    }
+    cuda_fwd_impl!(a);
+    fn bwd(&self, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {
+        let mut g = self.0.grads(grad, 1)?;
+        Ok(g.pop().flatten())
+    }
+}
+
+impl CustomOp2 for Attached2 {
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    fn cpu_fwd(&self, _: &CpuStorage, _: &Layout, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
+        self.0.cpu_out()
+    }
+    cuda_fwd_impl!(a, b);
+    fn bwd(&self, _: &Tensor, _: &Tensor, _: &Tensor, grad: &Tensor) -> Result<(Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.0.grads(grad, 2)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten()))
+    }
+}
+
+impl CustomOp3 for Attached3 {
+    fn name(&self) -> &'static str {
+        self.0.name
+    }
+    fn cpu_fwd(
+        &self,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+        _: &CpuStorage,
+        _: &Layout,
+    ) -> Result<(CpuStorage, Shape)> {
+        self.0.cpu_out()
+    }
+    cuda_fwd_impl!(a, b, c);
+    fn bwd(
+        &self,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        _: &Tensor,
+        grad: &Tensor,
+    ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
+        let mut g = self.0.grads(grad, 3)?.into_iter();
+        Ok((g.next().flatten(), g.next().flatten(), g.next().flatten()))
+    }
+}
+
+/// True when any input takes part in a graph (is a variable or derived from one).
+fn tracked(ts: &[&Tensor]) -> bool {
+    ts.iter().any(|t| t.track_op())
+}
+
+/// Make `out` (computed from `a`) differentiable w.r.t. `a` with the given backward.
+/// When `a` is not tracked, `out` is returned as is (no copy).
+pub fn attach1(name: &'static str, a: &Tensor, out: Tensor, bwd: BackwardFn) -> Result<Tensor> {
+    if !tracked(&[a]) {
+        return Ok(out);
+    }
+    a.apply_op1(Attached1(Attached::new(name, out, bwd)?))
+}
+
+/// Make `out` (computed from `a`, `b`) differentiable w.r.t. both.
+pub fn attach2(name: &'static str, a: &Tensor, b: &Tensor, out: Tensor, bwd: BackwardFn) -> Result<Tensor> {
+    if !tracked(&[a, b]) {
+        return Ok(out);
+    }
+    a.apply_op2(b, Attached2(Attached::new(name, out, bwd)?))
+}
+
+/// Make `out` (computed from `a`, `b`, `c`) differentiable w.r.t. all three.
+pub fn attach3(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    out: Tensor,
+    bwd: BackwardFn,
+) -> Result<Tensor> {
+    if !tracked(&[a, b, c]) {
+        return Ok(out);
+    }
+    a.apply_op3(b, c, Attached3(Attached::new(name, out, bwd)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    #[test]
+    fn attached_backward_is_called() -> Result<()> {
+        let x = Var::new(&[1f32, 2., 3.], &Device::Cpu)?;
+        let y = (x.as_tensor() * 2.0)?.detach();
+        let bwd: BackwardFn = Arc::new(|g: &Tensor| Ok(vec![Some((g * 2.0)?)]));
+        let y = attach1("double", x.as_tensor(), y, bwd)?;
+        assert_eq!(y.to_vec1::<f32>()?, vec![2., 4., 6.]);
+        let grads = y.sum_all()?.backward()?;
+        assert_eq!(grads.get(&x).unwrap().to_vec1::<f32>()?, vec![2., 2., 2.]);
+        Ok(())
+    }
+
+    #[test]
+    fn untracked_input_returns_output_unchanged() -> Result<()> {
+        let x = Tensor::new(&[1f32, 2.], &Device::Cpu)?;
+        let bwd: BackwardFn = Arc::new(|_| Ok(vec![None]));
+        let y = attach1("noop", &x, (&x + 1.0)?, bwd)?;
+        assert!(!y.track_op());
+        assert_eq!(y.to_vec1::<f32>()?, vec![2., 3.]);
+        Ok(())
+    }
+}

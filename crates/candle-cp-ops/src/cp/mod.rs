@@ -1,0 +1,1 @@
+//! Context parallelism: sharding layouts, ring / zigzag / striped ring attention, all-gather KV.

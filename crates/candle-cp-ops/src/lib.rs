@@ -1,0 +1,19 @@
+//! candle-cp-ops: the operations of sequence and context parallelism for candle.
+//!
+//! - [`attention`]: single-device blockwise attention with LSE, its backward, `merge`,
+//!   `attention_slow` (reference from plain candle ops).
+//! - [`cp`]: context parallelism — sharding layouts (contiguous, zigzag, striped), ring
+//!   attention, all-gather-KV attention, load-balance report.
+//! - [`ulysses`]: all-to-all sequence↔head conjugate ops and Ulysses attention.
+//! - [`usp`]: 2-D Ulysses × ring attention.
+//! - [`mappings`]: Megatron tensor/sequence-parallel conjugate collectives.
+//! - [`autograd`]: attach a hand-written backward to a precomputed tensor.
+
+pub mod attention;
+pub mod autograd;
+pub mod cp;
+pub mod mappings;
+pub mod ulysses;
+pub mod usp;
+
+pub use candle_cp_comm::{Group, ProcessGroup};

@@ -1,0 +1,1 @@
+//! Megatron-style tensor- and sequence-parallel conjugate collectives (autograd ops).

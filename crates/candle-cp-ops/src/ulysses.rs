@@ -1,0 +1,1 @@
+//! Ulysses: all-to-all sequence <-> head sharding and Ulysses attention.

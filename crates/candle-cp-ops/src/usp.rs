@@ -1,0 +1,1 @@
+//! 2-D (Ulysses x ring) attention.

@@ -1,0 +1,1 @@
+//! attention_oracle tests (to be written)

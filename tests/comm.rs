@@ -1,0 +1,1 @@
+//! comm tests (to be written)

@@ -1,0 +1,1 @@
+//! Shared helpers for the workspace-level integration tests (oracle loading, comparisons).

@@ -1,0 +1,1 @@
+//! cp_oracle tests (to be written)

@@ -1,0 +1,1 @@
+//! llama_parity tests (to be written)

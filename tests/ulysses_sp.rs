@@ -1,0 +1,1 @@
+//! ulysses_sp tests (to be written)
