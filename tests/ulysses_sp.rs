@@ -1,1 +1,555 @@
-//! ulysses_sp tests (to be written)
+//! Ulysses, 2-D Ulysses × ring, and Megatron sequence parallelism (threads as ranks).
+//!
+//! - every conjugate pair (Megatron mappings and the Ulysses all-to-alls) as a pair: the
+//!   forward of one equals the backward of the other, and each forward matches the collective
+//!   computed by hand from every rank's input;
+//! - an SP+TP transformer block (RMSNorm → attention → dropout → LayerNorm → MLP → dropout)
+//!   with TP = 2, 4, SP on and off, against a single-device block built from plain candle ops:
+//!   outputs, input gradient and every parameter gradient;
+//! - Ulysses and 2-D attention on every oracle case the heads allow (incl. KV replication),
+//!   against the float64 oracle and the single-device op;
+//! - error paths.
+
+use anyhow::{bail, Context, Result};
+use candle_core::{DType, Device, Module, Shape, Tensor, Var};
+use candle_cp_comm::{run_ranks, Group};
+use candle_cp_nn::{ColumnParallelLinear, Dropout, LayerNorm, Region, RmsNorm, RngStreams, RowParallelLinear, Tp};
+use candle_cp_ops::attention::{attention, attention_slow, Mask};
+use candle_cp_ops::cp::{self, Layout};
+use candle_cp_ops::mappings as mp;
+use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_ops::ulysses::{self, all_to_all_head_to_seq, all_to_all_seq_to_head, ulysses_attention, UlyssesOpts};
+use candle_cp_ops::usp::{usp_attention, usp_positions, usp_shard, UspGroups, UspOpts};
+use std::collections::HashMap;
+use std::path::PathBuf;
+
+// ---------------------------------------------------------------- helpers
+
+/// Uniform in `[-1, 1)`, deterministic for (seed, name).
+fn rand_t(seed: u64, name: &str, shape: &[usize]) -> candle_core::Result<Tensor> {
+    let u = RngStreams::new(seed).uniform(name, 0, &Shape::from(shape), &Region::Replicated, &Device::Cpu)?;
+    (u * 2.0)? - 1.0
+}
+
+fn all_ok<T>(res: Vec<candle_core::Result<T>>) -> Result<Vec<T>> {
+    res.into_iter().enumerate().map(|(r, x)| x.with_context(|| format!("rank {r}"))).collect()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
+    if a.dims() != b.dims() {
+        bail!("shape {:?} vs {:?}", a.dims(), b.dims())
+    }
+    Ok((a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.max_all()?.to_scalar::<f64>()?)
+}
+
+fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let m = b.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    Ok(max_abs(a, b)? / m.max(1e-30))
+}
+
+fn grad(g: &candle_core::backprop::GradStore, v: &Tensor, what: &str) -> candle_core::Result<Tensor> {
+    match g.get(v) {
+        Some(t) => Ok(t.clone()),
+        None => candle_core::bail!("no gradient for {what}"),
+    }
+}
+
+// ---------------------------------------------------------------- conjugate pairs
+
+type Op = fn(&Tensor, &Group) -> candle_core::Result<Tensor>;
+
+const B: usize = 2;
+const TL: usize = 3; // local rows
+const C: usize = 5;
+
+fn copy(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::copy_to_tp_region(x, g)
+}
+fn reduce(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::reduce_from_tp_region(x, g)
+}
+fn scatter(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::scatter_to_sp_region(x, g, mp::SEQ_DIM)
+}
+fn gather_rep(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::gather_from_sp_region_replicated_grad(x, g, mp::SEQ_DIM)
+}
+fn gather(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::gather_from_sp_region(x, g, mp::SEQ_DIM)
+}
+fn reduce_scatter(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    mp::reduce_scatter_to_sp_region(x, g, mp::SEQ_DIM)
+}
+
+/// Input shape of each op for a group of `p` ranks (the output shape of its partner).
+fn in_shape(name: &str, p: usize) -> Vec<usize> {
+    match name {
+        "copy" | "reduce" => vec![B, TL * p, C],
+        "scatter" | "reduce_scatter" => vec![B, TL * p, C],
+        "gather_rep" | "gather" => vec![B, TL, C],
+        "seq_to_head" => vec![B, TL, 2 * p, C],
+        "head_to_seq" => vec![B, TL * p, 2, C],
+        _ => unreachable!(),
+    }
+}
+
+/// What the op's forward must return on `rank`, computed by hand from all ranks' inputs.
+fn expected(name: &str, xs: &[Tensor], rank: usize) -> candle_core::Result<Tensor> {
+    let p = xs.len();
+    let sum = || xs.iter().skip(1).try_fold(xs[0].clone(), |a, x| a + x);
+    let chunk = |x: &Tensor, dim: usize| x.narrow(dim, rank * x.dim(dim)? / p, x.dim(dim)? / p);
+    match name {
+        "copy" => Ok(xs[rank].clone()),
+        "reduce" => sum(),
+        "scatter" => chunk(&xs[rank], 1),
+        "gather_rep" | "gather" => Tensor::cat(xs, 1),
+        "reduce_scatter" => chunk(&sum()?, 1),
+        "seq_to_head" => chunk(&Tensor::cat(xs, 1)?, 2),
+        "head_to_seq" => Tensor::cat(&xs.iter().map(|x| chunk(x, 1)).collect::<candle_core::Result<Vec<_>>>()?, 2),
+        _ => unreachable!(),
+    }
+}
+
+fn seq_to_head(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    all_to_all_seq_to_head(x, g)
+}
+fn head_to_seq(x: &Tensor, g: &Group) -> candle_core::Result<Tensor> {
+    all_to_all_head_to_seq(x, g)
+}
+
+/// Gradient of `sum(op(v) * upstream)` w.r.t. `v` (a fresh variable of shape `in_shape`).
+fn vjp(op: Op, g: &Group, in_shape: &[usize], upstream: &Tensor) -> candle_core::Result<Tensor> {
+    let v = Var::from_tensor(&Tensor::zeros(in_shape, DType::F32, &Device::Cpu)?)?;
+    let y = op(v.as_tensor(), g)?;
+    let grads = (y * upstream)?.sum_all()?.backward()?;
+    grad(&grads, v.as_tensor(), "vjp input")
+}
+
+#[test]
+fn conjugate_pairs_forward_of_one_is_backward_of_other() -> Result<()> {
+    let pairs: [((&str, Op), (&str, Op)); 4] = [
+        (("copy", copy), ("reduce", reduce)),
+        (("scatter", scatter), ("gather_rep", gather_rep)),
+        (("gather", gather), ("reduce_scatter", reduce_scatter)),
+        (("seq_to_head", seq_to_head), ("head_to_seq", head_to_seq)),
+    ];
+    for p in [2usize, 3, 4] {
+        for ((na, fa), (nb, fb)) in pairs {
+            let res = all_ok(run_ranks(p, |g: Group| {
+                let r = g.rank();
+                let input = |n: &str, rank: usize| rand_t(100 + rank as u64, n, &in_shape(n, p));
+                let mut worst = 0f64;
+                for (n1, f1, _n2, f2) in [(na, fa, nb, fb), (nb, fb, na, fa)] {
+                    // forward of f1 against the hand-made collective
+                    let xs = (0..p).map(|s| input(n1, s)).collect::<candle_core::Result<Vec<_>>>()?;
+                    let y = f1(&xs[r], &g)?;
+                    let want = expected(n1, &xs, r)?;
+                    let e = (&y - &want)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+                    if e > 1e-6 {
+                        candle_core::bail!("{n1} forward differs from the collective by {e} (P = {p})")
+                    }
+                    // backward of f2 with upstream = f1's input equals f1's forward
+                    let back = vjp(f2, &g, y.dims(), &xs[r])?;
+                    let e = (&back - &y)?.abs()?.max_all()?.to_scalar::<f32>()? as f64;
+                    worst = worst.max(e);
+                }
+                Ok(worst)
+            }))?;
+            for (r, e) in res.iter().enumerate() {
+                assert!(*e <= 1e-6, "P = {p}, pair {na}/{nb}, rank {r}: backward differs from partner forward by {e}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn mapping_errors_name_shapes() -> Result<()> {
+    let res = run_ranks(2, |g: Group| {
+        let x = Tensor::zeros((2, 3, 4), DType::F32, &Device::Cpu)?;
+        let e1 = mp::reduce_scatter_to_sp_region(&x, &g, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        let e2 = mp::scatter_to_sp_region(&x, &g, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        let e3 = mp::gather_from_sp_region(&x, &g, 5).err().map(|e| e.to_string()).unwrap_or_default();
+        Ok([e1, e2, e3])
+    });
+    for msgs in all_ok(res)? {
+        assert!(msgs[0].contains("[2, 3, 4]") && msgs[0].contains("group size 2"), "{}", msgs[0]);
+        assert!(msgs[1].contains("[2, 3, 4]") && msgs[1].contains("not divisible"), "{}", msgs[1]);
+        assert!(msgs[2].contains("dim 5"), "{}", msgs[2]);
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- SP + TP transformer block
+
+const BT: usize = 2; // batch
+const T: usize = 16; // global sequence
+const HID: usize = 32;
+const HEADS: usize = 4;
+const FFN: usize = 64;
+const EPS: f64 = 1e-5;
+const P_DROP: f64 = 0.1;
+
+fn block_params() -> Result<HashMap<String, Tensor>> {
+    let mut m = HashMap::new();
+    let mut add = |n: &str, s: &[usize], scale: f64, offset: f64| -> Result<()> {
+        m.insert(n.to_string(), ((rand_t(7, n, s)? * scale)? + offset)?);
+        Ok(())
+    };
+    add("norm1.weight", &[HID], 0.2, 1.0)?;
+    for n in ["q", "k", "v", "o"] {
+        add(&format!("attn.{n}.weight"), &[HID, HID], 0.3, 0.0)?;
+        add(&format!("attn.{n}.bias"), &[HID], 0.1, 0.0)?;
+    }
+    add("norm2.weight", &[HID], 0.2, 1.0)?;
+    add("norm2.bias", &[HID], 0.1, 0.0)?;
+    add("mlp.up.weight", &[FFN, HID], 0.3, 0.0)?;
+    add("mlp.up.bias", &[FFN], 0.1, 0.0)?;
+    add("mlp.down.weight", &[HID, FFN], 0.2, 0.0)?;
+    add("mlp.down.bias", &[HID], 0.1, 0.0)?;
+    Ok(m)
+}
+
+/// How each parameter is sharded over TP: `Some(dim)` split along dim, `None` replicated.
+fn shard_dim(name: &str) -> Option<usize> {
+    match name {
+        n if n.starts_with("attn.o.weight") || n == "mlp.down.weight" => Some(1),
+        "attn.o.bias" | "mlp.down.bias" => None,
+        n if n.starts_with("attn.") || n.starts_with("mlp.up") => Some(0),
+        _ => None,
+    }
+}
+
+/// Single-device block from plain candle ops (reference).
+fn reference_block(p: &HashMap<String, Var>, x: &Tensor, rng: &RngStreams) -> candle_core::Result<Tensor> {
+    let w = |n: &str| p[n].as_tensor().clone();
+    let lin = |x: &Tensor, n: &str| candle_nn::Linear::new(w(&format!("{n}.weight")), Some(w(&format!("{n}.bias")))).forward(x);
+    let ms = x.sqr()?.mean_keepdim(2)?;
+    let h = x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(&w("norm1.weight"))?;
+    let d = HID / HEADS;
+    let heads = |t: Tensor| t.reshape((BT, T, HEADS, d));
+    let (q, k, v) = (heads(lin(&h, "attn.q")?)?, heads(lin(&h, "attn.k")?)?, heads(lin(&h, "attn.v")?)?);
+    let (a, _) = attention_slow(&q, &k, &v, &Mask::causal(), 1.0 / (d as f64).sqrt())?;
+    let a = lin(&a.reshape((BT, T, HID))?, "attn.o")?;
+    let a = Dropout::new(P_DROP, "blk.attn_drop")?.forward(&a, rng, 3, &Region::Replicated, true)?;
+    let x2 = (x + a)?;
+    let xc = x2.broadcast_sub(&x2.mean_keepdim(2)?)?;
+    let var = xc.sqr()?.mean_keepdim(2)?;
+    let h2 = xc.broadcast_div(&(var + EPS)?.sqrt()?)?.broadcast_mul(&w("norm2.weight"))?.broadcast_add(&w("norm2.bias"))?;
+    let m = lin(&lin(&h2, "mlp.up")?.gelu()?, "mlp.down")?;
+    let m = Dropout::new(P_DROP, "blk.mlp_drop")?.forward(&m, rng, 3, &Region::Replicated, true)?;
+    x2 + m
+}
+
+/// The same block from candle-cp-nn layers on a TP group (SP on or off).
+struct TpBlock {
+    norm1: RmsNorm,
+    q: ColumnParallelLinear,
+    k: ColumnParallelLinear,
+    v: ColumnParallelLinear,
+    o: RowParallelLinear,
+    norm2: LayerNorm,
+    up: ColumnParallelLinear,
+    down: RowParallelLinear,
+    tp: Tp,
+}
+
+impl TpBlock {
+    fn load(vb: candle_nn::VarBuilder, tp: &Tp) -> candle_core::Result<Self> {
+        let a = vb.pp("attn");
+        Ok(Self {
+            norm1: RmsNorm::load(vb.pp("norm1"), HID, EPS, tp)?,
+            q: ColumnParallelLinear::load(a.pp("q"), HID, HID, true, tp)?,
+            k: ColumnParallelLinear::load(a.pp("k"), HID, HID, true, tp)?,
+            v: ColumnParallelLinear::load(a.pp("v"), HID, HID, true, tp)?,
+            o: RowParallelLinear::load(a.pp("o"), HID, HID, true, tp)?,
+            norm2: LayerNorm::load(vb.pp("norm2"), HID, EPS, tp)?,
+            up: ColumnParallelLinear::load(vb.pp("mlp.up"), HID, FFN, true, tp)?,
+            down: RowParallelLinear::load(vb.pp("mlp.down"), FFN, HID, true, tp)?,
+            tp: tp.clone(),
+        })
+    }
+
+    fn named_vars(&self) -> Vec<(String, Var)> {
+        let mut out = vec![("norm1.weight".to_string(), self.norm1.weight().clone())];
+        let mut lin = |n: &str, vs: Vec<Var>| {
+            out.push((format!("{n}.weight"), vs[0].clone()));
+            out.push((format!("{n}.bias"), vs[1].clone()));
+        };
+        lin("attn.q", self.q.vars());
+        lin("attn.k", self.k.vars());
+        lin("attn.v", self.v.vars());
+        lin("attn.o", self.o.vars());
+        lin("norm2", self.norm2.vars());
+        lin("mlp.up", self.up.vars());
+        lin("mlp.down", self.down.vars());
+        out
+    }
+
+    /// `x` `[B, T/P, C]` with SP, `[B, T, C]` without.
+    fn forward(&self, x: &Tensor, rng: &RngStreams) -> candle_core::Result<Tensor> {
+        let hl = HEADS / self.tp.size();
+        let d = HID / HEADS;
+        let h = self.norm1.forward(x)?;
+        let heads = |t: Tensor| t.reshape((BT, T, hl, d));
+        let (q, k, v) = (heads(self.q.forward(&h)?)?, heads(self.k.forward(&h)?)?, heads(self.v.forward(&h)?)?);
+        let (a, _) = attention(&q, &k, &v, &Mask::causal(), 1.0 / (d as f64).sqrt())?;
+        let a = self.o.forward(&a.reshape((BT, T, hl * d))?)?;
+        let region = self.tp.activation_region();
+        let a = Dropout::new(P_DROP, "blk.attn_drop")?.forward(&a, rng, 3, &region, true)?;
+        let x2 = (x + a)?;
+        let m = self.down.forward(&self.up.forward(&self.norm2.forward(&x2)?)?.gelu()?)?;
+        let m = Dropout::new(P_DROP, "blk.mlp_drop")?.forward(&m, rng, 3, &region, true)?;
+        x2 + m
+    }
+}
+
+fn check_block(tp_size: usize, sp: bool) -> Result<()> {
+    let params = block_params()?;
+    let x = rand_t(1, "x", &[BT, T, HID])?;
+    let up = rand_t(2, "upstream", &[BT, T, HID])?;
+    let rng = RngStreams::new(42);
+
+    // single device
+    let vars: HashMap<String, Var> = params.iter().map(|(k, v)| Ok((k.clone(), Var::from_tensor(v)?))).collect::<Result<_>>()?;
+    let xv = Var::from_tensor(&x)?;
+    let y_ref = reference_block(&vars, xv.as_tensor(), &rng)?;
+    let g_ref = (&y_ref * &up)?.sum_all()?.backward()?;
+    let dx_ref = grad(&g_ref, xv.as_tensor(), "x")?;
+
+    let res = all_ok(run_ranks(tp_size, |g: Group| {
+        let tp = Tp::new(g.clone(), sp);
+        let vb = candle_nn::VarBuilder::from_tensors(params.clone(), DType::F32, &Device::Cpu);
+        let blk = TpBlock::load(vb, &tp)?;
+        let local = |t: &Tensor| if sp { mp::scatter_to_sp_region(t, &g, 1) } else { Ok(t.clone()) };
+        let xl = Var::from_tensor(&local(&x)?)?;
+        let y = blk.forward(xl.as_tensor(), &rng)?;
+        let grads = (&y * local(&up)?)?.sum_all()?.backward()?;
+        let mut named = vec![("x".to_string(), grad(&grads, xl.as_tensor(), "x")?)];
+        for (n, v) in blk.named_vars() {
+            named.push((n.clone(), grad(&grads, v.as_tensor(), &n)?));
+        }
+        Ok((y, named))
+    }))?;
+
+    let tag = format!("TP = {tp_size}, SP = {sp}");
+    let take = |t: &Tensor, dim: usize, r: usize| t.narrow(dim, r * t.dim(dim).unwrap() / tp_size, t.dim(dim).unwrap() / tp_size);
+    let tol = 2e-5;
+    for (r, (y, named)) in res.iter().enumerate() {
+        let want_y = if sp { take(&y_ref, 1, r)? } else { y_ref.clone() };
+        let e = max_abs(y, &want_y)?;
+        assert!(e < 1e-5, "{tag} rank {r}: output differs by {e}");
+        for (n, gr) in named {
+            let full = if n == "x" { dx_ref.clone() } else { grad(&g_ref, vars[n].as_tensor(), n)? };
+            let want = match (n.as_str(), shard_dim(n)) {
+                ("x", _) if sp => take(&full, 1, r)?,
+                ("x", _) => full,
+                (_, Some(d)) => take(&full, d, r)?,
+                (_, None) => full,
+            };
+            let e = rel(gr, &want)?;
+            assert!(e < tol, "{tag} rank {r}: gradient of {n} off by rel {e:.2e}");
+        }
+    }
+    // replicated parameters: identical gradients on every rank
+    for (i, (n, gr)) in res[0].1.iter().enumerate() {
+        if n != "x" && shard_dim(n).is_none() {
+            for (r, other) in res.iter().enumerate().skip(1) {
+                assert_eq!(max_abs(gr, &other.1[i].1)?, 0.0, "{tag}: ranks 0 and {r} disagree on grad {n}");
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn sp_tp_block_matches_single_device_tp2() -> Result<()> {
+    check_block(2, true)?;
+    check_block(2, false)
+}
+
+#[test]
+fn sp_tp_block_matches_single_device_tp4() -> Result<()> {
+    check_block(4, true)?;
+    check_block(4, false)
+}
+
+#[test]
+fn dropout_masks_by_region() -> Result<()> {
+    // Inside an SP region the 2 TP ranks get different masks; outside (replicated) the same.
+    let res = all_ok(run_ranks(2, |g: Group| {
+        let rng = RngStreams::new(5);
+        let d = Dropout::new(0.5, "drop")?;
+        let shape = Shape::from((2, 8, 16));
+        let sp = d.mask(&shape, &rng, 0, &Tp::new(g.clone(), true).activation_region(), DType::F32, &Device::Cpu)?;
+        let rep = d.mask(&shape, &rng, 0, &Tp::new(g.clone(), false).activation_region(), DType::F32, &Device::Cpu)?;
+        Ok((sp, rep))
+    }))?;
+    assert!(max_abs(&res[0].0, &res[1].0)? > 0.0, "SP-region masks must differ across ranks");
+    assert_eq!(max_abs(&res[0].1, &res[1].1)?, 0.0, "replicated-region masks must agree across TP ranks");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- Ulysses and 2-D on the oracle
+
+fn oracle_cases() -> Result<Vec<AttnCase>> {
+    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn");
+    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)?.map(|e| Ok(e?.path())).collect::<Result<_>>()?;
+    paths.retain(|p| p.extension().is_some_and(|x| x == "safetensors"));
+    paths.sort();
+    assert_eq!(paths.len(), 7, "expected 7 oracle cases in {}", dir.display());
+    paths.iter().map(|p| Ok(AttnCase::load(p)?)).collect()
+}
+
+/// Each rank returns the global positions of its rows and its local results; rebuild the
+/// global tensors (rows along dim 1, lse along dim 2).
+fn assemble(parts: Vec<(Vec<usize>, AttnOutputs)>) -> Result<AttnOutputs> {
+    let pos: Vec<u32> = parts.iter().flat_map(|(p, _)| p.iter().map(|&x| x as u32)).collect();
+    let mut inv = vec![0u32; pos.len()];
+    for (i, &p) in pos.iter().enumerate() {
+        inv[p as usize] = i as u32;
+    }
+    let inv = Tensor::new(inv, &Device::Cpu)?;
+    let cat = |f: &dyn Fn(&AttnOutputs) -> &Tensor, dim: usize| -> Result<Tensor> {
+        let ts: Vec<Tensor> = parts.iter().map(|(_, o)| f(o).clone()).collect();
+        Ok(Tensor::cat(&ts, dim)?.index_select(&inv, dim)?)
+    };
+    Ok(AttnOutputs {
+        out: cat(&|o| &o.out, 1)?,
+        lse: cat(&|o| &o.lse, 2)?,
+        dq: cat(&|o| &o.dq, 1)?,
+        dk: cat(&|o| &o.dk, 1)?,
+        dv: cat(&|o| &o.dv, 1)?,
+    })
+}
+
+/// Forward + backward of `sum(out * dout)` on local shards; `attn` is the parallel op.
+fn local_run(
+    case: &AttnCase,
+    shard: &dyn Fn(&Tensor) -> candle_core::Result<Tensor>,
+    attn: &dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>,
+) -> candle_core::Result<AttnOutputs> {
+    let (q, k, v) = (Var::from_tensor(&shard(&case.q)?)?, Var::from_tensor(&shard(&case.k)?)?, Var::from_tensor(&shard(&case.v)?)?);
+    let (out, lse) = attn(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+    let grads = (&out * shard(&case.dout)?)?.sum_all()?.backward()?;
+    Ok(AttnOutputs { out, lse, dq: grad(&grads, q.as_tensor(), "q")?, dk: grad(&grads, k.as_tensor(), "k")?, dv: grad(&grads, v.as_tensor(), "v")? })
+}
+
+/// Compare against the oracle (its tolerances) and the single-device op (10x tighter).
+fn check_case(what: &str, case: &AttnCase, single: &AttnOutputs, got: &AttnOutputs) -> Result<()> {
+    let tol = case.tolerances();
+    let m = AttnMetrics::compute(got, &case.reference)?;
+    assert!(m.passes(&tol), "{what} vs oracle:\n{}", m.report(&tol));
+    let tight: AttnTol = tol.scaled(0.1);
+    let s = AttnMetrics::compute(got, single)?;
+    assert!(s.passes(&tight), "{what} vs single device:\n{}", s.report(&tight));
+    Ok(())
+}
+
+fn dims(case: &AttnCase) -> (usize, usize, usize) {
+    (case.q.dim(1).unwrap(), case.q.dim(2).unwrap(), case.k.dim(2).unwrap())
+}
+
+#[test]
+fn ulysses_on_oracle_cases() -> Result<()> {
+    let mut ran = 0;
+    let mut replicated = 0;
+    for case in oracle_cases()? {
+        let (t, h, hkv) = dims(&case);
+        let single = run_single(&case)?;
+        for p in [2usize, 4, 8] {
+            if !ulysses::valid_ulysses_degrees(h, hkv).contains(&p) || t % p != 0 {
+                continue;
+            }
+            // contiguous for every case; zigzag/striped sequence order on causal cases
+            let mut layouts = vec![Layout::Contiguous];
+            if case.causal && p == 2 && t <= 256 {
+                layouts.extend([Layout::Zigzag, Layout::Striped]);
+            }
+            for layout in layouts {
+                if t % layout.divisor(p) != 0 {
+                    continue;
+                }
+                let parts = all_ok(run_ranks(p, |g: Group| {
+                    let r = g.rank();
+                    let opts = UlyssesOpts::new(case.causal, case.scale).with_layout(layout, t, p)?;
+                    let shard = |x: &Tensor| cp::shard(x, layout, r, p, 1);
+                    let o = local_run(&case, &shard, &|q, k, v| ulysses_attention(q, k, v, &g, &opts))?;
+                    Ok((cp::positions(layout, r, p, t)?, o))
+                }))?;
+                check_case(&format!("ulysses {} P = {p} {layout}", case.name), &case, &single, &assemble(parts)?)?;
+                ran += 1;
+                replicated += usize::from(hkv < p);
+            }
+        }
+    }
+    assert!(ran >= 12 && replicated >= 4, "too few Ulysses runs: {ran} ({replicated} with KV replication)");
+    Ok(())
+}
+
+#[test]
+fn usp_2d_on_oracle_cases() -> Result<()> {
+    let mut ran = 0;
+    let mut replicated = 0;
+    for case in oracle_cases()? {
+        let (t, h, hkv) = dims(&case);
+        let single = run_single(&case)?;
+        for (u, r) in [(2usize, 2usize), (4, 2), (2, 4)] {
+            let ok = ulysses::valid_ulysses_degrees(h, hkv).contains(&u) && t % (2 * r) == 0 && (t / r) % u == 0;
+            if !ok || (r == 4 && t > 1000) {
+                continue;
+            }
+            let parts = all_ok(run_ranks(u * r, |g: Group| {
+                let groups = UspGroups::new(&g, u, r)?;
+                // documented rank order: world rank = ring index · U + Ulysses index
+                if g.rank() != groups.ring.rank() * u + groups.ulysses.rank() {
+                    candle_core::bail!("rank order: world {} ring {} ulysses {}", g.rank(), groups.ring.rank(), groups.ulysses.rank())
+                }
+                let opts = UspOpts::new(case.causal, case.scale);
+                let shard = |x: &Tensor| usp_shard(x, Layout::Zigzag, &groups, 1);
+                let o = local_run(&case, &shard, &|q, k, v| usp_attention(q, k, v, &groups, &opts))?;
+                Ok((usp_positions(Layout::Zigzag, t, groups.ring.rank(), r, groups.ulysses.rank(), u)?, o))
+            }))?;
+            check_case(&format!("usp {} U = {u} R = {r}", case.name), &case, &single, &assemble(parts)?)?;
+            ran += 1;
+            replicated += usize::from(hkv < u);
+        }
+    }
+    assert!(ran >= 8 && replicated >= 3, "too few 2-D runs: {ran} ({replicated} with KV replication)");
+    Ok(())
+}
+
+// ---------------------------------------------------------------- error paths
+
+#[test]
+fn ulysses_errors_name_heads_and_degrees() -> Result<()> {
+    let z = |h: usize| Tensor::zeros((1, 4, h, 8), DType::F32, &Device::Cpu);
+    // H = 6 over P = 4
+    let res = run_ranks(4, |g: Group| {
+        let e = ulysses_attention(&z(6)?, &z(6)?, &z(6)?, &g, &UlyssesOpts::new(true, 0.3));
+        Ok(e.err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    for m in all_ok(res)? {
+        assert!(m.contains("H = 6") && m.contains("P = 4"), "{m}");
+    }
+    // H = 12, Hkv = 3 over P = 2: KV heads can be neither split nor replicated
+    let res = run_ranks(2, |g: Group| {
+        let e = ulysses_attention(&z(12)?, &z(3)?, &z(3)?, &g, &UlyssesOpts::new(false, 0.3));
+        Ok(e.err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    for m in all_ok(res)? {
+        assert!(m.contains("Hkv = 3") && m.contains("P = 2") && m.contains("[1, 3, 6, 12]"), "{m}");
+    }
+    // 2-D: the Ulysses degree is checked the same way; U·R must be the world size
+    let res = run_ranks(4, |g: Group| {
+        let groups = UspGroups::new(&g, 4, 1)?;
+        let e = usp_attention(&z(12)?, &z(3)?, &z(3)?, &groups, &UspOpts::new(true, 0.3));
+        let bad = UspGroups::new(&g, 3, 1).err().map(|e| e.to_string()).unwrap_or_default();
+        Ok((e.err().map(|e| e.to_string()).unwrap_or_default(), bad))
+    });
+    for (m, bad) in all_ok(res)? {
+        assert!(m.contains("P = 4") && m.contains("[1, 3, 6, 12]"), "{m}");
+        assert!(bad.contains("U = 3") && bad.contains("world size 4"), "{bad}");
+    }
+    Ok(())
+}

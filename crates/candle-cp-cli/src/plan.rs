@@ -1,6 +1,145 @@
-//! OWNER: to be written.
-#[derive(clap::Args)]
-pub struct PlanArgs {}
-pub fn run(_a: PlanArgs) -> crate::Outcome {
-    anyhow::bail!("not implemented yet")
+//! `candle-cp plan`: memory, FLOPs and communication of a layout, and whether it fits.
+//!
+//! Formulas: `docs/arithmetic.md`; arithmetic: the `candle-cp-plan` crate.
+
+use candle_cp_plan::{plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, PlanInput, Recompute};
+
+/// Arguments of `candle-cp plan`.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    /// Model: llama3-8b, llama3-70b, llama3-405b, or the path of a Hugging Face config.json.
+    #[arg(long)]
+    pub model: String,
+    /// Global sequence length in tokens (all CP ranks together).
+    #[arg(long)]
+    pub seq: usize,
+    /// Sequences per micro-batch (per data-parallel replica).
+    #[arg(long, default_value_t = 1)]
+    pub micro_batch: usize,
+    /// Training dtype: bf16, fp16 or fp32.
+    #[arg(long, default_value = "bf16")]
+    pub dtype: String,
+    /// Hardware preset: h100 (80 GB) or h200 (141 GB); the flags below override it.
+    #[arg(long, default_value = "h100")]
+    pub hardware: String,
+    /// GPU memory, GB (10^9 bytes).
+    #[arg(long)]
+    pub gpu_mem_gb: Option<f64>,
+    /// Dense bf16 peak, TFLOP/s.
+    #[arg(long)]
+    pub flops: Option<f64>,
+    /// NVLink bandwidth per GPU, one direction, GB/s (gigaBYTES; preset 450).
+    #[arg(long)]
+    pub nvlink_gbps: Option<f64>,
+    /// InfiniBand bandwidth per GPU, GB/s (gigaBYTES; preset 50 = 400 Gb/s).
+    #[arg(long)]
+    pub ib_gbps: Option<f64>,
+    /// GPUs per NVLink domain (node).
+    #[arg(long)]
+    pub gpus_per_node: Option<usize>,
+    /// Tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pub tp: usize,
+    /// Context-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pub cp: usize,
+    /// Pipeline-parallel degree (1F1B schedule assumed).
+    #[arg(long, default_value_t = 1)]
+    pub pp: usize,
+    /// Data-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pub dp: usize,
+    /// Megatron sequence parallelism on the TP group.
+    #[arg(long)]
+    pub sp: bool,
+    /// CP kind: ring (zigzag), allgather, ulysses, 2d.
+    #[arg(long, default_value = "ring")]
+    pub cp_kind: String,
+    /// Ulysses degree inside CP for --cp-kind 2d (ring degree = cp / ulysses).
+    #[arg(long, default_value_t = 1)]
+    pub ulysses: usize,
+    /// Activation recomputation: none, selective, full.
+    #[arg(long, default_value = "none")]
+    pub recompute: String,
+    /// ZeRO stage 0-3 (optimizer / +gradients / +weights sharded over DP x CP).
+    #[arg(long, default_value_t = 1)]
+    pub zero: u8,
+    /// Achieved attention rate, TFLOP/s (overlap check and attention time).
+    #[arg(long, default_value_t = 600.0)]
+    pub attn_tflops: f64,
+    /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
+    #[arg(long)]
+    pub linear_tflops: Option<f64>,
+    /// Activation count driving the per-GPU totals: korthikanti (34·sbh) or llama (exact).
+    #[arg(long, default_value = "korthikanti")]
+    pub activations: String,
+    /// Attention stores its s×s scores (no flash attention).
+    #[arg(long)]
+    pub no_flash: bool,
+    /// dK/dV accumulated and sent in fp32 in the CP backward.
+    #[arg(long)]
+    pub dkv_fp32: bool,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Builds the planner input from the flags; errors name the bad value.
+pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
+    let model = ModelConfig::from_name_or_path(&a.model)?;
+    let mut hw = Hardware::preset(&a.hardware)?;
+    if let Some(x) = a.gpu_mem_gb {
+        hw.mem_bytes = x * 1e9;
+    }
+    if let Some(x) = a.flops {
+        hw.peak_flops = x * 1e12;
+    }
+    if let Some(x) = a.nvlink_gbps {
+        hw.nvlink_bw = x * 1e9;
+    }
+    if let Some(x) = a.ib_gbps {
+        hw.ib_bw = x * 1e9;
+    }
+    if let Some(x) = a.gpus_per_node {
+        hw.gpus_per_node = x;
+    }
+    let overridden = a.gpu_mem_gb.is_some() || a.flops.is_some() || a.nvlink_gbps.is_some() || a.ib_gbps.is_some();
+    if overridden {
+        hw.name = format!("{} (overridden)", hw.name);
+    }
+    let layout = Layout {
+        tp: a.tp,
+        sp: a.sp,
+        cp: a.cp,
+        cp_kind: CpKind::parse(&a.cp_kind)?,
+        ulysses: a.ulysses,
+        pp: a.pp,
+        dp: a.dp,
+        zero: a.zero,
+        recompute: Recompute::parse(&a.recompute)?,
+        flash: !a.no_flash,
+    };
+    let mut input = PlanInput::new(model, hw, layout, a.seq);
+    input.micro_batch = a.micro_batch;
+    input.dtype = Dtype::parse(&a.dtype)?;
+    input.dkv_fp32 = a.dkv_fp32;
+    input.activation_model = ActivationModel::parse(&a.activations)?;
+    input.attn_flops = a.attn_tflops * 1e12;
+    if let Some(x) = a.linear_tflops {
+        input.linear_flops = x * 1e12;
+    }
+    Ok(input)
+}
+
+/// Runs the planner and prints tables or JSON. `Ok(true)` whenever the input is valid
+/// (whether or not the layout fits: that is in the output); `Err` on bad input.
+pub fn run(a: PlanArgs) -> crate::Outcome {
+    let input = input_from_args(&a)?;
+    let p = plan(&input)?;
+    if a.json {
+        println!("{}", serde_json::to_string_pretty(&p)?);
+    } else {
+        print!("{}", report::render(&p));
+    }
+    Ok(true)
 }

@@ -8,11 +8,13 @@
 //! - [`usp`]: 2-D Ulysses × ring attention.
 //! - [`mappings`]: Megatron tensor/sequence-parallel conjugate collectives.
 //! - [`autograd`]: attach a hand-written backward to a precomputed tensor.
+//! - [`oracle`]: load reference attention cases (safetensors) and compare results to them.
 
 pub mod attention;
 pub mod autograd;
 pub mod cp;
 pub mod mappings;
+pub mod oracle;
 pub mod ulysses;
 pub mod usp;
 

@@ -1,1 +1,296 @@
-//! Ulysses: all-to-all sequence <-> head sharding and Ulysses attention.
+//! Ulysses: all-to-all sequence <-> head sharding and Ulysses attention (DeepSpeed-Ulysses).
+//!
+//! A group of `P` ranks holds the sequence sharded: rank `r` has `T/P` rows of q `[B, T/P, H, D]`
+//! and k, v `[B, T/P, Hkv, D]`. One all-to-all per tensor re-shards from sequence to heads:
+//!
+//! ```text
+//!   rank r: [B, T/P, H, D]  --all_to_all_seq_to_head-->  [B, T, H/P, D]  (heads r·H/P ..)
+//!   attention on the full sequence, H/P heads per rank (no communication)
+//!   rank r: [B, T, H/P, D]  --all_to_all_head_to_seq-->  [B, T/P, H, D]
+//! ```
+//!
+//! The two all-to-alls are conjugate autograd ops: the backward of each is one call to the other.
+//!
+//! **Sequence order.** The all-to-all concatenates the shards in rank order. With contiguous
+//! sharding (rank `r` holds rows `[r·T/P, (r+1)·T/P)`, [`SeqOrder::Contiguous`]) that is the
+//! global sequence. Any other sharding (zigzag, striped, ...) is supported by passing the
+//! global positions of the gathered rows ([`SeqOrder::Permuted`]): the gathered sequence is
+//! permuted to natural order before attention and back after it (a local `index_select`,
+//! differentiable), so causal masks see true positions.
+//!
+//! **GQA / MQA.** Query head `h` uses KV head `h / (H/Hkv)`. `H % P == 0` is required.
+//! If `Hkv % P == 0` the KV heads are split like the query heads. If `P % Hkv == 0` (fewer KV
+//! heads than ranks) every KV head is replicated `P/Hkv` times before the all-to-all, so rank
+//! `r` receives exactly KV head `r / (P/Hkv)`, the one its query heads use; the backward sums
+//! the gradients of the copies. Any other degree is an error that lists the degrees that work.
+
+use crate::attention::{self, Mask};
+use crate::autograd::{attach1, BackwardFn};
+use crate::cp::Layout;
+use candle_core::{Result, Tensor};
+use candle_cp_comm::Group;
+use std::sync::Arc;
+
+fn check4(op: &str, name: &str, x: &Tensor) -> Result<(usize, usize, usize, usize)> {
+    match x.dims() {
+        &[b, t, h, d] => Ok((b, t, h, d)),
+        d => candle_core::bail!("{op}: {name} must be [B, T, H, D], got shape {d:?}"),
+    }
+}
+
+fn seq_to_head_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
+    let (_, _, h, _) = check4("all_to_all_seq_to_head", "x", x)?;
+    let p = group.size();
+    if h % p != 0 {
+        candle_core::bail!(
+            "all_to_all_seq_to_head: H = {h} heads (x shape {:?}) not divisible by the Ulysses degree P = {p}",
+            x.dims()
+        )
+    }
+    if p == 1 {
+        return Ok(x.clone());
+    }
+    group.all_to_all(&x.detach(), 2, 1)
+}
+
+fn head_to_seq_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
+    let (_, t, _, _) = check4("all_to_all_head_to_seq", "x", x)?;
+    let p = group.size();
+    if t % p != 0 {
+        candle_core::bail!(
+            "all_to_all_head_to_seq: T = {t} rows (x shape {:?}) not divisible by the Ulysses degree P = {p}",
+            x.dims()
+        )
+    }
+    if p == 1 {
+        return Ok(x.clone());
+    }
+    group.all_to_all(&x.detach(), 1, 2)
+}
+
+/// Re-shard from sequence to heads: `x` `[B, T/P, H, D]` (this rank's `T/P` rows, all `H`
+/// heads) → `[B, T, H/P, D]` (all `T` rows in rank order, heads `[r·H/P, (r+1)·H/P)`).
+///
+/// Collective over `group` (size `P`); `H % P == 0` required. Differentiable: the backward
+/// is [`all_to_all_head_to_seq`] of the gradient.
+pub fn all_to_all_seq_to_head(x: &Tensor, group: &Group) -> Result<Tensor> {
+    let out = seq_to_head_raw(x, group)?;
+    if group.size() == 1 {
+        return Ok(out);
+    }
+    let g = group.clone();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(all_to_all_head_to_seq(&dy.detach(), &g)?)]));
+    attach1("all_to_all_seq_to_head", x, out, bwd)
+}
+
+/// Re-shard from heads to sequence: `x` `[B, T, H/P, D]` (all `T` rows, this rank's heads) →
+/// `[B, T/P, H, D]` (rows `[r·T/P, (r+1)·T/P)` of the `T` rows, all heads in rank order).
+///
+/// Collective over `group` (size `P`); `T % P == 0` required. Differentiable: the backward
+/// is [`all_to_all_seq_to_head`] of the gradient.
+pub fn all_to_all_head_to_seq(x: &Tensor, group: &Group) -> Result<Tensor> {
+    let out = head_to_seq_raw(x, group)?;
+    if group.size() == 1 {
+        return Ok(out);
+    }
+    let g = group.clone();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(all_to_all_seq_to_head(&dy.detach(), &g)?)]));
+    attach1("all_to_all_head_to_seq", x, out, bwd)
+}
+
+/// How the `Hkv` KV heads are spread over a Ulysses group of `P` ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum KvSpread {
+    /// `Hkv % P == 0`: rank `r` gets KV heads `[r·Hkv/P, (r+1)·Hkv/P)`.
+    Split,
+    /// `P % Hkv == 0`, `Hkv < P`: each KV head is replicated this many (`P/Hkv`) times; rank
+    /// `r` gets one copy of KV head `r / (P/Hkv)`.
+    Replicate(usize),
+}
+
+/// Ulysses degrees `P` that work for `H` query heads and `Hkv` KV heads:
+/// `H % P == 0` and (`Hkv % P == 0` or `P % Hkv == 0`).
+pub fn valid_ulysses_degrees(h: usize, hkv: usize) -> Vec<usize> {
+    (1..=h).filter(|&p| h % p == 0 && hkv > 0 && (hkv % p == 0 || p % hkv == 0)).collect()
+}
+
+/// Decide how KV heads are spread over `p` ranks; errors name `H`, `Hkv`, `P` and list the
+/// degrees that would work.
+pub fn kv_spread(h: usize, hkv: usize, p: usize) -> Result<KvSpread> {
+    if p == 0 || hkv == 0 || h % hkv != 0 {
+        candle_core::bail!("ulysses: H = {h} query heads, Hkv = {hkv} KV heads, P = {p}: need P > 0 and Hkv dividing H")
+    }
+    let ok = valid_ulysses_degrees(h, hkv);
+    if h % p != 0 {
+        candle_core::bail!(
+            "ulysses: H = {h} query heads not divisible by the Ulysses degree P = {p}; degrees that work for H = {h}, Hkv = {hkv}: {ok:?}"
+        )
+    }
+    if hkv % p == 0 {
+        Ok(KvSpread::Split)
+    } else if p % hkv == 0 {
+        Ok(KvSpread::Replicate(p / hkv))
+    } else {
+        candle_core::bail!(
+            "ulysses: Hkv = {hkv} KV heads cannot be spread over P = {p} ranks (need Hkv % P == 0 to split them or P % Hkv == 0 to replicate them); degrees that work for H = {h}, Hkv = {hkv}: {ok:?}"
+        )
+    }
+}
+
+/// Replicate every KV head `f` times along the head dim: `[B, T, Hkv, D]` → `[B, T, Hkv·f, D]`,
+/// head `j·f + i` is a copy of head `j`. Built from candle ops (broadcast + reshape), so the
+/// backward sums the gradients of the `f` copies back into head `j`.
+pub fn replicate_kv_heads(x: &Tensor, f: usize) -> Result<Tensor> {
+    let (b, t, hkv, d) = check4("replicate_kv_heads", "x", x)?;
+    if f == 1 {
+        return Ok(x.clone());
+    }
+    x.unsqueeze(3)?.broadcast_as((b, t, hkv, f, d))?.reshape((b, t, hkv * f, d))
+}
+
+/// Order of the rows of the gathered sequence (the rank shards concatenated in rank order).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum SeqOrder {
+    /// Contiguous sharding: rank `r` holds global rows `[r·T/P, (r+1)·T/P)`, so the gathered
+    /// rows are in natural order.
+    Contiguous,
+    /// Any other sharding: entry `i` is the global position of gathered row `i` (rank `r`'s
+    /// local row `j` is gathered row `r·T/P + j`). Must be a permutation of `0..T`.
+    Permuted(Vec<usize>),
+}
+
+impl SeqOrder {
+    /// Build from the global positions of each rank's local rows, in rank order.
+    pub fn from_shards(shards: &[Vec<usize>]) -> Self {
+        let pos: Vec<usize> = shards.iter().flatten().copied().collect();
+        if pos.iter().enumerate().all(|(i, &p)| i == p) {
+            SeqOrder::Contiguous
+        } else {
+            SeqOrder::Permuted(pos)
+        }
+    }
+}
+
+/// Options of [`ulysses_attention`].
+#[derive(Clone, Debug)]
+pub struct UlyssesOpts {
+    /// Causal mask over global positions (query at `i` sees keys at `j <= i`); else full.
+    pub causal: bool,
+    /// Softmax scale, usually `1/sqrt(D)`.
+    pub scale: f64,
+    /// Global positions of the gathered rows (see [`SeqOrder`]).
+    pub order: SeqOrder,
+}
+
+impl UlyssesOpts {
+    /// Contiguous sharding with the given mask type and scale.
+    pub fn new(causal: bool, scale: f64) -> Self {
+        Self { causal, scale, order: SeqOrder::Contiguous }
+    }
+
+    /// Same options for q/k/v sharded over `p` ranks with a CP [`Layout`] (global length
+    /// `t`): sets [`SeqOrder`] from the layout's positions (contiguous needs no permutation).
+    pub fn with_layout(mut self, layout: Layout, t: usize, p: usize) -> Result<Self> {
+        let shards = (0..p).map(|r| crate::cp::positions(layout, r, p, t)).collect::<Result<Vec<_>>>()?;
+        self.order = SeqOrder::from_shards(&shards);
+        Ok(self)
+    }
+}
+
+/// Permutation helpers: `to_nat` brings gathered rows to natural order, `to_gat` back.
+struct Perm {
+    to_nat: Tensor,
+    to_gat: Tensor,
+}
+
+fn perm(order: &SeqOrder, t: usize, dev: &candle_core::Device) -> Result<Option<Perm>> {
+    let pos = match order {
+        SeqOrder::Contiguous => return Ok(None),
+        SeqOrder::Permuted(p) => p,
+    };
+    if pos.len() != t {
+        candle_core::bail!("ulysses: SeqOrder has {} positions for a gathered sequence of T = {t}", pos.len())
+    }
+    let mut inv = vec![u32::MAX; t];
+    for (i, &p) in pos.iter().enumerate() {
+        if p >= t || inv[p] != u32::MAX {
+            candle_core::bail!("ulysses: SeqOrder is not a permutation of 0..{t} (position {p} at row {i})")
+        }
+        inv[p] = i as u32;
+    }
+    let fwd: Vec<u32> = pos.iter().map(|&p| p as u32).collect();
+    Ok(Some(Perm { to_nat: Tensor::new(inv, dev)?, to_gat: Tensor::new(fwd, dev)? }))
+}
+
+/// Check q/k/v shapes for Ulysses-style attention; returns `(B, T_local, H, Hkv, D)`.
+pub(crate) fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<(usize, usize, usize, usize, usize)> {
+    let (b, t, h, d) = check4(op, "q", q)?;
+    let (bk, tk, hkv, dk) = check4(op, "k", k)?;
+    if k.dims() != v.dims() || bk != b || tk != t || dk != d || hkv == 0 || h % hkv != 0 {
+        candle_core::bail!(
+            "{op}: q {:?}, k {:?}, v {:?}: need k, v = [B, T, Hkv, D] with q's B, T, D and Hkv dividing H",
+            q.dims(),
+            k.dims(),
+            v.dims()
+        )
+    }
+    Ok((b, t, h, hkv, d))
+}
+
+/// Re-shard k or v from sequence to heads for `spread` (replicating KV heads if needed).
+pub(crate) fn kv_seq_to_head(x: &Tensor, spread: KvSpread, group: &Group) -> Result<Tensor> {
+    match spread {
+        KvSpread::Split => all_to_all_seq_to_head(x, group),
+        KvSpread::Replicate(f) => all_to_all_seq_to_head(&replicate_kv_heads(x, f)?, group),
+    }
+}
+
+/// Head-sharded LSE `[B, H/P, T]` → sequence-sharded `[B, H, T/P]` (no gradient; LSE is
+/// an output, not differentiable).
+pub(crate) fn lse_head_to_seq(lse: &Tensor, group: &Group) -> Result<Tensor> {
+    if group.size() == 1 {
+        return Ok(lse.clone());
+    }
+    group.all_to_all(&lse.detach(), 2, 1)
+}
+
+/// Ulysses attention over a group of `P` ranks.
+///
+/// - `q` `[B, T/P, H, D]`, `k`, `v` `[B, T/P, Hkv, D]`: this rank's `T/P` rows of the global
+///   sequence of `T` rows (sharded as `opts.order` says; contiguous by default).
+/// - returns `out` `[B, T/P, H, D]` (q's dtype, differentiable w.r.t. q, k, v) and `lse`
+///   `[B, H, T/P]` (f32, not differentiable), for this rank's rows.
+///
+/// Errors: `H % P != 0`, KV heads that can neither be split nor replicated (message lists the
+/// degrees that work), mismatched shapes. Collective over `group`.
+pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &UlyssesOpts) -> Result<(Tensor, Tensor)> {
+    let (_, t_local, h, hkv, _) = check_qkv("ulysses_attention", q, k, v)?;
+    let p = group.size();
+    let spread = kv_spread(h, hkv, p)?;
+    let qh = all_to_all_seq_to_head(q, group)?;
+    let kh = kv_seq_to_head(k, spread, group)?;
+    let vh = kv_seq_to_head(v, spread, group)?;
+    let mask = if opts.causal { Mask::causal() } else { Mask::Full };
+    let perm = perm(&opts.order, t_local * p, q.device())?;
+    let (out_h, lse_h) = match &perm {
+        None => attention::attention(&qh, &kh, &vh, &mask, opts.scale)?,
+        Some(pm) => {
+            let nat = |x: &Tensor| x.index_select(&pm.to_nat, 1);
+            let (o, l) = attention::attention(&nat(&qh)?, &nat(&kh)?, &nat(&vh)?, &mask, opts.scale)?;
+            (o.index_select(&pm.to_gat, 1)?, l.index_select(&pm.to_gat, 2)?)
+        }
+    };
+    let out = all_to_all_head_to_seq(&out_h, group)?;
+    let lse = lse_head_to_seq(&lse_h, group)?;
+    Ok((out, lse))
+}
+
+/// Contiguous sequence shard `[B, T/P, ...]` of `x` `[B, T, ...]` for `rank` of `p`
+/// (helper for tests and the CLI; no graph beyond `narrow`).
+pub fn contiguous_shard(x: &Tensor, rank: usize, p: usize) -> Result<Tensor> {
+    let t = x.dim(1)?;
+    if p == 0 || t % p != 0 || rank >= p {
+        candle_core::bail!("contiguous_shard: T = {t} (shape {:?}) cannot be split into P = {p} shards (rank {rank})", x.dims())
+    }
+    x.narrow(1, rank * (t / p), t / p)
+}

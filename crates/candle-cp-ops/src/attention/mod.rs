@@ -4,9 +4,28 @@
 //! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`, out `[B, T, H, D]`, lse `[B, H, T]`
 //! (natural log, f32). Query head `h` uses KV head `h / (H / Hkv)` (GQA/MQA).
 //!
-//! OWNER: attention helper — API fixed, bodies to be written.
+//! Implementation: [`AttentionOp`] (a candle `CustomOp3`, module `op`) runs the CPU kernels of
+//! module `kernel` (tiles of 128×128 / 64×128 through the `gemm` crate, rayon over
+//! (batch, head, block), online softmax in f32). Memory is O((T+S)·H·D + threads·block²): no
+//! T×S matrix is ever built. `merge` lives in module `merge`, `attention_slow` in `slow`.
+//!
+//! Where the LSE lives: the op returns one tensor (out); the forward writes lse into a shared
+//! slot (`Arc<Mutex<Option<Tensor>>>`) held by the op struct, which `attention` reads to return
+//! it and which the op's `bwd` reads to run the backward.
 
-use candle_core::{Result, Tensor};
+mod blas;
+#[cfg(feature = "cuda")]
+mod cuda;
+mod kernel;
+mod merge;
+mod op;
+mod slow;
+
+pub use merge::merge;
+pub use op::AttentionOp;
+pub use slow::attention_slow;
+
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Which (query, key) pairs are visible.
 ///
@@ -40,4 +59,165 @@ impl Mask {
             }
         }
     }
+}
+
+/// Sizes of one attention call, checked by [`check_qkv`].
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct AttnDims {
+    /// Batch.
+    pub b: usize,
+    /// Local number of query rows.
+    pub t: usize,
+    /// Local number of key rows.
+    pub s: usize,
+    /// Query heads.
+    pub h: usize,
+    /// KV heads (divides `h`).
+    pub hkv: usize,
+    /// Head dimension.
+    pub d: usize,
+}
+
+impl AttnDims {
+    pub(crate) fn kernel(&self) -> kernel::Dims {
+        kernel::Dims { b: self.b, t: self.t, s: self.s, h: self.h, hkv: self.hkv, d: self.d }
+    }
+}
+
+/// Validate q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (same dtype f32/bf16/f16, same device,
+/// `H % Hkv == 0`) and the mask (strides >= 1). Errors name the shapes.
+pub fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<AttnDims> {
+    let (qs, ks, vs) = (q.dims(), k.dims(), v.dims());
+    if qs.len() != 4 || ks.len() != 4 || vs.len() != 4 {
+        candle_core::bail!(
+            "{op}: expected q [B, T, H, D], k/v [B, S, Hkv, D], got q {:?}, k {:?}, v {:?}",
+            q.shape(), k.shape(), v.shape()
+        )
+    }
+    if ks != vs {
+        candle_core::bail!("{op}: k {:?} and v {:?} must have the same shape", k.shape(), v.shape())
+    }
+    let (b, t, h, d) = (qs[0], qs[1], qs[2], qs[3]);
+    let (kb, s, hkv, kd) = (ks[0], ks[1], ks[2], ks[3]);
+    if kb != b || kd != d {
+        candle_core::bail!(
+            "{op}: batch and head dim of q {:?} and k/v {:?} must agree ([B, T, H, D] vs [B, S, Hkv, D])",
+            q.shape(), k.shape()
+        )
+    }
+    if hkv == 0 || h % hkv != 0 {
+        candle_core::bail!(
+            "{op}: query heads H = {h} must be a multiple of KV heads Hkv = {hkv} (q {:?}, k {:?})",
+            q.shape(), k.shape()
+        )
+    }
+    for (name, x) in [("k", k), ("v", v)] {
+        if x.dtype() != q.dtype() {
+            candle_core::bail!("{op}: {name} dtype {:?} differs from q dtype {:?} (q {:?}, {name} {:?})",
+                x.dtype(), q.dtype(), q.shape(), x.shape())
+        }
+        if !x.device().same_device(q.device()) {
+            candle_core::bail!("{op}: {name} {:?} is on {:?}, q {:?} on {:?}", x.shape(), x.device(), q.shape(), q.device())
+        }
+    }
+    if !matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16) {
+        candle_core::bail!("{op}: dtype {:?} not supported (f32, bf16, f16); q {:?}", q.dtype(), q.shape())
+    }
+    if let Mask::Causal { q_stride, k_stride, .. } = *mask {
+        if q_stride == 0 || k_stride == 0 {
+            candle_core::bail!("{op}: mask strides must be >= 1, got {mask:?} (q {:?}, k {:?})", q.shape(), k.shape())
+        }
+    }
+    Ok(AttnDims { b, t, s, h, hkv, d })
+}
+
+fn check_like(op: &str, name: &str, x: &Tensor, want: &[usize], q: &Tensor) -> Result<()> {
+    if x.dims() != want {
+        candle_core::bail!("{op}: {name} has shape {:?}, expected {want:?} (q {:?})", x.shape(), q.shape())
+    }
+    if !x.device().same_device(q.device()) {
+        candle_core::bail!("{op}: {name} {:?} is on {:?}, q on {:?}", x.shape(), x.device(), q.device())
+    }
+    Ok(())
+}
+
+/// Contents of `x` as a flat f32 vector on the host (row-major).
+pub(crate) fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
+    x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
+}
+
+/// Raw forward, no graph. q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32/bf16/f16) ->
+/// out f32 `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). A query row with no visible key
+/// gets out 0 and lse `-inf`. `T`, `S` are the *local* lengths; the mask carries the global
+/// positions.
+pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    check_qkv("attention_fwd", q, k, v, mask)?;
+    if !q.device().is_cpu() {
+        // CUDA: replaced by the device kernel (`AttentionOp::cuda_fwd`); until then host copies.
+        let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
+        let (out, lse) = attention_fwd(&cpu(q)?, &cpu(k)?, &cpu(v)?, mask, scale)?;
+        return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));
+    }
+    let op = AttentionOp::new(*mask, scale, true);
+    let slot = op.lse_slot();
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let lse = op::read_lse(&slot, "attention_fwd")?;
+    Ok((out, lse))
+}
+
+/// Raw backward, no graph. `out` f32 `[B, T, H, D]` and `lse` `[B, H, T]` are those of the
+/// *whole* attention these query rows belong to (the global LSE in ring attention, where this
+/// is called once per (query chunk, key chunk) block); `dout` `[B, T, H, D]`.
+/// Returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]` (dk/dv summed over the G = H/Hkv query
+/// heads of each KV head). Rows with lse `-inf` contribute nothing.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = check_qkv("attention_bwd", q, k, v, mask)?;
+    let AttnDims { b, t, s, h, hkv, d } = dims;
+    check_like("attention_bwd", "out", out, &[b, t, h, d], q)?;
+    check_like("attention_bwd", "dout", dout, &[b, t, h, d], q)?;
+    check_like("attention_bwd", "lse", lse, &[b, h, t], q)?;
+    // CUDA: dispatch to the device kernel here (match on q.device()); until then every
+    // device runs the CPU kernel on host copies.
+    let lim = kernel::row_limits(mask, t, s);
+    let (dq, dk, dv) = kernel::backward(
+        &host_f32(q)?,
+        &host_f32(k)?,
+        &host_f32(v)?,
+        &host_f32(out)?,
+        &host_f32(lse)?,
+        &host_f32(dout)?,
+        dims.kernel(),
+        &lim,
+        scale as f32,
+    );
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, (b, t, h, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dk, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dv, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+    ))
+}
+
+/// Autograd attention: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` -> out `[B, T, H, D]` in q's
+/// dtype (differentiable w.r.t. q, k, v through [`AttentionOp`]'s `bwd`), lse f32 `[B, H, T]`
+/// (not differentiable). Accumulation is f32 for every input dtype.
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    check_qkv("attention", q, k, v, mask)?;
+    let op = AttentionOp::new(*mask, scale, false);
+    let slot = op.lse_slot();
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let out = q.apply_op3(&k, &v, op)?;
+    let lse = op::read_lse(&slot, "attention")?;
+    Ok((out, lse))
 }

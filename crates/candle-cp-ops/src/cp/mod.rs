@@ -1,1 +1,143 @@
 //! Context parallelism: sharding layouts, ring / zigzag / striped ring attention, all-gather KV.
+//!
+//! One sequence of global length `T` is split over the `P` ranks of a group; every rank holds
+//! local shards `q [B, T/P, H, D]`, `k, v [B, T/P, Hkv, D]` laid out by a [`Layout`]. The
+//! attention stays exact:
+//!
+//! - [`ring_attention`]: K/V chunks travel around the ring (P-1 hops), each rank merges the
+//!   partial results of its queries through the log-sum-exp in f32; fully masked blocks are
+//!   skipped. Backward: a second ring carries f32 dK/dV accumulators back to their owners.
+//! - [`allgather_attention`]: Llama 3 style — all-gather K/V once, attend locally with
+//!   offset masks, reduce-scatter dK/dV in backward.
+//! - [`balance()`]: attention work per rank and the imbalance of a layout.
+//!
+//! Module map: [`shard`] layouts and position ids, [`ring_comm`] the ring transport helper,
+//! [`ring`] the ring engine (block schedule, forward, backward), [`allgather`], [`balance`](mod@balance),
+//! [`verify`] (run an oracle case on thread ranks and gather).
+
+pub mod allgather;
+pub mod balance;
+pub mod ring;
+pub mod ring_comm;
+pub mod shard;
+pub mod verify;
+
+pub use allgather::{allgather_attention, allgather_attention_stats};
+pub use balance::{balance, BalanceReport};
+pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
+pub use ring_comm::{RingStats, StepStats};
+pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
+pub use verify::{run_case_cp, CpMethod, CpRun};
+
+use crate::Group;
+use candle_core::{bail, DType, Device, Result, Tensor};
+
+/// Options of the context-parallel attention ops.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct CpOpts {
+    /// How the sequence is split over the ranks (must match how q, k, v were sharded).
+    pub layout: Layout,
+    /// Causal mask on global positions (else every query sees every key).
+    pub causal: bool,
+    /// Softmax scale; `None` = `1/sqrt(D)`.
+    pub scale: Option<f64>,
+    /// Start the next chunk's transfer before computing the current one (double buffer).
+    /// `false` waits for each transfer before computing (for measuring the overlap).
+    pub overlap: bool,
+}
+
+impl Default for CpOpts {
+    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on.
+    fn default() -> Self {
+        Self { layout: Layout::Zigzag, causal: true, scale: None, overlap: true }
+    }
+}
+
+impl CpOpts {
+    /// Options for `layout` and mask, default scale, overlap on.
+    pub fn new(layout: Layout, causal: bool) -> Self {
+        Self { layout, causal, ..Default::default() }
+    }
+    /// Same options with an explicit softmax scale.
+    pub fn with_scale(mut self, scale: f64) -> Self {
+        self.scale = Some(scale);
+        self
+    }
+}
+
+/// Local shapes of a CP attention call, checked locally and across ranks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub tl: usize,
+    pub h: usize,
+    pub hkv: usize,
+    pub d: usize,
+    pub t: usize,
+}
+
+fn dtype_code(d: DType) -> f32 {
+    match d {
+        DType::F32 => 1.0,
+        DType::F16 => 2.0,
+        DType::BF16 => 3.0,
+        DType::F64 => 4.0,
+        _ => 5.0,
+    }
+}
+
+/// Check local shapes (`q [B,T/P,H,D]`, `k, v [B,T/P,Hkv,D]`, `H % Hkv == 0`, same device and
+/// dtype of k and v), the layout's divisibility, and that every rank passed the same shapes,
+/// dtypes and options (one small all-gather). Errors name the shapes and the ranks.
+pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Dims> {
+    let p = group.size();
+    let (b, tl, h, d) = match q.dims() {
+        &[b, tl, h, d] => (b, tl, h, d),
+        _ => bail!("{name}: q must be [B, T/P, H, D], got {:?}", q.shape()),
+    };
+    let (kb, ktl, hkv, kd) = match k.dims() {
+        &[b, t, h, d] => (b, t, h, d),
+        _ => bail!("{name}: k must be [B, T/P, Hkv, D], got {:?}", k.shape()),
+    };
+    if k.shape() != v.shape() {
+        bail!("{name}: k {:?} and v {:?} must have the same shape", k.shape(), v.shape())
+    }
+    if kb != b || ktl != tl || kd != d {
+        bail!("{name}: q {:?} and k/v {:?} disagree on B, T/P or D", q.shape(), k.shape())
+    }
+    if hkv == 0 || h % hkv != 0 {
+        bail!("{name}: query heads H = {h} not a multiple of KV heads Hkv = {hkv} (q {:?}, k {:?})", q.shape(), k.shape())
+    }
+    if k.dtype() != v.dtype() || q.dtype() != k.dtype() {
+        bail!("{name}: dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
+    }
+    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        bail!("{name}: q, k, v must be on the same device")
+    }
+    let t = tl * p;
+    opts.layout.local_len(t, p)?;
+    if p > 1 {
+        let mine = [b, tl, h, hkv, d].map(|x| x as f32);
+        let extra = [dtype_code(q.dtype()), opts.layout as u8 as f32, opts.causal as u8 as f32];
+        let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
+        let n = row.len();
+        let local = Tensor::from_vec(row, (1, n), &Device::Cpu)?.to_device(q.device())?;
+        let all = group.all_gather(&local, 0)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        for (r, other) in all.iter().enumerate() {
+            if other[..5] != mine[..] {
+                let s = |x: &[f32]| x.iter().map(|v| *v as usize).collect::<Vec<_>>();
+                bail!(
+                    "{name}: ranks disagree on local shapes [B, T/P, H, Hkv, D]: rank {} has {:?}, rank {r} has {:?} ({})",
+                    group.rank(),
+                    s(&mine),
+                    s(&other[..5]),
+                    group.describe()
+                )
+            }
+            if other[5..] != extra[..] {
+                bail!("{name}: ranks disagree on dtype, layout or causal flag (rank {} vs rank {r}, {})", group.rank(), group.describe())
+            }
+        }
+    }
+    Ok(Dims { b, tl, h, hkv, d, t })
+}

@@ -1,0 +1,325 @@
+//! Flash-attention forward (with LSE) and backward on CUDA. CPU reference:
+//! `candle_cp_ops::attention::{attention_fwd, attention_bwd}`.
+//!
+//! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16 or bf16, same dtype), out f32
+//! `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). `T`, `S` are local lengths; the mask
+//! carries global positions. Head dims 16, 32, 64 and 128. Query head `h` reads KV head `h / (H/Hkv)`.
+
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16};
+
+/// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
+/// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
+/// visible iff its position is `<=` the query's.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct KMask {
+    /// Causal (true) or full (false).
+    pub causal: bool,
+    /// Global position of local query row 0.
+    pub q_offset: usize,
+    /// Distance between consecutive local query rows (>= 1).
+    pub q_stride: usize,
+    /// Global position of local key row 0.
+    pub k_offset: usize,
+    /// Distance between consecutive local key rows (>= 1).
+    pub k_stride: usize,
+}
+
+impl KMask {
+    /// Every query sees every key.
+    pub fn full() -> Self {
+        Self { causal: false, q_offset: 0, q_stride: 1, k_offset: 0, k_stride: 1 }
+    }
+    /// Causal mask with the given global offsets and strides.
+    pub fn causal(q_offset: usize, q_stride: usize, k_offset: usize, k_stride: usize) -> Self {
+        Self { causal: true, q_offset, q_stride, k_offset, k_stride }
+    }
+    fn args(&self) -> Result<(i32, i64, i64, i64, i64)> {
+        if self.q_stride == 0 || self.k_stride == 0 {
+            candle_core::bail!("flash attention: mask strides must be >= 1, got {self:?}")
+        }
+        Ok((
+            self.causal as i32,
+            util::to_i64(self.q_offset, "q_offset")?,
+            util::to_i64(self.q_stride, "q_stride")?,
+            util::to_i64(self.k_offset, "k_offset")?,
+            util::to_i64(self.k_stride, "k_stride")?,
+        ))
+    }
+}
+
+/// Which forward kernel to run.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum FwdImpl {
+    /// Tensor cores for f16/bf16, CUDA cores for f32.
+    Auto,
+    /// CUDA-core kernel (f32 math) for every dtype.
+    Simple,
+    /// Tensor-core kernel (mma.sync m16n8k16, f32 accumulate); f16/bf16 only.
+    Mma,
+}
+
+impl FwdImpl {
+    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | anything else (`Auto`).
+    pub fn from_env() -> Self {
+        match std::env::var("CANDLE_CP_FLASH_IMPL").as_deref() {
+            Ok("simple") => FwdImpl::Simple,
+            Ok("mma") => FwdImpl::Mma,
+            _ => FwdImpl::Auto,
+        }
+    }
+}
+
+/// Sizes of one call: (b, t, s, h, hkv, d), checked.
+type Dims = (usize, usize, usize, usize, usize, usize);
+
+fn check_dims(op: &str, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
+    let (b, t, h, d) = q.dims4()?;
+    let (kb, s, hkv, kd) = k.dims4()?;
+    if k != v || kb != b || kd != d || hkv == 0 || h % hkv != 0 {
+        candle_core::bail!("{op}: expected q [B, T, H, D], k/v [B, S, Hkv, D] with H % Hkv == 0, got q {q:?}, k {k:?}, v {v:?}")
+    }
+    if !matches!(d, 16 | 32 | 64 | 128) {
+        candle_core::bail!("{op}: head dim {d} not supported by the CUDA kernels (16, 32, 64, 128); q {q:?}")
+    }
+    if h > 65_535 || b > 65_535 || hkv > 65_535 {
+        candle_core::bail!("{op}: too many heads or batches for the launch grid; q {q:?}, k {k:?}")
+    }
+    util::to_i32(t, "T")?;
+    util::to_i32(s, "S")?;
+    Ok((b, t, s, h, hkv, d))
+}
+
+fn suffix(dt: DType) -> Result<&'static str> {
+    Ok(match dt {
+        DType::F32 => "f32",
+        DType::F16 => "f16",
+        DType::BF16 => "bf16",
+        dt => candle_core::bail!("flash attention: dtype {dt:?} not supported (f32, f16, bf16)"),
+    })
+}
+
+/// Forward on storages (for `CustomOp3::cuda_fwd`): returns out f32 `[B, T, H, D]` and lse f32
+/// `[B, H, T]` as storages with their shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_storage(
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
+    use candle_core::backend::BackendStorage;
+    let dims = check_dims("flash_fwd", ql.shape(), kl.shape(), vl.shape())?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_fwd: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), ql.shape())
+    }
+    let sfx = suffix(q.dtype())?;
+    let dev = q.device.clone();
+    let (out, lse) = match q.dtype() {
+        DType::F32 => fwd_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
+        DType::F16 => fwd_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
+        _ => fwd_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
+    };
+    let (b, t, _, h, _, d) = dims;
+    Ok((
+        (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
+        (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
+    ))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fwd_t<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    let use_mma = match imp {
+        FwdImpl::Auto => sfx != "f32",
+        FwdImpl::Simple => false,
+        FwdImpl::Mma if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
+        FwdImpl::Mma => true,
+    };
+    if b * t * h == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+    }
+    let (causal, qo, qs, ko, ks) = mask.args()?;
+    let copies = if use_mma {
+        (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
+    } else {
+        (None, None, None)
+    };
+    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
+    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
+    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let name = format!("flash_fwd_{}_{sfx}_d{d}", if use_mma { "mma" } else { "simple" });
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_MODULE, ptx::FLASH_FWD)?;
+    let rows = if use_mma { 64 } else { 16 };
+    let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+    // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}
+
+fn storage_of<'a>(s: &'a Storage, what: &str, shape: &Shape) -> Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("{what} {shape:?} is not on a CUDA device"),
+    }
+}
+
+/// Make `t` contiguous with a start offset that is a multiple of 8 elements.
+fn prep(t: &Tensor) -> Result<Tensor> {
+    let t = t.contiguous()?;
+    if t.layout().start_offset() % 8 == 0 {
+        Ok(t)
+    } else {
+        t.copy()
+    }
+}
+
+/// Raw forward on CUDA tensors, no graph: out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
+/// A query row with no visible key gets out 0 and lse `-inf`.
+pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+    util::cuda_device(q, "flash_fwd: q")?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let ((o, os), (l, ls)) = fwd_storage(
+        storage_of(&qs, "q", q.shape())?,
+        ql,
+        storage_of(&ks, "k", k.shape())?,
+        kl,
+        storage_of(&vs, "v", v.shape())?,
+        vl,
+        mask,
+        scale,
+        imp,
+    )?;
+    let none = || candle_core::op::BackpropOp::none();
+    Ok((
+        Tensor::from_storage(Storage::Cuda(o), os, none(), false),
+        Tensor::from_storage(Storage::Cuda(l), ls, none(), false),
+    ))
+}
+
+/// Raw backward on CUDA tensors, no graph. `out` `[B, T, H, D]` and `lse` `[B, H, T]` belong to
+/// the *whole* attention of these query rows (global LSE in a ring); `dout` `[B, T, H, D]`.
+/// Returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]` (summed over each KV head's query
+/// heads). Runs delta = rowsum(dO * O), then the dK/dV and dQ kernels (no atomics).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    mask: KMask,
+    scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = util::cuda_device(q, "flash_bwd: q")?;
+    let (b, t, s, h, hkv, d) = check_dims("flash_bwd", q.shape(), k.shape(), v.shape())?;
+    if out.dims() != [b, t, h, d] || dout.dims() != [b, t, h, d] || lse.dims() != [b, h, t] {
+        candle_core::bail!(
+            "flash_bwd: expected out/dout [B, T, H, D] = {:?} and lse [B, H, T], got out {:?}, dout {:?}, lse {:?}",
+            q.shape(), out.shape(), dout.shape(), lse.shape()
+        )
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_bwd: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
+    }
+    let sfx = suffix(q.dtype())?;
+    if b * t * h == 0 || s == 0 {
+        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
+        return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
+    }
+    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
+    let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (os, ol) = out.storage_and_layout();
+    let (dos, dol) = dout.storage_and_layout();
+    let (ls, ll) = lse.storage_and_layout();
+    let (qs, ks, vs) = (storage_of(&qs, "q", q.shape())?, storage_of(&ks, "k", k.shape())?, storage_of(&vs, "v", v.shape())?);
+    let ov = util::view::<f32>(storage_of(&os, "out", out.shape())?, ol, "out")?;
+    let dov = util::view::<f32>(storage_of(&dos, "dout", dout.shape())?, dol, "dout")?;
+    let lv = util::view::<f32>(storage_of(&ls, "lse", lse.shape())?, ll, "lse")?;
+    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let (causal, qo, qstr, ko, kstr) = mask.args()?;
+    let acc = 0i32;
+
+    // SAFETY (all allocations below): every element is written by the kernels.
+    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+    {
+        let func = dev.get_or_load_custom_func("flash_bwd_delta_f32", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
+        let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let mut bld = func.builder();
+        bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&bi).arg(&ti).arg(&hi).arg(&di);
+        // SAFETY: matches flash_bwd_delta_f32's parameters.
+        unsafe { bld.launch(cfg) }.w()?;
+    }
+    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    macro_rules! launch_bwd {
+        ($ty:ty) => {{
+            let qv = util::view::<$ty>(qs, ql, "q")?;
+            let kv = util::view::<$ty>(ks, kl, "k")?;
+            let vv = util::view::<$ty>(vs, vl, "v")?;
+            let name = format!("flash_bwd_dkdv_{sfx}_d{d}");
+            let func = dev.get_or_load_custom_func(&name, ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
+            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut bld = func.builder();
+            bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            // SAFETY: matches `float* dk, float* dv, BWD_ARGS_COMMON` in kernels/flash_bwd.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+
+            let name = format!("flash_bwd_dq_{sfx}_d{d}");
+            let func = dev.get_or_load_custom_func(&name, ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
+            let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            // SAFETY: matches `float* dq, BWD_ARGS_COMMON` in kernels/flash_bwd.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F32 => launch_bwd!(f32),
+        DType::F16 => launch_bwd!(f16),
+        _ => launch_bwd!(bf16),
+    }
+    Ok((
+        util::to_tensor(dq, &dev, (b, t, h, d)),
+        util::to_tensor(dk, &dev, (b, s, hkv, d)),
+        util::to_tensor(dv, &dev, (b, s, hkv, d)),
+    ))
+}

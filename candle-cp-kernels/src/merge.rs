@@ -1,0 +1,114 @@
+//! Ring-step merge on an f32 accumulator, and the final cast. CPU reference:
+//! `candle_cp_ops::attention::merge`.
+//!
+//! Ring attention keeps `(acc [B, T, H, D] f32, lse [B, H, T] f32)` across its P steps and
+//! merges each step's block result into it with [`merge`]; only the final result is cast to
+//! the model dtype ([`cast_out`]), once. Python ring implementations that round the running
+//! output to bf16 after every step lose precision; this path never does.
+
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, CudaStorage, DType, Result, Storage, Tensor};
+use half::{bf16, f16};
+
+fn cuda<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("merge: {what} is not on a CUDA device"),
+    }
+}
+
+/// Merge `(acc_o, acc_lse)` (running state; `acc_o` any float dtype, converted to f32) with a
+/// block result `(blk_o, blk_lse)` over a disjoint key set: out `[B, T, H, D]` f32, lse
+/// `[B, H, T]` f32. Rows where both LSEs are `-inf` stay (0, `-inf`).
+pub fn merge(acc_o: &Tensor, acc_lse: &Tensor, blk_o: &Tensor, blk_lse: &Tensor) -> Result<(Tensor, Tensor)> {
+    let dev = util::cuda_device(acc_o, "merge: acc_o")?;
+    let (b, t, h, d) = acc_o.dims4()?;
+    if blk_o.dims() != acc_o.dims() || acc_lse.dims() != [b, h, t] || blk_lse.dims() != [b, h, t] {
+        candle_core::bail!(
+            "merge: expected out [B, T, H, D] and lse [B, H, T], got acc_o {:?}, acc_lse {:?}, blk_o {:?}, blk_lse {:?}",
+            acc_o.shape(), acc_lse.shape(), blk_o.shape(), blk_lse.shape()
+        )
+    }
+    if b * t * h * d == 0 {
+        return Ok((acc_o.to_dtype(DType::F32)?, acc_lse.to_dtype(DType::F32)?));
+    }
+    let (bi, ti, hi, di) = (util::to_i32(b, "B")?, util::to_i32(t, "T")?, util::to_i32(h, "H")?, util::to_i32(d, "D")?);
+    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
+    let (ao, al, bl) = (f32c(acc_o)?, f32c(acc_lse)?, f32c(blk_lse)?);
+    let bo = blk_o.contiguous()?;
+    let (aos, aol) = ao.storage_and_layout();
+    let (als, all) = al.storage_and_layout();
+    let (bos, bol) = bo.storage_and_layout();
+    let (bls, bll) = bl.storage_and_layout();
+    let aov = util::view::<f32>(cuda(&aos, "acc_o")?, aol, "acc_o")?;
+    let alv = util::view::<f32>(cuda(&als, "acc_lse")?, all, "acc_lse")?;
+    let blv = util::view::<f32>(cuda(&bls, "blk_lse")?, bll, "blk_lse")?;
+    let bos = cuda(&bos, "blk_o")?;
+    // SAFETY: the kernel writes every row of out and lse.
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    macro_rules! go {
+        ($ty:ty, $name:literal) => {{
+            let bov = util::view::<$ty>(bos, bol, "blk_o")?;
+            let func = dev.get_or_load_custom_func($name, ptx::MERGE_MODULE, ptx::MERGE)?;
+            let mut bld = func.builder();
+            bld.arg(&aov).arg(&alv).arg(&bov).arg(&blv).arg(&mut out).arg(&mut lse);
+            bld.arg(&bi).arg(&ti).arg(&hi).arg(&di);
+            // SAFETY: matches merge_step_* in kernels/merge.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match blk_o.dtype() {
+        DType::F32 => go!(f32, "merge_step_f32"),
+        DType::F16 => go!(f16, "merge_step_f16"),
+        DType::BF16 => go!(bf16, "merge_step_bf16"),
+        dt => candle_core::bail!("merge: blk_o dtype {dt:?} not supported (f32, f16, bf16); shape {:?}", blk_o.shape()),
+    }
+    Ok((util::to_tensor(out, &dev, (b, t, h, d)), util::to_tensor(lse, &dev, (b, h, t))))
+}
+
+/// Cast the f32 accumulator to `dtype` (f32, f16, bf16) once, at the end of the ring.
+pub fn cast_out(acc: &Tensor, dtype: DType) -> Result<Tensor> {
+    let dev = util::cuda_device(acc, "cast_out: acc")?;
+    if acc.dtype() != DType::F32 {
+        candle_core::bail!("cast_out: accumulator {:?} must be f32, got {:?}", acc.shape(), acc.dtype())
+    }
+    if acc.elem_count() == 0 {
+        return acc.to_dtype(dtype);
+    }
+    let acc = acc.contiguous()?;
+    let (st, l) = acc.storage_and_layout();
+    let src = util::view::<f32>(cuda(&st, "acc")?, l, "acc")?;
+    let out = cast_f32(&dev, &src, dtype)?;
+    Ok(Tensor::from_storage(Storage::Cuda(out), acc.shape().clone(), candle_core::op::BackpropOp::none(), false))
+}
+
+/// Storage-level cast of an f32 buffer to `dtype` (f32, f16, bf16), for `cuda_fwd` bodies.
+pub fn cast_f32(dev: &CudaDevice, src: &CudaView<'_, f32>, dtype: DType) -> Result<CudaStorage> {
+    let n = src.len();
+    let nn = n as u64;
+    let cfg = LaunchConfig { grid_dim: (util::grid_stride_blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
+    macro_rules! go {
+        ($ty:ty, $name:literal) => {{
+            // SAFETY: the kernel writes all n elements.
+            let mut dst = unsafe { dev.alloc::<$ty>(n.max(1))? };
+            if n > 0 {
+                let func = dev.get_or_load_custom_func($name, ptx::MERGE_MODULE, ptx::MERGE)?;
+                let mut bld = func.builder();
+                bld.arg(src).arg(&mut dst).arg(&nn);
+                // SAFETY: matches cast_out_* in kernels/merge.cu.
+                unsafe { bld.launch(cfg) }.w()?;
+            }
+            CudaStorage::wrap_cuda_slice(dst, dev.clone())
+        }};
+    }
+    Ok(match dtype {
+        DType::F32 => go!(f32, "cast_out_f32"),
+        DType::F16 => go!(f16, "cast_out_f16"),
+        DType::BF16 => go!(bf16, "cast_out_bf16"),
+        dt => candle_core::bail!("cast_out: target dtype {dt:?} not supported (f32, f16, bf16)"),
+    })
+}

@@ -1,0 +1,20 @@
+//! PTX of each kernel file (compute_80, built by `build.rs` with nvcc), and the module names
+//! under which `CudaDevice::get_or_load_custom_func` caches them.
+
+/// `kernels/flash_fwd.cu`: `flash_fwd_{simple,mma}_{f32,f16,bf16}_d{64,128}`.
+pub const FLASH_FWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd.ptx"));
+/// `kernels/flash_bwd.cu`: `flash_bwd_delta_f32`, `flash_bwd_{dkdv,dq}_{f32,f16,bf16}_d{64,128}`.
+pub const FLASH_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd.ptx"));
+/// `kernels/merge.cu`: `merge_step_{f32,f16,bf16}`, `cast_out_{f32,f16,bf16}`.
+pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
+/// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
+pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
+
+/// Module names (keys of candle's custom-module cache).
+pub const FLASH_FWD_MODULE: &str = "candle_cp_flash_fwd";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_MODULE: &str = "candle_cp_flash_bwd";
+/// See [`FLASH_FWD_MODULE`].
+pub const MERGE_MODULE: &str = "candle_cp_merge";
+/// See [`FLASH_FWD_MODULE`].
+pub const LAYOUT_MODULE: &str = "candle_cp_layout";

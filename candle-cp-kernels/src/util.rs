@@ -1,0 +1,74 @@
+//! Helpers shared by the launchers: storage access, alignment, wrapping results as tensors.
+
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
+use candle_core::cuda_backend::CudaDType;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, Storage, Tensor};
+
+/// Contiguous view of `l`'s elements in `s`.
+pub(crate) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{what} {:?} (stride {:?}) is not contiguous", l.shape(), l.stride())
+    };
+    Ok(s.as_cuda_slice::<T>()?.slice(a..b))
+}
+
+/// A fresh copy of `l`'s elements when its start offset is not a multiple of 8 elements
+/// (the tensor-core kernels read 16-byte vectors); `None` when the input can be used as is.
+pub(crate) fn aligned_copy<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    s: &CudaStorage,
+    l: &Layout,
+    what: &str,
+) -> Result<Option<CudaSlice<T>>> {
+    let Some((a, b)) = l.contiguous_offsets() else {
+        candle_core::bail!("{what} {:?} (stride {:?}) is not contiguous", l.shape(), l.stride())
+    };
+    if a % 8 == 0 || b == a {
+        return Ok(None);
+    }
+    let src = s.as_cuda_slice::<T>()?.slice(a..b);
+    // SAFETY: fully overwritten by the copy below.
+    let mut dst = unsafe { dev.alloc::<T>(b - a)? };
+    dev.memcpy_dtod(&src, &mut dst)?;
+    Ok(Some(dst))
+}
+
+/// Wrap a device buffer as a (graph-less) tensor of `shape`.
+pub(crate) fn to_tensor<T: CudaDType, S: Into<Shape>>(s: CudaSlice<T>, dev: &CudaDevice, shape: S) -> Tensor {
+    let storage = Storage::Cuda(CudaStorage::wrap_cuda_slice(s, dev.clone()));
+    Tensor::from_storage(storage, shape, BackpropOp::none(), false)
+}
+
+/// The CUDA device of `t`, or an error naming `what` and its shape.
+pub(crate) fn cuda_device(t: &Tensor, what: &str) -> Result<CudaDevice> {
+    match t.device() {
+        candle_core::Device::Cuda(d) => Ok(d.clone()),
+        other => candle_core::bail!("{what} {:?} is on {other:?}, expected a CUDA device", t.shape()),
+    }
+}
+
+/// Run `f` on `t`'s CUDA storage and layout (`t` made contiguous first).
+pub(crate) fn with_cuda<R>(t: &Tensor, what: &str, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
+    let t = t.contiguous()?;
+    let (st, l) = t.storage_and_layout();
+    match &*st {
+        Storage::Cuda(s) => f(s, l),
+        _ => candle_core::bail!("{what} {:?} is not on a CUDA device", t.shape()),
+    }
+}
+
+/// `usize` -> kernel `int`, with an error naming the quantity when it does not fit.
+pub(crate) fn to_i32(x: usize, what: &str) -> Result<i32> {
+    i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit the kernels' 32-bit sizes")))
+}
+
+/// `usize` -> kernel `long long`.
+pub(crate) fn to_i64(x: usize, what: &str) -> Result<i64> {
+    i64::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit in i64")))
+}
+
+/// Grid size for the grid-stride kernels (256 threads per block).
+pub(crate) fn grid_stride_blocks(n: usize) -> u32 {
+    n.div_ceil(256).clamp(1, 65_535) as u32
+}

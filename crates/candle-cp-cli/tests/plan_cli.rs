@@ -1,0 +1,90 @@
+//! `candle-cp plan` end to end: the 405B / 128k numbers through the binary, and exit code 2
+//! with a message on bad input.
+
+use std::process::{Command, Output};
+
+fn candle_cp(args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_candle-cp")).args(args).output().expect("run candle-cp")
+}
+
+fn close(x: f64, want: f64, rel: f64) {
+    assert!((x - want).abs() <= rel * want.abs(), "got {x}, want {want}");
+}
+
+#[test]
+fn plan_405b_128k_json() {
+    let out = candle_cp(&["plan", "--model", "llama3-405b", "--seq", "131072", "--tp", "8", "--cp", "16", "--sp", "--json"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let f = |path: &str| -> f64 {
+        v.pointer(path).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {path}"))
+    };
+    // 34·s·h = 34·2^31 bytes = 73.0 GB per layer per sequence (flash attention).
+    assert_eq!(f("/activation_bytes_per_layer"), 34.0 * 2f64.powi(31));
+    close(f("/activation_bytes_per_layer") / 1e9, 73.0, 1e-3);
+    // TP8 + SP + CP16: 0.570 GB per layer per GPU.
+    close(f("/activation_bytes_per_layer_per_gpu") / 1e9, 0.570, 1e-3);
+    close(f("/activation_bytes_per_layer_llama") / f("/activation_bytes_per_layer"), 31.75 / 34.0, 1e-12);
+    assert_eq!(f("/tokens_per_gpu"), 8192.0);
+    assert_eq!(f("/world_size"), 128.0);
+    // 4 MiB of K/V per ring step with TP8 (32 MiB without).
+    assert_eq!(f("/ring/step_bytes"), 4.0 * 1024.0 * 1024.0);
+    // 2·s²·h ≈ 563 TFLOP causal forward attention per layer per sequence.
+    close(f("/flops/attention_fwd") / 1e12, 562.95, 1e-4);
+    // Hides on InfiniBand above ~1,500 tokens at 600 TFLOP/s.
+    close(f("/ring/min_chunk_fwd_ib"), 1500.0, 1e-9);
+    assert_eq!(v.pointer("/ring/hides_fwd").and_then(|x| x.as_bool()), Some(true));
+    assert_eq!(v.pointer("/ring/link").and_then(|x| x.as_str()), Some("ib"));
+    // Without PP the 405B weights alone exceed 80 GB.
+    assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(false));
+    assert!(v.pointer("/bottleneck").and_then(|x| x.as_str()).unwrap().starts_with("memory"));
+}
+
+#[test]
+fn plan_tables_for_people() {
+    let out = candle_cp(&["plan", "--model", "llama3-70b", "--seq", "32768", "--tp", "8", "--cp", "4", "--sp", "--pp", "4", "--hardware", "h200"]);
+    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in ["Activations per layer", "Memory per GPU", "Ring over 4 ranks", "Verdict:", "Bottleneck:"] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+}
+
+#[test]
+fn plan_bad_input_exits_2_with_message() {
+    let cases: [(&[&str], &str); 4] = [
+        (&["--model", "llama3-405b", "--seq", "131072", "--cp", "3"], "CP degree 3 does not divide the sequence length 131072"),
+        (&["--model", "llama3-405b", "--seq", "131072", "--tp", "3"], "TP degree 3 does not divide the 128 attention heads"),
+        (&["--model", "gpt5", "--seq", "1024"], "unknown model preset 'gpt5'"),
+        (&["--model", "llama3-8b", "--seq", "1024", "--cp-kind", "tree"], "unknown CP kind 'tree'"),
+    ];
+    for (args, msg) in cases {
+        let mut all = vec!["plan"];
+        all.extend_from_slice(args);
+        let out = candle_cp(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
+        assert!(stderr.contains(msg), "{args:?}: stderr {stderr:?} lacks {msg:?}");
+    }
+    let dir = std::env::temp_dir().join(format!("candle-cp-plan-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = dir.join("config.json");
+    std::fs::write(&bad, "{\"hidden_size\": 4096,").unwrap();
+    let out = candle_cp(&["plan", "--model", bad.to_str().unwrap(), "--seq", "1024"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(stderr.contains("is not valid JSON"), "{stderr}");
+    let good = dir.join("good.json");
+    std::fs::write(
+        &good,
+        r#"{"hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+           "intermediate_size":14336,"vocab_size":128256}"#,
+    )
+    .unwrap();
+    let out = candle_cp(&["plan", "--model", good.to_str().unwrap(), "--seq", "8192", "--json"]);
+    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v.pointer("/input/model/hidden").and_then(|x| x.as_u64()), Some(4096));
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -1,0 +1,335 @@
+//! [`LlamaConfig`]: the Hugging Face `config.json` of a Llama-style model.
+//!
+//! Both RoPE spellings are read: the legacy top-level `rope_theta` + `rope_scaling`, and the
+//! newer `rope_parameters` object (`rope_type`, `rope_theta`, scaling keys). Written back in
+//! both forms so old and new transformers versions load it.
+
+use candle_core::{bail, Result};
+use serde_json::{json, Map, Value};
+use std::path::Path;
+
+/// How RoPE frequencies are scaled (`rope_type` / `rope_scaling.type`).
+#[derive(Clone, Debug, PartialEq)]
+pub enum RopeScaling {
+    /// Plain RoPE: `inv_freq[i] = theta^(-2i/d)`.
+    Default,
+    /// Positions divided by `factor` (equivalently every frequency divided by `factor`).
+    Linear { factor: f64 },
+    /// Llama 3.1 frequency-dependent scaling (HF `_compute_llama3_parameters`).
+    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+}
+
+/// Architecture hyper-parameters of a Llama-style decoder (`LlamaForCausalLM`).
+#[derive(Clone, Debug, PartialEq)]
+pub struct LlamaConfig {
+    /// Vocabulary size `V` (rows of the embedding and of `lm_head`).
+    pub vocab_size: usize,
+    /// Model width `h`.
+    pub hidden_size: usize,
+    /// MLP width (gate/up output, down input).
+    pub intermediate_size: usize,
+    /// Number of decoder layers.
+    pub num_hidden_layers: usize,
+    /// Query heads `H`.
+    pub num_attention_heads: usize,
+    /// Key/value heads `Hkv` (GQA; `H % Hkv == 0`).
+    pub num_key_value_heads: usize,
+    /// Per-head width `D` (`hidden_size / H` when absent from config.json).
+    pub head_dim: usize,
+    /// RMSNorm epsilon.
+    pub rms_norm_eps: f64,
+    /// RoPE base.
+    pub rope_theta: f64,
+    /// RoPE frequency scaling.
+    pub rope_scaling: RopeScaling,
+    /// `lm_head` shares the embedding matrix (no `lm_head.weight` tensor).
+    pub tie_word_embeddings: bool,
+    /// Longest position the checkpoint was configured for (kept for config.json round trips).
+    pub max_position_embeddings: usize,
+    /// Optional special token ids, kept for config.json round trips.
+    pub bos_token_id: Option<u32>,
+    /// See `bos_token_id`.
+    pub eos_token_id: Option<u32>,
+}
+
+fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_u64() {
+            Some(x) => Ok(Some(x as usize)),
+            None => bail!("config.json: `{k}` must be a non-negative integer, got {v}"),
+        },
+    }
+}
+
+fn get_f64(m: &Map<String, Value>, k: &str) -> Result<Option<f64>> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => match v.as_f64() {
+            Some(x) => Ok(Some(x)),
+            None => bail!("config.json: `{k}` must be a number, got {v}"),
+        },
+    }
+}
+
+fn need_usize(m: &Map<String, Value>, k: &str) -> Result<usize> {
+    match get_usize(m, k)? {
+        Some(x) => Ok(x),
+        None => bail!("config.json: missing required key `{k}`"),
+    }
+}
+
+fn token_id(m: &Map<String, Value>, k: &str) -> Option<u32> {
+    match m.get(k) {
+        Some(Value::Number(n)) => n.as_u64().map(|x| x as u32),
+        Some(Value::Array(a)) => a.first().and_then(|v| v.as_u64()).map(|x| x as u32),
+        _ => None,
+    }
+}
+
+/// Parse a RoPE scaling object (legacy `rope_scaling` or `rope_parameters`).
+fn parse_scaling(obj: &Map<String, Value>) -> Result<RopeScaling> {
+    let kind = obj
+        .get("rope_type")
+        .or_else(|| obj.get("type"))
+        .and_then(|v| v.as_str())
+        .unwrap_or("default");
+    let factor = || -> Result<f64> {
+        match get_f64(obj, "factor")? {
+            Some(f) if f > 0.0 => Ok(f),
+            Some(f) => bail!("config.json: rope scaling `factor` must be > 0, got {f}"),
+            None => bail!("config.json: rope scaling `{kind}` needs `factor`"),
+        }
+    };
+    match kind {
+        "default" => Ok(RopeScaling::Default),
+        "linear" => Ok(RopeScaling::Linear { factor: factor()? }),
+        "llama3" => {
+            let low = get_f64(obj, "low_freq_factor")?.unwrap_or(1.0);
+            let high = get_f64(obj, "high_freq_factor")?.unwrap_or(4.0);
+            let orig = get_usize(obj, "original_max_position_embeddings")?.unwrap_or(8192);
+            if high <= low {
+                bail!("config.json: llama3 rope needs high_freq_factor ({high}) > low_freq_factor ({low})")
+            }
+            Ok(RopeScaling::Llama3 {
+                factor: factor()?,
+                low_freq_factor: low,
+                high_freq_factor: high,
+                original_max_position_embeddings: orig,
+            })
+        }
+        other => bail!("config.json: unsupported rope_type `{other}` (supported: default, linear, llama3)"),
+    }
+}
+
+impl LlamaConfig {
+    /// Parse the text of a HF `config.json`.
+    pub fn from_json(text: &str) -> Result<Self> {
+        let v: Value = serde_json::from_str(text).map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
+        let Some(m) = v.as_object() else { bail!("config.json: top level is not an object") };
+        let hidden_size = need_usize(m, "hidden_size")?;
+        let heads = need_usize(m, "num_attention_heads")?;
+        let kv = get_usize(m, "num_key_value_heads")?.unwrap_or(heads);
+        if heads == 0 || kv == 0 || heads % kv != 0 {
+            bail!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})")
+        }
+        let head_dim = match get_usize(m, "head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden_size % heads != 0 {
+                    bail!("config.json: hidden_size ({hidden_size}) not divisible by num_attention_heads ({heads}) and no head_dim")
+                }
+                hidden_size / heads
+            }
+        };
+        if head_dim % 2 != 0 {
+            bail!("config.json: head_dim ({head_dim}) must be even for RoPE")
+        }
+        // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
+        let (rope_theta, rope_scaling) = match m.get("rope_parameters") {
+            Some(Value::Object(p)) => {
+                let theta = get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(10000.0);
+                (theta, parse_scaling(p)?)
+            }
+            _ => {
+                let theta = get_f64(m, "rope_theta")?.unwrap_or(10000.0);
+                let scaling = match m.get("rope_scaling") {
+                    Some(Value::Object(s)) => parse_scaling(s)?,
+                    None | Some(Value::Null) => RopeScaling::Default,
+                    Some(other) => bail!("config.json: `rope_scaling` must be an object or null, got {other}"),
+                };
+                (theta, scaling)
+            }
+        };
+        if let Some(act) = m.get("hidden_act").and_then(|v| v.as_str()) {
+            if act != "silu" {
+                bail!("config.json: hidden_act `{act}` not supported (only silu)")
+            }
+        }
+        for k in ["attention_bias", "mlp_bias"] {
+            if m.get(k).and_then(|v| v.as_bool()) == Some(true) {
+                bail!("config.json: `{k}: true` not supported (bias-free Llama only)")
+            }
+        }
+        let cfg = Self {
+            vocab_size: need_usize(m, "vocab_size")?,
+            hidden_size,
+            intermediate_size: need_usize(m, "intermediate_size")?,
+            num_hidden_layers: need_usize(m, "num_hidden_layers")?,
+            num_attention_heads: heads,
+            num_key_value_heads: kv,
+            head_dim,
+            rms_norm_eps: get_f64(m, "rms_norm_eps")?.unwrap_or(1e-6),
+            rope_theta,
+            rope_scaling,
+            tie_word_embeddings: m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            max_position_embeddings: get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
+            bos_token_id: token_id(m, "bos_token_id"),
+            eos_token_id: token_id(m, "eos_token_id"),
+        };
+        Ok(cfg)
+    }
+
+    /// Read and parse `config.json` (pass the file path).
+    pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
+        let p = path.as_ref();
+        let text = std::fs::read_to_string(p).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", p.display())))?;
+        Self::from_json(&text)
+    }
+
+    /// A small random-init model shape for examples and tests: `hidden` wide, `layers` deep,
+    /// `heads` query heads of width 16... (`head_dim = hidden / heads`), `kv_heads` KV heads,
+    /// MLP width `~2.75·hidden` rounded to a multiple of 16, RoPE theta 10000, untied head.
+    pub fn tiny(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize) -> Self {
+        let inter = (hidden * 11 / 4).div_ceil(16) * 16;
+        Self {
+            vocab_size: vocab,
+            hidden_size: hidden,
+            intermediate_size: inter,
+            num_hidden_layers: layers,
+            num_attention_heads: heads,
+            num_key_value_heads: kv_heads,
+            head_dim: hidden / heads.max(1),
+            rms_norm_eps: 1e-5,
+            rope_theta: 10000.0,
+            rope_scaling: RopeScaling::Default,
+            tie_word_embeddings: false,
+            max_position_embeddings: 131072,
+            bos_token_id: None,
+            eos_token_id: None,
+        }
+    }
+
+    /// Check the shape invariants (`H % Hkv == 0`, even `head_dim`, non-zero sizes).
+    pub fn validate(&self) -> Result<()> {
+        let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
+        if h == 0 || kv == 0 || h % kv != 0 {
+            bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")
+        }
+        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+            bail!("LlamaConfig: head_dim ({}) must be even and > 0", self.head_dim)
+        }
+        if self.vocab_size == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {
+            bail!("LlamaConfig: vocab_size, hidden_size, intermediate_size must be > 0")
+        }
+        Ok(())
+    }
+
+    /// HF `config.json` text (`LlamaForCausalLM`, both RoPE spellings), for `dtype` in
+    /// `"float32"` / `"bfloat16"` / `"float16"`.
+    pub fn to_hf_json(&self, dtype: &str) -> String {
+        let mut rope = Map::new();
+        rope.insert("rope_theta".into(), json!(self.rope_theta));
+        let legacy = match &self.rope_scaling {
+            RopeScaling::Default => {
+                rope.insert("rope_type".into(), json!("default"));
+                Value::Null
+            }
+            RopeScaling::Linear { factor } => {
+                rope.insert("rope_type".into(), json!("linear"));
+                rope.insert("factor".into(), json!(factor));
+                json!({"rope_type": "linear", "type": "linear", "factor": factor})
+            }
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+                rope.insert("rope_type".into(), json!("llama3"));
+                rope.insert("factor".into(), json!(factor));
+                rope.insert("low_freq_factor".into(), json!(low_freq_factor));
+                rope.insert("high_freq_factor".into(), json!(high_freq_factor));
+                rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
+                       "high_freq_factor": high_freq_factor,
+                       "original_max_position_embeddings": original_max_position_embeddings})
+            }
+        };
+        let v = json!({
+            "architectures": ["LlamaForCausalLM"],
+            "model_type": "llama",
+            "attention_bias": false,
+            "attention_dropout": 0.0,
+            "mlp_bias": false,
+            "hidden_act": "silu",
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_hidden_layers,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": self.rope_theta,
+            "rope_scaling": legacy,
+            "rope_parameters": Value::Object(rope),
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "max_position_embeddings": self.max_position_embeddings,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "initializer_range": 0.02,
+            "pretraining_tp": 1,
+            "use_cache": true,
+            "torch_dtype": dtype,
+            "dtype": dtype,
+        });
+        serde_json::to_string_pretty(&v).unwrap_or_default()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BASE: &str = r#""vocab_size": 512, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 8"#;
+
+    #[test]
+    fn legacy_and_new_rope_forms() -> Result<()> {
+        let legacy = format!(r#"{{{BASE}, "rope_theta": 500000.0, "rope_scaling": {{"rope_type": "llama3",
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}}}"#);
+        let new = format!(r#"{{{BASE}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0,
+            "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192}}}}"#);
+        let a = LlamaConfig::from_json(&legacy)?;
+        let b = LlamaConfig::from_json(&new)?;
+        assert_eq!(a, b);
+        assert_eq!(a.rope_theta, 500000.0);
+        assert_eq!(a.num_key_value_heads, 8);
+        assert_eq!(a.head_dim, 16);
+        assert!(matches!(a.rope_scaling, RopeScaling::Llama3 { factor, .. } if factor == 8.0));
+        // round trip through our writer
+        let c = LlamaConfig::from_json(&a.to_hf_json("float32"))?;
+        assert_eq!(a, c);
+        Ok(())
+    }
+
+    #[test]
+    fn defaults_and_errors() -> Result<()> {
+        let c = LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": true}}"#))?;
+        assert_eq!((c.num_key_value_heads, c.head_dim, c.rope_theta), (2, 32, 10000.0));
+        assert!(c.tie_word_embeddings);
+        assert_eq!(c.rope_scaling, RopeScaling::Default);
+        assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#)).is_err());
+        assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 2.0}}}}"#)).is_err());
+        assert!(LlamaConfig::from_json(r#"{"hidden_size": 4}"#).is_err());
+        Ok(())
+    }
+}

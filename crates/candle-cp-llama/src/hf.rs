@@ -1,0 +1,166 @@
+//! Hugging Face checkpoints: `config.json` + `model.safetensors` (or sharded
+//! `model-0000i-of-0000n.safetensors` with `model.safetensors.index.json`).
+//!
+//! [`save_hf`] writes the same key names transformers uses (`lm_head.weight` omitted when
+//! tied), header metadata `{"format": "pt"}`, tensors in the Vars' dtype (f32 / bf16 / f16),
+//! each file written to a temporary name in the target directory and renamed into place, so
+//! a crash never leaves a half-written `model.safetensors` or `config.json`.
+
+use crate::config::LlamaConfig;
+use crate::params::{param_specs, varmap_tensors};
+use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_nn::VarMap;
+use std::collections::{BTreeMap, HashMap};
+use std::io::Write;
+use std::path::Path;
+
+fn io_err(what: &str, p: &Path, e: impl std::fmt::Display) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{what} {}: {e}", p.display()))
+}
+
+/// Every tensor of the checkpoint's safetensors file(s) in `dir`, on `device`.
+pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let single = dir.join("model.safetensors");
+    if single.exists() {
+        return candle_core::safetensors::load(&single, device);
+    }
+    let index = dir.join("model.safetensors.index.json");
+    if !index.exists() {
+        bail!("{}: neither model.safetensors nor model.safetensors.index.json found", dir.display())
+    }
+    let text = std::fs::read_to_string(&index).map_err(|e| io_err("reading", &index, e))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err("parsing", &index, e))?;
+    let Some(map) = v.get("weight_map").and_then(|m| m.as_object()) else {
+        bail!("{}: no `weight_map` object", index.display())
+    };
+    let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
+    files.sort();
+    files.dedup();
+    let mut out = HashMap::new();
+    for f in files {
+        out.extend(candle_core::safetensors::load(dir.join(f), device)?);
+    }
+    Ok(out)
+}
+
+/// Load a HF Llama checkpoint directory: returns the FULL (unsharded) model as a `VarMap`
+/// of Vars in `dtype` on `device` (shard it per rank with [`crate::shard_params`]) and its
+/// config. Errors name missing or mis-shaped tensors. Extra tensors are ignored; a
+/// `lm_head.weight` of a tied model is ignored.
+pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
+    let dir = dir.as_ref();
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    let tensors = load_safetensors_dir(dir, device)?;
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        for s in param_specs(&cfg) {
+            let Some(t) = tensors.get(&s.name) else {
+                bail!("{}: checkpoint has no tensor {} (expected {:?})", dir.display(), s.name, s.shape)
+            };
+            if t.dims() != s.shape.as_slice() {
+                bail!("{}: tensor {} has shape {:?}, config implies {:?}", dir.display(), s.name, t.dims(), s.shape)
+            }
+            data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
+        }
+    }
+    Ok((vm, cfg))
+}
+
+fn st_dtype(d: DType) -> Result<&'static str> {
+    Ok(match d {
+        DType::F32 => "F32",
+        DType::BF16 => "BF16",
+        DType::F16 => "F16",
+        DType::F64 => "F64",
+        other => bail!("save_hf: dtype {other:?} not supported (f32, bf16, f16, f64)"),
+    })
+}
+
+fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
+    let t = t.flatten_all()?.to_device(&Device::Cpu)?;
+    Ok(match t.dtype() {
+        DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::F64 => t.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        other => bail!("save_hf: dtype {other:?} not supported"),
+    })
+}
+
+/// Write `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
+pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    let dir = path.parent().unwrap_or(Path::new("."));
+    let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+    let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
+    let res = (|| -> std::io::Result<()> {
+        let mut f = std::fs::File::create(&tmp)?;
+        f.write_all(bytes)?;
+        f.sync_all()?;
+        std::fs::rename(&tmp, path)
+    })();
+    if let Err(e) = res {
+        let _ = std::fs::remove_file(&tmp);
+        return Err(io_err("writing", path, e));
+    }
+    Ok(())
+}
+
+/// Serialise named tensors as one safetensors file (keys sorted, metadata `format: pt`).
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    let mut header = BTreeMap::new();
+    let mut body = Vec::new();
+    for (name, t) in sorted {
+        let bytes = le_bytes(t)?;
+        let start = body.len();
+        body.extend_from_slice(&bytes);
+        header.insert(
+            name.clone(),
+            serde_json::json!({"dtype": st_dtype(t.dtype())?, "shape": t.dims(), "data_offsets": [start, body.len()]}),
+        );
+    }
+    header.insert("__metadata__".to_string(), serde_json::json!({"format": "pt"}));
+    let mut h = serde_json::to_vec(&header).map_err(|e| candle_core::Error::Msg(format!("safetensors header: {e}")))?;
+    while h.len() % 8 != 0 {
+        h.push(b' ');
+    }
+    let mut out = Vec::with_capacity(8 + h.len() + body.len());
+    out.extend_from_slice(&(h.len() as u64).to_le_bytes());
+    out.extend_from_slice(&h);
+    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Save a FULL model (`VarMap` with every parameter of `cfg` at full shape, e.g. from
+/// [`load_hf`], [`crate::init_params`], or gathered with [`crate::gather_full`]) as a HF
+/// checkpoint directory: `model.safetensors` then `config.json`, each written atomically.
+/// Creates `dir` if needed.
+pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Result<()> {
+    let tensors = varmap_tensors(varmap)?;
+    let mut named = Vec::new();
+    for s in param_specs(cfg) {
+        let Some(t) = tensors.get(&s.name) else { bail!("save_hf: VarMap has no {} {:?}", s.name, s.shape) };
+        if t.dims() != s.shape.as_slice() {
+            bail!("save_hf: {} has shape {:?}, full shape is {:?} (gather TP shards first)", s.name, t.dims(), s.shape)
+        }
+        named.push((s.name.clone(), t.clone()));
+    }
+    save_hf_tensors(dir, &named, cfg)
+}
+
+/// [`save_hf`] from a list of `(name, full tensor)`.
+pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
+    let dir = dir.as_ref();
+    std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+    let dtype = tensors.first().map(|(_, t)| t.dtype()).unwrap_or(DType::F32);
+    let dname = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    };
+    write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(tensors)?)?;
+    write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
+}

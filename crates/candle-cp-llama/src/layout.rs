@@ -1,0 +1,320 @@
+//! Parallel layouts of the Llama model: [`Layout`] (the degrees and the CP algorithm, chosen
+//! at construction), [`ParallelCtx`] (the process groups of one rank) and [`shard_batch`]
+//! (this rank's input ids, labels and global positions).
+//!
+//! Rank order in the world group (last dimension fastest):
+//! `world rank = ((dp_i · CP) + cp_i) · TP + tp_i`, and for 2-D CP `cp_i = ring_i · U + uly_i`
+//! (Ulysses ranks adjacent). Tokens are split first over DP (batch rows), then over the CP
+//! group by the CP layout (contiguous / zigzag / striped), then — with Megatron sequence
+//! parallelism (`sp`) — contiguously over the TP group.
+
+use candle_core::{bail, DType, Result, Tensor};
+use candle_cp_comm::Group;
+use candle_cp_ops::cp::shard::{self as cpshard, Layout as SeqLayout};
+use std::fmt;
+use std::str::FromStr;
+
+/// Label value that contributes no loss (the last position of the global sequence, padding).
+pub const IGNORE: u32 = u32::MAX;
+
+/// The context-parallel algorithm (how attention sees tokens held by other CP ranks).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CpKind {
+    /// Ring attention on contiguous shards (unbalanced causal work).
+    Ring,
+    /// Ring attention on zigzag shards (2P chunks, rank i holds i and 2P-1-i).
+    Zigzag,
+    /// Ring attention on striped shards (token t on rank t mod P).
+    Striped,
+    /// All-gather K/V then local attention (Llama 3 style), zigzag shards.
+    AllGather,
+    /// DeepSpeed-Ulysses all-to-all (sequence ↔ heads), contiguous shards.
+    Ulysses,
+    /// 2-D: Ulysses (degree `ulysses`) × ring (degree `ring`), `cp = ulysses · ring`.
+    TwoD,
+}
+
+impl CpKind {
+    /// All kinds, for tests and reports.
+    pub const ALL: [CpKind; 6] = [CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD];
+
+    /// Lower-case name as accepted by [`CpKind::from_str`].
+    pub fn name(&self) -> &'static str {
+        match self {
+            CpKind::Ring => "ring",
+            CpKind::Zigzag => "zigzag",
+            CpKind::Striped => "striped",
+            CpKind::AllGather => "allgather",
+            CpKind::Ulysses => "ulysses",
+            CpKind::TwoD => "2d",
+        }
+    }
+
+    /// How the CP group's tokens are laid out over its ranks.
+    pub fn seq_layout(&self) -> SeqLayout {
+        match self {
+            CpKind::Ring | CpKind::Ulysses => SeqLayout::Contiguous,
+            CpKind::Zigzag | CpKind::AllGather | CpKind::TwoD => SeqLayout::Zigzag,
+            CpKind::Striped => SeqLayout::Striped,
+        }
+    }
+}
+
+impl fmt::Display for CpKind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+impl FromStr for CpKind {
+    type Err = candle_core::Error;
+    /// `ring` (alias `contiguous`), `zigzag`, `striped` (`stripe`), `allgather` (`all-gather`,
+    /// `all_gather`), `ulysses`, `2d` (`usp`, `2-d`).
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "ring" | "contiguous" => CpKind::Ring,
+            "zigzag" => CpKind::Zigzag,
+            "striped" | "stripe" => CpKind::Striped,
+            "allgather" | "all-gather" | "all_gather" => CpKind::AllGather,
+            "ulysses" => CpKind::Ulysses,
+            "2d" | "2-d" | "usp" => CpKind::TwoD,
+            _ => bail!("unknown CP layout '{s}' (expected ring, zigzag, striped, allgather, ulysses or 2d)"),
+        })
+    }
+}
+
+/// Parallel degrees of a run. World size = `dp · cp · tp`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Layout {
+    /// Tensor-parallel degree (heads and MLP columns split over TP ranks).
+    pub tp: usize,
+    /// Context-parallel degree (sequence split over CP ranks).
+    pub cp: usize,
+    /// CP algorithm.
+    pub cp_kind: CpKind,
+    /// Megatron sequence parallelism inside the TP group (norms, residuals, embeddings and
+    /// the head run on `T/(cp·tp)` tokens). Only meaningful with `tp > 1`.
+    pub sp: bool,
+    /// Data-parallel degree (batch rows split over DP ranks).
+    pub dp: usize,
+    /// Ulysses degree: `cp` for [`CpKind::Ulysses`], the inner degree for [`CpKind::TwoD`].
+    pub ulysses: usize,
+    /// Ring degree of [`CpKind::TwoD`] (`cp = ulysses · ring`); `cp` for ring kinds.
+    pub ring: usize,
+}
+
+impl Default for Layout {
+    fn default() -> Self {
+        Self::single()
+    }
+}
+
+impl Layout {
+    /// One device: every degree 1.
+    pub fn single() -> Self {
+        Self { tp: 1, cp: 1, cp_kind: CpKind::Zigzag, sp: false, dp: 1, ulysses: 1, ring: 1 }
+    }
+    /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
+    pub fn cp(kind: CpKind, cp: usize) -> Self {
+        let (ulysses, ring) = match kind {
+            CpKind::Ulysses => (cp, 1),
+            CpKind::TwoD => (1, cp),
+            _ => (1, cp),
+        };
+        Self { cp, cp_kind: kind, ulysses, ring, ..Self::single() }
+    }
+    /// 2-D CP: Ulysses degree `ulysses` × ring degree `ring`.
+    pub fn two_d(ulysses: usize, ring: usize) -> Self {
+        Self { cp: ulysses * ring, cp_kind: CpKind::TwoD, ulysses, ring, ..Self::single() }
+    }
+    /// Same layout with tensor parallelism `tp` (and sequence parallelism if `sp`).
+    pub fn with_tp(mut self, tp: usize, sp: bool) -> Self {
+        self.tp = tp;
+        self.sp = sp;
+        self
+    }
+    /// Same layout with data parallelism `dp`.
+    pub fn with_dp(mut self, dp: usize) -> Self {
+        self.dp = dp;
+        self
+    }
+    /// Number of ranks: `dp · cp · tp`.
+    pub fn world_size(&self) -> usize {
+        self.dp * self.cp * self.tp
+    }
+    /// Is SP actually active (`sp` and `tp > 1`)?
+    pub fn seq_parallel(&self) -> bool {
+        self.sp && self.tp > 1
+    }
+
+    /// Check the degrees against each other and the model (`heads`, `kv_heads`).
+    pub fn validate(&self, heads: usize, kv_heads: usize) -> Result<()> {
+        if self.tp == 0 || self.cp == 0 || self.dp == 0 || self.ulysses == 0 || self.ring == 0 {
+            bail!("layout {self}: every degree must be at least 1")
+        }
+        match self.cp_kind {
+            CpKind::Ulysses if self.ulysses != self.cp || self.ring != 1 => {
+                bail!("layout {self}: ulysses needs ulysses = cp and ring = 1")
+            }
+            CpKind::TwoD if self.ulysses * self.ring != self.cp => {
+                bail!("layout {self}: 2d needs cp = ulysses · ring")
+            }
+            CpKind::Ring | CpKind::Zigzag | CpKind::Striped | CpKind::AllGather if self.ulysses != 1 => {
+                bail!("layout {self}: ulysses degree must be 1 for {}", self.cp_kind)
+            }
+            _ => {}
+        }
+        if heads % self.tp != 0 || kv_heads % self.tp != 0 {
+            bail!("layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})", self.tp)
+        }
+        let lh = heads / self.tp;
+        if self.ulysses > 1 && lh % self.ulysses != 0 {
+            bail!("layout {self}: ulysses degree {} must divide the {lh} query heads per TP rank", self.ulysses)
+        }
+        Ok(())
+    }
+}
+
+impl fmt::Display for Layout {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{} cp={}", self.cp_kind, self.cp)?;
+        if self.cp_kind == CpKind::TwoD {
+            write!(f, " (ulysses={} x ring={})", self.ulysses, self.ring)?;
+        }
+        write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)
+    }
+}
+
+/// One rank's view of a [`Layout`]: its coordinates and process groups.
+#[derive(Clone)]
+pub struct ParallelCtx {
+    /// The layout.
+    pub layout: Layout,
+    /// All `dp · cp · tp` ranks.
+    pub world: Group,
+    /// Ranks that hold the same batch rows and TP shard: size `cp`.
+    pub cp: Group,
+    /// Ranks that hold the same tokens and different weight shards: size `tp`.
+    pub tp: Group,
+    /// Ranks that hold different batch rows: size `dp`.
+    pub dp: Group,
+    /// DP × CP ranks of the same TP rank (gradient reduction of TP-sharded weights).
+    pub dp_cp: Group,
+    /// Ulysses sub-group of the CP group (size `ulysses`; 2-D only, else the CP group).
+    pub ulysses: Group,
+    /// Ring sub-group of the CP group (size `ring`; 2-D only, else the CP group).
+    pub ring: Group,
+    /// Coordinates of this rank: `(dp_i, cp_i, tp_i)`.
+    pub coords: (usize, usize, usize),
+}
+
+impl ParallelCtx {
+    /// Build the groups of `layout` from the world group (collective: every rank calls it).
+    /// `world.size()` must equal `layout.world_size()`.
+    pub fn new(world: Group, layout: Layout) -> Result<Self> {
+        let (cp, tp) = (layout.cp, layout.tp);
+        if world.size() != layout.world_size() {
+            bail!("ParallelCtx: world has {} ranks, layout {layout} needs dp·cp·tp = {}", world.size(), layout.world_size())
+        }
+        if layout.cp_kind == CpKind::TwoD && layout.ulysses * layout.ring != cp {
+            bail!("ParallelCtx: layout {layout}: 2d needs cp = ulysses · ring")
+        }
+        let r = world.rank();
+        let (tp_i, cp_i, dp_i) = (r % tp, (r / tp) % cp, r / (tp * cp));
+        let tp_g = world.split(dp_i * cp + cp_i, tp_i)?;
+        let cp_g = world.split(dp_i * tp + tp_i, cp_i)?;
+        let dp_g = world.split(cp_i * tp + tp_i, dp_i)?;
+        let dp_cp = world.split(tp_i, dp_i * cp + cp_i)?;
+        let (ulysses, ring) = if layout.cp_kind == CpKind::TwoD {
+            let u = layout.ulysses;
+            let (ring_i, uly_i) = (cp_i / u, cp_i % u);
+            let outer = dp_i * tp + tp_i;
+            let ug = world.split(outer * layout.ring + ring_i, uly_i)?;
+            let rg = world.split(outer * u + uly_i, ring_i)?;
+            (ug, rg)
+        } else {
+            (cp_g.clone(), cp_g.clone())
+        };
+        Ok(Self { layout, world, cp: cp_g, tp: tp_g, dp: dp_g, dp_cp, ulysses, ring, coords: (dp_i, cp_i, tp_i) })
+    }
+
+    /// A context for one device (`world` of size 1).
+    pub fn single(world: Group) -> Result<Self> {
+        Self::new(world, Layout::single())
+    }
+
+    /// The group over which token counts and losses are summed: ranks holding disjoint
+    /// tokens (DP × CP, and TP too under sequence parallelism).
+    pub fn token_group(&self) -> &Group {
+        if self.layout.seq_parallel() {
+            &self.world
+        } else {
+            &self.dp_cp
+        }
+    }
+}
+
+/// One rank's share of a global batch (see [`shard_batch`]).
+#[derive(Clone, Debug)]
+pub struct ShardedBatch {
+    /// Token ids this rank embeds, `[B/dp, T_local]` u32.
+    pub input_ids: Tensor,
+    /// Next-token targets of those tokens, `[B/dp, T_local]` u32 (the global `input_ids`
+    /// shifted left by one before sharding; [`IGNORE`] at the last global position).
+    pub labels: Tensor,
+    /// Global positions of those tokens, `[T_local]` u32.
+    pub positions: Tensor,
+}
+
+/// Split a global batch `[B, T]` (u32 token ids, positions `0..T`) for this rank.
+///
+/// `T_local = T / (cp · tp)` under SP, `T / cp` otherwise; `B` must be divisible by `dp`,
+/// `T` by what the CP layout needs (`2·cp` for zigzag) times `tp` under SP. Labels are built
+/// from the GLOBAL sequence, so the target of a rank's last token (which lives on another
+/// rank) is still right.
+pub fn shard_batch(global_ids: &Tensor, ctx: &ParallelCtx) -> Result<ShardedBatch> {
+    let (b, t) = global_ids.dims2()?;
+    let ids = global_ids.to_dtype(DType::U32)?;
+    let labels = if t > 1 {
+        let tail = Tensor::full(IGNORE, (b, 1), ids.device())?;
+        Tensor::cat(&[&ids.narrow(1, 1, t - 1)?, &tail], 1)?
+    } else {
+        Tensor::full(IGNORE, (b, t), ids.device())?
+    };
+    let pos = Tensor::arange(0u32, t as u32, ids.device())?;
+    let mut parts = shard_tokens(&[ids, labels], &pos, b, t, ctx)?.into_iter();
+    match (parts.next(), parts.next(), parts.next()) {
+        (Some(input_ids), Some(labels), Some(positions)) => Ok(ShardedBatch { input_ids, labels, positions }),
+        _ => bail!("shard_batch: internal error"),
+    }
+}
+
+/// Shard `[B, T]` tensors (and `[T]` positions) for this rank; returns them in order, the
+/// positions last.
+fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<Tensor>> {
+    let l = &ctx.layout;
+    let (dp_i, cp_i, tp_i) = ctx.coords;
+    if b % l.dp != 0 {
+        bail!("shard_batch: batch {b} (ids [{b}, {t}]) not divisible by dp = {}", l.dp)
+    }
+    let seq = l.cp_kind.seq_layout();
+    let tc = seq.local_len(t, l.cp)?;
+    let sp = l.seq_parallel();
+    if sp && tc % l.tp != 0 {
+        bail!("shard_batch: local length {tc} (T = {t}, cp = {}) not divisible by tp = {} for sequence parallelism", l.cp, l.tp)
+    }
+    let bl = b / l.dp;
+    let split = |x: &Tensor, dim: usize| -> Result<Tensor> {
+        let mut y = cpshard::shard(x, seq, cp_i, l.cp, dim)?;
+        if sp {
+            y = y.narrow(dim, tp_i * (tc / l.tp), tc / l.tp)?.contiguous()?;
+        }
+        Ok(y)
+    };
+    let mut out = Vec::with_capacity(xs.len() + 1);
+    for x in xs {
+        out.push(split(&x.narrow(0, dp_i * bl, bl)?, 1)?);
+    }
+    out.push(split(pos, 0)?);
+    Ok(out)
+}

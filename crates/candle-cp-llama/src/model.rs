@@ -1,0 +1,263 @@
+//! The Llama decoder: embeddings, RMSNorm, RoPE on global positions, GQA attention through
+//! the layout's (context-parallel) attention, SiLU-gated MLP, tied or untied head, and the
+//! globally reduced next-token loss.
+//!
+//! Shapes on one rank (`B` local batch, `Ts` tokens this rank embeds, `Tc` tokens of its CP
+//! shard: `Ts = Tc / tp` under sequence parallelism, else `Ts = Tc`; `Hl = H / tp`,
+//! `Hkvl = Hkv / tp` heads of its TP shard):
+//! ids `[B, Ts]` → hidden `[B, Ts, h]` → (TP region `[B, Tc, ·]`) → logits `[B, Ts, V]`.
+
+use crate::attn::attend;
+use crate::config::LlamaConfig;
+use crate::layout::{ParallelCtx, IGNORE};
+use crate::params::param_specs;
+use crate::rope::{apply_rope, rope_tables};
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_ops::mappings::{copy_to_tp_region, gather_from_sp_region, reduce_from_tp_region, reduce_scatter_to_sp_region};
+use candle_nn::VarBuilder;
+
+/// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
+fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let (b, t, i) = x.dims3()?;
+    let (o, wi) = w.dims2()?;
+    if wi != i {
+        bail!("linear: input {:?} does not match weight {:?} ([out, in])", x.dims(), w.dims())
+    }
+    x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, o))
+}
+
+/// RMSNorm `x · rsqrt(mean(x²) + eps) · w`, statistics in f32, `x` `[.., h]`, `w` `[h]`.
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dt = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let xn = x32.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
+    xn.to_dtype(dt)?.broadcast_mul(w)
+}
+
+struct Block {
+    input_norm: Tensor,
+    post_norm: Tensor,
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    o: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+}
+
+/// A Llama-style causal LM on one rank of a [`ParallelCtx`]. Weights are this rank's
+/// shards (see [`crate::params`]), held by the `VarBuilder`'s `VarMap` under HF names.
+pub struct Llama {
+    cfg: LlamaConfig,
+    ctx: ParallelCtx,
+    embed: Tensor,
+    blocks: Vec<Block>,
+    norm: Tensor,
+    lm_head: Tensor,
+}
+
+impl Llama {
+    /// Build (or fetch from a `VarMap`-backed `vb`) this rank's weights, HF names, local
+    /// shapes from [`crate::params::param_specs`]. With a fresh `VarMap` the weights are
+    /// initialised per rank by candle: use [`crate::init_params`] + [`crate::shard_params`]
+    /// for replicated weights that agree across ranks.
+    pub fn new(vb: VarBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Self> {
+        cfg.validate()?;
+        ctx.layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+        let tp = ctx.layout.tp;
+        let mut specs = std::collections::HashMap::new();
+        for s in param_specs(cfg) {
+            specs.insert(s.name.clone(), s);
+        }
+        let get = |name: &str| -> Result<Tensor> {
+            let Some(s) = specs.get(name) else { bail!("Llama::new: no parameter spec for {name}") };
+            let std = if name.ends_with("norm.weight") { 0.0 } else { 0.02 };
+            let init = if std == 0.0 {
+                candle_nn::Init::Const(1.0)
+            } else {
+                candle_nn::Init::Randn { mean: 0.0, stdev: std }
+            };
+            vb.get_with_hints(s.local_shape(tp)?, name, init)
+        };
+        let embed = get("model.embed_tokens.weight")?;
+        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
+        for i in 0..cfg.num_hidden_layers {
+            let p = |s: &str| format!("model.layers.{i}.{s}");
+            blocks.push(Block {
+                input_norm: get(&p("input_layernorm.weight"))?,
+                post_norm: get(&p("post_attention_layernorm.weight"))?,
+                q: get(&p("self_attn.q_proj.weight"))?,
+                k: get(&p("self_attn.k_proj.weight"))?,
+                v: get(&p("self_attn.v_proj.weight"))?,
+                o: get(&p("self_attn.o_proj.weight"))?,
+                gate: get(&p("mlp.gate_proj.weight"))?,
+                up: get(&p("mlp.up_proj.weight"))?,
+                down: get(&p("mlp.down_proj.weight"))?,
+            });
+        }
+        let norm = get("model.norm.weight")?;
+        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { get("lm_head.weight")? };
+        Ok(Self { cfg: cfg.clone(), ctx: ctx.clone(), embed, blocks, norm, lm_head })
+    }
+
+    /// The config.
+    pub fn config(&self) -> &LlamaConfig {
+        &self.cfg
+    }
+
+    /// The parallel context.
+    pub fn ctx(&self) -> &ParallelCtx {
+        &self.ctx
+    }
+
+    /// Enter the TP region: `[B, Ts, h]` → `[B, Tc, h]` (SP all-gather) or identity-copy.
+    fn enter_tp(&self, x: &Tensor) -> Result<Tensor> {
+        let l = &self.ctx.layout;
+        if l.tp == 1 {
+            Ok(x.clone())
+        } else if l.sp {
+            gather_from_sp_region(x, &self.ctx.tp, 1)
+        } else {
+            copy_to_tp_region(x, &self.ctx.tp)
+        }
+    }
+
+    /// Leave the TP region: partial `[B, Tc, h]` → summed `[B, Ts, h]`.
+    fn leave_tp(&self, x: &Tensor) -> Result<Tensor> {
+        let l = &self.ctx.layout;
+        if l.tp == 1 {
+            Ok(x.clone())
+        } else if l.sp {
+            reduce_scatter_to_sp_region(x, &self.ctx.tp, 1)
+        } else {
+            reduce_from_tp_region(x, &self.ctx.tp)
+        }
+    }
+
+    /// Global positions of the CP shard (`[Tc]`, host), gathering the SP shards if needed.
+    fn cp_positions(&self, positions: &Tensor) -> Result<Vec<u32>> {
+        let l = &self.ctx.layout;
+        let pos = positions.to_dtype(DType::U32)?;
+        if l.seq_parallel() {
+            // positions < 2^24 are exact in f32 (collectives need a float dtype everywhere)
+            let all = self.ctx.tp.all_gather(&pos.to_dtype(DType::F32)?, 0)?;
+            Ok(all.to_dtype(DType::U32)?.to_vec1::<u32>()?)
+        } else {
+            pos.to_vec1::<u32>()
+        }
+    }
+
+    /// Logits of this rank's tokens.
+    ///
+    /// `input_ids` `[B, Ts]` (u32), `positions` `[Ts]` their global positions (as returned by
+    /// [`crate::shard_batch`]). Returns `[B, Ts, V]` in the weights' dtype.
+    pub fn forward(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let (b, ts) = input_ids.dims2()?;
+        if positions.dims() != [ts] {
+            bail!("Llama::forward: positions {:?} must be [{ts}] for input_ids {:?}", positions.dims(), input_ids.dims())
+        }
+        let cfg = &self.cfg;
+        let (tp, d) = (self.ctx.layout.tp, cfg.head_dim);
+        let (hl, hkvl) = (cfg.num_attention_heads / tp, cfg.num_key_value_heads / tp);
+        let pos = self.cp_positions(positions)?;
+        let (cos, sin) = rope_tables(cfg, &pos, DType::F32, input_ids.device())?;
+        let tc = pos.len();
+        let scale = 1.0 / (d as f64).sqrt();
+        let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
+        let mut x = self.embed.index_select(&ids, 0)?.reshape((b, ts, cfg.hidden_size))?;
+        for blk in &self.blocks {
+            let h = self.enter_tp(&rms_norm(&x, &blk.input_norm, cfg.rms_norm_eps)?)?;
+            let q = linear(&h, &blk.q)?.reshape((b, tc, hl, d))?;
+            let k = linear(&h, &blk.k)?.reshape((b, tc, hkvl, d))?;
+            let v = linear(&h, &blk.v)?.reshape((b, tc, hkvl, d))?;
+            let q = apply_rope(&q, &cos, &sin)?;
+            let k = apply_rope(&k, &cos, &sin)?;
+            let a = attend(&q, &k, &v, &self.ctx, scale)?.reshape((b, tc, hl * d))?;
+            x = (x + self.leave_tp(&linear(&a, &blk.o)?)?)?;
+            let h = self.enter_tp(&rms_norm(&x, &blk.post_norm, cfg.rms_norm_eps)?)?;
+            let g = linear(&h, &blk.gate)?.silu()?;
+            let m = (g * linear(&h, &blk.up)?)?;
+            x = (x + self.leave_tp(&linear(&m, &blk.down)?)?)?;
+        }
+        let x = rms_norm(&x, &self.norm, cfg.rms_norm_eps)?;
+        linear(&x, &self.lm_head)
+    }
+
+    /// Global mean next-token cross-entropy (differentiable), identical on every rank.
+    ///
+    /// `input_ids`, `labels` `[B, Ts]` and `positions` `[Ts]` from [`crate::shard_batch`].
+    /// Returns `(loss, logits)`: `loss` is a scalar f32 `Σ_all ranks nll / #targets`; its
+    /// backward on each rank yields this rank's share of the gradient (sum the shares with
+    /// [`crate::reduce_gradients`]). A rank without targets contributes 0; if no rank has
+    /// any target the loss is 0 (never 0/0).
+    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+        let logits = self.forward(input_ids, positions)?;
+        let (terms, n) = local_nll(&logits, labels)?;
+        let loss = global_mean(&terms, n, self.ctx.token_group())?;
+        Ok((loss, logits))
+    }
+}
+
+/// Per-target `-log p(label)` (f32 `[n]`, differentiable) over the positions whose label is
+/// not [`IGNORE`], and `n`. `logits` `[B, T, V]`, `labels` `[B, T]` u32. With no target the
+/// terms are one `0·Σlogits` (so every rank's graph still reaches the logits) and `n = 0`.
+pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
+    let (b, t, v) = logits.dims3()?;
+    if labels.dims() != [b, t] {
+        bail!("local_nll: labels {:?} must be [{b}, {t}] for logits {:?}", labels.dims(), logits.dims())
+    }
+    let lab: Vec<u32> = labels.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
+    let mut idx = Vec::new();
+    let mut tgt = Vec::new();
+    for (i, &l) in lab.iter().enumerate() {
+        if l != IGNORE {
+            if l as usize >= v {
+                bail!("local_nll: label {l} out of range for vocab {v} (logits {:?})", logits.dims())
+            }
+            idx.push(i as u32);
+            tgt.push(l);
+        }
+    }
+    let dev = logits.device();
+    if idx.is_empty() {
+        return Ok(((logits.to_dtype(DType::F32)?.sum_all()? * 0.0)?.reshape(1)?, 0));
+    }
+    let n = idx.len();
+    let rows = logits.reshape((b * t, v))?.index_select(&Tensor::new(idx, dev)?, 0)?.to_dtype(DType::F32)?;
+    let max = rows.max_keepdim(1)?.detach();
+    let shifted = rows.broadcast_sub(&max)?;
+    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
+    let picked = shifted.gather(&Tensor::new(tgt, dev)?.reshape((n, 1))?, 1)?;
+    (lse - picked)?.reshape(n)
+        .map(|x| (x, n))
+}
+
+/// Global mean `Σ_group terms / max(Σ_group n, 1)` as an f32 scalar, the same value on every
+/// rank of `group`, differentiable w.r.t. this rank's `terms` with gradient `1 / Σ n` each
+/// (identity backward of the reduction: every rank backpropagates the same global scalar
+/// through its own terms; [`crate::reduce_gradients`] then sums the parameter gradients).
+///
+/// The value is summed in f64 on the host (an f32 sum of thousands of terms would be off by
+/// ~1e-5); the graph part only carries the gradient.
+pub fn global_mean(terms: &Tensor, n: usize, group: &candle_cp_comm::Group) -> Result<Tensor> {
+    let local: f64 = terms.to_dtype(DType::F64)?.to_vec1::<f64>()?.iter().sum();
+    let hi = local as f32;
+    let lo = (local - hi as f64) as f32;
+    let row = Tensor::new(&[[hi, lo, n as f32]], &candle_core::Device::Cpu)?;
+    let rows = if group.size() > 1 {
+        group.all_gather(&row.to_device(terms.device())?, 0)?.to_device(&candle_core::Device::Cpu)?
+    } else {
+        row
+    };
+    let (mut total, mut count) = (0f64, 0f64);
+    for r in rows.to_vec2::<f32>()? {
+        total += r[0] as f64 + r[1] as f64;
+        count += r[2] as f64;
+    }
+    let count = count.max(1.0);
+    let graph = (terms.sum_all()? / count)?;
+    let gv = graph.to_scalar::<f32>()? as f64;
+    graph + (total / count - gv)
+}

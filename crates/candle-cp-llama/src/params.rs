@@ -1,0 +1,201 @@
+//! Parameter table of the model: HF names, full shapes, how each is split over TP ranks,
+//! seeded initialisation, sharding a full `VarMap` for one rank, and gathering shards back.
+//!
+//! | parameter                                   | full shape       | TP shard        |
+//! |---------------------------------------------|------------------|-----------------|
+//! | `model.embed_tokens.weight`                 | `[V, h]`         | replicated      |
+//! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
+//! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
+//! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads) |
+//! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
+//! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
+//! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
+//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | replicated      |
+
+use crate::config::LlamaConfig;
+use crate::layout::ParallelCtx;
+use candle_core::{bail, DType, Device, Result, Shape, Tensor, Var};
+use candle_nn::VarMap;
+
+/// How a parameter is split over the TP group.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shard {
+    /// Every TP rank holds the whole tensor.
+    Replicated,
+    /// Split along dim 0 (output features of a column-parallel linear).
+    Rows,
+    /// Split along dim 1 (input features of a row-parallel linear).
+    Cols,
+}
+
+impl Shard {
+    /// The split dimension, if any.
+    pub fn dim(&self) -> Option<usize> {
+        match self {
+            Shard::Replicated => None,
+            Shard::Rows => Some(0),
+            Shard::Cols => Some(1),
+        }
+    }
+}
+
+/// One parameter of the model.
+#[derive(Clone, Debug, PartialEq)]
+pub struct ParamSpec {
+    /// HF name, e.g. `model.layers.0.self_attn.q_proj.weight`.
+    pub name: String,
+    /// Full (unsharded) shape.
+    pub shape: Vec<usize>,
+    /// TP split.
+    pub shard: Shard,
+}
+
+impl ParamSpec {
+    /// The shape one of `tp` ranks holds. Errors if `tp` does not divide the split dim.
+    pub fn local_shape(&self, tp: usize) -> Result<Shape> {
+        let mut s = self.shape.clone();
+        if let Some(d) = self.shard.dim() {
+            if tp == 0 || s[d] % tp != 0 {
+                bail!("parameter {} {:?}: dim {d} not divisible by tp = {tp}", self.name, self.shape)
+            }
+            s[d] /= tp;
+        }
+        Ok(Shape::from(s))
+    }
+
+    /// This TP rank's slice of the full tensor.
+    pub fn slice(&self, full: &Tensor, tp: usize, tp_rank: usize) -> Result<Tensor> {
+        if full.dims() != self.shape.as_slice() {
+            bail!("parameter {}: checkpoint tensor {:?}, expected {:?}", self.name, full.dims(), self.shape)
+        }
+        match self.shard.dim() {
+            None => Ok(full.clone()),
+            Some(d) => {
+                let n = self.local_shape(tp)?.dims()[d];
+                full.narrow(d, tp_rank * n, n)?.contiguous()
+            }
+        }
+    }
+
+    /// Rebuild the full tensor from the local shard (collective over `ctx.tp` for split
+    /// parameters; replicated ones are returned as is).
+    pub fn gather(&self, local: &Tensor, ctx: &ParallelCtx) -> Result<Tensor> {
+        match self.shard.dim() {
+            Some(d) if ctx.layout.tp > 1 => ctx.tp.all_gather(&local.contiguous()?, d),
+            _ => Ok(local.clone()),
+        }
+    }
+}
+
+/// Every parameter of `cfg`, in HF order (embedding, layers, final norm, head).
+pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
+    let (v, h, i) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
+    let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+    let mut out = Vec::new();
+    let mut add = |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
+    add("model.embed_tokens.weight".into(), vec![v, h], Shard::Replicated);
+    for l in 0..cfg.num_hidden_layers {
+        let p = |s: &str| format!("model.layers.{l}.{s}");
+        add(p("input_layernorm.weight"), vec![h], Shard::Replicated);
+        add(p("self_attn.q_proj.weight"), vec![qd, h], Shard::Rows);
+        add(p("self_attn.k_proj.weight"), vec![kd, h], Shard::Rows);
+        add(p("self_attn.v_proj.weight"), vec![kd, h], Shard::Rows);
+        add(p("self_attn.o_proj.weight"), vec![h, qd], Shard::Cols);
+        add(p("post_attention_layernorm.weight"), vec![h], Shard::Replicated);
+        add(p("mlp.gate_proj.weight"), vec![i, h], Shard::Rows);
+        add(p("mlp.up_proj.weight"), vec![i, h], Shard::Rows);
+        add(p("mlp.down_proj.weight"), vec![h, i], Shard::Cols);
+    }
+    add("model.norm.weight".into(), vec![h], Shard::Replicated);
+    if !cfg.tie_word_embeddings {
+        add("lm_head.weight".into(), vec![v, h], Shard::Replicated);
+    }
+    out
+}
+
+/// SplitMix64 → standard normals (Box–Muller), for seeded, rank-independent init.
+struct Normal(u64);
+
+impl Normal {
+    fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut z = self.0;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        z ^ (z >> 31)
+    }
+    fn uniform(&mut self) -> f64 {
+        ((self.next_u64() >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    }
+    fn sample(&mut self) -> f64 {
+        let (u1, u2) = (self.uniform(), self.uniform());
+        (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+    }
+}
+
+/// A full (unsharded) model with HF's default init — N(0, 0.02²) matrices, norms 1 —
+/// drawn from `seed` (each tensor from its own stream keyed by its name), so every rank
+/// that calls it gets the same weights. Vars in `dtype` on `device`.
+pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<VarMap> {
+    cfg.validate()?;
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        for s in param_specs(cfg) {
+            let n: usize = s.shape.iter().product();
+            let t = if s.shape.len() == 1 {
+                Tensor::ones(s.shape.as_slice(), DType::F32, &Device::Cpu)?
+            } else {
+                let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
+                for b in s.name.bytes() {
+                    key = (key ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+                }
+                let mut rng = Normal(key);
+                let v: Vec<f32> = (0..n).map(|_| (0.02 * rng.sample()) as f32).collect();
+                Tensor::from_vec(v, s.shape.as_slice(), &Device::Cpu)?
+            };
+            data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?);
+        }
+    }
+    Ok(vm)
+}
+
+/// Full tensor of every parameter in `full` by name (cheap clones of the Vars' tensors).
+pub fn varmap_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, Tensor>> {
+    let data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+    Ok(data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect())
+}
+
+/// This rank's `VarMap`: fresh Vars (own storage, safe to update in place on each rank)
+/// holding its TP slice of every parameter of the full model `full` (e.g. from
+/// [`crate::load_hf`] or [`init_params`]). Errors name a missing or mis-shaped tensor.
+pub fn shard_params(full: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<VarMap> {
+    let tensors = varmap_tensors(full)?;
+    shard_tensors(&tensors, cfg, ctx)
+}
+
+/// [`shard_params`] from a name → full tensor map.
+pub fn shard_tensors(full: &std::collections::HashMap<String, Tensor>, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<VarMap> {
+    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
+    let vm = VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        for s in param_specs(cfg) {
+            let Some(t) = full.get(&s.name) else { bail!("shard_params: missing parameter {} {:?}", s.name, s.shape) };
+            let local = s.slice(t, tp, tp_rank)?;
+            data.insert(s.name.clone(), Var::from_tensor(&local.detach())?);
+        }
+    }
+    Ok(vm)
+}
+
+/// Full tensors of every parameter (collective over the TP group: all ranks call it),
+/// in [`param_specs`] order. `local` maps names to this rank's shards (Vars or gradients).
+pub fn gather_full(local: &std::collections::HashMap<String, Tensor>, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    for s in param_specs(cfg) {
+        let Some(t) = local.get(&s.name) else { bail!("gather_full: missing parameter {}", s.name) };
+        out.push((s.name.clone(), s.gather(t, ctx)?));
+    }
+    Ok(out)
+}

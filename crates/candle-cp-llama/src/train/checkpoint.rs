@@ -1,0 +1,160 @@
+//! Checkpoint directories: atomic publication and the training state that goes with the
+//! model weights (step, data position, seed, layout).
+//!
+//! Layout of a run's output directory:
+//! ```text
+//! <out>/checkpoints/step-000120/   config.json, model.safetensors (HF format),
+//!                                  optimizer-rank<r>.safetensors, train_state.json
+//! <out>/checkpoints/latest         text file: the name of the newest complete checkpoint
+//! ```
+//! A checkpoint is written into `.tmp-step-XXXXXX/`, then renamed; `latest` is replaced by a
+//! rename too. A run killed at any moment leaves either the previous or the new checkpoint,
+//! never a half-written one.
+
+use serde::{Deserialize, Serialize};
+use std::path::{Path, PathBuf};
+
+/// Everything besides weights and optimizer moments that a resumed run needs.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct TrainState {
+    /// Optimizer steps completed.
+    pub step: usize,
+    /// Run seed (data streams and initial weights derive from it).
+    pub seed: u64,
+    /// Data position: micro-batches consumed (`step · grad_accum`). Batches are a pure
+    /// function of (seed, step, micro-batch, DP rank), so this is the whole data state.
+    pub micro_batches_done: usize,
+    /// Tokens trained on so far (whole world).
+    pub tokens_seen: u64,
+    /// Wall time spent in training before this checkpoint, seconds.
+    pub elapsed_s: f64,
+    /// World size of the run that wrote the checkpoint (optimizer files are per rank).
+    pub world_size: usize,
+    /// Human-readable layout (e.g. `zigzag cp=4 tp=1 dp=1`), checked on resume.
+    pub layout: String,
+    /// Free-form run arguments, for the record.
+    pub args: serde_json::Value,
+}
+
+impl TrainState {
+    /// Write as pretty JSON.
+    pub fn save(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
+        std::fs::write(path, serde_json::to_string_pretty(self).map_err(std::io::Error::other)?)
+    }
+    /// Read from JSON.
+    pub fn load(path: impl AsRef<Path>) -> std::io::Result<Self> {
+        let text = std::fs::read_to_string(path)?;
+        serde_json::from_str(&text).map_err(std::io::Error::other)
+    }
+}
+
+/// Name of the checkpoint directory of `step`.
+pub fn checkpoint_name(step: usize) -> String {
+    format!("step-{step:06}")
+}
+
+/// Where the files of a checkpoint in progress go: `<root>/.tmp-step-XXXXXX` (emptied).
+pub fn begin_checkpoint(root: impl AsRef<Path>, step: usize) -> std::io::Result<PathBuf> {
+    let tmp = root.as_ref().join(format!(".tmp-{}", checkpoint_name(step)));
+    if tmp.exists() {
+        std::fs::remove_dir_all(&tmp)?;
+    }
+    std::fs::create_dir_all(&tmp)?;
+    Ok(tmp)
+}
+
+/// Publish a checkpoint written by [`begin_checkpoint`]: rename it to `<root>/step-XXXXXX`
+/// (replacing an older one of the same step), point `latest` at it, and keep only the
+/// newest `keep` checkpoints (0 = keep all). Returns the final directory.
+pub fn commit_checkpoint(root: impl AsRef<Path>, step: usize, keep: usize) -> std::io::Result<PathBuf> {
+    let root = root.as_ref();
+    let name = checkpoint_name(step);
+    let tmp = root.join(format!(".tmp-{name}"));
+    let dst = root.join(&name);
+    if dst.exists() {
+        std::fs::remove_dir_all(&dst)?;
+    }
+    std::fs::rename(&tmp, &dst)?;
+    let latest_tmp = root.join("latest.tmp");
+    std::fs::write(&latest_tmp, &name)?;
+    std::fs::rename(&latest_tmp, root.join("latest"))?;
+    if keep > 0 {
+        let mut all = list_checkpoints(root)?;
+        all.sort();
+        let n = all.len();
+        for (s, p) in all.into_iter().take(n.saturating_sub(keep)) {
+            if s != step {
+                std::fs::remove_dir_all(p)?;
+            }
+        }
+    }
+    Ok(dst)
+}
+
+/// Complete checkpoints under `root` as (step, path).
+pub fn list_checkpoints(root: impl AsRef<Path>) -> std::io::Result<Vec<(usize, PathBuf)>> {
+    let mut out = vec![];
+    if !root.as_ref().exists() {
+        return Ok(out);
+    }
+    for e in std::fs::read_dir(root)? {
+        let e = e?;
+        let name = e.file_name().to_string_lossy().to_string();
+        if let Some(s) = name.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok()) {
+            if e.path().join("train_state.json").exists() {
+                out.push((s, e.path()));
+            }
+        }
+    }
+    out.sort();
+    Ok(out)
+}
+
+/// The newest complete checkpoint under `root` (from `latest`, else the highest step).
+pub fn latest_checkpoint(root: impl AsRef<Path>) -> std::io::Result<Option<PathBuf>> {
+    let root = root.as_ref();
+    if let Ok(name) = std::fs::read_to_string(root.join("latest")) {
+        let p = root.join(name.trim());
+        if p.join("train_state.json").exists() {
+            return Ok(Some(p));
+        }
+    }
+    Ok(list_checkpoints(root)?.pop().map(|(_, p)| p))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn checkpoints_are_published_atomically_and_pruned() -> std::io::Result<()> {
+        let root = std::env::temp_dir().join(format!("ckpt-test-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&root);
+        let state = |step| TrainState {
+            step,
+            seed: 1,
+            micro_batches_done: step * 2,
+            tokens_seen: 10,
+            elapsed_s: 1.5,
+            world_size: 4,
+            layout: "zigzag cp=4".into(),
+            args: serde_json::json!({"lr": 1e-3}),
+        };
+        assert_eq!(latest_checkpoint(&root)?, None);
+        for step in [10, 20, 30] {
+            let tmp = begin_checkpoint(&root, step)?;
+            state(step).save(tmp.join("train_state.json"))?;
+            commit_checkpoint(&root, step, 2)?;
+        }
+        // An unfinished checkpoint (killed mid-write) is ignored.
+        let tmp = begin_checkpoint(&root, 40)?;
+        std::fs::write(tmp.join("model.safetensors"), b"partial")?;
+        let latest = latest_checkpoint(&root)?.unwrap();
+        assert!(latest.ends_with("step-000030"));
+        assert_eq!(TrainState::load(latest.join("train_state.json"))?, state(30));
+        let steps: Vec<usize> = list_checkpoints(&root)?.into_iter().map(|(s, _)| s).collect();
+        assert_eq!(steps, [20, 30]);
+        std::fs::remove_dir_all(&root)?;
+        Ok(())
+    }
+}

@@ -1,0 +1,135 @@
+//! Per-step training metrics: a JSON-lines log (one object per optimizer step) that survives
+//! restarts, and the process's peak memory.
+
+use serde::{Deserialize, Serialize};
+use std::io::{BufRead, Write};
+use std::path::{Path, PathBuf};
+
+/// One optimizer step's measurements.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct StepMetrics {
+    /// Optimizer step, 1-based (the state after this many updates).
+    pub step: usize,
+    /// Mean next-token cross-entropy over all targets of the step's batch (all micro-batches).
+    pub loss: f64,
+    /// Mean cross-entropy over the long-range targets only (`NaN` → `null` when none).
+    pub long_range_loss: Option<f64>,
+    /// Learning rate used for this update.
+    pub lr: f64,
+    /// Global gradient norm before clipping.
+    pub grad_norm: f64,
+    /// Tokens processed per second in this step (whole world).
+    pub tokens_per_s: f64,
+    /// Wall time since the (first) start of the run, in seconds.
+    pub elapsed_s: f64,
+    /// Peak resident memory of the process so far (VmHWM), MiB; `None` where unavailable.
+    pub peak_rss_mib: Option<f64>,
+}
+
+/// Append-only JSON-lines metrics file.
+pub struct MetricsLog {
+    path: PathBuf,
+}
+
+impl MetricsLog {
+    /// Open `path` for appending. With `resume_step = Some(s)`, rows of steps after `s` (from a
+    /// run that was killed after its last checkpoint) are dropped first, so the log continues
+    /// exactly where the checkpoint did; with `None` any existing file is truncated.
+    pub fn open(path: impl AsRef<Path>, resume_step: Option<usize>) -> std::io::Result<Self> {
+        let path = path.as_ref().to_path_buf();
+        let keep: Vec<StepMetrics> = match resume_step {
+            Some(s) if path.exists() => Self::read(&path)?.into_iter().filter(|r| r.step <= s).collect(),
+            _ => vec![],
+        };
+        let tmp = path.with_extension("jsonl.tmp");
+        {
+            let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
+            for r in &keep {
+                writeln!(f, "{}", serde_json::to_string(r).map_err(std::io::Error::other)?)?;
+            }
+            f.flush()?;
+        }
+        std::fs::rename(&tmp, &path)?;
+        Ok(Self { path })
+    }
+
+    /// Append one row (flushed at once).
+    pub fn append(&self, row: &StepMetrics) -> std::io::Result<()> {
+        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&self.path)?;
+        writeln!(f, "{}", serde_json::to_string(row).map_err(std::io::Error::other)?)
+    }
+
+    /// All rows of the file at `path`.
+    pub fn read(path: impl AsRef<Path>) -> std::io::Result<Vec<StepMetrics>> {
+        let f = std::io::BufReader::new(std::fs::File::open(path)?);
+        let mut rows = vec![];
+        for line in f.lines() {
+            let line = line?;
+            if line.trim().is_empty() {
+                continue;
+            }
+            rows.push(serde_json::from_str(&line).map_err(std::io::Error::other)?);
+        }
+        Ok(rows)
+    }
+
+    /// Path of the file.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+}
+
+/// Peak resident set size of this process (`VmHWM` from `/proc/self/status`), in bytes.
+/// `None` on systems without procfs. With thread ranks this is the whole process (all ranks).
+pub fn peak_rss_bytes() -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with("VmHWM:"))?;
+    let kb: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kb * 1024)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn row(step: usize) -> StepMetrics {
+        StepMetrics {
+            step,
+            loss: 1.0 / step as f64,
+            long_range_loss: if step % 2 == 0 { Some(0.5) } else { None },
+            lr: 1e-3,
+            grad_norm: 0.1,
+            tokens_per_s: 100.0,
+            elapsed_s: step as f64,
+            peak_rss_mib: Some(10.0),
+        }
+    }
+
+    #[test]
+    fn log_round_trips_and_resume_drops_rows_after_the_checkpoint() -> std::io::Result<()> {
+        let dir = std::env::temp_dir().join(format!("metrics-test-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        let p = dir.join("m.jsonl");
+        let log = MetricsLog::open(&p, None)?;
+        for s in 1..=5 {
+            log.append(&row(s))?;
+        }
+        assert_eq!(MetricsLog::read(&p)?, (1..=5).map(row).collect::<Vec<_>>());
+        let log = MetricsLog::open(&p, Some(3))?;
+        assert_eq!(MetricsLog::read(&p)?.len(), 3);
+        log.append(&row(4))?;
+        assert_eq!(MetricsLog::read(&p)?, (1..=4).map(row).collect::<Vec<_>>());
+        MetricsLog::open(&p, None)?;
+        assert!(MetricsLog::read(&p)?.is_empty());
+        std::fs::remove_dir_all(&dir)?;
+        Ok(())
+    }
+
+    #[test]
+    fn peak_rss_is_reported_on_linux() {
+        if cfg!(target_os = "linux") {
+            let b = peak_rss_bytes().unwrap();
+            assert!(b > 1 << 20, "{b}");
+        }
+    }
+}

@@ -1,0 +1,24 @@
+//! Training utilities for the fine-tuning example and for users' own training loops:
+//! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), AdamW with
+//! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
+//! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
+//! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
+
+pub mod checkpoint;
+pub mod clip;
+pub mod data;
+pub mod metrics;
+pub mod optim;
+pub mod plot;
+pub mod rng;
+pub mod schedule;
+pub mod trainer;
+
+pub use checkpoint::TrainState;
+pub use clip::{clip_factor, global_norm};
+pub use data::{DataSource, KvRecall, Sample, TokenStream};
+pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
+pub use optim::{AdamW, AdamWConfig};
+pub use rng::Rng;
+pub use schedule::WarmupCosine;
+pub use trainer::{plot_metrics, train_rank, ModelSource, TrainConfig, TrainOutcome};

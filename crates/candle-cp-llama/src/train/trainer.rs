@@ -1,0 +1,344 @@
+//! The training loop of one rank: data → shard → loss → backward (with gradient
+//! accumulation) → gradient reduction → global-norm clipping → AdamW, plus metrics,
+//! loss plot and atomic, resumable checkpoints.
+//!
+//! Every rank runs [`train_rank`] with the same [`TrainConfig`] (e.g. inside
+//! `candle_cp_comm::run_ranks`). Batches are regenerated from (seed, step, micro-batch), so a
+//! resumed run sees exactly the batches the uninterrupted run would have seen.
+
+use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
+use super::clip::{clip_factor, global_norm};
+use super::data::DataSource;
+use super::metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
+use super::optim::{AdamW, AdamWConfig};
+use super::plot::{write_line_plot, Series};
+use super::schedule::WarmupCosine;
+use crate::{
+    gather_full, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors, shard_batch,
+    shard_params, Layout, Llama, LlamaConfig, ParallelCtx, Shard, IGNORE,
+};
+use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_cp_comm::Group;
+use candle_nn::{VarBuilder, VarMap};
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::time::Instant;
+
+/// Where the initial weights come from.
+#[derive(Debug, Clone)]
+pub enum ModelSource {
+    /// Random init of this architecture ([`crate::init_params`] with the run seed).
+    Init(LlamaConfig),
+    /// A Hugging Face Llama checkpoint directory (`config.json` + safetensors).
+    Hf(PathBuf),
+}
+
+/// Everything a run needs; identical on every rank.
+#[derive(Debug, Clone)]
+pub struct TrainConfig {
+    /// Parallel layout (world size `dp · cp · tp`).
+    pub layout: Layout,
+    /// Initial weights.
+    pub model: ModelSource,
+    /// Training sequences.
+    pub data: DataSource,
+    /// Global sequence length `T`.
+    pub seq_len: usize,
+    /// Global rows per micro-batch (split over DP; must be divisible by `layout.dp`).
+    pub batch: usize,
+    /// Micro-batches per optimizer step (gradients are averaged over them).
+    pub grad_accum: usize,
+    /// Optimizer steps of the whole run (also the schedule's length).
+    pub steps: usize,
+    /// Learning-rate schedule.
+    pub schedule: WarmupCosine,
+    /// AdamW hyper-parameters.
+    pub adamw: AdamWConfig,
+    /// Clip the global gradient norm to this (≤ 0: no clipping).
+    pub clip: f64,
+    /// Run seed (weights of a random init, data).
+    pub seed: u64,
+    /// Output directory (metrics.jsonl, loss.png, checkpoints/); `None`: nothing written.
+    pub out: Option<PathBuf>,
+    /// Checkpoint every this many steps (0: only at the end of the run).
+    pub save_every: usize,
+    /// Keep the newest `keep` checkpoints (0: all).
+    pub keep: usize,
+    /// Continue from the newest checkpoint in `out/checkpoints` if there is one.
+    pub resume: bool,
+    /// Stop (as if killed) after this step, without the end-of-run checkpoint — for testing
+    /// resume. `None`: run to `steps`.
+    pub stop_after: Option<usize>,
+    /// Weight dtype (F32 for training on CPU).
+    pub dtype: DType,
+    /// Free-form arguments stored in every checkpoint's `train_state.json`.
+    pub args: serde_json::Value,
+}
+
+/// What [`train_rank`] returns.
+#[derive(Debug, Clone)]
+pub struct TrainOutcome {
+    /// Metrics of the steps run by THIS call (not the ones before a resume).
+    pub metrics: Vec<StepMetrics>,
+    /// Step the run started from (0, or the resumed checkpoint's step).
+    pub start_step: usize,
+    /// Model config used.
+    pub config: LlamaConfig,
+    /// Number of parameters of the full model.
+    pub n_params: usize,
+}
+
+fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
+    candle_core::Error::Msg(format!("{what} {}: {e}", p.display()))
+}
+
+/// Sum of (nll, count) over this rank's long-range targets; `logits` `[B, Ts, V]`, `labels`
+/// and `mask` `[B, Ts]` u32 (mask 1 = long-range target). No graph.
+fn long_range_terms(logits: &Tensor, labels: &Tensor, mask: &Tensor) -> Result<(f64, f64)> {
+    let m: Vec<u32> = mask.flatten_all()?.to_vec1()?;
+    if !m.iter().any(|&x| x == 1) {
+        return Ok((0.0, 0.0));
+    }
+    let (b, t, v) = logits.dims3()?;
+    let lab: Vec<u32> = labels.flatten_all()?.to_vec1()?;
+    let (mut idx, mut tgt) = (vec![], vec![]);
+    for (i, (&l, &mk)) in lab.iter().zip(m.iter()).enumerate() {
+        if mk == 1 && l != IGNORE {
+            idx.push(i as u32);
+            tgt.push(l);
+        }
+    }
+    let dev = logits.device();
+    let n = idx.len();
+    if n == 0 {
+        return Ok((0.0, 0.0));
+    }
+    let rows = logits.detach().reshape((b * t, v))?.index_select(&Tensor::new(idx, dev)?, 0)?.to_dtype(DType::F32)?;
+    let lsm = candle_nn::ops::log_softmax(&rows, D::Minus1)?;
+    let picked = lsm.gather(&Tensor::new(tgt, dev)?.reshape((n, 1))?, 1)?;
+    let s = picked.to_dtype(DType::F64)?.sum_all()?.to_scalar::<f64>()?;
+    Ok((-s, n as f64))
+}
+
+/// Global batch `[B, T]` of token ids and of long-range flags for one micro-batch.
+fn global_batch(cfg: &TrainConfig, step: usize, micro: usize, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let rows = cfg.data.batch(cfg.seed, step, micro, 0, cfg.batch, cfg.seq_len)?;
+    let ids: Vec<u32> = rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+    let mask: Vec<u32> = rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
+    let shape = (cfg.batch, cfg.seq_len);
+    Ok((Tensor::from_vec(ids, shape, dev)?, Tensor::from_vec(mask, shape, dev)?))
+}
+
+fn local_tensors(varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
+    let data = varmap.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+    Ok(data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect())
+}
+
+/// Write `loss.png` (loss and long-range loss per step) from the metrics file.
+pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
+    let rows = MetricsLog::read(metrics_path).map_err(|e| ioe("reading", metrics_path, e))?;
+    let loss: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.loss)).collect();
+    let lr: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.long_range_loss.unwrap_or(f64::NAN))).collect();
+    let mut series = vec![Series { label: "loss", color: [31, 119, 180], points: &loss }];
+    if lr.iter().any(|p| p.1.is_finite()) {
+        series.push(Series { label: "long-range loss", color: [214, 39, 40], points: &lr });
+    }
+    write_line_plot(png_path, 800, 480, &series).map_err(|e| ioe("writing", png_path, e))
+}
+
+/// Run (or resume) training on this rank. Collective over `world`; every rank gets the same
+/// metrics. `on_step` is called on world rank 0 after every optimizer step.
+pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetrics) + Sync)) -> Result<TrainOutcome> {
+    let rank = world.rank();
+    let dev = Device::Cpu;
+    if cfg.grad_accum == 0 || cfg.batch == 0 || cfg.steps == 0 {
+        bail!("train: grad_accum ({}), batch ({}) and steps ({}) must be > 0", cfg.grad_accum, cfg.batch, cfg.steps)
+    }
+    if cfg.batch % cfg.layout.dp != 0 {
+        bail!("train: batch {} must be divisible by dp = {}", cfg.batch, cfg.layout.dp)
+    }
+    let ctx = ParallelCtx::new(world.clone(), cfg.layout)?;
+    let ckpt_root = cfg.out.as_ref().map(|o| o.join("checkpoints"));
+
+    // Initial state: a checkpoint to resume, a HF checkpoint, or a random init.
+    let resume_from = match (&ckpt_root, cfg.resume) {
+        (Some(root), true) => latest_checkpoint(root).map_err(|e| ioe("reading", root, e))?,
+        _ => None,
+    };
+    let (full, mcfg, state) = match (&resume_from, &cfg.model) {
+        (Some(dir), _) => {
+            let st = TrainState::load(dir.join("train_state.json")).map_err(|e| ioe("reading", dir, e))?;
+            if st.world_size != world.size() || st.layout != cfg.layout.to_string() {
+                bail!(
+                    "resume: checkpoint {} was written by layout '{}' on {} ranks, this run is '{}' on {}",
+                    dir.display(),
+                    st.layout,
+                    st.world_size,
+                    cfg.layout,
+                    world.size()
+                )
+            }
+            let (vm, c) = load_hf(dir, &dev, cfg.dtype)?;
+            (vm, c, Some(st))
+        }
+        (None, ModelSource::Hf(dir)) => {
+            let (vm, c) = load_hf(dir, &dev, cfg.dtype)?;
+            (vm, c, None)
+        }
+        (None, ModelSource::Init(c)) => (init_params(c, cfg.seed, cfg.dtype, &dev)?, c.clone(), None),
+    };
+    cfg.layout.validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
+    if cfg.data.vocab_needed() > mcfg.vocab_size {
+        bail!("train: data uses {} token ids, model vocabulary is {}", cfg.data.vocab_needed(), mcfg.vocab_size)
+    }
+    let n_params: usize = param_specs(&mcfg).iter().map(|s| s.shape.iter().product::<usize>()).sum();
+    let varmap = shard_params(&full, &mcfg, &ctx)?;
+    drop(full);
+    let model = Llama::new(VarBuilder::from_varmap(&varmap, cfg.dtype, &dev), &mcfg, &ctx)?;
+    let named_vars: Vec<(String, candle_core::Var)> = {
+        let data = varmap.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+    };
+    let sharded: HashMap<String, bool> =
+        param_specs(&mcfg).into_iter().map(|s| (s.name, !matches!(s.shard, Shard::Replicated))).collect();
+    let mut opt = AdamW::new(named_vars, cfg.adamw)?;
+    let opt_file = |dir: &Path| dir.join(format!("optimizer-rank{rank}.safetensors"));
+    let (start_step, mut tokens_seen, prev_elapsed) = match (&resume_from, &state) {
+        (Some(dir), Some(st)) => {
+            opt.load(opt_file(dir))?;
+            if opt.step != st.step {
+                bail!("resume: optimizer state at step {} but train_state at step {}", opt.step, st.step)
+            }
+            (st.step, st.tokens_seen, st.elapsed_s)
+        }
+        _ => (0, 0, 0.0),
+    };
+
+    let is_main = rank == 0;
+    let metrics_path = cfg.out.as_ref().map(|o| o.join("metrics.jsonl"));
+    let log = match (&metrics_path, is_main) {
+        (Some(p), true) => {
+            if let Some(o) = &cfg.out {
+                std::fs::create_dir_all(o).map_err(|e| ioe("creating", o, e))?;
+            }
+            let resume_step = resume_from.as_ref().map(|_| start_step);
+            Some(MetricsLog::open(p, resume_step).map_err(|e| ioe("opening", p, e))?)
+        }
+        _ => None,
+    };
+
+    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64| -> Result<()> {
+        let Some(root) = &ckpt_root else { return Ok(()) };
+        if is_main {
+            begin_checkpoint(root, step).map_err(|e| ioe("creating checkpoint in", root, e))?;
+        }
+        world.barrier()?;
+        let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
+        let full = gather_full(&local_tensors(&varmap)?, &mcfg, &ctx)?;
+        if is_main {
+            save_hf_tensors(&tmp, &full, &mcfg)?;
+        }
+        opt.save(opt_file(&tmp))?;
+        world.barrier()?;
+        if is_main {
+            let st = TrainState {
+                step,
+                seed: cfg.seed,
+                micro_batches_done: step * cfg.grad_accum,
+                tokens_seen,
+                elapsed_s: elapsed,
+                world_size: world.size(),
+                layout: cfg.layout.to_string(),
+                args: cfg.args.clone(),
+            };
+            st.save(tmp.join("train_state.json")).map_err(|e| ioe("writing", &tmp, e))?;
+            commit_checkpoint(root, step, cfg.keep).map_err(|e| ioe("publishing checkpoint in", root, e))?;
+        }
+        world.barrier()
+    };
+
+    let t_start = Instant::now();
+    let mut out = Vec::new();
+    let tokens_per_step = (cfg.batch * cfg.seq_len * cfg.grad_accum) as u64;
+    let token_group = ctx.token_group().clone();
+    for step in start_step..cfg.steps {
+        let t0 = Instant::now();
+        let lr = cfg.schedule.lr(step);
+        let mut acc: Option<candle_core::backprop::GradStore> = None;
+        let (mut loss_sum, mut lr_sum, mut lr_n) = (0f64, 0f64, 0f64);
+        for micro in 0..cfg.grad_accum {
+            let (ids, mask) = global_batch(cfg, step, micro, &dev)?;
+            let sb = shard_batch(&ids, &ctx)?;
+            let mb = shard_batch(&mask, &ctx)?;
+            let (loss, logits) = model.loss(&sb.input_ids, &sb.labels, &sb.positions)?;
+            loss_sum += loss.to_scalar::<f32>()? as f64;
+            let (s, n) = long_range_terms(&logits, &sb.labels, &mb.labels)?;
+            lr_sum += s;
+            lr_n += n;
+            let g = loss.backward()?;
+            acc = Some(match acc {
+                None => g,
+                Some(mut a) => {
+                    for (_, var) in opt.params() {
+                        if let Some(gi) = g.get(var.as_tensor()) {
+                            let sum = match a.get(var.as_tensor()) {
+                                Some(ai) => (ai + gi)?,
+                                None => gi.clone(),
+                            };
+                            a.insert(var.as_tensor(), sum);
+                        }
+                    }
+                    a
+                }
+            });
+        }
+        let Some(mut grads) = acc else { bail!("train: no micro-batch ran") };
+        reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
+        let named = named_grads(&grads, &varmap)?;
+        let mut items: Vec<(Tensor, bool)> = Vec::with_capacity(named.len());
+        let mut names: Vec<&String> = named.keys().collect();
+        names.sort();
+        for n in names {
+            items.push((named[n].clone(), sharded.get(n).copied().unwrap_or(false)));
+        }
+        let inv_accum = 1.0 / cfg.grad_accum as f64;
+        let norm = global_norm(&items, Some(&ctx.tp))? * inv_accum;
+        let factor = clip_factor(norm, cfg.clip);
+        opt.step(&named, lr, factor * inv_accum)?;
+        // Long-range loss over all ranks holding distinct tokens.
+        let lr_t = Tensor::new(&[lr_sum as f32, lr_n as f32], &dev)?;
+        let lr_t = if token_group.size() > 1 { token_group.all_reduce(&lr_t)? } else { lr_t };
+        let lr_v = lr_t.to_vec1::<f32>()?;
+        tokens_seen += tokens_per_step;
+        let dt = t0.elapsed().as_secs_f64();
+        let row = StepMetrics {
+            step: step + 1,
+            loss: loss_sum * inv_accum,
+            long_range_loss: if lr_v[1] > 0.0 { Some(lr_v[0] as f64 / lr_v[1] as f64) } else { None },
+            lr,
+            grad_norm: norm,
+            tokens_per_s: tokens_per_step as f64 / dt.max(1e-9),
+            elapsed_s: prev_elapsed + t_start.elapsed().as_secs_f64(),
+            peak_rss_mib: peak_rss_bytes().map(|b| b as f64 / (1 << 20) as f64),
+        };
+        if let Some(log) = &log {
+            log.append(&row).map_err(|e| ioe("writing", log.path(), e))?;
+        }
+        if is_main {
+            on_step(&row);
+        }
+        out.push(row);
+        let done = step + 1;
+        if cfg.stop_after == Some(done) {
+            return Ok(TrainOutcome { metrics: out, start_step, config: mcfg, n_params });
+        }
+        let last = done == cfg.steps;
+        if last || (cfg.save_every > 0 && done % cfg.save_every == 0) {
+            save(done, &opt, tokens_seen, prev_elapsed + t_start.elapsed().as_secs_f64())?;
+            if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
+                plot_metrics(p, &o.join("loss.png"))?;
+            }
+        }
+    }
+    Ok(TrainOutcome { metrics: out, start_step, config: mcfg, n_params })
+}

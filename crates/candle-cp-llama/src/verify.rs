@@ -1,0 +1,237 @@
+//! Check a parallel layout against reference data: a HF checkpoint directory plus a
+//! `reference.safetensors` holding `input_ids [B, T]` (int), `logits [B, T, V]`, `loss []`
+//! and `grad.<name>` for every parameter (the oracle format of `tests/data/oracle/`).
+//!
+//! [`run_layout`] runs the layout on thread ranks (forward, global loss, backward, gradient
+//! reduction), gathers the global logits (unsharding by each rank's global positions) and
+//! the full gradients; [`compare`] measures it against the reference.
+
+use crate::config::LlamaConfig;
+use crate::grads::{named_grads, reduce_gradients};
+use crate::hf::load_safetensors_dir;
+use crate::layout::{shard_batch, Layout, ParallelCtx};
+use crate::model::Llama;
+use crate::params::{gather_full, param_specs, shard_tensors};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// Reference data of one checkpoint.
+pub struct Reference {
+    /// `[B, T]` u32 token ids.
+    pub input_ids: Tensor,
+    /// `[B, T, V]` f32.
+    pub logits: Tensor,
+    /// Mean next-token loss.
+    pub loss: f64,
+    /// `d loss / d parameter` by parameter name, full shapes, f32.
+    pub grads: HashMap<String, Tensor>,
+}
+
+/// Load `reference.safetensors` (see the module doc) on the CPU.
+pub fn load_reference(path: impl AsRef<Path>) -> Result<Reference> {
+    let path = path.as_ref();
+    let mut t = candle_core::safetensors::load(path, &Device::Cpu)
+        .map_err(|e| candle_core::Error::Msg(format!("reading reference {}: {e}", path.display())))?;
+    let mut take = |k: &str| t.remove(k).ok_or_else(|| candle_core::Error::Msg(format!("{}: no tensor `{k}`", path.display())));
+    let ids = take("input_ids")?;
+    let logits = take("logits")?.to_dtype(DType::F32)?;
+    let loss = take("loss")?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+    if ids.rank() != 2 || logits.rank() != 3 || loss.len() != 1 {
+        bail!("{}: need input_ids [B, T], logits [B, T, V], loss [] (got {:?}, {:?}, {} values)", path.display(), ids.dims(), logits.dims(), loss.len())
+    }
+    let ids = ids.to_dtype(DType::I64)?.to_dtype(DType::U32)?;
+    let grads = t
+        .into_iter()
+        .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
+        .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
+        .collect::<Result<HashMap<_, _>>>()?;
+    Ok(Reference { input_ids: ids, logits, loss: loss[0], grads })
+}
+
+/// Result of one layout run, gathered on the host.
+pub struct LayoutRun {
+    /// Global logits `[B, T, V]` f32, rebuilt from every rank's shard.
+    pub logits: Tensor,
+    /// Loss reported by rank 0.
+    pub loss: f64,
+    /// Largest difference between ranks' losses.
+    pub loss_spread: f64,
+    /// Full reduced gradients (rank 0's), in [`param_specs`] order.
+    pub grads: Vec<(String, Tensor)>,
+    /// Largest |difference| between any rank's full gradient and rank 0's.
+    pub grad_spread: f64,
+}
+
+struct RankOut {
+    logits: Vec<f32>,
+    positions: Vec<u32>,
+    rows: (usize, usize),
+    loss: f64,
+    grads: Vec<(String, Tensor)>,
+}
+
+/// Run `layout` on `layout.world_size()` thread ranks: every rank shards `full` (name → full
+/// f32 tensor) and the global batch `ids [B, T]`, computes logits and the global loss,
+/// backpropagates, reduces and gathers the gradients. Compute runs on `device`.
+pub fn run_layout(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, layout: Layout, device: &Device) -> Result<LayoutRun> {
+    layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+    let (b, t) = ids.dims2()?;
+    let v = cfg.vocab_size;
+    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
+    let full_dev: HashMap<String, Tensor> =
+        full.iter().map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?))).collect::<Result<_>>()?;
+    let ids_dev = ids.to_device(device)?;
+    let outs = run_ranks_with(layout.world_size(), opts, |world| {
+        let ctx = ParallelCtx::new(world, layout)?;
+        let vm = shard_tensors(&full_dev, cfg, &ctx)?;
+        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?;
+        let batch = shard_batch(&ids_dev, &ctx)?;
+        let (loss, logits) = model.loss(&batch.input_ids, &batch.labels, &batch.positions)?;
+        let mut grads = loss.backward()?;
+        reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
+        let full_grads = gather_full(&named_grads(&grads, &vm)?, cfg, &ctx)?;
+        let bl = b / layout.dp;
+        Ok(RankOut {
+            logits: logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
+            positions: batch.positions.to_vec1()?,
+            rows: (ctx.coords.0 * bl, bl),
+            loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
+            grads: full_grads
+                .into_iter()
+                .map(|(k, g)| Ok((k, g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
+                .collect::<Result<_>>()?,
+        })
+    });
+    let outs: Vec<RankOut> = outs.into_iter().collect::<Result<_>>()?;
+    let mut glob = vec![f32::NAN; b * t * v];
+    for o in &outs {
+        let (r0, bl) = o.rows;
+        let tl = o.positions.len();
+        if o.logits.len() != bl * tl * v {
+            bail!("run_layout: a rank returned {} logits for [{bl}, {tl}, {v}]", o.logits.len())
+        }
+        for bi in 0..bl {
+            for (li, &p) in o.positions.iter().enumerate() {
+                let src = (bi * tl + li) * v;
+                let dst = ((r0 + bi) * t + p as usize) * v;
+                glob[dst..dst + v].copy_from_slice(&o.logits[src..src + v]);
+            }
+        }
+    }
+    if glob.iter().any(|x| x.is_nan()) {
+        bail!("run_layout: layout {layout} left some global logits uncovered (or NaN)")
+    }
+    let logits = Tensor::from_vec(glob, (b, t, v), &Device::Cpu)?;
+    let loss = outs[0].loss;
+    let loss_spread = outs.iter().map(|o| (o.loss - loss).abs()).fold(0.0, f64::max);
+    let mut grad_spread = 0f64;
+    for o in &outs[1..] {
+        for ((_, a), (_, g)) in outs[0].grads.iter().zip(&o.grads) {
+            grad_spread = grad_spread.max(max_abs_diff(a, g)?);
+        }
+    }
+    let grads = outs.into_iter().next().map(|o| o.grads).unwrap_or_default();
+    Ok(LayoutRun { logits, loss, loss_spread, grads, grad_spread })
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.max_all()?.to_scalar::<f64>()
+}
+
+/// Tolerances (defaults: the oracle README's float32 bounds).
+#[derive(Clone, Copy, Debug)]
+pub struct Tolerances {
+    /// Max |logits error|.
+    pub logits_abs: f64,
+    /// |loss error|.
+    pub loss_abs: f64,
+    /// Max over parameters of max|grad error| / max|reference grad|.
+    pub grad_rel: f64,
+}
+
+impl Default for Tolerances {
+    fn default() -> Self {
+        Self { logits_abs: 1e-5, loss_abs: 5e-6, grad_rel: 5e-5 }
+    }
+}
+
+/// Errors of a run against a reference.
+#[derive(Clone, Debug)]
+pub struct Report {
+    /// Max |logits - ref|.
+    pub logits_abs: f64,
+    /// |loss - ref|.
+    pub loss_abs: f64,
+    /// Worst per-parameter relative gradient error.
+    pub grad_rel_max: f64,
+    /// Parameter with the worst relative gradient error.
+    pub worst_param: String,
+    /// Relative error of every parameter, [`param_specs`] order.
+    pub grad_rel: Vec<(String, f64)>,
+    /// Max disagreement between ranks (loss, gradients), should be ~0.
+    pub rank_spread: f64,
+    /// Tolerances applied.
+    pub tol: Tolerances,
+}
+
+impl Report {
+    /// All metrics within tolerance (ranks agreeing to `grad_rel`-level too).
+    pub fn pass(&self) -> bool {
+        self.logits_abs <= self.tol.logits_abs
+            && self.loss_abs <= self.tol.loss_abs
+            && self.grad_rel_max <= self.tol.grad_rel
+            && self.rank_spread <= self.tol.loss_abs
+    }
+}
+
+/// Compare a run with the reference. Errors if parameter names or shapes differ.
+pub fn compare(run: &LayoutRun, reference: &Reference, tol: Tolerances) -> Result<Report> {
+    if run.logits.dims() != reference.logits.dims() {
+        bail!("compare: logits {:?} vs reference {:?}", run.logits.dims(), reference.logits.dims())
+    }
+    let logits_abs = max_abs_diff(&run.logits, &reference.logits)?;
+    let loss_abs = (run.loss - reference.loss).abs();
+    let mut grad_rel = Vec::new();
+    let (mut worst, mut worst_param) = (0f64, String::new());
+    if run.grads.len() != reference.grads.len() {
+        let ours: Vec<&String> = run.grads.iter().map(|(k, _)| k).collect();
+        let mut theirs: Vec<&String> = reference.grads.keys().collect();
+        theirs.sort();
+        bail!("compare: model has {} parameters {ours:?}, reference has {} gradients {theirs:?}", ours.len(), theirs.len())
+    }
+    for (name, g) in &run.grads {
+        let Some(r) = reference.grads.get(name) else { bail!("compare: reference has no grad.{name}") };
+        if r.dims() != g.dims() {
+            bail!("compare: grad.{name} {:?} vs reference {:?}", g.dims(), r.dims())
+        }
+        let scale = r.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?.max(f64::MIN_POSITIVE);
+        let rel = max_abs_diff(g, r)? / scale;
+        if rel >= worst || worst_param.is_empty() {
+            worst = rel;
+            worst_param = name.clone();
+        }
+        grad_rel.push((name.clone(), rel));
+    }
+    Ok(Report { logits_abs, loss_abs, grad_rel_max: worst, worst_param, grad_rel, rank_spread: run.loss_spread.max(run.grad_spread), tol })
+}
+
+/// Load the checkpoint in `model_dir` and the reference file, run `layout` on `device`,
+/// compare with the default tolerances.
+pub fn verify_reference(model_dir: impl AsRef<Path>, reference: impl AsRef<Path>, layout: Layout, device: &Device) -> Result<Report> {
+    let dir = model_dir.as_ref();
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    let full = load_safetensors_dir(dir, &Device::Cpu)?;
+    for s in param_specs(&cfg) {
+        match full.get(&s.name) {
+            Some(t) if t.dims() == s.shape.as_slice() => {}
+            Some(t) => bail!("{}: {} has shape {:?}, config implies {:?}", dir.display(), s.name, t.dims(), s.shape),
+            None => bail!("{}: checkpoint has no {}", dir.display(), s.name),
+        }
+    }
+    let r = load_reference(reference)?;
+    let run = run_layout(&full, &cfg, &r.input_ids, layout, device)?;
+    compare(&run, &r, Tolerances::default())
+}

@@ -1,0 +1,181 @@
+//! Column- and row-parallel linear layers (Megatron-LM), with or without sequence parallelism.
+//!
+//! Weights follow candle-nn / PyTorch: `weight` `[out, in]`, `bias` `[out]`, `y = x·Wᵀ + b`.
+//! Both layers are built from the *full* weight (a `VarBuilder` or tensors) and keep only
+//! this rank's shard, as a fresh [`Var`] owned by the layer (see [`ColumnParallelLinear::vars`]):
+//! the `VarBuilder` only supplies initial values.
+
+use crate::Tp;
+use candle_core::{Module, Result, Tensor, Var};
+use candle_cp_ops::mappings::{self, SEQ_DIM};
+use candle_nn::VarBuilder;
+
+/// Rows or columns `[r·n/P, (r+1)·n/P)` of `full` along `dim`, as a new Var.
+pub(crate) fn shard_var(full: &Tensor, dim: usize, tp: &Tp, what: &str) -> Result<Var> {
+    let (p, r) = (tp.size(), tp.rank());
+    let n = full.dim(dim)?;
+    if n % p != 0 {
+        candle_core::bail!(
+            "{what}: dim {dim} of the full weight {:?} has size {n}, not divisible by the TP size {p}",
+            full.dims()
+        )
+    }
+    Var::from_tensor(&full.detach().narrow(dim, r * (n / p), n / p)?.contiguous()?)
+}
+
+fn check_input(what: &str, x: &Tensor, in_dim: usize) -> Result<()> {
+    if x.rank() < 2 || x.dim(x.rank() - 1)? != in_dim {
+        candle_core::bail!("{what}: input {:?} must be [.., {in_dim}]", x.dims())
+    }
+    Ok(())
+}
+
+/// Linear layer with the output features split over the TP group.
+///
+/// Rank `r` holds weight rows `[r·out/P, (r+1)·out/P)` (`[out/P, in]`) and the same slice of
+/// the bias. Forward:
+/// - SP on: `x` `[B, T/P, in]` (sequence shard) → all-gather along T (backward
+///   reduce-scatter) → `[B, T, in]` → `y` `[B, T, out/P]`.
+/// - SP off: `x` `[B, T, in]` (replicated) → `copy_to_tp_region` (backward all-reduce) →
+///   `y` `[B, T, out/P]`.
+///
+/// The output is feature-sharded (e.g. this rank's attention heads when `out = H·D`).
+#[derive(Clone)]
+pub struct ColumnParallelLinear {
+    weight: Var,
+    bias: Option<Var>,
+    in_dim: usize,
+    tp: Tp,
+}
+
+impl ColumnParallelLinear {
+    /// Load the full `weight` `[out_dim, in_dim]` (and `bias` `[out_dim]` if `bias`) from `vb`
+    /// and keep this rank's rows. `out_dim % P == 0` required.
+    pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
+        let w = vb.get((out_dim, in_dim), "weight")?;
+        let b = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+        Self::from_full(&w, b.as_ref(), tp)
+    }
+
+    /// Build from the full `weight` `[out, in]` and optional `bias` `[out]`.
+    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
+        let (out_dim, in_dim) = weight.dims2()?;
+        if let Some(b) = bias {
+            if b.dims() != [out_dim] {
+                candle_core::bail!("ColumnParallelLinear: bias {:?} does not match weight {:?}", b.dims(), weight.dims())
+            }
+        }
+        Ok(Self {
+            weight: shard_var(weight, 0, tp, "ColumnParallelLinear")?,
+            bias: bias.map(|b| shard_var(b, 0, tp, "ColumnParallelLinear bias")).transpose()?,
+            in_dim,
+            tp: tp.clone(),
+        })
+    }
+
+    /// This rank's weight shard `[out/P, in]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+    /// This rank's bias shard `[out/P]`.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+    /// The layer's parameters (weight, then bias if any), for an optimizer.
+    pub fn vars(&self) -> Vec<Var> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+    /// Local output features `out/P`.
+    pub fn out_local(&self) -> Result<usize> {
+        self.weight.dim(0)
+    }
+}
+
+impl Module for ColumnParallelLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        check_input("ColumnParallelLinear", x, self.in_dim)?;
+        let x = if self.tp.sequence_parallel {
+            mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)?
+        } else {
+            mappings::copy_to_tp_region(x, &self.tp.group)?
+        };
+        let lin = candle_nn::Linear::new(self.weight.as_tensor().clone(), self.bias.as_ref().map(|b| b.as_tensor().clone()));
+        lin.forward(&x)
+    }
+}
+
+/// Linear layer with the input features split over the TP group.
+///
+/// Rank `r` holds weight columns `[r·in/P, (r+1)·in/P)` (`[out, in/P]`) and the full bias
+/// (replicated). Forward: `x` `[B, T, in/P]` (feature shard, e.g. the output of a
+/// [`ColumnParallelLinear`]) → partial `x·Wᵣᵀ` `[B, T, out]`, then
+/// - SP on: reduce-scatter along T (backward all-gather) → `[B, T/P, out]`;
+/// - SP off: all-reduce (backward identity) → `[B, T, out]` replicated.
+///
+/// The bias is added after the reduction. With SP each rank adds it to its own rows only,
+/// so the bias goes through `copy_to_tp_region` (backward all-reduce) and every rank gets the
+/// full bias gradient.
+#[derive(Clone)]
+pub struct RowParallelLinear {
+    weight: Var,
+    bias: Option<Var>,
+    tp: Tp,
+}
+
+impl RowParallelLinear {
+    /// Load the full `weight` `[out_dim, in_dim]` (and `bias` `[out_dim]` if `bias`) from `vb`
+    /// and keep this rank's columns. `in_dim % P == 0` required.
+    pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
+        let w = vb.get((out_dim, in_dim), "weight")?;
+        let b = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
+        Self::from_full(&w, b.as_ref(), tp)
+    }
+
+    /// Build from the full `weight` `[out, in]` and optional `bias` `[out]`.
+    pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
+        let (out_dim, _) = weight.dims2()?;
+        if let Some(b) = bias {
+            if b.dims() != [out_dim] {
+                candle_core::bail!("RowParallelLinear: bias {:?} does not match weight {:?}", b.dims(), weight.dims())
+            }
+        }
+        Ok(Self {
+            weight: shard_var(weight, 1, tp, "RowParallelLinear")?,
+            bias: bias.map(|b| Var::from_tensor(&b.detach().contiguous()?)).transpose()?,
+            tp: tp.clone(),
+        })
+    }
+
+    /// This rank's weight shard `[out, in/P]`.
+    pub fn weight(&self) -> &Var {
+        &self.weight
+    }
+    /// The (replicated) bias `[out]`.
+    pub fn bias(&self) -> Option<&Var> {
+        self.bias.as_ref()
+    }
+    /// The layer's parameters (weight, then bias if any), for an optimizer.
+    pub fn vars(&self) -> Vec<Var> {
+        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
+    }
+}
+
+impl Module for RowParallelLinear {
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        check_input("RowParallelLinear", x, self.weight.dim(1)?)?;
+        let partial = candle_nn::Linear::new(self.weight.as_tensor().clone(), None).forward(x)?;
+        let y = if self.tp.sequence_parallel {
+            if x.rank() < 3 {
+                candle_core::bail!("RowParallelLinear with SP: input {:?} must be [B, T, in/P]", x.dims())
+            }
+            mappings::reduce_scatter_to_sp_region(&partial, &self.tp.group, SEQ_DIM)?
+        } else {
+            mappings::reduce_from_tp_region(&partial, &self.tp.group)?
+        };
+        match &self.bias {
+            None => Ok(y),
+            Some(b) if self.tp.sequence_parallel => y.broadcast_add(&mappings::copy_to_tp_region(b.as_tensor(), &self.tp.group)?),
+            Some(b) => y.broadcast_add(b.as_tensor()),
+        }
+    }
+}

@@ -1,0 +1,70 @@
+//! CUDA path of the attention ops: the same API as the CPU path, dispatching to the kernels of
+//! `candle-cp-kernels` (flash forward with LSE, backward, f32 merge). Compiled only with the
+//! `cuda` feature. Reference for every function here: the CPU implementation in this module's
+//! parent, compared on a GPU by `examples/gpu_check.rs`.
+//!
+//! Forward kernel choice: tensor cores for f16/bf16, CUDA cores for f32; override with
+//! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128.
+
+use super::op::AttentionOp;
+use super::Mask;
+use candle_core::backend::BackendStorage;
+use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_cp_kernels::flash::{self, FwdImpl, KMask};
+
+/// Kernel mask from the op's [`Mask`].
+pub(crate) fn kmask(m: &Mask) -> KMask {
+    match *m {
+        Mask::Full => KMask::full(),
+        Mask::Causal { q_offset, q_stride, k_offset, k_stride } => KMask::causal(q_offset, q_stride, k_offset, k_stride),
+    }
+}
+
+/// `AttentionOp::cuda_fwd`: out `[B, T, H, D]` (f32 when `op.f32_out`, else q's dtype, cast
+/// once from the f32 kernel output); lse f32 `[B, H, T]` goes to the op's slot.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn op_fwd(
+    op: &AttentionOp,
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+) -> Result<(CudaStorage, Shape)> {
+    let ((out, out_shape), (lse, lse_shape)) =
+        flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), op.scale as f32, FwdImpl::from_env())?;
+    let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, candle_core::op::BackpropOp::none(), false);
+    *op.lse_slot().lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
+    if op.f32_out || q.dtype() == DType::F32 {
+        return Ok((out, out_shape));
+    }
+    let view = out.as_cuda_slice::<f32>()?.slice(..);
+    let cast = candle_cp_kernels::merge::cast_f32(&out.device, &view, q.dtype())?;
+    Ok((cast, out_shape))
+}
+
+/// CUDA `attention_fwd` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
+pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    flash::fwd(q, k, v, kmask(mask), scale as f32, FwdImpl::from_env())
+}
+
+/// CUDA `attention_bwd` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    flash::bwd(q, k, v, out, lse, dout, kmask(mask), scale as f32)
+}
+
+/// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.
+pub(crate) fn merge(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> Result<(Tensor, Tensor)> {
+    candle_cp_kernels::merge::merge(out_a, lse_a, out_b, lse_b)
+}

@@ -1,0 +1,308 @@
+//! CPU f32 kernels of blockwise attention (forward with LSE, backward with recomputation).
+//!
+//! All buffers are flat row-major f32: q/out/dout/dq `[B, T, H, D]`, k/v/dk/dv `[B, S, Hkv, D]`,
+//! lse `[B, H, T]`. The mask enters only as `lim[i]`: the number of keys visible from query
+//! row `i`, which for every [`Mask`] is a *prefix* of the key rows (`j < lim[i]`) and is
+//! non-decreasing in `i`. Blocks with no visible key are skipped; only T×Bk / Bq×Bk tiles
+//! are ever materialised.
+//!
+//! Work is split with rayon (global pool): the forward over (batch, head, query block), the
+//! backward over (batch, head, key chunk). Results are reduced in a fixed order, so the
+//! output is deterministic for a given thread count.
+
+use super::blas::{exp_f32, exp_sub_sum, matmul, Mat};
+use super::Mask;
+use rayon::prelude::*;
+
+/// Query rows per forward tile.
+pub(crate) const FWD_BQ: usize = 128;
+/// Key rows per forward tile.
+pub(crate) const FWD_BK: usize = 128;
+/// Query rows per backward tile.
+pub(crate) const BWD_BQ: usize = 64;
+/// Key rows per backward tile.
+pub(crate) const BWD_BK: usize = 128;
+
+/// Problem sizes: q `[b, t, h, d]`, k/v `[b, s, hkv, d]`.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct Dims {
+    pub b: usize,
+    pub t: usize,
+    pub s: usize,
+    pub h: usize,
+    pub hkv: usize,
+    pub d: usize,
+}
+
+impl Dims {
+    fn g(&self) -> usize {
+        self.h / self.hkv
+    }
+}
+
+/// `lim[i]` = number of visible keys (a prefix) of local query row `i`, for `t` queries and
+/// `s` keys. Requires strides >= 1 (checked by the caller).
+pub(crate) fn row_limits(mask: &Mask, t: usize, s: usize) -> Vec<usize> {
+    match *mask {
+        Mask::Full => vec![s; t],
+        Mask::Causal { q_offset, q_stride, k_offset, k_stride } => (0..t)
+            .map(|i| {
+                let qp = q_offset.saturating_add(i.saturating_mul(q_stride));
+                if qp < k_offset {
+                    0
+                } else {
+                    ((qp - k_offset) / k_stride.max(1)).saturating_add(1).min(s)
+                }
+            })
+            .collect(),
+    }
+}
+
+/// Forward. Returns `(out [B,T,H,D], lse [B,H,T])`; a row with no visible key gets out 0 and
+/// lse `-inf`.
+pub(crate) fn forward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: Dims,
+    lim: &[usize],
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims { b: nb, t, h: nh, d, .. } = dims;
+    let nqb = t.div_ceil(FWD_BQ);
+    let units: Vec<(usize, usize, usize)> = (0..nb)
+        .flat_map(|b| (0..nh).flat_map(move |h| (0..nqb).map(move |qb| (b, h, qb))))
+        .collect();
+    let tiles: Vec<(Vec<f32>, Vec<f32>)> = units
+        .par_iter()
+        .map(|&(b, h, qb)| fwd_tile(q, k, v, dims, lim, scale, b, h, qb * FWD_BQ))
+        .collect();
+    let mut out = vec![0f32; nb * t * nh * d];
+    let mut lse = vec![f32::NEG_INFINITY; nb * nh * t];
+    for (&(b, h, qb), (o, l)) in units.iter().zip(tiles.iter()) {
+        let i0 = qb * FWD_BQ;
+        for (r, lr) in l.iter().enumerate() {
+            let i = i0 + r;
+            let dst = ((b * t + i) * nh + h) * d;
+            out[dst..dst + d].copy_from_slice(&o[r * d..(r + 1) * d]);
+            lse[(b * nh + h) * t + i] = *lr;
+        }
+    }
+    (out, lse)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn fwd_tile(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    dims: Dims,
+    lim: &[usize],
+    scale: f32,
+    b: usize,
+    h: usize,
+    i0: usize,
+) -> (Vec<f32>, Vec<f32>) {
+    let Dims { t, s, h: nh, hkv, d, .. } = dims;
+    let i1 = (i0 + FWD_BQ).min(t);
+    let qn = i1 - i0;
+    let hk = h / dims.g();
+    let (qrs, krs) = (nh * d, hkv * d);
+    let qoff = ((b * t + i0) * nh + h) * d;
+    let koff = (b * s * hkv + hk) * d;
+    let kmax = lim[i1 - 1];
+    let mut o = vec![0f32; qn * d];
+    let mut m = vec![f32::NEG_INFINITY; qn];
+    let mut l = vec![0f32; qn];
+    let mut sb = vec![0f32; qn * FWD_BK];
+    let mut j0 = 0;
+    while j0 < kmax {
+        let j1 = (j0 + FWD_BK).min(kmax);
+        let jn = j1 - j0;
+        let kb = koff + j0 * krs;
+        matmul(qn, jn, d, &mut sb, jn, false, Mat::new(q, qoff, qrs, 1), Mat::new(k, kb, 1, krs), scale);
+        for r in 0..qn {
+            let row = &mut sb[r * jn..(r + 1) * jn];
+            let vis = lim[i0 + r].saturating_sub(j0).min(jn);
+            if vis == 0 {
+                row.fill(0.0);
+                continue;
+            }
+            let bm = row[..vis].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let mnew = m[r].max(bm);
+            let alpha = exp_f32(m[r] - mnew);
+            let sum = exp_sub_sum(&mut row[..vis], mnew);
+            row[vis..].fill(0.0);
+            l[r] = l[r] * alpha + sum;
+            m[r] = mnew;
+            if alpha != 1.0 {
+                o[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= alpha);
+            }
+        }
+        matmul(qn, d, jn, &mut o, d, true, Mat::new(&sb, 0, jn, 1), Mat::new(v, kb, krs, 1), 1.0);
+        j0 = j1;
+    }
+    let mut lse = vec![f32::NEG_INFINITY; qn];
+    for r in 0..qn {
+        let orow = &mut o[r * d..(r + 1) * d];
+        if l[r] > 0.0 {
+            let inv = 1.0 / l[r];
+            orow.iter_mut().for_each(|x| *x *= inv);
+            lse[r] = m[r] + l[r].ln();
+        } else {
+            orow.fill(0.0);
+        }
+    }
+    (o, lse)
+}
+
+/// Backward with recomputation of P from the given (global) `lse`.
+/// Returns `(dq [B,T,H,D], dk [B,S,Hkv,D], dv [B,S,Hkv,D])`; dk/dv are summed over the G
+/// query heads that share a KV head.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    out: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dims: Dims,
+    lim: &[usize],
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims { b: nb, t, s, h: nh, hkv, d } = dims;
+    // delta[b, h, i] = sum_d dout * out
+    let mut delta = vec![0f32; nb * nh * t];
+    for b in 0..nb {
+        for i in 0..t {
+            for h in 0..nh {
+                let o = ((b * t + i) * nh + h) * d;
+                let dot: f32 = out[o..o + d].iter().zip(&dout[o..o + d]).map(|(a, c)| a * c).sum();
+                delta[(b * nh + h) * t + i] = dot;
+            }
+        }
+    }
+    // Key chunks (in units of BWD_BK) so that there are enough work items for the pool.
+    let nkb = s.div_ceil(BWD_BK).max(1);
+    let want = (4 * rayon::current_num_threads()).div_ceil((nb * nh).max(1));
+    let nchunks = want.clamp(1, nkb);
+    let chunk_bounds: Vec<(usize, usize)> = (0..nchunks)
+        .map(|c| ((c * nkb / nchunks * BWD_BK).min(s), ((c + 1) * nkb / nchunks * BWD_BK).min(s)))
+        .filter(|(a, b)| a < b)
+        .collect();
+    let units: Vec<(usize, usize, usize, usize)> = (0..nb)
+        .flat_map(|b| {
+            let cb = &chunk_bounds;
+            (0..nh).flat_map(move |h| cb.iter().map(move |&(c0, c1)| (b, h, c0, c1)))
+        })
+        .collect();
+    let ctx = BwdCtx { q, k, v, dout, lse, delta: &delta, dims, lim, scale };
+    let parts: Vec<BwdPart> = units.par_iter().map(|&(b, h, c0, c1)| ctx.unit(b, h, c0, c1)).collect();
+    let mut dq = vec![0f32; nb * t * nh * d];
+    let mut dk = vec![0f32; nb * s * hkv * d];
+    let mut dv = vec![0f32; nb * s * hkv * d];
+    let g = dims.g();
+    for (&(b, h, c0, c1), p) in units.iter().zip(parts.iter()) {
+        for (r, row) in p.dq.chunks_exact(d).enumerate() {
+            let dst = ((b * t + p.iq0 + r) * nh + h) * d;
+            dq[dst..dst + d].iter_mut().zip(row).for_each(|(a, x)| *a += x);
+        }
+        let hk = h / g;
+        for j in c0..c1 {
+            let dst = ((b * s + j) * hkv + hk) * d;
+            let src = (j - c0) * d;
+            dk[dst..dst + d].iter_mut().zip(&p.dk[src..src + d]).for_each(|(a, x)| *a += x);
+            dv[dst..dst + d].iter_mut().zip(&p.dv[src..src + d]).for_each(|(a, x)| *a += x);
+        }
+    }
+    (dq, dk, dv)
+}
+
+struct BwdPart {
+    iq0: usize,
+    dq: Vec<f32>,
+    dk: Vec<f32>,
+    dv: Vec<f32>,
+}
+
+struct BwdCtx<'a> {
+    q: &'a [f32],
+    k: &'a [f32],
+    v: &'a [f32],
+    dout: &'a [f32],
+    lse: &'a [f32],
+    delta: &'a [f32],
+    dims: Dims,
+    lim: &'a [usize],
+    scale: f32,
+}
+
+impl BwdCtx<'_> {
+    /// First query row that sees key `j` (`t` if none).
+    fn first_query(&self, j: usize) -> usize {
+        self.lim.partition_point(|&n| n <= j)
+    }
+
+    /// dk/dv for keys `c0..c1` of query head `h` and this chunk's contribution to dq.
+    fn unit(&self, b: usize, h: usize, c0: usize, c1: usize) -> BwdPart {
+        let Dims { t, s, h: nh, hkv, d, .. } = self.dims;
+        let hk = h / self.dims.g();
+        let (qrs, krs) = (nh * d, hkv * d);
+        let qbase = (b * t * nh + h) * d;
+        let kbase = (b * s * hkv + hk) * d;
+        let rbase = (b * nh + h) * t;
+        let iq0 = self.first_query(c0);
+        let mut dq = vec![0f32; (t - iq0) * d];
+        let mut dk = vec![0f32; (c1 - c0) * d];
+        let mut dv = vec![0f32; (c1 - c0) * d];
+        let mut pb = vec![0f32; BWD_BQ * BWD_BK];
+        let mut db = vec![0f32; BWD_BQ * BWD_BK];
+        let mut j0 = c0;
+        while j0 < c1 {
+            let j1 = (j0 + BWD_BK).min(c1);
+            let jn = j1 - j0;
+            let kb = kbase + j0 * krs;
+            let dk_acc = &mut dk[(j0 - c0) * d..(j1 - c0) * d];
+            let dv_acc = &mut dv[(j0 - c0) * d..(j1 - c0) * d];
+            let mut i0 = self.first_query(j0);
+            while i0 < t {
+                let i1 = (i0 + BWD_BQ).min(t);
+                let qn = i1 - i0;
+                let qo = qbase + i0 * qrs;
+                let qm = Mat::new(self.q, qo, qrs, 1);
+                let dom = Mat::new(self.dout, qo, qrs, 1);
+                // P = exp(scale * Q K^T - lse), masked entries 0.
+                matmul(qn, jn, d, &mut pb, jn, false, qm, Mat::new(self.k, kb, 1, krs), self.scale);
+                for r in 0..qn {
+                    let row = &mut pb[r * jn..(r + 1) * jn];
+                    let l = self.lse[rbase + i0 + r];
+                    let vis = self.lim[i0 + r].saturating_sub(j0).min(jn);
+                    if vis == 0 || l == f32::NEG_INFINITY {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    row[..vis].iter_mut().for_each(|x| *x = exp_f32(*x - l));
+                    row[vis..].fill(0.0);
+                }
+                // dV += P^T dO
+                matmul(jn, d, qn, dv_acc, d, true, Mat::new(&pb, 0, 1, jn), dom, 1.0);
+                // dP = dO V^T ; dS = P * (dP - delta)
+                matmul(qn, jn, d, &mut db, jn, false, dom, Mat::new(self.v, kb, 1, krs), 1.0);
+                for r in 0..qn {
+                    let dl = self.delta[rbase + i0 + r];
+                    let prow = &pb[r * jn..(r + 1) * jn];
+                    let drow = &mut db[r * jn..(r + 1) * jn];
+                    drow.iter_mut().zip(prow).for_each(|(x, p)| *x = p * (*x - dl));
+                }
+                // dK += scale * dS^T Q ; dQ += scale * dS K
+                matmul(jn, d, qn, dk_acc, d, true, Mat::new(&db, 0, 1, jn), qm, self.scale);
+                let dq_rows = &mut dq[(i0 - iq0) * d..(i1 - iq0) * d];
+                matmul(qn, d, jn, dq_rows, d, true, Mat::new(&db, 0, jn, 1), Mat::new(self.k, kb, krs, 1), self.scale);
+                i0 = i1;
+            }
+            j0 = j1;
+        }
+        BwdPart { iq0, dq, dk, dv }
+    }
+}

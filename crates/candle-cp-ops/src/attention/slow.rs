@@ -1,0 +1,42 @@
+//! `attention_slow`: the reference attention from plain candle ops (materialises T×S).
+
+use super::{check_qkv, Mask};
+use candle_core::{DType, Device, Result, Tensor, D};
+
+/// Reference attention from plain candle ops (matmul, masked softmax), differentiable through
+/// candle autograd. Same contract as [`super::attention`]: q `[B, T, H, D]`, k/v
+/// `[B, S, Hkv, D]` -> out `[B, T, H, D]` (q's dtype), lse f32 `[B, H, T]` (detached). Computes
+/// in f32 and builds the full `[B, H, T, S]` score matrix: for tests only.
+pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    let dims = check_qkv("attention_slow", q, k, v, mask)?;
+    let (b, t, s, h, hkv, d) = (dims.b, dims.t, dims.s, dims.h, dims.hkv, dims.d);
+    let g = h / hkv;
+    let dev = q.device();
+    let qf = q.to_dtype(DType::F32)?.transpose(1, 2)?.contiguous()?; // [B, H, T, D]
+    let rep = |x: &Tensor| -> Result<Tensor> {
+        // [B, S, Hkv, D] -> [B, Hkv, S, D] -> [B, Hkv, G, S, D] -> [B, H, S, D]
+        x.to_dtype(DType::F32)?
+            .transpose(1, 2)?
+            .unsqueeze(2)?
+            .broadcast_as((b, hkv, g, s, d))?
+            .contiguous()?
+            .reshape((b, h, s, d))
+    };
+    let (kf, vf) = (rep(k)?, rep(v)?);
+    let scores = (qf.matmul(&kf.t()?.contiguous()?)? * scale)?; // [B, H, T, S]
+    let vis: Vec<u8> = (0..t).flat_map(|i| (0..s).map(move |j| mask.visible(i, j) as u8)).collect();
+    let vis = Tensor::from_vec(vis, (t, s), &Device::Cpu)?.to_device(dev)?.broadcast_as((b, h, t, s))?;
+    let neg_inf = Tensor::full(f32::NEG_INFINITY, (b, h, t, s), dev)?;
+    let masked = vis.where_cond(&scores, &neg_inf)?;
+    // Row max as a constant; rows with no visible key use 0 so that exp gives exact zeros.
+    let m = masked.detach().max_keepdim(D::Minus1)?;
+    let finite = m.ge(f32::MIN)?;
+    let m = finite.where_cond(&m, &m.zeros_like()?)?;
+    let e = masked.broadcast_sub(&m)?.exp()?;
+    let sum = e.sum_keepdim(D::Minus1)?;
+    let empty = sum.detach().eq(0f32)?.to_dtype(DType::F32)?;
+    let p = e.broadcast_div(&(&sum + empty)?)?;
+    let out = p.matmul(&vf)?.transpose(1, 2)?.contiguous()?.to_dtype(q.dtype())?; // [B, T, H, D]
+    let lse = (m + sum.detach().log()?)?.squeeze(D::Minus1)?; // [B, H, T]
+    Ok((out, lse))
+}

@@ -1,0 +1,144 @@
+//! All-gather-KV context parallelism (Llama 3 style).
+//!
+//! Every rank all-gathers K and V (cheap with GQA: only `Hkv` heads), rebuilds the global
+//! K/V in token order, and attends its local query segments against the key *prefix* each
+//! segment can see (causal) or against all keys (full), with the segment's global offset and
+//! stride in the mask. Backward: per-segment attention backward gives dQ locally and a
+//! global-length dK/dV contribution; a reduce-scatter (in the layout's shard order) returns
+//! each rank the sum for its own shard.
+//!
+//! ```text
+//! zigzag, P = 2, chunks of c = T/4:     rank 0 holds q chunks 0, 3; rank 1 holds 1, 2
+//!   rank 0: q chunk 0 × keys [0, c)      q chunk 3 × keys [0, 4c)
+//!   rank 1: q chunk 1 × keys [0, 2c)     q chunk 2 × keys [0, 3c)     → 5c keys each
+//! ```
+
+use super::ring_comm::{RingStats, StepStats};
+use super::shard::{shard, split_shards, unshard, Segment};
+use super::{check_inputs, CpOpts, Dims};
+use crate::attention::{attention_bwd, attention_fwd, Mask};
+use crate::autograd::{attach3, BackwardFn};
+use crate::Group;
+use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
+use std::time::Instant;
+
+/// Key range and mask for one query segment against the global keys `[0, T)`.
+fn key_range(seg: &Segment, t: usize, causal: bool) -> (usize, Mask) {
+    if causal {
+        (seg.last() + 1, Mask::Causal { q_offset: seg.offset, q_stride: seg.stride, k_offset: 0, k_stride: 1 })
+    } else {
+        (t, Mask::Full)
+    }
+}
+
+fn scale_of(opts: &CpOpts, d: usize) -> f64 {
+    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
+}
+
+/// All-gather K/V and rebuild them in token order: `[2, B, T, Hkv, D]` (k, v stacked).
+fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Tensor> {
+    let kv = Tensor::stack(&[k, v], 0)?.contiguous()?;
+    let all = group.all_gather(&kv, 2)?;
+    unshard(&split_shards(&all, group.size(), 2)?, opts.layout, 2)
+}
+
+fn fwd(q: &Tensor, kv: &Tensor, rank: usize, p: usize, opts: &CpOpts, dims: &Dims, st: &mut StepStats) -> Result<(Tensor, Tensor)> {
+    let t0 = Instant::now();
+    let scale = scale_of(opts, dims.d);
+    let (kg, vg) = (kv.get(0)?, kv.get(1)?);
+    let mut outs = Vec::new();
+    let mut lses = Vec::new();
+    for seg in opts.layout.segments(rank, p, dims.t)? {
+        let (n, mask) = key_range(&seg, dims.t, opts.causal);
+        let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
+        let (o, l) = attention_fwd(&qs, &kg.narrow(1, 0, n)?.contiguous()?, &vg.narrow(1, 0, n)?.contiguous()?, &mask, scale)?;
+        outs.push(o);
+        lses.push(l);
+        st.blocks += 1;
+        st.area += (seg.len * n) as u64;
+    }
+    st.compute += t0.elapsed();
+    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd(
+    q: &Tensor,
+    kv: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+    dims: &Dims,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (p, rank) = (group.size(), group.rank());
+    let scale = scale_of(opts, dims.d);
+    let (kg, vg) = (kv.get(0)?, kv.get(1)?);
+    let dev = q.device();
+    let mut dqs = Vec::new();
+    let mut dkv: Option<Tensor> = None;
+    for seg in opts.layout.segments(rank, p, dims.t)? {
+        let (n, mask) = key_range(&seg, dims.t, opts.causal);
+        let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
+        let (kn, vn) = (kg.narrow(1, 0, n)?.contiguous()?, vg.narrow(1, 0, n)?.contiguous()?);
+        let (dq, dk, dv) = attention_bwd(&r(q, 1)?, &kn, &vn, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &mask, scale)?;
+        dqs.push(dq);
+        let mut part = Tensor::stack(&[dk, dv], 0)?;
+        if n < dims.t {
+            let z = Tensor::zeros((2, dims.b, dims.t - n, dims.hkv, dims.d), DType::F32, dev)?;
+            part = Tensor::cat(&[part, z], 2)?;
+        }
+        dkv = Some(match dkv {
+            None => part,
+            Some(a) => (a + part)?,
+        });
+    }
+    let dkv = match dkv {
+        Some(x) => x,
+        None => Tensor::zeros((2, dims.b, dims.t, dims.hkv, dims.d), DType::F32, dev)?,
+    };
+    // Reorder the global dK/dV into shard order (rank 0's shard, rank 1's, ...) and
+    // reduce-scatter: rank r gets the sum over ranks of its own shard's gradient.
+    let shards: Vec<Tensor> = (0..p).map(|r| shard(&dkv, opts.layout, r, p, 2)).collect::<Result<_>>()?;
+    let mine = group.reduce_scatter(&Tensor::cat(&shards, 2)?, 2)?;
+    Ok((Tensor::cat(&dqs, 1)?, mine.get(0)?, mine.get(1)?))
+}
+
+/// All-gather-KV attention with timings: like [`allgather_attention`] (not differentiable),
+/// returning f32 `out`, `lse` and one [`StepStats`] (compute time, time in the all-gather).
+pub fn allgather_attention_stats(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor, RingStats)> {
+    let dims = check_inputs("allgather_attention", q, k, v, group, opts)?;
+    let mut st = StepStats::default();
+    let t0 = Instant::now();
+    let kv = gather_kv(k, v, group, opts)?;
+    st.wait = t0.elapsed();
+    let (o, l) = fwd(q, &kv, group.rank(), group.size(), opts, &dims, &mut st)?;
+    let bytes = (k.elem_count() * 2 * k.dtype().size_in_bytes()) as u64;
+    Ok((o, l, RingStats { steps: vec![st], bytes_sent: bytes }))
+}
+
+/// Context-parallel attention by all-gathering K/V (Llama 3 style; use with the zigzag
+/// layout for balanced causal work, any [`super::Layout`] works).
+///
+/// Inputs are this rank's shards `q [B, T/P, H, D]`, `k, v [B, T/P, Hkv, D]` laid out by
+/// `opts.layout`. Returns `out [B, T/P, H, D]` in q's dtype (differentiable w.r.t. q, k, v;
+/// backward reduce-scatters dK/dV, a collective every rank must run) and `lse [B, H, T/P]`
+/// f32. Peak memory holds the global K/V `[B, T, Hkv, D]` on every rank.
+pub fn allgather_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
+    let dims = check_inputs("allgather_attention", q, k, v, group, opts)?;
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let kv = gather_kv(&kd, &vd, group, opts)?;
+    let mut st = StepStats::default();
+    let (out32, lse) = fwd(&qd, &kv, group.rank(), group.size(), opts, &dims, &mut st)?;
+    let out = out32.to_dtype(q.dtype())?;
+    let (g, o, ls) = (group.clone(), *opts, lse.clone());
+    let (qdt, kdt) = (q.dtype(), k.dtype());
+    let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let (dq, dk, dv) = bwd(&qd, &kv, &out32, &ls, dout, &g, &o, &dims)?;
+        Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
+    });
+    let out = attach3("allgather_attention", q, k, v, out, bwd_fn)?;
+    Ok((out, lse))
+}

@@ -1,0 +1,381 @@
+//! The ring attention engine, shared by the contiguous, zigzag and striped layouts.
+//!
+//! Every rank keeps its queries; K/V chunks (only the `Hkv` KV heads) rotate around the ring.
+//! At step `s` rank `i` holds the K/V of source rank `j = (i - s) mod P` and computes, for each
+//! (query segment, key segment) pair of the two layouts' [`Segment`]s, one block:
+//! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
+//! offset/stride causal mask when it straddles the diagonal. The partial (out, lse) of each
+//! query segment merge in an f32 running state through the LSE.
+//!
+//! Zigzag schedule (P = 4, 2P = 8 chunks of c = T/8 tokens; rank i holds chunks i, 7-i).
+//! Rows: rank 1's query chunks; columns: key chunks; `█` full block, `◣` diagonal block,
+//! `.` skipped. Each step computes exactly 2c² (step 0: two half diagonals + one full):
+//!
+//! ```text
+//!  key chunk →     0  1  2  3  4  5  6  7
+//!  q chunk 1       █  ◣  .  .  .  .  .  .     step s, source j = (1 - s) mod 4:
+//!  q chunk 6       █  █  █  █  █  █  ◣  .       s=0 j=1: (1,1)◣ (6,1)█ (6,6)◣   [j = i]
+//!                                               s=1 j=0: (1,0)█ (6,0)█          [j < i: both
+//!                                                        query chunks × key chunk j only]
+//!                                               s=2 j=3: (6,3)█ (6,4)█          [j > i: query
+//!                                               s=3 j=2: (6,2)█ (6,5)█           chunk 2P-1-i ×
+//!                                                                                both key chunks]
+//! ```
+//!
+//! Contiguous: step `s` with `j > i` is fully masked (skipped; the rank idles, whence the
+//! `(2P-1)/P` imbalance). Striped: every block straddles the diagonal (`j <= i`: lower
+//! triangle with diagonal, `j > i`: strictly lower) — balanced, but no block is skipped.
+//!
+//! Backward (no re-run of the forward ring): with the global `out` and `lse`, K/V rotate again;
+//! each rank adds its dK/dV contribution for the chunk it holds into an f32 accumulator that
+//! travels with the chunk, and after `P` hops the accumulator is back at its owner. dQ stays
+//! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
+
+use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
+use super::shard::{Layout, Segment};
+use super::{check_inputs, CpOpts, Dims};
+use crate::attention::{attention_bwd, attention_fwd, merge, Mask};
+use crate::autograd::{attach3, BackwardFn};
+use crate::Group;
+use candle_core::{DType, Result, Tensor};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// What to do with one (query segment × key segment) block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    /// Every pair masked: skip.
+    Skip,
+    /// Every pair visible (the mask is `Mask::Full`).
+    Full(Mask),
+    /// Some pairs visible: causal mask with the segments' global offsets and strides.
+    Partial(Mask),
+}
+
+/// Classify the block of query segment `q` against key segment `k` (global positions).
+pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
+    if q.len == 0 || k.len == 0 {
+        return Block::Skip;
+    }
+    if !causal {
+        return Block::Full(Mask::Full);
+    }
+    if k.offset > q.last() {
+        Block::Skip
+    } else if k.last() <= q.offset {
+        Block::Full(Mask::Full)
+    } else {
+        Block::Partial(Mask::Causal { q_offset: q.offset, q_stride: q.stride, k_offset: k.offset, k_stride: k.stride })
+    }
+}
+
+/// The blocks rank `rank` computes when holding source rank `src`'s K/V:
+/// `(query segment, key segment, block)` for every non-skipped pair.
+pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<(Segment, Segment, Block)>> {
+    let qs = layout.segments(rank, p, t)?;
+    let ks = layout.segments(src, p, t)?;
+    let mut out = Vec::new();
+    for q in &qs {
+        for k in &ks {
+            let b = classify(q, k, causal);
+            if b != Block::Skip {
+                out.push((*q, *k, b));
+            }
+        }
+    }
+    Ok(out)
+}
+
+fn mask_of(b: &Block) -> Mask {
+    match b {
+        Block::Full(m) | Block::Partial(m) => *m,
+        Block::Skip => Mask::Full,
+    }
+}
+
+fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
+    t.narrow(dim, s.local, s.len)?.contiguous()
+}
+
+fn scale_of(opts: &CpOpts, d: usize) -> f64 {
+    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
+}
+
+/// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
+/// `lse [B, H, T/P]` of the *global* attention for this rank's queries out, plus timings.
+/// Collective over `group`.
+pub fn ring_attention_fwd_raw(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor, RingStats)> {
+    let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
+    fwd(q, k, v, group, opts, &dims)
+}
+
+fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &Dims) -> Result<(Tensor, Tensor, RingStats)> {
+    let ring = Ring::new(group);
+    let (p, rank) = (ring.size(), ring.rank());
+    let scale = scale_of(opts, dims.d);
+    let qsegs = opts.layout.segments(rank, p, dims.t)?;
+    let q_rows: Vec<Tensor> = qsegs.iter().map(|s| rows(q, 1, s)).collect::<Result<_>>()?;
+    let mut state: Vec<Option<(Tensor, Tensor)>> = vec![None; qsegs.len()];
+    let mut stats = RingStats::default();
+    let mut kv = Tensor::stack(&[k, v], 0)?;
+    for s in 0..p {
+        let src = (rank + p - s) % p;
+        let mut st = StepStats::default();
+        let mut next: Option<InFlight> = None;
+        if s + 1 < p {
+            let f = ring.start(&kv, &mut stats)?;
+            if opts.overlap {
+                next = Some(f);
+            } else {
+                // No overlap: wait for the transfer before computing; keep the current chunk.
+                let recv = f.wait(&mut st.wait)?;
+                next = Some(InFlight::ready(recv));
+            }
+        }
+        let t0 = Instant::now();
+        let (kc, vc) = (kv.get(0)?, kv.get(1)?);
+        for (qs, ks, blk) in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+            let qi = qsegs.iter().position(|x| *x == qs).unwrap_or(0);
+            let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
+            let (o, l) = attention_fwd(&q_rows[qi], &kb, &vb, &mask_of(&blk), scale)?;
+            state[qi] = Some(match state[qi].take() {
+                None => (o, l),
+                Some((o0, l0)) => merge(&o0, &l0, &o, &l)?,
+            });
+            st.blocks += 1;
+            st.area += (qs.len * ks.len) as u64;
+        }
+        st.compute = t0.elapsed();
+        if let Some(f) = next {
+            kv = f.wait(&mut st.wait)?;
+        }
+        stats.steps.push(st);
+    }
+    let mut outs = Vec::with_capacity(qsegs.len());
+    let mut lses = Vec::with_capacity(qsegs.len());
+    for (seg, st) in qsegs.iter().zip(state) {
+        let (o, l) = match st {
+            Some(x) => x,
+            None => {
+                // No visible key at all (cannot happen for causal/full, kept for safety).
+                let o = Tensor::zeros((dims.b, seg.len, dims.h, dims.d), DType::F32, q.device())?;
+                let l = (Tensor::ones((dims.b, dims.h, seg.len), DType::F32, q.device())? * f64::NEG_INFINITY)?;
+                (o, l)
+            }
+        };
+        outs.push(o);
+        lses.push(l);
+    }
+    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?, stats))
+}
+
+/// Backward ring without autograd. `out` (f32) and `lse` are the forward's *global* results
+/// for this rank's queries, `dout [B, T/P, H, D]` the upstream gradient. Returns f32
+/// `dq [B, T/P, H, D]`, `dk, dv [B, T/P, Hkv, D]` for this rank's own shards, plus timings.
+/// Collective over `group`.
+#[allow(clippy::too_many_arguments)]
+pub fn ring_attention_bwd_raw(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
+    let dims = check_inputs("ring_attention backward", q, k, v, group, opts)?;
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl] {
+        candle_core::bail!(
+            "ring_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
+            out.shape(),
+            dout.shape(),
+            q.shape(),
+            lse.shape()
+        )
+    }
+    bwd(q, k, v, out, lse, dout, group, opts, &dims)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+    dims: &Dims,
+) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
+    let ring = Ring::new(group);
+    let (p, rank) = (ring.size(), ring.rank());
+    let scale = scale_of(opts, dims.d);
+    let dev = q.device();
+    let qsegs = opts.layout.segments(rank, p, dims.t)?;
+    let mut q_rows = Vec::new();
+    for s in &qsegs {
+        q_rows.push((rows(q, 1, s)?, rows(out, 1, s)?, rows(lse, 2, s)?, rows(dout, 1, s)?));
+    }
+    let mut dq: Vec<Option<Tensor>> = vec![None; qsegs.len()];
+    let mut stats = RingStats::default();
+    let mut kv = Tensor::stack(&[k, v], 0)?;
+    let mut acc_in: Option<InFlight> = None;
+    for s in 0..p {
+        let src = (rank + p - s) % p;
+        let ksegs = opts.layout.segments(src, p, dims.t)?;
+        let mut st = StepStats::default();
+        let next = if s + 1 < p { Some(ring.start(&kv, &mut stats)?) } else { None };
+        let t0 = Instant::now();
+        let (kc, vc) = (kv.get(0)?, kv.get(1)?);
+        let mut dk_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
+        let mut dv_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
+        for (qs, ks, blk) in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+            let qi = qsegs.iter().position(|x| *x == qs).unwrap_or(0);
+            let ki = ksegs.iter().position(|x| *x == ks).unwrap_or(0);
+            let (qr, or, lr, dr) = &q_rows[qi];
+            let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
+            let (dqb, dkb, dvb) = attention_bwd(qr, &kb, &vb, or, lr, dr, &mask_of(&blk), scale)?;
+            add_into(&mut dq[qi], dqb)?;
+            add_into(&mut dk_parts[ki], dkb)?;
+            add_into(&mut dv_parts[ki], dvb)?;
+            st.blocks += 1;
+            st.area += (qs.len * ks.len) as u64;
+        }
+        let contrib = Tensor::stack(&[cat_parts(dk_parts, &ksegs, dims, dev)?, cat_parts(dv_parts, &ksegs, dims, dev)?], 0)?;
+        st.compute = t0.elapsed();
+        let acc = match acc_in.take() {
+            None => contrib,
+            Some(f) => (f.wait(&mut st.wait)? + contrib)?,
+        };
+        // The accumulator for source `src` goes to the next rank, which holds `src` next step.
+        acc_in = Some(ring.start(&acc, &mut stats)?);
+        if let Some(f) = next {
+            kv = f.wait(&mut st.wait)?;
+        }
+        stats.steps.push(st);
+    }
+    // After P hops the accumulator that arrives is this rank's own dK/dV.
+    let mut last_wait = Duration::ZERO;
+    let own = match acc_in {
+        Some(f) => f.wait(&mut last_wait)?,
+        None => candle_core::bail!("ring_attention backward: no dK/dV accumulator (P = {p})"),
+    };
+    if let Some(st) = stats.steps.last_mut() {
+        st.wait += last_wait;
+    }
+    let mut dqs = Vec::with_capacity(qsegs.len());
+    for (seg, d) in qsegs.iter().zip(dq) {
+        dqs.push(match d {
+            Some(d) => d,
+            None => Tensor::zeros((dims.b, seg.len, dims.h, dims.d), DType::F32, dev)?,
+        });
+    }
+    Ok((Tensor::cat(&dqs, 1)?, own.get(0)?, own.get(1)?, stats))
+}
+
+fn add_into(slot: &mut Option<Tensor>, x: Tensor) -> Result<()> {
+    *slot = Some(match slot.take() {
+        None => x,
+        Some(a) => (a + x)?,
+    });
+    Ok(())
+}
+
+/// Concatenate per-key-segment gradients into `[B, T/P, Hkv, D]` f32, zeros where none.
+fn cat_parts(parts: Vec<Option<Tensor>>, segs: &[Segment], dims: &Dims, dev: &candle_core::Device) -> Result<Tensor> {
+    let mut xs = Vec::with_capacity(parts.len());
+    for (p, s) in parts.into_iter().zip(segs) {
+        xs.push(match p {
+            Some(t) => t,
+            None => Tensor::zeros((dims.b, s.len, dims.hkv, dims.d), DType::F32, dev)?,
+        });
+    }
+    Tensor::cat(&xs, 1)
+}
+
+/// Ring attention over the `P` ranks of `group` (context parallelism).
+///
+/// Inputs are this rank's shards, laid out by `opts.layout`: `q [B, T/P, H, D]`,
+/// `k, v [B, T/P, Hkv, D]` (`H % Hkv == 0`, GQA: only the Hkv heads travel). Returns
+/// `out [B, T/P, H, D]` in q's dtype, differentiable w.r.t. q, k, v (backward = the dK/dV ring,
+/// a collective: every rank must run the backward), and `lse [B, H, T/P]` f32 (not
+/// differentiable), both equal to the rows of single-device attention over the global `T`.
+/// Collective over `group`; errors (on every rank) if ranks pass different shapes.
+pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
+    let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims)?;
+    let out = out32.to_dtype(q.dtype())?;
+    let (g, o, ls) = (group.clone(), *opts, lse.clone());
+    let (qdt, kdt) = (q.dtype(), k.dtype());
+    let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims)?;
+        Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
+    });
+    let out = attach3("ring_attention", q, k, v, out, bwd_fn)?;
+    Ok((out, lse))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(offset: usize, stride: usize, len: usize) -> Segment {
+        Segment { offset, stride, len, local: 0 }
+    }
+
+    #[test]
+    fn classify_blocks() {
+        assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), true), Block::Skip);
+        assert_eq!(classify(&seg(4, 1, 4), &seg(0, 1, 4), true), Block::Full(Mask::Full));
+        assert!(matches!(classify(&seg(4, 1, 4), &seg(4, 1, 4), true), Block::Partial(_)));
+        assert!(matches!(classify(&seg(0, 2, 4), &seg(1, 2, 4), true), Block::Partial(_)));
+        assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), false), Block::Full(Mask::Full));
+    }
+
+    #[test]
+    fn zigzag_schedule_equal_work_every_step() -> Result<()> {
+        for p in [2usize, 3, 4, 8] {
+            let t = 2 * p * 16;
+            let c = 16usize;
+            for rank in 0..p {
+                for s in 0..p {
+                    let src = (rank + p - s) % p;
+                    let blocks = block_schedule(Layout::Zigzag, rank, src, p, t, true)?;
+                    let half: usize = blocks
+                        .iter()
+                        .map(|(q, k, b)| match b {
+                            Block::Partial(_) => q.len * k.len / 2,
+                            _ => q.len * k.len,
+                        })
+                        .sum();
+                    assert_eq!(half, 2 * c * c, "P={p} rank={rank} step={s}");
+                    if src < rank {
+                        // Both query chunks against key chunk `src` only.
+                        assert!(blocks.iter().all(|(_, k, _)| k.offset == src * c));
+                        assert_eq!(blocks.len(), 2);
+                    } else if src > rank {
+                        // Query chunk 2P-1-i against both key chunks.
+                        assert!(blocks.iter().all(|(q, _, _)| q.offset == (2 * p - 1 - rank) * c));
+                        assert_eq!(blocks.len(), 2);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn contiguous_skips_future_chunks() -> Result<()> {
+        let p = 4;
+        for rank in 0..p {
+            for src in 0..p {
+                let n = block_schedule(Layout::Contiguous, rank, src, p, 64, true)?.len();
+                assert_eq!(n, usize::from(src <= rank));
+            }
+        }
+        Ok(())
+    }
+}

@@ -1,0 +1,347 @@
+//! Communication arithmetic per layer: ring K/V rotation and its overlap with attention,
+//! Ulysses all-to-all, all-gather-KV, and the TP/SP collectives.
+//!
+//! All byte counts are what one GPU *sends* per layer for one micro-batch; times are
+//! `bytes / link bandwidth` with the link each group spans (ranks ordered TP fastest, then
+//! the Ulysses part of CP, then the ring part).
+
+use crate::hardware::{Hardware, Link};
+use crate::layout::{check_ulysses, Layout};
+use crate::model::ModelConfig;
+use serde::Serialize;
+
+/// Inputs shared by the communication formulas.
+#[derive(Debug, Clone)]
+pub struct CommCtx<'a> {
+    /// Model shape.
+    pub model: &'a ModelConfig,
+    /// Layout.
+    pub layout: &'a Layout,
+    /// Hardware (links).
+    pub hw: &'a Hardware,
+    /// Global sequence length `s`.
+    pub seq: usize,
+    /// Micro-batch `b`.
+    pub micro_batch: usize,
+    /// Bytes per activation element `e`.
+    pub elem: usize,
+    /// Bytes per dK/dV element `g` in the backward (`e`, or 4 with fp32 accumulation).
+    pub grad_elem: usize,
+    /// Achieved attention FLOP/s used for the overlap check.
+    pub attn_rate: f64,
+}
+
+/// Ring attention (zigzag) over `R` ranks.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct RingComm {
+    /// Ring degree `R` (`cp`, or `cp/U` in 2-D).
+    pub degree: usize,
+    /// Tokens per ring rank `c = s/R` (for 2-D: after the Ulysses all-to-all).
+    pub chunk_tokens: usize,
+    /// Query heads per rank during the ring (`a / (t·U)`).
+    pub q_heads: usize,
+    /// KV heads per rank during the ring (`max(a_kv / (t·U), 1)`).
+    pub kv_heads: usize,
+    /// Link the ring spans.
+    pub link: Link,
+    /// K+V bytes moved per step: `c·b·2·a_kv,r·d·e`.
+    pub step_bytes: f64,
+    /// Forward bytes per layer: `(R-1)·step`.
+    pub fwd_bytes_per_layer: f64,
+    /// Backward bytes per layer: `(R-1)·step` (K/V again) + `R·step·g/e` (dK/dV home).
+    pub bwd_bytes_per_layer: f64,
+    /// Attention FLOPs per forward step (zigzag: half a `c×c` block): `2·c²·b·d·a_r`.
+    pub step_flops_fwd: f64,
+    /// Forward step compute time at the attention rate, s.
+    pub step_compute_s_fwd: f64,
+    /// Forward step transfer time on the ring's link, s.
+    pub step_transfer_s_fwd: f64,
+    /// Whether the forward transfer hides behind compute.
+    pub hides_fwd: bool,
+    /// Backward step compute (`2.5 ×` forward), s.
+    pub step_compute_s_bwd: f64,
+    /// Backward step transfer (K/V + dK/dV: `step·(1 + g/e)`), s.
+    pub step_transfer_s_bwd: f64,
+    /// Whether the backward transfer hides.
+    pub hides_bwd: bool,
+    /// Smallest chunk that hides the forward on NVLink: `a_kv,r·e·R_attn/(a_r·BW)` tokens.
+    pub min_chunk_fwd_nvlink: f64,
+    /// Same on InfiniBand.
+    pub min_chunk_fwd_ib: f64,
+    /// Smallest chunk that hides the backward on NVLink: `a_kv,r·(e+g)·R_attn/(2.5·a_r·BW)`.
+    pub min_chunk_bwd_nvlink: f64,
+    /// Same on InfiniBand.
+    pub min_chunk_bwd_ib: f64,
+    /// Transfer time not hidden, per layer (forward + backward), s.
+    pub exposed_s_per_layer: f64,
+    /// Busiest/mean causal work with a contiguous split instead of zigzag: `(2R-1)/R`.
+    pub contiguous_imbalance: f64,
+}
+
+/// Ring over the CP group's ring part; `u` is the Ulysses degree in front of it (1 for a
+/// plain ring).
+pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
+    let (m, l, hw) = (cx.model, cx.layout, cx.hw);
+    let q_heads = (m.heads / l.tp / u).max(1);
+    let kv_heads = (l.kv_heads_per_tp_rank(m) / u).max(1);
+    let c = cx.seq / r;
+    let (cf, bf, d, e, g) = (c as f64, cx.micro_batch as f64, m.head_dim as f64, cx.elem as f64, cx.grad_elem as f64);
+    let link = Link::for_group(l.tp * u, r, hw);
+    let bw = link.bandwidth(hw);
+    let step_bytes = cf * bf * 2.0 * kv_heads as f64 * d * e;
+    let steps = (r - 1) as f64;
+    let step_flops_fwd = 2.0 * cf * cf * bf * d * q_heads as f64;
+    let step_compute_s_fwd = step_flops_fwd / cx.attn_rate;
+    let step_transfer_s_fwd = step_bytes / bw;
+    let step_compute_s_bwd = 2.5 * step_compute_s_fwd;
+    let step_transfer_s_bwd = step_bytes * (1.0 + g / e) / bw;
+    let ratio = kv_heads as f64 / q_heads as f64 * cx.attn_rate;
+    let exposed = if r > 1 {
+        steps * ((step_transfer_s_fwd - step_compute_s_fwd).max(0.0) + (step_transfer_s_bwd - step_compute_s_bwd).max(0.0))
+    } else {
+        0.0
+    };
+    RingComm {
+        degree: r,
+        chunk_tokens: c,
+        q_heads,
+        kv_heads,
+        link,
+        step_bytes,
+        fwd_bytes_per_layer: steps * step_bytes,
+        bwd_bytes_per_layer: if r > 1 { steps * step_bytes + r as f64 * step_bytes * g / e } else { 0.0 },
+        step_flops_fwd,
+        step_compute_s_fwd,
+        step_transfer_s_fwd,
+        hides_fwd: step_compute_s_fwd >= step_transfer_s_fwd,
+        step_compute_s_bwd,
+        step_transfer_s_bwd,
+        hides_bwd: step_compute_s_bwd >= step_transfer_s_bwd,
+        min_chunk_fwd_nvlink: ratio * e / hw.nvlink_bw,
+        min_chunk_fwd_ib: ratio * e / hw.ib_bw,
+        min_chunk_bwd_nvlink: ratio * (e + g) / (2.5 * hw.nvlink_bw),
+        min_chunk_bwd_ib: ratio * (e + g) / (2.5 * hw.ib_bw),
+        exposed_s_per_layer: exposed,
+        contiguous_imbalance: (2 * r - 1) as f64 / r as f64,
+    }
+}
+
+/// Ulysses all-to-all over `U` ranks (exposed: nothing to overlap with).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct UlyssesComm {
+    /// Degree `U`.
+    pub degree: usize,
+    /// Whether the head constraint holds for this degree.
+    pub valid: bool,
+    /// The constraint, or why it fails.
+    pub constraint: String,
+    /// Each KV head is replicated this many times (`U / a_kv,t` when `U > a_kv,t`, else 1).
+    pub kv_replication: usize,
+    /// Link the all-to-all spans.
+    pub link: Link,
+    /// Forward bytes sent per layer: `(U-1)/U · c·b·d·(2·a_t·e + 2·max(a_kv,t, U)·e)`
+    /// (Q, K, V in; O out), `c = s/cp`.
+    pub fwd_bytes_per_layer: f64,
+    /// Backward: dO in, dQ out at `e`; dK, dV out at `g`.
+    pub bwd_bytes_per_layer: f64,
+    /// Forward bytes relative to a ring of the same degree on the same tokens.
+    pub ratio_vs_ring_fwd: f64,
+    /// Transfer time per layer, forward + backward, s (all exposed).
+    pub exposed_s_per_layer: f64,
+}
+
+/// Ulysses all-to-all of degree `u` on `c = s/cp` local tokens.
+pub fn ulysses(cx: &CommCtx, u: usize) -> UlyssesComm {
+    let (m, l, hw) = (cx.model, cx.layout, cx.hw);
+    let (valid, constraint) = match check_ulysses(m, l.tp, u) {
+        Ok(()) => (true, format!("degree {u} divides the {} query heads per TP rank", m.heads / l.tp)),
+        Err(e) => (false, e.0),
+    };
+    let hq = (m.heads / l.tp) as f64;
+    let kv_t = l.kv_heads_per_tp_rank(m);
+    let kv_eff = kv_t.max(u) as f64;
+    let c = (cx.seq / l.cp) as f64;
+    let (bf, d, e, g) = (cx.micro_batch as f64, m.head_dim as f64, cx.elem as f64, cx.grad_elem as f64);
+    let frac = (u - 1) as f64 / u as f64;
+    let link = Link::for_group(l.tp, u, hw);
+    let bw = link.bandwidth(hw);
+    let fwd = frac * c * bf * d * (2.0 * hq * e + 2.0 * kv_eff * e);
+    let bwd = frac * c * bf * d * (2.0 * hq * e + 2.0 * kv_eff * g);
+    let ring_fwd = (u - 1) as f64 * c * bf * 2.0 * kv_t as f64 * d * e;
+    UlyssesComm {
+        degree: u,
+        valid,
+        constraint,
+        kv_replication: if u > kv_t { u / kv_t } else { 1 },
+        link,
+        fwd_bytes_per_layer: fwd,
+        bwd_bytes_per_layer: bwd,
+        ratio_vs_ring_fwd: if u > 1 { fwd / ring_fwd } else { 0.0 },
+        exposed_s_per_layer: (fwd + bwd) / bw,
+    }
+}
+
+/// Llama 3 style all-gather of K/V over the CP group (reduce-scatter of dK/dV backward).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AllgatherComm {
+    /// Degree (`cp`).
+    pub degree: usize,
+    /// Link the group spans.
+    pub link: Link,
+    /// Forward bytes sent per layer: `(cp-1)·c·b·2·a_kv,t·d·e` (same total as the ring).
+    pub fwd_bytes_per_layer: f64,
+    /// Backward (reduce-scatter dK/dV): `(cp-1)·c·b·2·a_kv,t·d·g`.
+    pub bwd_bytes_per_layer: f64,
+    /// Gathered K/V held during one layer's attention: `s·b·2·a_kv,t·d·e`.
+    pub gathered_kv_bytes: f64,
+    /// Transfer time per layer, forward + backward, s (exposed: not overlapped).
+    pub exposed_s_per_layer: f64,
+}
+
+/// All-gather-KV over `cp` ranks.
+pub fn allgather(cx: &CommCtx) -> AllgatherComm {
+    let (m, l, hw) = (cx.model, cx.layout, cx.hw);
+    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let c = (cx.seq / l.cp) as f64;
+    let bf = cx.micro_batch as f64;
+    let link = Link::for_group(l.tp, l.cp, hw);
+    let fwd = (l.cp - 1) as f64 * c * bf * 2.0 * kv * cx.elem as f64;
+    let bwd = (l.cp - 1) as f64 * c * bf * 2.0 * kv * cx.grad_elem as f64;
+    AllgatherComm {
+        degree: l.cp,
+        link,
+        fwd_bytes_per_layer: fwd,
+        bwd_bytes_per_layer: bwd,
+        gathered_kv_bytes: cx.seq as f64 * bf * 2.0 * kv * cx.elem as f64,
+        exposed_s_per_layer: (fwd + bwd) / link.bandwidth(hw),
+    }
+}
+
+/// Tensor-parallel collectives per layer.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TpComm {
+    /// Degree `t`.
+    pub degree: usize,
+    /// Link the group spans.
+    pub link: Link,
+    /// Forward bytes sent per layer: `4·(t-1)/t·c·b·h·e` (SP: 2 all-gathers + 2
+    /// reduce-scatters; without SP: 2 all-reduces, the same volume).
+    pub fwd_bytes_per_layer: f64,
+    /// Backward: the same volume.
+    pub bwd_bytes_per_layer: f64,
+    /// Transfer time per layer, forward + backward, s (counted as exposed).
+    pub exposed_s_per_layer: f64,
+}
+
+/// TP/SP collectives on `c = s/cp` tokens.
+pub fn tp(cx: &CommCtx) -> TpComm {
+    let (m, l, hw) = (cx.model, cx.layout, cx.hw);
+    let t = l.tp as f64;
+    let c = (cx.seq / l.cp) as f64;
+    let fwd = 4.0 * (t - 1.0) / t * c * cx.micro_batch as f64 * m.hidden as f64 * cx.elem as f64;
+    let link = Link::for_group(1, l.tp, hw);
+    TpComm {
+        degree: l.tp,
+        link,
+        fwd_bytes_per_layer: fwd,
+        bwd_bytes_per_layer: fwd,
+        exposed_s_per_layer: 2.0 * fwd / link.bandwidth(hw),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::CpKind;
+    use crate::MIB;
+
+    const S: usize = 131072;
+
+    fn ctx<'a>(m: &'a ModelConfig, l: &'a Layout, hw: &'a Hardware) -> CommCtx<'a> {
+        CommCtx { model: m, layout: l, hw, seq: S, micro_batch: 1, elem: 2, grad_elem: 2, attn_rate: 600e12 }
+    }
+
+    #[test]
+    fn ring_405b_cp16() {
+        let m = ModelConfig::preset("llama3-405b").unwrap();
+        let hw = Hardware::preset("h100").unwrap();
+        let l = Layout { cp: 16, ..Layout::default() };
+        let r = ring(&ctx(&m, &l, &hw), 16, 1);
+        assert_eq!(r.chunk_tokens, 8192);
+        // K+V per token 2·8·128·2 = 4096 B; 8192 tokens: 32 MiB.
+        assert_eq!(r.step_bytes, 32.0 * MIB);
+        assert_eq!(r.fwd_bytes_per_layer, 480.0 * MIB);
+        assert_eq!(r.bwd_bytes_per_layer, 15.0 * 32.0 * MIB + 16.0 * 32.0 * MIB);
+        // Half a c×c block: 2·c²·d·a = 2.2 TFLOP.
+        assert_eq!(r.step_flops_fwd, 2.0 * 8192f64.powi(2) * 128.0 * 128.0);
+        assert!((r.step_flops_fwd / 1e12 - 2.2).abs() < 0.005);
+        // c ≥ R/(8·BW): 1500 tokens on IB at 600 TFLOP/s, 167 on NVLink.
+        assert!((r.min_chunk_fwd_ib - 1500.0).abs() < 1e-6, "{}", r.min_chunk_fwd_ib);
+        assert!((r.min_chunk_fwd_nvlink - 600e12 / (8.0 * 450e9)).abs() < 1e-9);
+        assert_eq!(r.link, Link::Ib);
+        assert!(r.hides_fwd && r.hides_bwd);
+        assert_eq!(r.exposed_s_per_layer, 0.0);
+        assert_eq!(r.contiguous_imbalance, 31.0 / 16.0);
+        // With TP8: 4 MiB per step, 0.275 TFLOP per step, same minimum chunk.
+        let l8 = Layout { tp: 8, cp: 16, ..Layout::default() };
+        let r8 = ring(&ctx(&m, &l8, &hw), 16, 1);
+        assert_eq!(r8.step_bytes, 4.0 * MIB);
+        assert!((r8.step_flops_fwd / 1e12 - 0.275).abs() < 0.001);
+        assert!((r8.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
+        // Chunk 1024 < 1500 on IB: does not hide; exposed = 15·(transfer - compute) fwd.
+        let short = CommCtx { seq: 16384, ..ctx(&m, &l8, &hw) };
+        let rs = ring(&short, 16, 1);
+        assert!(!rs.hides_fwd);
+        let fwd_gap = rs.step_transfer_s_fwd - rs.step_compute_s_fwd;
+        let bwd_gap = (rs.step_transfer_s_bwd - rs.step_compute_s_bwd).max(0.0);
+        assert!((rs.exposed_s_per_layer - 15.0 * (fwd_gap + bwd_gap)).abs() < 1e-15);
+        // fp32 dK/dV: backward moves step·(1 + 4/2), min chunk (2+4)/2.5 vs 2.
+        let g4 = CommCtx { grad_elem: 4, ..ctx(&m, &l8, &hw) };
+        let r4 = ring(&g4, 16, 1);
+        assert_eq!(r4.bwd_bytes_per_layer, 15.0 * 4.0 * MIB + 16.0 * 8.0 * MIB);
+        assert!((r4.min_chunk_bwd_ib - 1500.0 * 6.0 / 5.0).abs() < 1e-6);
+    }
+
+    #[test]
+    fn ulysses_and_allgather_bytes() {
+        let m = ModelConfig::preset("llama3-405b").unwrap();
+        let hw = Hardware::preset("h100").unwrap();
+        // TP1, U = 8: (h + h_kv)/(P·h_kv) = 17/8 of the ring's bytes.
+        let l = Layout { cp: 8, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let u = ulysses(&ctx(&m, &l, &hw), 8);
+        assert!(u.valid);
+        assert!((u.ratio_vs_ring_fwd - 17.0 / 8.0).abs() < 1e-12);
+        let c = (S / 8) as f64;
+        assert_eq!(u.fwd_bytes_per_layer, 7.0 / 8.0 * c * 2.0 * 2.0 * (16384.0 + 1024.0));
+        assert_eq!(u.link, Link::Nvlink);
+        // TP8 leaves 1 KV head per rank: U = 16 replicates it 16 times.
+        let l = Layout { tp: 8, cp: 16, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let u = ulysses(&ctx(&m, &l, &hw), 16);
+        assert!(u.valid && u.kv_replication == 16);
+        assert_eq!(u.fwd_bytes_per_layer, 15.0 / 16.0 * 8192.0 * 2.0 * 128.0 * (32.0 + 32.0));
+        let bad = ulysses(&ctx(&m, &l, &hw), 32);
+        assert!(!bad.valid && bad.constraint.contains("does not divide the 16 query heads"));
+        // All-gather moves what the ring moves, at once.
+        let a = allgather(&ctx(&m, &l, &hw));
+        assert_eq!(a.fwd_bytes_per_layer, 15.0 * 4.0 * MIB);
+        assert_eq!(a.gathered_kv_bytes, S as f64 * 2.0 * 128.0 * 2.0);
+        assert_eq!(a.exposed_s_per_layer, 2.0 * 60.0 * MIB / 50e9);
+        // TP8 with SP: 4·7/8·c·h·e per direction on NVLink.
+        let t = tp(&ctx(&m, &l, &hw));
+        assert_eq!(t.fwd_bytes_per_layer, 3.5 * 8192.0 * 16384.0 * 2.0);
+        assert_eq!(t.link, Link::Nvlink);
+    }
+
+    #[test]
+    fn two_d_ring_part() {
+        let m = ModelConfig::preset("llama3-405b").unwrap();
+        let hw = Hardware::preset("h100").unwrap();
+        // TP1, CP16 = Ulysses 8 (NVLink) x ring 2: ring chunk s/2, 16 q heads, 1 kv head.
+        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 8, ..Layout::default() };
+        let r = ring(&ctx(&m, &l, &hw), 2, 8);
+        assert_eq!((r.chunk_tokens, r.q_heads, r.kv_heads), (65536, 16, 1));
+        assert_eq!(r.step_bytes, 65536.0 * 2.0 * 128.0 * 2.0);
+        assert_eq!(r.link, Link::Ib);
+        assert_eq!(ulysses(&ctx(&m, &l, &hw), 8).link, Link::Nvlink);
+    }
+}

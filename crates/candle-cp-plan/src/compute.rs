@@ -1,0 +1,89 @@
+//! FLOP counts per layer: linear layers and causal attention, forward and backward.
+
+use crate::layout::{Layout, Recompute};
+use crate::model::ModelConfig;
+use serde::Serialize;
+
+/// FLOPs of one layer for one micro-batch of `b` sequences of `s` tokens.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerFlops {
+    /// Linear layers, forward: `2·s·b·(2·h·a·d + 2·h·a_kv·d + 3·h·f)` (2 FLOP per MAC).
+    pub linear_fwd: f64,
+    /// Linear backward: `2 ×` forward (input and weight gradients).
+    pub linear_bwd: f64,
+    /// Causal attention forward: half of `4·s²·b·a·d` (QKᵀ and PV) = `2·s²·b·a·d`
+    /// (`2·s²·h` for Llama, where `a·d = h`).
+    pub attention_fwd: f64,
+    /// Attention backward: `2.5 ×` forward (dV, dP, dQ, dK and the recomputed QKᵀ).
+    pub attention_bwd: f64,
+    /// Forward re-run in backward: full recompute reruns the whole layer forward.
+    pub recompute: f64,
+    /// Output projection (logits) forward for the whole model: `2·s·b·h·v`.
+    pub logits_fwd: f64,
+    /// Per GPU, forward + backward + recompute of one layer: all terms over `t·cp`
+    /// (TP splits matrices and heads; zigzag CP balances the causal work).
+    pub per_gpu_fwd_bwd: f64,
+}
+
+/// Computes [`LayerFlops`] for global sequence `s`, micro-batch `b`.
+pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlops {
+    let (sf, bf) = (s as f64, b as f64);
+    let linear_fwd = 2.0 * sf * bf * m.layer_matrix_params() as f64;
+    let attention_fwd = 2.0 * sf * sf * bf * m.q_dim() as f64;
+    let linear_bwd = 2.0 * linear_fwd;
+    let attention_bwd = 2.5 * attention_fwd;
+    let recompute = if l.recompute == Recompute::Full { linear_fwd + attention_fwd } else { 0.0 };
+    let split = (l.tp * l.cp) as f64;
+    LayerFlops {
+        linear_fwd,
+        linear_bwd,
+        attention_fwd,
+        attention_bwd,
+        recompute,
+        logits_fwd: 2.0 * sf * bf * (m.hidden * m.vocab) as f64,
+        per_gpu_fwd_bwd: (linear_fwd + linear_bwd + attention_fwd + attention_bwd + recompute) / split,
+    }
+}
+
+/// Seconds one GPU spends on one layer (forward + backward + recompute), linear layers at
+/// `linear_rate` and attention at `attn_rate` FLOP/s: returns (linear, attention).
+pub fn layer_compute_seconds(f: &LayerFlops, l: &Layout, linear_rate: f64, attn_rate: f64) -> (f64, f64) {
+    let split = (l.tp * l.cp) as f64;
+    let (lin_re, att_re) = if l.recompute == Recompute::Full {
+        (f.linear_fwd, f.attention_fwd)
+    } else {
+        (0.0, 0.0)
+    };
+    let lin = (f.linear_fwd + f.linear_bwd + lin_re) / split / linear_rate;
+    let att = (f.attention_fwd + f.attention_bwd + att_re) / split / attn_rate;
+    (lin, att)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn flops_405b_128k() {
+        let m = ModelConfig::preset("llama3-405b").unwrap();
+        let s = 131072usize;
+        let f = layer_flops(&m, &Layout::default(), s, 1);
+        // 2·s²·h = 2^49 ≈ 563 TFLOP causal forward attention.
+        assert_eq!(f.attention_fwd, 2f64.powi(49));
+        assert!((f.attention_fwd / 1e12 - 563.0).abs() < 0.5, "{}", f.attention_fwd / 1e12);
+        assert_eq!(f.attention_bwd, 2.5 * f.attention_fwd);
+        // Linear: 2·s·(3,187,671,040 matrix params) = 835.6 TFLOP.
+        assert_eq!(m.layer_matrix_params(), 3_187_671_040);
+        assert_eq!(f.linear_fwd, 2.0 * s as f64 * 3_187_671_040.0);
+        assert_eq!(f.linear_bwd, 2.0 * f.linear_fwd);
+        let l = Layout { tp: 8, cp: 16, ..Layout::default() };
+        let g = layer_flops(&m, &l, s, 1);
+        assert_eq!(g.per_gpu_fwd_bwd, (3.0 * f.linear_fwd + 3.5 * f.attention_fwd) / 128.0);
+        let full = Layout { recompute: Recompute::Full, ..l.clone() };
+        let g = layer_flops(&m, &full, s, 1);
+        assert_eq!(g.per_gpu_fwd_bwd, (4.0 * f.linear_fwd + 4.5 * f.attention_fwd) / 128.0);
+        let (lin, att) = layer_compute_seconds(&layer_flops(&m, &l, s, 1), &l, 1e15, 5e14);
+        assert_eq!(lin, 3.0 * f.linear_fwd / 128.0 / 1e15);
+        assert_eq!(att, 3.5 * f.attention_fwd / 128.0 / 5e14);
+    }
+}

@@ -1,0 +1,298 @@
+//! Parallel layout (TP, SP, CP kind, PP, DP, ZeRO), dtype, recompute policy; validation.
+
+use crate::model::ModelConfig;
+use crate::{plan_bail, Result};
+use serde::Serialize;
+
+/// Training dtype of weights and activations.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Dtype {
+    /// bfloat16 (2 bytes), with fp32 master weights in the optimizer.
+    Bf16,
+    /// float16 (2 bytes), with fp32 master weights in the optimizer.
+    Fp16,
+    /// float32 (4 bytes), no separate master copy.
+    Fp32,
+}
+
+impl Dtype {
+    /// Bytes per element `e`.
+    pub fn bytes(self) -> usize {
+        match self {
+            Dtype::Bf16 | Dtype::Fp16 => 2,
+            Dtype::Fp32 => 4,
+        }
+    }
+
+    /// Parses `bf16`, `fp16` (`f16`) or `fp32` (`f32`).
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "bf16" => Dtype::Bf16,
+            "fp16" | "f16" => Dtype::Fp16,
+            "fp32" | "f32" => Dtype::Fp32,
+            _ => plan_bail!("unknown dtype '{s}' (known: bf16, fp16, fp32)"),
+        })
+    }
+}
+
+/// How the sequence dimension is split across the CP group.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum CpKind {
+    /// Ring attention (zigzag balanced): K/V chunks rotate, P-1 steps overlapped with compute.
+    Ring,
+    /// Llama 3 style: all-gather K/V of the whole sequence, reduce-scatter dK/dV.
+    Allgather,
+    /// DeepSpeed Ulysses: all-to-all sequence<->heads around attention.
+    Ulysses,
+    /// Ulysses over `ulysses` ranks inside a ring over `cp / ulysses` ranks.
+    #[serde(rename = "2d")]
+    TwoD,
+}
+
+impl CpKind {
+    /// Parses `ring`, `allgather` (`all-gather`), `ulysses` or `2d` (`usp`).
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "ring" | "zigzag" => CpKind::Ring,
+            "allgather" | "all-gather" | "ag" => CpKind::Allgather,
+            "ulysses" | "a2a" => CpKind::Ulysses,
+            "2d" | "usp" => CpKind::TwoD,
+            _ => plan_bail!("unknown CP kind '{s}' (known: ring, allgather, ulysses, 2d)"),
+        })
+    }
+}
+
+/// Activation recomputation policy (Korthikanti et al. 2022).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Recompute {
+    /// Store everything the backward needs.
+    None,
+    /// Recompute the attention core (scores, softmax, dropout): drops the `5·a·s/h` term.
+    Selective,
+    /// Store only each layer's input; recompute the layer in backward.
+    Full,
+}
+
+impl Recompute {
+    /// Parses `none`, `selective` or `full`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "none" => Recompute::None,
+            "selective" => Recompute::Selective,
+            "full" => Recompute::Full,
+            _ => plan_bail!("unknown recompute policy '{s}' (known: none, selective, full)"),
+        })
+    }
+}
+
+/// Which per-layer activation count drives the per-GPU totals and the verdict.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "lowercase")]
+pub enum ActivationModel {
+    /// Korthikanti et al. eq. 1 (GPT layer, 4h GeLU MLP, dropout): `sbh·(34 + 5as/h)`.
+    Korthikanti,
+    /// Exact count for Llama (RMSNorm, GQA, SwiGLU, no dropout).
+    Llama,
+}
+
+impl ActivationModel {
+    /// Parses `korthikanti` or `llama`.
+    pub fn parse(s: &str) -> Result<Self> {
+        Ok(match s.to_ascii_lowercase().as_str() {
+            "korthikanti" | "megatron" => ActivationModel::Korthikanti,
+            "llama" | "exact" => ActivationModel::Llama,
+            _ => plan_bail!("unknown activation model '{s}' (known: korthikanti, llama)"),
+        })
+    }
+}
+
+/// A parallel layout. World size = `tp·cp·pp·dp`; ranks are ordered TP fastest, then CP.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct Layout {
+    /// Tensor-parallel degree `t`.
+    pub tp: usize,
+    /// Megatron sequence parallelism on the TP group (norms/dropout sharded over `t`).
+    pub sp: bool,
+    /// Context-parallel degree (sequence split over this many ranks).
+    pub cp: usize,
+    /// How CP communicates.
+    pub cp_kind: CpKind,
+    /// Ulysses degree `U` for [`CpKind::TwoD`] (ring degree `cp / U`); ignored otherwise.
+    pub ulysses: usize,
+    /// Pipeline-parallel degree.
+    pub pp: usize,
+    /// Data-parallel degree.
+    pub dp: usize,
+    /// ZeRO stage 0..=3, sharding over the `dp·cp` ranks that hold the same weights.
+    pub zero: u8,
+    /// Activation recomputation policy.
+    pub recompute: Recompute,
+    /// Flash attention (scores never stored): default true.
+    pub flash: bool,
+}
+
+impl Default for Layout {
+    fn default() -> Self {
+        Self {
+            tp: 1,
+            sp: false,
+            cp: 1,
+            cp_kind: CpKind::Ring,
+            ulysses: 1,
+            pp: 1,
+            dp: 1,
+            zero: 1,
+            recompute: Recompute::None,
+            flash: true,
+        }
+    }
+}
+
+impl Layout {
+    /// World size `tp·cp·pp·dp`.
+    pub fn world(&self) -> usize {
+        self.tp * self.cp * self.pp * self.dp
+    }
+
+    /// KV heads each TP rank holds: `a_kv / t`, or 1 (replicated `t / a_kv` times) when
+    /// `t > a_kv`.
+    pub fn kv_heads_per_tp_rank(&self, m: &ModelConfig) -> usize {
+        (m.kv_heads / self.tp).max(1)
+    }
+
+    /// Query heads per TP rank `a / t`.
+    pub fn heads_per_tp_rank(&self, m: &ModelConfig) -> usize {
+        m.heads / self.tp
+    }
+
+    /// Ulysses degree: `cp` for Ulysses, `ulysses` for 2-D, 1 otherwise.
+    pub fn ulysses_degree(&self) -> usize {
+        match self.cp_kind {
+            CpKind::Ulysses => self.cp,
+            CpKind::TwoD => self.ulysses,
+            _ => 1,
+        }
+    }
+
+    /// Ring degree: `cp` for ring, `cp / ulysses` for 2-D, 1 otherwise.
+    pub fn ring_degree(&self) -> usize {
+        match self.cp_kind {
+            CpKind::Ring => self.cp,
+            CpKind::TwoD => self.cp / self.ulysses.max(1),
+            _ => 1,
+        }
+    }
+
+    /// Checks the layout against the model and the global sequence length `seq`:
+    /// degrees positive, `cp | seq`, `t | a`, `t | a_kv` or `a_kv | t`, `pp <= L`,
+    /// Ulysses degree divides the per-TP-rank query heads and divides (or is a multiple
+    /// of) the per-TP-rank KV heads, 2-D: `ulysses | cp`.
+    pub fn validate(&self, m: &ModelConfig, seq: usize) -> Result<()> {
+        for (what, x) in [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)] {
+            if x == 0 {
+                plan_bail!("--{what} must be at least 1")
+            }
+        }
+        if seq == 0 {
+            plan_bail!("--seq must be at least 1")
+        }
+        if self.zero > 3 {
+            plan_bail!("--zero must be 0, 1, 2 or 3, got {}", self.zero)
+        }
+        if seq % self.cp != 0 {
+            plan_bail!("CP degree {} does not divide the sequence length {seq}", self.cp)
+        }
+        if m.heads % self.tp != 0 {
+            plan_bail!("TP degree {} does not divide the {} attention heads of {}", self.tp, m.heads, m.name)
+        }
+        if m.kv_heads % self.tp != 0 && self.tp % m.kv_heads != 0 {
+            plan_bail!(
+                "TP degree {} neither divides nor is a multiple of the {} KV heads of {}",
+                self.tp,
+                m.kv_heads,
+                m.name
+            )
+        }
+        if self.pp > m.layers {
+            plan_bail!("PP degree {} exceeds the {} layers of {}", self.pp, m.layers, m.name)
+        }
+        if self.cp_kind == CpKind::TwoD {
+            if self.ulysses == 0 || self.cp % self.ulysses != 0 {
+                plan_bail!("2-D CP: Ulysses degree {} must divide the CP degree {}", self.ulysses, self.cp)
+            }
+        }
+        let u = self.ulysses_degree();
+        if u > 1 {
+            check_ulysses(m, self.tp, u)?;
+        }
+        Ok(())
+    }
+}
+
+/// The Ulysses head constraint for degree `u` after TP `tp`: `u` divides the query heads
+/// per TP rank `a/t`, and divides the KV heads per TP rank or is a multiple of them (then
+/// each KV head is replicated `u / a_kv,t` times).
+pub fn check_ulysses(m: &ModelConfig, tp: usize, u: usize) -> Result<()> {
+    let hq = m.heads / tp;
+    if u == 0 || hq % u != 0 {
+        plan_bail!(
+            "Ulysses degree {u} does not divide the {hq} query heads per TP rank ({} heads / TP {tp})",
+            m.heads
+        )
+    }
+    let hkv = (m.kv_heads / tp).max(1);
+    if hkv % u != 0 && u % hkv != 0 {
+        plan_bail!("Ulysses degree {u} neither divides nor is a multiple of the {hkv} KV heads per TP rank")
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn m405() -> ModelConfig {
+        ModelConfig::preset("llama3-405b").unwrap()
+    }
+
+    #[test]
+    fn parse_errors_name_the_value() {
+        assert!(Dtype::parse("int8").unwrap_err().0.contains("'int8'"));
+        assert!(CpKind::parse("tree").unwrap_err().0.contains("'tree'"));
+        assert!(Recompute::parse("some").unwrap_err().0.contains("'some'"));
+        assert_eq!(CpKind::parse("all-gather").unwrap(), CpKind::Allgather);
+        assert_eq!(Dtype::parse("fp32").unwrap().bytes(), 4);
+    }
+
+    #[test]
+    fn cp_must_divide_seq_and_tp_must_divide_heads() {
+        let l = Layout { cp: 3, ..Layout::default() };
+        let e = l.validate(&m405(), 131072).unwrap_err();
+        assert!(e.0.contains("CP degree 3 does not divide the sequence length 131072"), "{e}");
+        let l = Layout { tp: 3, ..Layout::default() };
+        let e = l.validate(&m405(), 131072).unwrap_err();
+        assert!(e.0.contains("TP degree 3 does not divide the 128 attention heads"), "{e}");
+        let l = Layout { tp: 16, ..Layout::default() };
+        l.validate(&m405(), 131072).unwrap();
+        assert_eq!(l.kv_heads_per_tp_rank(&m405()), 1);
+    }
+
+    #[test]
+    fn ulysses_head_constraint() {
+        let m = m405();
+        // TP8 leaves 16 query heads, 1 KV head per rank: U=16 ok (KV replicated), U=32 not.
+        let l = Layout { tp: 8, cp: 16, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        l.validate(&m, 131072).unwrap();
+        let l = Layout { tp: 8, cp: 32, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let e = l.validate(&m, 131072).unwrap_err();
+        assert!(e.0.contains("Ulysses degree 32 does not divide the 16 query heads"), "{e}");
+        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 3, ..Layout::default() };
+        assert!(l.validate(&m, 131072).unwrap_err().0.contains("must divide the CP degree 16"));
+        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 4, ..Layout::default() };
+        l.validate(&m, 131072).unwrap();
+        assert_eq!((l.ulysses_degree(), l.ring_degree()), (4, 4));
+    }
+}

@@ -1,0 +1,326 @@
+//! Memory arithmetic: activations per layer (Korthikanti and exact Llama counts), per GPU
+//! under TP/SP/CP and recompute; weights, gradients and Adam state per GPU under ZeRO.
+//!
+//! Notation (docs/arithmetic.md): `s` global sequence, `c = s/cp` local tokens, `b`
+//! micro-batch, `h` hidden, `a` query heads, `a_kv` KV heads, `d` head dim, `f` MLP
+//! width, `v` vocab, `e` bytes per element, `t` TP degree.
+
+use crate::layout::{ActivationModel, Layout, Recompute};
+use crate::model::ModelConfig;
+use serde::Serialize;
+
+/// Korthikanti et al. (2022) eq. 1 generalised to `e`-byte activations, one layer, one
+/// micro-batch, no parallelism: `s·b·h·(16e + 2) + a·s²·b·(2e + 1)` bytes
+/// (`= sbh·(34 + 5as/h)` for `e = 2`). With `flash` the score term is 0.
+pub fn korthikanti_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
+    korthikanti_per_gpu(m, &Layout { flash, ..Layout::default() }, s, b, e, Recompute::None)
+}
+
+/// Exact stored activations of one Llama layer (RMSNorm, GQA, SwiGLU, no dropout), no
+/// parallelism: `s·b·e·(4h + 2·a·d + 2·a_kv·d + 3f)` bytes, plus `a·s²·b·e` (softmax
+/// probabilities) without flash. For Llama 3 405B this is `31.75·sbh` at `e = 2`.
+pub fn llama_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
+    llama_per_gpu(m, &Layout { flash, ..Layout::default() }, s, b, e, Recompute::None)
+}
+
+/// Korthikanti count per GPU for one layer, CP and TP/SP applied (`c = s/cp` tokens):
+/// - replicated unless SP: `c·b·h·(4e + 2)` (two norm inputs, QKV and MLP inputs, two
+///   dropout masks) — divided by `t` with SP;
+/// - always split over TP: `c·b·h·12e`;
+/// - scores (not with flash or selective): `a·c·s·b·(2e + 1) / t`;
+/// - full recompute keeps only the layer input `c·b·h·e` (over `t` with SP).
+pub fn korthikanti_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+    let (t, c) = (l.tp as f64, (s / l.cp) as f64);
+    let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
+    let sp_div = if l.sp { t } else { 1.0 };
+    if r == Recompute::Full {
+        return c * bf * h * ef / sp_div;
+    }
+    let replicated = c * bf * h * (4.0 * ef + 2.0) / sp_div;
+    let split = c * bf * h * 12.0 * ef / t;
+    let scores = if l.flash || r == Recompute::Selective {
+        0.0
+    } else {
+        m.heads as f64 * c * s as f64 * bf * (2.0 * ef + 1.0) / t
+    };
+    replicated + split + scores
+}
+
+/// Exact Llama count per GPU for one layer (`c = s/cp` tokens, `a_kv,t` KV heads per TP
+/// rank):
+/// - replicated unless SP: `c·b·e·4h` (two RMSNorm inputs, QKV input, MLP input);
+/// - `c·b·e·2·a·d / t` (Q after RoPE, attention output O);
+/// - `c·b·e·2·a_kv,t·d` (K after RoPE, V; replicated heads count on every rank);
+/// - `c·b·e·3f / t` (gate and up outputs, down-projection input);
+/// - without flash/selective: `a·c·s·b·e / t` (softmax probabilities);
+/// - full recompute keeps only the layer input `c·b·h·e` (over `t` with SP).
+pub fn llama_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+    let (t, c) = (l.tp as f64, (s / l.cp) as f64);
+    let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
+    let sp_div = if l.sp { t } else { 1.0 };
+    if r == Recompute::Full {
+        return c * bf * h * ef / sp_div;
+    }
+    let cbe = c * bf * ef;
+    let replicated = cbe * 4.0 * h / sp_div;
+    let q_o = cbe * 2.0 * m.q_dim() as f64 / t;
+    let k_v = cbe * 2.0 * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let mlp = cbe * 3.0 * m.ffn as f64 / t;
+    let scores = if l.flash || r == Recompute::Selective {
+        0.0
+    } else {
+        m.heads as f64 * c * s as f64 * bf * ef / t
+    };
+    replicated + q_o + k_v + mlp + scores
+}
+
+/// Per-layer, per-GPU stored activations under the chosen activation model.
+pub fn layer_per_gpu(
+    am: ActivationModel,
+    m: &ModelConfig,
+    l: &Layout,
+    s: usize,
+    b: usize,
+    e: usize,
+    r: Recompute,
+) -> f64 {
+    match am {
+        ActivationModel::Korthikanti => korthikanti_per_gpu(m, l, s, b, e, r),
+        ActivationModel::Llama => llama_per_gpu(m, l, s, b, e, r),
+    }
+}
+
+/// Layers held by the busiest pipeline stage: `ceil(L / pp)`.
+pub fn layers_per_stage(m: &ModelConfig, l: &Layout) -> usize {
+    m.layers.div_ceil(l.pp)
+}
+
+/// Activation memory per GPU, bytes, for the busiest stage.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ActivationTotals {
+    /// Stored per layer per GPU under the chosen recompute policy.
+    pub per_layer_per_gpu: f64,
+    /// Micro-batches in flight on the first stage (1F1B schedule: `pp`).
+    pub in_flight_microbatches: usize,
+    /// `in_flight · ceil(L/pp) · per_layer_per_gpu` on the first stage.
+    pub layers: f64,
+    /// Full recompute: one layer's un-recomputed activations live during its backward.
+    pub recompute_working_set: f64,
+    /// fp32 logits for the loss on the last stage: `c·b·(v/t)·4`.
+    pub logits: f64,
+    /// Peak over the first and last stage.
+    pub total: f64,
+}
+
+/// Activation memory per GPU: the first stage stores `pp` micro-batches (1F1B) of
+/// `ceil(L/pp)` layers; the last stage stores one micro-batch plus the fp32 logits;
+/// full recompute adds one layer's full activations (the layer being backpropagated).
+pub fn activation_totals(
+    am: ActivationModel,
+    m: &ModelConfig,
+    l: &Layout,
+    s: usize,
+    b: usize,
+    e: usize,
+) -> ActivationTotals {
+    let per_layer = layer_per_gpu(am, m, l, s, b, e, l.recompute);
+    let lps = layers_per_stage(m, l) as f64;
+    let in_flight = l.pp;
+    let layers = in_flight as f64 * lps * per_layer;
+    let working = if l.recompute == Recompute::Full {
+        layer_per_gpu(am, m, l, s, b, e, Recompute::Selective)
+    } else {
+        0.0
+    };
+    let c = (s / l.cp) as f64;
+    let logits = c * b as f64 * (m.vocab as f64 / l.tp as f64) * 4.0;
+    let first = layers + working;
+    let last = lps * per_layer + working + logits;
+    let total = if l.pp == 1 { first + logits } else { first.max(last) };
+    ActivationTotals {
+        per_layer_per_gpu: per_layer,
+        in_flight_microbatches: in_flight,
+        layers,
+        recompute_working_set: working,
+        logits,
+        total,
+    }
+}
+
+/// Parameters held by one GPU (busiest pipeline stage): matrices over `t` (KV projections
+/// over `a_kv/t`, replicated when `t > a_kv`), norms replicated, embedding and output
+/// projection vocab-parallel over `t`, on the first/last stage.
+pub fn params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let t = l.tp as f64;
+    let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
+    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let layer = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h;
+    let emb = m.vocab as f64 * h / t;
+    if l.pp == 1 {
+        let out = if m.tie_embeddings { 0.0 } else { emb };
+        return m.layers as f64 * layer + emb + out + h;
+    }
+    // First stage: layers + embedding; the last stage is heavier by the final norm:
+    // layers + output projection (a copy of the embedding if tied) + final norm.
+    layers_per_stage(m, l) as f64 * layer + emb + h
+}
+
+/// Weights, gradients and optimizer state per GPU, bytes.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ModelStates {
+    /// Parameters on this GPU before ZeRO sharding.
+    pub params: f64,
+    /// `e` bytes per parameter (over `dp·cp` with ZeRO-3).
+    pub weights: f64,
+    /// `e` bytes per parameter (over `dp·cp` with ZeRO-2/3).
+    pub grads: f64,
+    /// Adam: fp32 master (when `e < 4`) + m + v = 12 bytes/param (8 in fp32), over `dp·cp`
+    /// with ZeRO-1/2/3.
+    pub optimizer: f64,
+    /// Ranks sharing the same weights, over which ZeRO shards: `dp·cp`.
+    pub zero_shards: usize,
+    /// Sum of the three.
+    pub total: f64,
+}
+
+/// Mixed-precision Adam state per GPU (16 bytes/param in bf16/fp16), sharded per ZeRO
+/// stage over the `dp·cp` ranks that hold the same weight shard.
+pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
+    let params = params_per_gpu(m, l);
+    let n = (l.dp * l.cp) as f64;
+    let opt_bytes = if e < 4 { 12.0 } else { 8.0 };
+    let shard = |stage: u8| if l.zero >= stage { n } else { 1.0 };
+    let weights = params * e as f64 / shard(3);
+    let grads = params * e as f64 / shard(2);
+    let optimizer = params * opt_bytes / shard(1);
+    ModelStates {
+        params,
+        weights,
+        grads,
+        optimizer,
+        zero_shards: l.dp * l.cp,
+        total: weights + grads + optimizer,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::CpKind;
+    use crate::GB;
+
+    const S: usize = 131072;
+
+    fn m405() -> ModelConfig {
+        ModelConfig::preset("llama3-405b").unwrap()
+    }
+
+    fn close(x: f64, want: f64, rel: f64) {
+        assert!((x - want).abs() <= rel * want.abs(), "got {x}, want {want}");
+    }
+
+    #[test]
+    fn korthikanti_405b_128k() {
+        let m = m405();
+        let sbh = (S * 16384) as f64;
+        // 34·s·h = 34·2^31 bytes = 73.0 GB with flash attention.
+        assert_eq!(korthikanti_layer_bytes(&m, S, 1, 2, true), 34.0 * sbh);
+        close(korthikanti_layer_bytes(&m, S, 1, 2, true) / GB, 73.0, 1e-3);
+        // Without flash: + 5·a·s²·b = 11.0 TB.
+        let scores = korthikanti_layer_bytes(&m, S, 1, 2, false) - 34.0 * sbh;
+        assert_eq!(scores, 5.0 * 128.0 * (S as f64).powi(2));
+        close(scores / 1e12, 11.0, 1e-2);
+        // fp32: 16·4 + 2 = 66 per sbh.
+        assert_eq!(korthikanti_layer_bytes(&m, S, 1, 4, true), 66.0 * sbh);
+        // micro-batch scales linearly.
+        assert_eq!(korthikanti_layer_bytes(&m, S, 2, 2, true), 68.0 * sbh);
+    }
+
+    #[test]
+    fn korthikanti_table2_under_tp_sp_cp() {
+        let m = m405();
+        let sbh = (S * 16384) as f64;
+        let tp8 = Layout { tp: 8, ..Layout::default() };
+        // TP without SP: sbh·(10 + 24/t).
+        assert_eq!(korthikanti_per_gpu(&m, &tp8, S, 1, 2, Recompute::None), sbh * (10.0 + 3.0));
+        let tp8sp = Layout { sp: true, ..tp8.clone() };
+        let v = korthikanti_per_gpu(&m, &tp8sp, S, 1, 2, Recompute::None);
+        assert_eq!(v, 34.0 * sbh / 8.0);
+        close(v / GB, 9.13, 1e-3);
+        let cp16 = Layout { cp: 16, ..tp8sp.clone() };
+        let v = korthikanti_per_gpu(&m, &cp16, S, 1, 2, Recompute::None);
+        close(v / GB, 0.570, 1e-3);
+        // Full recompute keeps 2·c·b·h/t.
+        assert_eq!(korthikanti_per_gpu(&m, &cp16, S, 1, 2, Recompute::Full), 2.0 * sbh / 128.0);
+        // Without flash, selective drops exactly the score term 5·a·c·s·b/t.
+        let nf = Layout { flash: false, ..cp16 };
+        let none = korthikanti_per_gpu(&m, &nf, S, 1, 2, Recompute::None);
+        let sel = korthikanti_per_gpu(&m, &nf, S, 1, 2, Recompute::Selective);
+        assert_eq!(sel, v);
+        assert_eq!(none - sel, 5.0 * 128.0 * 8192.0 * S as f64 / 8.0);
+    }
+
+    #[test]
+    fn llama_exact_count() {
+        let m = m405();
+        let sbh = (S * 16384) as f64;
+        // 12 + 4·a_kv/a + 6·f/h = 12 + 0.25 + 19.5 = 31.75 (·sbh), 68.2 GB.
+        let v = llama_layer_bytes(&m, S, 1, 2, true);
+        assert_eq!(v, 31.75 * sbh);
+        close(v / GB, 68.2, 1e-3);
+        // TP8+SP: everything over 8 (8 KV heads: one per rank).
+        let l = Layout { tp: 8, sp: true, ..Layout::default() };
+        assert_eq!(llama_per_gpu(&m, &l, S, 1, 2, Recompute::None), 31.75 * sbh / 8.0);
+        // TP16: KV replicated (1 head per rank, not 0.5): K,V term is 2·c·d·e instead of /16.
+        let l16 = Layout { tp: 16, sp: true, ..Layout::default() };
+        let want = 31.75 * sbh / 16.0 + (S * 2 * 2 * 128) as f64 * (1.0 - 0.5);
+        assert_eq!(llama_per_gpu(&m, &l16, S, 1, 2, Recompute::None), want);
+        // Without SP the 4h replicated term stays whole: (8 + (31.75 - 8)/8)·sbh.
+        let nsp = Layout { tp: 8, ..Layout::default() };
+        assert_eq!(llama_per_gpu(&m, &nsp, S, 1, 2, Recompute::None), (8.0 + 23.75 / 8.0) * sbh);
+        // 8B: 12 + 4·8/32 + 6·14336/4096 = 34.0.
+        let m8 = ModelConfig::preset("llama3-8b").unwrap();
+        assert_eq!(llama_layer_bytes(&m8, 8192, 1, 2, true), 34.0 * (8192 * 4096) as f64);
+    }
+
+    #[test]
+    fn model_states_zero_stages() {
+        let m = m405();
+        let l = Layout { tp: 8, pp: 16, cp: 16, dp: 8, zero: 0, ..Layout::default() };
+        let p = params_per_gpu(&m, &l);
+        // 8 layers (ceil 126/16) of 1/8 matrices + norms, plus the 1/8 vocab matrix + final norm.
+        let layer = (m.layer_matrix_params() / 8 + 2 * 16384) as f64;
+        assert_eq!(p, 8.0 * layer + (128256 * 16384 / 8) as f64 + 16384.0);
+        let z0 = model_states(&m, &l, 2);
+        assert_eq!(z0.total, 16.0 * p);
+        let z1 = model_states(&m, &Layout { zero: 1, ..l.clone() }, 2);
+        assert_eq!((z1.weights, z1.grads, z1.optimizer), (2.0 * p, 2.0 * p, 12.0 * p / 128.0));
+        let z2 = model_states(&m, &Layout { zero: 2, ..l.clone() }, 2);
+        assert_eq!(z2.grads, 2.0 * p / 128.0);
+        let z3 = model_states(&m, &Layout { zero: 3, ..l.clone() }, 2);
+        assert_eq!(z3.total, 16.0 * p / 128.0);
+        let f32s = model_states(&m, &Layout { zero: 0, ..l }, 4);
+        assert_eq!(f32s.total, 16.0 * p);
+        // Unsharded, no parallelism: 16 bytes per parameter of the whole model.
+        let all = model_states(&m, &Layout { zero: 0, ..Layout::default() }, 2);
+        assert_eq!(all.total, 16.0 * m.total_params() as f64);
+    }
+
+    #[test]
+    fn activation_totals_pipeline_and_recompute() {
+        let m = m405();
+        let l = Layout { tp: 8, sp: true, cp: 16, ..Layout::default() };
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &l, S, 1, 2);
+        let per = 34.0 * (S * 16384) as f64 / 128.0;
+        assert_eq!(a.layers, 126.0 * per);
+        assert_eq!(a.logits, 8192.0 * 128256.0 / 8.0 * 4.0);
+        assert_eq!(a.total, a.layers + a.logits);
+        // 1F1B with pp = 16: first stage holds 16 micro-batches of 8 layers.
+        let lp = Layout { pp: 16, ..l.clone() };
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2);
+        assert_eq!(a.total, 16.0 * 8.0 * per);
+        let lf = Layout { recompute: Recompute::Full, cp_kind: CpKind::Ring, ..l };
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lf, S, 1, 2);
+        assert_eq!(a.total, 126.0 * per * 2.0 / 34.0 + per + a.logits);
+    }
+}

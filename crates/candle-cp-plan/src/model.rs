@@ -1,0 +1,227 @@
+//! Model shapes: Llama 3 presets and Hugging Face `config.json` parsing; parameter counts.
+
+use crate::{plan_bail, PlanError, Result};
+use serde::Serialize;
+
+/// Shape of a Llama-style decoder (pre-norm RMSNorm, GQA attention, SwiGLU MLP).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct ModelConfig {
+    /// Preset name or the path the config was read from.
+    pub name: String,
+    /// Hidden size `h`.
+    pub hidden: usize,
+    /// Number of decoder layers `L`.
+    pub layers: usize,
+    /// Query heads `a`.
+    pub heads: usize,
+    /// Key/value heads `a_kv` (GQA groups; equals `heads` for plain MHA).
+    pub kv_heads: usize,
+    /// Head dimension `d` (usually `h / a`).
+    pub head_dim: usize,
+    /// MLP intermediate size `f` (SwiGLU: gate and up are `[h, f]`, down is `[f, h]`).
+    pub ffn: usize,
+    /// Vocabulary size `v`.
+    pub vocab: usize,
+    /// Whether the output projection shares the embedding matrix.
+    pub tie_embeddings: bool,
+}
+
+/// Names accepted by [`ModelConfig::preset`].
+pub const MODEL_PRESETS: [&str; 3] = ["llama3-8b", "llama3-70b", "llama3-405b"];
+
+impl ModelConfig {
+    /// A built-in Llama 3 (3.1) shape: `llama3-8b`, `llama3-70b` or `llama3-405b`.
+    pub fn preset(name: &str) -> Result<Self> {
+        let (hidden, layers, heads, kv_heads, ffn) = match name.to_ascii_lowercase().as_str() {
+            "llama3-8b" => (4096, 32, 32, 8, 14336),
+            "llama3-70b" => (8192, 80, 64, 8, 28672),
+            "llama3-405b" => (16384, 126, 128, 8, 53248),
+            _ => plan_bail!(
+                "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
+                MODEL_PRESETS.join(", ")
+            ),
+        };
+        let cfg = Self {
+            name: name.to_ascii_lowercase(),
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim: hidden / heads,
+            ffn,
+            vocab: 128256,
+            tie_embeddings: false,
+        };
+        Ok(cfg)
+    }
+
+    /// A preset name, or else a path to a Hugging Face `config.json`.
+    pub fn from_name_or_path(s: &str) -> Result<Self> {
+        if MODEL_PRESETS.contains(&s.to_ascii_lowercase().as_str()) {
+            return Self::preset(s);
+        }
+        let p = std::path::Path::new(s);
+        if p.exists() {
+            return Self::from_hf_file(p);
+        }
+        Self::preset(s)
+    }
+
+    /// Reads a Hugging Face `config.json` (fields `hidden_size`, `num_hidden_layers`,
+    /// `num_attention_heads`, `intermediate_size`, `vocab_size`; optional
+    /// `num_key_value_heads`, `head_dim`, `tie_word_embeddings`).
+    pub fn from_hf_file(path: &std::path::Path) -> Result<Self> {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| PlanError(format!("cannot read model config {}: {e}", path.display())))?;
+        Self::from_hf_json(&text, &path.display().to_string())
+    }
+
+    /// Parses the text of a Hugging Face `config.json`; `name` labels the result.
+    pub fn from_hf_json(text: &str, name: &str) -> Result<Self> {
+        let v: serde_json::Value = serde_json::from_str(text)
+            .map_err(|e| PlanError(format!("model config {name} is not valid JSON: {e}")))?;
+        let get = |key: &str| -> Result<Option<usize>> {
+            match v.get(key) {
+                None | Some(serde_json::Value::Null) => Ok(None),
+                Some(x) => match x.as_u64() {
+                    Some(n) if n > 0 => Ok(Some(n as usize)),
+                    _ => plan_bail!("model config {name}: '{key}' must be a positive integer, got {x}"),
+                },
+            }
+        };
+        let need = |key: &str| -> Result<usize> {
+            get(key)?.ok_or_else(|| PlanError(format!("model config {name}: missing field '{key}'")))
+        };
+        let hidden = need("hidden_size")?;
+        let layers = need("num_hidden_layers")?;
+        let heads = need("num_attention_heads")?;
+        let ffn = need("intermediate_size")?;
+        let vocab = need("vocab_size")?;
+        let kv_heads = get("num_key_value_heads")?.unwrap_or(heads);
+        let head_dim = match get("head_dim")? {
+            Some(d) => d,
+            None => {
+                if hidden % heads != 0 {
+                    plan_bail!(
+                        "model config {name}: hidden_size {hidden} not divisible by num_attention_heads {heads} and no head_dim given"
+                    )
+                }
+                hidden / heads
+            }
+        };
+        let tie_embeddings = v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false);
+        let cfg = Self {
+            name: name.to_string(),
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            tie_embeddings,
+        };
+        cfg.validate()?;
+        Ok(cfg)
+    }
+
+    /// Checks the internal consistency of the shape (KV heads divide query heads).
+    pub fn validate(&self) -> Result<()> {
+        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+            plan_bail!(
+                "model {}: num_key_value_heads {} must divide num_attention_heads {}",
+                self.name,
+                self.kv_heads,
+                self.heads
+            )
+        }
+        Ok(())
+    }
+
+    /// Query width `a·d` (equals `h` for Llama).
+    pub fn q_dim(&self) -> usize {
+        self.heads * self.head_dim
+    }
+
+    /// Key (or value) width `a_kv·d`.
+    pub fn kv_dim(&self) -> usize {
+        self.kv_heads * self.head_dim
+    }
+
+    /// Parameters in one layer's matrices: `h·a·d` (Q) + `2·h·a_kv·d` (K, V) + `a·d·h` (O)
+    /// + `3·h·f` (gate, up, down).
+    pub fn layer_matrix_params(&self) -> u64 {
+        let h = self.hidden as u64;
+        let q = self.q_dim() as u64;
+        let kv = self.kv_dim() as u64;
+        let f = self.ffn as u64;
+        h * q + 2 * h * kv + q * h + 3 * h * f
+    }
+
+    /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`).
+    pub fn layer_params(&self) -> u64 {
+        self.layer_matrix_params() + 2 * self.hidden as u64
+    }
+
+    /// Embedding parameters `v·h` (and as many again for an untied output projection).
+    pub fn embedding_params(&self) -> u64 {
+        (self.vocab * self.hidden) as u64
+    }
+
+    /// All parameters: `L·layer + v·h·(1 or 2) + h` (final norm).
+    pub fn total_params(&self) -> u64 {
+        let out = if self.tie_embeddings { 0 } else { self.embedding_params() };
+        self.layers as u64 * self.layer_params() + self.embedding_params() + out + self.hidden as u64
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn presets_have_published_sizes() -> Result<()> {
+        // Llama 3.1 model cards: 8.03B, 70.6B, 405.9B parameters.
+        let b = |n: &str| -> Result<f64> { Ok(ModelConfig::preset(n)?.total_params() as f64 / 1e9) };
+        assert!((b("llama3-8b")? - 8.03).abs() < 0.01, "{}", b("llama3-8b")?);
+        assert!((b("llama3-70b")? - 70.55).abs() < 0.05, "{}", b("llama3-70b")?);
+        assert!((b("llama3-405b")? - 405.85).abs() < 0.1, "{}", b("llama3-405b")?);
+        let m = ModelConfig::preset("llama3-405b")?;
+        assert_eq!((m.head_dim, m.q_dim(), m.kv_dim()), (128, 16384, 1024));
+        Ok(())
+    }
+
+    #[test]
+    fn unknown_preset_is_an_error() {
+        let e = ModelConfig::from_name_or_path("llama3-7b").unwrap_err();
+        assert!(e.0.contains("unknown model preset 'llama3-7b'"), "{e}");
+    }
+
+    #[test]
+    fn hf_config_parses_and_matches_preset() -> Result<()> {
+        let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
+            "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
+            "intermediate_size":14336,"vocab_size":128256,"tie_word_embeddings":false}"#;
+        let m = ModelConfig::from_hf_json(text, "cfg")?;
+        let p = ModelConfig::preset("llama3-8b")?;
+        assert_eq!(m.total_params(), p.total_params());
+        assert_eq!((m.kv_heads, m.head_dim), (8, 128));
+        Ok(())
+    }
+
+    #[test]
+    fn bad_hf_configs_are_errors() {
+        let e = ModelConfig::from_hf_json("{not json", "x.json").unwrap_err();
+        assert!(e.0.contains("not valid JSON"), "{e}");
+        let e = ModelConfig::from_hf_json(r#"{"hidden_size":64}"#, "x.json").unwrap_err();
+        assert!(e.0.contains("missing field 'num_hidden_layers'"), "{e}");
+        let t = r#"{"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
+            "num_key_value_heads":3,"intermediate_size":128,"vocab_size":10}"#;
+        let e = ModelConfig::from_hf_json(t, "x.json").unwrap_err();
+        assert!(e.0.contains("num_key_value_heads 3 must divide num_attention_heads 4"), "{e}");
+        let t = r#"{"hidden_size":-1}"#;
+        assert!(ModelConfig::from_hf_json(t, "x.json").unwrap_err().0.contains("positive integer"));
+        let e = ModelConfig::from_hf_file(std::path::Path::new("/nonexistent/config.json")).unwrap_err();
+        assert!(e.0.contains("cannot read model config"), "{e}");
+    }
+}

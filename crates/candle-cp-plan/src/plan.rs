@@ -1,0 +1,434 @@
+//! The whole plan: memory, FLOPs, communication, verdict (fits, smallest CP, bottleneck).
+
+use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
+use crate::compute::{layer_compute_seconds, layer_flops, LayerFlops};
+use crate::hardware::Hardware;
+use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
+use crate::memory::{self, ActivationTotals, ModelStates};
+use crate::model::ModelConfig;
+use crate::{plan_bail, Result, GB};
+use serde::Serialize;
+
+/// Everything the planner needs.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PlanInput {
+    /// Model shape.
+    pub model: ModelConfig,
+    /// GPU and links.
+    pub hardware: Hardware,
+    /// Parallel layout.
+    pub layout: Layout,
+    /// Global sequence length `s` (tokens per sequence, all CP ranks together).
+    pub seq: usize,
+    /// Sequences per micro-batch `b` (per data-parallel replica).
+    pub micro_batch: usize,
+    /// Training dtype.
+    pub dtype: Dtype,
+    /// Accumulate / send dK, dV in fp32 in the CP backward.
+    pub dkv_fp32: bool,
+    /// Which activation count drives the per-GPU totals.
+    pub activation_model: ActivationModel,
+    /// Achieved attention FLOP/s (overlap check, attention time).
+    pub attn_flops: f64,
+    /// Achieved FLOP/s of the linear layers.
+    pub linear_flops: f64,
+}
+
+impl PlanInput {
+    /// Defaults: bf16, micro-batch 1, Korthikanti count, attention at 600 TFLOP/s, linear
+    /// layers at 70% of the hardware peak.
+    pub fn new(model: ModelConfig, hardware: Hardware, layout: Layout, seq: usize) -> Self {
+        let linear_flops = 0.7 * hardware.peak_flops;
+        Self {
+            model,
+            hardware,
+            layout,
+            seq,
+            micro_batch: 1,
+            dtype: Dtype::Bf16,
+            dkv_fp32: false,
+            activation_model: ActivationModel::Korthikanti,
+            attn_flops: 600e12,
+            linear_flops,
+        }
+    }
+}
+
+/// Per-layer activation bytes per GPU under each recompute policy.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ByRecompute {
+    /// No recomputation.
+    pub none: f64,
+    /// Attention core recomputed.
+    pub selective: f64,
+    /// Only the layer input stored.
+    pub full: f64,
+}
+
+/// Per-layer time of one GPU (forward + backward), seconds.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerTime {
+    /// Linear layers at the linear rate.
+    pub linear_s: f64,
+    /// Attention at the attention rate.
+    pub attention_s: f64,
+    /// CP communication not hidden behind compute.
+    pub cp_exposed_s: f64,
+    /// TP/SP collectives.
+    pub tp_s: f64,
+    /// Sum.
+    pub total_s: f64,
+}
+
+/// The planner's answer. All bytes are per GPU unless the name says otherwise.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Plan {
+    /// The inputs.
+    pub input: PlanInput,
+    /// `tp·cp·pp·dp`.
+    pub world_size: usize,
+    /// Tokens per GPU, `s / cp`.
+    pub tokens_per_gpu: usize,
+    /// Activations of one layer for one sequence (`b = 1`), unsharded, under the chosen
+    /// activation model (73.0 GB = `34·s·h` for Llama 3 405B at 128k with flash).
+    pub activation_bytes_per_layer: f64,
+    /// Korthikanti count with flash attention, per sequence: `34·s·h` (bf16).
+    pub activation_bytes_per_layer_korthikanti: f64,
+    /// Korthikanti count without flash attention: `s·h·(34 + 5·a·s/h)` (bf16).
+    pub activation_bytes_per_layer_no_flash: f64,
+    /// Exact Llama count, per sequence (`31.75·s·h` for 405B).
+    pub activation_bytes_per_layer_llama: f64,
+    /// Stored activations of one layer on one GPU under the layout and recompute policy
+    /// (micro-batch `b`).
+    pub activation_bytes_per_layer_per_gpu: f64,
+    /// The same under each recompute policy.
+    pub activation_bytes_per_layer_per_gpu_by_recompute: ByRecompute,
+    /// Activation totals on the busiest GPU.
+    pub activations: ActivationTotals,
+    /// Weights, gradients, optimizer state.
+    pub model_states: ModelStates,
+    /// Model states + activations.
+    pub memory_per_gpu_bytes: f64,
+    /// GPU memory.
+    pub gpu_memory_bytes: f64,
+    /// `memory_per_gpu_bytes <= gpu_memory_bytes`.
+    pub fits: bool,
+    /// Smallest power-of-two CP (other degrees fixed) that fits, if any up to `s`.
+    pub min_cp_that_fits: Option<usize>,
+    /// FLOPs per layer.
+    pub flops: LayerFlops,
+    /// Ring over the CP group (the ring part for 2-D; a plain ring over `cp` otherwise,
+    /// for comparison).
+    pub ring: RingComm,
+    /// Ulysses over the CP group (the Ulysses part for 2-D).
+    pub ulysses: UlyssesComm,
+    /// All-gather-KV over the CP group.
+    pub allgather: AllgatherComm,
+    /// TP/SP collectives.
+    pub tp_comm: TpComm,
+    /// Per-layer time on one GPU for the chosen CP kind.
+    pub layer_time: LayerTime,
+    /// What limits this layout.
+    pub bottleneck: String,
+    /// One-line verdict.
+    pub verdict: String,
+    /// Caveats (ignored inputs, assumptions that matter here).
+    pub notes: Vec<String>,
+}
+
+/// Model states + activations per GPU for `input` (the layout must be valid).
+fn memory_total(input: &PlanInput) -> (ActivationTotals, ModelStates, f64) {
+    let e = input.dtype.bytes();
+    let a = memory::activation_totals(
+        input.activation_model,
+        &input.model,
+        &input.layout,
+        input.seq,
+        input.micro_batch,
+        e,
+    );
+    let st = memory::model_states(&input.model, &input.layout, e);
+    let total = a.total + st.total;
+    (a, st, total)
+}
+
+/// Smallest power-of-two CP (other degrees fixed) whose memory fits; `None` if none up to
+/// the sequence length does. Layouts invalid for a CP value (e.g. Ulysses heads) are skipped.
+pub fn min_cp_that_fits(input: &PlanInput) -> Option<usize> {
+    let mut cp = 1usize;
+    while cp <= input.seq {
+        let layout = Layout { cp, ..input.layout.clone() };
+        let trial = PlanInput { layout, ..input.clone() };
+        if trial.layout.validate(&trial.model, trial.seq).is_ok() {
+            let (_, _, total) = memory_total(&trial);
+            if total <= trial.hardware.mem_bytes {
+                return Some(cp);
+            }
+        }
+        cp *= 2;
+    }
+    None
+}
+
+/// Computes the plan; errors name the offending inputs.
+pub fn plan(input: &PlanInput) -> Result<Plan> {
+    let (m, l, hw) = (&input.model, &input.layout, &input.hardware);
+    m.validate()?;
+    hw.validate()?;
+    l.validate(m, input.seq)?;
+    if input.micro_batch == 0 {
+        plan_bail!("--micro-batch must be at least 1")
+    }
+    for (what, x) in [("attention", input.attn_flops), ("linear", input.linear_flops)] {
+        if !(x.is_finite() && x > 0.0) {
+            plan_bail!("{what} FLOP/s must be positive, got {x}")
+        }
+    }
+    let (s, b, e) = (input.seq, input.micro_batch, input.dtype.bytes());
+    let am = input.activation_model;
+    let flash = l.flash;
+    let kor = memory::korthikanti_layer_bytes(m, s, 1, e, true);
+    let kor_nf = memory::korthikanti_layer_bytes(m, s, 1, e, false);
+    let llama = memory::llama_layer_bytes(m, s, 1, e, flash);
+    let per_seq = match am {
+        ActivationModel::Korthikanti => memory::korthikanti_layer_bytes(m, s, 1, e, flash),
+        ActivationModel::Llama => llama,
+    };
+    let by = |r: Recompute| memory::layer_per_gpu(am, m, l, s, b, e, r);
+    let by_recompute = ByRecompute {
+        none: by(Recompute::None),
+        selective: by(Recompute::Selective),
+        full: by(Recompute::Full),
+    };
+    let (activations, model_states, mem_total) = memory_total(input);
+    let fits = mem_total <= hw.mem_bytes;
+    let min_cp = min_cp_that_fits(input);
+
+    let flops = layer_flops(m, l, s, b);
+    let cx = CommCtx {
+        model: m,
+        layout: l,
+        hw,
+        seq: s,
+        micro_batch: b,
+        elem: e,
+        grad_elem: if input.dkv_fp32 { 4 } else { e },
+        attn_rate: input.attn_flops,
+    };
+    let (ring, ulysses) = match l.cp_kind {
+        CpKind::TwoD => (comm::ring(&cx, l.ring_degree(), l.ulysses), comm::ulysses(&cx, l.ulysses)),
+        _ => (comm::ring(&cx, l.cp, 1), comm::ulysses(&cx, l.cp)),
+    };
+    let allgather = comm::allgather(&cx);
+    let tp_comm = comm::tp(&cx);
+    let (linear_s, attention_s) = layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
+    let cp_exposed_s = match l.cp_kind {
+        CpKind::Ring => ring.exposed_s_per_layer,
+        CpKind::Allgather => allgather.exposed_s_per_layer,
+        CpKind::Ulysses => ulysses.exposed_s_per_layer,
+        CpKind::TwoD => ring.exposed_s_per_layer + ulysses.exposed_s_per_layer,
+    };
+    let tp_s = if l.tp > 1 { tp_comm.exposed_s_per_layer } else { 0.0 };
+    let layer_time = LayerTime {
+        linear_s,
+        attention_s,
+        cp_exposed_s,
+        tp_s,
+        total_s: linear_s + attention_s + cp_exposed_s + tp_s,
+    };
+
+    let bottleneck = bottleneck(fits, mem_total, hw, &activations, &model_states, &layer_time, l);
+    let verdict = if fits {
+        format!(
+            "fits: {:.1} GB of {:.0} GB per GPU (smallest CP that fits: {})",
+            mem_total / GB,
+            hw.mem_bytes / GB,
+            min_cp.map_or("none".to_string(), |c| c.to_string())
+        )
+    } else {
+        format!(
+            "does not fit: {:.1} GB needed, {:.0} GB per GPU; {}",
+            mem_total / GB,
+            hw.mem_bytes / GB,
+            match min_cp {
+                Some(c) => format!("CP = {c} fits with the other degrees unchanged"),
+                None => "no power-of-two CP fits with the other degrees unchanged".to_string(),
+            }
+        )
+    };
+    let notes = notes(input);
+    Ok(Plan {
+        input: input.clone(),
+        world_size: l.world(),
+        tokens_per_gpu: s / l.cp,
+        activation_bytes_per_layer: per_seq,
+        activation_bytes_per_layer_korthikanti: kor,
+        activation_bytes_per_layer_no_flash: kor_nf,
+        activation_bytes_per_layer_llama: llama,
+        activation_bytes_per_layer_per_gpu: activations.per_layer_per_gpu,
+        activation_bytes_per_layer_per_gpu_by_recompute: by_recompute,
+        activations,
+        model_states,
+        memory_per_gpu_bytes: mem_total,
+        gpu_memory_bytes: hw.mem_bytes,
+        fits,
+        min_cp_that_fits: min_cp,
+        flops,
+        ring,
+        ulysses,
+        allgather,
+        tp_comm,
+        layer_time,
+        bottleneck,
+        verdict,
+        notes,
+    })
+}
+
+/// Memory when it does not fit (naming the larger part), else the largest share of the
+/// per-layer time.
+fn bottleneck(
+    fits: bool,
+    total: f64,
+    hw: &Hardware,
+    a: &ActivationTotals,
+    st: &ModelStates,
+    t: &LayerTime,
+    l: &Layout,
+) -> String {
+    if !fits {
+        let (big, what) = if a.total >= st.total {
+            (a.total, "activations")
+        } else {
+            (st.total, "weights + gradients + optimizer state")
+        };
+        return format!(
+            "memory: {:.1} GB needed of {:.0} GB; the larger part is {what} ({:.1} GB)",
+            total / GB,
+            hw.mem_bytes / GB,
+            big / GB
+        );
+    }
+    let kind = match l.cp_kind {
+        CpKind::Ring => "ring",
+        CpKind::Allgather => "all-gather",
+        CpKind::Ulysses => "Ulysses all-to-all",
+        CpKind::TwoD => "2-D Ulysses+ring",
+    };
+    let parts = [
+        (t.linear_s, "compute: linear layers".to_string()),
+        (t.attention_s, "compute: attention".to_string()),
+        (t.cp_exposed_s, format!("CP communication ({kind}) not hidden by compute")),
+        (t.tp_s, "TP/SP collectives".to_string()),
+    ];
+    let (v, name) = parts
+        .iter()
+        .cloned()
+        .fold((f64::MIN, String::new()), |acc, p| if p.0 > acc.0 { p } else { acc });
+    format!("{name} ({:.0}% of {:.2} ms per layer)", 100.0 * v / t.total_s, 1e3 * t.total_s)
+}
+
+fn notes(input: &PlanInput) -> Vec<String> {
+    let (m, l) = (&input.model, &input.layout);
+    let mut n = Vec::new();
+    if l.flash && l.recompute == Recompute::Selective {
+        n.push("selective recompute only drops attention scores, which flash attention never stores: same memory as none".into());
+    }
+    if l.sp && l.tp == 1 {
+        n.push("--sp has no effect with --tp 1".into());
+    }
+    if m.layers % l.pp != 0 {
+        n.push(format!("{} layers do not split evenly over PP {}: the busiest stage has {}", m.layers, l.pp, m.layers.div_ceil(l.pp)));
+    }
+    if l.cp_kind == CpKind::Ring && l.cp > 1 && input.seq % (2 * l.cp) != 0 {
+        n.push(format!("zigzag needs 2·CP = {} to divide the sequence {}; a contiguous split costs (2P-1)/P", 2 * l.cp, input.seq));
+    }
+    if l.cp_kind != CpKind::TwoD && l.ulysses > 1 {
+        n.push("--ulysses only applies to --cp-kind 2d".into());
+    }
+    if l.pp > 1 {
+        n.push("PP: 1F1B schedule assumed; the first stage holds PP micro-batches in flight".into());
+    }
+    n
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::MIB;
+
+    fn input(layout: Layout) -> PlanInput {
+        PlanInput::new(
+            ModelConfig::preset("llama3-405b").unwrap(),
+            Hardware::preset("h100").unwrap(),
+            layout,
+            131072,
+        )
+    }
+
+    #[test]
+    fn reproduces_405b_128k() -> Result<()> {
+        let p = plan(&input(Layout { tp: 8, sp: true, cp: 16, ..Layout::default() }))?;
+        assert_eq!(p.tokens_per_gpu, 8192);
+        assert_eq!(p.activation_bytes_per_layer, 34.0 * 2f64.powi(31));
+        assert!((p.activation_bytes_per_layer / GB - 73.0).abs() < 0.05);
+        assert!((p.activation_bytes_per_layer_per_gpu / GB - 0.570).abs() < 0.0005);
+        assert!((p.activation_bytes_per_layer_llama / p.activation_bytes_per_layer - 31.75 / 34.0).abs() < 1e-12);
+        assert_eq!(p.ring.step_bytes, 4.0 * MIB);
+        assert!((p.flops.attention_fwd / 1e12 - 563.0).abs() < 0.5);
+        assert!((p.ring.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
+        assert!(p.ring.hides_fwd);
+        assert_eq!(p.world_size, 128);
+        // 405B without PP: 101 GB of bf16 weights per GPU alone, so it does not fit on H100.
+        assert!(!p.fits && p.bottleneck.starts_with("memory"), "{}", p.bottleneck);
+        assert_eq!(p.min_cp_that_fits, None);
+        Ok(())
+    }
+
+    #[test]
+    fn min_cp_search() -> Result<()> {
+        // PP16 on H200: CP = 1 needs ~16·8·9.13 GB of activations; the search finds the
+        // smallest power of two that fits, and that CP and only that one fits.
+        let mut inp = input(Layout { tp: 8, sp: true, pp: 16, dp: 1, cp: 1, ..Layout::default() });
+        inp.hardware = Hardware::preset("h200")?;
+        let p = plan(&inp)?;
+        assert!(!p.fits);
+        let c = p.min_cp_that_fits.expect("some CP fits");
+        let at = |cp: usize| plan(&PlanInput { layout: Layout { cp, ..inp.layout.clone() }, ..inp.clone() });
+        assert!(at(c)?.fits);
+        assert!(!at(c / 2)?.fits);
+        assert_eq!(at(c)?.min_cp_that_fits, Some(c));
+        // Full recompute needs less CP.
+        let full = PlanInput { layout: Layout { recompute: Recompute::Full, ..inp.layout.clone() }, ..inp.clone() };
+        assert!(plan(&full)?.min_cp_that_fits.unwrap() < c);
+        Ok(())
+    }
+
+    #[test]
+    fn bottleneck_is_cp_comm_for_short_chunks_on_ib() -> Result<()> {
+        // 8B, TP8, CP64 ring at 32k: 512-token chunks over IB cannot hide (< 1,500/... tokens).
+        let mut inp = input(Layout { tp: 8, sp: true, cp: 64, ..Layout::default() });
+        inp.model = ModelConfig::preset("llama3-8b")?;
+        inp.seq = 32768;
+        let p = plan(&inp)?;
+        assert!(p.fits);
+        assert!(!p.ring.hides_fwd);
+        assert!(p.layer_time.cp_exposed_s > 0.0);
+        assert!(p.bottleneck.starts_with("CP communication (ring)"), "{}", p.bottleneck);
+        Ok(())
+    }
+
+    #[test]
+    fn error_paths() {
+        let e = plan(&input(Layout { cp: 3, ..Layout::default() })).unwrap_err();
+        assert!(e.0.contains("CP degree 3 does not divide the sequence length 131072"), "{e}");
+        let e = plan(&input(Layout { tp: 6, ..Layout::default() })).unwrap_err();
+        assert!(e.0.contains("TP degree 6 does not divide the 128 attention heads"), "{e}");
+        let mut i = input(Layout::default());
+        i.micro_batch = 0;
+        assert!(plan(&i).unwrap_err().0.contains("--micro-batch"));
+        i.micro_batch = 1;
+        i.attn_flops = 0.0;
+        assert!(plan(&i).unwrap_err().0.contains("attention FLOP/s must be positive"));
+    }
+}

@@ -1,0 +1,440 @@
+//! Human-readable rendering of a [`Plan`]: a few aligned tables.
+
+use crate::hardware::Link;
+use crate::layout::{CpKind, Recompute};
+use crate::plan::Plan;
+use crate::{GB, MIB, TFLOP};
+use std::fmt::Write;
+
+fn gb(x: f64) -> String {
+    if x >= 1000.0 * GB {
+        format!("{:.1} TB", x / (1000.0 * GB))
+    } else if x >= 100.0 * GB {
+        format!("{:.0} GB", x / GB)
+    } else if x >= 10.0 * GB {
+        format!("{:.1} GB", x / GB)
+    } else {
+        format!("{:.3} GB", x / GB)
+    }
+}
+
+fn mib(x: f64) -> String {
+    format!("{:.1} MiB", x / MIB)
+}
+
+fn tflop(x: f64) -> String {
+    let t = x / TFLOP;
+    if t >= 100.0 {
+        format!("{t:.0} TFLOP")
+    } else if t >= 1.0 {
+        format!("{t:.2} TFLOP")
+    } else {
+        format!("{t:.3} TFLOP")
+    }
+}
+
+fn lower<T: std::fmt::Debug>(x: T) -> String {
+    format!("{x:?}").to_ascii_lowercase()
+}
+
+fn ms(x: f64) -> String {
+    if x < 1e-3 {
+        format!("{:.1} us", x * 1e6)
+    } else {
+        format!("{:.2} ms", x * 1e3)
+    }
+}
+
+fn yes(b: bool) -> &'static str {
+    if b {
+        "yes"
+    } else {
+        "NO"
+    }
+}
+
+/// Section title followed by `label  value  formula` rows, aligned.
+fn table(out: &mut String, title: &str, rows: &[(String, String, &str)]) {
+    let w0 = rows.iter().map(|r| r.0.chars().count()).max().unwrap_or(0);
+    let w1 = rows.iter().map(|r| r.1.chars().count()).max().unwrap_or(0);
+    let _ = writeln!(out, "\n{title}");
+    for (a, b, c) in rows {
+        let pad0 = w0 - a.chars().count();
+        let pad1 = w1 - b.chars().count();
+        let _ = writeln!(
+            out,
+            "  {a}{}  {}{b}  {c}",
+            " ".repeat(pad0),
+            " ".repeat(pad1)
+        );
+    }
+}
+
+fn r(
+    label: impl Into<String>,
+    value: impl Into<String>,
+    formula: &'static str,
+) -> (String, String, &'static str) {
+    (label.into(), value.into(), formula)
+}
+
+/// Renders the plan as tables for people (the numbers of `--json`, formatted).
+pub fn render(p: &Plan) -> String {
+    let i = &p.input;
+    let (m, l, hw) = (&i.model, &i.layout, &i.hardware);
+    let mut o = String::new();
+    let kind = match l.cp_kind {
+        CpKind::Ring => "ring (zigzag)".to_string(),
+        CpKind::Allgather => "all-gather KV".to_string(),
+        CpKind::Ulysses => "Ulysses".to_string(),
+        CpKind::TwoD => format!("2-D: Ulysses {} x ring {}", l.ulysses, l.ring_degree()),
+    };
+    let _ = writeln!(
+        o,
+        "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params), seq {}, micro-batch {}, {}",
+        m.name,
+        m.hidden,
+        m.layers,
+        m.heads,
+        m.kv_heads,
+        m.ffn,
+        m.total_params() as f64 / 1e9,
+        i.seq,
+        i.micro_batch,
+        lower(i.dtype)
+    );
+    let _ = writeln!(
+        o,
+        "layout: TP {}{} x CP {} [{}] x PP {} x DP {} = {} GPUs, ZeRO-{}, recompute {}{}; {} ({:.0} GB, {:.0} TFLOP/s, NVLink {:.0} GB/s, IB {:.0} GB/s)",
+        l.tp,
+        if l.sp { "+SP" } else { "" },
+        l.cp,
+        kind,
+        l.pp,
+        l.dp,
+        p.world_size,
+        l.zero,
+        lower(l.recompute),
+        if l.flash { ", flash attention" } else { ", no flash attention" },
+        hw.name,
+        hw.mem_bytes / GB,
+        hw.peak_flops / TFLOP,
+        hw.nvlink_bw / GB,
+        hw.ib_bw / GB
+    );
+
+    let byr = &p.activation_bytes_per_layer_per_gpu_by_recompute;
+    let mark = |x: Recompute| if x == l.recompute { " <-" } else { "" };
+    table(
+        &mut o,
+        "Activations per layer",
+        &[
+            r(
+                "per sequence, Korthikanti + flash",
+                gb(p.activation_bytes_per_layer_korthikanti),
+                "s*h*34 (bf16)",
+            ),
+            r(
+                "per sequence, without flash",
+                gb(p.activation_bytes_per_layer_no_flash),
+                "s*h*(34 + 5*a*s/h)",
+            ),
+            r(
+                "per sequence, Llama exact (GQA, SwiGLU)",
+                gb(p.activation_bytes_per_layer_llama),
+                "s*e*(4h + 2*a*d + 2*a_kv*d + 3f)",
+            ),
+            r(
+                "tokens per GPU",
+                format!("{}", p.tokens_per_gpu),
+                "c = s/cp",
+            ),
+            r(
+                format!("per GPU, recompute none{}", mark(Recompute::None)),
+                gb(byr.none),
+                "TP/SP/CP split, see docs",
+            ),
+            r(
+                format!("per GPU, recompute selective{}", mark(Recompute::Selective)),
+                gb(byr.selective),
+                "minus the score term",
+            ),
+            r(
+                format!("per GPU, recompute full{}", mark(Recompute::Full)),
+                gb(byr.full),
+                "c*b*h*e (/t with SP)",
+            ),
+        ],
+    );
+
+    let a = &p.activations;
+    let st = &p.model_states;
+    table(
+        &mut o,
+        "Memory per GPU",
+        &[
+            r(
+                "parameters on this GPU",
+                format!("{:.2}B", st.params / 1e9),
+                "busiest PP stage, /t",
+            ),
+            r(
+                "weights",
+                gb(st.weights),
+                "e bytes/param (/dp*cp with ZeRO-3)",
+            ),
+            r(
+                "gradients",
+                gb(st.grads),
+                "e bytes/param (/dp*cp with ZeRO-2+)",
+            ),
+            r(
+                "optimizer (Adam)",
+                gb(st.optimizer),
+                "12 bytes/param (/dp*cp with ZeRO-1+)",
+            ),
+            r(
+                "activations, layers",
+                gb(a.layers),
+                "in-flight micro-batches * ceil(L/pp) * per layer",
+            ),
+            r(
+                "activations, recompute working set",
+                gb(a.recompute_working_set),
+                "one full layer (full recompute)",
+            ),
+            r("logits (fp32)", gb(a.logits), "c*b*(v/t)*4"),
+            r(
+                "total",
+                gb(p.memory_per_gpu_bytes),
+                "peak of first/last stage",
+            ),
+            r("GPU memory", gb(p.gpu_memory_bytes), ""),
+        ],
+    );
+
+    let f = &p.flops;
+    table(
+        &mut o,
+        "FLOPs per layer (per micro-batch)",
+        &[
+            r(
+                "linear forward",
+                tflop(f.linear_fwd),
+                "2*s*b*(2h*a*d + 2h*a_kv*d + 3h*f)",
+            ),
+            r(
+                "causal attention forward",
+                tflop(f.attention_fwd),
+                "2*s^2*b*a*d",
+            ),
+            r("linear backward", tflop(f.linear_bwd), "2x forward"),
+            r("attention backward", tflop(f.attention_bwd), "2.5x forward"),
+            r("recompute", tflop(f.recompute), "forward again (full)"),
+            r("per GPU, fwd+bwd", tflop(f.per_gpu_fwd_bwd), "/ (t*cp)"),
+        ],
+    );
+
+    let rg = &p.ring;
+    let link = |x: Link| x.label();
+    let role = match l.cp_kind {
+        CpKind::Ring => "",
+        CpKind::TwoD => ", the ring part of 2-D",
+        _ => ", for comparison",
+    };
+    if rg.degree == 1 {
+        let _ = writeln!(
+            o,
+            "\nCP = 1: no CP communication. A ring would hide its transfers for chunks over {:.0} tokens on NVLink, {:.0} on InfiniBand (forward).",
+            rg.min_chunk_fwd_nvlink, rg.min_chunk_fwd_ib
+        );
+    } else {
+        table(
+            &mut o,
+            &format!(
+                "Ring over {} ranks ({}{role}; chunk {} tokens, {} q / {} kv heads per rank)",
+                rg.degree,
+                link(rg.link),
+                rg.chunk_tokens,
+                rg.q_heads,
+                rg.kv_heads
+            ),
+            &[
+                r("K+V per step", mib(rg.step_bytes), "c*b*2*a_kv*d*e"),
+                r(
+                    "per layer forward",
+                    mib(rg.fwd_bytes_per_layer),
+                    "(R-1)*step",
+                ),
+                r(
+                    "per layer backward",
+                    mib(rg.bwd_bytes_per_layer),
+                    "(R-1)*step + R*step*g/e (dK/dV)",
+                ),
+                r(
+                    "attention per step (fwd)",
+                    tflop(rg.step_flops_fwd),
+                    "2*c^2*b*d*a (half block, zigzag)",
+                ),
+                r(
+                    "step compute / transfer, fwd",
+                    format!(
+                        "{} / {} hides: {}",
+                        ms(rg.step_compute_s_fwd),
+                        ms(rg.step_transfer_s_fwd),
+                        yes(rg.hides_fwd)
+                    ),
+                    "",
+                ),
+                r(
+                    "step compute / transfer, bwd",
+                    format!(
+                        "{} / {} hides: {}",
+                        ms(rg.step_compute_s_bwd),
+                        ms(rg.step_transfer_s_bwd),
+                        yes(rg.hides_bwd)
+                    ),
+                    "",
+                ),
+                r(
+                    "min chunk to hide, NVLink",
+                    format!(
+                        "{:.0} fwd / {:.0} bwd tokens",
+                        rg.min_chunk_fwd_nvlink, rg.min_chunk_bwd_nvlink
+                    ),
+                    "fwd: a_kv*e*R_attn/(a*BW)",
+                ),
+                r(
+                    "min chunk to hide, InfiniBand",
+                    format!(
+                        "{:.0} fwd / {:.0} bwd tokens",
+                        rg.min_chunk_fwd_ib, rg.min_chunk_bwd_ib
+                    ),
+                    "bwd: a_kv*(e+g)*R_attn/(2.5*a*BW)",
+                ),
+                r(
+                    "contiguous split imbalance",
+                    format!("{:.3}", rg.contiguous_imbalance),
+                    "(2R-1)/R; zigzag 1.0",
+                ),
+            ],
+        );
+    }
+
+    let u = &p.ulysses;
+    let ag = &p.allgather;
+    let u_state = if u.valid { "ok" } else { "INVALID" };
+    if l.cp > 1 {
+        table(
+            &mut o,
+            "Other CP communication (per layer per GPU)",
+            &[
+                r(
+                    format!("Ulysses {} ({}, {})", u.degree, link(u.link), u_state),
+                    format!(
+                        "{} fwd / {} bwd",
+                        mib(u.fwd_bytes_per_layer),
+                        mib(u.bwd_bytes_per_layer)
+                    ),
+                    "(U-1)/U*c*b*d*e*(2a + 2max(a_kv,U))",
+                ),
+                r(
+                    "Ulysses KV replication",
+                    format!("x{}", u.kv_replication),
+                    "U/a_kv when U > a_kv",
+                ),
+                r(
+                    "Ulysses vs ring bytes (fwd)",
+                    format!("{:.2}x", u.ratio_vs_ring_fwd),
+                    "(h+h_kv)/(U*h_kv) for GQA",
+                ),
+                r(
+                    format!("all-gather KV {} ({})", ag.degree, link(ag.link)),
+                    format!(
+                        "{} fwd / {} bwd",
+                        mib(ag.fwd_bytes_per_layer),
+                        mib(ag.bwd_bytes_per_layer)
+                    ),
+                    "(cp-1)*c*b*2*a_kv*d*e",
+                ),
+                r(
+                    "all-gathered K/V held",
+                    gb(ag.gathered_kv_bytes),
+                    "s*b*2*a_kv*d*e",
+                ),
+                r(
+                    format!(
+                        "TP {} collectives ({})",
+                        p.tp_comm.degree,
+                        link(p.tp_comm.link)
+                    ),
+                    format!(
+                        "{} fwd / {} bwd",
+                        mib(p.tp_comm.fwd_bytes_per_layer),
+                        mib(p.tp_comm.bwd_bytes_per_layer)
+                    ),
+                    "4*(t-1)/t*c*b*h*e",
+                ),
+            ],
+        );
+
+        let _ = writeln!(o, "  Ulysses heads: {}", u.constraint);
+    }
+
+    let t = &p.layer_time;
+    table(
+        &mut o,
+        &format!(
+            "Time per layer per GPU, fwd+bwd (attention {:.0}, linear {:.0} TFLOP/s)",
+            i.attn_flops / TFLOP,
+            i.linear_flops / TFLOP
+        ),
+        &[
+            r("linear", ms(t.linear_s), ""),
+            r("attention", ms(t.attention_s), ""),
+            r("CP communication not hidden", ms(t.cp_exposed_s), ""),
+            r("TP/SP collectives", ms(t.tp_s), ""),
+            r("total", ms(t.total_s), ""),
+        ],
+    );
+
+    let _ = writeln!(o, "\nVerdict: {}", p.verdict);
+    let _ = writeln!(o, "Bottleneck: {}", p.bottleneck);
+    for n in &p.notes {
+        let _ = writeln!(o, "Note: {n}");
+    }
+    o
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{plan, Hardware, Layout, ModelConfig, PlanInput};
+
+    #[test]
+    fn render_shows_key_numbers() {
+        let inp = PlanInput::new(
+            ModelConfig::preset("llama3-405b").unwrap(),
+            Hardware::preset("h100").unwrap(),
+            Layout {
+                tp: 8,
+                sp: true,
+                cp: 16,
+                ..Layout::default()
+            },
+            131072,
+        );
+        let txt = render(&plan(&inp).unwrap());
+        for want in [
+            "73.0 GB",
+            "0.570 GB",
+            "4.0 MiB",
+            "563",
+            "1500 fwd",
+            "tokens per GPU",
+            "Verdict: does not fit",
+        ] {
+            assert!(txt.contains(want), "missing {want:?} in\n{txt}");
+        }
+    }
+}
