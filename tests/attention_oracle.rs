@@ -227,8 +227,6 @@ fn fully_masked_rows_give_zero_and_neg_inf() {
     let fast = fwd_bwd(attention, &q, &k, &v, &dout, &mask, 0.5);
     let slow = fwd_bwd(attention_slow, &q, &k, &v, &dout, &mask, 0.5);
     let lse = fast.lse.to_vec3::<f32>().unwrap();
-    let out = fast.out.to_vec3::<f32>().is_err(); // rank 4: use flatten below
-    assert!(out);
     for hh in 0..h {
         for i in 0..t {
             assert_eq!(lse[0][hh][i] == f32::NEG_INFINITY, i < 25, "row {i}");

@@ -476,6 +476,102 @@ fn rank_that_returns_early_fails_waiters_fast() {
 }
 
 #[test]
+fn mismatched_ops_shapes_dtypes_fail_on_all_ranks() {
+    let dev = Device::Cpu;
+    // different op
+    let msgs = expect_all_fail(3, |g| {
+        let x = Tensor::ones((2, 3), DType::F32, &dev)?;
+        if g.rank() == 1 {
+            g.all_reduce(&x)?;
+        } else {
+            g.all_gather(&x, 0)?;
+        }
+        Ok(())
+    });
+    for m in &msgs {
+        assert!(
+            m.contains("mismatched") && m.contains("all_reduce") && m.contains("all_gather(dim=0)"),
+            "{m}"
+        );
+    }
+    // different shape
+    let msgs = expect_all_fail(2, |g| {
+        let x = Tensor::ones((2, 3 + g.rank()), DType::F32, &dev)?;
+        g.all_gather(&x, 0)?;
+        Ok(())
+    });
+    for m in &msgs {
+        assert!(
+            m.contains("[2, 3]") && m.contains("[2, 4]") && m.contains("all_gather"),
+            "{m}"
+        );
+    }
+    // different dtype
+    let msgs = expect_all_fail(2, |g| {
+        let dt = if g.rank() == 0 {
+            DType::F32
+        } else {
+            DType::BF16
+        };
+        g.reduce_scatter(&Tensor::ones((4, 2), dt, &dev)?, 0)?;
+        Ok(())
+    });
+    for m in &msgs {
+        assert!(
+            m.contains("F32") && m.contains("BF16") && m.contains("reduce_scatter"),
+            "{m}"
+        );
+    }
+    // different dim
+    let msgs = expect_all_fail(2, |g| {
+        g.all_to_all(&Tensor::ones((4, 4), DType::F32, &dev)?, g.rank(), 0)?;
+        Ok(())
+    });
+    for m in &msgs {
+        assert!(
+            m.contains("all_to_all(split_dim=0") && m.contains("all_to_all(split_dim=1"),
+            "{m}"
+        );
+    }
+    // dim or root out of range
+    let msgs = expect_all_fail(2, |g| {
+        g.all_gather(&Tensor::ones((4, 2), DType::F32, &dev)?, 2)?;
+        Ok(())
+    });
+    assert!(
+        msgs.iter()
+            .all(|m| m.contains("out of range") && m.contains("[4, 2]")),
+        "{msgs:?}"
+    );
+    let msgs = expect_all_fail(2, |g| {
+        g.broadcast(&Tensor::ones(2, DType::F32, &dev)?, 2)?;
+        Ok(())
+    });
+    assert!(msgs.iter().all(|m| m.contains("root 2")), "{msgs:?}");
+    // indivisible split and inconsistent ring pairing
+    let msgs = expect_all_fail(3, |g| {
+        g.reduce_scatter(&Tensor::ones((4, 2), DType::F32, &dev)?, 0)?;
+        Ok(())
+    });
+    assert!(
+        msgs.iter()
+            .all(|m| m.contains("not divisible") && m.contains("[4, 2]")),
+        "{msgs:?}"
+    );
+    let msgs = expect_all_fail(3, |g| {
+        let r = g.rank();
+        g.send_recv(
+            &Tensor::ones(2, DType::F32, &dev)?,
+            (r + 1) % 3,
+            (r + 1) % 3,
+        )?
+        .wait()?;
+        Ok(())
+    });
+    assert!(msgs.iter().all(|m| m.contains("send_recv")), "{msgs:?}");
+}
+
+#[test]
 fn timeout_returns_err_and_aborts_world() {
     let start = Instant::now();
     let res = run_ranks_with(

@@ -74,6 +74,34 @@ fn single_device() {
 }
 
 #[test]
+fn perturbed_reference_fails() {
+    // the comparison is sharp: a 1e-3 relative change of one gradient, or 1e-4 on one
+    // logit, is reported as FAIL and blamed on the right tensor
+    let d = data();
+    let run = run_layout(&d.full, &d.cfg, &d.reference.input_ids, Layout::single(), &Device::Cpu).unwrap();
+    let mut bad = Reference {
+        input_ids: d.reference.input_ids.clone(),
+        logits: d.reference.logits.clone(),
+        loss: d.reference.loss,
+        grads: d.reference.grads.clone(),
+    };
+    let name = "model.layers.1.mlp.up_proj.weight";
+    let g = &bad.grads[name];
+    let bumped = (g + (g.abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap() as f64 * 1e-3)).unwrap();
+    bad.grads.insert(name.to_string(), bumped);
+    let rep = compare(&run, &bad, Tolerances::default()).unwrap();
+    assert!(!rep.pass() && rep.worst_param == name, "{rep:?}");
+    assert!(rep.grad_rel_max > 5e-4, "{rep:?}");
+    let mut bad2 = Reference { grads: d.reference.grads.clone(), logits: (&d.reference.logits + 1e-4).unwrap(), ..bad };
+    bad2.loss = d.reference.loss;
+    let rep = compare(&run, &bad2, Tolerances::default()).unwrap();
+    assert!(!rep.pass() && rep.logits_abs > 9e-5, "{rep:?}");
+    let mut bad3 = Reference { logits: d.reference.logits.clone(), loss: d.reference.loss + 1e-5, ..bad2 };
+    bad3.grads = d.reference.grads.clone();
+    assert!(!compare(&run, &bad3, Tolerances::default()).unwrap().pass());
+}
+
+#[test]
 fn cp_ring_contiguous() {
     check(Layout::cp(CpKind::Ring, 2));
     check(Layout::cp(CpKind::Ring, 4));

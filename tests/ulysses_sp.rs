@@ -197,9 +197,13 @@ fn block_params() -> Result<HashMap<String, Tensor>> {
         Ok(())
     };
     add("norm1.weight", &[HID], 0.2, 1.0)?;
+    // No k bias: its gradient is zero in exact arithmetic (softmax is shift invariant), so
+    // only rounding noise would be compared.
     for n in ["q", "k", "v", "o"] {
         add(&format!("attn.{n}.weight"), &[HID, HID], 0.3, 0.0)?;
-        add(&format!("attn.{n}.bias"), &[HID], 0.1, 0.0)?;
+        if n != "k" {
+            add(&format!("attn.{n}.bias"), &[HID], 0.1, 0.0)?;
+        }
     }
     add("norm2.weight", &[HID], 0.2, 1.0)?;
     add("norm2.bias", &[HID], 0.1, 0.0)?;
@@ -223,7 +227,10 @@ fn shard_dim(name: &str) -> Option<usize> {
 /// Single-device block from plain candle ops (reference).
 fn reference_block(p: &HashMap<String, Var>, x: &Tensor, rng: &RngStreams) -> candle_core::Result<Tensor> {
     let w = |n: &str| p[n].as_tensor().clone();
-    let lin = |x: &Tensor, n: &str| candle_nn::Linear::new(w(&format!("{n}.weight")), Some(w(&format!("{n}.bias")))).forward(x);
+    let lin = |x: &Tensor, n: &str| {
+        let b = p.get(&format!("{n}.bias")).map(|b| b.as_tensor().clone());
+        candle_nn::Linear::new(w(&format!("{n}.weight")), b).forward(x)
+    };
     let ms = x.sqr()?.mean_keepdim(2)?;
     let h = x.broadcast_div(&(ms + EPS)?.sqrt()?)?.broadcast_mul(&w("norm1.weight"))?;
     let d = HID / HEADS;
@@ -260,7 +267,7 @@ impl TpBlock {
         Ok(Self {
             norm1: RmsNorm::load(vb.pp("norm1"), HID, EPS, tp)?,
             q: ColumnParallelLinear::load(a.pp("q"), HID, HID, true, tp)?,
-            k: ColumnParallelLinear::load(a.pp("k"), HID, HID, true, tp)?,
+            k: ColumnParallelLinear::load(a.pp("k"), HID, HID, false, tp)?,
             v: ColumnParallelLinear::load(a.pp("v"), HID, HID, true, tp)?,
             o: RowParallelLinear::load(a.pp("o"), HID, HID, true, tp)?,
             norm2: LayerNorm::load(vb.pp("norm2"), HID, EPS, tp)?,
@@ -274,7 +281,9 @@ impl TpBlock {
         let mut out = vec![("norm1.weight".to_string(), self.norm1.weight().clone())];
         let mut lin = |n: &str, vs: Vec<Var>| {
             out.push((format!("{n}.weight"), vs[0].clone()));
-            out.push((format!("{n}.bias"), vs[1].clone()));
+            if let Some(b) = vs.get(1) {
+                out.push((format!("{n}.bias"), b.clone()));
+            }
         };
         lin("attn.q", self.q.vars());
         lin("attn.k", self.k.vars());
@@ -335,10 +344,12 @@ fn check_block(tp_size: usize, sp: bool) -> Result<()> {
     let tag = format!("TP = {tp_size}, SP = {sp}");
     let take = |t: &Tensor, dim: usize, r: usize| t.narrow(dim, r * t.dim(dim).unwrap() / tp_size, t.dim(dim).unwrap() / tp_size);
     let tol = 2e-5;
+    let (mut worst_y, mut worst_g) = (0f64, 0f64);
     for (r, (y, named)) in res.iter().enumerate() {
         let want_y = if sp { take(&y_ref, 1, r)? } else { y_ref.clone() };
         let e = max_abs(y, &want_y)?;
         assert!(e < 1e-5, "{tag} rank {r}: output differs by {e}");
+        worst_y = worst_y.max(e);
         for (n, gr) in named {
             let full = if n == "x" { dx_ref.clone() } else { grad(&g_ref, vars[n].as_tensor(), n)? };
             let want = match (n.as_str(), shard_dim(n)) {
@@ -349,8 +360,10 @@ fn check_block(tp_size: usize, sp: bool) -> Result<()> {
             };
             let e = rel(gr, &want)?;
             assert!(e < tol, "{tag} rank {r}: gradient of {n} off by rel {e:.2e}");
+            worst_g = worst_g.max(e);
         }
     }
+    eprintln!("block {tag}: output max abs err {worst_y:.1e}, worst gradient rel err {worst_g:.1e} ({} tensors)", res[0].1.len());
     // replicated parameters: identical gradients on every rank
     for (i, (n, gr)) in res[0].1.iter().enumerate() {
         if n != "x" && shard_dim(n).is_none() {
@@ -412,7 +425,7 @@ fn assemble(parts: Vec<(Vec<usize>, AttnOutputs)>) -> Result<AttnOutputs> {
     let inv = Tensor::new(inv, &Device::Cpu)?;
     let cat = |f: &dyn Fn(&AttnOutputs) -> &Tensor, dim: usize| -> Result<Tensor> {
         let ts: Vec<Tensor> = parts.iter().map(|(_, o)| f(o).clone()).collect();
-        Ok(Tensor::cat(&ts, dim)?.index_select(&inv, dim)?)
+        Ok(Tensor::cat(&ts, dim)?.contiguous()?.index_select(&inv, dim)?)
     };
     Ok(AttnOutputs {
         out: cat(&|o| &o.out, 1)?,
@@ -435,14 +448,17 @@ fn local_run(
     Ok(AttnOutputs { out, lse, dq: grad(&grads, q.as_tensor(), "q")?, dk: grad(&grads, k.as_tensor(), "k")?, dv: grad(&grads, v.as_tensor(), "v")? })
 }
 
-/// Compare against the oracle (its tolerances) and the single-device op (10x tighter).
-fn check_case(what: &str, case: &AttnCase, single: &AttnOutputs, got: &AttnOutputs) -> Result<()> {
+/// Compare against the oracle (its tolerances) and the single-device op (the oracle's
+/// tolerances times `tight`).
+fn check_case(what: &str, case: &AttnCase, single: &AttnOutputs, got: &AttnOutputs, tight: f64) -> Result<()> {
     let tol = case.tolerances();
     let m = AttnMetrics::compute(got, &case.reference)?;
     assert!(m.passes(&tol), "{what} vs oracle:\n{}", m.report(&tol));
-    let tight: AttnTol = tol.scaled(0.1);
+    let tight: AttnTol = tol.scaled(tight);
     let s = AttnMetrics::compute(got, single)?;
     assert!(s.passes(&tight), "{what} vs single device:\n{}", s.report(&tight));
+    let row = |m: &AttnMetrics| format!("{:.1e} {:.1e} {:.1e} {:.1e} {:.1e}", m.out_abs, m.lse_abs, m.dq_rel, m.dk_rel, m.dv_rel);
+    eprintln!("{what:<55} oracle [{}]  single [{}]", row(&m), row(&s));
     Ok(())
 }
 
@@ -477,7 +493,7 @@ fn ulysses_on_oracle_cases() -> Result<()> {
                     let o = local_run(&case, &shard, &|q, k, v| ulysses_attention(q, k, v, &g, &opts))?;
                     Ok((cp::positions(layout, r, p, t)?, o))
                 }))?;
-                check_case(&format!("ulysses {} P = {p} {layout}", case.name), &case, &single, &assemble(parts)?)?;
+                check_case(&format!("ulysses {} P = {p} {layout}", case.name), &case, &single, &assemble(parts)?, 0.1)?;
                 ran += 1;
                 replicated += usize::from(hkv < p);
             }
@@ -510,7 +526,7 @@ fn usp_2d_on_oracle_cases() -> Result<()> {
                 let o = local_run(&case, &shard, &|q, k, v| usp_attention(q, k, v, &groups, &opts))?;
                 Ok((usp_positions(Layout::Zigzag, t, groups.ring.rank(), r, groups.ulysses.rank(), u)?, o))
             }))?;
-            check_case(&format!("usp {} U = {u} R = {r}", case.name), &case, &single, &assemble(parts)?)?;
+            check_case(&format!("usp {} U = {u} R = {r}", case.name), &case, &single, &assemble(parts)?, 0.5)?;
             ran += 1;
             replicated += usize::from(hkv < u);
         }
@@ -550,6 +566,153 @@ fn ulysses_errors_name_heads_and_degrees() -> Result<()> {
     for (m, bad) in all_ok(res)? {
         assert!(m.contains("P = 4") && m.contains("[1, 3, 6, 12]"), "{m}");
         assert!(bad.contains("U = 3") && bad.contains("world size 4"), "{bad}");
+    }
+    Ok(())
+}
+
+// ---------------------------------------------------------------- communication volume
+
+/// A process group that logs the bytes this rank *sends* per collective (standard ring
+/// algorithms: all-gather `(P-1)·|t|`, reduce-scatter and all-to-all `(P-1)/P·|t|`, all-reduce
+/// `2(P-1)/P·|t|`, send/recv `|t|`). Collectives under 1 KiB (shape checks) are not counted.
+struct Counting {
+    inner: Group,
+    log: std::sync::Arc<std::sync::Mutex<HashMap<&'static str, f64>>>,
+}
+
+impl Counting {
+    fn wrap(inner: Group) -> (Group, std::sync::Arc<std::sync::Mutex<HashMap<&'static str, f64>>>) {
+        let log = std::sync::Arc::new(std::sync::Mutex::new(HashMap::new()));
+        (std::sync::Arc::new(Counting { inner, log: log.clone() }), log)
+    }
+    fn rec(&self, op: &'static str, t: &Tensor, factor: f64) {
+        let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as f64;
+        if bytes >= 1024.0 {
+            *self.log.lock().unwrap().entry(op).or_default() += bytes * factor;
+        }
+    }
+    fn p(&self) -> f64 {
+        self.inner.size() as f64
+    }
+}
+
+impl candle_cp_comm::ProcessGroup for Counting {
+    fn rank(&self) -> usize {
+        self.inner.rank()
+    }
+    fn size(&self) -> usize {
+        self.inner.size()
+    }
+    fn all_gather(&self, t: &Tensor, dim: usize) -> candle_core::Result<Tensor> {
+        self.rec("all_gather", t, self.p() - 1.0);
+        self.inner.all_gather(t, dim)
+    }
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> candle_core::Result<Tensor> {
+        self.rec("reduce_scatter", t, (self.p() - 1.0) / self.p());
+        self.inner.reduce_scatter(t, dim)
+    }
+    fn all_reduce(&self, t: &Tensor) -> candle_core::Result<Tensor> {
+        self.rec("all_reduce", t, 2.0 * (self.p() - 1.0) / self.p());
+        self.inner.all_reduce(t)
+    }
+    fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> candle_core::Result<Tensor> {
+        self.rec("all_to_all", t, (self.p() - 1.0) / self.p());
+        self.inner.all_to_all(t, split_dim, concat_dim)
+    }
+    fn broadcast(&self, t: &Tensor, root: usize) -> candle_core::Result<Tensor> {
+        self.inner.broadcast(t, root)
+    }
+    fn barrier(&self) -> candle_core::Result<()> {
+        self.inner.barrier()
+    }
+    fn send_recv(&self, t: &Tensor, dst: usize, src: usize) -> candle_core::Result<Box<dyn candle_cp_comm::PendingRecv>> {
+        self.rec("send_recv", t, 1.0);
+        self.inner.send_recv(t, dst, src)
+    }
+    fn split(&self, color: usize, key: usize) -> candle_core::Result<Group> {
+        let inner = self.inner.split(color, key)?;
+        Ok(std::sync::Arc::new(Counting { inner, log: self.log.clone() }))
+    }
+}
+
+type Log = std::sync::Arc<std::sync::Mutex<HashMap<&'static str, f64>>>;
+
+fn total(log: &Log) -> f64 {
+    log.lock().unwrap().values().sum()
+}
+
+/// Bytes rank 0 sends in forward and in backward of `sum(f(q, k, v) * 1)`.
+fn measure_attn(
+    p: usize,
+    dims: (usize, usize, usize, usize, usize),
+    f: &(dyn Fn(&Tensor, &Tensor, &Tensor, &Group) -> candle_core::Result<(Tensor, Tensor)> + Sync),
+) -> Result<(f64, f64)> {
+    let (b, t, h, hkv, d) = dims;
+    let res = all_ok(run_ranks(p, |g: Group| {
+        let (g, log) = Counting::wrap(g);
+        let mk = |n: &str, hh: usize| Var::from_tensor(&rand_t(g.rank() as u64, n, &[b, t / p, hh, d])?);
+        let (q, k, v) = (mk("q", h)?, mk("k", hkv)?, mk("v", hkv)?);
+        let (out, _) = f(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g)?;
+        let fwd = total(&log);
+        out.sum_all()?.backward()?;
+        Ok((fwd, total(&log) - fwd))
+    }))?;
+    Ok(res[0])
+}
+
+#[test]
+fn comm_volume_matches_formulas() -> Result<()> {
+    let (p, b, t, h, hkv, d) = (4usize, 1usize, 256usize, 8usize, 2usize, 16usize);
+    let s = 4.0; // f32 bytes
+    let frac = (p as f64 - 1.0) / p as f64;
+    let local = (b * t / p * d) as f64 * s; // bytes of one head of a local shard
+    let scale = 1.0 / (d as f64).sqrt();
+    let dims = (b, t, h, hkv, d);
+
+    // Ulysses: q, k, v (KV replicated to P heads), out, and lse all-to-alls; backward moves
+    // dout, dq, dk, dv (no lse).
+    let (fwd, bwd) = measure_attn(p, dims, &|q, k, v, g| ulysses_attention(q, k, v, g, &UlyssesOpts::new(true, scale)))?;
+    let hkv_sent = hkv.max(p) as f64;
+    let want_fwd = frac * local * (2.0 * h as f64 + 2.0 * hkv_sent) + frac * (b * h * t / p) as f64 * 4.0;
+    let want_bwd = frac * local * (2.0 * h as f64 + 2.0 * hkv_sent);
+    assert_eq!((fwd, bwd), (want_fwd, want_bwd), "Ulysses bytes per rank (fwd, bwd)");
+    eprintln!("ulysses  P={p}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B");
+
+    // Ring (zigzag) and all-gather KV: at least the K/V of the other P-1 ranks must arrive.
+    let kv_local = 2.0 * local * hkv as f64;
+    for layout in [Layout::Zigzag] {
+        let opts = cp::CpOpts::new(layout, true);
+        let (fwd, bwd) = measure_attn(p, dims, &|q, k, v, g| cp::ring_attention(q, k, v, g, &opts))?;
+        assert!(fwd >= (p as f64 - 1.0) * kv_local, "ring fwd moved only {fwd} B");
+        eprintln!("ring     P={p}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B  ({layout})");
+        let (fwd, bwd) = measure_attn(p, dims, &|q, k, v, g| cp::allgather_attention(q, k, v, g, &opts))?;
+        assert!(fwd >= (p as f64 - 1.0) * kv_local, "all-gather KV fwd moved only {fwd} B");
+        eprintln!("allgather P={p}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B  ({layout})");
+    }
+    let (fwd, bwd) = measure_attn(p, dims, &|q, k, v, g| {
+        let groups = UspGroups::new(g, 2, 2)?;
+        usp_attention(q, k, v, &groups, &UspOpts::new(true, scale))
+    })?;
+    eprintln!("usp  U=2 R=2: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B");
+
+    // Megatron: an MLP (column + row parallel) moves 4(P-1)/P·B·T·C·s per rank with SP
+    // (all-gather + reduce-scatter, fwd and bwd) and without (two all-reduces).
+    let (c, f) = (32usize, 64usize);
+    let w1 = rand_t(1, "w1", &[f, c])?;
+    let w2 = rand_t(2, "w2", &[c, f])?;
+    for sp in [true, false] {
+        let res = all_ok(run_ranks(p, |g: Group| {
+            let (g, log) = Counting::wrap(g);
+            let tp = Tp::new(g.clone(), sp);
+            let (l1, l2) = (ColumnParallelLinear::from_full(&w1, None, &tp)?, RowParallelLinear::from_full(&w2, None, &tp)?);
+            let tl = if sp { t / p } else { t };
+            let x = Var::from_tensor(&rand_t(g.rank() as u64, "x", &[b, tl, c])?)?;
+            l2.forward(&l1.forward(x.as_tensor())?.gelu()?)?.sum_all()?.backward()?;
+            Ok(total(&log))
+        }))?;
+        let want = 4.0 * frac * (b * t * c) as f64 * s;
+        assert_eq!(res[0], want, "MLP bytes per rank with SP = {sp}");
+        eprintln!("megatron MLP P={p} SP={sp}: fwd+bwd {:>9.0} B", res[0]);
     }
     Ok(())
 }

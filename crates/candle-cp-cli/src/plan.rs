@@ -2,7 +2,10 @@
 //!
 //! Formulas: `docs/arithmetic.md`; arithmetic: the `candle-cp-plan` crate.
 
-use candle_cp_plan::{plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, PlanInput, Recompute};
+use candle_cp_plan::{
+    plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, PlanInput,
+    Recompute,
+};
 
 /// Arguments of `candle-cp plan`.
 #[derive(clap::Args, Debug)]
@@ -103,7 +106,10 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
     if let Some(x) = a.gpus_per_node {
         hw.gpus_per_node = x;
     }
-    let overridden = a.gpu_mem_gb.is_some() || a.flops.is_some() || a.nvlink_gbps.is_some() || a.ib_gbps.is_some();
+    let overridden = a.gpu_mem_gb.is_some()
+        || a.flops.is_some()
+        || a.nvlink_gbps.is_some()
+        || a.ib_gbps.is_some();
     if overridden {
         hw.name = format!("{} (overridden)", hw.name);
     }

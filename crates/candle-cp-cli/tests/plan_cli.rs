@@ -4,7 +4,10 @@
 use std::process::{Command, Output};
 
 fn candle_cp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_candle-cp")).args(args).output().expect("run candle-cp")
+    Command::new(env!("CARGO_BIN_EXE_candle-cp"))
+        .args(args)
+        .output()
+        .expect("run candle-cp")
 }
 
 fn close(x: f64, want: f64, rel: f64) {
@@ -13,19 +16,38 @@ fn close(x: f64, want: f64, rel: f64) {
 
 #[test]
 fn plan_405b_128k_json() {
-    let out = candle_cp(&["plan", "--model", "llama3-405b", "--seq", "131072", "--tp", "8", "--cp", "16", "--sp", "--json"]);
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-405b",
+        "--seq",
+        "131072",
+        "--tp",
+        "8",
+        "--cp",
+        "16",
+        "--sp",
+        "--json",
+    ]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
-    let v: serde_json::Value = serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
+    let v: serde_json::Value =
+        serde_json::from_slice(&out.stdout).expect("stdout is one JSON object");
     let f = |path: &str| -> f64 {
-        v.pointer(path).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {path}"))
+        v.pointer(path)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("no number at {path}"))
     };
     // 34·s·h = 34·2^31 bytes = 73.0 GB per layer per sequence (flash attention).
     assert_eq!(f("/activation_bytes_per_layer"), 34.0 * 2f64.powi(31));
     close(f("/activation_bytes_per_layer") / 1e9, 73.0, 1e-3);
     // TP8 + SP + CP16: 0.570 GB per layer per GPU.
     close(f("/activation_bytes_per_layer_per_gpu") / 1e9, 0.570, 1e-3);
-    close(f("/activation_bytes_per_layer_llama") / f("/activation_bytes_per_layer"), 31.75 / 34.0, 1e-12);
+    close(
+        f("/activation_bytes_per_layer_llama") / f("/activation_bytes_per_layer"),
+        31.75 / 34.0,
+        1e-12,
+    );
     assert_eq!(f("/tokens_per_gpu"), 8192.0);
     assert_eq!(f("/world_size"), 128.0);
     // 4 MiB of K/V per ring step with TP8 (32 MiB without).
@@ -34,19 +56,52 @@ fn plan_405b_128k_json() {
     close(f("/flops/attention_fwd") / 1e12, 562.95, 1e-4);
     // Hides on InfiniBand above ~1,500 tokens at 600 TFLOP/s.
     close(f("/ring/min_chunk_fwd_ib"), 1500.0, 1e-9);
-    assert_eq!(v.pointer("/ring/hides_fwd").and_then(|x| x.as_bool()), Some(true));
+    assert_eq!(
+        v.pointer("/ring/hides_fwd").and_then(|x| x.as_bool()),
+        Some(true)
+    );
     assert_eq!(v.pointer("/ring/link").and_then(|x| x.as_str()), Some("ib"));
     // Without PP the 405B weights alone exceed 80 GB.
     assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(false));
-    assert!(v.pointer("/bottleneck").and_then(|x| x.as_str()).unwrap().starts_with("memory"));
+    assert!(v
+        .pointer("/bottleneck")
+        .and_then(|x| x.as_str())
+        .unwrap()
+        .starts_with("memory"));
 }
 
 #[test]
 fn plan_tables_for_people() {
-    let out = candle_cp(&["plan", "--model", "llama3-70b", "--seq", "32768", "--tp", "8", "--cp", "4", "--sp", "--pp", "4", "--hardware", "h200"]);
-    assert_eq!(out.status.code(), Some(0), "stderr: {}", String::from_utf8_lossy(&out.stderr));
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-70b",
+        "--seq",
+        "32768",
+        "--tp",
+        "8",
+        "--cp",
+        "4",
+        "--sp",
+        "--pp",
+        "4",
+        "--hardware",
+        "h200",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "stderr: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let text = String::from_utf8_lossy(&out.stdout);
-    for want in ["Activations per layer", "Memory per GPU", "Ring over 4 ranks", "Verdict:", "Bottleneck:"] {
+    for want in [
+        "Activations per layer",
+        "Memory per GPU",
+        "Ring over 4 ranks",
+        "Verdict:",
+        "Bottleneck:",
+    ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }
 }
@@ -54,10 +109,22 @@ fn plan_tables_for_people() {
 #[test]
 fn plan_bad_input_exits_2_with_message() {
     let cases: [(&[&str], &str); 4] = [
-        (&["--model", "llama3-405b", "--seq", "131072", "--cp", "3"], "CP degree 3 does not divide the sequence length 131072"),
-        (&["--model", "llama3-405b", "--seq", "131072", "--tp", "3"], "TP degree 3 does not divide the 128 attention heads"),
-        (&["--model", "gpt5", "--seq", "1024"], "unknown model preset 'gpt5'"),
-        (&["--model", "llama3-8b", "--seq", "1024", "--cp-kind", "tree"], "unknown CP kind 'tree'"),
+        (
+            &["--model", "llama3-405b", "--seq", "131072", "--cp", "3"],
+            "CP degree 3 does not divide the sequence length 131072",
+        ),
+        (
+            &["--model", "llama3-405b", "--seq", "131072", "--tp", "3"],
+            "TP degree 3 does not divide the 128 attention heads",
+        ),
+        (
+            &["--model", "gpt5", "--seq", "1024"],
+            "unknown model preset 'gpt5'",
+        ),
+        (
+            &["--model", "llama3-8b", "--seq", "1024", "--cp-kind", "tree"],
+            "unknown CP kind 'tree'",
+        ),
     ];
     for (args, msg) in cases {
         let mut all = vec!["plan"];
@@ -65,7 +132,10 @@ fn plan_bad_input_exits_2_with_message() {
         let out = candle_cp(&all);
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert_eq!(out.status.code(), Some(2), "{args:?}: {stderr}");
-        assert!(stderr.contains(msg), "{args:?}: stderr {stderr:?} lacks {msg:?}");
+        assert!(
+            stderr.contains(msg),
+            "{args:?}: stderr {stderr:?} lacks {msg:?}"
+        );
     }
     let dir = std::env::temp_dir().join(format!("candle-cp-plan-cli-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
@@ -82,9 +152,77 @@ fn plan_bad_input_exits_2_with_message() {
            "intermediate_size":14336,"vocab_size":128256}"#,
     )
     .unwrap();
-    let out = candle_cp(&["plan", "--model", good.to_str().unwrap(), "--seq", "8192", "--json"]);
-    assert_eq!(out.status.code(), Some(0), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        good.to_str().unwrap(),
+        "--seq",
+        "8192",
+        "--json",
+    ]);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     let v: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
-    assert_eq!(v.pointer("/input/model/hidden").and_then(|x| x.as_u64()), Some(4096));
+    assert_eq!(
+        v.pointer("/input/model/hidden").and_then(|x| x.as_u64()),
+        Some(4096)
+    );
     let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
+fn plan_hardware_and_rate_overrides() {
+    let run = |extra: &[&str]| -> serde_json::Value {
+        let mut args = vec![
+            "plan",
+            "--model",
+            "llama3-405b",
+            "--seq",
+            "131072",
+            "--tp",
+            "8",
+            "--cp",
+            "16",
+            "--sp",
+            "--json",
+        ];
+        args.extend_from_slice(extra);
+        let out = candle_cp(&args);
+        assert_eq!(
+            out.status.code(),
+            Some(0),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        serde_json::from_slice(&out.stdout).unwrap()
+    };
+    let min_ib = |v: &serde_json::Value| {
+        v.pointer("/ring/min_chunk_fwd_ib")
+            .and_then(|x| x.as_f64())
+            .unwrap()
+    };
+    // Minimum chunk scales with R_attn / BW: half the IB bandwidth or twice the rate doubles it.
+    close(min_ib(&run(&["--ib-gbps", "25"])), 3000.0, 1e-9);
+    close(min_ib(&run(&["--attn-tflops", "1200"])), 3000.0, 1e-9);
+    // --gpu-mem-gb decides the verdict: 400 GB holds the 313 GB this layout needs.
+    let v = run(&["--gpu-mem-gb", "400"]);
+    assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(true));
+    // fp32: 66 bytes per s·h instead of 34.
+    let v = run(&["--dtype", "fp32"]);
+    assert_eq!(
+        v.pointer("/activation_bytes_per_layer")
+            .and_then(|x| x.as_f64()),
+        Some(66.0 * 2f64.powi(31))
+    );
+    // --activations llama: the exact count (31.75·sbh/128 per GPU) drives the totals.
+    let v = run(&["--activations", "llama"]);
+    let per_gpu = v
+        .pointer("/activation_bytes_per_layer_per_gpu")
+        .and_then(|x| x.as_f64())
+        .unwrap();
+    assert_eq!(per_gpu, 31.75 * 2f64.powi(31) / 128.0);
 }

@@ -7,6 +7,9 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::{run_ranks, run_ranks_with, Group, ThreadGroupOptions};
 use std::time::{Duration, Instant};
 
+/// A collective applied to a rank's group and tensor.
+type OpFn<'a> = &'a (dyn Fn(&Group, &Tensor) -> Result<()> + Sync);
+
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.total_cmp(b));
     v[v.len() / 2]
@@ -39,7 +42,7 @@ fn main() -> Result<()> {
     println!("tensor: {mib} MiB f32 per rank ({n} elements)");
     for p in [2, 4, 8] {
         let n = n / p * p;
-        let ops: [(&str, &(dyn Fn(&Group, &Tensor) -> Result<()> + Sync)); 6] = [
+        let ops: [(&str, OpFn); 6] = [
             ("barrier", &|g, _| g.barrier()),
             ("all_reduce", &|g, x| g.all_reduce(x).map(|_| ())),
             ("reduce_scatter", &|g, x| g.reduce_scatter(x, 0).map(|_| ())),
@@ -57,6 +60,20 @@ fn main() -> Result<()> {
             println!("P={p} {name:>14}: {:8.3} ms", s * 1e3);
         }
     }
+    // baseline: what one all_gather result costs on a single thread (allocation + copy)
+    let parts = (0..8)
+        .map(|_| Tensor::ones(n, DType::F32, &Device::Cpu))
+        .collect::<Result<Vec<_>>>()?;
+    let times = (0..10)
+        .map(|_| {
+            let t = Instant::now();
+            Tensor::cat(&parts, 0).map(|_| t.elapsed().as_secs_f64())
+        })
+        .collect::<Result<Vec<_>>>()?;
+    println!(
+        "baseline: one Tensor::cat of 8 tensors on one thread: {:.3} ms",
+        median(times) * 1e3
+    );
     // failure propagation: rank 0 fails while the others wait in a collective
     for p in [2, 8] {
         let opts = ThreadGroupOptions::with_timeout(Duration::from_secs(30));

@@ -69,7 +69,7 @@ pub(crate) fn check_round(label: &str, seq: u64, entries: &[Entry]) -> Result<()
         Ok(())
     };
     let check_div = |d: usize| -> Result<()> {
-        if dims[d] % p != 0 {
+        if !dims[d].is_multiple_of(p) {
             bail!(
                 "thread group {label}: {first}: dim {d} of shape {dims:?} has size {} which is not divisible by the group size {p}",
                 dims[d]

@@ -29,6 +29,8 @@
 mod collect;
 mod group;
 pub mod mesh;
+#[cfg(feature = "nccl")]
+pub mod nccl;
 pub mod thread;
 mod world;
 

@@ -19,16 +19,32 @@
 //! Dtypes: f32, f64, f16, bf16, u8, u32, i64 (sums for f32/f64/f16/bf16/u8/u32/i64).
 
 use crate::{Group, PendingRecv, ProcessGroup};
-use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::cuda_backend::cudarc::nccl::{self, Comm, Id, ReduceOp};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{CudaDevice, DType, Device, Result, Shape, Storage, Tensor};
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 fn nerr(what: &str, e: impl std::fmt::Debug) -> candle_core::Error {
     candle_core::Error::Msg(format!("nccl {what}: {e:?}"))
+}
+
+/// Dtype dispatch for the NCCL-supported dtypes.
+macro_rules! dispatch {
+    ($dt:expr, $what:expr, $go:ident) => {
+        match $dt {
+            DType::F32 => $go!(f32),
+            DType::F64 => $go!(f64),
+            DType::F16 => $go!(half::f16),
+            DType::BF16 => $go!(half::bf16),
+            DType::U8 => $go!(u8),
+            DType::U32 => $go!(u32),
+            DType::I64 => $go!(i64),
+            dt => candle_core::bail!("{}: dtype {dt:?} not supported by NcclGroup", $what),
+        }
+    };
 }
 
 /// cudarc's `Comm` holds a raw communicator pointer (neither `Send` nor `Sync`). We only use it
@@ -169,102 +185,91 @@ impl NcclGroup {
         t.contiguous()
     }
 
-    /// Flat NCCL collective from `src` (contiguous) into a fresh `[out_elems]` buffer of the
-    /// same dtype, shaped `out_shape`.
+    /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
+    /// `out_shape`'s element count.
     fn flat(&self, src: &Tensor, out_shape: Shape, kind: Flat) -> Result<Tensor> {
-        let out = Tensor::zeros(out_shape, src.dtype(), &self.device())?;
-        {
+        let n = out_shape.elem_count();
+        let storage = {
             let (ss, sl) = src.storage_and_layout();
-            let (os, _) = out.storage_and_layout();
-            let (Storage::Cuda(ss), Storage::Cuda(os)) = (&*ss, &*os) else {
-                candle_core::bail!("{}: tensors are not on a CUDA device", kind.name())
-            };
+            let Storage::Cuda(ss) = &*ss else { candle_core::bail!("{}: input is not on a CUDA device", kind.name()) };
             let Some((a, b)) = sl.contiguous_offsets() else {
                 candle_core::bail!("{}: input {:?} is not contiguous", kind.name(), src.shape())
             };
-            self.enter()?;
-            let guard = self.lock();
-            let comm = &guard.0;
             macro_rules! go {
                 ($ty:ty) => {{
                     let s = ss.as_cuda_slice::<$ty>()?.slice(a..b);
-                    // The output buffer is fresh and owned by `out`; NCCL writes it in place.
-                    let o = os.as_cuda_slice::<$ty>()?;
-                    let mut o = unsafe { o.transmute_mut_view() };
+                    let mut o = self.device.alloc_zeros::<$ty>(n)?;
+                    self.enter()?;
+                    let guard = self.lock();
+                    let comm = &guard.0;
                     match kind {
                         Flat::AllGather => comm.all_gather(&s, &mut o).map(|_| ()),
                         Flat::AllReduce => comm.all_reduce(&s, &mut o, &ReduceOp::Sum).map(|_| ()),
                         Flat::ReduceScatter => comm.reduce_scatter(&s, &mut o, &ReduceOp::Sum).map(|_| ()),
                         Flat::Broadcast(root) => comm.broadcast(Some(&s), &mut o, root as i32).map(|_| ()),
                     }
-                    .map_err(|e| nerr(kind.name(), e))?
+                    .map_err(|e| nerr(kind.name(), e))?;
+                    CudaStorage::wrap_cuda_slice(o, self.device.clone())
                 }};
             }
-            dispatch!(src.dtype(), kind.name(), go);
-        }
+            dispatch!(src.dtype(), kind.name(), go)
+        };
         self.leave()?;
-        Ok(out)
+        Ok(Tensor::from_storage(Storage::Cuda(storage), out_shape, BackpropOp::none(), false))
     }
 
     /// Grouped send/recv: send `sends[i] = (tensor, peer)`, receive into fresh tensors shaped
     /// like `recvs[i] = (shape, peer)`. Returns the received tensors and an event recorded on
     /// the comm stream after the group (the compute stream is NOT made to wait).
     fn p2p(&self, sends: &[(Tensor, usize)], recvs: &[(Shape, usize)], dtype: DType) -> Result<(Vec<Tensor>, CudaEvent)> {
-        let outs = recvs
-            .iter()
-            .map(|(s, _)| Tensor::zeros(s.clone(), dtype, &self.device()))
-            .collect::<Result<Vec<_>>>()?;
-        {
-            let sg: Vec<_> = sends.iter().map(|(t, _)| t.storage_and_layout()).collect();
-            let rg: Vec<_> = outs.iter().map(|t| t.storage_and_layout()).collect();
-            self.enter()?;
-            let guard = self.lock();
-            let comm = &guard.0;
-            nccl::group_start().map_err(|e| nerr("group start", e))?;
-            let mut run = || -> Result<()> {
-                macro_rules! go {
-                    ($ty:ty) => {{
-                        for ((st, l), (_, peer)) in sg.iter().zip(sends) {
-                            let Storage::Cuda(c) = &**st else { candle_core::bail!("send: tensor not on CUDA") };
-                            let Some((a, b)) = l.contiguous_offsets() else { candle_core::bail!("send: tensor not contiguous") };
-                            let v = c.as_cuda_slice::<$ty>()?.slice(a..b);
-                            comm.send(&v, *peer as i32).map_err(|e| nerr("send", e))?;
-                        }
-                        for ((st, _), (_, peer)) in rg.iter().zip(recvs) {
-                            let Storage::Cuda(c) = &**st else { candle_core::bail!("recv: tensor not on CUDA") };
-                            let mut v = unsafe { c.as_cuda_slice::<$ty>()?.transmute_mut_view() };
-                            comm.recv(&mut v, *peer as i32).map_err(|e| nerr("recv", e))?;
-                        }
-                    }};
+        let sg: Vec<_> = sends.iter().map(|(t, _)| t.storage_and_layout()).collect();
+        macro_rules! go {
+            ($ty:ty) => {{
+                let mut views = Vec::with_capacity(sends.len());
+                for ((st, l), (t, _)) in sg.iter().zip(sends) {
+                    let Storage::Cuda(c) = &**st else { candle_core::bail!("send: tensor {:?} is not on CUDA", t.shape()) };
+                    let Some((a, b)) = l.contiguous_offsets() else {
+                        candle_core::bail!("send: tensor {:?} is not contiguous", t.shape())
+                    };
+                    views.push(c.as_cuda_slice::<$ty>()?.slice(a..b));
                 }
-                dispatch!(dtype, "send/recv", go);
-                Ok(())
-            };
-            let r = run();
-            nccl::group_end().map_err(|e| nerr("group end", e))?;
-            r?;
+                let mut bufs = recvs
+                    .iter()
+                    .map(|(s, _)| self.device.alloc_zeros::<$ty>(s.elem_count()))
+                    .collect::<Result<Vec<_>>>()?;
+                self.enter()?;
+                let guard = self.lock();
+                let comm = &guard.0;
+                nccl::group_start().map_err(|e| nerr("group start", e))?;
+                let mut res = Ok(());
+                for (v, (_, peer)) in views.iter().zip(sends) {
+                    if res.is_ok() {
+                        res = comm.send(v, *peer as i32).map_err(|e| nerr("send", e));
+                    }
+                }
+                for (buf, (_, peer)) in bufs.iter_mut().zip(recvs) {
+                    if res.is_ok() {
+                        res = comm.recv(buf, *peer as i32).map(|_| ()).map_err(|e| nerr("recv", e));
+                    }
+                }
+                let end = nccl::group_end().map_err(|e| nerr("group end", e));
+                res?;
+                end?;
+                drop(guard);
+                bufs.into_iter()
+                    .zip(recvs)
+                    .map(|(b, (s, _))| {
+                        let st = CudaStorage::wrap_cuda_slice(b, self.device.clone());
+                        Tensor::from_storage(Storage::Cuda(st), s.clone(), BackpropOp::none(), false)
+                    })
+                    .collect::<Vec<_>>()
+            }};
         }
+        let outs = dispatch!(dtype, "send/recv", go);
         let ev = self.comm_stream.record_event(None).w()?;
         Ok((outs, ev))
     }
 }
-
-/// Dtype dispatch for the NCCL-supported dtypes.
-macro_rules! dispatch {
-    ($dt:expr, $what:expr, $go:ident) => {
-        match $dt {
-            DType::F32 => $go!(f32),
-            DType::F64 => $go!(f64),
-            DType::F16 => $go!(half::f16),
-            DType::BF16 => $go!(half::bf16),
-            DType::U8 => $go!(u8),
-            DType::U32 => $go!(u32),
-            DType::I64 => $go!(i64),
-            dt => candle_core::bail!("{}: dtype {dt:?} not supported by NcclGroup", $what),
-        }
-    };
-}
-use dispatch;
 
 #[derive(Clone, Copy)]
 enum Flat {

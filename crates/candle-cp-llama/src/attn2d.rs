@@ -1,9 +1,13 @@
-//! 2-D (Ulysses × ring) attention dispatch; filled in once `candle_cp_ops::usp` lands.
+//! 2-D (Ulysses × ring) attention through [`candle_cp_ops::usp`].
 
 use crate::layout::ParallelCtx;
-use candle_core::{bail, Result, Tensor};
+use candle_core::{Result, Tensor};
+use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 
-/// 2-D attention of the CP shard (Ulysses inner, ring outer).
-pub fn attend_2d(q: &Tensor, _k: &Tensor, _v: &Tensor, ctx: &ParallelCtx, _scale: f64) -> Result<Tensor> {
-    bail!("2-D attention not available yet (layout {}, q {:?})", ctx.layout, q.dims())
+/// 2-D attention of the CP shard: Ulysses all-to-all inside `ctx.ulysses`, zigzag ring over
+/// `ctx.ring` (rank `cp_i = ring_i · U + uly_i`, as [`UspGroups`] orders them).
+/// `q [B, T/(R·U), Hl, D]`, `k, v [B, T/(R·U), Hkvl, D]` → `[B, T/(R·U), Hl, D]`.
+pub fn attend_2d(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
+    let groups = UspGroups { ulysses: ctx.ulysses.clone(), ring: ctx.ring.clone() };
+    Ok(usp_attention(q, k, v, &groups, &UspOpts::new(true, scale))?.0)
 }

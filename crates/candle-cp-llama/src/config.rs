@@ -197,9 +197,10 @@ impl LlamaConfig {
         Self::from_json(&text)
     }
 
-    /// A small random-init model shape for examples and tests: `hidden` wide, `layers` deep,
-    /// `heads` query heads of width 16... (`head_dim = hidden / heads`), `kv_heads` KV heads,
-    /// MLP width `~2.75·hidden` rounded to a multiple of 16, RoPE theta 10000, untied head.
+    /// A small model shape for examples and tests (pair it with [`crate::init_params`]):
+    /// `hidden` wide, `layers` deep, `heads` query heads of width `hidden / heads`,
+    /// `kv_heads` KV heads, MLP width `2.75·hidden` rounded up to a multiple of 16,
+    /// RoPE theta 10000, untied head, rms eps 1e-5.
     pub fn tiny(vocab: usize, hidden: usize, layers: usize, heads: usize, kv_heads: usize) -> Self {
         let inter = (hidden * 11 / 4).div_ceil(16) * 16;
         Self {

@@ -164,3 +164,53 @@ pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg:
     write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(tensors)?)?;
     write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::params::init_params;
+
+    #[test]
+    fn save_then_load_round_trip_f32_and_bf16() -> Result<()> {
+        let mut cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+        cfg.tie_word_embeddings = true;
+        for dtype in [DType::F32, DType::BF16] {
+            let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-{}-{dtype:?}", std::process::id()));
+            let vm = init_params(&cfg, 7, dtype, &Device::Cpu)?;
+            save_hf(&dir, &vm, &cfg)?;
+            let (back, cfg2) = load_hf(&dir, &Device::Cpu, dtype)?;
+            assert_eq!(cfg, cfg2);
+            let (a, b) = (varmap_tensors(&vm)?, varmap_tensors(&back)?);
+            assert_eq!(a.len(), b.len());
+            assert!(!b.contains_key("lm_head.weight"), "tied: no lm_head tensor");
+            for (k, t) in &a {
+                let d = (t.to_dtype(DType::F32)? - b[k].to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                assert_eq!(d, 0.0, "{k}");
+                assert_eq!(b[k].dtype(), dtype);
+            }
+            // only the two files, no temporaries left behind
+            let mut names: Vec<String> = std::fs::read_dir(&dir)
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+                .filter_map(|e| e.ok().map(|e| e.file_name().to_string_lossy().into_owned()))
+                .collect();
+            names.sort();
+            assert_eq!(names, vec!["config.json", "model.safetensors"]);
+            let _ = std::fs::remove_dir_all(&dir);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn missing_tensor_is_named() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 1, 4, 2);
+        let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-missing-{}", std::process::id()));
+        let vm = init_params(&cfg, 1, DType::F32, &Device::Cpu)?;
+        let mut t: Vec<(String, Tensor)> = varmap_tensors(&vm)?.into_iter().collect();
+        t.retain(|(k, _)| k != "model.norm.weight");
+        save_hf_tensors(&dir, &t, &cfg)?;
+        let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("model.norm.weight"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+}

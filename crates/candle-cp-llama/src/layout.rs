@@ -298,14 +298,24 @@ fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelC
         bail!("shard_batch: batch {b} (ids [{b}, {t}]) not divisible by dp = {}", l.dp)
     }
     let seq = l.cp_kind.seq_layout();
-    let tc = seq.local_len(t, l.cp)?;
+    let two_d = l.cp_kind == CpKind::TwoD;
+    // 2-D: zigzag over the ring index, then contiguous over the Ulysses index
+    let (outer, outer_i) = if two_d { (l.ring, cp_i / l.ulysses) } else { (l.cp, cp_i) };
+    let tr = seq.local_len(t, outer)?;
+    if two_d && tr % l.ulysses != 0 {
+        bail!("shard_batch: ring shard {tr} (T = {t}, ring = {}) not divisible by ulysses = {}", l.ring, l.ulysses)
+    }
+    let tc = if two_d { tr / l.ulysses } else { tr };
     let sp = l.seq_parallel();
     if sp && tc % l.tp != 0 {
         bail!("shard_batch: local length {tc} (T = {t}, cp = {}) not divisible by tp = {} for sequence parallelism", l.cp, l.tp)
     }
     let bl = b / l.dp;
     let split = |x: &Tensor, dim: usize| -> Result<Tensor> {
-        let mut y = cpshard::shard(x, seq, cp_i, l.cp, dim)?;
+        let mut y = cpshard::shard(x, seq, outer_i, outer, dim)?;
+        if two_d {
+            y = y.narrow(dim, (cp_i % l.ulysses) * tc, tc)?.contiguous()?;
+        }
         if sp {
             y = y.narrow(dim, tp_i * (tc / l.tp), tc / l.tp)?.contiguous()?;
         }
@@ -317,4 +327,59 @@ fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelC
     }
     out.push(split(pos, 0)?);
     Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_cp_comm::run_ranks;
+
+    /// Every (layout, rank): labels are the global next token, every position held once
+    /// per TP-replica set, positions match the ids.
+    #[test]
+    fn shard_batch_labels_follow_global_positions() -> Result<()> {
+        let t = 32usize;
+        let ids: Vec<u32> = (0..t as u32).map(|i| 1000 + i).collect();
+        let ids = Tensor::from_vec(ids, (1, t), &Device::Cpu)?;
+        let layouts = [
+            Layout::cp(CpKind::Ring, 4),
+            Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+            Layout::cp(CpKind::Striped, 4),
+            Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
+            Layout::two_d(2, 2),
+        ];
+        for layout in layouts {
+            let res = run_ranks(layout.world_size(), |g| {
+                let ctx = ParallelCtx::new(g, layout)?;
+                let b = shard_batch(&ids, &ctx)?;
+                let (i, l, p) = (b.input_ids.to_vec2::<u32>()?, b.labels.to_vec2::<u32>()?, b.positions.to_vec1::<u32>()?);
+                Ok((i, l, p))
+            });
+            let mut seen = vec![0usize; t];
+            for r in res {
+                let (i, l, p) = r?;
+                for (j, &pos) in p.iter().enumerate() {
+                    seen[pos as usize] += 1;
+                    assert_eq!(i[0][j], 1000 + pos, "{layout}");
+                    let want = if pos as usize == t - 1 { IGNORE } else { 1001 + pos };
+                    assert_eq!(l[0][j], want, "{layout}");
+                }
+            }
+            let copies = if layout.seq_parallel() { 1 } else { layout.tp };
+            assert!(seen.iter().all(|&c| c == copies), "{layout}: {seen:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bad_degrees_are_errors() {
+        assert!(Layout::cp(CpKind::Ulysses, 3).validate(8, 2).is_err());
+        assert!(Layout::single().with_tp(4, true).validate(8, 2).is_err());
+        assert!(Layout::cp(CpKind::Ulysses, 4).validate(8, 2).is_ok());
+        let ids = Tensor::zeros((1, 10), DType::U32, &Device::Cpu).unwrap();
+        let res = run_ranks(2, |g| shard_batch(&ids, &ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2))?).map(|_| ()));
+        let e = res[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("T = 10"), "{e}");
+    }
 }

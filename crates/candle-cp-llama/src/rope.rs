@@ -91,8 +91,6 @@ mod tests {
         let dn = (nx - ny)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(dn < 1e-4, "{dn}");
         // hand-computed pair (0, 8) at position 5: angle 5 * inv_freq[0] = 5
-        let xv = x.to_vec3::<f32>().map(|_| ()).ok();
-        let _ = xv;
         let xs: Vec<f32> = x.flatten_all()?.to_vec1()?;
         let ys: Vec<f32> = y.flatten_all()?.to_vec1()?;
         let at = |v: &Vec<f32>, t: usize, h: usize, i: usize| v[(t * 2 + h) * 16 + i];

@@ -275,9 +275,9 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let (out_h, lse_h) = match &perm {
         None => attention::attention(&qh, &kh, &vh, &mask, opts.scale)?,
         Some(pm) => {
-            let nat = |x: &Tensor| x.index_select(&pm.to_nat, 1);
+            let nat = |x: &Tensor| x.contiguous()?.index_select(&pm.to_nat, 1);
             let (o, l) = attention::attention(&nat(&qh)?, &nat(&kh)?, &nat(&vh)?, &mask, opts.scale)?;
-            (o.index_select(&pm.to_gat, 1)?, l.index_select(&pm.to_gat, 2)?)
+            (o.contiguous()?.index_select(&pm.to_gat, 1)?, l.contiguous()?.index_select(&pm.to_gat, 2)?)
         }
     };
     let out = all_to_all_head_to_seq(&out_h, group)?;
@@ -293,4 +293,54 @@ pub fn contiguous_shard(x: &Tensor, rank: usize, p: usize) -> Result<Tensor> {
         candle_core::bail!("contiguous_shard: T = {t} (shape {:?}) cannot be split into P = {p} shards (rank {rank})", x.dims())
     }
     x.narrow(1, rank * (t / p), t / p)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, IndexOp, Var};
+
+    #[test]
+    fn degrees_and_kv_spread() -> Result<()> {
+        assert_eq!(valid_ulysses_degrees(8, 2), vec![1, 2, 4, 8]);
+        assert_eq!(valid_ulysses_degrees(6, 1), vec![1, 2, 3, 6]);
+        assert_eq!(valid_ulysses_degrees(12, 3), vec![1, 3, 6, 12]);
+        assert_eq!(valid_ulysses_degrees(4, 4), vec![1, 2, 4]);
+        assert_eq!(kv_spread(8, 2, 2)?, KvSpread::Split);
+        assert_eq!(kv_spread(8, 2, 4)?, KvSpread::Replicate(2));
+        assert_eq!(kv_spread(8, 2, 8)?, KvSpread::Replicate(4));
+        let e = kv_spread(6, 6, 4).unwrap_err().to_string();
+        assert!(e.contains("H = 6") && e.contains("P = 4") && e.contains("[1, 2, 3, 6]"), "{e}");
+        let e = kv_spread(12, 3, 2).unwrap_err().to_string();
+        assert!(e.contains("Hkv = 3") && e.contains("P = 2") && e.contains("[1, 3, 6, 12]"), "{e}");
+        Ok(())
+    }
+
+    #[test]
+    fn replicated_kv_heads_copy_values_and_sum_gradients() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::arange(0f32, 12., &dev)?.reshape((1, 2, 2, 3))?)?;
+        let y = replicate_kv_heads(x.as_tensor(), 3)?;
+        assert_eq!(y.dims(), &[1, 2, 6, 3]);
+        for h in 0..6 {
+            let d = (y.i((.., .., h, ..))? - x.as_tensor().i((.., .., h / 3, ..))?)?.abs()?.sum_all()?.to_scalar::<f32>()?;
+            assert_eq!(d, 0.0, "copy {h}");
+        }
+        let w = Tensor::arange(0f32, 36., &dev)?.reshape((1, 2, 6, 3))?;
+        let g = (&y * &w)?.sum_all()?.backward()?;
+        let gx = g.get(x.as_tensor()).expect("gradient of x");
+        let want = w.reshape((1, 2, 2, 3, 3))?.sum(3)?;
+        assert_eq!((gx - want)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(())
+    }
+
+    #[test]
+    fn seq_order_from_shards() -> Result<()> {
+        assert_eq!(SeqOrder::from_shards(&[vec![0, 1], vec![2, 3]]), SeqOrder::Contiguous);
+        assert_eq!(SeqOrder::from_shards(&[vec![0, 3], vec![1, 2]]), SeqOrder::Permuted(vec![0, 3, 1, 2]));
+        let o = UlyssesOpts::new(true, 1.0).with_layout(Layout::Striped, 4, 2)?;
+        assert_eq!(o.order, SeqOrder::Permuted(vec![0, 2, 1, 3]));
+        assert!(perm(&SeqOrder::Permuted(vec![0, 0]), 2, &Device::Cpu).is_err());
+        Ok(())
+    }
 }

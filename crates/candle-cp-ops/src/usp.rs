@@ -31,10 +31,15 @@
 //! `U % Hkv == 0` (the copies' gradients are summed back); the ring then carries only the
 //! `max(Hkv/U, 1)` KV heads each rank needs.
 
-use crate::cp::{self, CpOpts, Layout};
-use crate::ulysses::{all_to_all_head_to_seq, all_to_all_seq_to_head, check_qkv, kv_seq_to_head, kv_spread, lse_head_to_seq};
-use candle_core::{Result, Tensor};
-use candle_cp_comm::{Group, Mesh};
+use crate::cp::{self, CpOpts, CpRun, Layout};
+use crate::oracle::{AttnCase, AttnOutputs};
+use crate::ulysses::{
+    all_to_all_head_to_seq, all_to_all_seq_to_head, check_qkv, kv_seq_to_head, kv_spread, lse_head_to_seq, ulysses_attention,
+    UlyssesOpts,
+};
+use candle_core::{Result, Tensor, Var};
+use candle_cp_comm::{run_ranks_with, Group, Mesh, ThreadGroupOptions};
+use std::time::Duration;
 
 /// The two sub-groups of a 2-D Ulysses × ring layout for this rank.
 #[derive(Clone)]
@@ -132,4 +137,104 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let out = all_to_all_head_to_seq(&out_h, &groups.ulysses)?;
     let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
     Ok((out, lse))
+}
+
+/// Run an oracle case on thread ranks (forward + autograd backward of `sum(out · dout)`) and
+/// gather the global results: each rank returns its rows' global positions and
+/// `[out, lse, dq, dk, dv]`.
+fn run_sharded(
+    case: &AttnCase,
+    world: usize,
+    timeout: Duration,
+    what: &str,
+    rank_fn: impl Fn(&Group) -> Result<(Vec<usize>, [Tensor; 5])> + Send + Sync,
+) -> Result<CpRun> {
+    let res = run_ranks_with(world, ThreadGroupOptions::with_timeout(timeout), |g: Group| rank_fn(&g));
+    let mut parts = Vec::with_capacity(world);
+    let mut errs = Vec::new();
+    for (r, x) in res.into_iter().enumerate() {
+        match x {
+            Ok(x) => parts.push(x),
+            Err(e) => errs.push(format!("rank {r}: {e}")),
+        }
+    }
+    if !errs.is_empty() {
+        candle_core::bail!("{what} on {}: {}", case.name, errs.join("; "))
+    }
+    let shapes: Vec<Vec<Vec<usize>>> = parts.iter().map(|(_, xs)| xs.iter().map(|x| x.dims().to_vec()).collect()).collect();
+    if let Some(r) = shapes.iter().position(|s| s != &shapes[0]) {
+        candle_core::bail!("{what}: rank {r} output shapes {:?} differ from rank 0 {:?}", shapes[r], shapes[0])
+    }
+    let pos: Vec<usize> = parts.iter().flat_map(|(p, _)| p.iter().copied()).collect();
+    let mut inv = vec![u32::MAX; pos.len()];
+    for (i, &p) in pos.iter().enumerate() {
+        if p >= inv.len() || inv[p] != u32::MAX {
+            candle_core::bail!("{what}: rank rows do not cover 0..{} exactly once (position {p})", pos.len())
+        }
+        inv[p] = i as u32;
+    }
+    let inv = Tensor::new(inv, &candle_core::Device::Cpu)?;
+    let col = |i: usize, dim: usize| -> Result<Tensor> {
+        let ts: Vec<Tensor> = parts.iter().map(|(_, xs)| xs[i].to_device(&candle_core::Device::Cpu)).collect::<Result<_>>()?;
+        Tensor::cat(&ts, dim)?.contiguous()?.index_select(&inv, dim)
+    };
+    let outputs = AttnOutputs { out: col(0, 1)?, lse: col(1, 2)?, dq: col(2, 1)?, dk: col(3, 1)?, dv: col(4, 1)? };
+    Ok(CpRun { outputs, shapes })
+}
+
+/// Forward + backward of `sum(out · dout)` on local shards with a parallel attention op.
+fn local_fwd_bwd(
+    case: &AttnCase,
+    shard: impl Fn(&Tensor) -> Result<Tensor>,
+    attn: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>,
+) -> Result<[Tensor; 5]> {
+    let q = Var::from_tensor(&shard(&case.q)?)?;
+    let k = Var::from_tensor(&shard(&case.k)?)?;
+    let v = Var::from_tensor(&shard(&case.v)?)?;
+    let (out, lse) = attn(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
+    let grads = (&out * shard(&case.dout)?)?.sum_all()?.backward()?;
+    let g = |x: &Var, n: &str| match grads.get(x.as_tensor()) {
+        Some(t) => Ok(t.clone()),
+        None => candle_core::bail!("no gradient for {n}"),
+    };
+    Ok([out, lse, g(&q, "q")?, g(&k, "k")?, g(&v, "v")?])
+}
+
+/// Run `case` with [`ulysses_attention`] on `p` thread ranks, q/k/v sharded with `layout`
+/// (contiguous, zigzag or striped; see [`crate::ulysses::SeqOrder`]), and gather the results.
+/// Errors (before starting ranks) name H, Hkv, P and the degrees that work, or T and the layout.
+pub fn run_case_ulysses(case: &AttnCase, p: usize, layout: Layout, timeout: Duration) -> Result<CpRun> {
+    let (_, t, h, _) = case.q.dims4()?;
+    let hkv = case.k.dim(2)?;
+    kv_spread(h, hkv, p)?;
+    layout.local_len(t, p)?;
+    let opts = UlyssesOpts::new(case.causal, case.scale).with_layout(layout, t, p)?;
+    run_sharded(case, p, timeout, &format!("ulysses P = {p} ({layout})"), |g| {
+        let r = g.rank();
+        let out = local_fwd_bwd(case, |x| cp::shard(x, layout, r, p, 1), |q, k, v| ulysses_attention(q, k, v, g, &opts))?;
+        Ok((cp::positions(layout, r, p, t)?, out))
+    })
+}
+
+/// Run `case` with [`usp_attention`] on `U·R` thread ranks (zigzag over the ring groups,
+/// contiguous inside each Ulysses group; rank order in the module docs) and gather the results.
+/// Errors (before starting ranks) name H, Hkv, U, R and T.
+pub fn run_case_usp(case: &AttnCase, u: usize, r: usize, timeout: Duration) -> Result<CpRun> {
+    let (_, t, h, _) = case.q.dims4()?;
+    let hkv = case.k.dim(2)?;
+    if u == 0 || r == 0 {
+        candle_core::bail!("usp: Ulysses degree U = {u} and ring degree R = {r} must be at least 1")
+    }
+    kv_spread(h, hkv, u)?;
+    let layout = Layout::Zigzag;
+    let tr = layout.local_len(t, r)?;
+    if tr % u != 0 {
+        candle_core::bail!("usp: T = {t} splits into ring shards of T/R = {tr} rows (R = {r}), not divisible by U = {u}")
+    }
+    let opts = UspOpts::new(case.causal, case.scale);
+    run_sharded(case, u * r, timeout, &format!("usp U = {u} R = {r}"), |g| {
+        let groups = UspGroups::new(g, u, r)?;
+        let out = local_fwd_bwd(case, |x| usp_shard(x, layout, &groups, 1), |q, k, v| usp_attention(q, k, v, &groups, &opts))?;
+        Ok((usp_positions(layout, t, groups.ring.rank(), r, groups.ulysses.rank(), u)?, out))
+    })
 }

@@ -85,7 +85,13 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let q_heads = (m.heads / l.tp / u).max(1);
     let kv_heads = (l.kv_heads_per_tp_rank(m) / u).max(1);
     let c = cx.seq / r;
-    let (cf, bf, d, e, g) = (c as f64, cx.micro_batch as f64, m.head_dim as f64, cx.elem as f64, cx.grad_elem as f64);
+    let (cf, bf, d, e, g) = (
+        c as f64,
+        cx.micro_batch as f64,
+        m.head_dim as f64,
+        cx.elem as f64,
+        cx.grad_elem as f64,
+    );
     let link = Link::for_group(l.tp * u, r, hw);
     let bw = link.bandwidth(hw);
     let step_bytes = cf * bf * 2.0 * kv_heads as f64 * d * e;
@@ -97,7 +103,9 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let step_transfer_s_bwd = step_bytes * (1.0 + g / e) / bw;
     let ratio = kv_heads as f64 / q_heads as f64 * cx.attn_rate;
     let exposed = if r > 1 {
-        steps * ((step_transfer_s_fwd - step_compute_s_fwd).max(0.0) + (step_transfer_s_bwd - step_compute_s_bwd).max(0.0))
+        steps
+            * ((step_transfer_s_fwd - step_compute_s_fwd).max(0.0)
+                + (step_transfer_s_bwd - step_compute_s_bwd).max(0.0))
     } else {
         0.0
     };
@@ -109,7 +117,11 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
         link,
         step_bytes,
         fwd_bytes_per_layer: steps * step_bytes,
-        bwd_bytes_per_layer: if r > 1 { steps * step_bytes + r as f64 * step_bytes * g / e } else { 0.0 },
+        bwd_bytes_per_layer: if r > 1 {
+            steps * step_bytes + r as f64 * step_bytes * g / e
+        } else {
+            0.0
+        },
         step_flops_fwd,
         step_compute_s_fwd,
         step_transfer_s_fwd,
@@ -154,14 +166,25 @@ pub struct UlyssesComm {
 pub fn ulysses(cx: &CommCtx, u: usize) -> UlyssesComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let (valid, constraint) = match check_ulysses(m, l.tp, u) {
-        Ok(()) => (true, format!("degree {u} divides the {} query heads per TP rank", m.heads / l.tp)),
+        Ok(()) => (
+            true,
+            format!(
+                "degree {u} divides the {} query heads per TP rank",
+                m.heads / l.tp
+            ),
+        ),
         Err(e) => (false, e.0),
     };
     let hq = (m.heads / l.tp) as f64;
     let kv_t = l.kv_heads_per_tp_rank(m);
     let kv_eff = kv_t.max(u) as f64;
     let c = (cx.seq / l.cp) as f64;
-    let (bf, d, e, g) = (cx.micro_batch as f64, m.head_dim as f64, cx.elem as f64, cx.grad_elem as f64);
+    let (bf, d, e, g) = (
+        cx.micro_batch as f64,
+        m.head_dim as f64,
+        cx.elem as f64,
+        cx.grad_elem as f64,
+    );
     let frac = (u - 1) as f64 / u as f64;
     let link = Link::for_group(l.tp, u, hw);
     let bw = link.bandwidth(hw);
@@ -258,14 +281,26 @@ mod tests {
     const S: usize = 131072;
 
     fn ctx<'a>(m: &'a ModelConfig, l: &'a Layout, hw: &'a Hardware) -> CommCtx<'a> {
-        CommCtx { model: m, layout: l, hw, seq: S, micro_batch: 1, elem: 2, grad_elem: 2, attn_rate: 600e12 }
+        CommCtx {
+            model: m,
+            layout: l,
+            hw,
+            seq: S,
+            micro_batch: 1,
+            elem: 2,
+            grad_elem: 2,
+            attn_rate: 600e12,
+        }
     }
 
     #[test]
     fn ring_405b_cp16() {
         let m = ModelConfig::preset("llama3-405b").unwrap();
         let hw = Hardware::preset("h100").unwrap();
-        let l = Layout { cp: 16, ..Layout::default() };
+        let l = Layout {
+            cp: 16,
+            ..Layout::default()
+        };
         let r = ring(&ctx(&m, &l, &hw), 16, 1);
         assert_eq!(r.chunk_tokens, 8192);
         // K+V per token 2·8·128·2 = 4096 B; 8192 tokens: 32 MiB.
@@ -276,27 +311,41 @@ mod tests {
         assert_eq!(r.step_flops_fwd, 2.0 * 8192f64.powi(2) * 128.0 * 128.0);
         assert!((r.step_flops_fwd / 1e12 - 2.2).abs() < 0.005);
         // c ≥ R/(8·BW): 1500 tokens on IB at 600 TFLOP/s, 167 on NVLink.
-        assert!((r.min_chunk_fwd_ib - 1500.0).abs() < 1e-6, "{}", r.min_chunk_fwd_ib);
+        assert!(
+            (r.min_chunk_fwd_ib - 1500.0).abs() < 1e-6,
+            "{}",
+            r.min_chunk_fwd_ib
+        );
         assert!((r.min_chunk_fwd_nvlink - 600e12 / (8.0 * 450e9)).abs() < 1e-9);
         assert_eq!(r.link, Link::Ib);
         assert!(r.hides_fwd && r.hides_bwd);
         assert_eq!(r.exposed_s_per_layer, 0.0);
         assert_eq!(r.contiguous_imbalance, 31.0 / 16.0);
         // With TP8: 4 MiB per step, 0.275 TFLOP per step, same minimum chunk.
-        let l8 = Layout { tp: 8, cp: 16, ..Layout::default() };
+        let l8 = Layout {
+            tp: 8,
+            cp: 16,
+            ..Layout::default()
+        };
         let r8 = ring(&ctx(&m, &l8, &hw), 16, 1);
         assert_eq!(r8.step_bytes, 4.0 * MIB);
         assert!((r8.step_flops_fwd / 1e12 - 0.275).abs() < 0.001);
         assert!((r8.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
         // Chunk 1024 < 1500 on IB: does not hide; exposed = 15·(transfer - compute) fwd.
-        let short = CommCtx { seq: 16384, ..ctx(&m, &l8, &hw) };
+        let short = CommCtx {
+            seq: 16384,
+            ..ctx(&m, &l8, &hw)
+        };
         let rs = ring(&short, 16, 1);
         assert!(!rs.hides_fwd);
         let fwd_gap = rs.step_transfer_s_fwd - rs.step_compute_s_fwd;
         let bwd_gap = (rs.step_transfer_s_bwd - rs.step_compute_s_bwd).max(0.0);
         assert!((rs.exposed_s_per_layer - 15.0 * (fwd_gap + bwd_gap)).abs() < 1e-15);
         // fp32 dK/dV: backward moves step·(1 + 4/2), min chunk (2+4)/2.5 vs 2.
-        let g4 = CommCtx { grad_elem: 4, ..ctx(&m, &l8, &hw) };
+        let g4 = CommCtx {
+            grad_elem: 4,
+            ..ctx(&m, &l8, &hw)
+        };
         let r4 = ring(&g4, 16, 1);
         assert_eq!(r4.bwd_bytes_per_layer, 15.0 * 4.0 * MIB + 16.0 * 8.0 * MIB);
         assert!((r4.min_chunk_bwd_ib - 1500.0 * 6.0 / 5.0).abs() < 1e-6);
@@ -307,20 +356,40 @@ mod tests {
         let m = ModelConfig::preset("llama3-405b").unwrap();
         let hw = Hardware::preset("h100").unwrap();
         // TP1, U = 8: (h + h_kv)/(P·h_kv) = 17/8 of the ring's bytes.
-        let l = Layout { cp: 8, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let l = Layout {
+            cp: 8,
+            cp_kind: CpKind::Ulysses,
+            ..Layout::default()
+        };
         let u = ulysses(&ctx(&m, &l, &hw), 8);
         assert!(u.valid);
         assert!((u.ratio_vs_ring_fwd - 17.0 / 8.0).abs() < 1e-12);
         let c = (S / 8) as f64;
-        assert_eq!(u.fwd_bytes_per_layer, 7.0 / 8.0 * c * 2.0 * 2.0 * (16384.0 + 1024.0));
+        assert_eq!(
+            u.fwd_bytes_per_layer,
+            7.0 / 8.0 * c * 2.0 * 2.0 * (16384.0 + 1024.0)
+        );
         assert_eq!(u.link, Link::Nvlink);
         // TP8 leaves 1 KV head per rank: U = 16 replicates it 16 times.
-        let l = Layout { tp: 8, cp: 16, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            cp: 16,
+            cp_kind: CpKind::Ulysses,
+            ..Layout::default()
+        };
         let u = ulysses(&ctx(&m, &l, &hw), 16);
         assert!(u.valid && u.kv_replication == 16);
-        assert_eq!(u.fwd_bytes_per_layer, 15.0 / 16.0 * 8192.0 * 2.0 * 128.0 * (32.0 + 32.0));
+        assert_eq!(
+            u.fwd_bytes_per_layer,
+            15.0 / 16.0 * 8192.0 * 2.0 * 128.0 * (32.0 + 32.0)
+        );
         let bad = ulysses(&ctx(&m, &l, &hw), 32);
-        assert!(!bad.valid && bad.constraint.contains("does not divide the 16 query heads"));
+        assert!(
+            !bad.valid
+                && bad
+                    .constraint
+                    .contains("does not divide the 16 query heads")
+        );
         // All-gather moves what the ring moves, at once.
         let a = allgather(&ctx(&m, &l, &hw));
         assert_eq!(a.fwd_bytes_per_layer, 15.0 * 4.0 * MIB);
@@ -337,7 +406,12 @@ mod tests {
         let m = ModelConfig::preset("llama3-405b").unwrap();
         let hw = Hardware::preset("h100").unwrap();
         // TP1, CP16 = Ulysses 8 (NVLink) x ring 2: ring chunk s/2, 16 q heads, 1 kv head.
-        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 8, ..Layout::default() };
+        let l = Layout {
+            cp: 16,
+            cp_kind: CpKind::TwoD,
+            ulysses: 8,
+            ..Layout::default()
+        };
         let r = ring(&ctx(&m, &l, &hw), 2, 8);
         assert_eq!((r.chunk_tokens, r.q_heads, r.kv_heads), (65536, 16, 1));
         assert_eq!(r.step_bytes, 65536.0 * 2.0 * 128.0 * 2.0);

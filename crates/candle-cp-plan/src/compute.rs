@@ -32,7 +32,11 @@ pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlop
     let attention_fwd = 2.0 * sf * sf * bf * m.q_dim() as f64;
     let linear_bwd = 2.0 * linear_fwd;
     let attention_bwd = 2.5 * attention_fwd;
-    let recompute = if l.recompute == Recompute::Full { linear_fwd + attention_fwd } else { 0.0 };
+    let recompute = if l.recompute == Recompute::Full {
+        linear_fwd + attention_fwd
+    } else {
+        0.0
+    };
     let split = (l.tp * l.cp) as f64;
     LayerFlops {
         linear_fwd,
@@ -41,13 +45,19 @@ pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlop
         attention_bwd,
         recompute,
         logits_fwd: 2.0 * sf * bf * (m.hidden * m.vocab) as f64,
-        per_gpu_fwd_bwd: (linear_fwd + linear_bwd + attention_fwd + attention_bwd + recompute) / split,
+        per_gpu_fwd_bwd: (linear_fwd + linear_bwd + attention_fwd + attention_bwd + recompute)
+            / split,
     }
 }
 
 /// Seconds one GPU spends on one layer (forward + backward + recompute), linear layers at
 /// `linear_rate` and attention at `attn_rate` FLOP/s: returns (linear, attention).
-pub fn layer_compute_seconds(f: &LayerFlops, l: &Layout, linear_rate: f64, attn_rate: f64) -> (f64, f64) {
+pub fn layer_compute_seconds(
+    f: &LayerFlops,
+    l: &Layout,
+    linear_rate: f64,
+    attn_rate: f64,
+) -> (f64, f64) {
     let split = (l.tp * l.cp) as f64;
     let (lin_re, att_re) = if l.recompute == Recompute::Full {
         (f.linear_fwd, f.attention_fwd)
@@ -70,18 +80,35 @@ mod tests {
         let f = layer_flops(&m, &Layout::default(), s, 1);
         // 2·s²·h = 2^49 ≈ 563 TFLOP causal forward attention.
         assert_eq!(f.attention_fwd, 2f64.powi(49));
-        assert!((f.attention_fwd / 1e12 - 563.0).abs() < 0.5, "{}", f.attention_fwd / 1e12);
+        assert!(
+            (f.attention_fwd / 1e12 - 563.0).abs() < 0.5,
+            "{}",
+            f.attention_fwd / 1e12
+        );
         assert_eq!(f.attention_bwd, 2.5 * f.attention_fwd);
         // Linear: 2·s·(3,187,671,040 matrix params) = 835.6 TFLOP.
         assert_eq!(m.layer_matrix_params(), 3_187_671_040);
         assert_eq!(f.linear_fwd, 2.0 * s as f64 * 3_187_671_040.0);
         assert_eq!(f.linear_bwd, 2.0 * f.linear_fwd);
-        let l = Layout { tp: 8, cp: 16, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            cp: 16,
+            ..Layout::default()
+        };
         let g = layer_flops(&m, &l, s, 1);
-        assert_eq!(g.per_gpu_fwd_bwd, (3.0 * f.linear_fwd + 3.5 * f.attention_fwd) / 128.0);
-        let full = Layout { recompute: Recompute::Full, ..l.clone() };
+        assert_eq!(
+            g.per_gpu_fwd_bwd,
+            (3.0 * f.linear_fwd + 3.5 * f.attention_fwd) / 128.0
+        );
+        let full = Layout {
+            recompute: Recompute::Full,
+            ..l.clone()
+        };
         let g = layer_flops(&m, &full, s, 1);
-        assert_eq!(g.per_gpu_fwd_bwd, (4.0 * f.linear_fwd + 4.5 * f.attention_fwd) / 128.0);
+        assert_eq!(
+            g.per_gpu_fwd_bwd,
+            (4.0 * f.linear_fwd + 4.5 * f.attention_fwd) / 128.0
+        );
         let (lin, att) = layer_compute_seconds(&layer_flops(&m, &l, s, 1), &l, 1e15, 5e14);
         assert_eq!(lin, 3.0 * f.linear_fwd / 128.0 / 1e15);
         assert_eq!(att, 3.5 * f.attention_fwd / 128.0 / 5e14);

@@ -30,7 +30,10 @@ impl Hardware {
         let mem_gb = match name.to_ascii_lowercase().as_str() {
             "h100" => 80.0,
             "h200" => 141.0,
-            _ => plan_bail!("unknown hardware preset '{name}' (known: {})", HARDWARE_PRESETS.join(", ")),
+            _ => plan_bail!(
+                "unknown hardware preset '{name}' (known: {})",
+                HARDWARE_PRESETS.join(", ")
+            ),
         };
         Ok(Self {
             name: name.to_ascii_lowercase(),
@@ -109,13 +112,20 @@ mod tests {
         let h = Hardware::preset("H100")?;
         assert_eq!((h.mem_bytes, h.ib_bw, h.nvlink_bw), (80e9, 50e9, 450e9));
         assert_eq!(Hardware::preset("h200")?.mem_bytes, 141e9);
-        assert!(Hardware::preset("a100").unwrap_err().0.contains("unknown hardware preset 'a100'"));
+        assert!(Hardware::preset("a100")
+            .unwrap_err()
+            .0
+            .contains("unknown hardware preset 'a100'"));
         assert_eq!(Link::for_group(1, 8, &h), Link::Nvlink);
         assert_eq!(Link::for_group(8, 16, &h), Link::Ib);
         assert_eq!(Link::for_group(2, 4, &h), Link::Nvlink);
         let mut bad = h.clone();
         bad.ib_bw = 0.0;
-        assert!(bad.validate().unwrap_err().0.contains("InfiniBand bandwidth must be positive"));
+        assert!(bad
+            .validate()
+            .unwrap_err()
+            .0
+            .contains("InfiniBand bandwidth must be positive"));
         Ok(())
     }
 }

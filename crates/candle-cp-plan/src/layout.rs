@@ -191,7 +191,12 @@ impl Layout {
     /// Ulysses degree divides the per-TP-rank query heads and divides (or is a multiple
     /// of) the per-TP-rank KV heads, 2-D: `ulysses | cp`.
     pub fn validate(&self, m: &ModelConfig, seq: usize) -> Result<()> {
-        for (what, x) in [("tp", self.tp), ("cp", self.cp), ("pp", self.pp), ("dp", self.dp)] {
+        for (what, x) in [
+            ("tp", self.tp),
+            ("cp", self.cp),
+            ("pp", self.pp),
+            ("dp", self.dp),
+        ] {
             if x == 0 {
                 plan_bail!("--{what} must be at least 1")
             }
@@ -202,13 +207,21 @@ impl Layout {
         if self.zero > 3 {
             plan_bail!("--zero must be 0, 1, 2 or 3, got {}", self.zero)
         }
-        if seq % self.cp != 0 {
-            plan_bail!("CP degree {} does not divide the sequence length {seq}", self.cp)
+        if !seq.is_multiple_of(self.cp) {
+            plan_bail!(
+                "CP degree {} does not divide the sequence length {seq}",
+                self.cp
+            )
         }
-        if m.heads % self.tp != 0 {
-            plan_bail!("TP degree {} does not divide the {} attention heads of {}", self.tp, m.heads, m.name)
+        if !m.heads.is_multiple_of(self.tp) {
+            plan_bail!(
+                "TP degree {} does not divide the {} attention heads of {}",
+                self.tp,
+                m.heads,
+                m.name
+            )
         }
-        if m.kv_heads % self.tp != 0 && self.tp % m.kv_heads != 0 {
+        if !m.kv_heads.is_multiple_of(self.tp) && !self.tp.is_multiple_of(m.kv_heads) {
             plan_bail!(
                 "TP degree {} neither divides nor is a multiple of the {} KV heads of {}",
                 self.tp,
@@ -217,12 +230,21 @@ impl Layout {
             )
         }
         if self.pp > m.layers {
-            plan_bail!("PP degree {} exceeds the {} layers of {}", self.pp, m.layers, m.name)
+            plan_bail!(
+                "PP degree {} exceeds the {} layers of {}",
+                self.pp,
+                m.layers,
+                m.name
+            )
         }
-        if self.cp_kind == CpKind::TwoD {
-            if self.ulysses == 0 || self.cp % self.ulysses != 0 {
-                plan_bail!("2-D CP: Ulysses degree {} must divide the CP degree {}", self.ulysses, self.cp)
-            }
+        if self.cp_kind == CpKind::TwoD
+            && (self.ulysses == 0 || !self.cp.is_multiple_of(self.ulysses))
+        {
+            plan_bail!(
+                "2-D CP: Ulysses degree {} must divide the CP degree {}",
+                self.ulysses,
+                self.cp
+            )
         }
         let u = self.ulysses_degree();
         if u > 1 {
@@ -237,14 +259,14 @@ impl Layout {
 /// each KV head is replicated `u / a_kv,t` times).
 pub fn check_ulysses(m: &ModelConfig, tp: usize, u: usize) -> Result<()> {
     let hq = m.heads / tp;
-    if u == 0 || hq % u != 0 {
+    if u == 0 || !hq.is_multiple_of(u) {
         plan_bail!(
             "Ulysses degree {u} does not divide the {hq} query heads per TP rank ({} heads / TP {tp})",
             m.heads
         )
     }
     let hkv = (m.kv_heads / tp).max(1);
-    if hkv % u != 0 && u % hkv != 0 {
+    if !hkv.is_multiple_of(u) && !u.is_multiple_of(hkv) {
         plan_bail!("Ulysses degree {u} neither divides nor is a multiple of the {hkv} KV heads per TP rank")
     }
     Ok(())
@@ -269,13 +291,28 @@ mod tests {
 
     #[test]
     fn cp_must_divide_seq_and_tp_must_divide_heads() {
-        let l = Layout { cp: 3, ..Layout::default() };
+        let l = Layout {
+            cp: 3,
+            ..Layout::default()
+        };
         let e = l.validate(&m405(), 131072).unwrap_err();
-        assert!(e.0.contains("CP degree 3 does not divide the sequence length 131072"), "{e}");
-        let l = Layout { tp: 3, ..Layout::default() };
+        assert!(
+            e.0.contains("CP degree 3 does not divide the sequence length 131072"),
+            "{e}"
+        );
+        let l = Layout {
+            tp: 3,
+            ..Layout::default()
+        };
         let e = l.validate(&m405(), 131072).unwrap_err();
-        assert!(e.0.contains("TP degree 3 does not divide the 128 attention heads"), "{e}");
-        let l = Layout { tp: 16, ..Layout::default() };
+        assert!(
+            e.0.contains("TP degree 3 does not divide the 128 attention heads"),
+            "{e}"
+        );
+        let l = Layout {
+            tp: 16,
+            ..Layout::default()
+        };
         l.validate(&m405(), 131072).unwrap();
         assert_eq!(l.kv_heads_per_tp_rank(&m405()), 1);
     }
@@ -284,14 +321,41 @@ mod tests {
     fn ulysses_head_constraint() {
         let m = m405();
         // TP8 leaves 16 query heads, 1 KV head per rank: U=16 ok (KV replicated), U=32 not.
-        let l = Layout { tp: 8, cp: 16, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            cp: 16,
+            cp_kind: CpKind::Ulysses,
+            ..Layout::default()
+        };
         l.validate(&m, 131072).unwrap();
-        let l = Layout { tp: 8, cp: 32, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            cp: 32,
+            cp_kind: CpKind::Ulysses,
+            ..Layout::default()
+        };
         let e = l.validate(&m, 131072).unwrap_err();
-        assert!(e.0.contains("Ulysses degree 32 does not divide the 16 query heads"), "{e}");
-        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 3, ..Layout::default() };
-        assert!(l.validate(&m, 131072).unwrap_err().0.contains("must divide the CP degree 16"));
-        let l = Layout { cp: 16, cp_kind: CpKind::TwoD, ulysses: 4, ..Layout::default() };
+        assert!(
+            e.0.contains("Ulysses degree 32 does not divide the 16 query heads"),
+            "{e}"
+        );
+        let l = Layout {
+            cp: 16,
+            cp_kind: CpKind::TwoD,
+            ulysses: 3,
+            ..Layout::default()
+        };
+        assert!(l
+            .validate(&m, 131072)
+            .unwrap_err()
+            .0
+            .contains("must divide the CP degree 16"));
+        let l = Layout {
+            cp: 16,
+            cp_kind: CpKind::TwoD,
+            ulysses: 4,
+            ..Layout::default()
+        };
         l.validate(&m, 131072).unwrap();
         assert_eq!((l.ulysses_degree(), l.ring_degree()), (4, 4));
     }

@@ -12,6 +12,8 @@
 //! Entry point: [`plan`] takes [`PlanInput`] and returns a [`Plan`] (serialisable to
 //! JSON); [`report::render`] prints it as tables for people.
 
+#![warn(missing_docs)]
+
 pub mod comm;
 pub mod compute;
 pub mod hardware;

@@ -13,14 +13,34 @@ use serde::Serialize;
 /// micro-batch, no parallelism: `s·b·h·(16e + 2) + a·s²·b·(2e + 1)` bytes
 /// (`= sbh·(34 + 5as/h)` for `e = 2`). With `flash` the score term is 0.
 pub fn korthikanti_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
-    korthikanti_per_gpu(m, &Layout { flash, ..Layout::default() }, s, b, e, Recompute::None)
+    korthikanti_per_gpu(
+        m,
+        &Layout {
+            flash,
+            ..Layout::default()
+        },
+        s,
+        b,
+        e,
+        Recompute::None,
+    )
 }
 
 /// Exact stored activations of one Llama layer (RMSNorm, GQA, SwiGLU, no dropout), no
 /// parallelism: `s·b·e·(4h + 2·a·d + 2·a_kv·d + 3f)` bytes, plus `a·s²·b·e` (softmax
 /// probabilities) without flash. For Llama 3 405B this is `31.75·sbh` at `e = 2`.
 pub fn llama_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
-    llama_per_gpu(m, &Layout { flash, ..Layout::default() }, s, b, e, Recompute::None)
+    llama_per_gpu(
+        m,
+        &Layout {
+            flash,
+            ..Layout::default()
+        },
+        s,
+        b,
+        e,
+        Recompute::None,
+    )
 }
 
 /// Korthikanti count per GPU for one layer, CP and TP/SP applied (`c = s/cp` tokens):
@@ -29,7 +49,14 @@ pub fn llama_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: b
 /// - always split over TP: `c·b·h·12e`;
 /// - scores (not with flash or selective): `a·c·s·b·(2e + 1) / t`;
 /// - full recompute keeps only the layer input `c·b·h·e` (over `t` with SP).
-pub fn korthikanti_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+pub fn korthikanti_per_gpu(
+    m: &ModelConfig,
+    l: &Layout,
+    s: usize,
+    b: usize,
+    e: usize,
+    r: Recompute,
+) -> f64 {
     let (t, c) = (l.tp as f64, (s / l.cp) as f64);
     let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
     let sp_div = if l.sp { t } else { 1.0 };
@@ -54,7 +81,14 @@ pub fn korthikanti_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: u
 /// - `c·b·e·3f / t` (gate and up outputs, down-projection input);
 /// - without flash/selective: `a·c·s·b·e / t` (softmax probabilities);
 /// - full recompute keeps only the layer input `c·b·h·e` (over `t` with SP).
-pub fn llama_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+pub fn llama_per_gpu(
+    m: &ModelConfig,
+    l: &Layout,
+    s: usize,
+    b: usize,
+    e: usize,
+    r: Recompute,
+) -> f64 {
     let (t, c) = (l.tp as f64, (s / l.cp) as f64);
     let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
     let sp_div = if l.sp { t } else { 1.0 };
@@ -136,7 +170,11 @@ pub fn activation_totals(
     let logits = c * b as f64 * (m.vocab as f64 / l.tp as f64) * 4.0;
     let first = layers + working;
     let last = lps * per_layer + working + logits;
-    let total = if l.pp == 1 { first + logits } else { first.max(last) };
+    let total = if l.pp == 1 {
+        first + logits
+    } else {
+        first.max(last)
+    };
     ActivationTotals {
         per_layer_per_gpu: per_layer,
         in_flight_microbatches: in_flight,
@@ -240,20 +278,38 @@ mod tests {
     fn korthikanti_table2_under_tp_sp_cp() {
         let m = m405();
         let sbh = (S * 16384) as f64;
-        let tp8 = Layout { tp: 8, ..Layout::default() };
+        let tp8 = Layout {
+            tp: 8,
+            ..Layout::default()
+        };
         // TP without SP: sbh·(10 + 24/t).
-        assert_eq!(korthikanti_per_gpu(&m, &tp8, S, 1, 2, Recompute::None), sbh * (10.0 + 3.0));
-        let tp8sp = Layout { sp: true, ..tp8.clone() };
+        assert_eq!(
+            korthikanti_per_gpu(&m, &tp8, S, 1, 2, Recompute::None),
+            sbh * (10.0 + 3.0)
+        );
+        let tp8sp = Layout {
+            sp: true,
+            ..tp8.clone()
+        };
         let v = korthikanti_per_gpu(&m, &tp8sp, S, 1, 2, Recompute::None);
         assert_eq!(v, 34.0 * sbh / 8.0);
         close(v / GB, 9.13, 1e-3);
-        let cp16 = Layout { cp: 16, ..tp8sp.clone() };
+        let cp16 = Layout {
+            cp: 16,
+            ..tp8sp.clone()
+        };
         let v = korthikanti_per_gpu(&m, &cp16, S, 1, 2, Recompute::None);
         close(v / GB, 0.570, 1e-3);
         // Full recompute keeps 2·c·b·h/t.
-        assert_eq!(korthikanti_per_gpu(&m, &cp16, S, 1, 2, Recompute::Full), 2.0 * sbh / 128.0);
+        assert_eq!(
+            korthikanti_per_gpu(&m, &cp16, S, 1, 2, Recompute::Full),
+            2.0 * sbh / 128.0
+        );
         // Without flash, selective drops exactly the score term 5·a·c·s·b/t.
-        let nf = Layout { flash: false, ..cp16 };
+        let nf = Layout {
+            flash: false,
+            ..cp16
+        };
         let none = korthikanti_per_gpu(&m, &nf, S, 1, 2, Recompute::None);
         let sel = korthikanti_per_gpu(&m, &nf, S, 1, 2, Recompute::Selective);
         assert_eq!(sel, v);
@@ -269,57 +325,127 @@ mod tests {
         assert_eq!(v, 31.75 * sbh);
         close(v / GB, 68.2, 1e-3);
         // TP8+SP: everything over 8 (8 KV heads: one per rank).
-        let l = Layout { tp: 8, sp: true, ..Layout::default() };
-        assert_eq!(llama_per_gpu(&m, &l, S, 1, 2, Recompute::None), 31.75 * sbh / 8.0);
+        let l = Layout {
+            tp: 8,
+            sp: true,
+            ..Layout::default()
+        };
+        assert_eq!(
+            llama_per_gpu(&m, &l, S, 1, 2, Recompute::None),
+            31.75 * sbh / 8.0
+        );
         // TP16: KV replicated (1 head per rank, not 0.5): K,V term is 2·c·d·e instead of /16.
-        let l16 = Layout { tp: 16, sp: true, ..Layout::default() };
+        let l16 = Layout {
+            tp: 16,
+            sp: true,
+            ..Layout::default()
+        };
         let want = 31.75 * sbh / 16.0 + (S * 2 * 2 * 128) as f64 * (1.0 - 0.5);
         assert_eq!(llama_per_gpu(&m, &l16, S, 1, 2, Recompute::None), want);
         // Without SP the 4h replicated term stays whole: (8 + (31.75 - 8)/8)·sbh.
-        let nsp = Layout { tp: 8, ..Layout::default() };
-        assert_eq!(llama_per_gpu(&m, &nsp, S, 1, 2, Recompute::None), (8.0 + 23.75 / 8.0) * sbh);
+        let nsp = Layout {
+            tp: 8,
+            ..Layout::default()
+        };
+        assert_eq!(
+            llama_per_gpu(&m, &nsp, S, 1, 2, Recompute::None),
+            (8.0 + 23.75 / 8.0) * sbh
+        );
         // 8B: 12 + 4·8/32 + 6·14336/4096 = 34.0.
         let m8 = ModelConfig::preset("llama3-8b").unwrap();
-        assert_eq!(llama_layer_bytes(&m8, 8192, 1, 2, true), 34.0 * (8192 * 4096) as f64);
+        assert_eq!(
+            llama_layer_bytes(&m8, 8192, 1, 2, true),
+            34.0 * (8192 * 4096) as f64
+        );
     }
 
     #[test]
     fn model_states_zero_stages() {
         let m = m405();
-        let l = Layout { tp: 8, pp: 16, cp: 16, dp: 8, zero: 0, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            pp: 16,
+            cp: 16,
+            dp: 8,
+            zero: 0,
+            ..Layout::default()
+        };
         let p = params_per_gpu(&m, &l);
         // 8 layers (ceil 126/16) of 1/8 matrices + norms, plus the 1/8 vocab matrix + final norm.
         let layer = (m.layer_matrix_params() / 8 + 2 * 16384) as f64;
         assert_eq!(p, 8.0 * layer + (128256 * 16384 / 8) as f64 + 16384.0);
         let z0 = model_states(&m, &l, 2);
         assert_eq!(z0.total, 16.0 * p);
-        let z1 = model_states(&m, &Layout { zero: 1, ..l.clone() }, 2);
-        assert_eq!((z1.weights, z1.grads, z1.optimizer), (2.0 * p, 2.0 * p, 12.0 * p / 128.0));
-        let z2 = model_states(&m, &Layout { zero: 2, ..l.clone() }, 2);
+        let z1 = model_states(
+            &m,
+            &Layout {
+                zero: 1,
+                ..l.clone()
+            },
+            2,
+        );
+        assert_eq!(
+            (z1.weights, z1.grads, z1.optimizer),
+            (2.0 * p, 2.0 * p, 12.0 * p / 128.0)
+        );
+        let z2 = model_states(
+            &m,
+            &Layout {
+                zero: 2,
+                ..l.clone()
+            },
+            2,
+        );
         assert_eq!(z2.grads, 2.0 * p / 128.0);
-        let z3 = model_states(&m, &Layout { zero: 3, ..l.clone() }, 2);
+        let z3 = model_states(
+            &m,
+            &Layout {
+                zero: 3,
+                ..l.clone()
+            },
+            2,
+        );
         assert_eq!(z3.total, 16.0 * p / 128.0);
         let f32s = model_states(&m, &Layout { zero: 0, ..l }, 4);
         assert_eq!(f32s.total, 16.0 * p);
         // Unsharded, no parallelism: 16 bytes per parameter of the whole model.
-        let all = model_states(&m, &Layout { zero: 0, ..Layout::default() }, 2);
+        let all = model_states(
+            &m,
+            &Layout {
+                zero: 0,
+                ..Layout::default()
+            },
+            2,
+        );
         assert_eq!(all.total, 16.0 * m.total_params() as f64);
     }
 
     #[test]
     fn activation_totals_pipeline_and_recompute() {
         let m = m405();
-        let l = Layout { tp: 8, sp: true, cp: 16, ..Layout::default() };
+        let l = Layout {
+            tp: 8,
+            sp: true,
+            cp: 16,
+            ..Layout::default()
+        };
         let a = activation_totals(ActivationModel::Korthikanti, &m, &l, S, 1, 2);
         let per = 34.0 * (S * 16384) as f64 / 128.0;
         assert_eq!(a.layers, 126.0 * per);
         assert_eq!(a.logits, 8192.0 * 128256.0 / 8.0 * 4.0);
         assert_eq!(a.total, a.layers + a.logits);
         // 1F1B with pp = 16: first stage holds 16 micro-batches of 8 layers.
-        let lp = Layout { pp: 16, ..l.clone() };
+        let lp = Layout {
+            pp: 16,
+            ..l.clone()
+        };
         let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2);
         assert_eq!(a.total, 16.0 * 8.0 * per);
-        let lf = Layout { recompute: Recompute::Full, cp_kind: CpKind::Ring, ..l };
+        let lf = Layout {
+            recompute: Recompute::Full,
+            cp_kind: CpKind::Ring,
+            ..l
+        };
         let a = activation_totals(ActivationModel::Korthikanti, &m, &lf, S, 1, 2);
         assert_eq!(a.total, 126.0 * per * 2.0 / 34.0 + per + a.logits);
     }

@@ -61,7 +61,7 @@ impl ModelConfig {
             return Self::preset(s);
         }
         let p = std::path::Path::new(s);
-        if p.exists() {
+        if p.exists() || s.contains('/') || s.ends_with(".json") {
             return Self::from_hf_file(p);
         }
         Self::preset(s)
@@ -85,12 +85,15 @@ impl ModelConfig {
                 None | Some(serde_json::Value::Null) => Ok(None),
                 Some(x) => match x.as_u64() {
                     Some(n) if n > 0 => Ok(Some(n as usize)),
-                    _ => plan_bail!("model config {name}: '{key}' must be a positive integer, got {x}"),
+                    _ => plan_bail!(
+                        "model config {name}: '{key}' must be a positive integer, got {x}"
+                    ),
                 },
             }
         };
         let need = |key: &str| -> Result<usize> {
-            get(key)?.ok_or_else(|| PlanError(format!("model config {name}: missing field '{key}'")))
+            get(key)?
+                .ok_or_else(|| PlanError(format!("model config {name}: missing field '{key}'")))
         };
         let hidden = need("hidden_size")?;
         let layers = need("num_hidden_layers")?;
@@ -109,7 +112,10 @@ impl ModelConfig {
                 hidden / heads
             }
         };
-        let tie_embeddings = v.get("tie_word_embeddings").and_then(|x| x.as_bool()).unwrap_or(false);
+        let tie_embeddings = v
+            .get("tie_word_embeddings")
+            .and_then(|x| x.as_bool())
+            .unwrap_or(false);
         let cfg = Self {
             name: name.to_string(),
             hidden,
@@ -127,7 +133,7 @@ impl ModelConfig {
 
     /// Checks the internal consistency of the shape (KV heads divide query heads).
     pub fn validate(&self) -> Result<()> {
-        if self.kv_heads == 0 || self.heads % self.kv_heads != 0 {
+        if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             plan_bail!(
                 "model {}: num_key_value_heads {} must divide num_attention_heads {}",
                 self.name,
@@ -170,8 +176,15 @@ impl ModelConfig {
 
     /// All parameters: `L·layer + v·h·(1 or 2) + h` (final norm).
     pub fn total_params(&self) -> u64 {
-        let out = if self.tie_embeddings { 0 } else { self.embedding_params() };
-        self.layers as u64 * self.layer_params() + self.embedding_params() + out + self.hidden as u64
+        let out = if self.tie_embeddings {
+            0
+        } else {
+            self.embedding_params()
+        };
+        self.layers as u64 * self.layer_params()
+            + self.embedding_params()
+            + out
+            + self.hidden as u64
     }
 }
 
@@ -182,10 +195,19 @@ mod tests {
     #[test]
     fn presets_have_published_sizes() -> Result<()> {
         // Llama 3.1 model cards: 8.03B, 70.6B, 405.9B parameters.
-        let b = |n: &str| -> Result<f64> { Ok(ModelConfig::preset(n)?.total_params() as f64 / 1e9) };
+        let b =
+            |n: &str| -> Result<f64> { Ok(ModelConfig::preset(n)?.total_params() as f64 / 1e9) };
         assert!((b("llama3-8b")? - 8.03).abs() < 0.01, "{}", b("llama3-8b")?);
-        assert!((b("llama3-70b")? - 70.55).abs() < 0.05, "{}", b("llama3-70b")?);
-        assert!((b("llama3-405b")? - 405.85).abs() < 0.1, "{}", b("llama3-405b")?);
+        assert!(
+            (b("llama3-70b")? - 70.55).abs() < 0.05,
+            "{}",
+            b("llama3-70b")?
+        );
+        assert!(
+            (b("llama3-405b")? - 405.85).abs() < 0.1,
+            "{}",
+            b("llama3-405b")?
+        );
         let m = ModelConfig::preset("llama3-405b")?;
         assert_eq!((m.head_dim, m.q_dim(), m.kv_dim()), (128, 16384, 1024));
         Ok(())
@@ -218,10 +240,16 @@ mod tests {
         let t = r#"{"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
             "num_key_value_heads":3,"intermediate_size":128,"vocab_size":10}"#;
         let e = ModelConfig::from_hf_json(t, "x.json").unwrap_err();
-        assert!(e.0.contains("num_key_value_heads 3 must divide num_attention_heads 4"), "{e}");
+        assert!(
+            e.0.contains("num_key_value_heads 3 must divide num_attention_heads 4"),
+            "{e}"
+        );
         let t = r#"{"hidden_size":-1}"#;
-        assert!(ModelConfig::from_hf_json(t, "x.json").unwrap_err().0.contains("positive integer"));
-        let e = ModelConfig::from_hf_file(std::path::Path::new("/nonexistent/config.json")).unwrap_err();
+        assert!(ModelConfig::from_hf_json(t, "x.json")
+            .unwrap_err()
+            .0
+            .contains("positive integer"));
+        let e = ModelConfig::from_name_or_path("/nonexistent/config.json").unwrap_err();
         assert!(e.0.contains("cannot read model config"), "{e}");
     }
 }

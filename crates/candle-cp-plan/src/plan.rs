@@ -157,15 +157,24 @@ fn memory_total(input: &PlanInput) -> (ActivationTotals, ModelStates, f64) {
 pub fn min_cp_that_fits(input: &PlanInput) -> Option<usize> {
     let mut cp = 1usize;
     while cp <= input.seq {
-        let layout = Layout { cp, ..input.layout.clone() };
-        let trial = PlanInput { layout, ..input.clone() };
+        let layout = Layout {
+            cp,
+            ..input.layout.clone()
+        };
+        let trial = PlanInput {
+            layout,
+            ..input.clone()
+        };
         if trial.layout.validate(&trial.model, trial.seq).is_ok() {
             let (_, _, total) = memory_total(&trial);
             if total <= trial.hardware.mem_bytes {
                 return Some(cp);
             }
         }
-        cp *= 2;
+        cp = match cp.checked_mul(2) {
+            Some(c) => c,
+            None => break,
+        };
     }
     None
 }
@@ -179,7 +188,10 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     if input.micro_batch == 0 {
         plan_bail!("--micro-batch must be at least 1")
     }
-    for (what, x) in [("attention", input.attn_flops), ("linear", input.linear_flops)] {
+    for (what, x) in [
+        ("attention", input.attn_flops),
+        ("linear", input.linear_flops),
+    ] {
         if !(x.is_finite() && x > 0.0) {
             plan_bail!("{what} FLOP/s must be positive, got {x}")
         }
@@ -216,19 +228,27 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         attn_rate: input.attn_flops,
     };
     let (ring, ulysses) = match l.cp_kind {
-        CpKind::TwoD => (comm::ring(&cx, l.ring_degree(), l.ulysses), comm::ulysses(&cx, l.ulysses)),
+        CpKind::TwoD => (
+            comm::ring(&cx, l.ring_degree(), l.ulysses),
+            comm::ulysses(&cx, l.ulysses),
+        ),
         _ => (comm::ring(&cx, l.cp, 1), comm::ulysses(&cx, l.cp)),
     };
     let allgather = comm::allgather(&cx);
     let tp_comm = comm::tp(&cx);
-    let (linear_s, attention_s) = layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
+    let (linear_s, attention_s) =
+        layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
     let cp_exposed_s = match l.cp_kind {
         CpKind::Ring => ring.exposed_s_per_layer,
         CpKind::Allgather => allgather.exposed_s_per_layer,
         CpKind::Ulysses => ulysses.exposed_s_per_layer,
         CpKind::TwoD => ring.exposed_s_per_layer + ulysses.exposed_s_per_layer,
     };
-    let tp_s = if l.tp > 1 { tp_comm.exposed_s_per_layer } else { 0.0 };
+    let tp_s = if l.tp > 1 {
+        tp_comm.exposed_s_per_layer
+    } else {
+        0.0
+    };
     let layer_time = LayerTime {
         linear_s,
         attention_s,
@@ -237,7 +257,15 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         total_s: linear_s + attention_s + cp_exposed_s + tp_s,
     };
 
-    let bottleneck = bottleneck(fits, mem_total, hw, &activations, &model_states, &layer_time, l);
+    let bottleneck = bottleneck(
+        fits,
+        mem_total,
+        hw,
+        &activations,
+        &model_states,
+        &layer_time,
+        l,
+    );
     let verdict = if fits {
         format!(
             "fits: {:.1} GB of {:.0} GB per GPU (smallest CP that fits: {})",
@@ -318,14 +346,22 @@ fn bottleneck(
     let parts = [
         (t.linear_s, "compute: linear layers".to_string()),
         (t.attention_s, "compute: attention".to_string()),
-        (t.cp_exposed_s, format!("CP communication ({kind}) not hidden by compute")),
+        (
+            t.cp_exposed_s,
+            format!("CP communication ({kind}) not hidden by compute"),
+        ),
         (t.tp_s, "TP/SP collectives".to_string()),
     ];
-    let (v, name) = parts
-        .iter()
-        .cloned()
-        .fold((f64::MIN, String::new()), |acc, p| if p.0 > acc.0 { p } else { acc });
-    format!("{name} ({:.0}% of {:.2} ms per layer)", 100.0 * v / t.total_s, 1e3 * t.total_s)
+    let (v, name) =
+        parts.iter().cloned().fold(
+            (f64::MIN, String::new()),
+            |acc, p| if p.0 > acc.0 { p } else { acc },
+        );
+    format!(
+        "{name} ({:.0}% of {:.2} ms per layer)",
+        100.0 * v / t.total_s,
+        1e3 * t.total_s
+    )
 }
 
 fn notes(input: &PlanInput) -> Vec<String> {
@@ -338,16 +374,27 @@ fn notes(input: &PlanInput) -> Vec<String> {
         n.push("--sp has no effect with --tp 1".into());
     }
     if m.layers % l.pp != 0 {
-        n.push(format!("{} layers do not split evenly over PP {}: the busiest stage has {}", m.layers, l.pp, m.layers.div_ceil(l.pp)));
+        n.push(format!(
+            "{} layers do not split evenly over PP {}: the busiest stage has {}",
+            m.layers,
+            l.pp,
+            m.layers.div_ceil(l.pp)
+        ));
     }
-    if l.cp_kind == CpKind::Ring && l.cp > 1 && input.seq % (2 * l.cp) != 0 {
-        n.push(format!("zigzag needs 2·CP = {} to divide the sequence {}; a contiguous split costs (2P-1)/P", 2 * l.cp, input.seq));
+    if l.cp_kind == CpKind::Ring && l.cp > 1 && !input.seq.is_multiple_of(2 * l.cp) {
+        n.push(format!(
+            "zigzag needs 2·CP = {} to divide the sequence {}; a contiguous split costs (2P-1)/P",
+            2 * l.cp,
+            input.seq
+        ));
     }
     if l.cp_kind != CpKind::TwoD && l.ulysses > 1 {
         n.push("--ulysses only applies to --cp-kind 2d".into());
     }
     if l.pp > 1 {
-        n.push("PP: 1F1B schedule assumed; the first stage holds PP micro-batches in flight".into());
+        n.push(
+            "PP: 1F1B schedule assumed; the first stage holds PP micro-batches in flight".into(),
+        );
     }
     n
 }
@@ -368,19 +415,32 @@ mod tests {
 
     #[test]
     fn reproduces_405b_128k() -> Result<()> {
-        let p = plan(&input(Layout { tp: 8, sp: true, cp: 16, ..Layout::default() }))?;
+        let p = plan(&input(Layout {
+            tp: 8,
+            sp: true,
+            cp: 16,
+            ..Layout::default()
+        }))?;
         assert_eq!(p.tokens_per_gpu, 8192);
         assert_eq!(p.activation_bytes_per_layer, 34.0 * 2f64.powi(31));
         assert!((p.activation_bytes_per_layer / GB - 73.0).abs() < 0.05);
         assert!((p.activation_bytes_per_layer_per_gpu / GB - 0.570).abs() < 0.0005);
-        assert!((p.activation_bytes_per_layer_llama / p.activation_bytes_per_layer - 31.75 / 34.0).abs() < 1e-12);
+        assert!(
+            (p.activation_bytes_per_layer_llama / p.activation_bytes_per_layer - 31.75 / 34.0)
+                .abs()
+                < 1e-12
+        );
         assert_eq!(p.ring.step_bytes, 4.0 * MIB);
         assert!((p.flops.attention_fwd / 1e12 - 563.0).abs() < 0.5);
         assert!((p.ring.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
         assert!(p.ring.hides_fwd);
         assert_eq!(p.world_size, 128);
         // 405B without PP: 101 GB of bf16 weights per GPU alone, so it does not fit on H100.
-        assert!(!p.fits && p.bottleneck.starts_with("memory"), "{}", p.bottleneck);
+        assert!(
+            !p.fits && p.bottleneck.starts_with("memory"),
+            "{}",
+            p.bottleneck
+        );
         assert_eq!(p.min_cp_that_fits, None);
         Ok(())
     }
@@ -389,17 +449,38 @@ mod tests {
     fn min_cp_search() -> Result<()> {
         // PP16 on H200: CP = 1 needs ~16·8·9.13 GB of activations; the search finds the
         // smallest power of two that fits, and that CP and only that one fits.
-        let mut inp = input(Layout { tp: 8, sp: true, pp: 16, dp: 1, cp: 1, ..Layout::default() });
+        let mut inp = input(Layout {
+            tp: 8,
+            sp: true,
+            pp: 16,
+            dp: 1,
+            cp: 1,
+            ..Layout::default()
+        });
         inp.hardware = Hardware::preset("h200")?;
         let p = plan(&inp)?;
         assert!(!p.fits);
         let c = p.min_cp_that_fits.expect("some CP fits");
-        let at = |cp: usize| plan(&PlanInput { layout: Layout { cp, ..inp.layout.clone() }, ..inp.clone() });
+        let at = |cp: usize| {
+            plan(&PlanInput {
+                layout: Layout {
+                    cp,
+                    ..inp.layout.clone()
+                },
+                ..inp.clone()
+            })
+        };
         assert!(at(c)?.fits);
         assert!(!at(c / 2)?.fits);
         assert_eq!(at(c)?.min_cp_that_fits, Some(c));
         // Full recompute needs less CP.
-        let full = PlanInput { layout: Layout { recompute: Recompute::Full, ..inp.layout.clone() }, ..inp.clone() };
+        let full = PlanInput {
+            layout: Layout {
+                recompute: Recompute::Full,
+                ..inp.layout.clone()
+            },
+            ..inp.clone()
+        };
         assert!(plan(&full)?.min_cp_that_fits.unwrap() < c);
         Ok(())
     }
@@ -407,28 +488,54 @@ mod tests {
     #[test]
     fn bottleneck_is_cp_comm_for_short_chunks_on_ib() -> Result<()> {
         // 8B, TP8, CP64 ring at 32k: 512-token chunks over IB cannot hide (< 1,500/... tokens).
-        let mut inp = input(Layout { tp: 8, sp: true, cp: 64, ..Layout::default() });
+        let mut inp = input(Layout {
+            tp: 8,
+            sp: true,
+            cp: 64,
+            ..Layout::default()
+        });
         inp.model = ModelConfig::preset("llama3-8b")?;
         inp.seq = 32768;
         let p = plan(&inp)?;
         assert!(p.fits);
         assert!(!p.ring.hides_fwd);
         assert!(p.layer_time.cp_exposed_s > 0.0);
-        assert!(p.bottleneck.starts_with("CP communication (ring)"), "{}", p.bottleneck);
+        assert!(
+            p.bottleneck.starts_with("CP communication (ring)"),
+            "{}",
+            p.bottleneck
+        );
         Ok(())
     }
 
     #[test]
     fn error_paths() {
-        let e = plan(&input(Layout { cp: 3, ..Layout::default() })).unwrap_err();
-        assert!(e.0.contains("CP degree 3 does not divide the sequence length 131072"), "{e}");
-        let e = plan(&input(Layout { tp: 6, ..Layout::default() })).unwrap_err();
-        assert!(e.0.contains("TP degree 6 does not divide the 128 attention heads"), "{e}");
+        let e = plan(&input(Layout {
+            cp: 3,
+            ..Layout::default()
+        }))
+        .unwrap_err();
+        assert!(
+            e.0.contains("CP degree 3 does not divide the sequence length 131072"),
+            "{e}"
+        );
+        let e = plan(&input(Layout {
+            tp: 6,
+            ..Layout::default()
+        }))
+        .unwrap_err();
+        assert!(
+            e.0.contains("TP degree 6 does not divide the 128 attention heads"),
+            "{e}"
+        );
         let mut i = input(Layout::default());
         i.micro_batch = 0;
         assert!(plan(&i).unwrap_err().0.contains("--micro-batch"));
         i.micro_batch = 1;
         i.attn_flops = 0.0;
-        assert!(plan(&i).unwrap_err().0.contains("attention FLOP/s must be positive"));
+        assert!(plan(&i)
+            .unwrap_err()
+            .0
+            .contains("attention FLOP/s must be positive"));
     }
 }

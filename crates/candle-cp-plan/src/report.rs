@@ -245,8 +245,10 @@ pub fn render(p: &Plan) -> String {
     if rg.degree == 1 {
         let _ = writeln!(
             o,
-            "\nCP = 1: no CP communication. A ring would hide its transfers for chunks over {:.0} tokens on NVLink, {:.0} on InfiniBand (forward).",
-            rg.min_chunk_fwd_nvlink, rg.min_chunk_fwd_ib
+            "\n{}. A ring would hide its transfers for chunks over {:.0} tokens on NVLink, {:.0} on InfiniBand (forward).",
+            if l.cp == 1 { "CP = 1: no CP communication" } else { "Ring degree 1: no ring communication" },
+            rg.min_chunk_fwd_nvlink,
+            rg.min_chunk_fwd_ib
         );
     } else {
         table(
@@ -346,7 +348,7 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "Ulysses vs ring bytes (fwd)",
                     format!("{:.2}x", u.ratio_vs_ring_fwd),
-                    "(h+h_kv)/(U*h_kv) for GQA",
+                    "(h+h_kv)/(U*h_kv) w/o KV replication",
                 ),
                 r(
                     format!("all-gather KV {} ({})", ag.degree, link(ag.link)),

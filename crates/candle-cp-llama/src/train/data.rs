@@ -20,41 +20,44 @@ pub struct Sample {
 
 /// Multi-query associative recall over a long sequence.
 ///
-/// Vocabulary: `[0, n_fill)` filler, `[n_fill, n_fill + n_keys)` keys,
-/// `[n_fill + n_keys, vocab_needed())` values. A sequence of length `T` has three regions:
-/// - `[0, T/2)`: `n_pairs` adjacent pairs `k v` (distinct keys, random values, random slots),
-///   filler elsewhere;
+/// Each sequence draws a random map `key → value`. Vocabulary: `[0, n_fill)` filler,
+/// `[n_fill, n_fill + n_keys)` keys, then `n_values` values, then (fused form only)
+/// `n_keys · n_values` pair tokens. A sequence of length `T` has three regions:
+/// - `[0, T/2)`: densely packed pairs `k map[k]` (every key at least once, the rest random
+///   keys; repeats agree) — or one fused token `pair(k, map[k])` per pair followed by filler;
 /// - `[T/2, 3T/4)`: filler;
-/// - `[3T/4, T)`: queries `k v` with `k` drawn from the stored keys; each query's `v` is a
-///   long-range target (the matching pair is at least `T/4` tokens earlier).
+/// - `[3T/4, T)`: `n_queries` queries `k map[k]` for DISTINCT keys at random slots, filler
+///   elsewhere. Each query's value is a long-range target: since no key is queried twice,
+///   the answer is nowhere in the last half — only in the first half, at least `T/4` tokens
+///   earlier.
 ///
-/// With context parallelism over `P` ranks the pairs are spread over every rank's shard of the
-/// first half, so most lookups need keys/values held by other ranks. Chance loss on the
-/// long-range targets is `ln(n_values)`; a model that has learnt the lookup gets close to 0.
+/// With context parallelism the first half is spread over every CP rank, so the lookups read
+/// keys and values held by other ranks. Chance loss on the long-range targets is
+/// `ln(n_values)`; a model that has learnt the lookup gets close to 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvRecall {
     /// Global sequence length `T` (≥ 16).
     pub seq_len: usize,
     /// Number of filler tokens.
     pub n_fill: usize,
-    /// Number of key tokens (≥ `n_pairs`).
+    /// Number of key tokens (≤ `T/4`).
     pub n_keys: usize,
     /// Number of value tokens.
     pub n_values: usize,
-    /// Pairs stored per sequence (≤ `T/4` and ≤ `n_keys`).
-    pub n_pairs: usize,
-    /// Store each pair as ONE token `pair(k, v)` (vocabulary grows by `n_keys · n_values`)
-    /// instead of two adjacent tokens `k v`. One attention layer can then solve the lookup
-    /// (match the query key against the pair token, copy its value), so a small model learns
-    /// it in far fewer steps than the induction-head circuit the two-token form needs.
+    /// Queries per sequence (≤ `n_keys` and ≤ `T/8`).
+    pub n_queries: usize,
+    /// Store each pair as ONE token `pair(k, v)` instead of two adjacent tokens `k v`: one
+    /// attention layer can then solve the lookup (match the query key against the pair
+    /// token and copy its value) instead of the two-layer induction circuit the two-token form
+    /// needs.
     pub fused: bool,
 }
 
 impl KvRecall {
-    /// A task of length `seq_len` with the default vocabulary (16 filler, 32 keys, 32 values)
-    /// and `min(32, T/8)` stored pairs.
+    /// A task of length `seq_len` with 16 filler, 16 keys, 16 values and `min(16, T/8)`
+    /// queries, two-token pairs.
     pub fn new(seq_len: usize) -> Result<Self> {
-        let t = Self { seq_len, n_fill: 16, n_keys: 32, n_values: 32, n_pairs: 32.min(seq_len / 8), fused: false };
+        let t = Self { seq_len, n_fill: 16, n_keys: 16, n_values: 16, n_queries: 16.min(seq_len / 8), fused: false };
         t.validate()?;
         Ok(t)
     }
@@ -64,12 +67,15 @@ impl KvRecall {
         if self.seq_len < 16 {
             bail!("KvRecall: seq_len {} must be at least 16", self.seq_len)
         }
-        if self.n_pairs == 0 || self.n_pairs > self.n_keys || self.n_pairs > self.seq_len / 4 {
+        if self.n_keys == 0 || self.n_keys > self.seq_len / 4 {
+            bail!("KvRecall: n_keys {} must be in 1..=seq_len/4 ({})", self.n_keys, self.seq_len / 4)
+        }
+        if self.n_queries == 0 || self.n_queries > self.n_keys || self.n_queries > self.seq_len / 8 {
             bail!(
-                "KvRecall: n_pairs {} must be in 1..=min(n_keys {}, seq_len/4 {})",
-                self.n_pairs,
+                "KvRecall: n_queries {} must be in 1..=min(n_keys {}, seq_len/8 {})",
+                self.n_queries,
                 self.n_keys,
-                self.seq_len / 4
+                self.seq_len / 8
             )
         }
         if self.n_fill == 0 || self.n_values == 0 {
@@ -95,38 +101,38 @@ impl KvRecall {
         let mut long_range = vec![false; t];
         let key0 = self.n_fill as u32;
         let val0 = (self.n_fill + self.n_keys) as u32;
-        // Distinct keys with random values.
-        let mut keys: Vec<u32> = (0..self.n_keys as u32).collect();
-        rng.shuffle(&mut keys);
-        keys.truncate(self.n_pairs);
-        let values: Vec<u32> = (0..self.n_pairs).map(|_| rng.below(self.n_values) as u32).collect();
-        // Random distinct pair slots in the first half.
-        let mut slots: Vec<usize> = (0..t / 4).collect();
-        rng.shuffle(&mut slots);
         let pair0 = (self.n_fill + self.n_keys + self.n_values) as u32;
-        for (i, &slot) in slots.iter().take(self.n_pairs).enumerate() {
+        let map: Vec<u32> = (0..self.n_keys).map(|_| rng.below(self.n_values) as u32).collect();
+        // First half: every key once (random slots), the other slots random keys.
+        let slots = (t / 2) / 2;
+        let mut keys: Vec<usize> = (0..slots).map(|i| if i < self.n_keys { i } else { rng.below(self.n_keys) }).collect();
+        rng.shuffle(&mut keys);
+        for (slot, &k) in keys.iter().enumerate() {
             if self.fused {
-                tokens[2 * slot] = pair0 + keys[i] * self.n_values as u32 + values[i];
+                tokens[2 * slot] = pair0 + (k * self.n_values) as u32 + map[k];
             } else {
-                tokens[2 * slot] = key0 + keys[i];
-                tokens[2 * slot + 1] = val0 + values[i];
+                tokens[2 * slot] = key0 + k as u32;
+                tokens[2 * slot + 1] = val0 + map[k];
             }
         }
-        // Dense queries in the last quarter.
-        let mut p = self.query_start();
-        while p + 1 < t {
-            let i = rng.below(self.n_pairs);
-            tokens[p] = key0 + keys[i];
-            tokens[p + 1] = val0 + values[i];
+        // Last quarter: distinct keys at random slots.
+        let q0 = self.query_start();
+        let mut qslots: Vec<usize> = (0..(t - q0) / 2).collect();
+        rng.shuffle(&mut qslots);
+        let mut qkeys: Vec<usize> = (0..self.n_keys).collect();
+        rng.shuffle(&mut qkeys);
+        for (&slot, &k) in qslots.iter().zip(qkeys.iter()).take(self.n_queries) {
+            let p = q0 + 2 * slot;
+            tokens[p] = key0 + k as u32;
+            tokens[p + 1] = val0 + map[k];
             long_range[p + 1] = true;
-            p += 2;
         }
         Sample { tokens, long_range }
     }
 
     /// Number of long-range targets per sequence.
     pub fn long_range_targets(&self) -> usize {
-        (self.seq_len - self.query_start()) / 2
+        self.n_queries
     }
 }
 
@@ -217,38 +223,52 @@ mod tests {
     use super::*;
 
     #[test]
-    fn recall_targets_are_determined_by_a_distant_pair() {
-        for &t in &[16usize, 64, 1000, 1024] {
-            let task = KvRecall::new(t).unwrap();
+    fn recall_targets_are_determined_by_a_distant_pair_only() {
+        for &(t, fused) in &[(16usize, false), (64, true), (1000, false), (1024, true), (1024, false)] {
+            let mut task = KvRecall::new(t).unwrap();
+            task.fused = fused;
             for seed in 0..20 {
                 let s = task.sample(&mut Rng::new(seed));
                 assert_eq!(s.tokens.len(), t);
                 assert!(s.tokens.iter().all(|&x| (x as usize) < task.vocab_needed()));
                 let key0 = task.n_fill as u32;
                 let val0 = (task.n_fill + task.n_keys) as u32;
+                let pair0 = val0 + task.n_values as u32;
                 let is_key = |x: u32| (key0..val0).contains(&x);
-                // Stored pairs: keys in the first half, each followed by a value, keys distinct.
+                // The map as stored in the first half; repeats must agree; every key present.
                 let mut table = std::collections::HashMap::new();
                 for p in 0..t / 2 {
-                    if is_key(s.tokens[p]) {
-                        assert!(s.tokens[p + 1] >= val0, "key not followed by a value");
-                        assert!(table.insert(s.tokens[p], s.tokens[p + 1]).is_none(), "duplicate key");
-                    }
+                    let (k, v) = if fused && s.tokens[p] >= pair0 {
+                        let i = s.tokens[p] - pair0;
+                        (key0 + i / task.n_values as u32, val0 + i % task.n_values as u32)
+                    } else if !fused && is_key(s.tokens[p]) {
+                        (s.tokens[p], s.tokens[p + 1])
+                    } else {
+                        continue;
+                    };
+                    assert!(v >= val0 && v < pair0, "key not paired with a value");
+                    assert_eq!(*table.entry(k).or_insert(v), v, "inconsistent pair");
                 }
-                assert_eq!(table.len(), task.n_pairs);
-                // No key or value between T/2 and the query region.
+                assert_eq!(table.len(), task.n_keys);
+                // No key, value or pair between T/2 and the query region.
                 assert!(s.tokens[t / 2..task.query_start()].iter().all(|&x| x < key0));
                 let n_lr = s.long_range.iter().filter(|&&b| b).count();
                 assert_eq!(n_lr, task.long_range_targets());
-                assert!(n_lr > 0);
+                let mut queried = std::collections::HashSet::new();
                 for p in 1..t {
                     if s.long_range[p] {
-                        assert!(p >= task.query_start());
+                        assert!(p > task.query_start());
                         let key = s.tokens[p - 1];
                         assert_eq!(table.get(&key), Some(&s.tokens[p]), "target is not the stored value");
-                        // The pair sits at least T/4 earlier.
-                        let pos = (0..t / 2).find(|&q| s.tokens[q] == key).unwrap();
-                        assert!(p - pos >= t / 4);
+                        assert!(queried.insert(key), "key queried twice");
+                        // The answer appears nowhere in the second half before the target.
+                        assert!(!s.tokens[t / 2..p].contains(&s.tokens[p]) || {
+                            // a value token may repeat (another key with the same value) but
+                            // never right after the same key
+                            (t / 2..p - 1).all(|q| !(s.tokens[q] == key && s.tokens[q + 1] == s.tokens[p]))
+                        });
+                    } else if p >= task.query_start() {
+                        assert!(s.tokens[p] < val0, "unmarked value in the query region");
                     }
                 }
             }
@@ -271,7 +291,10 @@ mod tests {
     fn bad_parameters_are_errors() {
         assert!(KvRecall::new(8).is_err());
         let mut t = KvRecall::new(64).unwrap();
-        t.n_pairs = 40;
+        t.n_queries = 9;
+        assert!(t.validate().is_err());
+        t.n_queries = 4;
+        t.n_keys = 17;
         assert!(t.validate().is_err());
         let s = TokenStream::from_bytes(b"hello");
         assert!(s.sample(6, &mut Rng::new(0)).is_err());

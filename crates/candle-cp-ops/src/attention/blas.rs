@@ -110,17 +110,112 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     }
 }
 
+/// Run `$body` compiled for AVX2+FMA when the CPU has it (runtime check), else for the
+/// baseline target. `$body` must be an `#[inline(always)]` generic function call.
+macro_rules! simd_dispatch {
+    ($name:ident, $imp:ident, ($($arg:ident : $ty:ty),*) -> $ret:ty) => {
+        pub(crate) fn $name($($arg: $ty),*) -> $ret {
+            #[cfg(target_arch = "x86_64")]
+            {
+                #[target_feature(enable = "avx2,fma")]
+                unsafe fn avx2($($arg: $ty),*) -> $ret {
+                    $imp($($arg),*)
+                }
+                if std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma") {
+                    // SAFETY: the CPU supports the enabled target features (checked above).
+                    return unsafe { avx2($($arg),*) };
+                }
+            }
+            $imp($($arg),*)
+        }
+    };
+}
+
+const LANES: usize = 16;
+
+/// Max of a slice (`-inf` if empty), with LANES independent accumulators so it vectorises.
+#[inline(always)]
+fn max_imp(row: &[f32]) -> f32 {
+    let mut acc = [f32::NEG_INFINITY; LANES];
+    let mut it = row.chunks_exact(LANES);
+    for c in &mut it {
+        for i in 0..LANES {
+            acc[i] = if c[i] > acc[i] { c[i] } else { acc[i] };
+        }
+    }
+    let mut m = f32::NEG_INFINITY;
+    for &x in it.remainder().iter().chain(acc.iter()) {
+        m = if x > m { x } else { m };
+    }
+    m
+}
+
 /// `row[j] = exp(row[j] - m)` in place, returning the sum of the results.
-#[inline]
-pub(crate) fn exp_sub_sum(row: &mut [f32], m: f32) -> f32 {
-    let mut s = 0.0f32;
-    for x in row.iter_mut() {
+#[inline(always)]
+fn exp_sub_sum_imp(row: &mut [f32], m: f32) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut it = row.chunks_exact_mut(LANES);
+    for c in &mut it {
+        for i in 0..LANES {
+            let e = exp_f32(c[i] - m);
+            c[i] = e;
+            acc[i] += e;
+        }
+    }
+    let mut s = 0f32;
+    for x in it.into_remainder() {
         let e = exp_f32(*x - m);
         *x = e;
         s += e;
     }
-    s
+    s + acc.iter().sum::<f32>()
 }
+
+/// `row[j] = exp(row[j] - m)` in place (no sum).
+#[inline(always)]
+fn exp_sub_imp(row: &mut [f32], m: f32) {
+    for x in row.iter_mut() {
+        *x = exp_f32(*x - m);
+    }
+}
+
+/// `ds[j] = p[j] * (ds[j] - delta)` in place.
+#[inline(always)]
+fn ds_imp(ds: &mut [f32], p: &[f32], delta: f32) {
+    for (x, p) in ds.iter_mut().zip(p) {
+        *x = p * (*x - delta);
+    }
+}
+
+/// `x[j] *= a`.
+#[inline(always)]
+fn scale_imp(x: &mut [f32], a: f32) {
+    for v in x.iter_mut() {
+        *v *= a;
+    }
+}
+
+/// `sum_j a[j] * b[j]` with LANES accumulators.
+#[inline(always)]
+fn dot_imp(a: &[f32], b: &[f32]) -> f32 {
+    let mut acc = [0f32; LANES];
+    let mut ia = a.chunks_exact(LANES);
+    let mut ib = b.chunks_exact(LANES);
+    for (x, y) in (&mut ia).zip(&mut ib) {
+        for i in 0..LANES {
+            acc[i] += x[i] * y[i];
+        }
+    }
+    let tail: f32 = ia.remainder().iter().zip(ib.remainder()).map(|(x, y)| x * y).sum();
+    tail + acc.iter().sum::<f32>()
+}
+
+simd_dispatch!(row_max, max_imp, (row: &[f32]) -> f32);
+simd_dispatch!(exp_sub_sum, exp_sub_sum_imp, (row: &mut [f32], m: f32) -> f32);
+simd_dispatch!(exp_sub, exp_sub_imp, (row: &mut [f32], m: f32) -> ());
+simd_dispatch!(ds_row, ds_imp, (ds: &mut [f32], p: &[f32], delta: f32) -> ());
+simd_dispatch!(scale_row, scale_imp, (x: &mut [f32], a: f32) -> ());
+simd_dispatch!(dot, dot_imp, (a: &[f32], b: &[f32]) -> f32);
 
 #[cfg(test)]
 mod tests {
@@ -140,6 +235,13 @@ mod tests {
         assert_eq!(exp_f32(f32::NEG_INFINITY), 0.0);
         assert_eq!(exp_f32(-100.0), 0.0);
         assert_eq!(exp_f32(0.0), 1.0);
+        let mut row: Vec<f32> = (0..37).map(|i| i as f32 * -0.25).collect();
+        let want: f32 = row.iter().map(|x| (x - 1.0).exp()).sum();
+        assert_eq!(row_max(&row), 0.0);
+        let got = exp_sub_sum(&mut row, 1.0);
+        assert!((got - want).abs() < 1e-5 * want);
+        let a: Vec<f32> = (0..37).map(|i| i as f32).collect();
+        assert_eq!(dot(&a, &a), (0..37).map(|i| (i * i) as f32).sum::<f32>());
     }
 
     #[test]

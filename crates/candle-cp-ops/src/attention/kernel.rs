@@ -10,7 +10,7 @@
 //! backward over (batch, head, key chunk). Results are reduced in a fixed order, so the
 //! output is deterministic for a given thread count.
 
-use super::blas::{exp_f32, exp_sub_sum, matmul, Mat};
+use super::blas::{ds_row, dot, exp_f32, exp_sub, exp_sub_sum, matmul, row_max, scale_row, Mat};
 use super::Mask;
 use rayon::prelude::*;
 
@@ -19,7 +19,7 @@ pub(crate) const FWD_BQ: usize = 128;
 /// Key rows per forward tile.
 pub(crate) const FWD_BK: usize = 128;
 /// Query rows per backward tile.
-pub(crate) const BWD_BQ: usize = 64;
+pub(crate) const BWD_BQ: usize = 128;
 /// Key rows per backward tile.
 pub(crate) const BWD_BK: usize = 128;
 
@@ -128,7 +128,7 @@ fn fwd_tile(
                 row.fill(0.0);
                 continue;
             }
-            let bm = row[..vis].iter().fold(f32::NEG_INFINITY, |a, &x| a.max(x));
+            let bm = row_max(&row[..vis]);
             let mnew = m[r].max(bm);
             let alpha = exp_f32(m[r] - mnew);
             let sum = exp_sub_sum(&mut row[..vis], mnew);
@@ -136,7 +136,7 @@ fn fwd_tile(
             l[r] = l[r] * alpha + sum;
             m[r] = mnew;
             if alpha != 1.0 {
-                o[r * d..(r + 1) * d].iter_mut().for_each(|x| *x *= alpha);
+                scale_row(&mut o[r * d..(r + 1) * d], alpha);
             }
         }
         matmul(qn, d, jn, &mut o, d, true, Mat::new(&sb, 0, jn, 1), Mat::new(v, kb, krs, 1), 1.0);
@@ -147,7 +147,7 @@ fn fwd_tile(
         let orow = &mut o[r * d..(r + 1) * d];
         if l[r] > 0.0 {
             let inv = 1.0 / l[r];
-            orow.iter_mut().for_each(|x| *x *= inv);
+            scale_row(orow, inv);
             lse[r] = m[r] + l[r].ln();
         } else {
             orow.fill(0.0);
@@ -178,8 +178,7 @@ pub(crate) fn backward(
         for i in 0..t {
             for h in 0..nh {
                 let o = ((b * t + i) * nh + h) * d;
-                let dot: f32 = out[o..o + d].iter().zip(&dout[o..o + d]).map(|(a, c)| a * c).sum();
-                delta[(b * nh + h) * t + i] = dot;
+                delta[(b * nh + h) * t + i] = dot(&out[o..o + d], &dout[o..o + d]);
             }
         }
     }
@@ -282,7 +281,7 @@ impl BwdCtx<'_> {
                         row.fill(0.0);
                         continue;
                     }
-                    row[..vis].iter_mut().for_each(|x| *x = exp_f32(*x - l));
+                    exp_sub(&mut row[..vis], l);
                     row[vis..].fill(0.0);
                 }
                 // dV += P^T dO
@@ -293,7 +292,7 @@ impl BwdCtx<'_> {
                     let dl = self.delta[rbase + i0 + r];
                     let prow = &pb[r * jn..(r + 1) * jn];
                     let drow = &mut db[r * jn..(r + 1) * jn];
-                    drow.iter_mut().zip(prow).for_each(|(x, p)| *x = p * (*x - dl));
+                    ds_row(drow, prow, dl);
                 }
                 // dK += scale * dS^T Q ; dQ += scale * dS K
                 matmul(jn, d, qn, dk_acc, d, true, Mat::new(&db, 0, 1, jn), qm, self.scale);

@@ -5,7 +5,7 @@
 //! (natural log, f32). Query head `h` uses KV head `h / (H / Hkv)` (GQA/MQA).
 //!
 //! Implementation: [`AttentionOp`] (a candle `CustomOp3`, module `op`) runs the CPU kernels of
-//! module `kernel` (tiles of 128×128 / 64×128 through the `gemm` crate, rayon over
+//! module `kernel` (128×128 tiles through the `gemm` crate, rayon over
 //! (batch, head, block), online softmax in f32). Memory is O((T+S)·H·D + threads·block²): no
 //! T×S matrix is ever built. `merge` lives in module `merge`, `attention_slow` in `slow`.
 //!

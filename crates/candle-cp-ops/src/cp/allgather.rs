@@ -119,6 +119,43 @@ pub fn allgather_attention_stats(q: &Tensor, k: &Tensor, v: &Tensor, group: &Gro
     Ok((o, l, RingStats { steps: vec![st], bytes_sent: bytes }))
 }
 
+/// Backward of all-gather-KV attention without autograd: all-gathers K/V again, runs the
+/// per-segment attention backward with the global `out` (f32) and `lse` of this rank's
+/// queries, and reduce-scatters dK/dV. Returns f32 `dq [B, T/P, H, D]`, `dk, dv
+/// [B, T/P, Hkv, D]` and one [`StepStats`] (wait = the all-gather; compute includes the
+/// reduce-scatter).
+#[allow(clippy::too_many_arguments)]
+pub fn allgather_attention_bwd_raw(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
+    let dims = check_inputs("allgather_attention backward", q, k, v, group, opts)?;
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl] {
+        candle_core::bail!(
+            "allgather_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
+            out.shape(),
+            dout.shape(),
+            q.shape(),
+            lse.shape()
+        )
+    }
+    let mut st = StepStats::default();
+    let t0 = Instant::now();
+    let kv = gather_kv(k, v, group, opts)?;
+    st.wait = t0.elapsed();
+    let t1 = Instant::now();
+    let (dq, dk, dv) = bwd(q, &kv, out, lse, dout, group, opts, &dims)?;
+    st.compute = t1.elapsed();
+    let bytes = (k.elem_count() * 2 * (k.dtype().size_in_bytes() + 4)) as u64;
+    Ok((dq, dk, dv, RingStats { steps: vec![st], bytes_sent: bytes }))
+}
+
 /// Context-parallel attention by all-gathering K/V (Llama 3 style; use with the zigzag
 /// layout for balanced causal work, any [`super::Layout`] works).
 ///

@@ -22,7 +22,7 @@ pub mod ring_comm;
 pub mod shard;
 pub mod verify;
 
-pub use allgather::{allgather_attention, allgather_attention_stats};
+pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};
 pub use balance::{balance, BalanceReport};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
 pub use ring_comm::{RingStats, StepStats};

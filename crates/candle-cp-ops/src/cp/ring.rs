@@ -69,17 +69,33 @@ pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
     }
 }
 
-/// The blocks rank `rank` computes when holding source rank `src`'s K/V:
-/// `(query segment, key segment, block)` for every non-skipped pair.
-pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<(Segment, Segment, Block)>> {
+/// One block of a ring step: query segment `qi` of this rank against key segment `ki` of the
+/// K/V chunk held at this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    /// Index into this rank's query segments.
+    pub qi: usize,
+    /// Index into the source rank's key segments.
+    pub ki: usize,
+    /// The query segment.
+    pub q: Segment,
+    /// The key segment.
+    pub k: Segment,
+    /// How to compute it (never `Skip`).
+    pub block: Block,
+}
+
+/// The blocks rank `rank` computes when holding source rank `src`'s K/V (fully masked
+/// blocks left out). `t` is the global length.
+pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
     let qs = layout.segments(rank, p, t)?;
     let ks = layout.segments(src, p, t)?;
     let mut out = Vec::new();
-    for q in &qs {
-        for k in &ks {
-            let b = classify(q, k, causal);
-            if b != Block::Skip {
-                out.push((*q, *k, b));
+    for (qi, q) in qs.iter().enumerate() {
+        for (ki, k) in ks.iter().enumerate() {
+            let block = classify(q, k, causal);
+            if block != Block::Skip {
+                out.push(Scheduled { qi, ki, q: *q, k: *k, block });
             }
         }
     }
@@ -134,10 +150,9 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for (qs, ks, blk) in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
-            let qi = qsegs.iter().position(|x| *x == qs).unwrap_or(0);
+        for Scheduled { qi, q: qs, k: ks, block, .. } in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
-            let (o, l) = attention_fwd(&q_rows[qi], &kb, &vb, &mask_of(&blk), scale)?;
+            let (o, l) = attention_fwd(&q_rows[qi], &kb, &vb, &mask_of(&block), scale)?;
             state[qi] = Some(match state[qi].take() {
                 None => (o, l),
                 Some((o0, l0)) => merge(&o0, &l0, &o, &l)?,
@@ -231,12 +246,10 @@ fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         let mut dk_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
         let mut dv_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
-        for (qs, ks, blk) in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
-            let qi = qsegs.iter().position(|x| *x == qs).unwrap_or(0);
-            let ki = ksegs.iter().position(|x| *x == ks).unwrap_or(0);
+        for Scheduled { qi, ki, q: qs, k: ks, block } in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (qr, or, lr, dr) = &q_rows[qi];
             let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
-            let (dqb, dkb, dvb) = attention_bwd(qr, &kb, &vb, or, lr, dr, &mask_of(&blk), scale)?;
+            let (dqb, dkb, dvb) = attention_bwd(qr, &kb, &vb, or, lr, dr, &mask_of(&block), scale)?;
             add_into(&mut dq[qi], dqb)?;
             add_into(&mut dk_parts[ki], dkb)?;
             add_into(&mut dv_parts[ki], dvb)?;
@@ -346,19 +359,19 @@ mod tests {
                     let blocks = block_schedule(Layout::Zigzag, rank, src, p, t, true)?;
                     let half: usize = blocks
                         .iter()
-                        .map(|(q, k, b)| match b {
-                            Block::Partial(_) => q.len * k.len / 2,
-                            _ => q.len * k.len,
+                        .map(|b| match b.block {
+                            Block::Partial(_) => b.q.len * b.k.len / 2,
+                            _ => b.q.len * b.k.len,
                         })
                         .sum();
                     assert_eq!(half, 2 * c * c, "P={p} rank={rank} step={s}");
                     if src < rank {
                         // Both query chunks against key chunk `src` only.
-                        assert!(blocks.iter().all(|(_, k, _)| k.offset == src * c));
+                        assert!(blocks.iter().all(|b| b.k.offset == src * c));
                         assert_eq!(blocks.len(), 2);
                     } else if src > rank {
                         // Query chunk 2P-1-i against both key chunks.
-                        assert!(blocks.iter().all(|(q, _, _)| q.offset == (2 * p - 1 - rank) * c));
+                        assert!(blocks.iter().all(|b| b.q.offset == (2 * p - 1 - rank) * c));
                         assert_eq!(blocks.len(), 2);
                     }
                 }
@@ -377,5 +390,30 @@ mod tests {
             }
         }
         Ok(())
+    }
+}
+#[cfg(test)]
+mod tmp_perf {
+    use super::*;
+    #[test]
+    #[ignore]
+    fn perf_merge() -> Result<()> {
+        let dev = candle_core::Device::Cpu;
+        let q = Tensor::randn(0f32, 1., (1, 1024, 4, 64), &dev)?;
+        let k = Tensor::randn(0f32, 1., (1, 1024, 1, 64), &dev)?;
+        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
+        pool.install(|| -> Result<()> {
+            let (o, l) = attention_fwd(&q, &k, &k, &Mask::Full, 0.125)?;
+            for _ in 0..2 {
+                let t0 = Instant::now();
+                for _ in 0..10 { let _ = attention_fwd(&q, &k, &k, &Mask::Full, 0.125)?; }
+                let t1 = Instant::now();
+                for _ in 0..10 { let _ = merge(&o, &l, &o, &l)?; }
+                let t2 = Instant::now();
+                for _ in 0..10 { let _ = Tensor::stack(&[&k, &k], 0)?; let _ = q.narrow(1, 0, 512)?.contiguous()?; }
+                println!("fwd {:?} merge {:?} misc {:?}", (t1 - t0) / 10, (t2 - t1) / 10, t2.elapsed() / 10);
+            }
+            Ok(())
+        })
     }
 }

@@ -1,0 +1,146 @@
+//! GPU benchmark (feature `cuda`): forward and backward TFLOP/s of the candle-cp flash kernels,
+//! and zigzag ring attention on virtual ranks (threads sharing one GPU) against the
+//! single-GPU kernel. Prints one JSON object per line (read by `scripts/gpu_table.py`).
+//!
+//! ```text
+//! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
+//!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
+//!     [--impl auto|simple|mma] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//! ```
+//! FLOPs (FlashAttention convention): forward `4·B·H·T²·D` (halved when causal), backward
+//! 2.5× the forward. bf16 inputs, f32 accumulation.
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
+use candle_cp_kernels::flash::{self, FwdImpl, KMask};
+use candle_cp_ops::cp::{ring_attention_fwd_raw, shard, CpOpts, Layout};
+use std::time::{Duration, Instant};
+
+struct Args {
+    ts: Vec<usize>,
+    heads: usize,
+    batch: usize,
+    d: usize,
+    iters: usize,
+    imp: FwdImpl,
+    ring_t: usize,
+    ring_p: usize,
+    budget: Duration,
+}
+
+fn parse() -> Result<Args> {
+    let a: Vec<String> = std::env::args().collect();
+    let get = |f: &str| a.iter().position(|x| x == f).and_then(|i| a.get(i + 1)).cloned();
+    let num = |f: &str, d: usize| -> Result<usize> { Ok(get(f).map(|s| s.parse()).transpose()?.unwrap_or(d)) };
+    let ts = match get("--t") {
+        Some(s) => s.split(',').map(|x| x.trim().parse()).collect::<std::result::Result<Vec<usize>, _>>()?,
+        None => vec![4096, 8192, 16384, 32768],
+    };
+    let imp = match get("--impl").as_deref() {
+        Some("simple") => FwdImpl::Simple,
+        Some("mma") => FwdImpl::Mma,
+        _ => FwdImpl::Auto,
+    };
+    Ok(Args {
+        ts,
+        heads: num("--heads", 16)?,
+        batch: num("--batch", 1)?,
+        d: num("--d", 128)?,
+        iters: num("--iters", 3)?,
+        imp,
+        ring_t: num("--ring-t", 16384)?,
+        ring_p: num("--ring-p", 4)?,
+        budget: Duration::from_secs(num("--budget-s", 240)? as u64),
+    })
+}
+
+/// Mean seconds of `f` over up to `iters` runs after one warm-up; one run only when the
+/// warm-up alone took more than a second.
+fn time(dev: &Device, iters: usize, mut f: impl FnMut() -> candle_core::Result<()>) -> Result<f64> {
+    let t0 = Instant::now();
+    f()?;
+    dev.synchronize()?;
+    let warm = t0.elapsed().as_secs_f64();
+    let n = if warm > 1.0 { 1 } else { iters.max(1) };
+    let t = Instant::now();
+    for _ in 0..n {
+        f()?;
+    }
+    dev.synchronize()?;
+    Ok(t.elapsed().as_secs_f64() / n as f64)
+}
+
+fn main() -> Result<()> {
+    let a = parse()?;
+    let dev = Device::new_cuda(0)?;
+    let start = Instant::now();
+    let (b, h, d) = (a.batch, a.heads, a.d);
+    let scale = 1.0 / (d as f32).sqrt();
+    for &t in &a.ts {
+        for causal in [true, false] {
+            if start.elapsed() > a.budget {
+                println!("{{\"skipped\":\"budget\",\"t\":{t},\"causal\":{causal}}}");
+                continue;
+            }
+            let mk = |s: &[usize]| -> candle_core::Result<Tensor> { Tensor::randn(0f32, 1f32, s, &dev)?.to_dtype(DType::BF16) };
+            let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
+            let dout = Tensor::randn(0f32, 1f32, (b, t, h, d), &dev)?;
+            let mask = if causal { KMask::causal(0, 1, 0, 1) } else { KMask::full() };
+            let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * if causal { 0.5 } else { 1.0 };
+            let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, a.imp)?;
+            let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, a.imp).map(|_| ()))?;
+            let bwd_s = time(&dev, a.iters, || flash::bwd(&q, &k, &v, &out, &lse, &dout, mask, scale).map(|_| ()))?;
+            println!(
+                "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}}}",
+                a.imp,
+                fwd_s * 1e3,
+                flops / fwd_s / 1e12,
+                bwd_s * 1e3,
+                2.5 * flops / bwd_s / 1e12
+            );
+        }
+    }
+    if a.ring_p > 1 && start.elapsed() < a.budget {
+        ring(&a, &dev, scale)?;
+    }
+    Ok(())
+}
+
+/// Zigzag ring forward on `ring_p` virtual ranks vs one flash forward over the whole sequence
+/// (same FLOPs): efficiency = single-GPU time / ring time.
+fn ring(a: &Args, dev: &Device, scale: f32) -> Result<()> {
+    let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
+    let mk = |s: &[usize]| -> candle_core::Result<Tensor> { Tensor::randn(0f32, 1f32, s, dev)?.to_dtype(DType::BF16) };
+    let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
+    let single = time(dev, a.iters, || flash::fwd(&q, &k, &v, KMask::causal(0, 1, 0, 1), scale, a.imp).map(|_| ()))?;
+    let shards: Vec<[Tensor; 3]> = (0..p)
+        .map(|r| Ok([shard(&q, Layout::Zigzag, r, p, 1)?, shard(&k, Layout::Zigzag, r, p, 1)?, shard(&v, Layout::Zigzag, r, p, 1)?]))
+        .collect::<candle_core::Result<_>>()?;
+    let opts = CpOpts::new(Layout::Zigzag, true).with_scale(scale as f64);
+    let run = || -> Result<f64> {
+        let t0 = Instant::now();
+        let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
+            let [q, k, v] = &shards[g.rank()];
+            let (out, _, _) = ring_attention_fwd_raw(q, k, v, &g, &opts)?;
+            out.device().synchronize()?;
+            Ok(())
+        });
+        for r in res {
+            r?;
+        }
+        dev.synchronize()?;
+        Ok(t0.elapsed().as_secs_f64())
+    };
+    run()?; // warm-up
+    let ring_s = (0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
+    let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * 0.5;
+    println!(
+        "{{\"impl\":\"candle-cp-ring\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"causal\":true,\"ring_ms\":{:.3},\"single_ms\":{:.3},\"ring_tflops\":{:.2},\"efficiency\":{:.3}}}",
+        ring_s * 1e3,
+        single * 1e3,
+        flops / ring_s / 1e12,
+        single / ring_s
+    );
+    Ok(())
+}

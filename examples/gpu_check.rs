@@ -1,0 +1,339 @@
+//! GPU correctness check (feature `cuda`): every CUDA kernel against the CPU path, the oracle
+//! cases through the autograd op on the GPU, ring / all-gather / Ulysses on virtual ranks
+//! (thread ranks sharing one GPU), and (feature `nccl`) an NcclGroup smoke test of world 1.
+//!
+//! ```text
+//! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N]
+//! ```
+//! Prints one `PASS`/`FAIL` line per check and exits non-zero if any check fails.
+//! Run by `scripts/gpu-check.sh run` on the GPU machine (see docs/gpu.md).
+
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor};
+use candle_cp_kernels::flash::{self, FwdImpl, KMask};
+use candle_cp_kernels::layout::{self, SeqLayout};
+use candle_cp_ops::attention::{attention_bwd, attention_fwd, merge, Mask};
+use candle_cp_ops::cp::{run_case_cp, CpMethod};
+use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs};
+use std::time::{Duration, Instant};
+
+#[path = "gpu_util.rs"]
+mod gpu_util;
+use gpu_util::{max_abs, rand_tensor, rel};
+
+/// Pass/fail bookkeeping.
+#[derive(Default)]
+struct Report {
+    pass: usize,
+    fail: Vec<String>,
+}
+
+impl Report {
+    fn check(&mut self, name: &str, err: f64, tol: f64) {
+        let ok = err.is_finite() && err <= tol;
+        println!("{} {name}: err {err:.3e} (tol {tol:.1e})", if ok { "PASS" } else { "FAIL" });
+        if ok {
+            self.pass += 1
+        } else {
+            self.fail.push(name.to_string())
+        }
+    }
+    fn error(&mut self, name: &str, e: impl std::fmt::Display) {
+        println!("FAIL {name}: error {e}");
+        self.fail.push(name.to_string());
+    }
+}
+
+/// One attention shape + mask.
+#[derive(Clone, Copy)]
+struct Case {
+    b: usize,
+    t: usize,
+    s: usize,
+    h: usize,
+    hkv: usize,
+    d: usize,
+    mask: Mask,
+    label: &'static str,
+}
+
+fn cases() -> Vec<Case> {
+    let c = |b, t, s, h, hkv, d, mask, label| Case { b, t, s, h, hkv, d, mask, label };
+    let causal = Mask::causal();
+    let mut v = Vec::new();
+    for d in [16, 32, 64, 128] {
+        v.push(c(1, 77, 77, 2, 2, d, Mask::Full, "full"));
+        v.push(c(2, 130, 130, 4, 2, d, causal, "causal-gqa"));
+    }
+    // ring blocks: queries after keys (below the diagonal), keys after queries (fully masked
+    // rows), striped (stride P = 4, rank 1 queries vs rank 3 keys), T != S, MQA.
+    v.push(c(1, 96, 64, 4, 1, 128, Mask::causal_offsets(64, 0), "offset-below"));
+    v.push(c(1, 64, 64, 2, 2, 64, Mask::causal_offsets(0, 32), "offset-partly-masked"));
+    v.push(c(1, 64, 64, 2, 2, 64, Mask::causal_offsets(0, 100), "offset-all-masked"));
+    v.push(c(1, 100, 100, 4, 4, 128, Mask::Causal { q_offset: 1, q_stride: 4, k_offset: 3, k_stride: 4 }, "striped"));
+    v.push(c(1, 200, 333, 8, 1, 64, Mask::Full, "t-ne-s-mqa"));
+    v
+}
+
+fn kmask(m: &Mask) -> KMask {
+    match *m {
+        Mask::Full => KMask::full(),
+        Mask::Causal { q_offset, q_stride, k_offset, k_stride } => KMask::causal(q_offset, q_stride, k_offset, k_stride),
+    }
+}
+
+/// Kernels vs the CPU implementation (inputs rounded to `dtype` first, so both see the same
+/// values): forward (simple and tensor-core kernels) and backward.
+fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
+    for (ci, c) in cases().iter().enumerate() {
+        for dtype in [DType::F32, DType::BF16, DType::F16] {
+            let seed = 1000 + ci as u64 * 7;
+            let mk = |shape: &[usize], s: u64| -> Result<Tensor> { Ok(rand_tensor(shape, s)?.to_dtype(dtype)?) };
+            let q = mk(&[c.b, c.t, c.h, c.d], seed)?;
+            let k = mk(&[c.b, c.s, c.hkv, c.d], seed + 1)?;
+            let v = mk(&[c.b, c.s, c.hkv, c.d], seed + 2)?;
+            let dout = rand_tensor(&[c.b, c.t, c.h, c.d], seed + 3)?;
+            let scale = 1.0 / (c.d as f64).sqrt();
+            let (o_ref, l_ref) = attention_fwd(&q, &k, &v, &c.mask, scale)?;
+            let (gq, gk, gv) = (q.to_device(gpu)?, k.to_device(gpu)?, v.to_device(gpu)?);
+            let tag = format!("{} d{} {dtype:?} [b{} t{} s{} h{} kv{}]", c.label, c.d, c.b, c.t, c.s, c.h, c.hkv);
+            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple] } else { &[FwdImpl::Simple, FwdImpl::Mma] };
+            for &imp in imps {
+                let name = format!("flash_fwd {imp:?} {tag}");
+                match flash::fwd(&gq, &gk, &gv, kmask(&c.mask), scale as f32, imp) {
+                    Ok((o, l)) => {
+                        // mma rounds P to 16 bits before P·V (like FlashAttention).
+                        let tol = match (imp, dtype) {
+                            (FwdImpl::Mma, DType::BF16) => 2e-2,
+                            (FwdImpl::Mma, _) => 4e-3,
+                            _ => 2e-5,
+                        };
+                        rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, tol);
+                        rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, if imp == FwdImpl::Mma { 1e-3 } else { 2e-5 });
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+            let name = format!("flash_bwd {tag}");
+            let (dq_r, dk_r, dv_r) = attention_bwd(&q, &k, &v, &o_ref, &l_ref, &dout, &c.mask, scale)?;
+            let go = o_ref.to_device(gpu)?;
+            let gl = l_ref.to_device(gpu)?;
+            let gd = dout.to_device(gpu)?;
+            match flash::bwd(&gq, &gk, &gv, &go, &gl, &gd, kmask(&c.mask), scale as f32) {
+                Ok((dq, dk, dv)) => {
+                    rep.check(&format!("{name} dq"), rel(&dq, &dq_r)?, 1e-4);
+                    rep.check(&format!("{name} dk"), rel(&dk, &dk_r)?, 1e-4);
+                    rep.check(&format!("{name} dv"), rel(&dv, &dv_r)?, 1e-4);
+                }
+                Err(e) => rep.error(&name, e),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Merge kernel vs CPU `merge` (with -inf rows on one or both sides) and the final cast.
+fn check_merge(rep: &mut Report, gpu: &Device) -> Result<()> {
+    let (b, t, h, d) = (2, 50, 3, 64);
+    let oa = rand_tensor(&[b, t, h, d], 1)?;
+    let ob = rand_tensor(&[b, t, h, d], 2)?;
+    let mut la = rand_tensor(&[b, h, t], 3)?.to_vec3::<f32>()?;
+    let mut lb = rand_tensor(&[b, h, t], 4)?.to_vec3::<f32>()?;
+    for i in 0..t {
+        if i % 5 == 0 {
+            la[0][0][i] = f32::NEG_INFINITY;
+        }
+        if i % 7 == 0 {
+            lb[0][0][i] = f32::NEG_INFINITY;
+        }
+        if i % 3 == 0 {
+            la[1][2][i] = f32::NEG_INFINITY;
+            lb[1][2][i] = f32::NEG_INFINITY;
+        }
+    }
+    let la = Tensor::new(la, &Device::Cpu)?;
+    let lb = Tensor::new(lb, &Device::Cpu)?;
+    let (o_ref, l_ref) = merge(&oa, &la, &ob, &lb)?;
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let obt = ob.to_dtype(dtype)?;
+        let (o_ref, l_ref) = if dtype == DType::F32 { (o_ref.clone(), l_ref.clone()) } else { merge(&oa, &la, &obt, &lb)? };
+        let name = format!("merge {dtype:?}");
+        match candle_cp_kernels::merge::merge(&oa.to_device(gpu)?, &la.to_device(gpu)?, &obt.to_device(gpu)?, &lb.to_device(gpu)?) {
+            Ok((o, l)) => {
+                rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, 1e-5);
+                rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, 1e-5);
+                let cast = candle_cp_kernels::merge::cast_out(&o, dtype)?;
+                rep.check(&format!("cast_out {dtype:?}"), max_abs(&cast, &o.to_dtype(dtype)?)?, 0.0);
+            }
+            Err(e) => rep.error(&name, e),
+        }
+    }
+    Ok(())
+}
+
+/// Layout kernels vs `candle_cp_ops::cp::{shard, unshard}` and a CPU all-to-all pack/unpack.
+fn check_layout(rep: &mut Report, gpu: &Device) -> Result<()> {
+    use candle_cp_ops::cp::{shard, unshard, Layout};
+    let x = rand_tensor(&[2, 48, 3, 8], 9)?;
+    let gx = x.to_device(gpu)?;
+    for p in [2, 3, 4] {
+        for (l, kl) in [(Layout::Zigzag, SeqLayout::Zigzag), (Layout::Striped, SeqLayout::Striped)] {
+            let mut shards = Vec::new();
+            for r in 0..p {
+                let want = shard(&x, l, r, p, 1)?;
+                let name = format!("shard {l:?} P{p} r{r}");
+                match layout::shard(&gx, 1, kl, p, r) {
+                    Ok(got) => {
+                        rep.check(&name, max_abs(&got, &want)?, 0.0);
+                        shards.push(got);
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+            if shards.len() == p {
+                let cat = Tensor::cat(&shards, 1)?;
+                let name = format!("unshard {l:?} P{p}");
+                match layout::unshard(&cat, 1, kl, p) {
+                    Ok(got) => {
+                        let cpu_shards = shards.iter().map(|s| s.to_device(&Device::Cpu)).collect::<candle_core::Result<Vec<_>>>()?;
+                        rep.check(&name, max_abs(&got, &unshard(&cpu_shards, l, 1)?)?, 0.0);
+                        rep.check(&format!("{name} roundtrip"), max_abs(&got, &x)?, 0.0);
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+        // all-to-all pack along heads (dim 2 of [B, T, H, D] with H = 12) and unpack along seq.
+        let y = rand_tensor(&[2, 5, 12, 8], 10)?;
+        let packed = layout::a2a_pack(&y.to_device(gpu)?, 2, p)?;
+        let want: Vec<Tensor> = (0..p).map(|j| y.narrow(2, j * 12 / p, 12 / p)).collect::<candle_core::Result<_>>()?;
+        rep.check(&format!("a2a_pack P{p}"), max_abs(&packed, &Tensor::stack(&want, 0)?)?, 0.0);
+        let unpacked = layout::a2a_unpack(&packed, 1)?;
+        rep.check(&format!("a2a_unpack P{p}"), max_abs(&unpacked, &Tensor::cat(&want, 1)?)?, 0.0);
+    }
+    Ok(())
+}
+
+fn case_to(case: &AttnCase, dev: &Device) -> Result<AttnCase> {
+    let mut c = case.clone();
+    c.q = c.q.to_device(dev)?;
+    c.k = c.k.to_device(dev)?;
+    c.v = c.v.to_device(dev)?;
+    c.dout = c.dout.to_device(dev)?;
+    Ok(c)
+}
+
+fn report_metrics(rep: &mut Report, name: &str, got: &AttnOutputs, case: &AttnCase) -> Result<()> {
+    let m = AttnMetrics::compute(got, &case.reference)?;
+    let tol = case.tolerances();
+    rep.check(&format!("{name} out"), m.out_abs, tol.out_abs);
+    rep.check(&format!("{name} lse"), m.lse_abs, tol.lse_abs);
+    rep.check(&format!("{name} dq"), m.dq_rel, tol.dq_rel);
+    rep.check(&format!("{name} dk"), m.dk_rel, tol.dk_rel);
+    rep.check(&format!("{name} dv"), m.dv_rel, tol.dv_rel);
+    Ok(())
+}
+
+/// Oracle cases (f32): the raw kernels, the autograd op on the GPU, and CP methods on virtual
+/// ranks (thread ranks whose tensors all live on the one GPU).
+fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.sort();
+    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
+        let case = AttnCase::load(path)?;
+        let g = case_to(&case, gpu)?;
+        let mask = kmask(&case.mask());
+        let raw = (|| -> candle_core::Result<AttnOutputs> {
+            let (out, lse) = flash::fwd(&g.q, &g.k, &g.v, mask, case.scale as f32, FwdImpl::Simple)?;
+            let (dq, dk, dv) = flash::bwd(&g.q, &g.k, &g.v, &out, &lse, &g.dout, mask, case.scale as f32)?;
+            Ok(AttnOutputs { out, lse, dq, dk, dv })
+        })();
+        match raw {
+            Ok(o) => report_metrics(rep, &format!("oracle {} kernels", case.name), &o, &case)?,
+            Err(e) => rep.error(&format!("oracle {} kernels", case.name), e),
+        }
+        match run_single(&g) {
+            Ok(o) => report_metrics(rep, &format!("oracle {} autograd op", case.name), &o, &case)?,
+            Err(e) => rep.error(&format!("oracle {} autograd op", case.name), e),
+        }
+        let t = case.q.dim(1)?;
+        for method in CpMethod::ALL {
+            for p in [2, 4] {
+                if t % method.layout().divisor(p) != 0 {
+                    continue;
+                }
+                let name = format!("oracle {} {method} P{p} virtual ranks", case.name);
+                match run_case_cp(&g, method, p, Duration::from_secs(120)) {
+                    Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+        let name = format!("oracle {} ulysses P2 virtual ranks", case.name);
+        match gpu_util::run_ulysses(&g, 2) {
+            Ok(o) => report_metrics(rep, &name, &o, &case)?,
+            Err(e) => rep.error(&name, e),
+        }
+    }
+    Ok(())
+}
+
+#[cfg(feature = "nccl")]
+fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
+    use candle_cp_comm::nccl::NcclGroup;
+    let groups = NcclGroup::single_process(&[ordinal])?;
+    let g = &groups[0];
+    let dev = match &g.device() {
+        d @ Device::Cuda(_) => d.clone(),
+        _ => anyhow::bail!("nccl group device is not CUDA"),
+    };
+    let x = rand_tensor(&[2, 6, 4], 5)?.to_device(&dev)?;
+    rep.check("nccl P1 all_gather", max_abs(&g.all_gather(&x, 1)?, &x)?, 0.0);
+    rep.check("nccl P1 all_reduce", max_abs(&g.all_reduce(&x)?, &x)?, 0.0);
+    rep.check("nccl P1 reduce_scatter", max_abs(&g.reduce_scatter(&x, 1)?, &x)?, 0.0);
+    rep.check("nccl P1 all_to_all", max_abs(&g.all_to_all(&x, 2, 1)?, &x)?, 0.0);
+    rep.check("nccl P1 broadcast", max_abs(&g.broadcast(&x, 0)?, &x)?, 0.0);
+    let r = g.send_recv(&x, 0, 0)?.wait()?;
+    rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
+    g.barrier()?;
+    Ok(())
+}
+
+fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    let arg = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
+    let ordinal: usize = arg("--ordinal").map(|s| s.parse()).transpose()?.unwrap_or(0);
+    let oracle = arg("--oracle").unwrap_or_else(|| "tests/data/oracle/attn".into());
+    let gpu = Device::new_cuda(ordinal)?;
+    let mut rep = Report::default();
+    let start = Instant::now();
+    type Section = fn(&mut Report, &Device) -> Result<()>;
+    let sections: [(&str, Section); 3] = [("flash", check_flash), ("merge", check_merge), ("layout", check_layout)];
+    for (name, f) in sections {
+        let t = Instant::now();
+        if let Err(e) = f(&mut rep, &gpu) {
+            rep.error(&format!("section {name}"), e);
+        }
+        println!("-- section {name}: {:.1} s", t.elapsed().as_secs_f64());
+    }
+    let t = Instant::now();
+    if let Err(e) = check_oracle(&mut rep, &gpu, &oracle) {
+        rep.error("section oracle", e);
+    }
+    println!("-- section oracle + virtual ranks: {:.1} s", t.elapsed().as_secs_f64());
+    #[cfg(feature = "nccl")]
+    if let Err(e) = check_nccl(&mut rep, ordinal) {
+        rep.error("section nccl", e);
+    }
+    println!(
+        "gpu_check: {} passed, {} failed in {:.1} s{}",
+        rep.pass,
+        rep.fail.len(),
+        start.elapsed().as_secs_f64(),
+        if rep.fail.is_empty() { String::new() } else { format!(": {}", rep.fail.join(", ")) }
+    );
+    if !rep.fail.is_empty() {
+        std::process::exit(1);
+    }
+    Ok(())
+}
