@@ -177,7 +177,11 @@ fn main() -> anyhow::Result<()> {
     let (terms, n) = local_nll(&logits, &labels)?;
     let loss_single = (terms.sum_all()? / n as f64)?;
     let g = loss_single.backward()?;
-    let grads_single: Vec<(String, Tensor)> = lm.vars.iter().map(|(k, v)| (k.clone(), g.get(v.as_tensor()).unwrap().clone())).collect();
+    let mut grads_single = Vec::new();
+    for (k, v) in &lm.vars {
+        let Some(gk) = g.get(v.as_tensor()) else { anyhow::bail!("no gradient for {k}") };
+        grads_single.push((k.clone(), gk.clone()));
+    }
     let loss_single = loss_single.to_scalar::<f32>()?;
 
     // ---- P ranks, T/P tokens each ----

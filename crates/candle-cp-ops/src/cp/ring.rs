@@ -392,28 +392,3 @@ mod tests {
         Ok(())
     }
 }
-#[cfg(test)]
-mod tmp_perf {
-    use super::*;
-    #[test]
-    #[ignore]
-    fn perf_merge() -> Result<()> {
-        let dev = candle_core::Device::Cpu;
-        let q = Tensor::randn(0f32, 1., (1, 1024, 4, 64), &dev)?;
-        let k = Tensor::randn(0f32, 1., (1, 1024, 1, 64), &dev)?;
-        let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().unwrap();
-        pool.install(|| -> Result<()> {
-            let (o, l) = attention_fwd(&q, &k, &k, &Mask::Full, 0.125)?;
-            for _ in 0..2 {
-                let t0 = Instant::now();
-                for _ in 0..10 { let _ = attention_fwd(&q, &k, &k, &Mask::Full, 0.125)?; }
-                let t1 = Instant::now();
-                for _ in 0..10 { let _ = merge(&o, &l, &o, &l)?; }
-                let t2 = Instant::now();
-                for _ in 0..10 { let _ = Tensor::stack(&[&k, &k], 0)?; let _ = q.narrow(1, 0, 512)?.contiguous()?; }
-                println!("fwd {:?} merge {:?} misc {:?}", (t1 - t0) / 10, (t2 - t1) / 10, t2.elapsed() / 10);
-            }
-            Ok(())
-        })
-    }
-}
