@@ -99,7 +99,7 @@ impl Attn {
         let mask: Vec<u8> = (0..t).flat_map(|i| (0..t).map(move |j| u8::from(j > i))).collect();
         let mask = Tensor::from_vec(mask, (t, t), x.device())?.broadcast_as(att.shape())?;
         let att = mask.where_cond(&Tensor::new(f32::NEG_INFINITY, x.device())?.broadcast_as(att.shape())?, &att)?;
-        let att = candle_nn::ops::softmax_last_dim(&att)?;
+        let att = candle_nn::ops::softmax(&att, D::Minus1)?; // (softmax_last_dim has no backward)
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
         Ok(self.o.forward(&y)?)
     }

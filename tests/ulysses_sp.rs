@@ -716,3 +716,53 @@ fn comm_volume_matches_formulas() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn fused_column_parts_match_separate_layers_with_one_gather() -> Result<()> {
+    let (p, c) = (2usize, 16usize);
+    let ws: Vec<Tensor> = (0..3).map(|i| rand_t(30 + i, "w", &[c * (i as usize + 1), c])).collect::<candle_core::Result<_>>()?;
+    let bs: Vec<Tensor> = (0..3).map(|i| rand_t(40 + i, "b", &[c * (i as usize + 1)])).collect::<candle_core::Result<_>>()?;
+    let x = rand_t(3, "x", &[2, 8, c])?;
+    let res = all_ok(run_ranks(p, |g: Group| {
+        let (g, log) = Counting::wrap(g);
+        let tp = Tp::new(g.clone(), true);
+        let xl = mp::scatter_to_sp_region(&x, &g, 1)?;
+        let wr: Vec<&Tensor> = ws.iter().collect();
+        let br: Vec<&Tensor> = bs.iter().collect();
+        let fused = ColumnParallelLinear::from_full_parts(&wr, Some(&br), &tp)?;
+        let xv = Var::from_tensor(&xl)?;
+        let ys = fused.forward_parts(xv.as_tensor())?;
+        let gathered = log.lock().unwrap().get("all_gather").copied().unwrap_or(0.0);
+        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+        for (i, y) in ys.iter().enumerate() {
+            loss = (loss + (y * (i as f64 + 1.0))?.sum_all()?)?;
+        }
+        let gf = loss.backward()?;
+        let (dw_f, dx_f) = (grad(&gf, fused.weight().as_tensor(), "fused w")?, grad(&gf, xv.as_tensor(), "x")?);
+        // separate layers on the same input
+        let xs = Var::from_tensor(&xl)?;
+        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+        let mut seps = vec![];
+        let mut worst = 0f32;
+        for i in 0..3 {
+            let l = ColumnParallelLinear::from_full(&ws[i], Some(&bs[i]), &tp)?;
+            let y = l.forward(xs.as_tensor())?;
+            worst = worst.max((&y - &ys[i])?.abs()?.max_all()?.to_scalar::<f32>()?);
+            loss = (loss + (y * (i as f64 + 1.0))?.sum_all()?)?;
+            seps.push(l);
+        }
+        let gs = loss.backward()?;
+        let dw_s = Tensor::cat(&seps.iter().map(|l| grad(&gs, l.weight().as_tensor(), "w")).collect::<candle_core::Result<Vec<_>>>()?, 0)?;
+        let dx_s = grad(&gs, xs.as_tensor(), "x")?;
+        let e_w = (dw_f - dw_s)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let e_x = (dx_f - dx_s)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((worst, e_w, e_x, gathered, fused.part_sizes().to_vec()))
+    }))?;
+    let one_gather = ((p - 1) * 2 * 4 * c * 4) as f64; // (P-1)·|x local| in bytes
+    for (r, (ey, ew, ex, gathered, parts)) in res.into_iter().enumerate() {
+        assert!(ey < 1e-5 && ew < 1e-5 && ex < 1e-5, "rank {r}: fused vs separate differ: out {ey}, dW {ew}, dx {ex}");
+        assert_eq!(gathered, one_gather, "rank {r}: the fused layer must all-gather its input once");
+        assert_eq!(parts, vec![c / p, 2 * c / p, 3 * c / p]);
+    }
+    Ok(())
+}

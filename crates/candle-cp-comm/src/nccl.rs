@@ -22,6 +22,7 @@ use crate::{Group, PendingRecv, ProcessGroup};
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream};
 use candle_core::cuda_backend::cudarc::nccl::{self, Comm, Id, ReduceOp};
 use candle_core::cuda_backend::WrapErr;
+use candle_core::backend::BackendDevice;
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
 use std::sync::{Arc, Mutex};

@@ -45,6 +45,8 @@ pub struct ColumnParallelLinear {
     weight: Var,
     bias: Option<Var>,
     in_dim: usize,
+    /// Local output features of each fused part (one part unless built from parts).
+    parts: Vec<usize>,
     tp: Tp,
 }
 
@@ -59,18 +61,73 @@ impl ColumnParallelLinear {
 
     /// Build from the full `weight` `[out, in]` and optional `bias` `[out]`.
     pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
-        let (out_dim, in_dim) = weight.dims2()?;
-        if let Some(b) = bias {
-            if b.dims() != [out_dim] {
-                candle_core::bail!("ColumnParallelLinear: bias {:?} does not match weight {:?}", b.dims(), weight.dims())
+        Self::from_full_parts(&[weight], bias.map(|b| vec![b]).as_deref(), tp)
+    }
+
+    /// One layer from several full weights `[out_i, in]` sharing the input (e.g. the Q, K, V
+    /// projections): rank `r` holds `[rows r of W₀; rows r of W₁; ...]` (`[Σ out_i/P, in]`),
+    /// so with SP a single all-gather of the input serves every part. Split the output with
+    /// [`Self::forward_parts`]. Each `out_i % P == 0` required.
+    pub fn from_full_parts(weights: &[&Tensor], biases: Option<&[&Tensor]>, tp: &Tp) -> Result<Self> {
+        let Some(first) = weights.first() else { candle_core::bail!("ColumnParallelLinear: no weights given") };
+        let in_dim = first.dims2()?.1;
+        if let Some(bs) = biases {
+            if bs.len() != weights.len() {
+                candle_core::bail!("ColumnParallelLinear: {} biases for {} weights", bs.len(), weights.len())
             }
         }
-        Ok(Self {
-            weight: shard_var(weight, 0, tp, "ColumnParallelLinear")?,
-            bias: bias.map(|b| shard_var(b, 0, tp, "ColumnParallelLinear bias")).transpose()?,
-            in_dim,
-            tp: tp.clone(),
-        })
+        let (mut ws, mut bs, mut parts) = (vec![], vec![], vec![]);
+        for (i, w) in weights.iter().enumerate() {
+            let (out_dim, in_i) = w.dims2()?;
+            if in_i != in_dim {
+                candle_core::bail!("ColumnParallelLinear: part {i} weight {:?} has in = {in_i}, part 0 has {in_dim}", w.dims())
+            }
+            ws.push(shard_var(w, 0, tp, "ColumnParallelLinear")?.as_tensor().clone());
+            parts.push(out_dim / tp.size());
+            if let Some(b) = biases.map(|bs| bs[i]) {
+                if b.dims() != [out_dim] {
+                    candle_core::bail!("ColumnParallelLinear: bias {:?} does not match weight {:?}", b.dims(), w.dims())
+                }
+                bs.push(shard_var(b, 0, tp, "ColumnParallelLinear bias")?.as_tensor().clone());
+            }
+        }
+        let weight = if ws.len() == 1 { Var::from_tensor(&ws[0])? } else { Var::from_tensor(&Tensor::cat(&ws, 0)?)? };
+        let bias = match bs.len() {
+            0 => None,
+            1 => Some(Var::from_tensor(&bs[0])?),
+            _ => Some(Var::from_tensor(&Tensor::cat(&bs, 0)?)?),
+        };
+        Ok(Self { weight, bias, in_dim, parts, tp: tp.clone() })
+    }
+
+    /// Load several full weights (`(vb, out_i)` each holding `weight` `[out_i, in_dim]` and,
+    /// if `bias`, `bias` `[out_i]`) into one fused layer; see [`Self::from_full_parts`].
+    pub fn load_parts(vbs: &[(VarBuilder, usize)], in_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
+        let ws = vbs.iter().map(|(vb, o)| vb.get((*o, in_dim), "weight")).collect::<Result<Vec<_>>>()?;
+        let bs = if bias { Some(vbs.iter().map(|(vb, o)| vb.get(*o, "bias")).collect::<Result<Vec<_>>>()?) } else { None };
+        let wr: Vec<&Tensor> = ws.iter().collect();
+        let br: Option<Vec<&Tensor>> = bs.as_ref().map(|b| b.iter().collect());
+        Self::from_full_parts(&wr, br.as_deref(), tp)
+    }
+
+    /// Local output features of each part (`out_i/P`).
+    pub fn part_sizes(&self) -> &[usize] {
+        &self.parts
+    }
+
+    /// Forward, then split the output `[.., Σ out_i/P]` into the parts `[.., out_i/P]`.
+    pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let y = self.forward(x)?;
+        let last = y.rank() - 1;
+        let mut off = 0;
+        self.parts
+            .iter()
+            .map(|&n| {
+                let t = y.narrow(last, off, n);
+                off += n;
+                t
+            })
+            .collect()
     }
 
     /// This rank's weight shard `[out/P, in]`.

@@ -20,6 +20,7 @@ pub mod balance;
 pub mod ring;
 pub mod ring_comm;
 pub mod shard;
+pub mod state;
 pub mod verify;
 
 pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};

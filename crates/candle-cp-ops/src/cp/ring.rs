@@ -34,7 +34,8 @@
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::{Layout, Segment};
 use super::{check_inputs, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_fwd, merge, Mask};
+use super::state::RowState;
+use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{DType, Result, Tensor};
@@ -131,7 +132,7 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
     let scale = scale_of(opts, dims.d);
     let qsegs = opts.layout.segments(rank, p, dims.t)?;
     let q_rows: Vec<Tensor> = qsegs.iter().map(|s| rows(q, 1, s)).collect::<Result<_>>()?;
-    let mut state: Vec<Option<(Tensor, Tensor)>> = vec![None; qsegs.len()];
+    let mut state: Vec<RowState> = qsegs.iter().map(|_| RowState::Empty).collect();
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     for s in 0..p {
@@ -153,10 +154,7 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
         for Scheduled { qi, q: qs, k: ks, block, .. } in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
             let (o, l) = attention_fwd(&q_rows[qi], &kb, &vb, &mask_of(&block), scale)?;
-            state[qi] = Some(match state[qi].take() {
-                None => (o, l),
-                Some((o0, l0)) => merge(&o0, &l0, &o, &l)?,
-            });
+            state[qi].merge(o, l)?;
             st.blocks += 1;
             st.area += (qs.len * ks.len) as u64;
         }
@@ -169,15 +167,8 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
     let mut outs = Vec::with_capacity(qsegs.len());
     let mut lses = Vec::with_capacity(qsegs.len());
     for (seg, st) in qsegs.iter().zip(state) {
-        let (o, l) = match st {
-            Some(x) => x,
-            None => {
-                // No visible key at all (cannot happen for causal/full, kept for safety).
-                let o = Tensor::zeros((dims.b, seg.len, dims.h, dims.d), DType::F32, q.device())?;
-                let l = (Tensor::ones((dims.b, dims.h, seg.len), DType::F32, q.device())? * f64::NEG_INFINITY)?;
-                (o, l)
-            }
-        };
+        // An empty state (no visible key) cannot happen for causal/full masks; it gives 0/-inf.
+        let (o, l) = st.finish((dims.b, seg.len, dims.h, dims.d), q.device())?;
         outs.push(o);
         lses.push(l);
     }

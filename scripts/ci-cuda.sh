@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# CUDA compile check for CI (no GPU needed). Called by .ci/run from the repository root of a
+# fresh clone that has the read-only shared folder beside it (../shared).
+#
+#   1. nvcc 13.0.x from PyPI + link stubs: ../shared/cuda/setup.sh (installs into
+#      $HOME/.cache/cuda-13.0-pip; nothing is written to ../shared). Needs `cargo fetch` first
+#      so that it finds cudarc's sources for the stubs.
+#   2. `cargo check --release` of every crate with `cuda` (+ `nccl`) in its own target dir
+#      (target/cuda): build scripts run for real, so nvcc compiles kernels/*.cu to PTX
+#      (candle-cp-kernels/build.rs) and candle-kernels builds its own CUDA code.
+#   3. ptxas (sm_80 and sm_90a) assembles our PTX, and its ISA version must be <= 9.0 (what
+#      the GPU machine's CUDA 13.0 driver can JIT).
+#
+# Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+start=$(date +%s)
+SHARED=${CANDLE_CP_SHARED:-../shared}
+export CARGO_TARGET_DIR=${CUDA_TARGET_DIR:-$PWD/target/cuda}
+JOBS=${JOBS:-2}
+
+cargo fetch --quiet
+"$SHARED/cuda/setup.sh" | tail -1
+# shellcheck disable=SC1091
+. "$SHARED/cuda/env.sh"
+echo "ci-cuda: nvcc ready after $(( $(date +%s) - start )) s"
+
+cargo check --release -j "$JOBS" \
+  -p candle-cp-kernels -p candle-cp-comm -p candle-cp-ops -p candle-cp-nn -p candle-cp-llama \
+  -p candle-cp-cli -p candle-cp-examples \
+  --features candle-cp-examples/nccl,candle-cp-cli/cuda \
+  --lib --bins --examples
+echo "ci-cuda: cargo check (cuda, nccl) done after $(( $(date +%s) - start )) s"
+
+n=0
+for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
+  [ -f "$ptx" ] || continue
+  ver=$(grep -m1 '^\.version' "$ptx" | awk '{print $2}')
+  awk -v v="$ver" 'BEGIN { exit !(v + 0 <= 9.0) }' || { echo "ci-cuda: $ptx has PTX ISA $ver > 9.0 (CUDA 13.0 driver cannot load it)"; exit 1; }
+  for arch in sm_80 sm_90a; do ptxas -arch="$arch" -o /dev/null "$ptx"; done
+  n=$((n + 1))
+done
+[ "$n" -ge 4 ] || { echo "ci-cuda: expected 4 PTX files from candle-cp-kernels, found $n"; exit 1; }
+echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean) in $(( $(date +%s) - start )) s"

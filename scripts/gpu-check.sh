@@ -1,0 +1,78 @@
+#!/usr/bin/env bash
+# GPU check in two parts (see docs/gpu.md).
+#
+#   scripts/gpu-check.sh build   # here, no GPU: build gpu_check + gpu_bench with --features
+#                                # cuda,nccl, strip them, stage them in target-gpu-stage/
+#   scripts/gpu-check.sh run     # on the GPU machine (no Rust there): every kernel vs the CPU
+#                                # path + oracle cases + ring/Ulysses on virtual ranks, then the
+#                                # TFLOP/s benchmark beside PyTorch SDPA; results in $OUT/gpu-check
+#
+# With the device tool: run `build` here, then
+#   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=540)
+# Part 2 fits in about 8 minutes: check <= 200 s, benchmark <= 150 s, SDPA <= 100 s.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+STAGE=${STAGE:-target-gpu-stage}
+
+build() {
+  local shared=${CANDLE_CP_SHARED:-../shared}
+  cargo fetch --quiet
+  "$shared/cuda/setup.sh" | tail -1
+  # shellcheck disable=SC1091
+  . "$shared/cuda/env.sh"
+  export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
+  cargo build --release -j "${JOBS:-2}" -p candle-cp-examples --features candle-cp-examples/nccl \
+    --example gpu_check --example gpu_bench
+  rm -rf "$STAGE"
+  mkdir -p "$STAGE"
+  for b in gpu_check gpu_bench; do
+    cp "$CARGO_TARGET_DIR/release/examples/$b" "$STAGE/$b"
+    strip "$STAGE/$b"
+  done
+  local bytes
+  bytes=$(du -sb "$STAGE" | cut -f1)
+  ls -la "$STAGE"
+  [ "$bytes" -le $((64 * 1024 * 1024)) ] || { echo "gpu-check: $STAGE is $bytes bytes > 64 MiB"; exit 1; }
+  echo "gpu-check: staged $bytes bytes in $STAGE (carry it to the GPU machine)"
+}
+
+run() {
+  local out=${OUT:-$PWD/gpu-out}/gpu-check
+  mkdir -p "$out"
+  # Runtime libraries (cudart, cublas, curand, nccl) come from the Python nvidia packages.
+  local nv libs=""
+  nv=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)
+  if [ -n "$nv" ]; then
+    for d in $(find "$nv/nvidia" -maxdepth 3 -type d -name lib 2>/dev/null); do libs="$libs:$d"; done
+  fi
+  has_lib() { local d; for d in ${libs//:/ }; do [ -e "$d/$1" ] && return 0; done; return 1; }
+  for so in libnccl.so.2 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13; do
+    has_lib "$so" && continue
+    d=$(find / -name "$so" -not -path '/proc/*' 2>/dev/null | head -1 | xargs -r dirname)
+    if [ -n "$d" ]; then libs="$libs:$d"; else echo "gpu-check: WARNING: $so not found"; fi
+  done
+  export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$out/env.txt"
+  nvidia-smi 2>&1 | tee "$out/nvidia-smi.txt" | head -15 || true
+  ldd "$STAGE/gpu_check" | tee "$out/ldd.txt"
+  if grep -q "not found" "$out/ldd.txt"; then echo "gpu-check: WARNING: missing libraries (see ldd above)"; fi
+
+  local rc=0
+  echo "== 1/3 correctness: kernels vs CPU, oracle, virtual ranks"
+  timeout 200 "$STAGE/gpu_check" --oracle tests/data/oracle/attn 2>&1 | tee "$out/check.log" || rc=1
+  echo "== 2/3 candle-cp benchmark (bf16, D = 128)"
+  timeout 150 "$STAGE/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+    --ring-t 16384 --ring-p 4 --budget-s 120 2>&1 | tee "$out/bench.jsonl" || rc=1
+  echo "== 3/3 PyTorch scaled_dot_product_attention on the same GPU"
+  timeout 100 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+    2>&1 | tee "$out/sdpa.jsonl" || rc=1
+  python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
+  echo "gpu-check: results in $out (rc $rc)"
+  return $rc
+}
+
+case "${1:-}" in
+  build) build ;;
+  run) run ;;
+  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+esac
