@@ -14,6 +14,7 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_cp_comm::run_ranks;
 use candle_cp_ops::attention::{attention, Mask};
 use candle_cp_ops::cp::{balance, gather, ring_attention, shard, CpOpts, Layout};
+use rand::{rngs::StdRng, Rng, SeedableRng};
 use std::time::Instant;
 
 fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
@@ -39,12 +40,23 @@ fn main() -> Result<()> {
     let dev = Device::Cpu;
     let scale = 1.0 / (d as f64).sqrt();
 
-    // Seeded global inputs (candle's CPU RNG is seeded per device).
-    dev.set_seed(7)?;
-    let q = Tensor::randn(0f32, 1., (b, t, h, d), &dev)?;
-    let k = Tensor::randn(0f32, 1., (b, t, hkv, d), &dev)?;
-    let v = Tensor::randn(0f32, 1., (b, t, hkv, d), &dev)?;
-    let dout = Tensor::randn(0f32, 1., (b, t, h, d), &dev)?;
+    // Seeded global inputs.
+    let mut rng = StdRng::seed_from_u64(7);
+    let mut randn = |shape: (usize, usize, usize, usize)| -> Result<Tensor> {
+        let n = shape.0 * shape.1 * shape.2 * shape.3;
+        // Box-Muller from two uniforms.
+        let data: Vec<f32> = (0..n)
+            .map(|_| {
+                let (u1, u2): (f32, f32) = (rng.random::<f32>().max(1e-12), rng.random());
+                (-2.0 * u1.ln()).sqrt() * (2.0 * std::f32::consts::PI * u2).cos()
+            })
+            .collect();
+        Ok(Tensor::from_vec(data, shape, &dev)?)
+    };
+    let q = randn((b, t, h, d))?;
+    let k = randn((b, t, hkv, d))?;
+    let v = randn((b, t, hkv, d))?;
+    let dout = randn((b, t, h, d))?;
 
     // Single device reference.
     let start = Instant::now();

@@ -722,7 +722,7 @@ fn fused_column_parts_match_separate_layers_with_one_gather() -> Result<()> {
     let (p, c) = (2usize, 16usize);
     let ws: Vec<Tensor> = (0..3).map(|i| rand_t(30 + i, "w", &[c * (i as usize + 1), c])).collect::<candle_core::Result<_>>()?;
     let bs: Vec<Tensor> = (0..3).map(|i| rand_t(40 + i, "b", &[c * (i as usize + 1)])).collect::<candle_core::Result<_>>()?;
-    let x = rand_t(3, "x", &[2, 8, c])?;
+    let x = rand_t(3, "x", &[2, 16, c])?;
     let res = all_ok(run_ranks(p, |g: Group| {
         let (g, log) = Counting::wrap(g);
         let tp = Tp::new(g.clone(), true);
@@ -758,7 +758,7 @@ fn fused_column_parts_match_separate_layers_with_one_gather() -> Result<()> {
         let e_x = (dx_f - dx_s)?.abs()?.max_all()?.to_scalar::<f32>()?;
         Ok((worst, e_w, e_x, gathered, fused.part_sizes().to_vec()))
     }))?;
-    let one_gather = ((p - 1) * 2 * 4 * c * 4) as f64; // (P-1)·|x local| in bytes
+    let one_gather = ((p - 1) * 2 * (16 / p) * c * 4) as f64; // (P-1)·|x local| in bytes
     for (r, (ey, ew, ex, gathered, parts)) in res.into_iter().enumerate() {
         assert!(ey < 1e-5 && ew < 1e-5 && ex < 1e-5, "rank {r}: fused vs separate differ: out {ey}, dW {ew}, dx {ex}");
         assert_eq!(gathered, one_gather, "rank {r}: the fused layer must all-gather its input once");
