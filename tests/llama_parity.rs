@@ -148,6 +148,12 @@ fn tp2_x_cp2_zigzag_sp() {
 }
 
 #[test]
+fn tp2_x_ulysses2_sp_kv_replicated() {
+    // after TP each rank has 1 KV head; Ulysses 2 replicates it
+    check(Layout::cp(CpKind::Ulysses, 2).with_tp(2, true));
+}
+
+#[test]
 fn two_d_2x2() {
     check(Layout::two_d(2, 2));
 }

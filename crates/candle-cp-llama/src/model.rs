@@ -261,3 +261,37 @@ pub fn global_mean(terms: &Tensor, n: usize, group: &candle_cp_comm::Group) -> R
     let gv = graph.to_scalar::<f32>()? as f64;
     graph + (total / count - gv)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::{shard_batch, Layout};
+    use crate::params::{init_params, shard_params};
+    use candle_core::Device;
+    use candle_cp_comm::run_ranks;
+
+    /// bf16 weights run forward and backward and stay close to f32 (loose bf16 bound).
+    #[test]
+    fn bf16_close_to_f32() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+        let ids = Tensor::arange(0u32, 64, &Device::Cpu)?.reshape((1, 64))?;
+        let mut losses = Vec::new();
+        for dt in [DType::F32, DType::BF16] {
+            let r = run_ranks(1, |g| {
+                let ctx = ParallelCtx::new(g, Layout::single())?;
+                let vm = shard_params(&init_params(&cfg, 3, dt, &Device::Cpu)?, &cfg, &ctx)?;
+                let m = Llama::new(VarBuilder::from_varmap(&vm, dt, &Device::Cpu), &cfg, &ctx)?;
+                let b = shard_batch(&ids, &ctx)?;
+                let (loss, logits) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
+                assert_eq!(logits.dtype(), dt);
+                let grads = loss.backward()?;
+                assert_eq!(crate::grads::named_grads(&grads, &vm)?.len(), crate::params::param_specs(&cfg).len());
+                loss.to_scalar::<f32>()
+            });
+            losses.push(r.into_iter().next().unwrap_or_else(|| Err(candle_core::Error::Msg("no rank".into())))?);
+        }
+        assert!(losses[0].is_finite() && (losses[0] - (64f32).ln()).abs() < 0.1, "{losses:?}");
+        assert!((losses[0] - losses[1]).abs() < 2e-2, "{losses:?}");
+        Ok(())
+    }
+}

@@ -1,110 +1,107 @@
-//! The f32 running state `(out, lse)` of one query segment across ring steps.
+//! The f32 running state `(out, lse)` of this rank's local query rows across ring steps.
 //!
-//! Each ring step produces a partial result `(out_s [B, n, H, D], lse_s [B, H, n])` over a
-//! disjoint set of keys; the state folds it in through the log-sum-exp:
+//! Each ring step produces partial results `(out_s [B, n, H, D], lse_s [B, H, n])` for a run
+//! of local rows (a query segment) over a disjoint set of keys; the state folds them in through
+//! the log-sum-exp, in place, one pass:
 //!
 //! ```text
 //! m = max(lse, lse_s)   w = e^(lse-m)   w_s = e^(lse_s-m)
 //! out ← (w·out + w_s·out_s) / (w + w_s)     lse ← m + ln(w + w_s)     (-inf rows stay 0/-inf)
 //! ```
 //!
-//! On the CPU the state lives in host `Vec<f32>`s and is updated in place in one pass (the
-//! general [`crate::attention::merge`] builds ~10 broadcast tensor ops per merge, which costs
-//! ~40% of a 1k×1k attention block on CPU). On other devices it falls back to `merge`.
+//! The state starts at out 0, lse `-inf` (the empty key set) and lives in host `Vec<f32>`s for
+//! all `T/P` local rows, so the final tensors need no concatenation. (The general
+//! [`crate::attention::merge`] builds ~10 broadcast tensor ops per merge, ~40% of a 1k×1k
+//! attention block on CPU; it stays the reference this is tested against.) On a GPU the partial
+//! results are copied to the host — the CPU attention path does the same today.
 
-use crate::attention::merge;
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 
-/// Running (out, lse) of `n` query rows, f32.
-pub enum RowState {
-    /// Nothing merged yet.
-    Empty,
-    /// Host state: `out` `[B, n, H, D]`, `lse` `[B, H, n]`, row-major.
-    Host { out: Vec<f32>, lse: Vec<f32>, dims: (usize, usize, usize, usize) },
-    /// Device tensors, merged with [`merge`].
-    Dev(Tensor, Tensor),
+/// Running (out, lse) of `T/P` local query rows, f32, host memory.
+pub struct LocalState {
+    out: Vec<f32>,
+    lse: Vec<f32>,
+    dims: (usize, usize, usize, usize),
 }
 
-impl RowState {
-    /// Fold in a partial result `out_s [B, n, H, D]` (f32), `lse_s [B, H, n]` (f32).
-    pub fn merge(&mut self, out_s: Tensor, lse_s: Tensor) -> Result<()> {
-        let (b, n, h, d) = out_s.dims4()?;
-        if lse_s.dims() != [b, h, n] {
-            candle_core::bail!("RowState::merge: lse {:?} does not match out {:?}", lse_s.shape(), out_s.shape())
+/// Run `f` on the f32 contents of `t` (row-major), without a copy when `t` is a contiguous
+/// f32 CPU tensor.
+fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
+    if t.device().is_cpu() && t.dtype() == DType::F32 {
+        let (st, layout) = t.storage_and_layout();
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*st, layout.contiguous_offsets()) {
+            return Ok(f(&v[a..b]));
         }
-        let cpu = out_s.device().is_cpu();
-        let taken = std::mem::replace(self, RowState::Empty);
-        *self = match taken {
-            RowState::Empty if cpu => RowState::Host { out: host(&out_s)?, lse: host(&lse_s)?, dims: (b, n, h, d) },
-            RowState::Empty => RowState::Dev(out_s, lse_s),
-            RowState::Dev(o, l) => {
-                let (o, l) = merge(&o, &l, &out_s, &lse_s)?;
-                RowState::Dev(o, l)
-            }
-            RowState::Host { mut out, mut lse, dims } => {
-                if dims != (b, n, h, d) {
-                    candle_core::bail!("RowState::merge: partial out {:?} does not match the state {:?}", out_s.shape(), dims)
+    }
+    let v = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(f(&v))
+}
+
+impl LocalState {
+    /// Empty state (out 0, lse `-inf`) for `[B, T/P, H, D]` local rows.
+    pub fn new(b: usize, tl: usize, h: usize, d: usize) -> Self {
+        Self { out: vec![0f32; b * tl * h * d], lse: vec![f32::NEG_INFINITY; b * h * tl], dims: (b, tl, h, d) }
+    }
+
+    /// Fold in a partial result for local rows `row0 .. row0 + n`:
+    /// `out_s [B, n, H, D]`, `lse_s [B, H, n]` (any float dtype, any device).
+    pub fn merge_rows(&mut self, row0: usize, out_s: &Tensor, lse_s: &Tensor) -> Result<()> {
+        let (b, tl, h, d) = self.dims;
+        let (bs, n, hs, ds) = out_s.dims4()?;
+        if bs != b || hs != h || ds != d || row0 + n > tl || lse_s.dims() != [b, h, n] {
+            candle_core::bail!(
+                "LocalState::merge_rows: partial out {:?}, lse {:?} at row {row0} do not fit the state [B, T/P, H, D] = {:?}",
+                out_s.shape(),
+                lse_s.shape(),
+                self.dims
+            )
+        }
+        let (out, lse) = (&mut self.out, &mut self.lse);
+        with_host_f32(lse_s, |ls| {
+            with_host_f32(out_s, |os| {
+                for bi in 0..b {
+                    for ti in 0..n {
+                        for hi in 0..h {
+                            let li = (bi * h + hi) * tl + row0 + ti;
+                            let (la, lb) = (lse[li], ls[(bi * h + hi) * n + ti]);
+                            let m = la.max(lb);
+                            if m == f32::NEG_INFINITY {
+                                continue; // no key seen in either part: out 0, lse -inf
+                            }
+                            let (wa, wb) = ((la - m).exp(), (lb - m).exp());
+                            let sum = wa + wb;
+                            let (ca, cb) = (wa / sum, wb / sum);
+                            lse[li] = m + sum.ln();
+                            let o = ((bi * tl + row0 + ti) * h + hi) * d;
+                            let so = ((bi * n + ti) * h + hi) * d;
+                            for (x, y) in out[o..o + d].iter_mut().zip(&os[so..so + d]) {
+                                *x = ca * *x + cb * *y;
+                            }
+                        }
+                    }
                 }
-                merge_host(&mut out, &mut lse, &host(&out_s)?, &host(&lse_s)?, dims);
-                RowState::Host { out, lse, dims }
-            }
-        };
+            })
+        })??;
         Ok(())
     }
 
-    /// The state as f32 tensors `(out [B, n, H, D], lse [B, H, n])` on `device`; an empty state
-    /// (no key seen) gives out 0 and lse `-inf` of the given dims.
-    pub fn finish(self, dims: (usize, usize, usize, usize), device: &Device) -> Result<(Tensor, Tensor)> {
-        let (b, n, h, d) = dims;
-        match self {
-            RowState::Empty => {
-                let o = Tensor::zeros((b, n, h, d), DType::F32, device)?;
-                let l = Tensor::full(f32::NEG_INFINITY, (b, h, n), device)?;
-                Ok((o, l))
-            }
-            RowState::Host { out, lse, dims: (b, n, h, d) } => Ok((
-                Tensor::from_vec(out, (b, n, h, d), &Device::Cpu)?.to_device(device)?,
-                Tensor::from_vec(lse, (b, h, n), &Device::Cpu)?.to_device(device)?,
-            )),
-            RowState::Dev(o, l) => Ok((o, l)),
-        }
-    }
-}
-
-fn host(t: &Tensor) -> Result<Vec<f32>> {
-    t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
-}
-
-/// In-place LSE merge of `(out_s, lse_s)` into `(out, lse)`; layouts `[B, n, H, D]`, `[B, H, n]`.
-fn merge_host(out: &mut [f32], lse: &mut [f32], out_s: &[f32], lse_s: &[f32], (b, n, h, d): (usize, usize, usize, usize)) {
-    for bi in 0..b {
-        for ti in 0..n {
-            for hi in 0..h {
-                let li = (bi * h + hi) * n + ti;
-                let (la, lb) = (lse[li], lse_s[li]);
-                let m = la.max(lb);
-                if m == f32::NEG_INFINITY {
-                    continue; // neither part saw a key: keep out 0, lse -inf
-                }
-                let (wa, wb) = ((la - m).exp(), (lb - m).exp());
-                let sum = wa + wb;
-                let (ca, cb) = (wa / sum, wb / sum);
-                lse[li] = m + sum.ln();
-                let o = ((bi * n + ti) * h + hi) * d;
-                for (x, y) in out[o..o + d].iter_mut().zip(&out_s[o..o + d]) {
-                    *x = ca * *x + cb * *y;
-                }
-            }
-        }
+    /// The state as f32 tensors `(out [B, T/P, H, D], lse [B, H, T/P])` on `device`.
+    pub fn finish(self, device: &Device) -> Result<(Tensor, Tensor)> {
+        let (b, tl, h, d) = self.dims;
+        Ok((
+            Tensor::from_vec(self.out, (b, tl, h, d), &Device::Cpu)?.to_device(device)?,
+            Tensor::from_vec(self.lse, (b, h, tl), &Device::Cpu)?.to_device(device)?,
+        ))
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::attention::merge;
 
     #[test]
-    fn host_merge_equals_attention_merge() -> Result<()> {
+    fn state_merge_equals_attention_merge() -> Result<()> {
         let dev = Device::Cpu;
         let (b, n, h, d) = (2, 5, 3, 4);
         let oa = Tensor::randn(0f32, 1., (b, n, h, d), &dev)?;
@@ -117,28 +114,44 @@ mod tests {
         let lc = Tensor::randn(0f32, 3., (b, h, n), &dev)?;
         let (o1, l1) = merge(&oa, &la, &ob, &lb)?;
         let (o1, l1) = merge(&o1, &l1, &oc, &lc)?;
-        let mut s = RowState::Empty;
-        s.merge(oa, la)?;
-        s.merge(ob, lb)?;
-        s.merge(oc, lc)?;
-        let (o2, l2) = s.finish((b, n, h, d), &dev)?;
+        // The state covers 2n rows; the merged rows are n..2n, rows 0..n stay empty.
+        let mut s = LocalState::new(b, 2 * n, h, d);
+        s.merge_rows(n, &oa, &la)?;
+        s.merge_rows(n, &ob, &lb)?;
+        s.merge_rows(n, &oc.to_dtype(DType::BF16)?.to_dtype(DType::F32)?, &lc)?;
+        let (o2, l2) = s.finish(&dev)?;
+        let (o2e, l2e) = (o2.narrow(1, 0, n)?, l2.narrow(2, 0, n)?);
+        let (o2, l2) = (o2.narrow(1, n, n)?, l2.narrow(2, n, n)?);
         let eo = (o1 - o2)?.abs()?.max_all()?.to_scalar::<f32>()?;
         let el = (l1 - l2)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        assert!(eo < 1e-6 && el < 1e-6, "{eo} {el}");
+        assert!(eo < 1e-2 && el < 1e-5, "{eo} {el}");
+        assert!(o2e.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0));
+        assert!(l2e.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == f32::NEG_INFINITY));
         Ok(())
     }
 
     #[test]
-    fn fully_masked_rows_stay_zero() -> Result<()> {
+    fn exact_against_merge_f32() -> Result<()> {
         let dev = Device::Cpu;
-        let o = Tensor::zeros((1, 2, 1, 3), DType::F32, &dev)?;
-        let l = Tensor::full(f32::NEG_INFINITY, (1, 1, 2), &dev)?;
-        let mut s = RowState::Empty;
-        s.merge(o.clone(), l.clone())?;
-        s.merge(o, l)?;
-        let (o, l) = s.finish((1, 2, 1, 3), &dev)?;
-        assert!(o.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0));
-        assert!(l.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == f32::NEG_INFINITY));
+        let oa = Tensor::randn(0f32, 1., (1, 4, 2, 8), &dev)?;
+        let ob = Tensor::randn(0f32, 1., (1, 4, 2, 8), &dev)?;
+        let la = Tensor::randn(0f32, 2., (1, 2, 4), &dev)?;
+        let lb = Tensor::full(f32::NEG_INFINITY, (1, 2, 4), &dev)?;
+        let (o1, l1) = merge(&oa, &la, &ob, &lb)?;
+        let mut s = LocalState::new(1, 4, 2, 8);
+        s.merge_rows(0, &oa, &la)?;
+        s.merge_rows(0, &ob, &lb)?;
+        let (o2, l2) = s.finish(&dev)?;
+        assert!((o1 - o2)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        assert!((l1 - l2)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        assert!(s_bad().is_err());
         Ok(())
+    }
+
+    fn s_bad() -> Result<()> {
+        let mut s = LocalState::new(1, 4, 2, 8);
+        let o = Tensor::zeros((1, 3, 2, 8), DType::F32, &Device::Cpu)?;
+        let l = Tensor::zeros((1, 2, 3), DType::F32, &Device::Cpu)?;
+        s.merge_rows(2, &o, &l)
     }
 }
