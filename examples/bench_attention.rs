@@ -1,10 +1,13 @@
 //! Blockwise attention forward + backward on CPU vs `attention_slow` (plain candle ops).
 //!
-//! Run: `cargo run --release -p candle-cp-examples --example bench_attention [-- --t 1024,2048] [--no-slow]`
+//! Run: `cargo run --release -p candle-cp-examples --example bench_attention [-- --t 1024,2048] [--no-slow] [--split]`
+//! (`--split`: also time the raw `attention_fwd` / `attention_bwd` separately.)
 //!
 //! Shapes: B = 1, H = 8 (Hkv = 8), D = 64, causal, f32; T = 1k, 2k, 4k, 8k by default.
-//! CPU time (user + system over all threads, /proc/self/stat) is printed too: on a shared,
-//! busy machine wall time is unreliable, CPU time much less so.
+//! CPU time (user + system over all threads, /proc/self/stat, 10 ms ticks) is printed too: on a
+//! shared, busy machine wall time is unreliable, CPU time much less so; "CPU/2" is the wall time
+//! two fully available cores would give if the work splits evenly (it does: ≥ 8 equal work items).
+//! The load average is printed at start and end.
 //! Time: median wall-clock of `attention` forward + autograd backward of `sum(out * dout)`.
 //! FLOPs (causal fwd + bwd) = 3.5 · (2 · 2 · T² · D · H) / 2 = 7 · T² · D · H: the forward is two
 //! T×T×D GEMMs (QKᵀ, PV) at 2 flops per multiply-add, halved by the causal mask, and the
@@ -17,7 +20,7 @@
 //! time ~100 GFLOP/s would give (the reference's rate), marked "~".
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_cp_ops::attention::{attention, attention_slow, Mask};
+use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, attention_slow, Mask};
 use std::time::Instant;
 
 type AttnFn = fn(&Tensor, &Tensor, &Tensor, &Mask, f64) -> Result<(Tensor, Tensor)>;
@@ -93,8 +96,9 @@ fn main() -> Result<()> {
     let scale = 1.0 / (d as f64).sqrt();
     println!("attention fwd+bwd, CPU, B={b} H={h} D={d} causal f32, rayon threads = {}", rayon_threads());
     let no_slow = args.iter().any(|a| a == "--no-slow");
-    println!("| T | ours wall (s) | ours CPU (s) | ours GFLOP/s | ours peak MB | slow wall (s) | slow peak MB | slow/ours | PyTorch ref (s) | ours/PyTorch |");
-    println!("|---|---|---|---|---|---|---|---|---|---|");
+    println!("load average at start: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
+    println!("| T | ours wall (s) | ours CPU (s) | GFLOP/s (wall) | GFLOP per CPU-s | ours peak MB | slow wall (s) | slow CPU (s) | slow peak MB | slow/ours (CPU) | PyTorch ref (s) | ours/PyTorch (wall) | ours (CPU/2)/PyTorch |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for &t in &ts {
         let dev = Device::Cpu;
         let q = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?;
@@ -109,12 +113,12 @@ fn main() -> Result<()> {
         // slow: ~14 live [B, H, T, T] f32 tensors; skip above ~8 GB (it also takes > 30 s there).
         let slow_bytes = 14.0 * 4.0 * (b * h * t * t) as f64;
         let (slow_s, slow_mb, ratio) = if no_slow {
-            ("not run (--no-slow)".to_string(), "-".into(), "-".into())
+            ("not run (--no-slow) | -".to_string(), "-".into(), "-".into())
         } else if slow_bytes <= 8e9 {
             let s = bench(attention_slow, &q, &k, &v, &dout, scale, 1)?;
-            (format!("{:.2}", s.wall), format!("{:.0}", s.peak_mb), format!("{:.1}x", s.wall / ours))
+            (format!("{:.2} | {:.2}", s.wall, s.cpu), format!("{:.0}", s.peak_mb), format!("{:.1}x", s.cpu / r.cpu))
         } else {
-            (format!("skipped (~{:.0} GB)", slow_bytes / 1e9), "-".into(), "-".into())
+            (format!("skipped (~{:.0} GB) | -", slow_bytes / 1e9), "-".into(), "-".into())
         };
         let (ref_s, approx) = match t {
             4096 => (0.61, ""),
@@ -122,16 +126,56 @@ fn main() -> Result<()> {
             _ => (flops / 100e9, "~"),
         };
         println!(
-            "| {t} | {ours:.3} | {:.2} | {:.1} | {:.0} | {slow_s} | {slow_mb} | {ratio} | {approx}{ref_s:.3} | {:.2}x |",
+            "| {t} | {ours:.3} | {:.2} | {:.1} | {:.1} | {:.0} | {slow_s} | {slow_mb} | {ratio} | {approx}{ref_s:.3} | {:.2}x | {:.2}x |",
             r.cpu,
             flops / ours / 1e9,
+            flops / r.cpu / 1e9,
             r.peak_mb,
-            ours / ref_s
+            ours / ref_s,
+            r.cpu / 2.0 / ref_s
+        );
+    }
+    if args.iter().any(|a| a == "--split") {
+        split(&ts, scale)?;
+    }
+    println!("load average at end: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
+    Ok(())
+}
+
+/// `--split`: raw `attention_fwd` and `attention_bwd` timed separately (median of 3).
+fn split(ts: &[usize], scale: f64) -> Result<()> {
+    println!("| T | fwd wall (s) | fwd CPU (s) | fwd GFLOP per CPU-s | bwd wall (s) | bwd CPU (s) | bwd GFLOP per CPU-s |");
+    println!("|---|---|---|---|---|---|---|");
+    for &t in ts {
+        let shape = (1, t, 8, 64);
+        let r = || Tensor::randn(0f32, 1.0, shape, &Device::Cpu);
+        let (q, k, v, dout) = (r()?, r()?, r()?, r()?);
+        let fwd_flops = 2.0 * (t * t * 64 * 8) as f64;
+        let mut runs = Vec::new();
+        for _ in 0..3 {
+            let (c0, t0) = (cpu_seconds(), Instant::now());
+            let (out, lse) = attention_fwd(&q, &k, &v, &Mask::causal(), scale)?;
+            let (c1, w1) = (cpu_seconds(), t0.elapsed().as_secs_f64());
+            let _ = attention_bwd(&q, &k, &v, &out, &lse, &dout, &Mask::causal(), scale)?;
+            let (c2, w2) = (cpu_seconds(), t0.elapsed().as_secs_f64());
+            runs.push((w1, c1 - c0, w2 - w1, c2 - c1));
+        }
+        runs.sort_by(|a, b| (a.0 + a.2).total_cmp(&(b.0 + b.2)));
+        let (fw, fc, bw, bc) = runs[1];
+        println!(
+            "| {t} | {fw:.3} | {fc:.2} | {:.1} | {bw:.3} | {bc:.2} | {:.1} |",
+            fwd_flops / fc / 1e9,
+            2.5 * fwd_flops / bc / 1e9
         );
     }
     Ok(())
 }
 
+/// Threads of rayon's global pool: `RAYON_NUM_THREADS` if set, else the number of CPUs.
 fn rayon_threads() -> usize {
-    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+    std::env::var("RAYON_NUM_THREADS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .filter(|&n| n > 0)
+        .unwrap_or_else(|| std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1))
 }

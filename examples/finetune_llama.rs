@@ -122,6 +122,11 @@ struct Args {
     /// much more slowly) instead of one fused token.
     #[arg(long)]
     unfused: bool,
+    /// Training objective: `all` next-token targets, or `long-range` targets only (answer-only
+    /// loss). Default: long-range for the synthetic task, all for --data. The reported `loss`
+    /// is always the mean over all targets.
+    #[arg(long)]
+    loss_on: Option<String>,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -190,6 +195,12 @@ fn main() -> Result<()> {
         }
     };
     let batch = a.batch.unwrap_or(a.dp);
+    let long_range_only = match a.loss_on.as_deref() {
+        None => a.data.is_none(),
+        Some("all") => false,
+        Some("long-range") => true,
+        Some(o) => bail!("--loss-on {o}: expected all or long-range"),
+    };
     let cfg = TrainConfig {
         layout,
         model,
@@ -208,12 +219,14 @@ fn main() -> Result<()> {
         resume: a.resume,
         stop_after: a.stop_after,
         dtype: DType::F32,
+        long_range_only,
         args: serde_json::json!(format!("{a:?}")),
     };
     let world = layout.world_size();
     println!("layout   : {layout} ({world} thread ranks on CPU)");
     println!("data     : {data_desc}");
     println!("batch    : {batch} rows x {} tokens x {} micro-batches per step", a.seq_len, a.grad_accum);
+    println!("objective: mean cross-entropy over {} targets", if long_range_only { "the long-range" } else { "all next-token" });
     println!("out      : {}", a.out.display());
     let t0 = Instant::now();
     let steps = a.steps;

@@ -9,7 +9,7 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, PendingRecv, ProcessGroup, ThreadGroupOptions};
 use candle_cp_ops::attention::attention_slow;
-use candle_cp_ops::cp::{ring_attention, run_case_cp, CpMethod, CpOpts, Layout};
+use candle_cp_ops::cp::{ring_attention, run_case_cp, run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
 use std::path::PathBuf;
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -175,6 +175,22 @@ fn p3_seeded_matches_single_device_and_slow() -> Result<()> {
             let run = run_case_cp(&case, method, 3, TIMEOUT)?;
             assert_close(&run.outputs, &case.reference, &tol, &format!("{} {method} P=3 vs single", case.name))?;
             assert_close(&run.outputs, &slow, &tol, &format!("{} {method} P=3 vs slow", case.name))?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn query_row_chunking_matches_oracle() -> Result<()> {
+    // block_rows = 13 splits every segment (zigzag halves of 64/8 = 8.. up to 256 rows) into
+    // uneven chunks, including chunks that straddle the diagonal and chunks that are skipped.
+    for name in ["b1_t64_h4_kv4_d32_causal", "b2_t256_h8_kv2_d64_causal"] {
+        let case = load(name)?;
+        for p in [1usize, 2, 4] {
+            for method in CpMethod::ALL {
+                let run = run_case_cp_with(&case, method, p, TIMEOUT, 13)?;
+                assert_close(&run.outputs, &case.reference, &case.tolerances(), &format!("{name} {method} P={p} block_rows=13"))?;
+            }
         }
     }
     Ok(())

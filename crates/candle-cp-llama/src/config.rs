@@ -14,9 +14,23 @@ pub enum RopeScaling {
     /// Plain RoPE: `inv_freq[i] = theta^(-2i/d)`.
     Default,
     /// Positions divided by `factor` (equivalently every frequency divided by `factor`).
-    Linear { factor: f64 },
-    /// Llama 3.1 frequency-dependent scaling (HF `_compute_llama3_parameters`).
-    Llama3 { factor: f64, low_freq_factor: f64, high_freq_factor: f64, original_max_position_embeddings: usize },
+    Linear {
+        /// Divisor of every frequency.
+        factor: f64,
+    },
+    /// Llama 3.1 frequency-dependent scaling (HF `_compute_llama3_parameters`): wavelengths
+    /// longer than `original_max_position_embeddings / low_freq_factor` are divided by
+    /// `factor`, shorter than `original / high_freq_factor` kept, in between interpolated.
+    Llama3 {
+        /// Scale of the low frequencies.
+        factor: f64,
+        /// Long-wavelength threshold divisor (HF default 1).
+        low_freq_factor: f64,
+        /// Short-wavelength threshold divisor (HF default 4).
+        high_freq_factor: f64,
+        /// Context length the frequencies were trained for (HF default 8192).
+        original_max_position_embeddings: usize,
+    },
 }
 
 /// Architecture hyper-parameters of a Llama-style decoder (`LlamaForCausalLM`).
@@ -239,17 +253,19 @@ impl LlamaConfig {
     /// HF `config.json` text (`LlamaForCausalLM`, both RoPE spellings), for `dtype` in
     /// `"float32"` / `"bfloat16"` / `"float16"`.
     pub fn to_hf_json(&self, dtype: &str) -> String {
+        // `rope_parameters` (transformers >= 5) plus the legacy top-level `rope_theta` and, only
+        // when scaled, `rope_scaling` holding the same object (transformers 4 reads it; 5 treats
+        // it as an alias of `rope_parameters`, so the two must agree and a `null` must not be
+        // written).
         let mut rope = Map::new();
         rope.insert("rope_theta".into(), json!(self.rope_theta));
-        let legacy = match &self.rope_scaling {
+        match &self.rope_scaling {
             RopeScaling::Default => {
                 rope.insert("rope_type".into(), json!("default"));
-                Value::Null
             }
             RopeScaling::Linear { factor } => {
                 rope.insert("rope_type".into(), json!("linear"));
                 rope.insert("factor".into(), json!(factor));
-                json!({"rope_type": "linear", "type": "linear", "factor": factor})
             }
             RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
                 rope.insert("rope_type".into(), json!("llama3"));
@@ -257,11 +273,8 @@ impl LlamaConfig {
                 rope.insert("low_freq_factor".into(), json!(low_freq_factor));
                 rope.insert("high_freq_factor".into(), json!(high_freq_factor));
                 rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
-                json!({"rope_type": "llama3", "factor": factor, "low_freq_factor": low_freq_factor,
-                       "high_freq_factor": high_freq_factor,
-                       "original_max_position_embeddings": original_max_position_embeddings})
             }
-        };
+        }
         let v = json!({
             "architectures": ["LlamaForCausalLM"],
             "model_type": "llama",
@@ -278,8 +291,7 @@ impl LlamaConfig {
             "head_dim": self.head_dim,
             "rms_norm_eps": self.rms_norm_eps,
             "rope_theta": self.rope_theta,
-            "rope_scaling": legacy,
-            "rope_parameters": Value::Object(rope),
+            "rope_parameters": Value::Object(rope.clone()),
             "tie_word_embeddings": self.tie_word_embeddings,
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
@@ -290,6 +302,12 @@ impl LlamaConfig {
             "torch_dtype": dtype,
             "dtype": dtype,
         });
+        let mut v = v;
+        if self.rope_scaling != RopeScaling::Default {
+            if let Some(m) = v.as_object_mut() {
+                m.insert("rope_scaling".into(), Value::Object(rope));
+            }
+        }
         serde_json::to_string_pretty(&v).unwrap_or_default()
     }
 }
@@ -323,6 +341,16 @@ mod tests {
     }
 
     #[test]
+    fn oracle_config() -> Result<()> {
+        let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/oracle/tiny-llama/config.json");
+        let c = LlamaConfig::from_file(p)?;
+        assert_eq!((c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers), (512, 128, 352, 2));
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (8, 2, 16));
+        assert_eq!((c.rope_theta, c.rope_scaling.clone(), c.tie_word_embeddings), (500000.0, RopeScaling::Default, false));
+        Ok(())
+    }
+
+    #[test]
     fn defaults_and_errors() -> Result<()> {
         let c = LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": true}}"#))?;
         assert_eq!((c.num_key_value_heads, c.head_dim, c.rope_theta), (2, 32, 10000.0));
@@ -331,6 +359,11 @@ mod tests {
         assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#)).is_err());
         assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 2.0}}}}"#)).is_err());
         assert!(LlamaConfig::from_json(r#"{"hidden_size": 4}"#).is_err());
+        // default RoPE: no `rope_scaling` key (transformers 5 aliases it to rope_parameters)
+        let v: Value = serde_json::from_str(&c.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert!(v.get("rope_scaling").is_none());
+        assert_eq!(v["rope_parameters"]["rope_type"], "default");
+        assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);
         Ok(())
     }
 }

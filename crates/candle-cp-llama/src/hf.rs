@@ -201,6 +201,25 @@ mod tests {
     }
 
     #[test]
+    fn oracle_checkpoint_round_trips_bit_exactly() -> Result<()> {
+        let src = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/oracle/tiny-llama"));
+        let (vm, cfg) = load_hf(src, &Device::Cpu, DType::F32)?;
+        let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-oracle-{}", std::process::id()));
+        save_hf(&dir, &vm, &cfg)?;
+        let orig = load_safetensors_dir(src, &Device::Cpu)?;
+        let back = load_safetensors_dir(&dir, &Device::Cpu)?;
+        assert_eq!(orig.len(), back.len());
+        for (k, t) in &orig {
+            let b = &back[k];
+            assert_eq!((t.dims(), t.dtype()), (b.dims(), b.dtype()), "{k}");
+            assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{k}");
+        }
+        assert_eq!(LlamaConfig::from_file(dir.join("config.json"))?, cfg);
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    #[test]
     fn missing_tensor_is_named() -> Result<()> {
         let cfg = LlamaConfig::tiny(64, 32, 1, 4, 2);
         let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-missing-{}", std::process::id()));

@@ -1,3 +1,4 @@
+#![warn(missing_docs)]
 //! candle-cp-llama: a trainable Llama-style decoder on every candle-cp parallel layout, with
 //! Hugging Face checkpoint loading and saving.
 //!
@@ -7,6 +8,29 @@
 //! shard_batch(global_ids [B, T]) ─▶ ids, labels [B/dp, T_local], positions [T_local]
 //! llama.loss(ids, labels, positions) ─▶ global mean loss (same on every rank)
 //! loss.backward() ─▶ reduce_gradients(&mut grads, &varmap, &cfg, &ctx) ─▶ optimizer step
+//! ```
+//!
+//! ```no_run
+//! use candle_core::{DType, Device, Tensor};
+//! use candle_cp_comm::run_ranks;
+//! use candle_cp_llama::*;
+//! use candle_nn::VarBuilder;
+//!
+//! let cfg = LlamaConfig::tiny(256, 64, 2, 4, 2);
+//! let layout = Layout::cp(CpKind::Zigzag, 4); // or .with_tp(2, true), Layout::two_d(2, 2), ...
+//! let ids = Tensor::zeros((1, 1024), DType::U32, &Device::Cpu)?;
+//! let losses = run_ranks(layout.world_size(), |world| {
+//!     let ctx = ParallelCtx::new(world, layout)?;
+//!     let full = init_params(&cfg, 42, DType::F32, &Device::Cpu)?; // or load_hf(dir, ..)
+//!     let vm = shard_params(&full, &cfg, &ctx)?;
+//!     let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+//!     let b = shard_batch(&ids, &ctx)?;
+//!     let (loss, _logits) = model.loss(&b.input_ids, &b.labels, &b.positions)?;
+//!     let mut grads = loss.backward()?;
+//!     reduce_gradients(&mut grads, &vm, &cfg, &ctx)?; // now the full-batch gradient
+//!     loss.to_scalar::<f32>()
+//! });
+//! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
 //! Parallel results equal the single-device ones: see `tests/llama_parity.rs` and

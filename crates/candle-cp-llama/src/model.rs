@@ -166,6 +166,12 @@ impl Llama {
         let tc = pos.len();
         let scale = 1.0 / (d as f64).sqrt();
         let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
+        if ids.elem_count() > 0 {
+            let max = ids.max(0)?.to_scalar::<u32>()? as usize;
+            if max >= cfg.vocab_size {
+                bail!("Llama::forward: token id {max} out of range for vocab {} (input_ids {:?})", cfg.vocab_size, input_ids.dims())
+            }
+        }
         let mut x = self.embed.index_select(&ids, 0)?.reshape((b, ts, cfg.hidden_size))?;
         for blk in &self.blocks {
             let h = self.enter_tp(&rms_norm(&x, &blk.input_norm, cfg.rms_norm_eps)?)?;

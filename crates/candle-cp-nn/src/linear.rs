@@ -236,3 +236,60 @@ impl Module for RowParallelLinear {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device};
+    use candle_cp_comm::{run_ranks, Group};
+
+    fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.37 + seed).sin()) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+
+    #[test]
+    fn one_rank_equals_candle_linear() -> Result<()> {
+        let (w, b, x) = (t(&[6, 4], 0.1)?, t(&[6], 0.2)?, t(&[2, 3, 4], 0.3)?);
+        let w2 = t(&[4, 6], 0.4)?;
+        for r in run_ranks(1, |g: Group| {
+            let mut worst = 0f32;
+            for sp in [false, true] {
+                let tp = Tp::new(g.clone(), sp);
+                let col = ColumnParallelLinear::from_full(&w, Some(&b), &tp)?.forward(&x)?;
+                let want = candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+                worst = worst.max((&col - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
+                let row = RowParallelLinear::from_full(&w2, None, &tp)?.forward(&col)?;
+                let want2 = candle_nn::Linear::new(w2.clone(), None).forward(&want)?;
+                worst = worst.max((row - want2)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            }
+            Ok(worst)
+        }) {
+            assert!(r? < 1e-6);
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn indivisible_shards_and_bad_inputs_are_errors() -> Result<()> {
+        for r in run_ranks(4, |g: Group| {
+            let tp = Tp::new(g, true);
+            let w = Tensor::zeros((6, 8), DType::F32, &Device::Cpu)?;
+            let e1 = ColumnParallelLinear::from_full(&w, None, &tp).err().map(|e| e.to_string()).unwrap_or_default();
+            let e2 = RowParallelLinear::from_full(&Tensor::zeros((8, 6), DType::F32, &Device::Cpu)?, None, &tp)
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            let col = ColumnParallelLinear::from_full(&Tensor::zeros((8, 8), DType::F32, &Device::Cpu)?, None, &tp)?;
+            let e3 = col.forward(&Tensor::zeros((1, 2, 5), DType::F32, &Device::Cpu)?).err().map(|e| e.to_string()).unwrap_or_default();
+            Ok([e1, e2, e3])
+        }) {
+            let [e1, e2, e3] = r?;
+            assert!(e1.contains("[6, 8]") && e1.contains("TP size 4"), "{e1}");
+            assert!(e2.contains("[8, 6]") && e2.contains("TP size 4"), "{e2}");
+            assert!(e3.contains("[1, 2, 5]") && e3.contains("8"), "{e3}");
+        }
+        Ok(())
+    }
+}

@@ -133,3 +133,31 @@ impl Module for LayerNorm {
         y.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dt)
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+    use candle_cp_comm::{run_ranks, Group};
+
+    #[test]
+    fn one_rank_norms_equal_candle_nn() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::arange(0f32, 24., &dev)?.reshape((2, 3, 4))?.sin()?;
+        let w = Tensor::new(&[0.5f32, 1.0, 1.5, 2.0], &dev)?;
+        let b = Tensor::new(&[0.1f32, -0.2, 0.3, 0.0], &dev)?;
+        for r in run_ranks(1, |g: Group| {
+            let tp = Tp::new(g, true);
+            let rms = RmsNorm::from_weight(&w, 1e-5, &tp)?.forward(&x)?;
+            let want = candle_nn::ops::rms_norm_slow(&x, &w, 1e-5)?;
+            let ln = LayerNorm::from_weights(&w, &b, 1e-5, &tp)?.forward(&x)?;
+            let want_ln = candle_nn::ops::layer_norm_slow(&x, &w, &b, 1e-5)?;
+            let e1 = (rms - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let e2 = (ln - want_ln)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            Ok(e1.max(e2))
+        }) {
+            assert!(r? < 1e-5);
+        }
+        Ok(())
+    }
+}

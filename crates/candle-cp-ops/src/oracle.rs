@@ -266,7 +266,7 @@ impl AttnMetrics {
 
     /// Names of the metrics over their bound.
     pub fn failures(&self, tol: &AttnTol) -> Vec<&'static str> {
-        self.rows(tol).iter().filter(|(_, x, t)| !(*x <= *t)).map(|(n, _, _)| *n).collect()
+        self.rows(tol).iter().filter(|(_, x, t)| x.partial_cmp(t) != Some(std::cmp::Ordering::Less) && x != t).map(|(n, _, _)| *n).collect()
     }
 
     /// One line per metric: `name  value  (tol bound) ok|FAIL`.

@@ -234,6 +234,12 @@ pub(crate) fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<
             v.dims()
         )
     }
+    if q.dtype() != k.dtype() || k.dtype() != v.dtype() {
+        candle_core::bail!("{op}: dtypes differ: q {:?} {:?}, k {:?}, v {:?}", q.dims(), q.dtype(), k.dtype(), v.dtype())
+    }
+    if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
+        candle_core::bail!("{op}: q {:?}, k {:?}, v {:?} must be on the same device", q.dims(), k.dims(), v.dims())
+    }
     Ok((b, t, h, hkv, d))
 }
 

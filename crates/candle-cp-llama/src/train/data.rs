@@ -1,7 +1,7 @@
 //! Training data: a synthetic long-range key→value recall task and plain token streams.
 //!
-//! Batches are drawn *statelessly*: the sample for (step, micro-batch, DP rank, row) comes from
-//! [`Rng::derive`] of the run seed and those indices. The data position after a restart is
+//! Batches are drawn *statelessly*: the sample for (step, row) comes from [`Rng::derive`] of
+//! the run seed and those indices. The data position after a restart is
 //! therefore just the step number, and resuming reproduces the exact same batches.
 
 use super::rng::Rng;
@@ -24,7 +24,7 @@ pub struct Sample {
 /// `[n_fill, n_fill + n_keys)` keys, then `n_values` values, then (fused form only)
 /// `n_keys · n_values` pair tokens. A sequence of length `T` has three regions:
 /// - `[0, T/2)`: densely packed pairs `k map[k]` (every key at least once, the rest random
-///   keys; repeats agree) — or one fused token `pair(k, map[k])` per pair followed by filler;
+///   keys; repeats agree) — or, fused, one token `pair(k, map[k])` per position;
 /// - `[T/2, 3T/4)`: filler;
 /// - `[3T/4, T)`: `n_queries` queries `k map[k]` for DISTINCT keys at random slots, filler
 ///   elsewhere. Each query's value is a long-range target: since no key is queried twice,
@@ -54,10 +54,11 @@ pub struct KvRecall {
 }
 
 impl KvRecall {
-    /// A task of length `seq_len` with 16 filler, 16 keys, 16 values and `min(16, T/8)`
-    /// queries, two-token pairs.
+    /// A task of length `seq_len` with 16 filler, `min(16, T/4)` keys, 16 values and
+    /// `min(16, T/8)` queries, two-token pairs.
     pub fn new(seq_len: usize) -> Result<Self> {
-        let t = Self { seq_len, n_fill: 16, n_keys: 16, n_values: 16, n_queries: 16.min(seq_len / 8), fused: false };
+        let (n_keys, n_queries) = (16.min(seq_len / 4), 16.min(seq_len / 8));
+        let t = Self { seq_len, n_fill: 16, n_keys, n_values: 16, n_queries, fused: false };
         t.validate()?;
         Ok(t)
     }
@@ -103,13 +104,15 @@ impl KvRecall {
         let val0 = (self.n_fill + self.n_keys) as u32;
         let pair0 = (self.n_fill + self.n_keys + self.n_values) as u32;
         let map: Vec<u32> = (0..self.n_keys).map(|_| rng.below(self.n_values) as u32).collect();
-        // First half: every key once (random slots), the other slots random keys.
-        let slots = (t / 2) / 2;
+        // First half: every key once (random slots), the other slots random keys. A slot is
+        // one position (fused) or two.
+        let width = if self.fused { 1 } else { 2 };
+        let slots = (t / 2) / width;
         let mut keys: Vec<usize> = (0..slots).map(|i| if i < self.n_keys { i } else { rng.below(self.n_keys) }).collect();
         rng.shuffle(&mut keys);
         for (slot, &k) in keys.iter().enumerate() {
             if self.fused {
-                tokens[2 * slot] = pair0 + (k * self.n_values) as u32 + map[k];
+                tokens[slot] = pair0 + (k * self.n_values) as u32 + map[k];
             } else {
                 tokens[2 * slot] = key0 + k as u32;
                 tokens[2 * slot + 1] = val0 + map[k];
@@ -182,20 +185,15 @@ pub enum DataSource {
 }
 
 impl DataSource {
-    /// The rows of micro-batch `micro` of `step` on DP rank `dp_rank`: `batch` samples, each
-    /// drawn from its own derived stream (so any step can be regenerated after a restart).
-    pub fn batch(
-        &self,
-        seed: u64,
-        step: usize,
-        micro: usize,
-        dp_rank: usize,
-        batch: usize,
-        seq_len: usize,
-    ) -> Result<Vec<Sample>> {
-        (0..batch)
+    /// Rows `first_row .. first_row + count` of optimizer step `step`'s global batch (all
+    /// micro-batches of a step are numbered consecutively: micro-batch `m` of `b` rows holds
+    /// rows `m·b ..`). Each row is drawn from its own stream derived from (seed, step, row), so
+    /// any step can be regenerated after a restart, and the same rows come out whether a step
+    /// is one batch of `2b` rows or two micro-batches of `b`.
+    pub fn rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<Sample>> {
+        (first_row..first_row + count)
             .map(|row| {
-                let mut rng = Rng::derive(seed, &[step as u64, micro as u64, dp_rank as u64, row as u64]);
+                let mut rng = Rng::derive(seed, &[step as u64, row as u64]);
                 match self {
                     DataSource::Recall(task) => {
                         if task.seq_len != seq_len {
@@ -278,13 +276,14 @@ mod tests {
     #[test]
     fn batches_are_a_pure_function_of_their_indices() {
         let src = DataSource::Recall(KvRecall::new(64).unwrap());
-        let a = src.batch(1, 5, 0, 0, 2, 64).unwrap();
-        let b = src.batch(1, 5, 0, 0, 2, 64).unwrap();
+        let a = src.rows(1, 5, 0, 2, 64).unwrap();
+        let b = src.rows(1, 5, 0, 2, 64).unwrap();
         assert_eq!(a, b);
         assert_ne!(a[0], a[1]);
-        assert_ne!(a, src.batch(1, 6, 0, 0, 2, 64).unwrap());
-        assert_ne!(a, src.batch(1, 5, 1, 0, 2, 64).unwrap());
-        assert_ne!(a, src.batch(1, 5, 0, 1, 2, 64).unwrap());
+        assert_ne!(a, src.rows(1, 6, 0, 2, 64).unwrap());
+        assert_ne!(a, src.rows(2, 5, 0, 2, 64).unwrap());
+        assert_eq!(a[1..], src.rows(1, 5, 1, 1, 64).unwrap()[..]);
+        assert!(src.rows(1, 5, 0, 1, 32).is_err());
     }
 
     #[test]

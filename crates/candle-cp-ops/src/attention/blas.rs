@@ -97,7 +97,7 @@ pub(crate) fn exp_f32(x: f32) -> f32 {
     p = p * r + 8.333_452e-3;
     p = p * r + 4.166_579_6e-2;
     p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
+    p = p * r + 0.5;
     let y = p * r * r + r + 1.0;
     // 2^n from the integer bits of t (t = MAGIC + n exactly, n in [-126, 127]).
     let ni = (t.to_bits() as i32).wrapping_sub(MAGIC.to_bits() as i32);

@@ -14,12 +14,14 @@
 //! ```
 
 use super::ring_comm::{RingStats, StepStats};
+use super::ring::split_rows;
 use super::shard::{shard, split_shards, unshard, Segment};
+use super::state::RowAccum;
 use super::{check_inputs, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -43,13 +45,19 @@ fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Ten
     unshard(&split_shards(&all, group.size(), 2)?, opts.layout, 2)
 }
 
+/// This rank's query row chunks: the layout's segments split into runs of at most
+/// `opts.block_rows` rows (each sees its own key prefix).
+fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims) -> Result<Vec<Segment>> {
+    Ok(opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, opts.block_rows)).collect())
+}
+
 fn fwd(q: &Tensor, kv: &Tensor, rank: usize, p: usize, opts: &CpOpts, dims: &Dims, st: &mut StepStats) -> Result<(Tensor, Tensor)> {
     let t0 = Instant::now();
     let scale = scale_of(opts, dims.d);
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let mut outs = Vec::new();
     let mut lses = Vec::new();
-    for seg in opts.layout.segments(rank, p, dims.t)? {
+    for seg in chunks(rank, p, opts, dims)? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
         let (o, l) = attention_fwd(&qs, &kg.narrow(1, 0, n)?.contiguous()?, &vg.narrow(1, 0, n)?.contiguous()?, &mask, scale)?;
@@ -77,33 +85,24 @@ fn bwd(
     let scale = scale_of(opts, dims.d);
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let dev = q.device();
-    let mut dqs = Vec::new();
-    let mut dkv: Option<Tensor> = None;
-    for seg in opts.layout.segments(rank, p, dims.t)? {
+    let mut dq = RowAccum::new(1, dims.b, dims.tl, dims.h, dims.d);
+    // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
+    let mut dkv = RowAccum::new(2, dims.b, dims.t, dims.hkv, dims.d);
+    for seg in chunks(rank, p, opts, dims)? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
         let (kn, vn) = (kg.narrow(1, 0, n)?.contiguous()?, vg.narrow(1, 0, n)?.contiguous()?);
-        let (dq, dk, dv) = attention_bwd(&r(q, 1)?, &kn, &vn, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &mask, scale)?;
-        dqs.push(dq);
-        let mut part = Tensor::stack(&[dk, dv], 0)?;
-        if n < dims.t {
-            let z = Tensor::zeros((2, dims.b, dims.t - n, dims.hkv, dims.d), DType::F32, dev)?;
-            part = Tensor::cat(&[part, z], 2)?;
-        }
-        dkv = Some(match dkv {
-            None => part,
-            Some(a) => (a + part)?,
-        });
+        let (dqs, dk, dv) = attention_bwd(&r(q, 1)?, &kn, &vn, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &mask, scale)?;
+        dq.add_rows(0, seg.local, &dqs)?;
+        dkv.add_rows(0, 0, &dk)?;
+        dkv.add_rows(1, 0, &dv)?;
     }
-    let dkv = match dkv {
-        Some(x) => x,
-        None => Tensor::zeros((2, dims.b, dims.t, dims.hkv, dims.d), DType::F32, dev)?,
-    };
+    let dkv = dkv.finish(dev)?;
     // Reorder the global dK/dV into shard order (rank 0's shard, rank 1's, ...) and
     // reduce-scatter: rank r gets the sum over ranks of its own shard's gradient.
     let shards: Vec<Tensor> = (0..p).map(|r| shard(&dkv, opts.layout, r, p, 2)).collect::<Result<_>>()?;
     let mine = group.reduce_scatter(&Tensor::cat(&shards, 2)?, 2)?;
-    Ok((Tensor::cat(&dqs, 1)?, mine.get(0)?, mine.get(1)?))
+    Ok((dq.finish(dev)?.squeeze(0)?, mine.get(0)?, mine.get(1)?))
 }
 
 /// All-gather-KV attention with timings: like [`allgather_attention`] (not differentiable),

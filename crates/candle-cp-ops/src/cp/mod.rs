@@ -28,7 +28,7 @@ pub use balance::{balance, BalanceReport};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
-pub use verify::{run_case_cp, CpMethod, CpRun};
+pub use verify::{run_case_cp, run_case_cp_with, CpMethod, CpRun};
 
 use crate::Group;
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -45,12 +45,18 @@ pub struct CpOpts {
     /// Start the next chunk's transfer before computing the current one (double buffer).
     /// `false` waits for each transfer before computing (for measuring the overlap).
     pub overlap: bool,
+    /// Most query rows per attention call (default [`DEFAULT_BLOCK_ROWS`]): a block with more
+    /// query rows is computed in row chunks, bounding per-call outputs and kernel scratch.
+    pub block_rows: usize,
 }
 
+/// Default [`CpOpts::block_rows`].
+pub const DEFAULT_BLOCK_ROWS: usize = 1024;
+
 impl Default for CpOpts {
-    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on.
+    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, 1024 query rows per call.
     fn default() -> Self {
-        Self { layout: Layout::Zigzag, causal: true, scale: None, overlap: true }
+        Self { layout: Layout::Zigzag, causal: true, scale: None, overlap: true, block_rows: DEFAULT_BLOCK_ROWS }
     }
 }
 
@@ -117,6 +123,9 @@ pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group
     }
     let t = tl * p;
     opts.layout.local_len(t, p)?;
+    if opts.block_rows == 0 {
+        bail!("{name}: CpOpts::block_rows must be at least 1")
+    }
     if p > 1 {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
         let extra = [dtype_code(q.dtype()), opts.layout as u8 as f32, opts.causal as u8 as f32];

@@ -34,11 +34,11 @@
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::{Layout, Segment};
 use super::{check_inputs, CpOpts, Dims};
-use super::state::RowState;
+use super::state::{LocalState, RowAccum};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -103,6 +103,25 @@ pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usiz
     Ok(out)
 }
 
+/// Split a segment into runs of at most `max` rows (global offsets and local rows adjusted).
+pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
+    let max = max.max(1);
+    (0..seg.len)
+        .step_by(max)
+        .map(|i0| Segment { offset: seg.offset + i0 * seg.stride, stride: seg.stride, len: max.min(seg.len - i0), local: seg.local + i0 })
+        .collect()
+}
+
+/// The query-row chunks of a scheduled block that see at least one key, with their masks.
+fn sub_blocks(sb: &Scheduled, opts: &CpOpts) -> Vec<(Segment, Block)> {
+    let causal = opts.causal;
+    split_rows(&sb.q, opts.block_rows)
+        .into_iter()
+        .map(|q| (q, classify(&q, &sb.k, causal)))
+        .filter(|(_, b)| *b != Block::Skip)
+        .collect()
+}
+
 fn mask_of(b: &Block) -> Mask {
     match b {
         Block::Full(m) | Block::Partial(m) => *m,
@@ -130,9 +149,7 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
     let ring = Ring::new(group);
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
-    let qsegs = opts.layout.segments(rank, p, dims.t)?;
-    let q_rows: Vec<Tensor> = qsegs.iter().map(|s| rows(q, 1, s)).collect::<Result<_>>()?;
-    let mut state: Vec<RowState> = qsegs.iter().map(|_| RowState::Empty).collect();
+    let mut state = LocalState::new(dims.b, dims.tl, dims.h, dims.d);
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     for s in 0..p {
@@ -151,12 +168,14 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for Scheduled { qi, q: qs, k: ks, block, .. } in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
-            let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
-            let (o, l) = attention_fwd(&q_rows[qi], &kb, &vb, &mask_of(&block), scale)?;
-            state[qi].merge(o, l)?;
-            st.blocks += 1;
-            st.area += (qs.len * ks.len) as u64;
+        for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+            let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
+            for (qs, block) in sub_blocks(&sb, opts) {
+                let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
+                state.merge_rows(qs.local, &o, &l)?;
+                st.blocks += 1;
+                st.area += (qs.len * sb.k.len) as u64;
+            }
         }
         st.compute = t0.elapsed();
         if let Some(f) = next {
@@ -164,15 +183,9 @@ fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &
         }
         stats.steps.push(st);
     }
-    let mut outs = Vec::with_capacity(qsegs.len());
-    let mut lses = Vec::with_capacity(qsegs.len());
-    for (seg, st) in qsegs.iter().zip(state) {
-        // An empty state (no visible key) cannot happen for causal/full masks; it gives 0/-inf.
-        let (o, l) = st.finish((dims.b, seg.len, dims.h, dims.d), q.device())?;
-        outs.push(o);
-        lses.push(l);
-    }
-    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?, stats))
+    // Rows with no visible key (impossible for causal/full) keep out 0, lse -inf.
+    let (out, lse) = state.finish(q.device())?;
+    Ok((out, lse, stats))
 }
 
 /// Backward ring without autograd. `out` (f32) and `lse` are the forward's *global* results
@@ -219,35 +232,31 @@ fn bwd(
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
     let dev = q.device();
-    let qsegs = opts.layout.segments(rank, p, dims.t)?;
-    let mut q_rows = Vec::new();
-    for s in &qsegs {
-        q_rows.push((rows(q, 1, s)?, rows(out, 1, s)?, rows(lse, 2, s)?, rows(dout, 1, s)?));
-    }
-    let mut dq: Vec<Option<Tensor>> = vec![None; qsegs.len()];
+    let mut dq = RowAccum::new(1, dims.b, dims.tl, dims.h, dims.d);
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
     for s in 0..p {
         let src = (rank + p - s) % p;
-        let ksegs = opts.layout.segments(src, p, dims.t)?;
         let mut st = StepStats::default();
         let next = if s + 1 < p { Some(ring.start(&kv, &mut stats)?) } else { None };
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        let mut dk_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
-        let mut dv_parts: Vec<Option<Tensor>> = vec![None; ksegs.len()];
-        for Scheduled { qi, ki, q: qs, k: ks, block } in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
-            let (qr, or, lr, dr) = &q_rows[qi];
-            let (kb, vb) = (rows(&kc, 1, &ks)?, rows(&vc, 1, &ks)?);
-            let (dqb, dkb, dvb) = attention_bwd(qr, &kb, &vb, or, lr, dr, &mask_of(&block), scale)?;
-            add_into(&mut dq[qi], dqb)?;
-            add_into(&mut dk_parts[ki], dkb)?;
-            add_into(&mut dv_parts[ki], dvb)?;
-            st.blocks += 1;
-            st.area += (qs.len * ks.len) as u64;
+        // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
+        let mut dkv = RowAccum::new(2, dims.b, dims.tl, dims.hkv, dims.d);
+        for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+            let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
+            for (qs, block) in sub_blocks(&sb, opts) {
+                let (qr, or, lr, dr) = (rows(q, 1, &qs)?, rows(out, 1, &qs)?, rows(lse, 2, &qs)?, rows(dout, 1, &qs)?);
+                let (dqb, dkb, dvb) = attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, &mask_of(&block), scale)?;
+                dq.add_rows(0, qs.local, &dqb)?;
+                dkv.add_rows(0, sb.k.local, &dkb)?;
+                dkv.add_rows(1, sb.k.local, &dvb)?;
+                st.blocks += 1;
+                st.area += (qs.len * sb.k.len) as u64;
+            }
         }
-        let contrib = Tensor::stack(&[cat_parts(dk_parts, &ksegs, dims, dev)?, cat_parts(dv_parts, &ksegs, dims, dev)?], 0)?;
+        let contrib = dkv.finish(dev)?;
         st.compute = t0.elapsed();
         let acc = match acc_in.take() {
             None => contrib,
@@ -269,34 +278,7 @@ fn bwd(
     if let Some(st) = stats.steps.last_mut() {
         st.wait += last_wait;
     }
-    let mut dqs = Vec::with_capacity(qsegs.len());
-    for (seg, d) in qsegs.iter().zip(dq) {
-        dqs.push(match d {
-            Some(d) => d,
-            None => Tensor::zeros((dims.b, seg.len, dims.h, dims.d), DType::F32, dev)?,
-        });
-    }
-    Ok((Tensor::cat(&dqs, 1)?, own.get(0)?, own.get(1)?, stats))
-}
-
-fn add_into(slot: &mut Option<Tensor>, x: Tensor) -> Result<()> {
-    *slot = Some(match slot.take() {
-        None => x,
-        Some(a) => (a + x)?,
-    });
-    Ok(())
-}
-
-/// Concatenate per-key-segment gradients into `[B, T/P, Hkv, D]` f32, zeros where none.
-fn cat_parts(parts: Vec<Option<Tensor>>, segs: &[Segment], dims: &Dims, dev: &candle_core::Device) -> Result<Tensor> {
-    let mut xs = Vec::with_capacity(parts.len());
-    for (p, s) in parts.into_iter().zip(segs) {
-        xs.push(match p {
-            Some(t) => t,
-            None => Tensor::zeros((dims.b, s.len, dims.hkv, dims.d), DType::F32, dev)?,
-        });
-    }
-    Tensor::cat(&xs, 1)
+    Ok((dq.finish(dev)?.squeeze(0)?, own.get(0)?, own.get(1)?, stats))
 }
 
 /// Ring attention over the `P` ranks of `group` (context parallelism).

@@ -6,7 +6,7 @@
 //! shards of out, lse, dq, dk, dv are put back in token order.
 
 use super::shard::{shard, unshard, Layout};
-use super::{allgather_attention, ring_attention, CpOpts};
+use super::{allgather_attention, ring_attention, CpOpts, DEFAULT_BLOCK_ROWS};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::Group;
 use candle_core::{bail, Result, Tensor, Var};
@@ -41,9 +41,10 @@ impl CpMethod {
         }
     }
 
-    /// Run the method's differentiable op on this rank's shards (see [`ring_attention`]).
-    pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, causal: bool, scale: f64) -> Result<(Tensor, Tensor)> {
-        let opts = CpOpts::new(self.layout(), causal).with_scale(scale);
+    /// Run the method's differentiable op on this rank's shards (see [`ring_attention`]);
+    /// `opts.layout` is replaced by the method's layout.
+    pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
+        let opts = CpOpts { layout: self.layout(), ..*opts };
         match self {
             CpMethod::Ring(_) => ring_attention(q, k, v, group, &opts),
             CpMethod::AllGather(_) => allgather_attention(q, k, v, group, &opts),
@@ -93,7 +94,14 @@ pub struct CpRun {
 /// `sum(out · dout)`) and gather the results. Errors when `T` does not suit the layout
 /// (naming T, P, layout), when any rank fails, or when ranks disagree on output shapes.
 pub fn run_case_cp(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration) -> Result<CpRun> {
+    run_case_cp_with(case, method, p, timeout, DEFAULT_BLOCK_ROWS)
+}
+
+/// [`run_case_cp`] with an explicit [`CpOpts::block_rows`] (small values exercise the
+/// query-row chunking on small cases).
+pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration, block_rows: usize) -> Result<CpRun> {
     let layout = method.layout();
+    let cp_opts = CpOpts { block_rows, ..CpOpts::new(layout, case.causal).with_scale(case.scale) };
     let t = case.q.dim(1)?;
     layout.local_len(t, p)?;
     let opts = ThreadGroupOptions::with_timeout(timeout);
@@ -104,7 +112,7 @@ pub fn run_case_cp(case: &AttnCase, method: CpMethod, p: usize, timeout: Duratio
         let k = Var::from_tensor(&sh(&case.k)?)?;
         let v = Var::from_tensor(&sh(&case.v)?)?;
         let dout = sh(&case.dout)?;
-        let (out, lse) = method.attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, case.causal, case.scale)?;
+        let (out, lse) = method.attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &cp_opts)?;
         let grads = (&out * &dout)?.sum_all()?.backward()?;
         let grad = |x: &Var, n: &str| -> Result<Tensor> {
             match grads.get(x.as_tensor()) {
