@@ -199,3 +199,44 @@ fn global_loss_is_finite_when_a_rank_has_no_target() -> Result<()> {
     }
     Ok(())
 }
+
+#[test]
+fn tied_head_and_llama3_rope_layouts_equal_single_device() -> Result<()> {
+    // No oracle for this config: the single-device run is the reference. Tied embeddings
+    // (the embedding gets gradient from both uses) and llama3 RoPE scaling at global
+    // positions beyond original_max_position_embeddings.
+    let mut cfg = LlamaConfig::tiny(96, 64, 2, 4, 2);
+    cfg.tie_word_embeddings = true;
+    cfg.rope_theta = 500000.0;
+    cfg.rope_scaling = candle_cp_llama::RopeScaling::Llama3 {
+        factor: 8.0,
+        low_freq_factor: 1.0,
+        high_freq_factor: 4.0,
+        original_max_position_embeddings: 64,
+    };
+    let vm = candle_cp_llama::init_params(&cfg, 5, DType::F32, &Device::Cpu)?;
+    let full = candle_cp_llama::params::varmap_tensors(&vm)?;
+    let t = 256;
+    let ids: Vec<u32> = (0..t as u32).map(|i| (i * 37 + 11) % 96).collect();
+    let ids = Tensor::from_vec(ids, (1, t), &Device::Cpu)?;
+    let single = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    assert!(!single.grads.iter().any(|(k, _)| k == "lm_head.weight"));
+    let reference = Reference {
+        input_ids: ids.clone(),
+        logits: single.logits.clone(),
+        loss: single.loss,
+        grads: single.grads.iter().cloned().collect(),
+    };
+    for layout in [
+        Layout::cp(CpKind::Striped, 4),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::two_d(2, 2),
+        Layout::cp(CpKind::AllGather, 2).with_tp(2, false),
+    ] {
+        let run = run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?;
+        let rep = compare(&run, &reference, Tolerances::default())?;
+        println!("tied/llama3 {layout}: logits {:.1e} loss {:.1e} grad {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
+    Ok(())
+}

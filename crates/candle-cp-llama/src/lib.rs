@@ -39,6 +39,7 @@
 pub mod attn;
 mod attn2d;
 pub mod config;
+pub mod fused;
 pub mod grads;
 pub mod hf;
 pub mod layout;

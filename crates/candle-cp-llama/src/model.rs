@@ -12,9 +12,11 @@ use crate::config::LlamaConfig;
 use crate::layout::{ParallelCtx, IGNORE};
 use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
-use candle_core::{bail, DType, Result, Tensor, D};
+use candle_core::{bail, DType, Result, Tensor};
+use candle_cp_ops::autograd::{attach1, BackwardFn};
 use candle_cp_ops::mappings::{copy_to_tp_region, gather_from_sp_region, reduce_from_tp_region, reduce_scatter_to_sp_region};
 use candle_nn::VarBuilder;
+use std::sync::Arc;
 
 /// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
 fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -26,14 +28,7 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, o))
 }
 
-/// RMSNorm `x · rsqrt(mean(x²) + eps) · w`, statistics in f32, `x` `[.., h]`, `w` `[h]`.
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dt = x.dtype();
-    let x32 = x.to_dtype(DType::F32)?;
-    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
-    let xn = x32.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
-    xn.to_dtype(dt)?.broadcast_mul(w)
-}
+pub use crate::fused::rms_norm;
 
 struct Block {
     input_norm: Tensor,
@@ -232,12 +227,19 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     }
     let n = idx.len();
     let rows = logits.reshape((b * t, v))?.index_select(&Tensor::new(idx, dev)?, 0)?.to_dtype(DType::F32)?;
-    let max = rows.max_keepdim(1)?.detach();
-    let shifted = rows.broadcast_sub(&max)?;
-    let lse = shifted.exp()?.sum_keepdim(1)?.log()?;
-    let picked = shifted.gather(&Tensor::new(tgt, dev)?.reshape((n, 1))?, 1)?;
-    (lse - picked)?.reshape(n)
-        .map(|x| (x, n))
+    let tgt = Tensor::new(tgt, dev)?.reshape((n, 1))?;
+    // fused cross-entropy: terms = lse - picked; backward (softmax - onehot) · dterm
+    let r = rows.detach();
+    let shifted = r.broadcast_sub(&r.max_keepdim(1)?)?;
+    let e = shifted.exp()?;
+    let sum = e.sum_keepdim(1)?;
+    let terms = (sum.log()? - shifted.gather(&tgt, 1)?)?.reshape(n)?;
+    let probs = e.broadcast_div(&sum)?;
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let onehot = Tensor::zeros((n, v), DType::F32, probs.device())?.scatter_add(&tgt, &Tensor::ones((n, 1), DType::F32, probs.device())?, 1)?;
+        Ok(vec![Some((&probs - onehot)?.broadcast_mul(&dy.to_dtype(DType::F32)?.reshape((n, 1))?)?)])
+    });
+    Ok((attach1("cross_entropy", &rows, terms, bwd)?, n))
 }
 
 /// Global mean `Σ_group terms / max(Σ_group n, 1)` as an f32 scalar, the same value on every
@@ -275,6 +277,30 @@ mod tests {
     use crate::params::{init_params, shard_params};
     use candle_core::Device;
     use candle_cp_comm::run_ranks;
+
+    /// fused cross-entropy = candle-nn's cross_entropy (values and gradients), IGNORE skipped
+    #[test]
+    fn local_nll_matches_candle_nn() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = candle_core::Var::randn(0f32, 3.0, (2, 5, 11), &dev)?;
+        let lab = Tensor::new(&[[1u32, 4, IGNORE, 10, 0], [IGNORE, IGNORE, 7, 7, 3]], &dev)?;
+        let (terms, n) = local_nll(x.as_tensor(), &lab)?;
+        assert_eq!(n, 7);
+        let sum = terms.sum_all()?;
+        let keep: Vec<u32> = vec![0, 1, 3, 4, 7, 8, 9];
+        let rows = x.as_tensor().reshape((10, 11))?.index_select(&Tensor::new(keep, &dev)?, 0)?;
+        let tg = Tensor::new(&[1u32, 4, 10, 0, 7, 7, 3], &dev)?;
+        let want = (candle_nn::loss::cross_entropy(&rows, &tg)? * 7.0)?;
+        let d = (sum.to_scalar::<f32>()? - want.to_scalar::<f32>()?).abs();
+        assert!(d < 1e-5, "{d}");
+        let (g, gw) = (sum.backward()?, want.backward()?);
+        let (a, b) = (g.get(x.as_tensor()).unwrap(), gw.get(x.as_tensor()).unwrap());
+        assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+        // no target at all: one zero term, still connected
+        let (t0, n0) = local_nll(x.as_tensor(), &Tensor::full(IGNORE, (2, 5), &dev)?)?;
+        assert_eq!((n0, t0.to_vec1::<f32>()?), (0, vec![0.0]));
+        Ok(())
+    }
 
     /// bf16 weights run forward and backward and stay close to f32 (loose bf16 bound).
     #[test]

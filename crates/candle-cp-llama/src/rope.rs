@@ -3,7 +3,7 @@
 //! every sharding layout rotates a token exactly as the single-device model does.
 
 use crate::config::{LlamaConfig, RopeScaling};
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64.
 pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
@@ -55,25 +55,12 @@ pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &
     Ok((cos, sin))
 }
 
-/// `x·cos + rotate_half(x)·sin` for `x` `[B, T, H, D]` with tables `[T, D]`
-/// (`rotate_half(x) = cat(-x[.., D/2..], x[.., ..D/2])`). Differentiable in `x`.
-pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (_b, t, _h, d) = x.dims4()?;
-    if cos.dims() != [t, d] || sin.dims() != [t, d] {
-        bail!("apply_rope: x {:?} needs cos/sin [{t}, {d}], got {:?} / {:?}", x.dims(), cos.dims(), sin.dims())
-    }
-    let half = d / 2;
-    let x1 = x.narrow(D::Minus1, 0, half)?;
-    let x2 = x.narrow(D::Minus1, half, half)?;
-    let rot = Tensor::cat(&[&x2.neg()?, &x1], D::Minus1)?;
-    let cos = cos.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
-    let sin = sin.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
-    x.broadcast_mul(&cos)? + rot.broadcast_mul(&sin)?
-}
+pub use crate::fused::{apply_rope, apply_rope_slow};
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::D;
 
     #[test]
     fn rope_rotates_pairs_and_keeps_norm() -> Result<()> {

@@ -266,7 +266,13 @@ impl AttnMetrics {
 
     /// Names of the metrics over their bound.
     pub fn failures(&self, tol: &AttnTol) -> Vec<&'static str> {
-        self.rows(tol).iter().filter(|(_, x, t)| x.partial_cmp(t) != Some(std::cmp::Ordering::Less) && x != t).map(|(n, _, _)| *n).collect()
+        use std::cmp::Ordering::{Equal, Less};
+        // NaN compares as None: a failure.
+        self.rows(tol)
+            .iter()
+            .filter(|(_, x, t)| !matches!(x.partial_cmp(t), Some(Less | Equal)))
+            .map(|(n, _, _)| *n)
+            .collect()
     }
 
     /// One line per metric: `name  value  (tol bound) ok|FAIL`.

@@ -58,25 +58,6 @@ pub(crate) fn row_limits(mask: &Mask, t: usize, s: usize) -> Vec<usize> {
     }
 }
 
-/// `x [B, S, Hkv, D]` -> `[B, Hkv, D, S]` (keys/values transposed per head), so that the
-/// GEMMs with Kᵀ / Vᵀ read a column-major operand and `gemm` need not repack it per tile.
-fn transpose_kv(x: &[f32], dims: Dims) -> Vec<f32> {
-    let Dims { b: nb, s, hkv, d, .. } = dims;
-    let mut out = vec![0f32; x.len()];
-    for b in 0..nb {
-        for hk in 0..hkv {
-            let base = (b * hkv + hk) * d * s;
-            for j in 0..s {
-                let src = ((b * s + j) * hkv + hk) * d;
-                for (dd, &val) in x[src..src + d].iter().enumerate() {
-                    out[base + dd * s + j] = val;
-                }
-            }
-        }
-    }
-    out
-}
-
 /// Forward. Returns `(out [B,T,H,D], lse [B,H,T])`; a row with no visible key gets out 0 and
 /// lse `-inf`.
 pub(crate) fn forward(
@@ -92,10 +73,9 @@ pub(crate) fn forward(
     let units: Vec<(usize, usize, usize)> = (0..nb)
         .flat_map(|b| (0..nh).flat_map(move |h| (0..nqb).map(move |qb| (b, h, qb))))
         .collect();
-    let kt = transpose_kv(k, dims);
     let tiles: Vec<(Vec<f32>, Vec<f32>)> = units
         .par_iter()
-        .map(|&(b, h, qb)| fwd_tile(q, &kt, v, dims, lim, scale, b, h, qb * FWD_BQ))
+        .map(|&(b, h, qb)| fwd_tile(q, k, v, dims, lim, scale, b, h, qb * FWD_BQ))
         .collect();
     let mut out = vec![0f32; nb * t * nh * d];
     let mut lse = vec![f32::NEG_INFINITY; nb * nh * t];
@@ -114,7 +94,7 @@ pub(crate) fn forward(
 #[allow(clippy::too_many_arguments)]
 fn fwd_tile(
     q: &[f32],
-    kt: &[f32],
+    k: &[f32],
     v: &[f32],
     dims: Dims,
     lim: &[usize],
@@ -130,7 +110,6 @@ fn fwd_tile(
     let (qrs, krs) = (nh * d, hkv * d);
     let qoff = ((b * t + i0) * nh + h) * d;
     let koff = (b * s * hkv + hk) * d;
-    let ktoff = (b * hkv + hk) * d * s;
     let kmax = lim[i1 - 1];
     let mut o = vec![0f32; qn * d];
     let mut m = vec![f32::NEG_INFINITY; qn];
@@ -141,7 +120,7 @@ fn fwd_tile(
         let j1 = (j0 + FWD_BK).min(kmax);
         let jn = j1 - j0;
         let kb = koff + j0 * krs;
-        matmul(qn, jn, d, &mut sb, jn, false, Mat::new(q, qoff, qrs, 1), Mat::new(kt, ktoff + j0, s, 1), scale);
+        matmul(qn, jn, d, &mut sb, jn, false, Mat::new(q, qoff, qrs, 1), Mat::new(k, kb, 1, krs), scale);
         for r in 0..qn {
             let row = &mut sb[r * jn..(r + 1) * jn];
             let vis = lim[i0 + r].saturating_sub(j0).min(jn);
@@ -217,8 +196,7 @@ pub(crate) fn backward(
             (0..nh).flat_map(move |h| cb.iter().map(move |&(c0, c1)| (b, h, c0, c1)))
         })
         .collect();
-    let (kt, vt) = (transpose_kv(k, dims), transpose_kv(v, dims));
-    let ctx = BwdCtx { q, k, kt: &kt, vt: &vt, dout, lse, delta: &delta, dims, lim, scale };
+    let ctx = BwdCtx { q, k, v, dout, lse, delta: &delta, dims, lim, scale };
     let parts: Vec<BwdPart> = units.par_iter().map(|&(b, h, c0, c1)| ctx.unit(b, h, c0, c1)).collect();
     let mut dq = vec![0f32; nb * t * nh * d];
     let mut dk = vec![0f32; nb * s * hkv * d];
@@ -250,10 +228,7 @@ struct BwdPart {
 struct BwdCtx<'a> {
     q: &'a [f32],
     k: &'a [f32],
-    /// k as `[B, Hkv, D, S]`
-    kt: &'a [f32],
-    /// v as `[B, Hkv, D, S]`
-    vt: &'a [f32],
+    v: &'a [f32],
     dout: &'a [f32],
     lse: &'a [f32],
     delta: &'a [f32],
@@ -275,7 +250,6 @@ impl BwdCtx<'_> {
         let (qrs, krs) = (nh * d, hkv * d);
         let qbase = (b * t * nh + h) * d;
         let kbase = (b * s * hkv + hk) * d;
-        let ktbase = (b * hkv + hk) * d * s;
         let rbase = (b * nh + h) * t;
         let iq0 = self.first_query(c0);
         let mut dq = vec![0f32; (t - iq0) * d];
@@ -298,7 +272,7 @@ impl BwdCtx<'_> {
                 let qm = Mat::new(self.q, qo, qrs, 1);
                 let dom = Mat::new(self.dout, qo, qrs, 1);
                 // P = exp(scale * Q K^T - lse), masked entries 0.
-                matmul(qn, jn, d, &mut pb, jn, false, qm, Mat::new(self.kt, ktbase + j0, s, 1), self.scale);
+                matmul(qn, jn, d, &mut pb, jn, false, qm, Mat::new(self.k, kb, 1, krs), self.scale);
                 for r in 0..qn {
                     let row = &mut pb[r * jn..(r + 1) * jn];
                     let l = self.lse[rbase + i0 + r];
@@ -313,7 +287,7 @@ impl BwdCtx<'_> {
                 // dV += P^T dO
                 matmul(jn, d, qn, dv_acc, d, true, Mat::new(&pb, 0, 1, jn), dom, 1.0);
                 // dP = dO V^T ; dS = P * (dP - delta)
-                matmul(qn, jn, d, &mut db, jn, false, dom, Mat::new(self.vt, ktbase + j0, s, 1), 1.0);
+                matmul(qn, jn, d, &mut db, jn, false, dom, Mat::new(self.v, kb, 1, krs), 1.0);
                 for r in 0..qn {
                     let dl = self.delta[rbase + i0 + r];
                     let prow = &pb[r * jn..(r + 1) * jn];

@@ -239,7 +239,12 @@ fn bwd(
     for s in 0..p {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
-        let next = if s + 1 < p { Some(ring.start(&kv, &mut stats)?) } else { None };
+        let mut next = if s + 1 < p { Some(ring.start(&kv, &mut stats)?) } else { None };
+        if !opts.overlap {
+            if let Some(f) = next.take() {
+                next = Some(InFlight::ready(f.wait(&mut st.wait)?));
+            }
+        }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].

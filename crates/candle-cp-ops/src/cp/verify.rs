@@ -6,7 +6,7 @@
 //! shards of out, lse, dq, dk, dv are put back in token order.
 
 use super::shard::{shard, unshard, Layout};
-use super::{allgather_attention, ring_attention, CpOpts, DEFAULT_BLOCK_ROWS};
+use super::{allgather_attention, ring_attention, CpOpts};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::Group;
 use candle_core::{bail, Result, Tensor, Var};
@@ -94,14 +94,14 @@ pub struct CpRun {
 /// `sum(out · dout)`) and gather the results. Errors when `T` does not suit the layout
 /// (naming T, P, layout), when any rank fails, or when ranks disagree on output shapes.
 pub fn run_case_cp(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration) -> Result<CpRun> {
-    run_case_cp_with(case, method, p, timeout, DEFAULT_BLOCK_ROWS)
+    run_case_cp_with(case, method, p, timeout, CpOpts::default())
 }
 
-/// [`run_case_cp`] with an explicit [`CpOpts::block_rows`] (small values exercise the
-/// query-row chunking on small cases).
-pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration, block_rows: usize) -> Result<CpRun> {
+/// [`run_case_cp`] with explicit options: `opts.overlap` and `opts.block_rows` are used,
+/// the layout, mask and scale come from `method` and `case`.
+pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration, opts: CpOpts) -> Result<CpRun> {
     let layout = method.layout();
-    let cp_opts = CpOpts { block_rows, ..CpOpts::new(layout, case.causal).with_scale(case.scale) };
+    let cp_opts = CpOpts { layout, causal: case.causal, scale: Some(case.scale), ..opts };
     let t = case.q.dim(1)?;
     layout.local_len(t, p)?;
     let opts = ThreadGroupOptions::with_timeout(timeout);
