@@ -23,7 +23,10 @@
 use candle_core::{Device, Result, Tensor};
 use candle_cp_comm::{run_ranks, Group};
 use candle_cp_ops::attention::{attention_bwd, attention_fwd, Mask};
-use candle_cp_ops::cp::{allgather_attention_bwd_raw, allgather_attention_stats, balance, ring_attention_bwd_raw, ring_attention_fwd_raw, CpOpts, Layout, RingStats};
+use candle_cp_ops::cp::{
+    allgather_attention_bwd_raw, allgather_attention_stats, balance, ring_attention_bwd_raw,
+    ring_attention_fwd_raw, CpOpts, Layout, RingStats,
+};
 use clap::Parser;
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -107,7 +110,10 @@ fn pool_cpu_ns(pool: &rayon::ThreadPool) -> u64 {
 }
 
 fn pool(threads: usize) -> Result<rayon::ThreadPool> {
-    rayon::ThreadPoolBuilder::new().num_threads(threads).build().map_err(|e| candle_core::Error::Msg(e.to_string()))
+    rayon::ThreadPoolBuilder::new()
+        .num_threads(threads)
+        .build()
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))
 }
 
 struct RankOut {
@@ -152,21 +158,38 @@ fn run_single(t: usize, a: &Args, bwd: bool) -> Result<Single> {
     let c1 = pool_cpu_ns(&pool);
     let (wall_bwd, cpu_bwd) = if bwd {
         let t1 = Instant::now();
-        let g = pool.install(|| attention_bwd(&q, &k, &v, &out, &lse, &dout, &Mask::causal(), scale))?;
+        let g =
+            pool.install(|| attention_bwd(&q, &k, &v, &out, &lse, &dout, &Mask::causal(), scale))?;
         let wb = t1.elapsed();
         drop(g);
-        (Some(wb), Some(Duration::from_nanos(pool_cpu_ns(&pool) - c1)))
+        (
+            Some(wb),
+            Some(Duration::from_nanos(pool_cpu_ns(&pool) - c1)),
+        )
     } else {
         (None, None)
     };
     let peak = PEAK.load(Ordering::Relaxed) - base;
-    Ok(Single { wall_fwd, wall_bwd, cpu_fwd: Duration::from_nanos(c1 - c0), cpu_bwd, peak })
+    Ok(Single {
+        wall_fwd,
+        wall_bwd,
+        cpu_fwd: Duration::from_nanos(c1 - c0),
+        cpu_bwd,
+        peak,
+    })
 }
 
 fn run_cp(t: usize, p: usize, layout: &str, a: &Args, bwd: bool) -> Result<Row> {
     let allgather = layout == "allgather";
-    let lay: Layout = if allgather { Layout::Zigzag } else { layout.parse()? };
-    let opts = CpOpts { overlap: a.overlap, ..CpOpts::new(lay, true) };
+    let lay: Layout = if allgather {
+        Layout::Zigzag
+    } else {
+        layout.parse()?
+    };
+    let opts = CpOpts {
+        overlap: a.overlap,
+        ..CpOpts::new(lay, true)
+    };
     let tl = lay.local_len(t, p)?;
     let base = AtomicUsize::new(0);
     let walls = std::sync::Mutex::new((Duration::ZERO, None));
@@ -221,12 +244,26 @@ fn run_cp(t: usize, p: usize, layout: &str, a: &Args, bwd: bool) -> Result<Row> 
                 w.0 = wf;
             }
         }
-        Ok(RankOut { fwd, bwd, fwd_cpu, bwd_cpu })
+        Ok(RankOut {
+            fwd,
+            bwd,
+            fwd_cpu,
+            bwd_cpu,
+        })
     });
-    let peak = PEAK.load(Ordering::Relaxed).saturating_sub(base.load(Ordering::Relaxed));
+    let peak = PEAK
+        .load(Ordering::Relaxed)
+        .saturating_sub(base.load(Ordering::Relaxed));
     let ranks = res.into_iter().collect::<Result<Vec<_>>>()?;
-    let (wall_fwd, wall_bwd) = *walls.lock().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    Ok(Row { wall_fwd, wall_bwd, ranks, peak_per_rank: peak / p })
+    let (wall_fwd, wall_bwd) = *walls
+        .lock()
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    Ok(Row {
+        wall_fwd,
+        wall_bwd,
+        ranks,
+        peak_per_rank: peak / p,
+    })
 }
 
 fn imbalance(xs: &[f64]) -> f64 {
@@ -243,7 +280,9 @@ fn main() -> Result<()> {
         a.dim,
         a.overlap,
         a.rank_threads,
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1)
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1)
     );
     println!("| T | layout | P | fwd wall ms | fwd CPU ms/rank (min–max) | fwd exposed comm ms/step | bwd wall ms | bwd CPU ms/rank (min–max) | bwd exposed comm ms/step | imbalance CPU fwd+bwd / exact pairs | peak MiB/rank | peak vs single | zigzag pairs/rank ÷ T²/2P |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
@@ -273,11 +312,20 @@ fn main() -> Result<()> {
                     if xs.is_empty() {
                         "–".to_string()
                     } else {
-                        format!("{:.0}–{:.0}", xs.iter().cloned().fold(f64::MAX, f64::min), xs.iter().cloned().fold(0.0, f64::max))
+                        format!(
+                            "{:.0}–{:.0}",
+                            xs.iter().cloned().fold(f64::MAX, f64::min),
+                            xs.iter().cloned().fold(0.0, f64::max)
+                        )
                     }
                 };
                 let wait = |f: &dyn Fn(&RankOut) -> Option<&RingStats>| -> String {
-                    let w: Vec<f64> = row.ranks.iter().filter_map(f).flat_map(|s| s.steps.iter().map(|x| ms(x.wait))).collect();
+                    let w: Vec<f64> = row
+                        .ranks
+                        .iter()
+                        .filter_map(f)
+                        .flat_map(|s| s.steps.iter().map(|x| ms(x.wait)))
+                        .collect();
                     if w.is_empty() {
                         "–".into()
                     } else {
@@ -286,11 +334,22 @@ fn main() -> Result<()> {
                 };
                 let fc: Vec<f64> = row.ranks.iter().map(|r| ms(r.fwd_cpu)).collect();
                 let bc: Vec<f64> = row.ranks.iter().filter_map(|r| r.bwd_cpu.map(ms)).collect();
-                let tot: Vec<f64> = row.ranks.iter().map(|r| ms(r.fwd_cpu) + r.bwd_cpu.map(ms).unwrap_or(0.0)).collect();
-                let lay: Layout = if layout == "allgather" { Layout::Zigzag } else { layout.parse()? };
+                let tot: Vec<f64> = row
+                    .ranks
+                    .iter()
+                    .map(|r| ms(r.fwd_cpu) + r.bwd_cpu.map(ms).unwrap_or(0.0))
+                    .collect();
+                let lay: Layout = if layout == "allgather" {
+                    Layout::Zigzag
+                } else {
+                    layout.parse()?
+                };
                 let rep = balance(lay, p, t, true)?;
                 let zz = if lay == Layout::Zigzag {
-                    format!("{:.4}", rep.pairs.iter().cloned().max().unwrap_or(0) as f64 / rep.ideal())
+                    format!(
+                        "{:.4}",
+                        rep.pairs.iter().cloned().max().unwrap_or(0) as f64 / rep.ideal()
+                    )
                 } else {
                     "–".into()
                 };

@@ -49,18 +49,29 @@ struct Rope {
 
 impl Rope {
     fn new(t_max: usize, d: usize) -> Result<Self> {
-        let inv: Vec<f32> = (0..d / 2).map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32)).collect();
+        let inv: Vec<f32> = (0..d / 2)
+            .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
+            .collect();
         let inv = Tensor::new(inv, &Device::Cpu)?;
         let pos = Tensor::arange(0u32, t_max as u32, &Device::Cpu)?.to_dtype(DType::F32)?;
         let f = pos.unsqueeze(1)?.broadcast_mul(&inv.unsqueeze(0)?)?;
         let f = Tensor::cat(&[&f, &f], 1)?;
-        Ok(Self { cos: f.cos()?, sin: f.sin()? })
+        Ok(Self {
+            cos: f.cos()?,
+            sin: f.sin()?,
+        })
     }
 }
 
 fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let d = x.dim(D::Minus1)?;
-    let rot = Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)?;
+    let rot = Tensor::cat(
+        &[
+            &x.narrow(D::Minus1, d / 2, d / 2)?.neg()?,
+            &x.narrow(D::Minus1, 0, d / 2)?,
+        ],
+        D::Minus1,
+    )?;
     Ok((x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?)?)
 }
 
@@ -84,7 +95,12 @@ impl Attn {
         let d = c / HEADS;
         let q = self.q.forward(x)?.reshape((b, t, HEADS, d))?.transpose(1, 2)?; // [B, H, T, D]
         let k = self.k.forward(x)?.reshape((b, t, KV_HEADS, d))?.transpose(1, 2)?;
-        let v = self.v.forward(x)?.reshape((b, t, KV_HEADS, d))?.transpose(1, 2)?.contiguous()?;
+        let v = self
+            .v
+            .forward(x)?
+            .reshape((b, t, KV_HEADS, d))?
+            .transpose(1, 2)?
+            .contiguous()?;
         let cos = rope.cos.narrow(0, index_pos, t)?; // positions are contiguous here
         let sin = rope.sin.narrow(0, index_pos, t)?;
         let q = rotate(&q, &cos, &sin)?;
@@ -92,13 +108,18 @@ impl Attn {
         let rep = |x: Tensor| -> Result<Tensor> {
             // repeat_kv: [B, Hkv, T, D] -> [B, H, T, D]
             let (b, hkv, t, d) = x.dims4()?;
-            Ok(x.unsqueeze(2)?.broadcast_as((b, hkv, HEADS / hkv, t, d))?.reshape((b, HEADS, t, d))?)
+            Ok(x.unsqueeze(2)?
+                .broadcast_as((b, hkv, HEADS / hkv, t, d))?
+                .reshape((b, HEADS, t, d))?)
         };
         let (k, v) = (rep(k)?, rep(v)?);
         let att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
         let mask: Vec<u8> = (0..t).flat_map(|i| (0..t).map(move |j| u8::from(j > i))).collect();
         let mask = Tensor::from_vec(mask, (t, t), x.device())?.broadcast_as(att.shape())?;
-        let att = mask.where_cond(&Tensor::new(f32::NEG_INFINITY, x.device())?.broadcast_as(att.shape())?, &att)?;
+        let att = mask.where_cond(
+            &Tensor::new(f32::NEG_INFINITY, x.device())?.broadcast_as(att.shape())?,
+            &att,
+        )?;
         let att = candle_nn::ops::softmax(&att, D::Minus1)?; // (softmax_last_dim has no backward)
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
         Ok(self.o.forward(&y)?)
@@ -120,7 +141,9 @@ impl Attn {
         // CHANGED: one call replaces repeat_kv + mask + softmax + matmul (GQA handled inside)
         let (y, _lse) = match cp {
             Cp::Ring(group, opts) => ring_attention(&q, &k, &v, group, opts)?,
-            Cp::Ulysses(group) => ulysses_attention(&q, &k, &v, group, &UlyssesOpts::new(true, 1.0 / (d as f64).sqrt()))?,
+            Cp::Ulysses(group) => {
+                ulysses_attention(&q, &k, &v, group, &UlyssesOpts::new(true, 1.0 / (d as f64).sqrt()))?
+            }
         };
         Ok(self.o.forward(&y.reshape((b, t, c))?)?)
     }
@@ -144,13 +167,22 @@ impl Lm {
         };
         let lin = |v: Var| Linear::new(v.as_tensor().clone(), None);
         let emb = var("emb")?;
-        let attn = Attn { q: lin(var("q")?), k: lin(var("k")?), v: lin(var("v")?), o: lin(var("o")?) };
+        let attn = Attn {
+            q: lin(var("q")?),
+            k: lin(var("k")?),
+            v: lin(var("v")?),
+            o: lin(var("o")?),
+        };
         let head = lin(var("head")?);
         Ok(Self { emb, attn, head, vars })
     }
     fn logits(&self, ids: &Tensor, f: impl Fn(&Attn, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
         let (b, t) = ids.dims2()?;
-        let x = self.emb.as_tensor().index_select(&ids.flatten_all()?, 0)?.reshape((b, t, HIDDEN))?;
+        let x = self
+            .emb
+            .as_tensor()
+            .index_select(&ids.flatten_all()?, 0)?
+            .reshape((b, t, HIDDEN))?;
         let x = (&x + f(&self.attn, &x)?)?;
         Ok(self.head.forward(&x)?)
     }
@@ -163,8 +195,14 @@ fn main() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let d = HIDDEN / HEADS;
     let mut w = HashMap::new();
-    for (n, shape) in [("emb", (VOCAB, HIDDEN)), ("q", (HIDDEN, HIDDEN)), ("k", (KV_HEADS * d, HIDDEN)),
-                       ("v", (KV_HEADS * d, HIDDEN)), ("o", (HIDDEN, HIDDEN)), ("head", (VOCAB, HIDDEN))] {
+    for (n, shape) in [
+        ("emb", (VOCAB, HIDDEN)),
+        ("q", (HIDDEN, HIDDEN)),
+        ("k", (KV_HEADS * d, HIDDEN)),
+        ("v", (KV_HEADS * d, HIDDEN)),
+        ("o", (HIDDEN, HIDDEN)),
+        ("head", (VOCAB, HIDDEN)),
+    ] {
         w.insert(n.to_string(), Tensor::randn(0f32, 0.3, shape, &dev)?);
     }
     let ids = Tensor::rand(0f32, VOCAB as f32, (1, t), &dev)?.to_dtype(DType::U32)?;
@@ -179,7 +217,9 @@ fn main() -> anyhow::Result<()> {
     let g = loss_single.backward()?;
     let mut grads_single = Vec::new();
     for (k, v) in &lm.vars {
-        let Some(gk) = g.get(v.as_tensor()) else { anyhow::bail!("no gradient for {k}") };
+        let Some(gk) = g.get(v.as_tensor()) else {
+            anyhow::bail!("no gradient for {k}")
+        };
         grads_single.push((k.clone(), gk.clone()));
     }
     let loss_single = loss_single.to_scalar::<f32>()?;
@@ -196,7 +236,11 @@ fn main() -> anyhow::Result<()> {
         let labels_l = cp::shard(&labels, layout, r, p, 1)?;
         let pos_l = cp::position_ids(layout, r, p, t, &dev)?;
         let lm = Lm::new(&w)?; // same initial weights on every rank
-        let cpk = if ulysses { Cp::Ulysses(&group) } else { Cp::Ring(&group, CpOpts::new(layout, true)) };
+        let cpk = if ulysses {
+            Cp::Ulysses(&group)
+        } else {
+            Cp::Ring(&group, CpOpts::new(layout, true))
+        };
         let logits = lm.logits(&ids_l, |attn, x| attn.forward_cp(x, &pos_l, &rope, &cpk))?;
         // CHANGED: global mean over all ranks' targets (sum + count all-reduced)
         let (terms, n) = local_nll(&logits, &labels_l)?;
@@ -213,9 +257,13 @@ fn main() -> anyhow::Result<()> {
     let mut worst = (0f32, String::new());
     for (r, out) in res.into_iter().enumerate() {
         let (loss, grads) = out?;
-        anyhow::ensure!((loss - loss_single).abs() < 1e-5, "rank {r}: loss {loss} vs single {loss_single}");
+        anyhow::ensure!(
+            (loss - loss_single).abs() < 1e-5,
+            "rank {r}: loss {loss} vs single {loss_single}"
+        );
         for ((k, g1), (_, gp)) in grads_single.iter().zip(&grads) {
-            let rel = ((g1 - gp)?.abs()?.max_all()?.to_scalar::<f32>()? / g1.abs()?.max_all()?.to_scalar::<f32>()?).max(0.0);
+            let rel =
+                ((g1 - gp)?.abs()?.max_all()?.to_scalar::<f32>()? / g1.abs()?.max_all()?.to_scalar::<f32>()?).max(0.0);
             if rel >= worst.0 {
                 worst = (rel, k.clone());
             }

@@ -321,3 +321,22 @@ fn oracle_loader_errors() {
     assert!(AttnCase::load(&noheader).unwrap_err().to_string().contains("causal"));
     std::fs::remove_dir_all(&dir).unwrap();
 }
+
+/// Non-contiguous views (e.g. q from a `[B, H, T, D]` projection transposed) give the same
+/// values and gradients as contiguous copies.
+#[test]
+fn non_contiguous_inputs() {
+    let (b, t, h, d) = (1, 50, 4, 16);
+    let q = randn(31, &[b, h, t, d]).transpose(1, 2).unwrap(); // [B, T, H, D] view
+    assert!(!q.is_contiguous());
+    let kv = randn(32, &[b, t, 2, 2 * d]);
+    let (k, v) = (kv.narrow(3, 0, d).unwrap(), kv.narrow(3, d, d).unwrap());
+    let dout = randn(33, &[b, t, h, d]);
+    let mask = Mask::causal();
+    let a = fwd_bwd(attention, &q, &k, &v, &dout, &mask, 0.25);
+    let c = |x: &Tensor| x.contiguous().unwrap();
+    let want = fwd_bwd(attention, &c(&q), &c(&k), &c(&v), &dout, &mask, 0.25);
+    assert_close(&a, &want, 0.0, "non-contiguous vs contiguous");
+    let slow = fwd_bwd(attention_slow, &q, &k, &v, &dout, &mask, 0.25);
+    assert_close(&a, &slow, 2e-5, "non-contiguous vs slow");
+}

@@ -64,7 +64,11 @@ fn check_ids(layout: Layout, ids: &Tensor) {
         rep.rank_spread,
         t0.elapsed().as_secs_f64()
     );
-    assert_eq!(rep.grad_rel.len(), d.reference.grads.len(), "{layout}: every parameter compared");
+    assert_eq!(
+        rep.grad_rel.len(),
+        d.reference.grads.len(),
+        "{layout}: every parameter compared"
+    );
     assert!(rep.pass(), "{layout}: out of tolerance: {rep:?}");
 }
 
@@ -92,11 +96,19 @@ fn perturbed_reference_fails() {
     let rep = compare(&run, &bad, Tolerances::default()).unwrap();
     assert!(!rep.pass() && rep.worst_param == name, "{rep:?}");
     assert!(rep.grad_rel_max > 5e-4, "{rep:?}");
-    let mut bad2 = Reference { grads: d.reference.grads.clone(), logits: (&d.reference.logits + 1e-4).unwrap(), ..bad };
+    let mut bad2 = Reference {
+        grads: d.reference.grads.clone(),
+        logits: (&d.reference.logits + 1e-4).unwrap(),
+        ..bad
+    };
     bad2.loss = d.reference.loss;
     let rep = compare(&run, &bad2, Tolerances::default()).unwrap();
     assert!(!rep.pass() && rep.logits_abs > 9e-5, "{rep:?}");
-    let mut bad3 = Reference { logits: d.reference.logits.clone(), loss: d.reference.loss + 1e-5, ..bad2 };
+    let mut bad3 = Reference {
+        logits: d.reference.logits.clone(),
+        loss: d.reference.loss + 1e-5,
+        ..bad2
+    };
     bad3.grads = d.reference.grads.clone();
     assert!(!compare(&run, &bad3, Tolerances::default()).unwrap().pass());
 }
@@ -177,7 +189,11 @@ fn global_loss_is_finite_when_a_rank_has_no_target() -> Result<()> {
             candle_core::Var::new(&[0f32], &Device::Cpu)?
         };
         let n = if g.rank() == 0 { 3 } else { 0 };
-        let terms_t = if n == 0 { (terms.as_tensor() * 0.0)? } else { terms.as_tensor().clone() };
+        let terms_t = if n == 0 {
+            (terms.as_tensor() * 0.0)?
+        } else {
+            terms.as_tensor().clone()
+        };
         let loss = global_mean(&terms_t, n, &g)?;
         let grads = loss.backward()?;
         let gr = grads.get(terms.as_tensor()).map(|x| x.to_vec1::<f32>()).transpose()?;
@@ -235,7 +251,10 @@ fn tied_head_and_llama3_rope_layouts_equal_single_device() -> Result<()> {
     ] {
         let run = run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?;
         let rep = compare(&run, &reference, Tolerances::default())?;
-        println!("tied/llama3 {layout}: logits {:.1e} loss {:.1e} grad {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+        println!(
+            "tied/llama3 {layout}: logits {:.1e} loss {:.1e} grad {:.1e}",
+            rep.logits_abs, rep.loss_abs, rep.grad_rel_max
+        );
         assert!(rep.pass(), "{layout}: {rep:?}");
     }
     Ok(())

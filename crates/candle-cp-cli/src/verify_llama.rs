@@ -50,7 +50,10 @@ fn parse_device(s: &str) -> anyhow::Result<Device> {
     }
     let ord = match s.strip_prefix("cuda") {
         Some("") => 0,
-        Some(rest) => rest.trim_start_matches(':').parse::<usize>().map_err(|_| anyhow::anyhow!("bad device '{s}' (cpu or cuda:N)"))?,
+        Some(rest) => rest
+            .trim_start_matches(':')
+            .parse::<usize>()
+            .map_err(|_| anyhow::anyhow!("bad device '{s}' (cpu or cuda:N)"))?,
         None => anyhow::bail!("bad device '{s}' (cpu or cuda:N)"),
     };
     Ok(Device::new_cuda(ord)?)
@@ -104,7 +107,10 @@ pub fn run(a: LlamaArgs) -> crate::Outcome {
     let t = rep.tol;
     println!("logits_abs    {:.3e}   (tol {:.1e})", rep.logits_abs, t.logits_abs);
     println!("loss_abs      {:.3e}   (tol {:.1e})", rep.loss_abs, t.loss_abs);
-    println!("grad_rel_max  {:.3e}   (tol {:.1e})   worst: {}", rep.grad_rel_max, t.grad_rel, rep.worst_param);
+    println!(
+        "grad_rel_max  {:.3e}   (tol {:.1e})   worst: {}",
+        rep.grad_rel_max, t.grad_rel, rep.worst_param
+    );
     println!("rank_spread   {:.3e}   (tol {:.1e})", rep.rank_spread, t.loss_abs);
     println!("time          {:.1} s", t0.elapsed().as_secs_f64());
     let pass = rep.pass();

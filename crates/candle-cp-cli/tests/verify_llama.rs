@@ -23,9 +23,23 @@ fn stdout(o: &Output) -> String {
 #[test]
 fn pass_on_oracle_zigzag_cp2() {
     let (m, r) = (tiny(), tiny().join("reference.safetensors"));
-    let o = verify(&["--model", m.to_str().unwrap(), "--reference", r.to_str().unwrap(), "--layout", "zigzag", "--cp", "2"]);
+    let o = verify(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--reference",
+        r.to_str().unwrap(),
+        "--layout",
+        "zigzag",
+        "--cp",
+        "2",
+    ]);
     let out = stdout(&o);
-    assert_eq!(o.status.code(), Some(0), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(0),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     for k in ["logits_abs", "loss_abs", "grad_rel_max", "worst:", "tol"] {
         assert!(out.contains(k), "{out}");
     }
@@ -47,10 +61,22 @@ fn fail_on_corrupted_reference() {
     let bad = dir.join("reference.safetensors");
     std::fs::write(&bad, bytes).unwrap();
     let m = tiny();
-    let o = verify(&["--model", m.to_str().unwrap(), "--reference", bad.to_str().unwrap(), "--layout", "single"]);
+    let o = verify(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--reference",
+        bad.to_str().unwrap(),
+        "--layout",
+        "single",
+    ]);
     std::fs::remove_dir_all(&dir).unwrap();
     let out = stdout(&o);
-    assert_eq!(o.status.code(), Some(1), "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        o.status.code(),
+        Some(1),
+        "{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     assert_eq!(out.lines().last(), Some("FAIL"), "{out}");
 }
 
@@ -59,15 +85,51 @@ fn bad_input_exits_2() {
     let r = tiny().join("reference.safetensors");
     let m = tiny();
     // missing checkpoint directory
-    let o = verify(&["--model", "/nonexistent/model", "--reference", r.to_str().unwrap(), "--layout", "zigzag", "--cp", "2"]);
+    let o = verify(&[
+        "--model",
+        "/nonexistent/model",
+        "--reference",
+        r.to_str().unwrap(),
+        "--layout",
+        "zigzag",
+        "--cp",
+        "2",
+    ]);
     assert_eq!(o.status.code(), Some(2));
     // 8 heads cannot be split over 3 Ulysses ranks: the error names the degrees
-    let o = verify(&["--model", m.to_str().unwrap(), "--reference", r.to_str().unwrap(), "--layout", "ulysses", "--cp", "3"]);
+    let o = verify(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--reference",
+        r.to_str().unwrap(),
+        "--layout",
+        "ulysses",
+        "--cp",
+        "3",
+    ]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("ulysses degree 3"));
     // unknown layout, and a 2d layout without its degrees
-    let o = verify(&["--model", m.to_str().unwrap(), "--reference", r.to_str().unwrap(), "--layout", "diagonal", "--cp", "2"]);
+    let o = verify(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--reference",
+        r.to_str().unwrap(),
+        "--layout",
+        "diagonal",
+        "--cp",
+        "2",
+    ]);
     assert_eq!(o.status.code(), Some(2));
-    let o = verify(&["--model", m.to_str().unwrap(), "--reference", r.to_str().unwrap(), "--layout", "2d", "--cp", "4"]);
+    let o = verify(&[
+        "--model",
+        m.to_str().unwrap(),
+        "--reference",
+        r.to_str().unwrap(),
+        "--layout",
+        "2d",
+        "--cp",
+        "4",
+    ]);
     assert_eq!(o.status.code(), Some(2));
 }

@@ -8,6 +8,9 @@ use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 /// `ctx.ring` (rank `cp_i = ring_i · U + uly_i`, as [`UspGroups`] orders them).
 /// `q [B, T/(R·U), Hl, D]`, `k, v [B, T/(R·U), Hkvl, D]` → `[B, T/(R·U), Hl, D]`.
 pub fn attend_2d(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
-    let groups = UspGroups { ulysses: ctx.ulysses.clone(), ring: ctx.ring.clone() };
+    let groups = UspGroups {
+        ulysses: ctx.ulysses.clone(),
+        ring: ctx.ring.clone(),
+    };
     Ok(usp_attention(q, k, v, &groups, &UspOpts::new(true, scale))?.0)
 }

@@ -60,10 +60,11 @@ pub struct LlamaConfig {
     pub tie_word_embeddings: bool,
     /// Longest position the checkpoint was configured for (kept for config.json round trips).
     pub max_position_embeddings: usize,
-    /// Optional special token ids, kept for config.json round trips.
-    pub bos_token_id: Option<u32>,
+    /// Optional special token id(s) as written in config.json (a number or, e.g. for
+    /// Llama 3, a list), kept for round trips.
+    pub bos_token_id: Option<Value>,
     /// See `bos_token_id`.
-    pub eos_token_id: Option<u32>,
+    pub eos_token_id: Option<Value>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -93,10 +94,9 @@ fn need_usize(m: &Map<String, Value>, k: &str) -> Result<usize> {
     }
 }
 
-fn token_id(m: &Map<String, Value>, k: &str) -> Option<u32> {
+fn token_id(m: &Map<String, Value>, k: &str) -> Option<Value> {
     match m.get(k) {
-        Some(Value::Number(n)) => n.as_u64().map(|x| x as u32),
-        Some(Value::Array(a)) => a.first().and_then(|v| v.as_u64()).map(|x| x as u32),
+        Some(v @ (Value::Number(_) | Value::Array(_))) => Some(v.clone()),
         _ => None,
     }
 }
@@ -140,12 +140,16 @@ impl LlamaConfig {
     /// Parse the text of a HF `config.json`.
     pub fn from_json(text: &str) -> Result<Self> {
         let v: Value = serde_json::from_str(text).map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
-        let Some(m) = v.as_object() else { bail!("config.json: top level is not an object") };
+        let Some(m) = v.as_object() else {
+            bail!("config.json: top level is not an object")
+        };
         let hidden_size = need_usize(m, "hidden_size")?;
         let heads = need_usize(m, "num_attention_heads")?;
         let kv = get_usize(m, "num_key_value_heads")?.unwrap_or(heads);
         if heads == 0 || kv == 0 || heads % kv != 0 {
-            bail!("config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})")
+            bail!(
+                "config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"
+            )
         }
         let head_dim = match get_usize(m, "head_dim")? {
             Some(d) => d,
@@ -162,7 +166,9 @@ impl LlamaConfig {
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
         let (rope_theta, rope_scaling) = match m.get("rope_parameters") {
             Some(Value::Object(p)) => {
-                let theta = get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(10000.0);
+                let theta = get_f64(p, "rope_theta")?
+                    .or(get_f64(m, "rope_theta")?)
+                    .unwrap_or(10000.0);
                 (theta, parse_scaling(p)?)
             }
             _ => {
@@ -207,7 +213,8 @@ impl LlamaConfig {
     /// Read and parse `config.json` (pass the file path).
     pub fn from_file(path: impl AsRef<Path>) -> Result<Self> {
         let p = path.as_ref();
-        let text = std::fs::read_to_string(p).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", p.display())))?;
+        let text =
+            std::fs::read_to_string(p).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", p.display())))?;
         Self::from_json(&text)
     }
 
@@ -267,12 +274,20 @@ impl LlamaConfig {
                 rope.insert("rope_type".into(), json!("linear"));
                 rope.insert("factor".into(), json!(factor));
             }
-            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+            RopeScaling::Llama3 {
+                factor,
+                low_freq_factor,
+                high_freq_factor,
+                original_max_position_embeddings,
+            } => {
                 rope.insert("rope_type".into(), json!("llama3"));
                 rope.insert("factor".into(), json!(factor));
                 rope.insert("low_freq_factor".into(), json!(low_freq_factor));
                 rope.insert("high_freq_factor".into(), json!(high_freq_factor));
-                rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+                rope.insert(
+                    "original_max_position_embeddings".into(),
+                    json!(original_max_position_embeddings),
+                );
             }
         }
         let v = json!({
@@ -321,12 +336,16 @@ mod tests {
 
     #[test]
     fn legacy_and_new_rope_forms() -> Result<()> {
-        let legacy = format!(r#"{{{BASE}, "rope_theta": 500000.0, "rope_scaling": {{"rope_type": "llama3",
+        let legacy = format!(
+            r#"{{{BASE}, "rope_theta": 500000.0, "rope_scaling": {{"rope_type": "llama3",
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}}}}"#);
-        let new = format!(r#"{{{BASE}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0,
+            "original_max_position_embeddings": 8192}}}}"#
+        );
+        let new = format!(
+            r#"{{{BASE}, "rope_parameters": {{"rope_type": "llama3", "rope_theta": 500000.0,
             "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-            "original_max_position_embeddings": 8192}}}}"#);
+            "original_max_position_embeddings": 8192}}}}"#
+        );
         let a = LlamaConfig::from_json(&legacy)?;
         let b = LlamaConfig::from_json(&new)?;
         assert_eq!(a, b);
@@ -342,25 +361,41 @@ mod tests {
 
     #[test]
     fn oracle_config() -> Result<()> {
-        let p = concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/oracle/tiny-llama/config.json");
+        let p = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/oracle/tiny-llama/config.json"
+        );
         let c = LlamaConfig::from_file(p)?;
-        assert_eq!((c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers), (512, 128, 352, 2));
+        assert_eq!(
+            (c.vocab_size, c.hidden_size, c.intermediate_size, c.num_hidden_layers),
+            (512, 128, 352, 2)
+        );
         assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim), (8, 2, 16));
-        assert_eq!((c.rope_theta, c.rope_scaling.clone(), c.tie_word_embeddings), (500000.0, RopeScaling::Default, false));
+        assert_eq!(
+            (c.rope_theta, c.rope_scaling.clone(), c.tie_word_embeddings),
+            (500000.0, RopeScaling::Default, false)
+        );
         Ok(())
     }
 
     #[test]
     fn defaults_and_errors() -> Result<()> {
-        let c = LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": true}}"#))?;
+        let c = LlamaConfig::from_json(&format!(
+            r#"{{{BASE}, "num_key_value_heads": 2, "head_dim": 32, "tie_word_embeddings": true, "eos_token_id": [5, 9]}}"#
+        ))?;
+        assert_eq!(c.eos_token_id, Some(serde_json::json!([5, 9])));
         assert_eq!((c.num_key_value_heads, c.head_dim, c.rope_theta), (2, 32, 10000.0));
         assert!(c.tie_word_embeddings);
         assert_eq!(c.rope_scaling, RopeScaling::Default);
         assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#)).is_err());
-        assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 2.0}}}}"#)).is_err());
+        assert!(LlamaConfig::from_json(&format!(
+            r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 2.0}}}}"#
+        ))
+        .is_err());
         assert!(LlamaConfig::from_json(r#"{"hidden_size": 4}"#).is_err());
         // default RoPE: no `rope_scaling` key (transformers 5 aliases it to rope_parameters)
-        let v: Value = serde_json::from_str(&c.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let v: Value =
+            serde_json::from_str(&c.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         assert!(v.get("rope_scaling").is_none());
         assert_eq!(v["rope_parameters"]["rope_type"], "default");
         assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);

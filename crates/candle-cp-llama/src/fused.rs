@@ -46,7 +46,12 @@ pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize)> {
     let (_b, t, _h, d) = x.dims4()?;
     if cos.dims() != [t, d] || sin.dims() != [t, d] || d % 2 != 0 {
-        bail!("apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, {d}] and even D, got {:?} / {:?}", x.dims(), cos.dims(), sin.dims())
+        bail!(
+            "apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, {d}] and even D, got {:?} / {:?}",
+            x.dims(),
+            cos.dims(),
+            sin.dims()
+        )
     }
     Ok((t, d))
 }

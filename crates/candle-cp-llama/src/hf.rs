@@ -26,7 +26,10 @@ pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<Strin
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
-        bail!("{}: neither model.safetensors nor model.safetensors.index.json found", dir.display())
+        bail!(
+            "{}: neither model.safetensors nor model.safetensors.index.json found",
+            dir.display()
+        )
     }
     let text = std::fs::read_to_string(&index).map_err(|e| io_err("reading", &index, e))?;
     let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| io_err("parsing", &index, e))?;
@@ -53,13 +56,27 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
     let tensors = load_safetensors_dir(dir, device)?;
     let vm = VarMap::new();
     {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = vm
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
         for s in param_specs(&cfg) {
             let Some(t) = tensors.get(&s.name) else {
-                bail!("{}: checkpoint has no tensor {} (expected {:?})", dir.display(), s.name, s.shape)
+                bail!(
+                    "{}: checkpoint has no tensor {} (expected {:?})",
+                    dir.display(),
+                    s.name,
+                    s.shape
+                )
             };
             if t.dims() != s.shape.as_slice() {
-                bail!("{}: tensor {} has shape {:?}, config implies {:?}", dir.display(), s.name, t.dims(), s.shape)
+                bail!(
+                    "{}: tensor {} has shape {:?}, config implies {:?}",
+                    dir.display(),
+                    s.name,
+                    t.dims(),
+                    s.shape
+                )
             }
             data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
         }
@@ -82,8 +99,16 @@ fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
     Ok(match t.dtype() {
         DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::F64 => t.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
-        DType::BF16 => t.to_vec1::<half::bf16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
-        DType::F16 => t.to_vec1::<half::f16>()?.iter().flat_map(|x| x.to_bits().to_le_bytes()).collect(),
+        DType::BF16 => t
+            .to_vec1::<half::bf16>()?
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
+        DType::F16 => t
+            .to_vec1::<half::f16>()?
+            .iter()
+            .flat_map(|x| x.to_bits().to_le_bytes())
+            .collect(),
         other => bail!("save_hf: dtype {other:?} not supported"),
     })
 }
@@ -141,9 +166,16 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
     let tensors = varmap_tensors(varmap)?;
     let mut named = Vec::new();
     for s in param_specs(cfg) {
-        let Some(t) = tensors.get(&s.name) else { bail!("save_hf: VarMap has no {} {:?}", s.name, s.shape) };
+        let Some(t) = tensors.get(&s.name) else {
+            bail!("save_hf: VarMap has no {} {:?}", s.name, s.shape)
+        };
         if t.dims() != s.shape.as_slice() {
-            bail!("save_hf: {} has shape {:?}, full shape is {:?} (gather TP shards first)", s.name, t.dims(), s.shape)
+            bail!(
+                "save_hf: {} has shape {:?}, full shape is {:?} (gather TP shards first)",
+                s.name,
+                t.dims(),
+                s.shape
+            )
         }
         named.push((s.name.clone(), t.clone()));
     }
@@ -184,7 +216,10 @@ mod tests {
             assert_eq!(a.len(), b.len());
             assert!(!b.contains_key("lm_head.weight"), "tied: no lm_head tensor");
             for (k, t) in &a {
-                let d = (t.to_dtype(DType::F32)? - b[k].to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                let d = (t.to_dtype(DType::F32)? - b[k].to_dtype(DType::F32)?)?
+                    .abs()?
+                    .max_all()?
+                    .to_scalar::<f32>()?;
                 assert_eq!(d, 0.0, "{k}");
                 assert_eq!(b[k].dtype(), dtype);
             }
@@ -202,7 +237,10 @@ mod tests {
 
     #[test]
     fn oracle_checkpoint_round_trips_bit_exactly() -> Result<()> {
-        let src = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/oracle/tiny-llama"));
+        let src = Path::new(concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/oracle/tiny-llama"
+        ));
         let (vm, cfg) = load_hf(src, &Device::Cpu, DType::F32)?;
         let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-oracle-{}", std::process::id()));
         save_hf(&dir, &vm, &cfg)?;
@@ -212,7 +250,11 @@ mod tests {
         for (k, t) in &orig {
             let b = &back[k];
             assert_eq!((t.dims(), t.dtype()), (b.dims(), b.dtype()), "{k}");
-            assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, b.flatten_all()?.to_vec1::<f32>()?, "{k}");
+            assert_eq!(
+                t.flatten_all()?.to_vec1::<f32>()?,
+                b.flatten_all()?.to_vec1::<f32>()?,
+                "{k}"
+            );
         }
         assert_eq!(LlamaConfig::from_file(dir.join("config.json"))?, cfg);
         let _ = std::fs::remove_dir_all(&dir);
@@ -227,7 +269,10 @@ mod tests {
         let mut t: Vec<(String, Tensor)> = varmap_tensors(&vm)?.into_iter().collect();
         t.retain(|(k, _)| k != "model.norm.weight");
         save_hf_tensors(&dir, &t, &cfg)?;
-        let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+        let e = load_hf(&dir, &Device::Cpu, DType::F32)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
         assert!(e.contains("model.norm.weight"), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())

@@ -36,7 +36,14 @@ pub enum CpKind {
 
 impl CpKind {
     /// All kinds, for tests and reports.
-    pub const ALL: [CpKind; 6] = [CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD];
+    pub const ALL: [CpKind; 6] = [
+        CpKind::Ring,
+        CpKind::Zigzag,
+        CpKind::Striped,
+        CpKind::AllGather,
+        CpKind::Ulysses,
+        CpKind::TwoD,
+    ];
 
     /// Lower-case name as accepted by [`CpKind::from_str`].
     pub fn name(&self) -> &'static str {
@@ -112,7 +119,15 @@ impl Default for Layout {
 impl Layout {
     /// One device: every degree 1.
     pub fn single() -> Self {
-        Self { tp: 1, cp: 1, cp_kind: CpKind::Zigzag, sp: false, dp: 1, ulysses: 1, ring: 1 }
+        Self {
+            tp: 1,
+            cp: 1,
+            cp_kind: CpKind::Zigzag,
+            sp: false,
+            dp: 1,
+            ulysses: 1,
+            ring: 1,
+        }
     }
     /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
     pub fn cp(kind: CpKind, cp: usize) -> Self {
@@ -121,11 +136,23 @@ impl Layout {
             CpKind::TwoD => (1, cp),
             _ => (1, cp),
         };
-        Self { cp, cp_kind: kind, ulysses, ring, ..Self::single() }
+        Self {
+            cp,
+            cp_kind: kind,
+            ulysses,
+            ring,
+            ..Self::single()
+        }
     }
     /// 2-D CP: Ulysses degree `ulysses` × ring degree `ring`.
     pub fn two_d(ulysses: usize, ring: usize) -> Self {
-        Self { cp: ulysses * ring, cp_kind: CpKind::TwoD, ulysses, ring, ..Self::single() }
+        Self {
+            cp: ulysses * ring,
+            cp_kind: CpKind::TwoD,
+            ulysses,
+            ring,
+            ..Self::single()
+        }
     }
     /// Same layout with tensor parallelism `tp` (and sequence parallelism if `sp`).
     pub fn with_tp(mut self, tp: usize, sp: bool) -> Self {
@@ -165,11 +192,17 @@ impl Layout {
             _ => {}
         }
         if heads % self.tp != 0 || kv_heads % self.tp != 0 {
-            bail!("layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})", self.tp)
+            bail!(
+                "layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})",
+                self.tp
+            )
         }
         let lh = heads / self.tp;
         if self.ulysses > 1 && lh % self.ulysses != 0 {
-            bail!("layout {self}: ulysses degree {} must divide the {lh} query heads per TP rank", self.ulysses)
+            bail!(
+                "layout {self}: ulysses degree {} must divide the {lh} query heads per TP rank",
+                self.ulysses
+            )
         }
         Ok(())
     }
@@ -214,7 +247,11 @@ impl ParallelCtx {
     pub fn new(world: Group, layout: Layout) -> Result<Self> {
         let (cp, tp) = (layout.cp, layout.tp);
         if world.size() != layout.world_size() {
-            bail!("ParallelCtx: world has {} ranks, layout {layout} needs dp·cp·tp = {}", world.size(), layout.world_size())
+            bail!(
+                "ParallelCtx: world has {} ranks, layout {layout} needs dp·cp·tp = {}",
+                world.size(),
+                layout.world_size()
+            )
         }
         if layout.cp_kind == CpKind::TwoD && layout.ulysses * layout.ring != cp {
             bail!("ParallelCtx: layout {layout}: 2d needs cp = ulysses · ring")
@@ -235,7 +272,17 @@ impl ParallelCtx {
         } else {
             (cp_g.clone(), cp_g.clone())
         };
-        Ok(Self { layout, world, cp: cp_g, tp: tp_g, dp: dp_g, dp_cp, ulysses, ring, coords: (dp_i, cp_i, tp_i) })
+        Ok(Self {
+            layout,
+            world,
+            cp: cp_g,
+            tp: tp_g,
+            dp: dp_g,
+            dp_cp,
+            ulysses,
+            ring,
+            coords: (dp_i, cp_i, tp_i),
+        })
     }
 
     /// A context for one device (`world` of size 1).
@@ -284,7 +331,11 @@ pub fn shard_batch(global_ids: &Tensor, ctx: &ParallelCtx) -> Result<ShardedBatc
     let pos = Tensor::arange(0u32, t as u32, ids.device())?;
     let mut parts = shard_tokens(&[ids, labels], &pos, b, t, ctx)?.into_iter();
     match (parts.next(), parts.next(), parts.next()) {
-        (Some(input_ids), Some(labels), Some(positions)) => Ok(ShardedBatch { input_ids, labels, positions }),
+        (Some(input_ids), Some(labels), Some(positions)) => Ok(ShardedBatch {
+            input_ids,
+            labels,
+            positions,
+        }),
         _ => bail!("shard_batch: internal error"),
     }
 }
@@ -300,15 +351,27 @@ fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelC
     let seq = l.cp_kind.seq_layout();
     let two_d = l.cp_kind == CpKind::TwoD;
     // 2-D: zigzag over the ring index, then contiguous over the Ulysses index
-    let (outer, outer_i) = if two_d { (l.ring, cp_i / l.ulysses) } else { (l.cp, cp_i) };
+    let (outer, outer_i) = if two_d {
+        (l.ring, cp_i / l.ulysses)
+    } else {
+        (l.cp, cp_i)
+    };
     let tr = seq.local_len(t, outer)?;
     if two_d && tr % l.ulysses != 0 {
-        bail!("shard_batch: ring shard {tr} (T = {t}, ring = {}) not divisible by ulysses = {}", l.ring, l.ulysses)
+        bail!(
+            "shard_batch: ring shard {tr} (T = {t}, ring = {}) not divisible by ulysses = {}",
+            l.ring,
+            l.ulysses
+        )
     }
     let tc = if two_d { tr / l.ulysses } else { tr };
     let sp = l.seq_parallel();
     if sp && tc % l.tp != 0 {
-        bail!("shard_batch: local length {tc} (T = {t}, cp = {}) not divisible by tp = {} for sequence parallelism", l.cp, l.tp)
+        bail!(
+            "shard_batch: local length {tc} (T = {t}, cp = {}) not divisible by tp = {} for sequence parallelism",
+            l.cp,
+            l.tp
+        )
     }
     let bl = b / l.dp;
     let split = |x: &Tensor, dim: usize| -> Result<Tensor> {
@@ -353,7 +416,11 @@ mod tests {
             let res = run_ranks(layout.world_size(), |g| {
                 let ctx = ParallelCtx::new(g, layout)?;
                 let b = shard_batch(&ids, &ctx)?;
-                let (i, l, p) = (b.input_ids.to_vec2::<u32>()?, b.labels.to_vec2::<u32>()?, b.positions.to_vec1::<u32>()?);
+                let (i, l, p) = (
+                    b.input_ids.to_vec2::<u32>()?,
+                    b.labels.to_vec2::<u32>()?,
+                    b.positions.to_vec1::<u32>()?,
+                );
                 Ok((i, l, p))
             });
             let mut seen = vec![0usize; t];
@@ -378,7 +445,9 @@ mod tests {
         assert!(Layout::single().with_tp(4, true).validate(8, 2).is_err());
         assert!(Layout::cp(CpKind::Ulysses, 4).validate(8, 2).is_ok());
         let ids = Tensor::zeros((1, 10), DType::U32, &Device::Cpu).unwrap();
-        let res = run_ranks(2, |g| shard_batch(&ids, &ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2))?).map(|_| ()));
+        let res = run_ranks(2, |g| {
+            shard_batch(&ids, &ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2))?).map(|_| ())
+        });
         let e = res[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("T = 10"), "{e}");
     }

@@ -14,7 +14,9 @@ use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
 use candle_core::{bail, DType, Result, Tensor};
 use candle_cp_ops::autograd::{attach1, BackwardFn};
-use candle_cp_ops::mappings::{copy_to_tp_region, gather_from_sp_region, reduce_from_tp_region, reduce_scatter_to_sp_region};
+use candle_cp_ops::mappings::{
+    copy_to_tp_region, gather_from_sp_region, reduce_from_tp_region, reduce_scatter_to_sp_region,
+};
 use candle_nn::VarBuilder;
 use std::sync::Arc;
 
@@ -23,7 +25,11 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let (o, wi) = w.dims2()?;
     if wi != i {
-        bail!("linear: input {:?} does not match weight {:?} ([out, in])", x.dims(), w.dims())
+        bail!(
+            "linear: input {:?} does not match weight {:?} ([out, in])",
+            x.dims(),
+            w.dims()
+        )
     }
     x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, o))
 }
@@ -67,7 +73,9 @@ impl Llama {
             specs.insert(s.name.clone(), s);
         }
         let get = |name: &str| -> Result<Tensor> {
-            let Some(s) = specs.get(name) else { bail!("Llama::new: no parameter spec for {name}") };
+            let Some(s) = specs.get(name) else {
+                bail!("Llama::new: no parameter spec for {name}")
+            };
             let std = if name.ends_with("norm.weight") { 0.0 } else { 0.02 };
             let init = if std == 0.0 {
                 candle_nn::Init::Const(1.0)
@@ -93,8 +101,19 @@ impl Llama {
             });
         }
         let norm = get("model.norm.weight")?;
-        let lm_head = if cfg.tie_word_embeddings { embed.clone() } else { get("lm_head.weight")? };
-        Ok(Self { cfg: cfg.clone(), ctx: ctx.clone(), embed, blocks, norm, lm_head })
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            get("lm_head.weight")?
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            ctx: ctx.clone(),
+            embed,
+            blocks,
+            norm,
+            lm_head,
+        })
     }
 
     /// The config.
@@ -151,7 +170,11 @@ impl Llama {
     pub fn forward(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let (b, ts) = input_ids.dims2()?;
         if positions.dims() != [ts] {
-            bail!("Llama::forward: positions {:?} must be [{ts}] for input_ids {:?}", positions.dims(), input_ids.dims())
+            bail!(
+                "Llama::forward: positions {:?} must be [{ts}] for input_ids {:?}",
+                positions.dims(),
+                input_ids.dims()
+            )
         }
         let cfg = &self.cfg;
         let (tp, d) = (self.ctx.layout.tp, cfg.head_dim);
@@ -164,7 +187,11 @@ impl Llama {
         if ids.elem_count() > 0 {
             let max = ids.max(0)?.to_scalar::<u32>()? as usize;
             if max >= cfg.vocab_size {
-                bail!("Llama::forward: token id {max} out of range for vocab {} (input_ids {:?})", cfg.vocab_size, input_ids.dims())
+                bail!(
+                    "Llama::forward: token id {max} out of range for vocab {} (input_ids {:?})",
+                    cfg.vocab_size,
+                    input_ids.dims()
+                )
             }
         }
         let mut x = self.embed.index_select(&ids, 0)?.reshape((b, ts, cfg.hidden_size))?;
@@ -207,7 +234,11 @@ impl Llama {
 pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let (b, t, v) = logits.dims3()?;
     if labels.dims() != [b, t] {
-        bail!("local_nll: labels {:?} must be [{b}, {t}] for logits {:?}", labels.dims(), logits.dims())
+        bail!(
+            "local_nll: labels {:?} must be [{b}, {t}] for logits {:?}",
+            labels.dims(),
+            logits.dims()
+        )
     }
     let lab: Vec<u32> = labels.to_dtype(DType::U32)?.flatten_all()?.to_vec1()?;
     let mut idx = Vec::new();
@@ -215,7 +246,10 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     for (i, &l) in lab.iter().enumerate() {
         if l != IGNORE {
             if l as usize >= v {
-                bail!("local_nll: label {l} out of range for vocab {v} (logits {:?})", logits.dims())
+                bail!(
+                    "local_nll: label {l} out of range for vocab {v} (logits {:?})",
+                    logits.dims()
+                )
             }
             idx.push(i as u32);
             tgt.push(l);
@@ -223,10 +257,16 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     }
     let dev = logits.device();
     if idx.is_empty() {
-        return Ok(((logits.to_dtype(DType::F32)?.sum_all()? * 0.0)?.reshape(1)?, 0));
+        // `x * 0.0` is an affine op that candle's backward prunes (mul == 0): multiply by a zero
+        // tensor instead so the graph (and the collectives in its backward) is still walked.
+        let zero = Tensor::zeros((), DType::F32, logits.device())?;
+        return Ok((logits.to_dtype(DType::F32)?.sum_all()?.mul(&zero)?.reshape(1)?, 0));
     }
     let n = idx.len();
-    let rows = logits.reshape((b * t, v))?.index_select(&Tensor::new(idx, dev)?, 0)?.to_dtype(DType::F32)?;
+    let rows = logits
+        .reshape((b * t, v))?
+        .index_select(&Tensor::new(idx, dev)?, 0)?
+        .to_dtype(DType::F32)?;
     let tgt = Tensor::new(tgt, dev)?.reshape((n, 1))?;
     // fused cross-entropy: terms = lse - picked; backward (softmax - onehot) · dterm
     let r = rows.detach();
@@ -236,8 +276,14 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let terms = (sum.log()? - shifted.gather(&tgt, 1)?)?.reshape(n)?;
     let probs = e.broadcast_div(&sum)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let onehot = Tensor::zeros((n, v), DType::F32, probs.device())?.scatter_add(&tgt, &Tensor::ones((n, 1), DType::F32, probs.device())?, 1)?;
-        Ok(vec![Some((&probs - onehot)?.broadcast_mul(&dy.to_dtype(DType::F32)?.reshape((n, 1))?)?)])
+        let onehot = Tensor::zeros((n, v), DType::F32, probs.device())?.scatter_add(
+            &tgt,
+            &Tensor::ones((n, 1), DType::F32, probs.device())?,
+            1,
+        )?;
+        Ok(vec![Some(
+            (&probs - onehot)?.broadcast_mul(&dy.to_dtype(DType::F32)?.reshape((n, 1))?)?,
+        )])
     });
     Ok((attach1("cross_entropy", &rows, terms, bwd)?, n))
 }
@@ -255,7 +301,9 @@ pub fn global_mean(terms: &Tensor, n: usize, group: &candle_cp_comm::Group) -> R
     let lo = (local - hi as f64) as f32;
     let row = Tensor::new(&[[hi, lo, n as f32]], &candle_core::Device::Cpu)?;
     let rows = if group.size() > 1 {
-        group.all_gather(&row.to_device(terms.device())?, 0)?.to_device(&candle_core::Device::Cpu)?
+        group
+            .all_gather(&row.to_device(terms.device())?, 0)?
+            .to_device(&candle_core::Device::Cpu)?
     } else {
         row
     };
@@ -288,7 +336,10 @@ mod tests {
         assert_eq!(n, 7);
         let sum = terms.sum_all()?;
         let keep: Vec<u32> = vec![0, 1, 3, 4, 7, 8, 9];
-        let rows = x.as_tensor().reshape((10, 11))?.index_select(&Tensor::new(keep, &dev)?, 0)?;
+        let rows = x
+            .as_tensor()
+            .reshape((10, 11))?
+            .index_select(&Tensor::new(keep, &dev)?, 0)?;
         let tg = Tensor::new(&[1u32, 4, 10, 0, 7, 7, 3], &dev)?;
         let want = (candle_nn::loss::cross_entropy(&rows, &tg)? * 7.0)?;
         let d = (sum.to_scalar::<f32>()? - want.to_scalar::<f32>()?).abs();
@@ -317,12 +368,22 @@ mod tests {
                 let (loss, logits) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
                 assert_eq!(logits.dtype(), dt);
                 let grads = loss.backward()?;
-                assert_eq!(crate::grads::named_grads(&grads, &vm)?.len(), crate::params::param_specs(&cfg).len());
+                assert_eq!(
+                    crate::grads::named_grads(&grads, &vm)?.len(),
+                    crate::params::param_specs(&cfg).len()
+                );
                 loss.to_scalar::<f32>()
             });
-            losses.push(r.into_iter().next().unwrap_or_else(|| Err(candle_core::Error::Msg("no rank".into())))?);
+            losses.push(
+                r.into_iter()
+                    .next()
+                    .unwrap_or_else(|| Err(candle_core::Error::Msg("no rank".into())))?,
+            );
         }
-        assert!(losses[0].is_finite() && (losses[0] - (64f32).ln()).abs() < 0.1, "{losses:?}");
+        assert!(
+            losses[0].is_finite() && (losses[0] - (64f32).ln()).abs() < 0.1,
+            "{losses:?}"
+        );
         assert!((losses[0] - losses[1]).abs() < 2e-2, "{losses:?}");
         Ok(())
     }

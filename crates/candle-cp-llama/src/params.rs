@@ -56,7 +56,11 @@ impl ParamSpec {
         let mut s = self.shape.clone();
         if let Some(d) = self.shard.dim() {
             if tp == 0 || s[d] % tp != 0 {
-                bail!("parameter {} {:?}: dim {d} not divisible by tp = {tp}", self.name, self.shape)
+                bail!(
+                    "parameter {} {:?}: dim {d} not divisible by tp = {tp}",
+                    self.name,
+                    self.shape
+                )
             }
             s[d] /= tp;
         }
@@ -66,7 +70,12 @@ impl ParamSpec {
     /// This TP rank's slice of the full tensor.
     pub fn slice(&self, full: &Tensor, tp: usize, tp_rank: usize) -> Result<Tensor> {
         if full.dims() != self.shape.as_slice() {
-            bail!("parameter {}: checkpoint tensor {:?}, expected {:?}", self.name, full.dims(), self.shape)
+            bail!(
+                "parameter {}: checkpoint tensor {:?}, expected {:?}",
+                self.name,
+                full.dims(),
+                self.shape
+            )
         }
         match self.shard.dim() {
             None => Ok(full.clone()),
@@ -90,7 +99,10 @@ impl ParamSpec {
 /// Every parameter of `cfg`, in HF order (embedding, layers, final norm, head).
 pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     let (v, h, i) = (cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size);
-    let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+    let (qd, kd) = (
+        cfg.num_attention_heads * cfg.head_dim,
+        cfg.num_key_value_heads * cfg.head_dim,
+    );
     let mut out = Vec::new();
     let mut add = |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
     add("model.embed_tokens.weight".into(), vec![v, h], Shard::Replicated);
@@ -140,7 +152,10 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
     cfg.validate()?;
     let vm = VarMap::new();
     {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = vm
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
         for s in param_specs(cfg) {
             let n: usize = s.shape.iter().product();
             let t = if s.shape.len() == 1 {
@@ -154,7 +169,10 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
                 let v: Vec<f32> = (0..n).map(|_| (0.02 * rng.sample()) as f32).collect();
                 Tensor::from_vec(v, s.shape.as_slice(), &Device::Cpu)?
             };
-            data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?);
+            data.insert(
+                s.name.clone(),
+                Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
+            );
         }
     }
     Ok(vm)
@@ -162,7 +180,10 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 
 /// Full tensor of every parameter in `full` by name (cheap clones of the Vars' tensors).
 pub fn varmap_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, Tensor>> {
-    let data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+    let data = vm
+        .data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
     Ok(data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect())
 }
 
@@ -175,13 +196,22 @@ pub fn shard_params(full: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Resu
 }
 
 /// [`shard_params`] from a name → full tensor map.
-pub fn shard_tensors(full: &std::collections::HashMap<String, Tensor>, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<VarMap> {
+pub fn shard_tensors(
+    full: &std::collections::HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+) -> Result<VarMap> {
     let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let vm = VarMap::new();
     {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = vm
+            .data()
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
         for s in param_specs(cfg) {
-            let Some(t) = full.get(&s.name) else { bail!("shard_params: missing parameter {} {:?}", s.name, s.shape) };
+            let Some(t) = full.get(&s.name) else {
+                bail!("shard_params: missing parameter {} {:?}", s.name, s.shape)
+            };
             let local = s.slice(t, tp, tp_rank)?;
             data.insert(s.name.clone(), Var::from_tensor(&local.detach())?);
         }
@@ -191,10 +221,16 @@ pub fn shard_tensors(full: &std::collections::HashMap<String, Tensor>, cfg: &Lla
 
 /// Full tensors of every parameter (collective over the TP group: all ranks call it),
 /// in [`param_specs`] order. `local` maps names to this rank's shards (Vars or gradients).
-pub fn gather_full(local: &std::collections::HashMap<String, Tensor>, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Vec<(String, Tensor)>> {
+pub fn gather_full(
+    local: &std::collections::HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+) -> Result<Vec<(String, Tensor)>> {
     let mut out = Vec::new();
     for s in param_specs(cfg) {
-        let Some(t) = local.get(&s.name) else { bail!("gather_full: missing parameter {}", s.name) };
+        let Some(t) = local.get(&s.name) else {
+            bail!("gather_full: missing parameter {}", s.name)
+        };
         out.push((s.name.clone(), s.gather(t, ctx)?));
     }
     Ok(out)

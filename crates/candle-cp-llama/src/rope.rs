@@ -8,11 +8,18 @@ use candle_core::{DType, Device, Result, Tensor};
 /// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64.
 pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
     let d = cfg.head_dim;
-    let base: Vec<f64> = (0..d / 2).map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64)).collect();
+    let base: Vec<f64> = (0..d / 2)
+        .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64))
+        .collect();
     match cfg.rope_scaling {
         RopeScaling::Default => base,
         RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
-        RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings } => {
+        RopeScaling::Llama3 {
+            factor,
+            low_freq_factor,
+            high_freq_factor,
+            original_max_position_embeddings,
+        } => {
             let old = original_max_position_embeddings as f64;
             let low_wavelen = old / low_freq_factor;
             let high_wavelen = old / high_freq_factor;
@@ -50,8 +57,12 @@ pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &
             }
         }
     }
-    let cos = Tensor::from_vec(cos, (t, d), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
-    let sin = Tensor::from_vec(sin, (t, d), &Device::Cpu)?.to_dtype(dtype)?.to_device(device)?;
+    let cos = Tensor::from_vec(cos, (t, d), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
+    let sin = Tensor::from_vec(sin, (t, d), &Device::Cpu)?
+        .to_dtype(dtype)?
+        .to_device(device)?;
     Ok((cos, sin))
 }
 
@@ -70,7 +81,10 @@ mod tests {
         let x = Tensor::randn(0f32, 1., (1, 3, 2, 16), &Device::Cpu)?;
         let y = apply_rope(&x, &cos, &sin)?;
         // position 0 is the identity
-        let d0 = (y.narrow(1, 0, 1)? - x.narrow(1, 0, 1)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        let d0 = (y.narrow(1, 0, 1)? - x.narrow(1, 0, 1)?)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f32>()?;
         assert!(d0 < 1e-7);
         // a rotation keeps the norm of each (i, i + D/2) pair, hence of the vector
         let nx = x.sqr()?.sum(D::Minus1)?;

@@ -35,12 +35,21 @@ pub fn load_reference(path: impl AsRef<Path>) -> Result<Reference> {
     let path = path.as_ref();
     let mut t = candle_core::safetensors::load(path, &Device::Cpu)
         .map_err(|e| candle_core::Error::Msg(format!("reading reference {}: {e}", path.display())))?;
-    let mut take = |k: &str| t.remove(k).ok_or_else(|| candle_core::Error::Msg(format!("{}: no tensor `{k}`", path.display())));
+    let mut take = |k: &str| {
+        t.remove(k)
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: no tensor `{k}`", path.display())))
+    };
     let ids = take("input_ids")?;
     let logits = take("logits")?.to_dtype(DType::F32)?;
     let loss = take("loss")?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
     if ids.rank() != 2 || logits.rank() != 3 || loss.len() != 1 {
-        bail!("{}: need input_ids [B, T], logits [B, T, V], loss [] (got {:?}, {:?}, {} values)", path.display(), ids.dims(), logits.dims(), loss.len())
+        bail!(
+            "{}: need input_ids [B, T], logits [B, T, V], loss [] (got {:?}, {:?}, {} values)",
+            path.display(),
+            ids.dims(),
+            logits.dims(),
+            loss.len()
+        )
     }
     let ids = ids.to_dtype(DType::I64)?.to_dtype(DType::U32)?;
     let grads = t
@@ -48,7 +57,12 @@ pub fn load_reference(path: impl AsRef<Path>) -> Result<Reference> {
         .filter_map(|(k, v)| k.strip_prefix("grad.").map(|n| (n.to_string(), v)))
         .map(|(k, v)| Ok((k, v.to_dtype(DType::F32)?)))
         .collect::<Result<HashMap<_, _>>>()?;
-    Ok(Reference { input_ids: ids, logits, loss: loss[0], grads })
+    Ok(Reference {
+        input_ids: ids,
+        logits,
+        loss: loss[0],
+        grads,
+    })
 }
 
 /// Result of one layout run, gathered on the host.
@@ -76,13 +90,24 @@ struct RankOut {
 /// Run `layout` on `layout.world_size()` thread ranks: every rank shards `full` (name → full
 /// f32 tensor) and the global batch `ids [B, T]`, computes logits and the global loss,
 /// backpropagates, reduces and gathers the gradients. Compute runs on `device`.
-pub fn run_layout(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, layout: Layout, device: &Device) -> Result<LayoutRun> {
+pub fn run_layout(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+) -> Result<LayoutRun> {
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (b, t) = ids.dims2()?;
     let v = cfg.vocab_size;
-    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
-    let full_dev: HashMap<String, Tensor> =
-        full.iter().map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?))).collect::<Result<_>>()?;
+    let opts = ThreadGroupOptions {
+        device: device.clone(),
+        ..Default::default()
+    };
+    let full_dev: HashMap<String, Tensor> = full
+        .iter()
+        .map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?)))
+        .collect::<Result<_>>()?;
     let ids_dev = ids.to_device(device)?;
     let outs = run_ranks_with(layout.world_size(), opts, |world| {
         let ctx = ParallelCtx::new(world, layout)?;
@@ -111,7 +136,10 @@ pub fn run_layout(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tenso
         let (r0, bl) = o.rows;
         let tl = o.positions.len();
         if o.logits.len() != bl * tl * v {
-            bail!("run_layout: a rank returned {} logits for [{bl}, {tl}, {v}]", o.logits.len())
+            bail!(
+                "run_layout: a rank returned {} logits for [{bl}, {tl}, {v}]",
+                o.logits.len()
+            )
         }
         for bi in 0..bl {
             for (li, &p) in o.positions.iter().enumerate() {
@@ -134,11 +162,20 @@ pub fn run_layout(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tenso
         }
     }
     let grads = outs.into_iter().next().map(|o| o.grads).unwrap_or_default();
-    Ok(LayoutRun { logits, loss, loss_spread, grads, grad_spread })
+    Ok(LayoutRun {
+        logits,
+        loss,
+        loss_spread,
+        grads,
+        grad_spread,
+    })
 }
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.max_all()?.to_scalar::<f64>()
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?
+        .abs()?
+        .max_all()?
+        .to_scalar::<f64>()
 }
 
 /// Tolerances (defaults: the oracle README's float32 bounds).
@@ -154,7 +191,11 @@ pub struct Tolerances {
 
 impl Default for Tolerances {
     fn default() -> Self {
-        Self { logits_abs: 1e-5, loss_abs: 5e-6, grad_rel: 5e-5 }
+        Self {
+            logits_abs: 1e-5,
+            loss_abs: 5e-6,
+            grad_rel: 5e-5,
+        }
     }
 }
 
@@ -190,7 +231,11 @@ impl Report {
 /// Compare a run with the reference. Errors if parameter names or shapes differ.
 pub fn compare(run: &LayoutRun, reference: &Reference, tol: Tolerances) -> Result<Report> {
     if run.logits.dims() != reference.logits.dims() {
-        bail!("compare: logits {:?} vs reference {:?}", run.logits.dims(), reference.logits.dims())
+        bail!(
+            "compare: logits {:?} vs reference {:?}",
+            run.logits.dims(),
+            reference.logits.dims()
+        )
     }
     let logits_abs = max_abs_diff(&run.logits, &reference.logits)?;
     let loss_abs = (run.loss - reference.loss).abs();
@@ -200,14 +245,25 @@ pub fn compare(run: &LayoutRun, reference: &Reference, tol: Tolerances) -> Resul
         let ours: Vec<&String> = run.grads.iter().map(|(k, _)| k).collect();
         let mut theirs: Vec<&String> = reference.grads.keys().collect();
         theirs.sort();
-        bail!("compare: model has {} parameters {ours:?}, reference has {} gradients {theirs:?}", ours.len(), theirs.len())
+        bail!(
+            "compare: model has {} parameters {ours:?}, reference has {} gradients {theirs:?}",
+            ours.len(),
+            theirs.len()
+        )
     }
     for (name, g) in &run.grads {
-        let Some(r) = reference.grads.get(name) else { bail!("compare: reference has no grad.{name}") };
+        let Some(r) = reference.grads.get(name) else {
+            bail!("compare: reference has no grad.{name}")
+        };
         if r.dims() != g.dims() {
             bail!("compare: grad.{name} {:?} vs reference {:?}", g.dims(), r.dims())
         }
-        let scale = r.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?.max(f64::MIN_POSITIVE);
+        let scale = r
+            .to_dtype(DType::F64)?
+            .abs()?
+            .max_all()?
+            .to_scalar::<f64>()?
+            .max(f64::MIN_POSITIVE);
         let rel = max_abs_diff(g, r)? / scale;
         if rel >= worst || worst_param.is_empty() {
             worst = rel;
@@ -215,19 +271,38 @@ pub fn compare(run: &LayoutRun, reference: &Reference, tol: Tolerances) -> Resul
         }
         grad_rel.push((name.clone(), rel));
     }
-    Ok(Report { logits_abs, loss_abs, grad_rel_max: worst, worst_param, grad_rel, rank_spread: run.loss_spread.max(run.grad_spread), tol })
+    Ok(Report {
+        logits_abs,
+        loss_abs,
+        grad_rel_max: worst,
+        worst_param,
+        grad_rel,
+        rank_spread: run.loss_spread.max(run.grad_spread),
+        tol,
+    })
 }
 
 /// Load the checkpoint in `model_dir` and the reference file, run `layout` on `device`,
 /// compare with the default tolerances.
-pub fn verify_reference(model_dir: impl AsRef<Path>, reference: impl AsRef<Path>, layout: Layout, device: &Device) -> Result<Report> {
+pub fn verify_reference(
+    model_dir: impl AsRef<Path>,
+    reference: impl AsRef<Path>,
+    layout: Layout,
+    device: &Device,
+) -> Result<Report> {
     let dir = model_dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
     let full = load_safetensors_dir(dir, &Device::Cpu)?;
     for s in param_specs(&cfg) {
         match full.get(&s.name) {
             Some(t) if t.dims() == s.shape.as_slice() => {}
-            Some(t) => bail!("{}: {} has shape {:?}, config implies {:?}", dir.display(), s.name, t.dims(), s.shape),
+            Some(t) => bail!(
+                "{}: {} has shape {:?}, config implies {:?}",
+                dir.display(),
+                s.name,
+                t.dims(),
+                s.shape
+            ),
             None => bail!("{}: checkpoint has no {}", dir.display(), s.name),
         }
     }

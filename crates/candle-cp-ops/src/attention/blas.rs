@@ -38,14 +38,32 @@ pub(crate) fn matmul(
     rhs: Mat<'_>,
     beta: f32,
 ) {
+    gemm_strided(m, n, k, dst, dst_rs, 1, acc, lhs, rhs, beta)
+}
+
+#[allow(clippy::too_many_arguments)]
+fn gemm_strided(
+    m: usize,
+    n: usize,
+    k: usize,
+    dst: &mut [f32],
+    dst_rs: usize,
+    dst_cs: usize,
+    acc: bool,
+    lhs: Mat<'_>,
+    rhs: Mat<'_>,
+    beta: f32,
+) {
     if m == 0 || n == 0 {
         return;
     }
-    assert!((m - 1) * dst_rs + n <= dst.len(), "attention kernel: dst out of bounds");
+    assert!((m - 1) * dst_rs + (n - 1) * dst_cs < dst.len(), "attention kernel: dst out of bounds");
     if k == 0 {
         if !acc {
             for r in 0..m {
-                dst[r * dst_rs..r * dst_rs + n].fill(0.0);
+                for c in 0..n {
+                    dst[r * dst_rs + c * dst_cs] = 0.0;
+                }
             }
         }
         return;
@@ -60,7 +78,7 @@ pub(crate) fn matmul(
             n,
             k,
             dst.as_mut_ptr(),
-            1,
+            dst_cs as isize,
             dst_rs as isize,
             acc,
             lhs.data.as_ptr().add(lhs.off),

@@ -3,8 +3,8 @@
 //! All buffers are flat row-major f32: q/out/dout/dq `[B, T, H, D]`, k/v/dk/dv `[B, S, Hkv, D]`,
 //! lse `[B, H, T]`. The mask enters only as `lim[i]`: the number of keys visible from query
 //! row `i`, which for every [`Mask`] is a *prefix* of the key rows (`j < lim[i]`) and is
-//! non-decreasing in `i`. Blocks with no visible key are skipped; only T×Bk / Bq×Bk tiles
-//! are ever materialised.
+//! non-decreasing in `i`. Blocks with no visible key are skipped; only Bq×Bk tiles are ever
+//! materialised.
 //!
 //! Work is split with rayon (global pool): the forward over (batch, head, query block), the
 //! backward over (batch, head, key chunk). Results are reduced in a fixed order, so the
@@ -303,5 +303,35 @@ impl BwdCtx<'_> {
             j0 = j1;
         }
         BwdPart { iq0, dq, dk, dv }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `row_limits` is exactly `Mask::visible`, and visibility is a prefix of the keys.
+    #[test]
+    fn limits_match_visible() {
+        let masks = [
+            Mask::Full,
+            Mask::causal(),
+            Mask::causal_offsets(5, 0),
+            Mask::causal_offsets(0, 7),
+            Mask::Causal { q_offset: 1, q_stride: 4, k_offset: 3, k_stride: 4 },
+            Mask::Causal { q_offset: 0, q_stride: 2, k_offset: 0, k_stride: 3 },
+        ];
+        for m in masks {
+            let (t, s) = (13, 17);
+            let lim = row_limits(&m, t, s);
+            for i in 0..t {
+                for j in 0..s {
+                    assert_eq!(m.visible(i, j), j < lim[i], "{m:?} ({i}, {j})");
+                }
+                if i > 0 {
+                    assert!(lim[i] >= lim[i - 1]);
+                }
+            }
+        }
     }
 }

@@ -6,8 +6,11 @@
 //!
 //! Implementation: [`AttentionOp`] (a candle `CustomOp3`, module `op`) runs the CPU kernels of
 //! module `kernel` (128×128 tiles through the `gemm` crate, rayon over
-//! (batch, head, block), online softmax in f32). Memory is O((T+S)·H·D + threads·block²): no
-//! T×S matrix is ever built. `merge` lives in module `merge`, `attention_slow` in `slow`.
+//! (batch, head, block), online softmax in f32). No T×S matrix is ever built: the forward
+//! needs its output plus two 128×128 tiles per thread; the backward adds per-query-head dK/dV
+//! partials (`[B, S, H, D]` each, summed over the G heads of a KV head at the end) and dQ
+//! partials per key chunk (one chunk per head unless B·H < 4·threads). `merge` lives in module
+//! `merge` (one host pass on CPU), `attention_slow` in `slow`.
 //!
 //! Where the LSE lives: the op returns one tensor (out); the forward writes lse into a shared
 //! slot (`Arc<Mutex<Option<Tensor>>>`) held by the op struct, which `attention` reads to return

@@ -3,9 +3,11 @@
 //! Every rank all-gathers K and V (cheap with GQA: only `Hkv` heads), rebuilds the global
 //! K/V in token order, and attends its local query segments against the key *prefix* each
 //! segment can see (causal) or against all keys (full), with the segment's global offset and
-//! stride in the mask. Backward: per-segment attention backward gives dQ locally and a
-//! global-length dK/dV contribution; a reduce-scatter (in the layout's shard order) returns
-//! each rank the sum for its own shard.
+//! stride in the mask (segments longer than [`CpOpts::block_rows`] go in row chunks, each
+//! against its own prefix). Backward: K/V are all-gathered again (not kept between forward and
+//! backward), per-chunk attention backward gives dQ locally and a global-length f32 dK/dV
+//! contribution; a reduce-scatter (in the layout's shard order) returns each rank the sum for
+//! its own shard.
 //!
 //! ```text
 //! zigzag, P = 2, chunks of c = T/4:     rank 0 holds q chunks 0, 3; rank 1 holds 1, 2
@@ -13,8 +15,8 @@
 //!   rank 1: q chunk 1 × keys [0, 2c)     q chunk 2 × keys [0, 3c)     → 5c keys each
 //! ```
 
-use super::ring_comm::{RingStats, StepStats};
 use super::ring::split_rows;
+use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::RowAccum;
 use super::{check_inputs, CpOpts, Dims};
@@ -28,7 +30,15 @@ use std::time::Instant;
 /// Key range and mask for one query segment against the global keys `[0, T)`.
 fn key_range(seg: &Segment, t: usize, causal: bool) -> (usize, Mask) {
     if causal {
-        (seg.last() + 1, Mask::Causal { q_offset: seg.offset, q_stride: seg.stride, k_offset: 0, k_stride: 1 })
+        (
+            seg.last() + 1,
+            Mask::Causal {
+                q_offset: seg.offset,
+                q_stride: seg.stride,
+                k_offset: 0,
+                k_stride: 1,
+            },
+        )
     } else {
         (t, Mask::Full)
     }
@@ -48,10 +58,23 @@ fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Ten
 /// This rank's query row chunks: the layout's segments split into runs of at most
 /// `opts.block_rows` rows (each sees its own key prefix).
 fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims) -> Result<Vec<Segment>> {
-    Ok(opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, opts.block_rows)).collect())
+    Ok(opts
+        .layout
+        .segments(rank, p, dims.t)?
+        .iter()
+        .flat_map(|s| split_rows(s, opts.block_rows))
+        .collect())
 }
 
-fn fwd(q: &Tensor, kv: &Tensor, rank: usize, p: usize, opts: &CpOpts, dims: &Dims, st: &mut StepStats) -> Result<(Tensor, Tensor)> {
+fn fwd(
+    q: &Tensor,
+    kv: &Tensor,
+    rank: usize,
+    p: usize,
+    opts: &CpOpts,
+    dims: &Dims,
+    st: &mut StepStats,
+) -> Result<(Tensor, Tensor)> {
     let t0 = Instant::now();
     let scale = scale_of(opts, dims.d);
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
@@ -60,7 +83,13 @@ fn fwd(q: &Tensor, kv: &Tensor, rank: usize, p: usize, opts: &CpOpts, dims: &Dim
     for seg in chunks(rank, p, opts, dims)? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
-        let (o, l) = attention_fwd(&qs, &kg.narrow(1, 0, n)?.contiguous()?, &vg.narrow(1, 0, n)?.contiguous()?, &mask, scale)?;
+        let (o, l) = attention_fwd(
+            &qs,
+            &kg.narrow(1, 0, n)?.contiguous()?,
+            &vg.narrow(1, 0, n)?.contiguous()?,
+            &mask,
+            scale,
+        )?;
         outs.push(o);
         lses.push(l);
         st.blocks += 1;
@@ -91,8 +120,20 @@ fn bwd(
     for seg in chunks(rank, p, opts, dims)? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
-        let (kn, vn) = (kg.narrow(1, 0, n)?.contiguous()?, vg.narrow(1, 0, n)?.contiguous()?);
-        let (dqs, dk, dv) = attention_bwd(&r(q, 1)?, &kn, &vn, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &mask, scale)?;
+        let (kn, vn) = (
+            kg.narrow(1, 0, n)?.contiguous()?,
+            vg.narrow(1, 0, n)?.contiguous()?,
+        );
+        let (dqs, dk, dv) = attention_bwd(
+            &r(q, 1)?,
+            &kn,
+            &vn,
+            &r(out, 1)?,
+            &r(lse, 2)?,
+            &r(dout, 1)?,
+            &mask,
+            scale,
+        )?;
         dq.add_rows(0, seg.local, &dqs)?;
         dkv.add_rows(0, 0, &dk)?;
         dkv.add_rows(1, 0, &dv)?;
@@ -100,14 +141,22 @@ fn bwd(
     let dkv = dkv.finish(dev)?;
     // Reorder the global dK/dV into shard order (rank 0's shard, rank 1's, ...) and
     // reduce-scatter: rank r gets the sum over ranks of its own shard's gradient.
-    let shards: Vec<Tensor> = (0..p).map(|r| shard(&dkv, opts.layout, r, p, 2)).collect::<Result<_>>()?;
+    let shards: Vec<Tensor> = (0..p)
+        .map(|r| shard(&dkv, opts.layout, r, p, 2))
+        .collect::<Result<_>>()?;
     let mine = group.reduce_scatter(&Tensor::cat(&shards, 2)?, 2)?;
     Ok((dq.finish(dev)?.squeeze(0)?, mine.get(0)?, mine.get(1)?))
 }
 
 /// All-gather-KV attention with timings: like [`allgather_attention`] (not differentiable),
 /// returning f32 `out`, `lse` and one [`StepStats`] (compute time, time in the all-gather).
-pub fn allgather_attention_stats(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor, RingStats)> {
+pub fn allgather_attention_stats(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor, RingStats)> {
     let dims = check_inputs("allgather_attention", q, k, v, group, opts)?;
     let mut st = StepStats::default();
     let t0 = Instant::now();
@@ -115,7 +164,14 @@ pub fn allgather_attention_stats(q: &Tensor, k: &Tensor, v: &Tensor, group: &Gro
     st.wait = t0.elapsed();
     let (o, l) = fwd(q, &kv, group.rank(), group.size(), opts, &dims, &mut st)?;
     let bytes = (k.elem_count() * 2 * k.dtype().size_in_bytes()) as u64;
-    Ok((o, l, RingStats { steps: vec![st], bytes_sent: bytes }))
+    Ok((
+        o,
+        l,
+        RingStats {
+            steps: vec![st],
+            bytes_sent: bytes,
+        },
+    ))
 }
 
 /// Backward of all-gather-KV attention without autograd: all-gathers K/V again, runs the
@@ -135,7 +191,8 @@ pub fn allgather_attention_bwd_raw(
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
     let dims = check_inputs("allgather_attention backward", q, k, v, group, opts)?;
-    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl] {
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl]
+    {
         candle_core::bail!(
             "allgather_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
             out.shape(),
@@ -152,7 +209,15 @@ pub fn allgather_attention_bwd_raw(
     let (dq, dk, dv) = bwd(q, &kv, out, lse, dout, group, opts, &dims)?;
     st.compute = t1.elapsed();
     let bytes = (k.elem_count() * 2 * (k.dtype().size_in_bytes() + 4)) as u64;
-    Ok((dq, dk, dv, RingStats { steps: vec![st], bytes_sent: bytes }))
+    Ok((
+        dq,
+        dk,
+        dv,
+        RingStats {
+            steps: vec![st],
+            bytes_sent: bytes,
+        },
+    ))
 }
 
 /// Context-parallel attention by all-gathering K/V (Llama 3 style; use with the zigzag
@@ -161,19 +226,34 @@ pub fn allgather_attention_bwd_raw(
 /// Inputs are this rank's shards `q [B, T/P, H, D]`, `k, v [B, T/P, Hkv, D]` laid out by
 /// `opts.layout`. Returns `out [B, T/P, H, D]` in q's dtype (differentiable w.r.t. q, k, v;
 /// backward reduce-scatters dK/dV, a collective every rank must run) and `lse [B, H, T/P]`
-/// f32. Peak memory holds the global K/V `[B, T, Hkv, D]` on every rank.
-pub fn allgather_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
+/// f32. While the forward and the backward run, each rank holds the global K/V
+/// `[B, T, Hkv, D]`; between them only its shards (the backward all-gathers again).
+pub fn allgather_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor)> {
     let dims = check_inputs("allgather_attention", q, k, v, group, opts)?;
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let kv = gather_kv(&kd, &vd, group, opts)?;
     let mut st = StepStats::default();
     let (out32, lse) = fwd(&qd, &kv, group.rank(), group.size(), opts, &dims, &mut st)?;
+    // The global K/V are not kept for the backward (that would hold O(T) memory per layer
+    // until the backward runs): the backward all-gathers them again.
+    drop(kv);
     let out = out32.to_dtype(q.dtype())?;
     let (g, o, ls) = (group.clone(), *opts, lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let kv = gather_kv(&kd, &vd, &g, &o)?;
         let (dq, dk, dv) = bwd(&qd, &kv, &out32, &ls, dout, &g, &o, &dims)?;
-        Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
+        Ok(vec![
+            Some(dq.to_dtype(qdt)?),
+            Some(dk.to_dtype(kdt)?),
+            Some(dv.to_dtype(kdt)?),
+        ])
     });
     let out = attach3("allgather_attention", q, k, v, out, bwd_fn)?;
     Ok((out, lse))

@@ -65,7 +65,10 @@ impl BalanceReport {
     /// Largest relative deviation of a rank's visible pairs from [`Self::ideal`].
     pub fn max_dev_from_ideal(&self) -> f64 {
         let ideal = self.ideal();
-        self.pairs.iter().map(|&x| ((x as f64) - ideal).abs() / ideal).fold(0.0, f64::max)
+        self.pairs
+            .iter()
+            .map(|&x| ((x as f64) - ideal).abs() / ideal)
+            .fold(0.0, f64::max)
     }
 }
 
@@ -112,7 +115,14 @@ pub fn balance(layout: Layout, p: usize, t: usize, causal: bool) -> Result<Balan
         pairs.push(np);
         blocks.push(nb);
     }
-    Ok(BalanceReport { layout, p, t, causal, pairs, blocks })
+    Ok(BalanceReport {
+        layout,
+        p,
+        t,
+        causal,
+        pairs,
+        blocks,
+    })
 }
 
 #[cfg(test)]
@@ -125,7 +135,11 @@ mod tests {
             for p in [1usize, 2, 3, 4, 8] {
                 let t = 48;
                 let r = balance(layout, p, t, true)?;
-                assert_eq!(r.pairs.iter().sum::<u64>(), (t * (t + 1) / 2) as u64, "{layout} P={p}");
+                assert_eq!(
+                    r.pairs.iter().sum::<u64>(),
+                    (t * (t + 1) / 2) as u64,
+                    "{layout} P={p}"
+                );
                 let f = balance(layout, p, t, false)?;
                 assert!(f.pairs.iter().all(|&x| x == (t * t / p) as u64));
                 assert!((f.imbalance() - 1.0).abs() < 1e-12);
@@ -141,11 +155,19 @@ mod tests {
             let r = balance(Layout::Zigzag, p, t, true)?;
             let c = (t / (2 * p)) as u64;
             let expect = 2 * p as u64 * c * c + c;
-            assert!(r.pairs.iter().all(|&x| x == expect), "P={p}: {:?} vs {expect}", r.pairs);
+            assert!(
+                r.pairs.iter().all(|&x| x == expect),
+                "P={p}: {:?} vs {expect}",
+                r.pairs
+            );
             assert_eq!(r.imbalance(), 1.0);
             assert!((r.block_imbalance() - 1.0).abs() < 1e-12);
             // T²/(2P) + T/(2P): within 2% of the ideal once c >= 50.
-            assert!(r.max_dev_from_ideal() < 0.02, "P={p}: {}", r.max_dev_from_ideal());
+            assert!(
+                r.max_dev_from_ideal() < 0.02,
+                "P={p}: {}",
+                r.max_dev_from_ideal()
+            );
         }
         Ok(())
     }
@@ -162,7 +184,11 @@ mod tests {
             let exact = (2 * p * c - c + 1) as f64 / (p * c + 1) as f64;
             assert!((r.imbalance() - exact).abs() < 1e-12, "P={p}");
             let asym = (2 * p - 1) as f64 / p as f64;
-            assert!((r.block_imbalance() - asym).abs() < 1e-12, "P={p}: {}", r.block_imbalance());
+            assert!(
+                (r.block_imbalance() - asym).abs() < 1e-12,
+                "P={p}: {}",
+                r.block_imbalance()
+            );
             assert!((r.imbalance() - asym).abs() < 1.0 / c as f64);
         }
         Ok(())
@@ -175,7 +201,11 @@ mod tests {
             let r = balance(Layout::Striped, p, t, true)?;
             // rank r's query l (position r + lP) sees r + lP + 1 keys: rank work differs by
             // (T/P)·1 per rank step, relative spread ~ 2P/T.
-            assert!(r.imbalance() - 1.0 < 2.0 * p as f64 / t as f64 + 1e-12, "P={p}: {}", r.imbalance());
+            assert!(
+                r.imbalance() - 1.0 < 2.0 * p as f64 / t as f64 + 1e-12,
+                "P={p}: {}",
+                r.imbalance()
+            );
         }
         Ok(())
     }

@@ -11,8 +11,9 @@
 //!   offset masks, reduce-scatter dK/dV in backward.
 //! - [`balance()`]: attention work per rank and the imbalance of a layout.
 //!
-//! Module map: [`shard`] layouts and position ids, [`ring_comm`] the ring transport helper,
-//! [`ring`] the ring engine (block schedule, forward, backward), [`allgather`], [`balance`](mod@balance),
+//! Module map: [`shard`](mod@shard) layouts and position ids, [`ring_comm`] the ring transport
+//! helper, [`ring`] the ring engine (block schedule, forward, backward), [`state`] the f32
+//! running (out, lse) state and gradient accumulators, [`allgather`], [`balance`](mod@balance),
 //! [`verify`] (run an oracle case on thread ranks and gather).
 
 pub mod allgather;
@@ -56,14 +57,24 @@ pub const DEFAULT_BLOCK_ROWS: usize = 1024;
 impl Default for CpOpts {
     /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, 1024 query rows per call.
     fn default() -> Self {
-        Self { layout: Layout::Zigzag, causal: true, scale: None, overlap: true, block_rows: DEFAULT_BLOCK_ROWS }
+        Self {
+            layout: Layout::Zigzag,
+            causal: true,
+            scale: None,
+            overlap: true,
+            block_rows: DEFAULT_BLOCK_ROWS,
+        }
     }
 }
 
 impl CpOpts {
     /// Options for `layout` and mask, default scale, overlap on.
     pub fn new(layout: Layout, causal: bool) -> Self {
-        Self { layout, causal, ..Default::default() }
+        Self {
+            layout,
+            causal,
+            ..Default::default()
+        }
     }
     /// Same options with an explicit softmax scale.
     pub fn with_scale(mut self, scale: f64) -> Self {
@@ -96,7 +107,14 @@ fn dtype_code(d: DType) -> f32 {
 /// Check local shapes (`q [B,T/P,H,D]`, `k, v [B,T/P,Hkv,D]`, `H % Hkv == 0`, same device and
 /// dtype of k and v), the layout's divisibility, and that every rank passed the same shapes,
 /// dtypes and options (one small all-gather). Errors name the shapes and the ranks.
-pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Dims> {
+pub(crate) fn check_inputs(
+    name: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<Dims> {
     let p = group.size();
     let (b, tl, h, d) = match q.dims() {
         &[b, tl, h, d] => (b, tl, h, d),
@@ -107,16 +125,33 @@ pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group
         _ => bail!("{name}: k must be [B, T/P, Hkv, D], got {:?}", k.shape()),
     };
     if k.shape() != v.shape() {
-        bail!("{name}: k {:?} and v {:?} must have the same shape", k.shape(), v.shape())
+        bail!(
+            "{name}: k {:?} and v {:?} must have the same shape",
+            k.shape(),
+            v.shape()
+        )
     }
     if kb != b || ktl != tl || kd != d {
-        bail!("{name}: q {:?} and k/v {:?} disagree on B, T/P or D", q.shape(), k.shape())
+        bail!(
+            "{name}: q {:?} and k/v {:?} disagree on B, T/P or D",
+            q.shape(),
+            k.shape()
+        )
     }
     if hkv == 0 || h % hkv != 0 {
-        bail!("{name}: query heads H = {h} not a multiple of KV heads Hkv = {hkv} (q {:?}, k {:?})", q.shape(), k.shape())
+        bail!(
+            "{name}: query heads H = {h} not a multiple of KV heads Hkv = {hkv} (q {:?}, k {:?})",
+            q.shape(),
+            k.shape()
+        )
     }
     if k.dtype() != v.dtype() || q.dtype() != k.dtype() {
-        bail!("{name}: dtypes differ: q {:?}, k {:?}, v {:?}", q.dtype(), k.dtype(), v.dtype())
+        bail!(
+            "{name}: dtypes differ: q {:?}, k {:?}, v {:?}",
+            q.dtype(),
+            k.dtype(),
+            v.dtype()
+        )
     }
     if !q.device().same_device(k.device()) || !q.device().same_device(v.device()) {
         bail!("{name}: q, k, v must be on the same device")
@@ -128,11 +163,18 @@ pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group
     }
     if p > 1 {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
-        let extra = [dtype_code(q.dtype()), opts.layout as u8 as f32, opts.causal as u8 as f32];
+        let extra = [
+            dtype_code(q.dtype()),
+            opts.layout as u8 as f32,
+            opts.causal as u8 as f32,
+        ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
         let local = Tensor::from_vec(row, (1, n), &Device::Cpu)?.to_device(q.device())?;
-        let all = group.all_gather(&local, 0)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
+        let all = group
+            .all_gather(&local, 0)?
+            .to_device(&Device::Cpu)?
+            .to_vec2::<f32>()?;
         for (r, other) in all.iter().enumerate() {
             if other[..5] != mine[..] {
                 let s = |x: &[f32]| x.iter().map(|v| *v as usize).collect::<Vec<_>>();
@@ -149,5 +191,12 @@ pub(crate) fn check_inputs(name: &str, q: &Tensor, k: &Tensor, v: &Tensor, group
             }
         }
     }
-    Ok(Dims { b, tl, h, hkv, d, t })
+    Ok(Dims {
+        b,
+        tl,
+        h,
+        hkv,
+        d,
+        t,
+    })
 }

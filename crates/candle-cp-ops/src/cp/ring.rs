@@ -5,7 +5,10 @@
 //! (query segment, key segment) pair of the two layouts' [`Segment`]s, one block:
 //! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
 //! offset/stride causal mask when it straddles the diagonal. The partial (out, lse) of each
-//! query segment merge in an f32 running state through the LSE.
+//! block merge, through the LSE, into an f32 running state of all local rows
+//! ([`super::state::LocalState`], in place). Blocks with more than [`CpOpts::block_rows`]
+//! query rows are computed in row chunks (each chunk re-classified), which bounds the memory
+//! of one attention call.
 //!
 //! Zigzag schedule (P = 4, 2P = 8 chunks of c = T/8 tokens; rank i holds chunks i, 7-i).
 //! Rows: rank 1's query chunks; columns: key chunks; `█` full block, `◣` diagonal block,
@@ -33,8 +36,8 @@
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::{Layout, Segment};
-use super::{check_inputs, CpOpts, Dims};
 use super::state::{LocalState, RowAccum};
+use super::{check_inputs, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
@@ -66,7 +69,12 @@ pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
     } else if k.last() <= q.offset {
         Block::Full(Mask::Full)
     } else {
-        Block::Partial(Mask::Causal { q_offset: q.offset, q_stride: q.stride, k_offset: k.offset, k_stride: k.stride })
+        Block::Partial(Mask::Causal {
+            q_offset: q.offset,
+            q_stride: q.stride,
+            k_offset: k.offset,
+            k_stride: k.stride,
+        })
     }
 }
 
@@ -88,7 +96,14 @@ pub struct Scheduled {
 
 /// The blocks rank `rank` computes when holding source rank `src`'s K/V (fully masked
 /// blocks left out). `t` is the global length.
-pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
+pub fn block_schedule(
+    layout: Layout,
+    rank: usize,
+    src: usize,
+    p: usize,
+    t: usize,
+    causal: bool,
+) -> Result<Vec<Scheduled>> {
     let qs = layout.segments(rank, p, t)?;
     let ks = layout.segments(src, p, t)?;
     let mut out = Vec::new();
@@ -96,7 +111,13 @@ pub fn block_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usiz
         for (ki, k) in ks.iter().enumerate() {
             let block = classify(q, k, causal);
             if block != Block::Skip {
-                out.push(Scheduled { qi, ki, q: *q, k: *k, block });
+                out.push(Scheduled {
+                    qi,
+                    ki,
+                    q: *q,
+                    k: *k,
+                    block,
+                });
             }
         }
     }
@@ -108,7 +129,12 @@ pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
     let max = max.max(1);
     (0..seg.len)
         .step_by(max)
-        .map(|i0| Segment { offset: seg.offset + i0 * seg.stride, stride: seg.stride, len: max.min(seg.len - i0), local: seg.local + i0 })
+        .map(|i0| Segment {
+            offset: seg.offset + i0 * seg.stride,
+            stride: seg.stride,
+            len: max.min(seg.len - i0),
+            local: seg.local + i0,
+        })
         .collect()
 }
 
@@ -140,12 +166,25 @@ fn scale_of(opts: &CpOpts, d: usize) -> f64 {
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
 /// `lse [B, H, T/P]` of the *global* attention for this rank's queries out, plus timings.
 /// Collective over `group`.
-pub fn ring_attention_fwd_raw(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor, RingStats)> {
+pub fn ring_attention_fwd_raw(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor, RingStats)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
     fwd(q, k, v, group, opts, &dims)
 }
 
-fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts, dims: &Dims) -> Result<(Tensor, Tensor, RingStats)> {
+fn fwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+    dims: &Dims,
+) -> Result<(Tensor, Tensor, RingStats)> {
     let ring = Ring::new(group);
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
@@ -204,7 +243,8 @@ pub fn ring_attention_bwd_raw(
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
     let dims = check_inputs("ring_attention backward", q, k, v, group, opts)?;
-    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl] {
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl]
+    {
         candle_core::bail!(
             "ring_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
             out.shape(),
@@ -239,7 +279,11 @@ fn bwd(
     for s in 0..p {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
-        let mut next = if s + 1 < p { Some(ring.start(&kv, &mut stats)?) } else { None };
+        let mut next = if s + 1 < p {
+            Some(ring.start(&kv, &mut stats)?)
+        } else {
+            None
+        };
         if !opts.overlap {
             if let Some(f) = next.take() {
                 next = Some(InFlight::ready(f.wait(&mut st.wait)?));
@@ -252,8 +296,14 @@ fn bwd(
         for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
             for (qs, block) in sub_blocks(&sb, opts) {
-                let (qr, or, lr, dr) = (rows(q, 1, &qs)?, rows(out, 1, &qs)?, rows(lse, 2, &qs)?, rows(dout, 1, &qs)?);
-                let (dqb, dkb, dvb) = attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, &mask_of(&block), scale)?;
+                let (qr, or, lr, dr) = (
+                    rows(q, 1, &qs)?,
+                    rows(out, 1, &qs)?,
+                    rows(lse, 2, &qs)?,
+                    rows(dout, 1, &qs)?,
+                );
+                let (dqb, dkb, dvb) =
+                    attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, &mask_of(&block), scale)?;
                 dq.add_rows(0, qs.local, &dqb)?;
                 dkv.add_rows(0, sb.k.local, &dkb)?;
                 dkv.add_rows(1, sb.k.local, &dvb)?;
@@ -294,7 +344,13 @@ fn bwd(
 /// a collective: every rank must run the backward), and `lse [B, H, T/P]` f32 (not
 /// differentiable), both equal to the rows of single-device attention over the global `T`.
 /// Collective over `group`; errors (on every rank) if ranks pass different shapes.
-pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
+pub fn ring_attention(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<(Tensor, Tensor)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims)?;
@@ -303,7 +359,11 @@ pub fn ring_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims)?;
-        Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
+        Ok(vec![
+            Some(dq.to_dtype(qdt)?),
+            Some(dk.to_dtype(kdt)?),
+            Some(dv.to_dtype(kdt)?),
+        ])
     });
     let out = attach3("ring_attention", q, k, v, out, bwd_fn)?;
     Ok((out, lse))
@@ -314,16 +374,33 @@ mod tests {
     use super::*;
 
     fn seg(offset: usize, stride: usize, len: usize) -> Segment {
-        Segment { offset, stride, len, local: 0 }
+        Segment {
+            offset,
+            stride,
+            len,
+            local: 0,
+        }
     }
 
     #[test]
     fn classify_blocks() {
         assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), true), Block::Skip);
-        assert_eq!(classify(&seg(4, 1, 4), &seg(0, 1, 4), true), Block::Full(Mask::Full));
-        assert!(matches!(classify(&seg(4, 1, 4), &seg(4, 1, 4), true), Block::Partial(_)));
-        assert!(matches!(classify(&seg(0, 2, 4), &seg(1, 2, 4), true), Block::Partial(_)));
-        assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), false), Block::Full(Mask::Full));
+        assert_eq!(
+            classify(&seg(4, 1, 4), &seg(0, 1, 4), true),
+            Block::Full(Mask::Full)
+        );
+        assert!(matches!(
+            classify(&seg(4, 1, 4), &seg(4, 1, 4), true),
+            Block::Partial(_)
+        ));
+        assert!(matches!(
+            classify(&seg(0, 2, 4), &seg(1, 2, 4), true),
+            Block::Partial(_)
+        ));
+        assert_eq!(
+            classify(&seg(0, 1, 4), &seg(4, 1, 4), false),
+            Block::Full(Mask::Full)
+        );
     }
 
     #[test]
@@ -354,6 +431,39 @@ mod tests {
                     }
                 }
             }
+        }
+        Ok(())
+    }
+
+    /// Run the forward ring on P thread ranks and return each rank's stats.
+    fn ring_stats(layout: Layout, p: usize, t: usize) -> Result<Vec<RingStats>> {
+        let res = candle_cp_comm::run_ranks(p, |g: Group| {
+            let dev = candle_core::Device::Cpu;
+            let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
+            let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
+            let (_, _, st) = ring_attention_fwd_raw(&q, &k, &k, &g, &CpOpts::new(layout, true))?;
+            Ok(st)
+        });
+        res.into_iter().collect()
+    }
+
+    #[test]
+    fn runtime_zigzag_equal_work_contiguous_skips() -> Result<()> {
+        let (p, t) = (4usize, 64usize);
+        let c = t / (2 * p);
+        // Zigzag: step 0 computes 3 dense c×c blocks (two diagonal), every later step 2.
+        for st in ring_stats(Layout::Zigzag, p, t)? {
+            assert_eq!(st.steps.len(), p);
+            let areas: Vec<u64> = st.steps.iter().map(|s| s.area).collect();
+            assert_eq!(areas[0], (3 * c * c) as u64);
+            assert!(areas[1..].iter().all(|&a| a == (2 * c * c) as u64), "{areas:?}");
+            // K/V only (one KV head of the [B, T/P, Hkv, D] shards): P-1 hops of 2·T/P·8 f32.
+            assert_eq!(st.bytes_sent, ((p - 1) * 2 * (t / p) * 8 * 4) as u64);
+        }
+        // Contiguous: rank r computes r+1 blocks; steps whose source is a later rank are skipped.
+        for (r, st) in ring_stats(Layout::Contiguous, p, t)?.iter().enumerate() {
+            let blocks: usize = st.steps.iter().map(|s| s.blocks).sum();
+            assert_eq!(blocks, r + 1, "rank {r}");
         }
         Ok(())
     }

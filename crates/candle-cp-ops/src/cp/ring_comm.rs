@@ -12,8 +12,8 @@
 //! communication and is recorded in [`RingStats`].
 
 use crate::Group;
-use candle_cp_comm::PendingRecv;
 use candle_core::{Result, Tensor};
+use candle_cp_comm::PendingRecv;
 use std::time::{Duration, Instant};
 
 /// Timing of one ring step on one rank.
@@ -72,7 +72,11 @@ impl Ring {
     pub fn new(group: &Group) -> Self {
         let p = group.size();
         let r = group.rank();
-        Self { group: group.clone(), next: (r + 1) % p, prev: (r + p - 1) % p }
+        Self {
+            group: group.clone(),
+            next: (r + 1) % p,
+            prev: (r + p - 1) % p,
+        }
     }
 
     /// Number of ranks.
@@ -89,12 +93,18 @@ impl Ring {
     /// rank must call it in the same order. With one rank, `t` comes back as is.
     pub fn start(&self, t: &Tensor, stats: &mut RingStats) -> Result<InFlight> {
         if self.group.size() == 1 {
-            return Ok(InFlight { pending: None, local: Some(t.clone()) });
+            return Ok(InFlight {
+                pending: None,
+                local: Some(t.clone()),
+            });
         }
         stats.bytes_sent += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
         let t = t.contiguous()?;
         let pending = self.group.send_recv(&t, self.next, self.prev)?;
-        Ok(InFlight { pending: Some(pending), local: None })
+        Ok(InFlight {
+            pending: Some(pending),
+            local: None,
+        })
     }
 
     /// Describe the group for error messages.
@@ -106,7 +116,10 @@ impl Ring {
 impl InFlight {
     /// A transfer that already completed (used when overlap is off).
     pub fn ready(t: Tensor) -> Self {
-        Self { pending: None, local: Some(t) }
+        Self {
+            pending: None,
+            local: Some(t),
+        }
     }
 
     /// Block until the tensor from the previous rank has arrived; the blocked time is added
@@ -116,7 +129,9 @@ impl InFlight {
         let r = match (self.pending, self.local) {
             (Some(p), _) => p.wait(),
             (None, Some(t)) => Ok(t),
-            (None, None) => candle_core::bail!("ring transfer has neither a pending receive nor a local tensor"),
+            (None, None) => {
+                candle_core::bail!("ring transfer has neither a pending receive nor a local tensor")
+            }
         };
         *wait += t0.elapsed();
         r

@@ -57,15 +57,22 @@ impl Layout {
     /// `T/P`. The error names `T`, `P` and the layout.
     pub fn local_len(&self, t: usize, p: usize) -> Result<usize> {
         if p == 0 {
-            bail!("{} layout: the number of ranks P must be at least 1 (T = {t})", self.name())
+            bail!(
+                "{} layout: the number of ranks P must be at least 1 (T = {t})",
+                self.name()
+            )
         }
         let d = self.divisor(p);
-        if t % d != 0 {
+        if !t.is_multiple_of(d) {
             bail!(
                 "{} layout: sequence length T = {t} is not divisible by {} (P = {p}{})",
                 self.name(),
                 d,
-                if matches!(self, Layout::Zigzag) { ", zigzag needs 2P chunks" } else { "" }
+                if matches!(self, Layout::Zigzag) {
+                    ", zigzag needs 2P chunks"
+                } else {
+                    ""
+                }
             )
         }
         Ok(t / p)
@@ -76,18 +83,41 @@ impl Layout {
     pub fn segments(&self, rank: usize, p: usize, t: usize) -> Result<Vec<Segment>> {
         let tl = self.local_len(t, p)?;
         if rank >= p {
-            bail!("{} layout: rank {rank} out of range for P = {p} (T = {t})", self.name())
+            bail!(
+                "{} layout: rank {rank} out of range for P = {p} (T = {t})",
+                self.name()
+            )
         }
         Ok(match self {
-            Layout::Contiguous => vec![Segment { offset: rank * tl, stride: 1, len: tl, local: 0 }],
+            Layout::Contiguous => vec![Segment {
+                offset: rank * tl,
+                stride: 1,
+                len: tl,
+                local: 0,
+            }],
             Layout::Zigzag => {
                 let c = tl / 2;
                 vec![
-                    Segment { offset: rank * c, stride: 1, len: c, local: 0 },
-                    Segment { offset: (2 * p - 1 - rank) * c, stride: 1, len: c, local: c },
+                    Segment {
+                        offset: rank * c,
+                        stride: 1,
+                        len: c,
+                        local: 0,
+                    },
+                    Segment {
+                        offset: (2 * p - 1 - rank) * c,
+                        stride: 1,
+                        len: c,
+                        local: c,
+                    },
                 ]
             }
-            Layout::Striped => vec![Segment { offset: rank, stride: p, len: tl, local: 0 }],
+            Layout::Striped => vec![Segment {
+                offset: rank,
+                stride: p,
+                len: tl,
+                local: 0,
+            }],
         })
     }
 }
@@ -134,9 +164,12 @@ impl Segment {
 
 fn check_dim(global: &Tensor, dim: usize, what: &str) -> Result<usize> {
     if dim >= global.rank() {
-        bail!("{what}: dim {dim} out of range for a tensor of shape {:?}", global.shape())
+        bail!(
+            "{what}: dim {dim} out of range for a tensor of shape {:?}",
+            global.shape()
+        )
     }
-    Ok(global.dim(dim)?)
+    global.dim(dim)
 }
 
 /// This rank's shard of `global` along `dim` (the sequence dimension, length `T`).
@@ -160,7 +193,11 @@ pub fn shard(global: &Tensor, layout: Layout, rank: usize, p: usize, dim: usize)
         Layout::Striped => {
             let mut dims = global.dims().to_vec();
             dims.splice(dim..=dim, [tl, p]);
-            global.reshape(dims)?.narrow(dim + 1, rank, 1)?.squeeze(dim + 1)?.contiguous()
+            global
+                .reshape(dims)?
+                .narrow(dim + 1, rank, 1)?
+                .squeeze(dim + 1)?
+                .contiguous()
         }
     }
 }
@@ -176,7 +213,11 @@ pub fn unshard(shards: &[Tensor], layout: Layout, dim: usize) -> Result<Tensor> 
     let first = shards[0].shape().clone();
     for (r, s) in shards.iter().enumerate() {
         if s.shape() != &first {
-            bail!("unshard: shard {r} has shape {:?}, shard 0 has {:?} ({layout} layout)", s.shape(), first)
+            bail!(
+                "unshard: shard {r} has shape {:?}, shard 0 has {:?} ({layout} layout)",
+                s.shape(),
+                first
+            )
         }
     }
     let tl = check_dim(&shards[0], dim, "unshard")?;
@@ -206,7 +247,10 @@ pub fn unshard(shards: &[Tensor], layout: Layout, dim: usize) -> Result<Tensor> 
 pub fn split_shards(cat: &Tensor, p: usize, dim: usize) -> Result<Vec<Tensor>> {
     let t = check_dim(cat, dim, "split_shards")?;
     if p == 0 || t % p != 0 {
-        bail!("split_shards: length {t} along dim {dim} not divisible by P = {p} (shape {:?})", cat.shape())
+        bail!(
+            "split_shards: length {t} along dim {dim} not divisible by P = {p} (shape {:?})",
+            cat.shape()
+        )
     }
     let tl = t / p;
     (0..p).map(|r| cat.narrow(dim, r * tl, tl)).collect()
@@ -215,12 +259,24 @@ pub fn split_shards(cat: &Tensor, p: usize, dim: usize) -> Result<Vec<Tensor>> {
 /// The global positions of `rank`'s local rows, in local order (length `T/P`).
 pub fn positions(layout: Layout, rank: usize, p: usize, t: usize) -> Result<Vec<usize>> {
     let segs = layout.segments(rank, p, t)?;
-    Ok(segs.iter().flat_map(|s| (0..s.len).map(move |i| s.offset + i * s.stride)).collect())
+    Ok(segs
+        .iter()
+        .flat_map(|s| (0..s.len).map(move |i| s.offset + i * s.stride))
+        .collect())
 }
 
 /// [`positions`] as a `u32` tensor `[T/P]` on `device` (e.g. for RoPE).
-pub fn position_ids(layout: Layout, rank: usize, p: usize, t: usize, device: &Device) -> Result<Tensor> {
-    let pos: Vec<u32> = positions(layout, rank, p, t)?.into_iter().map(|x| x as u32).collect();
+pub fn position_ids(
+    layout: Layout,
+    rank: usize,
+    p: usize,
+    t: usize,
+    device: &Device,
+) -> Result<Tensor> {
+    let pos: Vec<u32> = positions(layout, rank, p, t)?
+        .into_iter()
+        .map(|x| x as u32)
+        .collect();
     Tensor::from_vec(pos, t / p, device)?.to_dtype(DType::U32)
 }
 
@@ -248,12 +304,18 @@ mod tests {
             for p in [1usize, 2, 3, 4, 8] {
                 let t = 2 * p * 3;
                 let g = arange(t)?;
-                let shards: Vec<Tensor> = (0..p).map(|r| shard(&g, layout, r, p, 1)).collect::<Result<_>>()?;
+                let shards: Vec<Tensor> = (0..p)
+                    .map(|r| shard(&g, layout, r, p, 1))
+                    .collect::<Result<_>>()?;
                 for s in &shards {
                     assert_eq!(s.dims(), &[2, t / p, 3]);
                 }
                 let back = unshard(&shards, layout, 1)?;
-                assert_eq!(back.to_vec3::<f32>()?, g.to_vec3::<f32>()?, "{layout} P={p}");
+                assert_eq!(
+                    back.to_vec3::<f32>()?,
+                    g.to_vec3::<f32>()?,
+                    "{layout} P={p}"
+                );
             }
         }
         Ok(())
@@ -269,12 +331,19 @@ mod tests {
                 for r in 0..p {
                     let s = shard(&g, layout, r, p, 0)?.to_vec1::<u32>()?;
                     let pos = positions(layout, r, p, t)?;
-                    assert_eq!(s.iter().map(|&x| x as usize).collect::<Vec<_>>(), pos, "{layout} P={p} r={r}");
+                    assert_eq!(
+                        s.iter().map(|&x| x as usize).collect::<Vec<_>>(),
+                        pos,
+                        "{layout} P={p} r={r}"
+                    );
                     let ids = position_ids(layout, r, p, t, &Device::Cpu)?.to_vec1::<u32>()?;
                     assert_eq!(ids, s);
                     pos.iter().for_each(|&x| seen[x] += 1);
                 }
-                assert!(seen.iter().all(|&c| c == 1), "{layout} P={p}: every token on exactly one rank");
+                assert!(
+                    seen.iter().all(|&c| c == 1),
+                    "{layout} P={p}: every token on exactly one rank"
+                );
             }
         }
         Ok(())
@@ -293,16 +362,44 @@ mod tests {
     fn bad_divisibility_names_t_p_layout() -> Result<()> {
         let g = arange(10)?;
         let e = shard(&g, Layout::Zigzag, 0, 3, 1).unwrap_err().to_string();
-        assert!(e.contains("T = 10") && e.contains("P = 3") && e.contains("zigzag"), "{e}");
-        let e = shard(&g, Layout::Contiguous, 0, 4, 1).unwrap_err().to_string();
-        assert!(e.contains("T = 10") && e.contains("P = 4") && e.contains("contiguous"), "{e}");
+        assert!(
+            e.contains("T = 10") && e.contains("P = 3") && e.contains("zigzag"),
+            "{e}"
+        );
+        let e = shard(&g, Layout::Contiguous, 0, 4, 1)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("T = 10") && e.contains("P = 4") && e.contains("contiguous"),
+            "{e}"
+        );
         let e = shard(&g, Layout::Striped, 0, 3, 1).unwrap_err().to_string();
-        assert!(e.contains("T = 10") && e.contains("P = 3") && e.contains("striped"), "{e}");
+        assert!(
+            e.contains("T = 10") && e.contains("P = 3") && e.contains("striped"),
+            "{e}"
+        );
         // 2P divides for contiguous but zigzag needs 2P = 4 | T.
         assert!(shard(&arange(6)?, Layout::Contiguous, 0, 2, 1).is_ok());
         assert!(shard(&arange(6)?, Layout::Zigzag, 0, 2, 1).is_err());
         assert!(shard(&g, Layout::Contiguous, 2, 2, 1).is_err());
         assert!(shard(&g, Layout::Contiguous, 0, 2, 3).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn gather_inverts_shard_on_thread_ranks() -> Result<()> {
+        for layout in Layout::ALL {
+            for p in [1usize, 3, 4] {
+                let g = arange(2 * p * 2)?;
+                let res = candle_cp_comm::run_ranks(p, |grp: crate::Group| {
+                    let local = shard(&g, layout, grp.rank(), p, 1)?;
+                    gather(&local, &grp, layout, 1)
+                });
+                for r in res {
+                    assert_eq!(r?.to_vec3::<f32>()?, g.to_vec3::<f32>()?, "{layout} P={p}");
+                }
+            }
+        }
         Ok(())
     }
 

@@ -29,18 +29,28 @@ pub struct LocalState {
 fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
     if t.device().is_cpu() && t.dtype() == DType::F32 {
         let (st, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) = (&*st, layout.contiguous_offsets()) {
+        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
+            (&*st, layout.contiguous_offsets())
+        {
             return Ok(f(&v[a..b]));
         }
     }
-    let v = t.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+    let v = t
+        .to_device(&Device::Cpu)?
+        .to_dtype(DType::F32)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
     Ok(f(&v))
 }
 
 impl LocalState {
     /// Empty state (out 0, lse `-inf`) for `[B, T/P, H, D]` local rows.
     pub fn new(b: usize, tl: usize, h: usize, d: usize) -> Self {
-        Self { out: vec![0f32; b * tl * h * d], lse: vec![f32::NEG_INFINITY; b * h * tl], dims: (b, tl, h, d) }
+        Self {
+            out: vec![0f32; b * tl * h * d],
+            lse: vec![f32::NEG_INFINITY; b * h * tl],
+            dims: (b, tl, h, d),
+        }
     }
 
     /// Fold in a partial result for local rows `row0 .. row0 + n`:
@@ -106,7 +116,10 @@ pub struct RowAccum {
 impl RowAccum {
     /// Zeros of shape `[planes, B, rows, H, D]`.
     pub fn new(planes: usize, b: usize, rows: usize, h: usize, d: usize) -> Self {
-        Self { data: vec![0f32; planes * b * rows * h * d], dims: (planes, b, rows, h, d) }
+        Self {
+            data: vec![0f32; planes * b * rows * h * d],
+            dims: (planes, b, rows, h, d),
+        }
     }
 
     /// Add `x [B, n, H, D]` to rows `row0 .. row0 + n` of plane `plane`.
@@ -126,7 +139,10 @@ impl RowAccum {
             for bi in 0..b {
                 let dst = ((plane * b + bi) * rows + row0) * row;
                 let src = bi * n * row;
-                for (a, v) in data[dst..dst + n * row].iter_mut().zip(&xs[src..src + n * row]) {
+                for (a, v) in data[dst..dst + n * row]
+                    .iter_mut()
+                    .zip(&xs[src..src + n * row])
+                {
                     *a += v;
                 }
             }
@@ -170,8 +186,16 @@ mod tests {
         let eo = (o1 - o2)?.abs()?.max_all()?.to_scalar::<f32>()?;
         let el = (l1 - l2)?.abs()?.max_all()?.to_scalar::<f32>()?;
         assert!(eo < 1e-6 && el < 1e-6, "{eo} {el}");
-        assert!(o2e.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == 0.0));
-        assert!(l2e.flatten_all()?.to_vec1::<f32>()?.iter().all(|x| *x == f32::NEG_INFINITY));
+        assert!(o2e
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .all(|x| *x == 0.0));
+        assert!(l2e
+            .flatten_all()?
+            .to_vec1::<f32>()?
+            .iter()
+            .all(|x| *x == f32::NEG_INFINITY));
         Ok(())
     }
 
@@ -201,9 +225,15 @@ mod tests {
         acc.add_rows(1, 2, &x)?;
         acc.add_rows(1, 2, &x)?;
         let t = acc.finish(&dev)?;
-        let want = Tensor::zeros((2, 2, 5, 2, 1), DType::F32, &dev)?.slice_assign(&[1..2, 0..2, 2..5, 0..2, 0..1], &(x * 2.0)?.unsqueeze(0)?)?;
-        assert_eq!(t.flatten_all()?.to_vec1::<f32>()?, want.flatten_all()?.to_vec1::<f32>()?);
-        assert!(RowAccum::new(1, 2, 4, 2, 1).add_rows(0, 2, &Tensor::zeros((2, 3, 2, 1), DType::F32, &dev)?).is_err());
+        let want = Tensor::zeros((2, 2, 5, 2, 1), DType::F32, &dev)?
+            .slice_assign(&[1..2, 0..2, 2..5, 0..2, 0..1], &(x * 2.0)?.unsqueeze(0)?)?;
+        assert_eq!(
+            t.flatten_all()?.to_vec1::<f32>()?,
+            want.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert!(RowAccum::new(1, 2, 4, 2, 1)
+            .add_rows(0, 2, &Tensor::zeros((2, 3, 2, 1), DType::F32, &dev)?)
+            .is_err());
         Ok(())
     }
 

@@ -43,8 +43,18 @@ impl CpMethod {
 
     /// Run the method's differentiable op on this rank's shards (see [`ring_attention`]);
     /// `opts.layout` is replaced by the method's layout.
-    pub fn attention(&self, q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<(Tensor, Tensor)> {
-        let opts = CpOpts { layout: self.layout(), ..*opts };
+    pub fn attention(
+        &self,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        group: &Group,
+        opts: &CpOpts,
+    ) -> Result<(Tensor, Tensor)> {
+        let opts = CpOpts {
+            layout: self.layout(),
+            ..*opts
+        };
         match self {
             CpMethod::Ring(_) => ring_attention(q, k, v, group, &opts),
             CpMethod::AllGather(_) => allgather_attention(q, k, v, group, &opts),
@@ -76,7 +86,9 @@ impl FromStr for CpMethod {
         }
         match s.parse::<Layout>() {
             Ok(l) => Ok(CpMethod::Ring(l)),
-            Err(_) => bail!("unknown CP layout '{s}' (expected ring, zigzag, striped or allgather)"),
+            Err(_) => {
+                bail!("unknown CP layout '{s}' (expected ring, zigzag, striped or allgather)")
+            }
         }
     }
 }
@@ -93,15 +105,31 @@ pub struct CpRun {
 /// Run `case` on `p` thread ranks with `method` (forward + autograd backward of
 /// `sum(out · dout)`) and gather the results. Errors when `T` does not suit the layout
 /// (naming T, P, layout), when any rank fails, or when ranks disagree on output shapes.
-pub fn run_case_cp(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration) -> Result<CpRun> {
+pub fn run_case_cp(
+    case: &AttnCase,
+    method: CpMethod,
+    p: usize,
+    timeout: Duration,
+) -> Result<CpRun> {
     run_case_cp_with(case, method, p, timeout, CpOpts::default())
 }
 
 /// [`run_case_cp`] with explicit options: `opts.overlap` and `opts.block_rows` are used,
 /// the layout, mask and scale come from `method` and `case`.
-pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Duration, opts: CpOpts) -> Result<CpRun> {
+pub fn run_case_cp_with(
+    case: &AttnCase,
+    method: CpMethod,
+    p: usize,
+    timeout: Duration,
+    opts: CpOpts,
+) -> Result<CpRun> {
     let layout = method.layout();
-    let cp_opts = CpOpts { layout, causal: case.causal, scale: Some(case.scale), ..opts };
+    let cp_opts = CpOpts {
+        layout,
+        causal: case.causal,
+        scale: Some(case.scale),
+        ..opts
+    };
     let t = case.q.dim(1)?;
     layout.local_len(t, p)?;
     let opts = ThreadGroupOptions::with_timeout(timeout);
@@ -112,7 +140,8 @@ pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Du
         let k = Var::from_tensor(&sh(&case.k)?)?;
         let v = Var::from_tensor(&sh(&case.v)?)?;
         let dout = sh(&case.dout)?;
-        let (out, lse) = method.attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &cp_opts)?;
+        let (out, lse) =
+            method.attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &cp_opts)?;
         let grads = (&out * &dout)?.sum_all()?.backward()?;
         let grad = |x: &Var, n: &str| -> Result<Tensor> {
             match grads.get(x.as_tensor()) {
@@ -131,11 +160,22 @@ pub fn run_case_cp_with(case: &AttnCase, method: CpMethod, p: usize, timeout: Du
         }
     }
     if !errs.is_empty() {
-        bail!("{method} with P = {p} on {}: {}", case.name, errs.join("; "))
+        bail!(
+            "{method} with P = {p} on {}: {}",
+            case.name,
+            errs.join("; ")
+        )
     }
-    let shapes: Vec<Vec<Vec<usize>>> = per_rank.iter().map(|xs| xs.iter().map(|x| x.dims().to_vec()).collect()).collect();
+    let shapes: Vec<Vec<Vec<usize>>> = per_rank
+        .iter()
+        .map(|xs| xs.iter().map(|x| x.dims().to_vec()).collect())
+        .collect();
     if let Some(r) = shapes.iter().position(|s| s != &shapes[0]) {
-        bail!("{method} with P = {p}: rank {r} output shapes {:?} differ from rank 0 {:?}", shapes[r], shapes[0])
+        bail!(
+            "{method} with P = {p}: rank {r} output shapes {:?} differ from rank 0 {:?}",
+            shapes[r],
+            shapes[0]
+        )
     }
     let col = |i: usize| per_rank.iter().map(|xs| xs[i].clone()).collect::<Vec<_>>();
     let outputs = AttnOutputs {
