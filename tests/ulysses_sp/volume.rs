@@ -46,7 +46,8 @@ fn comm_volume_matches_formulas() -> Result<()> {
 
     // Ring (any layout): K/V of one shard per hop, P-1 hops; backward: K/V again plus the f32
     // dK/dV accumulators, P hops (docs/parallelism.md §3). All-gather KV: the same forward
-    // bytes at once; backward reduce-scatters f32 dK/dV of global length (§5).
+    // bytes at once; backward all-gathers K/V again and reduce-scatters f32 dK/dV of global
+    // length (§5).
     let kv_local = 2.0 * local * hkv as f64;
     let pm1 = p as f64 - 1.0;
     for layout in Layout::ALL {
@@ -57,7 +58,7 @@ fn comm_volume_matches_formulas() -> Result<()> {
     }
     let opts = cp::CpOpts::new(Layout::Zigzag, true);
     let (fwd, bwd) = measure_attn(p, dims, &|q, k, v, g| cp::allgather_attention(q, k, v, g, &opts))?;
-    assert_eq!((fwd, bwd), (pm1 * kv_local, frac * (2 * b * t * hkv * d) as f64 * 4.0), "all-gather KV bytes, §5");
+    assert_eq!((fwd, bwd), (pm1 * kv_local, pm1 * kv_local + frac * (2 * b * t * hkv * d) as f64 * 4.0), "all-gather KV bytes, §5");
     eprintln!("allgather P={p}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B  (zigzag)");
 
     // 2-D, U = R = 2: Ulysses part over U on T/R-row groups, then the ring over R with

@@ -127,7 +127,7 @@ impl KvRecall {
         for (&slot, &k) in qslots.iter().zip(qkeys.iter()).take(self.n_queries) {
             let p = q0 + 2 * slot;
             tokens[p] = key0 + k as u32;
-            tokens[p + 1] = val0 + map[k];
+            tokens[p + 1] = if self.fused { pair0 + (k * self.n_values) as u32 + map[k] } else { val0 + map[k] };
             long_range[p + 1] = true;
         }
         Sample { tokens, long_range }
