@@ -70,3 +70,17 @@ fn bad_input_exits_2() {
     let o = verify(&["--case", case.to_str().unwrap(), "--cp", "4"]);
     assert_eq!(o.status.code(), Some(2));
 }
+
+#[test]
+fn cp_layouts_pass_on_thread_ranks() {
+    let case = oracle("b2_t256_h8_kv2_d64_causal.safetensors");
+    for (layout, p) in [("ring", "2"), ("zigzag", "4"), ("striped", "4"), ("allgather", "2")] {
+        let o = verify(&["--case", case.to_str().unwrap(), "--layout", layout, "--cp", p]);
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(0), "{layout} --cp {p}: stdout:\n{out}\nstderr:\n{}", String::from_utf8_lossy(&o.stderr));
+        assert!(last_line(&o).starts_with("PASS"), "{layout}: {out}");
+    }
+    // zigzag needs T % 2P == 0: T = 256 with P = 3 is bad input (exit 2).
+    let o = verify(&["--case", case.to_str().unwrap(), "--layout", "zigzag", "--cp", "3"]);
+    assert_eq!(o.status.code(), Some(2), "{}", String::from_utf8_lossy(&o.stdout));
+}
