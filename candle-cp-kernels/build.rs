@@ -7,7 +7,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "merge", "layout"];
+const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "merge", "layout"];
 
 fn nvcc() -> PathBuf {
     if let Some(p) = std::env::var_os("NVCC") {

@@ -26,7 +26,7 @@ use std::time::{Duration, Instant};
 #[command(about = "Fine-tune a Llama-style model with context parallelism (thread ranks on CPU)")]
 struct Args {
     /// Global sequence length T (tokens per row, split over the CP ranks).
-    #[arg(long, default_value_t = 1024)]
+    #[arg(long, default_value_t = 512)]
     seq_len: usize,
     /// Context-parallel degree.
     #[arg(long, default_value_t = 4)]
@@ -47,10 +47,10 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     dp: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 120)]
+    #[arg(long, default_value_t = 300)]
     steps: usize,
     /// Peak learning rate.
-    #[arg(long, default_value_t = 3e-3)]
+    #[arg(long, default_value_t = 1e-2)]
     lr: f64,
     /// Warmup steps (linear), then cosine decay.
     #[arg(long, default_value_t = 10)]
@@ -64,7 +64,8 @@ struct Args {
     /// Clip the global gradient norm (0 = off).
     #[arg(long, default_value_t = 1.0)]
     clip: f64,
-    /// Global rows per micro-batch (default: dp).
+    /// Global rows per micro-batch (default: 4 for the synthetic task, else dp; must be a
+    /// multiple of dp).
     #[arg(long)]
     batch: Option<usize>,
     /// Micro-batches per optimizer step.
@@ -86,7 +87,7 @@ struct Args {
     #[arg(long, default_value = "runs/finetune")]
     out: PathBuf,
     /// Checkpoint every N steps (0 = only at the end).
-    #[arg(long, default_value_t = 40)]
+    #[arg(long, default_value_t = 100)]
     save_every: usize,
     /// Keep the newest N checkpoints (0 = all).
     #[arg(long, default_value_t = 2)]
@@ -110,10 +111,10 @@ struct Args {
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
     /// Recall task: number of keys (each sequence draws a random key→value map).
-    #[arg(long, default_value_t = 32)]
+    #[arg(long, default_value_t = 8)]
     keys: usize,
     /// Recall task: number of values (chance long-range loss is ln(values)).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = 8)]
     values: usize,
     /// Recall task: queries (distinct keys) per sequence; default min(keys, T/8).
     #[arg(long)]
@@ -123,8 +124,8 @@ struct Args {
     #[arg(long)]
     unfused: bool,
     /// Training objective: `all` next-token targets, or `long-range` targets only (answer-only
-    /// loss). Default: long-range for the synthetic task, all for --data. The reported `loss`
-    /// is always the mean over all targets.
+    /// loss). Default: long-range for the synthetic task, all for --data. With long-range,
+    /// the progress line also shows the (untrained) all-target loss as `all`.
     #[arg(long)]
     loss_on: Option<String>,
     /// Collective timeout in seconds.
@@ -155,7 +156,7 @@ fn data_source(a: &Args) -> Result<(DataSource, String)> {
         t.fused = !a.unfused;
         t.validate()?;
         let desc = format!(
-            "synthetic key→value recall: {} keys stored in the first half, {} queries in the last quarter (chance lr-loss ln {} = {:.2})",
+            "synthetic key→value recall: {} keys stored in the first half, {} queries in the last quarter (chance long-range loss ln {} = {:.2})",
             t.n_keys,
             t.long_range_targets(),
             t.n_values,
@@ -194,7 +195,7 @@ fn main() -> Result<()> {
             ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads))
         }
     };
-    let batch = a.batch.unwrap_or(a.dp);
+    let batch = a.batch.unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
         None => a.data.is_none(),
         Some("all") => false,
@@ -234,13 +235,14 @@ fn main() -> Result<()> {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
         let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
-        let lr_loss = m.long_range_loss.map_or("    -".to_string(), |x| format!("{x:.3}"));
+        let lr_loss = m.long_range_loss.map_or(String::new(), |x| format!("  long-range {x:.3}"));
+        let all = if (m.train_loss - m.loss).abs() > 1e-6 { format!("  all {:.3}", m.loss) } else { String::new() };
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!("{:.0} MiB/rank ({:.0} MiB process)", x / world as f64, x)
         });
         println!(
-            "[{bar}] step {:>4}/{steps}  loss {:.4}  lr-loss {lr_loss}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  peak {mem}  {:.1}s",
-            m.step, m.loss, m.lr, m.grad_norm, m.tokens_per_s, m.elapsed_s
+            "[{bar}] step {:>4}/{steps}  loss {:.4}{lr_loss}{all}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  peak {mem}  {:.1}s",
+            m.step, m.train_loss, m.lr, m.grad_norm, m.tokens_per_s, m.elapsed_s
         );
     };
     let opts = ThreadGroupOptions { timeout: Duration::from_secs(a.timeout), ..Default::default() };
@@ -257,6 +259,9 @@ fn main() -> Result<()> {
         }
     }
     let Some(o) = outcome else { bail!("no rank returned") };
+    if o.start_step > 0 {
+        println!("resumed  : from the step-{:06} checkpoint in {}/checkpoints", o.start_step, a.out.display());
+    }
     let c = &o.config;
     println!(
         "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {})",
@@ -265,13 +270,15 @@ fn main() -> Result<()> {
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(
-            "summary  : steps {}..{}  loss {:.3} -> {:.3}  long-range loss {} -> {}",
+            "summary  : steps {}..{}  loss {:.3} -> {:.3}  long-range loss {} -> {}  (all-target loss {:.3} -> {:.3})",
             first.step,
             last.step,
-            first.loss,
-            last.loss,
+            first.train_loss,
+            last.train_loss,
             fmt(first.long_range_loss),
-            fmt(last.long_range_loss)
+            fmt(last.long_range_loss),
+            first.loss,
+            last.loss
         );
     }
     println!("wall     : {:.1}s", t0.elapsed().as_secs_f64());

@@ -90,7 +90,7 @@ fn main() -> Result<()> {
             let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * if causal { 0.5 } else { 1.0 };
             let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, a.imp)?;
             let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, a.imp).map(|_| ()))?;
-            let bwd_s = time(&dev, a.iters, || flash::bwd(&q, &k, &v, &out, &lse, &dout, mask, scale).map(|_| ()))?;
+            let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, a.imp).map(|_| ()))?;
             println!(
                 "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}}}",
                 a.imp,

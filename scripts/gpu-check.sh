@@ -2,7 +2,7 @@
 # GPU check in two parts (see docs/gpu.md).
 #
 #   scripts/gpu-check.sh build   # here, no GPU: build gpu_check + gpu_bench with --features
-#                                # cuda,nccl, strip them, stage them in target-gpu-stage/
+#                                # cuda,nccl, strip + xz them into target-gpu-stage/
 #   scripts/gpu-check.sh run     # on the GPU machine (no Rust there): every kernel vs the CPU
 #                                # path + oracle cases + ring/Ulysses on virtual ranks, then the
 #                                # TFLOP/s benchmark beside PyTorch SDPA; results in $OUT/gpu-check
@@ -28,6 +28,7 @@ build() {
   for b in gpu_check gpu_bench; do
     cp "$CARGO_TARGET_DIR/release/examples/$b" "$STAGE/$b"
     strip "$STAGE/$b"
+    xz -T2 -6 -f "$STAGE/$b"   # ~50 MB -> a few MB each; unpacked by `run`
   done
   local bytes
   bytes=$(du -sb "$STAGE" | cut -f1)
@@ -39,6 +40,13 @@ build() {
 run() {
   local out=${OUT:-$PWD/gpu-out}/gpu-check
   mkdir -p "$out"
+  local bin
+  bin=$(mktemp -d)
+  for b in gpu_check gpu_bench; do
+    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
+      "$STAGE/$b.xz" "$bin/$b"
+    chmod +x "$bin/$b"
+  done
   # Runtime libraries (cudart, cublas, curand, nccl) come from the Python nvidia packages.
   local nv libs=""
   nv=$(python3 -c 'import nvidia, os; print(os.path.dirname(nvidia.__path__[0]))' 2>/dev/null || true)
@@ -48,20 +56,20 @@ run() {
   has_lib() { local d; for d in ${libs//:/ }; do [ -e "$d/$1" ] && return 0; done; return 1; }
   for so in libnccl.so.2 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libcudart.so.13; do
     has_lib "$so" && continue
-    d=$(find / -name "$so" -not -path '/proc/*' 2>/dev/null | head -1 | xargs -r dirname)
+    d=$( (find / -name "$so" -not -path "/proc/*" 2>/dev/null || true) | head -1 | xargs -r dirname)
     if [ -n "$d" ]; then libs="$libs:$d"; else echo "gpu-check: WARNING: $so not found"; fi
   done
   export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$out/env.txt"
   nvidia-smi 2>&1 | tee "$out/nvidia-smi.txt" | head -15 || true
-  ldd "$STAGE/gpu_check" | tee "$out/ldd.txt"
+  ldd "$bin/gpu_check" | tee "$out/ldd.txt"
   if grep -q "not found" "$out/ldd.txt"; then echo "gpu-check: WARNING: missing libraries (see ldd above)"; fi
 
   local rc=0
   echo "== 1/3 correctness: kernels vs CPU, oracle, virtual ranks"
-  timeout 200 "$STAGE/gpu_check" --oracle tests/data/oracle/attn 2>&1 | tee "$out/check.log" || rc=1
+  timeout 200 "$bin/gpu_check" --oracle tests/data/oracle/attn 2>&1 | tee "$out/check.log" || rc=1
   echo "== 2/3 candle-cp benchmark (bf16, D = 128)"
-  timeout 150 "$STAGE/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+  timeout 150 "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
     --ring-t 16384 --ring-p 4 --budget-s 120 2>&1 | tee "$out/bench.jsonl" || rc=1
   echo "== 3/3 PyTorch scaled_dot_product_attention on the same GPU"
   timeout 100 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \

@@ -51,14 +51,14 @@ impl KMask {
     }
 }
 
-/// Which forward kernel to run.
+/// Which kernels to run (forward and backward alike).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
     /// Tensor cores for f16/bf16, CUDA cores for f32.
     Auto,
-    /// CUDA-core kernel (f32 math) for every dtype.
+    /// CUDA-core kernels (f32 math) for every dtype.
     Simple,
-    /// Tensor-core kernel (mma.sync m16n8k16, f32 accumulate); f16/bf16 only.
+    /// Tensor-core kernels (mma.sync m16n8k16, f32 accumulate); f16/bf16 only.
     Mma,
 }
 
@@ -228,7 +228,8 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: Fwd
 /// Raw backward on CUDA tensors, no graph. `out` `[B, T, H, D]` and `lse` `[B, H, T]` belong to
 /// the *whole* attention of these query rows (global LSE in a ring); `dout` `[B, T, H, D]`.
 /// Returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]` (summed over each KV head's query
-/// heads). Runs delta = rowsum(dO * O), then the dK/dV and dQ kernels (no atomics).
+/// heads). Runs delta = rowsum(dO * O), then the dK/dV and dQ kernels (no atomics). Kernel
+/// choice from `CANDLE_CP_FLASH_IMPL` (see [`FwdImpl::from_env`]); [`bwd_with`] takes it.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd(
     q: &Tensor,
@@ -239,6 +240,24 @@ pub fn bwd(
     dout: &Tensor,
     mask: KMask,
     scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    bwd_with(q, k, v, out, lse, dout, mask, scale, FwdImpl::from_env())
+}
+
+/// [`bwd`] with an explicit kernel choice: `Mma` (f16/bf16 only) runs
+/// `kernels/flash_bwd_mma.cu` (tensor cores, P and dS rounded to 16 bits), `Simple` runs
+/// `kernels/flash_bwd.cu` (f32 math on CUDA cores), `Auto` picks `Mma` for f16/bf16.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dev = util::cuda_device(q, "flash_bwd: q")?;
     let (b, t, s, h, hkv, d) = check_dims("flash_bwd", q.shape(), k.shape(), v.shape())?;
@@ -252,6 +271,12 @@ pub fn bwd(
         candle_core::bail!("flash_bwd: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
     }
     let sfx = suffix(q.dtype())?;
+    let use_mma = match imp {
+        FwdImpl::Auto => sfx != "f32",
+        FwdImpl::Simple => false,
+        FwdImpl::Mma if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma => true,
+    };
     if b * t * h == 0 || s == 0 {
         let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
         return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
@@ -291,24 +316,31 @@ pub fn bwd(
             let qv = util::view::<$ty>(qs, ql, "q")?;
             let kv = util::view::<$ty>(ks, kl, "k")?;
             let vv = util::view::<$ty>(vs, vl, "v")?;
-            let name = format!("flash_bwd_dkdv_{sfx}_d{d}");
-            let func = dev.get_or_load_custom_func(&name, ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
-            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let (pre, module, src) = if use_mma {
+                ("flash_bwd_mma", ptx::FLASH_BWD_MMA_MODULE, ptx::FLASH_BWD_MMA)
+            } else {
+                ("flash_bwd", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)
+            };
+            let name = format!("{pre}_dkdv_{sfx}_d{d}");
+            let func = dev.get_or_load_custom_func(&name, module, src)?;
+            let threads = if use_mma { 64 } else { 128 };
+            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
             bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-            // SAFETY: matches `float* dk, float* dv, BWD_ARGS_COMMON` in kernels/flash_bwd.cu.
+            // SAFETY: matches `float* dk, float* dv, BWD_ARGS_COMMON` in kernels/flash_bwd{,_mma}.cu.
             unsafe { bld.launch(cfg) }.w()?;
 
-            let name = format!("flash_bwd_dq_{sfx}_d{d}");
-            let func = dev.get_or_load_custom_func(&name, ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
-            let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let name = format!("{pre}_dq_{sfx}_d{d}");
+            let func = dev.get_or_load_custom_func(&name, module, src)?;
+            let rows = if use_mma { 64 } else { 8 };
+            let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
             bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-            // SAFETY: matches `float* dq, BWD_ARGS_COMMON` in kernels/flash_bwd.cu.
+            // SAFETY: matches `float* dq, BWD_ARGS_COMMON` in kernels/flash_bwd{,_mma}.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
     }

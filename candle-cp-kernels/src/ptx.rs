@@ -1,10 +1,12 @@
 //! PTX of each kernel file (compute_80, built by `build.rs` with nvcc), and the module names
 //! under which `CudaDevice::get_or_load_custom_func` caches them.
 
-/// `kernels/flash_fwd.cu`: `flash_fwd_{simple,mma}_{f32,f16,bf16}_d{64,128}`.
+/// `kernels/flash_fwd.cu`: `flash_fwd_simple_{f32,f16,bf16}_d*`, `flash_fwd_mma_{f16,bf16}_d*` (d 16, 32, 64, 128).
 pub const FLASH_FWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd.ptx"));
-/// `kernels/flash_bwd.cu`: `flash_bwd_delta_f32`, `flash_bwd_{dkdv,dq}_{f32,f16,bf16}_d{64,128}`.
+/// `kernels/flash_bwd.cu`: `flash_bwd_delta_f32`, `flash_bwd_{dkdv,dq}_{f32,f16,bf16}_d{16,32,64,128}`.
 pub const FLASH_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd.ptx"));
+/// `kernels/flash_bwd_mma.cu`: `flash_bwd_mma_{dkdv,dq}_{f16,bf16}_d{16,32,64,128}` (tensor cores).
+pub const FLASH_BWD_MMA: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_mma.ptx"));
 /// `kernels/merge.cu`: `merge_step_{f32,f16,bf16}`, `cast_out_{f32,f16,bf16}`.
 pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
 /// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
@@ -14,6 +16,8 @@ pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
 pub const FLASH_FWD_MODULE: &str = "candle_cp_flash_fwd";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_BWD_MODULE: &str = "candle_cp_flash_bwd";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_MMA_MODULE: &str = "candle_cp_flash_bwd_mma";
 /// See [`FLASH_FWD_MODULE`].
 pub const MERGE_MODULE: &str = "candle_cp_merge";
 /// See [`FLASH_FWD_MODULE`].

@@ -48,16 +48,6 @@ pub(crate) fn cuda_device(t: &Tensor, what: &str) -> Result<CudaDevice> {
     }
 }
 
-/// Run `f` on `t`'s CUDA storage and layout (`t` made contiguous first).
-pub(crate) fn with_cuda<R>(t: &Tensor, what: &str, f: impl FnOnce(&CudaStorage, &Layout) -> Result<R>) -> Result<R> {
-    let t = t.contiguous()?;
-    let (st, l) = t.storage_and_layout();
-    match &*st {
-        Storage::Cuda(s) => f(s, l),
-        _ => candle_core::bail!("{what} {:?} is not on a CUDA device", t.shape()),
-    }
-}
-
 /// `usize` -> kernel `int`, with an error naming the quantity when it does not fit.
 pub(crate) fn to_i32(x: usize, what: &str) -> Result<i32> {
     i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("{what} = {x} does not fit the kernels' 32-bit sizes")))

@@ -1,11 +1,17 @@
-//! SP + TP transformer block against the single-device block; dropout regions; fused
-//! column-parallel parts.
+//! SP + TP transformer block against the single-device block (layers built from a
+//! `VarBuilder` over the rank's own `VarMap` of shards, gradients read from that `VarMap`,
+//! with the replicated gradients summed in backward or by the caller); dropout regions;
+//! fused column-parallel parts.
 
 use crate::{all_ok, grad, max_abs, rand_t, rel, Counting};
 use anyhow::Result;
 use candle_core::{DType, Device, Module, Shape, Tensor, Var};
 use candle_cp_comm::{run_ranks, Group};
-use candle_cp_nn::{ColumnParallelLinear, Dropout, LayerNorm, Region, RmsNorm, RngStreams, RowParallelLinear, Tp};
+use candle_cp_nn::{
+    shard_for_tp, ColumnParallelLinear, Dropout, GradSync, LayerNorm, LinearConfig, Region, RmsNorm, RngStreams,
+    RowParallelLinear, Shard, Tp,
+};
+use candle_nn::{VarBuilder, VarMap};
 use candle_cp_ops::attention::{attention, attention_slow, Mask};
 use candle_cp_ops::mappings as mp;
 use std::collections::HashMap;
@@ -90,37 +96,21 @@ struct TpBlock {
 }
 
 impl TpBlock {
-    fn load(vb: candle_nn::VarBuilder, tp: &Tp) -> candle_core::Result<Self> {
+    /// Layers taking their local shards from `vb` (created in a fresh `VarMap`).
+    fn new(vb: VarBuilder, tp: &Tp, sync: GradSync) -> candle_core::Result<Self> {
         let a = vb.pp("attn");
+        let (b, nb) = (LinearConfig::new(true), LinearConfig::new(false));
         Ok(Self {
-            norm1: RmsNorm::load(vb.pp("norm1"), HID, EPS, tp)?,
-            q: ColumnParallelLinear::load(a.pp("q"), HID, HID, true, tp)?,
-            k: ColumnParallelLinear::load(a.pp("k"), HID, HID, false, tp)?,
-            v: ColumnParallelLinear::load(a.pp("v"), HID, HID, true, tp)?,
-            o: RowParallelLinear::load(a.pp("o"), HID, HID, true, tp)?,
-            norm2: LayerNorm::load(vb.pp("norm2"), HID, EPS, tp)?,
-            up: ColumnParallelLinear::load(vb.pp("mlp.up"), HID, FFN, true, tp)?,
-            down: RowParallelLinear::load(vb.pp("mlp.down"), FFN, HID, true, tp)?,
+            norm1: RmsNorm::new(vb.pp("norm1"), HID, EPS, tp)?.with_grad_sync(sync),
+            q: ColumnParallelLinear::new(a.pp("q"), HID, HID, b, tp)?,
+            k: ColumnParallelLinear::new(a.pp("k"), HID, HID, nb, tp)?,
+            v: ColumnParallelLinear::new(a.pp("v"), HID, HID, b, tp)?,
+            o: RowParallelLinear::new(a.pp("o"), HID, HID, b, tp)?.with_grad_sync(sync),
+            norm2: LayerNorm::new(vb.pp("norm2"), HID, EPS, tp)?.with_grad_sync(sync),
+            up: ColumnParallelLinear::new(vb.pp("mlp.up"), HID, FFN, b, tp)?,
+            down: RowParallelLinear::new(vb.pp("mlp.down"), FFN, HID, b, tp)?.with_grad_sync(sync),
             tp: tp.clone(),
         })
-    }
-
-    fn named_vars(&self) -> Vec<(String, Var)> {
-        let mut out = vec![("norm1.weight".to_string(), self.norm1.weight().clone())];
-        let mut lin = |n: &str, vs: Vec<Var>| {
-            out.push((format!("{n}.weight"), vs[0].clone()));
-            if let Some(b) = vs.get(1) {
-                out.push((format!("{n}.bias"), b.clone()));
-            }
-        };
-        lin("attn.q", self.q.vars());
-        lin("attn.k", self.k.vars());
-        lin("attn.v", self.v.vars());
-        lin("attn.o", self.o.vars());
-        lin("norm2", self.norm2.vars());
-        lin("mlp.up", self.up.vars());
-        lin("mlp.down", self.down.vars());
-        out
     }
 
     /// `x` `[B, T/P, C]` with SP, `[B, T, C]` without.
@@ -141,7 +131,31 @@ impl TpBlock {
     }
 }
 
-fn check_block(tp_size: usize, sp: bool) -> Result<()> {
+/// This rank's `VarMap`: the layers create their shards (local shapes), then each is set
+/// from the full tensor sliced as the test's own table [`shard_dim`] says (`set_one` fails on
+/// a shape mismatch, and no var may be left unset or be extra).
+fn rank_varmap(params: &HashMap<String, Tensor>, tp: &Tp, sync: GradSync) -> candle_core::Result<(VarMap, TpBlock)> {
+    let mut vm = VarMap::new();
+    let blk = TpBlock::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), tp, sync)?;
+    let mut created: Vec<String> = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.keys().cloned().collect();
+    let mut names: Vec<String> = params.keys().cloned().collect();
+    created.sort();
+    names.sort();
+    if created != names {
+        candle_core::bail!("layers created vars {created:?}, the block has {names:?}")
+    }
+    for (n, full) in params {
+        let shard = match shard_dim(n) {
+            Some(0) => Shard::Rows,
+            Some(_) => Shard::Cols,
+            None => Shard::Replicated,
+        };
+        vm.set_one(n, shard_for_tp(full, shard, tp)?)?;
+    }
+    Ok((vm, blk))
+}
+
+fn check_block(tp_size: usize, sp: bool, sync: GradSync) -> Result<()> {
     let params = block_params()?;
     let x = rand_t(1, "x", &[BT, T, HID])?;
     let up = rand_t(2, "upstream", &[BT, T, HID])?;
@@ -156,20 +170,26 @@ fn check_block(tp_size: usize, sp: bool) -> Result<()> {
 
     let res = all_ok(run_ranks(tp_size, |g: Group| {
         let tp = Tp::new(g.clone(), sp);
-        let vb = candle_nn::VarBuilder::from_tensors(params.clone(), DType::F32, &Device::Cpu);
-        let blk = TpBlock::load(vb, &tp)?;
+        let (vm, blk) = rank_varmap(&params, &tp, sync)?;
         let local = |t: &Tensor| if sp { mp::scatter_to_sp_region(t, &g, 1) } else { Ok(t.clone()) };
         let xl = Var::from_tensor(&local(&x)?)?;
         let y = blk.forward(xl.as_tensor(), &rng)?;
         let grads = (&y * local(&up)?)?.sum_all()?.backward()?;
         let mut named = vec![("x".to_string(), grad(&grads, xl.as_tensor(), "x")?)];
-        for (n, v) in blk.named_vars() {
-            named.push((n.clone(), grad(&grads, v.as_tensor(), &n)?));
+        let mut vs: Vec<(String, Var)> =
+            vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+        vs.sort_by(|a, b| a.0.cmp(&b.0));
+        for (n, v) in vs {
+            let mut gr = grad(&grads, v.as_tensor(), &n)?;
+            if sp && sync == GradSync::Deferred && shard_dim(&n).is_none() {
+                gr = g.all_reduce(&gr)?; // the caller's share of the work
+            }
+            named.push((n, gr));
         }
         Ok((y, named))
     }))?;
 
-    let tag = format!("TP = {tp_size}, SP = {sp}");
+    let tag = format!("TP = {tp_size}, SP = {sp}, {sync:?}");
     let take = |t: &Tensor, dim: usize, r: usize| t.narrow(dim, r * t.dim(dim).unwrap() / tp_size, t.dim(dim).unwrap() / tp_size);
     let tol = 2e-5;
     let (mut worst_y, mut worst_g) = (0f64, 0f64);
@@ -205,14 +225,16 @@ fn check_block(tp_size: usize, sp: bool) -> Result<()> {
 
 #[test]
 fn sp_tp_block_matches_single_device_tp2() -> Result<()> {
-    check_block(2, true)?;
-    check_block(2, false)
+    check_block(2, true, GradSync::InBackward)?;
+    check_block(2, true, GradSync::Deferred)?;
+    check_block(2, false, GradSync::InBackward)
 }
 
 #[test]
 fn sp_tp_block_matches_single_device_tp4() -> Result<()> {
-    check_block(4, true)?;
-    check_block(4, false)
+    check_block(4, true, GradSync::InBackward)?;
+    check_block(4, true, GradSync::Deferred)?;
+    check_block(4, false, GradSync::Deferred)
 }
 
 #[test]
@@ -234,47 +256,65 @@ fn dropout_masks_by_region() -> Result<()> {
 #[test]
 fn fused_column_parts_match_separate_layers_with_one_gather() -> Result<()> {
     let (p, c) = (2usize, 16usize);
-    let ws: Vec<Tensor> = (0..3).map(|i| rand_t(30 + i, "w", &[c * (i as usize + 1), c])).collect::<candle_core::Result<_>>()?;
-    let bs: Vec<Tensor> = (0..3).map(|i| rand_t(40 + i, "b", &[c * (i as usize + 1)])).collect::<candle_core::Result<_>>()?;
+    let outs: Vec<usize> = (1..=3).map(|i| c * i).collect();
+    let ws: Vec<Tensor> = (0..3).map(|i| rand_t(30 + i as u64, "w", &[outs[i], c])).collect::<candle_core::Result<_>>()?;
+    let bs: Vec<Tensor> = (0..3).map(|i| rand_t(40 + i as u64, "b", &[outs[i]])).collect::<candle_core::Result<_>>()?;
     let x = rand_t(3, "x", &[2, 16, c])?;
     let res = all_ok(run_ranks(p, |g: Group| {
         let (g, log) = Counting::wrap(g);
         let tp = Tp::new(g.clone(), true);
         let xl = mp::scatter_to_sp_region(&x, &g, 1)?;
-        let wr: Vec<&Tensor> = ws.iter().collect();
-        let br: Vec<&Tensor> = bs.iter().collect();
-        let fused = ColumnParallelLinear::from_full_parts(&wr, Some(&br), &tp)?;
+        // one VarMap per model; the fused layer's parts keep their own names
+        let mk = |fused: bool| -> candle_core::Result<(VarMap, Vec<ColumnParallelLinear>)> {
+            let mut vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+            let parts: Vec<(VarBuilder, usize)> = (0..3).map(|i| (vb.pp(format!("p{i}")), outs[i])).collect();
+            let layers = if fused {
+                vec![ColumnParallelLinear::new_fused(&parts, c, LinearConfig::new(true), &tp)?]
+            } else {
+                parts.into_iter().map(|(vb, o)| ColumnParallelLinear::new(vb, c, o, LinearConfig::new(true), &tp)).collect::<candle_core::Result<_>>()?
+            };
+            for i in 0..3 {
+                vm.set_one(format!("p{i}.weight"), shard_for_tp(&ws[i], ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+                vm.set_one(format!("p{i}.bias"), shard_for_tp(&bs[i], ColumnParallelLinear::BIAS_SHARD, &tp)?)?;
+            }
+            Ok((vm, layers))
+        };
+        let weighted_sum = |ys: &[Tensor]| -> candle_core::Result<Tensor> {
+            let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+            for (i, y) in ys.iter().enumerate() {
+                loss = (loss + (y * (i as f64 + 1.0))?.sum_all()?)?;
+            }
+            Ok(loss)
+        };
+        let (vm_f, fused) = mk(true)?;
         let xv = Var::from_tensor(&xl)?;
-        let ys = fused.forward_parts(xv.as_tensor())?;
+        let ys = fused[0].forward_parts(xv.as_tensor())?;
         let gathered = log.lock().unwrap().get("all_gather").copied().unwrap_or(0.0);
-        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
-        for (i, y) in ys.iter().enumerate() {
-            loss = (loss + (y * (i as f64 + 1.0))?.sum_all()?)?;
-        }
-        let gf = loss.backward()?;
-        let (dw_f, dx_f) = (grad(&gf, fused.weight().as_tensor(), "fused w")?, grad(&gf, xv.as_tensor(), "x")?);
-        // separate layers on the same input
+        let gf = weighted_sum(&ys)?.backward()?;
+        let (vm_s, seps) = mk(false)?;
         let xs = Var::from_tensor(&xl)?;
-        let mut loss = Tensor::zeros((), DType::F32, &Device::Cpu)?;
-        let mut seps = vec![];
+        let ys_s = seps.iter().map(|l| l.forward(xs.as_tensor())).collect::<candle_core::Result<Vec<_>>>()?;
+        let gs = weighted_sum(&ys_s)?.backward()?;
         let mut worst = 0f32;
-        for i in 0..3 {
-            let l = ColumnParallelLinear::from_full(&ws[i], Some(&bs[i]), &tp)?;
-            let y = l.forward(xs.as_tensor())?;
-            worst = worst.max((&y - &ys[i])?.abs()?.max_all()?.to_scalar::<f32>()?);
-            loss = (loss + (y * (i as f64 + 1.0))?.sum_all()?)?;
-            seps.push(l);
+        for (a, b) in ys.iter().zip(&ys_s) {
+            worst = worst.max((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?);
         }
-        let gs = loss.backward()?;
-        let dw_s = Tensor::cat(&seps.iter().map(|l| grad(&gs, l.weight().as_tensor(), "w")).collect::<candle_core::Result<Vec<_>>>()?, 0)?;
-        let dx_s = grad(&gs, xs.as_tensor(), "x")?;
-        let e_w = (dw_f - dw_s)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        let e_x = (dx_f - dx_s)?.abs()?.max_all()?.to_scalar::<f32>()?;
-        Ok((worst, e_w, e_x, gathered, fused.part_sizes().to_vec()))
+        let (mut e_w, mut n_w) = (0f32, 0);
+        let (df, ds) = (vm_f.data().lock().unwrap().clone(), vm_s.data().lock().unwrap().clone());
+        for (n, v) in &df {
+            let a = grad(&gf, v.as_tensor(), n)?;
+            let b = grad(&gs, ds[n].as_tensor(), n)?;
+            e_w = e_w.max((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            n_w += 1;
+        }
+        let e_x = (grad(&gf, xv.as_tensor(), "x")? - grad(&gs, xs.as_tensor(), "x")?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok((worst, e_w, n_w, e_x, gathered, fused[0].part_sizes()))
     }))?;
     let one_gather = ((p - 1) * 2 * (16 / p) * c * 4) as f64; // (P-1)·|x local| in bytes
-    for (r, (ey, ew, ex, gathered, parts)) in res.into_iter().enumerate() {
+    for (r, (ey, ew, nw, ex, gathered, parts)) in res.into_iter().enumerate() {
         assert!(ey < 1e-5 && ew < 1e-5 && ex < 1e-5, "rank {r}: fused vs separate differ: out {ey}, dW {ew}, dx {ex}");
+        assert_eq!(nw, 6, "rank {r}: the fused layer's VarMap must hold 3 weights and 3 biases");
         assert_eq!(gathered, one_gather, "rank {r}: the fused layer must all-gather its input once");
         assert_eq!(parts, vec![c / p, 2 * c / p, 3 * c / p]);
     }

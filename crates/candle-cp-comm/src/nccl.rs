@@ -134,7 +134,7 @@ impl NcclGroup {
 
     /// All GPUs `ordinals` in this process, one rank each (rank `i` on `ordinals[i]`), through
     /// `ncclCommInitAll`. Drive each group from its own thread (see [`run_nccl_ranks`]).
-    pub fn single_process(ordinals: &[usize]) -> Result<Vec<Group>> {
+    pub fn single_process(ordinals: &[usize]) -> Result<Vec<Arc<NcclGroup>>> {
         let mut devices = Vec::with_capacity(ordinals.len());
         let mut streams = Vec::with_capacity(ordinals.len());
         for &o in ordinals {
@@ -150,7 +150,7 @@ impl NcclGroup {
             .zip(streams)
             .enumerate()
             .map(|(rank, ((comm, device), comm_stream))| {
-                Arc::new(NcclGroup { comm: Mutex::new(CommBox(comm)), rank, size, device, comm_stream }) as Group
+                Arc::new(NcclGroup { comm: Mutex::new(CommBox(comm)), rank, size, device, comm_stream })
             })
             .collect())
     }
@@ -429,7 +429,7 @@ pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T
     let groups = NcclGroup::single_process(ordinals)?;
     let f = &f;
     Ok(std::thread::scope(|s| {
-        let joins: Vec<_> = groups.into_iter().map(|g| s.spawn(move || f(g))).collect();
+        let joins: Vec<_> = groups.into_iter().map(|g| s.spawn(move || f(g as Group))).collect();
         joins
             .into_iter()
             .enumerate()

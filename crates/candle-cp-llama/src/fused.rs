@@ -1,47 +1,16 @@
 //! RMSNorm and RoPE with hand-written backward passes ([`candle_cp_ops::autograd::attach2`] /
 //! `attach1`), beside their plain-candle references (`*_slow`, differentiated by candle's
 //! autograd). The fused versions record one graph node instead of a dozen broadcast ops;
-//! tests compare values and gradients of the two.
+//! tests compare values and gradients of the two. The RMSNorm pair is candle-cp-nn's
+//! (re-exported here; tested there), RoPE is here.
 
-use candle_core::{bail, DType, Result, Tensor, D};
-use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
+use candle_core::{bail, Result, Tensor, D};
+use candle_cp_ops::autograd::{attach1, BackwardFn};
 use std::sync::Arc;
 
-/// RMSNorm `x · rsqrt(mean(x²) + eps) · w` (HF form: statistics in f32, the normalised
-/// value cast to `x`'s dtype, then times `w`). `x` `[.., h]`, `w` `[h]`; output as `x`.
-/// Differentiable w.r.t. `x` and `w` (backward in f32).
-pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let h = x.dim(D::Minus1)?;
-    if w.dims() != [h] {
-        bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())
-    }
-    let dt = x.dtype();
-    let x32 = x.detach().to_dtype(DType::F32)?;
-    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let xhat = x32.broadcast_mul(&r)?;
-    let out = xhat.to_dtype(dt)?.broadcast_mul(&w.detach())?;
-    let (wd, wdt) = (w.detach(), w.dtype());
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let dy32 = dy.to_dtype(DType::F32)?;
-        let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
-        let lead: usize = dy32.elem_count() / h;
-        let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(wdt)?;
-        let g = dy32.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
-        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?.to_dtype(dt)?;
-        Ok(vec![Some(dx), Some(dw)])
-    });
-    attach2("rms_norm", x, w, out, bwd)
-}
-
-/// Reference RMSNorm from plain candle ops (same math as [`rms_norm`]).
-pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let dt = x.dtype();
-    let x32 = x.to_dtype(DType::F32)?;
-    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
-    let xn = x32.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
-    xn.to_dtype(dt)?.broadcast_mul(w)
-}
+/// RMSNorm with a hand-written backward and its plain-candle reference: they live in
+/// candle-cp-nn (used by its [`candle_cp_nn::RmsNorm`] layer, which the model uses).
+pub use candle_cp_nn::{rms_norm, rms_norm_slow};
 
 fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize)> {
     let (_b, t, _h, d) = x.dims4()?;
@@ -60,7 +29,10 @@ fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize)> 
 /// `cat(z[.., D/2..], -z[.., ..D/2])`.
 fn rotate_half(z: &Tensor, transpose: bool) -> Result<Tensor> {
     let d = z.dim(D::Minus1)?;
-    let (a, b) = (z.narrow(D::Minus1, 0, d / 2)?, z.narrow(D::Minus1, d / 2, d / 2)?);
+    let (a, b) = (
+        z.narrow(D::Minus1, 0, d / 2)?,
+        z.narrow(D::Minus1, d / 2, d / 2)?,
+    );
     if transpose {
         Tensor::cat(&[&b, &a.neg()?], D::Minus1)
     } else {
@@ -95,30 +67,11 @@ pub fn apply_rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor>
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::{Device, Var};
+    use candle_core::{DType, Device, Var};
 
     fn max_rel(a: &Tensor, b: &Tensor) -> Result<f32> {
         let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
         Ok(d / b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30))
-    }
-
-    #[test]
-    fn rms_norm_matches_slow_values_and_grads() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
-        let w = Var::randn(1f32, 0.1, 24, &dev)?;
-        let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
-        let y = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5)?;
-        let ys = rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-5)?;
-        assert!(max_rel(&y, &ys)? < 1e-6);
-        let g = (&y * &dy)?.sum_all()?.backward()?;
-        let gs = (&ys * &dy)?.sum_all()?.backward()?;
-        for v in [&x, &w] {
-            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
-            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
-        }
-        assert!(rms_norm(x.as_tensor(), &Tensor::ones(5, DType::F32, &dev)?, 1e-5).is_err());
-        Ok(())
     }
 
     #[test]
@@ -134,7 +87,10 @@ mod tests {
         assert!(max_rel(&y, &ys)? < 1e-6);
         let g = (&y * &dy)?.sum_all()?.backward()?;
         let gs = (&ys * &dy)?.sum_all()?.backward()?;
-        let (a, b) = (g.get(x.as_tensor()).unwrap(), gs.get(x.as_tensor()).unwrap());
+        let (a, b) = (
+            g.get(x.as_tensor()).unwrap(),
+            gs.get(x.as_tensor()).unwrap(),
+        );
         assert!(max_rel(a, b)? < 1e-6);
         assert!(apply_rope(x.as_tensor(), &cos.narrow(0, 0, 4)?, &sin).is_err());
         Ok(())

@@ -12,12 +12,10 @@ use crate::config::LlamaConfig;
 use crate::layout::{ParallelCtx, IGNORE};
 use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, DType, Module, Result, Tensor};
+use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Tp};
 use candle_cp_ops::autograd::{attach1, BackwardFn};
-use candle_cp_ops::mappings::{
-    copy_to_tp_region, gather_from_sp_region, reduce_from_tp_region, reduce_scatter_to_sp_region,
-};
-use candle_nn::VarBuilder;
+use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
 
 /// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
@@ -36,71 +34,109 @@ fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
 
 pub use crate::fused::rms_norm;
 
+/// One decoder layer from candle-cp-nn layers (they hold the TP/SP logic: input gathers,
+/// output reductions, norm weights on sequence shards).
 struct Block {
-    input_norm: Tensor,
-    post_norm: Tensor,
-    q: Tensor,
-    k: Tensor,
-    v: Tensor,
-    o: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    input_norm: RmsNorm,
+    post_norm: RmsNorm,
+    /// `q_proj`, `k_proj`, `v_proj` fused: one input gather (SP) for the three.
+    qkv: ColumnParallelLinear,
+    o: RowParallelLinear,
+    /// `gate_proj`, `up_proj` fused: one input gather.
+    gate_up: ColumnParallelLinear,
+    down: RowParallelLinear,
 }
 
 /// A Llama-style causal LM on one rank of a [`ParallelCtx`]. Weights are this rank's
 /// shards (see [`crate::params`]), held by the `VarBuilder`'s `VarMap` under HF names.
+///
+/// The decoder layers are candle-cp-nn layers on the TP group (`ctx.tp`, sequence parallel
+/// when [`crate::Layout::seq_parallel`]): q/k/v and gate/up are fused
+/// [`ColumnParallelLinear`]s, o/down [`RowParallelLinear`]s, the norms [`RmsNorm`] with
+/// [`GradSync::Deferred`] (their TP share of the gradient is summed by
+/// [`crate::reduce_gradients`] with the DP/CP sums, in one bucketed all-reduce).
 pub struct Llama {
     cfg: LlamaConfig,
     ctx: ParallelCtx,
     embed: Tensor,
     blocks: Vec<Block>,
-    norm: Tensor,
+    norm: RmsNorm,
     lm_head: Tensor,
 }
 
 impl Llama {
     /// Build (or fetch from a `VarMap`-backed `vb`) this rank's weights, HF names, local
     /// shapes from [`crate::params::param_specs`]. With a fresh `VarMap` the weights are
-    /// initialised per rank by candle: use [`crate::init_params`] + [`crate::shard_params`]
-    /// for replicated weights that agree across ranks.
+    /// initialised per rank by candle (matrices `N(0, 0.02²)`, norms 1): use
+    /// [`crate::init_params`] + [`crate::shard_params`] for replicated weights that agree
+    /// across ranks.
     pub fn new(vb: VarBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Self> {
         cfg.validate()?;
-        ctx.layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
-        let tp = ctx.layout.tp;
+        ctx.layout
+            .validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+        let tp_size = ctx.layout.tp;
+        if ctx.tp.size() != tp_size {
+            bail!(
+                "Llama::new: TP group of {} ranks, layout {} has tp = {tp_size}",
+                ctx.tp.size(),
+                ctx.layout
+            )
+        }
+        let tp = Tp::new(ctx.tp.clone(), ctx.layout.seq_parallel());
         let mut specs = std::collections::HashMap::new();
         for s in param_specs(cfg) {
             specs.insert(s.name.clone(), s);
         }
+        // HF init: matrices N(0, 0.02²) (norms: ones, by RmsNorm)
+        let init = Init::Randn {
+            mean: 0.0,
+            stdev: 0.02,
+        };
         let get = |name: &str| -> Result<Tensor> {
             let Some(s) = specs.get(name) else {
                 bail!("Llama::new: no parameter spec for {name}")
             };
-            let std = if name.ends_with("norm.weight") { 0.0 } else { 0.02 };
-            let init = if std == 0.0 {
-                candle_nn::Init::Const(1.0)
-            } else {
-                candle_nn::Init::Randn { mean: 0.0, stdev: std }
-            };
-            vb.get_with_hints(s.local_shape(tp)?, name, init)
+            vb.get_with_hints(s.local_shape(tp_size)?, name, init)
+        };
+        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
+        let (qd, kd) = (
+            cfg.num_attention_heads * cfg.head_dim,
+            cfg.num_key_value_heads * cfg.head_dim,
+        );
+        let lin = LinearConfig::new(false).with_init(init);
+        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
+            Ok(RmsNorm::new(vb, h, eps, &tp)?.with_grad_sync(GradSync::Deferred))
         };
         let embed = get("model.embed_tokens.weight")?;
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
-            let p = |s: &str| format!("model.layers.{i}.{s}");
+            let vl = vb.pp(format!("model.layers.{i}"));
+            let (va, vm) = (vl.pp("self_attn"), vl.pp("mlp"));
+            let qkv = [
+                (va.pp("q_proj"), qd),
+                (va.pp("k_proj"), kd),
+                (va.pp("v_proj"), kd),
+            ];
+            let gate_up = [
+                (vm.pp("gate_proj"), cfg.intermediate_size),
+                (vm.pp("up_proj"), cfg.intermediate_size),
+            ];
             blocks.push(Block {
-                input_norm: get(&p("input_layernorm.weight"))?,
-                post_norm: get(&p("post_attention_layernorm.weight"))?,
-                q: get(&p("self_attn.q_proj.weight"))?,
-                k: get(&p("self_attn.k_proj.weight"))?,
-                v: get(&p("self_attn.v_proj.weight"))?,
-                o: get(&p("self_attn.o_proj.weight"))?,
-                gate: get(&p("mlp.gate_proj.weight"))?,
-                up: get(&p("mlp.up_proj.weight"))?,
-                down: get(&p("mlp.down_proj.weight"))?,
+                input_norm: norm(vl.pp("input_layernorm"))?,
+                qkv: ColumnParallelLinear::new_fused(&qkv, h, lin, &tp)?,
+                o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
+                post_norm: norm(vl.pp("post_attention_layernorm"))?,
+                gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
+                down: RowParallelLinear::new(
+                    vm.pp("down_proj"),
+                    cfg.intermediate_size,
+                    h,
+                    lin,
+                    &tp,
+                )?,
             });
         }
-        let norm = get("model.norm.weight")?;
+        let norm = norm(vb.pp("model.norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
@@ -124,30 +160,6 @@ impl Llama {
     /// The parallel context.
     pub fn ctx(&self) -> &ParallelCtx {
         &self.ctx
-    }
-
-    /// Enter the TP region: `[B, Ts, h]` → `[B, Tc, h]` (SP all-gather) or identity-copy.
-    fn enter_tp(&self, x: &Tensor) -> Result<Tensor> {
-        let l = &self.ctx.layout;
-        if l.tp == 1 {
-            Ok(x.clone())
-        } else if l.sp {
-            gather_from_sp_region(x, &self.ctx.tp, 1)
-        } else {
-            copy_to_tp_region(x, &self.ctx.tp)
-        }
-    }
-
-    /// Leave the TP region: partial `[B, Tc, h]` → summed `[B, Ts, h]`.
-    fn leave_tp(&self, x: &Tensor) -> Result<Tensor> {
-        let l = &self.ctx.layout;
-        if l.tp == 1 {
-            Ok(x.clone())
-        } else if l.sp {
-            reduce_scatter_to_sp_region(x, &self.ctx.tp, 1)
-        } else {
-            reduce_from_tp_region(x, &self.ctx.tp)
-        }
     }
 
     /// Global positions of the CP shard (`[Tc]`, host), gathering the SP shards if needed.
@@ -194,22 +206,25 @@ impl Llama {
                 )
             }
         }
-        let mut x = self.embed.index_select(&ids, 0)?.reshape((b, ts, cfg.hidden_size))?;
+        let mut x = self
+            .embed
+            .index_select(&ids, 0)?
+            .reshape((b, ts, cfg.hidden_size))?;
         for blk in &self.blocks {
-            let h = self.enter_tp(&rms_norm(&x, &blk.input_norm, cfg.rms_norm_eps)?)?;
-            let q = linear(&h, &blk.q)?.reshape((b, tc, hl, d))?;
-            let k = linear(&h, &blk.k)?.reshape((b, tc, hkvl, d))?;
-            let v = linear(&h, &blk.v)?.reshape((b, tc, hkvl, d))?;
+            // TP region [B, Tc, ·] between the column- and row-parallel layers
+            let qkv = blk.qkv.forward_parts(&blk.input_norm.forward(&x)?)?;
+            let q = qkv[0].reshape((b, tc, hl, d))?;
+            let k = qkv[1].reshape((b, tc, hkvl, d))?;
+            let v = qkv[2].reshape((b, tc, hkvl, d))?;
             let q = apply_rope(&q, &cos, &sin)?;
             let k = apply_rope(&k, &cos, &sin)?;
             let a = attend(&q, &k, &v, &self.ctx, scale)?.reshape((b, tc, hl * d))?;
-            x = (x + self.leave_tp(&linear(&a, &blk.o)?)?)?;
-            let h = self.enter_tp(&rms_norm(&x, &blk.post_norm, cfg.rms_norm_eps)?)?;
-            let g = linear(&h, &blk.gate)?.silu()?;
-            let m = (g * linear(&h, &blk.up)?)?;
-            x = (x + self.leave_tp(&linear(&m, &blk.down)?)?)?;
+            x = (x + blk.o.forward(&a)?)?;
+            let gu = blk.gate_up.forward_parts(&blk.post_norm.forward(&x)?)?;
+            let m = (gu[0].silu()? * &gu[1])?;
+            x = (x + blk.down.forward(&m)?)?;
         }
-        let x = rms_norm(&x, &self.norm, cfg.rms_norm_eps)?;
+        let x = self.norm.forward(&x)?;
         linear(&x, &self.lm_head)
     }
 
@@ -220,7 +235,12 @@ impl Llama {
     /// backward on each rank yields this rank's share of the gradient (sum the shares with
     /// [`crate::reduce_gradients`]). A rank without targets contributes 0; if no rank has
     /// any target the loss is 0 (never 0/0).
-    pub fn loss(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor) -> Result<(Tensor, Tensor)> {
+    pub fn loss(
+        &self,
+        input_ids: &Tensor,
+        labels: &Tensor,
+        positions: &Tensor,
+    ) -> Result<(Tensor, Tensor)> {
         let logits = self.forward(input_ids, positions)?;
         let (terms, n) = local_nll(&logits, labels)?;
         let loss = global_mean(&terms, n, self.ctx.token_group())?;
@@ -260,7 +280,14 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
         // `x * 0.0` is an affine op that candle's backward prunes (mul == 0): multiply by a zero
         // tensor instead so the graph (and the collectives in its backward) is still walked.
         let zero = Tensor::zeros((), DType::F32, logits.device())?;
-        return Ok((logits.to_dtype(DType::F32)?.sum_all()?.mul(&zero)?.reshape(1)?, 0));
+        return Ok((
+            logits
+                .to_dtype(DType::F32)?
+                .sum_all()?
+                .mul(&zero)?
+                .reshape(1)?,
+            0,
+        ));
     }
     let n = idx.len();
     let rows = logits
@@ -281,9 +308,9 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
             &Tensor::ones((n, 1), DType::F32, probs.device())?,
             1,
         )?;
-        Ok(vec![Some(
-            (&probs - onehot)?.broadcast_mul(&dy.to_dtype(DType::F32)?.reshape((n, 1))?)?,
-        )])
+        Ok(vec![Some((&probs - onehot)?.broadcast_mul(
+            &dy.to_dtype(DType::F32)?.reshape((n, 1))?,
+        )?)])
     });
     Ok((attach1("cross_entropy", &rows, terms, bwd)?, n))
 }
@@ -345,11 +372,54 @@ mod tests {
         let d = (sum.to_scalar::<f32>()? - want.to_scalar::<f32>()?).abs();
         assert!(d < 1e-5, "{d}");
         let (g, gw) = (sum.backward()?, want.backward()?);
-        let (a, b) = (g.get(x.as_tensor()).unwrap(), gw.get(x.as_tensor()).unwrap());
+        let (a, b) = (
+            g.get(x.as_tensor()).unwrap(),
+            gw.get(x.as_tensor()).unwrap(),
+        );
         assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
         // no target at all: one zero term, still connected
         let (t0, n0) = local_nll(x.as_tensor(), &Tensor::full(IGNORE, (2, 5), &dev)?)?;
         assert_eq!((n0, t0.to_vec1::<f32>()?), (0, vec![0.0]));
+        Ok(())
+    }
+
+    /// With a fresh `VarMap` the model's layers create exactly the HF-named parameters of
+    /// [`param_specs`] with their TP-local shapes (nothing outside the `VarMap`), and every
+    /// one of them gets a gradient.
+    #[test]
+    fn fresh_varmap_holds_every_parameter_with_local_shapes() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+        let layout = Layout::single().with_tp(2, true);
+        let ids = Tensor::arange(0u32, 16, &Device::Cpu)?.reshape((1, 16))?;
+        for r in run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = candle_nn::VarMap::new();
+            let m = Llama::new(
+                VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+                &cfg,
+                &ctx,
+            )?;
+            let mut got: Vec<(String, Vec<usize>)> = crate::params::varmap_tensors(&vm)?
+                .into_iter()
+                .map(|(k, t)| (k, t.dims().to_vec()))
+                .collect();
+            got.sort();
+            let mut want = param_specs(&cfg)
+                .into_iter()
+                .map(|s| Ok((s.name.clone(), s.local_shape(2)?.dims().to_vec())))
+                .collect::<Result<Vec<_>>>()?;
+            want.sort();
+            let b = shard_batch(&ids, &ctx)?;
+            let grads = m
+                .loss(&b.input_ids, &b.labels, &b.positions)?
+                .0
+                .backward()?;
+            Ok((got, want, crate::grads::named_grads(&grads, &vm)?.len()))
+        }) {
+            let (got, want, n_grads) = r?;
+            assert_eq!(got, want);
+            assert_eq!(n_grads, want.len());
+        }
         Ok(())
     }
 

@@ -15,29 +15,13 @@
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use candle_core::{bail, DType, Device, Result, Shape, Tensor, Var};
+use candle_cp_nn::{ColumnParallelLinear, RmsNorm, RowParallelLinear};
 use candle_nn::VarMap;
 
-/// How a parameter is split over the TP group.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Shard {
-    /// Every TP rank holds the whole tensor.
-    Replicated,
-    /// Split along dim 0 (output features of a column-parallel linear).
-    Rows,
-    /// Split along dim 1 (input features of a row-parallel linear).
-    Cols,
-}
-
-impl Shard {
-    /// The split dimension, if any.
-    pub fn dim(&self) -> Option<usize> {
-        match self {
-            Shard::Replicated => None,
-            Shard::Rows => Some(0),
-            Shard::Cols => Some(1),
-        }
-    }
-}
+/// How a parameter is split over the TP group: the split the candle-cp-nn layer that uses
+/// it applies ([`ColumnParallelLinear::WEIGHT_SHARD`], [`RowParallelLinear::WEIGHT_SHARD`],
+/// [`RmsNorm::WEIGHT_SHARD`]).
+pub use candle_cp_nn::Shard;
 
 /// One parameter of the model.
 #[derive(Clone, Debug, PartialEq)]
@@ -53,21 +37,13 @@ pub struct ParamSpec {
 impl ParamSpec {
     /// The shape one of `tp` ranks holds. Errors if `tp` does not divide the split dim.
     pub fn local_shape(&self, tp: usize) -> Result<Shape> {
-        let mut s = self.shape.clone();
-        if let Some(d) = self.shard.dim() {
-            if tp == 0 || s[d] % tp != 0 {
-                bail!(
-                    "parameter {} {:?}: dim {d} not divisible by tp = {tp}",
-                    self.name,
-                    self.shape
-                )
-            }
-            s[d] /= tp;
-        }
-        Ok(Shape::from(s))
+        self.shard
+            .local_shape(&self.shape, tp)
+            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))
     }
 
-    /// This TP rank's slice of the full tensor.
+    /// This TP rank's slice of the full tensor ([`Shard::slice`], the split of the layer that
+    /// uses the parameter).
     pub fn slice(&self, full: &Tensor, tp: usize, tp_rank: usize) -> Result<Tensor> {
         if full.dims() != self.shape.as_slice() {
             bail!(
@@ -77,13 +53,9 @@ impl ParamSpec {
                 self.shape
             )
         }
-        match self.shard.dim() {
-            None => Ok(full.clone()),
-            Some(d) => {
-                let n = self.local_shape(tp)?.dims()[d];
-                full.narrow(d, tp_rank * n, n)?.contiguous()
-            }
-        }
+        self.shard
+            .slice(full, tp, tp_rank)
+            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))
     }
 
     /// Rebuild the full tensor from the local shard (collective over `ctx.tp` for split
@@ -103,22 +75,32 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         cfg.num_attention_heads * cfg.head_dim,
         cfg.num_key_value_heads * cfg.head_dim,
     );
+    let (col, row, norm) = (
+        ColumnParallelLinear::WEIGHT_SHARD,
+        RowParallelLinear::WEIGHT_SHARD,
+        RmsNorm::WEIGHT_SHARD,
+    );
     let mut out = Vec::new();
-    let mut add = |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
-    add("model.embed_tokens.weight".into(), vec![v, h], Shard::Replicated);
+    let mut add =
+        |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
+    add(
+        "model.embed_tokens.weight".into(),
+        vec![v, h],
+        Shard::Replicated,
+    );
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        add(p("input_layernorm.weight"), vec![h], Shard::Replicated);
-        add(p("self_attn.q_proj.weight"), vec![qd, h], Shard::Rows);
-        add(p("self_attn.k_proj.weight"), vec![kd, h], Shard::Rows);
-        add(p("self_attn.v_proj.weight"), vec![kd, h], Shard::Rows);
-        add(p("self_attn.o_proj.weight"), vec![h, qd], Shard::Cols);
-        add(p("post_attention_layernorm.weight"), vec![h], Shard::Replicated);
-        add(p("mlp.gate_proj.weight"), vec![i, h], Shard::Rows);
-        add(p("mlp.up_proj.weight"), vec![i, h], Shard::Rows);
-        add(p("mlp.down_proj.weight"), vec![h, i], Shard::Cols);
+        add(p("input_layernorm.weight"), vec![h], norm);
+        add(p("self_attn.q_proj.weight"), vec![qd, h], col);
+        add(p("self_attn.k_proj.weight"), vec![kd, h], col);
+        add(p("self_attn.v_proj.weight"), vec![kd, h], col);
+        add(p("self_attn.o_proj.weight"), vec![h, qd], row);
+        add(p("post_attention_layernorm.weight"), vec![h], norm);
+        add(p("mlp.gate_proj.weight"), vec![i, h], col);
+        add(p("mlp.up_proj.weight"), vec![i, h], col);
+        add(p("mlp.down_proj.weight"), vec![h, i], row);
     }
-    add("model.norm.weight".into(), vec![h], Shard::Replicated);
+    add("model.norm.weight".into(), vec![h], norm);
     if !cfg.tie_word_embeddings {
         add("lm_head.weight".into(), vec![v, h], Shard::Replicated);
     }
@@ -184,7 +166,10 @@ pub fn varmap_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, T
         .data()
         .lock()
         .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
-    Ok(data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect())
+    Ok(data
+        .iter()
+        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
+        .collect())
 }
 
 /// This rank's `VarMap`: fresh Vars (own storage, safe to update in place on each rank)

@@ -1,33 +1,90 @@
 //! Column- and row-parallel linear layers (Megatron-LM), with or without sequence parallelism.
 //!
 //! Weights follow candle-nn / PyTorch: `weight` `[out, in]`, `bias` `[out]`, `y = x·Wᵀ + b`.
-//! Both layers are built from the *full* weight (a `VarBuilder` or tensors) and keep only
-//! this rank's shard, as a fresh [`Var`] owned by the layer (see [`ColumnParallelLinear::vars`]):
-//! the `VarBuilder` only supplies initial values.
+//! A layer holds **only this rank's shard** and takes it from a `VarBuilder` under the usual
+//! candle names (`weight`, `bias`), with the *local* shape:
+//!
+//! | layer                    | `weight`     | `bias`                 |
+//! |--------------------------|--------------|------------------------|
+//! | [`ColumnParallelLinear`] | `[out/P, in]`| `[out/P]` (rows)       |
+//! | [`RowParallelLinear`]    | `[out, in/P]`| `[out]` (replicated)   |
+//!
+//! With `VarBuilder::from_varmap` the shards are `Var`s of the caller's `VarMap` (what an
+//! optimizer or a checkpoint saver walks); fill that `VarMap` from a full checkpoint with
+//! [`crate::shard_for_tp`] and the layer's `WEIGHT_SHARD` / `BIAS_SHARD`. `from_full`
+//! slices full tensors into a layer of constants (inference, tests).
+//!
+//! Gradients after `backward()` (TP group of size `P`, with or without SP): every weight
+//! shard and the column-parallel bias hold the full gradient of this rank's slice (nothing
+//! to sum over TP; sum over data-parallel replicas as usual). The replicated row-parallel
+//! bias: without SP every rank holds the full gradient; with SP see [`GradSync`].
 
-use crate::Tp;
-use candle_core::{Module, Result, Tensor, Var};
+use crate::{GradSync, Shard, Tp};
+use candle_core::{bail, Module, Result, Tensor};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
-use candle_nn::VarBuilder;
+use candle_nn::{Init, VarBuilder};
 
-/// Rows or columns `[r·n/P, (r+1)·n/P)` of `full` along `dim`, as a new Var.
-pub(crate) fn shard_var(full: &Tensor, dim: usize, tp: &Tp, what: &str) -> Result<Var> {
-    let (p, r) = (tp.size(), tp.rank());
-    let n = full.dim(dim)?;
-    if n % p != 0 {
-        candle_core::bail!(
-            "{what}: dim {dim} of the full weight {:?} has size {n}, not divisible by the TP size {p}",
-            full.dims()
-        )
-    }
-    Var::from_tensor(&full.detach().narrow(dim, r * (n / p), n / p)?.contiguous()?)
+/// Construction options of [`ColumnParallelLinear`] and [`RowParallelLinear`].
+#[derive(Clone, Copy, Debug)]
+pub struct LinearConfig {
+    /// Whether the layer has a bias.
+    pub bias: bool,
+    /// Init of a weight shard the `VarBuilder` creates (fresh `VarMap`); `None`: Kaiming
+    /// normal over the *global* fan-in, `N(0, 2/in)`, as candle-nn's `linear`. Biases the
+    /// builder creates start at zero (so the replicated row-parallel bias agrees on ranks).
+    pub init: Option<Init>,
 }
 
-fn check_input(what: &str, x: &Tensor, in_dim: usize) -> Result<()> {
-    if x.rank() < 2 || x.dim(x.rank() - 1)? != in_dim {
-        candle_core::bail!("{what}: input {:?} must be [.., {in_dim}]", x.dims())
+impl LinearConfig {
+    /// With or without bias, default init.
+    pub fn new(bias: bool) -> Self {
+        Self { bias, init: None }
+    }
+    /// Set the weight init used when the builder creates the shard.
+    pub fn with_init(mut self, init: Init) -> Self {
+        self.init = Some(init);
+        self
+    }
+    fn weight_init(&self, in_dim: usize) -> Init {
+        self.init.unwrap_or(Init::Randn { mean: 0.0, stdev: (2.0 / in_dim.max(1) as f64).sqrt() })
+    }
+}
+
+/// `x·wᵀ (+ b)` for `x` `[.., in]`, `w` `[out, in]`: one GEMM over the flattened leading dims.
+fn affine(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let mut dims = x.dims().to_vec();
+    let last = dims.len() - 1;
+    let (o, i) = w.dims2()?;
+    let lead: usize = dims[..last].iter().product();
+    let y = x.reshape((lead, i))?.matmul(&w.t()?)?;
+    let y = match b {
+        Some(b) => y.broadcast_add(b)?,
+        None => y,
+    };
+    dims[last] = o;
+    y.reshape(dims)
+}
+
+fn check_input(what: &str, x: &Tensor, in_dim: usize, sp: bool) -> Result<()> {
+    let ok = if sp { x.rank() >= 3 } else { x.rank() >= 2 };
+    if !ok || x.dim(x.rank() - 1)? != in_dim {
+        let shape = if sp { format!("[B, T, .., {in_dim}]") } else { format!("[.., {in_dim}]") };
+        bail!("{what}: input {:?} must be {shape}", x.dims())
     }
     Ok(())
+}
+
+fn check_divisible(what: &str, n: usize, dim_name: &str, tp: &Tp) -> Result<usize> {
+    if !n.is_multiple_of(tp.size()) {
+        bail!("{what}: {dim_name} = {n} is not divisible by the TP size {}", tp.size())
+    }
+    Ok(n / tp.size())
+}
+
+#[derive(Clone)]
+struct Part {
+    weight: Tensor,
+    bias: Option<Tensor>,
 }
 
 /// Linear layer with the output features split over the TP group.
@@ -36,128 +93,130 @@ fn check_input(what: &str, x: &Tensor, in_dim: usize) -> Result<()> {
 /// the bias. Forward:
 /// - SP on: `x` `[B, T/P, in]` (sequence shard) → all-gather along T (backward
 ///   reduce-scatter) → `[B, T, in]` → `y` `[B, T, out/P]`.
-/// - SP off: `x` `[B, T, in]` (replicated) → `copy_to_tp_region` (backward all-reduce) →
-///   `y` `[B, T, out/P]`.
+/// - SP off: `x` `[.., in]` (replicated) → `copy_to_tp_region` (backward all-reduce) →
+///   `y` `[.., out/P]`.
 ///
 /// The output is feature-sharded (e.g. this rank's attention heads when `out = H·D`).
+///
+/// A layer may be *fused* from several parts sharing the input (Q, K, V projections; gate and
+/// up of a gated MLP), each with its own `weight` `[out_i/P, in]` under its own name: the
+/// input is gathered once for all parts ([`Self::new_fused`], [`Self::forward_parts`]).
 #[derive(Clone)]
 pub struct ColumnParallelLinear {
-    weight: Var,
-    bias: Option<Var>,
+    parts: Vec<Part>,
     in_dim: usize,
-    /// Local output features of each fused part (one part unless built from parts).
-    parts: Vec<usize>,
     tp: Tp,
 }
 
 impl ColumnParallelLinear {
-    /// Load the full `weight` `[out_dim, in_dim]` (and `bias` `[out_dim]` if `bias`) from `vb`
-    /// and keep this rank's rows. `out_dim % P == 0` required.
-    pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
-        let w = vb.get((out_dim, in_dim), "weight")?;
-        let b = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
-        Self::from_full(&w, b.as_ref(), tp)
+    /// How the weight is split over TP (to shard a full checkpoint, [`crate::shard_for_tp`]).
+    pub const WEIGHT_SHARD: Shard = Shard::Rows;
+    /// How the bias is split over TP.
+    pub const BIAS_SHARD: Shard = Shard::Rows;
+
+    /// This rank's shard from `vb`: `weight` `[out_dim/P, in_dim]` (and `bias` `[out_dim/P]`
+    /// if `cfg.bias`). `out_dim` is the *global* output size; `out_dim % P == 0` required.
+    pub fn new(vb: VarBuilder, in_dim: usize, out_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
+        Self::new_fused(&[(vb, out_dim)], in_dim, cfg, tp)
     }
 
-    /// Build from the full `weight` `[out, in]` and optional `bias` `[out]`.
+    /// One layer of several parts sharing the input: part `i` takes `weight`
+    /// `[out_i/P, in_dim]` (and `bias` `[out_i/P]`) from its own builder `vbs[i].0`
+    /// (`vbs[i].1 = out_i`, global). Split the output with [`Self::forward_parts`].
+    pub fn new_fused(vbs: &[(VarBuilder, usize)], in_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
+        if vbs.is_empty() {
+            bail!("ColumnParallelLinear: no parts given")
+        }
+        let mut parts = Vec::with_capacity(vbs.len());
+        for (vb, out_dim) in vbs {
+            let ol = check_divisible("ColumnParallelLinear", *out_dim, "out_dim", tp)?;
+            let weight = vb.get_with_hints((ol, in_dim), "weight", cfg.weight_init(in_dim))?;
+            let bias = if cfg.bias { Some(vb.get_with_hints(ol, "bias", Init::Const(0.0))?) } else { None };
+            parts.push(Part { weight, bias });
+        }
+        Ok(Self { parts, in_dim, tp: tp.clone() })
+    }
+
+    /// A layer of constants from the full `weight` `[out, in]` and optional `bias` `[out]`,
+    /// keeping this rank's rows (not trainable: for training put the shards in a `VarMap`).
     pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
         Self::from_full_parts(&[weight], bias.map(|b| vec![b]).as_deref(), tp)
     }
 
-    /// One layer from several full weights `[out_i, in]` sharing the input (e.g. the Q, K, V
-    /// projections): rank `r` holds `[rows r of W₀; rows r of W₁; ...]` (`[Σ out_i/P, in]`),
-    /// so with SP a single all-gather of the input serves every part. Split the output with
-    /// [`Self::forward_parts`]. Each `out_i % P == 0` required.
+    /// [`Self::from_full`] for several parts: full weights `[out_i, in]` (and biases `[out_i]`).
     pub fn from_full_parts(weights: &[&Tensor], biases: Option<&[&Tensor]>, tp: &Tp) -> Result<Self> {
-        let Some(first) = weights.first() else { candle_core::bail!("ColumnParallelLinear: no weights given") };
+        let Some(first) = weights.first() else { bail!("ColumnParallelLinear: no weights given") };
         let in_dim = first.dims2()?.1;
         if let Some(bs) = biases {
             if bs.len() != weights.len() {
-                candle_core::bail!("ColumnParallelLinear: {} biases for {} weights", bs.len(), weights.len())
+                bail!("ColumnParallelLinear: {} biases for {} weights", bs.len(), weights.len())
             }
         }
-        let (mut ws, mut bs, mut parts) = (vec![], vec![], vec![]);
+        let mut parts = Vec::with_capacity(weights.len());
         for (i, w) in weights.iter().enumerate() {
             let (out_dim, in_i) = w.dims2()?;
             if in_i != in_dim {
-                candle_core::bail!("ColumnParallelLinear: part {i} weight {:?} has in = {in_i}, part 0 has {in_dim}", w.dims())
+                bail!("ColumnParallelLinear: part {i} weight {:?} has in = {in_i}, part 0 has {in_dim}", w.dims())
             }
-            ws.push(shard_var(w, 0, tp, "ColumnParallelLinear")?.as_tensor().clone());
-            parts.push(out_dim / tp.size());
-            if let Some(b) = biases.map(|bs| bs[i]) {
-                if b.dims() != [out_dim] {
-                    candle_core::bail!("ColumnParallelLinear: bias {:?} does not match weight {:?}", b.dims(), w.dims())
+            if !out_dim.is_multiple_of(tp.size()) {
+                bail!("ColumnParallelLinear: weight {:?} has out = {out_dim}, not divisible by the TP size {}", w.dims(), tp.size())
+            }
+            let bias = match biases.map(|bs| bs[i]) {
+                Some(b) if b.dims() != [out_dim] => {
+                    bail!("ColumnParallelLinear: bias {:?} does not match weight {:?}", b.dims(), w.dims())
                 }
-                bs.push(shard_var(b, 0, tp, "ColumnParallelLinear bias")?.as_tensor().clone());
-            }
+                Some(b) => Some(crate::shard_for_tp(b, Self::BIAS_SHARD, tp)?),
+                None => None,
+            };
+            parts.push(Part { weight: crate::shard_for_tp(w, Self::WEIGHT_SHARD, tp)?, bias });
         }
-        let weight = if ws.len() == 1 { Var::from_tensor(&ws[0])? } else { Var::from_tensor(&Tensor::cat(&ws, 0)?)? };
-        let bias = match bs.len() {
-            0 => None,
-            1 => Some(Var::from_tensor(&bs[0])?),
-            _ => Some(Var::from_tensor(&Tensor::cat(&bs, 0)?)?),
-        };
-        Ok(Self { weight, bias, in_dim, parts, tp: tp.clone() })
-    }
-
-    /// Load several full weights (`(vb, out_i)` each holding `weight` `[out_i, in_dim]` and,
-    /// if `bias`, `bias` `[out_i]`) into one fused layer; see [`Self::from_full_parts`].
-    pub fn load_parts(vbs: &[(VarBuilder, usize)], in_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
-        let ws = vbs.iter().map(|(vb, o)| vb.get((*o, in_dim), "weight")).collect::<Result<Vec<_>>>()?;
-        let bs = if bias { Some(vbs.iter().map(|(vb, o)| vb.get(*o, "bias")).collect::<Result<Vec<_>>>()?) } else { None };
-        let wr: Vec<&Tensor> = ws.iter().collect();
-        let br: Option<Vec<&Tensor>> = bs.as_ref().map(|b| b.iter().collect());
-        Self::from_full_parts(&wr, br.as_deref(), tp)
+        Ok(Self { parts, in_dim, tp: tp.clone() })
     }
 
     /// Local output features of each part (`out_i/P`).
-    pub fn part_sizes(&self) -> &[usize] {
-        &self.parts
+    pub fn part_sizes(&self) -> Vec<usize> {
+        self.parts.iter().map(|p| p.weight.dims()[0]).collect()
     }
 
-    /// Forward, then split the output `[.., Σ out_i/P]` into the parts `[.., out_i/P]`.
+    /// Forward (one input gather for all parts), returning each part's output `[.., out_i/P]`.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let y = self.forward(x)?;
-        let last = y.rank() - 1;
-        let mut off = 0;
-        self.parts
-            .iter()
-            .map(|&n| {
-                let t = y.narrow(last, off, n);
-                off += n;
-                t
-            })
-            .collect()
-    }
-
-    /// This rank's weight shard `[out/P, in]`.
-    pub fn weight(&self) -> &Var {
-        &self.weight
-    }
-    /// This rank's bias shard `[out/P]`.
-    pub fn bias(&self) -> Option<&Var> {
-        self.bias.as_ref()
-    }
-    /// The layer's parameters (weight, then bias if any), for an optimizer.
-    pub fn vars(&self) -> Vec<Var> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
-    }
-    /// Local output features `out/P`.
-    pub fn out_local(&self) -> Result<usize> {
-        self.weight.dim(0)
-    }
-}
-
-impl Module for ColumnParallelLinear {
-    fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        check_input("ColumnParallelLinear", x, self.in_dim)?;
+        check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
         let x = if self.tp.sequence_parallel {
             mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)?
         } else {
             mappings::copy_to_tp_region(x, &self.tp.group)?
         };
-        let lin = candle_nn::Linear::new(self.weight.as_tensor().clone(), self.bias.as_ref().map(|b| b.as_tensor().clone()));
-        lin.forward(&x)
+        self.parts.iter().map(|p| affine(&x, &p.weight, p.bias.as_ref())).collect()
+    }
+
+    /// This rank's weight shard `[out/P, in]` (of part 0 when fused).
+    pub fn weight(&self) -> &Tensor {
+        &self.parts[0].weight
+    }
+    /// This rank's bias shard `[out/P]` (of part 0 when fused).
+    pub fn bias(&self) -> Option<&Tensor> {
+        self.parts[0].bias.as_ref()
+    }
+    /// Weight `[out_i/P, in]` and bias `[out_i/P]` of part `i`.
+    pub fn part(&self, i: usize) -> Option<(&Tensor, Option<&Tensor>)> {
+        self.parts.get(i).map(|p| (&p.weight, p.bias.as_ref()))
+    }
+    /// Local output features `Σ out_i/P`.
+    pub fn out_local(&self) -> usize {
+        self.part_sizes().iter().sum()
+    }
+}
+
+impl Module for ColumnParallelLinear {
+    /// `x` `[B, T/P, in]` (SP) or `[.., in]` → `[B, T, out/P]` / `[.., out/P]` (parts
+    /// concatenated along the last dim when fused).
+    fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let mut ys = self.forward_parts(x)?;
+        if ys.len() == 1 {
+            return Ok(ys.remove(0));
+        }
+        let last = ys[0].rank() - 1;
+        Tensor::cat(&ys, last)
     }
 }
 
@@ -167,129 +226,86 @@ impl Module for ColumnParallelLinear {
 /// (replicated). Forward: `x` `[B, T, in/P]` (feature shard, e.g. the output of a
 /// [`ColumnParallelLinear`]) → partial `x·Wᵣᵀ` `[B, T, out]`, then
 /// - SP on: reduce-scatter along T (backward all-gather) → `[B, T/P, out]`;
-/// - SP off: all-reduce (backward identity) → `[B, T, out]` replicated.
+/// - SP off: all-reduce (backward identity) → `[.., out]` replicated.
 ///
-/// The bias is added after the reduction. With SP each rank adds it to its own rows only,
-/// so the bias goes through `copy_to_tp_region` (backward all-reduce) and every rank gets the
-/// full bias gradient.
+/// The bias is added after the reduction. With SP each rank adds it to its own rows only, so
+/// its gradient is partial: [`GradSync::InBackward`] (default) all-reduces it over the TP
+/// group during backward, [`GradSync::Deferred`] leaves the sum to the caller.
 #[derive(Clone)]
 pub struct RowParallelLinear {
-    weight: Var,
-    bias: Option<Var>,
+    weight: Tensor,
+    bias: Option<Tensor>,
+    sync: GradSync,
     tp: Tp,
 }
 
 impl RowParallelLinear {
-    /// Load the full `weight` `[out_dim, in_dim]` (and `bias` `[out_dim]` if `bias`) from `vb`
-    /// and keep this rank's columns. `in_dim % P == 0` required.
-    pub fn load(vb: VarBuilder, in_dim: usize, out_dim: usize, bias: bool, tp: &Tp) -> Result<Self> {
-        let w = vb.get((out_dim, in_dim), "weight")?;
-        let b = if bias { Some(vb.get(out_dim, "bias")?) } else { None };
-        Self::from_full(&w, b.as_ref(), tp)
+    /// How the weight is split over TP (to shard a full checkpoint, [`crate::shard_for_tp`]).
+    pub const WEIGHT_SHARD: Shard = Shard::Cols;
+    /// How the bias is split over TP.
+    pub const BIAS_SHARD: Shard = Shard::Replicated;
+
+    /// This rank's shard from `vb`: `weight` `[out_dim, in_dim/P]` (and `bias` `[out_dim]` if
+    /// `cfg.bias`). `in_dim` is the *global* input size; `in_dim % P == 0` required.
+    pub fn new(vb: VarBuilder, in_dim: usize, out_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
+        let il = check_divisible("RowParallelLinear", in_dim, "in_dim", tp)?;
+        let weight = vb.get_with_hints((out_dim, il), "weight", cfg.weight_init(in_dim))?;
+        let bias = if cfg.bias { Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?) } else { None };
+        Ok(Self { weight, bias, sync: GradSync::InBackward, tp: tp.clone() })
     }
 
-    /// Build from the full `weight` `[out, in]` and optional `bias` `[out]`.
+    /// A layer of constants from the full `weight` `[out, in]` and optional `bias` `[out]`,
+    /// keeping this rank's columns (not trainable: for training put the shards in a `VarMap`).
     pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
-        let (out_dim, _) = weight.dims2()?;
+        let (out_dim, in_dim) = weight.dims2()?;
+        if !in_dim.is_multiple_of(tp.size()) {
+            bail!("RowParallelLinear: weight {:?} has in = {in_dim}, not divisible by the TP size {}", weight.dims(), tp.size())
+        }
         if let Some(b) = bias {
             if b.dims() != [out_dim] {
-                candle_core::bail!("RowParallelLinear: bias {:?} does not match weight {:?}", b.dims(), weight.dims())
+                bail!("RowParallelLinear: bias {:?} does not match weight {:?}", b.dims(), weight.dims())
             }
         }
         Ok(Self {
-            weight: shard_var(weight, 1, tp, "RowParallelLinear")?,
-            bias: bias.map(|b| Var::from_tensor(&b.detach().contiguous()?)).transpose()?,
+            weight: crate::shard_for_tp(weight, Self::WEIGHT_SHARD, tp)?,
+            bias: bias.map(|b| b.detach().contiguous()).transpose()?,
+            sync: GradSync::InBackward,
             tp: tp.clone(),
         })
     }
 
+    /// Who sums the bias gradient over the TP group under SP (default [`GradSync::InBackward`]).
+    pub fn with_grad_sync(mut self, sync: GradSync) -> Self {
+        self.sync = sync;
+        self
+    }
     /// This rank's weight shard `[out, in/P]`.
-    pub fn weight(&self) -> &Var {
+    pub fn weight(&self) -> &Tensor {
         &self.weight
     }
     /// The (replicated) bias `[out]`.
-    pub fn bias(&self) -> Option<&Var> {
+    pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
-    }
-    /// The layer's parameters (weight, then bias if any), for an optimizer.
-    pub fn vars(&self) -> Vec<Var> {
-        std::iter::once(self.weight.clone()).chain(self.bias.clone()).collect()
     }
 }
 
 impl Module for RowParallelLinear {
+    /// `x` `[B, T, in/P]` → `[B, T/P, out]` (SP) or `[.., in/P]` → `[.., out]`.
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        check_input("RowParallelLinear", x, self.weight.dim(1)?)?;
-        let partial = candle_nn::Linear::new(self.weight.as_tensor().clone(), None).forward(x)?;
-        let y = if self.tp.sequence_parallel {
-            if x.rank() < 3 {
-                candle_core::bail!("RowParallelLinear with SP: input {:?} must be [B, T, in/P]", x.dims())
-            }
+        let sp = self.tp.sequence_parallel;
+        check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
+        let partial = affine(x, &self.weight, None)?;
+        let y = if sp {
             mappings::reduce_scatter_to_sp_region(&partial, &self.tp.group, SEQ_DIM)?
         } else {
             mappings::reduce_from_tp_region(&partial, &self.tp.group)?
         };
         match &self.bias {
             None => Ok(y),
-            Some(b) if self.tp.sequence_parallel => y.broadcast_add(&mappings::copy_to_tp_region(b.as_tensor(), &self.tp.group)?),
-            Some(b) => y.broadcast_add(b.as_tensor()),
-        }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use candle_core::{DType, Device};
-    use candle_cp_comm::{run_ranks, Group};
-
-    fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
-        let n: usize = shape.iter().product();
-        let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.37 + seed).sin()) as f32).collect();
-        Tensor::from_vec(v, shape, &Device::Cpu)
-    }
-
-    #[test]
-    fn one_rank_equals_candle_linear() -> Result<()> {
-        let (w, b, x) = (t(&[6, 4], 0.1)?, t(&[6], 0.2)?, t(&[2, 3, 4], 0.3)?);
-        let w2 = t(&[4, 6], 0.4)?;
-        for r in run_ranks(1, |g: Group| {
-            let mut worst = 0f32;
-            for sp in [false, true] {
-                let tp = Tp::new(g.clone(), sp);
-                let col = ColumnParallelLinear::from_full(&w, Some(&b), &tp)?.forward(&x)?;
-                let want = candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
-                worst = worst.max((&col - &want)?.abs()?.max_all()?.to_scalar::<f32>()?);
-                let row = RowParallelLinear::from_full(&w2, None, &tp)?.forward(&col)?;
-                let want2 = candle_nn::Linear::new(w2.clone(), None).forward(&want)?;
-                worst = worst.max((row - want2)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            Some(b) if sp && self.sync == GradSync::InBackward => {
+                y.broadcast_add(&mappings::copy_to_tp_region(b, &self.tp.group)?)
             }
-            Ok(worst)
-        }) {
-            assert!(r? < 1e-6);
+            Some(b) => y.broadcast_add(b),
         }
-        Ok(())
-    }
-
-    #[test]
-    fn indivisible_shards_and_bad_inputs_are_errors() -> Result<()> {
-        for r in run_ranks(4, |g: Group| {
-            let tp = Tp::new(g, true);
-            let w = Tensor::zeros((6, 8), DType::F32, &Device::Cpu)?;
-            let e1 = ColumnParallelLinear::from_full(&w, None, &tp).err().map(|e| e.to_string()).unwrap_or_default();
-            let e2 = RowParallelLinear::from_full(&Tensor::zeros((8, 6), DType::F32, &Device::Cpu)?, None, &tp)
-                .err()
-                .map(|e| e.to_string())
-                .unwrap_or_default();
-            let col = ColumnParallelLinear::from_full(&Tensor::zeros((8, 8), DType::F32, &Device::Cpu)?, None, &tp)?;
-            let e3 = col.forward(&Tensor::zeros((1, 2, 5), DType::F32, &Device::Cpu)?).err().map(|e| e.to_string()).unwrap_or_default();
-            Ok([e1, e2, e3])
-        }) {
-            let [e1, e2, e3] = r?;
-            assert!(e1.contains("[6, 8]") && e1.contains("TP size 4"), "{e1}");
-            assert!(e2.contains("[8, 6]") && e2.contains("TP size 4"), "{e2}");
-            assert!(e3.contains("[1, 2, 5]") && e3.contains("8"), "{e3}");
-        }
-        Ok(())
     }
 }

@@ -1,122 +1,178 @@
 //! RMSNorm and LayerNorm on sequence shards.
 //!
-//! With sequence parallelism a rank normalises only its rows `[B, T/P, C]`, so the gradient
-//! of the (replicated) weight and bias computed on one rank is partial. The layers therefore
-//! use the weight through [`copy_to_tp_region`] — identity forward, all-reduce backward — so
-//! after `backward()` every rank holds the full gradient (sum over the TP group) in its own
-//! copy of the weight. Without SP every rank sees all rows and no reduction is done.
+//! The weight (and bias) `[C]` are replicated on every TP rank; the layers take them from a
+//! `VarBuilder` under `weight` / `bias` (full shape `[C]`). With sequence parallelism a rank
+//! normalises only its rows `[B, T/P, C]`, so the gradient of the weight computed on one rank
+//! is partial. [`GradSync`] picks who sums it over the TP group:
+//! - [`GradSync::InBackward`] (default): the layer uses the weight through
+//!   [`copy_to_tp_region`] — identity forward, all-reduce backward — so after `backward()`
+//!   every rank holds the full gradient;
+//! - [`GradSync::Deferred`]: no collective; each rank holds the gradient of its own rows and
+//!   the caller sums over the TP group (e.g. in the same bucketed all-reduce as the data- and
+//!   context-parallel sums).
 //!
-//! Statistics are computed in f32 whatever the input dtype; the output has the input dtype.
+//! Without SP every rank sees all rows and holds the full gradient; nothing is reduced.
+//!
+//! Statistics are computed in f32 whatever the input dtype (HF form for RMSNorm: the
+//! normalised value is cast back to the input dtype, then multiplied by the weight).
 
-use crate::Tp;
-use candle_core::{DType, Module, Result, Tensor, Var, D};
+use crate::{GradSync, Shard, Tp};
+use candle_core::{bail, DType, Module, Result, Tensor, D};
+use candle_cp_ops::autograd::{attach2, BackwardFn};
 use candle_cp_ops::mappings::copy_to_tp_region;
-use candle_nn::VarBuilder;
+use candle_nn::{Init, VarBuilder};
+use std::sync::Arc;
 
-fn replicated(what: &str, t: &Tensor, dim: usize) -> Result<Var> {
-    if t.dims() != [dim] {
-        candle_core::bail!("{what}: parameter {:?} must be [{dim}]", t.dims())
+/// RMSNorm `x · rsqrt(mean(x²) + eps) · w` (HF form: statistics in f32, the normalised
+/// value cast to `x`'s dtype, then times `w`), with a hand-written backward (one graph node
+/// instead of a dozen broadcast ops). `x` `[.., h]`, `w` `[h]`; output as `x`.
+/// Differentiable w.r.t. `x` and `w` (backward in f32). Reference: [`rms_norm_slow`].
+pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let h = x.dim(D::Minus1)?;
+    if w.dims() != [h] {
+        bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())
     }
-    Var::from_tensor(&t.detach().contiguous()?)
+    let dt = x.dtype();
+    let x32 = x.detach().to_dtype(DType::F32)?;
+    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let xhat = x32.broadcast_mul(&r)?;
+    let out = xhat.to_dtype(dt)?.broadcast_mul(&w.detach())?;
+    let (wd, wdt) = (w.detach(), w.dtype());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let dy32 = dy.to_dtype(DType::F32)?;
+        let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
+        let lead: usize = dy32.elem_count() / h;
+        let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(wdt)?;
+        let g = dy32.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
+        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
+        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?.to_dtype(dt)?;
+        Ok(vec![Some(dx), Some(dw)])
+    });
+    attach2("rms_norm", x, w, out, bwd)
 }
 
-fn param(v: &Var, tp: &Tp) -> Result<Tensor> {
-    if tp.sequence_parallel {
-        copy_to_tp_region(v.as_tensor(), &tp.group)
+/// Reference RMSNorm from plain candle ops (same math as [`rms_norm`], candle autograd).
+pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let dt = x.dtype();
+    let x32 = x.to_dtype(DType::F32)?;
+    let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
+    let xn = x32.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
+    xn.to_dtype(dt)?.broadcast_mul(w)
+}
+
+fn replicated(what: &str, t: &Tensor, dim: usize) -> Result<Tensor> {
+    if t.dims() != [dim] {
+        bail!("{what}: parameter {:?} must be [{dim}]", t.dims())
+    }
+    Ok(t.clone())
+}
+
+fn param(v: &Tensor, tp: &Tp, sync: GradSync) -> Result<Tensor> {
+    if tp.sequence_parallel && sync == GradSync::InBackward {
+        copy_to_tp_region(v, &tp.group)
     } else {
-        Ok(v.as_tensor().clone())
+        Ok(v.clone())
     }
 }
 
 fn check_input(what: &str, x: &Tensor, dim: usize) -> Result<()> {
     if x.rank() == 0 || x.dim(D::Minus1)? != dim {
-        candle_core::bail!("{what}: input {:?} must be [.., {dim}]", x.dims())
+        bail!("{what}: input {:?} must be [.., {dim}]", x.dims())
     }
     Ok(())
 }
 
-/// `y = x / sqrt(mean(x², last dim) + eps) · weight`, on `[B, T/P, C]` (SP) or `[B, T, C]`.
+/// `y = x / sqrt(mean(x², last dim) + eps) · weight` ([`rms_norm`]), on `[B, T/P, C]` (SP)
+/// or `[B, T, C]`.
 ///
-/// `weight` `[C]` is replicated on every TP rank; with SP its gradient is all-reduced over
-/// the TP group during backward (see the module docs).
+/// `weight` `[C]` is replicated on every TP rank; with SP its gradient is summed over the TP
+/// group as [`GradSync`] says (module docs).
 #[derive(Clone)]
 pub struct RmsNorm {
-    weight: Var,
+    weight: Tensor,
     eps: f64,
+    sync: GradSync,
     tp: Tp,
 }
 
 impl RmsNorm {
-    /// Load `weight` `[dim]` from `vb`.
-    pub fn load(vb: VarBuilder, dim: usize, eps: f64, tp: &Tp) -> Result<Self> {
-        Self::from_weight(&vb.get(dim, "weight")?, eps, tp)
+    /// How the weight is split over TP.
+    pub const WEIGHT_SHARD: Shard = Shard::Replicated;
+
+    /// `weight` `[dim]` from `vb` (created as ones in a fresh `VarMap`).
+    pub fn new(vb: VarBuilder, dim: usize, eps: f64, tp: &Tp) -> Result<Self> {
+        Self::from_weight(&vb.get_with_hints(dim, "weight", Init::Const(1.0))?, eps, tp)
     }
-    /// Build from a weight `[C]`.
+    /// Build from a weight `[C]` (used as is: pass a `Var`'s tensor to train it).
     pub fn from_weight(weight: &Tensor, eps: f64, tp: &Tp) -> Result<Self> {
         let c = weight.dim(0)?;
-        Ok(Self { weight: replicated("RmsNorm", weight, c)?, eps, tp: tp.clone() })
+        Ok(Self { weight: replicated("RmsNorm", weight, c)?, eps, sync: GradSync::InBackward, tp: tp.clone() })
     }
-    /// The weight `[C]` (after backward its gradient is the full one, with or without SP).
-    pub fn weight(&self) -> &Var {
+    /// Who sums the weight gradient over the TP group under SP (default [`GradSync::InBackward`]).
+    pub fn with_grad_sync(mut self, sync: GradSync) -> Self {
+        self.sync = sync;
+        self
+    }
+    /// The weight `[C]`.
+    pub fn weight(&self) -> &Tensor {
         &self.weight
-    }
-    /// The layer's parameters.
-    pub fn vars(&self) -> Vec<Var> {
-        vec![self.weight.clone()]
     }
 }
 
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         check_input("RmsNorm", x, self.weight.dim(0)?)?;
-        let dt = x.dtype();
-        let xf = x.to_dtype(DType::F32)?;
-        let ms = xf.sqr()?.mean_keepdim(D::Minus1)?;
-        let y = xf.broadcast_div(&(ms + self.eps)?.sqrt()?)?;
-        let w = param(&self.weight, &self.tp)?.to_dtype(DType::F32)?;
-        y.broadcast_mul(&w)?.to_dtype(dt)
+        rms_norm(x, &param(&self.weight, &self.tp, self.sync)?, self.eps)
     }
 }
 
 /// `y = (x - mean) / sqrt(var + eps) · weight + bias` over the last dim, on `[B, T/P, C]`
 /// (SP) or `[B, T, C]`; `var` is the biased variance.
 ///
-/// `weight`, `bias` `[C]` are replicated; with SP their gradients are all-reduced over the TP
-/// group during backward.
+/// `weight`, `bias` `[C]` are replicated; with SP their gradients are summed over the TP
+/// group as [`GradSync`] says (module docs).
 #[derive(Clone)]
 pub struct LayerNorm {
-    weight: Var,
-    bias: Var,
+    weight: Tensor,
+    bias: Tensor,
     eps: f64,
+    sync: GradSync,
     tp: Tp,
 }
 
 impl LayerNorm {
-    /// Load `weight` and `bias` `[dim]` from `vb`.
-    pub fn load(vb: VarBuilder, dim: usize, eps: f64, tp: &Tp) -> Result<Self> {
-        Self::from_weights(&vb.get(dim, "weight")?, &vb.get(dim, "bias")?, eps, tp)
+    /// How the weight and bias are split over TP.
+    pub const WEIGHT_SHARD: Shard = Shard::Replicated;
+
+    /// `weight` and `bias` `[dim]` from `vb` (created as ones / zeros in a fresh `VarMap`).
+    pub fn new(vb: VarBuilder, dim: usize, eps: f64, tp: &Tp) -> Result<Self> {
+        let w = vb.get_with_hints(dim, "weight", Init::Const(1.0))?;
+        let b = vb.get_with_hints(dim, "bias", Init::Const(0.0))?;
+        Self::from_weights(&w, &b, eps, tp)
     }
-    /// Build from `weight`, `bias` `[C]`.
+    /// Build from `weight`, `bias` `[C]` (used as they are).
     pub fn from_weights(weight: &Tensor, bias: &Tensor, eps: f64, tp: &Tp) -> Result<Self> {
         let c = weight.dim(0)?;
         Ok(Self {
             weight: replicated("LayerNorm weight", weight, c)?,
             bias: replicated("LayerNorm bias", bias, c)?,
             eps,
+            sync: GradSync::InBackward,
             tp: tp.clone(),
         })
     }
+    /// Who sums the gradients over the TP group under SP (default [`GradSync::InBackward`]).
+    pub fn with_grad_sync(mut self, sync: GradSync) -> Self {
+        self.sync = sync;
+        self
+    }
     /// The weight `[C]`.
-    pub fn weight(&self) -> &Var {
+    pub fn weight(&self) -> &Tensor {
         &self.weight
     }
     /// The bias `[C]`.
-    pub fn bias(&self) -> &Var {
+    pub fn bias(&self) -> &Tensor {
         &self.bias
-    }
-    /// The layer's parameters (weight, bias).
-    pub fn vars(&self) -> Vec<Var> {
-        vec![self.weight.clone(), self.bias.clone()]
     }
 }
 
@@ -128,8 +184,8 @@ impl Module for LayerNorm {
         let xc = xf.broadcast_sub(&xf.mean_keepdim(D::Minus1)?)?;
         let var = xc.sqr()?.mean_keepdim(D::Minus1)?;
         let y = xc.broadcast_div(&(var + self.eps)?.sqrt()?)?;
-        let w = param(&self.weight, &self.tp)?.to_dtype(DType::F32)?;
-        let b = param(&self.bias, &self.tp)?.to_dtype(DType::F32)?;
+        let w = param(&self.weight, &self.tp, self.sync)?.to_dtype(DType::F32)?;
+        let b = param(&self.bias, &self.tp, self.sync)?.to_dtype(DType::F32)?;
         y.broadcast_mul(&w)?.broadcast_add(&b)?.to_dtype(dt)
     }
 }
@@ -137,8 +193,13 @@ impl Module for LayerNorm {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use candle_core::Device;
+    use candle_core::{Device, Var};
     use candle_cp_comm::{run_ranks, Group};
+
+    fn max_rel(a: &Tensor, b: &Tensor) -> Result<f32> {
+        let d = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        Ok(d / b.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-30))
+    }
 
     #[test]
     fn one_rank_norms_equal_candle_nn() -> Result<()> {
@@ -158,6 +219,26 @@ mod tests {
         }) {
             assert!(r? < 1e-5);
         }
+        Ok(())
+    }
+
+    #[test]
+    fn rms_norm_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
+        let w = Var::randn(1f32, 0.1, 24, &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
+        let y = rms_norm(x.as_tensor(), w.as_tensor(), 1e-5)?;
+        let ys = rms_norm_slow(x.as_tensor(), w.as_tensor(), 1e-5)?;
+        assert!(max_rel(&y, &ys)? < 1e-6);
+        let g = (&y * &dy)?.sum_all()?.backward()?;
+        let gs = (&ys * &dy)?.sum_all()?.backward()?;
+        for v in [&x, &w] {
+            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
+        }
+        let e = rms_norm(x.as_tensor(), &Tensor::ones(5, DType::F32, &dev)?, 1e-5).err().map(|e| e.to_string());
+        assert!(e.unwrap_or_default().contains("[5]"));
         Ok(())
     }
 }

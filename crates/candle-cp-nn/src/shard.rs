@@ -38,7 +38,7 @@ impl Shard {
     pub fn local_shape(&self, full: &[usize], size: usize) -> Result<Shape> {
         let mut s = full.to_vec();
         if let Some(d) = self.dim() {
-            if d >= s.len() || size == 0 || s[d] % size != 0 {
+            if d >= s.len() || size == 0 || !s[d].is_multiple_of(size) {
                 bail!("{self:?} shard of a tensor {full:?}: dim {d} is not divisible by the TP size {size}")
             }
             s[d] /= size;

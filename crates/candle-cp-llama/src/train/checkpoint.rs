@@ -4,7 +4,7 @@
 //! Layout of a run's output directory:
 //! ```text
 //! <out>/checkpoints/step-000120/   config.json, model.safetensors (HF format),
-//!                                  optimizer-rank<r>.safetensors, train_state.json
+//!                                  optimizer-tp<t>.safetensors, train_state.json
 //! <out>/checkpoints/latest         text file: the name of the newest complete checkpoint
 //! ```
 //! A checkpoint is written into `.tmp-step-XXXXXX/`, then renamed; `latest` is replaced by a
@@ -28,7 +28,7 @@ pub struct TrainState {
     pub tokens_seen: u64,
     /// Wall time spent in training before this checkpoint, seconds.
     pub elapsed_s: f64,
-    /// World size of the run that wrote the checkpoint (optimizer files are per rank).
+    /// World size of the run that wrote the checkpoint (checked on resume).
     pub world_size: usize,
     /// Human-readable layout (e.g. `zigzag cp=4 tp=1 dp=1`), checked on resume.
     pub layout: String,

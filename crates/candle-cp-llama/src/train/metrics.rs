@@ -10,7 +10,11 @@ use std::path::{Path, PathBuf};
 pub struct StepMetrics {
     /// Optimizer step, 1-based (the state after this many updates).
     pub step: usize,
-    /// Mean next-token cross-entropy over all targets of the step's batch (all micro-batches).
+    /// The training objective: mean over micro-batches of the model's loss (all targets, or
+    /// the long-range targets only with [`crate::train::TrainConfig::long_range_only`]).
+    pub train_loss: f64,
+    /// Mean next-token cross-entropy over ALL targets of the step's batch (all micro-batches),
+    /// whatever the objective.
     pub loss: f64,
     /// Mean cross-entropy over the long-range targets only (`NaN` → `null` when none).
     pub long_range_loss: Option<f64>,
@@ -37,15 +41,22 @@ impl MetricsLog {
     /// exactly where the checkpoint did; with `None` any existing file is truncated.
     pub fn open(path: impl AsRef<Path>, resume_step: Option<usize>) -> std::io::Result<Self> {
         let path = path.as_ref().to_path_buf();
-        let keep: Vec<StepMetrics> = match resume_step {
-            Some(s) if path.exists() => Self::read(&path)?.into_iter().filter(|r| r.step <= s).collect(),
-            _ => vec![],
-        };
+        // Kept rows are copied verbatim (a parse/print round trip could change the last digit).
+        let mut keep: Vec<String> = vec![];
+        if let (Some(s), true) = (resume_step, path.exists()) {
+            let text = std::fs::read_to_string(&path)?;
+            for line in text.lines().filter(|l| !l.trim().is_empty()) {
+                let row: StepMetrics = serde_json::from_str(line).map_err(std::io::Error::other)?;
+                if row.step <= s {
+                    keep.push(line.to_string());
+                }
+            }
+        }
         let tmp = path.with_extension("jsonl.tmp");
         {
             let mut f = std::io::BufWriter::new(std::fs::File::create(&tmp)?);
-            for r in &keep {
-                writeln!(f, "{}", serde_json::to_string(r).map_err(std::io::Error::other)?)?;
+            for line in &keep {
+                writeln!(f, "{line}")?;
             }
             f.flush()?;
         }
@@ -95,6 +106,7 @@ mod tests {
     fn row(step: usize) -> StepMetrics {
         StepMetrics {
             step,
+            train_loss: 2.0 / step as f64,
             loss: 1.0 / step as f64,
             long_range_loss: if step % 2 == 0 { Some(0.5) } else { None },
             lr: 1e-3,
@@ -115,8 +127,11 @@ mod tests {
             log.append(&row(s))?;
         }
         assert_eq!(MetricsLog::read(&p)?, (1..=5).map(row).collect::<Vec<_>>());
+        let before = std::fs::read_to_string(&p)?;
         let log = MetricsLog::open(&p, Some(3))?;
         assert_eq!(MetricsLog::read(&p)?.len(), 3);
+        let kept: String = before.lines().take(3).map(|l| format!("{l}\n")).collect();
+        assert_eq!(std::fs::read_to_string(&p)?, kept, "kept rows must be byte-identical");
         log.append(&row(4))?;
         assert_eq!(MetricsLog::read(&p)?, (1..=4).map(row).collect::<Vec<_>>());
         MetricsLog::open(&p, None)?;

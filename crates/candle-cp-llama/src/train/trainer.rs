@@ -144,14 +144,25 @@ fn local_tensors(varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
     Ok(data.iter().map(|(k, v)| (k.clone(), v.as_tensor().clone())).collect())
 }
 
-/// Write `loss.png` (loss and long-range loss per step) from the metrics file.
+/// Write `loss.png` (training loss, all-target loss if different, long-range loss per step)
+/// from the metrics file.
 pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
     let rows = MetricsLog::read(metrics_path).map_err(|e| ioe("reading", metrics_path, e))?;
-    let loss: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.loss)).collect();
+    let train: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.train_loss)).collect();
+    let all: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.loss)).collect();
     let lr: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.long_range_loss.unwrap_or(f64::NAN))).collect();
-    let mut series = vec![Series { label: "loss", color: [31, 119, 180], points: &loss }];
+    let same = rows.iter().all(|r| (r.train_loss - r.loss).abs() < 1e-6);
+    let lr_only = rows.iter().all(|r| r.long_range_loss.is_some_and(|x| (x - r.train_loss).abs() < 1e-4));
+    let mut series = vec![];
+    if !lr_only {
+        series.push(Series { label: "train loss", color: [31, 119, 180], points: &train });
+    }
+    if !same {
+        series.push(Series { label: "all-target loss", color: [150, 150, 150], points: &all });
+    }
     if lr.iter().any(|p| p.1.is_finite()) {
-        series.push(Series { label: "long-range loss", color: [214, 39, 40], points: &lr });
+        let label = if lr_only { "long-range loss (trained)" } else { "long-range loss" };
+        series.push(Series { label, color: [214, 39, 40], points: &lr });
     }
     write_line_plot(png_path, 800, 480, &series).map_err(|e| ioe("writing", png_path, e))
 }
@@ -212,7 +223,11 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
     let sharded: HashMap<String, bool> =
         param_specs(&mcfg).into_iter().map(|s| (s.name, !matches!(s.shard, Shard::Replicated))).collect();
     let mut opt = AdamW::new(named_vars, cfg.adamw)?;
-    let opt_file = |dir: &Path| dir.join(format!("optimizer-rank{rank}.safetensors"));
+    // DP and CP replicas hold identical optimizer states (same reduced gradients, same
+    // updates): one file per TP rank, written by the replica with dp = cp = 0.
+    let (dp_i, cp_i, tp_i) = ctx.coords;
+    let opt_writer = dp_i == 0 && cp_i == 0;
+    let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
     let (start_step, mut tokens_seen, prev_elapsed) = match (&resume_from, &state) {
         (Some(dir), Some(st)) => {
             opt.load(opt_file(dir))?;
@@ -248,7 +263,9 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
         if is_main {
             save_hf_tensors(&tmp, &full, &mcfg)?;
         }
-        opt.save(opt_file(&tmp))?;
+        if opt_writer {
+            opt.save(opt_file(&tmp))?;
+        }
         world.barrier()?;
         if is_main {
             let st = TrainState {
@@ -276,6 +293,7 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
         let lr = cfg.schedule.lr(step);
         let mut acc: Option<candle_core::backprop::GradStore> = None;
         let mut terms = [0f64; 4];
+        let mut objective = 0f64;
         for micro in 0..cfg.grad_accum {
             let (ids, mask) = global_batch(cfg, step, micro, &dev)?;
             let sb = shard_batch(&ids, &ctx)?;
@@ -287,6 +305,7 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
                 sb.labels.clone()
             };
             let (loss, logits) = model.loss(&sb.input_ids, &train_labels, &sb.positions)?;
+            objective += loss.to_scalar::<f32>()? as f64;
             for (acc, x) in terms.iter_mut().zip(nll_terms(&logits, &sb.labels, &mb.labels)?) {
                 *acc += x;
             }
@@ -333,6 +352,7 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
         let dt = t0.elapsed().as_secs_f64();
         let row = StepMetrics {
             step: step + 1,
+            train_loss: objective * inv_accum,
             loss: tot[0] / tot[1].max(1.0),
             long_range_loss: if tot[3] > 0.0 { Some(tot[2] / tot[3]) } else { None },
             lr,
@@ -442,6 +462,15 @@ mod tests {
         let mb = MetricsLog::read(db.join("metrics.jsonl")).unwrap();
         assert_eq!(mb.iter().map(|r| r.step).collect::<Vec<_>>(), (1..=6).collect::<Vec<_>>());
         assert_eq!(ma.iter().map(|r| r.loss).collect::<Vec<_>>(), mb.iter().map(|r| r.loss).collect::<Vec<_>>());
+        // Byte-identical apart from the timing columns.
+        let strip = |p: PathBuf| -> Vec<(usize, u64, u64, u64, u64)> {
+            MetricsLog::read(p)
+                .unwrap()
+                .iter()
+                .map(|r| (r.step, r.train_loss.to_bits(), r.loss.to_bits(), r.grad_norm.to_bits(), r.lr.to_bits()))
+                .collect()
+        };
+        assert_eq!(strip(da.join("metrics.jsonl")), strip(db.join("metrics.jsonl")));
         // Final checkpoints hold identical weights.
         let wa = std::fs::read(da.join("checkpoints/step-000006/model.safetensors")).unwrap();
         let wb = std::fs::read(db.join("checkpoints/step-000006/model.safetensors")).unwrap();
@@ -456,6 +485,28 @@ mod tests {
         assert!(run(&cc).is_err());
         std::fs::remove_dir_all(&da).ok();
         std::fs::remove_dir_all(&db).ok();
+        Ok(())
+    }
+
+    /// Long-range-only objective under zigzag CP = 2 with T = 64: every long-range target
+    /// lies in the last chunk (rank 0), rank 1 has none — training must neither hang nor
+    /// produce a non-finite loss, and must match the single-device run.
+    #[test]
+    fn long_range_objective_with_a_rank_without_targets() -> Result<()> {
+        let mut c2 = tiny_cfg(None, Layout::cp(CpKind::Zigzag, 2), 1, 1);
+        c2.long_range_only = true;
+        c2.steps = 3;
+        let mut c1 = c2.clone();
+        c1.layout = Layout::single();
+        let two = run(&c2)?;
+        let one = run(&c1)?;
+        for (x, y) in one[0].metrics.iter().zip(two[0].metrics.iter()) {
+            assert!(x.train_loss.is_finite() && x.long_range_loss.is_some());
+            assert!((x.train_loss - x.long_range_loss.unwrap_or(f64::NAN)).abs() < 1e-4);
+            assert!((x.train_loss - y.train_loss).abs() < 1e-5, "step {}: {} vs {}", x.step, x.train_loss, y.train_loss);
+        }
+        assert_eq!(two[0].metrics.len(), 3);
+        assert_eq!(two[1].metrics.iter().map(|m| m.train_loss).collect::<Vec<_>>(), two[0].metrics.iter().map(|m| m.train_loss).collect::<Vec<_>>());
         Ok(())
     }
 

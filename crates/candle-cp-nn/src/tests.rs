@@ -1,0 +1,106 @@
+//! Unit tests of the linear layers (one rank, shapes, errors, `VarMap` ownership).
+
+use crate::{shard_for_tp, ColumnParallelLinear, LinearConfig, RowParallelLinear, Tp};
+use candle_core::{DType, Device, Module, Result, Tensor};
+use candle_cp_comm::{run_ranks, Group};
+use candle_nn::{VarBuilder, VarMap};
+
+fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.37 + seed).sin()) as f32).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a - b)?.abs()?.max_all()?.to_scalar::<f32>()
+}
+
+#[test]
+fn one_rank_equals_candle_linear() -> Result<()> {
+    let (w, b, x) = (t(&[6, 4], 0.1)?, t(&[6], 0.2)?, t(&[2, 3, 4], 0.3)?);
+    let w2 = t(&[4, 6], 0.4)?;
+    for r in run_ranks(1, |g: Group| {
+        let mut worst = 0f32;
+        for sp in [false, true] {
+            let tp = Tp::new(g.clone(), sp);
+            let col = ColumnParallelLinear::from_full(&w, Some(&b), &tp)?.forward(&x)?;
+            let want = candle_nn::Linear::new(w.clone(), Some(b.clone())).forward(&x)?;
+            worst = worst.max(max_abs(&col, &want)?);
+            let row = RowParallelLinear::from_full(&w2, None, &tp)?.forward(&col)?;
+            let want2 = candle_nn::Linear::new(w2.clone(), None).forward(&want)?;
+            worst = worst.max(max_abs(&row, &want2)?);
+        }
+        Ok(worst)
+    }) {
+        assert!(r? < 1e-6);
+    }
+    Ok(())
+}
+
+/// The layers' shards are the caller's `VarMap` entries (local shapes, the names the layer
+/// was built under), trainable: a fresh builder creates them, `set_one` fills them from a
+/// full checkpoint, and `backward` reaches them.
+#[test]
+fn shards_live_in_the_callers_varmap() -> Result<()> {
+    let (w1, b1, w2, b2) = (t(&[8, 4], 0.1)?, t(&[8], 0.2)?, t(&[4, 8], 0.3)?, t(&[4], 0.4)?);
+    let x = t(&[2, 4, 4], 0.5)?;
+    for r in run_ranks(2, |g: Group| {
+        let tp = Tp::new(g.clone(), true);
+        let mut vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let up = ColumnParallelLinear::new(vb.pp("up"), 4, 8, LinearConfig::new(true), &tp)?;
+        let down = RowParallelLinear::new(vb.pp("down"), 8, 4, LinearConfig::new(true), &tp)?;
+        let mut names: Vec<(String, Vec<usize>)> =
+            vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.iter().map(|(k, v)| (k.clone(), v.dims().to_vec())).collect();
+        names.sort();
+        vm.set_one("up.weight", shard_for_tp(&w1, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+        vm.set_one("up.bias", shard_for_tp(&b1, ColumnParallelLinear::BIAS_SHARD, &tp)?)?;
+        vm.set_one("down.weight", shard_for_tp(&w2, RowParallelLinear::WEIGHT_SHARD, &tp)?)?;
+        vm.set_one("down.bias", shard_for_tp(&b2, RowParallelLinear::BIAS_SHARD, &tp)?)?;
+        let xl = x.narrow(1, 2 * g.rank(), 2)?;
+        let y = down.forward(&up.forward(&xl)?)?;
+        let want = candle_nn::Linear::new(w2.clone(), Some(b2.clone()))
+            .forward(&candle_nn::Linear::new(w1.clone(), Some(b1.clone())).forward(&x)?)?
+            .narrow(1, 2 * g.rank(), 2)?;
+        let grads = y.sum_all()?.backward()?;
+        let with_grad = vm.all_vars().iter().filter(|v| grads.get(v.as_tensor()).is_some()).count();
+        Ok((names, max_abs(&y, &want)?, with_grad))
+    }) {
+        let (names, e, with_grad) = r?;
+        let want: Vec<(String, Vec<usize>)> =
+            [("down.bias", vec![4]), ("down.weight", vec![4, 4]), ("up.bias", vec![4]), ("up.weight", vec![4, 4])]
+                .into_iter()
+                .map(|(n, s)| (n.to_string(), s))
+                .collect();
+        assert_eq!(names, want);
+        assert!(e < 1e-5, "{e}");
+        assert_eq!(with_grad, 4);
+    }
+    Ok(())
+}
+
+#[test]
+fn indivisible_shards_and_bad_inputs_are_errors() -> Result<()> {
+    for r in run_ranks(4, |g: Group| {
+        let tp = Tp::new(g, true);
+        let z = |s: (usize, usize)| Tensor::zeros(s, DType::F32, &Device::Cpu);
+        let err = |r: Result<()>| r.err().map(|e| e.to_string()).unwrap_or_default();
+        let e1 = err(ColumnParallelLinear::from_full(&z((6, 8))?, None, &tp).map(|_| ()));
+        let e2 = err(RowParallelLinear::from_full(&z((8, 6))?, None, &tp).map(|_| ()));
+        let col = ColumnParallelLinear::from_full(&z((8, 8))?, None, &tp)?;
+        let e3 = err(col.forward(&Tensor::zeros((1, 2, 5), DType::F32, &Device::Cpu)?).map(|_| ()));
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let e4 = err(ColumnParallelLinear::new(vb.pp("a"), 8, 6, LinearConfig::new(false), &tp).map(|_| ()));
+        let e5 = err(RowParallelLinear::new(vb.pp("b"), 6, 8, LinearConfig::new(false), &tp).map(|_| ()));
+        Ok([e1, e2, e3, e4, e5])
+    }) {
+        let [e1, e2, e3, e4, e5] = r?;
+        assert!(e1.contains("[6, 8]") && e1.contains("TP size 4"), "{e1}");
+        assert!(e2.contains("[8, 6]") && e2.contains("TP size 4"), "{e2}");
+        assert!(e3.contains("[1, 2, 5]") && e3.contains("8"), "{e3}");
+        assert!(e4.contains("out_dim = 6") && e4.contains("TP size 4"), "{e4}");
+        assert!(e5.contains("in_dim = 6") && e5.contains("TP size 4"), "{e5}");
+    }
+    Ok(())
+}
