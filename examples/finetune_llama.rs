@@ -128,6 +128,16 @@ struct Args {
     /// the progress line also shows the (untrained) all-target loss as `all`.
     #[arg(long)]
     loss_on: Option<String>,
+    /// Compute device of the ranks: cpu, or cuda (build with `--features cuda`; rank r uses
+    /// GPU r % --gpus; several thread ranks may share one GPU).
+    #[arg(long, default_value = "cpu")]
+    device: String,
+    /// GPUs to spread the ranks over with --device cuda.
+    #[arg(long, default_value_t = 1)]
+    gpus: usize,
+    /// Weight dtype: f32, bf16 or f16 (low precision is meant for GPUs).
+    #[arg(long, default_value = "f32")]
+    dtype: String,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -137,7 +147,7 @@ fn layout(a: &Args) -> Result<Layout> {
     let kind: CpKind = a.cp_kind.parse()?;
     let l = match kind {
         CpKind::TwoD => {
-            if a.cp % a.ulysses != 0 {
+            if !a.cp.is_multiple_of(a.ulysses) {
                 bail!("--cp {} must be a multiple of --ulysses {}", a.cp, a.ulysses)
             }
             Layout::two_d(a.ulysses, a.cp / a.ulysses)
@@ -195,6 +205,17 @@ fn main() -> Result<()> {
             ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads))
         }
     };
+    let cuda = match a.device.as_str() {
+        "cpu" => false,
+        "cuda" => true,
+        d => bail!("--device {d}: expected cpu or cuda"),
+    };
+    let dtype = match a.dtype.as_str() {
+        "f32" => DType::F32,
+        "bf16" => DType::BF16,
+        "f16" => DType::F16,
+        d => bail!("--dtype {d}: expected f32, bf16 or f16"),
+    };
     let batch = a.batch.unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
         None => a.data.is_none(),
@@ -219,16 +240,26 @@ fn main() -> Result<()> {
         keep: a.keep,
         resume: a.resume,
         stop_after: a.stop_after,
-        dtype: DType::F32,
+        dtype,
+        cuda,
+        gpus: a.gpus,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
     };
     let world = layout.world_size();
-    println!("layout   : {layout} ({world} thread ranks on CPU)");
+    let on = if cuda { format!("CUDA, {} GPU(s)", a.gpus) } else { "CPU".to_string() };
+    println!("layout   : {layout} ({world} thread ranks on {on}, {dtype:?} weights)");
     println!("data     : {data_desc}");
     println!("batch    : {batch} rows x {} tokens x {} micro-batches per step", a.seq_len, a.grad_accum);
     println!("objective: mean cross-entropy over {} targets", if long_range_only { "the long-range" } else { "all next-token" });
     println!("out      : {}", a.out.display());
+    if a.resume {
+        let root = a.out.join("checkpoints");
+        match candle_cp_llama::train::checkpoint::latest_checkpoint(&root)? {
+            Some(p) => println!("resume   : from {}", p.display()),
+            None => println!("resume   : no checkpoint in {}, starting from step 0", root.display()),
+        }
+    }
     let t0 = Instant::now();
     let steps = a.steps;
     let on_step = move |m: &StepMetrics| {
@@ -259,9 +290,7 @@ fn main() -> Result<()> {
         }
     }
     let Some(o) = outcome else { bail!("no rank returned") };
-    if o.start_step > 0 {
-        println!("resumed  : from the step-{:06} checkpoint in {}/checkpoints", o.start_step, a.out.display());
-    }
+
     let c = &o.config;
     println!(
         "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {})",

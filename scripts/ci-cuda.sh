@@ -10,6 +10,8 @@
 #      (candle-cp-kernels/build.rs) and candle-kernels builds its own CUDA code.
 #   3. ptxas (sm_80 and sm_90a) assembles our PTX, and its ISA version must be <= 9.0 (what
 #      the GPU machine's CUDA 13.0 driver can JIT).
+#   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
+#      (candle-cp-kernels/sim/*.py, a few seconds, no GPU).
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -40,5 +42,8 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   for arch in sm_80 sm_90a; do ptxas -arch="$arch" -o /dev/null "$ptx"; done
   n=$((n + 1))
 done
-[ "$n" -ge 4 ] || { echo "ci-cuda: expected 4 PTX files from candle-cp-kernels, found $n"; exit 1; }
-echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean) in $(( $(date +%s) - start )) s"
+[ "$n" -ge 5 ] || { echo "ci-cuda: expected 5 PTX files from candle-cp-kernels, found $n"; exit 1; }
+for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/bwd_mma_sim.py; do
+  python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
+done
+echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match) in $(( $(date +%s) - start )) s"

@@ -89,7 +89,9 @@ impl NcclGroup {
         if rank >= world_size {
             candle_core::bail!("NcclGroup::new: rank {rank} out of range for world size {world_size}")
         }
-        let comm_stream = device.cuda_stream().context().new_stream().w()?;
+        let ctx = device.cuda_stream().context().clone();
+        ctx.bind_to_thread().w()?; // ncclCommInitRank uses the calling thread's current device
+        let comm_stream = ctx.new_stream().w()?;
         let comm = Comm::from_rank(comm_stream.clone(), rank, world_size, id).map_err(|e| nerr("init rank", e))?;
         Ok(Self { comm: Mutex::new(CommBox(comm)), rank, size: world_size, device: device.clone(), comm_stream })
     }

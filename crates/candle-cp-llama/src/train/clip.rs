@@ -59,4 +59,21 @@ mod tests {
         assert_eq!(clip_factor(n, 0.0), 1.0);
         Ok(())
     }
+
+    /// Two TP ranks: a replicated gradient [3, 4] (same on both) and a sharded one split as
+    /// [1, 2] | [2, 4]. Global norm² = 9 + 16 + (1 + 4) + (4 + 16) = 50 on both ranks.
+    #[test]
+    fn replicated_counted_once_shards_summed() -> Result<()> {
+        let res = candle_cp_comm::run_ranks(2, |g| {
+            let dev = Device::Cpu;
+            let shard: &[f32] = if g.rank() == 0 { &[1.0, 2.0] } else { &[2.0, 4.0] };
+            let items = vec![(Tensor::new(&[3.0f32, 4.0], &dev)?, false), (Tensor::new(shard, &dev)?, true)];
+            global_norm(&items, Some(&g))
+        });
+        for r in res {
+            let n = r?;
+            assert!((n - 50f64.sqrt()).abs() < 1e-6, "{n}");
+        }
+        Ok(())
+    }
 }

@@ -23,7 +23,8 @@ pub struct Sample {
 /// Each sequence draws a random map `key → value`. Vocabulary: `[0, n_fill)` filler,
 /// `[n_fill, n_fill + n_keys)` keys, then `n_values` values, then (fused form only)
 /// `n_keys · n_values` pair tokens. A sequence of length `T` has three regions:
-/// - `[0, T/2)`: densely packed pairs `k map[k]` (every key at least once, the rest random
+/// - `[0, T/4)`: filler;
+/// - `[T/4, T/2)`: densely packed pairs `k map[k]` (every key at least once, the rest random
 ///   keys; repeats agree) — or, fused, one token `pair(k, map[k])` per position;
 /// - `[T/2, 3T/4)`: filler;
 /// - `[3T/4, T)`: `n_queries` queries `k map[k]` (fused: `k pair(k, map[k])`) for DISTINCT
@@ -31,8 +32,9 @@ pub struct Sample {
 ///   the answer is nowhere in the last half — only in the first half, at least `T/4` tokens
 ///   earlier.
 ///
-/// With context parallelism the first half is spread over every CP rank, so the lookups read
-/// keys and values held by other ranks. Chance loss on the long-range targets is
+/// Under contiguous (ring) and zigzag sharding over `P` ranks (`T` divisible by `2P`, `P` a
+/// power of two ≤ `T/8`), the second quarter and the last quarter live on DISJOINT ranks, so
+/// every answer must be read from another rank (checked by the unit tests). Chance loss on the long-range targets is
 /// `ln(n_values)`; a model that has learnt the lookup gets close to 0.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct KvRecall {
@@ -40,7 +42,7 @@ pub struct KvRecall {
     pub seq_len: usize,
     /// Number of filler tokens.
     pub n_fill: usize,
-    /// Number of key tokens (≤ `T/4`).
+    /// Number of key tokens (≤ `T/8`).
     pub n_keys: usize,
     /// Number of value tokens.
     pub n_values: usize,
@@ -56,10 +58,10 @@ pub struct KvRecall {
 }
 
 impl KvRecall {
-    /// A task of length `seq_len` with 16 filler, `min(16, T/4)` keys, 16 values and
+    /// A task of length `seq_len` with 16 filler, `min(16, T/8)` keys, 16 values and
     /// `min(16, T/8)` queries, two-token pairs.
     pub fn new(seq_len: usize) -> Result<Self> {
-        let (n_keys, n_queries) = (16.min(seq_len / 4), 16.min(seq_len / 8));
+        let (n_keys, n_queries) = (16.min(seq_len / 8), 16.min(seq_len / 8));
         let t = Self { seq_len, n_fill: 16, n_keys, n_values: 16, n_queries, fused: false };
         t.validate()?;
         Ok(t)
@@ -70,8 +72,8 @@ impl KvRecall {
         if self.seq_len < 16 {
             bail!("KvRecall: seq_len {} must be at least 16", self.seq_len)
         }
-        if self.n_keys == 0 || self.n_keys > self.seq_len / 4 {
-            bail!("KvRecall: n_keys {} must be in 1..=seq_len/4 ({})", self.n_keys, self.seq_len / 4)
+        if self.n_keys == 0 || self.n_keys > self.seq_len / 8 {
+            bail!("KvRecall: n_keys {} must be in 1..=seq_len/8 ({})", self.n_keys, self.seq_len / 8)
         }
         if self.n_queries == 0 || self.n_queries > self.n_keys || self.n_queries > self.seq_len / 8 {
             bail!(
@@ -92,6 +94,11 @@ impl KvRecall {
         self.n_fill + self.n_keys + self.n_values + if self.fused { self.n_keys * self.n_values } else { 0 }
     }
 
+    /// The positions `[T/4, T/2)` (rounded to even) that hold the stored pairs.
+    pub fn store_region(&self) -> (usize, usize) {
+        ((self.seq_len / 4).next_multiple_of(2), (self.seq_len / 2) & !1)
+    }
+
     /// First position of the query region (even, ≥ `3T/4`).
     pub fn query_start(&self) -> usize {
         (3 * self.seq_len).div_ceil(4).next_multiple_of(2)
@@ -106,18 +113,20 @@ impl KvRecall {
         let val0 = (self.n_fill + self.n_keys) as u32;
         let pair0 = (self.n_fill + self.n_keys + self.n_values) as u32;
         let map: Vec<u32> = (0..self.n_keys).map(|_| rng.below(self.n_values) as u32).collect();
-        // First half: every key once (random slots), the other slots random keys. A slot is
-        // one position (fused) or two.
+        // Second quarter: every key once (random slots), the other slots random keys. A slot
+        // is one position (fused) or two.
+        let (s0, s1) = self.store_region();
         let width = if self.fused { 1 } else { 2 };
-        let slots = (t / 2) / width;
+        let slots = (s1 - s0) / width;
         let mut keys: Vec<usize> = (0..slots).map(|i| if i < self.n_keys { i } else { rng.below(self.n_keys) }).collect();
         rng.shuffle(&mut keys);
         for (slot, &k) in keys.iter().enumerate() {
+            let p = s0 + width * slot;
             if self.fused {
-                tokens[slot] = pair0 + (k * self.n_values) as u32 + map[k];
+                tokens[p] = pair0 + (k * self.n_values) as u32 + map[k];
             } else {
-                tokens[2 * slot] = key0 + k as u32;
-                tokens[2 * slot + 1] = val0 + map[k];
+                tokens[p] = key0 + k as u32;
+                tokens[p + 1] = val0 + map[k];
             }
         }
         // Last quarter: distinct keys at random slots.
@@ -235,9 +244,11 @@ mod tests {
                 let val0 = (task.n_fill + task.n_keys) as u32;
                 let pair0 = val0 + task.n_values as u32;
                 let is_key = |x: u32| (key0..val0).contains(&x);
-                // The map as stored in the first half; repeats must agree; every key present.
+                // The map as stored in [T/4, T/2); repeats must agree; every key present.
                 let mut table = std::collections::HashMap::new();
-                for p in 0..t / 2 {
+                let (s0, s1) = task.store_region();
+                assert!(s.tokens[..s0].iter().all(|&x| x < key0), "key/value/pair before T/4");
+                for p in s0..s1 {
                     let (k, v) = if fused && s.tokens[p] >= pair0 {
                         let i = s.tokens[p] - pair0;
                         (key0 + i / task.n_values as u32, val0 + i % task.n_values as u32)
@@ -265,6 +276,7 @@ mod tests {
                         assert_eq!(s.tokens[p], want, "target is not the stored value");
                         assert!(queried.insert(key), "key queried twice");
                         // The answer appears nowhere in the second half before the target.
+                        assert!(p - 1 >= s1 + t / 4 - 2);
                         assert!(!s.tokens[t / 2..p].contains(&s.tokens[p]) || {
                             // a value token may repeat (another key with the same value) but
                             // never right after the same key
@@ -272,6 +284,33 @@ mod tests {
                         });
                     } else if p >= task.query_start() {
                         assert!(s.tokens[p] < val0, "unmarked value in the query region");
+                    }
+                }
+            }
+        }
+    }
+
+    /// Rank of global position `p` under zigzag (2P chunks, rank i holds i and 2P-1-i) and
+    /// contiguous sharding of length `t` over `p_ranks`.
+    fn zigzag_rank(p: usize, t: usize, ranks: usize) -> usize {
+        let c = p / (t / (2 * ranks));
+        if c < ranks { c } else { 2 * ranks - 1 - c }
+    }
+
+    #[test]
+    fn answers_live_on_other_ranks_under_ring_and_zigzag() {
+        for &t in &[64usize, 512, 1024] {
+            for &ranks in &[2usize, 4, 8] {
+                if t % (2 * ranks) != 0 || ranks > t / 8 {
+                    continue;
+                }
+                let mut task = KvRecall::new(t).unwrap();
+                task.fused = true;
+                let (s0, s1) = task.store_region();
+                for store in s0..s1 {
+                    for q in task.query_start()..t {
+                        assert_ne!(zigzag_rank(store, t, ranks), zigzag_rank(q, t, ranks), "zigzag T={t} P={ranks}");
+                        assert_ne!(store / (t / ranks), q / (t / ranks), "contiguous T={t} P={ranks}");
                     }
                 }
             }
@@ -298,7 +337,7 @@ mod tests {
         t.n_queries = 9;
         assert!(t.validate().is_err());
         t.n_queries = 4;
-        t.n_keys = 17;
+        t.n_keys = 9;
         assert!(t.validate().is_err());
         let s = TokenStream::from_bytes(b"hello");
         assert!(s.sample(6, &mut Rng::new(0)).is_err());

@@ -108,7 +108,7 @@ mod tests {
             step,
             train_loss: 2.0 / step as f64,
             loss: 1.0 / step as f64,
-            long_range_loss: if step % 2 == 0 { Some(0.5) } else { None },
+            long_range_loss: if step.is_multiple_of(2) { Some(0.5) } else { None },
             lr: 1e-3,
             grad_norm: 0.1,
             tokens_per_s: 100.0,

@@ -1,7 +1,8 @@
 //! A dependency-free PNG writer and a line plot of loss curves.
 //!
-//! The PNG is 8-bit RGB, compressed with *stored* (uncompressed) deflate blocks: valid zlib,
-//! larger than a real encoder's output but a few dozen lines instead of a dependency.
+//! The PNG is 8-bit RGB, compressed by a tiny deflate encoder (one fixed-Huffman block, runs
+//! only): valid zlib, larger than a real encoder's output but a few dozen lines instead of a
+//! dependency.
 
 use std::io::Write;
 use std::path::Path;
@@ -28,20 +29,83 @@ fn adler32(bytes: &[u8]) -> u32 {
     (b << 16) | a
 }
 
-/// zlib stream of `data` using stored deflate blocks.
-fn zlib_stored(data: &[u8]) -> Vec<u8> {
-    let mut out = vec![0x78, 0x01];
-    let mut chunks = data.chunks(65535).peekable();
-    if chunks.peek().is_none() {
-        out.extend_from_slice(&[1, 0, 0, 0xFF, 0xFF]);
+/// LSB-first bit writer for deflate.
+struct Bits {
+    out: Vec<u8>,
+    acc: u64,
+    n: u32,
+}
+
+impl Bits {
+    fn put(&mut self, value: u32, count: u32) {
+        self.acc |= (value as u64) << self.n;
+        self.n += count;
+        while self.n >= 8 {
+            self.out.push(self.acc as u8);
+            self.acc >>= 8;
+            self.n -= 8;
+        }
     }
-    while let Some(c) = chunks.next() {
-        out.push(if chunks.peek().is_none() { 1 } else { 0 });
-        let n = c.len() as u16;
-        out.extend_from_slice(&n.to_le_bytes());
-        out.extend_from_slice(&(!n).to_le_bytes());
-        out.extend_from_slice(c);
+    /// A Huffman code (written most-significant bit first).
+    fn code(&mut self, code: u32, len: u32) {
+        let mut rev = 0;
+        for i in 0..len {
+            rev |= ((code >> i) & 1) << (len - 1 - i);
+        }
+        self.put(rev, len);
     }
+    fn finish(mut self) -> Vec<u8> {
+        if self.n > 0 {
+            self.out.push(self.acc as u8);
+        }
+        self.out
+    }
+}
+
+const LEN_BASE: [u16; 29] = [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258];
+const LEN_EXTRA: [u8; 29] = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0];
+
+/// Fixed-Huffman code of literal/length symbol `sym` (RFC 1951 §3.2.6): (code, bits).
+fn fixed_code(sym: u32) -> (u32, u32) {
+    match sym {
+        0..=143 => (0x30 + sym, 8),
+        144..=255 => (0x190 + sym - 144, 9),
+        256..=279 => (sym - 256, 7),
+        _ => (0xC0 + sym - 280, 8),
+    }
+}
+
+/// zlib stream of `data`: one fixed-Huffman deflate block whose only matches are runs
+/// (distance 1) — plots are mostly long runs of one colour, so this is ~50× smaller than
+/// stored blocks, in a few lines.
+fn zlib_rle(data: &[u8]) -> Vec<u8> {
+    let mut w = Bits { out: vec![0x78, 0x01], acc: 0, n: 0 };
+    w.put(1, 1); // BFINAL
+    w.put(1, 2); // BTYPE = fixed Huffman
+    let mut i = 0;
+    while i < data.len() {
+        let mut run = 0;
+        if i > 0 {
+            while run < 258 && i + run < data.len() && data[i + run] == data[i - 1] {
+                run += 1;
+            }
+        }
+        if run >= 3 {
+            let k = LEN_BASE.iter().rposition(|&b| b as usize <= run).unwrap_or(0);
+            let (c, l) = fixed_code(257 + k as u32);
+            w.code(c, l);
+            w.put((run - LEN_BASE[k] as usize) as u32, LEN_EXTRA[k] as u32);
+            w.code(0, 5); // distance code 0 = distance 1
+            i += run;
+        } else {
+            let (c, l) = fixed_code(data[i] as u32);
+            w.code(c, l);
+            i += 1;
+        }
+    }
+    let (c, l) = fixed_code(256);
+    w.code(c, l);
+    let mut out = w.finish();
     out.extend_from_slice(&adler32(data).to_be_bytes());
     out
 }
@@ -66,7 +130,7 @@ pub fn encode_png(w: usize, h: usize, rgb: &[u8]) -> Vec<u8> {
     ihdr.extend_from_slice(&(h as u32).to_be_bytes());
     ihdr.extend_from_slice(&[8, 2, 0, 0, 0]); // 8-bit, RGB, deflate, no filter, no interlace
     chunk(b"IHDR", &ihdr);
-    chunk(b"IDAT", &zlib_stored(&raw));
+    chunk(b"IDAT", &zlib_rle(&raw));
     chunk(b"IEND", &[]);
     png
 }
@@ -287,21 +351,75 @@ mod tests {
             i += 12 + n;
         }
         assert_eq!(kinds, ["IHDR", "IDAT", "IEND"]);
-        let mut raw = vec![];
-        let mut j = 2;
-        loop {
-            let last = idat[j] & 1;
-            let n = u16::from_le_bytes([idat[j + 1], idat[j + 2]]) as usize;
-            assert_eq!(!n as u16, u16::from_le_bytes([idat[j + 3], idat[j + 4]]));
-            raw.extend_from_slice(&idat[j + 5..j + 5 + n]);
-            j += 5 + n;
-            if last == 1 {
-                break;
-            }
-        }
+        let (raw, j) = inflate_fixed(&idat[2..]);
+        let j = j + 2;
         assert_eq!(u32::from_be_bytes(idat[j..j + 4].try_into().unwrap()), adler32(&raw));
         assert_eq!(raw.len(), (320 * 3 + 1) * 200);
         // Something red was drawn.
-        assert!(raw.chunks(3).any(|p| p == [200, 0, 0]));
+        assert!(raw.chunks(320 * 3 + 1).any(|row| row[1..].chunks(3).any(|p| p == [200, 0, 0])));
+        assert!(png.len() < raw.len() / 10, "{} bytes for {} raw", png.len(), raw.len());
+    }
+
+    /// Decoder for the subset `zlib_rle` emits (one fixed-Huffman block, distance-1 matches);
+    /// returns the bytes and the offset just after the block (byte-aligned).
+    fn inflate_fixed(d: &[u8]) -> (Vec<u8>, usize) {
+        let mut pos = 0usize; // bit position
+        let bit = |pos: &mut usize| {
+            let b = (d[*pos / 8] >> (*pos % 8)) & 1;
+            *pos += 1;
+            b as u32
+        };
+        let bits = |pos: &mut usize, n: u32| (0..n).fold(0, |acc, i| acc | (bit(pos) << i));
+        assert_eq!(bits(&mut pos, 1), 1, "BFINAL");
+        assert_eq!(bits(&mut pos, 2), 1, "BTYPE fixed");
+        let mut out: Vec<u8> = vec![];
+        loop {
+            // Read a fixed code: 7 bits first, extend to 8 / 9 as the ranges require.
+            let mut code = 0u32;
+            for _ in 0..7 {
+                code = (code << 1) | bit(&mut pos);
+            }
+            let sym = if code <= 0x17 {
+                code + 256
+            } else {
+                code = (code << 1) | bit(&mut pos);
+                if (0x30..=0xBF).contains(&code) {
+                    code - 0x30
+                } else if (0xC0..=0xC7).contains(&code) {
+                    code - 0xC0 + 280
+                } else {
+                    code = (code << 1) | bit(&mut pos);
+                    code - 0x190 + 144
+                }
+            };
+            match sym {
+                0..=255 => out.push(sym as u8),
+                256 => break,
+                _ => {
+                    let k = (sym - 257) as usize;
+                    let len = LEN_BASE[k] as usize + bits(&mut pos, LEN_EXTRA[k] as u32) as usize;
+                    let mut dist = 0;
+                    for _ in 0..5 {
+                        dist = (dist << 1) | bit(&mut pos);
+                    }
+                    assert_eq!(dist, 0, "only distance 1 is emitted");
+                    let last = *out.last().unwrap();
+                    out.extend(std::iter::repeat_n(last, len));
+                }
+            }
+        }
+        (out, pos.div_ceil(8))
+    }
+
+    #[test]
+    fn deflate_round_trips_runs_and_literals() {
+        let mut data = vec![7u8; 1000];
+        data.extend((0..=255u8).cycle().take(700));
+        data.extend([1, 1, 1, 2, 2, 9, 9, 9, 9]);
+        let z = zlib_rle(&data);
+        let (back, j) = inflate_fixed(&z[2..]);
+        assert_eq!(back, data);
+        assert_eq!(u32::from_be_bytes(z[j + 2..j + 6].try_into().unwrap()), adler32(&data));
+        assert_eq!(z.len(), j + 6);
     }
 }

@@ -71,6 +71,11 @@ pub struct TrainConfig {
     pub stop_after: Option<usize>,
     /// Weight dtype (F32 for training on CPU).
     pub dtype: DType,
+    /// Compute on CUDA device `world rank % gpus` instead of the CPU (needs the `cuda`
+    /// feature; data, sharding, optimizer bookkeeping and checkpoints stay on the host).
+    pub cuda: bool,
+    /// Number of GPUs the ranks are spread over (with `cuda`).
+    pub gpus: usize,
     /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
@@ -171,11 +176,12 @@ pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
 /// metrics. `on_step` is called on world rank 0 after every optimizer step.
 pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetrics) + Sync)) -> Result<TrainOutcome> {
     let rank = world.rank();
-    let dev = Device::Cpu;
+    let dev = if cfg.cuda { Device::new_cuda(rank % cfg.gpus.max(1))? } else { Device::Cpu };
+    let host = Device::Cpu;
     if cfg.grad_accum == 0 || cfg.batch == 0 || cfg.steps == 0 {
         bail!("train: grad_accum ({}), batch ({}) and steps ({}) must be > 0", cfg.grad_accum, cfg.batch, cfg.steps)
     }
-    if cfg.batch % cfg.layout.dp != 0 {
+    if !cfg.batch.is_multiple_of(cfg.layout.dp) {
         bail!("train: batch {} must be divisible by dp = {}", cfg.batch, cfg.layout.dp)
     }
     let ctx = ParallelCtx::new(world.clone(), cfg.layout)?;
@@ -295,16 +301,20 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
         for micro in 0..cfg.grad_accum {
-            let (ids, mask) = global_batch(cfg, step, micro, &dev)?;
+            let (ids, mask) = global_batch(cfg, step, micro, &host)?;
             let sb = shard_batch(&ids, &ctx)?;
             let mb = shard_batch(&mask, &ctx)?;
             let train_labels = if cfg.long_range_only {
-                let ignore = Tensor::full(IGNORE, sb.labels.shape(), &dev)?;
+                let ignore = Tensor::full(IGNORE, sb.labels.shape(), &host)?;
                 mb.labels.eq(1u32)?.where_cond(&sb.labels, &ignore)?
             } else {
                 sb.labels.clone()
             };
-            let (loss, logits) = model.loss(&sb.input_ids, &train_labels, &sb.positions)?;
+            let (loss, logits) = model.loss(
+                &sb.input_ids.to_device(&dev)?,
+                &train_labels.to_device(&dev)?,
+                &sb.positions.to_device(&dev)?,
+            )?;
             objective += loss.to_scalar::<f32>()? as f64;
             for (acc, x) in terms.iter_mut().zip(nll_terms(&logits, &sb.labels, &mb.labels)?) {
                 *acc += x;
@@ -340,7 +350,7 @@ pub fn train_rank(world: Group, cfg: &TrainConfig, on_step: &(dyn Fn(&StepMetric
         let factor = clip_factor(norm, cfg.clip);
         opt.step(&named, lr, factor * inv_accum)?;
         // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank order).
-        let row_t = Tensor::new(&[terms.map(|x| x as f32)], &dev)?;
+        let row_t = Tensor::new(&[terms.map(|x| x as f32)], &host)?;
         let rows = if token_group.size() > 1 { token_group.all_gather(&row_t, 0)? } else { row_t };
         let mut tot = [0f64; 4];
         for r in rows.to_vec2::<f32>()? {
@@ -415,6 +425,8 @@ mod tests {
             resume: false,
             stop_after: None,
             dtype: DType::F32,
+            cuda: false,
+            gpus: 1,
             long_range_only: false,
             args: serde_json::Value::Null,
         }
