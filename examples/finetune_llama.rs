@@ -15,7 +15,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
 use candle_cp_llama::train::{
-    AdamWConfig, DataSource, KvRecall, ModelSource, StepMetrics, TokenStream, TrainConfig, WarmupCosine,
+    AdamWConfig, DataSource, KvRecall, ModelSource, StepMetrics, TokenStream, TrainConfig,
+    WarmupCosine,
 };
 use candle_cp_llama::{CpKind, Layout, LlamaConfig};
 use clap::Parser;
@@ -47,7 +48,7 @@ struct Args {
     #[arg(long, default_value_t = 1)]
     dp: usize,
     /// Optimizer steps.
-    #[arg(long, default_value_t = 300)]
+    #[arg(long, default_value_t = 400)]
     steps: usize,
     /// Peak learning rate.
     #[arg(long, default_value_t = 1e-2)]
@@ -148,7 +149,11 @@ fn layout(a: &Args) -> Result<Layout> {
     let l = match kind {
         CpKind::TwoD => {
             if !a.cp.is_multiple_of(a.ulysses) {
-                bail!("--cp {} must be a multiple of --ulysses {}", a.cp, a.ulysses)
+                bail!(
+                    "--cp {} must be a multiple of --ulysses {}",
+                    a.cp,
+                    a.ulysses
+                )
             }
             Layout::two_d(a.ulysses, a.cp / a.ulysses)
         }
@@ -166,7 +171,7 @@ fn data_source(a: &Args) -> Result<(DataSource, String)> {
         t.fused = !a.unfused;
         t.validate()?;
         let desc = format!(
-            "synthetic key→value recall: {} keys stored in the first half, {} queries in the last quarter (chance long-range loss ln {} = {:.2})",
+            "synthetic key→value recall: {} keys stored in [T/4, T/2), {} queries in the last quarter (chance long-range loss ln {} = {:.2})",
             t.n_keys,
             t.long_range_targets(),
             t.n_values,
@@ -174,22 +179,31 @@ fn data_source(a: &Args) -> Result<(DataSource, String)> {
         );
         return Ok((DataSource::Recall(t), desc));
     };
-    let bytes = std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?;
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?;
     let stream = match &a.tokenizer {
         None => TokenStream::from_bytes(&bytes),
         Some(tp) => {
             let tok = tokenizers::Tokenizer::from_file(tp)
                 .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
             let text = String::from_utf8_lossy(&bytes);
-            let enc = tok.encode(text.as_ref(), false).map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
-            TokenStream { tokens: enc.get_ids().to_vec() }
+            let enc = tok
+                .encode(text.as_ref(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+            TokenStream {
+                tokens: enc.get_ids().to_vec(),
+            }
         }
     };
     let desc = format!(
         "{} ({} tokens, {})",
         path.display(),
         stream.tokens.len(),
-        if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
+        if a.tokenizer.is_some() {
+            "tokenizer.json"
+        } else {
+            "byte-level"
+        }
     );
     Ok((DataSource::Text(stream), desc))
 }
@@ -201,8 +215,12 @@ fn main() -> Result<()> {
     let model = match &a.model {
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
-            let vocab = data.vocab_needed().max(if a.data.is_some() { 256 } else { 0 });
-            ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads))
+            let vocab = data
+                .vocab_needed()
+                .max(if a.data.is_some() { 256 } else { 0 });
+            ModelSource::Init(LlamaConfig::tiny(
+                vocab, a.hidden, a.layers, a.heads, a.kv_heads,
+            ))
         }
     };
     let cuda = match a.device.as_str() {
@@ -216,7 +234,9 @@ fn main() -> Result<()> {
         "f16" => DType::F16,
         d => bail!("--dtype {d}: expected f32, bf16 or f16"),
     };
-    let batch = a.batch.unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
+    let batch = a
+        .batch
+        .unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
         None => a.data.is_none(),
         Some("all") => false,
@@ -231,8 +251,16 @@ fn main() -> Result<()> {
         batch,
         grad_accum: a.grad_accum,
         steps: a.steps,
-        schedule: WarmupCosine { peak: a.lr, warmup: a.warmup, total: a.steps, min_ratio: a.min_lr_ratio },
-        adamw: AdamWConfig { weight_decay: a.weight_decay, ..AdamWConfig::default() },
+        schedule: WarmupCosine {
+            peak: a.lr,
+            warmup: a.warmup,
+            total: a.steps,
+            min_ratio: a.min_lr_ratio,
+        },
+        adamw: AdamWConfig {
+            weight_decay: a.weight_decay,
+            ..AdamWConfig::default()
+        },
         clip: a.clip,
         seed: a.seed,
         out: Some(a.out.clone()),
@@ -247,17 +275,34 @@ fn main() -> Result<()> {
         args: serde_json::json!(format!("{a:?}")),
     };
     let world = layout.world_size();
-    let on = if cuda { format!("CUDA, {} GPU(s)", a.gpus) } else { "CPU".to_string() };
+    let on = if cuda {
+        format!("CUDA, {} GPU(s)", a.gpus)
+    } else {
+        "CPU".to_string()
+    };
     println!("layout   : {layout} ({world} thread ranks on {on}, {dtype:?} weights)");
     println!("data     : {data_desc}");
-    println!("batch    : {batch} rows x {} tokens x {} micro-batches per step", a.seq_len, a.grad_accum);
-    println!("objective: mean cross-entropy over {} targets", if long_range_only { "the long-range" } else { "all next-token" });
+    println!(
+        "batch    : {batch} rows x {} tokens x {} micro-batches per step",
+        a.seq_len, a.grad_accum
+    );
+    println!(
+        "objective: mean cross-entropy over {} targets",
+        if long_range_only {
+            "the long-range"
+        } else {
+            "all next-token"
+        }
+    );
     println!("out      : {}", a.out.display());
     if a.resume {
         let root = a.out.join("checkpoints");
         match candle_cp_llama::train::checkpoint::latest_checkpoint(&root)? {
             Some(p) => println!("resume   : from {}", p.display()),
-            None => println!("resume   : no checkpoint in {}, starting from step 0", root.display()),
+            None => println!(
+                "resume   : no checkpoint in {}, starting from step 0",
+                root.display()
+            ),
         }
     }
     let t0 = Instant::now();
@@ -266,8 +311,14 @@ fn main() -> Result<()> {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
         let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
-        let lr_loss = m.long_range_loss.map_or(String::new(), |x| format!("  long-range {x:.3}"));
-        let all = if (m.train_loss - m.loss).abs() > 1e-6 { format!("  all {:.3}", m.loss) } else { String::new() };
+        let lr_loss = m
+            .long_range_loss
+            .map_or(String::new(), |x| format!("  long-range {x:.3}"));
+        let all = if (m.train_loss - m.loss).abs() > 1e-6 {
+            format!("  all {:.3}", m.loss)
+        } else {
+            String::new()
+        };
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!("{:.0} MiB/rank ({:.0} MiB process)", x / world as f64, x)
         });
@@ -276,8 +327,13 @@ fn main() -> Result<()> {
             m.step, m.train_loss, m.lr, m.grad_norm, m.tokens_per_s, m.elapsed_s
         );
     };
-    let opts = ThreadGroupOptions { timeout: Duration::from_secs(a.timeout), ..Default::default() };
-    let results = run_ranks_with(world, opts, |g| candle_cp_llama::train::train_rank(g, &cfg, &on_step));
+    let opts = ThreadGroupOptions {
+        timeout: Duration::from_secs(a.timeout),
+        ..Default::default()
+    };
+    let results = run_ranks_with(world, opts, |g| {
+        candle_cp_llama::train::train_rank(g, &cfg, &on_step)
+    });
     let mut outcome = None;
     for (r, res) in results.into_iter().enumerate() {
         match res {
@@ -289,12 +345,19 @@ fn main() -> Result<()> {
             Err(e) => bail!("rank {r} failed: {e}"),
         }
     }
-    let Some(o) = outcome else { bail!("no rank returned") };
+    let Some(o) = outcome else {
+        bail!("no rank returned")
+    };
 
     let c = &o.config;
     println!(
         "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {})",
-        o.n_params, c.hidden_size, c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.vocab_size
+        o.n_params,
+        c.hidden_size,
+        c.num_hidden_layers,
+        c.num_attention_heads,
+        c.num_key_value_heads,
+        c.vocab_size
     );
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));

@@ -39,7 +39,10 @@ pub struct TrainState {
 impl TrainState {
     /// Write as pretty JSON.
     pub fn save(&self, path: impl AsRef<Path>) -> std::io::Result<()> {
-        std::fs::write(path, serde_json::to_string_pretty(self).map_err(std::io::Error::other)?)
+        std::fs::write(
+            path,
+            serde_json::to_string_pretty(self).map_err(std::io::Error::other)?,
+        )
     }
     /// Read from JSON.
     pub fn load(path: impl AsRef<Path>) -> std::io::Result<Self> {
@@ -55,7 +58,9 @@ pub fn checkpoint_name(step: usize) -> String {
 
 /// Where the files of a checkpoint in progress go: `<root>/.tmp-step-XXXXXX` (emptied).
 pub fn begin_checkpoint(root: impl AsRef<Path>, step: usize) -> std::io::Result<PathBuf> {
-    let tmp = root.as_ref().join(format!(".tmp-{}", checkpoint_name(step)));
+    let tmp = root
+        .as_ref()
+        .join(format!(".tmp-{}", checkpoint_name(step)));
     if tmp.exists() {
         std::fs::remove_dir_all(&tmp)?;
     }
@@ -66,7 +71,11 @@ pub fn begin_checkpoint(root: impl AsRef<Path>, step: usize) -> std::io::Result<
 /// Publish a checkpoint written by [`begin_checkpoint`]: rename it to `<root>/step-XXXXXX`
 /// (replacing an older one of the same step), point `latest` at it, and keep only the
 /// newest `keep` checkpoints (0 = keep all). Returns the final directory.
-pub fn commit_checkpoint(root: impl AsRef<Path>, step: usize, keep: usize) -> std::io::Result<PathBuf> {
+pub fn commit_checkpoint(
+    root: impl AsRef<Path>,
+    step: usize,
+    keep: usize,
+) -> std::io::Result<PathBuf> {
     let root = root.as_ref();
     let name = checkpoint_name(step);
     let tmp = root.join(format!(".tmp-{name}"));
@@ -100,7 +109,10 @@ pub fn list_checkpoints(root: impl AsRef<Path>) -> std::io::Result<Vec<(usize, P
     for e in std::fs::read_dir(root)? {
         let e = e?;
         let name = e.file_name().to_string_lossy().to_string();
-        if let Some(s) = name.strip_prefix("step-").and_then(|s| s.parse::<usize>().ok()) {
+        if let Some(s) = name
+            .strip_prefix("step-")
+            .and_then(|s| s.parse::<usize>().ok())
+        {
             if e.path().join("train_state.json").exists() {
                 out.push((s, e.path()));
             }
@@ -151,8 +163,14 @@ mod tests {
         std::fs::write(tmp.join("model.safetensors"), b"partial")?;
         let latest = latest_checkpoint(&root)?.unwrap();
         assert!(latest.ends_with("step-000030"));
-        assert_eq!(TrainState::load(latest.join("train_state.json"))?, state(30));
-        let steps: Vec<usize> = list_checkpoints(&root)?.into_iter().map(|(s, _)| s).collect();
+        assert_eq!(
+            TrainState::load(latest.join("train_state.json"))?,
+            state(30)
+        );
+        let steps: Vec<usize> = list_checkpoints(&root)?
+            .into_iter()
+            .map(|(s, _)| s)
+            .collect();
         assert_eq!(steps, [20, 30]);
         std::fs::remove_dir_all(&root)?;
         Ok(())

@@ -18,7 +18,12 @@ pub fn global_norm(grads: &[(Tensor, bool)], shard_group: Option<&Group>) -> Res
     let mut replicated = 0f64;
     let mut sharded = 0f64;
     for (g, is_shard) in grads {
-        let sq = g.to_dtype(DType::F32)?.sqr()?.sum_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()?;
+        let sq = g
+            .to_dtype(DType::F32)?
+            .sqr()?
+            .sum_all()?
+            .to_dtype(DType::F64)?
+            .to_scalar::<f64>()?;
         if *is_shard {
             sharded += sq;
         } else {
@@ -51,7 +56,10 @@ mod tests {
     #[test]
     fn norm_of_local_gradients() -> Result<()> {
         let dev = Device::Cpu;
-        let g = vec![(Tensor::new(&[3.0f32, 0.0], &dev)?, false), (Tensor::new(&[[4.0f32]], &dev)?, false)];
+        let g = vec![
+            (Tensor::new(&[3.0f32, 0.0], &dev)?, false),
+            (Tensor::new(&[[4.0f32]], &dev)?, false),
+        ];
         let n = global_norm(&g, None)?;
         assert!((n - 5.0).abs() < 1e-9);
         assert_eq!(clip_factor(n, 10.0), 1.0);
@@ -66,8 +74,15 @@ mod tests {
     fn replicated_counted_once_shards_summed() -> Result<()> {
         let res = candle_cp_comm::run_ranks(2, |g| {
             let dev = Device::Cpu;
-            let shard: &[f32] = if g.rank() == 0 { &[1.0, 2.0] } else { &[2.0, 4.0] };
-            let items = vec![(Tensor::new(&[3.0f32, 4.0], &dev)?, false), (Tensor::new(shard, &dev)?, true)];
+            let shard: &[f32] = if g.rank() == 0 {
+                &[1.0, 2.0]
+            } else {
+                &[2.0, 4.0]
+            };
+            let items = vec![
+                (Tensor::new(&[3.0f32, 4.0], &dev)?, false),
+                (Tensor::new(shard, &dev)?, true),
+            ];
             global_norm(&items, Some(&g))
         });
         for r in res {

@@ -52,8 +52,8 @@ pub struct KvRecall {
     /// make the answer to query `k` that pair token: one attention layer then solves the
     /// lookup (attend from `k` to the pair tokens of key `k`, copy the token), instead of the
     /// two-layer induction circuit the two-token form needs. A 2-layer, 64-wide model learns
-    /// the fused form in ~250 steps (examples/README.md); the two-token form did not leave
-    /// chance level in 800 steps in our runs.
+    /// the fused form in a few hundred steps (examples/README.md); the two-token form did not
+    /// leave chance level in 800 steps in our runs.
     pub fused: bool,
 }
 
@@ -62,7 +62,14 @@ impl KvRecall {
     /// `min(16, T/8)` queries, two-token pairs.
     pub fn new(seq_len: usize) -> Result<Self> {
         let (n_keys, n_queries) = (16.min(seq_len / 8), 16.min(seq_len / 8));
-        let t = Self { seq_len, n_fill: 16, n_keys, n_values: 16, n_queries, fused: false };
+        let t = Self {
+            seq_len,
+            n_fill: 16,
+            n_keys,
+            n_values: 16,
+            n_queries,
+            fused: false,
+        };
         t.validate()?;
         Ok(t)
     }
@@ -73,9 +80,14 @@ impl KvRecall {
             bail!("KvRecall: seq_len {} must be at least 16", self.seq_len)
         }
         if self.n_keys == 0 || self.n_keys > self.seq_len / 8 {
-            bail!("KvRecall: n_keys {} must be in 1..=seq_len/8 ({})", self.n_keys, self.seq_len / 8)
+            bail!(
+                "KvRecall: n_keys {} must be in 1..=seq_len/8 ({})",
+                self.n_keys,
+                self.seq_len / 8
+            )
         }
-        if self.n_queries == 0 || self.n_queries > self.n_keys || self.n_queries > self.seq_len / 8 {
+        if self.n_queries == 0 || self.n_queries > self.n_keys || self.n_queries > self.seq_len / 8
+        {
             bail!(
                 "KvRecall: n_queries {} must be in 1..=min(n_keys {}, seq_len/8 {})",
                 self.n_queries,
@@ -84,19 +96,33 @@ impl KvRecall {
             )
         }
         if self.n_fill == 0 || self.n_values == 0 {
-            bail!("KvRecall: n_fill {} and n_values {} must be > 0", self.n_fill, self.n_values)
+            bail!(
+                "KvRecall: n_fill {} and n_values {} must be > 0",
+                self.n_fill,
+                self.n_values
+            )
         }
         Ok(())
     }
 
     /// Smallest model vocabulary that holds every token of the task.
     pub fn vocab_needed(&self) -> usize {
-        self.n_fill + self.n_keys + self.n_values + if self.fused { self.n_keys * self.n_values } else { 0 }
+        self.n_fill
+            + self.n_keys
+            + self.n_values
+            + if self.fused {
+                self.n_keys * self.n_values
+            } else {
+                0
+            }
     }
 
     /// The positions `[T/4, T/2)` (rounded to even) that hold the stored pairs.
     pub fn store_region(&self) -> (usize, usize) {
-        ((self.seq_len / 4).next_multiple_of(2), (self.seq_len / 2) & !1)
+        (
+            (self.seq_len / 4).next_multiple_of(2),
+            (self.seq_len / 2) & !1,
+        )
     }
 
     /// First position of the query region (even, ≥ `3T/4`).
@@ -112,13 +138,23 @@ impl KvRecall {
         let key0 = self.n_fill as u32;
         let val0 = (self.n_fill + self.n_keys) as u32;
         let pair0 = (self.n_fill + self.n_keys + self.n_values) as u32;
-        let map: Vec<u32> = (0..self.n_keys).map(|_| rng.below(self.n_values) as u32).collect();
+        let map: Vec<u32> = (0..self.n_keys)
+            .map(|_| rng.below(self.n_values) as u32)
+            .collect();
         // Second quarter: every key once (random slots), the other slots random keys. A slot
         // is one position (fused) or two.
         let (s0, s1) = self.store_region();
         let width = if self.fused { 1 } else { 2 };
         let slots = (s1 - s0) / width;
-        let mut keys: Vec<usize> = (0..slots).map(|i| if i < self.n_keys { i } else { rng.below(self.n_keys) }).collect();
+        let mut keys: Vec<usize> = (0..slots)
+            .map(|i| {
+                if i < self.n_keys {
+                    i
+                } else {
+                    rng.below(self.n_keys)
+                }
+            })
+            .collect();
         rng.shuffle(&mut keys);
         for (slot, &k) in keys.iter().enumerate() {
             let p = s0 + width * slot;
@@ -138,7 +174,11 @@ impl KvRecall {
         for (&slot, &k) in qslots.iter().zip(qkeys.iter()).take(self.n_queries) {
             let p = q0 + 2 * slot;
             tokens[p] = key0 + k as u32;
-            tokens[p + 1] = if self.fused { pair0 + (k * self.n_values) as u32 + map[k] } else { val0 + map[k] };
+            tokens[p + 1] = if self.fused {
+                pair0 + (k * self.n_values) as u32 + map[k]
+            } else {
+                val0 + map[k]
+            };
             long_range[p + 1] = true;
         }
         Sample { tokens, long_range }
@@ -161,7 +201,9 @@ pub struct TokenStream {
 impl TokenStream {
     /// Byte-level tokens of `text` (vocabulary 256).
     pub fn from_bytes(text: &[u8]) -> Self {
-        Self { tokens: text.iter().map(|&b| b as u32).collect() }
+        Self {
+            tokens: text.iter().map(|&b| b as u32).collect(),
+        }
     }
 
     /// Draw a window of `seq_len` consecutive tokens. Errors if the corpus is shorter.
@@ -201,14 +243,25 @@ impl DataSource {
     /// rows `m·b ..`). Each row is drawn from its own stream derived from (seed, step, row), so
     /// any step can be regenerated after a restart, and the same rows come out whether a step
     /// is one batch of `2b` rows or two micro-batches of `b`.
-    pub fn rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<Sample>> {
+    pub fn rows(
+        &self,
+        seed: u64,
+        step: usize,
+        first_row: usize,
+        count: usize,
+        seq_len: usize,
+    ) -> Result<Vec<Sample>> {
         (first_row..first_row + count)
             .map(|row| {
                 let mut rng = Rng::derive(seed, &[step as u64, row as u64]);
                 match self {
                     DataSource::Recall(task) => {
                         if task.seq_len != seq_len {
-                            bail!("recall task built for T={} but T={} requested", task.seq_len, seq_len)
+                            bail!(
+                                "recall task built for T={} but T={} requested",
+                                task.seq_len,
+                                seq_len
+                            )
                         }
                         Ok(task.sample(&mut rng))
                     }
@@ -233,7 +286,13 @@ mod tests {
 
     #[test]
     fn recall_targets_are_determined_by_a_distant_pair_only() {
-        for &(t, fused) in &[(16usize, false), (64, true), (1000, false), (1024, true), (1024, false)] {
+        for &(t, fused) in &[
+            (16usize, false),
+            (64, true),
+            (1000, false),
+            (1024, true),
+            (1024, false),
+        ] {
             let mut task = KvRecall::new(t).unwrap();
             task.fused = fused;
             for seed in 0..20 {
@@ -247,11 +306,17 @@ mod tests {
                 // The map as stored in [T/4, T/2); repeats must agree; every key present.
                 let mut table = std::collections::HashMap::new();
                 let (s0, s1) = task.store_region();
-                assert!(s.tokens[..s0].iter().all(|&x| x < key0), "key/value/pair before T/4");
+                assert!(
+                    s.tokens[..s0].iter().all(|&x| x < key0),
+                    "key/value/pair before T/4"
+                );
                 for p in s0..s1 {
                     let (k, v) = if fused && s.tokens[p] >= pair0 {
                         let i = s.tokens[p] - pair0;
-                        (key0 + i / task.n_values as u32, val0 + i % task.n_values as u32)
+                        (
+                            key0 + i / task.n_values as u32,
+                            val0 + i % task.n_values as u32,
+                        )
                     } else if !fused && is_key(s.tokens[p]) {
                         (s.tokens[p], s.tokens[p + 1])
                     } else {
@@ -262,7 +327,9 @@ mod tests {
                 }
                 assert_eq!(table.len(), task.n_keys);
                 // No key, value or pair between T/2 and the query region.
-                assert!(s.tokens[t / 2..task.query_start()].iter().all(|&x| x < key0));
+                assert!(s.tokens[t / 2..task.query_start()]
+                    .iter()
+                    .all(|&x| x < key0));
                 let n_lr = s.long_range.iter().filter(|&&b| b).count();
                 assert_eq!(n_lr, task.long_range_targets());
                 let mut queried = std::collections::HashSet::new();
@@ -272,16 +339,24 @@ mod tests {
                         let key = s.tokens[p - 1];
                         let v = table[&key];
                         // Fused: the answer is the stored pair token itself; else the value.
-                        let want = if fused { pair0 + (key - key0) * task.n_values as u32 + (v - val0) } else { v };
+                        let want = if fused {
+                            pair0 + (key - key0) * task.n_values as u32 + (v - val0)
+                        } else {
+                            v
+                        };
                         assert_eq!(s.tokens[p], want, "target is not the stored value");
                         assert!(queried.insert(key), "key queried twice");
                         // The answer appears nowhere in the second half before the target.
-                        assert!(p - 1 >= s1 + t / 4 - 2);
-                        assert!(!s.tokens[t / 2..p].contains(&s.tokens[p]) || {
-                            // a value token may repeat (another key with the same value) but
-                            // never right after the same key
-                            (t / 2..p - 1).all(|q| !(s.tokens[q] == key && s.tokens[q + 1] == s.tokens[p]))
-                        });
+                        assert!(p > s1 + t / 4 - 2, "query too close to the stored pairs");
+                        assert!(
+                            !s.tokens[t / 2..p].contains(&s.tokens[p]) || {
+                                // a value token may repeat (another key with the same value) but
+                                // never right after the same key
+                                (t / 2..p - 1).all(|q| {
+                                    !(s.tokens[q] == key && s.tokens[q + 1] == s.tokens[p])
+                                })
+                            }
+                        );
                     } else if p >= task.query_start() {
                         assert!(s.tokens[p] < val0, "unmarked value in the query region");
                     }
@@ -294,7 +369,11 @@ mod tests {
     /// contiguous sharding of length `t` over `p_ranks`.
     fn zigzag_rank(p: usize, t: usize, ranks: usize) -> usize {
         let c = p / (t / (2 * ranks));
-        if c < ranks { c } else { 2 * ranks - 1 - c }
+        if c < ranks {
+            c
+        } else {
+            2 * ranks - 1 - c
+        }
     }
 
     #[test]
@@ -309,8 +388,16 @@ mod tests {
                 let (s0, s1) = task.store_region();
                 for store in s0..s1 {
                     for q in task.query_start()..t {
-                        assert_ne!(zigzag_rank(store, t, ranks), zigzag_rank(q, t, ranks), "zigzag T={t} P={ranks}");
-                        assert_ne!(store / (t / ranks), q / (t / ranks), "contiguous T={t} P={ranks}");
+                        assert_ne!(
+                            zigzag_rank(store, t, ranks),
+                            zigzag_rank(q, t, ranks),
+                            "zigzag T={t} P={ranks}"
+                        );
+                        assert_ne!(
+                            store / (t / ranks),
+                            q / (t / ranks),
+                            "contiguous T={t} P={ranks}"
+                        );
                     }
                 }
             }
@@ -342,6 +429,9 @@ mod tests {
         let s = TokenStream::from_bytes(b"hello");
         assert!(s.sample(6, &mut Rng::new(0)).is_err());
         let w = s.sample(5, &mut Rng::new(0)).unwrap();
-        assert_eq!(w.tokens, b"hello".iter().map(|&b| b as u32).collect::<Vec<_>>());
+        assert_eq!(
+            w.tokens,
+            b"hello".iter().map(|&b| b as u32).collect::<Vec<_>>()
+        );
     }
 }

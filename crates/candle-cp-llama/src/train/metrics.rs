@@ -66,8 +66,15 @@ impl MetricsLog {
 
     /// Append one row (flushed at once).
     pub fn append(&self, row: &StepMetrics) -> std::io::Result<()> {
-        let mut f = std::fs::OpenOptions::new().append(true).create(true).open(&self.path)?;
-        writeln!(f, "{}", serde_json::to_string(row).map_err(std::io::Error::other)?)
+        let mut f = std::fs::OpenOptions::new()
+            .append(true)
+            .create(true)
+            .open(&self.path)?;
+        writeln!(
+            f,
+            "{}",
+            serde_json::to_string(row).map_err(std::io::Error::other)?
+        )
     }
 
     /// All rows of the file at `path`.
@@ -108,7 +115,11 @@ mod tests {
             step,
             train_loss: 2.0 / step as f64,
             loss: 1.0 / step as f64,
-            long_range_loss: if step.is_multiple_of(2) { Some(0.5) } else { None },
+            long_range_loss: if step.is_multiple_of(2) {
+                Some(0.5)
+            } else {
+                None
+            },
             lr: 1e-3,
             grad_norm: 0.1,
             tokens_per_s: 100.0,
@@ -131,7 +142,11 @@ mod tests {
         let log = MetricsLog::open(&p, Some(3))?;
         assert_eq!(MetricsLog::read(&p)?.len(), 3);
         let kept: String = before.lines().take(3).map(|l| format!("{l}\n")).collect();
-        assert_eq!(std::fs::read_to_string(&p)?, kept, "kept rows must be byte-identical");
+        assert_eq!(
+            std::fs::read_to_string(&p)?,
+            kept,
+            "kept rows must be byte-identical"
+        );
         log.append(&row(4))?;
         assert_eq!(MetricsLog::read(&p)?, (1..=4).map(row).collect::<Vec<_>>());
         MetricsLog::open(&p, None)?;

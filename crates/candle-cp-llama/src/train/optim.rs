@@ -20,7 +20,12 @@ pub struct AdamWConfig {
 
 impl Default for AdamWConfig {
     fn default() -> Self {
-        Self { beta1: 0.9, beta2: 0.95, eps: 1e-8, weight_decay: 0.0 }
+        Self {
+            beta1: 0.9,
+            beta2: 0.95,
+            eps: 1e-8,
+            weight_decay: 0.0,
+        }
     }
 }
 
@@ -58,10 +63,20 @@ impl AdamW {
             .map(|(name, var)| {
                 let z = Tensor::zeros(var.shape(), DType::F32, var.device())?;
                 let decay = var.rank() >= 2;
-                Ok(Slot { name, var, m: z.clone(), v: z, decay })
+                Ok(Slot {
+                    name,
+                    var,
+                    m: z.clone(),
+                    v: z,
+                    decay,
+                })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { cfg, step: 0, slots })
+        Ok(Self {
+            cfg,
+            step: 0,
+            slots,
+        })
     }
 
     /// Parameter names, sorted.
@@ -71,21 +86,36 @@ impl AdamW {
 
     /// (name, variable) pairs, sorted by name.
     pub fn params(&self) -> Vec<(&str, &Var)> {
-        self.slots.iter().map(|s| (s.name.as_str(), &s.var)).collect()
+        self.slots
+            .iter()
+            .map(|s| (s.name.as_str(), &s.var))
+            .collect()
     }
 
     /// One update with learning rate `lr`. Each gradient is multiplied by `grad_scale` first
     /// (gradient clipping, 1/accumulation). A parameter absent from `grads` is left untouched
     /// (its moments too). Gradient shapes must match the parameters.
-    pub fn step(&mut self, grads: &HashMap<String, Tensor>, lr: f64, grad_scale: f64) -> Result<()> {
+    pub fn step(
+        &mut self,
+        grads: &HashMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+    ) -> Result<()> {
         self.step += 1;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
         for s in self.slots.iter_mut() {
-            let Some(g) = grads.get(&s.name) else { continue };
+            let Some(g) = grads.get(&s.name) else {
+                continue;
+            };
             if g.shape() != s.var.shape() {
-                bail!("AdamW: gradient of '{}' has shape {:?}, parameter {:?}", s.name, g.dims(), s.var.dims())
+                bail!(
+                    "AdamW: gradient of '{}' has shape {:?}, parameter {:?}",
+                    s.name,
+                    g.dims(),
+                    s.var.dims()
+                )
             }
             let g = (g.to_dtype(DType::F32)? * grad_scale)?;
             s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
@@ -93,7 +123,11 @@ impl AdamW {
             let denom = ((&s.v / bc2)?.sqrt()? + c.eps)?;
             let upd = ((&s.m / bc1)? / denom)?;
             let p = s.var.as_tensor().to_dtype(DType::F32)?;
-            let p = if s.decay && c.weight_decay > 0.0 { (p * (1.0 - lr * c.weight_decay))? } else { p };
+            let p = if s.decay && c.weight_decay > 0.0 {
+                (p * (1.0 - lr * c.weight_decay))?
+            } else {
+                p
+            };
             let p = (p - (upd * lr)?)?;
             s.var.set(&p.to_dtype(s.var.dtype())?)?;
         }
@@ -107,7 +141,10 @@ impl AdamW {
             out.insert(format!("m.{}", s.name), s.m.to_device(&Device::Cpu)?);
             out.insert(format!("v.{}", s.name), s.v.to_device(&Device::Cpu)?);
         }
-        out.insert("step".to_string(), Tensor::new(&[self.step as u32], &Device::Cpu)?);
+        out.insert(
+            "step".to_string(),
+            Tensor::new(&[self.step as u32], &Device::Cpu)?,
+        );
         Ok(out)
     }
 
@@ -121,15 +158,32 @@ impl AdamW {
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let p = path.as_ref();
         let t = candle_core::safetensors::load(p, &Device::Cpu)?;
-        let step = t.get("step").ok_or_else(|| candle_core::Error::Msg(format!("{}: no 'step' tensor", p.display())))?;
+        let step = t
+            .get("step")
+            .ok_or_else(|| candle_core::Error::Msg(format!("{}: no 'step' tensor", p.display())))?;
         let step = step.to_vec1::<u32>()?;
-        let Some(&step) = step.first() else { bail!("{}: empty 'step' tensor", p.display()) };
+        let Some(&step) = step.first() else {
+            bail!("{}: empty 'step' tensor", p.display())
+        };
         for s in self.slots.iter_mut() {
-            let (Some(m), Some(v)) = (t.get(&format!("m.{}", s.name)), t.get(&format!("v.{}", s.name))) else {
-                bail!("{}: no optimizer state for parameter '{}'", p.display(), s.name)
+            let (Some(m), Some(v)) = (
+                t.get(&format!("m.{}", s.name)),
+                t.get(&format!("v.{}", s.name)),
+            ) else {
+                bail!(
+                    "{}: no optimizer state for parameter '{}'",
+                    p.display(),
+                    s.name
+                )
             };
             if m.shape() != s.var.shape() || v.shape() != s.var.shape() {
-                bail!("{}: state of '{}' has shape {:?}, parameter {:?}", p.display(), s.name, m.dims(), s.var.dims())
+                bail!(
+                    "{}: state of '{}' has shape {:?}, parameter {:?}",
+                    p.display(),
+                    s.name,
+                    m.dims(),
+                    s.var.dims()
+                )
             }
             s.m = m.to_dtype(DType::F32)?.to_device(s.var.device())?;
             s.v = v.to_dtype(DType::F32)?.to_device(s.var.device())?;
@@ -149,7 +203,12 @@ mod tests {
         let dev = Device::Cpu;
         let w = Var::from_tensor(&Tensor::new(&[[1.0f32, -2.0]], &dev)?)?;
         let n = Var::from_tensor(&Tensor::new(&[0.5f32], &dev)?)?;
-        let cfg = AdamWConfig { beta1: 0.9, beta2: 0.99, eps: 1e-8, weight_decay: 0.1 };
+        let cfg = AdamWConfig {
+            beta1: 0.9,
+            beta2: 0.99,
+            eps: 1e-8,
+            weight_decay: 0.1,
+        };
         let mut opt = AdamW::new(vec![("w".into(), w.clone()), ("n".into(), n.clone())], cfg)?;
         let mut g = HashMap::new();
         g.insert("w".to_string(), Tensor::new(&[[0.5f32, 0.25]], &dev)?);
@@ -164,13 +223,17 @@ mod tests {
                 let gi = [0.5, 0.25][i] * scale;
                 m[i] = 0.9 * m[i] + 0.1 * gi;
                 v[i] = 0.99 * v[i] + 0.01 * gi * gi;
-                let upd = (m[i] / (1.0 - 0.9f64.powi(t))) / ((v[i] / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8);
+                let upd = (m[i] / (1.0 - 0.9f64.powi(t)))
+                    / ((v[i] / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8);
                 want_w[i] = want_w[i] * (1.0 - lr * 0.1) - lr * upd;
             }
         }
         let got = w.as_tensor().to_vec2::<f32>()?;
         for i in 0..2 {
-            assert!((got[0][i] as f64 - want_w[i]).abs() < 1e-6, "{got:?} vs {want_w:?}");
+            assert!(
+                (got[0][i] as f64 - want_w[i]).abs() < 1e-6,
+                "{got:?} vs {want_w:?}"
+            );
         }
         // Rank-1 parameter: no weight decay; first step of Adam moves it by ~lr.
         let nv = n.as_tensor().to_vec1::<f32>()?[0] as f64;
@@ -199,7 +262,10 @@ mod tests {
         assert_eq!(b.step, 1);
         a.step(&g, 0.1, 1.0)?;
         b.step(&g, 0.1, 1.0)?;
-        assert_eq!(wa.as_tensor().to_vec1::<f32>()?, wb.as_tensor().to_vec1::<f32>()?);
+        assert_eq!(
+            wa.as_tensor().to_vec1::<f32>()?,
+            wb.as_tensor().to_vec1::<f32>()?
+        );
         // A parameter with another shape cannot take this state.
         let w2 = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &dev)?)?;
         let mut c = AdamW::new(vec![("w".into(), w2)], AdamWConfig::default())?;

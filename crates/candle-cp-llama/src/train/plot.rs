@@ -13,7 +13,11 @@ fn crc32(bytes: &[u8]) -> u32 {
     for &b in bytes {
         c ^= b as u32;
         for _ in 0..8 {
-            c = if c & 1 != 0 { 0xEDB8_8320 ^ (c >> 1) } else { c >> 1 };
+            c = if c & 1 != 0 {
+                0xEDB8_8320 ^ (c >> 1)
+            } else {
+                c >> 1
+            };
         }
     }
     !c
@@ -62,8 +66,13 @@ impl Bits {
     }
 }
 
-const LEN_BASE: [u16; 29] = [3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115, 131, 163, 195, 227, 258];
-const LEN_EXTRA: [u8; 29] = [0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0];
+const LEN_BASE: [u16; 29] = [
+    3, 4, 5, 6, 7, 8, 9, 10, 11, 13, 15, 17, 19, 23, 27, 31, 35, 43, 51, 59, 67, 83, 99, 115, 131,
+    163, 195, 227, 258,
+];
+const LEN_EXTRA: [u8; 29] = [
+    0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3, 4, 4, 4, 4, 5, 5, 5, 5, 0,
+];
 
 /// Fixed-Huffman code of literal/length symbol `sym` (RFC 1951 §3.2.6): (code, bits).
 fn fixed_code(sym: u32) -> (u32, u32) {
@@ -79,7 +88,11 @@ fn fixed_code(sym: u32) -> (u32, u32) {
 /// (distance 1) — plots are mostly long runs of one colour, so this is ~50× smaller than
 /// stored blocks, in a few lines.
 fn zlib_rle(data: &[u8]) -> Vec<u8> {
-    let mut w = Bits { out: vec![0x78, 0x01], acc: 0, n: 0 };
+    let mut w = Bits {
+        out: vec![0x78, 0x01],
+        acc: 0,
+        n: 0,
+    };
     w.put(1, 1); // BFINAL
     w.put(1, 2); // BTYPE = fixed Huffman
     let mut i = 0;
@@ -91,7 +104,10 @@ fn zlib_rle(data: &[u8]) -> Vec<u8> {
             }
         }
         if run >= 3 {
-            let k = LEN_BASE.iter().rposition(|&b| b as usize <= run).unwrap_or(0);
+            let k = LEN_BASE
+                .iter()
+                .rposition(|&b| b as usize <= run)
+                .unwrap_or(0);
             let (c, l) = fixed_code(257 + k as u32);
             w.code(c, l);
             w.put((run - LEN_BASE[k] as usize) as u32, LEN_EXTRA[k] as u32);
@@ -144,7 +160,11 @@ struct Canvas {
 
 impl Canvas {
     fn new(w: usize, h: usize) -> Self {
-        Self { w, h, px: vec![255; 3 * w * h] }
+        Self {
+            w,
+            h,
+            px: vec![255; 3 * w * h],
+        }
     }
     fn set(&mut self, x: i64, y: i64, c: [u8; 3]) {
         if x >= 0 && y >= 0 && (x as usize) < self.w && (y as usize) < self.h {
@@ -156,7 +176,10 @@ impl Canvas {
         let n = ((x1 - x0).abs().max((y1 - y0).abs()).ceil() as usize).max(1);
         for i in 0..=n {
             let t = i as f64 / n as f64;
-            let (x, y) = ((x0 + t * (x1 - x0)).round() as i64, (y0 + t * (y1 - y0)).round() as i64);
+            let (x, y) = (
+                (x0 + t * (x1 - x0)).round() as i64,
+                (y0 + t * (y1 - y0)).round() as i64,
+            );
             for dx in 0..thick {
                 for dy in 0..thick {
                     self.set(x + dx - thick / 2, y + dy - thick / 2, c);
@@ -173,7 +196,11 @@ impl Canvas {
                     if bits & (0b100 >> col) != 0 {
                         for dx in 0..s {
                             for dy in 0..s {
-                                self.set(x + (k as i64 * 4 + col) * s + dx, y + row as i64 * s + dy, c);
+                                self.set(
+                                    x + (k as i64 * 4 + col) * s + dx,
+                                    y + row as i64 * s + dy,
+                                    c,
+                                );
                             }
                         }
                     }
@@ -255,7 +282,10 @@ pub struct Series<'a> {
 pub fn line_plot_png(w: usize, h: usize, series: &[Series]) -> Vec<u8> {
     let mut cv = Canvas::new(w, h);
     let (left, right, top, bottom) = (70.0, 20.0, 20.0, 40.0);
-    let pts = series.iter().flat_map(|s| s.points.iter()).filter(|p| p.0.is_finite() && p.1.is_finite());
+    let pts = series
+        .iter()
+        .flat_map(|s| s.points.iter())
+        .filter(|p| p.0.is_finite() && p.1.is_finite());
     let (mut x0, mut x1, mut y0, mut y1) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
     for &(x, y) in pts {
         x0 = x0.min(x);
@@ -275,7 +305,12 @@ pub fn line_plot_png(w: usize, h: usize, series: &[Series]) -> Vec<u8> {
     }
     y1 += 0.05 * (y1 - y0);
     let (pw, ph) = (w as f64 - left - right, h as f64 - top - bottom);
-    let to_px = |x: f64, y: f64| (left + (x - x0) / (x1 - x0) * pw, top + (1.0 - (y - y0) / (y1 - y0)) * ph);
+    let to_px = |x: f64, y: f64| {
+        (
+            left + (x - x0) / (x1 - x0) * pw,
+            top + (1.0 - (y - y0) / (y1 - y0)) * ph,
+        )
+    };
     let grey = [200, 200, 200];
     let black = [0, 0, 0];
     for i in 0..=5 {
@@ -286,7 +321,13 @@ pub fn line_plot_png(w: usize, h: usize, series: &[Series]) -> Vec<u8> {
         let fx = x0 + (x1 - x0) * i as f64 / 5.0;
         let (px, _) = to_px(fx, y0);
         cv.line((px, top), (px, top + ph), grey, 1);
-        cv.text(px as i64 - 10, (top + ph) as i64 + 8, &fmt_tick(fx), black, 2);
+        cv.text(
+            px as i64 - 10,
+            (top + ph) as i64 + 8,
+            &fmt_tick(fx),
+            black,
+            2,
+        );
     }
     cv.line((left, top), (left, top + ph), black, 2);
     cv.line((left, top + ph), (left + pw, top + ph), black, 2);
@@ -305,14 +346,24 @@ pub fn line_plot_png(w: usize, h: usize, series: &[Series]) -> Vec<u8> {
         }
         let ly = top as i64 + 8 + 16 * k as i64;
         let lx = (left + pw) as i64 - 230;
-        cv.line((lx as f64, ly as f64 + 4.0), (lx as f64 + 24.0, ly as f64 + 4.0), s.color, 3);
+        cv.line(
+            (lx as f64, ly as f64 + 4.0),
+            (lx as f64 + 24.0, ly as f64 + 4.0),
+            s.color,
+            3,
+        );
         cv.text(lx + 30, ly, s.label, black, 2);
     }
     encode_png(w, h, &cv.px)
 }
 
 /// Write [`line_plot_png`] to `path` (through a temporary file and a rename).
-pub fn write_line_plot(path: impl AsRef<Path>, w: usize, h: usize, series: &[Series]) -> std::io::Result<()> {
+pub fn write_line_plot(
+    path: impl AsRef<Path>,
+    w: usize,
+    h: usize,
+    series: &[Series],
+) -> std::io::Result<()> {
     let path = path.as_ref();
     let tmp = path.with_extension("png.tmp");
     std::fs::File::create(&tmp)?.write_all(&line_plot_png(w, h, series))?;
@@ -332,8 +383,18 @@ mod tests {
 
     #[test]
     fn png_structure_is_valid() {
-        let pts: Vec<(f64, f64)> = (0..50).map(|i| (i as f64, 5.0 / (1.0 + i as f64))).collect();
-        let png = line_plot_png(320, 200, &[Series { label: "loss", color: [200, 0, 0], points: &pts }]);
+        let pts: Vec<(f64, f64)> = (0..50)
+            .map(|i| (i as f64, 5.0 / (1.0 + i as f64)))
+            .collect();
+        let png = line_plot_png(
+            320,
+            200,
+            &[Series {
+                label: "loss",
+                color: [200, 0, 0],
+                points: &pts,
+            }],
+        );
         assert_eq!(&png[..8], b"\x89PNG\r\n\x1a\n");
         // Walk the chunks, checking each CRC, and inflate the stored blocks back.
         let mut i = 8;
@@ -353,11 +414,21 @@ mod tests {
         assert_eq!(kinds, ["IHDR", "IDAT", "IEND"]);
         let (raw, j) = inflate_fixed(&idat[2..]);
         let j = j + 2;
-        assert_eq!(u32::from_be_bytes(idat[j..j + 4].try_into().unwrap()), adler32(&raw));
+        assert_eq!(
+            u32::from_be_bytes(idat[j..j + 4].try_into().unwrap()),
+            adler32(&raw)
+        );
         assert_eq!(raw.len(), (320 * 3 + 1) * 200);
         // Something red was drawn.
-        assert!(raw.chunks(320 * 3 + 1).any(|row| row[1..].chunks(3).any(|p| p == [200, 0, 0])));
-        assert!(png.len() < raw.len() / 10, "{} bytes for {} raw", png.len(), raw.len());
+        assert!(raw
+            .chunks(320 * 3 + 1)
+            .any(|row| row[1..].chunks(3).any(|p| p == [200, 0, 0])));
+        assert!(
+            png.len() < raw.len() / 10,
+            "{} bytes for {} raw",
+            png.len(),
+            raw.len()
+        );
     }
 
     /// Decoder for the subset `zlib_rle` emits (one fixed-Huffman block, distance-1 matches);
@@ -419,7 +490,10 @@ mod tests {
         let z = zlib_rle(&data);
         let (back, j) = inflate_fixed(&z[2..]);
         assert_eq!(back, data);
-        assert_eq!(u32::from_be_bytes(z[j + 2..j + 6].try_into().unwrap()), adler32(&data));
+        assert_eq!(
+            u32::from_be_bytes(z[j + 2..j + 6].try_into().unwrap()),
+            adler32(&data)
+        );
         assert_eq!(z.len(), j + 6);
     }
 }

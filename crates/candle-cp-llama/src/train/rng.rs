@@ -83,9 +83,15 @@ mod tests {
 
     #[test]
     fn streams_are_reproducible_and_distinct() {
-        let a: Vec<u64> = (0..4).scan(Rng::derive(7, &[1, 2]), |r, _| Some(r.next_u64())).collect();
-        let b: Vec<u64> = (0..4).scan(Rng::derive(7, &[1, 2]), |r, _| Some(r.next_u64())).collect();
-        let c: Vec<u64> = (0..4).scan(Rng::derive(7, &[2, 1]), |r, _| Some(r.next_u64())).collect();
+        let a: Vec<u64> = (0..4)
+            .scan(Rng::derive(7, &[1, 2]), |r, _| Some(r.next_u64()))
+            .collect();
+        let b: Vec<u64> = (0..4)
+            .scan(Rng::derive(7, &[1, 2]), |r, _| Some(r.next_u64()))
+            .collect();
+        let c: Vec<u64> = (0..4)
+            .scan(Rng::derive(7, &[2, 1]), |r, _| Some(r.next_u64()))
+            .collect();
         assert_eq!(a, b);
         assert_ne!(a, c);
     }
@@ -104,6 +110,9 @@ mod tests {
         let xs: Vec<f64> = (0..n).map(|_| r.normal()).collect();
         let mean = xs.iter().sum::<f64>() / n as f64;
         let var = xs.iter().map(|x| (x - mean) * (x - mean)).sum::<f64>() / n as f64;
-        assert!(mean.abs() < 0.03 && (var - 1.0).abs() < 0.05, "mean {mean} var {var}");
+        assert!(
+            mean.abs() < 0.03 && (var - 1.0).abs() < 0.05,
+            "mean {mean} var {var}"
+        );
     }
 }

@@ -33,7 +33,12 @@ mod tests {
 
     #[test]
     fn warmup_then_cosine() {
-        let s = WarmupCosine { peak: 1e-3, warmup: 10, total: 110, min_ratio: 0.1 };
+        let s = WarmupCosine {
+            peak: 1e-3,
+            warmup: 10,
+            total: 110,
+            min_ratio: 0.1,
+        };
         // Linear warmup reaching the peak at the last warmup step.
         assert!((s.lr(0) - 1e-4).abs() < 1e-12);
         assert!((s.lr(4) - 5e-4).abs() < 1e-12);
@@ -48,7 +53,12 @@ mod tests {
             assert!(s.lr(k + 1) <= s.lr(k) + 1e-15, "step {k}");
         }
         // No warmup.
-        let s0 = WarmupCosine { peak: 2.0, warmup: 0, total: 4, min_ratio: 0.0 };
+        let s0 = WarmupCosine {
+            peak: 2.0,
+            warmup: 0,
+            total: 4,
+            min_ratio: 0.0,
+        };
         assert_eq!(s0.lr(0), 2.0);
         assert!((s0.lr(2) - 1.0).abs() < 1e-12);
         assert!(s0.lr(4).abs() < 1e-12);

@@ -12,6 +12,12 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
 
+/// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error).
+#[allow(dead_code)]
+pub(crate) fn supported(head_dim: usize) -> bool {
+    matches!(head_dim, 16 | 32 | 64 | 128)
+}
+
 /// Kernel mask from the op's [`Mask`].
 pub(crate) fn kmask(m: &Mask) -> KMask {
     match *m {
