@@ -13,7 +13,6 @@ use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
 
 /// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error).
-#[allow(dead_code)]
 pub(crate) fn supported(head_dim: usize) -> bool {
     matches!(head_dim, 16 | 32 | 64 | 128)
 }
@@ -51,16 +50,15 @@ pub(crate) fn op_fwd(
 }
 
 // `fwd`, `bwd` and `merge` are the CUDA branches of `attention_fwd`, `attention_bwd` and
-// `merge` (parent module); unused until those functions dispatch on the device.
+// `merge` (parent module).
 
 /// CUDA `attention_fwd` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
-#[allow(dead_code)]
 pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     flash::fwd(q, k, v, kmask(mask), scale as f32, FwdImpl::from_env())
 }
 
 /// CUDA `attention_bwd` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
-#[allow(clippy::too_many_arguments, dead_code)]
+#[allow(clippy::too_many_arguments)]
 pub(crate) fn bwd(
     q: &Tensor,
     k: &Tensor,
@@ -75,7 +73,6 @@ pub(crate) fn bwd(
 }
 
 /// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.
-#[allow(dead_code)]
 pub(crate) fn merge(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> Result<(Tensor, Tensor)> {
     candle_cp_kernels::merge::merge(out_a, lse_a, out_b, lse_b)
 }

@@ -19,6 +19,10 @@ pub fn merge(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> 
     if out_a.device().is_cpu() {
         return merge_cpu(out_a, lse_a, out_b, lse_b);
     }
+    #[cfg(feature = "cuda")]
+    if out_a.device().is_cuda() {
+        return super::cuda::merge(out_a, lse_a, out_b, lse_b);
+    }
     merge_ops(out_a, lse_a, out_b, lse_b)
 }
 

@@ -155,8 +155,12 @@ pub(crate) fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
 /// positions.
 pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     check_qkv("attention_fwd", q, k, v, mask)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && cuda::supported(q.dim(3)?) {
+        return cuda::fwd(q, k, v, mask, scale);
+    }
     if !q.device().is_cpu() {
-        // CUDA: replaced by the device kernel (`AttentionOp::cuda_fwd`); until then host copies.
+        // Devices without a kernel for this head dim: the CPU kernel on host copies.
         let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
         let (out, lse) = attention_fwd(&cpu(q)?, &cpu(k)?, &cpu(v)?, mask, scale)?;
         return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));
@@ -190,8 +194,11 @@ pub fn attention_bwd(
     check_like("attention_bwd", "out", out, &[b, t, h, d], q)?;
     check_like("attention_bwd", "dout", dout, &[b, t, h, d], q)?;
     check_like("attention_bwd", "lse", lse, &[b, h, t], q)?;
-    // CUDA: dispatch to the device kernel here (match on q.device()); until then every
-    // device runs the CPU kernel on host copies.
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && cuda::supported(d) {
+        return cuda::bwd(q, k, v, out, lse, dout, mask, scale);
+    }
+    // Other devices / head dims: the CPU kernel on host copies.
     let lim = kernel::row_limits(mask, t, s);
     let (dq, dk, dv) = kernel::backward(
         &host_f32(q)?,
