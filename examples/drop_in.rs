@@ -72,7 +72,7 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
         ],
         D::Minus1,
     )?;
-    Ok((x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?)?)
+    x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
 struct Attn {
@@ -108,9 +108,9 @@ impl Attn {
         let rep = |x: Tensor| -> Result<Tensor> {
             // repeat_kv: [B, Hkv, T, D] -> [B, H, T, D]
             let (b, hkv, t, d) = x.dims4()?;
-            Ok(x.unsqueeze(2)?
+            x.unsqueeze(2)?
                 .broadcast_as((b, hkv, HEADS / hkv, t, d))?
-                .reshape((b, HEADS, t, d))?)
+                .reshape((b, HEADS, t, d))
         };
         let (k, v) = (rep(k)?, rep(v)?);
         let att = (q.contiguous()?.matmul(&k.t()?.contiguous()?)? / (d as f64).sqrt())?;
@@ -122,7 +122,7 @@ impl Attn {
         )?;
         let att = candle_nn::ops::softmax(&att, D::Minus1)?; // (softmax_last_dim has no backward)
         let y = att.matmul(&v)?.transpose(1, 2)?.reshape((b, t, c))?;
-        Ok(self.o.forward(&y)?)
+        self.o.forward(&y)
     }
 
     /// AFTER — this rank's `T/P` tokens with their GLOBAL positions.
@@ -145,7 +145,7 @@ impl Attn {
                 ulysses_attention(&q, &k, &v, group, &UlyssesOpts::new(true, 1.0 / (d as f64).sqrt()))?
             }
         };
-        Ok(self.o.forward(&y.reshape((b, t, c))?)?)
+        self.o.forward(&y.reshape((b, t, c))?)
     }
 }
 
@@ -184,7 +184,7 @@ impl Lm {
             .index_select(&ids.flatten_all()?, 0)?
             .reshape((b, t, HIDDEN))?;
         let x = (&x + f(&self.attn, &x)?)?;
-        Ok(self.head.forward(&x)?)
+        self.head.forward(&x)
     }
 }
 

@@ -1,65 +1,20 @@
 //! Helpers shared by the `gpu_check` and `gpu_bench` examples (included with `#[path]`).
 #![allow(dead_code)]
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::run_ranks;
-use candle_cp_ops::oracle::{AttnCase, AttnOutputs};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs};
 use candle_cp_ops::ulysses::{contiguous_shard, ulysses_attention, UlyssesOpts};
 
-/// Deterministic N(0, 1)-ish f32 tensor on the CPU (xorshift + Box-Muller), from `seed`.
+/// Deterministic N(0, 1) f32 tensor on the CPU from `seed` ([`randn`]).
 pub fn rand_tensor(shape: &[usize], seed: u64) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let (u1, u2) = (next(), next());
-            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
+    randn(seed, shape, 1.0)
 }
 
-fn host(x: &Tensor) -> Result<Vec<f64>> {
-    x.to_device(&Device::Cpu)?.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()
-}
-
-/// (max |a - b|, max |b|) with equal values (also equal infinities) counting as 0; NaN
-/// anywhere gives NaN. Errors if the shapes differ.
-fn diff(a: &Tensor, b: &Tensor) -> Result<(f64, f64)> {
-    if a.dims() != b.dims() {
-        candle_core::bail!("shape {:?} differs from reference {:?}", a.dims(), b.dims())
-    }
-    let (a, b) = (host(a)?, host(b)?);
-    let (mut e, mut m) = (0f64, 0f64);
-    for (x, y) in a.iter().zip(&b) {
-        let d = if x == y { 0.0 } else { (x - y).abs() };
-        if d.is_nan() {
-            return Ok((f64::NAN, m));
-        }
-        e = e.max(d);
-        if y.is_finite() {
-            m = m.max(y.abs());
-        }
-    }
-    Ok((e, m))
-}
-
-/// `max |a - b|` (any devices and dtypes).
-pub fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
-    Ok(diff(a, b)?.0)
-}
-
+/// `max |a - b|` (any devices and dtypes; equal infinities count as 0, NaN gives NaN).
+pub use candle_cp_ops::oracle::abs_err as max_abs;
 /// `max |a - b| / max |b|`.
-pub fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let (e, m) = diff(a, b)?;
-    Ok(if m > 0.0 { e / m } else { e })
-}
+pub use candle_cp_ops::oracle::rel_err as rel;
 
 /// Ulysses attention of an oracle case on `p` virtual ranks (threads; tensors on the case's
 /// device): forward + backward of `sum(out * dout)`, shards gathered back to global tensors.

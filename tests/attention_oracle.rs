@@ -4,42 +4,19 @@
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, attention_slow, merge, Mask};
 use candle_cp_ops::oracle::{abs_err, rel_err, run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
-use std::path::PathBuf;
+use candle_cp_tests::{oracle_attn, oracle_attn_files as oracle_files};
 
-fn oracle_files() -> Vec<PathBuf> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn");
-    let mut v: Vec<PathBuf> = std::fs::read_dir(&dir)
-        .unwrap_or_else(|e| panic!("cannot list {}: {e}", dir.display()))
-        .map(|e| e.unwrap().path())
-        .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
-        .collect();
-    v.sort();
-    assert_eq!(v.len(), 7, "expected the 7 oracle attention cases in {}", dir.display());
-    v
-}
-
-/// Deterministic N(0,1)-ish tensor (xorshift + Box-Muller), f32 on the CPU.
+/// Deterministic N(0, 1) f32 tensor on the CPU ([`candle_cp_ops::oracle::randn`]).
 fn randn(seed: u64, shape: &[usize]) -> Tensor {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let (u1, u2) = (next(), next());
-            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu).unwrap()
+    candle_cp_ops::oracle::randn(seed, shape, 1.0).unwrap()
 }
+
+/// An autograd attention function (`attention` or `attention_slow`).
+type AttnFn = fn(&Tensor, &Tensor, &Tensor, &Mask, f64) -> Result<(Tensor, Tensor)>;
 
 /// Forward + backward of `sum(out * dout)` through an autograd attention function.
 fn fwd_bwd(
-    f: fn(&Tensor, &Tensor, &Tensor, &Mask, f64) -> Result<(Tensor, Tensor)>,
+    f: AttnFn,
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -226,10 +203,11 @@ fn fully_masked_rows_give_zero_and_neg_inf() {
     let mask = Mask::causal_offsets(0, 25);
     let fast = fwd_bwd(attention, &q, &k, &v, &dout, &mask, 0.5);
     let slow = fwd_bwd(attention_slow, &q, &k, &v, &dout, &mask, 0.5);
+    assert_eq!(fast.lse.dims(), &[b, h, t]);
     let lse = fast.lse.to_vec3::<f32>().unwrap();
-    for hh in 0..h {
-        for i in 0..t {
-            assert_eq!(lse[0][hh][i] == f32::NEG_INFINITY, i < 25, "row {i}");
+    for row in &lse[0] {
+        for (i, &l) in row.iter().enumerate() {
+            assert_eq!(l == f32::NEG_INFINITY, i < 25, "row {i}");
         }
     }
     let masked_out = fast.out.narrow(1, 0, 25).unwrap().abs().unwrap().max_all().unwrap().to_scalar::<f32>().unwrap();
@@ -251,7 +229,7 @@ fn fully_masked_rows_give_zero_and_neg_inf() {
 
 #[test]
 fn half_precision_inputs() {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn/b2_t256_h8_kv2_d64_causal.safetensors");
+    let path = oracle_attn("b2_t256_h8_kv2_d64_causal.safetensors");
     let case = AttnCase::load(path).unwrap();
     for dt in [DType::BF16, DType::F16] {
         let c = |x: &Tensor| x.to_dtype(dt).unwrap();

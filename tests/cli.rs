@@ -3,11 +3,7 @@
 //! layout, compare; a corrupted copy fails, a missing file is an error.
 
 use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics};
-use std::path::{Path, PathBuf};
-
-fn oracle(name: &str) -> PathBuf {
-    Path::new(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn").join(name)
-}
+use candle_cp_tests::oracle_attn as oracle;
 
 #[test]
 fn verify_attn_single_passes() {

@@ -6,12 +6,12 @@
 //! against the single-device op and the plain-candle reference. Combinations the layout
 //! cannot split must fail with an error naming T, P and the layout.
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, PendingRecv, ProcessGroup, ThreadGroupOptions};
 use candle_cp_ops::attention::attention_slow;
 use candle_cp_ops::cp::{ring_attention, run_case_cp, run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
-use std::path::PathBuf;
+use candle_cp_ops::oracle::{randn, run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_tests::oracle_attn;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -34,8 +34,7 @@ const SMALL_CASES: [&str; 4] = [
 const TIMEOUT: Duration = Duration::from_secs(120);
 
 fn load(name: &str) -> Result<AttnCase> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn");
-    AttnCase::load(dir.join(format!("{name}.safetensors")))
+    AttnCase::load(oracle_attn(&format!("{name}.safetensors")))
 }
 
 fn assert_close(
@@ -166,25 +165,6 @@ fn oracle_p8_odd_length_contiguous_and_striped() -> Result<()> {
         8
     )?);
     Ok(())
-}
-
-/// Deterministic N(0, sigma²) values (xorshift + Box–Muller): tests need no rand crate.
-fn randn(seed: u64, shape: &[usize], sigma: f32) -> Result<Tensor> {
-    let n: usize = shape.iter().product();
-    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
-    let mut next = || {
-        s ^= s << 13;
-        s ^= s >> 7;
-        s ^= s << 17;
-        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
-    };
-    let v: Vec<f32> = (0..n)
-        .map(|_| {
-            let (u1, u2) = (next(), next());
-            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * sigma
-        })
-        .collect();
-    Tensor::from_vec(v, shape, &Device::Cpu)
 }
 
 /// A seeded case whose reference is the single-device autograd op.

@@ -18,7 +18,7 @@ struct Data {
 }
 
 fn dir() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/tiny-llama")
+    candle_cp_tests::oracle_dir("tiny-llama")
 }
 
 fn data() -> &'static Data {

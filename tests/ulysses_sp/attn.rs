@@ -8,15 +8,10 @@ use candle_cp_ops::cp::{self, Layout};
 use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
 use candle_cp_ops::ulysses::{self, ulysses_attention, UlyssesOpts};
 use candle_cp_ops::usp::{usp_attention, usp_positions, usp_shard, UspGroups, UspOpts};
-use std::path::PathBuf;
+use candle_cp_tests::{oracle_attn, oracle_attn_files};
 
 fn oracle_cases() -> Result<Vec<AttnCase>> {
-    let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn");
-    let mut paths: Vec<PathBuf> = std::fs::read_dir(&dir)?.map(|e| Ok(e?.path())).collect::<Result<_>>()?;
-    paths.retain(|p| p.extension().is_some_and(|x| x == "safetensors"));
-    paths.sort();
-    assert_eq!(paths.len(), 7, "expected 7 oracle cases in {}", dir.display());
-    paths.iter().map(|p| Ok(AttnCase::load(p)?)).collect()
+    oracle_attn_files().iter().map(|p| Ok(AttnCase::load(p)?)).collect()
 }
 
 /// Each rank returns the global positions of its rows and its local results; rebuild the
@@ -176,7 +171,7 @@ fn ulysses_errors_name_heads_and_degrees() -> Result<()> {
 
 #[test]
 fn ulysses_and_usp_bf16_match_single_device_bf16() -> Result<()> {
-    let path = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle/attn/b2_t256_h8_kv2_d64_causal.safetensors");
+    let path = oracle_attn("b2_t256_h8_kv2_d64_causal.safetensors");
     let mut case = AttnCase::load(path)?;
     for x in [&mut case.q, &mut case.k, &mut case.v, &mut case.dout] {
         *x = x.to_dtype(DType::BF16)?;

@@ -1,14 +1,23 @@
 //! `candle-cp plan` end to end: the 405B / 128k numbers through the binary, and exit code 2
 //! with a message on bad input.
 
-use std::process::{Command, Output};
+mod common;
+use common::candle_cp;
 
-fn candle_cp(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_candle-cp"))
-        .args(args)
-        .output()
-        .expect("run candle-cp")
-}
+/// `plan` for Llama-3 405B at 128k tokens with TP8 + SP + CP16, as JSON.
+const PLAN_405B_128K: [&str; 11] = [
+    "plan",
+    "--model",
+    "llama3-405b",
+    "--seq",
+    "131072",
+    "--tp",
+    "8",
+    "--cp",
+    "16",
+    "--sp",
+    "--json",
+];
 
 fn close(x: f64, want: f64, rel: f64) {
     assert!((x - want).abs() <= rel * want.abs(), "got {x}, want {want}");
@@ -16,19 +25,7 @@ fn close(x: f64, want: f64, rel: f64) {
 
 #[test]
 fn plan_405b_128k_json() {
-    let out = candle_cp(&[
-        "plan",
-        "--model",
-        "llama3-405b",
-        "--seq",
-        "131072",
-        "--tp",
-        "8",
-        "--cp",
-        "16",
-        "--sp",
-        "--json",
-    ]);
+    let out = candle_cp(&PLAN_405B_128K);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(0), "stderr: {stderr}");
     let v: serde_json::Value =
@@ -177,19 +174,7 @@ fn plan_bad_input_exits_2_with_message() {
 #[test]
 fn plan_hardware_and_rate_overrides() {
     let run = |extra: &[&str]| -> serde_json::Value {
-        let mut args = vec![
-            "plan",
-            "--model",
-            "llama3-405b",
-            "--seq",
-            "131072",
-            "--tp",
-            "8",
-            "--cp",
-            "16",
-            "--sp",
-            "--json",
-        ];
+        let mut args = PLAN_405B_128K.to_vec();
         args.extend_from_slice(extra);
         let out = candle_cp(&args);
         assert_eq!(

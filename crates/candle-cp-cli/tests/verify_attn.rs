@@ -2,18 +2,18 @@
 //! a corrupted copy, exit 2 on bad input.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
+use common::candle_cp;
 
 fn oracle(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle/attn").join(name)
 }
 
+/// `candle-cp verify attn <args>`.
 fn verify(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_candle-cp"))
-        .args(["verify", "attn"])
-        .args(args)
-        .output()
-        .expect("cannot run candle-cp")
+    candle_cp(&[&["verify", "attn"], args].concat())
 }
 
 fn last_line(o: &Output) -> String {

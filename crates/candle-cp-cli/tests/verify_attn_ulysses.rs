@@ -3,19 +3,19 @@
 //! the heads and the degrees that work on bad degrees or flags.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output};
+use std::process::Output;
+
+mod common;
+use common::candle_cp;
 
 fn oracle(name: &str) -> String {
     let p: PathBuf = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle/attn").join(name);
     p.to_string_lossy().into_owned()
 }
 
+/// `candle-cp verify attn <args>`.
 fn verify(args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_candle-cp"))
-        .args(["verify", "attn"])
-        .args(args)
-        .output()
-        .expect("cannot run candle-cp")
+    candle_cp(&[&["verify", "attn"], args].concat())
 }
 
 fn show(o: &Output) -> String {

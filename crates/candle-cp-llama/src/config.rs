@@ -248,7 +248,7 @@ impl LlamaConfig {
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")
         }
-        if self.head_dim == 0 || self.head_dim % 2 != 0 {
+        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
             bail!("LlamaConfig: head_dim ({}) must be even and > 0", self.head_dim)
         }
         if self.vocab_size == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {

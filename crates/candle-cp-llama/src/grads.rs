@@ -38,11 +38,7 @@ fn reduce_with_buckets(
     ctx: &ParallelCtx,
     bucket_elems: usize,
 ) -> Result<()> {
-    let vars = varmap
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?
-        .clone();
+    let vars = crate::params::lock_vars(varmap)?.clone();
     // TP-sharded weights: DP × CP; replicated ones: DP × CP (+ TP under SP)
     let repl_group = if ctx.layout.seq_parallel() {
         &ctx.world
@@ -109,10 +105,7 @@ fn all_reduce_bucket(grads: &mut GradStore, bucket: Vec<(Tensor, Tensor)>, group
 
 /// The gradients of the `VarMap`'s parameters by name (missing ones omitted).
 pub fn named_grads(grads: &GradStore, varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
-    let vars = varmap
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+    let vars = crate::params::lock_vars(varmap)?;
     Ok(vars
         .iter()
         .filter_map(|(k, v)| grads.get(v.as_tensor()).map(|g| (k.clone(), g.clone())))

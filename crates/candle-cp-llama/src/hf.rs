@@ -56,10 +56,7 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
     let tensors = load_safetensors_dir(dir, device)?;
     let vm = VarMap::new();
     {
-        let mut data = vm
-            .data()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
             let Some(t) = tensors.get(&s.name) else {
                 bail!(

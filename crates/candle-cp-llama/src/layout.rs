@@ -191,14 +191,14 @@ impl Layout {
             }
             _ => {}
         }
-        if heads % self.tp != 0 || kv_heads % self.tp != 0 {
+        if !heads.is_multiple_of(self.tp) || !kv_heads.is_multiple_of(self.tp) {
             bail!(
                 "layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})",
                 self.tp
             )
         }
         let lh = heads / self.tp;
-        if self.ulysses > 1 && lh % self.ulysses != 0 {
+        if self.ulysses > 1 && !lh.is_multiple_of(self.ulysses) {
             bail!(
                 "layout {self}: ulysses degree {} must divide the {lh} query heads per TP rank",
                 self.ulysses
@@ -345,7 +345,7 @@ pub fn shard_batch(global_ids: &Tensor, ctx: &ParallelCtx) -> Result<ShardedBatc
 fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<Tensor>> {
     let l = &ctx.layout;
     let (dp_i, cp_i, tp_i) = ctx.coords;
-    if b % l.dp != 0 {
+    if !b.is_multiple_of(l.dp) {
         bail!("shard_batch: batch {b} (ids [{b}, {t}]) not divisible by dp = {}", l.dp)
     }
     let seq = l.cp_kind.seq_layout();

@@ -127,6 +127,15 @@ impl Normal {
     }
 }
 
+/// Lock the `VarMap`'s name → `Var` table (an error, not a panic, if the lock is poisoned).
+pub(crate) fn lock_vars(
+    vm: &VarMap,
+) -> Result<std::sync::MutexGuard<'_, std::collections::HashMap<String, Var>>> {
+    vm.data()
+        .lock()
+        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))
+}
+
 /// A full (unsharded) model with HF's default init — N(0, 0.02²) matrices, norms 1 —
 /// drawn from `seed` (each tensor from its own stream keyed by its name), so every rank
 /// that calls it gets the same weights. Vars in `dtype` on `device`.
@@ -134,10 +143,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
     cfg.validate()?;
     let vm = VarMap::new();
     {
-        let mut data = vm
-            .data()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
             let n: usize = s.shape.iter().product();
             let t = if s.shape.len() == 1 {
@@ -162,10 +168,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 
 /// Full tensor of every parameter in `full` by name (cheap clones of the Vars' tensors).
 pub fn varmap_tensors(vm: &VarMap) -> Result<std::collections::HashMap<String, Tensor>> {
-    let data = vm
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+    let data = lock_vars(vm)?;
     Ok(data
         .iter()
         .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
@@ -189,10 +192,7 @@ pub fn shard_tensors(
     let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let vm = VarMap::new();
     {
-        let mut data = vm
-            .data()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
             let Some(t) = full.get(&s.name) else {
                 bail!("shard_params: missing parameter {} {:?}", s.name, s.shape)

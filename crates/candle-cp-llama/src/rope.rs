@@ -4,6 +4,7 @@
 
 use crate::config::{LlamaConfig, RopeScaling};
 use candle_core::{DType, Device, Result, Tensor};
+use std::cmp::Ordering;
 
 /// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64.
 pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
@@ -27,7 +28,8 @@ pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
                 .map(|f| {
                     let wavelen = 2.0 * std::f64::consts::PI / f;
                     let scaled = if wavelen > low_wavelen { f / factor } else { f };
-                    let medium = !(wavelen < high_wavelen) && !(wavelen > low_wavelen);
+                    let medium = wavelen.partial_cmp(&high_wavelen) != Some(Ordering::Less)
+                        && wavelen.partial_cmp(&low_wavelen) != Some(Ordering::Greater);
                     if medium {
                         let smooth = (old / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor);
                         (1.0 - smooth) * scaled / factor + smooth * scaled

@@ -48,6 +48,13 @@ impl LinearConfig {
     fn weight_init(&self, in_dim: usize) -> Init {
         self.init.unwrap_or(Init::Randn { mean: 0.0, stdev: (2.0 / in_dim.max(1) as f64).sqrt() })
     }
+    /// `weight` `[out, in]` from `vb` (`in_dim` global, for the init) and, if `self.bias`,
+    /// `bias` `[out]` (zeros).
+    fn load(&self, vb: &VarBuilder, out: usize, in_local: usize, in_dim: usize) -> Result<(Tensor, Option<Tensor>)> {
+        let weight = vb.get_with_hints((out, in_local), "weight", self.weight_init(in_dim))?;
+        let bias = if self.bias { Some(vb.get_with_hints(out, "bias", Init::Const(0.0))?) } else { None };
+        Ok((weight, bias))
+    }
 }
 
 /// `x·wᵀ (+ b)` for `x` `[.., in]`, `w` `[out, in]`: one GEMM over the flattened leading dims.
@@ -130,8 +137,7 @@ impl ColumnParallelLinear {
         let mut parts = Vec::with_capacity(vbs.len());
         for (vb, out_dim) in vbs {
             let ol = check_divisible("ColumnParallelLinear", *out_dim, "out_dim", tp)?;
-            let weight = vb.get_with_hints((ol, in_dim), "weight", cfg.weight_init(in_dim))?;
-            let bias = if cfg.bias { Some(vb.get_with_hints(ol, "bias", Init::Const(0.0))?) } else { None };
+            let (weight, bias) = cfg.load(vb, ol, in_dim, in_dim)?;
             parts.push(Part { weight, bias });
         }
         Ok(Self { parts, in_dim, tp: tp.clone() })
@@ -249,8 +255,7 @@ impl RowParallelLinear {
     /// `cfg.bias`). `in_dim` is the *global* input size; `in_dim % P == 0` required.
     pub fn new(vb: VarBuilder, in_dim: usize, out_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
         let il = check_divisible("RowParallelLinear", in_dim, "in_dim", tp)?;
-        let weight = vb.get_with_hints((out_dim, il), "weight", cfg.weight_init(in_dim))?;
-        let bias = if cfg.bias { Some(vb.get_with_hints(out_dim, "bias", Init::Const(0.0))?) } else { None };
+        let (weight, bias) = cfg.load(&vb, out_dim, il, in_dim)?;
         Ok(Self { weight, bias, sync: GradSync::InBackward, tp: tp.clone() })
     }
 

@@ -154,6 +154,26 @@ pub fn run_single(case: &AttnCase) -> Result<AttnOutputs> {
     Ok(AttnOutputs { out, lse, dq: grad(&q, "q")?, dk: grad(&k, "k")?, dv: grad(&v, "v")? })
 }
 
+/// Deterministic N(0, sigma²) f32 tensor of `shape` on the CPU from `seed` (xorshift +
+/// Box–Muller), so tests, checks and benches get seeded inputs without a rand crate.
+pub fn randn(seed: u64, shape: &[usize], sigma: f32) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let mut s = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+    let mut next = || {
+        s ^= s << 13;
+        s ^= s >> 7;
+        s ^= s << 17;
+        ((s >> 11) as f64 + 0.5) / (1u64 << 53) as f64
+    };
+    let v: Vec<f32> = (0..n)
+        .map(|_| {
+            let (u1, u2) = (next(), next());
+            ((-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()) as f32 * sigma
+        })
+        .collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
 fn diff_stats(a: &Tensor, r: &Tensor, what: &str) -> Result<(f64, f64)> {
     if a.dims() != r.dims() {
         candle_core::bail!("{what}: shape {:?} differs from reference {:?}", a.shape(), r.shape())

@@ -111,24 +111,24 @@ pub enum KvSpread {
 /// Ulysses degrees `P` that work for `H` query heads and `Hkv` KV heads:
 /// `H % P == 0` and (`Hkv % P == 0` or `P % Hkv == 0`).
 pub fn valid_ulysses_degrees(h: usize, hkv: usize) -> Vec<usize> {
-    (1..=h).filter(|&p| h % p == 0 && hkv > 0 && (hkv % p == 0 || p % hkv == 0)).collect()
+    (1..=h).filter(|&p| h.is_multiple_of(p) && hkv > 0 && (hkv.is_multiple_of(p) || p.is_multiple_of(hkv))).collect()
 }
 
 /// Decide how KV heads are spread over `p` ranks; errors name `H`, `Hkv`, `P` and list the
 /// degrees that would work.
 pub fn kv_spread(h: usize, hkv: usize, p: usize) -> Result<KvSpread> {
-    if p == 0 || hkv == 0 || h % hkv != 0 {
+    if p == 0 || hkv == 0 || !h.is_multiple_of(hkv) {
         candle_core::bail!("ulysses: H = {h} query heads, Hkv = {hkv} KV heads, P = {p}: need P > 0 and Hkv dividing H")
     }
     let ok = valid_ulysses_degrees(h, hkv);
-    if h % p != 0 {
+    if !h.is_multiple_of(p) {
         candle_core::bail!(
             "ulysses: H = {h} query heads not divisible by the Ulysses degree P = {p}; degrees that work for H = {h}, Hkv = {hkv}: {ok:?}"
         )
     }
-    if hkv % p == 0 {
+    if hkv.is_multiple_of(p) {
         Ok(KvSpread::Split)
-    } else if p % hkv == 0 {
+    } else if p.is_multiple_of(hkv) {
         Ok(KvSpread::Replicate(p / hkv))
     } else {
         candle_core::bail!(

@@ -9,38 +9,61 @@ use crate::layout::{ActivationModel, Layout, Recompute};
 use crate::model::ModelConfig;
 use serde::Serialize;
 
+/// The layout of one GPU, no parallelism, flash attention on or off.
+fn single_gpu(flash: bool) -> Layout {
+    Layout {
+        flash,
+        ..Layout::default()
+    }
+}
+
 /// Korthikanti et al. (2022) eq. 1 generalised to `e`-byte activations, one layer, one
 /// micro-batch, no parallelism: `s·b·h·(16e + 2) + a·s²·b·(2e + 1)` bytes
 /// (`= sbh·(34 + 5as/h)` for `e = 2`). With `flash` the score term is 0.
 pub fn korthikanti_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
-    korthikanti_per_gpu(
-        m,
-        &Layout {
-            flash,
-            ..Layout::default()
-        },
-        s,
-        b,
-        e,
-        Recompute::None,
-    )
+    korthikanti_per_gpu(m, &single_gpu(flash), s, b, e, Recompute::None)
 }
 
 /// Exact stored activations of one Llama layer (RMSNorm, GQA, SwiGLU, no dropout), no
 /// parallelism: `s·b·e·(4h + 2·a·d + 2·a_kv·d + 3f)` bytes, plus `a·s²·b·e` (softmax
 /// probabilities) without flash. For Llama 3 405B this is `31.75·sbh` at `e = 2`.
 pub fn llama_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize, flash: bool) -> f64 {
-    llama_per_gpu(
-        m,
-        &Layout {
-            flash,
-            ..Layout::default()
-        },
-        s,
-        b,
-        e,
-        Recompute::None,
-    )
+    llama_per_gpu(m, &single_gpu(flash), s, b, e, Recompute::None)
+}
+
+/// The terms both per-GPU counts share: TP degree `t`, local tokens `c = s/cp`, batch `b`,
+/// bytes per element `e`, hidden size `h`, and the SP divisor (`t` with SP, else 1).
+#[derive(Clone, Copy)]
+struct Terms {
+    t: f64,
+    c: f64,
+    bf: f64,
+    ef: f64,
+    h: f64,
+    sp_div: f64,
+}
+
+impl Terms {
+    fn new(m: &ModelConfig, l: &Layout, b: usize, s: usize, e: usize) -> Self {
+        let (t, c) = (l.tp as f64, (s / l.cp) as f64);
+        let sp_div = if l.sp { t } else { 1.0 };
+        Terms { t, c, bf: b as f64, ef: e as f64, h: m.hidden as f64, sp_div }
+    }
+
+    /// Full recompute keeps only the layer input: `c·b·h·e / sp_div` bytes.
+    fn full_recompute(&self) -> f64 {
+        self.c * self.bf * self.h * self.ef / self.sp_div
+    }
+
+    /// Attention scores kept for backward, `a·c·s·b·per_elem / t` bytes; 0 with flash
+    /// attention or selective recompute.
+    fn scores(&self, m: &ModelConfig, l: &Layout, s: usize, r: Recompute, per_elem: f64) -> f64 {
+        if l.flash || r == Recompute::Selective {
+            0.0
+        } else {
+            m.heads as f64 * self.c * s as f64 * self.bf * per_elem / self.t
+        }
+    }
 }
 
 /// Korthikanti count per GPU for one layer, CP and TP/SP applied (`c = s/cp` tokens):
@@ -57,19 +80,14 @@ pub fn korthikanti_per_gpu(
     e: usize,
     r: Recompute,
 ) -> f64 {
-    let (t, c) = (l.tp as f64, (s / l.cp) as f64);
-    let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
-    let sp_div = if l.sp { t } else { 1.0 };
+    let terms = Terms::new(m, l, b, s, e);
+    let Terms { t, c, bf, ef, h, sp_div } = terms;
     if r == Recompute::Full {
-        return c * bf * h * ef / sp_div;
+        return terms.full_recompute();
     }
     let replicated = c * bf * h * (4.0 * ef + 2.0) / sp_div;
     let split = c * bf * h * 12.0 * ef / t;
-    let scores = if l.flash || r == Recompute::Selective {
-        0.0
-    } else {
-        m.heads as f64 * c * s as f64 * bf * (2.0 * ef + 1.0) / t
-    };
+    let scores = terms.scores(m, l, s, r, 2.0 * ef + 1.0);
     replicated + split + scores
 }
 
@@ -89,22 +107,17 @@ pub fn llama_per_gpu(
     e: usize,
     r: Recompute,
 ) -> f64 {
-    let (t, c) = (l.tp as f64, (s / l.cp) as f64);
-    let (bf, ef, h) = (b as f64, e as f64, m.hidden as f64);
-    let sp_div = if l.sp { t } else { 1.0 };
+    let terms = Terms::new(m, l, b, s, e);
+    let Terms { t, c, bf, ef, h, sp_div } = terms;
     if r == Recompute::Full {
-        return c * bf * h * ef / sp_div;
+        return terms.full_recompute();
     }
     let cbe = c * bf * ef;
     let replicated = cbe * 4.0 * h / sp_div;
     let q_o = cbe * 2.0 * m.q_dim() as f64 / t;
     let k_v = cbe * 2.0 * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let mlp = cbe * 3.0 * m.ffn as f64 / t;
-    let scores = if l.flash || r == Recompute::Selective {
-        0.0
-    } else {
-        m.heads as f64 * c * s as f64 * bf * ef / t
-    };
+    let scores = terms.scores(m, l, s, r, ef);
     replicated + q_o + k_v + mlp + scores
 }
 

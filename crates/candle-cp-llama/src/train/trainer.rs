@@ -19,7 +19,7 @@ use crate::{
 };
 use candle_core::{bail, DType, Device, Result, Tensor, D};
 use candle_cp_comm::Group;
-use candle_nn::{VarBuilder, VarMap};
+use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 use std::time::Instant;
@@ -164,17 +164,6 @@ fn global_batch(
     ))
 }
 
-fn local_tensors(varmap: &VarMap) -> Result<HashMap<String, Tensor>> {
-    let data = varmap
-        .data()
-        .lock()
-        .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
-    Ok(data
-        .iter()
-        .map(|(k, v)| (k.clone(), v.as_tensor().clone()))
-        .collect())
-}
-
 /// Write `loss.png` (training loss, all-target loss if different, long-range loss per step)
 /// from the metrics file.
 pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
@@ -303,10 +292,7 @@ pub fn train_rank(
         &ctx,
     )?;
     let named_vars: Vec<(String, candle_core::Var)> = {
-        let data = varmap
-            .data()
-            .lock()
-            .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))?;
+        let data = crate::params::lock_vars(&varmap)?;
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     };
     let sharded: HashMap<String, bool> = param_specs(&mcfg)
@@ -356,7 +342,7 @@ pub fn train_rank(
         }
         world.barrier()?;
         let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
-        let full = gather_full(&local_tensors(&varmap)?, &mcfg, &ctx)?;
+        let full = gather_full(&crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx)?;
         if is_main {
             save_hf_tensors(&tmp, &full, &mcfg)?;
         }

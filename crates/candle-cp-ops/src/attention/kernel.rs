@@ -24,15 +24,7 @@ pub(crate) const BWD_BQ: usize = 128;
 pub(crate) const BWD_BK: usize = 128;
 
 /// Problem sizes: q `[b, t, h, d]`, k/v `[b, s, hkv, d]`.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Dims {
-    pub b: usize,
-    pub t: usize,
-    pub s: usize,
-    pub h: usize,
-    pub hkv: usize,
-    pub d: usize,
-}
+pub(crate) use super::AttnDims as Dims;
 
 impl Dims {
     fn g(&self) -> usize {

@@ -81,12 +81,6 @@ pub struct AttnDims {
     pub d: usize,
 }
 
-impl AttnDims {
-    pub(crate) fn kernel(&self) -> kernel::Dims {
-        kernel::Dims { b: self.b, t: self.t, s: self.s, h: self.h, hkv: self.hkv, d: self.d }
-    }
-}
-
 /// Validate q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (same dtype f32/bf16/f16, same device,
 /// `H % Hkv == 0`) and the mask (strides >= 1). Errors name the shapes.
 pub fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<AttnDims> {
@@ -207,7 +201,7 @@ pub fn attention_bwd(
         &host_f32(out)?,
         &host_f32(lse)?,
         &host_f32(dout)?,
-        dims.kernel(),
+        dims,
         &lim,
         scale as f32,
     );

@@ -19,7 +19,7 @@ use super::ring::split_rows;
 use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::RowAccum;
-use super::{check_inputs, CpOpts, Dims};
+use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
@@ -42,10 +42,6 @@ fn key_range(seg: &Segment, t: usize, causal: bool) -> (usize, Mask) {
     } else {
         (t, Mask::Full)
     }
-}
-
-fn scale_of(opts: &CpOpts, d: usize) -> f64 {
-    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
 }
 
 /// All-gather K/V and rebuild them in token order: `[2, B, T, Hkv, D]` (k, v stacked).
@@ -190,17 +186,7 @@ pub fn allgather_attention_bwd_raw(
     group: &Group,
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
-    let dims = check_inputs("allgather_attention backward", q, k, v, group, opts)?;
-    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl]
-    {
-        candle_core::bail!(
-            "allgather_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
-            out.shape(),
-            dout.shape(),
-            q.shape(),
-            lse.shape()
-        )
-    }
+    let dims = check_bwd_inputs("allgather_attention backward", q, k, v, out, lse, dout, group, opts)?;
     let mut st = StepStats::default();
     let t0 = Instant::now();
     let kv = gather_kv(k, v, group, opts)?;

@@ -104,6 +104,39 @@ fn dtype_code(d: DType) -> f32 {
     }
 }
 
+/// The softmax scale: `opts.scale`, else `1/sqrt(D)`.
+pub(crate) fn scale_of(opts: &CpOpts, d: usize) -> f64 {
+    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
+}
+
+/// [`check_inputs`] for a backward pass, plus: `out` and `dout` must match q's shape
+/// `[B, T/P, H, D]` and `lse` must be `[B, H, T/P]`. Errors name the shapes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn check_bwd_inputs(
+    name: &str,
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    group: &Group,
+    opts: &CpOpts,
+) -> Result<Dims> {
+    let dims = check_inputs(name, q, k, v, group, opts)?;
+    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl]
+    {
+        bail!(
+            "{name}: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
+            out.shape(),
+            dout.shape(),
+            q.shape(),
+            lse.shape()
+        )
+    }
+    Ok(dims)
+}
+
 /// Check local shapes (`q [B,T/P,H,D]`, `k, v [B,T/P,Hkv,D]`, `H % Hkv == 0`, same device and
 /// dtype of k and v), the layout's divisibility, and that every rank passed the same shapes,
 /// dtypes and options (one small all-gather). Errors name the shapes and the ranks.

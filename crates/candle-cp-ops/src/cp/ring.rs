@@ -37,7 +37,7 @@
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::{Layout, Segment};
 use super::state::{LocalState, RowAccum};
-use super::{check_inputs, CpOpts, Dims};
+use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
@@ -159,10 +159,6 @@ fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
     t.narrow(dim, s.local, s.len)?.contiguous()
 }
 
-fn scale_of(opts: &CpOpts, d: usize) -> f64 {
-    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
-}
-
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
 /// `lse [B, H, T/P]` of the *global* attention for this rank's queries out, plus timings.
 /// Collective over `group`.
@@ -242,17 +238,7 @@ pub fn ring_attention_bwd_raw(
     group: &Group,
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
-    let dims = check_inputs("ring_attention backward", q, k, v, group, opts)?;
-    if out.dims() != q.dims() || dout.dims() != q.dims() || lse.dims() != [dims.b, dims.h, dims.tl]
-    {
-        candle_core::bail!(
-            "ring_attention backward: out {:?} and dout {:?} must match q {:?}, lse {:?} must be [B, H, T/P]",
-            out.shape(),
-            dout.shape(),
-            q.shape(),
-            lse.shape()
-        )
-    }
+    let dims = check_bwd_inputs("ring_attention backward", q, k, v, out, lse, dout, group, opts)?;
     bwd(q, k, v, out, lse, dout, group, opts, &dims)
 }
 
