@@ -4,7 +4,9 @@ use std::path::PathBuf;
 
 /// `tests/data/oracle/<sub>` (`sub` = `attn`, `tiny-llama`, or a file below them).
 pub fn oracle_dir(sub: &str) -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("data/oracle").join(sub)
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("data/oracle")
+        .join(sub)
 }
 
 /// `tests/data/oracle/attn/<file>` (e.g. `b2_t256_h8_kv2_d64_causal.safetensors`).
@@ -22,6 +24,11 @@ pub fn oracle_attn_files() -> Vec<PathBuf> {
         .filter(|p| p.extension().is_some_and(|x| x == "safetensors"))
         .collect();
     v.sort();
-    assert_eq!(v.len(), 7, "expected the 7 oracle attention cases in {}", dir.display());
+    assert_eq!(
+        v.len(),
+        7,
+        "expected the 7 oracle attention cases in {}",
+        dir.display()
+    );
     v
 }

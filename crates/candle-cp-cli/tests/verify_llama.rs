@@ -77,7 +77,11 @@ fn bad_input_exits_2() {
     let r = tiny().join("reference.safetensors");
     let m = tiny();
     // missing checkpoint directory
-    let o = verify_with(Path::new("/nonexistent/model"), &r, &["--layout", "zigzag", "--cp", "2"]);
+    let o = verify_with(
+        Path::new("/nonexistent/model"),
+        &r,
+        &["--layout", "zigzag", "--cp", "2"],
+    );
     assert_eq!(o.status.code(), Some(2));
     // 8 heads cannot be split over 3 Ulysses ranks: the error names the degrees
     let o = verify_with(&m, &r, &["--layout", "ulysses", "--cp", "3"]);

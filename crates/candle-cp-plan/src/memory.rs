@@ -47,7 +47,14 @@ impl Terms {
     fn new(m: &ModelConfig, l: &Layout, b: usize, s: usize, e: usize) -> Self {
         let (t, c) = (l.tp as f64, (s / l.cp) as f64);
         let sp_div = if l.sp { t } else { 1.0 };
-        Terms { t, c, bf: b as f64, ef: e as f64, h: m.hidden as f64, sp_div }
+        Terms {
+            t,
+            c,
+            bf: b as f64,
+            ef: e as f64,
+            h: m.hidden as f64,
+            sp_div,
+        }
     }
 
     /// Full recompute keeps only the layer input: `c·b·h·e / sp_div` bytes.
@@ -81,7 +88,14 @@ pub fn korthikanti_per_gpu(
     r: Recompute,
 ) -> f64 {
     let terms = Terms::new(m, l, b, s, e);
-    let Terms { t, c, bf, ef, h, sp_div } = terms;
+    let Terms {
+        t,
+        c,
+        bf,
+        ef,
+        h,
+        sp_div,
+    } = terms;
     if r == Recompute::Full {
         return terms.full_recompute();
     }
@@ -108,7 +122,14 @@ pub fn llama_per_gpu(
     r: Recompute,
 ) -> f64 {
     let terms = Terms::new(m, l, b, s, e);
-    let Terms { t, c, bf, ef, h, sp_div } = terms;
+    let Terms {
+        t,
+        c,
+        bf,
+        ef,
+        h,
+        sp_div,
+    } = terms;
     if r == Recompute::Full {
         return terms.full_recompute();
     }

@@ -186,7 +186,17 @@ pub fn allgather_attention_bwd_raw(
     group: &Group,
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
-    let dims = check_bwd_inputs("allgather_attention backward", q, k, v, out, lse, dout, group, opts)?;
+    let dims = check_bwd_inputs(
+        "allgather_attention backward",
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        group,
+        opts,
+    )?;
     let mut st = StepStats::default();
     let t0 = Instant::now();
     let kv = gather_kv(k, v, group, opts)?;

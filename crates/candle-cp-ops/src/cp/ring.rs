@@ -238,7 +238,17 @@ pub fn ring_attention_bwd_raw(
     group: &Group,
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
-    let dims = check_bwd_inputs("ring_attention backward", q, k, v, out, lse, dout, group, opts)?;
+    let dims = check_bwd_inputs(
+        "ring_attention backward",
+        q,
+        k,
+        v,
+        out,
+        lse,
+        dout,
+        group,
+        opts,
+    )?;
     bwd(q, k, v, out, lse, dout, group, opts, &dims)
 }
 
