@@ -195,17 +195,31 @@ fn main() -> anyhow::Result<()> {
     let dev = Device::Cpu;
     let d = HIDDEN / HEADS;
     let mut w = HashMap::new();
-    for (n, shape) in [
+    // Seeded: the same weights and tokens every run.
+    for (i, (n, shape)) in [
         ("emb", (VOCAB, HIDDEN)),
         ("q", (HIDDEN, HIDDEN)),
         ("k", (KV_HEADS * d, HIDDEN)),
         ("v", (KV_HEADS * d, HIDDEN)),
         ("o", (HIDDEN, HIDDEN)),
         ("head", (VOCAB, HIDDEN)),
-    ] {
-        w.insert(n.to_string(), Tensor::randn(0f32, 0.3, shape, &dev)?);
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        w.insert(n.to_string(), candle_cp_ops::oracle::randn(i as u64 + 1, &[shape.0, shape.1], 0.3)?);
     }
-    let ids = Tensor::rand(0f32, VOCAB as f32, (1, t), &dev)?.to_dtype(DType::U32)?;
+    let mut state = 0x2545_F491_4F6C_DD1Du64;
+    let ids: Vec<u32> = (0..t)
+        .map(|_| {
+            // xorshift64: uniform token ids in [0, VOCAB).
+            state ^= state << 13;
+            state ^= state >> 7;
+            state ^= state << 17;
+            (state % VOCAB as u64) as u32
+        })
+        .collect();
+    let ids = Tensor::from_vec(ids, (1, t), &dev)?;
     let labels = Tensor::cat(&[&ids.narrow(1, 1, t - 1)?, &Tensor::full(IGNORE, (1, 1), &dev)?], 1)?;
     let rope = Rope::new(t, d)?;
 
