@@ -6,9 +6,9 @@
 //! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
 //! offset/stride causal mask when it straddles the diagonal. The partial (out, lse) of each
 //! block merge, through the LSE, into an f32 running state of all local rows
-//! ([`super::state::LocalState`], in place). Blocks with more than [`CpOpts::block_rows`]
-//! query rows are computed in row chunks (each chunk re-classified), which bounds the memory
-//! of one attention call.
+//! ([`super::state::LocalState`]: in place on the host for CPU queries, as f32 device tensors
+//! otherwise). Blocks with more than [`CpOpts::block_rows`] query rows are computed in row
+//! chunks (each chunk re-classified), which bounds the memory of one attention call.
 //!
 //! Zigzag schedule (P = 4, 2P = 8 chunks of c = T/8 tokens; rank i holds chunks i, 7-i).
 //! Rows: rank 1's query chunks; columns: key chunks; `█` full block, `◣` diagonal block,
@@ -184,7 +184,7 @@ fn fwd(
     let ring = Ring::new(group);
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
-    let mut state = LocalState::new(dims.b, dims.tl, dims.h, dims.d);
+    let mut state = LocalState::on_device(dims.b, dims.tl, dims.h, dims.d, q.device())?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     for s in 0..p {

@@ -2,26 +2,43 @@
 //!
 //! Each ring step produces partial results `(out_s [B, n, H, D], lse_s [B, H, n])` for a run
 //! of local rows (a query segment) over a disjoint set of keys; the state folds them in through
-//! the log-sum-exp, in place, one pass:
+//! the log-sum-exp:
 //!
 //! ```text
 //! m = max(lse, lse_s)   w = e^(lse-m)   w_s = e^(lse_s-m)
 //! out ← (w·out + w_s·out_s) / (w + w_s)     lse ← m + ln(w + w_s)     (-inf rows stay 0/-inf)
 //! ```
 //!
-//! The state starts at out 0, lse `-inf` (the empty key set) and lives in host `Vec<f32>`s for
-//! all `T/P` local rows, so the final tensors need no concatenation. (The general
-//! [`crate::attention::merge`] builds ~10 broadcast tensor ops per merge, ~40% of a 1k×1k
-//! attention block on CPU; it stays the reference this is tested against.) On a GPU the partial
-//! results are copied to the host — the CPU attention path does the same today.
+//! The state starts at out 0, lse `-inf` (the empty key set) for all `T/P` local rows, so the
+//! final tensors need no concatenation. It has two representations, chosen by
+//! [`LocalState::on_device`] from the device of the queries:
+//!
+//! - **CPU** (`Host`): host `Vec<f32>`s, merged in place in one pass. (The general
+//!   [`crate::attention::merge`] builds ~10 broadcast tensor ops per merge, ~40% of a 1k×1k
+//!   attention block on CPU; it stays the reference this is tested against.)
+//! - **Other devices** (`Device`): f32 tensors `out [B, T/P, H, D]`, `lse [B, H, T/P]` kept on
+//!   the device; each partial result is merged with [`crate::attention::merge`] (the CUDA merge
+//!   kernel under feature `cuda`). A partial covering rows `row0 .. row0 + n` of the `T/P` local
+//!   rows merges into `narrow`ed views of those rows and is written back with `slice_assign`;
+//!   rows outside the segment are untouched. Nothing is copied to the host; [`LocalState::finish`]
+//!   returns the f32 tensors as they are (the caller casts to the output dtype once).
 
 use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
 
-/// Running (out, lse) of `T/P` local query rows, f32, host memory.
+/// Running (out, lse) of `T/P` local query rows, f32: host memory on CPU, device tensors
+/// elsewhere (see the module doc).
 pub struct LocalState {
-    out: Vec<f32>,
-    lse: Vec<f32>,
+    repr: Repr,
     dims: (usize, usize, usize, usize),
+}
+
+/// Where the running state lives.
+enum Repr {
+    /// Host `out [B*T/P*H*D]`, `lse [B*H*T/P]`, merged in place (CPU queries).
+    Host { out: Vec<f32>, lse: Vec<f32> },
+    /// f32 `out [B, T/P, H, D]`, `lse [B, H, T/P]` on the queries' device, merged with
+    /// [`crate::attention::merge`].
+    Device { out: Tensor, lse: Tensor },
 }
 
 /// Run `f` on the f32 contents of `t` (row-major), without a copy when `t` is a contiguous
@@ -44,13 +61,42 @@ fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
 }
 
 impl LocalState {
-    /// Empty state (out 0, lse `-inf`) for `[B, T/P, H, D]` local rows.
+    /// Empty state (out 0, lse `-inf`) for `[B, T/P, H, D]` local rows, in host memory.
     pub fn new(b: usize, tl: usize, h: usize, d: usize) -> Self {
         Self {
-            out: vec![0f32; b * tl * h * d],
-            lse: vec![f32::NEG_INFINITY; b * h * tl],
+            repr: Repr::Host {
+                out: vec![0f32; b * tl * h * d],
+                lse: vec![f32::NEG_INFINITY; b * h * tl],
+            },
             dims: (b, tl, h, d),
         }
+    }
+
+    /// Empty state for `[B, T/P, H, D]` local rows of queries on `device`: host memory when
+    /// `device` is the CPU (same as [`LocalState::new`]), f32 tensors on `device` otherwise.
+    pub fn on_device(b: usize, tl: usize, h: usize, d: usize, device: &Device) -> Result<Self> {
+        if device.is_cpu() {
+            return Ok(Self::new(b, tl, h, d));
+        }
+        Self::device_resident(b, tl, h, d, device)
+    }
+
+    /// Empty device-tensor state on `device`, whatever the device (also CPU: tests compare it
+    /// against the host state).
+    pub(crate) fn device_resident(
+        b: usize,
+        tl: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            repr: Repr::Device {
+                out: Tensor::zeros((b, tl, h, d), DType::F32, device)?,
+                lse: Tensor::full(f32::NEG_INFINITY, (b, h, tl), device)?,
+            },
+            dims: (b, tl, h, d),
+        })
     }
 
     /// Fold in a partial result for local rows `row0 .. row0 + n`:
@@ -66,43 +112,77 @@ impl LocalState {
                 self.dims
             )
         }
-        let (out, lse) = (&mut self.out, &mut self.lse);
-        with_host_f32(lse_s, |ls| {
-            with_host_f32(out_s, |os| {
-                for bi in 0..b {
-                    for ti in 0..n {
-                        for hi in 0..h {
-                            let li = (bi * h + hi) * tl + row0 + ti;
-                            let (la, lb) = (lse[li], ls[(bi * h + hi) * n + ti]);
-                            let m = la.max(lb);
-                            if m == f32::NEG_INFINITY {
-                                continue; // no key seen in either part: out 0, lse -inf
-                            }
-                            let (wa, wb) = ((la - m).exp(), (lb - m).exp());
-                            let sum = wa + wb;
-                            let (ca, cb) = (wa / sum, wb / sum);
-                            lse[li] = m + sum.ln();
-                            let o = ((bi * tl + row0 + ti) * h + hi) * d;
-                            let so = ((bi * n + ti) * h + hi) * d;
-                            for (x, y) in out[o..o + d].iter_mut().zip(&os[so..so + d]) {
-                                *x = ca * *x + cb * *y;
-                            }
-                        }
-                    }
+        match &mut self.repr {
+            Repr::Host { out, lse } => merge_host(out, lse, self.dims, row0, out_s, lse_s),
+            Repr::Device { out, lse } => {
+                let dev = out.device().clone();
+                let os = out_s.to_device(&dev)?.to_dtype(DType::F32)?;
+                let ls = lse_s.to_device(&dev)?.to_dtype(DType::F32)?;
+                if row0 == 0 && n == tl {
+                    let (o, l) = crate::attention::merge(out, lse, &os, &ls)?;
+                    (*out, *lse) = (o, l);
+                } else {
+                    let oa = out.narrow(1, row0, n)?.contiguous()?;
+                    let la = lse.narrow(2, row0, n)?.contiguous()?;
+                    let (o, l) = crate::attention::merge(&oa, &la, &os, &ls)?;
+                    *out = out.slice_assign(&[0..b, row0..row0 + n, 0..h, 0..d], &o)?;
+                    *lse = lse.slice_assign(&[0..b, 0..h, row0..row0 + n], &l)?;
                 }
-            })
-        })??;
-        Ok(())
+                Ok(())
+            }
+        }
     }
 
     /// The state as f32 tensors `(out [B, T/P, H, D], lse [B, H, T/P])` on `device`.
     pub fn finish(self, device: &Device) -> Result<(Tensor, Tensor)> {
         let (b, tl, h, d) = self.dims;
-        Ok((
-            Tensor::from_vec(self.out, (b, tl, h, d), &Device::Cpu)?.to_device(device)?,
-            Tensor::from_vec(self.lse, (b, h, tl), &Device::Cpu)?.to_device(device)?,
-        ))
+        match self.repr {
+            Repr::Host { out, lse } => Ok((
+                Tensor::from_vec(out, (b, tl, h, d), &Device::Cpu)?.to_device(device)?,
+                Tensor::from_vec(lse, (b, h, tl), &Device::Cpu)?.to_device(device)?,
+            )),
+            Repr::Device { out, lse } => Ok((out.to_device(device)?, lse.to_device(device)?)),
+        }
     }
+}
+
+/// The host merge of [`LocalState::merge_rows`], in place; shapes already checked.
+fn merge_host(
+    out: &mut [f32],
+    lse: &mut [f32],
+    dims: (usize, usize, usize, usize),
+    row0: usize,
+    out_s: &Tensor,
+    lse_s: &Tensor,
+) -> Result<()> {
+    let (b, tl, h, d) = dims;
+    let n = out_s.dim(1)?;
+    with_host_f32(lse_s, |ls| {
+        with_host_f32(out_s, |os| {
+            for bi in 0..b {
+                for ti in 0..n {
+                    for hi in 0..h {
+                        let li = (bi * h + hi) * tl + row0 + ti;
+                        let (la, lb) = (lse[li], ls[(bi * h + hi) * n + ti]);
+                        let m = la.max(lb);
+                        if m == f32::NEG_INFINITY {
+                            continue; // no key seen in either part: out 0, lse -inf
+                        }
+                        let (wa, wb) = ((la - m).exp(), (lb - m).exp());
+                        let sum = wa + wb;
+                        let (ca, cb) = (wa / sum, wb / sum);
+                        lse[li] = m + sum.ln();
+                        let o = ((bi * tl + row0 + ti) * h + hi) * d;
+                        let so = ((bi * n + ti) * h + hi) * d;
+                        for (x, y) in out[o..o + d].iter_mut().zip(&os[so..so + d]) {
+                            *x = ca * *x + cb * *y;
+                        }
+                    }
+                }
+            }
+        })
+    })??;
+    Ok(())
 }
 
 /// An f32 gradient accumulator of shape `[planes, B, rows, H, D]` in host memory, to which
@@ -214,6 +294,87 @@ mod tests {
         assert!((o1 - o2)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
         assert!((l1 - l2)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
         assert!(s_bad().is_err());
+        Ok(())
+    }
+
+    /// The device-tensor state (forced on CPU) equals the host state over full and partial
+    /// row segments, with rows masked in every part keeping out 0, lse -inf.
+    #[test]
+    fn device_state_equals_host_state() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, tl, h, d) = (2, 8, 3, 4);
+        let mut host = LocalState::on_device(b, tl, h, d, &dev)?;
+        assert!(matches!(host.repr, Repr::Host { .. }));
+        let mut devs = LocalState::device_resident(b, tl, h, d, &dev)?;
+        assert!(matches!(devs.repr, Repr::Device { .. }));
+        // (row0, n): a full segment, overlapping partial ones, and rows 6..8 never merged.
+        for (i, &(row0, n)) in [(0, 8), (2, 3), (0, 2), (2, 4)].iter().enumerate() {
+            let o = Tensor::randn(0f32, 1., (b, n, h, d), &dev)?;
+            let mut l = Tensor::randn(0f32, 3., (b, h, n), &dev)?.to_vec3::<f32>()?;
+            l[1][2][1] = f32::NEG_INFINITY; // row row0+1, head 2 of batch 1: masked here
+            if i > 0 {
+                l[0][0][0] = f32::NEG_INFINITY;
+            }
+            let l = Tensor::new(l, &dev)?;
+            host.merge_rows(row0, &o, &l)?;
+            devs.merge_rows(row0, &o, &l)?;
+        }
+        let (oh, lh) = host.finish(&dev)?;
+        let (od, ld) = devs.finish(&dev)?;
+        assert_eq!(od.dims(), [b, tl, h, d]);
+        assert_eq!(ld.dims(), [b, h, tl]);
+        let eo = (&oh - &od)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(eo < 1e-6, "out differs by {eo}");
+        let (lh, ld) = (
+            lh.flatten_all()?.to_vec1::<f32>()?,
+            ld.flatten_all()?.to_vec1::<f32>()?,
+        );
+        for (x, y) in lh.iter().zip(&ld) {
+            assert!(
+                (x.is_infinite() && x == y) || (x - y).abs() < 1e-6,
+                "lse {x} vs {y}"
+            );
+        }
+        // Batch 1, head 2, row 1 is masked in both parts covering it, (0, 8) and (0, 2):
+        // lse -inf, out 0.
+        assert_eq!(ld[(h + 2) * tl + 1], f32::NEG_INFINITY);
+        let o121 = od.get(1)?.get(1)?.get(2)?.to_vec1::<f32>()?;
+        assert_eq!(o121, [0.0; 4]);
+
+        // Rows 0 and 3 never merged, row 1 masked in every part: out 0, lse -inf on both;
+        // f16 partials accepted.
+        let mut host = LocalState::new(1, 4, 1, 2);
+        let mut devs = LocalState::device_resident(1, 4, 1, 2, &dev)?;
+        let o = Tensor::randn(0f32, 1., (1, 2, 1, 2), &dev)?.to_dtype(DType::F16)?;
+        let l = Tensor::new(&[[[f32::NEG_INFINITY, 0.5f32]]], &dev)?;
+        for s in [&mut host, &mut devs] {
+            s.merge_rows(1, &o, &l)?;
+            s.merge_rows(1, &o, &l)?;
+        }
+        let ((oh, lh), (od, ld)) = (host.finish(&dev)?, devs.finish(&dev)?);
+        assert_eq!(
+            lh.flatten_all()?.to_vec1::<f32>()?,
+            ld.flatten_all()?.to_vec1::<f32>()?
+        );
+        let ldv = ld.flatten_all()?.to_vec1::<f32>()?;
+        assert_eq!([ldv[0], ldv[1], ldv[3]], [f32::NEG_INFINITY; 3]);
+        assert!(ldv[2].is_finite());
+        let eo = (&oh - &od)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(eo < 1e-6, "out differs by {eo}");
+        assert_eq!(
+            od.narrow(1, 0, 2)?.flatten_all()?.to_vec1::<f32>()?,
+            [0.0; 4]
+        );
+        assert_eq!(
+            od.narrow(1, 3, 1)?.flatten_all()?.to_vec1::<f32>()?,
+            [0.0; 2]
+        );
+        // Bad shapes are rejected by both.
+        let bad = Tensor::zeros((1, 3, 1, 2), DType::F32, &dev)?;
+        let badl = Tensor::zeros((1, 1, 3), DType::F32, &dev)?;
+        assert!(LocalState::device_resident(1, 4, 1, 2, &dev)?
+            .merge_rows(2, &bad, &badl)
+            .is_err());
         Ok(())
     }
 
