@@ -18,7 +18,7 @@
 use super::ring::split_rows;
 use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
-use super::state::RowAccum;
+use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
@@ -45,7 +45,7 @@ fn key_range(seg: &Segment, t: usize, causal: bool) -> (usize, Mask) {
 }
 
 /// All-gather K/V and rebuild them in token order: `[2, B, T, Hkv, D]` (k, v stacked).
-fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Tensor> {
+pub(super) fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) -> Result<Tensor> {
     let kv = Tensor::stack(&[k, v], 0)?.contiguous()?;
     let all = group.all_gather(&kv, 2)?;
     unshard(&split_shards(&all, group.size(), 2)?, opts.layout, 2)
@@ -62,7 +62,9 @@ fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims) -> Result<Vec<Segme
         .collect())
 }
 
-fn fwd(
+/// The forward on the gathered `kv [2, B, T, Hkv, D]`: f32 `out [B, T/P, H, D]`,
+/// `lse [B, H, T/P]` (one attention call per row chunk, concatenated on the device).
+pub(super) fn fwd(
     q: &Tensor,
     kv: &Tensor,
     rank: usize,
@@ -95,8 +97,10 @@ fn fwd(
     Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
 }
 
+/// The backward on the gathered `kv [2, B, T, Hkv, D]`; `residency` picks the dQ/dK/dV
+/// accumulators' form (tests force the device form on CPU).
 #[allow(clippy::too_many_arguments)]
-fn bwd(
+pub(super) fn bwd(
     q: &Tensor,
     kv: &Tensor,
     out: &Tensor,
@@ -105,14 +109,16 @@ fn bwd(
     group: &Group,
     opts: &CpOpts,
     dims: &Dims,
+    residency: Residency,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let (p, rank) = (group.size(), group.rank());
     let scale = scale_of(opts, dims.d);
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let dev = q.device();
-    let mut dq = RowAccum::new(1, dims.b, dims.tl, dims.h, dims.d);
+    let (b, d) = (dims.b, dims.d);
+    let mut dq = RowAccum::with_residency(1, b, dims.tl, dims.h, d, dev, residency)?;
     // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
-    let mut dkv = RowAccum::new(2, dims.b, dims.t, dims.hkv, dims.d);
+    let mut dkv = RowAccum::with_residency(2, b, dims.t, dims.hkv, d, dev, residency)?;
     for seg in chunks(rank, p, opts, dims)? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
@@ -202,7 +208,7 @@ pub fn allgather_attention_bwd_raw(
     let kv = gather_kv(k, v, group, opts)?;
     st.wait = t0.elapsed();
     let t1 = Instant::now();
-    let (dq, dk, dv) = bwd(q, &kv, out, lse, dout, group, opts, &dims)?;
+    let (dq, dk, dv) = bwd(q, &kv, out, lse, dout, group, opts, &dims, Residency::Auto)?;
     st.compute = t1.elapsed();
     let bytes = (k.elem_count() * 2 * (k.dtype().size_in_bytes() + 4)) as u64;
     Ok((
@@ -244,7 +250,7 @@ pub fn allgather_attention(
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;
-        let (dq, dk, dv) = bwd(&qd, &kv, &out32, &ls, dout, &g, &o, &dims)?;
+        let (dq, dk, dv) = bwd(&qd, &kv, &out32, &ls, dout, &g, &o, &dims, Residency::Auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),

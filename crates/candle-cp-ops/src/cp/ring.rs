@@ -7,8 +7,10 @@
 //! offset/stride causal mask when it straddles the diagonal. The partial (out, lse) of each
 //! block merge, through the LSE, into an f32 running state of all local rows
 //! ([`super::state::LocalState`]: in place on the host for CPU queries, as f32 device tensors
-//! otherwise). Blocks with more than [`CpOpts::block_rows`] query rows are computed in row
-//! chunks (each chunk re-classified), which bounds the memory of one attention call.
+//! updated in place otherwise, so nothing goes through the host between steps; the backward's
+//! dQ/dK/dV accumulators likewise, [`super::state::RowAccum`]). Blocks with more than
+//! [`CpOpts::block_rows`] query rows are computed in row chunks (each chunk re-classified),
+//! which bounds the memory of one attention call.
 //!
 //! Zigzag schedule (P = 4, 2P = 8 chunks of c = T/8 tokens; rank i holds chunks i, 7-i).
 //! Rows: rank 1's query chunks; columns: key chunks; `█` full block, `◣` diagonal block,
@@ -36,7 +38,7 @@
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::{Layout, Segment};
-use super::state::{LocalState, RowAccum};
+use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
@@ -170,21 +172,25 @@ pub fn ring_attention_fwd_raw(
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, RingStats)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
-    fwd(q, k, v, group, opts, &dims)
+    fwd(q, k, v, group, opts, &dims, Residency::Auto)
 }
 
-fn fwd(
+/// The forward ring; `residency` picks the running state's form (tests force the device form
+/// on CPU).
+pub(super) fn fwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     group: &Group,
     opts: &CpOpts,
     dims: &Dims,
+    residency: Residency,
 ) -> Result<(Tensor, Tensor, RingStats)> {
     let ring = Ring::new(group);
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
-    let mut state = LocalState::on_device(dims.b, dims.tl, dims.h, dims.d, q.device())?;
+    let (b, tl, h, d) = (dims.b, dims.tl, dims.h, dims.d);
+    let mut state = LocalState::with_residency(b, tl, h, d, q.device(), residency)?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     for s in 0..p {
@@ -249,11 +255,13 @@ pub fn ring_attention_bwd_raw(
         group,
         opts,
     )?;
-    bwd(q, k, v, out, lse, dout, group, opts, &dims)
+    bwd(q, k, v, out, lse, dout, group, opts, &dims, Residency::Auto)
 }
 
+/// The backward ring; `residency` picks the dQ/dK/dV accumulators' form (tests force the
+/// device form on CPU).
 #[allow(clippy::too_many_arguments)]
-fn bwd(
+pub(super) fn bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
@@ -263,12 +271,16 @@ fn bwd(
     group: &Group,
     opts: &CpOpts,
     dims: &Dims,
+    residency: Residency,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
     let ring = Ring::new(group);
     let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
     let dev = q.device();
-    let mut dq = RowAccum::new(1, dims.b, dims.tl, dims.h, dims.d);
+    let accum = |planes: usize, h: usize| {
+        RowAccum::with_residency(planes, dims.b, dims.tl, h, dims.d, dev, residency)
+    };
+    let mut dq = accum(1, dims.h)?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
@@ -288,7 +300,7 @@ fn bwd(
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
-        let mut dkv = RowAccum::new(2, dims.b, dims.tl, dims.hkv, dims.d);
+        let mut dkv = accum(2, dims.hkv)?;
         for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
             for (qs, block) in sub_blocks(&sb, opts) {
@@ -349,12 +361,13 @@ pub fn ring_attention(
 ) -> Result<(Tensor, Tensor)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims)?;
+    let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, Residency::Auto)?;
     let out = out32.to_dtype(q.dtype())?;
     let (g, o, ls) = (group.clone(), *opts, lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
-        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims)?;
+        let auto = Residency::Auto;
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims, auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),
@@ -364,6 +377,9 @@ pub fn ring_attention(
     let out = attach3("ring_attention", q, k, v, out, bwd_fn)?;
     Ok((out, lse))
 }
+
+#[cfg(test)]
+mod device_form_tests;
 
 #[cfg(test)]
 mod tests {
@@ -452,7 +468,10 @@ mod tests {
             assert_eq!(st.steps.len(), p);
             let areas: Vec<u64> = st.steps.iter().map(|s| s.area).collect();
             assert_eq!(areas[0], (3 * c * c) as u64);
-            assert!(areas[1..].iter().all(|&a| a == (2 * c * c) as u64), "{areas:?}");
+            assert!(
+                areas[1..].iter().all(|&a| a == (2 * c * c) as u64),
+                "{areas:?}"
+            );
             // K/V only (one KV head of the [B, T/P, Hkv, D] shards): P-1 hops of 2·T/P·8 f32.
             assert_eq!(st.bytes_sent, ((p - 1) * 2 * (t / p) * 8 * 4) as u64);
         }

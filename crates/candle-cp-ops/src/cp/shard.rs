@@ -18,6 +18,10 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use std::fmt;
 use std::str::FromStr;
 
+#[cfg(feature = "cuda")]
+#[path = "shard_cuda.rs"]
+mod cuda;
+
 /// How a global sequence is split over the ranks of a context-parallel group.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Layout {
@@ -182,6 +186,10 @@ pub fn shard(global: &Tensor, layout: Layout, rank: usize, p: usize, dim: usize)
     if rank >= p {
         bail!("shard: rank {rank} out of range for P = {p} ({layout} layout, T = {t})")
     }
+    #[cfg(feature = "cuda")]
+    if let Some(x) = cuda::shard(global, layout, rank, p, dim)? {
+        return Ok(x);
+    }
     match layout {
         Layout::Contiguous => global.narrow(dim, rank * tl, tl)?.contiguous(),
         Layout::Zigzag => {
@@ -222,6 +230,10 @@ pub fn unshard(shards: &[Tensor], layout: Layout, dim: usize) -> Result<Tensor> 
     }
     let tl = check_dim(&shards[0], dim, "unshard")?;
     layout.local_len(tl * p, p)?;
+    #[cfg(feature = "cuda")]
+    if let Some(x) = cuda::unshard(shards, layout, dim)? {
+        return Ok(x);
+    }
     match layout {
         Layout::Contiguous => Tensor::cat(shards, dim),
         Layout::Zigzag => {
@@ -285,6 +297,10 @@ pub fn position_ids(
 pub fn gather(local: &Tensor, group: &crate::Group, layout: Layout, dim: usize) -> Result<Tensor> {
     let p = group.size();
     let all = group.all_gather(&local.contiguous()?, dim)?;
+    #[cfg(feature = "cuda")]
+    if let Some(x) = cuda::unshard_cat(&all, layout, p, dim)? {
+        return Ok(x);
+    }
     unshard(&split_shards(&all, p, dim)?, layout, dim)
 }
 

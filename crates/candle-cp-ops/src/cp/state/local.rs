@@ -19,11 +19,13 @@
 //! - **Other devices** (`Device`): f32 tensors `out [B, T/P, H, D]`, `lse [B, H, T/P]` kept on
 //!   the device; each partial result is merged with [`crate::attention::merge`] (the CUDA merge
 //!   kernel under feature `cuda`). A partial covering rows `row0 .. row0 + n` of the `T/P` local
-//!   rows merges into `narrow`ed views of those rows and is written back with `slice_assign`;
+//!   rows merges with `narrow`ed views of those rows and is written back in place with
+//!   `Tensor::slice_set` (O(n) work; `slice_assign` would rebuild the whole state each merge);
 //!   rows outside the segment are untouched. Nothing is copied to the host; [`LocalState::finish`]
 //!   returns the f32 tensors as they are (the caller casts to the output dtype once).
 
-use candle_core::{CpuStorage, DType, Device, Result, Storage, Tensor};
+use super::{with_host_f32, Residency};
+use candle_core::{DType, Device, Result, Tensor};
 
 /// Running (out, lse) of `T/P` local query rows, f32: host memory on CPU, device tensors
 /// elsewhere (see the module doc).
@@ -41,25 +43,6 @@ enum Repr {
     Device { out: Tensor, lse: Tensor },
 }
 
-/// Run `f` on the f32 contents of `t` (row-major), without a copy when `t` is a contiguous
-/// f32 CPU tensor.
-fn with_host_f32<R>(t: &Tensor, f: impl FnOnce(&[f32]) -> R) -> Result<R> {
-    if t.device().is_cpu() && t.dtype() == DType::F32 {
-        let (st, layout) = t.storage_and_layout();
-        if let (Storage::Cpu(CpuStorage::F32(v)), Some((a, b))) =
-            (&*st, layout.contiguous_offsets())
-        {
-            return Ok(f(&v[a..b]));
-        }
-    }
-    let v = t
-        .to_device(&Device::Cpu)?
-        .to_dtype(DType::F32)?
-        .flatten_all()?
-        .to_vec1::<f32>()?;
-    Ok(f(&v))
-}
-
 impl LocalState {
     /// Empty state (out 0, lse `-inf`) for `[B, T/P, H, D]` local rows, in host memory.
     pub fn new(b: usize, tl: usize, h: usize, d: usize) -> Self {
@@ -75,10 +58,23 @@ impl LocalState {
     /// Empty state for `[B, T/P, H, D]` local rows of queries on `device`: host memory when
     /// `device` is the CPU (same as [`LocalState::new`]), f32 tensors on `device` otherwise.
     pub fn on_device(b: usize, tl: usize, h: usize, d: usize, device: &Device) -> Result<Self> {
-        if device.is_cpu() {
-            return Ok(Self::new(b, tl, h, d));
+        Self::with_residency(b, tl, h, d, device, Residency::Auto)
+    }
+
+    /// Empty state in the form `residency` picks for `device`.
+    pub(crate) fn with_residency(
+        b: usize,
+        tl: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+        residency: Residency,
+    ) -> Result<Self> {
+        if residency.device_form(device) {
+            Self::device_resident(b, tl, h, d, device)
+        } else {
+            Ok(Self::new(b, tl, h, d))
         }
-        Self::device_resident(b, tl, h, d, device)
     }
 
     /// Empty device-tensor state on `device`, whatever the device (also CPU: tests compare it
@@ -112,6 +108,9 @@ impl LocalState {
                 self.dims
             )
         }
+        if out_s.elem_count() == 0 {
+            return Ok(()); // no rows (or D = 0): nothing to fold in
+        }
         match &mut self.repr {
             Repr::Host { out, lse } => merge_host(out, lse, self.dims, row0, out_s, lse_s),
             Repr::Device { out, lse } => {
@@ -125,8 +124,10 @@ impl LocalState {
                     let oa = out.narrow(1, row0, n)?.contiguous()?;
                     let la = lse.narrow(2, row0, n)?.contiguous()?;
                     let (o, l) = crate::attention::merge(&oa, &la, &os, &ls)?;
-                    *out = out.slice_assign(&[0..b, row0..row0 + n, 0..h, 0..d], &o)?;
-                    *lse = lse.slice_assign(&[0..b, 0..h, row0..row0 + n], &l)?;
+                    // In place, O(rows): `out`/`lse` are this state's own contiguous tensors
+                    // and `o`/`l` fresh merge results.
+                    out.slice_set(&o.contiguous()?, 1, row0)?;
+                    lse.slice_set(&l.contiguous()?, 2, row0)?;
                 }
                 Ok(())
             }
@@ -183,57 +184,6 @@ fn merge_host(
         })
     })??;
     Ok(())
-}
-
-/// An f32 gradient accumulator of shape `[planes, B, rows, H, D]` in host memory, to which
-/// blocks `[B, n, H, D]` are added at a row offset (dQ of the local rows; the dK/dV
-/// contribution of one ring step, with `planes = 2`).
-pub struct RowAccum {
-    data: Vec<f32>,
-    dims: (usize, usize, usize, usize, usize),
-}
-
-impl RowAccum {
-    /// Zeros of shape `[planes, B, rows, H, D]`.
-    pub fn new(planes: usize, b: usize, rows: usize, h: usize, d: usize) -> Self {
-        Self {
-            data: vec![0f32; planes * b * rows * h * d],
-            dims: (planes, b, rows, h, d),
-        }
-    }
-
-    /// Add `x [B, n, H, D]` to rows `row0 .. row0 + n` of plane `plane`.
-    pub fn add_rows(&mut self, plane: usize, row0: usize, x: &Tensor) -> Result<()> {
-        let (planes, b, rows, h, d) = self.dims;
-        let (bx, n, hx, dx) = x.dims4()?;
-        if plane >= planes || bx != b || hx != h || dx != d || row0 + n > rows {
-            candle_core::bail!(
-                "RowAccum::add_rows: block {:?} at plane {plane}, row {row0} does not fit [planes, B, rows, H, D] = {:?}",
-                x.shape(),
-                self.dims
-            )
-        }
-        let data = &mut self.data;
-        with_host_f32(x, |xs| {
-            let row = h * d;
-            for bi in 0..b {
-                let dst = ((plane * b + bi) * rows + row0) * row;
-                let src = bi * n * row;
-                for (a, v) in data[dst..dst + n * row]
-                    .iter_mut()
-                    .zip(&xs[src..src + n * row])
-                {
-                    *a += v;
-                }
-            }
-        })
-    }
-
-    /// The accumulated tensor `[planes, B, rows, H, D]` (f32) on `device`.
-    pub fn finish(self, device: &Device) -> Result<Tensor> {
-        let (planes, b, rows, h, d) = self.dims;
-        Tensor::from_vec(self.data, (planes, b, rows, h, d), &Device::Cpu)?.to_device(device)
-    }
 }
 
 #[cfg(test)]
@@ -374,26 +324,6 @@ mod tests {
         let badl = Tensor::zeros((1, 1, 3), DType::F32, &dev)?;
         assert!(LocalState::device_resident(1, 4, 1, 2, &dev)?
             .merge_rows(2, &bad, &badl)
-            .is_err());
-        Ok(())
-    }
-
-    #[test]
-    fn accum_adds_at_rows() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Tensor::arange(0f32, 2. * 3. * 2., &dev)?.reshape((2, 3, 2, 1))?;
-        let mut acc = RowAccum::new(2, 2, 5, 2, 1);
-        acc.add_rows(1, 2, &x)?;
-        acc.add_rows(1, 2, &x)?;
-        let t = acc.finish(&dev)?;
-        let want = Tensor::zeros((2, 2, 5, 2, 1), DType::F32, &dev)?
-            .slice_assign(&[1..2, 0..2, 2..5, 0..2, 0..1], &(x * 2.0)?.unsqueeze(0)?)?;
-        assert_eq!(
-            t.flatten_all()?.to_vec1::<f32>()?,
-            want.flatten_all()?.to_vec1::<f32>()?
-        );
-        assert!(RowAccum::new(1, 2, 4, 2, 1)
-            .add_rows(0, 2, &Tensor::zeros((2, 3, 2, 1), DType::F32, &dev)?)
             .is_err());
         Ok(())
     }

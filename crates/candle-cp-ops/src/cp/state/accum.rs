@@ -1,0 +1,260 @@
+//! [`RowAccum`]: f32 gradient accumulators `[planes, B, rows, H, D]` to which blocks
+//! `[B, n, H, D]` are added at a row offset — dQ of this rank's local rows (`planes = 1`) and
+//! the dK/dV contributions to one K/V chunk (`planes = 2`: plane 0 dK, plane 1 dV).
+//!
+//! - **Host form** (CPU tensors): a host `Vec<f32>`, `+=` in place over the block's rows.
+//! - **Device form** (other devices): one f32 tensor on the device, updated in place with
+//!   [`Tensor::slice_set`] over the block's rows only — O(n) per update, where
+//!   `slice_assign`/`index_add` would rebuild the whole accumulator. A row range never written
+//!   before is set from the block (one copy); otherwise `rows + block` (strided read, one add)
+//!   is written back. Nothing goes through the host.
+
+use super::{with_host_f32, Residency};
+use candle_core::{DType, Device, Result, Tensor};
+
+/// An f32 gradient accumulator of shape `[planes, B, rows, H, D]`, to which blocks
+/// `[B, n, H, D]` are added at a row offset: host memory for CPU tensors, an f32 tensor on the
+/// device otherwise (see the module doc).
+pub struct RowAccum {
+    repr: Repr,
+    dims: (usize, usize, usize, usize, usize),
+}
+
+/// Where the accumulator lives.
+enum Repr {
+    /// Host `[planes * B * rows * H * D]`, row-major.
+    Host { data: Vec<f32> },
+    /// f32 `[planes, B, rows, H, D]` (contiguous, owned by this accumulator) on a device, and
+    /// per (plane, row) whether the row holds anything yet.
+    Device { acc: Tensor, written: Vec<bool> },
+}
+
+impl RowAccum {
+    /// Zeros of shape `[planes, B, rows, H, D]` in host memory.
+    pub fn new(planes: usize, b: usize, rows: usize, h: usize, d: usize) -> Self {
+        Self {
+            repr: Repr::Host {
+                data: vec![0f32; planes * b * rows * h * d],
+            },
+            dims: (planes, b, rows, h, d),
+        }
+    }
+
+    /// Zeros of shape `[planes, B, rows, H, D]` for blocks on `device`: host memory when
+    /// `device` is the CPU (same as [`RowAccum::new`]), an f32 tensor on `device` otherwise.
+    pub fn on_device(
+        planes: usize,
+        b: usize,
+        rows: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        Self::with_residency(planes, b, rows, h, d, device, Residency::Auto)
+    }
+
+    /// Zeros in the form `residency` picks for `device`.
+    pub(crate) fn with_residency(
+        planes: usize,
+        b: usize,
+        rows: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+        residency: Residency,
+    ) -> Result<Self> {
+        if residency.device_form(device) {
+            Self::device_resident(planes, b, rows, h, d, device)
+        } else {
+            Ok(Self::new(planes, b, rows, h, d))
+        }
+    }
+
+    /// Zeros as an f32 tensor on `device`, whatever the device (also CPU: tests compare it
+    /// against the host form).
+    pub(crate) fn device_resident(
+        planes: usize,
+        b: usize,
+        rows: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        Ok(Self {
+            repr: Repr::Device {
+                acc: Tensor::zeros((planes, b, rows, h, d), DType::F32, device)?,
+                written: vec![false; planes * rows],
+            },
+            dims: (planes, b, rows, h, d),
+        })
+    }
+
+    /// Add `x [B, n, H, D]` (any float dtype, any device) to rows `row0 .. row0 + n` of plane
+    /// `plane`.
+    pub fn add_rows(&mut self, plane: usize, row0: usize, x: &Tensor) -> Result<()> {
+        let (planes, b, rows, h, d) = self.dims;
+        let (bx, n, hx, dx) = x.dims4()?;
+        if plane >= planes || bx != b || hx != h || dx != d || row0 + n > rows {
+            candle_core::bail!(
+                "RowAccum::add_rows: block {:?} at plane {plane}, row {row0} does not fit [planes, B, rows, H, D] = {:?}",
+                x.shape(),
+                self.dims
+            )
+        }
+        if x.elem_count() == 0 {
+            return Ok(()); // no rows (or H·D = 0): nothing to add
+        }
+        match &mut self.repr {
+            Repr::Host { data } => with_host_f32(x, |xs| {
+                let row = h * d;
+                for bi in 0..b {
+                    let dst = ((plane * b + bi) * rows + row0) * row;
+                    let src = bi * n * row;
+                    for (a, v) in data[dst..dst + n * row]
+                        .iter_mut()
+                        .zip(&xs[src..src + n * row])
+                    {
+                        *a += v;
+                    }
+                }
+            }),
+            Repr::Device { acc, written } => {
+                let x = x
+                    .to_device(acc.device())?
+                    .to_dtype(DType::F32)?
+                    .contiguous()?
+                    .unsqueeze(0)?;
+                // Plane `plane`: a contiguous view [1, B, rows, H, D] of `acc`'s storage.
+                let dst = acc.narrow(0, plane, 1)?;
+                let w = &mut written[plane * rows + row0..plane * rows + row0 + n];
+                if w.iter().any(|&f| f) {
+                    let sum = (dst.narrow(2, row0, n)? + &x)?;
+                    dst.slice_set(&sum, 2, row0)?;
+                } else {
+                    dst.slice_set(&x, 2, row0)?;
+                }
+                w.fill(true);
+                Ok(())
+            }
+        }
+    }
+
+    /// The accumulated tensor `[planes, B, rows, H, D]` (f32) on `device`.
+    pub fn finish(self, device: &Device) -> Result<Tensor> {
+        let (planes, b, rows, h, d) = self.dims;
+        match self.repr {
+            Repr::Host { data } => {
+                Tensor::from_vec(data, (planes, b, rows, h, d), &Device::Cpu)?.to_device(device)
+            }
+            Repr::Device { acc, .. } => acc.to_device(device),
+        }
+    }
+
+    /// Whether this accumulator is in the device form.
+    #[cfg(test)]
+    pub(crate) fn is_device_form(&self) -> bool {
+        matches!(self.repr, Repr::Device { .. })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn flat(t: &Tensor) -> Result<Vec<f32>> {
+        t.flatten_all()?.to_vec1::<f32>()
+    }
+
+    #[test]
+    fn accum_adds_at_rows() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Tensor::arange(0f32, 2. * 3. * 2., &dev)?.reshape((2, 3, 2, 1))?;
+        for device_form in [false, true] {
+            let mut acc = if device_form {
+                RowAccum::device_resident(2, 2, 5, 2, 1, &dev)?
+            } else {
+                RowAccum::new(2, 2, 5, 2, 1)
+            };
+            acc.add_rows(1, 2, &x)?;
+            acc.add_rows(1, 2, &x)?;
+            let t = acc.finish(&dev)?;
+            let want = Tensor::zeros((2, 2, 5, 2, 1), DType::F32, &dev)?
+                .slice_assign(&[1..2, 0..2, 2..5, 0..2, 0..1], &(&x * 2.0)?.unsqueeze(0)?)?;
+            assert_eq!(flat(&t)?, flat(&want)?, "device form {device_form}");
+        }
+        Ok(())
+    }
+
+    /// The device form (forced on CPU) equals the host form bit for bit over overlapping,
+    /// partly written and never written row ranges on both planes, with f32, f16 and strided
+    /// blocks; the blocks added are left unchanged.
+    #[test]
+    fn device_accum_equals_host_accum() -> Result<()> {
+        let dev = Device::Cpu;
+        let (planes, b, rows, h, d) = (2, 2, 11, 3, 4);
+        let mut host = RowAccum::on_device(planes, b, rows, h, d, &dev)?;
+        assert!(!host.is_device_form());
+        let mut devs = RowAccum::device_resident(planes, b, rows, h, d, &dev)?;
+        assert!(devs.is_device_form());
+        let forced = RowAccum::with_residency(1, 1, 1, 1, 1, &dev, Residency::ForceDevice)?;
+        assert!(forced.is_device_form());
+        // (plane, row0, n): fresh, overlapping (partly written), repeated, the other plane,
+        // the whole plane; rows 9..11 of plane 1 are never written.
+        let adds = [
+            (0, 2, 4),
+            (0, 4, 5),
+            (0, 2, 4),
+            (1, 0, 3),
+            (0, 0, 11),
+            (1, 3, 6),
+        ];
+        for (i, &(plane, row0, n)) in adds.iter().enumerate() {
+            let x = Tensor::randn(0f32, 1., (b, n, h, d), &dev)?;
+            let x = match i % 3 {
+                0 => x,
+                1 => x.to_dtype(DType::F16)?,
+                // strided: a [B, n, H, D] view of a [B, n, D, H] tensor
+                _ => Tensor::randn(0f32, 1., (b, n, d, h), &dev)?.transpose(2, 3)?,
+            };
+            let before = flat(&x.to_dtype(DType::F32)?)?;
+            host.add_rows(plane, row0, &x)?;
+            devs.add_rows(plane, row0, &x)?;
+            assert_eq!(
+                flat(&x.to_dtype(DType::F32)?)?,
+                before,
+                "add {i} changed its block"
+            );
+        }
+        let (th, td) = (host.finish(&dev)?, devs.finish(&dev)?);
+        assert_eq!(td.dims(), [planes, b, rows, h, d]);
+        assert_eq!(flat(&th)?, flat(&td)?);
+        let untouched = flat(&td.get(1)?.narrow(1, 9, 2)?)?;
+        assert!(untouched.iter().all(|x| *x == 0.0));
+        assert!(flat(&td)?.iter().filter(|x| **x != 0.0).count() > 0);
+
+        // Bad blocks are rejected by both forms, naming the shapes.
+        for mut acc in [
+            RowAccum::new(1, 2, 4, 2, 1),
+            RowAccum::device_resident(1, 2, 4, 2, 1, &dev)?,
+        ] {
+            let rows_over = acc.add_rows(0, 2, &Tensor::zeros((2, 3, 2, 1), DType::F32, &dev)?);
+            let e = rows_over.expect_err("rows over the end").to_string();
+            assert!(
+                e.contains("[2, 3, 2, 1]") && e.contains("(1, 2, 4, 2, 1)"),
+                "{e}"
+            );
+            assert!(acc
+                .add_rows(1, 0, &Tensor::zeros((2, 1, 2, 1), DType::F32, &dev)?)
+                .is_err());
+            assert!(acc
+                .add_rows(0, 0, &Tensor::zeros((2, 1, 3, 1), DType::F32, &dev)?)
+                .is_err());
+            assert!(acc
+                .add_rows(0, 0, &Tensor::zeros((2, 1, 2), DType::F32, &dev)?)
+                .is_err());
+            // An empty block is a no-op.
+            acc.add_rows(0, 4, &Tensor::zeros((2, 0, 2, 1), DType::F32, &dev)?)?;
+        }
+        Ok(())
+    }
+}
