@@ -272,6 +272,8 @@ fn query_row_chunking_matches_oracle() -> Result<()> {
                     TIMEOUT,
                     CpOpts {
                         block_rows: 13,
+                        // also exercises the unchecked path (no cross-rank shape all-gather)
+                        check_ranks: p != 2,
                         ..CpOpts::default()
                     },
                 )?;

@@ -49,13 +49,19 @@ pub struct CpOpts {
     /// Most query rows per attention call (default [`DEFAULT_BLOCK_ROWS`]): a block with more
     /// query rows is computed in row chunks, bounding per-call outputs and kernel scratch.
     pub block_rows: usize,
+    /// Check at every call that all ranks pass the same local shapes, dtype, layout and mask
+    /// (default `true`): one small all-gather per call, which on a GPU also makes the host
+    /// wait for the device once per call (never per ring step). A mismatch is an error on
+    /// every rank; unchecked, mismatched ranks would exchange garbage or time out. Training
+    /// loops whose shapes are fixed can turn it off after a first checked step.
+    pub check_ranks: bool,
 }
 
 /// Default [`CpOpts::block_rows`].
 pub const DEFAULT_BLOCK_ROWS: usize = 1024;
 
 impl Default for CpOpts {
-    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, 1024 query rows per call.
+    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, 1024 query rows per call, ranks checked.
     fn default() -> Self {
         Self {
             layout: Layout::Zigzag,
@@ -63,6 +69,7 @@ impl Default for CpOpts {
             scale: None,
             overlap: true,
             block_rows: DEFAULT_BLOCK_ROWS,
+            check_ranks: true,
         }
     }
 }
@@ -194,7 +201,7 @@ pub(crate) fn check_inputs(
     if opts.block_rows == 0 {
         bail!("{name}: CpOpts::block_rows must be at least 1")
     }
-    if p > 1 {
+    if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
         let extra = [
             dtype_code(q.dtype()),

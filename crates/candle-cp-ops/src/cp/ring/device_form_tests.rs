@@ -81,6 +81,7 @@ fn check(
         scale: Some(case.scale),
         overlap: true,
         block_rows: rows,
+        check_ranks: true,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
     let res = run_ranks(p, |g: Group| {
