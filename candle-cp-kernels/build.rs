@@ -1,13 +1,17 @@
 //! Compiles `kernels/*.cu` to PTX with nvcc, only when the `cuda` feature is on.
 //!
-//! PTX targets `compute_80` (runs on Ampere and Hopper; the driver JIT-compiles it). Build it
+//! PTX targets `compute_80` (runs on Ampere and Hopper; the driver JIT-compiles it), except the
+//! files in `KERNELS_SM90A` (`compute_90a`, Hopper only). Build it
 //! with nvcc 13.0.x: a CUDA 13.0 driver loads PTX only up to its own ISA (9.0). nvcc is
 //! `$NVCC`, else `$CUDA_ROOT/bin/nvcc` (also `CUDA_HOME`, `CUDA_PATH`), else `nvcc` on `PATH`.
 //! Extra flags: `CANDLE_CP_NVCC_FLAGS` (space separated).
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "merge", "layout"];
+const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "flash_bwd_pipe", "merge", "layout"];
+/// Kernels that use Hopper-only instructions (wgmma): PTX for `compute_90a` (`.target sm_90a`),
+/// loadable only on compute capability 9.x; the launchers check the device before loading them.
+const KERNELS_SM90A: &[&str] = &["flash_fwd_sm90"];
 
 fn nvcc() -> PathBuf {
     if let Some(p) = std::env::var_os("NVCC") {
@@ -38,12 +42,13 @@ fn main() {
         .map(|s| s.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
     println!("cargo:rerun-if-changed=kernels/common.cuh");
-    for name in KERNELS {
+    let sm80 = KERNELS.iter().map(|n| (n, "-arch=compute_80"));
+    for (name, arch) in sm80.chain(KERNELS_SM90A.iter().map(|n| (n, "-arch=compute_90a"))) {
         let src = format!("kernels/{name}.cu");
         println!("cargo:rerun-if-changed={src}");
         let ptx = out_dir.join(format!("{name}.ptx"));
         let output = Command::new(&nvcc)
-            .args(["--ptx", "-arch=compute_80", "-O3", "-std=c++17", "-Ikernels"])
+            .args(["--ptx", arch, "-O3", "-std=c++17", "-Ikernels"])
             .args(&extra)
             .arg("-o")
             .arg(&ptx)

@@ -5,8 +5,10 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--impl auto|simple|mma|pipelined|wgmma[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
 //! ```
+//! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
+//! side by side; the ring uses the first.
 //! FLOPs (FlashAttention convention): forward `4·B·H·T²·D` (halved when causal), backward
 //! 2.5× the forward. bf16 inputs, f32 accumulation.
 
@@ -23,7 +25,7 @@ struct Args {
     batch: usize,
     d: usize,
     iters: usize,
-    imp: FwdImpl,
+    imps: Vec<FwdImpl>,
     ring_t: usize,
     ring_p: usize,
     budget: Duration,
@@ -37,18 +39,25 @@ fn parse() -> Result<Args> {
         Some(s) => s.split(',').map(|x| x.trim().parse()).collect::<std::result::Result<Vec<usize>, _>>()?,
         None => vec![4096, 8192, 16384, 32768],
     };
-    let imp = match get("--impl").as_deref() {
-        Some("simple") => FwdImpl::Simple,
-        Some("mma") => FwdImpl::Mma,
-        _ => FwdImpl::Auto,
-    };
+    let imps = get("--impl")
+        .unwrap_or_else(|| "auto".into())
+        .split(',')
+        .map(|s| match s.trim() {
+            "simple" => Ok(FwdImpl::Simple),
+            "mma" => Ok(FwdImpl::Mma),
+            "pipelined" => Ok(FwdImpl::Pipelined),
+            "wgmma" => Ok(FwdImpl::Wgmma),
+            "auto" => Ok(FwdImpl::Auto),
+            other => Err(anyhow::anyhow!("--impl: unknown kernel family {other:?} (auto, simple, mma, pipelined, wgmma)")),
+        })
+        .collect::<Result<Vec<_>>>()?;
     Ok(Args {
         ts,
         heads: num("--heads", 16)?,
         batch: num("--batch", 1)?,
         d: num("--d", 128)?,
         iters: num("--iters", 3)?,
-        imp,
+        imps,
         ring_t: num("--ring-t", 16384)?,
         ring_p: num("--ring-p", 4)?,
         budget: Duration::from_secs(num("--budget-s", 240)? as u64),
@@ -88,21 +97,92 @@ fn main() -> Result<()> {
             let dout = Tensor::randn(0f32, 1f32, (b, t, h, d), &dev)?;
             let mask = if causal { KMask::causal(0, 1, 0, 1) } else { KMask::full() };
             let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * if causal { 0.5 } else { 1.0 };
-            let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, a.imp)?;
-            let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, a.imp).map(|_| ()))?;
-            let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, a.imp).map(|_| ()))?;
-            println!(
-                "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}}}",
-                a.imp,
-                fwd_s * 1e3,
-                flops / fwd_s / 1e12,
-                bwd_s * 1e3,
-                2.5 * flops / bwd_s / 1e12
-            );
+            for &imp in &a.imps {
+                let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, imp)?;
+                let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, imp).map(|_| ()))?;
+                let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, imp).map(|_| ()))?;
+                println!(
+                    "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}}}",
+                    imp,
+                    fwd_s * 1e3,
+                    flops / fwd_s / 1e12,
+                    bwd_s * 1e3,
+                    2.5 * flops / bwd_s / 1e12
+                );
+            }
         }
     }
     if a.ring_p > 1 && start.elapsed() < a.budget {
+        ring_steps(&a, &dev, scale)?;
+    }
+    if a.ring_p > 1 && start.elapsed() < a.budget {
         ring(&a, &dev, scale)?;
+    }
+    Ok(())
+}
+
+/// Per-step compute of the zigzag ring (rank 0's schedule, the kernel calls the ring engine
+/// issues: `block_schedule`, row chunks of `CpOpts::block_rows`, offset masks) timed alone,
+/// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
+/// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9.
+fn ring_steps(a: &Args, dev: &Device, scale: f32) -> Result<()> {
+    use candle_cp_ops::cp::ring::{block_schedule, classify, split_rows, Block};
+    let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
+    let imp = a.imps.first().copied().unwrap_or(FwdImpl::Auto);
+    let mk = |s: &[usize]| -> candle_core::Result<Tensor> { Tensor::randn(0f32, 1f32, s, dev)?.to_dtype(DType::BF16) };
+    let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
+    let single = time(dev, a.iters, || flash::fwd(&q, &k, &v, KMask::causal(0, 1, 0, 1), scale, imp).map(|_| ()))?;
+    let single_rate = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0 / single;
+    let opts = CpOpts::new(Layout::Zigzag, true);
+    let rank = 0usize;
+    let ql = shard(&q, Layout::Zigzag, rank, p, 1)?;
+    // The engine's default row chunking, and none (one call per block: what a GPU can afford).
+    for block_rows in [opts.block_rows, usize::MAX] {
+        let mut worst = f64::MAX;
+        for step in 0..p {
+            let src = (rank + p - step) % p;
+            let (ks, vs) = (shard(&k, Layout::Zigzag, src, p, 1)?, shard(&v, Layout::Zigzag, src, p, 1)?);
+            // (query rows, keys, mask, visible pairs) of every kernel call of this step.
+            let mut calls = Vec::new();
+            for sb in block_schedule(Layout::Zigzag, rank, src, p, t, true)? {
+                for qseg in split_rows(&sb.q, block_rows) {
+                    let mask = match classify(&qseg, &sb.k, true) {
+                        Block::Skip => continue,
+                        Block::Full(_) => KMask::full(),
+                        Block::Partial(_) => KMask::causal(qseg.offset, qseg.stride, sb.k.offset, sb.k.stride),
+                    };
+                    let pairs: usize = (0..qseg.len)
+                        .map(|i| {
+                            let qp = qseg.offset + i * qseg.stride;
+                            if !mask.causal { sb.k.len } else if qp < sb.k.offset { 0 } else { ((qp - sb.k.offset) / sb.k.stride + 1).min(sb.k.len) }
+                        })
+                        .sum();
+                    let qr = ql.narrow(1, qseg.local, qseg.len)?.contiguous()?;
+                    let kr = ks.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
+                    let vr = vs.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
+                    calls.push((qr, kr, vr, mask, pairs));
+                }
+            }
+            let pairs: usize = calls.iter().map(|c| c.4).sum();
+            let secs = time(dev, a.iters, || {
+                for (qr, kr, vr, mask, _) in &calls {
+                    flash::fwd(qr, kr, vr, *mask, scale, imp)?;
+                }
+                Ok(())
+            })?;
+            let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
+            worst = worst.min(rate / single_rate);
+            println!(
+                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}}}",
+                block_rows.min(t),
+                calls.len(),
+                secs * 1e3,
+                rate / 1e12,
+                single_rate / 1e12,
+                rate / single_rate
+            );
+        }
+        println!("{{\"impl\":\"candle-cp-ring-steps\",\"kernel\":\"{imp:?}\",\"p\":{p},\"t\":{t},\"block_rows\":{},\"worst_step_ratio\":{worst:.3}}}", block_rows.min(t));
     }
     Ok(())
 }
@@ -113,7 +193,8 @@ fn ring(a: &Args, dev: &Device, scale: f32) -> Result<()> {
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
     let mk = |s: &[usize]| -> candle_core::Result<Tensor> { Tensor::randn(0f32, 1f32, s, dev)?.to_dtype(DType::BF16) };
     let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
-    let single = time(dev, a.iters, || flash::fwd(&q, &k, &v, KMask::causal(0, 1, 0, 1), scale, a.imp).map(|_| ()))?;
+    let imp = a.imps.first().copied().unwrap_or(FwdImpl::Auto);
+    let single = time(dev, a.iters, || flash::fwd(&q, &k, &v, KMask::causal(0, 1, 0, 1), scale, imp).map(|_| ()))?;
     let shards: Vec<[Tensor; 3]> = (0..p)
         .map(|r| Ok([shard(&q, Layout::Zigzag, r, p, 1)?, shard(&k, Layout::Zigzag, r, p, 1)?, shard(&v, Layout::Zigzag, r, p, 1)?]))
         .collect::<candle_core::Result<_>>()?;

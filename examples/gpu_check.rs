@@ -1,10 +1,16 @@
 //! GPU correctness check (feature `cuda`): every CUDA kernel against the CPU path, the oracle
 //! cases through the autograd op on the GPU, ring / all-gather / Ulysses on virtual ranks
-//! (thread ranks sharing one GPU), and (feature `nccl`) an NcclGroup smoke test of world 1.
+//! (thread ranks sharing one GPU), the tiny-Llama oracle on every layout family (CP, Ulysses,
+//! TP + SP, 2-D) on virtual ranks, and (feature `nccl`) an NcclGroup smoke test of world 1.
 //!
 //! ```text
-//! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N]
+//! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
 //! ```
+//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, Hopper only, is
+//! checked only when named); `--sections` runs only
+//! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
+//! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
 //! Prints one `PASS`/`FAIL` line per check and exits non-zero if any check fails.
 //! Run by `scripts/gpu-check.sh run` on the GPU machine (see docs/gpu.md).
 
@@ -26,9 +32,19 @@ use gpu_util::{max_abs, rand_tensor, rel};
 struct Report {
     pass: usize,
     fail: Vec<String>,
+    /// Kernel families to check (`--impls`); all when empty.
+    imps: Vec<FwdImpl>,
 }
 
 impl Report {
+    /// Whether `--impls` selects this kernel family.
+    fn wants(&self, imp: FwdImpl) -> bool {
+        self.imps.is_empty() || self.imps.contains(&imp)
+    }
+    /// Whether `--impls` names this family explicitly (opt-in families: `Wgmma`, Hopper only).
+    fn named(&self, imp: FwdImpl) -> bool {
+        self.imps.contains(&imp)
+    }
     fn check(&mut self, name: &str, err: f64, tol: f64) {
         let ok = err.is_finite() && err <= tol;
         println!("{} {name}: err {err:.3e} (tol {tol:.1e})", if ok { "PASS" } else { "FAIL" });
@@ -72,6 +88,9 @@ fn cases() -> Vec<Case> {
     v.push(c(1, 64, 64, 2, 2, 64, Mask::causal_offsets(0, 100), "offset-all-masked"));
     v.push(c(1, 100, 100, 4, 4, 128, Mask::Causal { q_offset: 1, q_stride: 4, k_offset: 3, k_stride: 4 }, "striped"));
     v.push(c(1, 200, 333, 8, 1, 64, Mask::Full, "t-ne-s-mqa"));
+    // many K/V tiles per query block (exercises the double-buffered pipelines), ragged ends.
+    v.push(c(1, 1000, 1000, 4, 2, 128, Mask::causal_offsets(24, 0), "long-causal-gqa"));
+    v.push(c(2, 513, 1031, 2, 1, 64, Mask::Full, "long-full-mqa"));
     v
 }
 
@@ -97,19 +116,24 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             let (o_ref, l_ref) = attention_fwd(&q, &k, &v, &c.mask, scale)?;
             let (gq, gk, gv) = (q.to_device(gpu)?, k.to_device(gpu)?, v.to_device(gpu)?);
             let tag = format!("{} d{} {dtype:?} [b{} t{} s{} h{} kv{}]", c.label, c.d, c.b, c.t, c.s, c.h, c.hkv);
-            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple] } else { &[FwdImpl::Simple, FwdImpl::Mma] };
+            let all: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple] } else { &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
+            let mut imps: Vec<FwdImpl> = all.iter().copied().filter(|&i| rep.wants(i)).collect();
+            if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::Wgmma) {
+                imps.push(FwdImpl::Wgmma);
+            }
+            let imps = &imps;
             for &imp in imps {
                 let name = format!("flash_fwd {imp:?} {tag}");
                 match flash::fwd(&gq, &gk, &gv, kmask(&c.mask), scale as f32, imp) {
                     Ok((o, l)) => {
                         // mma rounds P to 16 bits before P·V (like FlashAttention).
                         let tol = match (imp, dtype) {
-                            (FwdImpl::Mma, DType::BF16) => 2e-2,
-                            (FwdImpl::Mma, _) => 4e-3,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, DType::BF16) => 2e-2,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, _) => 4e-3,
                             _ => 2e-5,
                         };
                         rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, tol);
-                        rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, if imp == FwdImpl::Mma { 1e-3 } else { 2e-5 });
+                        rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, if imp == FwdImpl::Simple { 2e-5 } else { 1e-3 });
                     }
                     Err(e) => rep.error(&name, e),
                 }
@@ -122,8 +146,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let name = format!("flash_bwd {imp:?} {tag}");
                 // mma rounds dO, P and dS to 16 bits before the products (like FlashAttention).
                 let tol = match (imp, dtype) {
-                    (FwdImpl::Mma, DType::BF16) => 3e-2,
-                    (FwdImpl::Mma, _) => 5e-3,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, DType::BF16) => 3e-2,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, _) => 5e-3,
                     _ => 1e-4,
                 };
                 match flash::bwd_with(&gq, &gk, &gv, &go, &gl, &gd, kmask(&c.mask), scale as f32, imp) {
@@ -197,6 +221,11 @@ fn check_layout(rep: &mut Report, gpu: &Device) -> Result<()> {
                     }
                     Err(e) => rep.error(&name, e),
                 }
+                // The ops' own entry point on a CUDA tensor (dispatches to the kernel).
+                match shard(&gx, l, r, p, 1) {
+                    Ok(got) => rep.check(&format!("cp::{name}"), max_abs(&got, &want)?, 0.0),
+                    Err(e) => rep.error(&format!("cp::{name}"), e),
+                }
             }
             if shards.len() == p {
                 let cat = Tensor::cat(&shards, 1)?;
@@ -208,6 +237,10 @@ fn check_layout(rep: &mut Report, gpu: &Device) -> Result<()> {
                         rep.check(&format!("{name} roundtrip"), max_abs(&got, &x)?, 0.0);
                     }
                     Err(e) => rep.error(&name, e),
+                }
+                match unshard(&shards, l, 1) {
+                    Ok(got) => rep.check(&format!("cp::{name}"), max_abs(&got, &x)?, 0.0),
+                    Err(e) => rep.error(&format!("cp::{name}"), e),
                 }
             }
         }
@@ -305,31 +338,144 @@ fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
     Ok(())
 }
 
+/// Production-sized problem (T = 4096, D = 128, bf16, causal and full, GQA 2:1): the
+/// tensor-core kernel families against the f32 CUDA-core kernels on the same bf16 inputs
+/// (the CPU reference would take minutes here). Catches pipeline bugs that only show with
+/// many K/V tiles per block and many blocks per SM.
+fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
+    let (b, t, h, hkv, d) = (1usize, 4096usize, 8usize, 4usize, 128usize);
+    let mk = |shape: &[usize], s: u64| -> Result<Tensor> { Ok(rand_tensor(shape, s)?.to_dtype(DType::BF16)?.to_device(gpu)?) };
+    let (q, k, v) = (mk(&[b, t, h, d], 71)?, mk(&[b, t, hkv, d], 72)?, mk(&[b, t, hkv, d], 73)?);
+    let dout = rand_tensor(&[b, t, h, d], 74)?.to_device(gpu)?;
+    let scale = 1.0 / (d as f32).sqrt();
+    for mask in [KMask::causal(0, 1, 0, 1), KMask::full()] {
+        let label = if mask.causal { "causal" } else { "full" };
+        let (o_ref, l_ref) = flash::fwd(&q, &k, &v, mask, scale, FwdImpl::Simple)?;
+        let (dq_r, dk_r, dv_r) = flash::bwd_with(&q, &k, &v, &o_ref, &l_ref, &dout, mask, scale, FwdImpl::Simple)?;
+        let mut imps: Vec<FwdImpl> = [FwdImpl::Mma, FwdImpl::Pipelined].into_iter().filter(|&i| rep.wants(i)).collect();
+        if rep.named(FwdImpl::Wgmma) {
+            imps.push(FwdImpl::Wgmma);
+        }
+        for imp in imps {
+            let name = format!("large {imp:?} {label} [b{b} t{t} h{h} kv{hkv} d{d}] bf16");
+            match flash::fwd(&q, &k, &v, mask, scale, imp) {
+                Ok((o, l)) => {
+                    rep.check(&format!("{name} fwd out"), max_abs(&o, &o_ref)?, 2e-2);
+                    rep.check(&format!("{name} fwd lse"), max_abs(&l, &l_ref)?, 1e-3);
+                }
+                Err(e) => rep.error(&format!("{name} fwd"), e),
+            }
+            match flash::bwd_with(&q, &k, &v, &o_ref, &l_ref, &dout, mask, scale, imp) {
+                Ok((dq, dk, dv)) => {
+                    rep.check(&format!("{name} bwd dq"), rel(&dq, &dq_r)?, 3e-2);
+                    rep.check(&format!("{name} bwd dk"), rel(&dk, &dk_r)?, 3e-2);
+                    rep.check(&format!("{name} bwd dv"), rel(&dv, &dv_r)?, 3e-2);
+                }
+                Err(e) => rep.error(&format!("{name} bwd"), e),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The tiny Hugging Face Llama oracle (logits, loss, every parameter gradient) on GPU virtual
+/// ranks: single device, the CP methods, Ulysses, Megatron TP + SP, and the 2-D layouts, with
+/// the same tolerances as `tests/llama_parity.rs`.
+fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    use candle_cp_llama::layout::{CpKind, Layout};
+    use candle_cp_llama::verify::verify_reference;
+    let layouts = [
+        ("single", Layout::single()),
+        ("cp4 zigzag", Layout::cp(CpKind::Zigzag, 4)),
+        ("cp2 ring", Layout::cp(CpKind::Ring, 2)),
+        ("cp2 striped", Layout::cp(CpKind::Striped, 2)),
+        ("cp2 all-gather", Layout::cp(CpKind::AllGather, 2)),
+        ("ulysses2", Layout::cp(CpKind::Ulysses, 2)),
+        ("tp2 + sp", Layout::single().with_tp(2, true)),
+        ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
+        ("2-d 2x2", Layout::two_d(2, 2)),
+    ];
+    for (label, layout) in layouts {
+        let name = format!("llama {label}");
+        match verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu) {
+            Ok(r) => {
+                println!(
+                    "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
+                    if r.pass() { "PASS" } else { "FAIL" },
+                    r.logits_abs,
+                    r.loss_abs,
+                    r.grad_rel_max,
+                    r.worst_param,
+                    r.rank_spread
+                );
+                if r.pass() {
+                    rep.pass += 1
+                } else {
+                    rep.fail.push(name)
+                }
+            }
+            Err(e) => rep.error(&name, e),
+        }
+    }
+    Ok(())
+}
+
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
     let arg = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let ordinal: usize = arg("--ordinal").map(|s| s.parse()).transpose()?.unwrap_or(0);
     let oracle = arg("--oracle").unwrap_or_else(|| "tests/data/oracle/attn".into());
+    let llama = arg("--llama").unwrap_or_else(|| "tests/data/oracle/tiny-llama".into());
+    let imps = match arg("--impls") {
+        None => Vec::new(),
+        Some(list) => list
+            .split(',')
+            .map(|x| match x.trim() {
+                "simple" => Ok(FwdImpl::Simple),
+                "mma" => Ok(FwdImpl::Mma),
+                "pipelined" => Ok(FwdImpl::Pipelined),
+                "wgmma" => Ok(FwdImpl::Wgmma),
+                other => Err(anyhow::anyhow!("--impls: unknown kernel family {other:?} (simple, mma, pipelined, wgmma)")),
+            })
+            .collect::<Result<Vec<_>>>()?,
+    };
+    let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
+    let want = |name: &str| only.as_ref().is_none_or(|l| l.iter().any(|x| x == name));
     let gpu = Device::new_cuda(ordinal)?;
-    let mut rep = Report::default();
+    let mut rep = Report { imps, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 3] = [("flash", check_flash), ("merge", check_merge), ("layout", check_layout)];
+    let sections: [(&str, Section); 4] =
+        [("flash", check_flash), ("flash-large", check_large), ("merge", check_merge), ("layout", check_layout)];
     for (name, f) in sections {
+        if !want(name) {
+            continue;
+        }
         let t = Instant::now();
         if let Err(e) = f(&mut rep, &gpu) {
             rep.error(&format!("section {name}"), e);
         }
         println!("-- section {name}: {:.1} s", t.elapsed().as_secs_f64());
     }
-    let t = Instant::now();
-    if let Err(e) = check_oracle(&mut rep, &gpu, &oracle) {
-        rep.error("section oracle", e);
+    if want("oracle") {
+        let t = Instant::now();
+        if let Err(e) = check_oracle(&mut rep, &gpu, &oracle) {
+            rep.error("section oracle", e);
+        }
+        println!("-- section oracle + virtual ranks: {:.1} s", t.elapsed().as_secs_f64());
     }
-    println!("-- section oracle + virtual ranks: {:.1} s", t.elapsed().as_secs_f64());
+    if want("llama") {
+        let t = Instant::now();
+        if let Err(e) = check_llama(&mut rep, &gpu, &llama) {
+            rep.error("section llama", e);
+        }
+        println!("-- section llama (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
+    }
     #[cfg(feature = "nccl")]
-    if let Err(e) = check_nccl(&mut rep, ordinal) {
-        rep.error("section nccl", e);
+    if want("nccl") {
+        if let Err(e) = check_nccl(&mut rep, ordinal) {
+            rep.error("section nccl", e);
+        }
     }
     println!(
         "gpu_check: {} passed, {} failed in {:.1} s{}",

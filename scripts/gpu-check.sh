@@ -8,8 +8,9 @@
 #                                # TFLOP/s benchmark beside PyTorch SDPA; results in $OUT/gpu-check
 #
 # With the device tool: run `build` here, then
-#   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=540)
-# Part 2 fits in about 8 minutes: check <= 200 s, benchmark <= 150 s, SDPA <= 100 s.
+#   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=570)
+# Part 2 fits in 9 minutes at worst (every step at its timeout): checks <= 250 s (+30 s after an
+# oracle failure), benchmarks <= 160 s, SDPA <= 80 s; about 3 minutes when all goes well.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-target-gpu-stage}
@@ -60,21 +61,46 @@ run() {
     if [ -n "$d" ]; then libs="$libs:$d"; else echo "gpu-check: WARNING: $so not found"; fi
   done
   export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
-  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$out/env.txt"
-  nvidia-smi 2>&1 | tee "$out/nvidia-smi.txt" | head -15 || true
-  ldd "$bin/gpu_check" | tee "$out/ldd.txt"
-  if grep -q "not found" "$out/ldd.txt"; then echo "gpu-check: WARNING: missing libraries (see ldd above)"; fi
+  # One machine file: the device tool returns at most 8 files from $OUT.
+  local machine="$out/machine.txt"
+  echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$machine"
+  nvidia-smi 2>&1 | tee -a "$machine" | head -15 || true
+  ldd "$bin/gpu_check" 2>&1 | tee -a "$machine"
+  if ldd "$bin/gpu_check" | grep -q "not found"; then echo "gpu-check: WARNING: missing libraries (see ldd above)"; fi
 
   local rc=0
-  echo "== 1/3 correctness: kernels vs CPU, oracle, virtual ranks"
-  timeout 200 "$bin/gpu_check" --oracle tests/data/oracle/attn 2>&1 | tee "$out/check.log" || rc=1
-  echo "== 2/3 candle-cp benchmark (bf16, D = 128)"
-  timeout 150 "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-    --ring-t 16384 --ring-p 4 --budget-s 120 2>&1 | tee "$out/bench.jsonl" || rc=1
-  echo "== 3/3 PyTorch scaled_dot_product_attention on the same GPU"
-  timeout 100 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+  # Each step is its own process: a kernel that faults poisons its CUDA context, and must not
+  # take the other checks or the other kernel family's numbers with it.
+  echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
+  timeout 75 "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout 2>&1 \
+    | tee "$out/check.log" || rc=1
+  echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) vs the CPU path"
+  timeout 45 "$bin/gpu_check" --impls pipelined --sections flash,flash-large 2>&1 \
+    | tee "$out/check-pipelined.log" || rc=1
+  echo "== 3/5 correctness: experimental Hopper wgmma forward vs the CPU path"
+  timeout 40 "$bin/gpu_check" --impls wgmma --sections flash,flash-large 2>&1 \
+    | tee "$out/check-wgmma.log" || rc=1
+  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
+  if ! timeout 90 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl 2>&1 \
+    | tee "$out/check-oracle.log"; then
+    rc=1
+    echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
+    CANDLE_CP_FLASH_IMPL=mma timeout 30 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle \
+      2>&1 | tee -a "$out/check-oracle.log" | tail -3 || true
+  fi
+  echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
+  : > "$out/bench.jsonl"
+  local imp ring limit
+  for imp in pipelined wgmma mma; do
+    ring=0 limit=45
+    [ "$imp" = pipelined ] && ring=4 limit=70
+    timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+      --impl "$imp" --ring-t 16384 --ring-p "$ring" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
+  done
+  timeout 80 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
     2>&1 | tee "$out/sdpa.jsonl" || rc=1
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
+  grep -h "^gpu_check:" "$out"/check*.log || true
   echo "gpu-check: results in $out (rc $rc)"
   return $rc
 }

@@ -24,16 +24,28 @@ def load(path):
 
 
 def main():
-    ours = {(r["t"], r["causal"]): r for r in load(sys.argv[1]) if r.get("impl") == "candle-cp"}
-    ring = [r for r in load(sys.argv[1]) if r.get("impl") == "candle-cp-ring"]
+    bench = load(sys.argv[1])
+    ours = [r for r in bench if r.get("impl") == "candle-cp"]
+    kernels = sorted({r.get("kernel", "?") for r in ours})
+    ours = {(r["t"], r["causal"], r.get("kernel", "?")): r for r in ours}
+    ring = [r for r in bench if r.get("impl") == "candle-cp-ring"]
     torch = {(r["t"], r["causal"]): r for r in load(sys.argv[2]) if r.get("impl") == "torch-sdpa"}
-    print("| T | mask | candle-cp fwd TFLOP/s | SDPA fwd TFLOP/s | candle-cp bwd TFLOP/s | SDPA bwd TFLOP/s |")
-    print("|---|---|---|---|---|---|")
+    head = "| T | mask |" + "".join(f" {k} fwd |" for k in kernels) + " SDPA fwd |"
+    head += "".join(f" {k} bwd |" for k in kernels) + " SDPA bwd |"
+    print("TFLOP/s (bf16, FlashAttention FLOP convention)\n")
+    print(head)
+    print("|" + "---|" * (4 + 2 * len(kernels)))
     f = lambda r, k: f"{r[k]:.1f}" if r and k in r else "-"
-    for key in sorted(set(ours) | set(torch)):
-        o, t = ours.get(key), torch.get(key)
-        print(f"| {key[0]} | {'causal' if key[1] else 'full'} | {f(o, 'fwd_tflops')} | {f(t, 'fwd_tflops')} "
-              f"| {f(o, 'bwd_tflops')} | {f(t, 'bwd_tflops')} |")
+    for t_, causal in sorted({k[:2] for k in ours} | set(torch)):
+        row = f"| {t_} | {'causal' if causal else 'full'} |"
+        row += "".join(f" {f(ours.get((t_, causal, k)), 'fwd_tflops')} |" for k in kernels)
+        row += f" {f(torch.get((t_, causal)), 'fwd_tflops')} |"
+        row += "".join(f" {f(ours.get((t_, causal, k)), 'bwd_tflops')} |" for k in kernels)
+        row += f" {f(torch.get((t_, causal)), 'bwd_tflops')} |"
+        print(row)
+    for r in (r for r in bench if r.get("impl") == "candle-cp-ring-step"):
+        print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
+              f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']}: {r['ring_ms']:.1f} ms vs single-GPU kernel "
               f"{r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")

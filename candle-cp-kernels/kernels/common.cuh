@@ -102,3 +102,41 @@ template <> __device__ __forceinline__ void cp_mma16816<__half>(float* d, const 
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
+
+// ---- asynchronous copies, ldmatrix, fast exp2 (sm_80+) ----------------------------------------
+// Shared-memory address (32-bit, .shared window) of a generic pointer into shared memory.
+__device__ __forceinline__ uint32_t cp_smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+// 16-byte global -> shared copy that bypasses L1 (cp.async.cg). `valid == false` reads nothing
+// and fills the 16 destination bytes with zeros (src-size 0); `src` must still be a mapped address.
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
+               : "memory");
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+// Wait until at most N of this thread's committed groups are still in flight. Other threads'
+// copies become visible only after a __syncthreads() that follows the wait.
+template <int N> __device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+}
+// ldmatrix .x4: lanes 8i .. 8i+7 give the (16-byte) row addresses of 8x8 matrix i; register i of
+// lane l receives row l/4, elements 2(l%4), 2(l%4)+1 of matrix i (of its transpose with _trans).
+__device__ __forceinline__ void cp_ldsm_x4(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+__device__ __forceinline__ void cp_ldsm_x4_trans(uint32_t* r, uint32_t addr) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(addr)
+               : "memory");
+}
+// 2^x on the SFU (ex2.approx.ftz: max relative error ~2^-22; 2^-inf = +0).
+__device__ __forceinline__ float cp_exp2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
+  return y;
+}

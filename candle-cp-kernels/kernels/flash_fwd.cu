@@ -7,12 +7,17 @@
 // lse f32 [B, H, T] (natural log). Query head h reads KV head h / (H / Hkv) (GQA).
 // Mask: see CpMask in common.cuh. A row that sees no key gets out = 0 and lse = -inf.
 //
-// Two implementations:
+// Three implementations:
 // - `flash_fwd_simple_*`: CUDA cores, f32 math, every dtype (f32/f16/bf16). Block = 4 warps x 4
 //   query rows; lane j of a warp scores key j of a 32-key tile; online softmax per row.
 // - `flash_fwd_mma_*`: tensor cores (mma.sync m16n8k16, f32 accumulate), f16/bf16. Block = 4
 //   warps x 16 query rows; 64-key tiles in shared memory; FlashAttention-2 register layout
 //   (S and P never leave registers; P is re-packed from the C fragment into the A fragment).
+// - `flash_fwd_pipe_*`: the same math with a FlashAttention-2 pipeline, f16/bf16. Block = 4 warps
+//   x 32 query rows; K/V tiles copied global -> shared with cp.async, double-buffered (next tile
+//   in flight while the current one is used); fragments loaded with ldmatrix (.trans for V,
+//   which stays row-major); padded shared rows (bank-conflict free). Simulated in
+//   sim/fwd_pipe_sim.py; design notes in docs/gpu.md ("Forward kernel pipeline").
 #include "common.cuh"
 
 // ------------------------------------------------------------------ CUDA-core version
@@ -246,9 +251,255 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
   }
 }
 
+// ------------------------------------------------------------------ pipelined tensor-core version
+__device__ __forceinline__ unsigned fwd_ctaid_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+  return r;
+}
+__device__ __forceinline__ unsigned fwd_nctaid_x() {
+  unsigned r;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
+  return r;
+}
+
+// Copy ROWS rows of D elements (16-bit) from global `src` (row r at src + r * rstride) into shared
+// `dst` (row stride D + 8 elements) with 16-byte cp.async; rows >= rows_valid are zero-filled.
+// Thread tid copies chunks c = tid % (D/8) of rows tid / (D/8) + i * (NTH / (D/8)).
+template <int ROWS, int D, int NTH, typename T>
+__device__ __forceinline__ void fwd_pipe_load(uint32_t dst, const T* __restrict__ src, size_t rstride,
+                                              int r0, int rows_valid, int tid) {
+  constexpr int CH = D / 8, DP = D + 8, RSTEP = NTH / CH, ITER = (ROWS * CH + NTH - 1) / NTH;
+  static_assert(NTH % CH == 0, "threads per block must be a multiple of the 16-byte chunks per row");
+  const int c = tid % CH, rr = tid / CH;
+  const T* p = src + (size_t)(r0 + rr) * rstride + c * 8;
+  dst += (uint32_t)((rr * DP + c * 8) * 2);
+#pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    if ((ROWS * CH) % NTH == 0 || rr + i * RSTEP < ROWS) {
+      const bool valid = r0 + rr + i * RSTEP < rows_valid;
+      cp_async16(dst + (uint32_t)(i * RSTEP * DP * 2), valid ? p + (size_t)i * RSTEP * rstride : src, valid);
+    }
+  }
+}
+
+// Block = NW warps; warp w owns query rows [w*MT*16, (w+1)*MT*16) of the block's BQ = NW*MT*16
+// rows (MT m16 row tiles). K/V tiles of BK keys. Dynamic shared memory, row stride D + 8
+// elements (odd multiple of 16 bytes: ldmatrix / cp.async phases are bank-conflict free):
+//   q_s [BQ][D+8] | k_s [2][BK][D+8] | v_s [2][BK][D+8] | lim_s [BQ] int
+//   ((BQ + 4*BK) * (D+8) * 2 + BQ * 4 bytes).
+// Pipeline per key tile j (K and V double-buffered, buffer j % 2):
+//   wait(K_j, V_j) + barrier -> issue K_{j+1}, V_{j+1} into buffer (j+1) % 2
+//   -> S = Q K_j^T -> mask + online softmax -> O += P V_j,
+// so tile j+1 lands while tile j is computed; one barrier per tile (it also tells that every
+// warp is done with tile j-1, the previous user of buffer (j+1) % 2).
+// Q fragments: kept in registers when MT*D <= 128, else re-read from q_s with ldmatrix per tile.
+// Requires scale > 0 (the launcher runs fwd_mma otherwise).
+template <typename T, int D, int NW, int MT, int BK>
+__device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __restrict__ k,
+                                         const T* __restrict__ v, float* __restrict__ out,
+                                         float* __restrict__ lse, int B, int T_, int S, int H,
+                                         int Hkv, float scale, CpMask mask) {
+  constexpr int NTH = NW * 32, BQ = NW * MT * 16, DP = D + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
+  constexpr bool QREG = MT * D <= 128;
+  extern __shared__ __align__(16) unsigned char fwd_pipe_smem[];
+  constexpr uint32_t TILE_B = BK * DP * 2;  // bytes of one K or V buffer
+  const uint32_t q_sa = cp_smem_u32(fwd_pipe_smem), k_sa = q_sa + BQ * DP * 2, v_sa = k_sa + 2 * TILE_B;
+  const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
+  // Highest query block first: under a causal mask the last blocks carry the most keys, so the
+  // final wave of the grid gets the light ones.
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ, wrow0 = row0 + warp * MT * 16;
+  const float sl2 = scale * CP_LOG2E;
+
+  // Keys [0, n_tiles * BK) hold every key some row of the block sees; [0, w_end) of this warp.
+  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
+  const int w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + MT * 16, T_) - 1), S) : 0;
+  // Keys [0, w_full) are visible to every row of the warp (to its first row, hence to all).
+  const int w_full = mask.key_end(mask.qpos(wrow0), S);
+  // lim_s[r] = key_end of block row r: row r sees exactly keys [0, lim_s[r]) (positions increase
+  // with the index). Read only for tiles that need a mask test; visible after the first barrier.
+  int* lim_s = reinterpret_cast<int*>(fwd_pipe_smem + (BQ + 4 * BK) * DP * 2);
+  for (int r = tid; r < BQ; r += NTH) lim_s[r] = mask.key_end(mask.qpos(row0 + r), S);
+
+  const size_t kv_rs = (size_t)Hkv * D;
+  // K and V of (b, kvh) start at the same element offset: one 64-bit register pair across the
+  // loop instead of two pointers (this removes a 4-byte spill of the d128 kernel on sm_80).
+  const size_t kv_off = ((size_t)b * S * Hkv + kvh) * D;
+
+  // Per-lane ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8.
+  const int mi = lane >> 3, mr = lane & 7;
+  const uint32_t q_la = q_sa + (uint32_t)(((warp * MT * 16 + (mi & 1) * 8 + mr) * DP + (mi >> 1) * 8) * 2);
+  const uint32_t k_la = k_sa + (uint32_t)((((mi >> 1) * 8 + mr) * DP + (mi & 1) * 8) * 2);
+  const uint32_t v_la = v_sa + (uint32_t)((((mi & 1) * 8 + mr) * DP + (mi >> 1) * 8) * 2);
+
+  float o[MT][DT][4];
+  float m_r[MT][2], l_r[MT][2];
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    m_r[mt][0] = m_r[mt][1] = -INFINITY;
+    l_r[mt][0] = l_r[mt][1] = 0.f;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) o[mt][dt][0] = o[mt][dt][1] = o[mt][dt][2] = o[mt][dt][3] = 0.f;
+  }
+  uint32_t qa[QREG ? MT : 1][QREG ? DC : 1][4];
+
+  if (n_tiles > 0) {
+    fwd_pipe_load<BQ, D, NTH>(q_sa, q + ((size_t)b * T_ * H + h) * D, (size_t)H * D, row0, T_, tid);
+    fwd_pipe_load<BK, D, NTH>(k_sa, k + kv_off, kv_rs, 0, S, tid);
+    fwd_pipe_load<BK, D, NTH>(v_sa, v + kv_off, kv_rs, 0, S, tid);
+    cp_async_commit();
+  }
+  for (int j = 0; j < n_tiles; ++j) {
+    const int k0 = j * BK;
+    const uint32_t cur = (j & 1) * TILE_B, nxt = TILE_B - cur;
+    cp_async_wait<0>();
+    __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1
+    if (j + 1 < n_tiles) {
+      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);
+      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);
+      cp_async_commit();
+    }
+    if (QREG && j == 0) {
+#pragma unroll
+      for (int mt = 0; mt < (QREG ? MT : 1); ++mt)
+#pragma unroll
+        for (int kc = 0; kc < (QREG ? DC : 1); ++kc) cp_ldsm_x4(qa[mt][kc], q_la + (uint32_t)((mt * 16 * DP + kc * 16) * 2));
+    }
+    if (k0 >= w_end) continue;  // warp-uniform: no row of this warp sees a key of the tile
+    float s[MT][NT][4];
+    {  // S = Q K_j^T
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < DC; ++kc) {
+        uint32_t qf[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          if constexpr (QREG) {
+            qf[mt][0] = qa[mt][kc][0], qf[mt][1] = qa[mt][kc][1], qf[mt][2] = qa[mt][kc][2], qf[mt][3] = qa[mt][kc][3];
+          } else {
+            cp_ldsm_x4(qf[mt], q_la + (uint32_t)((mt * 16 * DP + kc * 16) * 2));
+          }
+        }
+#pragma unroll
+        for (int np = 0; np < NT / 2; ++np) {
+          uint32_t kf[4];  // b0, b1 of key n-tiles 2np and 2np+1 for d chunk kc
+          cp_ldsm_x4(kf, k_la + cur + (uint32_t)((np * 16 * DP + kc * 16) * 2));
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            cp_mma16816<T>(s[mt][2 * np], qf[mt], kf[0], kf[1]);
+            cp_mma16816<T>(s[mt][2 * np + 1], qf[mt], kf[2], kf[3]);
+          }
+        }
+      }
+    }
+
+    // Mask (raw scores; the scale enters in the exp2 below, which needs scale > 0: row maxima are
+    // taken before scaling). A tile below the diagonal of every row of the warp needs no test.
+    const bool full_tile = k0 + BK <= w_full;
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (!full_tile) {
+        // Key k0 + c, c = nt*8 + 2t + (e&1), is visible to row a iff c < lim_s[a] - k0.
+        const int ca = lim_s[warp * MT * 16 + mt * 16 + g] - k0 - 2 * t;
+        const int cb = lim_s[warp * MT * 16 + mt * 16 + g + 8] - k0 - 2 * t;
+#pragma unroll
+        for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e)
+            if (nt * 8 + (e & 1) >= (e < 2 ? ca : cb)) s[mt][nt][e] = -INFINITY;
+      }
+      float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        mx_a = fmaxf(mx_a, fmaxf(s[mt][nt][0], s[mt][nt][1]));
+        mx_b = fmaxf(mx_b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
+      }
+      // Running max in the log2 domain (-inf * sl2 = -inf).
+      const float mn_a = fmaxf(m_r[mt][0], cp_quad_max(mx_a) * sl2), mn_b = fmaxf(m_r[mt][1], cp_quad_max(mx_b) * sl2);
+      // Row with nothing visible yet: subtract 0 instead of -inf (every s is -inf -> p = 0, no NaN).
+      const float mo_a = mn_a == -INFINITY ? 0.f : mn_a, mo_b = mn_b == -INFINITY ? 0.f : mn_b;
+      // alpha = 1 exactly when the running max did not move (then O needs no rescale).
+      const float al_a = mn_a == m_r[mt][0] ? 1.f : cp_exp2(m_r[mt][0] - mo_a);
+      const float al_b = mn_b == m_r[mt][1] ? 1.f : cp_exp2(m_r[mt][1] - mo_b);
+      float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+      for (int nt = 0; nt < NT; ++nt) {
+        s[mt][nt][0] = cp_exp2(fmaf(s[mt][nt][0], sl2, -mo_a));
+        s[mt][nt][1] = cp_exp2(fmaf(s[mt][nt][1], sl2, -mo_a));
+        s[mt][nt][2] = cp_exp2(fmaf(s[mt][nt][2], sl2, -mo_b));
+        s[mt][nt][3] = cp_exp2(fmaf(s[mt][nt][3], sl2, -mo_b));
+        sum_a += s[mt][nt][0] + s[mt][nt][1];
+        sum_b += s[mt][nt][2] + s[mt][nt][3];
+      }
+      l_r[mt][0] = l_r[mt][0] * al_a + sum_a;  // per-lane partial row sums, quad-reduced at the end
+      l_r[mt][1] = l_r[mt][1] * al_b + sum_b;
+      m_r[mt][0] = mn_a;
+      m_r[mt][1] = mn_b;
+      // Past the first tiles the max rarely moves: skip the O rescale when no row of the warp needs it.
+      if (__any_sync(CP_FULL_MASK, al_a != 1.f || al_b != 1.f)) {
+#pragma unroll
+        for (int dt = 0; dt < DT; ++dt) {
+          o[mt][dt][0] *= al_a;
+          o[mt][dt][1] *= al_a;
+          o[mt][dt][2] *= al_b;
+          o[mt][dt][3] *= al_b;
+        }
+      }
+    }
+    // O += P V_j: P's C fragments re-packed as A fragments (16 keys per k step).
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      uint32_t pf[MT][4];
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        pf[mt][0] = cp_pack2<T>(s[mt][2 * kk][0], s[mt][2 * kk][1]);
+        pf[mt][1] = cp_pack2<T>(s[mt][2 * kk][2], s[mt][2 * kk][3]);
+        pf[mt][2] = cp_pack2<T>(s[mt][2 * kk + 1][0], s[mt][2 * kk + 1][1]);
+        pf[mt][3] = cp_pack2<T>(s[mt][2 * kk + 1][2], s[mt][2 * kk + 1][3]);
+      }
+#pragma unroll
+      for (int dp = 0; dp < DT / 2; ++dp) {
+        uint32_t vf[4];  // b0, b1 of d n-tiles 2dp and 2dp+1 for keys 16kk .. 16kk+15
+        cp_ldsm_x4_trans(vf, v_la + cur + (uint32_t)((kk * 16 * DP + dp * 16) * 2));
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          cp_mma16816<T>(o[mt][2 * dp], pf[mt], vf[0], vf[1]);
+          cp_mma16816<T>(o[mt][2 * dp + 1], pf[mt], vf[2], vf[3]);
+        }
+      }
+    }
+  }
+
+  // Re-derive the warp's first row here (volatile reads of %ctaid.x / %nctaid.x) so that it does
+  // not stay live, or spilled, across the loop.
+  const int wrow0e = ((int)fwd_nctaid_x() - 1 - (int)fwd_ctaid_x()) * BQ + warp * MT * 16;
+#pragma unroll
+  for (int mt = 0; mt < MT; ++mt) {
+    const int ra = wrow0e + mt * 16 + g, rb = ra + 8;
+    const float la = cp_quad_sum(l_r[mt][0]), lb = cp_quad_sum(l_r[mt][1]);
+    const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
+    float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
+    float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < DT; ++dt) {
+      if (ra < T_) *reinterpret_cast<float2*>(oa + dt * 8) = make_float2(o[mt][dt][0] * inv_a, o[mt][dt][1] * inv_a);
+      if (rb < T_) *reinterpret_cast<float2*>(ob + dt * 8) = make_float2(o[mt][dt][2] * inv_b, o[mt][dt][3] * inv_b);
+    }
+    if (t == 0) {
+      if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_r[mt][0] + log2f(la)) * CP_LN2 : -INFINITY;
+      if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_r[mt][1] + log2f(lb)) * CP_LN2 : -INFINITY;
+    }
+  }
+}
+
 // ------------------------------------------------------------------ entry points
 // Head dims 16, 32, 64, 128. Launch: simple: grid (ceil(T/16), H, B), block 128;
-// mma: grid (ceil(T/64), H, B), block 128.
+// mma: grid (ceil(T/64), H, B), block 128; pipe: grid (ceil(T/128), H, B), block 128, dynamic
+// shared memory as below.
 #define FWD_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
@@ -260,14 +511,26 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_simple, D); }
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
+// Pipelined: block NW*32 threads, BQ = NW*MT*16 rows, dynamic shared memory (BQ + 4*BK) * (D + 8)
+// * 2 + BQ * 4 bytes; the Rust launcher (src/flash.rs, `pipe_config`) mirrors these numbers and
+// sim/fwd_pipe_sim.py parses them from PIPES. d128 at BK = 64 sits at 255 registers (ptxas 13.0,
+// sm_80 / sm_90 / sm_90a: no spill); BK = 32 would cut 32 registers.
+#define PIPE(NAME, D, NW, MT, BK)                                                              \
+  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_##NAME##_d##D(FWD_ARGS) { \
+    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                        \
+                            CpMask{causal, q_off, q_str, k_off, k_str});                       \
+  }
+#define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64)
 #define TY float
 SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128)
 #undef TY
 #define TY __half
 SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 128)
 MMA(f16, 16) MMA(f16, 32) MMA(f16, 64) MMA(f16, 128)
+PIPES(f16)
 #undef TY
 #define TY __nv_bfloat16
 SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 128)
 MMA(bf16, 16) MMA(bf16, 32) MMA(bf16, 64) MMA(bf16, 128)
+PIPES(bf16)
 #undef TY

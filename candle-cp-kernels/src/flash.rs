@@ -6,10 +6,14 @@
 //! carries global positions. Head dims 16, 32, 64 and 128. Query head `h` reads KV head `h / (H/Hkv)`.
 
 use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
+
+mod bwd_pipe;
+mod sm90;
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -54,20 +58,32 @@ impl KMask {
 /// Which kernels to run (forward and backward alike).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
-    /// Tensor cores for f16/bf16, CUDA cores for f32.
+    /// Tensor cores for f16/bf16 (the `Pipelined` kernels), CUDA cores for f32.
     Auto,
     /// CUDA-core kernels (f32 math) for every dtype.
     Simple,
     /// Tensor-core kernels (mma.sync m16n8k16, f32 accumulate); f16/bf16 only.
     Mma,
+    /// Tensor-core kernels with `cp.async` double-buffered K/V tiles and `ldmatrix` fragment
+    /// loads (FlashAttention-2 pipeline); f16/bf16 only. Forward: `flash_fwd_pipe_*`, 128 query
+    /// rows per block, tile j+1 of K and V copied while tile j is used; a scale <= 0 runs the
+    /// `Mma` forward instead.
+    Pipelined,
+    /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma`; `Auto` never picks it):
+    /// forward on warpgroup MMA (`wgmma.mma_async`, `kernels/flash_fwd_sm90.cu`, PTX for
+    /// sm_90a), f16/bf16 and head dims 64/128 only; an error on other devices, dtypes or head
+    /// dims. Backward: the `Pipelined` kernels.
+    Wgmma,
 }
 
 impl FwdImpl {
-    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | anything else (`Auto`).
+    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | anything else (`Auto`).
     pub fn from_env() -> Self {
         match std::env::var("CANDLE_CP_FLASH_IMPL").as_deref() {
             Ok("simple") => FwdImpl::Simple,
             Ok("mma") => FwdImpl::Mma,
+            Ok("pipelined") => FwdImpl::Pipelined,
+            Ok("wgmma") => FwdImpl::Wgmma,
             _ => FwdImpl::Auto,
         }
     }
@@ -88,8 +104,12 @@ fn check_dims(op: &str, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
     if h > 65_535 || b > 65_535 || hkv > 65_535 {
         candle_core::bail!("{op}: too many heads or batches for the launch grid; q {q:?}, k {k:?}")
     }
-    util::to_i32(t, "T")?;
-    util::to_i32(s, "S")?;
+    // The kernels form 32-bit row and key indices up to one tile (<= 256 rows) past T and S
+    // (`row0 + BQ`, `k0 + BK + row`, `key_end + BK - 1`): keep those below 2^31.
+    const IDX_MAX: usize = i32::MAX as usize - 256;
+    if t > IDX_MAX || s > IDX_MAX {
+        candle_core::bail!("{op}: T = {t} or S = {s} exceeds the kernels' 32-bit row indices (max {IDX_MAX}); q {q:?}, k {k:?}")
+    }
     Ok((b, t, s, h, hkv, d))
 }
 
@@ -135,6 +155,23 @@ pub fn fwd_storage(
     ))
 }
 
+/// The forward kernel family a call runs (after resolving [`FwdImpl`] against the dtype).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum FwdKernel {
+    Simple,
+    Mma,
+    Pipelined,
+}
+
+/// Launch shape of `flash_fwd_pipe_*_d{d}`: (query rows per block, threads per block, dynamic
+/// shared memory bytes). Mirrors `PIPES` in kernels/flash_fwd.cu: 4 warps x 32 rows, key tiles
+/// of BK = 64, shared memory: Q plus two K and two V buffers, (128 + 4 BK) rows of (d + 8)
+/// 16-bit elements, plus 128 ints (104,960 bytes at d = 128, 55,808 at d = 64).
+fn pipe_config(d: usize) -> (usize, u32, u32) {
+    const BK: usize = 64;
+    (128, 128, ((128 + 4 * BK) * (d + 8) * 2 + 128 * 4) as u32)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fwd_t<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
@@ -147,17 +184,41 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    let use_mma = match imp {
-        FwdImpl::Auto => sfx != "f32",
-        FwdImpl::Simple => false,
-        FwdImpl::Mma if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
-        FwdImpl::Mma => true,
+    let kern = match imp {
+        FwdImpl::Wgmma => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
+        FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
+        FwdImpl::Simple => FwdKernel::Simple,
+        FwdImpl::Mma | FwdImpl::Pipelined if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
+        FwdImpl::Mma => FwdKernel::Mma,
+        FwdImpl::Auto | FwdImpl::Pipelined if scale > 0.0 => FwdKernel::Pipelined,
+        // The pipelined kernel takes row maxima before scaling, which needs scale > 0.
+        FwdImpl::Auto | FwdImpl::Pipelined => FwdKernel::Mma,
+    };
+    // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
+    // allow per block (e.g. sm_86/sm_89: 99 KiB): Auto falls back to the mma kernel there.
+    let kern = if kern == FwdKernel::Pipelined {
+        let optin = dev
+            .cuda_stream()
+            .context()
+            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
+            .w()?;
+        let need = pipe_config(d).2;
+        match (i64::from(need) <= i64::from(optin), imp) {
+            (true, _) => FwdKernel::Pipelined,
+            (false, FwdImpl::Auto) => FwdKernel::Mma,
+            (false, _) => candle_core::bail!(
+                "flash_fwd: the pipelined kernel needs {need} bytes of shared memory per block, the device allows {optin}; q {:?}",
+                ql.shape()
+            ),
+        }
+    } else {
+        kern
     };
     if b * t * h == 0 {
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
-    let copies = if use_mma {
+    let copies = if kern != FwdKernel::Simple {
         (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
     } else {
         (None, None, None)
@@ -168,10 +229,21 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
-    let name = format!("flash_fwd_{}_{sfx}_d{d}", if use_mma { "mma" } else { "simple" });
+    let (kind, rows, threads, smem) = match kern {
+        FwdKernel::Simple => ("simple", 16, 128, 0),
+        FwdKernel::Mma => ("mma", 64, 128, 0),
+        FwdKernel::Pipelined => {
+            let (rows, threads, smem) = pipe_config(d);
+            ("pipe", rows, threads, smem)
+        }
+    };
+    let name = format!("flash_fwd_{kind}_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_MODULE, ptx::FLASH_FWD)?;
-    let rows = if use_mma { 64 } else { 16 };
-    let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    if smem > 48 * 1024 {
+        // Dynamic shared memory above 48 KiB must be opted into, per kernel.
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    }
+    let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
@@ -244,9 +316,11 @@ pub fn bwd(
     bwd_with(q, k, v, out, lse, dout, mask, scale, FwdImpl::from_env())
 }
 
-/// [`bwd`] with an explicit kernel choice: `Mma` (f16/bf16 only) runs
-/// `kernels/flash_bwd_mma.cu` (tensor cores, P and dS rounded to 16 bits), `Simple` runs
-/// `kernels/flash_bwd.cu` (f32 math on CUDA cores), `Auto` picks `Mma` for f16/bf16.
+/// [`bwd`] with an explicit kernel choice: `Pipelined` (f16/bf16 only) runs
+/// `kernels/flash_bwd_pipe.cu` (tensor cores, cp.async double buffering, ldmatrix; dO, P and dS
+/// rounded to 16 bits), `Mma` (f16/bf16 only) runs `kernels/flash_bwd_mma.cu` (tensor cores, P
+/// and dS rounded to 16 bits), `Simple` runs `kernels/flash_bwd.cu` (f32 math on CUDA cores),
+/// `Auto` picks `Pipelined` for f16/bf16 and `Simple` for f32. All of them are deterministic.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_with(
     q: &Tensor,
@@ -271,18 +345,25 @@ pub fn bwd_with(
         candle_core::bail!("flash_bwd: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
     }
     let sfx = suffix(q.dtype())?;
-    let use_mma = match imp {
-        FwdImpl::Auto => sfx != "f32",
-        FwdImpl::Simple => false,
-        FwdImpl::Mma if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
-        FwdImpl::Mma => true,
+    let (use_mma, pipe) = match imp {
+        FwdImpl::Auto => (false, sfx != "f32"),
+        FwdImpl::Simple => (false, false),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma => (true, false),
+        FwdImpl::Pipelined | FwdImpl::Wgmma => (false, true),
     };
+    // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
+    // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
+    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (true, false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {
         let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
         return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
     }
     let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    if pipe {
+        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
+    }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (qs, ql) = q.storage_and_layout();
     let (ks, kl) = k.storage_and_layout();

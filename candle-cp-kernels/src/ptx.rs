@@ -1,12 +1,19 @@
-//! PTX of each kernel file (compute_80, built by `build.rs` with nvcc), and the module names
-//! under which `CudaDevice::get_or_load_custom_func` caches them.
+//! PTX of each kernel file (compute_80, or compute_90a where noted; built by `build.rs` with
+//! nvcc), and the module names under which `CudaDevice::get_or_load_custom_func` caches them.
 
-/// `kernels/flash_fwd.cu`: `flash_fwd_simple_{f32,f16,bf16}_d*`, `flash_fwd_mma_{f16,bf16}_d*` (d 16, 32, 64, 128).
+/// `kernels/flash_fwd.cu`: `flash_fwd_simple_{f32,f16,bf16}_d*`, `flash_fwd_mma_{f16,bf16}_d*`,
+/// `flash_fwd_pipe_{f16,bf16}_d*` (cp.async + ldmatrix pipeline, dynamic shared memory) (d 16, 32, 64, 128).
 pub const FLASH_FWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd.ptx"));
 /// `kernels/flash_bwd.cu`: `flash_bwd_delta_f32`, `flash_bwd_{dkdv,dq}_{f32,f16,bf16}_d{16,32,64,128}`.
 pub const FLASH_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd.ptx"));
 /// `kernels/flash_bwd_mma.cu`: `flash_bwd_mma_{dkdv,dq}_{f16,bf16}_d{16,32,64,128}` (tensor cores).
 pub const FLASH_BWD_MMA: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_mma.ptx"));
+/// `kernels/flash_bwd_pipe.cu`: `flash_bwd_pipe_prep_{f16,bf16}`,
+/// `flash_bwd_pipe_{dkdv,dq}_{f16,bf16}_d{16,32,64,128}` (cp.async + ldmatrix pipeline).
+pub const FLASH_BWD_PIPE: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_pipe.ptx"));
+/// `kernels/flash_fwd_sm90.cu`: `flash_fwd_wgmma_{f16,bf16}_d{64,128}` (Hopper warpgroup MMA,
+/// experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on compute capability 9.x.
+pub const FLASH_FWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd_sm90.ptx"));
 /// `kernels/merge.cu`: `merge_step_{f32,f16,bf16}`, `cast_out_{f32,f16,bf16}`.
 pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
 /// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
@@ -18,6 +25,10 @@ pub const FLASH_FWD_MODULE: &str = "candle_cp_flash_fwd";
 pub const FLASH_BWD_MODULE: &str = "candle_cp_flash_bwd";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_BWD_MMA_MODULE: &str = "candle_cp_flash_bwd_mma";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_PIPE_MODULE: &str = "candle_cp_flash_bwd_pipe";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_FWD_SM90_MODULE: &str = "candle_cp_flash_fwd_sm90";
 /// See [`FLASH_FWD_MODULE`].
 pub const MERGE_MODULE: &str = "candle_cp_merge";
 /// See [`FLASH_FWD_MODULE`].

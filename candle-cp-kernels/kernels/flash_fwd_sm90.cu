@@ -1,0 +1,379 @@
+// Flash-attention forward with log-sum-exp on Hopper warpgroup MMA (wgmma.mma_async), sm_90a only.
+// EXPERIMENTAL and opt-in (`FwdImpl::Wgmma`, `CANDLE_CP_FLASH_IMPL=wgmma`): it has been compiled
+// and assembled (ptxas sm_90a) and its indexing simulated (sim/fwd_wgmma_sim.py), but it had never
+// run on a GPU when it was written. Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs).
+// Built by build.rs with -arch=compute_90a (PTX `.target sm_90a`); never compile it for compute_80.
+//
+// Same arguments and semantics as `flash_fwd_mma_*` (kernels/flash_fwd.cu): q [B, T, H, D],
+// k/v [B, S, Hkv, D] contiguous f16/bf16, out f32 [B, T, H, D], lse f32 [B, H, T] (natural log),
+// query head h reads KV head h / (H / Hkv), CpMask (common.cuh); a row that sees no key gets
+// out = 0 and lse = -inf.
+//
+// Design ("FA3-lite"): block = 2 warpgroups (256 threads), BQ = 128 query rows, warpgroup w owns
+// rows [64w, 64w + 64). Key tiles of BK = 128 keys. Per key tile j, each warpgroup runs
+//   S_j = Q K_j^T : D/16 x wgmma m64n128k16, A = Q and B = K from shared memory (descriptors,
+//                   K-major),
+//   online softmax on the f32 accumulator fragment in registers (exp2 domain, f32 state),
+//   O += P_j V_j  : BK/16 x wgmma m64nDk16, A = P from registers (the accumulator fragment
+//                   re-packed to 16 bits), B = V from shared memory (MN-major: V is [key][d],
+//                   imm-trans-b = 1),
+// software-pipelined inside the warpgroup as in FlashAttention-3: iteration j issues S_j, then
+// O += P_{j-1} V_{j-1}, waits for S_j only (wait_group 1), runs the softmax of tile j while the
+// P V product is on the tensor cores, then waits for it (wait_group 0), rescales O and re-packs
+// P_j. V therefore lags K by one tile; a final iteration j = n_tiles only drains P V.
+// Copies: 16-byte cp.async with zero-fill past S/T. Iteration j copies K_{j+1} and V_j (double
+// buffered, K and V stages separate); one __syncthreads per iteration, preceded in every thread by
+// cp.async.wait_group 0 and fence.proxy.async.shared::cta (cp.async writes through the generic
+// proxy, wgmma reads through the async proxy). The barrier also guarantees that both warpgroups
+// retired the wgmma groups that read the stages about to be refilled (S_{j-1}: K stage (j+1)&1;
+// P_{j-2} V_{j-2}: V stage j&1).
+//
+// Shared memory (dynamic, base rounded up to 1024 bytes): Q [BQ x D], K stages 0 and 1, V stages 0
+// and 1 ([BK x D] each); every tile is stored in the 128-byte-swizzle canonical layout:
+//   16-byte chunk c (elements 8c .. 8c+7) of row r of an R-row tile lives at byte
+//     (c / 8) * R * 128 + r * 128 + ((c % 8) ^ (r % 8)) * 16
+// i.e. column blocks of 64 elements (128 bytes per row), rows 128 bytes apart, 8-row groups 1024
+// bytes apart, the chunk index XOR-ed with the row index mod 8 (Swizzle<3,4,3> on byte addresses).
+// Descriptors (PTX ISA 9.7.15.5.1.2 "Matrix Descriptor Format" / "Canonical Layouts"; bits 0-13
+// start address >> 4, 16-29 leading-dimension byte offset >> 4, 32-45 stride-dimension byte
+// offset >> 4, 49-51 base offset (0: every tile starts on a 1024-byte boundary), 62-63 swizzle
+// mode, 1 = 128-byte):
+//   Q (A, K-major) : start = q + (kk/4)*BQ*128 + w*64*128 + (kk%4)*32, LBO = 16 (unused), SBO = 1024
+//   K (B, K-major) : start = k + (kk/4)*BK*128 + (kk%4)*32,             LBO = 16 (unused), SBO = 1024
+//   V (B, MN-major): start = v + kk*2048 (16 keys = two 8-row groups),   LBO = BK*128 (next 64 d
+//                    values), SBO = 1024 (next 8 keys)
+// where kk is the k-step of 16 elements. K-major SW128 canonical layout ((8,m),(T,2k)):((8T,SBO),(1,T)),
+// MN-major SW128 ((T,8,m),(8,k)):((1,T,LBO),(8T,SBO)), T = 8 16-bit elements; advancing the start
+// address by 32 bytes inside a 128-byte swizzled row selects the next 16 K elements because the
+// swizzle is applied to the final address bits (tiles are 1024-byte aligned).
+// Register fragments (PTX ISA "Matrix Fragments for wgmma.mma_async.m64nNk16"): thread = warp
+// wr (0..3 in its warpgroup), lane = 4g + t; accumulator element 4i + e is row 16wr + g + 8(e/2),
+// column 8i + 2t + (e%2); the A fragment register r (0..3) of k-step kk holds row 16wr + g + 8(r%2),
+// columns 16kk + 2t + 8(r/2) + {0, 1} (low half first) — the mma.m16n8k16 layouts, so P is
+// re-packed exactly as in the FlashAttention-2 kernels.
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "flash_fwd_sm90.cu uses wgmma: compile it with -arch=compute_90a"
+#endif
+
+// ---- wgmma helpers ------------------------------------------------------------------------------
+__device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
+__device__ __forceinline__ void wg_commit() { asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory"); }
+// Wait until at most N of this warpgroup's committed wgmma groups are pending (the oldest complete first).
+template <int N> __device__ __forceinline__ void wg_wait() { asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(N) : "memory"); }
+// Order this thread's generic-proxy writes to shared memory (cp.async, st.shared) before later
+// async-proxy reads (wgmma operands); needs a barrier after it to cover other threads.
+__device__ __forceinline__ void fence_proxy_async() { asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory"); }
+// Pins the values of wgmma register operands (accumulators, A fragments) in program order
+// relative to wgmma.fence / wait_group: writes before the fence stay before it, reads after the
+// wait stay after it.
+template <int N> __device__ __forceinline__ void reg_fence(float (&r)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(r[i])::"memory");
+}
+template <int N> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
+}
+// Shared-memory matrix descriptor, 128-byte swizzle (see the header comment).
+__device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
+         ((uint64_t)((sbo & 0x3FFFFu) >> 4) << 32) | (1ull << 62);
+}
+// D[64 x N] (+)= A[64 x 16] * B[16 x N], f32 accumulate. wg_ss: A and B from shared memory
+// (both K-major); wg_rs: A from registers, B from shared memory MN-major (imm-trans-b = 1).
+// scale_d = 0 ignores the old D. Generated code (one asm per shape and type).
+template <int N, typename T> __device__ __forceinline__ void wg_ss(float (&d)[N / 2], uint64_t da, uint64_t db, int scale_d);
+template <int N, typename T> __device__ __forceinline__ void wg_rs(float (&d)[N / 2], const uint32_t (&a)[4], uint64_t db, int scale_d);
+
+// ---- generated by a small script: one inline-asm wrapper per (N, type); "+f" accumulators ----
+template <> __device__ __forceinline__ void wg_ss<64, __nv_bfloat16>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_ss<128, __nv_bfloat16>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_rs<64, __nv_bfloat16>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_rs<128, __nv_bfloat16>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_ss<64, __half>(float (&d)[32], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %34, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, %32, %33, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_ss<128, __half>(float (&d)[64], uint64_t da, uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "l"(da), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_rs<64, __half>(float (&d)[32], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31}, {%32,%33,%34,%35}, %36, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+template <> __device__ __forceinline__ void wg_rs<128, __half>(float (&d)[64], const uint32_t (&a)[4], uint64_t db, int scale_d) {
+  asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 "
+      "{%0,%1,%2,%3,%4,%5,%6,%7,%8,%9,%10,%11,%12,%13,%14,%15,%16,%17,%18,%19,%20,%21,%22,%23,%24,%25,%26,%27,%28,%29,%30,%31,%32,%33,%34,%35,%36,%37,%38,%39,%40,%41,%42,%43,%44,%45,%46,%47,%48,%49,%50,%51,%52,%53,%54,%55,%56,%57,%58,%59,%60,%61,%62,%63}, {%64,%65,%66,%67}, %68, p, 1, 1, 1;\n}\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]), "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15]), "+f"(d[16]), "+f"(d[17]), "+f"(d[18]), "+f"(d[19]), "+f"(d[20]), "+f"(d[21]), "+f"(d[22]), "+f"(d[23]), "+f"(d[24]), "+f"(d[25]), "+f"(d[26]), "+f"(d[27]), "+f"(d[28]), "+f"(d[29]), "+f"(d[30]), "+f"(d[31]), "+f"(d[32]), "+f"(d[33]), "+f"(d[34]), "+f"(d[35]), "+f"(d[36]), "+f"(d[37]), "+f"(d[38]), "+f"(d[39]), "+f"(d[40]), "+f"(d[41]), "+f"(d[42]), "+f"(d[43]), "+f"(d[44]), "+f"(d[45]), "+f"(d[46]), "+f"(d[47]), "+f"(d[48]), "+f"(d[49]), "+f"(d[50]), "+f"(d[51]), "+f"(d[52]), "+f"(d[53]), "+f"(d[54]), "+f"(d[55]), "+f"(d[56]), "+f"(d[57]), "+f"(d[58]), "+f"(d[59]), "+f"(d[60]), "+f"(d[61]), "+f"(d[62]), "+f"(d[63])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "r"(scale_d));
+}
+
+// ---- tile loads -----------------------------------------------------------------------------------
+// Copy ROWS rows of D 16-bit elements (tile row r = global row r0 + r at src + (r0 + r) * rstride)
+// into the 128-byte-swizzled tile at shared address dst with 16-byte cp.async; rows >= rows_valid
+// are zero-filled. Thread tid copies chunk c = tid % (D/8) of rows tid / (D/8) + i * (NTH / (D/8)).
+template <int ROWS, int D, int NTH, typename T>
+__device__ __forceinline__ void sw_load(uint32_t dst, const T* __restrict__ src, size_t rstride, int r0,
+                                        int rows_valid, int tid) {
+  constexpr int CH = D / 8, RSTEP = NTH / CH, ITER = ROWS * CH / NTH;
+  static_assert(NTH % CH == 0 && (ROWS * CH) % NTH == 0 && RSTEP % 8 == 0, "tile / thread shape");
+  const int c = tid % CH, rr = tid / CH;
+  // RSTEP % 8 == 0: every row this thread copies has the same row % 8, hence the same swizzle.
+  dst += (uint32_t)((c >> 3) * ROWS * 128 + rr * 128 + (((c & 7) ^ (rr & 7)) << 4));
+#pragma unroll
+  for (int i = 0; i < ITER; ++i) {
+    const int r = r0 + rr + i * RSTEP;
+    const bool valid = r < rows_valid;
+    cp_async16(dst + (uint32_t)(i * RSTEP * 128), valid ? src + (size_t)r * rstride + c * 8 : src, valid);
+  }
+}
+
+// ---- kernel body ----------------------------------------------------------------------------------
+template <typename T, int D, int BK>
+__device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k,
+                                          const T* __restrict__ v, float* __restrict__ out,
+                                          float* __restrict__ lse, int B, int T_, int S, int H,
+                                          int Hkv, float scale, CpMask mask) {
+  constexpr int NWG = 2, NTH = 128 * NWG, BQ = 64 * NWG, NS = BK / 2, NO = D / 2;
+  constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
+  static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
+  extern __shared__ __align__(1024) unsigned char wg_smem[];
+  const uint32_t q_sa = (cp_smem_u32(wg_smem) + 1023u) & ~1023u;
+  // K stages 0, 1, then V stages 0, 1, each KV_BYTES.
+  const uint32_t kv_sa = q_sa + Q_BYTES;
+  auto k_st = [&](int st) { return kv_sa + (uint32_t)st * KV_BYTES; };
+  auto v_st = [&](int st) { return kv_sa + (uint32_t)(2 + st) * KV_BYTES; };
+  const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
+  const int tid = threadIdx.x, wg = tid >> 7, wr = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  // Last query tiles first: under a causal mask they have the most keys.
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ, wrow0 = row0 + wg * 64;
+  const int ra = wrow0 + wr * 16 + g, rb = ra + 8;
+  const float sl2 = scale * CP_LOG2E;
+
+  // Keys [0, n_tiles * BK) cover every key some row of the block sees; [0, w_end) those of this
+  // warpgroup; keys [0, w_full) are visible to every row of the warpgroup (to its first row).
+  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
+  const int w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;
+  const int w_full = mask.key_end(mask.qpos(wrow0), S);
+  // Row i sees exactly keys [0, key_end(qpos(i))) (positions increase with the index).
+  const int lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+
+  const size_t kv_rs = (size_t)Hkv * D;
+  const T* kg = k + ((size_t)b * S * Hkv + kvh) * D;
+  const T* vg = v + ((size_t)b * S * Hkv + kvh) * D;
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) o[i] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+
+  if (n_tiles > 0) {
+    sw_load<BQ, D, NTH>(q_sa, q + ((size_t)b * T_ * H + h) * D, (size_t)H * D, row0, T_, tid);
+    sw_load<BK, D, NTH>(k_st(0), kg, kv_rs, 0, S, tid);
+    sw_load<BK, D, NTH>(v_st(1), vg, kv_rs, 0, 0, tid);  // zeros (see the first iteration)
+    cp_async_commit();
+  }
+  // This warpgroup computes tiles [0, n_act): some of its rows see a key of each of them.
+  const int n_act = (w_end + BK - 1) / BK;
+  uint32_t pa[BK / 16][4];  // P of the previous tile as wgmma A fragments (k-step kk: keys 16kk ..)
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+
+  // S = Q K^T (64 x BK per warpgroup) from K stage ka: D/16 wgmma, not committed.
+  auto issue_s = [&](float (&s)[NS], uint32_t ka_st) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t qa = q_sa + (uint32_t)((kk >> 2) * BQ * 128 + wg * 64 * 128 + (kk & 3) * 32);
+      const uint32_t ka = ka_st + (uint32_t)((kk >> 2) * BK * 128 + (kk & 3) * 32);
+      wg_ss<BK, T>(s, sw128_desc(qa, 16, 1024), sw128_desc(ka, 16, 1024), 1);
+    }
+  };
+  // O += P V (64 x D per warpgroup) with P = pa, V from stage va: BK/16 wgmma, not committed.
+  auto issue_pv = [&](uint32_t va_st) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wg_rs<D, T>(o, pa[kk], sw128_desc(va_st + (uint32_t)(kk * 2048), BK * 128, 1024), 1);
+  };
+  // Scale (log2 domain), mask and online softmax of tile k0 in s; returns the rescale factors of
+  // O. Element 4i + e: row (e < 2 ? a : b), key k0 + 8i + 2t + (e & 1).
+  auto softmax = [&](float (&s)[NS], int k0, float& al_a, float& al_b) {
+    const bool full_tile = k0 + BK <= w_full;
+    const int ca = lim_a - k0 - 2 * t, cb = lim_b - k0 - 2 * t;
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * i + e] * sl2;
+        if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) x = -INFINITY;
+        s[4 * i + e] = x;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(s[4 * i], s[4 * i + 1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    const float mn_a = fmaxf(m_a, cp_quad_max(mx_a)), mn_b = fmaxf(m_b, cp_quad_max(mx_b));
+    // Row with nothing visible yet: subtract 0 instead of -inf (every s is -inf -> p = 0, no NaN).
+    const float mo_a = mn_a == -INFINITY ? 0.f : mn_a, mo_b = mn_b == -INFINITY ? 0.f : mn_b;
+    al_a = cp_exp2(m_a - mo_a);
+    al_b = cp_exp2(m_b - mo_b);
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+      s[4 * i] = cp_exp2(s[4 * i] - mo_a);
+      s[4 * i + 1] = cp_exp2(s[4 * i + 1] - mo_a);
+      s[4 * i + 2] = cp_exp2(s[4 * i + 2] - mo_b);
+      s[4 * i + 3] = cp_exp2(s[4 * i + 3] - mo_b);
+      sum_a += s[4 * i] + s[4 * i + 1];
+      sum_b += s[4 * i + 2] + s[4 * i + 3];
+    }
+    l_a = l_a * al_a + sum_a;  // per-thread partial row sums, quad-reduced at the end
+    l_b = l_b * al_b + sum_b;
+    m_a = mn_a;
+    m_b = mn_b;
+  };
+  // O *= alpha, then P (tile just softmaxed) re-packed as A fragments: k-step kk covers keys
+  // 16kk .. 16kk+15 = accumulator blocks 2kk, 2kk+1. Only once no wgmma uses O or pa.
+  auto rescale_pack = [&](const float (&s)[NS], float al_a, float al_b) {
+#pragma unroll
+    for (int i = 0; i < NO / 4; ++i) {
+      o[4 * i] *= al_a;
+      o[4 * i + 1] *= al_a;
+      o[4 * i + 2] *= al_b;
+      o[4 * i + 3] *= al_b;
+    }
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk) {
+      pa[kk][0] = cp_pack2<T>(s[8 * kk], s[8 * kk + 1]);
+      pa[kk][1] = cp_pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
+      pa[kk][2] = cp_pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
+      pa[kk][3] = cp_pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
+    }
+  };
+
+  // Iteration j: S_j = Q K_j^T and, overlapping the softmax of tile j, O += P_{j-1} V_{j-1}.
+  // V lags K by one tile; iteration n_tiles only drains P V of the last tile. Each branch below
+  // retires every wgmma group it commits (ptxas serializes wgmma whose groups span divergent paths).
+  for (int j = 0; j <= n_tiles; ++j) {
+    cp_async_wait<0>();
+    fence_proxy_async();
+    // K_j, V_{j-1} (and Q) visible to the async proxy; both warpgroups are done with S_{j-1}
+    // (K stage (j+1)&1) and with P_{j-2} V_{j-2} (V stage j&1), which the copies below refill.
+    __syncthreads();
+    if (j + 1 < n_tiles) sw_load<BK, D, NTH>(k_st((j + 1) & 1), kg, kv_rs, (j + 1) * BK, S, tid);
+    if (j < n_tiles) sw_load<BK, D, NTH>(v_st(j & 1), vg, kv_rs, j * BK, S, tid);
+    cp_async_commit();
+    // warpgroup-uniform branches
+    if (j < n_act) {
+      float s[NS], al_a, al_b;
+#pragma unroll
+      for (int i = 0; i < NS; ++i) s[i] = 0.f;
+      reg_fence(s);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_s(s, k_st(j & 1));
+      wg_commit();
+      // j = 0: P_{-1} = 0 (pa) times V stage 1, zero-filled by the prologue: adds exactly 0. (A
+      // separate first-tile path without this product makes ptxas serialize every wgmma, C7520.)
+      issue_pv(v_st((j - 1) & 1));  // in flight during the softmax below
+      wg_commit();
+      wg_wait<1>();  // groups retire in order: S_j is done, P V may still run
+      reg_fence(s);
+      softmax(s, j * BK, al_a, al_b);
+      wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa may be touched again
+      reg_fence(o);
+      reg_fence(pa);
+      rescale_pack(s, al_a, al_b);
+    } else if (j == n_act && j >= 1) {  // drain: O += P V of this warpgroup's last tile
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_pv(v_st((j - 1) & 1));
+      wg_commit();
+      wg_wait<0>();
+      reg_fence(o);
+    }
+  }
+
+  const float la = cp_quad_sum(l_a), lb = cp_quad_sum(l_b);
+  const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
+  float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
+  float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
+#pragma unroll
+  for (int i = 0; i < NO / 4; ++i) {
+    if (ra < T_) *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    if (rb < T_) *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+  }
+  if (t == 0) {
+    if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_a + log2f(la)) * CP_LN2 : -INFINITY;
+    if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_b + log2f(lb)) * CP_LN2 : -INFINITY;
+  }
+}
+
+// ---- entry points ---------------------------------------------------------------------------------
+// flash_fwd_wgmma_{bf16,f16}_d{64,128}: grid (ceil(T / 128), H, B), block 256, dynamic shared memory
+// WGMMA_SMEM(D) bytes (above 48 KB: the launcher raises the limit). src/flash/sm90.rs mirrors
+// these numbers.
+#define WGMMA_BQ 128
+#define WGMMA_BK 128
+#define WGMMA_SMEM(D) ((WGMMA_BQ + 4 * WGMMA_BK) * (D) * 2 + 1024)
+#define FWD_ARGS                                                                              \
+  const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
+      int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
+      long long k_str
+#define WGMMA(NAME, D)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_##NAME##_d##D(FWD_ARGS) {          \
+    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                                 \
+                               CpMask{causal, q_off, q_str, k_off, k_str});                               \
+  }
+#define TY __half
+WGMMA(f16, 64) WGMMA(f16, 128)
+#undef TY
+#define TY __nv_bfloat16
+WGMMA(bf16, 64) WGMMA(bf16, 128)
+#undef TY
