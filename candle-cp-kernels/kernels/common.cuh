@@ -4,6 +4,11 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <stdint.h>
+// CP_HOST_EMU: the kernels compiled as host C++ by g++ and run on the CPU under the emulation in
+// candle-cp-kernels/emu (emu.h); every inline asm below has a host implementation there.
+#ifdef CP_HOST_EMU
+#include "emu.h"
+#endif
 
 #define CP_FULL_MASK 0xffffffffu
 #define CP_LOG2E 1.4426950408889634f
@@ -26,11 +31,15 @@ template <> __device__ __forceinline__ __nv_bfloat16 cp_from_f32<__nv_bfloat16>(
 template <typename T> __device__ __forceinline__ uint32_t cp_pack2(float lo, float hi);
 template <> __device__ __forceinline__ uint32_t cp_pack2<__nv_bfloat16>(float lo, float hi) {
   __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+  uint32_t u;  // memcpy, not a uint32_t* into v (strict aliasing)
+  memcpy(&u, static_cast<const void*>(&v), 4);
+  return u;
 }
 template <> __device__ __forceinline__ uint32_t cp_pack2<__half>(float lo, float hi) {
   __half2 v = __floats2half2_rn(lo, hi);
-  return *reinterpret_cast<uint32_t*>(&v);
+  uint32_t u;  // memcpy, not a uint32_t* into v (strict aliasing)
+  memcpy(&u, static_cast<const void*>(&v), 4);
+  return u;
 }
 
 // ---- warp reductions ------------------------------------------------------------------------
@@ -89,54 +98,132 @@ struct CpMask {
 //   d[0], d[1]: D[g][2t], D[g][2t+1]   d[2], d[3]: D[g+8][2t], D[g+8][2t+1]
 template <typename T> __device__ __forceinline__ void cp_mma16816(float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 template <> __device__ __forceinline__ void cp_mma16816<__nv_bfloat16>(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#ifdef CP_HOST_EMU
+  cp_emu::warp_mma16816(true, d, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 template <> __device__ __forceinline__ void cp_mma16816<__half>(float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+#ifdef CP_HOST_EMU
+  cp_emu::warp_mma16816(false, d, a, b0, b1);
+#else
   asm volatile(
       "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
       "{%0,%1,%2,%3};\n"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+#endif
 }
 
 // ---- asynchronous copies, ldmatrix, fast exp2 (sm_80+) ----------------------------------------
 // Shared-memory address (32-bit, .shared window) of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t cp_smem_u32(const void* p) {
+#ifdef CP_HOST_EMU
+  return cp_emu::smem_addr(p);
+#else
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+#endif
 }
 // 16-byte global -> shared copy that bypasses L1 (cp.async.cg). `valid == false` reads nothing
 // and fills the 16 destination bytes with zeros (src-size 0); `src` must still be a mapped address.
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool valid) {
+#ifdef CP_HOST_EMU
+  cp_emu::cp_async16(dst, src, valid);
+#else
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(valid ? 16 : 0)
                : "memory");
+#endif
 }
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_commit() {
+#ifdef CP_HOST_EMU
+  cp_emu::cp_async_commit();
+#else
+  asm volatile("cp.async.commit_group;\n" ::: "memory");
+#endif
+}
 // Wait until at most N of this thread's committed groups are still in flight. Other threads'
 // copies become visible only after a __syncthreads() that follows the wait.
 template <int N> __device__ __forceinline__ void cp_async_wait() {
+#ifdef CP_HOST_EMU
+  cp_emu::cp_async_wait(N);
+#else
   asm volatile("cp.async.wait_group %0;\n" ::"n"(N) : "memory");
+#endif
 }
 // ldmatrix .x4: lanes 8i .. 8i+7 give the (16-byte) row addresses of 8x8 matrix i; register i of
 // lane l receives row l/4, elements 2(l%4), 2(l%4)+1 of matrix i (of its transpose with _trans).
 __device__ __forceinline__ void cp_ldsm_x4(uint32_t* r, uint32_t addr) {
+#ifdef CP_HOST_EMU
+  cp_emu::warp_ldsm_x4(false, r, addr);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+#endif
 }
 __device__ __forceinline__ void cp_ldsm_x4_trans(uint32_t* r, uint32_t addr) {
+#ifdef CP_HOST_EMU
+  cp_emu::warp_ldsm_x4(true, r, addr);
+#else
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(addr)
                : "memory");
+#endif
 }
 // 2^x on the SFU (ex2.approx.ftz: max relative error ~2^-22; 2^-inf = +0).
 __device__ __forceinline__ float cp_exp2(float x) {
+#ifdef CP_HOST_EMU
+  // .ftz: a subnormal input counts as 0 (2^0 = 1), a subnormal result flushes to +0.
+  if (std::fabs(x) < 1.17549435e-38f) x = 0.f;
+  float y = exp2f(x);
+  return y < 1.17549435e-38f ? 0.f : y;
+#else
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;\n" : "=f"(y) : "f"(x));
   return y;
+#endif
 }
+
+// %ctaid.x / %nctaid.x read with volatile asm: the compiler cannot keep them live (or spilled)
+// across a loop; it re-reads the special registers where they are needed.
+__device__ __forceinline__ unsigned cp_ctaid_x() {
+#ifdef CP_HOST_EMU
+  return blockIdx.x;
+#else
+  unsigned r;
+  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
+  return r;
+#endif
+}
+__device__ __forceinline__ unsigned cp_nctaid_x() {
+#ifdef CP_HOST_EMU
+  return gridDim.x;
+#else
+  unsigned r;
+  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
+  return r;
+#endif
+}
+
+// Dynamic shared memory: `extern __shared__` under nvcc; the emulator's per-block buffer (poisoned
+// with 0xFF before every block) on the host.
+#ifdef CP_HOST_EMU
+#define CP_DYN_SMEM(TYPE, NAME) TYPE* NAME = reinterpret_cast<TYPE*>(cp_emu::dyn_smem())
+#else
+#define CP_DYN_SMEM(TYPE, NAME) extern __shared__ __align__(16) TYPE NAME[]
+#endif
+// Static __shared__ arrays of a kernel, named right after their declaration: the emulator fills
+// them with 0xFF bytes (NaN) once per block, so a read of a never-written element shows; nothing
+// under nvcc.
+#ifdef CP_HOST_EMU
+#define CP_EMU_POISON(...) cp_emu::poison_shared(__VA_ARGS__)
+#else
+#define CP_EMU_POISON(...)
+#endif

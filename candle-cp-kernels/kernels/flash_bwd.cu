@@ -46,6 +46,7 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
                                          int S, int H, int Hkv, float scale, CpMask mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, PER = BK * D / (NW * 32);
   __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D], p_s[NQ * BK], ds_s[NQ * BK];
+  CP_EMU_POISON(k_s, v_s, q_s, do_s, p_s, ds_s);
   const int b = blockIdx.z, kvh = blockIdx.y, k0 = blockIdx.x * BK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = H / Hkv;
   for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
@@ -121,6 +122,7 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
                                        float scale, CpMask mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D];
+  CP_EMU_POISON(k_s, v_s, q_s, do_s);
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv), i0 = blockIdx.x * NQ;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int e = threadIdx.x; e < NQ * D; e += blockDim.x) {

@@ -31,6 +31,7 @@ __device__ __forceinline__ void bwd_dkdv_mma(const T* __restrict__ q, const T* _
   constexpr int BK = 32, BQ = 32, DP = D + 8, DC = D / 16, DT = D / 8;
   __shared__ __align__(16) T k_s[BK * DP], v_s[BK * DP], q_s[BQ * DP], do_s[BQ * DP];
   __shared__ float lse_s[BQ], dl_s[BQ];
+  CP_EMU_POISON(k_s, v_s, q_s, do_s, lse_s, dl_s);
   const int b = blockIdx.z, kvh = blockIdx.y, k0 = blockIdx.x * BK, G = H / Hkv;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int kr = warp * 16 + g;  // tile row of this thread's first key (second: kr + 8)
@@ -145,6 +146,7 @@ __device__ __forceinline__ void bwd_dq_mma(const T* __restrict__ q, const T* __r
                                            float scale, CpMask mask, int accumulate) {
   constexpr int BQ = 64, BK = 32, DP = D + 8, DC = D / 16, DT = D / 8;
   __shared__ __align__(16) T k_s[BK * DP], v_s[BK * DP];
+  CP_EMU_POISON(k_s, v_s);
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int ra = blockIdx.x * BQ + warp * 16 + g, rb = ra + 8;

@@ -116,7 +116,7 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
                                               int Hkv, float scale, CpMask mask, int accumulate) {
   constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DC = D / 16, DT = D / 8, QT = BQ / 8;
   static_assert(D % 16 == 0 && BQ % 16 == 0 && BQ <= NT, "tile shape");
-  extern __shared__ __align__(16) unsigned char pipe_smem[];
+  CP_DYN_SMEM(unsigned char, pipe_smem);
   const uint32_t k_a = cp_smem_u32(pipe_smem), v_a = k_a + BN * DPB, q_a = v_a + BN * DPB,
                  do_a = q_a + 2 * BQ * DPB;
   float* lse_s = reinterpret_cast<float*>(pipe_smem + (2 * BN + 4 * BQ) * DPB);  // [2][BQ]
@@ -277,7 +277,7 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
                                             CpMask mask, int accumulate) {
   constexpr int BM = 16 * MT * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DC = D / 16, DT = D / 8, KT = BN / 8;
   static_assert(D % 16 == 0 && BN % 16 == 0, "tile shape");
-  extern __shared__ __align__(16) unsigned char pipe_smem[];
+  CP_DYN_SMEM(unsigned char, pipe_smem);
   const uint32_t q_a = cp_smem_u32(pipe_smem), do_a = q_a + BM * DPB, k_a = do_a + BM * DPB,
                  v_a = k_a + 2 * BN * DPB;
   // Query tiles along y in decreasing order: under a causal mask the last tiles see the most

@@ -30,6 +30,7 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
   __shared__ float k_s[BK * DP];
   __shared__ float v_s[BK * D];
   __shared__ float q_s[NW * R * D];
+  CP_EMU_POISON(k_s, v_s, q_s);
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = blockIdx.x * NW * R;
@@ -124,6 +125,7 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
   constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   __shared__ __align__(16) T k_s[BK * DP];  // K tile, row-major [key][d]
   __shared__ __align__(16) T vt_s[D * KP];  // V tile, transposed [d][key]
+  CP_EMU_POISON(k_s, vt_s);
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, g = lane >> 2, t = lane & 3;
   const int ra = blockIdx.x * BQ + warp * 16 + g, rb = ra + 8;
@@ -164,7 +166,8 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
         vv = *reinterpret_cast<const uint4*>(v + gi);
       }
       *reinterpret_cast<uint4*>(k_s + row * DP + c8) = kv;
-      const T* ve = reinterpret_cast<const T*>(&vv);
+      T ve[8];  // memcpy, not a T* into vv: reading a uint4 through T lvalues breaks strict aliasing
+      memcpy(static_cast<void*>(ve), &vv, 16);
 #pragma unroll
       for (int u = 0; u < 8; ++u) vt_s[(c8 + u) * KP + row] = ve[u];
     }
@@ -252,16 +255,6 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
 }
 
 // ------------------------------------------------------------------ pipelined tensor-core version
-__device__ __forceinline__ unsigned fwd_ctaid_x() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%ctaid.x;" : "=r"(r));
-  return r;
-}
-__device__ __forceinline__ unsigned fwd_nctaid_x() {
-  unsigned r;
-  asm volatile("mov.u32 %0, %%nctaid.x;" : "=r"(r));
-  return r;
-}
 
 // Copy ROWS rows of D elements (16-bit) from global `src` (row r at src + r * rstride) into shared
 // `dst` (row stride D + 8 elements) with 16-byte cp.async; rows >= rows_valid are zero-filled.
@@ -302,7 +295,7 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
                                          int Hkv, float scale, CpMask mask) {
   constexpr int NTH = NW * 32, BQ = NW * MT * 16, DP = D + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   constexpr bool QREG = MT * D <= 128;
-  extern __shared__ __align__(16) unsigned char fwd_pipe_smem[];
+  CP_DYN_SMEM(unsigned char, fwd_pipe_smem);
   constexpr uint32_t TILE_B = BK * DP * 2;  // bytes of one K or V buffer
   const uint32_t q_sa = cp_smem_u32(fwd_pipe_smem), k_sa = q_sa + BQ * DP * 2, v_sa = k_sa + 2 * TILE_B;
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
@@ -476,7 +469,7 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 
   // Re-derive the warp's first row here (volatile reads of %ctaid.x / %nctaid.x) so that it does
   // not stay live, or spilled, across the loop.
-  const int wrow0e = ((int)fwd_nctaid_x() - 1 - (int)fwd_ctaid_x()) * BQ + warp * MT * 16;
+  const int wrow0e = ((int)cp_nctaid_x() - 1 - (int)cp_ctaid_x()) * BQ + warp * MT * 16;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
     const int ra = wrow0e + mt * 16 + g, rb = ra + 8;

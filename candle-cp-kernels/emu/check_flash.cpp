@@ -1,0 +1,278 @@
+// Flash-attention forward and backward kernels (flash_fwd.cu, flash_bwd.cu, flash_bwd_mma.cu,
+// flash_bwd_pipe.cu) under the emulator vs a float64 reference with the CpMask semantics:
+// query i at q_off + i * q_str, key j at k_off + j * k_str, visible iff !causal || kpos <= qpos;
+// a row that sees no key has out 0, lse -inf and contributes nothing to the gradients.
+#include <map>
+#include <random>
+
+#include "harness.h"
+
+#define FWD_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, int, long long, long long, long long, long long
+#define BWD_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
+#define PIPE_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
+#define DECL_D(N, TY, D)                                                                    \
+  void flash_fwd_simple_##N##_d##D(FWD_P(TY));                                              \
+  void flash_bwd_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                                \
+  void flash_bwd_dq_##N##_d##D(float*, BWD_P(TY));
+#define DECL16_D(N, TY, D)                                                                  \
+  void flash_fwd_mma_##N##_d##D(FWD_P(TY));                                                 \
+  void flash_fwd_pipe_##N##_d##D(FWD_P(TY));                                                \
+  void flash_bwd_mma_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                            \
+  void flash_bwd_mma_dq_##N##_d##D(float*, BWD_P(TY));                                      \
+  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
+  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
+#define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128)
+#define DECL16(N, TY)                                                                       \
+  DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
+  void flash_bwd_pipe_prep_##N(const float*, const float*, float*, TY*, int, int, int, int);
+extern "C" {
+DECL(f32, float)
+DECL(f16, __half)
+DECL(bf16, __nv_bfloat16)
+DECL16(f16, __half)
+DECL16(bf16, __nv_bfloat16)
+void flash_bwd_delta_f32(const float*, const float*, float*, int, int, int, int);
+}
+
+#define REG_D(N, D) {"flash_fwd_simple_" #N "_d" #D, (void*)&flash_fwd_simple_##N##_d##D},  \
+    {"flash_bwd_dkdv_" #N "_d" #D, (void*)&flash_bwd_dkdv_##N##_d##D},                     \
+    {"flash_bwd_dq_" #N "_d" #D, (void*)&flash_bwd_dq_##N##_d##D},
+#define REG16_D(N, D) {"flash_fwd_mma_" #N "_d" #D, (void*)&flash_fwd_mma_##N##_d##D},        \
+    {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},                      \
+    {"flash_bwd_mma_dkdv_" #N "_d" #D, (void*)&flash_bwd_mma_dkdv_##N##_d##D},              \
+    {"flash_bwd_mma_dq_" #N "_d" #D, (void*)&flash_bwd_mma_dq_##N##_d##D},                  \
+    {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
+    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
+#define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128)
+#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128)
+
+namespace {
+
+const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)};
+
+void* lookup(const std::string& name) {
+  auto it = kTable.find(name);
+  if (it == kTable.end()) {
+    std::printf("no kernel %s\n", name.c_str());
+    std::exit(2);
+  }
+  return it->second;
+}
+
+template <typename TY> using FwdFn = void (*)(FWD_P(TY));
+template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
+template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
+template <typename TY> using PDkdvFn = void (*)(float*, float*, PIPE_P(TY));
+template <typename TY> using PDqFn = void (*)(float*, PIPE_P(TY));
+
+template <typename T> const char* sfx();
+template <> const char* sfx<float>() { return "f32"; }
+template <> const char* sfx<__half>() { return "f16"; }
+template <> const char* sfx<__nv_bfloat16>() { return "bf16"; }
+
+unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
+
+struct Case {
+  const char* label;
+  int B, T, S, H, Hkv, D;
+  int causal;
+  long long qo, qs, ko, ks;
+  std::string tag() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%s d%d [b%d t%d s%d h%d kv%d]", label, D, B, T, S, H, Hkv);
+    return buf;
+  }
+  bool vis(long i, long j) const { return !causal || ko + j * ks <= qo + i * qs; }
+};
+
+struct Ref {
+  std::vector<double> out, lse, dq, dk, dv, delta;
+};
+
+// float64 attention forward + backward (the backward from this forward's out / lse).
+Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+              const std::vector<double>& dout, double scale) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
+  Ref r;
+  r.out.assign((size_t)B * T * H * D, 0.0);
+  r.dq.assign((size_t)B * T * H * D, 0.0);
+  r.dk.assign((size_t)B * S * Hkv * D, 0.0);
+  r.dv.assign((size_t)B * S * Hkv * D, 0.0);
+  r.lse.assign((size_t)B * H * T, -INFINITY);
+  r.delta.assign((size_t)B * H * T, 0.0);
+  std::vector<double> s(S), p(S);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i) {
+        const int kvh = h / G;
+        const double* qi = &q[(((size_t)b * T + i) * H + h) * D];
+        auto kj = [&](const std::vector<double>& x, int j) { return &x[(((size_t)b * S + j) * Hkv + kvh) * D]; };
+        double m = -INFINITY;
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(i, j)) continue;
+          double acc = 0;
+          for (int d = 0; d < D; ++d) acc += qi[d] * kj(k, j)[d];
+          s[j] = acc * scale;
+          m = std::max(m, s[j]);
+        }
+        if (m == -INFINITY) continue;
+        double l = 0;
+        for (int j = 0; j < S; ++j) l += c.vis(i, j) ? std::exp(s[j] - m) : 0.0;
+        const double lse = m + std::log(l);
+        r.lse[((size_t)b * H + h) * T + i] = lse;
+        double* oi = &r.out[(((size_t)b * T + i) * H + h) * D];
+        for (int j = 0; j < S; ++j) {
+          p[j] = c.vis(i, j) ? std::exp(s[j] - lse) : 0.0;
+          for (int d = 0; d < D; ++d) oi[d] += p[j] * kj(v, j)[d];
+        }
+        const double* gi = &dout[(((size_t)b * T + i) * H + h) * D];
+        double delta = 0;
+        for (int d = 0; d < D; ++d) delta += gi[d] * oi[d];
+        r.delta[((size_t)b * H + h) * T + i] = delta;
+        double* dqi = &r.dq[(((size_t)b * T + i) * H + h) * D];
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(i, j)) continue;
+          double dp = 0;
+          for (int d = 0; d < D; ++d) dp += gi[d] * kj(v, j)[d];
+          const double ds = p[j] * (dp - delta) * scale;
+          double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + kvh) * D];
+          double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + kvh) * D];
+          for (int d = 0; d < D; ++d) {
+            dqi[d] += ds * kj(k, j)[d];
+            dkj[d] += ds * qi[d];
+            dvj[d] += p[j] * gi[d];
+          }
+        }
+      }
+  return r;
+}
+
+enum class Impl { Simple, Mma, Pipe };
+const char* impl_name(Impl i) { return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : "pipe"; }
+
+template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
+  const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
+  const float scale = 1.f / std::sqrt((float)D);
+  Buf<TY> q(nq), k(nk), v(nk);
+  const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
+  const auto dout_d = randn(nq, seed + 3);
+  Buf<float> dout(nq), o32(nq), l32(nl);
+  const auto dd = fill(dout, dout_d);
+  const Ref ref = reference(c, qd, kd, vd, dd, (double)scale);
+  fill(o32, ref.out);
+  fill(l32, ref.lse);
+  const std::string tag = std::string(sfx<TY>()) + " " + c.tag();
+  const std::string dsfx = std::string(sfx<TY>()) + "_d" + std::to_string(D);
+  const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
+
+  for (Impl im : impls) {
+    // ---- forward
+    std::string name = std::string("flash_fwd_") + impl_name(im) + " " + tag;
+    if (wanted(name)) {
+      Buf<float> out(nq), lse(nl);
+      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128;
+      size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
+      auto fn = reinterpret_cast<FwdFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
+      bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(128), smem, [&] {
+        fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
+      });
+      check_launch(name, ok);
+      if (ok) {
+        const double tol = im == Impl::Simple ? 2e-5 : bf ? 2e-2 : 4e-3;
+        check(name + " out", max_abs(out.to_f32(), ref.out), tol);
+        check(name + " lse", max_abs(lse.to_f32(), ref.lse), im == Impl::Simple ? 2e-5 : 1e-3);
+      }
+    }
+    // ---- backward
+    name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
+    if (!wanted(name)) continue;
+    Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
+    bool ok = true;
+    const dim3 b128(128);
+    if (im != Impl::Pipe) {
+      ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdiv((long)B * T * H, 4)), b128, 0,
+                          [&] { flash_bwd_delta_f32(o32.p, dout.p, delta.p, B, T, H, D); });
+      const std::string pre = im == Impl::Simple ? "flash_bwd_" : "flash_bwd_mma_";
+      auto dkdv = reinterpret_cast<DkdvFn<TY>>(lookup(pre + "dkdv_" + dsfx));
+      auto dqf = reinterpret_cast<DqFn<TY>>(lookup(pre + "dq_" + dsfx));
+      ok = ok && cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), 0, [&] {
+        dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
+      });
+      ok = ok && cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), b128, 0, [&] {
+        dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
+      });
+    } else {
+      // PipeCfg::of (src/flash/bwd_pipe.rs)
+      const int kv_nw = 8, kv_bq = 64, q_nw = D == 128 ? 8 : 4, q_mt = D == 128 ? 1 : 2, q_bn = D == 128 ? 64 : 32;
+      const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
+      const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
+      Buf<TY> do16(nq);
+      using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
+      PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
+      ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdiv((long)B * T * H, 4)), b128, 0,
+                          [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); });
+      if (ok) {
+        std::vector<double> dr(nq);
+        for (size_t e = 0; e < nq; ++e) dr[e] = to_d(to_t<TY>(dd[e]));
+        check(name + " prep do16", max_abs(do16.to_f32(), dr), 0.0);
+      }
+      auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup("flash_bwd_pipe_dkdv_" + dsfx));
+      auto dqf = reinterpret_cast<PDqFn<TY>>(lookup("flash_bwd_pipe_dq_" + dsfx));
+      ok = ok && cp_emu::launch("flash_bwd_pipe_dkdv", dim3(Hkv, cdiv(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
+        dkdv(dk.p, dv.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
+      });
+      ok = ok && cp_emu::launch("flash_bwd_pipe_dq", dim3(H, cdiv(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
+        dqf(dq.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
+      });
+    }
+    check_launch(name, ok);
+    if (!ok) continue;
+    check(name + " delta", max_abs(delta.to_f32(), ref.delta), 1e-4 * std::sqrt((double)D));
+    const double tol = im == Impl::Simple ? 1e-4 : bf ? 3e-2 : 5e-3;
+    (void)f16;
+    check(name + " dq", rel_err(dq.to_f32(), ref.dq), tol);
+    check(name + " dk", rel_err(dk.to_f32(), ref.dk), tol);
+    check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
+  }
+}
+
+}  // namespace
+
+void run_flash_checks() {
+  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe};
+  // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str
+  const Case full{"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1};
+  const Case causal{"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1};
+  const Case after{"causal q after k (q_off 64)", 1, 48, 64, 1, 1, 64, 1, 64, 1, 0, 1};
+  const Case masked{"causal rows fully masked (k_off 20)", 2, 50, 40, 1, 1, 16, 1, 0, 1, 20, 1};
+  const Case striped{"striped stride 4", 1, 64, 64, 2, 2, 32, 1, 1, 4, 2, 4};
+  const Case ragged{"ragged causal gqa4:2 (q_off 133)", 1, 200, 333, 4, 2, 16, 1, 133, 1, 0, 1};
+  const Case ragged_full{"ragged full", 1, 200, 333, 1, 1, 16, 0, 0, 1, 0, 1};
+  const Case mqa{"causal mqa8:1", 1, 48, 48, 8, 1, 32, 1, 0, 1, 0, 1};
+  const Case d128{"causal multi-tile", 1, 300, 300, 1, 1, 128, 1, 0, 1, 0, 1};
+  const Case d128f{"full", 1, 80, 144, 1, 1, 128, 0, 0, 1, 0, 1};
+  const Case off30{"causal q_off 30 (warp rows at a tile edge)", 1, 96, 128, 2, 1, 64, 1, 30, 1, 0, 1};
+  const std::vector<Case> cases = {full, causal, after, masked, striped, ragged, ragged_full, mqa, off30, d128f, d128};
+  uint64_t seed = 100;
+  for (const Case& c : cases) {
+    if (c.D <= 64) run_case<float>(c, {Impl::Simple}, seed++);
+    run_case<__nv_bfloat16>(c, all, seed++);
+    run_case<__half>(c, all, seed++);
+  }
+  // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
+  static char labels[12][64];
+  std::mt19937_64 rng(7);
+  for (int n = 0; n < 12; ++n) {
+    auto u = [&](int lo, int hi) { return lo + (int)(rng() % (uint64_t)(hi - lo + 1)); };
+    const int hkv = u(1, 2), g = u(1, 3);
+    Case c{labels[n], u(1, 2), u(1, 160), u(1, 160), hkv * g, hkv, n % 2 ? 32 : 16, u(0, 3) != 0,
+           u(0, 150), u(1, 4), u(0, 150), u(1, 4)};
+    std::snprintf(labels[n], sizeof labels[n], "sweep%d %s q%lld+%lld k%lld+%lld", n, c.causal ? "causal" : "full", c.qo, c.qs,
+                  c.ko, c.ks);
+    if (n % 2)
+      run_case<__half>(c, all, seed++);
+    else
+      run_case<__nv_bfloat16>(c, all, seed++);
+  }
+}

@@ -1,0 +1,554 @@
+// Scheduler and PTX-level ops of the host emulation (see emu.h). One OS thread; the CUDA
+// threads of a block are fibers switched by a 12-instruction x86-64 context switch.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include "emu.h"
+
+#include <cstdarg>
+#include <cstdio>
+#include <cstdlib>
+#include <deque>
+#include <string>
+#include <vector>
+
+uint3 threadIdx, blockIdx;
+dim3 blockDim, gridDim;
+
+extern "C" void cp_emu_switch(void** save_sp, void* new_sp);
+asm(R"(
+.text
+.globl cp_emu_switch
+.type cp_emu_switch,@function
+cp_emu_switch:
+  pushq %rbp
+  pushq %rbx
+  pushq %r12
+  pushq %r13
+  pushq %r14
+  pushq %r15
+  movq %rsp, (%rdi)
+  movq %rsi, %rsp
+  popq %r15
+  popq %r14
+  popq %r13
+  popq %r12
+  popq %rbx
+  popq %rbp
+  ret
+.size cp_emu_switch, .-cp_emu_switch
+)");
+
+
+namespace cp_emu {
+namespace {
+
+constexpr size_t STACK = 256 * 1024;
+constexpr uint32_t STATIC_BASE = 0x40000000u;  // shared-window offset of the static section
+
+struct Copy {
+  unsigned char* dst;
+  const unsigned char* src;
+  bool valid;
+};
+
+enum class St { Ready, Bar, Warp, Done };
+
+struct Fiber {
+  void* sp = nullptr;
+  unsigned char* stack = nullptr;
+  St st = St::Ready;
+  const char* bar_file = nullptr;
+  int bar_line = 0;
+  // posted warp op
+  WarpOp op{};
+  unsigned mask = 0;
+  uint32_t val = 0, res = 0, b0 = 0, b1 = 0, addr = 0;
+  int arg = 0;
+  bool flag = false;
+  float* d = nullptr;
+  const uint32_t* a = nullptr;
+  uint32_t* r = nullptr;
+  // cp.async state
+  std::vector<Copy> open;
+  std::deque<std::vector<Copy>> groups;
+};
+
+std::vector<Fiber> fib;
+int nthreads = 0, cur = -1;
+void* sched_sp = nullptr;
+const std::function<void()>* body = nullptr;
+bool failed = false;
+bool in_fiber = false;
+std::vector<unsigned char> dyn;
+size_t dyn_size = 0;
+std::vector<std::pair<const unsigned char*, size_t>> globals;
+const char* launch_name = "";
+long block_serial = 0;
+Schedule schedule = Schedule::Lockstep;
+std::vector<std::pair<unsigned char*, size_t>> statics;  // static __shared__ arrays seen so far
+std::vector<long> statics_block;                           // block serial of their last poisoning
+
+const char* op_name(WarpOp op) {
+  switch (op) {
+    case WarpOp::Shfl: return "shfl.sync.idx";
+    case WarpOp::ShflXor: return "shfl.sync.bfly";
+    case WarpOp::Any: return "vote.sync.any";
+    case WarpOp::Ballot: return "vote.sync.ballot";
+    case WarpOp::Sync: return "bar.warp.sync";
+    case WarpOp::Mma16816Bf16: return "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32";
+    case WarpOp::Mma16816F16: return "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
+    case WarpOp::Ldsm4: return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
+    case WarpOp::Ldsm4T: return "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
+  }
+  return "?";
+}
+
+void report(const char* fmt, va_list ap) {
+  std::fprintf(stdout, "  EMU ERROR in %s block (%u,%u,%u)", launch_name, blockIdx.x, blockIdx.y, blockIdx.z);
+  if (cur >= 0) std::fprintf(stdout, " thread %d", cur);
+  std::fprintf(stdout, ": ");
+  std::vfprintf(stdout, fmt, ap);
+  std::fprintf(stdout, "\n");
+}
+
+void sched_fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  int c = cur;
+  cur = -1;
+  report(fmt, ap);
+  cur = c;
+  va_end(ap);
+  failed = true;
+}
+
+void yield_to_sched() { cp_emu_switch(&fib[cur].sp, sched_sp); }
+
+void fiber_entry() {
+  (*body)();
+  Fiber& f = fib[cur];
+  size_t pend = f.open.size();
+  for (auto& g : f.groups) pend += g.size();
+  if (pend) fail("thread exits with %zu cp.async copies not waited for", pend);
+  f.st = St::Done;
+  yield_to_sched();
+  std::abort();  // never resumed
+}
+
+void init_fiber(Fiber& f) {
+  if (!f.stack) f.stack = static_cast<unsigned char*>(std::aligned_alloc(64, STACK));
+  // Stack top: [ret addr = fiber_entry] at a 16-byte aligned slot, 6 callee-saved registers below.
+  uintptr_t top = (reinterpret_cast<uintptr_t>(f.stack) + STACK - 64) & ~uintptr_t(15);
+  void** sp = reinterpret_cast<void**>(top);
+  sp[1] = nullptr;
+  sp[0] = reinterpret_cast<void*>(&fiber_entry);
+  for (int i = 1; i <= 6; ++i) sp[-i] = nullptr;
+  f.sp = sp - 6;
+  f.st = St::Ready;
+  f.open.clear();
+  f.groups.clear();
+}
+
+void set_thread(int i) {
+  cur = i;
+  threadIdx.x = i % blockDim.x;
+  threadIdx.y = (i / blockDim.x) % blockDim.y;
+  threadIdx.z = i / (blockDim.x * blockDim.y);
+}
+
+uint16_t ld16(const unsigned char* p) {
+  uint16_t v;
+  std::memcpy(&v, p, 2);
+  return v;
+}
+float f16bits(uint16_t b, bool bf16) {
+  if (bf16) {
+    uint32_t u = (uint32_t)b << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+  __half h;
+  std::memcpy(static_cast<void*>(&h), &b, 2);
+  return __half2float(h);
+}
+
+// Runs the op posted by all lanes of warp w (lanes l0 .. l0+n-1); false (after reporting) on a
+// mismatch.
+bool exec_warp(int l0, int n) {
+  Fiber* L = &fib[l0];
+  for (int l = 0; l < n; ++l) {
+    if (L[l].op != L[0].op) {
+      sched_fail("warp %d: lane %d at %s while lane 0 at %s", l0 / 32, l, op_name(L[l].op), op_name(L[0].op));
+      return false;
+    }
+    if (L[l].mask != 0xffffffffu || n != 32) {
+      sched_fail("warp %d: %s with member mask %08x over %d lanes (only full warps are modelled)", l0 / 32,
+                 op_name(L[0].op), L[l].mask, n);
+      return false;
+    }
+  }
+  switch (L[0].op) {
+    case WarpOp::Sync: break;
+    case WarpOp::Shfl:
+      for (int l = 0; l < 32; ++l) L[l].res = L[L[l].arg & 31].val;
+      break;
+    case WarpOp::ShflXor:
+      for (int l = 0; l < 32; ++l) L[l].res = L[(l ^ L[l].arg) & 31].val;
+      break;
+    case WarpOp::Any:
+    case WarpOp::Ballot: {
+      uint32_t bits = 0;
+      for (int l = 0; l < 32; ++l) bits |= (L[l].val ? 1u : 0u) << l;
+      for (int l = 0; l < 32; ++l) L[l].res = L[0].op == WarpOp::Any ? (bits != 0) : bits;
+      break;
+    }
+    case WarpOp::Mma16816Bf16:
+    case WarpOp::Mma16816F16: {
+      // PTX ISA, "Matrix Fragments for mma.m16n8k16" (.bf16/.f16 A row-major, B column-major,
+      // f32 C/D): groupID g = lane >> 2, threadID_in_group t = lane % 4;
+      //   a_i (i = 0..7, two per register): row g + 8 * ((i >> 1) & 1), col 2t + (i & 1) + 8 * (i >= 4)
+      //   b_i (i = 0..3): row (k) 2t + (i & 1) + 8 * (i >= 2), col (n) g
+      //   c_i (i = 0..3): row g + 8 * (i >= 2), col 2t + (i & 1)
+      const bool bf = L[0].op == WarpOp::Mma16816Bf16;
+      float A[16][16], B[16][8], C[16][8];
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 8; ++i) {
+          uint32_t reg = L[l].a[i >> 1];
+          uint16_t h = (i & 1) ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
+          A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >= 4)] = f16bits(h, bf);
+        }
+        for (int i = 0; i < 4; ++i) {
+          uint32_t reg = i < 2 ? L[l].b0 : L[l].b1;
+          uint16_t h = (i & 1) ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
+          B[2 * t + (i & 1) + 8 * (i >= 2)][g] = f16bits(h, bf);
+        }
+        for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = L[l].d[i];
+      }
+      float Dm[16][8];
+      for (int m = 0; m < 16; ++m)
+        for (int nn = 0; nn < 8; ++nn) {
+          double acc = C[m][nn];
+          for (int k = 0; k < 16; ++k) acc += (double)A[m][k] * (double)B[k][nn];
+          Dm[m][nn] = (float)acc;
+        }
+      for (int l = 0; l < 32; ++l) {
+        const int g = l >> 2, t = l & 3;
+        for (int i = 0; i < 4; ++i) L[l].d[i] = Dm[g + 8 * (i >= 2)][2 * t + (i & 1)];
+      }
+      break;
+    }
+    case WarpOp::Ldsm4:
+    case WarpOp::Ldsm4T: {
+      // PTX ISA, ldmatrix .m8n8 .x4: lanes 8i .. 8i+7 supply the row addresses of matrix i
+      // (16 bytes each, 16-byte aligned); lane l receives in register i the elements
+      // (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans.
+      const unsigned char* rows[4][8];
+      for (int l = 0; l < 32; ++l) {
+        uint32_t ad = L[l].addr;
+        if (ad % 16) {
+          sched_fail("warp %d lane %d: %s row address %u not 16-byte aligned", l0 / 32, l, op_name(L[0].op), ad);
+          return false;
+        }
+        unsigned char* p = smem_ptr(ad, 16);
+        if (!p) return false;
+        rows[l >> 3][l & 7] = p;
+      }
+      const bool tr = L[0].op == WarpOp::Ldsm4T;
+      for (int l = 0; l < 32; ++l) {
+        const int rr = l >> 2, cc = 2 * (l & 3);
+        for (int i = 0; i < 4; ++i) {
+          uint16_t lo, hi;
+          if (!tr) {
+            lo = ld16(rows[i][rr] + 2 * cc);
+            hi = ld16(rows[i][rr] + 2 * (cc + 1));
+          } else {
+            lo = ld16(rows[i][cc] + 2 * rr);
+            hi = ld16(rows[i][cc + 1] + 2 * rr);
+          }
+          L[l].r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+      }
+      break;
+    }
+  }
+  for (int l = 0; l < n; ++l) L[l].st = St::Ready;
+  return true;
+}
+
+void post_and_wait(WarpOp op, unsigned mask) {
+  Fiber& f = fib[cur];
+  f.op = op;
+  f.mask = mask;
+  f.st = St::Warp;
+  yield_to_sched();
+}
+
+// Runs one block; false if it failed.
+bool run_fiber(int i) {
+  set_thread(i);
+  in_fiber = true;
+  cp_emu_switch(&sched_sp, fib[i].sp);
+  in_fiber = false;
+  cur = -1;
+  return !failed;
+}
+
+// Runs the ready lanes of warp [l0, l0 + n) once (order by `pass`), then its warp op if all lanes
+// posted one. *moved: something ran. False on failure.
+bool step_warp(int l0, int n, long pass, bool* moved) {
+  for (int k = 0; k < n; ++k) {
+    const int i = l0 + ((pass & 1) ? n - 1 - k : k);
+    if (fib[i].st != St::Ready) continue;
+    *moved = true;
+    if (!run_fiber(i)) return false;
+  }
+  int at = 0;
+  for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
+  if (at == n) {
+    *moved = true;
+    return exec_warp(l0, n);
+  }
+  return true;
+}
+
+bool run_block() {
+  for (int i = 0; i < nthreads; ++i) init_fiber(fib[i]);
+  if (dyn_size) std::memset(dyn.data(), 0xff, dyn_size);
+  ++block_serial;
+  const int nwarps = (nthreads + 31) / 32;
+  for (long round = 0;; ++round) {
+    bool progress = false;
+    if (schedule == Schedule::Lockstep) {
+      // every ready thread once (block order forward / reverse by round), then complete warp ops
+      for (int k = 0; k < nthreads; ++k) {
+        const int i = (round & 1) ? nthreads - 1 - k : k;
+        if (fib[i].st != St::Ready) continue;
+        progress = true;
+        if (!run_fiber(i)) return false;
+      }
+      for (int l0 = 0; l0 < nthreads; l0 += 32) {
+        const int n = std::min(32, nthreads - l0);
+        int at = 0;
+        for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
+        if (at == n) {
+          if (!exec_warp(l0, n)) return false;
+          progress = true;
+        }
+      }
+    } else {
+      // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps
+      for (int w = 0; w < nwarps; ++w) {
+        const int l0 = 32 * (schedule == Schedule::WarpsAscending ? w : nwarps - 1 - w);
+        const int n = std::min(32, nthreads - l0);
+        for (long pass = round;; ++pass) {
+          bool moved = false;
+          if (!step_warp(l0, n, pass, &moved)) return false;
+          if (!moved) break;
+          progress = true;
+        }
+      }
+    }
+    int done = 0, bar = 0, warp = 0;
+    for (int i = 0; i < nthreads; ++i) {
+      done += fib[i].st == St::Done;
+      bar += fib[i].st == St::Bar;
+      warp += fib[i].st == St::Warp;
+    }
+    if (done == nthreads) return true;
+    if (progress) continue;
+    if (bar + done == nthreads) {
+      // Every live thread waits at a block barrier: it must be the same barrier, and no thread
+      // of the block may have exited (a barrier in code that not all threads reach: undefined
+      // behaviour in CUDA, a hang on some GPUs).
+      if (done) {
+        int first = 0;
+        while (fib[first].st != St::Bar) ++first;
+        sched_fail("barrier at %s:%d reached by %d of %d threads; the other %d exited", fib[first].bar_file,
+                   fib[first].bar_line, bar, nthreads, done);
+        return false;
+      }
+      int first = -1;
+      for (int i = 0; i < nthreads; ++i) {
+        if (fib[i].st != St::Bar) continue;
+        if (first < 0) first = i;
+        if (fib[i].bar_line != fib[first].bar_line || std::strcmp(fib[i].bar_file, fib[first].bar_file) != 0) {
+          sched_fail("divergent barrier: thread %d at %s:%d, thread %d at %s:%d", first, fib[first].bar_file,
+                     fib[first].bar_line, i, fib[i].bar_file, fib[i].bar_line);
+          return false;
+        }
+      }
+      for (int i = 0; i < nthreads; ++i)
+        if (fib[i].st == St::Bar) fib[i].st = St::Ready;
+      continue;
+    }
+    // No thread can move: deadlock (a barrier some threads never reach, or an incomplete warp).
+    std::string what;
+    for (int i = 0; i < nthreads; ++i)
+      if (fib[i].st == St::Bar) {
+        what = std::string("; barrier at ") + fib[i].bar_file + ":" + std::to_string(fib[i].bar_line);
+        break;
+      }
+    for (int l0 = 0; l0 < nthreads; l0 += 32) {
+      int at = 0, ex = 0;
+      const int n = std::min(32, nthreads - l0);
+      for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp, ex += fib[l0 + l].st == St::Done;
+      if (at) {
+        int first = l0;
+        while (fib[first].st != St::Warp) ++first;
+        what += "; warp " + std::to_string(l0 / 32) + ": " + std::to_string(at) + " of " + std::to_string(n) +
+                " lanes at " + op_name(fib[first].op) + ", " + std::to_string(ex) + " exited";
+      }
+    }
+    sched_fail("deadlock/divergent barrier: %d of %d threads arrived at a block barrier, %d at warp ops, %d exited%s",
+               bar, nthreads, warp, done, what.c_str());
+    return false;
+  }
+}
+
+}  // namespace
+
+void fail(const char* fmt, ...) {
+  va_list ap;
+  va_start(ap, fmt);
+  report(fmt, ap);
+  va_end(ap);
+  failed = true;
+  yield_to_sched();
+  std::abort();
+}
+
+void poison_shared_once(void* p, size_t bytes) {
+  auto c = static_cast<unsigned char*>(p);
+  size_t i = 0;
+  while (i < statics.size() && statics[i].first != c) ++i;
+  if (i == statics.size()) {
+    statics.push_back({c, bytes});
+    statics_block.push_back(-1);
+  }
+  if (statics_block[i] != block_serial) {
+    std::memset(c, 0xff, bytes);
+    statics_block[i] = block_serial;
+  }
+}
+
+void set_schedule(Schedule s) { schedule = s; }
+
+unsigned char* dyn_smem() { return dyn.data(); }
+
+uint32_t smem_addr(const void* p) {
+  auto c = static_cast<const unsigned char*>(p);
+  if (dyn_size && c >= dyn.data() && c <= dyn.data() + dyn_size) return (uint32_t)(c - dyn.data());
+  for (size_t i = 0; i < statics.size(); ++i)
+    if (c >= statics[i].first && c <= statics[i].first + statics[i].second)
+      return STATIC_BASE + (uint32_t)(i << 20) + (uint32_t)(c - statics[i].first);
+  fail("cvta.to.shared of %p: not a shared-memory address", p);
+}
+
+unsigned char* smem_ptr(uint32_t addr, uint32_t bytes) {
+  if (addr < STATIC_BASE) {
+    if ((size_t)addr + bytes <= dyn_size) return dyn.data() + addr;
+  } else {
+    const size_t i = (addr - STATIC_BASE) >> 20, off = (addr - STATIC_BASE) & 0xfffff;
+    if (i < statics.size() && off + bytes <= statics[i].second) return statics[i].first + off;
+  }
+  if (in_fiber) fail("shared address %u (+%u bytes) outside shared memory (dynamic size %zu)", addr, bytes, dyn_size);
+  sched_fail("shared address %u (+%u bytes) outside shared memory (dynamic size %zu)", addr, bytes, dyn_size);
+  return nullptr;
+}
+
+void syncthreads(const char* file, int line) {
+  Fiber& f = fib[cur];
+  f.bar_file = file;
+  f.bar_line = line;
+  f.st = St::Bar;
+  yield_to_sched();
+}
+
+uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg) {
+  Fiber& f = fib[cur];
+  f.val = value;
+  f.arg = arg;
+  post_and_wait(op, mask);
+  return fib[cur].res;
+}
+
+void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
+  Fiber& f = fib[cur];
+  f.d = d;
+  f.a = a;
+  f.b0 = b0;
+  f.b1 = b1;
+  post_and_wait(bf16 ? WarpOp::Mma16816Bf16 : WarpOp::Mma16816F16, 0xffffffffu);
+}
+
+void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr) {
+  Fiber& f = fib[cur];
+  f.r = r;
+  f.addr = addr;
+  post_and_wait(trans ? WarpOp::Ldsm4T : WarpOp::Ldsm4, 0xffffffffu);
+}
+
+void cp_async16(uint32_t dst, const void* src, bool valid) {
+  unsigned char* d = smem_ptr(dst, 16);
+  if (dst % 16 || reinterpret_cast<uintptr_t>(src) % 16)
+    fail("cp.async 16: addresses not 16-byte aligned (shared %u, global %p)", dst, src);
+  auto s = static_cast<const unsigned char*>(src);
+  if (valid && !globals.empty()) {
+    bool ok = false;
+    for (auto& g : globals) ok |= s >= g.first && s + 16 <= g.first + g.second;
+    if (!ok) fail("cp.async reads global %p (16 bytes) outside every buffer of the launch", src);
+  }
+  std::memset(d, 0xff, 16);  // contents undefined until the wait
+  fib[cur].open.push_back({d, s, valid});
+}
+
+void cp_async_commit() {
+  Fiber& f = fib[cur];
+  f.groups.push_back(std::move(f.open));
+  f.open.clear();
+}
+
+void cp_async_wait(int n) {
+  Fiber& f = fib[cur];
+  while ((int)f.groups.size() > n) {
+    for (auto& c : f.groups.front()) {
+      if (c.valid)
+        std::memcpy(c.dst, c.src, 16);
+      else
+        std::memset(c.dst, 0, 16);
+    }
+    f.groups.pop_front();
+  }
+}
+
+void track_global(const void* p, size_t bytes) { globals.push_back({static_cast<const unsigned char*>(p), bytes}); }
+void untrack_global(const void* p) {
+  for (size_t i = 0; i < globals.size(); ++i)
+    if (globals[i].first == p) {
+      globals.erase(globals.begin() + i);
+      return;
+    }
+}
+
+bool launch(const char* name, dim3 grid, dim3 block, size_t dyn_smem_bytes, const std::function<void()>& b) {
+  launch_name = name;
+  nthreads = (int)(block.x * block.y * block.z);
+  if ((int)fib.size() < nthreads) fib.resize(nthreads);
+  if (dyn.size() < dyn_smem_bytes) dyn.resize(dyn_smem_bytes);
+  dyn_size = dyn_smem_bytes;
+  body = &b;
+  failed = false;
+  blockDim = block;
+  gridDim = grid;
+  for (unsigned z = 0; z < grid.z; ++z)
+    for (unsigned y = 0; y < grid.y; ++y)
+      for (unsigned x = 0; x < grid.x; ++x) {
+        blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
+        if (!run_block()) return false;
+      }
+  return true;
+}
+
+}  // namespace cp_emu

@@ -1,0 +1,131 @@
+// Host (CPU) emulation of the CUDA features the candle-cp kernels use, so that the real kernel
+// source (kernels/*.cu, compiled as C++ with -DCP_HOST_EMU) runs under g++ without a GPU.
+// Included by kernels/common.cuh after the CUDA headers; see emu.cpp for the scheduler and
+// docs/gpu.md ("CPU emulation of the kernel source") for what this proves and what it cannot.
+//
+// Execution model: a launch runs its blocks one at a time; the threads of a block are fibers
+// (user-level contexts, one per CUDA thread) scheduled cooperatively on one OS thread. A fiber
+// runs until it reaches a block barrier or a warp-collective op; the scheduler alternates
+// forward and reverse thread order between rounds, so a read that lacks a barrier before it
+// sees another order than on the write side. Barriers are exact: when no thread can make
+// progress the launch fails with the barrier sites and arrival counts (a deadlock or divergent
+// barrier on hardware). Warp-collective ops (shuffles, votes, mma.sync, ldmatrix) run once all
+// 32 lanes of the warp have arrived at an op of the same kind.
+#pragma once
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <algorithm>
+#include <functional>
+#include <vector_types.h>
+
+#ifndef CP_HOST_EMU
+#error "emu.h is for the host emulation build (-DCP_HOST_EMU) only"
+#endif
+
+// ---- CUDA keywords --------------------------------------------------------------------------
+// The CUDA headers (host compile) define __device__/__global__/__host__/__shared__ as nothing
+// and __forceinline__/__align__ as GCC attributes. Static __shared__ arrays become function-scope
+// statics (one block runs at a time, so they are per block in effect); the kernels name them in
+// CP_EMU_POISON(...) right after the declaration, which fills them with 0xFF bytes (NaN) once
+// per block, before the first thread of the block writes them.
+#undef __shared__
+#define __shared__ static
+#ifndef __launch_bounds__
+#define __launch_bounds__(...)
+#endif
+#ifndef __device__
+#define __device__
+#endif
+#ifndef __global__
+#define __global__
+#endif
+#ifndef __host__
+#define __host__
+#endif
+
+using std::max;
+using std::min;
+
+extern uint3 threadIdx, blockIdx;
+extern dim3 blockDim, gridDim;
+
+namespace cp_emu {
+
+// Fail the current launch (from inside a kernel thread): prints the message with the thread
+// and block, abandons the block and marks the launch failed. Does not return to the caller.
+[[noreturn]] void fail(const char* fmt, ...);
+
+// Poison each array (0xFF bytes) the first time a thread of the current block gets here.
+void poison_shared_once(void* p, size_t bytes);
+template <typename... A> inline void poison_shared(A&... arrays) { (poison_shared_once((void*)&arrays, sizeof(arrays)), ...); }
+
+// Dynamic shared memory of the current block (the launch's size, poisoned before each block).
+unsigned char* dyn_smem();
+// 32-bit shared-window address of a host pointer into shared memory (dynamic buffer or a
+// static __shared__ array) and back; out-of-range addresses fail the launch.
+uint32_t smem_addr(const void* p);
+unsigned char* smem_ptr(uint32_t addr, uint32_t bytes);
+
+// Block barrier (site recorded: two different __syncthreads() are a divergent barrier).
+void syncthreads(const char* file, int line);
+
+// Warp-collective ops. The calling lane posts its operands, waits until all 32 lanes of its
+// warp posted the same op, and gets its result.
+enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T };
+uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg);
+void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
+void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
+
+// cp.async (16 bytes, .cg): deferred. The destination is poisoned at issue (the copy may land at
+// any time before the wait) and written at cp.async.wait_group, which completes all but the
+// newest N committed groups of this thread.
+void cp_async16(uint32_t dst, const void* src, bool valid);
+void cp_async_commit();
+void cp_async_wait(int n);
+
+// Thread scheduling between synchronization points. Lockstep: every ready thread once per round,
+// block order alternating forward / reverse. WarpsAscending / WarpsDescending: one warp at a
+// time runs as far as it can (up to a block barrier) before the next: the largest skew between
+// warps, which exposes a missing barrier before a buffer is refilled (write-after-read).
+enum class Schedule { Lockstep, WarpsAscending, WarpsDescending };
+void set_schedule(Schedule s);
+
+// Launch `body` (which calls the kernel entry point) on a grid of blocks. Returns false (and
+// prints why) if a kernel thread failed: deadlock, divergent barrier, bad shared address,
+// incomplete warp at a collective op, cp.async still pending at exit.
+bool launch(const char* name, dim3 grid, dim3 block, size_t dyn_smem_bytes, const std::function<void()>& body);
+// Global buffers the kernels may read through cp.async (bounds-checked when any is registered).
+void track_global(const void* p, size_t bytes);
+void untrack_global(const void* p);
+
+}  // namespace cp_emu
+
+// ---- CUDA intrinsics --------------------------------------------------------------------------
+#define __syncthreads() ::cp_emu::syncthreads(__FILE__, __LINE__)
+inline void __syncwarp(unsigned mask = 0xffffffffu) { ::cp_emu::warp_u32(::cp_emu::WarpOp::Sync, mask, 0, 0); }
+
+template <typename T> inline T cp_emu_shfl(::cp_emu::WarpOp op, unsigned mask, T v, int arg) {
+  static_assert(sizeof(T) == 4, "32-bit shuffles only");
+  uint32_t u;
+  std::memcpy(&u, &v, 4);
+  u = ::cp_emu::warp_u32(op, mask, u, arg);
+  T r;
+  std::memcpy(&r, &u, 4);
+  return r;
+}
+template <typename T> inline T __shfl_sync(unsigned mask, T v, int src, int width = 32) {
+  (void)width;
+  return cp_emu_shfl(::cp_emu::WarpOp::Shfl, mask, v, src);
+}
+template <typename T> inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int width = 32) {
+  (void)width;
+  return cp_emu_shfl(::cp_emu::WarpOp::ShflXor, mask, v, lane_mask);
+}
+inline int __any_sync(unsigned mask, int pred) { return (int)::cp_emu::warp_u32(::cp_emu::WarpOp::Any, mask, pred != 0, 0); }
+inline unsigned __ballot_sync(unsigned mask, int pred) { return ::cp_emu::warp_u32(::cp_emu::WarpOp::Ballot, mask, pred != 0, 0); }
+
+inline float __expf(float x) { return std::exp(x); }
+inline float __logf(float x) { return std::log(x); }
+inline float __fdividef(float a, float b) { return a / b; }

@@ -1,0 +1,60 @@
+// Shared helpers of the emulator harness (harness.cpp, check_flash.cpp, check_misc.cpp).
+#pragma once
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include "emu.h"
+
+#include <cmath>
+#include <cstring>
+#include <string>
+#include <vector>
+
+void check(const std::string& name, double err, double tol);
+void check_launch(const std::string& name, bool ok);
+bool wanted(const std::string& name);
+void* guarded_alloc(size_t bytes);
+void guarded_free(void* p, size_t bytes);
+// max |a - b| (equal infinities count as 0; NaN in a fails)
+double max_abs(const std::vector<float>& a, const std::vector<double>& b);
+// max |a - b| / max |b|
+double rel_err(const std::vector<float>& a, const std::vector<double>& b);
+std::vector<double> randn(size_t n, uint64_t seed);
+void run_flash_checks();
+void run_misc_checks();
+
+// Element conversions.
+template <typename T> inline T to_t(double x);
+template <> inline float to_t<float>(double x) { return (float)x; }
+template <> inline __half to_t<__half>(double x) { return __float2half_rn((float)x); }
+template <> inline __nv_bfloat16 to_t<__nv_bfloat16>(double x) { return __float2bfloat16_rn((float)x); }
+inline double to_d(float x) { return x; }
+inline double to_d(__half x) { return __half2float(x); }
+inline double to_d(__nv_bfloat16 x) { return __bfloat162float(x); }
+
+// A kernel argument buffer in guarded host memory, poisoned with 0xFF bytes (NaN for floats).
+template <typename T> struct Buf {
+  T* p = nullptr;
+  size_t n = 0;
+  explicit Buf(size_t n_) : n(n_) {
+    p = static_cast<T*>(guarded_alloc(std::max<size_t>(n, 1) * sizeof(T)));
+    std::memset((void*)p, 0xff, std::max<size_t>(n, 1) * sizeof(T));
+  }
+  Buf(const Buf&) = delete;
+  Buf& operator=(const Buf&) = delete;
+  ~Buf() { guarded_free(p, std::max<size_t>(n, 1) * sizeof(T)); }
+  std::vector<float> to_f32() const {
+    std::vector<float> v(n);
+    for (size_t i = 0; i < n; ++i) v[i] = (float)to_d(p[i]);
+    return v;
+  }
+};
+
+// Rounds doubles to T, stores them in a Buf and returns the rounded values as doubles.
+template <typename T> std::vector<double> fill(Buf<T>& b, const std::vector<double>& x) {
+  std::vector<double> r(x.size());
+  for (size_t i = 0; i < x.size(); ++i) {
+    b.p[i] = to_t<T>(x[i]);
+    r[i] = to_d(b.p[i]);
+  }
+  return r;
+}

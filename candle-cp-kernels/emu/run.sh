@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# Builds the real kernel source (kernels/*.cu) as host C++ under the CUDA emulation in this folder
+# and runs the harness (every kernel family vs a float64 reference). No GPU needed.
+# Usage: candle-cp-kernels/emu/run.sh [check-name filter]   (from anywhere; needs ../shared/cuda
+# set up as in scripts/ci-cuda.sh, or CUDA_ROOT pointing at a toolkit with cuda_bf16.h).
+# Env: EMU_BUILD (build dir, default target/emu), CXX (g++), JOBS (2), EMU_OPT (-O2).
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(cd "$here/../.." && pwd)
+cd "$root"
+if [ -z "${CUDA_ROOT:-}" ] && [ -f "${CANDLE_CP_SHARED:-../shared}/cuda/env.sh" ]; then
+  # shellcheck disable=SC1091
+  . "${CANDLE_CP_SHARED:-../shared}/cuda/env.sh" ""  # (its first argument is a root dir)
+fi
+if [ -z "${CUDA_ROOT:-}" ] || [ ! -f "$CUDA_ROOT/include/cuda_bf16.h" ]; then
+  echo "emu: CUDA headers not found (CUDA_ROOT='${CUDA_ROOT:-}'); run ../shared/cuda/setup.sh and source ../shared/cuda/env.sh" >&2
+  exit 1
+fi
+CXX=${CXX:-g++}
+JOBS=${JOBS:-2}
+OPT=${EMU_OPT:--O2}
+out=${EMU_BUILD:-$root/target/emu}
+mkdir -p "$out"
+flags=(-std=c++17 "$OPT" -pthread -DCP_HOST_EMU -I"$CUDA_ROOT/include" -Icandle-cp-kernels/kernels -Icandle-cp-kernels/emu
+       -Wall -Wno-unknown-pragmas -Wno-unused-function -Wno-unused-variable)
+srcs=(kernels/flash_fwd.cu kernels/flash_bwd.cu kernels/flash_bwd_mma.cu kernels/flash_bwd_pipe.cu kernels/merge.cu
+      kernels/layout.cu emu/emu.cpp emu/harness.cpp emu/check_flash.cpp emu/check_misc.cpp emu/selftest.cpp)
+start=$(date +%s)
+objs=()
+pids=()
+for s in "${srcs[@]}"; do
+  o="$out/$(basename "$s").o"
+  objs+=("$o")
+  # rebuild when the source or any header changed
+  if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] \
+     && [ "$o" -nt candle-cp-kernels/emu/emu.h ] && [ "$o" -nt candle-cp-kernels/emu/harness.h ]; then continue; fi
+  while [ "${#pids[@]}" -ge "$JOBS" ]; do wait "${pids[0]}" || exit 1; pids=("${pids[@]:1}"); done
+  "$CXX" "${flags[@]}" -x c++ -c "candle-cp-kernels/$s" -o "$o" &
+  pids+=($!)
+done
+for p in "${pids[@]}"; do wait "$p" || exit 1; done
+"$CXX" -pthread "${objs[@]}" -o "$out/harness"
+echo "emu: built in $(( $(date +%s) - start )) s"
+exec "$out/harness" "$@"
