@@ -5,7 +5,7 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma|pipelined|wgmma[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--impl auto|simple|mma|pipelined|wgmma|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
 //! ```
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
 //! side by side; the ring uses the first.
@@ -47,8 +47,9 @@ fn parse() -> Result<Args> {
             "mma" => Ok(FwdImpl::Mma),
             "pipelined" => Ok(FwdImpl::Pipelined),
             "wgmma" => Ok(FwdImpl::Wgmma),
+            "atomic" => Ok(FwdImpl::AtomicDq),
             "auto" => Ok(FwdImpl::Auto),
-            other => Err(anyhow::anyhow!("--impl: unknown kernel family {other:?} (auto, simple, mma, pipelined, wgmma)")),
+            other => Err(anyhow::anyhow!("--impl: unknown kernel family {other:?} (auto, simple, mma, pipelined, wgmma, atomic)")),
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {

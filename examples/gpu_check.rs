@@ -5,10 +5,10 @@
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,atomic] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
 //! ```
-//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, Hopper only, is
-//! checked only when named); `--sections` runs only
+//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, Hopper only, and
+//! `atomic`, the fused backward with atomic dQ, are checked only when named); `--sections` runs only
 //! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
 //! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
 //! Prints one `PASS`/`FAIL` line per check and exits non-zero if any check fails.
@@ -121,6 +121,9 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::Wgmma) {
                 imps.push(FwdImpl::Wgmma);
             }
+            if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
+                imps.push(FwdImpl::AtomicDq);
+            }
             let imps = &imps;
             for &imp in imps {
                 let name = format!("flash_fwd {imp:?} {tag}");
@@ -128,8 +131,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                     Ok((o, l)) => {
                         // mma rounds P to 16 bits before P·V (like FlashAttention).
                         let tol = match (imp, dtype) {
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, DType::BF16) => 2e-2,
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, _) => 4e-3,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, DType::BF16) => 2e-2,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, _) => 4e-3,
                             _ => 2e-5,
                         };
                         rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, tol);
@@ -146,8 +149,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let name = format!("flash_bwd {imp:?} {tag}");
                 // mma rounds dO, P and dS to 16 bits before the products (like FlashAttention).
                 let tol = match (imp, dtype) {
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, DType::BF16) => 3e-2,
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma, _) => 5e-3,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, DType::BF16) => 3e-2,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, _) => 5e-3,
                     _ => 1e-4,
                 };
                 match flash::bwd_with(&gq, &gk, &gv, &go, &gl, &gd, kmask(&c.mask), scale as f32, imp) {
@@ -356,6 +359,9 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         if rep.named(FwdImpl::Wgmma) {
             imps.push(FwdImpl::Wgmma);
         }
+        if rep.named(FwdImpl::AtomicDq) {
+            imps.push(FwdImpl::AtomicDq);
+        }
         for imp in imps {
             let name = format!("large {imp:?} {label} [b{b} t{t} h{h} kv{hkv} d{d}] bf16");
             match flash::fwd(&q, &k, &v, mask, scale, imp) {
@@ -435,7 +441,8 @@ fn main() -> Result<()> {
                 "mma" => Ok(FwdImpl::Mma),
                 "pipelined" => Ok(FwdImpl::Pipelined),
                 "wgmma" => Ok(FwdImpl::Wgmma),
-                other => Err(anyhow::anyhow!("--impls: unknown kernel family {other:?} (simple, mma, pipelined, wgmma)")),
+                "atomic" => Ok(FwdImpl::AtomicDq),
+                other => Err(anyhow::anyhow!("--impls: unknown kernel family {other:?} (simple, mma, pipelined, wgmma, atomic)")),
             })
             .collect::<Result<Vec<_>>>()?,
     };

@@ -12,6 +12,8 @@
 #      ISA version must be <= 9.0 (what the GPU machine's CUDA 13.0 driver can JIT).
 #   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
 #      (candle-cp-kernels/sim/*.py, a few seconds, no GPU).
+#   5. the kernel source itself, compiled as host C++ by g++ under a CUDA emulation and run on the
+#      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, ~1 min, no GPU).
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -49,8 +51,9 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   done
   n=$((n + 1))
 done
-[ "$n" -ge 7 ] || { echo "ci-cuda: expected 7 PTX files from candle-cp-kernels, found $n"; exit 1; }
+[ "$n" -ge 8 ] || { echo "ci-cuda: expected 8 PTX files from candle-cp-kernels, found $n"; exit 1; }
 for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py; do
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
 done
+emu=$(EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh 2>&1) || { grep -v '^PASS' <<<"$emu"; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; }; echo "ci-cuda: $(tail -1 <<<"$emu") (kernel source under CPU emulation)"
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match) in $(( $(date +%s) - start )) s"

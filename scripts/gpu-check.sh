@@ -74,8 +74,8 @@ run() {
   echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
   timeout 75 "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout 2>&1 \
     | tee "$out/check.log" || rc=1
-  echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) vs the CPU path"
-  timeout 45 "$bin/gpu_check" --impls pipelined --sections flash,flash-large 2>&1 \
+  echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
+  timeout 45 "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large 2>&1 \
     | tee "$out/check-pipelined.log" || rc=1
   echo "== 3/5 correctness: experimental Hopper wgmma forward vs the CPU path"
   timeout 40 "$bin/gpu_check" --impls wgmma --sections flash,flash-large 2>&1 \
@@ -91,7 +91,7 @@ run() {
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
   local imp ring limit
-  for imp in pipelined wgmma mma; do
+  for imp in pipelined wgmma atomic; do
     ring=0 limit=45
     [ "$imp" = pipelined ] && ring=4 limit=70
     timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \

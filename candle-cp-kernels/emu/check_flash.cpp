@@ -2,7 +2,9 @@
 // flash_bwd_pipe.cu) under the emulator vs a float64 reference with the CpMask semantics:
 // query i at q_off + i * q_str, key j at k_off + j * k_str, visible iff !causal || kpos <= qpos;
 // a row that sees no key has out 0, lse -inf and contributes nothing to the gradients.
+#include <functional>
 #include <map>
+#include <memory>
 #include <random>
 
 #include "harness.h"
@@ -32,6 +34,10 @@ DECL(bf16, __nv_bfloat16)
 DECL16(f16, __half)
 DECL16(bf16, __nv_bfloat16)
 void flash_bwd_delta_f32(const float*, const float*, float*, int, int, int, int);
+void flash_fwd_wgmma_f16_d64(FWD_P(__half));
+void flash_fwd_wgmma_f16_d128(FWD_P(__half));
+void flash_fwd_wgmma_bf16_d64(FWD_P(__nv_bfloat16));
+void flash_fwd_wgmma_bf16_d128(FWD_P(__nv_bfloat16));
 }
 
 #define REG_D(N, D) {"flash_fwd_simple_" #N "_d" #D, (void*)&flash_fwd_simple_##N##_d##D},  \
@@ -48,7 +54,9 @@ void flash_bwd_delta_f32(const float*, const float*, float*, int, int, int, int)
 
 namespace {
 
-const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)};
+const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)
+    {"flash_fwd_wgmma_f16_d64", (void*)&flash_fwd_wgmma_f16_d64}, {"flash_fwd_wgmma_f16_d128", (void*)&flash_fwd_wgmma_f16_d128},
+    {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128}};
 
 void* lookup(const std::string& name) {
   auto it = kTable.find(name);
@@ -147,10 +155,12 @@ Ref reference(const Case& c, const std::vector<double>& q, const std::vector<dou
   return r;
 }
 
-enum class Impl { Simple, Mma, Pipe };
-const char* impl_name(Impl i) { return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : "pipe"; }
+enum class Impl { Simple, Mma, Pipe, Wgmma };  // Wgmma: flash_fwd_sm90.cu, forward only, D 64 / 128
+const char* impl_name(Impl i) {
+  return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : "wgmma";
+}
 
-template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed) {
+template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
@@ -167,14 +177,16 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
   const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
 
   for (Impl im : impls) {
+    if (im == Impl::Wgmma && (sizeof(TY) != 2 || (D != 64 && D != 128))) continue;
     // ---- forward
     std::string name = std::string("flash_fwd_") + impl_name(im) + " " + tag;
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
       unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128;
       size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
+      if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       auto fn = reinterpret_cast<FwdFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
-      bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(128), smem, [&] {
+      bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(im == Impl::Wgmma ? 256 : 128), smem, [&] {
         fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
       });
       check_launch(name, ok);
@@ -186,9 +198,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     }
     // ---- backward
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
-    if (!wanted(name)) continue;
+    if (im == Impl::Wgmma || !wanted(name)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
     bool ok = true;
+    std::function<bool(int)> grads;  // dK/dV then dQ kernels, `accumulate` as given
     const dim3 b128(128);
     if (im != Impl::Pipe) {
       ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdiv((long)B * T * H, 4)), b128, 0,
@@ -196,18 +209,22 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       const std::string pre = im == Impl::Simple ? "flash_bwd_" : "flash_bwd_mma_";
       auto dkdv = reinterpret_cast<DkdvFn<TY>>(lookup(pre + "dkdv_" + dsfx));
       auto dqf = reinterpret_cast<DqFn<TY>>(lookup(pre + "dq_" + dsfx));
-      ok = ok && cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), 0, [&] {
-        dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
-      });
-      ok = ok && cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), b128, 0, [&] {
-        dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
-      });
+      grads = [&, pre, dkdv, dqf](int acc) {
+        return cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), 0, [&] {
+                 dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+               }) &&
+               cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), dim3(128), 0, [&] {
+                 dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+               });
+      };
+      ok = ok && grads(0);
     } else {
       // PipeCfg::of (src/flash/bwd_pipe.rs)
       const int kv_nw = 8, kv_bq = 64, q_nw = D == 128 ? 8 : 4, q_mt = D == 128 ? 1 : 2, q_bn = D == 128 ? 64 : 32;
       const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
       const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
-      Buf<TY> do16(nq);
+      auto do16p = std::make_shared<Buf<TY>>(nq);
+      Buf<TY>& do16 = *do16p;
       using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
       PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
       ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdiv((long)B * T * H, 4)), b128, 0,
@@ -219,12 +236,16 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       }
       auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup("flash_bwd_pipe_dkdv_" + dsfx));
       auto dqf = reinterpret_cast<PDqFn<TY>>(lookup("flash_bwd_pipe_dq_" + dsfx));
-      ok = ok && cp_emu::launch("flash_bwd_pipe_dkdv", dim3(Hkv, cdiv(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
-        dkdv(dk.p, dv.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
-      });
-      ok = ok && cp_emu::launch("flash_bwd_pipe_dq", dim3(H, cdiv(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
-        dqf(dq.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, 0);
-      });
+      grads = [&, do16p, dkdv, dqf, kv_nw, q_nw, bn, bm, smem_kv, smem_q](int acc) {
+        const TY* d16 = do16p->p;
+        return cp_emu::launch("flash_bwd_pipe_dkdv", dim3(Hkv, cdiv(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
+                 dkdv(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+               }) &&
+               cp_emu::launch("flash_bwd_pipe_dq", dim3(H, cdiv(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
+                 dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+               });
+      };
+      ok = ok && grads(0);
     }
     check_launch(name, ok);
     if (!ok) continue;
@@ -234,13 +255,27 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     check(name + " dq", rel_err(dq.to_f32(), ref.dq), tol);
     check(name + " dk", rel_err(dk.to_f32(), ref.dk), tol);
     check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
+    // accumulate = 1 adds into dq/dk/dv (ring steps): a second run doubles them
+    if (!accum_checks) continue;
+    const std::string an = name + " accumulate";
+    ok = grads(1);
+    check_launch(an, ok);
+    if (!ok) continue;
+    auto twice = [](const std::vector<double>& x) {
+      std::vector<double> y(x);
+      for (auto& e : y) e *= 2;
+      return y;
+    };
+    check(an + " dq", rel_err(dq.to_f32(), twice(ref.dq)), tol);
+    check(an + " dk", rel_err(dk.to_f32(), twice(ref.dk)), tol);
+    check(an + " dv", rel_err(dv.to_f32(), twice(ref.dv)), tol);
   }
 }
 
 }  // namespace
 
 void run_flash_checks() {
-  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe};
+  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma};
   // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str
   const Case full{"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1};
   const Case causal{"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1};
@@ -253,12 +288,13 @@ void run_flash_checks() {
   const Case d128{"causal multi-tile", 1, 300, 300, 1, 1, 128, 1, 0, 1, 0, 1};
   const Case d128f{"full", 1, 80, 144, 1, 1, 128, 0, 0, 1, 0, 1};
   const Case off30{"causal q_off 30 (warp rows at a tile edge)", 1, 96, 128, 2, 1, 64, 1, 30, 1, 0, 1};
-  const std::vector<Case> cases = {full, causal, after, masked, striped, ragged, ragged_full, mqa, off30, d128f, d128};
+  const Case keys_after{"causal keys past every query (blocks without work)", 1, 40, 300, 2, 2, 32, 1, 0, 1, 0, 1};
+  const std::vector<Case> cases = {full, causal, after, masked, striped, ragged, ragged_full, mqa, off30, d128f, d128, keys_after};
   uint64_t seed = 100;
   for (const Case& c : cases) {
     if (c.D <= 64) run_case<float>(c, {Impl::Simple}, seed++);
-    run_case<__nv_bfloat16>(c, all, seed++);
-    run_case<__half>(c, all, seed++);
+    run_case<__nv_bfloat16>(c, all, seed++, &c == &cases[2] || &c == &cases[5]);
+    run_case<__half>(c, all, seed++, &c == &cases[3]);
   }
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[12][64];

@@ -1,8 +1,9 @@
-// Scheduler and PTX-level ops of the host emulation (see emu.h). One OS thread; the CUDA
-// threads of a block are fibers switched by a 12-instruction x86-64 context switch.
+// Scheduler of the host emulation (see emu.h; the warp ops are in emu_ops.cpp). One OS thread;
+// the CUDA threads of a block are fibers switched by a 12-instruction x86-64 context switch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include "emu.h"
+#include "emu_internal.h"
 
 #include <cstdarg>
 #include <cstdio>
@@ -40,40 +41,12 @@ cp_emu_switch:
 
 
 namespace cp_emu {
-namespace {
-
-constexpr size_t STACK = 256 * 1024;
-constexpr uint32_t STATIC_BASE = 0x40000000u;  // shared-window offset of the static section
-
-struct Copy {
-  unsigned char* dst;
-  const unsigned char* src;
-  bool valid;
-};
-
-enum class St { Ready, Bar, Warp, Done };
-
-struct Fiber {
-  void* sp = nullptr;
-  unsigned char* stack = nullptr;
-  St st = St::Ready;
-  const char* bar_file = nullptr;
-  int bar_line = 0;
-  // posted warp op
-  WarpOp op{};
-  unsigned mask = 0;
-  uint32_t val = 0, res = 0, b0 = 0, b1 = 0, addr = 0;
-  int arg = 0;
-  bool flag = false;
-  float* d = nullptr;
-  const uint32_t* a = nullptr;
-  uint32_t* r = nullptr;
-  // cp.async state
-  std::vector<Copy> open;
-  std::deque<std::vector<Copy>> groups;
-};
+namespace detail {
 
 std::vector<Fiber> fib;
+std::vector<WgState> wgs;
+bool wgmma_at_issue = false;
+
 int nthreads = 0, cur = -1;
 void* sched_sp = nullptr;
 const std::function<void()>* body = nullptr;
@@ -99,6 +72,10 @@ const char* op_name(WarpOp op) {
     case WarpOp::Mma16816F16: return "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
     case WarpOp::Ldsm4: return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
     case WarpOp::Ldsm4T: return "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
+    case WarpOp::WgFence: return "wgmma.fence.sync.aligned";
+    case WarpOp::WgMma: return "wgmma.mma_async.sync.aligned";
+    case WarpOp::WgCommit: return "wgmma.commit_group.sync.aligned";
+    case WarpOp::WgWait: return "wgmma.wait_group.sync.aligned";
   }
   return "?";
 }
@@ -156,126 +133,6 @@ void set_thread(int i) {
   threadIdx.z = i / (blockDim.x * blockDim.y);
 }
 
-uint16_t ld16(const unsigned char* p) {
-  uint16_t v;
-  std::memcpy(&v, p, 2);
-  return v;
-}
-float f16bits(uint16_t b, bool bf16) {
-  if (bf16) {
-    uint32_t u = (uint32_t)b << 16;
-    float f;
-    std::memcpy(&f, &u, 4);
-    return f;
-  }
-  __half h;
-  std::memcpy(static_cast<void*>(&h), &b, 2);
-  return __half2float(h);
-}
-
-// Runs the op posted by all lanes of warp w (lanes l0 .. l0+n-1); false (after reporting) on a
-// mismatch.
-bool exec_warp(int l0, int n) {
-  Fiber* L = &fib[l0];
-  for (int l = 0; l < n; ++l) {
-    if (L[l].op != L[0].op) {
-      sched_fail("warp %d: lane %d at %s while lane 0 at %s", l0 / 32, l, op_name(L[l].op), op_name(L[0].op));
-      return false;
-    }
-    if (L[l].mask != 0xffffffffu || n != 32) {
-      sched_fail("warp %d: %s with member mask %08x over %d lanes (only full warps are modelled)", l0 / 32,
-                 op_name(L[0].op), L[l].mask, n);
-      return false;
-    }
-  }
-  switch (L[0].op) {
-    case WarpOp::Sync: break;
-    case WarpOp::Shfl:
-      for (int l = 0; l < 32; ++l) L[l].res = L[L[l].arg & 31].val;
-      break;
-    case WarpOp::ShflXor:
-      for (int l = 0; l < 32; ++l) L[l].res = L[(l ^ L[l].arg) & 31].val;
-      break;
-    case WarpOp::Any:
-    case WarpOp::Ballot: {
-      uint32_t bits = 0;
-      for (int l = 0; l < 32; ++l) bits |= (L[l].val ? 1u : 0u) << l;
-      for (int l = 0; l < 32; ++l) L[l].res = L[0].op == WarpOp::Any ? (bits != 0) : bits;
-      break;
-    }
-    case WarpOp::Mma16816Bf16:
-    case WarpOp::Mma16816F16: {
-      // PTX ISA, "Matrix Fragments for mma.m16n8k16" (.bf16/.f16 A row-major, B column-major,
-      // f32 C/D): groupID g = lane >> 2, threadID_in_group t = lane % 4;
-      //   a_i (i = 0..7, two per register): row g + 8 * ((i >> 1) & 1), col 2t + (i & 1) + 8 * (i >= 4)
-      //   b_i (i = 0..3): row (k) 2t + (i & 1) + 8 * (i >= 2), col (n) g
-      //   c_i (i = 0..3): row g + 8 * (i >= 2), col 2t + (i & 1)
-      const bool bf = L[0].op == WarpOp::Mma16816Bf16;
-      float A[16][16], B[16][8], C[16][8];
-      for (int l = 0; l < 32; ++l) {
-        const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 8; ++i) {
-          uint32_t reg = L[l].a[i >> 1];
-          uint16_t h = (i & 1) ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
-          A[g + 8 * ((i >> 1) & 1)][2 * t + (i & 1) + 8 * (i >= 4)] = f16bits(h, bf);
-        }
-        for (int i = 0; i < 4; ++i) {
-          uint32_t reg = i < 2 ? L[l].b0 : L[l].b1;
-          uint16_t h = (i & 1) ? (uint16_t)(reg >> 16) : (uint16_t)(reg & 0xffff);
-          B[2 * t + (i & 1) + 8 * (i >= 2)][g] = f16bits(h, bf);
-        }
-        for (int i = 0; i < 4; ++i) C[g + 8 * (i >= 2)][2 * t + (i & 1)] = L[l].d[i];
-      }
-      float Dm[16][8];
-      for (int m = 0; m < 16; ++m)
-        for (int nn = 0; nn < 8; ++nn) {
-          double acc = C[m][nn];
-          for (int k = 0; k < 16; ++k) acc += (double)A[m][k] * (double)B[k][nn];
-          Dm[m][nn] = (float)acc;
-        }
-      for (int l = 0; l < 32; ++l) {
-        const int g = l >> 2, t = l & 3;
-        for (int i = 0; i < 4; ++i) L[l].d[i] = Dm[g + 8 * (i >= 2)][2 * t + (i & 1)];
-      }
-      break;
-    }
-    case WarpOp::Ldsm4:
-    case WarpOp::Ldsm4T: {
-      // PTX ISA, ldmatrix .m8n8 .x4: lanes 8i .. 8i+7 supply the row addresses of matrix i
-      // (16 bytes each, 16-byte aligned); lane l receives in register i the elements
-      // (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans.
-      const unsigned char* rows[4][8];
-      for (int l = 0; l < 32; ++l) {
-        uint32_t ad = L[l].addr;
-        if (ad % 16) {
-          sched_fail("warp %d lane %d: %s row address %u not 16-byte aligned", l0 / 32, l, op_name(L[0].op), ad);
-          return false;
-        }
-        unsigned char* p = smem_ptr(ad, 16);
-        if (!p) return false;
-        rows[l >> 3][l & 7] = p;
-      }
-      const bool tr = L[0].op == WarpOp::Ldsm4T;
-      for (int l = 0; l < 32; ++l) {
-        const int rr = l >> 2, cc = 2 * (l & 3);
-        for (int i = 0; i < 4; ++i) {
-          uint16_t lo, hi;
-          if (!tr) {
-            lo = ld16(rows[i][rr] + 2 * cc);
-            hi = ld16(rows[i][rr] + 2 * (cc + 1));
-          } else {
-            lo = ld16(rows[i][cc] + 2 * rr);
-            hi = ld16(rows[i][cc + 1] + 2 * rr);
-          }
-          L[l].r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
-        }
-      }
-      break;
-    }
-  }
-  for (int l = 0; l < n; ++l) L[l].st = St::Ready;
-  return true;
-}
 
 void post_and_wait(WarpOp op, unsigned mask) {
   Fiber& f = fib[cur];
@@ -306,7 +163,7 @@ bool step_warp(int l0, int n, long pass, bool* moved) {
   }
   int at = 0;
   for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
-  if (at == n) {
+  if (at == n && !is_wg(fib[l0].op)) {
     *moved = true;
     return exec_warp(l0, n);
   }
@@ -317,6 +174,7 @@ bool run_block() {
   for (int i = 0; i < nthreads; ++i) init_fiber(fib[i]);
   if (dyn_size) std::memset(dyn.data(), 0xff, dyn_size);
   ++block_serial;
+  wgs.assign((size_t)(nthreads + 127) / 128, WgState{});
   const int nwarps = (nthreads + 31) / 32;
   for (long round = 0;; ++round) {
     bool progress = false;
@@ -332,11 +190,12 @@ bool run_block() {
         const int n = std::min(32, nthreads - l0);
         int at = 0;
         for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
-        if (at == n) {
+        if (at == n && !is_wg(fib[l0].op)) {
           if (!exec_warp(l0, n)) return false;
           progress = true;
         }
       }
+      if (!exec_warpgroups(&progress)) return false;
     } else {
       // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps
       for (int w = 0; w < nwarps; ++w) {
@@ -349,6 +208,7 @@ bool run_block() {
           progress = true;
         }
       }
+      if (!exec_warpgroups(&progress)) return false;
     }
     int done = 0, bar = 0, warp = 0;
     for (int i = 0; i < nthreads; ++i) {
@@ -356,7 +216,17 @@ bool run_block() {
       bar += fib[i].st == St::Bar;
       warp += fib[i].st == St::Warp;
     }
-    if (done == nthreads) return true;
+    if (done == nthreads) {
+      for (size_t w = 0; w < wgs.size(); ++w) {
+        size_t pend = wgs[w].open.size();
+        for (auto& g : wgs[w].groups) pend += g.size();
+        if (pend) {
+          sched_fail("warpgroup %zu exits with %zu wgmma ops not waited for", w, pend);
+          return false;
+        }
+      }
+      return true;
+    }
     if (progress) continue;
     if (bar + done == nthreads) {
       // Every live thread waits at a block barrier: it must be the same barrier, and no thread
@@ -407,7 +277,9 @@ bool run_block() {
   }
 }
 
-}  // namespace
+}  // namespace detail
+
+using namespace detail;
 
 void fail(const char* fmt, ...) {
   va_list ap;
@@ -466,29 +338,6 @@ void syncthreads(const char* file, int line) {
   yield_to_sched();
 }
 
-uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg) {
-  Fiber& f = fib[cur];
-  f.val = value;
-  f.arg = arg;
-  post_and_wait(op, mask);
-  return fib[cur].res;
-}
-
-void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1) {
-  Fiber& f = fib[cur];
-  f.d = d;
-  f.a = a;
-  f.b0 = b0;
-  f.b1 = b1;
-  post_and_wait(bf16 ? WarpOp::Mma16816Bf16 : WarpOp::Mma16816F16, 0xffffffffu);
-}
-
-void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr) {
-  Fiber& f = fib[cur];
-  f.r = r;
-  f.addr = addr;
-  post_and_wait(trans ? WarpOp::Ldsm4T : WarpOp::Ldsm4, 0xffffffffu);
-}
 
 void cp_async16(uint32_t dst, const void* src, bool valid) {
   unsigned char* d = smem_ptr(dst, 16);

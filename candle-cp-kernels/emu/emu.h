@@ -18,6 +18,7 @@
 #include <cstring>
 #include <algorithm>
 #include <functional>
+#include <type_traits>
 #include <vector_types.h>
 
 #ifndef CP_HOST_EMU
@@ -73,10 +74,24 @@ void syncthreads(const char* file, int line);
 
 // Warp-collective ops. The calling lane posts its operands, waits until all 32 lanes of its
 // warp posted the same op, and gets its result.
-enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T };
+enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T,
+                          WgFence, WgMma, WgCommit, WgWait };
 uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg);
 void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
+
+// Warpgroup-collective wgmma ops (sm_90a), run once all 128 threads of the warpgroup arrived:
+// wgmma.fence, wgmma.mma_async m64nNk16 (f32 accumulate; A from shared memory by descriptor
+// (K-major) or from registers `a` (4 per thread); B from shared memory by descriptor, K-major or
+// MN-major with trans_b = 1; 128-byte swizzle descriptors only), commit_group and wait_group N.
+// The product is deferred to the wait_group that retires its group (operands read and D written
+// then), or done at issue when set_wgmma_at_issue(true): a kernel that touches D or A between
+// issue and wait, or refills a stage a pending wgmma still reads, is wrong under one of the two.
+void wg_fence();
+void wg_mma(bool bf16, int n, float* d, const uint32_t* a, uint64_t da, uint64_t db, int scale_d, int trans_b);
+void wg_commit();
+void wg_wait(int n);
+void set_wgmma_at_issue(bool at_issue);
 
 // cp.async (16 bytes, .cg): deferred. The destination is poisoned at issue (the copy may land at
 // any time before the wait) and written at cp.async.wait_group, which completes all but the

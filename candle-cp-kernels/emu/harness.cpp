@@ -115,9 +115,12 @@ int main(int argc, char** argv) {
                                                              {cp_emu::Schedule::WarpsDescending, "warps-desc"}};
   for (auto& sc : scheds) {
     cp_emu::set_schedule(sc.first);
+    // wgmma products deferred to their wait_group, except under warps-asc: at issue
+    cp_emu::set_wgmma_at_issue(sc.first == cp_emu::Schedule::WarpsAscending);
     g_sched = sc.second;
     run_flash_checks();
     run_misc_checks();
+    run_fused_checks();
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("emu: %d passed, %d failed in %.1f s\n", n_pass, n_fail, secs);

@@ -21,6 +21,7 @@ double rel_err(const std::vector<float>& a, const std::vector<double>& b);
 std::vector<double> randn(size_t n, uint64_t seed);
 void run_flash_checks();
 void run_misc_checks();
+void run_fused_checks();  // check_fused.cpp (flash_bwd_fused.cu)
 
 // Element conversions.
 template <typename T> inline T to_t(double x);

@@ -214,11 +214,13 @@ __device__ __forceinline__ unsigned cp_nctaid_x() {
 
 // Dynamic shared memory: `extern __shared__` under nvcc; the emulator's per-block buffer (poisoned
 // with 0xFF before every block) on the host.
+// CP_DYN_SMEM_A: the same with an explicit alignment (the emulator's shared window starts at 0).
 #ifdef CP_HOST_EMU
-#define CP_DYN_SMEM(TYPE, NAME) TYPE* NAME = reinterpret_cast<TYPE*>(cp_emu::dyn_smem())
+#define CP_DYN_SMEM_A(TYPE, NAME, ALIGN) TYPE* NAME = reinterpret_cast<TYPE*>(cp_emu::dyn_smem())
 #else
-#define CP_DYN_SMEM(TYPE, NAME) extern __shared__ __align__(16) TYPE NAME[]
+#define CP_DYN_SMEM_A(TYPE, NAME, ALIGN) extern __shared__ __align__(ALIGN) TYPE NAME[]
 #endif
+#define CP_DYN_SMEM(TYPE, NAME) CP_DYN_SMEM_A(TYPE, NAME, 16)
 // Static __shared__ arrays of a kernel, named right after their declaration: the emulator fills
 // them with 0xFF bytes (NaN) once per block, so a read of a never-written element shows; nothing
 // under nvcc.
@@ -227,3 +229,15 @@ __device__ __forceinline__ unsigned cp_nctaid_x() {
 #else
 #define CP_EMU_POISON(...)
 #endif
+
+// *p += v on a global f32, atomically, without returning the old value (red.global.add.f32:
+// the SM does not wait for the L2's reply). The order in which concurrent additions land is unspecified
+// (f32 sums are then nondeterministic in their last bits). Host emulation: every CUDA thread of
+// a launch runs on one OS thread (fibers, one block at a time), so a plain add is atomic there.
+__device__ __forceinline__ void cp_red_add_f32(float* p, float v) {
+#ifdef CP_HOST_EMU
+  *p += v;
+#else
+  asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
+#endif
+}

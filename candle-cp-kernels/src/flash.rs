@@ -12,6 +12,7 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
+mod bwd_fused;
 mod bwd_pipe;
 mod sm90;
 
@@ -74,16 +75,25 @@ pub enum FwdImpl {
     /// sm_90a), f16/bf16 and head dims 64/128 only; an error on other devices, dtypes or head
     /// dims. Backward: the `Pipelined` kernels.
     Wgmma,
+    /// Opt-in (`CANDLE_CP_FLASH_IMPL=atomic`; `Auto` never picks it); f16/bf16 only. Forward: the
+    /// `Pipelined` kernel. Backward: one fused kernel per 128-key tile (`kernels/flash_bwd_fused.cu`,
+    /// FlashAttention-2 style: 5 matrix products instead of the pipelined kernels' 7) that computes
+    /// dK and dV and adds dQ into a zero-filled f32 buffer with atomics (`red.global.add.f32`):
+    /// the f32 summation order of dQ is NONDETERMINISTIC (run-to-run differences in the last
+    /// bits); dK and dV stay deterministic.
+    AtomicDq,
 }
 
 impl FwdImpl {
-    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | anything else (`Auto`).
+    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` | anything
+    /// else (`Auto`).
     pub fn from_env() -> Self {
         match std::env::var("CANDLE_CP_FLASH_IMPL").as_deref() {
             Ok("simple") => FwdImpl::Simple,
             Ok("mma") => FwdImpl::Mma,
             Ok("pipelined") => FwdImpl::Pipelined,
             Ok("wgmma") => FwdImpl::Wgmma,
+            Ok("atomic") => FwdImpl::AtomicDq,
             _ => FwdImpl::Auto,
         }
     }
@@ -188,11 +198,11 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdImpl::Wgmma => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
-        FwdImpl::Mma | FwdImpl::Pipelined if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
         FwdImpl::Mma => FwdKernel::Mma,
-        FwdImpl::Auto | FwdImpl::Pipelined if scale > 0.0 => FwdKernel::Pipelined,
+        FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if scale > 0.0 => FwdKernel::Pipelined,
         // The pipelined kernel takes row maxima before scaling, which needs scale > 0.
-        FwdImpl::Auto | FwdImpl::Pipelined => FwdKernel::Mma,
+        FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq => FwdKernel::Mma,
     };
     // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
     // allow per block (e.g. sm_86/sm_89: 99 KiB): Auto falls back to the mma kernel there.
@@ -320,7 +330,9 @@ pub fn bwd(
 /// `kernels/flash_bwd_pipe.cu` (tensor cores, cp.async double buffering, ldmatrix; dO, P and dS
 /// rounded to 16 bits), `Mma` (f16/bf16 only) runs `kernels/flash_bwd_mma.cu` (tensor cores, P
 /// and dS rounded to 16 bits), `Simple` runs `kernels/flash_bwd.cu` (f32 math on CUDA cores),
-/// `Auto` picks `Pipelined` for f16/bf16 and `Simple` for f32. All of them are deterministic.
+/// `Auto` picks `Pipelined` for f16/bf16 and `Simple` for f32. All of them are deterministic,
+/// except the opt-in `AtomicDq` (f16/bf16 only): `kernels/flash_bwd_fused.cu`, one fused
+/// dK/dV/dQ kernel whose dQ is summed with f32 atomics in a nondeterministic order.
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_with(
     q: &Tensor,
@@ -348,10 +360,15 @@ pub fn bwd_with(
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
         FwdImpl::Simple => (false, false),
-        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
         FwdImpl::Mma => (true, false),
         FwdImpl::Pipelined | FwdImpl::Wgmma => (false, true),
+        // Runs bwd_fused below.
+        FwdImpl::AtomicDq => (false, false),
     };
+    if imp == FwdImpl::AtomicDq {
+        bwd_fused::check_fits(&dev, d, q.shape())?;
+    }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
     let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (true, false) } else { (use_mma, pipe) };
@@ -361,6 +378,9 @@ pub fn bwd_with(
     }
     let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    if imp == FwdImpl::AtomicDq {
+        return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
+    }
     if pipe {
         return bwd_pipe::bwd_pipe(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
     }

@@ -11,6 +11,9 @@ pub const FLASH_BWD_MMA: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bw
 /// `kernels/flash_bwd_pipe.cu`: `flash_bwd_pipe_prep_{f16,bf16}`,
 /// `flash_bwd_pipe_{dkdv,dq}_{f16,bf16}_d{16,32,64,128}` (cp.async + ldmatrix pipeline).
 pub const FLASH_BWD_PIPE: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_pipe.ptx"));
+/// `kernels/flash_bwd_fused.cu`: `flash_bwd_fused_{f16,bf16}_d{16,32,64,128}` (dK, dV and atomic dQ
+/// in one kernel; opt-in `FwdImpl::AtomicDq`).
+pub const FLASH_BWD_FUSED: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_fused.ptx"));
 /// `kernels/flash_fwd_sm90.cu`: `flash_fwd_wgmma_{f16,bf16}_d{64,128}` (Hopper warpgroup MMA,
 /// experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on compute capability 9.x.
 pub const FLASH_FWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd_sm90.ptx"));
@@ -27,6 +30,8 @@ pub const FLASH_BWD_MODULE: &str = "candle_cp_flash_bwd";
 pub const FLASH_BWD_MMA_MODULE: &str = "candle_cp_flash_bwd_mma";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_BWD_PIPE_MODULE: &str = "candle_cp_flash_bwd_pipe";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_FUSED_MODULE: &str = "candle_cp_flash_bwd_fused";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_FWD_SM90_MODULE: &str = "candle_cp_flash_fwd_sm90";
 /// See [`FLASH_FWD_MODULE`].

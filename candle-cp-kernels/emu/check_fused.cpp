@@ -1,0 +1,201 @@
+// The fused backward with atomic dQ (kernels/flash_bwd_fused.cu, FwdImpl::AtomicDq) under the
+// emulator vs a float64 reference: flash_bwd_pipe_prep_* (delta, 16-bit dO), then
+// flash_bwd_fused_*, launched as src/flash/bwd_fused.rs does (dq zero-filled; grid
+// (Hkv, ceil(S / 128), B), 256 threads). Also the accumulate flag: dq/dk/dv start from known
+// values and must end at those values plus the gradients.
+#include <random>
+
+#include "harness.h"
+
+#define FUSED_P(TY) float*, float*, float*, const TY*, const TY*, const TY*, const TY*, const float*, const float*, \
+    int, int, int, int, int, float, int, long long, long long, long long, long long, int
+extern "C" {
+void flash_bwd_pipe_prep_f16(const float*, const float*, float*, __half*, int, int, int, int);
+void flash_bwd_pipe_prep_bf16(const float*, const float*, float*, __nv_bfloat16*, int, int, int, int);
+#define FUSED_DECL(N, TY) \
+  void flash_bwd_fused_##N##_d16(FUSED_P(TY)); void flash_bwd_fused_##N##_d32(FUSED_P(TY)); \
+  void flash_bwd_fused_##N##_d64(FUSED_P(TY)); void flash_bwd_fused_##N##_d128(FUSED_P(TY));
+FUSED_DECL(f16, __half)
+FUSED_DECL(bf16, __nv_bfloat16)
+}
+
+namespace {
+
+template <typename TY> using FusedFn = void (*)(FUSED_P(TY));
+
+template <typename TY> FusedFn<TY> fused_fn(int d) {
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  void* f = nullptr;
+  switch (d) {
+    case 16: f = bf ? (void*)&flash_bwd_fused_bf16_d16 : (void*)&flash_bwd_fused_f16_d16; break;
+    case 32: f = bf ? (void*)&flash_bwd_fused_bf16_d32 : (void*)&flash_bwd_fused_f16_d32; break;
+    case 64: f = bf ? (void*)&flash_bwd_fused_bf16_d64 : (void*)&flash_bwd_fused_f16_d64; break;
+    default: f = bf ? (void*)&flash_bwd_fused_bf16_d128 : (void*)&flash_bwd_fused_f16_d128; break;
+  }
+  return reinterpret_cast<FusedFn<TY>>(f);
+}
+
+struct FCase {
+  const char* label;
+  int B, T, S, H, Hkv, D;
+  int causal;
+  long long qo, qs, ko, ks;
+  bool accumulate;
+  double shift;  // q += shift, k -= shift: every score strongly negative, lse << 0
+  bool vis(long i, long j) const { return !causal || ko + j * ks <= qo + i * qs; }
+};
+
+struct FRef {
+  std::vector<double> out, lse, dq, dk, dv;
+};
+
+// float64 forward (out, lse) and backward of attention with the CpMask semantics.
+FRef fref(const FCase& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+          const std::vector<double>& dout, double scale) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
+  FRef r;
+  r.out.assign((size_t)B * T * H * D, 0.0);
+  r.dq.assign((size_t)B * T * H * D, 0.0);
+  r.dk.assign((size_t)B * S * Hkv * D, 0.0);
+  r.dv.assign((size_t)B * S * Hkv * D, 0.0);
+  r.lse.assign((size_t)B * H * T, -INFINITY);
+  std::vector<double> s(S), p(S);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i) {
+        auto row = [&](const std::vector<double>& x, int j) { return &x[(((size_t)b * S + j) * Hkv + h / G) * D]; };
+        const size_t qi = (((size_t)b * T + i) * H + h) * D;
+        double m = -INFINITY;
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(i, j)) continue;
+          double a = 0;
+          for (int d = 0; d < D; ++d) a += q[qi + d] * row(k, j)[d];
+          s[j] = a * scale;
+          m = std::max(m, s[j]);
+        }
+        if (m == -INFINITY) continue;
+        double l = 0;
+        for (int j = 0; j < S; ++j) l += c.vis(i, j) ? std::exp(s[j] - m) : 0.0;
+        const double lse = m + std::log(l);
+        r.lse[((size_t)b * H + h) * T + i] = lse;
+        for (int j = 0; j < S; ++j) {
+          p[j] = c.vis(i, j) ? std::exp(s[j] - lse) : 0.0;
+          for (int d = 0; d < D; ++d) r.out[qi + d] += p[j] * row(v, j)[d];
+        }
+        double delta = 0;
+        for (int d = 0; d < D; ++d) delta += dout[qi + d] * r.out[qi + d];
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(i, j)) continue;
+          double dp = 0;
+          for (int d = 0; d < D; ++d) dp += dout[qi + d] * row(v, j)[d];
+          const double ds = p[j] * (dp - delta) * scale;
+          double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + h / G) * D];
+          double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + h / G) * D];
+          for (int d = 0; d < D; ++d) {
+            r.dq[qi + d] += ds * row(k, j)[d];
+            dkj[d] += ds * q[qi + d];
+            dvj[d] += p[j] * dout[qi + d];
+          }
+        }
+      }
+  return r;
+}
+
+unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
+
+template <typename TY> void run_fused(const FCase& c, uint64_t seed) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  char tagc[200];
+  std::snprintf(tagc, sizeof tagc, "flash_bwd_fused %s %s d%d [b%d t%d s%d h%d kv%d]%s", bf ? "bf16" : "f16", c.label, D, B, T,
+                S, H, Hkv, c.accumulate ? " accumulate" : "");
+  const std::string name = tagc;
+  if (!wanted(name)) return;
+  const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
+  const float scale = 1.f / std::sqrt((float)D);
+  Buf<TY> q(nq), k(nk), v(nk), do16(nq);
+  auto qr = randn(nq, seed), kr = randn(nk, seed + 1);
+  for (auto& x : qr) x += c.shift;
+  for (auto& x : kr) x -= c.shift;
+  const auto qd = fill(q, qr), kd = fill(k, kr), vd = fill(v, randn(nk, seed + 2));
+  Buf<float> dout(nq), o32(nq), l32(nl), delta(nl), dq(nq), dk(nk), dv(nk);
+  const auto dd = fill(dout, randn(nq, seed + 3));
+  FRef ref = fref(c, qd, kd, vd, dd, (double)scale);
+  fill(o32, ref.out);
+  fill(l32, ref.lse);
+  // Initial outputs: zeros for dq (the launcher's zero fill); with `accumulate`, known values
+  // that the kernel must add to (dk/dv otherwise start as NaN poison and must be overwritten).
+  std::vector<double> dq0(nq, 0.0), dk0(nk), dv0(nk);
+  if (c.accumulate) {
+    dq0 = randn(nq, seed + 4);
+    dk0 = randn(nk, seed + 5);
+    dv0 = randn(nk, seed + 6);
+    fill(dk, dk0);
+    fill(dv, dv0);
+    for (size_t e = 0; e < nk; ++e) ref.dk[e] += dk0[e], ref.dv[e] += dv0[e];
+  }
+  fill(dq, dq0);
+  for (size_t e = 0; e < nq; ++e) ref.dq[e] += dq0[e];
+
+  using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
+  PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
+  bool ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdiv((long)B * T * H, 4)), dim3(128), 0,
+                           [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); });
+  // FusedCfg (kernels/flash_bwd_fused.cu, src/flash/bwd_fused.rs): 8 warps x 16 keys, 64-row query tiles.
+  const int bn = 128, bq = 64;
+  const size_t smem = (size_t)(2 * bn + 4 * bq) * (D + 8) * 2 + (size_t)bn * (bq + 8) * 2 + 4 * bq * 4;
+  auto fn = fused_fn<TY>(D);
+  ok = ok && cp_emu::launch("flash_bwd_fused", dim3(Hkv, cdiv(S, bn), B), dim3(256), smem, [&] {
+    fn(dq.p, dk.p, dv.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks,
+       c.accumulate ? 1 : 0);
+  });
+  check_launch(name, ok);
+  if (!ok) return;
+  const double tol = bf ? 3e-2 : 5e-3;
+  check(name + " dq", rel_err(dq.to_f32(), ref.dq), tol);
+  check(name + " dk", rel_err(dk.to_f32(), ref.dk), tol);
+  check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
+}
+
+}  // namespace
+
+void run_fused_checks() {
+  // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str, accumulate
+  const std::vector<FCase> cases = {
+      {"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1, false},
+      {"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1, false},
+      {"causal q after k (q_off 64)", 1, 48, 64, 1, 1, 64, 1, 64, 1, 0, 1, false},
+      {"causal rows fully masked (k_off 20)", 2, 50, 40, 1, 1, 16, 1, 0, 1, 20, 1, false},
+      {"striped stride 4", 1, 64, 64, 2, 2, 32, 1, 1, 4, 2, 4, false},
+      {"ragged causal gqa4:2 (q_off 133)", 1, 200, 333, 4, 2, 16, 1, 133, 1, 0, 1, false},
+      {"ragged full", 1, 150, 300, 1, 1, 16, 0, 0, 1, 0, 1, false},
+      {"causal mqa4:1", 1, 48, 48, 4, 1, 32, 1, 0, 1, 0, 1, false},
+      {"causal q_off 30", 1, 96, 160, 2, 1, 64, 1, 30, 1, 0, 1, false},
+      {"full", 1, 80, 144, 1, 1, 128, 0, 0, 1, 0, 1, false},
+      {"causal multi-tile", 1, 300, 300, 1, 1, 128, 1, 0, 1, 0, 1, false},
+      {"causal gqa2:1", 1, 70, 150, 2, 1, 64, 1, 80, 1, 0, 1, true},
+      {"full", 2, 33, 140, 2, 2, 128, 0, 0, 1, 0, 1, true},
+      // lse ~ -100: exp(-lse) of a zero-filled key past S overflows f32 (must be masked, not 0 * inf)
+      {"ragged full, scores ~ -100", 1, 40, 100, 1, 1, 16, 0, 0, 1, 0, 1, false, 5.0},
+  };
+  uint64_t seed = 900;
+  for (const FCase& c : cases) {
+    run_fused<__nv_bfloat16>(c, seed++);
+    run_fused<__half>(c, seed++);
+  }
+  // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
+  static char labels[8][64];
+  std::mt19937_64 rng(11);
+  for (int n = 0; n < 8; ++n) {
+    auto u = [&](int lo, int hi) { return lo + (int)(rng() % (uint64_t)(hi - lo + 1)); };
+    const int hkv = u(1, 2), g = u(1, 3);
+    FCase c{labels[n], u(1, 2), u(1, 160), u(1, 160), hkv * g, hkv, n % 2 ? 32 : 16, u(0, 3) != 0,
+            u(0, 150), u(1, 4), u(0, 150), u(1, 4), n % 4 == 3, 0.0};
+    std::snprintf(labels[n], sizeof labels[n], "sweep%d %s q%lld+%lld k%lld+%lld", n, c.causal ? "causal" : "full", c.qo,
+                  c.qs, c.ko, c.ks);
+    if (n % 2)
+      run_fused<__half>(c, seed++);
+    else
+      run_fused<__nv_bfloat16>(c, seed++);
+  }
+}

@@ -1,0 +1,122 @@
+//! Launcher of the fused backward `kernels/flash_bwd_fused.cu` (dK, dV and atomic dQ in one
+//! kernel, FlashAttention-2 style), chosen by [`super::FwdImpl::AtomicDq`] in [`super::bwd_with`]
+//! (opt-in; `Auto` never picks it). Same shapes as the other backward kernels: q `[B, T, H, D]`,
+//! k/v `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns
+//! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. dq is summed with f32 atomics from every
+//! 128-key block, in a nondeterministic order.
+
+use super::{prep, storage_of, suffix, Dims, KMask};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+/// Tile shape of `kernels/flash_bwd_fused.cu` (its `FusedCfg<D>`; keep the two in sync):
+/// `NW` warps x 16 keys per block, query tiles of `BQ` rows.
+const NW: usize = 8;
+/// See [`NW`].
+const BQ: usize = 64;
+/// Keys per block.
+const BN: usize = 16 * NW;
+
+/// Dynamic shared memory (bytes) of the fused kernel at head dim `d`: K and V tiles, two Q and
+/// two dO buffers (rows of d + 8 16-bit elements), the dS^T tile (BN rows of BQ + 8 elements)
+/// and two lse/delta buffers: 158,720 bytes at d = 128, 93,184 at d = 64.
+fn smem(d: usize) -> u32 {
+    ((2 * BN + 4 * BQ) * (d + 8) * 2 + BN * (BQ + 8) * 2 + 4 * BQ * 4) as u32
+}
+
+/// Errors (naming the sizes) where the fused kernel's shared memory exceeds the device's opt-in
+/// maximum per block (sm_80: 166,912; sm_90: 232,448; sm_86, sm_89, sm_120: 101,376, so d = 128
+/// does not run there).
+pub(super) fn check_fits(dev: &CudaDevice, d: usize, q: &Shape) -> Result<()> {
+    let need = smem(d);
+    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
+    if i64::from(need) > i64::from(optin) {
+        candle_core::bail!("flash_bwd: the fused atomic-dQ kernel needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}")
+    }
+    Ok(())
+}
+
+/// The `AtomicDq` backward of [`super::bwd_with`] on checked, non-empty inputs (f16/bf16; out,
+/// lse, dout already contiguous f32): `flash_bwd_pipe_prep_*` (delta = rowsum(dO * O) in f32
+/// and dO rounded to the input dtype), then `flash_bwd_fused_*` on a zero-filled dq.
+pub(super) fn bwd_fused(
+    dev: &CudaDevice,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (b, t, s, h, hkv, d): Dims,
+    mask: KMask,
+    scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let sfx = suffix(q.dtype())?;
+    // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (out, dout) = (prep(out)?, prep(dout)?);
+    let kv_tiles = s.div_ceil(BN);
+    if kv_tiles > 65_535 {
+        candle_core::bail!("flash_bwd: S = {s} too long for the fused kernel's grid (at most {} keys); q {:?}, k {:?}", 65_535 * BN, q.shape(), k.shape())
+    }
+    // 32-bit kernel arithmetic: (H / Hkv) * ceil(T / BQ) query tiles in an int; the prep kernel's
+    // grid has one block per 4 rows.
+    if (h / hkv) * t.div_ceil(BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
+        candle_core::bail!("flash_bwd: too many query rows for the fused kernel's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
+    }
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let (os, ol) = out.storage_and_layout();
+    let (dos, dol) = dout.storage_and_layout();
+    let (ls, ll) = lse.storage_and_layout();
+    let (qs, ks, vs) = (storage_of(&qs, "q", q.shape())?, storage_of(&ks, "k", k.shape())?, storage_of(&vs, "v", v.shape())?);
+    let ov = util::view::<f32>(storage_of(&os, "out", out.shape())?, ol, "out")?;
+    let dov = util::view::<f32>(storage_of(&dos, "dout", dout.shape())?, dol, "dout")?;
+    let lv = util::view::<f32>(storage_of(&ls, "lse", lse.shape())?, ll, "lse")?;
+    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let (causal, qo, qstr, ko, kstr) = mask.args()?;
+    // accumulate = 0: dk/dv are overwritten; dq is always added to, so it starts at zero.
+    let acc = 0i32;
+    let smem = smem(d);
+    // SAFETY (delta, dk, dv): every element is written by the kernels.
+    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    macro_rules! launch_fused {
+        ($ty:ty) => {{
+            let qv = util::view::<$ty>(qs, ql, "q")?;
+            let kv = util::view::<$ty>(ks, kl, "k")?;
+            let vv = util::view::<$ty>(vs, vl, "v")?;
+            // SAFETY: the prep kernel writes every element.
+            let mut do16 = unsafe { dev.alloc::<$ty>(b * t * h * d)? };
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_prep_{sfx}"), ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE)?;
+            let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut bld = func.builder();
+            bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&mut do16).arg(&bi).arg(&ti).arg(&hi).arg(&di);
+            // SAFETY: matches flash_bwd_pipe_prep_*'s parameters; sizes checked by the caller.
+            unsafe { bld.launch(cfg) }.w()?;
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_fused_{sfx}_d{d}"), ptx::FLASH_BWD_FUSED_MODULE, ptx::FLASH_BWD_FUSED)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+            let cfg = LaunchConfig { grid_dim: (hkv as u32, kv_tiles as u32, b as u32), block_dim: (32 * NW as u32, 1, 1), shared_mem_bytes: smem };
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            // SAFETY: matches `float* dq, float* dk, float* dv, FUSED_ARGS` in kernels/flash_bwd_fused.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F16 => launch_fused!(f16),
+        DType::BF16 => launch_fused!(bf16),
+        dt => candle_core::bail!("flash_bwd: the fused kernel takes f16/bf16, got {dt:?}; q {:?}", q.shape()),
+    }
+    Ok((
+        util::to_tensor(dq, dev, (b, t, h, d)),
+        util::to_tensor(dk, dev, (b, s, hkv, d)),
+        util::to_tensor(dv, dev, (b, s, hkv, d)),
+    ))
+}
