@@ -8,7 +8,10 @@
 #include <cstdarg>
 #include <cstdio>
 #include <cstdlib>
+#include <cinttypes>
 #include <deque>
+#include <queue>
+#include <random>
 #include <string>
 #include <vector>
 
@@ -57,7 +60,16 @@ size_t dyn_size = 0;
 std::vector<std::pair<const unsigned char*, size_t>> globals;
 const char* launch_name = "";
 long block_serial = 0;
-Schedule schedule = Schedule::Lockstep;
+Schedule sched = Schedule::Lockstep;
+std::mt19937_64 sched_rng;
+Landing landing = Landing::AtWait;
+std::mt19937_64 land_rng;
+// cp.async copies of the current block; Random landing: (due tick, copy) min-heap, ticks are
+// fiber switches of the block
+std::vector<Copy> copies;
+using Due = std::pair<uint64_t, uint32_t>;
+std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
+uint64_t tick = 0;
 std::vector<std::pair<unsigned char*, size_t>> statics;  // static __shared__ arrays seen so far
 std::vector<long> statics_block;                           // block serial of their last poisoning
 
@@ -142,13 +154,27 @@ void post_and_wait(WarpOp op, unsigned mask) {
   yield_to_sched();
 }
 
-// Runs one block; false if it failed.
+void land(Copy& c) {
+  if (c.landed) return;
+  if (c.valid)
+    std::memcpy(c.dst, c.src, 16);
+  else
+    std::memset(c.dst, 0, 16);
+  c.landed = true;
+}
+
+// Runs thread i until it yields; false if it failed. Random landing: copies that fall due land.
 bool run_fiber(int i) {
   set_thread(i);
   in_fiber = true;
   cp_emu_switch(&sched_sp, fib[i].sp);
   in_fiber = false;
   cur = -1;
+  ++tick;
+  while (!due.empty() && due.top().first <= tick) {
+    land(copies[due.top().second]);
+    due.pop();
+  }
   return !failed;
 }
 
@@ -174,11 +200,14 @@ bool run_block() {
   for (int i = 0; i < nthreads; ++i) init_fiber(fib[i]);
   if (dyn_size) std::memset(dyn.data(), 0xff, dyn_size);
   ++block_serial;
+  copies.clear();
+  due = {};
+  tick = 0;
   wgs.assign((size_t)(nthreads + 127) / 128, WgState{});
   const int nwarps = (nthreads + 31) / 32;
   for (long round = 0;; ++round) {
     bool progress = false;
-    if (schedule == Schedule::Lockstep) {
+    if (sched == Schedule::Lockstep) {
       // every ready thread once (block order forward / reverse by round), then complete warp ops
       for (int k = 0; k < nthreads; ++k) {
         const int i = (round & 1) ? nthreads - 1 - k : k;
@@ -196,10 +225,29 @@ bool run_block() {
         }
       }
       if (!exec_warpgroups(&progress)) return false;
+    } else if (sched == Schedule::Random) {
+      // nwarps times: a random warp runs up to a log-uniform number of steps (1 .. 4096)
+      for (int w = 0; w < nwarps; ++w) {
+        const int l0 = 32 * (int)(sched_rng() % (uint64_t)nwarps), n = std::min(32, nthreads - l0);
+        const long steps = (long)std::exp(std::uniform_real_distribution<double>(0.0, std::log(4096.0))(sched_rng));
+        for (long pass = 0; pass < steps; ++pass) {
+          bool moved = false;
+          if (!step_warp(l0, n, (long)(sched_rng() & 1), &moved)) return false;
+          if (!moved) break;
+          progress = true;
+        }
+      }
+      // none of the drawn warps could move: give every warp a turn before concluding anything
+      for (int l0 = 0; l0 < nthreads && !progress; l0 += 32) {
+        bool moved = false;
+        if (!step_warp(l0, std::min(32, nthreads - l0), round, &moved)) return false;
+        progress |= moved;
+      }
+      if (!exec_warpgroups(&progress)) return false;
     } else {
       // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps
       for (int w = 0; w < nwarps; ++w) {
-        const int l0 = 32 * (schedule == Schedule::WarpsAscending ? w : nwarps - 1 - w);
+        const int l0 = 32 * (sched == Schedule::WarpsAscending ? w : nwarps - 1 - w);
         const int n = std::min(32, nthreads - l0);
         for (long pass = round;; ++pass) {
           bool moved = false;
@@ -305,7 +353,21 @@ void poison_shared_once(void* p, size_t bytes) {
   }
 }
 
-void set_schedule(Schedule s) { schedule = s; }
+void set_schedule(Schedule s, uint64_t seed) {
+  sched = s;
+  sched_rng.seed(seed);
+}
+Schedule schedule() { return sched; }
+void set_cp_async_landing(Landing l, uint64_t seed) {
+  landing = l;
+  land_rng.seed(seed);
+}
+Landing cp_async_landing() { return landing; }
+
+void launch_bounds(const char* entry, int max_threads, int min_blocks) {
+  (void)min_blocks;
+  if (nthreads > max_threads) fail("%s: block of %d threads exceeds its __launch_bounds__(%d)", entry, nthreads, max_threads);
+}
 
 unsigned char* dyn_smem() { return dyn.data(); }
 
@@ -349,8 +411,19 @@ void cp_async16(uint32_t dst, const void* src, bool valid) {
     for (auto& g : globals) ok |= s >= g.first && s + 16 <= g.first + g.second;
     if (!ok) fail("cp.async reads global %p (16 bytes) outside every buffer of the launch", src);
   }
-  std::memset(d, 0xff, 16);  // contents undefined until the wait
-  fib[cur].open.push_back({d, s, valid});
+  const uint32_t idx = (uint32_t)copies.size();
+  copies.push_back({d, s, valid, false});
+  fib[cur].open.push_back(idx);
+  if (landing == Landing::AtIssue) {
+    land(copies[idx]);
+    return;
+  }
+  std::memset(d, 0xff, 16);  // contents undefined until it lands
+  if (landing == Landing::Random) {
+    const double span = std::log((double)nthreads * 4096.0);
+    const uint64_t delay = (uint64_t)std::exp(std::uniform_real_distribution<double>(0.0, span)(land_rng)) - 1;
+    due.push({tick + delay, idx});
+  }
 }
 
 void cp_async_commit() {
@@ -362,12 +435,7 @@ void cp_async_commit() {
 void cp_async_wait(int n) {
   Fiber& f = fib[cur];
   while ((int)f.groups.size() > n) {
-    for (auto& c : f.groups.front()) {
-      if (c.valid)
-        std::memcpy(c.dst, c.src, 16);
-      else
-        std::memset(c.dst, 0, 16);
-    }
+    for (uint32_t c : f.groups.front()) land(copies[c]);
     f.groups.pop_front();
   }
 }
@@ -396,6 +464,18 @@ bool launch(const char* name, dim3 grid, dim3 block, size_t dyn_smem_bytes, cons
       for (unsigned x = 0; x < grid.x; ++x) {
         blockIdx.x = x, blockIdx.y = y, blockIdx.z = z;
         if (!run_block()) return false;
+        if (x || y || z) continue;
+        // shared memory per block (dynamic + the static arrays this block touched) vs the opt-in limit
+        size_t bytes = dyn_smem_bytes;
+        for (size_t i = 0; i < statics.size(); ++i)
+          if (statics_block[i] == block_serial) bytes += statics[i].second;
+        const bool sm90 = std::strstr(name, "wgmma") != nullptr;
+        const size_t limit = sm90 ? SMEM_OPTIN_SM90 : SMEM_OPTIN_SM80;
+        if (bytes > limit) {
+          sched_fail("%zu bytes of shared memory per block exceed the %s opt-in limit (%zu bytes)", bytes,
+                     sm90 ? "sm_90" : "sm_80", limit);
+          return false;
+        }
       }
   return true;
 }

@@ -5,9 +5,10 @@
 //
 // Execution model: a launch runs its blocks one at a time; the threads of a block are fibers
 // (user-level contexts, one per CUDA thread) scheduled cooperatively on one OS thread. A fiber
-// runs until it reaches a block barrier or a warp-collective op; the scheduler alternates
-// forward and reverse thread order between rounds, so a read that lacks a barrier before it
-// sees another order than on the write side. Barriers are exact: when no thread can make
+// runs until it reaches a block barrier or a warp-collective op; which fiber runs next is the
+// Schedule (lockstep with alternating thread order, warps running ahead, seeded random), and when
+// a cp.async lands is the Landing mode (both below; the harness runs every check under several
+// combinations). Barriers are exact: when no thread can make
 // progress the launch fails with the barrier sites and arrival counts (a deadlock or divergent
 // barrier on hardware). Warp-collective ops (shuffles, votes, mma.sync, ldmatrix) run once all
 // 32 lanes of the warp have arrived at an op of the same kind.
@@ -33,7 +34,12 @@
 // per block, before the first thread of the block writes them.
 #undef __shared__
 #define __shared__ static
-#ifndef __launch_bounds__
+// __launch_bounds__: in run.sh's preprocessing pass (-DCP_EMU_LB_SCAN) a marker that emu/lb.py
+// turns into a cp_emu::launch_bounds call at the top of the entry's body; else nothing.
+#undef __launch_bounds__
+#ifdef CP_EMU_LB_SCAN
+#define __launch_bounds__(...) CP_EMU_LB_MARK(__VA_ARGS__)
+#else
 #define __launch_bounds__(...)
 #endif
 #ifndef __device__
@@ -93,9 +99,17 @@ void wg_commit();
 void wg_wait(int n);
 void set_wgmma_at_issue(bool at_issue);
 
-// cp.async (16 bytes, .cg): deferred. The destination is poisoned at issue (the copy may land at
-// any time before the wait) and written at cp.async.wait_group, which completes all but the
-// newest N committed groups of this thread.
+// cp.async (16 bytes, .cg). When the copy writes its destination is the landing mode:
+// AtWait: the destination is poisoned at issue and written at the cp.async.wait_group that
+//   retires its group (all but the newest N committed groups of this thread): a read before the
+//   wait (+ barrier) sees NaN.
+// AtIssue: written at once when issued: a prefetch into a buffer another warp still reads (a
+//   missing or misplaced barrier before the refill, write-after-read) overwrites that warp's data.
+// Random: poisoned at issue; each 16-byte copy lands at a seeded random scheduling point between
+//   its issue and the wait that retires it (log-uniform delay, in fiber switches), or at that wait.
+enum class Landing { AtWait, AtIssue, Random };
+void set_cp_async_landing(Landing l, uint64_t seed = 0);
+Landing cp_async_landing();
 void cp_async16(uint32_t dst, const void* src, bool valid);
 void cp_async_commit();
 void cp_async_wait(int n);
@@ -104,8 +118,19 @@ void cp_async_wait(int n);
 // block order alternating forward / reverse. WarpsAscending / WarpsDescending: one warp at a
 // time runs as far as it can (up to a block barrier) before the next: the largest skew between
 // warps, which exposes a missing barrier before a buffer is refilled (write-after-read).
-enum class Schedule { Lockstep, WarpsAscending, WarpsDescending };
-void set_schedule(Schedule s);
+// Random: seeded; repeatedly a random warp runs ahead a random (log-uniform) number of steps,
+// a step being one turn of each of its ready lanes plus its warp op.
+enum class Schedule { Lockstep, WarpsAscending, WarpsDescending, Random };
+void set_schedule(Schedule s, uint64_t seed = 0);
+Schedule schedule();
+
+// Called by every thread at a kernel entry (the build inserts it after each entry's
+// __launch_bounds__, see lb.py): the launch fails if the block has more threads than the bound.
+void launch_bounds(const char* entry, int max_threads, int min_blocks = 0);
+// Shared memory (dynamic + static) per block above the opt-in limit fails the launch:
+// 227 KB (232,448 bytes, sm_90) for entries whose name contains "wgmma" (sm_90 only), else
+// 163 KB (166,912 bytes, sm_80).
+constexpr size_t SMEM_OPTIN_SM80 = 166912, SMEM_OPTIN_SM90 = 232448;
 
 // Launch `body` (which calls the kernel entry point) on a grid of blocks. Returns false (and
 // prints why) if a kernel thread failed: deadlock, divergent barrier, bad shared address,

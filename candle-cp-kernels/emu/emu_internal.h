@@ -17,6 +17,7 @@ struct Copy {
   unsigned char* dst;
   const unsigned char* src;
   bool valid;
+  bool landed;
 };
 
 enum class St { Ready, Bar, Warp, Done };
@@ -39,9 +40,9 @@ struct Fiber {
   int wg_n = 0, wg_scale = 0, wg_trans = 0;
   bool wg_bf = false;
   uint32_t* r = nullptr;
-  // cp.async state
-  std::vector<Copy> open;
-  std::deque<std::vector<Copy>> groups;
+  // cp.async state: indices into `copies` (this block's copies so far)
+  std::vector<uint32_t> open;
+  std::deque<std::vector<uint32_t>> groups;
 };
 
 // One wgmma.mma_async of a warpgroup, as posted by its 128 threads.

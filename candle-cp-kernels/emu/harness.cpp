@@ -6,6 +6,7 @@
 #include "harness.h"
 
 #include <sys/mman.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
 #include <chrono>
@@ -21,9 +22,12 @@ int n_pass = 0, n_fail = 0;
 const char* g_filter = nullptr;
 std::string g_current;
 std::string g_sched = "lockstep";
+bool g_selftests = true;
 
 void on_segv(int) {
-  const char msg[] = "FAIL (segmentation fault: out-of-bounds global access) in ";
+  const char msg0[] = "FAIL [", msg[] = "] (segmentation fault: out-of-bounds global access) in ";
+  (void)!write(1, msg0, sizeof(msg0) - 1);
+  (void)!write(1, g_sched.data(), g_sched.size());
   (void)!write(1, msg, sizeof(msg) - 1);
   (void)!write(1, g_current.data(), g_current.size());
   (void)!write(1, "\n", 1);
@@ -104,23 +108,95 @@ std::vector<double> randn(size_t n, uint64_t seed) {
   return v;
 }
 
+bool selftests_here() { return g_selftests; }
+
 int main(int argc, char** argv) {
   if (argc > 1) g_filter = argv[1];
   std::signal(SIGSEGV, on_segv);
   std::signal(SIGBUS, on_segv);
   const auto t0 = std::chrono::steady_clock::now();
-  // The whole suite under each thread schedule (see cp_emu::Schedule).
-  const std::pair<cp_emu::Schedule, const char*> scheds[] = {{cp_emu::Schedule::Lockstep, "lockstep"},
-                                                             {cp_emu::Schedule::WarpsAscending, "warps-asc"},
-                                                             {cp_emu::Schedule::WarpsDescending, "warps-desc"}};
-  for (auto& sc : scheds) {
-    cp_emu::set_schedule(sc.first);
-    // wgmma products deferred to their wait_group, except under warps-asc: at issue
-    cp_emu::set_wgmma_at_issue(sc.first == cp_emu::Schedule::WarpsAscending);
-    g_sched = sc.second;
-    run_flash_checks();
-    run_misc_checks();
-    run_fused_checks();
+  // The whole suite under each (thread schedule, cp.async landing) combination below: the
+  // read-before-wait hazards show under at-wait / random landing, the write-after-read ones
+  // (a refill before the barrier that frees the buffer) under at-issue / random landing with
+  // skewed warps. wgmma products run at issue under warps-asc, else at their wait_group.
+  using S = cp_emu::Schedule;
+  using L = cp_emu::Landing;
+  struct Combo {
+    S sched;
+    L land;
+    uint64_t seed;
+    const char* label;
+  };
+  const Combo combos[] = {{S::Lockstep, L::AtWait, 0, "lockstep/at-wait"},
+                          {S::WarpsAscending, L::AtIssue, 0, "warps-asc/at-issue"},
+                          {S::WarpsDescending, L::AtIssue, 0, "warps-desc/at-issue"},
+                          {S::Lockstep, L::Random, 1, "lockstep/random:1"},
+                          {S::Random, L::Random, 2, "random:2/random:2"},
+                          {S::Random, L::AtIssue, 3, "random:3/at-issue"}};
+  const int nc = (int)(sizeof(combos) / sizeof(combos[0]));
+  std::printf("emu: combinations (schedule/landing[:seed]):");
+  for (auto& c : combos) std::printf(" %s", c.label);
+  std::printf("\n");
+  std::fflush(stdout);
+  // EMU_JOBS worker processes (default 2), each a contiguous share of the combinations with its
+  // output in a temporary file; printed in order afterwards.
+  const char* je = std::getenv("EMU_JOBS");
+  const int jobs = std::max(1, std::min(nc, je ? std::atoi(je) : 2));
+  std::vector<std::pair<pid_t, FILE*>> workers;
+  for (int j = 0; j < jobs; ++j) {
+    FILE* tmp = std::tmpfile();
+    if (!tmp) {
+      std::perror("tmpfile");
+      return 2;
+    }
+    const pid_t pid = fork();
+    if (pid < 0) {
+      std::perror("fork");
+      return 2;
+    }
+    if (pid > 0) {
+      workers.push_back({pid, tmp});
+      continue;
+    }
+    dup2(fileno(tmp), 1);
+    for (int ci = nc * j / jobs; ci < nc * (j + 1) / jobs; ++ci) {
+      const Combo& c = combos[ci];
+      const auto c0 = std::chrono::steady_clock::now();
+      const int n0 = n_pass + n_fail;
+      g_selftests = ci == 0;  // the self-tests choose their own modes: once is enough
+      cp_emu::set_schedule(c.sched, c.seed);
+      cp_emu::set_cp_async_landing(c.land, c.seed);
+      cp_emu::set_wgmma_at_issue(c.sched == S::WarpsAscending);
+      g_sched = c.label;
+      run_flash_checks();
+      run_misc_checks();
+      run_fused_checks();
+      std::printf("emu: %s: %d checks in %.1f s\n", c.label, n_pass + n_fail - n0,
+                  std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count());
+    }
+    std::printf("emu-worker: %d %d\n", n_pass, n_fail);
+    std::fflush(stdout);
+    _exit(0);
+  }
+  for (auto& w : workers) {
+    int status = 0;
+    waitpid(w.first, &status, 0);
+    std::rewind(w.second);
+    char line[4096];
+    bool summary = false;
+    while (std::fgets(line, sizeof line, w.second)) {
+      int p = 0, f = 0;
+      if (std::sscanf(line, "emu-worker: %d %d", &p, &f) == 2) {
+        n_pass += p, n_fail += f, summary = true;
+        continue;
+      }
+      std::fputs(line, stdout);
+    }
+    std::fclose(w.second);
+    if (!summary || !WIFEXITED(status) || WEXITSTATUS(status) != 0) {
+      std::printf("FAIL worker process %d ended abnormally (status %d)\n", (int)w.first, status);
+      n_fail++;
+    }
   }
   const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   std::printf("emu: %d passed, %d failed in %.1f s\n", n_pass, n_fail, secs);

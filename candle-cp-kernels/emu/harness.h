@@ -12,6 +12,8 @@
 void check(const std::string& name, double err, double tol);
 void check_launch(const std::string& name, bool ok);
 bool wanted(const std::string& name);
+// true in the worker that runs the first combination (the self-tests run there only)
+bool selftests_here();
 void* guarded_alloc(size_t bytes);
 void guarded_free(void* p, size_t bytes);
 // max |a - b| (equal infinities count as 0; NaN in a fails)

@@ -3,7 +3,8 @@
 # and runs the harness (every kernel family vs a float64 reference). No GPU needed.
 # Usage: candle-cp-kernels/emu/run.sh [check-name filter]   (from anywhere; needs ../shared/cuda
 # set up as in scripts/ci-cuda.sh, or CUDA_ROOT pointing at a toolkit with cuda_bf16.h).
-# Env: EMU_BUILD (build dir, default target/emu), CXX (g++), JOBS (2), EMU_OPT (-O2).
+# Env: EMU_BUILD (build dir, default target/emu), CXX (g++), JOBS (2: compile jobs, and the
+# harness's worker processes unless EMU_JOBS is set), EMU_OPT (-O2).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
@@ -33,12 +34,19 @@ for s in "${srcs[@]}"; do
   objs+=("$o")
   # rebuild when the source or any header changed
   if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] \
-     && [ "$o" -nt candle-cp-kernels/emu/emu.h ] && [ "$o" -nt candle-cp-kernels/emu/emu_internal.h ] && [ "$o" -nt candle-cp-kernels/emu/harness.h ]; then continue; fi
+     && [ "$o" -nt candle-cp-kernels/emu/emu.h ] && [ "$o" -nt candle-cp-kernels/emu/lb.py ] && [ "$o" -nt candle-cp-kernels/emu/emu_internal.h ] && [ "$o" -nt candle-cp-kernels/emu/harness.h ]; then continue; fi
   while [ "${#pids[@]}" -ge "$JOBS" ]; do wait "${pids[0]}" || exit 1; pids=("${pids[@]:1}"); done
-  "$CXX" "${flags[@]}" -x c++ -c "candle-cp-kernels/$s" -o "$o" &
+  case "$s" in
+    kernels/*|emu/selftest.cpp)
+      # kernel files: preprocess with __launch_bounds__ as a marker, let lb.py insert the
+      # block-size check at each entry, compile that (line markers keep diagnostics on the .cu)
+      ( "$CXX" "${flags[@]}" -DCP_EMU_LB_SCAN -x c++ -E "candle-cp-kernels/$s" | python3 "$here/lb.py" >"$o.ii" \
+        && "$CXX" "${flags[@]}" -x c++-cpp-output -c "$o.ii" -o "$o" ) &;;
+    *) "$CXX" "${flags[@]}" -x c++ -c "candle-cp-kernels/$s" -o "$o" &;;
+  esac
   pids+=($!)
 done
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
 "$CXX" -pthread "${objs[@]}" -o "$out/harness"
 echo "emu: built in $(( $(date +%s) - start )) s"
-exec "$out/harness" "$@"
+EMU_JOBS=${EMU_JOBS:-$JOBS} exec "$out/harness" "$@"

@@ -31,6 +31,32 @@ __global__ void st_neighbour(float* out, bool barrier) {
   out[tid] = buf[(tid + 1) % 128];
 }
 
+// Prefetch into a buffer another warp still uses: each warp first stages data (write, read back)
+// in the next warp's quarter of the buffer, then every thread refills its own 16 bytes with
+// cp.async. `barrier_first` false issues the refill before the barrier that frees the buffer
+// (bug): a skewed warp's staging then overwrites a copy that already landed. Under at-wait
+// landing the staging write covers the poison and the copy lands later, so only at-issue (or
+// random) landing exposes it.
+__global__ void st_refill(const float* src, float* out, bool barrier_first) {
+  CP_DYN_SMEM(unsigned char, smem);
+  float* b = reinterpret_cast<float*>(smem);
+  const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32;
+  const int slot = ((warp + 1) % 4) * 128 + 4 * lane;
+  b[slot] = (float)tid;
+  __syncwarp();
+  const float x = b[slot];
+  if (barrier_first) __syncthreads();
+  cp_async16(cp_smem_u32(smem + 16 * tid), src + 4 * tid, true);
+  cp_async_commit();
+  if (!barrier_first) __syncthreads();
+  cp_async_wait<0>();
+  __syncthreads();
+  out[tid] = b[4 * tid] + (x == (float)tid ? 0.f : 1e6f);
+}
+
+// A kernel whose bound is below the block size the test launches it with.
+__global__ void __launch_bounds__(64) st_bounded(float* out) { out[threadIdx.x] = 1.f; }
+
 __global__ void st_divergent(float* out) {
   if (threadIdx.x < 64) {
     __syncthreads();
@@ -72,7 +98,12 @@ void expect(const std::string& name, bool detected) {
 }  // namespace
 
 void run_selftests() {
-  if (!wanted("emu selftest")) return;
+  // Each planted bug runs under the schedule / landing it needs (the same in every combination).
+  if (!selftests_here() || !wanted("emu selftest")) return;
+  const cp_emu::Schedule sched0 = cp_emu::schedule();
+  const cp_emu::Landing land0 = cp_emu::cp_async_landing();
+  cp_emu::set_schedule(cp_emu::Schedule::Lockstep);
+  cp_emu::set_cp_async_landing(cp_emu::Landing::AtWait);
   std::printf("emu selftest: the EMU ERROR lines below are expected (bugs planted on purpose)\n");
   Buf<float> src(512), out(128);
   for (int i = 0; i < 512; ++i) src.p[i] = (float)i;
@@ -94,4 +125,36 @@ void run_selftests() {
          !cp_emu::launch("st_warp_missing_lane", dim3(1), dim3(64), 0, [&] { st_warp_missing_lane(out.p); }));
   expect("ldmatrix outside dynamic shared memory fails the launch",
          !cp_emu::launch("st_ldsm_oob", dim3(1), dim3(32), 4096, [&] { st_ldsm_oob(out.p); }));
+  const std::pair<cp_emu::Schedule, const char*> skews[] = {{cp_emu::Schedule::WarpsAscending, "warps-asc"},
+                                                            {cp_emu::Schedule::WarpsDescending, "warps-desc"}};
+  const std::pair<cp_emu::Landing, const char*> lands[] = {{cp_emu::Landing::AtIssue, "at-issue"},
+                                                           {cp_emu::Landing::Random, "random:1"}};
+  for (auto& sk : skews)
+    for (auto& ld : lands) {
+      cp_emu::set_schedule(sk.first);
+      cp_emu::set_cp_async_landing(ld.first, 1);
+      const std::string mode = std::string(" (") + sk.second + "/" + ld.second + ")";
+      for (bool first : {true, false}) {
+        ok = cp_emu::launch("st_refill", dim3(1), dim3(128), 2048, [&] { st_refill(src.p, out.p, first); });
+        bool right = ok;
+        for (int i = 0; i < 128 && right; ++i) right = out.p[i] == (float)(4 * i);
+        expect(first ? "refill after the barrier that frees the buffer (control)" + mode
+                     : "cp.async refill issued before the barrier that frees the buffer is caught" + mode,
+               first ? right : !right);
+      }
+    }
+  cp_emu::set_schedule(cp_emu::Schedule::Lockstep);
+  cp_emu::set_cp_async_landing(cp_emu::Landing::AtWait);
+  expect("block of 128 threads for __launch_bounds__(64) fails the launch",
+         !cp_emu::launch("st_bounded", dim3(1), dim3(128), 0, [&] { st_bounded(out.p); }));
+  expect("block of 64 threads for __launch_bounds__(64) runs (control)",
+         cp_emu::launch("st_bounded", dim3(1), dim3(64), 0, [&] { st_bounded(out.p); }));
+  expect("166,913 bytes of shared memory (over sm_80's opt-in limit) fail the launch",
+         !cp_emu::launch("st_smem_big", dim3(1), dim3(32), cp_emu::SMEM_OPTIN_SM80 + 1, [&] { out.p[threadIdx.x] = 0.f; }));
+  expect("232,448 bytes of shared memory for a wgmma (sm_90) entry run (control)",
+         cp_emu::launch("st_smem_big_wgmma", dim3(1), dim3(32), cp_emu::SMEM_OPTIN_SM90, [&] { out.p[threadIdx.x] = 0.f; }));
+  expect("232,449 bytes of shared memory for a wgmma (sm_90) entry fail the launch",
+         !cp_emu::launch("st_smem_big_wgmma", dim3(1), dim3(32), cp_emu::SMEM_OPTIN_SM90 + 1, [&] { out.p[threadIdx.x] = 0.f; }));
+  cp_emu::set_schedule(sched0);
+  cp_emu::set_cp_async_landing(land0);
 }

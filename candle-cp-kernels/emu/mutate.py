@@ -1,0 +1,143 @@
+#!/usr/bin/env python3
+"""Mutation check of the CPU emulation: plants known bugs in the real kernel source one at a time,
+runs emu/run.sh on the affected checks, and reports under which (schedule/landing) combinations
+each was caught. Every kernel file is restored byte-identical afterwards (also on an error or
+Ctrl-C). It edits candle-cp-kernels/kernels/*.cu in place while it runs, so do not build or run
+the kernels from this checkout meanwhile.
+
+Usage: python3 candle-cp-kernels/emu/mutate.py [mutation-id ...]   (default: all; env as run.sh)
+Exit status 1 if a mutation was not caught by any combination, or a file differs afterwards.
+"""
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+KERNELS = os.path.join(HERE, "..", "kernels")
+
+# (id, file, original text (must occur once), mutated text, run.sh filter, what it plants)
+MUTATIONS = [
+    ("fused-prefetch-before-barrier", "flash_bwd_fused.cu",
+     "    __syncthreads();     // ... and everyone's; every warp is done with iteration it - 1, so\n"
+     "                         // buffer buf ^ 1 (its Q/dO, staging and lse/delta) and dS^T are free\n"
+     "    float nl = 0.f, nd = 0.f;\n"
+     "    if (more) issue(it + 1, buf ^ 1, nl, nd);  // lands while this tile is computed\n"
+     "    cp_async_commit();\n",
+     "    float nl = 0.f, nd = 0.f;\n"
+     "    if (more) issue(it + 1, buf ^ 1, nl, nd);  // lands while this tile is computed\n"
+     "    cp_async_commit();\n"
+     "    __syncthreads();\n",
+     "flash_bwd_fused", "fused backward: next tile's prefetch issued before the barrier that frees its buffer"),
+    ("fused-ds-barrier", "flash_bwd_fused.cu",
+     "    __syncthreads();  // the whole dS^T tile is in shared memory; Q and dO of `buf` are free\n", "",
+     "flash_bwd_fused", "fused backward: barrier publishing dS^T removed"),
+    ("fwd-pipe-prefetch-before-barrier", "flash_fwd.cu",
+     "    __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1\n"
+     "    if (j + 1 < n_tiles) {\n"
+     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      cp_async_commit();\n"
+     "    }\n",
+     "    if (j + 1 < n_tiles) {\n"
+     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      cp_async_commit();\n"
+     "    }\n"
+     "    __syncthreads();\n",
+     "flash_fwd_pipe", "forward pipeline: K/V prefetch issued before the per-tile barrier"),
+    ("fwd-pipe-barrier", "flash_fwd.cu",
+     "    __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1\n", "",
+     "flash_fwd_pipe", "forward pipeline: per-tile barrier removed"),
+    ("fwd-pipe-wait", "flash_fwd.cu",
+     "    cp_async_wait<0>();\n    __syncthreads();  // tile j (and Q)",
+     "    cp_async_wait<1>();\n    __syncthreads();  // tile j (and Q)",
+     "flash_fwd_pipe", "forward pipeline: wait_group 0 -> 1"),
+    ("fwd-pipe-full-tile", "flash_fwd.cu",
+     "const bool full_tile = k0 + BK <= w_full;", "const bool full_tile = k0 + BK <= w_full + 1;",
+     "flash_fwd_pipe", "forward pipeline: off-by-one in full_tile (mask skipped)"),
+    ("bwd-pipe-kv-trailing-barrier", "flash_bwd_pipe.cu",
+     "    if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;\n"
+     "    __syncthreads();  // buffer `buf` is free for the prefetch of the next iteration\n",
+     "    if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;\n",
+     "flash_bwd_pipe", "backward pipeline dK/dV: trailing barrier removed"),
+    ("bwd-pipe-q-trailing-barrier", "flash_bwd_pipe.cu",
+     "      }\n    }\n    __syncthreads();  // buffer `buf` is free for the prefetch of the next iteration\n  }\n",
+     "      }\n    }\n  }\n",
+     "flash_bwd_pipe", "backward pipeline dQ: trailing barrier removed"),
+    ("bwd-pipe-wait", "flash_bwd_pipe.cu",
+     "    cp_async_wait<1>();  // everything but the prefetch just issued has landed",
+     "    cp_async_wait<2>();  // everything but the prefetch just issued has landed",
+     "flash_bwd_pipe", "backward pipeline dK/dV: wait_group 1 -> 2"),
+    ("pipe-ldmatrix-rows", "flash_bwd_pipe.cu",
+     "  return ((lane & 7) + 8 * ((lane >> 3) & 1)) * dpb + (lane >> 4) * 16;",
+     "  return ((lane & 7) + 8 * ((lane >> 3) & 1)) * dpb + ((lane >> 3) & 1) * 16;",
+     "flash_bwd_pipe", "backward pipeline: wrong ldmatrix row-address mapping (A operand)"),
+    ("bwd-mma-fragment-row", "flash_bwd_mma.cu",
+     "const T* kr = k_s + (nt * 8 + g) * DP + kc * 16 + 2 * t;",
+     "const T* kr = k_s + (nt * 8 + (g ^ 1)) * DP + kc * 16 + 2 * t;",
+     "flash_bwd_mma", "mma backward: wrong fragment row of K"),
+    ("wgmma-wait", "flash_fwd_sm90.cu",
+     "      wg_wait<1>();  // groups retire in order", "      wg_wait<2>();  // groups retire in order",
+     "flash_fwd_wgmma", "wgmma forward: wait_group 1 -> 2 before the softmax"),
+    ("wgmma-v-desc", "flash_fwd_sm90.cu",
+     "sw128_desc(va_st + (uint32_t)(kk * 2048), BK * 128, 1024)",
+     "sw128_desc(va_st + (uint32_t)(kk * 2048), 1024, BK * 128)",
+     "flash_fwd_wgmma", "wgmma forward: LBO / SBO swapped in the V descriptor"),
+    ("wgmma-v-stage", "flash_fwd_sm90.cu",
+     "if (j < n_tiles) sw_load<BK, D, NTH>(v_st(j & 1)", "if (j < n_tiles) sw_load<BK, D, NTH>(v_st((j + 1) & 1)",
+     "flash_fwd_wgmma", "wgmma forward: V copied into the wrong stage"),
+]
+
+
+def run(filt):
+    p = subprocess.run([os.path.join(HERE, "run.sh"), filt], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    combos = []
+    fails = {}
+    for line in p.stdout.splitlines():
+        if line.startswith("emu: combinations"):
+            combos = line.split("):", 1)[1].split()
+        m = re.match(r"FAIL \[([^\]]+)\]", line)
+        if m:
+            fails[m.group(1)] = fails.get(m.group(1), 0) + 1
+    last = p.stdout.strip().splitlines()[-1] if p.stdout.strip() else ""
+    return combos, fails, last
+
+
+def main():
+    wanted = set(sys.argv[1:])
+    missed = []
+    for mid, fname, old, new, filt, what in MUTATIONS:
+        if wanted and mid not in wanted:
+            continue
+        path = os.path.join(KERNELS, fname)
+        with open(path, "rb") as f:
+            orig = f.read()
+        text = orig.decode()
+        if text.count(old) != 1:
+            print(f"{mid}: SKIP (original text found {text.count(old)} times in {fname}; update mutate.py)")
+            missed.append(mid)
+            continue
+        try:
+            with open(path, "wb") as f:
+                f.write(text.replace(old, new).encode())
+            combos, fails, last = run(filt)
+        finally:
+            with open(path, "wb") as f:
+                f.write(orig)
+        caught = [c for c in combos if fails.get(c)]
+        verdict = "CAUGHT" if caught else "MISSED"
+        if not caught:
+            missed.append(mid)
+        per = ", ".join(f"{c} {fails.get(c, 0)}" for c in combos)
+        print(f"{verdict} {mid} ({what}) [{fname}, filter '{filt}']: failing checks per combination: {per}; {last}")
+        sys.stdout.flush()
+    diff = subprocess.run(["git", "diff", "--stat", "--", KERNELS], stdout=subprocess.PIPE, text=True).stdout.strip()
+    if diff:
+        print("kernel files differ after the run:\n" + diff)
+    print(f"mutate: {len(missed)} not caught" + (f" ({', '.join(missed)})" if missed else ""))
+    return 1 if missed or diff else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
