@@ -52,6 +52,7 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   n=$((n + 1))
 done
 [ "$n" -ge 8 ] || { echo "ci-cuda: expected 8 PTX files from candle-cp-kernels, found $n"; exit 1; }
+python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py; do
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
 done

@@ -1,0 +1,586 @@
+#!/usr/bin/env python3
+"""Static check of every Rust kernel launch against the kernel's parameter list (no GPU).
+
+cudarc's launch builder passes untyped pointers to cuLaunchKernel: a wrong argument order, a
+wrong width (i32 vs i64, f32 vs f64), a view of the wrong element type or a missing argument is
+silent memory corruption on the GPU. This script checks, mechanically:
+
+  1. Rust side: every `get_or_load_custom_func(NAME, ..)` in candle-cp-kernels/src/**.rs followed
+     by `func.builder()`, its `.arg(..)` sequence up to `.launch(`, each value's type resolved
+     from its binding (`as i32`, `0i32`, `util::view::<T>`, `dev.alloc::<T>`, fn parameters,
+     `fn args(..) -> Result<(i32, i64, ..)>`), the generic element type (`T`, `$ty`) bound from the
+     kernel name's dtype suffix (or the `go!(ty, "name")` macro invocation).
+  2. C side: each `extern "C" __global__` entry of kernels/*.cu, macros expanded by the C
+     preprocessor (system includes stripped, so no CUDA headers are needed): C types, pointer
+     element types, constness (an output pointer must be pushed as `&mut`).
+  3. PTX (optional, `--ptx-dir DIR`: DIR/candle-cp-kernels-*/out/*.ptx, e.g. DIR = target/cuda/release/
+     build, or DIR/*.ptx; the newest file of each name): each entry's
+     `.param` widths must equal the C widths, and its `.maxntid` (from `__launch_bounds__`) must
+     equal the block size the launcher uses.
+  4. Tile configs (tile_configs()): the constants the launch shapes derive from, read on both
+     sides (PIPES / PipeCfg<D> / FusedCfg<D> / WGMMA_* / the CUDA-core and mma kernels' constexprs
+     vs flash.rs pipe_config and block/row literals, bwd_pipe.rs PipeCfg::of, bwd_fused.rs NW/BQ,
+     sm90.rs WGMMA_*), must agree; block threads, rows per block and dynamic shared memory follow.
+  5. dtype dispatch (`DType::F16 => go!(f16, ..)` / `launch_x!(f16)` / `fwd_t::<f16>`), and the
+     launch config of the one-warp-per-row kernels (delta, pipe prep, merge: grid ceil(rows / 4),
+     block 128) and of the grid-stride kernels (layout, cast: `grid_stride_blocks`).
+
+Not covered: the order of two pushed values of the same type (e.g. B and T, both int), grid
+dimensions beyond rows per block, and the shared-memory formulas themselves (transcribed from
+both sides in tile_configs(), reviewed by hand).
+
+Exit status 1 with one line per mismatch; 0 with a summary line. Usage (repo root):
+  python3 candle-cp-kernels/emu/check_launch_args.py [--ptx-dir target/cuda/release/build]
+"""
+import glob
+import os
+import re
+import subprocess
+import sys
+import tempfile
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # candle-cp-kernels
+SRC = os.environ.get("CHECK_LAUNCH_SRC", os.path.join(ROOT, "src"))  # override: self-test on edited copies
+KERN = os.path.join(ROOT, "kernels")
+
+# dtype suffix of a kernel name -> Rust element type
+SFX_TY = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u32": "u32", "u8": "u8"}
+# C scalar / element types -> (class, bytes) and Rust element type
+C_ELEM = {"float": "f32", "__half": "f16", "__nv_bfloat16": "bf16", "unsigned int": "u32",
+          "uint32_t": "u32", "unsigned char": "u8", "uint8_t": "u8", "double": "f64"}
+C_SCALAR = {"int": ("int", 4), "unsigned int": ("int", 4), "unsigned": ("int", 4), "long long": ("int", 8),
+            "unsigned long long": ("int", 8), "size_t": ("int", 8), "int64_t": ("int", 8),
+            "float": ("float", 4), "double": ("float", 8)}
+RUST_SCALAR = {"i32": ("int", 4), "u32": ("int", 4), "i64": ("int", 8), "u64": ("int", 8),
+               "usize": ("int", 8), "f32": ("float", 4), "f64": ("float", 8)}
+PTX_W = {"u64": 8, "s64": 8, "b64": 8, "f64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": 4,
+         "u16": 2, "s16": 2, "b16": 2, "u8": 1, "s8": 1, "b8": 1}
+
+errors = []
+
+
+def err(msg):
+    errors.append(msg)
+
+
+# ---------------------------------------------------------------- C side
+def c_entries():
+    strip = lambda s: re.sub(r"^\s*#\s*include\s*<[^>]*>.*$", "", s, flags=re.M)
+    out = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for h in glob.glob(os.path.join(KERN, "*.cuh")):
+            with open(h) as f, open(os.path.join(tmp, os.path.basename(h)), "w") as g:
+                g.write(strip(f.read()))
+        for cu in sorted(glob.glob(os.path.join(KERN, "*.cu"))):
+            with open(cu) as f:
+                src = strip(f.read())
+            r = subprocess.run(["cpp", "-P", "-x", "c++", "-std=c++17", "-I", tmp, "-"], input=src,
+                               capture_output=True, text=True)
+            if r.returncode:
+                err(f"{cu}: preprocessing failed: {r.stderr.strip()[:300]}")
+                continue
+            pat = (r'extern\s+"C"\s+__global__\s+void\s+(?:__launch_bounds__\s*\((?:[^()]|\([^()]*\))*\)\s*)?'
+                   r"(\w+)\s*\(([^)]*)\)")
+            for name, params in re.findall(pat, r.stdout):
+                ps = []
+                for p in params.split(","):
+                    p = " ".join(p.replace("__restrict__", " ").split())
+                    m = re.match(r"^(const\s+)?([\w\s]+?)\s*(\*?)\s*(\w+)$", p.replace("*", " * "))
+                    if not m:
+                        err(f"{os.path.basename(cu)}: {name}: cannot parse parameter '{p}'")
+                        continue
+                    const, ty, star, pname = m.group(1), " ".join(m.group(2).split()), m.group(3), m.group(4)
+                    if star:
+                        if ty not in C_ELEM:
+                            err(f"{name}: unknown pointer element type '{ty}'")
+                        ps.append(("ptr", C_ELEM.get(ty, ty), bool(const), pname))
+                    else:
+                        if ty not in C_SCALAR:
+                            err(f"{name}: unknown scalar type '{ty}'")
+                        ps.append(("scalar", C_SCALAR.get(ty, (ty, 0)), ty, pname))
+                out[name] = (os.path.basename(cu), ps)
+    return out
+
+
+def c_width(p):
+    return 8 if p[0] == "ptr" else p[1][1]
+
+
+# ---------------------------------------------------------------- PTX side
+def ptx_entries(ptx_dir):
+    newest = {}
+    # a cargo build dir (candle-cp-kernels-*/out/*.ptx, other crates' PTX ignored) or a folder of PTX
+    found = glob.glob(os.path.join(ptx_dir, "candle-cp-kernels-*", "out", "*.ptx")) or glob.glob(os.path.join(ptx_dir, "*.ptx"))
+    for f in found:
+        b = os.path.basename(f)
+        if b not in newest or os.path.getmtime(f) > os.path.getmtime(newest[b]):
+            newest[b] = f
+    out = {}
+    for f in newest.values():
+        with open(f) as fh:
+            txt = fh.read()
+        for m in re.finditer(r"\.visible\s+\.entry\s+(\w+)\s*\(([^)]*)\)([^{]*)\{", txt):
+            widths = [PTX_W[t] for t in re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+", m.group(2))]
+            nt = re.search(r"\.maxntid\s+(\d+)", m.group(3))
+            out[m.group(1)] = (os.path.basename(f), widths, int(nt.group(1)) if nt else None)
+    return out, newest
+
+
+# ---------------------------------------------------------------- Rust side
+def fn_containing(text, pos):
+    """Start offset of the innermost `fn` item whose body contains pos (nearest preceding `fn `)."""
+    starts = [m.start() for m in re.finditer(r"\bfn\s+\w+", text[:pos])]
+    return starts[-1] if starts else 0
+
+
+def method_tuple_types(all_src, method):
+    m = re.search(r"fn\s+" + method + r"\s*\([^)]*\)\s*->\s*Result<\(([^)]*)\)>", all_src)
+    return [t.strip() for t in m.group(1).split(",")] if m else None
+
+
+def elem_of(expr):
+    m = re.search(r"(?:view|alloc|alloc_zeros|aligned_copy)::<\s*(\$?\w+)\s*>", expr)
+    return m.group(1) if m else None
+
+
+def resolve(name, text, site, all_src):
+    """Rust type of the value `name` pushed at offset `site`: ('ptr', elem) or ('scalar', ty)."""
+    fstart = fn_containing(text, site)
+    body = text[fstart:site]
+    # fn parameter `name: ty`
+    sig = re.match(r"fn\s+\w+\s*(?:<[^>]*>)?\s*\((.*?)\)\s*(?:->|\{)", text[fstart:], re.S)
+    # latest binding in this fn before the site
+    best = None
+    for m in re.finditer(r"\blet\s+(?:mut\s+)?(\w+|\([^)]*\))\s*(?::\s*[^=]+)?=\s*(.*?);\s*$", body, re.M | re.S):
+        lhs, rhs = m.group(1), m.group(2)
+        if lhs.startswith("("):
+            names = [x.strip().replace("mut ", "") for x in lhs[1:-1].split(",")]
+            if name not in names:
+                continue
+            i = names.index(name)
+            mm = re.match(r"^(\w+)\.(\w+)\(\)\??$", rhs.strip())
+            if mm:
+                tys = method_tuple_types(all_src, mm.group(2))
+                best = ("scalar", tys[i]) if tys and i < len(tys) else None
+                continue
+            parts = split_top(rhs.strip()[1:-1]) if rhs.strip().startswith("(") else []
+            best = scalar_of(parts[i]) if i < len(parts) else None
+        elif lhs == name:
+            e = elem_of(rhs)
+            best = ("ptr", e) if e else scalar_of(rhs)
+    if best:
+        return best
+    if sig:
+        for p in split_top(sig.group(1)):
+            mm = re.match(r"^\s*(?:mut\s+)?" + re.escape(name) + r"\s*:\s*(.*)$", p, re.S)
+            if mm:
+                ty = mm.group(1).strip()
+                cv = re.search(r"Cuda(?:View|Slice)(?:Mut)?<\s*(?:'\w+\s*,\s*)?(\w+)\s*>", ty)
+                if cv:
+                    return ("ptr", cv.group(1))
+                if ty in RUST_SCALAR:
+                    return ("scalar", ty)
+    return None
+
+
+def scalar_of(expr):
+    expr = expr.strip().rstrip("?")
+    m = re.search(r"\bas\s+(\w+)\s*\)?$", expr) or re.match(r"^-?[\d_.]+(i32|i64|u32|u64|f32|f64|usize)$", expr)
+    if m:
+        return ("scalar", m.group(1))
+    m = re.match(r"^util::to_(i32|i64)\(", expr)
+    if m:
+        return ("scalar", m.group(1))
+    return None
+
+
+def split_top(s):
+    out, depth, cur = [], 0, ""
+    for ch in s:
+        if ch in "([{<":
+            depth += 1
+        elif ch in ")]}>":
+            depth -= 1
+        if ch == "," and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += ch
+    if cur.strip():
+        out.append(cur)
+    return out
+
+
+def matching_paren(text, i):
+    depth = 0
+    for j in range(i, len(text)):
+        if text[j] == "(":
+            depth += 1
+        elif text[j] == ")":
+            depth -= 1
+            if depth == 0:
+                return j
+    return len(text)
+
+
+def let_literals(text, var):
+    """String literals in the right-hand side of the last `let` binding `var` (alone or in a tuple)."""
+    lets = list(re.finditer(r"\blet\s+(?:mut\s+)?(\(?[^=;]*?\b" + var + r"\b[^=;]*?\)?)\s*=", text, re.S))
+    if not lets:
+        return []
+    depth, j = 0, lets[-1].end()
+    while j < len(text) and not (text[j] == ";" and depth == 0):  # statement end at depth 0
+        depth += text[j] in "([{"
+        depth -= text[j] in ")]}"
+        j += 1
+    return re.findall(r'"(\w+)"', text[lets[-1].end():j])
+
+
+def name_regex(fmt, literals):
+    rx, pos = "", 0
+    for m in re.finditer(r"\{(\w*)\}", fmt):
+        rx += re.escape(fmt[pos:m.start()])
+        if m.group(1) in ("sfx", "d"):
+            rx += {"sfx": "(f32|f16|bf16|u32|u8)", "d": r"\d+"}[m.group(1)]
+        else:
+            lits = literals(m.group(1))
+            if not lits:
+                err(f"format placeholder {{{m.group(1)}}} in \"{fmt}\": no string literals bound to it")
+            rx += "(" + "|".join(map(re.escape, lits)) + ")"
+        pos = m.end()
+    return "^" + rx + re.escape(fmt[pos:]) + "$"
+
+
+def rust_sites(c_names):
+    files = sorted(glob.glob(os.path.join(SRC, "**", "*.rs"), recursive=True))
+    texts = {f: open(f).read() for f in files}
+    all_src = "\n".join(texts.values())
+    sites = []  # (file:line, [kernel names], {name: elem binding}, [(expr, mut, kind)], launch_block_text)
+    for f, text in texts.items():
+        rel = os.path.relpath(f, os.path.dirname(ROOT))
+        for m in re.finditer(r"get_or_load_custom_func\(", text):
+            close = matching_paren(text, m.end() - 1)
+            call = split_top(text[m.end():close])
+            if len(call) != 3:
+                err(f"{rel}: get_or_load_custom_func with {len(call)} arguments")
+                continue
+            line = text[:m.start()].count("\n") + 1
+            where = f"{rel}:{line}"
+            b = text.find(".builder()", m.end())
+            e = text.find(".launch(", b)
+            if b < 0 or e < 0:
+                err(f"{where}: no builder()/launch( after get_or_load_custom_func")
+                continue
+            nexpr = call[0].strip()
+            names, binds = [], {}
+            if re.match(r'^"\w+"$', nexpr):
+                names = [nexpr.strip('"')] if nexpr.strip('"') in c_names else []
+            elif nexpr == "$name":
+                # macro with ($ty:ty, $name:literal): its invocations after it, before the next macro
+                rest = text[m.start():]
+                nxt = rest.find("macro_rules!")
+                for inv in re.finditer(r"\bgo!\(\s*(\w+)\s*,\s*\"(\w+)\"\s*\)", rest[: nxt if nxt >= 0 else None]):
+                    names.append(inv.group(2))
+                    binds[inv.group(2)] = inv.group(1)
+            else:
+                fmt = None
+                mm = re.match(r'^&?format!\("([^"]*)"(.*)\)$', nexpr, re.S)
+                if mm:
+                    fmt = mm.group(1)
+                    if "{kernel}" in fmt or "{}" in fmt:  # layout.rs: kernel passed by the callers
+                        kernels = set(re.findall(r'\blaunch\(\s*\w+\s*,\s*"(\w+)"', text))
+                        for k in sorted(kernels):
+                            names += [n for n in c_names if re.match("^" + k + r"_(f32|f16|bf16|u32|u8)$", n)]
+                        fmt = None
+                elif re.match(r"^&?\w+$", nexpr):
+                    var = nexpr.lstrip("&")
+                    lets = re.findall(r"let\s+" + var + r'\s*=\s*format!\("([^"]*)"', text[:m.start()])
+                    fmt = lets[-1] if lets else None
+                    if not lets:
+                        err(f"{where}: cannot resolve kernel name '{nexpr}'")
+                if fmt is not None:
+                    rx = name_regex(fmt, lambda var: let_literals(text[:m.start()], var))
+                    names = [n for n in c_names if re.match(rx, n)]
+            if not names:
+                err(f"{where}: kernel name {nexpr} matches no extern \"C\" entry")
+                continue
+            block = text[b:e]
+            args = []
+            for am in re.finditer(r"\.arg\(\s*(&?\s*(?:mut\s+)?)?([\w.$]+)\s*\)", block):
+                pre = block[:am.start()]
+                loop = re.search(r"for\s+(\w+)\s+in\s+(\w+)\s*\{[^}]*$", pre)
+                opt = re.search(r"if\s+let\s+Some\((\w+)\)\s*=\s*(\w+)[^{]*\{[^}]*$", pre)
+                kind = "loop" if loop else ("opt" if opt else "one")
+                args.append((am.group(2), "mut" in (am.group(1) or ""), kind, b + am.start()))
+            cfgs = list(re.finditer(r"LaunchConfig\s*\{(.*?)\}", text[:b], re.S))
+            cfg_txt = " ".join(cfgs[-1].group(1).split()) if cfgs else ""
+            sites.append((where, f, text, names, binds, args, cfg_txt))
+    return sites, all_src
+
+
+def layout_calls(text):
+    """layout.rs callers: launch(x, "kernel", &out, &ARGS, MODE) -> {kernel: [(types of ARGS, has_mode)]}."""
+    out = {}
+    for m in re.finditer(r'\blaunch\(\s*\w+\s*,\s*"(\w+)"', text):
+        call = split_top(text[m.end() - len(m.group(0)) + m.group(0).index("(") + 1: matching_paren(text, m.start() + m.group(0).index("("))])
+        k = m.group(1)
+        if len(call) != 5:
+            err(f"layout.rs: launch(.., \"{k}\", ..) with {len(call)} arguments")
+            continue
+        extra, mode = call[3].strip(), call[4].strip()
+        var = re.match(r"^&(\w+)$", extra)
+        if var:  # `let args = [..].map(|v| v as i64);` before the call
+            lets = re.findall(r"\blet\s+" + var.group(1) + r"\s*=\s*(.*?);", text[:m.start()], re.S)
+            extra = lets[-1].strip() if lets else extra
+        arr = re.match(r"^&?\[(.*)\](.*)$", extra, re.S)
+        if not arr:
+            err(f"layout.rs: cannot count the extra args of launch(.., \"{k}\", ..): {extra}")
+            continue
+        elems = split_top(arr.group(1))
+        ty = re.search(r"as\s+(\w+)", arr.group(2))
+        tys = [ty.group(1)] * len(elems) if ty else [scalar_of(x)[1] if scalar_of(x) else None for x in elems]
+        out.setdefault(k, []).append((tys, mode != "None"))
+    return out
+
+
+def check():
+    cents = c_entries()
+    sites, all_src = rust_sites(list(cents))
+    launched = set()
+    nchecks = 0
+    # dtype dispatch: `DType::F16 => go!(f16, ..)` / `launch_bwd!(f16)` / `fwd_t::<f16>(..)`, and the
+    # macro invocations pairing an element type with a kernel name or dtype suffix.
+    for m in re.finditer(r"DType::(\w+)\s*=>\s*(?:\w+!\(|[\w:]+::<)\s*(\w+)", all_src):
+        if m.group(1).lower() != m.group(2):
+            err(f"dtype dispatch: DType::{m.group(1)} => element type {m.group(2)}")
+    for m in re.finditer(r'\bgo!\(\s*(\w+)\s*,\s*"(\w+)"\s*\)', all_src):
+        sfx = m.group(2) if m.group(2) in SFX_TY else (re.search(r"_(f32|f16|bf16|u32|u8)$", m.group(2)) or [None, None])[1]
+        if SFX_TY.get(sfx) != m.group(1):
+            err(f"go!({m.group(1)}, \"{m.group(2)}\"): element type does not match the dtype suffix")
+    # one warp per row, 4 rows per block (`blockIdx.x * 4 + threadIdx.x / 32`): grid ceil(rows / 4), block 128;
+    # grid-stride kernels (`gridDim.x * blockDim.x`): any grid and block.
+    warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+)$"
+    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out)_\w+$"
+    for where, f, text, names, binds, args, cfg in sites:
+        for kname in names:
+            if re.match(warp_rows, kname) and not ("div_ceil(4) as u32, 1, 1)" in cfg and "block_dim: (128, 1, 1)" in cfg):
+                err(f"{where}: {kname} runs one warp per row, 4 rows per block: expected grid (rows.div_ceil(4), 1, 1), block (128, 1, 1); got {cfg}")
+            if re.match(stride, kname) and "grid_stride_blocks(" not in cfg:
+                err(f"{where}: {kname} is a grid-stride kernel: expected grid_stride_blocks(..); got {cfg}")
+    srcs = "".join(rd("kernels", os.path.basename(x)) for x in glob.glob(os.path.join(KERN, "*.cu")))
+    if srcs.count("blockIdx.x * 4 + threadIdx.x / 32") != 3:
+        err("expected 3 kernels with `blockIdx.x * 4 + threadIdx.x / 32` rows (delta, pipe prep, merge); update warp_rows")
+    for where, f, text, names, binds, args, cfg in sites:
+        for kname in names:
+            launched.add(kname)
+            cfile, cps = cents[kname]
+            sfx = re.search(r"_(f32|f16|bf16|u32|u8)(?:_d\d+)?$", kname)
+            gen = binds.get(kname) or (SFX_TY[sfx.group(1)] if sfx else None)
+            # expand the Rust pushes into a flat list of (type, mut, expr)
+            pushes = []
+            lay = layout_calls(text) if any(k == "loop" for _, _, k, _ in args) else {}
+            for expr, mut, kind, pos in args:
+                if kind == "one":
+                    t = resolve(expr, text, pos, all_src)
+                    if t is None:
+                        err(f"{where}: {kname}: cannot resolve the type of .arg({expr})")
+                        t = ("?", "?")
+                    pushes.append((t, mut, expr))
+                    continue
+                base = next((k for k in lay if kname.startswith(k + "_")), None)
+                if base is None:
+                    err(f"{where}: {kname}: conditional/loop pushes but no launch(.., \"{kname}\") caller found")
+                    continue
+                variants = lay[base]
+                if len({(tuple(v[0]), v[1]) for v in variants}) != 1:
+                    err(f"{where}: {kname}: callers push different argument lists {variants}")
+                tys, has_mode = variants[0]
+                if kind == "opt" and has_mode:
+                    # `mode: Option<i32>`
+                    mt = re.search(r"\bmode\s*:\s*Option<(\w+)>", text)
+                    pushes.append((("scalar", mt.group(1) if mt else "?"), mut, expr))
+                elif kind == "loop":
+                    pushes += [(("scalar", t or "?"), mut, f"{expr}[{i}]") for i, t in enumerate(tys)]
+            nchecks += 1
+            if len(pushes) != len(cps):
+                err(f"{where}: {kname}: Rust pushes {len(pushes)} args, {cfile} takes {len(cps)}")
+            for i, ((rk, rt), mut, expr) in enumerate(pushes[: len(cps)]):
+                cp = cps[i]
+                if rt == "T" or rt == "$ty":
+                    rt = gen
+                tag = f"{where}: {kname}: arg {i} .arg({expr}) -> {cp[-1]}"
+                if cp[0] == "ptr":
+                    if rk != "ptr":
+                        err(f"{tag}: kernel takes a {cp[1]} pointer, Rust pushes {rt}")
+                    elif rt != cp[1]:
+                        err(f"{tag}: kernel takes {cp[1]}*, Rust pushes a view of {rt}")
+                    elif not cp[2] and not mut:
+                        err(f"{tag}: kernel writes through it (non-const {cp[1]}*), Rust pushes it without &mut")
+                else:
+                    if rk != "scalar" or rt not in RUST_SCALAR:
+                        err(f"{tag}: kernel takes {cp[2]}, Rust pushes {rk} {rt}")
+                    elif RUST_SCALAR[rt] != cp[1]:
+                        err(f"{tag}: kernel takes {cp[2]} {cp[1]}, Rust pushes {rt} {RUST_SCALAR[rt]}")
+    return cents, launched, nchecks
+
+
+def rd(*parts):
+    path = os.path.join(SRC, *parts[1:]) if parts[0] == "src" else os.path.join(ROOT, *parts)
+    with open(path) as f:
+        return f.read()
+
+
+def num(rx, text, what):
+    m = re.search(rx, text, re.S)
+    if not m:
+        err(f"tile config: cannot find {what} (regex {rx})")
+        return None
+    return [int(x) for x in m.groups()] if len(m.groups()) > 1 else int(m.group(1))
+
+
+def tile_configs():
+    """Tile constants on both sides (kernel .cu vs Rust launcher), asserted equal; returns the
+    launch shape per kernel family and head dim: {family: {d: (threads, rows per block, smem)}}.
+    The shared-memory formulas below transcribe the kernels' pointer layouts (reviewed by hand
+    against flash_fwd.cu fwd_pipe, flash_bwd_pipe.cu bwd_pipe_dkdv/dq, flash_bwd_fused.cu,
+    flash_fwd_sm90.cu WGMMA_SMEM) and the Rust formulas (flash.rs pipe_config, bwd_pipe.rs
+    PipeCfg::smem, bwd_fused.rs smem, sm90.rs wgmma_smem); the parameters are read from source."""
+    out = {}
+    fwd_cu, fwd_rs = rd("kernels", "flash_fwd.cu"), rd("src", "flash.rs")
+    pipes = re.search(r"#define PIPES\(NAME\)(.*)", fwd_cu)
+    cu = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
+          re.findall(r"PIPE\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", pipes.group(1) if pipes else "")}
+    pc = re.search(r"fn pipe_config\(d: usize\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
+    rbk = num(r"const BK: usize = (\d+);", pc.group(1) if pc else "", "flash.rs pipe_config BK")
+    rrows_thr = num(r"\((\d+),\s*(\d+),\s*\(\(\d+ \+ 4 \* BK\)", pc.group(1) if pc else "", "flash.rs pipe_config (rows, threads)")
+    fam = out.setdefault("flash_fwd_pipe", {})
+    for d, (nw, mt, bk) in sorted(cu.items()):
+        bq = nw * mt * 16
+        if rrows_thr and (rrows_thr[0] != bq or rrows_thr[1] != nw * 32 or rbk != bk):
+            err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} (BQ {bq}, {nw * 32} threads) but flash.rs pipe_config uses rows {rrows_thr[0]}, threads {rrows_thr[1]}, BK {rbk}")
+        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + bq * 4)
+        if rbk:
+            rust = (128 + 4 * rbk) * (d + 8) * 2 + 128 * 4
+            if rust != fam[d][2]:
+                err(f"flash_fwd_pipe d{d}: kernel smem {fam[d][2]} != flash.rs pipe_config {rust}")
+    if sorted(cu) != [16, 32, 64, 128]:
+        err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
+
+    bp_cu, bp_rs = rd("kernels", "flash_bwd_pipe.cu"), rd("src", "flash", "bwd_pipe.rs")
+    keys = ("KV_NW", "KV_BQ", "Q_NW", "Q_MT", "Q_BN")
+    gen = num(r"template <int D> struct PipeCfg \{\s*static constexpr int " + r",\s*".join(k + r" = (\d+)" for k in keys), bp_cu, "PipeCfg<D>")
+    spec = num(r"template <> struct PipeCfg<128> \{\s*static constexpr int " + r",\s*".join(k + r" = (\d+)" for k in keys), bp_cu, "PipeCfg<128>")
+    rk = ("kv_nw", "kv_bq", "q_nw", "q_mt", "q_bn")
+    r128 = num(r"if d == 128 \{\s*Self \{ " + r",\s*".join(k + r": (\d+)" for k in rk), bp_rs, "bwd_pipe.rs PipeCfg::of d == 128")
+    rgen = num(r"\} else \{\s*Self \{ " + r",\s*".join(k + r": (\d+)" for k in rk), bp_rs, "bwd_pipe.rs PipeCfg::of else")
+    if gen and rgen and gen != rgen:
+        err(f"PipeCfg<D> {dict(zip(keys, gen))} != bwd_pipe.rs PipeCfg::of(d != 128) {dict(zip(rk, rgen))}")
+    if spec and r128 and spec != r128:
+        err(f"PipeCfg<128> {dict(zip(keys, spec))} != bwd_pipe.rs PipeCfg::of(128) {dict(zip(rk, r128))}")
+    for d in (16, 32, 64, 128):
+        c = (spec if d == 128 else gen) or [0] * 5
+        kv_nw, kv_bq, q_nw, q_mt, q_bn = c
+        row = (d + 8) * 2
+        out.setdefault("flash_bwd_pipe_dkdv", {})[d] = (32 * kv_nw, 16 * kv_nw, (2 * 16 * kv_nw + 4 * kv_bq) * row + 4 * kv_bq * 4)
+        out.setdefault("flash_bwd_pipe_dq", {})[d] = (32 * q_nw, 16 * q_mt * q_nw, (2 * 16 * q_mt * q_nw + 4 * q_bn) * row)
+
+    fu_cu, fu_rs = rd("kernels", "flash_bwd_fused.cu"), rd("src", "flash", "bwd_fused.rs")
+    cnw, cbq = num(r"template <int D> struct FusedCfg \{\s*static constexpr int NW = (\d+), BQ = (\d+);", fu_cu, "FusedCfg<D>") or (0, 0)
+    if re.search(r"struct FusedCfg<\d+>", fu_cu):
+        err("flash_bwd_fused.cu: FusedCfg has a specialization; teach check_launch_args.py about it")
+    rnw, rbq = num(r"const NW: usize = (\d+);", fu_rs, "bwd_fused.rs NW"), num(r"const BQ: usize = (\d+);", fu_rs, "bwd_fused.rs BQ")
+    if (cnw, cbq) != (rnw, rbq):
+        err(f"FusedCfg NW={cnw} BQ={cbq} != bwd_fused.rs NW={rnw} BQ={rbq}")
+    for d in (16, 32, 64, 128):
+        bn = 16 * cnw
+        out.setdefault("flash_bwd_fused", {})[d] = (32 * cnw, bn, (2 * bn + 4 * cbq) * (d + 8) * 2 + bn * (cbq + 8) * 2 + 4 * cbq * 4)
+
+    wg_cu, wg_rs = rd("kernels", "flash_fwd_sm90.cu"), rd("src", "flash", "sm90.rs")
+    cbq_, cbk_ = num(r"#define WGMMA_BQ (\d+)", wg_cu, "WGMMA_BQ"), num(r"#define WGMMA_BK (\d+)", wg_cu, "WGMMA_BK")
+    nwg = num(r"constexpr int NWG = (\d+), NTH = 128 \* NWG, BQ = 64 \* NWG", wg_cu, "fwd_wgmma NWG")
+    rbq_, rbk_ = num(r"const WGMMA_BQ: usize = (\d+);", wg_rs, "sm90.rs WGMMA_BQ"), num(r"const WGMMA_BK: usize = (\d+);", wg_rs, "sm90.rs WGMMA_BK")
+    rthr = num(r"const WGMMA_THREADS: u32 = (\d+);", wg_rs, "sm90.rs WGMMA_THREADS")
+    if nwg and (64 * nwg != cbq_ or 128 * nwg != rthr or (cbq_, cbk_) != (rbq_, rbk_)):
+        err(f"wgmma: kernel NWG={nwg} (BQ {64 * nwg}, {128 * nwg} threads), WGMMA_BQ={cbq_} BK={cbk_}; sm90.rs BQ={rbq_} BK={rbk_} threads={rthr}")
+    for d in (64, 128):
+        out.setdefault("flash_fwd_wgmma", {})[d] = (rthr, cbq_, (cbq_ + 4 * cbk_) * d * 2 + 1024)
+
+    # CUDA-core and mma kernels (static shared memory only): block threads and rows (keys) per block.
+    bwd_cu, mma_cu = rd("kernels", "flash_bwd.cu"), rd("kernels", "flash_bwd_mma.cu")
+    nw, r = num(r"constexpr int NW = (\d+), R = (\d+), BK = \d+, DP = D \+ 1", fwd_cu, "fwd_simple NW, R") or (0, 0)
+    mbq = num(r"constexpr int BQ = (\d+), BK = \d+, DP = D \+ 8, KP", fwd_cu, "fwd_mma BQ")
+    rs = num(r'FwdKernel::Simple => \("simple", (\d+), (\d+), 0\)', fwd_rs, "flash.rs simple (rows, threads, 0)")
+    rm = num(r'FwdKernel::Mma => \("mma", (\d+), (\d+), 0\)', fwd_rs, "flash.rs mma (rows, threads, 0)")
+    if rs and rs != [nw * r, nw * 32]:
+        err(f"fwd_simple: kernel NW={nw} R={r} ({nw * r} rows, {nw * 32} threads) != flash.rs (rows, threads) {rs}")
+    if rm and mbq and rm != [mbq, mbq // 16 * 32]:
+        err(f"fwd_mma: kernel BQ={mbq} ({mbq // 16 * 32} threads: one warp per 16 rows) != flash.rs (rows, threads) {rm}")
+    kv = num(r"constexpr int NW = (\d+), RW = \d+, NQ = NW \* RW, BK = (\d+), DP = D \+ 1, PER", bwd_cu, "bwd_dkdv NW, BK") or (0, 0)
+    dq = num(r"constexpr int NW = (\d+), RW = (\d+), NQ = NW \* RW, BK = \d+, DP = D \+ 1, DL", bwd_cu, "bwd_dq NW, RW") or (0, 0)
+    mkv = num(r"constexpr int BK = (\d+), BQ = \d+, DP = D \+ 8", mma_cu, "bwd_mma_dkdv BK")
+    mdq = num(r"constexpr int BQ = (\d+), BK = \d+, DP = D \+ 8", mma_cu, "bwd_mma_dq BQ")
+    thr = num(r"let threads = if use_mma \{ (\d+) \} else \{ (\d+) \};", fwd_rs, "flash.rs bwd dkdv threads")
+    keys = num(r"grid_dim: \(s\.div_ceil\((\d+)\) as u32, hkv as u32", fwd_rs, "flash.rs bwd dkdv keys per block")
+    rows = num(r"let rows = if use_mma \{ (\d+) \} else \{ (\d+) \};", fwd_rs, "flash.rs bwd dq rows")
+    dthr = num(r"grid_dim: \(t\.div_ceil\(rows\) as u32, h as u32, b as u32\), block_dim: \((\d+), 1, 1\)", fwd_rs, "flash.rs bwd dq threads")
+    if keys is not None and (keys != kv[1] or keys != mkv):
+        err(f"bwd dkdv keys per block: flash.rs {keys}, flash_bwd.cu BK={kv[1]}, flash_bwd_mma.cu BK={mkv}")
+    if rows and (rows[1] != dq[0] * dq[1] or rows[0] != mdq):
+        err(f"bwd dq rows per block: flash.rs (mma, simple) {rows}, flash_bwd_mma.cu BQ={mdq}, flash_bwd.cu NW*RW={dq[0] * dq[1]}")
+    if thr and thr[1] != kv[0] * 32:
+        err(f"bwd simple dkdv: flash.rs threads {thr[1]} != flash_bwd.cu NW*32 = {kv[0] * 32}")
+    if dthr is not None and mdq and (dthr != dq[0] * 32 or dthr != mdq // 16 * 32):
+        err(f"bwd dq: flash.rs threads {dthr}, flash_bwd.cu NW*32 = {dq[0] * 32}, flash_bwd_mma.cu BQ/16*32 = {mdq // 16 * 32}")
+    for d in (16, 32, 64, 128):
+        out.setdefault("flash_fwd_simple", {})[d] = (rs[1] if rs else 0, nw * r, 0)
+        out.setdefault("flash_fwd_mma", {})[d] = (rm[1] if rm else 0, mbq, 0)
+        out.setdefault("flash_bwd_dkdv", {})[d] = (thr[1] if thr else 0, keys, 0)
+        out.setdefault("flash_bwd_mma_dkdv", {})[d] = (thr[0] if thr else 0, keys, 0)
+        out.setdefault("flash_bwd_dq", {})[d] = (dthr, rows[1] if rows else 0, 0)
+        out.setdefault("flash_bwd_mma_dq", {})[d] = (dthr, rows[0] if rows else 0, 0)
+    return out
+
+
+def main():
+    ptx_dir = None
+    if "--ptx-dir" in sys.argv:
+        ptx_dir = sys.argv[sys.argv.index("--ptx-dir") + 1]
+    cents, launched, nchecks = check()
+    unlaunched = sorted(set(cents) - launched)
+    nptx = nbounds = 0
+    cfgs = tile_configs()
+    if ptx_dir:
+        pents, files = ptx_entries(ptx_dir)
+        if len(files) < 8:
+            err(f"expected 8 PTX files under {ptx_dir}, found {len(files)}")
+        for name, (cfile, cps) in cents.items():
+            if name not in pents:
+                err(f"{name} ({cfile}): no .entry in the PTX under {ptx_dir}")
+                continue
+            pfile, widths, maxnt = pents[name]
+            cw = [c_width(p) for p in cps]
+            if widths != cw:
+                err(f"{name}: PTX {pfile} param widths {widths} != C widths {cw}")
+            nptx += 1
+            fam = re.match(r"^(\w+?)_(?:f32|f16|bf16)_d(\d+)$", name)
+            if maxnt is not None:
+                cfg = cfgs.get(fam.group(1), {}).get(int(fam.group(2))) if fam else None
+                if cfg is None:
+                    err(f"{name}: has __launch_bounds__ ({maxnt}) but no launch shape in tile_configs()")
+                elif cfg[0] != maxnt:
+                    err(f"{name}: launcher block {cfg[0]} threads != __launch_bounds__ {maxnt}")
+                else:
+                    nbounds += 1
+    for e in errors:
+        print("check_launch_args:", e)
+    if errors:
+        print(f"check_launch_args: FAILED ({len(errors)} problems)")
+        return 1
+    print(f"check_launch_args: OK ({nchecks} launches of {len(launched)}/{len(cents)} entries match their "
+          f"C signatures{f', {nptx} PTX param lists, {nbounds} launch bounds' if ptx_dir else ''}; tile configs and shared-memory sizes in sync; "
+          f"not launched from Rust: {', '.join(unlaunched) or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
