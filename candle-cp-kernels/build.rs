@@ -42,6 +42,7 @@ fn main() {
         .map(|s| s.split_whitespace().map(String::from).collect())
         .unwrap_or_default();
     println!("cargo:rerun-if-changed=kernels/common.cuh");
+    println!("cargo:rerun-if-changed=kernels/flash_bwd_pipe.cuh");
     let sm80 = KERNELS.iter().map(|n| (n, "-arch=compute_80"));
     for (name, arch) in sm80.chain(KERNELS_SM90A.iter().map(|n| (n, "-arch=compute_90a"))) {
         let src = format!("kernels/{name}.cu");

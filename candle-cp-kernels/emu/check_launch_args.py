@@ -134,8 +134,23 @@ def fn_containing(text, pos):
 
 
 def method_tuple_types(all_src, method):
-    m = re.search(r"fn\s+" + method + r"\s*\([^)]*\)\s*->\s*Result<\(([^)]*)\)>", all_src)
-    return [t.strip() for t in m.group(1).split(",")] if m else None
+    """Element types of `fn method(..) -> Result<(A, B, ..)>` (generic parameters and tuple
+    parameter patterns allowed), or None when there is no such (single) definition."""
+    ms = list(re.finditer(r"\bfn\s+" + method + r"\s*(?:<[^>]*>)?\s*\(", all_src))
+    if len(ms) != 1:
+        return None
+    close = matching_paren(all_src, ms[0].end() - 1)
+    m = re.match(r"\s*->\s*Result<\(", all_src[close + 1:])
+    if not m:
+        return None
+    start = close + 1 + m.end()
+    return [t.strip() for t in split_top(all_src[start:matching_paren(all_src, start - 1)])]
+
+
+def type_of_rust(ty):
+    """('ptr', elem) for a CudaView/CudaSlice type, else ('scalar', ty)."""
+    cv = re.search(r"Cuda(?:View|Slice)(?:Mut)?<\s*(?:'\w+\s*,\s*)?(\w+)\s*>", ty)
+    return ("ptr", cv.group(1)) if cv else ("scalar", ty)
 
 
 def elem_of(expr):
@@ -158,10 +173,11 @@ def resolve(name, text, site, all_src):
             if name not in names:
                 continue
             i = names.index(name)
-            mm = re.match(r"^(\w+)\.(\w+)\(\)\??$", rhs.strip())
-            if mm:
-                tys = method_tuple_types(all_src, mm.group(2))
-                best = ("scalar", tys[i]) if tys and i < len(tys) else None
+            # `x.method()?`, `x.method::<T>()?`, `path::func::<T>(args)?` returning Result<(..)>
+            mm = re.match(r"^(?:\w+\.|(?:\w+::)*)(\w+)(?:::<[^>]*>)?\((.*)\)\??$", rhs.strip(), re.S)
+            if mm and not rhs.strip().startswith("("):
+                tys = method_tuple_types(all_src, mm.group(1))
+                best = type_of_rust(tys[i]) if tys and i < len(tys) else None
                 continue
             parts = split_top(rhs.strip()[1:-1]) if rhs.strip().startswith("(") else []
             best = scalar_of(parts[i]) if i < len(parts) else None

@@ -36,7 +36,7 @@
 // Shared tiles: rows of D + 8 elements (conflict-free ldmatrix and cp.async, see flash_bwd_pipe.cu);
 //   the dS^T tile has rows of BQ + 8 elements for the same reason (its 32-bit stores from the
 //   fragments too). Registers (ptxas, sm_80 and sm_90a): 255 at D = 128 and 64, no spills.
-#include "common.cuh"
+#include "flash_bwd_pipe.cuh"  // shared with flash_bwd_pipe.cu: tile loads, dK/dV-side products, stores
 
 // Tile shapes (kept in sync with `FusedCfg` in src/flash/bwd_fused.rs): NW warps x 16 keys per
 // block, BQ-row query tiles. Dynamic shared memory (2 * BN + 4 * BQ) * (D + 8) * 2
@@ -45,64 +45,6 @@ template <int D> struct FusedCfg {
   static constexpr int NW = 8, BQ = 64;
 };
 
-// Copy rows row0 .. row0+ROWS-1 (of `limit` valid rows; the others are zero-filled) of a strided
-// row-major [*, D] global matrix into a padded shared tile at byte address s.
-template <typename T, int D, int ROWS, int NT>
-__device__ __forceinline__ void fused_load_tile(uint32_t s, const T* __restrict__ base, size_t stride, int row0,
-                                                int limit) {
-  constexpr int CH = D / 8, DPB = (D + 8) * 2;
-#pragma unroll
-  for (int e0 = 0; e0 < ROWS * CH; e0 += NT) {
-    const int e = e0 + threadIdx.x;
-    if ((ROWS * CH) % NT != 0 && e >= ROWS * CH) break;
-    const int r = e / CH, c = e % CH, row = row0 + r;
-    const bool ok = row < limit;
-    cp_async16(s + r * DPB + c * 16, base + (size_t)(ok ? row : 0) * stride + c * 8, ok);
-  }
-}
-
-// log2-domain LSE of a row, +inf for a row past T or with lse = -inf (then P = 0).
-__device__ __forceinline__ float fused_lse2(const float* __restrict__ lse, size_t li, bool valid) {
-  if (!valid) return INFINITY;
-  const float l = lse[li];
-  return l == -INFINITY ? INFINITY : l * CP_LOG2E;
-}
-
-// ldmatrix lane offsets (row stride dpb bytes). `a`: matrices (rows 0-7, cols 0-7), (rows 8-15,
-// cols 0-7), (rows 0-7, cols 8-15), (rows 8-15, cols 8-15): A fragments, and with .trans B
-// fragments of two n-tiles from K x N row-major storage. `b`: (rows 0-7, cols 0-7), (rows 0-7,
-// cols 8-15), (rows 8-15, cols 0-7), (rows 8-15, cols 8-15): B fragments of two n-tiles from N x K
-// storage, and with .trans the A fragment of X^T from a row-major X (here dS from dS^T).
-__device__ __forceinline__ uint32_t fused_off_a(int lane, int dpb) {
-  return ((lane & 7) + 8 * ((lane >> 3) & 1)) * dpb + (lane >> 4) * 16;
-}
-__device__ __forceinline__ uint32_t fused_off_b(int lane, int dpb) {
-  return ((lane & 7) + 8 * (lane >> 4)) * dpb + ((lane >> 3) & 1) * 16;
-}
-
-// Store one warp's 16 x D f32 accumulator rows (rows r_a and r_a + 8) times `scale`.
-template <int D>
-__device__ __forceinline__ void fused_store_rows(float* __restrict__ out, const float (*acc)[4], size_t gi_a,
-                                                 size_t gi_b, bool ok_a, bool ok_b, int t, float scale,
-                                                 int accumulate) {
-#pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt) {
-    const int c = dt * 8 + 2 * t;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-      if (!(half ? ok_b : ok_a)) continue;
-      float2* p = reinterpret_cast<float2*>(out + (half ? gi_b : gi_a) + c);
-      float2 val = make_float2(acc[dt][2 * half] * scale, acc[dt][2 * half + 1] * scale);
-      if (accumulate) {
-        const float2 old = *p;
-        val.x += old.x;
-        val.y += old.y;
-      }
-      *p = val;
-    }
-  }
-}
-
 // Grid (Hkv, ceil(S / BN), B), block 32 * NW, dynamic shared memory as FusedCfg says.
 template <typename T, int D, int NW, int BQ>
 __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __restrict__ k, const T* __restrict__ v,
@@ -110,7 +52,7 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
                                           const float* __restrict__ delta, float* __restrict__ dq,
                                           float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
                                           int Hkv, float scale, CpMask mask, int accumulate) {
-  constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DC = D / 16, DT = D / 8, QT = BQ / 8;
+  constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DT = D / 8, QT = BQ / 8;
   constexpr int SPB = (BQ + 8) * 2;  // bytes per row of the dS^T tile
   // dQ work items: RG row groups of 16 query rows x NCW column chunks of CW columns.
   constexpr int RG = BQ / 16, CW0 = D * RG / NW, CW = CW0 < 16 ? 16 : CW0, NCW = D / CW, NI = RG * NCW, CT = CW / 8;
@@ -130,7 +72,7 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
   // queries, so the heaviest blocks are dispatched first (heads vary fastest, along x).
   const int b = blockIdx.z, kvh = blockIdx.x, k0 = blockIdx.y * BN, G = H / Hkv;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
-  const uint32_t off_a = fused_off_a(lane, DPB), off_b = fused_off_b(lane, DPB), off_s = fused_off_b(lane, SPB);
+  const uint32_t off_a = pipe_off_a(lane, DPB), off_b = pipe_off_b(lane, DPB), off_s = pipe_off_b(lane, SPB);
   const float sl2 = scale * CP_LOG2E;
 
   const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D, kv_stride = (size_t)Hkv * D, q_stride = (size_t)H * D;
@@ -138,33 +80,12 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
   const int n_qt = (T_ - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
   // Tile `it`: query head kvh * G + it / n_qt, rows i_begin + (it % n_qt) * BQ ..
   auto issue = [&](int it, int buf, float& l2, float& dl) {
-    const int hq = kvh * G + it / n_qt, i0 = i_begin + (it % n_qt) * BQ;
-    const size_t qb = ((size_t)b * T_ * H + hq) * D;
-    fused_load_tile<T, D, BQ, NT>(q_a + buf * 2 * BQ * DPB, q + qb, q_stride, i0, T_);
-    fused_load_tile<T, D, BQ, NT>(do_a + buf * 2 * BQ * DPB, do16 + qb, q_stride, i0, T_);
-    if (tid < BQ) {
-      const int i = i0 + tid;
-      const size_t li = ((size_t)b * H + hq) * T_ + i;
-      l2 = fused_lse2(lse, li, i < T_);
-      dl = i < T_ ? delta[li] : 0.f;
-    }
+    pipe_issue_q<T, D, BQ, NT>(q_a + buf * 2 * BQ * DPB, do_a + buf * 2 * BQ * DPB, q, do16, lse, delta,
+                               q_stride, b, kvh * G + it / n_qt, i_begin + (it % n_qt) * BQ, T_, H, l2, dl);
   };
-  // A block with no query tile issues no copy (nothing in flight when its threads exit); it
-  // still stores its (zero) dK/dV rows below.
-  if (n_it > 0) {
-    fused_load_tile<T, D, BN, NT>(k_a, k + kv_base, kv_stride, k0, S);
-    fused_load_tile<T, D, BN, NT>(v_a, v + kv_base, kv_stride, k0, S);
-    float l2 = 0.f, dl = 0.f;
-    issue(0, 0, l2, dl);
-    if (tid < BQ) lse_s[tid] = l2, dl_s[tid] = dl;
-  }
-  cp_async_commit();
-
+  // A block with no query tile issues no copy; it still stores its (zero) dK/dV rows below.
   float acc_k[DT][4], acc_v[DT][4];
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt)
-#pragma unroll
-    for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
+  pipe_kv_begin<T, D, BN, BQ, NT>(n_it, k_a, v_a, k, v, kv_base, kv_stride, k0, S, tid, lse_s, dl_s, issue, acc_k, acc_v);
   const int kr0 = warp * 16;
   const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);
   const long long kp_a = mask.kpos(k0 + kr0 + g), kp_b = mask.kpos(k0 + kr0 + g + 8);
@@ -189,63 +110,20 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
 
     // S^T = K Q^T: rows = this warp's 16 keys, cols = BQ queries.
     float st[QT][4];
-#pragma unroll
-    for (int nt = 0; nt < QT; ++nt) st[nt][0] = st[nt][1] = st[nt][2] = st[nt][3] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < DC; ++kc) {
-      uint32_t ka[4];
-      cp_ldsm_x4(ka, k_a + kr0 * DPB + kc * 32 + off_a);
-#pragma unroll
-      for (int np = 0; np < QT / 2; ++np) {
-        uint32_t bq[4];
-        cp_ldsm_x4(bq, qb_a + np * 16 * DPB + kc * 32 + off_b);
-        cp_mma16816<T>(st[2 * np], ka, bq[0], bq[1]);
-        cp_mma16816<T>(st[2 * np + 1], ka, bq[2], bq[3]);
-      }
-    }
+    pipe_rows_x_tile<T, D, QT>(st, k_a + kr0 * DPB, qb_a, off_a, off_b);
     // P^T = exp2(S^T * scale * log2 e - lse2); causally hidden pairs and keys past S -> 0 (a key
     // past S has a zero K row, but exp2(-lse2) of it can overflow and would poison dQ).
-#pragma unroll
-    for (int nt = 0; nt < QT; ++nt) {
-      const float2 l2 = *reinterpret_cast<const float2*>(ls + nt * 8 + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = cp_exp2(fmaf(st[nt][e], sl2, -((e & 1) ? l2.y : l2.x)));
-        if (causal_cut && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + nt * 8 + 2 * t + (e & 1))) p = 0.f;
-        if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
-        st[nt][e] = p;
-      }
-    }
+    pipe_pt<QT, true>(st, ls, t, sl2, mask, causal_cut, kp_a, kp_b, i0, ragged, kok_a, kok_b);
     // dV += P^T dO: k = queries (16 per step), n = d (two 8-column tiles per ldmatrix.trans).
 #pragma unroll
     for (int kk = 0; kk < QT / 2; ++kk) {
-      const uint32_t pa[4] = {cp_pack2<T>(st[2 * kk][0], st[2 * kk][1]), cp_pack2<T>(st[2 * kk][2], st[2 * kk][3]),
-                              cp_pack2<T>(st[2 * kk + 1][0], st[2 * kk + 1][1]),
-                              cp_pack2<T>(st[2 * kk + 1][2], st[2 * kk + 1][3])};
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bo[4];
-        cp_ldsm_x4_trans(bo, dob_a + kk * 16 * DPB + dp * 32 + off_a);
-        cp_mma16816<T>(acc_v[2 * dp], pa, bo[0], bo[1]);
-        cp_mma16816<T>(acc_v[2 * dp + 1], pa, bo[2], bo[3]);
-      }
+      uint32_t pa[4];
+      pipe_pack_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+      pipe_acc_trans<T, D>(acc_v, pa, dob_a + kk * 16 * DPB, off_a);
     }
     // dP^T = V dO^T.
     float dpt[QT][4];
-#pragma unroll
-    for (int nt = 0; nt < QT; ++nt) dpt[nt][0] = dpt[nt][1] = dpt[nt][2] = dpt[nt][3] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < DC; ++kc) {
-      uint32_t va[4];
-      cp_ldsm_x4(va, v_a + kr0 * DPB + kc * 32 + off_a);
-#pragma unroll
-      for (int np = 0; np < QT / 2; ++np) {
-        uint32_t bo[4];
-        cp_ldsm_x4(bo, dob_a + np * 16 * DPB + kc * 32 + off_b);
-        cp_mma16816<T>(dpt[2 * np], va, bo[0], bo[1]);
-        cp_mma16816<T>(dpt[2 * np + 1], va, bo[2], bo[3]);
-      }
-    }
+    pipe_rows_x_tile<T, D, QT>(dpt, v_a + kr0 * DPB, dob_a, off_a, off_b);
     // dS^T = P^T (dP^T - delta) (unscaled), rounded to TY: A fragments of dK += dS^T Q, and
     // stored to the shared dS^T tile (row = key kr0 + g (+8), columns = queries) for dQ.
     uint32_t dsa[QT / 2][4];
@@ -258,10 +136,7 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
 #pragma unroll
         for (int e = 0; e < 4; ++e) ds[u][e] = st[2 * kk + u][e] * (dpt[2 * kk + u][e] - ((e & 1) ? d2.y : d2.x));
       }
-      dsa[kk][0] = cp_pack2<T>(ds[0][0], ds[0][1]);
-      dsa[kk][1] = cp_pack2<T>(ds[0][2], ds[0][3]);
-      dsa[kk][2] = cp_pack2<T>(ds[1][0], ds[1][1]);
-      dsa[kk][3] = cp_pack2<T>(ds[1][2], ds[1][3]);
+      pipe_pack_a<T>(dsa[kk], ds[0], ds[1]);
       unsigned char* row_a = ds_p + (kr0 + g) * SPB + (16 * kk + 2 * t) * 2;
       *reinterpret_cast<uint32_t*>(row_a) = dsa[kk][0];
       *reinterpret_cast<uint32_t*>(row_a + 8 * SPB) = dsa[kk][1];
@@ -270,15 +145,7 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
     }
     // dK += dS^T Q.
 #pragma unroll
-    for (int kk = 0; kk < QT / 2; ++kk) {
-#pragma unroll
-      for (int dp = 0; dp < D / 16; ++dp) {
-        uint32_t bq[4];
-        cp_ldsm_x4_trans(bq, qb_a + kk * 16 * DPB + dp * 32 + off_a);
-        cp_mma16816<T>(acc_k[2 * dp], dsa[kk], bq[0], bq[1]);
-        cp_mma16816<T>(acc_k[2 * dp + 1], dsa[kk], bq[2], bq[3]);
-      }
-    }
+    for (int kk = 0; kk < QT / 2; ++kk) pipe_acc_trans<T, D>(acc_k, dsa[kk], qb_a + kk * 16 * DPB, off_a);
     __syncthreads();  // the whole dS^T tile is in shared memory; Q and dO of `buf` are free
 
     // dQ[i0 + 16 rg .., c0 ..] += scale * dS K over the block's BN keys, item by item.
@@ -323,23 +190,17 @@ __device__ __forceinline__ void bwd_fused(const T* __restrict__ q, const T* __re
     }
     if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;
   }
-  const int ja = k0 + kr0 + g, jb = ja + 8;
-  const size_t gi_a = (((size_t)b * S + ja) * Hkv + kvh) * D, gi_b = gi_a + (size_t)8 * Hkv * D;
-  fused_store_rows<D>(dk, acc_k, gi_a, gi_b, ja < S, jb < S, t, scale, accumulate);
-  fused_store_rows<D>(dv, acc_v, gi_a, gi_b, ja < S, jb < S, t, 1.f, accumulate);
+  pipe_store_kv<D>(dk, dv, acc_k, acc_v, b, k0 + kr0 + g, S, Hkv, kvh, t, scale, accumulate);
 }
 
-#define FUSED_ARGS                                                                                \
-  const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
-      int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,            \
-      long long q_str, long long k_off, long long k_str, int accumulate
+// PIPE_ARGS, PIPE_MASK: flash_bwd_pipe.cuh (the same parameters as the pipelined kernels).
 #define FUSED_ENTRY_D(NAME, D)                                                                          \
   extern "C" __global__ void __launch_bounds__(32 * FusedCfg<D>::NW, 1)                                 \
-      flash_bwd_fused_##NAME##_d##D(float* dq, float* dk, float* dv, FUSED_ARGS) {                      \
+      flash_bwd_fused_##NAME##_d##D(float* dq, float* dk, float* dv, PIPE_ARGS) {                       \
     using C = FusedCfg<D>;                                                                              \
     (void)B;                                                                                            \
     bwd_fused<TY, D, C::NW, C::BQ>(q, k, v, dout16, lse, delta, dq, dk, dv, T_, S, H, Hkv, scale,       \
-                                   CpMask{causal, q_off, q_str, k_off, k_str}, accumulate);              \
+                                   PIPE_MASK, accumulate);                                              \
   }
 #define FUSED_ENTRIES(NAME) \
   FUSED_ENTRY_D(NAME, 16) FUSED_ENTRY_D(NAME, 32) FUSED_ENTRY_D(NAME, 64) FUSED_ENTRY_D(NAME, 128)

@@ -7,9 +7,9 @@
 
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
 mod bwd_fused;
@@ -281,6 +281,49 @@ fn prep(t: &Tensor) -> Result<Tensor> {
     }
 }
 
+/// Read-locked storages of one backward call's inputs, in launch order: q, k, v `[B, T|S, H|Hkv, D]`
+/// (the input dtype) and out `[B, T, H, D]`, dout `[B, T, H, D]`, lse `[B, H, T]` (f32), with the
+/// views the kernel launches of [`bwd_with`] and its `bwd_pipe` / `bwd_fused` paths take.
+struct BwdInputs<'a> {
+    t: [&'a Tensor; 6],
+    g: [(StorageRef<'a>, &'a Layout); 6],
+}
+
+impl<'a> BwdInputs<'a> {
+    const NAMES: [&'static str; 6] = ["q", "k", "v", "out", "dout", "lse"];
+
+    /// Locks the storages of q, k, v, out, dout, lse (in that order); errors naming the tensor and
+    /// its shape where one is not on a CUDA device.
+    fn lock((q, k, v): (&'a Tensor, &'a Tensor, &'a Tensor), (out, dout, lse): (&'a Tensor, &'a Tensor, &'a Tensor)) -> Result<Self> {
+        let t = [q, k, v, out, dout, lse];
+        let g = t.map(|x| x.storage_and_layout());
+        for (i, what) in Self::NAMES.iter().enumerate() {
+            storage_of(&g[i].0, what, t[i].shape())?;
+        }
+        Ok(Self { t, g })
+    }
+
+    fn view<T: CudaDType>(&self, i: usize) -> Result<CudaView<'_, T>> {
+        let what = Self::NAMES[i];
+        util::view::<T>(storage_of(&self.g[i].0, what, self.t[i].shape())?, self.g[i].1, what)
+    }
+
+    /// q, k, v as views of `T` (their dtype).
+    fn qkv<T: CudaDType>(&self) -> Result<(CudaView<'_, T>, CudaView<'_, T>, CudaView<'_, T>)> {
+        Ok((self.view(0)?, self.view(1)?, self.view(2)?))
+    }
+
+    /// out, dout, lse as f32 views.
+    fn f32s(&self) -> Result<(CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>)> {
+        Ok((self.view(3)?, self.view(4)?, self.view(5)?))
+    }
+}
+
+/// The backward kernels' f32 outputs as tensors: dq `[B, T, H, D]`, dk and dv `[B, S, Hkv, D]`.
+fn bwd_tensors(dev: &CudaDevice, (dq, dk, dv): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>), (b, t, s, h, hkv, d): Dims) -> (Tensor, Tensor, Tensor) {
+    (util::to_tensor(dq, dev, (b, t, h, d)), util::to_tensor(dk, dev, (b, s, hkv, d)), util::to_tensor(dv, dev, (b, s, hkv, d)))
+}
+
 /// Raw forward on CUDA tensors, no graph: out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 /// A query row with no visible key gets out 0 and lse `-inf`.
 pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
@@ -385,16 +428,8 @@ pub fn bwd_with(
         return bwd_pipe::bwd_pipe(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (os, ol) = out.storage_and_layout();
-    let (dos, dol) = dout.storage_and_layout();
-    let (ls, ll) = lse.storage_and_layout();
-    let (qs, ks, vs) = (storage_of(&qs, "q", q.shape())?, storage_of(&ks, "k", k.shape())?, storage_of(&vs, "v", v.shape())?);
-    let ov = util::view::<f32>(storage_of(&os, "out", out.shape())?, ol, "out")?;
-    let dov = util::view::<f32>(storage_of(&dos, "dout", dout.shape())?, dol, "dout")?;
-    let lv = util::view::<f32>(storage_of(&ls, "lse", lse.shape())?, ll, "lse")?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, &lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
     let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
@@ -414,9 +449,7 @@ pub fn bwd_with(
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_bwd {
         ($ty:ty) => {{
-            let qv = util::view::<$ty>(qs, ql, "q")?;
-            let kv = util::view::<$ty>(ks, kl, "k")?;
-            let vv = util::view::<$ty>(vs, vl, "v")?;
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
             let (pre, module, src) = if use_mma {
                 ("flash_bwd_mma", ptx::FLASH_BWD_MMA_MODULE, ptx::FLASH_BWD_MMA)
             } else {
@@ -450,9 +483,5 @@ pub fn bwd_with(
         DType::F16 => launch_bwd!(f16),
         _ => launch_bwd!(bf16),
     }
-    Ok((
-        util::to_tensor(dq, &dev, (b, t, h, d)),
-        util::to_tensor(dk, &dev, (b, s, hkv, d)),
-        util::to_tensor(dv, &dev, (b, s, hkv, d)),
-    ))
+    Ok(bwd_tensors(&dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
 }

@@ -5,8 +5,9 @@
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. dq is summed with f32 atomics from every
 //! 128-key block, in a nondeterministic order.
 
-use super::{prep, storage_of, suffix, Dims, KMask};
-use crate::{ptx, util};
+use super::bwd_pipe::launch_prep;
+use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, KMask};
+use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -64,39 +65,21 @@ pub(super) fn bwd_fused(
     if (h / hkv) * t.div_ceil(BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd: too many query rows for the fused kernel's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (os, ol) = out.storage_and_layout();
-    let (dos, dol) = dout.storage_and_layout();
-    let (ls, ll) = lse.storage_and_layout();
-    let (qs, ks, vs) = (storage_of(&qs, "q", q.shape())?, storage_of(&ks, "k", k.shape())?, storage_of(&vs, "v", v.shape())?);
-    let ov = util::view::<f32>(storage_of(&os, "out", out.shape())?, ol, "out")?;
-    let dov = util::view::<f32>(storage_of(&dos, "dout", dout.shape())?, dol, "dout")?;
-    let lv = util::view::<f32>(storage_of(&ls, "lse", lse.shape())?, ll, "lse")?;
-    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     // accumulate = 0: dk/dv are overwritten; dq is always added to, so it starts at zero.
     let acc = 0i32;
     let smem = smem(d);
-    // SAFETY (delta, dk, dv): every element is written by the kernels.
-    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // SAFETY (dk, dv): every element is written by the kernel.
     let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_fused {
         ($ty:ty) => {{
-            let qv = util::view::<$ty>(qs, ql, "q")?;
-            let kv = util::view::<$ty>(ks, kl, "k")?;
-            let vv = util::view::<$ty>(vs, vl, "v")?;
-            // SAFETY: the prep kernel writes every element.
-            let mut do16 = unsafe { dev.alloc::<$ty>(b * t * h * d)? };
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_prep_{sfx}"), ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE)?;
-            let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-            let mut bld = func.builder();
-            bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&mut do16).arg(&bi).arg(&ti).arg(&hi).arg(&di);
-            // SAFETY: matches flash_bwd_pipe_prep_*'s parameters; sizes checked by the caller.
-            unsafe { bld.launch(cfg) }.w()?;
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_fused_{sfx}_d{d}"), ptx::FLASH_BWD_FUSED_MODULE, ptx::FLASH_BWD_FUSED)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
@@ -105,7 +88,7 @@ pub(super) fn bwd_fused(
             bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
             bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-            // SAFETY: matches `float* dq, float* dk, float* dv, FUSED_ARGS` in kernels/flash_bwd_fused.cu.
+            // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS` in kernels/flash_bwd_fused.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
     }
@@ -114,9 +97,5 @@ pub(super) fn bwd_fused(
         DType::BF16 => launch_fused!(bf16),
         dt => candle_core::bail!("flash_bwd: the fused kernel takes f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok((
-        util::to_tensor(dq, dev, (b, t, h, d)),
-        util::to_tensor(dk, dev, (b, s, hkv, d)),
-        util::to_tensor(dv, dev, (b, s, hkv, d)),
-    ))
+    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
 }

@@ -4,11 +4,11 @@
 //! k/v `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
-use super::{prep, storage_of, suffix, Dims, FwdImpl, KMask};
-use crate::{ptx, util};
+use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, FwdImpl, KMask};
+use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
-use candle_core::cuda_backend::WrapErr;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
 
@@ -65,6 +65,30 @@ pub(super) fn fits(dev: &CudaDevice, d: usize, imp: FwdImpl, q: &Shape) -> Resul
     candle_core::bail!("flash_bwd: the pipelined kernels need {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}")
 }
 
+/// `flash_bwd_pipe_prep_*` (shared by the pipelined and the fused backward): delta f32 `[B, H, T]` =
+/// rowsum(dO * O) from the f32 `out` / `dout` views `[B, T, H, D]`, and dO rounded to `T` (the
+/// input dtype, f16/bf16) `[B, T, H, D]`; returns (delta, do16). The caller checked
+/// ceil(B * T * H / 4) < 2^31 (one block per 4 rows).
+pub(super) fn launch_prep<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    ov: &CudaView<'_, f32>,
+    dov: &CudaView<'_, f32>,
+    (b, t, h, d): (usize, usize, usize, usize),
+) -> Result<(CudaSlice<f32>, CudaSlice<T>)> {
+    // SAFETY: the prep kernel writes every element of both.
+    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let mut do16 = unsafe { dev.alloc::<T>(b * t * h * d)? };
+    let (bi, ti, hi, di) = (b as i32, t as i32, h as i32, d as i32);
+    let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_prep_{sfx}"), ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE)?;
+    let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+    let mut bld = func.builder();
+    bld.arg(ov).arg(dov).arg(&mut delta).arg(&mut do16).arg(&bi).arg(&ti).arg(&hi).arg(&di);
+    // SAFETY: matches flash_bwd_pipe_prep_*'s parameters; sizes checked by the caller.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((delta, do16))
+}
+
 /// The `Pipelined` backward of [`bwd_with`] on checked inputs (f16/bf16; out, lse, dout already
 /// contiguous f32): `flash_bwd_pipe_prep_*` (delta = rowsum(dO * O) in f32 and dO rounded to the
 /// input dtype), then the dK/dV and dQ kernels of `kernels/flash_bwd_pipe.cu` (no atomics).
@@ -92,38 +116,21 @@ pub(super) fn bwd_pipe(
     if (h / hkv) * t.div_ceil(pc.kv_bq) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd: too many query rows for the pipelined kernels' 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let (qs, ql) = q.storage_and_layout();
-    let (ks, kl) = k.storage_and_layout();
-    let (vs, vl) = v.storage_and_layout();
-    let (os, ol) = out.storage_and_layout();
-    let (dos, dol) = dout.storage_and_layout();
-    let (ls, ll) = lse.storage_and_layout();
-    let (qs, ks, vs) = (storage_of(&qs, "q", q.shape())?, storage_of(&ks, "k", k.shape())?, storage_of(&vs, "v", v.shape())?);
-    let ov = util::view::<f32>(storage_of(&os, "out", out.shape())?, ol, "out")?;
-    let dov = util::view::<f32>(storage_of(&dos, "dout", dout.shape())?, dol, "dout")?;
-    let lv = util::view::<f32>(storage_of(&ls, "lse", lse.shape())?, ll, "lse")?;
-    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
     let (smem_kv, smem_q) = pc.smem(d);
     let (module, src) = (ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE);
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
     let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_pipe {
         ($ty:ty) => {{
-            let qv = util::view::<$ty>(qs, ql, "q")?;
-            let kv = util::view::<$ty>(ks, kl, "k")?;
-            let vv = util::view::<$ty>(vs, vl, "v")?;
-            let mut do16 = unsafe { dev.alloc::<$ty>(b * t * h * d)? };
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_prep_{sfx}"), module, src)?;
-            let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-            let mut bld = func.builder();
-            bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&mut do16).arg(&bi).arg(&ti).arg(&hi).arg(&di);
-            // SAFETY: matches flash_bwd_pipe_prep_*'s parameters; sizes checked by the caller.
-            unsafe { bld.launch(cfg) }.w()?;
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
@@ -159,9 +166,5 @@ pub(super) fn bwd_pipe(
         DType::BF16 => launch_pipe!(bf16),
         dt => candle_core::bail!("flash_bwd: the pipelined kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok((
-        util::to_tensor(dq, dev, (b, t, h, d)),
-        util::to_tensor(dk, dev, (b, s, hkv, d)),
-        util::to_tensor(dv, dev, (b, s, hkv, d)),
-    ))
+    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
 }
