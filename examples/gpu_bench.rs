@@ -42,14 +42,8 @@ fn parse() -> Result<Args> {
     let imps = get("--impl")
         .unwrap_or_else(|| "auto".into())
         .split(',')
-        .map(|s| match s.trim() {
-            "simple" => Ok(FwdImpl::Simple),
-            "mma" => Ok(FwdImpl::Mma),
-            "pipelined" => Ok(FwdImpl::Pipelined),
-            "wgmma" => Ok(FwdImpl::Wgmma),
-            "atomic" => Ok(FwdImpl::AtomicDq),
-            "auto" => Ok(FwdImpl::Auto),
-            other => Err(anyhow::anyhow!("--impl: unknown kernel family {other:?} (auto, simple, mma, pipelined, wgmma, atomic)")),
+        .map(|s| {
+            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, atomic)"))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {

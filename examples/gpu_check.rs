@@ -436,13 +436,9 @@ fn main() -> Result<()> {
         None => Vec::new(),
         Some(list) => list
             .split(',')
-            .map(|x| match x.trim() {
-                "simple" => Ok(FwdImpl::Simple),
-                "mma" => Ok(FwdImpl::Mma),
-                "pipelined" => Ok(FwdImpl::Pipelined),
-                "wgmma" => Ok(FwdImpl::Wgmma),
-                "atomic" => Ok(FwdImpl::AtomicDq),
-                other => Err(anyhow::anyhow!("--impls: unknown kernel family {other:?} (simple, mma, pipelined, wgmma, atomic)")),
+            .map(|x| match FwdImpl::from_name(x) {
+                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, atomic)")),
+                Some(imp) => Ok(imp),
             })
             .collect::<Result<Vec<_>>>()?,
     };

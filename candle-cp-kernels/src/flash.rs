@@ -88,14 +88,21 @@ impl FwdImpl {
     /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` | anything
     /// else (`Auto`).
     pub fn from_env() -> Self {
-        match std::env::var("CANDLE_CP_FLASH_IMPL").as_deref() {
-            Ok("simple") => FwdImpl::Simple,
-            Ok("mma") => FwdImpl::Mma,
-            Ok("pipelined") => FwdImpl::Pipelined,
-            Ok("wgmma") => FwdImpl::Wgmma,
-            Ok("atomic") => FwdImpl::AtomicDq,
-            _ => FwdImpl::Auto,
-        }
+        std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
+    }
+
+    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma` or `atomic` (the names
+    /// `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None` otherwise.
+    pub fn from_name(name: &str) -> Option<Self> {
+        Some(match name.trim() {
+            "auto" => FwdImpl::Auto,
+            "simple" => FwdImpl::Simple,
+            "mma" => FwdImpl::Mma,
+            "pipelined" => FwdImpl::Pipelined,
+            "wgmma" => FwdImpl::Wgmma,
+            "atomic" => FwdImpl::AtomicDq,
+            _ => return None,
+        })
     }
 }
 
