@@ -52,51 +52,6 @@ void flash_fwd_wgmma_bf16_d128(FWD_P(__nv_bfloat16));
 #define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128)
 #define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128)
 
-namespace {
-
-const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)
-    {"flash_fwd_wgmma_f16_d64", (void*)&flash_fwd_wgmma_f16_d64}, {"flash_fwd_wgmma_f16_d128", (void*)&flash_fwd_wgmma_f16_d128},
-    {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128}};
-
-void* lookup(const std::string& name) {
-  auto it = kTable.find(name);
-  if (it == kTable.end()) {
-    std::printf("no kernel %s\n", name.c_str());
-    std::exit(2);
-  }
-  return it->second;
-}
-
-template <typename TY> using FwdFn = void (*)(FWD_P(TY));
-template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
-template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
-template <typename TY> using PDkdvFn = void (*)(float*, float*, PIPE_P(TY));
-template <typename TY> using PDqFn = void (*)(float*, PIPE_P(TY));
-
-template <typename T> const char* sfx();
-template <> const char* sfx<float>() { return "f32"; }
-template <> const char* sfx<__half>() { return "f16"; }
-template <> const char* sfx<__nv_bfloat16>() { return "bf16"; }
-
-unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
-
-struct Case {
-  const char* label;
-  int B, T, S, H, Hkv, D;
-  int causal;
-  long long qo, qs, ko, ks;
-  std::string tag() const {
-    char buf[160];
-    std::snprintf(buf, sizeof buf, "%s d%d [b%d t%d s%d h%d kv%d]", label, D, B, T, S, H, Hkv);
-    return buf;
-  }
-  bool vis(long i, long j) const { return !causal || ko + j * ks <= qo + i * qs; }
-};
-
-struct Ref {
-  std::vector<double> out, lse, dq, dk, dv, delta;
-};
-
 // float64 attention forward + backward (the backward from this forward's out / lse).
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
               const std::vector<double>& dout, double scale) {
@@ -154,6 +109,34 @@ Ref reference(const Case& c, const std::vector<double>& q, const std::vector<dou
       }
   return r;
 }
+
+namespace {
+
+const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)
+    {"flash_fwd_wgmma_f16_d64", (void*)&flash_fwd_wgmma_f16_d64}, {"flash_fwd_wgmma_f16_d128", (void*)&flash_fwd_wgmma_f16_d128},
+    {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128}};
+
+void* lookup(const std::string& name) {
+  auto it = kTable.find(name);
+  if (it == kTable.end()) {
+    std::printf("no kernel %s\n", name.c_str());
+    std::exit(2);
+  }
+  return it->second;
+}
+
+template <typename TY> using FwdFn = void (*)(FWD_P(TY));
+template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
+template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
+template <typename TY> using PDkdvFn = void (*)(float*, float*, PIPE_P(TY));
+template <typename TY> using PDqFn = void (*)(float*, PIPE_P(TY));
+
+template <typename T> const char* sfx();
+template <> const char* sfx<float>() { return "f32"; }
+template <> const char* sfx<__half>() { return "f16"; }
+template <> const char* sfx<__nv_bfloat16>() { return "bf16"; }
+
+unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
 enum class Impl { Simple, Mma, Pipe, Wgmma };  // Wgmma: flash_fwd_sm90.cu, forward only, D 64 / 128
 const char* impl_name(Impl i) {

@@ -42,64 +42,9 @@ struct FCase {
   long long qo, qs, ko, ks;
   bool accumulate;
   double shift;  // q += shift, k -= shift: every score strongly negative, lse << 0
-  bool vis(long i, long j) const { return !causal || ko + j * ks <= qo + i * qs; }
+  // The attention problem alone, for the shared float64 `reference`.
+  Case attn() const { return Case{label, B, T, S, H, Hkv, D, causal, qo, qs, ko, ks}; }
 };
-
-struct FRef {
-  std::vector<double> out, lse, dq, dk, dv;
-};
-
-// float64 forward (out, lse) and backward of attention with the CpMask semantics.
-FRef fref(const FCase& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-          const std::vector<double>& dout, double scale) {
-  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
-  FRef r;
-  r.out.assign((size_t)B * T * H * D, 0.0);
-  r.dq.assign((size_t)B * T * H * D, 0.0);
-  r.dk.assign((size_t)B * S * Hkv * D, 0.0);
-  r.dv.assign((size_t)B * S * Hkv * D, 0.0);
-  r.lse.assign((size_t)B * H * T, -INFINITY);
-  std::vector<double> s(S), p(S);
-  for (int b = 0; b < B; ++b)
-    for (int h = 0; h < H; ++h)
-      for (int i = 0; i < T; ++i) {
-        auto row = [&](const std::vector<double>& x, int j) { return &x[(((size_t)b * S + j) * Hkv + h / G) * D]; };
-        const size_t qi = (((size_t)b * T + i) * H + h) * D;
-        double m = -INFINITY;
-        for (int j = 0; j < S; ++j) {
-          if (!c.vis(i, j)) continue;
-          double a = 0;
-          for (int d = 0; d < D; ++d) a += q[qi + d] * row(k, j)[d];
-          s[j] = a * scale;
-          m = std::max(m, s[j]);
-        }
-        if (m == -INFINITY) continue;
-        double l = 0;
-        for (int j = 0; j < S; ++j) l += c.vis(i, j) ? std::exp(s[j] - m) : 0.0;
-        const double lse = m + std::log(l);
-        r.lse[((size_t)b * H + h) * T + i] = lse;
-        for (int j = 0; j < S; ++j) {
-          p[j] = c.vis(i, j) ? std::exp(s[j] - lse) : 0.0;
-          for (int d = 0; d < D; ++d) r.out[qi + d] += p[j] * row(v, j)[d];
-        }
-        double delta = 0;
-        for (int d = 0; d < D; ++d) delta += dout[qi + d] * r.out[qi + d];
-        for (int j = 0; j < S; ++j) {
-          if (!c.vis(i, j)) continue;
-          double dp = 0;
-          for (int d = 0; d < D; ++d) dp += dout[qi + d] * row(v, j)[d];
-          const double ds = p[j] * (dp - delta) * scale;
-          double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + h / G) * D];
-          double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + h / G) * D];
-          for (int d = 0; d < D; ++d) {
-            r.dq[qi + d] += ds * row(k, j)[d];
-            dkj[d] += ds * q[qi + d];
-            dvj[d] += p[j] * dout[qi + d];
-          }
-        }
-      }
-  return r;
-}
 
 unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
@@ -120,7 +65,7 @@ template <typename TY> void run_fused(const FCase& c, uint64_t seed) {
   const auto qd = fill(q, qr), kd = fill(k, kr), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl), delta(nl), dq(nq), dk(nk), dv(nk);
   const auto dd = fill(dout, randn(nq, seed + 3));
-  FRef ref = fref(c, qd, kd, vd, dd, (double)scale);
+  Ref ref = reference(c.attn(), qd, kd, vd, dd, (double)scale);
   fill(o32, ref.out);
   fill(l32, ref.lse);
   // Initial outputs: zeros for dq (the launcher's zero fill); with `accumulate`, known values

@@ -5,6 +5,7 @@
 #include "emu.h"
 
 #include <cmath>
+#include <cstdio>
 #include <cstring>
 #include <string>
 #include <vector>
@@ -61,3 +62,28 @@ template <typename T> std::vector<double> fill(Buf<T>& b, const std::vector<doub
   }
   return r;
 }
+
+// One attention problem with CpMask semantics (query i at qo + i*qs, key j at ko + j*ks).
+struct Case {
+  const char* label;
+  int B, T, S, H, Hkv, D;
+  int causal;
+  long long qo, qs, ko, ks;
+  std::string tag() const {
+    char buf[160];
+    std::snprintf(buf, sizeof buf, "%s d%d [b%d t%d s%d h%d kv%d]", label, D, B, T, S, H, Hkv);
+    return buf;
+  }
+  bool vis(long i, long j) const { return !causal || ko + j * ks <= qo + i * qs; }
+};
+
+
+// float64 reference results of one Case.
+struct Ref {
+  std::vector<double> out, lse, dq, dk, dv, delta;
+};
+
+// float64 attention forward + backward (the backward from this forward's out / lse);
+// defined in check_flash.cpp, used by every flash check.
+Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+              const std::vector<double>& dout, double scale);
