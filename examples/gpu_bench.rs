@@ -16,7 +16,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
-use candle_cp_ops::cp::{ring_attention_fwd_raw, shard, CpOpts, Layout};
+use candle_cp_ops::cp::{ring_attention_fwd_raw, shard, CpOpts, Layout, DEFAULT_BLOCK_ROWS};
 use std::time::{Duration, Instant};
 
 struct Args {
@@ -143,7 +143,7 @@ impl RingInputs {
 }
 
 /// Per-step compute of the zigzag ring (rank 0's schedule, the kernel calls the ring engine
-/// issues: `block_schedule`, row chunks of `CpOpts::block_rows`, offset masks) timed alone,
+/// issues: `block_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) timed alone,
 /// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
 /// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9.
 fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
@@ -152,11 +152,12 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
     let (q, k, v, imp) = (&ri.q, &ri.k, &ri.v, ri.imp);
     let single_rate = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0 / ri.single_s;
-    let opts = CpOpts::new(Layout::Zigzag, true);
     let rank = 0usize;
     let ql = shard(q, Layout::Zigzag, rank, p, 1)?;
-    // The engine's default row chunking, and none (one call per block: what a GPU can afford).
-    for block_rows in [opts.block_rows, usize::MAX] {
+    // The engine's default on CUDA (no row chunking: one call per block, `rows_per_call` of
+    // the default options on this device), then its CPU chunking (1024 rows), for comparison.
+    let on_gpu = CpOpts::new(Layout::Zigzag, true).rows_per_call(dev);
+    for block_rows in [on_gpu, DEFAULT_BLOCK_ROWS] {
         let mut worst = f64::MAX;
         for step in 0..p {
             let src = (rank + p - step) % p;

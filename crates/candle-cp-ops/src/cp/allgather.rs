@@ -3,7 +3,7 @@
 //! Every rank all-gathers K and V (cheap with GQA: only `Hkv` heads), rebuilds the global
 //! K/V in token order, and attends its local query segments against the key *prefix* each
 //! segment can see (causal) or against all keys (full), with the segment's global offset and
-//! stride in the mask (segments longer than [`CpOpts::block_rows`] go in row chunks, each
+//! stride in the mask (segments longer than [`CpOpts::rows_per_call`] go in row chunks, each
 //! against its own prefix). Backward: K/V are all-gathered again (not kept between forward and
 //! backward), per-chunk attention backward gives dQ locally and a global-length f32 dK/dV
 //! contribution; a reduce-scatter (in the layout's shard order) returns each rank the sum for
@@ -52,13 +52,13 @@ pub(super) fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) ->
 }
 
 /// This rank's query row chunks: the layout's segments split into runs of at most
-/// `opts.block_rows` rows (each sees its own key prefix).
-fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims) -> Result<Vec<Segment>> {
+/// `rows` rows ([`CpOpts::rows_per_call`]; each sees its own key prefix).
+fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, rows: usize) -> Result<Vec<Segment>> {
     Ok(opts
         .layout
         .segments(rank, p, dims.t)?
         .iter()
-        .flat_map(|s| split_rows(s, opts.block_rows))
+        .flat_map(|s| split_rows(s, rows))
         .collect())
 }
 
@@ -78,7 +78,7 @@ pub(super) fn fwd(
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let mut outs = Vec::new();
     let mut lses = Vec::new();
-    for seg in chunks(rank, p, opts, dims)? {
+    for seg in chunks(rank, p, opts, dims, opts.rows_per_call(q.device()))? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
         let (o, l) = attention_fwd(
@@ -119,7 +119,7 @@ pub(super) fn bwd(
     let mut dq = RowAccum::with_residency(1, b, dims.tl, dims.h, d, dev, residency)?;
     // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
     let mut dkv = RowAccum::with_residency(2, b, dims.t, dims.hkv, d, dev, residency)?;
-    for seg in chunks(rank, p, opts, dims)? {
+    for seg in chunks(rank, p, opts, dims, opts.rows_per_call(q.device()))? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
         let (kn, vn) = (

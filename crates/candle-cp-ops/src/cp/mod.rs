@@ -46,8 +46,11 @@ pub struct CpOpts {
     /// Start the next chunk's transfer before computing the current one (double buffer).
     /// `false` waits for each transfer before computing (for measuring the overlap).
     pub overlap: bool,
-    /// Most query rows per attention call (default [`DEFAULT_BLOCK_ROWS`]): a block with more
-    /// query rows is computed in row chunks, bounding per-call outputs and kernel scratch.
+    /// Most query rows per attention call: a block with more query rows is computed in row
+    /// chunks, bounding per-call outputs and scratch. `0` (the default) is automatic, see
+    /// [`CpOpts::rows_per_call`]: [`DEFAULT_BLOCK_ROWS`] on the CPU, unchunked on CUDA (a flash
+    /// kernel call needs O(rows) memory anyway, and 1024-row chunks would leave much of a large
+    /// GPU idle: 1024 / 128 rows per thread block x 16 heads = 128 blocks for 132 SMs).
     pub block_rows: usize,
     /// Check at every call that all ranks pass the same local shapes, dtype, layout and mask
     /// (default `true`): one small all-gather per call, which on a GPU also makes the host
@@ -57,18 +60,19 @@ pub struct CpOpts {
     pub check_ranks: bool,
 }
 
-/// Default [`CpOpts::block_rows`].
+/// Query rows per attention call on the CPU when [`CpOpts::block_rows`] is `0` (automatic).
 pub const DEFAULT_BLOCK_ROWS: usize = 1024;
 
 impl Default for CpOpts {
-    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, 1024 query rows per call, ranks checked.
+    /// Zigzag, causal, scale `1/sqrt(D)`, overlap on, automatic rows per call (1024 on the
+    /// CPU, unchunked on CUDA), ranks checked.
     fn default() -> Self {
         Self {
             layout: Layout::Zigzag,
             causal: true,
             scale: None,
             overlap: true,
-            block_rows: DEFAULT_BLOCK_ROWS,
+            block_rows: 0,
             check_ranks: true,
         }
     }
@@ -87,6 +91,15 @@ impl CpOpts {
     pub fn with_scale(mut self, scale: f64) -> Self {
         self.scale = Some(scale);
         self
+    }
+    /// Query rows per attention call for tensors on `device`: [`CpOpts::block_rows`] when it
+    /// is set (non-zero), else [`DEFAULT_BLOCK_ROWS`] on the CPU and unbounded on CUDA.
+    pub fn rows_per_call(&self, device: &Device) -> usize {
+        match (self.block_rows, device) {
+            (0, Device::Cuda(_)) => usize::MAX,
+            (0, _) => DEFAULT_BLOCK_ROWS,
+            (n, _) => n,
+        }
     }
 }
 
@@ -198,9 +211,6 @@ pub(crate) fn check_inputs(
     }
     let t = tl * p;
     opts.layout.local_len(t, p)?;
-    if opts.block_rows == 0 {
-        bail!("{name}: CpOpts::block_rows must be at least 1")
-    }
     if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
         let extra = [
@@ -239,4 +249,20 @@ pub(crate) fn check_inputs(
         d,
         t,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn rows_per_call_is_automatic_unless_set() {
+        let cpu = Device::Cpu;
+        let auto = CpOpts::default();
+        assert_eq!(auto.block_rows, 0);
+        assert_eq!(auto.rows_per_call(&cpu), DEFAULT_BLOCK_ROWS);
+        let set = CpOpts { block_rows: 13, ..auto };
+        assert_eq!(set.rows_per_call(&cpu), 13);
+        assert_eq!(CpOpts::new(Layout::Striped, false).rows_per_call(&cpu), DEFAULT_BLOCK_ROWS);
+    }
 }

@@ -9,7 +9,7 @@
 //! ([`super::state::LocalState`]: in place on the host for CPU queries, as f32 device tensors
 //! updated in place otherwise, so nothing goes through the host between steps; the backward's
 //! dQ/dK/dV accumulators likewise, [`super::state::RowAccum`]). Blocks with more than
-//! [`CpOpts::block_rows`] query rows are computed in row chunks (each chunk re-classified),
+//! [`CpOpts::rows_per_call`] query rows are computed in row chunks (each chunk re-classified),
 //! which bounds the memory of one attention call.
 //!
 //! Zigzag schedule (P = 4, 2P = 8 chunks of c = T/8 tokens; rank i holds chunks i, 7-i).
@@ -141,9 +141,9 @@ pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
 }
 
 /// The query-row chunks of a scheduled block that see at least one key, with their masks.
-fn sub_blocks(sb: &Scheduled, opts: &CpOpts) -> Vec<(Segment, Block)> {
+fn sub_blocks(sb: &Scheduled, opts: &CpOpts, rows_per_call: usize) -> Vec<(Segment, Block)> {
     let causal = opts.causal;
-    split_rows(&sb.q, opts.block_rows)
+    split_rows(&sb.q, rows_per_call)
         .into_iter()
         .map(|q| (q, classify(&q, &sb.k, causal)))
         .filter(|(_, b)| *b != Block::Skip)
@@ -211,7 +211,7 @@ pub(super) fn fwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts) {
+            for (qs, block) in sub_blocks(&sb, opts, opts.rows_per_call(q.device())) {
                 let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
                 state.merge_rows(qs.local, &o, &l)?;
                 st.blocks += 1;
@@ -303,7 +303,7 @@ pub(super) fn bwd(
         let mut dkv = accum(2, dims.hkv)?;
         for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts) {
+            for (qs, block) in sub_blocks(&sb, opts, opts.rows_per_call(q.device())) {
                 let (qr, or, lr, dr) = (
                     rows(q, 1, &qs)?,
                     rows(out, 1, &qs)?,
