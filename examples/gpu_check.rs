@@ -1,13 +1,14 @@
 //! GPU correctness check (feature `cuda`): every CUDA kernel against the CPU path, the oracle
 //! cases through the autograd op on the GPU, ring / all-gather / Ulysses on virtual ranks
 //! (thread ranks sharing one GPU), the tiny-Llama oracle on every layout family (CP, Ulysses,
-//! TP + SP, 2-D) on virtual ranks, and (feature `nccl`) an NcclGroup smoke test of world 1.
+//! TP + SP, 2-D) on virtual ranks, and (feature `nccl`) an NcclGroup smoke test of world 1
+//! and its failure paths (abort; a rank that never joins must fail init within its timeout).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,atomic] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,atomic] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
 //! ```
-//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, Hopper only, and
+//! `--impls` limits the kernel families checked by the flash sections (`wgmma` and `wgmma-atomic`, Hopper only, and
 //! `atomic`, the fused backward with atomic dQ, are checked only when named); `--sections` runs only
 //! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
 //! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
@@ -121,6 +122,9 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::Wgmma) {
                 imps.push(FwdImpl::Wgmma);
             }
+            if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaAtomic) {
+                imps.push(FwdImpl::WgmmaAtomic);
+            }
             if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
                 imps.push(FwdImpl::AtomicDq);
             }
@@ -131,8 +135,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                     Ok((o, l)) => {
                         // mma rounds P to 16 bits before P·V (like FlashAttention).
                         let tol = match (imp, dtype) {
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, DType::BF16) => 2e-2,
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, _) => 4e-3,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, DType::BF16) => 2e-2,
+                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, _) => 4e-3,
                             _ => 2e-5,
                         };
                         rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, tol);
@@ -149,8 +153,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let name = format!("flash_bwd {imp:?} {tag}");
                 // mma rounds dO, P and dS to 16 bits before the products (like FlashAttention).
                 let tol = match (imp, dtype) {
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, DType::BF16) => 3e-2,
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq, _) => 5e-3,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, DType::BF16) => 3e-2,
+                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, _) => 5e-3,
                     _ => 1e-4,
                 };
                 match flash::bwd_with(&gq, &gk, &gv, &go, &gl, &gd, kmask(&c.mask), scale as f32, imp) {
@@ -324,20 +328,52 @@ fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 
 #[cfg(feature = "nccl")]
 fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::nccl::Id;
+    use candle_core::CudaDevice;
     use candle_cp_comm::nccl::NcclGroup;
     use candle_cp_comm::ProcessGroup;
-    let groups = NcclGroup::single_process(&[ordinal])?;
-    let g = &groups[0];
-    let dev = g.device();
-    let x = rand_tensor(&[2, 6, 4], 5)?.to_device(&dev)?;
-    rep.check("nccl P1 all_gather", max_abs(&g.all_gather(&x, 1)?, &x)?, 0.0);
-    rep.check("nccl P1 all_reduce", max_abs(&g.all_reduce(&x)?, &x)?, 0.0);
-    rep.check("nccl P1 reduce_scatter", max_abs(&g.reduce_scatter(&x, 1)?, &x)?, 0.0);
-    rep.check("nccl P1 all_to_all", max_abs(&g.all_to_all(&x, 2, 1)?, &x)?, 0.0);
-    rep.check("nccl P1 broadcast", max_abs(&g.broadcast(&x, 0)?, &x)?, 0.0);
-    let r = g.send_recv(&x, 0, 0)?.wait()?;
-    rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
-    g.barrier()?;
+    {
+        let groups = NcclGroup::single_process(&[ordinal])?;
+        let g = &groups[0];
+        let dev = g.device();
+        let x = rand_tensor(&[2, 6, 4], 5)?.to_device(&dev)?;
+        rep.check("nccl P1 all_gather", max_abs(&g.all_gather(&x, 1)?, &x)?, 0.0);
+        rep.check("nccl P1 all_reduce", max_abs(&g.all_reduce(&x)?, &x)?, 0.0);
+        rep.check("nccl P1 reduce_scatter", max_abs(&g.reduce_scatter(&x, 1)?, &x)?, 0.0);
+        rep.check("nccl P1 all_to_all", max_abs(&g.all_to_all(&x, 2, 1)?, &x)?, 0.0);
+        rep.check("nccl P1 broadcast", max_abs(&g.broadcast(&x, 0)?, &x)?, 0.0);
+        let r = g.send_recv(&x, 0, 0)?.wait()?;
+        rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
+        g.barrier()?;
+        // an aborted group refuses every later call at once, naming the call and the reason
+        g.abort("gpu_check: deliberate abort");
+        let t = Instant::now();
+        let name = "nccl P1 call after abort: immediate Err (err = seconds)";
+        match g.all_reduce(&x) {
+            Err(e) if e.to_string().contains("all_reduce") && e.to_string().contains("deliberate abort") => {
+                rep.check(name, t.elapsed().as_secs_f64(), 0.5)
+            }
+            Err(e) => rep.error(name, format!("unexpected message: {e}")),
+            Ok(_) => rep.error(name, "returned Ok"),
+        }
+    }
+    // World of 2 on this one GPU, rank 1 never joins: init must fail after the timeout
+    // (non-blocking ncclCommInitRankConfig, polled, then ncclCommAbort), not hang.
+    let timeout = Duration::from_secs(5);
+    let name = "nccl world 2, rank 1 missing: init Err after the 5 s timeout (err = seconds taken)";
+    let dev = CudaDevice::new_with_stream(ordinal)?;
+    let id = Id::new().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {:?}", e.0))?;
+    let t = Instant::now();
+    let res = NcclGroup::with_timeout(&dev, 0, 2, id, timeout);
+    let took = t.elapsed();
+    match res {
+        Err(e) if e.to_string().contains("timeout") => {
+            println!("  missing rank: Err after {took:.2?}: {e}");
+            rep.check(name, took.as_secs_f64(), timeout.as_secs_f64() + 5.0)
+        }
+        Err(e) => rep.error(name, format!("after {took:.2?}, not a timeout: {e}")),
+        Ok(_) => rep.error(name, "init returned Ok without rank 1"),
+    }
     Ok(())
 }
 
@@ -358,6 +394,9 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         let mut imps: Vec<FwdImpl> = [FwdImpl::Mma, FwdImpl::Pipelined].into_iter().filter(|&i| rep.wants(i)).collect();
         if rep.named(FwdImpl::Wgmma) {
             imps.push(FwdImpl::Wgmma);
+        }
+        if rep.named(FwdImpl::WgmmaAtomic) {
+            imps.push(FwdImpl::WgmmaAtomic);
         }
         if rep.named(FwdImpl::AtomicDq) {
             imps.push(FwdImpl::AtomicDq);
@@ -437,7 +476,7 @@ fn main() -> Result<()> {
         Some(list) => list
             .split(',')
             .map(|x| match FwdImpl::from_name(x) {
-                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, atomic)")),
+                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, atomic)")),
                 Some(imp) => Ok(imp),
             })
             .collect::<Result<Vec<_>>>()?,

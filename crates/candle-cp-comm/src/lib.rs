@@ -5,6 +5,8 @@
 //! - [`ThreadGroup`]: P ranks as threads of one process, on any candle `Device`;
 //!   [`run_ranks`] / [`run_ranks_with`] launch a closure on every rank.
 //! - [`Mesh`]: named sub-groups (e.g. dp × cp × tp) with a documented rank order.
+//! - [`watchdog`]: bounded waits on enqueued work ([`watchdog::Watchdog`], [`watchdog::Poison`]),
+//!   used by `nccl::NcclGroup` (feature `nccl`) so that a dead peer becomes an `Err`, not a hang.
 //!
 //! ```
 //! use candle_core::{Device, Tensor};
@@ -32,6 +34,7 @@ pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
 pub mod thread;
+pub mod watchdog;
 mod world;
 
 pub use group::{Group, PendingRecv, ProcessGroup};

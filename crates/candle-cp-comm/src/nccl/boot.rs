@@ -1,0 +1,169 @@
+//! Bootstrap of [`NcclGroup`]s: from the launcher environment (one process per GPU, the unique
+//! id through a shared file), or one process driving several GPUs (one thread per rank).
+
+use super::raw::RawComm;
+use super::{NcclGroup, DEFAULT_TIMEOUT};
+use crate::Group;
+use candle_core::cuda_backend::cudarc::nccl::Id;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, Error, Result};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Where [`NcclGroup::from_env`] exchanges the unique id: `$CANDLE_CP_NCCL_ID_FILE` if set,
+/// else `$TMPDIR` (or `/tmp`) `/candle-cp-nccl-<MASTER_ADDR>-<MASTER_PORT>.id`. Rank 0 writes it
+/// (atomically, by rename), the others poll for it. For several nodes the path must be on a
+/// filesystem every node sees; `MASTER_ADDR`/`MASTER_PORT` only name the file (no TCP store).
+pub fn id_file_path() -> std::path::PathBuf {
+    if let Some(p) = std::env::var_os("CANDLE_CP_NCCL_ID_FILE") {
+        return p.into();
+    }
+    let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "localhost".into());
+    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29500".into());
+    std::env::temp_dir().join(format!("candle-cp-nccl-{addr}-{port}.id"))
+}
+
+fn env_usize(name: &str) -> Result<usize> {
+    let v = std::env::var(name).map_err(|_| Error::Msg(format!("NcclGroup::from_env: {name} is not set")))?;
+    v.trim().parse().map_err(|_| Error::Msg(format!("NcclGroup::from_env: {name}={v:?} is not a number")))
+}
+
+impl NcclGroup {
+    /// One process per GPU, from the usual launcher environment: `RANK`, `WORLD_SIZE`,
+    /// `LOCAL_RANK` (the CUDA ordinal; default `RANK`). The unique id is exchanged through
+    /// [`id_file_path`]; ranks other than 0 wait for it up to `timeout`. `timeout` is also the
+    /// group's timeout: init waits at most that long for every rank to join, and so does each
+    /// collective (see the module docs).
+    pub fn from_env(timeout: Duration) -> Result<Self> {
+        let rank = env_usize("RANK")?;
+        let world = env_usize("WORLD_SIZE")?;
+        let local = env_usize("LOCAL_RANK").unwrap_or(rank);
+        let device = CudaDevice::new_with_stream(local)?;
+        let path = id_file_path();
+        let start = Instant::now();
+        let id = if rank == 0 {
+            let id = Id::new().map_err(|e| Error::Msg(format!("NcclGroup::from_env: ncclGetUniqueId: {}", super::raw::describe(e.0))))?;
+            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
+            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
+            std::fs::write(&tmp, &bytes)?;
+            std::fs::rename(&tmp, &path)?;
+            id
+        } else {
+            loop {
+                match std::fs::read(&path) {
+                    Ok(b) if b.len() == 128 => {
+                        let mut raw = [0 as std::ffi::c_char; 128];
+                        for (d, s) in raw.iter_mut().zip(&b) {
+                            *d = *s as std::ffi::c_char;
+                        }
+                        break Id::uninit(raw);
+                    }
+                    _ if start.elapsed() > timeout => candle_core::bail!(
+                        "NcclGroup::from_env: rank {rank} of {world} found no NCCL id at {} after {timeout:?}",
+                        path.display()
+                    ),
+                    _ => std::thread::sleep(Duration::from_millis(50)),
+                }
+            }
+        };
+        // the id wait and the init share one budget
+        let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(1));
+        let g = Self::with_timeout(&device, rank, world, id, left)?;
+        g.set_timeout(timeout);
+        Ok(g)
+    }
+
+    /// All GPUs `ordinals` in this process, one rank each (rank `i` on `ordinals[i]`), with the
+    /// [`DEFAULT_TIMEOUT`]. Drive each group from its own thread (see [`run_nccl_ranks`]).
+    pub fn single_process(ordinals: &[usize]) -> Result<Vec<Arc<NcclGroup>>> {
+        Self::single_process_with_timeout(ordinals, DEFAULT_TIMEOUT)
+    }
+
+    /// [`NcclGroup::single_process`] with `timeout` for init and every later collective. The
+    /// communicators are created from this thread, one non-blocking `ncclCommInitRankConfig`
+    /// per GPU inside one NCCL group.
+    pub fn single_process_with_timeout(ordinals: &[usize], timeout: Duration) -> Result<Vec<Arc<NcclGroup>>> {
+        if ordinals.is_empty() {
+            candle_core::bail!("NcclGroup::single_process: no GPU ordinals given")
+        }
+        let mut devices = Vec::with_capacity(ordinals.len());
+        let mut streams = Vec::with_capacity(ordinals.len());
+        let mut ctxs = Vec::with_capacity(ordinals.len());
+        for &o in ordinals {
+            let d = CudaDevice::new_with_stream(o)?;
+            let ctx = d.cuda_stream().context().clone();
+            streams.push(ctx.new_stream().w()?);
+            ctxs.push(ctx);
+            devices.push(d);
+        }
+        let raws = RawComm::init_all(&ctxs, timeout)?;
+        let size = raws.len();
+        raws.into_iter()
+            .zip(devices)
+            .zip(streams)
+            .enumerate()
+            .map(|(rank, ((raw, device), comm_stream))| Ok(Arc::new(Self::assemble(Arc::new(raw), rank, size, device, comm_stream)?)))
+            .collect()
+    }
+}
+
+/// Run `f` on one NCCL rank per GPU of `ordinals` in this process (one thread each, created
+/// with [`NcclGroup::single_process`]); element `r` is rank `r`'s result.
+///
+/// A rank whose closure returns `Err` or panics (the panic is caught) aborts every rank's
+/// group, so the other ranks' in-flight collectives stop and their next calls return `Err`
+/// naming the failed rank, without waiting for the timeout. A rank that returns `Ok` while
+/// others still call collectives with it makes them fail after the group's timeout.
+pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T> + Send + Sync) -> Result<Vec<Result<T>>> {
+    let groups = NcclGroup::single_process(ordinals)?;
+    let f = &f;
+    let all = &groups;
+    Ok(std::thread::scope(|s| {
+        let joins: Vec<_> = groups
+            .iter()
+            .cloned()
+            .enumerate()
+            .map(|(r, g)| {
+                s.spawn(move || {
+                    let fail = |why: String| {
+                        for other in all {
+                            other.abort(&format!("rank {r} {why}"));
+                        }
+                    };
+                    match catch_unwind(AssertUnwindSafe(|| f(g as Group))) {
+                        Ok(Ok(v)) => Ok(v),
+                        Ok(Err(e)) => {
+                            fail(format!("returned an error: {}", first_line(&e.to_string())));
+                            Err(e)
+                        }
+                        Err(payload) => {
+                            let msg = payload
+                                .downcast_ref::<&str>()
+                                .map(|s| s.to_string())
+                                .or_else(|| payload.downcast_ref::<String>().cloned())
+                                .unwrap_or_else(|| "non-string panic payload".to_string());
+                            fail(format!("panicked: {}", first_line(&msg)));
+                            Err(Error::Msg(format!("nccl rank {r} panicked: {msg}")))
+                        }
+                    }
+                })
+            })
+            .collect();
+        joins
+            .into_iter()
+            .enumerate()
+            .map(|(r, j)| j.join().unwrap_or_else(|_| Err(Error::Msg(format!("nccl rank {r} thread died")))))
+            .collect()
+    }))
+}
+
+/// The first line of `msg`, at most 300 characters (abort reasons are repeated on every rank).
+fn first_line(msg: &str) -> String {
+    let line = msg.lines().next().unwrap_or("");
+    if line.chars().count() > 300 {
+        format!("{}...", line.chars().take(300).collect::<String>())
+    } else {
+        line.to_string()
+    }
+}

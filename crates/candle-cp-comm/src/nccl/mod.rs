@@ -1,0 +1,551 @@
+//! [`NcclGroup`]: the [`ProcessGroup`] collectives over NCCL (cudarc's bindings, re-exported
+//! by candle-core as `candle_core::cuda_backend::cudarc`). Feature `nccl`.
+//!
+//! - Every collective runs on a dedicated **communication stream**. Before it, the comm stream
+//!   waits for the compute stream (candle's stream of the group's device) with an event; after
+//!   a blocking collective the compute stream waits for the comm stream, so the result is safe
+//!   to use from candle. [`ProcessGroup::send_recv`] does not make the compute stream wait:
+//!   its [`PendingRecv::wait`] does, so compute issued in between overlaps the transfer.
+//! - Ring send/recv and all-to-all are grouped NCCL send/recv (`ncclGroupStart/End`); NCCL
+//!   has no all-to-all. all-gather / reduce-scatter along a dim other than 0 reorder the data
+//!   with candle ops (a transpose copy) around NCCL's flat collectives.
+//! - Bootstrap: [`NcclGroup::from_env`] (one process per GPU: `RANK`, `WORLD_SIZE`,
+//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; the NCCL unique id goes through a shared file,
+//!   see [`id_file_path`]), [`NcclGroup::new`] / [`NcclGroup::with_timeout`] (you pass the id),
+//!   or [`NcclGroup::single_process`] / [`run_nccl_ranks`] (one thread per GPU in one process).
+//! - NCCL refuses two ranks on the same GPU: several ranks on one GPU use
+//!   [`crate::ThreadGroup`] with a CUDA device instead (virtual ranks).
+//!
+//! # Failures never hang: timeout, poison, abort
+//!
+//! Each group has a **timeout** ([`DEFAULT_TIMEOUT`] = 300 s unless given to
+//! [`NcclGroup::with_timeout`], [`NcclGroup::from_env`] or [`NcclGroup::single_process_with_timeout`];
+//! change it with [`NcclGroup::set_timeout`]). The communicator is created non-blocking
+//! (`ncclConfig_t.blocking = 0`), so:
+//! - **init** waits at most the timeout for the other ranks to join; a rank that never joins
+//!   makes `new`/`from_env`/`split` return `Err` (naming the rank, world size and elapsed time)
+//!   instead of blocking forever;
+//! - **each call** returns once NCCL has enqueued its GPU work, waiting at most the timeout;
+//! - a per-group **watchdog thread** ([`crate::watchdog`]) checks every `poll` (50 ms) that the
+//!   oldest enqueued collective completes on the GPU within the timeout and that
+//!   `ncclCommGetAsyncError` stays clean (a peer process that exits shows up there).
+//!
+//! On a timeout or an NCCL error the group is **poisoned** (its first failure is recorded),
+//! then the communicator is **aborted** (`ncclCommAbort`): NCCL kernels still spinning on the
+//! GPU exit, so a host sync that waited on them (`to_vec1`, `synchronize`) returns. From then
+//! on every call on the group returns `Err` at once, naming the call and the first failure.
+//! The results of collectives that were in flight at the abort are undefined: treat a poisoned
+//! group as fatal for the step, and call [`NcclGroup::synchronize`] (or
+//! [`ProcessGroup::barrier`]) where you need to know that everything so far succeeded. A rank
+//! that fails in [`run_nccl_ranks`] aborts the other ranks' groups at once.
+//! The timeout counts from the moment a collective is enqueued, so it must exceed the longest
+//! GPU work queued ahead of a collective plus the longest time ranks may drift apart.
+
+mod boot;
+mod raw;
+
+pub use boot::{id_file_path, run_nccl_ranks};
+
+use crate::watchdog::{Watchdog, WatchdogOptions};
+use crate::{PendingRecv, ProcessGroup};
+use candle_core::backend::BackendDevice;
+use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
+use candle_core::cuda_backend::cudarc::nccl::sys::{self, ncclResult_t as R};
+use candle_core::cuda_backend::cudarc::nccl::{Id, NcclType};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::op::BackpropOp;
+use candle_core::{CudaDevice, CudaStorage, DType, Device, Result, Shape, Storage, Tensor};
+use raw::RawComm;
+use std::ffi::{c_int, c_void};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// Default timeout of an [`NcclGroup`]: how long init waits for every rank to join, and how
+/// long one collective may stay enqueued before the group is aborted (see the module docs).
+pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(300);
+
+/// Dtype dispatch for the NCCL-supported dtypes.
+macro_rules! dispatch {
+    ($dt:expr, $what:expr, $go:ident) => {
+        match $dt {
+            DType::F32 => $go!(f32),
+            DType::F64 => $go!(f64),
+            DType::F16 => $go!(half::f16),
+            DType::BF16 => $go!(half::bf16),
+            DType::U8 => $go!(u8),
+            DType::U32 => $go!(u32),
+            DType::I64 => $go!(i64),
+            dt => candle_core::bail!("{}: dtype {dt:?} not supported by NcclGroup", $what),
+        }
+    };
+}
+
+/// A rank of an NCCL communicator, as a [`ProcessGroup`]. Tensors must live on
+/// [`NcclGroup::device`]. Never hangs on a dead peer: see the module docs (timeout, poison,
+/// abort).
+pub struct NcclGroup {
+    raw: Arc<RawComm>,
+    watchdog: Watchdog<RawComm>,
+    rank: usize,
+    size: usize,
+    device: CudaDevice,
+    comm_stream: Arc<CudaStream>,
+}
+
+impl NcclGroup {
+    /// Join communicator `id` as `rank` of `world_size`, on `device` (the compute device), with
+    /// the [`DEFAULT_TIMEOUT`]. Returns once all `world_size` ranks have joined, or `Err` after
+    /// the timeout.
+    pub fn new(device: &CudaDevice, rank: usize, world_size: usize, id: Id) -> Result<Self> {
+        Self::with_timeout(device, rank, world_size, id, DEFAULT_TIMEOUT)
+    }
+
+    /// [`NcclGroup::new`] with `timeout` for init and every later collective.
+    pub fn with_timeout(device: &CudaDevice, rank: usize, world_size: usize, id: Id, timeout: Duration) -> Result<Self> {
+        if rank >= world_size {
+            candle_core::bail!("NcclGroup::new: rank {rank} out of range for world size {world_size}")
+        }
+        let ctx = device.cuda_stream().context().clone();
+        let comm_stream = ctx.new_stream().w()?;
+        let raw = RawComm::init_rank(&ctx, rank, world_size, sys::ncclUniqueId { internal: *id.internal() }, timeout)?;
+        Self::assemble(Arc::new(raw), rank, world_size, device.clone(), comm_stream)
+    }
+
+    /// Wrap an initialised communicator and start its watchdog.
+    fn assemble(raw: Arc<RawComm>, rank: usize, size: usize, device: CudaDevice, comm_stream: Arc<CudaStream>) -> Result<Self> {
+        let mut opts = WatchdogOptions::new(raw.timeout(), raw.label.clone());
+        opts.thread_name = format!("nccl-watchdog-{rank}");
+        let watchdog = Watchdog::spawn(raw.clone(), raw.poison.clone(), opts)?;
+        Ok(Self { raw, watchdog, rank, size, device, comm_stream })
+    }
+
+    /// The candle device the group computes on (create tensors here).
+    pub fn device(&self) -> Device {
+        Device::Cuda(self.device.clone())
+    }
+
+    /// The group's timeout (see the module docs).
+    pub fn timeout(&self) -> Duration {
+        self.raw.timeout()
+    }
+
+    /// Change the timeout for later calls and for the watchdog (outstanding collectives
+    /// included, counted from their enqueue time).
+    pub fn set_timeout(&self, timeout: Duration) {
+        self.raw.set_timeout(timeout);
+        self.watchdog.set_timeout(timeout);
+    }
+
+    /// The group's first failure, once it has failed (every call then returns `Err`).
+    pub fn failure(&self) -> Option<String> {
+        self.raw.poison.reason()
+    }
+
+    /// Poison the group with `reason` and abort its communicator: in-flight NCCL work stops,
+    /// and every later call returns `Err`. What [`run_nccl_ranks`] does to every rank when one
+    /// fails; launchers managing their own threads can do the same. Idempotent.
+    pub fn abort(&self, reason: &str) {
+        self.raw.fail(format!("{}: aborted: {reason}", self.raw.label));
+    }
+
+    /// Wait (at most the timeout) until every collective enqueued so far has completed on the
+    /// GPU. `Err` if the group has failed (now or earlier) or the wait times out (which aborts
+    /// the group).
+    pub fn synchronize(&self) -> Result<()> {
+        self.sync_op("synchronize")
+    }
+
+    fn sync_op(&self, op: &str) -> Result<()> {
+        self.healthy(op)?;
+        let ev = self.comm_stream.record_event(None).w()?;
+        let start = Instant::now();
+        loop {
+            match ev.try_is_complete() {
+                Ok(true) => return self.healthy(op), // an abort also completes the work
+                Ok(false) => {}
+                Err(e) => {
+                    let msg = format!("{}: {op}: CUDA event query failed: {e:?}", self.raw.label);
+                    self.raw.fail(msg.clone());
+                    candle_core::bail!("{msg}")
+                }
+            }
+            self.healthy(op)?;
+            let timeout = self.timeout();
+            if start.elapsed() > timeout {
+                let msg = format!(
+                    "{}: {op}: enqueued NCCL work did not complete within the timeout {timeout:?} \
+                     (waited {:.3?}); communicator aborted, the group is unusable",
+                    self.raw.label,
+                    start.elapsed()
+                );
+                self.raw.fail(msg.clone());
+                candle_core::bail!("{msg}")
+            }
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+
+    fn compute(&self) -> Arc<CudaStream> {
+        self.device.cuda_stream()
+    }
+
+    /// `Err` naming `op` once the group is poisoned.
+    fn healthy(&self, op: &str) -> Result<()> {
+        self.raw.refuse_if_failed(op)
+    }
+
+    /// Comm stream waits for the compute stream (inputs and fresh outputs are ready).
+    fn enter(&self) -> Result<()> {
+        self.comm_stream.join(&self.compute()).w()
+    }
+
+    /// Event after everything queued on the comm stream so far, handed to the watchdog as
+    /// `op`; with `join`, the compute stream also waits for it.
+    fn leave(&self, op: String, join: bool) -> Result<Arc<CudaEvent>> {
+        let ev = Arc::new(self.comm_stream.record_event(None).w()?);
+        if join {
+            self.compute().wait(&ev).w()?;
+        }
+        self.watchdog.track(op, ev.clone());
+        Ok(ev)
+    }
+
+    fn check(&self, t: &Tensor, op: &str) -> Result<Tensor> {
+        self.healthy(op)?;
+        match t.device() {
+            Device::Cuda(d) if d.same_device(&self.device) => {}
+            other => candle_core::bail!("{op}: tensor {:?} is on {other:?}, the group's device is {:?}", t.shape(), self.device),
+        }
+        t.contiguous()
+    }
+
+    /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
+    /// `out_shape`'s element count.
+    fn flat(&self, src: &Tensor, out_shape: Shape, kind: Flat) -> Result<Tensor> {
+        let n = out_shape.elem_count();
+        let op = format!("{} {:?} {:?}", kind.name(), src.dims(), src.dtype());
+        let storage = {
+            let (ss, sl) = src.storage_and_layout();
+            let Storage::Cuda(ss) = &*ss else { candle_core::bail!("{}: input is not on a CUDA device", kind.name()) };
+            let Some((a, b)) = sl.contiguous_offsets() else {
+                candle_core::bail!("{}: input {:?} is not contiguous", kind.name(), src.shape())
+            };
+            macro_rules! go {
+                ($ty:ty) => {{
+                    let s = ss.as_cuda_slice::<$ty>()?.slice(a..b);
+                    let mut o = self.device.alloc_zeros::<$ty>(n)?;
+                    self.enter()?;
+                    let stream = &*self.comm_stream;
+                    let cs = stream.cu_stream() as sys::cudaStream_t;
+                    let dt = <$ty as NcclType>::as_nccl_type();
+                    let count_in = s.len();
+                    // The guards record cudarc's read/write events when dropped, which must be
+                    // after NCCL has enqueued its kernel: `call` returns only then.
+                    let (sp, _src_guard) = s.device_ptr(stream);
+                    let (dp, _dst_guard) = o.device_ptr_mut(stream);
+                    let (sp, dp) = (sp as *const c_void, dp as *mut c_void);
+                    let sum = sys::ncclRedOp_t::ncclSum;
+                    // SAFETY: sp/dp point to live device buffers of this group's device (the
+                    // input view with `count_in` elements, the fresh output with `n`), which
+                    // outlive the call (and stay alive until the compute stream, which frees
+                    // them, has waited for the comm stream); sizes match NCCL's contract for
+                    // each collective (all-gather: n = P·count_in; reduce-scatter: count_in =
+                    // P·n; the others: n = count_in); cs is the comm stream of this context.
+                    unsafe {
+                        self.raw.call(&op, |comm| match kind {
+                            Flat::AllGather => sys::ncclAllGather(sp, dp, count_in, dt, comm, cs),
+                            Flat::AllReduce => sys::ncclAllReduce(sp, dp, count_in, dt, sum, comm, cs),
+                            Flat::ReduceScatter => sys::ncclReduceScatter(sp, dp, n, dt, sum, comm, cs),
+                            Flat::Broadcast(root) => sys::ncclBroadcast(sp, dp, n, dt, root as c_int, comm, cs),
+                        })?;
+                    }
+                    drop((_src_guard, _dst_guard));
+                    CudaStorage::wrap_cuda_slice(o, self.device.clone())
+                }};
+            }
+            dispatch!(src.dtype(), kind.name(), go)
+        };
+        self.leave(op, true)?;
+        Ok(Tensor::from_storage(Storage::Cuda(storage), out_shape, BackpropOp::none(), false))
+    }
+
+    /// Grouped send/recv: send `sends[i] = (tensor, peer)`, receive into fresh tensors shaped
+    /// like `recvs[i] = (shape, peer)`. Returns the received tensors and an event recorded on
+    /// the comm stream after the group (the compute stream is NOT made to wait).
+    fn p2p(&self, name: &str, sends: &[(Tensor, usize)], recvs: &[(Shape, usize)], dtype: DType) -> Result<(Vec<Tensor>, Arc<CudaEvent>)> {
+        let op = match sends.first() {
+            Some((t, _)) => format!("{name} {:?} {dtype:?}", t.dims()),
+            None => name.to_string(),
+        };
+        let sg: Vec<_> = sends.iter().map(|(t, _)| t.storage_and_layout()).collect();
+        macro_rules! go {
+            ($ty:ty) => {{
+                let mut views = Vec::with_capacity(sends.len());
+                for ((st, l), (t, _)) in sg.iter().zip(sends) {
+                    let Storage::Cuda(c) = &**st else { candle_core::bail!("{name}: tensor {:?} is not on CUDA", t.shape()) };
+                    let Some((a, b)) = l.contiguous_offsets() else {
+                        candle_core::bail!("{name}: tensor {:?} is not contiguous", t.shape())
+                    };
+                    views.push(c.as_cuda_slice::<$ty>()?.slice(a..b));
+                }
+                let mut bufs = recvs
+                    .iter()
+                    .map(|(s, _)| self.device.alloc_zeros::<$ty>(s.elem_count()))
+                    .collect::<Result<Vec<_>>>()?;
+                self.enter()?;
+                let stream = &*self.comm_stream;
+                let cs = stream.cu_stream() as sys::cudaStream_t;
+                let dt = <$ty as NcclType>::as_nccl_type();
+                // (pointer, count, peer); guards kept until NCCL has enqueued (see `flat`)
+                let (src, src_guards): (Vec<_>, Vec<_>) = views
+                    .iter()
+                    .zip(sends)
+                    .map(|(v, (_, peer))| {
+                        let (p, g) = v.device_ptr(stream);
+                        ((p as *const c_void, v.len(), *peer as c_int), g)
+                    })
+                    .unzip();
+                let (dst, dst_guards): (Vec<_>, Vec<_>) = bufs
+                    .iter_mut()
+                    .zip(recvs)
+                    .map(|(b, (_, peer))| {
+                        let count = b.len();
+                        let (p, g) = b.device_ptr_mut(stream);
+                        ((p as *mut c_void, count, *peer as c_int), g)
+                    })
+                    .unzip();
+                // SAFETY: every pointer is a live device buffer on this group's device with the
+                // given element count, alive until `call` returns (and until the compute stream
+                // waits for the comm stream before reusing them); peers are < size (checked by
+                // the callers); the group is opened and closed inside the closure, under the
+                // communicator lock, on this thread; cs is this context's comm stream.
+                unsafe {
+                    self.raw.call(&op, |comm| {
+                        let s = sys::ncclGroupStart();
+                        if s != R::ncclSuccess {
+                            return s;
+                        }
+                        let mut first = R::ncclSuccess;
+                        let ok = |r: R| r == R::ncclSuccess || r == R::ncclInProgress;
+                        for &(p, count, peer) in &src {
+                            if first == R::ncclSuccess {
+                                let r = sys::ncclSend(p, count, dt, peer, comm, cs);
+                                if !ok(r) {
+                                    first = r;
+                                }
+                            }
+                        }
+                        for &(p, count, peer) in &dst {
+                            if first == R::ncclSuccess {
+                                let r = sys::ncclRecv(p, count, dt, peer, comm, cs);
+                                if !ok(r) {
+                                    first = r;
+                                }
+                            }
+                        }
+                        let end = sys::ncclGroupEnd();
+                        if first != R::ncclSuccess {
+                            first
+                        } else {
+                            end
+                        }
+                    })?;
+                }
+                drop((src_guards, dst_guards));
+                bufs.into_iter()
+                    .zip(recvs)
+                    .map(|(b, (s, _))| {
+                        let st = CudaStorage::wrap_cuda_slice(b, self.device.clone());
+                        Tensor::from_storage(Storage::Cuda(st), s.clone(), BackpropOp::none(), false)
+                    })
+                    .collect::<Vec<_>>()
+            }};
+        }
+        let outs = dispatch!(dtype, name, go);
+        drop(sg);
+        let ev = self.leave(op, false)?;
+        Ok((outs, ev))
+    }
+}
+
+impl Drop for NcclGroup {
+    /// Stops the watchdog, waits (at most the timeout) for enqueued work to finish, then the
+    /// communicator is aborted (`RawComm`'s drop; never destroyed, which may wait on peers).
+    fn drop(&mut self) {
+        self.watchdog.stop();
+        if !self.raw.poison.is_poisoned() {
+            if let Err(e) = self.sync_op("drop") {
+                eprintln!("candle-cp: {e}");
+            }
+        }
+    }
+}
+
+#[derive(Clone, Copy)]
+enum Flat {
+    AllGather,
+    AllReduce,
+    ReduceScatter,
+    Broadcast(usize),
+}
+
+impl Flat {
+    fn name(&self) -> &'static str {
+        match self {
+            Flat::AllGather => "all_gather",
+            Flat::AllReduce => "all_reduce",
+            Flat::ReduceScatter => "reduce_scatter",
+            Flat::Broadcast(_) => "broadcast",
+        }
+    }
+}
+
+/// `[d0.., N, ..]` viewed as `(A, N, E)` around `dim`.
+fn around(dims: &[usize], dim: usize, op: &str) -> Result<(usize, usize, usize)> {
+    if dim >= dims.len() {
+        candle_core::bail!("{op}: dim {dim} out of range for shape {dims:?}")
+    }
+    Ok((dims[..dim].iter().product(), dims[dim], dims[dim + 1..].iter().product()))
+}
+
+struct NcclRecv {
+    out: Option<Tensor>,
+    event: Arc<CudaEvent>,
+    compute: Arc<CudaStream>,
+    raw: Arc<RawComm>,
+    _send: Tensor,
+}
+
+impl PendingRecv for NcclRecv {
+    fn wait(mut self: Box<Self>) -> Result<Tensor> {
+        self.compute.wait(&self.event).w()?;
+        self.raw.refuse_if_failed("send_recv wait")?;
+        self.out.take().ok_or_else(|| candle_core::Error::Msg("send_recv: receive already taken".into()))
+    }
+}
+
+impl Drop for NcclRecv {
+    /// Unwaited receive: the compute stream (which frees the buffers) still waits for the
+    /// transfer, so NCCL never writes into freed memory.
+    fn drop(&mut self) {
+        if self.out.is_some() {
+            let _ = self.compute.wait(&self.event);
+        }
+    }
+}
+
+impl ProcessGroup for NcclGroup {
+    fn rank(&self) -> usize {
+        self.rank
+    }
+    fn size(&self) -> usize {
+        self.size
+    }
+
+    fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = self.check(t, "all_gather")?;
+        let (a, n, e) = around(t.dims(), dim, "all_gather")?;
+        let p = self.size;
+        let g = self.flat(&t, Shape::from((p, a, n * e)), Flat::AllGather)?;
+        let mut dims = t.dims().to_vec();
+        dims[dim] *= p;
+        if a == 1 {
+            return g.reshape(dims);
+        }
+        g.transpose(0, 1)?.contiguous()?.reshape(dims)
+    }
+
+    fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
+        let t = self.check(t, "reduce_scatter")?;
+        let (a, n, e) = around(t.dims(), dim, "reduce_scatter")?;
+        let p = self.size;
+        if n % p != 0 {
+            candle_core::bail!("reduce_scatter: dim {dim} of {:?} must divide by the group size {p}", t.shape())
+        }
+        let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
+        let mut dims = t.dims().to_vec();
+        dims[dim] /= p;
+        self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)
+    }
+
+    fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
+        let t = self.check(t, "all_reduce")?;
+        self.flat(&t, t.shape().clone(), Flat::AllReduce)
+    }
+
+    fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
+        let t = self.check(t, "all_to_all")?;
+        let p = self.size;
+        let (a, n, e) = around(t.dims(), split_dim, "all_to_all")?;
+        around(t.dims(), concat_dim, "all_to_all")?;
+        if n % p != 0 {
+            candle_core::bail!("all_to_all: split dim {split_dim} of {:?} must divide by the group size {p}", t.shape())
+        }
+        let mut chunk_dims = t.dims().to_vec();
+        chunk_dims[split_dim] /= p;
+        let packed = t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()?;
+        let sends = (0..p).map(|j| Ok((packed.get(j)?.reshape(chunk_dims.as_slice())?, j))).collect::<Result<Vec<_>>>()?;
+        let recvs: Vec<(Shape, usize)> = (0..p).map(|j| (Shape::from(chunk_dims.as_slice()), j)).collect();
+        let (outs, ev) = self.p2p("all_to_all", &sends, &recvs, t.dtype())?;
+        self.compute().wait(&ev).w()?;
+        Tensor::cat(&outs, concat_dim)
+    }
+
+    fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
+        if root >= self.size {
+            candle_core::bail!("broadcast: root {root} out of range for group size {}", self.size)
+        }
+        let t = self.check(t, "broadcast")?;
+        self.flat(&t, t.shape().clone(), Flat::Broadcast(root))
+    }
+
+    fn barrier(&self) -> Result<()> {
+        let x = Tensor::zeros(1, DType::F32, &self.device())?;
+        self.all_reduce(&x)?;
+        self.sync_op("barrier")
+    }
+
+    fn send_recv(&self, t: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv>> {
+        if dst >= self.size || src >= self.size {
+            candle_core::bail!("send_recv: dst {dst} / src {src} out of range for group size {}", self.size)
+        }
+        let t = self.check(t, "send_recv")?;
+        let (mut outs, event) = self.p2p("send_recv", &[(t.clone(), dst)], &[(t.shape().clone(), src)], t.dtype())?;
+        let out = outs.pop().ok_or_else(|| candle_core::Error::Msg("send_recv: no receive buffer".into()))?;
+        Ok(Box::new(NcclRecv { out: Some(out), event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+    }
+
+    fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {
+        // 1. everyone learns (color, key) of every rank. The host copies return early if the
+        //    watchdog aborts the group, hence the health checks after them.
+        let me = Tensor::new(&[color as u32, key as u32], &self.device())?;
+        let all = self.all_gather(&me, 0)?.to_vec1::<u32>()?;
+        self.healthy("split")?;
+        let mut members: Vec<(u32, usize)> =
+            (0..self.size).filter(|&r| all[2 * r] == color as u32).map(|r| (all[2 * r + 1], r)).collect();
+        members.sort();
+        let new_rank = members.iter().position(|&(_, r)| r == self.rank).unwrap_or(0);
+        let leader = members.first().map(|&(_, r)| r).unwrap_or(self.rank);
+        // 2. each color's leader makes a unique id; ids travel through an all-gather.
+        let mine: Vec<u8> = if leader == self.rank {
+            let id = Id::new().map_err(|e| candle_core::Error::Msg(format!("split: ncclGetUniqueId: {}", raw::describe(e.0))))?;
+            id.internal().iter().map(|&c| c as u8).collect()
+        } else {
+            vec![0u8; 128]
+        };
+        let ids = self.all_gather(&Tensor::new(mine.as_slice(), &self.device())?, 0)?.to_vec1::<u8>()?;
+        self.healthy("split")?;
+        let mut id = [0 as std::ffi::c_char; 128];
+        for (d, s) in id.iter_mut().zip(&ids[128 * leader..128 * leader + 128]) {
+            *d = *s as std::ffi::c_char;
+        }
+        // 3. the sub-communicator (collective over its members), with this group's timeout.
+        Ok(Arc::new(NcclGroup::with_timeout(&self.device, new_rank, members.len(), Id::uninit(id), self.timeout())?))
+    }
+
+    fn describe(&self) -> String {
+        let mode = if self.raw.blocking { ", blocking fallback" } else { "" };
+        let state = if self.raw.poison.is_poisoned() { ", failed" } else { "" };
+        format!("{} (timeout {:?}{mode}{state})", self.raw.label, self.timeout())
+    }
+}
