@@ -5,7 +5,7 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma|pipelined|wgmma|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
 //! ```
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
 //! side by side; the ring uses the first.
@@ -43,7 +43,7 @@ fn parse() -> Result<Args> {
         .unwrap_or_else(|| "auto".into())
         .split(',')
         .map(|s| {
-            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, atomic)"))
+            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, atomic)"))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {

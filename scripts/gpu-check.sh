@@ -77,8 +77,8 @@ run() {
   echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
   timeout 45 "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large 2>&1 \
     | tee "$out/check-pipelined.log" || rc=1
-  echo "== 3/5 correctness: experimental Hopper wgmma forward vs the CPU path"
-  timeout 40 "$bin/gpu_check" --impls wgmma --sections flash,flash-large 2>&1 \
+  echo "== 3/5 correctness: experimental Hopper wgmma forward and backward (wgmma dK/dV; wgmma-atomic: fused dQ) vs the CPU path"
+  timeout 50 "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large 2>&1 \
     | tee "$out/check-wgmma.log" || rc=1
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
   if ! timeout 90 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl 2>&1 \
@@ -91,9 +91,10 @@ run() {
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
   local imp ring limit
-  for imp in pipelined wgmma atomic; do
+  for imp in pipelined wgmma,wgmma-atomic atomic; do
     ring=0 limit=45
     [ "$imp" = pipelined ] && ring=4 limit=70
+    [ "$imp" = wgmma,wgmma-atomic ] && limit=55
     timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
       --impl "$imp" --ring-t 16384 --ring-p "$ring" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
   done

@@ -38,6 +38,14 @@ void flash_fwd_wgmma_f16_d64(FWD_P(__half));
 void flash_fwd_wgmma_f16_d128(FWD_P(__half));
 void flash_fwd_wgmma_bf16_d64(FWD_P(__nv_bfloat16));
 void flash_fwd_wgmma_bf16_d128(FWD_P(__nv_bfloat16));
+void flash_bwd_wgmma_dkdv_f16_d64(float*, float*, PIPE_P(__half));
+void flash_bwd_wgmma_dkdv_f16_d128(float*, float*, PIPE_P(__half));
+void flash_bwd_wgmma_dkdv_bf16_d64(float*, float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_dkdv_bf16_d128(float*, float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_dq_f16_d64(float*, PIPE_P(__half));
+void flash_bwd_wgmma_dq_f16_d128(float*, PIPE_P(__half));
+void flash_bwd_wgmma_dq_bf16_d64(float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_dq_bf16_d128(float*, PIPE_P(__nv_bfloat16));
 }
 
 #define REG_D(N, D) {"flash_fwd_simple_" #N "_d" #D, (void*)&flash_fwd_simple_##N##_d##D},  \
@@ -114,7 +122,11 @@ namespace {
 
 const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)
     {"flash_fwd_wgmma_f16_d64", (void*)&flash_fwd_wgmma_f16_d64}, {"flash_fwd_wgmma_f16_d128", (void*)&flash_fwd_wgmma_f16_d128},
-    {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128}};
+    {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128},
+    {"flash_bwd_wgmma_dkdv_f16_d64", (void*)&flash_bwd_wgmma_dkdv_f16_d64}, {"flash_bwd_wgmma_dkdv_f16_d128", (void*)&flash_bwd_wgmma_dkdv_f16_d128},
+    {"flash_bwd_wgmma_dkdv_bf16_d64", (void*)&flash_bwd_wgmma_dkdv_bf16_d64}, {"flash_bwd_wgmma_dkdv_bf16_d128", (void*)&flash_bwd_wgmma_dkdv_bf16_d128},
+    {"flash_bwd_wgmma_dq_f16_d64", (void*)&flash_bwd_wgmma_dq_f16_d64}, {"flash_bwd_wgmma_dq_f16_d128", (void*)&flash_bwd_wgmma_dq_f16_d128},
+    {"flash_bwd_wgmma_dq_bf16_d64", (void*)&flash_bwd_wgmma_dq_bf16_d64}, {"flash_bwd_wgmma_dq_bf16_d128", (void*)&flash_bwd_wgmma_dq_bf16_d128}};
 
 void* lookup(const std::string& name) {
   auto it = kTable.find(name);
@@ -138,7 +150,9 @@ template <> const char* sfx<__nv_bfloat16>() { return "bf16"; }
 
 unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
-enum class Impl { Simple, Mma, Pipe, Wgmma };  // Wgmma: flash_fwd_sm90.cu, forward only, D 64 / 128
+// Wgmma: flash_fwd_sm90.cu forward; backward = pipe prep + flash_bwd_sm90.cu dK/dV and dQ
+// (src/flash/bwd_sm90.rs); D 64 / 128 only.
+enum class Impl { Simple, Mma, Pipe, Wgmma };
 const char* impl_name(Impl i) {
   return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : "wgmma";
 }
@@ -181,12 +195,12 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     }
     // ---- backward
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
-    if (im == Impl::Wgmma || !wanted(name)) continue;
+    if (!wanted(name)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
     bool ok = true;
     std::function<bool(int)> grads;  // dK/dV then dQ kernels, `accumulate` as given
     const dim3 b128(128);
-    if (im != Impl::Pipe) {
+    if (im == Impl::Simple || im == Impl::Mma) {
       ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdiv((long)B * T * H, 4)), b128, 0,
                           [&] { flash_bwd_delta_f32(o32.p, dout.p, delta.p, B, T, H, D); });
       const std::string pre = im == Impl::Simple ? "flash_bwd_" : "flash_bwd_mma_";
@@ -217,14 +231,20 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
         for (size_t e = 0; e < nq; ++e) dr[e] = to_d(to_t<TY>(dd[e]));
         check(name + " prep do16", max_abs(do16.to_f32(), dr), 0.0);
       }
-      auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup("flash_bwd_pipe_dkdv_" + dsfx));
-      auto dqf = reinterpret_cast<PDqFn<TY>>(lookup("flash_bwd_pipe_dq_" + dsfx));
-      grads = [&, do16p, dkdv, dqf, kv_nw, q_nw, bn, bm, smem_kv, smem_q](int acc) {
+      // WGMMA_BWD_* / WGMMA_DQ_* (flash_bwd_sm90.cu), src/flash/bwd_sm90.rs
+      const bool wg = im == Impl::Wgmma;
+      const std::string kvname = wg ? "flash_bwd_wgmma_dkdv" : "flash_bwd_pipe_dkdv", qname = wg ? "flash_bwd_wgmma_dq" : "flash_bwd_pipe_dq";
+      auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup(kvname + "_" + dsfx));
+      auto dqf = reinterpret_cast<PDqFn<TY>>(lookup(qname + "_" + dsfx));
+      const int kv_bn = wg ? 128 : bn, kv_thr = wg ? 256 : 32 * kv_nw, q_bm = wg ? 128 : bm, q_thr = wg ? 256 : 32 * q_nw;
+      const size_t kv_smem = wg ? (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024 : smem_kv;
+      const size_t q_smem = wg ? (size_t)(2 * 128 + 4 * 128) * D * 2 + 1024 : smem_q;
+      grads = [&, do16p, dkdv, dqf, kvname, qname, kv_bn, kv_thr, kv_smem, q_bm, q_thr, q_smem](int acc) {
         const TY* d16 = do16p->p;
-        return cp_emu::launch("flash_bwd_pipe_dkdv", dim3(Hkv, cdiv(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
+        return cp_emu::launch(kvname.c_str(), dim3(Hkv, cdiv(S, kv_bn), B), dim3(kv_thr), kv_smem, [&] {
                  dkdv(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                }) &&
-               cp_emu::launch("flash_bwd_pipe_dq", dim3(H, cdiv(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
+               cp_emu::launch(qname.c_str(), dim3(H, cdiv(T, q_bm), B), dim3(q_thr), q_smem, [&] {
                  dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
@@ -279,6 +299,16 @@ void run_flash_checks() {
     run_case<__nv_bfloat16>(c, all, seed++, &c == &cases[2] || &c == &cases[5]);
     run_case<__half>(c, all, seed++, &c == &cases[3]);
   }
+  // wgmma (D 64 / 128 only): rows that see no key (lse -inf) with strides, key blocks that no
+  // query sees, ragged T / S, GQA 3:1 over several 64-row tiles and 128-key blocks, a diagonal
+  // just inside a key tile.
+  const Case wg_masked{"wg causal strided, rows fully masked (k_off 20)", 2, 70, 150, 4, 2, 64, 1, 0, 2, 20, 3};
+  const Case wg_gqa{"wg full gqa3:1 ragged", 1, 130, 200, 3, 1, 128, 0, 0, 1, 0, 1};
+  run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma}, seed++, true);
+  run_case<__half>(wg_gqa, {Impl::Wgmma}, seed++);
+  // a warpgroup's first row sees keys [0, 127): the diagonal one key before a 128-key tile edge
+  const Case wg_edge{"wg causal q_off 62 (diagonal at a key-tile edge)", 1, 130, 200, 2, 1, 64, 1, 62, 1, 0, 1};
+  run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma}, seed++);
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[12][64];
   std::mt19937_64 rng(7);

@@ -17,15 +17,25 @@ void flash_bwd_pipe_prep_bf16(const float*, const float*, float*, __nv_bfloat16*
   void flash_bwd_fused_##N##_d64(FUSED_P(TY)); void flash_bwd_fused_##N##_d128(FUSED_P(TY));
 FUSED_DECL(f16, __half)
 FUSED_DECL(bf16, __nv_bfloat16)
+// kernels/flash_bwd_sm90.cu, FwdImpl::WgmmaAtomic (src/flash/bwd_sm90.rs): same parameters.
+void flash_bwd_wgmma_atomic_f16_d64(FUSED_P(__half));
+void flash_bwd_wgmma_atomic_f16_d128(FUSED_P(__half));
+void flash_bwd_wgmma_atomic_bf16_d64(FUSED_P(__nv_bfloat16));
+void flash_bwd_wgmma_atomic_bf16_d128(FUSED_P(__nv_bfloat16));
 }
 
 namespace {
 
 template <typename TY> using FusedFn = void (*)(FUSED_P(TY));
 
-template <typename TY> FusedFn<TY> fused_fn(int d) {
+template <typename TY> FusedFn<TY> fused_fn(int d, bool wg) {
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
   void* f = nullptr;
+  if (wg) {
+    f = d == 64 ? (bf ? (void*)&flash_bwd_wgmma_atomic_bf16_d64 : (void*)&flash_bwd_wgmma_atomic_f16_d64)
+                : (bf ? (void*)&flash_bwd_wgmma_atomic_bf16_d128 : (void*)&flash_bwd_wgmma_atomic_f16_d128);
+    return reinterpret_cast<FusedFn<TY>>(f);
+  }
   switch (d) {
     case 16: f = bf ? (void*)&flash_bwd_fused_bf16_d16 : (void*)&flash_bwd_fused_f16_d16; break;
     case 32: f = bf ? (void*)&flash_bwd_fused_bf16_d32 : (void*)&flash_bwd_fused_f16_d32; break;
@@ -48,11 +58,12 @@ struct FCase {
 
 unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
-template <typename TY> void run_fused(const FCase& c, uint64_t seed) {
+// wg: the wgmma variant flash_bwd_wgmma_atomic_* (D 64 / 128), else flash_bwd_fused_*.
+template <typename TY> void run_fused(const FCase& c, uint64_t seed, bool wg = false) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
   char tagc[200];
-  std::snprintf(tagc, sizeof tagc, "flash_bwd_fused %s %s d%d [b%d t%d s%d h%d kv%d]%s", bf ? "bf16" : "f16", c.label, D, B, T,
+  std::snprintf(tagc, sizeof tagc, "%s %s %s d%d [b%d t%d s%d h%d kv%d]%s", wg ? "flash_bwd_wgmma_atomic" : "flash_bwd_fused", bf ? "bf16" : "f16", c.label, D, B, T,
                 S, H, Hkv, c.accumulate ? " accumulate" : "");
   const std::string name = tagc;
   if (!wanted(name)) return;
@@ -88,9 +99,11 @@ template <typename TY> void run_fused(const FCase& c, uint64_t seed) {
                            [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); });
   // FusedCfg (kernels/flash_bwd_fused.cu, src/flash/bwd_fused.rs): 8 warps x 16 keys, 64-row query tiles.
   const int bn = 128, bq = 64;
-  const size_t smem = (size_t)(2 * bn + 4 * bq) * (D + 8) * 2 + (size_t)bn * (bq + 8) * 2 + 4 * bq * 4;
-  auto fn = fused_fn<TY>(D);
-  ok = ok && cp_emu::launch("flash_bwd_fused", dim3(Hkv, cdiv(S, bn), B), dim3(256), smem, [&] {
+  size_t smem = (size_t)(2 * bn + 4 * bq) * (D + 8) * 2 + (size_t)bn * (bq + 8) * 2 + 4 * bq * 4;
+  // WGMMA_BWD_SMEM_ATOMIC(D) (flash_bwd_sm90.cu, src/flash/bwd_sm90.rs): 128 keys, 64-row tiles.
+  if (wg) smem = (size_t)(2 * bn + 4 * bq) * D * 2 + 4 * bq * 4 + 1024 + (size_t)bq * bn * 2;
+  auto fn = fused_fn<TY>(D, wg);
+  ok = ok && cp_emu::launch(wg ? "flash_bwd_wgmma_atomic" : "flash_bwd_fused", dim3(Hkv, cdiv(S, bn), B), dim3(256), smem, [&] {
     fn(dq.p, dk.p, dv.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks,
        c.accumulate ? 1 : 0);
   });
@@ -127,6 +140,20 @@ void run_fused_checks() {
   for (const FCase& c : cases) {
     run_fused<__nv_bfloat16>(c, seed++);
     run_fused<__half>(c, seed++);
+  }
+  // The wgmma atomic-dQ variant: D = 64 / 128 cases, incl. rows with no key, a key block no query
+  // sees, ragged S with scores ~ -100 (keys past S must be masked), GQA, accumulate.
+  const std::vector<FCase> wcases = {
+      {"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1, false},
+      {"causal q_off 30", 1, 96, 160, 2, 1, 64, 1, 30, 1, 0, 1, false},
+      {"causal strided, rows fully masked", 2, 70, 150, 4, 2, 64, 1, 0, 2, 20, 3, true},
+      {"causal multi-tile", 1, 300, 300, 1, 1, 128, 1, 0, 1, 0, 1, false},
+      {"full gqa3:1", 2, 33, 140, 3, 1, 128, 0, 0, 1, 0, 1, true},
+      {"ragged full, scores ~ -100", 1, 40, 100, 1, 1, 64, 0, 0, 1, 0, 1, false, 5.0},
+  };
+  for (const FCase& c : wcases) {
+    run_fused<__nv_bfloat16>(c, seed++, true);
+    run_fused<__half>(c, seed++, true);
   }
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[8][64];

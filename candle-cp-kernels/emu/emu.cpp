@@ -245,15 +245,35 @@ bool run_block() {
       }
       if (!exec_warpgroups(&progress)) return false;
     } else {
-      // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps
-      for (int w = 0; w < nwarps; ++w) {
-        const int l0 = 32 * (sched == Schedule::WarpsAscending ? w : nwarps - 1 - w);
+      // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps.
+      // Blocks of whole warpgroups: once the 4 warps of a warpgroup had their turn, the warpgroup
+      // runs on through its warpgroup-collective (wgmma) ops as far as it can before the next
+      // warpgroup moves, so warpgroups skew as far as the block barriers allow too (a wgmma
+      // reading shared memory another warpgroup has not written yet is exposed).
+      auto run_warp = [&](int l0) {
         const int n = std::min(32, nthreads - l0);
         for (long pass = round;; ++pass) {
           bool moved = false;
           if (!step_warp(l0, n, pass, &moved)) return false;
           if (!moved) break;
           progress = true;
+        }
+        return true;
+      };
+      const bool asc = sched == Schedule::WarpsAscending;
+      for (int w = 0; w < nwarps; ++w) {
+        const int wi = asc ? w : nwarps - 1 - w;
+        if (!run_warp(32 * wi)) return false;
+        if (nthreads % 128 == 0 && wi % 4 == (asc ? 3 : 0)) {
+          const int t0 = wi / 4 * 128;
+          for (;;) {
+            bool moved = false;
+            if (!exec_warpgroup(t0, &moved)) return false;
+            if (!moved) break;
+            progress = true;
+            for (int k = 0; k < 4; ++k)
+              if (!run_warp(t0 + 32 * (asc ? k : 3 - k))) return false;
+          }
         }
       }
       if (!exec_warpgroups(&progress)) return false;

@@ -77,6 +77,8 @@ bool is_wg(WarpOp op);
 bool exec_warp(int l0, int n);
 // Runs the complete warpgroup ops; *moved if any ran.
 bool exec_warpgroups(bool* moved);
+// The warpgroup op of threads [t0, t0 + 128) if all of them posted one (*moved then).
+bool exec_warpgroup(int t0, bool* moved);
 
 }  // namespace detail
 }  // namespace cp_emu

@@ -255,16 +255,20 @@ bool exec_wg(int t0) {
 }
 
 // Complete warpgroup ops (all 128 threads arrived); *moved if any ran.
+bool exec_warpgroup(int t0, bool* moved) {
+  int at = 0;
+  for (int l = 0; l < 128; ++l) at += fib[t0 + l].st == St::Warp && is_wg(fib[t0 + l].op);
+  if (at == 128) {
+    *moved = true;
+    if (!exec_wg(t0)) return false;
+  }
+  return true;
+}
+
 bool exec_warpgroups(bool* moved) {
   if (nthreads % 128) return true;
-  for (int t0 = 0; t0 < nthreads; t0 += 128) {
-    int at = 0;
-    for (int l = 0; l < 128; ++l) at += fib[t0 + l].st == St::Warp && is_wg(fib[t0 + l].op);
-    if (at == 128) {
-      *moved = true;
-      if (!exec_wg(t0)) return false;
-    }
-  }
+  for (int t0 = 0; t0 < nthreads; t0 += 128)
+    if (!exec_warpgroup(t0, moved)) return false;
   return true;
 }
 

@@ -17,7 +17,7 @@
 //   x 32 query rows; K/V tiles copied global -> shared with cp.async, double-buffered (next tile
 //   in flight while the current one is used); fragments loaded with ldmatrix (.trans for V,
 //   which stays row-major); padded shared rows (bank-conflict free). Simulated in
-//   sim/fwd_pipe_sim.py; design notes in docs/gpu.md ("Forward kernel pipeline").
+//   sim/fwd_pipe_sim.py; design notes in docs/kernels.md ("Forward kernel pipeline").
 #include "common.cuh"
 
 // ------------------------------------------------------------------ CUDA-core version

@@ -14,6 +14,7 @@ use half::{bf16, f16};
 
 mod bwd_fused;
 mod bwd_pipe;
+mod bwd_sm90;
 mod sm90;
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
@@ -71,9 +72,12 @@ pub enum FwdImpl {
     /// `Mma` forward instead.
     Pipelined,
     /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma`; `Auto` never picks it):
-    /// forward on warpgroup MMA (`wgmma.mma_async`, `kernels/flash_fwd_sm90.cu`, PTX for
-    /// sm_90a), f16/bf16 and head dims 64/128 only; an error on other devices, dtypes or head
-    /// dims. Backward: the `Pipelined` kernels.
+    /// warpgroup MMA (`wgmma.mma_async`, PTX for sm_90a), f16/bf16 and head dims 64/128 only;
+    /// an error on other devices, dtypes or head dims. Forward: `kernels/flash_fwd_sm90.cu`.
+    /// Backward (deterministic, no atomics): the `Pipelined` prep kernel (delta, 16-bit dO), then
+    /// the wgmma dK/dV kernel (128 keys per block, dK/dV accumulators in registers) and the wgmma
+    /// dQ kernel (128 query rows per block) of `kernels/flash_bwd_sm90.cu`. Checked under the CPU
+    /// emulator only so far.
     Wgmma,
     /// Opt-in (`CANDLE_CP_FLASH_IMPL=atomic`; `Auto` never picks it); f16/bf16 only. Forward: the
     /// `Pipelined` kernel. Backward: one fused kernel per 128-key tile (`kernels/flash_bwd_fused.cu`,
@@ -82,17 +86,26 @@ pub enum FwdImpl {
     /// the f32 summation order of dQ is NONDETERMINISTIC (run-to-run differences in the last
     /// bits); dK and dV stay deterministic.
     AtomicDq,
+    /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma-atomic`; `Auto` never picks
+    /// it); f16/bf16, head dims 64/128, an error elsewhere. Forward: the `Wgmma` kernel. Backward:
+    /// the `Pipelined` prep kernel, then one wgmma kernel (`flash_bwd_wgmma_atomic_*` in
+    /// `kernels/flash_bwd_sm90.cu`) computing dK, dV and dQ (dQ = dS K on wgmma, 5 products per
+    /// (query, key) pair instead of 7), dQ added into a zero-filled f32 buffer with
+    /// `red.global.add.f32`: the summation order of dQ is NONDETERMINISTIC; dK and dV stay
+    /// deterministic. Checked under the CPU emulator only so far.
+    WgmmaAtomic,
 }
 
 impl FwdImpl {
-    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` | anything
-    /// else (`Auto`).
+    /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` |
+    /// `wgmma-atomic` | anything else (`Auto`).
     pub fn from_env() -> Self {
         std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
     }
 
-    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma` or `atomic` (the names
-    /// `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None` otherwise.
+    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic` or `wgmma-atomic`
+    /// (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
+    /// otherwise.
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name.trim() {
             "auto" => FwdImpl::Auto,
@@ -101,6 +114,7 @@ impl FwdImpl {
             "pipelined" => FwdImpl::Pipelined,
             "wgmma" => FwdImpl::Wgmma,
             "atomic" => FwdImpl::AtomicDq,
+            "wgmma-atomic" => FwdImpl::WgmmaAtomic,
             _ => return None,
         })
     }
@@ -202,7 +216,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     imp: FwdImpl,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     let kern = match imp {
-        FwdImpl::Wgmma => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
         FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
@@ -380,9 +394,12 @@ pub fn bwd(
 /// `kernels/flash_bwd_pipe.cu` (tensor cores, cp.async double buffering, ldmatrix; dO, P and dS
 /// rounded to 16 bits), `Mma` (f16/bf16 only) runs `kernels/flash_bwd_mma.cu` (tensor cores, P
 /// and dS rounded to 16 bits), `Simple` runs `kernels/flash_bwd.cu` (f32 math on CUDA cores),
-/// `Auto` picks `Pipelined` for f16/bf16 and `Simple` for f32. All of them are deterministic,
-/// except the opt-in `AtomicDq` (f16/bf16 only): `kernels/flash_bwd_fused.cu`, one fused
-/// dK/dV/dQ kernel whose dQ is summed with f32 atomics in a nondeterministic order.
+/// `Auto` picks `Pipelined` for f16/bf16 and `Simple` for f32; the opt-in `Wgmma` (Hopper,
+/// f16/bf16, head dims 64/128) runs the `Pipelined` prep kernel, then the wgmma dK/dV and dQ
+/// kernels of `kernels/flash_bwd_sm90.cu`. All of them are deterministic, except the opt-in
+/// `AtomicDq` (f16/bf16 only): `kernels/flash_bwd_fused.cu`, one fused dK/dV/dQ kernel whose dQ
+/// is summed with f32 atomics in a nondeterministic order, and the opt-in `WgmmaAtomic` (as
+/// `Wgmma`, but dQ computed with wgmma inside the dK/dV kernel and summed with f32 atomics).
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_with(
     q: &Tensor,
@@ -410,14 +427,18 @@ pub fn bwd_with(
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
         FwdImpl::Simple => (false, false),
-        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
         FwdImpl::Mma => (true, false),
-        FwdImpl::Pipelined | FwdImpl::Wgmma => (false, true),
-        // Runs bwd_fused below.
-        FwdImpl::AtomicDq => (false, false),
+        FwdImpl::Pipelined => (false, true),
+        // Run bwd_sm90 / bwd_fused below.
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq => (false, false),
     };
+    let wgmma = matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic);
     if imp == FwdImpl::AtomicDq {
         bwd_fused::check_fits(&dev, d, q.shape())?;
+    }
+    if wgmma {
+        bwd_sm90::check(&dev, d, imp == FwdImpl::WgmmaAtomic, q.shape(), k.shape())?;
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
@@ -428,6 +449,10 @@ pub fn bwd_with(
     }
     let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    if wgmma {
+        let atomic = imp == FwdImpl::WgmmaAtomic;
+        return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
+    }
     if imp == FwdImpl::AtomicDq {
         return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
     }

@@ -17,6 +17,10 @@ pub const FLASH_BWD_FUSED: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_
 /// `kernels/flash_fwd_sm90.cu`: `flash_fwd_wgmma_{f16,bf16}_d{64,128}` (Hopper warpgroup MMA,
 /// experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on compute capability 9.x.
 pub const FLASH_FWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd_sm90.ptx"));
+/// `kernels/flash_bwd_sm90.cu`: `flash_bwd_wgmma_{dkdv,dq,atomic}_{f16,bf16}_d{64,128}` (Hopper
+/// warpgroup-MMA backward, experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on
+/// compute capability 9.x.
+pub const FLASH_BWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90.ptx"));
 /// `kernels/merge.cu`: `merge_step_{f32,f16,bf16}`, `cast_out_{f32,f16,bf16}`.
 pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
 /// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
@@ -34,6 +38,8 @@ pub const FLASH_BWD_PIPE_MODULE: &str = "candle_cp_flash_bwd_pipe";
 pub const FLASH_BWD_FUSED_MODULE: &str = "candle_cp_flash_bwd_fused";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_FWD_SM90_MODULE: &str = "candle_cp_flash_fwd_sm90";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_SM90_MODULE: &str = "candle_cp_flash_bwd_sm90";
 /// See [`FLASH_FWD_MODULE`].
 pub const MERGE_MODULE: &str = "candle_cp_merge";
 /// See [`FLASH_FWD_MODULE`].

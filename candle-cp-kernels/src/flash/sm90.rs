@@ -25,7 +25,7 @@ fn wgmma_smem(d: usize) -> u32 {
 }
 
 /// Error unless `dev` is a compute capability 9.x (Hopper) device: the PTX targets `sm_90a`.
-fn check_hopper(dev: &CudaDevice, what: &str) -> Result<()> {
+pub(super) fn check_hopper(dev: &CudaDevice, what: &str) -> Result<()> {
     let (major, minor) = dev.cuda_stream().context().compute_capability().w()?;
     if major != 9 {
         candle_core::bail!("{what}: the wgmma kernels (FwdImpl::Wgmma) need a Hopper GPU (compute capability 9.x), this device is {major}.{minor}; use FwdImpl::Auto or Pipelined")
