@@ -345,6 +345,27 @@ fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
         let r = g.send_recv(&x, 0, 0)?.wait()?;
         rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
         g.barrier()?;
+        // Host time per call of the non-blocking communicator: each ncclSend/Recv group returns
+        // ncclInProgress and NCCL launches it from a thread it creates per call, which we poll
+        // (a world of 1 runs all_reduce as a local copy, without that thread: the baseline).
+        // The printed times are the measurement; the 1 ms bound only catches a wait that
+        // sleeps in coarse steps or stalls behind the watchdog.
+        let small = Tensor::zeros(256, DType::F32, &dev)?;
+        for (what, n) in [("send_recv self + wait", 200usize), ("all_reduce", 200)] {
+            g.synchronize()?;
+            let t = Instant::now();
+            for _ in 0..n {
+                if what == "all_reduce" {
+                    g.all_reduce(&small)?;
+                } else {
+                    g.send_recv(&small, 0, 0)?.wait()?;
+                }
+            }
+            let per_call = t.elapsed().as_secs_f64() / n as f64;
+            g.synchronize()?;
+            println!("  nccl P1 {what}: {:.1} us host time per call ({n} calls)", per_call * 1e6);
+            rep.check(&format!("nccl P1 {what}: host seconds per call"), per_call, 1e-3);
+        }
         // an aborted group refuses every later call at once, naming the call and the reason
         g.abort("gpu_check: deliberate abort");
         let t = Instant::now();

@@ -13,6 +13,9 @@
 //! abort), so the logic is unit-tested on the CPU with a fake communicator
 //! (`tests/watchdog.rs`); `crate::nccl` implements it for its raw NCCL communicator.
 //!
+//! - [`poll_until`]: the bounded host-side wait of the calling thread itself (poll, yield,
+//!   back off), which gives up at a deadline or as soon as another thread poisons the group.
+//!
 //! Timing: an item's age is measured from [`Watchdog::track`] (right after it is enqueued) to
 //! the first poll that sees it done, so it includes time spent waiting on earlier GPU work
 //! queued before it. A timeout fires at most one poll interval (plus the cost of one round of
@@ -91,8 +94,8 @@ pub trait Watchable: Send + Sync + 'static {
     /// `Ok(true)` once `work` has completed, `Ok(false)` while it is pending, `Err(message)` if
     /// its state cannot be queried (treated as a failure of the group).
     fn is_done(&self, work: &Self::Work) -> std::result::Result<bool, String>;
-    /// `Err(message)` once the communicator reports an asynchronous error (e.g. a peer process
-    /// exited). `Ok(())` while healthy, or when the state cannot be read right now.
+    /// `Err(message)` once the communicator reports an asynchronous error (e.g. a network
+    /// failure). `Ok(())` while healthy, or when the state cannot be read right now.
     fn async_error(&self) -> std::result::Result<(), String>;
     /// Abort the communicator so that outstanding work finishes (with undefined results) and
     /// nothing waits on it any more. Must be idempotent and must not panic.
@@ -348,4 +351,50 @@ fn inspect<W: Watchable>(
         ));
     }
     None
+}
+
+/// Why [`poll_until`] stopped before its condition held.
+#[derive(Debug, PartialEq, Eq)]
+pub enum PollEnd<E> {
+    /// The poll itself failed with this error.
+    Failed(E),
+    /// The poison was set (by another thread) before the condition held.
+    Poisoned,
+    /// The condition still did not hold at the deadline.
+    Timeout,
+}
+
+/// Call `poll` until it returns `Ok(true)`; stop with [`PollEnd::Failed`] when it returns
+/// `Err`, with [`PollEnd::Poisoned`] once `poison` is set, with [`PollEnd::Timeout`] once
+/// `deadline` has passed (`poll` runs at least once).
+///
+/// Between polls the thread yields for the first millisecond, then sleeps from 125 µs up to
+/// 5 ms (an eighth of the time waited so far). Short waits (an NCCL enqueue, tens of µs) thus
+/// end within a scheduler yield of the condition instead of paying a sleep (at least ~60 µs
+/// on Linux, timer slack included); long waits (init, a peer far behind) cost little CPU.
+pub fn poll_until<E>(
+    deadline: Instant,
+    poison: Option<&Poison>,
+    mut poll: impl FnMut() -> std::result::Result<bool, E>,
+) -> std::result::Result<(), PollEnd<E>> {
+    let start = Instant::now();
+    loop {
+        match poll() {
+            Ok(true) => return Ok(()),
+            Ok(false) => {}
+            Err(e) => return Err(PollEnd::Failed(e)),
+        }
+        if poison.is_some_and(Poison::is_poisoned) {
+            return Err(PollEnd::Poisoned);
+        }
+        if Instant::now() >= deadline {
+            return Err(PollEnd::Timeout);
+        }
+        let waited = start.elapsed();
+        if waited < Duration::from_millis(1) {
+            std::thread::yield_now();
+        } else {
+            std::thread::sleep((waited / 8).min(Duration::from_millis(5)));
+        }
+    }
 }

@@ -2,7 +2,7 @@
 //! fires within bounds, poisons the group and names the op and rank; completed work never
 //! aborts; asynchronous errors abort promptly; the thread stops on drop.
 
-use candle_cp_comm::watchdog::{Poison, Watchable, Watchdog, WatchdogOptions};
+use candle_cp_comm::watchdog::{poll_until, Poison, PollEnd, Watchable, Watchdog, WatchdogOptions};
 use std::collections::HashSet;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
@@ -272,4 +272,76 @@ fn external_poison_ends_the_watchdog_and_refuses_new_work() {
         err.contains("barrier") && err.contains("ncclSystemError") && !err.contains("later"),
         "{err}"
     );
+}
+
+// `poll_until`: the calling thread's own bounded wait (an NCCL call in progress, a sync).
+
+#[test]
+fn poll_until_returns_once_ready_and_reacts_within_the_spin_phase() {
+    // ready after ~200 µs (a typical non-blocking NCCL enqueue): seen well before a sleep
+    // phase would matter, and `poll` stops being called once it reported ready
+    let t = Instant::now();
+    let mut polls = 0usize;
+    let r = poll_until::<()>(t + Duration::from_secs(5), None, || {
+        polls += 1;
+        Ok(t.elapsed() >= Duration::from_micros(200))
+    });
+    let took = t.elapsed();
+    assert_eq!(r, Ok(()));
+    assert!(took >= Duration::from_micros(200), "{took:?}");
+    assert!(took < Duration::from_millis(50), "took {took:?}");
+    assert!(polls >= 2, "polled {polls} times");
+}
+
+#[test]
+fn poll_until_times_out_at_the_deadline_and_reports_poll_errors() {
+    let timeout = Duration::from_millis(60);
+    let t = Instant::now();
+    let r = poll_until::<()>(t + timeout, None, || Ok(false));
+    let took = t.elapsed();
+    assert_eq!(r, Err(PollEnd::Timeout));
+    assert!(took >= timeout, "gave up after {took:?}");
+    assert!(took < timeout + Duration::from_millis(500), "took {took:?}");
+    // an error ends the wait at once, with that error
+    let mut n = 0;
+    let r = poll_until(Instant::now() + Duration::from_secs(5), None, || {
+        n += 1;
+        if n == 3 {
+            Err("ncclRemoteError")
+        } else {
+            Ok(false)
+        }
+    });
+    assert_eq!(r, Err(PollEnd::Failed("ncclRemoteError")));
+    assert_eq!(n, 3);
+    // the poll runs once even past the deadline, and success wins over the timeout
+    assert_eq!(poll_until::<()>(Instant::now(), None, || Ok(true)), Ok(()));
+}
+
+#[test]
+fn poll_until_stops_promptly_when_another_thread_poisons() {
+    // a call stuck in progress (a peer never joins) with a long timeout: the watchdog or an
+    // abort poisons the group from another thread, and the wait must end within a few ms
+    // (it holds the communicator lock that the aborting thread waits for)
+    let poison = Poison::new();
+    let p2 = poison.clone();
+    let poisoner = std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        p2.poison("nccl rank 1 of 4: aborted: rank 0 returned an error");
+        Instant::now()
+    });
+    let r = poll_until::<()>(Instant::now() + Duration::from_secs(60), Some(&poison), || Ok(false));
+    let ended = Instant::now();
+    let poisoned_at = poisoner.join().unwrap();
+    assert_eq!(r, Err(PollEnd::Poisoned));
+    let lag = ended.saturating_duration_since(poisoned_at);
+    assert!(lag < Duration::from_millis(200), "noticed the poison {lag:?} late");
+    // already poisoned: one poll, then stop (a ready poll still wins)
+    let mut n = 0;
+    let r = poll_until::<()>(Instant::now() + Duration::from_secs(60), Some(&poison), || {
+        n += 1;
+        Ok(false)
+    });
+    assert_eq!((r, n), (Err(PollEnd::Poisoned), 1));
+    assert_eq!(poll_until::<()>(Instant::now() + Duration::from_secs(60), Some(&poison), || Ok(true)), Ok(()));
 }

@@ -28,7 +28,9 @@
 //! - **each call** returns once NCCL has enqueued its GPU work, waiting at most the timeout;
 //! - a per-group **watchdog thread** ([`crate::watchdog`]) checks every `poll` (50 ms) that the
 //!   oldest enqueued collective completes on the GPU within the timeout and that
-//!   `ncclCommGetAsyncError` stays clean (a peer process that exits shows up there).
+//!   `ncclCommGetAsyncError` stays clean (errors NCCL detects: network/proxy failures, e.g.
+//!   a peer on another node that exits; a dead peer within the node, over NVLink/PCIe, is
+//!   not reported there and is caught by the timeout, see NVIDIA/nccl#279).
 //!
 //! On a timeout or an NCCL error the group is **poisoned** (its first failure is recorded),
 //! then the communicator is **aborted** (`ncclCommAbort`): NCCL kernels still spinning on the
@@ -46,7 +48,7 @@ mod raw;
 
 pub use boot::{id_file_path, run_nccl_ranks};
 
-use crate::watchdog::{Watchdog, WatchdogOptions};
+use crate::watchdog::{poll_until, PollEnd, Watchdog, WatchdogOptions};
 use crate::{PendingRecv, ProcessGroup};
 use candle_core::backend::BackendDevice;
 use candle_core::cuda_backend::cudarc::driver::{CudaEvent, CudaStream, DevicePtr, DevicePtrMut};
@@ -159,19 +161,16 @@ impl NcclGroup {
         self.healthy(op)?;
         let ev = self.comm_stream.record_event(None).w()?;
         let start = Instant::now();
-        loop {
-            match ev.try_is_complete() {
-                Ok(true) => return self.healthy(op), // an abort also completes the work
-                Ok(false) => {}
-                Err(e) => {
-                    let msg = format!("{}: {op}: CUDA event query failed: {e:?}", self.raw.label);
-                    self.raw.fail(msg.clone());
-                    candle_core::bail!("{msg}")
-                }
+        let timeout = self.timeout();
+        match poll_until(start + timeout, Some(&self.raw.poison), || ev.try_is_complete()) {
+            // an abort also completes the work, hence the health check after completion
+            Ok(()) | Err(PollEnd::Poisoned) => self.healthy(op),
+            Err(PollEnd::Failed(e)) => {
+                let msg = format!("{}: {op}: CUDA event query failed: {e:?}", self.raw.label);
+                self.raw.fail(msg.clone());
+                candle_core::bail!("{msg}")
             }
-            self.healthy(op)?;
-            let timeout = self.timeout();
-            if start.elapsed() > timeout {
+            Err(PollEnd::Timeout) => {
                 let msg = format!(
                     "{}: {op}: enqueued NCCL work did not complete within the timeout {timeout:?} \
                      (waited {:.3?}); communicator aborted, the group is unusable",
@@ -181,7 +180,6 @@ impl NcclGroup {
                 self.raw.fail(msg.clone());
                 candle_core::bail!("{msg}")
             }
-            std::thread::sleep(Duration::from_micros(200));
         }
     }
 
@@ -369,15 +367,16 @@ impl NcclGroup {
 }
 
 impl Drop for NcclGroup {
-    /// Stops the watchdog, waits (at most the timeout) for enqueued work to finish, then the
-    /// communicator is aborted (`RawComm`'s drop; never destroyed, which may wait on peers).
+    /// Waits (at most the timeout) for enqueued work to finish, with the watchdog still
+    /// running (so an asynchronous NCCL error ends the wait early), stops the watchdog, then
+    /// the communicator is aborted (`RawComm`'s drop; never destroyed, which may wait on peers).
     fn drop(&mut self) {
-        self.watchdog.stop();
         if !self.raw.poison.is_poisoned() {
             if let Err(e) = self.sync_op("drop") {
                 eprintln!("candle-cp: {e}");
             }
         }
+        self.watchdog.stop();
     }
 }
 

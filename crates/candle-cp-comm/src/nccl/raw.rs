@@ -15,10 +15,14 @@
 //! overlap (stricter than NCCL's fault-tolerance model, which lets another thread abort a
 //! communicator at any point; we do not rely on that). Callers hold the mutex only for bounded
 //! time: the enqueue calls return at once in non-blocking mode, and the in-progress poll stops
-//! at the deadline; the watchdog only `try_lock`s for its status checks. `ncclGroupStart/End`
-//! state is per thread, and a group is opened and closed within one locked section. After
-//! `ncclCommAbort` the handle is never used again (NCCL may finish reclaiming it
-//! asynchronously). CUDA driver calls (event query/record, context binding) are thread-safe.
+//! at the deadline, or as soon as another thread has poisoned the group (that thread then
+//! waits for the mutex to abort; the caller aborts first); the watchdog only `try_lock`s for
+//! its status checks. `ncclGroupStart/End` state is per thread, and a group is opened and
+//! closed within one locked section. `ncclCommAbort` is synchronous even for a non-blocking
+//! communicator (NCCL runs the reclaim of a destroyed/aborted communicator as a blocking
+//! group) and joins an init or launch still in progress after raising the abort flag; the
+//! handle is never used again. CUDA driver calls (event query/record, context binding) are
+//! thread-safe.
 //!
 //! NCCL return codes are read through cudarc's `ncclResult_t` Rust enum (codes 0..=9 of NCCL
 //! 2.30); a future library returning a code outside that range would break this assumption.
@@ -26,10 +30,11 @@
 //! Fallback: if NCCL rejects the non-blocking config (`ncclInvalidArgument`/`ncclInvalidUsage`,
 //! returned before any rank is contacted, so the unique id is still unused), we print a warning
 //! and create a blocking communicator as before this module existed. Then init and enqueue calls
-//! are not bounded by the timeout, but the watchdog still aborts on stuck GPU work and
-//! asynchronous errors.
+//! are not bounded by the timeout, and an abort waits for a blocked call to return (it holds
+//! the mutex); the watchdog still aborts on stuck GPU work and asynchronous errors.
 
-use crate::watchdog::{Poison, Watchable};
+use crate::watchdog::{poll_until, Poison, PollEnd, Watchable};
+use candle_core::cuda_backend::cudarc::driver::result::{ctx as driver_ctx, DriverError};
 use candle_core::cuda_backend::cudarc::driver::{CudaContext, CudaEvent};
 use candle_core::cuda_backend::cudarc::nccl::sys::{self, ncclResult_t as R};
 use candle_core::{Error, Result};
@@ -124,6 +129,9 @@ pub(crate) enum Fail {
     Timeout,
     /// NCCL returned / reported this error.
     Nccl(R),
+    /// Another thread (the watchdog, [`RawComm::fail`]) poisoned the group while this call was
+    /// still in progress; it then waits for the lock to abort, so the call must stop waiting.
+    Poisoned,
 }
 
 /// The communicator handle; null once aborted.
@@ -132,37 +140,33 @@ struct Handle(sys::ncclComm_t);
 // which is all NCCL requires to use a communicator from several threads.
 unsafe impl Send for Handle {}
 
-/// Sleep between polls: spin-yield for the first 100 µs (most in-progress calls finish
-/// quickly), then back off from 50 µs to 5 ms.
-fn backoff(start: Instant) {
-    let waited = start.elapsed();
-    if waited < Duration::from_micros(100) {
-        std::thread::yield_now();
-    } else {
-        std::thread::sleep((waited / 8).clamp(Duration::from_micros(50), Duration::from_millis(5)));
-    }
-}
-
-/// Poll `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress`.
+/// Poll `ncclCommGetAsyncError` until the communicator leaves `ncclInProgress` (see
+/// [`poll_until`] for the waiting); stop early (`Fail::Poisoned`) once `poison` is set by
+/// another thread.
+///
+/// In non-blocking mode every call returns `ncclInProgress`: `ncclGroupEnd` (explicit, or
+/// inside each collective) launches the work from a helper thread it creates per call, and
+/// the `ncclCommGetAsyncError` that first reads `ncclSuccess` joins that thread.
 ///
 /// # Safety
 /// `comm` must be a live communicator not used concurrently by another thread.
-unsafe fn wait_ready(comm: sys::ncclComm_t, start: Instant, deadline: Instant) -> std::result::Result<(), Fail> {
-    loop {
+unsafe fn wait_ready(comm: sys::ncclComm_t, deadline: Instant, poison: Option<&Poison>) -> std::result::Result<(), Fail> {
+    let poll = || {
         let mut state = R::ncclSuccess;
         // SAFETY: comm is live and exclusively ours (caller contract); `state` is a valid
         // out-pointer for the duration of the call.
-        let r = sys::ncclCommGetAsyncError(comm, &mut state);
+        let r = unsafe { sys::ncclCommGetAsyncError(comm, &mut state) };
         match (r, state) {
-            (R::ncclSuccess, R::ncclSuccess) => return Ok(()),
-            (R::ncclSuccess, R::ncclInProgress) => {}
-            (R::ncclSuccess, e) | (e, _) => return Err(Fail::Nccl(e)),
+            (R::ncclSuccess, R::ncclSuccess) => Ok(true),
+            (R::ncclSuccess, R::ncclInProgress) => Ok(false),
+            (R::ncclSuccess, e) | (e, _) => Err(e),
         }
-        if Instant::now() >= deadline {
-            return Err(Fail::Timeout);
-        }
-        backoff(start);
-    }
+    };
+    poll_until(deadline, poison, poll).map_err(|end| match end {
+        PollEnd::Failed(e) => Fail::Nccl(e),
+        PollEnd::Poisoned => Fail::Poisoned,
+        PollEnd::Timeout => Fail::Timeout,
+    })
 }
 
 /// One NCCL communicator (see the module docs).
@@ -229,7 +233,7 @@ impl RawComm {
             R::ncclSuccess => Ok(()),
             // SAFETY: comm was written by NCCL (non-null with ncclInProgress) and is used by
             // this thread only until returned.
-            R::ncclInProgress if !comm.is_null() => unsafe { wait_ready(comm, start, start + timeout) },
+            R::ncclInProgress if !comm.is_null() => unsafe { wait_ready(comm, start + timeout, None) },
             R::ncclInvalidArgument | R::ncclInvalidUsage if comm.is_null() => {
                 eprintln!(
                     "candle-cp: {label}: NCCL rejected the non-blocking communicator config ({}: {}); \
@@ -321,7 +325,7 @@ impl RawComm {
                         break;
                     }
                     // SAFETY: c is a communicator made above, used by this thread only.
-                    if let Err(f) = unsafe { wait_ready(c, start, deadline) } {
+                    if let Err(f) = unsafe { wait_ready(c, deadline, None) } {
                         fail = Some(f);
                         break;
                     }
@@ -383,6 +387,8 @@ impl RawComm {
     pub(crate) unsafe fn call(&self, op: &str, f: impl FnOnce(sys::ncclComm_t) -> R) -> Result<()> {
         self.refuse_if_failed(op)?;
         let mut h = self.lock();
+        // poisoned while we waited for the lock: the poisoning thread is about to abort
+        self.refuse_if_failed(op)?;
         if h.0.is_null() {
             // aborted meanwhile (abort always poisons first, so this reports the reason)
             self.refuse_if_failed(op)?;
@@ -394,11 +400,18 @@ impl RawComm {
         let res = match code {
             R::ncclSuccess => Ok(()),
             // SAFETY: h.0 is live (non-null under the lock) and used by this thread only.
-            R::ncclInProgress => wait_ready(h.0, start, start + self.timeout()),
+            R::ncclInProgress => wait_ready(h.0, start + self.timeout(), Some(&self.poison)),
             e => Err(Fail::Nccl(e)),
         };
         match res {
             Ok(()) => Ok(()),
+            Err(Fail::Poisoned) => {
+                // abort here (the poisoning thread waits for this lock to do it), then report
+                // the first failure
+                self.abort_locked(&mut h);
+                self.refuse_if_failed(op)?;
+                candle_core::bail!("{}: {op}: the communicator was aborted", self.label)
+            }
             Err(fail) => Err(self.fail_call(&mut h, op, &fail, start)),
         }
     }
@@ -421,6 +434,7 @@ impl RawComm {
         let what = match fail {
             Fail::Timeout => format!("NCCL still in progress after {elapsed:.3?} (timeout {timeout:?})"),
             Fail::Nccl(e) => format!("NCCL error {} after {elapsed:.3?}", describe(*e)),
+            Fail::Poisoned => format!("interrupted after {elapsed:.3?}: the group failed meanwhile"),
         };
         let detail = if detail.is_empty() { String::new() } else { format!(" [NCCL: {detail}]") };
         let msg = format!("{}: {op}: {what}{detail}; communicator aborted, the group is unusable", self.label);
@@ -481,12 +495,24 @@ fn abort_raw(ctx: &Arc<CudaContext>, comm: sys::ncclComm_t) {
     }
     // NCCL switches to the communicator's device itself; binding the context first makes the
     // call independent of what the calling (e.g. watchdog) thread had current.
-    let _ = ctx.bind_to_thread();
+    let _ = bind_quietly(ctx);
     // SAFETY: comm is a live communicator that the caller owns exclusively (taken out of the
     // locked handle, or never published); it is not used again after this call. ncclCommAbort
     // first raises the abort flag that running NCCL kernels and the init/proxy threads poll,
     // then joins the init thread and frees the resources.
     let _ = unsafe { sys::ncclCommAbort(comm) };
+}
+
+/// Make `ctx` current on this thread. Unlike `CudaContext::bind_to_thread`, this does not
+/// first take (`check_err`) the error that cudarc records from its `Drop`s for whichever
+/// thread calls it next: the watchdog polls every 50 ms, so it would take the compute
+/// thread's errors, report them as this group's failure and abort the communicator.
+fn bind_quietly(ctx: &CudaContext) -> std::result::Result<(), DriverError> {
+    if driver_ctx::get_current()? != Some(ctx.cu_ctx()) {
+        // SAFETY: `ctx` is alive (borrowed), so its CUcontext is a valid, initialised context.
+        unsafe { driver_ctx::set_current(ctx.cu_ctx()) }?;
+    }
+    Ok(())
 }
 
 fn to_int(v: usize, what: &str) -> Result<c_int> {
@@ -500,6 +526,7 @@ fn init_message(who: &str, call: &str, fail: &Fail, detail: &str, elapsed: Durat
              did every rank join with the same id and world size?"
         ),
         Fail::Nccl(e) => format!("{call} failed after {elapsed:.3?}: {}", describe(*e)),
+        Fail::Poisoned => format!("{call} interrupted after {elapsed:.3?}"),
     };
     let detail = if detail.is_empty() { String::new() } else { format!(" [NCCL: {detail}]") };
     format!("{who}: init: {what}{detail}; communicator aborted")
@@ -511,7 +538,7 @@ impl Watchable for RawComm {
     type Work = Arc<CudaEvent>;
 
     fn is_done(&self, ev: &Arc<CudaEvent>) -> std::result::Result<bool, String> {
-        self.ctx.bind_to_thread().map_err(|e| format!("binding the CUDA context: {e:?}"))?;
+        bind_quietly(&self.ctx).map_err(|e| format!("binding the CUDA context: {e:?}"))?;
         ev.try_is_complete().map_err(|e| format!("CUDA event query failed: {e:?}"))
     }
 
