@@ -4,7 +4,9 @@
 //! At step `s` rank `i` holds the K/V of source rank `j = (i - s) mod P` and computes, for each
 //! (query segment, key segment) pair of the two layouts' [`Segment`]s, one block:
 //! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
-//! offset/stride causal mask when it straddles the diagonal. The partial (out, lse) of each
+//! offset/stride causal mask when it straddles the diagonal; fully visible blocks adjacent in
+//! local rows go in one attention call ([`step_schedule`]: zigzag steps other than the
+//! diagonal one are a single call). The partial (out, lse) of each
 //! block merge, through the LSE, into an f32 running state of all local rows
 //! ([`super::state::LocalState`]: in place on the host for CPU queries, as f32 device tensors
 //! updated in place otherwise, so nothing goes through the host between steps; the backward's
@@ -36,126 +38,21 @@
 //! travels with the chunk, and after `P` hops the accumulator is back at its owner. dQ stays
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
 
+mod schedule;
+pub use schedule::{block_schedule, classify, fuse_full_blocks, split_rows, step_schedule, Block, Scheduled};
+use schedule::{mask_of, sub_blocks};
+
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
-use super::shard::{Layout, Segment};
+use super::shard::Segment;
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_fwd, Mask};
+use crate::attention::{attention_bwd, attention_fwd};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// What to do with one (query segment × key segment) block.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub enum Block {
-    /// Every pair masked: skip.
-    Skip,
-    /// Every pair visible (the mask is `Mask::Full`).
-    Full(Mask),
-    /// Some pairs visible: causal mask with the segments' global offsets and strides.
-    Partial(Mask),
-}
-
-/// Classify the block of query segment `q` against key segment `k` (global positions).
-pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
-    if q.len == 0 || k.len == 0 {
-        return Block::Skip;
-    }
-    if !causal {
-        return Block::Full(Mask::Full);
-    }
-    if k.offset > q.last() {
-        Block::Skip
-    } else if k.last() <= q.offset {
-        Block::Full(Mask::Full)
-    } else {
-        Block::Partial(Mask::Causal {
-            q_offset: q.offset,
-            q_stride: q.stride,
-            k_offset: k.offset,
-            k_stride: k.stride,
-        })
-    }
-}
-
-/// One block of a ring step: query segment `qi` of this rank against key segment `ki` of the
-/// K/V chunk held at this step.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Scheduled {
-    /// Index into this rank's query segments.
-    pub qi: usize,
-    /// Index into the source rank's key segments.
-    pub ki: usize,
-    /// The query segment.
-    pub q: Segment,
-    /// The key segment.
-    pub k: Segment,
-    /// How to compute it (never `Skip`).
-    pub block: Block,
-}
-
-/// The blocks rank `rank` computes when holding source rank `src`'s K/V (fully masked
-/// blocks left out). `t` is the global length.
-pub fn block_schedule(
-    layout: Layout,
-    rank: usize,
-    src: usize,
-    p: usize,
-    t: usize,
-    causal: bool,
-) -> Result<Vec<Scheduled>> {
-    let qs = layout.segments(rank, p, t)?;
-    let ks = layout.segments(src, p, t)?;
-    let mut out = Vec::new();
-    for (qi, q) in qs.iter().enumerate() {
-        for (ki, k) in ks.iter().enumerate() {
-            let block = classify(q, k, causal);
-            if block != Block::Skip {
-                out.push(Scheduled {
-                    qi,
-                    ki,
-                    q: *q,
-                    k: *k,
-                    block,
-                });
-            }
-        }
-    }
-    Ok(out)
-}
-
-/// Split a segment into runs of at most `max` rows (global offsets and local rows adjusted).
-pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
-    let max = max.max(1);
-    (0..seg.len)
-        .step_by(max)
-        .map(|i0| Segment {
-            offset: seg.offset + i0 * seg.stride,
-            stride: seg.stride,
-            len: max.min(seg.len - i0),
-            local: seg.local + i0,
-        })
-        .collect()
-}
-
-/// The query-row chunks of a scheduled block that see at least one key, with their masks.
-fn sub_blocks(sb: &Scheduled, opts: &CpOpts, rows_per_call: usize) -> Vec<(Segment, Block)> {
-    let causal = opts.causal;
-    split_rows(&sb.q, rows_per_call)
-        .into_iter()
-        .map(|q| (q, classify(&q, &sb.k, causal)))
-        .filter(|(_, b)| *b != Block::Skip)
-        .collect()
-}
-
-fn mask_of(b: &Block) -> Mask {
-    match b {
-        Block::Full(m) | Block::Partial(m) => *m,
-        Block::Skip => Mask::Full,
-    }
-}
 
 fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
     t.narrow(dim, s.local, s.len)?.contiguous()
@@ -209,9 +106,9 @@ pub(super) fn fwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+        for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts, opts.rows_per_call(q.device())) {
+            for (qs, block) in sub_blocks(&sb, opts.causal, opts.rows_per_call(q.device())) {
                 let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
                 state.merge_rows(qs.local, &o, &l)?;
                 st.blocks += 1;
@@ -301,9 +198,9 @@ pub(super) fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
-        for sb in block_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+        for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts, opts.rows_per_call(q.device())) {
+            for (qs, block) in sub_blocks(&sb, opts.causal, opts.rows_per_call(q.device())) {
                 let (qr, or, lr, dr) = (
                     rows(q, 1, &qs)?,
                     rows(out, 1, &qs)?,
@@ -384,68 +281,7 @@ mod device_form_tests;
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn seg(offset: usize, stride: usize, len: usize) -> Segment {
-        Segment {
-            offset,
-            stride,
-            len,
-            local: 0,
-        }
-    }
-
-    #[test]
-    fn classify_blocks() {
-        assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), true), Block::Skip);
-        assert_eq!(
-            classify(&seg(4, 1, 4), &seg(0, 1, 4), true),
-            Block::Full(Mask::Full)
-        );
-        assert!(matches!(
-            classify(&seg(4, 1, 4), &seg(4, 1, 4), true),
-            Block::Partial(_)
-        ));
-        assert!(matches!(
-            classify(&seg(0, 2, 4), &seg(1, 2, 4), true),
-            Block::Partial(_)
-        ));
-        assert_eq!(
-            classify(&seg(0, 1, 4), &seg(4, 1, 4), false),
-            Block::Full(Mask::Full)
-        );
-    }
-
-    #[test]
-    fn zigzag_schedule_equal_work_every_step() -> Result<()> {
-        for p in [2usize, 3, 4, 8] {
-            let t = 2 * p * 16;
-            let c = 16usize;
-            for rank in 0..p {
-                for s in 0..p {
-                    let src = (rank + p - s) % p;
-                    let blocks = block_schedule(Layout::Zigzag, rank, src, p, t, true)?;
-                    let half: usize = blocks
-                        .iter()
-                        .map(|b| match b.block {
-                            Block::Partial(_) => b.q.len * b.k.len / 2,
-                            _ => b.q.len * b.k.len,
-                        })
-                        .sum();
-                    assert_eq!(half, 2 * c * c, "P={p} rank={rank} step={s}");
-                    if src < rank {
-                        // Both query chunks against key chunk `src` only.
-                        assert!(blocks.iter().all(|b| b.k.offset == src * c));
-                        assert_eq!(blocks.len(), 2);
-                    } else if src > rank {
-                        // Query chunk 2P-1-i against both key chunks.
-                        assert!(blocks.iter().all(|b| b.q.offset == (2 * p - 1 - rank) * c));
-                        assert_eq!(blocks.len(), 2);
-                    }
-                }
-            }
-        }
-        Ok(())
-    }
+    use crate::cp::shard::Layout;
 
     /// Run the forward ring on P thread ranks and return each rank's stats.
     fn ring_stats(layout: Layout, p: usize, t: usize) -> Result<Vec<RingStats>> {
@@ -483,15 +319,4 @@ mod tests {
         Ok(())
     }
 
-    #[test]
-    fn contiguous_skips_future_chunks() -> Result<()> {
-        let p = 4;
-        for rank in 0..p {
-            for src in 0..p {
-                let n = block_schedule(Layout::Contiguous, rank, src, p, 64, true)?.len();
-                assert_eq!(n, usize::from(src <= rank));
-            }
-        }
-        Ok(())
-    }
 }

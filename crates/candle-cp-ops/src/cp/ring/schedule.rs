@@ -1,0 +1,336 @@
+//! Which blocks a rank computes at each ring step: classification of (query segment × key
+//! segment) blocks against the causal mask, the per-step schedule, fusion of adjacent fully
+//! visible blocks into one kernel call, and row chunking.
+
+use crate::attention::Mask;
+use crate::cp::shard::{Layout, Segment};
+use candle_core::Result;
+
+/// What to do with one (query segment × key segment) block.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Block {
+    /// Every pair masked: skip.
+    Skip,
+    /// Every pair visible (the mask is `Mask::Full`).
+    Full(Mask),
+    /// Some pairs visible: causal mask with the segments' global offsets and strides.
+    Partial(Mask),
+}
+
+/// Classify the block of query segment `q` against key segment `k` (global positions).
+pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
+    if q.len == 0 || k.len == 0 {
+        return Block::Skip;
+    }
+    if !causal {
+        return Block::Full(Mask::Full);
+    }
+    if k.offset > q.last() {
+        Block::Skip
+    } else if k.last() <= q.offset {
+        Block::Full(Mask::Full)
+    } else {
+        Block::Partial(Mask::Causal {
+            q_offset: q.offset,
+            q_stride: q.stride,
+            k_offset: k.offset,
+            k_stride: k.stride,
+        })
+    }
+}
+
+/// One block of a ring step: query segment `qi` of this rank against key segment `ki` of the
+/// K/V chunk held at this step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Scheduled {
+    /// Index into this rank's query segments.
+    pub qi: usize,
+    /// Index into the source rank's key segments.
+    pub ki: usize,
+    /// The query segment.
+    pub q: Segment,
+    /// The key segment.
+    pub k: Segment,
+    /// How to compute it (never `Skip`).
+    pub block: Block,
+}
+
+/// The blocks rank `rank` computes when holding source rank `src`'s K/V (fully masked
+/// blocks left out). `t` is the global length.
+pub fn block_schedule(
+    layout: Layout,
+    rank: usize,
+    src: usize,
+    p: usize,
+    t: usize,
+    causal: bool,
+) -> Result<Vec<Scheduled>> {
+    let qs = layout.segments(rank, p, t)?;
+    let ks = layout.segments(src, p, t)?;
+    let mut out = Vec::new();
+    for (qi, q) in qs.iter().enumerate() {
+        for (ki, k) in ks.iter().enumerate() {
+            let block = classify(q, k, causal);
+            if block != Block::Skip {
+                out.push(Scheduled {
+                    qi,
+                    ki,
+                    q: *q,
+                    k: *k,
+                    block,
+                });
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The kernel calls of one ring step: [`block_schedule`] with fully visible blocks that are
+/// adjacent in local rows fused into one block, so a step issues fewer, larger attention calls
+/// (what a GPU wants). Zigzag, `j` = the source rank, `i` = this rank:
+///
+/// ```text
+///  j < i: q chunk i     █ k chunk j    ──►  [q chunks i, 2P-1-i] × k chunk j         (1 call)
+///         q chunk 2P-1-i █ k chunk j
+///  j > i: q chunk 2P-1-i █ k chunk j, █ k chunk 2P-1-j ──► q × [k chunks j, 2P-1-j] (1 call)
+///  j = i: ◣ + █ + ◣ (two diagonal blocks and one full one)                        (3 calls)
+/// ```
+///
+/// Two `Full` blocks fuse when they share the key segment and their query segments are
+/// adjacent in the local shard, or share the query segment and their key segments are adjacent.
+/// A fused segment keeps the first part's `offset` and `stride` (meaningless for a `Full`
+/// block, which is never re-classified) and covers both parts' local rows; `qi`/`ki` are the
+/// first part's.
+pub fn step_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
+    Ok(fuse_full_blocks(block_schedule(layout, rank, src, p, t, causal)?))
+}
+
+/// Fuse adjacent fully visible blocks (see [`step_schedule`]); other blocks are kept as they
+/// are, in order.
+pub fn fuse_full_blocks(blocks: Vec<Scheduled>) -> Vec<Scheduled> {
+    let mut out: Vec<Scheduled> = Vec::with_capacity(blocks.len());
+    for b in blocks {
+        let fused = match b.block {
+            Block::Full(_) => out.iter_mut().find_map(|a| {
+                if !matches!(a.block, Block::Full(_)) {
+                    return None;
+                }
+                let same = |x: &Segment, y: &Segment| x.local == y.local && x.len == y.len;
+                if same(&a.k, &b.k) && a.q.local + a.q.len == b.q.local {
+                    a.q.len += b.q.len;
+                    Some(())
+                } else if same(&a.q, &b.q) && a.k.local + a.k.len == b.k.local {
+                    a.k.len += b.k.len;
+                    Some(())
+                } else {
+                    None
+                }
+            }),
+            _ => None,
+        };
+        if fused.is_none() {
+            out.push(b);
+        }
+    }
+    out
+}
+
+/// Split a segment into runs of at most `max` rows (global offsets and local rows adjusted).
+pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
+    let max = max.max(1);
+    (0..seg.len)
+        .step_by(max)
+        .map(|i0| Segment {
+            offset: seg.offset + i0 * seg.stride,
+            stride: seg.stride,
+            len: max.min(seg.len - i0),
+            local: seg.local + i0,
+        })
+        .collect()
+}
+
+/// The query-row chunks of a scheduled block that see at least one key, with their masks.
+/// Row chunks of a `Full` block are `Full` (every subset of a fully visible block is fully
+/// visible; a fused block's segments are not arithmetic progressions, so they are never
+/// re-classified); chunks of a `Partial` block are classified again.
+pub(crate) fn sub_blocks(sb: &Scheduled, causal: bool, rows_per_call: usize) -> Vec<(Segment, Block)> {
+    split_rows(&sb.q, rows_per_call)
+        .into_iter()
+        .map(|q| match sb.block {
+            Block::Full(m) => (q, Block::Full(m)),
+            _ => (q, classify(&q, &sb.k, causal)),
+        })
+        .filter(|(_, b)| *b != Block::Skip)
+        .collect()
+}
+
+pub(crate) fn mask_of(b: &Block) -> Mask {
+    match b {
+        Block::Full(m) | Block::Partial(m) => *m,
+        Block::Skip => Mask::Full,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn seg(offset: usize, stride: usize, len: usize) -> Segment {
+        Segment {
+            offset,
+            stride,
+            len,
+            local: 0,
+        }
+    }
+
+    #[test]
+    fn classify_blocks() {
+        assert_eq!(classify(&seg(0, 1, 4), &seg(4, 1, 4), true), Block::Skip);
+        assert_eq!(
+            classify(&seg(4, 1, 4), &seg(0, 1, 4), true),
+            Block::Full(Mask::Full)
+        );
+        assert!(matches!(
+            classify(&seg(4, 1, 4), &seg(4, 1, 4), true),
+            Block::Partial(_)
+        ));
+        assert!(matches!(
+            classify(&seg(0, 2, 4), &seg(1, 2, 4), true),
+            Block::Partial(_)
+        ));
+        assert_eq!(
+            classify(&seg(0, 1, 4), &seg(4, 1, 4), false),
+            Block::Full(Mask::Full)
+        );
+    }
+
+    #[test]
+    fn zigzag_schedule_equal_work_every_step() -> Result<()> {
+        for p in [2usize, 3, 4, 8] {
+            let t = 2 * p * 16;
+            let c = 16usize;
+            for rank in 0..p {
+                for s in 0..p {
+                    let src = (rank + p - s) % p;
+                    let blocks = block_schedule(Layout::Zigzag, rank, src, p, t, true)?;
+                    let half: usize = blocks
+                        .iter()
+                        .map(|b| match b.block {
+                            Block::Partial(_) => b.q.len * b.k.len / 2,
+                            _ => b.q.len * b.k.len,
+                        })
+                        .sum();
+                    assert_eq!(half, 2 * c * c, "P={p} rank={rank} step={s}");
+                    if src < rank {
+                        // Both query chunks against key chunk `src` only.
+                        assert!(blocks.iter().all(|b| b.k.offset == src * c));
+                        assert_eq!(blocks.len(), 2);
+                    } else if src > rank {
+                        // Query chunk 2P-1-i against both key chunks.
+                        assert!(blocks.iter().all(|b| b.q.offset == (2 * p - 1 - rank) * c));
+                        assert_eq!(blocks.len(), 2);
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn contiguous_skips_future_chunks() -> Result<()> {
+        let p = 4;
+        for rank in 0..p {
+            for src in 0..p {
+                let n = block_schedule(Layout::Contiguous, rank, src, p, 64, true)?.len();
+                assert_eq!(n, usize::from(src <= rank));
+            }
+        }
+        Ok(())
+    }
+
+    /// (query local row, key local row) pairs a list of blocks computes, as the ring engine
+    /// computes them: 3-row chunks, each call's mask applied to its local row indices.
+    fn pairs(blocks: &[Scheduled]) -> Vec<(usize, usize)> {
+        let mut v = Vec::new();
+        for b in blocks {
+            for (qseg, blk) in sub_blocks(b, true, 3) {
+                for qi in qseg.local..qseg.local + qseg.len {
+                    for ki in b.k.local..b.k.local + b.k.len {
+                        let visible = match blk {
+                            Block::Full(m) | Block::Partial(m) => m.visible(qi - qseg.local, ki - b.k.local),
+                            Block::Skip => false,
+                        };
+                        if visible {
+                            v.push((qi, ki));
+                        }
+                    }
+                }
+            }
+        }
+        v.sort_unstable();
+        v
+    }
+
+    #[test]
+    fn fused_schedule_computes_exactly_the_visible_pairs() -> Result<()> {
+        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Striped] {
+            for p in [1usize, 2, 3, 4] {
+                let t = 2 * p * 5;
+                for rank in 0..p {
+                    for src in 0..p {
+                        let plain = block_schedule(layout, rank, src, p, t, true)?;
+                        let fused = step_schedule(layout, rank, src, p, t, true)?;
+                        let (ks, qs) = (layout.segments(src, p, t)?, layout.segments(rank, p, t)?);
+                        // Ground truth: every (local q, local k) pair with k's position <= q's.
+                        let mut want = Vec::new();
+                        for q in &qs {
+                            for k in &ks {
+                                for a in 0..q.len {
+                                    for b in 0..k.len {
+                                        if k.offset + b * k.stride <= q.offset + a * q.stride {
+                                            want.push((q.local + a, k.local + b));
+                                        }
+                                    }
+                                }
+                            }
+                        }
+                        want.sort_unstable();
+                        let what = format!("{layout:?} P={p} rank={rank} src={src}");
+                        assert_eq!(pairs(&plain), want, "plain {what}");
+                        assert_eq!(pairs(&fused), want, "fused {what}");
+                        assert!(fused.len() <= plain.len(), "{what}");
+                        if layout == Layout::Zigzag && src != rank {
+                            assert_eq!(fused.len(), 1, "zigzag off-diagonal step is one call: {what}");
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+    #[test]
+    fn fuse_only_adjacent_full_blocks() {
+        let sg = |offset, len, local| Segment { offset, stride: 1, len, local };
+        let full = Block::Full(Mask::Full);
+        let part = Block::Partial(Mask::causal());
+        let blk = |q: Segment, k: Segment, block| Scheduled { qi: 0, ki: 0, q, k, block };
+        // Same keys, adjacent query rows: one block covering both.
+        let f = fuse_full_blocks(vec![blk(sg(0, 4, 0), sg(0, 2, 0), full), blk(sg(40, 4, 4), sg(0, 2, 0), full)]);
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].q.local, f[0].q.len, f[0].k.len), (0, 8, 2));
+        // Same queries, adjacent key rows.
+        let f = fuse_full_blocks(vec![blk(sg(9, 4, 0), sg(0, 2, 0), full), blk(sg(9, 4, 0), sg(5, 3, 2), full)]);
+        assert_eq!(f.len(), 1);
+        assert_eq!((f[0].k.local, f[0].k.len), (0, 5));
+        // A gap in the query rows, different key rows, or a partial block: kept apart.
+        let gap = vec![blk(sg(0, 4, 0), sg(0, 2, 0), full), blk(sg(40, 4, 5), sg(0, 2, 0), full)];
+        assert_eq!(fuse_full_blocks(gap.clone()), gap);
+        let other_k = vec![blk(sg(0, 4, 0), sg(0, 2, 0), full), blk(sg(40, 4, 4), sg(0, 2, 2), full)];
+        assert_eq!(fuse_full_blocks(other_k.clone()), other_k);
+        let partial = vec![blk(sg(0, 4, 0), sg(0, 2, 0), part), blk(sg(40, 4, 4), sg(0, 2, 0), full)];
+        assert_eq!(fuse_full_blocks(partial.clone()), partial);
+        let partial2 = vec![blk(sg(0, 4, 0), sg(0, 2, 0), full), blk(sg(40, 4, 4), sg(0, 2, 0), part)];
+        assert_eq!(fuse_full_blocks(partial2.clone()), partial2);
+    }
+}
