@@ -415,11 +415,7 @@ fn run_one<T>(
             Err(e)
         }
         Err(payload) => {
-            let msg = payload
-                .downcast_ref::<&str>()
-                .map(|s| s.to_string())
-                .or_else(|| payload.downcast_ref::<String>().cloned())
-                .unwrap_or_else(|| "non-string panic payload".to_string());
+            let msg = panic_message(&*payload);
             handle.abort(r, format!("panicked: {}", short(&msg)));
             Err(Error::Msg(format!("rank {r} panicked: {msg}")))
         }
@@ -446,3 +442,13 @@ fn short(msg: &str) -> String {
         line
     }
 }
+
+/// The text of a panic payload (`&str` or `String`; anything else is named as such).
+pub(crate) fn panic_message(payload: &(dyn std::any::Any + Send)) -> String {
+    payload
+        .downcast_ref::<&str>()
+        .map(|s| s.to_string())
+        .or_else(|| payload.downcast_ref::<String>().cloned())
+        .unwrap_or_else(|| "non-string panic payload".to_string())
+}
+

@@ -138,11 +138,7 @@ pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T
                             Err(e)
                         }
                         Err(payload) => {
-                            let msg = payload
-                                .downcast_ref::<&str>()
-                                .map(|s| s.to_string())
-                                .or_else(|| payload.downcast_ref::<String>().cloned())
-                                .unwrap_or_else(|| "non-string panic payload".to_string());
+                            let msg = crate::thread::panic_message(&*payload);
                             fail(format!("panicked: {}", first_line(&msg)));
                             Err(Error::Msg(format!("nccl rank {r} panicked: {msg}")))
                         }
