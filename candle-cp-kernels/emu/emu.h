@@ -90,9 +90,11 @@ void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
 // wgmma.fence, wgmma.mma_async m64nNk16 (f32 accumulate; A from shared memory by descriptor
 // (K-major) or from registers `a` (4 per thread); B from shared memory by descriptor, K-major or
 // MN-major with trans_b = 1; 128-byte swizzle descriptors only), commit_group and wait_group N.
-// The product is deferred to the wait_group that retires its group (operands read and D written
-// then), or done at issue when set_wgmma_at_issue(true): a kernel that touches D or A between
-// issue and wait, or refills a stage a pending wgmma still reads, is wrong under one of the two.
+// The product is deferred to the wait_group that retires its group (shared-memory operands read and
+// D written then; its accumulator and A-fragment registers hold NaN bits in between, and a write to
+// them in flight fails the launch), or done at issue when set_wgmma_at_issue(true): a kernel that
+// touches D or A between issue and wait, or refills a stage a pending wgmma still reads, is wrong
+// under one of the two. Shared-memory operands must be visible to the async proxy (fence_proxy_async).
 void wg_fence();
 void wg_mma(bool bf16, int n, float* d, const uint32_t* a, uint64_t da, uint64_t db, int scale_d, int trans_b);
 void wg_commit();
@@ -113,6 +115,9 @@ Landing cp_async_landing();
 void cp_async16(uint32_t dst, const void* src, bool valid);
 void cp_async_commit();
 void cp_async_wait(int n);
+// fence.proxy.async.shared::cta: this thread's retired cp.async copies (and every plain shared-memory
+// store so far) become visible to the async proxy (wgmma operands); see the async-proxy view in emu.cpp.
+void fence_proxy_async();
 
 // Thread scheduling between synchronization points. Lockstep: every ready thread once per round,
 // block order alternating forward / reverse. WarpsAscending / WarpsDescending: one warp at a

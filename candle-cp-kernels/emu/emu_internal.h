@@ -5,6 +5,7 @@
 #include "emu.h"
 
 #include <deque>
+#include <map>
 #include <vector>
 
 namespace cp_emu {
@@ -18,6 +19,7 @@ struct Copy {
   const unsigned char* src;
   bool valid;
   bool landed;
+  int issuer = -1;  // thread
 };
 
 enum class St { Ready, Bar, Warp, Done };
@@ -43,20 +45,41 @@ struct Fiber {
   // cp.async state: indices into `copies` (this block's copies so far)
   std::vector<uint32_t> open;
   std::deque<std::vector<uint32_t>> groups;
+  std::vector<uint32_t> unfenced;  // copies retired by a wait_group, not yet followed by fence.proxy.async
 };
 
-// One wgmma.mma_async of a warpgroup, as posted by its 128 threads.
+// One wgmma.mma_async of a warpgroup, as posted by its 128 threads. d: the threads' accumulator
+// registers; acc: where the product reads C and writes D (d itself when run at issue, else the
+// shadow copy below); av: the A fragments (register A) as they were at issue.
 struct WgOp {
   bool bf = false;
   int n = 0, scale_d = 0, trans_b = 0;
   uint64_t da = 0, db = 0;
   bool rs = false;
   float* d[128];
+  float* acc[128];
   const uint32_t* a[128];
+  uint32_t av[128][4];
+};
+// Register operands of in-flight wgmma (deferred mode): PTX ISA (wgmma.wait_group) makes any access
+// to the accumulator or A-fragment registers of a wgmma before the wait_group that retires it
+// undefined, so the emulator fills them with NaN bits at issue (a read in flight sees NaN), keeps
+// their values in a shadow, checks at retirement that the poison is untouched (a write in flight
+// fails the launch) and only then writes the result / restores the A values. Accumulators chain
+// across several in-flight wgmma (same registers, in issue order), as the ISA orders them.
+struct AccShadow {
+  std::vector<float> v;
+  int pending = 0;
+};
+struct AShadow {
+  uint32_t v[4];
+  int pending = 0;
 };
 struct WgState {
   std::vector<WgOp> open;
   std::deque<std::vector<WgOp>> groups;
+  std::map<float*, AccShadow> acc;
+  std::map<const uint32_t*, AShadow> areg;
 };
 
 extern std::vector<Fiber> fib;     // the threads of the current block
@@ -65,6 +88,9 @@ extern bool wgmma_at_issue;
 extern int nthreads, cur;          // threads per block; running thread (-1: the scheduler)
 extern bool in_fiber;
 
+// True if the async proxy sees the dynamic shared-memory bytes [addr, addr + bytes) as they are
+// (see the async-proxy view in emu.cpp); static shared memory is not modelled (always true).
+bool async_view_ok(uint32_t addr, uint32_t bytes);
 // Report a failure of the current launch from the scheduler's context.
 void sched_fail(const char* fmt, ...);
 const char* op_name(WarpOp op);

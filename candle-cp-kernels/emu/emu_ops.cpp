@@ -3,7 +3,9 @@
 // scheduler's context once all lanes (threads) of its warp (warpgroup) posted it.
 #include "emu_internal.h"
 
+#include <algorithm>
 #include <cstdio>
+#include <cstring>
 
 namespace cp_emu {
 namespace detail {
@@ -153,6 +155,12 @@ uint32_t swz128(uint32_t a) { return a ^ (((a >> 7) & 7) << 4); }
 bool smem_f16(uint32_t addr, bool bf, float* out) {
   unsigned char* p = smem_ptr(addr, 2);
   if (!p) return false;
+  if (!async_view_ok(addr, 2)) {
+    sched_fail("wgmma reads shared address %u, written through the generic proxy (cp.async / st.shared) and not "
+               "made visible to the async proxy: no cp.async.wait_group + fence.proxy.async by the writing thread "
+               "(+ barrier) before the wgmma, or a write racing with the wgmma", addr);
+    return false;
+  }
   *out = f16bits(ld16(p), bf);
   return true;
 }
@@ -169,7 +177,7 @@ bool run_wgmma(const WgOp& op) {
     for (int tid = 0; tid < 128; ++tid) {
       const int wr = tid >> 5, g = (tid & 31) >> 2, t = tid & 3;
       for (int r = 0; r < 4; ++r) {
-        const uint32_t reg = op.a[tid][r];
+        const uint32_t reg = op.av[tid][r];
         const int row = 16 * wr + g + 8 * (r & 1), col = 2 * t + 8 * (r >> 1);
         A[row][col] = f16bits((uint16_t)(reg & 0xffff), op.bf);
         A[row][col + 1] = f16bits((uint16_t)(reg >> 16), op.bf);
@@ -199,7 +207,68 @@ bool run_wgmma(const WgOp& op) {
     for (int idx = 0; idx < op.n / 2; ++idx) {
       const int i = idx / 4, e = idx % 4;
       const float v = Dm[16 * wr + g + 8 * (e >> 1)][8 * i + 2 * t + (e & 1)];
-      op.d[tid][idx] = op.scale_d ? op.d[tid][idx] + v : v;
+      op.acc[tid][idx] = op.scale_d ? op.acc[tid][idx] + v : v;
+    }
+  }
+  return true;
+}
+
+constexpr uint32_t ACC_POISON = 0x7fbadbadu;  // f32 NaN
+constexpr uint32_t A_POISON = 0xffffffffu;    // two f16 / bf16 NaN
+
+// Deferred wgmma issued: its register operands go into the warpgroup's shadows (WgState) and are
+// poisoned until retirement; op.acc points at the shadow accumulators.
+void hold_registers(WgState& w, WgOp& op) {
+  for (int l = 0; l < 128; ++l) {
+    AccShadow& s = w.acc[op.d[l]];
+    if (s.pending++ == 0) {
+      s.v.assign(op.d[l], op.d[l] + op.n / 2);
+      for (int i = 0; i < op.n / 2; ++i) std::memcpy(&op.d[l][i], &ACC_POISON, 4);
+    }  // (a chain of different shapes is rejected by the caller)
+    op.acc[l] = s.v.data();
+    if (!op.rs) continue;
+    AShadow& a = w.areg[op.a[l]];
+    if (a.pending++ == 0) {
+      std::memcpy(a.v, op.a[l], sizeof a.v);
+      uint32_t* ar = const_cast<uint32_t*>(op.a[l]);  // the kernel's own (non-const) fragment array
+      for (int r = 0; r < 4; ++r) ar[r] = A_POISON;
+    }
+    std::memcpy(op.av[l], a.v, sizeof a.v);
+  }
+}
+
+// Deferred wgmma retired (after run_wgmma): the last in-flight user of each register set checks
+// that nobody wrote it in flight, then writes the accumulators / restores the A fragments.
+bool release_registers(WgState& w, const WgOp& op, int t0) {
+  for (int l = 0; l < 128; ++l) {
+    auto it = w.acc.find(op.d[l]);
+    if (it == w.acc.end()) continue;
+    if (--it->second.pending == 0) {
+      const std::vector<float>& v = it->second.v;
+      for (size_t i = 0; i < v.size(); ++i) {
+        uint32_t bits;
+        std::memcpy(&bits, &op.d[l][i], 4);
+        if (bits != ACC_POISON) {
+          sched_fail("warpgroup %d thread %d: accumulator register %zu of a wgmma written before the wait_group "
+                     "that retires it (PTX ISA: undefined)", t0 / 128, l, i);
+          return false;
+        }
+      }
+      std::copy(v.begin(), v.end(), op.d[l]);
+      w.acc.erase(it);
+    }
+    if (!op.rs) continue;
+    auto ia = w.areg.find(op.a[l]);
+    if (ia != w.areg.end() && --ia->second.pending == 0) {
+      uint32_t* ar = const_cast<uint32_t*>(op.a[l]);
+      for (int r = 0; r < 4; ++r)
+        if (ar[r] != A_POISON) {
+          sched_fail("warpgroup %d thread %d: A-fragment register %d of a wgmma written before the wait_group "
+                     "that retires it (PTX ISA: undefined)", t0 / 128, l, r);
+          return false;
+        }
+      std::memcpy(ar, ia->second.v, sizeof ia->second.v);
+      w.areg.erase(ia);
     }
   }
   return true;
@@ -227,12 +296,22 @@ bool exec_wg(int t0) {
                      t0 / 128, l);
           return false;
         }
-        op.d[l] = f.d;
+        op.d[l] = op.acc[l] = f.d;
         op.a[l] = f.a;
+        if (op.rs) std::memcpy(op.av[l], f.a, sizeof op.av[l]);
       }
       if (wgmma_at_issue) {
         if (!run_wgmma(op)) return false;
       } else {
+        for (int l = 0; l < 128; ++l) {
+          auto it = w.acc.find(op.d[l]);
+          if (it != w.acc.end() && (int)it->second.v.size() != op.n / 2) {
+            sched_fail("warpgroup %d thread %d: wgmma accumulators shared by in-flight wgmma of different shapes",
+                       t0 / 128, l);
+            return false;
+          }
+        }
+        hold_registers(w, op);
         w.open.push_back(op);
       }
       break;
@@ -244,7 +323,7 @@ bool exec_wg(int t0) {
     case WarpOp::WgWait:
       while ((int)w.groups.size() > L[0].arg) {
         for (const WgOp& op : w.groups.front())
-          if (!run_wgmma(op)) return false;
+          if (!run_wgmma(op) || !release_registers(w, op, t0)) return false;
         w.groups.pop_front();
       }
       break;

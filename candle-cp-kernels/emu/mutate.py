@@ -16,6 +16,25 @@ import sys
 HERE = os.path.dirname(os.path.abspath(__file__))
 KERNELS = os.path.join(HERE, "..", "kernels")
 
+# wgmma atomic dQ: the transposed dS^T store (reads dsa) and the dK += dS^T Q issue (dsa = its A
+# fragments); the mutation swaps them, so the store reads A-fragment registers of an in-flight wgmma.
+_DS_STORE_HEAD = "    if constexpr (ATOMIC) {\n      // dS^T (the rounded values of dsa) into the dS tile"
+_DK_ISSUE = ("    reg_fence(dsa);\n    reg_fence(acc_k);\n    wg_fence();\n    // dK += dS^T Q: B = Q MN-major.\n"
+             "#pragma unroll\n    for (int kk = 0; kk < BQ / 16; ++kk)\n"
+             "      wg_rs<D, T>(acc_k, dsa[kk], sw128_desc(qa + (uint32_t)(kk * 2048), BQ * 128, 1024), 1);\n"
+             "    wg_commit();\n")
+
+
+def _ds_store_block():
+    with open(os.path.join(KERNELS, "flash_bwd_sm90.cu")) as f:
+        text = f.read()
+    i = text.find(_DS_STORE_HEAD)
+    j = text.find(_DK_ISSUE, i)
+    return text[i:j] if 0 <= i < j else "<dS store block not found>"
+
+
+_DS_STORE = _ds_store_block()
+
 # (id, file, original text (must occur once), mutated text, run.sh filter, what it plants)
 MUTATIONS = [
     ("fused-prefetch-before-barrier", "flash_bwd_fused.cu",
@@ -121,6 +140,19 @@ MUTATIONS = [
     ("wgmma-atomic-ds-swizzle", "flash_bwd_sm90.cu",
      "((((key >> 3) ^ qr) & 7) << 4)", "((((key >> 3) ^ (qr >> 1)) & 7) << 4)",
      "flash_bwd_wgmma_atomic", "wgmma atomic dQ: wrong swizzle in the transposed dS store"),
+    ("wgmma-proxy-fence", "flash_fwd_sm90.cu",
+     "    cp_async_wait<0>();\n    fence_proxy_async();\n    // K_j", "    cp_async_wait<0>();\n    // K_j",
+     "flash_fwd_wgmma", "wgmma forward: fence.proxy.async after the cp.async wait removed (copies not "
+     "visible to the async proxy)"),
+    ("wgmma-atomic-ds-fence", "flash_bwd_sm90.cu",
+     "    if constexpr (ATOMIC) {\n      fence_proxy_async();\n      __syncthreads();",
+     "    if constexpr (ATOMIC) {\n      __syncthreads();",
+     "flash_bwd_wgmma_atomic", "wgmma atomic dQ: fence.proxy.async before the barrier publishing the dS "
+     "tile removed (st.shared not visible to the async proxy)"),
+    ("wgmma-atomic-ds-store-in-flight", "flash_bwd_sm90.cu",
+     _DS_STORE + _DK_ISSUE, _DK_ISSUE + _DS_STORE,
+     "flash_bwd_wgmma_atomic", "wgmma atomic dQ: dS^T stored from dsa after dK += dS^T Q is issued "
+     "(A-fragment registers read while that wgmma is in flight)"),
 ]
 
 

@@ -3,6 +3,7 @@
 // the positive controls must run clean. Compiled like a kernel file (common.cuh, CP_HOST_EMU).
 #include "common.cuh"
 #include "harness.h"
+#include "wgmma.cuh"
 
 namespace {
 
@@ -85,6 +86,38 @@ __global__ void st_ldsm_oob(float* out) {
   out[threadIdx.x] = (float)r[0];
 }
 
+// One warpgroup: B [16 k x 64 n] (MN-major, 128-byte swizzle) by cp.async, A = all ones from
+// registers, D = A B by wgmma (so D[m][n] = sum_k B[k][n]). mode 0: correct; 1: no
+// fence.proxy.async between the copies and the wgmma (bug); 2: an accumulator register written
+// before the wait_group (bug); 3: an A-fragment register read before the wait_group (bug: PTX
+// leaves it undefined, the emulator hands out NaN).
+__global__ void st_wgmma(const __half* b, float* out, int mode) {
+  CP_DYN_SMEM_A(unsigned char, smem, 1024);
+  const uint32_t base = (cp_smem_u32(smem) + 1023u) & ~1023u;
+  const int tid = threadIdx.x;
+  sw_load<16, 64, 128, __half>(base, b, 64, 0, 16, tid);
+  cp_async_commit();
+  cp_async_wait<0>();
+  if (mode != 1) fence_proxy_async();
+  __syncthreads();
+  uint32_t a[4] = {0x3c003c00u, 0x3c003c00u, 0x3c003c00u, 0x3c003c00u};  // f16 1.0 pairs
+  float d[32];
+  for (int i = 0; i < 32; ++i) d[i] = 0.f;
+  wg_fence();
+  wg_rs<64, __half>(d, a, sw128_desc(base, 16 * 128, 1024), 0);
+  wg_commit();
+  if (mode == 2) d[3] = 1.f;
+  float x = 0.f;
+  if (mode == 3) {  // a[1]'s low half (1.0) minus 1
+    const uint16_t lo = (uint16_t)(a[1] & 0xffffu);
+    __half h;
+    std::memcpy(static_cast<void*>(&h), &lo, 2);
+    x = __half2float(h) - 1.f;
+  }
+  wg_wait<0>();
+  for (int i = 0; i < 32; ++i) out[32 * tid + i] = d[i] + x;
+}
+
 bool any_nan(const Buf<float>& b) {
   for (size_t i = 0; i < b.n; ++i)
     if (std::isnan(b.p[i])) return true;
@@ -145,6 +178,32 @@ void run_selftests() {
     }
   cp_emu::set_schedule(cp_emu::Schedule::Lockstep);
   cp_emu::set_cp_async_landing(cp_emu::Landing::AtWait);
+  {
+    // wgmma register operands and the async proxy (deferred wgmma, as in every combination but warps-asc)
+    cp_emu::set_wgmma_at_issue(false);
+    Buf<__half> bh(16 * 64);
+    Buf<float> dw(128 * 32);
+    for (int i = 0; i < 16 * 64; ++i) bh.p[i] = __float2half((float)((i * 7) % 5));
+    auto right = [&] {
+      for (int tid = 0; tid < 128; ++tid)
+        for (int i = 0; i < 32; ++i) {
+          const int n = 8 * (i / 4) + 2 * (tid % 4) + (i % 2);
+          float want = 0.f;
+          for (int k = 0; k < 16; ++k) want += (float)((k * 64 + n) * 7 % 5);
+          if (dw.p[32 * tid + i] != want) return false;
+        }
+      return true;
+    };
+    ok = cp_emu::launch("st_wgmma", dim3(1), dim3(128), 16 * 128 + 1024, [&] { st_wgmma(bh.p, dw.p, 0); });
+    expect("wgmma after cp.async.wait_group + fence.proxy.async + barrier, D = A B (control)", ok && right());
+    expect("wgmma reading cp.async data without fence.proxy.async fails the launch",
+           !cp_emu::launch("st_wgmma", dim3(1), dim3(128), 16 * 128 + 1024, [&] { st_wgmma(bh.p, dw.p, 1); }));
+    expect("accumulator register written before the wait_group fails the launch",
+           !cp_emu::launch("st_wgmma", dim3(1), dim3(128), 16 * 128 + 1024, [&] { st_wgmma(bh.p, dw.p, 2); }));
+    ok = cp_emu::launch("st_wgmma", dim3(1), dim3(128), 16 * 128 + 1024, [&] { st_wgmma(bh.p, dw.p, 3); });
+    expect("A-fragment register read before the wait_group sees NaN", ok && any_nan(dw));
+    cp_emu::set_wgmma_at_issue(sched0 == cp_emu::Schedule::WarpsAscending);  // as the harness sets it
+  }
   expect("block of 128 threads for __launch_bounds__(64) fails the launch",
          !cp_emu::launch("st_bounded", dim3(1), dim3(128), 0, [&] { st_bounded(out.p); }));
   expect("block of 64 threads for __launch_bounds__(64) runs (control)",

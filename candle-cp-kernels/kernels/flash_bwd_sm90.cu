@@ -56,9 +56,10 @@
 //
 // Atomic-dQ variant (ATOMIC = true, flash_bwd_wgmma_atomic_*; FwdImpl::WgmmaAtomic, opt-in): the
 // same kernel also computes dQ, so the dQ kernel is not run (5 products per (query,
-// key) pair instead of 7). After dK += dS^T Q is issued, each thread stores its rounded dS^T values
-// transposed into a 16-bit dS tile [BQ x BN] (SW128 K-major, 64 rows; the keys of warpgroup w are
-// column block w; placed after the dO stages: WGMMA_BWD_SMEM_ATOMIC(D)); fence.proxy.async and a
+// key) pair instead of 7). Before dK += dS^T Q is issued (its A-fragment registers may not be read
+// while it runs), each thread stores its rounded dS^T values transposed into a 16-bit dS tile
+// [BQ x BN] (SW128 K-major, 64 rows; the keys of warpgroup w are column block w; placed after
+// the dO stages: WGMMA_BWD_SMEM_ATOMIC(D)); after dK is issued, fence.proxy.async and a
 // block barrier publish it to the async proxy; then dQ = dS K: KS x wgmma m64n64k16 (wg_ss_tb,
 // A = dS K-major, B = K MN-major with imm-trans-b). At D = 128 warpgroup w computes d columns
 // [64w, 64w + 64) over all 128 keys (KS = 8, B start + w * BN * 128), at D = 64 all d columns over
@@ -223,17 +224,11 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
       dsa[kk][2] = cp_pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
       dsa[kk][3] = cp_pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
     }
-    reg_fence(dsa);
-    reg_fence(acc_k);
-    wg_fence();
-    // dK += dS^T Q: B = Q MN-major.
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk)
-      wg_rs<D, T>(acc_k, dsa[kk], sw128_desc(qa + (uint32_t)(kk * 2048), BQ * 128, 1024), 1);
-    wg_commit();
     if constexpr (ATOMIC) {
       // dS^T (the rounded values of dsa) into the dS tile, transposed: dS [query][key] in the
-      // SW128 K-major layout (64 rows; keys of warpgroup w = column block w) while dK runs.
+      // SW128 K-major layout (64 rows; keys of warpgroup w = column block w). Before dK += dS^T Q
+      // is issued: dsa are that wgmma's A-fragment registers, which PTX forbids accessing (even
+      // reading) until the wait_group that retires it (FlashAttention-3 stores dS first, too).
       const int kl = wr * 16 + g;
 #pragma unroll
       for (int kk = 0; kk < BQ / 16; ++kk)
@@ -248,6 +243,16 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
             *reinterpret_cast<uint16_t*>(smem_ptr(a)) = (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu);
           }
         }
+    }
+    reg_fence(dsa);
+    reg_fence(acc_k);
+    wg_fence();
+    // dK += dS^T Q: B = Q MN-major.
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      wg_rs<D, T>(acc_k, dsa[kk], sw128_desc(qa + (uint32_t)(kk * 2048), BQ * 128, 1024), 1);
+    wg_commit();
+    if constexpr (ATOMIC) {
       fence_proxy_async();
       __syncthreads();  // the whole dS tile (both warpgroups) visible to the async proxy
       // dQ partial = dS K (64 queries x 64 d): at D = 128 warpgroup w takes d [64w, 64w + 64) over

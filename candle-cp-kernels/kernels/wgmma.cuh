@@ -15,7 +15,7 @@
 __device__ __forceinline__ void wg_fence() { cp_emu::wg_fence(); }
 __device__ __forceinline__ void wg_commit() { cp_emu::wg_commit(); }
 template <int N> __device__ __forceinline__ void wg_wait() { cp_emu::wg_wait(N); }
-__device__ __forceinline__ void fence_proxy_async() {}
+__device__ __forceinline__ void fence_proxy_async() { cp_emu::fence_proxy_async(); }
 template <typename R> __device__ __forceinline__ void reg_fence(R&) {}
 #else
 __device__ __forceinline__ void wg_fence() { asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory"); }
