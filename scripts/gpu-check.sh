@@ -9,8 +9,9 @@
 #
 # With the device tool: run `build` here, then
 #   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=570)
-# Part 2 fits in 9 minutes at worst (every step at its timeout): checks <= 250 s (+30 s after an
-# oracle failure), benchmarks <= 160 s, SDPA <= 80 s; about 3 minutes when all goes well.
+# Part 2 fits in 8 minutes at worst (every step at its timeout): checks <= 240 s (+20 s after an
+# oracle failure), benchmarks <= 155 s, SDPA <= 65 s; about 3 minutes when all goes well.
+# (The device tool's 570 s call limit leaves 90 s for unpacking and the machine file.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 STAGE=${STAGE:-target-gpu-stage}
@@ -72,33 +73,33 @@ run() {
   # Each step is its own process: a kernel that faults poisons its CUDA context, and must not
   # take the other checks or the other kernel family's numbers with it.
   echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
-  timeout 75 "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout 2>&1 \
+  timeout 70 "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout 2>&1 \
     | tee "$out/check.log" || rc=1
   echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
-  timeout 45 "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large 2>&1 \
+  timeout 40 "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large 2>&1 \
     | tee "$out/check-pipelined.log" || rc=1
   echo "== 3/5 correctness: experimental Hopper wgmma forward and backward (wgmma dK/dV; wgmma-atomic: fused dQ) vs the CPU path"
-  timeout 50 "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large 2>&1 \
+  timeout 45 "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large 2>&1 \
     | tee "$out/check-wgmma.log" || rc=1
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
-  if ! timeout 90 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl 2>&1 \
+  if ! timeout 85 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl 2>&1 \
     | tee "$out/check-oracle.log"; then
     rc=1
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
-    CANDLE_CP_FLASH_IMPL=mma timeout 30 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle \
+    CANDLE_CP_FLASH_IMPL=mma timeout 20 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle \
       2>&1 | tee -a "$out/check-oracle.log" | tail -3 || true
   fi
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
   local imp ring limit
   for imp in pipelined wgmma,wgmma-atomic atomic; do
-    ring=0 limit=45
-    [ "$imp" = pipelined ] && ring=4 limit=70
-    [ "$imp" = wgmma,wgmma-atomic ] && limit=55
+    ring=0 limit=40
+    [ "$imp" = pipelined ] && ring=4 limit=65
+    [ "$imp" = wgmma,wgmma-atomic ] && limit=50
     timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
       --impl "$imp" --ring-t 16384 --ring-p "$ring" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
   done
-  timeout 80 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+  timeout 65 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
     2>&1 | tee "$out/sdpa.jsonl" || rc=1
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
   grep -h "^gpu_check:" "$out"/check*.log || true
