@@ -62,6 +62,10 @@ run() {
     if [ -n "$d" ]; then libs="$libs:$d"; else echo "gpu-check: WARNING: $so not found"; fi
   done
   export LD_LIBRARY_PATH="${libs#:}${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
+  # The kernels ship as PTX: the driver JIT-compiles each module at its first load. Keep those
+  # results for the later steps (separate processes) in a cache big enough for all of them.
+  export CUDA_CACHE_PATH=${CUDA_CACHE_PATH:-/tmp/candle-cp-cuda-cache} CUDA_CACHE_MAXSIZE=4294967296
+  mkdir -p "$CUDA_CACHE_PATH"
   # One machine file: the device tool returns at most 8 files from $OUT.
   local machine="$out/machine.txt"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$machine"
