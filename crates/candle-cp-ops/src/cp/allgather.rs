@@ -92,6 +92,11 @@ pub(super) fn fwd(
         lses.push(l);
         st.blocks += 1;
         st.area += (seg.len * n) as u64;
+        st.pairs += if opts.causal {
+            crate::cp::balance::visible_pairs(&seg, &Segment { offset: 0, stride: 1, len: n, local: 0 }, true)
+        } else {
+            (seg.len * n) as u64
+        };
     }
     st.compute += t0.elapsed();
     Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))

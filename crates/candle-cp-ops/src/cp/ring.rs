@@ -4,9 +4,10 @@
 //! At step `s` rank `i` holds the K/V of source rank `j = (i - s) mod P` and computes, for each
 //! (query segment, key segment) pair of the two layouts' [`Segment`]s, one block:
 //! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
-//! offset/stride causal mask when it straddles the diagonal; fully visible blocks adjacent in
-//! local rows go in one attention call ([`step_schedule`]: zigzag steps other than the
-//! diagonal one are a single call). The partial (out, lse) of each
+//! offset/stride causal mask when it straddles the diagonal. [`step_schedule`] fuses them into
+//! fewer, larger calls: fully visible blocks adjacent in local rows go in one call, and the
+//! causal step on a rank's own K/V is one plain causal call over local indices (every zigzag
+//! step is a single attention call). The partial (out, lse) of each
 //! block merge, through the LSE, into an f32 running state of all local rows
 //! ([`super::state::LocalState`]: in place on the host for CPU queries, as f32 device tensors
 //! updated in place otherwise, so nothing goes through the host between steps; the backward's
@@ -40,7 +41,7 @@
 
 mod schedule;
 pub use schedule::{block_schedule, classify, fuse_full_blocks, split_rows, step_schedule, Block, Scheduled};
-use schedule::{mask_of, sub_blocks};
+use schedule::{call_pairs, mask_of, sub_blocks};
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::Segment;
@@ -113,6 +114,7 @@ pub(super) fn fwd(
                 state.merge_rows(qs.local, &o, &l)?;
                 st.blocks += 1;
                 st.area += (qs.len * sb.k.len) as u64;
+                st.pairs += call_pairs(&qs, &sb.k, &block);
             }
         }
         st.compute = t0.elapsed();
@@ -214,6 +216,7 @@ pub(super) fn bwd(
                 dkv.add_rows(1, sb.k.local, &dvb)?;
                 st.blocks += 1;
                 st.area += (qs.len * sb.k.len) as u64;
+                st.pairs += call_pairs(&qs, &sb.k, &block);
             }
         }
         let contrib = dkv.finish(dev)?;
@@ -296,18 +299,48 @@ mod tests {
     }
 
     #[test]
+    fn engines_compute_exactly_the_balance_pairs() -> Result<()> {
+        // Every layout, causal and full: the pairs each rank's calls cover (ring and all-gather
+        // KV, with fused blocks and 1024-row chunks) are the exact counts of `cp::balance`.
+        let (p, t) = (4usize, 64usize);
+        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Striped] {
+            for causal in [true, false] {
+                let want = crate::cp::balance(layout, p, t, causal)?.pairs;
+                let opts = CpOpts::new(layout, causal);
+                let res = candle_cp_comm::run_ranks(p, |g: Group| {
+                    let dev = candle_core::Device::Cpu;
+                    let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
+                    let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
+                    let (_, _, ring) = ring_attention_fwd_raw(&q, &k, &k, &g, &opts)?;
+                    let (_, _, ag) = crate::cp::allgather_attention_stats(&q, &k, &k, &g, &opts)?;
+                    Ok((ring.pairs(), ag.pairs()))
+                });
+                for (r, x) in res.into_iter().enumerate() {
+                    let (ring, ag) = x?;
+                    assert_eq!(ring, want[r], "ring {layout:?} causal={causal} rank {r}");
+                    assert_eq!(ag, want[r], "allgather {layout:?} causal={causal} rank {r}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
     fn runtime_zigzag_equal_work_contiguous_skips() -> Result<()> {
         let (p, t) = (4usize, 64usize);
         let c = t / (2 * p);
-        // Zigzag: step 0 computes 3 dense c×c blocks (two diagonal), every later step 2.
+        // Zigzag: every step is one call. Step 0 (own K/V) is one causal call over the rank's
+        // 2c local rows (dense area 4c², visible pairs c² + c(c+1): two diagonal blocks and
+        // a full one); every later step is one full call of 2c² pairs.
         for st in ring_stats(Layout::Zigzag, p, t)? {
             assert_eq!(st.steps.len(), p);
+            assert!(st.steps.iter().all(|s| s.blocks == 1), "{:?}", st.steps);
             let areas: Vec<u64> = st.steps.iter().map(|s| s.area).collect();
-            assert_eq!(areas[0], (3 * c * c) as u64);
-            assert!(
-                areas[1..].iter().all(|&a| a == (2 * c * c) as u64),
-                "{areas:?}"
-            );
+            let pairs: Vec<u64> = st.steps.iter().map(|s| s.pairs).collect();
+            assert_eq!(areas[0], (4 * c * c) as u64);
+            assert_eq!(pairs[0], (c * c + c * (c + 1)) as u64);
+            assert!(areas[1..].iter().all(|&a| a == (2 * c * c) as u64), "{areas:?}");
+            assert!(pairs[1..].iter().all(|&a| a == (2 * c * c) as u64), "{pairs:?}");
             // K/V only (one KV head of the [B, T/P, Hkv, D] shards): P-1 hops of 2·T/P·8 f32.
             assert_eq!(st.bytes_sent, ((p - 1) * 2 * (t / p) * 8 * 4) as u64);
         }

@@ -25,8 +25,11 @@ pub struct StepStats {
     pub wait: Duration,
     /// Number of (query segment × key segment) blocks computed (skipped ones excluded).
     pub blocks: usize,
-    /// Dense area (query rows × key rows) of the blocks computed.
+    /// Dense area (query rows × key rows) of the attention calls made (a fused causal call
+    /// counts its masked part too; the kernels skip fully masked tiles).
     pub area: u64,
+    /// Visible (query, key) pairs computed: the work, independent of how blocks were fused.
+    pub pairs: u64,
 }
 
 /// Per-step statistics of one ring pass on one rank.
@@ -51,6 +54,10 @@ impl RingStats {
     /// Total dense block area computed.
     pub fn area(&self) -> u64 {
         self.steps.iter().map(|s| s.area).sum()
+    }
+    /// Total visible (query, key) pairs computed.
+    pub fn pairs(&self) -> u64 {
+        self.steps.iter().map(|s| s.pairs).sum()
     }
 }
 

@@ -85,29 +85,71 @@ pub fn block_schedule(
     Ok(out)
 }
 
-/// The kernel calls of one ring step: [`block_schedule`] with fully visible blocks that are
-/// adjacent in local rows fused into one block, so a step issues fewer, larger attention calls
-/// (what a GPU wants). Zigzag, `j` = the source rank, `i` = this rank:
+/// The kernel calls of one ring step: [`block_schedule`] with its blocks fused into fewer,
+/// larger attention calls (what a GPU wants). Zigzag, `j` = the source rank, `i` = this rank:
 ///
 /// ```text
-///  j < i: q chunk i     █ k chunk j    ──►  [q chunks i, 2P-1-i] × k chunk j         (1 call)
+///  j < i: q chunk i      █ k chunk j  ──► [q chunks i, 2P-1-i] × k chunk j, full     (1 call)
 ///         q chunk 2P-1-i █ k chunk j
-///  j > i: q chunk 2P-1-i █ k chunk j, █ k chunk 2P-1-j ──► q × [k chunks j, 2P-1-j] (1 call)
-///  j = i: ◣ + █ + ◣ (two diagonal blocks and one full one)                        (3 calls)
+///  j > i: q chunk 2P-1-i █ k chunk j, █ k chunk 2P-1-j
+///                                     ──► q chunk 2P-1-i × [k chunks j, 2P-1-j], full (1 call)
+///  j = i: q chunk i      ◣ .          ──► all local rows × all local keys, plain causal
+///         q chunk 2P-1-i █ ◣              mask on local indices                      (1 call)
 /// ```
 ///
-/// Two `Full` blocks fuse when they share the key segment and their query segments are
-/// adjacent in the local shard, or share the query segment and their key segments are adjacent.
-/// A fused segment keeps the first part's `offset` and `stride` (meaningless for a `Full`
-/// block, which is never re-classified) and covers both parts' local rows; `qi`/`ki` are the
-/// first part's.
+/// - Two `Full` blocks fuse (repeatedly) when they share the key rows and their query rows are
+///   adjacent in the local shard, or share the query rows and their key rows are adjacent. A
+///   fused segment keeps the first part's `offset` and `stride` (meaningless for a `Full`
+///   block, which is never re-classified) and covers both parts' local rows; `qi`/`ki` are the
+///   first part's.
+/// - Causal, holding its own K/V (`src == rank`): when the rank's segments, in local order,
+///   cover its rows contiguously with increasing global positions (contiguous, zigzag,
+///   striped), key `b` is visible from query `a` exactly when `b <= a` in local indices, so the
+///   step is one block over local coordinates: both segments `{offset: 0, stride: 1, len: T/P,
+///   local: 0}` (positions replaced by local indices, which preserves every comparison), with
+///   the plain causal mask.
 pub fn step_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
-    Ok(fuse_full_blocks(block_schedule(layout, rank, src, p, t, causal)?))
+    let blocks = block_schedule(layout, rank, src, p, t, causal)?;
+    if causal && src == rank && blocks.len() > 1 {
+        if let Some(all) = local_order_segment(&layout.segments(rank, p, t)?) {
+            let block = classify(&all, &all, true);
+            return Ok(vec![Scheduled { qi: 0, ki: 0, q: all, k: all, block }]);
+        }
+    }
+    Ok(fuse_full_blocks(blocks))
 }
 
-/// Fuse adjacent fully visible blocks (see [`step_schedule`]); other blocks are kept as they
-/// are, in order.
-pub fn fuse_full_blocks(blocks: Vec<Scheduled>) -> Vec<Scheduled> {
+/// `{offset: 0, stride: 1, len, local: 0}` over all of `segs` when they cover local rows
+/// `0..len` in order and their global positions increase along the local rows (so local
+/// indices order rows as their positions do); `None` otherwise.
+fn local_order_segment(segs: &[Segment]) -> Option<Segment> {
+    let mut next_local = 0;
+    let mut last_pos: Option<usize> = None;
+    for s in segs.iter().filter(|s| s.len > 0) {
+        if s.local != next_local || s.stride == 0 || last_pos.is_some_and(|l| s.offset <= l) {
+            return None;
+        }
+        next_local += s.len;
+        last_pos = Some(s.last());
+    }
+    (next_local > 0).then_some(Segment { offset: 0, stride: 1, len: next_local, local: 0 })
+}
+
+/// Fuse adjacent fully visible blocks until no two fuse (see [`step_schedule`]); other blocks
+/// are kept as they are, in order.
+pub fn fuse_full_blocks(mut blocks: Vec<Scheduled>) -> Vec<Scheduled> {
+    loop {
+        let n = blocks.len();
+        blocks = fuse_once(blocks);
+        if blocks.len() == n {
+            return blocks;
+        }
+    }
+}
+
+/// One pass of [`fuse_full_blocks`]: each `Full` block joins the first earlier one it is
+/// adjacent to.
+fn fuse_once(blocks: Vec<Scheduled>) -> Vec<Scheduled> {
     let mut out: Vec<Scheduled> = Vec::with_capacity(blocks.len());
     for b in blocks {
         let fused = match b.block {
@@ -133,6 +175,16 @@ pub fn fuse_full_blocks(blocks: Vec<Scheduled>) -> Vec<Scheduled> {
         }
     }
     out
+}
+
+/// Visible (query, key) pairs of one attention call: rows `q` of a scheduled block against its
+/// keys `k`, as [`sub_blocks`] classified it.
+pub(crate) fn call_pairs(q: &Segment, k: &Segment, block: &Block) -> u64 {
+    match block {
+        Block::Skip => 0,
+        Block::Full(_) => (q.len * k.len) as u64,
+        Block::Partial(_) => crate::cp::balance::visible_pairs(q, k, true),
+    }
 }
 
 /// Split a segment into runs of at most `max` rows (global offsets and local rows adjusted).
@@ -251,10 +303,10 @@ mod tests {
 
     /// (query local row, key local row) pairs a list of blocks computes, as the ring engine
     /// computes them: 3-row chunks, each call's mask applied to its local row indices.
-    fn pairs(blocks: &[Scheduled]) -> Vec<(usize, usize)> {
+    fn pairs(blocks: &[Scheduled], causal: bool) -> Vec<(usize, usize)> {
         let mut v = Vec::new();
         for b in blocks {
-            for (qseg, blk) in sub_blocks(b, true, 3) {
+            for (qseg, blk) in sub_blocks(b, causal, 3) {
                 for qi in qseg.local..qseg.local + qseg.len {
                     for ki in b.k.local..b.k.local + b.k.len {
                         let visible = match blk {
@@ -274,21 +326,21 @@ mod tests {
 
     #[test]
     fn fused_schedule_computes_exactly_the_visible_pairs() -> Result<()> {
-        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Striped] {
+        for (layout, causal) in [Layout::Contiguous, Layout::Zigzag, Layout::Striped].into_iter().flat_map(|l| [(l, true), (l, false)]) {
             for p in [1usize, 2, 3, 4] {
                 let t = 2 * p * 5;
                 for rank in 0..p {
                     for src in 0..p {
-                        let plain = block_schedule(layout, rank, src, p, t, true)?;
-                        let fused = step_schedule(layout, rank, src, p, t, true)?;
+                        let plain = block_schedule(layout, rank, src, p, t, causal)?;
+                        let fused = step_schedule(layout, rank, src, p, t, causal)?;
                         let (ks, qs) = (layout.segments(src, p, t)?, layout.segments(rank, p, t)?);
-                        // Ground truth: every (local q, local k) pair with k's position <= q's.
+                        // Ground truth: every (local q, local k) pair (causal: with k's position <= q's).
                         let mut want = Vec::new();
                         for q in &qs {
                             for k in &ks {
                                 for a in 0..q.len {
                                     for b in 0..k.len {
-                                        if k.offset + b * k.stride <= q.offset + a * q.stride {
+                                        if !causal || k.offset + b * k.stride <= q.offset + a * q.stride {
                                             want.push((q.local + a, k.local + b));
                                         }
                                     }
@@ -296,12 +348,12 @@ mod tests {
                             }
                         }
                         want.sort_unstable();
-                        let what = format!("{layout:?} P={p} rank={rank} src={src}");
-                        assert_eq!(pairs(&plain), want, "plain {what}");
-                        assert_eq!(pairs(&fused), want, "fused {what}");
+                        let what = format!("{layout:?} causal={causal} P={p} rank={rank} src={src}");
+                        assert_eq!(pairs(&plain, causal), want, "plain {what}");
+                        assert_eq!(pairs(&fused, causal), want, "fused {what}");
                         assert!(fused.len() <= plain.len(), "{what}");
-                        if layout == Layout::Zigzag && src != rank {
-                            assert_eq!(fused.len(), 1, "zigzag off-diagonal step is one call: {what}");
+                        if layout == Layout::Zigzag {
+                            assert_eq!(fused.len(), 1, "every zigzag step is one call: {what}");
                         }
                     }
                 }
@@ -309,6 +361,7 @@ mod tests {
         }
         Ok(())
     }
+
     #[test]
     fn fuse_only_adjacent_full_blocks() {
         let sg = |offset, len, local| Segment { offset, stride: 1, len, local };
@@ -332,5 +385,20 @@ mod tests {
         assert_eq!(fuse_full_blocks(partial.clone()), partial);
         let partial2 = vec![blk(sg(0, 4, 0), sg(0, 2, 0), full), blk(sg(40, 4, 4), sg(0, 2, 0), part)];
         assert_eq!(fuse_full_blocks(partial2.clone()), partial2);
+    }
+    #[test]
+    fn diagonal_step_in_local_coordinates_only_when_order_is_kept() {
+        let sg = |offset, stride, len, local| Segment { offset, stride, len, local };
+        // Zigzag rank 1 of 4 (c = 5): chunks 1 and 6, increasing along the local rows.
+        let z = [sg(5, 1, 5, 0), sg(30, 1, 5, 5)];
+        assert_eq!(local_order_segment(&z), Some(sg(0, 1, 10, 0)));
+        // Positions decreasing along the local rows, a gap in the local rows, or overlapping
+        // positions: the local order is not the position order, no local-coordinate block.
+        assert_eq!(local_order_segment(&[sg(30, 1, 5, 0), sg(5, 1, 5, 5)]), None);
+        assert_eq!(local_order_segment(&[sg(5, 1, 5, 0), sg(30, 1, 5, 6)]), None);
+        assert_eq!(local_order_segment(&[sg(0, 2, 5, 0), sg(7, 1, 5, 5)]), None);
+        assert_eq!(local_order_segment(&[]), None);
+        // Striped (stride P) is one increasing segment.
+        assert_eq!(local_order_segment(&[sg(2, 4, 5, 0)]), Some(sg(0, 1, 5, 0)));
     }
 }
