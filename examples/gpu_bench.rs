@@ -1,11 +1,14 @@
 //! GPU benchmark (feature `cuda`): forward and backward TFLOP/s of the candle-cp flash kernels,
 //! and zigzag ring attention on virtual ranks (threads sharing one GPU) against the
-//! single-GPU kernel. Prints one JSON object per line (read by `scripts/gpu_table.py`).
+//! single-GPU kernel; with `--mem 1`, the memory-bound kernels (ring merge, final cast,
+//! zigzag shard/unshard, all-to-all pack/unpack) in GB/s against a device-to-device copy of
+//! the same bytes. Prints one JSON object per line (read by `scripts/gpu_table.py`).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
 //!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--mem 0|1]
 //! ```
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
 //! side by side; the ring uses the first.
@@ -29,6 +32,7 @@ struct Args {
     ring_t: usize,
     ring_p: usize,
     budget: Duration,
+    mem: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -56,6 +60,7 @@ fn parse() -> Result<Args> {
         ring_t: num("--ring-t", 16384)?,
         ring_p: num("--ring-p", 4)?,
         budget: Duration::from_secs(num("--budget-s", 240)? as u64),
+        mem: num("--mem", 0)? != 0,
     })
 }
 
@@ -86,6 +91,9 @@ fn main() -> Result<()> {
     let start = Instant::now();
     let (b, h, d) = (a.batch, a.heads, a.d);
     let scale = 1.0 / (d as f32).sqrt();
+    if a.mem {
+        mem_kernels(&a, &dev)?;
+    }
     for &t in &a.ts {
         for causal in [true, false] {
             if start.elapsed() > a.budget {
@@ -240,5 +248,45 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
         flops / ring_s / 1e12,
         single / ring_s
     );
+    Ok(())
+}
+
+/// The memory-bound kernels on `[B, T, H, D]` (T = the largest `--t`): bytes each one reads
+/// and writes over its time, against a device-to-device copy of the same bytes timed in the
+/// same run (`ratio` = kernel GB/s / copy GB/s; the copy is the ceiling).
+fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
+    use candle_cp_kernels::{layout, merge};
+    let (b, h, d) = (a.batch, a.heads, a.d);
+    let t = a.ts.iter().copied().max().unwrap_or(16384);
+    let p = 4usize;
+    let o = Tensor::randn(0f32, 1f32, (b, t, h, d), dev)?;
+    let o2 = Tensor::randn(0f32, 1f32, (b, t, h, d), dev)?;
+    let l = Tensor::randn(0f32, 1f32, (b, h, t), dev)?;
+    let l2 = Tensor::randn(0f32, 1f32, (b, h, t), dev)?;
+    let x = o.to_dtype(DType::BF16)?;
+    let packed = layout::a2a_pack(&x, 2, p)?;
+    let (n_o, n_l) = ((b * t * h * d * 4) as f64, (b * h * t * 4) as f64);
+    let n_x = n_o / 2.0;
+    // (name, bytes read + written, the call)
+    type Call<'a> = Box<dyn Fn() -> candle_core::Result<()> + 'a>;
+    let cases: Vec<(&str, f64, Call)> = vec![
+        ("merge f32", 3.0 * (n_o + n_l), Box::new(|| merge::merge(&o, &l, &o2, &l2).map(|_| ()))),
+        ("cast f32->bf16", n_o + n_x, Box::new(|| merge::cast_out(&o, DType::BF16).map(|_| ()))),
+        ("zigzag shard bf16 (1 of 4)", 2.0 * n_x / p as f64, Box::new(|| layout::shard(&x, 1, layout::SeqLayout::Zigzag, p, 1).map(|_| ()))),
+        ("zigzag unshard bf16", 2.0 * n_x, Box::new(|| layout::unshard(&x, 1, layout::SeqLayout::Zigzag, p).map(|_| ()))),
+        ("a2a pack bf16 (heads)", 2.0 * n_x, Box::new(|| layout::a2a_pack(&x, 2, p).map(|_| ()))),
+        ("a2a unpack bf16 (seq)", 2.0 * n_x, Box::new(|| layout::a2a_unpack(&packed, 1).map(|_| ()))),
+    ];
+    let copy_s = time(dev, a.iters.max(5), || o.copy().map(|_| ()))?;
+    let copy_gbps = 2.0 * n_o / copy_s / 1e9;
+    for (name, bytes, f) in &cases {
+        let s = time(dev, a.iters.max(5), f)?;
+        let gbps = bytes / s / 1e9;
+        println!(
+            "{{\"impl\":\"candle-cp-mem\",\"kernel\":\"{name}\",\"t\":{t},\"bytes\":{bytes:.0},\"ms\":{:.3},\"gbps\":{gbps:.1},\"copy_gbps\":{copy_gbps:.1},\"ratio\":{:.3}}}",
+            s * 1e3,
+            gbps / copy_gbps
+        );
+    }
     Ok(())
 }

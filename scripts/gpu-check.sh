@@ -95,13 +95,14 @@ run() {
   fi
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring limit
+  local imp ring limit mem
   for imp in pipelined wgmma,wgmma-atomic atomic; do
-    ring=0 limit=40
+    ring=0 limit=40 mem=0
     [ "$imp" = pipelined ] && ring=4 limit=65
     [ "$imp" = wgmma,wgmma-atomic ] && limit=50
+    [ "$imp" = atomic ] && mem=1   # + the memory-bound kernels (merge, cast, layout) in GB/s
     timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-      --impl "$imp" --ring-t 16384 --ring-p "$ring" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
+      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
   done
   timeout 65 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
     2>&1 | tee "$out/sdpa.jsonl" || rc=1

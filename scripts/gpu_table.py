@@ -46,6 +46,8 @@ def main():
     for r in (r for r in bench if r.get("impl") == "candle-cp-ring-step"):
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
               f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}")
+    for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):
+        print(f"{r['kernel']} (T = {r['t']}): {r['gbps']:.0f} GB/s = {r['ratio']:.2f} of a device copy ({r['copy_gbps']:.0f} GB/s)")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']}: {r['ring_ms']:.1f} ms vs single-GPU kernel "
               f"{r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")
