@@ -5,6 +5,8 @@
 //! - [`ThreadGroup`]: P ranks as threads of one process, on any candle `Device`;
 //!   [`run_ranks`] / [`run_ranks_with`] launch a closure on every rank.
 //! - [`Mesh`]: named sub-groups (e.g. dp × cp × tp) with a documented rank order.
+//! - [`rendezvous`]: rank 0 hands a small blob (the NCCL unique id) to every rank, over a TCP
+//!   store on `MASTER_ADDR:MASTER_PORT` or a shared file, with bounded waits.
 //! - [`watchdog`]: bounded waits on enqueued work ([`watchdog::Watchdog`], [`watchdog::Poison`]),
 //!   used by `nccl::NcclGroup` (feature `nccl`) so that a dead peer becomes an `Err`, not a hang.
 //!
@@ -33,6 +35,7 @@ mod group;
 pub mod mesh;
 #[cfg(feature = "nccl")]
 pub mod nccl;
+pub mod rendezvous;
 pub mod thread;
 pub mod watchdog;
 mod world;

@@ -1,8 +1,10 @@
 //! Bootstrap of [`NcclGroup`]s: from the launcher environment (one process per GPU, the unique
-//! id through a shared file), or one process driving several GPUs (one thread per rank).
+//! id through [`crate::rendezvous`]: a TCP store on `MASTER_ADDR:MASTER_PORT` or a shared
+//! file), or one process driving several GPUs (one thread per rank).
 
 use super::raw::RawComm;
 use super::{NcclGroup, DEFAULT_TIMEOUT};
+use crate::rendezvous::Rendezvous;
 use crate::Group;
 use candle_core::cuda_backend::cudarc::nccl::Id;
 use candle_core::cuda_backend::WrapErr;
@@ -11,19 +13,6 @@ use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// Where [`NcclGroup::from_env`] exchanges the unique id: `$CANDLE_CP_NCCL_ID_FILE` if set,
-/// else `$TMPDIR` (or `/tmp`) `/candle-cp-nccl-<MASTER_ADDR>-<MASTER_PORT>.id`. Rank 0 writes it
-/// (atomically, by rename), the others poll for it. For several nodes the path must be on a
-/// filesystem every node sees; `MASTER_ADDR`/`MASTER_PORT` only name the file (no TCP store).
-pub fn id_file_path() -> std::path::PathBuf {
-    if let Some(p) = std::env::var_os("CANDLE_CP_NCCL_ID_FILE") {
-        return p.into();
-    }
-    let addr = std::env::var("MASTER_ADDR").unwrap_or_else(|_| "localhost".into());
-    let port = std::env::var("MASTER_PORT").unwrap_or_else(|_| "29500".into());
-    std::env::temp_dir().join(format!("candle-cp-nccl-{addr}-{port}.id"))
-}
-
 fn env_usize(name: &str) -> Result<usize> {
     let v = std::env::var(name).map_err(|_| Error::Msg(format!("NcclGroup::from_env: {name} is not set")))?;
     v.trim().parse().map_err(|_| Error::Msg(format!("NcclGroup::from_env: {name}={v:?} is not a number")))
@@ -31,42 +20,31 @@ fn env_usize(name: &str) -> Result<usize> {
 
 impl NcclGroup {
     /// One process per GPU, from the usual launcher environment: `RANK`, `WORLD_SIZE`,
-    /// `LOCAL_RANK` (the CUDA ordinal; default `RANK`). The unique id is exchanged through
-    /// [`id_file_path`]; ranks other than 0 wait for it up to `timeout`. `timeout` is also the
-    /// group's timeout: init waits at most that long for every rank to join, and so does each
-    /// collective (see the module docs).
+    /// `LOCAL_RANK` (the CUDA ordinal; default `RANK`). Rank 0 makes the unique id and hands
+    /// it to the others through [`Rendezvous::from_env`]: a TCP store on
+    /// `MASTER_ADDR:MASTER_PORT` (rank 0 listens on that port), or the file
+    /// `$CANDLE_CP_NCCL_ID_FILE`. Ranks other than 0 wait for it up to `timeout`. `timeout` is
+    /// also the group's timeout: init waits at most that long for every rank to join, and so
+    /// does each collective (see the module docs).
     pub fn from_env(timeout: Duration) -> Result<Self> {
         let rank = env_usize("RANK")?;
         let world = env_usize("WORLD_SIZE")?;
         let local = env_usize("LOCAL_RANK").unwrap_or(rank);
         let device = CudaDevice::new_with_stream(local)?;
-        let path = id_file_path();
+        let rdv = Rendezvous::from_env()?;
         let start = Instant::now();
-        let id = if rank == 0 {
+        let mine = if rank == 0 {
             let id = Id::new().map_err(|e| Error::Msg(format!("NcclGroup::from_env: ncclGetUniqueId: {}", super::raw::describe(e.0))))?;
-            let bytes: Vec<u8> = id.internal().iter().map(|&c| c as u8).collect();
-            let tmp = path.with_extension(format!("tmp{}", std::process::id()));
-            std::fs::write(&tmp, &bytes)?;
-            std::fs::rename(&tmp, &path)?;
-            id
+            Some(id.internal().iter().map(|&c| c as u8).collect::<Vec<u8>>())
         } else {
-            loop {
-                match std::fs::read(&path) {
-                    Ok(b) if b.len() == 128 => {
-                        let mut raw = [0 as std::ffi::c_char; 128];
-                        for (d, s) in raw.iter_mut().zip(&b) {
-                            *d = *s as std::ffi::c_char;
-                        }
-                        break Id::uninit(raw);
-                    }
-                    _ if start.elapsed() > timeout => candle_core::bail!(
-                        "NcclGroup::from_env: rank {rank} of {world} found no NCCL id at {} after {timeout:?}",
-                        path.display()
-                    ),
-                    _ => std::thread::sleep(Duration::from_millis(50)),
-                }
-            }
+            None
         };
+        let bytes = rdv.share(rank, world, mine.as_deref(), 128, timeout)?;
+        let mut raw = [0 as std::ffi::c_char; 128];
+        for (d, s) in raw.iter_mut().zip(&bytes) {
+            *d = *s as std::ffi::c_char;
+        }
+        let id = Id::uninit(raw);
         // the id wait and the init share one budget
         let left = timeout.saturating_sub(start.elapsed()).max(Duration::from_secs(1));
         let g = Self::with_timeout(&device, rank, world, id, left)?;

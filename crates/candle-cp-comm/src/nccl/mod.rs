@@ -10,8 +10,9 @@
 //!   has no all-to-all. all-gather / reduce-scatter along a dim other than 0 reorder the data
 //!   with candle ops (a transpose copy) around NCCL's flat collectives.
 //! - Bootstrap: [`NcclGroup::from_env`] (one process per GPU: `RANK`, `WORLD_SIZE`,
-//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; the NCCL unique id goes through a shared file,
-//!   see [`id_file_path`]), [`NcclGroup::new`] / [`NcclGroup::with_timeout`] (you pass the id),
+//!   `LOCAL_RANK`, `MASTER_ADDR`, `MASTER_PORT`; the NCCL unique id goes from rank 0 to the
+//!   others through [`crate::rendezvous`]: a TCP store on `MASTER_ADDR:MASTER_PORT`, or a shared
+//!   file), [`NcclGroup::new`] / [`NcclGroup::with_timeout`] (you pass the id),
 //!   or [`NcclGroup::single_process`] / [`run_nccl_ranks`] (one thread per GPU in one process).
 //! - NCCL refuses two ranks on the same GPU: several ranks on one GPU use
 //!   [`crate::ThreadGroup`] with a CUDA device instead (virtual ranks).
@@ -46,7 +47,7 @@
 mod boot;
 mod raw;
 
-pub use boot::{id_file_path, run_nccl_ranks};
+pub use boot::run_nccl_ranks;
 
 use crate::watchdog::{poll_until, PollEnd, Watchdog, WatchdogOptions};
 use crate::{PendingRecv, ProcessGroup};
