@@ -2,13 +2,15 @@
 //! script does nothing (no nvcc needed).
 //!
 //! With `cuda`, `build.rs` compiles `kernels/*.cu` to PTX for `compute_80` (Ampere and Hopper;
-//! the driver JIT-compiles it) and this crate exposes:
-//! - [`ptx`]: the PTX sources as string constants;
-//! - [`flash`]: flash-attention forward with LSE (tensor cores for bf16/f16) and backward;
-//! - [`merge`]: ring-step LSE merge on an f32 accumulator, and the final cast;
-//! - [`layout`]: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack.
+//! the driver JIT-compiles it; the Hopper `wgmma` files for `compute_90a`) and this crate
+//! exposes (modules present only with the feature):
+//! - `ptx`: the PTX sources as string constants;
+//! - `flash`: flash-attention forward with LSE (tensor cores for bf16/f16; opt-in Hopper wgmma)
+//!   and backward;
+//! - `merge`: ring-step LSE merge on an f32 accumulator, and the final cast;
+//! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack.
 //!
-//! The functions take and return candle [`Tensor`](candle_core::Tensor)s on a CUDA device (or
+//! The functions take and return candle `Tensor`s on a CUDA device (or
 //! `CudaStorage` + `Layout` for `CustomOp::cuda_fwd`), so CPU and CUDA paths share one API in
 //! `candle-cp-ops`. Every kernel has a CPU reference there, named at the top of its `.cu`
 //! file; `examples/gpu_check.rs` compares them on a GPU.

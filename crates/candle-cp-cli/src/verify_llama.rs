@@ -15,7 +15,7 @@ pub struct LlamaArgs {
     /// HF checkpoint directory (config.json + model.safetensors).
     #[arg(long)]
     model: PathBuf,
-    /// Reference safetensors (input_ids, logits, loss, grad.<name>).
+    /// Reference safetensors (`input_ids`, `logits`, `loss`, `grad.<name>`).
     #[arg(long)]
     reference: PathBuf,
     /// CP algorithm: ring (contiguous), zigzag, striped, allgather, ulysses, 2d; or `single`.

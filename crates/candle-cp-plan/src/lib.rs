@@ -9,7 +9,7 @@
 //! and pinned by a unit test. Lengths: `seq` is the *global* sequence length `s`; the
 //! tokens a GPU holds under CP are `s / cp` (the "chunk" `c`).
 //!
-//! Entry point: [`plan`] takes [`PlanInput`] and returns a [`Plan`] (serialisable to
+//! Entry point: [`plan`](fn@plan) takes [`PlanInput`] and returns a [`Plan`] (serialisable to
 //! JSON); [`report::render`] prints it as tables for people.
 
 #![warn(missing_docs)]
