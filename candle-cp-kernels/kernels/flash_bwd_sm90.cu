@@ -192,13 +192,7 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
         s[4 * i + e] = p;
       }
     }
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      pa[kk][0] = cp_pack2<T>(s[8 * kk], s[8 * kk + 1]);
-      pa[kk][1] = cp_pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = cp_pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = cp_pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    acc_to_a<T>(pa, s);
     reg_fence(pa);
     reg_fence(acc_v);
     wg_fence();
@@ -217,13 +211,7 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
 #pragma unroll
       for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? d2.y : d2.x));
     }
-#pragma unroll
-    for (int kk = 0; kk < BQ / 16; ++kk) {
-      dsa[kk][0] = cp_pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
-      dsa[kk][1] = cp_pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-      dsa[kk][2] = cp_pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-      dsa[kk][3] = cp_pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
-    }
+    acc_to_a<T>(dsa, dp);
     if constexpr (ATOMIC) {
       // dS^T (the rounded values of dsa) into the dS tile, transposed: dS [query][key] in the
       // SW128 K-major layout (64 rows; keys of warpgroup w = column block w). Before dK += dS^T Q
@@ -437,13 +425,7 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
       uint32_t dsa[BK / 16][4];
 #pragma unroll
       for (int i = 0; i < NS; ++i) dp[i] = s[i] * (dp[i] - dl[(i >> 1) & 1]);
-#pragma unroll
-      for (int kk = 0; kk < BK / 16; ++kk) {
-        dsa[kk][0] = cp_pack2<T>(dp[8 * kk], dp[8 * kk + 1]);
-        dsa[kk][1] = cp_pack2<T>(dp[8 * kk + 2], dp[8 * kk + 3]);
-        dsa[kk][2] = cp_pack2<T>(dp[8 * kk + 4], dp[8 * kk + 5]);
-        dsa[kk][3] = cp_pack2<T>(dp[8 * kk + 6], dp[8 * kk + 7]);
-      }
+      acc_to_a<T>(dsa, dp);
       reg_fence(dsa);
       reg_fence(acc);
       wg_fence();

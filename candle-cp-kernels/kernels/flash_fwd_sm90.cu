@@ -172,13 +172,7 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
       o[4 * i + 2] *= al_b;
       o[4 * i + 3] *= al_b;
     }
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk) {
-      pa[kk][0] = cp_pack2<T>(s[8 * kk], s[8 * kk + 1]);
-      pa[kk][1] = cp_pack2<T>(s[8 * kk + 2], s[8 * kk + 3]);
-      pa[kk][2] = cp_pack2<T>(s[8 * kk + 4], s[8 * kk + 5]);
-      pa[kk][3] = cp_pack2<T>(s[8 * kk + 6], s[8 * kk + 7]);
-    }
+    acc_to_a<T>(pa, s);
   };
 
   // Iteration j: S_j = Q K_j^T and, overlapping the softmax of tile j, O += P_{j-1} V_{j-1}.

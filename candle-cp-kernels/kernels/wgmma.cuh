@@ -37,6 +37,17 @@ template <int N> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) 
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
 }
 #endif
+// An m64nN accumulator fragment (element 4i + e, f32) re-packed as the A fragments of the next
+// wgmma: k-step kk takes elements 8kk .. 8kk + 7, as four pairs of 16-bit values (low half
+// first; the m16n8k16 A layout, see the file header of flash_fwd_sm90.cu).
+template <typename T, int KS, int N>
+__device__ __forceinline__ void acc_to_a(uint32_t (&a)[KS][4], const float (&x)[N]) {
+  static_assert(N >= 8 * KS, "acc_to_a: accumulator too small for the k-steps");
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) a[kk][r] = cp_pack2<T>(x[8 * kk + 2 * r], x[8 * kk + 2 * r + 1]);
+}
 // Shared-memory matrix descriptor, 128-byte swizzle (see the header comment).
 __device__ __forceinline__ uint64_t sw128_desc(uint32_t addr, uint32_t lbo, uint32_t sbo) {
   return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)((lbo & 0x3FFFFu) >> 4) << 16) |
