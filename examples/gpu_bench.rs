@@ -155,8 +155,7 @@ impl RingInputs {
 /// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
 /// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9.
 fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
-    use candle_cp_ops::cp::balance::visible_pairs;
-    use candle_cp_ops::cp::ring::{classify, split_rows, step_schedule, Block};
+    use candle_cp_ops::cp::ring::{call_pairs, step_schedule, sub_blocks, Block};
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
     let (q, k, v, imp) = (&ri.q, &ri.k, &ri.v, ri.imp);
     let single_rate = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0 / ri.single_s;
@@ -173,18 +172,14 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
             // (query rows, keys, mask, visible pairs) of every kernel call of this step.
             let mut calls = Vec::new();
             for sb in step_schedule(Layout::Zigzag, rank, src, p, t, true)? {
-                for qseg in split_rows(&sb.q, block_rows) {
-                    // As the engine does: row chunks of a full (possibly fused) block stay full.
-                    let block = if let Block::Full(m) = sb.block { Block::Full(m) } else { classify(&qseg, &sb.k, true) };
+                // The engine's own row chunks and masks of each (possibly fused) block.
+                for (qseg, block) in sub_blocks(&sb, true, block_rows) {
                     let mask = match block {
                         Block::Skip => continue,
                         Block::Full(_) => KMask::full(),
                         Block::Partial(_) => KMask::causal(qseg.offset, qseg.stride, sb.k.offset, sb.k.stride),
                     };
-                    let pairs = match block {
-                        Block::Full(_) => qseg.len * sb.k.len,
-                        _ => visible_pairs(&qseg, &sb.k, true) as usize,
-                    };
+                    let pairs = call_pairs(&qseg, &sb.k, &block) as usize;
                     let qr = ql.narrow(1, qseg.local, qseg.len)?.contiguous()?;
                     let kr = ks.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let vr = vs.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;

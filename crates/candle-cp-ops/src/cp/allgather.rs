@@ -23,7 +23,7 @@ use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_fwd, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -52,8 +52,9 @@ pub(super) fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) ->
 }
 
 /// This rank's query row chunks: the layout's segments split into runs of at most
-/// `rows` rows ([`CpOpts::rows_per_call`]; each sees its own key prefix).
-fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, rows: usize) -> Result<Vec<Segment>> {
+/// [`CpOpts::rows_per_call`] rows on `dev` (each sees its own key prefix).
+fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Result<Vec<Segment>> {
+    let rows = opts.rows_per_call(dev);
     Ok(opts
         .layout
         .segments(rank, p, dims.t)?
@@ -78,7 +79,7 @@ pub(super) fn fwd(
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let mut outs = Vec::new();
     let mut lses = Vec::new();
-    for seg in chunks(rank, p, opts, dims, opts.rows_per_call(q.device()))? {
+    for seg in chunks(rank, p, opts, dims, q.device())? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
         let (o, l) = attention_fwd(
@@ -124,7 +125,7 @@ pub(super) fn bwd(
     let mut dq = RowAccum::with_residency(1, b, dims.tl, dims.h, d, dev, residency)?;
     // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
     let mut dkv = RowAccum::with_residency(2, b, dims.t, dims.hkv, d, dev, residency)?;
-    for seg in chunks(rank, p, opts, dims, opts.rows_per_call(q.device()))? {
+    for seg in chunks(rank, p, opts, dims, q.device())? {
         let (n, mask) = key_range(&seg, dims.t, opts.causal);
         let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
         let (kn, vn) = (

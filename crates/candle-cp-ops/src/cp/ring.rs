@@ -40,8 +40,8 @@
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
 
 mod schedule;
-pub use schedule::{block_schedule, classify, fuse_full_blocks, split_rows, step_schedule, Block, Scheduled};
-use schedule::{call_pairs, mask_of, sub_blocks};
+pub use schedule::{block_schedule, call_pairs, classify, fuse_full_blocks, split_rows, step_schedule, sub_blocks, Block, Scheduled};
+use schedule::mask_of;
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::Segment;
@@ -91,6 +91,7 @@ pub(super) fn fwd(
     let mut state = LocalState::with_residency(b, tl, h, d, q.device(), residency)?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
+    let rows_per_call = opts.rows_per_call(q.device());
     for s in 0..p {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
@@ -109,7 +110,7 @@ pub(super) fn fwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts.causal, opts.rows_per_call(q.device())) {
+            for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
                 let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
                 state.merge_rows(qs.local, &o, &l)?;
                 st.blocks += 1;
@@ -183,6 +184,7 @@ pub(super) fn bwd(
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
+    let rows_per_call = opts.rows_per_call(q.device());
     for s in 0..p {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
@@ -202,7 +204,7 @@ pub(super) fn bwd(
         let mut dkv = accum(2, dims.hkv)?;
         for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts.causal, opts.rows_per_call(q.device())) {
+            for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
                 let (qr, or, lr, dr) = (
                     rows(q, 1, &qs)?,
                     rows(out, 1, &qs)?,

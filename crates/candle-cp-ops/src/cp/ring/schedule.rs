@@ -179,7 +179,7 @@ fn fuse_once(blocks: Vec<Scheduled>) -> Vec<Scheduled> {
 
 /// Visible (query, key) pairs of one attention call: rows `q` of a scheduled block against its
 /// keys `k`, as [`sub_blocks`] classified it.
-pub(crate) fn call_pairs(q: &Segment, k: &Segment, block: &Block) -> u64 {
+pub fn call_pairs(q: &Segment, k: &Segment, block: &Block) -> u64 {
     match block {
         Block::Skip => 0,
         Block::Full(_) => (q.len * k.len) as u64,
@@ -205,7 +205,7 @@ pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
 /// Row chunks of a `Full` block are `Full` (every subset of a fully visible block is fully
 /// visible; a fused block's segments are not arithmetic progressions, so they are never
 /// re-classified); chunks of a `Partial` block are classified again.
-pub(crate) fn sub_blocks(sb: &Scheduled, causal: bool, rows_per_call: usize) -> Vec<(Segment, Block)> {
+pub fn sub_blocks(sb: &Scheduled, causal: bool, rows_per_call: usize) -> Vec<(Segment, Block)> {
     split_rows(&sb.q, rows_per_call)
         .into_iter()
         .map(|q| match sb.block {
