@@ -8,10 +8,10 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "flash_bwd_pipe", "flash_bwd_fused", "merge", "layout"];
+const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "flash_bwd_pipe", "flash_bwd_fused", "merge", "layout", "probe"];
 /// Kernels that use Hopper-only instructions (wgmma): PTX for `compute_90a` (`.target sm_90a`),
 /// loadable only on compute capability 9.x; the launchers check the device before loading them.
-const KERNELS_SM90A: &[&str] = &["flash_fwd_sm90", "flash_bwd_sm90"];
+const KERNELS_SM90A: &[&str] = &["flash_fwd_sm90", "flash_fwd_sm90_ws", "flash_bwd_sm90", "flash_bwd_sm90_ws", "probe_sm90"];
 
 fn nvcc() -> PathBuf {
     if let Some(p) = std::env::var_os("NVCC") {
@@ -44,6 +44,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/common.cuh");
     println!("cargo:rerun-if-changed=kernels/flash_bwd_pipe.cuh");
     println!("cargo:rerun-if-changed=kernels/wgmma.cuh");
+    println!("cargo:rerun-if-changed=kernels/mbarrier.cuh");
     let sm80 = KERNELS.iter().map(|n| (n, "-arch=compute_80"));
     for (name, arch) in sm80.chain(KERNELS_SM90A.iter().map(|n| (n, "-arch=compute_90a"))) {
         let src = format!("kernels/{name}.cu");

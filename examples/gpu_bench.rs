@@ -7,11 +7,12 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
-//!     [--mem 0|1]
+//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--mem 0|1] [--bwd 1|0]
 //! ```
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
-//! side by side; the ring uses the first.
+//! side by side; the ring uses the first. `--bwd 0` times the forward only (for a family whose
+//! backward is another family's, e.g. `wgmma-ws`, whose backward is `wgmma`'s).
 //! FLOPs (FlashAttention convention): forward `4·B·H·T²·D` (halved when causal), backward
 //! 2.5× the forward. bf16 inputs, f32 accumulation.
 
@@ -33,6 +34,8 @@ struct Args {
     ring_p: usize,
     budget: Duration,
     mem: bool,
+    /// Time the backward too (`--bwd`, default 1).
+    bwd: bool,
 }
 
 fn parse() -> Result<Args> {
@@ -47,7 +50,7 @@ fn parse() -> Result<Args> {
         .unwrap_or_else(|| "auto".into())
         .split(',')
         .map(|s| {
-            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, atomic)"))
+            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, atomic)"))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {
@@ -61,6 +64,7 @@ fn parse() -> Result<Args> {
         ring_p: num("--ring-p", 4)?,
         budget: Duration::from_secs(num("--budget-s", 240)? as u64),
         mem: num("--mem", 0)? != 0,
+        bwd: num("--bwd", 1)? != 0,
     })
 }
 
@@ -108,14 +112,17 @@ fn main() -> Result<()> {
             for &imp in &a.imps {
                 let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, imp)?;
                 let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, imp).map(|_| ()))?;
-                let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, imp).map(|_| ()))?;
+                let bwd = if a.bwd {
+                    let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, imp).map(|_| ()))?;
+                    format!(",\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}", bwd_s * 1e3, 2.5 * flops / bwd_s / 1e12)
+                } else {
+                    String::new()
+                };
                 println!(
-                    "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}}}",
+                    "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2}{bwd}}}",
                     imp,
                     fwd_s * 1e3,
                     flops / fwd_s / 1e12,
-                    bwd_s * 1e3,
-                    2.5 * flops / bwd_s / 1e12
                 );
             }
         }

@@ -6,9 +6,9 @@
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,atomic] [--sections flash,flash-large,merge,layout,oracle,llama,nccl]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,flash-large,merge,layout,oracle,llama,nccl]
 //! ```
-//! `--impls` limits the kernel families checked by the flash sections (`wgmma` and `wgmma-atomic`, Hopper only, and
+//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
 //! `atomic`, the fused backward with atomic dQ, are checked only when named); `--sections` runs only
 //! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
 //! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
@@ -27,6 +27,11 @@ use std::time::{Duration, Instant};
 #[path = "gpu_util.rs"]
 mod gpu_util;
 use gpu_util::{max_abs, rand_tensor, rel};
+
+/// Whether `imp` is a tensor-core family (16-bit P, dO and dS: looser tolerances).
+fn tensor_core(imp: FwdImpl) -> bool {
+    matches!(imp, FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq)
+}
 
 /// Pass/fail bookkeeping.
 #[derive(Default)]
@@ -125,6 +130,9 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaAtomic) {
                 imps.push(FwdImpl::WgmmaAtomic);
             }
+            if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaWs) {
+                imps.push(FwdImpl::WgmmaWs);
+            }
             if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
                 imps.push(FwdImpl::AtomicDq);
             }
@@ -135,8 +143,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                     Ok((o, l)) => {
                         // mma rounds P to 16 bits before P·V (like FlashAttention).
                         let tol = match (imp, dtype) {
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, DType::BF16) => 2e-2,
-                            (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, _) => 4e-3,
+                            (i, DType::BF16) if tensor_core(i) => 2e-2,
+                            (i, _) if tensor_core(i) => 4e-3,
                             _ => 2e-5,
                         };
                         rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, tol);
@@ -153,8 +161,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let name = format!("flash_bwd {imp:?} {tag}");
                 // mma rounds dO, P and dS to 16 bits before the products (like FlashAttention).
                 let tol = match (imp, dtype) {
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, DType::BF16) => 3e-2,
-                    (FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq, _) => 5e-3,
+                    (i, DType::BF16) if tensor_core(i) => 3e-2,
+                    (i, _) if tensor_core(i) => 5e-3,
                     _ => 1e-4,
                 };
                 match flash::bwd_with(&gq, &gk, &gv, &go, &gl, &gd, kmask(&c.mask), scale as f32, imp) {
@@ -166,6 +174,24 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
                     Err(e) => rep.error(&name, e),
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// Probe kernels (`candle_cp_kernels::probe`): mma.sync / ldmatrix / cp.async (and wgmma on
+/// Hopper) against the register layouts our kernels assume; one line per probe, `probe <name>: OK`
+/// or `probe <name>: FAIL <diagnosis>` (which thread's register holds which element, and the
+/// pattern; see docs/gpu.md "Probe kernels").
+fn check_probe(rep: &mut Report, gpu: &Device) -> Result<()> {
+    let Device::Cuda(dev) = gpu else { anyhow::bail!("probe: {gpu:?} is not a CUDA device") };
+    for r in candle_cp_kernels::probe::run_probes(dev)? {
+        if r.ok {
+            println!("probe {}: OK", r.name);
+            rep.pass += 1;
+        } else {
+            println!("probe {}: FAIL {}", r.name, r.diagnosis);
+            rep.fail.push(format!("probe {}", r.name));
         }
     }
     Ok(())
@@ -419,6 +445,9 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         if rep.named(FwdImpl::WgmmaAtomic) {
             imps.push(FwdImpl::WgmmaAtomic);
         }
+        if rep.named(FwdImpl::WgmmaWs) {
+            imps.push(FwdImpl::WgmmaWs);
+        }
         if rep.named(FwdImpl::AtomicDq) {
             imps.push(FwdImpl::AtomicDq);
         }
@@ -497,7 +526,7 @@ fn main() -> Result<()> {
         Some(list) => list
             .split(',')
             .map(|x| match FwdImpl::from_name(x) {
-                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, atomic)")),
+                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, atomic)")),
                 Some(imp) => Ok(imp),
             })
             .collect::<Result<Vec<_>>>()?,
@@ -508,8 +537,8 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 4] =
-        [("flash", check_flash), ("flash-large", check_large), ("merge", check_merge), ("layout", check_layout)];
+    let sections: [(&str, Section); 5] =
+        [("probe", check_probe), ("flash", check_flash), ("flash-large", check_large), ("merge", check_merge), ("layout", check_layout)];
     for (name, f) in sections {
         if !want(name) {
             continue;

@@ -46,12 +46,25 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   if grep -q '^\.target sm_90a' "$ptx"; then archs=sm_90a; fi
   for arch in $archs; do
     msg=$(ptxas -arch="$arch" -o /dev/null "$ptx" 2>&1) || { echo "$msg"; exit 1; }
-    # C7520: ptxas serialized the wgmma pipeline (flash_fwd_sm90.cu / flash_bwd_sm90.cu would lose their overlap).
+    # C7520: ptxas serialized the wgmma pipeline (flash_fwd_sm90.cu / flash_fwd_sm90_ws.cu /
+    # flash_bwd_sm90.cu / flash_bwd_sm90_ws.cu would lose their overlap).
     if grep -q C7520 <<<"$msg"; then echo "ci-cuda: $ptx: $msg"; exit 1; fi
   done
   n=$((n + 1))
 done
-[ "$n" -ge 9 ] || { echo "ci-cuda: expected 9 PTX files from candle-cp-kernels, found $n"; exit 1; }
+[ "$n" -ge 10 ] || { echo "ci-cuda: expected 10 PTX files from candle-cp-kernels, found $n"; exit 1; }
+# the probe kernels (issue 6) must be among the PTX assembled above
+for f in probe probe_sm90; do
+  compgen -G "$CARGO_TARGET_DIR/release/build/candle-cp-kernels-*/out/$f.ptx" >/dev/null || { echo "ci-cuda: $f.ptx (candle-cp-kernels/kernels/$f.cu) was not built"; exit 1; }
+done
+# the warp-specialized forward (flash_fwd_sm90_ws.cu) and backward (flash_bwd_sm90_ws.cu) were
+# built and do not spill (setmaxnreg: forward producer 40 / consumers 232 registers, backward
+# producer 24 / consumers 240; see docs/kernels-sm90.md); C7520 is checked in the loop above
+for f in flash_fwd_sm90_ws flash_bwd_sm90_ws; do
+  ws_ptx=$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/$f.ptx 2>/dev/null | head -1 || true)
+  [ -n "$ws_ptx" ] || { echo "ci-cuda: $f.ptx was not built"; exit 1; }
+  if ptxas -arch=sm_90a -v -o /dev/null "$ws_ptx" 2>&1 | grep -E '[1-9][0-9]* bytes spill'; then echo "ci-cuda: $f.cu spills registers"; exit 1; fi
+done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py; do
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }

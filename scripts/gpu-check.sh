@@ -9,8 +9,8 @@
 #
 # With the device tool: run `build` here, then
 #   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=570)
-# Part 2 fits in 8 minutes at worst (every step at its timeout): checks <= 240 s (+20 s after an
-# oracle failure), benchmarks <= 155 s, SDPA <= 65 s; about 3 minutes when all goes well.
+# Part 2 fits in 8 minutes at worst: every step runs under one 480 s budget (GPU_CHECK_BUDGET_S),
+# with time kept back for the benchmarks and SDPA; about 3 minutes when all goes well.
 # (The device tool's 570 s call limit leaves 90 s for unpacking and the machine file.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -70,43 +70,67 @@ run() {
   local machine="$out/machine.txt"
   echo "LD_LIBRARY_PATH=$LD_LIBRARY_PATH" | tee "$machine"
   nvidia-smi 2>&1 | tee -a "$machine" | head -15 || true
-  ldd "$bin/gpu_check" 2>&1 | tee -a "$machine"
+  ldd "$bin/gpu_check" 2>&1 | tee -a "$machine" || true
   if ldd "$bin/gpu_check" | grep -q "not found"; then echo "gpu-check: WARNING: missing libraries (see ldd above)"; fi
 
   local rc=0
-  # Each step is its own process: a kernel that faults poisons its CUDA context, and must not
-  # take the other checks or the other kernel family's numbers with it.
+  # One budget for all steps (the issue's 8 minutes): each step runs under min(its own limit, what
+  # is left of the budget less a reserve for the steps after it that must still run); a step
+  # with under 5 s left is skipped and says so. Steps with their own log stay separate processes:
+  # a kernel that faults poisons its CUDA context (and a kernel that hangs is killed at its
+  # limit) without taking the other checks or the other kernel families' numbers with it.
+  local t0=$SECONDS budget=${GPU_CHECK_BUDGET_S:-480}
+  # step LIMIT RESERVE LOG MODE -- cmd...: MODE "new" starts LOG, "add" appends to it.
+  step() {
+    local want=$1 reserve=$2 log=$3 mode=$4; shift 5
+    local lim=$((budget - (SECONDS - t0) - reserve))
+    [ "$lim" -gt "$want" ] && lim=$want
+    if [ "$lim" -lt 5 ]; then
+      echo "gpu-check: SKIPPED (budget: ${lim}s left for a ${want}s step): $*" | tee -a "$log"; rc=1; return 0
+    fi
+    local tee_args=()
+    [ "$mode" = add ] && tee_args=(-a)
+    timeout "$lim" "$@" 2>&1 | tee "${tee_args[@]}" "$log" || { echo "gpu-check: step failed or timed out (limit ${lim}s): $*" | tee -a "$log"; rc=1; }
+  }
+  # What must still run after the checks: benchmarks of the default and the Hopper kernels + SDPA.
+  local keep=170
+  echo "== 0/5 probes: each tensor-core primitive (mma.sync, ldmatrix, cp.async, wgmma) alone, with a diagnosis of any mismatch"
+  step 20 $keep "$machine" add -- "$bin/gpu_check" --sections probe
   echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
-  timeout 70 "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout 2>&1 \
-    | tee "$out/check.log" || rc=1
+  step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout
   echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
-  timeout 40 "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large 2>&1 \
-    | tee "$out/check-pipelined.log" || rc=1
-  echo "== 3/5 correctness: experimental Hopper wgmma forward and backward (wgmma dK/dV; wgmma-atomic: fused dQ) vs the CPU path"
-  timeout 45 "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large 2>&1 \
-    | tee "$out/check-wgmma.log" || rc=1
+  step 40 $keep "$out/check-pipelined.log" new -- "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large
+  echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
+  step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large
+  step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,flash-large
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
-  if ! timeout 85 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl 2>&1 \
-    | tee "$out/check-oracle.log"; then
-    rc=1
+  local before=$rc
+  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl
+  if [ "$rc" != "$before" ]; then
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
-    CANDLE_CP_FLASH_IMPL=mma timeout 20 "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle \
-      2>&1 | tee -a "$out/check-oracle.log" | tail -3 || true
+    step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=mma "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle
   fi
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring limit mem
-  for imp in pipelined wgmma,wgmma-atomic atomic; do
-    ring=0 limit=40 mem=0
-    [ "$imp" = pipelined ] && ring=4 limit=65
-    [ "$imp" = wgmma,wgmma-atomic ] && limit=50
-    [ "$imp" = atomic ] && mem=1   # + the memory-bound kernels (merge, cast, layout) in GB/s
-    timeout "$limit" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" --budget-s $((limit - 10)) 2>&1 | tee -a "$out/bench.jsonl" || rc=1
+  local imp ring want mem reserve
+  # (family, limit, reserve for what follows): each family its own process, so a hang or fault
+  # in one leaves the others' numbers.
+  for imp in pipelined wgmma,wgmma-atomic wgmma-ws atomic; do
+    ring=0 mem=0
+    case $imp in
+      pipelined) ring=4 want=65 reserve=110 ;;      # reserve: 30 wgmma + 20 wgmma-ws + 60 SDPA
+      wgmma,wgmma-atomic) want=50 reserve=80 ;;
+      wgmma-ws) want=45 reserve=60 ;;
+      atomic) mem=1 want=40 reserve=60 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
+    esac
+    local lim=$((budget - (SECONDS - t0) - reserve))
+    [ "$lim" -gt "$want" ] && lim=$want
+    step "$want" "$reserve" "$out/bench.jsonl" add -- "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" --budget-s $((lim > 20 ? lim - 10 : 10))
   done
-  timeout 65 python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-    2>&1 | tee "$out/sdpa.jsonl" || rc=1
+  step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
+  echo "gpu-check: $((SECONDS - t0)) s of the ${budget} s budget"
   grep -h "^gpu_check:" "$out"/check*.log || true
   echo "gpu-check: results in $out (rc $rc)"
   return $rc

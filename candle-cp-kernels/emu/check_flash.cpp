@@ -38,6 +38,10 @@ void flash_fwd_wgmma_f16_d64(FWD_P(__half));
 void flash_fwd_wgmma_f16_d128(FWD_P(__half));
 void flash_fwd_wgmma_bf16_d64(FWD_P(__nv_bfloat16));
 void flash_fwd_wgmma_bf16_d128(FWD_P(__nv_bfloat16));
+void flash_fwd_wgmma_ws_f16_d64(FWD_P(__half));
+void flash_fwd_wgmma_ws_f16_d128(FWD_P(__half));
+void flash_fwd_wgmma_ws_bf16_d64(FWD_P(__nv_bfloat16));
+void flash_fwd_wgmma_ws_bf16_d128(FWD_P(__nv_bfloat16));
 void flash_bwd_wgmma_dkdv_f16_d64(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_f16_d128(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_bf16_d64(float*, float*, PIPE_P(__nv_bfloat16));
@@ -46,6 +50,10 @@ void flash_bwd_wgmma_dq_f16_d64(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_f16_d128(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_bf16_d64(float*, PIPE_P(__nv_bfloat16));
 void flash_bwd_wgmma_dq_bf16_d128(float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_ws_f16_d64(float*, float*, float*, PIPE_P(__half));
+void flash_bwd_wgmma_ws_f16_d128(float*, float*, float*, PIPE_P(__half));
+void flash_bwd_wgmma_ws_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16));
 }
 
 #define REG_D(N, D) {"flash_fwd_simple_" #N "_d" #D, (void*)&flash_fwd_simple_##N##_d##D},  \
@@ -123,10 +131,14 @@ namespace {
 const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f16) REG16(bf16)
     {"flash_fwd_wgmma_f16_d64", (void*)&flash_fwd_wgmma_f16_d64}, {"flash_fwd_wgmma_f16_d128", (void*)&flash_fwd_wgmma_f16_d128},
     {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128},
+    {"flash_fwd_wgmma_ws_f16_d64", (void*)&flash_fwd_wgmma_ws_f16_d64}, {"flash_fwd_wgmma_ws_f16_d128", (void*)&flash_fwd_wgmma_ws_f16_d128},
+    {"flash_fwd_wgmma_ws_bf16_d64", (void*)&flash_fwd_wgmma_ws_bf16_d64}, {"flash_fwd_wgmma_ws_bf16_d128", (void*)&flash_fwd_wgmma_ws_bf16_d128},
     {"flash_bwd_wgmma_dkdv_f16_d64", (void*)&flash_bwd_wgmma_dkdv_f16_d64}, {"flash_bwd_wgmma_dkdv_f16_d128", (void*)&flash_bwd_wgmma_dkdv_f16_d128},
     {"flash_bwd_wgmma_dkdv_bf16_d64", (void*)&flash_bwd_wgmma_dkdv_bf16_d64}, {"flash_bwd_wgmma_dkdv_bf16_d128", (void*)&flash_bwd_wgmma_dkdv_bf16_d128},
     {"flash_bwd_wgmma_dq_f16_d64", (void*)&flash_bwd_wgmma_dq_f16_d64}, {"flash_bwd_wgmma_dq_f16_d128", (void*)&flash_bwd_wgmma_dq_f16_d128},
-    {"flash_bwd_wgmma_dq_bf16_d64", (void*)&flash_bwd_wgmma_dq_bf16_d64}, {"flash_bwd_wgmma_dq_bf16_d128", (void*)&flash_bwd_wgmma_dq_bf16_d128}};
+    {"flash_bwd_wgmma_dq_bf16_d64", (void*)&flash_bwd_wgmma_dq_bf16_d64}, {"flash_bwd_wgmma_dq_bf16_d128", (void*)&flash_bwd_wgmma_dq_bf16_d128},
+    {"flash_bwd_wgmma_ws_f16_d64", (void*)&flash_bwd_wgmma_ws_f16_d64}, {"flash_bwd_wgmma_ws_f16_d128", (void*)&flash_bwd_wgmma_ws_f16_d128},
+    {"flash_bwd_wgmma_ws_bf16_d64", (void*)&flash_bwd_wgmma_ws_bf16_d64}, {"flash_bwd_wgmma_ws_bf16_d128", (void*)&flash_bwd_wgmma_ws_bf16_d128}};
 
 void* lookup(const std::string& name) {
   auto it = kTable.find(name);
@@ -151,10 +163,12 @@ template <> const char* sfx<__nv_bfloat16>() { return "bf16"; }
 unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
 // Wgmma: flash_fwd_sm90.cu forward; backward = pipe prep + flash_bwd_sm90.cu dK/dV and dQ
-// (src/flash/bwd_sm90.rs); D 64 / 128 only.
-enum class Impl { Simple, Mma, Pipe, Wgmma };
+// (src/flash/bwd_sm90.rs); D 64 / 128 only. WgmmaWs: flash_fwd_sm90_ws.cu forward (warp-specialized,
+// src/flash/sm90_ws.rs); backward = pipe prep + flash_bwd_sm90_ws.cu (src/flash/bwd_sm90_ws.rs: one
+// kernel, dq zero-filled and added to with atomics).
+enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs };
 const char* impl_name(Impl i) {
-  return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : "wgmma";
+  return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : i == Impl::Wgmma ? "wgmma" : "wgmma_ws";
 }
 
 template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false) {
@@ -174,16 +188,19 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
   const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
 
   for (Impl im : impls) {
-    if (im == Impl::Wgmma && (sizeof(TY) != 2 || (D != 64 && D != 128))) continue;
+    const bool sm90 = im == Impl::Wgmma || im == Impl::WgmmaWs;
+    if (sm90 && (sizeof(TY) != 2 || (D != 64 && D != 128))) continue;
     // ---- forward
     std::string name = std::string("flash_fwd_") + impl_name(im) + " " + tag;
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
-      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128;
+      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : im == Impl::WgmmaWs ? 384 : 128;
       size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
+      const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
+      if (im == Impl::WgmmaWs) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
       auto fn = reinterpret_cast<FwdFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
-      bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(im == Impl::Wgmma ? 256 : 128), smem, [&] {
+      bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(threads), smem, [&] {
         fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
       });
       check_launch(name, ok);
@@ -248,6 +265,21 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
                  dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
+      if (im == Impl::WgmmaWs) {
+        // WSB_* (flash_bwd_sm90_ws.cu), src/flash/bwd_sm90_ws.rs: grid (Hkv, ceil(S / 128), B), 384
+        // threads, WSB_SMEM(D); dq zero-filled by the launcher (accumulate: added to).
+        using WsFn = void (*)(float*, float*, float*, PIPE_P(TY));
+        auto wsf = reinterpret_cast<WsFn>(lookup("flash_bwd_wgmma_ws_" + dsfx));
+        const size_t nst = D == 128 ? 3 : 4;
+        const size_t ws_smem = (2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;
+        grads = [&, do16p, wsf, ws_smem](int acc) {
+          if (!acc) std::fill(dq.p, dq.p + nq, 0.f);
+          const TY* d16 = do16p->p;
+          return cp_emu::launch("flash_bwd_wgmma_ws", dim3(Hkv, cdiv(S, 128), B), dim3(384), ws_smem, [&] {
+            wsf(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+          });
+        };
+      }
       ok = ok && grads(0);
     }
     check_launch(name, ok);
@@ -278,7 +310,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
 }  // namespace
 
 void run_flash_checks() {
-  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma};
+  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma, Impl::WgmmaWs};
   // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str
   const Case full{"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1};
   const Case causal{"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1};
@@ -304,11 +336,11 @@ void run_flash_checks() {
   // just inside a key tile.
   const Case wg_masked{"wg causal strided, rows fully masked (k_off 20)", 2, 70, 150, 4, 2, 64, 1, 0, 2, 20, 3};
   const Case wg_gqa{"wg full gqa3:1 ragged", 1, 130, 200, 3, 1, 128, 0, 0, 1, 0, 1};
-  run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma}, seed++, true);
-  run_case<__half>(wg_gqa, {Impl::Wgmma}, seed++);
+  run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma, Impl::WgmmaWs}, seed++, true);
+  run_case<__half>(wg_gqa, {Impl::Wgmma, Impl::WgmmaWs}, seed++);
   // a warpgroup's first row sees keys [0, 127): the diagonal one key before a 128-key tile edge
   const Case wg_edge{"wg causal q_off 62 (diagonal at a key-tile edge)", 1, 130, 200, 2, 1, 64, 1, 62, 1, 0, 1};
-  run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma}, seed++);
+  run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma, Impl::WgmmaWs}, seed++);
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[12][64];
   std::mt19937_64 rng(7);
@@ -324,4 +356,10 @@ void run_flash_checks() {
     else
       run_case<__nv_bfloat16>(c, all, seed++);
   }
+  // warp-specialized forward: enough key tiles per block that its K / V ring (4 stages at d64, 3 at
+  // d128) wraps twice (mbarrier phase parities 0, 1, 0), causal and full, ragged S, GQA 2:1.
+  const Case ws_ring{"ws causal ring wraps (q_off 1100)", 1, 150, 1300, 2, 1, 64, 1, 1100, 1, 0, 1};
+  const Case ws_ring_full{"ws full ring wraps", 1, 100, 1000, 1, 1, 128, 0, 0, 1, 0, 1};
+  run_case<__nv_bfloat16>(ws_ring, {Impl::WgmmaWs}, seed++);
+  run_case<__half>(ws_ring_full, {Impl::WgmmaWs}, seed++);
 }

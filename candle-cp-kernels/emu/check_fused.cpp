@@ -1,7 +1,9 @@
 // The fused backward with atomic dQ (kernels/flash_bwd_fused.cu, FwdImpl::AtomicDq) under the
 // emulator vs a float64 reference: flash_bwd_pipe_prep_* (delta, 16-bit dO), then
 // flash_bwd_fused_*, launched as src/flash/bwd_fused.rs does (dq zero-filled; grid
-// (Hkv, ceil(S / 128), B), 256 threads). Also the accumulate flag: dq/dk/dv start from known
+// (Hkv, ceil(S / 128), B), 256 threads); the same cases for the wgmma atomic-dQ kernel
+// (flash_bwd_sm90.cu) and its warp-specialized twin (flash_bwd_sm90_ws.cu, 384 threads, plus cases
+// whose Q / dO ring wraps). Also the accumulate flag: dq/dk/dv start from known
 // values and must end at those values plus the gradients.
 #include <random>
 
@@ -22,16 +24,29 @@ void flash_bwd_wgmma_atomic_f16_d64(FUSED_P(__half));
 void flash_bwd_wgmma_atomic_f16_d128(FUSED_P(__half));
 void flash_bwd_wgmma_atomic_bf16_d64(FUSED_P(__nv_bfloat16));
 void flash_bwd_wgmma_atomic_bf16_d128(FUSED_P(__nv_bfloat16));
+// kernels/flash_bwd_sm90_ws.cu, FwdImpl::WgmmaWs backward (src/flash/bwd_sm90_ws.rs): same parameters.
+void flash_bwd_wgmma_ws_f16_d64(FUSED_P(__half));
+void flash_bwd_wgmma_ws_f16_d128(FUSED_P(__half));
+void flash_bwd_wgmma_ws_bf16_d64(FUSED_P(__nv_bfloat16));
+void flash_bwd_wgmma_ws_bf16_d128(FUSED_P(__nv_bfloat16));
 }
 
 namespace {
 
 template <typename TY> using FusedFn = void (*)(FUSED_P(TY));
 
-template <typename TY> FusedFn<TY> fused_fn(int d, bool wg) {
+// Which kernel: flash_bwd_fused_*, flash_bwd_wgmma_atomic_* or flash_bwd_wgmma_ws_* (D 64 / 128).
+enum class Kind { Fused, WgAtomic, WgWs };
+
+template <typename TY> FusedFn<TY> fused_fn(int d, Kind kind) {
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
   void* f = nullptr;
-  if (wg) {
+  if (kind == Kind::WgWs) {
+    f = d == 64 ? (bf ? (void*)&flash_bwd_wgmma_ws_bf16_d64 : (void*)&flash_bwd_wgmma_ws_f16_d64)
+                : (bf ? (void*)&flash_bwd_wgmma_ws_bf16_d128 : (void*)&flash_bwd_wgmma_ws_f16_d128);
+    return reinterpret_cast<FusedFn<TY>>(f);
+  }
+  if (kind == Kind::WgAtomic) {
     f = d == 64 ? (bf ? (void*)&flash_bwd_wgmma_atomic_bf16_d64 : (void*)&flash_bwd_wgmma_atomic_f16_d64)
                 : (bf ? (void*)&flash_bwd_wgmma_atomic_bf16_d128 : (void*)&flash_bwd_wgmma_atomic_f16_d128);
     return reinterpret_cast<FusedFn<TY>>(f);
@@ -58,12 +73,12 @@ struct FCase {
 
 unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 
-// wg: the wgmma variant flash_bwd_wgmma_atomic_* (D 64 / 128), else flash_bwd_fused_*.
-template <typename TY> void run_fused(const FCase& c, uint64_t seed, bool wg = false) {
+template <typename TY> void run_fused(const FCase& c, uint64_t seed, Kind kind = Kind::Fused) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
-  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value, wg = kind == Kind::WgAtomic, ws = kind == Kind::WgWs;
+  const char* kname = ws ? "flash_bwd_wgmma_ws" : wg ? "flash_bwd_wgmma_atomic" : "flash_bwd_fused";
   char tagc[200];
-  std::snprintf(tagc, sizeof tagc, "%s %s %s d%d [b%d t%d s%d h%d kv%d]%s", wg ? "flash_bwd_wgmma_atomic" : "flash_bwd_fused", bf ? "bf16" : "f16", c.label, D, B, T,
+  std::snprintf(tagc, sizeof tagc, "%s %s %s d%d [b%d t%d s%d h%d kv%d]%s", kname, bf ? "bf16" : "f16", c.label, D, B, T,
                 S, H, Hkv, c.accumulate ? " accumulate" : "");
   const std::string name = tagc;
   if (!wanted(name)) return;
@@ -102,8 +117,12 @@ template <typename TY> void run_fused(const FCase& c, uint64_t seed, bool wg = f
   size_t smem = (size_t)(2 * bn + 4 * bq) * (D + 8) * 2 + (size_t)bn * (bq + 8) * 2 + 4 * bq * 4;
   // WGMMA_BWD_SMEM_ATOMIC(D) (flash_bwd_sm90.cu, src/flash/bwd_sm90.rs): 128 keys, 64-row tiles.
   if (wg) smem = (size_t)(2 * bn + 4 * bq) * D * 2 + 4 * bq * 4 + 1024 + (size_t)bq * bn * 2;
-  auto fn = fused_fn<TY>(D, wg);
-  ok = ok && cp_emu::launch(wg ? "flash_bwd_wgmma_atomic" : "flash_bwd_fused", dim3(Hkv, cdiv(S, bn), B), dim3(256), smem, [&] {
+  // WSB_SMEM(D) (flash_bwd_sm90_ws.cu, src/flash/bwd_sm90_ws.rs): K, V, NST stages of Q and dO, two
+  // dS buffers, lse2 / delta [NST][64] f32, 2 NST mbarriers, 1024 alignment slack; 384 threads.
+  const size_t nst = D == 128 ? 3 : 4;
+  if (ws) smem = (2 * bn + 2 * nst * bq) * D * 2 + 2 * (size_t)bq * bn * 2 + 2 * nst * bq * 4 + 2 * nst * 8 + 1024;
+  auto fn = fused_fn<TY>(D, kind);
+  ok = ok && cp_emu::launch(kname, dim3(Hkv, cdiv(S, bn), B), dim3(ws ? 384 : 256), smem, [&] {
     fn(dq.p, dk.p, dv.p, q.p, k.p, v.p, do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks,
        c.accumulate ? 1 : 0);
   });
@@ -152,8 +171,22 @@ void run_fused_checks() {
       {"ragged full, scores ~ -100", 1, 40, 100, 1, 1, 64, 0, 0, 1, 0, 1, false, 5.0},
   };
   for (const FCase& c : wcases) {
-    run_fused<__nv_bfloat16>(c, seed++, true);
-    run_fused<__half>(c, seed++, true);
+    run_fused<__nv_bfloat16>(c, seed, Kind::WgAtomic);
+    run_fused<__nv_bfloat16>(c, seed++, Kind::WgWs);
+    run_fused<__half>(c, seed, Kind::WgAtomic);
+    run_fused<__half>(c, seed++, Kind::WgWs);
+  }
+  // The warp-specialized variant: enough query tiles per key block that its Q / dO ring (4 stages
+  // at d64, 3 at d128) wraps several times (mbarrier phase parities 0, 1, 0, ...) and the dS
+  // buffers alternate, GQA across the wrap, a block whose keys no query sees, ragged T / S.
+  const std::vector<FCase> ws_cases = {
+      {"ws ring wraps, causal gqa2:1", 1, 520, 200, 2, 1, 64, 1, 0, 1, 0, 1, false},
+      {"ws ring wraps, full gqa3:1", 1, 330, 140, 3, 1, 128, 0, 0, 1, 0, 1, true},
+      {"ws ring wraps, causal strided k_off 300", 2, 450, 260, 2, 2, 128, 1, 0, 2, 300, 3, false},
+  };
+  for (const FCase& c : ws_cases) {
+    run_fused<__nv_bfloat16>(c, seed++, Kind::WgWs);
+    run_fused<__half>(c, seed++, Kind::WgWs);
   }
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[8][64];

@@ -40,7 +40,7 @@ import sys
 import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from check_launch_sm90 import wgmma_bwd_configs  # noqa: E402
+from check_launch_sm90 import wgmma_bwd_configs, wgmma_ws_bwd_configs, wgmma_ws_configs  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # candle-cp-kernels
 SRC = os.environ.get("CHECK_LAUNCH_SRC", os.path.join(ROOT, "src"))  # override: self-test on edited copies
@@ -524,8 +524,11 @@ def tile_configs():
     for d in (64, 128):
         out.setdefault("flash_fwd_wgmma", {})[d] = (rthr, cbq_, (cbq_ + 4 * cbk_) * d * 2 + 1024)
 
-    # wgmma backward (flash_bwd_sm90.cu, bwd_sm90.rs): emu/check_launch_sm90.py
+    # wgmma backward (flash_bwd_sm90.cu, bwd_sm90.rs) and warp-specialized forward
+    # (flash_fwd_sm90_ws.cu, sm90_ws.rs): emu/check_launch_sm90.py
     wgmma_bwd_configs(rd, num, err, out)
+    wgmma_ws_configs(rd, num, err, out)
+    wgmma_ws_bwd_configs(rd, num, err, out)  # flash_bwd_sm90_ws.cu, bwd_sm90_ws.rs
 
     # CUDA-core and mma kernels (static shared memory only): block threads and rows (keys) per block.
     bwd_cu, mma_cu = rd("kernels", "flash_bwd.cu"), rd("kernels", "flash_bwd_mma.cu")
@@ -573,8 +576,8 @@ def main():
     cfgs = tile_configs()
     if ptx_dir:
         pents, files = ptx_entries(ptx_dir)
-        if len(files) < 9:
-            err(f"expected 9 PTX files under {ptx_dir}, found {len(files)}")
+        if len(files) < 10:
+            err(f"expected 10 PTX files under {ptx_dir}, found {len(files)}")
         for name, (cfile, cps) in cents.items():
             if name not in pents:
                 err(f"{name} ({cfile}): no .entry in the PTX under {ptx_dir}")

@@ -1,4 +1,4 @@
-"""Tile configs of the Hopper wgmma backward for check_launch_args.py (kept apart so that file
+"""Tile configs of the Hopper wgmma kernels for check_launch_args.py (kept apart so that file
 stays short): kernels/flash_bwd_sm90.cu (WGMMA_BWD_*, WGMMA_DQ_*, the kernels' constexprs) vs
 src/flash/bwd_sm90.rs (consts and the shared-memory functions, evaluated on both sides)."""
 import re
@@ -58,3 +58,81 @@ def wgmma_bwd_configs(rd, num, err, out):
             err(f"wgmma dq d{d}: kernel WGMMA_DQ_SMEM {cq} != bwd_sm90.rs wgmma_dq_smem {rq}")
         out.setdefault("flash_bwd_wgmma_dq", {})[d] = (r_thr, q_bm, cq)
 
+
+
+def wgmma_ws_configs(rd, num, err, out):
+    """Warp-specialized forward: kernels/flash_fwd_sm90_ws.cu (WS_BQ, WS_BK, WS_NST(D), WS_SMEM(D),
+    __launch_bounds__) vs src/flash/sm90_ws.rs (WS_BQ, WS_BK, WS_NST, WS_THREADS, ws_smem), both
+    shared-memory formulas evaluated at each head dim; adds (threads, rows, smem) of
+    flash_fwd_wgmma_ws per head dim to `out`."""
+    cu, rs = rd("kernels", "flash_fwd_sm90_ws.cu"), rd("src", "flash", "sm90_ws.rs")
+    c_bq, c_bk = num(r"#define WS_BQ (\d+)", cu, "WS_BQ"), num(r"#define WS_BK (\d+)", cu, "WS_BK")
+    c_lb = num(r"__launch_bounds__\((\d+), 1\) flash_fwd_wgmma_ws_", cu, "flash_fwd_wgmma_ws __launch_bounds__")
+    k_bq = num(r"constexpr int BQ = (\d+), PTH = 128", cu, "fwd_wgmma_ws BQ")
+    r_bq, r_bk = num(r"const WS_BQ: usize = (\d+);", rs, "sm90_ws.rs WS_BQ"), num(r"const WS_BK: usize = (\d+);", rs, "sm90_ws.rs WS_BK")
+    r_thr = num(r"const WS_THREADS: u32 = (\d+);", rs, "sm90_ws.rs WS_THREADS")
+    r_nst128, r_nst = num(r"fn ws_nst\(d: usize\) -> usize \{\s*if d == 128 \{ (\d+) \} else \{ (\d+) \}", rs, "sm90_ws.rs ws_nst") or (0, 0)
+    # BQ = two consumer warpgroups of 64 rows; block = producer + two consumers
+    if (c_bq, c_bk) != (r_bq, r_bk) or c_bq != k_bq or c_bq != 128 or c_lb != r_thr or r_thr != 384:
+        err(f"wgmma ws: kernel WS_BQ={c_bq} BK={c_bk} BQ={k_bq} bounds={c_lb}; sm90_ws.rs BQ={r_bq} BK={r_bk} threads={r_thr}")
+    c_nst = re.search(r"#define WS_NST\(D\) (.*)", cu)
+    c_sm = re.search(r"#define WS_SMEM\(D\) (.*)", cu)
+    r_sm = re.search(r"fn ws_smem\(d: usize\) -> u32 \{\s*(.*?) as u32\s*\}", rs, re.S)
+    for d in (64, 128):
+        try:
+            nst = eval(_ternary(c_nst.group(1).replace("(D)", f"({d})")))
+            cs = eval(_ternary(c_sm.group(1).replace("WS_NST(D)", str(nst)).replace("WS_BQ", str(c_bq))
+                               .replace("WS_BK", str(c_bk)).replace("(D)", f"({d})")))
+            rn = r_nst128 if d == 128 else r_nst
+            rsm = eval(r_sm.group(1).replace("ws_nst(d)", str(rn)).replace("WS_BQ", str(r_bq)).replace("WS_BK", str(r_bk))
+                       .replace(" d ", f" {d} "))
+        except Exception as e:  # missing or unparsable formula
+            err(f"wgmma ws: cannot evaluate the shared-memory formulas ({e})")
+            break
+        if nst != rn or cs != rsm:
+            err(f"wgmma ws d{d}: kernel WS_NST {nst} WS_SMEM {cs} != sm90_ws.rs ws_nst {rn} ws_smem {rsm}")
+        out.setdefault("flash_fwd_wgmma_ws", {})[d] = (r_thr, c_bq, cs)
+
+
+def wgmma_ws_bwd_configs(rd, num, err, out):
+    """Warp-specialized backward: kernels/flash_bwd_sm90_ws.cu (WSB_BN, WSB_BQ, WSB_NST(D),
+    WSB_SMEM(D), the kernel's BN / BQ constexprs, __launch_bounds__) vs src/flash/bwd_sm90_ws.rs
+    (WSB_BN, WSB_BQ, WSB_THREADS, wsb_nst, wsb_smem), both shared-memory formulas evaluated at each
+    head dim; adds (threads, keys per block, smem) of flash_bwd_wgmma_ws per head dim to `out`."""
+    cu, rs = rd("kernels", "flash_bwd_sm90_ws.cu"), rd("src", "flash", "bwd_sm90_ws.rs")
+    c_bn, c_bq = num(r"#define WSB_BN (\d+)", cu, "WSB_BN"), num(r"#define WSB_BQ (\d+)", cu, "WSB_BQ")
+    c_lb = num(r"__launch_bounds__\((\d+), 1\) flash_bwd_wgmma_ws_", cu, "flash_bwd_wgmma_ws __launch_bounds__")
+    k_bn, k_bq = num(r"constexpr int BN = (\d+), BQ = (\d+), PTH = 128", cu, "bwd_wgmma_ws BN, BQ") or (0, 0)
+    r_bn, r_bq = num(r"const WSB_BN: usize = (\d+);", rs, "bwd_sm90_ws.rs WSB_BN"), num(r"const WSB_BQ: usize = (\d+);", rs, "bwd_sm90_ws.rs WSB_BQ")
+    r_thr = num(r"const WSB_THREADS: u32 = (\d+);", rs, "bwd_sm90_ws.rs WSB_THREADS")
+    r_nst128, r_nst = num(r"fn wsb_nst\(d: usize\) -> usize \{\s*if d == 128 \{ (\d+) \} else \{ (\d+) \}", rs, "bwd_sm90_ws.rs wsb_nst") or (0, 0)
+    # BN = two consumer warpgroups of 64 keys; block = producer + two consumers
+    if (c_bn, c_bq) != (r_bn, r_bq) or (c_bn, c_bq) != (k_bn, k_bq) or c_bn != 128 or c_lb != r_thr or r_thr != 384:
+        err(f"wgmma ws bwd: kernel WSB_BN={c_bn} BQ={c_bq} BN/BQ={k_bn}/{k_bq} bounds={c_lb}; bwd_sm90_ws.rs BN={r_bn} BQ={r_bq} threads={r_thr}")
+    c_nst = re.search(r"#define WSB_NST\(D\) (.*)", cu)
+    c_sm = re.search(r"#define WSB_SMEM\(D\)\s*\\\n(.*?)\n#define", cu, re.S)
+    r_sm = re.search(r"fn wsb_smem\(d: usize\) -> u32 \{\s*let nst = wsb_nst\(d\);\s*(.*?) as u32\s*\}", rs, re.S)
+    for d in (64, 128):
+        try:
+            nst = eval(_ternary(c_nst.group(1).replace("(D)", f"({d})")))
+            ce = " ".join(c_sm.group(1).replace("\\\n", " ").split())
+            cs = eval(ce.replace("WSB_NST(D)", str(nst)).replace("WSB_BN", str(c_bn)).replace("WSB_BQ", str(c_bq))
+                      .replace("(D)", f"({d})"))
+            rn = r_nst128 if d == 128 else r_nst
+            rsm = eval(r_sm.group(1).replace("nst", str(rn)).replace("WSB_BN", str(r_bn)).replace("WSB_BQ", str(r_bq))
+                       .replace(" d ", f" {d} "))
+        except Exception as e:  # missing or unparsable formula
+            err(f"wgmma ws bwd: cannot evaluate the shared-memory formulas ({e})")
+            break
+        if nst != rn or cs != rsm:
+            err(f"wgmma ws bwd d{d}: kernel WSB_NST {nst} WSB_SMEM {cs} != bwd_sm90_ws.rs wsb_nst {rn} wsb_smem {rsm}")
+        if cs > 232448:
+            err(f"wgmma ws bwd d{d}: WSB_SMEM {cs} above sm_90's 232,448-byte opt-in")
+        out.setdefault("flash_bwd_wgmma_ws", {})[d] = (r_thr, c_bn, cs)
+
+
+def _ternary(expr):
+    """`((D) == 128 ? 3 : 2)` style C (one conditional, D already substituted) as Python; other
+    expressions unchanged."""
+    t = re.match(r"^\(\s*(.*?)\s*\?\s*(\w+)\s*:\s*(\w+)\s*\)$", expr.strip())
+    return f"({t.group(2)} if {t.group(1)} else {t.group(3)})" if t else expr

@@ -1,4 +1,5 @@
-// Scheduler of the host emulation (see emu.h; the warp ops are in emu_ops.cpp). One OS thread;
+// Scheduler of the host emulation (see emu.h; the warp ops are in emu_ops.cpp, wgmma in emu_wgmma.cpp,
+// cp.async and the async-proxy view in emu_async.cpp, mbarriers / named barriers in emu_sync.cpp). One OS thread;
 // the CUDA threads of a block are fibers switched by a 12-instruction x86-64 context switch.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
@@ -69,24 +70,15 @@ std::mt19937_64 land_rng;
 // cp.async copies of the current block; Random landing: (due tick, copy) min-heap, ticks are
 // fiber switches of the block
 std::vector<Copy> copies;
-using Due = std::pair<uint64_t, uint32_t>;
 std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
 uint64_t tick = 0;
-// Async proxy (PTX ISA 9.7.15.4 / 9.7.9.25.2 and 8.6): wgmma.mma_async reads shared memory through
-// the async proxy; cp.async is a weak generic-proxy memory operation; fence.proxy.async orders the
-// executing thread's prior generic writes before later async-proxy accesses (a barrier then extends
-// that to the other threads). aview is what the async proxy may see of dynamic shared memory: a
-// landed cp.async enters it when its issuing thread runs fence.proxy.async after the
-// cp.async.wait_group that retired it; plain st.shared writes (not tracked per thread) enter it at
-// any thread's fence.proxy.async (only ranges no cp.async of this block wrote). A wgmma operand byte
-// where shared memory and aview differ fails the launch (emu_ops.cpp): a write not fenced yet, or
-// one racing with the wgmma (a refill of a stage it may still read).
-std::vector<unsigned char> aview;
-std::vector<int32_t> gran_copy;                // per 16-byte granule of dyn: last cp.async into it, -1: none
-std::vector<std::pair<size_t, size_t>> plain;  // (offset, bytes) of dyn no cp.async of this block wrote
-bool plain_dirty = true;
 std::vector<std::pair<unsigned char*, size_t>> statics;  // static __shared__ arrays seen so far
 std::vector<long> statics_block;                           // block serial of their last poisoning
+long bar0_gen = 0;  // completed block barriers
+bool yield_warp = false;
+std::vector<int> wg_regs;
+long reg_pool = 0;
+int reg_start = 0;
 
 const char* op_name(WarpOp op) {
   switch (op) {
@@ -103,6 +95,7 @@ const char* op_name(WarpOp op) {
     case WarpOp::WgMma: return "wgmma.mma_async.sync.aligned";
     case WarpOp::WgCommit: return "wgmma.commit_group.sync.aligned";
     case WarpOp::WgWait: return "wgmma.wait_group.sync.aligned";
+    case WarpOp::SetMaxNReg: return "setmaxnreg.sync.aligned.u32";
   }
   return "?";
 }
@@ -131,9 +124,11 @@ void yield_to_sched() { cp_emu_switch(&fib[cur].sp, sched_sp); }
 void fiber_entry() {
   (*body)();
   Fiber& f = fib[cur];
-  size_t pend = f.open.size();
-  for (auto& g : f.groups) pend += g.size();
-  if (pend) fail("thread exits with %zu cp.async copies not waited for", pend);
+  size_t pend = 0;
+  for (uint32_t c : f.open) pend += !copies[c].tracked;
+  for (auto& g : f.groups)
+    for (uint32_t c : g) pend += !copies[c].tracked;
+  if (pend) fail("thread exits with %zu cp.async copies neither waited for nor covered by an mbarrier arrive", pend);
   f.st = St::Done;
   yield_to_sched();
   std::abort();  // never resumed
@@ -152,6 +147,9 @@ void init_fiber(Fiber& f) {
   f.open.clear();
   f.groups.clear();
   f.unfenced.clear();
+  f.untracked.clear();
+  f.acquired.clear();
+  f.bar0_seen = 0;
 }
 
 void set_thread(int i) {
@@ -179,6 +177,12 @@ void land(Copy& c) {
   c.landed = true;
 }
 
+// Random landing: log-uniform delay in fiber switches
+uint64_t random_delay() {
+  const double span = std::log((double)nthreads * 4096.0);
+  return (uint64_t)std::exp(std::uniform_real_distribution<double>(0.0, span)(land_rng)) - 1;
+}
+
 // Runs thread i until it yields; false if it failed. Random landing: copies that fall due land.
 bool run_fiber(int i) {
   set_thread(i);
@@ -188,8 +192,12 @@ bool run_fiber(int i) {
   cur = -1;
   ++tick;
   while (!due.empty() && due.top().first <= tick) {
-    land(copies[due.top().second]);
+    const uint32_t c = due.top().second;
     due.pop();
+    if (c & ARRIVE)
+      fire(c & ~ARRIVE);
+    else
+      land(copies[c]);
   }
   return !failed;
 }
@@ -205,7 +213,7 @@ bool step_warp(int l0, int n, long pass, bool* moved) {
   }
   int at = 0;
   for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
-  if (at == n && !is_wg(fib[l0].op)) {
+  if (at == n && !is_wg(fib[l0].op) && warp_op_ready(l0)) {
     *moved = true;
     return exec_warp(l0, n);
   }
@@ -215,15 +223,19 @@ bool step_warp(int l0, int n, long pass, bool* moved) {
 bool run_block() {
   for (int i = 0; i < nthreads; ++i) init_fiber(fib[i]);
   if (dyn_size) std::memset(dyn.data(), 0xff, dyn_size);
-  aview.assign(dyn.begin(), dyn.begin() + (long)dyn_size);
-  gran_copy.assign(dyn_size / 16 + 1, -1);
-  plain_dirty = true;
+  async_reset();
   ++block_serial;
   copies.clear();
   due = {};
   tick = 0;
+  sync_reset();
+  bar0_gen = 0;
+  reg_pool = 0;
+  reg_start = 0;
+  wg_regs.assign((size_t)(nthreads + 127) / 128, 0);
   wgs.assign((size_t)(nthreads + 127) / 128, WgState{});
   const int nwarps = (nthreads + 31) / 32;
+  std::vector<char> paused((size_t)nwarps, 0);  // warps-asc/-desc: see run_warp below
   for (long round = 0;; ++round) {
     bool progress = false;
     if (sched == Schedule::Lockstep) {
@@ -238,7 +250,7 @@ bool run_block() {
         const int n = std::min(32, nthreads - l0);
         int at = 0;
         for (int l = 0; l < n; ++l) at += fib[l0 + l].st == St::Warp;
-        if (at == n && !is_wg(fib[l0].op)) {
+        if (at == n && !is_wg(fib[l0].op) && warp_op_ready(l0)) {
           if (!exec_warp(l0, n)) return false;
           progress = true;
         }
@@ -249,7 +261,8 @@ bool run_block() {
       for (int w = 0; w < nwarps; ++w) {
         const int l0 = 32 * (int)(sched_rng() % (uint64_t)nwarps), n = std::min(32, nthreads - l0);
         const long steps = (long)std::exp(std::uniform_real_distribution<double>(0.0, std::log(4096.0))(sched_rng));
-        for (long pass = 0; pass < steps; ++pass) {
+        yield_warp = false;
+        for (long pass = 0; pass < steps && !yield_warp; ++pass) {
           bool moved = false;
           if (!step_warp(l0, n, (long)(sched_rng() & 1), &moved)) return false;
           if (!moved) break;
@@ -266,36 +279,57 @@ bool run_block() {
     } else {
       // each warp in turn runs as far as it can (to a block barrier): maximal skew between warps.
       // Blocks of whole warpgroups: once the 4 warps of a warpgroup had their turn, the warpgroup
-      // runs on through its warpgroup-collective (wgmma) ops as far as it can before the next
-      // warpgroup moves, so warpgroups skew as far as the block barriers allow too (a wgmma
-      // reading shared memory another warpgroup has not written yet is exposed).
-      auto run_warp = [&](int l0) {
+      // runs on (its warps again, while one of their wgmma.wait_group became ready, or a setmaxnreg
+      // ran) as far as it can before the next warpgroup moves, so warpgroups skew as far as the
+      // block barriers allow too (a wgmma reading shared memory another warpgroup has not written
+      // yet is exposed). wgmma ops are per warp (emu_wgmma.cpp): a warp runs on past its issue, so
+      // it reaches a wgmma before the next warp's stores (a missing barrier between them shows).
+      // A warp that arrived on an mbarrier (or woke another warp's thread at a named barrier)
+      // pauses there; when no other warp can move, the paused warp latest in the order
+      // (warps-asc: the highest) goes on, one at a time. So under warps-asc the warps above run
+      // as far as they can between two arrivals of a warp below: a producer in warpgroup 0 stays
+      // one hand-over ahead of its consumers (a consumer that skips a wait reads a stage not
+      // filled, or not fenced, yet); under warps-desc the consumers stay behind their producer
+      // (a refill that skips the empty wait overwrites a stage still in use).
+      auto run_warp = [&](int l0, bool* any) {
         const int n = std::min(32, nthreads - l0);
-        for (long pass = round;; ++pass) {
+        yield_warp = false;
+        for (long pass = round; !paused[l0 / 32]; ++pass) {
           bool moved = false;
           if (!step_warp(l0, n, pass, &moved)) return false;
           if (!moved) break;
-          progress = true;
+          progress = *any = true;
+          if (yield_warp) paused[l0 / 32] = 1;
         }
         return true;
       };
       const bool asc = sched == Schedule::WarpsAscending;
       for (int w = 0; w < nwarps; ++w) {
         const int wi = asc ? w : nwarps - 1 - w;
-        if (!run_warp(32 * wi)) return false;
+        bool moved = false;
+        if (!run_warp(32 * wi, &moved)) return false;
         if (nthreads % 128 == 0 && wi % 4 == (asc ? 3 : 0)) {
           const int t0 = wi / 4 * 128;
-          for (;;) {
-            bool moved = false;
+          for (;;) {  // on while a warpgroup op ran or a warp's wgmma.wait_group became ready
+            moved = false;
             if (!exec_warpgroup(t0, &moved)) return false;
+            for (int l0 = t0; l0 < t0 + 128 && !moved; l0 += 32)
+              moved = fib[l0].st == St::Warp && fib[l0].op == WarpOp::WgWait && fib[l0 + 31].st == St::Warp &&
+                      wg_wait_ready(l0);
             if (!moved) break;
             progress = true;
             for (int k = 0; k < 4; ++k)
-              if (!run_warp(t0 + 32 * (asc ? k : 3 - k))) return false;
+              if (!run_warp(t0 + 32 * (asc ? k : 3 - k), &moved)) return false;
           }
         }
       }
       if (!exec_warpgroups(&progress)) return false;
+      if (!progress) {  // nothing else can move: the most favoured paused warp goes on
+        for (int w = 0; w < nwarps && !progress; ++w) {
+          const int wi = asc ? nwarps - 1 - w : w;
+          if (paused[wi]) paused[wi] = 0, progress = true;
+        }
+      }
     }
     int done = 0, bar = 0, warp = 0;
     for (int i = 0; i < nthreads; ++i) {
@@ -305,8 +339,7 @@ bool run_block() {
     }
     if (done == nthreads) {
       for (size_t w = 0; w < wgs.size(); ++w) {
-        size_t pend = wgs[w].open.size();
-        for (auto& g : wgs[w].groups) pend += g.size();
+        const size_t pend = wg_pending(wgs[w]);
         if (pend) {
           sched_fail("warpgroup %zu exits with %zu wgmma ops not waited for", w, pend);
           return false;
@@ -336,10 +369,12 @@ bool run_block() {
           return false;
         }
       }
+      ++bar0_gen;
       for (int i = 0; i < nthreads; ++i)
-        if (fib[i].st == St::Bar) fib[i].st = St::Ready;
+        if (fib[i].st == St::Bar) fib[i].st = St::Ready, fib[i].bar0_seen = bar0_gen;
       continue;
     }
+    if (flush_async()) continue;  // the copies / arrivals everyone waits for complete meanwhile
     // No thread can move: deadlock (a barrier some threads never reach, or an incomplete warp).
     std::string what;
     for (int i = 0; i < nthreads; ++i)
@@ -358,8 +393,10 @@ bool run_block() {
                 " lanes at " + op_name(fib[first].op) + ", " + std::to_string(ex) + " exited";
       }
     }
-    sched_fail("deadlock/divergent barrier: %d of %d threads arrived at a block barrier, %d at warp ops, %d exited%s",
-               bar, nthreads, warp, done, what.c_str());
+    what += blocked_waits();
+    sched_fail("deadlock/divergent barrier: %d of %d threads arrived at a block barrier, %d at warp ops, %d blocked in "
+               "mbarrier / named-barrier waits, %d exited%s",
+               bar, nthreads, warp, nthreads - bar - warp - done, done, what.c_str());
     return false;
   }
 }
@@ -404,8 +441,12 @@ void set_cp_async_landing(Landing l, uint64_t seed) {
 Landing cp_async_landing() { return landing; }
 
 void launch_bounds(const char* entry, int max_threads, int min_blocks) {
-  (void)min_blocks;
   if (nthreads > max_threads) fail("%s: block of %d threads exceeds its __launch_bounds__(%d)", entry, nthreads, max_threads);
+  if (!reg_start && max_threads > 0) {  // registers per thread ptxas gives an entry using setmaxnreg
+    reg_start = (int)std::min<long>(256, 65536L / ((long)max_threads * std::max(min_blocks, 1)) / 8 * 8);
+    reg_pool = (long)reg_start * nthreads;
+    for (int& r : wg_regs) r = reg_start;
+  }
 }
 
 unsigned char* dyn_smem() { return dyn.data(); }
@@ -439,81 +480,6 @@ void syncthreads(const char* file, int line) {
   yield_to_sched();
 }
 
-
-void cp_async16(uint32_t dst, const void* src, bool valid) {
-  unsigned char* d = smem_ptr(dst, 16);
-  if (dst % 16 || reinterpret_cast<uintptr_t>(src) % 16)
-    fail("cp.async 16: addresses not 16-byte aligned (shared %u, global %p)", dst, src);
-  auto s = static_cast<const unsigned char*>(src);
-  if (valid && !globals.empty()) {
-    bool ok = false;
-    for (auto& g : globals) ok |= s >= g.first && s + 16 <= g.first + g.second;
-    if (!ok) fail("cp.async reads global %p (16 bytes) outside every buffer of the launch", src);
-  }
-  const uint32_t idx = (uint32_t)copies.size();
-  copies.push_back({d, s, valid, false, cur});
-  fib[cur].open.push_back(idx);
-  if (dst < dyn_size) {
-    plain_dirty |= gran_copy[dst / 16] < 0;
-    gran_copy[dst / 16] = (int32_t)idx;
-  }
-  if (landing == Landing::AtIssue) {
-    land(copies[idx]);
-    return;
-  }
-  std::memset(d, 0xff, 16);  // contents undefined until it lands
-  if (landing == Landing::Random) {
-    const double span = std::log((double)nthreads * 4096.0);
-    const uint64_t delay = (uint64_t)std::exp(std::uniform_real_distribution<double>(0.0, span)(land_rng)) - 1;
-    due.push({tick + delay, idx});
-  }
-}
-
-void cp_async_commit() {
-  Fiber& f = fib[cur];
-  f.groups.push_back(std::move(f.open));
-  f.open.clear();
-}
-
-void cp_async_wait(int n) {
-  Fiber& f = fib[cur];
-  while ((int)f.groups.size() > n) {
-    for (uint32_t c : f.groups.front()) {
-      land(copies[c]);
-      f.unfenced.push_back(c);
-    }
-    f.groups.pop_front();
-  }
-}
-
-void fence_proxy_async() {
-  Fiber& f = fib[cur];
-  for (uint32_t c : f.unfenced) {
-    const unsigned char* d = copies[c].dst;
-    if (d < dyn.data() || d >= dyn.data() + dyn_size) continue;  // static shared memory: not modelled
-    const size_t off = (size_t)(d - dyn.data());
-    if (gran_copy[off / 16] == (int32_t)c) std::memcpy(aview.data() + off, d, 16);  // not overwritten since
-  }
-  f.unfenced.clear();
-  if (plain_dirty) {
-    plain.clear();
-    for (size_t g = 0; g * 16 < dyn_size;) {
-      size_t e = g;
-      while (e * 16 < dyn_size && gran_copy[e] < 0) ++e;
-      if (e > g) plain.push_back({g * 16, std::min(e * 16, dyn_size) - g * 16});
-      g = e + 1;
-    }
-    plain_dirty = false;
-  }
-  for (const auto& r : plain) std::memcpy(aview.data() + r.first, dyn.data() + r.first, r.second);
-}
-
-namespace detail {
-bool async_view_ok(uint32_t addr, uint32_t bytes) {
-  if (addr >= STATIC_BASE || (size_t)addr + bytes > dyn_size) return true;
-  return std::memcmp(aview.data() + addr, dyn.data() + addr, bytes) == 0;
-}
-}  // namespace detail
 
 void track_global(const void* p, size_t bytes) { globals.push_back({static_cast<const unsigned char*>(p), bytes}); }
 void untrack_global(const void* p) {

@@ -11,7 +11,9 @@
 // combinations). Barriers are exact: when no thread can make
 // progress the launch fails with the barrier sites and arrival counts (a deadlock or divergent
 // barrier on hardware). Warp-collective ops (shuffles, votes, mma.sync, ldmatrix) run once all
-// 32 lanes of the warp have arrived at an op of the same kind.
+// 32 lanes of the warp have arrived at an op of the same kind. A thread waiting on an mbarrier
+// phase or a named barrier (sm_90 warp specialization, below) is blocked, not spinning: no
+// schedule runs it until an arrival completes what it waits for.
 #pragma once
 #include <cmath>
 #include <cstddef>
@@ -81,20 +83,28 @@ void syncthreads(const char* file, int line);
 // Warp-collective ops. The calling lane posts its operands, waits until all 32 lanes of its
 // warp posted the same op, and gets its result.
 enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T,
-                          WgFence, WgMma, WgCommit, WgWait };
+                          WgFence, WgMma, WgCommit, WgWait, SetMaxNReg };
 uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg);
 void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
 
-// Warpgroup-collective wgmma ops (sm_90a), run once all 128 threads of the warpgroup arrived:
-// wgmma.fence, wgmma.mma_async m64nNk16 (f32 accumulate; A from shared memory by descriptor
-// (K-major) or from registers `a` (4 per thread); B from shared memory by descriptor, K-major or
-// MN-major with trans_b = 1; 128-byte swizzle descriptors only), commit_group and wait_group N.
-// The product is deferred to the wait_group that retires its group (shared-memory operands read and
-// D written then; its accumulator and A-fragment registers hold NaN bits in between, and a write to
-// them in flight fails the launch), or done at issue when set_wgmma_at_issue(true): a kernel that
+// wgmma ops (sm_90a): wgmma.fence, wgmma.mma_async m64nNk16 (f32 accumulate; A from shared memory
+// by descriptor (K-major) or from registers `a` (4 per thread); B from shared memory by descriptor,
+// K-major or MN-major with trans_b = 1; 128-byte swizzle descriptors only), commit_group and
+// wait_group N. Each is warp-synchronous, as in the PTX ISA (.sync waits for the issuing WARP's lanes;
+// .aligned: every warp of the warpgroup executes the same sequence, with uniform descriptors): a warp
+// runs on after issuing its part and commits / waits on its own groups; a wait_group blocks until
+// every warp of the warpgroup issued the wgmma it retires. The product is computed once all four warps
+// issued it: at the last issue when set_wgmma_at_issue(true), else (deferred) at the first wait_group
+// that retires it. Accumulator and A-fragment registers of a wgmma hold NaN bits from its warp's
+// issue to that warp's retiring wait_group (a write to them in flight fails the launch): a kernel that
 // touches D or A between issue and wait, or refills a stage a pending wgmma still reads, is wrong
-// under one of the two. Shared-memory operands must be visible to the async proxy (fence_proxy_async).
+// under one of the two modes. Shared-memory operands must be visible to the async proxy
+// (fence_proxy_async) and must not change in the async-proxy view between the FIRST warp's issue
+// and the reads (the product, and every warp's retiring wait_group): the emulator snapshots the
+// bytes the descriptors address at the first issue; a difference fails the launch naming the
+// wgmma's file:line, the operand and the shared offset (a store by another warp without a barrier
+// before the wgmma, RAW across warps, or a refill while it may still read, WAR).
 void wg_fence();
 void wg_mma(bool bf16, int n, float* d, const uint32_t* a, uint64_t da, uint64_t db, int scale_d, int trans_b);
 void wg_commit();
@@ -115,16 +125,79 @@ Landing cp_async_landing();
 void cp_async16(uint32_t dst, const void* src, bool valid);
 void cp_async_commit();
 void cp_async_wait(int n);
-// fence.proxy.async.shared::cta: this thread's retired cp.async copies (and every plain shared-memory
-// store so far) become visible to the async proxy (wgmma operands); see the async-proxy view in emu.cpp.
+// fence.proxy.async.shared::cta: this thread's retired cp.async copies, the landed copies handed to it
+// by the mbarrier phases it waited for (below), and every plain shared-memory store so far become
+// visible to the async proxy (wgmma operands); see the async-proxy view in emu.cpp.
 void fence_proxy_async();
+
+// ---- mbarriers, named barriers, setmaxnreg (sm_90; kernels/mbarrier.cuh) ----------------------
+// mbarrier (PTX mbarrier.*; `bar` points into shared memory, 8-byte aligned): state kept in a side
+// table keyed by its shared offset (count, pending arrivals, completed phases); mbar_init also writes
+// a signature into the 8 bytes, and every later use fails the launch if they changed (a plain store
+// or cp.async into the barrier). Failing the launch, naming the barrier's shared offset: use before
+// mbarrier.init in this block; use by another thread before a __syncthreads() that follows the init
+// (the init is published by the block barrier; fence.mbarrier_init is accepted and not required at
+// CTA scope); re-init while a thread waits on it or a cp.async arrival on it is in flight; count 0;
+// a wait parity other than 0 / 1.
+// Arrival: pending - 1; at 0 the phase completes (the completed-phase count goes up, pending =
+// count) and the threads waiting for that parity become runnable. mbar_wait(parity) returns at once
+// if the current phase's parity differs from `parity` (the phase with that parity completed: a fresh
+// barrier passes parity 1), else the thread blocks (no spinning) and re-checks when a phase
+// completes, exactly like the try_wait loop (two phases completing before it runs again leave it
+// blocked, as on hardware). A launch where no thread can move fails and lists the waits. Every
+// mbarrier and named-barrier op is a scheduling point (the thread yields and stays runnable), so
+// under lockstep a producer hands over one stage per turn rather than running ahead to its next
+// blocking wait.
+// cp.async.mbarrier.arrive.noinc: one arrival (counted in the init count) that fires once all the
+// thread's copies issued before it landed. AtIssue: at once. AtWait: as late as possible: when some
+// thread waits on that barrier and would otherwise block (the copies land, then the arrival), or
+// when nothing else can move. Random: at a seeded random later scheduling point (its copies land
+// then if they have not). Copies covered by such an arrival count as retired at thread exit (a thread
+// may exit with them in flight); copies neither waited for nor covered still fail the launch.
+// Async proxy: wgmma reading cp.async data needs a fence.proxy.async between the copies landing and
+// the wgmma in the chain of synchronisation (PTX memory model: cp.async writes are generic-proxy
+// weak writes, wgmma operand reads are async-proxy). The emulator accepts either (a) the producer:
+// cp.async.wait_group, fence.proxy.async, then mbar_arrive; or (b) the consumer: mbar_wait (of the
+// phase the copies' arrivals completed; plain arrivals hand over the arriver's retired, unfenced
+// copies) followed by its own fence.proxy.async before the wgmma. Without either the wgmma fails the
+// launch. (FlashAttention-3's paged-KV cp.async path relies on the mbarrier alone; the ISA does not
+// promise that, so the emulator rejects it.)
+void mbar_init(const void* bar, uint32_t count);
+void mbar_init_fence();
+void mbar_arrive(const void* bar);
+void mbar_arrive_cp_async(const void* bar);
+void mbar_wait(const void* bar, uint32_t parity);
+// Named barriers (bar.sync / bar.arrive id, n): id 1..15 (id 0 is __syncthreads' barrier: bar.sync
+// 0 with n = block size acts as __syncthreads, anything else on 0 fails); n a multiple of 32 in
+// [32, block size]. The barrier completes when n threads arrived (sync waits for that, arrive
+// does not) and then resets. Failing the launch: id or n out of range, a thread arriving with a
+// different n than the others of the current phase, a phase completing with a warp only partly
+// arrived (bar is .aligned: the emulator counts threads but requires whole warps).
+void named_bar_sync(int id, int nthreads);
+void named_bar_arrive(int id, int nthreads);
+// setmaxnreg.{inc,dec}.sync.aligned.u32 R: warpgroup-collective (all 128 threads, same direction and
+// R, else the launch fails or deadlocks); R a multiple of 8 in [24, 256]; block size a multiple of
+// 128. Register accounting when the entry has __launch_bounds__(T, B): each thread starts with
+// floor(65536 / (T * max(B, 1)) / 8) * 8 registers (at most 256; what ptxas assigns an entry that
+// uses setmaxnreg), the block's pool is that times the block size; inc below / dec above the
+// warpgroup's current count fails; an inc that would take the block over its pool waits (for a dec
+// of another warpgroup), a deadlock if none comes. Whether the code fits in R registers is not
+// modelled (ptxas -v on the real build).
+void setmaxnreg(bool inc, int regs);
 
 // Thread scheduling between synchronization points. Lockstep: every ready thread once per round,
 // block order alternating forward / reverse. WarpsAscending / WarpsDescending: one warp at a
 // time runs as far as it can (up to a block barrier) before the next: the largest skew between
 // warps, which exposes a missing barrier before a buffer is refilled (write-after-read).
 // Random: seeded; repeatedly a random warp runs ahead a random (log-uniform) number of steps,
-// a step being one turn of each of its ready lanes plus its warp op.
+// a step being one turn of each of its ready lanes plus its warp op (cut short by an mbarrier
+// arrival). Warp specialization (mbarriers, named barriers): under WarpsAscending / Descending a
+// warp that arrives on an mbarrier, or wakes another warp's thread at a named barrier, pauses
+// there until no other warp can move; then the paused warps resume one at a time, the highest
+// (ascending) / lowest (descending) first. Ascending thus keeps a producer in warpgroup 0 one
+// hand-over ahead of its consumers (a consumer skipping a wait reads a stage not filled or
+// fenced yet); descending keeps the consumers behind it (a refill skipping the empty wait hits a
+// stage still in use).
 enum class Schedule { Lockstep, WarpsAscending, WarpsDescending, Random };
 void set_schedule(Schedule s, uint64_t seed = 0);
 Schedule schedule();
@@ -139,7 +212,8 @@ constexpr size_t SMEM_OPTIN_SM80 = 166912, SMEM_OPTIN_SM90 = 232448;
 
 // Launch `body` (which calls the kernel entry point) on a grid of blocks. Returns false (and
 // prints why) if a kernel thread failed: deadlock, divergent barrier, bad shared address,
-// incomplete warp at a collective op, cp.async still pending at exit.
+// incomplete warp at a collective op, cp.async still pending at exit, mbarrier / named-barrier /
+// setmaxnreg misuse (above). A deadlock report lists the blocked waits.
 bool launch(const char* name, dim3 grid, dim3 block, size_t dyn_smem_bytes, const std::function<void()>& body);
 // Global buffers the kernels may read through cp.async (bounds-checked when any is registered).
 void track_global(const void* p, size_t bytes);

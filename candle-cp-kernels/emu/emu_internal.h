@@ -6,6 +6,10 @@
 
 #include <deque>
 #include <map>
+#include <functional>
+#include <memory>
+#include <queue>
+#include <string>
 #include <vector>
 
 namespace cp_emu {
@@ -19,10 +23,14 @@ struct Copy {
   const unsigned char* src;
   bool valid;
   bool landed;
-  int issuer = -1;  // thread
+  int issuer = -1;       // thread
+  bool tracked = false;  // covered by a cp.async.mbarrier.arrive (retired by it at thread exit)
 };
 
-enum class St { Ready, Bar, Warp, Done };
+// Ready: runnable; Bar: at __syncthreads; Warp: posted a warp / warpgroup op; MBar: blocked in an
+// mbarrier wait (wait_addr, wait_parity); NBar: blocked in bar.sync of named barrier nbar_id.
+enum class St { Ready, Bar, Warp, MBar, NBar, Done };
+using CopySet = std::shared_ptr<std::vector<uint32_t>>;
 
 struct Fiber {
   void* sp = nullptr;
@@ -41,25 +49,41 @@ struct Fiber {
   uint64_t da = 0, db = 0;
   int wg_n = 0, wg_scale = 0, wg_trans = 0;
   bool wg_bf = false;
+  const void* site = nullptr;  // wgmma: return address of cp_emu::wg_mma (its call site in the kernel)
   uint32_t* r = nullptr;
   // cp.async state: indices into `copies` (this block's copies so far)
   std::vector<uint32_t> open;
   std::deque<std::vector<uint32_t>> groups;
   std::vector<uint32_t> unfenced;  // copies retired by a wait_group, not yet followed by fence.proxy.async
+  // mbarriers / named barriers
+  uint32_t wait_addr = 0, wait_parity = 0;
+  int nbar_id = 0;
+  long bar0_seen = 0;              // block-barrier generation this thread last passed
+  std::vector<uint32_t> untracked;  // copies issued since its last cp.async.mbarrier.arrive
+  std::vector<CopySet> acquired;    // copies handed over by completed mbarrier phases it waited for
 };
 
-// One wgmma.mma_async of a warpgroup, as posted by its 128 threads. d: the threads' accumulator
-// registers; acc: where the product reads C and writes D (d itself when run at issue, else the
-// shadow copy below); av: the A fragments (register A) as they were at issue.
+// One wgmma.mma_async of a warpgroup (emu_wgmma.cpp), from the first warp's issue until every warp's
+// wait_group retired it. d: the threads' accumulator registers; acc: where the product reads C and
+// writes D (the shadows below); av: the A fragments (register A) as they were at issue. addrs: the
+// shared addresses of the 16-bit operand elements it reads (A: the first n_a, then B); snap: their
+// async-proxy view when the first warp issued it (must be unchanged when read and when retired).
 struct WgOp {
   bool bf = false;
   int n = 0, scale_d = 0, trans_b = 0;
   uint64_t da = 0, db = 0;
   bool rs = false;
+  int issued = 0, retired = 0;  // bit per warp of the warpgroup
+  bool done = false;            // product computed
+  int first_warp = -1, n_a = 0;
+  long serial = 0;              // its index among the warpgroup's wgmma of this block
+  const void* site = nullptr;   // return address of cp_emu::wg_mma in the first issuing warp's lane 0
   float* d[128];
   float* acc[128];
   const uint32_t* a[128];
   uint32_t av[128][4];
+  std::vector<uint32_t> addrs;
+  std::vector<uint16_t> snap;
 };
 // Register operands of in-flight wgmma (deferred mode): PTX ISA (wgmma.wait_group) makes any access
 // to the accumulator or A-fragment registers of a wgmma before the wait_group that retires it
@@ -75,9 +99,14 @@ struct AShadow {
   uint32_t v[4];
   int pending = 0;
 };
+// Per warpgroup: wgmma not yet retired by every warp (ops[i] has serial base + i); per warp (0..3):
+// wgmma issued so far, its open (uncommitted) serials and its committed groups.
 struct WgState {
-  std::vector<WgOp> open;
-  std::deque<std::vector<WgOp>> groups;
+  std::deque<WgOp> ops;
+  long base = 0;
+  long issued[4] = {0, 0, 0, 0};
+  std::vector<long> open[4];
+  std::deque<std::vector<long>> groups[4];
   std::map<float*, AccShadow> acc;
   std::map<const uint32_t*, AShadow> areg;
 };
@@ -85,12 +114,48 @@ struct WgState {
 extern std::vector<Fiber> fib;     // the threads of the current block
 extern std::vector<WgState> wgs;   // wgmma state per warpgroup of the current block
 extern bool wgmma_at_issue;
+// dynamic shared memory of the current block (dyn_size bytes used) and the launch's global buffers
+extern std::vector<unsigned char> dyn;
+extern size_t dyn_size;
+extern std::vector<std::pair<const unsigned char*, size_t>> globals;
 extern int nthreads, cur;          // threads per block; running thread (-1: the scheduler)
 extern bool in_fiber;
+// setmaxnreg accounting (see emu.h): registers per thread of each warpgroup (0: unknown) and the
+// block's pool (0: no __launch_bounds__, not enforced)
+extern std::vector<int> wg_regs;
+extern long reg_pool;
+
+// cp.async copies of the current block and the Random-landing heap (due tick, copy index; with ARRIVE
+// set: a cp.async mbarrier arrival), ticks being fiber switches of the block (emu.cpp)
+extern std::vector<Copy> copies;
+using Due = std::pair<uint64_t, uint32_t>;
+extern std::priority_queue<Due, std::vector<Due>, std::greater<Due>> due;
+extern uint64_t tick;
+extern Landing landing;
+extern long bar0_gen;  // completed block barriers (__syncthreads) of the current block
+// set by an mbarrier arrival, or a named-barrier arrival that woke a thread of another warp: under
+// warps-asc/-desc the arriving warp then pauses until no other warp can move (emu.cpp, run_warp)
+extern bool yield_warp;
+extern int reg_start;  // registers per thread at entry (from __launch_bounds__), 0: unknown
+constexpr uint32_t ARRIVE = 0x80000000u;
+void land(Copy& c);
+uint64_t random_delay();  // Random landing: a log-uniform delay in ticks
+void yield_to_sched();
+// mbarriers / named barriers (emu_sync.cpp): reset for a new block; fire cp.async arrival i; when
+// nothing can move, complete every copy and arrival in flight (true if any); the blocked waits for
+// a deadlock report
+void sync_reset();
+void fire(uint32_t i);
+bool flush_async();
+std::string blocked_waits();
 
 // True if the async proxy sees the dynamic shared-memory bytes [addr, addr + bytes) as they are
 // (see the async-proxy view in emu.cpp); static shared memory is not modelled (always true).
 bool async_view_ok(uint32_t addr, uint32_t bytes);
+// A new block: the async-proxy view starts as the (poisoned) dynamic shared memory (emu_async.cpp).
+void async_reset();
+// The 16-bit value at shared address addr as the async proxy sees it (static shared memory: as is).
+uint16_t async_ld16(uint32_t addr);
 // Report a failure of the current launch from the scheduler's context.
 void sched_fail(const char* fmt, ...);
 const char* op_name(WarpOp op);
@@ -98,13 +163,24 @@ uint16_t ld16(const unsigned char* p);
 float f16bits(uint16_t b, bool bf16);
 // The calling thread posts `op` and yields until its warp (warpgroup) op has run.
 void post_and_wait(WarpOp op, unsigned mask);
+// Warpgroup-collective op (setmaxnreg; the wgmma ops are warp-level, emu_wgmma.cpp).
 bool is_wg(WarpOp op);
 // Runs the op posted by all lanes of warp [l0, l0 + n); false (after reporting) on a mismatch.
 bool exec_warp(int l0, int n);
+// Whether the warp op posted by all lanes of warp l0 / 32 can run now (a wgmma.wait_group waits until
+// every warp of its warpgroup issued the wgmma it retires).
+bool warp_op_ready(int l0);
+// emu_wgmma.cpp: the wgmma ops of warp l0 / 32 (fence, mma_async issue, commit, wait_group); whether
+// its wait_group can run; wgmma issued and not retired by some warp of a warpgroup.
+bool exec_wg_warp(int l0);
+bool wg_wait_ready(int l0);
+size_t wg_pending(const WgState& w);
 // Runs the complete warpgroup ops; *moved if any ran.
 bool exec_warpgroups(bool* moved);
 // The warpgroup op of threads [t0, t0 + 128) if all of them posted one (*moved then).
 bool exec_warpgroup(int t0, bool* moved);
+// Registers the block would hold if warpgroup t0 / 128 ran its posted setmaxnreg.inc (0: no pool).
+long regs_after_inc(int t0);
 
 }  // namespace detail
 }  // namespace cp_emu

@@ -171,6 +171,7 @@ int main(int argc, char** argv) {
       run_flash_checks();
       run_misc_checks();
       run_fused_checks();
+      run_probe_checks();
       std::printf("emu: %s: %d checks in %.1f s\n", c.label, n_pass + n_fail - n0,
                   std::chrono::duration<double>(std::chrono::steady_clock::now() - c0).count());
     }

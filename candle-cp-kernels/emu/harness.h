@@ -25,6 +25,7 @@ std::vector<double> randn(size_t n, uint64_t seed);
 void run_flash_checks();
 void run_misc_checks();
 void run_fused_checks();  // check_fused.cpp (flash_bwd_fused.cu)
+void run_probe_checks();  // check_probe.cpp (probe.cu, probe_sm90.cu)
 
 // Element conversions.
 template <typename T> inline T to_t(double x);

@@ -15,7 +15,9 @@ use half::{bf16, f16};
 mod bwd_fused;
 mod bwd_pipe;
 mod bwd_sm90;
+mod bwd_sm90_ws;
 mod sm90;
+mod sm90_ws;
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -94,17 +96,30 @@ pub enum FwdImpl {
     /// `red.global.add.f32`: the summation order of dQ is NONDETERMINISTIC; dK and dV stay
     /// deterministic. Checked under the CPU emulator only so far.
     WgmmaAtomic,
+    /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma-ws`; `Auto` never picks it);
+    /// f16/bf16, head dims 64/128, an error elsewhere. Forward: `kernels/flash_fwd_sm90_ws.cu`,
+    /// warp-specialized FlashAttention-3 structure (384 threads: a producer warpgroup copies Q and
+    /// the K/V tiles with cp.async into an mbarrier ring of 3 (d 128) / 4 (d 64) stages; two consumer warpgroups of 64
+    /// query rows run wgmma, taking turns on the tensor cores through named barriers (ping-pong)
+    /// with the softmax of one overlapping the products of the other). Same results as `Wgmma`'s
+    /// forward. Backward: warp-specialized atomic-dQ backward: the `Pipelined` prep kernel, then
+    /// `flash_bwd_wgmma_ws_*` (`kernels/flash_bwd_sm90_ws.cu`; a producer warpgroup copies Q / dO
+    /// tiles into an mbarrier ring, two consumer warpgroups compute dK, dV and dQ = dS K on wgmma),
+    /// dQ added into a zero-filled f32 buffer with `red.global.add.v4.f32`: the summation order of dQ
+    /// is NONDETERMINISTIC (as `WgmmaAtomic`, whose results it shares); dK and dV stay
+    /// deterministic. Checked under the CPU emulator only so far.
+    WgmmaWs,
 }
 
 impl FwdImpl {
     /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` |
-    /// `wgmma-atomic` | anything else (`Auto`).
+    /// `wgmma-atomic` | `wgmma-ws` | anything else (`Auto`).
     pub fn from_env() -> Self {
         std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
     }
 
-    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic` or `wgmma-atomic`
-    /// (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
+    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic` or
+    /// `wgmma-ws` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
     /// otherwise.
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name.trim() {
@@ -115,6 +130,7 @@ impl FwdImpl {
             "wgmma" => FwdImpl::Wgmma,
             "atomic" => FwdImpl::AtomicDq,
             "wgmma-atomic" => FwdImpl::WgmmaAtomic,
+            "wgmma-ws" => FwdImpl::WgmmaWs,
             _ => return None,
         })
     }
@@ -217,6 +233,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     let kern = match imp {
         FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
+        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
         FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
@@ -399,7 +416,9 @@ pub fn bwd(
 /// kernels of `kernels/flash_bwd_sm90.cu`. All of them are deterministic, except the opt-in
 /// `AtomicDq` (f16/bf16 only): `kernels/flash_bwd_fused.cu`, one fused dK/dV/dQ kernel whose dQ
 /// is summed with f32 atomics in a nondeterministic order, and the opt-in `WgmmaAtomic` (as
-/// `Wgmma`, but dQ computed with wgmma inside the dK/dV kernel and summed with f32 atomics).
+/// `Wgmma`, but dQ computed with wgmma inside the dK/dV kernel and summed with f32 atomics) and the
+/// opt-in `WgmmaWs` (the same computation in the warp-specialized `kernels/flash_bwd_sm90_ws.cu`:
+/// producer warpgroup, mbarrier ring, two consumer warpgroups).
 #[allow(clippy::too_many_arguments)]
 pub fn bwd_with(
     q: &Tensor,
@@ -427,11 +446,11 @@ pub fn bwd_with(
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
         FwdImpl::Simple => (false, false),
-        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
         FwdImpl::Mma => (true, false),
         FwdImpl::Pipelined => (false, true),
         // Run bwd_sm90 / bwd_fused below.
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::AtomicDq => (false, false),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq => (false, false),
     };
     let wgmma = matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic);
     if imp == FwdImpl::AtomicDq {
@@ -439,6 +458,9 @@ pub fn bwd_with(
     }
     if wgmma {
         bwd_sm90::check(&dev, d, imp == FwdImpl::WgmmaAtomic, q.shape(), k.shape())?;
+    }
+    if imp == FwdImpl::WgmmaWs {
+        bwd_sm90_ws::check(&dev, d, q.shape(), k.shape())?;
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
@@ -452,6 +474,9 @@ pub fn bwd_with(
     if wgmma {
         let atomic = imp == FwdImpl::WgmmaAtomic;
         return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
+    }
+    if imp == FwdImpl::WgmmaWs {
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
     }
     if imp == FwdImpl::AtomicDq {
         return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);

@@ -8,7 +8,10 @@
 //! - `flash`: flash-attention forward with LSE (tensor cores for bf16/f16; opt-in Hopper wgmma)
 //!   and backward;
 //! - `merge`: ring-step LSE merge on an f32 accumulator, and the final cast;
-//! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack.
+//! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack;
+//! - `probe`: probe kernels that check (and diagnose) our reading of the PTX ISA for mma.sync,
+//!   ldmatrix, cp.async and wgmma on the GPU (`probe_map` / `probe_diag`, their host-side layouts
+//!   and analysis, are compiled without the feature too).
 //!
 //! The functions take and return candle `Tensor`s on a CUDA device (or
 //! `CudaStorage` + `Layout` for `CustomOp::cuda_fwd`), so CPU and CUDA paths share one API in
@@ -21,6 +24,10 @@ pub mod flash;
 pub mod layout;
 #[cfg(feature = "cuda")]
 pub mod merge;
+#[cfg(feature = "cuda")]
+pub mod probe;
+pub mod probe_diag;
+pub mod probe_map;
 #[cfg(feature = "cuda")]
 pub mod ptx;
 #[cfg(feature = "cuda")]

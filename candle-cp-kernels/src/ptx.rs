@@ -17,14 +17,31 @@ pub const FLASH_BWD_FUSED: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_
 /// `kernels/flash_fwd_sm90.cu`: `flash_fwd_wgmma_{f16,bf16}_d{64,128}` (Hopper warpgroup MMA,
 /// experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on compute capability 9.x.
 pub const FLASH_FWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd_sm90.ptx"));
+/// `kernels/flash_fwd_sm90_ws.cu`: `flash_fwd_wgmma_ws_{f16,bf16}_d{64,128}` (Hopper
+/// warp-specialized forward: producer warpgroup, mbarrier ring, two consumer warpgroups in
+/// ping-pong; experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on compute
+/// capability 9.x.
+pub const FLASH_FWD_SM90_WS: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd_sm90_ws.ptx"));
 /// `kernels/flash_bwd_sm90.cu`: `flash_bwd_wgmma_{dkdv,dq,atomic}_{f16,bf16}_d{64,128}` (Hopper
 /// warpgroup-MMA backward, experimental). PTX for `compute_90a` (`.target sm_90a`): loads only on
 /// compute capability 9.x.
 pub const FLASH_BWD_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90.ptx"));
+/// `kernels/flash_bwd_sm90_ws.cu`: `flash_bwd_wgmma_ws_{f16,bf16}_d{64,128}` (Hopper
+/// warp-specialized backward: producer warpgroup, mbarrier ring of Q / dO tiles, two consumer
+/// warpgroups computing dK, dV and atomic dQ on wgmma; experimental). PTX for `compute_90a`
+/// (`.target sm_90a`): loads only on compute capability 9.x.
+pub const FLASH_BWD_SM90_WS: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_sm90_ws.ptx"));
 /// `kernels/merge.cu`: `merge_step_{f32,f16,bf16}`, `cast_out_{f32,f16,bf16}`.
 pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
 /// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
 pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
+/// `kernels/probe.cu`: `probe_mma16816_{f16,bf16}`, `probe_ldsm`, `probe_cp_async` (diagnostic
+/// probes of mma.sync / ldmatrix / cp.async, see [`crate::probe`]).
+pub const PROBE: &str = include_str!(concat!(env!("OUT_DIR"), "/probe.ptx"));
+/// `kernels/probe_sm90.cu`: `probe_wgmma_{ss,rs}_n{64,128}_{f16,bf16}`, `probe_wgmma_sstb_n64_{f16,bf16}`
+/// (diagnostic probes of wgmma). PTX for `compute_90a` (`.target sm_90a`): loads only on compute
+/// capability 9.x.
+pub const PROBE_SM90: &str = include_str!(concat!(env!("OUT_DIR"), "/probe_sm90.ptx"));
 
 /// Module names (keys of candle's custom-module cache).
 pub const FLASH_FWD_MODULE: &str = "candle_cp_flash_fwd";
@@ -39,8 +56,16 @@ pub const FLASH_BWD_FUSED_MODULE: &str = "candle_cp_flash_bwd_fused";
 /// See [`FLASH_FWD_MODULE`].
 pub const FLASH_FWD_SM90_MODULE: &str = "candle_cp_flash_fwd_sm90";
 /// See [`FLASH_FWD_MODULE`].
+pub const FLASH_FWD_SM90_WS_MODULE: &str = "candle_cp_flash_fwd_sm90_ws";
+/// See [`FLASH_FWD_MODULE`].
 pub const FLASH_BWD_SM90_MODULE: &str = "candle_cp_flash_bwd_sm90";
+/// See [`FLASH_FWD_MODULE`].
+pub const FLASH_BWD_SM90_WS_MODULE: &str = "candle_cp_flash_bwd_sm90_ws";
 /// See [`FLASH_FWD_MODULE`].
 pub const MERGE_MODULE: &str = "candle_cp_merge";
 /// See [`FLASH_FWD_MODULE`].
 pub const LAYOUT_MODULE: &str = "candle_cp_layout";
+/// See [`FLASH_FWD_MODULE`].
+pub const PROBE_MODULE: &str = "candle_cp_probe";
+/// See [`FLASH_FWD_MODULE`].
+pub const PROBE_SM90_MODULE: &str = "candle_cp_probe_sm90";

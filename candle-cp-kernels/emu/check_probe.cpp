@@ -1,0 +1,186 @@
+// The probe kernels (kernels/probe.cu, kernels/probe_sm90.cu) under the emulator, launched as
+// src/probe.rs does, with the inputs of src/probe_map.rs: every dumped register must hold what the
+// documented layouts predict (the emulator implements our reading of the PTX ISA, so all pass
+// here; on a GPU the Rust side explains mismatches). The comparison is exact (error = number of
+// wrong values). Negative checks: the same dumps against a deliberately corrupted layout (rows
+// g <-> g + 8 of the mma / wgmma accumulators, .trans flipped for ldmatrix, zero-fill ignored for
+// cp.async) must report mismatches, so a wrong layout cannot pass unnoticed.
+#include "harness.h"
+
+#include <functional>
+
+extern "C" {
+void probe_mma16816_bf16(const __nv_bfloat16*, const __nv_bfloat16*, float*);
+void probe_mma16816_f16(const __half*, const __half*, float*);
+void probe_ldsm(unsigned int*);
+void probe_cp_async(const unsigned int*, unsigned int*, unsigned int*);
+#define PROBE_WG_DECL(N, TY)                                               \
+  void probe_wgmma_ss_n64_##N(const TY*, const TY*, float*);               \
+  void probe_wgmma_ss_n128_##N(const TY*, const TY*, float*);              \
+  void probe_wgmma_rs_n64_##N(const float*, const TY*, float*);            \
+  void probe_wgmma_rs_n128_##N(const float*, const TY*, float*);           \
+  void probe_wgmma_sstb_n64_##N(const TY*, const TY*, float*);
+PROBE_WG_DECL(bf16, __nv_bfloat16)
+PROBE_WG_DECL(f16, __half)
+}
+
+namespace {
+
+// Reports a positive check (err = wrong values, must be 0) and its negative (the corrupted layout
+// must give at least one wrong value: err 1 when it does not).
+void report(const std::string& name, long wrong, long wrong_corrupt) {
+  check(name, (double)wrong, 0.0);
+  check(name + " (negative: corrupted layout detected)", wrong_corrupt > 0 ? 0.0 : 1.0, 0.0);
+}
+
+// ---- mma16816: probe_map::mma_inputs / mma_d_coord
+template <typename TY> void check_mma(const char* sfx, void (*fn)(const TY*, const TY*, float*)) {
+  const std::string name = std::string("probe_mma16816_") + sfx;
+  if (!wanted(name)) return;
+  Buf<TY> a(3 * 256), b(3 * 128);
+  Buf<float> out(3 * 128);
+  std::vector<double> A(3 * 256), B(3 * 128);
+  for (int p = 0; p < 3; ++p) {
+    for (int e = 0; e < 256; ++e) A[p * 256 + e] = p < 2 ? e + 1 : (e / 16 == e % 16);
+    for (int e = 0; e < 128; ++e) {
+      const int k = e / 8, n = e % 8;
+      B[p * 128 + e] = p == 0 ? (k == n) : p == 1 ? (k == n + 8) : e + 1;
+    }
+  }
+  fill(a, A);
+  fill(b, B);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(3), dim3(32), 0, [&] { fn(a.p, b.p, out.p); });
+  check_launch(name, ok);
+  if (!ok) return;
+  auto wrong = [&](int flip) {
+    long w = 0;
+    for (int p = 0; p < 3; ++p)
+      for (int lane = 0; lane < 32; ++lane)
+        for (int r = 0; r < 4; ++r) {
+          const int m = (lane / 4 + 8 * (r / 2)) ^ flip, n = 2 * (lane % 4) + r % 2;
+          double v = 0;
+          for (int k = 0; k < 16; ++k) v += A[p * 256 + 16 * m + k] * B[p * 128 + 8 * k + n];
+          w += out.p[(p * 32 + lane) * 4 + r] != v;
+        }
+    return w;
+  };
+  report(name, wrong(0), wrong(8));
+}
+
+// ---- ldmatrix: probe_map::ldsm_coord
+void check_ldsm() {
+  const std::string name = "probe_ldsm";
+  if (!wanted(name)) return;
+  Buf<unsigned int> out(4 * 128);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(1), dim3(32), 768, [&] { probe_ldsm(out.p); });
+  check_launch(name, ok);
+  if (!ok) return;
+  const char* vn[4] = {"x4 pipe_off_a", "x4.trans pipe_off_a", "x4 pipe_off_b", "x4.trans pipe_off_b"};
+  for (int v = 0; v < 4; ++v) {
+    auto wrong = [&](bool flip) {
+      long w = 0;
+      const bool trans = (v & 1) != flip, off_b = v >= 2;
+      for (int lane = 0; lane < 32; ++lane)
+        for (int i = 0; i < 4; ++i)
+          for (int h = 0; h < 2; ++h) {
+            const int r0 = off_b ? 8 * (i >> 1) : 8 * (i & 1), c0 = off_b ? 8 * (i & 1) : 8 * (i >> 1);
+            const int x = lane / 4, y = 2 * (lane % 4) + h;
+            const int r = trans ? r0 + y : r0 + x, c = trans ? c0 + x : c0 + y;
+            w += ((out.p[(v * 32 + lane) * 4 + i] >> (16 * h)) & 0xFFFFu) != (unsigned)((r << 8) | c);
+          }
+      return w;
+    };
+    report(name + " " + vn[v], wrong(false), wrong(true));
+  }
+}
+
+// ---- cp.async: probe_map::cp_async_src / cp_async_checks
+void check_cp_async() {
+  const std::string name = "probe_cp_async";
+  if (!wanted(name)) return;
+  Buf<unsigned int> src(512), out(512), early(64);
+  for (unsigned e = 0; e < 512; ++e) src.p[e] = 0xC0DE0000u | ((e / 4) << 4) | (e % 4);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(1), dim3(64), 2048, [&] { probe_cp_async(src.p, out.p, early.p); });
+  check_launch(name, ok);
+  if (!ok) return;
+  auto wrong = [&](bool ignore_zfill) {
+    long w = 0;
+    for (int j = 0; j < 128; ++j) {
+      const int i = j % 64;
+      const bool valid = ignore_zfill || (j < 64 ? i % 4 != 3 : i % 5 != 0);
+      for (int x = 0; x < 4; ++x) w += out.p[j * 4 + x] != (valid ? src.p[j * 4 + x] : 0u);
+    }
+    for (int i = 0; i < 64; ++i) w += early.p[i] != 1u;
+    return w;
+  };
+  report(name, wrong(false), wrong(true));
+}
+
+// ---- wgmma: probe_map::wg_a / wg_b / wg_inputs / wg_acc_coord / wg_check
+double wg_a(int p, int m, int k) { return k % 16 != m % 16 ? 0 : p == 0 ? m + 1 : p == 2 ? k / 16 + 1 : 1; }
+double wg_b(int p, int k, int n) { return p == 1 ? n + 1 : p == 3 ? k + 1 : 1; }
+
+template <typename TY> void check_wgmma(const char* form, int N, const char* sfx, const std::function<void(const TY*, const float*, const TY*, float*)>& fn) {
+  const std::string name = std::string("probe_wgmma_") + form + "_n" + std::to_string(N) + "_" + sfx;
+  if (!wanted(name)) return;
+  const bool kmajor_b = std::string(form) == "ss";
+  const int P = 4, M = 128, K = 128, KS = 8, NTH = 256;
+  Buf<TY> a16(P * M * K), b(P * K * N);
+  Buf<float> a32(P * M * K), out((size_t)P * KS * NTH * N / 2);
+  std::vector<double> A(P * M * K), B(P * K * N);
+  for (int p = 0; p < P; ++p) {
+    for (int e = 0; e < M * K; ++e) A[p * M * K + e] = wg_a(p, e / K, e % K);
+    for (int e = 0; e < K * N; ++e) B[p * K * N + e] = kmajor_b ? wg_b(p, e % K, e / K) : wg_b(p, e / N, e % N);
+  }
+  fill(a16, A);
+  fill(a32, A);
+  fill(b, B);
+  const size_t smem = (size_t)(M + N) * K * 2 + 1024;  // PROBE_WG_SMEM(N)
+  const bool ok = cp_emu::launch(name.c_str(), dim3(P), dim3(NTH), smem, [&] { fn(a16.p, a32.p, b.p, out.p); });
+  check_launch(name, ok);
+  if (!ok) return;
+  auto wrong = [&](int flip) {
+    long w = 0;
+    for (int p = 0; p < P; ++p)
+      for (int kk = 0; kk < KS; ++kk)
+        for (int tid = 0; tid < NTH; ++tid)
+          for (int reg = 0; reg < N / 2; ++reg) {
+            const int wg = tid / 128, wr = (tid / 32) % 4, g = (tid % 32) / 4, t = tid % 4, i = reg / 4, e = reg % 4;
+            const int m = (64 * wg + 16 * wr + g + 8 * (e / 2)) ^ flip, n = 8 * i + 2 * t + e % 2;
+            const double v = p == 0 ? m + 1 : p == 1 ? n + 1 : p == 2 ? kk + 1 : 16 * kk + m % 16 + 1;
+            w += out.p[(((size_t)p * KS + kk) * NTH + tid) * (N / 2) + reg] != v;
+          }
+    return w;
+  };
+  report(name, wrong(0), wrong(8));
+}
+
+template <typename TY> void check_wgmma_all(const char* sfx) {
+  using F = std::function<void(const TY*, const float*, const TY*, float*)>;
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  // the entry points of probe_sm90.cu as (a16, a32, b, out) calls
+#define PROBE_WG_CALLS(S)                                                                                       \
+  check_wgmma<TY>("ss", 64, sfx, F([](const TY* a, const float*, const TY* b, float* o) { probe_wgmma_ss_n64_##S(a, b, o); }));    \
+  check_wgmma<TY>("ss", 128, sfx, F([](const TY* a, const float*, const TY* b, float* o) { probe_wgmma_ss_n128_##S(a, b, o); }));  \
+  check_wgmma<TY>("rs", 64, sfx, F([](const TY*, const float* a, const TY* b, float* o) { probe_wgmma_rs_n64_##S(a, b, o); }));    \
+  check_wgmma<TY>("rs", 128, sfx, F([](const TY*, const float* a, const TY* b, float* o) { probe_wgmma_rs_n128_##S(a, b, o); }));  \
+  check_wgmma<TY>("sstb", 64, sfx, F([](const TY* a, const float*, const TY* b, float* o) { probe_wgmma_sstb_n64_##S(a, b, o); }));
+  if constexpr (std::is_same<TY, __nv_bfloat16>::value) {
+    PROBE_WG_CALLS(bf16)
+  } else {
+    PROBE_WG_CALLS(f16)
+  }
+#undef PROBE_WG_CALLS
+  (void)bf;
+}
+
+}  // namespace
+
+void run_probe_checks() {
+  check_mma<__nv_bfloat16>("bf16", probe_mma16816_bf16);
+  check_mma<__half>("f16", probe_mma16816_f16);
+  check_ldsm();
+  check_cp_async();
+  check_wgmma_all<__nv_bfloat16>("bf16");
+  check_wgmma_all<__half>("f16");
+}

@@ -1,0 +1,387 @@
+// Flash-attention backward on Hopper, warp-specialized (FlashAttention-3 backward structure), with
+// dQ fused and summed with f32 atomics, sm_90a only. EXPERIMENTAL and opt-in (`FwdImpl::WgmmaWs`,
+// `CANDLE_CP_FLASH_IMPL=wgmma-ws`): compiled and assembled (ptxas sm_90a) and run under the CPU
+// emulator (candle-cp-kernels/emu, check_fused.cpp vs a float64 reference); it had never run on a
+// GPU when it was written.
+// Rust caller: candle_cp_kernels::flash::bwd_with -> src/flash/bwd_sm90_ws.rs, which runs
+// flash_bwd_pipe_prep_* (delta = rowsum(dO * O), 16-bit dO; kernels/flash_bwd_pipe.cu) and then
+// flash_bwd_wgmma_ws_* on a zero-filled dq. CPU reference: candle_cp_ops::attention::attention_bwd.
+// Built by build.rs with -arch=compute_90a; never compile it for compute_80.
+//
+// Same arguments and semantics as flash_bwd_wgmma_atomic_* (kernels/flash_bwd_sm90.cu, whose header
+// documents the math, the layouts, descriptors and fragments used here unchanged): q [B, T, H, D],
+// k/v [B, S, Hkv, D] (f16/bf16), do16 [B, T, H, D] (dO rounded by the prep kernel), lse / delta f32
+// [B, H, T] (lse = -inf: the row sees no key and contributes nothing), dq f32 [B, T, H, D] added to
+// with red.global.add.v4.f32 (nondeterministic summation order), dk/dv f32 [B, S, Hkv, D] summed over
+// the H / Hkv query heads of each KV head (accumulate != 0 adds into dk/dv). CpMask (common.cuh).
+//
+// Design: block = 3 warpgroups (384 threads), BN = 128 keys of one KV head, query tiles of BQ = 64
+// rows of every query head of the group from CpMask::query_begin on (earlier tiles are fully masked
+// and skipped), as the atomic kernel.
+//   warpgroup 0 = producer (setmaxnreg.dec to WSB_PRODUCER_REGS): copies K and V of the block once
+//     (in tile 0's commit group) and each query tile's Q and dO with 16-byte cp.async (zero-fill
+//     past T / S; ws_load: sw_load's layout with the row loop kept rolled, which fits the producer's
+//     24 registers) into a ring of NST stages, and writes the tile's lse2 (lse * log2 e, +inf for a
+//     row past T or with lse = -inf: P = 0) and delta into the stage's f32 vectors (threads < BQ,
+//     plain shared stores);
+//   warpgroups 1, 2 = consumers (setmaxnreg.inc to WSB_CONSUMER_REGS): consumer c owns keys
+//     [64c, 64c + 64) and keeps their dK and dV (64 x D f32 each) in registers across the query
+//     loop; per tile it runs the atomic kernel's sequence: S^T = K_c Q^T and dP^T = V_c dO^T (two
+//     groups), P^T (wait_group 1), dV += P^T dO, dS^T = P^T (dP^T - delta), dS^T stored transposed
+//     into the 16-bit dS tile, dK += dS^T Q, then dQ = dS K (at D = 128 consumer c takes d columns
+//     [64c, 64c + 64) over all 128 keys, so both consumers' dS halves must be in the tile: named
+//     barrier 1 over the 256 consumer threads after fence.proxy.async; at D = 64 consumer c reads
+//     only its own keys' dS and no barrier is needed), scaled and added into dq.
+// Ring protocol (mbarriers in shared memory):
+//   full[s] (count 128: every producer thread): a producer thread issues tile n's copies (one
+//     cp.async group) and stores its lse2 / delta; after issuing tile n + LAG it retires tile n's
+//     group (cp.async.wait_group LAG), runs fence.proxy.async (its generic-proxy writes become
+//     visible to the async proxy that wgmma reads through) and arrives (release; covers the plain
+//     lse2 / delta stores). A consumer waits on the phase parity (acquire) before tile n's wgmma.
+//   empty[s] (count 256: every consumer thread): a consumer thread arrives after wait_group 0 has
+//     retired every product of the tile (S^T, dP^T read Q / dO K-major, dV and dK read dO / Q
+//     MN-major) and after its last read of the stage's lse2 / delta; the producer waits on it before
+//     refilling the stage. Tile n lives in stage n % NST, fill n / NST: consumers wait full parity
+//     (n / NST) & 1, the producer waits empty parity (n / NST - 1) & 1.
+//   No deadlock while LAG <= NST - 1 (static_assert): the refill for tile n waits for the release of
+//   tile n - NST, which the producer signalled after issuing tile n - NST + LAG < n.
+//   NST = 3 at D = 128 (what fits in 227 KB with the double-buffered dS tile), 4 at D = 64; LAG = 1
+//   (the copy of tile n is issued about NST - 1 tiles of consumer time before it is needed).
+// dS tile: double-buffered (tile n uses buffer n & 1). At D = 128 consumer c rewrites buffer b in
+//   tile n + 2 only after passing the barrier of tile n + 1, which the other consumer reaches only
+//   after its wait_group 0 of tile n retired the dQ product that read buffer b.
+// Shared memory (dynamic, base rounded up to 1024 bytes): K [BN x D], V [BN x D], Q stages
+// 0 .. NST-1, dO stages 0 .. NST-1 ([BQ x D] each), dS buffers 0/1 [BQ x BN] (all 16-bit, SW128
+// canonical layout), lse2 [NST][BQ], delta [NST][BQ] f32, then full[NST], empty[NST] (8 bytes
+// each): WSB_SMEM(D).
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "flash_bwd_sm90_ws.cu uses wgmma and setmaxnreg: compile it with -arch=compute_90a"
+#endif
+
+#include "mbarrier.cuh"  // mbarriers, named barriers, setmaxnreg
+#include "wgmma.cuh"     // wgmma wrappers, descriptors, swizzled tile loads
+
+// Register budget: 128 * (WSB_PRODUCER_REGS + 2 * WSB_CONSUMER_REGS) <= 65536.
+#define WSB_PRODUCER_REGS 24
+#define WSB_CONSUMER_REGS 240
+static_assert(128 * (WSB_PRODUCER_REGS + 2 * WSB_CONSUMER_REGS) <= 65536, "register file");
+
+// p[0..3] += v on four consecutive global f32 (16-byte aligned), atomically per element, without
+// returning the old values: one red.global.add.v4.f32 (sm_90, PTX 8.1) instead of four scalar reds.
+// Host emulation: plain adds (cp_red_add_f32 in common.cuh explains why that is atomic there).
+__device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
+#ifdef CP_HOST_EMU
+  p[0] += v.x;
+  p[1] += v.y;
+  p[2] += v.z;
+  p[3] += v.w;
+#else
+  asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
+               : "memory");
+#endif
+}
+
+// sw_load (wgmma.cuh) with its row loop kept rolled: the producer runs in WSB_PRODUCER_REGS
+// registers, where the fully unrolled copy loop spills. Same layout and zero-fill.
+template <int ROWS, int D, int NTH, typename T>
+__device__ __forceinline__ void ws_load(uint32_t dst, const T* __restrict__ src, size_t rstride, int r0,
+                                        int rows_valid, int tid) {
+  constexpr int CH = D / 8, RSTEP = NTH / CH, ITER = ROWS * CH / NTH;
+  static_assert(NTH % CH == 0 && (ROWS * CH) % NTH == 0 && RSTEP % 8 == 0, "tile / thread shape");
+  const int c = tid % CH, rr = tid / CH;
+  dst += (uint32_t)((c >> 3) * ROWS * 128 + rr * 128 + (((c & 7) ^ (rr & 7)) << 4));
+  const T* p = src + (size_t)(r0 + rr) * rstride + c * 8;
+  int r = r0 + rr;
+#pragma unroll 1
+  for (int i = 0; i < ITER; ++i) {
+    const bool valid = r < rows_valid;
+    cp_async16(dst, valid ? p : src, valid);
+    dst += (uint32_t)(RSTEP * 128);
+    p += (size_t)RSTEP * rstride;
+    r += RSTEP;
+  }
+}
+
+template <typename T, int D, int NST, int LAG>
+__device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
+                                             const T* __restrict__ v, const T* __restrict__ do16,
+                                             const float* __restrict__ lse, const float* __restrict__ delta,
+                                             float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
+                                             int Hkv, float scale, CpMask mask, int accumulate) {
+  constexpr int BN = 128, BQ = 64, PTH = 128, NS = BQ / 2, NA = D / 2;
+  constexpr uint32_t KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2, DS_BYTES = BQ * BN * 2;
+  static_assert(D % 64 == 0, "128-byte swizzle needs 64-element column blocks");
+  static_assert(NST >= 2 && LAG >= 1 && LAG <= NST - 1, "ring depth / copy lag (see the header)");
+  CP_DYN_SMEM_A(unsigned char, ws_smem, 1024);
+  const uint32_t base_sa = cp_smem_u32(ws_smem);
+  const uint32_t k_sa = (base_sa + 1023u) & ~1023u, v_sa = k_sa + KV_BYTES;
+  auto q_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)st * Q_BYTES; };
+  auto do_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)(NST + st) * Q_BYTES; };
+  const uint32_t ds_sa = do_st(NST);  // dS buffers 0 / 1
+  auto smem_ptr = [&](uint32_t a) { return ws_smem + (a - base_sa); };
+  float* ls_s = reinterpret_cast<float*>(smem_ptr(ds_sa + 2 * DS_BYTES));  // lse2 [NST][BQ]
+  float* dl_s = ls_s + NST * BQ;                                            // delta [NST][BQ]
+  uint64_t* full = reinterpret_cast<uint64_t*>(dl_s + NST * BQ);
+  uint64_t* empty = full + NST;
+
+  // Key tiles along y, in increasing order (the heaviest blocks under a causal mask first).
+  const int b = blockIdx.z, kvh = blockIdx.x, k0 = blockIdx.y * BN, G = H / Hkv;
+  const int tid = threadIdx.x, wg = tid >> 7;
+  const int i_begin = mask.query_begin(mask.kpos(k0), T_);
+  const int n_qt = (T_ - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < NST; ++s) {
+      cp_mbar_init(&full[s], PTH);
+      cp_mbar_init(&empty[s], 2 * 128);
+    }
+    cp_mbar_init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier: the warpgroups go their own ways below
+
+  if (wg == 0) {
+    // ---- producer ----------------------------------------------------------------------------
+    cp_setmaxnreg_dec<WSB_PRODUCER_REGS>();
+    const size_t kv_rs = (size_t)Hkv * D, q_rs = (size_t)H * D;
+    // K and V join tile 0's commit group (a block without tiles copies nothing).
+    if (n_it > 0) {
+      const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D;
+      ws_load<BN, D, PTH>(k_sa, k + kv_base, kv_rs, k0, S, tid);
+      ws_load<BN, D, PTH>(v_sa, v + kv_base, kv_rs, k0, S, tid);
+    }
+    for (int n = 0; n < n_it; ++n) {
+      const int st = n % NST;
+      if (n >= NST) cp_mbar_wait(&empty[st], (uint32_t)((n / NST - 1) & 1));
+      // Tile n: query head kvh * G + n / n_qt, rows i_begin + (n % n_qt) * BQ ..
+      const int hq = kvh * G + n / n_qt, i0 = i_begin + (n % n_qt) * BQ;
+      const size_t qb = ((size_t)b * T_ * H + hq) * D;
+      ws_load<BQ, D, PTH>(q_st(st), q + qb, q_rs, i0, T_, tid);
+      ws_load<BQ, D, PTH>(do_st(st), do16 + qb, q_rs, i0, T_, tid);
+      cp_async_commit();
+      if (tid < BQ) {
+        const int i = i0 + tid;
+        const size_t li = ((size_t)b * H + hq) * T_ + i;
+        const float l = i < T_ ? lse[li] : -INFINITY;
+        ls_s[st * BQ + tid] = l == -INFINITY ? INFINITY : l * CP_LOG2E;  // +inf: P = 0 for the row
+        dl_s[st * BQ + tid] = i < T_ ? delta[li] : 0.f;
+      }
+      if (n >= LAG) {
+        cp_async_wait<LAG>();  // tile n - LAG (and older, K / V) landed
+        fence_proxy_async();
+        cp_mbar_arrive(&full[(n - LAG) % NST]);
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int m = max(0, n_it - LAG); m < n_it; ++m) cp_mbar_arrive(&full[m % NST]);
+    return;
+  }
+
+  // ---- consumers ---------------------------------------------------------------------------------
+  cp_setmaxnreg_inc<WSB_CONSUMER_REGS>();
+  const int cw = wg - 1, wr = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const float sl2 = scale * CP_LOG2E;
+  float acc_k[NA], acc_v[NA];
+#pragma unroll
+  for (int i = 0; i < NA; ++i) acc_k[i] = acc_v[i] = 0.f;
+  // This thread's two key rows (accumulator rows g and g + 8 of its warp).
+  const int ja = k0 + cw * 64 + wr * 16 + g;
+  const long long kp_a = mask.kpos(ja), kp_b = mask.kpos(ja + 8);
+  const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);
+  // Keys past S must get P = 0 (their dS feeds dQ; exp2(-lse2) may overflow to inf).
+  const bool ragged = k0 + BN > S, kok_a = ja < S, kok_b = ja + 8 < S;
+
+  for (int it = 0; it < n_it; ++it) {
+    const int st = it % NST;
+    const uint32_t dsb = ds_sa + (uint32_t)(it & 1) * DS_BYTES;
+    const int i0 = i_begin + (it % n_qt) * BQ;
+    const bool need_mask = mask.causal && kp_last > mask.qpos(i0);
+    const uint32_t qa = q_st(st), da = do_st(st);
+    const float* ls = ls_s + st * BQ;
+    const float* dls = dl_s + st * BQ;
+    float s[NS], dp[NS];
+    uint32_t pa[BQ / 16][4];
+#pragma unroll
+    for (int i = 0; i < NS; ++i) s[i] = dp[i] = 0.f;
+    cp_mbar_wait(&full[st], (uint32_t)((it / NST) & 1));  // tile it (and K, V) landed and fenced
+    reg_fence(s);
+    reg_fence(dp);
+    wg_fence();
+    // S^T = K_c Q^T, then dP^T = V_c dO^T: two groups.
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + cw * 64 * 128 + (kk & 3) * 32);
+      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
+      wg_ss<BQ, T>(s, sw128_desc(k_sa + ko, 16, 1024), sw128_desc(qa + qo, 16, 1024), 1);
+    }
+    wg_commit();
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + cw * 64 * 128 + (kk & 3) * 32);
+      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
+      wg_ss<BQ, T>(dp, sw128_desc(v_sa + ko, 16, 1024), sw128_desc(da + qo, 16, 1024), 1);
+    }
+    wg_commit();
+    wg_wait<1>();  // groups retire in order: S^T is done, dP^T may still run
+    reg_fence(s);
+    // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
+    // re-packed as A fragments (k-step kk: queries 16kk .. 16kk + 15).
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+      const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
+        if (need_mask && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + 8 * i + 2 * t + (e & 1))) p = 0.f;
+        if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
+        s[4 * i + e] = p;
+      }
+    }
+    acc_to_a<T>(pa, s);
+    reg_fence(pa);
+    reg_fence(acc_v);
+    wg_fence();
+    // dV += P^T dO: B = dO MN-major (k = queries, n = d).
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      wg_rs<D, T>(acc_v, pa[kk], sw128_desc(da + (uint32_t)(kk * 2048), BQ * 128, 1024), 1);
+    wg_commit();
+    wg_wait<1>();  // dP^T done, dV += P^T dO may still run
+    reg_fence(dp);
+    // dS^T = P^T (dP^T - delta), re-packed as A fragments.
+    uint32_t dsa[BQ / 16][4];
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+      const float2 d2 = *reinterpret_cast<const float2*>(dls + 8 * i + 2 * t);
+#pragma unroll
+      for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? d2.y : d2.x));
+    }
+    acc_to_a<T>(dsa, dp);
+    // dS^T (the rounded values of dsa) into dS buffer it & 1, transposed: dS [query][key], SW128
+    // K-major (64 rows; keys of consumer c = column block c). Before dK += dS^T Q is issued (dsa are
+    // its A-fragment registers, not to be read while it runs).
+    {
+      const int kl = wr * 16 + g;
+#pragma unroll
+      for (int kk = 0; kk < BQ / 16; ++kk)
+#pragma unroll
+        for (int r = 0; r < 4; ++r) {
+          // dsa[kk][r]: key kl + 8 (r & 1), queries c and c + 1 with c = 16kk + 8 (r >> 1) + 2t.
+          const int key = kl + 8 * (r & 1), c = 16 * kk + 8 * (r >> 1) + 2 * t;
+#pragma unroll
+          for (int hh = 0; hh < 2; ++hh) {
+            const int qr = c + hh;
+            const uint32_t a = dsb + (uint32_t)(cw * BQ * 128 + qr * 128 + ((((key >> 3) ^ qr) & 7) << 4) + (key & 7) * 2);
+            *reinterpret_cast<uint16_t*>(smem_ptr(a)) = (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu);
+          }
+        }
+    }
+    reg_fence(dsa);
+    reg_fence(acc_k);
+    wg_fence();
+    // dK += dS^T Q: B = Q MN-major.
+#pragma unroll
+    for (int kk = 0; kk < BQ / 16; ++kk)
+      wg_rs<D, T>(acc_k, dsa[kk], sw128_desc(qa + (uint32_t)(kk * 2048), BQ * 128, 1024), 1);
+    wg_commit();
+    fence_proxy_async();  // this thread's dS stores visible to the async proxy
+    // The dQ wgmma below reads dS rows written by every warp of the warpgroup (D = 64) or of both
+    // consumers (D = 128): wgmma's .sync orders only the issuing warp, so a barrier over the
+    // writers comes first (FlashAttention-3 syncs its MMA threads here too). D = 128: named
+    // barrier 1, the 256 consumer threads; D = 64: barrier 2 + cw, this consumer's 128 threads.
+    // It also keeps the dS buffer written at tile it + 2 from being refilled while a warp of
+    // tile it may still read it (every writer passed tile it + 1's barrier after its wait_group 0).
+    if constexpr (D == 128) cp_named_bar_sync(1, 256);
+    else cp_named_bar_sync(2 + cw, 128);
+    // dQ partial = dS K (64 queries x 64 d): at D = 128 consumer c takes d [64c, 64c + 64) over all
+    // 128 keys; at D = 64 all d over its own 64 keys (both consumers add into dQ).
+    constexpr int KS = D == 128 ? BN / 16 : 4;
+    const uint32_t a0 = D == 128 ? 0u : (uint32_t)(cw * BQ * 128);
+    const uint32_t b0 = D == 128 ? (uint32_t)(cw * BN * 128) : (uint32_t)(cw * 64 * 128);
+    float dqa[32];
+#pragma unroll
+    for (int i = 0; i < 32; ++i) dqa[i] = 0.f;
+    reg_fence(dqa);
+    wg_fence();
+#pragma unroll
+    for (int kk = 0; kk < KS; ++kk)
+      wg_ss_tb<64, T>(dqa, sw128_desc(dsb + a0 + (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32), 16, 1024),
+                      sw128_desc(k_sa + b0 + (uint32_t)(kk * 2048), BN * 128, 1024), 1);
+    wg_commit();
+    wg_wait<0>();  // every product of this tile retired: Q / dO / lse2 / delta of stage st are free
+    reg_fence(acc_v);
+    reg_fence(acc_k);
+    reg_fence(pa);
+    reg_fence(dsa);
+    reg_fence(dqa);
+    cp_mbar_arrive(&empty[st]);
+    // dQ += scale * partial: element 4j + e is query row 16wr + g + 8(e/2), d = dc0 + 8j + 2t + (e & 1).
+    // Lanes t and t ^ 1 swap a pair so that each holds 4 consecutive d of one row (even t: row a,
+    // d = dc0 + 8j + 2t .. + 3; odd t: row b, d = dc0 + 8j + 2t - 2 .. + 1): one v4 reduction each.
+    const int hq = kvh * G + it / n_qt, dc0 = D == 128 ? cw * 64 : 0;
+    const bool odd = t & 1;
+    const int row = i0 + wr * 16 + g + (odd ? 8 : 0);
+    float* dqr = dq + (((size_t)b * T_ + row) * H + hq) * D + dc0 + 4 * (t >> 1);
+#pragma unroll
+    for (int j = 0; j < 8; ++j) {
+      const float x0 = dqa[4 * j] * scale, x1 = dqa[4 * j + 1] * scale;
+      const float y0 = dqa[4 * j + 2] * scale, y1 = dqa[4 * j + 3] * scale;
+      const float r0 = __shfl_xor_sync(0xffffffffu, odd ? x0 : y0, 1);
+      const float r1 = __shfl_xor_sync(0xffffffffu, odd ? x1 : y1, 1);
+      if (row < T_) wsb_red_add_v4(dqr + 8 * j, odd ? make_float4(r0, r1, y0, y1) : make_float4(x0, x1, r0, r1));
+    }
+  }
+  // Store dK (times scale) and dV rows ja, ja + 8: element 4i + e is row (e < 2 ? ja : ja + 8),
+  // d = 8i + 2t + (e & 1).
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int j = ja + 8 * half;
+    if (j >= S) continue;
+    const size_t gi = (((size_t)b * S + j) * Hkv + kvh) * D + 2 * t;
+#pragma unroll
+    for (int i = 0; i < NA / 4; ++i) {
+      float2 kx = make_float2(acc_k[4 * i + 2 * half] * scale, acc_k[4 * i + 2 * half + 1] * scale);
+      float2 vx = make_float2(acc_v[4 * i + 2 * half], acc_v[4 * i + 2 * half + 1]);
+      float2* pk = reinterpret_cast<float2*>(dk + gi + 8 * i);
+      float2* pv = reinterpret_cast<float2*>(dv + gi + 8 * i);
+      if (accumulate) {
+        const float2 ok = *pk, ov = *pv;
+        kx.x += ok.x, kx.y += ok.y, vx.x += ov.x, vx.y += ov.y;
+      }
+      *pk = kx;
+      *pv = vx;
+    }
+  }
+}
+
+// ---- entry points ---------------------------------------------------------------------------------
+// flash_bwd_wgmma_ws_{f16,bf16}_d{64,128}(float* dq, float* dk, float* dv, PIPE_ARGS): grid (Hkv,
+// ceil(S / 128), B), block 384, dynamic shared memory WSB_SMEM(D) bytes (the launcher raises the
+// limit); dq zero-filled (or accumulated) by the caller. src/flash/bwd_sm90_ws.rs mirrors these.
+#define WSB_BN 128
+#define WSB_BQ 64
+#define WSB_NST(D) ((D) == 128 ? 3 : 4)
+#define WSB_LAG 1
+#define WSB_SMEM(D)                                                                                 \
+  ((2 * WSB_BN + 2 * WSB_NST(D) * WSB_BQ) * (D) * 2 + 2 * WSB_BQ * WSB_BN * 2 + 2 * WSB_NST(D) * WSB_BQ * 4 + \
+   2 * WSB_NST(D) * 8 + 1024)
+#define PIPE_ARGS                                                                                 \
+  const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
+      int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,            \
+      long long q_str, long long k_off, long long k_str, int accumulate
+#define WGMMA_WS_BWD(NAME, D)                                                                         \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_ws_##NAME##_d##D(             \
+      float* dq, float* dk, float* dv, PIPE_ARGS) {                                                   \
+    bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv,  \
+                                             scale, CpMask{causal, q_off, q_str, k_off, k_str},       \
+                                             accumulate);                                             \
+  }
+#define TY __half
+WGMMA_WS_BWD(f16, 64) WGMMA_WS_BWD(f16, 128)
+#undef TY
+#define TY __nv_bfloat16
+WGMMA_WS_BWD(bf16, 64) WGMMA_WS_BWD(bf16, 128)
+#undef TY

@@ -1,0 +1,323 @@
+// Flash-attention forward with log-sum-exp on Hopper, warp-specialized (FlashAttention-3 structure),
+// sm_90a only. EXPERIMENTAL and opt-in (`FwdImpl::WgmmaWs`, `CANDLE_CP_FLASH_IMPL=wgmma-ws`): compiled
+// and assembled (ptxas sm_90a) and run under the CPU emulator (candle-cp-kernels/emu, check_flash.cpp
+// vs a float64 reference); it had never run on a GPU when it was written.
+// Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs -> src/flash/sm90_ws.rs); CPU reference:
+// candle_cp_ops::attention::attention_fwd. Built by build.rs with -arch=compute_90a; never compile it
+// for compute_80.
+//
+// Same arguments and semantics as `flash_fwd_wgmma_*` (kernels/flash_fwd_sm90.cu): q [B, T, H, D],
+// k/v [B, S, Hkv, D] contiguous f16/bf16, out f32 [B, T, H, D], lse f32 [B, H, T] (natural log),
+// query head h reads KV head h / (H / Hkv), CpMask (common.cuh); a row that sees no key gets out = 0
+// and lse = -inf. Last query tiles first; key tiles past the block's last visible key are skipped.
+//
+// Design: block = 3 warpgroups (384 threads), BQ = 128 query rows, BK = 128 keys per tile.
+//   warpgroup 0 = producer (setmaxnreg.dec to WS_PRODUCER_REGS): copies Q once and the K / V tiles
+//     with 16-byte cp.async (zero-fill past T / S) into a ring of NST stages of K and NST of V
+//     (a K stage and a V stage are separate so that K_j can be released before P_j V_j ran);
+//   warpgroups 1, 2 = consumers (setmaxnreg.inc to WS_CONSUMER_REGS): consumer c owns query rows
+//     [64c, 64c + 64) of the tile and runs the math of flash_fwd_sm90.cu (S = Q K^T from shared
+//     memory, online softmax in registers, O += P V with P from registers), including its
+//     intra-warpgroup overlap: iteration j issues S_j, then P_{j-1} V_{j-1}, waits for S_j only and
+//     runs the softmax of tile j while P V is on the tensor cores.
+// Ring protocol (mbarriers in shared memory, one per stage and kind):
+//   full_k[s] / full_v[s] (count 128: every producer thread): a producer thread issues its copies of
+//     a tile (one cp.async group), later retires the group (cp.async.wait_group), runs
+//     fence.proxy.async (its generic-proxy writes become visible to the async proxy that wgmma reads
+//     through) and then arrives (release). A consumer waits on the phase parity (acquire) before
+//     the wgmma that reads the stage. Q travels in K_0's group (full_k[0], first phase).
+//   empty_k[s] / empty_v[s] (count 256: every consumer thread): a consumer thread arrives once the
+//     wgmma group that read the stage has retired in it (wgmma.wait_group); the producer waits on
+//     it before refilling the stage. Tile j lives in stage j % NST, fill number j / NST: consumers
+//     wait full parity (j / NST) & 1, the producer waits empty parity (j / NST - 1) & 1.
+//   The producer issues the copy operations K_0 (+Q), V_0, K_1, V_1, ... and signals operation n
+//   after issuing operation n + LAG (so about LAG operations are in flight). Consumers release K_j
+//   in iteration j (once S_j retired) and V_{j-1} at the end of iteration j; so refilling a stage
+//   never waits for an operation the producer has not signalled yet as long as LAG <= 2 NST - 2
+//   (static_assert). Ring depth: NST = 3 at D = 128 (Q 32 KB + 6 x 32 KB: what fits in 227 KB),
+//   4 at D = 64; LAG = 2. Why (in units of one key tile's tensor-core time, consumer-bound): the
+//   signal of K_j waits for the issue of K_{j+1}, i.e. for the release of K_{j+1-NST}, and the
+//   signal of V_j for the release of V_{j+1-NST}, which both consumers give only once P V_{j+1-NST}
+//   retired (about tile j+2-NST's end); K_j is needed at the start of iteration j and V_j at the
+//   start of iteration j+1, so NST = 3 leaves a tile of slack for each, NST = 2 none for V (the
+//   second consumer's release would gate the first consumer's next turn, undoing the ping-pong).
+// Ping-pong (FlashAttention-3 "warp scheduler barriers"): named barriers 1 (consumer 0's turn) and
+//   2 (consumer 1's turn), 256 threads each (the waiting warpgroup's bar.sync plus the other's
+//   bar.arrive). A consumer issues its wgmma of an iteration (S_j and P_{j-1} V_{j-1}) inside its
+//   turn and hands the turn to the other one, so one warpgroup's GEMMs run while the other does its
+//   softmax. Consumer 1 arrives on barrier 1 once at the start (consumer 0 goes first) and skips the
+//   arrive of its last turn, so every barrier phase has exactly one bar.sync warpgroup and one
+//   bar.arrive warpgroup and nothing is left pending at exit. Both consumers run all n_tiles tiles
+//   of the block (no per-warpgroup tile skipping: the turns must alternate), masked tiles add
+//   exactly nothing.
+// Iteration j = 0 multiplies P = 0 with V_0 (a finite tile: data or zero-fill) instead of taking a
+// separate first-tile path (the loop body stays one straight sequence for ptxas, as in
+// flash_fwd_sm90.cu); a last turn drains P_{n-1} V_{n-1}.
+// Shared memory (dynamic, base rounded up to 1024): Q [BQ x D], K stages 0 .. NST-1, V stages
+// 0 .. NST-1 ([BK x D] each, 128-byte-swizzled canonical layout, descriptors and register fragments
+// as documented in flash_fwd_sm90.cu), then the 4 NST mbarriers (8 bytes each).
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "flash_fwd_sm90_ws.cu uses wgmma and setmaxnreg: compile it with -arch=compute_90a"
+#endif
+
+#include "mbarrier.cuh"  // mbarriers, named barriers, setmaxnreg
+#include "wgmma.cuh"     // wgmma wrappers, descriptors, swizzled tile loads
+
+// Register budget. setmaxnreg only moves registers within the block's pool (PTX ISA, setmaxnreg: "A
+// pool of available registers is maintained per-CTA"; ".inc blocks the execution until enough
+// registers are available in the CTA's register pool"), i.e. what the block was launched with: 384
+// threads x 168 (ptxas "Used 168 registers" for __launch_bounds__(384, 1): 65536 / 384 rounded down
+// to a multiple of 8) = 64,512, not 65,536. (Audit fix: the bound was 65,536, which admits splits,
+// e.g. 48 / 232, whose setmaxnreg.inc would wait forever on hardware.)
+#define WS_PRODUCER_REGS 40
+#define WS_CONSUMER_REGS 232
+#define WS_LAUNCH_REGS (65536 / 384 / 8 * 8)
+static_assert(128 * (WS_PRODUCER_REGS + 2 * WS_CONSUMER_REGS) <= 384 * WS_LAUNCH_REGS, "setmaxnreg pool");
+
+// ---- kernel body ----------------------------------------------------------------------------------
+template <typename T, int D, int BK, int NST, int LAG>
+__device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k,
+                                             const T* __restrict__ v, float* __restrict__ out,
+                                             float* __restrict__ lse, int B, int T_, int S, int H,
+                                             int Hkv, float scale, CpMask mask) {
+  constexpr int BQ = 128, PTH = 128, NS = BK / 2, NO = D / 2;
+  constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
+  static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
+  static_assert(NST >= 2 && LAG >= 1 && LAG <= 2 * NST - 2, "ring depth / copy lag (see the header)");
+  CP_DYN_SMEM_A(unsigned char, ws_smem, 1024);
+  const uint32_t base_sa = cp_smem_u32(ws_smem);
+  const uint32_t q_sa = (base_sa + 1023u) & ~1023u;
+  const uint32_t kv_sa = q_sa + Q_BYTES;
+  auto k_st = [&](int st) { return kv_sa + (uint32_t)st * KV_BYTES; };
+  auto v_st = [&](int st) { return kv_sa + (uint32_t)(NST + st) * KV_BYTES; };
+  // full_k[NST], full_v[NST], empty_k[NST], empty_v[NST]
+  uint64_t* bars = reinterpret_cast<uint64_t*>(ws_smem + (q_sa + Q_BYTES + 2 * NST * KV_BYTES - base_sa));
+  uint64_t* full_k = bars;
+  uint64_t* full_v = bars + NST;
+  uint64_t* empty_k = bars + 2 * NST;
+  uint64_t* empty_v = bars + 3 * NST;
+
+  const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
+  const int tid = threadIdx.x, wg = tid >> 7;
+  // Last query tiles first: under a causal mask they have the most keys.
+  const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
+  // Keys [0, n_tiles * BK) cover every key some row of the block sees (uniform in the block).
+  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
+
+  if (tid == 0) {
+#pragma unroll
+    for (int s = 0; s < NST; ++s) {
+      cp_mbar_init(&full_k[s], PTH);
+      cp_mbar_init(&full_v[s], PTH);
+      cp_mbar_init(&empty_k[s], 2 * 128);
+      cp_mbar_init(&empty_v[s], 2 * 128);
+    }
+    cp_mbar_init_fence();
+  }
+  __syncthreads();  // the last block-wide barrier: the warpgroups go their own ways below
+
+  if (wg == 0) {
+    // ---- producer ----------------------------------------------------------------------------
+    cp_setmaxnreg_dec<WS_PRODUCER_REGS>();
+    const size_t kv_rs = (size_t)Hkv * D;
+    const T* kg = k + ((size_t)b * S * Hkv + kvh) * D;
+    const T* vg = v + ((size_t)b * S * Hkv + kvh) * D;
+    const int n_ops = 2 * n_tiles;  // K_0 (+Q), V_0, K_1, V_1, ...
+    // Signal operation m (its group retired and fenced in this thread).
+    auto signal = [&](int m) {
+      const int j = m >> 1;
+      cp_mbar_arrive((m & 1) ? &full_v[j % NST] : &full_k[j % NST]);
+    };
+    // Q joins the first commit group (K_0's).
+    if (n_ops > 0) sw_load<BQ, D, PTH>(q_sa, q + ((size_t)b * T_ * H + h) * D, (size_t)H * D, row0, T_, tid);
+    for (int n = 0; n < n_ops; ++n) {
+      const int j = n >> 1, st = j % NST;
+      if (n & 1) {
+        if (j >= NST) cp_mbar_wait(&empty_v[st], (uint32_t)((j / NST - 1) & 1));
+        sw_load<BK, D, PTH>(v_st(st), vg, kv_rs, j * BK, S, tid);
+      } else {
+        if (j >= NST) cp_mbar_wait(&empty_k[st], (uint32_t)((j / NST - 1) & 1));
+        sw_load<BK, D, PTH>(k_st(st), kg, kv_rs, j * BK, S, tid);
+      }
+      cp_async_commit();
+      if (n >= LAG) {
+        cp_async_wait<LAG>();  // operation n - LAG (and older) landed
+        fence_proxy_async();
+        signal(n - LAG);
+      }
+    }
+    cp_async_wait<0>();
+    fence_proxy_async();
+    for (int m = max(0, n_ops - LAG); m < n_ops; ++m) signal(m);
+    return;
+  }
+
+  // ---- consumers ---------------------------------------------------------------------------------
+  cp_setmaxnreg_inc<WS_CONSUMER_REGS>();
+  const int cw = wg - 1, ctid = tid - 128, wr = (ctid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  const int wrow0 = row0 + cw * 64;
+  const int ra = wrow0 + wr * 16 + g, rb = ra + 8;
+  const float sl2 = scale * CP_LOG2E;
+  // keys [0, w_full) are visible to every row of this warpgroup (to its first row); row i sees
+  // exactly keys [0, key_end(qpos(i))) (positions increase with the index).
+  const int w_full = mask.key_end(mask.qpos(wrow0), S);
+  const int lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+
+  float o[NO];
+#pragma unroll
+  for (int i = 0; i < NO; ++i) o[i] = 0.f;
+  float m_a = -INFINITY, m_b = -INFINITY, l_a = 0.f, l_b = 0.f;
+  uint32_t pa[BK / 16][4];  // P of the previous tile as wgmma A fragments (k-step kk: keys 16kk ..)
+#pragma unroll
+  for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+
+  // Ping-pong turns: named barrier 1 + cw is this consumer's, 2 - cw the other's.
+  auto my_turn = [&] { cp_named_bar_sync(1 + cw, 256); };
+  auto pass_turn = [&] { cp_named_bar_arrive(2 - cw, 256); };
+
+  auto issue_s = [&](float (&s)[NS], uint32_t ka_st) {
+#pragma unroll
+    for (int kk = 0; kk < D / 16; ++kk) {
+      const uint32_t qa = q_sa + (uint32_t)((kk >> 2) * BQ * 128 + cw * 64 * 128 + (kk & 3) * 32);
+      const uint32_t ka = ka_st + (uint32_t)((kk >> 2) * BK * 128 + (kk & 3) * 32);
+      wg_ss<BK, T>(s, sw128_desc(qa, 16, 1024), sw128_desc(ka, 16, 1024), 1);
+    }
+  };
+  auto issue_pv = [&](uint32_t va_st) {
+#pragma unroll
+    for (int kk = 0; kk < BK / 16; ++kk)
+      wg_rs<D, T>(o, pa[kk], sw128_desc(va_st + (uint32_t)(kk * 2048), BK * 128, 1024), 1);
+  };
+  // Scale (log2 domain), mask and online softmax of tile k0 in s (as in flash_fwd_sm90.cu).
+  auto softmax = [&](float (&s)[NS], int k0, float& al_a, float& al_b) {
+    const bool full_tile = k0 + BK <= w_full;
+    const int ca = lim_a - k0 - 2 * t, cb = lim_b - k0 - 2 * t;
+    float mx_a = -INFINITY, mx_b = -INFINITY;
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        float x = s[4 * i + e] * sl2;
+        if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) x = -INFINITY;
+        s[4 * i + e] = x;
+      }
+      mx_a = fmaxf(mx_a, fmaxf(s[4 * i], s[4 * i + 1]));
+      mx_b = fmaxf(mx_b, fmaxf(s[4 * i + 2], s[4 * i + 3]));
+    }
+    const float mn_a = fmaxf(m_a, cp_quad_max(mx_a)), mn_b = fmaxf(m_b, cp_quad_max(mx_b));
+    const float mo_a = mn_a == -INFINITY ? 0.f : mn_a, mo_b = mn_b == -INFINITY ? 0.f : mn_b;
+    al_a = cp_exp2(m_a - mo_a);
+    al_b = cp_exp2(m_b - mo_b);
+    float sum_a = 0.f, sum_b = 0.f;
+#pragma unroll
+    for (int i = 0; i < NS / 4; ++i) {
+      s[4 * i] = cp_exp2(s[4 * i] - mo_a);
+      s[4 * i + 1] = cp_exp2(s[4 * i + 1] - mo_a);
+      s[4 * i + 2] = cp_exp2(s[4 * i + 2] - mo_b);
+      s[4 * i + 3] = cp_exp2(s[4 * i + 3] - mo_b);
+      sum_a += s[4 * i] + s[4 * i + 1];
+      sum_b += s[4 * i + 2] + s[4 * i + 3];
+    }
+    l_a = l_a * al_a + sum_a;
+    l_b = l_b * al_b + sum_b;
+    m_a = mn_a;
+    m_b = mn_b;
+  };
+  auto rescale_pack = [&](const float (&s)[NS], float al_a, float al_b) {
+#pragma unroll
+    for (int i = 0; i < NO / 4; ++i) {
+      o[4 * i] *= al_a;
+      o[4 * i + 1] *= al_a;
+      o[4 * i + 2] *= al_b;
+      o[4 * i + 3] *= al_b;
+    }
+    acc_to_a<T>(pa, s);
+  };
+
+  if (n_tiles > 0) {
+    if (cw == 1) pass_turn();  // consumer 0 takes the first turn
+    for (int j = 0; j < n_tiles; ++j) {
+      const int st = j % NST, jv = j == 0 ? 0 : j - 1, sv = jv % NST;
+      float s[NS], al_a, al_b;
+#pragma unroll
+      for (int i = 0; i < NS; ++i) s[i] = 0.f;
+      // V_{j-1} (V_0 when j = 0), then K_j (and Q): the producer signals in that order anyway,
+      // and no wait loop sits between the wgmma of the turn.
+      cp_mbar_wait(&full_v[sv], (uint32_t)((jv / NST) & 1));
+      cp_mbar_wait(&full_k[st], (uint32_t)((j / NST) & 1));
+      my_turn();
+      reg_fence(s);
+      reg_fence(o);
+      reg_fence(pa);
+      wg_fence();
+      issue_s(s, k_st(st));
+      wg_commit();
+      // j = 0: P = 0 (pa) times V_0 adds exactly 0; else P_{j-1} V_{j-1}.
+      issue_pv(v_st(sv));  // in flight during the softmax below
+      wg_commit();
+      pass_turn();
+      wg_wait<1>();  // groups retire in order: S_j is done, P V may still run
+      cp_mbar_arrive(&empty_k[st]);
+      reg_fence(s);
+      softmax(s, j * BK, al_a, al_b);
+      wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa may be touched again, V stage free
+      if (j > 0) cp_mbar_arrive(&empty_v[sv]);
+      reg_fence(o);
+      reg_fence(pa);
+      rescale_pack(s, al_a, al_b);
+    }
+    // drain: O += P_{n-1} V_{n-1}; consumer 1's last turn hands nothing on (balanced barriers)
+    const int jv = n_tiles - 1, sv = jv % NST;
+    cp_mbar_wait(&full_v[sv], (uint32_t)((jv / NST) & 1));
+    my_turn();
+    reg_fence(o);
+    reg_fence(pa);
+    wg_fence();
+    issue_pv(v_st(sv));
+    wg_commit();
+    if (cw == 0) pass_turn();
+    wg_wait<0>();
+    reg_fence(o);
+  }
+
+  const float la = cp_quad_sum(l_a), lb = cp_quad_sum(l_b);
+  const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
+  float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
+  float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
+#pragma unroll
+  for (int i = 0; i < NO / 4; ++i) {
+    if (ra < T_) *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
+    if (rb < T_) *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
+  }
+  if (t == 0) {
+    if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_a + log2f(la)) * CP_LN2 : -INFINITY;
+    if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_b + log2f(lb)) * CP_LN2 : -INFINITY;
+  }
+}
+
+// ---- entry points ---------------------------------------------------------------------------------
+// flash_fwd_wgmma_ws_{bf16,f16}_d{64,128}: grid (ceil(T / 128), H, B), block 384, dynamic shared
+// memory WS_SMEM(D) bytes (above 48 KB: the launcher raises the limit). src/flash/sm90_ws.rs mirrors
+// these numbers.
+#define WS_BQ 128
+#define WS_BK 128
+#define WS_NST(D) ((D) == 128 ? 3 : 4)
+#define WS_LAG 2
+#define WS_SMEM(D) ((WS_BQ + 2 * WS_NST(D) * WS_BK) * (D) * 2 + 1024 + 4 * WS_NST(D) * 8)
+#define FWD_ARGS                                                                              \
+  const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
+      int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
+      long long k_str
+#define WGMMA_WS(NAME, D)                                                                                   \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_##NAME##_d##D(FWD_ARGS) {         \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,             \
+                                                    CpMask{causal, q_off, q_str, k_off, k_str});            \
+  }
+#define TY __half
+WGMMA_WS(f16, 64) WGMMA_WS(f16, 128)
+#undef TY
+#define TY __nv_bfloat16
+WGMMA_WS(bf16, 64) WGMMA_WS(bf16, 128)
+#undef TY

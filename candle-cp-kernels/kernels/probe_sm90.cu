@@ -1,0 +1,116 @@
+// Probe kernels for the Hopper warpgroup MMA the sm_90a flash kernels rest on (wgmma.mma_async
+// m64nNk16, N = 64 and 128, f16 / bf16 -> f32): the operand forms of flash_fwd_sm90.cu and
+// flash_bwd_sm90.cu, with their 128-byte-swizzle tiles (sw_load), descriptors (sw128_desc), k-step
+// address advances and register fragments (acc_to_a), one k-step per wgmma, each k-step's
+// accumulator written to global memory register by register. They compute nothing useful: the
+// inputs are built so that every accumulator register identifies the A row, B column and k index
+// it came from. Rust caller: candle_cp_kernels::probe::run_probes (src/probe.rs); CPU reference:
+// candle_cp_kernels::probe_diag (src/probe_diag.rs: inputs, the documented accumulator layout,
+// mismatch analysis). Emulator check: emu/check_probe.cpp. Built by build.rs with
+// -arch=compute_90a (PTX `.target sm_90a`); loads only on compute capability 9.x.
+//
+// Every entry: grid (passes), block 256 (two warpgroups, like the flash kernels); block p runs pass
+// p on its own inputs and writes out[((p * 8 + kk) * 256 + tid) * N/2 + reg] for k-steps kk = 0..7
+// (K = 128: kk 1..3 advance the start address inside a 128-byte row, kk 4..7 cross into the second
+// 64-element column block). Logical operands, row-major, A [128 x 128] (rows 64 wg .. of warpgroup
+// wg, k index 0..127), B [128 x N] (k x n); k-step kk multiplies A[:, 16kk .. 16kk + 15] by
+// B[16kk .. 16kk + 15, :].
+//   probe_wgmma_ss_n{64,128}_{bf16,f16} (S = Q K^T of flash_fwd_sm90): a = A [128 x 128], b = B
+//     stored K-major ([n][k], N x 128, like K); both loaded with sw_load, descriptors as issue_s:
+//     A start q + (kk/4)*128*128 + wg*64*128 + (kk%4)*32, B start k + (kk/4)*N*128 + (kk%4)*32,
+//     LBO 16, SBO 1024; wg_ss.
+//   probe_wgmma_rs_n{64,128}_{bf16,f16} (O += P V): p = A as f32 [128 x 128]; each thread reads its
+//     accumulator-layout elements (element 4i + e: row 64wg + 16wr + g + 8(e/2), column 8i + 2t + e%2)
+//     and re-packs them with acc_to_a as the kernels re-pack P; b = B stored MN-major ([k][n],
+//     128 x N, like V), sw_load; descriptor as issue_pv: start v + kk*2048, LBO 128*128, SBO 1024;
+//     wg_rs (imm-trans-b = 1).
+//   probe_wgmma_sstb_n64_{bf16,f16} (dQ = dS K of flash_bwd_sm90's atomic variant): A as in ss,
+//     B as in rs; wg_ss_tb.
+#include "common.cuh"
+
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ < 900 || !defined(__CUDA_ARCH_FEAT_SM90_ALL))
+#error "probe_sm90.cu uses wgmma: compile it with -arch=compute_90a"
+#endif
+
+#include "wgmma.cuh"
+
+#define PROBE_WG_K 128
+#define PROBE_WG_M 128
+#define PROBE_WG_NTH 256
+// Dynamic shared memory: A [128 x 128] and B [128 x N] 16-bit tiles, plus 1024 for the alignment.
+#define PROBE_WG_SMEM(N) ((PROBE_WG_M + (N)) * PROBE_WG_K * 2 + 1024)
+
+// FORM 0: ss (A desc K-major, B desc K-major); 1: rs (A registers, B desc MN-major);
+// 2: sstb (A desc K-major, B desc MN-major).
+template <typename T, int N, int FORM>
+__device__ __forceinline__ void probe_wgmma(const T* __restrict__ a16, const float* __restrict__ a32,
+                                            const T* __restrict__ b, float* __restrict__ out) {
+  constexpr int NTH = PROBE_WG_NTH, M = PROBE_WG_M, K = PROBE_WG_K, KS = K / 16;
+  CP_DYN_SMEM_A(unsigned char, wg_smem, 1024);
+  const uint32_t a_sa = (cp_smem_u32(wg_smem) + 1023u) & ~1023u, b_sa = a_sa + M * K * 2;
+  const int p = blockIdx.x, tid = threadIdx.x, wg = tid >> 7, wr = (tid >> 5) & 3, lane = tid & 31;
+  const int g = lane >> 2, t = lane & 3;
+  if constexpr (FORM != 1) sw_load<M, K, NTH>(a_sa, a16 + (size_t)p * M * K, K, 0, M, tid);
+  if constexpr (FORM == 0)
+    sw_load<N, K, NTH>(b_sa, b + (size_t)p * N * K, K, 0, N, tid);  // [n][k]
+  else
+    sw_load<K, N, NTH>(b_sa, b + (size_t)p * K * N, N, 0, K, tid);  // [k][n]
+  cp_async_commit();
+  cp_async_wait<0>();
+  fence_proxy_async();
+  __syncthreads();
+  uint32_t pa[KS][4];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
+  if constexpr (FORM == 1) {
+    float s[K / 2];
+    const float* A = a32 + (size_t)p * M * K;
+#pragma unroll
+    for (int i = 0; i < K / 8; ++i)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) s[4 * i + e] = A[(64 * wg + 16 * wr + g + 8 * (e >> 1)) * K + 8 * i + 2 * t + (e & 1)];
+    acc_to_a<T>(pa, s);
+  }
+  float d[N / 2];
+#pragma unroll
+  for (int kk = 0; kk < KS; ++kk) {
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) d[i] = 0.f;
+    reg_fence(d);
+    reg_fence(pa);
+    wg_fence();
+    const uint32_t aa = a_sa + (uint32_t)((kk >> 2) * M * 128 + wg * 64 * 128 + (kk & 3) * 32);
+    if constexpr (FORM == 0)
+      wg_ss<N, T>(d, sw128_desc(aa, 16, 1024), sw128_desc(b_sa + (uint32_t)((kk >> 2) * N * 128 + (kk & 3) * 32), 16, 1024), 0);
+    else if constexpr (FORM == 1)
+      wg_rs<N, T>(d, pa[kk], sw128_desc(b_sa + (uint32_t)(kk * 2048), K * 128, 1024), 0);
+    else
+      wg_ss_tb<N, T>(d, sw128_desc(aa, 16, 1024), sw128_desc(b_sa + (uint32_t)(kk * 2048), K * 128, 1024), 0);
+    wg_commit();
+    wg_wait<0>();
+    reg_fence(d);
+    reg_fence(pa);
+    float* o = out + (((size_t)p * KS + kk) * NTH + tid) * (N / 2);
+#pragma unroll
+    for (int i = 0; i < N / 2; ++i) o[i] = d[i];
+  }
+}
+
+// ---- entry points ---------------------------------------------------------------------------------
+#define PROBE_SS(NAME, TY, N)                                                                  \
+  extern "C" __global__ void probe_wgmma_ss_n##N##_##NAME(const TY* a, const TY* b, float* out) { \
+    probe_wgmma<TY, N, 0>(a, nullptr, b, out);                                                  \
+  }
+#define PROBE_RS(NAME, TY, N)                                                                     \
+  extern "C" __global__ void probe_wgmma_rs_n##N##_##NAME(const float* a, const TY* b, float* out) { \
+    probe_wgmma<TY, N, 1>(nullptr, a, b, out);                                                     \
+  }
+#define PROBE_SSTB(NAME, TY, N)                                                                  \
+  extern "C" __global__ void probe_wgmma_sstb_n##N##_##NAME(const TY* a, const TY* b, float* out) { \
+    probe_wgmma<TY, N, 2>(a, nullptr, b, out);                                                    \
+  }
+PROBE_SS(bf16, __nv_bfloat16, 64) PROBE_SS(bf16, __nv_bfloat16, 128)
+PROBE_SS(f16, __half, 64) PROBE_SS(f16, __half, 128)
+PROBE_RS(bf16, __nv_bfloat16, 64) PROBE_RS(bf16, __nv_bfloat16, 128)
+PROBE_RS(f16, __half, 64) PROBE_RS(f16, __half, 128)
+PROBE_SSTB(bf16, __nv_bfloat16, 64) PROBE_SSTB(f16, __half, 64)

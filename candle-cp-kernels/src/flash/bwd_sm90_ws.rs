@@ -1,0 +1,119 @@
+//! Launcher of the experimental warp-specialized Hopper backward, chosen by
+//! [`super::FwdImpl::WgmmaWs`] in [`super::bwd_with`]: `flash_bwd_pipe_prep_*` (delta =
+//! rowsum(dO * O) in f32, dO rounded to the input dtype; `kernels/flash_bwd_pipe.cu`), then
+//! `flash_bwd_wgmma_ws_{f16,bf16}_d{64,128}` of `kernels/flash_bwd_sm90_ws.cu` (PTX for sm_90a: a
+//! producer warpgroup copying each query tile's Q and dO into an mbarrier ring, two consumer
+//! warpgroups on wgmma computing dK, dV in registers and dQ = dS K, FlashAttention-3 structure),
+//! which adds dQ into a zero-filled f32 buffer with `red.global.add.v4.f32` (nondeterministic
+//! summation order of dQ; dK, dV are deterministic). Same results as the `WgmmaAtomic` backward
+//! ([`super::bwd_sm90`]). Shapes as the other backward kernels: q `[B, T, H, D]`, k/v
+//! `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns f32 dq
+//! `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+
+use super::{bwd_pipe, bwd_tensors, prep, sm90, suffix, BwdInputs, Dims, KMask};
+use crate::ptx;
+use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
+use half::{bf16, f16};
+
+/// Keys per block (two consumer warpgroups of 64), query rows per streamed tile and threads per
+/// block (producer plus two consumers); mirror `WSB_BN`, `WSB_BQ` and `__launch_bounds__(384, 1)`
+/// in kernels/flash_bwd_sm90_ws.cu.
+const WSB_BN: usize = 128;
+const WSB_BQ: usize = 64;
+const WSB_THREADS: u32 = 384;
+
+/// Ring stages of Q / dO tiles (`WSB_NST(D)`): 3 at d = 128 (what fits in 227 KB), 4 at d = 64.
+fn wsb_nst(d: usize) -> usize {
+    if d == 128 { 3 } else { 4 }
+}
+
+/// Dynamic shared memory of `flash_bwd_wgmma_ws_*_d{d}` (`WSB_SMEM(D)`): K and V `[128 x d]`,
+/// `wsb_nst(d)` stages of Q and of dO `[64 x d]`, two 16-bit dS tiles `[64 x 128]`, lse2 and delta
+/// `[wsb_nst(d)][64]` f32, `2 wsb_nst(d)` mbarriers of 8 bytes, and 1024 bytes to align the base
+/// (199,216 bytes at d = 128, within sm_90's 232,448-byte opt-in; 134,208 at d = 64).
+fn wsb_smem(d: usize) -> u32 {
+    let nst = wsb_nst(d);
+    ((2 * WSB_BN + 2 * nst * WSB_BQ) * d * 2 + 2 * WSB_BQ * WSB_BN * 2 + 2 * nst * WSB_BQ * 4 + 2 * nst * 8 + 1024) as u32
+}
+
+/// Checks that the `WgmmaWs` backward can run: head dim 64 or 128, a compute capability 9.x
+/// device, and its dynamic shared memory within the device's opt-in maximum per block. Errors
+/// name the device, sizes and shapes.
+pub(super) fn check(dev: &CudaDevice, d: usize, q: &Shape, k: &Shape) -> Result<()> {
+    if d != 64 && d != 128 {
+        candle_core::bail!("flash_bwd: the warp-specialized wgmma backward (FwdImpl::WgmmaWs) supports head dims 64 and 128, got {d}; q {q:?}, k {k:?}")
+    }
+    sm90::check_hopper(dev, "flash_bwd")?;
+    let need = wsb_smem(d);
+    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
+    if i64::from(need) > i64::from(optin) {
+        candle_core::bail!("flash_bwd: the warp-specialized wgmma backward needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}, k {k:?}")
+    }
+    Ok(())
+}
+
+/// The `WgmmaWs` backward of [`super::bwd_with`] on checked inputs ([`check`] passed; f16/bf16;
+/// out, lse, dout already contiguous f32, B * T * H > 0, S > 0): the prep kernel, then
+/// `flash_bwd_wgmma_ws_{sfx}_d{d}` on grid `(Hkv, ceil(S / 128), B)`, block 384, dq zero-filled.
+pub(super) fn bwd_wgmma_ws(
+    dev: &CudaDevice,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (b, t, s, h, hkv, d): Dims,
+    mask: KMask,
+    scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let sfx = suffix(q.dtype())?;
+    // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (out, dout) = (prep(out)?, prep(dout)?);
+    let kv_tiles = s.div_ceil(WSB_BN);
+    if kv_tiles > 65_535 {
+        candle_core::bail!("flash_bwd: S = {s} too long for the warp-specialized wgmma backward's grid (S <= {}); q {:?}, k {:?}", 65_535 * WSB_BN, q.shape(), k.shape())
+    }
+    // 32-bit kernel arithmetic: the kernel counts (H / Hkv) * ceil(T / 64) query tiles in an int;
+    // the prep kernel's grid has one block per 4 rows.
+    if (h / hkv) * t.div_ceil(WSB_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
+        candle_core::bail!("flash_bwd: too many query rows for the warp-specialized wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
+    }
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let (causal, qo, qstr, ko, kstr) = mask.args()?;
+    let acc = 0i32;
+    let smem = wsb_smem(d);
+    // The kernel adds into dq: zero-filled. SAFETY (dk, dv): every element is written by the kernel
+    // (a key block without query tiles stores zeros).
+    let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    macro_rules! launch_wgmma_ws_bwd {
+        ($ty:ty) => {{
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let cfg = LaunchConfig {
+                grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
+                block_dim: (WSB_THREADS, 1, 1),
+                shared_mem_bytes: smem,
+            };
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_ws_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS` in
+            // kernels/flash_bwd_sm90_ws.cu; device, head dim and shared memory checked by `check`.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F16 => launch_wgmma_ws_bwd!(f16),
+        DType::BF16 => launch_wgmma_ws_bwd!(bf16),
+        dt => candle_core::bail!("flash_bwd: the warp-specialized wgmma backward takes f16/bf16, got {dt:?}; q {:?}", q.shape()),
+    }
+    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+}

@@ -1,0 +1,85 @@
+//! Launcher of the experimental warp-specialized Hopper forward `kernels/flash_fwd_sm90_ws.cu`
+//! (`flash_fwd_wgmma_ws_{f16,bf16}_d{64,128}`: a producer warpgroup copying K/V tiles into an
+//! mbarrier ring, two consumer warpgroups on wgmma in ping-pong, FlashAttention-3 structure),
+//! chosen by [`super::FwdImpl::WgmmaWs`]. Same shapes and results as the other forward kernels:
+//! q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
+
+use super::sm90::check_hopper;
+use super::{Dims, KMask};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, Layout, Result};
+
+/// Query rows per block (two consumer warpgroups of 64) and threads per block (producer plus two
+/// consumers); mirrors `WS_BQ` and `__launch_bounds__(384, 1)` in kernels/flash_fwd_sm90_ws.cu.
+const WS_BQ: usize = 128;
+const WS_THREADS: u32 = 384;
+/// Keys per K/V tile (`WS_BK`).
+const WS_BK: usize = 128;
+/// Ring stages of K and of V (`WS_NST(D)`): 3 at d = 128 (what fits in 227 KB), 4 at d = 64.
+fn ws_nst(d: usize) -> usize {
+    if d == 128 { 3 } else { 4 }
+}
+
+/// Dynamic shared memory of `flash_fwd_wgmma_ws_*_d{d}` (`WS_SMEM(D)`): Q [128 x d] plus
+/// `ws_nst(d)` stages of K and of V [128 x d], 16-bit, 1024 bytes to align the base to 1024, and
+/// the 4 `ws_nst(d)` mbarriers of 8 bytes (230,496 bytes at d = 128, within sm_90's 232,448-byte
+/// opt-in; 148,608 at d = 64).
+fn ws_smem(d: usize) -> u32 {
+    ((WS_BQ + 2 * ws_nst(d) * WS_BK) * d * 2 + 1024 + 4 * ws_nst(d) * 8) as u32
+}
+
+/// The `WgmmaWs` forward of `fwd_t`: checks dtype (f16/bf16), head dim (64, 128) and device
+/// (compute capability 9.x), then launches `flash_fwd_wgmma_ws_{sfx}_d{d}` on grid
+/// `(ceil(T / 128), H, B)`, block 384. Returns out f32 `[B, T, H, D]` and lse f32 `[B, H, T]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    mask: KMask,
+    scale: f32,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    if sfx == "f32" {
+        candle_core::bail!("flash_fwd: the warp-specialized wgmma kernel takes f16/bf16, got f32; q {:?}", ql.shape())
+    }
+    if d != 64 && d != 128 {
+        candle_core::bail!("flash_fwd: the warp-specialized wgmma kernel supports head dims 64 and 128, got {d}; q {:?}", ql.shape())
+    }
+    check_hopper(dev, "flash_fwd")?;
+    if b * t * h == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+    }
+    let (causal, qo, qs, ko, ks) = mask.args()?;
+    // 16-byte aligned rows for cp.async: contiguous views starting at a multiple of 8 elements.
+    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
+    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
+    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
+    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let name = format!("flash_fwd_wgmma_ws_{sfx}_d{d}");
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+    let smem = ws_smem(d);
+    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(WS_BQ) as u32, h as u32, b as u32),
+        block_dim: (WS_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+    // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90_ws.cu; sizes checked by
+    // check_dims, dtype/head dim/device above.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}

@@ -1,0 +1,252 @@
+//! Inputs and predicted register contents of the probe kernels (`kernels/probe.cu`,
+//! `kernels/probe_sm90.cu`), from the layouts our kernels are written against (the comment above
+//! `cp_mma16816` and `cp_ldsm_x4` in common.cuh, `pipe_off_a` / `pipe_off_b` in flash_bwd_pipe.cuh,
+//! the header of flash_fwd_sm90.cu), and the conversion of a raw dump into a [`Check`] for
+//! [`crate::probe_diag`]. Plain Rust (no CUDA): `emu/check_probe.cpp` transcribes the same inputs
+//! and layouts in C++ for the emulator.
+//!
+//! Inputs are small integers, exact in bf16 and f16 and in an f32 sum, chosen so that each output
+//! value names its source: for mma16816, A[m][k] = 16m + k + 1 against a one-hot B (passes 0, 1:
+//! D = A[m][n + 8p]) and a one-hot A against B[k][n] = 8k + n + 1 (pass 2: D = B[m][n]); for
+//! wgmma, one nonzero per 16 k values in each row of A (at k % 16 = m % 16) and four passes
+//! giving D = m + 1 (row), n + 1 (column), the A k-step read + 1, and the B k index + 1.
+
+use crate::probe_diag::{Check, Item};
+
+/// Passes of the mma16816 probe (grid of `probe_mma16816_*`).
+pub const MMA_PASSES: usize = 3;
+/// Passes of the wgmma probes (grid of `probe_wgmma_*`): row, column, A k-step, B k.
+pub const WG_PASSES: usize = 4;
+/// K extent of the wgmma probes (8 k-steps of 16: two 64-element column blocks).
+pub const WG_K: usize = 128;
+/// Rows of A in the wgmma probes (two warpgroups of 64).
+pub const WG_M: usize = 128;
+/// Threads per block of the wgmma probes.
+pub const WG_THREADS: usize = 256;
+
+/// An f32 output value as a 0-based code: `v - 1` when `v` is an integer in `1..=max`.
+fn code(v: f32, max: i64) -> Result<i64, String> {
+    if v.fract() == 0.0 && v >= 1.0 && (v as i64) <= max {
+        Ok(v as i64 - 1)
+    } else {
+        Err(format!("{v}"))
+    }
+}
+
+/// mma16816 accumulator register `r` of `lane`: D row g + 8 (r / 2), column 2t + r % 2.
+pub fn mma_d_coord(lane: usize, r: usize) -> (i64, i64) {
+    let (g, t) = (lane / 4, lane % 4);
+    ((g + 8 * (r / 2)) as i64, (2 * t + r % 2) as i64)
+}
+
+/// Inputs of mma16816 pass `p`: A [16 x 16] row-major and B [16 x 8] (B[k][n] at 8k + n).
+pub fn mma_inputs(p: usize) -> (Vec<f32>, Vec<f32>) {
+    let a = (0..256).map(|e| if p < 2 { e as f32 + 1.0 } else if e / 16 == e % 16 { 1.0 } else { 0.0 }).collect();
+    let b = (0..128)
+        .map(|e| {
+            let (k, n) = (e / 8, e % 8);
+            match p {
+                0 => (k == n) as u8 as f32,
+                1 => (k == n + 8) as u8 as f32,
+                _ => e as f32 + 1.0,
+            }
+        })
+        .collect();
+    (a, b)
+}
+
+/// Checks of an mma16816 dump `[MMA_PASSES][32 lanes][4]` f32: `A operand` (passes 0, 1: which A
+/// element each register holds) and `B operand` (pass 2: which B element).
+pub fn mma_checks(dump: &[f32]) -> Vec<Check> {
+    let mut a = Check { name: "A operand".into(), axes: vec!["A row", "A col"], reg_name: "d", step_name: "pass", items: vec![] };
+    let mut b = Check { name: "B operand".into(), axes: vec!["B k", "B n"], reg_name: "d", step_name: "pass", items: vec![] };
+    for p in 0..MMA_PASSES {
+        for lane in 0..32 {
+            for r in 0..4 {
+                let (m, n) = mma_d_coord(lane, r);
+                let v = dump.get((p * 32 + lane) * 4 + r).copied().unwrap_or(f32::NAN);
+                let (expected, found) = if p < 2 {
+                    let c = code(v, 256);
+                    (vec![m, n + 8 * p as i64], vec![c.clone().map(|c| c / 16), c.map(|c| c % 16)])
+                } else {
+                    let c = code(v, 128);
+                    (vec![m, n], vec![c.clone().map(|c| c / 8), c.map(|c| c % 8)])
+                };
+                let it = Item { step: Some(p as u32), thread: lane as u32, reg: r as u32, half: None, expected, found };
+                if p < 2 { a.items.push(it) } else { b.items.push(it) }
+            }
+        }
+    }
+    vec![a, b]
+}
+
+/// Row stride in bytes of the ldmatrix probe's 16 x 16 tile (`PROBE_LDSM_DPB`).
+pub const LDSM_DPB: usize = 48;
+/// The four ldmatrix variants of `probe_ldsm`, in dump order: (name, transposed, offsets b).
+pub const LDSM_VARIANTS: [(&str, bool, bool); 4] = [
+    ("ldmatrix x4 pipe_off_a", false, false),
+    ("ldmatrix x4.trans pipe_off_a", true, false),
+    ("ldmatrix x4 pipe_off_b", false, true),
+    ("ldmatrix x4.trans pipe_off_b", true, true),
+];
+
+/// Tile element (row, col) in half `h` of register `i` of `lane` for an ldmatrix .x4 (trans or
+/// not) whose matrix i starts at (8 (i & 1), 8 (i >> 1)) (pipe_off_a) or (8 (i >> 1), 8 (i & 1))
+/// (pipe_off_b): row l/4, elements 2(l%4) + h of matrix i, or with .trans (row 2(l%4) + h, col l/4).
+pub fn ldsm_coord(lane: usize, i: usize, h: usize, trans: bool, off_b: bool) -> (i64, i64) {
+    let (r0, c0) = if off_b { (8 * (i >> 1), 8 * (i & 1)) } else { (8 * (i & 1), 8 * (i >> 1)) };
+    let (x, y) = (lane / 4, 2 * (lane % 4) + h);
+    let (r, c) = if trans { (r0 + y, c0 + x) } else { (r0 + x, c0 + y) };
+    (r as i64, c as i64)
+}
+
+/// Check of variant `v` of an ldmatrix dump `[4][32 lanes][4]` u32 (tile codes (row << 8) | col).
+pub fn ldsm_check(dump: &[u32], v: usize) -> Check {
+    let (name, trans, off_b) = LDSM_VARIANTS[v];
+    let mut c = Check { name: name.into(), axes: vec!["row", "col"], reg_name: "r", step_name: "", items: vec![] };
+    for lane in 0..32 {
+        for i in 0..4 {
+            let w = dump.get((v * 32 + lane) * 4 + i).copied().unwrap_or(0xFFFF_FFFF);
+            for h in 0..2 {
+                let x = (w >> (16 * h)) & 0xFFFF;
+                let (er, ec) = ldsm_coord(lane, i, h, trans, off_b);
+                let found = if (x >> 8) < 16 && (x & 0xFF) < 16 {
+                    vec![Ok((x >> 8) as i64), Ok((x & 0xFF) as i64)]
+                } else {
+                    vec![Err(format!("{x:#06x}")), Err(format!("{x:#06x}"))]
+                };
+                c.items.push(Item { step: None, thread: lane as u32, reg: i as u32, half: Some(h as u8), expected: vec![er, ec], found });
+            }
+        }
+    }
+    c
+}
+
+/// Source of `probe_cp_async`: 128 chunks of 4 words, word w of chunk c = 0xC0DE0000 | c << 4 | w.
+pub fn cp_async_src() -> Vec<u32> {
+    (0..512u32).map(|e| 0xC0DE_0000 | ((e / 4) << 4) | (e % 4)).collect()
+}
+
+/// Checks of `probe_cp_async`'s dump: `chunks` (128 chunks of 4 words: the source chunk each holds,
+/// -1 for zero-filled) and `wait_group 1` (64 flags: group 0 complete after wait_group 1).
+pub fn cp_async_checks(chunks: &[u32], early: &[u32]) -> Vec<Check> {
+    let src = cp_async_src();
+    let mut c = Check { name: "chunks".into(), axes: vec!["source chunk (-1 zero-filled)"], reg_name: "chunk", step_name: "", items: vec![] };
+    for j in 0..128usize {
+        let i = j % 64;
+        let valid = if j < 64 { i % 4 != 3 } else { i % 5 != 0 };
+        let w: Vec<u32> = (0..4).map(|x| chunks.get(j * 4 + x).copied().unwrap_or(0xFFFF_FFFF)).collect();
+        let found = if w.iter().all(|&x| x == 0) {
+            Ok(-1)
+        } else if let Some(s) = (0..128).find(|&s| src[s * 4..s * 4 + 4] == w[..]) {
+            Ok(s as i64)
+        } else if w.iter().all(|&x| x == 0xFFFF_FFFF) {
+            Err("poison (never written)".to_string())
+        } else {
+            Err(format!("{w:08x?}"))
+        };
+        c.items.push(Item { step: None, thread: i as u32, reg: j as u32, half: None, expected: vec![if valid { j as i64 } else { -1 }], found: vec![found] });
+    }
+    let mut e = Check { name: "wait_group 1".into(), axes: vec!["group 0 landed"], reg_name: "flag", step_name: "", items: vec![] };
+    for i in 0..64 {
+        let f = early.get(i).copied().unwrap_or(2);
+        e.items.push(Item { step: None, thread: i as u32, reg: 0, half: None, expected: vec![1], found: vec![Ok(f as i64)] });
+    }
+    vec![c, e]
+}
+
+/// Operand forms of the wgmma probes: `Ss` (A and B by descriptor, K-major: S = Q K^T), `Rs` (A
+/// from registers via acc_to_a, B by descriptor MN-major with imm-trans-b: O += P V), `SsTb` (A by
+/// descriptor K-major, B MN-major: dQ = dS K, N = 64 only).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WgForm {
+    /// A desc K-major, B desc K-major.
+    Ss,
+    /// A registers, B desc MN-major.
+    Rs,
+    /// A desc K-major, B desc MN-major.
+    SsTb,
+}
+
+impl WgForm {
+    /// Kernel-name part: `ss`, `rs`, `sstb`.
+    pub fn tag(self) -> &'static str {
+        match self {
+            WgForm::Ss => "ss",
+            WgForm::Rs => "rs",
+            WgForm::SsTb => "sstb",
+        }
+    }
+}
+
+/// A[m][k] of wgmma pass `p` (one nonzero per 16 k values: k % 16 == m % 16).
+pub fn wg_a(p: usize, m: usize, k: usize) -> f32 {
+    if k % 16 != m % 16 {
+        return 0.0;
+    }
+    match p {
+        0 => (m + 1) as f32,
+        2 => (k / 16 + 1) as f32,
+        _ => 1.0,
+    }
+}
+
+/// B[k][n] of wgmma pass `p`.
+pub fn wg_b(p: usize, k: usize, n: usize) -> f32 {
+    match p {
+        1 => (n + 1) as f32,
+        3 => (k + 1) as f32,
+        _ => 1.0,
+    }
+}
+
+/// Inputs of a wgmma probe, all passes: A `[WG_PASSES][128][128]` row-major and B
+/// `[WG_PASSES][N][128]` (K-major, `Ss`) or `[WG_PASSES][128][N]` (MN-major, `Rs`, `SsTb`).
+pub fn wg_inputs(form: WgForm, n: usize) -> (Vec<f32>, Vec<f32>) {
+    let mut a = Vec::with_capacity(WG_PASSES * WG_M * WG_K);
+    let mut b = Vec::with_capacity(WG_PASSES * WG_K * n);
+    for p in 0..WG_PASSES {
+        a.extend((0..WG_M * WG_K).map(|e| wg_a(p, e / WG_K, e % WG_K)));
+        if form == WgForm::Ss {
+            b.extend((0..n * WG_K).map(|e| wg_b(p, e % WG_K, e / WG_K)));
+        } else {
+            b.extend((0..WG_K * n).map(|e| wg_b(p, e / n, e % n)));
+        }
+    }
+    (a, b)
+}
+
+/// wgmma accumulator element `reg` (= 4i + e) of block thread `tid`: row 64 wg + 16 wr + g +
+/// 8 (e / 2), column 8i + 2t + e % 2 (wg = tid / 128, wr = tid / 32 % 4, g = lane / 4, t = lane % 4).
+pub fn wg_acc_coord(tid: usize, reg: usize) -> (i64, i64) {
+    let (wg, wr, lane) = (tid / 128, (tid / 32) % 4, tid % 32);
+    let (g, t, i, e) = (lane / 4, lane % 4, reg / 4, reg % 4);
+    ((64 * wg + 16 * wr + g + 8 * (e / 2)) as i64, (8 * i + 2 * t + e % 2) as i64)
+}
+
+/// Check of a wgmma dump `[WG_PASSES][8 k-steps][256 threads][n / 2]` f32: per k-step, thread and
+/// accumulator register, the (row, col) the four passes decode to and which A k-step and B k it
+/// multiplied, against (m, n, kk, 16 kk + m % 16).
+pub fn wg_check(name: &str, n: usize, dump: &[f32]) -> Check {
+    let ks = WG_K / 16;
+    let mut c = Check { name: name.into(), axes: vec!["row", "col", "A k-step", "B k"], reg_name: "d", step_name: "kk", items: vec![] };
+    c.items.reserve(ks * WG_THREADS * n / 2);
+    let max = [WG_M as i64, n as i64, ks as i64, WG_K as i64];
+    for kk in 0..ks {
+        for tid in 0..WG_THREADS {
+            for reg in 0..n / 2 {
+                let (m, col) = wg_acc_coord(tid, reg);
+                let found = (0..WG_PASSES)
+                    .map(|p| code(dump.get(((p * ks + kk) * WG_THREADS + tid) * (n / 2) + reg).copied().unwrap_or(f32::NAN), max[p]))
+                    .collect();
+                let expected = vec![m, col, kk as i64, (16 * kk) as i64 + m % 16];
+                c.items.push(Item { step: Some(kk as u32), thread: tid as u32, reg: reg as u32, half: None, expected, found });
+            }
+        }
+    }
+    c
+}
+
+#[cfg(test)]
+#[path = "probe_map_tests.rs"]
+mod tests;
