@@ -45,6 +45,7 @@ fn main() {
     println!("cargo:rerun-if-changed=kernels/flash_bwd_pipe.cuh");
     println!("cargo:rerun-if-changed=kernels/wgmma.cuh");
     println!("cargo:rerun-if-changed=kernels/mbarrier.cuh");
+    println!("cargo:rerun-if-changed=kernels/flash_sm90.cuh");
     let sm80 = KERNELS.iter().map(|n| (n, "-arch=compute_80"));
     for (name, arch) in sm80.chain(KERNELS_SM90A.iter().map(|n| (n, "-arch=compute_90a"))) {
         let src = format!("kernels/{name}.cu");

@@ -37,7 +37,7 @@ for s in "${srcs[@]}"; do
   o="$out/$(basename "$s").o"
   objs+=("$o")
   # rebuild when the source or any header changed
-  if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_bwd_pipe.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/wgmma.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/mbarrier.cuh ] \
+  if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_bwd_pipe.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/wgmma.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/mbarrier.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_sm90.cuh ] \
      && [ "$o" -nt candle-cp-kernels/emu/emu.h ] && [ "$o" -nt candle-cp-kernels/emu/lb.py ] && [ "$o" -nt candle-cp-kernels/emu/emu_internal.h ] && [ "$o" -nt candle-cp-kernels/emu/harness.h ]; then continue; fi
   while [ "${#pids[@]}" -ge "$JOBS" ]; do wait "${pids[0]}" || exit 1; pids=("${pids[@]:1}"); done
   case "$s" in

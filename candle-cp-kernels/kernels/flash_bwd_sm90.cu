@@ -74,6 +74,7 @@
 #error "flash_bwd_sm90.cu uses wgmma: compile it with -arch=compute_90a"
 #endif
 
+#include "flash_sm90.cuh"  // S^T / dP^T issue, P^T, dS^T, transposed dS store, dK / dV store
 #include "wgmma.cuh"  // wgmma wrappers, descriptors, swizzled tile loads (shared with flash_fwd_sm90.cu)
 
 template <typename T, int D, bool ATOMIC>
@@ -163,20 +164,7 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
     reg_fence(dp);
     wg_fence();
     // S^T = K_w Q^T, then dP^T = V_w dO^T: two groups.
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + wg * 64 * 128 + (kk & 3) * 32);
-      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
-      wg_ss<BQ, T>(s, sw128_desc(k_sa + ko, 16, 1024), sw128_desc(qa + qo, 16, 1024), 1);
-    }
-    wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + wg * 64 * 128 + (kk & 3) * 32);
-      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
-      wg_ss<BQ, T>(dp, sw128_desc(v_sa + ko, 16, 1024), sw128_desc(da + qo, 16, 1024), 1);
-    }
-    wg_commit();
+    bwd_sm90_issue_s_dp<T, D, BN, BQ>(s, dp, k_sa, v_sa, qa, da, wg);
     wg_wait<1>();  // groups retire in order: S^T is done, dP^T may still run
     reg_fence(s);
     // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
@@ -205,32 +193,14 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
     reg_fence(dp);
     // dS^T = P^T (dP^T - delta), re-packed as A fragments.
     uint32_t dsa[BQ / 16][4];
-#pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-      const float2 d2 = *reinterpret_cast<const float2*>(dls + 8 * i + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? d2.y : d2.x));
-    }
+    bwd_sm90_ds(dp, s, dls, t);
     acc_to_a<T>(dsa, dp);
     if constexpr (ATOMIC) {
       // dS^T (the rounded values of dsa) into the dS tile, transposed: dS [query][key] in the
       // SW128 K-major layout (64 rows; keys of warpgroup w = column block w). Before dK += dS^T Q
       // is issued: dsa are that wgmma's A-fragment registers, which PTX forbids accessing (even
       // reading) until the wait_group that retires it (FlashAttention-3 stores dS first, too).
-      const int kl = wr * 16 + g;
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          // dsa[kk][r]: key kl + 8 (r & 1), queries c and c + 1 with c = 16kk + 8 (r >> 1) + 2t.
-          const int key = kl + 8 * (r & 1), c = 16 * kk + 8 * (r >> 1) + 2 * t;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int qr = c + hh;
-            const uint32_t a = ds_sa + (uint32_t)(wg * BQ * 128 + qr * 128 + ((((key >> 3) ^ qr) & 7) << 4) + (key & 7) * 2);
-            *reinterpret_cast<uint16_t*>(smem_ptr(a)) = (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu);
-          }
-        }
+      bwd_sm90_ds_store<BQ>(dsa, ds_sa, wg, wr, g, t, smem_ptr);
     }
     reg_fence(dsa);
     reg_fence(acc_k);
@@ -284,25 +254,7 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
   }
   // Store dK (times scale) and dV rows ja, ja + 8: element 4i + e is row (e < 2 ? ja : ja + 8),
   // d = 8i + 2t + (e & 1).
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = ja + 8 * half;
-    if (j >= S) continue;
-    const size_t gi = (((size_t)b * S + j) * Hkv + kvh) * D + 2 * t;
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {
-      float2 kx = make_float2(acc_k[4 * i + 2 * half] * scale, acc_k[4 * i + 2 * half + 1] * scale);
-      float2 vx = make_float2(acc_v[4 * i + 2 * half], acc_v[4 * i + 2 * half + 1]);
-      float2* pk = reinterpret_cast<float2*>(dk + gi + 8 * i);
-      float2* pv = reinterpret_cast<float2*>(dv + gi + 8 * i);
-      if (accumulate) {
-        const float2 ok = *pk, ov = *pv;
-        kx.x += ok.x, kx.y += ok.y, vx.x += ov.x, vx.y += ov.y;
-      }
-      *pk = kx;
-      *pv = vx;
-    }
-  }
+  bwd_sm90_store_dkdv<D>(acc_k, acc_v, dk, dv, b, S, Hkv, kvh, ja, t, scale, accumulate);
 }
 
 // ---- dQ kernel --------------------------------------------------------------------------------------

@@ -20,10 +20,10 @@
 // and skipped), as the atomic kernel.
 //   warpgroup 0 = producer (setmaxnreg.dec to WSB_PRODUCER_REGS): copies K and V of the block once
 //     (in tile 0's commit group) and each query tile's Q and dO with 16-byte cp.async (zero-fill
-//     past T / S; ws_load: sw_load's layout with the row loop kept rolled, which fits the producer's
-//     24 registers) into a ring of NST stages, and writes the tile's lse2 (lse * log2 e, +inf for a
-//     row past T or with lse = -inf: P = 0) and delta into the stage's f32 vectors (threads < BQ,
-//     plain shared stores);
+//     past T / S; sw_load with ROLLED = true (wgmma.cuh): sw_load's layout with the row loop kept
+//     rolled, which fits the producer's 24 registers) into a ring of NST stages, and writes the
+//     tile's lse2 (lse * log2 e, +inf for a row past T or with lse = -inf: P = 0) and delta into
+//     the stage's f32 vectors (threads < BQ, plain shared stores);
 //   warpgroups 1, 2 = consumers (setmaxnreg.inc to WSB_CONSUMER_REGS): consumer c owns keys
 //     [64c, 64c + 64) and keeps their dK and dV (64 x D f32 each) in registers across the query
 //     loop; per tile it runs the atomic kernel's sequence: S^T = K_c Q^T and dP^T = V_c dO^T (two
@@ -61,6 +61,7 @@
 #endif
 
 #include "mbarrier.cuh"  // mbarriers, named barriers, setmaxnreg
+#include "flash_sm90.cuh"  // S^T / dP^T issue, P^T, dS^T, transposed dS store, dK / dV store
 #include "wgmma.cuh"     // wgmma wrappers, descriptors, swizzled tile loads
 
 // Register budget: 128 * (WSB_PRODUCER_REGS + 2 * WSB_CONSUMER_REGS) <= 65536.
@@ -81,27 +82,6 @@ __device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
   asm volatile("red.global.add.v4.f32 [%0], {%1, %2, %3, %4};\n" ::"l"(p), "f"(v.x), "f"(v.y), "f"(v.z), "f"(v.w)
                : "memory");
 #endif
-}
-
-// sw_load (wgmma.cuh) with its row loop kept rolled: the producer runs in WSB_PRODUCER_REGS
-// registers, where the fully unrolled copy loop spills. Same layout and zero-fill.
-template <int ROWS, int D, int NTH, typename T>
-__device__ __forceinline__ void ws_load(uint32_t dst, const T* __restrict__ src, size_t rstride, int r0,
-                                        int rows_valid, int tid) {
-  constexpr int CH = D / 8, RSTEP = NTH / CH, ITER = ROWS * CH / NTH;
-  static_assert(NTH % CH == 0 && (ROWS * CH) % NTH == 0 && RSTEP % 8 == 0, "tile / thread shape");
-  const int c = tid % CH, rr = tid / CH;
-  dst += (uint32_t)((c >> 3) * ROWS * 128 + rr * 128 + (((c & 7) ^ (rr & 7)) << 4));
-  const T* p = src + (size_t)(r0 + rr) * rstride + c * 8;
-  int r = r0 + rr;
-#pragma unroll 1
-  for (int i = 0; i < ITER; ++i) {
-    const bool valid = r < rows_valid;
-    cp_async16(dst, valid ? p : src, valid);
-    dst += (uint32_t)(RSTEP * 128);
-    p += (size_t)RSTEP * rstride;
-    r += RSTEP;
-  }
 }
 
 template <typename T, int D, int NST, int LAG>
@@ -149,8 +129,8 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     // K and V join tile 0's commit group (a block without tiles copies nothing).
     if (n_it > 0) {
       const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D;
-      ws_load<BN, D, PTH>(k_sa, k + kv_base, kv_rs, k0, S, tid);
-      ws_load<BN, D, PTH>(v_sa, v + kv_base, kv_rs, k0, S, tid);
+      sw_load<BN, D, PTH, T, true>(k_sa, k + kv_base, kv_rs, k0, S, tid);
+      sw_load<BN, D, PTH, T, true>(v_sa, v + kv_base, kv_rs, k0, S, tid);
     }
     for (int n = 0; n < n_it; ++n) {
       const int st = n % NST;
@@ -158,8 +138,8 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       // Tile n: query head kvh * G + n / n_qt, rows i_begin + (n % n_qt) * BQ ..
       const int hq = kvh * G + n / n_qt, i0 = i_begin + (n % n_qt) * BQ;
       const size_t qb = ((size_t)b * T_ * H + hq) * D;
-      ws_load<BQ, D, PTH>(q_st(st), q + qb, q_rs, i0, T_, tid);
-      ws_load<BQ, D, PTH>(do_st(st), do16 + qb, q_rs, i0, T_, tid);
+      sw_load<BQ, D, PTH, T, true>(q_st(st), q + qb, q_rs, i0, T_, tid);
+      sw_load<BQ, D, PTH, T, true>(do_st(st), do16 + qb, q_rs, i0, T_, tid);
       cp_async_commit();
       if (tid < BQ) {
         const int i = i0 + tid;
@@ -211,35 +191,12 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     reg_fence(dp);
     wg_fence();
     // S^T = K_c Q^T, then dP^T = V_c dO^T: two groups.
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + cw * 64 * 128 + (kk & 3) * 32);
-      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
-      wg_ss<BQ, T>(s, sw128_desc(k_sa + ko, 16, 1024), sw128_desc(qa + qo, 16, 1024), 1);
-    }
-    wg_commit();
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t ko = (uint32_t)((kk >> 2) * BN * 128 + cw * 64 * 128 + (kk & 3) * 32);
-      const uint32_t qo = (uint32_t)((kk >> 2) * BQ * 128 + (kk & 3) * 32);
-      wg_ss<BQ, T>(dp, sw128_desc(v_sa + ko, 16, 1024), sw128_desc(da + qo, 16, 1024), 1);
-    }
-    wg_commit();
+    bwd_sm90_issue_s_dp<T, D, BN, BQ>(s, dp, k_sa, v_sa, qa, da, cw);
     wg_wait<1>();  // groups retire in order: S^T is done, dP^T may still run
     reg_fence(s);
     // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
     // re-packed as A fragments (k-step kk: queries 16kk .. 16kk + 15).
-#pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-      const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
-        if (need_mask && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + 8 * i + 2 * t + (e & 1))) p = 0.f;
-        if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
-        s[4 * i + e] = p;
-      }
-    }
+    bwd_sm90_p(s, ls, sl2, t, i0, mask, need_mask, kp_a, kp_b, ragged, kok_a, kok_b);
     acc_to_a<T>(pa, s);
     reg_fence(pa);
     reg_fence(acc_v);
@@ -253,32 +210,12 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     reg_fence(dp);
     // dS^T = P^T (dP^T - delta), re-packed as A fragments.
     uint32_t dsa[BQ / 16][4];
-#pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-      const float2 d2 = *reinterpret_cast<const float2*>(dls + 8 * i + 2 * t);
-#pragma unroll
-      for (int e = 0; e < 4; ++e) dp[4 * i + e] = s[4 * i + e] * (dp[4 * i + e] - ((e & 1) ? d2.y : d2.x));
-    }
+    bwd_sm90_ds(dp, s, dls, t);
     acc_to_a<T>(dsa, dp);
     // dS^T (the rounded values of dsa) into dS buffer it & 1, transposed: dS [query][key], SW128
     // K-major (64 rows; keys of consumer c = column block c). Before dK += dS^T Q is issued (dsa are
     // its A-fragment registers, not to be read while it runs).
-    {
-      const int kl = wr * 16 + g;
-#pragma unroll
-      for (int kk = 0; kk < BQ / 16; ++kk)
-#pragma unroll
-        for (int r = 0; r < 4; ++r) {
-          // dsa[kk][r]: key kl + 8 (r & 1), queries c and c + 1 with c = 16kk + 8 (r >> 1) + 2t.
-          const int key = kl + 8 * (r & 1), c = 16 * kk + 8 * (r >> 1) + 2 * t;
-#pragma unroll
-          for (int hh = 0; hh < 2; ++hh) {
-            const int qr = c + hh;
-            const uint32_t a = dsb + (uint32_t)(cw * BQ * 128 + qr * 128 + ((((key >> 3) ^ qr) & 7) << 4) + (key & 7) * 2);
-            *reinterpret_cast<uint16_t*>(smem_ptr(a)) = (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu);
-          }
-        }
-    }
+    bwd_sm90_ds_store<BQ>(dsa, dsb, cw, wr, g, t, smem_ptr);
     reg_fence(dsa);
     reg_fence(acc_k);
     wg_fence();
@@ -336,25 +273,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   }
   // Store dK (times scale) and dV rows ja, ja + 8: element 4i + e is row (e < 2 ? ja : ja + 8),
   // d = 8i + 2t + (e & 1).
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int j = ja + 8 * half;
-    if (j >= S) continue;
-    const size_t gi = (((size_t)b * S + j) * Hkv + kvh) * D + 2 * t;
-#pragma unroll
-    for (int i = 0; i < NA / 4; ++i) {
-      float2 kx = make_float2(acc_k[4 * i + 2 * half] * scale, acc_k[4 * i + 2 * half + 1] * scale);
-      float2 vx = make_float2(acc_v[4 * i + 2 * half], acc_v[4 * i + 2 * half + 1]);
-      float2* pk = reinterpret_cast<float2*>(dk + gi + 8 * i);
-      float2* pv = reinterpret_cast<float2*>(dv + gi + 8 * i);
-      if (accumulate) {
-        const float2 ok = *pk, ov = *pv;
-        kx.x += ok.x, kx.y += ok.y, vx.x += ov.x, vx.y += ov.y;
-      }
-      *pk = kx;
-      *pv = vx;
-    }
-  }
+  bwd_sm90_store_dkdv<D>(acc_k, acc_v, dk, dv, b, S, Hkv, kvh, ja, t, scale, accumulate);
 }
 
 // ---- entry points ---------------------------------------------------------------------------------

@@ -57,6 +57,7 @@
 #error "flash_fwd_sm90.cu uses wgmma: compile it with -arch=compute_90a"
 #endif
 
+#include "flash_sm90.cuh"  // softmax step, rescale + P re-pack, O / lse store
 #include "wgmma.cuh"  // wgmma wrappers, descriptors, swizzled tile loads (shared with flash_bwd_sm90.cu)
 
 // ---- kernel body ----------------------------------------------------------------------------------
@@ -111,69 +112,9 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
   for (int kk = 0; kk < BK / 16; ++kk) pa[kk][0] = pa[kk][1] = pa[kk][2] = pa[kk][3] = 0u;
 
   // S = Q K^T (64 x BK per warpgroup) from K stage ka: D/16 wgmma, not committed.
-  auto issue_s = [&](float (&s)[NS], uint32_t ka_st) {
-#pragma unroll
-    for (int kk = 0; kk < D / 16; ++kk) {
-      const uint32_t qa = q_sa + (uint32_t)((kk >> 2) * BQ * 128 + wg * 64 * 128 + (kk & 3) * 32);
-      const uint32_t ka = ka_st + (uint32_t)((kk >> 2) * BK * 128 + (kk & 3) * 32);
-      wg_ss<BK, T>(s, sw128_desc(qa, 16, 1024), sw128_desc(ka, 16, 1024), 1);
-    }
-  };
+  auto issue_s = [&](float (&s)[NS], uint32_t ka_st) { fwd_sm90_issue_s<T, D, BQ, BK>(s, q_sa, ka_st, wg); };
   // O += P V (64 x D per warpgroup) with P = pa, V from stage va: BK/16 wgmma, not committed.
-  auto issue_pv = [&](uint32_t va_st) {
-#pragma unroll
-    for (int kk = 0; kk < BK / 16; ++kk)
-      wg_rs<D, T>(o, pa[kk], sw128_desc(va_st + (uint32_t)(kk * 2048), BK * 128, 1024), 1);
-  };
-  // Scale (log2 domain), mask and online softmax of tile k0 in s; returns the rescale factors of
-  // O. Element 4i + e: row (e < 2 ? a : b), key k0 + 8i + 2t + (e & 1).
-  auto softmax = [&](float (&s)[NS], int k0, float& al_a, float& al_b) {
-    const bool full_tile = k0 + BK <= w_full;
-    const int ca = lim_a - k0 - 2 * t, cb = lim_b - k0 - 2 * t;
-    float mx_a = -INFINITY, mx_b = -INFINITY;
-#pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float x = s[4 * i + e] * sl2;
-        if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) x = -INFINITY;
-        s[4 * i + e] = x;
-      }
-      mx_a = fmaxf(mx_a, fmaxf(s[4 * i], s[4 * i + 1]));
-      mx_b = fmaxf(mx_b, fmaxf(s[4 * i + 2], s[4 * i + 3]));
-    }
-    const float mn_a = fmaxf(m_a, cp_quad_max(mx_a)), mn_b = fmaxf(m_b, cp_quad_max(mx_b));
-    // Row with nothing visible yet: subtract 0 instead of -inf (every s is -inf -> p = 0, no NaN).
-    const float mo_a = mn_a == -INFINITY ? 0.f : mn_a, mo_b = mn_b == -INFINITY ? 0.f : mn_b;
-    al_a = cp_exp2(m_a - mo_a);
-    al_b = cp_exp2(m_b - mo_b);
-    float sum_a = 0.f, sum_b = 0.f;
-#pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-      s[4 * i] = cp_exp2(s[4 * i] - mo_a);
-      s[4 * i + 1] = cp_exp2(s[4 * i + 1] - mo_a);
-      s[4 * i + 2] = cp_exp2(s[4 * i + 2] - mo_b);
-      s[4 * i + 3] = cp_exp2(s[4 * i + 3] - mo_b);
-      sum_a += s[4 * i] + s[4 * i + 1];
-      sum_b += s[4 * i + 2] + s[4 * i + 3];
-    }
-    l_a = l_a * al_a + sum_a;  // per-thread partial row sums, quad-reduced at the end
-    l_b = l_b * al_b + sum_b;
-    m_a = mn_a;
-    m_b = mn_b;
-  };
-  // O *= alpha, then P (tile just softmaxed) re-packed as A fragments: k-step kk covers keys
-  // 16kk .. 16kk+15 = accumulator blocks 2kk, 2kk+1. Only once no wgmma uses O or pa.
-  auto rescale_pack = [&](const float (&s)[NS], float al_a, float al_b) {
-#pragma unroll
-    for (int i = 0; i < NO / 4; ++i) {
-      o[4 * i] *= al_a;
-      o[4 * i + 1] *= al_a;
-      o[4 * i + 2] *= al_b;
-      o[4 * i + 3] *= al_b;
-    }
-    acc_to_a<T>(pa, s);
-  };
+  auto issue_pv = [&](uint32_t va_st) { fwd_sm90_issue_pv<T, D, BK>(o, pa, va_st); };
 
   // Iteration j: S_j = Q K_j^T and, overlapping the softmax of tile j, O += P_{j-1} V_{j-1}.
   // V lags K by one tile; iteration n_tiles only drains P V of the last tile. Each branch below
@@ -204,11 +145,11 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
       wg_commit();
       wg_wait<1>();  // groups retire in order: S_j is done, P V may still run
       reg_fence(s);
-      softmax(s, j * BK, al_a, al_b);
+      fwd_sm90_softmax<BK>(s, j * BK, w_full, lim_a, lim_b, t, sl2, m_a, m_b, l_a, l_b, al_a, al_b);
       wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa may be touched again
       reg_fence(o);
       reg_fence(pa);
-      rescale_pack(s, al_a, al_b);
+      fwd_sm90_rescale_pack<T>(o, pa, s, al_a, al_b);
     } else if (j == n_act && j >= 1) {  // drain: O += P V of this warpgroup's last tile
       reg_fence(o);
       reg_fence(pa);
@@ -220,19 +161,7 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
     }
   }
 
-  const float la = cp_quad_sum(l_a), lb = cp_quad_sum(l_b);
-  const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
-  float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
-  float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
-#pragma unroll
-  for (int i = 0; i < NO / 4; ++i) {
-    if (ra < T_) *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    if (rb < T_) *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-  }
-  if (t == 0) {
-    if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_a + log2f(la)) * CP_LN2 : -INFINITY;
-    if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_b + log2f(lb)) * CP_LN2 : -INFINITY;
-  }
+  fwd_sm90_store<D>(o, m_a, m_b, l_a, l_b, out, lse, b, h, H, T_, ra, rb, t);
 }
 
 // ---- entry points ---------------------------------------------------------------------------------

@@ -161,7 +161,10 @@ template <> __device__ __forceinline__ void wg_ss_tb<64, __half>(float (&d)[32],
 // Copy ROWS rows of D 16-bit elements (tile row r = global row r0 + r at src + (r0 + r) * rstride)
 // into the 128-byte-swizzled tile at shared address dst with 16-byte cp.async; rows >= rows_valid
 // are zero-filled. Thread tid copies chunk c = tid % (D/8) of rows tid / (D/8) + i * (NTH / (D/8)).
-template <int ROWS, int D, int NTH, typename T>
+// ROLLED keeps the row loop rolled (pointer and row stepped per iteration; same layout and
+// zero-fill): the warp-specialized backward's producer (flash_bwd_sm90_ws.cu) runs in
+// WSB_PRODUCER_REGS registers, where the fully unrolled copy loop spills.
+template <int ROWS, int D, int NTH, typename T, bool ROLLED = false>
 __device__ __forceinline__ void sw_load(uint32_t dst, const T* __restrict__ src, size_t rstride, int r0,
                                         int rows_valid, int tid) {
   constexpr int CH = D / 8, RSTEP = NTH / CH, ITER = ROWS * CH / NTH;
@@ -169,10 +172,23 @@ __device__ __forceinline__ void sw_load(uint32_t dst, const T* __restrict__ src,
   const int c = tid % CH, rr = tid / CH;
   // RSTEP % 8 == 0: every row this thread copies has the same row % 8, hence the same swizzle.
   dst += (uint32_t)((c >> 3) * ROWS * 128 + rr * 128 + (((c & 7) ^ (rr & 7)) << 4));
+  if constexpr (ROLLED) {
+    const T* p = src + (size_t)(r0 + rr) * rstride + c * 8;
+    int r = r0 + rr;
+#pragma unroll 1
+    for (int i = 0; i < ITER; ++i) {
+      const bool valid = r < rows_valid;
+      cp_async16(dst, valid ? p : src, valid);
+      dst += (uint32_t)(RSTEP * 128);
+      p += (size_t)RSTEP * rstride;
+      r += RSTEP;
+    }
+  } else {
 #pragma unroll
-  for (int i = 0; i < ITER; ++i) {
-    const int r = r0 + rr + i * RSTEP;
-    const bool valid = r < rows_valid;
-    cp_async16(dst + (uint32_t)(i * RSTEP * 128), valid ? src + (size_t)r * rstride + c * 8 : src, valid);
+    for (int i = 0; i < ITER; ++i) {
+      const int r = r0 + rr + i * RSTEP;
+      const bool valid = r < rows_valid;
+      cp_async16(dst + (uint32_t)(i * RSTEP * 128), valid ? src + (size_t)r * rstride + c * 8 : src, valid);
+    }
   }
 }
