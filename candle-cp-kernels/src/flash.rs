@@ -6,7 +6,7 @@
 //! carries global positions. Head dims 16, 32, 64 and 128. Query head `h` reads KV head `h / (H/Hkv)`.
 
 use crate::{ptx, util};
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, StorageRef, Tensor};
@@ -245,13 +245,9 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
     // allow per block (e.g. sm_86/sm_89: 99 KiB): Auto falls back to the mma kernel there.
     let kern = if kern == FwdKernel::Pipelined {
-        let optin = dev
-            .cuda_stream()
-            .context()
-            .attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN)
-            .w()?;
+        let optin = util::smem_optin(dev)?;
         let need = pipe_config(d).2;
-        match (i64::from(need) <= i64::from(optin), imp) {
+        match (i64::from(need) <= optin, imp) {
             (true, _) => FwdKernel::Pipelined,
             (false, FwdImpl::Auto) => FwdKernel::Mma,
             (false, _) => candle_core::bail!(

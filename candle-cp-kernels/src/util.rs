@@ -1,9 +1,17 @@
 //! Helpers shared by the launchers: storage access, alignment, wrapping results as tensors.
 
+use candle_core::cuda_backend::cudarc::driver::sys::CUdevice_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr};
-use candle_core::cuda_backend::CudaDType;
+use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::op::BackpropOp;
 use candle_core::{CudaDevice, CudaStorage, Layout, Result, Shape, Storage, Tensor};
+
+/// The device's opt-in maximum of dynamic shared memory per block in bytes (sm_80: 166,912;
+/// sm_90: 232,448; sm_86, sm_89, sm_120: 101,376), which every launcher compares its need with.
+pub(crate) fn smem_optin(dev: &CudaDevice) -> Result<i64> {
+    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
+    Ok(i64::from(optin))
+}
 
 /// Contiguous view of `l`'s elements in `s`.
 pub(crate) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {

@@ -7,8 +7,8 @@
 
 use super::bwd_pipe::launch_prep;
 use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, KMask};
-use crate::ptx;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
@@ -34,8 +34,8 @@ fn smem(d: usize) -> u32 {
 /// does not run there).
 pub(super) fn check_fits(dev: &CudaDevice, d: usize, q: &Shape) -> Result<()> {
     let need = smem(d);
-    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
-    if i64::from(need) > i64::from(optin) {
+    let optin = util::smem_optin(dev)?;
+    if i64::from(need) > optin {
         candle_core::bail!("flash_bwd: the fused atomic-dQ kernel needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}")
     }
     Ok(())

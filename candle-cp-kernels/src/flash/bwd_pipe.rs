@@ -5,8 +5,8 @@
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
 use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, FwdImpl, KMask};
-use crate::ptx;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
@@ -55,8 +55,8 @@ impl PipeCfg {
 pub(super) fn fits(dev: &CudaDevice, d: usize, imp: FwdImpl, q: &Shape) -> Result<bool> {
     let (kv, dq) = PipeCfg::of(d).smem(d);
     let need = kv.max(dq);
-    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
-    if i64::from(need) <= i64::from(optin) {
+    let optin = util::smem_optin(dev)?;
+    if i64::from(need) <= optin {
         return Ok(true);
     }
     if imp == FwdImpl::Auto {

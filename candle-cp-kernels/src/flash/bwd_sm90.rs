@@ -10,8 +10,8 @@
 //! `red.global.add.f32` (nondeterministic summation order of dQ).
 
 use super::{bwd_pipe, bwd_tensors, prep, sm90, suffix, BwdInputs, Dims, KMask};
-use crate::ptx;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
@@ -58,8 +58,8 @@ pub(super) fn check(dev: &CudaDevice, d: usize, atomic: bool, q: &Shape, k: &Sha
     }
     sm90::check_hopper(dev, "flash_bwd")?;
     let need = if atomic { wgmma_bwd_smem_atomic(d) } else { wgmma_bwd_smem(d).max(wgmma_dq_smem(d)) };
-    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
-    if i64::from(need) > i64::from(optin) {
+    let optin = util::smem_optin(dev)?;
+    if i64::from(need) > optin {
         candle_core::bail!("flash_bwd: the wgmma backward needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}, k {k:?}")
     }
     Ok(())

@@ -11,8 +11,8 @@
 //! `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
 use super::{bwd_pipe, bwd_tensors, prep, sm90, suffix, BwdInputs, Dims, KMask};
-use crate::ptx;
-use candle_core::cuda_backend::cudarc::driver::sys::{CUdevice_attribute, CUfunction_attribute};
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
@@ -48,8 +48,8 @@ pub(super) fn check(dev: &CudaDevice, d: usize, q: &Shape, k: &Shape) -> Result<
     }
     sm90::check_hopper(dev, "flash_bwd")?;
     let need = wsb_smem(d);
-    let optin = dev.cuda_stream().context().attribute(CUdevice_attribute::CU_DEVICE_ATTRIBUTE_MAX_SHARED_MEMORY_PER_BLOCK_OPTIN).w()?;
-    if i64::from(need) > i64::from(optin) {
+    let optin = util::smem_optin(dev)?;
+    if i64::from(need) > optin {
         candle_core::bail!("flash_bwd: the warp-specialized wgmma backward needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}, k {k:?}")
     }
     Ok(())

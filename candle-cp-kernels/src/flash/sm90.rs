@@ -33,6 +33,18 @@ pub(super) fn check_hopper(dev: &CudaDevice, what: &str) -> Result<()> {
     Ok(())
 }
 
+/// Error unless the Hopper forward `kernel` (named in the message) can run: f16/bf16 (`sfx`),
+/// head dim 64 or 128, a compute capability 9.x device.
+pub(super) fn check_fwd(dev: &CudaDevice, sfx: &str, d: usize, ql: &Layout, kernel: &str) -> Result<()> {
+    if sfx == "f32" {
+        candle_core::bail!("flash_fwd: the {kernel} takes f16/bf16, got f32; q {:?}", ql.shape())
+    }
+    if d != 64 && d != 128 {
+        candle_core::bail!("flash_fwd: the {kernel} supports head dims 64 and 128, got {d}; q {:?}", ql.shape())
+    }
+    check_hopper(dev, "flash_fwd")
+}
+
 /// The `Wgmma` forward of `fwd_t`: checks dtype (f16/bf16), head dim (64, 128) and device
 /// (compute capability 9.x), then launches `flash_fwd_wgmma_{sfx}_d{d}` on grid
 /// `(ceil(T / 128), H, B)`. Returns out f32 `[B, T, H, D]` and lse f32 `[B, H, T]` buffers.
@@ -47,13 +59,7 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     mask: KMask,
     scale: f32,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    if sfx == "f32" {
-        candle_core::bail!("flash_fwd: the wgmma kernel takes f16/bf16, got f32; q {:?}", ql.shape())
-    }
-    if d != 64 && d != 128 {
-        candle_core::bail!("flash_fwd: the wgmma kernel supports head dims 64 and 128, got {d}; q {:?}", ql.shape())
-    }
-    check_hopper(dev, "flash_fwd")?;
+    check_fwd(dev, sfx, d, ql, "wgmma kernel")?;
     if b * t * h == 0 {
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }

@@ -4,7 +4,7 @@
 //! chosen by [`super::FwdImpl::WgmmaWs`]. Same shapes and results as the other forward kernels:
 //! q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
-use super::sm90::check_hopper;
+use super::sm90::check_fwd;
 use super::{Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -45,13 +45,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     mask: KMask,
     scale: f32,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    if sfx == "f32" {
-        candle_core::bail!("flash_fwd: the warp-specialized wgmma kernel takes f16/bf16, got f32; q {:?}", ql.shape())
-    }
-    if d != 64 && d != 128 {
-        candle_core::bail!("flash_fwd: the warp-specialized wgmma kernel supports head dims 64 and 128, got {d}; q {:?}", ql.shape())
-    }
-    check_hopper(dev, "flash_fwd")?;
+    check_fwd(dev, sfx, d, ql, "warp-specialized wgmma kernel")?;
     if b * t * h == 0 {
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
