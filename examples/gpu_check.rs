@@ -2,16 +2,20 @@
 //! cases through the autograd op on the GPU, ring / all-gather / Ulysses on virtual ranks
 //! (thread ranks sharing one GPU), the tiny-Llama oracle on every layout family (CP, Ulysses,
 //! TP + SP, 2-D) on virtual ranks, and (feature `nccl`) an NcclGroup smoke test of world 1
-//! and its failure paths (abort; a rank that never joins must fail init within its timeout).
+//! and its failure paths (abort; a rank that never joins must fail init within its timeout),
+//! and the CP methods on NCCL ranks, one GPU each (section `nccl-ranks`, 2+ GPUs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,flash-large,merge,layout,oracle,llama,nccl]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,flash-large,merge,layout,oracle,llama,nccl,nccl-ranks]
+//!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
 //! `atomic`, the fused backward with atomic dQ, are checked only when named); `--sections` runs only
 //! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
 //! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
+//! `--quick` runs a reduced set (small flash and oracle cases, two Llama layouts): what CI
+//! runs on the CPU under the host CUDA shim (`candle-cp-kernels/emu/shim/`, docs/gpu.md).
 //! Prints one `PASS`/`FAIL` line per check and exits non-zero if any check fails.
 //! Run by `scripts/gpu-check.sh run` on the GPU machine (see docs/gpu.md).
 
@@ -40,7 +44,15 @@ struct Report {
     fail: Vec<String>,
     /// Kernel families to check (`--impls`); all when empty.
     imps: Vec<FwdImpl>,
+    /// `--quick`: the reduced set run on the CPU under the host CUDA shim in CI (see
+    /// `docs/gpu.md`): no flash case over 333 positions, the oracle files of at most
+    /// [`QUICK_MAX_TOKENS`] tokens (CP methods at P = 2 only on virtual ranks), two Llama
+    /// layouts. Every kernel family, dtype and mask kind is still exercised.
+    quick: bool,
 }
+
+/// `--quick`: the largest oracle case (batch x tokens) the oracle sections run.
+const QUICK_MAX_TOKENS: usize = 256;
 
 impl Report {
     /// Whether `--impls` selects this kernel family.
@@ -111,6 +123,9 @@ fn kmask(m: &Mask) -> KMask {
 /// values): forward (simple and tensor-core kernels) and backward.
 fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
     for (ci, c) in cases().iter().enumerate() {
+        if rep.quick && c.t.max(c.s) > 333 {
+            continue;
+        }
         for dtype in [DType::F32, DType::BF16, DType::F16] {
             let seed = 1000 + ci as u64 * 7;
             let mk = |shape: &[usize], s: u64| -> Result<Tensor> { Ok(rand_tensor(shape, s)?.to_dtype(dtype)?) };
@@ -315,6 +330,9 @@ fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     files.sort();
     for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
         let case = AttnCase::load(path)?;
+        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
+            continue;
+        }
         let g = case_to(&case, gpu)?;
         let mask = kmask(&case.mask());
         let raw = (|| -> candle_core::Result<AttnOutputs> {
@@ -333,6 +351,9 @@ fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         let t = case.q.dim(1)?;
         for method in CpMethod::ALL {
             for p in [2, 4] {
+                if rep.quick && p != 2 {
+                    continue;
+                }
                 if t % method.layout().divisor(p) != 0 {
                     continue;
                 }
@@ -424,6 +445,47 @@ fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
     Ok(())
 }
 
+/// CP methods on NCCL ranks, one GPU each (single process, one thread per device: `NcclGroup`'s
+/// grouped send/recv ring, all-gather, reduce-scatter with real peers), against the oracle.
+/// Needs 2 or more GPUs: skipped on a one-GPU machine; CI runs it on the CPU under the host CUDA
+/// shim with `CPEMU_DEVICES=4` (docs/gpu.md). `--quick`: the first oracle file only.
+#[cfg(feature = "nccl")]
+fn check_nccl_ranks(rep: &mut Report, dir: &str) -> Result<()> {
+    use candle_core::cuda_backend::cudarc::driver::CudaContext;
+    use candle_cp_comm::nccl::run_nccl_ranks;
+    use candle_cp_ops::cp::{run_case_cp_on, CpOpts};
+    let n = CudaContext::device_count().map_err(|e| anyhow::anyhow!("cuDeviceGetCount: {e:?}"))? as usize;
+    if n < 2 {
+        println!("  nccl-ranks: skipped ({n} GPU; NCCL ranks need one GPU each, 2 at least)");
+        return Ok(());
+    }
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.retain(|p| p.extension().is_some_and(|e| e == "safetensors"));
+    files.sort();
+    for path in &files {
+        let case = AttnCase::load(path)?;
+        let t = case.q.dim(1)?;
+        if rep.quick && case.q.dim(0)? * t > QUICK_MAX_TOKENS {
+            continue;
+        }
+        for method in CpMethod::ALL {
+            for p in [2, 4].into_iter().filter(|&p| p <= n) {
+                if t % method.layout().divisor(p) != 0 {
+                    continue;
+                }
+                let name = format!("oracle {} {method} P{p} nccl ranks", case.name);
+                let ordinals: Vec<usize> = (0..p).collect();
+                let opts = CpOpts { layout: method.layout(), causal: case.causal, scale: Some(case.scale), ..CpOpts::default() };
+                match run_case_cp_on(&case, method, p, opts, |body| run_nccl_ranks(&ordinals, body)) {
+                    Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Production-sized problem (T = 4096, D = 128, bf16, causal and full, GQA 2:1): the
 /// tensor-core kernel families against the f32 CUDA-core kernels on the same bf16 inputs
 /// (the CPU reference would take minutes here). Catches pipeline bugs that only show with
@@ -490,7 +552,12 @@ fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
         ("2-d 2x2", Layout::two_d(2, 2)),
     ];
+    // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation)
+    const QUICK: [&str; 2] = ["single", "tp2 x cp2 zigzag + sp"];
     for (label, layout) in layouts {
+        if rep.quick && !QUICK.contains(&label) {
+            continue;
+        }
         let name = format!("llama {label}");
         match verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu) {
             Ok(r) => {
@@ -534,7 +601,8 @@ fn main() -> Result<()> {
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
     let want = |name: &str| only.as_ref().is_none_or(|l| l.iter().any(|x| x == name));
     let gpu = Device::new_cuda(ordinal)?;
-    let mut rep = Report { imps, ..Default::default() };
+    let quick = args.iter().any(|a| a == "--quick");
+    let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
     let sections: [(&str, Section); 5] =
@@ -568,6 +636,14 @@ fn main() -> Result<()> {
         if let Err(e) = check_nccl(&mut rep, ordinal) {
             rep.error("section nccl", e);
         }
+    }
+    #[cfg(feature = "nccl")]
+    if want("nccl-ranks") {
+        let t = Instant::now();
+        if let Err(e) = check_nccl_ranks(&mut rep, &oracle) {
+            rep.error("section nccl-ranks", e);
+        }
+        println!("-- section nccl-ranks: {:.1} s", t.elapsed().as_secs_f64());
     }
     println!(
         "gpu_check: {} passed, {} failed in {:.1} s{}",

@@ -5,15 +5,20 @@
 #   1. nvcc 13.0.x from PyPI + link stubs: ../shared/cuda/setup.sh (installs into
 #      $HOME/.cache/cuda-13.0-pip; nothing is written to ../shared). Needs `cargo fetch` first
 #      so that it finds cudarc's sources for the stubs.
-#   2. `cargo check --release` of every crate with `cuda` (+ `nccl`) in its own target dir
-#      (target/cuda): build scripts run for real, so nvcc compiles kernels/*.cu to PTX
-#      (candle-cp-kernels/build.rs) and candle-kernels builds its own CUDA code.
+#   2. `cargo build --release` of every crate, binary and example with `cuda` (+ `nccl`) in its
+#      own target dir (target/cuda): nvcc compiles kernels/*.cu to PTX
+#      (candle-cp-kernels/build.rs), candle-kernels builds its own CUDA code, and the binaries
+#      link against the CUDA libraries (stubs from step 1).
 #   3. ptxas (sm_80 and sm_90a; only sm_90a for `.target sm_90a` PTX) assembles our PTX, and its
 #      ISA version must be <= 9.0 (what the GPU machine's CUDA 13.0 driver can JIT).
 #   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
 #      (candle-cp-kernels/sim/*.py, a few seconds, no GPU).
 #   5. the kernel source itself, compiled as host C++ by g++ under a CUDA emulation and run on the
 #      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, ~1 min, no GPU).
+#   6. the host CUDA shim (candle-cp-kernels/emu/shim/, docs/gpu.md): its self-tests, then the
+#      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
+#      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
+#      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices.
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -29,12 +34,12 @@ cargo fetch --quiet
 . "$SHARED/cuda/env.sh"
 echo "ci-cuda: nvcc ready after $(( $(date +%s) - start )) s"
 
-cargo check --release -j "$JOBS" \
+cargo build --release -j "$JOBS" \
   -p candle-cp-kernels -p candle-cp-comm -p candle-cp-ops -p candle-cp-nn -p candle-cp-llama \
   -p candle-cp-cli -p candle-cp-examples \
   --features candle-cp-examples/nccl,candle-cp-cli/cuda \
   --lib --bins --examples
-echo "ci-cuda: cargo check (cuda, nccl) done after $(( $(date +%s) - start )) s"
+echo "ci-cuda: cargo build (cuda, nccl) done after $(( $(date +%s) - start )) s"
 
 n=0
 for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
@@ -70,4 +75,23 @@ for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_s
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
 done
 emu=$(EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh 2>&1) || { grep -v '^PASS' <<<"$emu"; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; }; echo "ci-cuda: $(tail -1 <<<"$emu") (kernel source under CPU emulation)"
-echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match) in $(( $(date +%s) - start )) s"
+
+shim_dir="$CARGO_TARGET_DIR/emu-shim"
+shim_log="$shim_dir/ci.log"
+mkdir -p "$shim_dir"
+shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show it on failure
+  local name=$1
+  shift
+  "$@" >"$shim_log" 2>&1 || { grep -v '^PASS' "$shim_log" | tail -60; echo "ci-cuda: host CUDA shim: $name failed"; exit 1; }
+}
+shim_step build.sh env EMU_SHIM_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/build.sh
+lib=$(tail -1 "$shim_log")
+shim_step check_candle.sh env EMU_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/check_candle.sh
+echo "ci-cuda: candle's kernels under the shim: $(grep -c '^PASS' "$shim_log") checks passed"
+shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_blas.sh
+shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
+t_shim=$(date +%s)
+shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
+  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws --sections probe,flash,merge,layout,oracle,llama,nccl,nccl-ranks
+echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
+echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"

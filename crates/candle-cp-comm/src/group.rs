@@ -11,7 +11,7 @@
 //! or panics makes the others' current or next collective return `Err` within the group's
 //! timeout.
 
-use candle_core::{Result, Tensor};
+use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 
 /// A pending point-to-point receive started by [`ProcessGroup::send_recv`].
@@ -61,6 +61,13 @@ pub trait ProcessGroup: Send + Sync {
     /// Build the sub-group of the ranks that passed the same `color`, ordered by `key` (ties by
     /// rank). Collective over this group: every rank must call it.
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>>;
+
+    /// The device this rank's tensors must live on, when the group fixes one (an NCCL rank's
+    /// GPU); `None` when any device works (thread groups: the tensors' own device). Used by code
+    /// that places one global input on many ranks, e.g. `candle_cp_ops::cp::run_case_cp_on`.
+    fn home_device(&self) -> Option<Device> {
+        None
+    }
 
     /// Short description for error messages, e.g. `"thread group (rank 1 of 4)"`.
     fn describe(&self) -> String {

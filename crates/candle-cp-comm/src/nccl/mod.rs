@@ -543,6 +543,10 @@ impl ProcessGroup for NcclGroup {
         Ok(Arc::new(NcclGroup::with_timeout(&self.device, new_rank, members.len(), Id::uninit(id), self.timeout())?))
     }
 
+    fn home_device(&self) -> Option<Device> {
+        Some(self.device())
+    }
+
     fn describe(&self) -> String {
         let mode = if self.raw.blocking { ", blocking fallback" } else { "" };
         let state = if self.raw.poison.is_poisoned() { ", failed" } else { "" };

@@ -29,7 +29,7 @@ pub use balance::{balance, BalanceReport};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
-pub use verify::{run_case_cp, run_case_cp_with, CpMethod, CpRun};
+pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun, RankBody};
 
 use crate::Group;
 use candle_core::{bail, DType, Device, Result, Tensor};

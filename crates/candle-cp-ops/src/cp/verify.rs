@@ -130,12 +130,39 @@ pub fn run_case_cp_with(
         scale: Some(case.scale),
         ..opts
     };
+    let opts = ThreadGroupOptions::with_timeout(timeout);
+    run_case_cp_on(case, method, p, cp_opts, |body| Ok(run_ranks_with(p, opts, body)))
+}
+
+/// One rank's part of a CP run ([`run_case_cp_on`]): given the rank's group, returns its local
+/// `[out, lse, dq, dk, dv]` on the case's device.
+pub type RankBody<'a> = dyn Fn(Group) -> Result<[Tensor; 5]> + Send + Sync + 'a;
+
+/// [`run_case_cp_with`] on ranks started by `spawn`, which must call the body once per rank
+/// `0..p` (each on its own thread, with the rank's group) and return the results in rank
+/// order: thread ranks ([`candle_cp_comm::run_ranks_with`]) or NCCL ranks
+/// (`candle_cp_comm::nccl::run_nccl_ranks`, one GPU each). Each rank's shards of the global
+/// `case` go to its group's [`ProcessGroup::home_device`](candle_cp_comm::ProcessGroup::home_device)
+/// (else stay on the case's device) and its results come back to the case's device, where
+/// they are gathered. `opts` is used as given (layout, mask and scale included).
+pub fn run_case_cp_on(
+    case: &AttnCase,
+    method: CpMethod,
+    p: usize,
+    cp_opts: CpOpts,
+    spawn: impl FnOnce(&RankBody) -> Result<Vec<Result<[Tensor; 5]>>>,
+) -> Result<CpRun> {
+    let layout = cp_opts.layout;
     let t = case.q.dim(1)?;
     layout.local_len(t, p)?;
-    let opts = ThreadGroupOptions::with_timeout(timeout);
-    let res = run_ranks_with(p, opts, |g: Group| {
+    let home = case.q.device().clone();
+    let body = |g: Group| -> Result<[Tensor; 5]> {
         let r = g.rank();
-        let sh = |x: &Tensor| shard(x, layout, r, p, 1);
+        if g.size() != p {
+            bail!("{method}: rank {r}'s group has {} ranks, the run asked for P = {p}", g.size())
+        }
+        let dev = g.home_device().unwrap_or_else(|| home.clone());
+        let sh = |x: &Tensor| shard(x, layout, r, p, 1)?.to_device(&dev);
         let q = Var::from_tensor(&sh(&case.q)?)?;
         let k = Var::from_tensor(&sh(&case.k)?)?;
         let v = Var::from_tensor(&sh(&case.v)?)?;
@@ -149,8 +176,13 @@ pub fn run_case_cp_with(
                 None => bail!("{method} rank {r}: no gradient for {n}"),
             }
         };
-        Ok([out, lse, grad(&q, "q")?, grad(&k, "k")?, grad(&v, "v")?])
-    });
+        let back = |x: Tensor| x.to_device(&home);
+        Ok([back(out)?, back(lse)?, back(grad(&q, "q")?)?, back(grad(&k, "k")?)?, back(grad(&v, "v")?)?])
+    };
+    let res = spawn(&body)?;
+    if res.len() != p {
+        bail!("{method} with P = {p}: the ranks returned {} results", res.len())
+    }
     let mut per_rank = Vec::with_capacity(p);
     let mut errs = Vec::new();
     for (r, x) in res.into_iter().enumerate() {
