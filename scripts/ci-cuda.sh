@@ -18,7 +18,8 @@
 #   6. the host CUDA shim (candle-cp-kernels/emu/shim/, docs/gpu.md): its self-tests, then the
 #      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
-#      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices.
+#      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices;
+#      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps).
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -94,4 +95,14 @@ t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
   --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws --sections probe,flash,merge,layout,oracle,llama,nccl,nccl-ranks
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
+# the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
+# memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
+shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
+  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic --ring-t 512 --ring-p 4 --mem 1 --budget-s 200
+grep '^{' "$shim_log" >"$shim_dir/bench.jsonl"
+rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
+[ "$rows" = 10 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 10"; exit 1; }
+: >"$shim_dir/sdpa.jsonl"
+shim_step gpu_table.py python3 scripts/gpu_table.py "$shim_dir/bench.jsonl" "$shim_dir/sdpa.jsonl"
+echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; timings meaningless on the CPU)"
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"

@@ -3,11 +3,15 @@
 #
 #   scripts/gpu-check.sh build   # here, no GPU: build gpu_check + gpu_bench with --features
 #                                # cuda,nccl, strip + xz them into target-gpu-stage/
+#   scripts/gpu-check.sh preflight  # here, no GPU: the staged binaries on the CPU under the
+#                                # host CUDA shim (candle-cp-kernels/emu/shim/): probes, every
+#                                # kernel family on small cases, NCCL, gpu_bench at a tiny size
+#                                # (~2 min), so a GPU's minutes are not spent on a broken stage
 #   scripts/gpu-check.sh run     # on the GPU machine (no Rust there): every kernel vs the CPU
 #                                # path + oracle cases + ring/Ulysses on virtual ranks, then the
 #                                # TFLOP/s benchmark beside PyTorch SDPA; results in $OUT/gpu-check
 #
-# With the device tool: run `build` here, then
+# With the device tool: run `build` and `preflight` here, then
 #   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=570)
 # Part 2 fits in 8 minutes at worst: every step runs under one 480 s budget (GPU_CHECK_BUDGET_S),
 # with time kept back for the benchmarks and SDPA; about 3 minutes when all goes well.
@@ -136,8 +140,32 @@ run() {
   return $rc
 }
 
+preflight() {
+  local lib bin out=${OUT:-$PWD/gpu-out}/preflight
+  lib=$(candle-cp-kernels/emu/shim/build.sh | tail -1)
+  bin=$(mktemp -d)
+  mkdir -p "$out"
+  for b in gpu_check gpu_bench; do
+    python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
+      "$STAGE/$b.xz" "$bin/$b"
+    chmod +x "$bin/$b"
+  done
+  export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
+  "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws \
+    --sections probe,flash,merge,layout,oracle,nccl,nccl-ranks >"$out/check.log" 2>&1 \
+    || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
+  grep '^gpu_check:' "$out/check.log"
+  "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic \
+    --ring-t 512 --ring-p 4 --mem 1 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
+    || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
+  : >"$out/sdpa.jsonl"
+  python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" >/dev/null
+  echo "gpu-check preflight: the staged binaries run on the CPU under the host CUDA shim ($out)"
+}
+
 case "${1:-}" in
   build) build ;;
+  preflight) preflight ;;
   run) run ;;
-  *) echo "usage: $0 build|run" >&2; exit 2 ;;
+  *) echo "usage: $0 build|preflight|run" >&2; exit 2 ;;
 esac
