@@ -19,7 +19,8 @@
 #      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
 #      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices;
-#      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps).
+#      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps),
+#      and the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps).
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -105,4 +106,22 @@ rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
 : >"$shim_dir/sdpa.jsonl"
 shim_step gpu_table.py python3 scripts/gpu_table.py "$shim_dir/bench.jsonl" "$shim_dir/sdpa.jsonl"
 echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; timings meaningless on the CPU)"
+# training parity: the README's fine-tuning example, 3 steps of zigzag CP = 2, on 2 "GPUs" under
+# the shim vs the CPU, f32 and bf16 (the cuda run takes the CUDA kernels, optimizer, checkpoint)
+for dt in f32 bf16; do
+  ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype "$dt")
+  # (the cuda-built binary links libcuda even when it computes on the CPU)
+  shim_step "finetune_llama cpu $dt" env LD_LIBRARY_PATH="$lib" \
+    "$CARGO_TARGET_DIR/release/examples/finetune_llama" --device cpu "${ft[@]}" --out "$shim_dir/ft-cpu-$dt"
+  shim_step "finetune_llama cuda $dt" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+    "$CARGO_TARGET_DIR/release/examples/finetune_llama" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
+  python3 - "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$dt" <<'PY' || exit 1
+import json, sys
+cpu, gpu = ([json.loads(l)["train_loss"] for l in open(f)] for f in sys.argv[1:3])
+tol = 1e-5 if sys.argv[3] == "f32" else 2e-3
+diff = max(abs(a - b) for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) == 3 else float("inf")
+print(f"ci-cuda: finetune_llama {sys.argv[3]}, 3 steps, CP 2 zigzag: cuda (shim, 2 devices) vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
+sys.exit(0 if diff <= tol else 1)
+PY
+done
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"
