@@ -3,11 +3,12 @@
 //! (thread ranks sharing one GPU), the tiny-Llama oracle on every layout family (CP, Ulysses,
 //! TP + SP, 2-D) on virtual ranks, and (feature `nccl`) an NcclGroup smoke test of world 1
 //! and its failure paths (abort; a rank that never joins must fail init within its timeout),
-//! and the CP methods on NCCL ranks, one GPU each (section `nccl-ranks`, 2+ GPUs).
+//! and the CP methods on NCCL ranks, one GPU each (section `nccl-ranks`, 2+ GPUs). Section
+//! `views`: inputs that are views (storage offset, transposed) and bad input (gpu_check_views.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,flash-large,merge,layout,oracle,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
@@ -30,6 +31,8 @@ use std::time::{Duration, Instant};
 
 #[path = "gpu_util.rs"]
 mod gpu_util;
+#[path = "gpu_check_views.rs"]
+mod views;
 use gpu_util::{max_abs, rand_tensor, rel};
 
 /// Whether `imp` is a tensor-core family (16-bit P, dO and dS: looser tolerances).
@@ -606,8 +609,14 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 5] =
-        [("probe", check_probe), ("flash", check_flash), ("flash-large", check_large), ("merge", check_merge), ("layout", check_layout)];
+    let sections: [(&str, Section); 6] = [
+        ("probe", check_probe),
+        ("flash", check_flash),
+        ("views", views::check_views),
+        ("flash-large", check_large),
+        ("merge", check_merge),
+        ("layout", check_layout),
+    ];
     for (name, f) in sections {
         if !want(name) {
             continue;

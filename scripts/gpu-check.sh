@@ -101,12 +101,12 @@ run() {
   echo "== 0/5 probes: each tensor-core primitive (mma.sync, ldmatrix, cp.async, wgmma) alone, with a diagnosis of any mismatch"
   step 20 $keep "$machine" add -- "$bin/gpu_check" --sections probe
   echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
-  step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,flash-large,merge,layout
+  step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,views,flash-large,merge,layout
   echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
-  step 40 $keep "$out/check-pipelined.log" new -- "$bin/gpu_check" --impls pipelined,atomic --sections flash,flash-large
+  step 40 $keep "$out/check-pipelined.log" new -- "$bin/gpu_check" --impls pipelined,atomic --sections flash,views,flash-large
   echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
-  step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,flash-large
-  step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,flash-large
+  step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,views,flash-large
+  step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
   step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl
@@ -152,7 +152,7 @@ preflight() {
   done
   export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
   "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws \
-    --sections probe,flash,merge,layout,oracle,nccl,nccl-ranks >"$out/check.log" 2>&1 \
+    --sections probe,flash,views,merge,layout,oracle,nccl,nccl-ranks >"$out/check.log" 2>&1 \
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic \

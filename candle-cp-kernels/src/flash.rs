@@ -305,13 +305,15 @@ fn storage_of<'a>(s: &'a Storage, what: &str, shape: &Shape) -> Result<&'a CudaS
     }
 }
 
-/// Make `t` contiguous with a start offset that is a multiple of 8 elements.
+/// Make `t` contiguous with a start offset that is a multiple of 8 elements (16 bytes for the
+/// 16-bit types: the cp.async / vector loads need it). A misaligned view gets a fresh storage:
+/// `force_contiguous` (`Tensor::copy` would clone the whole storage and keep the offset).
 fn prep(t: &Tensor) -> Result<Tensor> {
     let t = t.contiguous()?;
     if t.layout().start_offset() % 8 == 0 {
         Ok(t)
     } else {
-        t.copy()
+        t.force_contiguous()
     }
 }
 

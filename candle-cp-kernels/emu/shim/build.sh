@@ -46,9 +46,14 @@ start=$(date +%s)
 objs=()
 pids=()
 spawn() { while [ "${#pids[@]}" -ge "$JOBS" ]; do wait "${pids[0]}" || exit 1; pids=("${pids[@]:1}"); done; "$@" & pids+=($!); }
+# our kernel files are compiled with UBSan's alignment check: a misaligned typed global access
+# (a uint4 / float2 / uint32_t load through a view whose offset breaks the vector alignment, a
+# misaligned-address fault on a GPU) aborts with its source line (EMU_SHIM_UBSAN=0: off)
+ubsan=()
+[ "${EMU_SHIM_UBSAN:-1}" = 1 ] && ubsan=(-fsanitize=alignment -fno-sanitize-recover=alignment)
 kernel_obj() {  # our kernel files: launch-bounds markers (lb.py), then registrations (reg.py)
   "$CXX" "${flags[@]}" -DCP_EMU_LB_SCAN -include registry.h -x c++ -E "$1" | python3 $k/emu/lb.py | python3 $k/emu/shim/reg.py >"$2.ii"
-  "$CXX" "${flags[@]}" -x c++-cpp-output -c "$2.ii" -o "$2"
+  "$CXX" "${flags[@]}" "${ubsan[@]}" -x c++-cpp-output -c "$2.ii" -o "$2"
 }
 candle_obj() {
   "$CXX" "${flags[@]}" "${candle_flags[@]}" -include registry.h -x c++ -E "$1" | python3 $k/emu/shim/reg.py >"$2.ii"
@@ -71,7 +76,7 @@ for s in "${core[@]}"; do
   fresh "$o" "$k/$s" || spawn "$CXX" "${flags[@]}" -x c++ -c "$k/$s" -o "$o"
 done
 for p in "${pids[@]}"; do wait "$p" || exit 1; done
-"$CXX" -shared -pthread -Wl,-soname,libcuda.so.1 -Wl,--no-undefined -Wl,--version-script,$k/emu/shim/exports.map "${objs[@]}" ${EMU_SHIM_EXTRA_OBJS:-} -o "$out/lib/libcpemu.so"
+"$CXX" -shared -pthread "${ubsan[@]}" -Wl,-soname,libcuda.so.1 -Wl,--no-undefined -Wl,--version-script,$k/emu/shim/exports.map "${objs[@]}" ${EMU_SHIM_EXTRA_OBJS:-} -o "$out/lib/libcpemu.so"
 for n in libcuda.so.1 libcuda.so libcudart.so.13 libcublas.so.13 libcublasLt.so.13 libcurand.so.10 libnccl.so.2; do
   ln -sf libcpemu.so "$out/lib/$n"
 done

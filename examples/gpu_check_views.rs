@@ -1,0 +1,132 @@
+//! `gpu_check --sections views` (included by `gpu_check.rs` with `#[path]`): inputs that are
+//! views, as users pass them, and bad input.
+//!
+//! - q is a reshaped slice of a flat buffer (storage offset 5 elements: not 16-byte aligned for
+//!   16-bit types, so the tensor-core launchers must copy it), k is a transposed
+//!   `[B, Hkv, S, D]` tensor (not contiguous), v a plain tensor; the raw kernels
+//!   (`flash::fwd` / `flash::bwd_with`, every selected family) and the autograd op (gradients
+//!   flow back into the flat buffer and the transposed base) against the CPU path on the same
+//!   views.
+//! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
+//!   the shapes (no panic, no kernel launch).
+
+use super::{kmask, tensor_core, Report};
+use crate::gpu_util::{max_abs, rand_tensor, rel};
+use anyhow::Result;
+use candle_core::{DType, Device, Tensor, Var};
+use candle_cp_kernels::flash::{self, FwdImpl};
+use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, Mask};
+
+/// The view inputs on `dev`: (flat q buffer, k base `[B, Hkv, S, D]`, v), and the views q, k.
+struct Views {
+    q_flat: Tensor,
+    k_base: Tensor,
+    v: Tensor,
+}
+
+const OFF: usize = 5;
+
+impl Views {
+    fn new(dims: (usize, usize, usize, usize, usize), dtype: DType, seed: u64) -> Result<Self> {
+        let (b, t, h, hkv, d) = dims;
+        Ok(Views {
+            q_flat: rand_tensor(&[OFF + b * t * h * d], seed)?.to_dtype(dtype)?,
+            k_base: rand_tensor(&[b, hkv, t, d], seed + 1)?.to_dtype(dtype)?,
+            v: rand_tensor(&[b, t, hkv, d], seed + 2)?.to_dtype(dtype)?,
+        })
+    }
+    fn to(&self, dev: &Device) -> Result<Self> {
+        Ok(Views { q_flat: self.q_flat.to_device(dev)?, k_base: self.k_base.to_device(dev)?, v: self.v.to_device(dev)? })
+    }
+}
+
+/// q `[B, T, H, D]` at storage offset [`OFF`] of `flat`; k `[B, S, Hkv, D]` transposed from `base`.
+fn views(flat: &Tensor, base: &Tensor, dims: (usize, usize, usize, usize, usize)) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, _, d) = dims;
+    let q = flat.narrow(0, OFF, b * t * h * d)?.reshape((b, t, h, d))?;
+    Ok((q, base.transpose(1, 2)?))
+}
+
+pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
+    let dims = (2, 96, 4, 2, 64);
+    let mask = Mask::causal();
+    let scale = 0.125;
+    for dtype in [DType::F32, DType::BF16] {
+        let cpu = Views::new(dims, dtype, 900)?;
+        let dev = cpu.to(gpu)?;
+        let (q, k) = views(&cpu.q_flat, &cpu.k_base, dims)?;
+        let (gq, gk) = views(&dev.q_flat, &dev.k_base, dims)?;
+        if gq.layout().start_offset() != OFF || gk.is_contiguous() {
+            anyhow::bail!("views: expected q at offset {OFF} and a non-contiguous k, got {:?} / {:?}", gq.layout(), gk.layout());
+        }
+        let (o_ref, l_ref) = attention_fwd(&q, &k, &cpu.v, &mask, scale)?;
+        let dout = rand_tensor(&o_ref.dims().to_vec(), 903)?;
+        let (dq_r, dk_r, dv_r) = attention_bwd(&q, &k, &cpu.v, &o_ref, &l_ref, &dout, &mask, scale)?;
+        let (go, gl, gd) = (o_ref.to_device(gpu)?, l_ref.to_device(gpu)?, dout.to_device(gpu)?);
+        let mut imps: Vec<FwdImpl> = if dtype == DType::F32 { vec![FwdImpl::Simple] } else { vec![FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
+        imps.retain(|&i| rep.wants(i));
+        if dtype != DType::F32 {
+            imps.extend([FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::AtomicDq].into_iter().filter(|&i| rep.named(i)));
+        }
+        for imp in imps {
+            let (tf, tb) = match (tensor_core(imp), dtype) {
+                (true, DType::BF16) => (2e-2, 3e-2),
+                (true, _) => (4e-3, 5e-3),
+                _ => (2e-5, 1e-4),
+            };
+            let name = format!("views {imp:?} {dtype:?} (q at offset {OFF}, k transposed)");
+            match flash::fwd(&gq, &gk, &dev.v, kmask(&mask), scale as f32, imp) {
+                Ok((o, l)) => {
+                    rep.check(&format!("{name} fwd out"), max_abs(&o, &o_ref)?, tf);
+                    rep.check(&format!("{name} fwd lse"), max_abs(&l, &l_ref)?, if imp == FwdImpl::Simple { 2e-5 } else { 1e-3 });
+                }
+                Err(e) => rep.error(&format!("{name} fwd"), e),
+            }
+            match flash::bwd_with(&gq, &gk, &dev.v, &go, &gl, &gd, kmask(&mask), scale as f32, imp) {
+                Ok((dq, dk, dv)) => {
+                    rep.check(&format!("{name} bwd dq"), rel(&dq, &dq_r)?, tb);
+                    rep.check(&format!("{name} bwd dk"), rel(&dk, &dk_r)?, tb);
+                    rep.check(&format!("{name} bwd dv"), rel(&dv, &dv_r)?, tb);
+                }
+                Err(e) => rep.error(&format!("{name} bwd"), e),
+            }
+        }
+        // the autograd op on the views: gradients flow back to the flat buffer and the k base
+        let grads_of = |v: &Views, dout: &Tensor| -> Result<[Tensor; 4]> {
+            let (qf, kb, vv) = (Var::from_tensor(&v.q_flat)?, Var::from_tensor(&v.k_base)?, Var::from_tensor(&v.v)?);
+            let (q, k) = views(qf.as_tensor(), kb.as_tensor(), dims)?;
+            let (out, _) = attention(&q, &k, vv.as_tensor(), &mask, scale)?;
+            let g = (out.to_dtype(DType::F32)? * dout)?.sum_all()?.backward()?;
+            let get = |x: &Var, n: &str| g.get(x.as_tensor()).cloned().ok_or_else(|| anyhow::anyhow!("views: no gradient for {n}"));
+            Ok([out, get(&qf, "the q buffer")?, get(&kb, "the k base")?, get(&vv, "v")?])
+        };
+        let name = format!("views autograd op {dtype:?}");
+        let want = grads_of(&cpu, &dout)?;
+        match grads_of(&dev, &gd) {
+            Ok(got) => {
+                // bf16: both outputs are rounded to bf16 (up to an ulp, 7.8e-3 in [1, 2), each)
+                let (tf, tb) = if dtype == DType::F32 { (2e-5, 1e-4) } else { (4e-2, 3e-2) };
+                rep.check(&format!("{name} out"), max_abs(&got[0], &want[0])?, tf);
+                for (i, what) in [(1, "d(q buffer)"), (2, "d(k base)"), (3, "dv")] {
+                    rep.check(&format!("{name} {what}"), rel(&got[i], &want[i])?, tb);
+                }
+            }
+            Err(e) => rep.error(&name, e),
+        }
+    }
+    // bad input: an Err naming the shapes, not a panic
+    let (q, k) = views(&Views::new(dims, DType::F32, 910)?.to(gpu)?.q_flat, &Views::new(dims, DType::F32, 920)?.k_base, dims)?;
+    let v = rand_tensor(&[2, 96, 2, 64], 930)?;
+    let expect_err = |rep: &mut Report, name: &str, r: candle_core::Result<(Tensor, Tensor)>| match r {
+        Err(e) if e.to_string().contains("96") => {
+            println!("  {name}: {}", e.to_string().lines().next().unwrap_or(""));
+            rep.pass += 1
+        }
+        Err(e) => rep.error(name, format!("error without the shapes: {e}")),
+        Ok(_) => rep.error(name, "returned Ok"),
+    };
+    expect_err(rep, "views: q on the GPU, k and v on the CPU -> Err", attention(&q, &k, &v, &mask, scale));
+    let (qb, kb, vb) = (q.to_dtype(DType::BF16)?, k.to_device(gpu)?, v.to_device(gpu)?);
+    expect_err(rep, "views: q bf16, k and v f32 -> Err", attention(&qb, &kb, &vb, &mask, scale));
+    Ok(())
+}
