@@ -109,6 +109,10 @@ fn cases() -> Vec<Case> {
     v.push(c(1, 64, 64, 2, 2, 64, Mask::causal_offsets(0, 100), "offset-all-masked"));
     v.push(c(1, 100, 100, 4, 4, 128, Mask::Causal { q_offset: 1, q_stride: 4, k_offset: 3, k_stride: 4 }, "striped"));
     v.push(c(1, 200, 333, 8, 1, 64, Mask::Full, "t-ne-s-mqa"));
+    // one query row (a decode step) with a group of 3 query heads per KV head; tiny ragged
+    // causal blocks, batch 3, group of 2.
+    v.push(c(1, 1, 200, 6, 2, 64, Mask::Full, "decode-gqa3"));
+    v.push(c(3, 9, 9, 6, 3, 128, causal, "tiny-causal-b3"));
     // many K/V tiles per query block (exercises the double-buffered pipelines), ragged ends.
     v.push(c(1, 1000, 1000, 4, 2, 128, Mask::causal_offsets(24, 0), "long-causal-gqa"));
     v.push(c(2, 513, 1031, 2, 1, 64, Mask::Full, "long-full-mqa"));
