@@ -452,8 +452,9 @@ fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
     Ok(())
 }
 
-/// CP methods on NCCL ranks, one GPU each (single process, one thread per device: `NcclGroup`'s
-/// grouped send/recv ring, all-gather, reduce-scatter with real peers), against the oracle.
+/// CP methods and Ulysses on NCCL ranks, one GPU each (single process, one thread per device:
+/// `NcclGroup`'s grouped send/recv ring and all-to-all, all-gather, reduce-scatter with real
+/// peers), against the oracle.
 /// Needs 2 or more GPUs: skipped on a one-GPU machine; CI runs it on the CPU under the host CUDA
 /// shim with `CPEMU_DEVICES=4` (docs/gpu.md). `--quick`: the first oracle file only.
 #[cfg(feature = "nccl")]
@@ -487,6 +488,16 @@ fn check_nccl_ranks(rep: &mut Report, dir: &str) -> Result<()> {
                     Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
                     Err(e) => rep.error(&name, e),
                 }
+            }
+        }
+        // Ulysses: all-to-all as NCCL grouped send/recv (heads must divide by P)
+        let (h, hkv) = (case.q.dim(2)?, case.k.dim(2)?);
+        for p in [2, 4].into_iter().filter(|&p| p <= n && h % p == 0 && (hkv % p == 0 || p % hkv == 0) && t % p == 0) {
+            let name = format!("oracle {} ulysses P{p} nccl ranks", case.name);
+            let ordinals: Vec<usize> = (0..p).collect();
+            match gpu_util::run_ulysses_on(&case, p, |body| run_nccl_ranks(&ordinals, body)) {
+                Ok(o) => report_metrics(rep, &name, &o, &case)?,
+                Err(e) => rep.error(&name, e),
             }
         }
     }

@@ -3,6 +3,8 @@
 
 use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::run_ranks;
+use candle_cp_ops::cp::RankBody;
+use candle_cp_ops::Group;
 use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs};
 use candle_cp_ops::ulysses::{contiguous_shard, ulysses_attention, UlyssesOpts};
 
@@ -19,9 +21,18 @@ pub use candle_cp_ops::oracle::rel_err as rel;
 /// Ulysses attention of an oracle case on `p` virtual ranks (threads; tensors on the case's
 /// device): forward + backward of `sum(out * dout)`, shards gathered back to global tensors.
 pub fn run_ulysses(case: &AttnCase, p: usize) -> Result<AttnOutputs> {
-    let res = run_ranks(p, |g| {
+    run_ulysses_on(case, p, |body| Ok(run_ranks(p, body)))
+}
+
+/// [`run_ulysses`] on ranks started by `spawn` (see `candle_cp_ops::cp::run_case_cp_on`): each
+/// rank's shards go to its group's home device (NCCL ranks: its GPU), results come back to the
+/// case's device.
+pub fn run_ulysses_on(case: &AttnCase, p: usize, spawn: impl FnOnce(&RankBody) -> Result<Vec<Result<[Tensor; 5]>>>) -> Result<AttnOutputs> {
+    let home = case.q.device().clone();
+    let body = |g: Group| -> Result<[Tensor; 5]> {
         let r = g.rank();
-        let sh = |x: &Tensor| contiguous_shard(x, r, p);
+        let dev = g.home_device().unwrap_or_else(|| home.clone());
+        let sh = |x: &Tensor| contiguous_shard(x, r, p)?.to_device(&dev);
         let q = Var::from_tensor(&sh(&case.q)?)?;
         let k = Var::from_tensor(&sh(&case.k)?)?;
         let v = Var::from_tensor(&sh(&case.v)?)?;
@@ -32,8 +43,10 @@ pub fn run_ulysses(case: &AttnCase, p: usize) -> Result<AttnOutputs> {
         let grad = |x: &Var| -> Result<Tensor> {
             grads.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg(format!("rank {r}: missing gradient")))
         };
-        Ok([out, lse, grad(&q)?, grad(&k)?, grad(&v)?])
-    });
+        let back = |x: Tensor| x.to_device(&home);
+        Ok([back(out)?, back(lse)?, back(grad(&q)?)?, back(grad(&k)?)?, back(grad(&v)?)?])
+    };
+    let res = spawn(&body)?;
     let mut ranks = Vec::new();
     for (r, x) in res.into_iter().enumerate() {
         ranks.push(x.map_err(|e| candle_core::Error::Msg(format!("rank {r}: {e}")))?);
