@@ -11,6 +11,7 @@
 //! ```text
 //! cargo run --release --example drop_in                       # zigzag ring, P = 4, T = 1024
 //! cargo run --release --example drop_in -- --layout ulysses --cp 2 --seq 512
+//! cargo run --release --features cuda --example drop_in -- --device cuda   # ranks share GPU 0
 //! ```
 //! See docs/drop-in.md for the list of changes.
 
@@ -34,6 +35,10 @@ struct Args {
     /// Global sequence length.
     #[arg(long, default_value_t = 1024)]
     seq: usize,
+    /// cpu, or cuda (build with `--features cuda`): the single-device run and every rank on
+    /// GPU 0 (thread ranks sharing it).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 const VOCAB: usize = 256;
@@ -48,12 +53,12 @@ struct Rope {
 }
 
 impl Rope {
-    fn new(t_max: usize, d: usize) -> Result<Self> {
+    fn new(t_max: usize, d: usize, dev: &Device) -> Result<Self> {
         let inv: Vec<f32> = (0..d / 2)
             .map(|i| 1.0 / 10000f32.powf(2.0 * i as f32 / d as f32))
             .collect();
-        let inv = Tensor::new(inv, &Device::Cpu)?;
-        let pos = Tensor::arange(0u32, t_max as u32, &Device::Cpu)?.to_dtype(DType::F32)?;
+        let inv = Tensor::new(inv, dev)?;
+        let pos = Tensor::arange(0u32, t_max as u32, dev)?.to_dtype(DType::F32)?;
         let f = pos.unsqueeze(1)?.broadcast_mul(&inv.unsqueeze(0)?)?;
         let f = Tensor::cat(&[&f, &f], 1)?;
         Ok(Self {
@@ -192,7 +197,11 @@ fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let (p, t) = (a.cp, a.seq);
     let t0 = std::time::Instant::now();
-    let dev = Device::Cpu;
+    let dev = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        other => anyhow::bail!("--device {other}: expected cpu or cuda"),
+    };
     let d = HIDDEN / HEADS;
     let mut w = HashMap::new();
     // Seeded: the same weights and tokens every run.
@@ -207,7 +216,7 @@ fn main() -> anyhow::Result<()> {
     .into_iter()
     .enumerate()
     {
-        w.insert(n.to_string(), candle_cp_ops::oracle::randn(i as u64 + 1, &[shape.0, shape.1], 0.3)?);
+        w.insert(n.to_string(), candle_cp_ops::oracle::randn(i as u64 + 1, &[shape.0, shape.1], 0.3)?.to_device(&dev)?);
     }
     let mut state = 0x2545_F491_4F6C_DD1Du64;
     let ids: Vec<u32> = (0..t)
@@ -221,7 +230,7 @@ fn main() -> anyhow::Result<()> {
         .collect();
     let ids = Tensor::from_vec(ids, (1, t), &dev)?;
     let labels = Tensor::cat(&[&ids.narrow(1, 1, t - 1)?, &Tensor::full(IGNORE, (1, 1), &dev)?], 1)?;
-    let rope = Rope::new(t, d)?;
+    let rope = Rope::new(t, d, &dev)?;
 
     // ---- one device, the whole sequence ----
     let lm = Lm::new(&w)?;
@@ -283,7 +292,7 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    println!("layout {} P = {p}, T = {t}: {} tokens per rank", a.layout, t / p);
+    println!("layout {} P = {p}, T = {t}: {} tokens per rank, on {:?}", a.layout, t / p, dev);
     println!("loss single device {loss_single:.6}, every rank agrees within 1e-5");
     println!("worst gradient rel. error {:.2e} ({})", worst.0, worst.1);
     anyhow::ensure!(worst.0 < 1e-4, "gradients differ");

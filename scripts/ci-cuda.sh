@@ -20,7 +20,8 @@
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
 #      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices;
 #      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps),
-#      and the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps).
+#      the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps), and the
+#      drop-in example on CUDA.
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
 set -euo pipefail
@@ -123,5 +124,10 @@ diff = max(abs(a - b) for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) == 3 el
 print(f"ci-cuda: finetune_llama {sys.argv[3]}, 3 steps, CP 2 zigzag: cuda (shim, 2 devices) vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
 sys.exit(0 if diff <= tol else 1)
 PY
+done
+# the drop-in example (an existing candle model with our ops) on CUDA: ranks share one device
+for l in zigzag ulysses; do
+  shim_step "drop_in cuda $l" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/drop_in" --device cuda --cp 2 --seq 128 --layout "$l"
+  echo "ci-cuda: drop_in --device cuda --layout $l under the shim: $(grep '^worst' "$shim_log")"
 done
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"
