@@ -455,10 +455,12 @@ fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
 /// CP methods and Ulysses on NCCL ranks, one GPU each (single process, one thread per device:
 /// `NcclGroup`'s grouped send/recv ring and all-to-all, all-gather, reduce-scatter with real
 /// peers), against the oracle.
+/// With 4 or more GPUs also the tiny-Llama oracle at TP 2 x CP 2 zigzag + SP on 4 NCCL ranks.
 /// Needs 2 or more GPUs: skipped on a one-GPU machine; CI runs it on the CPU under the host CUDA
-/// shim with `CPEMU_DEVICES=4` (docs/gpu.md). `--quick`: the first oracle file only.
+/// shim with `CPEMU_DEVICES=4` (docs/gpu.md). `--quick`: the oracle files of at most
+/// [`QUICK_MAX_TOKENS`] tokens.
 #[cfg(feature = "nccl")]
-fn check_nccl_ranks(rep: &mut Report, dir: &str) -> Result<()> {
+fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> {
     use candle_core::cuda_backend::cudarc::driver::CudaContext;
     use candle_cp_comm::nccl::run_nccl_ranks;
     use candle_cp_ops::cp::{run_case_cp_on, CpOpts};
@@ -499,6 +501,34 @@ fn check_nccl_ranks(rep: &mut Report, dir: &str) -> Result<()> {
                 Ok(o) => report_metrics(rep, &name, &o, &case)?,
                 Err(e) => rep.error(&name, e),
             }
+        }
+    }
+    // the tiny-Llama oracle with TP 2 x CP 2 zigzag + SP on 4 NCCL ranks: NcclGroup::split into
+    // the TP and CP sub-groups, TP all-reduces, SP all-gather / reduce-scatter, the zigzag ring
+    if n >= 4 {
+        use candle_cp_llama::layout::{CpKind, Layout};
+        use candle_cp_llama::verify::verify_reference_on;
+        let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
+        let name = "llama tp2 x cp2 zigzag + sp, 4 nccl ranks";
+        let spawn = |body: &candle_cp_llama::verify::LayoutRankBody| run_nccl_ranks(&[0, 1, 2, 3], body);
+        match verify_reference_on(llama, format!("{llama}/reference.safetensors"), layout, &Device::Cpu, spawn) {
+            Ok(r) => {
+                println!(
+                    "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
+                    if r.pass() { "PASS" } else { "FAIL" },
+                    r.logits_abs,
+                    r.loss_abs,
+                    r.grad_rel_max,
+                    r.worst_param,
+                    r.rank_spread
+                );
+                if r.pass() {
+                    rep.pass += 1
+                } else {
+                    rep.fail.push(name.to_string())
+                }
+            }
+            Err(e) => rep.error(name, e),
         }
     }
     Ok(())
@@ -665,7 +695,7 @@ fn main() -> Result<()> {
     #[cfg(feature = "nccl")]
     if want("nccl-ranks") {
         let t = Instant::now();
-        if let Err(e) = check_nccl_ranks(&mut rep, &oracle) {
+        if let Err(e) = check_nccl_ranks(&mut rep, &oracle, &llama) {
             rep.error("section nccl-ranks", e);
         }
         println!("-- section nccl-ranks: {:.1} s", t.elapsed().as_secs_f64());

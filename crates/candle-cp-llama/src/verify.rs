@@ -13,7 +13,7 @@ use crate::layout::{shard_batch, Layout, ParallelCtx};
 use crate::model::Llama;
 use crate::params::{gather_full, param_specs, shard_tensors};
 use candle_core::{bail, DType, Device, Result, Tensor};
-use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
+use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::Path;
@@ -79,7 +79,8 @@ pub struct LayoutRun {
     pub grad_spread: f64,
 }
 
-struct RankOut {
+/// One rank's results in [`run_layout_on`] (opaque: made by the rank body, read by the gather).
+pub struct RankOut {
     logits: Vec<f32>,
     positions: Vec<u32>,
     rows: (usize, usize),
@@ -97,19 +98,40 @@ pub fn run_layout(
     layout: Layout,
     device: &Device,
 ) -> Result<LayoutRun> {
-    layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
-    let (b, t) = ids.dims2()?;
-    let v = cfg.vocab_size;
     let opts = ThreadGroupOptions {
         device: device.clone(),
         ..Default::default()
     };
-    let full_dev: HashMap<String, Tensor> = full
-        .iter()
-        .map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?)))
-        .collect::<Result<_>>()?;
-    let ids_dev = ids.to_device(device)?;
-    let outs = run_ranks_with(layout.world_size(), opts, |world| {
+    let n = layout.world_size();
+    run_layout_on(full, cfg, ids, layout, device, |body| Ok(run_ranks_with(n, opts, body)))
+}
+
+/// One rank's part of [`run_layout_on`], given its world group.
+pub type LayoutRankBody<'a> = dyn Fn(Group) -> Result<RankOut> + Send + Sync + 'a;
+
+/// [`run_layout`] on ranks started by `spawn`, which must call the body once per rank
+/// `0..layout.world_size()` (each on its own thread, with the rank's world group) and return
+/// the results in rank order: thread ranks, or NCCL ranks one GPU each
+/// (`candle_cp_comm::nccl::run_nccl_ranks`). A rank computes on its group's
+/// [`home_device`](candle_cp_comm::ProcessGroup::home_device), else on `device`.
+pub fn run_layout_on(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
+) -> Result<LayoutRun> {
+    layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+    let (b, t) = ids.dims2()?;
+    let v = cfg.vocab_size;
+    let body = |world: Group| -> Result<RankOut> {
+        let device = &world.home_device().unwrap_or_else(|| device.clone());
+        let full_dev: HashMap<String, Tensor> = full
+            .iter()
+            .map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?)))
+            .collect::<Result<_>>()?;
+        let ids_dev = ids.to_device(device)?;
         let ctx = ParallelCtx::new(world, layout)?;
         let vm = shard_tensors(&full_dev, cfg, &ctx)?;
         let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?;
@@ -129,7 +151,11 @@ pub fn run_layout(
                 .map(|(k, g)| Ok((k, g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
                 .collect::<Result<_>>()?,
         })
-    });
+    };
+    let outs = spawn(&body)?;
+    if outs.len() != layout.world_size() {
+        bail!("run_layout: {} ranks returned, layout {layout} has {}", outs.len(), layout.world_size())
+    }
     let outs: Vec<RankOut> = outs.into_iter().collect::<Result<_>>()?;
     let mut glob = vec![f32::NAN; b * t * v];
     for o in &outs {
@@ -290,7 +316,14 @@ pub fn verify_reference(
     layout: Layout,
     device: &Device,
 ) -> Result<Report> {
-    let dir = model_dir.as_ref();
+    let (cfg, full) = load_checked(model_dir.as_ref())?;
+    let r = load_reference(reference)?;
+    let run = run_layout(&full, &cfg, &r.input_ids, layout, device)?;
+    compare(&run, &r, Tolerances::default())
+}
+
+/// The config and the full parameters of the checkpoint in `dir`, checked against each other.
+fn load_checked(dir: &Path) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
     let full = load_safetensors_dir(dir, &Device::Cpu)?;
     for s in param_specs(&cfg) {
@@ -306,7 +339,20 @@ pub fn verify_reference(
             None => bail!("{}: checkpoint has no {}", dir.display(), s.name),
         }
     }
+    Ok((cfg, full))
+}
+
+/// [`verify_reference`] with the ranks started by `spawn` (see [`run_layout_on`]), e.g. NCCL
+/// ranks one GPU each.
+pub fn verify_reference_on(
+    model_dir: impl AsRef<Path>,
+    reference: impl AsRef<Path>,
+    layout: Layout,
+    device: &Device,
+    spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
+) -> Result<Report> {
+    let (cfg, full) = load_checked(model_dir.as_ref())?;
     let r = load_reference(reference)?;
-    let run = run_layout(&full, &cfg, &r.input_ids, layout, device)?;
+    let run = run_layout_on(&full, &cfg, &r.input_ids, layout, device, spawn)?;
     compare(&run, &r, Tolerances::default())
 }
