@@ -50,7 +50,7 @@ struct Report {
     /// `--quick`: the reduced set run on the CPU under the host CUDA shim in CI (see
     /// `docs/gpu.md`): no flash case over 333 positions, the oracle files of at most
     /// [`QUICK_MAX_TOKENS`] tokens (CP methods at P = 2 only on virtual ranks), one Llama
-    /// layout (TP 2 x CP 2 zigzag + SP). Every kernel family, dtype and mask kind is still exercised.
+    /// layout (2-D: Ulysses 2 x ring 2). Every kernel family, dtype and mask kind is still exercised.
     quick: bool,
 }
 
@@ -601,8 +601,8 @@ fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         ("2-d 2x2", Layout::two_d(2, 2)),
     ];
     // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation; this
-    // one runs the model code with TP, SP and zigzag CP together)
-    const QUICK: [&str; 1] = ["tp2 x cp2 zigzag + sp"];
+    // one runs Ulysses x ring on sub-groups of the thread world; `nccl-ranks` runs TP x CP + SP)
+    const QUICK: [&str; 1] = ["2-d 2x2"];
     for (label, layout) in layouts {
         if rep.quick && !QUICK.contains(&label) {
             continue;
