@@ -33,6 +33,9 @@ use std::time::{Duration, Instant};
 mod gpu_util;
 #[path = "gpu_check_views.rs"]
 mod views;
+#[cfg(feature = "nccl")]
+#[path = "gpu_check_nccl.rs"]
+mod nccl;
 use gpu_util::{max_abs, rand_tensor, rel};
 
 /// Whether `imp` is a tensor-core family (16-bit P, dO and dS: looser tolerances).
@@ -380,160 +383,6 @@ fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     Ok(())
 }
 
-#[cfg(feature = "nccl")]
-fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::nccl::Id;
-    use candle_core::CudaDevice;
-    use candle_cp_comm::nccl::NcclGroup;
-    use candle_cp_comm::ProcessGroup;
-    {
-        let groups = NcclGroup::single_process(&[ordinal])?;
-        let g = &groups[0];
-        let dev = g.device();
-        let x = rand_tensor(&[2, 6, 4], 5)?.to_device(&dev)?;
-        rep.check("nccl P1 all_gather", max_abs(&g.all_gather(&x, 1)?, &x)?, 0.0);
-        rep.check("nccl P1 all_reduce", max_abs(&g.all_reduce(&x)?, &x)?, 0.0);
-        rep.check("nccl P1 reduce_scatter", max_abs(&g.reduce_scatter(&x, 1)?, &x)?, 0.0);
-        rep.check("nccl P1 all_to_all", max_abs(&g.all_to_all(&x, 2, 1)?, &x)?, 0.0);
-        rep.check("nccl P1 broadcast", max_abs(&g.broadcast(&x, 0)?, &x)?, 0.0);
-        let r = g.send_recv(&x, 0, 0)?.wait()?;
-        rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
-        g.barrier()?;
-        // Host time per call of the non-blocking communicator: each ncclSend/Recv group returns
-        // ncclInProgress and NCCL launches it from a thread it creates per call, which we poll
-        // (a world of 1 runs all_reduce as a local copy, without that thread: the baseline).
-        // The printed times are the measurement; the 1 ms bound only catches a wait that
-        // sleeps in coarse steps or stalls behind the watchdog.
-        let small = Tensor::zeros(256, DType::F32, &dev)?;
-        for (what, n) in [("send_recv self + wait", 200usize), ("all_reduce", 200)] {
-            g.synchronize()?;
-            let t = Instant::now();
-            for _ in 0..n {
-                if what == "all_reduce" {
-                    g.all_reduce(&small)?;
-                } else {
-                    g.send_recv(&small, 0, 0)?.wait()?;
-                }
-            }
-            let per_call = t.elapsed().as_secs_f64() / n as f64;
-            g.synchronize()?;
-            println!("  nccl P1 {what}: {:.1} us host time per call ({n} calls)", per_call * 1e6);
-            rep.check(&format!("nccl P1 {what}: host seconds per call"), per_call, 1e-3);
-        }
-        // an aborted group refuses every later call at once, naming the call and the reason
-        g.abort("gpu_check: deliberate abort");
-        let t = Instant::now();
-        let name = "nccl P1 call after abort: immediate Err (err = seconds)";
-        match g.all_reduce(&x) {
-            Err(e) if e.to_string().contains("all_reduce") && e.to_string().contains("deliberate abort") => {
-                rep.check(name, t.elapsed().as_secs_f64(), 0.5)
-            }
-            Err(e) => rep.error(name, format!("unexpected message: {e}")),
-            Ok(_) => rep.error(name, "returned Ok"),
-        }
-    }
-    // World of 2 on this one GPU, rank 1 never joins: init must fail after the timeout
-    // (non-blocking ncclCommInitRankConfig, polled, then ncclCommAbort), not hang.
-    let timeout = Duration::from_secs(5);
-    let name = "nccl world 2, rank 1 missing: init Err after the 5 s timeout (err = seconds taken)";
-    let dev = CudaDevice::new_with_stream(ordinal)?;
-    let id = Id::new().map_err(|e| anyhow::anyhow!("ncclGetUniqueId: {:?}", e.0))?;
-    let t = Instant::now();
-    let res = NcclGroup::with_timeout(&dev, 0, 2, id, timeout);
-    let took = t.elapsed();
-    match res {
-        Err(e) if e.to_string().contains("timeout") => {
-            println!("  missing rank: Err after {took:.2?}: {e}");
-            rep.check(name, took.as_secs_f64(), timeout.as_secs_f64() + 5.0)
-        }
-        Err(e) => rep.error(name, format!("after {took:.2?}, not a timeout: {e}")),
-        Ok(_) => rep.error(name, "init returned Ok without rank 1"),
-    }
-    Ok(())
-}
-
-/// CP methods and Ulysses on NCCL ranks, one GPU each (single process, one thread per device:
-/// `NcclGroup`'s grouped send/recv ring and all-to-all, all-gather, reduce-scatter with real
-/// peers), against the oracle.
-/// With 4 or more GPUs also the tiny-Llama oracle at TP 2 x CP 2 zigzag + SP on 4 NCCL ranks.
-/// Needs 2 or more GPUs: skipped on a one-GPU machine; CI runs it on the CPU under the host CUDA
-/// shim with `CPEMU_DEVICES=4` (docs/gpu.md). `--quick`: the oracle files of at most
-/// [`QUICK_MAX_TOKENS`] tokens.
-#[cfg(feature = "nccl")]
-fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> {
-    use candle_core::cuda_backend::cudarc::driver::CudaContext;
-    use candle_cp_comm::nccl::run_nccl_ranks;
-    use candle_cp_ops::cp::{run_case_cp_on, CpOpts};
-    let n = CudaContext::device_count().map_err(|e| anyhow::anyhow!("cuDeviceGetCount: {e:?}"))? as usize;
-    if n < 2 {
-        println!("  nccl-ranks: skipped ({n} GPU; NCCL ranks need one GPU each, 2 at least)");
-        return Ok(());
-    }
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.retain(|p| p.extension().is_some_and(|e| e == "safetensors"));
-    files.sort();
-    for path in &files {
-        let case = AttnCase::load(path)?;
-        let t = case.q.dim(1)?;
-        if rep.quick && case.q.dim(0)? * t > QUICK_MAX_TOKENS {
-            continue;
-        }
-        for method in CpMethod::ALL {
-            for p in [2, 4].into_iter().filter(|&p| p <= n) {
-                if t % method.layout().divisor(p) != 0 {
-                    continue;
-                }
-                let name = format!("oracle {} {method} P{p} nccl ranks", case.name);
-                let ordinals: Vec<usize> = (0..p).collect();
-                let opts = CpOpts { layout: method.layout(), causal: case.causal, scale: Some(case.scale), ..CpOpts::default() };
-                match run_case_cp_on(&case, method, p, opts, |body| run_nccl_ranks(&ordinals, body)) {
-                    Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
-                    Err(e) => rep.error(&name, e),
-                }
-            }
-        }
-        // Ulysses: all-to-all as NCCL grouped send/recv (heads must divide by P)
-        let (h, hkv) = (case.q.dim(2)?, case.k.dim(2)?);
-        for p in [2, 4].into_iter().filter(|&p| p <= n && h % p == 0 && (hkv % p == 0 || p % hkv == 0) && t % p == 0) {
-            let name = format!("oracle {} ulysses P{p} nccl ranks", case.name);
-            let ordinals: Vec<usize> = (0..p).collect();
-            match gpu_util::run_ulysses_on(&case, p, |body| run_nccl_ranks(&ordinals, body)) {
-                Ok(o) => report_metrics(rep, &name, &o, &case)?,
-                Err(e) => rep.error(&name, e),
-            }
-        }
-    }
-    // the tiny-Llama oracle with TP 2 x CP 2 zigzag + SP on 4 NCCL ranks: NcclGroup::split into
-    // the TP and CP sub-groups, TP all-reduces, SP all-gather / reduce-scatter, the zigzag ring
-    if n >= 4 {
-        use candle_cp_llama::layout::{CpKind, Layout};
-        use candle_cp_llama::verify::verify_reference_on;
-        let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
-        let name = "llama tp2 x cp2 zigzag + sp, 4 nccl ranks";
-        let spawn = |body: &candle_cp_llama::verify::LayoutRankBody| run_nccl_ranks(&[0, 1, 2, 3], body);
-        match verify_reference_on(llama, format!("{llama}/reference.safetensors"), layout, &Device::Cpu, spawn) {
-            Ok(r) => {
-                println!(
-                    "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
-                    if r.pass() { "PASS" } else { "FAIL" },
-                    r.logits_abs,
-                    r.loss_abs,
-                    r.grad_rel_max,
-                    r.worst_param,
-                    r.rank_spread
-                );
-                if r.pass() {
-                    rep.pass += 1
-                } else {
-                    rep.fail.push(name.to_string())
-                }
-            }
-            Err(e) => rep.error(name, e),
-        }
-    }
-    Ok(())
-}
-
 /// Production-sized problem (T = 4096, D = 128, bf16, causal and full, GQA 2:1): the
 /// tensor-core kernel families against the f32 CUDA-core kernels on the same bf16 inputs
 /// (the CPU reference would take minutes here). Catches pipeline bugs that only show with
@@ -688,14 +537,14 @@ fn main() -> Result<()> {
     }
     #[cfg(feature = "nccl")]
     if want("nccl") {
-        if let Err(e) = check_nccl(&mut rep, ordinal) {
+        if let Err(e) = nccl::check_nccl(&mut rep, ordinal) {
             rep.error("section nccl", e);
         }
     }
     #[cfg(feature = "nccl")]
     if want("nccl-ranks") {
         let t = Instant::now();
-        if let Err(e) = check_nccl_ranks(&mut rep, &oracle, &llama) {
+        if let Err(e) = nccl::check_nccl_ranks(&mut rep, &oracle, &llama) {
             rep.error("section nccl-ranks", e);
         }
         println!("-- section nccl-ranks: {:.1} s", t.elapsed().as_secs_f64());
