@@ -457,27 +457,32 @@ fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
             continue;
         }
         let name = format!("llama {label}");
-        match verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu) {
-            Ok(r) => {
-                println!(
-                    "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
-                    if r.pass() { "PASS" } else { "FAIL" },
-                    r.logits_abs,
-                    r.loss_abs,
-                    r.grad_rel_max,
-                    r.worst_param,
-                    r.rank_spread
-                );
-                if r.pass() {
-                    rep.pass += 1
-                } else {
-                    rep.fail.push(name)
-                }
-            }
-            Err(e) => rep.error(&name, e),
-        }
+        report_llama(rep, &name, verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu));
     }
     Ok(())
+}
+
+/// One PASS/FAIL line for a tiny-Llama oracle run (logits, loss, worst gradient, rank spread).
+fn report_llama(rep: &mut Report, name: &str, res: candle_core::Result<candle_cp_llama::verify::Report>) {
+    match res {
+        Ok(r) => {
+            println!(
+                "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
+                if r.pass() { "PASS" } else { "FAIL" },
+                r.logits_abs,
+                r.loss_abs,
+                r.grad_rel_max,
+                r.worst_param,
+                r.rank_spread
+            );
+            if r.pass() {
+                rep.pass += 1
+            } else {
+                rep.fail.push(name.to_string())
+            }
+        }
+        Err(e) => rep.error(name, e),
+    }
 }
 
 fn main() -> Result<()> {

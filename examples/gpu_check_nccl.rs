@@ -2,7 +2,7 @@
 //! `#[path]`): `NcclGroup` on one GPU (world 1, abort, a rank that never joins) and on NCCL
 //! ranks one GPU each (CP methods, Ulysses and the tiny Llama against the oracles).
 
-use super::{report_metrics, Report, QUICK_MAX_TOKENS};
+use super::{report_llama, report_metrics, Report, QUICK_MAX_TOKENS};
 use crate::gpu_util::{self, max_abs, rand_tensor};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -139,25 +139,7 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
         let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
         let name = "llama tp2 x cp2 zigzag + sp, 4 nccl ranks";
         let spawn = |body: &candle_cp_llama::verify::LayoutRankBody| run_nccl_ranks(&[0, 1, 2, 3], body);
-        match verify_reference_on(llama, format!("{llama}/reference.safetensors"), layout, &Device::Cpu, spawn) {
-            Ok(r) => {
-                println!(
-                    "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
-                    if r.pass() { "PASS" } else { "FAIL" },
-                    r.logits_abs,
-                    r.loss_abs,
-                    r.grad_rel_max,
-                    r.worst_param,
-                    r.rank_spread
-                );
-                if r.pass() {
-                    rep.pass += 1
-                } else {
-                    rep.fail.push(name.to_string())
-                }
-            }
-            Err(e) => rep.error(name, e),
-        }
+        report_llama(rep, name, verify_reference_on(llama, format!("{llama}/reference.safetensors"), layout, &Device::Cpu, spawn));
     }
     Ok(())
 }

@@ -25,6 +25,7 @@
 // - Stream order: before touching memory, the call drains the handle's stream
 //   (cp_shim::stream_drain), then computes eagerly in the calling thread.
 // Set CPEMU_BLAS_TRACE=1 to log every GEMM's arguments.
+#include "half.h"
 #include "shim.h"
 
 #include <cmath>
@@ -96,6 +97,11 @@ struct cublasContext {
 
 namespace {
 
+using cp_shim::bf16_to_float;
+using cp_shim::f16_to_float;
+using cp_shim::float_to_bf16;
+using cp_shim::float_to_f16;
+
 constexpr uint64_t kMagic = 0x63707368696d424cull;  // "cpshimBL"
 
 bool trace_on() {
@@ -107,52 +113,6 @@ bool trace_on() {
 }
 
 bool valid(cublasHandle_t h) { return h != nullptr && h->magic == kMagic; }
-
-// ---- 16-bit float conversions (round to nearest even) ----------------------------------------
-inline float bits_f(uint32_t u) {
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint32_t f_bits(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  return u;
-}
-
-inline float half_to_float(uint16_t h) {
-  uint32_t s = uint32_t(h & 0x8000u) << 16, e = (h >> 10) & 0x1fu, m = h & 0x3ffu;
-  if (e == 0) {
-    float v = float(m) * 0x1p-24f;  // zero or subnormal
-    return s ? -v : v;
-  }
-  if (e == 31) return bits_f(s | 0x7f800000u | (m << 13));  // inf / nan
-  return bits_f(s | ((e + 112u) << 23) | (m << 13));
-}
-
-inline uint16_t float_to_half(float f) {
-  uint32_t x = f_bits(f);
-  uint16_t s = uint16_t((x >> 16) & 0x8000u);
-  uint32_t ax = x & 0x7fffffffu;
-  if (ax >= 0x7f800000u) return uint16_t(s | (ax > 0x7f800000u ? 0x7e00u : 0x7c00u));
-  if (ax >= 0x477ff000u) return uint16_t(s | 0x7c00u);  // >= 65520 rounds to inf
-  if (ax < 0x38800000u) {                                // below 2^-14: subnormal half
-    float v = bits_f(ax) * 0x1p24f;                      // exact scaling
-    return uint16_t(s | uint32_t(std::nearbyint(v)));    // default mode: nearest even
-  }
-  uint32_t h = (((ax >> 23) - 112u) << 10) | ((ax & 0x7fffffu) >> 13);
-  uint32_t rem = ax & 0x1fffu;
-  if (rem > 0x1000u || (rem == 0x1000u && (h & 1u))) h++;
-  return uint16_t(s | h);
-}
-
-inline float bf16_to_float(uint16_t b) { return bits_f(uint32_t(b) << 16); }
-
-inline uint16_t float_to_bf16(float f) {
-  uint32_t x = f_bits(f);
-  if ((x & 0x7fffffffu) > 0x7f800000u) return uint16_t((x >> 16) | 0x40u);  // quiet nan
-  return uint16_t((x + 0x7fffu + ((x >> 16) & 1u)) >> 16);
-}
 
 // ---- element access by data type ------------------------------------------------------------
 size_t type_size(int t) {
@@ -180,7 +140,7 @@ inline Acc load(const void* p, int t, long long i) {
   switch (t) {
     case CUDA_R_32F: return Acc(static_cast<const float*>(p)[i]);
     case CUDA_R_64F: return Acc(static_cast<const double*>(p)[i]);
-    case CUDA_R_16F: return Acc(half_to_float(static_cast<const uint16_t*>(p)[i]));
+    case CUDA_R_16F: return Acc(f16_to_float(static_cast<const uint16_t*>(p)[i]));
     default: return Acc(bf16_to_float(static_cast<const uint16_t*>(p)[i]));
   }
 }
@@ -190,7 +150,7 @@ inline void store(void* p, int t, long long i, Acc v) {
   switch (t) {
     case CUDA_R_32F: static_cast<float*>(p)[i] = float(v); break;
     case CUDA_R_64F: static_cast<double*>(p)[i] = double(v); break;
-    case CUDA_R_16F: static_cast<uint16_t*>(p)[i] = float_to_half(float(v)); break;
+    case CUDA_R_16F: static_cast<uint16_t*>(p)[i] = float_to_f16(float(v)); break;
     default: static_cast<uint16_t*>(p)[i] = float_to_bf16(float(v)); break;
   }
 }
@@ -223,7 +183,7 @@ void pack(const void* x, int t, bool trans, int rows, int cols, int ld, Acc* dst
       pack_typed(static_cast<const double*>(x), trans, rows, cols, ld, dst, [](double v) { return v; });
       break;
     case CUDA_R_16F:
-      pack_typed(static_cast<const uint16_t*>(x), trans, rows, cols, ld, dst, half_to_float);
+      pack_typed(static_cast<const uint16_t*>(x), trans, rows, cols, ld, dst, f16_to_float);
       break;
     default:
       pack_typed(static_cast<const uint16_t*>(x), trans, rows, cols, ld, dst, bf16_to_float);
@@ -378,8 +338,8 @@ cublasStatus_t gemm(cublasHandle_t h, const Gemm& g, const void* alpha, const vo
       case K64F: run<double>(g, *static_cast<const double*>(alpha), *static_cast<const double*>(beta)); break;
       case K32F: run<float>(g, *static_cast<const float*>(alpha), *static_cast<const float*>(beta)); break;
       case K16F:
-        run<float>(g, half_to_float(*static_cast<const uint16_t*>(alpha)),
-                   half_to_float(*static_cast<const uint16_t*>(beta)));
+        run<float>(g, f16_to_float(*static_cast<const uint16_t*>(alpha)),
+                   f16_to_float(*static_cast<const uint16_t*>(beta)));
         break;
     }
   } catch (const std::bad_alloc&) {

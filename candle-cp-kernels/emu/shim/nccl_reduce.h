@@ -14,6 +14,7 @@
 #include <cstring>
 #include <type_traits>
 
+#include "half.h"
 #include "nccl_abi.h"
 
 namespace cp_nccl {
@@ -84,21 +85,11 @@ inline uint32_t mini_encode(float x, int E, int M, uint32_t nan, uint32_t ovf, u
   return code | sign;
 }
 
-inline float f16_to_float(uint16_t h) { return mini_decode(h, 5, 10, false); }
-inline uint16_t float_to_f16(float f) { return static_cast<uint16_t>(mini_encode(f, 5, 10, 0x7e00, 0x7c00, 0x7bff)); }
-inline float bf16_to_float(uint16_t b) {
-  uint32_t u = static_cast<uint32_t>(b) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-inline uint16_t float_to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return static_cast<uint16_t>((u >> 16) | 0x40);
-  u += 0x7fff + ((u >> 16) & 1);
-  return static_cast<uint16_t>(u >> 16);
-}
+// f16 / bf16: the shim's shared conversions (half.h); the fp8 formats below use mini_*.
+using cp_shim::bf16_to_float;
+using cp_shim::f16_to_float;
+using cp_shim::float_to_bf16;
+using cp_shim::float_to_f16;
 inline float e4m3_to_float(uint8_t c) { return mini_decode(c, 4, 3, true); }
 inline uint8_t float_to_e4m3(float f) { return static_cast<uint8_t>(mini_encode(f, 4, 3, 0x7f, 0x7e, 0x7e)); }
 inline float e5m2_to_float(uint8_t c) { return mini_decode(c, 5, 2, false); }

@@ -75,6 +75,13 @@ constexpr uint64_t kGolden = 0x9e3779b97f4a7c15ull;
 
 bool valid(curandGenerator_t g) { return g != nullptr && g->magic == kMagic; }
 
+// `valid`, else logs that `fn` got an invalid generator (the caller returns NOT_INITIALIZED).
+bool valid_or_log(const char* fn, curandGenerator_t g) {
+  if (valid(g)) return true;
+  cp_shim::log("%s: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED", fn, (void*)g);
+  return false;
+}
+
 inline uint64_t mix(uint64_t z) {  // splitmix64 finalizer
   z = (z ^ (z >> 30)) * 0xbf58476d1ce4e5b9ull;
   z = (z ^ (z >> 27)) * 0x94d049bb133111ebull;
@@ -91,10 +98,7 @@ inline double uniform_f64(uint64_t v) { return double((v >> 11) + 1) * 0x1p-53; 
 
 // Common checks + stream drain. Returns SUCCESS or the status to report (after logging why).
 curandStatus_t begin(const char* fn, curandGenerator_t g, const void* out, size_t n, bool pairs) {
-  if (!valid(g)) {
-    cp_shim::log("%s: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED", fn, (void*)g);
-    return CURAND_STATUS_NOT_INITIALIZED;
-  }
+  if (!valid_or_log(fn, g)) return CURAND_STATUS_NOT_INITIALIZED;
   if (pairs && n % 2 != 0) {
     cp_shim::log("%s: n = %zu is odd; pseudo-random normal generation needs an even count -> "
                  "CURAND_STATUS_LENGTH_NOT_MULTIPLE", fn, n);
@@ -161,42 +165,27 @@ curandStatus_t curandCreateGenerator(curandGenerator_t* generator, curandRngType
 }
 
 curandStatus_t curandDestroyGenerator(curandGenerator_t generator) {
-  if (!valid(generator)) {
-    cp_shim::log("curandDestroyGenerator: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED",
-                 (void*)generator);
-    return CURAND_STATUS_NOT_INITIALIZED;
-  }
+  if (!valid_or_log("curandDestroyGenerator", generator)) return CURAND_STATUS_NOT_INITIALIZED;
   generator->magic = 0;
   delete generator;
   return CURAND_STATUS_SUCCESS;
 }
 
 curandStatus_t curandSetStream(curandGenerator_t generator, cudaStream_t stream) {
-  if (!valid(generator)) {
-    cp_shim::log("curandSetStream: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED", (void*)generator);
-    return CURAND_STATUS_NOT_INITIALIZED;
-  }
+  if (!valid_or_log("curandSetStream", generator)) return CURAND_STATUS_NOT_INITIALIZED;
   generator->stream = stream;
   return CURAND_STATUS_SUCCESS;
 }
 
 curandStatus_t curandSetPseudoRandomGeneratorSeed(curandGenerator_t generator, unsigned long long seed) {
-  if (!valid(generator)) {
-    cp_shim::log("curandSetPseudoRandomGeneratorSeed: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED",
-                 (void*)generator);
-    return CURAND_STATUS_NOT_INITIALIZED;
-  }
+  if (!valid_or_log("curandSetPseudoRandomGeneratorSeed", generator)) return CURAND_STATUS_NOT_INITIALIZED;
   generator->seed = seed;
   generator->offset = 0;  // a re-seeded generator restarts its sequence
   return CURAND_STATUS_SUCCESS;
 }
 
 curandStatus_t curandSetGeneratorOffset(curandGenerator_t generator, unsigned long long offset) {
-  if (!valid(generator)) {
-    cp_shim::log("curandSetGeneratorOffset: invalid cuRAND generator %p -> CURAND_STATUS_NOT_INITIALIZED",
-                 (void*)generator);
-    return CURAND_STATUS_NOT_INITIALIZED;
-  }
+  if (!valid_or_log("curandSetGeneratorOffset", generator)) return CURAND_STATUS_NOT_INITIALIZED;
   generator->offset = offset;
   return CURAND_STATUS_SUCCESS;
 }

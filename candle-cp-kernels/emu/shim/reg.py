@@ -6,20 +6,14 @@ the output is compiled with -x c++-cpp-output: no further preprocessing), so the
 file must have been preprocessed with `-include registry.h`. Declarations (`...;`) are skipped. Exit 1 if no
 entry is found (a file compiled for the shim without kernels is a build mistake).
 Usage: reg.py [--list] < file.ii > file.reg.ii"""
+import os
 import re
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from lb import close  # noqa: E402  (emu/lb.py: index past the parenthesis that closes)
+
 ENTRY = re.compile(r'extern\s+"C"\s+((?:[^;{}()"]|\((?:[^()]|\([^()]*\))*\))*?)\bvoid\s+([A-Za-z_]\w*)\s*\(')
-
-
-def close(s, i):
-    depth = 1
-    while depth:
-        if i >= len(s):
-            raise ValueError("unbalanced parentheses")
-        depth += {"(": 1, ")": -1}.get(s[i], 0)
-        i += 1
-    return i
 
 
 def entries(src):
