@@ -5,6 +5,12 @@
 //! cargo run --release --example finetune_llama -- --data book.txt --seq-len 1024
 //! cargo run --release --example finetune_llama -- --model tests/data/oracle/tiny-llama --data notes.txt
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
+//! # 4 GPUs, NCCL, one process (a thread per GPU):
+//! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
+//! # 4 GPUs, NCCL, one process per GPU (any launcher that sets RANK, WORLD_SIZE, LOCAL_RANK,
+//! # MASTER_ADDR, MASTER_PORT; every process gets the same flags):
+//! RANK=1 WORLD_SIZE=4 LOCAL_RANK=1 MASTER_ADDR=127.0.0.1 MASTER_PORT=29500 \
+//!   target/release/examples/finetune_llama --device cuda --comm nccl
 //! ```
 //!
 //! Default data: a synthetic key→value recall task whose targets can only be predicted by
@@ -13,10 +19,10 @@
 
 use anyhow::{bail, Context, Result};
 use candle_core::DType;
-use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
+use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_llama::train::{
     AdamWConfig, DataSource, KvRecall, ModelSource, StepMetrics, TokenStream, TrainConfig,
-    WarmupCosine,
+    TrainOutcome, WarmupCosine,
 };
 use candle_cp_llama::{CpKind, Layout, LlamaConfig};
 use clap::Parser;
@@ -24,7 +30,9 @@ use std::path::PathBuf;
 use std::time::{Duration, Instant};
 
 #[derive(Parser, Debug)]
-#[command(about = "Fine-tune a Llama-style model with context parallelism (thread ranks on CPU)")]
+#[command(
+    about = "Fine-tune a Llama-style model with context parallelism (thread ranks on CPU, or GPUs)"
+)]
 struct Args {
     /// Global sequence length T (tokens per row, split over the CP ranks).
     #[arg(long, default_value_t = 512)]
@@ -129,13 +137,21 @@ struct Args {
     /// the progress line also shows the (untrained) all-target loss as `all`.
     #[arg(long)]
     loss_on: Option<String>,
-    /// Compute device of the ranks: cpu, or cuda (build with `--features cuda`; rank r uses
-    /// GPU r % --gpus; several thread ranks may share one GPU).
+    /// Compute device of the ranks: cpu, or cuda (build with `--features cuda`; with --comm
+    /// threads rank r uses GPU r % --gpus, several ranks may share one GPU).
     #[arg(long, default_value = "cpu")]
     device: String,
-    /// GPUs to spread the ranks over with --device cuda.
+    /// GPUs to spread the ranks over with --device cuda (--comm nccl: one rank per GPU, so at
+    /// least as many as the layout has ranks).
     #[arg(long, default_value_t = 1)]
     gpus: usize,
+    /// Collectives: `threads` (ranks are threads of this process; tensors cross devices
+    /// through the host) or `nccl` (GPUs only, build with `--features nccl`): one thread per
+    /// GPU in this process, or, when RANK and WORLD_SIZE are set (a launcher started one
+    /// process per GPU), this process's rank (LOCAL_RANK = its GPU, the NCCL id through
+    /// MASTER_ADDR:MASTER_PORT or CANDLE_CP_NCCL_ID_FILE).
+    #[arg(long, default_value = "threads")]
+    comm: String,
     /// Weight dtype: f32, bf16 or f16 (low precision is meant for GPUs).
     #[arg(long, default_value = "f32")]
     dtype: String,
@@ -275,18 +291,21 @@ fn main() -> Result<()> {
         args: serde_json::json!(format!("{a:?}")),
     };
     let world = layout.world_size();
-    let on = if cuda {
-        format!("CUDA, {} GPU(s)", a.gpus)
-    } else {
-        "CPU".to_string()
-    };
-    println!("layout   : {layout} ({world} thread ranks on {on}, {dtype:?} weights)");
-    println!("data     : {data_desc}");
-    println!(
-        "batch    : {batch} rows x {} tokens x {} micro-batches per step",
-        a.seq_len, a.grad_accum
+    let launch = Launch::from_args(&a, world, cuda)?;
+    let quiet = launch.quiet();
+    // launched processes other than world rank 0 only train; rank 0 reports
+    macro_rules! say { ($($t:tt)*) => { if !quiet { println!($($t)*) } } }
+    say!(
+        "layout   : {layout} ({})",
+        launch.describe(world, &a, cuda, dtype)
     );
-    println!(
+    say!("data     : {data_desc}");
+    say!(
+        "batch    : {batch} rows x {} tokens x {} micro-batches per step",
+        a.seq_len,
+        a.grad_accum
+    );
+    say!(
         "objective: mean cross-entropy over {} targets",
         if long_range_only {
             "the long-range"
@@ -294,12 +313,12 @@ fn main() -> Result<()> {
             "all next-token"
         }
     );
-    println!("out      : {}", a.out.display());
+    say!("out      : {}", a.out.display());
     if a.resume {
         let root = a.out.join("checkpoints");
         match candle_cp_llama::train::checkpoint::latest_checkpoint(&root)? {
-            Some(p) => println!("resume   : from {}", p.display()),
-            None => println!(
+            Some(p) => say!("resume   : from {}", p.display()),
+            None => say!(
                 "resume   : no checkpoint in {}, starting from step 0",
                 root.display()
             ),
@@ -307,6 +326,7 @@ fn main() -> Result<()> {
     }
     let t0 = Instant::now();
     let steps = a.steps;
+    let ranks_here = launch.ranks_here(world);
     let on_step = move |m: &StepMetrics| {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
@@ -320,33 +340,22 @@ fn main() -> Result<()> {
             String::new()
         };
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
-            format!("{:.0} MiB/rank ({:.0} MiB process)", x / world as f64, x)
+            format!(
+                "{:.0} MiB/rank ({:.0} MiB process)",
+                x / ranks_here as f64,
+                x
+            )
         });
         println!(
             "[{bar}] step {:>4}/{steps}  loss {:.4}{lr_loss}{all}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  peak {mem}  {:.1}s",
             m.step, m.train_loss, m.lr, m.grad_norm, m.tokens_per_s, m.elapsed_s
         );
     };
-    let opts = ThreadGroupOptions {
-        timeout: Duration::from_secs(a.timeout),
-        ..Default::default()
-    };
-    let results = run_ranks_with(world, opts, |g| {
-        candle_cp_llama::train::train_rank(g, &cfg, &on_step)
-    });
-    let mut outcome = None;
-    for (r, res) in results.into_iter().enumerate() {
-        match res {
-            Ok(o) => {
-                if r == 0 {
-                    outcome = Some(o)
-                }
-            }
-            Err(e) => bail!("rank {r} failed: {e}"),
-        }
-    }
-    let Some(o) = outcome else {
-        bail!("no rank returned")
+    let timeout = Duration::from_secs(a.timeout);
+    let train = |g: Group| candle_cp_llama::train::train_rank(g, &cfg, &on_step);
+    let Some(o) = launch.run(world, timeout, train)? else {
+        // a launched process other than world rank 0: rank 0 reports
+        return Ok(());
     };
 
     let c = &o.config;
@@ -381,4 +390,123 @@ fn main() -> Result<()> {
         a.out.display()
     );
     Ok(())
+}
+
+/// How the ranks of this run are started (--comm, and the launcher environment).
+enum Launch {
+    /// All ranks are threads of this process (ThreadGroup).
+    Threads,
+    /// One NCCL rank per GPU 0..world, a thread each, in this process.
+    NcclThreads,
+    /// This process is NCCL rank `rank` of a launcher-started world.
+    NcclProcess { rank: usize },
+}
+
+impl Launch {
+    fn from_args(a: &Args, world: usize, cuda: bool) -> Result<Self> {
+        match a.comm.as_str() {
+            "threads" => Ok(Launch::Threads),
+            "nccl" => {
+                if !cfg!(feature = "nccl") {
+                    bail!("--comm nccl: this binary was built without NCCL (cargo run --release --features nccl --example finetune_llama ...)")
+                }
+                if !cuda {
+                    bail!("--comm nccl needs --device cuda")
+                }
+                let env = |k: &str| std::env::var(k).ok();
+                match (env("RANK"), env("WORLD_SIZE")) {
+                    (Some(r), Some(w)) => {
+                        let rank: usize = r.trim().parse().with_context(|| format!("RANK={r:?}"))?;
+                        let size: usize = w.trim().parse().with_context(|| format!("WORLD_SIZE={w:?}"))?;
+                        if size != world {
+                            bail!("WORLD_SIZE={size}, but the layout needs {world} ranks (cp x tp x dp)")
+                        }
+                        if rank >= size {
+                            bail!("RANK={rank} is out of range for WORLD_SIZE={size}")
+                        }
+                        Ok(Launch::NcclProcess { rank })
+                    }
+                    (None, None) => {
+                        if a.gpus < world {
+                            bail!("--comm nccl runs one rank per GPU: the layout needs {world} ranks, --gpus is {}", a.gpus)
+                        }
+                        Ok(Launch::NcclThreads)
+                    }
+                    _ => bail!("--comm nccl: set both RANK and WORLD_SIZE (a launched process) or neither (one process, a thread per GPU)"),
+                }
+            }
+            c => bail!("--comm {c}: expected threads or nccl"),
+        }
+    }
+
+    /// Launched processes other than world rank 0 print nothing.
+    fn quiet(&self) -> bool {
+        matches!(self, Launch::NcclProcess { rank } if *rank != 0)
+    }
+
+    fn ranks_here(&self, world: usize) -> usize {
+        match self {
+            Launch::NcclProcess { .. } => 1,
+            _ => world,
+        }
+    }
+
+    fn describe(&self, world: usize, a: &Args, cuda: bool, dtype: DType) -> String {
+        match self {
+            Launch::Threads if cuda => {
+                format!(
+                    "{world} thread ranks on CUDA, {} GPU(s), {dtype:?} weights",
+                    a.gpus
+                )
+            }
+            Launch::Threads => format!("{world} thread ranks on CPU, {dtype:?} weights"),
+            Launch::NcclThreads => {
+                format!("{world} NCCL ranks on GPUs 0..{world}, a thread each, {dtype:?} weights")
+            }
+            Launch::NcclProcess { .. } => {
+                format!("{world} NCCL ranks, one process each; this is rank 0, {dtype:?} weights")
+            }
+        }
+    }
+
+    /// Runs `train` on this process's ranks; `Some(outcome of world rank 0)` where this
+    /// process holds it. Any failing rank fails the run.
+    fn run(
+        &self,
+        world: usize,
+        timeout: Duration,
+        train: impl Fn(Group) -> candle_core::Result<TrainOutcome> + Send + Sync,
+    ) -> Result<Option<TrainOutcome>> {
+        let results: Vec<candle_core::Result<TrainOutcome>> = match self {
+            Launch::Threads => {
+                let opts = ThreadGroupOptions {
+                    timeout,
+                    ..Default::default()
+                };
+                run_ranks_with(world, opts, train)
+            }
+            #[cfg(feature = "nccl")]
+            Launch::NcclThreads => {
+                let ordinals: Vec<usize> = (0..world).collect();
+                candle_cp_comm::nccl::run_nccl_ranks_with_timeout(&ordinals, timeout, train)?
+            }
+            #[cfg(feature = "nccl")]
+            Launch::NcclProcess { rank } => {
+                let r = candle_cp_comm::nccl::run_nccl_env_rank(timeout, train)
+                    .with_context(|| format!("rank {rank}"))?;
+                return Ok((*rank == 0).then_some(r));
+            }
+            #[cfg(not(feature = "nccl"))]
+            _ => bail!("built without the nccl feature"),
+        };
+        let mut outcome = None;
+        for (r, res) in results.into_iter().enumerate() {
+            match res {
+                Ok(o) if r == 0 => outcome = Some(o),
+                Ok(_) => {}
+                Err(e) => bail!("rank {r} failed: {e}"),
+            }
+        }
+        outcome.map(Some).context("no rank returned")
+    }
 }

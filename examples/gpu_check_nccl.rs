@@ -27,6 +27,17 @@ pub fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
         rep.check("nccl P1 broadcast", max_abs(&g.broadcast(&x, 0)?, &x)?, 0.0);
         let r = g.send_recv(&x, 0, 0)?.wait()?;
         rep.check("nccl P1 send_recv self", max_abs(&r, &x)?, 0.0);
+        // host tensors are staged through the GPU and come back to the host
+        let xh = x.to_device(&Device::Cpu)?;
+        for (what, r) in [
+            ("all_gather", g.all_gather(&xh, 1)?),
+            ("all_reduce", g.all_reduce(&xh)?),
+            ("send_recv", g.send_recv(&xh, 0, 0)?.wait()?),
+        ] {
+            // (a result left on the GPU counts as a failure)
+            let err = if matches!(r.device(), Device::Cpu) { max_abs(&r, &xh)? } else { f64::INFINITY };
+            rep.check(&format!("nccl P1 {what} of a host tensor, result on the host"), err, 0.0);
+        }
         g.barrier()?;
         // Host time per call of the non-blocking communicator: each ncclSend/Recv group returns
         // ncclInProgress and NCCL launches it from a thread it creates per call, which we poll

@@ -60,7 +60,7 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
             anyhow::bail!("views: expected q at offset {OFF} and a non-contiguous k, got {:?} / {:?}", gq.layout(), gk.layout());
         }
         let (o_ref, l_ref) = attention_fwd(&q, &k, &cpu.v, &mask, scale)?;
-        let dout = rand_tensor(&o_ref.dims().to_vec(), 903)?;
+        let dout = rand_tensor(o_ref.dims(), 903)?;
         let (dq_r, dk_r, dv_r) = attention_bwd(&q, &k, &cpu.v, &o_ref, &l_ref, &dout, &mask, scale)?;
         let (go, gl, gd) = (o_ref.to_device(gpu)?, l_ref.to_device(gpu)?, dout.to_device(gpu)?);
         let mut imps: Vec<FwdImpl> = if dtype == DType::F32 { vec![FwdImpl::Simple] } else { vec![FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };

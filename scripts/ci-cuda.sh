@@ -108,23 +108,33 @@ rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
 shim_step gpu_table.py python3 scripts/gpu_table.py "$shim_dir/bench.jsonl" "$shim_dir/sdpa.jsonl"
 echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; timings meaningless on the CPU)"
 # training parity: the README's fine-tuning example, 3 steps of zigzag CP = 2, on 2 "GPUs" under
-# the shim vs the CPU, f32 and bf16 (the cuda run takes the CUDA kernels, optimizer, checkpoint)
-for dt in f32 bf16; do
-  ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype "$dt")
-  # (the cuda-built binary links libcuda even when it computes on the CPU)
-  shim_step "finetune_llama cpu $dt" env LD_LIBRARY_PATH="$lib" \
-    "$CARGO_TARGET_DIR/release/examples/finetune_llama" --device cpu "${ft[@]}" --out "$shim_dir/ft-cpu-$dt"
-  shim_step "finetune_llama cuda $dt" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
-    "$CARGO_TARGET_DIR/release/examples/finetune_llama" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
-  python3 - "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$dt" <<'PY' || exit 1
+# the shim vs the CPU, f32 and bf16 (the cuda run takes the CUDA kernels, optimizer, checkpoint);
+# in f32 also over NCCL: one process with a thread per GPU, and two launched processes (RANK,
+# WORLD_SIZE, MASTER_ADDR/PORT; the shim's NCCL across processes: CPEMU_NCCL_TRANSPORT=files)
+same_loss() {  # same_loss A.jsonl B.jsonl TOL LABEL: equal train losses over 3 steps
+  python3 - "$@" <<'PY' || exit 1
 import json, sys
-cpu, gpu = ([json.loads(l)["train_loss"] for l in open(f)] for f in sys.argv[1:3])
-tol = 1e-5 if sys.argv[3] == "f32" else 2e-3
-diff = max(abs(a - b) for a, b in zip(cpu, gpu)) if len(cpu) == len(gpu) == 3 else float("inf")
-print(f"ci-cuda: finetune_llama {sys.argv[3]}, 3 steps, CP 2 zigzag: cuda (shim, 2 devices) vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
+a, b = ([json.loads(l)["train_loss"] for l in open(f)] for f in sys.argv[1:3])
+tol = float(sys.argv[3])
+diff = max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) == 3 else float("inf")
+print(f"ci-cuda: finetune_llama, 3 steps, CP 2 zigzag: {sys.argv[4]} vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
 sys.exit(0 if diff <= tol else 1)
 PY
+}
+ft_bin="$CARGO_TARGET_DIR/release/examples/finetune_llama"
+for dt in f32 bf16; do
+  ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype "$dt")
+  tol=$([ "$dt" = f32 ] && echo 1e-5 || echo 2e-3)
+  # (the cuda-built binary links libcuda even when it computes on the CPU)
+  shim_step "finetune_llama cpu $dt" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ft[@]}" --out "$shim_dir/ft-cpu-$dt"
+  shim_step "finetune_llama cuda $dt" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+    "$ft_bin" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
+  same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "cuda $dt (shim, thread ranks on 2 devices)"
 done
+ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
+shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" "${ft[@]}" --gpus 2 --out "$shim_dir/ft-nccl"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "cuda f32 (shim, NCCL ranks, one thread per device)"
 # the drop-in example (an existing candle model with our ops) on CUDA: ranks share one device
 for l in zigzag ulysses; do
   shim_step "drop_in cuda $l" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/drop_in" --device cuda --cp 2 --seq 128 --layout "$l"

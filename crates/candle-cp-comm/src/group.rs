@@ -25,6 +25,10 @@ pub trait PendingRecv: Send {
 }
 
 /// A group of `size()` ranks that communicate tensors.
+///
+/// Every implementation accepts tensors on the host (CPU) as well as on its compute device,
+/// and returns results on the device of the tensor passed in ([`crate::ThreadGroup`]: any
+/// device; `NcclGroup`: its GPU, host tensors are staged through it).
 pub trait ProcessGroup: Send + Sync {
     /// This rank's index in the group, `0..size()`.
     fn rank(&self) -> usize;

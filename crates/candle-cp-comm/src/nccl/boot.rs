@@ -5,7 +5,7 @@
 use super::raw::RawComm;
 use super::{NcclGroup, DEFAULT_TIMEOUT};
 use crate::rendezvous::Rendezvous;
-use crate::Group;
+use crate::{Group, ProcessGroup};
 use candle_core::cuda_backend::cudarc::nccl::Id;
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, Error, Result};
@@ -94,7 +94,17 @@ impl NcclGroup {
 /// naming the failed rank, without waiting for the timeout. A rank that returns `Ok` while
 /// others still call collectives with it makes them fail after the group's timeout.
 pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T> + Send + Sync) -> Result<Vec<Result<T>>> {
-    let groups = NcclGroup::single_process(ordinals)?;
+    run_nccl_ranks_with_timeout(ordinals, DEFAULT_TIMEOUT, f)
+}
+
+/// [`run_nccl_ranks`] with `timeout` for init and every collective of the groups (see
+/// [`NcclGroup::single_process_with_timeout`]).
+pub fn run_nccl_ranks_with_timeout<T: Send>(
+    ordinals: &[usize],
+    timeout: Duration,
+    f: impl Fn(Group) -> Result<T> + Send + Sync,
+) -> Result<Vec<Result<T>>> {
+    let groups = NcclGroup::single_process_with_timeout(ordinals, timeout)?;
     let f = &f;
     let all = &groups;
     Ok(std::thread::scope(|s| {
@@ -103,7 +113,9 @@ pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T
             .cloned()
             .enumerate()
             .map(|(r, g)| {
-                s.spawn(move || {
+                // the same stack as thread ranks: candle's backward recurses through deep graphs
+                let b = std::thread::Builder::new().name(format!("nccl-rank-{r}")).stack_size(RANK_STACK);
+                b.spawn_scoped(s, move || {
                     let fail = |why: String| {
                         for other in all {
                             other.abort(&format!("rank {r} {why}"));
@@ -127,10 +139,51 @@ pub fn run_nccl_ranks<T: Send>(ordinals: &[usize], f: impl Fn(Group) -> Result<T
         joins
             .into_iter()
             .enumerate()
-            .map(|(r, j)| j.join().unwrap_or_else(|_| Err(Error::Msg(format!("nccl rank {r} thread died")))))
+            .map(|(r, j)| match j {
+                Ok(j) => j.join().unwrap_or_else(|_| Err(Error::Msg(format!("nccl rank {r} thread died")))),
+                Err(e) => {
+                    for other in all {
+                        other.abort(&format!("rank {r} could not start its thread: {e}"));
+                    }
+                    Err(Error::Msg(format!("nccl rank {r}: spawning its thread: {e}")))
+                }
+            })
             .collect()
     }))
 }
+
+/// Run `f` on this process's NCCL rank, started by a launcher (one process per GPU; the
+/// environment of [`NcclGroup::from_env`], whose `timeout` applies). `f` runs on a thread with
+/// a [`RANK_STACK`] stack. If `f` returns `Err` or panics (the panic is caught), the group is
+/// aborted first, so the other processes' collectives fail (NCCL reports the remote error)
+/// instead of waiting for their timeout.
+pub fn run_nccl_env_rank<T: Send>(timeout: Duration, f: impl FnOnce(Group) -> Result<T> + Send) -> Result<T> {
+    let g = Arc::new(NcclGroup::from_env(timeout)?);
+    let r = g.rank();
+    std::thread::scope(|s| {
+        let g2 = g.clone();
+        let b = std::thread::Builder::new().name(format!("nccl-rank-{r}")).stack_size(RANK_STACK);
+        let j = b
+            .spawn_scoped(s, move || catch_unwind(AssertUnwindSafe(|| f(g2 as Group))))
+            .map_err(|e| Error::Msg(format!("nccl rank {r}: spawning its thread: {e}")))?;
+        match j.join() {
+            Ok(Ok(Ok(v))) => Ok(v),
+            Ok(Ok(Err(e))) => {
+                g.abort(&format!("rank {r} returned an error: {}", first_line(&e.to_string())));
+                Err(e)
+            }
+            Ok(Err(payload)) | Err(payload) => {
+                let msg = crate::thread::panic_message(&*payload);
+                g.abort(&format!("rank {r} panicked: {}", first_line(&msg)));
+                Err(Error::Msg(format!("nccl rank {r} panicked: {msg}")))
+            }
+        }
+    })
+}
+
+/// Stack of each rank thread of [`run_nccl_ranks`] (and of the rank thread that launcher-started
+/// processes run their rank on): 64 MiB virtual, like `ThreadGroupOptions::stack_size`.
+pub const RANK_STACK: usize = 64 << 20;
 
 /// The first line of `msg`, at most 300 characters (abort reasons are repeated on every rank).
 fn first_line(msg: &str) -> String {

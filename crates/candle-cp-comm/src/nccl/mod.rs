@@ -14,6 +14,10 @@
 //!   others through [`crate::rendezvous`]: a TCP store on `MASTER_ADDR:MASTER_PORT`, or a shared
 //!   file), [`NcclGroup::new`] / [`NcclGroup::with_timeout`] (you pass the id),
 //!   or [`NcclGroup::single_process`] / [`run_nccl_ranks`] (one thread per GPU in one process).
+//! - Tensors live on the group's GPU. Host (CPU) tensors are accepted too, like
+//!   [`crate::ThreadGroup`] does: they are copied to the GPU and the result comes back to the
+//!   host (two copies; meant for small bookkeeping tensors such as loss sums and norms). A
+//!   tensor on another GPU is an error naming its shape and device.
 //! - NCCL refuses two ranks on the same GPU: several ranks on one GPU use
 //!   [`crate::ThreadGroup`] with a CUDA device instead (virtual ranks).
 //!
@@ -47,7 +51,7 @@
 mod boot;
 mod raw;
 
-pub use boot::run_nccl_ranks;
+pub use boot::{run_nccl_env_rank, run_nccl_ranks, run_nccl_ranks_with_timeout, RANK_STACK};
 
 use crate::watchdog::{poll_until, PollEnd, Watchdog, WatchdogOptions};
 use crate::{PendingRecv, ProcessGroup};
@@ -209,13 +213,24 @@ impl NcclGroup {
         Ok(ev)
     }
 
-    fn check(&self, t: &Tensor, op: &str) -> Result<Tensor> {
+    /// `t` on the group's GPU, contiguous, and whether it came from the host (then the result
+    /// goes back there, see [`Self::back`]). A tensor on another GPU is an error.
+    fn check(&self, t: &Tensor, op: &str) -> Result<(Tensor, bool)> {
         self.healthy(op)?;
         match t.device() {
-            Device::Cuda(d) if d.same_device(&self.device) => {}
+            Device::Cuda(d) if d.same_device(&self.device) => Ok((t.contiguous()?, false)),
+            Device::Cpu => Ok((t.to_device(&self.device())?.contiguous()?, true)),
             other => candle_core::bail!("{op}: tensor {:?} is on {other:?}, the group's device is {:?}", t.shape(), self.device),
         }
-        t.contiguous()
+    }
+
+    /// A result back on the host when its input came from there.
+    fn back(r: Tensor, host: bool) -> Result<Tensor> {
+        if host {
+            r.to_device(&Device::Cpu)
+        } else {
+            Ok(r)
+        }
     }
 
     /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
@@ -410,6 +425,8 @@ fn around(dims: &[usize], dim: usize, op: &str) -> Result<(usize, usize, usize)>
 
 struct NcclRecv {
     out: Option<Tensor>,
+    host: bool, // the sent tensor came from the host: so does the received one
+
     event: Arc<CudaEvent>,
     compute: Arc<CudaStream>,
     raw: Arc<RawComm>,
@@ -420,7 +437,8 @@ impl PendingRecv for NcclRecv {
     fn wait(mut self: Box<Self>) -> Result<Tensor> {
         self.compute.wait(&self.event).w()?;
         self.raw.refuse_if_failed("send_recv wait")?;
-        self.out.take().ok_or_else(|| candle_core::Error::Msg("send_recv: receive already taken".into()))
+        let out = self.out.take().ok_or_else(|| candle_core::Error::Msg("send_recv: receive already taken".into()))?;
+        NcclGroup::back(out, self.host)
     }
 }
 
@@ -443,20 +461,18 @@ impl ProcessGroup for NcclGroup {
     }
 
     fn all_gather(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = self.check(t, "all_gather")?;
+        let (t, host) = self.check(t, "all_gather")?;
         let (a, n, e) = around(t.dims(), dim, "all_gather")?;
         let p = self.size;
         let g = self.flat(&t, Shape::from((p, a, n * e)), Flat::AllGather)?;
         let mut dims = t.dims().to_vec();
         dims[dim] *= p;
-        if a == 1 {
-            return g.reshape(dims);
-        }
-        g.transpose(0, 1)?.contiguous()?.reshape(dims)
+        let r = if a == 1 { g.reshape(dims)? } else { g.transpose(0, 1)?.contiguous()?.reshape(dims)? };
+        Self::back(r, host)
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
-        let t = self.check(t, "reduce_scatter")?;
+        let (t, host) = self.check(t, "reduce_scatter")?;
         let (a, n, e) = around(t.dims(), dim, "reduce_scatter")?;
         let p = self.size;
         if n % p != 0 {
@@ -465,16 +481,16 @@ impl ProcessGroup for NcclGroup {
         let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
         let mut dims = t.dims().to_vec();
         dims[dim] /= p;
-        self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)
+        Self::back(self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)?, host)
     }
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
-        let t = self.check(t, "all_reduce")?;
-        self.flat(&t, t.shape().clone(), Flat::AllReduce)
+        let (t, host) = self.check(t, "all_reduce")?;
+        Self::back(self.flat(&t, t.shape().clone(), Flat::AllReduce)?, host)
     }
 
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
-        let t = self.check(t, "all_to_all")?;
+        let (t, host) = self.check(t, "all_to_all")?;
         let p = self.size;
         let (a, n, e) = around(t.dims(), split_dim, "all_to_all")?;
         around(t.dims(), concat_dim, "all_to_all")?;
@@ -488,15 +504,15 @@ impl ProcessGroup for NcclGroup {
         let recvs: Vec<(Shape, usize)> = (0..p).map(|j| (Shape::from(chunk_dims.as_slice()), j)).collect();
         let (outs, ev) = self.p2p("all_to_all", &sends, &recvs, t.dtype())?;
         self.compute().wait(&ev).w()?;
-        Tensor::cat(&outs, concat_dim)
+        Self::back(Tensor::cat(&outs, concat_dim)?, host)
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root >= self.size {
             candle_core::bail!("broadcast: root {root} out of range for group size {}", self.size)
         }
-        let t = self.check(t, "broadcast")?;
-        self.flat(&t, t.shape().clone(), Flat::Broadcast(root))
+        let (t, host) = self.check(t, "broadcast")?;
+        Self::back(self.flat(&t, t.shape().clone(), Flat::Broadcast(root))?, host)
     }
 
     fn barrier(&self) -> Result<()> {
@@ -509,10 +525,10 @@ impl ProcessGroup for NcclGroup {
         if dst >= self.size || src >= self.size {
             candle_core::bail!("send_recv: dst {dst} / src {src} out of range for group size {}", self.size)
         }
-        let t = self.check(t, "send_recv")?;
+        let (t, host) = self.check(t, "send_recv")?;
         let (mut outs, event) = self.p2p("send_recv", &[(t.clone(), dst)], &[(t.shape().clone(), src)], t.dtype())?;
         let out = outs.pop().ok_or_else(|| candle_core::Error::Msg("send_recv: no receive buffer".into()))?;
-        Ok(Box::new(NcclRecv { out: Some(out), event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+        Ok(Box::new(NcclRecv { out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {

@@ -71,10 +71,12 @@ pub struct TrainConfig {
     pub stop_after: Option<usize>,
     /// Weight dtype (F32 for training on CPU).
     pub dtype: DType,
-    /// Compute on CUDA device `world rank % gpus` instead of the CPU (needs the `cuda`
-    /// feature; data, sharding, optimizer bookkeeping and checkpoints stay on the host).
+    /// Compute on CUDA instead of the CPU (needs the `cuda` feature; data, sharding, optimizer
+    /// bookkeeping and checkpoints stay on the host): on the group's own GPU when it has one
+    /// (`ProcessGroup::home_device`, e.g. an `NcclGroup`), else on device `world rank % gpus`.
     pub cuda: bool,
-    /// Number of GPUs the ranks are spread over (with `cuda`).
+    /// Number of GPUs thread ranks are spread over (with `cuda` and a group without a home
+    /// device).
     pub gpus: usize,
     /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
@@ -217,10 +219,16 @@ pub fn train_rank(
     on_step: &(dyn Fn(&StepMetrics) + Sync),
 ) -> Result<TrainOutcome> {
     let rank = world.rank();
-    let dev = if cfg.cuda {
-        Device::new_cuda(rank % cfg.gpus.max(1))?
-    } else {
-        Device::Cpu
+    // a group bound to a device (an NCCL rank: its GPU) fixes where this rank computes
+    let dev = match (world.home_device(), cfg.cuda) {
+        (Some(d), true) if d.is_cuda() => d,
+        (Some(d), _) => bail!(
+            "train: {} computes on {d:?}, but the config says cuda = {}",
+            world.describe(),
+            cfg.cuda
+        ),
+        (None, true) => Device::new_cuda(rank % cfg.gpus.max(1))?,
+        (None, false) => Device::Cpu,
     };
     let host = Device::Cpu;
     if cfg.grad_accum == 0 || cfg.batch == 0 || cfg.steps == 0 {
