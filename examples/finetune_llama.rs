@@ -155,6 +155,10 @@ struct Args {
     /// Weight dtype: f32, bf16 or f16 (low precision is meant for GPUs).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// Recompute every decoder layer in backward instead of keeping its activations (less
+    /// memory at long context, about one more forward of the layers).
+    #[arg(long)]
+    recompute: bool,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -287,6 +291,7 @@ fn main() -> Result<()> {
         dtype,
         cuda,
         gpus: a.gpus,
+        recompute: a.recompute,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
     };

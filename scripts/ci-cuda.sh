@@ -132,9 +132,10 @@ for dt in f32 bf16; do
   same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "cuda $dt (shim, thread ranks on 2 devices)"
 done
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
+# (with --recompute: the layers rerun in backward, NCCL collectives included)
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
-  "$ft_bin" "${ft[@]}" --gpus 2 --out "$shim_dir/ft-nccl"
-same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "cuda f32 (shim, NCCL ranks, one thread per device)"
+  "$ft_bin" "${ft[@]}" --gpus 2 --recompute --out "$shim_dir/ft-nccl"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "cuda f32 (shim, NCCL ranks, one thread per device, --recompute)"
 # the drop-in example (an existing candle model with our ops) on CUDA: ranks share one device
 for l in zigzag ulysses; do
   shim_step "drop_in cuda $l" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/drop_in" --device cuda --cp 2 --seq 128 --layout "$l"

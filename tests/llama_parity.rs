@@ -5,7 +5,7 @@
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::{CpKind, Layout};
-use candle_cp_llama::verify::{compare, load_reference, run_layout, Reference, Tolerances};
+use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, Reference, Tolerances};
 use candle_cp_llama::{global_mean, hf::load_safetensors_dir, LlamaConfig};
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -258,4 +258,50 @@ fn tied_head_and_llama3_rope_layouts_equal_single_device() -> Result<()> {
         assert!(rep.pass(), "{layout}: {rep:?}");
     }
     Ok(())
+}
+
+/// Activation recomputation (every decoder layer checkpointed, rerun in backward with its
+/// collectives) gives the plain run's logits, loss and gradients on every kind of layout,
+/// and still the oracle's.
+#[test]
+fn recompute_matches_plain_on_every_layout() {
+    let d = data();
+    let ids = &d.reference.input_ids;
+    for layout in [
+        Layout::single(),
+        Layout::cp(CpKind::Zigzag, 2),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::cp(CpKind::AllGather, 2),
+        Layout::single().with_tp(2, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::two_d(2, 2),
+    ] {
+        let t0 = std::time::Instant::now();
+        let plain = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let rc = run_layout_recompute(&d.full, &d.cfg, ids, layout, &Device::Cpu, true)
+            .unwrap_or_else(|e| panic!("{layout} recompute: {e}"));
+        let logits = diff(&plain.logits, &rc.logits);
+        let loss = (plain.loss - rc.loss).abs();
+        let mut grad = 0f64;
+        assert_eq!(plain.grads.len(), rc.grads.len(), "{layout}: same parameters");
+        for ((na, a), (nb, b)) in plain.grads.iter().zip(&rc.grads) {
+            assert_eq!(na, nb);
+            grad = grad.max(diff(a, b) / max_abs(a).max(1e-30));
+        }
+        println!(
+            "{layout} recompute vs plain: logits {logits:.1e} loss {loss:.1e} grad rel {grad:.1e} [{:.1}s]",
+            t0.elapsed().as_secs_f64()
+        );
+        assert!(logits <= 1e-6 && loss <= 1e-7 && grad <= 1e-5, "{layout}: recompute differs from the plain run");
+        let rep = compare(&rc, &d.reference, Tolerances::default()).unwrap();
+        assert!(rep.pass(), "{layout} recompute: out of oracle tolerance: {rep:?}");
+    }
+}
+
+fn diff(a: &Tensor, b: &Tensor) -> f64 {
+    max_abs(&(a - b).unwrap())
+}
+
+fn max_abs(a: &Tensor) -> f64 {
+    a.to_dtype(DType::F64).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
 }

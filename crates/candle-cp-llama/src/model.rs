@@ -15,6 +15,7 @@ use crate::rope::{apply_rope, rope_tables};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Tp};
 use candle_cp_ops::autograd::{attach1, BackwardFn};
+use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
 
@@ -47,6 +48,35 @@ struct Block {
     down: RowParallelLinear,
 }
 
+/// What every layer of one forward shares: the parallel context, RoPE tables of the CP
+/// shard's positions, `[B, Tc, Hl, Hkvl, D]` and the softmax scale.
+struct BlockEnv {
+    ctx: ParallelCtx,
+    cos: Tensor,
+    sin: Tensor,
+    dims: [usize; 5],
+    scale: f64,
+}
+
+impl Block {
+    /// One decoder layer: `x` `[B, Ts, h]` → `[B, Ts, h]`.
+    fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
+        let [b, tc, hl, hkvl, d] = env.dims;
+        // TP region [B, Tc, ·] between the column- and row-parallel layers
+        let qkv = self.qkv.forward_parts(&self.input_norm.forward(x)?)?;
+        let q = qkv[0].reshape((b, tc, hl, d))?;
+        let k = qkv[1].reshape((b, tc, hkvl, d))?;
+        let v = qkv[2].reshape((b, tc, hkvl, d))?;
+        let q = apply_rope(&q, &env.cos, &env.sin)?;
+        let k = apply_rope(&k, &env.cos, &env.sin)?;
+        let a = attend(&q, &k, &v, &env.ctx, env.scale)?.reshape((b, tc, hl * d))?;
+        let x = (x + self.o.forward(&a)?)?;
+        let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
+        let m = (gu[0].silu()? * &gu[1])?;
+        x + self.down.forward(&m)?
+    }
+}
+
 /// A Llama-style causal LM on one rank of a [`ParallelCtx`]. Weights are this rank's
 /// shards (see [`crate::params`]), held by the `VarBuilder`'s `VarMap` under HF names.
 ///
@@ -59,7 +89,9 @@ pub struct Llama {
     cfg: LlamaConfig,
     ctx: ParallelCtx,
     embed: Tensor,
-    blocks: Vec<Block>,
+    blocks: Vec<Arc<Block>>,
+    /// `Some`: layers are checkpointed (recomputed in backward), see [`Llama::with_recompute`].
+    recompute: Option<Recompute>,
     norm: RmsNorm,
     lm_head: Tensor,
 }
@@ -121,7 +153,7 @@ impl Llama {
                 (vm.pp("gate_proj"), cfg.intermediate_size),
                 (vm.pp("up_proj"), cfg.intermediate_size),
             ];
-            blocks.push(Block {
+            blocks.push(Arc::new(Block {
                 input_norm: norm(vl.pp("input_layernorm"))?,
                 qkv: ColumnParallelLinear::new_fused(&qkv, h, lin, &tp)?,
                 o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
@@ -134,7 +166,7 @@ impl Llama {
                     lin,
                     &tp,
                 )?,
-            });
+            }));
         }
         let norm = norm(vb.pp("model.norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
@@ -147,9 +179,37 @@ impl Llama {
             ctx: ctx.clone(),
             embed,
             blocks,
+            recompute: None,
             norm,
             lm_head,
         })
+    }
+
+    /// Activation recomputation of every decoder layer (`on`), or none (default).
+    ///
+    /// On: the forward keeps only each layer's input `[B, Ts, h]` instead of all its
+    /// intermediate tensors, and the backward reruns each layer (one more forward of the
+    /// layers, collectives included). Take gradients with [`Llama::backward`], which adds
+    /// the layers' parameter gradients that `loss.backward()` alone cannot see (the next
+    /// forward refuses to run if they were left uncollected). Gradients equal the plain
+    /// run's (test `recompute_matches_plain_on_every_layout`).
+    pub fn with_recompute(mut self, on: bool) -> Self {
+        self.recompute = on.then(Recompute::new);
+        self
+    }
+
+    /// Whether layers are recomputed in backward.
+    pub fn recomputes(&self) -> bool {
+        self.recompute.is_some()
+    }
+
+    /// Gradients of `loss` (from [`Llama::loss`] or anything built on [`Llama::forward`]):
+    /// `loss.backward()`, plus the parameter gradients of recomputed layers.
+    pub fn backward(&self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {
+        match &self.recompute {
+            Some(rc) => rc.backward(loss),
+            None => loss.backward(),
+        }
     }
 
     /// The config.
@@ -210,19 +270,30 @@ impl Llama {
             .embed
             .index_select(&ids, 0)?
             .reshape((b, ts, cfg.hidden_size))?;
+        let env = Arc::new(BlockEnv {
+            ctx: self.ctx.clone(),
+            cos,
+            sin,
+            dims: [b, tc, hl, hkvl, d],
+            scale,
+        });
+        if let Some(rc) = &self.recompute {
+            if !rc.is_empty() {
+                bail!("Llama::forward: the previous backward's gradients of recomputed layers were never collected: use Llama::backward(&loss), not loss.backward(), when recompute is on")
+            }
+        }
         for blk in &self.blocks {
-            // TP region [B, Tc, ·] between the column- and row-parallel layers
-            let qkv = blk.qkv.forward_parts(&blk.input_norm.forward(&x)?)?;
-            let q = qkv[0].reshape((b, tc, hl, d))?;
-            let k = qkv[1].reshape((b, tc, hkvl, d))?;
-            let v = qkv[2].reshape((b, tc, hkvl, d))?;
-            let q = apply_rope(&q, &cos, &sin)?;
-            let k = apply_rope(&k, &cos, &sin)?;
-            let a = attend(&q, &k, &v, &self.ctx, scale)?.reshape((b, tc, hl * d))?;
-            x = (x + blk.o.forward(&a)?)?;
-            let gu = blk.gate_up.forward_parts(&blk.post_norm.forward(&x)?)?;
-            let m = (gu[0].silu()? * &gu[1])?;
-            x = (x + blk.down.forward(&m)?)?;
+            x = match &self.recompute {
+                Some(rc) => {
+                    let (blk, env) = (blk.clone(), env.clone());
+                    rc.checkpoint(
+                        "llama_layer",
+                        &x,
+                        Arc::new(move |x: &Tensor| blk.forward(x, &env)),
+                    )?
+                }
+                None => blk.forward(&x, &env)?,
+            };
         }
         let x = self.norm.forward(&x)?;
         linear(&x, &self.lm_head)
@@ -419,6 +490,39 @@ mod tests {
             let (got, want, n_grads) = r?;
             assert_eq!(got, want);
             assert_eq!(n_grads, want.len());
+        }
+        Ok(())
+    }
+
+    /// With recompute on, `loss.backward()` alone misses the layers' parameters (they are
+    /// outside candle's graph), `Llama::backward` has every one, and a forward after an
+    /// uncollected backward is refused.
+    #[test]
+    fn recompute_needs_llama_backward() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+        let ids = Tensor::arange(0u32, 32, &Device::Cpu)?.reshape((1, 32))?;
+        for r in run_ranks(2, |g| {
+            let layout = Layout::cp(crate::layout::CpKind::Zigzag, 2);
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_params(&init_params(&cfg, 3, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?
+                .with_recompute(true);
+            assert!(m.recomputes());
+            let b = shard_batch(&ids, &ctx)?;
+            let n = param_specs(&cfg).len();
+            let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
+            let full = crate::grads::named_grads(&m.backward(&loss)?, &vm)?.len();
+            let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
+            let plain = crate::grads::named_grads(&loss.backward()?, &vm)?;
+            let refused = m.loss(&b.input_ids, &b.labels, &b.positions).err().map(|e| e.to_string());
+            Ok((n, full, plain.len(), refused))
+        }) {
+            let (n, full, plain, refused) = r?;
+            assert_eq!(full, n, "Llama::backward: every parameter");
+            // embeddings, final norm, head only: 2 layers x 9 parameters are missing
+            assert_eq!(plain, n - 2 * 9, "loss.backward() sees no layer parameter");
+            let msg = refused.expect("forward after an uncollected backward must fail");
+            assert!(msg.contains("Llama::backward"), "{msg}");
         }
         Ok(())
     }

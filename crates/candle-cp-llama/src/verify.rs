@@ -98,12 +98,7 @@ pub fn run_layout(
     layout: Layout,
     device: &Device,
 ) -> Result<LayoutRun> {
-    let opts = ThreadGroupOptions {
-        device: device.clone(),
-        ..Default::default()
-    };
-    let n = layout.world_size();
-    run_layout_on(full, cfg, ids, layout, device, |body| Ok(run_ranks_with(n, opts, body)))
+    run_layout_recompute(full, cfg, ids, layout, device, false)
 }
 
 /// One rank's part of [`run_layout_on`], given its world group.
@@ -122,6 +117,39 @@ pub fn run_layout_on(
     device: &Device,
     spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
 ) -> Result<LayoutRun> {
+    run_layout_recompute_on(full, cfg, ids, layout, device, false, spawn)
+}
+
+/// [`run_layout`] with every decoder layer recomputed in backward when `recompute`
+/// ([`Llama::with_recompute`]).
+pub fn run_layout_recompute(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+) -> Result<LayoutRun> {
+    let opts = ThreadGroupOptions {
+        device: device.clone(),
+        ..Default::default()
+    };
+    let n = layout.world_size();
+    run_layout_recompute_on(full, cfg, ids, layout, device, recompute, |body| {
+        Ok(run_ranks_with(n, opts, body))
+    })
+}
+
+/// [`run_layout_on`] with the choice of [`run_layout_recompute`].
+pub fn run_layout_recompute_on(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+    spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
+) -> Result<LayoutRun> {
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (b, t) = ids.dims2()?;
     let v = cfg.vocab_size;
@@ -134,10 +162,11 @@ pub fn run_layout_on(
         let ids_dev = ids.to_device(device)?;
         let ctx = ParallelCtx::new(world, layout)?;
         let vm = shard_tensors(&full_dev, cfg, &ctx)?;
-        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?;
+        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?
+            .with_recompute(recompute);
         let batch = shard_batch(&ids_dev, &ctx)?;
         let (loss, logits) = model.loss(&batch.input_ids, &batch.labels, &batch.positions)?;
-        let mut grads = loss.backward()?;
+        let mut grads = model.backward(&loss)?;
         reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
         let full_grads = gather_full(&named_grads(&grads, &vm)?, cfg, &ctx)?;
         let bl = b / layout.dp;

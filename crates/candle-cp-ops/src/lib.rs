@@ -9,12 +9,14 @@
 //! - [`mappings`]: Megatron tensor/sequence-parallel conjugate collectives.
 //! - [`autograd`]: attach a hand-written backward to a precomputed tensor.
 //! - [`oracle`]: load reference attention cases (safetensors) and compare results to them.
+//! - [`recompute`]: activation recomputation of a block (keep its input, rerun it in backward).
 
 pub mod attention;
 pub mod autograd;
 pub mod cp;
 pub mod mappings;
 pub mod oracle;
+pub mod recompute;
 pub mod ulysses;
 pub mod usp;
 

@@ -78,6 +78,9 @@ pub struct TrainConfig {
     /// Number of GPUs thread ranks are spread over (with `cuda` and a group without a home
     /// device).
     pub gpus: usize,
+    /// Recompute every decoder layer in backward instead of keeping its activations
+    /// ([`Llama::with_recompute`]): less memory, one more forward of the layers.
+    pub recompute: bool,
     /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
@@ -298,7 +301,8 @@ pub fn train_rank(
         VarBuilder::from_varmap(&varmap, cfg.dtype, &dev),
         &mcfg,
         &ctx,
-    )?;
+    )?
+    .with_recompute(cfg.recompute);
     let named_vars: Vec<(String, candle_core::Var)> = {
         let data = crate::params::lock_vars(&varmap)?;
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
@@ -409,7 +413,7 @@ pub fn train_rank(
             {
                 *acc += x;
             }
-            let g = loss.backward()?;
+            let g = model.backward(&loss)?;
             acc = Some(match acc {
                 None => g,
                 Some(mut a) => {

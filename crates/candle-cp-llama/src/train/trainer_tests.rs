@@ -40,6 +40,7 @@ fn tiny_cfg(out: Option<PathBuf>, layout: Layout, batch: usize, grad_accum: usiz
         dtype: DType::F32,
         cuda: false,
         gpus: 1,
+        recompute: false,
         long_range_only: false,
         args: serde_json::Value::Null,
     }
@@ -202,6 +203,27 @@ fn data_parallel_and_accumulation_match_one_batch() -> Result<()> {
                 x.step
             );
         }
+    }
+    Ok(())
+}
+
+/// Training with every layer recomputed in backward (with gradient accumulation and TP + SP
+/// + zigzag CP, so collectives rerun inside the backward) follows the plain run's loss and
+/// gradient-norm curve exactly.
+#[test]
+fn recompute_trains_like_the_plain_run() -> Result<()> {
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
+    let mut c = tiny_cfg(None, layout, 1, 2);
+    if let ModelSource::Init(m) = &c.model {
+        // 2 KV heads, so that TP = 2 divides them
+        c.model = ModelSource::Init(LlamaConfig::tiny(m.vocab_size, 32, 2, 2, 2));
+    }
+    let plain = run(&c)?;
+    c.recompute = true;
+    let rc = run(&c)?;
+    assert_eq!(plain[0].metrics.len(), rc[0].metrics.len());
+    for (x, y) in plain[0].metrics.iter().zip(rc[0].metrics.iter()) {
+        assert_eq!((x.loss, x.grad_norm), (y.loss, y.grad_norm), "step {}", x.step);
     }
     Ok(())
 }
