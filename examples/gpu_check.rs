@@ -437,7 +437,7 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
 /// the same tolerances as `tests/llama_parity.rs`.
 fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     use candle_cp_llama::layout::{CpKind, Layout};
-    use candle_cp_llama::verify::verify_reference;
+    use candle_cp_llama::verify::{verify_reference, verify_reference_recompute};
     let layouts = [
         ("single", Layout::single()),
         ("cp4 zigzag", Layout::cp(CpKind::Zigzag, 4)),
@@ -449,6 +449,8 @@ fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
         ("2-d 2x2", Layout::two_d(2, 2)),
     ];
+    // the same with every layer recomputed in backward (Llama::with_recompute)
+    let recomputed = [("tp2 x cp2 zigzag + sp, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))];
     // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation; this
     // one runs Ulysses x ring on sub-groups of the thread world; `nccl-ranks` runs TP x CP + SP)
     const QUICK: [&str; 1] = ["2-d 2x2"];
@@ -458,6 +460,13 @@ fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
         let name = format!("llama {label}");
         report_llama(rep, &name, verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu));
+    }
+    if !rep.quick {
+        for (label, layout) in recomputed {
+            let name = format!("llama {label}");
+            let res = verify_reference_recompute(dir, format!("{dir}/reference.safetensors"), layout, gpu, true);
+            report_llama(rep, &name, res);
+        }
     }
     Ok(())
 }

@@ -6,7 +6,7 @@
 
 use candle_core::Device;
 use candle_cp_llama::layout::{CpKind, Layout};
-use candle_cp_llama::verify::verify_reference;
+use candle_cp_llama::verify::verify_reference_recompute;
 use std::path::PathBuf;
 
 /// Arguments of `verify llama`.
@@ -42,6 +42,9 @@ pub struct LlamaArgs {
     /// Compute on this device: `cpu` or `cuda:N` (needs the `cuda` feature).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Recompute every decoder layer in backward (activation checkpointing).
+    #[arg(long)]
+    recompute: bool,
 }
 
 fn parse_device(s: &str) -> anyhow::Result<Device> {
@@ -101,9 +104,10 @@ pub fn run(a: LlamaArgs) -> crate::Outcome {
     let device = parse_device(&a.device)?;
     println!("model      {}", a.model.display());
     println!("reference  {}", a.reference.display());
-    println!("layout     {layout} ({} ranks, {})", layout.world_size(), a.device);
+    let rc = if a.recompute { ", layers recomputed in backward" } else { "" };
+    println!("layout     {layout} ({} ranks, {}{rc})", layout.world_size(), a.device);
     let t0 = std::time::Instant::now();
-    let rep = verify_reference(&a.model, &a.reference, layout, &device)?;
+    let rep = verify_reference_recompute(&a.model, &a.reference, layout, &device, a.recompute)?;
     let t = rep.tol;
     println!("logits_abs    {:.3e}   (tol {:.1e})", rep.logits_abs, t.logits_abs);
     println!("loss_abs      {:.3e}   (tol {:.1e})", rep.loss_abs, t.loss_abs);

@@ -52,6 +52,15 @@ fn pass_on_oracle_zigzag_cp2() {
 }
 
 #[test]
+fn pass_on_oracle_with_recompute() {
+    let (m, r) = (tiny(), tiny().join("reference.safetensors"));
+    let o = verify_with(&m, &r, &["--layout", "zigzag", "--cp", "2", "--tp", "2", "--sp", "--recompute"]);
+    let out = expect_exit(&o, 0);
+    assert!(out.contains("layers recomputed in backward"), "{out}");
+    assert_eq!(out.lines().last(), Some("PASS"), "{out}");
+}
+
+#[test]
 fn fail_on_corrupted_reference() {
     // the file ends with `loss` then the last logits: add 0.5 to the last 64 f32 values
     let mut bytes = std::fs::read(tiny().join("reference.safetensors")).unwrap();

@@ -345,9 +345,20 @@ pub fn verify_reference(
     layout: Layout,
     device: &Device,
 ) -> Result<Report> {
+    verify_reference_recompute(model_dir, reference, layout, device, false)
+}
+
+/// [`verify_reference`] with every decoder layer recomputed in backward when `recompute`.
+pub fn verify_reference_recompute(
+    model_dir: impl AsRef<Path>,
+    reference: impl AsRef<Path>,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+) -> Result<Report> {
     let (cfg, full) = load_checked(model_dir.as_ref())?;
     let r = load_reference(reference)?;
-    let run = run_layout(&full, &cfg, &r.input_ids, layout, device)?;
+    let run = run_layout_recompute(&full, &cfg, &r.input_ids, layout, device, recompute)?;
     compare(&run, &r, Tolerances::default())
 }
 
