@@ -374,14 +374,13 @@ pub fn local_nll(logits: &Tensor, labels: &Tensor) -> Result<(Tensor, usize)> {
     let terms = (sum.log()? - shifted.gather(&tgt, 1)?)?.reshape(n)?;
     let probs = e.broadcast_div(&sum)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let onehot = Tensor::zeros((n, v), DType::F32, probs.device())?.scatter_add(
-            &tgt,
-            &Tensor::ones((n, 1), DType::F32, probs.device())?,
-            1,
-        )?;
-        Ok(vec![Some((&probs - onehot)?.broadcast_mul(
-            &dy.to_dtype(DType::F32)?.reshape((n, 1))?,
-        )?)])
+        // softmax - onehot in one [n, V] buffer (no separate one-hot: at a 128k vocabulary
+        // each such buffer is 0.5 MB per token)
+        let minus_one = Tensor::full(-1f32, (n, 1), probs.device())?;
+        let d = probs.scatter_add(&tgt, &minus_one, 1)?;
+        Ok(vec![Some(
+            d.broadcast_mul(&dy.to_dtype(DType::F32)?.reshape((n, 1))?)?,
+        )])
     });
     Ok((attach1("cross_entropy", &rows, terms, bwd)?, n))
 }
