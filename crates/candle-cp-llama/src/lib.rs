@@ -41,6 +41,7 @@ mod attn2d;
 pub mod config;
 pub mod fused;
 pub mod grads;
+pub mod head_loss;
 pub mod hf;
 pub mod layout;
 pub mod model;

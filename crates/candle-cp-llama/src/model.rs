@@ -235,15 +235,13 @@ impl Llama {
         }
     }
 
-    /// Logits of this rank's tokens.
-    ///
-    /// `input_ids` `[B, Ts]` (u32), `positions` `[Ts]` their global positions (as returned by
-    /// [`crate::shard_batch`]). Returns `[B, Ts, V]` in the weights' dtype.
-    pub fn forward(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
+    /// Final hidden states of this rank's tokens (after the last norm, before the head):
+    /// `[B, Ts, h]` in the weights' dtype. `input_ids`, `positions` as for [`Llama::forward`].
+    pub fn hidden(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
         let (b, ts) = input_ids.dims2()?;
         if positions.dims() != [ts] {
             bail!(
-                "Llama::forward: positions {:?} must be [{ts}] for input_ids {:?}",
+                "Llama::hidden: positions {:?} must be [{ts}] for input_ids {:?}",
                 positions.dims(),
                 input_ids.dims()
             )
@@ -260,7 +258,7 @@ impl Llama {
             let max = ids.max(0)?.to_scalar::<u32>()? as usize;
             if max >= cfg.vocab_size {
                 bail!(
-                    "Llama::forward: token id {max} out of range for vocab {} (input_ids {:?})",
+                    "Llama::hidden: token id {max} out of range for vocab {} (input_ids {:?})",
                     cfg.vocab_size,
                     input_ids.dims()
                 )
@@ -279,7 +277,7 @@ impl Llama {
         });
         if let Some(rc) = &self.recompute {
             if !rc.is_empty() {
-                bail!("Llama::forward: the previous backward's gradients of recomputed layers were never collected: use Llama::backward(&loss), not loss.backward(), when recompute is on")
+                bail!("Llama::hidden: the previous backward's gradients of recomputed layers were never collected: use Llama::backward(&loss), not loss.backward(), when recompute is on")
             }
         }
         for blk in &self.blocks {
@@ -295,8 +293,40 @@ impl Llama {
                 None => blk.forward(&x, &env)?,
             };
         }
-        let x = self.norm.forward(&x)?;
-        linear(&x, &self.lm_head)
+        self.norm.forward(&x)
+    }
+
+    /// Logits of this rank's tokens.
+    ///
+    /// `input_ids` `[B, Ts]` (u32), `positions` `[Ts]` their global positions (as returned by
+    /// [`crate::shard_batch`]). Returns `[B, Ts, V]` in the weights' dtype.
+    pub fn forward(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        linear(&self.hidden(input_ids, positions)?, &self.lm_head)
+    }
+
+    /// Per-token next-token loss `-log p(label)` of this rank's tokens, f32 `[B, Ts]` (0 where
+    /// the label is [`IGNORE`]), differentiable, computed through the head in chunks of rows
+    /// without materialising the logits ([`crate::head_loss::token_nll`]): the memory-lean
+    /// path for long sequences and large vocabularies. The values equal those from
+    /// [`Llama::forward`]'s logits (test `token_nll_equals_the_logits_path`).
+    pub fn token_nll(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        let h = self.hidden(input_ids, positions)?;
+        let (b, ts, hd) = h.dims3()?;
+        if labels.dims() != [b, ts] {
+            bail!(
+                "Llama::token_nll: labels {:?} must be [{b}, {ts}] for input_ids {:?}",
+                labels.dims(),
+                input_ids.dims()
+            )
+        }
+        let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
+        crate::head_loss::token_nll(
+            &h.reshape((b * ts, hd))?,
+            &self.lm_head,
+            &labels.flatten_all()?,
+            chunk,
+        )?
+        .reshape((b, ts))
     }
 
     /// Global mean next-token cross-entropy (differentiable), identical on every rank.
@@ -522,6 +552,44 @@ mod tests {
             assert_eq!(plain, n - 2 * 9, "loss.backward() sees no layer parameter");
             let msg = refused.expect("forward after an uncollected backward must fail");
             assert!(msg.contains("Llama::backward"), "{msg}");
+        }
+        Ok(())
+    }
+
+    /// The chunked head + loss gives the logits path's loss and gradients (every parameter),
+    /// with a rank holding ignored labels, on CP and TP + SP layouts.
+    #[test]
+    fn token_nll_equals_the_logits_path() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+        let ids = Tensor::arange(0u32, 64, &Device::Cpu)?.reshape((2, 32))?;
+        for layout in [Layout::cp(crate::layout::CpKind::Zigzag, 2), Layout::single().with_tp(2, true)] {
+            for r in run_ranks(layout.world_size(), |g| {
+                let ctx = ParallelCtx::new(g, layout)?;
+                let vm = shard_params(&init_params(&cfg, 3, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
+                let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+                let b = shard_batch(&ids, &ctx)?;
+                // ignore every third label
+                let lab: Vec<u32> = b.labels.flatten_all()?.to_vec1()?;
+                let lab: Vec<u32> = lab.iter().enumerate().map(|(i, &l)| if i % 3 == 0 { IGNORE } else { l }).collect();
+                let labels = Tensor::from_vec(lab.clone(), b.labels.shape(), &Device::Cpu)?;
+                let (loss_a, _) = m.loss(&b.input_ids, &labels, &b.positions)?;
+                let ga = crate::grads::named_grads(&loss_a.backward()?, &vm)?;
+                let nll = m.token_nll(&b.input_ids, &labels, &b.positions)?;
+                let n = lab.iter().filter(|&&l| l != IGNORE).count();
+                let loss_b = global_mean(&nll.flatten_all()?, n, m.ctx().token_group())?;
+                let gb = crate::grads::named_grads(&loss_b.backward()?, &vm)?;
+                let dl = (loss_a.to_scalar::<f32>()? - loss_b.to_scalar::<f32>()?).abs();
+                let mut dg = 0f32;
+                for (name, a) in &ga {
+                    let Some(b) = gb.get(name) else { bail!("token_nll path: no gradient for {name}") };
+                    dg = dg.max((a - b)?.abs()?.max_all()?.to_scalar::<f32>()?);
+                }
+                Ok((dl, dg, ga.len()))
+            }) {
+                let (dl, dg, n) = r?;
+                assert_eq!(n, param_specs(&cfg).len());
+                assert!(dl <= 1e-6 && dg <= 1e-6, "{layout}: loss differs by {dl}, gradients by {dg}");
+            }
         }
         Ok(())
     }

@@ -14,10 +14,10 @@ use super::optim::{AdamW, AdamWConfig};
 use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
-    gather_full, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors,
+    gather_full, global_mean, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors,
     shard_batch, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, Shard, IGNORE,
 };
-use candle_core::{bail, DType, Device, Result, Tensor, D};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
@@ -106,45 +106,21 @@ fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
 }
 
 /// `(Σ nll, count)` over this rank's targets (labels ≠ [`IGNORE`]) and over its long-range
-/// targets (`mask` = 1): `[all_sum, all_n, lr_sum, lr_n]`. `logits` `[B, Ts, V]`,
-/// `labels`, `mask` `[B, Ts]` u32. No graph.
-fn nll_terms(logits: &Tensor, labels: &Tensor, mask: &Tensor) -> Result<[f64; 4]> {
-    let (b, t, v) = logits.dims3()?;
-    let lab: Vec<u32> = labels.flatten_all()?.to_vec1()?;
-    let m: Vec<u32> = mask.flatten_all()?.to_vec1()?;
-    let (mut idx, mut tgt, mut is_lr) = (vec![], vec![], vec![]);
-    for (i, (&l, &mk)) in lab.iter().zip(m.iter()).enumerate() {
-        if l != IGNORE {
-            idx.push(i as u32);
-            tgt.push(l);
-            is_lr.push(mk == 1);
-        }
-    }
-    let n = idx.len();
-    if n == 0 {
-        return Ok([0.0; 4]);
-    }
-    let dev = logits.device();
-    let rows = logits
-        .detach()
-        .reshape((b * t, v))?
-        .index_select(&Tensor::new(idx, dev)?, 0)?
-        .to_dtype(DType::F32)?;
-    let lsm = candle_nn::ops::log_softmax(&rows, D::Minus1)?;
-    let picked: Vec<f32> = lsm
-        .gather(&Tensor::new(tgt, dev)?.reshape((n, 1))?, 1)?
-        .flatten_all()?
-        .to_vec1()?;
+/// targets (`mask` = 1): `[all_sum, all_n, lr_sum, lr_n]`, from the per-token losses `nll`
+/// (f32 values), `labels` and `mask` (u32 values), all of one shard `[B, Ts]` flattened.
+fn nll_terms(nll: &[f32], labels: &[u32], mask: &[u32]) -> [f64; 4] {
     let mut out = [0.0; 4];
-    for (p, lr) in picked.iter().zip(is_lr.iter()) {
-        out[0] -= *p as f64;
-        out[1] += 1.0;
-        if *lr {
-            out[2] -= *p as f64;
-            out[3] += 1.0;
+    for ((&v, &l), &m) in nll.iter().zip(labels).zip(mask) {
+        if l != IGNORE {
+            out[0] += v as f64;
+            out[1] += 1.0;
+            if m == 1 {
+                out[2] += v as f64;
+                out[3] += 1.0;
+            }
         }
     }
-    Ok(out)
+    out
 }
 
 /// Global batch `[B, T]` of token ids and of long-range flags for one micro-batch.
@@ -395,21 +371,29 @@ pub fn train_rank(
             let (ids, mask) = global_batch(cfg, step, micro, &host)?;
             let sb = shard_batch(&ids, &ctx)?;
             let mb = shard_batch(&mask, &ctx)?;
-            let train_labels = if cfg.long_range_only {
-                let ignore = Tensor::full(IGNORE, sb.labels.shape(), &host)?;
-                mb.labels.eq(1u32)?.where_cond(&sb.labels, &ignore)?
-            } else {
-                sb.labels.clone()
-            };
-            let (loss, logits) = model.loss(
+            // per-token losses of every target through the chunked head (no [B, Ts, V]
+            // logits); the objective takes all targets, or the long-range ones
+            let nll = model.token_nll(
                 &sb.input_ids.to_device(&dev)?,
-                &train_labels.to_device(&dev)?,
+                &sb.labels.to_device(&dev)?,
                 &sb.positions.to_device(&dev)?,
             )?;
+            let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+            let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
+            let train: Vec<f32> = labels
+                .iter()
+                .zip(&lr_mask)
+                .map(|(&l, &m)| (l != IGNORE && (!cfg.long_range_only || m == 1)) as u8 as f32)
+                .collect();
+            let n_train = train.iter().filter(|&&x| x > 0.0).count();
+            let nll = nll.flatten_all()?;
+            let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
+            let loss = global_mean(&selected, n_train, &token_group)?;
             objective += loss.to_scalar::<f32>()? as f64;
+            let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
             for (acc, x) in terms
                 .iter_mut()
-                .zip(nll_terms(&logits, &sb.labels, &mb.labels)?)
+                .zip(nll_terms(&values, &labels, &lr_mask))
             {
                 *acc += x;
             }
