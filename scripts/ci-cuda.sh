@@ -136,6 +136,44 @@ ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 -
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" "${ft[@]}" --gpus 2 --recompute --out "$shim_dir/ft-nccl"
 same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "cuda f32 (shim, NCCL ranks, one thread per device, --recompute)"
+# two launched processes, one NCCL rank each (RANK/WORLD_SIZE/LOCAL_RANK, the id over a TCP
+# store on MASTER_ADDR:MASTER_PORT, the shim's NCCL across processes): the same losses
+port=$((20000 + RANDOM % 20000))
+shim_step "finetune_llama 2 processes" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
+  candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --out "$shim_dir/ft-procs"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs/metrics.jsonl" 1e-5 "cuda f32 (shim, 2 launched processes, NCCL over TCP rendezvous)"
+# a process killed mid-run: the survivor must fail, not hang, within a bounded time. With the
+# shim's default the lost peer fails its collective (NCCL reports a remote error); with
+# CPEMU_NCCL_PEER_ABORT=hang it stays pending, as within a node on GPUs, and NcclGroup's
+# watchdog must time it out (--timeout 5) and abort.
+kill_rank1() {  # kill_rank1 LABEL EXPECTED_TEXT MAX_SECONDS ENV...
+  local label=$1 want=$2 max=$3 d="$shim_dir/ft-kill" p0 p1 st t0 dt
+  shift 3
+  rm -rf "$d"; mkdir -p "$d"
+  port=$((20000 + RANDOM % 20000))
+  for r in 0 1; do
+    env "$@" RUST_BACKTRACE=0 LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2 CPEMU_NCCL_TRANSPORT=files RANK=$r WORLD_SIZE=2 LOCAL_RANK=$r \
+      MASTER_ADDR=127.0.0.1 MASTER_PORT=$port "$ft_bin" --cp 2 --seq-len 128 --steps 500 --save-every 0 \
+      --device cuda --comm nccl --timeout 5 --out "$d/out" >"$d/r$r.log" 2>&1 &
+    if [ $r = 0 ]; then p0=$!; else p1=$!; fi
+  done
+  for _ in $(seq 1 600); do [ -s "$d/out/metrics.jsonl" ] && break; sleep 0.1; done
+  t0=$(date +%s.%N)
+  kill -9 "$p1"
+  # (the processes run without `timeout`, which would put them in a child the kill misses:
+  # bound the wait here, and kill a survivor that outlives it)
+  for _ in $(seq 1 $((10 * (max + 10)))); do kill -0 "$p0" 2>/dev/null || break; sleep 0.1; done
+  kill -9 "$p0" 2>/dev/null || true
+  st=0; wait "$p0" || st=$?
+  dt=$(awk -v a="$t0" -v b="$(date +%s.%N)" 'BEGIN { printf "%.2f", b - a }')
+  wait "$p1" 2>/dev/null || true
+  if [ "$st" = 0 ] || ! grep -q "$want" "$d/r0.log" || ! awk -v x="$dt" -v m="$max" 'BEGIN { exit !(x <= m) }'; then
+    tail -20 "$d/r0.log"; echo "ci-cuda: $label: expected rank 0 to fail with '$want' within $max s (exit $st after $dt s)"; exit 1
+  fi
+  echo "ci-cuda: finetune_llama, rank 1 of 2 processes killed ($label): rank 0 failed after $dt s: $(grep -o "$want" "$d/r0.log" | head -1)"
+}
+kill_rank1 "remote error" "rank 1 of 2 died" 20 CPEMU_NCCL_PEER_ABORT=error
+kill_rank1 "peer hangs, watchdog" "did not complete within the timeout 5s" 30 CPEMU_NCCL_PEER_ABORT=hang
 # the drop-in example (an existing candle model with our ops) on CUDA: ranks share one device
 for l in zigzag ulysses; do
   shim_step "drop_in cuda $l" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/drop_in" --device cuda --cp 2 --seq 128 --layout "$l"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GPU check in two parts (see docs/gpu.md).
 #
-#   scripts/gpu-check.sh build   # here, no GPU: build gpu_check + gpu_bench with --features
+#   scripts/gpu-check.sh build   # here, no GPU: build gpu_check, gpu_bench, finetune_llama with --features
 #                                # cuda,nccl, strip + xz them into target-gpu-stage/
 #   scripts/gpu-check.sh preflight  # here, no GPU: the staged binaries on the CPU under the
 #                                # host CUDA shim (candle-cp-kernels/emu/shim/): probes, every
@@ -28,10 +28,10 @@ build() {
   . "$shared/cuda/env.sh"
   export CARGO_TARGET_DIR=${CARGO_TARGET_DIR:-$PWD/target-cuda}
   cargo build --release -j "${JOBS:-2}" -p candle-cp-examples --features candle-cp-examples/nccl \
-    --example gpu_check --example gpu_bench
+    --example gpu_check --example gpu_bench --example finetune_llama
   rm -rf "$STAGE"
   mkdir -p "$STAGE"
-  for b in gpu_check gpu_bench; do
+  for b in gpu_check gpu_bench finetune_llama; do
     cp "$CARGO_TARGET_DIR/release/examples/$b" "$STAGE/$b"
     strip "$STAGE/$b"
     xz -T2 -6 -f "$STAGE/$b"   # ~50 MB -> a few MB each; unpacked by `run`
@@ -48,7 +48,7 @@ run() {
   mkdir -p "$out"
   local bin
   bin=$(mktemp -d)
-  for b in gpu_check gpu_bench; do
+  for b in gpu_check gpu_bench finetune_llama; do
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
       "$STAGE/$b.xz" "$bin/$b"
     chmod +x "$bin/$b"
@@ -134,6 +134,16 @@ run() {
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
+  # Optional, with what is left of the budget: the main job end to end on the GPU (4 virtual
+  # ranks, zigzag CP, bf16, T = 16k, layers recomputed, chunked loss): tokens/s and that it trains.
+  if [ $((budget - (SECONDS - t0))) -ge 30 ]; then
+    echo "== 6/6 end to end: finetune_llama on the GPU (4 virtual ranks, T = 16384, bf16, --recompute)" | tee -a "$out/check-oracle.log"
+    step 90 0 "$out/check-oracle.log" add -- "$bin/finetune_llama" --device cuda --gpus 1 --dtype bf16 --seq-len 16384 \
+      --cp 4 --hidden 1024 --layers 4 --heads 8 --kv-heads 4 --batch 1 --keys 64 --steps 4 --lr 1e-3 --save-every 0 \
+      --recompute --out /tmp/candle-cp-ft
+  else
+    echo "gpu-check: end-to-end fine-tune skipped (budget spent)" | tee -a "$out/check-oracle.log"
+  fi
   echo "gpu-check: $((SECONDS - t0)) s of the ${budget} s budget"
   grep -h "^gpu_check:" "$out"/check*.log || true
   echo "gpu-check: results in $out (rc $rc)"
@@ -145,7 +155,7 @@ preflight() {
   lib=$(candle-cp-kernels/emu/shim/build.sh | tail -1)
   bin=$(mktemp -d)
   mkdir -p "$out"
-  for b in gpu_check gpu_bench; do
+  for b in gpu_check gpu_bench finetune_llama; do
     python3 -c 'import lzma, sys; open(sys.argv[2], "wb").write(lzma.open(sys.argv[1]).read())' \
       "$STAGE/$b.xz" "$bin/$b"
     chmod +x "$bin/$b"
@@ -160,6 +170,11 @@ preflight() {
     || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
   : >"$out/sdpa.jsonl"
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" >/dev/null
+  # step 6's command line at a tiny size
+  "$bin/finetune_llama" --device cuda --gpus 1 --dtype bf16 --seq-len 256 --cp 4 --hidden 64 --layers 2 \
+    --heads 4 --kv-heads 2 --batch 1 --keys 8 --steps 2 --lr 1e-3 --save-every 0 --recompute --out "$out/ft" \
+    >"$out/ft.log" 2>&1 || { tail -20 "$out/ft.log"; echo "gpu-check preflight: finetune_llama failed"; return 1; }
+  grep '^summary' "$out/ft.log"
   echo "gpu-check preflight: the staged binaries run on the CPU under the host CUDA shim ($out)"
 }
 

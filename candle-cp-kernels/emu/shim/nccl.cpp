@@ -1,8 +1,10 @@
 // libnccl.so.2 of the host CUDA shim (model: shim.h): NCCL 2.30's C API, ABI as cudarc 0.19.10
-// binds it (nccl_abi.h), over ranks that are threads of this process. Multi-process
-// communicators are out of scope: the unique id only names a rendezvous inside this process.
-// State: nccl_state.h; matching and data movement: nccl_match.h; element arithmetic:
-// nccl_reduce.h. Tests: test_nccl.sh.
+// binds it (nccl_abi.h), over one of two transports that CPEMU_NCCL_TRANSPORT selects at each
+// init: `threads` (default): ranks are threads of this process, the unique id names a rendezvous
+// inside it; `files`: ranks are processes (or threads) of one host that exchange data through
+// files (last point below; nccl_files.cpp). State: nccl_state.h; matching and data movement of
+// the threads transport: nccl_match.h; element arithmetic: nccl_reduce.h. Tests: test_nccl.sh.
+// The points below hold for both transports, except where the last one says otherwise.
 //
 // - Init: ncclCommInitRank* joins a process-global rendezvous keyed by the id's 128 bytes
 //   (duplicate rank, rank out of range, nranks differing from the first joiner's, a config
@@ -36,11 +38,32 @@
 //   error (their watchdog aborts on it); =hang: they stay pending like NCCL within a node (a
 //   watchdog must time them out and abort). Operations not involving it (send/recv between
 //   live ranks) proceed. ncclCommDestroy first waits (bounded) for this rank's pending work.
+// - Files transport (CPEMU_NCCL_TRANSPORT=files; one process per GPU, as NcclGroup::from_env):
+//   a communicator is the directory $CPEMU_NCCL_DIR (default ${TMPDIR:-/tmp}/cpemu-nccl-<uid>)
+//   /<128-bit hash of the id>, shared by its ranks. Init: each rank publishes join.<r> (nranks,
+//   device, pid, host); the communicator forms once all nranks exist (a duplicate rank, or nranks
+//   differing from a published one: ncclInvalidArgument; a rank whose process exits first:
+//   ncclRemoteError, unless =hang). ncclCommInitAll uses it too (its ranks are threads of this process). A
+//   progress thread per communicator runs the posted units (one lone call, or one
+//   communicator's calls at one outermost ncclGroupEnd) in posting order, as NCCL orders one
+//   communicator's work: a unit writes its sends first (a send completes once its receiver has
+//   consumed it), then completes its receives and its collectives (in order) as their inputs
+//   appear; ungrouped send/recv that wait for each other therefore deadlock, as in NCCL, until
+//   the caller's timeout. Each rank computes its own result from all ranks' parts in the order
+//   and precision above (bit-identical to the threads transport). Buffers are read and written
+//   when the unit runs (after the communicator's earlier units). A rank that aborts or destroys
+//   publishes gone.<r>; a rank whose process exited (no such pid, or a zombie) counts as gone;
+//   an operation that needs a part a gone rank never wrote fails as above (=hang: stays
+//   pending). A mismatch is published as the file `poison`, which every rank's progress thread
+//   and ncclCommGetAsyncError pick up. ncclCommAbort stops the progress thread (it looks every
+//   2 ms at most) and never hangs; the last rank out (the others gone or exited) removes the
+//   directory.
 #include <chrono>
 #include <random>
 #include <unistd.h>
 
 #include "nccl_abi.h"
+#include "nccl_files.h"
 #include "nccl_match.h"
 #include "nccl_reduce.h"
 #include "nccl_state.h"
@@ -76,7 +99,7 @@ void form(Clique& cl) {
 // The state of `c` after looking at its clique (an init in progress may have completed).
 int refresh(ncclComm* c) {
   int s = c->state.load();
-  if (s != kInit) return s;
+  if (s != kInit || c->fx) return s;
   std::lock_guard<std::mutex> g(c->cl->m);
   return c->state.load();
 }
@@ -155,6 +178,9 @@ int enqueue(ncclComm* c, Kind kind, const void* send, void* recv, size_t count, 
   o.e.work->what = w;
   if (t_depth > 0) {
     t_ops.push_back(std::move(o));
+  } else if (c->fx) {
+    std::vector<Op> unit{std::move(o)};
+    files::post(unit);
   } else {
     post(o);
   }
@@ -163,6 +189,7 @@ int enqueue(ncclComm* c, Kind kind, const void* send, void* recv, size_t count, 
 
 // Blocking wait for the clique of `c` to form (or fail), at most wait_timeout_s().
 int wait_formed(ncclComm* c, const char* fn) {
+  if (c->fx) return files::wait_formed(c, fn);
   Clique& cl = *c->cl;
   std::unique_lock<std::mutex> lk(cl.m);
   const double t = cp_shim::wait_timeout_s();
@@ -195,7 +222,16 @@ int init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, boo
   c->blocking = blocking;
   c->send_seq.assign(nranks, 0);
   c->recv_seq.assign(nranks, 0);
-  {
+  if (const int tr = files::transport(); tr != 0) {
+    int r = tr < 0 ? static_cast<int>(ncclInvalidArgument) : files::join(c, id, fn);
+    if (tr < 0) set_last("%s: CPEMU_NCCL_TRANSPORT=%s: unknown transport (threads or files)", fn, getenv("CPEMU_NCCL_TRANSPORT"));
+    if (r != ncclSuccess) {
+      delete c;
+      return r;
+    }
+    std::lock_guard<std::mutex> g0(G().mu);
+    G().live.insert(c);
+  } else {
     std::lock_guard<std::mutex> g0(G().mu);
     std::string key(id.internal, sizeof id.internal);
     auto& cl = G().rendezvous[key];
@@ -235,6 +271,37 @@ int init_rank(ncclComm_t* out, int nranks, const ncclUniqueId& id, int rank, boo
     *out = nullptr;
   }
   return r;
+}
+
+// ncclCommInitAll over the files transport: ranks of this process that talk through files.
+int init_all_files(ncclComm_t* comms, int ndev, const int* devlist) {
+  ncclUniqueId id;
+  ncclGetUniqueId(&id);
+  std::vector<ncclComm*> cs;
+  int res = ncclSuccess;
+  for (int r = 0; r < ndev && res == ncclSuccess; ++r) {
+    auto* c = new ncclComm;
+    c->rank = r;
+    c->nranks = ndev;
+    c->dev = devlist ? devlist[r] : r;
+    c->send_seq.assign(ndev, 0);
+    c->recv_seq.assign(ndev, 0);
+    if ((res = files::join(c, id, "ncclCommInitAll")) != ncclSuccess) {
+      delete c;
+      break;
+    }
+    std::lock_guard<std::mutex> g(G().mu);
+    G().live.insert(c);
+    cs.push_back(c);
+  }
+  for (size_t r = 0; r < cs.size() && res == ncclSuccess; ++r) res = wait_formed(cs[r], "ncclCommInitAll");
+  for (int r = 0; r < ndev; ++r) comms[r] = res == ncclSuccess ? cs[r] : nullptr;
+  if (res != ncclSuccess)
+    for (ncclComm* c : cs) {
+      ncclCommAbort(c);
+      ncclCommDestroy(c);
+    }
+  return res;
 }
 
 }  // namespace
@@ -309,6 +376,11 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
     set_last("ncclCommInitAll: invalid arguments (comms %p, ndev %d)", static_cast<void*>(comms), ndev);
     return ncclInvalidArgument;
   }
+  if (files::transport() < 0) {
+    set_last("ncclCommInitAll: CPEMU_NCCL_TRANSPORT=%s: unknown transport (threads or files)", getenv("CPEMU_NCCL_TRANSPORT"));
+    return ncclInvalidArgument;
+  }
+  if (files::transport() == 1) return static_cast<ncclResult_t>(init_all_files(comms, ndev, devlist));
   ncclUniqueId id;
   ncclGetUniqueId(&id);
   auto cl = std::make_shared<Clique>();
@@ -344,6 +416,7 @@ ncclResult_t ncclCommInitAll(ncclComm_t* comms, int ndev, const int* devlist) {
 ncclResult_t ncclCommGetAsyncError(ncclComm_t comm, ncclResult_t* asyncError) {
   if (int r = lookup(comm, "ncclCommGetAsyncError")) return static_cast<ncclResult_t>(r);
   if (!asyncError) return ncclInvalidArgument;
+  if (comm->fx) files::check_poison(comm);
   *asyncError = static_cast<ncclResult_t>(refresh(comm) == kInit ? ncclInProgress : comm->err.load());
   return ncclSuccess;
 }
@@ -358,12 +431,13 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
     }
   }
   if (comm->state.exchange(kAborted) == kAborted) return ncclSuccess;
-  leave(comm, "ncclCommAbort");
+  comm->fx ? files::leave(comm, "ncclCommAbort") : leave(comm, "ncclCommAbort");
   return ncclSuccess;
 }
 
 // Waits (bounded) until this rank's posted operations have completed.
 static int drain_own(ncclComm* c, const char* fn) {
+  if (c->fx) return files::drain(c, fn);
   std::vector<WorkPtr> ws;
   {
     std::lock_guard<std::mutex> g(c->cl->m);
@@ -399,11 +473,12 @@ ncclResult_t ncclCommDestroy(ncclComm_t comm) {
     }
   }
   if (refresh(comm) == kReady && comm->err.load() == ncclSuccess) drain_own(comm, "ncclCommDestroy");
-  if (comm->state.exchange(kAborted) != kAborted) leave(comm, "ncclCommDestroy");
+  if (comm->state.exchange(kAborted) != kAborted) comm->fx ? files::leave(comm, "ncclCommDestroy") : leave(comm, "ncclCommDestroy");
   {
     std::lock_guard<std::mutex> g(G().mu);
     G().live.erase(comm);
   }
+  if (comm->fx) files::release(comm);
   delete comm;
   return ncclSuccess;
 }
@@ -439,7 +514,17 @@ ncclResult_t ncclGroupEnd() {
   if (--t_depth > 0) return ncclSuccess;
   std::vector<Op> ops;
   ops.swap(t_ops);
-  for (Op& o : ops) post(o);
+  std::vector<std::vector<Op>> units;  // files transport: one unit per communicator, in order
+  for (Op& o : ops) {
+    if (!o.comm->fx) {
+      post(o);
+      continue;
+    }
+    auto u = std::find_if(units.begin(), units.end(), [&](const std::vector<Op>& x) { return x[0].comm == o.comm; });
+    if (u == units.end()) u = units.emplace(units.end());
+    u->push_back(std::move(o));
+  }
+  for (auto& u : units) files::post(u);
   std::vector<std::pair<ncclComm*, ncclComm_t*>> inits;
   inits.swap(t_inits);
   int res = ncclSuccess;

@@ -41,6 +41,7 @@ struct Entry {
 enum State { kInit, kReady, kFailed, kAborted };
 
 struct Clique;
+struct FilesComm;  // files transport (nccl_files.cpp)
 
 inline thread_local char t_last[1024];  // ncclGetLastError when no communicator message applies
 
@@ -57,7 +58,8 @@ inline void set_last(const char* fmt, ...) {
 
 // One rank of a communicator (the opaque type behind ncclComm_t).
 struct ncclComm {
-  std::shared_ptr<cp_nccl::Clique> cl;
+  std::shared_ptr<cp_nccl::Clique> cl;  // threads transport
+  cp_nccl::FilesComm* fx = nullptr;     // files transport (then cl is null)
   int rank = 0, nranks = 0, dev = -1;
   bool blocking = true;
   std::atomic<int> state{cp_nccl::kInit};

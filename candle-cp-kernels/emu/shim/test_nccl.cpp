@@ -2,8 +2,12 @@
 // and send/recv pattern is checked element by element against a reference computed here in
 // double (inputs are small integers, so every datatype represents the exact result), for
 // P = 1..4; then init (blocking, non-blocking, grouped, missing rank), abort, mismatch and
-// argument errors. Prints PASS/FAIL per check; exit status 1 on any failure.
-// Build/run: test_nccl.sh (CPEMU_WAIT_TIMEOUT_S=2 bounds the missing-rank wait).
+// argument errors. Prints PASS/FAIL per check; exit status 1 on any failure. test_nccl.sh runs
+// it once per transport (CPEMU_NCCL_TRANSPORT unset = threads, then files: the same checks, the
+// ranks still threads, their operations going through files; plus a check that no directory
+// is left behind). Build/run: test_nccl.sh (CPEMU_WAIT_TIMEOUT_S bounds the missing-rank wait).
+#include <dirent.h>
+
 #include "test_nccl.h"
 
 namespace {
@@ -200,6 +204,7 @@ void test_p2p(int P) {
 
 int main() {
   cuInit(0);
+  printf("transport: %s\n", getenv("CPEMU_NCCL_TRANSPORT") ? getenv("CPEMU_NCCL_TRANSPORT") : "threads (default)");
   setenv("CPEMU_NCCL_SAME_DEVICE", "1", 0);  // threads of one device: allowed unless a test says otherwise
   test_codecs();
   for (int P = 1; P <= 4; ++P) test_collectives(P);
@@ -210,6 +215,16 @@ int main() {
   test_mismatch();
   test_arguments();
   test_group_pattern();
+  const char* tr = getenv("CPEMU_NCCL_TRANSPORT");
+  const char* dir = getenv("CPEMU_NCCL_DIR");
+  if (tr && !strcmp(tr, "files") && dir && *dir) {  // every communicator above was destroyed or aborted
+    int n = 0;
+    if (DIR* d = opendir(dir)) {
+      while (dirent* x = readdir(d)) n += strcmp(x->d_name, ".") && strcmp(x->d_name, "..");
+      closedir(d);
+    }
+    report(fmt("files transport: the last rank out removed each communicator's directory from %s", dir), n ? fmt("%d entries left", n) : "");
+  }
   printf("%s: %d passed, %d failed\n", g_failed ? "FAIL" : "PASS", g_passed, g_failed);
   return g_failed ? 1 : 0;
 }

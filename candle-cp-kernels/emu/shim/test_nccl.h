@@ -1,4 +1,5 @@
-// Helpers of the shim's libnccl tests (test_nccl.cpp, test_nccl_faults.cpp, test_nccl_group.cpp).
+// Helpers of the shim's libnccl tests (test_nccl.cpp, test_nccl_faults.cpp, test_nccl_group.cpp,
+// test_nccl_procs.cpp).
 #pragma once
 #include <atomic>
 #include <chrono>

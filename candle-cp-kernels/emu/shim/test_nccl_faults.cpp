@@ -321,6 +321,16 @@ void test_arguments() {
   want("rank 2 of 2", ncclCommInitRank(&c, 2, id, 2), ncclInvalidArgument);
   if (c) e += "comm not NULL after a failed init; ";
   want("nranks 0", ncclCommInitRank(&c, 0, id, 0), ncclInvalidArgument);
+  {
+    const char* tr = getenv("CPEMU_NCCL_TRANSPORT");
+    const std::string saved = tr ? tr : "";
+    setenv("CPEMU_NCCL_TRANSPORT", "pigeons", 1);
+    c = reinterpret_cast<ncclComm_t>(1);
+    want("CPEMU_NCCL_TRANSPORT=pigeons", ncclCommInitRank(&c, 1, id2, 0), ncclInvalidArgument);
+    want("ncclCommInitAll, CPEMU_NCCL_TRANSPORT=pigeons", ncclCommInitAll(&c2, 1, nullptr), ncclInvalidArgument);
+    if (c || c2) e += "comm not NULL after an unknown transport; ";
+    tr ? setenv("CPEMU_NCCL_TRANSPORT", saved.c_str(), 1) : unsetenv("CPEMU_NCCL_TRANSPORT");
+  }
   ncclConfig_t bad = nonblocking();
   bad.magic = 0;
   want("config without NCCL_CONFIG_INITIALIZER", ncclCommInitRankConfig(&c, 2, id, 0, &bad), ncclInvalidArgument);

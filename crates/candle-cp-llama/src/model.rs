@@ -428,9 +428,8 @@ pub fn global_mean(terms: &Tensor, n: usize, group: &candle_cp_comm::Group) -> R
     let lo = (local - hi as f64) as f32;
     let row = Tensor::new(&[[hi, lo, n as f32]], &candle_core::Device::Cpu)?;
     let rows = if group.size() > 1 {
-        group
-            .all_gather(&row.to_device(terms.device())?, 0)?
-            .to_device(&candle_core::Device::Cpu)?
+        // (a host tensor: an NCCL group checks its health after the copy back)
+        group.all_gather(&row, 0)?
     } else {
         row
     };

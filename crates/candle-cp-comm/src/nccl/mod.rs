@@ -206,10 +206,12 @@ impl NcclGroup {
     /// `op`; with `join`, the compute stream also waits for it.
     fn leave(&self, op: String, join: bool) -> Result<Arc<CudaEvent>> {
         let ev = Arc::new(self.comm_stream.record_event(None).w()?);
+        // tracked before the stream wait: where that wait blocks the host (the CPU shim's
+        // eager streams), the watchdog must already be timing the collective to abort it
+        self.watchdog.track(op, ev.clone());
         if join {
             self.compute().wait(&ev).w()?;
         }
-        self.watchdog.track(op, ev.clone());
         Ok(ev)
     }
 
@@ -224,13 +226,12 @@ impl NcclGroup {
         }
     }
 
-    /// A result back on the host when its input came from there.
-    fn back(r: Tensor, host: bool) -> Result<Tensor> {
-        if host {
-            r.to_device(&Device::Cpu)
-        } else {
-            Ok(r)
-        }
+    /// A result back on the host when its input came from there, checked: the copy waits for
+    /// the collective, then a group that failed meanwhile (a dead peer, an abort) or an error
+    /// NCCL reports for the communicator makes this `Err` instead of handing out what the
+    /// failed collective left in the buffer.
+    fn back(&self, r: Tensor, host: bool, op: &str) -> Result<Tensor> {
+        back_checked(&self.raw, r, host, op)
     }
 
     /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
@@ -423,6 +424,21 @@ fn around(dims: &[usize], dim: usize, op: &str) -> Result<(usize, usize, usize)>
     Ok((dims[..dim].iter().product(), dims[dim], dims[dim + 1..].iter().product()))
 }
 
+/// See [`NcclGroup::back`].
+fn back_checked(raw: &RawComm, r: Tensor, host: bool, op: &str) -> Result<Tensor> {
+    if !host {
+        return Ok(r);
+    }
+    let r = r.to_device(&Device::Cpu)?;
+    raw.refuse_if_failed(op)?;
+    if let Err(e) = raw.async_error() {
+        let msg = format!("{}: {op}: NCCL reported an error for the communicator: {e}; communicator aborted, the result is invalid", raw.label);
+        raw.fail(msg.clone());
+        candle_core::bail!("{msg}")
+    }
+    Ok(r)
+}
+
 struct NcclRecv {
     out: Option<Tensor>,
     host: bool, // the sent tensor came from the host: so does the received one
@@ -438,7 +454,7 @@ impl PendingRecv for NcclRecv {
         self.compute.wait(&self.event).w()?;
         self.raw.refuse_if_failed("send_recv wait")?;
         let out = self.out.take().ok_or_else(|| candle_core::Error::Msg("send_recv: receive already taken".into()))?;
-        NcclGroup::back(out, self.host)
+        back_checked(&self.raw, out, self.host, "send_recv wait")
     }
 }
 
@@ -468,7 +484,7 @@ impl ProcessGroup for NcclGroup {
         let mut dims = t.dims().to_vec();
         dims[dim] *= p;
         let r = if a == 1 { g.reshape(dims)? } else { g.transpose(0, 1)?.contiguous()?.reshape(dims)? };
-        Self::back(r, host)
+        self.back(r, host, "all_gather")
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
@@ -481,12 +497,12 @@ impl ProcessGroup for NcclGroup {
         let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
         let mut dims = t.dims().to_vec();
         dims[dim] /= p;
-        Self::back(self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)?, host)
+        self.back(self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)?, host, "reduce_scatter")
     }
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
         let (t, host) = self.check(t, "all_reduce")?;
-        Self::back(self.flat(&t, t.shape().clone(), Flat::AllReduce)?, host)
+        self.back(self.flat(&t, t.shape().clone(), Flat::AllReduce)?, host, "all_reduce")
     }
 
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
@@ -504,7 +520,7 @@ impl ProcessGroup for NcclGroup {
         let recvs: Vec<(Shape, usize)> = (0..p).map(|j| (Shape::from(chunk_dims.as_slice()), j)).collect();
         let (outs, ev) = self.p2p("all_to_all", &sends, &recvs, t.dtype())?;
         self.compute().wait(&ev).w()?;
-        Self::back(Tensor::cat(&outs, concat_dim)?, host)
+        self.back(Tensor::cat(&outs, concat_dim)?, host, "all_to_all")
     }
 
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
@@ -512,7 +528,7 @@ impl ProcessGroup for NcclGroup {
             candle_core::bail!("broadcast: root {root} out of range for group size {}", self.size)
         }
         let (t, host) = self.check(t, "broadcast")?;
-        Self::back(self.flat(&t, t.shape().clone(), Flat::Broadcast(root))?, host)
+        self.back(self.flat(&t, t.shape().clone(), Flat::Broadcast(root))?, host, "broadcast")
     }
 
     fn barrier(&self) -> Result<()> {
@@ -532,11 +548,10 @@ impl ProcessGroup for NcclGroup {
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {
-        // 1. everyone learns (color, key) of every rank. The host copies return early if the
-        //    watchdog aborts the group, hence the health checks after them.
-        let me = Tensor::new(&[color as u32, key as u32], &self.device())?;
+        // 1. everyone learns (color, key) of every rank. Host tensors: the gathers check the
+        //    group's health after their copy back (a watchdog abort or a dead peer is an Err).
+        let me = Tensor::new(&[color as u32, key as u32], &Device::Cpu)?;
         let all = self.all_gather(&me, 0)?.to_vec1::<u32>()?;
-        self.healthy("split")?;
         let mut members: Vec<(u32, usize)> =
             (0..self.size).filter(|&r| all[2 * r] == color as u32).map(|r| (all[2 * r + 1], r)).collect();
         members.sort();
@@ -549,8 +564,7 @@ impl ProcessGroup for NcclGroup {
         } else {
             vec![0u8; 128]
         };
-        let ids = self.all_gather(&Tensor::new(mine.as_slice(), &self.device())?, 0)?.to_vec1::<u8>()?;
-        self.healthy("split")?;
+        let ids = self.all_gather(&Tensor::new(mine.as_slice(), &Device::Cpu)?, 0)?.to_vec1::<u8>()?;
         let mut id = [0 as std::ffi::c_char; 128];
         for (d, s) in id.iter_mut().zip(&ids[128 * leader..128 * leader + 128]) {
             *d = *s as std::ffi::c_char;

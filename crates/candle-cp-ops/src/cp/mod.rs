@@ -220,11 +220,10 @@ pub(crate) fn check_inputs(
         ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
-        let local = Tensor::from_vec(row, (1, n), &Device::Cpu)?.to_device(q.device())?;
-        let all = group
-            .all_gather(&local, 0)?
-            .to_device(&Device::Cpu)?
-            .to_vec2::<f32>()?;
+        // a host tensor: every group takes one, and an NCCL group checks its health after the
+        // copy back (a dead peer is an error here, not a garbage row)
+        let local = Tensor::from_vec(row, (1, n), &Device::Cpu)?;
+        let all = group.all_gather(&local, 0)?.to_device(&Device::Cpu)?.to_vec2::<f32>()?;
         for (r, other) in all.iter().enumerate() {
             if other[..5] != mine[..] {
                 let s = |x: &[f32]| x.iter().map(|v| *v as usize).collect::<Vec<_>>();
