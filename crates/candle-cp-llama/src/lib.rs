@@ -44,6 +44,7 @@ pub mod grads;
 pub mod head_loss;
 pub mod hf;
 pub mod layout;
+pub mod loss;
 pub mod model;
 pub mod params;
 pub mod rope;
