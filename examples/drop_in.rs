@@ -12,6 +12,7 @@
 //! cargo run --release --example drop_in                       # zigzag ring, P = 4, T = 1024
 //! cargo run --release --example drop_in -- --layout ulysses --cp 2 --seq 512
 //! cargo run --release --features cuda --example drop_in -- --device cuda   # ranks share GPU 0
+//! cargo run --release --example drop_in -- --recompute     # the block recomputed in backward
 //! ```
 //! See docs/drop-in.md for the list of changes.
 
@@ -19,10 +20,12 @@ use candle_core::{DType, Device, Result, Tensor, Var, D};
 use candle_cp_comm::{run_ranks, Group};
 use candle_cp_llama::{global_mean, local_nll, IGNORE};
 use candle_cp_ops::cp::{self, ring_attention, CpOpts, Layout};
+use candle_cp_ops::recompute::Recompute;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 use candle_nn::{Linear, Module};
 use clap::Parser;
 use std::collections::HashMap;
+use std::sync::Arc;
 
 #[derive(Parser)]
 struct Args {
@@ -39,6 +42,10 @@ struct Args {
     /// GPU 0 (thread ranks sharing it).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// Checkpoint the attention block on the ranks (`candle_cp_ops::recompute::Recompute`):
+    /// keep only its input, rerun it (and its ring / all-to-all) in backward.
+    #[arg(long)]
+    recompute: bool,
 }
 
 const VOCAB: usize = 256;
@@ -47,6 +54,7 @@ const HEADS: usize = 4;
 const KV_HEADS: usize = 2;
 
 /// RoPE tables for every position `[T_max, D]` (candle-transformers' `Cache::cos/sin`).
+#[derive(Clone)]
 struct Rope {
     cos: Tensor,
     sin: Tensor,
@@ -80,6 +88,7 @@ fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     x.broadcast_mul(cos)? + rot.broadcast_mul(sin)?
 }
 
+#[derive(Clone)]
 struct Attn {
     q: Linear,
     k: Linear,
@@ -87,10 +96,11 @@ struct Attn {
     o: Linear,
 }
 
-/// How the CP version attends.
-enum Cp<'a> {
-    Ring(&'a Group, CpOpts),
-    Ulysses(&'a Group),
+/// How the CP version attends (owned: a checkpointed block reruns in backward).
+#[derive(Clone)]
+enum Cp {
+    Ring(Group, CpOpts),
+    Ulysses(Group),
 }
 
 impl Attn {
@@ -260,15 +270,23 @@ fn main() -> anyhow::Result<()> {
         let pos_l = cp::position_ids(layout, r, p, t, &dev)?;
         let lm = Lm::new(&w)?; // same initial weights on every rank
         let cpk = if ulysses {
-            Cp::Ulysses(&group)
+            Cp::Ulysses(group.clone())
         } else {
-            Cp::Ring(&group, CpOpts::new(layout, true))
+            Cp::Ring(group.clone(), CpOpts::new(layout, true))
         };
-        let logits = lm.logits(&ids_l, |attn, x| attn.forward_cp(x, &pos_l, &rope, &cpk))?;
+        // optional: recompute the block in backward (keeps only its input; see docs/drop-in.md)
+        let rc = Recompute::new();
+        let logits = lm.logits(&ids_l, |attn, x| {
+            if !a.recompute {
+                return attn.forward_cp(x, &pos_l, &rope, &cpk);
+            }
+            let (attn, pos, rope, cpk) = (attn.clone(), pos_l.clone(), rope.clone(), cpk.clone());
+            rc.checkpoint("attention block", x, Arc::new(move |x: &Tensor| attn.forward_cp(x, &pos, &rope, &cpk)))
+        })?;
         // CHANGED: global mean over all ranks' targets (sum + count all-reduced)
         let (terms, n) = local_nll(&logits, &labels_l)?;
         let loss = global_mean(&terms, n, &group)?;
-        let g = loss.backward()?;
+        let g = rc.backward(&loss)?; // = loss.backward() + the checkpointed block's weights
         // CHANGED: sum every replicated weight's gradient over the CP group
         let mut grads = Vec::new();
         for (k, v) in &lm.vars {
@@ -292,7 +310,8 @@ fn main() -> anyhow::Result<()> {
             }
         }
     }
-    println!("layout {} P = {p}, T = {t}: {} tokens per rank, on {:?}", a.layout, t / p, dev);
+    let rc = if a.recompute { ", block recomputed in backward" } else { "" };
+    println!("layout {} P = {p}, T = {t}: {} tokens per rank, on {:?}{rc}", a.layout, t / p, dev);
     println!("loss single device {loss_single:.6}, every rank agrees within 1e-5");
     println!("worst gradient rel. error {:.2e} ({})", worst.0, worst.1);
     anyhow::ensure!(worst.0 < 1e-4, "gradients differ");
