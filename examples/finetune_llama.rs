@@ -155,6 +155,10 @@ struct Args {
     /// Weight dtype: f32, bf16 or f16 (low precision is meant for GPUs).
     #[arg(long, default_value = "f32")]
     dtype: String,
+    /// ZeRO-1: split the optimizer state over the DP x CP replicas (1/(dp·cp) of it per rank;
+    /// same training, same checkpoints).
+    #[arg(long)]
+    zero1: bool,
     /// Recompute every decoder layer in backward instead of keeping its activations (less
     /// memory at long context, about one more forward of the layers).
     #[arg(long)]
@@ -292,6 +296,7 @@ fn main() -> Result<()> {
         cuda,
         gpus: a.gpus,
         recompute: a.recompute,
+        zero1: a.zero1,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
     };

@@ -2,6 +2,7 @@
 //! private, so a run using it could not be resumed without losing them).
 
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_cp_comm::Group;
 use std::collections::HashMap;
 use std::path::Path;
 
@@ -32,19 +33,44 @@ impl Default for AdamWConfig {
 struct Slot {
     name: String,
     var: Var,
+    /// This rank's slice of the flattened parameter: `[off, off + len)` of `n` elements
+    /// (the whole parameter without ZeRO).
+    off: usize,
+    len: usize,
+    /// f32 moments of the slice (`[len]` with ZeRO, the parameter's shape without).
     m: Tensor,
     v: Tensor,
-    /// f32 master copy of a low-precision (bf16/f16) parameter: updates accumulate here and
-    /// the parameter is its rounding (an update below the parameter's resolution, e.g. 1e-5
-    /// on a bf16 weight of 0.02, would otherwise be lost at every step).
+    /// f32 master copy (of the slice) of a low-precision (bf16/f16) parameter: updates
+    /// accumulate here and the parameter is its rounding (an update below the parameter's
+    /// resolution, e.g. 1e-5 on a bf16 weight of 0.02, would otherwise be lost every step).
     master: Option<Tensor>,
     decay: bool,
+}
+
+/// ZeRO-1: the optimizer state is split over `group`, the ranks that hold the same weights
+/// (data- and context-parallel replicas); rank `r` owns slice `r` of every parameter.
+#[derive(Clone)]
+struct Zero {
+    group: Group,
+    rank: usize,
+    size: usize,
+}
+
+/// Slice `r` of `n` elements split into `size` slices of `ceil(n / size)` (the last ones
+/// shorter or empty): `(offset, length, slice capacity)`.
+fn span(n: usize, r: usize, size: usize) -> (usize, usize, usize) {
+    let chunk = n.div_ceil(size.max(1));
+    let off = (r * chunk).min(n);
+    (off, (off + chunk).min(n) - off, chunk)
 }
 
 /// AdamW over named parameters (names are the checkpoint keys, e.g. HF names).
 ///
 /// Moments are f32 of the parameter's (local) shape; a bf16/f16 parameter also gets an f32
 /// master copy (mixed precision: 12 bytes of state per parameter, 8 for f32 parameters).
+/// With ZeRO-1 ([`AdamW::new_zero1`]) each of the `R` replica ranks keeps that state for
+/// `1/R` of every parameter, updates its slice and all-gathers the parameter: the same
+/// values as without, bit for bit, for `1/R` of the state memory.
 /// Parameters are kept sorted by name so the update order — and the saved state — is
 /// deterministic.
 pub struct AdamW {
@@ -53,11 +79,26 @@ pub struct AdamW {
     /// Number of optimizer steps taken (bias correction uses `step` after increment).
     pub step: usize,
     slots: Vec<Slot>,
+    zero: Option<Zero>,
 }
 
 impl AdamW {
     /// An optimizer over `params` (name, variable). Duplicate names are an error.
-    pub fn new(mut params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
+    pub fn new(params: Vec<(String, Var)>, cfg: AdamWConfig) -> Result<Self> {
+        Self::build(params, cfg, None)
+    }
+
+    /// ZeRO-1 over `replicas`: the ranks holding identical copies of `params` (same names and
+    /// shapes, e.g. `ParallelCtx::dp_cp`). Collective: [`AdamW::step`] and
+    /// [`AdamW::save_from`] must be called by every rank of `replicas` with the same
+    /// gradients' names. A group of one rank is the plain optimizer.
+    pub fn new_zero1(params: Vec<(String, Var)>, cfg: AdamWConfig, replicas: Group) -> Result<Self> {
+        let (rank, size) = (replicas.rank(), replicas.size());
+        let zero = (size > 1).then_some(Zero { group: replicas, rank, size });
+        Self::build(params, cfg, zero)
+    }
+
+    fn build(mut params: Vec<(String, Var)>, cfg: AdamWConfig, zero: Option<Zero>) -> Result<Self> {
         params.sort_by(|a, b| a.0.cmp(&b.0));
         for w in params.windows(2) {
             if w[0].0 == w[1].0 {
@@ -67,24 +108,24 @@ impl AdamW {
         let slots = params
             .into_iter()
             .map(|(name, var)| {
-                let z = Tensor::zeros(var.shape(), DType::F32, var.device())?;
+                let n = var.elem_count();
+                let (off, len) = match &zero {
+                    Some(z) => {
+                        let (o, l, _) = span(n, z.rank, z.size);
+                        (o, l)
+                    }
+                    None => (0, n),
+                };
                 let decay = var.rank() >= 2;
-                let master = master_of(&var)?;
-                Ok(Slot {
-                    name,
-                    var,
-                    m: z.clone(),
-                    v: z,
-                    master,
-                    decay,
-                })
+                let mut slot = Slot { name, var, off, len, m: Tensor::zeros(0, DType::F32, &Device::Cpu)?, v: Tensor::zeros(0, DType::F32, &Device::Cpu)?, master: None, decay };
+                let z = Tensor::zeros(slot.state_shape(zero.is_some()), DType::F32, slot.var.device())?;
+                slot.m = z.clone();
+                slot.v = z;
+                slot.master = slot.master_init(zero.is_some())?;
+                Ok(slot)
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self {
-            cfg,
-            step: 0,
-            slots,
-        })
+        Ok(Self { cfg, step: 0, slots, zero })
     }
 
     /// Parameter names, sorted.
@@ -100,9 +141,15 @@ impl AdamW {
             .collect()
     }
 
+    /// Whether the state is split over replica ranks (ZeRO-1 over more than one rank).
+    pub fn is_sharded(&self) -> bool {
+        self.zero.is_some()
+    }
+
     /// One update with learning rate `lr`. Each gradient is multiplied by `grad_scale` first
     /// (gradient clipping, 1/accumulation). A parameter absent from `grads` is left untouched
-    /// (its moments too). Gradient shapes must match the parameters.
+    /// (its moments too). Gradient shapes must match the parameters. With ZeRO-1 every
+    /// replica rank must call this with gradients for the same parameters.
     pub fn step(
         &mut self,
         grads: &HashMap<String, Tensor>,
@@ -125,14 +172,15 @@ impl AdamW {
                     s.var.dims()
                 )
             }
-            let g = (g.to_dtype(DType::F32)? * grad_scale)?;
+            let sharded = self.zero.is_some();
+            let g = (s.own(g, sharded)?.to_dtype(DType::F32)? * grad_scale)?;
             s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
             s.v = ((&s.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
             let denom = ((&s.v / bc2)?.sqrt()? + c.eps)?;
             let upd = ((&s.m / bc1)? / denom)?;
             let p = match &s.master {
                 Some(m) => m.clone(),
-                None => s.var.as_tensor().to_dtype(DType::F32)?,
+                None => s.own(s.var.as_tensor(), sharded)?.to_dtype(DType::F32)?,
             };
             let p = if s.decay && c.weight_decay > 0.0 {
                 (p * (1.0 - lr * c.weight_decay))?
@@ -140,7 +188,12 @@ impl AdamW {
                 p
             };
             let p = (p - (upd * lr)?)?;
-            s.var.set(&p.to_dtype(s.var.dtype())?)?;
+            let new = p.to_dtype(s.var.dtype())?;
+            let full = match &self.zero {
+                Some(z) => gather(z, &new, s.var.elem_count())?.reshape(s.var.shape())?,
+                None => new,
+            };
+            s.var.set(&full)?;
             if s.master.is_some() {
                 s.master = Some(p);
             }
@@ -148,15 +201,23 @@ impl AdamW {
         Ok(())
     }
 
-    /// The state as named tensors: `m.<name>`, `v.<name>`, `w.<name>` (the f32 master copy
-    /// of a low-precision parameter) and `step` (u32 `[1]`).
+    /// The whole state as named tensors: `m.<name>`, `v.<name>`, `w.<name>` (the f32 master
+    /// copy of a low-precision parameter) and `step` (u32 `[1]`), full shapes on the host.
+    /// With ZeRO-1 the slices are all-gathered: collective over the replica ranks.
     pub fn state_tensors(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
         for s in &self.slots {
-            out.insert(format!("m.{}", s.name), s.m.to_device(&Device::Cpu)?);
-            out.insert(format!("v.{}", s.name), s.v.to_device(&Device::Cpu)?);
+            let full = |t: &Tensor| -> Result<Tensor> {
+                let t = match &self.zero {
+                    Some(z) => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
+                    None => t.clone(),
+                };
+                t.to_device(&Device::Cpu)
+            };
+            out.insert(format!("m.{}", s.name), full(&s.m)?);
+            out.insert(format!("v.{}", s.name), full(&s.v)?);
             if let Some(w) = &s.master {
-                out.insert(format!("w.{}", s.name), w.to_device(&Device::Cpu)?);
+                out.insert(format!("w.{}", s.name), full(w)?);
             }
         }
         out.insert(
@@ -171,10 +232,25 @@ impl AdamW {
         candle_core::safetensors::save(&self.state_tensors()?, path)
     }
 
-    /// Restore the state saved by [`AdamW::save`]. Every parameter must have its moments in
-    /// the file, with the same shape. A low-precision parameter's master copy comes from the
-    /// file (`w.<name>`), or, in a file without one (written before master copies existed, or
-    /// by an f32 run), from the parameter's current value.
+    /// [`AdamW::save`] where only the ranks with `write` write the file; with ZeRO-1 every
+    /// replica rank must call it (the state is gathered first). The file is the same as
+    /// without ZeRO, so a run can resume with or without it.
+    pub fn save_from(&self, path: impl AsRef<Path>, write: bool) -> Result<()> {
+        if self.zero.is_none() && !write {
+            return Ok(());
+        }
+        let st = self.state_tensors()?;
+        if write {
+            candle_core::safetensors::save(&st, path)?;
+        }
+        Ok(())
+    }
+
+    /// Restore the state saved by [`AdamW::save`] (with or without ZeRO-1; this rank takes
+    /// its slice). Every parameter must have its moments in the file, with the same shape. A
+    /// low-precision parameter's master copy comes from the file (`w.<name>`), or, in a file
+    /// without one (written before master copies existed, or by an f32 run), from the
+    /// parameter's current value.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let p = path.as_ref();
         let t = candle_core::safetensors::load(p, &Device::Cpu)?;
@@ -185,6 +261,7 @@ impl AdamW {
         let Some(&step) = step.first() else {
             bail!("{}: empty 'step' tensor", p.display())
         };
+        let sharded = self.zero.is_some();
         for s in self.slots.iter_mut() {
             let (Some(m), Some(v)) = (
                 t.get(&format!("m.{}", s.name)),
@@ -196,34 +273,73 @@ impl AdamW {
                     s.name
                 )
             };
-            if m.shape() != s.var.shape() || v.shape() != s.var.shape() {
-                bail!(
-                    "{}: state of '{}' has shape {:?}, parameter {:?}",
-                    p.display(),
-                    s.name,
-                    m.dims(),
-                    s.var.dims()
-                )
+            let w = t.get(&format!("w.{}", s.name));
+            for (what, x) in [("state", Some(m)), ("state", Some(v)), ("master copy", w)] {
+                if let Some(x) = x {
+                    if x.shape() != s.var.shape() {
+                        bail!(
+                            "{}: {what} of '{}' has shape {:?}, parameter {:?}",
+                            p.display(),
+                            s.name,
+                            x.dims(),
+                            s.var.dims()
+                        )
+                    }
+                }
             }
-            s.m = m.to_dtype(DType::F32)?.to_device(s.var.device())?;
-            s.v = v.to_dtype(DType::F32)?.to_device(s.var.device())?;
+            let dev = s.var.device().clone();
+            s.m = s.own(m, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
+            s.v = s.own(v, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
             if s.master.is_some() {
-                s.master = match t.get(&format!("w.{}", s.name)) {
-                    Some(w) if w.shape() == s.var.shape() => Some(w.to_dtype(DType::F32)?.to_device(s.var.device())?),
-                    Some(w) => bail!(
-                        "{}: master copy of '{}' has shape {:?}, parameter {:?}",
-                        p.display(),
-                        s.name,
-                        w.dims(),
-                        s.var.dims()
-                    ),
-                    None => master_of(&s.var)?,
+                s.master = match w {
+                    Some(w) => Some(s.own(w, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?),
+                    None => s.master_init(sharded)?,
                 };
             }
         }
         self.step = step as usize;
         Ok(())
     }
+}
+
+impl Slot {
+    /// Shape of the moments: the slice `[len]` with ZeRO, else the parameter's.
+    fn state_shape(&self, sharded: bool) -> candle_core::Shape {
+        if sharded {
+            candle_core::Shape::from(self.len)
+        } else {
+            self.var.shape().clone()
+        }
+    }
+
+    /// This rank's part of a full-shape tensor (all of it without ZeRO).
+    fn own(&self, t: &Tensor, sharded: bool) -> Result<Tensor> {
+        if sharded {
+            t.flatten_all()?.narrow(0, self.off, self.len)
+        } else {
+            Ok(t.clone())
+        }
+    }
+
+    /// The f32 master copy (of the slice) a low-precision parameter needs.
+    fn master_init(&self, sharded: bool) -> Result<Option<Tensor>> {
+        match master_of(&self.var)? {
+            Some(m) => Ok(Some(self.own(&m, sharded)?)),
+            None => Ok(None),
+        }
+    }
+}
+
+/// All replica ranks' slices of one parameter (`[len]` each) → the flat `[n]` tensor.
+fn gather(z: &Zero, slice: &Tensor, n: usize) -> Result<Tensor> {
+    let (_, len, chunk) = span(n, z.rank, z.size);
+    let padded = if len < chunk {
+        let pad = Tensor::zeros(chunk - len, slice.dtype(), slice.device())?;
+        Tensor::cat(&[slice, &pad], 0)?
+    } else {
+        slice.clone()
+    };
+    z.group.all_gather(&padded, 0)?.narrow(0, 0, n)
 }
 
 /// The f32 master copy a parameter needs: `Some` for bf16/f16 (low-precision) parameters.
@@ -235,126 +351,5 @@ fn master_of(var: &Var) -> Result<Option<Tensor>> {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// A bf16 weight at 1.0 under updates of 1e-4 (far below bf16's 2^-8 spacing there): with
-    /// the f32 master copy the weight moves once the updates add up; rounding every step
-    /// (the old behaviour, no master) would leave it at 1.0 for ever. Save / load keeps the
-    /// master copy, so a resumed run continues identically.
-    #[test]
-    fn bf16_updates_accumulate_in_the_master_copy() -> Result<()> {
-        let mk = || -> Result<AdamW> {
-            let w = Var::from_tensor(&Tensor::ones(4, DType::BF16, &Device::Cpu)?)?;
-            AdamW::new(vec![("w".to_string(), w)], AdamWConfig::default())
-        };
-        let grads: HashMap<String, Tensor> = [("w".to_string(), Tensor::ones(4, DType::BF16, &Device::Cpu)?)].into();
-        let value = |o: &AdamW| -> Result<f32> { o.slots[0].var.as_tensor().to_dtype(DType::F32)?.to_vec1::<f32>().map(|v| v[0]) };
-        let mut a = mk()?;
-        for _ in 0..10 {
-            a.step(&grads, 1e-4, 1.0)?;
-        }
-        assert_eq!(value(&a)?, 1.0, "0.999 still rounds to 1.0 in bf16");
-        let master = a.slots[0].master.as_ref().expect("bf16 gets a master copy").to_vec1::<f32>()?[0];
-        assert!((master - 0.999).abs() < 1e-5, "master {master}");
-        let dir = std::env::temp_dir().join(format!("cp-adamw-master-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let file = dir.join("opt.safetensors");
-        a.save(&file)?;
-        let mut b = mk()?;
-        b.load(&file)?;
-        b.slots[0].var.set(a.slots[0].var.as_tensor())?;
-        for _ in 0..20 {
-            a.step(&grads, 1e-4, 1.0)?;
-            b.step(&grads, 1e-4, 1.0)?;
-        }
-        assert_eq!(value(&a)?, 0.99609375, "after 30 updates of 1e-4 the weight moved one bf16 step");
-        assert_eq!(value(&b)?, value(&a)?, "resumed from the saved state: identical");
-        let _ = std::fs::remove_dir_all(&dir);
-        // f32 parameters need no copy
-        let w = Var::from_tensor(&Tensor::ones(2, DType::F32, &Device::Cpu)?)?;
-        assert!(AdamW::new(vec![("x".to_string(), w)], AdamWConfig::default())?.slots[0].master.is_none());
-        Ok(())
-    }
-
-    /// One AdamW step computed by hand in f64 for a 2-element parameter.
-    #[test]
-    fn matches_hand_computed_update() -> Result<()> {
-        let dev = Device::Cpu;
-        let w = Var::from_tensor(&Tensor::new(&[[1.0f32, -2.0]], &dev)?)?;
-        let n = Var::from_tensor(&Tensor::new(&[0.5f32], &dev)?)?;
-        let cfg = AdamWConfig {
-            beta1: 0.9,
-            beta2: 0.99,
-            eps: 1e-8,
-            weight_decay: 0.1,
-        };
-        let mut opt = AdamW::new(vec![("w".into(), w.clone()), ("n".into(), n.clone())], cfg)?;
-        let mut g = HashMap::new();
-        g.insert("w".to_string(), Tensor::new(&[[0.5f32, 0.25]], &dev)?);
-        g.insert("n".to_string(), Tensor::new(&[2.0f32], &dev)?);
-        let (lr, scale) = (0.01, 0.5);
-        let mut want_w = [1.0f64, -2.0];
-        let mut m = [0.0f64; 2];
-        let mut v = [0.0f64; 2];
-        for t in 1..=2 {
-            opt.step(&g, lr, scale)?;
-            for i in 0..2 {
-                let gi = [0.5, 0.25][i] * scale;
-                m[i] = 0.9 * m[i] + 0.1 * gi;
-                v[i] = 0.99 * v[i] + 0.01 * gi * gi;
-                let upd = (m[i] / (1.0 - 0.9f64.powi(t)))
-                    / ((v[i] / (1.0 - 0.99f64.powi(t))).sqrt() + 1e-8);
-                want_w[i] = want_w[i] * (1.0 - lr * 0.1) - lr * upd;
-            }
-        }
-        let got = w.as_tensor().to_vec2::<f32>()?;
-        for i in 0..2 {
-            assert!(
-                (got[0][i] as f64 - want_w[i]).abs() < 1e-6,
-                "{got:?} vs {want_w:?}"
-            );
-        }
-        // Rank-1 parameter: no weight decay; first step of Adam moves it by ~lr.
-        let nv = n.as_tensor().to_vec1::<f32>()?[0] as f64;
-        assert!((nv - (0.5 - 2.0 * 0.01)).abs() < 1e-5, "{nv}");
-        Ok(())
-    }
-
-    #[test]
-    fn state_round_trips_and_bad_state_is_rejected() -> Result<()> {
-        let dev = Device::Cpu;
-        let dir = std::env::temp_dir().join(format!("adamw-test-{}", std::process::id()));
-        std::fs::create_dir_all(&dir)?;
-        let mk = || -> Result<(Var, AdamW)> {
-            let w = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0, 3.0], &dev)?)?;
-            let opt = AdamW::new(vec![("w".into(), w.clone())], AdamWConfig::default())?;
-            Ok((w, opt))
-        };
-        let mut g = HashMap::new();
-        g.insert("w".to_string(), Tensor::new(&[0.1f32, -0.2, 0.3], &dev)?);
-        let (wa, mut a) = mk()?;
-        a.step(&g, 0.1, 1.0)?;
-        a.save(dir.join("opt.safetensors"))?;
-        let (wb, mut b) = mk()?;
-        wb.set(wa.as_tensor())?;
-        b.load(dir.join("opt.safetensors"))?;
-        assert_eq!(b.step, 1);
-        a.step(&g, 0.1, 1.0)?;
-        b.step(&g, 0.1, 1.0)?;
-        assert_eq!(
-            wa.as_tensor().to_vec1::<f32>()?,
-            wb.as_tensor().to_vec1::<f32>()?
-        );
-        // A parameter with another shape cannot take this state.
-        let w2 = Var::from_tensor(&Tensor::new(&[1.0f32, 2.0], &dev)?)?;
-        let mut c = AdamW::new(vec![("w".into(), w2)], AdamWConfig::default())?;
-        assert!(c.load(dir.join("opt.safetensors")).is_err());
-        // Wrong gradient shape is an error.
-        let mut bad = HashMap::new();
-        bad.insert("w".to_string(), Tensor::new(&[0.1f32], &dev)?);
-        assert!(b.step(&bad, 0.1, 1.0).is_err());
-        std::fs::remove_dir_all(&dir)?;
-        Ok(())
-    }
-}
+#[path = "optim_tests.rs"]
+mod tests;

@@ -78,6 +78,10 @@ pub struct TrainConfig {
     /// Number of GPUs thread ranks are spread over (with `cuda` and a group without a home
     /// device).
     pub gpus: usize,
+    /// ZeRO-1: split the optimizer state (f32 moments, master copies) over the DP × CP ranks
+    /// that hold the same weights, 1/(dp·cp) each; training is bit-identical, checkpoints are
+    /// the same files (a run may resume with or without it).
+    pub zero1: bool,
     /// Recompute every decoder layer in backward instead of keeping its activations
     /// ([`Llama::with_recompute`]): less memory, one more forward of the layers.
     pub recompute: bool,
@@ -287,9 +291,14 @@ pub fn train_rank(
         .into_iter()
         .map(|s| (s.name, !matches!(s.shard, Shard::Replicated)))
         .collect();
-    let mut opt = AdamW::new(named_vars, cfg.adamw)?;
     // DP and CP replicas hold identical optimizer states (same reduced gradients, same
-    // updates): one file per TP rank, written by the replica with dp = cp = 0.
+    // updates): one file per TP rank, written by the replica with dp = cp = 0. With ZeRO-1
+    // each replica keeps 1/(dp·cp) of it; the file is gathered and identical.
+    let mut opt = if cfg.zero1 {
+        AdamW::new_zero1(named_vars, cfg.adamw, ctx.dp_cp.clone())?
+    } else {
+        AdamW::new(named_vars, cfg.adamw)?
+    };
     let (dp_i, cp_i, tp_i) = ctx.coords;
     let opt_writer = dp_i == 0 && cp_i == 0;
     let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
@@ -334,9 +343,7 @@ pub fn train_rank(
         if is_main {
             save_hf_tensors(&tmp, &full, &mcfg)?;
         }
-        if opt_writer {
-            opt.save(opt_file(&tmp))?;
-        }
+        opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
         if is_main {
             let st = TrainState {
