@@ -323,6 +323,20 @@ fn main() -> Result<()> {
             "all next-token"
         }
     );
+    let replicas = layout.dp * layout.cp;
+    say!(
+        "memory   : layers {}; loss through the chunked head (no logits); optimizer state {}",
+        if a.recompute {
+            "recomputed in backward (--recompute)"
+        } else {
+            "keep their activations (--recompute to trade compute for memory)"
+        },
+        if a.zero1 && replicas > 1 {
+            format!("split over {replicas} DP x CP replicas (--zero1)")
+        } else {
+            "replicated".to_string()
+        }
+    );
     say!("out      : {}", a.out.display());
     if a.resume {
         let root = a.out.join("checkpoints");
