@@ -435,11 +435,12 @@ ncclResult_t ncclCommAbort(ncclComm_t comm) {
   return ncclSuccess;
 }
 
-// Waits (bounded) until this rank's posted operations have completed.
+// Waits (bounded) until this rank's posted operations have completed (either transport).
 static int drain_own(ncclComm* c, const char* fn) {
-  if (c->fx) return files::drain(c, fn);
   std::vector<WorkPtr> ws;
-  {
+  if (c->fx) {
+    ws = files::pending(c);
+  } else {
     std::lock_guard<std::mutex> g(c->cl->m);
     for (auto& kv : c->cl->coll)
       for (Entry& e : kv.second)

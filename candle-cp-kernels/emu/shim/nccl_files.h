@@ -20,8 +20,8 @@ int join(ncclComm* c, const ncclUniqueId& id, const char* fn);
 int wait_formed(ncclComm* c, const char* fn);
 // Posts one unit (the ops of one communicator from one ncclGroupEnd, or one lone call), in order.
 void post(std::vector<Op>& unit);
-// Waits (bounded) until every operation posted on `c` has completed.
-int drain(ncclComm* c, const char* fn);
+// This rank's posted operations not known to be complete (nccl.cpp waits for them).
+std::vector<WorkPtr> pending(ncclComm* c);
 // Sets the asynchronous error of `c` if a peer poisoned the communicator (a mismatch).
 void check_poison(ncclComm* c);
 // Abort / destroy: stops the progress thread (own pending Works complete with ncclSystemError),
