@@ -61,6 +61,11 @@ fn check(x: &Tensor, w: &Tensor, labels: &Tensor, what: &str) -> Result<(usize, 
     Ok((n, h, v))
 }
 
+/// f32 logits `[c, V]` of rows `r0..r0 + c` of `xs` (the matmul in the weights' dtype).
+fn chunk_logits(xs: &Tensor, w: &Tensor, r0: usize, c: usize) -> Result<Tensor> {
+    xs.narrow(0, r0, c)?.matmul(&w.t()?)?.to_dtype(DType::F32)
+}
+
 /// `-log softmax(x · Wᵀ)[label]` per row, f32 `[N]`, `0` where the label is [`IGNORE`];
 /// differentiable w.r.t. `x` and `w`. `x` `[N, h]` hidden states, `w` `[V, h]` the head
 /// (same dtype; the matmuls run in it, the softmax in f32), `labels` `[N]` u32.
@@ -85,7 +90,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     let (mut lse, mut nll) = (Vec::new(), Vec::new());
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
-        let l = xs.narrow(0, r0, c)?.matmul(&wd.t()?)?.to_dtype(DType::F32)?;
+        let l = chunk_logits(&xs, &wd, r0, c)?;
         let mx = l.max_keepdim(D::Minus1)?;
         let s = l.broadcast_sub(&mx)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&mx)?; // [c, 1]
         nll.push((&s - l.gather(&tgt_t.narrow(0, r0, c)?, 1)?)?);
@@ -104,7 +109,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
         for r0 in (0..m).step_by(chunk) {
             let c = chunk.min(m - r0);
             let xc = xs_b.narrow(0, r0, c)?;
-            let l = xc.matmul(&w_b.t()?)?.to_dtype(DType::F32)?;
+            let l = chunk_logits(&xs_b, &w_b, r0, c)?;
             let p = l.broadcast_sub(&lse.narrow(0, r0, c)?)?.exp()?;
             let d = p
                 .scatter_add(&tgt_t.narrow(0, r0, c)?, &minus_one.narrow(0, 0, c)?, 1)?

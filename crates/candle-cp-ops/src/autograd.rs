@@ -19,34 +19,51 @@ struct Attached {
     bwd: BackwardFn,
 }
 
+/// `t` detached and contiguous from the start of its storage: what a `CustomOpN` forward can
+/// hand out as its result storage ([`cpu_storage`], [`cuda_storage`]).
+pub(crate) fn packed(t: &Tensor) -> Result<Tensor> {
+    let t = t.detach();
+    let l = t.layout();
+    if l.is_contiguous() && l.start_offset() == 0 {
+        Ok(t)
+    } else {
+        t.force_contiguous()
+    }
+}
+
+/// A copy of the storage of `t` (from [`packed`]) and its shape, for a CPU forward; `name`
+/// labels the error when `t` is not on the CPU.
+pub(crate) fn cpu_storage(name: &str, t: &Tensor) -> Result<(CpuStorage, Shape)> {
+    let (storage, _) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cpu(s) => Ok((s.clone(), t.shape().clone())),
+        _ => candle_core::bail!("{name}: precomputed output is not on the CPU"),
+    }
+}
+
+/// [`cpu_storage`] for a CUDA forward.
+#[cfg(feature = "cuda")]
+pub(crate) fn cuda_storage(name: &str, t: &Tensor) -> Result<(candle_core::CudaStorage, Shape)> {
+    use candle_core::backend::BackendStorage;
+    let (storage, layout) = t.storage_and_layout();
+    match &*storage {
+        candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, t.shape().clone())),
+        _ => candle_core::bail!("{name}: precomputed output is not on a CUDA device"),
+    }
+}
+
 impl Attached {
     fn new(name: &'static str, out: Tensor, bwd: BackwardFn) -> Result<Self> {
-        let out = out.detach();
-        let l = out.layout();
-        let out = if l.is_contiguous() && l.start_offset() == 0 {
-            out
-        } else {
-            out.force_contiguous()?
-        };
-        Ok(Self { name, out, bwd })
+        Ok(Self { name, out: packed(&out)?, bwd })
     }
 
     fn cpu_out(&self) -> Result<(CpuStorage, Shape)> {
-        let (storage, _) = self.out.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cpu(s) => Ok((s.clone(), self.out.shape().clone())),
-            _ => candle_core::bail!("{}: precomputed output is not on the CPU", self.name),
-        }
+        cpu_storage(self.name, &self.out)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_out(&self) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let (storage, layout) = self.out.storage_and_layout();
-        match &*storage {
-            candle_core::Storage::Cuda(s) => Ok((s.try_clone(layout)?, self.out.shape().clone())),
-            _ => candle_core::bail!("{}: precomputed output is not on a CUDA device", self.name),
-        }
+        cuda_storage(self.name, &self.out)
     }
 
     fn grads(&self, grad: &Tensor, n: usize) -> Result<Vec<Option<Tensor>>> {

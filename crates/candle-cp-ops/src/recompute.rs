@@ -65,7 +65,7 @@ impl Recompute {
         // candle records the op only for a tracked argument: an untracked input (e.g. frozen
         // embeddings) becomes a variable copy so the backward still reaches the block
         let arg = if x.track_op() { x.clone() } else { Var::from_tensor(x)?.as_tensor().clone() };
-        let op = Checkpoint { name, out: Mutex::new(Some(y.detach())), f, store: self.clone() };
+        let op = Checkpoint { name, out: Mutex::new(Some(crate::autograd::packed(&y)?)), f, store: self.clone() };
         drop(y); // the block's graph goes with it
         arg.apply_op1(op)
     }
@@ -135,26 +135,12 @@ impl CustomOp1 for Checkpoint {
     }
 
     fn cpu_fwd(&self, _: &CpuStorage, _: &Layout) -> Result<(CpuStorage, Shape)> {
-        let out = self.take_out()?;
-        // a storage-wide view can be handed out as is; anything else is packed first
-        let l = out.layout();
-        let out = if l.is_contiguous() && l.start_offset() == 0 { out } else { out.force_contiguous()? };
-        let (s, _) = out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cpu(c) => Ok((c.clone(), out.shape().clone())),
-            _ => candle_core::bail!("{}: block output is not on the CPU, its input is", self.name),
-        }
+        crate::autograd::cpu_storage(self.name, &self.take_out()?)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_fwd(&self, _: &candle_core::CudaStorage, _: &Layout) -> Result<(candle_core::CudaStorage, Shape)> {
-        use candle_core::backend::BackendStorage;
-        let out = self.take_out()?.contiguous()?;
-        let (s, l) = out.storage_and_layout();
-        match &*s {
-            candle_core::Storage::Cuda(c) => Ok((c.try_clone(l)?, out.shape().clone())),
-            _ => candle_core::bail!("{}: block output is not on a CUDA device, its input is", self.name),
-        }
+        crate::autograd::cuda_storage(self.name, &self.take_out()?)
     }
 
     fn bwd(&self, arg: &Tensor, _res: &Tensor, grad: &Tensor) -> Result<Option<Tensor>> {

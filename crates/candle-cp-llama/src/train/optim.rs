@@ -116,13 +116,11 @@ impl AdamW {
                     }
                     None => (0, n),
                 };
+                let sharded = zero.is_some();
+                let z = Tensor::zeros(slice(var.as_tensor(), off, len, sharded)?.shape(), DType::F32, var.device())?;
+                let master = master_of(&var)?.map(|m| slice(&m, off, len, sharded)).transpose()?;
                 let decay = var.rank() >= 2;
-                let mut slot = Slot { name, var, off, len, m: Tensor::zeros(0, DType::F32, &Device::Cpu)?, v: Tensor::zeros(0, DType::F32, &Device::Cpu)?, master: None, decay };
-                let z = Tensor::zeros(slot.state_shape(zero.is_some()), DType::F32, slot.var.device())?;
-                slot.m = z.clone();
-                slot.v = z;
-                slot.master = slot.master_init(zero.is_some())?;
-                Ok(slot)
+                Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { cfg, step: 0, slots, zero })
@@ -303,30 +301,23 @@ impl AdamW {
 }
 
 impl Slot {
-    /// Shape of the moments: the slice `[len]` with ZeRO, else the parameter's.
-    fn state_shape(&self, sharded: bool) -> candle_core::Shape {
-        if sharded {
-            candle_core::Shape::from(self.len)
-        } else {
-            self.var.shape().clone()
-        }
-    }
-
     /// This rank's part of a full-shape tensor (all of it without ZeRO).
     fn own(&self, t: &Tensor, sharded: bool) -> Result<Tensor> {
-        if sharded {
-            t.flatten_all()?.narrow(0, self.off, self.len)
-        } else {
-            Ok(t.clone())
-        }
+        slice(t, self.off, self.len, sharded)
     }
 
     /// The f32 master copy (of the slice) a low-precision parameter needs.
     fn master_init(&self, sharded: bool) -> Result<Option<Tensor>> {
-        match master_of(&self.var)? {
-            Some(m) => Ok(Some(self.own(&m, sharded)?)),
-            None => Ok(None),
-        }
+        master_of(&self.var)?.map(|m| self.own(&m, sharded)).transpose()
+    }
+}
+
+/// Elements `[off, off + len)` of `t` flattened when `sharded`, else `t` itself.
+fn slice(t: &Tensor, off: usize, len: usize, sharded: bool) -> Result<Tensor> {
+    if sharded {
+        t.flatten_all()?.narrow(0, off, len)
+    } else {
+        Ok(t.clone())
     }
 }
 
