@@ -16,6 +16,7 @@ pub mod autograd;
 pub mod cp;
 pub mod mappings;
 pub mod oracle;
+pub mod packing;
 pub mod recompute;
 pub mod ulysses;
 pub mod usp;

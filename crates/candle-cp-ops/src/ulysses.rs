@@ -27,6 +27,7 @@
 use crate::attention::{self, Mask};
 use crate::autograd::{attach1, BackwardFn};
 use crate::cp::Layout;
+use crate::packing::Documents;
 use candle_core::{Result, Tensor};
 use candle_cp_comm::Group;
 use std::sync::Arc;
@@ -180,12 +181,21 @@ pub struct UlyssesOpts {
     pub scale: f64,
     /// Global positions of the gathered rows (see [`SeqOrder`]).
     pub order: SeqOrder,
+    /// Packed documents of the global sequence (`None`: one document): a query sees only keys
+    /// of its own document (see [`crate::packing`]); must cover the gathered `T`.
+    pub documents: Option<Documents>,
 }
 
 impl UlyssesOpts {
     /// Contiguous sharding with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, order: SeqOrder::Contiguous }
+        Self { causal, scale, order: SeqOrder::Contiguous, documents: None }
+    }
+
+    /// Same options with attention kept inside the packed `documents`.
+    pub fn with_documents(mut self, documents: Documents) -> Self {
+        self.documents = Some(documents);
+        self
     }
 
     /// Same options for q/k/v sharded over `p` ranks with a CP [`Layout`] (global length
@@ -278,11 +288,16 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let vh = kv_seq_to_head(v, spread, group)?;
     let mask = if opts.causal { Mask::causal() } else { Mask::Full };
     let perm = perm(&opts.order, t_local * p, q.device())?;
+    // attention over the gathered sequence in natural order
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| match &opts.documents {
+        None => attention::attention(q, k, v, &mask, opts.scale),
+        Some(docs) => attention::attention_docs(q, k, v, docs, opts.causal, opts.scale),
+    };
     let (out_h, lse_h) = match &perm {
-        None => attention::attention(&qh, &kh, &vh, &mask, opts.scale)?,
+        None => attend(&qh, &kh, &vh)?,
         Some(pm) => {
             let nat = |x: &Tensor| x.contiguous()?.index_select(&pm.to_nat, 1);
-            let (o, l) = attention::attention(&nat(&qh)?, &nat(&kh)?, &nat(&vh)?, &mask, opts.scale)?;
+            let (o, l) = attend(&nat(&qh)?, &nat(&kh)?, &nat(&vh)?)?;
             (o.contiguous()?.index_select(&pm.to_gat, 1)?, l.contiguous()?.index_select(&pm.to_gat, 2)?)
         }
     };

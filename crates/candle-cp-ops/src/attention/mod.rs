@@ -26,8 +26,9 @@ mod slow;
 
 pub use merge::merge;
 pub use op::AttentionOp;
-pub use slow::attention_slow;
+pub use slow::{attention_docs_slow, attention_slow};
 
+use crate::packing::Documents;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Which (query, key) pairs are visible.
@@ -224,4 +225,50 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) ->
     let out = q.apply_op3(&k, &v, op)?;
     let lse = op::read_lse(&slot, "attention")?;
     Ok((out, lse))
+}
+
+/// Check that q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` have the same length `T` and that
+/// `docs` covers it; errors name the shapes.
+pub(crate) fn check_docs(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, docs: &Documents) -> Result<usize> {
+    check_qkv(op, q, k, v, &Mask::Full)?;
+    let (t, s) = (q.dim(1)?, k.dim(1)?);
+    if t != s {
+        candle_core::bail!(
+            "{op}: a packed sequence attends to itself: q {:?} and k {:?} must have the same length T",
+            q.shape(),
+            k.shape()
+        )
+    }
+    docs.check_len(&format!("{op} (q {:?})", q.shape()), t)?;
+    Ok(t)
+}
+
+/// Autograd attention over a packed sequence of documents (single device): q `[B, T, H, D]`,
+/// k/v `[B, T, Hkv, D]`, `docs` covering `T` (the same for every batch row). A query sees
+/// only the keys of its own document (causal within it when `causal`). Returns out
+/// `[B, T, H, D]` in q's dtype (differentiable w.r.t. q, k, v) and lse f32 `[B, H, T]`.
+/// One [`attention`] call per document: no pair across documents is ever computed.
+pub fn attention_docs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: &Documents,
+    causal: bool,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    check_docs("attention_docs", q, k, v, docs)?;
+    let mask = if causal { Mask::causal() } else { Mask::Full };
+    if docs.count() == 1 {
+        return attention(q, k, v, &mask, scale);
+    }
+    let mut outs = Vec::with_capacity(docs.count());
+    let mut lses = Vec::with_capacity(docs.count());
+    for d in 0..docs.count() {
+        let (a, b) = docs.range(d);
+        let r = |x: &Tensor| x.narrow(1, a, b - a);
+        let (o, l) = attention(&r(q)?, &r(k)?, &r(v)?, &mask, scale)?;
+        outs.push(o);
+        lses.push(l);
+    }
+    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
 }

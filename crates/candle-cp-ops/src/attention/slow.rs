@@ -1,6 +1,7 @@
 //! `attention_slow`: the reference attention from plain candle ops (materialises T×S).
 
 use super::{check_qkv, Mask};
+use crate::packing::Documents;
 use candle_core::{DType, Device, Result, Tensor, D};
 
 /// Reference attention from plain candle ops (matmul, masked softmax), differentiable through
@@ -8,7 +9,35 @@ use candle_core::{DType, Device, Result, Tensor, D};
 /// `[B, S, Hkv, D]` -> out `[B, T, H, D]` (q's dtype), lse f32 `[B, H, T]` (detached). Computes
 /// in f32 and builds the full `[B, H, T, S]` score matrix: for tests only.
 pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    let dims = check_qkv("attention_slow", q, k, v, mask)?;
+    check_qkv("attention_slow", q, k, v, mask)?;
+    slow_with(q, k, v, scale, |i, j| mask.visible(i, j))
+}
+
+/// [`attention_slow`] with the document mask of a packed sequence (query `i` sees key `j` iff
+/// both are in the same document and, when `causal`, `j <= i`): the reference for
+/// [`super::attention_docs`] and the packed context-parallel ops. q `[B, T, H, D]`, k/v
+/// `[B, T, Hkv, D]`, `docs` covering `T`. For tests only.
+pub fn attention_docs_slow(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: &Documents,
+    causal: bool,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    super::check_docs("attention_docs_slow", q, k, v, docs)?;
+    slow_with(q, k, v, scale, |i, j| docs.visible(i, j, causal))
+}
+
+/// The reference computation with visibility `visible(query row, key row)`.
+fn slow_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    scale: f64,
+    visible: impl Fn(usize, usize) -> bool,
+) -> Result<(Tensor, Tensor)> {
+    let dims = check_qkv("attention_slow", q, k, v, &Mask::Full)?;
     let (b, t, s, h, hkv, d) = (dims.b, dims.t, dims.s, dims.h, dims.hkv, dims.d);
     let g = h / hkv;
     let dev = q.device();
@@ -24,7 +53,7 @@ pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f6
     };
     let (kf, vf) = (rep(k)?, rep(v)?);
     let scores = (qf.matmul(&kf.t()?.contiguous()?)? * scale)?; // [B, H, T, S]
-    let vis: Vec<u8> = (0..t).flat_map(|i| (0..s).map(move |j| mask.visible(i, j) as u8)).collect();
+    let vis: Vec<u8> = (0..t).flat_map(|i| (0..s).map(|j| visible(i, j) as u8).collect::<Vec<_>>()).collect();
     let vis = Tensor::from_vec(vis, (t, s), &Device::Cpu)?.to_device(dev)?.broadcast_as((b, h, t, s))?;
     let neg_inf = Tensor::full(f32::NEG_INFINITY, (b, h, t, s), dev)?;
     let masked = vis.where_cond(&scores, &neg_inf)?;

@@ -4,10 +4,11 @@
 //! K/V in token order, and attends its local query segments against the key *prefix* each
 //! segment can see (causal) or against all keys (full), with the segment's global offset and
 //! stride in the mask (segments longer than [`CpOpts::rows_per_call`] go in row chunks, each
-//! against its own prefix). Backward: K/V are all-gathered again (not kept between forward and
-//! backward), per-chunk attention backward gives dQ locally and a global-length f32 dK/dV
-//! contribution; a reduce-scatter (in the layout's shard order) returns each rank the sum for
-//! its own shard.
+//! against its own prefix; with packed documents each chunk is split along the documents,
+//! each piece against the keys of its own document). Backward: K/V are all-gathered again
+//! (not kept between forward and backward), per-chunk attention backward gives dQ locally and
+//! a global-length f32 dK/dV contribution; a reduce-scatter (in the layout's shard order)
+//! returns each rank the sum for its own shard.
 //!
 //! ```text
 //! zigzag, P = 2, chunks of c = T/4:     rank 0 holds q chunks 0, 3; rank 1 holds 1, 2
@@ -27,20 +28,31 @@ use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// Key range and mask for one query segment against the global keys `[0, T)`.
-fn key_range(seg: &Segment, t: usize, causal: bool) -> (usize, Mask) {
+/// One attention call: query rows `q` against the global keys `[k0, k0 + n)` with `mask`.
+#[derive(Clone, Copy, Debug)]
+struct Call {
+    q: Segment,
+    k0: usize,
+    n: usize,
+    mask: Mask,
+}
+
+impl Call {
+    /// Visible (query, key) pairs of the call.
+    fn pairs(&self, causal: bool) -> u64 {
+        let keys = Segment { offset: self.k0, stride: 1, len: self.n, local: 0 };
+        crate::cp::balance::visible_pairs(&self.q, &keys, causal)
+    }
+}
+
+/// The call of query rows `seg` against the keys `[k0, end)` they may see: causal → up to
+/// the segment's last position (the mask carries the offsets), full → all of them.
+fn call_for(seg: Segment, k0: usize, end: usize, causal: bool) -> Call {
     if causal {
-        (
-            seg.last() + 1,
-            Mask::Causal {
-                q_offset: seg.offset,
-                q_stride: seg.stride,
-                k_offset: 0,
-                k_stride: 1,
-            },
-        )
+        let mask = Mask::Causal { q_offset: seg.offset, q_stride: seg.stride, k_offset: k0, k_stride: 1 };
+        Call { q: seg, k0, n: seg.last() + 1 - k0, mask }
     } else {
-        (t, Mask::Full)
+        Call { q: seg, k0, n: end - k0, mask: Mask::Full }
     }
 }
 
@@ -51,16 +63,26 @@ pub(super) fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) ->
     unshard(&split_shards(&all, group.size(), 2)?, opts.layout, 2)
 }
 
-/// This rank's query row chunks: the layout's segments split into runs of at most
-/// [`CpOpts::rows_per_call`] rows on `dev` (each sees its own key prefix).
-fn chunks(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Result<Vec<Segment>> {
+/// This rank's attention calls: the layout's segments split into runs of at most
+/// [`CpOpts::rows_per_call`] rows on `dev`, each against its own key prefix; with packed
+/// documents each run is split again along the documents, each piece against the keys of its
+/// document (up to its last position when causal). The calls' query rows cover the local rows
+/// once, in order.
+fn calls(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Result<Vec<Call>> {
     let rows = opts.rows_per_call(dev);
-    Ok(opts
-        .layout
-        .segments(rank, p, dims.t)?
-        .iter()
-        .flat_map(|s| split_rows(s, rows))
-        .collect())
+    let mut out = Vec::new();
+    for seg in opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, rows)) {
+        match &opts.documents {
+            None => out.push(call_for(seg, 0, dims.t, opts.causal)),
+            Some(docs) => {
+                for (d, piece) in docs.split(&seg) {
+                    let (a, b) = docs.range(d);
+                    out.push(call_for(piece, a, b, opts.causal));
+                }
+            }
+        }
+    }
+    Ok(out)
 }
 
 /// The forward on the gathered `kv [2, B, T, Hkv, D]`: f32 `out [B, T/P, H, D]`,
@@ -79,25 +101,20 @@ pub(super) fn fwd(
     let (kg, vg) = (kv.get(0)?, kv.get(1)?);
     let mut outs = Vec::new();
     let mut lses = Vec::new();
-    for seg in chunks(rank, p, opts, dims, q.device())? {
-        let (n, mask) = key_range(&seg, dims.t, opts.causal);
-        let qs = q.narrow(1, seg.local, seg.len)?.contiguous()?;
+    for c in calls(rank, p, opts, dims, q.device())? {
+        let qs = q.narrow(1, c.q.local, c.q.len)?.contiguous()?;
         let (o, l) = attention_fwd(
             &qs,
-            &kg.narrow(1, 0, n)?.contiguous()?,
-            &vg.narrow(1, 0, n)?.contiguous()?,
-            &mask,
+            &kg.narrow(1, c.k0, c.n)?.contiguous()?,
+            &vg.narrow(1, c.k0, c.n)?.contiguous()?,
+            &c.mask,
             scale,
         )?;
         outs.push(o);
         lses.push(l);
         st.blocks += 1;
-        st.area += (seg.len * n) as u64;
-        st.pairs += if opts.causal {
-            crate::cp::balance::visible_pairs(&seg, &Segment { offset: 0, stride: 1, len: n, local: 0 }, true)
-        } else {
-            (seg.len * n) as u64
-        };
+        st.area += (c.q.len * c.n) as u64;
+        st.pairs += c.pairs(opts.causal);
     }
     st.compute += t0.elapsed();
     Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
@@ -125,12 +142,11 @@ pub(super) fn bwd(
     let mut dq = RowAccum::with_residency(1, b, dims.tl, dims.h, d, dev, residency)?;
     // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
     let mut dkv = RowAccum::with_residency(2, b, dims.t, dims.hkv, d, dev, residency)?;
-    for seg in chunks(rank, p, opts, dims, q.device())? {
-        let (n, mask) = key_range(&seg, dims.t, opts.causal);
-        let r = |x: &Tensor, dim: usize| x.narrow(dim, seg.local, seg.len)?.contiguous();
+    for c in calls(rank, p, opts, dims, q.device())? {
+        let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q.local, c.q.len)?.contiguous();
         let (kn, vn) = (
-            kg.narrow(1, 0, n)?.contiguous()?,
-            vg.narrow(1, 0, n)?.contiguous()?,
+            kg.narrow(1, c.k0, c.n)?.contiguous()?,
+            vg.narrow(1, c.k0, c.n)?.contiguous()?,
         );
         let (dqs, dk, dv) = attention_bwd(
             &r(q, 1)?,
@@ -139,12 +155,12 @@ pub(super) fn bwd(
             &r(out, 1)?,
             &r(lse, 2)?,
             &r(dout, 1)?,
-            &mask,
+            &c.mask,
             scale,
         )?;
-        dq.add_rows(0, seg.local, &dqs)?;
-        dkv.add_rows(0, 0, &dk)?;
-        dkv.add_rows(1, 0, &dv)?;
+        dq.add_rows(0, c.q.local, &dqs)?;
+        dkv.add_rows(0, c.k0, &dk)?;
+        dkv.add_rows(1, c.k0, &dv)?;
     }
     let dkv = dkv.finish(dev)?;
     // Reorder the global dK/dV into shard order (rank 0's shard, rank 1's, ...) and
@@ -252,7 +268,7 @@ pub fn allgather_attention(
     // until the backward runs): the backward all-gathers them again.
     drop(kv);
     let out = out32.to_dtype(q.dtype())?;
-    let (g, o, ls) = (group.clone(), *opts, lse.clone());
+    let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;

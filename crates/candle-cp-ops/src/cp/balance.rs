@@ -12,7 +12,8 @@
 //! max/mean = (2Pc − c + 1)/(Pc + 1) → (2P−1)/P; in blocks exactly `(2P−1)/P`.
 //! Zigzag (c = T/2P) every rank sees `2P·c² + c = T²/(2P) + T/(2P)` pairs: imbalance 1.00.
 
-use super::ring::{classify, Block};
+use super::ring::{block_schedule_docs, classify, Block};
+use crate::packing::Documents;
 use super::shard::{Layout, Segment};
 use candle_core::Result;
 
@@ -31,6 +32,8 @@ pub struct BalanceReport {
     pub pairs: Vec<u64>,
     /// Block work per rank: block areas the ring computes, diagonal-straddling blocks at half.
     pub blocks: Vec<f64>,
+    /// Packed documents the mask was restricted to (`None`: one document).
+    pub documents: Option<Documents>,
 }
 
 fn imbalance_of(xs: impl Iterator<Item = f64> + Clone) -> f64 {
@@ -53,9 +56,13 @@ impl BalanceReport {
     pub fn block_imbalance(&self) -> f64 {
         imbalance_of(self.blocks.iter().copied())
     }
-    /// The ideal per-rank work `T²/(2P)` (causal) or `T²/P` (full).
+    /// The ideal per-rank work `T²/(2P)` (causal) or `T²/P` (full); with documents `T²` is
+    /// replaced by the sum of the squared document lengths.
     pub fn ideal(&self) -> f64 {
-        let t2 = (self.t as f64).powi(2);
+        let t2 = match &self.documents {
+            None => (self.t as f64).powi(2),
+            Some(d) => d.lengths().iter().map(|&l| (l as f64).powi(2)).sum(),
+        };
         if self.causal {
             t2 / (2.0 * self.p as f64)
         } else {
@@ -122,7 +129,51 @@ pub fn balance(layout: Layout, p: usize, t: usize, causal: bool) -> Result<Balan
         causal,
         pairs,
         blocks,
+        documents: None,
     })
+}
+
+/// [`balance`] for a packed sequence: the work per rank when attention stays inside the
+/// `docs` (which must cover `t`), counted over the per-document blocks the ring engine
+/// computes ([`super::ring::block_schedule_docs`]).
+pub fn balance_docs(layout: Layout, p: usize, t: usize, causal: bool, docs: &Documents) -> Result<BalanceReport> {
+    docs.check_len(&format!("balance_docs ({layout}, P = {p})"), t)?;
+    let mut pairs = Vec::with_capacity(p);
+    let mut blocks = Vec::with_capacity(p);
+    for r in 0..p {
+        let (mut np, mut nb) = (0u64, 0f64);
+        for src in 0..p {
+            for sb in block_schedule_docs(layout, r, src, p, t, causal, Some(docs))? {
+                np += visible_pairs(&sb.q, &sb.k, causal);
+                let area = (sb.q.len * sb.k.len) as f64;
+                nb += if matches!(sb.block, Block::Partial(_)) { area / 2.0 } else { area };
+            }
+        }
+        pairs.push(np);
+        blocks.push(nb);
+    }
+    Ok(BalanceReport { layout, p, t, causal, pairs, blocks, documents: Some(docs.clone()) })
+}
+
+/// The layout with the least work on its busiest rank (visible pairs; ties keep the order of
+/// [`Layout::ALL`]) for `p` ranks, length `t`, the mask and optional packed documents, with
+/// the reports of every layout that can split `t`. Errors if none can.
+pub fn best_layout(p: usize, t: usize, causal: bool, docs: Option<&Documents>) -> Result<(Layout, Vec<BalanceReport>)> {
+    let mut reports = Vec::new();
+    for layout in Layout::ALL {
+        if layout.local_len(t, p).is_err() {
+            continue;
+        }
+        reports.push(match docs {
+            None => balance(layout, p, t, causal)?,
+            Some(d) => balance_docs(layout, p, t, causal, d)?,
+        });
+    }
+    let busiest = |r: &BalanceReport| r.pairs.iter().copied().max().unwrap_or(0);
+    match reports.iter().min_by_key(|r| busiest(r)) {
+        Some(best) => Ok((best.layout, reports.clone())),
+        None => candle_core::bail!("best_layout: no layout splits T = {t} over P = {p} ranks (contiguous and striped need T % P == 0, zigzag T % 2P == 0)"),
+    }
 }
 
 #[cfg(test)]

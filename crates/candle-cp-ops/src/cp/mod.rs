@@ -25,17 +25,18 @@ pub mod state;
 pub mod verify;
 
 pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};
-pub use balance::{balance, BalanceReport};
+pub use balance::{balance, balance_docs, best_layout, BalanceReport};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
 pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun, RankBody};
 
+use crate::packing::Documents;
 use crate::Group;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Options of the context-parallel attention ops.
-#[derive(Clone, Copy, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct CpOpts {
     /// How the sequence is split over the ranks (must match how q, k, v were sharded).
     pub layout: Layout,
@@ -58,6 +59,12 @@ pub struct CpOpts {
     /// every rank; unchecked, mismatched ranks would exchange garbage or time out. Training
     /// loops whose shapes are fixed can turn it off after a first checked step.
     pub check_ranks: bool,
+    /// Packed documents of the global sequence (`None`: one document). With documents, a
+    /// query sees only keys of its own document (causal within it when `causal`); the
+    /// boundaries may fall anywhere in the shards (no padding). Same for every batch row; must
+    /// cover the global `T` and be the same on every rank (checked with the shapes). See
+    /// [`crate::packing`].
+    pub documents: Option<Documents>,
 }
 
 /// Query rows per attention call on the CPU when [`CpOpts::block_rows`] is `0` (automatic).
@@ -74,6 +81,7 @@ impl Default for CpOpts {
             overlap: true,
             block_rows: 0,
             check_ranks: true,
+            documents: None,
         }
     }
 }
@@ -86,6 +94,12 @@ impl CpOpts {
             causal,
             ..Default::default()
         }
+    }
+    /// Same options with attention kept inside the packed `documents` (see
+    /// [`CpOpts::documents`]).
+    pub fn with_documents(mut self, documents: Documents) -> Self {
+        self.documents = Some(documents);
+        self
     }
     /// Same options with an explicit softmax scale.
     pub fn with_scale(mut self, scale: f64) -> Self {
@@ -211,12 +225,22 @@ pub(crate) fn check_inputs(
     }
     let t = tl * p;
     opts.layout.local_len(t, p)?;
+    if let Some(docs) = &opts.documents {
+        docs.check_len(&format!("{name} (q {:?} on each of P = {p} ranks)", q.shape()), t)?;
+    }
     if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
+        // documents: none, or their fingerprint in four exact 16-bit pieces
+        let fp = opts.documents.as_ref().map_or(0, |x| x.fingerprint());
         let extra = [
             dtype_code(q.dtype()),
             opts.layout as u8 as f32,
             opts.causal as u8 as f32,
+            opts.documents.is_some() as u8 as f32,
+            (fp & 0xffff) as f32,
+            ((fp >> 16) & 0xffff) as f32,
+            ((fp >> 32) & 0xffff) as f32,
+            (fp >> 48) as f32,
         ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
@@ -236,7 +260,7 @@ pub(crate) fn check_inputs(
                 )
             }
             if other[5..] != extra[..] {
-                bail!("{name}: ranks disagree on dtype, layout or causal flag (rank {} vs rank {r}, {})", group.rank(), group.describe())
+                bail!("{name}: ranks disagree on dtype, layout, causal flag or packed documents (rank {} vs rank {r}, {})", group.rank(), group.describe())
             }
         }
     }

@@ -40,7 +40,10 @@
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
 
 mod schedule;
-pub use schedule::{block_schedule, call_pairs, classify, fuse_full_blocks, split_rows, step_schedule, sub_blocks, Block, Scheduled};
+pub use schedule::{
+    block_schedule, block_schedule_docs, call_pairs, classify, fuse_full_blocks, split_rows, step_schedule, step_schedule_docs, sub_blocks,
+    Block, Scheduled,
+};
 use schedule::mask_of;
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
@@ -108,7 +111,7 @@ pub(super) fn fwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+        for sb in step_schedule_docs(opts.layout, rank, src, p, dims.t, opts.causal, opts.documents.as_ref())? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
             for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
                 let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
@@ -202,7 +205,7 @@ pub(super) fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
-        for sb in step_schedule(opts.layout, rank, src, p, dims.t, opts.causal)? {
+        for sb in step_schedule_docs(opts.layout, rank, src, p, dims.t, opts.causal, opts.documents.as_ref())? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
             for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
                 let (qr, or, lr, dr) = (
@@ -265,7 +268,7 @@ pub fn ring_attention(
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, Residency::Auto)?;
     let out = out32.to_dtype(q.dtype())?;
-    let (g, o, ls) = (group.clone(), *opts, lse.clone());
+    let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let auto = Residency::Auto;
@@ -321,6 +324,36 @@ mod tests {
                     let (ring, ag) = x?;
                     assert_eq!(ring, want[r], "ring {layout:?} causal={causal} rank {r}");
                     assert_eq!(ag, want[r], "allgather {layout:?} causal={causal} rank {r}");
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn engines_compute_exactly_the_balance_pairs_with_documents() -> Result<()> {
+        // Packed documents: the pairs each rank's calls cover are `balance_docs`' counts, which
+        // sum to the visible pairs of the document mask (no pair across documents computed).
+        let (p, t) = (4usize, 64usize);
+        let docs = crate::packing::Documents::from_lengths(&[5, 17, 1, 30, 11])?;
+        for layout in Layout::ALL {
+            for causal in [true, false] {
+                let rep = crate::cp::balance_docs(layout, p, t, causal, &docs)?;
+                let total: u64 = (0..t).flat_map(|i| (0..t).map(move |j| (i, j))).filter(|&(i, j)| docs.visible(i, j, causal)).count() as u64;
+                assert_eq!(rep.pairs.iter().sum::<u64>(), total, "{layout:?} causal={causal}");
+                let opts = CpOpts { block_rows: 6, ..CpOpts::new(layout, causal) }.with_documents(docs.clone());
+                let res = candle_cp_comm::run_ranks(p, |g: Group| {
+                    let dev = candle_core::Device::Cpu;
+                    let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
+                    let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
+                    let (_, _, ring) = ring_attention_fwd_raw(&q, &k, &k, &g, &opts)?;
+                    let (_, _, ag) = crate::cp::allgather_attention_stats(&q, &k, &k, &g, &opts)?;
+                    Ok((ring.pairs(), ag.pairs()))
+                });
+                for (r, x) in res.into_iter().enumerate() {
+                    let (ring, ag) = x?;
+                    assert_eq!(ring, rep.pairs[r], "ring {layout:?} causal={causal} rank {r}");
+                    assert_eq!(ag, rep.pairs[r], "allgather {layout:?} causal={causal} rank {r}");
                 }
             }
         }

@@ -53,7 +53,7 @@ impl CpMethod {
     ) -> Result<(Tensor, Tensor)> {
         let opts = CpOpts {
             layout: self.layout(),
-            ..*opts
+            ..opts.clone()
         };
         match self {
             CpMethod::Ring(_) => ring_attention(q, k, v, group, &opts),

@@ -8,7 +8,7 @@ use super::super::state::Residency;
 use super::super::{allgather, check_inputs, CpMethod, CpOpts, StepStats};
 use crate::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs};
 use crate::Group;
-use candle_core::{Result, Tensor};
+use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::run_ranks;
 use std::path::PathBuf;
 
@@ -74,6 +74,18 @@ fn check(
     p: usize,
     rows: usize,
 ) -> Result<()> {
+    check_docs(case, single, method, p, rows, None)
+}
+
+/// [`check`] with attention kept inside packed `documents`.
+fn check_docs(
+    case: &AttnCase,
+    single: &AttnOutputs,
+    method: CpMethod,
+    p: usize,
+    rows: usize,
+    documents: Option<crate::packing::Documents>,
+) -> Result<()> {
     let layout = method.layout();
     let opts = CpOpts {
         layout,
@@ -82,6 +94,7 @@ fn check(
         overlap: true,
         block_rows: rows,
         check_ranks: true,
+        documents,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
     let res = run_ranks(p, |g: Group| {
@@ -180,6 +193,56 @@ fn device_form_matches_host_single_and_oracle_full() -> Result<()> {
         CpMethod::AllGather(Layout::Striped),
     ] {
         check(&case, &single, m, 4, 1024)?;
+    }
+    Ok(())
+}
+
+/// Packed documents: the causal GQA case packed twice after a 24-token prefix document cut
+/// from it (boundaries at 24 and 280, inside shards): every ring layout and all-gather KV,
+/// device form = host form, and both match the single-device packed attention
+/// (`attention_docs`), whose rows of the two full copies are the oracle's.
+#[test]
+fn device_form_matches_host_with_packed_documents() -> Result<()> {
+    let case = load("b2_t256_h8_kv2_d64_causal")?;
+    let t = case.q.dim(1)?;
+    let docs = crate::packing::Documents::from_lengths(&[24, t, t])?;
+    let pack = |x: &Tensor| Tensor::cat(&[&x.narrow(1, 0, 24)?, x, x], 1);
+    let packed = AttnCase {
+        name: format!("{} packed [24, {t}, {t}]", case.name),
+        q: pack(&case.q)?,
+        k: pack(&case.k)?,
+        v: pack(&case.v)?,
+        dout: pack(&case.dout)?,
+        ..case.clone()
+    };
+    // single-device packed reference through candle autograd
+    let (q, k, v) = (Var::from_tensor(&packed.q)?, Var::from_tensor(&packed.k)?, Var::from_tensor(&packed.v)?);
+    let (out, lse) = crate::attention::attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), &docs, true, case.scale)?;
+    let g = (&out * &packed.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
+    let single = AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? };
+    // the two full copies are the oracle case exactly
+    let tol = case.tolerances();
+    for copy in 0..2 {
+        let rows = |x: &Tensor, dim: usize| x.narrow(dim, 24 + copy * t, t);
+        let got = AttnOutputs {
+            out: rows(&single.out, 1)?,
+            lse: rows(&single.lse, 2)?,
+            dq: rows(&single.dq, 1)?,
+            dk: rows(&single.dk, 1)?,
+            dv: rows(&single.dv, 1)?,
+        };
+        let m = AttnMetrics::compute(&got, &case.reference)?;
+        assert!(m.passes(&tol), "packed copy {copy} vs oracle: {}", m.report(&tol));
+    }
+    let packed = AttnCase { reference: single.clone(), ..packed };
+    for m in [
+        CpMethod::Ring(Layout::Contiguous),
+        CpMethod::Ring(Layout::Zigzag),
+        CpMethod::Ring(Layout::Striped),
+        CpMethod::AllGather(Layout::Zigzag),
+    ] {
+        check_docs(&packed, &single, m, 4, 40, Some(docs.clone()))?;
     }
     Ok(())
 }

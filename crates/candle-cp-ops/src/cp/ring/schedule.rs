@@ -4,6 +4,7 @@
 
 use crate::attention::Mask;
 use crate::cp::shard::{Layout, Segment};
+use crate::packing::Documents;
 use candle_core::Result;
 
 /// What to do with one (query segment × key segment) block.
@@ -65,20 +66,43 @@ pub fn block_schedule(
     t: usize,
     causal: bool,
 ) -> Result<Vec<Scheduled>> {
+    block_schedule_docs(layout, rank, src, p, t, causal, None)
+}
+
+/// [`block_schedule`] for a packed sequence: with `docs`, each (query segment × key segment)
+/// block is split along the documents into (query rows of document d × key rows of document
+/// d) sub-blocks, classified like any block; pairs of different documents are never computed.
+/// `docs` must cover `t` (checked by the callers).
+pub fn block_schedule_docs(
+    layout: Layout,
+    rank: usize,
+    src: usize,
+    p: usize,
+    t: usize,
+    causal: bool,
+    docs: Option<&Documents>,
+) -> Result<Vec<Scheduled>> {
     let qs = layout.segments(rank, p, t)?;
     let ks = layout.segments(src, p, t)?;
     let mut out = Vec::new();
     for (qi, q) in qs.iter().enumerate() {
         for (ki, k) in ks.iter().enumerate() {
-            let block = classify(q, k, causal);
-            if block != Block::Skip {
-                out.push(Scheduled {
-                    qi,
-                    ki,
-                    q: *q,
-                    k: *k,
-                    block,
-                });
+            let mut push = |q: Segment, k: Segment| {
+                let block = classify(&q, &k, causal);
+                if block != Block::Skip {
+                    out.push(Scheduled { qi, ki, q, k, block });
+                }
+            };
+            match docs {
+                None => push(*q, *k),
+                Some(docs) => {
+                    let kparts = docs.split(k);
+                    for (dq, qd) in docs.split(q) {
+                        if let Some((_, kd)) = kparts.iter().find(|(dk, _)| *dk == dq) {
+                            push(qd, *kd);
+                        }
+                    }
+                }
             }
         }
     }
@@ -109,7 +133,27 @@ pub fn block_schedule(
 ///   local: 0}` (positions replaced by local indices, which preserves every comparison), with
 ///   the plain causal mask.
 pub fn step_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
-    let blocks = block_schedule(layout, rank, src, p, t, causal)?;
+    step_schedule_docs(layout, rank, src, p, t, causal, None)
+}
+
+/// [`step_schedule`] for a packed sequence: the per-document blocks of
+/// [`block_schedule_docs`], fully visible ones fused where adjacent (blocks of different
+/// documents never share key rows, so they never fuse wrongly). With documents the own-K/V
+/// step is not collapsed into one local-coordinate causal call (that would see across
+/// documents).
+pub fn step_schedule_docs(
+    layout: Layout,
+    rank: usize,
+    src: usize,
+    p: usize,
+    t: usize,
+    causal: bool,
+    docs: Option<&Documents>,
+) -> Result<Vec<Scheduled>> {
+    let blocks = block_schedule_docs(layout, rank, src, p, t, causal, docs)?;
+    if docs.is_some() {
+        return Ok(fuse_full_blocks(blocks));
+    }
     if causal && src == rank && blocks.len() > 1 {
         if let Some(all) = local_order_segment(&layout.segments(rank, p, t)?) {
             let block = classify(&all, &all, true);
@@ -354,6 +398,43 @@ mod tests {
                         assert!(fused.len() <= plain.len(), "{what}");
                         if layout == Layout::Zigzag {
                             assert_eq!(fused.len(), 1, "every zigzag step is one call: {what}");
+                        }
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn document_schedule_computes_exactly_the_same_document_pairs() -> Result<()> {
+        // Boundaries anywhere (not multiples of the chunk or of P), one-token documents too.
+        for lens in [vec![7usize, 1, 12, 4, 16], vec![40], vec![1; 40], vec![19, 21]] {
+            let docs = Documents::from_lengths(&lens)?;
+            let t = 40;
+            for (layout, causal) in Layout::ALL.into_iter().flat_map(|l| [(l, true), (l, false)]) {
+                for p in [1usize, 2, 4] {
+                    for rank in 0..p {
+                        for src in 0..p {
+                            let (ks, qs) = (layout.segments(src, p, t)?, layout.segments(rank, p, t)?);
+                            let mut want = Vec::new();
+                            for q in &qs {
+                                for k in &ks {
+                                    for a in 0..q.len {
+                                        for b in 0..k.len {
+                                            if docs.visible(q.offset + a * q.stride, k.offset + b * k.stride, causal) {
+                                                want.push((q.local + a, k.local + b));
+                                            }
+                                        }
+                                    }
+                                }
+                            }
+                            want.sort_unstable();
+                            let what = format!("{lens:?} {layout:?} causal={causal} P={p} rank={rank} src={src}");
+                            let plain = block_schedule_docs(layout, rank, src, p, t, causal, Some(&docs))?;
+                            let fused = step_schedule_docs(layout, rank, src, p, t, causal, Some(&docs))?;
+                            assert_eq!(pairs(&plain, causal), want, "plain {what}");
+                            assert_eq!(pairs(&fused, causal), want, "fused {what}");
                         }
                     }
                 }
