@@ -1,0 +1,306 @@
+//! Packed sequences (document masks) through every context-parallel attention, against the
+//! oracle and the single-device op, on thread ranks; plus error paths and the balance report.
+//!
+//! Oracle construction (the references have no documents, so the packed sequence is built
+//! from them): a causal case packed after a prefix document cut from its own first `t1`
+//! tokens, `[case[..t1] | case]` — the second document is the oracle case exactly (all five
+//! tensors), the first one's out/lse are the oracle's first `t1` rows (causal rows do not see
+//! later keys); a full-mask case packed twice, `[case | case]` (both copies exact). Any
+//! attention across the boundary would change these values. The prefix lengths put the
+//! boundaries inside shards (not on chunk edges).
+
+use candle_core::{Result, Tensor, Var};
+use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
+use candle_cp_ops::attention::{attention_docs, attention_docs_slow, attention_slow, Mask};
+use candle_cp_ops::cp::{balance, balance_docs, best_layout, ring_attention, run_case_cp_with, CpMethod, CpOpts, Layout};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_ops::packing::Documents;
+use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
+use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
+use candle_cp_tests::oracle_attn;
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(120);
+
+fn load(name: &str) -> Result<AttnCase> {
+    AttnCase::load(oracle_attn(&format!("{name}.safetensors")))
+}
+
+fn check(got: &AttnOutputs, reference: &AttnOutputs, tol: &AttnTol, what: &str) -> Result<()> {
+    let m = AttnMetrics::compute(got, reference)?;
+    assert!(m.passes(tol), "{what}: {:?} over tolerance\n{}", m.failures(tol), m.report(tol));
+    Ok(())
+}
+
+/// Rows `[a, a + n)` of every tensor of `x` (T is dim 1, lse's dim 2).
+fn rows(x: &AttnOutputs, a: usize, n: usize) -> Result<AttnOutputs> {
+    Ok(AttnOutputs {
+        out: x.out.narrow(1, a, n)?,
+        lse: x.lse.narrow(2, a, n)?,
+        dq: x.dq.narrow(1, a, n)?,
+        dk: x.dk.narrow(1, a, n)?,
+        dv: x.dv.narrow(1, a, n)?,
+    })
+}
+
+/// Single-device packed attention (`attention_docs`, candle autograd) of `case`'s inputs:
+/// out, lse and the gradients of `sum(out · dout)`.
+fn single_docs(case: &AttnCase, docs: &Documents) -> Result<AttnOutputs> {
+    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
+    let (out, lse) = attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
+    let g = (&out * &case.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+}
+
+/// The reference through plain candle ops with the dense document mask.
+fn slow_docs(case: &AttnCase, docs: &Documents) -> Result<AttnOutputs> {
+    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
+    let (out, lse) = attention_docs_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
+    let g = (&out * &case.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+}
+
+/// The packed case of an oracle case (see the module docs) and its documents.
+fn packed(case: &AttnCase, t1: usize) -> Result<(AttnCase, Documents)> {
+    let t = case.q.dim(1)?;
+    let (lens, pack): (Vec<usize>, Box<dyn Fn(&Tensor) -> Result<Tensor>>) = if case.causal {
+        (vec![t1, t], Box::new(move |x: &Tensor| Tensor::cat(&[&x.narrow(1, 0, t1)?, x], 1)))
+    } else {
+        (vec![t, t], Box::new(|x: &Tensor| Tensor::cat(&[x, x], 1)))
+    };
+    let c = AttnCase {
+        name: format!("{} packed {lens:?}", case.name),
+        q: pack(&case.q)?,
+        k: pack(&case.k)?,
+        v: pack(&case.v)?,
+        dout: pack(&case.dout)?,
+        ..case.clone()
+    };
+    Ok((c, Documents::from_lengths(&lens)?))
+}
+
+/// The oracle rows of a packed run: the second document all five tensors, the first one out
+/// and lse (causal prefix) or all five (full copy).
+fn check_against_oracle(got: &AttnOutputs, case: &AttnCase, docs: &Documents, what: &str) -> Result<()> {
+    let tol = case.tolerances();
+    let (a0, b0) = docs.range(0);
+    let (a1, b1) = docs.range(1);
+    check(&rows(got, a1, b1 - a1)?, &case.reference, &tol, &format!("{what}, document 1 vs oracle"))?;
+    let first = rows(got, a0, b0 - a0)?;
+    let want = rows(&case.reference, 0, b0 - a0)?;
+    if case.causal {
+        let (eo, el) = (first.out.sub(&want.out)?.abs()?.max_all()?, first.lse.sub(&want.lse)?.abs()?.max_all()?);
+        let (eo, el) = (eo.to_scalar::<f32>()? as f64, el.to_scalar::<f32>()? as f64);
+        assert!(eo <= tol.out_abs && el <= tol.lse_abs, "{what}, prefix document vs oracle rows: out {eo:.2e}, lse {el:.2e}");
+    } else {
+        check(&first, &want, &tol, &format!("{what}, document 0 vs oracle"))?;
+    }
+    Ok(())
+}
+
+#[test]
+fn attention_docs_equals_each_document_alone_and_the_slow_reference() -> Result<()> {
+    let lens = [7usize, 1, 20, 17];
+    let docs = Documents::from_lengths(&lens)?;
+    let t = docs.total_len();
+    let dev = candle_core::Device::Cpu;
+    for causal in [true, false] {
+        let case = AttnCase {
+            name: format!("random causal={causal}"),
+            causal,
+            scale: 0.25,
+            sigma: 1.0,
+            q: randn(1, &[2, t, 4, 16], 1.0)?,
+            k: randn(2, &[2, t, 2, 16], 1.0)?,
+            v: randn(3, &[2, t, 2, 16], 1.0)?,
+            dout: randn(4, &[2, t, 4, 16], 1.0)?,
+            reference: AttnOutputs {
+                out: Tensor::zeros(1, candle_core::DType::F32, &dev)?,
+                lse: Tensor::zeros(1, candle_core::DType::F32, &dev)?,
+                dq: Tensor::zeros(1, candle_core::DType::F32, &dev)?,
+                dk: Tensor::zeros(1, candle_core::DType::F32, &dev)?,
+                dv: Tensor::zeros(1, candle_core::DType::F32, &dev)?,
+            },
+        };
+        let fast = single_docs(&case, &docs)?;
+        let slow = slow_docs(&case, &docs)?;
+        check(&fast, &slow, &AttnTol::for_sigma(1.0), &format!("attention_docs vs slow, causal={causal}"))?;
+        // each document alone through the plain reference
+        let mask = if causal { Mask::causal() } else { Mask::Full };
+        for d in 0..docs.count() {
+            let (a, b) = docs.range(d);
+            let r = |x: &Tensor| x.narrow(1, a, b - a);
+            let (o, l) = attention_slow(&r(&case.q)?, &r(&case.k)?, &r(&case.v)?, &mask, case.scale)?;
+            let eo = fast.out.narrow(1, a, b - a)?.sub(&o)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let el = fast.lse.narrow(2, a, b - a)?.sub(&l)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(eo < 1e-5 && el < 1e-5, "document {d} causal={causal}: out {eo}, lse {el}");
+        }
+    }
+    Ok(())
+}
+
+/// Every method on packed oracle cases: ring (contiguous, zigzag, striped, small row chunks),
+/// all-gather KV (zigzag, contiguous, striped), Ulysses (contiguous, zigzag order), 2-D.
+#[test]
+fn every_cp_method_reproduces_the_oracle_on_packed_sequences() -> Result<()> {
+    // (case, prefix length t1): packed lengths 80, 296, 1024, 1048 split over 2P = 8
+    for (name, t1) in [
+        ("b1_t64_h4_kv4_d32_causal", 16usize),
+        ("b2_t256_h8_kv2_d64_causal", 40),
+        ("b1_t1000_h6_kv1_d64_causal", 24),
+        ("b1_t1024_h2_kv1_d128_causal", 24),
+        ("b1_t256_h4_kv4_d64_causal_sharp", 40),
+        ("b1_t64_h4_kv4_d32_full", 0),
+        ("b1_t512_h4_kv2_d128_full", 0),
+    ] {
+        let case = load(name)?;
+        let (pc, docs) = packed(&case, t1)?;
+        let single = single_docs(&pc, &docs)?;
+        check_against_oracle(&single, &case, &docs, &format!("{name} single device"))?;
+        let tol = case.tolerances();
+        let p = 4;
+        for (method, block_rows) in [
+            (CpMethod::Ring(Layout::Contiguous), 0),
+            (CpMethod::Ring(Layout::Zigzag), 0),
+            (CpMethod::Ring(Layout::Zigzag), 24),
+            (CpMethod::Ring(Layout::Striped), 0),
+            (CpMethod::AllGather(Layout::Zigzag), 0),
+            (CpMethod::AllGather(Layout::Contiguous), 0),
+            (CpMethod::AllGather(Layout::Striped), 24),
+        ] {
+            let opts = CpOpts { block_rows, ..CpOpts::default() }.with_documents(docs.clone());
+            let run = run_case_cp_with(&pc, method, p, TIMEOUT, opts)?;
+            let what = format!("{name} {method} P={p} block_rows={block_rows}");
+            check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
+            check_against_oracle(&run.outputs, &case, &docs, &what)?;
+        }
+        let h = case.q.dim(2)?;
+        let u = if h % 4 == 0 { 4 } else { 2 };
+        for layout in [Layout::Contiguous, Layout::Zigzag] {
+            let run = run_case_ulysses_with(&pc, u, layout, TIMEOUT, Some(docs.clone()))?;
+            let what = format!("{name} ulysses P={u} ({layout})");
+            check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
+            check_against_oracle(&run.outputs, &case, &docs, &what)?;
+        }
+        let run = run_case_usp_with(&pc, 2, 2, TIMEOUT, Some(docs.clone()))?;
+        let what = format!("{name} 2-D U=2 R=2");
+        check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
+        check_against_oracle(&run.outputs, &case, &docs, &what)?;
+    }
+    Ok(())
+}
+
+/// Many short documents and one-token documents, boundaries everywhere, P = 2, 3 and 4,
+/// seeded inputs against the dense-mask reference.
+#[test]
+fn many_small_documents_every_layout() -> Result<()> {
+    let lens = [1usize, 3, 1, 9, 2, 14, 1, 5, 8, 4];
+    let docs = Documents::from_lengths(&lens)?; // T = 48
+    let t = docs.total_len();
+    let dev = candle_core::Device::Cpu;
+    let zero = || Tensor::zeros(1, candle_core::DType::F32, &dev);
+    for causal in [true, false] {
+        let mut case = AttnCase {
+            name: format!("short documents causal={causal}"),
+            causal,
+            scale: 0.3,
+            sigma: 1.0,
+            q: randn(11, &[1, t, 6, 8], 1.0)?,
+            k: randn(12, &[1, t, 3, 8], 1.0)?,
+            v: randn(13, &[1, t, 3, 8], 1.0)?,
+            dout: randn(14, &[1, t, 6, 8], 1.0)?,
+            reference: AttnOutputs { out: zero()?, lse: zero()?, dq: zero()?, dk: zero()?, dv: zero()? },
+        };
+        case.reference = slow_docs(&case, &docs)?;
+        let tol = AttnTol::for_sigma(1.0);
+        for p in [2usize, 3, 4] {
+            for method in [CpMethod::Ring(Layout::Contiguous), CpMethod::Ring(Layout::Zigzag), CpMethod::Ring(Layout::Striped), CpMethod::AllGather(Layout::Zigzag)] {
+                if method.layout().local_len(t, p).is_err() {
+                    continue;
+                }
+                let opts = CpOpts { block_rows: 5, ..CpOpts::default() }.with_documents(docs.clone());
+                let run = run_case_cp_with(&case, method, p, TIMEOUT, opts)?;
+                check(&run.outputs, &case.reference, &tol, &format!("{} {method} P={p}", case.name))?;
+            }
+            if candle_cp_ops::ulysses::valid_ulysses_degrees(6, 3).contains(&p) {
+                let run = run_case_ulysses_with(&case, p, Layout::Striped, TIMEOUT, Some(docs.clone()))?;
+                check(&run.outputs, &case.reference, &tol, &format!("{} ulysses P={p} striped", case.name))?;
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn documents_must_cover_t_and_agree_across_ranks() -> Result<()> {
+    let opts = ThreadGroupOptions::with_timeout(Duration::from_secs(20));
+    let q = randn(1, &[1, 8, 2, 4], 1.0)?;
+    // documents covering 12 tokens for T = 2·8 = 16
+    let res = run_ranks_with(2, opts.clone(), |g: Group| {
+        let o = CpOpts::default().with_documents(Documents::from_lengths(&[5, 7])?);
+        ring_attention(&q, &q, &q, &g, &o).map(|_| ())
+    });
+    for r in res {
+        let e = r.expect_err("short documents must fail").to_string();
+        assert!(e.contains("12 tokens") && e.contains("T = 16"), "{e}");
+    }
+    // ranks with different boundaries: an error on every rank, not garbage
+    let res = run_ranks_with(2, opts.clone(), |g: Group| {
+        let lens: &[usize] = if g.rank() == 0 { &[8, 8] } else { &[4, 12] };
+        let o = CpOpts::default().with_documents(Documents::from_lengths(lens)?);
+        ring_attention(&q, &q, &q, &g, &o).map(|_| ())
+    });
+    for r in res {
+        let e = r.expect_err("disagreeing documents must fail").to_string();
+        assert!(e.contains("packed documents"), "{e}");
+    }
+    // Ulysses: the documents must cover the gathered T
+    let res = run_ranks_with(2, opts, |g: Group| {
+        let o = UlyssesOpts::new(true, 0.5).with_documents(Documents::from_lengths(&[3, 3])?);
+        ulysses_attention(&q, &q, &q, &g, &o).map(|_| ())
+    });
+    for r in res {
+        let e = r.expect_err("ulysses short documents must fail").to_string();
+        assert!(e.contains("T = 16"), "{e}");
+    }
+    // single device: q and k must have the same length, documents must cover it
+    let k = randn(2, &[1, 6, 2, 4], 1.0)?;
+    let docs = Documents::from_lengths(&[8])?;
+    assert!(attention_docs(&q, &k, &k, &docs, true, 0.5).is_err());
+    let e = attention_docs(&q, &q, &q, &Documents::from_lengths(&[4])?, true, 0.5).unwrap_err().to_string();
+    assert!(e.contains("T = 8") && e.contains("[1, 8, 2, 4]"), "{e}");
+    Ok(())
+}
+
+#[test]
+fn balance_with_documents_and_the_best_layout() -> Result<()> {
+    let (p, t) = (4usize, 1024usize);
+    // one document: the same report as without documents
+    let one = Documents::single(t)?;
+    for layout in Layout::ALL {
+        for causal in [true, false] {
+            assert_eq!(balance_docs(layout, p, t, causal, &one)?.pairs, balance(layout, p, t, causal)?.pairs);
+        }
+    }
+    let (best, _) = best_layout(p, t, true, Some(&one))?;
+    assert_eq!(best, Layout::Zigzag);
+    // one long document then many short ones: every report counts the mask's visible pairs,
+    // and the chosen layout's busiest rank is no busier than any other layout's
+    let mut lens = vec![512usize];
+    lens.extend(std::iter::repeat_n(16, 32));
+    let docs = Documents::from_lengths(&lens)?;
+    let visible: u64 = lens.iter().map(|&l| (l * (l + 1) / 2) as u64).sum();
+    let (best, reports) = best_layout(p, t, true, Some(&docs))?;
+    let busiest = |l: Layout| reports.iter().find(|r| r.layout == l).map(|r| *r.pairs.iter().max().unwrap_or(&0));
+    for r in &reports {
+        assert_eq!(r.pairs.iter().sum::<u64>(), visible, "{}", r.layout);
+        assert!(busiest(best) <= busiest(r.layout), "{best} vs {}", r.layout);
+    }
+    // contiguous puts the whole long document on ranks 0 and 1: zigzag or striped beat it
+    assert_ne!(best, Layout::Contiguous);
+    assert!(busiest(Layout::Contiguous) > busiest(best));
+    assert!(best_layout(3, 10, true, None).is_err());
+    Ok(())
+}
