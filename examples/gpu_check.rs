@@ -5,10 +5,12 @@
 //! and its failure paths (abort; a rank that never joins must fail init within its timeout),
 //! and the CP methods on NCCL ranks, one GPU each (section `nccl-ranks`, 2+ GPUs). Section
 //! `views`: inputs that are views (storage offset, transposed) and bad input (gpu_check_views.rs).
+//! Section `packed`: packed documents (document masks) through the single-device op, ring,
+//! all-gather KV and Ulysses on virtual ranks against the CPU path (gpu_check_packed.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
@@ -33,6 +35,8 @@ use std::time::{Duration, Instant};
 mod gpu_util;
 #[path = "gpu_check_views.rs"]
 mod views;
+#[path = "gpu_check_packed.rs"]
+mod packed;
 #[cfg(feature = "nccl")]
 #[path = "gpu_check_nccl.rs"]
 mod nccl;
@@ -541,6 +545,13 @@ fn main() -> Result<()> {
             rep.error("section oracle", e);
         }
         println!("-- section oracle + virtual ranks: {:.1} s", t.elapsed().as_secs_f64());
+    }
+    if want("packed") {
+        let t = Instant::now();
+        if let Err(e) = packed::check_packed(&mut rep, &gpu, &oracle) {
+            rep.error("section packed", e);
+        }
+        println!("-- section packed documents (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
     }
     if want("llama") {
         let t = Instant::now();
