@@ -1,19 +1,19 @@
 //! Packed sequences (document masks) through every context-parallel attention, against the
 //! oracle and the single-device op, on thread ranks; plus error paths and the balance report.
 //!
-//! Oracle construction (the references have no documents, so the packed sequence is built
-//! from them): a causal case packed after a prefix document cut from its own first `t1`
-//! tokens, `[case[..t1] | case]` — the second document is the oracle case exactly (all five
-//! tensors), the first one's out/lse are the oracle's first `t1` rows (causal rows do not see
-//! later keys); a full-mask case packed twice, `[case | case]` (both copies exact). Any
-//! attention across the boundary would change these values. The prefix lengths put the
-//! boundaries inside shards (not on chunk edges).
+//! Oracle construction (`oracle::PackedOracle`; the references have no documents, so the
+//! packed sequence is built from them): a causal case packed after a prefix document cut from
+//! its own first `t1` tokens, `[case[..t1] | case]` — the second document is the oracle case
+//! exactly (all five tensors), the first one's out/lse are the oracle's first `t1` rows
+//! (causal rows do not see later keys); a full-mask case packed twice, `[case | case]` (both
+//! copies exact). Any attention across the boundary would change these values. The prefix
+//! lengths put the boundaries inside shards (not on chunk edges).
 
 use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_ops::attention::{attention_docs, attention_docs_slow, attention_slow, Mask};
 use candle_cp_ops::cp::{balance, balance_docs, best_layout, ring_attention, run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol, PackedOracle};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
@@ -30,17 +30,6 @@ fn check(got: &AttnOutputs, reference: &AttnOutputs, tol: &AttnTol, what: &str) 
     let m = AttnMetrics::compute(got, reference)?;
     assert!(m.passes(tol), "{what}: {:?} over tolerance\n{}", m.failures(tol), m.report(tol));
     Ok(())
-}
-
-/// Rows `[a, a + n)` of every tensor of `x` (T is dim 1, lse's dim 2).
-fn rows(x: &AttnOutputs, a: usize, n: usize) -> Result<AttnOutputs> {
-    Ok(AttnOutputs {
-        out: x.out.narrow(1, a, n)?,
-        lse: x.lse.narrow(2, a, n)?,
-        dq: x.dq.narrow(1, a, n)?,
-        dk: x.dk.narrow(1, a, n)?,
-        dv: x.dv.narrow(1, a, n)?,
-    })
 }
 
 /// Single-device packed attention (`attention_docs`, candle autograd) of `case`'s inputs:
@@ -62,41 +51,11 @@ fn slow_docs(case: &AttnCase, docs: &Documents) -> Result<AttnOutputs> {
     Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
 }
 
-/// The packed case of an oracle case (see the module docs) and its documents.
-fn packed(case: &AttnCase, t1: usize) -> Result<(AttnCase, Documents)> {
-    let t = case.q.dim(1)?;
-    let (lens, pack): (Vec<usize>, Box<dyn Fn(&Tensor) -> Result<Tensor>>) = if case.causal {
-        (vec![t1, t], Box::new(move |x: &Tensor| Tensor::cat(&[&x.narrow(1, 0, t1)?, x], 1)))
-    } else {
-        (vec![t, t], Box::new(|x: &Tensor| Tensor::cat(&[x, x], 1)))
-    };
-    let c = AttnCase {
-        name: format!("{} packed {lens:?}", case.name),
-        q: pack(&case.q)?,
-        k: pack(&case.k)?,
-        v: pack(&case.v)?,
-        dout: pack(&case.dout)?,
-        ..case.clone()
-    };
-    Ok((c, Documents::from_lengths(&lens)?))
-}
-
-/// The oracle rows of a packed run: the second document all five tensors, the first one out
-/// and lse (causal prefix) or all five (full copy).
-fn check_against_oracle(got: &AttnOutputs, case: &AttnCase, docs: &Documents, what: &str) -> Result<()> {
-    let tol = case.tolerances();
-    let (a0, b0) = docs.range(0);
-    let (a1, b1) = docs.range(1);
-    check(&rows(got, a1, b1 - a1)?, &case.reference, &tol, &format!("{what}, document 1 vs oracle"))?;
-    let first = rows(got, a0, b0 - a0)?;
-    let want = rows(&case.reference, 0, b0 - a0)?;
-    if case.causal {
-        let (eo, el) = (first.out.sub(&want.out)?.abs()?.max_all()?, first.lse.sub(&want.lse)?.abs()?.max_all()?);
-        let (eo, el) = (eo.to_scalar::<f32>()? as f64, el.to_scalar::<f32>()? as f64);
-        assert!(eo <= tol.out_abs && el <= tol.lse_abs, "{what}, prefix document vs oracle rows: out {eo:.2e}, lse {el:.2e}");
-    } else {
-        check(&first, &want, &tol, &format!("{what}, document 0 vs oracle"))?;
-    }
+/// `got` on the packed oracle case against the oracle rows (`PackedOracle::metrics`).
+fn check_against_oracle(got: &AttnOutputs, po: &PackedOracle, what: &str) -> Result<()> {
+    let tol = po.case.tolerances();
+    let m = po.metrics(got)?;
+    assert!(m.passes(&tol), "{what} vs oracle: {:?} over tolerance\n{}", m.failures(&tol), m.report(&tol));
     Ok(())
 }
 
@@ -145,20 +104,21 @@ fn attention_docs_equals_each_document_alone_and_the_slow_reference() -> Result<
 /// all-gather KV (zigzag, contiguous, striped), Ulysses (contiguous, zigzag order), 2-D.
 #[test]
 fn every_cp_method_reproduces_the_oracle_on_packed_sequences() -> Result<()> {
-    // (case, prefix length t1): packed lengths 80, 296, 1024, 1048 split over 2P = 8
-    for (name, t1) in [
-        ("b1_t64_h4_kv4_d32_causal", 16usize),
-        ("b2_t256_h8_kv2_d64_causal", 40),
-        ("b1_t1000_h6_kv1_d64_causal", 24),
-        ("b1_t1024_h2_kv1_d128_causal", 24),
-        ("b1_t256_h4_kv4_d64_causal_sharp", 40),
-        ("b1_t64_h4_kv4_d32_full", 0),
-        ("b1_t512_h4_kv2_d128_full", 0),
+    // packed lengths 88, 280, 1024, 1048, 280, 128, 1024: all split over 2P = 8
+    for name in [
+        "b1_t64_h4_kv4_d32_causal",
+        "b2_t256_h8_kv2_d64_causal",
+        "b1_t1000_h6_kv1_d64_causal",
+        "b1_t1024_h2_kv1_d128_causal",
+        "b1_t256_h4_kv4_d64_causal_sharp",
+        "b1_t64_h4_kv4_d32_full",
+        "b1_t512_h4_kv2_d128_full",
     ] {
         let case = load(name)?;
-        let (pc, docs) = packed(&case, t1)?;
-        let single = single_docs(&pc, &docs)?;
-        check_against_oracle(&single, &case, &docs, &format!("{name} single device"))?;
+        let po = PackedOracle::new(&case)?;
+        let (pc, docs) = (&po.case, &po.documents);
+        let single = single_docs(pc, docs)?;
+        check_against_oracle(&single, &po, &format!("{name} single device"))?;
         let tol = case.tolerances();
         let p = 4;
         for (method, block_rows) in [
@@ -171,23 +131,23 @@ fn every_cp_method_reproduces_the_oracle_on_packed_sequences() -> Result<()> {
             (CpMethod::AllGather(Layout::Striped), 24),
         ] {
             let opts = CpOpts { block_rows, ..CpOpts::default() }.with_documents(docs.clone());
-            let run = run_case_cp_with(&pc, method, p, TIMEOUT, opts)?;
+            let run = run_case_cp_with(pc, method, p, TIMEOUT, opts)?;
             let what = format!("{name} {method} P={p} block_rows={block_rows}");
             check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
-            check_against_oracle(&run.outputs, &case, &docs, &what)?;
+            check_against_oracle(&run.outputs, &po, &what)?;
         }
         let h = case.q.dim(2)?;
         let u = if h % 4 == 0 { 4 } else { 2 };
         for layout in [Layout::Contiguous, Layout::Zigzag] {
-            let run = run_case_ulysses_with(&pc, u, layout, TIMEOUT, Some(docs.clone()))?;
+            let run = run_case_ulysses_with(pc, u, layout, TIMEOUT, Some(docs.clone()))?;
             let what = format!("{name} ulysses P={u} ({layout})");
             check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
-            check_against_oracle(&run.outputs, &case, &docs, &what)?;
+            check_against_oracle(&run.outputs, &po, &what)?;
         }
-        let run = run_case_usp_with(&pc, 2, 2, TIMEOUT, Some(docs.clone()))?;
+        let run = run_case_usp_with(pc, 2, 2, TIMEOUT, Some(docs.clone()))?;
         let what = format!("{name} 2-D U=2 R=2");
         check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
-        check_against_oracle(&run.outputs, &case, &docs, &what)?;
+        check_against_oracle(&run.outputs, &po, &what)?;
     }
     Ok(())
 }

@@ -1,12 +1,13 @@
-//! `candle-cp verify attn --case FILE.safetensors [--layout L] [--cp P] [--ulysses U --ring R]`
+//! `candle-cp verify attn --case FILE.safetensors [--layout L] [--cp P] [--ulysses U --ring R] [--packed]`
 //!
 //! Reads an attention case in the oracle format (q, k, v, dout, out, lse, dq, dk, dv + header
 //! metadata causal/scale/sigma/case), runs it on the chosen layout, gathers the global
 //! results and prints `out_abs`, `lse_abs`, `dq_rel`, `dk_rel`, `dv_rel` against the README
-//! tolerances, then a last line starting with `PASS` or `FAIL`.
+//! tolerances, then a last line starting with `PASS` or `FAIL`. `--packed` runs the case packed
+//! into two documents with the document mask and compares the rows the packing keeps exact.
 
 use anyhow::{bail, Context};
-use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs};
+use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, PackedOracle};
 use std::path::PathBuf;
 
 /// Layouts accepted by `--layout` (those not yet built in report so).
@@ -30,11 +31,22 @@ pub struct AttnArgs {
     /// Ring degree R inside each Ulysses group (usp).
     #[arg(long)]
     pub ring: Option<usize>,
+    /// Pack the case into a sequence of two documents (causal: after a prefix document cut
+    /// from its own first tokens; full: twice) and run it with the document mask; the rows
+    /// the packing keeps exact are compared with the oracle (`oracle::PackedOracle`).
+    #[arg(long)]
+    pub packed: bool,
 }
 
 /// Run the case on `a.layout`; `Ok(true)` PASS, `Ok(false)` FAIL, `Err` bad input.
 pub fn run(a: AttnArgs) -> crate::Outcome {
-    let case = AttnCase::load(&a.case).with_context(|| format!("loading case {}", a.case.display()))?;
+    let oracle = AttnCase::load(&a.case).with_context(|| format!("loading case {}", a.case.display()))?;
+    let po = if a.packed { Some(PackedOracle::new(&oracle)?) } else { None };
+    let case = po.as_ref().map_or(&oracle, |p| &p.case);
+    let docs = po.as_ref().map(|p| p.documents.clone());
+    if let Some(d) = &docs {
+        println!("packed: documents {:?} (T = {})", d.lengths(), d.total_len());
+    }
     let got: AttnOutputs = match a.layout.as_str() {
         "single" => {
             for (flag, val) in [("--cp", a.cp), ("--ulysses", a.ulysses), ("--ring", a.ring)] {
@@ -42,7 +54,10 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                     bail!("layout single runs on one device; {flag} {} needs a parallel layout ({LAYOUTS})", val.unwrap_or(1))
                 }
             }
-            run_single(&case)?
+            match &po {
+                Some(p) => p.run_single()?,
+                None => run_single(case)?,
+            }
         }
         // CP engineer: ring / zigzag / striped / all-gather-KV with `--cp P`.
         "ring" | "zigzag" | "striped" | "allgather" => {
@@ -56,7 +71,8 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                 bail!("--cp must be at least 1")
             }
             let method: candle_cp_ops::cp::CpMethod = a.layout.parse()?;
-            let run = candle_cp_ops::cp::run_case_cp(&case, method, p, std::time::Duration::from_secs(300))?;
+            let opts = candle_cp_ops::cp::CpOpts { documents: docs.clone(), ..Default::default() };
+            let run = candle_cp_ops::cp::run_case_cp_with(case, method, p, std::time::Duration::from_secs(300), opts)?;
             println!("ranks: {p} thread ranks, {} layout, local shapes (out, lse, dq, dk, dv) {:?}", method.layout(), run.shapes[0]);
             run.outputs
         }
@@ -75,7 +91,7 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                 bail!("--cp must be at least 1")
             }
             let layout = candle_cp_ops::cp::Layout::Contiguous;
-            let run = candle_cp_ops::usp::run_case_ulysses(&case, p, layout, std::time::Duration::from_secs(300))?;
+            let run = candle_cp_ops::usp::run_case_ulysses_with(case, p, layout, std::time::Duration::from_secs(300), docs.clone())?;
             println!("ranks: {p} thread ranks, ulysses all-to-all ({layout} sequence shards), local shapes (out, lse, dq, dk, dv) {:?}", run.shapes[0]);
             run.outputs
         }
@@ -88,7 +104,7 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                     bail!("layout usp: --cp {p} must equal U·R = {u}·{r} = {}", u * r)
                 }
             }
-            let run = candle_cp_ops::usp::run_case_usp(&case, u, r, std::time::Duration::from_secs(300))?;
+            let run = candle_cp_ops::usp::run_case_usp_with(case, u, r, std::time::Duration::from_secs(300), docs.clone())?;
             println!(
                 "ranks: {} thread ranks = {u} ulysses × {r} ring (zigzag), local shapes (out, lse, dq, dk, dv) {:?}",
                 u * r,
@@ -98,7 +114,10 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
         }
         other => bail!("unknown layout {other:?}; valid layouts: {LAYOUTS}"),
     };
-    let metrics = AttnMetrics::compute(&got, &case.reference)?;
+    let metrics = match &po {
+        Some(p) => p.metrics(&got)?,
+        None => AttnMetrics::compute(&got, &case.reference)?,
+    };
     let tol = case.tolerances();
     let (b, t, h, d) = case.q.dims4()?;
     let hkv = case.k.dims()[2];

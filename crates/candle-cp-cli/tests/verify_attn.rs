@@ -47,6 +47,26 @@ fn pass_on_oracle_case() {
 }
 
 #[test]
+fn packed_passes_on_every_layout_family() {
+    let case = oracle("b1_t64_h4_kv4_d32_causal.safetensors");
+    let c = case.to_str().unwrap();
+    for layout in [&["--layout", "zigzag", "--cp", "4"][..], &["--layout", "ulysses", "--cp", "2"], &["--layout", "single"]] {
+        let o = verify(&[&["--case", c, "--packed"], layout].concat());
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert_eq!(o.status.code(), Some(0), "{layout:?}\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        assert!(out.contains("documents [24, 64]"), "{out}");
+        assert!(last_line(&o).starts_with("PASS"), "{out}");
+    }
+    // the corrupted copy fails packed too (the second document is compared with the oracle)
+    let dir = std::env::temp_dir().join(format!("candle-cp-cli-attn-packed-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let bad = corrupted_copy(&oracle("b1_t64_h4_kv4_d32_full.safetensors"), &dir);
+    let o = verify(&["--case", bad.to_str().unwrap(), "--packed", "--layout", "zigzag", "--cp", "2"]);
+    std::fs::remove_dir_all(&dir).unwrap();
+    assert_eq!(o.status.code(), Some(1), "{}", String::from_utf8_lossy(&o.stdout));
+}
+
+#[test]
 fn fail_on_corrupted_copy() {
     let dir = std::env::temp_dir().join(format!("candle-cp-cli-attn-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();

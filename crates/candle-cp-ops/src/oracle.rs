@@ -9,6 +9,10 @@
 //! Tolerances for f32 with `s = max(1, sigma²)`: out/lse abs `1e-5·s`, dq/dk/dv rel `2e-5·s`.
 //! The metrics take *global* tensors: a parallel layout gathers its shards first.
 
+#[path = "oracle_packed.rs"]
+mod packed;
+pub use packed::PackedOracle;
+
 use crate::attention::{attention, Mask};
 use candle_core::{DType, Device, Result, Tensor, Var};
 use std::collections::HashMap;
