@@ -4,6 +4,8 @@
 //! cargo run --release --example finetune_llama                     # CPU, 4 thread ranks, zigzag CP
 //! cargo run --release --example finetune_llama -- --data book.txt --seq-len 1024
 //! cargo run --release --example finetune_llama -- --model tests/data/oracle/tiny-llama --data notes.txt
+//! # documents (separated by blank lines) packed into each sequence, masked from each other:
+//! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -21,8 +23,8 @@ use anyhow::{bail, Context, Result};
 use candle_core::DType;
 use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_llama::train::{
-    AdamWConfig, DataSource, KvRecall, ModelSource, StepMetrics, TokenStream, TrainConfig,
-    TrainOutcome, WarmupCosine,
+    AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, StepMetrics, TokenStream,
+    TrainConfig, TrainOutcome, WarmupCosine,
 };
 use candle_cp_llama::{CpKind, Layout, LlamaConfig};
 use clap::Parser;
@@ -89,6 +91,16 @@ struct Args {
     /// HF tokenizer.json for --data.
     #[arg(long)]
     tokenizer: Option<PathBuf>,
+    /// Pack documents: split --data into documents on --doc-separator (blank lines) and fill
+    /// each sequence with consecutive documents (the last one cut). Attention stays inside a
+    /// document, RoPE positions restart per document, and no document's last token is trained
+    /// to predict the next document; the CP shards cut documents anywhere (no padding).
+    /// Needs --data (the synthetic task is one sequence per row).
+    #[arg(long)]
+    pack_docs: bool,
+    /// Document separator for --pack-docs (`\n` means a newline).
+    #[arg(long, default_value = "\\n\\n")]
+    doc_separator: String,
     /// HF Llama checkpoint directory to start from (default: random init).
     #[arg(long)]
     model: Option<PathBuf>,
@@ -187,6 +199,9 @@ fn layout(a: &Args) -> Result<Layout> {
 }
 
 fn data_source(a: &Args) -> Result<(DataSource, String)> {
+    if a.pack_docs && a.data.is_none() {
+        bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
+    }
     let Some(path) = &a.data else {
         let mut t = KvRecall::new(a.seq_len)?;
         t.n_keys = a.keys;
@@ -205,6 +220,9 @@ fn data_source(a: &Args) -> Result<(DataSource, String)> {
     };
     let bytes =
         std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?;
+    if a.pack_docs {
+        return packed_source(a, path, &bytes);
+    }
     let stream = match &a.tokenizer {
         None => TokenStream::from_bytes(&bytes),
         Some(tp) => {
@@ -230,6 +248,39 @@ fn data_source(a: &Args) -> Result<(DataSource, String)> {
         }
     );
     Ok((DataSource::Text(stream), desc))
+}
+
+/// `--pack-docs`: the documents of `bytes`, byte-level or through --tokenizer (each
+/// document tokenised on its own).
+fn packed_source(a: &Args, path: &std::path::Path, bytes: &[u8]) -> Result<(DataSource, String)> {
+    let sep = a.doc_separator.replace("\\n", "\n");
+    let stream = match &a.tokenizer {
+        None => PackedStream::from_bytes(bytes, sep.as_bytes())?,
+        Some(tp) => {
+            let tok = tokenizers::Tokenizer::from_file(tp)
+                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let docs = candle_cp_llama::train::packed_data::split_documents(bytes, sep.as_bytes())?
+                .into_iter()
+                .map(|d| {
+                    let enc = tok
+                        .encode(String::from_utf8_lossy(d).as_ref(), false)
+                        .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+                    Ok(enc.get_ids().to_vec())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            PackedStream::from_documents(docs)?
+        }
+    };
+    let desc = format!(
+        "{} ({} tokens in {} documents of {:.1} tokens on average, split on {:?}, {}), packed",
+        path.display(),
+        stream.len(),
+        stream.count(),
+        stream.mean_doc_len(),
+        sep,
+        if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
+    );
+    Ok((DataSource::Packed(stream), desc))
 }
 
 fn main() -> Result<()> {
@@ -310,6 +361,17 @@ fn main() -> Result<()> {
         launch.describe(world, &a, cuda, dtype)
     );
     say!("data     : {data_desc}");
+    if let DataSource::Packed(_) = &cfg.data {
+        // the first step's rows (batches are a pure function of (seed, step, row))
+        let rows = cfg.data.rows(cfg.seed, 0, 0, batch, a.seq_len)?;
+        let counts: Vec<usize> = rows
+            .iter()
+            .map(|r| r.documents.as_ref().map_or(1, |d| d.count()))
+            .collect();
+        say!(
+            "packing  : documents per sequence at step 1: {counts:?} (attention inside documents, RoPE positions per document, no target across a boundary)"
+        );
+    }
     say!(
         "batch    : {batch} rows x {} tokens x {} micro-batches per step",
         a.seq_len,

@@ -4,25 +4,93 @@
 //! (`Tc = T / cp` tokens in the CP layout's order, `Hl`, `Hkvl` heads of the TP shard);
 //! output `[B, Tc, Hl, D]` in q's dtype, differentiable w.r.t. q, k, v. Every call is
 //! collective over the CP group (and its 2-D sub-groups).
+//!
+//! With packed documents ([`attend_docs`]) a query sees only the keys of its own document
+//! (causal inside it); the documents cover the GLOBAL sequence of `T = Tc · cp` tokens and cut
+//! the CP shards anywhere (no padding).
 
 use crate::layout::{CpKind, ParallelCtx};
-use candle_core::{Result, Tensor};
-use candle_cp_ops::attention::{attention, Mask};
+use candle_core::{bail, Result, Tensor};
+use candle_cp_ops::attention::{attention, attention_docs, Mask};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
+use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 
 /// Causal attention of the CP shard `q, k, v` with softmax `scale` (see the module doc).
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
-    let l = &ctx.layout;
-    if l.cp == 1 {
-        return Ok(attention(q, k, v, &Mask::causal(), scale)?.0);
+    attend_one(q, k, v, ctx, scale, None)
+}
+
+/// [`attend`] inside packed documents: `docs` `None` (each row one sequence, as [`attend`]),
+/// one [`Documents`] shared by every row, or one per row (`B` entries; the rows are then
+/// attended one by one, the same collectives in the same order on every rank). Each covers
+/// the global length `T = Tc · cp`; errors name the shapes otherwise.
+pub fn attend_docs(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx: &ParallelCtx,
+    scale: f64,
+    docs: Option<&[Documents]>,
+) -> Result<Tensor> {
+    let Some(docs) = docs else {
+        return attend_one(q, k, v, ctx, scale, None);
+    };
+    let b = q.dim(0)?;
+    match docs {
+        [d] => attend_one(q, k, v, ctx, scale, Some(d)),
+        rows if rows.len() == b && b > 1 => {
+            let parts = rows
+                .iter()
+                .enumerate()
+                .map(|(i, d)| {
+                    attend_one(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, ctx, scale, Some(d))
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Tensor::cat(&parts, 0)
+        }
+        _ => bail!(
+            "attend: {} Documents for q {:?}: pass one shared by every row or one per row ({b})",
+            docs.len(),
+            q.dims()
+        ),
     }
-    let opts = CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale);
+}
+
+/// One attention call: every row of `q, k, v` with the same documents (or none).
+fn attend_one(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx: &ParallelCtx,
+    scale: f64,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
+    let l = &ctx.layout;
+    if let Some(d) = docs {
+        d.check_len(&format!("attend: q {:?} on {l} (T = Tc · cp)", q.dims()), q.dim(1)? * l.cp)?;
+    }
+    if l.cp == 1 {
+        return Ok(match docs {
+            Some(d) => attention_docs(q, k, v, d, true, scale)?.0,
+            None => attention(q, k, v, &Mask::causal(), scale)?.0,
+        });
+    }
+    let mut opts = CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale);
+    if let Some(d) = docs {
+        opts = opts.with_documents(d.clone());
+    }
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
-        CpKind::Ulysses => ulysses_attention(q, k, v, &ctx.cp, &UlyssesOpts::new(true, scale))?,
-        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale),
+        CpKind::Ulysses => {
+            let mut uo = UlyssesOpts::new(true, scale);
+            if let Some(d) = docs {
+                uo = uo.with_documents(d.clone());
+            }
+            ulysses_attention(q, k, v, &ctx.cp, &uo)?
+        }
+        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, docs),
     };
     Ok(out)
 }

@@ -2,15 +2,28 @@
 
 use crate::layout::ParallelCtx;
 use candle_core::{Result, Tensor};
+use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 
 /// 2-D attention of the CP shard: Ulysses all-to-all inside `ctx.ulysses`, zigzag ring over
-/// `ctx.ring` (rank `cp_i = ring_i · U + uly_i`, as [`UspGroups`] orders them).
+/// `ctx.ring` (rank `cp_i = ring_i · U + uly_i`, as [`UspGroups`] orders them), kept inside
+/// the packed `docs` (global length `T`) when given.
 /// `q [B, T/(R·U), Hl, D]`, `k, v [B, T/(R·U), Hkvl, D]` → `[B, T/(R·U), Hl, D]`.
-pub fn attend_2d(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
+pub fn attend_2d(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx: &ParallelCtx,
+    scale: f64,
+    docs: Option<&Documents>,
+) -> Result<Tensor> {
     let groups = UspGroups {
         ulysses: ctx.ulysses.clone(),
         ring: ctx.ring.clone(),
     };
-    Ok(usp_attention(q, k, v, &groups, &UspOpts::new(true, scale))?.0)
+    let mut opts = UspOpts::new(true, scale);
+    if let Some(d) = docs {
+        opts = opts.with_documents(d.clone());
+    }
+    Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

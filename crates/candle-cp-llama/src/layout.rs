@@ -309,8 +309,15 @@ pub struct ShardedBatch {
     /// Next-token targets of those tokens, `[B/dp, T_local]` u32 (the global `input_ids`
     /// shifted left by one before sharding; [`IGNORE`] at the last global position).
     pub labels: Tensor,
-    /// Global positions of those tokens, `[T_local]` u32.
+    /// Global positions of those tokens, `[T_local]` u32. From
+    /// [`crate::packed::shard_batch_packed`]: the RoPE position ids instead (position within
+    /// the document), `[T_local]` when the documents are shared by all rows, else
+    /// `[B/dp, T_local]`.
     pub positions: Tensor,
+    /// Packed documents of this rank's rows (from [`crate::packed::shard_batch_packed`]):
+    /// one entry shared by every row, or one per row (`B/dp`), each covering the GLOBAL
+    /// length `T`. Empty for [`shard_batch`] (each row is one sequence).
+    pub documents: Vec<candle_cp_ops::packing::Documents>,
 }
 
 /// Split a global batch `[B, T]` (u32 token ids, positions `0..T`) for this rank.
@@ -335,20 +342,20 @@ pub fn shard_batch(global_ids: &Tensor, ctx: &ParallelCtx) -> Result<ShardedBatc
             input_ids,
             labels,
             positions,
+            documents: Vec::new(),
         }),
         _ => bail!("shard_batch: internal error"),
     }
 }
 
 /// Shard `[B, T]` tensors (and `[T]` positions) for this rank; returns them in order, the
-/// positions last.
-fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<Tensor>> {
+/// positions last: `[B/dp, T_local]` each, positions `[T_local]`.
+pub(crate) fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<Tensor>> {
     let l = &ctx.layout;
     let (dp_i, cp_i, tp_i) = ctx.coords;
     if !b.is_multiple_of(l.dp) {
         bail!("shard_batch: batch {b} (ids [{b}, {t}]) not divisible by dp = {}", l.dp)
     }
-    let seq = l.cp_kind.seq_layout();
     let two_d = l.cp_kind == CpKind::TwoD;
     // 2-D: zigzag over the ring index, then contiguous over the Ulysses index
     let (outer, outer_i) = if two_d {
@@ -356,6 +363,9 @@ fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelC
     } else {
         (l.cp, cp_i)
     };
+    // one shard holds every token in order whatever the layout (zigzag of one rank is the
+    // identity): no divisibility constraint on T (e.g. a single document of odd length)
+    let seq = if outer == 1 { SeqLayout::Contiguous } else { l.cp_kind.seq_layout() };
     let tr = seq.local_len(t, outer)?;
     if two_d && tr % l.ulysses != 0 {
         bail!(

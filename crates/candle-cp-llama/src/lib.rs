@@ -10,6 +10,10 @@
 //! loss.backward() ─▶ reduce_gradients(&mut grads, &varmap, &cfg, &ctx) ─▶ optimizer step
 //! ```
 //!
+//! Packed documents (many documents in one row, masked from each other, RoPE positions per
+//! document, shards cutting them anywhere): [`packed`] — `shard_batch_packed(ids, &docs, &ctx)`
+//! then `llama.loss_packed(ids, labels, positions, &documents)`.
+//!
 //! ```no_run
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_cp_comm::run_ranks;
@@ -46,6 +50,7 @@ pub mod hf;
 pub mod layout;
 pub mod loss;
 pub mod model;
+pub mod packed;
 pub mod params;
 pub mod rope;
 pub mod train;
@@ -56,4 +61,6 @@ pub use grads::{named_grads, reduce_gradients};
 pub use hf::{load_hf, save_hf, save_hf_tensors};
 pub use layout::{shard_batch, CpKind, Layout, ParallelCtx, ShardedBatch, IGNORE};
 pub use model::{global_mean, local_nll, rms_norm, Llama};
+pub use packed::shard_batch_packed;
+pub use candle_cp_ops::packing::Documents;
 pub use params::{gather_full, init_params, param_specs, shard_params, shard_tensors, ParamSpec, Shard};

@@ -7,13 +7,14 @@
 //! `Hkvl = Hkv / tp` heads of its TP shard):
 //! ids `[B, Ts]` → hidden `[B, Ts, h]` → (TP region `[B, Tc, ·]`) → logits `[B, Ts, V]`.
 
-use crate::attn::attend;
+use crate::attn::attend_docs;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Tp};
+use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
@@ -48,14 +49,33 @@ struct Block {
     down: RowParallelLinear,
 }
 
-/// What every layer of one forward shares: the parallel context, RoPE tables of the CP
-/// shard's positions, `[B, Tc, Hl, Hkvl, D]` and the softmax scale.
+/// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
+/// `[Tc, D]` of the CP shard's positions (one pair shared by every row, or one per row),
+/// `[B, Tc, Hl, Hkvl, D]`, the softmax scale and the packed documents (one shared or one per
+/// row; `None`: each row is one sequence).
 struct BlockEnv {
     ctx: ParallelCtx,
-    cos: Tensor,
-    sin: Tensor,
+    rope: Vec<(Tensor, Tensor)>,
     dims: [usize; 5],
     scale: f64,
+    docs: Option<Vec<Documents>>,
+}
+
+impl BlockEnv {
+    /// RoPE of `x` `[B, Tc, H, D]` with the shared tables, or row by row.
+    fn rope(&self, x: &Tensor) -> Result<Tensor> {
+        match self.rope.as_slice() {
+            [(cos, sin)] => apply_rope(x, cos, sin),
+            rows => {
+                let parts = rows
+                    .iter()
+                    .enumerate()
+                    .map(|(i, (cos, sin))| apply_rope(&x.narrow(0, i, 1)?, cos, sin))
+                    .collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, 0)
+            }
+        }
+    }
 }
 
 impl Block {
@@ -67,9 +87,9 @@ impl Block {
         let q = qkv[0].reshape((b, tc, hl, d))?;
         let k = qkv[1].reshape((b, tc, hkvl, d))?;
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
-        let q = apply_rope(&q, &env.cos, &env.sin)?;
-        let k = apply_rope(&k, &env.cos, &env.sin)?;
-        let a = attend(&q, &k, &v, &env.ctx, env.scale)?.reshape((b, tc, hl * d))?;
+        let q = env.rope(&q)?;
+        let k = env.rope(&k)?;
+        let a = attend_docs(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref())?.reshape((b, tc, hl * d))?;
         let x = (x + self.o.forward(&a)?)?;
         let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
         let m = (gu[0].silu()? * &gu[1])?;
@@ -222,26 +242,37 @@ impl Llama {
         &self.ctx
     }
 
-    /// Global positions of the CP shard (`[Tc]`, host), gathering the SP shards if needed.
-    fn cp_positions(&self, positions: &Tensor) -> Result<Vec<u32>> {
+    /// RoPE positions of the CP shard, host, one row (`positions` `[Ts]`) or one per batch
+    /// row (`[B, Ts]`), each `[Tc]`, gathering the SP shards if needed.
+    fn cp_positions(&self, positions: &Tensor) -> Result<Vec<Vec<u32>>> {
         let l = &self.ctx.layout;
         let pos = positions.to_dtype(DType::U32)?;
+        let pos = if pos.rank() == 1 { pos.unsqueeze(0)? } else { pos };
         if l.seq_parallel() {
             // positions < 2^24 are exact in f32 (collectives need a float dtype everywhere)
-            let all = self.ctx.tp.all_gather(&pos.to_dtype(DType::F32)?, 0)?;
-            Ok(all.to_dtype(DType::U32)?.to_vec1::<u32>()?)
+            let all = self.ctx.tp.all_gather(&pos.to_dtype(DType::F32)?.contiguous()?, 1)?;
+            all.to_dtype(DType::U32)?.to_vec2::<u32>()
         } else {
-            pos.to_vec1::<u32>()
+            pos.to_vec2::<u32>()
         }
     }
 
     /// Final hidden states of this rank's tokens (after the last norm, before the head):
     /// `[B, Ts, h]` in the weights' dtype. `input_ids`, `positions` as for [`Llama::forward`].
     pub fn hidden(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
+        self.hidden_with(input_ids, positions, None)
+    }
+
+    /// [`Llama::hidden`] with optional packed documents (see [`Llama::hidden_packed`]):
+    /// `positions` `[Ts]`, or `[B, Ts]` with documents.
+    pub(crate) fn hidden_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
         let (b, ts) = input_ids.dims2()?;
-        if positions.dims() != [ts] {
+        let per_row = docs.is_some() && positions.dims() == [b, ts];
+        if positions.dims() != [ts] && !per_row {
+            let what = if docs.is_some() { "Llama::hidden_packed" } else { "Llama::hidden" };
+            let alt = if docs.is_some() { format!(" or [{b}, {ts}]") } else { String::new() };
             bail!(
-                "Llama::hidden: positions {:?} must be [{ts}] for input_ids {:?}",
+                "{what}: positions {:?} must be [{ts}]{alt} for input_ids {:?}",
                 positions.dims(),
                 input_ids.dims()
             )
@@ -249,9 +280,22 @@ impl Llama {
         let cfg = &self.cfg;
         let (tp, d) = (self.ctx.layout.tp, cfg.head_dim);
         let (hl, hkvl) = (cfg.num_attention_heads / tp, cfg.num_key_value_heads / tp);
-        let pos = self.cp_positions(positions)?;
-        let (cos, sin) = rope_tables(cfg, &pos, DType::F32, input_ids.device())?;
-        let tc = pos.len();
+        let mut pos = self.cp_positions(positions)?;
+        if pos.is_empty() {
+            bail!("Llama::hidden_packed: empty batch (input_ids {:?})", input_ids.dims())
+        }
+        if pos.iter().all(|p| *p == pos[0]) {
+            pos.truncate(1);
+        }
+        let rope = pos
+            .iter()
+            .map(|p| rope_tables(cfg, p, DType::F32, input_ids.device()))
+            .collect::<Result<Vec<_>>>()?;
+        let tc = pos[0].len();
+        let docs = match docs {
+            None => None,
+            Some(docs) => Some(crate::packed::check_docs(docs, b, tc * self.ctx.layout.cp, input_ids)?),
+        };
         let scale = 1.0 / (d as f64).sqrt();
         let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
         if ids.elem_count() > 0 {
@@ -270,10 +314,10 @@ impl Llama {
             .reshape((b, ts, cfg.hidden_size))?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
-            cos,
-            sin,
+            rope,
             dims: [b, tc, hl, hkvl, d],
             scale,
+            docs,
         });
         if let Some(rc) = &self.recompute {
             if !rc.is_empty() {
@@ -301,7 +345,12 @@ impl Llama {
     /// `input_ids` `[B, Ts]` (u32), `positions` `[Ts]` their global positions (as returned by
     /// [`crate::shard_batch`]). Returns `[B, Ts, V]` in the weights' dtype.
     pub fn forward(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        linear(&self.hidden(input_ids, positions)?, &self.lm_head)
+        self.forward_with(input_ids, positions, None)
+    }
+
+    /// [`Llama::forward`] with optional packed documents.
+    pub(crate) fn forward_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
+        linear(&self.hidden_with(input_ids, positions, docs)?, &self.lm_head)
     }
 
     /// Per-token next-token loss `-log p(label)` of this rank's tokens, f32 `[B, Ts]` (0 where
@@ -310,7 +359,18 @@ impl Llama {
     /// path for long sequences and large vocabularies. The values equal those from
     /// [`Llama::forward`]'s logits (test `token_nll_equals_the_logits_path`).
     pub fn token_nll(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor) -> Result<Tensor> {
-        let h = self.hidden(input_ids, positions)?;
+        self.token_nll_with(input_ids, labels, positions, None)
+    }
+
+    /// [`Llama::token_nll`] with optional packed documents.
+    pub(crate) fn token_nll_with(
+        &self,
+        input_ids: &Tensor,
+        labels: &Tensor,
+        positions: &Tensor,
+        docs: Option<&[Documents]>,
+    ) -> Result<Tensor> {
+        let h = self.hidden_with(input_ids, positions, docs)?;
         let (b, ts, hd) = h.dims3()?;
         if labels.dims() != [b, ts] {
             bail!(
@@ -342,7 +402,18 @@ impl Llama {
         labels: &Tensor,
         positions: &Tensor,
     ) -> Result<(Tensor, Tensor)> {
-        let logits = self.forward(input_ids, positions)?;
+        self.loss_with(input_ids, labels, positions, None)
+    }
+
+    /// [`Llama::loss`] with optional packed documents.
+    pub(crate) fn loss_with(
+        &self,
+        input_ids: &Tensor,
+        labels: &Tensor,
+        positions: &Tensor,
+        docs: Option<&[Documents]>,
+    ) -> Result<(Tensor, Tensor)> {
+        let logits = self.forward_with(input_ids, positions, docs)?;
         let (terms, n) = local_nll(&logits, labels)?;
         let loss = global_mean(&terms, n, self.ctx.token_group())?;
         Ok((loss, logits))

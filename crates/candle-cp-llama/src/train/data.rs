@@ -1,11 +1,14 @@
-//! Training data: a synthetic long-range key→value recall task and plain token streams.
+//! Training data: a synthetic long-range key→value recall task, plain token streams and
+//! packed documents ([`super::packed_data::PackedStream`]).
 //!
 //! Batches are drawn *statelessly*: the sample for (step, row) comes from [`Rng::derive`] of
 //! the run seed and those indices. The data position after a restart is
 //! therefore just the step number, and resuming reproduces the exact same batches.
 
+use super::packed_data::PackedStream;
 use super::rng::Rng;
 use candle_core::{bail, Result};
+use candle_cp_ops::packing::Documents;
 
 /// One training sequence of global length `T`.
 #[derive(Debug, Clone, PartialEq)]
@@ -16,6 +19,10 @@ pub struct Sample {
     /// position `t - 1` and can only be predicted by attending to tokens at least `T/4`
     /// positions earlier. `long_range[0]` is always false. Length `T`.
     pub long_range: Vec<bool>,
+    /// Packed documents of the sequence (boundaries covering `T`), or `None` for one
+    /// sequence. A trainer shards rows with documents with
+    /// [`crate::packed::shard_batch_packed`].
+    pub documents: Option<Documents>,
 }
 
 /// Multi-query associative recall over a long sequence.
@@ -181,7 +188,11 @@ impl KvRecall {
             };
             long_range[p + 1] = true;
         }
-        Sample { tokens, long_range }
+        Sample {
+            tokens,
+            long_range,
+            documents: None,
+        }
     }
 
     /// Number of long-range targets per sequence.
@@ -219,6 +230,7 @@ impl TokenStream {
         Ok(Sample {
             tokens: self.tokens[start..start + seq_len].to_vec(),
             long_range: vec![false; seq_len],
+            documents: None,
         })
     }
 
@@ -235,6 +247,9 @@ pub enum DataSource {
     Recall(KvRecall),
     /// Windows of a tokenised corpus.
     Text(TokenStream),
+    /// Consecutive documents of a corpus packed into each sequence (samples carry their
+    /// [`Documents`]).
+    Packed(PackedStream),
 }
 
 impl DataSource {
@@ -266,6 +281,7 @@ impl DataSource {
                         Ok(task.sample(&mut rng))
                     }
                     DataSource::Text(s) => s.sample(seq_len, &mut rng),
+                    DataSource::Packed(s) => s.sample(seq_len, &mut rng),
                 }
             })
             .collect()
@@ -276,6 +292,7 @@ impl DataSource {
         match self {
             DataSource::Recall(t) => t.vocab_needed(),
             DataSource::Text(s) => s.vocab_needed(),
+            DataSource::Packed(s) => s.vocab_needed(),
         }
     }
 }

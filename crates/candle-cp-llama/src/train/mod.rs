@@ -1,5 +1,6 @@
 //! Training utilities for the fine-tuning example and for users' own training loops:
-//! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), AdamW with
+//! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), packed
+//! documents ([`packed_data`]), AdamW with
 //! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
 //! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
 //! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
@@ -9,6 +10,7 @@ pub mod clip;
 pub mod data;
 pub mod metrics;
 pub mod optim;
+pub mod packed_data;
 pub mod plot;
 pub mod rng;
 pub mod schedule;
@@ -19,6 +21,7 @@ pub use clip::{clip_factor, global_norm};
 pub use data::{DataSource, KvRecall, Sample, TokenStream};
 pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 pub use optim::{AdamW, AdamWConfig};
+pub use packed_data::PackedStream;
 pub use rng::Rng;
 pub use schedule::WarmupCosine;
 pub use trainer::{plot_metrics, train_rank, ModelSource, TrainConfig, TrainOutcome};

@@ -5,6 +5,11 @@
 //! Every rank runs [`train_rank`] with the same [`TrainConfig`] (e.g. inside
 //! `candle_cp_comm::run_ranks`). Batches are regenerated from (seed, step, micro-batch), so a
 //! resumed run sees exactly the batches the uninterrupted run would have seen.
+//!
+//! Samples that carry packed documents ([`super::data::DataSource::Packed`]) are sharded with
+//! [`crate::shard_batch_packed`] and trained with [`Llama::token_nll_packed`]: attention
+//! inside documents, RoPE positions per document, no target across a boundary; the loss is
+//! the mean over the remaining targets of all ranks, as for plain rows.
 
 use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
 use super::clip::{clip_factor, global_norm};
@@ -15,10 +20,11 @@ use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
     gather_full, global_mean, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors,
-    shard_batch, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, Shard, IGNORE,
+    shard_batch, shard_batch_packed, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, Shard, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
+use candle_cp_ops::packing::Documents;
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
@@ -40,7 +46,7 @@ pub struct TrainConfig {
     pub layout: Layout,
     /// Initial weights.
     pub model: ModelSource,
-    /// Training sequences.
+    /// Training sequences (packed documents when the source's samples carry them).
     pub data: DataSource,
     /// Global sequence length `T`.
     pub seq_len: usize,
@@ -127,13 +133,14 @@ fn nll_terms(nll: &[f32], labels: &[u32], mask: &[u32]) -> [f64; 4] {
     out
 }
 
-/// Global batch `[B, T]` of token ids and of long-range flags for one micro-batch.
+/// Global batch `[B, T]` of token ids and of long-range flags for one micro-batch, and the
+/// rows' packed documents (`None` unless the data source packs documents).
 fn global_batch(
     cfg: &TrainConfig,
     step: usize,
     micro: usize,
     dev: &Device,
-) -> Result<(Tensor, Tensor)> {
+) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
     let rows = cfg
         .data
         .rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
@@ -142,10 +149,15 @@ fn global_batch(
         .iter()
         .flat_map(|s| s.long_range.iter().map(|&b| b as u32))
         .collect();
+    let docs: Option<Vec<Documents>> = rows.iter().map(|s| s.documents.clone()).collect();
+    if docs.is_none() && rows.iter().any(|s| s.documents.is_some()) {
+        bail!("train: step {step} micro-batch {micro}: some rows carry packed documents and some do not")
+    }
     let shape = (cfg.batch, cfg.seq_len);
     Ok((
         Tensor::from_vec(ids, shape, dev)?,
         Tensor::from_vec(mask, shape, dev)?,
+        docs,
     ))
 }
 
@@ -375,16 +387,25 @@ pub fn train_rank(
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
         for micro in 0..cfg.grad_accum {
-            let (ids, mask) = global_batch(cfg, step, micro, &host)?;
-            let sb = shard_batch(&ids, &ctx)?;
+            let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
+            // packed rows: labels IGNORE at document ends, RoPE positions per document,
+            // attention inside documents
+            let sb = match &docs {
+                Some(d) => shard_batch_packed(&ids, d, &ctx)?,
+                None => shard_batch(&ids, &ctx)?,
+            };
             let mb = shard_batch(&mask, &ctx)?;
             // per-token losses of every target through the chunked head (no [B, Ts, V]
             // logits); the objective takes all targets, or the long-range ones
-            let nll = model.token_nll(
-                &sb.input_ids.to_device(&dev)?,
-                &sb.labels.to_device(&dev)?,
-                &sb.positions.to_device(&dev)?,
-            )?;
+            let (ids_d, labels_d, pos_d) = (
+                sb.input_ids.to_device(&dev)?,
+                sb.labels.to_device(&dev)?,
+                sb.positions.to_device(&dev)?,
+            );
+            let nll = match &docs {
+                Some(_) => model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?,
+                None => model.token_nll(&ids_d, &labels_d, &pos_d)?,
+            };
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let train: Vec<f32> = labels

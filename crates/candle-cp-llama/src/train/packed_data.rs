@@ -1,0 +1,194 @@
+//! Packed training data: a corpus split into documents; each training sequence packs
+//! consecutive documents into `T` tokens (the last one cut) and carries their boundaries
+//! ([`Documents`]), so the model keeps attention inside each document, restarts RoPE
+//! positions per document and trains no target across a boundary
+//! ([`crate::packed::shard_batch_packed`]).
+
+use super::data::Sample;
+use super::rng::Rng;
+use candle_core::{bail, Result};
+use candle_cp_ops::packing::Documents;
+
+/// A corpus of documents to pack into training sequences.
+#[derive(Debug, Clone)]
+pub struct PackedStream {
+    /// All tokens of the corpus, documents one after the other.
+    tokens: Vec<u32>,
+    /// Document boundaries in `tokens`: `[0, c1, .., tokens.len()]` (every document non-empty).
+    cu: Vec<usize>,
+}
+
+impl PackedStream {
+    /// From tokenised documents, in order; empty ones are dropped. Errors if none is left.
+    pub fn from_documents(docs: Vec<Vec<u32>>) -> Result<Self> {
+        let mut tokens = Vec::new();
+        let mut cu = vec![0];
+        for d in docs.into_iter().filter(|d| !d.is_empty()) {
+            tokens.extend(d);
+            cu.push(tokens.len());
+        }
+        if cu.len() < 2 {
+            bail!("PackedStream: the corpus has no non-empty document")
+        }
+        Ok(Self { tokens, cu })
+    }
+
+    /// Byte-level documents (vocabulary 256) of `text` split on `separator` (e.g. `b"\n\n"`,
+    /// blank lines), each trimmed of surrounding ASCII whitespace; empty documents are dropped.
+    pub fn from_bytes(text: &[u8], separator: &[u8]) -> Result<Self> {
+        Self::from_documents(
+            split_documents(text, separator)?
+                .into_iter()
+                .map(|d| d.iter().map(|&b| b as u32).collect())
+                .collect(),
+        )
+    }
+
+    /// Number of documents.
+    pub fn count(&self) -> usize {
+        self.cu.len() - 1
+    }
+
+    /// Number of tokens of the corpus.
+    pub fn len(&self) -> usize {
+        self.tokens.len()
+    }
+
+    /// Whether the corpus has no token (never true for a constructed stream).
+    pub fn is_empty(&self) -> bool {
+        self.tokens.is_empty()
+    }
+
+    /// Tokens of document `i` (`i < count()`).
+    pub fn document(&self, i: usize) -> &[u32] {
+        &self.tokens[self.cu[i]..self.cu[i + 1]]
+    }
+
+    /// Mean document length in tokens.
+    pub fn mean_doc_len(&self) -> f64 {
+        self.tokens.len() as f64 / self.count() as f64
+    }
+
+    /// Draw one sequence of `seq_len` tokens: start at a random document (at a random offset
+    /// inside it if it alone is longer than `seq_len`), then append the following documents
+    /// (wrapping around the corpus) until `seq_len` tokens; the last one is cut. The sample's
+    /// `documents` are the pieces' boundaries. Errors if the corpus is shorter than `seq_len`.
+    pub fn sample(&self, seq_len: usize, rng: &mut Rng) -> Result<Sample> {
+        if self.tokens.len() < seq_len || seq_len < 2 {
+            bail!(
+                "PackedStream: corpus has {} tokens in {} documents, a sequence needs seq_len {} (≥ 2)",
+                self.tokens.len(),
+                self.count(),
+                seq_len
+            )
+        }
+        let mut d = rng.below(self.count());
+        let first = self.document(d);
+        let mut start = 0;
+        if first.len() > seq_len {
+            start = rng.below(first.len() - seq_len + 1);
+        }
+        let mut tokens = Vec::with_capacity(seq_len);
+        let mut lengths = Vec::new();
+        while tokens.len() < seq_len {
+            let doc = &self.document(d)[start..];
+            let take = doc.len().min(seq_len - tokens.len());
+            tokens.extend_from_slice(&doc[..take]);
+            lengths.push(take);
+            d = (d + 1) % self.count();
+            start = 0;
+        }
+        Ok(Sample {
+            tokens,
+            long_range: vec![false; seq_len],
+            documents: Some(Documents::from_lengths(&lengths)?),
+        })
+    }
+
+    /// Largest token id + 1.
+    pub fn vocab_needed(&self) -> usize {
+        self.tokens.iter().max().map_or(0, |&m| m as usize + 1)
+    }
+}
+
+/// Split `text` on `separator` (non-empty), trim each piece of surrounding ASCII whitespace
+/// and drop the empty ones.
+pub fn split_documents<'a>(text: &'a [u8], separator: &[u8]) -> Result<Vec<&'a [u8]>> {
+    if separator.is_empty() {
+        bail!("split_documents: empty document separator")
+    }
+    let mut out = Vec::new();
+    let mut rest = text;
+    loop {
+        let at = rest.windows(separator.len()).position(|w| w == separator);
+        let (piece, next) = match at {
+            Some(i) => (&rest[..i], Some(&rest[i + separator.len()..])),
+            None => (rest, None),
+        };
+        let piece = piece.trim_ascii();
+        if !piece.is_empty() {
+            out.push(piece);
+        }
+        match next {
+            Some(n) => rest = n,
+            None => return Ok(out),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn documents_split_on_blank_lines_and_pack_in_order() -> Result<()> {
+        let text = b"alpha one\n\n\n  beta\ntwo  \n\ngamma\n\n\n\n";
+        let docs = split_documents(text, b"\n\n")?;
+        assert_eq!(docs, vec![&b"alpha one"[..], b"beta\ntwo", b"gamma"]);
+        let s = PackedStream::from_bytes(text, b"\n\n")?;
+        assert_eq!((s.count(), s.len(), s.vocab_needed()), (3, 9 + 8 + 5, b'w' as usize + 1));
+        assert!(split_documents(text, b"").is_err());
+        assert!(PackedStream::from_bytes(b"\n\n \n\n", b"\n\n").is_err());
+        // every sample: seq_len tokens, consecutive documents (the first maybe entered at an
+        // offset, the last cut), boundaries where the documents change
+        for seed in 0..40 {
+            let smp = s.sample(15, &mut Rng::new(seed))?;
+            let d = smp.documents.clone().expect("packed samples carry documents");
+            assert_eq!((smp.tokens.len(), d.total_len()), (15, 15));
+            let lens = d.lengths();
+            // find the first document: the sample's first piece is a suffix of it
+            let first = smp.tokens[..lens[0]].to_vec();
+            let start = (0..s.count())
+                .find(|&i| s.document(i).ends_with(&first) || s.document(i).starts_with(&first))
+                .expect("first piece from a document");
+            for (k, &len) in lens.iter().enumerate().skip(1) {
+                let (a, _) = d.range(k);
+                let doc = s.document((start + k) % s.count());
+                assert_eq!(&smp.tokens[a..a + len], &doc[..len], "seed {seed}: piece {k}");
+                if k + 1 < lens.len() {
+                    assert_eq!(len, doc.len(), "only the last piece is cut");
+                }
+            }
+        }
+        assert!(s.sample(23, &mut Rng::new(0)).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_long_document_is_entered_at_a_random_offset() -> Result<()> {
+        let s = PackedStream::from_documents(vec![(0..100).collect(), vec![7; 3]])?;
+        let mut starts = std::collections::HashSet::new();
+        for seed in 0..30 {
+            let smp = s.sample(10, &mut Rng::new(seed))?;
+            if smp.tokens[0] != 7 {
+                // a window of document 0, then (maybe) document 1
+                let d = smp.documents.expect("documents");
+                let first = d.lengths()[0];
+                assert!(smp.tokens[..first].windows(2).all(|w| w[1] == w[0] + 1));
+                starts.insert(smp.tokens[0]);
+            }
+        }
+        assert!(starts.len() > 3, "{starts:?}");
+        Ok(())
+    }
+}
