@@ -16,7 +16,7 @@ use candle_core::{Device, Result, Tensor};
 use candle_cp_comm::{run_ranks, Group};
 use candle_cp_ops::cp::{
     allgather_attention_bwd_raw, allgather_attention_stats, balance_docs, best_layout, ring_attention_bwd_raw, ring_attention_fwd_raw, CpOpts, Layout,
-    RingStats,
+    MaskSpec, RingStats,
 };
 use candle_cp_ops::packing::Documents;
 use clap::Parser;
@@ -133,7 +133,7 @@ fn main() -> Result<()> {
             max_c(&packed),
         );
     }
-    let (best, _) = best_layout(a.p, a.t, true, Some(&docs))?;
+    let (best, _) = best_layout(a.p, a.t, MaskSpec { causal: true, window: None, docs: Some(&docs) })?;
     println!("\nbest_layout for these documents: {best}");
     Ok(())
 }

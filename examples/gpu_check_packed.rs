@@ -84,7 +84,7 @@ pub fn check_packed(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
         if case.q.dim(2)? % 2 == 0 {
             let name = format!("packed {} ulysses P2 virtual ranks", packed.name);
-            match run_case_ulysses_with(&g, 2, Layout::Contiguous, Duration::from_secs(120), Some(docs.clone())) {
+            match run_case_ulysses_with(&g, 2, Layout::Contiguous, Duration::from_secs(120), Some(docs.clone()), None) {
                 Ok(run) => {
                     report_metrics(rep, &name, &run.outputs, &packed)?;
                     oracle_rows(rep, &name, &po, &run.outputs)?;

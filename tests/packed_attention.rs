@@ -12,7 +12,7 @@
 use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_ops::attention::{attention_docs, attention_docs_slow, attention_slow, Mask};
-use candle_cp_ops::cp::{balance, balance_docs, best_layout, ring_attention, run_case_cp_with, CpMethod, CpOpts, Layout};
+use candle_cp_ops::cp::{balance, balance_docs, best_layout, ring_attention, run_case_cp_with, CpMethod, CpOpts, Layout, MaskSpec};
 use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol, PackedOracle};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
@@ -139,12 +139,12 @@ fn every_cp_method_reproduces_the_oracle_on_packed_sequences() -> Result<()> {
         let h = case.q.dim(2)?;
         let u = if h % 4 == 0 { 4 } else { 2 };
         for layout in [Layout::Contiguous, Layout::Zigzag] {
-            let run = run_case_ulysses_with(pc, u, layout, TIMEOUT, Some(docs.clone()))?;
+            let run = run_case_ulysses_with(pc, u, layout, TIMEOUT, Some(docs.clone()), None)?;
             let what = format!("{name} ulysses P={u} ({layout})");
             check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
             check_against_oracle(&run.outputs, &po, &what)?;
         }
-        let run = run_case_usp_with(pc, 2, 2, TIMEOUT, Some(docs.clone()))?;
+        let run = run_case_usp_with(pc, 2, 2, TIMEOUT, Some(docs.clone()), None)?;
         let what = format!("{name} 2-D U=2 R=2");
         check(&run.outputs, &single, &tol, &format!("{what} vs single device"))?;
         check_against_oracle(&run.outputs, &po, &what)?;
@@ -185,7 +185,7 @@ fn many_small_documents_every_layout() -> Result<()> {
                 check(&run.outputs, &case.reference, &tol, &format!("{} {method} P={p}", case.name))?;
             }
             if candle_cp_ops::ulysses::valid_ulysses_degrees(6, 3).contains(&p) {
-                let run = run_case_ulysses_with(&case, p, Layout::Striped, TIMEOUT, Some(docs.clone()))?;
+                let run = run_case_ulysses_with(&case, p, Layout::Striped, TIMEOUT, Some(docs.clone()), None)?;
                 check(&run.outputs, &case.reference, &tol, &format!("{} ulysses P={p} striped", case.name))?;
             }
         }
@@ -244,7 +244,7 @@ fn balance_with_documents_and_the_best_layout() -> Result<()> {
             assert_eq!(balance_docs(layout, p, t, causal, &one)?.pairs, balance(layout, p, t, causal)?.pairs);
         }
     }
-    let (best, _) = best_layout(p, t, true, Some(&one))?;
+    let (best, _) = best_layout(p, t, MaskSpec { causal: true, window: None, docs: Some(&one) })?;
     assert_eq!(best, Layout::Zigzag);
     // one long document then many short ones: every report counts the mask's visible pairs,
     // and the chosen layout's busiest rank is no busier than any other layout's
@@ -252,7 +252,7 @@ fn balance_with_documents_and_the_best_layout() -> Result<()> {
     lens.extend(std::iter::repeat_n(16, 32));
     let docs = Documents::from_lengths(&lens)?;
     let visible: u64 = lens.iter().map(|&l| (l * (l + 1) / 2) as u64).sum();
-    let (best, reports) = best_layout(p, t, true, Some(&docs))?;
+    let (best, reports) = best_layout(p, t, MaskSpec { causal: true, window: None, docs: Some(&docs) })?;
     let busiest = |l: Layout| reports.iter().find(|r| r.layout == l).map(|r| *r.pairs.iter().max().unwrap_or(&0));
     for r in &reports {
         assert_eq!(r.pairs.iter().sum::<u64>(), visible, "{}", r.layout);
@@ -261,6 +261,6 @@ fn balance_with_documents_and_the_best_layout() -> Result<()> {
     // contiguous puts the whole long document on ranks 0 and 1: zigzag or striped beat it
     assert_ne!(best, Layout::Contiguous);
     assert!(busiest(Layout::Contiguous) > busiest(best));
-    assert!(best_layout(3, 10, true, None).is_err());
+    assert!(best_layout(3, 10, MaskSpec::plain(true)).is_err());
     Ok(())
 }

@@ -91,7 +91,7 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                 bail!("--cp must be at least 1")
             }
             let layout = candle_cp_ops::cp::Layout::Contiguous;
-            let run = candle_cp_ops::usp::run_case_ulysses_with(case, p, layout, std::time::Duration::from_secs(300), docs.clone())?;
+            let run = candle_cp_ops::usp::run_case_ulysses_with(case, p, layout, std::time::Duration::from_secs(300), docs.clone(), None)?;
             println!("ranks: {p} thread ranks, ulysses all-to-all ({layout} sequence shards), local shapes (out, lse, dq, dk, dv) {:?}", run.shapes[0]);
             run.outputs
         }
@@ -104,7 +104,7 @@ pub fn run(a: AttnArgs) -> crate::Outcome {
                     bail!("layout usp: --cp {p} must equal U·R = {u}·{r} = {}", u * r)
                 }
             }
-            let run = candle_cp_ops::usp::run_case_usp_with(case, u, r, std::time::Duration::from_secs(300), docs.clone())?;
+            let run = candle_cp_ops::usp::run_case_usp_with(case, u, r, std::time::Duration::from_secs(300), docs.clone(), None)?;
             println!(
                 "ranks: {} thread ranks = {u} ulysses × {r} ring (zigzag), local shapes (out, lse, dq, dk, dv) {:?}",
                 u * r,

@@ -184,17 +184,26 @@ pub struct UlyssesOpts {
     /// Packed documents of the global sequence (`None`: one document): a query sees only keys
     /// of its own document (see [`crate::packing`]); must cover the gathered `T`.
     pub documents: Option<Documents>,
+    /// Causal sliding window of `window` keys (needs `causal`; within each document when
+    /// `documents` is set), `None` for none.
+    pub window: Option<usize>,
 }
 
 impl UlyssesOpts {
     /// Contiguous sharding with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, order: SeqOrder::Contiguous, documents: None }
+        Self { causal, scale, order: SeqOrder::Contiguous, documents: None, window: None }
     }
 
     /// Same options with attention kept inside the packed `documents`.
     pub fn with_documents(mut self, documents: Documents) -> Self {
         self.documents = Some(documents);
+        self
+    }
+
+    /// Same options with a causal sliding window of `window` keys.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = Some(window);
         self
     }
 
@@ -286,12 +295,17 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let qh = all_to_all_seq_to_head(q, group)?;
     let kh = kv_seq_to_head(k, spread, group)?;
     let vh = kv_seq_to_head(v, spread, group)?;
-    let mask = if opts.causal { Mask::causal() } else { Mask::Full };
+    let mask = match (opts.causal, opts.window) {
+        (true, Some(w)) => Mask::sliding_window(w),
+        (true, None) => Mask::causal(),
+        (false, None) => Mask::Full,
+        (false, Some(w)) => candle_core::bail!("ulysses_attention: a sliding window ({w}) needs the causal mask (q {:?})", q.dims()),
+    };
     let perm = perm(&opts.order, t_local * p, q.device())?;
     // attention over the gathered sequence in natural order
     let attend = |q: &Tensor, k: &Tensor, v: &Tensor| match &opts.documents {
         None => attention::attention(q, k, v, &mask, opts.scale),
-        Some(docs) => attention::attention_docs(q, k, v, docs, opts.causal, opts.scale),
+        Some(docs) => attention::attention_docs_mask(q, k, v, docs, &mask, opts.scale),
     };
     let (out_h, lse_h) = match &perm {
         None => attend(&qh, &kh, &vh)?,

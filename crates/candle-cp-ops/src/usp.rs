@@ -87,17 +87,25 @@ pub struct UspOpts {
     /// Packed documents of the global sequence (`None`: one document), passed to the ring
     /// ([`CpOpts::documents`]).
     pub documents: Option<Documents>,
+    /// Causal sliding window of `window` keys, passed to the ring ([`CpOpts::window`]).
+    pub window: Option<usize>,
 }
 
 impl UspOpts {
     /// Zigzag ring layout with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, ring_layout: Layout::Zigzag, documents: None }
+        Self { causal, scale, ring_layout: Layout::Zigzag, documents: None, window: None }
     }
 
     /// Same options with attention kept inside the packed `documents`.
     pub fn with_documents(mut self, documents: Documents) -> Self {
         self.documents = Some(documents);
+        self
+    }
+
+    /// Same options with a causal sliding window of `window` keys.
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = Some(window);
         self
     }
 }
@@ -142,7 +150,7 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let qh = all_to_all_seq_to_head(q, &groups.ulysses)?;
     let kh = kv_seq_to_head(k, spread, &groups.ulysses)?;
     let vh = kv_seq_to_head(v, spread, &groups.ulysses)?;
-    let cp_opts = CpOpts { documents: opts.documents.clone(), ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale) };
+    let cp_opts = CpOpts { documents: opts.documents.clone(), window: opts.window, ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale) };
     let (out_h, lse_h) = cp::ring_attention(&qh, &kh, &vh, &groups.ring, &cp_opts)?;
     let out = all_to_all_head_to_seq(&out_h, &groups.ulysses)?;
     let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
@@ -214,18 +222,26 @@ fn local_fwd_bwd(
 /// (contiguous, zigzag or striped; see [`crate::ulysses::SeqOrder`]), and gather the results.
 /// Errors (before starting ranks) name H, Hkv, P and the degrees that work, or T and the layout.
 pub fn run_case_ulysses(case: &AttnCase, p: usize, layout: Layout, timeout: Duration) -> Result<CpRun> {
-    run_case_ulysses_with(case, p, layout, timeout, None)
+    run_case_ulysses_with(case, p, layout, timeout, None, None)
 }
 
-/// [`run_case_ulysses`] over a packed sequence: attention kept inside `documents` (covering
-/// the case's `T`) when given.
-pub fn run_case_ulysses_with(case: &AttnCase, p: usize, layout: Layout, timeout: Duration, documents: Option<Documents>) -> Result<CpRun> {
+/// [`run_case_ulysses`] over a packed sequence and/or with a sliding window: attention kept
+/// inside `documents` (covering the case's `T`) and within `window` keys when given.
+pub fn run_case_ulysses_with(
+    case: &AttnCase,
+    p: usize,
+    layout: Layout,
+    timeout: Duration,
+    documents: Option<Documents>,
+    window: Option<usize>,
+) -> Result<CpRun> {
     let (_, t, h, _) = case.q.dims4()?;
     let hkv = case.k.dim(2)?;
     kv_spread(h, hkv, p)?;
     layout.local_len(t, p)?;
     let mut opts = UlyssesOpts::new(case.causal, case.scale).with_layout(layout, t, p)?;
     opts.documents = documents;
+    opts.window = window;
     run_sharded(case, p, timeout, &format!("ulysses P = {p} ({layout})"), |g| {
         let r = g.rank();
         let out = local_fwd_bwd(case, |x| cp::shard(x, layout, r, p, 1), |q, k, v| ulysses_attention(q, k, v, g, &opts))?;
@@ -237,12 +253,19 @@ pub fn run_case_ulysses_with(case: &AttnCase, p: usize, layout: Layout, timeout:
 /// contiguous inside each Ulysses group; rank order in the module docs) and gather the results.
 /// Errors (before starting ranks) name H, Hkv, U, R and T.
 pub fn run_case_usp(case: &AttnCase, u: usize, r: usize, timeout: Duration) -> Result<CpRun> {
-    run_case_usp_with(case, u, r, timeout, None)
+    run_case_usp_with(case, u, r, timeout, None, None)
 }
 
-/// [`run_case_usp`] over a packed sequence: attention kept inside `documents` (covering the
-/// case's `T`) when given.
-pub fn run_case_usp_with(case: &AttnCase, u: usize, r: usize, timeout: Duration, documents: Option<Documents>) -> Result<CpRun> {
+/// [`run_case_usp`] over a packed sequence and/or with a sliding window: attention kept
+/// inside `documents` (covering the case's `T`) and within `window` keys when given.
+pub fn run_case_usp_with(
+    case: &AttnCase,
+    u: usize,
+    r: usize,
+    timeout: Duration,
+    documents: Option<Documents>,
+    window: Option<usize>,
+) -> Result<CpRun> {
     let (_, t, h, _) = case.q.dims4()?;
     let hkv = case.k.dim(2)?;
     if u == 0 || r == 0 {
@@ -254,7 +277,7 @@ pub fn run_case_usp_with(case: &AttnCase, u: usize, r: usize, timeout: Duration,
     if tr % u != 0 {
         candle_core::bail!("usp: T = {t} splits into ring shards of T/R = {tr} rows (R = {r}), not divisible by U = {u}")
     }
-    let opts = UspOpts { documents, ..UspOpts::new(case.causal, case.scale) };
+    let opts = UspOpts { documents, window, ..UspOpts::new(case.causal, case.scale) };
     run_sharded(case, u * r, timeout, &format!("usp U = {u} R = {r}"), |g| {
         let groups = UspGroups::new(g, u, r)?;
         let out = local_fwd_bwd(case, |x| usp_shard(x, layout, &groups, 1), |q, k, v| usp_attention(q, k, v, &groups, &opts))?;

@@ -23,10 +23,11 @@ mod kernel;
 mod merge;
 mod op;
 mod slow;
+mod window;
 
 pub use merge::merge;
 pub use op::AttentionOp;
-pub use slow::{attention_docs_slow, attention_slow};
+pub use slow::{attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
 use crate::packing::Documents;
 use candle_core::{DType, Device, Result, Tensor};
@@ -42,6 +43,12 @@ pub enum Mask {
     Full,
     /// Query at global position `qp` sees key at `kp` iff `kp <= qp`.
     Causal { q_offset: usize, q_stride: usize, k_offset: usize, k_stride: usize },
+    /// Causal sliding window (Mistral-style): query at `qp` sees key at `kp` iff
+    /// `qp - window < kp <= qp` (itself and the `window - 1` keys before it). `window >= 1`.
+    /// The kernels take only `Full` and `Causal`; [`attention_fwd`], [`attention_bwd`] and
+    /// [`attention`] split a window call into at most three kernel calls per `window` query
+    /// rows (module `window`).
+    Window { q_offset: usize, q_stride: usize, k_offset: usize, k_stride: usize, window: usize },
 }
 
 impl Mask {
@@ -54,12 +61,21 @@ impl Mask {
     pub fn causal_offsets(q_offset: usize, k_offset: usize) -> Self {
         Mask::Causal { q_offset, q_stride: 1, k_offset, k_stride: 1 }
     }
+    /// Causal sliding window of `window` keys (itself and `window - 1` before), queries and
+    /// keys both starting at position 0 with stride 1.
+    pub fn sliding_window(window: usize) -> Self {
+        Mask::Window { q_offset: 0, q_stride: 1, k_offset: 0, k_stride: 1, window }
+    }
     /// Is key row `j` visible from query row `i` (local indices)?
     pub fn visible(&self, i: usize, j: usize) -> bool {
         match *self {
             Mask::Full => true,
             Mask::Causal { q_offset, q_stride, k_offset, k_stride } => {
                 k_offset + j * k_stride <= q_offset + i * q_stride
+            }
+            Mask::Window { q_offset, q_stride, k_offset, k_stride, window } => {
+                let (qp, kp) = (q_offset + i * q_stride, k_offset + j * k_stride);
+                kp <= qp && qp - kp < window
             }
         }
     }
@@ -121,10 +137,14 @@ pub fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> R
     if !matches!(q.dtype(), DType::F32 | DType::BF16 | DType::F16) {
         candle_core::bail!("{op}: dtype {:?} not supported (f32, bf16, f16); q {:?}", q.dtype(), q.shape())
     }
-    if let Mask::Causal { q_stride, k_stride, .. } = *mask {
-        if q_stride == 0 || k_stride == 0 {
+    match *mask {
+        Mask::Causal { q_stride, k_stride, .. } | Mask::Window { q_stride, k_stride, .. } if q_stride == 0 || k_stride == 0 => {
             candle_core::bail!("{op}: mask strides must be >= 1, got {mask:?} (q {:?}, k {:?})", q.shape(), k.shape())
         }
+        Mask::Window { window: 0, .. } => {
+            candle_core::bail!("{op}: a sliding window must hold at least 1 key, got {mask:?} (q {:?}, k {:?})", q.shape(), k.shape())
+        }
+        _ => {}
     }
     Ok(AttnDims { b, t, s, h, hkv, d })
 }
@@ -149,7 +169,10 @@ pub(crate) fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
 /// gets out 0 and lse `-inf`. `T`, `S` are the *local* lengths; the mask carries the global
 /// positions.
 pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    check_qkv("attention_fwd", q, k, v, mask)?;
+    let dims = check_qkv("attention_fwd", q, k, v, mask)?;
+    if let Mask::Window { .. } = mask {
+        return window::fwd(q, k, v, mask, scale, dims);
+    }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(q.dim(3)?) {
         return cuda::fwd(q, k, v, mask, scale);
@@ -189,6 +212,9 @@ pub fn attention_bwd(
     check_like("attention_bwd", "out", out, &[b, t, h, d], q)?;
     check_like("attention_bwd", "dout", dout, &[b, t, h, d], q)?;
     check_like("attention_bwd", "lse", lse, &[b, h, t], q)?;
+    if let Mask::Window { .. } = mask {
+        return window::bwd(q, k, v, out, lse, dout, mask, scale, dims);
+    }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(d) {
         return cuda::bwd(q, k, v, out, lse, dout, mask, scale);
@@ -218,7 +244,10 @@ pub fn attention_bwd(
 /// dtype (differentiable w.r.t. q, k, v through [`AttentionOp`]'s `bwd`), lse f32 `[B, H, T]`
 /// (not differentiable). Accumulation is f32 for every input dtype.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    check_qkv("attention", q, k, v, mask)?;
+    let dims = check_qkv("attention", q, k, v, mask)?;
+    if let Mask::Window { .. } = mask {
+        return window_autograd(q, k, v, mask, scale, dims);
+    }
     let op = AttentionOp::new(*mask, scale, false);
     let slot = op.lse_slot();
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
@@ -256,19 +285,49 @@ pub fn attention_docs(
     causal: bool,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
-    check_docs("attention_docs", q, k, v, docs)?;
     let mask = if causal { Mask::causal() } else { Mask::Full };
+    attention_docs_mask(q, k, v, docs, &mask, scale)
+}
+
+/// [`attention_docs`] with any mask applied inside each document, in positions relative to
+/// the document's start: `Mask::Full`, `Mask::causal()` or `Mask::sliding_window(w)` (a
+/// sliding window within each document).
+pub fn attention_docs_mask(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: &Documents,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    check_docs("attention_docs", q, k, v, docs)?;
     if docs.count() == 1 {
-        return attention(q, k, v, &mask, scale);
+        return attention(q, k, v, mask, scale);
     }
     let mut outs = Vec::with_capacity(docs.count());
     let mut lses = Vec::with_capacity(docs.count());
     for d in 0..docs.count() {
         let (a, b) = docs.range(d);
         let r = |x: &Tensor| x.narrow(1, a, b - a);
-        let (o, l) = attention(&r(q)?, &r(k)?, &r(v)?, &mask, scale)?;
+        let (o, l) = attention(&r(q)?, &r(k)?, &r(v)?, mask, scale)?;
         outs.push(o);
         lses.push(l);
     }
     Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
+}
+
+/// [`attention`] for a window mask: the decomposed forward (module `window`) on detached
+/// inputs, its backward attached as a closure.
+fn window_autograd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, dims: AttnDims) -> Result<(Tensor, Tensor)> {
+    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    let (out32, lse) = window::fwd(&qd, &kd, &vd, mask, scale, dims)?;
+    let out = out32.to_dtype(q.dtype())?;
+    let (m, l) = (*mask, lse.clone());
+    let (qdt, kdt) = (q.dtype(), k.dtype());
+    let bwd_fn: crate::autograd::BackwardFn = std::sync::Arc::new(move |dout: &Tensor| {
+        let (dq, dk, dv) = window::bwd(&qd, &kd, &vd, &out32, &l, dout, &m, scale, dims)?;
+        Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
+    });
+    let out = crate::autograd::attach3("attention (window)", q, k, v, out, bwd_fn)?;
+    Ok((out, lse))
 }

@@ -60,6 +60,15 @@ fn storage_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<Cow<'a, 
     })
 }
 
+/// The kernels take full and causal masks only: a window mask must go through
+/// [`super::attention`] / [`super::attention_fwd`], which split it.
+fn reject_window(mask: &Mask) -> Result<()> {
+    if let Mask::Window { .. } = mask {
+        candle_core::bail!("AttentionOp: the kernels take full and causal masks; use attention() or attention_fwd() for {mask:?} (they split a window into kernel calls)")
+    }
+    Ok(())
+}
+
 impl CustomOp3 for AttentionOp {
     fn name(&self) -> &'static str {
         "cp-attention"
@@ -74,6 +83,7 @@ impl CustomOp3 for AttentionOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
+        reject_window(&self.mask)?;
         let (b, t, h, d) = l1.shape().dims4()?;
         let (_, s, hkv, _) = l2.shape().dims4()?;
         if l3.shape() != l2.shape() || hkv == 0 || h % hkv != 0 {
@@ -108,6 +118,7 @@ impl CustomOp3 for AttentionOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
+        reject_window(&self.mask)?;
         super::cuda::op_fwd(self, s1, l1, s2, l2, s3, l3)
     }
 

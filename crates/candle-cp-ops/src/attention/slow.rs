@@ -29,6 +29,26 @@ pub fn attention_docs_slow(
     slow_with(q, k, v, scale, |i, j| docs.visible(i, j, causal))
 }
 
+/// [`attention_docs_slow`] with any mask inside each document, in positions relative to the
+/// document's start (the reference for [`super::attention_docs_mask`]). For tests only.
+pub fn attention_docs_mask_slow(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: &Documents,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor)> {
+    super::check_docs("attention_docs_mask_slow", q, k, v, docs)?;
+    slow_with(q, k, v, scale, |i, j| match (docs.doc_of(i), docs.doc_of(j)) {
+        (Some(a), Some(b)) if a == b => {
+            let start = docs.range(a).0;
+            mask.visible(i - start, j - start)
+        }
+        _ => false,
+    })
+}
+
 /// The reference computation with visibility `visible(query row, key row)`.
 fn slow_with(
     q: &Tensor,

@@ -41,13 +41,22 @@ impl Call {
     /// Visible (query, key) pairs of the call.
     fn pairs(&self, causal: bool) -> u64 {
         let keys = Segment { offset: self.k0, stride: 1, len: self.n, local: 0 };
-        crate::cp::balance::visible_pairs(&self.q, &keys, causal)
+        match self.mask {
+            Mask::Window { window, .. } => crate::cp::balance::visible_pairs_window(&self.q, &keys, window),
+            _ => crate::cp::balance::visible_pairs(&self.q, &keys, causal),
+        }
     }
 }
 
 /// The call of query rows `seg` against the keys `[k0, end)` they may see: causal → up to
-/// the segment's last position (the mask carries the offsets), full → all of them.
-fn call_for(seg: Segment, k0: usize, end: usize, causal: bool) -> Call {
+/// the segment's last position (the mask carries the offsets), with a sliding window from
+/// the first row's oldest key on, full → all of them.
+fn call_for(seg: Segment, k0: usize, end: usize, causal: bool, window: Option<usize>) -> Call {
+    if let (true, Some(w)) = (causal, window) {
+        let k0 = k0.max((seg.offset + 1).saturating_sub(w));
+        let mask = Mask::Window { q_offset: seg.offset, q_stride: seg.stride, k_offset: k0, k_stride: 1, window: w };
+        return Call { q: seg, k0, n: seg.last() + 1 - k0, mask };
+    }
     if causal {
         let mask = Mask::Causal { q_offset: seg.offset, q_stride: seg.stride, k_offset: k0, k_stride: 1 };
         Call { q: seg, k0, n: seg.last() + 1 - k0, mask }
@@ -73,11 +82,11 @@ fn calls(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Res
     let mut out = Vec::new();
     for seg in opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, rows)) {
         match &opts.documents {
-            None => out.push(call_for(seg, 0, dims.t, opts.causal)),
+            None => out.push(call_for(seg, 0, dims.t, opts.causal, opts.window)),
             Some(docs) => {
                 for (d, piece) in docs.split(&seg) {
                     let (a, b) = docs.range(d);
-                    out.push(call_for(piece, a, b, opts.causal));
+                    out.push(call_for(piece, a, b, opts.causal, opts.window));
                 }
             }
         }

@@ -12,7 +12,7 @@
 //! max/mean = (2Pc − c + 1)/(Pc + 1) → (2P−1)/P; in blocks exactly `(2P−1)/P`.
 //! Zigzag (c = T/2P) every rank sees `2P·c² + c = T²/(2P) + T/(2P)` pairs: imbalance 1.00.
 
-use super::ring::{block_schedule_docs, classify, Block};
+use super::ring::{block_schedule_mask, classify, Block, MaskSpec};
 use crate::packing::Documents;
 use super::shard::{Layout, Segment};
 use candle_core::Result;
@@ -96,6 +96,24 @@ pub fn visible_pairs(q: &Segment, k: &Segment, causal: bool) -> u64 {
         .sum()
 }
 
+/// Visible pairs of query segment `q` against key segment `k` under a causal sliding window
+/// of `window` keys (`qp - window < kp <= qp`).
+pub fn visible_pairs_window(q: &Segment, k: &Segment, window: usize) -> u64 {
+    if k.len == 0 || k.stride == 0 {
+        return 0;
+    }
+    let (ko, ks) = (k.offset as i128, k.stride as i128);
+    (0..q.len)
+        .map(|i| {
+            let qp = (q.offset + i * q.stride) as i128;
+            let (lo, hi) = (qp - window as i128 + 1, qp);
+            let first = if lo <= ko { 0 } else { (lo - ko + ks - 1) / ks };
+            let last = if hi < ko { -1 } else { ((hi - ko) / ks).min(k.len as i128 - 1) };
+            (last - first + 1).max(0) as u64
+        })
+        .sum()
+}
+
 /// Compute the work per rank for `layout`, `p` ranks, global length `t`.
 /// Errors if `t` is not divisible as the layout needs.
 pub fn balance(layout: Layout, p: usize, t: usize, causal: bool) -> Result<BalanceReport> {
@@ -135,16 +153,27 @@ pub fn balance(layout: Layout, p: usize, t: usize, causal: bool) -> Result<Balan
 
 /// [`balance`] for a packed sequence: the work per rank when attention stays inside the
 /// `docs` (which must cover `t`), counted over the per-document blocks the ring engine
-/// computes ([`super::ring::block_schedule_docs`]).
+/// computes ([`super::ring::block_schedule_mask`]).
 pub fn balance_docs(layout: Layout, p: usize, t: usize, causal: bool, docs: &Documents) -> Result<BalanceReport> {
-    docs.check_len(&format!("balance_docs ({layout}, P = {p})"), t)?;
+    balance_mask(layout, p, t, MaskSpec { causal, window: None, docs: Some(docs) })
+}
+
+/// [`balance`] under any [`MaskSpec`] (sliding window, packed documents): each rank's visible
+/// pairs and block work over the blocks the ring engine computes.
+pub fn balance_mask(layout: Layout, p: usize, t: usize, spec: MaskSpec) -> Result<BalanceReport> {
+    if let Some(docs) = spec.docs {
+        docs.check_len(&format!("balance ({layout}, P = {p})"), t)?;
+    }
     let mut pairs = Vec::with_capacity(p);
     let mut blocks = Vec::with_capacity(p);
     for r in 0..p {
         let (mut np, mut nb) = (0u64, 0f64);
         for src in 0..p {
-            for sb in block_schedule_docs(layout, r, src, p, t, causal, Some(docs))? {
-                np += visible_pairs(&sb.q, &sb.k, causal);
+            for sb in block_schedule_mask(layout, r, src, p, t, spec)? {
+                np += match (spec.window, spec.causal) {
+                    (Some(w), true) => visible_pairs_window(&sb.q, &sb.k, w),
+                    _ => visible_pairs(&sb.q, &sb.k, spec.causal),
+                };
                 let area = (sb.q.len * sb.k.len) as f64;
                 nb += if matches!(sb.block, Block::Partial(_)) { area / 2.0 } else { area };
             }
@@ -152,22 +181,20 @@ pub fn balance_docs(layout: Layout, p: usize, t: usize, causal: bool, docs: &Doc
         pairs.push(np);
         blocks.push(nb);
     }
-    Ok(BalanceReport { layout, p, t, causal, pairs, blocks, documents: Some(docs.clone()) })
+    Ok(BalanceReport { layout, p, t, causal: spec.causal, pairs, blocks, documents: spec.docs.cloned() })
 }
 
 /// The layout with the least work on its busiest rank (visible pairs; ties keep the order of
-/// [`Layout::ALL`]) for `p` ranks, length `t`, the mask and optional packed documents, with
-/// the reports of every layout that can split `t`. Errors if none can.
-pub fn best_layout(p: usize, t: usize, causal: bool, docs: Option<&Documents>) -> Result<(Layout, Vec<BalanceReport>)> {
+/// [`Layout::ALL`]) for `p` ranks, length `t` and the mask (causal or full, sliding window,
+/// packed documents), with the reports of every layout that can split `t`. Errors if none
+/// can.
+pub fn best_layout(p: usize, t: usize, spec: MaskSpec) -> Result<(Layout, Vec<BalanceReport>)> {
     let mut reports = Vec::new();
     for layout in Layout::ALL {
         if layout.local_len(t, p).is_err() {
             continue;
         }
-        reports.push(match docs {
-            None => balance(layout, p, t, causal)?,
-            Some(d) => balance_docs(layout, p, t, causal, d)?,
-        });
+        reports.push(balance_mask(layout, p, t, spec)?);
     }
     let busiest = |r: &BalanceReport| r.pairs.iter().copied().max().unwrap_or(0);
     match reports.iter().min_by_key(|r| busiest(r)) {

@@ -25,8 +25,8 @@ pub mod state;
 pub mod verify;
 
 pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};
-pub use balance::{balance, balance_docs, best_layout, BalanceReport};
-pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw};
+pub use balance::{balance, balance_docs, balance_mask, best_layout, BalanceReport};
+pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw, MaskSpec};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
 pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun, RankBody};
@@ -65,6 +65,12 @@ pub struct CpOpts {
     /// cover the global `T` and be the same on every rank (checked with the shapes). See
     /// [`crate::packing`].
     pub documents: Option<Documents>,
+    /// Causal sliding window (Mistral-style `sliding_window`): a query sees itself and the
+    /// `window - 1` keys before it (global positions; within its document when `documents` is
+    /// set). Needs `causal`. `None`: no window. Blocks wholly outside the window are skipped
+    /// (the ring still rotates every K/V chunk; all-gather KV attends each row chunk to its
+    /// window's keys only).
+    pub window: Option<usize>,
 }
 
 /// Query rows per attention call on the CPU when [`CpOpts::block_rows`] is `0` (automatic).
@@ -82,6 +88,7 @@ impl Default for CpOpts {
             block_rows: 0,
             check_ranks: true,
             documents: None,
+            window: None,
         }
     }
 }
@@ -100,6 +107,15 @@ impl CpOpts {
     pub fn with_documents(mut self, documents: Documents) -> Self {
         self.documents = Some(documents);
         self
+    }
+    /// Same options with a causal sliding window of `window` keys (see [`CpOpts::window`]).
+    pub fn with_window(mut self, window: usize) -> Self {
+        self.window = Some(window);
+        self
+    }
+    /// The mask these options describe (causal flag, window, documents), for the schedule.
+    pub fn mask_spec(&self) -> MaskSpec<'_> {
+        MaskSpec { causal: self.causal, window: self.window, docs: self.documents.as_ref() }
     }
     /// Same options with an explicit softmax scale.
     pub fn with_scale(mut self, scale: f64) -> Self {
@@ -228,6 +244,11 @@ pub(crate) fn check_inputs(
     if let Some(docs) = &opts.documents {
         docs.check_len(&format!("{name} (q {:?} on each of P = {p} ranks)", q.shape()), t)?;
     }
+    match opts.window {
+        Some(0) => bail!("{name}: a sliding window must hold at least 1 key (q {:?})", q.shape()),
+        Some(w) if !opts.causal => bail!("{name}: a sliding window ({w}) needs the causal mask (q {:?})", q.shape()),
+        _ => {}
+    }
     if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
         // documents: none, or their fingerprint in four exact 16-bit pieces
@@ -241,6 +262,9 @@ pub(crate) fn check_inputs(
             ((fp >> 16) & 0xffff) as f32,
             ((fp >> 32) & 0xffff) as f32,
             (fp >> 48) as f32,
+            // window: none = 0, else its size in two exact 16-bit pieces (+1 marks presence)
+            opts.window.map_or(0.0, |w| 1.0 + (w & 0xffff) as f32),
+            opts.window.map_or(0.0, |w| ((w >> 16) & 0xffff) as f32),
         ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
@@ -260,7 +284,7 @@ pub(crate) fn check_inputs(
                 )
             }
             if other[5..] != extra[..] {
-                bail!("{name}: ranks disagree on dtype, layout, causal flag or packed documents (rank {} vs rank {r}, {})", group.rank(), group.describe())
+                bail!("{name}: ranks disagree on dtype, layout, causal flag, packed documents or sliding window (rank {} vs rank {r}, {})", group.rank(), group.describe())
             }
         }
     }

@@ -41,8 +41,8 @@
 
 mod schedule;
 pub use schedule::{
-    block_schedule, block_schedule_docs, call_pairs, classify, fuse_full_blocks, split_rows, step_schedule, step_schedule_docs, sub_blocks,
-    Block, Scheduled,
+    block_schedule, block_schedule_mask, call_pairs, classify, classify_mask, fuse_full_blocks, split_rows, step_schedule, step_schedule_mask,
+    sub_blocks, sub_blocks_window, Block, MaskSpec, Scheduled,
 };
 use schedule::mask_of;
 
@@ -111,9 +111,9 @@ pub(super) fn fwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for sb in step_schedule_docs(opts.layout, rank, src, p, dims.t, opts.causal, opts.documents.as_ref())? {
+        for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
+            for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
                 let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
                 state.merge_rows(qs.local, &o, &l)?;
                 st.blocks += 1;
@@ -205,9 +205,9 @@ pub(super) fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
-        for sb in step_schedule_docs(opts.layout, rank, src, p, dims.t, opts.causal, opts.documents.as_ref())? {
+        for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks(&sb, opts.causal, rows_per_call) {
+            for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
                 let (qr, or, lr, dr) = (
                     rows(q, 1, &qs)?,
                     rows(out, 1, &qs)?,

@@ -74,7 +74,7 @@ fn check(
     p: usize,
     rows: usize,
 ) -> Result<()> {
-    check_docs(case, single, method, p, rows, None)
+    check_docs(case, single, method, p, rows, None, None)
 }
 
 /// [`check`] with attention kept inside packed `documents`.
@@ -85,6 +85,7 @@ fn check_docs(
     p: usize,
     rows: usize,
     documents: Option<crate::packing::Documents>,
+    window: Option<usize>,
 ) -> Result<()> {
     let layout = method.layout();
     let opts = CpOpts {
@@ -95,6 +96,7 @@ fn check_docs(
         block_rows: rows,
         check_ranks: true,
         documents,
+        window,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
     let res = run_ranks(p, |g: Group| {
@@ -242,7 +244,36 @@ fn device_form_matches_host_with_packed_documents() -> Result<()> {
         CpMethod::Ring(Layout::Striped),
         CpMethod::AllGather(Layout::Zigzag),
     ] {
-        check_docs(&packed, &single, m, 4, 40, Some(docs.clone()))?;
+        check_docs(&packed, &single, m, 4, 40, Some(docs.clone()), None)?;
+    }
+    Ok(())
+}
+
+/// Sliding window (40 keys, boundaries and row chunks off the window): every ring layout and
+/// all-gather KV, device form = host form, both = the single-device window attention, whose
+/// first 40 rows are the oracle's (those rows see every earlier key anyway).
+#[test]
+fn device_form_matches_host_with_a_sliding_window() -> Result<()> {
+    let case = load("b2_t256_h8_kv2_d64_causal")?;
+    let w = 40;
+    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
+    let mask = crate::attention::Mask::sliding_window(w);
+    let (out, lse) = crate::attention::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, case.scale)?;
+    let g = (&out * &case.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
+    let single = AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? };
+    let tol = case.tolerances();
+    let eo = max_abs(&single.out.narrow(1, 0, w)?, &case.reference.out.narrow(1, 0, w)?)?;
+    let el = max_abs(&single.lse.narrow(2, 0, w)?, &case.reference.lse.narrow(2, 0, w)?)?;
+    assert!(eo as f64 <= tol.out_abs && el as f64 <= tol.lse_abs, "window rows < w vs oracle: out {eo}, lse {el}");
+    let windowed = AttnCase { reference: single.clone(), ..case.clone() };
+    for m in [
+        CpMethod::Ring(Layout::Contiguous),
+        CpMethod::Ring(Layout::Zigzag),
+        CpMethod::Ring(Layout::Striped),
+        CpMethod::AllGather(Layout::Zigzag),
+    ] {
+        check_docs(&windowed, &single, m, 4, 24, None, Some(w))?;
     }
     Ok(())
 }

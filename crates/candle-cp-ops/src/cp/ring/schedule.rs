@@ -18,6 +18,53 @@ pub enum Block {
     Partial(Mask),
 }
 
+/// What a context-parallel attention masks: causal or full, an optional causal sliding
+/// window (`window` keys: a query sees itself and the `window - 1` keys before it), optional
+/// packed documents. Pairs must pass all three.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct MaskSpec<'a> {
+    /// Causal on global positions (else full; a window needs causal).
+    pub causal: bool,
+    /// Sliding window size, `None` for none.
+    pub window: Option<usize>,
+    /// Packed documents of the global sequence, `None` for one document.
+    pub docs: Option<&'a Documents>,
+}
+
+impl MaskSpec<'_> {
+    /// Causal or full, no window, no documents.
+    pub fn plain(causal: bool) -> MaskSpec<'static> {
+        MaskSpec { causal, window: None, docs: None }
+    }
+}
+
+/// Classify the block of query segment `q` against key segment `k` (global positions) under
+/// a causal mask with an optional sliding window (ignored when not `causal`): skipped when no
+/// pair is visible, full when all are, else partial with the offset/stride causal mask, or
+/// the window mask when the window cuts into the block.
+pub fn classify_mask(q: &Segment, k: &Segment, causal: bool, window: Option<usize>) -> Block {
+    let base = classify(q, k, causal);
+    let (Some(w), true) = (window, causal) else { return base };
+    if base == Block::Skip {
+        return base;
+    }
+    // distances qp - kp of the block: [q.offset - k.last(), q.last() - k.offset]
+    let (dmin, dmax) = (q.offset as i128 - k.last() as i128, q.last() as i128 - k.offset as i128);
+    if dmin >= w as i128 {
+        return Block::Skip;
+    }
+    if dmax < w as i128 {
+        return base;
+    }
+    Block::Partial(Mask::Window {
+        q_offset: q.offset,
+        q_stride: q.stride,
+        k_offset: k.offset,
+        k_stride: k.stride,
+        window: w,
+    })
+}
+
 /// Classify the block of query segment `q` against key segment `k` (global positions).
 pub fn classify(q: &Segment, k: &Segment, causal: bool) -> Block {
     if q.len == 0 || k.len == 0 {
@@ -66,34 +113,27 @@ pub fn block_schedule(
     t: usize,
     causal: bool,
 ) -> Result<Vec<Scheduled>> {
-    block_schedule_docs(layout, rank, src, p, t, causal, None)
+    block_schedule_mask(layout, rank, src, p, t, MaskSpec::plain(causal))
 }
 
-/// [`block_schedule`] for a packed sequence: with `docs`, each (query segment × key segment)
+/// [`block_schedule`] under a [`MaskSpec`]: with documents, each (query segment × key segment)
 /// block is split along the documents into (query rows of document d × key rows of document
-/// d) sub-blocks, classified like any block; pairs of different documents are never computed.
-/// `docs` must cover `t` (checked by the callers).
-pub fn block_schedule_docs(
-    layout: Layout,
-    rank: usize,
-    src: usize,
-    p: usize,
-    t: usize,
-    causal: bool,
-    docs: Option<&Documents>,
-) -> Result<Vec<Scheduled>> {
+/// d) sub-blocks, classified like any block ([`classify_mask`], window included); pairs of
+/// different documents are never computed. The documents must cover `t` (checked by the
+/// callers).
+pub fn block_schedule_mask(layout: Layout, rank: usize, src: usize, p: usize, t: usize, spec: MaskSpec) -> Result<Vec<Scheduled>> {
     let qs = layout.segments(rank, p, t)?;
     let ks = layout.segments(src, p, t)?;
     let mut out = Vec::new();
     for (qi, q) in qs.iter().enumerate() {
         for (ki, k) in ks.iter().enumerate() {
             let mut push = |q: Segment, k: Segment| {
-                let block = classify(&q, &k, causal);
+                let block = classify_mask(&q, &k, spec.causal, spec.window);
                 if block != Block::Skip {
                     out.push(Scheduled { qi, ki, q, k, block });
                 }
             };
-            match docs {
+            match spec.docs {
                 None => push(*q, *k),
                 Some(docs) => {
                     let kparts = docs.split(k);
@@ -133,25 +173,18 @@ pub fn block_schedule_docs(
 ///   local: 0}` (positions replaced by local indices, which preserves every comparison), with
 ///   the plain causal mask.
 pub fn step_schedule(layout: Layout, rank: usize, src: usize, p: usize, t: usize, causal: bool) -> Result<Vec<Scheduled>> {
-    step_schedule_docs(layout, rank, src, p, t, causal, None)
+    step_schedule_mask(layout, rank, src, p, t, MaskSpec::plain(causal))
 }
 
-/// [`step_schedule`] for a packed sequence: the per-document blocks of
-/// [`block_schedule_docs`], fully visible ones fused where adjacent (blocks of different
-/// documents never share key rows, so they never fuse wrongly). With documents the own-K/V
-/// step is not collapsed into one local-coordinate causal call (that would see across
-/// documents).
-pub fn step_schedule_docs(
-    layout: Layout,
-    rank: usize,
-    src: usize,
-    p: usize,
-    t: usize,
-    causal: bool,
-    docs: Option<&Documents>,
-) -> Result<Vec<Scheduled>> {
-    let blocks = block_schedule_docs(layout, rank, src, p, t, causal, docs)?;
-    if docs.is_some() {
+/// [`step_schedule`] under a [`MaskSpec`]: the blocks of [`block_schedule_mask`], fully
+/// visible ones fused where adjacent (blocks of different documents never share key rows, so
+/// they never fuse wrongly). With documents or a window the own-K/V step is not collapsed into
+/// one local-coordinate causal call (local indices keep the order of positions, not their
+/// distances or document boundaries).
+pub fn step_schedule_mask(layout: Layout, rank: usize, src: usize, p: usize, t: usize, spec: MaskSpec) -> Result<Vec<Scheduled>> {
+    let blocks = block_schedule_mask(layout, rank, src, p, t, spec)?;
+    let causal = spec.causal;
+    if spec.docs.is_some() || spec.window.is_some() {
         return Ok(fuse_full_blocks(blocks));
     }
     if causal && src == rank && blocks.len() > 1 {
@@ -227,6 +260,7 @@ pub fn call_pairs(q: &Segment, k: &Segment, block: &Block) -> u64 {
     match block {
         Block::Skip => 0,
         Block::Full(_) => (q.len * k.len) as u64,
+        Block::Partial(Mask::Window { window, .. }) => crate::cp::balance::visible_pairs_window(q, k, *window),
         Block::Partial(_) => crate::cp::balance::visible_pairs(q, k, true),
     }
 }
@@ -250,11 +284,16 @@ pub fn split_rows(seg: &Segment, max: usize) -> Vec<Segment> {
 /// visible; a fused block's segments are not arithmetic progressions, so they are never
 /// re-classified); chunks of a `Partial` block are classified again.
 pub fn sub_blocks(sb: &Scheduled, causal: bool, rows_per_call: usize) -> Vec<(Segment, Block)> {
+    sub_blocks_window(sb, causal, None, rows_per_call)
+}
+
+/// [`sub_blocks`] with a sliding window (row chunks re-classified with [`classify_mask`]).
+pub fn sub_blocks_window(sb: &Scheduled, causal: bool, window: Option<usize>, rows_per_call: usize) -> Vec<(Segment, Block)> {
     split_rows(&sb.q, rows_per_call)
         .into_iter()
         .map(|q| match sb.block {
             Block::Full(m) => (q, Block::Full(m)),
-            _ => (q, classify(&q, &sb.k, causal)),
+            _ => (q, classify_mask(&q, &sb.k, causal, window)),
         })
         .filter(|(_, b)| *b != Block::Skip)
         .collect()
@@ -431,8 +470,9 @@ mod tests {
                             }
                             want.sort_unstable();
                             let what = format!("{lens:?} {layout:?} causal={causal} P={p} rank={rank} src={src}");
-                            let plain = block_schedule_docs(layout, rank, src, p, t, causal, Some(&docs))?;
-                            let fused = step_schedule_docs(layout, rank, src, p, t, causal, Some(&docs))?;
+                            let spec = MaskSpec { causal, window: None, docs: Some(&docs) };
+                            let plain = block_schedule_mask(layout, rank, src, p, t, spec)?;
+                            let fused = step_schedule_mask(layout, rank, src, p, t, spec)?;
                             assert_eq!(pairs(&plain, causal), want, "plain {what}");
                             assert_eq!(pairs(&fused, causal), want, "fused {what}");
                         }
