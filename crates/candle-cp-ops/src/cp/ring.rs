@@ -62,6 +62,27 @@ fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
     t.narrow(dim, s.local, s.len)?.contiguous()
 }
 
+/// Number of ring steps any rank has work in (`1 + ` the largest such step; every rank
+/// computes the same number from the shared options): `P` for a plain causal or full mask;
+/// fewer with a sliding window or packed documents on a contiguous layout, where later steps
+/// would only carry chunks nobody attends to. The ring stops after it, which saves the
+/// remaining transfers: a window of `w` keys over shards of `T/P` tokens needs
+/// `1 + ceil((w - 1) / (T/P))` steps (a halo exchange instead of a full ring).
+pub fn active_steps(opts: &CpOpts, p: usize, t: usize) -> Result<usize> {
+    let spec = opts.mask_spec();
+    if spec.window.is_none() && spec.docs.is_none() {
+        return Ok(p);
+    }
+    for s in (1..p).rev() {
+        for r in 0..p {
+            if !block_schedule_mask(opts.layout, r, (r + p - s) % p, p, t, spec)?.is_empty() {
+                return Ok(s + 1);
+            }
+        }
+    }
+    Ok(1)
+}
+
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
 /// `lse [B, H, T/P]` of the *global* attention for this rank's queries out, plus timings.
 /// Collective over `group`.
@@ -95,11 +116,12 @@ pub(super) fn fwd(
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let rows_per_call = opts.rows_per_call(q.device());
-    for s in 0..p {
+    let steps = active_steps(opts, p, dims.t)?;
+    for s in 0..steps {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
         let mut next: Option<InFlight> = None;
-        if s + 1 < p {
+        if s + 1 < steps {
             let f = ring.start(&kv, &mut stats)?;
             if opts.overlap {
                 next = Some(f);
@@ -188,10 +210,11 @@ pub(super) fn bwd(
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
     let rows_per_call = opts.rows_per_call(q.device());
-    for s in 0..p {
+    let steps = active_steps(opts, p, dims.t)?;
+    for s in 0..steps {
         let src = (rank + p - s) % p;
         let mut st = StepStats::default();
-        let mut next = if s + 1 < p {
+        let mut next = if s + 1 < steps {
             Some(ring.start(&kv, &mut stats)?)
         } else {
             None
@@ -230,14 +253,20 @@ pub(super) fn bwd(
             None => contrib,
             Some(f) => (f.wait(&mut st.wait)? + contrib)?,
         };
-        // The accumulator for source `src` goes to the next rank, which holds `src` next step.
-        acc_in = Some(ring.start(&acc, &mut stats)?);
+        // The accumulator for source `src` goes to the next rank, which holds `src` next step;
+        // after the last step it is complete and goes home, to `src` itself (`steps - 1` ranks
+        // back: the next rank when the ring runs all `P` steps).
+        acc_in = Some(if s + 1 < steps {
+            ring.start(&acc, &mut stats)?
+        } else {
+            ring.shift_back(&acc, steps - 1, &mut stats)?
+        });
         if let Some(f) = next {
             kv = f.wait(&mut st.wait)?;
         }
         stats.steps.push(st);
     }
-    // After P hops the accumulator that arrives is this rank's own dK/dV.
+    // The accumulator that arrives last is this rank's own dK/dV.
     let mut last_wait = Duration::ZERO;
     let own = match acc_in {
         Some(f) => f.wait(&mut last_wait)?,

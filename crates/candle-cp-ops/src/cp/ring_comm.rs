@@ -114,6 +114,22 @@ impl Ring {
         })
     }
 
+    /// Send `t` to the rank `back` places before this one (`r - back mod P`) and start
+    /// receiving from the rank `back` places after it: how the backward ring returns dK/dV
+    /// accumulators to their owners when it stops early. `back ≡ 0 (mod P)`: `t` comes back as
+    /// is. Collective like [`Ring::start`].
+    pub fn shift_back(&self, t: &Tensor, back: usize, stats: &mut RingStats) -> Result<InFlight> {
+        let p = self.group.size();
+        if back % p == 0 {
+            return Ok(InFlight { pending: None, local: Some(t.clone()) });
+        }
+        let r = self.group.rank();
+        let (dst, src) = ((r + p - back % p) % p, (r + back) % p);
+        stats.bytes_sent += (t.elem_count() * t.dtype().size_in_bytes()) as u64;
+        let pending = self.group.send_recv(&t.contiguous()?, dst, src)?;
+        Ok(InFlight { pending: Some(pending), local: None })
+    }
+
     /// Describe the group for error messages.
     pub fn describe(&self) -> String {
         self.group.describe()
