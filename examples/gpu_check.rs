@@ -5,12 +5,13 @@
 //! and its failure paths (abort; a rank that never joins must fail init within its timeout),
 //! and the CP methods on NCCL ranks, one GPU each (section `nccl-ranks`, 2+ GPUs). Section
 //! `views`: inputs that are views (storage offset, transposed) and bad input (gpu_check_views.rs).
-//! Section `packed`: packed documents (document masks) through the single-device op, ring,
-//! all-gather KV and Ulysses on virtual ranks against the CPU path (gpu_check_packed.rs).
+//! Sections `packed` and `window`: packed documents (document masks) and causal sliding
+//! windows through the single-device op, ring, all-gather KV and Ulysses on virtual ranks
+//! against the CPU path and the oracle rows (gpu_check_masks.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,window,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
@@ -35,8 +36,8 @@ use std::time::{Duration, Instant};
 mod gpu_util;
 #[path = "gpu_check_views.rs"]
 mod views;
-#[path = "gpu_check_packed.rs"]
-mod packed;
+#[path = "gpu_check_masks.rs"]
+mod masks;
 #[cfg(feature = "nccl")]
 #[path = "gpu_check_nccl.rs"]
 mod nccl;
@@ -130,6 +131,8 @@ fn kmask(m: &Mask) -> KMask {
     match *m {
         Mask::Full => KMask::full(),
         Mask::Causal { q_offset, q_stride, k_offset, k_stride } => KMask::causal(q_offset, q_stride, k_offset, k_stride),
+        // the raw-kernel cases above hold no window (section `window` goes through attention())
+        Mask::Window { .. } => unreachable!("raw kernel cases have no window mask"),
     }
 }
 
@@ -548,10 +551,17 @@ fn main() -> Result<()> {
     }
     if want("packed") {
         let t = Instant::now();
-        if let Err(e) = packed::check_packed(&mut rep, &gpu, &oracle) {
+        if let Err(e) = masks::check_packed(&mut rep, &gpu, &oracle) {
             rep.error("section packed", e);
         }
         println!("-- section packed documents (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
+    }
+    if want("window") {
+        let t = Instant::now();
+        if let Err(e) = masks::check_window(&mut rep, &gpu, &oracle) {
+            rep.error("section window", e);
+        }
+        println!("-- section sliding window (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
     }
     if want("llama") {
         let t = Instant::now();

@@ -107,9 +107,9 @@ run() {
   echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
   step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,views,flash-large
   step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
-  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses (also on packed documents), tiny Llama on every layout (virtual ranks), NCCL"
+  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses (also on packed documents and with a sliding window), tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
-  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,packed,llama,nccl
+  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,packed,window,llama,nccl
   if [ "$rc" != "$before" ]; then
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
     step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=mma "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle

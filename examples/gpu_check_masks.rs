@@ -1,0 +1,182 @@
+//! `gpu_check --sections packed,window` (included by `gpu_check.rs` with `#[path]`): packed
+//! sequences (document masks) and causal sliding windows on the GPU.
+//!
+//! `packed`:
+//! Each oracle case is packed as the CPU tests pack it (`oracle::PackedOracle`): a causal case
+//! after a prefix document cut from its own first `24 - T mod 8` tokens, a full-mask case
+//! twice. Every run is checked twice: against the CPU packed attention (`attention_docs`,
+//! autograd) of the same inputs, all rows, and against the oracle rows the packing keeps
+//! exact. On the GPU: the single-device
+//! `attention_docs`, ring (zigzag, striped) and all-gather KV with the documents on virtual
+//! ranks (P = 2, and 4 unless `--quick`), Ulysses P = 2.
+//!
+//! `window`: each causal oracle case with a window of `T/4 + 3` keys: the CPU window attention
+//! (its first `w` rows checked against the oracle), then on the GPU the single-device op (f32,
+//! and bf16 through the tensor-core kernels against the f32 CPU result with bf16 bounds), the
+//! ring (contiguous: stops after the window's hops; zigzag; striped) and all-gather KV on
+//! virtual ranks, Ulysses P = 2.
+
+use super::{case_to, report_metrics, Report, QUICK_MAX_TOKENS};
+use crate::gpu_util::{max_abs, rel};
+use anyhow::Result;
+use candle_core::{DType, Device, Var};
+use candle_cp_ops::attention::{attention, attention_docs, Mask};
+use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
+use candle_cp_ops::oracle::{AttnCase, AttnOutputs, PackedOracle};
+use candle_cp_ops::packing::Documents;
+use candle_cp_ops::usp::run_case_ulysses_with;
+use std::time::Duration;
+
+/// Packed attention of `case`'s inputs on their device: out, lse and the gradients of
+/// `sum(out · dout)`.
+fn packed_single(case: &AttnCase, docs: &Documents) -> candle_core::Result<AttnOutputs> {
+    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
+    let (out, lse) = attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
+    let g = (&out * &case.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
+    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+}
+
+/// `got` against the oracle rows of the packed case ([`PackedOracle::metrics`]), one check.
+fn oracle_rows(rep: &mut Report, name: &str, po: &PackedOracle, got: &AttnOutputs) -> Result<()> {
+    let tol = po.case.tolerances();
+    let m = po.metrics(got)?;
+    let failures = m.failures(&tol);
+    // one line: the worst metric relative to its bound
+    let worst = [m.out_abs / tol.out_abs, m.lse_abs / tol.lse_abs, m.dq_rel / tol.dq_rel, m.dk_rel / tol.dk_rel, m.dv_rel / tol.dv_rel]
+        .into_iter()
+        .fold(0f64, |a, b| if b.is_nan() { f64::NAN } else { a.max(b) });
+    rep.check(&format!("{name} vs oracle rows (worst metric / bound{})", if failures.is_empty() { String::new() } else { format!(", over: {failures:?}") }), worst, 1.0);
+    Ok(())
+}
+
+/// The `packed` section (see the module docs).
+pub fn check_packed(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.sort();
+    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
+        let case = AttnCase::load(path)?;
+        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
+            continue;
+        }
+        let po = PackedOracle::new(&case)?;
+        let docs = po.documents.clone();
+        // the CPU path on the same inputs, checked against the oracle rows first
+        let mut packed = po.case.clone();
+        packed.reference = packed_single(&po.case, &docs)?;
+        oracle_rows(rep, &format!("packed {} CPU path", packed.name), &po, &packed.reference)?;
+        let g = case_to(&packed, gpu)?;
+        let name = format!("packed {} autograd op", packed.name);
+        match packed_single(&g, &docs) {
+            Ok(o) => {
+                report_metrics(rep, &name, &o, &packed)?;
+                oracle_rows(rep, &name, &po, &o)?;
+            }
+            Err(e) => rep.error(&name, e),
+        }
+        for method in [CpMethod::Ring(Layout::Zigzag), CpMethod::Ring(Layout::Striped), CpMethod::AllGather(Layout::Zigzag)] {
+            for p in [2, 4] {
+                if rep.quick && p != 2 {
+                    continue;
+                }
+                let name = format!("packed {} {method} P{p} virtual ranks", packed.name);
+                let opts = CpOpts::default().with_documents(docs.clone());
+                match run_case_cp_with(&g, method, p, Duration::from_secs(120), opts) {
+                    Ok(run) => {
+                        report_metrics(rep, &name, &run.outputs, &packed)?;
+                        oracle_rows(rep, &name, &po, &run.outputs)?;
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+        if case.q.dim(2)? % 2 == 0 {
+            let name = format!("packed {} ulysses P2 virtual ranks", packed.name);
+            match run_case_ulysses_with(&g, 2, Layout::Contiguous, Duration::from_secs(120), Some(docs.clone()), None) {
+                Ok(run) => {
+                    report_metrics(rep, &name, &run.outputs, &packed)?;
+                    oracle_rows(rep, &name, &po, &run.outputs)?;
+                }
+                Err(e) => rep.error(&name, e),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `window` section (see the module docs).
+pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.sort();
+    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
+        let case = AttnCase::load(path)?;
+        if !case.causal || (rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS) {
+            continue;
+        }
+        let t = case.q.dim(1)?;
+        let w = t / 4 + 3;
+        let mask = Mask::sliding_window(w);
+        let run_mask = |c: &AttnCase| -> candle_core::Result<AttnOutputs> {
+            let (q, k, v) = (Var::from_tensor(&c.q)?, Var::from_tensor(&c.k)?, Var::from_tensor(&c.v)?);
+            let (out, lse) = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, c.scale)?;
+            let g = (&out * &c.dout)?.sum_all()?.backward()?;
+            let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
+            Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+        };
+        let mut windowed = case.clone();
+        windowed.name = format!("{} window {w}", case.name);
+        windowed.reference = run_mask(&case)?;
+        // the CPU path's rows < w are the oracle's
+        let tol = case.tolerances();
+        let rows = |x: &candle_core::Tensor, dim: usize| x.narrow(dim, 0, w);
+        rep.check(&format!("window {} CPU path rows < w vs oracle out", windowed.name), max_abs(&rows(&windowed.reference.out, 1)?, &rows(&case.reference.out, 1)?)?, tol.out_abs);
+        let g = case_to(&windowed, gpu)?;
+        let name = format!("window {} autograd op", windowed.name);
+        match run_mask(&g) {
+            Ok(o) => report_metrics(rep, &name, &o, &windowed)?,
+            Err(e) => rep.error(&name, e),
+        }
+        // bf16 through the default tensor-core kernels, against the CPU path on the same
+        // bf16-rounded inputs (f32 compute)
+        let round = |x: &candle_core::Tensor| x.to_dtype(DType::BF16)?.to_dtype(DType::F32);
+        let mut rounded = case.clone();
+        for x in [&mut rounded.q, &mut rounded.k, &mut rounded.v, &mut rounded.dout] {
+            *x = round(x)?;
+        }
+        let want = run_mask(&rounded)?;
+        let mut b16 = case_to(&rounded, gpu)?;
+        for x in [&mut b16.q, &mut b16.k, &mut b16.v, &mut b16.dout] {
+            *x = x.to_dtype(DType::BF16)?;
+        }
+        let name = format!("window {} autograd op bf16", windowed.name);
+        match run_mask(&b16) {
+            Ok(o) => {
+                rep.check(&format!("{name} out"), max_abs(&o.out, &want.out)?, 2e-2 * case.sigma.max(1.0));
+                rep.check(&format!("{name} dq"), rel(&o.dq, &want.dq)?, 5e-2);
+                rep.check(&format!("{name} dk"), rel(&o.dk, &want.dk)?, 5e-2);
+                rep.check(&format!("{name} dv"), rel(&o.dv, &want.dv)?, 5e-2);
+            }
+            Err(e) => rep.error(&name, e),
+        }
+        for method in [CpMethod::Ring(Layout::Contiguous), CpMethod::Ring(Layout::Zigzag), CpMethod::Ring(Layout::Striped), CpMethod::AllGather(Layout::Zigzag)] {
+            for p in [2, 4] {
+                if (rep.quick && p != 2) || method.layout().local_len(t, p).is_err() {
+                    continue;
+                }
+                let name = format!("window {} {method} P{p} virtual ranks", windowed.name);
+                match run_case_cp_with(&g, method, p, Duration::from_secs(120), CpOpts::default().with_window(w)) {
+                    Ok(run) => report_metrics(rep, &name, &run.outputs, &windowed)?,
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+        if case.q.dim(2)? % 2 == 0 {
+            let name = format!("window {} ulysses P2 virtual ranks", windowed.name);
+            match run_case_ulysses_with(&g, 2, Layout::Contiguous, Duration::from_secs(120), None, Some(w)) {
+                Ok(run) => report_metrics(rep, &name, &run.outputs, &windowed)?,
+                Err(e) => rep.error(&name, e),
+            }
+        }
+    }
+    Ok(())
+}
