@@ -37,6 +37,33 @@ fn packed_single(case: &AttnCase, docs: &Documents) -> candle_core::Result<AttnO
     Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
 }
 
+/// The packed version of an oracle case (CPU) with the CPU packed attention as its
+/// reference, and the [`PackedOracle`] that knows the exact rows.
+pub fn packed_case(case: &AttnCase) -> Result<(AttnCase, PackedOracle)> {
+    let po = PackedOracle::new(case)?;
+    let mut packed = po.case.clone();
+    packed.reference = packed_single(&po.case, &po.documents)?;
+    Ok((packed, po))
+}
+
+/// An oracle case with the CPU sliding-window attention (window `w`) as its reference.
+pub fn window_case(case: &AttnCase, w: usize) -> Result<AttnCase> {
+    let mut windowed = case.clone();
+    windowed.name = format!("{} window {w}", case.name);
+    windowed.reference = run_window(case, w)?;
+    Ok(windowed)
+}
+
+/// Window attention (autograd) of `c`'s inputs on their device: out, lse, gradients.
+fn run_window(c: &AttnCase, w: usize) -> candle_core::Result<AttnOutputs> {
+    let mask = Mask::sliding_window(w);
+    let (q, k, v) = (Var::from_tensor(&c.q)?, Var::from_tensor(&c.k)?, Var::from_tensor(&c.v)?);
+    let (out, lse) = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, c.scale)?;
+    let g = (&out * &c.dout)?.sum_all()?.backward()?;
+    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
+    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+}
+
 /// `got` against the oracle rows of the packed case ([`PackedOracle::metrics`]), one check.
 fn oracle_rows(rep: &mut Report, name: &str, po: &PackedOracle, got: &AttnOutputs) -> Result<()> {
     let tol = po.case.tolerances();
@@ -59,11 +86,9 @@ pub fn check_packed(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
             continue;
         }
-        let po = PackedOracle::new(&case)?;
-        let docs = po.documents.clone();
         // the CPU path on the same inputs, checked against the oracle rows first
-        let mut packed = po.case.clone();
-        packed.reference = packed_single(&po.case, &docs)?;
+        let (packed, po) = packed_case(&case)?;
+        let docs = po.documents.clone();
         oracle_rows(rep, &format!("packed {} CPU path", packed.name), &po, &packed.reference)?;
         let g = case_to(&packed, gpu)?;
         let name = format!("packed {} autograd op", packed.name);
@@ -115,17 +140,8 @@ pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
         let t = case.q.dim(1)?;
         let w = t / 4 + 3;
-        let mask = Mask::sliding_window(w);
-        let run_mask = |c: &AttnCase| -> candle_core::Result<AttnOutputs> {
-            let (q, k, v) = (Var::from_tensor(&c.q)?, Var::from_tensor(&c.k)?, Var::from_tensor(&c.v)?);
-            let (out, lse) = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, c.scale)?;
-            let g = (&out * &c.dout)?.sum_all()?.backward()?;
-            let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
-            Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
-        };
-        let mut windowed = case.clone();
-        windowed.name = format!("{} window {w}", case.name);
-        windowed.reference = run_mask(&case)?;
+        let run_mask = |c: &AttnCase| run_window(c, w);
+        let windowed = window_case(&case, w)?;
         // the CPU path's rows < w are the oracle's
         let tol = case.tolerances();
         let rows = |x: &candle_core::Tensor, dim: usize| x.narrow(dim, 0, w);

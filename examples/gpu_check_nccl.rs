@@ -6,7 +6,7 @@ use super::{report_llama, report_metrics, Report, QUICK_MAX_TOKENS};
 use crate::gpu_util::{self, max_abs, rand_tensor};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_cp_ops::cp::CpMethod;
+use candle_cp_ops::cp::{CpMethod, Layout};
 use candle_cp_ops::oracle::AttnCase;
 use std::time::{Duration, Instant};
 
@@ -129,6 +129,33 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
                     Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
                     Err(e) => rep.error(&name, e),
                 }
+            }
+        }
+        // masks on NCCL ranks: a sliding window on contiguous shards (the ring stops early and
+        // returns dK/dV to their owners with one shift against the ring's direction), packed
+        // documents on the zigzag ring; references: the CPU path (itself checked against the
+        // oracle rows by sections `window` and `packed`)
+        let p = n.min(4);
+        let ordinals: Vec<usize> = (0..p).collect();
+        if case.causal && t % p == 0 {
+            let w = t / 4 + 3;
+            let windowed = super::masks::window_case(&case, w)?;
+            let name = format!("oracle {} window {w} ring P{p} nccl ranks", case.name);
+            let method = CpMethod::Ring(Layout::Contiguous);
+            let opts = CpOpts { layout: Layout::Contiguous, causal: true, scale: Some(case.scale), window: Some(w), ..CpOpts::default() };
+            match run_case_cp_on(&windowed, method, p, opts, |body| run_nccl_ranks(&ordinals, body)) {
+                Ok(run) => report_metrics(rep, &name, &run.outputs, &windowed)?,
+                Err(e) => rep.error(&name, e),
+            }
+        }
+        let (packed, po) = super::masks::packed_case(&case)?;
+        if po.case.q.dim(1)? % (2 * p) == 0 {
+            let name = format!("oracle {} zigzag P{p} nccl ranks", packed.name);
+            let method = CpMethod::Ring(Layout::Zigzag);
+            let opts = CpOpts { causal: case.causal, scale: Some(case.scale), ..CpOpts::default() }.with_documents(po.documents.clone());
+            match run_case_cp_on(&packed, method, p, opts, |body| run_nccl_ranks(&ordinals, body)) {
+                Ok(run) => report_metrics(rep, &name, &run.outputs, &packed)?,
+                Err(e) => rep.error(&name, e),
             }
         }
         // Ulysses: all-to-all as NCCL grouped send/recv (heads must divide by P)
