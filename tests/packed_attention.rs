@@ -9,46 +9,28 @@
 //! copies exact). Any attention across the boundary would change these values. The prefix
 //! lengths put the boundaries inside shards (not on chunk edges).
 
-use candle_core::{Result, Tensor, Var};
+use candle_core::{Result, Tensor};
 use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_ops::attention::{attention_docs, attention_docs_slow, attention_slow, Mask};
 use candle_cp_ops::cp::{balance, balance_docs, best_layout, ring_attention, run_case_cp_with, CpMethod, CpOpts, Layout, MaskSpec};
-use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol, PackedOracle};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs, AttnTol, PackedOracle};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
-use candle_cp_tests::oracle_attn;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-fn load(name: &str) -> Result<AttnCase> {
-    AttnCase::load(oracle_attn(&format!("{name}.safetensors")))
-}
+use candle_cp_tests::{assert_attn_close as check, fwd_bwd, load_attn_case as load};
 
-fn check(got: &AttnOutputs, reference: &AttnOutputs, tol: &AttnTol, what: &str) -> Result<()> {
-    let m = AttnMetrics::compute(got, reference)?;
-    assert!(m.passes(tol), "{what}: {:?} over tolerance\n{}", m.failures(tol), m.report(tol));
-    Ok(())
-}
-
-/// Single-device packed attention (`attention_docs`, candle autograd) of `case`'s inputs:
-/// out, lse and the gradients of `sum(out · dout)`.
+/// Single-device packed attention (`attention_docs`, candle autograd) of `case`'s inputs.
 fn single_docs(case: &AttnCase, docs: &Documents) -> Result<AttnOutputs> {
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
-    let (out, lse) = attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
-    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+    fwd_bwd(case, &|q, k, v| attention_docs(q, k, v, docs, case.causal, case.scale))
 }
 
 /// The reference through plain candle ops with the dense document mask.
 fn slow_docs(case: &AttnCase, docs: &Documents) -> Result<AttnOutputs> {
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
-    let (out, lse) = attention_docs_slow(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
-    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+    fwd_bwd(case, &|q, k, v| attention_docs_slow(q, k, v, docs, case.causal, case.scale))
 }
 
 /// `got` on the packed oracle case against the oracle rows (`PackedOracle::metrics`).

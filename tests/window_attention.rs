@@ -7,39 +7,19 @@
 //! anyway, so its out/lse under a window of `w` are the oracle's; and a window of at least `T`
 //! never binds, so every output and gradient is the oracle's.
 
-use candle_core::{DType, Device, Result, Tensor, Var};
+use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::{run_ranks, run_ranks_with, Group, ThreadGroupOptions};
 use candle_cp_ops::attention::{attention, attention_docs_mask, attention_docs_mask_slow, attention_slow, Mask};
 use candle_cp_ops::cp::ring::active_steps;
 use candle_cp_ops::cp::{balance_mask, best_layout, ring_attention, ring_attention_fwd_raw, run_case_cp_with, CpMethod, CpOpts, Layout, MaskSpec};
-use candle_cp_ops::oracle::{randn, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs, AttnTol};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
-use candle_cp_tests::oracle_attn;
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(120);
 
-fn load(name: &str) -> Result<AttnCase> {
-    AttnCase::load(oracle_attn(&format!("{name}.safetensors")))
-}
-
-fn check(got: &AttnOutputs, reference: &AttnOutputs, tol: &AttnTol, what: &str) -> Result<()> {
-    let m = AttnMetrics::compute(got, reference)?;
-    assert!(m.passes(tol), "{what}: {:?} over tolerance\n{}", m.failures(tol), m.report(tol));
-    Ok(())
-}
-
-type AttnFn<'a> = dyn Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)> + 'a;
-
-/// out, lse and the gradients of `sum(out · dout)` of `f` on `case`'s inputs.
-fn run(case: &AttnCase, f: &AttnFn<'_>) -> Result<AttnOutputs> {
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
-    let (out, lse) = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
-    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
-}
+use candle_cp_tests::{assert_attn_close as check, fwd_bwd as run, load_attn_case as load};
 
 fn random_case(seed: u64, b: usize, t: usize, h: usize, hkv: usize, d: usize) -> Result<AttnCase> {
     let zero = || Tensor::zeros(1, DType::F32, &Device::Cpu);

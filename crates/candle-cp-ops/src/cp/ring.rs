@@ -332,57 +332,40 @@ mod tests {
         res.into_iter().collect()
     }
 
+    /// Every layout, causal and full, plain / packed documents / sliding window / both: the
+    /// pairs each rank's calls cover (ring and all-gather KV, fused blocks, row chunks) are
+    /// the exact counts of `cp::balance_mask`, which sum to the mask's visible pairs (no pair
+    /// across documents or outside the window is computed).
     #[test]
     fn engines_compute_exactly_the_balance_pairs() -> Result<()> {
-        // Every layout, causal and full: the pairs each rank's calls cover (ring and all-gather
-        // KV, with fused blocks and 1024-row chunks) are the exact counts of `cp::balance`.
-        let (p, t) = (4usize, 64usize);
-        for layout in [Layout::Contiguous, Layout::Zigzag, Layout::Striped] {
-            for causal in [true, false] {
-                let want = crate::cp::balance(layout, p, t, causal)?.pairs;
-                let opts = CpOpts::new(layout, causal);
-                let res = candle_cp_comm::run_ranks(p, |g: Group| {
-                    let dev = candle_core::Device::Cpu;
-                    let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
-                    let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
-                    let (_, _, ring) = ring_attention_fwd_raw(&q, &k, &k, &g, &opts)?;
-                    let (_, _, ag) = crate::cp::allgather_attention_stats(&q, &k, &k, &g, &opts)?;
-                    Ok((ring.pairs(), ag.pairs()))
-                });
-                for (r, x) in res.into_iter().enumerate() {
-                    let (ring, ag) = x?;
-                    assert_eq!(ring, want[r], "ring {layout:?} causal={causal} rank {r}");
-                    assert_eq!(ag, want[r], "allgather {layout:?} causal={causal} rank {r}");
-                }
-            }
-        }
-        Ok(())
-    }
-
-    #[test]
-    fn engines_compute_exactly_the_balance_pairs_with_documents() -> Result<()> {
-        // Packed documents: the pairs each rank's calls cover are `balance_docs`' counts, which
-        // sum to the visible pairs of the document mask (no pair across documents computed).
         let (p, t) = (4usize, 64usize);
         let docs = crate::packing::Documents::from_lengths(&[5, 17, 1, 30, 11])?;
         for layout in Layout::ALL {
             for causal in [true, false] {
-                let rep = crate::cp::balance_docs(layout, p, t, causal, &docs)?;
-                let total: u64 = (0..t).flat_map(|i| (0..t).map(move |j| (i, j))).filter(|&(i, j)| docs.visible(i, j, causal)).count() as u64;
-                assert_eq!(rep.pairs.iter().sum::<u64>(), total, "{layout:?} causal={causal}");
-                let opts = CpOpts { block_rows: 6, ..CpOpts::new(layout, causal) }.with_documents(docs.clone());
-                let res = candle_cp_comm::run_ranks(p, |g: Group| {
-                    let dev = candle_core::Device::Cpu;
-                    let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
-                    let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
-                    let (_, _, ring) = ring_attention_fwd_raw(&q, &k, &k, &g, &opts)?;
-                    let (_, _, ag) = crate::cp::allgather_attention_stats(&q, &k, &k, &g, &opts)?;
-                    Ok((ring.pairs(), ag.pairs()))
-                });
-                for (r, x) in res.into_iter().enumerate() {
-                    let (ring, ag) = x?;
-                    assert_eq!(ring, rep.pairs[r], "ring {layout:?} causal={causal} rank {r}");
-                    assert_eq!(ag, rep.pairs[r], "allgather {layout:?} causal={causal} rank {r}");
+                for (d, window, rows) in [(None, None, 0), (Some(&docs), None, 6), (None, Some(9), 5), (Some(&docs), Some(7), 0)] {
+                    let window = window.filter(|_| causal);
+                    let spec = MaskSpec { causal, window, docs: d };
+                    let want = crate::cp::balance_mask(layout, p, t, spec)?.pairs;
+                    let visible = |i: usize, j: usize| {
+                        (!causal || j <= i) && window.is_none_or(|w| i < j + w) && d.is_none_or(|d| d.doc_of(i) == d.doc_of(j))
+                    };
+                    let total = (0..t).flat_map(|i| (0..t).map(move |j| (i, j))).filter(|&(i, j)| visible(i, j)).count() as u64;
+                    let what = format!("{layout:?} causal={causal} docs={} window={window:?}", d.is_some());
+                    assert_eq!(want.iter().sum::<u64>(), total, "{what}");
+                    let opts = CpOpts { block_rows: rows, documents: d.cloned(), window, ..CpOpts::new(layout, causal) };
+                    let res = candle_cp_comm::run_ranks(p, |g: Group| {
+                        let dev = candle_core::Device::Cpu;
+                        let q = Tensor::ones((1, t / p, 2, 8), candle_core::DType::F32, &dev)?;
+                        let k = Tensor::ones((1, t / p, 1, 8), candle_core::DType::F32, &dev)?;
+                        let (_, _, ring) = ring_attention_fwd_raw(&q, &k, &k, &g, &opts)?;
+                        let (_, _, ag) = crate::cp::allgather_attention_stats(&q, &k, &k, &g, &opts)?;
+                        Ok((ring.pairs(), ag.pairs()))
+                    });
+                    for (r, x) in res.into_iter().enumerate() {
+                        let (ring, ag) = x?;
+                        assert_eq!(ring, want[r], "ring {what} rank {r}");
+                        assert_eq!(ag, want[r], "allgather {what} rank {r}");
+                    }
                 }
             }
         }
