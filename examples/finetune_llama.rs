@@ -6,6 +6,7 @@
 //! cargo run --release --example finetune_llama -- --model tests/data/oracle/tiny-llama --data notes.txt
 //! # documents (separated by blank lines) packed into each sequence, masked from each other:
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
+//! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -119,6 +120,12 @@ struct Args {
     /// Stop after this step without the final checkpoint (simulates a killed run).
     #[arg(long)]
     stop_after: Option<usize>,
+    /// Causal sliding-window attention (Mistral `sliding_window`): each token attends to
+    /// itself and the N - 1 tokens before it, on every layout (and within each document with
+    /// --pack-docs). Overrides the `sliding_window` of a --model checkpoint's config.json,
+    /// which is used otherwise; default: none (full causal attention).
+    #[arg(long)]
+    sliding_window: Option<usize>,
     /// Random-init model width.
     #[arg(long, default_value_t = 64)]
     hidden: usize,
@@ -318,6 +325,9 @@ fn main() -> Result<()> {
         Some("long-range") => true,
         Some(o) => bail!("--loss-on {o}: expected all or long-range"),
     };
+    if a.sliding_window == Some(0) {
+        bail!("--sliding-window 0: a window holds at least 1 token (the query itself)")
+    }
     let cfg = TrainConfig {
         layout,
         model,
@@ -350,6 +360,7 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
+        sliding_window: a.sliding_window,
     };
     let world = layout.world_size();
     let launch = Launch::from_args(&a, world, cuda)?;
@@ -445,8 +456,11 @@ fn main() -> Result<()> {
     };
 
     let c = &o.config;
+    let window = c
+        .sliding_window
+        .map_or(String::new(), |w| format!(", sliding window {w}"));
     println!(
-        "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {})",
+        "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
         o.n_params,
         c.hidden_size,
         c.num_hidden_layers,

@@ -8,17 +8,23 @@
 //! With packed documents ([`attend_docs`]) a query sees only the keys of its own document
 //! (causal inside it); the documents cover the GLOBAL sequence of `T = Tc · cp` tokens and cut
 //! the CP shards anywhere (no padding).
+//!
+//! With a sliding window ([`attend_window`], Mistral `sliding_window`) a query at global
+//! position `p` sees only the keys at `p - w < kp <= p` (inside its document when packed), on
+//! every layout: the window is passed to the single-device op ([`Mask::sliding_window`]),
+//! the ring / all-gather ([`CpOpts::with_window`]), Ulysses ([`UlyssesOpts::with_window`]) and
+//! the 2-D op ([`candle_cp_ops::usp::UspOpts::with_window`]), all on global positions.
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention, attention_docs, Mask};
+use candle_cp_ops::attention::{attention, attention_docs, attention_docs_mask, Mask};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 
 /// Causal attention of the CP shard `q, k, v` with softmax `scale` (see the module doc).
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
-    attend_one(q, k, v, ctx, scale, None)
+    attend_one(q, k, v, ctx, scale, None, None)
 }
 
 /// [`attend`] inside packed documents: `docs` `None` (each row one sequence, as [`attend`]),
@@ -33,18 +39,36 @@ pub fn attend_docs(
     scale: f64,
     docs: Option<&[Documents]>,
 ) -> Result<Tensor> {
+    attend_window(q, k, v, ctx, scale, docs, None)
+}
+
+/// [`attend_docs`] with an optional causal sliding window of `window` keys (global
+/// positions, inside each document when `docs` is given; `None`: exactly [`attend_docs`]).
+/// `Some(0)` is an error naming the shapes.
+pub fn attend_window(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx: &ParallelCtx,
+    scale: f64,
+    docs: Option<&[Documents]>,
+    window: Option<usize>,
+) -> Result<Tensor> {
+    if window == Some(0) {
+        bail!("attend: a sliding window must hold at least 1 key (q {:?})", q.dims())
+    }
     let Some(docs) = docs else {
-        return attend_one(q, k, v, ctx, scale, None);
+        return attend_one(q, k, v, ctx, scale, None, window);
     };
     let b = q.dim(0)?;
     match docs {
-        [d] => attend_one(q, k, v, ctx, scale, Some(d)),
+        [d] => attend_one(q, k, v, ctx, scale, Some(d), window),
         rows if rows.len() == b && b > 1 => {
             let parts = rows
                 .iter()
                 .enumerate()
                 .map(|(i, d)| {
-                    attend_one(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, ctx, scale, Some(d))
+                    attend_one(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, ctx, scale, Some(d), window)
                 })
                 .collect::<Result<Vec<_>>>()?;
             Tensor::cat(&parts, 0)
@@ -57,7 +81,8 @@ pub fn attend_docs(
     }
 }
 
-/// One attention call: every row of `q, k, v` with the same documents (or none).
+/// One attention call: every row of `q, k, v` with the same documents (or none), within the
+/// sliding `window` when given.
 fn attend_one(
     q: &Tensor,
     k: &Tensor,
@@ -65,20 +90,26 @@ fn attend_one(
     ctx: &ParallelCtx,
     scale: f64,
     docs: Option<&Documents>,
+    window: Option<usize>,
 ) -> Result<Tensor> {
     let l = &ctx.layout;
     if let Some(d) = docs {
         d.check_len(&format!("attend: q {:?} on {l} (T = Tc · cp)", q.dims()), q.dim(1)? * l.cp)?;
     }
     if l.cp == 1 {
-        return Ok(match docs {
-            Some(d) => attention_docs(q, k, v, d, true, scale)?.0,
-            None => attention(q, k, v, &Mask::causal(), scale)?.0,
+        return Ok(match (docs, window) {
+            (Some(d), None) => attention_docs(q, k, v, d, true, scale)?.0,
+            (Some(d), Some(w)) => attention_docs_mask(q, k, v, d, &Mask::sliding_window(w), scale)?.0,
+            (None, None) => attention(q, k, v, &Mask::causal(), scale)?.0,
+            (None, Some(w)) => attention(q, k, v, &Mask::sliding_window(w), scale)?.0,
         });
     }
     let mut opts = CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale);
     if let Some(d) = docs {
         opts = opts.with_documents(d.clone());
+    }
+    if let Some(w) = window {
+        opts = opts.with_window(w);
     }
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
@@ -88,9 +119,12 @@ fn attend_one(
             if let Some(d) = docs {
                 uo = uo.with_documents(d.clone());
             }
+            if let Some(w) = window {
+                uo = uo.with_window(w);
+            }
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }
-        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, docs),
+        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, docs, window),
     };
     Ok(out)
 }

@@ -7,7 +7,8 @@ use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 
 /// 2-D attention of the CP shard: Ulysses all-to-all inside `ctx.ulysses`, zigzag ring over
 /// `ctx.ring` (rank `cp_i = ring_i · U + uly_i`, as [`UspGroups`] orders them), kept inside
-/// the packed `docs` (global length `T`) when given.
+/// the packed `docs` (global length `T`) when given, within the causal sliding `window`
+/// (global positions) when given.
 /// `q [B, T/(R·U), Hl, D]`, `k, v [B, T/(R·U), Hkvl, D]` → `[B, T/(R·U), Hl, D]`.
 pub fn attend_2d(
     q: &Tensor,
@@ -16,6 +17,7 @@ pub fn attend_2d(
     ctx: &ParallelCtx,
     scale: f64,
     docs: Option<&Documents>,
+    window: Option<usize>,
 ) -> Result<Tensor> {
     let groups = UspGroups {
         ulysses: ctx.ulysses.clone(),
@@ -24,6 +26,9 @@ pub fn attend_2d(
     let mut opts = UspOpts::new(true, scale);
     if let Some(d) = docs {
         opts = opts.with_documents(d.clone());
+    }
+    if let Some(w) = window {
+        opts = opts.with_window(w);
     }
     Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

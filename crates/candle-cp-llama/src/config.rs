@@ -65,6 +65,10 @@ pub struct LlamaConfig {
     pub bos_token_id: Option<Value>,
     /// See `bos_token_id`.
     pub eos_token_id: Option<Value>,
+    /// Causal sliding-window attention (Mistral `sliding_window`): a query at position `p`
+    /// sees the keys at `p - w < kp <= p` (itself and the `w - 1` before; inside its document
+    /// when packed). `None` (absent or `null` in config.json): plain causal attention.
+    pub sliding_window: Option<usize>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -92,6 +96,23 @@ fn need_usize(m: &Map<String, Value>, k: &str) -> Result<usize> {
         Some(x) => Ok(x),
         None => bail!("config.json: missing required key `{k}`"),
     }
+}
+
+/// `sliding_window` of config.json: an integer >= 1 or `null`/absent (`None`); `None` also when
+/// `use_sliding_window` is `false` (Qwen2-style configs carry a window they do not use).
+fn parse_window(m: &Map<String, Value>) -> Result<Option<usize>> {
+    let w = match m.get("sliding_window") {
+        None | Some(Value::Null) => None,
+        Some(v) => match v.as_u64() {
+            Some(0) => bail!("config.json: `sliding_window` must be >= 1 or null, got 0"),
+            Some(x) => Some(x as usize),
+            None => bail!("config.json: `sliding_window` must be a positive integer or null, got {v}"),
+        },
+    };
+    if m.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(false) {
+        return Ok(None);
+    }
+    Ok(w)
 }
 
 fn token_id(m: &Map<String, Value>, k: &str) -> Option<Value> {
@@ -206,6 +227,7 @@ impl LlamaConfig {
             max_position_embeddings: get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
+            sliding_window: parse_window(m)?,
         };
         Ok(cfg)
     }
@@ -239,7 +261,15 @@ impl LlamaConfig {
             max_position_embeddings: 131072,
             bos_token_id: None,
             eos_token_id: None,
+            sliding_window: None,
         }
+    }
+
+    /// The same config with a causal sliding window of `window` keys (`None`: plain causal;
+    /// see [`LlamaConfig::sliding_window`]). [`LlamaConfig::validate`] rejects `Some(0)`.
+    pub fn with_sliding_window(mut self, window: Option<usize>) -> Self {
+        self.sliding_window = window;
+        self
     }
 
     /// Check the shape invariants (`H % Hkv == 0`, even `head_dim`, non-zero sizes).
@@ -254,11 +284,17 @@ impl LlamaConfig {
         if self.vocab_size == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {
             bail!("LlamaConfig: vocab_size, hidden_size, intermediate_size must be > 0")
         }
+        if self.sliding_window == Some(0) {
+            bail!("LlamaConfig: sliding_window must be >= 1 (or None), got 0")
+        }
         Ok(())
     }
 
     /// HF `config.json` text (`LlamaForCausalLM`, both RoPE spellings), for `dtype` in
-    /// `"float32"` / `"bfloat16"` / `"float16"`.
+    /// `"float32"` / `"bfloat16"` / `"float16"`. `sliding_window` is always written (`null`
+    /// when `None`); with a window the architecture is `MistralForCausalLM` (`model_type`
+    /// `"mistral"`: the same parameters, and transformers applies the window), since
+    /// `LlamaForCausalLM` would ignore it.
     pub fn to_hf_json(&self, dtype: &str) -> String {
         // `rope_parameters` (transformers >= 5) plus the legacy top-level `rope_theta` and, only
         // when scaled, `rope_scaling` holding the same object (transformers 4 reads it; 5 treats
@@ -290,9 +326,13 @@ impl LlamaConfig {
                 );
             }
         }
+        let (arch, model_type) = match self.sliding_window {
+            Some(_) => ("MistralForCausalLM", "mistral"),
+            None => ("LlamaForCausalLM", "llama"),
+        };
         let v = json!({
-            "architectures": ["LlamaForCausalLM"],
-            "model_type": "llama",
+            "architectures": [arch],
+            "model_type": model_type,
             "attention_bias": false,
             "attention_dropout": 0.0,
             "mlp_bias": false,
@@ -311,6 +351,7 @@ impl LlamaConfig {
             "max_position_embeddings": self.max_position_embeddings,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
+            "sliding_window": self.sliding_window,
             "initializer_range": 0.02,
             "pretraining_tp": 1,
             "use_cache": true,
@@ -399,6 +440,49 @@ mod tests {
         assert!(v.get("rope_scaling").is_none());
         assert_eq!(v["rope_parameters"]["rope_type"], "default");
         assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);
+        Ok(())
+    }
+    #[test]
+    fn sliding_window_parse_and_round_trip() -> Result<()> {
+        let mistral = format!(
+            r#"{{{BASE}, "model_type": "mistral", "architectures": ["MistralForCausalLM"],
+            "num_key_value_heads": 2, "sliding_window": 4096}}"#
+        );
+        let c = LlamaConfig::from_json(&mistral)?;
+        assert_eq!(c.sliding_window, Some(4096));
+        assert_eq!((c.num_key_value_heads, c.head_dim), (2, 16));
+        // null and absent: no window
+        assert_eq!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "sliding_window": null}}"#))?.sliding_window, None);
+        assert_eq!(LlamaConfig::from_json(&format!("{{{BASE}}}"))?.sliding_window, None);
+        // a window the config says it does not use (Qwen2 style)
+        let unused = format!(r#"{{{BASE}, "sliding_window": 32768, "use_sliding_window": false}}"#);
+        assert_eq!(LlamaConfig::from_json(&unused)?.sliding_window, None);
+        // 0, negative, non-integer: errors naming the key
+        for bad in ["0", "-3", "1.5", "\"big\""] {
+            let e = LlamaConfig::from_json(&format!(r#"{{{BASE}, "sliding_window": {bad}}}"#))
+                .err()
+                .map(|e| e.to_string())
+                .unwrap_or_default();
+            assert!(e.contains("sliding_window"), "sliding_window {bad}: {e:?}");
+        }
+        assert!(c.clone().with_sliding_window(Some(0)).validate().is_err());
+        assert!(c.validate().is_ok());
+        // round trip keeps the window; the written config is a Mistral one (HF applies it)
+        let text = c.to_hf_json("float32");
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!((v["sliding_window"].as_u64(), v["model_type"].as_str()), (Some(4096), Some("mistral")));
+        assert_eq!(v["architectures"][0], "MistralForCausalLM");
+        assert_eq!(LlamaConfig::from_json(&text)?, c);
+        // no window: written as null, still a Llama config, round trip keeps None
+        let n = c.clone().with_sliding_window(None);
+        let v: Value =
+            serde_json::from_str(&n.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert!(v["sliding_window"].is_null() && v.get("sliding_window").is_some());
+        assert_eq!(v["model_type"], "llama");
+        assert_eq!(LlamaConfig::from_json(&n.to_hf_json("float32"))?, n);
+        let t = LlamaConfig::tiny(64, 32, 2, 4, 2).with_sliding_window(Some(7));
+        assert_eq!(t.sliding_window, Some(7));
+        assert_eq!(LlamaConfig::from_json(&t.to_hf_json("bfloat16"))?, t);
         Ok(())
     }
 }

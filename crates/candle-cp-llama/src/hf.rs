@@ -204,6 +204,8 @@ mod tests {
         let mut cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
         cfg.tie_word_embeddings = true;
         for dtype in [DType::F32, DType::BF16] {
+            // a sliding window survives save + load (f32), and so does its absence (bf16)
+            let cfg = cfg.clone().with_sliding_window((dtype == DType::F32).then_some(48));
             let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-{}-{dtype:?}", std::process::id()));
             let vm = init_params(&cfg, 7, dtype, &Device::Cpu)?;
             save_hf(&dir, &vm, &cfg)?;

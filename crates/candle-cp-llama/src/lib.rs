@@ -14,6 +14,10 @@
 //! document, shards cutting them anywhere): [`packed`] — `shard_batch_packed(ids, &docs, &ctx)`
 //! then `llama.loss_packed(ids, labels, positions, &documents)`.
 //!
+//! Sliding-window attention (Mistral `sliding_window`, read from and written to config.json):
+//! set [`LlamaConfig::sliding_window`] (e.g. `LlamaConfig::tiny(..).with_sliding_window(Some(w))`)
+//! and every layout keeps each query to itself and the `w - 1` tokens before it ([`attn`]).
+//!
 //! ```no_run
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_cp_comm::run_ranks;

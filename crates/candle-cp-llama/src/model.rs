@@ -7,7 +7,7 @@
 //! `Hkvl = Hkv / tp` heads of its TP shard):
 //! ids `[B, Ts]` → hidden `[B, Ts, h]` → (TP region `[B, Tc, ·]`) → logits `[B, Ts, V]`.
 
-use crate::attn::attend_docs;
+use crate::attn::attend_window;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
@@ -51,14 +51,15 @@ struct Block {
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
 /// `[Tc, D]` of the CP shard's positions (one pair shared by every row, or one per row),
-/// `[B, Tc, Hl, Hkvl, D]`, the softmax scale and the packed documents (one shared or one per
-/// row; `None`: each row is one sequence).
+/// `[B, Tc, Hl, Hkvl, D]`, the softmax scale, the packed documents (one shared or one per
+/// row; `None`: each row is one sequence) and the sliding window (`None`: plain causal).
 struct BlockEnv {
     ctx: ParallelCtx,
     rope: Vec<(Tensor, Tensor)>,
     dims: [usize; 5],
     scale: f64,
     docs: Option<Vec<Documents>>,
+    window: Option<usize>,
 }
 
 impl BlockEnv {
@@ -89,7 +90,7 @@ impl Block {
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
         let q = env.rope(&q)?;
         let k = env.rope(&k)?;
-        let a = attend_docs(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref())?.reshape((b, tc, hl * d))?;
+        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
         let x = (x + self.o.forward(&a)?)?;
         let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
         let m = (gu[0].silu()? * &gu[1])?;
@@ -318,6 +319,7 @@ impl Llama {
             dims: [b, tc, hl, hkvl, d],
             scale,
             docs,
+            window: cfg.sliding_window,
         });
         if let Some(rc) = &self.recompute {
             if !rc.is_empty() {

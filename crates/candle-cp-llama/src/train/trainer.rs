@@ -96,6 +96,10 @@ pub struct TrainConfig {
     pub long_range_only: bool,
     /// Free-form arguments stored in every checkpoint's `train_state.json`.
     pub args: serde_json::Value,
+    /// Causal sliding window (keys per query) overriding the model config's own
+    /// [`LlamaConfig::sliding_window`] (of the HF checkpoint, the init config, or the resumed
+    /// checkpoint); `None`: keep the model's. Checkpoints are written with the window used.
+    pub sliding_window: Option<usize>,
 }
 
 /// What [`train_rank`] returns.
@@ -249,7 +253,7 @@ pub fn train_rank(
         (Some(root), true) => latest_checkpoint(root).map_err(|e| ioe("reading", root, e))?,
         _ => None,
     };
-    let (full, mcfg, state) = match (&resume_from, &cfg.model) {
+    let (full, mut mcfg, state) = match (&resume_from, &cfg.model) {
         (Some(dir), _) => {
             let st = TrainState::load(dir.join("train_state.json"))
                 .map_err(|e| ioe("reading", dir, e))?;
@@ -274,6 +278,10 @@ pub fn train_rank(
             (init_params(c, cfg.seed, cfg.dtype, &dev)?, c.clone(), None)
         }
     };
+    if cfg.sliding_window.is_some() {
+        mcfg.sliding_window = cfg.sliding_window;
+        mcfg.validate()?;
+    }
     cfg.layout
         .validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
     if cfg.data.vocab_needed() > mcfg.vocab_size {

@@ -44,6 +44,7 @@ fn tiny_cfg(out: Option<PathBuf>, layout: Layout, batch: usize, grad_accum: usiz
         zero1: false,
         long_range_only: false,
         args: serde_json::Value::Null,
+        sliding_window: None,
     }
 }
 
@@ -321,6 +322,50 @@ fn packed_finetune_on_cp_matches_single_device() -> Result<()> {
         }
         // the loss moves: training happened
         assert!((other[0].metrics[2].loss - other[0].metrics[0].loss).abs() > 1e-4);
+    }
+    Ok(())
+}
+
+/// A sliding window (8 keys at T = 64, from `TrainConfig::sliding_window`) trains the same
+/// on zigzag CP 2 and Ulysses 2 as on one device (2 steps, losses to 1e-5); the outcome and
+/// the checkpoint's config.json carry the window, and the window changes the losses (the
+/// same run without it differs).
+#[test]
+fn sliding_window_finetune_on_cp_matches_single_device() -> Result<()> {
+    let dir = tmpdir("swa");
+    let mut c1 = tiny_cfg(Some(dir.clone()), Layout::single(), 2, 1);
+    c1.steps = 2;
+    c1.long_range_only = false;
+    c1.sliding_window = Some(8);
+    let one = run(&c1)?;
+    assert_eq!(one[0].config.sliding_window, Some(8));
+    let (_, saved) = load_hf(dir.join("checkpoints/step-000002"), &Device::Cpu, DType::F32)?;
+    assert_eq!(saved.sliding_window, Some(8), "checkpoint config.json keeps the window");
+    std::fs::remove_dir_all(&dir).ok();
+    let mut plain = c1.clone();
+    (plain.out, plain.sliding_window) = (None, None);
+    let p = run(&plain)?;
+    assert_eq!(p[0].config.sliding_window, None);
+    let d = (p[0].metrics[1].loss - one[0].metrics[1].loss).abs();
+    println!("window 8: losses {:?}, no window: {:?}", one[0].metrics.iter().map(|m| m.loss).collect::<Vec<_>>(), p[0].metrics.iter().map(|m| m.loss).collect::<Vec<_>>());
+    assert!(d > 1e-4, "step 2 loss with and without the window differ by only {d:.2e}");
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ulysses, 2)] {
+        let mut c = c1.clone();
+        (c.layout, c.out) = (layout, None);
+        let other = run(&c)?;
+        for r in &other {
+            assert_eq!(r.metrics.len(), 2);
+            for (x, y) in one[0].metrics.iter().zip(r.metrics.iter()) {
+                assert!((x.loss - y.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", x.step, x.loss, y.loss);
+                assert!(
+                    (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
+                    "{layout} step {}: grad norm {} vs {}",
+                    x.step,
+                    x.grad_norm,
+                    y.grad_norm
+                );
+            }
+        }
     }
     Ok(())
 }
