@@ -120,7 +120,7 @@ impl Ring {
     /// is. Collective like [`Ring::start`].
     pub fn shift_back(&self, t: &Tensor, back: usize, stats: &mut RingStats) -> Result<InFlight> {
         let p = self.group.size();
-        if back % p == 0 {
+        if back.is_multiple_of(p) {
             return Ok(InFlight { pending: None, local: Some(t.clone()) });
         }
         let r = self.group.rank();
