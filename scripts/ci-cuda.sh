@@ -117,7 +117,7 @@ import json, sys
 a, b = ([json.loads(l)["train_loss"] for l in open(f)] for f in sys.argv[1:3])
 tol = float(sys.argv[3])
 diff = max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) == 3 else float("inf")
-print(f"ci-cuda: finetune_llama, 3 steps, CP 2 zigzag: {sys.argv[4]} vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
+print(f"ci-cuda: finetune_llama, 3 steps: {sys.argv[4]} vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
 sys.exit(0 if diff <= tol else 1)
 PY
 }
@@ -129,20 +129,27 @@ for dt in f32 bf16; do
   shim_step "finetune_llama cpu $dt" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ft[@]}" --out "$shim_dir/ft-cpu-$dt"
   shim_step "finetune_llama cuda $dt" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
     "$ft_bin" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
-  same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "cuda $dt (shim, thread ranks on 2 devices)"
+  same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "CP 2 zigzag, cuda $dt (shim, thread ranks on 2 devices)"
 done
+# packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
+# contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
+ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)
+shim_step "finetune_llama cpu packed window" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftp[@]}" --out "$shim_dir/ft-cpu-packed"
+shim_step "finetune_llama cuda packed window" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftp[@]}" --out "$shim_dir/ft-cuda-packed"
+same_loss "$shim_dir/ft-cpu-packed/metrics.jsonl" "$shim_dir/ft-cuda-packed/metrics.jsonl" 1e-5 "CP 4 ring, packed documents + sliding window 40, cuda f32 (shim, thread ranks on 2 devices)"
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
 # (with --recompute: the layers rerun in backward, NCCL collectives included)
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" "${ft[@]}" --gpus 2 --recompute --out "$shim_dir/ft-nccl"
-same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "cuda f32 (shim, NCCL ranks, one thread per device, --recompute)"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, NCCL ranks, one thread per device, --recompute)"
 # two launched processes, one NCCL rank each (RANK/WORLD_SIZE/LOCAL_RANK, the id over a TCP
 # store on MASTER_ADDR:MASTER_PORT, the shim's NCCL across processes): the same losses
 port=$((20000 + RANDOM % 20000))
 # (with --zero1: the optimizer state split over the two processes, gathered by NCCL)
 shim_step "finetune_llama 2 processes" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
   candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero1 --out "$shim_dir/ft-procs"
-same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs/metrics.jsonl" 1e-5 "cuda f32 (shim, 2 launched processes, NCCL over TCP rendezvous, --zero1)"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, NCCL over TCP rendezvous, --zero1)"
 # a process killed mid-run: the survivor must fail, not hang, within a bounded time. With the
 # shim's default the lost peer fails its collective (NCCL reports a remote error); with
 # CPEMU_NCCL_PEER_ABORT=hang it stays pending, as within a node on GPUs, and NcclGroup's
