@@ -16,6 +16,11 @@ pub struct PlanArgs {
     /// Global sequence length in tokens (all CP ranks together).
     #[arg(long)]
     pub seq: usize,
+    /// Causal sliding window in tokens (query i sees keys i-W < j <= i); overrides the
+    /// model's `sliding_window`. Cuts the attention FLOPs and makes the ring a halo exchange
+    /// on contiguous shards.
+    #[arg(long)]
+    pub sliding_window: Option<usize>,
     /// Sequences per micro-batch (per data-parallel replica).
     #[arg(long, default_value_t = 1)]
     pub micro_batch: usize,
@@ -89,7 +94,13 @@ pub struct PlanArgs {
 
 /// Builds the planner input from the flags; errors name the bad value.
 pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
-    let model = ModelConfig::from_name_or_path(&a.model)?;
+    let mut model = ModelConfig::from_name_or_path(&a.model)?;
+    if let Some(w) = a.sliding_window {
+        if w == 0 {
+            anyhow::bail!("--sliding-window must be at least 1 token, got 0")
+        }
+        model.sliding_window = Some(w);
+    }
     let mut hw = Hardware::preset(&a.hardware)?;
     if let Some(x) = a.gpu_mem_gb {
         hw.mem_bytes = x * 1e9;

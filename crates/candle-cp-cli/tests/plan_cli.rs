@@ -211,3 +211,157 @@ fn plan_hardware_and_rate_overrides() {
         .unwrap();
     assert_eq!(per_gpu, 31.75 * 2f64.powi(31) / 128.0);
 }
+
+/// A Mistral-7B-like `config.json` (window 4096) in a fresh temp dir; returns its path.
+fn mistral_config(tag: &str, window: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("candle-cp-plan-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let path = dir.join("config.json");
+    std::fs::write(
+        &path,
+        format!(
+            r#"{{"architectures":["MistralForCausalLM"],"hidden_size":4096,"num_hidden_layers":32,
+               "num_attention_heads":32,"num_key_value_heads":8,"intermediate_size":14336,
+               "vocab_size":32000,"sliding_window":{window}}}"#
+        ),
+    )
+    .unwrap();
+    path
+}
+
+fn plan_json(args: &[&str]) -> serde_json::Value {
+    let mut all = vec!["plan"];
+    all.extend_from_slice(args);
+    all.push("--json");
+    let out = candle_cp(&all);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
+
+#[test]
+fn plan_sliding_window_flag_and_config() {
+    let num = |v: &serde_json::Value, p: &str| {
+        v.pointer(p)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("no number at {p}"))
+    };
+    let base = ["--model", "llama3-8b", "--seq", "131072", "--cp", "8"];
+    let causal = plan_json(&base);
+    let mut with = base.to_vec();
+    with.extend_from_slice(&["--sliding-window", "4096"]);
+    let w = plan_json(&with);
+    // Visible pairs 131072·4096 − 4096·4095/2 = 528,484,352; forward 4·pairs·a·d.
+    assert_eq!(
+        num(&w, "/flops/attention_fwd"),
+        4.0 * 528_484_352.0 * 4096.0
+    );
+    assert_eq!(
+        num(&w, "/flops/attention_fwd_causal"),
+        num(&causal, "/flops/attention_fwd")
+    );
+    assert_eq!(num(&w, "/flops/window"), 4096.0);
+    assert!(causal.pointer("/flops/window").unwrap().is_null());
+    // Chunk 16384 ≥ w − 1: one hop forward, two accumulator transfers backward.
+    assert_eq!(num(&w, "/ring/hops"), 1.0);
+    assert_eq!(num(&w, "/ring/active_steps"), 2.0);
+    assert_eq!(num(&causal, "/ring/hops"), 7.0);
+    let step = num(&w, "/ring/step_bytes");
+    assert_eq!(step, num(&causal, "/ring/step_bytes"));
+    assert_eq!(num(&w, "/ring/fwd_bytes_per_layer"), step);
+    assert_eq!(num(&w, "/ring/bwd_bytes_per_layer"), 3.0 * step);
+    assert_eq!(num(&causal, "/ring/fwd_bytes_per_layer"), 7.0 * step);
+    // All-gather still gathers everything.
+    assert_eq!(
+        num(&w, "/allgather/fwd_bytes_per_layer"),
+        num(&causal, "/allgather/fwd_bytes_per_layer")
+    );
+    assert_eq!(num(&w, "/input/model/sliding_window"), 4096.0);
+
+    // The text report says it.
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq",
+        "131072",
+        "--cp",
+        "8",
+        "--sliding-window",
+        "4096",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "sliding window 4096: attention 8.66 TFLOP/layer (vs 141 TFLOP without)",
+        "ring: halo of 1 hop(s) on contiguous shards (7 without the window)",
+        "zigzag would keep the full ring",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+
+    // A config.json with sliding_window is picked up, and the flag overrides it.
+    let cfg = mistral_config("window", "4096");
+    let c = cfg.to_str().unwrap();
+    let v = plan_json(&["--model", c, "--seq", "131072", "--cp", "8"]);
+    assert_eq!(
+        num(&v, "/flops/attention_fwd"),
+        num(&w, "/flops/attention_fwd")
+    );
+    assert_eq!(num(&v, "/ring/hops"), 1.0);
+    let v = plan_json(&[
+        "--model",
+        c,
+        "--seq",
+        "131072",
+        "--cp",
+        "8",
+        "--sliding-window",
+        "40000",
+    ]);
+    assert_eq!(num(&v, "/ring/hops"), 3.0);
+    let nul = mistral_config("nowindow", "null");
+    let v = plan_json(&[
+        "--model",
+        nul.to_str().unwrap(),
+        "--seq",
+        "131072",
+        "--cp",
+        "8",
+    ]);
+    assert_eq!(num(&v, "/ring/hops"), 7.0);
+
+    // Zero is an error naming the flag, or the config field.
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq",
+        "8192",
+        "--sliding-window",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--sliding-window must be at least 1"),
+        "{stderr}"
+    );
+    let zero = mistral_config("zero", "0");
+    let out = candle_cp(&["plan", "--model", zero.to_str().unwrap(), "--seq", "8192"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("'sliding_window' must be a positive integer"),
+        "{stderr}"
+    );
+    for p in [cfg, nul, zero] {
+        if let Some(d) = p.parent() {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+}

@@ -8,6 +8,9 @@
 use crate::hardware::{Hardware, Link};
 use crate::layout::{check_ulysses, Layout};
 use crate::model::ModelConfig;
+use crate::window::{
+    accumulator_transfers, contiguous_imbalance, effective_window, halo_hops, visible_pairs,
+};
 use serde::Serialize;
 
 /// Inputs shared by the communication formulas.
@@ -31,11 +34,22 @@ pub struct CommCtx<'a> {
     pub attn_rate: f64,
 }
 
-/// Ring attention (zigzag) over `R` ranks.
+/// Ring attention over `R` ranks: zigzag (full ring) without a window; with a sliding
+/// window `w < s`, contiguous shards and a halo of `h` hops (see [`crate::window`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RingComm {
     /// Ring degree `R` (`cp`, or `cp/U` in 2-D).
     pub degree: usize,
+    /// Sliding window modelled (`None`: causal, zigzag full ring; a window `≥ s` is none).
+    pub window: Option<usize>,
+    /// K/V hops per pass: `R-1` without a window; with one
+    /// `h = min(R-1, ceil((w-1)/c))` on contiguous shards.
+    pub hops: usize,
+    /// Steps with attention work: `h + 1`.
+    pub active_steps: usize,
+    /// dK/dV accumulator transfers in the backward: `h` along the ring + 1 home = `h + 1`
+    /// (`R` for the full ring; 0 when `h = 0`).
+    pub dkv_transfers: usize,
     /// Tokens per ring rank `c = s/R` (for 2-D: after the Ulysses all-to-all).
     pub chunk_tokens: usize,
     /// Query heads per rank during the ring (`a / (t·U)`).
@@ -46,11 +60,15 @@ pub struct RingComm {
     pub link: Link,
     /// K+V bytes moved per step: `c·b·2·a_kv,r·d·e`.
     pub step_bytes: f64,
-    /// Forward bytes per layer: `(R-1)·step`.
+    /// Forward bytes per layer: `h·step` (`(R-1)·step` without a window).
     pub fwd_bytes_per_layer: f64,
-    /// Backward bytes per layer: `(R-1)·step` (K/V again) + `R·step·g/e` (dK/dV home).
+    /// Backward bytes per layer: `h·step` (K/V again) + `(h+1)·step·g/e` (dK/dV home);
+    /// without a window `(R-1)·step + R·step·g/e`.
     pub bwd_bytes_per_layer: f64,
-    /// Attention FLOPs per forward step (zigzag: half a `c×c` block): `2·c²·b·d·a_r`.
+    /// Attention FLOPs per forward step. Without a window (zigzag: half a `c×c` block):
+    /// `2·c²·b·d·a_r`. With a window: the rank's windowed attention FLOPs spread evenly over
+    /// the active steps, `4·b·d·a_r·(s·w − w·(w−1)/2) / R / (h+1)` (an average: on
+    /// contiguous shards the diagonal step does more, the last hop less).
     pub step_flops_fwd: f64,
     /// Forward step compute time at the attention rate, s.
     pub step_compute_s_fwd: f64,
@@ -72,14 +90,17 @@ pub struct RingComm {
     pub min_chunk_bwd_nvlink: f64,
     /// Same on InfiniBand.
     pub min_chunk_bwd_ib: f64,
-    /// Transfer time not hidden, per layer (forward + backward), s.
+    /// Transfer time not hidden, per layer (forward + backward), s:
+    /// `h·(max(0, transfer − compute)_fwd + max(0, transfer − compute)_bwd)`.
     pub exposed_s_per_layer: f64,
-    /// Busiest/mean causal work with a contiguous split instead of zigzag: `(2R-1)/R`.
+    /// Busiest/mean causal work with a contiguous split: `(2R-1)/R` without a window (zigzag
+    /// balances it to 1); with a window the exact windowed ratio, close to 1
+    /// ([`crate::window::contiguous_imbalance`]).
     pub contiguous_imbalance: f64,
 }
 
 /// Ring over the CP group's ring part; `u` is the Ulysses degree in front of it (1 for a
-/// plain ring).
+/// plain ring). The model's sliding window, if shorter than `s`, makes it a halo exchange.
 pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let q_heads = (m.heads / l.tp / u).max(1);
@@ -95,8 +116,20 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let link = Link::for_group(l.tp * u, r, hw);
     let bw = link.bandwidth(hw);
     let step_bytes = cf * bf * 2.0 * kv_heads as f64 * d * e;
-    let steps = (r - 1) as f64;
-    let step_flops_fwd = 2.0 * cf * cf * bf * d * q_heads as f64;
+    let window = effective_window(m.sliding_window, cx.seq);
+    let hops = match window {
+        None => r.saturating_sub(1),
+        Some(w) => halo_hops(w, c, r),
+    };
+    let dkv_transfers = accumulator_transfers(hops);
+    let steps = hops as f64;
+    let step_flops_fwd = match window {
+        None => 2.0 * cf * cf * bf * d * q_heads as f64,
+        Some(w) => {
+            let rank = 4.0 * visible_pairs(cx.seq, Some(w)) * bf * d * q_heads as f64 / r as f64;
+            rank / (hops + 1) as f64
+        }
+    };
     let step_compute_s_fwd = step_flops_fwd / cx.attn_rate;
     let step_transfer_s_fwd = step_bytes / bw;
     let step_compute_s_bwd = 2.5 * step_compute_s_fwd;
@@ -111,6 +144,10 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     };
     RingComm {
         degree: r,
+        window,
+        hops,
+        active_steps: hops + 1,
+        dkv_transfers,
         chunk_tokens: c,
         q_heads,
         kv_heads,
@@ -118,7 +155,7 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
         step_bytes,
         fwd_bytes_per_layer: steps * step_bytes,
         bwd_bytes_per_layer: if r > 1 {
-            steps * step_bytes + r as f64 * step_bytes * g / e
+            steps * step_bytes + dkv_transfers as f64 * step_bytes * g / e
         } else {
             0.0
         },
@@ -134,7 +171,7 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
         min_chunk_bwd_nvlink: ratio * (e + g) / (2.5 * hw.nvlink_bw),
         min_chunk_bwd_ib: ratio * (e + g) / (2.5 * hw.ib_bw),
         exposed_s_per_layer: exposed,
-        contiguous_imbalance: (2 * r - 1) as f64 / r as f64,
+        contiguous_imbalance: contiguous_imbalance(cx.seq, r, window),
     }
 }
 

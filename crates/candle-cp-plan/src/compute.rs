@@ -1,7 +1,9 @@
-//! FLOP counts per layer: linear layers and causal attention, forward and backward.
+//! FLOP counts per layer: linear layers and causal attention (optionally with a sliding
+//! window), forward and backward.
 
 use crate::layout::{Layout, Recompute};
 use crate::model::ModelConfig;
+use crate::window::{effective_window, visible_pairs};
 use serde::Serialize;
 
 /// FLOPs of one layer for one micro-batch of `b` sequences of `s` tokens.
@@ -12,8 +14,14 @@ pub struct LayerFlops {
     /// Linear backward: `2 ×` forward (input and weight gradients).
     pub linear_bwd: f64,
     /// Causal attention forward: half of `4·s²·b·a·d` (QKᵀ and PV) = `2·s²·b·a·d`
-    /// (`2·s²·h` for Llama, where `a·d = h`).
+    /// (`2·s²·h` for Llama, where `a·d = h`). With a sliding window `w < s`:
+    /// `4·b·a·d·(s·w − w·(w−1)/2)` (the visible pairs, [`crate::window::visible_pairs`]).
     pub attention_fwd: f64,
+    /// The causal forward without the window, `2·s²·b·a·d` (equals `attention_fwd` when no
+    /// window applies), for comparison.
+    pub attention_fwd_causal: f64,
+    /// The sliding window applied (`None` without one, or when it is at least `s`).
+    pub window: Option<usize>,
     /// Attention backward: `2.5 ×` forward (dV, dP, dQ, dK and the recomputed QKᵀ).
     pub attention_bwd: f64,
     /// Forward re-run in backward: full recompute reruns the whole layer forward.
@@ -25,11 +33,17 @@ pub struct LayerFlops {
     pub per_gpu_fwd_bwd: f64,
 }
 
-/// Computes [`LayerFlops`] for global sequence `s`, micro-batch `b`.
+/// Computes [`LayerFlops`] for global sequence `s`, micro-batch `b` (the model's
+/// `sliding_window`, if shorter than `s`, limits the attention pairs).
 pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlops {
     let (sf, bf) = (s as f64, b as f64);
     let linear_fwd = 2.0 * sf * bf * m.layer_matrix_params() as f64;
-    let attention_fwd = 2.0 * sf * sf * bf * m.q_dim() as f64;
+    let attention_fwd_causal = 2.0 * sf * sf * bf * m.q_dim() as f64;
+    let window = effective_window(m.sliding_window, s);
+    let attention_fwd = match window {
+        None => attention_fwd_causal,
+        Some(w) => 4.0 * visible_pairs(s, Some(w)) * bf * m.q_dim() as f64,
+    };
     let linear_bwd = 2.0 * linear_fwd;
     let attention_bwd = 2.5 * attention_fwd;
     let recompute = if l.recompute == Recompute::Full {
@@ -42,6 +56,8 @@ pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlop
         linear_fwd,
         linear_bwd,
         attention_fwd,
+        attention_fwd_causal,
+        window,
         attention_bwd,
         recompute,
         logits_fwd: 2.0 * sf * bf * (m.hidden * m.vocab) as f64,

@@ -11,6 +11,9 @@
 //!
 //! Entry point: [`plan`](fn@plan) takes [`PlanInput`] and returns a [`Plan`] (serialisable to
 //! JSON); [`report::render`] prints it as tables for people.
+//!
+//! A causal sliding window (the model's `sliding_window`) changes the attention FLOPs and the
+//! ring (a halo exchange on contiguous shards): see [`window`].
 
 #![warn(missing_docs)]
 
@@ -22,6 +25,7 @@ pub mod memory;
 pub mod model;
 pub mod plan;
 pub mod report;
+pub mod window;
 
 pub use hardware::Hardware;
 pub use layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};

@@ -24,6 +24,11 @@ pub struct ModelConfig {
     pub vocab: usize,
     /// Whether the output projection shares the embedding matrix.
     pub tie_embeddings: bool,
+    /// Causal sliding window `w` (Mistral `sliding_window`): query `i` sees keys `j` with
+    /// `i - w < j <= i`. `None`: plain causal attention. A window of at least the sequence
+    /// length is the same as none. Presets have none; `candle-cp plan --sliding-window W`
+    /// overrides it.
+    pub sliding_window: Option<usize>,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -51,6 +56,7 @@ impl ModelConfig {
             ffn,
             vocab: 128256,
             tie_embeddings: false,
+            sliding_window: None,
         };
         Ok(cfg)
     }
@@ -69,7 +75,8 @@ impl ModelConfig {
 
     /// Reads a Hugging Face `config.json` (fields `hidden_size`, `num_hidden_layers`,
     /// `num_attention_heads`, `intermediate_size`, `vocab_size`; optional
-    /// `num_key_value_heads`, `head_dim`, `tie_word_embeddings`).
+    /// `num_key_value_heads`, `head_dim`, `tie_word_embeddings`, `sliding_window` (an
+    /// integer or null; ignored when `use_sliding_window` is false; 0 is an error)).
     pub fn from_hf_file(path: &std::path::Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| PlanError(format!("cannot read model config {}: {e}", path.display())))?;
@@ -116,6 +123,20 @@ impl ModelConfig {
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
             .unwrap_or(false);
+        let use_window = match v.get("use_sliding_window") {
+            None | Some(serde_json::Value::Null) => true,
+            Some(x) => match x.as_bool() {
+                Some(b) => b,
+                None => plan_bail!(
+                    "model config {name}: 'use_sliding_window' must be true or false, got {x}"
+                ),
+            },
+        };
+        let sliding_window = if use_window {
+            get("sliding_window")?
+        } else {
+            None
+        };
         let cfg = Self {
             name: name.to_string(),
             hidden,
@@ -126,13 +147,21 @@ impl ModelConfig {
             ffn,
             vocab,
             tie_embeddings,
+            sliding_window,
         };
         cfg.validate()?;
         Ok(cfg)
     }
 
-    /// Checks the internal consistency of the shape (KV heads divide query heads).
+    /// Checks the internal consistency of the shape (KV heads divide query heads; a sliding
+    /// window, if any, is at least 1).
     pub fn validate(&self) -> Result<()> {
+        if self.sliding_window == Some(0) {
+            plan_bail!(
+                "model {}: sliding window must be at least 1 token, got 0",
+                self.name
+            )
+        }
         if self.kv_heads == 0 || !self.heads.is_multiple_of(self.kv_heads) {
             plan_bail!(
                 "model {}: num_key_value_heads {} must divide num_attention_heads {}",
@@ -251,5 +280,47 @@ mod tests {
             .contains("positive integer"));
         let e = ModelConfig::from_name_or_path("/nonexistent/config.json").unwrap_err();
         assert!(e.0.contains("cannot read model config"), "{e}");
+    }
+
+    #[test]
+    fn hf_sliding_window() -> Result<()> {
+        let base = r#""hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,
+            "num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000"#;
+        let parse = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"), "m");
+        assert_eq!(parse("")?.sliding_window, None);
+        assert_eq!(parse(r#","sliding_window":null"#)?.sliding_window, None);
+        assert_eq!(
+            parse(r#","sliding_window":4096"#)?.sliding_window,
+            Some(4096)
+        );
+        // Qwen2 style: the window is off unless use_sliding_window is true.
+        let off = r#","use_sliding_window":false,"sliding_window":4096"#;
+        assert_eq!(parse(off)?.sliding_window, None);
+        let on = r#","use_sliding_window":true,"sliding_window":4096"#;
+        assert_eq!(parse(on)?.sliding_window, Some(4096));
+        let e = parse(r#","sliding_window":0"#).unwrap_err();
+        assert!(
+            e.0.contains("'sliding_window' must be a positive integer, got 0"),
+            "{e}"
+        );
+        let e = parse(r#","sliding_window":"4k""#).unwrap_err();
+        assert!(
+            e.0.contains("'sliding_window' must be a positive integer"),
+            "{e}"
+        );
+        let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();
+        assert!(
+            e.0.contains("'use_sliding_window' must be true or false"),
+            "{e}"
+        );
+        assert_eq!(ModelConfig::preset("llama3-8b")?.sliding_window, None);
+        let mut m = ModelConfig::preset("llama3-8b")?;
+        m.sliding_window = Some(0);
+        assert!(m
+            .validate()
+            .unwrap_err()
+            .0
+            .contains("sliding window must be at least 1"));
+        Ok(())
     }
 }

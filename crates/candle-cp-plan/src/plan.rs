@@ -6,6 +6,7 @@ use crate::hardware::Hardware;
 use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::memory::{self, ActivationTotals, ModelStates};
 use crate::model::ModelConfig;
+use crate::window::{effective_window, halo_hops};
 use crate::{plan_bail, Result, GB};
 use serde::Serialize;
 
@@ -381,7 +382,29 @@ fn notes(input: &PlanInput) -> Vec<String> {
             m.layers.div_ceil(l.pp)
         ));
     }
-    if l.cp_kind == CpKind::Ring && l.cp > 1 && !input.seq.is_multiple_of(2 * l.cp) {
+    let window = effective_window(m.sliding_window, input.seq);
+    let ring_degree = match l.cp_kind {
+        CpKind::Ring => l.cp,
+        CpKind::TwoD => l.ring_degree(),
+        _ => 1,
+    };
+    match (m.sliding_window, window) {
+        (Some(w), None) => n.push(format!(
+            "sliding window {w} >= sequence {}: the same as causal attention",
+            input.seq
+        )),
+        (_, Some(w)) if ring_degree > 1 => n.push(format!(
+            "sliding window {w}: the planner models contiguous shards for a window (a halo of {} hop(s)); zigzag would keep the full ring ({} hops)",
+            halo_hops(w, input.seq / ring_degree, ring_degree),
+            ring_degree - 1
+        )),
+        _ => {}
+    }
+    if l.cp_kind == CpKind::Ring
+        && l.cp > 1
+        && window.is_none()
+        && !input.seq.is_multiple_of(2 * l.cp)
+    {
         n.push(format!(
             "zigzag needs 2·CP = {} to divide the sequence {}; a contiguous split costs (2P-1)/P",
             2 * l.cp,

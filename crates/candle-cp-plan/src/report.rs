@@ -83,7 +83,9 @@ pub fn render(p: &Plan) -> String {
     let i = &p.input;
     let (m, l, hw) = (&i.model, &i.layout, &i.hardware);
     let mut o = String::new();
+    let windowed = p.ring.window.is_some();
     let kind = match l.cp_kind {
+        CpKind::Ring if windowed && l.cp > 1 => "ring (contiguous, sliding window)".to_string(),
         CpKind::Ring => "ring (zigzag)".to_string(),
         CpKind::Allgather => "all-gather KV".to_string(),
         CpKind::Ulysses => "Ulysses".to_string(),
@@ -91,7 +93,7 @@ pub fn render(p: &Plan) -> String {
     };
     let _ = writeln!(
         o,
-        "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params), seq {}, micro-batch {}, {}",
+        "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params{}), seq {}, micro-batch {}, {}",
         m.name,
         m.hidden,
         m.layers,
@@ -99,6 +101,8 @@ pub fn render(p: &Plan) -> String {
         m.kv_heads,
         m.ffn,
         m.total_params() as f64 / 1e9,
+        m.sliding_window
+            .map_or(String::new(), |w| format!(", sliding window {w}")),
         i.seq,
         i.micro_batch,
         lower(i.dtype)
@@ -122,6 +126,10 @@ pub fn render(p: &Plan) -> String {
         hw.nvlink_bw / GB,
         hw.ib_bw / GB
     );
+
+    if let Some(line) = window_line(p) {
+        let _ = writeln!(o, "{line}");
+    }
 
     let byr = &p.activation_bytes_per_layer_per_gpu_by_recompute;
     let mark = |x: Recompute| if x == l.recompute { " <-" } else { "" };
@@ -223,11 +231,19 @@ pub fn render(p: &Plan) -> String {
                 tflop(f.linear_fwd),
                 "2*s*b*(2h*a*d + 2h*a_kv*d + 3h*f)",
             ),
-            r(
-                "causal attention forward",
-                tflop(f.attention_fwd),
-                "2*s^2*b*a*d",
-            ),
+            if f.window.is_some() {
+                r(
+                    "windowed attention forward",
+                    tflop(f.attention_fwd),
+                    "4*b*a*d*(s*w - w*(w-1)/2)",
+                )
+            } else {
+                r(
+                    "causal attention forward",
+                    tflop(f.attention_fwd),
+                    "2*s^2*b*a*d",
+                )
+            },
             r("linear backward", tflop(f.linear_bwd), "2x forward"),
             r("attention backward", tflop(f.attention_bwd), "2.5x forward"),
             r("recompute", tflop(f.recompute), "forward again (full)"),
@@ -254,29 +270,46 @@ pub fn render(p: &Plan) -> String {
         table(
             &mut o,
             &format!(
-                "Ring over {} ranks ({}{role}; chunk {} tokens, {} q / {} kv heads per rank)",
+                "Ring over {} ranks ({}{role}; chunk {} tokens, {} q / {} kv heads per rank{})",
                 rg.degree,
                 link(rg.link),
                 rg.chunk_tokens,
                 rg.q_heads,
-                rg.kv_heads
+                rg.kv_heads,
+                if windowed {
+                    format!("; contiguous, halo of {} hop(s)", rg.hops)
+                } else {
+                    String::new()
+                }
             ),
             &[
                 r("K+V per step", mib(rg.step_bytes), "c*b*2*a_kv*d*e"),
                 r(
                     "per layer forward",
                     mib(rg.fwd_bytes_per_layer),
-                    "(R-1)*step",
+                    if windowed {
+                        "h*step, h = min(R-1, ceil((w-1)/c))"
+                    } else {
+                        "(R-1)*step"
+                    },
                 ),
                 r(
                     "per layer backward",
                     mib(rg.bwd_bytes_per_layer),
-                    "(R-1)*step + R*step*g/e (dK/dV)",
+                    if windowed {
+                        "h*step + (h+1)*step*g/e (dK/dV)"
+                    } else {
+                        "(R-1)*step + R*step*g/e (dK/dV)"
+                    },
                 ),
                 r(
                     "attention per step (fwd)",
                     tflop(rg.step_flops_fwd),
-                    "2*c^2*b*d*a (half block, zigzag)",
+                    if windowed {
+                        "rank's windowed attention / (h+1) steps"
+                    } else {
+                        "2*c^2*b*d*a (half block, zigzag)"
+                    },
                 ),
                 r(
                     "step compute / transfer, fwd",
@@ -317,9 +350,16 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "contiguous split imbalance",
                     format!("{:.3}", rg.contiguous_imbalance),
-                    "(2R-1)/R; zigzag 1.0",
+                    if windowed {
+                        "busiest/mean windowed pairs"
+                    } else {
+                        "(2R-1)/R; zigzag 1.0"
+                    },
                 ),
-            ],
+            ]
+            .into_iter()
+            .chain(window_chunk_row(p))
+            .collect::<Vec<_>>(),
         );
     }
 
@@ -346,7 +386,11 @@ pub fn render(p: &Plan) -> String {
                     "U/a_kv when U > a_kv",
                 ),
                 r(
-                    "Ulysses vs ring bytes (fwd)",
+                    if windowed {
+                        "Ulysses vs full ring bytes (fwd)"
+                    } else {
+                        "Ulysses vs ring bytes (fwd)"
+                    },
                     format!("{:.2}x", u.ratio_vs_ring_fwd),
                     "(h+h_kv)/(U*h_kv) w/o KV replication",
                 ),
@@ -408,6 +452,51 @@ pub fn render(p: &Plan) -> String {
     o
 }
 
+/// With a window: the forward work per ring step expressed as the chunk `c'` whose zigzag
+/// half block `2·c'·c·b·d·a` has the same FLOPs; the step hides when `c'` is over the
+/// minimum chunk (for `w ≤ c`, `c' ≈ w`: the window, not the chunk, must beat the bound).
+fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str)> {
+    let rg = &p.ring;
+    rg.window?;
+    let per_token = 2.0
+        * rg.chunk_tokens as f64
+        * p.input.micro_batch as f64
+        * p.input.model.head_dim as f64
+        * rg.q_heads as f64;
+    Some(r(
+        "window work per step, as a chunk",
+        format!("{:.0} tokens", rg.step_flops_fwd / per_token),
+        "step FLOPs/(2*c*b*d*a); hides above min chunk",
+    ))
+}
+
+/// The sliding-window summary line, when the model has a window.
+fn window_line(p: &Plan) -> Option<String> {
+    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
+    let w = i.model.sliding_window?;
+    if f.window.is_none() {
+        return Some(format!(
+            "sliding window {w} >= seq {}: causal attention, nothing changes",
+            i.seq
+        ));
+    }
+    let cp = match i.layout.cp_kind {
+        _ if i.layout.cp == 1 => "no CP communication".to_string(),
+        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
+            "ring: halo of {} hop(s) on contiguous shards ({} without the window)",
+            rg.hops,
+            rg.degree - 1
+        ),
+        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
+        _ => "Ulysses all-to-all unchanged".to_string(),
+    };
+    Some(format!(
+        "sliding window {w}: attention {}/layer (vs {} without); {cp}",
+        tflop(f.attention_fwd),
+        tflop(f.attention_fwd_causal)
+    ))
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -438,5 +527,53 @@ mod tests {
         ] {
             assert!(txt.contains(want), "missing {want:?} in\n{txt}");
         }
+    }
+
+    #[test]
+    fn render_with_a_sliding_window() {
+        let mut m = ModelConfig::preset("llama3-8b").unwrap();
+        let inp = |m: &ModelConfig, kind| {
+            PlanInput::new(
+                m.clone(),
+                Hardware::preset("h100").unwrap(),
+                Layout {
+                    cp: 8,
+                    cp_kind: kind,
+                    ..Layout::default()
+                },
+                131072,
+            )
+        };
+        let causal = plan(&inp(&m, CpKind::Ring)).unwrap();
+        m.sliding_window = Some(4096);
+        let p = plan(&inp(&m, CpKind::Ring)).unwrap();
+        let txt = render(&p);
+        let line = format!(
+            "sliding window 4096: attention {}/layer (vs {} without); ring: halo of 1 hop(s) on contiguous shards (7 without the window)",
+            tflop(p.flops.attention_fwd),
+            tflop(causal.flops.attention_fwd)
+        );
+        assert!(txt.contains(&line), "missing {line:?} in\n{txt}");
+        for want in [
+            "windowed attention forward",
+            "contiguous, halo of 1 hop(s)",
+            "h*step + (h+1)*step*g/e",
+            "Note: sliding window 4096: the planner models contiguous shards for a window",
+            "zigzag would keep the full ring (7 hops)",
+            "window work per step, as a chunk",
+            "Ulysses vs full ring bytes (fwd)",
+        ] {
+            assert!(txt.contains(want), "missing {want:?} in\n{txt}");
+        }
+        assert!(!render(&causal).contains("sliding window"));
+        let ag = render(&plan(&inp(&m, CpKind::Allgather)).unwrap());
+        assert!(ag.contains("all-gather KV still gathers all K/V"), "{ag}");
+        assert!(!ag.contains("Note: sliding window"), "{ag}");
+        m.sliding_window = Some(131072);
+        let same = render(&plan(&inp(&m, CpKind::Ring)).unwrap());
+        assert!(
+            same.contains("sliding window 131072 >= seq 131072"),
+            "{same}"
+        );
     }
 }
