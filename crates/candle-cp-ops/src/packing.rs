@@ -119,9 +119,13 @@ impl Documents {
         self.cu.windows(2).map(|w| w[1] - w[0]).collect()
     }
 
-    /// Global positions `[start, end)` of document `d` (`d < count()`).
+    /// Global positions `[start, end)` of document `d`; past the last document an empty
+    /// range at `T`.
     pub fn range(&self, d: usize) -> (usize, usize) {
-        (self.cu[d], self.cu[d + 1])
+        match (self.cu.get(d), self.cu.get(d + 1)) {
+            (Some(&a), Some(&b)) => (a, b),
+            _ => (self.total_len(), self.total_len()),
+        }
     }
 
     /// The document holding global position `pos`, `None` past the end.
@@ -226,6 +230,7 @@ mod tests {
         assert_eq!(d.doc_of(5), Some(1));
         assert_eq!(d.doc_of(15), Some(2));
         assert_eq!(d.doc_of(16), None);
+        assert_eq!((d.range(1), d.range(3), d.range(9)), ((5, 13), (16, 16), (16, 16)));
         assert!(d.visible(7, 5, true) && !d.visible(7, 4, true) && !d.visible(5, 7, true));
         assert!(d.visible(5, 7, false) && !d.visible(13, 12, false));
         for bad in [Documents::from_lengths(&[3, 0]), Documents::from_cu_seqlens(&[0, 4, 4]), Documents::from_cu_seqlens(&[1, 4])] {
