@@ -10,6 +10,8 @@
 //! - [`allgather_attention`]: Llama 3 style — all-gather K/V once, attend locally with
 //!   offset masks, reduce-scatter dK/dV in backward.
 //! - [`balance()`]: attention work per rank and the imbalance of a layout.
+//! - [`sharded_decode_attention`]: generation against a KV cache sharded over the ranks
+//!   (module [`decode`]).
 //!
 //! Module map: [`shard`](mod@shard) layouts and position ids, [`ring_comm`] the ring transport
 //! helper, [`ring`] the ring engine (block schedule, forward, backward), [`state`] the f32
@@ -18,6 +20,7 @@
 
 pub mod allgather;
 pub mod balance;
+pub mod decode;
 pub mod ring;
 pub mod ring_comm;
 pub mod shard;
@@ -26,6 +29,7 @@ pub mod verify;
 
 pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};
 pub use balance::{balance, balance_docs, balance_mask, best_layout, BalanceReport};
+pub use decode::{decode_owner, sharded_decode_attention, KvShard};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw, MaskSpec};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};

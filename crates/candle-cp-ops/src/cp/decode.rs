@@ -1,0 +1,280 @@
+//! Decode-time context parallelism: generation against a KV cache sharded over the CP ranks.
+//!
+//! After a context-parallel prefill every rank holds the K/V of its shard of the prompt (any
+//! layout: the rows carry their global positions). Decoding then never gathers the cache:
+//!
+//! ```text
+//!   new token at position p (the same q on every rank)
+//!   rank r: (out_r, lse_r) = attention(q, its cache shard)      keys with position <= p
+//!           (the token's own K/V was appended to rank `decode_owner(p, P)` first)
+//!   all-gather the P partial (out, lse): P·B·H·(D+1) floats per layer and token
+//!   every rank merges them through the LSE (same order, same bits) → out
+//! ```
+//!
+//! Each rank's cache holds `~T/P` tokens, so a 1M-token context decodes with `1/P` of the KV
+//! memory per GPU, and per token only the tiny partial results travel (not K/V). New tokens'
+//! entries go round-robin ([`decode_owner`]) so the shards stay balanced.
+
+use crate::attention::{attention_fwd, merge, Mask};
+use crate::Group;
+use candle_core::{bail, DType, Result, Tensor};
+
+/// One rank's shard of one layer's KV cache: `k, v [B, S_r, Hkv, D]` and the global position
+/// of each of the `S_r` rows (any order).
+#[derive(Clone, Debug, Default)]
+pub struct KvShard {
+    kv: Option<(Tensor, Tensor)>,
+    positions: Vec<usize>,
+}
+
+impl KvShard {
+    /// An empty shard.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Rows `k, v [B, n, Hkv, D]` at global `positions` (`n` of them) appended to the shard
+    /// (the first append fixes `B`, `Hkv`, `D`, dtype and device). Errors name the shapes.
+    pub fn append(&mut self, k: &Tensor, v: &Tensor, positions: &[usize]) -> Result<()> {
+        let n = match k.dims() {
+            [_, n, _, _] => *n,
+            _ => bail!("KvShard::append: k must be [B, n, Hkv, D], got {:?}", k.shape()),
+        };
+        if k.shape() != v.shape() || n != positions.len() {
+            bail!(
+                "KvShard::append: k {:?} and v {:?} must match and hold one row per position ({} positions)",
+                k.shape(),
+                v.shape(),
+                positions.len()
+            )
+        }
+        self.kv = Some(match self.kv.take() {
+            None => (k.contiguous()?, v.contiguous()?),
+            Some((ck, cv)) => {
+                let (cd, nd) = (ck.dims(), k.dims());
+                if cd[0] != nd[0] || cd[2..] != nd[2..] || ck.dtype() != k.dtype() || !ck.device().same_device(k.device()) {
+                    let e = format!(
+                        "KvShard::append: rows k {:?} ({:?}) do not match the cache {:?} ({:?})",
+                        k.shape(),
+                        k.dtype(),
+                        ck.shape(),
+                        ck.dtype()
+                    );
+                    self.kv = Some((ck, cv));
+                    bail!("{e}")
+                }
+                (Tensor::cat(&[&ck, k], 1)?, Tensor::cat(&[&cv, v], 1)?)
+            }
+        });
+        self.positions.extend_from_slice(positions);
+        Ok(())
+    }
+
+    /// Number of cached rows.
+    pub fn len(&self) -> usize {
+        self.positions.len()
+    }
+
+    /// No cached row.
+    pub fn is_empty(&self) -> bool {
+        self.positions.is_empty()
+    }
+
+    /// Global positions of the cached rows, in cache order.
+    pub fn positions(&self) -> &[usize] {
+        &self.positions
+    }
+
+    /// The cached `k, v [B, S_r, Hkv, D]` (`None` when empty).
+    pub fn kv(&self) -> Option<(&Tensor, &Tensor)> {
+        self.kv.as_ref().map(|(k, v)| (k, v))
+    }
+}
+
+/// The rank that stores the cache entry of the token decoded at global position `pos` over
+/// `p` ranks: round-robin, so the shards grow evenly.
+pub fn decode_owner(pos: usize, p: usize) -> usize {
+    pos % p.max(1)
+}
+
+/// This rank's partial attention: f32 out `[B, Tq, H, D]`, lse `[B, H, Tq]` of `q` against
+/// the shard's rows visible from each query (position `<= qp`, and `> qp - window`).
+fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: f64, window: Option<usize>) -> Result<(Tensor, Tensor)> {
+    let (b, tq, h, d) = q.dims4()?;
+    let empty = || -> Result<(Tensor, Tensor)> {
+        Ok((
+            Tensor::zeros((b, tq, h, d), DType::F32, q.device())?,
+            Tensor::full(f32::NEG_INFINITY, (b, h, tq), q.device())?,
+        ))
+    };
+    let Some((k, v)) = shard.kv() else { return empty() };
+    let visible = |qp: usize, kp: usize| kp <= qp && window.is_none_or(|w| qp - kp < w);
+    // common case: every row visible from every query (decode: all cached keys are older)
+    if q_positions.iter().all(|&qp| shard.positions().iter().all(|&kp| visible(qp, kp))) {
+        return attention_fwd(q, k, v, &Mask::Full, scale);
+    }
+    // otherwise one query row at a time against its visible rows
+    let mut outs = Vec::with_capacity(tq);
+    let mut lses = Vec::with_capacity(tq);
+    for (i, &qp) in q_positions.iter().enumerate() {
+        let rows: Vec<u32> = shard.positions().iter().enumerate().filter(|(_, &kp)| visible(qp, kp)).map(|(j, _)| j as u32).collect();
+        let qi = q.narrow(1, i, 1)?;
+        let (o, l) = if rows.is_empty() {
+            (Tensor::zeros((b, 1, h, d), DType::F32, q.device())?, Tensor::full(f32::NEG_INFINITY, (b, h, 1), q.device())?)
+        } else {
+            let idx = Tensor::new(rows, k.device())?;
+            attention_fwd(&qi, &k.index_select(&idx, 1)?, &v.index_select(&idx, 1)?, &Mask::Full, scale)?
+        };
+        outs.push(o);
+        lses.push(l);
+    }
+    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
+}
+
+/// Attention of new queries against a KV cache sharded over the ranks of `group` (see the
+/// module docs). Not differentiable (inference).
+///
+/// - `q [B, Tq, H, D]` and `q_positions` (`Tq` global positions): the same on every rank;
+/// - `shard`: this rank's rows of the cache (with `Hkv` dividing `H`, GQA), already holding the
+///   new tokens' own K/V wherever they were appended;
+/// - a key at `kp` is visible from a query at `qp` iff `kp <= qp` (and `qp - kp < window`).
+///
+/// Returns out `[B, Tq, H, D]` in q's dtype and lse f32 `[B, H, Tq]` of the attention over
+/// the whole cache, identical (bitwise) on every rank. Collective over `group` (one small
+/// all-gather); errors on every rank if ranks pass different query shapes.
+pub fn sharded_decode_attention(
+    q: &Tensor,
+    q_positions: &[usize],
+    shard: &KvShard,
+    group: &Group,
+    scale: f64,
+    window: Option<usize>,
+) -> Result<(Tensor, Tensor)> {
+    let (b, tq, h, d) = match q.dims() {
+        &[b, tq, h, d] => (b, tq, h, d),
+        _ => bail!("sharded_decode_attention: q must be [B, Tq, H, D], got {:?}", q.shape()),
+    };
+    if q_positions.len() != tq {
+        bail!("sharded_decode_attention: {} query positions for q {:?}", q_positions.len(), q.shape())
+    }
+    if window == Some(0) {
+        bail!("sharded_decode_attention: a sliding window must hold at least 1 key (q {:?})", q.shape())
+    }
+    if let Some((k, _)) = shard.kv() {
+        let kd = k.dims();
+        if kd[0] != b || kd[3] != d || kd[2] == 0 || h % kd[2] != 0 || k.dtype() != q.dtype() {
+            bail!(
+                "sharded_decode_attention: cache k {:?} ({:?}) does not fit q {:?} ({:?}): need the same B, D and dtype, Hkv dividing H",
+                k.shape(),
+                k.dtype(),
+                q.shape(),
+                q.dtype()
+            )
+        }
+    }
+    let (o, l) = local_partial(q, q_positions, shard, scale, window)?;
+    // one all-gather of [out | lse] per rank: [P, B, Tq, H, D + 1]
+    let packed = Tensor::cat(&[o, l.transpose(1, 2)?.unsqueeze(3)?], 3)?.unsqueeze(0)?.contiguous()?;
+    let all = group.all_gather(&packed, 0)?;
+    let mut acc: Option<(Tensor, Tensor)> = None;
+    for r in 0..group.size() {
+        let x = all.get(r)?;
+        let (o, l) = (x.narrow(3, 0, d)?, x.narrow(3, d, 1)?.squeeze(3)?.transpose(1, 2)?.contiguous()?);
+        acc = Some(match acc {
+            None => (o, l),
+            Some((ao, al)) => merge(&ao, &al, &o, &l)?,
+        });
+    }
+    match acc {
+        Some((o, l)) => Ok((o.to_dtype(q.dtype())?, l)),
+        None => bail!("sharded_decode_attention: empty group"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::attention::attention_slow;
+    use crate::oracle::randn;
+    use candle_cp_comm::run_ranks;
+
+    /// A cache of `t` tokens sharded zigzag over P ranks plus decoded tokens appended
+    /// round-robin: decoding the next tokens (each appended first) equals single-device
+    /// causal attention of the whole sequence's last rows; with and without a window, GQA,
+    /// and a query block (Tq = 3) at once.
+    #[test]
+    fn sharded_decode_equals_single_device() -> Result<()> {
+        let (b, h, hkv, d, t) = (2usize, 4usize, 2usize, 8usize, 24usize);
+        let total = t + 3;
+        let q = randn(1, &[b, total, h, d], 1.0)?;
+        let k = randn(2, &[b, total, hkv, d], 1.0)?;
+        let v = randn(3, &[b, total, hkv, d], 1.0)?;
+        let scale = 0.3;
+        for window in [None, Some(5), Some(30)] {
+            let mask = window.map_or(Mask::causal(), Mask::sliding_window);
+            let (want, want_lse) = attention_slow(&q, &k, &v, &mask, scale)?;
+            for p in [1usize, 2, 3, 4] {
+                if t % (2 * p) != 0 {
+                    continue;
+                }
+                let res = run_ranks(p, |g: Group| {
+                    let r = g.rank();
+                    let layout = crate::cp::Layout::Zigzag;
+                    let mut shard = KvShard::new();
+                    let pos = crate::cp::positions(layout, r, p, t)?;
+                    let sh = |x: &Tensor| crate::cp::shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
+                    shard.append(&sh(&k)?, &sh(&v)?, &pos)?;
+                    // one token at a time: positions t, t+1 (each appended to its owner first)
+                    let mut outs = Vec::new();
+                    for qp in [t, t + 1] {
+                        if decode_owner(qp, p) == r {
+                            shard.append(&k.narrow(1, qp, 1)?, &v.narrow(1, qp, 1)?, &[qp])?;
+                        }
+                        outs.push(sharded_decode_attention(&q.narrow(1, qp, 1)?, &[qp], &shard, &g, scale, window)?);
+                    }
+                    // then a block of one query (t+2) together with the two before it
+                    if decode_owner(t + 2, p) == r {
+                        shard.append(&k.narrow(1, t + 2, 1)?, &v.narrow(1, t + 2, 1)?, &[t + 2])?;
+                    }
+                    outs.push(sharded_decode_attention(&q.narrow(1, t, 3)?, &[t, t + 1, t + 2], &shard, &g, scale, window)?);
+                    Ok(outs)
+                });
+                let mut first: Option<Vec<f32>> = None;
+                for (r, x) in res.into_iter().enumerate() {
+                    let outs = x?;
+                    for (i, (o, l)) in outs.iter().enumerate() {
+                        let (q0, n) = if i < 2 { (t + i, 1) } else { (t, 3) };
+                        let e = (o - want.narrow(1, q0, n)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        let el = (l - want_lse.narrow(2, q0, n)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        assert!(e < 1e-5 && el < 1e-5, "window {window:?} P={p} rank {r} call {i}: out {e}, lse {el}");
+                    }
+                    // ranks agree bit for bit
+                    let bits = outs[2].0.flatten_all()?.to_vec1::<f32>()?;
+                    match &first {
+                        None => first = Some(bits),
+                        Some(f) => assert_eq!(f, &bits, "rank {r} differs from rank 0"),
+                    }
+                }
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn bad_input_is_an_error() -> Result<()> {
+        let mut s = KvShard::new();
+        let k = randn(1, &[1, 3, 2, 8], 1.0)?;
+        assert!(s.append(&k, &k, &[0, 1]).is_err());
+        s.append(&k, &k, &[0, 1, 2])?;
+        let other = randn(2, &[1, 2, 4, 8], 1.0)?;
+        let e = s.append(&other, &other, &[3, 4]).unwrap_err().to_string();
+        assert!(e.contains("[1, 2, 4, 8]"), "{e}");
+        assert_eq!(s.len(), 3);
+        let res = run_ranks(1, |g: Group| {
+            let q = randn(3, &[1, 1, 3, 8], 1.0)?; // H = 3 not a multiple of Hkv = 2
+            sharded_decode_attention(&q, &[3], &s, &g, 0.5, None).map(|_| ())
+        });
+        assert!(res[0].is_err());
+        Ok(())
+    }
+}
