@@ -7,11 +7,12 @@
 //! `views`: inputs that are views (storage offset, transposed) and bad input (gpu_check_views.rs).
 //! Sections `packed` and `window`: packed documents (document masks) and causal sliding
 //! windows through the single-device op, ring, all-gather KV and Ulysses on virtual ranks
-//! against the CPU path and the oracle rows (gpu_check_masks.rs).
+//! against the CPU path and the oracle rows; `decode`: decoding against a KV cache sharded
+//! over virtual ranks (gpu_check_masks.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,window,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,window,decode,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
@@ -555,6 +556,13 @@ fn main() -> Result<()> {
             rep.error("section packed", e);
         }
         println!("-- section packed documents (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
+    }
+    if want("decode") {
+        let t = Instant::now();
+        if let Err(e) = masks::check_decode(&mut rep, &gpu) {
+            rep.error("section decode", e);
+        }
+        println!("-- section decode against a sharded KV cache (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
     }
     if want("window") {
         let t = Instant::now();

@@ -1,5 +1,6 @@
-//! `gpu_check --sections packed,window` (included by `gpu_check.rs` with `#[path]`): packed
-//! sequences (document masks) and causal sliding windows on the GPU.
+//! `gpu_check --sections packed,window,decode` (included by `gpu_check.rs` with `#[path]`):
+//! packed sequences (document masks), causal sliding windows and decoding against a sharded
+//! KV cache on the GPU.
 //!
 //! `packed`:
 //! Each oracle case is packed as the CPU tests pack it (`oracle::PackedOracle`): a causal case
@@ -15,6 +16,10 @@
 //! and bf16 through the tensor-core kernels against the f32 CPU result with bf16 bounds), the
 //! ring (contiguous: stops after the window's hops; zigzag; striped) and all-gather KV on
 //! virtual ranks, Ulysses P = 2.
+//!
+//! `decode`: a prompt's K/V sharded zigzag over P = 2 and 4 virtual ranks plus decoded tokens
+//! appended round-robin; `sharded_decode_attention` of the next tokens (f32 and bf16, with and
+//! without a window) against the CPU's causal attention of the whole sequence.
 
 use super::{case_to, report_metrics, Report, QUICK_MAX_TOKENS};
 use crate::gpu_util::{max_abs, rel};
@@ -191,6 +196,51 @@ pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
             match run_case_ulysses_with(&g, 2, Layout::Contiguous, Duration::from_secs(120), None, Some(w)) {
                 Ok(run) => report_metrics(rep, &name, &run.outputs, &windowed)?,
                 Err(e) => rep.error(&name, e),
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The `decode` section (see the module docs).
+pub fn check_decode(rep: &mut Report, gpu: &Device) -> Result<()> {
+    use candle_cp_ops::attention::attention_slow;
+    use candle_cp_ops::cp::{decode_owner, positions, shard, sharded_decode_attention, KvShard};
+    let (b, h, hkv, d, t) = (2usize, 8usize, 2usize, 64usize, 96usize);
+    let total = t + 2;
+    let mk = |shape: &[usize], seed: u64| crate::gpu_util::rand_tensor(shape, seed);
+    let (q, k, v) = (mk(&[b, total, h, d], 81)?, mk(&[b, total, hkv, d], 82)?, mk(&[b, total, hkv, d], 83)?);
+    let scale = 1.0 / (d as f64).sqrt();
+    for window in [None, Some(40)] {
+        let mask = window.map_or(Mask::causal(), Mask::sliding_window);
+        let (want, _) = attention_slow(&q, &k, &v, &mask, scale)?;
+        for dtype in [DType::F32, DType::BF16] {
+            let cast = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> { x.to_dtype(dtype)?.to_device(gpu) };
+            let (qg, kg, vg) = (cast(&q)?, cast(&k)?, cast(&v)?);
+            for p in [2usize, 4] {
+                let name = format!("decode {dtype:?} window {window:?} P{p} virtual ranks");
+                let res = candle_cp_comm::run_ranks(p, |g: candle_cp_ops::Group| {
+                    let r = g.rank();
+                    let layout = Layout::Zigzag;
+                    let mut cache = KvShard::new();
+                    let sh = |x: &candle_core::Tensor| shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
+                    cache.append(&sh(&kg)?, &sh(&vg)?, &positions(layout, r, p, t)?)?;
+                    let mut outs = Vec::new();
+                    for qp in [t, t + 1] {
+                        if decode_owner(qp, p) == r {
+                            cache.append(&kg.narrow(1, qp, 1)?, &vg.narrow(1, qp, 1)?, &[qp])?;
+                        }
+                        outs.push(sharded_decode_attention(&qg.narrow(1, qp, 1)?, &[qp], &cache, &g, scale, window)?.0);
+                    }
+                    candle_core::Tensor::cat(&outs, 1)
+                });
+                let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+                for (r, x) in res.into_iter().enumerate() {
+                    match x {
+                        Ok(o) => rep.check(&format!("{name} rank {r} out"), max_abs(&o, &want.narrow(1, t, 2)?)?, tol),
+                        Err(e) => rep.error(&format!("{name} rank {r}"), e),
+                    }
+                }
             }
         }
     }

@@ -95,7 +95,7 @@ shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" can
 shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
 t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws --sections probe,flash,views,merge,layout,oracle,packed,window,llama,nccl,nccl-ranks
+  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws --sections probe,flash,views,merge,layout,oracle,packed,window,decode,llama,nccl,nccl-ranks
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure

@@ -109,7 +109,7 @@ run() {
   step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses (also on packed documents and with a sliding window), tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
-  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,packed,window,llama,nccl
+  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,packed,window,decode,llama,nccl
   if [ "$rc" != "$before" ]; then
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
     step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=mma "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle
