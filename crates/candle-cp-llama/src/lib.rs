@@ -41,6 +41,9 @@
 //! # Ok::<(), candle_core::Error>(())
 //! ```
 //!
+//! Generation (greedy decoding) with the KV cache sharded over the CP ranks: [`generate`] —
+//! `llama.generate_greedy(&prompt, new_tokens)` on every rank (`tp = dp = 1`).
+//!
 //! Parallel results equal the single-device ones: see `tests/llama_parity.rs` and
 //! [`verify::verify_reference`] (also `candle-cp verify llama`).
 
@@ -48,6 +51,7 @@ pub mod attn;
 mod attn2d;
 pub mod config;
 pub mod fused;
+pub mod generate;
 pub mod grads;
 pub mod head_loss;
 pub mod hf;
@@ -61,6 +65,7 @@ pub mod train;
 pub mod verify;
 
 pub use config::{LlamaConfig, RopeScaling};
+pub use generate::{Generation, KvCache};
 pub use grads::{named_grads, reduce_gradients};
 pub use hf::{load_hf, save_hf, save_hf_tensors};
 pub use layout::{shard_batch, CpKind, Layout, ParallelCtx, ShardedBatch, IGNORE};

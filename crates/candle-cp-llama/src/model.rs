@@ -20,7 +20,7 @@ use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
 
 /// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
-fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
     let (b, t, i) = x.dims3()?;
     let (o, wi) = w.dims2()?;
     if wi != i {
@@ -38,15 +38,15 @@ pub use crate::loss::{global_mean, local_nll};
 
 /// One decoder layer from candle-cp-nn layers (they hold the TP/SP logic: input gathers,
 /// output reductions, norm weights on sequence shards).
-struct Block {
-    input_norm: RmsNorm,
-    post_norm: RmsNorm,
+pub(crate) struct Block {
+    pub(crate) input_norm: RmsNorm,
+    pub(crate) post_norm: RmsNorm,
     /// `q_proj`, `k_proj`, `v_proj` fused: one input gather (SP) for the three.
-    qkv: ColumnParallelLinear,
-    o: RowParallelLinear,
+    pub(crate) qkv: ColumnParallelLinear,
+    pub(crate) o: RowParallelLinear,
     /// `gate_proj`, `up_proj` fused: one input gather.
-    gate_up: ColumnParallelLinear,
-    down: RowParallelLinear,
+    pub(crate) gate_up: ColumnParallelLinear,
+    pub(crate) down: RowParallelLinear,
 }
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
@@ -107,14 +107,14 @@ impl Block {
 /// [`GradSync::Deferred`] (their TP share of the gradient is summed by
 /// [`crate::reduce_gradients`] with the DP/CP sums, in one bucketed all-reduce).
 pub struct Llama {
-    cfg: LlamaConfig,
-    ctx: ParallelCtx,
-    embed: Tensor,
-    blocks: Vec<Arc<Block>>,
+    pub(crate) cfg: LlamaConfig,
+    pub(crate) ctx: ParallelCtx,
+    pub(crate) embed: Tensor,
+    pub(crate) blocks: Vec<Arc<Block>>,
     /// `Some`: layers are checkpointed (recomputed in backward), see [`Llama::with_recompute`].
     recompute: Option<Recompute>,
-    norm: RmsNorm,
-    lm_head: Tensor,
+    pub(crate) norm: RmsNorm,
+    pub(crate) lm_head: Tensor,
 }
 
 impl Llama {
@@ -245,7 +245,7 @@ impl Llama {
 
     /// RoPE positions of the CP shard, host, one row (`positions` `[Ts]`) or one per batch
     /// row (`[B, Ts]`), each `[Tc]`, gathering the SP shards if needed.
-    fn cp_positions(&self, positions: &Tensor) -> Result<Vec<Vec<u32>>> {
+    pub(crate) fn cp_positions(&self, positions: &Tensor) -> Result<Vec<Vec<u32>>> {
         let l = &self.ctx.layout;
         let pos = positions.to_dtype(DType::U32)?;
         let pos = if pos.rank() == 1 { pos.unsqueeze(0)? } else { pos };

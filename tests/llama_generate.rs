@@ -1,0 +1,278 @@
+//! Greedy generation with the KV cache sharded over the CP ranks
+//! (`Llama::generate_greedy`, tiny-llama oracle weights, a seeded random prompt `[2, 64]`,
+//! 8 new tokens):
+//!
+//! - single device: every generated token's logits equal the full forward of the grown
+//!   sequence's last row (no cache at all) within 1e-4, and the tokens are its argmax;
+//! - every CP kind (ring 2/4, zigzag 2/4, striped 4, all-gather 4, Ulysses 2, 2-D 2×2) gives
+//!   the single-device tokens and logits within 1e-4, its ranks agree bitwise, and each rank's
+//!   cache holds at most `1/P` of the single-device bytes plus one decoded token per layer;
+//! - sliding window 16: the same on two layouts, and the logits differ from the no-window run;
+//! - tp = 2 and a prompt length the layout cannot shard are errors (naming `T`).
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::{
+    hf::load_safetensors_dir, shard_tensors, Generation, Llama, LlamaConfig, ParallelCtx,
+};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+use std::sync::OnceLock;
+
+const T: usize = 64;
+const NEW: usize = 8;
+const TOL: f32 = 1e-4;
+
+struct Data {
+    cfg: LlamaConfig,
+    full: HashMap<String, Tensor>,
+}
+
+fn data() -> &'static Data {
+    static D: OnceLock<Data> = OnceLock::new();
+    D.get_or_init(|| {
+        let dir = candle_cp_tests::oracle_dir("tiny-llama");
+        let load = || -> Result<Data> {
+            Ok(Data {
+                cfg: LlamaConfig::from_file(dir.join("config.json"))?,
+                full: load_safetensors_dir(&dir, &Device::Cpu)?,
+            })
+        };
+        load().expect("loading tiny-llama oracle")
+    })
+}
+
+/// Seeded random ids `[b, t]` below `vocab` (splitmix64).
+fn prompt(b: usize, t: usize, vocab: usize, seed: u64) -> Result<Tensor> {
+    let mut s = seed;
+    let ids: Vec<u32> = (0..b * t)
+        .map(|_| {
+            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
+            let mut z = s;
+            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+            ((z ^ (z >> 31)) % vocab as u64) as u32
+        })
+        .collect();
+    Tensor::from_vec(ids, (b, t), &Device::Cpu)
+}
+
+fn the_prompt() -> Result<Tensor> {
+    prompt(2, T, data().cfg.vocab_size, 7)
+}
+
+/// This rank's model of `layout`, oracle weights.
+fn model(cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Llama> {
+    let vm = shard_tensors(&data().full, cfg, ctx)?;
+    Llama::new(
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        cfg,
+        ctx,
+    )
+}
+
+/// Generation of every rank of `layout`, in rank order.
+fn generate(
+    cfg: &LlamaConfig,
+    layout: Layout,
+    ids: &Tensor,
+    new: usize,
+) -> Result<Vec<Generation>> {
+    run_ranks(layout.world_size(), |g| {
+        model(cfg, &ParallelCtx::new(g, layout)?)?.generate_greedy(ids, new)
+    })
+    .into_iter()
+    .collect()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+}
+
+/// Single-device generation, computed once per config.
+fn single(cfg: &LlamaConfig) -> Result<Generation> {
+    let mut g = generate(cfg, Layout::single(), &the_prompt()?, NEW)?;
+    g.pop()
+        .ok_or_else(|| candle_core::Error::Msg("no rank".into()))
+}
+
+/// No cache: the full forward of prompt + tokens so far, its last row, per generated token.
+fn assert_equals_full_forward(cfg: &LlamaConfig, gen: &Generation) -> Result<()> {
+    let ids = the_prompt()?;
+    let r = run_ranks(1, |g| {
+        let m = model(cfg, &ParallelCtx::single(g)?)?;
+        let mut seq = ids.clone();
+        let mut worst = 0f32;
+        for (i, l) in gen.logits.iter().enumerate() {
+            let t = seq.dim(1)?;
+            let full = m.forward(&seq, &Tensor::arange(0u32, t as u32, &Device::Cpu)?)?;
+            let want = full.narrow(1, t - 1, 1)?.squeeze(1)?;
+            let e = max_abs_diff(l, &want)?;
+            assert!(
+                e < TOL,
+                "token {i}: cached logits differ from the full forward by {e:.2e}"
+            );
+            worst = worst.max(e);
+            let argmax = want.argmax(1)?.to_vec1::<u32>()?;
+            let toks: Vec<u32> = gen.tokens.iter().map(|row| row[i]).collect();
+            assert_eq!(
+                toks, argmax,
+                "token {i}: not the argmax of the full forward"
+            );
+            seq = Tensor::cat(&[seq, Tensor::new(toks, &Device::Cpu)?.unsqueeze(1)?], 1)?;
+        }
+        Ok(worst)
+    });
+    for w in r {
+        println!(
+            "cached decode vs full forward: logits max |diff| {:.1e}",
+            w?
+        );
+    }
+    Ok(())
+}
+
+/// `layout`'s ranks give `want`'s tokens and logits (1e-4), agree bitwise, and hold `~1/P`
+/// of its cache. Returns the worst logits difference.
+fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -> Result<f32> {
+    let gens = generate(cfg, layout, &the_prompt()?, NEW)?;
+    let p = layout.cp;
+    // one decoded token's k, v over all layers: 2 · L · B · Hkv · D · 4 bytes
+    let per_token = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4;
+    let mut worst = 0f32;
+    let rank0 = Tensor::cat(&gens[0].logits, 0)?
+        .flatten_all()?
+        .to_vec1::<f32>()?;
+    for (r, g) in gens.iter().enumerate() {
+        assert_eq!(
+            g.tokens, want.tokens,
+            "{layout} rank {r}: tokens differ from single device"
+        );
+        assert_eq!(g.logits.len(), NEW);
+        for (i, (a, b)) in g.logits.iter().zip(&want.logits).enumerate() {
+            let e = max_abs_diff(a, b)?;
+            assert!(
+                e < TOL,
+                "{layout} rank {r} token {i}: logits differ by {e:.2e}"
+            );
+            worst = worst.max(e);
+        }
+        let bits = Tensor::cat(&g.logits, 0)?.flatten_all()?.to_vec1::<f32>()?;
+        assert!(
+            bits == rank0,
+            "{layout}: rank {r}'s logits differ from rank 0's"
+        );
+        assert!(
+            g.cache_bytes <= want.cache_bytes / p + per_token,
+            "{layout} rank {r}: cache {} bytes > single {} / {p} + {per_token}",
+            g.cache_bytes,
+            want.cache_bytes
+        );
+    }
+    // the shards together hold every cached token exactly once
+    assert_eq!(
+        gens.iter().map(|g| g.cache_rows).sum::<usize>(),
+        want.cache_rows,
+        "{layout}"
+    );
+    println!(
+        "{layout}: tokens = single device, logits max |diff| {worst:.1e}, cache {} B/rank vs {} B single",
+        gens[0].cache_bytes, want.cache_bytes
+    );
+    Ok(worst)
+}
+
+#[test]
+fn single_device_cached_decode_equals_full_forward() -> Result<()> {
+    let cfg = &data().cfg;
+    let g = single(cfg)?;
+    assert_eq!(g.tokens.len(), 2);
+    assert!(g.tokens.iter().all(|r| r.len() == NEW));
+    assert_eq!(g.cache_rows, T + NEW - 1);
+    let (l, b, hkv, d) = (
+        cfg.num_hidden_layers,
+        2,
+        cfg.num_key_value_heads,
+        cfg.head_dim,
+    );
+    assert_eq!(g.cache_bytes, 2 * l * b * (T + NEW - 1) * hkv * d * 4);
+    assert_equals_full_forward(cfg, &g)
+}
+
+#[test]
+fn every_cp_kind_equals_single_device() -> Result<()> {
+    let cfg = &data().cfg;
+    let want = single(cfg)?;
+    for layout in [
+        Layout::cp(CpKind::Ring, 2),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 2),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Striped, 4),
+        Layout::cp(CpKind::AllGather, 4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+    ] {
+        assert_layout_matches(cfg, layout, &want)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn sliding_window_equals_single_device_and_binds() -> Result<()> {
+    let plain = single(&data().cfg)?;
+    let cfg = &data().cfg.clone().with_sliding_window(Some(16));
+    let want = single(cfg)?;
+    // the window binds (T = 64 ≫ 16): every token's logits change
+    for (i, (a, b)) in want.logits.iter().zip(&plain.logits).enumerate() {
+        let e = max_abs_diff(a, b)?;
+        assert!(
+            e > 1e-3,
+            "token {i}: window 16 logits equal the no-window ones ({e:.1e})"
+        );
+    }
+    assert_equals_full_forward(cfg, &want)?;
+    for layout in [Layout::cp(CpKind::Zigzag, 4), Layout::two_d(2, 2)] {
+        assert_layout_matches(cfg, layout, &want)?;
+    }
+    Ok(())
+}
+
+#[test]
+fn bad_layouts_and_lengths_are_errors() -> Result<()> {
+    let cfg = &data().cfg;
+    let ids = the_prompt()?;
+    // tensor parallelism
+    let layout = Layout::single().with_tp(2, false);
+    for r in run_ranks(2, |g| {
+        Ok(model(cfg, &ParallelCtx::new(g, layout)?)?
+            .generate_greedy(&ids, 2)
+            .err()
+            .map(|e| e.to_string()))
+    }) {
+        let e = r?.unwrap_or_default();
+        assert!(e.contains("tp = 1"), "tp = 2 must be refused: {e}");
+    }
+    // T = 60 is not a multiple of 2·4 (zigzag 4), T = 62 of 4 (ring shards of 2-D 2×2 / ulysses 2)
+    for (t, layout) in [
+        (60, Layout::cp(CpKind::Zigzag, 4)),
+        (62, Layout::two_d(2, 2)),
+        (63, Layout::cp(CpKind::Ring, 2)),
+    ] {
+        let short = ids.narrow(1, 0, t)?;
+        for r in run_ranks(layout.world_size(), |g| {
+            Ok(model(cfg, &ParallelCtx::new(g, layout)?)?
+                .generate_greedy(&short, 2)
+                .err()
+                .map(|e| e.to_string()))
+        }) {
+            let e = r?.unwrap_or_default();
+            assert!(
+                e.contains(&format!("T = {t}")),
+                "{layout}, T = {t} must be refused naming T: {e}"
+            );
+        }
+    }
+    Ok(())
+}
