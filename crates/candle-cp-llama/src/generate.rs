@@ -282,6 +282,14 @@ impl Llama {
             }
             let (a, _lse) =
                 sharded_decode_attention(&q, &[p], shard, &ctx.cp, scale, self.cfg.sliding_window)?;
+            // a sliding window never looks back past p + 2 - w again: drop those rows once
+            // they are half of the shard (amortised: each row is copied O(1) times)
+            if let Some(w) = self.cfg.sliding_window {
+                let dead = (p + 2).saturating_sub(w);
+                if shard.count_before(dead) * 2 >= shard.len().max(2) {
+                    shard.evict_before(dead)?;
+                }
+            }
             x = blk
                 .finish(&x, &a.reshape((b, 1, heads.0 * heads.2))?)?
                 .detach();

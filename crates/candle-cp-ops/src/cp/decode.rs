@@ -21,9 +21,13 @@ use candle_core::{bail, DType, Result, Tensor};
 
 /// One rank's shard of one layer's KV cache: `k, v [B, S_r, Hkv, D]` and the global position
 /// of each of the `S_r` rows (any order).
+///
+/// Rows live in buffers with spare capacity along `S` (doubled when full), written in place
+/// ([`Tensor::slice_set`]): appending one decoded token copies one row, not the shard.
 #[derive(Clone, Debug, Default)]
 pub struct KvShard {
-    kv: Option<(Tensor, Tensor)>,
+    /// `k, v [B, capacity, Hkv, D]`; rows `0..positions.len()` are in use.
+    buf: Option<(Tensor, Tensor)>,
     positions: Vec<usize>,
 }
 
@@ -48,24 +52,37 @@ impl KvShard {
                 positions.len()
             )
         }
-        self.kv = Some(match self.kv.take() {
-            None => (k.contiguous()?, v.contiguous()?),
-            Some((ck, cv)) => {
-                let (cd, nd) = (ck.dims(), k.dims());
-                if cd[0] != nd[0] || cd[2..] != nd[2..] || ck.dtype() != k.dtype() || !ck.device().same_device(k.device()) {
+        let len = self.positions.len();
+        let (kb, vb) = match self.buf.take() {
+            None => (k.contiguous()?.copy()?, v.contiguous()?.copy()?),
+            Some((kb, vb)) => {
+                let (cd, nd) = (kb.dims(), k.dims());
+                if cd[0] != nd[0] || cd[2..] != nd[2..] || kb.dtype() != k.dtype() || !kb.device().same_device(k.device()) {
                     let e = format!(
-                        "KvShard::append: rows k {:?} ({:?}) do not match the cache {:?} ({:?})",
+                        "KvShard::append: rows k {:?} ({:?}) do not match the cache [{}, {len}, {}, {}] ({:?})",
                         k.shape(),
                         k.dtype(),
-                        ck.shape(),
-                        ck.dtype()
+                        cd[0],
+                        cd[2],
+                        cd[3],
+                        kb.dtype()
                     );
-                    self.kv = Some((ck, cv));
+                    self.buf = Some((kb, vb));
                     bail!("{e}")
                 }
-                (Tensor::cat(&[&ck, k], 1)?, Tensor::cat(&[&cv, v], 1)?)
+                let cap = kb.dim(1)?;
+                let (kb, vb) = if len + n > cap {
+                    let new_cap = (2 * cap).max(len + n);
+                    (grow(&kb, len, new_cap)?, grow(&vb, len, new_cap)?)
+                } else {
+                    (kb, vb)
+                };
+                kb.slice_set(&k.contiguous()?, 1, len)?;
+                vb.slice_set(&v.contiguous()?, 1, len)?;
+                (kb, vb)
             }
-        });
+        };
+        self.buf = Some((kb, vb));
         self.positions.extend_from_slice(positions);
         Ok(())
     }
@@ -85,10 +102,51 @@ impl KvShard {
         &self.positions
     }
 
-    /// The cached `k, v [B, S_r, Hkv, D]` (`None` when empty).
-    pub fn kv(&self) -> Option<(&Tensor, &Tensor)> {
-        self.kv.as_ref().map(|(k, v)| (k, v))
+    /// The cached `k, v [B, S_r, Hkv, D]` (views of the rows in use; `None` when empty).
+    pub fn kv(&self) -> Option<(Tensor, Tensor)> {
+        let (kb, vb) = self.buf.as_ref()?;
+        let n = self.positions.len();
+        Some((kb.narrow(1, 0, n).ok()?, vb.narrow(1, 0, n).ok()?))
     }
+
+    /// Bytes of the buffers (rows in use plus spare capacity).
+    pub fn allocated_bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+    }
+
+    /// Number of cached rows at positions before `pos`.
+    pub fn count_before(&self, pos: usize) -> usize {
+        self.positions.iter().filter(|&&p| p < pos).count()
+    }
+
+    /// Drop the rows at positions before `pos` (a sliding window no longer reaches them);
+    /// returns how many were dropped. The kept rows are copied into buffers of their size.
+    pub fn evict_before(&mut self, pos: usize) -> Result<usize> {
+        let keep: Vec<u32> = self.positions.iter().enumerate().filter(|(_, &p)| p >= pos).map(|(i, _)| i as u32).collect();
+        let dropped = self.positions.len() - keep.len();
+        if dropped == 0 {
+            return Ok(0);
+        }
+        self.buf = match (self.kv(), keep.is_empty()) {
+            (Some((k, v)), false) => {
+                let idx = Tensor::new(keep.as_slice(), k.device())?;
+                Some((k.contiguous()?.index_select(&idx, 1)?, v.contiguous()?.index_select(&idx, 1)?))
+            }
+            _ => None,
+        };
+        self.positions.retain(|&p| p >= pos);
+        Ok(dropped)
+    }
+}
+
+/// `x [B, cap, H, D]` with its first `len` rows copied into a zeroed `[B, new_cap, H, D]`.
+fn grow(x: &Tensor, len: usize, new_cap: usize) -> Result<Tensor> {
+    let (b, _, h, d) = x.dims4()?;
+    let y = Tensor::zeros((b, new_cap, h, d), x.dtype(), x.device())?;
+    if len > 0 {
+        y.slice_set(&x.narrow(1, 0, len)?.contiguous()?, 1, 0)?;
+    }
+    Ok(y)
 }
 
 /// The rank that stores the cache entry of the token decoded at global position `pos` over
@@ -108,12 +166,14 @@ fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: f64,
         ))
     };
     let Some((k, v)) = shard.kv() else { return empty() };
+    let (k, v) = (&k, &v);
     let visible = |qp: usize, kp: usize| kp <= qp && window.is_none_or(|w| qp - kp < w);
     // common case: every row visible from every query (decode: all cached keys are older)
     if q_positions.iter().all(|&qp| shard.positions().iter().all(|&kp| visible(qp, kp))) {
         return attention_fwd(q, k, v, &Mask::Full, scale);
     }
     // otherwise one query row at a time against its visible rows
+    let (k, v) = (&k.contiguous()?, &v.contiguous()?);
     let mut outs = Vec::with_capacity(tq);
     let mut lses = Vec::with_capacity(tq);
     for (i, &qp) in q_positions.iter().enumerate() {
@@ -161,7 +221,7 @@ pub fn sharded_decode_attention(
         bail!("sharded_decode_attention: a sliding window must hold at least 1 key (q {:?})", q.shape())
     }
     if let Some((k, _)) = shard.kv() {
-        let kd = k.dims();
+        let kd = k.dims().to_vec();
         if kd[0] != b || kd[3] != d || kd[2] == 0 || h % kd[2] != 0 || k.dtype() != q.dtype() {
             bail!(
                 "sharded_decode_attention: cache k {:?} ({:?}) does not fit q {:?} ({:?}): need the same B, D and dtype, Hkv dividing H",
@@ -257,6 +317,33 @@ mod tests {
                 }
             }
         }
+        Ok(())
+    }
+
+    /// Appends grow the buffers geometrically and write rows in place; eviction drops exactly
+    /// the rows before a position and keeps the others' contents.
+    #[test]
+    fn append_in_place_and_evict() -> Result<()> {
+        let k = randn(1, &[1, 10, 2, 4], 1.0)?;
+        let mut s = KvShard::new();
+        s.append(&k.narrow(1, 0, 4)?, &k.narrow(1, 0, 4)?, &[0, 1, 2, 3])?;
+        for i in 4..10 {
+            s.append(&k.narrow(1, i, 1)?, &k.narrow(1, i, 1)?, &[i])?;
+        }
+        let (kc, _) = s.kv().ok_or_else(|| candle_core::Error::Msg("empty".into()))?;
+        assert_eq!(kc.flatten_all()?.to_vec1::<f32>()?, k.flatten_all()?.to_vec1::<f32>()?);
+        // capacity doubled from 4: 8, then 16
+        assert_eq!(s.allocated_bytes(), 2 * 16 * 2 * 4 * 4);
+        assert_eq!(s.count_before(6), 6);
+        assert_eq!(s.evict_before(6)?, 6);
+        assert_eq!(s.positions(), &[6, 7, 8, 9]);
+        let (kc, _) = s.kv().ok_or_else(|| candle_core::Error::Msg("empty".into()))?;
+        assert_eq!(kc.flatten_all()?.to_vec1::<f32>()?, k.narrow(1, 6, 4)?.flatten_all()?.to_vec1::<f32>()?);
+        assert_eq!(s.evict_before(3)?, 0);
+        s.append(&k.narrow(1, 0, 1)?, &k.narrow(1, 0, 1)?, &[10])?;
+        assert_eq!(s.len(), 5);
+        assert_eq!(s.evict_before(100)?, 5);
+        assert!(s.is_empty() && s.kv().is_none());
         Ok(())
     }
 
