@@ -52,6 +52,10 @@ struct Args {
     /// Prompt seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Compute device: cpu, or cuda (build with `--features cuda`): the single-device run and
+    /// every thread rank on GPU 0 (virtual ranks).
+    #[arg(long, default_value = "cpu")]
+    device: String,
 }
 
 /// Seeded random ids `[b, t]` below `vocab` (splitmix64).
@@ -71,6 +75,7 @@ fn random_prompt(b: usize, t: usize, vocab: usize, seed: u64) -> candle_core::Re
 
 /// Generate on every rank of `layout`; results in rank order.
 fn run(
+    dev: &Device,
     full: &HashMap<String, Tensor>,
     cfg: &LlamaConfig,
     layout: Layout,
@@ -81,7 +86,7 @@ fn run(
         let ctx = ParallelCtx::new(g, layout)?;
         let vm = shard_tensors(full, cfg, &ctx)?;
         let m = Llama::new(
-            VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+            VarBuilder::from_varmap(&vm, DType::F32, dev),
             cfg,
             &ctx,
         )?;
@@ -122,7 +127,12 @@ fn main() -> anyhow::Result<()> {
     if a.sliding_window.is_some() {
         cfg = cfg.with_sliding_window(a.sliding_window);
     }
-    let full = load_safetensors_dir(&dir, &Device::Cpu)
+    let dev = match a.device.as_str() {
+        "cpu" => Device::Cpu,
+        "cuda" => Device::new_cuda(0)?,
+        d => bail!("--device {d}: expected cpu or cuda"),
+    };
+    let full = load_safetensors_dir(&dir, &dev)
         .with_context(|| format!("weights of {}", dir.display()))?;
     let kind: CpKind = a.cp_kind.parse()?;
     let layout = match kind {
@@ -152,8 +162,8 @@ fn main() -> anyhow::Result<()> {
         a.seed
     );
 
-    let single = run(&full, &cfg, Layout::single(), &prompt, new)?;
-    let cp = run(&full, &cfg, layout, &prompt, new)?;
+    let single = run(&dev, &full, &cfg, Layout::single(), &prompt, new)?;
+    let cp = run(&dev, &full, &cfg, layout, &prompt, new)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);

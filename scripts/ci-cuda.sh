@@ -187,4 +187,11 @@ for l in zigzag ulysses "zigzag --recompute"; do
   shim_step "drop_in cuda $l" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/drop_in" --device cuda --cp 2 --seq 128 --layout $l
   echo "ci-cuda: drop_in --device cuda --layout $l under the shim: $(grep '^worst' "$shim_log")"
 done
+# generation with the KV cache sharded over 4 virtual ranks on CUDA (the example exits non-zero
+# unless the tokens equal the single-device run's); a contiguous ring with a sliding window too
+for g in "--cp-kind zigzag" "--cp-kind ring --sliding-window 48"; do
+  # shellcheck disable=SC2086 # (word-split: the flags)
+  shim_step "generate cuda $g" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/generate" --device cuda --prompt-len 256 --new-tokens 4 $g
+  echo "ci-cuda: generate --device cuda $g under the shim: $(grep '^logits max' "$shim_log"); $(grep '^tokens:' "$shim_log")"
+done
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"

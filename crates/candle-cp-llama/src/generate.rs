@@ -160,7 +160,8 @@ impl Llama {
 
     /// Token ids `[..]` as u32, checked against the vocabulary.
     fn checked_ids(&self, ids: &Tensor, what: &str) -> Result<Tensor> {
-        let ids = ids.to_dtype(DType::U32)?;
+        // ids may come from the host: they go where the embedding lives
+        let ids = ids.to_dtype(DType::U32)?.to_device(self.embed.device())?;
         if ids.elem_count() > 0 {
             let max = ids.flatten_all()?.max(0)?.to_scalar::<u32>()? as usize;
             if max >= self.cfg.vocab_size {
