@@ -107,13 +107,15 @@ run() {
   echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
   step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,views,flash-large
   step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
-  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses (also on packed documents and with a sliding window), tiny Llama on every layout (virtual ranks), NCCL"
+  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
-  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,packed,window,decode,llama,nccl
+  step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl
   if [ "$rc" != "$before" ]; then
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
     step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=mma "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle
   fi
+  echo "-- masks: packed documents, sliding windows, decode against a sharded KV cache (virtual ranks)"
+  step 40 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
   local imp ring want mem reserve
@@ -162,7 +164,7 @@ preflight() {
   done
   export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
   "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws \
-    --sections probe,flash,views,merge,layout,oracle,nccl,nccl-ranks >"$out/check.log" 2>&1 \
+    --sections probe,flash,views,merge,layout,oracle,packed,window,decode,nccl,nccl-ranks >"$out/check.log" 2>&1 \
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic \
