@@ -58,18 +58,10 @@ struct Args {
     device: String,
 }
 
-/// Seeded random ids `[b, t]` below `vocab` (splitmix64).
+/// Seeded random ids `[b, t]` below `vocab` (the training SplitMix64 `Rng`).
 fn random_prompt(b: usize, t: usize, vocab: usize, seed: u64) -> candle_core::Result<Tensor> {
-    let mut s = seed;
-    let ids: Vec<u32> = (0..b * t)
-        .map(|_| {
-            s = s.wrapping_add(0x9e37_79b9_7f4a_7c15);
-            let mut z = s;
-            z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-            z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-            ((z ^ (z >> 31)) % vocab as u64) as u32
-        })
-        .collect();
+    let mut rng = candle_cp_llama::train::rng::Rng::new(seed);
+    let ids: Vec<u32> = (0..b * t).map(|_| (rng.next_u64() % vocab as u64) as u32).collect();
     Tensor::from_vec(ids, (b, t), &Device::Cpu)
 }
 

@@ -24,10 +24,10 @@
 use super::{case_to, report_metrics, Report, QUICK_MAX_TOKENS};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
-use candle_core::{DType, Device, Var};
+use candle_core::{DType, Device};
 use candle_cp_ops::attention::{attention, attention_docs, Mask};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{AttnCase, AttnOutputs, PackedOracle};
+use candle_cp_ops::oracle::{run_single_with, AttnCase, AttnOutputs, PackedOracle};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::run_case_ulysses_with;
 use std::time::Duration;
@@ -35,11 +35,7 @@ use std::time::Duration;
 /// Packed attention of `case`'s inputs on their device: out, lse and the gradients of
 /// `sum(out · dout)`.
 fn packed_single(case: &AttnCase, docs: &Documents) -> candle_core::Result<AttnOutputs> {
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
-    let (out, lse) = attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), docs, case.causal, case.scale)?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
-    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+    run_single_with(case, |q, k, v| attention_docs(q, k, v, docs, case.causal, case.scale))
 }
 
 /// The packed version of an oracle case (CPU) with the CPU packed attention as its
@@ -61,12 +57,7 @@ pub fn window_case(case: &AttnCase, w: usize) -> Result<AttnCase> {
 
 /// Window attention (autograd) of `c`'s inputs on their device: out, lse, gradients.
 fn run_window(c: &AttnCase, w: usize) -> candle_core::Result<AttnOutputs> {
-    let mask = Mask::sliding_window(w);
-    let (q, k, v) = (Var::from_tensor(&c.q)?, Var::from_tensor(&c.k)?, Var::from_tensor(&c.v)?);
-    let (out, lse) = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, c.scale)?;
-    let g = (&out * &c.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("missing gradient".into()));
-    Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+    run_single_with(c, |q, k, v| attention(q, k, v, &Mask::sliding_window(w), c.scale))
 }
 
 /// `got` against the oracle rows of the packed case ([`PackedOracle::metrics`]), one check.

@@ -54,12 +54,8 @@ pub fn assert_attn_close(
 /// A single-device attention `(q, k, v) -> (out, lse)`, for [`fwd_bwd`].
 pub type AttnFn<'a> = dyn Fn(&candle_core::Tensor, &candle_core::Tensor, &candle_core::Tensor) -> candle_core::Result<(candle_core::Tensor, candle_core::Tensor)> + 'a;
 
-/// out, lse and the gradients of `sum(out · dout)` of `f` on `case`'s inputs (candle autograd).
+/// out, lse and the gradients of `sum(out · dout)` of `f` on `case`'s inputs (candle autograd;
+/// `candle_cp_ops::oracle::run_single_with`).
 pub fn fwd_bwd(case: &candle_cp_ops::oracle::AttnCase, f: &AttnFn<'_>) -> candle_core::Result<candle_cp_ops::oracle::AttnOutputs> {
-    use candle_core::Var;
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
-    let (out, lse) = f(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no gradient ({})", case.name)));
-    Ok(candle_cp_ops::oracle::AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+    candle_cp_ops::oracle::run_single_with(case, f)
 }

@@ -17,7 +17,7 @@
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention, attention_docs, attention_docs_mask, Mask};
+use candle_cp_ops::attention::{attention, attention_docs_mask, Mask};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
@@ -97,31 +97,22 @@ fn attend_one(
         d.check_len(&format!("attend: q {:?} on {l} (T = Tc · cp)", q.dims()), q.dim(1)? * l.cp)?;
     }
     if l.cp == 1 {
-        return Ok(match (docs, window) {
-            (Some(d), None) => attention_docs(q, k, v, d, true, scale)?.0,
-            (Some(d), Some(w)) => attention_docs_mask(q, k, v, d, &Mask::sliding_window(w), scale)?.0,
-            (None, None) => attention(q, k, v, &Mask::causal(), scale)?.0,
-            (None, Some(w)) => attention(q, k, v, &Mask::sliding_window(w), scale)?.0,
+        let mask = window.map_or(Mask::causal(), Mask::sliding_window);
+        return Ok(match docs {
+            Some(d) => attention_docs_mask(q, k, v, d, &mask, scale)?.0,
+            None => attention(q, k, v, &mask, scale)?.0,
         });
     }
-    let mut opts = CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale);
-    if let Some(d) = docs {
-        opts = opts.with_documents(d.clone());
-    }
-    if let Some(w) = window {
-        opts = opts.with_window(w);
-    }
+    let opts = CpOpts {
+        documents: docs.cloned(),
+        window,
+        ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale)
+    };
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::Ulysses => {
-            let mut uo = UlyssesOpts::new(true, scale);
-            if let Some(d) = docs {
-                uo = uo.with_documents(d.clone());
-            }
-            if let Some(w) = window {
-                uo = uo.with_window(w);
-            }
+            let uo = UlyssesOpts { documents: docs.cloned(), window, ..UlyssesOpts::new(true, scale) };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }
         CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, docs, window),

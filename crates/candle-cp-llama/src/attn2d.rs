@@ -23,12 +23,6 @@ pub fn attend_2d(
         ulysses: ctx.ulysses.clone(),
         ring: ctx.ring.clone(),
     };
-    let mut opts = UspOpts::new(true, scale);
-    if let Some(d) = docs {
-        opts = opts.with_documents(d.clone());
-    }
-    if let Some(w) = window {
-        opts = opts.with_window(w);
-    }
+    let opts = UspOpts { documents: docs.cloned(), window, ..UspOpts::new(true, scale) };
     Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

@@ -143,16 +143,23 @@ impl AttnCase {
 /// Single-device run of a case through the autograd op [`attention`]: forward, then
 /// backward of `sum(out * dout)`.
 pub fn run_single(case: &AttnCase) -> Result<AttnOutputs> {
+    run_single_with(case, |q, k, v| attention(q, k, v, &case.mask(), case.scale))
+}
+
+/// [`run_single`] with any single-device attention `attn(q, k, v) -> (out, lse)` (a packed or
+/// windowed mask, a reference implementation): out, lse and the gradients of
+/// `sum(out * dout)` through candle autograd.
+pub fn run_single_with(case: &AttnCase, attn: impl Fn(&Tensor, &Tensor, &Tensor) -> Result<(Tensor, Tensor)>) -> Result<AttnOutputs> {
     let q = Var::from_tensor(&case.q)?;
     let k = Var::from_tensor(&case.k)?;
     let v = Var::from_tensor(&case.v)?;
-    let (out, lse) = attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &case.mask(), case.scale)?;
+    let (out, lse) = attn(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
     let loss = (&out * &case.dout)?.sum_all()?;
     let grads = loss.backward()?;
     let grad = |x: &Var, n: &str| -> Result<Tensor> {
         match grads.get(x.as_tensor()) {
             Some(g) => Ok(g.clone()),
-            None => candle_core::bail!("run_single: no gradient for {n}"),
+            None => candle_core::bail!("run_single ({}): no gradient for {n}", case.name),
         }
     };
     Ok(AttnOutputs { out, lse, dq: grad(&q, "q")?, dk: grad(&k, "k")?, dv: grad(&v, "v")? })

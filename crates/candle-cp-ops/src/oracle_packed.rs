@@ -14,7 +14,7 @@
 use super::{AttnCase, AttnMetrics, AttnOutputs};
 use crate::packing::Documents;
 use crate::attention::attention_docs;
-use candle_core::{Result, Tensor, Var};
+use candle_core::{Result, Tensor};
 
 /// An oracle case packed with documents (see the module docs).
 #[derive(Clone, Debug)]
@@ -57,14 +57,7 @@ impl PackedOracle {
     /// packed inputs: out, lse and the gradients of `sum(out · dout)`.
     pub fn run_single(&self) -> Result<AttnOutputs> {
         let c = &self.case;
-        let (q, k, v) = (Var::from_tensor(&c.q)?, Var::from_tensor(&c.k)?, Var::from_tensor(&c.v)?);
-        let (out, lse) = attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), &self.documents, c.causal, c.scale)?;
-        let g = (&out * &c.dout)?.sum_all()?.backward()?;
-        let grad = |x: &Var| match g.get(x.as_tensor()) {
-            Some(t) => Ok(t.clone()),
-            None => candle_core::bail!("PackedOracle::run_single: no gradient ({})", c.name),
-        };
-        Ok(AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? })
+        super::run_single_with(c, |q, k, v| attention_docs(q, k, v, &self.documents, c.causal, c.scale))
     }
 
     /// Errors of a run on the packed inputs against the oracle: the worst over the two

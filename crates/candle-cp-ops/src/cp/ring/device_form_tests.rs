@@ -6,9 +6,9 @@
 use super::super::shard::{shard, unshard, Layout};
 use super::super::state::Residency;
 use super::super::{allgather, check_inputs, CpMethod, CpOpts, StepStats};
-use crate::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs};
+use crate::oracle::{run_single, run_single_with, AttnCase, AttnMetrics, AttnOutputs};
 use crate::Group;
-use candle_core::{Result, Tensor, Var};
+use candle_core::{Result, Tensor};
 use candle_cp_comm::run_ranks;
 use std::path::PathBuf;
 
@@ -218,11 +218,7 @@ fn device_form_matches_host_with_packed_documents() -> Result<()> {
         ..case.clone()
     };
     // single-device packed reference through candle autograd
-    let (q, k, v) = (Var::from_tensor(&packed.q)?, Var::from_tensor(&packed.k)?, Var::from_tensor(&packed.v)?);
-    let (out, lse) = crate::attention::attention_docs(q.as_tensor(), k.as_tensor(), v.as_tensor(), &docs, true, case.scale)?;
-    let g = (&out * &packed.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
-    let single = AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? };
+    let single = run_single_with(&packed, |q, k, v| crate::attention::attention_docs(q, k, v, &docs, true, case.scale))?;
     // the two full copies are the oracle case exactly
     let tol = case.tolerances();
     for copy in 0..2 {
@@ -256,12 +252,8 @@ fn device_form_matches_host_with_packed_documents() -> Result<()> {
 fn device_form_matches_host_with_a_sliding_window() -> Result<()> {
     let case = load("b2_t256_h8_kv2_d64_causal")?;
     let w = 40;
-    let (q, k, v) = (Var::from_tensor(&case.q)?, Var::from_tensor(&case.k)?, Var::from_tensor(&case.v)?);
     let mask = crate::attention::Mask::sliding_window(w);
-    let (out, lse) = crate::attention::attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &mask, case.scale)?;
-    let g = (&out * &case.dout)?.sum_all()?.backward()?;
-    let grad = |x: &Var| g.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
-    let single = AttnOutputs { out, lse, dq: grad(&q)?, dk: grad(&k)?, dv: grad(&v)? };
+    let single = run_single_with(&case, |q, k, v| crate::attention::attention(q, k, v, &mask, case.scale))?;
     let tol = case.tolerances();
     let eo = max_abs(&single.out.narrow(1, 0, w)?, &case.reference.out.narrow(1, 0, w)?)?;
     let el = max_abs(&single.lse.narrow(2, 0, w)?, &case.reference.lse.narrow(2, 0, w)?)?;
