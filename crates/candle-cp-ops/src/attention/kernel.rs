@@ -1,17 +1,17 @@
 //! CPU f32 kernels of blockwise attention (forward with LSE, backward with recomputation).
 //!
 //! All buffers are flat row-major f32: q/out/dout/dq `[B, T, H, D]`, k/v/dk/dv `[B, S, Hkv, D]`,
-//! lse `[B, H, T]`. The mask enters only as `lim[i]`: the number of keys visible from query
-//! row `i`, which for every [`Mask`] is a *prefix* of the key rows (`j < lim[i]`) and is
-//! non-decreasing in `i`. Blocks with no visible key are skipped; only Bq×Bk tiles are ever
-//! materialised.
+//! lse `[B, H, T]`. The mask enters only as a [`Band`]: query row `i` of batch row `b` sees
+//! the key rows `lo[b][i] <= j < hi[b][i]`, both bounds non-decreasing in `i` (causal, window
+//! and packed-document masks all are bands). Key tiles outside `[lo[i0], hi[i1 - 1])` of a
+//! query tile `[i0, i1)` are skipped; only Bq×Bk tiles are ever materialised.
 //!
 //! Work is split with rayon (global pool): the forward over (batch, head, query block), the
 //! backward over (batch, head, key chunk). Results are reduced in a fixed order, so the
 //! output is deterministic for a given thread count.
 
 use super::blas::{ds_row, dot, exp_f32, exp_sub, exp_sub_sum, matmul, row_max, scale_row, Mat};
-use super::Mask;
+use super::Band;
 use rayon::prelude::*;
 
 /// Query rows per forward tile.
@@ -32,27 +32,6 @@ impl Dims {
     }
 }
 
-/// `lim[i]` = number of visible keys (a prefix) of local query row `i`, for `t` queries and
-/// `s` keys. Requires strides >= 1 (checked by the caller).
-pub(crate) fn row_limits(mask: &Mask, t: usize, s: usize) -> Vec<usize> {
-    match *mask {
-        Mask::Full => vec![s; t],
-        Mask::Causal { q_offset, q_stride, k_offset, k_stride } => (0..t)
-            .map(|i| {
-                let qp = q_offset.saturating_add(i.saturating_mul(q_stride));
-                if qp < k_offset {
-                    0
-                } else {
-                    ((qp - k_offset) / k_stride.max(1)).saturating_add(1).min(s)
-                }
-            })
-            .collect(),
-        // never reaches the kernel: attention_fwd / attention_bwd split window masks into
-        // full and causal calls first, and AttentionOp rejects them
-        Mask::Window { .. } => vec![0; t],
-    }
-}
-
 /// Forward. Returns `(out [B,T,H,D], lse [B,H,T])`; a row with no visible key gets out 0 and
 /// lse `-inf`.
 pub(crate) fn forward(
@@ -60,22 +39,28 @@ pub(crate) fn forward(
     k: &[f32],
     v: &[f32],
     dims: Dims,
-    lim: &[usize],
+    band: &Band,
     scale: f32,
 ) -> (Vec<f32>, Vec<f32>) {
     let Dims { b: nb, t, h: nh, d, .. } = dims;
-    let nqb = t.div_ceil(FWD_BQ);
-    let units: Vec<(usize, usize, usize)> = (0..nb)
-        .flat_map(|b| (0..nh).flat_map(move |h| (0..nqb).map(move |qb| (b, h, qb))))
+    // query tiles per band row (a shared band: the same tiles for every batch row)
+    let tiles_of: Vec<Vec<(usize, usize)>> = (0..band.batch()).map(|b| {
+        let (lo, hi) = band.row(b);
+        query_tiles(lo, hi, FWD_BQ)
+    }).collect();
+    let units: Vec<(usize, usize, usize, usize)> = (0..nb)
+        .flat_map(|b| {
+            let tiles = &tiles_of[if band.batch() == 1 { 0 } else { b }];
+            (0..nh).flat_map(move |h| tiles.iter().map(move |&(i0, i1)| (b, h, i0, i1)))
+        })
         .collect();
     let tiles: Vec<(Vec<f32>, Vec<f32>)> = units
         .par_iter()
-        .map(|&(b, h, qb)| fwd_tile(q, k, v, dims, lim, scale, b, h, qb * FWD_BQ))
+        .map(|&(b, h, i0, i1)| fwd_tile(q, k, v, dims, band.row(b), scale, b, h, (i0, i1)))
         .collect();
     let mut out = vec![0f32; nb * t * nh * d];
     let mut lse = vec![f32::NEG_INFINITY; nb * nh * t];
-    for (&(b, h, qb), (o, l)) in units.iter().zip(tiles.iter()) {
-        let i0 = qb * FWD_BQ;
+    for (&(b, h, i0, _), (o, l)) in units.iter().zip(tiles.iter()) {
         for (r, lr) in l.iter().enumerate() {
             let i = i0 + r;
             let dst = ((b * t + i) * nh + h) * d;
@@ -86,31 +71,53 @@ pub(crate) fn forward(
     (out, lse)
 }
 
+/// Rows (or keys) a band-aware tile holds at least before it may end early.
+const MIN_TILE: usize = 16;
+
+/// Query tiles `[i0, i1)` over the rows of one band row: at most `max` rows each, and a tile
+/// also ends (once it holds [`MIN_TILE`] rows) before a row that sees none of the keys its
+/// first row sees — a new packed document, or a window that moved past. So a tile of short
+/// documents does not compute the dense (rows × keys) rectangle across document boundaries;
+/// for a causal or full mask the tiles are the plain `max`-row tiles.
+fn query_tiles(lo: &[u32], hi: &[u32], max: usize) -> Vec<(usize, usize)> {
+    let t = lo.len();
+    let mut out = Vec::with_capacity(t.div_ceil(max));
+    let mut i0 = 0;
+    while i0 < t {
+        let cap = (i0 + max).min(t);
+        let from = (i0 + MIN_TILE).min(cap);
+        let edge = hi[i0].max(lo[i0] + 1); // an empty first row: wait for rows that see keys
+        let i1 = from + lo[from..cap].partition_point(|&a| a < edge);
+        out.push((i0, i1));
+        i0 = i1;
+    }
+    out
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fwd_tile(
     q: &[f32],
     k: &[f32],
     v: &[f32],
     dims: Dims,
-    lim: &[usize],
+    (lo, hi): (&[u32], &[u32]),
     scale: f32,
     b: usize,
     h: usize,
-    i0: usize,
+    (i0, i1): (usize, usize),
 ) -> (Vec<f32>, Vec<f32>) {
     let Dims { t, s, h: nh, hkv, d, .. } = dims;
-    let i1 = (i0 + FWD_BQ).min(t);
     let qn = i1 - i0;
     let hk = h / dims.g();
     let (qrs, krs) = (nh * d, hkv * d);
     let qoff = ((b * t + i0) * nh + h) * d;
     let koff = (b * s * hkv + hk) * d;
-    let kmax = lim[i1 - 1];
+    let kmax = hi[i1 - 1] as usize;
     let mut o = vec![0f32; qn * d];
     let mut m = vec![f32::NEG_INFINITY; qn];
     let mut l = vec![0f32; qn];
     let mut sb = vec![0f32; qn * FWD_BK];
-    let mut j0 = 0;
+    let mut j0 = lo[i0] as usize;
     while j0 < kmax {
         let j1 = (j0 + FWD_BK).min(kmax);
         let jn = j1 - j0;
@@ -118,16 +125,19 @@ fn fwd_tile(
         matmul(qn, jn, d, &mut sb, jn, false, Mat::new(q, qoff, qrs, 1), Mat::new(k, kb, 1, krs), scale);
         for r in 0..qn {
             let row = &mut sb[r * jn..(r + 1) * jn];
-            let vis = lim[i0 + r].saturating_sub(j0).min(jn);
-            if vis == 0 {
+            // visible columns of this row in the tile: [va, vb)
+            let va = (lo[i0 + r] as usize).saturating_sub(j0).min(jn);
+            let vb = (hi[i0 + r] as usize).saturating_sub(j0).min(jn);
+            if va >= vb {
                 row.fill(0.0);
                 continue;
             }
-            let bm = row_max(&row[..vis]);
+            let bm = row_max(&row[va..vb]);
             let mnew = m[r].max(bm);
             let alpha = exp_f32(m[r] - mnew);
-            let sum = exp_sub_sum(&mut row[..vis], mnew);
-            row[vis..].fill(0.0);
+            let sum = exp_sub_sum(&mut row[va..vb], mnew);
+            row[..va].fill(0.0);
+            row[vb..].fill(0.0);
             l[r] = l[r] * alpha + sum;
             m[r] = mnew;
             if alpha != 1.0 {
@@ -163,7 +173,7 @@ pub(crate) fn backward(
     lse: &[f32],
     dout: &[f32],
     dims: Dims,
-    lim: &[usize],
+    band: &Band,
     scale: f32,
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let Dims { b: nb, t, s, h: nh, hkv, d } = dims;
@@ -191,7 +201,7 @@ pub(crate) fn backward(
             (0..nh).flat_map(move |h| cb.iter().map(move |&(c0, c1)| (b, h, c0, c1)))
         })
         .collect();
-    let ctx = BwdCtx { q, k, v, dout, lse, delta: &delta, dims, lim, scale };
+    let ctx = BwdCtx { q, k, v, dout, lse, delta: &delta, dims, band, scale };
     let parts: Vec<BwdPart> = units.par_iter().map(|&(b, h, c0, c1)| ctx.unit(b, h, c0, c1)).collect();
     let mut dq = vec![0f32; nb * t * nh * d];
     let mut dk = vec![0f32; nb * s * hkv * d];
@@ -228,14 +238,39 @@ struct BwdCtx<'a> {
     lse: &'a [f32],
     delta: &'a [f32],
     dims: Dims,
-    lim: &'a [usize],
+    band: &'a Band,
     scale: f32,
 }
 
 impl BwdCtx<'_> {
-    /// First query row that sees key `j` (`t` if none).
-    fn first_query(&self, j: usize) -> usize {
-        self.lim.partition_point(|&n| n <= j)
+    /// First query row of batch row `b` that may see key `j` or a later key: the first with
+    /// `hi > j` (`t` if none).
+    fn first_query(&self, b: usize, j: usize) -> usize {
+        self.band.row(b).1.partition_point(|&n| n as usize <= j)
+    }
+
+    /// End of the query rows of batch row `b` that may see a key before `j`: the first row
+    /// with `lo >= j` (`t` if none).
+    fn end_query(&self, b: usize, j: usize) -> usize {
+        self.band.row(b).0.partition_point(|&n| (n as usize) < j)
+    }
+
+    /// End of the key tile starting at `j0` (at most `cap`): once it holds [`MIN_TILE`] keys,
+    /// before the first key whose query rows are all past the rows that see key `j0` (a new
+    /// packed document), mirroring [`query_tiles`].
+    fn key_tile_end(&self, b: usize, j0: usize, cap: usize) -> usize {
+        let rows_end = self.end_query(b, j0 + 1); // rows seeing key j0 end before this one
+        let (mut a, mut z) = ((j0 + MIN_TILE).min(cap), cap);
+        // first j in [a, z) with first_query(j) >= rows_end (first_query is non-decreasing)
+        while a < z {
+            let m = a + (z - a) / 2;
+            if self.first_query(b, m) < rows_end {
+                a = m + 1;
+            } else {
+                z = m;
+            }
+        }
+        a.max(j0 + 1)
     }
 
     /// dk/dv for keys `c0..c1` of query head `h` and this chunk's contribution to dq.
@@ -246,22 +281,25 @@ impl BwdCtx<'_> {
         let qbase = (b * t * nh + h) * d;
         let kbase = (b * s * hkv + hk) * d;
         let rbase = (b * nh + h) * t;
-        let iq0 = self.first_query(c0);
-        let mut dq = vec![0f32; (t - iq0) * d];
+        let (lo, hi) = self.band.row(b);
+        let iq0 = self.first_query(b, c0).min(self.end_query(b, c1));
+        let iq1 = self.end_query(b, c1).max(iq0);
+        let mut dq = vec![0f32; (iq1 - iq0) * d];
         let mut dk = vec![0f32; (c1 - c0) * d];
         let mut dv = vec![0f32; (c1 - c0) * d];
         let mut pb = vec![0f32; BWD_BQ * BWD_BK];
         let mut db = vec![0f32; BWD_BQ * BWD_BK];
         let mut j0 = c0;
         while j0 < c1 {
-            let j1 = (j0 + BWD_BK).min(c1);
+            let j1 = self.key_tile_end(b, j0, (j0 + BWD_BK).min(c1));
             let jn = j1 - j0;
             let kb = kbase + j0 * krs;
             let dk_acc = &mut dk[(j0 - c0) * d..(j1 - c0) * d];
             let dv_acc = &mut dv[(j0 - c0) * d..(j1 - c0) * d];
-            let mut i0 = self.first_query(j0);
-            while i0 < t {
-                let i1 = (i0 + BWD_BQ).min(t);
+            let mut i0 = self.first_query(b, j0);
+            let iend = self.end_query(b, j1);
+            while i0 < iend {
+                let i1 = (i0 + BWD_BQ).min(iend);
                 let qn = i1 - i0;
                 let qo = qbase + i0 * qrs;
                 let qm = Mat::new(self.q, qo, qrs, 1);
@@ -271,13 +309,15 @@ impl BwdCtx<'_> {
                 for r in 0..qn {
                     let row = &mut pb[r * jn..(r + 1) * jn];
                     let l = self.lse[rbase + i0 + r];
-                    let vis = self.lim[i0 + r].saturating_sub(j0).min(jn);
-                    if vis == 0 || l == f32::NEG_INFINITY {
+                    let va = (lo[i0 + r] as usize).saturating_sub(j0).min(jn);
+                    let vb = (hi[i0 + r] as usize).saturating_sub(j0).min(jn);
+                    if va >= vb || l == f32::NEG_INFINITY {
                         row.fill(0.0);
                         continue;
                     }
-                    exp_sub(&mut row[..vis], l);
-                    row[vis..].fill(0.0);
+                    exp_sub(&mut row[va..vb], l);
+                    row[..va].fill(0.0);
+                    row[vb..].fill(0.0);
                 }
                 // dV += P^T dO
                 matmul(jn, d, qn, dv_acc, d, true, Mat::new(&pb, 0, 1, jn), dom, 1.0);
@@ -298,35 +338,5 @@ impl BwdCtx<'_> {
             j0 = j1;
         }
         BwdPart { iq0, dq, dk, dv }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    /// `row_limits` is exactly `Mask::visible`, and visibility is a prefix of the keys.
-    #[test]
-    fn limits_match_visible() {
-        let masks = [
-            Mask::Full,
-            Mask::causal(),
-            Mask::causal_offsets(5, 0),
-            Mask::causal_offsets(0, 7),
-            Mask::Causal { q_offset: 1, q_stride: 4, k_offset: 3, k_stride: 4 },
-            Mask::Causal { q_offset: 0, q_stride: 2, k_offset: 0, k_stride: 3 },
-        ];
-        for m in masks {
-            let (t, s) = (13, 17);
-            let lim = row_limits(&m, t, s);
-            for i in 0..t {
-                for j in 0..s {
-                    assert_eq!(m.visible(i, j), j < lim[i], "{m:?} ({i}, {j})");
-                }
-                if i > 0 {
-                    assert!(lim[i] >= lim[i - 1]);
-                }
-            }
-        }
     }
 }

@@ -16,6 +16,7 @@
 //! slot (`Arc<Mutex<Option<Tensor>>>`) held by the op struct, which `attention` reads to return
 //! it and which the op's `bwd` reads to run the backward.
 
+mod band;
 mod blas;
 #[cfg(feature = "cuda")]
 mod cuda;
@@ -25,11 +26,14 @@ mod op;
 mod slow;
 mod window;
 
+pub use band::Band;
 pub use merge::merge;
 pub use op::AttentionOp;
-pub use slow::{attention_docs_mask_slow, attention_docs_slow, attention_slow};
+pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
+use crate::cp::ring::MaskSpec;
 use crate::packing::Documents;
+use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Which (query, key) pairs are visible.
@@ -164,6 +168,39 @@ pub(crate) fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
     x.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()
 }
 
+/// The f32 contents of a tensor on the host (row-major): borrowed from a contiguous f32 CPU
+/// tensor (no copy), else a copy ([`host_f32`]).
+pub(crate) enum HostF32<'a> {
+    /// The tensor's own storage, elements `[a, b)`.
+    Borrowed(Box<dyn std::ops::Deref<Target = candle_core::Storage> + 'a>, usize, usize),
+    /// A converted copy.
+    Owned(Vec<f32>),
+}
+
+impl std::ops::Deref for HostF32<'_> {
+    type Target = [f32];
+    fn deref(&self) -> &[f32] {
+        match self {
+            HostF32::Borrowed(g, a, b) => match &***g {
+                candle_core::Storage::Cpu(candle_core::CpuStorage::F32(v)) => &v[*a..*b],
+                _ => &[], // never built for other storages (see host_f32_ref)
+            },
+            HostF32::Owned(v) => v,
+        }
+    }
+}
+
+/// [`HostF32`] of `x`: no copy for a contiguous f32 CPU tensor.
+pub(crate) fn host_f32_ref(x: &Tensor) -> Result<HostF32<'_>> {
+    if x.device().is_cpu() && x.dtype() == DType::F32 {
+        let (st, layout) = x.storage_and_layout();
+        if let (candle_core::Storage::Cpu(candle_core::CpuStorage::F32(_)), Some((a, b))) = (&*st, layout.contiguous_offsets()) {
+            return Ok(HostF32::Borrowed(Box::new(st), a, b));
+        }
+    }
+    Ok(HostF32::Owned(host_f32(x)?))
+}
+
 /// Raw forward, no graph. q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32/bf16/f16) ->
 /// out f32 `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). A query row with no visible key
 /// gets out 0 and lse `-inf`. `T`, `S` are the *local* lengths; the mask carries the global
@@ -171,7 +208,10 @@ pub(crate) fn host_f32(x: &Tensor) -> Result<Vec<f32>> {
 pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention_fwd", q, k, v, mask)?;
     if let Mask::Window { .. } = mask {
-        return window::fwd(q, k, v, mask, scale, dims);
+        if !band_kernels(q) {
+            return window::fwd(q, k, v, mask, scale, dims);
+        }
+        return attention_fwd_band(q, k, v, &Band::from_mask(mask, dims.t, dims.s), scale);
     }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(q.dim(3)?) {
@@ -213,23 +253,26 @@ pub fn attention_bwd(
     check_like("attention_bwd", "dout", dout, &[b, t, h, d], q)?;
     check_like("attention_bwd", "lse", lse, &[b, h, t], q)?;
     if let Mask::Window { .. } = mask {
-        return window::bwd(q, k, v, out, lse, dout, mask, scale, dims);
+        if !band_kernels(q) {
+            return window::bwd(q, k, v, out, lse, dout, mask, scale, dims);
+        }
+        return attention_bwd_band(q, k, v, out, lse, dout, &Band::from_mask(mask, t, s), scale);
     }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(d) {
         return cuda::bwd(q, k, v, out, lse, dout, mask, scale);
     }
     // Other devices / head dims: the CPU kernel on host copies.
-    let lim = kernel::row_limits(mask, t, s);
+    let band = Band::from_mask(mask, t, s);
     let (dq, dk, dv) = kernel::backward(
-        &host_f32(q)?,
-        &host_f32(k)?,
-        &host_f32(v)?,
-        &host_f32(out)?,
-        &host_f32(lse)?,
-        &host_f32(dout)?,
+        &host_f32_ref(q)?,
+        &host_f32_ref(k)?,
+        &host_f32_ref(v)?,
+        &host_f32_ref(out)?,
+        &host_f32_ref(lse)?,
+        &host_f32_ref(dout)?,
         dims,
-        &lim,
+        &band,
         scale as f32,
     );
     let dev = q.device();
@@ -246,13 +289,106 @@ pub fn attention_bwd(
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention", q, k, v, mask)?;
     if let Mask::Window { .. } = mask {
-        return window_autograd(q, k, v, mask, scale, dims);
+        if !band_kernels(q) {
+            return window_autograd(q, k, v, mask, scale, dims);
+        }
+        return attention_band(q, k, v, &Band::from_mask(mask, dims.t, dims.s), scale);
     }
     let op = AttentionOp::new(*mask, scale, false);
     let slot = op.lse_slot();
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let out = q.apply_op3(&k, &v, op)?;
     let lse = op::read_lse(&slot, "attention")?;
+    Ok((out, lse))
+}
+
+/// Do the kernels for `q`'s device take a [`Band`] directly (CPU: always; CUDA: the
+/// `Simple`/`Pipelined` kernels)? Otherwise window masks are split into full/causal calls
+/// (module `window`) and documents into one call per document.
+fn band_kernels(q: &Tensor) -> bool {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() {
+        return q.dim(3).map(cuda::supported).unwrap_or(false);
+    }
+    q.device().is_cpu()
+}
+
+/// Raw forward under a [`Band`] (per-row key intervals), no graph: q `[B, T, H, D]`, k/v
+/// `[B, S, Hkv, D]` -> out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; the band is `[1 or B, T]`
+/// over `S` keys. A row with an empty interval gets out 0 and lse `-inf`. One kernel call
+/// whatever the band holds (documents, windows, causal edges).
+pub fn attention_fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+    let dims = check_qkv("attention_fwd_band", q, k, v, &Mask::Full)?;
+    band.check("attention_fwd_band", dims.b, dims.t, dims.s)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && cuda::supported(dims.d) {
+        return cuda::fwd_band(q, k, v, band, scale);
+    }
+    if !q.device().is_cpu() {
+        let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
+        let (out, lse) = attention_fwd_band(&cpu(q)?, &cpu(k)?, &cpu(v)?, band, scale)?;
+        return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));
+    }
+    let op = AttentionOp::with_band(Arc::new(band.clone()), scale, true);
+    let slot = op.lse_slot();
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
+    let lse = op::read_lse(&slot, "attention_fwd_band")?;
+    Ok((out, lse))
+}
+
+/// Raw backward under a [`Band`], no graph (see [`attention_bwd`] for `out`/`lse`, which are
+/// the whole attention's). Returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_band(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    band: &Band,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
+    let AttnDims { b, t, s, h, hkv, d } = dims;
+    band.check("attention_bwd_band", b, t, s)?;
+    check_like("attention_bwd_band", "out", out, &[b, t, h, d], q)?;
+    check_like("attention_bwd_band", "dout", dout, &[b, t, h, d], q)?;
+    check_like("attention_bwd_band", "lse", lse, &[b, h, t], q)?;
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && cuda::supported(d) {
+        return cuda::bwd_band(q, k, v, out, lse, dout, band, scale);
+    }
+    let (dq, dk, dv) = kernel::backward(
+        &host_f32_ref(q)?,
+        &host_f32_ref(k)?,
+        &host_f32_ref(v)?,
+        &host_f32_ref(out)?,
+        &host_f32_ref(lse)?,
+        &host_f32_ref(dout)?,
+        dims,
+        band,
+        scale as f32,
+    );
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, (b, t, h, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dk, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dv, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+    ))
+}
+
+/// Autograd attention under a [`Band`]: out `[B, T, H, D]` in q's dtype (differentiable
+/// w.r.t. q, k, v), lse f32 `[B, H, T]`. One kernel call forward, one backward.
+pub fn attention_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+    let dims = check_qkv("attention_band", q, k, v, &Mask::Full)?;
+    band.check("attention_band", dims.b, dims.t, dims.s)?;
+    let op = AttentionOp::with_band(Arc::new(band.clone()), scale, false);
+    let slot = op.lse_slot();
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let out = q.apply_op3(&k, &v, op)?;
+    let lse = op::read_lse(&slot, "attention_band")?;
     Ok((out, lse))
 }
 
@@ -300,9 +436,21 @@ pub fn attention_docs_mask(
     mask: &Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
-    check_docs("attention_docs", q, k, v, docs)?;
+    let t = check_docs("attention_docs", q, k, v, docs)?;
     if docs.count() == 1 {
         return attention(q, k, v, mask, scale);
+    }
+    if band_kernels(q) {
+        let spec = match *mask {
+            Mask::Full => MaskSpec { causal: false, window: None, docs: Some(docs) },
+            Mask::Causal { .. } if *mask == Mask::causal() => MaskSpec { causal: true, window: None, docs: Some(docs) },
+            Mask::Window { window, .. } if *mask == Mask::sliding_window(window) => {
+                MaskSpec { causal: true, window: Some(window), docs: Some(docs) }
+            }
+            _ => candle_core::bail!("attention_docs: the mask inside documents must be Full, Mask::causal() or Mask::sliding_window(w), got {mask:?} (q {:?})", q.shape()),
+        };
+        let pos: Vec<usize> = (0..t).collect();
+        return attention_band(q, k, v, &Band::from_positions(&pos, &pos, spec)?, scale);
     }
     let mut outs = Vec::with_capacity(docs.count());
     let mut lses = Vec::with_capacity(docs.count());

@@ -1,6 +1,6 @@
 //! [`AttentionOp`]: the candle `CustomOp3` wrapping the blockwise kernels.
 
-use super::{attention_bwd, kernel, Mask};
+use super::{attention_bwd, attention_bwd_band, kernel, Band, Mask};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -18,8 +18,10 @@ pub(crate) type LseSlot = Arc<Mutex<Option<Tensor>>>;
 /// [`attention_bwd`] with the op's output. A CUDA implementation adds `cuda_fwd` here,
 /// filling the same slot.
 pub struct AttentionOp {
-    /// Visibility of (query, key) pairs in global positions.
+    /// Visibility of (query, key) pairs in global positions (ignored when `band` is set).
     pub mask: Mask,
+    /// Visibility as per-row key intervals ([`Band`]); takes precedence over `mask`.
+    pub band: Option<Arc<Band>>,
     /// Multiplier of q·k (usually 1/sqrt(D)).
     pub scale: f64,
     /// Forward output dtype: f32 when true (raw `attention_fwd`), q's dtype otherwise.
@@ -30,7 +32,12 @@ pub struct AttentionOp {
 impl AttentionOp {
     /// New op with an empty lse slot.
     pub fn new(mask: Mask, scale: f64, f32_out: bool) -> Self {
-        Self { mask, scale, f32_out, lse: Arc::new(Mutex::new(None)) }
+        Self { mask, scale, f32_out, band: None, lse: Arc::new(Mutex::new(None)) }
+    }
+
+    /// New op whose visibility is `band` (per-row key intervals), with an empty lse slot.
+    pub fn with_band(band: Arc<Band>, scale: f64, f32_out: bool) -> Self {
+        Self { mask: Mask::Full, scale, f32_out, band: Some(band), lse: Arc::new(Mutex::new(None)) }
     }
 
     /// Handle on the slot where the forward leaves lse `[B, H, T]`.
@@ -60,11 +67,12 @@ fn storage_f32<'a>(s: &'a CpuStorage, l: &Layout, what: &str) -> Result<Cow<'a, 
     })
 }
 
-/// The kernels take full and causal masks only: a window mask must go through
-/// [`super::attention`] / [`super::attention_fwd`], which split it.
-fn reject_window(mask: &Mask) -> Result<()> {
-    if let Mask::Window { .. } = mask {
-        candle_core::bail!("AttentionOp: the kernels take full and causal masks; use attention() or attention_fwd() for {mask:?} (they split a window into kernel calls)")
+/// A window mask goes in as a band ([`Band::from_mask`], which [`super::attention`] and
+/// [`super::attention_fwd`] do), not as `Mask::Window`.
+fn reject_window(op: &AttentionOp) -> Result<()> {
+    let mask = &op.mask;
+    if let (Mask::Window { .. }, None) = (mask, &op.band) {
+        candle_core::bail!("AttentionOp: the kernels take full and causal masks and bands; use attention() or attention_fwd() for {mask:?} (they turn a window into a band)")
     }
     Ok(())
 }
@@ -83,7 +91,7 @@ impl CustomOp3 for AttentionOp {
         s3: &CpuStorage,
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
-        reject_window(&self.mask)?;
+        reject_window(self)?;
         let (b, t, h, d) = l1.shape().dims4()?;
         let (_, s, hkv, _) = l2.shape().dims4()?;
         if l3.shape() != l2.shape() || hkv == 0 || h % hkv != 0 {
@@ -93,8 +101,14 @@ impl CustomOp3 for AttentionOp {
         let k = storage_f32(s2, l2, "k")?;
         let v = storage_f32(s3, l3, "v")?;
         let dims = kernel::Dims { b, t, s, h, hkv, d };
-        let lim = kernel::row_limits(&self.mask, t, s);
-        let (out, lse) = kernel::forward(&q, &k, &v, dims, &lim, self.scale as f32);
+        let band = match &self.band {
+            Some(band) => {
+                band.check("attention", b, t, s)?;
+                band.clone()
+            }
+            None => Arc::new(Band::from_mask(&self.mask, t, s)),
+        };
+        let (out, lse) = kernel::forward(&q, &k, &v, dims, &band, self.scale as f32);
         let lse = Tensor::from_vec(lse, (b, h, t), &Device::Cpu)?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         let storage = match (self.f32_out, s1.dtype()) {
@@ -118,7 +132,7 @@ impl CustomOp3 for AttentionOp {
         s3: &candle_core::CudaStorage,
         l3: &Layout,
     ) -> Result<(candle_core::CudaStorage, Shape)> {
-        reject_window(&self.mask)?;
+        reject_window(self)?;
         super::cuda::op_fwd(self, s1, l1, s2, l2, s3, l3)
     }
 
@@ -131,7 +145,10 @@ impl CustomOp3 for AttentionOp {
         grad_res: &Tensor,
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let lse = read_lse(&self.lse, "attention backward")?;
-        let (dq, dk, dv) = attention_bwd(q, k, v, res, &lse, grad_res, &self.mask, self.scale)?;
+        let (dq, dk, dv) = match &self.band {
+            Some(band) => attention_bwd_band(q, k, v, res, &lse, grad_res, band, self.scale)?,
+            None => attention_bwd(q, k, v, res, &lse, grad_res, &self.mask, self.scale)?,
+        };
         Ok((Some(dq.to_dtype(q.dtype())?), Some(dk.to_dtype(k.dtype())?), Some(dv.to_dtype(v.dtype())?)))
     }
 }

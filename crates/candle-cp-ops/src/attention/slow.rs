@@ -1,6 +1,6 @@
 //! `attention_slow`: the reference attention from plain candle ops (materialises T×S).
 
-use super::{check_qkv, Mask};
+use super::{check_qkv, Band, Mask};
 use crate::packing::Documents;
 use candle_core::{DType, Device, Result, Tensor, D};
 
@@ -47,6 +47,24 @@ pub fn attention_docs_mask_slow(
         }
         _ => false,
     })
+}
+
+/// [`attention_slow`] under a [`Band`] (the reference for [`super::attention_band`]); a band
+/// with one row per batch row is applied row by row. For tests only.
+pub fn attention_band_slow(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+    let dims = check_qkv("attention_band_slow", q, k, v, &Mask::Full)?;
+    band.check("attention_band_slow", dims.b, dims.t, dims.s)?;
+    if band.batch() == 1 {
+        return slow_with(q, k, v, scale, |i, j| band.visible(0, i, j));
+    }
+    let (mut outs, mut lses) = (Vec::new(), Vec::new());
+    for b in 0..dims.b {
+        let r = |x: &Tensor| x.narrow(0, b, 1);
+        let (o, l) = slow_with(&r(q)?, &r(k)?, &r(v)?, scale, |i, j| band.visible(b, i, j))?;
+        outs.push(o);
+        lses.push(l);
+    }
+    Ok((Tensor::cat(&outs, 0)?, Tensor::cat(&lses, 0)?))
 }
 
 /// The reference computation with visibility `visible(query row, key row)`.

@@ -4,8 +4,9 @@
 //! K/V in token order, and attends its local query segments against the key *prefix* each
 //! segment can see (causal) or against all keys (full), with the segment's global offset and
 //! stride in the mask (segments longer than [`CpOpts::rows_per_call`] go in row chunks, each
-//! against its own prefix; with packed documents each chunk is split along the documents,
-//! each piece against the keys of its own document). Backward: K/V are all-gathered again
+//! against its own prefix; with packed documents each chunk is one band call
+//! ([`crate::attention::Band`]) against the keys of the documents it touches, every row
+//! against its own document's keys only). Backward: K/V are all-gathered again
 //! (not kept between forward and backward), per-chunk attention backward gives dQ locally and
 //! a global-length f32 dK/dV contribution; a reduce-scatter (in the layout's shard order)
 //! returns each rank the sum for its own shard.
@@ -21,25 +22,30 @@ use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_fwd, Mask};
+use crate::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
 use std::time::Instant;
 
-/// One attention call: query rows `q` against the global keys `[k0, k0 + n)` with `mask`.
-#[derive(Clone, Copy, Debug)]
+/// One attention call: query rows `q` against the global keys `[k0, k0 + n)` with `mask`, or
+/// with `band` (over those `n` keys) when set.
+#[derive(Clone, Debug)]
 struct Call {
     q: Segment,
     k0: usize,
     n: usize,
     mask: Mask,
+    band: Option<Band>,
 }
 
 impl Call {
     /// Visible (query, key) pairs of the call.
     fn pairs(&self, causal: bool) -> u64 {
+        if let Some(b) = &self.band {
+            return b.pairs();
+        }
         let keys = Segment { offset: self.k0, stride: 1, len: self.n, local: 0 };
         match self.mask {
             Mask::Window { window, .. } => crate::cp::balance::visible_pairs_window(&self.q, &keys, window),
@@ -55,14 +61,23 @@ fn call_for(seg: Segment, k0: usize, end: usize, causal: bool, window: Option<us
     if let (true, Some(w)) = (causal, window) {
         let k0 = k0.max((seg.offset + 1).saturating_sub(w));
         let mask = Mask::Window { q_offset: seg.offset, q_stride: seg.stride, k_offset: k0, k_stride: 1, window: w };
-        return Call { q: seg, k0, n: seg.last() + 1 - k0, mask };
+        return Call { q: seg, k0, n: seg.last() + 1 - k0, mask, band: None };
     }
     if causal {
         let mask = Mask::Causal { q_offset: seg.offset, q_stride: seg.stride, k_offset: k0, k_stride: 1 };
-        Call { q: seg, k0, n: seg.last() + 1 - k0, mask }
+        Call { q: seg, k0, n: seg.last() + 1 - k0, mask, band: None }
     } else {
-        Call { q: seg, k0, n: end - k0, mask: Mask::Full }
+        Call { q: seg, k0, n: end - k0, mask: Mask::Full, band: None }
     }
+}
+
+/// With packed documents: the band call of query rows `seg` against the global keys their
+/// documents (and window) let them see (every row sees at least itself or its document).
+fn band_call(seg: Segment, t: usize, opts: &CpOpts) -> Result<Call> {
+    let q: Vec<usize> = (0..seg.len).map(|i| seg.offset + i * seg.stride).collect();
+    let keys: Vec<usize> = (0..t).collect();
+    let (k0, band) = Band::from_positions(&q, &keys, opts.mask_spec())?.trim_keys();
+    Ok(Call { q: seg, k0, n: band.keys(), mask: Mask::Full, band: Some(band) })
 }
 
 /// All-gather K/V and rebuild them in token order: `[2, B, T, Hkv, D]` (k, v stacked).
@@ -74,21 +89,15 @@ pub(super) fn gather_kv(k: &Tensor, v: &Tensor, group: &Group, opts: &CpOpts) ->
 
 /// This rank's attention calls: the layout's segments split into runs of at most
 /// [`CpOpts::rows_per_call`] rows on `dev`, each against its own key prefix; with packed
-/// documents each run is split again along the documents, each piece against the keys of its
-/// document (up to its last position when causal). The calls' query rows cover the local rows
-/// once, in order.
+/// documents one band call per run. The calls' query rows cover the local rows once, in
+/// order.
 fn calls(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Result<Vec<Call>> {
     let rows = opts.rows_per_call(dev);
     let mut out = Vec::new();
     for seg in opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, rows)) {
         match &opts.documents {
             None => out.push(call_for(seg, 0, dims.t, opts.causal, opts.window)),
-            Some(docs) => {
-                for (d, piece) in docs.split(&seg) {
-                    let (a, b) = docs.range(d);
-                    out.push(call_for(piece, a, b, opts.causal, opts.window));
-                }
-            }
+            Some(_) => out.push(band_call(seg, dims.t, opts)?),
         }
     }
     Ok(out)
@@ -112,13 +121,11 @@ pub(super) fn fwd(
     let mut lses = Vec::new();
     for c in calls(rank, p, opts, dims, q.device())? {
         let qs = q.narrow(1, c.q.local, c.q.len)?.contiguous()?;
-        let (o, l) = attention_fwd(
-            &qs,
-            &kg.narrow(1, c.k0, c.n)?.contiguous()?,
-            &vg.narrow(1, c.k0, c.n)?.contiguous()?,
-            &c.mask,
-            scale,
-        )?;
+        let (kn, vn) = (kg.narrow(1, c.k0, c.n)?.contiguous()?, vg.narrow(1, c.k0, c.n)?.contiguous()?);
+        let (o, l) = match &c.band {
+            Some(band) => attention_fwd_band(&qs, &kn, &vn, band, scale)?,
+            None => attention_fwd(&qs, &kn, &vn, &c.mask, scale)?,
+        };
         outs.push(o);
         lses.push(l);
         st.blocks += 1;
@@ -157,16 +164,11 @@ pub(super) fn bwd(
             kg.narrow(1, c.k0, c.n)?.contiguous()?,
             vg.narrow(1, c.k0, c.n)?.contiguous()?,
         );
-        let (dqs, dk, dv) = attention_bwd(
-            &r(q, 1)?,
-            &kn,
-            &vn,
-            &r(out, 1)?,
-            &r(lse, 2)?,
-            &r(dout, 1)?,
-            &c.mask,
-            scale,
-        )?;
+        let (qr, or, lr, dr) = (r(q, 1)?, r(out, 1)?, r(lse, 2)?, r(dout, 1)?);
+        let (dqs, dk, dv) = match &c.band {
+            Some(band) => attention_bwd_band(&qr, &kn, &vn, &or, &lr, &dr, band, scale)?,
+            None => attention_bwd(&qr, &kn, &vn, &or, &lr, &dr, &c.mask, scale)?,
+        };
         dq.add_rows(0, c.q.local, &dqs)?;
         dkv.add_rows(0, c.k0, &dk)?;
         dkv.add_rows(1, c.k0, &dv)?;

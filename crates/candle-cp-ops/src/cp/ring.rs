@@ -39,7 +39,9 @@
 //! travels with the chunk, and after `P` hops the accumulator is back at its owner. dQ stays
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
 
+mod bands;
 mod schedule;
+pub use bands::{local_positions, row_chunks, step_band};
 pub use schedule::{
     block_schedule, block_schedule_mask, call_pairs, classify, classify_mask, fuse_full_blocks, split_rows, step_schedule, step_schedule_mask,
     sub_blocks, sub_blocks_window, Block, MaskSpec, Scheduled,
@@ -50,7 +52,7 @@ use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::shard::Segment;
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_fwd};
+use crate::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
@@ -81,6 +83,20 @@ pub fn active_steps(opts: &CpOpts, p: usize, t: usize) -> Result<usize> {
         }
     }
     Ok(1)
+}
+
+/// Do this ring's calls go through [`step_band`] (packed documents or a sliding window: one
+/// band call per step and row chunk) rather than the block schedule?
+fn uses_bands(opts: &CpOpts) -> bool {
+    opts.documents.is_some() || opts.window.is_some()
+}
+
+/// The step's scheduled blocks, none when the step goes through bands.
+fn schedule_unless_bands(opts: &CpOpts, rank: usize, src: usize, p: usize, t: usize) -> Result<Vec<Scheduled>> {
+    if uses_bands(opts) {
+        return Ok(Vec::new());
+    }
+    step_schedule_mask(opts.layout, rank, src, p, t, opts.mask_spec())
 }
 
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
@@ -133,14 +149,31 @@ pub(super) fn fwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
-            let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
-                let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
-                state.merge_rows(qs.local, &o, &l)?;
+        if uses_bands(opts) {
+            // documents / window: one band call per row chunk (module `bands`)
+            let band = step_band(opts.layout, rank, src, p, dims.t, opts.mask_spec())?;
+            for (r0, rn) in row_chunks(tl, rows_per_call) {
+                let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
+                if bnd.is_empty() {
+                    continue;
+                }
+                let (kb, vb) = (kc.narrow(1, k0, bnd.keys())?.contiguous()?, vc.narrow(1, k0, bnd.keys())?.contiguous()?);
+                let (o, l) = attention_fwd_band(&q.narrow(1, r0, rn)?.contiguous()?, &kb, &vb, &bnd, scale)?;
+                state.merge_rows(r0, &o, &l)?;
                 st.blocks += 1;
-                st.area += (qs.len * sb.k.len) as u64;
-                st.pairs += call_pairs(&qs, &sb.k, &block);
+                st.area += (rn * bnd.keys()) as u64;
+                st.pairs += bnd.pairs();
+            }
+        } else {
+            for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
+                let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
+                for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
+                    let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
+                    state.merge_rows(qs.local, &o, &l)?;
+                    st.blocks += 1;
+                    st.area += (qs.len * sb.k.len) as u64;
+                    st.pairs += call_pairs(&qs, &sb.k, &block);
+                }
             }
         }
         st.compute = t0.elapsed();
@@ -228,7 +261,26 @@ pub(super) fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
-        for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
+        if uses_bands(opts) {
+            let band = step_band(opts.layout, rank, src, p, dims.t, opts.mask_spec())?;
+            for (r0, rn) in row_chunks(dims.tl, rows_per_call) {
+                let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
+                if bnd.is_empty() {
+                    continue;
+                }
+                let (kb, vb) = (kc.narrow(1, k0, bnd.keys())?.contiguous()?, vc.narrow(1, k0, bnd.keys())?.contiguous()?);
+                let r = |x: &Tensor, dim: usize| x.narrow(dim, r0, rn)?.contiguous();
+                let (dqb, dkb, dvb) =
+                    attention_bwd_band(&r(q, 1)?, &kb, &vb, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &bnd, scale)?;
+                dq.add_rows(0, r0, &dqb)?;
+                dkv.add_rows(0, k0, &dkb)?;
+                dkv.add_rows(1, k0, &dvb)?;
+                st.blocks += 1;
+                st.area += (rn * bnd.keys()) as u64;
+                st.pairs += bnd.pairs();
+            }
+        }
+        for sb in schedule_unless_bands(opts, rank, src, p, dims.t)? {
             let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
             for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
                 let (qr, or, lr, dr) = (
