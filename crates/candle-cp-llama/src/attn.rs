@@ -17,8 +17,8 @@
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention, attention_docs_mask, Mask};
-use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
+use candle_cp_ops::attention::{attention, attention_band, attention_docs_mask, Band, Mask};
+use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts, MaskSpec};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 
@@ -63,6 +63,19 @@ pub fn attend_window(
     let b = q.dim(0)?;
     match docs {
         [d] => attend_one(q, k, v, ctx, scale, Some(d), window),
+        rows if rows.len() == b && b > 1 && ctx.layout.cp == 1 => {
+            // one device: one call, one band per row
+            let t = q.dim(1)?;
+            let pos: Vec<usize> = (0..t).collect();
+            let bands = rows
+                .iter()
+                .map(|d| {
+                    d.check_len(&format!("attend: q {:?} (one device)", q.dims()), t)?;
+                    Band::from_positions(&pos, &pos, MaskSpec { causal: true, window, docs: Some(d) })
+                })
+                .collect::<Result<Vec<_>>>()?;
+            Ok(attention_band(q, k, v, &Band::stack(&bands)?, scale)?.0)
+        }
         rows if rows.len() == b && b > 1 => {
             let parts = rows
                 .iter()

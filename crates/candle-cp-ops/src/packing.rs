@@ -10,17 +10,19 @@
 //! Every context-parallel op takes the documents through its options
 //! ([`crate::cp::CpOpts::documents`], [`crate::ulysses::UlyssesOpts::documents`],
 //! [`crate::usp::UspOpts::documents`]) and keeps its layout: documents are **not** padded to
-//! `2·P` and may cross shard boundaries anywhere. The ring engine splits each (query segment ×
-//! key segment) block along the documents into (query rows of document d × key rows of
-//! document d) sub-blocks, each an ordinary full or offset-causal block, and skips every
-//! block with no document in common:
+//! `2·P` and may cross shard boundaries anywhere. Each ring step is ONE attention call under a
+//! [`crate::attention::Band`] (per query row, the interval of keys of its own document, up to
+//! itself when causal), and a step whose queries share no document with the keys it holds is
+//! skipped; the schedule view ([`crate::cp::ring::block_schedule_mask`], used for balance and
+//! pair counts) splits each block along the documents:
 //!
 //! ```text
 //!   packed T = 16, documents [0,5) [5,13) [13,16), zigzag P = 2 (chunks of 4):
 //!   rank 0 holds chunks 0 [0,4) and 3 [12,16); rank 1 holds chunks 1 [4,8) and 2 [8,12)
 //!   rank 0, step with rank 1's K/V:  q [0,4) × k [4,12): no common document → skipped
 //!                                    q [12,16) × k [4,12): doc 1 only: q [12,13) × k [5,12)
-//!                                                          full (all keys are earlier)
+//!                                                          full (all keys are earlier);
+//!                                    band: rows 0..4 empty, row 4 keys [1, 8), rows 5..8 empty
 //! ```
 //!
 //! Position ids for RoPE restart at each document ([`Documents::position_ids`]).

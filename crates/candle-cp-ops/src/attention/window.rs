@@ -1,7 +1,9 @@
 //! Sliding-window attention ([`Mask::Window`]) from the kernels' full and causal masks.
 //!
-//! A query at position `qp` sees keys at `kp` with `qp - window < kp <= qp`. The kernels (CPU
-//! and CUDA) take only full and (offset, strided) causal masks, so a window call is split
+//! A query at position `qp` sees keys at `kp` with `qp - window < kp <= qp`. The CPU kernels
+//! and the CUDA `Simple`/`Pipelined` kernels take a window directly as a [`super::Band`] (one
+//! call); this module is the path for kernels that take only full and (offset, strided) causal
+//! masks (devices without band kernels): a window call is split
 //! into query tiles whose positions span at most `window - 1` (`(m - 1)·q_stride <= window -
 //! 1`), and each tile into at most three kernel calls over key ranges (positions `qa..=qb` of
 //! the tile's first and last rows):

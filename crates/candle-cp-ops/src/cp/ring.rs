@@ -30,6 +30,11 @@
 //!                                                                                both key chunks]
 //! ```
 //!
+//! With packed documents or a sliding window ([`CpOpts::documents`], [`CpOpts::window`]) a
+//! step is not scheduled block by block: it is ONE call under a [`crate::attention::Band`]
+//! (module `bands`: per local query row, the interval of the held chunk's key rows it sees),
+//! however many documents or window edges cut it, and a step with an empty band is skipped.
+//!
 //! Contiguous: step `s` with `j > i` is fully masked (skipped; the rank idles, whence the
 //! `(2P-1)/P` imbalance). Striped: every block straddles the diagonal (`j <= i`: lower
 //! triangle with diagonal, `j > i`: strictly lower) — balanced, but no block is skipped.
