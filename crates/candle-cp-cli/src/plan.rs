@@ -21,6 +21,12 @@ pub struct PlanArgs {
     /// on contiguous shards.
     #[arg(long)]
     pub sliding_window: Option<usize>,
+    /// Packed documents of L tokens (the last one possibly shorter), attention kept inside
+    /// each document (with --sliding-window: a window inside each). L >= --seq is one
+    /// document. Cuts the attention FLOPs and makes the ring a halo exchange of
+    /// min(R-1, ceil((min(L, W)-1)/c)) hops on contiguous shards.
+    #[arg(long)]
+    pub doc_len: Option<usize>,
     /// Sequences per micro-batch (per data-parallel replica).
     #[arg(long, default_value_t = 1)]
     pub micro_batch: usize,
@@ -136,7 +142,11 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         recompute: Recompute::parse(&a.recompute)?,
         flash: !a.no_flash,
     };
+    if a.doc_len == Some(0) {
+        anyhow::bail!("--doc-len must be at least 1 token, got 0")
+    }
     let mut input = PlanInput::new(model, hw, layout, a.seq);
+    input.doc_len = a.doc_len;
     input.micro_batch = a.micro_batch;
     input.dtype = Dtype::parse(&a.dtype)?;
     input.dkv_fp32 = a.dkv_fp32;

@@ -365,3 +365,88 @@ fn plan_sliding_window_flag_and_config() {
         }
     }
 }
+
+#[test]
+fn plan_doc_len_flag() {
+    let num = |v: &serde_json::Value, p: &str| {
+        v.pointer(p)
+            .and_then(|x| x.as_f64())
+            .unwrap_or_else(|| panic!("no number at {p}"))
+    };
+    let base = ["--model", "llama3-8b", "--seq", "131072", "--cp", "16"];
+    let causal = plan_json(&base);
+    let with = |extra: &[&str]| {
+        let mut a = base.to_vec();
+        a.extend_from_slice(extra);
+        plan_json(&a)
+    };
+    let d = with(&["--doc-len", "4096"]);
+    // 32 documents of 4096: 32·4096·4097/2 pairs; forward 4·pairs·a·d.
+    assert_eq!(
+        num(&d, "/flops/attention_fwd"),
+        4.0 * 32.0 * (4096.0 * 4097.0 / 2.0) * 4096.0
+    );
+    assert_eq!(num(&d, "/flops/doc_len"), 4096.0);
+    assert_eq!(num(&d, "/input/doc_len"), 4096.0);
+    assert!(causal.pointer("/input/doc_len").is_none());
+    // c = 8192 ≥ L − 1: one hop instead of 15, the same bytes per hop.
+    assert_eq!(num(&d, "/ring/hops"), 1.0);
+    assert_eq!(num(&causal, "/ring/hops"), 15.0);
+    let step = num(&d, "/ring/step_bytes");
+    assert_eq!(step, num(&causal, "/ring/step_bytes"));
+    assert_eq!(num(&d, "/ring/bwd_bytes_per_layer"), 3.0 * step);
+    // Across nodes the step no longer hides (it does without documents).
+    assert_eq!(
+        d.pointer("/ring/hides_fwd").and_then(|x| x.as_bool()),
+        Some(false)
+    );
+    assert_eq!(
+        causal.pointer("/ring/hides_fwd").and_then(|x| x.as_bool()),
+        Some(true)
+    );
+    // L ≥ s: the numbers without documents.
+    let one = with(&["--doc-len", "131072"]);
+    for p in ["/flops", "/ring", "/layer_time", "/verdict"] {
+        assert_eq!(one.pointer(p), causal.pointer(p), "{p}");
+    }
+    // A window inside the documents: m = min(L, w).
+    let dw = with(&["--doc-len", "20000", "--sliding-window", "9000"]);
+    assert_eq!(num(&dw, "/ring/hops"), 2.0);
+    assert_eq!(num(&with(&["--doc-len", "20000"]), "/ring/hops"), 3.0);
+
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq",
+        "131072",
+        "--cp",
+        "16",
+        "--doc-len",
+        "4096",
+    ]);
+    assert_eq!(out.status.code(), Some(0));
+    let text = String::from_utf8_lossy(&out.stdout);
+    for want in [
+        "packed documents of 4096 (32 per sequence): attention 4.40 TFLOP/layer (vs 141 TFLOP causal, 32.0x less); ring: halo of 1 hop(s) on contiguous shards (15 for the full ring)",
+        "against 671.1 us / 1.34 ms per K/V transfer, 1 hop(s) (15 without): NOT hidden",
+        "zigzag would keep the full ring (15 hops)",
+    ] {
+        assert!(text.contains(want), "missing {want:?} in\n{text}");
+    }
+    let out = candle_cp(&[
+        "plan",
+        "--model",
+        "llama3-8b",
+        "--seq",
+        "8192",
+        "--doc-len",
+        "0",
+    ]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    assert!(
+        stderr.contains("--doc-len must be at least 1 token, got 0"),
+        "{stderr}"
+    );
+}

@@ -8,9 +8,8 @@
 use crate::hardware::{Hardware, Link};
 use crate::layout::{check_ulysses, Layout};
 use crate::model::ModelConfig;
-use crate::window::{
-    accumulator_transfers, contiguous_imbalance, effective_window, halo_hops, visible_pairs,
-};
+use crate::packed::{self, effective_doc_len};
+use crate::window::{accumulator_transfers, effective_window};
 use serde::Serialize;
 
 /// Inputs shared by the communication formulas.
@@ -32,18 +31,26 @@ pub struct CommCtx<'a> {
     pub grad_elem: usize,
     /// Achieved attention FLOP/s used for the overlap check.
     pub attn_rate: f64,
+    /// Length `L` of packed documents (`None`: one document; `L ≥ s` is the same), see
+    /// [`crate::packed`].
+    pub doc_len: Option<usize>,
 }
 
-/// Ring attention over `R` ranks: zigzag (full ring) without a window; with a sliding
-/// window `w < s`, contiguous shards and a halo of `h` hops (see [`crate::window`]).
+/// Ring attention over `R` ranks: zigzag (full ring) without a window or documents; with a
+/// sliding window `w < s` and/or packed documents of `L < s` tokens, contiguous shards and a
+/// halo of `h` hops (see [`crate::window`], [`crate::packed`]).
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct RingComm {
     /// Ring degree `R` (`cp`, or `cp/U` in 2-D).
     pub degree: usize,
     /// Sliding window modelled (`None`: causal, zigzag full ring; a window `≥ s` is none).
     pub window: Option<usize>,
-    /// K/V hops per pass: `R-1` without a window; with one
-    /// `h = min(R-1, ceil((w-1)/c))` on contiguous shards.
+    /// Packed document length modelled (`None`: one document; `L ≥ s` is none).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub doc_len: Option<usize>,
+    /// K/V hops per pass: `R-1` without a window or documents; with them
+    /// `h = min(R-1, ceil((m-1)/c))`, `m = min(L, w)`, on contiguous shards (an upper bound
+    /// over where document boundaries fall, see [`crate::packed::ring_hops`]).
     pub hops: usize,
     /// Steps with attention work: `h + 1`.
     pub active_steps: usize,
@@ -68,7 +75,9 @@ pub struct RingComm {
     /// Attention FLOPs per forward step. Without a window (zigzag: half a `c×c` block):
     /// `2·c²·b·d·a_r`. With a window: the rank's windowed attention FLOPs spread evenly over
     /// the active steps, `4·b·d·a_r·(s·w − w·(w−1)/2) / R / (h+1)` (an average: on
-    /// contiguous shards the diagonal step does more, the last hop less).
+    /// contiguous shards the diagonal step does more, the last hop less). With packed
+    /// documents the same with the packed pairs `Σ_docs P(len, w)` in place of the windowed
+    /// ones: the compute per step falls with the documents, the bytes per step do not.
     pub step_flops_fwd: f64,
     /// Forward step compute time at the attention rate, s.
     pub step_compute_s_fwd: f64,
@@ -95,12 +104,14 @@ pub struct RingComm {
     pub exposed_s_per_layer: f64,
     /// Busiest/mean causal work with a contiguous split: `(2R-1)/R` without a window (zigzag
     /// balances it to 1); with a window the exact windowed ratio, close to 1
-    /// ([`crate::window::contiguous_imbalance`]).
+    /// ([`crate::window::contiguous_imbalance`]); with packed documents the exact ratio for
+    /// documents placed from position 0 ([`crate::packed::contiguous_imbalance`]).
     pub contiguous_imbalance: f64,
 }
 
 /// Ring over the CP group's ring part; `u` is the Ulysses degree in front of it (1 for a
-/// plain ring). The model's sliding window, if shorter than `s`, makes it a halo exchange.
+/// plain ring). The model's sliding window, if shorter than `s`, and packed documents
+/// (`cx.doc_len`), if shorter than `s`, make it a halo exchange.
 pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let q_heads = (m.heads / l.tp / u).max(1);
@@ -117,18 +128,16 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let bw = link.bandwidth(hw);
     let step_bytes = cf * bf * 2.0 * kv_heads as f64 * d * e;
     let window = effective_window(m.sliding_window, cx.seq);
-    let hops = match window {
-        None => r.saturating_sub(1),
-        Some(w) => halo_hops(w, c, r),
-    };
+    let doc_len = effective_doc_len(cx.doc_len, cx.seq);
+    let hops = packed::ring_hops(cx.seq, r, doc_len, window);
     let dkv_transfers = accumulator_transfers(hops);
     let steps = hops as f64;
-    let step_flops_fwd = match window {
-        None => 2.0 * cf * cf * bf * d * q_heads as f64,
-        Some(w) => {
-            let rank = 4.0 * visible_pairs(cx.seq, Some(w)) * bf * d * q_heads as f64 / r as f64;
-            rank / (hops + 1) as f64
-        }
+    let step_flops_fwd = if window.is_none() && doc_len.is_none() {
+        2.0 * cf * cf * bf * d * q_heads as f64
+    } else {
+        let pairs = packed::visible_pairs(cx.seq, doc_len, window);
+        let rank = 4.0 * pairs * bf * d * q_heads as f64 / r as f64;
+        rank / (hops + 1) as f64
     };
     let step_compute_s_fwd = step_flops_fwd / cx.attn_rate;
     let step_transfer_s_fwd = step_bytes / bw;
@@ -145,6 +154,7 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     RingComm {
         degree: r,
         window,
+        doc_len,
         hops,
         active_steps: hops + 1,
         dkv_transfers,
@@ -171,7 +181,7 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
         min_chunk_bwd_nvlink: ratio * (e + g) / (2.5 * hw.nvlink_bw),
         min_chunk_bwd_ib: ratio * (e + g) / (2.5 * hw.ib_bw),
         exposed_s_per_layer: exposed,
-        contiguous_imbalance: contiguous_imbalance(cx.seq, r, window),
+        contiguous_imbalance: packed::contiguous_imbalance(cx.seq, r, doc_len, window),
     }
 }
 
@@ -327,6 +337,7 @@ mod tests {
             elem: 2,
             grad_elem: 2,
             attn_rate: 600e12,
+            doc_len: None,
         }
     }
 

@@ -1,8 +1,9 @@
 //! FLOP counts per layer: linear layers and causal attention (optionally with a sliding
-//! window), forward and backward.
+//! window and/or packed documents), forward and backward.
 
 use crate::layout::{Layout, Recompute};
 use crate::model::ModelConfig;
+use crate::packed::{self, effective_doc_len};
 use crate::window::{effective_window, visible_pairs};
 use serde::Serialize;
 
@@ -16,12 +17,17 @@ pub struct LayerFlops {
     /// Causal attention forward: half of `4·s²·b·a·d` (QKᵀ and PV) = `2·s²·b·a·d`
     /// (`2·s²·h` for Llama, where `a·d = h`). With a sliding window `w < s`:
     /// `4·b·a·d·(s·w − w·(w−1)/2)` (the visible pairs, [`crate::window::visible_pairs`]).
+    /// With packed documents: the pairs inside each document (see `doc_len`).
     pub attention_fwd: f64,
-    /// The causal forward without the window, `2·s²·b·a·d` (equals `attention_fwd` when no
-    /// window applies), for comparison.
+    /// The causal forward without the window or documents, `2·s²·b·a·d` (equals
+    /// `attention_fwd` when neither applies), for comparison.
     pub attention_fwd_causal: f64,
     /// The sliding window applied (`None` without one, or when it is at least `s`).
     pub window: Option<usize>,
+    /// Length `L` of the packed documents applied (`None` without, or when `L ≥ s`); the
+    /// forward is then `4·b·a·d·Σ_docs P(len, w)` ([`crate::packed::visible_pairs`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub doc_len: Option<usize>,
     /// Attention backward: `2.5 ×` forward (dV, dP, dQ, dK and the recomputed QKᵀ).
     pub attention_bwd: f64,
     /// Forward re-run in backward: full recompute reruns the whole layer forward.
@@ -36,13 +42,28 @@ pub struct LayerFlops {
 /// Computes [`LayerFlops`] for global sequence `s`, micro-batch `b` (the model's
 /// `sliding_window`, if shorter than `s`, limits the attention pairs).
 pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlops {
+    layer_flops_packed(m, l, s, b, None)
+}
+
+/// [`layer_flops`] for a sequence packed with documents of `doc_len` tokens (attention inside
+/// each document, the model's window inside each document); `None` or `L ≥ s` is exactly
+/// [`layer_flops`].
+pub fn layer_flops_packed(
+    m: &ModelConfig,
+    l: &Layout,
+    s: usize,
+    b: usize,
+    doc_len: Option<usize>,
+) -> LayerFlops {
     let (sf, bf) = (s as f64, b as f64);
     let linear_fwd = 2.0 * sf * bf * m.layer_matrix_params() as f64;
     let attention_fwd_causal = 2.0 * sf * sf * bf * m.q_dim() as f64;
     let window = effective_window(m.sliding_window, s);
-    let attention_fwd = match window {
-        None => attention_fwd_causal,
-        Some(w) => 4.0 * visible_pairs(s, Some(w)) * bf * m.q_dim() as f64,
+    let doc_len = effective_doc_len(doc_len, s);
+    let attention_fwd = match (window, doc_len) {
+        (None, None) => attention_fwd_causal,
+        (Some(w), None) => 4.0 * visible_pairs(s, Some(w)) * bf * m.q_dim() as f64,
+        (w, Some(d)) => 4.0 * packed::visible_pairs(s, Some(d), w) * bf * m.q_dim() as f64,
     };
     let linear_bwd = 2.0 * linear_fwd;
     let attention_bwd = 2.5 * attention_fwd;
@@ -58,6 +79,7 @@ pub fn layer_flops(m: &ModelConfig, l: &Layout, s: usize, b: usize) -> LayerFlop
         attention_fwd,
         attention_fwd_causal,
         window,
+        doc_len,
         attention_bwd,
         recompute,
         logits_fwd: 2.0 * sf * bf * (m.hidden * m.vocab) as f64,

@@ -13,7 +13,8 @@
 //! JSON); [`report::render`] prints it as tables for people.
 //!
 //! A causal sliding window (the model's `sliding_window`) changes the attention FLOPs and the
-//! ring (a halo exchange on contiguous shards): see [`window`].
+//! ring (a halo exchange on contiguous shards): see [`window`]. Packed documents
+//! ([`PlanInput::doc_len`]) do the same inside each document: see [`packed`].
 
 #![warn(missing_docs)]
 
@@ -23,6 +24,7 @@ pub mod hardware;
 pub mod layout;
 pub mod memory;
 pub mod model;
+pub mod packed;
 pub mod plan;
 pub mod report;
 pub mod window;

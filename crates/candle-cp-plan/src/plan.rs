@@ -1,12 +1,13 @@
 //! The whole plan: memory, FLOPs, communication, verdict (fits, smallest CP, bottleneck).
 
 use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
-use crate::compute::{layer_compute_seconds, layer_flops, LayerFlops};
+use crate::compute::{layer_compute_seconds, layer_flops_packed, LayerFlops};
 use crate::hardware::Hardware;
 use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::memory::{self, ActivationTotals, ModelStates};
 use crate::model::ModelConfig;
-use crate::window::{effective_window, halo_hops};
+use crate::packed::{self, effective_doc_len};
+use crate::window::effective_window;
 use crate::{plan_bail, Result, GB};
 use serde::Serialize;
 
@@ -21,6 +22,10 @@ pub struct PlanInput {
     pub layout: Layout,
     /// Global sequence length `s` (tokens per sequence, all CP ranks together).
     pub seq: usize,
+    /// Packed documents of `L` tokens from position 0 (the last one `s mod L` when `L` does
+    /// not divide `s`), attention inside each document; `None` (or `L ≥ s`): one document.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub doc_len: Option<usize>,
     /// Sequences per micro-batch `b` (per data-parallel replica).
     pub micro_batch: usize,
     /// Training dtype.
@@ -45,6 +50,7 @@ impl PlanInput {
             hardware,
             layout,
             seq,
+            doc_len: None,
             micro_batch: 1,
             dtype: Dtype::Bf16,
             dkv_fp32: false,
@@ -131,7 +137,9 @@ pub struct Plan {
     pub layer_time: LayerTime,
     /// What limits this layout.
     pub bottleneck: String,
-    /// One-line verdict.
+    /// One-line verdict; with packed documents on a ring, followed by the ring's compute per
+    /// step against one K/V transfer and whether it still hides
+    /// ([`crate::packed::ring_verdict`]).
     pub verdict: String,
     /// Caveats (ignored inputs, assumptions that matter here).
     pub notes: Vec<String>,
@@ -189,6 +197,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     if input.micro_batch == 0 {
         plan_bail!("--micro-batch must be at least 1")
     }
+    if input.doc_len == Some(0) {
+        plan_bail!("document length (--doc-len) must be at least 1 token, got 0")
+    }
     for (what, x) in [
         ("attention", input.attn_flops),
         ("linear", input.linear_flops),
@@ -217,7 +228,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let fits = mem_total <= hw.mem_bytes;
     let min_cp = min_cp_that_fits(input);
 
-    let flops = layer_flops(m, l, s, b);
+    let flops = layer_flops_packed(m, l, s, b, input.doc_len);
     let cx = CommCtx {
         model: m,
         layout: l,
@@ -227,6 +238,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         elem: e,
         grad_elem: if input.dkv_fp32 { 4 } else { e },
         attn_rate: input.attn_flops,
+        doc_len: input.doc_len,
     };
     let (ring, ulysses) = match l.cp_kind {
         CpKind::TwoD => (
@@ -267,7 +279,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         &layer_time,
         l,
     );
-    let verdict = if fits {
+    let mut verdict = if fits {
         format!(
             "fits: {:.1} GB of {:.0} GB per GPU (smallest CP that fits: {})",
             mem_total / GB,
@@ -285,6 +297,19 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
             }
         )
     };
+    let ring_kind = matches!(l.cp_kind, CpKind::Ring | CpKind::TwoD) && ring.degree > 1;
+    if let (Some(d), true) = (effective_doc_len(input.doc_len, s), ring_kind) {
+        let plain = CommCtx {
+            doc_len: None,
+            ..cx.clone()
+        };
+        let r_plain = match l.cp_kind {
+            CpKind::TwoD => comm::ring(&plain, l.ring_degree(), l.ulysses),
+            _ => comm::ring(&plain, l.cp, 1),
+        };
+        verdict.push_str("; ");
+        verdict.push_str(&packed::ring_verdict(d, &ring, &r_plain));
+    }
     let notes = notes(input);
     Ok(Plan {
         input: input.clone(),
@@ -383,6 +408,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
         ));
     }
     let window = effective_window(m.sliding_window, input.seq);
+    let docs = effective_doc_len(input.doc_len, input.seq);
     let ring_degree = match l.cp_kind {
         CpKind::Ring => l.cp,
         CpKind::TwoD => l.ring_degree(),
@@ -393,16 +419,18 @@ fn notes(input: &PlanInput) -> Vec<String> {
             "sliding window {w} >= sequence {}: the same as causal attention",
             input.seq
         )),
-        (_, Some(w)) if ring_degree > 1 => n.push(format!(
+        (_, Some(w)) if ring_degree > 1 && docs.is_none() => n.push(format!(
             "sliding window {w}: the planner models contiguous shards for a window (a halo of {} hop(s)); zigzag would keep the full ring ({} hops)",
-            halo_hops(w, input.seq / ring_degree, ring_degree),
+            packed::ring_hops(input.seq, ring_degree, None, Some(w)),
             ring_degree - 1
         )),
         _ => {}
     }
+    n.extend(packed::notes(input.seq, input.doc_len, window, ring_degree));
     if l.cp_kind == CpKind::Ring
         && l.cp > 1
         && window.is_none()
+        && docs.is_none()
         && !input.seq.is_multiple_of(2 * l.cp)
     {
         n.push(format!(

@@ -37,7 +37,8 @@ fn lower<T: std::fmt::Debug>(x: T) -> String {
     format!("{x:?}").to_ascii_lowercase()
 }
 
-fn ms(x: f64) -> String {
+/// Seconds as `12.34 ms` or `567.8 us`.
+pub(crate) fn ms(x: f64) -> String {
     if x < 1e-3 {
         format!("{:.1} us", x * 1e6)
     } else {
@@ -84,8 +85,14 @@ pub fn render(p: &Plan) -> String {
     let (m, l, hw) = (&i.model, &i.layout, &i.hardware);
     let mut o = String::new();
     let windowed = p.ring.window.is_some();
+    let docs = p.ring.doc_len.is_some();
+    let banded = windowed || docs;
     let kind = match l.cp_kind {
-        CpKind::Ring if windowed && l.cp > 1 => "ring (contiguous, sliding window)".to_string(),
+        CpKind::Ring if banded && l.cp > 1 => format!(
+            "ring (contiguous{}{})",
+            if docs { ", packed documents" } else { "" },
+            if windowed { ", sliding window" } else { "" }
+        ),
         CpKind::Ring => "ring (zigzag)".to_string(),
         CpKind::Allgather => "all-gather KV".to_string(),
         CpKind::Ulysses => "Ulysses".to_string(),
@@ -93,7 +100,7 @@ pub fn render(p: &Plan) -> String {
     };
     let _ = writeln!(
         o,
-        "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params{}), seq {}, micro-batch {}, {}",
+        "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params{}), seq {}{}, micro-batch {}, {}",
         m.name,
         m.hidden,
         m.layers,
@@ -104,6 +111,8 @@ pub fn render(p: &Plan) -> String {
         m.sliding_window
             .map_or(String::new(), |w| format!(", sliding window {w}")),
         i.seq,
+        i.doc_len
+            .map_or(String::new(), |d| format!(" packed as documents of {d}")),
         i.micro_batch,
         lower(i.dtype)
     );
@@ -127,7 +136,7 @@ pub fn render(p: &Plan) -> String {
         hw.ib_bw / GB
     );
 
-    if let Some(line) = window_line(p) {
+    for line in window_line(p).into_iter().chain(docs_line(p)) {
         let _ = writeln!(o, "{line}");
     }
 
@@ -231,7 +240,13 @@ pub fn render(p: &Plan) -> String {
                 tflop(f.linear_fwd),
                 "2*s*b*(2h*a*d + 2h*a_kv*d + 3h*f)",
             ),
-            if f.window.is_some() {
+            if f.doc_len.is_some() {
+                r(
+                    "packed attention forward",
+                    tflop(f.attention_fwd),
+                    "4*b*a*d*sum_docs P(len, w); P(n, w) = pairs of n queries",
+                )
+            } else if f.window.is_some() {
                 r(
                     "windowed attention forward",
                     tflop(f.attention_fwd),
@@ -276,7 +291,7 @@ pub fn render(p: &Plan) -> String {
                 rg.chunk_tokens,
                 rg.q_heads,
                 rg.kv_heads,
-                if windowed {
+                if banded {
                     format!("; contiguous, halo of {} hop(s)", rg.hops)
                 } else {
                     String::new()
@@ -287,7 +302,9 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "per layer forward",
                     mib(rg.fwd_bytes_per_layer),
-                    if windowed {
+                    if docs {
+                        "h*step, h = min(R-1, ceil((m-1)/c)), m = min(L, w)"
+                    } else if windowed {
                         "h*step, h = min(R-1, ceil((w-1)/c))"
                     } else {
                         "(R-1)*step"
@@ -296,7 +313,7 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "per layer backward",
                     mib(rg.bwd_bytes_per_layer),
-                    if windowed {
+                    if banded {
                         "h*step + (h+1)*step*g/e (dK/dV)"
                     } else {
                         "(R-1)*step + R*step*g/e (dK/dV)"
@@ -305,7 +322,9 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "attention per step (fwd)",
                     tflop(rg.step_flops_fwd),
-                    if windowed {
+                    if docs {
+                        "rank's packed attention / (h+1) steps"
+                    } else if windowed {
                         "rank's windowed attention / (h+1) steps"
                     } else {
                         "2*c^2*b*d*a (half block, zigzag)"
@@ -350,7 +369,9 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "contiguous split imbalance",
                     format!("{:.3}", rg.contiguous_imbalance),
-                    if windowed {
+                    if docs {
+                        "busiest/mean packed pairs, documents from 0"
+                    } else if windowed {
                         "busiest/mean windowed pairs"
                     } else {
                         "(2R-1)/R; zigzag 1.0"
@@ -386,7 +407,7 @@ pub fn render(p: &Plan) -> String {
                     "U/a_kv when U > a_kv",
                 ),
                 r(
-                    if windowed {
+                    if banded {
                         "Ulysses vs full ring bytes (fwd)"
                     } else {
                         "Ulysses vs ring bytes (fwd)"
@@ -452,19 +473,26 @@ pub fn render(p: &Plan) -> String {
     o
 }
 
-/// With a window: the forward work per ring step expressed as the chunk `c'` whose zigzag
-/// half block `2·c'·c·b·d·a` has the same FLOPs; the step hides when `c'` is over the
-/// minimum chunk (for `w ≤ c`, `c' ≈ w`: the window, not the chunk, must beat the bound).
+/// With a window or packed documents: the forward work per ring step expressed as the chunk
+/// `c'` whose zigzag half block `2·c'·c·b·d·a` has the same FLOPs; the step hides when `c'`
+/// is over the minimum chunk (for `w ≤ c`, `c' ≈ w`: the window, not the chunk, must beat the
+/// bound; for documents of `L ≤ c` on one hop, `c' ≈ L/2`).
 fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str)> {
     let rg = &p.ring;
-    rg.window?;
+    if rg.window.is_none() && rg.doc_len.is_none() {
+        return None;
+    }
     let per_token = 2.0
         * rg.chunk_tokens as f64
         * p.input.micro_batch as f64
         * p.input.model.head_dim as f64
         * rg.q_heads as f64;
     Some(r(
-        "window work per step, as a chunk",
+        if rg.doc_len.is_some() {
+            "document work per step, as a chunk"
+        } else {
+            "window work per step, as a chunk"
+        },
         format!("{:.0} tokens", rg.step_flops_fwd / per_token),
         "step FLOPs/(2*c*b*d*a); hides above min chunk",
     ))
@@ -474,6 +502,9 @@ fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str)> {
 fn window_line(p: &Plan) -> Option<String> {
     let (i, f, rg) = (&p.input, &p.flops, &p.ring);
     let w = i.model.sliding_window?;
+    if f.window.is_some() && f.doc_len.is_some() {
+        return None; // the packed-documents line names the window
+    }
     if f.window.is_none() {
         return Some(format!(
             "sliding window {w} >= seq {}: causal attention, nothing changes",
@@ -497,83 +528,42 @@ fn window_line(p: &Plan) -> Option<String> {
     ))
 }
 
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::{plan, Hardware, Layout, ModelConfig, PlanInput};
-
-    #[test]
-    fn render_shows_key_numbers() {
-        let inp = PlanInput::new(
-            ModelConfig::preset("llama3-405b").unwrap(),
-            Hardware::preset("h100").unwrap(),
-            Layout {
-                tp: 8,
-                sp: true,
-                cp: 16,
-                ..Layout::default()
-            },
-            131072,
-        );
-        let txt = render(&plan(&inp).unwrap());
-        for want in [
-            "73.0 GB",
-            "0.570 GB",
-            "4.0 MiB",
-            "563",
-            "1500 fwd",
-            "tokens per GPU",
-            "Verdict: does not fit",
-        ] {
-            assert!(txt.contains(want), "missing {want:?} in\n{txt}");
-        }
-    }
-
-    #[test]
-    fn render_with_a_sliding_window() {
-        let mut m = ModelConfig::preset("llama3-8b").unwrap();
-        let inp = |m: &ModelConfig, kind| {
-            PlanInput::new(
-                m.clone(),
-                Hardware::preset("h100").unwrap(),
-                Layout {
-                    cp: 8,
-                    cp_kind: kind,
-                    ..Layout::default()
-                },
-                131072,
-            )
-        };
-        let causal = plan(&inp(&m, CpKind::Ring)).unwrap();
-        m.sliding_window = Some(4096);
-        let p = plan(&inp(&m, CpKind::Ring)).unwrap();
-        let txt = render(&p);
-        let line = format!(
-            "sliding window 4096: attention {}/layer (vs {} without); ring: halo of 1 hop(s) on contiguous shards (7 without the window)",
-            tflop(p.flops.attention_fwd),
-            tflop(causal.flops.attention_fwd)
-        );
-        assert!(txt.contains(&line), "missing {line:?} in\n{txt}");
-        for want in [
-            "windowed attention forward",
-            "contiguous, halo of 1 hop(s)",
-            "h*step + (h+1)*step*g/e",
-            "Note: sliding window 4096: the planner models contiguous shards for a window",
-            "zigzag would keep the full ring (7 hops)",
-            "window work per step, as a chunk",
-            "Ulysses vs full ring bytes (fwd)",
-        ] {
-            assert!(txt.contains(want), "missing {want:?} in\n{txt}");
-        }
-        assert!(!render(&causal).contains("sliding window"));
-        let ag = render(&plan(&inp(&m, CpKind::Allgather)).unwrap());
-        assert!(ag.contains("all-gather KV still gathers all K/V"), "{ag}");
-        assert!(!ag.contains("Note: sliding window"), "{ag}");
-        m.sliding_window = Some(131072);
-        let same = render(&plan(&inp(&m, CpKind::Ring)).unwrap());
-        assert!(
-            same.contains("sliding window 131072 >= seq 131072"),
-            "{same}"
-        );
-    }
+/// The packed-documents summary line, when `--doc-len` is given.
+fn docs_line(p: &Plan) -> Option<String> {
+    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
+    let l = i.doc_len?;
+    let Some(d) = f.doc_len else {
+        return Some(format!(
+            "document length {l} >= seq {}: one document, nothing changes",
+            i.seq
+        ));
+    };
+    let (n, rest) = (i.seq / d, i.seq % d);
+    let count = if rest == 0 {
+        format!("{n} per sequence")
+    } else {
+        format!("{n} + one of {rest} per sequence")
+    };
+    let window = f.window.map_or(String::new(), |w| {
+        format!(", sliding window {w} inside each")
+    });
+    let cp = match i.layout.cp_kind {
+        _ if i.layout.cp == 1 => "no CP communication".to_string(),
+        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
+            "ring: halo of {} hop(s) on contiguous shards ({} for the full ring)",
+            rg.hops,
+            rg.degree - 1
+        ),
+        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
+        _ => "Ulysses all-to-all unchanged".to_string(),
+    };
+    Some(format!(
+        "packed documents of {d} ({count}{window}): attention {}/layer (vs {} causal, {:.1}x less); {cp}",
+        tflop(f.attention_fwd),
+        tflop(f.attention_fwd_causal),
+        f.attention_fwd_causal / f.attention_fwd
+    ))
 }
+
+#[cfg(test)]
+mod tests;

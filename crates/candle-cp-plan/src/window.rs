@@ -33,8 +33,8 @@ pub fn visible_pairs(s: usize, window: Option<usize>) -> f64 {
 }
 
 /// Exact visible pairs of the first `n` queries with a window `w`: `n·(n+1)/2` for `n ≤ w`,
-/// else `n·w − w·(w−1)/2`.
-fn prefix_pairs(n: usize, w: usize) -> f64 {
+/// else `n·w − w·(w−1)/2` (also one document's pairs in [`crate::packed`]).
+pub fn prefix_pairs(n: usize, w: usize) -> f64 {
     let (nf, wf) = (n as f64, w as f64);
     if n <= w {
         nf * (nf + 1.0) / 2.0
@@ -205,6 +205,7 @@ mod tests {
             elem: 2,
             grad_elem,
             attn_rate: 600e12,
+            doc_len: None,
         };
         ring(&cx, 8, 1)
     }
