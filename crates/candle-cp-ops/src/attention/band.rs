@@ -276,7 +276,7 @@ mod tests {
             let band = Band::from_positions(&q, &k, spec)?;
             for (i, &qp) in q.iter().enumerate() {
                 for (j, &kp) in k.iter().enumerate() {
-                    let want = docs.visible(qp, kp, causal) && window.map_or(true, |w| qp - kp < w);
+                    let want = docs.visible(qp, kp, causal) && window.is_none_or(|w| qp - kp < w);
                     assert_eq!(band.visible(0, i, j), want, "{spec:?} q {qp} k {kp}");
                 }
             }

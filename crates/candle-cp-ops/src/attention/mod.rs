@@ -223,12 +223,58 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64
         let (out, lse) = attention_fwd(&cpu(q)?, &cpu(k)?, &cpu(v)?, mask, scale)?;
         return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));
     }
-    let op = AttentionOp::new(*mask, scale, true);
+    raw_fwd(AttentionOp::new(*mask, scale, true), q, k, v, "attention_fwd")
+}
+
+/// Run `op` (f32 output) on the CPU without a graph: out and the lse it stored.
+fn raw_fwd(op: AttentionOp, q: &Tensor, k: &Tensor, v: &Tensor, what: &str) -> Result<(Tensor, Tensor)> {
     let slot = op.lse_slot();
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let out = q.apply_op3_no_bwd(&k, &v, &op)?;
-    let lse = op::read_lse(&slot, "attention_fwd")?;
+    let lse = op::read_lse(&slot, what)?;
     Ok((out, lse))
+}
+
+/// Shapes of the backward's extra inputs: out/dout `[B, T, H, D]`, lse `[B, H, T]`.
+fn check_bwd_inputs(op: &str, q: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, dims: AttnDims) -> Result<()> {
+    let AttnDims { b, t, h, d, .. } = dims;
+    check_like(op, "out", out, &[b, t, h, d], q)?;
+    check_like(op, "dout", dout, &[b, t, h, d], q)?;
+    check_like(op, "lse", lse, &[b, h, t], q)
+}
+
+/// The CPU backward kernel under `band`, on host views of the inputs (no copy for contiguous
+/// f32 CPU tensors); results on q's device.
+#[allow(clippy::too_many_arguments)]
+fn cpu_bwd(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    dims: AttnDims,
+    band: &Band,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let AttnDims { b, t, s, h, hkv, d } = dims;
+    let (dq, dk, dv) = kernel::backward(
+        &host_f32_ref(q)?,
+        &host_f32_ref(k)?,
+        &host_f32_ref(v)?,
+        &host_f32_ref(out)?,
+        &host_f32_ref(lse)?,
+        &host_f32_ref(dout)?,
+        dims,
+        band,
+        scale as f32,
+    );
+    let dev = q.device();
+    Ok((
+        Tensor::from_vec(dq, (b, t, h, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dk, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+        Tensor::from_vec(dv, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
+    ))
 }
 
 /// Raw backward, no graph. `out` f32 `[B, T, H, D]` and `lse` `[B, H, T]` are those of the
@@ -248,10 +294,8 @@ pub fn attention_bwd(
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = check_qkv("attention_bwd", q, k, v, mask)?;
-    let AttnDims { b, t, s, h, hkv, d } = dims;
-    check_like("attention_bwd", "out", out, &[b, t, h, d], q)?;
-    check_like("attention_bwd", "dout", dout, &[b, t, h, d], q)?;
-    check_like("attention_bwd", "lse", lse, &[b, h, t], q)?;
+    check_bwd_inputs("attention_bwd", q, out, lse, dout, dims)?;
+    let (t, s) = (dims.t, dims.s);
     if let Mask::Window { .. } = mask {
         if !band_kernels(q) {
             return window::bwd(q, k, v, out, lse, dout, mask, scale, dims);
@@ -259,28 +303,11 @@ pub fn attention_bwd(
         return attention_bwd_band(q, k, v, out, lse, dout, &Band::from_mask(mask, t, s), scale);
     }
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && cuda::supported(d) {
+    if q.device().is_cuda() && cuda::supported(dims.d) {
         return cuda::bwd(q, k, v, out, lse, dout, mask, scale);
     }
-    // Other devices / head dims: the CPU kernel on host copies.
-    let band = Band::from_mask(mask, t, s);
-    let (dq, dk, dv) = kernel::backward(
-        &host_f32_ref(q)?,
-        &host_f32_ref(k)?,
-        &host_f32_ref(v)?,
-        &host_f32_ref(out)?,
-        &host_f32_ref(lse)?,
-        &host_f32_ref(dout)?,
-        dims,
-        &band,
-        scale as f32,
-    );
-    let dev = q.device();
-    Ok((
-        Tensor::from_vec(dq, (b, t, h, d), &Device::Cpu)?.to_device(dev)?,
-        Tensor::from_vec(dk, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
-        Tensor::from_vec(dv, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
-    ))
+    // CPU, and other devices / head dims: the CPU kernel (host copies off the CPU).
+    cpu_bwd(q, k, v, out, lse, dout, dims, &Band::from_mask(mask, t, s), scale)
 }
 
 /// Autograd attention: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` -> out `[B, T, H, D]` in q's
@@ -329,12 +356,7 @@ pub fn attention_fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale
         let (out, lse) = attention_fwd_band(&cpu(q)?, &cpu(k)?, &cpu(v)?, band, scale)?;
         return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));
     }
-    let op = AttentionOp::with_band(Arc::new(band.clone()), scale, true);
-    let slot = op.lse_slot();
-    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let out = q.apply_op3_no_bwd(&k, &v, &op)?;
-    let lse = op::read_lse(&slot, "attention_fwd_band")?;
-    Ok((out, lse))
+    raw_fwd(AttentionOp::with_band(Arc::new(band.clone()), scale, true), q, k, v, "attention_fwd_band")
 }
 
 /// Raw backward under a [`Band`], no graph (see [`attention_bwd`] for `out`/`lse`, which are
@@ -351,32 +373,13 @@ pub fn attention_bwd_band(
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
-    let AttnDims { b, t, s, h, hkv, d } = dims;
-    band.check("attention_bwd_band", b, t, s)?;
-    check_like("attention_bwd_band", "out", out, &[b, t, h, d], q)?;
-    check_like("attention_bwd_band", "dout", dout, &[b, t, h, d], q)?;
-    check_like("attention_bwd_band", "lse", lse, &[b, h, t], q)?;
+    band.check("attention_bwd_band", dims.b, dims.t, dims.s)?;
+    check_bwd_inputs("attention_bwd_band", q, out, lse, dout, dims)?;
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && cuda::supported(d) {
+    if q.device().is_cuda() && cuda::supported(dims.d) {
         return cuda::bwd_band(q, k, v, out, lse, dout, band, scale);
     }
-    let (dq, dk, dv) = kernel::backward(
-        &host_f32_ref(q)?,
-        &host_f32_ref(k)?,
-        &host_f32_ref(v)?,
-        &host_f32_ref(out)?,
-        &host_f32_ref(lse)?,
-        &host_f32_ref(dout)?,
-        dims,
-        band,
-        scale as f32,
-    );
-    let dev = q.device();
-    Ok((
-        Tensor::from_vec(dq, (b, t, h, d), &Device::Cpu)?.to_device(dev)?,
-        Tensor::from_vec(dk, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
-        Tensor::from_vec(dv, (b, s, hkv, d), &Device::Cpu)?.to_device(dev)?,
-    ))
+    cpu_bwd(q, k, v, out, lse, dout, dims, band, scale)
 }
 
 /// Autograd attention under a [`Band`]: out `[B, T, H, D]` in q's dtype (differentiable

@@ -63,8 +63,8 @@ mod tests {
                                 for j in 0..sb.k.len {
                                     let (qp, kp) = (sb.q.offset + i * sb.q.stride, sb.k.offset + j * sb.k.stride);
                                     let vis = (!causal || kp <= qp)
-                                        && window.map_or(true, |w| qp - kp < w)
-                                        && d.map_or(true, |d| d.doc_of(qp) == d.doc_of(kp));
+                                        && window.is_none_or(|w| qp - kp < w)
+                                        && d.is_none_or(|d| d.doc_of(qp) == d.doc_of(kp));
                                     if vis {
                                         want[(sb.q.local + i) * (t / p) + sb.k.local + j] = true;
                                     }
