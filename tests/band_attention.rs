@@ -229,3 +229,67 @@ fn prefix_lm_band() -> Result<()> {
     lse_close(&lse, &Tensor::cat(&[l1, l2], 2)?, 1e-5, "prefix-LM lse")?;
     Ok(())
 }
+
+/// One set of documents per batch row (`CpOpts::row_documents`): one ring pass (and one
+/// all-gather) for the whole batch, outputs and gradients equal to the single-device band
+/// attention with one band per row; mismatched rows are errors.
+#[test]
+fn row_documents_in_one_ring_pass() -> Result<()> {
+    use candle_cp_ops::cp::{allgather_attention, ring_attention};
+    let (p, t, h, d) = (2usize, 96usize, 2usize, 8usize);
+    let rows = vec![Documents::from_lengths(&[7, 40, 1, 48])?, Documents::from_lengths(&[50, 46])?];
+    let q = randn(51, &[2, t, h, d], 1.0)?;
+    let k = randn(52, &[2, t, 1, d], 1.0)?;
+    let v = randn(53, &[2, t, 1, d], 1.0)?;
+    let dout = randn(54, &[2, t, h, d], 1.0)?;
+    let pos: Vec<usize> = (0..t).collect();
+    for window in [None, Some(9)] {
+        let bands = rows
+            .iter()
+            .map(|docs| Band::from_positions(&pos, &pos, MaskSpec { causal: true, window, docs: Some(docs) }))
+            .collect::<Result<Vec<_>>>()?;
+        let band = Band::stack(&bands)?;
+        let want = grads(&q, &k, &v, &dout, &|q, k, v| attention_band_slow(q, k, v, &band, 0.3))?;
+        for (layout, allgather) in [(Layout::Zigzag, false), (Layout::Striped, false), (Layout::Contiguous, false), (Layout::Zigzag, true)] {
+            let mut opts = CpOpts::new(layout, true).with_scale(0.3).with_row_documents(rows.clone());
+            opts.window = window;
+            let res = run_ranks(p, |g: Group| {
+                let r = g.rank();
+                let sh = |x: &Tensor| shard(x, layout, r, p, 1);
+                let f = |q: &Tensor, k: &Tensor, v: &Tensor| {
+                    if allgather {
+                        allgather_attention(q, k, v, &g, &opts)
+                    } else {
+                        ring_attention(q, k, v, &g, &opts)
+                    }
+                };
+                grads(&sh(&q)?, &sh(&k)?, &sh(&v)?, &sh(&dout)?, &f).map(|g| (g.out, g.lse, g.dq, g.dk, g.dv))
+            });
+            for (r, x) in res.into_iter().enumerate() {
+                let (out, lse, dq, dk, dv) = x?;
+                let sh = |x: &Tensor, dim: usize| shard(x, layout, r, p, dim);
+                let got = Grads { out, lse, dq, dk, dv };
+                let want_r = Grads { out: sh(&want.out, 1)?, lse: sh(&want.lse, 2)?, dq: sh(&want.dq, 1)?, dk: sh(&want.dk, 1)?, dv: sh(&want.dv, 1)? };
+                assert_close(&got, &want_r, 1e-5, 2e-5, &format!("{layout:?} all-gather {allgather} window {window:?} rank {r}"))?;
+            }
+        }
+    }
+    // one entry per row, not both kinds, each covering T
+    let bad = [
+        CpOpts::new(Layout::Zigzag, true).with_row_documents(vec![rows[0].clone()]),
+        CpOpts::new(Layout::Zigzag, true).with_row_documents(rows.clone()).with_documents(rows[1].clone()),
+        CpOpts::new(Layout::Zigzag, true).with_row_documents(vec![rows[0].clone(), Documents::from_lengths(&[95])?]),
+    ];
+    for (i, opts) in bad.iter().enumerate() {
+        let res = run_ranks(p, |g: Group| {
+            let sh = |x: &Tensor| shard(x, Layout::Zigzag, g.rank(), p, 1);
+            ring_attention(&sh(&q)?, &sh(&k)?, &sh(&v)?, &g, opts).map(|_| ())
+        });
+        for r in res {
+            let e = r.expect_err("bad row documents must fail").to_string();
+            let want = ["1 row_documents", "not both", "95 tokens"][i];
+            assert!(e.contains(want), "case {i}: {e}");
+        }
+    }
+    Ok(())
+}

@@ -76,6 +76,18 @@ pub fn attend_window(
                 .collect::<Result<Vec<_>>>()?;
             Ok(attention_band(q, k, v, &Band::stack(&bands)?, scale)?.0)
         }
+        rows if rows.len() == b && b > 1 && matches!(ctx.layout.cp_kind, CpKind::Ring | CpKind::Zigzag | CpKind::Striped | CpKind::AllGather) => {
+            // one ring pass (or all-gather) for the whole batch: one band per row
+            for d in rows {
+                d.check_len(&format!("attend: q {:?} on {} (T = Tc · cp)", q.dims(), ctx.layout), q.dim(1)? * ctx.layout.cp)?;
+            }
+            let opts = CpOpts { window, ..CpOpts::new(ctx.layout.cp_kind.seq_layout(), true).with_scale(scale).with_row_documents(rows.to_vec()) };
+            let (out, _lse) = match ctx.layout.cp_kind {
+                CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
+                _ => ring_attention(q, k, v, &ctx.cp, &opts)?,
+            };
+            Ok(out)
+        }
         rows if rows.len() == b && b > 1 => {
             let parts = rows
                 .iter()

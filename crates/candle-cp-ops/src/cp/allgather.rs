@@ -76,7 +76,11 @@ fn call_for(seg: Segment, k0: usize, end: usize, causal: bool, window: Option<us
 fn band_call(seg: Segment, t: usize, opts: &CpOpts) -> Result<Call> {
     let q: Vec<usize> = (0..seg.len).map(|i| seg.offset + i * seg.stride).collect();
     let keys: Vec<usize> = (0..t).collect();
-    let (k0, band) = Band::from_positions(&q, &keys, opts.mask_spec())?.trim_keys();
+    let rows = (0..opts.mask_rows())
+        .map(|b| Band::from_positions(&q, &keys, opts.row_mask_spec(b)))
+        .collect::<Result<Vec<_>>>()?;
+    // one row: a band shared by the batch; row_documents: one band per batch row
+    let (k0, band) = Band::stack(&rows)?.trim_keys();
     Ok(Call { q: seg, k0, n: band.keys(), mask: Mask::Full, band: Some(band) })
 }
 
@@ -95,9 +99,10 @@ fn calls(rank: usize, p: usize, opts: &CpOpts, dims: &Dims, dev: &Device) -> Res
     let rows = opts.rows_per_call(dev);
     let mut out = Vec::new();
     for seg in opts.layout.segments(rank, p, dims.t)?.iter().flat_map(|s| split_rows(s, rows)) {
-        match &opts.documents {
-            None => out.push(call_for(seg, 0, dims.t, opts.causal, opts.window)),
-            Some(_) => out.push(band_call(seg, dims.t, opts)?),
+        if opts.documents.is_some() || opts.row_documents.is_some() {
+            out.push(band_call(seg, dims.t, opts)?);
+        } else {
+            out.push(call_for(seg, 0, dims.t, opts.causal, opts.window));
         }
     }
     Ok(out)

@@ -69,6 +69,10 @@ pub struct CpOpts {
     /// cover the global `T` and be the same on every rank (checked with the shapes). See
     /// [`crate::packing`].
     pub documents: Option<Documents>,
+    /// Packed documents per batch row (`B` entries, each covering the global `T`), for batches
+    /// whose rows pack different documents; exclusive with `documents`. Every ring step is
+    /// still one band call for all rows (a band per row), and one ring pass serves the batch.
+    pub row_documents: Option<Vec<Documents>>,
     /// Causal sliding window (Mistral-style `sliding_window`): a query sees itself and the
     /// `window - 1` keys before it (global positions; within its document when `documents` is
     /// set). Needs `causal`. `None`: no window. Blocks wholly outside the window are skipped
@@ -92,6 +96,7 @@ impl Default for CpOpts {
             block_rows: 0,
             check_ranks: true,
             documents: None,
+            row_documents: None,
             window: None,
         }
     }
@@ -111,6 +116,24 @@ impl CpOpts {
     pub fn with_documents(mut self, documents: Documents) -> Self {
         self.documents = Some(documents);
         self
+    }
+    /// Same options with one set of packed documents per batch row (see
+    /// [`CpOpts::row_documents`]).
+    pub fn with_row_documents(mut self, rows: Vec<Documents>) -> Self {
+        self.row_documents = Some(rows);
+        self
+    }
+    /// The mask of batch row `b`: [`CpOpts::mask_spec`] with that row's documents when
+    /// [`CpOpts::row_documents`] is set.
+    pub fn row_mask_spec(&self, b: usize) -> MaskSpec<'_> {
+        match &self.row_documents {
+            Some(rows) => MaskSpec { causal: self.causal, window: self.window, docs: rows.get(b) },
+            None => self.mask_spec(),
+        }
+    }
+    /// Number of distinct row masks: `B` entries of [`CpOpts::row_documents`], else 1.
+    pub fn mask_rows(&self) -> usize {
+        self.row_documents.as_ref().map_or(1, |r| r.len().max(1))
     }
     /// Same options with a causal sliding window of `window` keys (see [`CpOpts::window`]).
     pub fn with_window(mut self, window: usize) -> Self {
@@ -248,6 +271,17 @@ pub(crate) fn check_inputs(
     if let Some(docs) = &opts.documents {
         docs.check_len(&format!("{name} (q {:?} on each of P = {p} ranks)", q.shape()), t)?;
     }
+    if let Some(rows) = &opts.row_documents {
+        if opts.documents.is_some() {
+            bail!("{name}: set documents (shared by every row) or row_documents (one per row), not both (q {:?})", q.shape())
+        }
+        if rows.len() != b {
+            bail!("{name}: {} row_documents for q {:?}: one per batch row (B = {b})", rows.len(), q.shape())
+        }
+        for (i, docs) in rows.iter().enumerate() {
+            docs.check_len(&format!("{name} (row {i} of q {:?} on each of P = {p} ranks)", q.shape()), t)?;
+        }
+    }
     match opts.window {
         Some(0) => bail!("{name}: a sliding window must hold at least 1 key (q {:?})", q.shape()),
         Some(w) if !opts.causal => bail!("{name}: a sliding window ({w}) needs the causal mask (q {:?})", q.shape()),
@@ -256,12 +290,16 @@ pub(crate) fn check_inputs(
     if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
         // documents: none, or their fingerprint in four exact 16-bit pieces
-        let fp = opts.documents.as_ref().map_or(0, |x| x.fingerprint());
+        let fp = match (&opts.documents, &opts.row_documents) {
+            (Some(x), _) => x.fingerprint(),
+            (None, Some(rows)) => rows.iter().fold(0x9e37_79b9_7f4a_7c15u64, |h, x| h.rotate_left(17) ^ x.fingerprint()),
+            (None, None) => 0,
+        };
         let extra = [
             dtype_code(q.dtype()),
             opts.layout as u8 as f32,
             opts.causal as u8 as f32,
-            opts.documents.is_some() as u8 as f32,
+            (opts.documents.is_some() as u8 + 2 * opts.row_documents.is_some() as u8) as f32,
             (fp & 0xffff) as f32,
             ((fp >> 16) & 0xffff) as f32,
             ((fp >> 32) & 0xffff) as f32,

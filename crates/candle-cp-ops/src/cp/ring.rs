@@ -76,24 +76,37 @@ fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
 /// remaining transfers: a window of `w` keys over shards of `T/P` tokens needs
 /// `1 + ceil((w - 1) / (T/P))` steps (a halo exchange instead of a full ring).
 pub fn active_steps(opts: &CpOpts, p: usize, t: usize) -> Result<usize> {
-    let spec = opts.mask_spec();
-    if spec.window.is_none() && spec.docs.is_none() {
+    if !uses_bands(opts) {
         return Ok(p);
     }
     for s in (1..p).rev() {
         for r in 0..p {
-            if !block_schedule_mask(opts.layout, r, (r + p - s) % p, p, t, spec)?.is_empty() {
-                return Ok(s + 1);
+            for row in 0..opts.mask_rows() {
+                if !block_schedule_mask(opts.layout, r, (r + p - s) % p, p, t, opts.row_mask_spec(row))?.is_empty() {
+                    return Ok(s + 1);
+                }
             }
         }
     }
     Ok(1)
 }
 
+/// The band of one ring step ([`step_band`]): shared by every batch row, or one per row with
+/// [`CpOpts::row_documents`].
+fn step_band_of(opts: &CpOpts, rank: usize, src: usize, p: usize, t: usize) -> Result<crate::attention::Band> {
+    if opts.row_documents.is_none() {
+        return step_band(opts.layout, rank, src, p, t, opts.mask_spec());
+    }
+    let rows = (0..opts.mask_rows())
+        .map(|b| step_band(opts.layout, rank, src, p, t, opts.row_mask_spec(b)))
+        .collect::<Result<Vec<_>>>()?;
+    crate::attention::Band::stack(&rows)
+}
+
 /// Do this ring's calls go through [`step_band`] (packed documents or a sliding window: one
 /// band call per step and row chunk) rather than the block schedule?
 fn uses_bands(opts: &CpOpts) -> bool {
-    opts.documents.is_some() || opts.window.is_some()
+    opts.documents.is_some() || opts.row_documents.is_some() || opts.window.is_some()
 }
 
 /// The step's scheduled blocks, none when the step goes through bands.
@@ -156,7 +169,7 @@ pub(super) fn fwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         if uses_bands(opts) {
             // documents / window: one band call per row chunk (module `bands`)
-            let band = step_band(opts.layout, rank, src, p, dims.t, opts.mask_spec())?;
+            let band = step_band_of(opts, rank, src, p, dims.t)?;
             for (r0, rn) in row_chunks(tl, rows_per_call) {
                 let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
                 if bnd.is_empty() {
@@ -267,7 +280,7 @@ pub(super) fn bwd(
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
         if uses_bands(opts) {
-            let band = step_band(opts.layout, rank, src, p, dims.t, opts.mask_spec())?;
+            let band = step_band_of(opts, rank, src, p, dims.t)?;
             for (r0, rn) in row_chunks(dims.tl, rows_per_call) {
                 let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
                 if bnd.is_empty() {
