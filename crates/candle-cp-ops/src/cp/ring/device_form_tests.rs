@@ -96,6 +96,7 @@ fn check_docs(
         block_rows: rows,
         check_ranks: true,
         documents,
+        row_documents: None,
         window,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
