@@ -8,8 +8,12 @@
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
 //!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
-//!     [--mem 0|1] [--bwd 1|0]
+//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384]
 //! ```
+//! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
+//! one band call (`attention_fwd_band` / `attention_bwd_band`: the CUDA band kernels) against
+//! one call per document (what the CP engines issued before bands), forward and backward, in
+//! the same run (`"impl":"candle-cp-band"` lines; `speedup` = per-document time / band time).
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
 //! side by side; the ring uses the first. `--bwd 0` times the forward only (for a family whose
 //! backward is another family's, e.g. `wgmma-ws`, whose backward is `wgmma`'s).
@@ -36,6 +40,10 @@ struct Args {
     mem: bool,
     /// Time the backward too (`--bwd`, default 1).
     bwd: bool,
+    /// Packed-document lengths for the band benchmark (`--docs`, none by default).
+    docs: Vec<usize>,
+    /// Sequence length of the band benchmark (`--docs-t`).
+    docs_t: usize,
 }
 
 fn parse() -> Result<Args> {
@@ -65,6 +73,11 @@ fn parse() -> Result<Args> {
         budget: Duration::from_secs(num("--budget-s", 240)? as u64),
         mem: num("--mem", 0)? != 0,
         bwd: num("--bwd", 1)? != 0,
+        docs: match get("--docs") {
+            Some(s) => s.split(',').map(|x| x.trim().parse()).collect::<std::result::Result<Vec<usize>, _>>()?,
+            None => Vec::new(),
+        },
+        docs_t: num("--docs-t", 16384)?,
     })
 }
 
@@ -97,6 +110,9 @@ fn main() -> Result<()> {
     let scale = 1.0 / (d as f32).sqrt();
     if a.mem {
         mem_kernels(&a, &dev)?;
+    }
+    if !a.docs.is_empty() {
+        band_docs(&a, &dev)?;
     }
     for &t in &a.ts {
         for causal in [true, false] {
@@ -288,6 +304,62 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
             "{{\"impl\":\"candle-cp-mem\",\"kernel\":\"{name}\",\"t\":{t},\"bytes\":{bytes:.0},\"ms\":{:.3},\"gbps\":{gbps:.1},\"copy_gbps\":{copy_gbps:.1},\"ratio\":{:.3}}}",
             s * 1e3,
             gbps / copy_gbps
+        );
+    }
+    Ok(())
+}
+
+/// Packed documents: one band call against one call per document, forward and backward, bf16
+/// (see the module docs, `--docs`).
+fn band_docs(a: &Args, dev: &Device) -> Result<()> {
+    use candle_cp_ops::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
+    use candle_cp_ops::cp::MaskSpec;
+    use candle_cp_ops::packing::Documents;
+    let (b, h, d, t) = (a.batch, a.heads, a.d, a.docs_t);
+    let scale = 1.0 / (d as f64).sqrt();
+    let mk = |s: &[usize]| randn_bf16(dev, s);
+    let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
+    let dout = Tensor::randn(0f32, 1f32, (b, t, h, d), dev)?;
+    let pos: Vec<usize> = (0..t).collect();
+    for &len in &a.docs {
+        let lens: Vec<usize> = (0..t.div_ceil(len.max(1))).map(|i| len.min(t - i * len)).collect();
+        let docs = Documents::from_lengths(&lens)?;
+        let band = Band::from_positions(&pos, &pos, MaskSpec { causal: true, window: None, docs: Some(&docs) })?;
+        let flops = 4.0 * (b * h * d) as f64 * band.pairs() as f64;
+        let (o, l) = attention_fwd_band(&q, &k, &v, &band, scale)?;
+        let band_f = time(dev, a.iters, || attention_fwd_band(&q, &k, &v, &band, scale).map(|_| ()))?;
+        let band_b = time(dev, a.iters, || attention_bwd_band(&q, &k, &v, &o, &l, &dout, &band, scale).map(|_| ()))?;
+        let piece = |x: &Tensor, i: usize| -> candle_core::Result<Tensor> {
+            let (s, e) = docs.range(i);
+            x.narrow(1, s, e - s)?.contiguous()
+        };
+        let parts: Vec<[Tensor; 4]> = (0..docs.count())
+            .map(|i| Ok([piece(&q, i)?, piece(&k, i)?, piece(&v, i)?, piece(&dout, i)?]))
+            .collect::<candle_core::Result<_>>()?;
+        let outs: Vec<(Tensor, Tensor)> =
+            parts.iter().map(|[q, k, v, _]| attention_fwd(q, k, v, &Mask::causal(), scale)).collect::<candle_core::Result<_>>()?;
+        let doc_f = time(dev, a.iters, || {
+            for [q, k, v, _] in &parts {
+                attention_fwd(q, k, v, &Mask::causal(), scale)?;
+            }
+            Ok(())
+        })?;
+        let doc_b = time(dev, a.iters, || {
+            for ([q, k, v, g], (o, l)) in parts.iter().zip(&outs) {
+                attention_bwd(q, k, v, o, l, g, &Mask::causal(), scale)?;
+            }
+            Ok(())
+        })?;
+        println!(
+            "{{\"impl\":\"candle-cp-band\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"doc_len\":{len},\"docs\":{},\"band_fwd_ms\":{:.3},\"band_bwd_ms\":{:.3},\"perdoc_fwd_ms\":{:.3},\"perdoc_bwd_ms\":{:.3},\"band_fwd_tflops\":{:.2},\"band_bwd_tflops\":{:.2},\"speedup\":{:.2}}}",
+            docs.count(),
+            band_f * 1e3,
+            band_b * 1e3,
+            doc_f * 1e3,
+            doc_b * 1e3,
+            flops / band_f / 1e12,
+            2.5 * flops / band_b / 1e12,
+            (doc_f + doc_b) / (band_f + band_b)
         );
     }
     Ok(())

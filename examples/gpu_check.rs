@@ -8,11 +8,12 @@
 //! Sections `packed` and `window`: packed documents (document masks) and causal sliding
 //! windows through the single-device op, ring, all-gather KV and Ulysses on virtual ranks
 //! against the CPU path and the oracle rows; `decode`: decoding against a KV cache sharded
-//! over virtual ranks (gpu_check_masks.rs).
+//! over virtual ranks (gpu_check_masks.rs). Section `band`: band masks (one key interval per
+//! query row) through the ops and the kernel crate vs the CPU (gpu_check_band.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,oracle,packed,window,decode,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
@@ -39,6 +40,8 @@ mod gpu_util;
 mod views;
 #[path = "gpu_check_masks.rs"]
 mod masks;
+#[path = "gpu_check_band.rs"]
+mod band;
 #[cfg(feature = "nccl")]
 #[path = "gpu_check_nccl.rs"]
 mod nccl;
@@ -525,13 +528,14 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 6] = [
+    let sections: [(&str, Section); 7] = [
         ("probe", check_probe),
         ("flash", check_flash),
         ("views", views::check_views),
         ("flash-large", check_large),
         ("merge", check_merge),
         ("layout", check_layout),
+        ("band", band::check_band),
     ];
     for (name, f) in sections {
         if !want(name) {

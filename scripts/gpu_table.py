@@ -48,6 +48,10 @@ def main():
               f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}")
     for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):
         print(f"{r['kernel']} (T = {r['t']}): {r['gbps']:.0f} GB/s = {r['ratio']:.2f} of a device copy ({r['copy_gbps']:.0f} GB/s)")
+    for r in (r for r in bench if r.get("impl") == "candle-cp-band"):
+        print(f"packed documents of {r['doc_len']} (T = {r['t']}, {r['docs']} documents): one band call "
+              f"{r['band_fwd_ms']:.2f} + {r['band_bwd_ms']:.2f} ms vs per-document calls "
+              f"{r['perdoc_fwd_ms']:.2f} + {r['perdoc_bwd_ms']:.2f} ms (fwd + bwd): {r['speedup']:.2}x")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']}: {r['ring_ms']:.1f} ms vs single-GPU kernel "
               f"{r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")

@@ -563,6 +563,13 @@ def tile_configs():
         out.setdefault("flash_bwd_mma_dkdv", {})[d] = (thr[0] if thr else 0, keys, 0)
         out.setdefault("flash_bwd_dq", {})[d] = (dthr, rows[1] if rows else 0, 0)
         out.setdefault("flash_bwd_mma_dq", {})[d] = (dthr, rows[0] if rows else 0, 0)
+    # band entries (`*_band_*`, launched from src/flash/band.rs): the launch shapes of their
+    # non-band kernels (the forward pipe adds 128 ints of dynamic shared memory: pipe_band_smem)
+    band_rs = rd("src", "flash", "band.rs")
+    if "smem + rows as u32 * 4" not in band_rs:
+        err("band.rs pipe_band_smem: expected the non-band smem plus 4 bytes per row (lo_s in fwd_pipe)")
+    for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
+        out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fam == "flash_fwd_pipe" else 0)) for d, c in out[fam].items()}
     return out
 
 

@@ -169,6 +169,7 @@ int main(int argc, char** argv) {
       cp_emu::set_wgmma_at_issue(c.sched == S::WarpsAscending);
       g_sched = c.label;
       run_flash_checks();
+      run_band_checks();
       run_misc_checks();
       run_fused_checks();
       run_probe_checks();

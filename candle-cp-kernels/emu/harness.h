@@ -26,6 +26,7 @@ void run_flash_checks();
 void run_misc_checks();
 void run_fused_checks();  // check_fused.cpp (flash_bwd_fused.cu)
 void run_probe_checks();  // check_probe.cpp (probe.cu, probe_sm90.cu)
+void run_band_checks();   // check_band.cpp (the `_band_` entries: band masks)
 
 // Element conversions.
 template <typename T> inline T to_t(double x);

@@ -30,6 +30,7 @@ srcs=(kernels/flash_fwd.cu kernels/flash_fwd_sm90.cu kernels/flash_fwd_sm90_ws.c
 srcs+=(emu/emu_sync.cpp)  # mbarriers, named barriers (emu.h)
 srcs+=(emu/emu_wgmma.cpp)  # wgmma, setmaxnreg (emu.h)
 srcs+=(emu/emu_async.cpp)  # cp.async, async-proxy view (emu.h)
+srcs+=(emu/check_band.cpp)  # band masks (the `_band_` entries)
 start=$(date +%s)
 objs=()
 pids=()

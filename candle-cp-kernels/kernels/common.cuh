@@ -89,7 +89,56 @@ struct CpMask {
     long long n = (kp_min - q_off + q_str - 1) / q_str;
     return n < (long long)t ? (int)n : t;
   }
+  // The band interface of the kernels templated on the mask type (CpBand below; for CpMask these
+  // are the expressions above, so a CpMask instantiation compiles to the same code as before).
+  static constexpr bool BAND = false;
+  __device__ __forceinline__ int kbegin(int) const { return 0; }
+  __device__ __forceinline__ int kend(int i, int s) const { return key_end(qpos(i), s); }
+  __device__ __forceinline__ int qbegin(int k0, int t) const { return query_begin(kpos(k0), t); }
+  __device__ __forceinline__ int qend(int, int t) const { return t; }
 };
+
+// Mirror of `candle_cp_ops::attention::Band` for one batch row: query row i sees the key rows
+// lo[i] <= j < hi[i] (local indices), both bounds non-decreasing in i, lo <= hi <= S. Built by the
+// `*_band_*` entry points from band_lo / band_hi [batch, T] u32 and band_bstride (0: one band shared
+// by every batch row, else T): lo = band_lo + blockIdx.z * band_bstride (blockIdx.z = batch row).
+// Callers keep i < T (rows past T are clamped to T - 1 before a lookup).
+struct CpBand {
+  const unsigned int* lo;
+  const unsigned int* hi;
+  static constexpr bool BAND = true;
+  // Stand-ins for CpMask's position members, so that code written for both types compiles (the
+  // kernels use them only where !M::BAND).
+  static constexpr int causal = 0;
+  __device__ __forceinline__ long long qpos(long long) const { return 0; }
+  __device__ __forceinline__ long long kpos(long long) const { return 0; }
+  __device__ __forceinline__ int kbegin(int i) const { return (int)lo[i]; }
+  __device__ __forceinline__ int kend(int i, int) const { return (int)hi[i]; }
+  __device__ __forceinline__ bool visible(long long i, long long j) const {
+    return (long long)lo[i] <= j && j < (long long)hi[i];
+  }
+  // First row (of t) with hi > k0: the rows before it see no key >= k0 (binary search).
+  __device__ __forceinline__ int qbegin(int k0, int t) const {
+    int a = 0, b = t;
+    while (a < b) {
+      const int m = (a + b) >> 1;
+      if ((int)hi[m] > k0) b = m; else a = m + 1;
+    }
+    return a;
+  }
+  // First row (of t) with lo >= k1: it and the rows after it see no key < k1.
+  __device__ __forceinline__ int qend(int k1, int t) const {
+    int a = 0, b = t;
+    while (a < b) {
+      const int m = (a + b) >> 1;
+      if ((int)lo[m] >= k1) b = m; else a = m + 1;
+    }
+    return a;
+  }
+};
+#define CP_BAND_ARGS const unsigned int *band_lo, const unsigned int *band_hi, long long band_bstride
+#define CP_BAND_OF_BLOCK \
+  CpBand{band_lo + (long long)blockIdx.z * band_bstride, band_hi + (long long)blockIdx.z * band_bstride}
 
 // ---- tensor cores -----------------------------------------------------------------------------
 // D = A * B + D for one m16n8k16 tile, f32 accumulate. Fragment layout (g = lane / 4, t = lane % 4):

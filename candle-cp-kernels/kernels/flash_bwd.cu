@@ -9,6 +9,10 @@
 // dq f32 [B, T, H, D], dk/dv f32 [B, S, Hkv, D]. With accumulate != 0 the kernels add into
 // dq/dk/dv (f32 accumulation across ring steps) instead of overwriting them.
 // GQA: dK/dV of KV head kvh sum over its H / Hkv query heads.
+// Band entries (`flash_bwd_{dkdv,dq}_band_*`, Rust caller src/flash/band.rs, CPU reference
+// candle_cp_ops::attention::attention_bwd_band): the mask arguments replaced by a band (CpBand,
+// common.cuh); dK/dV blocks visit the query rows [qbegin, qend) of their keys, dQ blocks the keys
+// from the tile holding lo of their first row.
 #include "common.cuh"
 
 // delta[b, h, i] = sum_d do[b, i, h, d] * o[b, i, h, d]. One warp per (b, i, h) row.
@@ -38,12 +42,12 @@ __device__ __forceinline__ void bwd_p_ds(float s, float dp, float lse_i, float d
 
 // Head dims 16, 32, 64, 128.
 // dK, dV for a tile of 32 keys of one KV head. Launch: grid (ceil(S/32), Hkv, B), block 128.
-template <typename T, int D>
+template <typename T, int D, typename M>
 __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, const float* __restrict__ dout,
                                          const float* __restrict__ lse, const float* __restrict__ delta,
                                          float* __restrict__ dk, float* __restrict__ dv, int B, int T_,
-                                         int S, int H, int Hkv, float scale, CpMask mask, int accumulate) {
+                                         int S, int H, int Hkv, float scale, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, PER = BK * D / (NW * 32);
   __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D], p_s[NQ * BK], ds_s[NQ * BK];
   CP_EMU_POISON(k_s, v_s, q_s, do_s, p_s, ds_s);
@@ -58,11 +62,11 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
   float acc_k[PER], acc_v[PER];
 #pragma unroll
   for (int u = 0; u < PER; ++u) acc_k[u] = acc_v[u] = 0.f;
-  const int i_begin = mask.query_begin(mask.kpos(k0), T_);
+  const int i_begin = mask.qbegin(k0, T_), i_end = mask.qend(min(k0 + BK, S), T_);
   const int j = k0 + lane;
 
   for (int hq = kvh * G; hq < kvh * G + G; ++hq) {
-    for (int i0 = i_begin; i0 < T_; i0 += NQ) {
+    for (int i0 = i_begin; i0 < i_end; i0 += NQ) {
       __syncthreads();
       for (int e = threadIdx.x; e < NQ * D; e += blockDim.x) {
         int r = e / D, d = e % D, i = i0 + r;
@@ -114,12 +118,12 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
 }
 
 // dQ for 8 query rows of one head. Launch: grid (ceil(T/8), H, B), block 128.
-template <typename T, int D>
+template <typename T, int D, typename M>
 __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restrict__ k,
                                        const T* __restrict__ v, const float* __restrict__ dout,
                                        const float* __restrict__ lse, const float* __restrict__ delta,
                                        float* __restrict__ dq, int B, int T_, int S, int H, int Hkv,
-                                       float scale, CpMask mask, int accumulate) {
+                                       float scale, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D];
   CP_EMU_POISON(k_s, v_s, q_s, do_s);
@@ -142,8 +146,8 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
     for (int c = 0; c < DL; ++c) acc[rr][c] = 0.f;
   }
   const int last = min(i0 + NQ, T_) - 1;
-  const int s_end = mask.key_end(mask.qpos(last), S);
-  for (int k0 = 0; k0 < s_end; k0 += BK) {
+  const int s_end = mask.kend(last, S);
+  for (int k0 = M::BAND ? mask.kbegin(i0) / BK * BK : 0; k0 < s_end; k0 += BK) {
     __syncthreads();
     for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
       int jj = e / D, d = e % D, j = k0 + jj;
@@ -195,9 +199,18 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
 #define MASK CpMask{causal, q_off, q_str, k_off, k_str}
 #define DKDV(D) bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, MASK, accumulate)
 #define DQ(D) bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, MASK, accumulate)
+#define BWD_BAND_ARGS                                                                              \
+  const TY *q, const TY *k, const TY *v, const float *dout, const float *lse, const float *delta, \
+      int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
 #define ENTRIES_D(NAME, D)                                                                                    \
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##NAME##_d##D(float* dk, float* dv, BWD_ARGS_COMMON) { DKDV(D); } \
-  extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##NAME##_d##D(float* dq, BWD_ARGS_COMMON) { DQ(D); }
+  extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##NAME##_d##D(float* dq, BWD_ARGS_COMMON) { DQ(D); } \
+  extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_band_##NAME##_d##D(float* dk, float* dv, BWD_BAND_ARGS) { \
+    bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
+  } \
+  extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_band_##NAME##_d##D(float* dq, BWD_BAND_ARGS) { \
+    bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
+  }
 #define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128)
 
 #define TY float

@@ -35,6 +35,11 @@
 //   P = exp2(s - inf) = 0 and it adds nothing; keys past S only feed dK/dV rows that are never
 //   stored (dK/dV kernel) or are masked explicitly (dQ kernel). A row with lse = -inf also gets
 //   lse2 = +inf. Causal masking is evaluated per element only in tiles that cross the diagonal.
+// Band entries (`flash_bwd_pipe_{dkdv,dq}_band_*`, Rust caller src/flash/band.rs, CPU reference
+//   candle_cp_ops::attention::attention_bwd_band): the mask arguments replaced by a band (CpBand,
+//   common.cuh; same shared memory). dK/dV blocks stream the query rows [qbegin, qend) of their
+//   keys, dQ blocks the key tiles from the one holding lo of their first row; per-element tests
+//   (lo <= j < hi) only in tiles not seen whole by every row.
 #include "flash_bwd_pipe.cuh"  // shared with flash_bwd_fused.cu: tile loads, dK/dV-side products, stores
 
 // Tile shapes per head dim (kept in sync with `PipeCfg::of` in src/flash/bwd_pipe.rs, which sizes
@@ -48,14 +53,40 @@ template <> struct PipeCfg<128> {
   static constexpr int KV_NW = 8, KV_BQ = 64, Q_NW = 8, Q_MT = 1, Q_BN = 64;
 };
 
+// pipe_pt under a band: P^T = exp2(S^T * sl2 - lse2), and where need_mask 0 for the pairs
+// outside the band: key ja (rows e < 2; ja + 8 for e >= 2) and query i0 + nt * 8 + 2t + (e & 1)
+// (its bounds read from global memory; rows past T take row T - 1's, their lse2 = +inf gives 0).
+template <int QT>
+__device__ __forceinline__ void pipe_pt_band(float (&st)[QT][4], const float* ls, int t, float sl2, CpBand band,
+                                             bool need_mask, int ja, int i0, int T_) {
+#pragma unroll
+  for (int nt = 0; nt < QT; ++nt) {
+    const float2 l2 = *reinterpret_cast<const float2*>(ls + nt * 8 + 2 * t);
+    int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if (need_mask)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int i = min(i0 + nt * 8 + 2 * t + u, T_ - 1);
+        lo[u] = band.kbegin(i), hi[u] = band.kend(i, 0);
+      }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = cp_exp2(fmaf(st[nt][e], sl2, -((e & 1) ? l2.y : l2.x)));
+      const int j = ja + (e < 2 ? 0 : 8);
+      if (need_mask && (j < lo[e & 1] || j >= hi[e & 1])) p = 0.f;
+      st[nt][e] = p;
+    }
+  }
+}
+
 // Grid (Hkv, ceil(S / BN), B), block 32 * NW, dynamic shared memory
 // (2 * BN + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * 4 bytes.
-template <typename T, int D, int NW, int BQ>
+template <typename T, int D, int NW, int BQ, typename M>
 __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* __restrict__ k,
                                               const T* __restrict__ v, const T* __restrict__ do16,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
                                               float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
-                                              int Hkv, float scale, CpMask mask, int accumulate) {
+                                              int Hkv, float scale, M mask, int accumulate) {
   constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DT = D / 8, QT = BQ / 8;
   static_assert(D % 16 == 0 && BQ % 16 == 0 && BQ <= NT, "tile shape");
   CP_DYN_SMEM(unsigned char, pipe_smem);
@@ -71,8 +102,9 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
   const float sl2 = scale * CP_LOG2E;
 
   const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D, kv_stride = (size_t)Hkv * D, q_stride = (size_t)H * D;
-  const int i_begin = mask.query_begin(mask.kpos(k0), T_);
-  const int n_qt = (T_ - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
+  const int i_begin = mask.qbegin(k0, T_);
+  const int i_end = M::BAND ? mask.qend(min(k0 + BN, S), T_) : T_;
+  const int n_qt = (i_end - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
   // Tile `it`: query head kvh * G + it / n_qt, rows i_begin + (it % n_qt) * BQ ..
   auto issue = [&](int it, int buf, float& l2, float& dl) {
     pipe_issue_q<T, D, BQ, NT>(q_a + buf * BQ * DPB, do_a + buf * BQ * DPB, q, do16, lse, delta,
@@ -82,7 +114,7 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
   float acc_k[DT][4], acc_v[DT][4];
   pipe_kv_begin<T, D, BN, BQ, NT>(n_it, k_a, v_a, k, v, kv_base, kv_stride, k0, S, tid, lse_s, dl_s, issue, acc_k, acc_v);
   const int kr0 = warp * 16;
-  const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);
+  const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);  // (band: unused)
   const long long kp_a = mask.kpos(k0 + kr0 + g), kp_b = mask.kpos(k0 + kr0 + g + 8);
 
   for (int it = 0; it < n_it; ++it) {
@@ -95,7 +127,9 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
     __syncthreads();     // ... and everyone's
 
     const int i0 = i_begin + (it % n_qt) * BQ;
-    const bool need_mask = mask.causal && kp_last > mask.qpos(i0);
+    // (band: some row of the tile does not see all of the block's keys)
+    const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
+                                   : mask.causal && kp_last > mask.qpos(i0);
     const uint32_t qb_a = q_a + buf * BQ * DPB, dob_a = do_a + buf * BQ * DPB;
     const float* ls = lse_s + buf * BQ;
     const float* dls = dl_s + buf * BQ;
@@ -104,7 +138,10 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
     float st[QT][4];
     pipe_rows_x_tile<T, D, QT>(st, k_a + kr0 * DPB, qb_a, off_a, off_b);
     // P^T = exp2(S^T * scale * log2 e - lse2); causally hidden pairs -> 0.
-    pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true);
+    if constexpr (M::BAND)
+      pipe_pt_band<QT>(st, ls, t, sl2, mask, need_mask, k0 + kr0 + g, i0, T_);
+    else
+      pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true);
     // dV += P^T dO: k = queries (16 per step), n = d (two 8-column tiles per ldmatrix.trans).
 #pragma unroll
     for (int kk = 0; kk < QT / 2; ++kk) {
@@ -138,12 +175,12 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
 // Grid (H, ceil(T / BM), B) with BM = 16 * MT * NW, block 32 * NW, dynamic shared memory
 // (2 * BM + 4 * BN) * (D + 8) * sizeof(T) bytes. Warp w owns rows 16 * MT * w .. + 16 * MT - 1
 // (MT m-tiles of 16 rows: every K/V fragment loaded from shared memory feeds MT mma).
-template <typename T, int D, int NW, int MT, int BN>
+template <typename T, int D, int NW, int MT, int BN, typename M>
 __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ do16,
                                             const float* __restrict__ lse, const float* __restrict__ delta,
                                             float* __restrict__ dq, int T_, int S, int H, int Hkv, float scale,
-                                            CpMask mask, int accumulate) {
+                                            M mask, int accumulate) {
   constexpr int BM = 16 * MT * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DC = D / 16, DT = D / 8, KT = BN / 8;
   static_assert(D % 16 == 0 && BN % 16 == 0, "tile shape");
   CP_DYN_SMEM(unsigned char, pipe_smem);
@@ -159,14 +196,15 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
   const size_t qb = ((size_t)b * T_ * H + h) * D, q_stride = (size_t)H * D;
   const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D, kv_stride = (size_t)Hkv * D;
   const int last = min(m0 + BM, T_) - 1;
-  const int s_end = mask.key_end(mask.qpos(last), S);
-  const int n_it = (s_end + BN - 1) / BN;
+  const int s_end = mask.kend(last, S);
+  const int k_first = M::BAND ? mask.kbegin(m0) / BN * BN : 0;  // band: first key tile
+  const int n_it = (s_end - k_first + BN - 1) / BN;
   // A block whose rows see no key issues no copy (nothing in flight when its threads exit).
   if (n_it > 0) {
     pipe_load_tile<T, D, BM, NT>(q_a, q + qb, q_stride, m0, T_);
     pipe_load_tile<T, D, BM, NT>(do_a, do16 + qb, q_stride, m0, T_);
-    pipe_load_tile<T, D, BN, NT>(k_a, k + kv_base, kv_stride, 0, S);
-    pipe_load_tile<T, D, BN, NT>(v_a, v + kv_base, kv_stride, 0, S);
+    pipe_load_tile<T, D, BN, NT>(k_a, k + kv_base, kv_stride, k_first, S);
+    pipe_load_tile<T, D, BN, NT>(v_a, v + kv_base, kv_stride, k_first, S);
   }
   cp_async_commit();
 
@@ -182,7 +220,20 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
       l2[mt][hf] = pipe_lse2(lse, li, r < T_);
       dl[mt][hf] = r < T_ ? delta[li] : 0.f;
     }
-  const long long qp0 = mask.qpos(m0);
+  const long long qp0 = mask.qpos(m0);  // (band: unused)
+  // Band: this lane's row bounds (rows past T take row T - 1's; their lse2 = +inf gives P = 0),
+  // and the block's: keys [bk_lo, bk_hi) are seen by every row of the block.
+  int blo[MT][2], bhi[MT][2], bk_lo = 0, bk_hi = 0;
+  if constexpr (M::BAND) {
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int hf = 0; hf < 2; ++hf) {
+        const int r = min(r0 + 16 * mt + 8 * hf, T_ - 1);
+        blo[mt][hf] = mask.kbegin(r), bhi[mt][hf] = mask.kend(r, S);
+      }
+    bk_lo = mask.kbegin(last), bk_hi = mask.kend(m0, S);
+  }
   float acc[MT][DT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -191,7 +242,7 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
   const uint32_t qw_a = q_a + 16 * MT * warp * DPB, dow_a = do_a + 16 * MT * warp * DPB;
 
   for (int it = 0; it < n_it; ++it) {
-    const int buf = it & 1, k0 = it * BN;
+    const int buf = it & 1, k0 = k_first + it * BN;
     const bool more = it + 1 < n_it;
     if (more) {
       pipe_load_tile<T, D, BN, NT>(k_a + (buf ^ 1) * BN * DPB, k + kv_base, kv_stride, k0 + BN, S);
@@ -201,7 +252,8 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
     cp_async_wait<1>();
     __syncthreads();
 
-    const bool need_mask = k0 + BN > S || (mask.causal && mask.kpos(min(k0 + BN, S) - 1) > qp0);
+    const bool need_mask = M::BAND ? k0 + BN > S || bk_lo > k0 || bk_hi < k0 + BN
+                                   : k0 + BN > S || (mask.causal && mask.kpos(min(k0 + BN, S) - 1) > qp0);
     const uint32_t kb_a = k_a + buf * BN * DPB, vb_a = v_a + buf * BN * DPB;
     // S = Q K^T: rows = this warp's 16 * MT queries, cols = BN keys.
     float s[MT][KT][4];
@@ -235,7 +287,11 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
           float p = cp_exp2(fmaf(s[mt][nt][e], sl2, -l2[mt][e >> 1]));
           if (need_mask) {
             const int j = k0 + nt * 8 + 2 * t + (e & 1);
-            if (j >= S || (mask.causal && mask.kpos(j) > mask.qpos(r0 + 16 * mt + 8 * (e >> 1)))) p = 0.f;
+            if constexpr (M::BAND) {
+              if (j >= S || j < blo[mt][e >> 1] || j >= bhi[mt][e >> 1]) p = 0.f;
+            } else {
+              if (j >= S || (mask.causal && mask.kpos(j) > mask.qpos(r0 + 16 * mt + 8 * (e >> 1)))) p = 0.f;
+            }
           }
           s[mt][nt][e] = p;
         }
@@ -325,7 +381,10 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
   }
 }
 
-// PIPE_ARGS, PIPE_MASK: flash_bwd_pipe.cuh.
+// PIPE_ARGS, PIPE_MASK: flash_bwd_pipe.cuh. Band entries: the mask arguments replaced by the band.
+#define PIPE_BAND_ARGS                                                                            \
+  const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
+      int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
 #define PIPE_ENTRIES_D(NAME, D)                                                                           \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
       flash_bwd_pipe_dkdv_##NAME##_d##D(float* dk, float* dv, PIPE_ARGS) {                                \
@@ -338,6 +397,18 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
     using C = PipeCfg<D>;                                                                                 \
     bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
                                                   PIPE_MASK, accumulate);                                 \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
+      flash_bwd_pipe_dkdv_band_##NAME##_d##D(float* dk, float* dv, PIPE_BAND_ARGS) {                      \
+    using C = PipeCfg<D>;                                                                                 \
+    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
+                                             CP_BAND_OF_BLOCK, accumulate);                               \
+  }                                                                                                       \
+  extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::Q_NW, 1)                                  \
+      flash_bwd_pipe_dq_band_##NAME##_d##D(float* dq, PIPE_BAND_ARGS) {                                   \
+    using C = PipeCfg<D>;                                                                                 \
+    bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
+                                                  CP_BAND_OF_BLOCK, accumulate);                          \
   }
 #define PIPE_ENTRIES(NAME)                                                                                \
   extern "C" __global__ void flash_bwd_pipe_prep_##NAME(const float* o, const float* dout, float* delta, \

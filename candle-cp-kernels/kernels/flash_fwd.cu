@@ -2,6 +2,9 @@
 // Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs), used by the attention op's
 //   cuda_fwd in crates/candle-cp-ops/src/attention/cuda.rs.
 // CPU reference: candle_cp_ops::attention::attention_fwd (and attention_slow).
+// Band entries (`flash_fwd_{simple,pipe}_band_*`: one key interval per query row, CpBand in
+//   common.cuh): Rust caller candle_cp_kernels::flash::fwd_band (src/flash/band.rs), CPU
+//   reference candle_cp_ops::attention::attention_fwd_band; design notes in docs/kernels.md.
 //
 // q [B, T, H, D], k/v [B, S, Hkv, D] (contiguous, element type T), out f32 [B, T, H, D],
 // lse f32 [B, H, T] (natural log). Query head h reads KV head h / (H / Hkv) (GQA).
@@ -21,11 +24,12 @@
 #include "common.cuh"
 
 // ------------------------------------------------------------------ CUDA-core version
-template <typename T, int D>
+// M: CpMask, or CpBand (the `_band_` entries: keys from the tile of the block's first lo on).
+template <typename T, int D, typename M>
 __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v, float* __restrict__ out,
                                            float* __restrict__ lse, int B, int T_, int S, int H,
-                                           int Hkv, float scale, CpMask mask) {
+                                           int Hkv, float scale, M mask) {
   constexpr int NW = 4, R = 4, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   __shared__ float k_s[BK * DP];
   __shared__ float v_s[BK * D];
@@ -49,9 +53,10 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
     for (int c = 0; c < DL; ++c) o[r][c] = 0.f;
   }
   int last_row = min(row0 + NW * R, T_) - 1;
-  int s_end = last_row < 0 ? 0 : mask.key_end(mask.qpos(last_row), S);
+  int s_end = last_row < 0 ? 0 : mask.kend(last_row, S);
+  const int k_first = M::BAND ? mask.kbegin(row0) / BK * BK : 0;  // row0 < T_ (grid ceil(T/16))
 
-  for (int k0 = 0; k0 < s_end; k0 += BK) {
+  for (int k0 = k_first; k0 < s_end; k0 += BK) {
     __syncthreads();
     for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
       int jj = e / D, d = e % D, j = k0 + jj;
@@ -288,11 +293,14 @@ __device__ __forceinline__ void fwd_pipe_load(uint32_t dst, const T* __restrict_
 // warp is done with tile j-1, the previous user of buffer (j+1) % 2).
 // Q fragments: kept in registers when MT*D <= 128, else re-read from q_s with ldmatrix per tile.
 // Requires scale > 0 (the launcher runs fwd_mma otherwise).
-template <typename T, int D, int NW, int MT, int BK>
+// M = CpBand (`_band_` entries): the tiles start at the one holding lo of the block's first row;
+// a warp skips tiles below its first row's lo, and a tile needs no mask test when every row of
+// the warp sees all of it (lo of the last row <= k0, k0 + BK <= hi of the first row).
+template <typename T, int D, int NW, int MT, int BK, typename M>
 __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, float* __restrict__ out,
                                          float* __restrict__ lse, int B, int T_, int S, int H,
-                                         int Hkv, float scale, CpMask mask) {
+                                         int Hkv, float scale, M mask) {
   constexpr int NTH = NW * 32, BQ = NW * MT * 16, DP = D + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   constexpr bool QREG = MT * D <= 128;
   CP_DYN_SMEM(unsigned char, fwd_pipe_smem);
@@ -306,19 +314,28 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   const float sl2 = scale * CP_LOG2E;
 
   // Keys [0, n_tiles * BK) hold every key some row of the block sees; [0, w_end) of this warp.
-  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
-  const int w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + MT * 16, T_) - 1), S) : 0;
+  // Band: key indices below are relative to kb, the start of the tile holding lo of the block's
+  // first row (K/V pointers, S and every bound shifted by kb; 0 without a band).
+  const int kb = M::BAND ? mask.kbegin(row0) / BK * BK : 0;
+  const int n_tiles = (mask.kend(min(row0 + BQ, T_) - 1, S) - kb + BK - 1) / BK;
+  const int w_end = wrow0 < T_ ? mask.kend(min(wrow0 + MT * 16, T_) - 1, S) - kb : 0;
   // Keys [0, w_full) are visible to every row of the warp (to its first row, hence to all).
-  const int w_full = mask.key_end(mask.qpos(wrow0), S);
+  const int w_full = mask.kend(M::BAND ? min(wrow0, T_ - 1) : wrow0, S) - kb;
   // lim_s[r] = key_end of block row r: row r sees exactly keys [0, lim_s[r]) (positions increase
   // with the index). Read only for tiles that need a mask test; visible after the first barrier.
   int* lim_s = reinterpret_cast<int*>(fwd_pipe_smem + (BQ + 4 * BK) * DP * 2);
-  for (int r = tid; r < BQ; r += NTH) lim_s[r] = mask.key_end(mask.qpos(row0 + r), S);
+  for (int r = tid; r < BQ; r += NTH) lim_s[r] = mask.kend(M::BAND ? min(row0 + r, T_ - 1) : row0 + r, S) - kb;
+  // Band: lo_s[r] = lo of block row r (BQ more ints of dynamic shared memory); row r sees keys
+  // [lo_s[r], lim_s[r]). Rows past T repeat row T - 1.
+  int* lo_s = lim_s + BQ;
+  if constexpr (M::BAND)
+    for (int r = tid; r < BQ; r += NTH) lo_s[r] = mask.kbegin(min(row0 + r, T_ - 1)) - kb;
 
   const size_t kv_rs = (size_t)Hkv * D;
   // K and V of (b, kvh) start at the same element offset: one 64-bit register pair across the
   // loop instead of two pointers (this removes a 4-byte spill of the d128 kernel on sm_80).
-  const size_t kv_off = ((size_t)b * S * Hkv + kvh) * D;
+  const size_t kv_off = ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+  const int s_rel = S - kb;  // keys left from kb
 
   // Per-lane ldmatrix row addresses: lane l feeds row l % 8 of matrix l / 8.
   const int mi = lane >> 3, mr = lane & 7;
@@ -339,8 +356,8 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 
   if (n_tiles > 0) {
     fwd_pipe_load<BQ, D, NTH>(q_sa, q + ((size_t)b * T_ * H + h) * D, (size_t)H * D, row0, T_, tid);
-    fwd_pipe_load<BK, D, NTH>(k_sa, k + kv_off, kv_rs, 0, S, tid);
-    fwd_pipe_load<BK, D, NTH>(v_sa, v + kv_off, kv_rs, 0, S, tid);
+    fwd_pipe_load<BK, D, NTH>(k_sa, k + kv_off, kv_rs, 0, s_rel, tid);
+    fwd_pipe_load<BK, D, NTH>(v_sa, v + kv_off, kv_rs, 0, s_rel, tid);
     cp_async_commit();
   }
   for (int j = 0; j < n_tiles; ++j) {
@@ -349,8 +366,8 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
     cp_async_wait<0>();
     __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1
     if (j + 1 < n_tiles) {
-      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);
-      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);
+      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, s_rel, tid);
+      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, s_rel, tid);
       cp_async_commit();
     }
     if (QREG && j == 0) {
@@ -392,18 +409,30 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 
     // Mask (raw scores; the scale enters in the exp2 below, which needs scale > 0: row maxima are
     // taken before scaling). A tile below the diagonal of every row of the warp needs no test.
-    const bool full_tile = k0 + BK <= w_full;
+    // (band: and lo of the warp's last row <= k0)
+    const bool full_tile = k0 + BK <= w_full && (!M::BAND || lo_s[warp * MT * 16 + MT * 16 - 1] <= k0);
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       if (!full_tile) {
         // Key k0 + c, c = nt*8 + 2t + (e&1), is visible to row a iff c < lim_s[a] - k0.
         const int ca = lim_s[warp * MT * 16 + mt * 16 + g] - k0 - 2 * t;
         const int cb = lim_s[warp * MT * 16 + mt * 16 + g + 8] - k0 - 2 * t;
+        if constexpr (M::BAND) {  // ... and c >= la = lo_s[a] - k0 - 2t: one unsigned compare
+          const int la = lo_s[warp * MT * 16 + mt * 16 + g] - k0 - 2 * t;
+          const int lb = lo_s[warp * MT * 16 + mt * 16 + g + 8] - k0 - 2 * t;
+          const unsigned wa = (unsigned)(ca - la), wb = (unsigned)(cb - lb);  // lo <= hi
 #pragma unroll
-        for (int nt = 0; nt < NT; ++nt)
+          for (int nt = 0; nt < NT; ++nt)
 #pragma unroll
-          for (int e = 0; e < 4; ++e)
-            if (nt * 8 + (e & 1) >= (e < 2 ? ca : cb)) s[mt][nt][e] = -INFINITY;
+            for (int e = 0; e < 4; ++e)
+              if ((unsigned)(nt * 8 + (e & 1) - (e < 2 ? la : lb)) >= (e < 2 ? wa : wb)) s[mt][nt][e] = -INFINITY;
+        } else {
+#pragma unroll
+          for (int nt = 0; nt < NT; ++nt)
+#pragma unroll
+            for (int e = 0; e < 4; ++e)
+              if (nt * 8 + (e & 1) >= (e < 2 ? ca : cb)) s[mt][nt][e] = -INFINITY;
+        }
       }
       float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
@@ -499,9 +528,17 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
       long long k_str
 #define FWD_CALL(IMPL, D)                                                                       \
   IMPL<TY, D>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str})
+// Band entries (`flash_fwd_{simple,pipe}_band_*`, Rust caller src/flash/band.rs, CPU reference
+// candle_cp_ops::attention::attention_fwd_band): the mask arguments replaced by the band (CpBand).
+#define FWD_BAND_ARGS                                                                         \
+  const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
+      int Hkv, float scale, CP_BAND_ARGS
 
 #define SIMPLE(NAME, D) \
-  extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_simple, D); }
+  extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_simple, D); } \
+  extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_band_##NAME##_d##D(FWD_BAND_ARGS) { \
+    fwd_simple<TY, D>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);                  \
+  }
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
 // Pipelined: block NW*32 threads, BQ = NW*MT*16 rows, dynamic shared memory (BQ + 4*BK) * (D + 8)
@@ -512,6 +549,9 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_##NAME##_d##D(FWD_ARGS) { \
     fwd_pipe<TY, D, NW, MT, BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                        \
                             CpMask{causal, q_off, q_str, k_off, k_str});                       \
+  }                                                                                                \
+  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_band_##NAME##_d##D(FWD_BAND_ARGS) { \
+    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);      \
   }
 #define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64)
 #define TY float

@@ -4,6 +4,7 @@
 //! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16 or bf16, same dtype), out f32
 //! `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). `T`, `S` are local lengths; the mask
 //! carries global positions. Head dims 16, 32, 64 and 128. Query head `h` reads KV head `h / (H/Hkv)`.
+//! Band masks (one key interval per query row): [`fwd_band`], [`bwd_band`] (module `band`).
 
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -12,12 +13,15 @@ use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, StorageRef, Tensor};
 use half::{bf16, f16};
 
+mod band;
 mod bwd_fused;
 mod bwd_pipe;
 mod bwd_sm90;
 mod bwd_sm90_ws;
 mod sm90;
 mod sm90_ws;
+
+pub use band::{bwd_band, fwd_band, fwd_storage_band, KBand};
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -59,7 +63,10 @@ impl KMask {
     }
 }
 
-/// Which kernels to run (forward and backward alike).
+/// Which kernels to run (forward and backward alike). Under a band ([`fwd_band`], [`bwd_band`])
+/// only `Simple` and `Pipelined` have kernels: `Simple` runs the CUDA-core band kernels, every
+/// other choice (`Mma`, `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` included) runs `Auto`'s
+/// family (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
     /// Tensor cores for f16/bf16 (the `Pipelined` kernels), CUDA cores for f32.

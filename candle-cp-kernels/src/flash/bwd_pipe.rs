@@ -16,16 +16,16 @@ use half::{bf16, f16};
 /// dK/dV kernel runs `kv_nw` warps x 16 keys per block over `kv_bq`-row query tiles, the dQ
 /// kernel `q_nw` warps x `16 * q_mt` query rows per block over `q_bn`-key tiles.
 #[derive(Clone, Copy, Debug)]
-struct PipeCfg {
-    kv_nw: usize,
-    kv_bq: usize,
-    q_nw: usize,
-    q_mt: usize,
-    q_bn: usize,
+pub(super) struct PipeCfg {
+    pub(super) kv_nw: usize,
+    pub(super) kv_bq: usize,
+    pub(super) q_nw: usize,
+    pub(super) q_mt: usize,
+    pub(super) q_bn: usize,
 }
 
 impl PipeCfg {
-    fn of(d: usize) -> Self {
+    pub(super) fn of(d: usize) -> Self {
         if d == 128 {
             Self { kv_nw: 8, kv_bq: 64, q_nw: 8, q_mt: 1, q_bn: 64 }
         } else {
@@ -33,12 +33,12 @@ impl PipeCfg {
         }
     }
     /// Keys per dK/dV block and query rows per dQ block.
-    fn block_rows(&self) -> (usize, usize) {
+    pub(super) fn block_rows(&self) -> (usize, usize) {
         (16 * self.kv_nw, 16 * self.q_mt * self.q_nw)
     }
     /// Dynamic shared memory (bytes) of the dK/dV and dQ kernels for head dim `d`: 16-bit tiles
     /// with a row stride of d + 8 elements (see the kernels' launch comments).
-    fn smem(&self, d: usize) -> (u32, u32) {
+    pub(super) fn smem(&self, d: usize) -> (u32, u32) {
         let (bn, bm) = self.block_rows();
         let row = (d + 8) * 2;
         let kv = (2 * bn + 4 * self.kv_bq) * row + 4 * self.kv_bq * 4;

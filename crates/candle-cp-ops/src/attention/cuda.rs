@@ -5,12 +5,16 @@
 //!
 //! Forward kernel choice: tensor cores for f16/bf16, CUDA cores for f32; override with
 //! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128.
+//!
+//! Bands ([`Band`]: windows, packed documents, per-batch masks): the `Simple` / `Pipelined` band
+//! kernels (`candle_cp_kernels::flash::{fwd_band, bwd_band}`); the other kernel families fall
+//! back to `Auto`'s under a band. The bounds are copied to the device once per call.
 
 use super::op::AttentionOp;
-use super::Mask;
+use super::{Band, Mask};
 use candle_core::backend::BackendStorage;
-use candle_core::{CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
-use candle_cp_kernels::flash::{self, FwdImpl, KMask};
+use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
+use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask};
 
 /// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error).
 pub(crate) fn supported(head_dim: usize) -> bool {
@@ -40,8 +44,13 @@ pub(crate) fn op_fwd(
     v: &CudaStorage,
     vl: &Layout,
 ) -> Result<(CudaStorage, Shape)> {
-    let ((out, out_shape), (lse, lse_shape)) =
-        flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), op.scale as f32, FwdImpl::from_env())?;
+    let ((out, out_shape), (lse, lse_shape)) = match &op.band {
+        Some(band) => {
+            let (lo, hi) = band_tensors(band, &Device::Cuda(q.device.clone()))?;
+            flash::fwd_storage_band(q, ql, k, kl, v, vl, KBand { lo: &lo, hi: &hi }, op.scale as f32, FwdImpl::from_env())?
+        }
+        None => flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), op.scale as f32, FwdImpl::from_env())?,
+    };
     let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, candle_core::op::BackpropOp::none(), false);
     *op.lse_slot().lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
     if op.f32_out || q.dtype() == DType::F32 {
@@ -73,6 +82,34 @@ pub(crate) fn bwd(
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     flash::bwd(q, k, v, out, lse, dout, kmask(mask), scale as f32)
+}
+
+/// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi).
+fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {
+    let shape = (band.batch(), band.rows());
+    Ok((Tensor::from_slice(band.lo(), shape, dev)?, Tensor::from_slice(band.hi(), shape, dev)?))
+}
+
+/// CUDA `attention_fwd_band` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
+pub(crate) fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+    let (lo, hi) = band_tensors(band, q.device())?;
+    flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+}
+
+/// CUDA `attention_bwd_band` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn bwd_band(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    band: &Band,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (lo, hi) = band_tensors(band, q.device())?;
+    flash::bwd_band(q, k, v, out, lse, dout, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
 }
 
 /// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.

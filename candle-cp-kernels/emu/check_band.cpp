@@ -1,0 +1,311 @@
+// Band-masked flash attention (the `_band_` entries of flash_fwd.cu, flash_bwd.cu and
+// flash_bwd_pipe.cu, launched by src/flash/band.rs) under the emulator vs a float64 reference:
+// query row i of batch row b sees the keys lo[b][i] <= j < hi[b][i] (lo, hi non-decreasing in i,
+// lo <= hi <= S); a shared band (batch stride 0) or one band per batch row (stride T). A row with
+// an empty interval has out 0, lse -inf and contributes nothing to the gradients.
+// Cases: packed documents (causal and full), documents + sliding window, a window over a ring
+// step's keys, a batch-2 band with a different band per row, random bands with empty rows.
+#include <algorithm>
+#include <random>
+
+#include "harness.h"
+
+#define BAND_A const unsigned int*, const unsigned int*, long long
+#define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
+#define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
+// the pipelined backward takes dO rounded to TY (flash_bwd_pipe_prep_*)
+#define PBWDB_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
+#define DECLB_D(N, TY, D)                                          \
+  void flash_fwd_simple_band_##N##_d##D(FWDB_P(TY));               \
+  void flash_bwd_dkdv_band_##N##_d##D(float*, float*, BWDB_P(TY)); \
+  void flash_bwd_dq_band_##N##_d##D(float*, BWDB_P(TY));
+#define DECLB16_D(N, TY, D)                                             \
+  void flash_fwd_pipe_band_##N##_d##D(FWDB_P(TY));                      \
+  void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
+  void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
+#define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
+#define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
+extern "C" {
+DECLB(f32, float)
+DECLB(f16, __half)
+DECLB(bf16, __nv_bfloat16)
+DECLB16(f16, __half)
+DECLB16(bf16, __nv_bfloat16)
+void flash_bwd_delta_f32(const float*, const float*, float*, int, int, int, int);
+void flash_bwd_pipe_prep_f16(const float*, const float*, float*, __half*, int, int, int, int);
+void flash_bwd_pipe_prep_bf16(const float*, const float*, float*, __nv_bfloat16*, int, int, int, int);
+}
+
+namespace {
+
+template <typename TY> using FwdB = void (*)(FWDB_P(TY));
+template <typename TY> using DkdvB = void (*)(float*, float*, BWDB_P(TY));
+template <typename TY> using DqB = void (*)(float*, BWDB_P(TY));
+template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDB_P(TY));
+template <typename TY> using PDqB = void (*)(float*, PBWDB_P(TY));
+
+// Entry points by (family, D): family 0 = simple (CUDA cores), 1 = pipe (tensor cores).
+#define PICK(PRE, N, D) \
+  (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : (void*)&PRE##N##_d128)
+template <typename TY> struct Ents;
+// (void*: the pipelined backward entries take dO as TY, see PBWDB_P)
+template <> struct Ents<float> {
+  static void* fwd(bool, int D) { return PICK(flash_fwd_simple_band_, f32, D); }
+  static void* dkdv(bool, int D) { return PICK(flash_bwd_dkdv_band_, f32, D); }
+  static void* dq(bool, int D) { return PICK(flash_bwd_dq_band_, f32, D); }
+};
+template <> struct Ents<__half> {
+  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, f16, D) : PICK(flash_fwd_simple_band_, f16, D); }
+  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, f16, D) : PICK(flash_bwd_dkdv_band_, f16, D); }
+  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, f16, D) : PICK(flash_bwd_dq_band_, f16, D); }
+};
+template <> struct Ents<__nv_bfloat16> {
+  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, bf16, D) : PICK(flash_fwd_simple_band_, bf16, D); }
+  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, bf16, D) : PICK(flash_bwd_dkdv_band_, bf16, D); }
+  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, bf16, D) : PICK(flash_bwd_dq_band_, bf16, D); }
+};
+
+// One band problem: bounds [nb][T] (nb = 1: shared by every batch row, else B).
+struct BandCase {
+  std::string label;
+  int B, T, S, H, Hkv, D;
+  int nb;
+  std::vector<unsigned> lo, hi;
+  bool vis(int b, int i, int j) const {
+    const size_t x = (size_t)(nb == 1 ? 0 : b) * T + i;
+    return (int)lo[x] <= j && j < (int)hi[x];
+  }
+  std::string tag() const {
+    char buf[200];
+    std::snprintf(buf, sizeof buf, "%s d%d [b%d t%d s%d h%d kv%d band%d]", label.c_str(), D, B, T, S, H, Hkv, nb);
+    return buf;
+  }
+};
+
+// Band of queries at positions q0 + i against keys at k0 + j (i < T, j < S) under causal / full,
+// an optional window (0: none) and documents given by their start positions (empty: none).
+void band_of_positions(int T, int S, long q0, long k0, bool causal, long window, const std::vector<long>& doc_starts,
+                       std::vector<unsigned>& lo, std::vector<unsigned>& hi) {
+  for (int i = 0; i < T; ++i) {
+    const long qp = q0 + i;
+    long first = 0, last = causal ? qp : (long)1 << 40;
+    if (window > 0) first = std::max(first, qp + 1 - window);
+    if (!doc_starts.empty()) {
+      auto it = std::upper_bound(doc_starts.begin(), doc_starts.end(), qp);
+      const long a = *(it - 1), e = it == doc_starts.end() ? (long)1 << 40 : *it;
+      first = std::max(first, a);
+      last = std::min(last, e - 1);
+    }
+    long a = std::clamp(first - k0, 0L, (long)S), b = std::clamp(last + 1 - k0, 0L, (long)S);
+    lo.push_back((unsigned)a);
+    hi.push_back((unsigned)std::max(a, b));
+  }
+}
+
+// Random monotone band with runs of empty rows (lo == hi), rows that see everything up to S,
+// and intervals that start and end mid-tile.
+void band_random(int T, int S, std::mt19937_64& rng, std::vector<unsigned>& lo, std::vector<unsigned>& hi) {
+  unsigned a = 0, b = 0;
+  for (int i = 0; i < T; ++i) {
+    const int r = (int)(rng() % 10);
+    if (r < 3) a = std::min<unsigned>(S, a + (unsigned)(rng() % 9));
+    if (r < 7) b = std::min<unsigned>(S, b + (unsigned)(rng() % 7));
+    if (r == 9) a = b;  // empty row
+    b = std::max(a, b);
+    if (i % 37 == 36) b = (unsigned)S;  // a row that sees the rest
+    lo.push_back(a);
+    hi.push_back(b);
+  }
+}
+
+Ref band_reference(const BandCase& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
+                   const std::vector<double>& dout, double scale) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
+  Ref r;
+  r.out.assign((size_t)B * T * H * D, 0.0);
+  r.dq.assign((size_t)B * T * H * D, 0.0);
+  r.dk.assign((size_t)B * S * Hkv * D, 0.0);
+  r.dv.assign((size_t)B * S * Hkv * D, 0.0);
+  r.lse.assign((size_t)B * H * T, -INFINITY);
+  r.delta.assign((size_t)B * H * T, 0.0);
+  std::vector<double> s(S), p(S);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i) {
+        const int kvh = h / G;
+        const double* qi = &q[(((size_t)b * T + i) * H + h) * D];
+        auto kj = [&](const std::vector<double>& x, int j) { return &x[(((size_t)b * S + j) * Hkv + kvh) * D]; };
+        double m = -INFINITY;
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(b, i, j)) continue;
+          double acc = 0;
+          for (int d = 0; d < D; ++d) acc += qi[d] * kj(k, j)[d];
+          s[j] = acc * scale;
+          m = std::max(m, s[j]);
+        }
+        if (m == -INFINITY) continue;
+        double l = 0;
+        for (int j = 0; j < S; ++j) l += c.vis(b, i, j) ? std::exp(s[j] - m) : 0.0;
+        const double lse = m + std::log(l);
+        r.lse[((size_t)b * H + h) * T + i] = lse;
+        double* oi = &r.out[(((size_t)b * T + i) * H + h) * D];
+        for (int j = 0; j < S; ++j) {
+          p[j] = c.vis(b, i, j) ? std::exp(s[j] - lse) : 0.0;
+          for (int d = 0; d < D; ++d) oi[d] += p[j] * kj(v, j)[d];
+        }
+        const double* gi = &dout[(((size_t)b * T + i) * H + h) * D];
+        double delta = 0;
+        for (int d = 0; d < D; ++d) delta += gi[d] * oi[d];
+        r.delta[((size_t)b * H + h) * T + i] = delta;
+        double* dqi = &r.dq[(((size_t)b * T + i) * H + h) * D];
+        for (int j = 0; j < S; ++j) {
+          if (!c.vis(b, i, j)) continue;
+          double dp = 0;
+          for (int d = 0; d < D; ++d) dp += gi[d] * kj(v, j)[d];
+          const double ds = p[j] * (dp - delta) * scale;
+          double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + kvh) * D];
+          double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + kvh) * D];
+          for (int d = 0; d < D; ++d) {
+            dqi[d] += ds * kj(k, j)[d];
+            dkj[d] += ds * qi[d];
+            dvj[d] += p[j] * gi[d];
+          }
+        }
+      }
+  return r;
+}
+
+unsigned cdivb(long a, long b) { return (unsigned)((a + b - 1) / b); }
+
+template <typename T> const char* sfxb();
+template <> const char* sfxb<float>() { return "f32"; }
+template <> const char* sfxb<__half>() { return "f16"; }
+template <> const char* sfxb<__nv_bfloat16>() { return "bf16"; }
+
+// Forward and backward of one case with the simple (pipe = false) or pipelined kernels, launched
+// as src/flash/band.rs does (grids, blocks, dynamic shared memory).
+template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
+  const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
+  const float scale = 1.f / std::sqrt((float)D);
+  Buf<TY> q(nq), k(nk), v(nk);
+  const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
+  Buf<float> dout(nq), o32(nq), l32(nl);
+  const auto dd = fill(dout, randn(nq, seed + 3));
+  Buf<unsigned> lo(c.lo.size()), hi(c.hi.size());
+  std::copy(c.lo.begin(), c.lo.end(), lo.p);
+  std::copy(c.hi.begin(), c.hi.end(), hi.p);
+  const long long bstride = c.nb == 1 ? 0 : T;
+  const Ref ref = band_reference(c, qd, kd, vd, dd, (double)scale);
+  fill(o32, ref.out);
+  fill(l32, ref.lse);
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  const std::string tag = std::string(pipe ? "pipe " : "simple ") + sfxb<TY>() + " " + c.tag();
+
+  std::string name = "flash_fwd_band " + tag;
+  if (wanted(name)) {
+    Buf<float> out(nq), lse(nl);
+    const unsigned rows = pipe ? 128 : 16;
+    const size_t smem = pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 + 128 * 4 : 0;  // pipe_band_smem
+    auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
+    bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
+      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
+    });
+    check_launch(name, ok);
+    if (ok) {
+      check(name + " out", max_abs(out.to_f32(), ref.out), !pipe ? 2e-5 : bf ? 2e-2 : 4e-3);
+      check(name + " lse", max_abs(lse.to_f32(), ref.lse), !pipe ? 2e-5 : 1e-3);
+    }
+  }
+  name = "flash_bwd_band " + tag;
+  if (!wanted(name)) return;
+  Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
+  bool ok;
+  if (!pipe) {
+    auto dkdv = reinterpret_cast<DkdvB<TY>>(Ents<TY>::dkdv(false, D));
+    auto dqf = reinterpret_cast<DqB<TY>>(Ents<TY>::dq(false, D));
+    ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
+                        [&] { flash_bwd_delta_f32(o32.p, dout.p, delta.p, B, T, H, D); }) &&
+         cp_emu::launch("flash_bwd_dkdv_band", dim3(cdivb(S, 32), Hkv, B), dim3(128), 0, [&] {
+           dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         }) &&
+         cp_emu::launch("flash_bwd_dq_band", dim3(cdivb(T, 8), H, B), dim3(128), 0, [&] {
+           dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         });
+  } else {
+    // PipeCfg::of (src/flash/bwd_pipe.rs)
+    const int kv_nw = 8, kv_bq = 64, q_nw = D == 128 ? 8 : 4, q_mt = D == 128 ? 1 : 2, q_bn = D == 128 ? 64 : 32;
+    const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
+    const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
+    Buf<TY> do16(nq);
+    auto dkdv = reinterpret_cast<PDkdvB<TY>>(Ents<TY>::dkdv(true, D));
+    auto dqf = reinterpret_cast<PDqB<TY>>(Ents<TY>::dq(true, D));
+    using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
+    PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
+    ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
+                        [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); }) &&
+         cp_emu::launch("flash_bwd_pipe_dkdv_band", dim3(Hkv, cdivb(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
+           dkdv(dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         }) &&
+         cp_emu::launch("flash_bwd_pipe_dq_band", dim3(H, cdivb(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
+           dqf(dq.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         });
+  }
+  check_launch(name, ok);
+  if (!ok) return;
+  check(name + " delta", max_abs(delta.to_f32(), ref.delta), 1e-4 * std::sqrt((double)D));
+  const double tol = !pipe ? 1e-4 : bf ? 3e-2 : 5e-3;
+  check(name + " dq", rel_err(dq.to_f32(), ref.dq), tol);
+  check(name + " dk", rel_err(dk.to_f32(), ref.dk), tol);
+  check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
+}
+
+// Simple with f32 (and a 16-bit type), pipe with f16 and bf16.
+void run_all(const BandCase& c, uint64_t& seed) {
+  if (c.D <= 64) run_band<float>(c, false, seed++);
+  run_band<__nv_bfloat16>(c, false, seed++);
+  run_band<__nv_bfloat16>(c, true, seed++);
+  run_band<__half>(c, true, seed++);
+}
+
+}  // namespace
+
+void run_band_checks() {
+  uint64_t seed = 900;
+  {  // packed documents, causal: one band over 4 documents (one of length 1)
+    BandCase c{"docs causal", 1, 150, 150, 2, 1, 64, 1, {}, {}};
+    band_of_positions(150, 150, 0, 0, true, 0, {0, 40, 41, 111}, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // documents + sliding window 17, GQA 2:1
+    BandCase c{"docs + window 17", 1, 200, 200, 4, 2, 32, 1, {}, {}};
+    band_of_positions(200, 200, 0, 0, true, 17, {0, 70, 75, 160}, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // ring step: 64 queries at 300.. against 192 keys at 100.., window 150 (both edges inside)
+    BandCase c{"ring step window 150", 1, 64, 192, 1, 1, 128, 1, {}, {}};
+    band_of_positions(64, 192, 300, 100, true, 150, {}, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // batch 2, a different band per row: causal window 50 / full documents
+    BandCase c{"batch-2 window | full docs", 2, 130, 130, 2, 2, 16, 2, {}, {}};
+    band_of_positions(130, 130, 0, 0, true, 50, {}, c.lo, c.hi);
+    band_of_positions(130, 130, 0, 0, false, 0, {0, 33, 97}, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // random bands with empty rows, batch 2 (per row), ragged T / S
+    BandCase c{"random, empty rows", 2, 170, 201, 2, 1, 128, 2, {}, {}};
+    std::mt19937_64 rng(11);
+    band_random(170, 201, rng, c.lo, c.hi);
+    band_random(170, 201, rng, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // shared random band over batch 2, leading empty rows, d 32
+    BandCase c{"random shared, leading empty rows", 2, 77, 90, 3, 1, 32, 1, {}, {}};
+    std::mt19937_64 rng(12);
+    band_random(77, 90, rng, c.lo, c.hi);
+    for (int i = 0; i < 9; ++i) c.lo[i] = c.hi[i] = 0;
+    for (int i = 9; i < 77; ++i) c.hi[i] = std::max(c.hi[i], c.lo[i]);
+    run_all(c, seed);
+  }
+}

@@ -1,0 +1,372 @@
+//! Band-masked flash attention: query row `i` of batch row `b` sees the key rows
+//! `lo[b][i] <= j < hi[b][i]` (local indices). CPU reference:
+//! `candle_cp_ops::attention::{attention_fwd_band, attention_bwd_band}` (the bands come from
+//! `candle_cp_ops::attention::Band`, which checks the invariants below).
+//!
+//! Kernels: the `_band_` entries of `kernels/flash_fwd.cu` (`flash_fwd_{simple,pipe}_band_*`),
+//! `kernels/flash_bwd.cu` (`flash_bwd_{dkdv,dq}_band_*`) and `kernels/flash_bwd_pipe.cu`
+//! (`flash_bwd_pipe_{dkdv,dq}_band_*`, after `flash_bwd_pipe_prep_*`): the `Simple` and
+//! `Pipelined` kernels with the mask arguments replaced by the band (`CpBand` in
+//! `kernels/common.cuh`). Families without band entries (`Mma`, `Wgmma`, `AtomicDq`,
+//! `WgmmaAtomic`, `WgmmaWs`) run `Auto`'s family under a band (see [`FwdImpl`]).
+
+use super::bwd_pipe::{launch_prep, PipeCfg};
+use super::{bwd_tensors, check_dims, pipe_config, prep, storage_of, suffix, BwdInputs, Dims, FwdImpl};
+use crate::{ptx, util};
+use candle_core::backend::BackendStorage;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
+use half::{bf16, f16};
+
+/// A band on the device: `lo`, `hi` u32 `[batch, T]` (contiguous; `batch` 1: one band shared by
+/// every batch row, else `B`), both non-decreasing along `T`, `lo <= hi <= S`. The kernels trust
+/// these invariants (build the band with `candle_cp_ops::attention::Band`, which checks them);
+/// they never read or write outside q, k, v and the outputs whatever the values.
+#[derive(Clone, Copy, Debug)]
+pub struct KBand<'a> {
+    /// Lower bounds (first visible key row), u32 `[batch, T]`.
+    pub lo: &'a Tensor,
+    /// Upper bounds (one past the last visible key row), u32 `[batch, T]`.
+    pub hi: &'a Tensor,
+}
+
+impl KBand<'_> {
+    /// Checks dtype, shape and device against a call with batch `b` and `t` query rows on `dev`.
+    fn check(&self, op: &str, b: usize, t: usize, dev: &CudaDevice) -> Result<()> {
+        let (lb, lt) = self.lo.dims2()?;
+        if self.lo.dtype() != DType::U32 || self.hi.dtype() != DType::U32 || self.hi.dims() != self.lo.dims() || lt != t || (lb != 1 && lb != b) {
+            candle_core::bail!(
+                "{op}: band lo {:?} ({:?}) and hi {:?} ({:?}) must be u32 [1 or B, T] with B = {b}, T = {t}",
+                self.lo.shape(), self.lo.dtype(), self.hi.shape(), self.hi.dtype()
+            )
+        }
+        let q_dev = candle_core::Device::Cuda(dev.clone());
+        for (what, x) in [("lo", self.lo), ("hi", self.hi)] {
+            util::cuda_device(x, &format!("{op}: band {what}"))?;
+            if !x.device().same_device(&q_dev) {
+                candle_core::bail!("{op}: band {what} {:?} is on {:?}, q on {q_dev:?}", x.shape(), x.device())
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Batch stride of checked bounds `[batch, t]`: 0 for a shared band, else `t`.
+fn bstride_of(lo: &Tensor, t: usize) -> usize {
+    if lo.dim(0).unwrap_or(1) == 1 {
+        0
+    } else {
+        t
+    }
+}
+
+/// Which band kernels a call runs: the `Pipelined` ones for f16/bf16 (unless `imp` is `Simple`,
+/// the scale is <= 0, or the device lacks the shared memory and `imp` is not `Pipelined`), the
+/// `Simple` ones otherwise.
+fn use_pipe(dev: &CudaDevice, sfx: &str, imp: FwdImpl, scale: f32, need: u32, what: &str, q: &Shape) -> Result<bool> {
+    if sfx == "f32" || imp == FwdImpl::Simple || scale <= 0.0 {
+        return Ok(false);
+    }
+    let optin = util::smem_optin(dev)?;
+    if i64::from(need) <= optin {
+        return Ok(true);
+    }
+    if imp == FwdImpl::Pipelined {
+        candle_core::bail!("{what}: the pipelined band kernel needs {need} bytes of shared memory per block, the device allows {optin}; q {q:?}")
+    }
+    Ok(false)
+}
+
+/// Dynamic shared memory of `flash_fwd_pipe_band_*`: the non-band kernel's plus 128 ints (the
+/// per-row lower bounds).
+fn pipe_band_smem(d: usize) -> (usize, u32, u32) {
+    let (rows, threads, smem) = pipe_config(d);
+    (rows, threads, smem + rows as u32 * 4)
+}
+
+/// Band forward on storages (for `CustomOp3::cuda_fwd`): out f32 `[B, T, H, D]`, lse f32
+/// `[B, H, T]` with their shapes. A row with an empty interval gets out 0 and lse `-inf`.
+#[allow(clippy::too_many_arguments)]
+pub fn fwd_storage_band(
+    q: &CudaStorage,
+    ql: &Layout,
+    k: &CudaStorage,
+    kl: &Layout,
+    v: &CudaStorage,
+    vl: &Layout,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
+    let dims = check_dims("flash_fwd_band", ql.shape(), kl.shape(), vl.shape())?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_fwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), ql.shape())
+    }
+    let (b, t, _, h, _, d) = dims;
+    let dev = q.device.clone();
+    band.check("flash_fwd_band", b, t, &dev)?;
+    let sfx = suffix(q.dtype())?;
+    let bnd = (band.lo, band.hi);
+    let (out, lse) = match q.dtype() {
+        DType::F32 => fwd_band_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
+        DType::F16 => fwd_band_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
+        _ => fwd_band_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
+    };
+    Ok((
+        (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
+        (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
+    ))
+}
+
+
+#[allow(clippy::too_many_arguments)]
+fn fwd_band_t<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    (blo, bhi): (&Tensor, &Tensor),
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
+    if b * t * h == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+    }
+    let copies = if pipe {
+        (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
+    } else {
+        (None, None, None)
+    };
+    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
+    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
+    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let (kind, rows, threads, smem) = if pipe {
+        let (rows, threads, smem) = pipe_band_smem(d);
+        ("pipe", rows, threads, smem)
+    } else {
+        ("simple", 16, 128, 0)
+    };
+    let name = format!("flash_fwd_{kind}_band_{sfx}_d{d}");
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_MODULE, ptx::FLASH_FWD)?;
+    if smem > 48 * 1024 {
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    }
+    let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
+    let (los, lol) = blo.storage_and_layout();
+    let (his, hil) = bhi.storage_and_layout();
+    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
+    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
+    let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&lov).arg(&hiv).arg(&bstride);
+    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}
+
+/// Raw band forward on CUDA tensors, no graph: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16
+/// or bf16) -> out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; a row with an empty interval gets
+/// out 0 and lse `-inf`. `imp`: `Simple` runs the CUDA-core kernel, every other choice the
+/// pipelined tensor-core kernel for f16/bf16 (see [`FwdImpl`]).
+pub fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+    util::cuda_device(q, "flash_fwd_band: q")?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    let ((o, os), (l, ls)) = fwd_storage_band(
+        storage_of(&qs, "q", q.shape())?,
+        ql,
+        storage_of(&ks, "k", k.shape())?,
+        kl,
+        storage_of(&vs, "v", v.shape())?,
+        vl,
+        KBand { lo: &blo, hi: &bhi },
+        scale,
+        imp,
+    )?;
+    let none = || candle_core::op::BackpropOp::none();
+    Ok((Tensor::from_storage(Storage::Cuda(o), os, none(), false), Tensor::from_storage(Storage::Cuda(l), ls, none(), false)))
+}
+
+/// Raw band backward on CUDA tensors, no graph (as [`super::bwd_with`], under a band): `out`
+/// `[B, T, H, D]` and `lse` `[B, H, T]` of the whole attention of these rows, `dout`
+/// `[B, T, H, D]`; returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. Rows with an empty
+/// interval (lse `-inf`) contribute nothing. Deterministic (no atomics). `imp`: `Simple` runs the
+/// CUDA-core kernels (`kernels/flash_bwd.cu`), every other choice the pipelined kernels
+/// (`kernels/flash_bwd_pipe.cu`) for f16/bf16 where the device has their shared memory.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_band(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    out: &Tensor,
+    lse: &Tensor,
+    dout: &Tensor,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dev = util::cuda_device(q, "flash_bwd_band: q")?;
+    let (b, t, s, h, hkv, d) = check_dims("flash_bwd_band", q.shape(), k.shape(), v.shape())?;
+    if out.dims() != [b, t, h, d] || dout.dims() != [b, t, h, d] || lse.dims() != [b, h, t] {
+        candle_core::bail!(
+            "flash_bwd_band: expected out/dout [B, T, H, D] = {:?} and lse [B, H, T], got out {:?}, dout {:?}, lse {:?}",
+            q.shape(), out.shape(), dout.shape(), lse.shape()
+        )
+    }
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_bwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
+    }
+    band.check("flash_bwd_band", b, t, &dev)?;
+    let sfx = suffix(q.dtype())?;
+    let pc = PipeCfg::of(d);
+    let (smem_kv, smem_q) = pc.smem(d);
+    let pipe = use_pipe(&dev, sfx, imp, 1.0, smem_kv.max(smem_q), "flash_bwd_band", q.shape())?;
+    if b * t * h == 0 || s == 0 {
+        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
+        return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
+    }
+    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
+    let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
+    let dims = (b, t, s, h, hkv, d);
+    if pipe {
+        return bwd_pipe_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale);
+    }
+    let (los, lol) = blo.storage_and_layout();
+    let (his, hil) = bhi.storage_and_layout();
+    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
+    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
+    let bstride = util::to_i64(bstride_of(&blo, t), "band batch stride")?;
+    let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, &lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let acc = 0i32;
+    // SAFETY (all allocations below): every element is written by the kernels.
+    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
+    {
+        let func = dev.get_or_load_custom_func("flash_bwd_delta_f32", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
+        let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+        let mut bld = func.builder();
+        bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&bi).arg(&ti).arg(&hi).arg(&di);
+        // SAFETY: matches flash_bwd_delta_f32's parameters.
+        unsafe { bld.launch(cfg) }.w()?;
+    }
+    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let (module, src) = (ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD);
+    macro_rules! launch_band {
+        ($ty:ty) => {{
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_dkdv_band_{sfx}_d{d}"), module, src)?;
+            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut bld = func.builder();
+            bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dk, float* dv, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_dq_band_{sfx}_d{d}"), module, src)?;
+            let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dq, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F32 => launch_band!(f32),
+        DType::F16 => launch_band!(f16),
+        _ => launch_band!(bf16),
+    }
+    Ok(bwd_tensors(&dev, (dq, dk, dv), dims))
+}
+
+/// The pipelined band backward (f16/bf16; out, lse, dout contiguous f32): prep (delta, 16-bit
+/// dO), then `flash_bwd_pipe_{dkdv,dq}_band_*`.
+fn bwd_pipe_band(
+    dev: &CudaDevice,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (b, t, s, h, hkv, d): Dims,
+    (blo, bhi): (&Tensor, &Tensor),
+    scale: f32,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let sfx = suffix(q.dtype())?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (out, dout) = (prep(out)?, prep(dout)?);
+    let pc = PipeCfg::of(d);
+    let (bn, bm) = pc.block_rows();
+    let (kv_tiles, q_tiles) = (s.div_ceil(bn), t.div_ceil(bm));
+    if kv_tiles > 65_535 || q_tiles > 65_535 {
+        candle_core::bail!("flash_bwd_band: T = {t} or S = {s} too long for the pipelined kernels' grid (at most {} rows); q {:?}, k {:?}", 65_535 * bn.min(bm), q.shape(), k.shape())
+    }
+    if (h / hkv) * t.div_ceil(pc.kv_bq) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
+        candle_core::bail!("flash_bwd_band: too many query rows for the pipelined kernels' 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
+    }
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (los, lol) = blo.storage_and_layout();
+    let (his, hil) = bhi.storage_and_layout();
+    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
+    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
+    let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let acc = 0i32;
+    let (smem_kv, smem_q) = pc.smem(d);
+    let (module, src) = (ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE);
+    // SAFETY (all allocations below): every element is written by the kernels.
+    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    macro_rules! launch_pipe_band {
+        ($ty:ty) => {{
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_band_{sfx}_d{d}"), module, src)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
+            let cfg = LaunchConfig { grid_dim: (hkv as u32, kv_tiles as u32, b as u32), block_dim: (32 * pc.kv_nw as u32, 1, 1), shared_mem_bytes: smem_kv };
+            let mut bld = func.builder();
+            bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dk, float* dv, PIPE_BAND_ARGS` in kernels/flash_bwd_pipe.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dq_band_{sfx}_d{d}"), module, src)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_q as i32).w()?;
+            let cfg = LaunchConfig { grid_dim: (h as u32, q_tiles as u32, b as u32), block_dim: (32 * pc.q_nw as u32, 1, 1), shared_mem_bytes: smem_q };
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dq, PIPE_BAND_ARGS` in kernels/flash_bwd_pipe.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F16 => launch_pipe_band!(f16),
+        DType::BF16 => launch_pipe_band!(bf16),
+        dt => candle_core::bail!("flash_bwd_band: the pipelined kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
+    }
+    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+}
