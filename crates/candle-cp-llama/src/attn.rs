@@ -28,9 +28,9 @@ pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64)
 }
 
 /// [`attend`] inside packed documents: `docs` `None` (each row one sequence, as [`attend`]),
-/// one [`Documents`] shared by every row, or one per row (`B` entries; the rows are then
-/// attended one by one, the same collectives in the same order on every rank). Each covers
-/// the global length `T = Tc · cp`; errors name the shapes otherwise.
+/// one [`Documents`] shared by every row, or one per row (`B` entries: one band per row in
+/// the same call / ring pass, every layout). Each covers the global length `T = Tc · cp`;
+/// errors name the shapes otherwise.
 pub fn attend_docs(
     q: &Tensor,
     k: &Tensor,
@@ -62,42 +62,8 @@ pub fn attend_window(
     };
     let b = q.dim(0)?;
     match docs {
-        [d] => attend_one(q, k, v, ctx, scale, Some(d), window),
-        rows if rows.len() == b && b > 1 && ctx.layout.cp == 1 => {
-            // one device: one call, one band per row
-            let t = q.dim(1)?;
-            let pos: Vec<usize> = (0..t).collect();
-            let bands = rows
-                .iter()
-                .map(|d| {
-                    d.check_len(&format!("attend: q {:?} (one device)", q.dims()), t)?;
-                    Band::from_positions(&pos, &pos, MaskSpec { causal: true, window, docs: Some(d) })
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Ok(attention_band(q, k, v, &Band::stack(&bands)?, scale)?.0)
-        }
-        rows if rows.len() == b && b > 1 && matches!(ctx.layout.cp_kind, CpKind::Ring | CpKind::Zigzag | CpKind::Striped | CpKind::AllGather) => {
-            // one ring pass (or all-gather) for the whole batch: one band per row
-            for d in rows {
-                d.check_len(&format!("attend: q {:?} on {} (T = Tc · cp)", q.dims(), ctx.layout), q.dim(1)? * ctx.layout.cp)?;
-            }
-            let opts = CpOpts { window, ..CpOpts::new(ctx.layout.cp_kind.seq_layout(), true).with_scale(scale).with_row_documents(rows.to_vec()) };
-            let (out, _lse) = match ctx.layout.cp_kind {
-                CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
-                _ => ring_attention(q, k, v, &ctx.cp, &opts)?,
-            };
-            Ok(out)
-        }
-        rows if rows.len() == b && b > 1 => {
-            let parts = rows
-                .iter()
-                .enumerate()
-                .map(|(i, d)| {
-                    attend_one(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, ctx, scale, Some(d), window)
-                })
-                .collect::<Result<Vec<_>>>()?;
-            Tensor::cat(&parts, 0)
-        }
+        [_] => attend_one(q, k, v, ctx, scale, Some(docs), window),
+        rows if rows.len() == b && b > 1 => attend_one(q, k, v, ctx, scale, Some(rows), window),
         _ => bail!(
             "attend: {} Documents for q {:?}: pass one shared by every row or one per row ({b})",
             docs.len(),
@@ -106,30 +72,47 @@ pub fn attend_window(
     }
 }
 
-/// One attention call: every row of `q, k, v` with the same documents (or none), within the
-/// sliding `window` when given.
+/// One attention call for the whole batch: `docs` none, one [`Documents`] shared by every
+/// row, or one per row (`B` entries: one band per row inside the same call / ring pass),
+/// within the sliding `window` when given.
 fn attend_one(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
     ctx: &ParallelCtx,
     scale: f64,
-    docs: Option<&Documents>,
+    docs: Option<&[Documents]>,
     window: Option<usize>,
 ) -> Result<Tensor> {
     let l = &ctx.layout;
-    if let Some(d) = docs {
+    for d in docs.unwrap_or_default() {
         d.check_len(&format!("attend: q {:?} on {l} (T = Tc · cp)", q.dims()), q.dim(1)? * l.cp)?;
     }
+    // (shared documents, documents per row)
+    let (shared, rows) = match docs {
+        Some([d]) => (Some(d.clone()), None),
+        Some(r) if !r.is_empty() => (None, Some(r.to_vec())),
+        _ => (None, None),
+    };
     if l.cp == 1 {
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
-        return Ok(match docs {
-            Some(d) => attention_docs_mask(q, k, v, d, &mask, scale)?.0,
-            None => attention(q, k, v, &mask, scale)?.0,
+        return Ok(match (&shared, &rows) {
+            (Some(d), _) => attention_docs_mask(q, k, v, d, &mask, scale)?.0,
+            (None, Some(rows)) => {
+                let t = q.dim(1)?;
+                let pos: Vec<usize> = (0..t).collect();
+                let bands = rows
+                    .iter()
+                    .map(|d| Band::from_positions(&pos, &pos, MaskSpec { causal: true, window, docs: Some(d) }))
+                    .collect::<Result<Vec<_>>>()?;
+                attention_band(q, k, v, &Band::stack(&bands)?, scale)?.0
+            }
+            (None, None) => attention(q, k, v, &mask, scale)?.0,
         });
     }
     let opts = CpOpts {
-        documents: docs.cloned(),
+        documents: shared.clone(),
+        row_documents: rows.clone(),
         window,
         ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale)
     };
@@ -137,10 +120,10 @@ fn attend_one(
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::Ulysses => {
-            let uo = UlyssesOpts { documents: docs.cloned(), window, ..UlyssesOpts::new(true, scale) };
+            let uo = UlyssesOpts { documents: shared, row_documents: rows, window, ..UlyssesOpts::new(true, scale) };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }
-        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, docs, window),
+        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, shared, rows, window),
     };
     Ok(out)
 }

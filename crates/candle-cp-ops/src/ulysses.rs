@@ -184,6 +184,9 @@ pub struct UlyssesOpts {
     /// Packed documents of the global sequence (`None`: one document): a query sees only keys
     /// of its own document (see [`crate::packing`]); must cover the gathered `T`.
     pub documents: Option<Documents>,
+    /// Packed documents per batch row (`B` entries, each covering the gathered `T`); exclusive
+    /// with `documents`. One attention call for the batch (one band per row).
+    pub row_documents: Option<Vec<Documents>>,
     /// Causal sliding window of `window` keys (needs `causal`; within each document when
     /// `documents` is set), `None` for none.
     pub window: Option<usize>,
@@ -192,7 +195,14 @@ pub struct UlyssesOpts {
 impl UlyssesOpts {
     /// Contiguous sharding with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, order: SeqOrder::Contiguous, documents: None, window: None }
+        Self { causal, scale, order: SeqOrder::Contiguous, documents: None, row_documents: None, window: None }
+    }
+
+    /// Same options with one set of packed documents per batch row (see
+    /// [`UlyssesOpts::row_documents`]).
+    pub fn with_row_documents(mut self, rows: Vec<Documents>) -> Self {
+        self.row_documents = Some(rows);
+        self
     }
 
     /// Same options with attention kept inside the packed `documents`.
@@ -303,9 +313,14 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     };
     let perm = perm(&opts.order, t_local * p, q.device())?;
     // attention over the gathered sequence in natural order
-    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| match &opts.documents {
-        None => attention::attention(q, k, v, &mask, opts.scale),
-        Some(docs) => attention::attention_docs_mask(q, k, v, docs, &mask, opts.scale),
+    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| match (&opts.documents, &opts.row_documents) {
+        (None, None) => attention::attention(q, k, v, &mask, opts.scale),
+        (Some(docs), None) => attention::attention_docs_mask(q, k, v, docs, &mask, opts.scale),
+        (None, Some(rows)) => row_documents_attention(q, k, v, rows, opts),
+        (Some(_), Some(_)) => candle_core::bail!(
+            "ulysses_attention: set documents (shared by every row) or row_documents (one per row), not both (q {:?})",
+            q.dims()
+        ),
     };
     let (out_h, lse_h) = match &perm {
         None => attend(&qh, &kh, &vh)?,
@@ -318,6 +333,26 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let out = all_to_all_head_to_seq(&out_h, group)?;
     let lse = lse_head_to_seq(&lse_h, group)?;
     Ok((out, lse))
+}
+
+/// Attention over the gathered sequence `q [B, T, H/P, D]` with one set of documents per
+/// batch row: one call, one band per row.
+fn row_documents_attention(q: &Tensor, k: &Tensor, v: &Tensor, rows: &[Documents], opts: &UlyssesOpts) -> Result<(Tensor, Tensor)> {
+    let (b, t) = (q.dim(0)?, q.dim(1)?);
+    if rows.len() != b {
+        candle_core::bail!("ulysses_attention: {} row_documents for q {:?}: one per batch row (B = {b})", rows.len(), q.dims())
+    }
+    let pos: Vec<usize> = (0..t).collect();
+    let bands = rows
+        .iter()
+        .enumerate()
+        .map(|(i, docs)| {
+            docs.check_len(&format!("ulysses_attention (row {i}, gathered q {:?})", q.dims()), t)?;
+            let spec = crate::cp::MaskSpec { causal: opts.causal, window: opts.window, docs: Some(docs) };
+            attention::Band::from_positions(&pos, &pos, spec)
+        })
+        .collect::<Result<Vec<_>>>()?;
+    attention::attention_band(q, k, v, &attention::Band::stack(&bands)?, opts.scale)
 }
 
 /// Contiguous sequence shard `[B, T/P, ...]` of `x` `[B, T, ...]` for `rank` of `p`

@@ -87,6 +87,8 @@ pub struct UspOpts {
     /// Packed documents of the global sequence (`None`: one document), passed to the ring
     /// ([`CpOpts::documents`]).
     pub documents: Option<Documents>,
+    /// Packed documents per batch row, passed to the ring ([`CpOpts::row_documents`]).
+    pub row_documents: Option<Vec<Documents>>,
     /// Causal sliding window of `window` keys, passed to the ring ([`CpOpts::window`]).
     pub window: Option<usize>,
 }
@@ -94,7 +96,14 @@ pub struct UspOpts {
 impl UspOpts {
     /// Zigzag ring layout with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, ring_layout: Layout::Zigzag, documents: None, window: None }
+        Self { causal, scale, ring_layout: Layout::Zigzag, documents: None, row_documents: None, window: None }
+    }
+
+    /// Same options with one set of packed documents per batch row (see
+    /// [`UspOpts::row_documents`]).
+    pub fn with_row_documents(mut self, rows: Vec<Documents>) -> Self {
+        self.row_documents = Some(rows);
+        self
     }
 
     /// Same options with attention kept inside the packed `documents`.
@@ -150,7 +159,12 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let qh = all_to_all_seq_to_head(q, &groups.ulysses)?;
     let kh = kv_seq_to_head(k, spread, &groups.ulysses)?;
     let vh = kv_seq_to_head(v, spread, &groups.ulysses)?;
-    let cp_opts = CpOpts { documents: opts.documents.clone(), window: opts.window, ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale) };
+    let cp_opts = CpOpts {
+        documents: opts.documents.clone(),
+        row_documents: opts.row_documents.clone(),
+        window: opts.window,
+        ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale)
+    };
     let (out_h, lse_h) = cp::ring_attention(&qh, &kh, &vh, &groups.ring, &cp_opts)?;
     let out = all_to_all_head_to_seq(&out_h, &groups.ulysses)?;
     let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
