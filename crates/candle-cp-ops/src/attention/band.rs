@@ -171,13 +171,20 @@ impl Band {
     pub fn hi(&self) -> &[u32] {
         &self.hi
     }
-    /// The bounds of batch row `b` (`b` taken modulo a shared band's single row).
+    /// The bounds of batch row `b` (any `b` reads a shared band's single row).
+    ///
+    /// # Panics
+    /// If the band has one row per batch row and `b >= batch` (like slice indexing).
     pub fn row(&self, b: usize) -> (&[u32], &[u32]) {
         let b = if self.batch == 1 { 0 } else { b };
         (&self.lo[b * self.t..(b + 1) * self.t], &self.hi[b * self.t..(b + 1) * self.t])
     }
-    /// Is key row `j` visible from query row `i` of batch row `b`?
+    /// Is key row `j` visible from query row `i` of batch row `b`? (`false` outside the band's
+    /// rows.)
     pub fn visible(&self, b: usize, i: usize, j: usize) -> bool {
+        if i >= self.t || (self.batch > 1 && b >= self.batch) {
+            return false;
+        }
         let (lo, hi) = self.row(b);
         (lo[i] as usize) <= j && j < hi[i] as usize
     }
