@@ -1,7 +1,8 @@
-//! Greedy generation with the KV cache sharded over context-parallel ranks.
+//! Generation (greedy, or sampled with `--temperature`/`--top-k`/`--top-p`/`--sample-seed`)
+//! with the KV cache sharded over context-parallel ranks.
 //!
 //! Loads a Llama checkpoint (default: the tiny-llama oracle, `tests/data/oracle/tiny-llama`),
-//! draws a seeded random prompt, and generates greedily twice: on one device, then on `--cp`
+//! draws a seeded random prompt, and generates twice: on one device, then on `--cp`
 //! CPU thread ranks with the layout `--cp-kind` (each rank prefills its shard of the prompt
 //! and keeps only that shard's K/V; decode steps attend over the sharded cache with one small
 //! all-gather per layer). Prints the tokens, prefill and decode time per token, the KV-cache
@@ -11,6 +12,7 @@
 //! cargo run --release --example generate
 //! cargo run --release --example generate -- --cp 2 --cp-kind ulysses --prompt-len 512
 //! cargo run --release --example generate -- --sliding-window 128 --new-tokens 32
+//! cargo run --release --example generate -- --temperature 0.8 --top-p 0.9 --sample-seed 3
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! ```
 
@@ -19,7 +21,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::{
     hf::load_safetensors_dir, shard_tensors, CpKind, Generation, Layout, Llama, LlamaConfig,
-    ParallelCtx,
+    ParallelCtx, Sampling,
 };
 use candle_nn::VarBuilder;
 use clap::Parser;
@@ -52,6 +54,18 @@ struct Args {
     /// Prompt seed.
     #[arg(long, default_value_t = 1)]
     seed: u64,
+    /// Sample with this softmax temperature (default: greedy).
+    #[arg(long)]
+    temperature: Option<f64>,
+    /// With --temperature: keep the K most likely tokens (0 = all).
+    #[arg(long, default_value_t = 0)]
+    top_k: usize,
+    /// With --temperature: keep the most likely tokens up to this cumulative probability.
+    #[arg(long, default_value_t = 1.0)]
+    top_p: f64,
+    /// With --temperature: seed of the sampler (the same on every rank and on one device).
+    #[arg(long, default_value_t = 0)]
+    sample_seed: u64,
     /// Compute device: cpu, or cuda (build with `--features cuda`): the single-device run and
     /// every thread rank on GPU 0 (virtual ranks).
     #[arg(long, default_value = "cpu")]
@@ -73,6 +87,7 @@ fn run(
     layout: Layout,
     prompt: &Tensor,
     new: usize,
+    sampling: Sampling,
 ) -> anyhow::Result<Vec<Generation>> {
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
@@ -82,7 +97,7 @@ fn run(
             cfg,
             &ctx,
         )?;
-        m.generate_greedy(prompt, new)
+        m.generate(prompt, new, sampling)
     });
     res.into_iter()
         .enumerate()
@@ -154,8 +169,13 @@ fn main() -> anyhow::Result<()> {
         a.seed
     );
 
-    let single = run(&dev, &full, &cfg, Layout::single(), &prompt, new)?;
-    let cp = run(&dev, &full, &cfg, layout, &prompt, new)?;
+    let sampling = match a.temperature {
+        None => Sampling::Greedy,
+        Some(temperature) => Sampling::Sample { temperature, top_k: a.top_k, top_p: a.top_p, seed: a.sample_seed },
+    };
+    println!("sampling: {sampling:?}");
+    let single = run(&dev, &full, &cfg, Layout::single(), &prompt, new, sampling)?;
+    let cp = run(&dev, &full, &cfg, layout, &prompt, new, sampling)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);

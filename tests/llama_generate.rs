@@ -276,3 +276,42 @@ fn bad_layouts_and_lengths_are_errors() -> Result<()> {
     }
     Ok(())
 }
+
+/// Sampled generation (temperature, top-k, top-p, seed): every CP kind draws the same tokens
+/// as one device with the same seed, on every rank; each token is one the sampler may pick
+/// (inside the top-k of its own logits); another seed draws another sequence, and the greedy
+/// tokens are not what a hot sampler draws.
+#[test]
+fn sampled_generation_is_the_same_on_every_rank_and_layout() -> Result<()> {
+    use candle_cp_llama::Sampling;
+    let cfg = &data().cfg;
+    let ids = the_prompt()?;
+    let sampling = |seed| Sampling::Sample { temperature: 1.5, top_k: 20, top_p: 0.95, seed };
+    let run = |layout: Layout, s: Sampling| -> Result<Vec<Generation>> {
+        run_ranks(layout.world_size(), |g| model(cfg, &ParallelCtx::new(g, layout)?)?.generate(&ids, NEW, s))
+            .into_iter()
+            .collect()
+    };
+    let single = run(Layout::single(), sampling(11))?.remove(0);
+    // every token inside the top 20 of the logits it was drawn from
+    for (i, l) in single.logits.iter().enumerate() {
+        for (row, toks) in l.to_vec2::<f32>()?.iter().zip(&single.tokens) {
+            let x = row[toks[i] as usize];
+            let above = row.iter().filter(|&&y| y > x).count();
+            assert!(above < 20, "token {i}: {above} logits above the drawn one");
+        }
+    }
+    for layout in [Layout::cp(CpKind::Zigzag, 4), Layout::cp(CpKind::Ring, 2), Layout::cp(CpKind::AllGather, 2)] {
+        for (r, g) in run(layout, sampling(11))?.iter().enumerate() {
+            assert_eq!(g.tokens, single.tokens, "{layout} rank {r}: sampled tokens differ from one device");
+        }
+    }
+    let other = run(Layout::single(), sampling(12))?.remove(0);
+    assert_ne!(other.tokens, single.tokens, "another seed must draw another sequence");
+    let greedy = run(Layout::single(), Sampling::Greedy)?.remove(0);
+    assert_ne!(greedy.tokens, single.tokens, "a hot sampler must not reproduce the greedy tokens");
+    let bad = Sampling::Sample { temperature: -1.0, top_k: 0, top_p: 1.0, seed: 1 };
+    let e = run(Layout::single(), bad).unwrap_err().to_string();
+    assert!(e.contains("temperature"), "{e}");
+    Ok(())
+}

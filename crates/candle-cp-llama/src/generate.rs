@@ -24,7 +24,8 @@ use crate::attn::attend_window;
 use crate::layout::{shard_tokens, ParallelCtx};
 use crate::model::{linear, Block, Llama};
 use crate::rope::{apply_rope, rope_tables};
-use candle_core::{bail, DType, Module, Result, Tensor, D};
+use crate::sampling::{Sampler, Sampling};
+use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_ops::cp::{decode_owner, sharded_decode_attention, KvShard};
 use std::time::{Duration, Instant};
 
@@ -81,13 +82,13 @@ impl KvCache {
     }
 }
 
-/// Result of [`Llama::generate_greedy`] on one rank (every rank gets the same tokens and
+/// Result of [`Llama::generate`] / [`Llama::generate_greedy`] on one rank (every rank gets the same tokens and
 /// bitwise the same logits).
 #[derive(Clone, Debug)]
 pub struct Generation {
     /// `B` rows of `new_tokens` generated ids each (the prompt is not repeated).
     pub tokens: Vec<Vec<u32>>,
-    /// One f32 `[B, V]` per generated token: the logits its argmax was taken from (the first
+    /// One f32 `[B, V]` per generated token: the logits it was chosen from (the first
     /// from the prompt's last position, then one per decode step).
     pub logits: Vec<Tensor>,
     /// Bytes of this rank's KV cache at the end ([`KvCache::bytes`]).
@@ -309,6 +310,15 @@ impl Llama {
     /// argmax of its logits. Every rank returns the same tokens. Collective over the CP group;
     /// needs `tp = dp = 1`.
     pub fn generate_greedy(&self, prompt: &Tensor, new_tokens: usize) -> Result<Generation> {
+        self.generate(prompt, new_tokens, Sampling::Greedy)
+    }
+
+    /// [`Llama::generate_greedy`] with the tokens chosen by `sampling` (greedy, or sampled
+    /// with temperature / top-k / top-p from a seeded generator, module [`crate::sampling`]).
+    /// Every rank holds the same logits and the same generator, so every rank draws the same
+    /// tokens, and a single device with the same seed draws them too.
+    pub fn generate(&self, prompt: &Tensor, new_tokens: usize, sampling: Sampling) -> Result<Generation> {
+        let mut sampler = Sampler::new(sampling)?;
         let t0 = Instant::now();
         let (mut cache, mut logits) = self.prefill(prompt)?;
         let prefill_time = t0.elapsed();
@@ -323,7 +333,7 @@ impl Llama {
         };
         let t1 = Instant::now();
         for i in 0..new_tokens {
-            let next = logits.argmax(D::Minus1)?;
+            let next = sampler.next(&logits)?;
             for (row, &tok) in out.tokens.iter_mut().zip(next.to_vec1::<u32>()?.iter()) {
                 row.push(tok);
             }

@@ -61,11 +61,13 @@ pub mod model;
 pub mod packed;
 pub mod params;
 pub mod rope;
+pub mod sampling;
 pub mod train;
 pub mod verify;
 
 pub use config::{LlamaConfig, RopeScaling};
 pub use generate::{Generation, KvCache};
+pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients};
 pub use hf::{load_hf, save_hf, save_hf_tensors};
 pub use layout::{shard_batch, CpKind, Layout, ParallelCtx, ShardedBatch, IGNORE};
