@@ -54,7 +54,6 @@ pub use schedule::{
 use schedule::mask_of;
 
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
-use super::shard::Segment;
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band};
@@ -63,11 +62,6 @@ use crate::Group;
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-
-fn rows(t: &Tensor, dim: usize, s: &Segment) -> Result<Tensor> {
-    t.narrow(dim, s.local, s.len)?.contiguous()
-}
 
 /// Number of ring steps any rank has work in (`1 + ` the largest such step; every rank
 /// computes the same number from the shared options): `P` for a plain causal or full mask;
@@ -109,12 +103,71 @@ fn uses_bands(opts: &CpOpts) -> bool {
     opts.documents.is_some() || opts.row_documents.is_some() || opts.window.is_some()
 }
 
-/// The step's scheduled blocks, none when the step goes through bands.
-fn schedule_unless_bands(opts: &CpOpts, rank: usize, src: usize, p: usize, t: usize) -> Result<Vec<Scheduled>> {
+/// Visibility of one attention call of a ring step.
+enum CallMask {
+    /// A full / offset-causal / window mask (the block schedule).
+    Mask(crate::attention::Mask),
+    /// Per-row key intervals (packed documents, windows: module `bands`).
+    Band(crate::attention::Band),
+}
+
+/// One attention call of a ring step: local query rows `[q0, q0 + qn)` against the held
+/// chunk's local key rows `[k0, k0 + kn)`, computing `pairs` visible pairs.
+struct StepCall {
+    q0: usize,
+    qn: usize,
+    k0: usize,
+    kn: usize,
+    mask: CallMask,
+    pairs: u64,
+}
+
+/// The attention calls rank `rank` makes when holding source `src`'s K/V (the same for the
+/// forward and the backward): with documents or a window one band call per row chunk
+/// ([`step_band`], rows seeing nothing left out, keys trimmed to those seen); otherwise the
+/// block schedule ([`step_schedule_mask`]) in row chunks of at most `rows_per_call`.
+fn step_calls(opts: &CpOpts, rank: usize, src: usize, p: usize, dims: &Dims, rows_per_call: usize) -> Result<Vec<StepCall>> {
+    let mut calls = Vec::new();
     if uses_bands(opts) {
-        return Ok(Vec::new());
+        let band = step_band_of(opts, rank, src, p, dims.t)?;
+        for (q0, qn) in row_chunks(dims.tl, rows_per_call) {
+            let (k0, band) = band.narrow_rows(q0, qn)?.trim_keys();
+            if !band.is_empty() {
+                calls.push(StepCall { q0, qn, k0, kn: band.keys(), pairs: band.pairs(), mask: CallMask::Band(band) });
+            }
+        }
+        return Ok(calls);
     }
-    step_schedule_mask(opts.layout, rank, src, p, t, opts.mask_spec())
+    for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
+        for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
+            let pairs = call_pairs(&qs, &sb.k, &block);
+            calls.push(StepCall { q0: qs.local, qn: qs.len, k0: sb.k.local, kn: sb.k.len, mask: CallMask::Mask(mask_of(&block)), pairs });
+        }
+    }
+    Ok(calls)
+}
+
+/// K and V rows `[k0, k0 + kn)` of the held chunk, reused while consecutive calls share them.
+struct KeyRows<'a> {
+    k: &'a Tensor,
+    v: &'a Tensor,
+    last: Option<((usize, usize), Tensor, Tensor)>,
+}
+
+impl<'a> KeyRows<'a> {
+    fn new(k: &'a Tensor, v: &'a Tensor) -> Self {
+        Self { k, v, last: None }
+    }
+    fn get(&mut self, k0: usize, kn: usize) -> Result<(Tensor, Tensor)> {
+        if let Some((r, kb, vb)) = &self.last {
+            if *r == (k0, kn) {
+                return Ok((kb.clone(), vb.clone()));
+            }
+        }
+        let (kb, vb) = (self.k.narrow(1, k0, kn)?.contiguous()?, self.v.narrow(1, k0, kn)?.contiguous()?);
+        self.last = Some(((k0, kn), kb.clone(), vb.clone()));
+        Ok((kb, vb))
+    }
 }
 
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
@@ -167,32 +220,18 @@ pub(super) fn fwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        if uses_bands(opts) {
-            // documents / window: one band call per row chunk (module `bands`)
-            let band = step_band_of(opts, rank, src, p, dims.t)?;
-            for (r0, rn) in row_chunks(tl, rows_per_call) {
-                let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
-                if bnd.is_empty() {
-                    continue;
-                }
-                let (kb, vb) = (kc.narrow(1, k0, bnd.keys())?.contiguous()?, vc.narrow(1, k0, bnd.keys())?.contiguous()?);
-                let (o, l) = attention_fwd_band(&q.narrow(1, r0, rn)?.contiguous()?, &kb, &vb, &bnd, scale)?;
-                state.merge_rows(r0, &o, &l)?;
-                st.blocks += 1;
-                st.area += (rn * bnd.keys()) as u64;
-                st.pairs += bnd.pairs();
-            }
-        } else {
-            for sb in step_schedule_mask(opts.layout, rank, src, p, dims.t, opts.mask_spec())? {
-                let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-                for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
-                    let (o, l) = attention_fwd(&rows(q, 1, &qs)?, &kb, &vb, &mask_of(&block), scale)?;
-                    state.merge_rows(qs.local, &o, &l)?;
-                    st.blocks += 1;
-                    st.area += (qs.len * sb.k.len) as u64;
-                    st.pairs += call_pairs(&qs, &sb.k, &block);
-                }
-            }
+        let mut keys = KeyRows::new(&kc, &vc);
+        for c in step_calls(opts, rank, src, p, dims, rows_per_call)? {
+            let (kb, vb) = keys.get(c.k0, c.kn)?;
+            let qr = q.narrow(1, c.q0, c.qn)?.contiguous()?;
+            let (o, l) = match &c.mask {
+                CallMask::Band(band) => attention_fwd_band(&qr, &kb, &vb, band, scale)?,
+                CallMask::Mask(mask) => attention_fwd(&qr, &kb, &vb, mask, scale)?,
+            };
+            state.merge_rows(c.q0, &o, &l)?;
+            st.blocks += 1;
+            st.area += (c.qn * c.kn) as u64;
+            st.pairs += c.pairs;
         }
         st.compute = t0.elapsed();
         if let Some(f) = next {
@@ -279,43 +318,21 @@ pub(super) fn bwd(
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
-        if uses_bands(opts) {
-            let band = step_band_of(opts, rank, src, p, dims.t)?;
-            for (r0, rn) in row_chunks(dims.tl, rows_per_call) {
-                let (k0, bnd) = band.narrow_rows(r0, rn)?.trim_keys();
-                if bnd.is_empty() {
-                    continue;
-                }
-                let (kb, vb) = (kc.narrow(1, k0, bnd.keys())?.contiguous()?, vc.narrow(1, k0, bnd.keys())?.contiguous()?);
-                let r = |x: &Tensor, dim: usize| x.narrow(dim, r0, rn)?.contiguous();
-                let (dqb, dkb, dvb) =
-                    attention_bwd_band(&r(q, 1)?, &kb, &vb, &r(out, 1)?, &r(lse, 2)?, &r(dout, 1)?, &bnd, scale)?;
-                dq.add_rows(0, r0, &dqb)?;
-                dkv.add_rows(0, k0, &dkb)?;
-                dkv.add_rows(1, k0, &dvb)?;
-                st.blocks += 1;
-                st.area += (rn * bnd.keys()) as u64;
-                st.pairs += bnd.pairs();
-            }
-        }
-        for sb in schedule_unless_bands(opts, rank, src, p, dims.t)? {
-            let (kb, vb) = (rows(&kc, 1, &sb.k)?, rows(&vc, 1, &sb.k)?);
-            for (qs, block) in sub_blocks_window(&sb, opts.causal, opts.window, rows_per_call) {
-                let (qr, or, lr, dr) = (
-                    rows(q, 1, &qs)?,
-                    rows(out, 1, &qs)?,
-                    rows(lse, 2, &qs)?,
-                    rows(dout, 1, &qs)?,
-                );
-                let (dqb, dkb, dvb) =
-                    attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, &mask_of(&block), scale)?;
-                dq.add_rows(0, qs.local, &dqb)?;
-                dkv.add_rows(0, sb.k.local, &dkb)?;
-                dkv.add_rows(1, sb.k.local, &dvb)?;
-                st.blocks += 1;
-                st.area += (qs.len * sb.k.len) as u64;
-                st.pairs += call_pairs(&qs, &sb.k, &block);
-            }
+        let mut keys = KeyRows::new(&kc, &vc);
+        for c in step_calls(opts, rank, src, p, dims, rows_per_call)? {
+            let (kb, vb) = keys.get(c.k0, c.kn)?;
+            let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q0, c.qn)?.contiguous();
+            let (qr, or, lr, dr) = (r(q, 1)?, r(out, 1)?, r(lse, 2)?, r(dout, 1)?);
+            let (dqb, dkb, dvb) = match &c.mask {
+                CallMask::Band(band) => attention_bwd_band(&qr, &kb, &vb, &or, &lr, &dr, band, scale)?,
+                CallMask::Mask(mask) => attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, mask, scale)?,
+            };
+            dq.add_rows(0, c.q0, &dqb)?;
+            dkv.add_rows(0, c.k0, &dkb)?;
+            dkv.add_rows(1, c.k0, &dvb)?;
+            st.blocks += 1;
+            st.area += (c.qn * c.kn) as u64;
+            st.pairs += c.pairs;
         }
         let contrib = dkv.finish(dev)?;
         st.compute = t0.elapsed();
