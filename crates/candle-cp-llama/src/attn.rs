@@ -18,7 +18,7 @@
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
 use candle_cp_ops::attention::{attention, attention_band, attention_docs_mask, Band, Mask};
-use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts, MaskSpec};
+use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 
@@ -98,15 +98,7 @@ fn attend_one(
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
         return Ok(match (&shared, &rows) {
             (Some(d), _) => attention_docs_mask(q, k, v, d, &mask, scale)?.0,
-            (None, Some(rows)) => {
-                let t = q.dim(1)?;
-                let pos: Vec<usize> = (0..t).collect();
-                let bands = rows
-                    .iter()
-                    .map(|d| Band::from_positions(&pos, &pos, MaskSpec { causal: true, window, docs: Some(d) }))
-                    .collect::<Result<Vec<_>>>()?;
-                attention_band(q, k, v, &Band::stack(&bands)?, scale)?.0
-            }
+            (None, Some(rows)) => attention_band(q, k, v, &Band::documents(q.dim(1)?, rows, true, window)?, scale)?.0,
             (None, None) => attention(q, k, v, &mask, scale)?.0,
         });
     }

@@ -342,17 +342,8 @@ fn row_documents_attention(q: &Tensor, k: &Tensor, v: &Tensor, rows: &[Documents
     if rows.len() != b {
         candle_core::bail!("ulysses_attention: {} row_documents for q {:?}: one per batch row (B = {b})", rows.len(), q.dims())
     }
-    let pos: Vec<usize> = (0..t).collect();
-    let bands = rows
-        .iter()
-        .enumerate()
-        .map(|(i, docs)| {
-            docs.check_len(&format!("ulysses_attention (row {i}, gathered q {:?})", q.dims()), t)?;
-            let spec = crate::cp::MaskSpec { causal: opts.causal, window: opts.window, docs: Some(docs) };
-            attention::Band::from_positions(&pos, &pos, spec)
-        })
-        .collect::<Result<Vec<_>>>()?;
-    attention::attention_band(q, k, v, &attention::Band::stack(&bands)?, opts.scale)
+    let band = attention::Band::documents(t, rows, opts.causal, opts.window)?;
+    attention::attention_band(q, k, v, &band, opts.scale)
 }
 
 /// Contiguous sequence shard `[B, T/P, ...]` of `x` `[B, T, ...]` for `rank` of `p`

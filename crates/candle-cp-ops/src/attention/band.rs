@@ -26,6 +26,7 @@
 
 use super::Mask;
 use crate::cp::ring::MaskSpec;
+use crate::packing::Documents;
 use candle_core::{bail, Result};
 
 /// Per-query-row key intervals `[lo, hi)` of one attention call (see the module docs):
@@ -133,6 +134,23 @@ impl Band {
         // lo and hi are non-decreasing because first and last are (positions increase);
         // `new` re-checks it.
         Self::new(1, t, s, lo, hi)
+    }
+
+    /// The band of packed documents over one packed sequence of `t` tokens (queries and keys
+    /// both at positions `0..t`): one row per entry of `rows` (a single entry: shared by every
+    /// batch row), each row's documents covering `t`, causal and/or a sliding `window` inside
+    /// each document.
+    pub fn documents(t: usize, rows: &[Documents], causal: bool, window: Option<usize>) -> Result<Self> {
+        let pos: Vec<usize> = (0..t).collect();
+        let bands = rows
+            .iter()
+            .enumerate()
+            .map(|(i, docs)| {
+                docs.check_len(&format!("Band::documents (row {i})"), t)?;
+                Band::from_positions(&pos, &pos, MaskSpec { causal, window, docs: Some(docs) })
+            })
+            .collect::<Result<Vec<_>>>()?;
+        Band::stack(&bands)
     }
 
     /// One band per batch row, stacked (`[B, t]`). Every part must have batch 1 and the same
@@ -245,7 +263,6 @@ impl Band {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::packing::Documents;
 
     #[test]
     fn from_mask_is_mask_visible() {

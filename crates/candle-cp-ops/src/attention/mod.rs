@@ -31,7 +31,6 @@ pub use merge::merge;
 pub use op::AttentionOp;
 pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
-use crate::cp::ring::MaskSpec;
 use crate::packing::Documents;
 use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
@@ -444,16 +443,14 @@ pub fn attention_docs_mask(
         return attention(q, k, v, mask, scale);
     }
     if band_kernels(q) {
-        let spec = match *mask {
-            Mask::Full => MaskSpec { causal: false, window: None, docs: Some(docs) },
-            Mask::Causal { .. } if *mask == Mask::causal() => MaskSpec { causal: true, window: None, docs: Some(docs) },
-            Mask::Window { window, .. } if *mask == Mask::sliding_window(window) => {
-                MaskSpec { causal: true, window: Some(window), docs: Some(docs) }
-            }
+        let (causal, window) = match *mask {
+            Mask::Full => (false, None),
+            Mask::Causal { .. } if *mask == Mask::causal() => (true, None),
+            Mask::Window { window, .. } if *mask == Mask::sliding_window(window) => (true, Some(window)),
             _ => candle_core::bail!("attention_docs: the mask inside documents must be Full, Mask::causal() or Mask::sliding_window(w), got {mask:?} (q {:?})", q.shape()),
         };
-        let pos: Vec<usize> = (0..t).collect();
-        return attention_band(q, k, v, &Band::from_positions(&pos, &pos, spec)?, scale);
+        let band = Band::documents(t, std::slice::from_ref(docs), causal, window)?;
+        return attention_band(q, k, v, &band, scale);
     }
     let mut outs = Vec::with_capacity(docs.count());
     let mut lses = Vec::with_capacity(docs.count());
