@@ -73,6 +73,13 @@ for f in flash_fwd_sm90_ws flash_bwd_sm90_ws; do
   [ -n "$ws_ptx" ] || { echo "ci-cuda: $f.ptx was not built"; exit 1; }
   if ptxas -arch=sm_90a -v -o /dev/null "$ws_ptx" 2>&1 | grep -E '[1-9][0-9]* bytes spill'; then echo "ci-cuda: $f.cu spills registers"; exit 1; fi
 done
+# the tensor-core forward (flash_fwd_pipe_*, band entries included) does not spill on either arch
+fwd_ptx=$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/flash_fwd.ptx 2>/dev/null | head -1 || true)
+[ -n "$fwd_ptx" ] || { echo "ci-cuda: flash_fwd.ptx was not built"; exit 1; }
+for arch in sm_80 sm_90a; do
+  spills=$(ptxas -arch=$arch -v -o /dev/null "$fwd_ptx" 2>&1 | awk '/Function properties for/ {f=$NF} / bytes spill stores/ && f ~ /^flash_fwd_pipe/ && $5 != "0" {print f}')
+  [ -z "$spills" ] || { echo "ci-cuda: flash_fwd.cu spills registers on $arch in: $spills"; exit 1; }
+done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py; do
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }

@@ -376,7 +376,17 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 #pragma unroll
         for (int kc = 0; kc < (QREG ? DC : 1); ++kc) cp_ldsm_x4(qa[mt][kc], q_la + (uint32_t)((mt * 16 * DP + kc * 16) * 2));
     }
-    if (k0 >= w_end) continue;  // warp-uniform: no row of this warp sees a key of the tile
+    // Warp-uniform: no row of this warp sees a key of the tile. Band: nor when the tile ends at
+    // or before lo of the warp's first row (the smallest lo of the warp), e.g. in a short
+    // document of the block's other warps. The band reads its bounds from shared memory (w_end =
+    // lim_s of the warp's last row unless the warp starts past T) rather than keeping them live.
+    if constexpr (M::BAND) {
+      if (k0 >= lim_s[warp * MT * 16 + MT * 16 - 1] || k0 + BK <= lo_s[warp * MT * 16] ||
+          ((int)cp_nctaid_x() - 1 - (int)cp_ctaid_x()) * BQ + warp * MT * 16 >= T_)
+        continue;
+    } else if (k0 >= w_end) {
+      continue;
+    }
     float s[MT][NT][4];
     {  // S = Q K_j^T
 #pragma unroll
@@ -410,7 +420,9 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
     // Mask (raw scores; the scale enters in the exp2 below, which needs scale > 0: row maxima are
     // taken before scaling). A tile below the diagonal of every row of the warp needs no test.
     // (band: and lo of the warp's last row <= k0)
-    const bool full_tile = k0 + BK <= w_full && (!M::BAND || lo_s[warp * MT * 16 + MT * 16 - 1] <= k0);
+    // (band: w_full = lim_s of the warp's first row, read here rather than kept in a register)
+    const bool full_tile = M::BAND ? k0 + BK <= lim_s[warp * MT * 16] && lo_s[warp * MT * 16 + MT * 16 - 1] <= k0
+                                   : k0 + BK <= w_full;
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       if (!full_tile) {
