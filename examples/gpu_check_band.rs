@@ -12,6 +12,9 @@
 //!   and `Mma` — `Mma` has no band kernels and must run `Auto`'s family (the check of the
 //!   fallback), whatever `CANDLE_CP_FLASH_IMPL` says.
 //!
+//! - bounds uploaded once for all cases (`Band::upload_all`): the device views equal the host
+//!   bounds, and the ops on such bands (bf16) match the CPU as above.
+//!
 //! Rows with an empty interval must give out 0, lse -inf and no NaN in any gradient.
 
 use super::Report;
@@ -126,7 +129,24 @@ fn autograd(q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, band: &Band, scal
 /// The `band` section (see the module docs).
 pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
     let env_simple = FwdImpl::from_env() == FwdImpl::Simple;
-    for (ci, c) in cases(rep.quick)?.iter().enumerate() {
+    let cases = cases(rep.quick)?;
+    // Every case's bounds uploaded in one transfer (`Band::upload_all`, as a ring pass does):
+    // the device views hold exactly the host bounds, and the op reads them (below, bf16).
+    let mut uploaded: Vec<Band> = cases.iter().map(|c| c.band.clone()).collect();
+    Band::upload_all(uploaded.iter_mut(), gpu)?;
+    for (c, u) in cases.iter().zip(&uploaded) {
+        let name = format!("band Band::upload_all {} [band{} t{} s{}]", c.label, c.band.batch(), c.band.rows(), c.band.keys());
+        match u.device_bounds(gpu) {
+            Some((lo, hi)) => {
+                let same = lo.dims() == [c.band.batch(), c.band.rows()]
+                    && lo.flatten_all()?.to_vec1::<u32>()? == c.band.lo()
+                    && hi.flatten_all()?.to_vec1::<u32>()? == c.band.hi();
+                rep.check(&name, if same { 0.0 } else { 1.0 }, 0.0);
+            }
+            None => rep.error(&name, "no device copy after upload_all"),
+        }
+    }
+    for (ci, (c, up)) in cases.iter().zip(&uploaded).enumerate() {
         let (t, s) = (c.band.rows(), c.band.keys());
         let shape = (c.band.batch(), t);
         let (glo, ghi) = (Tensor::from_slice(c.band.lo(), shape, gpu)?, Tensor::from_slice(c.band.hi(), shape, gpu)?);
@@ -154,6 +174,25 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
                     rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, tl);
                 }
                 Err(e) => rep.error(&name, e),
+            }
+            if dtype == DType::BF16 {
+                let name = format!("band attention_fwd_band (uploaded bounds) {tag}");
+                match attention_fwd_band(&gq, &gk, &gv, up, scale) {
+                    Ok((o, l)) => {
+                        rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, to);
+                        rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, tl);
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
+                let name = format!("band attention_bwd_band (uploaded bounds) {tag}");
+                match attention_bwd_band(&gq, &gk, &gv, &go, &gl, &gd, up, scale) {
+                    Ok((dq, dk, dv)) => {
+                        rep.check(&format!("{name} dq"), rel(&dq, &dq_r)?, tg);
+                        rep.check(&format!("{name} dk"), rel(&dk, &dk_r)?, tg);
+                        rep.check(&format!("{name} dv"), rel(&dv, &dv_r)?, tg);
+                    }
+                    Err(e) => rep.error(&name, e),
+                }
             }
             let name = format!("band attention_bwd_band {tag}");
             match attention_bwd_band(&gq, &gk, &gv, &go, &gl, &gd, &c.band, scale) {

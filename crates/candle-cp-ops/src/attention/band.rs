@@ -27,20 +27,35 @@
 use super::Mask;
 use crate::cp::ring::MaskSpec;
 use crate::packing::Documents;
-use candle_core::{bail, Result};
+use candle_core::{bail, Device, Result, Tensor};
 
 /// Per-query-row key intervals `[lo, hi)` of one attention call (see the module docs):
 /// `batch` rows (1: the same band for every batch row, else one band per batch row) of `t`
 /// query rows each, over `s` key rows. `lo`/`hi` are `[batch, t]` row-major, non-decreasing
 /// along each row of `t`, `lo <= hi <= s`.
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// A band may also hold a copy of its bounds on a CUDA device ([`Band::upload_all`]); the
+/// CUDA kernels then read that copy instead of copying the bounds at every call. Equality
+/// compares the bounds only.
+#[derive(Clone, Debug)]
 pub struct Band {
     batch: usize,
     t: usize,
     s: usize,
     lo: Vec<u32>,
     hi: Vec<u32>,
+    /// `lo`, `hi` as u32 `[batch, t]` on one device (views into one buffer shared by the bands
+    /// uploaded together); `None` until uploaded.
+    on_device: Option<(Tensor, Tensor)>,
 }
+
+impl PartialEq for Band {
+    fn eq(&self, other: &Self) -> bool {
+        (self.batch, self.t, self.s) == (other.batch, other.t, other.s) && self.lo == other.lo && self.hi == other.hi
+    }
+}
+
+impl Eq for Band {}
 
 impl Band {
     /// From explicit bounds `lo`, `hi` (`[batch, t]` row-major). Errors unless both have
@@ -66,7 +81,7 @@ impl Band {
                 }
             }
         }
-        Ok(Self { batch, t, s, lo, hi })
+        Ok(Self::raw(batch, t, s, lo, hi))
     }
 
     /// The band of a [`Mask`] (`Full`, offset/strided `Causal`, `Window`) for `t` query rows
@@ -94,7 +109,7 @@ impl Band {
             lo.push(a as u32);
             hi.push(b as u32);
         }
-        Self { batch: 1, t, s, lo, hi }
+        Self::raw(1, t, s, lo, hi)
     }
 
     /// The band of query rows at global positions `q_pos` against key rows at `k_pos` (both
@@ -166,7 +181,53 @@ impl Band {
             lo.extend_from_slice(&p.lo);
             hi.extend_from_slice(&p.hi);
         }
-        Ok(Self { batch: parts.len(), t, s, lo, hi })
+        Ok(Self::raw(parts.len(), t, s, lo, hi))
+    }
+
+    /// A band from checked bounds, with no device copy.
+    fn raw(batch: usize, t: usize, s: usize, lo: Vec<u32>, hi: Vec<u32>) -> Self {
+        Self { batch, t, s, lo, hi, on_device: None }
+    }
+
+    /// Copies the bounds of every band in `bands` to the CUDA device `dev` in ONE host-to-device
+    /// transfer and keeps the copies with the bands (views into one buffer). The CUDA kernels
+    /// then use them instead of copying the bounds at each call: a ring pass uploads the bands
+    /// of all its steps before the first step, so no step waits for a copy. No-op on the CPU.
+    /// A band derived later ([`Band::narrow_rows`], [`Band::trim_keys`], [`Band::stack`]) has no
+    /// device copy; a clone shares its original's.
+    pub fn upload_all<'a>(bands: impl IntoIterator<Item = &'a mut Band>, dev: &Device) -> Result<()> {
+        if !dev.is_cuda() {
+            return Ok(());
+        }
+        let mut bands: Vec<&mut Band> = bands.into_iter().collect();
+        let total: usize = bands.iter().map(|b| 2 * b.lo.len()).sum();
+        if total == 0 {
+            return Ok(());
+        }
+        let mut buf = Vec::with_capacity(total);
+        for b in &bands {
+            buf.extend_from_slice(&b.lo);
+            buf.extend_from_slice(&b.hi);
+        }
+        let all = Tensor::from_vec(buf, total, dev)?;
+        let mut at = 0;
+        for b in bands.iter_mut() {
+            let n = b.lo.len();
+            let lo = all.narrow(0, at, n)?.reshape((b.batch, b.t))?;
+            let hi = all.narrow(0, at + n, n)?.reshape((b.batch, b.t))?;
+            b.on_device = Some((lo, hi));
+            at += 2 * n;
+        }
+        Ok(())
+    }
+
+    /// The device copy of the bounds (u32 `[batch, t]` lo, hi) when the band was uploaded to
+    /// `dev` ([`Band::upload_all`]).
+    pub fn device_bounds(&self, dev: &Device) -> Option<(&Tensor, &Tensor)> {
+        match &self.on_device {
+            Some((lo, hi)) if lo.device().same_device(dev) => Some((lo, hi)),
+            _ => None,
+        }
     }
 
     /// Batch rows of the bounds: 1 (shared by every batch row) or `B`.
@@ -224,7 +285,7 @@ impl Band {
             lo.extend_from_slice(&self.lo[b * self.t + start..b * self.t + start + len]);
             hi.extend_from_slice(&self.hi[b * self.t + start..b * self.t + start + len]);
         }
-        Ok(Self { batch: self.batch, t: len, s: self.s, lo, hi })
+        Ok(Self::raw(self.batch, len, self.s, lo, hi))
     }
     /// The key rows any query row sees, `[k0, k1)`, and the band over just those keys (bounds
     /// shifted by `-k0`): call the kernels with keys `k0..k1` only. `(0, band over 0 keys)`
@@ -240,12 +301,12 @@ impl Band {
         }
         if self.is_empty() || k1 <= k0 {
             let z = vec![0; self.lo.len()];
-            return (0, Band { batch: self.batch, t, s: 0, lo: z.clone(), hi: z });
+            return (0, Band::raw(self.batch, t, 0, z.clone(), z));
         }
         let clamp = |x: u32| x.clamp(k0, k1) - k0;
         let lo = self.lo.iter().map(|&x| clamp(x)).collect();
         let hi = self.hi.iter().map(|&x| clamp(x)).collect();
-        (k0 as usize, Band { batch: self.batch, t, s: (k1 - k0) as usize, lo, hi })
+        (k0 as usize, Band::raw(self.batch, t, (k1 - k0) as usize, lo, hi))
     }
 
     /// Check the band fits a call with batch `b`, `t` query rows and `s` key rows.
@@ -334,5 +395,18 @@ mod tests {
         }
         let e = Band::new(1, 2, 4, vec![1, 3], vec![1, 3]).unwrap();
         assert_eq!(e.trim_keys().1.keys(), 0);
+    }
+
+    /// On the CPU `upload_all` keeps no device copy (the kernels read the host bounds), and a
+    /// band equals another with the same bounds whatever their device copies. (The CUDA side:
+    /// `gpu_check --sections band`, "Band::upload_all".)
+    #[test]
+    fn upload_all_is_a_no_op_on_the_cpu() {
+        let mut a = Band::from_mask(&Mask::causal(), 5, 5);
+        let mut b = Band::new(1, 5, 5, vec![0; 5], vec![1, 2, 3, 4, 5]).unwrap();
+        Band::upload_all([&mut a, &mut b], &Device::Cpu).unwrap();
+        assert!(a.device_bounds(&Device::Cpu).is_none());
+        assert_eq!(a, b);
+        assert_ne!(a, Band::from_mask(&Mask::Full, 5, 5));
     }
 }

@@ -8,7 +8,8 @@
 //!
 //! Bands ([`Band`]: windows, packed documents, per-batch masks): the `Simple` / `Pipelined` band
 //! kernels (`candle_cp_kernels::flash::{fwd_band, bwd_band}`); the other kernel families fall
-//! back to `Auto`'s under a band. The bounds are copied to the device once per call.
+//! back to `Auto`'s under a band. The bounds are copied to the device at each call unless the
+//! band holds a device copy (`Band::upload_all`: the ring uploads all its steps' bands at once).
 
 use super::op::AttentionOp;
 use super::{Band, Mask};
@@ -84,8 +85,12 @@ pub(crate) fn bwd(
     flash::bwd(q, k, v, out, lse, dout, kmask(mask), scale as f32)
 }
 
-/// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi).
+/// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when
+/// it has one on `dev` ([`Band::upload_all`]), else copied now.
 fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {
+    if let Some((lo, hi)) = band.device_bounds(dev) {
+        return Ok((lo.clone(), hi.clone()));
+    }
     let shape = (band.batch(), band.rows());
     Ok((Tensor::from_slice(band.lo(), shape, dev)?, Tensor::from_slice(band.hi(), shape, dev)?))
 }

@@ -382,11 +382,16 @@ pub fn attention_bwd_band(
 }
 
 /// Autograd attention under a [`Band`]: out `[B, T, H, D]` in q's dtype (differentiable
-/// w.r.t. q, k, v), lse f32 `[B, H, T]`. One kernel call forward, one backward.
+/// w.r.t. q, k, v), lse f32 `[B, H, T]`. One kernel call forward, one backward (on CUDA both
+/// read one device copy of the bounds, made here unless `band` already has one).
 pub fn attention_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention_band", q, k, v, &Mask::Full)?;
     band.check("attention_band", dims.b, dims.t, dims.s)?;
-    let op = AttentionOp::with_band(Arc::new(band.clone()), scale, false);
+    let mut band = band.clone();
+    if band.device_bounds(q.device()).is_none() {
+        Band::upload_all([&mut band], q.device())?;
+    }
+    let op = AttentionOp::with_band(Arc::new(band), scale, false);
     let slot = op.lse_slot();
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let out = q.apply_op3(&k, &v, op)?;

@@ -147,6 +147,32 @@ fn step_calls(opts: &CpOpts, rank: usize, src: usize, p: usize, dims: &Dims, row
     Ok(calls)
 }
 
+/// Every attention call of a ring pass, per step ([`step_calls`] for the sources the rank
+/// holds at steps `0..active_steps`), built before the first step. On CUDA the bands of all
+/// steps are copied to the device in one transfer here ([`crate::attention::Band::upload_all`]),
+/// so no step waits for a host-to-device copy. [`ring_attention`] builds one plan and its
+/// forward and backward share it.
+pub(super) struct StepPlan {
+    steps: Vec<Vec<StepCall>>,
+}
+
+impl StepPlan {
+    /// The plan of rank `group.rank()` for a ring over `group` with `opts` and `dims` on `dev`.
+    pub(super) fn new(group: &Group, opts: &CpOpts, dims: &Dims, dev: &candle_core::Device) -> Result<Self> {
+        let (p, rank) = (group.size(), group.rank());
+        let rows_per_call = opts.rows_per_call(dev);
+        let mut steps = (0..active_steps(opts, p, dims.t)?)
+            .map(|s| step_calls(opts, rank, (rank + p - s) % p, p, dims, rows_per_call))
+            .collect::<Result<Vec<_>>>()?;
+        let bands = steps.iter_mut().flatten().filter_map(|c| match &mut c.mask {
+            CallMask::Band(band) => Some(band),
+            CallMask::Mask(_) => None,
+        });
+        crate::attention::Band::upload_all(bands, dev)?;
+        Ok(Self { steps })
+    }
+}
+
 /// K and V rows `[k0, k0 + kn)` of the held chunk, reused while consecutive calls share them.
 struct KeyRows<'a> {
     k: &'a Tensor,
@@ -181,11 +207,13 @@ pub fn ring_attention_fwd_raw(
     opts: &CpOpts,
 ) -> Result<(Tensor, Tensor, RingStats)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
-    fwd(q, k, v, group, opts, &dims, Residency::Auto)
+    let plan = StepPlan::new(group, opts, &dims, q.device())?;
+    fwd(q, k, v, group, opts, &dims, &plan, Residency::Auto)
 }
 
-/// The forward ring; `residency` picks the running state's form (tests force the device form
-/// on CPU).
+/// The forward ring, making the calls of `plan` ([`StepPlan::new`] with the same group, options
+/// and dims); `residency` picks the running state's form (tests force the device form on CPU).
+#[allow(clippy::too_many_arguments)]
 pub(super) fn fwd(
     q: &Tensor,
     k: &Tensor,
@@ -193,19 +221,17 @@ pub(super) fn fwd(
     group: &Group,
     opts: &CpOpts,
     dims: &Dims,
+    plan: &StepPlan,
     residency: Residency,
 ) -> Result<(Tensor, Tensor, RingStats)> {
     let ring = Ring::new(group);
-    let (p, rank) = (ring.size(), ring.rank());
     let scale = scale_of(opts, dims.d);
     let (b, tl, h, d) = (dims.b, dims.tl, dims.h, dims.d);
     let mut state = LocalState::with_residency(b, tl, h, d, q.device(), residency)?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
-    let rows_per_call = opts.rows_per_call(q.device());
-    let steps = active_steps(opts, p, dims.t)?;
-    for s in 0..steps {
-        let src = (rank + p - s) % p;
+    let steps = plan.steps.len();
+    for (s, calls) in plan.steps.iter().enumerate() {
         let mut st = StepStats::default();
         let mut next: Option<InFlight> = None;
         if s + 1 < steps {
@@ -221,7 +247,7 @@ pub(super) fn fwd(
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
         let mut keys = KeyRows::new(&kc, &vc);
-        for c in step_calls(opts, rank, src, p, dims, rows_per_call)? {
+        for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let qr = q.narrow(1, c.q0, c.qn)?.contiguous()?;
             let (o, l) = match &c.mask {
@@ -270,11 +296,12 @@ pub fn ring_attention_bwd_raw(
         group,
         opts,
     )?;
-    bwd(q, k, v, out, lse, dout, group, opts, &dims, Residency::Auto)
+    let plan = StepPlan::new(group, opts, &dims, q.device())?;
+    bwd(q, k, v, out, lse, dout, group, opts, &dims, &plan, Residency::Auto)
 }
 
-/// The backward ring; `residency` picks the dQ/dK/dV accumulators' form (tests force the
-/// device form on CPU).
+/// The backward ring, making the calls of `plan` (the forward's); `residency` picks the
+/// dQ/dK/dV accumulators' form (tests force the device form on CPU).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn bwd(
     q: &Tensor,
@@ -286,10 +313,11 @@ pub(super) fn bwd(
     group: &Group,
     opts: &CpOpts,
     dims: &Dims,
+    plan: &StepPlan,
     residency: Residency,
 ) -> Result<(Tensor, Tensor, Tensor, RingStats)> {
     let ring = Ring::new(group);
-    let (p, rank) = (ring.size(), ring.rank());
+    let p = ring.size();
     let scale = scale_of(opts, dims.d);
     let dev = q.device();
     let accum = |planes: usize, h: usize| {
@@ -299,10 +327,8 @@ pub(super) fn bwd(
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
-    let rows_per_call = opts.rows_per_call(q.device());
-    let steps = active_steps(opts, p, dims.t)?;
-    for s in 0..steps {
-        let src = (rank + p - s) % p;
+    let steps = plan.steps.len();
+    for (s, calls) in plan.steps.iter().enumerate() {
         let mut st = StepStats::default();
         let mut next = if s + 1 < steps {
             Some(ring.start(&kv, &mut stats)?)
@@ -319,7 +345,7 @@ pub(super) fn bwd(
         // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
         let mut dkv = accum(2, dims.hkv)?;
         let mut keys = KeyRows::new(&kc, &vc);
-        for c in step_calls(opts, rank, src, p, dims, rows_per_call)? {
+        for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q0, c.qn)?.contiguous();
             let (qr, or, lr, dr) = (r(q, 1)?, r(out, 1)?, r(lse, 2)?, r(dout, 1)?);
@@ -382,13 +408,14 @@ pub fn ring_attention(
 ) -> Result<(Tensor, Tensor)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
-    let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, Residency::Auto)?;
+    let plan = StepPlan::new(group, opts, &dims, q.device())?;
+    let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, &plan, Residency::Auto)?;
     let out = out32.to_dtype(q.dtype())?;
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let auto = Residency::Auto;
-        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims, auto)?;
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims, &plan, auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),

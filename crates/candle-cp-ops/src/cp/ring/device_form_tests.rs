@@ -31,10 +31,11 @@ fn pass(
     let dims = check_inputs("device_form_tests", q, k, v, g, opts)?;
     let (out, lse, dq, dk, dv) = match method {
         CpMethod::Ring(_) => {
-            let (o, l, _) = super::fwd(q, k, v, g, opts, &dims, residency)?;
+            let plan = super::StepPlan::new(g, opts, &dims, q.device())?;
+            let (o, l, _) = super::fwd(q, k, v, g, opts, &dims, &plan, residency)?;
             // The backward runs on the given forward state (if any), else on its own.
             let (bo, bl) = fwd_state.unwrap_or((&o, &l));
-            let (dq, dk, dv, _) = super::bwd(q, k, v, bo, bl, dout, g, opts, &dims, residency)?;
+            let (dq, dk, dv, _) = super::bwd(q, k, v, bo, bl, dout, g, opts, &dims, &plan, residency)?;
             (o, l, dq, dk, dv)
         }
         CpMethod::AllGather(_) => {
