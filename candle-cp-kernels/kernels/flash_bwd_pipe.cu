@@ -116,6 +116,12 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
   const int kr0 = warp * 16;
   const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);  // (band: unused)
   const long long kp_a = mask.kpos(k0 + kr0 + g), kp_b = mask.kpos(k0 + kr0 + g + 8);
+  // Band: the query rows [wq_begin, wq_end) hold every row that sees a key of this warp's 16;
+  // a query tile outside them is skipped by the warp (in a block whose keys span several short
+  // documents, each warp visits only its own documents' rows).
+  int wq_begin = 0, wq_end = 0;
+  if constexpr (M::BAND)
+    if (k0 + kr0 < S) wq_begin = mask.qbegin(k0 + kr0, T_), wq_end = mask.qend(min(k0 + kr0 + 16, S), T_);
 
   for (int it = 0; it < n_it; ++it) {
     const int buf = it & 1;
@@ -130,41 +136,43 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
     // (band: some row of the tile does not see all of the block's keys)
     const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
                                    : mask.causal && kp_last > mask.qpos(i0);
-    const uint32_t qb_a = q_a + buf * BQ * DPB, dob_a = do_a + buf * BQ * DPB;
-    const float* ls = lse_s + buf * BQ;
-    const float* dls = dl_s + buf * BQ;
+    if (!M::BAND || (i0 < wq_end && i0 + BQ > wq_begin)) {  // warp-uniform
+      const uint32_t qb_a = q_a + buf * BQ * DPB, dob_a = do_a + buf * BQ * DPB;
+      const float* ls = lse_s + buf * BQ;
+      const float* dls = dl_s + buf * BQ;
 
-    // S^T = K Q^T: rows = this warp's 16 keys, cols = BQ queries.
-    float st[QT][4];
-    pipe_rows_x_tile<T, D, QT>(st, k_a + kr0 * DPB, qb_a, off_a, off_b);
-    // P^T = exp2(S^T * scale * log2 e - lse2); causally hidden pairs -> 0.
-    if constexpr (M::BAND)
-      pipe_pt_band<QT>(st, ls, t, sl2, mask, need_mask, k0 + kr0 + g, i0, T_);
-    else
-      pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true);
-    // dV += P^T dO: k = queries (16 per step), n = d (two 8-column tiles per ldmatrix.trans).
+      // S^T = K Q^T: rows = this warp's 16 keys, cols = BQ queries.
+      float st[QT][4];
+      pipe_rows_x_tile<T, D, QT>(st, k_a + kr0 * DPB, qb_a, off_a, off_b);
+      // P^T = exp2(S^T * scale * log2 e - lse2); causally hidden pairs -> 0.
+      if constexpr (M::BAND)
+        pipe_pt_band<QT>(st, ls, t, sl2, mask, need_mask, k0 + kr0 + g, i0, T_);
+      else
+        pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true);
+      // dV += P^T dO: k = queries (16 per step), n = d (two 8-column tiles per ldmatrix.trans).
 #pragma unroll
-    for (int kk = 0; kk < QT / 2; ++kk) {
-      uint32_t pa[4];
-      pipe_pack_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-      pipe_acc_trans<T, D>(acc_v, pa, dob_a + kk * 16 * DPB, off_a);
-    }
-    // dP^T = V dO^T.
-    float dpt[QT][4];
-    pipe_rows_x_tile<T, D, QT>(dpt, v_a + kr0 * DPB, dob_a, off_a, off_b);
-    // dS^T = P^T (dP^T - delta) (unscaled).
+      for (int kk = 0; kk < QT / 2; ++kk) {
+        uint32_t pa[4];
+        pipe_pack_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
+        pipe_acc_trans<T, D>(acc_v, pa, dob_a + kk * 16 * DPB, off_a);
+      }
+      // dP^T = V dO^T.
+      float dpt[QT][4];
+      pipe_rows_x_tile<T, D, QT>(dpt, v_a + kr0 * DPB, dob_a, off_a, off_b);
+      // dS^T = P^T (dP^T - delta) (unscaled).
 #pragma unroll
-    for (int nt = 0; nt < QT; ++nt) {
-      const float2 d2 = *reinterpret_cast<const float2*>(dls + nt * 8 + 2 * t);
+      for (int nt = 0; nt < QT; ++nt) {
+        const float2 d2 = *reinterpret_cast<const float2*>(dls + nt * 8 + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - ((e & 1) ? d2.y : d2.x));
-    }
-    // dK += dS^T Q.
+        for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - ((e & 1) ? d2.y : d2.x));
+      }
+      // dK += dS^T Q.
 #pragma unroll
-    for (int kk = 0; kk < QT / 2; ++kk) {
-      uint32_t da[4];
-      pipe_pack_a<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
-      pipe_acc_trans<T, D>(acc_k, da, qb_a + kk * 16 * DPB, off_a);
+      for (int kk = 0; kk < QT / 2; ++kk) {
+        uint32_t da[4];
+        pipe_pack_a<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
+        pipe_acc_trans<T, D>(acc_k, da, qb_a + kk * 16 * DPB, off_a);
+      }
     }
     if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;
     __syncthreads();  // buffer `buf` is free for the prefetch of the next iteration
@@ -234,6 +242,14 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
       }
     bk_lo = mask.kbegin(last), bk_hi = mask.kend(m0, S);
   }
+  // Band: keys [w_lo, w_hi) hold every key a row of this warp sees; the warp skips a key tile
+  // outside them (in a block spanning several short documents, each warp visits only its own
+  // documents' keys). A warp past T sees nothing.
+  int w_lo = 0, w_hi = 0;
+  if constexpr (M::BAND) {
+    const int wf = m0 + 16 * MT * warp;
+    if (wf < T_) w_lo = mask.kbegin(wf), w_hi = mask.kend(min(wf + 16 * MT, T_) - 1, S);
+  }
   float acc[MT][DT][4];
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt)
@@ -252,95 +268,97 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
     cp_async_wait<1>();
     __syncthreads();
 
-    const bool need_mask = M::BAND ? k0 + BN > S || bk_lo > k0 || bk_hi < k0 + BN
-                                   : k0 + BN > S || (mask.causal && mask.kpos(min(k0 + BN, S) - 1) > qp0);
-    const uint32_t kb_a = k_a + buf * BN * DPB, vb_a = v_a + buf * BN * DPB;
-    // S = Q K^T: rows = this warp's 16 * MT queries, cols = BN keys.
-    float s[MT][KT][4];
+    if (!M::BAND || (k0 < w_hi && k0 + BN > w_lo)) {  // warp-uniform
+      const bool need_mask = M::BAND ? k0 + BN > S || bk_lo > k0 || bk_hi < k0 + BN
+                                     : k0 + BN > S || (mask.causal && mask.kpos(min(k0 + BN, S) - 1) > qp0);
+      const uint32_t kb_a = k_a + buf * BN * DPB, vb_a = v_a + buf * BN * DPB;
+      // S = Q K^T: rows = this warp's 16 * MT queries, cols = BN keys.
+      float s[MT][KT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int nt = 0; nt < KT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
+        for (int nt = 0; nt < KT; ++nt) s[mt][nt][0] = s[mt][nt][1] = s[mt][nt][2] = s[mt][nt][3] = 0.f;
 #pragma unroll
-    for (int kc = 0; kc < DC; ++kc) {
-      uint32_t qa[MT][4];
+      for (int kc = 0; kc < DC; ++kc) {
+        uint32_t qa[MT][4];
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) cp_ldsm_x4(qa[mt], qw_a + mt * 16 * DPB + kc * 32 + off_a);
+        for (int mt = 0; mt < MT; ++mt) cp_ldsm_x4(qa[mt], qw_a + mt * 16 * DPB + kc * 32 + off_a);
 #pragma unroll
-      for (int np = 0; np < KT / 2; ++np) {
-        uint32_t kb[4];
-        cp_ldsm_x4(kb, kb_a + np * 16 * DPB + kc * 32 + off_b);
+        for (int np = 0; np < KT / 2; ++np) {
+          uint32_t kb[4];
+          cp_ldsm_x4(kb, kb_a + np * 16 * DPB + kc * 32 + off_b);
 #pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          cp_mma16816<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
-          cp_mma16816<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
-        }
-      }
-    }
-    // P = exp2(S * scale * log2 e - lse2); keys past S and causally hidden pairs -> 0.
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < KT; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          float p = cp_exp2(fmaf(s[mt][nt][e], sl2, -l2[mt][e >> 1]));
-          if (need_mask) {
-            const int j = k0 + nt * 8 + 2 * t + (e & 1);
-            if constexpr (M::BAND) {
-              if (j >= S || j < blo[mt][e >> 1] || j >= bhi[mt][e >> 1]) p = 0.f;
-            } else {
-              if (j >= S || (mask.causal && mask.kpos(j) > mask.qpos(r0 + 16 * mt + 8 * (e >> 1)))) p = 0.f;
-            }
+          for (int mt = 0; mt < MT; ++mt) {
+            cp_mma16816<T>(s[mt][2 * np], qa[mt], kb[0], kb[1]);
+            cp_mma16816<T>(s[mt][2 * np + 1], qa[mt], kb[2], kb[3]);
           }
-          s[mt][nt][e] = p;
-        }
-    // dP = dO V^T.
-    float dp[MT][KT][4];
-#pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
-#pragma unroll
-      for (int nt = 0; nt < KT; ++nt) dp[mt][nt][0] = dp[mt][nt][1] = dp[mt][nt][2] = dp[mt][nt][3] = 0.f;
-#pragma unroll
-    for (int kc = 0; kc < DC; ++kc) {
-      uint32_t oa[MT][4];
-#pragma unroll
-      for (int mt = 0; mt < MT; ++mt) cp_ldsm_x4(oa[mt], dow_a + mt * 16 * DPB + kc * 32 + off_a);
-#pragma unroll
-      for (int np = 0; np < KT / 2; ++np) {
-        uint32_t vb[4];
-        cp_ldsm_x4(vb, vb_a + np * 16 * DPB + kc * 32 + off_b);
-#pragma unroll
-        for (int mt = 0; mt < MT; ++mt) {
-          cp_mma16816<T>(dp[mt][2 * np], oa[mt], vb[0], vb[1]);
-          cp_mma16816<T>(dp[mt][2 * np + 1], oa[mt], vb[2], vb[3]);
         }
       }
-    }
-    // dQ += dS K with dS = P (dP - delta): k = keys (16 per step), n = d.
+      // P = exp2(S * scale * log2 e - lse2); keys past S and causally hidden pairs -> 0.
 #pragma unroll
-    for (int kk = 0; kk < KT / 2; ++kk) {
-      uint32_t da[MT][4];
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int mt = 0; mt < MT; ++mt) {
-        float ds[2][4];
+        for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
-        for (int u = 0; u < 2; ++u)
+          for (int e = 0; e < 4; ++e) {
+            float p = cp_exp2(fmaf(s[mt][nt][e], sl2, -l2[mt][e >> 1]));
+            if (need_mask) {
+              const int j = k0 + nt * 8 + 2 * t + (e & 1);
+              if constexpr (M::BAND) {
+                if (j >= S || j < blo[mt][e >> 1] || j >= bhi[mt][e >> 1]) p = 0.f;
+              } else {
+                if (j >= S || (mask.causal && mask.kpos(j) > mask.qpos(r0 + 16 * mt + 8 * (e >> 1)))) p = 0.f;
+              }
+            }
+            s[mt][nt][e] = p;
+          }
+      // dP = dO V^T.
+      float dp[MT][KT][4];
 #pragma unroll
-          for (int e = 0; e < 4; ++e) ds[u][e] = s[mt][2 * kk + u][e] * (dp[mt][2 * kk + u][e] - dl[mt][e >> 1]);
-        da[mt][0] = cp_pack2<T>(ds[0][0], ds[0][1]);
-        da[mt][1] = cp_pack2<T>(ds[0][2], ds[0][3]);
-        da[mt][2] = cp_pack2<T>(ds[1][0], ds[1][1]);
-        da[mt][3] = cp_pack2<T>(ds[1][2], ds[1][3]);
+      for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < KT; ++nt) dp[mt][nt][0] = dp[mt][nt][1] = dp[mt][nt][2] = dp[mt][nt][3] = 0.f;
+#pragma unroll
+      for (int kc = 0; kc < DC; ++kc) {
+        uint32_t oa[MT][4];
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) cp_ldsm_x4(oa[mt], dow_a + mt * 16 * DPB + kc * 32 + off_a);
+#pragma unroll
+        for (int np = 0; np < KT / 2; ++np) {
+          uint32_t vb[4];
+          cp_ldsm_x4(vb, vb_a + np * 16 * DPB + kc * 32 + off_b);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            cp_mma16816<T>(dp[mt][2 * np], oa[mt], vb[0], vb[1]);
+            cp_mma16816<T>(dp[mt][2 * np + 1], oa[mt], vb[2], vb[3]);
+          }
+        }
       }
+      // dQ += dS K with dS = P (dP - delta): k = keys (16 per step), n = d.
 #pragma unroll
-      for (int dpi = 0; dpi < D / 16; ++dpi) {
-        uint32_t kb[4];
-        cp_ldsm_x4_trans(kb, kb_a + kk * 16 * DPB + dpi * 32 + off_a);
+      for (int kk = 0; kk < KT / 2; ++kk) {
+        uint32_t da[MT][4];
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
-          cp_mma16816<T>(acc[mt][2 * dpi], da[mt], kb[0], kb[1]);
-          cp_mma16816<T>(acc[mt][2 * dpi + 1], da[mt], kb[2], kb[3]);
+          float ds[2][4];
+#pragma unroll
+          for (int u = 0; u < 2; ++u)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) ds[u][e] = s[mt][2 * kk + u][e] * (dp[mt][2 * kk + u][e] - dl[mt][e >> 1]);
+          da[mt][0] = cp_pack2<T>(ds[0][0], ds[0][1]);
+          da[mt][1] = cp_pack2<T>(ds[0][2], ds[0][3]);
+          da[mt][2] = cp_pack2<T>(ds[1][0], ds[1][1]);
+          da[mt][3] = cp_pack2<T>(ds[1][2], ds[1][3]);
+        }
+#pragma unroll
+        for (int dpi = 0; dpi < D / 16; ++dpi) {
+          uint32_t kb[4];
+          cp_ldsm_x4_trans(kb, kb_a + kk * 16 * DPB + dpi * 32 + off_a);
+#pragma unroll
+          for (int mt = 0; mt < MT; ++mt) {
+            cp_mma16816<T>(acc[mt][2 * dpi], da[mt], kb[0], kb[1]);
+            cp_mma16816<T>(acc[mt][2 * dpi + 1], da[mt], kb[2], kb[3]);
+          }
         }
       }
     }

@@ -1,0 +1,116 @@
+# Work model of the pipelined band kernels (kernels/flash_fwd.cu `fwd_pipe`, kernels/flash_bwd_pipe.cu
+# `bwd_pipe_dq` / `bwd_pipe_dkdv`, `_band_` entries) under packed causal documents: the (query,
+# key) pairs their warps run through the tensor cores, with and without the per-warp tile skip
+# (a warp leaves out the tiles none of its rows / keys see), against the visible pairs.
+# It replays the kernels' loop bounds at tile granularity, not their arithmetic (that is checked
+# by emu/check_band.cpp). Tile shapes at D = 128 (PIPES in flash_fwd.cu, PipeCfg<128> in
+# flash_bwd_pipe.cu): forward 4 warps x 32 rows, key tiles of 64; dQ 8 warps x 16 rows, key tiles
+# of 64; dK/dV 8 warps x 16 keys, query tiles of 64.
+# Run: python3 candle-cp-kernels/sim/band_work.py [T] [doc lengths...]
+#      (default T = 16384, documents of 32 64 128 256 512 2048 tokens; exit 1 if a skip drops a
+#      visible pair, as a check of the model itself)
+import sys
+
+
+def doc_band(t, length):
+    """Causal packed documents of `length` tokens over 0..t: lo[i], hi[i] (keys lo <= j < hi)."""
+    lo = [(i // length) * length for i in range(t)]
+    hi = [i + 1 for i in range(t)]
+    return lo, hi
+
+
+def first_at_least(xs, x):
+    a, b = 0, len(xs)
+    while a < b:
+        m = (a + b) // 2
+        if xs[m] >= x:
+            b = m
+        else:
+            a = m + 1
+    return a
+
+
+def covered(lo, hi, r0, r1, k0, k1):
+    """Visible pairs of rows [r0, r1) x keys [k0, k1)."""
+    return sum(max(0, min(hi[i], k1) - max(lo[i], k0)) for i in range(r0, r1))
+
+
+def fwd(lo, hi, t, skip, rows=128, wrows=32, bk=64):
+    """fwd_pipe: block of `rows` query rows, warps of `wrows`; tiles from the one holding lo of
+    the block's first row to hi of its last; a warp skips tiles past hi of its last row (always)
+    and, with `skip`, tiles ending at or before lo of its first row."""
+    work = seen = 0
+    for r0 in range(0, t, rows):
+        r1 = min(r0 + rows, t)
+        kb = lo[r0] // bk * bk
+        for k0 in range(kb, hi[r1 - 1], bk):
+            for w0 in range(r0, r1, wrows):
+                w1 = min(w0 + wrows, t)
+                if k0 >= hi[w1 - 1] or (skip and k0 + bk <= lo[w0]):
+                    continue
+                work += wrows * bk
+                seen += covered(lo, hi, w0, w1, k0, k0 + bk)
+    return work, seen
+
+
+def dq(lo, hi, t, skip, rows=128, wrows=16, bn=64):
+    """bwd_pipe_dq: block of `rows` rows; key tiles from the one holding lo of the first row to hi
+    of the last; every warp computed every tile before, with `skip` only tiles meeting
+    [lo of its first row, hi of its last row)."""
+    work = seen = 0
+    for m0 in range(0, t, rows):
+        last = min(m0 + rows, t) - 1
+        for k0 in range(lo[m0] // bn * bn, hi[last], bn):
+            for w0 in range(m0, last + 1, wrows):
+                w1 = min(w0 + wrows, t)
+                if skip and not (k0 < hi[w1 - 1] and k0 + bn > lo[w0]):
+                    continue
+                work += wrows * bn
+                seen += covered(lo, hi, w0, w1, k0, k0 + bn)
+    return work, seen
+
+
+def dkdv(lo, hi, t, skip, keys=128, wkeys=16, bq=64):
+    """bwd_pipe_dkdv: block of `keys` keys; query tiles from the first row with hi > k0 to the
+    first with lo >= k0 + keys; every warp computed every tile before, with `skip` only tiles
+    meeting the rows that see its 16 keys."""
+    work = seen = 0
+    for k0 in range(0, t, keys):
+        k1 = min(k0 + keys, t)
+        i_begin, i_end = first_at_least(hi, k0 + 1), first_at_least(lo, k1)
+        for i0 in range(i_begin, i_end, bq):
+            i1 = min(i0 + bq, t)
+            for kw in range(k0, k1, wkeys):
+                kw1 = min(kw + wkeys, t)
+                wb, we = first_at_least(hi, kw + 1), first_at_least(lo, kw1)
+                if skip and not (i0 < we and i1 > wb):
+                    continue
+                work += wkeys * bq
+                seen += covered(lo, hi, i0, i1, kw, kw1)
+    return work, seen
+
+
+def main():
+    args = [int(a) for a in sys.argv[1:]]
+    t = args[0] if args else 16384
+    lengths = args[1:] or [32, 64, 128, 256, 512, 2048]
+    print(f"T = {t}, causal packed documents; work = pairs through the tensor cores, as a multiple of the visible pairs")
+    print(f"{'doc len':>8} | {'fwd before':>10} {'after':>6} | {'dQ before':>9} {'after':>6} | {'dK/dV before':>12} {'after':>6}")
+    ok = True
+    for length in lengths:
+        lo, hi = doc_band(t, length)
+        visible = sum(h - l for l, h in zip(lo, hi))
+        cells = []
+        for kernel in (fwd, dq, dkdv):
+            for skip in (False, True):
+                work, seen = kernel(lo, hi, t, skip)
+                ok &= seen == visible
+                cells.append(work / visible)
+        print(f"{length:>8} | {cells[0]:>10.2f} {cells[1]:>6.2f} | {cells[2]:>9.2f} {cells[3]:>6.2f} | {cells[4]:>12.2f} {cells[5]:>6.2f}")
+    if not ok:
+        print("band_work: a schedule left out visible pairs")
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()
