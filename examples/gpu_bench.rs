@@ -11,9 +11,10 @@
 //!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384]
 //! ```
 //! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
-//! one band call (`attention_fwd_band` / `attention_bwd_band`: the CUDA band kernels) against
-//! one call per document (what the CP engines issued before bands), forward and backward, in
-//! the same run (`"impl":"candle-cp-band"` lines; `speedup` = per-document time / band time).
+//! one band call (`flash::fwd_band` / `flash::bwd_band` with the first `--impl` family, the
+//! bounds on the device beforehand) against one call per document (what the CP engines issued
+//! before bands), forward and backward, in the same run (`"impl":"candle-cp-band"` lines with
+//! the family as `kernel`; `speedup` = per-document time / band time).
 //! `--impl` takes a comma-separated list: each kernel family is timed on the same inputs,
 //! side by side; the ring uses the first. `--bwd 0` times the forward only (for a family whose
 //! backward is another family's, e.g. `wgmma-ws`, whose backward is `wgmma`'s).
@@ -309,26 +310,37 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
     Ok(())
 }
 
-/// Packed documents: one band call against one call per document, forward and backward, bf16
-/// (see the module docs, `--docs`).
+/// Packed documents: one band call against one call per document, forward and backward, bf16,
+/// with the first `--impl` family (see the module docs, `--docs`). The band's bounds are on the
+/// device before the timing (`Band::upload_all`, as the CP engines do).
 fn band_docs(a: &Args, dev: &Device) -> Result<()> {
-    use candle_cp_ops::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
+    use candle_cp_kernels::flash::KBand;
+    use candle_cp_ops::attention::Band;
     use candle_cp_ops::cp::MaskSpec;
     use candle_cp_ops::packing::Documents;
     let (b, h, d, t) = (a.batch, a.heads, a.d, a.docs_t);
-    let scale = 1.0 / (d as f64).sqrt();
+    let imp = a.imps.first().copied().unwrap_or(FwdImpl::Auto);
+    let scale = 1.0 / (d as f32).sqrt();
     let mk = |s: &[usize]| randn_bf16(dev, s);
     let (q, k, v) = (mk(&[b, t, h, d])?, mk(&[b, t, h, d])?, mk(&[b, t, h, d])?);
     let dout = Tensor::randn(0f32, 1f32, (b, t, h, d), dev)?;
     let pos: Vec<usize> = (0..t).collect();
+    let causal = KMask::causal(0, 1, 0, 1);
+    // The per-document calls run the family the band calls run: bands have Simple and Pipelined
+    // kernels and a WgmmaWs forward; every other family falls back to Auto's (FwdImpl docs).
+    let fwd_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined | FwdImpl::WgmmaWs) { imp } else { FwdImpl::Auto };
+    let bwd_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined) { imp } else { FwdImpl::Auto };
     for &len in &a.docs {
         let lens: Vec<usize> = (0..t.div_ceil(len.max(1))).map(|i| len.min(t - i * len)).collect();
         let docs = Documents::from_lengths(&lens)?;
-        let band = Band::from_positions(&pos, &pos, MaskSpec { causal: true, window: None, docs: Some(&docs) })?;
+        let mut band = Band::from_positions(&pos, &pos, MaskSpec { causal: true, window: None, docs: Some(&docs) })?;
+        Band::upload_all([&mut band], dev)?;
+        let Some((lo, hi)) = band.device_bounds(dev) else { anyhow::bail!("gpu_bench --docs: the band has no device copy") };
+        let kb = KBand { lo, hi };
         let flops = 4.0 * (b * h * d) as f64 * band.pairs() as f64;
-        let (o, l) = attention_fwd_band(&q, &k, &v, &band, scale)?;
-        let band_f = time(dev, a.iters, || attention_fwd_band(&q, &k, &v, &band, scale).map(|_| ()))?;
-        let band_b = time(dev, a.iters, || attention_bwd_band(&q, &k, &v, &o, &l, &dout, &band, scale).map(|_| ()))?;
+        let (o, l) = flash::fwd_band(&q, &k, &v, kb, scale, imp)?;
+        let band_f = time(dev, a.iters, || flash::fwd_band(&q, &k, &v, kb, scale, imp).map(|_| ()))?;
+        let band_b = time(dev, a.iters, || flash::bwd_band(&q, &k, &v, &o, &l, &dout, kb, scale, imp).map(|_| ()))?;
         let piece = |x: &Tensor, i: usize| -> candle_core::Result<Tensor> {
             let (s, e) = docs.range(i);
             x.narrow(1, s, e - s)?.contiguous()
@@ -337,21 +349,21 @@ fn band_docs(a: &Args, dev: &Device) -> Result<()> {
             .map(|i| Ok([piece(&q, i)?, piece(&k, i)?, piece(&v, i)?, piece(&dout, i)?]))
             .collect::<candle_core::Result<_>>()?;
         let outs: Vec<(Tensor, Tensor)> =
-            parts.iter().map(|[q, k, v, _]| attention_fwd(q, k, v, &Mask::causal(), scale)).collect::<candle_core::Result<_>>()?;
+            parts.iter().map(|[q, k, v, _]| flash::fwd(q, k, v, causal, scale, fwd_imp)).collect::<candle_core::Result<_>>()?;
         let doc_f = time(dev, a.iters, || {
             for [q, k, v, _] in &parts {
-                attention_fwd(q, k, v, &Mask::causal(), scale)?;
+                flash::fwd(q, k, v, causal, scale, fwd_imp)?;
             }
             Ok(())
         })?;
         let doc_b = time(dev, a.iters, || {
             for ([q, k, v, g], (o, l)) in parts.iter().zip(&outs) {
-                attention_bwd(q, k, v, o, l, g, &Mask::causal(), scale)?;
+                flash::bwd_with(q, k, v, o, l, g, causal, scale, bwd_imp)?;
             }
             Ok(())
         })?;
         println!(
-            "{{\"impl\":\"candle-cp-band\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"doc_len\":{len},\"docs\":{},\"band_fwd_ms\":{:.3},\"band_bwd_ms\":{:.3},\"perdoc_fwd_ms\":{:.3},\"perdoc_bwd_ms\":{:.3},\"band_fwd_tflops\":{:.2},\"band_bwd_tflops\":{:.2},\"speedup\":{:.2}}}",
+            "{{\"impl\":\"candle-cp-band\",\"kernel\":\"{imp:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"doc_len\":{len},\"docs\":{},\"band_fwd_ms\":{:.3},\"band_bwd_ms\":{:.3},\"perdoc_fwd_ms\":{:.3},\"perdoc_bwd_ms\":{:.3},\"band_fwd_tflops\":{:.2},\"band_bwd_tflops\":{:.2},\"speedup\":{:.2}}}",
             docs.count(),
             band_f * 1e3,
             band_b * 1e3,

@@ -49,7 +49,7 @@ def main():
     for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):
         print(f"{r['kernel']} (T = {r['t']}): {r['gbps']:.0f} GB/s = {r['ratio']:.2f} of a device copy ({r['copy_gbps']:.0f} GB/s)")
     for r in (r for r in bench if r.get("impl") == "candle-cp-band"):
-        print(f"packed documents of {r['doc_len']} (T = {r['t']}, {r['docs']} documents): one band call "
+        print(f"packed documents of {r['doc_len']} (T = {r['t']}, {r['docs']} documents, {r.get('kernel', 'Auto')}): one band call "
               f"{r['band_fwd_ms']:.2f} + {r['band_bwd_ms']:.2f} ms vs per-document calls "
               f"{r['perdoc_fwd_ms']:.2f} + {r['perdoc_bwd_ms']:.2f} ms (fwd + bwd): {r['speedup']:.2}x")
     for r in ring:

@@ -25,7 +25,9 @@
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
+#define DECLWS_D(N, TY, D) void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));
 extern "C" {
+DECLWS_D(f16, __half, 64) DECLWS_D(f16, __half, 128) DECLWS_D(bf16, __nv_bfloat16, 64) DECLWS_D(bf16, __nv_bfloat16, 128)
 DECLB(f32, float)
 DECLB(f16, __half)
 DECLB(bf16, __nv_bfloat16)
@@ -260,12 +262,50 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
 }
 
-// Simple with f32 (and a 16-bit type), pipe with f16 and bf16.
+// The warp-specialized Hopper forward under a band (flash_fwd_sm90_ws.cu,
+// `flash_fwd_wgmma_ws_band_*`, D 64 / 128), launched as src/flash/band.rs does: grid
+// (ceil(T / 128), H, B), block 384, WS_SMEM(D) bytes of dynamic shared memory.
+template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
+  const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
+  const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
+  const float scale = 1.f / std::sqrt((float)D);
+  const bool bf = std::is_same<TY, __nv_bfloat16>::value;
+  const std::string name = std::string("flash_fwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
+  if (!wanted(name)) return;
+  Buf<TY> q(nq), k(nk), v(nk);
+  const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
+  const Ref ref = band_reference(c, qd, kd, vd, randn(nq, seed + 3), (double)scale);
+  Buf<unsigned> lo(c.lo.size()), hi(c.hi.size());
+  std::copy(c.lo.begin(), c.lo.end(), lo.p);
+  std::copy(c.hi.begin(), c.hi.end(), hi.p);
+  const long long bstride = c.nb == 1 ? 0 : T;
+  Buf<float> out(nq), lse(nl);
+  const int nst = D == 128 ? 3 : 4;
+  const size_t smem = (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D)
+  using WsB = void (*)(FWDB_P(TY));
+  void* f = bf ? (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_bf16_d128 : (void*)&flash_fwd_wgmma_ws_band_bf16_d64)
+               : (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_f16_d128 : (void*)&flash_fwd_wgmma_ws_band_f16_d64);
+  auto fn = reinterpret_cast<WsB>(f);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(384), smem, [&] {
+    fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
+  });
+  check_launch(name, ok);
+  if (!ok) return;
+  check(name + " out", max_abs(out.to_f32(), ref.out), bf ? 2e-2 : 4e-3);
+  check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
+}
+
+// Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the warp-specialized Hopper
+// forward with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
   if (c.D <= 64) run_band<float>(c, false, seed++);
   run_band<__nv_bfloat16>(c, false, seed++);
   run_band<__nv_bfloat16>(c, true, seed++);
   run_band<__half>(c, true, seed++);
+  if (c.D == 64 || c.D == 128) {
+    run_band_ws<__nv_bfloat16>(c, seed++);
+    run_band_ws<__half>(c, seed++);
+  }
 }
 
 }  // namespace
@@ -275,6 +315,12 @@ void run_band_checks() {
   {  // packed documents, causal: one band over 4 documents (one of length 1)
     BandCase c{"docs causal", 1, 150, 150, 2, 1, 64, 1, {}, {}};
     band_of_positions(150, 150, 0, 0, true, 0, {0, 40, 41, 111}, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // long packed documents, causal, d 64: query blocks of 128 whose keys start past 128 and 256
+     // (the kernels' key offset kb > 0), a block spanning three documents
+    BandCase c{"docs causal long", 1, 400, 400, 2, 1, 64, 1, {}, {}};
+    band_of_positions(400, 400, 0, 0, true, 0, {0, 150, 290, 300}, c.lo, c.hi);
     run_all(c, seed);
   }
   {  // documents + sliding window 17, GQA 2:1

@@ -78,11 +78,14 @@
 static_assert(128 * (WS_PRODUCER_REGS + 2 * WS_CONSUMER_REGS) <= 384 * WS_LAUNCH_REGS, "setmaxnreg pool");
 
 // ---- kernel body ----------------------------------------------------------------------------------
-template <typename T, int D, int BK, int NST, int LAG>
+// M: CpMask, or CpBand (the `_band_` entries: key tiles from the one holding lo of the block's first
+// row; K/V pointers, S and every bound shifted by that tile's start kb, as in flash_fwd.cu's
+// fwd_pipe; rows past T take row T - 1's bounds and are not stored).
+template <typename T, int D, int BK, int NST, int LAG, typename M>
 __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, float* __restrict__ out,
                                              float* __restrict__ lse, int B, int T_, int S, int H,
-                                             int Hkv, float scale, CpMask mask) {
+                                             int Hkv, float scale, M mask) {
   constexpr int BQ = 128, PTH = 128, NS = BK / 2, NO = D / 2;
   constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
   static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -105,7 +108,13 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   // Last query tiles first: under a causal mask they have the most keys.
   const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ;
   // Keys [0, n_tiles * BK) cover every key some row of the block sees (uniform in the block).
-  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
+  // Band: keys relative to kb (0 without a band).
+  const int kb = M::BAND ? mask.kbegin(row0) / BK * BK : 0;  // row0 < T_ (grid ceil(T / BQ))
+  int n_tiles;
+  if constexpr (M::BAND)
+    n_tiles = (mask.kend(min(row0 + BQ, T_) - 1, S) - kb + BK - 1) / BK;
+  else
+    n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
 
   if (tid == 0) {
 #pragma unroll
@@ -123,8 +132,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
     // ---- producer ----------------------------------------------------------------------------
     cp_setmaxnreg_dec<WS_PRODUCER_REGS>();
     const size_t kv_rs = (size_t)Hkv * D;
-    const T* kg = k + ((size_t)b * S * Hkv + kvh) * D;
-    const T* vg = v + ((size_t)b * S * Hkv + kvh) * D;
+    const T* kg = k + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+    const T* vg = v + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+    const int s_rel = S - kb;  // keys left from kb (zero fill past them)
     const int n_ops = 2 * n_tiles;  // K_0 (+Q), V_0, K_1, V_1, ...
     // Signal operation m (its group retired and fenced in this thread).
     auto signal = [&](int m) {
@@ -137,10 +147,10 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
       const int j = n >> 1, st = j % NST;
       if (n & 1) {
         if (j >= NST) cp_mbar_wait(&empty_v[st], (uint32_t)((j / NST - 1) & 1));
-        sw_load<BK, D, PTH>(v_st(st), vg, kv_rs, j * BK, S, tid);
+        sw_load<BK, D, PTH>(v_st(st), vg, kv_rs, j * BK, s_rel, tid);
       } else {
         if (j >= NST) cp_mbar_wait(&empty_k[st], (uint32_t)((j / NST - 1) & 1));
-        sw_load<BK, D, PTH>(k_st(st), kg, kv_rs, j * BK, S, tid);
+        sw_load<BK, D, PTH>(k_st(st), kg, kv_rs, j * BK, s_rel, tid);
       }
       cp_async_commit();
       if (n >= LAG) {
@@ -163,8 +173,19 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   const float sl2 = scale * CP_LOG2E;
   // keys [0, w_full) are visible to every row of this warpgroup (to its first row); row i sees
   // exactly keys [0, key_end(qpos(i))) (positions increase with the index).
-  const int w_full = mask.key_end(mask.qpos(wrow0), S);
-  const int lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+  // Band: row a / b sees keys [lo_a / lo_b, lim_a / lim_b) (relative to kb); w_lo = lo of the
+  // warpgroup's last row.
+  int w_full, lim_a, lim_b, lo_a = 0, lo_b = 0, w_lo = 0;
+  if constexpr (M::BAND) {
+    const int last = T_ - 1;
+    w_full = mask.kend(min(wrow0, last), S) - kb;
+    lim_a = mask.kend(min(ra, last), S) - kb, lim_b = mask.kend(min(rb, last), S) - kb;
+    lo_a = mask.kbegin(min(ra, last)) - kb, lo_b = mask.kbegin(min(rb, last)) - kb;
+    w_lo = mask.kbegin(min(wrow0 + 63, last)) - kb;
+  } else {
+    w_full = mask.key_end(mask.qpos(wrow0), S);
+    lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+  }
 
   float o[NO];
 #pragma unroll
@@ -206,7 +227,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
       wg_wait<1>();  // groups retire in order: S_j is done, P V may still run
       cp_mbar_arrive(&empty_k[st]);
       reg_fence(s);
-      fwd_sm90_softmax<BK>(s, j * BK, w_full, lim_a, lim_b, t, sl2, m_a, m_b, l_a, l_b, al_a, al_b);
+      fwd_sm90_softmax<BK, M::BAND>(s, j * BK, w_full, lim_a, lim_b, t, sl2, m_a, m_b, l_a, l_b, al_a, al_b, lo_a,
+                                    lo_b, w_lo);
       wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa may be touched again, V stage free
       if (j > 0) cp_mbar_arrive(&empty_v[sv]);
       reg_fence(o);
@@ -243,10 +265,18 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
       long long k_str
+// Band entries flash_fwd_wgmma_ws_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
+// common.cuh; launcher src/flash/band.rs, CPU reference candle_cp_ops::attention::attention_fwd_band).
+#define FWD_BAND_ARGS                                                                         \
+  const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
+      int Hkv, float scale, CP_BAND_ARGS
 #define WGMMA_WS(NAME, D)                                                                                   \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_##NAME##_d##D(FWD_ARGS) {         \
     fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,             \
                                                     CpMask{causal, q_off, q_str, k_off, k_str});            \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_band_##NAME##_d##D(FWD_BAND_ARGS) { \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK); \
   }
 #define TY __half
 WGMMA_WS(f16, 64) WGMMA_WS(f16, 128)

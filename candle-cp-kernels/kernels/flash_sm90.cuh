@@ -35,20 +35,30 @@ __device__ __forceinline__ void fwd_sm90_issue_pv(float (&o)[D / 2], const uint3
 // visible to every row of the warpgroup, row a / b sees keys [0, lim_a / lim_b). Updates the running
 // row max m (log2 domain) and per-thread partial row sums l (quad-reduced by fwd_sm90_store);
 // returns the rescale factors al of O.
-template <int BK>
+// BAND (the `_band_` entries): row a / b sees keys [lo_a / lo_b, lim_a / lim_b) instead, and a tile
+// needs no test only if also w_lo (lo of the warpgroup's last row, the largest) <= k0.
+template <int BK, bool BAND = false>
 __device__ __forceinline__ void fwd_sm90_softmax(float (&s)[BK / 2], int k0, int w_full, int lim_a, int lim_b,
                                                  int t, float sl2, float& m_a, float& m_b, float& l_a,
-                                                 float& l_b, float& al_a, float& al_b) {
+                                                 float& l_b, float& al_a, float& al_b, int lo_a = 0,
+                                                 int lo_b = 0, int w_lo = 0) {
   constexpr int NS = BK / 2;
-  const bool full_tile = k0 + BK <= w_full;
+  const bool full_tile = k0 + BK <= w_full && (!BAND || w_lo <= k0);
   const int ca = lim_a - k0 - 2 * t, cb = lim_b - k0 - 2 * t;
+  // band: key c (relative to k0 + 2t) is visible iff la <= c < ca: one unsigned compare
+  const int la = lo_a - k0 - 2 * t, lb = lo_b - k0 - 2 * t;
   float mx_a = -INFINITY, mx_b = -INFINITY;
 #pragma unroll
   for (int i = 0; i < NS / 4; ++i) {
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float x = s[4 * i + e] * sl2;
-      if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) x = -INFINITY;
+      if constexpr (BAND) {
+        const int l0 = e < 2 ? la : lb;
+        if (!full_tile && (unsigned)(8 * i + (e & 1) - l0) >= (unsigned)((e < 2 ? ca : cb) - l0)) x = -INFINITY;
+      } else {
+        if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) x = -INFINITY;
+      }
       s[4 * i + e] = x;
     }
     mx_a = fmaxf(mx_a, fmaxf(s[4 * i], s[4 * i + 1]));

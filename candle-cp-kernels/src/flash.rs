@@ -64,9 +64,10 @@ impl KMask {
 }
 
 /// Which kernels to run (forward and backward alike). Under a band ([`fwd_band`], [`bwd_band`])
-/// only `Simple` and `Pipelined` have kernels: `Simple` runs the CUDA-core band kernels, every
-/// other choice (`Mma`, `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` included) runs `Auto`'s
-/// family (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
+/// `Simple` and `Pipelined` have kernels, and `WgmmaWs` has a forward (f16/bf16, head dims 64/128,
+/// compute capability 9.x): `Simple` runs the CUDA-core band kernels, every other choice (`Mma`,
+/// `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` outside its forward) runs `Auto`'s family
+/// (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
     /// Tensor cores for f16/bf16 (the `Pipelined` kernels), CUDA cores for f32.

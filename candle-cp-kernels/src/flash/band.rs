@@ -7,11 +7,14 @@
 //! `kernels/flash_bwd.cu` (`flash_bwd_{dkdv,dq}_band_*`) and `kernels/flash_bwd_pipe.cu`
 //! (`flash_bwd_pipe_{dkdv,dq}_band_*`, after `flash_bwd_pipe_prep_*`): the `Simple` and
 //! `Pipelined` kernels with the mask arguments replaced by the band (`CpBand` in
-//! `kernels/common.cuh`). Families without band entries (`Mma`, `Wgmma`, `AtomicDq`,
-//! `WgmmaAtomic`, `WgmmaWs`) run `Auto`'s family under a band (see [`FwdImpl`]).
+//! `kernels/common.cuh`). The forward also has the warp-specialized Hopper kernel's band entries
+//! (`flash_fwd_wgmma_ws_band_*` in `kernels/flash_fwd_sm90_ws.cu`), run by `WgmmaWs` where that
+//! kernel applies (f16/bf16, head dims 64/128, compute capability 9.x). Otherwise families without
+//! band entries (`Mma`, `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` elsewhere and in the
+//! backward) run `Auto`'s family under a band (see [`FwdImpl`]).
 
 use super::bwd_pipe::{launch_prep, PipeCfg};
-use super::{bwd_tensors, check_dims, pipe_config, prep, storage_of, suffix, BwdInputs, Dims, FwdImpl};
+use super::{bwd_tensors, check_dims, pipe_config, prep, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -133,10 +136,19 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     if b * t * h == 0 {
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
+    let (los, lol) = blo.storage_and_layout();
+    let (his, hil) = bhi.storage_and_layout();
+    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
+    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
+    let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
+    if imp == FwdImpl::WgmmaWs && sm90_ws::applies(dev, sfx, d)? {
+        let dims = (b, t, s, h, hkv, d);
+        return sm90_ws::fwd_wgmma_ws_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
+    }
+    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let copies = if pipe {
         (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
     } else {
@@ -160,11 +172,6 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
         func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
     }
     let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
-    let (los, lol) = blo.storage_and_layout();
-    let (his, hil) = bhi.storage_and_layout();
-    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
-    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
-    let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
