@@ -326,10 +326,9 @@ fn band_docs(a: &Args, dev: &Device) -> Result<()> {
     let dout = Tensor::randn(0f32, 1f32, (b, t, h, d), dev)?;
     let pos: Vec<usize> = (0..t).collect();
     let causal = KMask::causal(0, 1, 0, 1);
-    // The per-document calls run the family the band calls run: bands have Simple and Pipelined
-    // kernels and a WgmmaWs forward; every other family falls back to Auto's (FwdImpl docs).
-    let fwd_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined | FwdImpl::WgmmaWs) { imp } else { FwdImpl::Auto };
-    let bwd_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined) { imp } else { FwdImpl::Auto };
+    // The per-document calls run the family the band calls run: bands have Simple, Pipelined and
+    // WgmmaWs kernels; every other family falls back to Auto's (FwdImpl docs).
+    let doc_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined | FwdImpl::WgmmaWs) { imp } else { FwdImpl::Auto };
     for &len in &a.docs {
         let lens: Vec<usize> = (0..t.div_ceil(len.max(1))).map(|i| len.min(t - i * len)).collect();
         let docs = Documents::from_lengths(&lens)?;
@@ -349,16 +348,16 @@ fn band_docs(a: &Args, dev: &Device) -> Result<()> {
             .map(|i| Ok([piece(&q, i)?, piece(&k, i)?, piece(&v, i)?, piece(&dout, i)?]))
             .collect::<candle_core::Result<_>>()?;
         let outs: Vec<(Tensor, Tensor)> =
-            parts.iter().map(|[q, k, v, _]| flash::fwd(q, k, v, causal, scale, fwd_imp)).collect::<candle_core::Result<_>>()?;
+            parts.iter().map(|[q, k, v, _]| flash::fwd(q, k, v, causal, scale, doc_imp)).collect::<candle_core::Result<_>>()?;
         let doc_f = time(dev, a.iters, || {
             for [q, k, v, _] in &parts {
-                flash::fwd(q, k, v, causal, scale, fwd_imp)?;
+                flash::fwd(q, k, v, causal, scale, doc_imp)?;
             }
             Ok(())
         })?;
         let doc_b = time(dev, a.iters, || {
             for ([q, k, v, g], (o, l)) in parts.iter().zip(&outs) {
-                flash::bwd_with(q, k, v, o, l, g, causal, scale, bwd_imp)?;
+                flash::bwd_with(q, k, v, o, l, g, causal, scale, doc_imp)?;
             }
             Ok(())
         })?;

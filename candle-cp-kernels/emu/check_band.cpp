@@ -25,7 +25,9 @@
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
-#define DECLWS_D(N, TY, D) void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));
+#define DECLWS_D(N, TY, D)                                     \
+  void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));         \
+  void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY));
 extern "C" {
 DECLWS_D(f16, __half, 64) DECLWS_D(f16, __half, 128) DECLWS_D(bf16, __nv_bfloat16, 64) DECLWS_D(bf16, __nv_bfloat16, 128)
 DECLB(f32, float)
@@ -262,19 +264,26 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
 }
 
-// The warp-specialized Hopper forward under a band (flash_fwd_sm90_ws.cu,
-// `flash_fwd_wgmma_ws_band_*`, D 64 / 128), launched as src/flash/band.rs does: grid
-// (ceil(T / 128), H, B), block 384, WS_SMEM(D) bytes of dynamic shared memory.
+// The warp-specialized Hopper kernels under a band (D 64 / 128), launched as src/flash/band.rs
+// does: forward `flash_fwd_wgmma_ws_band_*` (flash_fwd_sm90_ws.cu) on grid (ceil(T / 128), H, B),
+// block 384, WS_SMEM(D) bytes; backward `flash_bwd_pipe_prep_*`, then `flash_bwd_wgmma_ws_band_*`
+// (flash_bwd_sm90_ws.cu) on grid (Hkv, ceil(S / 128), B), block 384, WSB_SMEM(D) bytes, dq
+// zero-filled (added to with atomics).
 template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
-  const std::string name = std::string("flash_fwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
-  if (!wanted(name)) return;
+  std::string name = std::string("flash_fwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
+  const std::string bname = std::string("flash_bwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
+  if (!wanted(name) && !wanted(bname)) return;
   Buf<TY> q(nq), k(nk), v(nk);
   const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
-  const Ref ref = band_reference(c, qd, kd, vd, randn(nq, seed + 3), (double)scale);
+  Buf<float> dout(nq), o32(nq), l32(nl);
+  const auto dd = fill(dout, randn(nq, seed + 3));
+  const Ref ref = band_reference(c, qd, kd, vd, dd, (double)scale);
+  fill(o32, ref.out);
+  fill(l32, ref.lse);
   Buf<unsigned> lo(c.lo.size()), hi(c.hi.size());
   std::copy(c.lo.begin(), c.lo.end(), lo.p);
   std::copy(c.hi.begin(), c.hi.end(), hi.p);
@@ -286,13 +295,39 @@ template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
   void* f = bf ? (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_bf16_d128 : (void*)&flash_fwd_wgmma_ws_band_bf16_d64)
                : (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_f16_d128 : (void*)&flash_fwd_wgmma_ws_band_f16_d64);
   auto fn = reinterpret_cast<WsB>(f);
-  const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(384), smem, [&] {
-    fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
-  });
-  check_launch(name, ok);
+  if (wanted(name)) {
+    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(384), smem, [&] {
+      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
+    });
+    check_launch(name, ok);
+    if (ok) {
+      check(name + " out", max_abs(out.to_f32(), ref.out), bf ? 2e-2 : 4e-3);
+      check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
+    }
+  }
+  if (!wanted(bname)) return;
+  Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
+  std::fill(dq.p, dq.p + nq, 0.f);
+  Buf<TY> do16(nq);
+  using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
+  PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
+  using WsbB = void (*)(float*, float*, float*, PBWDB_P(TY));
+  void* fb = bf ? (D == 128 ? (void*)&flash_bwd_wgmma_ws_band_bf16_d128 : (void*)&flash_bwd_wgmma_ws_band_bf16_d64)
+                : (D == 128 ? (void*)&flash_bwd_wgmma_ws_band_f16_d128 : (void*)&flash_bwd_wgmma_ws_band_f16_d64);
+  auto bfn = reinterpret_cast<WsbB>(fb);
+  const size_t bsmem = (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;  // WSB_SMEM(D)
+  const bool ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
+                                 [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); }) &&
+                  cp_emu::launch(bname.c_str(), dim3(Hkv, cdivb(S, 128), B), dim3(384), bsmem, [&] {
+                    bfn(dq.p, dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p,
+                        bstride, 0);
+                  });
+  check_launch(bname, ok);
   if (!ok) return;
-  check(name + " out", max_abs(out.to_f32(), ref.out), bf ? 2e-2 : 4e-3);
-  check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
+  const double tol = bf ? 3e-2 : 5e-3;
+  check(bname + " dq", rel_err(dq.to_f32(), ref.dq), tol);
+  check(bname + " dk", rel_err(dk.to_f32(), ref.dk), tol);
+  check(bname + " dv", rel_err(dv.to_f32(), ref.dv), tol);
 }
 
 // Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the warp-specialized Hopper

@@ -570,8 +570,10 @@ def tile_configs():
         err("band.rs pipe_band_smem: expected the non-band smem plus 4 bytes per row (lo_s in fwd_pipe)")
     for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
         out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fam == "flash_fwd_pipe" else 0)) for d, c in out[fam].items()}
-    # the warp-specialized forward's band entries launch as the non-band ones (sm90_ws.rs ws_config)
+    # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
+    # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
+    out["flash_bwd_wgmma_ws_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
     return out
 
 

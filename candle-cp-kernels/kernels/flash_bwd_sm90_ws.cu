@@ -84,12 +84,14 @@ __device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
 #endif
 }
 
-template <typename T, int D, int NST, int LAG>
+// M: CpMask, or CpBand (the `_band_` entries: the query rows [qbegin(k0), qend(k0 + BN)) that see
+// a key of the block, and per-element band tests in tiles some row does not see whole).
+template <typename T, int D, int NST, int LAG, typename M>
 __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ do16,
                                              const float* __restrict__ lse, const float* __restrict__ delta,
                                              float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
-                                             int Hkv, float scale, CpMask mask, int accumulate) {
+                                             int Hkv, float scale, M mask, int accumulate) {
   constexpr int BN = 128, BQ = 64, PTH = 128, NS = BQ / 2, NA = D / 2;
   constexpr uint32_t KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2, DS_BYTES = BQ * BN * 2;
   static_assert(D % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -109,8 +111,12 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   // Key tiles along y, in increasing order (the heaviest blocks under a causal mask first).
   const int b = blockIdx.z, kvh = blockIdx.x, k0 = blockIdx.y * BN, G = H / Hkv;
   const int tid = threadIdx.x, wg = tid >> 7;
-  const int i_begin = mask.query_begin(mask.kpos(k0), T_);
-  const int n_qt = (T_ - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
+  int i_begin, i_end;
+  if constexpr (M::BAND)
+    i_begin = mask.qbegin(k0, T_), i_end = mask.qend(min(k0 + BN, S), T_);
+  else
+    i_begin = mask.query_begin(mask.kpos(k0), T_), i_end = T_;
+  const int n_qt = (i_end - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
 
   if (tid == 0) {
 #pragma unroll
@@ -178,7 +184,9 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     const int st = it % NST;
     const uint32_t dsb = ds_sa + (uint32_t)(it & 1) * DS_BYTES;
     const int i0 = i_begin + (it % n_qt) * BQ;
-    const bool need_mask = mask.causal && kp_last > mask.qpos(i0);
+    // (band: some row of the tile does not see all of the block's keys)
+    const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
+                                   : mask.causal && kp_last > mask.qpos(i0);
     const uint32_t qa = q_st(st), da = do_st(st);
     const float* ls = ls_s + st * BQ;
     const float* dls = dl_s + st * BQ;
@@ -196,7 +204,10 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     reg_fence(s);
     // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
     // re-packed as A fragments (k-step kk: queries 16kk .. 16kk + 15).
-    bwd_sm90_p(s, ls, sl2, t, i0, mask, need_mask, kp_a, kp_b, ragged, kok_a, kok_b);
+    if constexpr (M::BAND)
+      bwd_sm90_p_band(s, ls, sl2, t, i0, mask, need_mask, ja, ragged, kok_a, kok_b, T_);
+    else
+      bwd_sm90_p(s, ls, sl2, t, i0, mask, need_mask, kp_a, kp_b, ragged, kok_a, kok_b);
     acc_to_a<T>(pa, s);
     reg_fence(pa);
     reg_fence(acc_v);
@@ -298,9 +309,23 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
                                              scale, CpMask{causal, q_off, q_str, k_off, k_str},       \
                                              accumulate);                                             \
   }
+// Band entries flash_bwd_wgmma_ws_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
+// common.cuh; launcher src/flash/band.rs -> bwd_sm90_ws.rs, CPU reference
+// candle_cp_ops::attention::attention_bwd_band).
+#define PIPE_BAND_ARGS                                                                            \
+  const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
+      int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
+#define WGMMA_WS_BWD_BAND(NAME, D)                                                                   \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_ws_band_##NAME##_d##D(       \
+      float* dq, float* dk, float* dv, PIPE_BAND_ARGS) {                                             \
+    bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, \
+                                             scale, CP_BAND_OF_BLOCK, accumulate);                   \
+  }
 #define TY __half
 WGMMA_WS_BWD(f16, 64) WGMMA_WS_BWD(f16, 128)
+WGMMA_WS_BWD_BAND(f16, 64) WGMMA_WS_BWD_BAND(f16, 128)
 #undef TY
 #define TY __nv_bfloat16
 WGMMA_WS_BWD(bf16, 64) WGMMA_WS_BWD(bf16, 128)
+WGMMA_WS_BWD_BAND(bf16, 64) WGMMA_WS_BWD_BAND(bf16, 128)
 #undef TY

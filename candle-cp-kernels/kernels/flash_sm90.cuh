@@ -165,6 +165,34 @@ __device__ __forceinline__ void bwd_sm90_p(float (&s)[NS], const float* ls, floa
   }
 }
 
+// bwd_sm90_p under a band (the `_band_` entries): where need_mask, P^T = 0 outside query i's keys
+// [lo[i], hi[i]) (read from global memory; rows past T take row T - 1's, their lse2 = +inf gives
+// P = 0 anyway); element 4i + e is key ja (e < 2) or ja + 8 and query i0 + 8i + 2t + (e & 1).
+template <int NS>
+__device__ __forceinline__ void bwd_sm90_p_band(float (&s)[NS], const float* ls, float sl2, int t, int i0,
+                                                CpBand band, bool need_mask, int ja, bool ragged, bool kok_a,
+                                                bool kok_b, int T_) {
+#pragma unroll
+  for (int i = 0; i < NS / 4; ++i) {
+    const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
+    int lo[2] = {0, 0}, hi[2] = {0, 0};
+    if (need_mask)
+#pragma unroll
+      for (int u = 0; u < 2; ++u) {
+        const int q = min(i0 + 8 * i + 2 * t + u, T_ - 1);
+        lo[u] = band.kbegin(q), hi[u] = band.kend(q, 0);
+      }
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
+      const int j = ja + (e < 2 ? 0 : 8);
+      if (need_mask && (j < lo[e & 1] || j >= hi[e & 1])) p = 0.f;
+      if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
+      s[4 * i + e] = p;
+    }
+  }
+}
+
 // dS^T = P^T (dP^T - delta) in place in dp (dls = the tile's delta).
 template <int NS>
 __device__ __forceinline__ void bwd_sm90_ds(float (&dp)[NS], const float (&p)[NS], const float* dls, int t) {

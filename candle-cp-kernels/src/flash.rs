@@ -64,10 +64,10 @@ impl KMask {
 }
 
 /// Which kernels to run (forward and backward alike). Under a band ([`fwd_band`], [`bwd_band`])
-/// `Simple` and `Pipelined` have kernels, and `WgmmaWs` has a forward (f16/bf16, head dims 64/128,
-/// compute capability 9.x): `Simple` runs the CUDA-core band kernels, every other choice (`Mma`,
-/// `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` outside its forward) runs `Auto`'s family
-/// (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
+/// `Simple`, `Pipelined` and `WgmmaWs` (f16/bf16, head dims 64/128, compute capability 9.x) have
+/// kernels: `Simple` runs the CUDA-core band kernels, every other choice (`Mma`, `Wgmma`,
+/// `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` where it does not apply) runs `Auto`'s family (pipelined
+/// for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
     /// Tensor cores for f16/bf16 (the `Pipelined` kernels), CUDA cores for f32.
@@ -482,7 +482,7 @@ pub fn bwd_with(
         return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
     }
     if imp == FwdImpl::WgmmaWs {
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale);
     }
     if imp == FwdImpl::AtomicDq {
         return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);

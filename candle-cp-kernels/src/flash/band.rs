@@ -7,14 +7,14 @@
 //! `kernels/flash_bwd.cu` (`flash_bwd_{dkdv,dq}_band_*`) and `kernels/flash_bwd_pipe.cu`
 //! (`flash_bwd_pipe_{dkdv,dq}_band_*`, after `flash_bwd_pipe_prep_*`): the `Simple` and
 //! `Pipelined` kernels with the mask arguments replaced by the band (`CpBand` in
-//! `kernels/common.cuh`). The forward also has the warp-specialized Hopper kernel's band entries
-//! (`flash_fwd_wgmma_ws_band_*` in `kernels/flash_fwd_sm90_ws.cu`), run by `WgmmaWs` where that
-//! kernel applies (f16/bf16, head dims 64/128, compute capability 9.x). Otherwise families without
-//! band entries (`Mma`, `Wgmma`, `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` elsewhere and in the
-//! backward) run `Auto`'s family under a band (see [`FwdImpl`]).
+//! `kernels/common.cuh`). The warp-specialized Hopper kernels have band entries too
+//! (`flash_fwd_wgmma_ws_band_*` in `kernels/flash_fwd_sm90_ws.cu`, `flash_bwd_wgmma_ws_band_*` in
+//! `kernels/flash_bwd_sm90_ws.cu`), run by `WgmmaWs` where they apply (f16/bf16, head dims 64/128,
+//! compute capability 9.x). Otherwise families without band entries (`Mma`, `Wgmma`, `AtomicDq`,
+//! `WgmmaAtomic`, `WgmmaWs` elsewhere) run `Auto`'s family under a band (see [`FwdImpl`]).
 
 use super::bwd_pipe::{launch_prep, PipeCfg};
-use super::{bwd_tensors, check_dims, pipe_config, prep, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
+use super::{bwd_sm90_ws, bwd_tensors, check_dims, pipe_config, prep, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -250,6 +250,10 @@ pub fn bwd_band(
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     let dims = (b, t, s, h, hkv, d);
+    if imp == FwdImpl::WgmmaWs && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape()).is_ok() {
+        let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale);
+    }
     if pipe {
         return bwd_pipe_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale);
     }

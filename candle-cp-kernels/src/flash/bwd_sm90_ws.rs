@@ -8,9 +8,10 @@
 //! summation order of dQ; dK, dV are deterministic). Same results as the `WgmmaAtomic` backward
 //! ([`super::bwd_sm90`]). Shapes as the other backward kernels: q `[B, T, H, D]`, k/v
 //! `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns f32 dq
-//! `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+//! `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. Its band entries (`flash_bwd_wgmma_ws_band_*`) run
+//! `bwd_band` under `WgmmaWs`.
 
-use super::{bwd_pipe, bwd_tensors, prep, sm90, suffix, BwdInputs, Dims, KMask};
+use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -55,15 +56,25 @@ pub(super) fn check(dev: &CudaDevice, d: usize, q: &Shape, k: &Shape) -> Result<
     Ok(())
 }
 
-/// The `WgmmaWs` backward of [`super::bwd_with`] on checked inputs ([`check`] passed; f16/bf16;
-/// out, lse, dout already contiguous f32, B * T * H > 0, S > 0): the prep kernel, then
-/// `flash_bwd_wgmma_ws_{sfx}_d{d}` on grid `(Hkv, ceil(S / 128), B)`, block 384, dq zero-filled.
+/// Visibility of a `WgmmaWs` backward launch: a [`KMask`] (`flash_bwd_wgmma_ws_*`) or a band on
+/// the device, u32 `lo`, `hi` `[1 or B, T]` (contiguous, checked by the caller:
+/// `flash_bwd_wgmma_ws_band_*`).
+pub(super) enum WsbMask<'a> {
+    Mask(KMask),
+    Band { lo: &'a Tensor, hi: &'a Tensor },
+}
+
+/// The `WgmmaWs` backward of [`super::bwd_with`] (and of `bwd_band` under `WgmmaWs` where [`check`]
+/// passes) on checked inputs ([`check`] passed; f16/bf16; out, lse, dout already contiguous f32,
+/// B * T * H > 0, S > 0): the prep kernel, then `flash_bwd_wgmma_ws_{sfx}_d{d}` (or
+/// `flash_bwd_wgmma_ws_band_{sfx}_d{d}`) on grid `(Hkv, ceil(S / 128), B)`, block 384, dq
+/// zero-filled.
 pub(super) fn bwd_wgmma_ws(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     (out, lse, dout): (&Tensor, &Tensor, &Tensor),
     (b, t, s, h, hkv, d): Dims,
-    mask: KMask,
+    mask: WsbMask<'_>,
     scale: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let sfx = suffix(q.dtype())?;
@@ -82,9 +93,18 @@ pub(super) fn bwd_wgmma_ws(
     let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
     let (ov, dov, lv) = inp.f32s()?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
-    let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
     let smem = wsb_smem(d);
+    let cfg = LaunchConfig {
+        grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
+        block_dim: (WSB_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    // The band's device views (read-locked for the launch).
+    let (lo_g, hi_g) = match &mask {
+        WsbMask::Band { lo, hi } => (Some(lo.storage_and_layout()), Some(hi.storage_and_layout())),
+        WsbMask::Mask(_) => (None, None),
+    };
     // The kernel adds into dq: zero-filled. SAFETY (dk, dv): every element is written by the kernel
     // (a key block without query tiles stores zeros).
     let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
@@ -94,20 +114,35 @@ pub(super) fn bwd_wgmma_ws(
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
             let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
-            let cfg = LaunchConfig {
-                grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
-                block_dim: (WSB_THREADS, 1, 1),
-                shared_mem_bytes: smem,
-            };
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_ws_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
-            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
-            let mut bld = func.builder();
-            bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
-            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-            // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS` in
-            // kernels/flash_bwd_sm90_ws.cu; device, head dim and shared memory checked by `check`.
-            unsafe { bld.launch(cfg) }.w()?;
+            match (&mask, &lo_g, &hi_g) {
+                (WsbMask::Mask(m), _, _) => {
+                    let (causal, qo, qstr, ko, kstr) = m.args()?;
+                    let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_ws_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
+                    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+                    let mut bld = func.builder();
+                    bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+                    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+                    bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+                    // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS` in
+                    // kernels/flash_bwd_sm90_ws.cu; device, head dim and shared memory checked by `check`.
+                    unsafe { bld.launch(cfg) }.w()?;
+                }
+                (WsbMask::Band { lo, .. }, Some((los, lol)), Some((his, hil))) => {
+                    let lov = util::view::<u32>(storage_of(los, "band lo", lo.shape())?, lol, "band lo")?;
+                    let hiv = util::view::<u32>(storage_of(his, "band hi", lo.shape())?, hil, "band hi")?;
+                    let bstride = util::to_i64(if lo.dim(0)? == 1 { 0 } else { t }, "band batch stride")?;
+                    let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_ws_band_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
+                    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+                    let mut bld = func.builder();
+                    bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+                    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+                    bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+                    // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_BAND_ARGS` in
+                    // kernels/flash_bwd_sm90_ws.cu; the band's shape and device checked by KBand::check.
+                    unsafe { bld.launch(cfg) }.w()?;
+                }
+                _ => candle_core::bail!("flash_bwd_band: the band's device views are missing"),
+            }
         }};
     }
     match q.dtype() {
