@@ -207,6 +207,24 @@ MUTATIONS = [
     ("wsb-full-wait", "flash_bwd_sm90_ws.cu",
      "    cp_mbar_wait(&full[st], (uint32_t)((it / NST) & 1));  // tile it (and K, V) landed and fenced\n", "",
      "flash_bwd_wgmma_ws", "ws backward: consumer reads stage it (Q, dO, lse2, delta) without waiting on its FULL barrier"),
+    # band masks (emu/check_band.cpp): the per-warp tile skips of the pipelined band kernels and
+    # the band tests of the warp-specialized Hopper band entries
+    ("band-fwd-pipe-warp-skip", "flash_fwd.cu",
+     "k0 + BK <= lo_s[warp * MT * 16] ||", "k0 + BK <= lo_s[warp * MT * 16 + MT * 16 - 1] ||",
+     "band", "pipe band forward: a warp skips key tiles from its LAST row's lo (its first rows need them)"),
+    ("band-dq-warp-skip", "flash_bwd_pipe.cu",
+     "if (wf < T_) w_lo = mask.kbegin(wf), w_hi", "if (wf < T_) w_lo = mask.kbegin(min(wf + 16 * MT, T_) - 1), w_hi",
+     "band", "pipe band dQ: a warp skips key tiles from its last row's lo"),
+    ("band-dkdv-warp-skip", "flash_bwd_pipe.cu",
+     "wq_end = mask.qend(min(k0 + kr0 + 16, S), T_);", "wq_end = mask.qend(min(k0 + kr0 + 8, S), T_);",
+     "band", "pipe band dK/dV: a warp's query range from 8 of its 16 keys"),
+    ("band-ws-fwd-no-lower", "flash_fwd_sm90_ws.cu",
+     "fwd_sm90_softmax<BK, M::BAND>(", "fwd_sm90_softmax<BK, false>(",
+     "wgmma_ws", "ws band forward: no lower-bound test (keys before lo visible)"),
+    ("band-ws-bwd-tile-test", "flash_bwd_sm90_ws.cu",
+     "mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)\n",
+     "mask.kbegin(min(i0 + BQ, T_) - 1) > k0\n",
+     "bwd_band wgmma_ws", "ws band backward: tiles whose rows end before the block's keys end taken as unmasked"),
 ]
 
 
