@@ -327,8 +327,8 @@ fn band_docs(a: &Args, dev: &Device) -> Result<()> {
     let pos: Vec<usize> = (0..t).collect();
     let causal = KMask::causal(0, 1, 0, 1);
     // The per-document calls run the family the band calls run: bands have Simple, Pipelined and
-    // WgmmaWs kernels; every other family falls back to Auto's (FwdImpl docs).
-    let doc_imp = if matches!(imp, FwdImpl::Simple | FwdImpl::Pipelined | FwdImpl::WgmmaWs) { imp } else { FwdImpl::Auto };
+    // Hopper (Wgmma, WgmmaAtomic, WgmmaWs) kernels; Mma and AtomicDq fall back to Auto's (FwdImpl docs).
+    let doc_imp = if matches!(imp, FwdImpl::Mma | FwdImpl::AtomicDq) { FwdImpl::Auto } else { imp };
     for &len in &a.docs {
         let lens: Vec<usize> = (0..t.div_ceil(len.max(1))).map(|i| len.min(t - i * len)).collect();
         let docs = Documents::from_lengths(&lens)?;

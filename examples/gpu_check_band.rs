@@ -9,10 +9,10 @@
 //!   against the CPU (backward from the CPU's out / lse);
 //! - `attention_band` (autograd: out in the input dtype, gradients of `sum(out · dout)`);
 //! - the kernel crate directly (`flash::fwd_band` / `flash::bwd_band`) with `Simple`, `Pipelined`,
-//!   `Mma` and (f16/bf16) `WgmmaWs` — `Mma` has no band kernels and must run `Auto`'s family (the
-//!   check of the fallback), whatever `CANDLE_CP_FLASH_IMPL` says; `WgmmaWs` runs the
-//!   warp-specialized Hopper band forward at head dims 64 / 128 on a 9.x device (the fallback
-//!   elsewhere, and in the backward).
+//!   `Mma` and (f16/bf16) `Wgmma`, `WgmmaAtomic`, `WgmmaWs` — `Mma` has no band kernels and must
+//!   run `Auto`'s family (the check of the fallback), whatever `CANDLE_CP_FLASH_IMPL` says; the
+//!   Hopper families run their band kernels at head dims 64 / 128 on a 9.x device (the fallback
+//!   elsewhere).
 //!
 //! - bounds uploaded once for all cases (`Band::upload_all`): the device views equal the host
 //!   bounds, and the ops on such bands (bf16) match the CPU as above.
@@ -224,7 +224,7 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
 
             // the kernel crate with an explicit family; Mma falls back to Auto's
-            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple, FwdImpl::Mma] } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::WgmmaWs] };
+            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple, FwdImpl::Mma] } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs] };
             for &imp in imps {
                 let ((to, tl), tg) = tols(dtype, imp != FwdImpl::Simple);
                 let name = format!("band flash::fwd_band {imp:?} {tag}");

@@ -1,5 +1,5 @@
-// Band-masked flash attention (the `_band_` entries of flash_fwd.cu, flash_bwd.cu and
-// flash_bwd_pipe.cu, launched by src/flash/band.rs) under the emulator vs a float64 reference:
+// Band-masked flash attention (the `_band_` entries of flash_fwd.cu, flash_bwd.cu,
+// flash_bwd_pipe.cu and the Hopper kernels flash_{fwd,bwd}_sm90{,_ws}.cu, launched by src/flash/band.rs) under the emulator vs a float64 reference:
 // query row i of batch row b sees the keys lo[b][i] <= j < hi[b][i] (lo, hi non-decreasing in i,
 // lo <= hi <= S); a shared band (batch stride 0) or one band per batch row (stride T). A row with
 // an empty interval has out 0, lse -inf and contributes nothing to the gradients.
@@ -25,9 +25,13 @@
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
-#define DECLWS_D(N, TY, D)                                     \
-  void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));         \
-  void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY));
+#define DECLWS_D(N, TY, D)                                                     \
+  void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));                         \
+  void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
+  void flash_fwd_wgmma_band_##N##_d##D(FWDB_P(TY));                            \
+  void flash_bwd_wgmma_atomic_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
+  void flash_bwd_wgmma_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY));     \
+  void flash_bwd_wgmma_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 extern "C" {
 DECLWS_D(f16, __half, 64) DECLWS_D(f16, __half, 128) DECLWS_D(bf16, __nv_bfloat16, 64) DECLWS_D(bf16, __nv_bfloat16, 128)
 DECLB(f32, float)
@@ -264,19 +268,27 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   check(name + " dv", rel_err(dv.to_f32(), ref.dv), tol);
 }
 
-// The warp-specialized Hopper kernels under a band (D 64 / 128), launched as src/flash/band.rs
-// does: forward `flash_fwd_wgmma_ws_band_*` (flash_fwd_sm90_ws.cu) on grid (ceil(T / 128), H, B),
-// block 384, WS_SMEM(D) bytes; backward `flash_bwd_pipe_prep_*`, then `flash_bwd_wgmma_ws_band_*`
-// (flash_bwd_sm90_ws.cu) on grid (Hkv, ceil(S / 128), B), block 384, WSB_SMEM(D) bytes, dq
-// zero-filled (added to with atomics).
-template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
+// The Hopper kernels under a band (D 64 / 128), launched as src/flash/band.rs does. Family fam:
+//   0 "wgmma": forward flash_fwd_wgmma_band_* (flash_fwd_sm90.cu; grid (ceil(T / 128), H, B), block
+//     256, WGMMA_SMEM(D)); backward prep, flash_bwd_wgmma_dkdv_band_* (grid (Hkv, ceil(S / 128), B),
+//     WGMMA_BWD_SMEM(D)) and flash_bwd_wgmma_dq_band_* (grid (H, ceil(T / 128), B), WGMMA_DQ_SMEM(D));
+//   1 "wgmma_atomic": backward prep, flash_bwd_wgmma_atomic_band_* (WGMMA_BWD_SMEM_ATOMIC(D), dq
+//     zero-filled; its forward is fam 0's);
+//   2 "wgmma_ws": forward flash_fwd_wgmma_ws_band_* (flash_fwd_sm90_ws.cu; block 384, WS_SMEM(D));
+//     backward prep, flash_bwd_wgmma_ws_band_* (flash_bwd_sm90_ws.cu; grid (Hkv, ceil(S / 128), B),
+//     block 384, WSB_SMEM(D), dq zero-filled).
+#define PICK_D(PRE, N, D) (D == 128 ? (void*)&PRE##N##_d128 : (void*)&PRE##N##_d64)
+#define PICK_T(PRE, D) (bf ? PICK_D(PRE, bf16, D) : PICK_D(PRE, f16, D))
+template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int fam) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
-  std::string name = std::string("flash_fwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
-  const std::string bname = std::string("flash_bwd_band wgmma_ws ") + sfxb<TY>() + " " + c.tag();
-  if (!wanted(name) && !wanted(bname)) return;
+  const char* fname = fam == 0 ? "wgmma " : fam == 1 ? "wgmma_atomic " : "wgmma_ws ";
+  const std::string name = std::string("flash_fwd_band ") + fname + sfxb<TY>() + " " + c.tag();
+  const std::string bname = std::string("flash_bwd_band ") + fname + sfxb<TY>() + " " + c.tag();
+  const bool fwd = fam != 1 && wanted(name);
+  if (!fwd && !wanted(bname)) return;
   Buf<TY> q(nq), k(nk), v(nk);
   const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl);
@@ -288,15 +300,14 @@ template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
   std::copy(c.lo.begin(), c.lo.end(), lo.p);
   std::copy(c.hi.begin(), c.hi.end(), hi.p);
   const long long bstride = c.nb == 1 ? 0 : T;
-  Buf<float> out(nq), lse(nl);
   const int nst = D == 128 ? 3 : 4;
-  const size_t smem = (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D)
-  using WsB = void (*)(FWDB_P(TY));
-  void* f = bf ? (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_bf16_d128 : (void*)&flash_fwd_wgmma_ws_band_bf16_d64)
-               : (D == 128 ? (void*)&flash_fwd_wgmma_ws_band_f16_d128 : (void*)&flash_fwd_wgmma_ws_band_f16_d64);
-  auto fn = reinterpret_cast<WsB>(f);
-  if (wanted(name)) {
-    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(384), smem, [&] {
+  if (fwd) {
+    Buf<float> out(nq), lse(nl);
+    const size_t smem = fam == 2 ? (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8  // WS_SMEM(D)
+                                 : (size_t)(128 + 4 * 128) * D * 2 + 1024;                     // WGMMA_SMEM(D)
+    auto fn = reinterpret_cast<void (*)(FWDB_P(TY))>(fam == 2 ? PICK_T(flash_fwd_wgmma_ws_band_, D)
+                                                              : PICK_T(flash_fwd_wgmma_band_, D));
+    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(fam == 2 ? 384 : 256), smem, [&] {
       fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
     });
     check_launch(name, ok);
@@ -311,17 +322,32 @@ template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
   Buf<TY> do16(nq);
   using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
   PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
-  using WsbB = void (*)(float*, float*, float*, PBWDB_P(TY));
-  void* fb = bf ? (D == 128 ? (void*)&flash_bwd_wgmma_ws_band_bf16_d128 : (void*)&flash_bwd_wgmma_ws_band_bf16_d64)
-                : (D == 128 ? (void*)&flash_bwd_wgmma_ws_band_f16_d128 : (void*)&flash_bwd_wgmma_ws_band_f16_d64);
-  auto bfn = reinterpret_cast<WsbB>(fb);
-  const size_t bsmem = (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;  // WSB_SMEM(D)
-  const bool ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
-                                 [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); }) &&
-                  cp_emu::launch(bname.c_str(), dim3(Hkv, cdivb(S, 128), B), dim3(384), bsmem, [&] {
-                    bfn(dq.p, dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p,
-                        bstride, 0);
-                  });
+  using Bwd3 = void (*)(float*, float*, float*, PBWDB_P(TY));  // dq, dk, dv (atomic, ws)
+  using Bwd2 = void (*)(float*, float*, PBWDB_P(TY));         // dk, dv
+  using Bwd1 = void (*)(float*, PBWDB_P(TY));                 // dq
+  const dim3 kv_grid(Hkv, cdivb(S, 128), B), q_grid(H, cdivb(T, 128), B);
+  const size_t kv_smem = (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024;  // WGMMA_BWD_SMEM(D)
+  bool ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
+                           [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); });
+  const TY* d16 = do16.p;
+  if (ok && fam == 0) {
+    auto kvf = reinterpret_cast<Bwd2>(PICK_T(flash_bwd_wgmma_dkdv_band_, D));
+    auto dqf = reinterpret_cast<Bwd1>(PICK_T(flash_bwd_wgmma_dq_band_, D));
+    const size_t q_smem = (size_t)(2 * 128 + 4 * 128) * D * 2 + 1024;  // WGMMA_DQ_SMEM(D)
+    ok = cp_emu::launch(bname.c_str(), kv_grid, dim3(256), kv_smem, [&] {
+           kvf(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         }) &&
+         cp_emu::launch(bname.c_str(), q_grid, dim3(256), q_smem, [&] {
+           dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+         });
+  } else if (ok) {
+    auto f3 = reinterpret_cast<Bwd3>(fam == 1 ? PICK_T(flash_bwd_wgmma_atomic_band_, D) : PICK_T(flash_bwd_wgmma_ws_band_, D));
+    const size_t smem = fam == 1 ? kv_smem + 64 * 128 * 2  // WGMMA_BWD_SMEM_ATOMIC(D)
+                                 : (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;  // WSB_SMEM(D)
+    ok = cp_emu::launch(bname.c_str(), kv_grid, dim3(fam == 1 ? 256 : 384), smem, [&] {
+      f3(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+    });
+  }
   check_launch(bname, ok);
   if (!ok) return;
   const double tol = bf ? 3e-2 : 5e-3;
@@ -330,17 +356,18 @@ template <typename TY> void run_band_ws(const BandCase& c, uint64_t seed) {
   check(bname + " dv", rel_err(dv.to_f32(), ref.dv), tol);
 }
 
-// Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the warp-specialized Hopper
-// forward with f16 and bf16 at D 64 / 128.
+// Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the Hopper families (wgmma,
+// wgmma_atomic, wgmma_ws) with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
   if (c.D <= 64) run_band<float>(c, false, seed++);
   run_band<__nv_bfloat16>(c, false, seed++);
   run_band<__nv_bfloat16>(c, true, seed++);
   run_band<__half>(c, true, seed++);
-  if (c.D == 64 || c.D == 128) {
-    run_band_ws<__nv_bfloat16>(c, seed++);
-    run_band_ws<__half>(c, seed++);
-  }
+  if (c.D == 64 || c.D == 128)
+    for (int fam = 0; fam < 3; ++fam) {
+      run_band_sm90<__nv_bfloat16>(c, seed++, fam);
+      run_band_sm90<__half>(c, seed++, fam);
+    }
 }
 
 }  // namespace

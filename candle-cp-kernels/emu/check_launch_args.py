@@ -574,6 +574,8 @@ def tile_configs():
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
     out["flash_bwd_wgmma_ws_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
+    for fam in ("flash_fwd_wgmma", "flash_bwd_wgmma_dkdv", "flash_bwd_wgmma_atomic", "flash_bwd_wgmma_dq"):
+        out[fam + "_band"] = dict(out.get(fam, {}))
     return out
 
 

@@ -225,6 +225,19 @@ MUTATIONS = [
      "mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)\n",
      "mask.kbegin(min(i0 + BQ, T_) - 1) > k0\n",
      "bwd_band wgmma_ws", "ws band backward: tiles whose rows end before the block's keys end taken as unmasked"),
+    ("band-wgmma-fwd-no-lower", "flash_fwd_sm90.cu",
+     "fwd_sm90_softmax<BK, M::BAND>(", "fwd_sm90_softmax<BK, false>(",
+     "band wgmma ", "wgmma band forward: no lower-bound test (keys before lo visible)"),
+    ("band-wgmma-dq-full-tile", "flash_bwd_sm90.cu",
+     "const bool full_tile = k0 + BK <= w_full && (!M::BAND || w_lo <= k0);", "const bool full_tile = k0 + BK <= w_full;",
+     "bwd_band wgmma ", "wgmma band dQ: a tile taken as seen whole without the warpgroup's last lo"),
+    ("band-wgmma-dkdv-tile-test", "flash_bwd_sm90.cu",
+     "mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)\n",
+     "mask.kbegin(min(i0 + BQ, T_) - 1) > k0\n",
+     "bwd_band wgmma", "wgmma band dK/dV (and atomic): tiles whose rows end before the block's keys end taken as unmasked"),
+    ("band-key-rows", "flash_sm90.cuh",
+     "q_lo = band.qbegin(j, T_), q_hi = band.qend(j + 1, T_);", "q_lo = band.qbegin(j, T_), q_hi = band.qend(j, T_);",
+     "bwd_band wgmma", "Hopper band backward: a key's query rows end one key early"),
 ]
 
 

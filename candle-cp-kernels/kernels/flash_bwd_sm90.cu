@@ -77,12 +77,14 @@
 #include "flash_sm90.cuh"  // S^T / dP^T issue, P^T, dS^T, transposed dS store, dK / dV store
 #include "wgmma.cuh"  // wgmma wrappers, descriptors, swizzled tile loads (shared with flash_fwd_sm90.cu)
 
-template <typename T, int D, bool ATOMIC>
+// M: CpMask, or CpBand (the `_band_` entries: the query rows [qbegin(k0), qend(k0 + BN)) that see a
+// key of the block; per-element band tests in tiles some row does not see whole).
+template <typename T, int D, bool ATOMIC, typename M>
 __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
                                                const T* __restrict__ v, const T* __restrict__ do16,
                                                const float* __restrict__ lse, const float* __restrict__ delta,
                                                float* __restrict__ dk, float* __restrict__ dv, int T_, int S,
-                                               int H, int Hkv, float scale, CpMask mask, int accumulate) {
+                                               int H, int Hkv, float scale, M mask, int accumulate) {
   constexpr int NWG = 2, NTH = 128 * NWG, BN = 64 * NWG, BQ = 64, NS = BQ / 2, NA = D / 2;
   constexpr uint32_t KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2, DS_BYTES = ATOMIC ? BQ * BN * 2 : 0;
   static_assert(D % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -104,8 +106,12 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
 
   const size_t kv_rs = (size_t)Hkv * D, q_rs = (size_t)H * D;
   const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D;
-  const int i_begin = mask.query_begin(mask.kpos(k0), T_);
-  const int n_qt = (T_ - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
+  int i_begin, i_end;
+  if constexpr (M::BAND)
+    i_begin = mask.qbegin(k0, T_), i_end = mask.qend(min(k0 + BN, S), T_);
+  else
+    i_begin = mask.query_begin(mask.kpos(k0), T_), i_end = T_;
+  const int n_qt = (i_end - i_begin + BQ - 1) / BQ, n_it = G * n_qt;  // G * n_qt < 2^31: checked by the launcher
   // Tile `it`: query head kvh * G + it / n_qt, rows i_begin + (it % n_qt) * BQ ..
   auto issue = [&](int it, int st, float& l2, float& dl) {
     const int hq = kvh * G + it / n_qt, i0 = i_begin + (it % n_qt) * BQ;
@@ -138,6 +144,12 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
   const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);
   // ATOMIC: keys past S must get P = 0 (their dS feeds dQ; exp2(-lse2) may overflow to inf).
   const bool ragged = ATOMIC && k0 + BN > S, kok_a = ja < S, kok_b = ja + 8 < S;
+  // Band: the query rows that see key ja / ja + 8 (bwd_sm90_key_rows).
+  int qa_lo = 0, qa_hi = 0, qb_lo = 0, qb_hi = 0;
+  if constexpr (M::BAND) {
+    bwd_sm90_key_rows(mask, ja, S, T_, qa_lo, qa_hi);
+    bwd_sm90_key_rows(mask, ja + 8, S, T_, qb_lo, qb_hi);
+  }
 
   for (int it = 0; it < n_it; ++it) {
     const int st = it & 1;
@@ -152,7 +164,9 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
     cp_async_commit();
 
     const int i0 = i_begin + (it % n_qt) * BQ;
-    const bool need_mask = mask.causal && kp_last > mask.qpos(i0);
+    // (band: some row of the tile does not see all of the block's keys)
+    const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
+                                   : mask.causal && kp_last > mask.qpos(i0);
     const uint32_t qa = q_st(st), da = do_st(st);
     const float* ls = ls_s + st * BQ;
     const float* dls = dl_s + st * BQ;
@@ -169,15 +183,19 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
     reg_fence(s);
     // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
     // re-packed as A fragments (k-step kk: queries 16kk .. 16kk + 15 = blocks 2kk, 2kk + 1).
+    if constexpr (M::BAND) {
+      bwd_sm90_p_band(s, ls, sl2, t, i0, need_mask, qa_lo, qa_hi, qb_lo, qb_hi, ragged, kok_a, kok_b);
+    } else {
 #pragma unroll
-    for (int i = 0; i < NS / 4; ++i) {
-      const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
+      for (int i = 0; i < NS / 4; ++i) {
+        const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
-        if (need_mask && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + 8 * i + 2 * t + (e & 1))) p = 0.f;
-        if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
-        s[4 * i + e] = p;
+        for (int e = 0; e < 4; ++e) {
+          float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
+          if (need_mask && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + 8 * i + 2 * t + (e & 1))) p = 0.f;
+          if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
+          s[4 * i + e] = p;
+        }
       }
     }
     acc_to_a<T>(pa, s);
@@ -274,12 +292,14 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
 // of a thread's two rows stay in registers. Deterministic: one writer per dQ element, scale
 // applied at the store, accumulate != 0 adds into dq. Grid (H, ceil(T / 128), B), last query tiles
 // first (the heaviest under a causal mask); shared memory WGMMA_DQ_SMEM(D).
-template <typename T, int D>
+// M: CpMask, or CpBand (the `_band_` entries: key tiles from the one holding lo of the block's first
+// row, kb; K/V pointers, S and every bound shifted by kb, as in the band forward).
+template <typename T, int D, typename M>
 __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ do16,
                                              const float* __restrict__ lse, const float* __restrict__ delta,
                                              float* __restrict__ dq, int T_, int S, int H, int Hkv, float scale,
-                                             CpMask mask, int accumulate) {
+                                             M mask, int accumulate) {
   constexpr int NWG = 2, NTH = 128 * NWG, BM = 64 * NWG, BK = 128, NS = BK / 2, NA = D / 2;
   constexpr uint32_t QM_BYTES = BM * D * 2, KV_BYTES = BK * D * 2;
   static_assert(D % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -294,11 +314,24 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
   const float sl2 = scale * CP_LOG2E;
   // Keys [0, n_tiles * BK) cover every key a row of the block sees; [0, w_end) those of this
   // warpgroup; [0, w_full) are seen by every row of the warpgroup; row r sees [0, key_end(qpos(r))).
-  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BM, T_) - 1), S) + BK - 1) / BK;
-  const int w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;
+  // Band: row r sees [lo_a / lo_b, lim_a / lim_b) relative to kb; w_lo = lo of the warpgroup's last row.
+  const int kb = M::BAND ? mask.kbegin(row0) / BK * BK : 0;  // row0 < T_ (grid ceil(T / BM))
+  int n_tiles, w_end, w_full, lim_a, lim_b, lo_a = 0, lo_b = 0, w_lo = 0;
+  if constexpr (M::BAND) {
+    const int last = T_ - 1;
+    n_tiles = (mask.kend(min(row0 + BM, T_) - 1, S) - kb + BK - 1) / BK;
+    w_end = wrow0 < T_ ? mask.kend(min(wrow0 + 64, T_) - 1, S) - kb : 0;
+    w_full = mask.kend(min(wrow0, last), S) - kb;
+    lim_a = mask.kend(min(ra, last), S) - kb, lim_b = mask.kend(min(rb, last), S) - kb;
+    lo_a = mask.kbegin(min(ra, last)) - kb, lo_b = mask.kbegin(min(rb, last)) - kb;
+    w_lo = mask.kbegin(min(wrow0 + 63, last)) - kb;
+  } else {
+    n_tiles = (mask.key_end(mask.qpos(min(row0 + BM, T_) - 1), S) + BK - 1) / BK;
+    w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;
+    w_full = mask.key_end(mask.qpos(wrow0), S);
+    lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+  }
   const int n_act = (w_end + BK - 1) / BK;
-  const int w_full = mask.key_end(mask.qpos(wrow0), S);
-  const int lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
   float l2[2], dl[2];
 #pragma unroll
   for (int hf = 0; hf < 2; ++hf) {
@@ -309,15 +342,16 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
     dl[hf] = r < T_ ? delta[li] : 0.f;
   }
   const size_t kv_rs = (size_t)Hkv * D, q_rs = (size_t)H * D;
-  const T* kg = k + ((size_t)b * S * Hkv + kvh) * D;
-  const T* vg = v + ((size_t)b * S * Hkv + kvh) * D;
+  const T* kg = k + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+  const T* vg = v + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+  const int s_rel = S - kb;  // keys left from kb (zero fill past them)
   // A block whose rows see no key issues no copy (nothing in flight when its threads exit).
   if (n_tiles > 0) {
     const size_t qb = ((size_t)b * T_ * H + h) * D;
     sw_load<BM, D, NTH>(q_sa, q + qb, q_rs, row0, T_, tid);
     sw_load<BM, D, NTH>(do_sa, do16 + qb, q_rs, row0, T_, tid);
-    sw_load<BK, D, NTH>(k_st(0), kg, kv_rs, 0, S, tid);
-    sw_load<BK, D, NTH>(v_st(0), vg, kv_rs, 0, S, tid);
+    sw_load<BK, D, NTH>(k_st(0), kg, kv_rs, 0, s_rel, tid);
+    sw_load<BK, D, NTH>(v_st(0), vg, kv_rs, 0, s_rel, tid);
     cp_async_commit();
   }
   float acc[NA];
@@ -332,8 +366,8 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
     // iteration j - 1, which read stage st ^ 1 (refilled below).
     __syncthreads();
     if (j + 1 < n_tiles) {
-      sw_load<BK, D, NTH>(k_st(st ^ 1), kg, kv_rs, (j + 1) * BK, S, tid);
-      sw_load<BK, D, NTH>(v_st(st ^ 1), vg, kv_rs, (j + 1) * BK, S, tid);
+      sw_load<BK, D, NTH>(k_st(st ^ 1), kg, kv_rs, (j + 1) * BK, s_rel, tid);
+      sw_load<BK, D, NTH>(v_st(st ^ 1), vg, kv_rs, (j + 1) * BK, s_rel, tid);
     }
     cp_async_commit();
     if (j < n_act) {  // warpgroup-uniform
@@ -361,14 +395,21 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
       reg_fence(s);
       // P (element 4i + e: row e < 2 ? a : b, key j * BK + 8i + 2t + (e & 1)).
       const int k0 = j * BK;
-      const bool full_tile = k0 + BK <= w_full;
+      const bool full_tile = k0 + BK <= w_full && (!M::BAND || w_lo <= k0);
       const int ca = lim_a - k0 - 2 * t, cb = lim_b - k0 - 2 * t;
+      // band: key c (relative to k0 + 2t) is visible iff la <= c < ca (one unsigned compare)
+      const int la = lo_a - k0 - 2 * t, lb = lo_b - k0 - 2 * t;
 #pragma unroll
       for (int i = 0; i < NS / 4; ++i)
 #pragma unroll
         for (int e = 0; e < 4; ++e) {
           float p = cp_exp2(fmaf(s[4 * i + e], sl2, -l2[e >> 1]));
-          if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) p = 0.f;
+          if constexpr (M::BAND) {
+            const int l0 = e < 2 ? la : lb;
+            if (!full_tile && (unsigned)(8 * i + (e & 1) - l0) >= (unsigned)((e < 2 ? ca : cb) - l0)) p = 0.f;
+          } else {
+            if (!full_tile && 8 * i + (e & 1) >= (e < 2 ? ca : cb)) p = 0.f;
+          }
           s[4 * i + e] = p;
         }
       wg_wait<0>();  // dP done
@@ -446,9 +487,32 @@ __device__ __forceinline__ void bwd_wgmma_dq(const T* __restrict__ q, const T* _
     bwd_wgmma_dq<TY, D>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale,                      \
                         CpMask{causal, q_off, q_str, k_off, k_str}, accumulate);                     \
   }
+// Band entries flash_bwd_wgmma_{dkdv,atomic,dq}_band_*: the mask arguments replaced by the band
+// (CP_BAND_ARGS, common.cuh; launcher src/flash/band.rs -> bwd_sm90.rs, CPU reference
+// candle_cp_ops::attention::attention_bwd_band).
+#define PIPE_BAND_ARGS                                                                            \
+  const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
+      int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
+#define WGMMA_BWD_BAND(NAME, D)                                                                          \
+  extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wgmma_dkdv_band_##NAME##_d##D(         \
+      float* dk, float* dv, PIPE_BAND_ARGS) {                                                            \
+    bwd_wgmma_dkdv<TY, D, false>(nullptr, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,     \
+                                 CP_BAND_OF_BLOCK, accumulate);                                          \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wgmma_atomic_band_##NAME##_d##D(       \
+      float* dq, float* dk, float* dv, PIPE_BAND_ARGS) {                                                 \
+    bwd_wgmma_dkdv<TY, D, true>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,          \
+                                CP_BAND_OF_BLOCK, accumulate);                                           \
+  }                                                                                                      \
+  extern "C" __global__ void __launch_bounds__(256, 1) flash_bwd_wgmma_dq_band_##NAME##_d##D(float* dq, \
+                                                                                         PIPE_BAND_ARGS) { \
+    bwd_wgmma_dq<TY, D>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
+  }
 #define TY __half
 WGMMA_BWD(f16, 64) WGMMA_BWD(f16, 128)
+WGMMA_BWD_BAND(f16, 64) WGMMA_BWD_BAND(f16, 128)
 #undef TY
 #define TY __nv_bfloat16
 WGMMA_BWD(bf16, 64) WGMMA_BWD(bf16, 128)
+WGMMA_BWD_BAND(bf16, 64) WGMMA_BWD_BAND(bf16, 128)
 #undef TY

@@ -179,6 +179,12 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);
   // Keys past S must get P = 0 (their dS feeds dQ; exp2(-lse2) may overflow to inf).
   const bool ragged = k0 + BN > S, kok_a = ja < S, kok_b = ja + 8 < S;
+  // Band: the query rows that see key ja / ja + 8 (bwd_sm90_key_rows).
+  int qa_lo = 0, qa_hi = 0, qb_lo = 0, qb_hi = 0;
+  if constexpr (M::BAND) {
+    bwd_sm90_key_rows(mask, ja, S, T_, qa_lo, qa_hi);
+    bwd_sm90_key_rows(mask, ja + 8, S, T_, qb_lo, qb_hi);
+  }
 
   for (int it = 0; it < n_it; ++it) {
     const int st = it % NST;
@@ -205,7 +211,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     // P^T = exp2(S^T * sl2 - lse2) (element 4i + e: key row a/b, query i0 + 8i + 2t + (e & 1)),
     // re-packed as A fragments (k-step kk: queries 16kk .. 16kk + 15).
     if constexpr (M::BAND)
-      bwd_sm90_p_band(s, ls, sl2, t, i0, mask, need_mask, ja, ragged, kok_a, kok_b, T_);
+      bwd_sm90_p_band(s, ls, sl2, t, i0, need_mask, qa_lo, qa_hi, qb_lo, qb_hi, ragged, kok_a, kok_b);
     else
       bwd_sm90_p(s, ls, sl2, t, i0, mask, need_mask, kp_a, kp_b, ragged, kok_a, kok_b);
     acc_to_a<T>(pa, s);

@@ -61,11 +61,14 @@
 #include "wgmma.cuh"  // wgmma wrappers, descriptors, swizzled tile loads (shared with flash_bwd_sm90.cu)
 
 // ---- kernel body ----------------------------------------------------------------------------------
-template <typename T, int D, int BK>
+// M: CpMask, or CpBand (the `_band_` entries: key tiles from the one holding lo of the block's first
+// row, kb; K/V pointers, S and every bound shifted by kb; rows past T take row T - 1's bounds and
+// are not stored; flash_fwd_sm90_ws.cu's band entries do the same).
+template <typename T, int D, int BK, typename M>
 __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k,
                                           const T* __restrict__ v, float* __restrict__ out,
                                           float* __restrict__ lse, int B, int T_, int S, int H,
-                                          int Hkv, float scale, CpMask mask) {
+                                          int Hkv, float scale, M mask) {
   constexpr int NWG = 2, NTH = 128 * NWG, BQ = 64 * NWG, NS = BK / 2, NO = D / 2;
   constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
   static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -84,15 +87,30 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
 
   // Keys [0, n_tiles * BK) cover every key some row of the block sees; [0, w_end) those of this
   // warpgroup; keys [0, w_full) are visible to every row of the warpgroup (to its first row).
-  const int n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
-  const int w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;
-  const int w_full = mask.key_end(mask.qpos(wrow0), S);
-  // Row i sees exactly keys [0, key_end(qpos(i))) (positions increase with the index).
-  const int lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+  // Band: row i sees keys [lo_a / lo_b, lim_a / lim_b) relative to kb; w_lo = lo of the
+  // warpgroup's last row.
+  const int kb = M::BAND ? mask.kbegin(row0) / BK * BK : 0;  // row0 < T_ (grid ceil(T / BQ))
+  int n_tiles, w_end, w_full, lim_a, lim_b, lo_a = 0, lo_b = 0, w_lo = 0;
+  if constexpr (M::BAND) {
+    const int last = T_ - 1;
+    n_tiles = (mask.kend(min(row0 + BQ, T_) - 1, S) - kb + BK - 1) / BK;
+    w_end = wrow0 < T_ ? mask.kend(min(wrow0 + 64, T_) - 1, S) - kb : 0;
+    w_full = mask.kend(min(wrow0, last), S) - kb;
+    lim_a = mask.kend(min(ra, last), S) - kb, lim_b = mask.kend(min(rb, last), S) - kb;
+    lo_a = mask.kbegin(min(ra, last)) - kb, lo_b = mask.kbegin(min(rb, last)) - kb;
+    w_lo = mask.kbegin(min(wrow0 + 63, last)) - kb;
+  } else {
+    n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
+    w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;
+    w_full = mask.key_end(mask.qpos(wrow0), S);
+    // Row i sees exactly keys [0, key_end(qpos(i))) (positions increase with the index).
+    lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);
+  }
 
   const size_t kv_rs = (size_t)Hkv * D;
-  const T* kg = k + ((size_t)b * S * Hkv + kvh) * D;
-  const T* vg = v + ((size_t)b * S * Hkv + kvh) * D;
+  const T* kg = k + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+  const T* vg = v + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
+  const int s_rel = S - kb;  // keys left from kb (zero fill past them)
 
   float o[NO];
 #pragma unroll
@@ -101,7 +119,7 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
 
   if (n_tiles > 0) {
     sw_load<BQ, D, NTH>(q_sa, q + ((size_t)b * T_ * H + h) * D, (size_t)H * D, row0, T_, tid);
-    sw_load<BK, D, NTH>(k_st(0), kg, kv_rs, 0, S, tid);
+    sw_load<BK, D, NTH>(k_st(0), kg, kv_rs, 0, s_rel, tid);
     sw_load<BK, D, NTH>(v_st(1), vg, kv_rs, 0, 0, tid);  // zeros (see the first iteration)
     cp_async_commit();
   }
@@ -125,8 +143,8 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
     // K_j, V_{j-1} (and Q) visible to the async proxy; both warpgroups are done with S_{j-1}
     // (K stage (j+1)&1) and with P_{j-2} V_{j-2} (V stage j&1), which the copies below refill.
     __syncthreads();
-    if (j + 1 < n_tiles) sw_load<BK, D, NTH>(k_st((j + 1) & 1), kg, kv_rs, (j + 1) * BK, S, tid);
-    if (j < n_tiles) sw_load<BK, D, NTH>(v_st(j & 1), vg, kv_rs, j * BK, S, tid);
+    if (j + 1 < n_tiles) sw_load<BK, D, NTH>(k_st((j + 1) & 1), kg, kv_rs, (j + 1) * BK, s_rel, tid);
+    if (j < n_tiles) sw_load<BK, D, NTH>(v_st(j & 1), vg, kv_rs, j * BK, s_rel, tid);
     cp_async_commit();
     // warpgroup-uniform branches
     if (j < n_act) {
@@ -145,7 +163,8 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
       wg_commit();
       wg_wait<1>();  // groups retire in order: S_j is done, P V may still run
       reg_fence(s);
-      fwd_sm90_softmax<BK>(s, j * BK, w_full, lim_a, lim_b, t, sl2, m_a, m_b, l_a, l_b, al_a, al_b);
+      fwd_sm90_softmax<BK, M::BAND>(s, j * BK, w_full, lim_a, lim_b, t, sl2, m_a, m_b, l_a, l_b, al_a, al_b, lo_a,
+                                    lo_b, w_lo);
       wg_wait<0>();  // P_{j-1} V_{j-1} done: O and pa may be touched again
       reg_fence(o);
       reg_fence(pa);
@@ -175,10 +194,18 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
       long long k_str
+// Band entries flash_fwd_wgmma_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
+// common.cuh; launcher src/flash/band.rs -> sm90.rs, CPU reference attention_fwd_band).
+#define FWD_BAND_ARGS                                                                         \
+  const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
+      int Hkv, float scale, CP_BAND_ARGS
 #define WGMMA(NAME, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_##NAME##_d##D(FWD_ARGS) {          \
     fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                                 \
                                CpMask{causal, q_off, q_str, k_off, k_str});                               \
+  }                                                                                                        \
+  extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_band_##NAME##_d##D(FWD_BAND_ARGS) { \
+    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);             \
   }
 #define TY __half
 WGMMA(f16, 64) WGMMA(f16, 128)

@@ -165,28 +165,31 @@ __device__ __forceinline__ void bwd_sm90_p(float (&s)[NS], const float* ls, floa
   }
 }
 
-// bwd_sm90_p under a band (the `_band_` entries): where need_mask, P^T = 0 outside query i's keys
-// [lo[i], hi[i]) (read from global memory; rows past T take row T - 1's, their lse2 = +inf gives
-// P = 0 anyway); element 4i + e is key ja (e < 2) or ja + 8 and query i0 + 8i + 2t + (e & 1).
+// bwd_sm90_p under a band (the `_band_` entries). The query rows that see key j form one interval,
+// [qbegin(j), qend(j + 1)) (both bounds of the band are non-decreasing), found once per block for
+// this thread's two keys (bwd_sm90_key_rows): where need_mask, P^T = 0 outside it. Element 4i + e is
+// key a (e < 2) or b and query i0 + 8i + 2t + (e & 1). Keys past S see no row.
+__device__ __forceinline__ void bwd_sm90_key_rows(const CpBand& band, int j, int S, int T_, int& q_lo, int& q_hi) {
+  if (j >= S) {
+    q_lo = q_hi = 0;
+    return;
+  }
+  q_lo = band.qbegin(j, T_), q_hi = band.qend(j + 1, T_);
+}
 template <int NS>
-__device__ __forceinline__ void bwd_sm90_p_band(float (&s)[NS], const float* ls, float sl2, int t, int i0,
-                                                CpBand band, bool need_mask, int ja, bool ragged, bool kok_a,
-                                                bool kok_b, int T_) {
+__device__ __forceinline__ void bwd_sm90_p_band(float (&s)[NS], const float* ls, float sl2, int t, int i0, bool need_mask,
+                                                int qa_lo, int qa_hi, int qb_lo, int qb_hi, bool ragged, bool kok_a,
+                                                bool kok_b) {
+  // query c = 8i + (e & 1) relative to i0 + 2t is visible from key a iff (unsigned)(c - ua) < wa
+  const int ua = qa_lo - i0 - 2 * t, ub = qb_lo - i0 - 2 * t;
+  const unsigned wa = (unsigned)max(qa_hi - qa_lo, 0), wb = (unsigned)max(qb_hi - qb_lo, 0);
 #pragma unroll
   for (int i = 0; i < NS / 4; ++i) {
     const float2 l2 = *reinterpret_cast<const float2*>(ls + 8 * i + 2 * t);
-    int lo[2] = {0, 0}, hi[2] = {0, 0};
-    if (need_mask)
-#pragma unroll
-      for (int u = 0; u < 2; ++u) {
-        const int q = min(i0 + 8 * i + 2 * t + u, T_ - 1);
-        lo[u] = band.kbegin(q), hi[u] = band.kend(q, 0);
-      }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
       float p = cp_exp2(fmaf(s[4 * i + e], sl2, -((e & 1) ? l2.y : l2.x)));
-      const int j = ja + (e < 2 ? 0 : 8);
-      if (need_mask && (j < lo[e & 1] || j >= hi[e & 1])) p = 0.f;
+      if (need_mask && (unsigned)(8 * i + (e & 1) - (e < 2 ? ua : ub)) >= (e < 2 ? wa : wb)) p = 0.f;
       if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
       s[4 * i + e] = p;
     }

@@ -64,10 +64,10 @@ impl KMask {
 }
 
 /// Which kernels to run (forward and backward alike). Under a band ([`fwd_band`], [`bwd_band`])
-/// `Simple`, `Pipelined` and `WgmmaWs` (f16/bf16, head dims 64/128, compute capability 9.x) have
-/// kernels: `Simple` runs the CUDA-core band kernels, every other choice (`Mma`, `Wgmma`,
-/// `AtomicDq`, `WgmmaAtomic`, `WgmmaWs` where it does not apply) runs `Auto`'s family (pipelined
-/// for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
+/// `Simple`, `Pipelined` and the Hopper families `Wgmma`, `WgmmaAtomic`, `WgmmaWs` (f16/bf16, head
+/// dims 64/128, compute capability 9.x) have kernels: `Simple` runs the CUDA-core band kernels,
+/// every other choice (`Mma`, `AtomicDq`, a Hopper family where it does not apply) runs `Auto`'s
+/// family (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum FwdImpl {
     /// Tensor cores for f16/bf16 (the `Pipelined` kernels), CUDA cores for f32.

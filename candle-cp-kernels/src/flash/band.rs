@@ -7,14 +7,15 @@
 //! `kernels/flash_bwd.cu` (`flash_bwd_{dkdv,dq}_band_*`) and `kernels/flash_bwd_pipe.cu`
 //! (`flash_bwd_pipe_{dkdv,dq}_band_*`, after `flash_bwd_pipe_prep_*`): the `Simple` and
 //! `Pipelined` kernels with the mask arguments replaced by the band (`CpBand` in
-//! `kernels/common.cuh`). The warp-specialized Hopper kernels have band entries too
-//! (`flash_fwd_wgmma_ws_band_*` in `kernels/flash_fwd_sm90_ws.cu`, `flash_bwd_wgmma_ws_band_*` in
-//! `kernels/flash_bwd_sm90_ws.cu`), run by `WgmmaWs` where they apply (f16/bf16, head dims 64/128,
-//! compute capability 9.x). Otherwise families without band entries (`Mma`, `Wgmma`, `AtomicDq`,
-//! `WgmmaAtomic`, `WgmmaWs` elsewhere) run `Auto`'s family under a band (see [`FwdImpl`]).
+//! `kernels/common.cuh`). The Hopper kernels have band entries too (`flash_fwd_wgmma_band_*`,
+//! `flash_bwd_wgmma_{dkdv,dq,atomic}_band_*` in `kernels/flash_{fwd,bwd}_sm90.cu`, run by `Wgmma` /
+//! `WgmmaAtomic`; `flash_{fwd,bwd}_wgmma_ws_band_*` in `kernels/flash_{fwd,bwd}_sm90_ws.cu`, run by
+//! `WgmmaWs`) where they apply (f16/bf16, head dims 64/128, compute capability 9.x). Otherwise
+//! (`Mma`, `AtomicDq`, a Hopper family elsewhere) `Auto`'s family runs under a band (see
+//! [`FwdImpl`]).
 
 use super::bwd_pipe::{launch_prep, PipeCfg};
-use super::{bwd_sm90_ws, bwd_tensors, check_dims, pipe_config, prep, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
+use super::{bwd_sm90, bwd_sm90_ws, bwd_tensors, check_dims, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -144,9 +145,12 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
+    let dims = (b, t, s, h, hkv, d);
     if imp == FwdImpl::WgmmaWs && sm90_ws::applies(dev, sfx, d)? {
-        let dims = (b, t, s, h, hkv, d);
         return sm90_ws::fwd_wgmma_ws_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
+    }
+    if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic) && sm90_ws::applies(dev, sfx, d)? {
+        return sm90::fwd_wgmma_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
     }
     let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let copies = if pipe {
@@ -253,6 +257,10 @@ pub fn bwd_band(
     if imp == FwdImpl::WgmmaWs && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape()).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
         return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale);
+    }
+    let atomic = imp == FwdImpl::WgmmaAtomic;
+    if (imp == FwdImpl::Wgmma || atomic) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90::check(&dev, d, atomic, q.shape(), k.shape()).is_ok() {
+        return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale, atomic);
     }
     if pipe {
         return bwd_pipe_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale);

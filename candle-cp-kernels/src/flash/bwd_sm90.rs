@@ -7,9 +7,11 @@
 //! `[B, T, H, D]`, lse f32 `[B, H, T]`; returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 //! [`super::FwdImpl::WgmmaAtomic`] runs `flash_bwd_wgmma_atomic_*` instead of the last two: the
 //! same kernel also computing dQ = dS K on wgmma and adding it into a zero-filled f32 buffer with
-//! `red.global.add.f32` (nondeterministic summation order of dQ).
+//! `red.global.add.f32` (nondeterministic summation order of dQ). The band entries of all three
+//! kernels (`flash_bwd_wgmma_{dkdv,dq,atomic}_band_*`) run `bwd_band` under those two families
+//! ([`bwd_wgmma_band`]).
 
-use super::{bwd_pipe, bwd_tensors, prep, sm90, suffix, BwdInputs, Dims, KMask};
+use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -152,6 +154,92 @@ pub(super) fn bwd_wgmma(
         DType::F16 => launch_wgmma_bwd!(f16),
         DType::BF16 => launch_wgmma_bwd!(bf16),
         dt => candle_core::bail!("flash_bwd: the wgmma kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
+    }
+    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+}
+
+/// The band backward of `bwd_band` under `Wgmma` (`atomic` false: `flash_bwd_wgmma_dkdv_band_*` then
+/// `flash_bwd_wgmma_dq_band_*`, deterministic) or `WgmmaAtomic` (`flash_bwd_wgmma_atomic_band_*`,
+/// dQ added with atomics into a zero-filled buffer), after the prep kernel, on the grids of
+/// [`bwd_wgmma`]. Inputs as [`bwd_wgmma`]'s ([`check`] passed) plus the device band `lo`, `hi` u32
+/// `[1 or B, T]` (contiguous, checked by the caller).
+#[allow(clippy::too_many_arguments)]
+pub(super) fn bwd_wgmma_band(
+    dev: &CudaDevice,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (b, t, s, h, hkv, d): Dims,
+    (blo, bhi): (&Tensor, &Tensor),
+    scale: f32,
+    atomic: bool,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let sfx = suffix(q.dtype())?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let (out, dout) = (prep(out)?, prep(dout)?);
+    let (kv_tiles, q_tiles) = (s.div_ceil(WGMMA_BWD_BN), t.div_ceil(WGMMA_DQ_BM));
+    if kv_tiles > 65_535 || q_tiles > 65_535 {
+        candle_core::bail!("flash_bwd_band: T = {t} or S = {s} too long for the wgmma backward's grid (S <= {}, T <= {}); q {:?}, k {:?}", 65_535 * WGMMA_BWD_BN, 65_535 * WGMMA_DQ_BM, q.shape(), k.shape())
+    }
+    if (h / hkv) * t.div_ceil(WGMMA_BWD_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
+        candle_core::bail!("flash_bwd_band: too many query rows for the wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
+    }
+    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
+    let (ov, dov, lv) = inp.f32s()?;
+    let (los, lol) = blo.storage_and_layout();
+    let (his, hil) = bhi.storage_and_layout();
+    let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
+    let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
+    let bstride = util::to_i64(if blo.dim(0)? == 1 { 0 } else { t }, "band batch stride")?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let acc = 0i32;
+    let (smem_kv, smem_q) = (if atomic { wgmma_bwd_smem_atomic(d) } else { wgmma_bwd_smem(d) }, wgmma_dq_smem(d));
+    // The atomic kernel adds into dq: zero-filled. SAFETY (the others): every element is
+    // written by the kernels.
+    let mut dq = if atomic { dev.alloc_zeros::<f32>(b * t * h * d)? } else { unsafe { dev.alloc::<f32>(b * t * h * d)? } };
+    let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
+    let kv_cfg = LaunchConfig { grid_dim: (hkv as u32, kv_tiles as u32, b as u32), block_dim: (WGMMA_BWD_THREADS, 1, 1), shared_mem_bytes: smem_kv };
+    let q_cfg = LaunchConfig { grid_dim: (h as u32, q_tiles as u32, b as u32), block_dim: (WGMMA_BWD_THREADS, 1, 1), shared_mem_bytes: smem_q };
+    let (module, src) = (ptx::FLASH_BWD_SM90_MODULE, ptx::FLASH_BWD_SM90);
+    macro_rules! launch_wgmma_bwd_band {
+        ($ty:ty) => {{
+            let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            if atomic {
+                let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_atomic_band_{sfx}_d{d}"), module, src)?;
+                func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
+                let mut bld = func.builder();
+                bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+                bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+                bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+                // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_BAND_ARGS` in kernels/flash_bwd_sm90.cu.
+                unsafe { bld.launch(kv_cfg) }.w()?;
+                return Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)));
+            }
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_dkdv_band_{sfx}_d{d}"), module, src)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
+            let mut bld = func.builder();
+            bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dk, float* dv, PIPE_BAND_ARGS` in kernels/flash_bwd_sm90.cu.
+            unsafe { bld.launch(kv_cfg) }.w()?;
+
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_dq_band_{sfx}_d{d}"), module, src)?;
+            func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_q as i32).w()?;
+            let mut bld = func.builder();
+            bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            // SAFETY: matches `float* dq, PIPE_BAND_ARGS` in kernels/flash_bwd_sm90.cu.
+            unsafe { bld.launch(q_cfg) }.w()?;
+        }};
+    }
+    match q.dtype() {
+        DType::F16 => launch_wgmma_bwd_band!(f16),
+        DType::BF16 => launch_wgmma_bwd_band!(bf16),
+        dt => candle_core::bail!("flash_bwd_band: the wgmma kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
     Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
 }

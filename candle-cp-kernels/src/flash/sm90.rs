@@ -1,12 +1,13 @@
 //! Launcher of the experimental Hopper forward `kernels/flash_fwd_sm90.cu`
-//! (`flash_fwd_wgmma_{f16,bf16}_d{64,128}`, warpgroup MMA), chosen by [`super::FwdImpl::Wgmma`].
+//! (`flash_fwd_wgmma_{f16,bf16}_d{64,128}`, warpgroup MMA), chosen by [`super::FwdImpl::Wgmma`]
+//! (and `WgmmaAtomic`); its band entries (`flash_fwd_wgmma_band_*`) run `fwd_band` under those.
 //! Same shapes and results as the other forward kernels: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`
 //! (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
 use super::{Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -88,6 +89,55 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90.cu; sizes checked by
     // check_dims, dtype/head dim/device above.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}
+
+/// The band forward of `fwd_band` under `Wgmma` / `WgmmaAtomic` (where the wgmma kernels apply:
+/// f16/bf16, head dims 64/128, compute capability 9.x): `flash_fwd_wgmma_band_{sfx}_d{d}`, the
+/// kernel above with the mask arguments replaced by the device band `lo`, `hi` u32 `[1 or B, T]`
+/// and its batch stride `bstride` (0 or T), on the same grid. Returns out f32 `[B, T, H, D]` and
+/// lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fwd_wgmma_band<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    lo: &CudaView<'_, u32>,
+    hi: &CudaView<'_, u32>,
+    bstride: i64,
+    scale: f32,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    check_fwd(dev, sfx, d, ql, "wgmma band kernel")?;
+    if b * t * h == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+    }
+    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
+    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
+    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
+    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let name = format!("flash_fwd_wgmma_band_{sfx}_d{d}");
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?;
+    let smem = wgmma_smem(d);
+    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    let cfg = LaunchConfig {
+        grid_dim: (t.div_ceil(WGMMA_BQ) as u32, h as u32, b as u32),
+        block_dim: (WGMMA_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    };
+    let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
+    bld.arg(lo).arg(hi).arg(&bstride);
+    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd_sm90.cu; sizes checked by
+    // check_dims and KBand::check (fwd_storage_band), dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
     Ok((out, lse))
 }

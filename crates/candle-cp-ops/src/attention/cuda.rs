@@ -6,9 +6,9 @@
 //! Forward kernel choice: tensor cores for f16/bf16, CUDA cores for f32; override with
 //! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128.
 //!
-//! Bands ([`Band`]: windows, packed documents, per-batch masks): the `Simple` / `Pipelined` band
-//! kernels (`candle_cp_kernels::flash::{fwd_band, bwd_band}`); the other kernel families fall
-//! back to `Auto`'s under a band. The bounds are copied to the device at each call unless the
+//! Bands ([`Band`]: windows, packed documents, per-batch masks): the band kernels of the
+//! `Simple`, `Pipelined` and Hopper families (`candle_cp_kernels::flash::{fwd_band, bwd_band}`);
+//! `Mma` and `AtomicDq` fall back to `Auto`'s under a band. The bounds are copied to the device at each call unless the
 //! band holds a device copy (`Band::upload_all`: the ring uploads all its steps' bands at once).
 
 use super::op::AttentionOp;
