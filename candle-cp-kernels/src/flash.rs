@@ -270,14 +270,8 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
-    let copies = if kern != FwdKernel::Simple {
-        (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
-    } else {
-        (None, None, None)
-    };
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), kern != FwdKernel::Simple)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };

@@ -21,6 +21,46 @@ pub(crate) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str)
     Ok(s.as_cuda_slice::<T>()?.slice(a..b))
 }
 
+/// q, k, v of a forward launch as contiguous device views, each 16-byte aligned when `align`
+/// (a fresh copy where the input's start offset is not a multiple of 8 elements, [`aligned_copy`];
+/// the tensor-core kernels read 16-byte vectors), else the inputs as they are.
+pub(crate) struct FwdQkv<'a, T> {
+    src: [(&'a CudaStorage, &'a Layout, &'static str); 3],
+    copies: [Option<CudaSlice<T>>; 3],
+}
+
+impl<'a, T: CudaDType + DeviceRepr> FwdQkv<'a, T> {
+    /// The inputs `(storage, layout)` of q, k, v, copied where `align` needs it.
+    pub(crate) fn new(
+        dev: &CudaDevice,
+        (q, ql): (&'a CudaStorage, &'a Layout),
+        (k, kl): (&'a CudaStorage, &'a Layout),
+        (v, vl): (&'a CudaStorage, &'a Layout),
+        align: bool,
+    ) -> Result<Self> {
+        let src = [(q, ql, "q"), (k, kl, "k"), (v, vl, "v")];
+        let mut copies = [None, None, None];
+        if align {
+            for (c, (s, l, what)) in copies.iter_mut().zip(src) {
+                *c = aligned_copy::<T>(dev, s, l, what)?;
+            }
+        }
+        Ok(Self { src, copies })
+    }
+
+    /// The device views of q, k, v (the copies where made).
+    pub(crate) fn qkv_views(&self) -> Result<(CudaView<'_, T>, CudaView<'_, T>, CudaView<'_, T>)> {
+        let one = |i: usize| -> Result<CudaView<'_, T>> {
+            let (s, l, what) = self.src[i];
+            match &self.copies[i] {
+                Some(c) => Ok(c.slice(..)),
+                None => view::<T>(s, l, what),
+            }
+        };
+        Ok((one(0)?, one(1)?, one(2)?))
+    }
+}
+
 /// A fresh copy of `l`'s elements when its start offset is not a multiple of 8 elements
 /// (the tensor-core kernels read 16-byte vectors); `None` when the input can be used as is.
 pub(crate) fn aligned_copy<T: CudaDType + DeviceRepr>(

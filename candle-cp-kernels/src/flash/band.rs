@@ -146,21 +146,13 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let dims = (b, t, s, h, hkv, d);
-    if imp == FwdImpl::WgmmaWs && sm90_ws::applies(dev, sfx, d)? {
-        return sm90_ws::fwd_wgmma_ws_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
-    }
-    if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic) && sm90_ws::applies(dev, sfx, d)? {
-        return sm90::fwd_wgmma_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
+    if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
+        let ws = imp == FwdImpl::WgmmaWs;
+        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws);
     }
     let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
-    let copies = if pipe {
-        (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?)
-    } else {
-        (None, None, None)
-    };
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };

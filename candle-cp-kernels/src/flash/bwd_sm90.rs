@@ -67,6 +67,21 @@ pub(super) fn check(dev: &CudaDevice, d: usize, atomic: bool, q: &Shape, k: &Sha
     Ok(())
 }
 
+/// Key blocks (dK/dV grid y) and query blocks (dQ grid y) of a wgmma backward launch; errors
+/// (named `what`, with the shapes) beyond the grid's 65,535 blocks or the kernels' 32-bit counters
+/// (the dK/dV kernel counts (H / Hkv) * ceil(T / 64) query tiles in an int; the prep kernel's
+/// grid has one block per 4 rows).
+fn grid_tiles((b, t, s, h, hkv): (usize, usize, usize, usize, usize), q: &Tensor, k: &Tensor, what: &str) -> Result<(usize, usize)> {
+    let (kv_tiles, q_tiles) = (s.div_ceil(WGMMA_BWD_BN), t.div_ceil(WGMMA_DQ_BM));
+    if kv_tiles > 65_535 || q_tiles > 65_535 {
+        candle_core::bail!("{what}: T = {t} or S = {s} too long for the wgmma backward's grid (S <= {}, T <= {}); q {:?}, k {:?}", 65_535 * WGMMA_BWD_BN, 65_535 * WGMMA_DQ_BM, q.shape(), k.shape())
+    }
+    if (h / hkv) * t.div_ceil(WGMMA_BWD_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
+        candle_core::bail!("{what}: too many query rows for the wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
+    }
+    Ok((kv_tiles, q_tiles))
+}
+
 /// The `Wgmma` (`atomic` false) or `WgmmaAtomic` backward of [`super::bwd_with`] on checked
 /// inputs ([`check`] passed; f16/bf16; out, lse, dout already contiguous f32, B * T * H > 0, S > 0).
 #[allow(clippy::too_many_arguments)]
@@ -83,15 +98,7 @@ pub(super) fn bwd_wgmma(
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let (out, dout) = (prep(out)?, prep(dout)?);
-    let (kv_tiles, q_tiles) = (s.div_ceil(WGMMA_BWD_BN), t.div_ceil(WGMMA_DQ_BM));
-    if kv_tiles > 65_535 || q_tiles > 65_535 {
-        candle_core::bail!("flash_bwd: T = {t} or S = {s} too long for the wgmma backward's grid (S <= {}, T <= {}); q {:?}, k {:?}", 65_535 * WGMMA_BWD_BN, 65_535 * WGMMA_DQ_BM, q.shape(), k.shape())
-    }
-    // 32-bit kernel arithmetic: the dK/dV kernel counts (H / Hkv) * ceil(T / 64) query tiles in an
-    // int; the prep kernel's grid has one block per 4 rows.
-    if (h / hkv) * t.div_ceil(WGMMA_BWD_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
-        candle_core::bail!("flash_bwd: too many query rows for the wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
-    }
+    let (kv_tiles, q_tiles) = grid_tiles((b, t, s, h, hkv), &q, &k, "flash_bwd")?;
     let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
     let (ov, dov, lv) = inp.f32s()?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
@@ -176,13 +183,7 @@ pub(super) fn bwd_wgmma_band(
     let sfx = suffix(q.dtype())?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let (out, dout) = (prep(out)?, prep(dout)?);
-    let (kv_tiles, q_tiles) = (s.div_ceil(WGMMA_BWD_BN), t.div_ceil(WGMMA_DQ_BM));
-    if kv_tiles > 65_535 || q_tiles > 65_535 {
-        candle_core::bail!("flash_bwd_band: T = {t} or S = {s} too long for the wgmma backward's grid (S <= {}, T <= {}); q {:?}, k {:?}", 65_535 * WGMMA_BWD_BN, 65_535 * WGMMA_DQ_BM, q.shape(), k.shape())
-    }
-    if (h / hkv) * t.div_ceil(WGMMA_BWD_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
-        candle_core::bail!("flash_bwd_band: too many query rows for the wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
-    }
+    let (kv_tiles, q_tiles) = grid_tiles((b, t, s, h, hkv), &q, &k, "flash_bwd_band")?;
     let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
     let (ov, dov, lv) = inp.f32s()?;
     let (los, lol) = blo.storage_and_layout();

@@ -7,7 +7,7 @@
 use super::{Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -65,23 +65,14 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
-    // 16-byte aligned rows for cp.async: contiguous views starting at a multiple of 8 elements.
-    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
     let name = format!("flash_fwd_wgmma_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?;
-    let smem = wgmma_smem(d);
-    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
-    let cfg = LaunchConfig {
-        grid_dim: (t.div_ceil(WGMMA_BQ) as u32, h as u32, b as u32),
-        block_dim: (WGMMA_THREADS, 1, 1),
-        shared_mem_bytes: smem,
-    };
+    let cfg = wgmma_config(&func, (b, t, h, d))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
@@ -93,13 +84,14 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     Ok((out, lse))
 }
 
-/// The band forward of `fwd_band` under `Wgmma` / `WgmmaAtomic` (where the wgmma kernels apply:
-/// f16/bf16, head dims 64/128, compute capability 9.x): `flash_fwd_wgmma_band_{sfx}_d{d}`, the
-/// kernel above with the mask arguments replaced by the device band `lo`, `hi` u32 `[1 or B, T]`
-/// and its batch stride `bstride` (0 or T), on the same grid. Returns out f32 `[B, T, H, D]` and
-/// lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
+/// The band forward of `fwd_band` on Hopper (where the kernels apply: f16/bf16, head dims 64/128,
+/// compute capability 9.x): `flash_fwd_wgmma_band_{sfx}_d{d}` under `Wgmma` / `WgmmaAtomic`
+/// (`ws` false), `flash_fwd_wgmma_ws_band_{sfx}_d{d}` under `WgmmaWs` (`ws` true): the families'
+/// forward kernels with the mask arguments replaced by the device band `lo`, `hi` u32
+/// `[1 or B, T]` and its batch stride `bstride` (0 or T), on their usual grids. Returns out f32
+/// `[B, T, H, D]` and lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
 #[allow(clippy::too_many_arguments)]
-pub(super) fn fwd_wgmma_band<T: CudaDType + DeviceRepr>(
+pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
     sfx: &str,
     (q, ql): (&CudaStorage, &Layout),
@@ -110,34 +102,45 @@ pub(super) fn fwd_wgmma_band<T: CudaDType + DeviceRepr>(
     hi: &CudaView<'_, u32>,
     bstride: i64,
     scale: f32,
+    ws: bool,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    check_fwd(dev, sfx, d, ql, "wgmma band kernel")?;
+    check_fwd(dev, sfx, d, ql, "Hopper band kernel")?;
     if b * t * h == 0 {
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
-    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
-    let name = format!("flash_fwd_wgmma_band_{sfx}_d{d}");
-    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?;
-    let smem = wgmma_smem(d);
-    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
-    let cfg = LaunchConfig {
-        grid_dim: (t.div_ceil(WGMMA_BQ) as u32, h as u32, b as u32),
-        block_dim: (WGMMA_THREADS, 1, 1),
-        shared_mem_bytes: smem,
+    let fam = if ws { "wgmma_ws" } else { "wgmma" };
+    let name = format!("flash_fwd_{fam}_band_{sfx}_d{d}");
+    let func = if ws {
+        dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?
+    } else {
+        dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?
     };
+    let cfg = if ws { super::sm90_ws::ws_config(&func, (b, t, h, d))? } else { wgmma_config(&func, (b, t, h, d))? };
     let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
     bld.arg(lo).arg(hi).arg(&bstride);
-    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd_sm90.cu; sizes checked by
-    // check_dims and KBand::check (fwd_storage_band), dtype/head dim/device above.
+    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd_sm90.cu and
+    // kernels/flash_fwd_sm90_ws.cu; sizes checked by check_dims and KBand::check
+    // (fwd_storage_band), dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
     Ok((out, lse))
+}
+
+/// Launch config of `flash_fwd_wgmma*` (grid `(ceil(T / 128), H, B)`, block 256, `wgmma_smem(d)`
+/// bytes of dynamic shared memory, the limit raised for `func`).
+fn wgmma_config(func: &CudaFunction, (b, t, h, d): (usize, usize, usize, usize)) -> Result<LaunchConfig> {
+    let smem = wgmma_smem(d);
+    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    Ok(LaunchConfig {
+        grid_dim: (t.div_ceil(WGMMA_BQ) as u32, h as u32, b as u32),
+        block_dim: (WGMMA_THREADS, 1, 1),
+        shared_mem_bytes: smem,
+    })
 }

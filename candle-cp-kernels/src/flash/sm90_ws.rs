@@ -2,14 +2,14 @@
 //! (`flash_fwd_wgmma_ws_{f16,bf16}_d{64,128}`: a producer warpgroup copying K/V tiles into an
 //! mbarrier ring, two consumer warpgroups on wgmma in ping-pong, FlashAttention-3 structure),
 //! chosen by [`super::FwdImpl::WgmmaWs`]; its band entries (`flash_fwd_wgmma_ws_band_*`) run
-//! `fwd_band` under `WgmmaWs`. Same shapes and results as the other forward kernels:
+//! `fwd_band` under `WgmmaWs` (launcher `super::sm90::fwd_hopper_band`). Same shapes and results as the other forward kernels:
 //! q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
 use super::sm90::check_fwd;
 use super::{Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -51,11 +51,8 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
-    // 16-byte aligned rows for cp.async: contiguous views starting at a multiple of 8 elements.
-    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
@@ -75,7 +72,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
 
 /// Launch config of `flash_fwd_wgmma_ws*` (grid `(ceil(T / 128), H, B)`, block 384, `ws_smem(d)`
 /// bytes of dynamic shared memory, the limit raised for `func`).
-fn ws_config(func: &CudaFunction, (b, t, h, d): (usize, usize, usize, usize)) -> Result<LaunchConfig> {
+pub(super) fn ws_config(func: &CudaFunction, (b, t, h, d): (usize, usize, usize, usize)) -> Result<LaunchConfig> {
     let smem = ws_smem(d);
     func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
     Ok(LaunchConfig {
@@ -90,46 +87,4 @@ fn ws_config(func: &CudaFunction, (b, t, h, d): (usize, usize, usize, usize)) ->
 pub(super) fn applies(dev: &CudaDevice, sfx: &str, d: usize) -> Result<bool> {
     let (major, _) = dev.cuda_stream().context().compute_capability().w()?;
     Ok(sfx != "f32" && (d == 64 || d == 128) && major == 9)
-}
-
-/// The band forward of `fwd_band` under `WgmmaWs` where [`applies`]: launches
-/// `flash_fwd_wgmma_ws_band_{sfx}_d{d}` (the kernel above with the mask arguments replaced by the
-/// device band `lo`, `hi` u32 `[1 or B, T]` and its batch stride `bstride`, 0 or T). Returns out
-/// f32 `[B, T, H, D]` and lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn fwd_wgmma_ws_band<T: CudaDType + DeviceRepr>(
-    dev: &CudaDevice,
-    sfx: &str,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
-    (b, t, s, h, hkv, d): Dims,
-    lo: &CudaView<'_, u32>,
-    hi: &CudaView<'_, u32>,
-    bstride: i64,
-    scale: f32,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    check_fwd(dev, sfx, d, ql, "warp-specialized wgmma band kernel")?;
-    if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
-    }
-    let copies = (util::aligned_copy::<T>(dev, q, ql, "q")?, util::aligned_copy::<T>(dev, k, kl, "k")?, util::aligned_copy::<T>(dev, v, vl, "v")?);
-    let qv = match &copies.0 { Some(c) => c.slice(..), None => util::view::<T>(q, ql, "q")? };
-    let kv = match &copies.1 { Some(c) => c.slice(..), None => util::view::<T>(k, kl, "k")? };
-    let vv = match &copies.2 { Some(c) => c.slice(..), None => util::view::<T>(v, vl, "v")? };
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
-    let name = format!("flash_fwd_wgmma_ws_band_{sfx}_d{d}");
-    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-    let cfg = ws_config(&func, (b, t, h, d))?;
-    let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
-    let mut bld = func.builder();
-    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
-    bld.arg(lo).arg(hi).arg(&bstride);
-    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd_sm90_ws.cu; sizes checked by
-    // check_dims and KBand::check (fwd_storage_band), dtype/head dim/device above.
-    unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
 }
