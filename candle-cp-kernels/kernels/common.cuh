@@ -94,6 +94,8 @@ struct CpMask {
   static constexpr bool BAND = false;
   __device__ __forceinline__ int kbegin(int) const { return 0; }
   __device__ __forceinline__ int kend(int i, int s) const { return key_end(qpos(i), s); }
+  // (CpBand's tile test; the kernels use it only where M::BAND)
+  __device__ __forceinline__ bool tile_partial(int, int, int, int, int) const { return true; }
   __device__ __forceinline__ int qbegin(int k0, int t) const { return query_begin(kpos(k0), t); }
   __device__ __forceinline__ int qend(int, int t) const { return t; }
 };
@@ -125,6 +127,11 @@ struct CpBand {
       if ((int)hi[m] > k0) b = m; else a = m + 1;
     }
     return a;
+  }
+  // Does some row of [i0, i1) (i0 < i1 <= t) not see all of the keys [k0, min(k1, S))? (Then a
+  // tile of those rows against those keys needs the per-element test.)
+  __device__ __forceinline__ bool tile_partial(int i0, int i1, int k0, int k1, int S) const {
+    return (int)lo[i1 - 1] > k0 || (int)hi[i0] < min(k1, S);
   }
   // First row (of t) with lo >= k1: it and the rows after it see no key < k1.
   __device__ __forceinline__ int qend(int k1, int t) const {

@@ -134,7 +134,7 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
 
     const int i0 = i_begin + (it % n_qt) * BQ;
     // (band: some row of the tile does not see all of the block's keys)
-    const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
+    const bool need_mask = M::BAND ? mask.tile_partial(i0, min(i0 + BQ, T_), k0, k0 + BN, S)
                                    : mask.causal && kp_last > mask.qpos(i0);
     if (!M::BAND || (i0 < wq_end && i0 + BQ > wq_begin)) {  // warp-uniform
       const uint32_t qb_a = q_a + buf * BQ * DPB, dob_a = do_a + buf * BQ * DPB;

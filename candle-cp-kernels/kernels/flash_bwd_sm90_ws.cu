@@ -191,7 +191,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     const uint32_t dsb = ds_sa + (uint32_t)(it & 1) * DS_BYTES;
     const int i0 = i_begin + (it % n_qt) * BQ;
     // (band: some row of the tile does not see all of the block's keys)
-    const bool need_mask = M::BAND ? mask.kbegin(min(i0 + BQ, T_) - 1) > k0 || mask.kend(i0, S) < min(k0 + BN, S)
+    const bool need_mask = M::BAND ? mask.tile_partial(i0, min(i0 + BQ, T_), k0, k0 + BN, S)
                                    : mask.causal && kp_last > mask.qpos(i0);
     const uint32_t qa = q_st(st), da = do_st(st);
     const float* ls = ls_s + st * BQ;

@@ -92,13 +92,9 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
   const int kb = M::BAND ? mask.kbegin(row0) / BK * BK : 0;  // row0 < T_ (grid ceil(T / BQ))
   int n_tiles, w_end, w_full, lim_a, lim_b, lo_a = 0, lo_b = 0, w_lo = 0;
   if constexpr (M::BAND) {
-    const int last = T_ - 1;
     n_tiles = (mask.kend(min(row0 + BQ, T_) - 1, S) - kb + BK - 1) / BK;
-    w_end = wrow0 < T_ ? mask.kend(min(wrow0 + 64, T_) - 1, S) - kb : 0;
-    w_full = mask.kend(min(wrow0, last), S) - kb;
-    lim_a = mask.kend(min(ra, last), S) - kb, lim_b = mask.kend(min(rb, last), S) - kb;
-    lo_a = mask.kbegin(min(ra, last)) - kb, lo_b = mask.kbegin(min(rb, last)) - kb;
-    w_lo = mask.kbegin(min(wrow0 + 63, last)) - kb;
+    const Sm90BandRows r = sm90_band_rows(mask, kb, wrow0, ra, rb, T_, S);
+    w_end = r.w_end, w_full = r.w_full, lim_a = r.lim_a, lim_b = r.lim_b, lo_a = r.lo_a, lo_b = r.lo_b, w_lo = r.w_lo;
   } else {
     n_tiles = (mask.key_end(mask.qpos(min(row0 + BQ, T_) - 1), S) + BK - 1) / BK;
     w_end = wrow0 < T_ ? mask.key_end(mask.qpos(min(wrow0 + 64, T_) - 1), S) : 0;

@@ -177,11 +177,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   // warpgroup's last row.
   int w_full, lim_a, lim_b, lo_a = 0, lo_b = 0, w_lo = 0;
   if constexpr (M::BAND) {
-    const int last = T_ - 1;
-    w_full = mask.kend(min(wrow0, last), S) - kb;
-    lim_a = mask.kend(min(ra, last), S) - kb, lim_b = mask.kend(min(rb, last), S) - kb;
-    lo_a = mask.kbegin(min(ra, last)) - kb, lo_b = mask.kbegin(min(rb, last)) - kb;
-    w_lo = mask.kbegin(min(wrow0 + 63, last)) - kb;
+    const Sm90BandRows r = sm90_band_rows(mask, kb, wrow0, ra, rb, T_, S);
+    w_full = r.w_full, lim_a = r.lim_a, lim_b = r.lim_b, lo_a = r.lo_a, lo_b = r.lo_b, w_lo = r.w_lo;
   } else {
     w_full = mask.key_end(mask.qpos(wrow0), S);
     lim_a = mask.key_end(mask.qpos(ra), S), lim_b = mask.key_end(mask.qpos(rb), S);

@@ -165,6 +165,27 @@ __device__ __forceinline__ void bwd_sm90_p(float (&s)[NS], const float* ls, floa
   }
 }
 
+// Band bounds of this thread's rows ra, rb and of its 64-row warpgroup from wrow0, in a band
+// kernel whose key tiles start at kb (the tile holding lo of the block's first row; every bound
+// relative to kb, rows past T take row T - 1's): row a / b sees keys [lo_a / lo_b, lim_a / lim_b);
+// keys [0, w_full) are seen by the warpgroup's first row; w_lo = lo of its last row; w_end = hi
+// of its last row (0 for a warpgroup past T). The forward (flash_fwd_sm90.cu,
+// flash_fwd_sm90_ws.cu) and the dQ kernel (flash_bwd_sm90.cu) of the Hopper band entries.
+struct Sm90BandRows {
+  int w_end, w_full, lim_a, lim_b, lo_a, lo_b, w_lo;
+};
+__device__ __forceinline__ Sm90BandRows sm90_band_rows(const CpBand& band, int kb, int wrow0, int ra, int rb, int T_,
+                                                       int S) {
+  const int last = T_ - 1;
+  Sm90BandRows r;
+  r.w_end = wrow0 < T_ ? band.kend(min(wrow0 + 64, T_) - 1, S) - kb : 0;
+  r.w_full = band.kend(min(wrow0, last), S) - kb;
+  r.lim_a = band.kend(min(ra, last), S) - kb, r.lim_b = band.kend(min(rb, last), S) - kb;
+  r.lo_a = band.kbegin(min(ra, last)) - kb, r.lo_b = band.kbegin(min(rb, last)) - kb;
+  r.w_lo = band.kbegin(min(wrow0 + 63, last)) - kb;
+  return r;
+}
+
 // bwd_sm90_p under a band (the `_band_` entries). The query rows that see key j form one interval,
 // [qbegin(j), qend(j + 1)) (both bounds of the band are non-decreasing), found once per block for
 // this thread's two keys (bwd_sm90_key_rows): where need_mask, P^T = 0 outside it. Element 4i + e is
