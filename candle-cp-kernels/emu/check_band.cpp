@@ -10,6 +10,12 @@
 
 #include "harness.h"
 
+// kernels/tma.cuh's tensor-map parameter; emu_tma_map (check_flash.cpp): src/flash/tma.rs's maps
+struct alignas(64) CpTmaMap {
+  unsigned long long opaque[16];
+};
+CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D);
+
 #define BAND_A const unsigned int*, const unsigned int*, long long
 #define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
 #define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
@@ -27,6 +33,7 @@
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));                         \
+  void flash_fwd_wgmma_tma_band_##N##_d##D(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
   void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
   void flash_fwd_wgmma_band_##N##_d##D(FWDB_P(TY));                            \
   void flash_bwd_wgmma_atomic_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
@@ -276,7 +283,9 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
 //     zero-filled; its forward is fam 0's);
 //   2 "wgmma_ws": forward flash_fwd_wgmma_ws_band_* (flash_fwd_sm90_ws.cu; block 384, WS_SMEM(D));
 //     backward prep, flash_bwd_wgmma_ws_band_* (flash_bwd_sm90_ws.cu; grid (Hkv, ceil(S / 128), B),
-//     block 384, WSB_SMEM(D), dq zero-filled).
+//     block 384, WSB_SMEM(D), dq zero-filled);
+//   3 "wgmma_tma": forward flash_fwd_wgmma_tma_band_* (the TMA loads of flash_fwd_sm90_ws.cu, tensor
+//     maps as src/flash/tma.rs makes them); its backward is fam 2's.
 #define PICK_D(PRE, N, D) (D == 128 ? (void*)&PRE##N##_d128 : (void*)&PRE##N##_d64)
 #define PICK_T(PRE, D) (bf ? PICK_D(PRE, bf16, D) : PICK_D(PRE, f16, D))
 template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int fam) {
@@ -284,11 +293,11 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
-  const char* fname = fam == 0 ? "wgmma " : fam == 1 ? "wgmma_atomic " : "wgmma_ws ";
+  const char* fname = fam == 0 ? "wgmma " : fam == 1 ? "wgmma_atomic " : fam == 2 ? "wgmma_ws " : "wgmma_tma ";
   const std::string name = std::string("flash_fwd_band ") + fname + sfxb<TY>() + " " + c.tag();
   const std::string bname = std::string("flash_bwd_band ") + fname + sfxb<TY>() + " " + c.tag();
   const bool fwd = fam != 1 && wanted(name);
-  if (!fwd && !wanted(bname)) return;
+  if (!fwd && (fam == 3 || !wanted(bname))) return;
   Buf<TY> q(nq), k(nk), v(nk);
   const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl);
@@ -303,12 +312,19 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
   const int nst = D == 128 ? 3 : 4;
   if (fwd) {
     Buf<float> out(nq), lse(nl);
-    const size_t smem = fam == 2 ? (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8  // WS_SMEM(D)
-                                 : (size_t)(128 + 4 * 128) * D * 2 + 1024;                     // WGMMA_SMEM(D)
+    const bool ws = fam >= 2;
+    const size_t smem = ws ? (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8  // WS_SMEM(D)
+                           : (size_t)(128 + 4 * 128) * D * 2 + 1024;                     // WGMMA_SMEM(D)
     auto fn = reinterpret_cast<void (*)(FWDB_P(TY))>(fam == 2 ? PICK_T(flash_fwd_wgmma_ws_band_, D)
                                                               : PICK_T(flash_fwd_wgmma_band_, D));
-    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(fam == 2 ? 384 : 256), smem, [&] {
-      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
+    using FwdTma = void (*)(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap);
+    auto ft = reinterpret_cast<FwdTma>(PICK_T(flash_fwd_wgmma_tma_band_, D));
+    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(ws ? 384 : 256), smem, [&] {
+      if (fam == 3)
+        ft(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, emu_tma_map(q.p, B, T, H, D),
+           emu_tma_map(k.p, B, S, Hkv, D), emu_tma_map(v.p, B, S, Hkv, D));
+      else
+        fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
     });
     check_launch(name, ok);
     if (ok) {
@@ -316,7 +332,7 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
       check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
     }
   }
-  if (!wanted(bname)) return;
+  if (fam == 3 || !wanted(bname)) return;
   Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
   std::fill(dq.p, dq.p + nq, 0.f);
   Buf<TY> do16(nq);
@@ -357,14 +373,14 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
 }
 
 // Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the Hopper families (wgmma,
-// wgmma_atomic, wgmma_ws) with f16 and bf16 at D 64 / 128.
+// wgmma_atomic, wgmma_ws, wgmma_tma) with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
   if (c.D <= 64) run_band<float>(c, false, seed++);
   run_band<__nv_bfloat16>(c, false, seed++);
   run_band<__nv_bfloat16>(c, true, seed++);
   run_band<__half>(c, true, seed++);
   if (c.D == 64 || c.D == 128)
-    for (int fam = 0; fam < 3; ++fam) {
+    for (int fam = 0; fam < 4; ++fam) {
       run_band_sm90<__nv_bfloat16>(c, seed++, fam);
       run_band_sm90<__half>(c, seed++, fam);
     }

@@ -8,6 +8,12 @@
 #include <random>
 
 #include "harness.h"
+#include "tma_map.h"
+
+// kernels/tma.cuh's tensor-map parameter (the same definition)
+struct alignas(64) CpTmaMap {
+  unsigned long long opaque[16];
+};
 
 #define FWD_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, int, long long, long long, long long, long long
 #define BWD_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
@@ -42,6 +48,10 @@ void flash_fwd_wgmma_ws_f16_d64(FWD_P(__half));
 void flash_fwd_wgmma_ws_f16_d128(FWD_P(__half));
 void flash_fwd_wgmma_ws_bf16_d64(FWD_P(__nv_bfloat16));
 void flash_fwd_wgmma_ws_bf16_d128(FWD_P(__nv_bfloat16));
+void flash_fwd_wgmma_tma_f16_d64(FWD_P(__half), CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_fwd_wgmma_tma_f16_d128(FWD_P(__half), CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_fwd_wgmma_tma_bf16_d64(FWD_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_fwd_wgmma_tma_bf16_d128(FWD_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_bwd_wgmma_dkdv_f16_d64(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_f16_d128(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_bf16_d64(float*, float*, PIPE_P(__nv_bfloat16));
@@ -133,6 +143,8 @@ const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f
     {"flash_fwd_wgmma_bf16_d64", (void*)&flash_fwd_wgmma_bf16_d64}, {"flash_fwd_wgmma_bf16_d128", (void*)&flash_fwd_wgmma_bf16_d128},
     {"flash_fwd_wgmma_ws_f16_d64", (void*)&flash_fwd_wgmma_ws_f16_d64}, {"flash_fwd_wgmma_ws_f16_d128", (void*)&flash_fwd_wgmma_ws_f16_d128},
     {"flash_fwd_wgmma_ws_bf16_d64", (void*)&flash_fwd_wgmma_ws_bf16_d64}, {"flash_fwd_wgmma_ws_bf16_d128", (void*)&flash_fwd_wgmma_ws_bf16_d128},
+    {"flash_fwd_wgmma_tma_f16_d64", (void*)&flash_fwd_wgmma_tma_f16_d64}, {"flash_fwd_wgmma_tma_f16_d128", (void*)&flash_fwd_wgmma_tma_f16_d128},
+    {"flash_fwd_wgmma_tma_bf16_d64", (void*)&flash_fwd_wgmma_tma_bf16_d64}, {"flash_fwd_wgmma_tma_bf16_d128", (void*)&flash_fwd_wgmma_tma_bf16_d128},
     {"flash_bwd_wgmma_dkdv_f16_d64", (void*)&flash_bwd_wgmma_dkdv_f16_d64}, {"flash_bwd_wgmma_dkdv_f16_d128", (void*)&flash_bwd_wgmma_dkdv_f16_d128},
     {"flash_bwd_wgmma_dkdv_bf16_d64", (void*)&flash_bwd_wgmma_dkdv_bf16_d64}, {"flash_bwd_wgmma_dkdv_bf16_d128", (void*)&flash_bwd_wgmma_dkdv_bf16_d128},
     {"flash_bwd_wgmma_dq_f16_d64", (void*)&flash_bwd_wgmma_dq_f16_d64}, {"flash_bwd_wgmma_dq_f16_d128", (void*)&flash_bwd_wgmma_dq_f16_d128},
@@ -150,6 +162,7 @@ void* lookup(const std::string& name) {
 }
 
 template <typename TY> using FwdFn = void (*)(FWD_P(TY));
+template <typename TY> using FwdTmaFn = void (*)(FWD_P(TY), CpTmaMap, CpTmaMap, CpTmaMap);
 template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
 template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
 template <typename TY> using PDkdvFn = void (*)(float*, float*, PIPE_P(TY));
@@ -165,11 +178,31 @@ unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 // Wgmma: flash_fwd_sm90.cu forward; backward = pipe prep + flash_bwd_sm90.cu dK/dV and dQ
 // (src/flash/bwd_sm90.rs); D 64 / 128 only. WgmmaWs: flash_fwd_sm90_ws.cu forward (warp-specialized,
 // src/flash/sm90_ws.rs); backward = pipe prep + flash_bwd_sm90_ws.cu (src/flash/bwd_sm90_ws.rs: one
-// kernel, dq zero-filled and added to with atomics).
-enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs };
+// kernel, dq zero-filled and added to with atomics). WgmmaTma: the TMA entries of flash_fwd_sm90_ws.cu
+// (forward only; its backward is WgmmaWs's), with tensor maps made as src/flash/tma.rs makes them.
+enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs, WgmmaTma };
 const char* impl_name(Impl i) {
-  return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : i == Impl::Wgmma ? "wgmma" : "wgmma_ws";
+  return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : i == Impl::Wgmma ? "wgmma"
+       : i == Impl::WgmmaWs ? "wgmma_ws" : "wgmma_tma";
 }
+
+}  // namespace
+
+// The tensor map of a contiguous 16-bit [B, L, Hh, D] tensor as src/flash/tma.rs encodes it: dims
+// innermost first (D, Hh, L, B), box 64 x 1 x 128 x 1, 128-byte swizzle (check_band.cpp too).
+CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D) {
+  CpTmaMap m;
+  const uint64_t dims[4] = {(uint64_t)D, (uint64_t)Hh, (uint64_t)L, (uint64_t)B};
+  const uint64_t str[3] = {(uint64_t)D * 2, (uint64_t)Hh * D * 2, (uint64_t)L * Hh * D * 2};
+  const uint32_t box[4] = {64, 1, 128, 1}, es[4] = {1, 1, 1, 1};
+  if (const char* err = cp_tma::encode(&m, 2, 4, p, dims, str, box, es, 128)) {
+    std::printf("emu_tma_map: %s\n", err);
+    std::exit(2);
+  }
+  return m;
+}
+
+namespace {
 
 template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
@@ -188,20 +221,26 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
   const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
 
   for (Impl im : impls) {
-    const bool sm90 = im == Impl::Wgmma || im == Impl::WgmmaWs;
+    const bool sm90 = im == Impl::Wgmma || im == Impl::WgmmaWs || im == Impl::WgmmaTma;
     if (sm90 && (sizeof(TY) != 2 || (D != 64 && D != 128))) continue;
     // ---- forward
     std::string name = std::string("flash_fwd_") + impl_name(im) + " " + tag;
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
-      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : im == Impl::WgmmaWs ? 384 : 128;
+      const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma;
+      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
       size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
-      if (im == Impl::WgmmaWs) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
+      if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
       auto fn = reinterpret_cast<FwdFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
       bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(threads), smem, [&] {
-        fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
+        if (im == Impl::WgmmaTma)
+          reinterpret_cast<FwdTmaFn<TY>>(fn)(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko,
+                                             c.ks, emu_tma_map(q.p, B, T, H, D), emu_tma_map(k.p, B, S, Hkv, D),
+                                             emu_tma_map(v.p, B, S, Hkv, D));
+        else
+          fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
       });
       check_launch(name, ok);
       if (ok) {
@@ -210,7 +249,8 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
         check(name + " lse", max_abs(lse.to_f32(), ref.lse), im == Impl::Simple ? 2e-5 : 1e-3);
       }
     }
-    // ---- backward
+    // ---- backward (WgmmaTma: WgmmaWs's)
+    if (im == Impl::WgmmaTma) continue;
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
     if (!wanted(name)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
@@ -310,7 +350,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
 }  // namespace
 
 void run_flash_checks() {
-  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma, Impl::WgmmaWs};
+  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma};
   // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str
   const Case full{"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1};
   const Case causal{"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1};
@@ -336,11 +376,11 @@ void run_flash_checks() {
   // just inside a key tile.
   const Case wg_masked{"wg causal strided, rows fully masked (k_off 20)", 2, 70, 150, 4, 2, 64, 1, 0, 2, 20, 3};
   const Case wg_gqa{"wg full gqa3:1 ragged", 1, 130, 200, 3, 1, 128, 0, 0, 1, 0, 1};
-  run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma, Impl::WgmmaWs}, seed++, true);
-  run_case<__half>(wg_gqa, {Impl::Wgmma, Impl::WgmmaWs}, seed++);
+  run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++, true);
+  run_case<__half>(wg_gqa, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
   // a warpgroup's first row sees keys [0, 127): the diagonal one key before a 128-key tile edge
   const Case wg_edge{"wg causal q_off 62 (diagonal at a key-tile edge)", 1, 130, 200, 2, 1, 64, 1, 62, 1, 0, 1};
-  run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma, Impl::WgmmaWs}, seed++);
+  run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
   // Seeded sweep of small shapes and masks: T, S from 1 to 160, offsets, strides 1..4, GQA.
   static char labels[12][64];
   std::mt19937_64 rng(7);
@@ -360,6 +400,6 @@ void run_flash_checks() {
   // d128) wraps twice (mbarrier phase parities 0, 1, 0), causal and full, ragged S, GQA 2:1.
   const Case ws_ring{"ws causal ring wraps (q_off 1100)", 1, 150, 1300, 2, 1, 64, 1, 1100, 1, 0, 1};
   const Case ws_ring_full{"ws full ring wraps", 1, 100, 1000, 1, 1, 128, 0, 0, 1, 0, 1};
-  run_case<__nv_bfloat16>(ws_ring, {Impl::WgmmaWs}, seed++);
-  run_case<__half>(ws_ring_full, {Impl::WgmmaWs}, seed++);
+  run_case<__nv_bfloat16>(ws_ring, {Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
+  run_case<__half>(ws_ring_full, {Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
 }

@@ -167,6 +167,25 @@ void mbar_init_fence();
 void mbar_arrive(const void* bar);
 void mbar_arrive_cp_async(const void* bar);
 void mbar_wait(const void* bar, uint32_t parity);
+// TMA (kernels/tma.cuh; cp.async.bulk.tensor tile loads into shared memory, completed on an
+// mbarrier's transaction count). mbar_arrive_expect_tx: the barrier's transaction count goes up by
+// `bytes`, then one arrival; a phase completes once its arrivals are in AND its transaction count is
+// back to 0 (loads landing complete their bytes, and may do so before the expect_tx). tma_load: one
+// thread loads the box of a tensor map (emu/tma_map.h's encoding, as the shim's
+// cuTensorMapEncodeTiled writes it; rank <= 4 here) at coordinates c0..c3 into dynamic shared memory
+// at `dst`, with the hardware's swizzle on the shared address (128 B: 16-byte chunk bits 4-6 XOR
+// address bits 7-9) and zeros out of bounds, then completes box bytes on `bar`. Landing as for
+// cp.async arrivals: AtIssue at once; AtWait when a thread waiting on `bar` would block (or nothing
+// else can move); Random at a seeded later scheduling point. Until it lands the destination reads
+// as 0xFF bytes in both the generic and the async-proxy view; when it lands both views get the data
+// (TMA writes through the async proxy: no fence.proxy.async needed before a wgmma, and a refill
+// while a wgmma may still read the stage changes its operands, which fails the launch). Failing the
+// launch: not a map from tma_map.h, dst not 128-byte aligned (1024 with the 128-byte swizzle, so the
+// pattern follows wgmma.cuh's canonical layout), dst outside dynamic shared memory, a swizzled box
+// whose inner extent is not the swizzle span, a read outside every tracked global buffer, `bar` not
+// an initialised mbarrier.
+void mbar_arrive_expect_tx(const void* bar, uint32_t bytes);
+void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar);
 // Named barriers (bar.sync / bar.arrive id, n): id 1..15 (id 0 is __syncthreads' barrier: bar.sync
 // 0 with n = block size acts as __syncthreads, anything else on 0 fails); n a multiple of 32 in
 // [32, block size]. The barrier completes when n threads arrived (sync waits for that, arrive

@@ -1,6 +1,7 @@
 // cp.async (16-byte copies, landing modes) and the async-proxy view of dynamic shared memory of the
 // host emulation (see emu.h); the scheduler that lands Random copies is in emu.cpp.
 #include "emu_internal.h"
+#include "tma_map.h"
 
 #include <algorithm>
 #include <cstring>
@@ -105,6 +106,94 @@ void fence_proxy_async() {
     plain_dirty = false;
   }
   for (const auto& r : plain) std::memcpy(aview.data() + r.first, dyn.data() + r.first, r.second);
+}
+
+// ---- TMA loads (tensor maps from tma_map.h) ------------------------------------------------------
+namespace detail {
+struct TmaLoad {
+  uint32_t dst;
+  cp_tma::Desc d;
+  int c[4];
+};
+std::vector<TmaLoad> tmas;
+void tma_reset() { tmas.clear(); }
+
+// Shared address of box byte `off` after the swizzle (on the absolute address, as the hardware
+// does it: 16-byte chunk bits [4, 4 + log2(span / 16)) XOR address bits 7..).
+static uint32_t tma_swizzle(uint32_t a, uint32_t span) {
+  if (span == 0) return a;
+  const uint32_t mask = span / 16 - 1;  // 128: 3 bits, 64: 2, 32: 1
+  return a ^ (((a >> 7) & mask) << 4);
+}
+
+// Global address of box element e of a load at coordinates c; *in: inside the tensor (else zero-filled).
+static uint64_t tma_src(const cp_tma::Desc& d, const int* c, uint64_t e, bool* in) {
+  uint64_t addr = d.base;
+  *in = true;
+  for (uint32_t r = 0; r < d.rank; ++r) {
+    const int64_t x = (int64_t)c[r] + (int64_t)(e % d.box[r]);
+    e /= d.box[r];
+    *in = *in && x >= 0 && (uint64_t)x < d.dims[r];
+    addr += (uint64_t)x * d.strides[r];
+  }
+  return addr;
+}
+static uint64_t tma_elems(const cp_tma::Desc& d) {
+  uint64_t n = 1;
+  for (uint32_t r = 0; r < d.rank; ++r) n *= d.box[r];
+  return n;
+}
+
+uint32_t tma_land(uint32_t i) {
+  const TmaLoad& t = tmas[i];
+  const uint32_t es = t.d.esize;
+  const uint64_t n = tma_elems(t.d);
+  for (uint64_t e = 0; e < n; ++e) {
+    bool in;
+    const uint64_t src = tma_src(t.d, t.c, e, &in);
+    const uint32_t a = tma_swizzle(t.dst + (uint32_t)(e * es), t.d.swizzle);
+    unsigned char* p = dyn.data() + a;
+    if (in)
+      std::memcpy(p, reinterpret_cast<const void*>(src), es);
+    else
+      std::memset(p, 0, es);
+    std::memcpy(aview.data() + a, p, es);
+  }
+  return (uint32_t)(n * es);
+}
+}  // namespace detail
+
+void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar) {
+  cp_tma::Desc d;
+  if (!cp_tma::decode(map, &d)) fail("cp.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");
+  if (d.rank > 4) fail("cp.async.bulk.tensor.4d: the tensor map has rank %u", d.rank);
+  const uint32_t align = d.swizzle ? 8 * d.swizzle : 128;
+  if (dst % align) fail("cp.async.bulk.tensor: shared destination %u not %u-byte aligned", dst, align);
+  if (d.swizzle && d.box[0] * d.esize != d.swizzle)
+    fail("cp.async.bulk.tensor: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", d.box[0] * d.esize, d.swizzle);
+  const int c[4] = {c0, c1, c2, c3};
+  const uint64_t n = tma_elems(d);
+  for (uint64_t e = 0; e < n && !globals.empty(); ++e) {
+    bool in;
+    const auto* src = reinterpret_cast<const unsigned char*>(tma_src(d, c, e, &in));
+    if (!in) continue;
+    bool ok = false;
+    for (auto& g : globals) ok |= src >= g.first && src + d.esize <= g.first + g.second;
+    if (!ok) fail("cp.async.bulk.tensor: box element %llu at global %p is outside every buffer of the launch", (unsigned long long)e, (const void*)src);
+  }
+  if ((size_t)dst + n * d.esize > dyn_size)
+    fail("cp.async.bulk.tensor: destination [%u, %llu) outside dynamic shared memory (%zu bytes)", dst,
+         (unsigned long long)(dst + n * d.esize), dyn_size);
+  const uint32_t baddr = smem_addr(bar);
+  mbar_get_checked(baddr, "cp.async.bulk.tensor (its mbarrier)");
+  const uint32_t i = (uint32_t)tmas.size();
+  tmas.push_back({dst, d, {c[0], c[1], c[2], c[3]}});
+  if (landing != Landing::AtIssue) {  // contents undefined until it lands
+    std::memset(dyn.data() + dst, 0xff, n * d.esize);
+    std::memset(aview.data() + dst, 0xff, n * d.esize);
+  }
+  tma_arrival(baddr, i);
+  yield_to_sched();
 }
 
 namespace detail {

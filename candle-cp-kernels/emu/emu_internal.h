@@ -145,6 +145,15 @@ void yield_to_sched();
 // nothing can move, complete every copy and arrival in flight (true if any); the blocked waits for
 // a deadlock report
 void sync_reset();
+// TMA loads (emu_async.cpp): write load i's box into shared memory (both views), return its bytes;
+// poison its destination at issue; clear the block's loads. Arrivals of kind TMA (emu_sync.cpp)
+// call tma_land and complete the bytes on the mbarrier.
+uint32_t tma_land(uint32_t i);
+void tma_reset();
+void mbar_complete_tx(uint32_t addr, uint32_t bytes);
+void mbar_get_checked(uint32_t addr, const char* what);  // fails the launch unless an initialised mbarrier
+uint32_t tma_arrival(uint32_t bar, uint32_t load);  // queue load `load`'s completion per landing mode
+
 void fire(uint32_t i);
 bool flush_async();
 std::string blocked_waits();

@@ -17,6 +17,7 @@ namespace detail {
 // mbarriers of the current block (emu.h), by shared offset; sig: what mbar_init wrote into its 8 bytes
 struct MBar {
   uint32_t count = 0, pending = 0;
+  int64_t tx = 0;      // transaction count of the current phase (expect_tx adds, landed TMA bytes take)
   uint64_t phase = 0;  // completed phases
   int init_thread = -1;
   long init_gen = 0;   // block-barrier generation at init
@@ -31,6 +32,7 @@ struct AsyncArrive {
   int thread;
   std::vector<uint32_t> copies;
   bool done;
+  int64_t tma = -1;  // >= 0: not a cp.async arrival but TMA load `tma` landing (complete_tx of its bytes)
 };
 std::vector<AsyncArrive> arrivals;
 std::vector<uint32_t> deferred;
@@ -41,12 +43,10 @@ struct NBar {
 };
 NBar nbars[16];
 
-// One arrival on barrier `addr` handing over `rel` (copies the waiters of this phase may fence);
-// completing the phase wakes the threads waiting for its parity.
-void mbar_arrive_one(uint32_t addr, MBar& b, const std::vector<uint32_t>& rel) {
-  if (!b.rel) b.rel = std::make_shared<std::vector<uint32_t>>();
-  b.rel->insert(b.rel->end(), rel.begin(), rel.end());
-  if (--b.pending) return;
+// The phase completes once every arrival is in and its transaction count is back to 0; completing
+// it wakes the threads waiting for its parity.
+void mbar_try_complete(uint32_t addr, MBar& b) {
+  if (b.pending || b.tx) return;
   ++b.phase;
   b.pending = b.count;
   b.last = std::move(b.rel);
@@ -56,14 +56,49 @@ void mbar_arrive_one(uint32_t addr, MBar& b, const std::vector<uint32_t>& rel) {
       fib[i].st = St::Ready;
     }
 }
+// One arrival on barrier `addr` handing over `rel` (copies the waiters of this phase may fence).
+void mbar_arrive_one(uint32_t addr, MBar& b, const std::vector<uint32_t>& rel) {
+  if (!b.rel) b.rel = std::make_shared<std::vector<uint32_t>>();
+  b.rel->insert(b.rel->end(), rel.begin(), rel.end());
+  if (b.pending == 0)
+    fail("mbarrier arrival at shared offset %u: all %u arrivals of the current phase are in (it waits for %lld "
+         "transaction bytes)", addr, b.count, (long long)b.tx);
+  --b.pending;
+  mbar_try_complete(addr, b);
+}
 
-// A cp.async-tracked arrival fires: its copies land, then it arrives.
+// An asynchronous arrival fires: a cp.async-tracked arrival's copies land, then it arrives; a TMA
+// load lands, then completes its bytes.
 void fire(uint32_t i) {
   AsyncArrive& a = arrivals[i];
   if (a.done) return;
   a.done = true;
+  if (a.tma >= 0) {
+    const uint32_t bytes = tma_land((uint32_t)a.tma);
+    mbar_complete_tx(a.bar, bytes);
+    return;
+  }
   for (uint32_t c : a.copies) land(copies[c]);
   mbar_arrive_one(a.bar, mbars[a.bar], a.copies);
+}
+
+void mbar_complete_tx(uint32_t addr, uint32_t bytes) {
+  MBar& b = mbars[addr];
+  if (!b.rel) b.rel = std::make_shared<std::vector<uint32_t>>();
+  b.tx -= bytes;
+  mbar_try_complete(addr, b);
+}
+
+uint32_t tma_arrival(uint32_t bar, uint32_t load) {
+  const uint32_t i = (uint32_t)arrivals.size();
+  arrivals.push_back({bar, cur, {}, false, (int64_t)load});
+  if (landing == Landing::AtIssue)
+    fire(i);
+  else if (landing == Landing::AtWait)
+    deferred.push_back(i);
+  else
+    due.push({tick + random_delay(), i | ARRIVE});
+  return i;
 }
 
 // AtWait: fires the deferred arrivals on `addr` (every barrier when addr == ~0u); true if any.
@@ -99,6 +134,7 @@ void sync_reset() {
   mbars.clear();
   arrivals.clear();
   deferred.clear();
+  tma_reset();
   for (NBar& b : nbars) b.arrived = 0;
 }
 
@@ -118,8 +154,9 @@ std::string blocked_waits() {
   for (auto& e : mw) {
     const MBar& b = mbars[e.first.first];
     std::snprintf(buf, sizeof buf, "; %d threads (first %d) wait on the mbarrier at shared offset %u for parity %u "
-                  "(%llu phases completed, %u of %u arrivals pending)", e.second.first, e.second.second, e.first.first,
-                  e.first.second, (unsigned long long)b.phase, b.pending, b.count);
+                  "(%llu phases completed, %u of %u arrivals pending, %lld transaction bytes)", e.second.first,
+                  e.second.second, e.first.first, e.first.second, (unsigned long long)b.phase, b.pending, b.count,
+                  (long long)b.tx);
     what += buf;
   }
   for (int id = 1; id < 16; ++id)
@@ -157,6 +194,10 @@ uint32_t mbar_addr(const void* bar, const char* what) {
   smem_ptr(addr, 8);
   return addr;
 }
+void mbar_get_checked(uint32_t addr, const char* what) {
+  if (addr % 8) fail("%s: mbarrier address (shared offset %u) not 8-byte aligned", what, addr);
+  mbar_get(addr, what);
+}
 }  // namespace detail
 
 using namespace detail;
@@ -187,6 +228,19 @@ void mbar_arrive(const void* bar) {
   Fiber& f = fib[cur];
   std::vector<uint32_t> rel;
   rel.swap(f.unfenced);  // retired, unfenced copies: the waiters of this phase may fence them
+  mbar_arrive_one(addr, b, rel);
+  yield_warp = true;
+  yield_to_sched();
+}
+
+void mbar_arrive_expect_tx(const void* bar, uint32_t bytes) {
+  const uint32_t addr = mbar_addr(bar, "mbarrier.arrive.expect_tx");
+  MBar& b = mbar_get(addr, "mbarrier.arrive.expect_tx");
+  if (bytes >= (1u << 20)) fail("mbarrier.arrive.expect_tx at shared offset %u: %u bytes (at most 2^20 - 1)", addr, bytes);
+  b.tx += bytes;
+  Fiber& f = fib[cur];
+  std::vector<uint32_t> rel;
+  rel.swap(f.unfenced);
   mbar_arrive_one(addr, b, rel);
   yield_warp = true;
   yield_to_sched();

@@ -233,6 +233,21 @@ MUTATIONS = [
     ("band-key-rows", "flash_sm90.cuh",
      "q_lo = band.qbegin(j, T_), q_hi = band.qend(j + 1, T_);", "q_lo = band.qbegin(j, T_), q_hi = band.qend(j, T_);",
      "bwd_band wgmma", "Hopper band backward: a key's query rows end one key early"),
+    ("tma-empty-wait", "flash_fwd_sm90_ws.cu",
+     "          if (j >= NST) cp_mbar_wait(isv ? &empty_v[st] : &empty_k[st], (uint32_t)((j / NST - 1) & 1));\n", "",
+     "wgmma_tma", "TMA forward: a stage refilled without waiting for its EMPTY barrier"),
+    ("tma-expect-q", "flash_fwd_sm90_ws.cu",
+     "cp_mbar_arrive_expect_tx(full, KV_BYTES + (n == 0 ? Q_BYTES : 0u));", "cp_mbar_arrive_expect_tx(full, KV_BYTES);",
+     "wgmma_tma", "TMA forward: the first stage's expect_tx leaves out Q's bytes (its phase completes early)"),
+    ("tma-col-block", "flash_fwd_sm90_ws.cu",
+     "cp_tma_load_4d(dst + (uint32_t)c * BK * 128,", "cp_tma_load_4d(dst + (uint32_t)c * BK * 64,",
+     "wgmma_tma", "TMA forward: the second 64-column block of a K/V tile at the wrong offset"),
+    ("tma-band-kb", "flash_fwd_sm90_ws.cu",
+     "isv ? tv : tk, 64 * c, kvh, kb + j * BK, b, full);", "isv ? tv : tk, 64 * c, kvh, j * BK, b, full);",
+     "band wgmma_tma", "TMA band forward: K/V tiles not shifted by the block's first key tile kb"),
+    ("tma-gqa-head", "flash_fwd_sm90_ws.cu",
+     "isv ? tv : tk, 64 * c, kvh, kb + j * BK, b, full);", "isv ? tv : tk, 64 * c, h, kb + j * BK, b, full);",
+     "wgmma_tma", "TMA forward: K/V loaded from the query head instead of its KV head (GQA)"),
 ]
 
 

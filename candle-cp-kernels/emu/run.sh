@@ -23,7 +23,7 @@ OPT=${EMU_OPT:--O2}
 out=${EMU_BUILD:-$root/target/emu}
 mkdir -p "$out"
 flags=(-std=c++17 "$OPT" -g1 -pthread -DCP_HOST_EMU -I"$CUDA_ROOT/include" -Icandle-cp-kernels/kernels -Icandle-cp-kernels/emu
-       -Wall -Wno-unknown-pragmas -Wno-unused-function -Wno-unused-variable)
+       -Wall -Wno-psabi -Wno-unknown-pragmas -Wno-unused-function -Wno-unused-variable)
 srcs=(kernels/flash_fwd.cu kernels/flash_fwd_sm90.cu kernels/flash_fwd_sm90_ws.cu kernels/flash_bwd_sm90.cu kernels/flash_bwd_sm90_ws.cu kernels/flash_bwd.cu kernels/flash_bwd_mma.cu kernels/flash_bwd_pipe.cu kernels/flash_bwd_fused.cu kernels/merge.cu
       kernels/layout.cu emu/emu.cpp emu/emu_ops.cpp emu/harness.cpp emu/check_flash.cpp emu/check_misc.cpp emu/check_fused.cpp emu/selftest.cpp
       kernels/probe.cu kernels/probe_sm90.cu emu/check_probe.cpp)
@@ -38,7 +38,7 @@ for s in "${srcs[@]}"; do
   o="$out/$(basename "$s").o"
   objs+=("$o")
   # rebuild when the source or any header changed
-  if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_bwd_pipe.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/wgmma.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/mbarrier.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_sm90.cuh ] \
+  if [ "$o" -nt "candle-cp-kernels/$s" ] && [ "$o" -nt candle-cp-kernels/kernels/common.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_bwd_pipe.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/wgmma.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/mbarrier.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/flash_sm90.cuh ] && [ "$o" -nt candle-cp-kernels/kernels/tma.cuh ] && [ "$o" -nt candle-cp-kernels/emu/tma_map.h ] \
      && [ "$o" -nt candle-cp-kernels/emu/emu.h ] && [ "$o" -nt candle-cp-kernels/emu/lb.py ] && [ "$o" -nt candle-cp-kernels/emu/emu_internal.h ] && [ "$o" -nt candle-cp-kernels/emu/harness.h ]; then continue; fi
   while [ "${#pids[@]}" -ge "$JOBS" ]; do wait "${pids[0]}" || exit 1; pids=("${pids[@]:1}"); done
   case "$s" in

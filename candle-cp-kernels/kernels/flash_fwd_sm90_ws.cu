@@ -63,6 +63,7 @@
 #endif
 
 #include "mbarrier.cuh"  // mbarriers, named barriers, setmaxnreg
+#include "tma.cuh"       // TMA tile loads (the _tma_ entries)
 #include "flash_sm90.cuh"  // softmax step, rescale + P re-pack, O / lse store
 #include "wgmma.cuh"     // wgmma wrappers, descriptors, swizzled tile loads
 
@@ -81,11 +82,18 @@ static_assert(128 * (WS_PRODUCER_REGS + 2 * WS_CONSUMER_REGS) <= 384 * WS_LAUNCH
 // M: CpMask, or CpBand (the `_band_` entries: key tiles from the one holding lo of the block's first
 // row; K/V pointers, S and every bound shifted by that tile's start kb, as in flash_fwd.cu's
 // fwd_pipe; rows past T take row T - 1's bounds and are not stored).
-template <typename T, int D, int BK, int NST, int LAG, typename M>
+// TMA (the `_tma_` entries): the producer's loads are TMA tile loads through the tensor maps tq, tk, tv
+// (kernel parameters: their addresses, never a local copy; q, k, v as [B, T or S, H or Hkv, D], box 64 x 1 x 128 x 1, 128-byte swizzle: one load per
+// 64-column block of a tile, straight into the layout above; zeros out of bounds), issued by one
+// thread: full_k / full_v get count 1 (that thread's arrive.expect_tx of the tile's bytes) and
+// complete when the bytes landed; no copy lag, no fence.proxy.async (TMA writes through the async
+// proxy). Otherwise (the maps unused) the cp.async producer below.
+template <typename T, int D, int BK, int NST, int LAG, typename M, bool TMA = false>
 __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, float* __restrict__ out,
                                              float* __restrict__ lse, int B, int T_, int S, int H,
-                                             int Hkv, float scale, M mask) {
+                                             int Hkv, float scale, M mask, const CpTmaMap* tq = nullptr,
+                                             const CpTmaMap* tk = nullptr, const CpTmaMap* tv = nullptr) {
   constexpr int BQ = 128, PTH = 128, NS = BK / 2, NO = D / 2;
   constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
   static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -119,8 +127,8 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < NST; ++s) {
-      cp_mbar_init(&full_k[s], PTH);
-      cp_mbar_init(&full_v[s], PTH);
+      cp_mbar_init(&full_k[s], TMA ? 1 : PTH);
+      cp_mbar_init(&full_v[s], TMA ? 1 : PTH);
       cp_mbar_init(&empty_k[s], 2 * 128);
       cp_mbar_init(&empty_v[s], 2 * 128);
     }
@@ -131,6 +139,27 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------------
     cp_setmaxnreg_dec<WS_PRODUCER_REGS>();
+    if constexpr (TMA) {
+      // One thread issues every load (Q with K_0); the rest of the warpgroup is done.
+      if (tid == 0) {
+        for (int n = 0; n < 2 * n_tiles; ++n) {
+          const int j = n >> 1, st = j % NST;
+          const bool isv = n & 1;
+          uint64_t* full = isv ? &full_v[st] : &full_k[st];
+          if (j >= NST) cp_mbar_wait(isv ? &empty_v[st] : &empty_k[st], (uint32_t)((j / NST - 1) & 1));
+          cp_mbar_arrive_expect_tx(full, KV_BYTES + (n == 0 ? Q_BYTES : 0u));
+          if (n == 0) {
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) cp_tma_load_4d(q_sa + (uint32_t)c * BQ * 128, tq, 64 * c, h, row0, b, full);
+          }
+          const uint32_t dst = isv ? v_st(st) : k_st(st);
+#pragma unroll
+          for (int c = 0; c < D / 64; ++c)
+            cp_tma_load_4d(dst + (uint32_t)c * BK * 128, isv ? tv : tk, 64 * c, kvh, kb + j * BK, b, full);
+        }
+      }
+      return;
+    }
     const size_t kv_rs = (size_t)Hkv * D;
     const T* kg = k + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
     const T* vg = v + ((size_t)b * S * Hkv + kvh) * D + (size_t)kb * kv_rs;
@@ -267,6 +296,11 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
 #define FWD_BAND_ARGS                                                                         \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, CP_BAND_ARGS
+// TMA entries flash_fwd_wgmma_tma{,_band}_*: the same arguments followed by the tensor maps of q, k
+// and v (src/flash/tma.rs: [B, T or S, H or Hkv, D] innermost first, box 64 x 1 x 128 x 1, 128-byte
+// swizzle), passed by value as __grid_constant__ parameters.
+#define TMA_MAPS \
+  const CP_GRID_CONSTANT CpTmaMap tm_q, const CP_GRID_CONSTANT CpTmaMap tm_k, const CP_GRID_CONSTANT CpTmaMap tm_v
 #define WGMMA_WS(NAME, D)                                                                                   \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_##NAME##_d##D(FWD_ARGS) {         \
     fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,             \
@@ -274,6 +308,15 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_band_##NAME##_d##D(FWD_BAND_ARGS) { \
     fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK); \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_tma_##NAME##_d##D(FWD_ARGS, TMA_MAPS) { \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpMask, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,  \
+        CpMask{causal, q_off, q_str, k_off, k_str}, &tm_q, &tm_k, &tm_v);                                   \
+  }                                                                                                         \
+  extern "C" __global__ void __launch_bounds__(384, 1)                                                      \
+      flash_fwd_wgmma_tma_band_##NAME##_d##D(FWD_BAND_ARGS, TMA_MAPS) {                                     \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpBand, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,  \
+        CP_BAND_OF_BLOCK, &tm_q, &tm_k, &tm_v);                                                             \
   }
 #define TY __half
 WGMMA_WS(f16, 64) WGMMA_WS(f16, 128)
