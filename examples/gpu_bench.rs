@@ -7,7 +7,7 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
 //!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384]
 //! ```
 //! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
@@ -59,7 +59,7 @@ fn parse() -> Result<Args> {
         .unwrap_or_else(|| "auto".into())
         .split(',')
         .map(|s| {
-            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, atomic)"))
+            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, atomic)"))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {
@@ -327,7 +327,7 @@ fn band_docs(a: &Args, dev: &Device) -> Result<()> {
     let pos: Vec<usize> = (0..t).collect();
     let causal = KMask::causal(0, 1, 0, 1);
     // The per-document calls run the family the band calls run: bands have Simple, Pipelined and
-    // Hopper (Wgmma, WgmmaAtomic, WgmmaWs) kernels; Mma and AtomicDq fall back to Auto's (FwdImpl docs).
+    // Hopper (Wgmma, WgmmaAtomic, WgmmaWs, WgmmaTma) kernels; Mma and AtomicDq fall back to Auto's (FwdImpl docs).
     let doc_imp = if matches!(imp, FwdImpl::Mma | FwdImpl::AtomicDq) { FwdImpl::Auto } else { imp };
     for &len in &a.docs {
         let lens: Vec<usize> = (0..t.div_ceil(len.max(1))).map(|i| len.min(t - i * len)).collect();

@@ -13,10 +13,10 @@
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
-//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic` and `wgmma-ws`, Hopper only, and
+//! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
 //! `atomic`, the fused backward with atomic dQ, are checked only when named); `--sections` runs only
 //! the named sections (so a kernel that faults and poisons the CUDA context can be isolated in
 //! its own process). The oracle section uses the ops' default kernels (`CANDLE_CP_FLASH_IMPL`).
@@ -49,7 +49,7 @@ use gpu_util::{max_abs, rand_tensor, rel};
 
 /// Whether `imp` is a tensor-core family (16-bit P, dO and dS: looser tolerances).
 fn tensor_core(imp: FwdImpl) -> bool {
-    matches!(imp, FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq)
+    matches!(imp, FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq)
 }
 
 /// Pass/fail bookkeeping.
@@ -168,6 +168,9 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaWs) {
                 imps.push(FwdImpl::WgmmaWs);
+            }
+            if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaTma) {
+                imps.push(FwdImpl::WgmmaTma);
             }
             if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
                 imps.push(FwdImpl::AtomicDq);
@@ -418,6 +421,9 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         if rep.named(FwdImpl::WgmmaWs) {
             imps.push(FwdImpl::WgmmaWs);
         }
+        if rep.named(FwdImpl::WgmmaTma) {
+            imps.push(FwdImpl::WgmmaTma);
+        }
         if rep.named(FwdImpl::AtomicDq) {
             imps.push(FwdImpl::AtomicDq);
         }
@@ -516,7 +522,7 @@ fn main() -> Result<()> {
         Some(list) => list
             .split(',')
             .map(|x| match FwdImpl::from_name(x) {
-                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, atomic)")),
+                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, atomic)")),
                 Some(imp) => Ok(imp),
             })
             .collect::<Result<Vec<_>>>()?,

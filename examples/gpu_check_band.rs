@@ -224,7 +224,7 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
 
             // the kernel crate with an explicit family; Mma falls back to Auto's
-            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple, FwdImpl::Mma] } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs] };
+            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple, FwdImpl::Mma] } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::WgmmaTma] };
             for &imp in imps {
                 let ((to, tl), tg) = tols(dtype, imp != FwdImpl::Simple);
                 let name = format!("band flash::fwd_band {imp:?} {tag}");

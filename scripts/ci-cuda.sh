@@ -102,15 +102,15 @@ shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" can
 shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
 t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks
+  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
-  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200
+  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200
 grep '^{' "$shim_log" >"$shim_dir/bench.jsonl"
 rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
-[ "$rows" = 10 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 10"; exit 1; }
+[ "$rows" = 12 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 12"; exit 1; }
 band_rows=$(grep -c '"impl":"candle-cp-band"' "$shim_dir/bench.jsonl" || true)
 [ "$band_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --docs under the shim printed $band_rows band rows, expected 1"; exit 1; }
 : >"$shim_dir/sdpa.jsonl"
@@ -147,16 +147,17 @@ shim_step "finetune_llama cpu packed window" env LD_LIBRARY_PATH="$lib" "$ft_bin
 shim_step "finetune_llama cuda packed window" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftp[@]}" --out "$shim_dir/ft-cuda-packed"
 same_loss "$shim_dir/ft-cpu-packed/metrics.jsonl" "$shim_dir/ft-cuda-packed/metrics.jsonl" 1e-5 "CP 4 ring, packed documents + sliding window 40, cuda f32 (shim, thread ranks on 2 devices)"
-# the same in bf16 with head dim 64 on the warp-specialized Hopper kernels (CANDLE_CP_FLASH_IMPL=
-# wgmma-ws: every ring step's band runs flash_{fwd,bwd}_wgmma_ws_band_*; checked in the trace)
+# the same in bf16 with head dim 64 on the warp-specialized Hopper kernels with TMA loads
+# (CANDLE_CP_FLASH_IMPL=wgmma-tma: every ring step's band runs flash_fwd_wgmma_tma_band_* and
+# flash_bwd_wgmma_ws_band_*; checked in the trace)
 ftw=("${ftp[@]/f32/bf16}" --hidden 128 --heads 2 --kv-heads 1)
 shim_step "finetune_llama cpu packed window bf16 d64" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftw[@]}" --out "$shim_dir/ft-cpu-packed-ws"
-shim_step "finetune_llama cuda packed window wgmma-ws" env CANDLE_CP_FLASH_IMPL=wgmma-ws CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+shim_step "finetune_llama cuda packed window wgmma-tma" env CANDLE_CP_FLASH_IMPL=wgmma-tma CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftw[@]}" --out "$shim_dir/ft-cuda-packed-ws"
-for kern in flash_fwd_wgmma_ws_band_bf16_d64 flash_bwd_wgmma_ws_band_bf16_d64; do
-  grep -q "launch $kern " "$shim_log" || { echo "ci-cuda: the wgmma-ws fine-tune did not launch $kern"; exit 1; }
+for kern in flash_fwd_wgmma_tma_band_bf16_d64 flash_bwd_wgmma_ws_band_bf16_d64; do
+  grep -q "launch $kern " "$shim_log" || { echo "ci-cuda: the wgmma-tma fine-tune did not launch $kern"; exit 1; }
 done
-same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-ws band kernels (shim)"
+same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-tma / wgmma-ws band kernels (shim)"
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
 # (with --recompute: the layers rerun in backward, NCCL collectives included)
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \

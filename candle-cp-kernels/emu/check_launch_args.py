@@ -53,9 +53,12 @@ C_ELEM = {"float": "f32", "__half": "f16", "__nv_bfloat16": "bf16", "unsigned in
           "uint32_t": "u32", "unsigned char": "u8", "uint8_t": "u8", "double": "f64"}
 C_SCALAR = {"int": ("int", 4), "unsigned int": ("int", 4), "unsigned": ("int", 4), "long long": ("int", 8),
             "unsigned long long": ("int", 8), "size_t": ("int", 8), "int64_t": ("int", 8),
-            "float": ("float", 4), "double": ("float", 8)}
+            "float": ("float", 4), "double": ("float", 8),
+            # a TMA tensor map by value (kernels/tma.cuh; `const __grid_constant__ CpTmaMap`)
+            "CpTmaMap": ("tmap", 128)}
 RUST_SCALAR = {"i32": ("int", 4), "u32": ("int", 4), "i64": ("int", 8), "u64": ("int", 8),
-               "usize": ("int", 8), "f32": ("float", 4), "f64": ("float", 8)}
+               "usize": ("int", 8), "f32": ("float", 4), "f64": ("float", 8),
+               "TmaMap": ("tmap", 128)}  # src/flash/tma.rs
 PTX_W = {"u64": 8, "s64": 8, "b64": 8, "f64": 8, "u32": 4, "s32": 4, "b32": 4, "f32": 4,
          "u16": 2, "s16": 2, "b16": 2, "u8": 1, "s8": 1, "b8": 1}
 
@@ -87,7 +90,7 @@ def c_entries():
             for name, params in re.findall(pat, r.stdout):
                 ps = []
                 for p in params.split(","):
-                    p = " ".join(p.replace("__restrict__", " ").split())
+                    p = " ".join(p.replace("__restrict__", " ").replace("__grid_constant__", " ").split())
                     m = re.match(r"^(const\s+)?([\w\s]+?)\s*(\*?)\s*(\w+)$", p.replace("*", " * "))
                     if not m:
                         err(f"{os.path.basename(cu)}: {name}: cannot parse parameter '{p}'")
@@ -123,7 +126,9 @@ def ptx_entries(ptx_dir):
         with open(f) as fh:
             txt = fh.read()
         for m in re.finditer(r"\.visible\s+\.entry\s+(\w+)\s*\(([^)]*)\)([^{]*)\{", txt):
-            widths = [PTX_W[t] for t in re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+", m.group(2))]
+            # (a by-value struct is a byte array: `.param .align 64 .b8 name[128]`)
+            widths = [PTX_W[t] * int(n or 1) for t, n in
+                      re.findall(r"\.param\s+(?:\.align\s+\d+\s+)?\.(\w+)\s+\w+(?:\[(\d+)\])?", m.group(2))]
             nt = re.search(r"\.maxntid\s+(\d+)", m.group(3))
             out[m.group(1)] = (os.path.basename(f), widths, int(nt.group(1)) if nt else None)
     return out, newest
@@ -573,6 +578,9 @@ def tile_configs():
     # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
+    # its TMA entries too (sm90_ws.rs fwd_wgmma_tma / fwd_tma_band: ws_config)
+    out["flash_fwd_wgmma_tma"] = dict(out.get("flash_fwd_wgmma_ws", {}))
+    out["flash_fwd_wgmma_tma_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
     out["flash_bwd_wgmma_ws_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
     for fam in ("flash_fwd_wgmma", "flash_bwd_wgmma_dkdv", "flash_bwd_wgmma_atomic", "flash_bwd_wgmma_dq"):
         out[fam + "_band"] = dict(out.get(fam, {}))

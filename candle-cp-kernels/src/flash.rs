@@ -20,6 +20,7 @@ mod bwd_sm90;
 mod bwd_sm90_ws;
 mod sm90;
 mod sm90_ws;
+mod tma;
 
 pub use band::{bwd_band, fwd_band, fwd_storage_band, KBand};
 
@@ -117,17 +118,25 @@ pub enum FwdImpl {
     /// is NONDETERMINISTIC (as `WgmmaAtomic`, whose results it shares); dK and dV stay
     /// deterministic. Checked under the CPU emulator only so far.
     WgmmaWs,
+    /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma-tma`; `Auto` never picks it);
+    /// f16/bf16, head dims 64/128, an error elsewhere. Forward: `WgmmaWs`'s kernel with its copies
+    /// made by the tensor memory accelerator (`flash_fwd_wgmma_tma_*` in
+    /// `kernels/flash_fwd_sm90_ws.cu`: one producer thread issues a `cp.async.bulk.tensor` load per
+    /// 64-column block of a tile through tensor maps of q, k, v, completed on the stage's mbarrier
+    /// by its byte count; FlashAttention-3's loads). Same results as `WgmmaWs`. Backward: `WgmmaWs`'s.
+    /// Checked under the CPU emulator only so far.
+    WgmmaTma,
 }
 
 impl FwdImpl {
     /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` |
-    /// `wgmma-atomic` | `wgmma-ws` | anything else (`Auto`).
+    /// `wgmma-atomic` | `wgmma-ws` | `wgmma-tma` | anything else (`Auto`).
     pub fn from_env() -> Self {
         std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
     }
 
-    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic` or
-    /// `wgmma-ws` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
+    /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic`,
+    /// `wgmma-ws` or `wgmma-tma` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
     /// otherwise.
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name.trim() {
@@ -139,6 +148,7 @@ impl FwdImpl {
             "atomic" => FwdImpl::AtomicDq,
             "wgmma-atomic" => FwdImpl::WgmmaAtomic,
             "wgmma-ws" => FwdImpl::WgmmaWs,
+            "wgmma-tma" => FwdImpl::WgmmaTma,
             _ => return None,
         })
     }
@@ -242,6 +252,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     let kern = match imp {
         FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
+        FwdImpl::WgmmaTma => return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
         FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
@@ -446,11 +457,11 @@ pub fn bwd_with(
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
         FwdImpl::Simple => (false, false),
-        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
         FwdImpl::Mma => (true, false),
         FwdImpl::Pipelined => (false, true),
         // Run bwd_sm90 / bwd_fused below.
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::AtomicDq => (false, false),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq => (false, false),
     };
     let wgmma = matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic);
     if imp == FwdImpl::AtomicDq {
@@ -459,7 +470,8 @@ pub fn bwd_with(
     if wgmma {
         bwd_sm90::check(&dev, d, imp == FwdImpl::WgmmaAtomic, q.shape(), k.shape())?;
     }
-    if imp == FwdImpl::WgmmaWs {
+    let ws = matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma);
+    if ws {
         bwd_sm90_ws::check(&dev, d, q.shape(), k.shape())?;
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
@@ -475,7 +487,7 @@ pub fn bwd_with(
         let atomic = imp == FwdImpl::WgmmaAtomic;
         return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
     }
-    if imp == FwdImpl::WgmmaWs {
+    if ws {
         return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale);
     }
     if imp == FwdImpl::AtomicDq {

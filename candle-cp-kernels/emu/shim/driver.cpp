@@ -26,6 +26,7 @@
 #include "emu.h"
 #include "registry.h"
 #include "shim.h"
+#include "tma_map.h"
 
 namespace cp_shim {
 
@@ -430,6 +431,38 @@ int cuModuleGetFunction(void** f, void* m, const char* name) {
   *f = it->second;
   return CU_OK;
 }
+// TMA tensor maps (src/flash/tma.rs for the flash_fwd_wgmma_tma* entries): written in the emulator's
+// encoding (emu/tma_map.h; the kernels' cp.async.bulk.tensor reads it), after the driver's checks
+// (tiled mode, no interleave, OOB fill none / NaN, any L2 promotion). Element types: the driver's
+// CU_TENSOR_MAP_DATA_TYPE_* values of 16-bit (FLOAT16 6, BFLOAT16 9, UINT16 1) and 32-bit (UINT32 2,
+// INT32 3, FLOAT32 7) elements; swizzle 0..3 = none, 32, 64, 128 bytes.
+int cuTensorMapEncodeTiled(void* map, int dtype, unsigned rank, void* addr, const unsigned long long* dims,
+                           const unsigned long long* strides, const unsigned* box, const unsigned* elem_strides,
+                           int interleave, int swizzle, int l2, int oob) {
+  (void)l2;
+  unsigned esize = 0;
+  switch (dtype) {
+    case 1: case 6: case 9: esize = 2; break;
+    case 2: case 3: case 7: esize = 4; break;
+    default: break;
+  }
+  const char* err = nullptr;
+  if (!map || !addr || !dims || !box || !elem_strides || (rank > 1 && !strides)) err = "a null pointer argument";
+  else if (esize == 0) err = "data type not modelled by the shim (16- and 32-bit types only)";
+  else if (interleave != 0) err = "interleaved layouts are not modelled by the shim";
+  else if (swizzle < 0 || swizzle > 3) err = "swizzle outside CU_TENSOR_MAP_SWIZZLE_NONE..128B";
+  else if (oob != 0 && oob != 1) err = "OOB fill not NONE / NAN_REQUEST_ZERO_FMA";
+  else if (oob == 1) err = "OOB fill NAN_REQUEST_ZERO_FMA is not modelled by the shim (zeros only)";
+  else
+    err = cp_tma::encode(map, esize, rank, addr, reinterpret_cast<const uint64_t*>(dims),
+                         reinterpret_cast<const uint64_t*>(strides), box, elem_strides, swizzle ? 16u << swizzle : 0u);
+  if (err) {
+    log("cuTensorMapEncodeTiled: %s", err);
+    return CU_INVALID_VALUE;
+  }
+  return CU_OK;
+}
+
 int cuFuncSetAttribute(void* f, int attrib, int value) {
   auto fn = static_cast<Func*>(f);
   if (!fn) return CU_INVALID_HANDLE;

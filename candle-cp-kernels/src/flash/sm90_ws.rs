@@ -2,14 +2,18 @@
 //! (`flash_fwd_wgmma_ws_{f16,bf16}_d{64,128}`: a producer warpgroup copying K/V tiles into an
 //! mbarrier ring, two consumer warpgroups on wgmma in ping-pong, FlashAttention-3 structure),
 //! chosen by [`super::FwdImpl::WgmmaWs`]; its band entries (`flash_fwd_wgmma_ws_band_*`) run
-//! `fwd_band` under `WgmmaWs` (launcher `super::sm90::fwd_hopper_band`). Same shapes and results as the other forward kernels:
+//! `fwd_band` under `WgmmaWs` (launcher `super::sm90::fwd_hopper_band`). Its TMA entries
+//! (`flash_fwd_wgmma_tma{,_band}_*`: the producer's copies as TMA tile loads issued by one thread,
+//! tensor maps from [`super::tma`]) run under [`super::FwdImpl::WgmmaTma`] ([`fwd_wgmma_tma`],
+//! [`fwd_tma_band`]). Same shapes and results as the other forward kernels:
 //! q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
 use super::sm90::check_fwd;
+use super::tma::{map_bthd, TmaMap};
 use super::{Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -68,6 +72,101 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     // check_dims, dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
     Ok((out, lse))
+}
+
+/// The tensor maps of q `[B, T, H, D]`, k and v `[B, S, Hkv, D]` for the TMA entries
+/// ([`super::tma::map_bthd`]).
+fn tma_maps<T>(dev: &CudaDevice, sfx: &str, (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap)> {
+    let bf = sfx == "bf16";
+    Ok((map_bthd(dev, qv, bf, (b, t, h, d), "q")?, map_bthd(dev, kv, bf, (b, s, hkv, d), "k")?, map_bthd(dev, vv, bf, (b, s, hkv, d), "v")?))
+}
+
+/// The `WgmmaTma` forward of `fwd_t`: as [`fwd_wgmma_ws`], with the TMA entry
+/// `flash_fwd_wgmma_tma_{sfx}_d{d}` (the K/V tiles and Q loaded by TMA through the tensor maps of
+/// q, k and v, which it takes after the usual arguments). Returns out f32 `[B, T, H, D]` and lse
+/// f32 `[B, H, T]`.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    mask: KMask,
+    scale: f32,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    check_fwd(dev, sfx, d, ql, "TMA wgmma kernel")?;
+    if b * t * h == 0 || s == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, fully_masked_lse(dev, b * h * t)?));
+    }
+    let (causal, qo, qs, ko, ks) = mask.args()?;
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
+    let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d))?;
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let name = format!("flash_fwd_wgmma_tma_{sfx}_d{d}");
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+    let cfg = ws_config(&func, (b, t, h, d))?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+    bld.arg(&tq).arg(&tk).arg(&tv);
+    // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu; sizes
+    // checked by check_dims, dtype/head dim/device above; the maps describe qv, kv, vv.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}
+
+/// The band forward of `fwd_band` under `WgmmaTma` (where [`applies`]): the TMA entry
+/// `flash_fwd_wgmma_tma_band_{sfx}_d{d}`, the band `lo`, `hi` u32 `[1 or B, T]` with batch stride
+/// `bstride` (0 or T) in place of the mask, the tensor maps after them. Returns out f32
+/// `[B, T, H, D]` and lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
+#[allow(clippy::too_many_arguments)]
+pub(super) fn fwd_tma_band<T: CudaDType + DeviceRepr>(
+    dev: &CudaDevice,
+    sfx: &str,
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    (b, t, s, h, hkv, d): Dims,
+    lo: &CudaView<'_, u32>,
+    hi: &CudaView<'_, u32>,
+    bstride: i64,
+    scale: f32,
+) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    check_fwd(dev, sfx, d, ql, "TMA band kernel")?;
+    if b * t * h == 0 || s == 0 {
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, fully_masked_lse(dev, b * h * t)?));
+    }
+    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
+    let (qv, kv, vv) = inp.qkv_views()?;
+    let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d))?;
+    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
+    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    let name = format!("flash_fwd_wgmma_tma_band_{sfx}_d{d}");
+    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+    let cfg = ws_config(&func, (b, t, h, d))?;
+    let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
+    let mut bld = func.builder();
+    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
+    bld.arg(lo).arg(hi).arg(&bstride);
+    bld.arg(&tq).arg(&tk).arg(&tv);
+    // SAFETY: argument list matches FWD_BAND_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu; sizes
+    // checked by check_dims and KBand::check (fwd_storage_band), dtype/head dim/device above.
+    unsafe { bld.launch(cfg) }.w()?;
+    Ok((out, lse))
+}
+
+/// lse `-inf` for `n` rows that see no key (the TMA entries need at least one key row for their maps).
+fn fully_masked_lse(dev: &CudaDevice, n: usize) -> Result<CudaSlice<f32>> {
+    Ok(dev.clone_htod(&vec![f32::NEG_INFINITY; n])?)
 }
 
 /// Launch config of `flash_fwd_wgmma_ws*` (grid `(ceil(T / 128), H, B)`, block 384, `ws_smem(d)`

@@ -1,0 +1,75 @@
+//! TMA tensor maps for the TMA entries of the warp-specialized Hopper forward
+//! (`flash_fwd_wgmma_tma{,_band}_*` in `kernels/flash_fwd_sm90_ws.cu`, launched by
+//! [`super::sm90_ws`] and `super::sm90::fwd_hopper_band` under [`super::FwdImpl::WgmmaTma`]).
+//!
+//! A tensor map describes a global tensor and the box (tile) one `cp.async.bulk.tensor` copies
+//! into shared memory; the driver encodes it (`cuTensorMapEncodeTiled`) and the kernel takes it by
+//! value as a `__grid_constant__` parameter. Ours: a contiguous 16-bit `[B, L, Hh, D]` tensor (q
+//! with `L = T`, `Hh = H`; k / v with `L = S`, `Hh = Hkv`), dimensions innermost first
+//! `(D, Hh, L, B)`, box `64 x 1 x 128 x 1` (64 values of one head for 128 rows: one 64-column block of
+//! a 128-row tile), 128-byte swizzle (the layout the wgmma descriptors read, `kernels/wgmma.cuh`),
+//! zeros outside the tensor (rows past `T` / `S`).
+
+use candle_core::cuda_backend::cudarc::driver::sys;
+use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr};
+use candle_core::{CudaDevice, Result};
+
+/// A tensor map as the kernels take it (`CpTmaMap` in `kernels/tma.cuh`): `CUtensorMap`'s 128
+/// opaque bytes, 64-byte aligned.
+#[repr(C, align(64))]
+#[derive(Clone, Copy)]
+pub(super) struct TmaMap([u64; 16]);
+
+// SAFETY: plain bytes with CUtensorMap's size and alignment; the kernels take it by value.
+unsafe impl DeviceRepr for TmaMap {}
+
+/// Rows (keys or queries) and columns (values of one head) of one box: `WS_BK` / `WS_BQ` rows and
+/// one 64-column block of the 128-byte swizzle.
+const BOX_ROWS: u32 = 128;
+const BOX_COLS: u32 = 64;
+
+/// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, for the
+/// TMA entries (see the module doc). Errors: a head dim that is not a multiple of 64, a view not
+/// 16-byte aligned, or the driver's refusal (its error code, with the shape).
+pub(super) fn map_bthd<T>(dev: &CudaDevice, view: &CudaView<'_, T>, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), what: &str) -> Result<TmaMap> {
+    if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 {
+        candle_core::bail!("flash_fwd (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension")
+    }
+    let stream = dev.cuda_stream();
+    let (ptr, _record) = view.device_ptr(&stream);
+    if ptr % 16 != 0 {
+        candle_core::bail!("flash_fwd (TMA): {what} [{b}, {l}, {hh}, {d}] starts at {ptr:#x}, not 16-byte aligned")
+    }
+    let u = |x: usize| x as u64;
+    let dims = [u(d), u(hh), u(l), u(b)];
+    // bytes between consecutive indices of dimensions 1, 2, 3 (dimension 0 is contiguous)
+    let strides = [u(d) * 2, u(hh * d) * 2, u(l * hh * d) * 2];
+    let boxes = [BOX_COLS, 1, BOX_ROWS, 1];
+    let elem_strides = [1u32; 4];
+    let dtype = if bf16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 };
+    let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
+    // SAFETY: every array has `rank` (4) entries (`strides` rank - 1), the pointers outlive the
+    // call, and `map` is a writable CUtensorMap.
+    let r = unsafe {
+        sys::cuTensorMapEncodeTiled(
+            map.as_mut_ptr(),
+            dtype,
+            4,
+            ptr as *mut std::ffi::c_void,
+            dims.as_ptr(),
+            strides.as_ptr(),
+            boxes.as_ptr(),
+            elem_strides.as_ptr(),
+            sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
+            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+            sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
+        )
+    };
+    if r != sys::CUresult::CUDA_SUCCESS {
+        candle_core::bail!("flash_fwd (TMA): cuTensorMapEncodeTiled failed ({r:?}) for {what} [{b}, {l}, {hh}, {d}] (dims {dims:?}, byte strides {strides:?}, box {boxes:?})")
+    }
+    // SAFETY: initialised by the successful call above.
+    let map = unsafe { map.assume_init() };
+    Ok(TmaMap(map.opaque))
+}
