@@ -166,7 +166,7 @@ pub(super) fn fwd_tma_band<T: CudaDType + DeviceRepr>(
 
 /// lse `-inf` for `n` rows that see no key (the TMA entries need at least one key row for their maps).
 fn fully_masked_lse(dev: &CudaDevice, n: usize) -> Result<CudaSlice<f32>> {
-    Ok(dev.clone_htod(&vec![f32::NEG_INFINITY; n])?)
+    dev.clone_htod(&vec![f32::NEG_INFINITY; n])
 }
 
 /// Launch config of `flash_fwd_wgmma_ws*` (grid `(ceil(T / 128), H, B)`, block 384, `ws_smem(d)`
