@@ -148,16 +148,16 @@ shim_step "finetune_llama cuda packed window" env CPEMU_DEVICES=2 LD_LIBRARY_PAT
   "$ft_bin" --device cuda --gpus 2 "${ftp[@]}" --out "$shim_dir/ft-cuda-packed"
 same_loss "$shim_dir/ft-cpu-packed/metrics.jsonl" "$shim_dir/ft-cuda-packed/metrics.jsonl" 1e-5 "CP 4 ring, packed documents + sliding window 40, cuda f32 (shim, thread ranks on 2 devices)"
 # the same in bf16 with head dim 64 on the warp-specialized Hopper kernels with TMA loads
-# (CANDLE_CP_FLASH_IMPL=wgmma-tma: every ring step's band runs flash_fwd_wgmma_tma_band_* and
-# flash_bwd_wgmma_ws_band_*; checked in the trace)
+# (CANDLE_CP_FLASH_IMPL=wgmma-tma: every ring step's band runs flash_{fwd,bwd}_wgmma_tma_band_*;
+# checked in the trace)
 ftw=("${ftp[@]/f32/bf16}" --hidden 128 --heads 2 --kv-heads 1)
 shim_step "finetune_llama cpu packed window bf16 d64" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftw[@]}" --out "$shim_dir/ft-cpu-packed-ws"
 shim_step "finetune_llama cuda packed window wgmma-tma" env CANDLE_CP_FLASH_IMPL=wgmma-tma CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftw[@]}" --out "$shim_dir/ft-cuda-packed-ws"
-for kern in flash_fwd_wgmma_tma_band_bf16_d64 flash_bwd_wgmma_ws_band_bf16_d64; do
+for kern in flash_fwd_wgmma_tma_band_bf16_d64 flash_bwd_wgmma_tma_band_bf16_d64; do
   grep -q "launch $kern " "$shim_log" || { echo "ci-cuda: the wgmma-tma fine-tune did not launch $kern"; exit 1; }
 done
-same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-tma / wgmma-ws band kernels (shim)"
+same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-tma band kernels (shim)"
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
 # (with --recompute: the layers rerun in backward, NCCL collectives included)
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \

@@ -119,22 +119,22 @@ run() {
   step 55 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring want mem reserve docs bwd
+  local imp ring want mem reserve docs
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers.
   for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma atomic; do
-    ring=0 mem=0 docs="" bwd=1
+    ring=0 mem=0 docs=""
     case $imp in
       pipelined) ring=4 docs=128,1024 want=65 reserve=130 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 60 SDPA; docs: band vs per-document calls
       wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=100 ;;  # docs: the wgmma band kernels
       wgmma-ws) docs=128,1024 want=50 reserve=80 ;;  # docs: its band kernels
-      wgmma-tma) docs=128,1024 bwd=0 want=40 reserve=60 ;;  # forward only (its backward is wgmma-ws's)
+      wgmma-tma) docs=128,1024 want=45 reserve=60 ;;  # the warp-specialized kernels with TMA loads
       atomic) mem=1 want=40 reserve=60 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
     esac
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
     step "$want" "$reserve" "$out/bench.jsonl" add -- "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" --bwd "$bwd" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
+      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1

@@ -14,7 +14,7 @@
 struct alignas(64) CpTmaMap {
   unsigned long long opaque[16];
 };
-CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D);
+CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
 
 #define BAND_A const unsigned int*, const unsigned int*, long long
 #define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
@@ -34,6 +34,7 @@ CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D);
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));                         \
   void flash_fwd_wgmma_tma_band_##N##_d##D(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
+  void flash_bwd_wgmma_tma_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap); \
   void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
   void flash_fwd_wgmma_band_##N##_d##D(FWDB_P(TY));                            \
   void flash_bwd_wgmma_atomic_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
@@ -284,8 +285,8 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
 //   2 "wgmma_ws": forward flash_fwd_wgmma_ws_band_* (flash_fwd_sm90_ws.cu; block 384, WS_SMEM(D));
 //     backward prep, flash_bwd_wgmma_ws_band_* (flash_bwd_sm90_ws.cu; grid (Hkv, ceil(S / 128), B),
 //     block 384, WSB_SMEM(D), dq zero-filled);
-//   3 "wgmma_tma": forward flash_fwd_wgmma_tma_band_* (the TMA loads of flash_fwd_sm90_ws.cu, tensor
-//     maps as src/flash/tma.rs makes them); its backward is fam 2's.
+//   3 "wgmma_tma": fam 2 with TMA loads: flash_fwd_wgmma_tma_band_* and flash_bwd_wgmma_tma_band_*
+//     (tensor maps as src/flash/tma.rs makes them).
 #define PICK_D(PRE, N, D) (D == 128 ? (void*)&PRE##N##_d128 : (void*)&PRE##N##_d64)
 #define PICK_T(PRE, D) (bf ? PICK_D(PRE, bf16, D) : PICK_D(PRE, f16, D))
 template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int fam) {
@@ -297,7 +298,7 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
   const std::string name = std::string("flash_fwd_band ") + fname + sfxb<TY>() + " " + c.tag();
   const std::string bname = std::string("flash_bwd_band ") + fname + sfxb<TY>() + " " + c.tag();
   const bool fwd = fam != 1 && wanted(name);
-  if (!fwd && (fam == 3 || !wanted(bname))) return;
+  if (!fwd && !wanted(bname)) return;
   Buf<TY> q(nq), k(nk), v(nk);
   const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl);
@@ -321,8 +322,8 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
     auto ft = reinterpret_cast<FwdTma>(PICK_T(flash_fwd_wgmma_tma_band_, D));
     const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(ws ? 384 : 256), smem, [&] {
       if (fam == 3)
-        ft(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, emu_tma_map(q.p, B, T, H, D),
-           emu_tma_map(k.p, B, S, Hkv, D), emu_tma_map(v.p, B, S, Hkv, D));
+        ft(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, emu_tma_map(q.p, B, T, H, D, 128),
+           emu_tma_map(k.p, B, S, Hkv, D, 128), emu_tma_map(v.p, B, S, Hkv, D, 128));
       else
         fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
     });
@@ -332,7 +333,7 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
       check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
     }
   }
-  if (fam == 3 || !wanted(bname)) return;
+  if (!wanted(bname)) return;
   Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
   std::fill(dq.p, dq.p + nq, 0.f);
   Buf<TY> do16(nq);
@@ -360,8 +361,15 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
     auto f3 = reinterpret_cast<Bwd3>(fam == 1 ? PICK_T(flash_bwd_wgmma_atomic_band_, D) : PICK_T(flash_bwd_wgmma_ws_band_, D));
     const size_t smem = fam == 1 ? kv_smem + 64 * 128 * 2  // WGMMA_BWD_SMEM_ATOMIC(D)
                                  : (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;  // WSB_SMEM(D)
+    using Bwd3Tma = void (*)(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+    auto ft = reinterpret_cast<Bwd3Tma>(PICK_T(flash_bwd_wgmma_tma_band_, D));
     ok = cp_emu::launch(bname.c_str(), kv_grid, dim3(fam == 1 ? 256 : 384), smem, [&] {
-      f3(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+      if (fam == 3)
+        ft(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0,
+           emu_tma_map(q.p, B, T, H, D, 64), emu_tma_map(d16, B, T, H, D, 64), emu_tma_map(k.p, B, S, Hkv, D, 128),
+           emu_tma_map(v.p, B, S, Hkv, D, 128));
+      else
+        f3(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
     });
   }
   check_launch(bname, ok);

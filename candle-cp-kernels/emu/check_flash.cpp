@@ -60,6 +60,10 @@ void flash_bwd_wgmma_dq_f16_d64(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_f16_d128(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_bf16_d64(float*, PIPE_P(__nv_bfloat16));
 void flash_bwd_wgmma_dq_bf16_d128(float*, PIPE_P(__nv_bfloat16));
+void flash_bwd_wgmma_tma_f16_d64(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_f16_d128(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_bwd_wgmma_ws_f16_d64(float*, float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_ws_f16_d128(float*, float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_ws_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16));
@@ -149,6 +153,8 @@ const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f
     {"flash_bwd_wgmma_dkdv_bf16_d64", (void*)&flash_bwd_wgmma_dkdv_bf16_d64}, {"flash_bwd_wgmma_dkdv_bf16_d128", (void*)&flash_bwd_wgmma_dkdv_bf16_d128},
     {"flash_bwd_wgmma_dq_f16_d64", (void*)&flash_bwd_wgmma_dq_f16_d64}, {"flash_bwd_wgmma_dq_f16_d128", (void*)&flash_bwd_wgmma_dq_f16_d128},
     {"flash_bwd_wgmma_dq_bf16_d64", (void*)&flash_bwd_wgmma_dq_bf16_d64}, {"flash_bwd_wgmma_dq_bf16_d128", (void*)&flash_bwd_wgmma_dq_bf16_d128},
+    {"flash_bwd_wgmma_tma_f16_d64", (void*)&flash_bwd_wgmma_tma_f16_d64}, {"flash_bwd_wgmma_tma_f16_d128", (void*)&flash_bwd_wgmma_tma_f16_d128},
+    {"flash_bwd_wgmma_tma_bf16_d64", (void*)&flash_bwd_wgmma_tma_bf16_d64}, {"flash_bwd_wgmma_tma_bf16_d128", (void*)&flash_bwd_wgmma_tma_bf16_d128},
     {"flash_bwd_wgmma_ws_f16_d64", (void*)&flash_bwd_wgmma_ws_f16_d64}, {"flash_bwd_wgmma_ws_f16_d128", (void*)&flash_bwd_wgmma_ws_f16_d128},
     {"flash_bwd_wgmma_ws_bf16_d64", (void*)&flash_bwd_wgmma_ws_bf16_d64}, {"flash_bwd_wgmma_ws_bf16_d128", (void*)&flash_bwd_wgmma_ws_bf16_d128}};
 
@@ -179,7 +185,7 @@ unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 // (src/flash/bwd_sm90.rs); D 64 / 128 only. WgmmaWs: flash_fwd_sm90_ws.cu forward (warp-specialized,
 // src/flash/sm90_ws.rs); backward = pipe prep + flash_bwd_sm90_ws.cu (src/flash/bwd_sm90_ws.rs: one
 // kernel, dq zero-filled and added to with atomics). WgmmaTma: the TMA entries of flash_fwd_sm90_ws.cu
-// (forward only; its backward is WgmmaWs's), with tensor maps made as src/flash/tma.rs makes them.
+// and flash_bwd_sm90_ws.cu, with tensor maps made as src/flash/tma.rs makes them.
 enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs, WgmmaTma };
 const char* impl_name(Impl i) {
   return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : i == Impl::Wgmma ? "wgmma"
@@ -189,12 +195,12 @@ const char* impl_name(Impl i) {
 }  // namespace
 
 // The tensor map of a contiguous 16-bit [B, L, Hh, D] tensor as src/flash/tma.rs encodes it: dims
-// innermost first (D, Hh, L, B), box 64 x 1 x 128 x 1, 128-byte swizzle (check_band.cpp too).
-CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D) {
+// innermost first (D, Hh, L, B), box 64 x 1 x rows x 1, 128-byte swizzle (check_band.cpp too).
+CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows) {
   CpTmaMap m;
   const uint64_t dims[4] = {(uint64_t)D, (uint64_t)Hh, (uint64_t)L, (uint64_t)B};
   const uint64_t str[3] = {(uint64_t)D * 2, (uint64_t)Hh * D * 2, (uint64_t)L * Hh * D * 2};
-  const uint32_t box[4] = {64, 1, 128, 1}, es[4] = {1, 1, 1, 1};
+  const uint32_t box[4] = {64, 1, (uint32_t)rows, 1}, es[4] = {1, 1, 1, 1};
   if (const char* err = cp_tma::encode(&m, 2, 4, p, dims, str, box, es, 128)) {
     std::printf("emu_tma_map: %s\n", err);
     std::exit(2);
@@ -237,8 +243,8 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(threads), smem, [&] {
         if (im == Impl::WgmmaTma)
           reinterpret_cast<FwdTmaFn<TY>>(fn)(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko,
-                                             c.ks, emu_tma_map(q.p, B, T, H, D), emu_tma_map(k.p, B, S, Hkv, D),
-                                             emu_tma_map(v.p, B, S, Hkv, D));
+                                             c.ks, emu_tma_map(q.p, B, T, H, D, 128), emu_tma_map(k.p, B, S, Hkv, D, 128),
+                                             emu_tma_map(v.p, B, S, Hkv, D, 128));
         else
           fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
       });
@@ -249,8 +255,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
         check(name + " lse", max_abs(lse.to_f32(), ref.lse), im == Impl::Simple ? 2e-5 : 1e-3);
       }
     }
-    // ---- backward (WgmmaTma: WgmmaWs's)
-    if (im == Impl::WgmmaTma) continue;
+    // ---- backward
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
     if (!wanted(name)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
@@ -305,18 +310,26 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
                  dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
-      if (im == Impl::WgmmaWs) {
+      if (im == Impl::WgmmaWs || im == Impl::WgmmaTma) {
         // WSB_* (flash_bwd_sm90_ws.cu), src/flash/bwd_sm90_ws.rs: grid (Hkv, ceil(S / 128), B), 384
         // threads, WSB_SMEM(D); dq zero-filled by the launcher (accumulate: added to).
         using WsFn = void (*)(float*, float*, float*, PIPE_P(TY));
-        auto wsf = reinterpret_cast<WsFn>(lookup("flash_bwd_wgmma_ws_" + dsfx));
+        using TmaFn = void (*)(float*, float*, float*, PIPE_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+        const bool tma = im == Impl::WgmmaTma;
+        auto wsf = reinterpret_cast<WsFn>(lookup(std::string(tma ? "flash_bwd_wgmma_tma_" : "flash_bwd_wgmma_ws_") + dsfx));
         const size_t nst = D == 128 ? 3 : 4;
         const size_t ws_smem = (2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;
-        grads = [&, do16p, wsf, ws_smem](int acc) {
+        grads = [&, do16p, wsf, ws_smem, tma](int acc) {
           if (!acc) std::fill(dq.p, dq.p + nq, 0.f);
           const TY* d16 = do16p->p;
-          return cp_emu::launch("flash_bwd_wgmma_ws", dim3(Hkv, cdiv(S, 128), B), dim3(384), ws_smem, [&] {
-            wsf(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+          return cp_emu::launch(tma ? "flash_bwd_wgmma_tma" : "flash_bwd_wgmma_ws", dim3(Hkv, cdiv(S, 128), B), dim3(384), ws_smem, [&] {
+            if (tma)
+              reinterpret_cast<TmaFn>(wsf)(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal,
+                                           c.qo, c.qs, c.ko, c.ks, acc, emu_tma_map(q.p, B, T, H, D, 64),
+                                           emu_tma_map(d16, B, T, H, D, 64), emu_tma_map(k.p, B, S, Hkv, D, 128),
+                                           emu_tma_map(v.p, B, S, Hkv, D, 128));
+            else
+              wsf(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
           });
         };
       }

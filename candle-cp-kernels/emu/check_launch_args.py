@@ -578,9 +578,11 @@ def tile_configs():
     # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
-    # its TMA entries too (sm90_ws.rs fwd_wgmma_tma / fwd_tma_band: ws_config)
+    # their TMA entries too (sm90_ws.rs fwd_wgmma_tma / fwd_tma_band: ws_config)
     out["flash_fwd_wgmma_tma"] = dict(out.get("flash_fwd_wgmma_ws", {}))
     out["flash_fwd_wgmma_tma_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
+    out["flash_bwd_wgmma_tma"] = dict(out.get("flash_bwd_wgmma_ws", {}))  # bwd_sm90_ws.rs: one LaunchConfig
+    out["flash_bwd_wgmma_tma_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
     out["flash_bwd_wgmma_ws_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
     for fam in ("flash_fwd_wgmma", "flash_bwd_wgmma_dkdv", "flash_bwd_wgmma_atomic", "flash_bwd_wgmma_dq"):
         out[fam + "_band"] = dict(out.get(fam, {}))

@@ -248,6 +248,18 @@ MUTATIONS = [
     ("tma-gqa-head", "flash_fwd_sm90_ws.cu",
      "isv ? tv : tk, 64 * c, kvh, kb + j * BK, b, full);", "isv ? tv : tk, 64 * c, h, kb + j * BK, b, full);",
      "wgmma_tma", "TMA forward: K/V loaded from the query head instead of its KV head (GQA)"),
+    ("tma-bwd-expect-kv", "flash_bwd_sm90_ws.cu",
+     "cp_mbar_arrive_expect_tx(&full[st], 2 * Q_BYTES + (n == 0 ? 2 * KV_BYTES : 0u));",
+     "cp_mbar_arrive_expect_tx(&full[st], 2 * Q_BYTES);",
+     "wgmma_tma", "TMA backward: tile 0's expect_tx leaves out K and V (its phase completes before they land)"),
+    ("tma-bwd-empty-wait", "flash_bwd_sm90_ws.cu",
+     "          if (n >= NST) cp_mbar_wait(&empty[st], (uint32_t)((n / NST - 1) & 1));\n"
+     "          const int hq = kvh * G + n / n_qt, i0 = i_begin + (n % n_qt) * BQ;\n          const int i = i0 + tid;\n",
+     "          const int hq = kvh * G + n / n_qt, i0 = i_begin + (n % n_qt) * BQ;\n          const int i = i0 + tid;\n",
+     "wgmma_tma", "TMA backward: a Q / dO stage (and its lse / delta) refilled without waiting for its EMPTY barrier"),
+    ("tma-bwd-q-head", "flash_bwd_sm90_ws.cu",
+     "tm[0], 64 * c, hq, i0, b, &full[st]);", "tm[0], 64 * c, kvh, i0, b, &full[st]);",
+     "wgmma_tma", "TMA backward: Q loaded from the KV head instead of the tile's query head (GQA)"),
 ]
 
 

@@ -61,6 +61,7 @@
 #endif
 
 #include "mbarrier.cuh"  // mbarriers, named barriers, setmaxnreg
+#include "tma.cuh"       // TMA tile loads (the _tma_ entries)
 #include "flash_sm90.cuh"  // S^T / dP^T issue, P^T, dS^T, transposed dS store, dK / dV store
 #include "wgmma.cuh"     // wgmma wrappers, descriptors, swizzled tile loads
 
@@ -86,12 +87,20 @@ __device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
 
 // M: CpMask, or CpBand (the `_band_` entries: the query rows [qbegin(k0), qend(k0 + BN)) that see
 // a key of the block, and per-element band tests in tiles some row does not see whole).
-template <typename T, int D, int NST, int LAG, typename M>
+// TMA (the `_tma_` entries): K, V, Q and dO arrive by TMA tile loads through the tensor maps tm[0..3]
+// = q, dO (box 64 x 1 x 64 x 1), k, v (box 64 x 1 x 128 x 1), [B, T or S, H or Hkv, D] innermost
+// first, 128-byte swizzle, zeros out of bounds (kernel-parameter addresses, never a local copy).
+// The producer threads < BQ still write the stage's lse2 / delta; full[s] gets count BQ: thread 0
+// arrives with expect_tx of the stage's bytes (and K / V's with tile 0) and issues the loads, threads
+// 1 .. BQ - 1 arrive after their stores. No copy lag, no fence.proxy.async (TMA writes through the
+// async proxy; the lse2 / delta stores are read by generic loads after the acquire).
+template <typename T, int D, int NST, int LAG, typename M, bool TMA = false>
 __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __restrict__ q, const T* __restrict__ k,
                                              const T* __restrict__ v, const T* __restrict__ do16,
                                              const float* __restrict__ lse, const float* __restrict__ delta,
                                              float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
-                                             int Hkv, float scale, M mask, int accumulate) {
+                                             int Hkv, float scale, M mask, int accumulate,
+                                             const CpTmaMap* const* tm = nullptr) {
   constexpr int BN = 128, BQ = 64, PTH = 128, NS = BQ / 2, NA = D / 2;
   constexpr uint32_t KV_BYTES = BN * D * 2, Q_BYTES = BQ * D * 2, DS_BYTES = BQ * BN * 2;
   static_assert(D % 64 == 0, "128-byte swizzle needs 64-element column blocks");
@@ -121,7 +130,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   if (tid == 0) {
 #pragma unroll
     for (int s = 0; s < NST; ++s) {
-      cp_mbar_init(&full[s], PTH);
+      cp_mbar_init(&full[s], TMA ? BQ : PTH);
       cp_mbar_init(&empty[s], 2 * 128);
     }
     cp_mbar_init_fence();
@@ -131,6 +140,35 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   if (wg == 0) {
     // ---- producer ----------------------------------------------------------------------------
     cp_setmaxnreg_dec<WSB_PRODUCER_REGS>();
+    if constexpr (TMA) {
+      if (tid < BQ) {
+        for (int n = 0; n < n_it; ++n) {
+          const int st = n % NST;
+          if (n >= NST) cp_mbar_wait(&empty[st], (uint32_t)((n / NST - 1) & 1));
+          const int hq = kvh * G + n / n_qt, i0 = i_begin + (n % n_qt) * BQ;
+          const int i = i0 + tid;
+          const size_t li = ((size_t)b * H + hq) * T_ + i;
+          const float l = i < T_ ? lse[li] : -INFINITY;
+          ls_s[st * BQ + tid] = l == -INFINITY ? INFINITY : l * CP_LOG2E;  // +inf: P = 0 for the row
+          dl_s[st * BQ + tid] = i < T_ ? delta[li] : 0.f;
+          if (tid == 0) {
+            cp_mbar_arrive_expect_tx(&full[st], 2 * Q_BYTES + (n == 0 ? 2 * KV_BYTES : 0u));
+#pragma unroll
+            for (int c = 0; c < D / 64; ++c) {
+              if (n == 0) {  // K and V of the block once, with tile 0
+                cp_tma_load_4d(k_sa + (uint32_t)c * BN * 128, tm[2], 64 * c, kvh, k0, b, &full[st]);
+                cp_tma_load_4d(v_sa + (uint32_t)c * BN * 128, tm[3], 64 * c, kvh, k0, b, &full[st]);
+              }
+              cp_tma_load_4d(q_st(st) + (uint32_t)c * BQ * 128, tm[0], 64 * c, hq, i0, b, &full[st]);
+              cp_tma_load_4d(do_st(st) + (uint32_t)c * BQ * 128, tm[1], 64 * c, hq, i0, b, &full[st]);
+            }
+          } else {
+            cp_mbar_arrive(&full[st]);
+          }
+        }
+      }
+      return;
+    }
     const size_t kv_rs = (size_t)Hkv * D, q_rs = (size_t)H * D;
     // K and V join tile 0's commit group (a block without tiles copies nothing).
     if (n_it > 0) {
@@ -308,12 +346,23 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
       int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,            \
       long long q_str, long long k_off, long long k_str, int accumulate
+// TMA entries flash_bwd_wgmma_tma{,_band}_*: the same arguments followed by the tensor maps of q, dO
+// (box 64 x 1 x 64 x 1), k and v (box 64 x 1 x 128 x 1) (src/flash/tma.rs), __grid_constant__.
+#define TMA_BWD_MAPS                                                                              \
+  const CP_GRID_CONSTANT CpTmaMap tm_q, const CP_GRID_CONSTANT CpTmaMap tm_do,                    \
+      const CP_GRID_CONSTANT CpTmaMap tm_k, const CP_GRID_CONSTANT CpTmaMap tm_v
 #define WGMMA_WS_BWD(NAME, D)                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_ws_##NAME##_d##D(             \
       float* dq, float* dk, float* dv, PIPE_ARGS) {                                                   \
     bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv,  \
                                              scale, CpMask{causal, q_off, q_str, k_off, k_str},       \
                                              accumulate);                                             \
+  }                                                                                                   \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_tma_##NAME##_d##D(            \
+      float* dq, float* dk, float* dv, PIPE_ARGS, TMA_BWD_MAPS) {                                     \
+    const CpTmaMap* tm[4] = {&tm_q, &tm_do, &tm_k, &tm_v};                                            \
+    bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG, CpMask, true>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, \
+        H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str}, accumulate, tm);                  \
   }
 // Band entries flash_bwd_wgmma_ws_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
 // common.cuh; launcher src/flash/band.rs -> bwd_sm90_ws.rs, CPU reference
@@ -326,6 +375,12 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       float* dq, float* dk, float* dv, PIPE_BAND_ARGS) {                                             \
     bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, \
                                              scale, CP_BAND_OF_BLOCK, accumulate);                   \
+  }                                                                                                  \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_tma_band_##NAME##_d##D(      \
+      float* dq, float* dk, float* dv, PIPE_BAND_ARGS, TMA_BWD_MAPS) {                               \
+    const CpTmaMap* tm[4] = {&tm_q, &tm_do, &tm_k, &tm_v};                                           \
+    bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG, CpBand, true>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, \
+        H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate, tm);                                           \
   }
 #define TY __half
 WGMMA_WS_BWD(f16, 64) WGMMA_WS_BWD(f16, 128)

@@ -123,8 +123,10 @@ pub enum FwdImpl {
     /// made by the tensor memory accelerator (`flash_fwd_wgmma_tma_*` in
     /// `kernels/flash_fwd_sm90_ws.cu`: one producer thread issues a `cp.async.bulk.tensor` load per
     /// 64-column block of a tile through tensor maps of q, k, v, completed on the stage's mbarrier
-    /// by its byte count; FlashAttention-3's loads). Same results as `WgmmaWs`. Backward: `WgmmaWs`'s.
-    /// Checked under the CPU emulator only so far.
+    /// by its byte count; FlashAttention-3's loads). Backward: `WgmmaWs`'s kernel with TMA loads of
+    /// K, V and each query tile's Q and dO (`flash_bwd_wgmma_tma_*` in
+    /// `kernels/flash_bwd_sm90_ws.cu`). Same results as `WgmmaWs` (dQ's summation order
+    /// nondeterministic). Checked under the CPU emulator only so far.
     WgmmaTma,
 }
 
@@ -488,7 +490,7 @@ pub fn bwd_with(
         return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
     }
     if ws {
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale);
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale, imp == FwdImpl::WgmmaTma);
     }
     if imp == FwdImpl::AtomicDq {
         return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);

@@ -252,7 +252,7 @@ pub fn bwd_band(
     let dims = (b, t, s, h, hkv, d);
     if matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape()).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale);
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale, imp == FwdImpl::WgmmaTma);
     }
     let atomic = imp == FwdImpl::WgmmaAtomic;
     if (imp == FwdImpl::Wgmma || atomic) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90::check(&dev, d, atomic, q.shape(), k.shape()).is_ok() {

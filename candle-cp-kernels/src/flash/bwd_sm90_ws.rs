@@ -9,12 +9,15 @@
 //! ([`super::bwd_sm90`]). Shapes as the other backward kernels: q `[B, T, H, D]`, k/v
 //! `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns f32 dq
 //! `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. Its band entries (`flash_bwd_wgmma_ws_band_*`) run
-//! `bwd_band` under `WgmmaWs`.
+//! `bwd_band` under `WgmmaWs`. Under [`super::FwdImpl::WgmmaTma`] the same kernel's TMA entries run
+//! (`flash_bwd_wgmma_tma{,_band}_*`: K, V, Q and dO loaded by TMA through tensor maps from
+//! [`super::tma`], issued by one producer thread).
 
+use super::tma::{map_bthd, TmaMap};
 use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -64,11 +67,30 @@ pub(super) enum WsbMask<'a> {
     Band { lo: &'a Tensor, hi: &'a Tensor },
 }
 
+/// The tensor maps of q and dO `[B, T, H, D]` (boxes of `WSB_BQ` rows), k and v `[B, S, Hkv, D]`
+/// (`WSB_BN` rows) for the backward's TMA entries ([`super::tma::map_bthd`]).
+#[allow(clippy::type_complexity)]
+fn bwd_tma_maps<T, V, W>(dev: &CudaDevice, bf: bool, (qv, dov, kv, vv): (&V, &W, &V, &V), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap, TmaMap)>
+where
+    V: DevicePtr<T>,
+    W: DevicePtr<T>,
+{
+    let (rq, rk) = (WSB_BQ as u32, WSB_BN as u32);
+    Ok((
+        map_bthd(dev, qv, bf, (b, t, h, d), rq, "q")?,
+        map_bthd(dev, dov, bf, (b, t, h, d), rq, "dout")?,
+        map_bthd(dev, kv, bf, (b, s, hkv, d), rk, "k")?,
+        map_bthd(dev, vv, bf, (b, s, hkv, d), rk, "v")?,
+    ))
+}
+
 /// The `WgmmaWs` backward of [`super::bwd_with`] (and of `bwd_band` under `WgmmaWs` where [`check`]
 /// passes) on checked inputs ([`check`] passed; f16/bf16; out, lse, dout already contiguous f32,
 /// B * T * H > 0, S > 0): the prep kernel, then `flash_bwd_wgmma_ws_{sfx}_d{d}` (or
 /// `flash_bwd_wgmma_ws_band_{sfx}_d{d}`) on grid `(Hkv, ceil(S / 128), B)`, block 384, dq
-/// zero-filled.
+/// zero-filled. With `tma` (`WgmmaTma`) the TMA entries `flash_bwd_wgmma_tma{,_band}_{sfx}_d{d}`
+/// instead, the tensor maps of q, dO, k and v after the usual arguments.
+#[allow(clippy::too_many_arguments)]
 pub(super) fn bwd_wgmma_ws(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
@@ -76,6 +98,7 @@ pub(super) fn bwd_wgmma_ws(
     (b, t, s, h, hkv, d): Dims,
     mask: WsbMask<'_>,
     scale: f32,
+    tma: bool,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
@@ -115,6 +138,37 @@ pub(super) fn bwd_wgmma_ws(
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
             let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
             match (&mask, &lo_g, &hi_g) {
+                (WsbMask::Mask(m), _, _) if tma => {
+                    let (causal, qo, qstr, ko, kstr) = m.args()?;
+                    let (tq, tdo, tk, tv) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv), (b, t, s, h, hkv, d))?;
+                    let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_tma_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
+                    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+                    let mut bld = func.builder();
+                    bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+                    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+                    bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv);
+                    // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS, TMA_BWD_MAPS` in
+                    // kernels/flash_bwd_sm90_ws.cu; device, head dim and shared memory checked by `check`;
+                    // the maps describe qv, do16, kv, vv.
+                    unsafe { bld.launch(cfg) }.w()?;
+                }
+                (WsbMask::Band { lo, .. }, Some((los, lol)), Some((his, hil))) if tma => {
+                    let lov = util::view::<u32>(storage_of(los, "band lo", lo.shape())?, lol, "band lo")?;
+                    let hiv = util::view::<u32>(storage_of(his, "band hi", lo.shape())?, hil, "band hi")?;
+                    let bstride = util::to_i64(if lo.dim(0)? == 1 { 0 } else { t }, "band batch stride")?;
+                    let (tq, tdo, tk, tv) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv), (b, t, s, h, hkv, d))?;
+                    let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_tma_band_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
+                    func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+                    let mut bld = func.builder();
+                    bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
+                    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+                    bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv);
+                    // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_BAND_ARGS, TMA_BWD_MAPS` in
+                    // kernels/flash_bwd_sm90_ws.cu; the band's shape and device checked by KBand::check.
+                    unsafe { bld.launch(cfg) }.w()?;
+                }
                 (WsbMask::Mask(m), _, _) => {
                     let (causal, qo, qstr, ko, kstr) = m.args()?;
                     let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_ws_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;

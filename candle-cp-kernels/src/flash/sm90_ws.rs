@@ -74,11 +74,12 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     Ok((out, lse))
 }
 
-/// The tensor maps of q `[B, T, H, D]`, k and v `[B, S, Hkv, D]` for the TMA entries
-/// ([`super::tma::map_bthd`]).
+/// The tensor maps of q `[B, T, H, D]` (boxes of `WS_BQ` rows), k and v `[B, S, Hkv, D]` (`WS_BK`
+/// rows) for the forward's TMA entries ([`super::tma::map_bthd`]).
 fn tma_maps<T>(dev: &CudaDevice, sfx: &str, (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap)> {
     let bf = sfx == "bf16";
-    Ok((map_bthd(dev, qv, bf, (b, t, h, d), "q")?, map_bthd(dev, kv, bf, (b, s, hkv, d), "k")?, map_bthd(dev, vv, bf, (b, s, hkv, d), "v")?))
+    let (rq, rk) = (WS_BQ as u32, WS_BK as u32);
+    Ok((map_bthd(dev, qv, bf, (b, t, h, d), rq, "q")?, map_bthd(dev, kv, bf, (b, s, hkv, d), rk, "k")?, map_bthd(dev, vv, bf, (b, s, hkv, d), rk, "v")?))
 }
 
 /// The `WgmmaTma` forward of `fwd_t`: as [`fwd_wgmma_ws`], with the TMA entry

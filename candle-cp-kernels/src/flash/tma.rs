@@ -1,17 +1,18 @@
-//! TMA tensor maps for the TMA entries of the warp-specialized Hopper forward
+//! TMA tensor maps for the TMA entries of the warp-specialized Hopper kernels
 //! (`flash_fwd_wgmma_tma{,_band}_*` in `kernels/flash_fwd_sm90_ws.cu`, launched by
-//! [`super::sm90_ws`] and `super::sm90::fwd_hopper_band` under [`super::FwdImpl::WgmmaTma`]).
+//! [`super::sm90_ws`]; `flash_bwd_wgmma_tma{,_band}_*` in `kernels/flash_bwd_sm90_ws.cu`, launched
+//! by [`super::bwd_sm90_ws`]; both under [`super::FwdImpl::WgmmaTma`]).
 //!
 //! A tensor map describes a global tensor and the box (tile) one `cp.async.bulk.tensor` copies
 //! into shared memory; the driver encodes it (`cuTensorMapEncodeTiled`) and the kernel takes it by
 //! value as a `__grid_constant__` parameter. Ours: a contiguous 16-bit `[B, L, Hh, D]` tensor (q
 //! with `L = T`, `Hh = H`; k / v with `L = S`, `Hh = Hkv`), dimensions innermost first
-//! `(D, Hh, L, B)`, box `64 x 1 x 128 x 1` (64 values of one head for 128 rows: one 64-column block of
-//! a 128-row tile), 128-byte swizzle (the layout the wgmma descriptors read, `kernels/wgmma.cuh`),
+//! `(D, Hh, L, B)`, box `64 x 1 x rows x 1` (64 values of one head for `rows` rows: one 64-column
+//! block of a tile of 128 rows, or of the backward's 64-row Q / dO tiles), 128-byte swizzle (the layout the wgmma descriptors read, `kernels/wgmma.cuh`),
 //! zeros outside the tensor (rows past `T` / `S`).
 
 use candle_core::cuda_backend::cudarc::driver::sys;
-use candle_core::cuda_backend::cudarc::driver::{CudaView, DevicePtr, DeviceRepr};
+use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr};
 use candle_core::{CudaDevice, Result};
 
 /// A tensor map as the kernels take it (`CpTmaMap` in `kernels/tma.cuh`): `CUtensorMap`'s 128
@@ -23,28 +24,27 @@ pub(super) struct TmaMap([u64; 16]);
 // SAFETY: plain bytes with CUtensorMap's size and alignment; the kernels take it by value.
 unsafe impl DeviceRepr for TmaMap {}
 
-/// Rows (keys or queries) and columns (values of one head) of one box: `WS_BK` / `WS_BQ` rows and
-/// one 64-column block of the 128-byte swizzle.
-const BOX_ROWS: u32 = 128;
+/// Columns (values of one head) of one box: one 64-column block of the 128-byte swizzle.
 const BOX_COLS: u32 = 64;
 
-/// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, for the
-/// TMA entries (see the module doc). Errors: a head dim that is not a multiple of 64, a view not
-/// 16-byte aligned, or the driver's refusal (its error code, with the shape).
-pub(super) fn map_bthd<T>(dev: &CudaDevice, view: &CudaView<'_, T>, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), what: &str) -> Result<TmaMap> {
-    if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 {
-        candle_core::bail!("flash_fwd (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension")
+/// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, with
+/// boxes of `rows` rows (1..=256: the kernel's tile rows), for the TMA entries (see the module
+/// doc). Errors: a head dim that is not a multiple of 64, a view not 16-byte aligned, or the
+/// driver's refusal (its error code, with the shape).
+pub(super) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
+    if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
+        candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension (box rows {rows})")
     }
     let stream = dev.cuda_stream();
     let (ptr, _record) = view.device_ptr(&stream);
     if ptr % 16 != 0 {
-        candle_core::bail!("flash_fwd (TMA): {what} [{b}, {l}, {hh}, {d}] starts at {ptr:#x}, not 16-byte aligned")
+        candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] starts at {ptr:#x}, not 16-byte aligned")
     }
     let u = |x: usize| x as u64;
     let dims = [u(d), u(hh), u(l), u(b)];
     // bytes between consecutive indices of dimensions 1, 2, 3 (dimension 0 is contiguous)
     let strides = [u(d) * 2, u(hh * d) * 2, u(l * hh * d) * 2];
-    let boxes = [BOX_COLS, 1, BOX_ROWS, 1];
+    let boxes = [BOX_COLS, 1, rows, 1];
     let elem_strides = [1u32; 4];
     let dtype = if bf16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
@@ -67,7 +67,7 @@ pub(super) fn map_bthd<T>(dev: &CudaDevice, view: &CudaView<'_, T>, bf16: bool, 
         )
     };
     if r != sys::CUresult::CUDA_SUCCESS {
-        candle_core::bail!("flash_fwd (TMA): cuTensorMapEncodeTiled failed ({r:?}) for {what} [{b}, {l}, {hh}, {d}] (dims {dims:?}, byte strides {strides:?}, box {boxes:?})")
+        candle_core::bail!("flash attention (TMA): cuTensorMapEncodeTiled failed ({r:?}) for {what} [{b}, {l}, {hh}, {d}] (dims {dims:?}, byte strides {strides:?}, box {boxes:?})")
     }
     // SAFETY: initialised by the successful call above.
     let map = unsafe { map.assume_init() };
