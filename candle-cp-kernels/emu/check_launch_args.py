@@ -194,6 +194,19 @@ def resolve(name, text, site, all_src):
             best = ("ptr", e) if e else scalar_of(rhs)
     if best:
         return best
+    # bound by a struct-variant pattern `Enum::Variant { .., name, .. } =>` (match arm): the field's
+    # type in the enum's definition `Variant { name: ty, .. }`
+    for m in re.finditer(r"\b(\w+)::(\w+)\s*\{([^{}]*)\}\s*(?:if\b[^=]*)?=>", body):
+        if name not in [x.strip().split(":")[0].strip() for x in m.group(3).split(",")]:
+            continue
+        for d in re.finditer(r"\benum\s+" + m.group(1) + r"\b[^{]*\{(.*?)\n\}", all_src, re.S):
+            fm = re.search(r"\b" + m.group(2) + r"\s*\{([^{}]*)\}", d.group(1))
+            if fm:
+                for fld in split_top(fm.group(1)):
+                    mm = re.match(r"^\s*" + re.escape(name) + r"\s*:\s*(.*?)\s*$", fld, re.S)
+                    if mm:
+                        t = type_of_rust(mm.group(1))
+                        return t if t[0] == "ptr" or t[1] in RUST_SCALAR else None
     if sig:
         for p in split_top(sig.group(1)):
             mm = re.match(r"^\s*(?:mut\s+)?" + re.escape(name) + r"\s*:\s*(.*)$", p, re.S)

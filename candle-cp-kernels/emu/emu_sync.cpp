@@ -89,15 +89,21 @@ void mbar_complete_tx(uint32_t addr, uint32_t bytes) {
   mbar_try_complete(addr, b);
 }
 
-uint32_t tma_arrival(uint32_t bar, uint32_t load) {
-  const uint32_t i = (uint32_t)arrivals.size();
-  arrivals.push_back({bar, cur, {}, false, (int64_t)load});
+// Arrival i fires per landing mode: at once (AtIssue), when a waiter on its barrier would block
+// (AtWait), or at a seeded later scheduling point (Random).
+void queue_arrival(uint32_t i) {
   if (landing == Landing::AtIssue)
     fire(i);
   else if (landing == Landing::AtWait)
     deferred.push_back(i);
   else
     due.push({tick + random_delay(), i | ARRIVE});
+}
+
+uint32_t tma_arrival(uint32_t bar, uint32_t load) {
+  const uint32_t i = (uint32_t)arrivals.size();
+  arrivals.push_back({bar, cur, {}, false, (int64_t)load});
+  queue_arrival(i);
   return i;
 }
 
@@ -222,9 +228,12 @@ void mbar_init(const void* bar, uint32_t count) {
 
 void mbar_init_fence() {}  // ordering only (cluster scope / async proxy); the CTA publishes by __syncthreads
 
-void mbar_arrive(const void* bar) {
-  const uint32_t addr = mbar_addr(bar, "mbarrier.arrive");
-  MBar& b = mbar_get(addr, "mbarrier.arrive");
+// mbarrier.arrive (tx = 0) / mbarrier.arrive.expect_tx (tx bytes added first).
+static void arrive_tx(const void* bar, uint32_t tx, const char* what) {
+  const uint32_t addr = mbar_addr(bar, what);
+  MBar& b = mbar_get(addr, what);
+  if (tx >= (1u << 20)) fail("%s at shared offset %u: %u bytes (at most 2^20 - 1)", what, addr, tx);
+  b.tx += tx;
   Fiber& f = fib[cur];
   std::vector<uint32_t> rel;
   rel.swap(f.unfenced);  // retired, unfenced copies: the waiters of this phase may fence them
@@ -233,18 +242,8 @@ void mbar_arrive(const void* bar) {
   yield_to_sched();
 }
 
-void mbar_arrive_expect_tx(const void* bar, uint32_t bytes) {
-  const uint32_t addr = mbar_addr(bar, "mbarrier.arrive.expect_tx");
-  MBar& b = mbar_get(addr, "mbarrier.arrive.expect_tx");
-  if (bytes >= (1u << 20)) fail("mbarrier.arrive.expect_tx at shared offset %u: %u bytes (at most 2^20 - 1)", addr, bytes);
-  b.tx += bytes;
-  Fiber& f = fib[cur];
-  std::vector<uint32_t> rel;
-  rel.swap(f.unfenced);
-  mbar_arrive_one(addr, b, rel);
-  yield_warp = true;
-  yield_to_sched();
-}
+void mbar_arrive(const void* bar) { arrive_tx(bar, 0, "mbarrier.arrive"); }
+void mbar_arrive_expect_tx(const void* bar, uint32_t bytes) { arrive_tx(bar, bytes, "mbarrier.arrive.expect_tx"); }
 
 void mbar_arrive_cp_async(const void* bar) {
   const uint32_t addr = mbar_addr(bar, "cp.async.mbarrier.arrive.noinc");
@@ -254,12 +253,7 @@ void mbar_arrive_cp_async(const void* bar) {
   arrivals.push_back({addr, cur, {}, false});
   arrivals.back().copies.swap(f.untracked);
   for (uint32_t c : arrivals.back().copies) copies[c].tracked = true;
-  if (landing == Landing::AtIssue)
-    fire(i);
-  else if (landing == Landing::AtWait)
-    deferred.push_back(i);
-  else
-    due.push({tick + random_delay(), i | ARRIVE});
+  queue_arrival(i);
   yield_warp = true;
   yield_to_sched();
 }

@@ -148,7 +148,8 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let dims = (b, t, s, h, hkv, d);
     if imp == FwdImpl::WgmmaTma && sm90_ws::applies(dev, sfx, d)? {
-        return sm90_ws::fwd_tma_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale);
+        let band = sm90_ws::TmaMask::Band { lo: &lov, hi: &hiv, bstride };
+        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale);
     }
     if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
         let ws = imp == FwdImpl::WgmmaWs;

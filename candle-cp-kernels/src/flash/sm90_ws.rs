@@ -5,7 +5,7 @@
 //! `fwd_band` under `WgmmaWs` (launcher `super::sm90::fwd_hopper_band`). Its TMA entries
 //! (`flash_fwd_wgmma_tma{,_band}_*`: the producer's copies as TMA tile loads issued by one thread,
 //! tensor maps from [`super::tma`]) run under [`super::FwdImpl::WgmmaTma`] ([`fwd_wgmma_tma`],
-//! [`fwd_tma_band`]). Same shapes and results as the other forward kernels:
+//! with a [`TmaMask`]). Same shapes and results as the other forward kernels:
 //! q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
 use super::sm90::check_fwd;
@@ -82,10 +82,20 @@ fn tma_maps<T>(dev: &CudaDevice, sfx: &str, (qv, kv, vv): (&CudaView<'_, T>, &Cu
     Ok((map_bthd(dev, qv, bf, (b, t, h, d), rq, "q")?, map_bthd(dev, kv, bf, (b, s, hkv, d), rk, "k")?, map_bthd(dev, vv, bf, (b, s, hkv, d), rk, "v")?))
 }
 
-/// The `WgmmaTma` forward of `fwd_t`: as [`fwd_wgmma_ws`], with the TMA entry
-/// `flash_fwd_wgmma_tma_{sfx}_d{d}` (the K/V tiles and Q loaded by TMA through the tensor maps of
-/// q, k and v, which it takes after the usual arguments). Returns out f32 `[B, T, H, D]` and lse
-/// f32 `[B, H, T]`.
+/// Visibility of a `WgmmaTma` forward launch: a [`KMask`] (`flash_fwd_wgmma_tma_*`) or a band on
+/// the device, u32 `lo`, `hi` `[1 or B, T]` with batch stride `bstride` (0 or T), shape checked by
+/// the caller (`flash_fwd_wgmma_tma_band_*`).
+pub(super) enum TmaMask<'a> {
+    Mask(KMask),
+    Band { lo: &'a CudaView<'a, u32>, hi: &'a CudaView<'a, u32>, bstride: i64 },
+}
+
+/// The `WgmmaTma` forward of `fwd_t` (a [`TmaMask::Mask`]) and of `fwd_band` (a
+/// [`TmaMask::Band`], where [`applies`]): as [`fwd_wgmma_ws`], with the TMA entry
+/// `flash_fwd_wgmma_tma_{sfx}_d{d}` / `flash_fwd_wgmma_tma_band_{sfx}_d{d}` (Q and the K/V tiles
+/// loaded by TMA through the tensor maps of q, k and v, which it takes after the usual
+/// arguments). Returns out f32 `[B, T, H, D]` and lse f32 `[B, H, T]`; a row that sees no key gets
+/// out 0, lse -inf.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
@@ -94,55 +104,13 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
     (b, t, s, h, hkv, d): Dims,
-    mask: KMask,
+    mask: TmaMask<'_>,
     scale: f32,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     check_fwd(dev, sfx, d, ql, "TMA wgmma kernel")?;
     if b * t * h == 0 || s == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, fully_masked_lse(dev, b * h * t)?));
-    }
-    let (causal, qo, qs, ko, ks) = mask.args()?;
-    let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
-    let (qv, kv, vv) = inp.qkv_views()?;
-    let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d))?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
-    let name = format!("flash_fwd_wgmma_tma_{sfx}_d{d}");
-    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-    let cfg = ws_config(&func, (b, t, h, d))?;
-    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
-    let mut bld = func.builder();
-    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-    bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
-    bld.arg(&tq).arg(&tk).arg(&tv);
-    // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu; sizes
-    // checked by check_dims, dtype/head dim/device above; the maps describe qv, kv, vv.
-    unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
-}
-
-/// The band forward of `fwd_band` under `WgmmaTma` (where [`applies`]): the TMA entry
-/// `flash_fwd_wgmma_tma_band_{sfx}_d{d}`, the band `lo`, `hi` u32 `[1 or B, T]` with batch stride
-/// `bstride` (0 or T) in place of the mask, the tensor maps after them. Returns out f32
-/// `[B, T, H, D]` and lse f32 `[B, H, T]`; a row with an empty interval gets out 0, lse -inf.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn fwd_tma_band<T: CudaDType + DeviceRepr>(
-    dev: &CudaDevice,
-    sfx: &str,
-    (q, ql): (&CudaStorage, &Layout),
-    (k, kl): (&CudaStorage, &Layout),
-    (v, vl): (&CudaStorage, &Layout),
-    (b, t, s, h, hkv, d): Dims,
-    lo: &CudaView<'_, u32>,
-    hi: &CudaView<'_, u32>,
-    bstride: i64,
-    scale: f32,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
-    check_fwd(dev, sfx, d, ql, "TMA band kernel")?;
-    if b * t * h == 0 || s == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, fully_masked_lse(dev, b * h * t)?));
+        // (a map needs at least one key row)
+        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.clone_htod(&vec![f32::NEG_INFINITY; b * h * t])?));
     }
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
@@ -150,24 +118,36 @@ pub(super) fn fwd_tma_band<T: CudaDType + DeviceRepr>(
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
-    let name = format!("flash_fwd_wgmma_tma_band_{sfx}_d{d}");
-    let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-    let cfg = ws_config(&func, (b, t, h, d))?;
     let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
-    let mut bld = func.builder();
-    bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
-    bld.arg(lo).arg(hi).arg(&bstride);
-    bld.arg(&tq).arg(&tk).arg(&tv);
-    // SAFETY: argument list matches FWD_BAND_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu; sizes
-    // checked by check_dims and KBand::check (fwd_storage_band), dtype/head dim/device above.
-    unsafe { bld.launch(cfg) }.w()?;
+    match mask {
+        TmaMask::Mask(m) => {
+            let (causal, qo, qs, ko, ks) = m.args()?;
+            let func = dev.get_or_load_custom_func(&format!("flash_fwd_wgmma_tma_{sfx}_d{d}"), ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+            let cfg = ws_config(&func, (b, t, h, d))?;
+            let mut bld = func.builder();
+            bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
+            bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+            bld.arg(&tq).arg(&tk).arg(&tv);
+            // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu;
+            // sizes checked by check_dims, dtype/head dim/device above; the maps describe qv, kv, vv.
+            unsafe { bld.launch(cfg) }.w()?;
+        }
+        TmaMask::Band { lo, hi, bstride } => {
+            let func = dev.get_or_load_custom_func(&format!("flash_fwd_wgmma_tma_band_{sfx}_d{d}"), ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+            let cfg = ws_config(&func, (b, t, h, d))?;
+            let mut bld = func.builder();
+            bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
+            bld.arg(lo).arg(hi).arg(&bstride);
+            bld.arg(&tq).arg(&tk).arg(&tv);
+            // SAFETY: argument list matches FWD_BAND_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu;
+            // sizes checked by check_dims and KBand::check (fwd_storage_band), dtype/head
+            // dim/device above.
+            unsafe { bld.launch(cfg) }.w()?;
+        }
+    }
     Ok((out, lse))
-}
-
-/// lse `-inf` for `n` rows that see no key (the TMA entries need at least one key row for their maps).
-fn fully_masked_lse(dev: &CudaDevice, n: usize) -> Result<CudaSlice<f32>> {
-    dev.clone_htod(&vec![f32::NEG_INFINITY; n])
 }
 
 /// Launch config of `flash_fwd_wgmma_ws*` (grid `(ceil(T / 128), H, B)`, block 384, `ws_smem(d)`
