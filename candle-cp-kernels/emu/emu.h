@@ -186,6 +186,8 @@ void mbar_wait(const void* bar, uint32_t parity);
 // an initialised mbarrier.
 void mbar_arrive_expect_tx(const void* bar, uint32_t bytes);
 void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar);
+// prefetch.tensormap: no effect; fails the launch if `map` is not a tensor map from tma_map.h.
+void tma_prefetch_map(const unsigned long long* map);
 // Named barriers (bar.sync / bar.arrive id, n): id 1..15 (id 0 is __syncthreads' barrier: bar.sync
 // 0 with n = block size acts as __syncthreads, anything else on 0 fails); n a multiple of 32 in
 // [32, block size]. The barrier completes when n threads arrived (sync waits for that, arrive

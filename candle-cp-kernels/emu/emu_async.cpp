@@ -163,6 +163,11 @@ uint32_t tma_land(uint32_t i) {
 }
 }  // namespace detail
 
+void tma_prefetch_map(const unsigned long long* map) {
+  cp_tma::Desc d;
+  if (!cp_tma::decode(map, &d)) fail("prefetch.tensormap: not a tensor map made by cuTensorMapEncodeTiled (emu/tma_map.h)");
+}
+
 void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar) {
   cp_tma::Desc d;
   if (!cp_tma::decode(map, &d)) fail("cp.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");

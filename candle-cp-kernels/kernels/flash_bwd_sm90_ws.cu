@@ -141,6 +141,8 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     // ---- producer ----------------------------------------------------------------------------
     cp_setmaxnreg_dec<WSB_PRODUCER_REGS>();
     if constexpr (TMA) {
+      if (tid == 0)
+        for (int m = 0; m < 4; ++m) cp_tma_prefetch_map(tm[m]);
       if (tid < BQ) {
         for (int n = 0; n < n_it; ++n) {
           const int st = n % NST;

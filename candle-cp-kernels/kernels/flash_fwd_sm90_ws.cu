@@ -142,6 +142,9 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
     if constexpr (TMA) {
       // One thread issues every load (Q with K_0); the rest of the warpgroup is done.
       if (tid == 0) {
+        cp_tma_prefetch_map(tq);
+        cp_tma_prefetch_map(tk);
+        cp_tma_prefetch_map(tv);
         for (int n = 0; n < 2 * n_tiles; ++n) {
           const int j = n >> 1, st = j % NST;
           const bool isv = n & 1;

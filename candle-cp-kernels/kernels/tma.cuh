@@ -43,6 +43,17 @@ __device__ __forceinline__ void cp_mbar_arrive_expect_tx(uint64_t* bar, uint32_t
 #endif
 }
 
+// Prefetches the tensor map `map` (a kernel-parameter address) into the cache the TMA unit reads its
+// descriptors from, so the first load does not wait for it (FlashAttention-3 / CUTLASS do this once
+// per kernel in the producer). No effect on results.
+__device__ __forceinline__ void cp_tma_prefetch_map(const CpTmaMap* map) {
+#ifdef CP_HOST_EMU
+  cp_emu::tma_prefetch_map(map->opaque);
+#else
+  asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(map)) : "memory");
+#endif
+}
+
 // Loads the box of `map` at element coordinates (c0 innermost, .., c3) into shared memory at `dst`
 // (128-byte aligned; 1024 for the 128-byte swizzle to follow the layout of wgmma.cuh) and completes
 // its bytes on `bar`. Out-of-bounds elements are filled with zeros. Issued by one thread.
