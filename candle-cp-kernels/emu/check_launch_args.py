@@ -174,8 +174,16 @@ def resolve(name, text, site, all_src):
     sig = re.match(r"fn\s+\w+\s*(?:<[^>]*>)?\s*\((.*?)\)\s*(?:->|\{)", text[fstart:], re.S)
     # latest binding in this fn before the site
     best = None
-    for m in re.finditer(r"\blet\s+(?:mut\s+)?(\w+|\([^)]*\))\s*(?::\s*[^=]+)?=\s*(.*?);\s*$", body, re.M | re.S):
-        lhs, rhs = m.group(1), m.group(2)
+    for m in re.finditer(r"\blet\s+(?:mut\s+)?(\w+|\([^)]*\))\s*(?::\s*([^=]+))?=\s*(.*?);\s*$", body, re.M | re.S):
+        lhs, ann, rhs = m.group(1), m.group(2), m.group(3)
+        if ann:  # `let x: Ty = ..` / `let (a, b): (A, B) = ..`
+            names = [x.strip().replace("mut ", "") for x in lhs.strip("()").split(",")]
+            tys = split_top(ann.strip()[1:-1]) if lhs.startswith("(") and ann.strip().startswith("(") else [ann]
+            if name in names and len(tys) == len(names):
+                t = type_of_rust(tys[names.index(name)].strip())
+                if t[0] == "ptr" or t[1] in RUST_SCALAR:
+                    best = t
+                    continue
         if lhs.startswith("("):
             names = [x.strip().replace("mut ", "") for x in lhs[1:-1].split(",")]
             if name not in names:

@@ -23,6 +23,12 @@ void probe_cp_async(const unsigned int*, unsigned int*, unsigned int*);
 PROBE_WG_DECL(bf16, __nv_bfloat16)
 PROBE_WG_DECL(f16, __half)
 }
+// kernels/tma.cuh's tensor-map parameter; emu_tma_map (check_flash.cpp): src/flash/tma.rs's maps
+struct alignas(64) CpTmaMap {
+  unsigned long long opaque[16];
+};
+CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
+extern "C" void probe_tma(unsigned int*, unsigned int*, int, int, int, int, CpTmaMap);
 
 namespace {
 
@@ -174,6 +180,37 @@ template <typename TY> void check_wgmma_all(const char* sfx) {
   (void)bf;
 }
 
+// ---- TMA: probe_map::tma_src / TMA_COORDS / tma_expected / tma_check
+void check_tma() {
+  const std::string name = "probe_tma";
+  if (!wanted(name)) return;
+  const int B = 2, L = 120, Hh = 2, D = 128, c0 = 64, c1 = 1, c2 = 20, c3 = 1;  // TMA_DIMS, TMA_COORDS
+  Buf<uint16_t> src((size_t)B * L * Hh * D);
+  for (int b = 0; b < B; ++b)
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < Hh; ++h)
+        for (int d = 0; d < D; ++d) src.p[((b * L + l) * Hh + h) * D + d] = (uint16_t)(b << 15 | h << 14 | l << 7 | d);
+  Buf<unsigned int> out(4096), done(128);
+  const CpTmaMap map = emu_tma_map(src.p, B, L, Hh, D, 128);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(1), dim3(128), 64 * 2 * 128 + 1024 + 8,
+                                 [&] { probe_tma(out.p, done.p, c0, c1, c2, c3, map); });
+  check_launch(name, ok);
+  if (!ok) return;
+  auto wrong = [&](int swizzle_mask) {
+    long w = 0;
+    for (int r = 0; r < 128; ++r)
+      for (int j = 0; j < 64; ++j) {
+        const int c = (j / 8) ^ (r & swizzle_mask), l = c2 + r, d = c0 + 8 * c + j % 8;
+        const unsigned want = l < L ? (unsigned)src.p[((c3 * L + l) * Hh + c1) * D + d] : 0u;
+        const unsigned word = out.p[(r * 64 + j) / 2], got = j % 2 ? word >> 16 : word & 0xFFFFu;
+        w += got != want;
+      }
+    for (int i = 0; i < 128; ++i) w += done.p[i] != 1u;
+    return w;
+  };
+  report(name, wrong(7), wrong(0));
+}
+
 }  // namespace
 
 void run_probe_checks() {
@@ -181,6 +218,7 @@ void run_probe_checks() {
   check_mma<__half>("f16", probe_mma16816_f16);
   check_ldsm();
   check_cp_async();
+  check_tma();
   check_wgmma_all<__nv_bfloat16>("bf16");
   check_wgmma_all<__half>("f16");
 }

@@ -33,6 +33,7 @@
 #endif
 
 #include "wgmma.cuh"
+#include "tma.cuh"  // probe_tma
 
 #define PROBE_WG_K 128
 #define PROBE_WG_M 128
@@ -114,3 +115,38 @@ PROBE_SS(f16, __half, 64) PROBE_SS(f16, __half, 128)
 PROBE_RS(bf16, __nv_bfloat16, 64) PROBE_RS(bf16, __nv_bfloat16, 128)
 PROBE_RS(f16, __half, 64) PROBE_RS(f16, __half, 128)
 PROBE_SSTB(bf16, __nv_bfloat16, 64) PROBE_SSTB(f16, __half, 64)
+
+// ---- TMA ------------------------------------------------------------------------------------------
+// probe_tma (the loads of the `_tma_` entries of flash_{fwd,bwd}_sm90_ws.cu): grid 1, block 128,
+// dynamic shared memory PROBE_TMA_SMEM. Thread 0 initialises an mbarrier (count 1), prefetches the
+// map, arrives with expect_tx of one box (16,384 bytes) and issues one cp.async.bulk.tensor.4d load
+// of `map` (the flash kernels' maps: (D, Hh, L, B) innermost first, box 64 x 1 x 128 x 1, 128-byte
+// swizzle) at coordinates (c0, c1, c2, c3) into a 1024-aligned buffer; every thread waits for the
+// phase, then copies its 32 words of the buffer (raw, swizzled as it landed) to out[tid * 32 ..] and
+// sets done[tid] = 1. The host (probe_map::tma_check) predicts every 16-bit element: the tensor
+// element of box row r, 16-byte chunk c ^ (r % 8), or zero out of bounds.
+#define PROBE_TMA_BOX_BYTES (64 * 2 * 128)
+#define PROBE_TMA_SMEM (PROBE_TMA_BOX_BYTES + 1024 + 8)
+extern "C" __global__ void probe_tma(unsigned int* out, unsigned int* done, int c0, int c1, int c2, int c3,
+                                     const CP_GRID_CONSTANT CpTmaMap map) {
+  CP_DYN_SMEM_A(unsigned char, tma_smem, 1024);
+  const uint32_t base = cp_smem_u32(tma_smem);
+  const uint32_t box_sa = (base + 1023u) & ~1023u;
+  uint64_t* bar = reinterpret_cast<uint64_t*>(tma_smem + (box_sa - base) + PROBE_TMA_BOX_BYTES);
+  const int tid = threadIdx.x;
+  if (tid == 0) {
+    cp_mbar_init(bar, 1);
+    cp_mbar_init_fence();
+  }
+  __syncthreads();
+  if (tid == 0) {
+    cp_tma_prefetch_map(&map);
+    cp_mbar_arrive_expect_tx(bar, PROBE_TMA_BOX_BYTES);
+    cp_tma_load_4d(box_sa, &map, c0, c1, c2, c3, bar);
+  }
+  cp_mbar_wait(bar, 0);
+  const unsigned int* box = reinterpret_cast<const unsigned int*>(tma_smem + (box_sa - base));
+#pragma unroll 4
+  for (int i = 0; i < 32; ++i) out[tid * 32 + i] = box[tid * 32 + i];
+  done[tid] = 1;
+}

@@ -20,7 +20,7 @@ mod bwd_sm90;
 mod bwd_sm90_ws;
 mod sm90;
 mod sm90_ws;
-mod tma;
+pub(crate) mod tma;
 
 pub use band::{bwd_band, fwd_band, fwd_storage_band, KBand};
 

@@ -9,6 +9,7 @@
 
 pub use crate::probe_diag::ProbeResult;
 use crate::probe_diag::{diagnose, diagnose_all};
+use crate::flash::tma::{map_bthd, TmaMap};
 use crate::probe_map::{self, WgForm, LDSM_VARIANTS, MMA_PASSES, WG_K, WG_M, WG_PASSES, WG_THREADS};
 use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -19,7 +20,7 @@ use half::{bf16, f16};
 
 /// Runs every probe on `dev` and returns one [`ProbeResult`] per probe: `mma16816 {bf16,f16}`, the
 /// four ldmatrix variants, `cp.async`, and on compute capability 9.x `wgmma {ss,rs} m64n{64,128}k16
-/// {bf16,f16}` and `wgmma sstb m64n64k16 {bf16,f16}`. A probe whose launch fails gives `ok = false`
+/// {bf16,f16}`, `wgmma sstb m64n64k16 {bf16,f16}` and `tma` (one tensor-map tile load). A probe whose launch fails gives `ok = false`
 /// with the error as its diagnosis (a later probe may then fail too: a faulting kernel poisons the
 /// CUDA context). Errors only when the device's compute capability cannot be read.
 pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
@@ -43,6 +44,7 @@ pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
                 push(name.clone(), wgmma(dev, form, n, dt, &name));
             }
         }
+        push("tma".into(), tma(dev));
     }
     Ok(out)
 }
@@ -111,6 +113,31 @@ fn cp_async(dev: &CudaDevice) -> Result<ProbeResult> {
     unsafe { bld.launch(cfg) }.w()?;
     let (chunks, flags) = (dev.clone_dtoh(&out)?, dev.clone_dtoh(&early)?);
     Ok(diagnose_all("cp.async", &probe_map::cp_async_checks(&chunks, &flags)))
+}
+
+/// `probe_tma`: grid 1, block 128, `PROBE_TMA_SMEM` bytes of dynamic shared memory; loads one box
+/// of a map of [`probe_map::tma_src`] (made as the flash kernels' maps are) at
+/// [`probe_map::TMA_COORDS`] and dumps the buffer (4096 words) and 128 phase flags. Compute
+/// capability 9.x only.
+fn tma(dev: &CudaDevice) -> Result<ProbeResult> {
+    const SMEM: u32 = 64 * 2 * 128 + 1024 + 8;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: SMEM };
+    let host = probe_map::tma_src();
+    let mut src = dev.alloc_zeros::<u16>(host.len())?;
+    dev.memcpy_htod(&host, &mut src)?;
+    let map: TmaMap = map_bthd(dev, &src, true, probe_map::TMA_DIMS, probe_map::TMA_BOX.0 as u32, "probe_tma source")?;
+    let c = probe_map::TMA_COORDS;
+    let (c0, c1, c2, c3): (i32, i32, i32, i32) = (c[0], c[1], c[2], c[3]);
+    let mut out = dev.alloc_zeros::<u32>(4096)?;
+    let mut done = dev.alloc_zeros::<u32>(128)?;
+    let func = dev.get_or_load_custom_func("probe_tma", ptx::PROBE_SM90_MODULE, ptx::PROBE_SM90)?;
+    let mut bld = func.builder();
+    bld.arg(&mut out).arg(&mut done).arg(&c0).arg(&c1).arg(&c2).arg(&c3).arg(&map);
+    // SAFETY: matches probe_tma in kernels/probe_sm90.cu (out 4096 u32, done 128 u32, the load's
+    // coordinates, the map of `src`, which outlives the launch).
+    unsafe { bld.launch(cfg) }.w()?;
+    let (words, flags) = (dev.clone_dtoh(&out)?, dev.clone_dtoh(&done)?);
+    Ok(diagnose_all("tma", &probe_map::tma_check(&words, &flags)))
 }
 
 /// Dynamic shared memory of the wgmma probes (`PROBE_WG_SMEM(N)`): A [128 x 128] and B [128 x N]

@@ -9,7 +9,8 @@
 //! value names its source: for mma16816, A[m][k] = 16m + k + 1 against a one-hot B (passes 0, 1:
 //! D = A[m][n + 8p]) and a one-hot A against B[k][n] = 8k + n + 1 (pass 2: D = B[m][n]); for
 //! wgmma, one nonzero per 16 k values in each row of A (at k % 16 = m % 16) and four passes
-//! giving D = m + 1 (row), n + 1 (column), the A k-step read + 1, and the B k index + 1.
+//! giving D = m + 1 (row), n + 1 (column), the A k-step read + 1, and the B k index + 1; for the
+//! TMA load, a 16-bit code per tensor element (batch, head, row, column).
 
 use crate::probe_diag::{Check, Item};
 
@@ -153,6 +154,93 @@ pub fn cp_async_checks(chunks: &[u32], early: &[u32]) -> Vec<Check> {
         e.items.push(Item { step: None, thread: i as u32, reg: 0, half: None, expected: vec![1], found: vec![Ok(f as i64)] });
     }
     vec![c, e]
+}
+
+/// Global tensor of `probe_tma` (`[B, L, Hh, D]` = `[2, 120, 2, 128]`, 16-bit): element
+/// (b, l, h, d) holds the code `b << 15 | h << 14 | l << 7 | d` (unique; never 0 in batch 1).
+pub const TMA_DIMS: (usize, usize, usize, usize) = (2, 120, 2, 128);
+/// Coordinates of `probe_tma`'s load, innermost first (d, h, l, b): the second 64-column block of
+/// head 1, rows 20.. of batch 1; box rows 100..127 (tensor rows 120..147) are out of bounds.
+pub const TMA_COORDS: [i32; 4] = [64, 1, 20, 1];
+/// Box rows and 16-bit columns of `probe_tma`'s load (the flash kernels' box, 128 bytes a row).
+pub const TMA_BOX: (usize, usize) = (128, 64);
+
+/// Source of `probe_tma`: the codes of [`TMA_DIMS`] in `[B, L, Hh, D]` order.
+pub fn tma_src() -> Vec<u16> {
+    let (nb, nl, nh, nd) = TMA_DIMS;
+    let mut v = Vec::with_capacity(nb * nl * nh * nd);
+    for b in 0..nb {
+        for l in 0..nl {
+            for h in 0..nh {
+                for d in 0..nd {
+                    v.push(((b << 15) | (h << 14) | (l << 7) | d) as u16);
+                }
+            }
+        }
+    }
+    v
+}
+
+/// The tensor element (l, d) that the 128-byte swizzle puts at 16-bit position `j` of box row `r`
+/// of `probe_tma`'s buffer (16-byte chunk `j / 8` of row `r` holds logical chunk `(j / 8) ^ (r % 8)`),
+/// or `None` where the row is past the tensor (zero-filled).
+pub fn tma_expected(r: usize, j: usize) -> Option<(i64, i64)> {
+    let c = (j / 8) ^ (r % 8);
+    let (d, l) = (TMA_COORDS[0] as i64 + (8 * c + j % 8) as i64, TMA_COORDS[2] as i64 + r as i64);
+    (l < TMA_DIMS.1 as i64).then_some((l, d))
+}
+
+/// Checks of `probe_tma`'s dump: `box` (4096 words: the buffer as it landed; per 16-bit element the
+/// tensor row l and column d it holds, -1 / -1 for zero), `swizzle` (the span, 128 / 64 / 32 bytes
+/// or 0 for none, whose pattern explains the rows that hold data: names the layout when `box`
+/// fails) and `mbarrier phase` (128 flags: each thread passed the mbarrier wait).
+pub fn tma_check(words: &[u32], done: &[u32]) -> Vec<Check> {
+    let (rows, cols) = TMA_BOX;
+    let mut c = Check { name: "box".into(), axes: vec!["l (-1 zero)", "d (-1 zero)"], reg_name: "elem", step_name: "", items: vec![] };
+    for r in 0..rows {
+        for j in 0..cols {
+            let w = words.get((r * cols + j) / 2).copied().unwrap_or(0xFFFF_FFFF);
+            let v = if j % 2 == 0 { w & 0xFFFF } else { w >> 16 };
+            let found = if v == 0 {
+                vec![Ok(-1), Ok(-1)]
+            } else if v >> 14 == 3 && ((v >> 7) & 0x7F) < TMA_DIMS.1 as u32 {
+                vec![Ok(((v >> 7) & 0x7F) as i64), Ok((v & 0x7F) as i64)]
+            } else {
+                vec![Err(format!("{v:#06x}")), Err(format!("{v:#06x}"))]
+            };
+            let expected = match tma_expected(r, j) {
+                Some((l, d)) => vec![l, d],
+                None => vec![-1, -1],
+            };
+            c.items.push(Item { step: None, thread: r as u32, reg: j as u32, half: None, expected, found });
+        }
+    }
+    // which swizzle span explains the rows that hold data (S: 16-byte chunk j / 8 of row r holds
+    // logical chunk (j / 8) ^ (r % (S / 16)); 0: none), -1 if none does
+    let held = |r: usize, j: usize| c.items[r * cols + j].found.iter().map(|f| f.as_ref().ok().copied()).collect::<Option<Vec<i64>>>();
+    let span = [128usize, 64, 32, 0].into_iter().find(|&sp| {
+        (0..rows).filter(|&r| tma_expected(r, 0).is_some()).all(|r| {
+            (0..cols).all(|j| {
+                let lc = (j / 8) ^ if sp == 0 { 0 } else { r % (sp / 16) };
+                let (l, d) = (TMA_COORDS[2] as i64 + r as i64, TMA_COORDS[0] as i64 + (8 * lc + j % 8) as i64);
+                held(r, j) == Some(vec![l, d])
+            })
+        })
+    });
+    let found = span.map_or(Err("none of 128 / 64 / 32 / 0".to_string()), |x| Ok(x as i64));
+    let sw = Check {
+        name: "swizzle".into(),
+        axes: vec!["span bytes"],
+        reg_name: "box",
+        step_name: "",
+        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![128], found: vec![found] }],
+    };
+    let mut e = Check { name: "mbarrier phase".into(), axes: vec!["passed the wait"], reg_name: "flag", step_name: "", items: vec![] };
+    for i in 0..128 {
+        let f = done.get(i).copied().unwrap_or(2);
+        e.items.push(Item { step: None, thread: i as u32, reg: 0, half: None, expected: vec![1], found: vec![Ok(f as i64)] });
+    }
+    vec![c, sw, e]
 }
 
 /// Operand forms of the wgmma probes: `Ss` (A and B by descriptor, K-major: S = Q K^T), `Rs` (A

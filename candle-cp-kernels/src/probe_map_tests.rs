@@ -160,3 +160,41 @@ fn inputs_are_exact_and_unique() {
     }
     assert_eq!(seen.len(), 128 * 128);
 }
+
+/// `probe_tma`'s dump as a load with swizzle pattern `sw` (chunk j / 8 of row r from logical chunk
+/// sw(r, j / 8)) and rows past the tensor `oob` (zero, or left as poison).
+fn sim_tma(sw: impl Fn(usize, usize) -> usize, zero_oob: bool) -> Vec<u32> {
+    let src = tma_src();
+    let (_, nl, nh, nd) = TMA_DIMS;
+    let [c0, c1, c2, c3] = TMA_COORDS.map(|x| x as usize);
+    let mut h16 = vec![0u16; 128 * 64];
+    for r in 0..128 {
+        for j in 0..64 {
+            let (l, d) = (c2 + r, c0 + 8 * sw(r, j / 8) + j % 8);
+            h16[r * 64 + j] = if l < nl { src[((c3 * nl + l) * nh + c1) * nd + d] } else if zero_oob { 0 } else { 0xFFFF };
+        }
+    }
+    (0..h16.len() / 2).map(|i| h16[2 * i] as u32 | (h16[2 * i + 1] as u32) << 16).collect()
+}
+
+#[test]
+fn tma_swizzle_and_zero_fill() {
+    let done = vec![1u32; 128];
+    let r = diagnose_all("tma", &tma_check(&sim_tma(|r, c| c ^ (r % 8), true), &done));
+    assert!(r.ok, "{}", r.diagnosis);
+    // no swizzle: the chunks of rows 1..7 (mod 8) land unpermuted
+    let r = diagnose_all("tma", &tma_check(&sim_tma(|_, c| c, true), &done));
+    assert!(!r.ok && r.diagnosis.contains("[box] 5568 of 8192 values wrong"), "{}", r.diagnosis);
+    assert!(r.diagnosis.contains("[swizzle] 1 of 1 values wrong; pattern: span bytes permuted: 128->0 (1 registers); first: thread 0 box[0]: expected (span bytes=128) found (span bytes=0)"), "{}", r.diagnosis);
+    // a 64-byte swizzle
+    let r = diagnose_all("tma", &tma_check(&sim_tma(|r, c| c ^ (r % 4), true), &done));
+    assert!(!r.ok && r.diagnosis.contains("found (span bytes=64)"), "{}", r.diagnosis);
+    // rows past the tensor not zero-filled
+    let r = diagnose_all("tma", &tma_check(&sim_tma(|r, c| c ^ (r % 8), false), &done));
+    assert!(!r.ok && r.diagnosis.contains("1792 of 8192 values wrong (1792 hold no single source element)"), "{}", r.diagnosis);
+    // a thread that never passed the phase
+    let mut late = done.clone();
+    late[5] = 0;
+    let r = diagnose_all("tma", &tma_check(&sim_tma(|r, c| c ^ (r % 8), true), &late));
+    assert!(!r.ok && r.diagnosis.contains("[mbarrier phase] 1 of 128 values wrong"), "{}", r.diagnosis);
+}

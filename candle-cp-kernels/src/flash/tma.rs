@@ -1,7 +1,8 @@
 //! TMA tensor maps for the TMA entries of the warp-specialized Hopper kernels
 //! (`flash_fwd_wgmma_tma{,_band}_*` in `kernels/flash_fwd_sm90_ws.cu`, launched by
 //! [`super::sm90_ws`]; `flash_bwd_wgmma_tma{,_band}_*` in `kernels/flash_bwd_sm90_ws.cu`, launched
-//! by [`super::bwd_sm90_ws`]; both under [`super::FwdImpl::WgmmaTma`]).
+//! by [`super::bwd_sm90_ws`]; both under [`super::FwdImpl::WgmmaTma`]) and of the TMA probe
+//! (`probe_tma` in `kernels/probe_sm90.cu`, [`crate::probe`]).
 //!
 //! A tensor map describes a global tensor and the box (tile) one `cp.async.bulk.tensor` copies
 //! into shared memory; the driver encodes it (`cuTensorMapEncodeTiled`) and the kernel takes it by
@@ -19,7 +20,7 @@ use candle_core::{CudaDevice, Result};
 /// opaque bytes, 64-byte aligned.
 #[repr(C, align(64))]
 #[derive(Clone, Copy)]
-pub(super) struct TmaMap([u64; 16]);
+pub(crate) struct TmaMap([u64; 16]);
 
 // SAFETY: plain bytes with CUtensorMap's size and alignment; the kernels take it by value.
 unsafe impl DeviceRepr for TmaMap {}
@@ -31,7 +32,7 @@ const BOX_COLS: u32 = 64;
 /// boxes of `rows` rows (1..=256: the kernel's tile rows), for the TMA entries (see the module
 /// doc). Errors: a head dim that is not a multiple of 64, a view not 16-byte aligned, or the
 /// driver's refusal (its error code, with the shape).
-pub(super) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
+pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
     if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
         candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension (box rows {rows})")
     }
