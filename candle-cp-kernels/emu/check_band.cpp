@@ -15,6 +15,7 @@ struct alignas(64) CpTmaMap {
   unsigned long long opaque[16];
 };
 CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
+CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 
 #define BAND_A const unsigned int*, const unsigned int*, long long
 #define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
@@ -34,7 +35,7 @@ CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));                         \
   void flash_fwd_wgmma_tma_band_##N##_d##D(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
-  void flash_bwd_wgmma_tma_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap); \
+  void flash_bwd_wgmma_tma_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap); \
   void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
   void flash_fwd_wgmma_band_##N##_d##D(FWDB_P(TY));                            \
   void flash_bwd_wgmma_atomic_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
@@ -360,14 +361,15 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
   } else if (ok) {
     auto f3 = reinterpret_cast<Bwd3>(fam == 1 ? PICK_T(flash_bwd_wgmma_atomic_band_, D) : PICK_T(flash_bwd_wgmma_ws_band_, D));
     const size_t smem = fam == 1 ? kv_smem + 64 * 128 * 2  // WGMMA_BWD_SMEM_ATOMIC(D)
-                                 : (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;  // WSB_SMEM(D)
-    using Bwd3Tma = void (*)(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+                                 : (size_t)(2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024 +
+                                       (fam == 3 ? 2 * 64 * 64 * 4 : 0);  // WSB_SMEM(D), WSB_SMEM_TMA(D)
+    using Bwd3Tma = void (*)(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
     auto ft = reinterpret_cast<Bwd3Tma>(PICK_T(flash_bwd_wgmma_tma_band_, D));
     ok = cp_emu::launch(bname.c_str(), kv_grid, dim3(fam == 1 ? 256 : 384), smem, [&] {
       if (fam == 3)
         ft(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0,
            emu_tma_map(q.p, B, T, H, D, 64), emu_tma_map(d16, B, T, H, D, 64), emu_tma_map(k.p, B, S, Hkv, D, 128),
-           emu_tma_map(v.p, B, S, Hkv, D, 128));
+           emu_tma_map(v.p, B, S, Hkv, D, 128), emu_tma_map_dq(dq.p, B, T, H, D));
       else
         f3(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
     });

@@ -60,10 +60,10 @@ void flash_bwd_wgmma_dq_f16_d64(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_f16_d128(float*, PIPE_P(__half));
 void flash_bwd_wgmma_dq_bf16_d64(float*, PIPE_P(__nv_bfloat16));
 void flash_bwd_wgmma_dq_bf16_d128(float*, PIPE_P(__nv_bfloat16));
-void flash_bwd_wgmma_tma_f16_d64(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
-void flash_bwd_wgmma_tma_f16_d128(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
-void flash_bwd_wgmma_tma_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
-void flash_bwd_wgmma_tma_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_f16_d64(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_f16_d128(float*, float*, float*, PIPE_P(__half), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_bwd_wgmma_tma_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_bwd_wgmma_ws_f16_d64(float*, float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_ws_f16_d128(float*, float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_ws_bf16_d64(float*, float*, float*, PIPE_P(__nv_bfloat16));
@@ -208,6 +208,20 @@ CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows) {
   return m;
 }
 
+// The dq map of the TMA backward as src/flash/tma.rs encodes it: f32 [B, T, H, D], box 64 x 1 x 64 x 1,
+// no swizzle (check_band.cpp too).
+CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D) {
+  CpTmaMap m;
+  const uint64_t dims[4] = {(uint64_t)D, (uint64_t)H, (uint64_t)T, (uint64_t)B};
+  const uint64_t str[3] = {(uint64_t)D * 4, (uint64_t)H * D * 4, (uint64_t)T * H * D * 4};
+  const uint32_t box[4] = {64, 1, 64, 1}, es[4] = {1, 1, 1, 1};
+  if (const char* err = cp_tma::encode(&m, 4, 4, p, dims, str, box, es, 0)) {
+    std::printf("emu_tma_map_dq: %s\n", err);
+    std::exit(2);
+  }
+  return m;
+}
+
 namespace {
 
 template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false) {
@@ -314,11 +328,13 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
         // WSB_* (flash_bwd_sm90_ws.cu), src/flash/bwd_sm90_ws.rs: grid (Hkv, ceil(S / 128), B), 384
         // threads, WSB_SMEM(D); dq zero-filled by the launcher (accumulate: added to).
         using WsFn = void (*)(float*, float*, float*, PIPE_P(TY));
-        using TmaFn = void (*)(float*, float*, float*, PIPE_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
+        using TmaFn = void (*)(float*, float*, float*, PIPE_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap);
         const bool tma = im == Impl::WgmmaTma;
         auto wsf = reinterpret_cast<WsFn>(lookup(std::string(tma ? "flash_bwd_wgmma_tma_" : "flash_bwd_wgmma_ws_") + dsfx));
         const size_t nst = D == 128 ? 3 : 4;
-        const size_t ws_smem = (2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024;
+        // WSB_SMEM(D), or WSB_SMEM_TMA(D): two f32 [64][64] dQ buffers more
+        const size_t ws_smem = (2 * 128 + 2 * nst * 64) * D * 2 + 2 * 64 * 128 * 2 + 2 * nst * 64 * 4 + 2 * nst * 8 + 1024 +
+                               (tma ? 2 * 64 * 64 * 4 : 0);
         grads = [&, do16p, wsf, ws_smem, tma](int acc) {
           if (!acc) std::fill(dq.p, dq.p + nq, 0.f);
           const TY* d16 = do16p->p;
@@ -327,7 +343,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
               reinterpret_cast<TmaFn>(wsf)(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal,
                                            c.qo, c.qs, c.ko, c.ks, acc, emu_tma_map(q.p, B, T, H, D, 64),
                                            emu_tma_map(d16, B, T, H, D, 64), emu_tma_map(k.p, B, S, Hkv, D, 128),
-                                           emu_tma_map(v.p, B, S, Hkv, D, 128));
+                                           emu_tma_map(v.p, B, S, Hkv, D, 128), emu_tma_map_dq(dq.p, B, T, H, D));
             else
               wsf(dq.p, dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
           });

@@ -602,8 +602,7 @@ def tile_configs():
     # their TMA entries too (sm90_ws.rs fwd_wgmma_tma / fwd_tma_band: ws_config)
     out["flash_fwd_wgmma_tma"] = dict(out.get("flash_fwd_wgmma_ws", {}))
     out["flash_fwd_wgmma_tma_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))
-    out["flash_bwd_wgmma_tma"] = dict(out.get("flash_bwd_wgmma_ws", {}))  # bwd_sm90_ws.rs: one LaunchConfig
-    out["flash_bwd_wgmma_tma_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
+    out["flash_bwd_wgmma_tma_band"] = dict(out.get("flash_bwd_wgmma_tma", {}))  # (wgmma_ws_bwd_configs)
     out["flash_bwd_wgmma_ws_band"] = dict(out.get("flash_bwd_wgmma_ws", {}))
     for fam in ("flash_fwd_wgmma", "flash_bwd_wgmma_dkdv", "flash_bwd_wgmma_atomic", "flash_bwd_wgmma_dq"):
         out[fam + "_band"] = dict(out.get(fam, {}))

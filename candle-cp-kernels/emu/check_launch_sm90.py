@@ -129,6 +129,17 @@ def wgmma_ws_bwd_configs(rd, num, err, out):
         if cs > 232448:
             err(f"wgmma ws bwd d{d}: WSB_SMEM {cs} above sm_90's 232,448-byte opt-in")
         out.setdefault("flash_bwd_wgmma_ws", {})[d] = (r_thr, c_bn, cs)
+        # the TMA entries: WSB_SMEM_TMA(D) = WSB_SMEM(D) + X vs wsb_smem_tma = wsb_smem(d) + Y
+        c_x = re.search(r"#define WSB_SMEM_TMA\(D\) \(WSB_SMEM\(D\) \+ (.*)\)\n", cu)
+        r_x = re.search(r"fn wsb_smem_tma\(d: usize\) -> u32 \{\s*wsb_smem\(d\) \+ \((.*?)\) as u32\s*\}", rs, re.S)
+        if not c_x or not r_x:
+            err("wgmma ws bwd: WSB_SMEM_TMA / wsb_smem_tma not found")
+            continue
+        ct = cs + eval(c_x.group(1).replace("WSB_BQ", str(c_bq)))
+        rt = rsm + eval(r_x.group(1).replace("WSB_BQ", str(r_bq)))
+        if ct != rt or ct > 232448:
+            err(f"wgmma ws bwd d{d}: kernel WSB_SMEM_TMA {ct} != bwd_sm90_ws.rs wsb_smem_tma {rt} (or above 232,448)")
+        out.setdefault("flash_bwd_wgmma_tma", {})[d] = (r_thr, c_bn, ct)
 
 
 def _ternary(expr):

@@ -129,6 +129,9 @@ void fiber_entry() {
   for (auto& g : f.groups)
     for (uint32_t c : g) pend += !copies[c].tracked;
   if (pend) fail("thread exits with %zu cp.async copies neither waited for nor covered by an mbarrier arrive", pend);
+  size_t bulk = f.bulk_open.size();
+  for (auto& g : f.bulk_groups) bulk += g.size();
+  if (bulk) fail("thread exits with %zu TMA reductions not retired by cp.async.bulk.wait_group.read", bulk);
   f.st = St::Done;
   yield_to_sched();
   std::abort();  // never resumed
@@ -149,6 +152,8 @@ void init_fiber(Fiber& f) {
   f.unfenced.clear();
   f.untracked.clear();
   f.acquired.clear();
+  f.bulk_open.clear();
+  f.bulk_groups.clear();
   f.bar0_seen = 0;
 }
 

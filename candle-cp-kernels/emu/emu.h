@@ -188,6 +188,17 @@ void mbar_arrive_expect_tx(const void* bar, uint32_t bytes);
 void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar);
 // prefetch.tensormap: no effect; fails the launch if `map` is not a tensor map from tma_map.h.
 void tma_prefetch_map(const unsigned long long* map);
+// TMA reduction (cp.reduce.async.bulk.tensor .add, f32 maps without swizzle) and bulk async-groups
+// (cp.async.bulk.commit_group / wait_group.read): tma_reduce_add joins the calling thread's open
+// bulk group; at issue its source [src, src + box bytes) must be visible to the async proxy (the
+// writers' fence.proxy.async before the barrier that precedes the issue) and is snapshotted;
+// bulk_wait_read(n) retires all but the newest n committed groups: each retired reduction fails the
+// launch if its source was rewritten since the issue, else adds the snapshot into global memory
+// (elements outside the tensor skipped; global bounds checked). A thread that exits with a bulk
+// operation not retired fails the launch.
+void tma_reduce_add(const unsigned long long* map, int c0, int c1, int c2, int c3, uint32_t src);
+void bulk_commit();
+void bulk_wait_read(int n);
 // Named barriers (bar.sync / bar.arrive id, n): id 1..15 (id 0 is __syncthreads' barrier: bar.sync
 // 0 with n = block size acts as __syncthreads, anything else on 0 fails); n a multiple of 32 in
 // [32, block size]. The barrier completes when n threads arrived (sync waits for that, arrive

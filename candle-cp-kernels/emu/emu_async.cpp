@@ -116,7 +116,17 @@ struct TmaLoad {
   int c[4];
 };
 std::vector<TmaLoad> tmas;
-void tma_reset() { tmas.clear(); }
+struct TmaRed {
+  cp_tma::Desc d;
+  int c[4];
+  uint32_t src;
+  std::vector<unsigned char> snap;  // the source as it was at issue
+};
+std::vector<TmaRed> reds;
+void tma_reset() {
+  tmas.clear();
+  reds.clear();
+}
 
 // Shared address of box byte `off` after the swizzle (on the absolute address, as the hardware
 // does it: 16-byte chunk bits [4, 4 + log2(span / 16)) XOR address bits 7..).
@@ -162,6 +172,61 @@ uint32_t tma_land(uint32_t i) {
   return (uint32_t)(n * es);
 }
 }  // namespace detail
+
+void tma_reduce_add(const unsigned long long* map, int c0, int c1, int c2, int c3, uint32_t src) {
+  cp_tma::Desc d;
+  if (!cp_tma::decode(map, &d)) fail("cp.reduce.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");
+  if (d.rank > 4) fail("cp.reduce.async.bulk.tensor.4d: the tensor map has rank %u", d.rank);
+  if (d.esize != 4 || d.swizzle != 0) fail("cp.reduce.async.bulk.tensor .add: only f32 maps without swizzle are modelled");
+  if (src % 128) fail("cp.reduce.async.bulk.tensor: shared source %u not 128-byte aligned", src);
+  const uint64_t n = tma_elems(d);
+  if ((size_t)src + n * 4 > dyn_size)
+    fail("cp.reduce.async.bulk.tensor: source [%u, %llu) outside dynamic shared memory (%zu bytes)", src, (unsigned long long)(src + n * 4), dyn_size);
+  if (!async_view_ok(src, (uint32_t)(n * 4)))
+    fail("cp.reduce.async.bulk.tensor: its source [%u, %llu) is not visible to the async proxy (the stores need a "
+         "fence.proxy.async before the barrier that precedes the reduction)", src, (unsigned long long)(src + n * 4));
+  const int c[4] = {c0, c1, c2, c3};
+  for (uint64_t e = 0; e < n && !globals.empty(); ++e) {
+    bool in;
+    const auto* dst = reinterpret_cast<const unsigned char*>(tma_src(d, c, e, &in));
+    if (!in) continue;
+    bool ok = false;
+    for (auto& g : globals) ok |= dst >= g.first && dst + 4 <= g.first + g.second;
+    if (!ok) fail("cp.reduce.async.bulk.tensor: box element %llu at global %p is outside every buffer of the launch", (unsigned long long)e, (const void*)dst);
+  }
+  TmaRed r{d, {c0, c1, c2, c3}, src, std::vector<unsigned char>(dyn.data() + src, dyn.data() + src + n * 4)};
+  fib[cur].bulk_open.push_back((uint32_t)reds.size());
+  reds.push_back(std::move(r));
+  yield_to_sched();
+}
+
+void bulk_commit() {
+  Fiber& f = fib[cur];
+  f.bulk_groups.push_back(std::move(f.bulk_open));
+  f.bulk_open.clear();
+}
+
+void bulk_wait_read(int n) {
+  Fiber& f = fib[cur];
+  while ((int)f.bulk_groups.size() > n) {
+    for (uint32_t i : f.bulk_groups.front()) {
+      const TmaRed& r = reds[i];
+      if (std::memcmp(dyn.data() + r.src, r.snap.data(), r.snap.size()) != 0)
+        fail("cp.async.bulk.wait_group.read: the source [%u, %zu) of a TMA reduction was rewritten before the wait "
+             "that retires it", r.src, r.src + r.snap.size());
+      for (uint64_t e = 0; e < r.snap.size() / 4; ++e) {
+        bool in;
+        const uint64_t dst = tma_src(r.d, r.c, e, &in);
+        if (!in) continue;
+        float v;
+        std::memcpy(&v, r.snap.data() + e * 4, 4);
+        *reinterpret_cast<float*>(dst) += v;
+      }
+    }
+    f.bulk_groups.pop_front();
+  }
+  yield_to_sched();
+}
 
 void tma_prefetch_map(const unsigned long long* map) {
   cp_tma::Desc d;

@@ -61,6 +61,9 @@ struct Fiber {
   long bar0_seen = 0;              // block-barrier generation this thread last passed
   std::vector<uint32_t> untracked;  // copies issued since its last cp.async.mbarrier.arrive
   std::vector<CopySet> acquired;    // copies handed over by completed mbarrier phases it waited for
+  // bulk async-groups (TMA reductions, emu_async.cpp): indices of its open and committed ones
+  std::vector<uint32_t> bulk_open;
+  std::deque<std::vector<uint32_t>> bulk_groups;
 };
 
 // One wgmma.mma_async of a warpgroup (emu_wgmma.cpp), from the first warp's issue until every warp's

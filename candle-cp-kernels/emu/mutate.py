@@ -260,6 +260,20 @@ MUTATIONS = [
     ("tma-bwd-q-head", "flash_bwd_sm90_ws.cu",
      "tm[0], 64 * c, hq, i0, b, &full[st]);", "tm[0], 64 * c, kvh, i0, b, &full[st]);",
      "wgmma_tma", "TMA backward: Q loaded from the KV head instead of the tile's query head (GQA)"),
+    ("tma-dq-no-fence", "flash_bwd_sm90_ws.cu",
+     "      fence_proxy_async();  // the stores visible to the async proxy the reduction reads through\n", "",
+     "wgmma_tma", "TMA backward: dQ buffer stores not fenced for the async proxy before the reduction"),
+    ("tma-dq-no-wait-read", "flash_bwd_sm90_ws.cu",
+     "      if ((tid & 127) == 0) cp_bulk_wait_read<0>();  // the last reduction from this buffer has read it\n", "",
+     "wgmma_tma", "TMA backward: the dQ buffer rewritten without waiting for the last reduction to read it"),
+    ("tma-dq-second-barrier", "flash_bwd_sm90_ws.cu",
+     "      fence_proxy_async();  // the stores visible to the async proxy the reduction reads through\n"
+     "      cp_named_bar_sync(5 + cw, 128);\n",
+     "      fence_proxy_async();  // the stores visible to the async proxy the reduction reads through\n",
+     "wgmma_tma", "TMA backward: the reduction issued without the barrier after the warpgroup's dQ stores"),
+    ("tma-dq-col", "flash_bwd_sm90_ws.cu",
+     "cp_tma_reduce_add_4d(tm[4], dc0, hq, i0, b, dqb);", "cp_tma_reduce_add_4d(tm[4], 0, hq, i0, b, dqb);",
+     "wgmma_tma", "TMA backward: both consumers' dQ columns added at column 0"),
 ]
 
 

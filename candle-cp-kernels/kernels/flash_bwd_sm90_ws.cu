@@ -90,6 +90,11 @@ __device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
 // TMA (the `_tma_` entries): K, V, Q and dO arrive by TMA tile loads through the tensor maps tm[0..3]
 // = q, dO (box 64 x 1 x 64 x 1), k, v (box 64 x 1 x 128 x 1), [B, T or S, H or Hkv, D] innermost
 // first, 128-byte swizzle, zeros out of bounds (kernel-parameter addresses, never a local copy).
+// dQ leaves through tm[4] (f32 [B, T, H, D], box 64 x 1 x 64 x 1, no swizzle) as FlashAttention-3
+// does it: each consumer writes its scaled 64 x 64 partial into its own shared buffer (DQB_BYTES,
+// row-major), fences, syncs its warpgroup (named barrier 5 + cw) and one thread adds the buffer into
+// dq with one TMA reduction (rows past T skipped); before the buffer is rewritten that thread waits
+// for the reduction to have read it (cp.async.bulk.wait_group.read) and the warpgroup syncs again.
 // The producer threads < BQ still write the stage's lse2 / delta; full[s] gets count BQ: thread 0
 // arrives with expect_tx of the stage's bytes (and K / V's with tile 0) and issues the loads, threads
 // 1 .. BQ - 1 arrive after their stores. No copy lag, no fence.proxy.async (TMA writes through the
@@ -111,8 +116,10 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   auto q_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)st * Q_BYTES; };
   auto do_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)(NST + st) * Q_BYTES; };
   const uint32_t ds_sa = do_st(NST);  // dS buffers 0 / 1
+  constexpr uint32_t DQB_BYTES = BQ * 64 * 4;         // TMA: a consumer's dQ partial, f32 [BQ][64]
+  const uint32_t dqb_sa = ds_sa + 2 * DS_BYTES;       // TMA: dQ buffers 0 / 1 (one per consumer)
   auto smem_ptr = [&](uint32_t a) { return ws_smem + (a - base_sa); };
-  float* ls_s = reinterpret_cast<float*>(smem_ptr(ds_sa + 2 * DS_BYTES));  // lse2 [NST][BQ]
+  float* ls_s = reinterpret_cast<float*>(smem_ptr(dqb_sa + (TMA ? 2 * DQB_BYTES : 0u)));  // lse2 [NST][BQ]
   float* dl_s = ls_s + NST * BQ;                                            // delta [NST][BQ]
   uint64_t* full = reinterpret_cast<uint64_t*>(dl_s + NST * BQ);
   uint64_t* empty = full + NST;
@@ -142,7 +149,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     cp_setmaxnreg_dec<WSB_PRODUCER_REGS>();
     if constexpr (TMA) {
       if (tid == 0)
-        for (int m = 0; m < 4; ++m) cp_tma_prefetch_map(tm[m]);
+        for (int m = 0; m < 5; ++m) cp_tma_prefetch_map(tm[m]);
       if (tid < BQ) {
         for (int n = 0; n < n_it; ++n) {
           const int st = n % NST;
@@ -316,6 +323,25 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     // Lanes t and t ^ 1 swap a pair so that each holds 4 consecutive d of one row (even t: row a,
     // d = dc0 + 8j + 2t .. + 3; odd t: row b, d = dc0 + 8j + 2t - 2 .. + 1): one v4 reduction each.
     const int hq = kvh * G + it / n_qt, dc0 = D == 128 ? cw * 64 : 0;
+    if constexpr (TMA) {
+      const uint32_t dqb = dqb_sa + (uint32_t)cw * DQB_BYTES;
+      if ((tid & 127) == 0) cp_bulk_wait_read<0>();  // the last reduction from this buffer has read it
+      cp_named_bar_sync(5 + cw, 128);
+      float* buf = reinterpret_cast<float*>(smem_ptr(dqb));
+#pragma unroll
+      for (int j = 0; j < 8; ++j)
+#pragma unroll
+        for (int hh = 0; hh < 2; ++hh)
+          *reinterpret_cast<float2*>(buf + (wr * 16 + g + 8 * hh) * 64 + 8 * j + 2 * t) =
+              make_float2(dqa[4 * j + 2 * hh] * scale, dqa[4 * j + 2 * hh + 1] * scale);
+      fence_proxy_async();  // the stores visible to the async proxy the reduction reads through
+      cp_named_bar_sync(5 + cw, 128);
+      if ((tid & 127) == 0) {
+        cp_tma_reduce_add_4d(tm[4], dc0, hq, i0, b, dqb);
+        cp_bulk_commit();
+      }
+      continue;
+    }
     const bool odd = t & 1;
     const int row = i0 + wr * 16 + g + (odd ? 8 : 0);
     float* dqr = dq + (((size_t)b * T_ + row) * H + hq) * D + dc0 + 4 * (t >> 1);
@@ -328,6 +354,8 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       if (row < T_) wsb_red_add_v4(dqr + 8 * j, odd ? make_float4(r0, r1, y0, y1) : make_float4(x0, x1, r0, r1));
     }
   }
+  if constexpr (TMA)
+    if ((tid & 127) == 0) cp_bulk_wait_read<0>();  // the buffer is read before the block may exit
   // Store dK (times scale) and dV rows ja, ja + 8: element 4i + e is row (e < 2 ? ja : ja + 8),
   // d = 8i + 2t + (e & 1).
   bwd_sm90_store_dkdv<D>(acc_k, acc_v, dk, dv, b, S, Hkv, kvh, ja, t, scale, accumulate);
@@ -349,10 +377,14 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,            \
       long long q_str, long long k_off, long long k_str, int accumulate
 // TMA entries flash_bwd_wgmma_tma{,_band}_*: the same arguments followed by the tensor maps of q, dO
-// (box 64 x 1 x 64 x 1), k and v (box 64 x 1 x 128 x 1) (src/flash/tma.rs), __grid_constant__.
+// (box 64 x 1 x 64 x 1), k and v (box 64 x 1 x 128 x 1) and dq (f32, box 64 x 1 x 64 x 1, no
+// swizzle) (src/flash/tma.rs), __grid_constant__; dynamic shared memory WSB_SMEM_TMA(D) (two dQ
+// buffers more).
+#define WSB_SMEM_TMA(D) (WSB_SMEM(D) + 2 * WSB_BQ * 64 * 4)
 #define TMA_BWD_MAPS                                                                              \
   const CP_GRID_CONSTANT CpTmaMap tm_q, const CP_GRID_CONSTANT CpTmaMap tm_do,                    \
-      const CP_GRID_CONSTANT CpTmaMap tm_k, const CP_GRID_CONSTANT CpTmaMap tm_v
+      const CP_GRID_CONSTANT CpTmaMap tm_k, const CP_GRID_CONSTANT CpTmaMap tm_v,                 \
+      const CP_GRID_CONSTANT CpTmaMap tm_dq
 #define WGMMA_WS_BWD(NAME, D)                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_ws_##NAME##_d##D(             \
       float* dq, float* dk, float* dv, PIPE_ARGS) {                                                   \
@@ -362,7 +394,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   }                                                                                                   \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_tma_##NAME##_d##D(            \
       float* dq, float* dk, float* dv, PIPE_ARGS, TMA_BWD_MAPS) {                                     \
-    const CpTmaMap* tm[4] = {&tm_q, &tm_do, &tm_k, &tm_v};                                            \
+    const CpTmaMap* tm[5] = {&tm_q, &tm_do, &tm_k, &tm_v, &tm_dq};                                            \
     bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG, CpMask, true>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, \
         H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str}, accumulate, tm);                  \
   }
@@ -380,7 +412,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   }                                                                                                  \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_bwd_wgmma_tma_band_##NAME##_d##D(      \
       float* dq, float* dk, float* dv, PIPE_BAND_ARGS, TMA_BWD_MAPS) {                               \
-    const CpTmaMap* tm[4] = {&tm_q, &tm_do, &tm_k, &tm_v};                                           \
+    const CpTmaMap* tm[5] = {&tm_q, &tm_do, &tm_k, &tm_v, &tm_dq};                                           \
     bwd_wgmma_ws<TY, D, WSB_NST(D), WSB_LAG, CpBand, true>(dq, q, k, v, dout16, lse, delta, dk, dv, T_, S, \
         H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate, tm);                                           \
   }

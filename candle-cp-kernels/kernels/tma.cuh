@@ -69,3 +69,41 @@ __device__ __forceinline__ void cp_tma_load_4d(uint32_t dst, const CpTmaMap* map
       : "memory");
 #endif
 }
+
+// ---- TMA reductions to global memory (the dQ of flash_bwd_sm90_ws.cu's `_tma_` entries) ----------
+// Adds the box of `map` at (c0, .., c3) from shared memory at `src` (128-byte aligned, the box's
+// elements in order, no swizzle for our f32 maps) into global memory, element by element
+// (`.add`, atomic per element); elements outside the tensor are skipped. Issued by one thread; it
+// joins the thread's open bulk async-group. The writers of `src` must have run fence.proxy.async
+// (their stores, then a barrier, then this) and must not rewrite `src` before the issuing thread's
+// cp_bulk_wait_read says the read is done.
+__device__ __forceinline__ void cp_tma_reduce_add_4d(const CpTmaMap* map, int c0, int c1, int c2, int c3, uint32_t src) {
+#ifdef CP_HOST_EMU
+  cp_emu::tma_reduce_add(map->opaque, c0, c1, c2, c3, src);
+#else
+  asm volatile("cp.reduce.async.bulk.tensor.4d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4, %5}], [%1];\n" ::"l"(
+                   reinterpret_cast<uint64_t>(map)),
+               "r"(src), "r"(c0), "r"(c1), "r"(c2), "r"(c3)
+               : "memory");
+#endif
+}
+
+// Commits this thread's open bulk async operations (the reductions above) as one bulk async-group.
+__device__ __forceinline__ void cp_bulk_commit() {
+#ifdef CP_HOST_EMU
+  cp_emu::bulk_commit();
+#else
+  asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+#endif
+}
+
+// Waits until at most N of this thread's bulk async-groups have not finished READING their shared
+// memory sources (their global writes may still be in flight); the sources of the others may be
+// rewritten (after a barrier that tells the writers).
+template <int N> __device__ __forceinline__ void cp_bulk_wait_read() {
+#ifdef CP_HOST_EMU
+  cp_emu::bulk_wait_read(N);
+#else
+  asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(N) : "memory");
+#endif
+}

@@ -124,7 +124,8 @@ pub enum FwdImpl {
     /// `kernels/flash_fwd_sm90_ws.cu`: one producer thread issues a `cp.async.bulk.tensor` load per
     /// 64-column block of a tile through tensor maps of q, k, v, completed on the stage's mbarrier
     /// by its byte count; FlashAttention-3's loads). Backward: `WgmmaWs`'s kernel with TMA loads of
-    /// K, V and each query tile's Q and dO (`flash_bwd_wgmma_tma_*` in
+    /// K, V and each query tile's Q and dO, and dQ added from a shared-memory buffer by one TMA
+    /// reduction per tile instead of per-thread `red.global` (`flash_bwd_wgmma_tma_*` in
     /// `kernels/flash_bwd_sm90_ws.cu`). Same results as `WgmmaWs` (dQ's summation order
     /// nondeterministic). Checked under the CPU emulator only so far.
     WgmmaTma,
@@ -474,7 +475,7 @@ pub fn bwd_with(
     }
     let ws = matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma);
     if ws {
-        bwd_sm90_ws::check(&dev, d, q.shape(), k.shape())?;
+        bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp == FwdImpl::WgmmaTma)?;
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.

@@ -251,7 +251,7 @@ pub fn bwd_band(
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     let dims = (b, t, s, h, hkv, d);
-    if matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape()).is_ok() {
+    if matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp == FwdImpl::WgmmaTma).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
         return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale, imp == FwdImpl::WgmmaTma);
     }

@@ -13,7 +13,7 @@
 //! (`flash_bwd_wgmma_tma{,_band}_*`: K, V, Q and dO loaded by TMA through tensor maps from
 //! [`super::tma`], issued by one producer thread).
 
-use super::tma::{map_bthd, TmaMap};
+use super::tma::{map_bthd, map_f32_bthd, TmaMap};
 use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -43,15 +43,21 @@ fn wsb_smem(d: usize) -> u32 {
     ((2 * WSB_BN + 2 * nst * WSB_BQ) * d * 2 + 2 * WSB_BQ * WSB_BN * 2 + 2 * nst * WSB_BQ * 4 + 2 * nst * 8 + 1024) as u32
 }
 
-/// Checks that the `WgmmaWs` backward can run: head dim 64 or 128, a compute capability 9.x
-/// device, and its dynamic shared memory within the device's opt-in maximum per block. Errors
-/// name the device, sizes and shapes.
-pub(super) fn check(dev: &CudaDevice, d: usize, q: &Shape, k: &Shape) -> Result<()> {
+/// Dynamic shared memory of the TMA entries `flash_bwd_wgmma_tma*_d{d}` (`WSB_SMEM_TMA(D)`):
+/// [`wsb_smem`] plus two f32 `[64 x 64]` dQ buffers (231,984 bytes at d = 128; 166,976 at d = 64).
+fn wsb_smem_tma(d: usize) -> u32 {
+    wsb_smem(d) + (2 * WSB_BQ * 64 * 4) as u32
+}
+
+/// Checks that the `WgmmaWs` backward (`tma`: its TMA entries, `WgmmaTma`) can run: head dim 64 or
+/// 128, a compute capability 9.x device, and its dynamic shared memory within the device's opt-in
+/// maximum per block. Errors name the device, sizes and shapes.
+pub(super) fn check(dev: &CudaDevice, d: usize, q: &Shape, k: &Shape, tma: bool) -> Result<()> {
     if d != 64 && d != 128 {
         candle_core::bail!("flash_bwd: the warp-specialized wgmma backward (FwdImpl::WgmmaWs) supports head dims 64 and 128, got {d}; q {q:?}, k {k:?}")
     }
     sm90::check_hopper(dev, "flash_bwd")?;
-    let need = wsb_smem(d);
+    let need = if tma { wsb_smem_tma(d) } else { wsb_smem(d) };
     let optin = util::smem_optin(dev)?;
     if i64::from(need) > optin {
         candle_core::bail!("flash_bwd: the warp-specialized wgmma backward needs {need} bytes of shared memory per block at head dim {d}, the device allows {optin}; q {q:?}, k {k:?}")
@@ -68,12 +74,14 @@ pub(super) enum WsbMask<'a> {
 }
 
 /// The tensor maps of q and dO `[B, T, H, D]` (boxes of `WSB_BQ` rows), k and v `[B, S, Hkv, D]`
-/// (`WSB_BN` rows) for the backward's TMA entries ([`super::tma::map_bthd`]).
+/// (`WSB_BN` rows) for the backward's TMA loads ([`super::tma::map_bthd`]), and of dq f32
+/// `[B, T, H, D]` for its reductions ([`super::tma::map_f32_bthd`], boxes of `WSB_BQ` rows).
 #[allow(clippy::type_complexity)]
-fn bwd_tma_maps<T, V, W>(dev: &CudaDevice, bf: bool, (qv, dov, kv, vv): (&V, &W, &V, &V), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap, TmaMap)>
+fn bwd_tma_maps<T, V, W, X>(dev: &CudaDevice, bf: bool, (qv, dov, kv, vv, dqv): (&V, &W, &V, &V, &X), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap, TmaMap, TmaMap)>
 where
     V: DevicePtr<T>,
     W: DevicePtr<T>,
+    X: DevicePtr<f32>,
 {
     let (rq, rk) = (WSB_BQ as u32, WSB_BN as u32);
     Ok((
@@ -81,6 +89,7 @@ where
         map_bthd(dev, dov, bf, (b, t, h, d), rq, "dout")?,
         map_bthd(dev, kv, bf, (b, s, hkv, d), rk, "k")?,
         map_bthd(dev, vv, bf, (b, s, hkv, d), rk, "v")?,
+        map_f32_bthd(dev, dqv, (b, t, h, d), rq, "dq")?,
     ))
 }
 
@@ -117,7 +126,7 @@ pub(super) fn bwd_wgmma_ws(
     let (ov, dov, lv) = inp.f32s()?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let acc = 0i32;
-    let smem = wsb_smem(d);
+    let smem = if tma { wsb_smem_tma(d) } else { wsb_smem(d) };
     let cfg = LaunchConfig {
         grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
         block_dim: (WSB_THREADS, 1, 1),
@@ -140,31 +149,31 @@ pub(super) fn bwd_wgmma_ws(
             match (&mask, &lo_g, &hi_g) {
                 (WsbMask::Mask(m), _, _) if tma => {
                     let (causal, qo, qstr, ko, kstr) = m.args()?;
-                    let (tq, tdo, tk, tv) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv), (b, t, s, h, hkv, d))?;
+                    let (tq, tdo, tk, tv, tdq) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv, &dq), (b, t, s, h, hkv, d))?;
                     let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_tma_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
                     func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
                     let mut bld = func.builder();
                     bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
                     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
                     bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv);
+                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv).arg(&tdq);
                     // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS, TMA_BWD_MAPS` in
                     // kernels/flash_bwd_sm90_ws.cu; device, head dim and shared memory checked by `check`;
-                    // the maps describe qv, do16, kv, vv.
+                    // the maps describe qv, do16, kv, vv and dq.
                     unsafe { bld.launch(cfg) }.w()?;
                 }
                 (WsbMask::Band { lo, .. }, Some((los, lol)), Some((his, hil))) if tma => {
                     let lov = util::view::<u32>(storage_of(los, "band lo", lo.shape())?, lol, "band lo")?;
                     let hiv = util::view::<u32>(storage_of(his, "band hi", lo.shape())?, hil, "band hi")?;
                     let bstride = util::to_i64(if lo.dim(0)? == 1 { 0 } else { t }, "band batch stride")?;
-                    let (tq, tdo, tk, tv) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv), (b, t, s, h, hkv, d))?;
+                    let (tq, tdo, tk, tv, tdq) = bwd_tma_maps(dev, sfx == "bf16", (&qv, &do16, &kv, &vv, &dq), (b, t, s, h, hkv, d))?;
                     let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_tma_band_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_WS_MODULE, ptx::FLASH_BWD_SM90_WS)?;
                     func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
                     let mut bld = func.builder();
                     bld.arg(&mut dq).arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
                     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
                     bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
-                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv);
+                    bld.arg(&tq).arg(&tdo).arg(&tk).arg(&tv).arg(&tdq);
                     // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_BAND_ARGS, TMA_BWD_MAPS` in
                     // kernels/flash_bwd_sm90_ws.cu; the band's shape and device checked by KBand::check.
                     unsafe { bld.launch(cfg) }.w()?;

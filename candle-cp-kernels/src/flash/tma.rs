@@ -9,8 +9,10 @@
 //! value as a `__grid_constant__` parameter. Ours: a contiguous 16-bit `[B, L, Hh, D]` tensor (q
 //! with `L = T`, `Hh = H`; k / v with `L = S`, `Hh = Hkv`), dimensions innermost first
 //! `(D, Hh, L, B)`, box `64 x 1 x rows x 1` (64 values of one head for `rows` rows: one 64-column
-//! block of a tile of 128 rows, or of the backward's 64-row Q / dO tiles), 128-byte swizzle (the layout the wgmma descriptors read, `kernels/wgmma.cuh`),
-//! zeros outside the tensor (rows past `T` / `S`).
+//! block of a tile of 128 rows, or of the backward's 64-row Q / dO tiles), 128-byte swizzle (the
+//! layout the wgmma descriptors read, `kernels/wgmma.cuh`), zeros outside the tensor (rows past
+//! `T` / `S`). And the backward's dq, f32 `[B, T, H, D]`, box `64 x 1 x 64 x 1` without swizzle,
+//! which its TMA reductions add into (rows past `T` skipped).
 
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr};
@@ -29,10 +31,33 @@ unsafe impl DeviceRepr for TmaMap {}
 const BOX_COLS: u32 = 64;
 
 /// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, with
-/// boxes of `rows` rows (1..=256: the kernel's tile rows), for the TMA entries (see the module
-/// doc). Errors: a head dim that is not a multiple of 64, a view not 16-byte aligned, or the
-/// driver's refusal (its error code, with the shape).
-pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, (b, l, hh, d): (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
+/// boxes of `rows` rows (1..=256: the kernel's tile rows) and the 128-byte swizzle, for the TMA
+/// loads (see the module doc). Errors: a head dim that is not a multiple of 64, a view not 16-byte
+/// aligned, or the driver's refusal (its error code, with the shape).
+pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, dims: (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
+    let dtype = if bf16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 };
+    encode(dev, view, (dtype, 2), dims, rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, what)
+}
+
+/// The map of `view`, a contiguous f32 `[b, l, hh, d]` tensor on `dev` (the backward's dq), with
+/// boxes of 64 values x `rows` rows and no swizzle, for the TMA reductions (`.add`) of
+/// `flash_bwd_wgmma_tma{,_band}_*`: the kernel's shared buffer is row-major `[rows][64]` f32.
+pub(crate) fn map_f32_bthd<V: DevicePtr<f32>>(dev: &CudaDevice, view: &V, dims: (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
+    let dtype = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
+    encode(dev, view, (dtype, 4), dims, rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, what)
+}
+
+/// `cuTensorMapEncodeTiled` of a contiguous `[b, l, hh, d]` tensor of `esize`-byte elements:
+/// dimensions `(d, hh, l, b)`, box `64 x 1 x rows x 1`, zeros out of bounds, L2 promotion 256 B.
+fn encode<T, V: DevicePtr<T>>(
+    dev: &CudaDevice,
+    view: &V,
+    (dtype, esize): (sys::CUtensorMapDataType, usize),
+    (b, l, hh, d): (usize, usize, usize, usize),
+    rows: u32,
+    swizzle: sys::CUtensorMapSwizzle,
+    what: &str,
+) -> Result<TmaMap> {
     if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
         candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension (box rows {rows})")
     }
@@ -44,10 +69,10 @@ pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: boo
     let u = |x: usize| x as u64;
     let dims = [u(d), u(hh), u(l), u(b)];
     // bytes between consecutive indices of dimensions 1, 2, 3 (dimension 0 is contiguous)
-    let strides = [u(d) * 2, u(hh * d) * 2, u(l * hh * d) * 2];
+    let es = esize as u64;
+    let strides = [u(d) * es, u(hh * d) * es, u(l * hh * d) * es];
     let boxes = [BOX_COLS, 1, rows, 1];
     let elem_strides = [1u32; 4];
-    let dtype = if bf16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 };
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array has `rank` (4) entries (`strides` rank - 1), the pointers outlive the
     // call, and `map` is a writable CUtensorMap.
@@ -62,7 +87,7 @@ pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: boo
             boxes.as_ptr(),
             elem_strides.as_ptr(),
             sys::CUtensorMapInterleave::CU_TENSOR_MAP_INTERLEAVE_NONE,
-            sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B,
+            swizzle,
             sys::CUtensorMapL2promotion::CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
             sys::CUtensorMapFloatOOBfill::CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE,
         )
