@@ -32,8 +32,8 @@ const BOX_COLS: u32 = 64;
 
 /// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, with
 /// boxes of `rows` rows (1..=256: the kernel's tile rows) and the 128-byte swizzle, for the TMA
-/// loads (see the module doc). Errors: a head dim that is not a multiple of 64, a view not 16-byte
-/// aligned, or the driver's refusal (its error code, with the shape).
+/// loads (see the module doc). Errors: a head dim that is not a multiple of 64, a view shorter than
+/// the shape or not 16-byte aligned, or the driver's refusal (its error code, with the shape).
 pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: bool, dims: (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
     let dtype = if bf16 { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 } else { sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT16 };
     encode(dev, view, (dtype, 2), dims, rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, what)
@@ -60,6 +60,9 @@ fn encode<T, V: DevicePtr<T>>(
 ) -> Result<TmaMap> {
     if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
         candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension (box rows {rows})")
+    }
+    if view.len() < b * l * hh * d {
+        candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] is described on a buffer of only {} elements", view.len())
     }
     let stream = dev.cuda_stream();
     let (ptr, _record) = view.device_ptr(&stream);
