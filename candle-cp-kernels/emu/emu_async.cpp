@@ -33,16 +33,20 @@ void async_reset() {
 
 using namespace detail;
 
+// Whether [p, p + bytes) lies inside one of the launch's tracked global buffers (true when none is tracked).
+static bool in_globals(const unsigned char* p, size_t bytes) {
+  if (globals.empty()) return true;
+  for (auto& g : globals)
+    if (p >= g.first && p + bytes <= g.first + g.second) return true;
+  return false;
+}
+
 void cp_async16(uint32_t dst, const void* src, bool valid) {
   unsigned char* d = smem_ptr(dst, 16);
   if (dst % 16 || reinterpret_cast<uintptr_t>(src) % 16)
     fail("cp.async 16: addresses not 16-byte aligned (shared %u, global %p)", dst, src);
   auto s = static_cast<const unsigned char*>(src);
-  if (valid && !globals.empty()) {
-    bool ok = false;
-    for (auto& g : globals) ok |= s >= g.first && s + 16 <= g.first + g.second;
-    if (!ok) fail("cp.async reads global %p (16 bytes) outside every buffer of the launch", src);
-  }
+  if (valid && !in_globals(s, 16)) fail("cp.async reads global %p (16 bytes) outside every buffer of the launch", src);
   const uint32_t idx = (uint32_t)copies.size();
   copies.push_back({d, s, valid, false, cur});
   fib[cur].open.push_back(idx);
@@ -153,6 +157,17 @@ static uint64_t tma_elems(const cp_tma::Desc& d) {
   for (uint32_t r = 0; r < d.rank; ++r) n *= d.box[r];
   return n;
 }
+// Fails the launch (naming `op`) if an in-bounds element of the box at c is outside every tracked
+// global buffer.
+static void tma_check_globals(const cp_tma::Desc& d, const int* c, const char* op) {
+  const uint64_t n = tma_elems(d);
+  for (uint64_t e = 0; e < n && !globals.empty(); ++e) {
+    bool in;
+    const auto* g = reinterpret_cast<const unsigned char*>(tma_src(d, c, e, &in));
+    if (in && !in_globals(g, d.esize))
+      fail("%s: box element %llu at global %p is outside every buffer of the launch", op, (unsigned long long)e, (const void*)g);
+  }
+}
 
 uint32_t tma_land(uint32_t i) {
   const TmaLoad& t = tmas[i];
@@ -186,14 +201,7 @@ void tma_reduce_add(const unsigned long long* map, int c0, int c1, int c2, int c
     fail("cp.reduce.async.bulk.tensor: its source [%u, %llu) is not visible to the async proxy (the stores need a "
          "fence.proxy.async before the barrier that precedes the reduction)", src, (unsigned long long)(src + n * 4));
   const int c[4] = {c0, c1, c2, c3};
-  for (uint64_t e = 0; e < n && !globals.empty(); ++e) {
-    bool in;
-    const auto* dst = reinterpret_cast<const unsigned char*>(tma_src(d, c, e, &in));
-    if (!in) continue;
-    bool ok = false;
-    for (auto& g : globals) ok |= dst >= g.first && dst + 4 <= g.first + g.second;
-    if (!ok) fail("cp.reduce.async.bulk.tensor: box element %llu at global %p is outside every buffer of the launch", (unsigned long long)e, (const void*)dst);
-  }
+  tma_check_globals(d, c, "cp.reduce.async.bulk.tensor");
   TmaRed r{d, {c0, c1, c2, c3}, src, std::vector<unsigned char>(dyn.data() + src, dyn.data() + src + n * 4)};
   fib[cur].bulk_open.push_back((uint32_t)reds.size());
   reds.push_back(std::move(r));
@@ -243,19 +251,11 @@ void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c
     fail("cp.async.bulk.tensor: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", d.box[0] * d.esize, d.swizzle);
   const int c[4] = {c0, c1, c2, c3};
   const uint64_t n = tma_elems(d);
-  for (uint64_t e = 0; e < n && !globals.empty(); ++e) {
-    bool in;
-    const auto* src = reinterpret_cast<const unsigned char*>(tma_src(d, c, e, &in));
-    if (!in) continue;
-    bool ok = false;
-    for (auto& g : globals) ok |= src >= g.first && src + d.esize <= g.first + g.second;
-    if (!ok) fail("cp.async.bulk.tensor: box element %llu at global %p is outside every buffer of the launch", (unsigned long long)e, (const void*)src);
-  }
+  tma_check_globals(d, c, "cp.async.bulk.tensor");
   if ((size_t)dst + n * d.esize > dyn_size)
     fail("cp.async.bulk.tensor: destination [%u, %llu) outside dynamic shared memory (%zu bytes)", dst,
          (unsigned long long)(dst + n * d.esize), dyn_size);
-  const uint32_t baddr = smem_addr(bar);
-  mbar_get_checked(baddr, "cp.async.bulk.tensor (its mbarrier)");
+  const uint32_t baddr = mbar_checked(bar, "cp.async.bulk.tensor (its mbarrier)");
   const uint32_t i = (uint32_t)tmas.size();
   tmas.push_back({dst, d, {c[0], c[1], c[2], c[3]}});
   if (landing != Landing::AtIssue) {  // contents undefined until it lands

@@ -154,7 +154,8 @@ void sync_reset();
 uint32_t tma_land(uint32_t i);
 void tma_reset();
 void mbar_complete_tx(uint32_t addr, uint32_t bytes);
-void mbar_get_checked(uint32_t addr, const char* what);  // fails the launch unless an initialised mbarrier
+// The shared offset of `bar`; fails the launch unless it is an initialised, aligned mbarrier.
+uint32_t mbar_checked(const void* bar, const char* what);
 uint32_t tma_arrival(uint32_t bar, uint32_t load);  // queue load `load`'s completion per landing mode
 
 void fire(uint32_t i);

@@ -200,9 +200,10 @@ uint32_t mbar_addr(const void* bar, const char* what) {
   smem_ptr(addr, 8);
   return addr;
 }
-void mbar_get_checked(uint32_t addr, const char* what) {
-  if (addr % 8) fail("%s: mbarrier address (shared offset %u) not 8-byte aligned", what, addr);
+uint32_t mbar_checked(const void* bar, const char* what) {
+  const uint32_t addr = mbar_addr(bar, what);
   mbar_get(addr, what);
+  return addr;
 }
 }  // namespace detail
 
