@@ -208,14 +208,14 @@ CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows) {
   return m;
 }
 
-// The dq map of the TMA backward as src/flash/tma.rs encodes it: f32 [B, T, H, D], box 64 x 1 x 64 x 1,
-// no swizzle (check_band.cpp too).
+// The dq map of the TMA backward as src/flash/tma.rs encodes it: f32 [B, T, H, D], box 32 x 1 x 64 x 1,
+// 128-byte swizzle (check_band.cpp too).
 CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D) {
   CpTmaMap m;
   const uint64_t dims[4] = {(uint64_t)D, (uint64_t)H, (uint64_t)T, (uint64_t)B};
   const uint64_t str[3] = {(uint64_t)D * 4, (uint64_t)H * D * 4, (uint64_t)T * H * D * 4};
-  const uint32_t box[4] = {64, 1, 64, 1}, es[4] = {1, 1, 1, 1};
-  if (const char* err = cp_tma::encode(&m, 4, 4, p, dims, str, box, es, 0)) {
+  const uint32_t box[4] = {32, 1, 64, 1}, es[4] = {1, 1, 1, 1};
+  if (const char* err = cp_tma::encode(&m, 4, 4, p, dims, str, box, es, 128)) {
     std::printf("emu_tma_map_dq: %s\n", err);
     std::exit(2);
   }

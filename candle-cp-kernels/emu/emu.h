@@ -82,11 +82,14 @@ void syncthreads(const char* file, int line);
 
 // Warp-collective ops. The calling lane posts its operands, waits until all 32 lanes of its
 // warp posted the same op, and gets its result.
-enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T,
+enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T, Sts,
                           WgFence, WgMma, WgCommit, WgWait, SetMaxNReg };
 uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg);
 void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
+// Shared store of `bytes` (2, 4 or 8) bytes from words[] at `addr` by every lane of the warp
+// (cp_sts_cf): fails the launch on a bank conflict in a phase of the request (see common.cuh).
+void warp_sts(uint32_t addr, const uint32_t* words, int bytes);
 
 // wgmma ops (sm_90a): wgmma.fence, wgmma.mma_async m64nNk16 (f32 accumulate; A from shared memory
 // by descriptor (K-major) or from registers `a` (4 per thread); B from shared memory by descriptor,
@@ -188,7 +191,8 @@ void mbar_arrive_expect_tx(const void* bar, uint32_t bytes);
 void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar);
 // prefetch.tensormap: no effect; fails the launch if `map` is not a tensor map from tma_map.h.
 void tma_prefetch_map(const unsigned long long* map);
-// TMA reduction (cp.reduce.async.bulk.tensor .add, f32 maps without swizzle) and bulk async-groups
+// TMA reduction (cp.reduce.async.bulk.tensor .add, f32 maps; with a swizzle, box element e is read
+// from the swizzled address as a load would have written it, src aligned as for loads) and bulk async-groups
 // (cp.async.bulk.commit_group / wait_group.read): tma_reduce_add joins the calling thread's open
 // bulk group; at issue its source [src, src + box bytes) must be visible to the async proxy (the
 // writers' fence.proxy.async before the barrier that precedes the issue) and is snapshotted;

@@ -192,8 +192,11 @@ void tma_reduce_add(const unsigned long long* map, int c0, int c1, int c2, int c
   cp_tma::Desc d;
   if (!cp_tma::decode(map, &d)) fail("cp.reduce.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");
   if (d.rank > 4) fail("cp.reduce.async.bulk.tensor.4d: the tensor map has rank %u", d.rank);
-  if (d.esize != 4 || d.swizzle != 0) fail("cp.reduce.async.bulk.tensor .add: only f32 maps without swizzle are modelled");
-  if (src % 128) fail("cp.reduce.async.bulk.tensor: shared source %u not 128-byte aligned", src);
+  if (d.esize != 4) fail("cp.reduce.async.bulk.tensor .add: only f32 maps are modelled");
+  const uint32_t align = d.swizzle ? 8 * d.swizzle : 128;
+  if (src % align) fail("cp.reduce.async.bulk.tensor: shared source %u not %u-byte aligned", src, align);
+  if (d.swizzle && d.box[0] * d.esize != d.swizzle)
+    fail("cp.reduce.async.bulk.tensor: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", d.box[0] * d.esize, d.swizzle);
   const uint64_t n = tma_elems(d);
   if ((size_t)src + n * 4 > dyn_size)
     fail("cp.reduce.async.bulk.tensor: source [%u, %llu) outside dynamic shared memory (%zu bytes)", src, (unsigned long long)(src + n * 4), dyn_size);
@@ -226,8 +229,9 @@ void bulk_wait_read(int n) {
         bool in;
         const uint64_t dst = tma_src(r.d, r.c, e, &in);
         if (!in) continue;
+        // box element e sits at the swizzled shared address (as a load would have put it there)
         float v;
-        std::memcpy(&v, r.snap.data() + e * 4, 4);
+        std::memcpy(&v, r.snap.data() + (tma_swizzle(r.src + (uint32_t)(e * 4), r.d.swizzle) - r.src), 4);
         *reinterpret_cast<float*>(dst) += v;
       }
     }

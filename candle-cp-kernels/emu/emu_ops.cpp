@@ -1,4 +1,5 @@
-// PTX-level warp ops of the host emulation (see emu.h): shfl / vote, mma.sync m16n8k16, ldmatrix x4
+// PTX-level warp ops of the host emulation (see emu.h): shfl / vote, mma.sync m16n8k16, ldmatrix x4,
+// conflict-checked st.shared
 // (wgmma and setmaxnreg: emu_wgmma.cpp). Each runs in the scheduler's context once all lanes of its
 // warp posted it.
 #include "emu_internal.h"
@@ -26,6 +27,51 @@ float f16bits(uint16_t b, bool bf16) {
   __half h;
   std::memcpy(static_cast<void*>(&h), &b, 2);
   return __half2float(h);
+}
+
+// st.shared by the 32 lanes of warp l0 / 32 (cp_sts_cf): every lane the same width (2, 4 or 8 bytes),
+// naturally aligned, inside shared memory. The request is served in phases, as the hardware does:
+// one of 32 lanes for 2- and 4-byte stores, two half-warps for 8-byte ones. Within a phase, lanes
+// writing the same 32-bit word share it; two different words in one of the 32 banks (4-byte words,
+// bank = word address mod 32) are a bank conflict, and the phase takes as many wavefronts as its
+// busiest bank has words. Any conflict fails the launch, naming the phase, the bank and two lanes.
+static bool exec_sts(int l0, Fiber* L) {
+  const int bytes = L[0].arg;
+  for (int l = 0; l < 32; ++l) {
+    if (L[l].arg != bytes || (bytes != 2 && bytes != 4 && bytes != 8)) {
+      sched_fail("warp %d: st.shared of %d bytes by lane %d, %d bytes by lane 0 (cp_sts_cf: one width, 2, 4 or 8)",
+                 l0 / 32, L[l].arg, l, bytes);
+      return false;
+    }
+    if (L[l].addr % (uint32_t)bytes) {
+      sched_fail("warp %d lane %d: st.shared.b%d at %u not %d-byte aligned", l0 / 32, l, 8 * bytes, L[l].addr, bytes);
+      return false;
+    }
+    if (!smem_ptr(L[l].addr, (uint32_t)bytes)) return false;
+  }
+  const int per = bytes == 8 ? 16 : 32;  // lanes per phase
+  for (int p0 = 0; p0 < 32; p0 += per) {
+    int owner[32];   // a lane whose word lies in the bank, per bank (-1: none yet)
+    uint32_t word[32];
+    std::fill(owner, owner + 32, -1);
+    for (int l = p0; l < p0 + per; ++l)
+      for (uint32_t w = L[l].addr / 4; w <= (L[l].addr + (uint32_t)bytes - 1) / 4; ++w) {
+        const uint32_t bank = w % 32;
+        if (owner[bank] < 0) {
+          owner[bank] = l, word[bank] = w;
+        } else if (word[bank] != w) {
+          sched_fail("warp %d: st.shared.b%d bank conflict in the phase of lanes %d..%d: bank %u holds word %u "
+                     "(lane %d) and word %u (lane %d); the layout of this store is meant to be conflict-free",
+                     l0 / 32, 8 * bytes, p0, p0 + per - 1, bank, word[bank] * 4, owner[bank], w * 4, l);
+          return false;
+        }
+      }
+  }
+  for (int l = 0; l < 32; ++l) {
+    const uint32_t w[2] = {L[l].val, L[l].b0};
+    std::memcpy(smem_ptr(L[l].addr, (uint32_t)bytes), w, (size_t)bytes);
+  }
+  return true;
 }
 
 // Runs the op posted by all lanes of warp w (lanes l0 .. l0+n-1); false (after reporting) on a
@@ -127,6 +173,9 @@ bool exec_warp(int l0, int n) {
       }
       break;
     }
+    case WarpOp::Sts:
+      if (!exec_sts(l0, L)) return false;
+      break;
     case WarpOp::WgFence:
     case WarpOp::WgMma:
     case WarpOp::WgCommit:
@@ -164,6 +213,15 @@ void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t
   f.b0 = b0;
   f.b1 = b1;
   post_and_wait(bf16 ? WarpOp::Mma16816Bf16 : WarpOp::Mma16816F16, 0xffffffffu);
+}
+
+void warp_sts(uint32_t addr, const uint32_t* words, int bytes) {
+  Fiber& f = fib[cur];
+  f.addr = addr;
+  f.val = words[0];
+  f.b0 = words[1];
+  f.arg = bytes;
+  post_and_wait(WarpOp::Sts, 0xffffffffu);
 }
 
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr) {

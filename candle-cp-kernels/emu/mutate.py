@@ -274,6 +274,16 @@ MUTATIONS = [
     ("tma-dq-col", "flash_bwd_sm90_ws.cu",
      "cp_tma_reduce_add_4d(tm[4], dc0, hq, i0, b, dqb);", "cp_tma_reduce_add_4d(tm[4], 0, hq, i0, b, dqb);",
      "wgmma_tma", "TMA backward: both consumers' dQ columns added at column 0"),
+    ("tma-dq-pair-swap", "flash_bwd_sm90_ws.cu",
+     "      const bool odd_g = g & 1;\n", "      const bool odd_g = false;\n",
+     "wgmma_tma", "TMA backward: dQ buffer stores without the odd-row column-pair swap (right values, 2-way bank conflicts)"),
+    ("tma-dq-swizzle", "flash_bwd_sm90_ws.cu",
+     "r * 128 + ((((cc >> 2) ^ r) & 7) << 4)", "r * 128 + (((cc >> 2) & 7) << 4)",
+     "wgmma_tma", "TMA backward: dQ buffer stored unswizzled while the map reads it swizzled"),
+    ("tma-dq-second-box", "flash_bwd_sm90_ws.cu",
+     "cp_tma_reduce_add_4d(tm[4], dc0 + 32, hq, i0, b, dqb + DQB_BYTES / 2);",
+     "cp_tma_reduce_add_4d(tm[4], dc0 + 32, hq, i0, b, dqb);",
+     "wgmma_tma", "TMA backward: the second dQ box (columns 32..63) reduced from the first box's buffer"),
 ]
 
 

@@ -87,6 +87,26 @@ __global__ void st_ldsm_oob(float* out) {
   out[threadIdx.x] = (float)r[0];
 }
 
+// cp_sts_cf by one warp, read back after a barrier. mode 0: 8-byte stores, lane l at row l / 4 of a
+// [8][64] f32 buffer, columns 2 (l % 4) + 8 (l / 4): each half-warp covers the 32 banks once (clean);
+// 1: the same columns for every row (rows 256 bytes apart: 4-way in each half-warp, a conflict);
+// 2: 2-byte stores, lanes 2i and 2i + 1 into the two halves of word i (shared words, clean).
+__global__ void st_sts(float* out, int mode) {
+  CP_DYN_SMEM(float, smem);
+  const int l = threadIdx.x, g = l >> 2, t = l & 3;
+  if (mode == 2) {
+    cp_sts_cf(reinterpret_cast<uint16_t*>(smem) + l, (uint16_t)(l + 1));
+  } else {
+    float* p = smem + g * 64 + 2 * t + (mode == 0 ? 8 * g : 0);
+    cp_sts_cf(p, make_float2((float)l, (float)-l));
+  }
+  __syncthreads();
+  if (mode == 2)
+    out[l] = (float)reinterpret_cast<const uint16_t*>(smem)[l];
+  else
+    out[l] = smem[g * 64 + 2 * t + (mode == 0 ? 8 * g : 0) + 1];
+}
+
 // One warpgroup: B [16 k x 64 n] (MN-major, 128-byte swizzle) by cp.async, A = all ones from
 // registers, D = A B by wgmma (so D[m][n] = sum_k B[k][n]). mode 0: correct; 1: no
 // fence.proxy.async between the copies and the wgmma (bug); 2: an accumulator register written
@@ -332,6 +352,16 @@ void run_selftests() {
          !cp_emu::launch("st_warp_missing_lane", dim3(1), dim3(64), 0, [&] { st_warp_missing_lane(out.p); }));
   expect("ldmatrix outside dynamic shared memory fails the launch",
          !cp_emu::launch("st_ldsm_oob", dim3(1), dim3(32), 4096, [&] { st_ldsm_oob(out.p); }));
+  ok = cp_emu::launch("st_sts(clean)", dim3(1), dim3(32), 2048, [&] { st_sts(out.p, 0); });
+  bool stored = ok;
+  for (int l = 0; l < 32; ++l) stored = stored && out.p[l] == (float)-l;
+  expect("conflict-free 8-byte cp_sts_cf stores land (control)", stored);
+  expect("an 8-byte cp_sts_cf store with a bank conflict fails the launch",
+         !cp_emu::launch("st_sts(conflict)", dim3(1), dim3(32), 2048, [&] { st_sts(out.p, 1); }));
+  ok = cp_emu::launch("st_sts(shared words)", dim3(1), dim3(32), 2048, [&] { st_sts(out.p, 2); });
+  stored = ok;
+  for (int l = 0; l < 32; ++l) stored = stored && out.p[l] == (float)(l + 1);
+  expect("2-byte cp_sts_cf stores sharing words are no conflict and land (control)", stored);
   const std::pair<cp_emu::Schedule, const char*> skews[] = {{cp_emu::Schedule::WarpsAscending, "warps-asc"},
                                                             {cp_emu::Schedule::WarpsDescending, "warps-desc"}};
   const std::pair<cp_emu::Landing, const char*> lands[] = {{cp_emu::Landing::AtIssue, "at-issue"},

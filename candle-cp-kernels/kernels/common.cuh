@@ -233,6 +233,22 @@ __device__ __forceinline__ void cp_ldsm_x4_trans(uint32_t* r, uint32_t addr) {
                : "memory");
 #endif
 }
+// Shared-memory store of a layout meant to be free of bank conflicts: V has 2, 4 or 8 bytes, `p` is a
+// generic pointer into shared memory, aligned to sizeof(V). Every lane of the warp makes the call
+// (warp-uniform, not predicated). On the GPU a plain store. Under CP_HOST_EMU a warp op that fails
+// the launch when a phase of the warp's request (all 32 lanes for 2- and 4-byte stores, each
+// half-warp for 8-byte ones) puts two different 32-bit words in one bank, so the layout is checked
+// wherever the emulator runs the kernel.
+template <typename V> __device__ __forceinline__ void cp_sts_cf(void* p, V v) {
+  static_assert(sizeof(V) == 2 || sizeof(V) == 4 || sizeof(V) == 8, "2, 4 or 8 bytes");
+#ifdef CP_HOST_EMU
+  uint32_t w[2] = {0u, 0u};
+  memcpy(w, static_cast<const void*>(&v), sizeof(V));
+  cp_emu::warp_sts(cp_emu::smem_addr(p), w, (int)sizeof(V));
+#else
+  *reinterpret_cast<V*>(p) = v;
+#endif
+}
 // 2^x on the SFU (ex2.approx.ftz: max relative error ~2^-22; 2^-inf = +0).
 __device__ __forceinline__ float cp_exp2(float x) {
 #ifdef CP_HOST_EMU

@@ -90,11 +90,12 @@ __device__ __forceinline__ void wsb_red_add_v4(float* p, float4 v) {
 // TMA (the `_tma_` entries): K, V, Q and dO arrive by TMA tile loads through the tensor maps tm[0..3]
 // = q, dO (box 64 x 1 x 64 x 1), k, v (box 64 x 1 x 128 x 1), [B, T or S, H or Hkv, D] innermost
 // first, 128-byte swizzle, zeros out of bounds (kernel-parameter addresses, never a local copy).
-// dQ leaves through tm[4] (f32 [B, T, H, D], box 64 x 1 x 64 x 1, no swizzle) as FlashAttention-3
-// does it: each consumer writes its scaled 64 x 64 partial into its own shared buffer (DQB_BYTES,
-// row-major), fences, syncs its warpgroup (named barrier 5 + cw) and one thread adds the buffer into
-// dq with one TMA reduction (rows past T skipped); before the buffer is rewritten that thread waits
-// for the reduction to have read it (cp.async.bulk.wait_group.read) and the warpgroup syncs again.
+// dQ leaves through tm[4] (f32 [B, T, H, D], box 32 x 1 x 64 x 1, 128-byte swizzle) as
+// FlashAttention-3 does it: each consumer writes its scaled 64 x 64 partial into its own shared
+// buffer (DQB_BYTES: two swizzled 32-column boxes, stored without bank conflicts), fences, syncs its
+// warpgroup (named barrier 5 + cw) and one thread adds the buffer into dq with two TMA reductions
+// (one per box, rows past T skipped); before the buffer is rewritten that thread waits for the
+// reductions to have read it (cp.async.bulk.wait_group.read) and the warpgroup syncs again.
 // The producer threads < BQ still write the stage's lse2 / delta; full[s] gets count BQ: thread 0
 // arrives with expect_tx of the stage's bytes (and K / V's with tile 0) and issues the loads, threads
 // 1 .. BQ - 1 arrive after their stores. No copy lag, no fence.proxy.async (TMA writes through the
@@ -116,7 +117,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
   auto q_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)st * Q_BYTES; };
   auto do_st = [&](int st) { return v_sa + KV_BYTES + (uint32_t)(NST + st) * Q_BYTES; };
   const uint32_t ds_sa = do_st(NST);  // dS buffers 0 / 1
-  constexpr uint32_t DQB_BYTES = BQ * 64 * 4;         // TMA: a consumer's dQ partial, f32 [BQ][64]
+  constexpr uint32_t DQB_BYTES = BQ * 64 * 4;         // TMA: a consumer's dQ partial, f32 [2][BQ][32] (swizzled)
   const uint32_t dqb_sa = ds_sa + 2 * DS_BYTES;       // TMA: dQ buffers 0 / 1 (one per consumer)
   auto smem_ptr = [&](uint32_t a) { return ws_smem + (a - base_sa); };
   float* ls_s = reinterpret_cast<float*>(smem_ptr(dqb_sa + (TMA ? 2 * DQB_BYTES : 0u)));  // lse2 [NST][BQ]
@@ -327,17 +328,28 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       const uint32_t dqb = dqb_sa + (uint32_t)cw * DQB_BYTES;
       if ((tid & 127) == 0) cp_bulk_wait_read<0>();  // the last reduction from this buffer has read it
       cp_named_bar_sync(5 + cw, 128);
-      float* buf = reinterpret_cast<float*>(smem_ptr(dqb));
+      // The buffer is tm[4]'s two boxes, columns [0, 32) then [32, 64), each [BQ][32] f32 with the
+      // 128-byte swizzle (16-byte chunk c of row r at chunk c ^ (r & 7)). Step j stores columns
+      // 8j' + 2t, + 1 of rows r = 16wr + g + 8hh, with j' = j for even g and j ^ 2 for odd g (same
+      // box): the 16 lanes of a half-warp then cover the 32 banks once (cp_sts_cf checks it under
+      // the emulator); with j' = j for all, rows g and g ^ 1 would share banks (2-way; the
+      // row-major [BQ][64] buffer before this was 4-way).
+      const bool odd_g = g & 1;
 #pragma unroll
       for (int j = 0; j < 8; ++j)
 #pragma unroll
-        for (int hh = 0; hh < 2; ++hh)
-          *reinterpret_cast<float2*>(buf + (wr * 16 + g + 8 * hh) * 64 + 8 * j + 2 * t) =
-              make_float2(dqa[4 * j + 2 * hh] * scale, dqa[4 * j + 2 * hh + 1] * scale);
+        for (int hh = 0; hh < 2; ++hh) {
+          const int jx = j ^ 2, jj = odd_g ? jx : j, r = wr * 16 + g + 8 * hh, cc = (8 * jj + 2 * t) & 31;
+          const float x0 = odd_g ? dqa[4 * jx + 2 * hh] : dqa[4 * j + 2 * hh];
+          const float x1 = odd_g ? dqa[4 * jx + 2 * hh + 1] : dqa[4 * j + 2 * hh + 1];
+          const uint32_t a = dqb + (uint32_t)((j >> 2) * BQ * 128 + r * 128 + ((((cc >> 2) ^ r) & 7) << 4) + (cc & 3) * 4);
+          cp_sts_cf(smem_ptr(a), make_float2(x0 * scale, x1 * scale));
+        }
       fence_proxy_async();  // the stores visible to the async proxy the reduction reads through
       cp_named_bar_sync(5 + cw, 128);
       if ((tid & 127) == 0) {
         cp_tma_reduce_add_4d(tm[4], dc0, hq, i0, b, dqb);
+        cp_tma_reduce_add_4d(tm[4], dc0 + 32, hq, i0, b, dqb + DQB_BYTES / 2);
         cp_bulk_commit();
       }
       continue;
@@ -377,7 +389,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
       int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,            \
       long long q_str, long long k_off, long long k_str, int accumulate
 // TMA entries flash_bwd_wgmma_tma{,_band}_*: the same arguments followed by the tensor maps of q, dO
-// (box 64 x 1 x 64 x 1), k and v (box 64 x 1 x 128 x 1) and dq (f32, box 64 x 1 x 64 x 1, no
+// (box 64 x 1 x 64 x 1), k and v (box 64 x 1 x 128 x 1) and dq (f32, box 32 x 1 x 64 x 1, 128-byte
 // swizzle) (src/flash/tma.rs), __grid_constant__; dynamic shared memory WSB_SMEM_TMA(D) (two dQ
 // buffers more).
 #define WSB_SMEM_TMA(D) (WSB_SMEM(D) + 2 * WSB_BQ * 64 * 4)

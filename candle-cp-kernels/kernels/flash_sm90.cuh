@@ -230,7 +230,9 @@ __device__ __forceinline__ void bwd_sm90_ds(float (&dp)[NS], const float (&p)[NS
 
 // dS^T (the rounded values of dsa) into the dS tile at ds, transposed: dS [query][key] in the SW128
 // K-major layout (BQ rows; keys of warpgroup / consumer w = column block w). smem_ptr maps a shared
-// address to a generic pointer.
+// address to a generic pointer. Each 16-bit store: the lanes' 4 query rows (2t + hh) land in 4
+// different 16-byte chunks (the swizzle XORs in the row), their 8 keys g in 4 words of a chunk, so
+// the warp's 16 words fill 16 different banks (cp_sts_cf checks it under the emulator).
 template <int BQ, typename P>
 __device__ __forceinline__ void bwd_sm90_ds_store(const uint32_t (&dsa)[BQ / 16][4], uint32_t ds, int w, int wr,
                                                   int g, int t, const P& smem_ptr) {
@@ -245,7 +247,7 @@ __device__ __forceinline__ void bwd_sm90_ds_store(const uint32_t (&dsa)[BQ / 16]
       for (int hh = 0; hh < 2; ++hh) {
         const int qr = c + hh;
         const uint32_t a = ds + (uint32_t)(w * BQ * 128 + qr * 128 + ((((key >> 3) ^ qr) & 7) << 4) + (key & 7) * 2);
-        *reinterpret_cast<uint16_t*>(smem_ptr(a)) = (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu);
+        cp_sts_cf(smem_ptr(a), (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu));
       }
     }
 }

@@ -71,8 +71,9 @@ __device__ __forceinline__ void cp_tma_load_4d(uint32_t dst, const CpTmaMap* map
 }
 
 // ---- TMA reductions to global memory (the dQ of flash_bwd_sm90_ws.cu's `_tma_` entries) ----------
-// Adds the box of `map` at (c0, .., c3) from shared memory at `src` (128-byte aligned, the box's
-// elements in order, no swizzle for our f32 maps) into global memory, element by element
+// Adds the box of `map` at (c0, .., c3) from shared memory at `src` (laid out as a load of the box
+// would write it: with our f32 dq maps' 128-byte swizzle, 1024-byte aligned, 16-byte chunk c of
+// 128-byte row r at chunk c ^ (r & 7)) into global memory, element by element
 // (`.add`, atomic per element); elements outside the tensor are skipped. Issued by one thread; it
 // joins the thread's open bulk async-group. The writers of `src` must have run fence.proxy.async
 // (their stores, then a barrier, then this) and must not rewrite `src` before the issuing thread's

@@ -11,8 +11,8 @@
 //! `(D, Hh, L, B)`, box `64 x 1 x rows x 1` (64 values of one head for `rows` rows: one 64-column
 //! block of a tile of 128 rows, or of the backward's 64-row Q / dO tiles), 128-byte swizzle (the
 //! layout the wgmma descriptors read, `kernels/wgmma.cuh`), zeros outside the tensor (rows past
-//! `T` / `S`). And the backward's dq, f32 `[B, T, H, D]`, box `64 x 1 x 64 x 1` without swizzle,
-//! which its TMA reductions add into (rows past `T` skipped).
+//! `T` / `S`). And the backward's dq, f32 `[B, T, H, D]`, box `32 x 1 x 64 x 1` (128 bytes per
+//! row again) with the same swizzle, which its TMA reductions add into (rows past `T` skipped).
 
 use candle_core::cuda_backend::cudarc::driver::sys;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, DeviceRepr};
@@ -27,8 +27,8 @@ pub(crate) struct TmaMap([u64; 16]);
 // SAFETY: plain bytes with CUtensorMap's size and alignment; the kernels take it by value.
 unsafe impl DeviceRepr for TmaMap {}
 
-/// Columns (values of one head) of one box: one 64-column block of the 128-byte swizzle.
-const BOX_COLS: u32 = 64;
+/// Bytes of one box row: one row of the 128-byte swizzle (64 16-bit values, 32 f32 values).
+const BOX_ROW_BYTES: usize = 128;
 
 /// The map of `view`, a contiguous 16-bit (`bf16` or f16) `[b, l, hh, d]` tensor on `dev`, with
 /// boxes of `rows` rows (1..=256: the kernel's tile rows) and the 128-byte swizzle, for the TMA
@@ -40,15 +40,17 @@ pub(crate) fn map_bthd<T, V: DevicePtr<T>>(dev: &CudaDevice, view: &V, bf16: boo
 }
 
 /// The map of `view`, a contiguous f32 `[b, l, hh, d]` tensor on `dev` (the backward's dq), with
-/// boxes of 64 values x `rows` rows and no swizzle, for the TMA reductions (`.add`) of
-/// `flash_bwd_wgmma_tma{,_band}_*`: the kernel's shared buffer is row-major `[rows][64]` f32.
+/// boxes of 32 values x `rows` rows and the 128-byte swizzle, for the TMA reductions (`.add`) of
+/// `flash_bwd_wgmma_tma{,_band}_*`: the kernel's shared buffer is two such boxes per 64 columns,
+/// stored in the swizzled layout so that its stores have no bank conflicts.
 pub(crate) fn map_f32_bthd<V: DevicePtr<f32>>(dev: &CudaDevice, view: &V, dims: (usize, usize, usize, usize), rows: u32, what: &str) -> Result<TmaMap> {
     let dtype = sys::CUtensorMapDataType::CU_TENSOR_MAP_DATA_TYPE_FLOAT32;
-    encode(dev, view, (dtype, 4), dims, rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_NONE, what)
+    encode(dev, view, (dtype, 4), dims, rows, sys::CUtensorMapSwizzle::CU_TENSOR_MAP_SWIZZLE_128B, what)
 }
 
 /// `cuTensorMapEncodeTiled` of a contiguous `[b, l, hh, d]` tensor of `esize`-byte elements:
-/// dimensions `(d, hh, l, b)`, box `64 x 1 x rows x 1`, zeros out of bounds, L2 promotion 256 B.
+/// dimensions `(d, hh, l, b)`, box `128 / esize x 1 x rows x 1` (one 128-byte row of values of one
+/// head per row), zeros out of bounds, L2 promotion 256 B.
 fn encode<T, V: DevicePtr<T>>(
     dev: &CudaDevice,
     view: &V,
@@ -58,7 +60,7 @@ fn encode<T, V: DevicePtr<T>>(
     swizzle: sys::CUtensorMapSwizzle,
     what: &str,
 ) -> Result<TmaMap> {
-    if d == 0 || d % BOX_COLS as usize != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
+    if d == 0 || d % 64 != 0 || b * l * hh == 0 || !(1..=256).contains(&rows) {
         candle_core::bail!("flash attention (TMA): {what} [{b}, {l}, {hh}, {d}] needs a head dim that is a multiple of 64 and no empty dimension (box rows {rows})")
     }
     if view.len() < b * l * hh * d {
@@ -74,7 +76,7 @@ fn encode<T, V: DevicePtr<T>>(
     // bytes between consecutive indices of dimensions 1, 2, 3 (dimension 0 is contiguous)
     let es = esize as u64;
     let strides = [u(d) * es, u(hh * d) * es, u(l * hh * d) * es];
-    let boxes = [BOX_COLS, 1, rows, 1];
+    let boxes = [(BOX_ROW_BYTES / esize) as u32, 1, rows, 1];
     let elem_strides = [1u32; 4];
     let mut map = std::mem::MaybeUninit::<sys::CUtensorMap>::zeroed();
     // SAFETY: every array has `rank` (4) entries (`strides` rank - 1), the pointers outlive the
