@@ -156,6 +156,18 @@ bool exec_warp(int l0, int n) {
         if (!p) return false;
         rows[l >> 3][l & 7] = p;
       }
+      // One phase per matrix: its 8 rows of 16 bytes (4 banks each) in 8 different bank quads,
+      // or rows at the same address (shared), else a bank conflict.
+      for (int i = 0; i < 4; ++i)
+        for (int a = 0; a < 8; ++a)
+          for (int b2 = 0; b2 < a; ++b2) {
+            const uint32_t x = L[8 * i + a].addr, y = L[8 * i + b2].addr;
+            if (x != y && (x / 16) % 8 == (y / 16) % 8) {
+              sched_fail("warp %d: %s bank conflict in matrix %d: rows at shared %u (lane %d) and %u (lane %d) "
+                         "use the same 4 banks", l0 / 32, op_name(L[0].op), i, y, 8 * i + b2, x, 8 * i + a);
+              return false;
+            }
+          }
       const bool tr = L[0].op == WarpOp::Ldsm4T;
       for (int l = 0; l < 32; ++l) {
         const int rr = l >> 2, cc = 2 * (l & 3);

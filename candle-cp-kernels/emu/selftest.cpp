@@ -87,6 +87,18 @@ __global__ void st_ldsm_oob(float* out) {
   out[threadIdx.x] = (float)r[0];
 }
 
+// ldmatrix .x4 with row r of matrix i at byte stride * r + 16 i: stride 144 (the pipelined kernels'
+// padded rows at D = 64) puts each matrix's 8 rows in 8 bank quads; 128 puts them all in quad i.
+__global__ void st_ldsm_stride(float* out, int stride) {
+  CP_DYN_SMEM(unsigned char, smem);
+  const int l = threadIdx.x;
+  for (int i = l; i < 2048; i += 32) smem[i] = (unsigned char)i;
+  __syncthreads();
+  uint32_t r[4];
+  cp_ldsm_x4(r, cp_smem_u32(smem) + (uint32_t)(stride * (l & 7) + 16 * (l >> 3)));
+  out[l] = (float)(r[0] & 0xff);
+}
+
 // cp_sts_cf by one warp, read back after a barrier. mode 0: 8-byte stores, lane l at row l / 4 of a
 // [8][64] f32 buffer, columns 2 (l % 4) + 8 (l / 4): each half-warp covers the 32 banks once (clean);
 // 1: the same columns for every row (rows 256 bytes apart: 4-way in each half-warp, a conflict);
@@ -352,6 +364,13 @@ void run_selftests() {
          !cp_emu::launch("st_warp_missing_lane", dim3(1), dim3(64), 0, [&] { st_warp_missing_lane(out.p); }));
   expect("ldmatrix outside dynamic shared memory fails the launch",
          !cp_emu::launch("st_ldsm_oob", dim3(1), dim3(32), 4096, [&] { st_ldsm_oob(out.p); }));
+  ok = cp_emu::launch("st_ldsm_stride(144)", dim3(1), dim3(32), 2048, [&] { st_ldsm_stride(out.p, 144); });
+  // lane l gets element (row l / 4, col 2 (l % 4)) of matrix 0: byte 144 (l / 4) + 4 (l % 4)
+  bool loaded = ok;
+  for (int l = 0; l < 32; ++l) loaded = loaded && out.p[l] == (float)((144 * (l >> 2) + 4 * (l & 3)) & 0xff);
+  expect("ldmatrix rows in 8 bank quads per matrix load (control)", loaded);
+  expect("ldmatrix with two rows of a matrix in one bank quad fails the launch (bank conflict)",
+         !cp_emu::launch("st_ldsm_stride(128)", dim3(1), dim3(32), 2048, [&] { st_ldsm_stride(out.p, 128); }));
   ok = cp_emu::launch("st_sts(clean)", dim3(1), dim3(32), 2048, [&] { st_sts(out.p, 0); });
   bool stored = ok;
   for (int l = 0; l < 32; ++l) stored = stored && out.p[l] == (float)-l;
