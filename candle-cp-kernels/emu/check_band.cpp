@@ -427,6 +427,26 @@ void run_band_checks() {
     band_of_positions(130, 130, 0, 0, false, 0, {0, 33, 97}, c.lo, c.hi);
     run_all(c, seed);
   }
+  {  // many short packed documents (8..90 tokens), causal, d 128: the Hopper forwards' 64-row
+     // warpgroups see one 64-key half of a 128-key tile, both, or none (tile skipped), and only
+     // some of its 16-key P V steps
+    BandCase c{"short docs causal", 1, 384, 384, 2, 1, 128, 1, {}, {}};
+    std::vector<long> starts{0};
+    std::mt19937_64 rng(13);
+    while (starts.back() < 384) starts.push_back(starts.back() + 8 + (long)(rng() % 83));
+    starts.pop_back();
+    band_of_positions(384, 384, 0, 0, true, 0, starts, c.lo, c.hi);
+    run_all(c, seed);
+  }
+  {  // the same with a window of 24 keys, GQA 2:1, d 64
+    BandCase c{"short docs + window 24", 1, 300, 300, 4, 2, 64, 1, {}, {}};
+    std::vector<long> starts{0};
+    std::mt19937_64 rng(14);
+    while (starts.back() < 300) starts.push_back(starts.back() + 8 + (long)(rng() % 83));
+    starts.pop_back();
+    band_of_positions(300, 300, 0, 0, true, 24, starts, c.lo, c.hi);
+    run_all(c, seed);
+  }
   {  // random bands with empty rows, batch 2 (per row), ragged T / S
     BandCase c{"random, empty rows", 2, 170, 201, 2, 1, 128, 2, {}, {}};
     std::mt19937_64 rng(11);

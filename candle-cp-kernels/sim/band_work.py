@@ -6,9 +6,16 @@
 # by emu/check_band.cpp). Tile shapes at D = 128 (PIPES in flash_fwd.cu, PipeCfg<128> in
 # flash_bwd_pipe.cu): forward 4 warps x 32 rows, key tiles of 64; dQ 8 warps x 16 rows, key tiles
 # of 64; dK/dV 8 warps x 16 keys, query tiles of 64.
-# Run: python3 candle-cp-kernels/sim/band_work.py [T] [doc lengths...]
-#      (default T = 16384, documents of 32 64 128 256 512 2048 tokens; exit 1 if a skip drops a
-#      visible pair, as a check of the model itself)
+# Also the warp-specialized Hopper band kernels (kernels/flash_fwd_sm90_ws.cu, flash_bwd_sm90_ws.cu,
+# `_band_` entries of wgmma-ws and wgmma-tma), which have no skip below their tiles: forward blocks of
+# 128 rows (two consumer warpgroups of 64) over 128-key tiles, every consumer every tile of the
+# block; backward blocks of 128 keys (two consumers of 64) over 64-row query tiles, both consumers
+# every tile.
+# Run: python3 candle-cp-kernels/sim/band_work.py [--random] [T] [doc lengths...]
+#      (default T = 16384, documents of 32 64 128 256 512 2048 tokens; --random: each document's
+#      length drawn uniformly from [L/2, L] (seeded), so boundaries fall anywhere in a tile; exit 1
+#      if a skip drops a visible pair, as a check of the model itself)
+import random
 import sys
 
 
@@ -16,6 +23,19 @@ def doc_band(t, length):
     """Causal packed documents of `length` tokens over 0..t: lo[i], hi[i] (keys lo <= j < hi)."""
     lo = [(i // length) * length for i in range(t)]
     hi = [i + 1 for i in range(t)]
+    return lo, hi
+
+
+def doc_band_random(t, length, seed=1):
+    """Causal packed documents of lengths uniform in [length // 2, length] (seeded) over 0..t."""
+    rng = random.Random(seed)
+    lo, hi = [0] * t, [0] * t
+    s = 0
+    while s < t:
+        e = min(t, s + rng.randint(max(1, length // 2), length))
+        for i in range(s, e):
+            lo[i], hi[i] = s, i + 1
+        s = e
     return lo, hi
 
 
@@ -90,15 +110,48 @@ def dkdv(lo, hi, t, skip, keys=128, wkeys=16, bq=64):
     return work, seen
 
 
+def fwd_ws(lo, hi, t, rows=128, crows=64, bk=128):
+    """fwd_wgmma_ws, band: block of `rows` rows, tiles of `bk` keys from the one holding lo of the
+    first row to hi of the last; both consumers (`crows` rows each) run every tile."""
+    work = seen = 0
+    for r0 in range(0, t, rows):
+        r1 = min(r0 + rows, t)
+        kb = lo[r0] // bk * bk
+        for k0 in range(kb, hi[r1 - 1], bk):
+            for c0 in range(r0, r1, crows):
+                work += crows * bk
+                seen += covered(lo, hi, c0, min(c0 + crows, t), k0, k0 + bk)
+    return work, seen
+
+
+def bwd_ws(lo, hi, t, keys=128, ckeys=64, bq=64):
+    """bwd_wgmma_ws, band: block of `keys` keys, query tiles of `bq` rows from the first row with
+    hi > k0 to the first with lo >= k0 + keys; both consumers (`ckeys` keys each) run every tile."""
+    work = seen = 0
+    for k0 in range(0, t, keys):
+        k1 = min(k0 + keys, t)
+        i_begin, i_end = first_at_least(hi, k0 + 1), first_at_least(lo, k1)
+        for i0 in range(i_begin, i_end, bq):
+            for kc in range(k0, k1, ckeys):
+                work += ckeys * bq
+                seen += covered(lo, hi, i0, min(i0 + bq, t), kc, min(kc + ckeys, t))
+    return work, seen
+
+
 def main():
-    args = [int(a) for a in sys.argv[1:]]
+    argv = sys.argv[1:]
+    rand = "--random" in argv
+    args = [int(a) for a in argv if a != "--random"]
     t = args[0] if args else 16384
     lengths = args[1:] or [32, 64, 128, 256, 512, 2048]
-    print(f"T = {t}, causal packed documents; work = pairs through the tensor cores, as a multiple of the visible pairs")
+    band = doc_band_random if rand else doc_band
+    what = "lengths uniform in [L/2, L], seed 1" if rand else "all of length L"
+    print(f"T = {t}, causal packed documents ({what}); work = pairs through the tensor cores, as a multiple of the visible pairs")
     print(f"{'doc len':>8} | {'fwd before':>10} {'after':>6} | {'dQ before':>9} {'after':>6} | {'dK/dV before':>12} {'after':>6}")
     ok = True
+    hopper = []
     for length in lengths:
-        lo, hi = doc_band(t, length)
+        lo, hi = band(t, length)
         visible = sum(h - l for l, h in zip(lo, hi))
         cells = []
         for kernel in (fwd, dq, dkdv):
@@ -107,6 +160,16 @@ def main():
                 ok &= seen == visible
                 cells.append(work / visible)
         print(f"{length:>8} | {cells[0]:>10.2f} {cells[1]:>6.2f} | {cells[2]:>9.2f} {cells[3]:>6.2f} | {cells[4]:>12.2f} {cells[5]:>6.2f}")
+        row = []
+        for kernel in (fwd_ws, bwd_ws):
+            work, seen = kernel(lo, hi, t)
+            ok &= seen == visible
+            row.append(work / visible)
+        hopper.append((length, row, cells[1], (cells[3] + cells[5]) / 2))
+    print("Hopper warp-specialized band kernels (wgmma-ws, wgmma-tma), against the pipelined ones with the skip:")
+    print(f"{'doc len':>8} | {'fwd':>6} {'vs pipelined':>12} | {'bwd':>6} {'vs pipelined dQ+dK/dV':>21}")
+    for length, (f, b), pf, pb in hopper:
+        print(f"{length:>8} | {f:>6.2f} {f / pf:>11.2f}x | {b:>6.2f} {b / pb:>20.2f}x")
     if not ok:
         print("band_work: a schedule left out visible pairs")
         sys.exit(1)
