@@ -3,8 +3,9 @@
 // query row i of batch row b sees the keys lo[b][i] <= j < hi[b][i] (lo, hi non-decreasing in i,
 // lo <= hi <= S); a shared band (batch stride 0) or one band per batch row (stride T). A row with
 // an empty interval has out 0, lse -inf and contributes nothing to the gradients.
-// Cases: packed documents (causal and full), documents + sliding window, a window over a ring
-// step's keys, a batch-2 band with a different band per row, random bands with empty rows.
+// Cases: packed documents (causal and full), documents + sliding window, many short documents
+// (with and without a window), a window over a ring step's keys, a batch-2 band with a different
+// band per row, random bands with empty rows.
 #include <algorithm>
 #include <random>
 
@@ -117,6 +118,15 @@ void band_of_positions(int T, int S, long q0, long k0, bool causal, long window,
     lo.push_back((unsigned)a);
     hi.push_back((unsigned)std::max(a, b));
   }
+}
+
+// Start positions of packed documents of 8..90 tokens (seeded) covering [0, T).
+std::vector<long> random_doc_starts(long T, uint64_t seed) {
+  std::vector<long> starts{0};
+  std::mt19937_64 rng(seed);
+  while (starts.back() < T) starts.push_back(starts.back() + 8 + (long)(rng() % 83));
+  starts.pop_back();
+  return starts;
 }
 
 // Random monotone band with runs of empty rows (lo == hi), rows that see everything up to S,
@@ -427,24 +437,15 @@ void run_band_checks() {
     band_of_positions(130, 130, 0, 0, false, 0, {0, 33, 97}, c.lo, c.hi);
     run_all(c, seed);
   }
-  {  // many short packed documents (8..90 tokens), causal, d 128: the Hopper forwards' 64-row
-     // warpgroups see one 64-key half of a 128-key tile, both, or none (tile skipped), and only
-     // some of its 16-key P V steps
+  {  // many short packed documents (8..90 tokens), causal, d 128: every block and warp(group)
+     // spans several documents; tiles a warp(group) sees in part, in one half or not at all
     BandCase c{"short docs causal", 1, 384, 384, 2, 1, 128, 1, {}, {}};
-    std::vector<long> starts{0};
-    std::mt19937_64 rng(13);
-    while (starts.back() < 384) starts.push_back(starts.back() + 8 + (long)(rng() % 83));
-    starts.pop_back();
-    band_of_positions(384, 384, 0, 0, true, 0, starts, c.lo, c.hi);
+    band_of_positions(384, 384, 0, 0, true, 0, random_doc_starts(384, 13), c.lo, c.hi);
     run_all(c, seed);
   }
   {  // the same with a window of 24 keys, GQA 2:1, d 64
     BandCase c{"short docs + window 24", 1, 300, 300, 4, 2, 64, 1, {}, {}};
-    std::vector<long> starts{0};
-    std::mt19937_64 rng(14);
-    while (starts.back() < 300) starts.push_back(starts.back() + 8 + (long)(rng() % 83));
-    starts.pop_back();
-    band_of_positions(300, 300, 0, 0, true, 24, starts, c.lo, c.hi);
+    band_of_positions(300, 300, 0, 0, true, 24, random_doc_starts(300, 14), c.lo, c.hi);
     run_all(c, seed);
   }
   {  // random bands with empty rows, batch 2 (per row), ragged T / S

@@ -35,7 +35,8 @@ def _ds_store_block():
 
 _DS_STORE = _ds_store_block()
 
-# (id, file, original text (must occur once), mutated text, run.sh filter, what it plants)
+# (id, file, original text (must occur once), mutated text, run.sh filter, what it plants[, how many
+# times the original occurs: every occurrence is mutated])
 MUTATIONS = [
     ("fused-prefetch-before-barrier", "flash_bwd_fused.cu",
      "    __syncthreads();     // ... and everyone's; every warp is done with iteration it - 1, so\n"
@@ -274,6 +275,9 @@ MUTATIONS = [
     ("tma-dq-col", "flash_bwd_sm90_ws.cu",
      "cp_tma_reduce_add_4d(tm[4], dc0, hq, i0, b, dqb);", "cp_tma_reduce_add_4d(tm[4], 0, hq, i0, b, dqb);",
      "wgmma_tma", "TMA backward: both consumers' dQ columns added at column 0"),
+    ("pipe-fwd-unpadded-rows", "flash_fwd.cu",
+     "DP = D + 8", "DP = D", "flash_fwd_pipe",
+     "mma and pipelined forwards: shared rows of D elements, no padding (right values; ldmatrix bank conflicts)", 3),
     ("tma-dq-pair-swap", "flash_bwd_sm90_ws.cu",
      "      const bool odd_g = g & 1;\n", "      const bool odd_g = false;\n",
      "wgmma_tma", "TMA backward: dQ buffer stores without the odd-row column-pair swap (right values, 2-way bank conflicts)"),
@@ -310,14 +314,14 @@ def main():
     for fn in sorted(os.listdir(KERNELS)):
         with open(os.path.join(KERNELS, fn), "rb") as f:
             snap[fn] = f.read()
-    for mid, fname, old, new, filt, what in MUTATIONS:
+    for mid, fname, old, new, filt, what, *count in MUTATIONS:
         if wanted and mid not in wanted:
             continue
         path = os.path.join(KERNELS, fname)
         with open(path, "rb") as f:
             orig = f.read()
         text = orig.decode()
-        if text.count(old) != 1:
+        if text.count(old) != (count[0] if count else 1):
             print(f"{mid}: SKIP (original text found {text.count(old)} times in {fname}; update mutate.py)")
             missed.append(mid)
             continue

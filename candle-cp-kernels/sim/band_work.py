@@ -55,10 +55,11 @@ def covered(lo, hi, r0, r1, k0, k1):
     return sum(max(0, min(hi[i], k1) - max(lo[i], k0)) for i in range(r0, r1))
 
 
-def fwd(lo, hi, t, skip, rows=128, wrows=32, bk=64):
+def fwd(lo, hi, t, skip, rows=128, wrows=32, bk=64, skip_past=True):
     """fwd_pipe: block of `rows` query rows, warps of `wrows`; tiles from the one holding lo of
-    the block's first row to hi of its last; a warp skips tiles past hi of its last row (always)
-    and, with `skip`, tiles ending at or before lo of its first row."""
+    the block's first row to hi of its last; a warp skips tiles past hi of its last row (with
+    `skip_past`, always in fwd_pipe) and, with `skip`, tiles ending at or before lo of its first
+    row."""
     work = seen = 0
     for r0 in range(0, t, rows):
         r1 = min(r0 + rows, t)
@@ -66,7 +67,7 @@ def fwd(lo, hi, t, skip, rows=128, wrows=32, bk=64):
         for k0 in range(kb, hi[r1 - 1], bk):
             for w0 in range(r0, r1, wrows):
                 w1 = min(w0 + wrows, t)
-                if k0 >= hi[w1 - 1] or (skip and k0 + bk <= lo[w0]):
+                if (skip_past and k0 >= hi[w1 - 1]) or (skip and k0 + bk <= lo[w0]):
                     continue
                 work += wrows * bk
                 seen += covered(lo, hi, w0, w1, k0, k0 + bk)
@@ -110,18 +111,10 @@ def dkdv(lo, hi, t, skip, keys=128, wkeys=16, bq=64):
     return work, seen
 
 
-def fwd_ws(lo, hi, t, rows=128, crows=64, bk=128):
-    """fwd_wgmma_ws, band: block of `rows` rows, tiles of `bk` keys from the one holding lo of the
-    first row to hi of the last; both consumers (`crows` rows each) run every tile."""
-    work = seen = 0
-    for r0 in range(0, t, rows):
-        r1 = min(r0 + rows, t)
-        kb = lo[r0] // bk * bk
-        for k0 in range(kb, hi[r1 - 1], bk):
-            for c0 in range(r0, r1, crows):
-                work += crows * bk
-                seen += covered(lo, hi, c0, min(c0 + crows, t), k0, k0 + bk)
-    return work, seen
+def fwd_ws(lo, hi, t):
+    """fwd_wgmma_ws, band: blocks of 128 rows, tiles of 128 keys from the one holding lo of the
+    first row to hi of the last; both consumers (64 rows each) run every tile."""
+    return fwd(lo, hi, t, False, rows=128, wrows=64, bk=128, skip_past=False)
 
 
 def bwd_ws(lo, hi, t, keys=128, ckeys=64, bq=64):
