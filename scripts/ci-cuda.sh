@@ -84,6 +84,7 @@ python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/
 for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py candle-cp-kernels/sim/band_work.py; do
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
 done
+python3 candle-cp-kernels/emu/mutate.py --check || { echo "ci-cuda: update candle-cp-kernels/emu/mutate.py"; exit 1; }
 emu=$(EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh 2>&1) || { grep -v '^PASS' <<<"$emu"; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; }; echo "ci-cuda: $(tail -1 <<<"$emu") (kernel source under CPU emulation)"
 
 shim_dir="$CARGO_TARGET_DIR/emu-shim"

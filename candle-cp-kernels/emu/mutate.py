@@ -6,7 +6,10 @@ Ctrl-C). It edits candle-cp-kernels/kernels/*.cu in place while it runs, so do n
 the kernels from this checkout meanwhile.
 
 Usage: python3 candle-cp-kernels/emu/mutate.py [mutation-id ...]   (default: all; env as run.sh)
-Exit status 1 if a mutation was not caught by any combination, or a file differs afterwards.
+       python3 candle-cp-kernels/emu/mutate.py --check   (only: does every mutation still find its
+       original text in the kernels, as often as it expects? no edit, no emulator run; CI runs it)
+Exit status 1 if a mutation was not caught by any combination (or, with --check, no longer
+applies), or a file differs afterwards.
 """
 import os
 import re
@@ -55,13 +58,13 @@ MUTATIONS = [
     ("fwd-pipe-prefetch-before-barrier", "flash_fwd.cu",
      "    __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1\n"
      "    if (j + 1 < n_tiles) {\n"
-     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);\n"
-     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, s_rel, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, s_rel, tid);\n"
      "      cp_async_commit();\n"
      "    }\n",
      "    if (j + 1 < n_tiles) {\n"
-     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, S, tid);\n"
-     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, S, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(k_sa + nxt, k + kv_off, kv_rs, k0 + BK, s_rel, tid);\n"
+     "      fwd_pipe_load<BK, D, NTH>(v_sa + nxt, v + kv_off, kv_rs, k0 + BK, s_rel, tid);\n"
      "      cp_async_commit();\n"
      "    }\n"
      "    __syncthreads();\n",
@@ -74,7 +77,7 @@ MUTATIONS = [
      "    cp_async_wait<1>();\n    __syncthreads();  // tile j (and Q)",
      "flash_fwd_pipe", "forward pipeline: wait_group 0 -> 1"),
     ("fwd-pipe-full-tile", "flash_fwd.cu",
-     "const bool full_tile = k0 + BK <= w_full;", "const bool full_tile = k0 + BK <= w_full + 1;",
+     ": k0 + BK <= w_full;", ": k0 + BK <= w_full + 1;",
      "flash_fwd_pipe", "forward pipeline: off-by-one in full_tile (mask skipped)"),
     ("bwd-pipe-kv-trailing-barrier", "flash_bwd_pipe.cu",
      "    if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;\n"
@@ -126,11 +129,11 @@ MUTATIONS = [
      "      wg_wait<1>();  // S done, dP may still run", "      wg_wait<2>();  // S done, dP may still run",
      "flash_bwd_wgmma", "wgmma dQ: wait_group 1 -> 2 before P (S read while in flight)"),
     ("wgmma-dq-full-tile", "flash_bwd_sm90.cu",
-     "const bool full_tile = k0 + BK <= w_full;", "const bool full_tile = k0 + BK <= w_full + 1;",
+     "const bool full_tile = k0 + BK <= w_full && (!M::BAND", "const bool full_tile = k0 + BK <= w_full + 1 && (!M::BAND",
      "flash_bwd_wgmma", "wgmma dQ: off-by-one in full_tile (mask skipped)"),
     ("wgmma-dq-k-stage", "flash_bwd_sm90.cu",
-     "sw_load<BK, D, NTH>(k_st(st ^ 1), kg, kv_rs, (j + 1) * BK, S, tid);",
-     "sw_load<BK, D, NTH>(k_st(st), kg, kv_rs, (j + 1) * BK, S, tid);",
+     "sw_load<BK, D, NTH>(k_st(st ^ 1), kg, kv_rs, (j + 1) * BK, s_rel, tid);",
+     "sw_load<BK, D, NTH>(k_st(st), kg, kv_rs, (j + 1) * BK, s_rel, tid);",
      "flash_bwd_wgmma", "wgmma dQ: next K tile copied into the stage in use"),
     ("wgmma-atomic-ds-barrier", "flash_bwd_sm90.cu",
      "      __syncthreads();  // the whole dS tile (both warpgroups) visible to the async proxy\n", "",
@@ -177,7 +180,8 @@ MUTATIONS = [
      "odd ? make_float4(y0, y1, r0, r1) : make_float4(x0, x1, r0, r1)",
      "flash_bwd_wgmma_ws", "ws backward: odd lanes put their own dQ pair first in the v4 reduction (d columns swapped)"),
     ("wsb-empty-wait", "flash_bwd_sm90_ws.cu",
-     "      if (n >= NST) cp_mbar_wait(&empty[st], (uint32_t)((n / NST - 1) & 1));\n", "",
+     "      if (n >= NST) cp_mbar_wait(&empty[st], (uint32_t)((n / NST - 1) & 1));\n      // Tile n:",
+     "      // Tile n:",
      "flash_bwd_wgmma_ws", "ws backward: producer refills a Q / dO stage without waiting for its EMPTY barrier"),
     ("wsb-release-early", "flash_bwd_sm90_ws.cu",
      "    wg_commit();\n    wg_wait<0>();  // every product of this tile retired: Q / dO / lse2 / delta of stage st are free\n",
@@ -305,7 +309,24 @@ def run(filt):
     return combos, fails, last
 
 
+def check():
+    """Every mutation's original text occurs as often as the entry expects (0 on success)."""
+    stale = []
+    for mid, fname, old, _new, _filt, _what, *count in MUTATIONS:
+        with open(os.path.join(KERNELS, fname)) as f:
+            found = f.read().count(old)
+        if found != (count[0] if count else 1):
+            stale.append(f"{mid} ({fname}: found {found} times)")
+    if stale:
+        print("mutate --check: mutations whose original text no longer matches the kernels: " + ", ".join(stale))
+        return 1
+    print(f"mutate --check: all {len(MUTATIONS)} mutations apply")
+    return 0
+
+
 def main():
+    if sys.argv[1:] == ["--check"]:
+        return check()
     wanted = set(sys.argv[1:])
     missed = []
     # every kernel source (.cu and .cuh), to check that each is restored byte-identical (a git diff
