@@ -29,6 +29,8 @@ struct alignas(64) CpTmaMap {
 };
 CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
 extern "C" void probe_tma(unsigned int*, unsigned int*, int, int, int, int, CpTmaMap);
+CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
+extern "C" void probe_tma_red(int, int, int, int, CpTmaMap);
 
 namespace {
 
@@ -211,6 +213,36 @@ void check_tma() {
   report(name, wrong(7), wrong(0));
 }
 
+// ---- TMA reduction: probe_map::tma_red_init / TMA_RED_COORDS / tma_red_check
+void check_tma_red() {
+  const std::string name = "probe_tma_red";
+  if (!wanted(name)) return;
+  const int L = 40, Hh = 2, D = 64, c0 = 0, c1 = 1, c2 = 0, c3 = 0;  // TMA_RED_DIMS, TMA_RED_COORDS
+  Buf<float> dq((size_t)L * Hh * D);
+  auto init = [&](int l, int h, int d) { return (float)(10000 + 4096 * h + 64 * l + d); };
+  for (int l = 0; l < L; ++l)
+    for (int h = 0; h < Hh; ++h)
+      for (int d = 0; d < D; ++d) dq.p[(l * Hh + h) * D + d] = init(l, h, d);
+  const CpTmaMap map = emu_tma_map_dq(dq.p, 1, L, Hh, D);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(1), dim3(128), 2 * 64 * 32 * 4 + 1024,
+                                 [&] { probe_tma_red(c0, c1, c2, c3, map); });
+  check_launch(name, ok);
+  if (!ok) return;
+  // read with a swizzle mask (7: the map's 128 bytes; 0: none), stored with 7: what lands at (l, d)
+  auto wrong = [&](int mask) {
+    long w = 0;
+    for (int l = 0; l < L; ++l)
+      for (int h = 0; h < Hh; ++h)
+        for (int d = 0; d < D; ++d) {
+          const int x = d / 32, c = d % 32, stored = ((c / 4) ^ (l & mask)) ^ (l & 7);
+          const float add = h == c1 ? (float)(1 + 32 * x + 4 * stored + c % 4 + 64 * l) : 0.f;
+          w += dq.p[(l * Hh + h) * D + d] != init(l, h, d) + add;
+        }
+    return w;
+  };
+  report(name, wrong(7), wrong(0));
+}
+
 }  // namespace
 
 void run_probe_checks() {
@@ -219,6 +251,7 @@ void run_probe_checks() {
   check_ldsm();
   check_cp_async();
   check_tma();
+  check_tma_red();
   check_wgmma_all<__nv_bfloat16>("bf16");
   check_wgmma_all<__half>("f16");
 }

@@ -150,3 +150,33 @@ extern "C" __global__ void probe_tma(unsigned int* out, unsigned int* done, int 
   for (int i = 0; i < 32; ++i) out[tid * 32 + i] = box[tid * 32 + i];
   done[tid] = 1;
 }
+
+// probe_tma_red (the dQ reductions of flash_bwd_sm90_ws.cu's `_tma_` entries): grid 1, block 128,
+// dynamic shared memory PROBE_TMA_RED_SMEM. Writes two f32 boxes of 64 rows x 32 columns into a
+// 1024-aligned buffer in the 128-byte swizzled layout the backward's dQ buffer uses (element (r, c)
+// of box x, c < 32, at x * 8192 + r * 128 + ((c / 4) ^ (r % 8)) * 16 + (c % 4) * 4) with the value
+// 1 + (32 x + c) + 64 r, fences for the async proxy, and thread 0 adds box x into `map` (an f32
+// [B, L, Hh, D] map like the backward's dq map: box 32 x 1 x 64 x 1, 128-byte swizzle) at
+// (c0 + 32 x, c1, c2, c3) with cp.reduce.async.bulk.tensor, then waits until both have read the
+// buffer. The host (probe_map::tma_red_check) predicts every element of the tensor afterwards.
+#define PROBE_TMA_RED_SMEM (2 * 64 * 32 * 4 + 1024)
+extern "C" __global__ void probe_tma_red(int c0, int c1, int c2, int c3, const CP_GRID_CONSTANT CpTmaMap map) {
+  CP_DYN_SMEM_A(unsigned char, red_smem, 1024);
+  const uint32_t base = cp_smem_u32(red_smem);
+  const uint32_t buf_sa = (base + 1023u) & ~1023u;
+  const int tid = threadIdx.x;
+  for (int e = tid; e < 2 * 64 * 32; e += 128) {
+    const int x = e >> 11, r = (e >> 5) & 63, c = e & 31;
+    const uint32_t a = buf_sa + (uint32_t)(x * 8192 + r * 128 + ((((c >> 2) ^ r) & 7) << 4) + (c & 3) * 4);
+    *reinterpret_cast<float*>(red_smem + (a - base)) = (float)(1 + 32 * x + c + 64 * r);
+  }
+  fence_proxy_async();
+  __syncthreads();
+  if (tid == 0) {
+    cp_tma_prefetch_map(&map);
+    cp_tma_reduce_add_4d(&map, c0, c1, c2, c3, buf_sa);
+    cp_tma_reduce_add_4d(&map, c0 + 32, c1, c2, c3, buf_sa + 8192);
+    cp_bulk_commit();
+    cp_bulk_wait_read<0>();
+  }
+}

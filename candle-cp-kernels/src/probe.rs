@@ -9,7 +9,7 @@
 
 pub use crate::probe_diag::ProbeResult;
 use crate::probe_diag::{diagnose, diagnose_all};
-use crate::flash::tma::{map_bthd, TmaMap};
+use crate::flash::tma::{map_bthd, map_f32_bthd, TmaMap};
 use crate::probe_map::{self, WgForm, LDSM_VARIANTS, MMA_PASSES, WG_K, WG_M, WG_PASSES, WG_THREADS};
 use crate::ptx;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -20,7 +20,8 @@ use half::{bf16, f16};
 
 /// Runs every probe on `dev` and returns one [`ProbeResult`] per probe: `mma16816 {bf16,f16}`, the
 /// four ldmatrix variants, `cp.async`, and on compute capability 9.x `wgmma {ss,rs} m64n{64,128}k16
-/// {bf16,f16}`, `wgmma sstb m64n64k16 {bf16,f16}` and `tma` (one tensor-map tile load). A probe whose launch fails gives `ok = false`
+/// {bf16,f16}`, `wgmma sstb m64n64k16 {bf16,f16}`, `tma` (one tensor-map tile load) and `tma reduce`
+/// (two f32 TMA reductions from a swizzled shared box, as the `wgmma-tma` backward adds its dQ). A probe whose launch fails gives `ok = false`
 /// with the error as its diagnosis (a later probe may then fail too: a faulting kernel poisons the
 /// CUDA context). Errors only when the device's compute capability cannot be read.
 pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
@@ -45,6 +46,7 @@ pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
             }
         }
         push("tma".into(), tma(dev));
+        push("tma reduce".into(), tma_red(dev));
     }
     Ok(out)
 }
@@ -138,6 +140,29 @@ fn tma(dev: &CudaDevice) -> Result<ProbeResult> {
     unsafe { bld.launch(cfg) }.w()?;
     let (words, flags) = (dev.clone_dtoh(&out)?, dev.clone_dtoh(&done)?);
     Ok(diagnose_all("tma", &probe_map::tma_check(&words, &flags)))
+}
+
+/// `probe_tma_red`: grid 1, block 128, `PROBE_TMA_RED_SMEM` bytes of dynamic shared memory; adds two
+/// swizzled f32 boxes into a dq tensor ([`probe_map::tma_red_init`]) through a map made by
+/// [`map_f32_bthd`] (the `wgmma-tma` backward's dq map) at [`probe_map::TMA_RED_COORDS`] and d + 32,
+/// then reads the tensor back. Compute capability 9.x only.
+fn tma_red(dev: &CudaDevice) -> Result<ProbeResult> {
+    const SMEM: u32 = 2 * 64 * 32 * 4 + 1024;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: SMEM };
+    let host = probe_map::tma_red_init();
+    let mut dq = dev.alloc_zeros::<f32>(host.len())?;
+    dev.memcpy_htod(&host, &mut dq)?;
+    let map: TmaMap = map_f32_bthd(dev, &dq, probe_map::TMA_RED_DIMS, 64, "probe_tma_red dq")?;
+    let c = probe_map::TMA_RED_COORDS;
+    let (c0, c1, c2, c3): (i32, i32, i32, i32) = (c[0], c[1], c[2], c[3]);
+    let func = dev.get_or_load_custom_func("probe_tma_red", ptx::PROBE_SM90_MODULE, ptx::PROBE_SM90)?;
+    let mut bld = func.builder();
+    bld.arg(&c0).arg(&c1).arg(&c2).arg(&c3).arg(&map);
+    // SAFETY: matches probe_tma_red in kernels/probe_sm90.cu (the first reduction's coordinates, the
+    // map of `dq`, which outlives the launch and is read back after it on the same stream).
+    unsafe { bld.launch(cfg) }.w()?;
+    let after = dev.clone_dtoh(&dq)?;
+    Ok(diagnose_all("tma reduce", &probe_map::tma_red_check(&after)))
 }
 
 /// Dynamic shared memory of the wgmma probes (`PROBE_WG_SMEM(N)`): A [128 x 128] and B [128 x N]

@@ -243,6 +243,75 @@ pub fn tma_check(words: &[u32], done: &[u32]) -> Vec<Check> {
     vec![c, sw, e]
 }
 
+/// dq tensor of `probe_tma_red` (`[B, L, Hh, D]` = `[1, 40, 2, 64]`, f32), before the reductions:
+/// element (b, l, h, d) holds `10000 + 4096 h + 64 l + d` (the box's values, at most 4096, keep every
+/// sum exact in f32).
+pub const TMA_RED_DIMS: (usize, usize, usize, usize) = (1, 40, 2, 64);
+/// Coordinates of `probe_tma_red`'s first reduction, innermost first (d, h, l, b); the second adds
+/// its box at d + 32. Box rows 40..63 are past the tensor (skipped).
+pub const TMA_RED_COORDS: [i32; 4] = [0, 1, 0, 0];
+
+/// The dq tensor of `probe_tma_red` before the reductions, `[B, L, Hh, D]` order.
+pub fn tma_red_init() -> Vec<f32> {
+    let (_, nl, nh, nd) = TMA_RED_DIMS;
+    let mut v = Vec::with_capacity(nl * nh * nd);
+    for l in 0..nl {
+        for h in 0..nh {
+            for d in 0..nd {
+                v.push((10000 + 4096 * h + 64 * l + d) as f32);
+            }
+        }
+    }
+    v
+}
+
+/// What `probe_tma_red` adds at (l, d) of head 1 when the reduction reads its shared box with a
+/// swizzle span of `span` bytes (128: as the map says; 0: none) while the kernel stored it with the
+/// 128-byte swizzle: the value `1 + d' + 64 l` of the element (l, d') stored where it reads.
+fn tma_red_added(l: usize, d: usize, span: usize) -> i64 {
+    let (x, c) = (d / 32, d % 32);
+    let read_chunk = (c / 4) ^ if span == 0 { 0 } else { l % (span / 16) };
+    let stored = read_chunk ^ (l % 8);  // the logical chunk the kernel put there
+    (1 + 32 * x + 4 * stored + c % 4 + 64 * l) as i64
+}
+
+/// Checks of `probe_tma_red`'s result (`dq`, the tensor after the kernel): `dq head 1` (per element
+/// the value added, decoded as the row l and column d it came from; expected its own (l, d)),
+/// `dq head 0` (untouched: added 0) and `swizzle` (the span, 128 / 64 / 32 bytes or 0, whose reading
+/// of the box explains what was added: names the layout when `dq head 1` fails).
+pub fn tma_red_check(dq: &[f32]) -> Vec<Check> {
+    let (_, nl, nh, nd) = TMA_RED_DIMS;
+    let init = tma_red_init();
+    let added = |l: usize, h: usize, d: usize| -> Option<i64> {
+        let i = (l * nh + h) * nd + d;
+        let delta = f64::from(*dq.get(i)?) - f64::from(init[i]);
+        (delta.fract() == 0.0).then_some(delta as i64)
+    };
+    let decode = |v: Option<i64>| match v {
+        Some(v) if (1..=64 * 64).contains(&v) => vec![Ok((v - 1) / 64), Ok((v - 1) % 64)],
+        Some(0) => vec![Ok(-1), Ok(-1)],
+        other => vec![Err(format!("{other:?}")), Err(format!("{other:?}"))],
+    };
+    let mut c1 = Check { name: "dq head 1".into(), axes: vec!["l (-1 none)", "d (-1 none)"], reg_name: "d", step_name: "", items: vec![] };
+    let mut c0 = Check { name: "dq head 0".into(), axes: vec!["l (-1 none)", "d (-1 none)"], reg_name: "d", step_name: "", items: vec![] };
+    for l in 0..nl {
+        for d in 0..nd {
+            c1.items.push(Item { step: None, thread: l as u32, reg: d as u32, half: None, expected: vec![l as i64, d as i64], found: decode(added(l, 1, d)) });
+            c0.items.push(Item { step: None, thread: l as u32, reg: d as u32, half: None, expected: vec![-1, -1], found: decode(added(l, 0, d)) });
+        }
+    }
+    let span = [128usize, 64, 32, 0].into_iter().find(|&sp| (0..nl).all(|l| (0..nd).all(|d| added(l, 1, d) == Some(tma_red_added(l, d, sp)))));
+    let found = span.map_or(Err("none of 128 / 64 / 32 / 0".to_string()), |x| Ok(x as i64));
+    let sw = Check {
+        name: "swizzle".into(),
+        axes: vec!["span bytes"],
+        reg_name: "box",
+        step_name: "",
+        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![128], found: vec![found] }],
+    };
+    vec![c1, c0, sw]
+}
+
 /// Operand forms of the wgmma probes: `Ss` (A and B by descriptor, K-major: S = Q K^T), `Rs` (A
 /// from registers via acc_to_a, B by descriptor MN-major with imm-trans-b: O += P V), `SsTb` (A by
 /// descriptor K-major, B MN-major: dQ = dS K, N = 64 only).

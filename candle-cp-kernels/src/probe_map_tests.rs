@@ -198,3 +198,34 @@ fn tma_swizzle_and_zero_fill() {
     let r = diagnose_all("tma", &tma_check(&sim_tma(|r, c| c ^ (r % 8), true), &late));
     assert!(!r.ok && r.diagnosis.contains("[mbarrier phase] 1 of 128 values wrong"), "{}", r.diagnosis);
 }
+
+/// `probe_tma_red`'s dq after reductions that read the shared box with a `span`-byte swizzle, into
+/// head `h` (1: the map's coordinates).
+fn sim_tma_red(span: usize, h: usize) -> Vec<f32> {
+    let (_, nl, nh, nd) = TMA_RED_DIMS;
+    let mut dq = tma_red_init();
+    for l in 0..nl {
+        for d in 0..nd {
+            dq[(l * nh + h) * nd + d] += tma_red_added(l, d, span) as f32;
+        }
+    }
+    dq
+}
+
+#[test]
+fn tma_reduction_swizzle() {
+    let r = diagnose_all("tma reduce", &tma_red_check(&sim_tma_red(128, 1)));
+    assert!(r.ok, "{}", r.diagnosis);
+    // the reduction reads the box unswizzled: rows 1..7 (mod 8) get other columns' values
+    let r = diagnose_all("tma reduce", &tma_red_check(&sim_tma_red(0, 1)));
+    assert!(!r.ok && r.diagnosis.contains("[dq head 1]") && r.diagnosis.contains("found (span bytes=0)"), "{}", r.diagnosis);
+    // a 64-byte swizzle
+    let r = diagnose_all("tma reduce", &tma_red_check(&sim_tma_red(64, 1)));
+    assert!(!r.ok && r.diagnosis.contains("found (span bytes=64)"), "{}", r.diagnosis);
+    // added into the wrong head
+    let r = diagnose_all("tma reduce", &tma_red_check(&sim_tma_red(128, 0)));
+    assert!(!r.ok && r.diagnosis.contains("[dq head 0] 2560 of 2560 values wrong"), "{}", r.diagnosis);
+    // nothing added (the reductions never ran)
+    let r = diagnose_all("tma reduce", &tma_red_check(&tma_red_init()));
+    assert!(!r.ok && r.diagnosis.contains("[dq head 1] 2560 of 2560 values wrong"), "{}", r.diagnosis);
+}
