@@ -169,6 +169,27 @@ static void tma_check_globals(const cp_tma::Desc& d, const int* c, const char* o
   }
 }
 
+// The checks a TMA load and a TMA reduction share: `map` is one of tma_map.h's (rank <= 4), the
+// shared box at `sa` (`what`: "destination" / "source") is aligned (1024 bytes with the 128-byte
+// swizzle, so the pattern follows the absolute address as the kernels assume; else 128), a swizzled
+// box's inner extent is the swizzle span (all the emulator models), the box lies inside dynamic
+// shared memory and its in-bounds elements inside the launch's global buffers. Fails the launch
+// naming `op`; returns the map's description.
+static cp_tma::Desc tma_operands(const unsigned long long* map, uint32_t sa, const int* c, const char* op, const char* what) {
+  cp_tma::Desc d;
+  if (!cp_tma::decode(map, &d)) fail("%s: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)", op);
+  if (d.rank > 4) fail("%s.4d: the tensor map has rank %u", op, d.rank);
+  const uint32_t align = d.swizzle ? 8 * d.swizzle : 128;
+  if (sa % align) fail("%s: shared %s %u not %u-byte aligned", op, what, sa, align);
+  if (d.swizzle && d.box[0] * d.esize != d.swizzle)
+    fail("%s: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", op, d.box[0] * d.esize, d.swizzle);
+  const uint64_t bytes = tma_elems(d) * d.esize;
+  if ((size_t)sa + bytes > dyn_size)
+    fail("%s: %s [%u, %llu) outside dynamic shared memory (%zu bytes)", op, what, sa, (unsigned long long)(sa + bytes), dyn_size);
+  tma_check_globals(d, c, op);
+  return d;
+}
+
 uint32_t tma_land(uint32_t i) {
   const TmaLoad& t = tmas[i];
   const uint32_t es = t.d.esize;
@@ -189,22 +210,13 @@ uint32_t tma_land(uint32_t i) {
 }  // namespace detail
 
 void tma_reduce_add(const unsigned long long* map, int c0, int c1, int c2, int c3, uint32_t src) {
-  cp_tma::Desc d;
-  if (!cp_tma::decode(map, &d)) fail("cp.reduce.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");
-  if (d.rank > 4) fail("cp.reduce.async.bulk.tensor.4d: the tensor map has rank %u", d.rank);
+  const int c[4] = {c0, c1, c2, c3};
+  const cp_tma::Desc d = tma_operands(map, src, c, "cp.reduce.async.bulk.tensor", "source");
   if (d.esize != 4) fail("cp.reduce.async.bulk.tensor .add: only f32 maps are modelled");
-  const uint32_t align = d.swizzle ? 8 * d.swizzle : 128;
-  if (src % align) fail("cp.reduce.async.bulk.tensor: shared source %u not %u-byte aligned", src, align);
-  if (d.swizzle && d.box[0] * d.esize != d.swizzle)
-    fail("cp.reduce.async.bulk.tensor: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", d.box[0] * d.esize, d.swizzle);
   const uint64_t n = tma_elems(d);
-  if ((size_t)src + n * 4 > dyn_size)
-    fail("cp.reduce.async.bulk.tensor: source [%u, %llu) outside dynamic shared memory (%zu bytes)", src, (unsigned long long)(src + n * 4), dyn_size);
   if (!async_view_ok(src, (uint32_t)(n * 4)))
     fail("cp.reduce.async.bulk.tensor: its source [%u, %llu) is not visible to the async proxy (the stores need a "
          "fence.proxy.async before the barrier that precedes the reduction)", src, (unsigned long long)(src + n * 4));
-  const int c[4] = {c0, c1, c2, c3};
-  tma_check_globals(d, c, "cp.reduce.async.bulk.tensor");
   TmaRed r{d, {c0, c1, c2, c3}, src, std::vector<unsigned char>(dyn.data() + src, dyn.data() + src + n * 4)};
   fib[cur].bulk_open.push_back((uint32_t)reds.size());
   reds.push_back(std::move(r));
@@ -246,19 +258,9 @@ void tma_prefetch_map(const unsigned long long* map) {
 }
 
 void tma_load(uint32_t dst, const unsigned long long* map, int c0, int c1, int c2, int c3, const void* bar) {
-  cp_tma::Desc d;
-  if (!cp_tma::decode(map, &d)) fail("cp.async.bulk.tensor: the tensor map was not made by cuTensorMapEncodeTiled (emu/tma_map.h)");
-  if (d.rank > 4) fail("cp.async.bulk.tensor.4d: the tensor map has rank %u", d.rank);
-  const uint32_t align = d.swizzle ? 8 * d.swizzle : 128;
-  if (dst % align) fail("cp.async.bulk.tensor: shared destination %u not %u-byte aligned", dst, align);
-  if (d.swizzle && d.box[0] * d.esize != d.swizzle)
-    fail("cp.async.bulk.tensor: inner box extent %u bytes with a %u-byte swizzle (only equal is modelled)", d.box[0] * d.esize, d.swizzle);
   const int c[4] = {c0, c1, c2, c3};
+  const cp_tma::Desc d = tma_operands(map, dst, c, "cp.async.bulk.tensor", "destination");
   const uint64_t n = tma_elems(d);
-  tma_check_globals(d, c, "cp.async.bulk.tensor");
-  if ((size_t)dst + n * d.esize > dyn_size)
-    fail("cp.async.bulk.tensor: destination [%u, %llu) outside dynamic shared memory (%zu bytes)", dst,
-         (unsigned long long)(dst + n * d.esize), dyn_size);
   const uint32_t baddr = mbar_checked(bar, "cp.async.bulk.tensor (its mbarrier)");
   const uint32_t i = (uint32_t)tmas.size();
   tmas.push_back({dst, d, {c[0], c[1], c[2], c[3]}});

@@ -342,7 +342,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
           const int jx = j ^ 2, jj = odd_g ? jx : j, r = wr * 16 + g + 8 * hh, cc = (8 * jj + 2 * t) & 31;
           const float x0 = odd_g ? dqa[4 * jx + 2 * hh] : dqa[4 * j + 2 * hh];
           const float x1 = odd_g ? dqa[4 * jx + 2 * hh + 1] : dqa[4 * j + 2 * hh + 1];
-          const uint32_t a = dqb + (uint32_t)((j >> 2) * BQ * 128 + r * 128 + ((((cc >> 2) ^ r) & 7) << 4) + (cc & 3) * 4);
+          const uint32_t a = dqb + (uint32_t)((j >> 2) * BQ * 128) + cp_sw128_f32_off(r, cc);
           cp_sts_cf(smem_ptr(a), make_float2(x0 * scale, x1 * scale));
         }
       fence_proxy_async();  // the stores visible to the async proxy the reduction reads through

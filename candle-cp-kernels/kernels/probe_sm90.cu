@@ -154,7 +154,7 @@ extern "C" __global__ void probe_tma(unsigned int* out, unsigned int* done, int 
 // probe_tma_red (the dQ reductions of flash_bwd_sm90_ws.cu's `_tma_` entries): grid 1, block 128,
 // dynamic shared memory PROBE_TMA_RED_SMEM. Writes two f32 boxes of 64 rows x 32 columns into a
 // 1024-aligned buffer in the 128-byte swizzled layout the backward's dQ buffer uses (element (r, c)
-// of box x, c < 32, at x * 8192 + r * 128 + ((c / 4) ^ (r % 8)) * 16 + (c % 4) * 4) with the value
+// of box x, c < 32, at x * 8192 + cp_sw128_f32_off(r, c), tma.cuh) with the value
 // 1 + (32 x + c) + 64 r, fences for the async proxy, and thread 0 adds box x into `map` (an f32
 // [B, L, Hh, D] map like the backward's dq map: box 32 x 1 x 64 x 1, 128-byte swizzle) at
 // (c0 + 32 x, c1, c2, c3) with cp.reduce.async.bulk.tensor, then waits until both have read the
@@ -167,7 +167,7 @@ extern "C" __global__ void probe_tma_red(int c0, int c1, int c2, int c3, const C
   const int tid = threadIdx.x;
   for (int e = tid; e < 2 * 64 * 32; e += 128) {
     const int x = e >> 11, r = (e >> 5) & 63, c = e & 31;
-    const uint32_t a = buf_sa + (uint32_t)(x * 8192 + r * 128 + ((((c >> 2) ^ r) & 7) << 4) + (c & 3) * 4);
+    const uint32_t a = buf_sa + (uint32_t)(x * 8192) + cp_sw128_f32_off(r, c);
     *reinterpret_cast<float*>(red_smem + (a - base)) = (float)(1 + 32 * x + c + 64 * r);
   }
   fence_proxy_async();

@@ -70,6 +70,14 @@ __device__ __forceinline__ void cp_tma_load_4d(uint32_t dst, const CpTmaMap* map
 #endif
 }
 
+// Byte offset of f32 element (r, c), c < 32, in a box of 32-column (128-byte) rows as a map with the
+// 128-byte swizzle lays it out in shared memory (box 1024-byte aligned): 16-byte chunk c / 4 of row
+// r at chunk (c / 4) ^ (r % 8). The `_tma_` backward's dQ buffer (flash_bwd_sm90_ws.cu) and
+// probe_tma_red (probe_sm90.cu) store through it.
+__device__ __forceinline__ uint32_t cp_sw128_f32_off(int r, int c) {
+  return (uint32_t)(r * 128 + ((((c >> 2) ^ r) & 7) << 4) + (c & 3) * 4);
+}
+
 // ---- TMA reductions to global memory (the dQ of flash_bwd_sm90_ws.cu's `_tma_` entries) ----------
 // Adds the box of `map` at (c0, .., c3) from shared memory at `src` (laid out as a load of the box
 // would write it: with our f32 dq maps' 128-byte swizzle, 1024-byte aligned, 16-byte chunk c of

@@ -218,7 +218,7 @@ pub fn tma_check(words: &[u32], done: &[u32]) -> Vec<Check> {
     // which swizzle span explains the rows that hold data (S: 16-byte chunk j / 8 of row r holds
     // logical chunk (j / 8) ^ (r % (S / 16)); 0: none), -1 if none does
     let held = |r: usize, j: usize| c.items[r * cols + j].found.iter().map(|f| f.as_ref().ok().copied()).collect::<Option<Vec<i64>>>();
-    let span = [128usize, 64, 32, 0].into_iter().find(|&sp| {
+    let sw = swizzle_check(|sp| {
         (0..rows).filter(|&r| tma_expected(r, 0).is_some()).all(|r| {
             (0..cols).all(|j| {
                 let lc = (j / 8) ^ if sp == 0 { 0 } else { r % (sp / 16) };
@@ -227,20 +227,27 @@ pub fn tma_check(words: &[u32], done: &[u32]) -> Vec<Check> {
             })
         })
     });
-    let found = span.map_or(Err("none of 128 / 64 / 32 / 0".to_string()), |x| Ok(x as i64));
-    let sw = Check {
-        name: "swizzle".into(),
-        axes: vec!["span bytes"],
-        reg_name: "box",
-        step_name: "",
-        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![128], found: vec![found] }],
-    };
     let mut e = Check { name: "mbarrier phase".into(), axes: vec!["passed the wait"], reg_name: "flag", step_name: "", items: vec![] };
     for i in 0..128 {
         let f = done.get(i).copied().unwrap_or(2);
         e.items.push(Item { step: None, thread: i as u32, reg: 0, half: None, expected: vec![1], found: vec![Ok(f as i64)] });
     }
     vec![c, sw, e]
+}
+
+/// The `swizzle` check of the TMA probes: the first span of 128 / 64 / 32 / 0 bytes (0: none) under
+/// which `explains(span)` holds, expected 128 (the maps' swizzle); names the layout the hardware
+/// used when the element checks fail.
+fn swizzle_check(explains: impl Fn(usize) -> bool) -> Check {
+    let span = [128usize, 64, 32, 0].into_iter().find(|&sp| explains(sp));
+    let found = span.map_or(Err("none of 128 / 64 / 32 / 0".to_string()), |x| Ok(x as i64));
+    Check {
+        name: "swizzle".into(),
+        axes: vec!["span bytes"],
+        reg_name: "box",
+        step_name: "",
+        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![128], found: vec![found] }],
+    }
 }
 
 /// dq tensor of `probe_tma_red` (`[B, L, Hh, D]` = `[1, 40, 2, 64]`, f32), before the reductions:
@@ -300,15 +307,7 @@ pub fn tma_red_check(dq: &[f32]) -> Vec<Check> {
             c0.items.push(Item { step: None, thread: l as u32, reg: d as u32, half: None, expected: vec![-1, -1], found: decode(added(l, 0, d)) });
         }
     }
-    let span = [128usize, 64, 32, 0].into_iter().find(|&sp| (0..nl).all(|l| (0..nd).all(|d| added(l, 1, d) == Some(tma_red_added(l, d, sp)))));
-    let found = span.map_or(Err("none of 128 / 64 / 32 / 0".to_string()), |x| Ok(x as i64));
-    let sw = Check {
-        name: "swizzle".into(),
-        axes: vec!["span bytes"],
-        reg_name: "box",
-        step_name: "",
-        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![128], found: vec![found] }],
-    };
+    let sw = swizzle_check(|sp| (0..nl).all(|l| (0..nd).all(|d| added(l, 1, d) == Some(tma_red_added(l, d, sp)))));
     vec![c1, c0, sw]
 }
 
