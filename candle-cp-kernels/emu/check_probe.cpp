@@ -31,6 +31,7 @@ CpTmaMap emu_tma_map(const void* p, int B, int L, int Hh, int D, int rows);
 extern "C" void probe_tma(unsigned int*, unsigned int*, int, int, int, int, CpTmaMap);
 CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 extern "C" void probe_tma_red(int, int, int, int, CpTmaMap);
+extern "C" void probe_stsm_ds(unsigned int*);
 
 namespace {
 
@@ -243,6 +244,29 @@ void check_tma_red() {
   report(name, wrong(7), wrong(0));
 }
 
+// ---- stmatrix dS store: probe_map::stsm_frag / stsm_expected / stsm_check
+void check_stsm() {
+  const std::string name = "probe_stsm_ds";
+  if (!wanted(name)) return;
+  Buf<unsigned int> out(2 * 64 * 128 / 4);
+  const bool ok = cp_emu::launch(name.c_str(), dim3(1), dim3(256), 2 * 64 * 128 + 1024, [&] { probe_stsm_ds(out.p); });
+  check_launch(name, ok);
+  if (!ok) return;
+  // byte w * 8192 + q * 128 + 16 c + 2 j holds 0x8000 | q << 8 | key, key = 64 w + 8 ((c ^ q) % 8) + j
+  // (swz = 0: the corrupted layout without the swizzle's XOR)
+  auto wrong = [&](int swz) {
+    long n = 0;
+    for (int e = 0; e < 2 * 64 * 64; ++e) {
+      const int w = e / 4096, q = (e / 64) % 64, c = (e / 8) % 8, j = e % 8;
+      const unsigned key = (unsigned)(64 * w + 8 * ((c ^ (swz ? q : 0)) % 8) + j);
+      const unsigned v = (out.p[e / 2] >> (16 * (e % 2))) & 0xFFFFu;
+      n += v != (0x8000u | ((unsigned)q << 8) | key);
+    }
+    return n;
+  };
+  report(name, wrong(1), wrong(0));
+}
+
 }  // namespace
 
 void run_probe_checks() {
@@ -252,6 +276,7 @@ void run_probe_checks() {
   check_cp_async();
   check_tma();
   check_tma_red();
+  check_stsm();
   check_wgmma_all<__nv_bfloat16>("bf16");
   check_wgmma_all<__half>("f16");
 }

@@ -91,6 +91,8 @@ const char* op_name(WarpOp op) {
     case WarpOp::Mma16816F16: return "mma.sync.aligned.m16n8k16.row.col.f32.f16.f16.f32";
     case WarpOp::Ldsm4: return "ldmatrix.sync.aligned.m8n8.x4.shared.b16";
     case WarpOp::Ldsm4T: return "ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
+    case WarpOp::Stsm4: return "stmatrix.sync.aligned.m8n8.x4.shared.b16";
+    case WarpOp::Stsm4T: return "stmatrix.sync.aligned.m8n8.x4.trans.shared.b16";
     case WarpOp::Sts: return "st.shared (cp_sts_cf)";
     case WarpOp::WgFence: return "wgmma.fence.sync.aligned";
     case WarpOp::WgMma: return "wgmma.mma_async.sync.aligned";

@@ -82,11 +82,14 @@ void syncthreads(const char* file, int line);
 
 // Warp-collective ops. The calling lane posts its operands, waits until all 32 lanes of its
 // warp posted the same op, and gets its result.
-enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T, Sts,
+enum class WarpOp : int { Shfl, ShflXor, Any, Ballot, Sync, Mma16816Bf16, Mma16816F16, Ldsm4, Ldsm4T, Stsm4, Stsm4T, Sts,
                           WgFence, WgMma, WgCommit, WgWait, SetMaxNReg };
 uint32_t warp_u32(WarpOp op, unsigned mask, uint32_t value, int arg);
 void warp_mma16816(bool bf16, float* d, const uint32_t* a, uint32_t b0, uint32_t b1);
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr);
+// stmatrix .m8n8 .x4 (.trans) .b16 (sm_90, cp_stsm_x4_trans in wgmma.cuh): the inverse of ldmatrix;
+// fails the launch on a bank conflict or on two rows of one matrix at the same address.
+void warp_stsm_x4(bool trans, const uint32_t* r, uint32_t addr);
 // Shared store of `bytes` (2, 4 or 8) bytes from words[] at `addr` by every lane of the warp
 // (cp_sts_cf): fails the launch on a bank conflict in a phase of the request (see common.cuh).
 void warp_sts(uint32_t addr, const uint32_t* words, int bytes);

@@ -1,5 +1,5 @@
 // PTX-level warp ops of the host emulation (see emu.h): shfl / vote, mma.sync m16n8k16, ldmatrix x4,
-// conflict-checked st.shared
+// stmatrix x4, conflict-checked st.shared
 // (wgmma and setmaxnreg: emu_wgmma.cpp). Each runs in the scheduler's context once all lanes of its
 // warp posted it.
 #include "emu_internal.h"
@@ -74,6 +74,39 @@ static bool exec_sts(int l0, Fiber* L) {
   return true;
 }
 
+// The row addresses of an ldmatrix / stmatrix .m8n8 .x4 (PTX ISA): lanes 8i .. 8i+7 supply rows
+// 0..7 of matrix i, 16 bytes each, 16-byte aligned, inside shared memory. The hardware serves one
+// matrix per phase: its 8 rows (4 banks each) must lie in 8 different bank quads, or be the same
+// address (a shared row: allowed for loads; for stores two lanes would write one row, an error),
+// else a bank conflict fails the launch.
+static bool matrix_rows(int l0, Fiber* L, unsigned char* (&rows)[4][8], bool store) {
+  for (int l = 0; l < 32; ++l) {
+    const uint32_t ad = L[l].addr;
+    if (ad % 16) {
+      sched_fail("warp %d lane %d: %s row address %u not 16-byte aligned", l0 / 32, l, op_name(L[0].op), ad);
+      return false;
+    }
+    unsigned char* p = smem_ptr(ad, 16);
+    if (!p) return false;
+    rows[l >> 3][l & 7] = p;
+  }
+  for (int i = 0; i < 4; ++i)
+    for (int a = 0; a < 8; ++a)
+      for (int b2 = 0; b2 < a; ++b2) {
+        const uint32_t x = L[8 * i + a].addr, y = L[8 * i + b2].addr;
+        if (store && x == y) {
+          sched_fail("warp %d: %s matrix %d: rows %d and %d both at shared %u", l0 / 32, op_name(L[0].op), i, b2, a, x);
+          return false;
+        }
+        if (x != y && (x / 16) % 8 == (y / 16) % 8) {
+          sched_fail("warp %d: %s bank conflict in matrix %d: rows at shared %u (lane %d) and %u (lane %d) "
+                     "use the same 4 banks", l0 / 32, op_name(L[0].op), i, y, 8 * i + b2, x, 8 * i + a);
+          return false;
+        }
+      }
+  return true;
+}
+
 // Runs the op posted by all lanes of warp w (lanes l0 .. l0+n-1); false (after reporting) on a
 // mismatch.
 bool exec_warp(int l0, int n) {
@@ -142,32 +175,10 @@ bool exec_warp(int l0, int n) {
     }
     case WarpOp::Ldsm4:
     case WarpOp::Ldsm4T: {
-      // PTX ISA, ldmatrix .m8n8 .x4: lanes 8i .. 8i+7 supply the row addresses of matrix i
-      // (16 bytes each, 16-byte aligned); lane l receives in register i the elements
-      // (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans.
-      const unsigned char* rows[4][8];
-      for (int l = 0; l < 32; ++l) {
-        uint32_t ad = L[l].addr;
-        if (ad % 16) {
-          sched_fail("warp %d lane %d: %s row address %u not 16-byte aligned", l0 / 32, l, op_name(L[0].op), ad);
-          return false;
-        }
-        unsigned char* p = smem_ptr(ad, 16);
-        if (!p) return false;
-        rows[l >> 3][l & 7] = p;
-      }
-      // One phase per matrix: its 8 rows of 16 bytes (4 banks each) in 8 different bank quads,
-      // or rows at the same address (shared), else a bank conflict.
-      for (int i = 0; i < 4; ++i)
-        for (int a = 0; a < 8; ++a)
-          for (int b2 = 0; b2 < a; ++b2) {
-            const uint32_t x = L[8 * i + a].addr, y = L[8 * i + b2].addr;
-            if (x != y && (x / 16) % 8 == (y / 16) % 8) {
-              sched_fail("warp %d: %s bank conflict in matrix %d: rows at shared %u (lane %d) and %u (lane %d) "
-                         "use the same 4 banks", l0 / 32, op_name(L[0].op), i, y, 8 * i + b2, x, 8 * i + a);
-              return false;
-            }
-          }
+      // PTX ISA, ldmatrix .m8n8 .x4: lane l receives in register i the elements (row l/4, cols
+      // 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans.
+      unsigned char* rows[4][8];
+      if (!matrix_rows(l0, L, rows, false)) return false;
       const bool tr = L[0].op == WarpOp::Ldsm4T;
       for (int l = 0; l < 32; ++l) {
         const int rr = l >> 2, cc = 2 * (l & 3);
@@ -181,6 +192,29 @@ bool exec_warp(int l0, int n) {
             hi = ld16(rows[i][cc + 1] + 2 * rr);
           }
           L[l].r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
+        }
+      }
+      break;
+    }
+    case WarpOp::Stsm4:
+    case WarpOp::Stsm4T: {
+      // PTX ISA, stmatrix .m8n8 .x4 (sm_90): the same fragment as ldmatrix, stored: register i of
+      // lane l holds (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans
+      // (then it lands in column l/4 of rows 2(l%4) and 2(l%4)+1).
+      unsigned char* rows[4][8];
+      if (!matrix_rows(l0, L, rows, true)) return false;
+      const bool tr = L[0].op == WarpOp::Stsm4T;
+      for (int l = 0; l < 32; ++l) {
+        const int rr = l >> 2, cc = 2 * (l & 3);
+        for (int i = 0; i < 4; ++i) {
+          const uint16_t lo = (uint16_t)(L[l].a[i] & 0xffffu), hi = (uint16_t)(L[l].a[i] >> 16);
+          if (!tr) {
+            std::memcpy(rows[i][rr] + 2 * cc, &lo, 2);
+            std::memcpy(rows[i][rr] + 2 * (cc + 1), &hi, 2);
+          } else {
+            std::memcpy(rows[i][cc] + 2 * rr, &lo, 2);
+            std::memcpy(rows[i][cc + 1] + 2 * rr, &hi, 2);
+          }
         }
       }
       break;
@@ -234,6 +268,13 @@ void warp_sts(uint32_t addr, const uint32_t* words, int bytes) {
   f.b0 = words[1];
   f.arg = bytes;
   post_and_wait(WarpOp::Sts, 0xffffffffu);
+}
+
+void warp_stsm_x4(bool trans, const uint32_t* r, uint32_t addr) {
+  Fiber& f = fib[cur];
+  f.a = r;
+  f.addr = addr;
+  post_and_wait(trans ? WarpOp::Stsm4T : WarpOp::Stsm4, 0xffffffffu);
 }
 
 void warp_ldsm_x4(bool trans, uint32_t* r, uint32_t addr) {

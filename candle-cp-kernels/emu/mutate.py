@@ -142,8 +142,12 @@ MUTATIONS = [
      "        if (ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;\n", "",
      "flash_bwd_wgmma_atomic", "wgmma atomic dQ: keys past S not masked (0 * inf in dQ)"),
     ("wgmma-atomic-ds-swizzle", "flash_sm90.cuh",
-     "((((key >> 3) ^ qr) & 7) << 4)", "((((key >> 3) ^ (qr >> 1)) & 7) << 4)",
-     "flash_bwd_wgmma_atomic", "wgmma atomic dQ: wrong swizzle in the transposed dS store"),
+     "((((2 * wr + (i & 1)) ^ j) & 7) << 4)", "((((2 * wr + (i & 1)) ^ (j >> 1)) & 7) << 4)",
+     "flash_bwd_wgmma_atomic", "wgmma atomic dQ: wrong swizzle in the transposed dS store (stmatrix rows)"),
+    ("ds-stsm-matrix-order", "flash_sm90.cuh",
+     "(8 * (i >> 1) + j) * 128 + ((((2 * wr + (i & 1))", "(8 * (i & 1) + j) * 128 + ((((2 * wr + (i >> 1))",
+     "flash_bwd_wgmma_ws", "Hopper backwards: stmatrix of dS^T with matrices 1 and 2 swapped (keys and queries "
+     "blocks exchanged)"),
     ("wgmma-proxy-fence", "flash_fwd_sm90.cu",
      "    cp_async_wait<0>();\n    fence_proxy_async();\n    // K_j", "    cp_async_wait<0>();\n    // K_j",
      "flash_fwd_wgmma", "wgmma forward: fence.proxy.async after the cp.async wait removed (copies not "

@@ -99,6 +99,26 @@ __global__ void st_ldsm_stride(float* out, int stride) {
   out[l] = (float)(r[0] & 0xff);
 }
 
+// stmatrix .x4 .trans by one warp: register i of lane l holds fragment elements (row l / 4, cols
+// 2 (l % 4), 2 (l % 4) + 1) of matrix i, valued 64 i + 8 row + col; row j of matrix i is stored at
+// byte stride * j + 16 i. Read back: out[64 i + 8 j + k] = element k of stored row j of matrix i, which
+// must be fragment (row k, col j): 64 i + 8 k + j. stride 144: 8 bank quads per matrix (clean); 128: one
+// quad (a conflict); 0: all rows of a matrix at one address (two lanes store one row: an error).
+__global__ void st_stsm(float* out, int stride) {
+  CP_DYN_SMEM(unsigned char, smem);
+  const int l = threadIdx.x, rr = l >> 2, cc = 2 * (l & 3);
+  uint32_t r[4];
+  for (int i = 0; i < 4; ++i) r[i] = (uint32_t)(64 * i + 8 * rr + cc) | ((uint32_t)(64 * i + 8 * rr + cc + 1) << 16);
+  cp_stsm_x4_trans(cp_smem_u32(smem) + (uint32_t)(stride * (l & 7) + 16 * (l >> 3)), r);
+  __syncthreads();
+  for (int e = l; e < 256; e += 32) {
+    const int i = e >> 6, j = (e >> 3) & 7, k = e & 7;
+    uint16_t v;
+    memcpy(&v, smem + stride * j + 16 * i + 2 * k, 2);
+    out[e] = (float)v;
+  }
+}
+
 // cp_sts_cf by one warp, read back after a barrier. mode 0: 8-byte stores, lane l at row l / 4 of a
 // [8][64] f32 buffer, columns 2 (l % 4) + 8 (l / 4): each half-warp covers the 32 banks once (clean);
 // 1: the same columns for every row (rows 256 bytes apart: 4-way in each half-warp, a conflict);
@@ -344,7 +364,7 @@ void run_selftests() {
   cp_emu::set_schedule(cp_emu::Schedule::Lockstep);
   cp_emu::set_cp_async_landing(cp_emu::Landing::AtWait);
   std::printf("emu selftest: the EMU ERROR lines below are expected (bugs planted on purpose)\n");
-  Buf<float> src(512), out(128);
+  Buf<float> src(512), out(128), out_sm(256);
   for (int i = 0; i < 512; ++i) src.p[i] = (float)i;
   bool ok = cp_emu::launch("st_cp_async(wait)", dim3(1), dim3(128), 2048, [&] { st_cp_async(src.p, out.p, true); });
   bool clean = ok && !any_nan(out);
@@ -371,6 +391,14 @@ void run_selftests() {
   expect("ldmatrix rows in 8 bank quads per matrix load (control)", loaded);
   expect("ldmatrix with two rows of a matrix in one bank quad fails the launch (bank conflict)",
          !cp_emu::launch("st_ldsm_stride(128)", dim3(1), dim3(32), 2048, [&] { st_ldsm_stride(out.p, 128); }));
+  ok = cp_emu::launch("st_stsm(144)", dim3(1), dim3(32), 2048, [&] { st_stsm(out_sm.p, 144); });
+  bool transposed = ok;
+  for (int e = 0; e < 256; ++e) transposed = transposed && out_sm.p[e] == (float)(64 * (e >> 6) + 8 * (e & 7) + ((e >> 3) & 7));
+  expect("stmatrix .trans stores the transpose of each fragment matrix (control)", transposed);
+  expect("stmatrix with two rows of a matrix in one bank quad fails the launch (bank conflict)",
+         !cp_emu::launch("st_stsm(128)", dim3(1), dim3(32), 2048, [&] { st_stsm(out_sm.p, 128); }));
+  expect("stmatrix with two rows of a matrix at one address fails the launch",
+         !cp_emu::launch("st_stsm(0)", dim3(1), dim3(32), 2048, [&] { st_stsm(out_sm.p, 0); }));
   ok = cp_emu::launch("st_sts(clean)", dim3(1), dim3(32), 2048, [&] { st_sts(out.p, 0); });
   bool stored = ok;
   for (int l = 0; l < 32; ++l) stored = stored && out.p[l] == (float)-l;

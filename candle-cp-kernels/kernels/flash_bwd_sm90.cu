@@ -218,7 +218,7 @@ __device__ __forceinline__ void bwd_wgmma_dkdv(float* __restrict__ dq, const T* 
       // SW128 K-major layout (64 rows; keys of warpgroup w = column block w). Before dK += dS^T Q
       // is issued: dsa are that wgmma's A-fragment registers, which PTX forbids accessing (even
       // reading) until the wait_group that retires it (FlashAttention-3 stores dS first, too).
-      bwd_sm90_ds_store<BQ>(dsa, ds_sa, wg, wr, g, t, smem_ptr);
+      bwd_sm90_ds_store<BQ>(dsa, ds_sa, wg, wr, lane);
     }
     reg_fence(dsa);
     reg_fence(acc_k);

@@ -280,7 +280,7 @@ __device__ __forceinline__ void bwd_wgmma_ws(float* __restrict__ dq, const T* __
     // dS^T (the rounded values of dsa) into dS buffer it & 1, transposed: dS [query][key], SW128
     // K-major (64 rows; keys of consumer c = column block c). Before dK += dS^T Q is issued (dsa are
     // its A-fragment registers, not to be read while it runs).
-    bwd_sm90_ds_store<BQ>(dsa, dsb, cw, wr, g, t, smem_ptr);
+    bwd_sm90_ds_store<BQ>(dsa, dsb, cw, wr, lane);
     reg_fence(dsa);
     reg_fence(acc_k);
     wg_fence();

@@ -229,27 +229,20 @@ __device__ __forceinline__ void bwd_sm90_ds(float (&dp)[NS], const float (&p)[NS
 }
 
 // dS^T (the rounded values of dsa) into the dS tile at ds, transposed: dS [query][key] in the SW128
-// K-major layout (BQ rows; keys of warpgroup / consumer w = column block w). smem_ptr maps a shared
-// address to a generic pointer. Each 16-bit store: the lanes' 4 query rows (2t + hh) land in 4
-// different 16-byte chunks (the swizzle XORs in the row), their 8 keys g in 4 words of a chunk, so
-// the warp's 16 words fill 16 different banks (cp_sts_cf checks it under the emulator).
-template <int BQ, typename P>
+// K-major layout (BQ rows; keys of warpgroup / consumer w = column block w). One stmatrix .x4 .trans
+// per 16 queries: dsa[kk][i] is the m16n8 fragment of keys kl0 + 8 (i & 1) (row g) and queries
+// 16 kk + 8 (i >> 1) (columns 2t, 2t + 1), i.e. 8x8 matrix i; stored transposed, row j of matrix i is
+// query 16 kk + 8 (i >> 1) + j holding its 8 keys, one 16-byte chunk of the swizzled row. Lane l
+// gives that row's address (i = l / 8, j = l % 8). The 8 rows of a matrix are 8 different 16-byte
+// chunks (the swizzle XORs in j) of rows 128 bytes apart: 8 bank quads, one wavefront per matrix
+// (the emulator checks it).
+template <int BQ>
 __device__ __forceinline__ void bwd_sm90_ds_store(const uint32_t (&dsa)[BQ / 16][4], uint32_t ds, int w, int wr,
-                                                  int g, int t, const P& smem_ptr) {
-  const int kl = wr * 16 + g;
+                                                  int lane) {
+  const int i = lane >> 3, j = lane & 7;
+  const uint32_t a0 = ds + (uint32_t)(w * BQ * 128 + (8 * (i >> 1) + j) * 128 + ((((2 * wr + (i & 1)) ^ j) & 7) << 4));
 #pragma unroll
-  for (int kk = 0; kk < BQ / 16; ++kk)
-#pragma unroll
-    for (int r = 0; r < 4; ++r) {
-      // dsa[kk][r]: key kl + 8 (r & 1), queries c and c + 1 with c = 16kk + 8 (r >> 1) + 2t.
-      const int key = kl + 8 * (r & 1), c = 16 * kk + 8 * (r >> 1) + 2 * t;
-#pragma unroll
-      for (int hh = 0; hh < 2; ++hh) {
-        const int qr = c + hh;
-        const uint32_t a = ds + (uint32_t)(w * BQ * 128 + qr * 128 + ((((key >> 3) ^ qr) & 7) << 4) + (key & 7) * 2);
-        cp_sts_cf(smem_ptr(a), (uint16_t)(hh ? dsa[kk][r] >> 16 : dsa[kk][r] & 0xffffu));
-      }
-    }
+  for (int kk = 0; kk < BQ / 16; ++kk) cp_stsm_x4_trans(a0 + (uint32_t)(kk * 16 * 128), dsa[kk]);
 }
 
 // Store dK (times scale) and dV rows ja, ja + 8 (< S) of KV head kvh into dk / dv [B, S, Hkv, D]

@@ -34,6 +34,7 @@
 
 #include "wgmma.cuh"
 #include "tma.cuh"  // probe_tma
+#include "flash_sm90.cuh"  // probe_stsm_ds: bwd_sm90_ds_store
 
 #define PROBE_WG_K 128
 #define PROBE_WG_M 128
@@ -179,4 +180,36 @@ extern "C" __global__ void probe_tma_red(int c0, int c1, int c2, int c3, const C
     cp_bulk_commit();
     cp_bulk_wait_read<0>();
   }
+}
+
+// ---- stmatrix: the Hopper backwards' transposed dS store ------------------------------------------
+// probe_stsm_ds (bwd_sm90_ds_store of flash_sm90.cuh, called by flash_bwd_sm90.cu's atomic dQ and
+// flash_bwd_sm90_ws.cu): grid 1, block 256 (two warpgroups, as the kernels), dynamic shared memory
+// PROBE_STSM_SMEM. Every thread fills its dS^T fragments dsa[kk][r] (BQ = 64) as the kernels hold
+// them, each 16-bit value a code of its element: 0x8000 | (query << 8) | key, key = 64 wg + 16 wr + g
+// + 8 (r & 1), query = 16 kk + 8 (r >> 1) + 2t (+ 1 in the high half); warpgroup wg stores with
+// w = wg into a zeroed, 1024-aligned [64 x 64]-per-warpgroup tile; after a barrier every thread copies
+// 16 words of the raw tile (2 x 8192 bytes) to out[tid * 16 ..]. The host (probe_map::stsm_check)
+// predicts every 16-bit element: byte w * 8192 + q * 128 + 16 c + 2 e holds query q, key 64 w +
+// 8 ((c ^ q) & 7) + e.
+#define PROBE_STSM_SMEM (2 * 64 * 128 + 1024)
+extern "C" __global__ void probe_stsm_ds(unsigned int* __restrict__ out) {
+  CP_DYN_SMEM_A(unsigned char, st_smem, 1024);
+  const uint32_t base = cp_smem_u32(st_smem);
+  const uint32_t buf_sa = (base + 1023u) & ~1023u;
+  unsigned char* buf = st_smem + (buf_sa - base);
+  const int tid = threadIdx.x, wg = tid >> 7, wr = (tid >> 5) & 3, lane = tid & 31, g = lane >> 2, t = lane & 3;
+  for (int e = tid; e < 2 * 64 * 128 / 4; e += 256) reinterpret_cast<uint32_t*>(buf)[e] = 0u;
+  uint32_t dsa[4][4];
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk)
+#pragma unroll
+    for (int r = 0; r < 4; ++r) {
+      const uint32_t key = (uint32_t)(64 * wg + 16 * wr + g + 8 * (r & 1)), q = (uint32_t)(16 * kk + 8 * (r >> 1) + 2 * t);
+      dsa[kk][r] = (0x8000u | (q << 8) | key) | ((0x8000u | ((q + 1) << 8) | key) << 16);
+    }
+  __syncthreads();
+  bwd_sm90_ds_store<64>(dsa, buf_sa, wg, wr, lane);
+  __syncthreads();
+  for (int w = 0; w < 16; ++w) out[tid * 16 + w] = reinterpret_cast<const uint32_t*>(buf)[tid * 16 + w];
 }

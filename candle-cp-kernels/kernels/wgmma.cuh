@@ -37,6 +37,20 @@ template <int N> __device__ __forceinline__ void reg_fence(uint32_t (&r)[N][4]) 
   for (int i = 0; i < N; ++i) asm volatile("" : "+r"(r[i][0]), "+r"(r[i][1]), "+r"(r[i][2]), "+r"(r[i][3])::"memory");
 }
 #endif
+// stmatrix .m8n8 .x4 .trans .b16 (sm_90), the store twin of cp_ldsm_x4_trans: lanes 8i .. 8i+7 give
+// the (16-byte) row addresses of 8x8 matrix i in shared memory; register i of lane l holds the
+// elements (row l/4, cols 2(l%4), 2(l%4)+1) of the transpose of matrix i, i.e. they land in column
+// l/4 of rows 2(l%4) and 2(l%4)+1 (low half first). Warp-uniform. Under CP_HOST_EMU a warp op that
+// also fails on a bank conflict (two rows of a matrix in one bank quad).
+__device__ __forceinline__ void cp_stsm_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+#ifdef CP_HOST_EMU
+  cp_emu::warp_stsm_x4(true, r, addr);
+#else
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1,%2,%3,%4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#endif
+}
 // An m64nN accumulator fragment (element 4i + e, f32) re-packed as the A fragments of the next
 // wgmma: k-step kk takes elements 8kk .. 8kk + 7, as four pairs of 16-bit values (low half
 // first; the m16n8k16 A layout, see the file header of flash_fwd_sm90.cu).

@@ -20,8 +20,9 @@ use half::{bf16, f16};
 
 /// Runs every probe on `dev` and returns one [`ProbeResult`] per probe: `mma16816 {bf16,f16}`, the
 /// four ldmatrix variants, `cp.async`, and on compute capability 9.x `wgmma {ss,rs} m64n{64,128}k16
-/// {bf16,f16}`, `wgmma sstb m64n64k16 {bf16,f16}`, `tma` (one tensor-map tile load) and `tma reduce`
-/// (two f32 TMA reductions from a swizzled shared box, as the `wgmma-tma` backward adds its dQ). A probe whose launch fails gives `ok = false`
+/// {bf16,f16}`, `wgmma sstb m64n64k16 {bf16,f16}`, `tma` (one tensor-map tile load), `tma reduce`
+/// (two f32 TMA reductions from a swizzled shared box, as the `wgmma-tma` backward adds its dQ) and
+/// `stmatrix dS` (the Hopper backwards' transposed dS store, `bwd_sm90_ds_store`). A probe whose launch fails gives `ok = false`
 /// with the error as its diagnosis (a later probe may then fail too: a faulting kernel poisons the
 /// CUDA context). Errors only when the device's compute capability cannot be read.
 pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
@@ -47,6 +48,7 @@ pub fn run_probes(dev: &CudaDevice) -> Result<Vec<ProbeResult>> {
         }
         push("tma".into(), tma(dev));
         push("tma reduce".into(), tma_red(dev));
+        push("stmatrix dS".into(), stsm_ds(dev));
     }
     Ok(out)
 }
@@ -163,6 +165,22 @@ fn tma_red(dev: &CudaDevice) -> Result<ProbeResult> {
     unsafe { bld.launch(cfg) }.w()?;
     let after = dev.clone_dtoh(&dq)?;
     Ok(diagnose_all("tma reduce", &probe_map::tma_red_check(&after)))
+}
+
+/// `probe_stsm_ds`: grid 1, block 256, `PROBE_STSM_SMEM` bytes of dynamic shared memory; both
+/// warpgroups store coded dS^T fragments ([`probe_map::stsm_frag`]) with `bwd_sm90_ds_store` and the
+/// raw tile ([`probe_map::STSM_TILE_BYTES`]) is dumped. Compute capability 9.x only (stmatrix).
+fn stsm_ds(dev: &CudaDevice) -> Result<ProbeResult> {
+    const SMEM: u32 = (probe_map::STSM_TILE_BYTES + 1024) as u32;
+    let cfg = LaunchConfig { grid_dim: (1, 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: SMEM };
+    let mut out = dev.alloc_zeros::<u32>(probe_map::STSM_TILE_BYTES / 4)?;
+    let func = dev.get_or_load_custom_func("probe_stsm_ds", ptx::PROBE_SM90_MODULE, ptx::PROBE_SM90)?;
+    let mut bld = func.builder();
+    bld.arg(&mut out);
+    // SAFETY: matches probe_stsm_ds in kernels/probe_sm90.cu (out 4096 u32).
+    unsafe { bld.launch(cfg) }.w()?;
+    let words = dev.clone_dtoh(&out)?;
+    Ok(diagnose_all("stmatrix dS", &probe_map::stsm_check(&words)))
 }
 
 /// Dynamic shared memory of the wgmma probes (`PROBE_WG_SMEM(N)`): A [128 x 128] and B [128 x N]

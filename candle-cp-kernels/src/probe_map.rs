@@ -10,7 +10,8 @@
 //! D = A[m][n + 8p]) and a one-hot A against B[k][n] = 8k + n + 1 (pass 2: D = B[m][n]); for
 //! wgmma, one nonzero per 16 k values in each row of A (at k % 16 = m % 16) and four passes
 //! giving D = m + 1 (row), n + 1 (column), the A k-step read + 1, and the B k index + 1; for the
-//! TMA load, a 16-bit code per tensor element (batch, head, row, column).
+//! TMA load, a 16-bit code per tensor element (batch, head, row, column); for the stmatrix dS
+//! store, a 16-bit code per dS element (query, key).
 
 use crate::probe_diag::{Check, Item};
 
@@ -309,6 +310,96 @@ pub fn tma_red_check(dq: &[f32]) -> Vec<Check> {
     }
     let sw = swizzle_check(|sp| (0..nl).all(|l| (0..nd).all(|d| added(l, 1, d) == Some(tma_red_added(l, d, sp)))));
     vec![c1, c0, sw]
+}
+
+/// Bytes of `probe_stsm_ds`'s dumped tile: one `[64 queries x 64 keys]` 16-bit dS tile per
+/// warpgroup (w = 0, 1), 128-byte rows, 128-byte swizzle (the layout the dQ wgmma reads).
+pub const STSM_TILE_BYTES: usize = 2 * 64 * 128;
+
+/// The 16-bit code `probe_stsm_ds` gives dS element (query, key): `0x8000 | query << 8 | key`.
+pub fn stsm_code(query: usize, key: usize) -> u32 {
+    0x8000 | ((query as u32) << 8) | key as u32
+}
+
+/// Register `r` of k-step `kk` of the dS^T fragments (`dsa[kk][r]`) of thread `tid` of
+/// `probe_stsm_ds`, as the Hopper backwards hold them: low half (query c, key), high half (c + 1,
+/// key), key = 64 wg + 16 wr + g + 8 (r & 1), c = 16 kk + 8 (r >> 1) + 2t.
+pub fn stsm_frag(tid: usize, kk: usize, r: usize) -> u32 {
+    let (wg, wr, lane) = (tid / 128, (tid / 32) % 4, tid % 32);
+    let (g, t) = (lane / 4, lane % 4);
+    let key = 64 * wg + 16 * wr + g + 8 * (r & 1);
+    let c = 16 * kk + 8 * (r >> 1) + 2 * t;
+    stsm_code(c, key) | stsm_code(c + 1, key) << 16
+}
+
+/// (query, key) that the kernels' dS layout puts at 16-bit element `e` of the tile: byte
+/// `w * 8192 + q * 128 + 16 c + 2 j` holds query q and key `64 w + 8 ((c ^ q) % 8) + j`.
+pub fn stsm_expected(e: usize) -> (i64, i64) {
+    let (w, q, c, j) = (e / 4096, (e / 64) % 64, (e / 8) % 8, e % 8);
+    (q as i64, (64 * w + 8 * ((c ^ q) % 8) + j) as i64)
+}
+
+/// The tile `probe_stsm_ds` leaves if stmatrix .x4 stores matrix i from row addresses given by lanes
+/// 8i .. 8i + 7 and register i of lane l holds (row l / 4, cols 2 (l % 4), + 1) of matrix i
+/// (`trans`: of its transpose; the PTX ISA's reading is `true`), with the row addresses of
+/// `bwd_sm90_ds_store` (flash_sm90.cuh). Used to name the reading a failing dump matches.
+pub fn stsm_simulate(trans: bool) -> Vec<u32> {
+    let mut h = vec![0u16; STSM_TILE_BYTES / 2];
+    for tid in 0..256 {
+        for kk in 0..4 {
+            for i in 0..4 {
+                // the row addresses: lanes 8i .. 8i + 7 of this warp
+                let row = |j: usize| {
+                    let (wg, wr) = (tid / 128, (tid / 32) % 4);
+                    wg * 64 * 128 + (8 * (i >> 1) + j) * 128 + ((((2 * wr + (i & 1)) ^ j) & 7) << 4) + kk * 16 * 128
+                };
+                let lane = tid % 32;
+                let (rr, cc) = (lane / 4, 2 * (lane % 4));
+                let v = stsm_frag(tid, kk, i);
+                for (x, half) in [(cc, v & 0xFFFF), (cc + 1, v >> 16)] {
+                    let byte = if trans { row(x) + 2 * rr } else { row(rr) + 2 * x };
+                    h[byte / 2] = half as u16;
+                }
+            }
+        }
+    }
+    h.chunks(2).map(|p| u32::from(p[0]) | u32::from(p[1]) << 16).collect()
+}
+
+/// Checks of `probe_stsm_ds`'s dump (`words`, the raw tile): `dS tile` (per 16-bit element the
+/// (query, key) its code names, -1 for an element never written; expected [`stsm_expected`]) and
+/// `stmatrix reading` (1 if the dump is what the PTX ISA's `.trans` reading predicts, 0 if it is
+/// what a store without the transpose would leave, -1 neither).
+pub fn stsm_check(words: &[u32]) -> Vec<Check> {
+    let mut c = Check { name: "dS tile".into(), axes: vec!["query (-1 none)", "key (-1 none)"], reg_name: "elem", step_name: "", items: vec![] };
+    for e in 0..STSM_TILE_BYTES / 2 {
+        let w = words.get(e / 2).copied().unwrap_or(0xFFFF_FFFF);
+        let v = if e % 2 == 0 { w & 0xFFFF } else { w >> 16 };
+        let found = if v == 0 {
+            vec![Ok(-1), Ok(-1)]
+        } else if v >> 15 == 1 {
+            vec![Ok(((v >> 8) & 0x7F) as i64), Ok((v & 0xFF) as i64)]
+        } else {
+            vec![Err(format!("{v:#06x}")), Err(format!("{v:#06x}"))]
+        };
+        let (q, k) = stsm_expected(e);
+        c.items.push(Item { step: None, thread: (e / 64) as u32, reg: (e % 64) as u32, half: None, expected: vec![q, k], found });
+    }
+    let reading = if words == stsm_simulate(true).as_slice() {
+        1
+    } else if words == stsm_simulate(false).as_slice() {
+        0
+    } else {
+        -1
+    };
+    let r = Check {
+        name: "stmatrix reading".into(),
+        axes: vec![".trans transposes (1 yes, 0 no, -1 neither)"],
+        reg_name: "dump",
+        step_name: "",
+        items: vec![Item { step: None, thread: 0, reg: 0, half: None, expected: vec![1], found: vec![Ok(reading)] }],
+    };
+    vec![c, r]
 }
 
 /// Operand forms of the wgmma probes: `Ss` (A and B by descriptor, K-major: S = Q K^T), `Rs` (A

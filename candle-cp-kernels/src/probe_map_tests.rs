@@ -229,3 +229,21 @@ fn tma_reduction_swizzle() {
     let r = diagnose_all("tma reduce", &tma_red_check(&tma_red_init()));
     assert!(!r.ok && r.diagnosis.contains("[dq head 1] 2560 of 2560 values wrong"), "{}", r.diagnosis);
 }
+
+#[test]
+fn stmatrix_ds_store() {
+    // the PTX ISA's reading, through bwd_sm90_ds_store's row addresses, gives the layout the dQ
+    // wgmma reads: every element once, at the swizzled place
+    let d = stsm_simulate(true);
+    let r = diagnose_all("stmatrix dS", &stsm_check(&d));
+    assert!(r.ok, "{}", r.diagnosis);
+    // a store without the transpose: queries and keys exchanged inside each 8x8 block
+    let r = diagnose_all("stmatrix dS", &stsm_check(&stsm_simulate(false)));
+    assert!(!r.ok && r.diagnosis.contains("[dS tile]") && r.diagnosis.contains("found (.trans transposes (1 yes, 0 no, -1 neither)=0)"), "{}", r.diagnosis);
+    // one warpgroup's tile missing (nothing stored)
+    let mut half = d.clone();
+    half[STSM_TILE_BYTES / 8..].iter_mut().for_each(|w| *w = 0);
+    let r = diagnose_all("stmatrix dS", &stsm_check(&half));
+    assert!(!r.ok && r.diagnosis.contains("[dS tile] 4096 of 8192 values wrong"), "{}", r.diagnosis);
+    assert!(r.diagnosis.contains("=-1)"), "{}", r.diagnosis);
+}
