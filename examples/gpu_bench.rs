@@ -7,7 +7,7 @@
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
-//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
+//!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|wgmma-tma-wide|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
 //!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384]
 //! ```
 //! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
@@ -59,7 +59,7 @@ fn parse() -> Result<Args> {
         .unwrap_or_else(|| "auto".into())
         .split(',')
         .map(|s| {
-            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, atomic)"))
+            FwdImpl::from_name(s).ok_or_else(|| anyhow::anyhow!("--impl: unknown kernel family {s:?} (auto, simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, wgmma-tma-wide, atomic)"))
         })
         .collect::<Result<Vec<_>>>()?;
     Ok(Args {

@@ -13,7 +13,7 @@
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
@@ -49,7 +49,7 @@ use gpu_util::{max_abs, rand_tensor, rel};
 
 /// Whether `imp` is a tensor-core family (16-bit P, dO and dS: looser tolerances).
 fn tensor_core(imp: FwdImpl) -> bool {
-    matches!(imp, FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq)
+    matches!(imp, FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide | FwdImpl::AtomicDq)
 }
 
 /// Pass/fail bookkeeping.
@@ -171,6 +171,10 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::WgmmaTma) {
                 imps.push(FwdImpl::WgmmaTma);
+            }
+            // (its own kernels at d = 128 only; d = 64 is WgmmaTma's)
+            if dtype != DType::F32 && c.d == 128 && rep.named(FwdImpl::WgmmaTmaWide) {
+                imps.push(FwdImpl::WgmmaTmaWide);
             }
             if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
                 imps.push(FwdImpl::AtomicDq);
@@ -424,6 +428,9 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         if rep.named(FwdImpl::WgmmaTma) {
             imps.push(FwdImpl::WgmmaTma);
         }
+        if rep.named(FwdImpl::WgmmaTmaWide) {
+            imps.push(FwdImpl::WgmmaTmaWide);
+        }
         if rep.named(FwdImpl::AtomicDq) {
             imps.push(FwdImpl::AtomicDq);
         }
@@ -522,7 +529,7 @@ fn main() -> Result<()> {
         Some(list) => list
             .split(',')
             .map(|x| match FwdImpl::from_name(x) {
-                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, atomic)")),
+                Some(FwdImpl::Auto) | None => Err(anyhow::anyhow!("--impls: unknown kernel family {x:?} (simple, mma, pipelined, wgmma, wgmma-atomic, wgmma-ws, wgmma-tma, wgmma-tma-wide, atomic)")),
                 Some(imp) => Ok(imp),
             })
             .collect::<Result<Vec<_>>>()?,

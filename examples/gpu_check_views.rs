@@ -66,7 +66,7 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
         let mut imps: Vec<FwdImpl> = if dtype == DType::F32 { vec![FwdImpl::Simple] } else { vec![FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
         imps.retain(|&i| rep.wants(i));
         if dtype != DType::F32 {
-            imps.extend([FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::WgmmaTma, FwdImpl::AtomicDq].into_iter().filter(|&i| rep.named(i)));
+            imps.extend([FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::WgmmaTma, FwdImpl::WgmmaTmaWide, FwdImpl::AtomicDq].into_iter().filter(|&i| rep.named(i)));
         }
         for imp in imps {
             let (tf, tb) = match (tensor_core(imp), dtype) {

@@ -103,15 +103,15 @@ shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" can
 shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
 t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks
+  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
-  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200
+  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200
 grep '^{' "$shim_log" >"$shim_dir/bench.jsonl"
 rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
-[ "$rows" = 12 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 12"; exit 1; }
+[ "$rows" = 14 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 14 (7 families x causal, full)"; exit 1; }
 band_rows=$(grep -c '"impl":"candle-cp-band"' "$shim_dir/bench.jsonl" || true)
 [ "$band_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --docs under the shim printed $band_rows band rows, expected 1"; exit 1; }
 : >"$shim_dir/sdpa.jsonl"

@@ -107,7 +107,7 @@ run() {
   echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
   step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,views,flash-large
   step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
-  step 40 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-tma --sections flash,views,flash-large,band
+  step 50 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-tma,wgmma-tma-wide --sections flash,views,flash-large,band
   echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
   step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl
@@ -119,22 +119,23 @@ run() {
   step 55 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band
   echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring want mem reserve docs
+  local imp ring want mem reserve docs bwd
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers.
-  for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma atomic; do
-    ring=0 mem=0 docs=""
+  for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma wgmma-tma-wide atomic; do
+    ring=0 mem=0 docs="" bwd=1
     case $imp in
-      pipelined) ring=4 docs=128,1024 want=65 reserve=130 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 60 SDPA; docs: band vs per-document calls
-      wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=100 ;;  # docs: the wgmma band kernels
-      wgmma-ws) docs=128,1024 want=50 reserve=80 ;;  # docs: its band kernels
-      wgmma-tma) docs=128,1024 want=45 reserve=60 ;;  # the warp-specialized kernels with TMA loads
+      pipelined) ring=4 docs=128,1024 want=65 reserve=150 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 60 SDPA; docs: band vs per-document calls
+      wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=120 ;;  # docs: the wgmma band kernels
+      wgmma-ws) docs=128,1024 want=50 reserve=100 ;;  # docs: its band kernels
+      wgmma-tma) docs=128,1024 want=45 reserve=80 ;;  # the warp-specialized kernels with TMA loads
+      wgmma-tma-wide) bwd=0 want=25 reserve=60 ;;  # its forward's 176-key tiles (full, causal); the backward is wgmma-tma's
       atomic) mem=1 want=40 reserve=60 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
     esac
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
     step "$want" "$reserve" "$out/bench.jsonl" add -- "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-      --impl "$imp" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
+      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
@@ -165,11 +166,11 @@ preflight() {
     chmod +x "$bin/$b"
   done
   export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
-  "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma \
+  "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide \
     --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,nccl,nccl-ranks >"$out/check.log" 2>&1 \
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
-  "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,atomic \
+  "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic \
     --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
     || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
   : >"$out/sdpa.jsonl"

@@ -52,6 +52,8 @@ void flash_fwd_wgmma_tma_f16_d64(FWD_P(__half), CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_fwd_wgmma_tma_f16_d128(FWD_P(__half), CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_fwd_wgmma_tma_bf16_d64(FWD_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_fwd_wgmma_tma_bf16_d128(FWD_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_fwd_wgmma_tma_wide_f16_d128(FWD_P(__half), CpTmaMap, CpTmaMap, CpTmaMap);
+void flash_fwd_wgmma_tma_wide_bf16_d128(FWD_P(__nv_bfloat16), CpTmaMap, CpTmaMap, CpTmaMap);
 void flash_bwd_wgmma_dkdv_f16_d64(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_f16_d128(float*, float*, PIPE_P(__half));
 void flash_bwd_wgmma_dkdv_bf16_d64(float*, float*, PIPE_P(__nv_bfloat16));
@@ -149,6 +151,8 @@ const std::map<std::string, void*> kTable = {REG(f32) REG(f16) REG(bf16) REG16(f
     {"flash_fwd_wgmma_ws_bf16_d64", (void*)&flash_fwd_wgmma_ws_bf16_d64}, {"flash_fwd_wgmma_ws_bf16_d128", (void*)&flash_fwd_wgmma_ws_bf16_d128},
     {"flash_fwd_wgmma_tma_f16_d64", (void*)&flash_fwd_wgmma_tma_f16_d64}, {"flash_fwd_wgmma_tma_f16_d128", (void*)&flash_fwd_wgmma_tma_f16_d128},
     {"flash_fwd_wgmma_tma_bf16_d64", (void*)&flash_fwd_wgmma_tma_bf16_d64}, {"flash_fwd_wgmma_tma_bf16_d128", (void*)&flash_fwd_wgmma_tma_bf16_d128},
+    {"flash_fwd_wgmma_tma_wide_f16_d128", (void*)&flash_fwd_wgmma_tma_wide_f16_d128},
+    {"flash_fwd_wgmma_tma_wide_bf16_d128", (void*)&flash_fwd_wgmma_tma_wide_bf16_d128},
     {"flash_bwd_wgmma_dkdv_f16_d64", (void*)&flash_bwd_wgmma_dkdv_f16_d64}, {"flash_bwd_wgmma_dkdv_f16_d128", (void*)&flash_bwd_wgmma_dkdv_f16_d128},
     {"flash_bwd_wgmma_dkdv_bf16_d64", (void*)&flash_bwd_wgmma_dkdv_bf16_d64}, {"flash_bwd_wgmma_dkdv_bf16_d128", (void*)&flash_bwd_wgmma_dkdv_bf16_d128},
     {"flash_bwd_wgmma_dq_f16_d64", (void*)&flash_bwd_wgmma_dq_f16_d64}, {"flash_bwd_wgmma_dq_f16_d128", (void*)&flash_bwd_wgmma_dq_f16_d128},
@@ -185,11 +189,13 @@ unsigned cdiv(long a, long b) { return (unsigned)((a + b - 1) / b); }
 // (src/flash/bwd_sm90.rs); D 64 / 128 only. WgmmaWs: flash_fwd_sm90_ws.cu forward (warp-specialized,
 // src/flash/sm90_ws.rs); backward = pipe prep + flash_bwd_sm90_ws.cu (src/flash/bwd_sm90_ws.rs: one
 // kernel, dq zero-filled and added to with atomics). WgmmaTma: the TMA entries of flash_fwd_sm90_ws.cu
-// and flash_bwd_sm90_ws.cu, with tensor maps made as src/flash/tma.rs makes them.
-enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs, WgmmaTma };
+// and flash_bwd_sm90_ws.cu, with tensor maps made as src/flash/tma.rs makes them. WgmmaTmaWide: the
+// wide-tile TMA forward (flash_fwd_wgmma_tma_wide_*, d 128 only: 176-key tiles, 2 stages, k / v maps
+// with 176-row boxes); its backward is WgmmaTma's (not run again here).
+enum class Impl { Simple, Mma, Pipe, Wgmma, WgmmaWs, WgmmaTma, WgmmaTmaWide };
 const char* impl_name(Impl i) {
   return i == Impl::Simple ? "simple" : i == Impl::Mma ? "mma" : i == Impl::Pipe ? "pipe" : i == Impl::Wgmma ? "wgmma"
-       : i == Impl::WgmmaWs ? "wgmma_ws" : "wgmma_tma";
+       : i == Impl::WgmmaWs ? "wgmma_ws" : i == Impl::WgmmaTma ? "wgmma_tma" : "wgmma_tma_wide";
 }
 
 }  // namespace
@@ -241,26 +247,31 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
   const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
 
   for (Impl im : impls) {
-    const bool sm90 = im == Impl::Wgmma || im == Impl::WgmmaWs || im == Impl::WgmmaTma;
+    const bool wide = im == Impl::WgmmaTmaWide;
+    const bool sm90 = im == Impl::Wgmma || im == Impl::WgmmaWs || im == Impl::WgmmaTma || wide;
     if (sm90 && (sizeof(TY) != 2 || (D != 64 && D != 128))) continue;
+    if (wide && D != 128) continue;
     // ---- forward
     std::string name = std::string("flash_fwd_") + impl_name(im) + " " + tag;
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
-      const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma;
+      const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma || wide;
       unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
       size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
       if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
+      if (wide) smem = (128 + 2 * 2 * 176) * 128 * 2 + 1024 + 4 * 2 * 8;  // WS_WIDE_SMEM
       auto fn = reinterpret_cast<FwdFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
       bool ok = cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(threads), smem, [&] {
-        if (im == Impl::WgmmaTma)
+        if (im == Impl::WgmmaTma || wide) {
+          const int kr = wide ? 176 : 128;  // key-tile rows of the k / v boxes
           reinterpret_cast<FwdTmaFn<TY>>(fn)(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko,
-                                             c.ks, emu_tma_map(q.p, B, T, H, D, 128), emu_tma_map(k.p, B, S, Hkv, D, 128),
-                                             emu_tma_map(v.p, B, S, Hkv, D, 128));
-        else
+                                             c.ks, emu_tma_map(q.p, B, T, H, D, 128), emu_tma_map(k.p, B, S, Hkv, D, kr),
+                                             emu_tma_map(v.p, B, S, Hkv, D, kr));
+        } else {
           fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks);
+        }
       });
       check_launch(name, ok);
       if (ok) {
@@ -271,7 +282,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     }
     // ---- backward
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
-    if (!wanted(name)) continue;
+    if (wide || !wanted(name)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
     bool ok = true;
     std::function<bool(int)> grads;  // dK/dV then dQ kernels, `accumulate` as given
@@ -379,7 +390,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
 }  // namespace
 
 void run_flash_checks() {
-  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma};
+  const std::vector<Impl> all = {Impl::Simple, Impl::Mma, Impl::Pipe, Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma, Impl::WgmmaTmaWide};
   // label, B, T, S, H, Hkv, D, causal, q_off, q_str, k_off, k_str
   const Case full{"full", 1, 40, 40, 2, 2, 64, 0, 0, 1, 0, 1};
   const Case causal{"causal gqa2:1", 1, 70, 70, 2, 1, 32, 1, 0, 1, 0, 1};
@@ -406,7 +417,7 @@ void run_flash_checks() {
   const Case wg_masked{"wg causal strided, rows fully masked (k_off 20)", 2, 70, 150, 4, 2, 64, 1, 0, 2, 20, 3};
   const Case wg_gqa{"wg full gqa3:1 ragged", 1, 130, 200, 3, 1, 128, 0, 0, 1, 0, 1};
   run_case<__nv_bfloat16>(wg_masked, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++, true);
-  run_case<__half>(wg_gqa, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
+  run_case<__half>(wg_gqa, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma, Impl::WgmmaTmaWide}, seed++);
   // a warpgroup's first row sees keys [0, 127): the diagonal one key before a 128-key tile edge
   const Case wg_edge{"wg causal q_off 62 (diagonal at a key-tile edge)", 1, 130, 200, 2, 1, 64, 1, 62, 1, 0, 1};
   run_case<__nv_bfloat16>(wg_edge, {Impl::Wgmma, Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
@@ -430,5 +441,13 @@ void run_flash_checks() {
   const Case ws_ring{"ws causal ring wraps (q_off 1100)", 1, 150, 1300, 2, 1, 64, 1, 1100, 1, 0, 1};
   const Case ws_ring_full{"ws full ring wraps", 1, 100, 1000, 1, 1, 128, 0, 0, 1, 0, 1};
   run_case<__nv_bfloat16>(ws_ring, {Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
-  run_case<__half>(ws_ring_full, {Impl::WgmmaWs, Impl::WgmmaTma}, seed++);
+  run_case<__half>(ws_ring_full, {Impl::WgmmaWs, Impl::WgmmaTma, Impl::WgmmaTmaWide}, seed++);
+  // wide-tile TMA forward (176-key tiles, 2 stages): diagonals one key before / at a 176-key tile
+  // edge, a ring that wraps three times (7 tiles), ragged S, GQA 2:1, rows past T, fully masked rows.
+  const Case wide_edge{"wide causal q_off 175 (diagonal at a 176-key tile edge)", 1, 200, 420, 2, 1, 128, 1, 175, 1, 0, 1};
+  const Case wide_ring{"wide causal ring wraps (q_off 1100)", 1, 70, 1200, 2, 1, 128, 1, 1100, 1, 0, 1};
+  const Case wide_masked{"wide causal strided, rows fully masked (k_off 20)", 2, 70, 150, 2, 2, 128, 1, 0, 2, 20, 3};
+  run_case<__nv_bfloat16>(wide_edge, {Impl::WgmmaTmaWide}, seed++);
+  run_case<__half>(wide_ring, {Impl::WgmmaTmaWide}, seed++);
+  run_case<__nv_bfloat16>(wide_masked, {Impl::WgmmaTmaWide}, seed++);
 }

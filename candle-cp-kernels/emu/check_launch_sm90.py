@@ -92,6 +92,20 @@ def wgmma_ws_configs(rd, num, err, out):
         if nst != rn or cs != rsm:
             err(f"wgmma ws d{d}: kernel WS_NST {nst} WS_SMEM {cs} != sm90_ws.rs ws_nst {rn} ws_smem {rsm}")
         out.setdefault("flash_fwd_wgmma_ws", {})[d] = (r_thr, c_bq, cs)
+    # the wide-tile TMA entries (d = 128 only): WS_WIDE_BK, WS_WIDE_NST, WS_WIDE_SMEM on both sides
+    w_bk, w_nst = num(r"#define WS_WIDE_BK (\d+)", cu, "WS_WIDE_BK"), num(r"#define WS_WIDE_NST (\d+)", cu, "WS_WIDE_NST")
+    rw_bk, rw_nst = num(r"const WS_WIDE_BK: usize = (\d+);", rs, "sm90_ws.rs WS_WIDE_BK"), num(r"const WS_WIDE_NST: usize = (\d+);", rs, "sm90_ws.rs WS_WIDE_NST")
+    c_wsm = re.search(r"#define WS_WIDE_SMEM (.*)", cu)
+    r_wsm = re.search(r"const WS_WIDE_SMEM: u32 = (.*?) as u32;", rs, re.S)
+    try:
+        cw = eval(c_wsm.group(1).replace("WS_WIDE_NST", str(w_nst)).replace("WS_WIDE_BK", str(w_bk)).replace("WS_BQ", str(c_bq)))
+        rw = eval(r_wsm.group(1).replace("WS_WIDE_NST", str(rw_nst)).replace("WS_WIDE_BK", str(rw_bk)).replace("WS_BQ", str(r_bq)))
+    except Exception as e:  # missing or unparsable formula
+        err(f"wgmma tma wide: cannot evaluate the shared-memory formulas ({e})")
+        return
+    if (w_bk, w_nst, cw) != (rw_bk, rw_nst, rw) or cw > 232448:
+        err(f"wgmma tma wide: kernel BK {w_bk} NST {w_nst} smem {cw} != sm90_ws.rs BK {rw_bk} NST {rw_nst} smem {rw} (or above 232,448)")
+    out.setdefault("flash_fwd_wgmma_tma_wide", {})[128] = (r_thr, c_bq, cw)
 
 
 def wgmma_ws_bwd_configs(rd, num, err, out):

@@ -96,7 +96,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
                                              const CpTmaMap* tk = nullptr, const CpTmaMap* tv = nullptr) {
   constexpr int BQ = 128, PTH = 128, NS = BK / 2, NO = D / 2;
   constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
-  static_assert(D % 64 == 0 && BK % 64 == 0, "128-byte swizzle needs 64-element column blocks");
+  static_assert(D % 64 == 0 && BK % 16 == 0, "128-byte swizzle needs 64-element column blocks of d; keys go in 16-key k-steps");
   static_assert(NST >= 2 && LAG >= 1 && LAG <= 2 * NST - 2, "ring depth / copy lag (see the header)");
   CP_DYN_SMEM_A(unsigned char, ws_smem, 1024);
   const uint32_t base_sa = cp_smem_u32(ws_smem);
@@ -321,9 +321,27 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
     fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpBand, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,  \
         CP_BAND_OF_BLOCK, &tm_q, &tm_k, &tm_v);                                                             \
   }
+// Wide-tile TMA entries flash_fwd_wgmma_tma_wide_{f16,bf16}_d128 (FwdImpl::WgmmaTmaWide; CpMask only,
+// d = 128 only): key tiles of WS_WIDE_BK = 176 keys (FlashAttention-3's tile for d = 128 without a
+// causal mask: 11 wgmma k-steps of P V and one m64n176k16 S product per 16 d, so the per-tile
+// softmax, barrier and hand-over costs spread over 1.375x the keys) in a ring of WS_WIDE_NST = 2
+// stages (Q 32 KB + 4 x 44 KB = 214,080 bytes; three stages do not fit). Same arguments and results as
+// flash_fwd_wgmma_tma_*; the k / v maps have boxes of 176 rows (src/flash/sm90_ws.rs). Two stages
+// suffice only because TMA needs no copy lag: V_j's load is issued once both consumers released
+// V_{j-2} (end of iteration j-1) and must land by iteration j+1, one tile of tensor-core time later
+// (with the cp.async producer's lag of 2, NST = 2 would leave none; see the header). Whether that
+// slack covers the load on an H200, and whether the wider tile pays, is for gpu_bench to say.
+#define WS_WIDE_BK 176
+#define WS_WIDE_NST 2
+#define WS_WIDE_SMEM ((WS_BQ + 2 * WS_WIDE_NST * WS_WIDE_BK) * 128 * 2 + 1024 + 4 * WS_WIDE_NST * 8)
+#define WGMMA_TMA_WIDE(NAME)                                                                                     \
+  extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_tma_wide_##NAME##_d128(FWD_ARGS, TMA_MAPS) { \
+    fwd_wgmma_ws<TY, 128, WS_WIDE_BK, WS_WIDE_NST, WS_LAG, CpMask, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, \
+        CpMask{causal, q_off, q_str, k_off, k_str}, &tm_q, &tm_k, &tm_v);                                          \
+  }
 #define TY __half
-WGMMA_WS(f16, 64) WGMMA_WS(f16, 128)
+WGMMA_WS(f16, 64) WGMMA_WS(f16, 128) WGMMA_TMA_WIDE(f16)
 #undef TY
 #define TY __nv_bfloat16
-WGMMA_WS(bf16, 64) WGMMA_WS(bf16, 128)
+WGMMA_WS(bf16, 64) WGMMA_WS(bf16, 128) WGMMA_TMA_WIDE(bf16)
 #undef TY

@@ -65,8 +65,9 @@ impl KMask {
 }
 
 /// Which kernels to run (forward and backward alike). Under a band ([`fwd_band`], [`bwd_band`])
-/// `Simple`, `Pipelined` and the Hopper families `Wgmma`, `WgmmaAtomic`, `WgmmaWs` (f16/bf16, head
-/// dims 64/128, compute capability 9.x) have kernels: `Simple` runs the CUDA-core band kernels,
+/// `Simple`, `Pipelined` and the Hopper families `Wgmma`, `WgmmaAtomic`, `WgmmaWs`, `WgmmaTma` (and
+/// `WgmmaTmaWide`, which runs `WgmmaTma`'s band kernels; f16/bf16, head dims 64/128, compute
+/// capability 9.x) have kernels: `Simple` runs the CUDA-core band kernels,
 /// every other choice (`Mma`, `AtomicDq`, a Hopper family where it does not apply) runs `Auto`'s
 /// family (pipelined for f16/bf16, CUDA cores for f32 or where the pipelined kernels do not fit).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -129,17 +130,24 @@ pub enum FwdImpl {
     /// `kernels/flash_bwd_sm90_ws.cu`). Same results as `WgmmaWs` (dQ's summation order
     /// nondeterministic). Checked under the CPU emulator only so far.
     WgmmaTma,
+    /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma-tma-wide`; `Auto` never picks
+    /// it): `WgmmaTma` with wider key tiles in the forward for full and causal masks at head dim
+    /// 128: `flash_fwd_wgmma_tma_wide_*_d128` takes 176 keys per tile (FlashAttention-3's tile for
+    /// d = 128 without a causal mask) in a ring of 2 stages instead of 128 keys in 3. Band masks,
+    /// head dim 64 and the backward are `WgmmaTma`'s. Same results as `WgmmaTma`. For the GPU
+    /// benchmark to say which tile pays; checked under the CPU emulator only so far.
+    WgmmaTmaWide,
 }
 
 impl FwdImpl {
     /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` |
-    /// `wgmma-atomic` | `wgmma-ws` | `wgmma-tma` | anything else (`Auto`).
+    /// `wgmma-atomic` | `wgmma-ws` | `wgmma-tma` | `wgmma-tma-wide` | anything else (`Auto`).
     pub fn from_env() -> Self {
         std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
     }
 
     /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic`,
-    /// `wgmma-ws` or `wgmma-tma` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
+    /// `wgmma-ws`, `wgmma-tma` or `wgmma-tma-wide` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
     /// otherwise.
     pub fn from_name(name: &str) -> Option<Self> {
         Some(match name.trim() {
@@ -152,8 +160,14 @@ impl FwdImpl {
             "wgmma-atomic" => FwdImpl::WgmmaAtomic,
             "wgmma-ws" => FwdImpl::WgmmaWs,
             "wgmma-tma" => FwdImpl::WgmmaTma,
+            "wgmma-tma-wide" => FwdImpl::WgmmaTmaWide,
             _ => return None,
         })
+    }
+
+    /// Whether the family loads its tiles with TMA (`WgmmaTma`, `WgmmaTmaWide`: the same backward).
+    pub(crate) fn tma(self) -> bool {
+        matches!(self, FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide)
     }
 }
 
@@ -255,7 +269,10 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     let kern = match imp {
         FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
         FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
-        FwdImpl::WgmmaTma => return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale),
+        FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide => {
+            let wide = imp == FwdImpl::WgmmaTmaWide;
+            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide);
+        }
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
         FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_fwd: the tensor-core kernel takes f16/bf16, got f32; q {:?}", ql.shape()),
@@ -460,11 +477,11 @@ pub fn bwd_with(
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
         FwdImpl::Simple => (false, false),
-        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
+        FwdImpl::Mma | FwdImpl::Pipelined | FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide | FwdImpl::AtomicDq if sfx == "f32" => candle_core::bail!("flash_bwd: the tensor-core kernels take f16/bf16, got f32; q {:?}", q.shape()),
         FwdImpl::Mma => (true, false),
         FwdImpl::Pipelined => (false, true),
         // Run bwd_sm90 / bwd_fused below.
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::AtomicDq => (false, false),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide | FwdImpl::AtomicDq => (false, false),
     };
     let wgmma = matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic);
     if imp == FwdImpl::AtomicDq {
@@ -473,9 +490,9 @@ pub fn bwd_with(
     if wgmma {
         bwd_sm90::check(&dev, d, imp == FwdImpl::WgmmaAtomic, q.shape(), k.shape())?;
     }
-    let ws = matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma);
+    let ws = matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide);
     if ws {
-        bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp == FwdImpl::WgmmaTma)?;
+        bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp.tma())?;
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
@@ -491,7 +508,7 @@ pub fn bwd_with(
         return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
     }
     if ws {
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale, imp == FwdImpl::WgmmaTma);
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale, imp.tma());
     }
     if imp == FwdImpl::AtomicDq {
         return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);

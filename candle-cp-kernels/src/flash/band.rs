@@ -11,7 +11,7 @@
 //! `flash_bwd_wgmma_{dkdv,dq,atomic}_band_*` in `kernels/flash_{fwd,bwd}_sm90.cu`, run by `Wgmma` /
 //! `WgmmaAtomic`; `flash_{fwd,bwd}_wgmma_ws_band_*` in `kernels/flash_{fwd,bwd}_sm90_ws.cu`, run by
 //! `WgmmaWs`; the forward's TMA entries `flash_fwd_wgmma_tma_band_*`, with `WgmmaWs`'s backward, by
-//! `WgmmaTma`) where they apply (f16/bf16, head dims 64/128, compute capability 9.x). Otherwise
+//! `WgmmaTma` and `WgmmaTmaWide`) where they apply (f16/bf16, head dims 64/128, compute capability 9.x). Otherwise
 //! (`Mma`, `AtomicDq`, a Hopper family elsewhere) `Auto`'s family runs under a band (see
 //! [`FwdImpl`]).
 
@@ -147,9 +147,10 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let dims = (b, t, s, h, hkv, d);
-    if imp == FwdImpl::WgmmaTma && sm90_ws::applies(dev, sfx, d)? {
+    if imp.tma() && sm90_ws::applies(dev, sfx, d)? {
+        // (WgmmaTmaWide: bands keep the 128-key entries)
         let band = sm90_ws::TmaMask::Band { lo: &lov, hi: &hiv, bstride };
-        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale);
+        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false);
     }
     if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
         let ws = imp == FwdImpl::WgmmaWs;
@@ -251,9 +252,9 @@ pub fn bwd_band(
     let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     let dims = (b, t, s, h, hkv, d);
-    if matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp == FwdImpl::WgmmaTma).is_ok() {
+    if (imp == FwdImpl::WgmmaWs || imp.tma()) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp.tma()).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale, imp == FwdImpl::WgmmaTma);
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale, imp.tma());
     }
     let atomic = imp == FwdImpl::WgmmaAtomic;
     if (imp == FwdImpl::Wgmma || atomic) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90::check(&dev, d, atomic, q.shape(), k.shape()).is_ok() {

@@ -120,7 +120,7 @@ pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     } else {
         dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?
     };
-    let cfg = if ws { super::sm90_ws::ws_config(&func, (b, t, h, d))? } else { wgmma_config(&func, (b, t, h, d))? };
+    let cfg = if ws { super::sm90_ws::ws_config(&func, (b, t, h), super::sm90_ws::ws_smem(d))? } else { wgmma_config(&func, (b, t, h, d))? };
     let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);

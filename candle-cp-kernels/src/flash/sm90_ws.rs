@@ -32,9 +32,17 @@ fn ws_nst(d: usize) -> usize {
 /// `ws_nst(d)` stages of K and of V [128 x d], 16-bit, 1024 bytes to align the base to 1024, and
 /// the 4 `ws_nst(d)` mbarriers of 8 bytes (230,496 bytes at d = 128, within sm_90's 232,448-byte
 /// opt-in; 148,608 at d = 64).
-fn ws_smem(d: usize) -> u32 {
+pub(super) fn ws_smem(d: usize) -> u32 {
     ((WS_BQ + 2 * ws_nst(d) * WS_BK) * d * 2 + 1024 + 4 * ws_nst(d) * 8) as u32
 }
+
+/// Keys per K/V tile and ring stages of the wide-tile TMA entries `flash_fwd_wgmma_tma_wide_*_d128`
+/// (`WS_WIDE_BK`, `WS_WIDE_NST`; [`super::FwdImpl::WgmmaTmaWide`], d = 128 and a [`KMask`] only).
+const WS_WIDE_BK: usize = 176;
+const WS_WIDE_NST: usize = 2;
+/// Dynamic shared memory of the wide-tile entries (`WS_WIDE_SMEM`): Q [128 x 128] plus 2 stages of
+/// K and of V [176 x 128], 16-bit, 1024 alignment bytes and 8 mbarriers: 214,080 bytes.
+const WS_WIDE_SMEM: u32 = ((WS_BQ + 2 * WS_WIDE_NST * WS_WIDE_BK) * 128 * 2 + 1024 + 4 * WS_WIDE_NST * 8) as u32;
 
 /// The `WgmmaWs` forward of `fwd_t`: checks dtype (f16/bf16), head dim (64, 128) and device
 /// (compute capability 9.x), then launches `flash_fwd_wgmma_ws_{sfx}_d{d}` on grid
@@ -62,7 +70,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
     let name = format!("flash_fwd_wgmma_ws_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-    let cfg = ws_config(&func, (b, t, h, d))?;
+    let cfg = ws_config(&func, (b, t, h), ws_smem(d))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
@@ -74,11 +82,12 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     Ok((out, lse))
 }
 
-/// The tensor maps of q `[B, T, H, D]` (boxes of `WS_BQ` rows), k and v `[B, S, Hkv, D]` (`WS_BK`
-/// rows) for the forward's TMA entries ([`super::tma::map_bthd`]).
-fn tma_maps<T>(dev: &CudaDevice, sfx: &str, (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>), (b, t, s, h, hkv, d): Dims) -> Result<(TmaMap, TmaMap, TmaMap)> {
+/// The tensor maps of q `[B, T, H, D]` (boxes of `WS_BQ` rows), k and v `[B, S, Hkv, D]` (boxes of
+/// `bk` rows: the key tile, `WS_BK` or `WS_WIDE_BK`) for the forward's TMA entries
+/// ([`super::tma::map_bthd`]).
+fn tma_maps<T>(dev: &CudaDevice, sfx: &str, (qv, kv, vv): (&CudaView<'_, T>, &CudaView<'_, T>, &CudaView<'_, T>), (b, t, s, h, hkv, d): Dims, bk: usize) -> Result<(TmaMap, TmaMap, TmaMap)> {
     let bf = sfx == "bf16";
-    let (rq, rk) = (WS_BQ as u32, WS_BK as u32);
+    let (rq, rk) = (WS_BQ as u32, bk as u32);
     Ok((map_bthd(dev, qv, bf, (b, t, h, d), rq, "q")?, map_bthd(dev, kv, bf, (b, s, hkv, d), rk, "k")?, map_bthd(dev, vv, bf, (b, s, hkv, d), rk, "v")?))
 }
 
@@ -94,8 +103,10 @@ pub(super) enum TmaMask<'a> {
 /// [`TmaMask::Band`], where [`applies`]): as [`fwd_wgmma_ws`], with the TMA entry
 /// `flash_fwd_wgmma_tma_{sfx}_d{d}` / `flash_fwd_wgmma_tma_band_{sfx}_d{d}` (Q and the K/V tiles
 /// loaded by TMA through the tensor maps of q, k and v, which it takes after the usual
-/// arguments). Returns out f32 `[B, T, H, D]` and lse f32 `[B, H, T]`; a row that sees no key gets
-/// out 0, lse -inf.
+/// arguments). `wide` ([`super::FwdImpl::WgmmaTmaWide`]): a [`TmaMask::Mask`] at d = 128 runs the
+/// wide-tile entry `flash_fwd_wgmma_tma_wide_{sfx}_d128` (176-key tiles, 2 stages, k/v maps with
+/// 176-row boxes) instead; bands and d = 64 keep the 128-key entries. Returns out f32 `[B, T, H, D]`
+/// and lse f32 `[B, H, T]`; a row that sees no key gets out 0, lse -inf.
 #[allow(clippy::too_many_arguments)]
 pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
@@ -106,15 +117,18 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     (b, t, s, h, hkv, d): Dims,
     mask: TmaMask<'_>,
     scale: f32,
+    wide: bool,
 ) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
     check_fwd(dev, sfx, d, ql, "TMA wgmma kernel")?;
+    let wide = wide && d == 128 && matches!(mask, TmaMask::Mask(_));
+    let (bk, smem) = if wide { (WS_WIDE_BK, WS_WIDE_SMEM) } else { (WS_BK, ws_smem(d)) };
     if b * t * h == 0 || s == 0 {
         // (a map needs at least one key row)
         return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.clone_htod(&vec![f32::NEG_INFINITY; b * h * t])?));
     }
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d))?;
+    let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d), bk)?;
     // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
@@ -122,20 +136,23 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     match mask {
         TmaMask::Mask(m) => {
             let (causal, qo, qs, ko, ks) = m.args()?;
-            let func = dev.get_or_load_custom_func(&format!("flash_fwd_wgmma_tma_{sfx}_d{d}"), ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-            let cfg = ws_config(&func, (b, t, h, d))?;
+            let entry = if wide { "tma_wide" } else { "tma" };  // (wide: d = 128)
+            let name = format!("flash_fwd_wgmma_{entry}_{sfx}_d{d}");
+            let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
+            let cfg = ws_config(&func, (b, t, h), smem)?;
             let mut bld = func.builder();
             bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
             bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
             bld.arg(&tq).arg(&tk).arg(&tv);
-            // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu;
-            // sizes checked by check_dims, dtype/head dim/device above; the maps describe qv, kv, vv.
+            // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu
+            // (WGMMA_WS's and WGMMA_TMA_WIDE's TMA entries); sizes checked by check_dims,
+            // dtype/head dim/device above; the maps describe qv, kv, vv with the entry's key tile.
             unsafe { bld.launch(cfg) }.w()?;
         }
         TmaMask::Band { lo, hi, bstride } => {
             let func = dev.get_or_load_custom_func(&format!("flash_fwd_wgmma_tma_band_{sfx}_d{d}"), ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
-            let cfg = ws_config(&func, (b, t, h, d))?;
+            let cfg = ws_config(&func, (b, t, h), smem)?;
             let mut bld = func.builder();
             bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
@@ -150,10 +167,10 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     Ok((out, lse))
 }
 
-/// Launch config of `flash_fwd_wgmma_ws*` (grid `(ceil(T / 128), H, B)`, block 384, `ws_smem(d)`
-/// bytes of dynamic shared memory, the limit raised for `func`).
-pub(super) fn ws_config(func: &CudaFunction, (b, t, h, d): (usize, usize, usize, usize)) -> Result<LaunchConfig> {
-    let smem = ws_smem(d);
+/// Launch config of `flash_fwd_wgmma_ws*` / `flash_fwd_wgmma_tma*` (grid `(ceil(T / 128), H, B)`,
+/// block 384, `smem` bytes of dynamic shared memory: [`ws_smem`] or `WS_WIDE_SMEM`; the limit
+/// raised for `func`).
+pub(super) fn ws_config(func: &CudaFunction, (b, t, h): (usize, usize, usize), smem: u32) -> Result<LaunchConfig> {
     func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
     Ok(LaunchConfig {
         grid_dim: (t.div_ceil(WS_BQ) as u32, h as u32, b as u32),
