@@ -55,6 +55,32 @@ def main():
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']}: {r['ring_ms']:.1f} ms vs single-GPU kernel "
               f"{r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")
+    targets(ours, [r for r in bench if r.get("impl") == "candle-cp-ring-steps"])
+
+
+# Issue 6's targets (H200, bf16, D = 128, T = 16k): forward >= 370 TFLOP/s, backward >= 300; every
+# zigzag ring step >= 90 % of the single-GPU kernel rate.
+TARGET_T, TARGET_FWD, TARGET_BWD, TARGET_STEP = 16384, 370.0, 300.0, 0.90
+
+
+def targets(ours, steps):
+    """The targets against the best kernel family per mask at T = 16k (which family that is: the
+    candidate for Auto), and the worst ring step."""
+    print(f"\ntargets at T = {TARGET_T} (forward >= {TARGET_FWD:.0f}, backward >= {TARGET_BWD:.0f} TFLOP/s; ring steps >= {TARGET_STEP:.2f}):")
+    for causal in (False, True):
+        rows = [r for (t_, c, _), r in ours.items() if t_ == TARGET_T and c == causal]
+        for key, goal in (("fwd_tflops", TARGET_FWD), ("bwd_tflops", TARGET_BWD)):
+            have = [r for r in rows if key in r]
+            if not have:
+                print(f"  {'causal' if causal else 'full'} {key[:3]}: no measurement")
+                continue
+            best = max(have, key=lambda r: r[key])
+            verdict = "met" if best[key] >= goal else "MISSED"
+            print(f"  {'causal' if causal else 'full'} {key[:3]}: best {best[key]:.1f} ({best.get('kernel', '?')}) -> {verdict}")
+    for r in steps:
+        verdict = "met" if r["worst_step_ratio"] >= TARGET_STEP else "MISSED"
+        print(f"  zigzag ring steps ({r['kernel']}, P = {r['p']}, T = {r['t']}, block_rows {r.get('block_rows')}): "
+              f"worst {r['worst_step_ratio']:.3f} -> {verdict}")
 
 
 if __name__ == "__main__":
