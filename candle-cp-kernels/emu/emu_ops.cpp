@@ -174,48 +174,29 @@ bool exec_warp(int l0, int n) {
       break;
     }
     case WarpOp::Ldsm4:
-    case WarpOp::Ldsm4T: {
-      // PTX ISA, ldmatrix .m8n8 .x4: lane l receives in register i the elements (row l/4, cols
-      // 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans.
-      unsigned char* rows[4][8];
-      if (!matrix_rows(l0, L, rows, false)) return false;
-      const bool tr = L[0].op == WarpOp::Ldsm4T;
-      for (int l = 0; l < 32; ++l) {
-        const int rr = l >> 2, cc = 2 * (l & 3);
-        for (int i = 0; i < 4; ++i) {
-          uint16_t lo, hi;
-          if (!tr) {
-            lo = ld16(rows[i][rr] + 2 * cc);
-            hi = ld16(rows[i][rr] + 2 * (cc + 1));
-          } else {
-            lo = ld16(rows[i][cc] + 2 * rr);
-            hi = ld16(rows[i][cc + 1] + 2 * rr);
-          }
-          L[l].r[i] = (uint32_t)lo | ((uint32_t)hi << 16);
-        }
-      }
-      break;
-    }
+    case WarpOp::Ldsm4T:
     case WarpOp::Stsm4:
     case WarpOp::Stsm4T: {
-      // PTX ISA, stmatrix .m8n8 .x4 (sm_90): the same fragment as ldmatrix, stored: register i of
-      // lane l holds (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans
-      // (then it lands in column l/4 of rows 2(l%4) and 2(l%4)+1).
+      // PTX ISA, ldmatrix / stmatrix (sm_90) .m8n8 .x4: register i of lane l holds the elements
+      // (row l/4, cols 2(l%4), 2(l%4)+1) of matrix i, or of its transpose with .trans (then column
+      // l/4 of rows 2(l%4), 2(l%4)+1), low half first; ldmatrix loads them, stmatrix stores them.
+      const bool store = L[0].op == WarpOp::Stsm4 || L[0].op == WarpOp::Stsm4T;
+      const bool tr = L[0].op == WarpOp::Ldsm4T || L[0].op == WarpOp::Stsm4T;
       unsigned char* rows[4][8];
-      if (!matrix_rows(l0, L, rows, true)) return false;
-      const bool tr = L[0].op == WarpOp::Stsm4T;
+      if (!matrix_rows(l0, L, rows, store)) return false;
       for (int l = 0; l < 32; ++l) {
         const int rr = l >> 2, cc = 2 * (l & 3);
-        for (int i = 0; i < 4; ++i) {
-          const uint16_t lo = (uint16_t)(L[l].a[i] & 0xffffu), hi = (uint16_t)(L[l].a[i] >> 16);
-          if (!tr) {
-            std::memcpy(rows[i][rr] + 2 * cc, &lo, 2);
-            std::memcpy(rows[i][rr] + 2 * (cc + 1), &hi, 2);
-          } else {
-            std::memcpy(rows[i][cc] + 2 * rr, &lo, 2);
-            std::memcpy(rows[i][cc + 1] + 2 * rr, &hi, 2);
+        for (int i = 0; i < 4; ++i)
+          for (int h = 0; h < 2; ++h) {
+            unsigned char* e = tr ? rows[i][cc + h] + 2 * rr : rows[i][rr] + 2 * (cc + h);
+            if (store) {
+              const uint16_t v = (uint16_t)(L[l].a[i] >> (16 * h));
+              std::memcpy(e, &v, 2);
+            } else {
+              const uint32_t v = ld16(e);
+              L[l].r[i] = h ? (L[l].r[i] | v << 16) : v;
+            }
           }
-        }
       }
       break;
     }

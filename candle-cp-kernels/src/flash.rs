@@ -490,7 +490,7 @@ pub fn bwd_with(
     if wgmma {
         bwd_sm90::check(&dev, d, imp == FwdImpl::WgmmaAtomic, q.shape(), k.shape())?;
     }
-    let ws = matches!(imp, FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide);
+    let ws = imp == FwdImpl::WgmmaWs || imp.tma();
     if ws {
         bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp.tma())?;
     }

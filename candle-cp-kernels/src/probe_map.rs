@@ -346,15 +346,12 @@ pub fn stsm_expected(e: usize) -> (i64, i64) {
 pub fn stsm_simulate(trans: bool) -> Vec<u32> {
     let mut h = vec![0u16; STSM_TILE_BYTES / 2];
     for tid in 0..256 {
+        let (wg, wr, lane) = (tid / 128, (tid / 32) % 4, tid % 32);
+        let (rr, cc) = (lane / 4, 2 * (lane % 4));
         for kk in 0..4 {
             for i in 0..4 {
                 // the row addresses: lanes 8i .. 8i + 7 of this warp
-                let row = |j: usize| {
-                    let (wg, wr) = (tid / 128, (tid / 32) % 4);
-                    wg * 64 * 128 + (8 * (i >> 1) + j) * 128 + ((((2 * wr + (i & 1)) ^ j) & 7) << 4) + kk * 16 * 128
-                };
-                let lane = tid % 32;
-                let (rr, cc) = (lane / 4, 2 * (lane % 4));
+                let row = |j: usize| wg * 64 * 128 + (8 * (i >> 1) + j) * 128 + ((((2 * wr + (i & 1)) ^ j) & 7) << 4) + kk * 16 * 128;
                 let v = stsm_frag(tid, kk, i);
                 for (x, half) in [(cc, v & 0xFFFF), (cc + 1, v >> 16)] {
                     let byte = if trans { row(x) + 2 * rr } else { row(rr) + 2 * x };
