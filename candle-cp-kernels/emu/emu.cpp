@@ -353,6 +353,11 @@ bool run_block() {
           return false;
         }
       }
+      const std::string left = nbar_leftover();
+      if (!left.empty()) {
+        sched_fail("block exits with a named barrier mid-phase (arrivals that never balance): %s", left.c_str());
+        return false;
+      }
       return true;
     }
     if (progress) continue;

@@ -161,6 +161,7 @@ uint32_t tma_arrival(uint32_t bar, uint32_t load);  // queue load `load`'s compl
 void fire(uint32_t i);
 bool flush_async();
 std::string blocked_waits();
+std::string nbar_leftover();
 
 // True if the async proxy sees the dynamic shared-memory bytes [addr, addr + bytes) as they are
 // (see the async-proxy view in emu.cpp); static shared memory is not modelled (always true).

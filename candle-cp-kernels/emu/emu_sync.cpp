@@ -144,6 +144,21 @@ void sync_reset() {
   for (NBar& b : nbars) b.arrived = 0;
 }
 
+// Named barriers left mid-phase when the whole block has exited (an unbalanced bar.arrive, e.g. a
+// ping-pong hand-over nobody waits for): "" if none. Hardware resets barriers between blocks, but
+// a count that does not balance means the kernel's turn logic is not what it says.
+std::string nbar_leftover() {
+  std::string what;
+  char buf[160];
+  for (int id = 1; id < 16; ++id)
+    if (nbars[id].arrived) {
+      std::snprintf(buf, sizeof buf, "%snamed barrier %d: %d of %d threads arrived", what.empty() ? "" : "; ", id,
+                    nbars[id].arrived, nbars[id].expected);
+      what += buf;
+    }
+  return what;
+}
+
 // The mbarrier, named-barrier and setmaxnreg waits of a deadlocked block, for the report.
 std::string blocked_waits() {
   std::string what;

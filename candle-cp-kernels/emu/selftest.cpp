@@ -216,7 +216,8 @@ __global__ void st_wgmma_rows(const __half* b, float* out, int mode) {
 // it was, and copy every tile to `out`. full[s] counts the 128 producer arrivals, empty[s] the 256
 // consumer arrivals. mode 0: cp.async.mbarrier.arrive.noinc; 1: wait_group + fence.proxy.async +
 // plain arrive; 2: consumers read without waiting on full (bug); 3: producer refills without waiting
-// on empty (bug); 4: producer's first wait on empty with parity 0 (bug: deadlock). INC: the
+// on empty (bug); 4: producer's first wait on empty with parity 0 (bug: deadlock); 5: consumer 1 hands
+// its last turn on too (bug: a bar.arrive nobody waits for, left mid-phase at exit). INC: the
 // consumers' setmaxnreg.inc (232 fits __launch_bounds__(384, 1)'s 168 per thread after the producer's
 // dec to 40; 240 does not: the inc waits forever).
 constexpr int RING_STAGES = 3, RING_TILES = 8;
@@ -264,7 +265,8 @@ __global__ void __launch_bounds__(384, 1) st_ring(const float* src, float* out, 
       const float* st = reinterpret_cast<const float*>(smem + s * 2048);
       out[it * 512 + 2 * c] = st[2 * c];
       out[it * 512 + 2 * c + 1] = st[2 * c + 1];
-      cp_named_bar_arrive(2 - wg, 256);
+      // consumer 1's last turn hands nothing on (balanced); mode 5 hands it on anyway (bug)
+      if (wg == 0 || it + 1 < RING_TILES || mode == 5) cp_named_bar_arrive(2 - wg, 256);
       cp_mbar_arrive(&empty[s]);
     }
   }
@@ -541,6 +543,7 @@ void run_selftests() {
     expect("consumer reading a stage without waiting on its full mbarrier sees poison", ok && !ring_right());
     expect("producer first waiting on its empty mbarrier with parity 0 deadlocks (detected)", !ring(4, false));
     expect("setmaxnreg.inc over the block's register pool deadlocks (detected)", !ring(0, true));
+    expect("a ping-pong hand-over nobody waits for (named barrier left mid-phase at exit) fails the launch", !ring(5, false));
     cp_emu::set_schedule(S::WarpsAscending);
     cp_emu::set_cp_async_landing(L::AtIssue);
     ok = ring(3, false);
