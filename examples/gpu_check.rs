@@ -276,6 +276,54 @@ fn check_merge(rep: &mut Report, gpu: &Device) -> Result<()> {
             Err(e) => rep.error(&name, e),
         }
     }
+    check_state(rep, gpu, &oa, &la, &ob, &lb)
+}
+
+/// The ring's running state on the GPU (`LocalState::on_device`: one f32 buffer merged in place
+/// by `merge_rows_inplace_*`) vs the host state, over a full segment and partial ones (rows
+/// never merged, rows masked on both sides), f32 / bf16 / f16 partial results; and the
+/// backward's gradient accumulator (`RowAccum`, `add_rows_inplace_*`) the same way.
+fn check_state(rep: &mut Report, gpu: &Device, oa: &Tensor, la: &Tensor, ob: &Tensor, lb: &Tensor) -> Result<()> {
+    use candle_cp_ops::cp::state::LocalState;
+    let (b, t, h, d) = oa.dims4()?;
+    // (row0, n, which partial): the full rows, then overlapping segments; rows t-3.. never
+    // after the first merge.
+    let segs = [(0, t, 0), (5, 20, 1), (0, 9, 0), (30, t - 33, 1)];
+    for dtype in [DType::F32, DType::BF16, DType::F16] {
+        let name = format!("ring state merged in place {dtype:?}");
+        let run = |dev: &Device| -> Result<(Tensor, Tensor)> {
+            let mut s = LocalState::on_device(b, t, h, d, dev)?;
+            for &(row0, n, which) in &segs {
+                let (o, l) = if which == 0 { (oa, la) } else { (ob, lb) };
+                let o = o.narrow(1, row0, n)?.to_dtype(dtype)?.to_device(dev)?;
+                let l = l.narrow(2, row0, n)?.to_device(dev)?;
+                s.merge_rows(row0, &o, &l)?;
+            }
+            Ok(s.finish(dev)?)
+        };
+        match (run(&Device::Cpu), run(gpu)) {
+            (Ok((o_ref, l_ref)), Ok((o, l))) => {
+                rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, 1e-5);
+                rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, 1e-5);
+            }
+            (Err(e), _) | (_, Err(e)) => rep.error(&name, e),
+        }
+        // The backward's gradient accumulator (`RowAccum`: added to in place by
+        // `add_rows_inplace_*`) vs the host form: overlapping blocks on both planes.
+        let name = format!("ring gradient accumulator added in place {dtype:?}");
+        let run = |dev: &Device| -> Result<Tensor> {
+            let mut acc = candle_cp_ops::cp::state::RowAccum::on_device(2, b, t, h, d, dev)?;
+            for &(plane, row0, n, which) in &[(0, 3, 30, 0), (1, 0, t, 1), (0, 20, 25, 1)] {
+                let x = if which == 0 { oa } else { ob };
+                acc.add_rows(plane, row0, &x.narrow(1, row0, n)?.to_dtype(dtype)?.to_device(dev)?)?;
+            }
+            Ok(acc.finish(dev)?)
+        };
+        match (run(&Device::Cpu), run(gpu)) {
+            (Ok(r), Ok(g)) => rep.check(&name, max_abs(&g, &r)?, 1e-5),
+            (Err(e), _) | (_, Err(e)) => rep.error(&name, e),
+        }
+    }
     Ok(())
 }
 

@@ -404,8 +404,8 @@ def check():
             err(f"go!({m.group(1)}, \"{m.group(2)}\"): element type does not match the dtype suffix")
     # one warp per row, 4 rows per block (`blockIdx.x * 4 + threadIdx.x / 32`): grid ceil(rows / 4), block 128;
     # grid-stride kernels (`gridDim.x * blockDim.x`): any grid and block.
-    warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+)$"
-    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out)_\w+$"
+    warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+|merge_rows_inplace_\w+)$"
+    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace)_\w+$"
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
             if re.match(warp_rows, kname) and not ("div_ceil(4) as u32, 1, 1)" in cfg and "block_dim: (128, 1, 1)" in cfg):
@@ -414,7 +414,8 @@ def check():
                 err(f"{where}: {kname} is a grid-stride kernel: expected grid_stride_blocks(..); got {cfg}")
     srcs = "".join(rd("kernels", os.path.basename(x)) for x in glob.glob(os.path.join(KERN, "*.cu")))
     if srcs.count("blockIdx.x * 4 + threadIdx.x / 32") != 3:
-        err("expected 3 kernels with `blockIdx.x * 4 + threadIdx.x / 32` rows (delta, pipe prep, merge); update warp_rows")
+        err("expected 3 kernels with `blockIdx.x * 4 + threadIdx.x / 32` rows (delta, pipe prep, merge_rows: merge_step and "
+            "merge_rows_inplace); update warp_rows")
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
             launched.add(kname)

@@ -13,6 +13,8 @@
   void a2a_unpack_##N(const TY*, TY*, long long, long long, long long);
 #define MERGE_DECL(N, TY)                                                                                 \
   void merge_step_##N(const float*, const float*, const TY*, const float*, float*, float*, int, int, int, int); \
+  void merge_rows_inplace_##N(float*, const TY*, const float*, int, int, int, int, int, int);                 \
+  void add_rows_inplace_##N(float*, const TY*, int, int, int, int, int, long long);                           \
   void cast_out_##N(const float*, TY*, size_t);
 extern "C" {
 LAYOUT_DECL(f32, float)
@@ -30,6 +32,92 @@ namespace {
 unsigned grid_stride_blocks(size_t n) { return (unsigned)std::min<size_t>(std::max<size_t>((n + 255) / 256, 1), 65535); }
 
 // ---------------------------------------------------------------- merge
+// merge_rows_inplace_*: blocks of n rows folded into rows [row0, row0 + n) of a state of T rows
+// held in one buffer (out [B, T, H, D], then lse [B, H, T]), in place, as src/merge.rs launches it
+// (grid ceil(B*n*H / 4), block 128): two overlapping segments after a full one, -inf rows on one
+// side, both sides and neither; rows outside every segment must keep their bits.
+template <typename TY>
+void check_merge_rows(const char* sfx, void (*k)(float*, const TY*, const float*, int, int, int, int, int, int),
+                      uint64_t seed) {
+  const int B = 2, T = 41, H = 3, D = 40;
+  const std::string name = std::string("merge_rows_inplace_") + sfx + " [b2 t41 h3 d40, rows 0+41, 6+20, 19+15]";
+  if (!wanted(name)) return;
+  const size_t no = (size_t)B * T * H * D, nl = (size_t)B * H * T;
+  Buf<float> st(no + nl);
+  std::vector<double> ref = fill(st, randn(no + nl, seed));
+  for (size_t i = 0; i < nl; ++i) {
+    double& l = ref[no + i];
+    l = i % 9 == 4 ? -INFINITY : 3 * l;
+    if (l == -INFINITY)  // a row that saw no key so far holds out 0 (as the ring's state does)
+      for (int d = 0; d < D; ++d) {
+        const size_t b = i / ((size_t)H * T), h = i / T % H, t = i % T;
+        ref[((b * T + t) * H + h) * D + d] = 0;
+      }
+  }
+  ref = fill(st, ref);
+  const int segs[3][2] = {{0, T}, {6, 20}, {19, 15}};
+  bool ok = true;
+  for (int sg = 0; sg < 3 && ok; ++sg) {
+    const int row0 = segs[sg][0], n = segs[sg][1];
+    Buf<TY> bo((size_t)B * n * H * D);
+    Buf<float> bl((size_t)B * H * n);
+    auto bod = fill(bo, randn(bo.n, seed + 10 + sg));
+    auto bld = randn(bl.n, seed + 20 + sg);
+    for (size_t i = 0; i < bl.n; ++i) {
+      bld[i] *= 3;
+      if (i % 5 == (size_t)(2 + sg)) bld[i] = -INFINITY;
+    }
+    bld = fill(bl, bld);
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < n; ++i)
+        for (int h = 0; h < H; ++h) {
+          const size_t li = no + ((size_t)b * H + h) * T + row0 + i, lb_i = ((size_t)b * H + h) * n + i;
+          const double la = ref[li], lb = bld[lb_i], mx = std::max(la, lb);
+          if (mx == -INFINITY) continue;
+          const double l = mx + std::log(std::exp(la - mx) + std::exp(lb - mx));
+          const double wa = std::exp(la - l), wb = std::exp(lb - l);
+          ref[li] = l;
+          const size_t ao = (((size_t)b * T + row0 + i) * H + h) * D, bo_ = (((size_t)b * n + i) * H + h) * D;
+          for (int d = 0; d < D; ++d) ref[ao + d] = wa * ref[ao + d] + wb * bod[bo_ + d];
+        }
+    ok = cp_emu::launch(name.c_str(), dim3((unsigned)((B * n * H + 3) / 4)), dim3(128), 0,
+                        [&] { k(st.p, bo.p, bl.p, B, T, row0, n, H, D); });
+  }
+  check_launch(name, ok);
+  if (!ok) return;
+  const std::vector<float> got = st.to_f32();
+  const std::vector<double> ro(ref.begin(), ref.begin() + no), rl(ref.begin() + no, ref.end());
+  check(name + " out", max_abs(std::vector<float>(got.begin(), got.begin() + no), ro), 1e-5);
+  check(name + " lse", max_abs(std::vector<float>(got.begin() + no, got.end()), rl), 1e-5);
+}
+
+// add_rows_inplace_*: blocks added to rows of one plane of acc [P, B, R, H*D] f32 as src/merge.rs
+// launches it (grid-stride, block 256, a grid smaller than the work so the stride loop runs):
+// overlapping blocks on both planes; every other element keeps its bits.
+template <typename TY>
+void check_add_rows(const char* sfx, void (*k)(float*, const TY*, int, int, int, int, int, long long), uint64_t seed) {
+  const int P = 2, B = 2, R = 23, H = 3, D = 20;
+  const long long hd = (long long)H * D;
+  const std::string name = std::string("add_rows_inplace_") + sfx + " [p2 b2 r23 h3 d20, 4 blocks]";
+  if (!wanted(name)) return;
+  Buf<float> acc((size_t)P * B * R * hd);
+  std::vector<double> ref = fill(acc, randn(acc.n, seed));
+  const int blocks[4][3] = {{0, 3, 11}, {0, 9, 14}, {1, 0, 23}, {0, 3, 2}};  // plane, row0, n
+  bool ok = true;
+  for (int k_ = 0; k_ < 4 && ok; ++k_) {
+    const int plane = blocks[k_][0], row0 = blocks[k_][1], n = blocks[k_][2];
+    Buf<TY> x((size_t)B * n * hd);
+    auto xd = fill(x, randn(x.n, seed + 1 + k_));
+    for (int b = 0; b < B; ++b)
+      for (int i = 0; i < n; ++i)
+        for (long long c = 0; c < hd; ++c)
+          ref[(((size_t)plane * B + b) * R + row0 + i) * hd + c] += xd[((size_t)b * n + i) * hd + c];
+    ok = cp_emu::launch(name.c_str(), dim3(3), dim3(256), 0, [&] { k(acc.p, x.p, B, R, plane, row0, n, hd); });
+  }
+  check_launch(name, ok);
+  if (ok) check(name, max_abs(acc.to_f32(), ref), 1e-5);
+}
+
 template <typename TY>
 void check_merge(const char* sfx, void (*step)(const float*, const float*, const TY*, const float*, float*, float*, int, int, int, int),
                  void (*cast)(const float*, TY*, size_t), bool alias, uint64_t seed) {
@@ -191,6 +279,12 @@ void run_misc_checks() {
   check_merge<__half>("f16", merge_step_f16, cast_out_f16, true, 42);
   check_merge<__nv_bfloat16>("bf16", merge_step_bf16, cast_out_bf16, false, 43);
   check_merge<__nv_bfloat16>("bf16", merge_step_bf16, cast_out_bf16, true, 44);
+  check_merge_rows<float>("f32", merge_rows_inplace_f32, 45);
+  check_merge_rows<__half>("f16", merge_rows_inplace_f16, 46);
+  check_merge_rows<__nv_bfloat16>("bf16", merge_rows_inplace_bf16, 47);
+  check_add_rows<float>("f32", add_rows_inplace_f32, 48);
+  check_add_rows<__half>("f16", add_rows_inplace_f16, 49);
+  check_add_rows<__nv_bfloat16>("bf16", add_rows_inplace_bf16, 50);
   check_layout<float>("f32", seq_permute_f32, a2a_pack_f32, a2a_unpack_f32, 51);
   check_layout<__half>("f16", seq_permute_f16, a2a_pack_f16, a2a_unpack_f16, 52);
   check_layout<__nv_bfloat16>("bf16", seq_permute_bf16, a2a_pack_bf16, a2a_unpack_bf16, 53);

@@ -2,7 +2,7 @@
 //!
 //! Every rank keeps its queries; K/V chunks (only the `Hkv` KV heads) rotate around the ring.
 //! At step `s` rank `i` holds the K/V of source rank `j = (i - s) mod P` and computes, for each
-//! (query segment, key segment) pair of the two layouts' [`Segment`]s, one block:
+//! (query segment, key segment) pair of the two layouts' [`Segment`](crate::cp::Segment)s, one block:
 //! skipped when fully masked, plain (`Mask::Full`) when fully visible, and with the
 //! offset/stride causal mask when it straddles the diagonal. [`step_schedule`] fuses them into
 //! fewer, larger calls: fully visible blocks adjacent in local rows go in one call, and the

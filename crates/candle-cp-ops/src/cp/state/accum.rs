@@ -3,12 +3,17 @@
 //! the dK/dV contributions to one K/V chunk (`planes = 2`: plane 0 dK, plane 1 dV).
 //!
 //! - **Host form** (CPU tensors): a host `Vec<f32>`, `+=` in place over the block's rows.
-//! - **Device form** (other devices): one f32 tensor on the device, updated in place with
+//! - **CUDA** (`InPlace`): one f32 tensor on the device, each block added to its rows in place
+//!   by one kernel (`AddRowsInPlace`, `add_rows_inplace_*` in
+//!   `candle-cp-kernels/kernels/merge.cu`): one pass (read the rows and the block, write the
+//!   rows). Nothing goes through the host.
+//! - **Other devices** (`Device`): one f32 tensor on the device, updated with
 //!   [`Tensor::slice_set`] over the block's rows only — O(n) per update, where
 //!   `slice_assign`/`index_add` would rebuild the whole accumulator. A row range never written
 //!   before is set from the block (one copy); otherwise `rows + block` (strided read, one add)
-//!   is written back. Nothing goes through the host.
+//!   is written back. The reference the `InPlace` form is tested against.
 
+use super::merge_op::{add_slices, AddRowsInPlace};
 use super::{with_host_f32, Residency};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -27,6 +32,9 @@ enum Repr {
     /// f32 `[planes, B, rows, H, D]` (contiguous, owned by this accumulator) on a device, and
     /// per (plane, row) whether the row holds anything yet.
     Device { acc: Tensor, written: Vec<bool> },
+    /// f32 `[planes, B, rows, H, D]` (contiguous, owned) on CUDA (or forced on the CPU), added
+    /// to in place by [`AddRowsInPlace`].
+    InPlace { acc: Tensor },
 }
 
 impl RowAccum {
@@ -71,8 +79,30 @@ impl RowAccum {
     }
 
     /// Zeros as an f32 tensor on `device`, whatever the device (also CPU: tests compare it
-    /// against the host form).
+    /// against the host form): the in-place form on CUDA and the CPU, the `slice_set` form
+    /// elsewhere.
     pub(crate) fn device_resident(
+        planes: usize,
+        b: usize,
+        rows: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        if !(device.is_cuda() || device.is_cpu()) {
+            return Self::device_resident_slice_set(planes, b, rows, h, d, device);
+        }
+        Ok(Self {
+            repr: Repr::InPlace {
+                acc: Tensor::zeros((planes, b, rows, h, d), DType::F32, device)?,
+            },
+            dims: (planes, b, rows, h, d),
+        })
+    }
+
+    /// Zeros in the `slice_set` device form (the form for devices without the in-place add,
+    /// and the reference of the in-place form).
+    pub(crate) fn device_resident_slice_set(
         planes: usize,
         b: usize,
         rows: usize,
@@ -105,19 +135,21 @@ impl RowAccum {
             return Ok(()); // no rows (or H·D = 0): nothing to add
         }
         match &mut self.repr {
-            Repr::Host { data } => with_host_f32(x, |xs| {
-                let row = h * d;
-                for bi in 0..b {
-                    let dst = ((plane * b + bi) * rows + row0) * row;
-                    let src = bi * n * row;
-                    for (a, v) in data[dst..dst + n * row]
-                        .iter_mut()
-                        .zip(&xs[src..src + n * row])
-                    {
-                        *a += v;
-                    }
+            Repr::Host { data } => {
+                with_host_f32(x, |xs| add_slices(data, self.dims, plane, row0, xs))
+            }
+            Repr::InPlace { acc } => {
+                let mut x = x.to_device(acc.device())?;
+                if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+                    x = x.to_dtype(DType::F32)?;
                 }
-            }),
+                let op = AddRowsInPlace {
+                    dims: self.dims,
+                    plane,
+                    row0,
+                };
+                acc.inplace_op2(&x.contiguous()?, &op)
+            }
             Repr::Device { acc, written } => {
                 let x = x
                     .to_device(acc.device())?
@@ -146,14 +178,14 @@ impl RowAccum {
             Repr::Host { data } => {
                 Tensor::from_vec(data, (planes, b, rows, h, d), &Device::Cpu)?.to_device(device)
             }
-            Repr::Device { acc, .. } => acc.to_device(device),
+            Repr::Device { acc, .. } | Repr::InPlace { acc } => acc.to_device(device),
         }
     }
 
     /// Whether this accumulator is in the device form.
     #[cfg(test)]
     pub(crate) fn is_device_form(&self) -> bool {
-        matches!(self.repr, Repr::Device { .. })
+        matches!(self.repr, Repr::Device { .. } | Repr::InPlace { .. })
     }
 }
 
@@ -185,17 +217,32 @@ mod tests {
         Ok(())
     }
 
-    /// The device form (forced on CPU) equals the host form bit for bit over overlapping,
-    /// partly written and never written row ranges on both planes, with f32, f16 and strided
-    /// blocks; the blocks added are left unchanged.
+    /// Both device forms (forced on CPU) equal the host form bit for bit over overlapping,
+    /// partly written and never written row ranges on both planes, with f32, f16, bf16 and
+    /// strided blocks; the blocks added are left unchanged.
     #[test]
     fn device_accum_equals_host_accum() -> Result<()> {
+        for slice_set in [false, true] {
+            device_accum_case(slice_set)?;
+        }
+        Ok(())
+    }
+
+    fn device_accum_case(slice_set: bool) -> Result<()> {
         let dev = Device::Cpu;
+        let form = |planes, b, rows, h, d| {
+            if slice_set {
+                RowAccum::device_resident_slice_set(planes, b, rows, h, d, &dev)
+            } else {
+                RowAccum::device_resident(planes, b, rows, h, d, &dev)
+            }
+        };
         let (planes, b, rows, h, d) = (2, 2, 11, 3, 4);
         let mut host = RowAccum::on_device(planes, b, rows, h, d, &dev)?;
         assert!(!host.is_device_form());
-        let mut devs = RowAccum::device_resident(planes, b, rows, h, d, &dev)?;
+        let mut devs = form(planes, b, rows, h, d)?;
         assert!(devs.is_device_form());
+        assert_eq!(matches!(devs.repr, Repr::InPlace { .. }), !slice_set);
         let forced = RowAccum::with_residency(1, 1, 1, 1, 1, &dev, Residency::ForceDevice)?;
         assert!(forced.is_device_form());
         // (plane, row0, n): fresh, overlapping (partly written), repeated, the other plane,
@@ -210,9 +257,10 @@ mod tests {
         ];
         for (i, &(plane, row0, n)) in adds.iter().enumerate() {
             let x = Tensor::randn(0f32, 1., (b, n, h, d), &dev)?;
-            let x = match i % 3 {
+            let x = match i % 4 {
                 0 => x,
                 1 => x.to_dtype(DType::F16)?,
+                3 => x.to_dtype(DType::BF16)?,
                 // strided: a [B, n, H, D] view of a [B, n, D, H] tensor
                 _ => Tensor::randn(0f32, 1., (b, n, d, h), &dev)?.transpose(2, 3)?,
             };
@@ -233,10 +281,7 @@ mod tests {
         assert!(flat(&td)?.iter().filter(|x| **x != 0.0).count() > 0);
 
         // Bad blocks are rejected by both forms, naming the shapes.
-        for mut acc in [
-            RowAccum::new(1, 2, 4, 2, 1),
-            RowAccum::device_resident(1, 2, 4, 2, 1, &dev)?,
-        ] {
+        for mut acc in [RowAccum::new(1, 2, 4, 2, 1), form(1, 2, 4, 2, 1)?] {
             let rows_over = acc.add_rows(0, 2, &Tensor::zeros((2, 3, 2, 1), DType::F32, &dev)?);
             let e = rows_over.expect_err("rows over the end").to_string();
             assert!(

@@ -16,14 +16,21 @@
 //! - **CPU** (`Host`): host `Vec<f32>`s, merged in place in one pass. (The general
 //!   [`crate::attention::merge`] builds ~10 broadcast tensor ops per merge, ~40% of a 1k×1k
 //!   attention block on CPU; it stays the reference this is tested against.)
-//! - **Other devices** (`Device`): f32 tensors `out [B, T/P, H, D]`, `lse [B, H, T/P]` kept on
-//!   the device; each partial result is merged with [`crate::attention::merge`] (the CUDA merge
-//!   kernel under feature `cuda`). A partial covering rows `row0 .. row0 + n` of the `T/P` local
-//!   rows merges with `narrow`ed views of those rows and is written back in place with
-//!   `Tensor::slice_set` (O(n) work; `slice_assign` would rebuild the whole state each merge);
-//!   rows outside the segment are untouched. Nothing is copied to the host; [`LocalState::finish`]
-//!   returns the f32 tensors as they are (the caller casts to the output dtype once).
+//! - **CUDA** (`Buffer`): `out [B, T/P, H, D]` and `lse [B, H, T/P]` in ONE f32 device buffer,
+//!   each partial result folded into rows `row0 .. row0 + n` in place by one kernel
+//!   (`MergeRowsInPlace`, `merge_rows_inplace_*` in `candle-cp-kernels/kernels/merge.cu`): one
+//!   pass over the block's rows. Nothing is copied to the host; [`LocalState::finish`] returns
+//!   `out` as a view of the buffer (the caller casts it to the output dtype once) and `lse` as
+//!   its own small copy (so the lse the backward keeps does not pin the f32 `out`).
+//! - **Other devices** (`Device`): f32 tensors `out`, `lse` on the device; each partial result
+//!   is merged with [`crate::attention::merge`] on `narrow`ed views of its rows and written back
+//!   with `Tensor::slice_set` (O(n) work, but each row moves three times). It is the reference
+//!   the `Buffer` form is tested against.
+//!
+//! Both device forms can be forced on the CPU (the `Buffer` form's CPU body is the host form's
+//! own merge), which is how they are tested against each other without a GPU.
 
+use super::merge_op::{merge_slices, MergeRowsInPlace};
 use super::{with_host_f32, Residency};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -39,8 +46,11 @@ enum Repr {
     /// Host `out [B*T/P*H*D]`, `lse [B*H*T/P]`, merged in place (CPU queries).
     Host { out: Vec<f32>, lse: Vec<f32> },
     /// f32 `out [B, T/P, H, D]`, `lse [B, H, T/P]` on the queries' device, merged with
-    /// [`crate::attention::merge`].
+    /// [`crate::attention::merge`] and `slice_set`.
     Device { out: Tensor, lse: Tensor },
+    /// One f32 buffer `[B·T/P·H·D + B·H·T/P]` (`out`, then `lse`) on CUDA (or forced on the
+    /// CPU), merged in place by [`MergeRowsInPlace`].
+    Buffer { buf: Tensor },
 }
 
 impl LocalState {
@@ -77,9 +87,36 @@ impl LocalState {
         }
     }
 
-    /// Empty device-tensor state on `device`, whatever the device (also CPU: tests compare it
-    /// against the host state).
+    /// Empty device-form state on `device`, whatever the device (also CPU: tests compare it
+    /// against the host state): the in-place `Buffer` form on CUDA and the CPU, the
+    /// `slice_set` form elsewhere.
     pub(crate) fn device_resident(
+        b: usize,
+        tl: usize,
+        h: usize,
+        d: usize,
+        device: &Device,
+    ) -> Result<Self> {
+        if !(device.is_cuda() || device.is_cpu()) {
+            return Self::device_resident_slice_set(b, tl, h, d, device);
+        }
+        let no = b * tl * h * d;
+        let buf = Tensor::cat(
+            &[
+                Tensor::zeros(no, DType::F32, device)?,
+                Tensor::full(f32::NEG_INFINITY, b * h * tl, device)?,
+            ],
+            0,
+        )?;
+        Ok(Self {
+            repr: Repr::Buffer { buf },
+            dims: (b, tl, h, d),
+        })
+    }
+
+    /// Empty state in the `slice_set` device form (merge into fresh tensors, written back),
+    /// the form for devices without the in-place merge and the reference of the `Buffer` form.
+    pub(crate) fn device_resident_slice_set(
         b: usize,
         tl: usize,
         h: usize,
@@ -113,6 +150,22 @@ impl LocalState {
         }
         match &mut self.repr {
             Repr::Host { out, lse } => merge_host(out, lse, self.dims, row0, out_s, lse_s),
+            Repr::Buffer { buf } => {
+                let dev = buf.device().clone();
+                let mut os = out_s.to_device(&dev)?;
+                if !matches!(os.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+                    os = os.to_dtype(DType::F32)?;
+                }
+                let ls = lse_s.to_device(&dev)?.to_dtype(DType::F32)?.contiguous()?;
+                buf.inplace_op3(
+                    &os.contiguous()?,
+                    &ls,
+                    &MergeRowsInPlace {
+                        dims: self.dims,
+                        row0,
+                    },
+                )
+            }
             Repr::Device { out, lse } => {
                 let dev = out.device().clone();
                 let os = out_s.to_device(&dev)?.to_dtype(DType::F32)?;
@@ -143,6 +196,16 @@ impl LocalState {
                 Tensor::from_vec(lse, (b, h, tl), &Device::Cpu)?.to_device(device)?,
             )),
             Repr::Device { out, lse } => Ok((out.to_device(device)?, lse.to_device(device)?)),
+            Repr::Buffer { buf } => {
+                let no = b * tl * h * d;
+                let out = buf.narrow(0, 0, no)?.reshape((b, tl, h, d))?;
+                // its own copy: the lse kept for the backward must not pin the f32 out
+                let lse = buf
+                    .narrow(0, no, b * h * tl)?
+                    .reshape((b, h, tl))?
+                    .force_contiguous()?;
+                Ok((out.to_device(device)?, lse.to_device(device)?))
+            }
         }
     }
 }
@@ -156,32 +219,8 @@ fn merge_host(
     out_s: &Tensor,
     lse_s: &Tensor,
 ) -> Result<()> {
-    let (b, tl, h, d) = dims;
-    let n = out_s.dim(1)?;
     with_host_f32(lse_s, |ls| {
-        with_host_f32(out_s, |os| {
-            for bi in 0..b {
-                for ti in 0..n {
-                    for hi in 0..h {
-                        let li = (bi * h + hi) * tl + row0 + ti;
-                        let (la, lb) = (lse[li], ls[(bi * h + hi) * n + ti]);
-                        let m = la.max(lb);
-                        if m == f32::NEG_INFINITY {
-                            continue; // no key seen in either part: out 0, lse -inf
-                        }
-                        let (wa, wb) = ((la - m).exp(), (lb - m).exp());
-                        let sum = wa + wb;
-                        let (ca, cb) = (wa / sum, wb / sum);
-                        lse[li] = m + sum.ln();
-                        let o = ((bi * tl + row0 + ti) * h + hi) * d;
-                        let so = ((bi * n + ti) * h + hi) * d;
-                        for (x, y) in out[o..o + d].iter_mut().zip(&os[so..so + d]) {
-                            *x = ca * *x + cb * *y;
-                        }
-                    }
-                }
-            }
-        })
+        with_host_f32(out_s, |os| merge_slices(out, lse, dims, row0, os, ls))
     })??;
     Ok(())
 }
@@ -247,16 +286,34 @@ mod tests {
         Ok(())
     }
 
-    /// The device-tensor state (forced on CPU) equals the host state over full and partial
-    /// row segments, with rows masked in every part keeping out 0, lse -inf.
+    /// Both device forms (forced on CPU) equal the host state over full and partial row
+    /// segments, with rows masked in every part keeping out 0, lse -inf.
     #[test]
     fn device_state_equals_host_state() -> Result<()> {
+        for slice_set in [false, true] {
+            device_state_case(slice_set)?;
+        }
+        Ok(())
+    }
+
+    fn device_state_case(slice_set: bool) -> Result<()> {
         let dev = Device::Cpu;
+        let form = |b, tl, h, d| {
+            if slice_set {
+                LocalState::device_resident_slice_set(b, tl, h, d, &dev)
+            } else {
+                LocalState::device_resident(b, tl, h, d, &dev)
+            }
+        };
         let (b, tl, h, d) = (2, 8, 3, 4);
         let mut host = LocalState::on_device(b, tl, h, d, &dev)?;
         assert!(matches!(host.repr, Repr::Host { .. }));
-        let mut devs = LocalState::device_resident(b, tl, h, d, &dev)?;
-        assert!(matches!(devs.repr, Repr::Device { .. }));
+        let mut devs = form(b, tl, h, d)?;
+        if slice_set {
+            assert!(matches!(devs.repr, Repr::Device { .. }));
+        } else {
+            assert!(matches!(devs.repr, Repr::Buffer { .. }));
+        }
         // (row0, n): a full segment, overlapping partial ones, and rows 6..8 never merged.
         for (i, &(row0, n)) in [(0, 8), (2, 3), (0, 2), (2, 4)].iter().enumerate() {
             let o = Tensor::randn(0f32, 1., (b, n, h, d), &dev)?;
@@ -294,7 +351,7 @@ mod tests {
         // Rows 0 and 3 never merged, row 1 masked in every part: out 0, lse -inf on both;
         // f16 partials accepted.
         let mut host = LocalState::new(1, 4, 1, 2);
-        let mut devs = LocalState::device_resident(1, 4, 1, 2, &dev)?;
+        let mut devs = form(1, 4, 1, 2)?;
         let o = Tensor::randn(0f32, 1., (1, 2, 1, 2), &dev)?.to_dtype(DType::F16)?;
         let l = Tensor::new(&[[[f32::NEG_INFINITY, 0.5f32]]], &dev)?;
         for s in [&mut host, &mut devs] {
@@ -322,9 +379,46 @@ mod tests {
         // Bad shapes are rejected by both.
         let bad = Tensor::zeros((1, 3, 1, 2), DType::F32, &dev)?;
         let badl = Tensor::zeros((1, 1, 3), DType::F32, &dev)?;
-        assert!(LocalState::device_resident(1, 4, 1, 2, &dev)?
-            .merge_rows(2, &bad, &badl)
+        assert!(form(1, 4, 1, 2)?.merge_rows(2, &bad, &badl).is_err());
+        Ok(())
+    }
+
+    /// The in-place op itself rejects what does not fit: a block past the state's rows, a
+    /// buffer of the wrong length, a non-f32 lse; and its lse comes back as its own tensor.
+    #[test]
+    fn inplace_merge_rejects_bad_operands() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, tl, h, d) = (1, 4, 2, 3);
+        let buf = Tensor::zeros(b * tl * h * (d + 1), DType::F32, &dev)?;
+        let o = Tensor::zeros((b, 2, h, d), DType::F32, &dev)?;
+        let l = Tensor::zeros((b, h, 2), DType::F32, &dev)?;
+        let op = |row0| MergeRowsInPlace {
+            dims: (b, tl, h, d),
+            row0,
+        };
+        buf.inplace_op3(&o, &l, &op(2))?;
+        let e = buf.inplace_op3(&o, &l, &op(3)).unwrap_err().to_string();
+        assert!(
+            e.contains("do not fit") && e.contains("[1, 2, 2, 3]"),
+            "{e}"
+        );
+        let short = Tensor::zeros(b * tl * h * d, DType::F32, &dev)?;
+        let e = short.inplace_op3(&o, &l, &op(0)).unwrap_err().to_string();
+        assert!(e.contains("state buffer"), "{e}");
+        assert!(buf
+            .inplace_op3(&o, &l.to_dtype(DType::F16)?, &op(0))
             .is_err());
+        let s = LocalState::device_resident(b, tl, h, d, &dev)?;
+        let (out, lse) = s.finish(&dev)?;
+        assert_eq!(
+            (out.dims(), lse.dims()),
+            (&[b, tl, h, d][..], &[b, h, tl][..])
+        );
+        assert_eq!(
+            lse.layout().start_offset(),
+            0,
+            "lse is a copy, not a view of the buffer"
+        );
         Ok(())
     }
 

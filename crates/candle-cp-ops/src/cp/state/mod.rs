@@ -6,17 +6,22 @@
 //!
 //! - **CPU** (host form): host `Vec<f32>`s updated in place in one pass — no tensor op per
 //!   update, which is what keeps the CPU ring fast.
-//! - **Other devices** (device form): f32 tensors on that device, updated with candle tensor
-//!   ops touching only the rows of the update (`narrow`, merge or add, then an in-place
-//!   `Tensor::slice_set` of those rows: O(rows) per update, where `slice_assign` or
-//!   `index_add` would rebuild the whole tensor). Nothing is copied to the host between ring
-//!   steps; `finish` hands the f32 tensors back as they are.
+//! - **Other devices** (device form): f32 tensors on that device. On CUDA each update is one
+//!   in-place kernel over the rows of the update (candle `InplaceOp3` / `InplaceOp2` in
+//!   `merge_op`: the merge of a step's partial result, the add of a gradient block), each row
+//!   read and written once. On other devices, candle tensor ops touching only those rows
+//!   (`narrow`, merge or add, then an in-place `Tensor::slice_set`: O(rows) per update, where
+//!   `slice_assign` or `index_add` would rebuild the whole tensor). Nothing is copied to the
+//!   host between ring steps; `finish` hands the f32 tensors back.
 //!
-//! The device form can also be forced on the CPU (crate-internal `Residency::ForceDevice`),
-//! which is how it is tested against the host form without a GPU.
+//! The device form can also be forced on the CPU (crate-internal `Residency::ForceDevice`;
+//! there the in-place ops run their CPU bodies, the host form's own loops), which is how it is
+//! tested against the host form, and the in-place form against the `slice_set` form, without a
+//! GPU.
 
 mod accum;
 mod local;
+mod merge_op;
 
 pub use accum::RowAccum;
 pub use local::LocalState;
