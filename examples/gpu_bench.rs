@@ -162,6 +162,10 @@ struct RingInputs {
     v: Tensor,
     imp: FwdImpl,
     single_s: f64,
+    /// With `--bwd 1`: the whole sequence's out `[B, T, H, D]`, lse `[B, H, T]` (what every
+    /// ring step's backward reads for its query rows), dout f32 `[B, T, H, D]` and the
+    /// single-GPU backward's seconds.
+    bwd: Option<(Tensor, Tensor, Tensor, f64)>,
 }
 
 impl RingInputs {
@@ -169,15 +173,27 @@ impl RingInputs {
         let shape = [a.batch, a.ring_t, a.heads, a.d];
         let (q, k, v) = (randn_bf16(dev, &shape)?, randn_bf16(dev, &shape)?, randn_bf16(dev, &shape)?);
         let imp = a.imps.first().copied().unwrap_or(FwdImpl::Auto);
-        let single_s = time(dev, a.iters, || flash::fwd(&q, &k, &v, KMask::causal(0, 1, 0, 1), scale, imp).map(|_| ()))?;
-        Ok(Self { q, k, v, imp, single_s })
+        let causal = KMask::causal(0, 1, 0, 1);
+        let single_s = time(dev, a.iters, || flash::fwd(&q, &k, &v, causal, scale, imp).map(|_| ()))?;
+        let bwd = if a.bwd {
+            let (out, lse) = flash::fwd(&q, &k, &v, causal, scale, imp)?;
+            let dout = Tensor::randn(0f32, 1f32, &shape, dev)?;
+            let s = time(dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, causal, scale, imp).map(|_| ()))?;
+            Some((out, lse, dout, s))
+        } else {
+            None
+        };
+        Ok(Self { q, k, v, imp, single_s, bwd })
     }
 }
 
 /// Per-step compute of the zigzag ring (rank 0's schedule, the kernel calls the ring engine
 /// issues: `step_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) timed alone,
 /// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
-/// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9.
+/// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9. With
+/// `--bwd 1` the same for the backward: each call's `flash::bwd_with` on the step's keys with
+/// the whole sequence's out / lse of its query rows (what the ring's backward computes per
+/// step; 2.5x the forward's FLOP) against the single-GPU backward's rate.
 fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     use candle_cp_ops::cp::ring::{call_pairs, step_schedule, sub_blocks, Block};
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
@@ -185,11 +201,21 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
     let single_rate = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0 / ri.single_s;
     let rank = 0usize;
     let ql = shard(q, Layout::Zigzag, rank, p, 1)?;
+    // rank 0's rows of out, dout (dim 1) and lse (dim 2), and the single-GPU backward's rate
+    let bl = match &ri.bwd {
+        Some((out, lse, dout, s)) => Some((
+            shard(out, Layout::Zigzag, rank, p, 1)?,
+            shard(lse, Layout::Zigzag, rank, p, 2)?,
+            shard(dout, Layout::Zigzag, rank, p, 1)?,
+            2.5 * single_rate * ri.single_s / s,
+        )),
+        None => None,
+    };
     // The engine's default on CUDA (no row chunking: one call per block, `rows_per_call` of
     // the default options on this device), then its CPU chunking (1024 rows), for comparison.
     let on_gpu = CpOpts::new(Layout::Zigzag, true).rows_per_call(dev);
     for block_rows in [on_gpu, DEFAULT_BLOCK_ROWS] {
-        let mut worst = f64::MAX;
+        let (mut worst, mut worst_bwd) = (f64::MAX, f64::MAX);
         for step in 0..p {
             let src = (rank + p - step) % p;
             let (ks, vs) = (shard(k, Layout::Zigzag, src, p, 1)?, shard(v, Layout::Zigzag, src, p, 1)?);
@@ -207,20 +233,50 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     let qr = ql.narrow(1, qseg.local, qseg.len)?.contiguous()?;
                     let kr = ks.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let vr = vs.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
-                    calls.push((qr, kr, vr, mask, pairs));
+                    let rows = match &bl {
+                        Some((o, l, g, _)) => Some((
+                            o.narrow(1, qseg.local, qseg.len)?.contiguous()?,
+                            l.narrow(2, qseg.local, qseg.len)?.contiguous()?,
+                            g.narrow(1, qseg.local, qseg.len)?.contiguous()?,
+                        )),
+                        None => None,
+                    };
+                    calls.push((qr, kr, vr, mask, pairs, rows));
                 }
             }
             let pairs: usize = calls.iter().map(|c| c.4).sum();
             let secs = time(dev, a.iters, || {
-                for (qr, kr, vr, mask, _) in &calls {
+                for (qr, kr, vr, mask, ..) in &calls {
                     flash::fwd(qr, kr, vr, *mask, scale, imp)?;
                 }
                 Ok(())
             })?;
             let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
             worst = worst.min(rate / single_rate);
+            let bwd = match &bl {
+                Some((.., single_bwd_rate)) => {
+                    let bsecs = time(dev, a.iters, || {
+                        for (qr, kr, vr, mask, _, rows) in &calls {
+                            if let Some((o, l, g)) = rows {
+                                flash::bwd_with(qr, kr, vr, o, l, g, *mask, scale, imp)?;
+                            }
+                        }
+                        Ok(())
+                    })?;
+                    let brate = 2.5 * 4.0 * (b * h * d) as f64 * pairs as f64 / bsecs;
+                    worst_bwd = worst_bwd.min(brate / single_bwd_rate);
+                    format!(
+                        ",\"bwd_step_ms\":{:.3},\"bwd_step_tflops\":{:.2},\"bwd_single_tflops\":{:.2},\"bwd_ratio\":{:.3}",
+                        bsecs * 1e3,
+                        brate / 1e12,
+                        single_bwd_rate / 1e12,
+                        brate / single_bwd_rate
+                    )
+                }
+                None => String::new(),
+            };
             println!(
-                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}}}",
+                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}{bwd}}}",
                 block_rows.min(t),
                 calls.len(),
                 secs * 1e3,
@@ -229,13 +285,16 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                 rate / single_rate
             );
         }
-        println!("{{\"impl\":\"candle-cp-ring-steps\",\"kernel\":\"{imp:?}\",\"p\":{p},\"t\":{t},\"block_rows\":{},\"worst_step_ratio\":{worst:.3}}}", block_rows.min(t));
+        let bwd = if bl.is_some() { format!(",\"worst_bwd_step_ratio\":{worst_bwd:.3}") } else { String::new() };
+        println!("{{\"impl\":\"candle-cp-ring-steps\",\"kernel\":\"{imp:?}\",\"p\":{p},\"t\":{t},\"block_rows\":{},\"worst_step_ratio\":{worst:.3}{bwd}}}", block_rows.min(t));
     }
     Ok(())
 }
 
 /// Zigzag ring forward on `ring_p` virtual ranks vs one flash forward over the whole sequence
-/// (same FLOPs): efficiency = single-GPU time / ring time.
+/// (same FLOPs): efficiency = single-GPU time / ring time. The ring's kernels are `Auto`'s
+/// (`CANDLE_CP_FLASH_IMPL`, printed as `kernel`), the single-GPU kernel the first `--impl`
+/// (`single_kernel`): set the variable to that family to compare like with like.
 fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
     let (q, k, v, single) = (&ri.q, &ri.k, &ri.v, ri.single_s);
@@ -261,7 +320,9 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     let ring_s = (0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
     let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * 0.5;
     println!(
-        "{{\"impl\":\"candle-cp-ring\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"causal\":true,\"ring_ms\":{:.3},\"single_ms\":{:.3},\"ring_tflops\":{:.2},\"efficiency\":{:.3}}}",
+        "{{\"impl\":\"candle-cp-ring\",\"kernel\":\"{:?}\",\"single_kernel\":\"{:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"causal\":true,\"ring_ms\":{:.3},\"single_ms\":{:.3},\"ring_tflops\":{:.2},\"efficiency\":{:.3}}}",
+        FwdImpl::from_env(),
+        ri.imp,
         ring_s * 1e3,
         single * 1e3,
         flops / ring_s / 1e12,
@@ -286,10 +347,28 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
     let packed = layout::a2a_pack(&x, 2, p)?;
     let (n_o, n_l) = ((b * t * h * d * 4) as f64, (b * h * t * 4) as f64);
     let n_x = n_o / 2.0;
+    // A ring step's merge into the running state of the local rows when the step covers half of
+    // them (a zigzag step after the first): in place in one buffer (the ring's CUDA form since
+    // session 13), and as before (narrow + merge into fresh tensors + slice_set). Same useful
+    // bytes (read the state rows and the block, write the state rows), so the GB/s compare.
+    let (r0, nh) = (t / 2, t - t / 2);
+    let (oh, lh) = (o2.narrow(1, r0, nh)?.contiguous()?, l2.narrow(2, r0, nh)?.contiguous()?);
+    let state = std::cell::RefCell::new(candle_cp_ops::cp::state::LocalState::on_device(b, t, h, d, dev)?);
+    state.borrow_mut().merge_rows(0, &o, &l)?;
+    let (so, sl) = (o.copy()?, l.copy()?);
+    let slice_set_merge = || -> candle_core::Result<()> {
+        let (oa, la) = (so.narrow(1, r0, nh)?.contiguous()?, sl.narrow(2, r0, nh)?.contiguous()?);
+        let (m, ml) = merge::merge(&oa, &la, &oh, &lh)?;
+        so.slice_set(&m, 1, r0)?;
+        sl.slice_set(&ml, 2, r0)
+    };
+    let half = 1.5 * (n_o + n_l);
     // (name, bytes read + written, the call)
     type Call<'a> = Box<dyn Fn() -> candle_core::Result<()> + 'a>;
     let cases: Vec<(&str, f64, Call)> = vec![
         ("merge f32", 3.0 * (n_o + n_l), Box::new(|| merge::merge(&o, &l, &o2, &l2).map(|_| ()))),
+        ("ring state merge, half the rows, in place", half, Box::new(|| state.borrow_mut().merge_rows(r0, &oh, &lh))),
+        ("ring state merge, half the rows, narrow + merge + slice_set", half, Box::new(slice_set_merge)),
         ("cast f32->bf16", n_o + n_x, Box::new(|| merge::cast_out(&o, DType::BF16).map(|_| ()))),
         ("zigzag shard bf16 (1 of 4)", 2.0 * n_x / p as f64, Box::new(|| layout::shard(&x, 1, layout::SeqLayout::Zigzag, p, 1).map(|_| ()))),
         ("zigzag unshard bf16", 2.0 * n_x, Box::new(|| layout::unshard(&x, 1, layout::SeqLayout::Zigzag, p).map(|_| ()))),

@@ -14,7 +14,8 @@
 # With the device tool: run `build` and `preflight` here, then
 #   run(command="scripts/gpu-check.sh run", carry=["target-gpu-stage"], timeout_s=570)
 # Part 2 fits in 8 minutes at worst: every step runs under one 480 s budget (GPU_CHECK_BUDGET_S),
-# with time kept back for the benchmarks and SDPA; about 3 minutes when all goes well.
+# with time kept back for the benchmarks and SDPA; about 3 minutes when all goes well, and what is
+# left goes to the end-to-end fine-tune (step 6) and compute-sanitizer (step 7).
 # (The device tool's 570 s call limit leaves 90 s for unpacking and the machine file.)
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -41,6 +42,38 @@ build() {
   ls -la "$STAGE"
   [ "$bytes" -le $((64 * 1024 * 1024)) ] || { echo "gpu-check: $STAGE is $bytes bytes > 64 MiB"; exit 1; }
   echo "gpu-check: staged $bytes bytes in $STAGE (carry it to the GPU machine)"
+}
+
+# sanitize SANITIZER TOOL LIMIT LOG -- CMD...: CMD under compute-sanitizer's TOOL (memcheck,
+# racecheck, synccheck), only our kernels instrumented (their names start with flash_), its report
+# appended to LOG without gpu_check's PASS lines, and one verdict line. Returns 1 if the tool
+# reported an error (or CMD failed under it), 0 if it was clean, could not check this device
+# (gVisor machines refuse it) or was stopped at LIMIT (what it reported by then is in LOG and in
+# the verdict).
+sanitize() {
+  local san=$1 tool=$2 lim=$3 log=$4; shift 5
+  local tmp code=0 found warned summary verdict
+  tmp=$(mktemp)
+  timeout -k 10 "$lim" "$san" --tool "$tool" --kernel-name kns=flash_ --error-exitcode 3 --print-limit 20 "$@" \
+    >"$tmp" 2>&1 || code=$?
+  grep -v '^PASS' "$tmp" >>"$log" || true
+  # error records: memcheck "Invalid __global__ read ...", racecheck "Error: Race reported ...",
+  # synccheck "Barrier error detected ..."; the summaries count them when the run ends
+  found=$(grep -c -E '^========= +(Invalid|Error|Barrier error|Program hit)' "$tmp" || true)
+  warned=$(grep -c -E '^========= +Warning' "$tmp" || true)  # racecheck's lesser hazards
+  summary=$(grep -E '^========= +[A-Z]+ SUMMARY' "$tmp" | tail -1 | sed 's/^========= *//' || true)
+  if grep -q -i -E 'device not supported|not supported on this' "$tmp"; then  # nothing instrumented ran
+    verdict="unavailable here ($(grep -m1 -i 'not supported' "$tmp" | sed 's/^========= *//'))"; code=0
+  elif [ "$code" = 124 ] || [ "$code" = 137 ]; then
+    verdict="stopped at its ${lim} s limit: $found error records by then"; [ "$found" = 0 ] && code=0 || code=3
+  elif [ "$code" = 0 ] && [ "$found" = 0 ]; then
+    verdict="clean (${summary:-no summary}; $warned warning records)"
+  else
+    verdict="FOUND $found error records, exit $code (${summary:-no summary}; the records are in $log)"; code=3
+  fi
+  rm -f "$tmp"
+  echo "gpu-check: compute-sanitizer $tool: $verdict" | tee -a "$log"
+  [ "$code" = 0 ]
 }
 
 run() {
@@ -98,17 +131,17 @@ run() {
   }
   # What must still run after the checks: benchmarks of the default and the Hopper kernels + SDPA.
   local keep=170
-  echo "== 0/5 probes: each tensor-core primitive (mma.sync, ldmatrix, cp.async, wgmma) alone, with a diagnosis of any mismatch"
+  echo "== 0/7 probes: each tensor-core primitive (mma.sync, ldmatrix, cp.async, wgmma) alone, with a diagnosis of any mismatch"
   step 20 $keep "$machine" add -- "$bin/gpu_check" --sections probe
-  echo "== 1/5 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
+  echo "== 1/7 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
   step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,views,flash-large,merge,layout
-  echo "== 2/5 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
+  echo "== 2/7 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
   step 40 $keep "$out/check-pipelined.log" new -- "$bin/gpu_check" --impls pipelined,atomic --sections flash,views,flash-large
-  echo "== 3/5 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
+  echo "== 3/7 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
   step 45 $keep "$out/check-wgmma.log" new -- "$bin/gpu_check" --impls wgmma,wgmma-atomic --sections flash,views,flash-large
   step 45 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-ws --sections flash,views,flash-large
   step 50 $keep "$out/check-wgmma.log" add -- "$bin/gpu_check" --impls wgmma-tma,wgmma-tma-wide --sections flash,views,flash-large,band
-  echo "== 4/5 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
+  echo "== 4/7 correctness: oracle cases + ring/all-gather/Ulysses, tiny Llama on every layout (virtual ranks), NCCL"
   local before=$rc
   step 85 $keep "$out/check-oracle.log" new -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle,llama,nccl
   if [ "$rc" != "$before" ]; then
@@ -117,24 +150,24 @@ run() {
   fi
   echo "-- masks: packed documents, sliding windows, decode against a sharded KV cache (virtual ranks), band masks"
   step 55 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band
-  echo "== 5/5 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
+  echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring want mem reserve docs bwd
+  local imp ring want mem reserve docs bwd auto
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers.
   for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma wgmma-tma-wide atomic; do
-    ring=0 mem=0 docs="" bwd=1
+    ring=0 mem=0 docs="" bwd=1 auto=()
     case $imp in
       pipelined) ring=4 docs=128,1024 want=65 reserve=150 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 60 SDPA; docs: band vs per-document calls
       wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=120 ;;  # docs: the wgmma band kernels
       wgmma-ws) docs=128,1024 want=50 reserve=100 ;;  # docs: its band kernels
-      wgmma-tma) docs=128,1024 want=45 reserve=80 ;;  # the warp-specialized kernels with TMA loads
+      wgmma-tma) ring=4 docs=128,1024 want=55 reserve=80 auto=(CANDLE_CP_FLASH_IMPL=wgmma-tma) ;;  # the warp-specialized kernels with TMA loads; its ring steps, and the whole ring on them (Auto)
       wgmma-tma-wide) bwd=0 want=25 reserve=60 ;;  # its forward's 176-key tiles (full, causal); the backward is wgmma-tma's
       atomic) mem=1 want=40 reserve=60 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
     esac
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
-    step "$want" "$reserve" "$out/bench.jsonl" add -- "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
+    step "$want" "$reserve" "$out/bench.jsonl" add -- env "${auto[@]}" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
       --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
@@ -142,15 +175,34 @@ run() {
   # Optional, with what is left of the budget: the main job end to end on the GPU (4 virtual
   # ranks, zigzag CP, bf16, T = 16k, layers recomputed, chunked loss, ZeRO-1): tokens/s and that it trains.
   if [ $((budget - (SECONDS - t0))) -ge 30 ]; then
-    echo "== 6/6 end to end: finetune_llama on the GPU (4 virtual ranks, T = 16384, bf16, --recompute)" | tee -a "$out/check-oracle.log"
+    echo "== 6/7 end to end: finetune_llama on the GPU (4 virtual ranks, T = 16384, bf16, --recompute)" | tee -a "$out/check-oracle.log"
     step 90 0 "$out/check-oracle.log" add -- "$bin/finetune_llama" --device cuda --gpus 1 --dtype bf16 --seq-len 16384 \
       --cp 4 --hidden 1024 --layers 4 --heads 8 --kv-heads 4 --batch 1 --keys 64 --steps 4 --lr 1e-3 --save-every 0 \
       --recompute --zero1 --out /tmp/candle-cp-ft
   else
     echo "gpu-check: end-to-end fine-tune skipped (budget spent)" | tee -a "$out/check-oracle.log"
   fi
+  # Optional, with what is left: compute-sanitizer on the small flash cases of the default kernels
+  # and of the warp-specialized ones (real concurrency, which the CPU emulation cannot give):
+  # racecheck first (shared-memory hazards), then memcheck, then synccheck. It can check a
+  # Firecracker machine, not a gVisor one (it refuses the device; the verdict says so).
+  local san tool left
+  san=$(command -v compute-sanitizer || ls /usr/local/cuda*/bin/compute-sanitizer 2>/dev/null | head -1 || true)
+  echo "== 7/7 compute-sanitizer (racecheck, memcheck, synccheck) on the small flash cases, with what is left of the budget" | tee -a "$out/check.log"
+  if [ -z "$san" ]; then
+    echo "gpu-check: compute-sanitizer not found; step 7 skipped" | tee -a "$out/check.log"
+  else
+    for tool in racecheck memcheck synccheck; do
+      left=$((budget - (SECONDS - t0)))
+      if [ "$left" -lt 30 ]; then
+        echo "gpu-check: compute-sanitizer $tool skipped (budget: ${left} s left)" | tee -a "$out/check.log"; continue
+      fi
+      sanitize "$san" "$tool" $((left < 150 ? left : 150)) "$out/check.log" -- \
+        "$bin/gpu_check" --quick --impls pipelined,atomic,wgmma-ws,wgmma-tma --sections flash || rc=1
+    done
+  fi
   echo "gpu-check: $((SECONDS - t0)) s of the ${budget} s budget"
-  grep -h "^gpu_check:" "$out"/check*.log || true
+  grep -h -E "^gpu_check:|^gpu-check: compute-sanitizer" "$out"/check*.log || true
   echo "gpu-check: results in $out (rc $rc)"
   return $rc
 }
@@ -180,6 +232,29 @@ preflight() {
     --heads 4 --kv-heads 2 --batch 1 --keys 8 --steps 2 --lr 1e-3 --save-every 0 --recompute --zero1 --out "$out/ft" \
     >"$out/ft.log" 2>&1 || { tail -20 "$out/ft.log"; echo "gpu-check preflight: finetune_llama failed"; return 1; }
   grep '^summary' "$out/ft.log"
+  # step 7's wiring, with a stand-in for compute-sanitizer (it drops the tool's options, runs the
+  # command, and prints what the real tool prints when it is clean, finds a race or refuses the device)
+  local fake=$bin/fake-sanitizer
+  cat >"$fake" <<'SH'
+#!/usr/bin/env bash
+while [ $# -gt 0 ]; do case $1 in --tool|--kernel-name|--error-exitcode|--print-limit) shift 2 ;; *) break ;; esac; done
+echo "========= COMPUTE-SANITIZER"
+case ${FAKE_SAN:-clean} in
+  unsupported) echo "========= Error: Device not supported. Please refer to the documentation"; exit 1 ;;
+  race) "$@" >/dev/null; echo "========= Error: Race reported between Write access at flash_x+0x10"; echo "========= RACECHECK SUMMARY: 1 hazard displayed (1 error, 0 warnings)"; exit 3 ;;
+esac
+"$@"; c=$?
+echo "========= ERROR SUMMARY: 0 errors"
+exit $c
+SH
+  chmod +x "$fake"
+  local cmd=("$bin/gpu_check" --quick --impls pipelined --sections merge)
+  echo "gpu-check preflight: step 7's verdicts on a stand-in: clean, refused device, a planted race, a failing command:"
+  sanitize "$fake" racecheck 120 "$out/sanitize.log" -- "${cmd[@]}" \
+    && FAKE_SAN=unsupported sanitize "$fake" racecheck 120 "$out/sanitize.log" -- "${cmd[@]}" \
+    && ! FAKE_SAN=race sanitize "$fake" racecheck 120 "$out/sanitize.log" -- "${cmd[@]}" \
+    && ! sanitize "$fake" memcheck 120 "$out/sanitize.log" -- "$bin/gpu_check" --impls no-such-family \
+    || { tail -20 "$out/sanitize.log"; echo "gpu-check preflight: step 7's compute-sanitizer verdicts are wrong"; return 1; }
   echo "gpu-check preflight: the staged binaries run on the CPU under the host CUDA shim ($out)"
 }
 
