@@ -16,6 +16,7 @@
 
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result};
+use std::borrow::Cow;
 
 /// Fold rows `row0 .. row0 + n` of a block (`os [B, n, H, D]`, `ls [B, H, n]`) into the state
 /// slices `out [B, T, H, D]`, `lse [B, H, T]` (`dims = (B, T, H, D)`), through the LSE; rows
@@ -51,6 +52,23 @@ pub(crate) fn merge_slices(
             }
         }
     }
+}
+
+/// Elements `range` of an f32, f16 or bf16 CPU block as f32 (borrowed when already f32).
+fn block_f32<'a>(
+    s: &'a CpuStorage,
+    range: std::ops::Range<usize>,
+    what: &str,
+) -> Result<Cow<'a, [f32]>> {
+    Ok(match s {
+        CpuStorage::F32(v) => Cow::Borrowed(&v[range]),
+        CpuStorage::F16(v) => Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()),
+        CpuStorage::BF16(v) => Cow::Owned(v[range].iter().map(|x| x.to_f32()).collect()),
+        other => candle_core::bail!(
+            "{what} dtype {:?} not supported (f32, f16, bf16)",
+            other.dtype()
+        ),
+    })
 }
 
 /// `buffer.inplace_op3(&out_s, &lse_s, &MergeRowsInPlace { .. })`: merge a partial result
@@ -127,24 +145,9 @@ impl InplaceOp3 for MergeRowsInPlace {
                 l.dtype()
             )
         };
-        let conv;
-        let os: &[f32] = match o {
-            CpuStorage::F32(v) => &v[o0..o1],
-            CpuStorage::F16(v) => {
-                conv = v[o0..o1].iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                &conv
-            }
-            CpuStorage::BF16(v) => {
-                conv = v[o0..o1].iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                &conv
-            }
-            other => candle_core::bail!(
-                "MergeRowsInPlace: block out dtype {:?} not supported (f32, f16, bf16)",
-                other.dtype()
-            ),
-        };
+        let os = block_f32(o, o0..o1, "MergeRowsInPlace: block out")?;
         let (out, lse) = buf[a0..a1].split_at_mut(b * t * h * d);
-        merge_slices(out, lse, self.dims, self.row0, os, &ls[l0..l1]);
+        merge_slices(out, lse, self.dims, self.row0, &os, &ls[l0..l1]);
         Ok(())
     }
 
@@ -241,23 +244,8 @@ impl InplaceOp2 for AddRowsInPlace {
                 acc.dtype()
             )
         };
-        let conv;
-        let xs: &[f32] = match x {
-            CpuStorage::F32(v) => &v[x0..x1],
-            CpuStorage::F16(v) => {
-                conv = v[x0..x1].iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                &conv
-            }
-            CpuStorage::BF16(v) => {
-                conv = v[x0..x1].iter().map(|x| x.to_f32()).collect::<Vec<_>>();
-                &conv
-            }
-            other => candle_core::bail!(
-                "AddRowsInPlace: block dtype {:?} not supported (f32, f16, bf16)",
-                other.dtype()
-            ),
-        };
-        add_slices(&mut data[a0..a1], self.dims, self.plane, self.row0, xs);
+        let xs = block_f32(x, x0..x1, "AddRowsInPlace: block")?;
+        add_slices(&mut data[a0..a1], self.dims, self.plane, self.row0, &xs);
         Ok(())
     }
 
