@@ -25,7 +25,7 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
-use candle_cp_ops::cp::{ring_attention_fwd_raw, shard, CpOpts, Layout, DEFAULT_BLOCK_ROWS};
+use candle_cp_ops::cp::{ring_attention_bwd_raw, ring_attention_fwd_raw, shard, CpOpts, Layout, DEFAULT_BLOCK_ROWS};
 use std::time::{Duration, Instant};
 
 struct Args {
@@ -294,7 +294,8 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
 /// Zigzag ring forward on `ring_p` virtual ranks vs one flash forward over the whole sequence
 /// (same FLOPs): efficiency = single-GPU time / ring time. The ring's kernels are `Auto`'s
 /// (`CANDLE_CP_FLASH_IMPL`, printed as `kernel`), the single-GPU kernel the first `--impl`
-/// (`single_kernel`): set the variable to that family to compare like with like.
+/// (`single_kernel`): set the variable to that family to compare like with like. With
+/// `--bwd 1` also the ring's backward against the single-GPU backward (`bwd_efficiency`).
 fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
     let (q, k, v, single) = (&ri.q, &ri.k, &ri.v, ri.single_s);
@@ -319,8 +320,37 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     run()?; // warm-up
     let ring_s = (0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
     let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * 0.5;
+    // With `--bwd 1`: the ring's backward (K/V and dK/dV rotating, dQ accumulated in place) on
+    // the same ranks, each rank's forward (out, lse) computed first, untimed; timed from a barrier
+    // to the slowest rank's end, against the single-GPU backward.
+    let bwd = match &ri.bwd {
+        Some((_, _, dout, single_bwd)) => {
+            let douts: Vec<Tensor> = (0..p).map(|r| shard(dout, Layout::Zigzag, r, p, 1)).collect::<candle_core::Result<_>>()?;
+            let run_bwd = || -> Result<f64> {
+                let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
+                    let [q, k, v] = &shards[g.rank()];
+                    let (out, lse, _) = ring_attention_fwd_raw(q, k, v, &g, &opts)?;
+                    out.device().synchronize()?;
+                    g.barrier()?;
+                    let t0 = Instant::now();
+                    let (dq, _, _, _) = ring_attention_bwd_raw(q, k, v, &out, &lse, &douts[g.rank()], &g, &opts)?;
+                    dq.device().synchronize()?;
+                    Ok(t0.elapsed().as_secs_f64())
+                });
+                let mut worst = 0f64;
+                for r in res {
+                    worst = worst.max(r?);
+                }
+                Ok(worst)
+            };
+            run_bwd()?; // warm-up
+            let s = (0..a.iters.max(1)).map(|_| run_bwd()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
+            format!(",\"ring_bwd_ms\":{:.3},\"single_bwd_ms\":{:.3},\"bwd_efficiency\":{:.3}", s * 1e3, single_bwd * 1e3, single_bwd / s)
+        }
+        None => String::new(),
+    };
     println!(
-        "{{\"impl\":\"candle-cp-ring\",\"kernel\":\"{:?}\",\"single_kernel\":\"{:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"causal\":true,\"ring_ms\":{:.3},\"single_ms\":{:.3},\"ring_tflops\":{:.2},\"efficiency\":{:.3}}}",
+        "{{\"impl\":\"candle-cp-ring\",\"kernel\":\"{:?}\",\"single_kernel\":\"{:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"causal\":true,\"ring_ms\":{:.3},\"single_ms\":{:.3},\"ring_tflops\":{:.2},\"efficiency\":{:.3}{bwd}}}",
         FwdImpl::from_env(),
         ri.imp,
         ring_s * 1e3,

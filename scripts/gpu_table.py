@@ -57,6 +57,9 @@ def main():
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']} (ring on {r.get('kernel', 'Auto')}): {r['ring_ms']:.1f} ms "
               f"vs single-GPU kernel ({r.get('single_kernel', '?')}) {r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")
+        if "bwd_efficiency" in r:
+            print(f"  backward: {r['ring_bwd_ms']:.1f} ms (slowest rank, from a barrier) vs single-GPU "
+                  f"{r['single_bwd_ms']:.1f} ms, efficiency {r['bwd_efficiency']:.2f}")
     targets(ours, [r for r in bench if r.get("impl") == "candle-cp-ring-steps"])
 
 
