@@ -321,19 +321,26 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     let ring_s = (0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
     let flops = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64) * 0.5;
     // With `--bwd 1`: the ring's backward (K/V and dK/dV rotating, dQ accumulated in place) on
-    // the same ranks, each rank's forward (out, lse) computed first, untimed; timed from a barrier
-    // to the slowest rank's end, against the single-GPU backward.
+    // the same ranks, from each rank's forward (out, lse) computed once, untimed; timed from a
+    // barrier to the slowest rank's end, against the single-GPU backward.
     let bwd = match &ri.bwd {
         Some((_, _, dout, single_bwd)) => {
             let douts: Vec<Tensor> = (0..p).map(|r| shard(dout, Layout::Zigzag, r, p, 1)).collect::<candle_core::Result<_>>()?;
+            let fwds = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
+                let [q, k, v] = &shards[g.rank()];
+                let (out, lse, _) = ring_attention_fwd_raw(q, k, v, &g, &opts)?;
+                Ok((out, lse))
+            })
+            .into_iter()
+            .collect::<std::result::Result<Vec<_>, _>>()?;
             let run_bwd = || -> Result<f64> {
                 let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
                     let [q, k, v] = &shards[g.rank()];
-                    let (out, lse, _) = ring_attention_fwd_raw(q, k, v, &g, &opts)?;
+                    let (out, lse) = &fwds[g.rank()];
                     out.device().synchronize()?;
                     g.barrier()?;
                     let t0 = Instant::now();
-                    let (dq, _, _, _) = ring_attention_bwd_raw(q, k, v, &out, &lse, &douts[g.rank()], &g, &opts)?;
+                    let (dq, _, _, _) = ring_attention_bwd_raw(q, k, v, out, lse, &douts[g.rank()], &g, &opts)?;
                     dq.device().synchronize()?;
                     Ok(t0.elapsed().as_secs_f64())
                 });

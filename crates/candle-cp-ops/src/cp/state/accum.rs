@@ -13,7 +13,7 @@
 //!   before is set from the block (one copy); otherwise `rows + block` (strided read, one add)
 //!   is written back. The reference the `InPlace` form is tested against.
 
-use super::merge_op::{add_slices, AddRowsInPlace};
+use super::merge_op::{add_slices, block_on, AddRowsInPlace};
 use super::{with_host_f32, Residency};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -139,16 +139,13 @@ impl RowAccum {
                 with_host_f32(x, |xs| add_slices(data, self.dims, plane, row0, xs))
             }
             Repr::InPlace { acc } => {
-                let mut x = x.to_device(acc.device())?;
-                if !matches!(x.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-                    x = x.to_dtype(DType::F32)?;
-                }
+                let x = block_on(x, acc.device())?;
                 let op = AddRowsInPlace {
                     dims: self.dims,
                     plane,
                     row0,
                 };
-                acc.inplace_op2(&x.contiguous()?, &op)
+                acc.inplace_op2(&x, &op)
             }
             Repr::Device { acc, written } => {
                 let x = x

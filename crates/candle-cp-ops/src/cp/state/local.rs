@@ -30,7 +30,7 @@
 //! Both device forms can be forced on the CPU (the `Buffer` form's CPU body is the host form's
 //! own merge), which is how they are tested against each other without a GPU.
 
-use super::merge_op::{merge_slices, MergeRowsInPlace};
+use super::merge_op::{block_on, merge_slices, MergeRowsInPlace};
 use super::{with_host_f32, Residency};
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -151,20 +151,13 @@ impl LocalState {
         match &mut self.repr {
             Repr::Host { out, lse } => merge_host(out, lse, self.dims, row0, out_s, lse_s),
             Repr::Buffer { buf } => {
-                let dev = buf.device().clone();
-                let mut os = out_s.to_device(&dev)?;
-                if !matches!(os.dtype(), DType::F32 | DType::F16 | DType::BF16) {
-                    os = os.to_dtype(DType::F32)?;
-                }
-                let ls = lse_s.to_device(&dev)?.to_dtype(DType::F32)?.contiguous()?;
-                buf.inplace_op3(
-                    &os.contiguous()?,
-                    &ls,
-                    &MergeRowsInPlace {
-                        dims: self.dims,
-                        row0,
-                    },
-                )
+                let os = block_on(out_s, buf.device())?;
+                let ls = block_on(&lse_s.to_dtype(DType::F32)?, buf.device())?;
+                let op = MergeRowsInPlace {
+                    dims: self.dims,
+                    row0,
+                };
+                buf.inplace_op3(&os, &ls, &op)
             }
             Repr::Device { out, lse } => {
                 let dev = out.device().clone();

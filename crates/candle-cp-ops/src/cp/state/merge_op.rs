@@ -15,7 +15,7 @@
 //! for other devices, kept as the reference in the tests) moves each row three times.
 
 use candle_core::backend::BackendStorage;
-use candle_core::{CpuStorage, InplaceOp2, InplaceOp3, Layout, Result};
+use candle_core::{CpuStorage, DType, Device, InplaceOp2, InplaceOp3, Layout, Result, Tensor};
 use std::borrow::Cow;
 
 /// Fold rows `row0 .. row0 + n` of a block (`os [B, n, H, D]`, `ls [B, H, n]`) into the state
@@ -52,6 +52,17 @@ pub(crate) fn merge_slices(
             }
         }
     }
+}
+
+/// A block for the in-place ops on `device`: moved there, kept in f32 / f16 / bf16 (what the
+/// kernels read) or converted to f32, contiguous.
+pub(crate) fn block_on(x: &Tensor, device: &Device) -> Result<Tensor> {
+    let x = x.to_device(device)?;
+    let x = match x.dtype() {
+        DType::F32 | DType::F16 | DType::BF16 => x,
+        _ => x.to_dtype(DType::F32)?,
+    };
+    x.contiguous()
 }
 
 /// Elements `range` of an f32, f16 or bf16 CPU block as f32 (borrowed when already f32).
