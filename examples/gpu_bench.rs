@@ -191,9 +191,10 @@ impl RingInputs {
 /// issues: `step_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) timed alone,
 /// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
 /// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9. With
-/// `--bwd 1` the same for the backward: each call's `flash::bwd_with` on the step's keys with
-/// the whole sequence's out / lse of its query rows (what the ring's backward computes per
-/// step; 2.5x the forward's FLOP) against the single-GPU backward's rate.
+/// `--bwd 1` the same for the backward: each call's `flash::bwd_prepared` on the step's keys
+/// with the rows of the rank's backward prepared once from the whole sequence's out / dout, and
+/// the lse of its query rows (what the ring's backward computes per step; 2.5x the forward's
+/// FLOP; the prep's time / P added to each step) against the single-GPU backward's rate.
 fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     use candle_cp_ops::cp::ring::{call_pairs, step_schedule, sub_blocks, Block};
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
@@ -201,14 +202,15 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
     let single_rate = 4.0 * (b * h * d) as f64 * (t as f64) * (t as f64 + 1.0) / 2.0 / ri.single_s;
     let rank = 0usize;
     let ql = shard(q, Layout::Zigzag, rank, p, 1)?;
-    // rank 0's rows of out, dout (dim 1) and lse (dim 2), and the single-GPU backward's rate
+    // rank 0's lse rows (dim 2), its backward prepared once from its rows of out and dout (what
+    // the ring's backward does before its steps; the prep's time, amortized over the P steps, is
+    // added to each step's), and the single-GPU backward's rate
     let bl = match &ri.bwd {
-        Some((out, lse, dout, s)) => Some((
-            shard(out, Layout::Zigzag, rank, p, 1)?,
-            shard(lse, Layout::Zigzag, rank, p, 2)?,
-            shard(dout, Layout::Zigzag, rank, p, 1)?,
-            2.5 * single_rate * ri.single_s / s,
-        )),
+        Some((out, lse, dout, s)) => {
+            let (ol, gl) = (shard(out, Layout::Zigzag, rank, p, 1)?, shard(dout, Layout::Zigzag, rank, p, 1)?);
+            let prep_s = time(dev, a.iters, || flash::bwd_prep(&ol, &gl, q.dtype()).map(|_| ()))?;
+            Some((shard(lse, Layout::Zigzag, rank, p, 2)?, flash::bwd_prep(&ol, &gl, q.dtype())?, prep_s, 2.5 * single_rate * ri.single_s / s))
+        }
         None => None,
     };
     // The engine's default on CUDA (no row chunking: one call per block, `rows_per_call` of
@@ -234,11 +236,7 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     let kr = ks.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let vr = vs.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let rows = match &bl {
-                        Some((o, l, g, _)) => Some((
-                            o.narrow(1, qseg.local, qseg.len)?.contiguous()?,
-                            l.narrow(2, qseg.local, qseg.len)?.contiguous()?,
-                            g.narrow(1, qseg.local, qseg.len)?.contiguous()?,
-                        )),
+                        Some((l, pr, ..)) => Some((l.narrow(2, qseg.local, qseg.len)?.contiguous()?, pr.narrow_rows(qseg.local, qseg.len)?)),
                         None => None,
                     };
                     calls.push((qr, kr, vr, mask, pairs, rows));
@@ -254,20 +252,21 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
             let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
             worst = worst.min(rate / single_rate);
             let bwd = match &bl {
-                Some((.., single_bwd_rate)) => {
+                Some((_, _, prep_s, single_bwd_rate)) => {
                     let bsecs = time(dev, a.iters, || {
                         for (qr, kr, vr, mask, _, rows) in &calls {
-                            if let Some((o, l, g)) = rows {
-                                flash::bwd_with(qr, kr, vr, o, l, g, *mask, scale, imp)?;
+                            if let Some((l, pr)) = rows {
+                                flash::bwd_prepared(qr, kr, vr, l, pr, *mask, scale, imp)?;
                             }
                         }
                         Ok(())
-                    })?;
+                    })? + prep_s / p as f64;
                     let brate = 2.5 * 4.0 * (b * h * d) as f64 * pairs as f64 / bsecs;
                     worst_bwd = worst_bwd.min(brate / single_bwd_rate);
                     format!(
-                        ",\"bwd_step_ms\":{:.3},\"bwd_step_tflops\":{:.2},\"bwd_single_tflops\":{:.2},\"bwd_ratio\":{:.3}",
+                        ",\"bwd_step_ms\":{:.3},\"bwd_prep_ms\":{:.3},\"bwd_step_tflops\":{:.2},\"bwd_single_tflops\":{:.2},\"bwd_ratio\":{:.3}",
                         bsecs * 1e3,
+                        prep_s * 1e3,
                         brate / 1e12,
                         single_bwd_rate / 1e12,
                         brate / single_bwd_rate

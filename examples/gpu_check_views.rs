@@ -7,6 +7,9 @@
 //!   (`flash::fwd` / `flash::bwd_with`, every selected family) and the autograd op (gradients
 //!   flow back into the flat buffer and the transposed base) against the CPU path on the same
 //!   views.
+//! - a backward prepared once for all rows (`flash::bwd_prep`), called on rows `R0..T` of it
+//!   (`BwdPrep::narrow_rows`, `flash::bwd_prepared`: what the ring runs per step) against the
+//!   CPU backward of those rows, every selected family.
 //! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
 //!   the shapes (no panic, no kernel launch).
 
@@ -25,6 +28,8 @@ struct Views {
 }
 
 const OFF: usize = 5;
+/// First query row of the prepared-backward check (rows `R0..T` of one prep of all rows).
+const R0: usize = 40;
 
 impl Views {
     fn new(dims: (usize, usize, usize, usize, usize), dtype: DType, seed: u64) -> Result<Self> {
@@ -63,6 +68,12 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
         let dout = rand_tensor(o_ref.dims(), 903)?;
         let (dq_r, dk_r, dv_r) = attention_bwd(&q, &k, &cpu.v, &o_ref, &l_ref, &dout, &mask, scale)?;
         let (go, gl, gd) = (o_ref.to_device(gpu)?, l_ref.to_device(gpu)?, dout.to_device(gpu)?);
+        // the rows R0.. of a prepared backward (B = 2: the prep's rows are a strided view)
+        let t = dims.1;
+        let rows = |x: &Tensor, dim: usize| x.narrow(dim, R0, t - R0);
+        let row_mask = Mask::causal_offsets(R0, 0);
+        let (qr, lr) = (rows(&q, 1)?, rows(&l_ref, 2)?);
+        let rows_ref = attention_bwd(&qr, &k, &cpu.v, &rows(&o_ref, 1)?, &lr, &rows(&dout, 1)?, &row_mask, scale)?;
         let mut imps: Vec<FwdImpl> = if dtype == DType::F32 { vec![FwdImpl::Simple] } else { vec![FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
         imps.retain(|&i| rep.wants(i));
         if dtype != DType::F32 {
@@ -89,6 +100,18 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
                     rep.check(&format!("{name} bwd dv"), rel(&dv, &dv_r)?, tb);
                 }
                 Err(e) => rep.error(&format!("{name} bwd"), e),
+            }
+            let prepared = flash::bwd_prep(&go, &gd, dtype).and_then(|pr| {
+                let pr = pr.narrow_rows(R0, t - R0)?;
+                flash::bwd_prepared(&rows(&gq, 1)?, &gk, &dev.v, &rows(&gl, 2)?, &pr, kmask(&row_mask), scale as f32, imp)
+            });
+            match prepared {
+                Ok((dq, dk, dv)) => {
+                    rep.check(&format!("{name} prepared rows {R0}.. dq"), rel(&dq, &rows_ref.0)?, tb);
+                    rep.check(&format!("{name} prepared rows {R0}.. dk"), rel(&dk, &rows_ref.1)?, tb);
+                    rep.check(&format!("{name} prepared rows {R0}.. dv"), rel(&dv, &rows_ref.2)?, tb);
+                }
+                Err(e) => rep.error(&format!("{name} prepared rows {R0}.."), e),
             }
         }
         // the autograd op on the views: gradients flow back to the flat buffer and the k base
@@ -126,6 +149,13 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
         Ok(_) => rep.error(name, "returned Ok"),
     };
     expect_err(rep, "views: q on the GPU, k and v on the CPU -> Err", attention(&q, &k, &v, &mask, scale));
+    // a prep of all 96 rows for a call on 40 of them
+    let (kg, vg) = (k.to_device(gpu)?, v.to_device(gpu)?);
+    let bad = flash::bwd_prep(&q, &q, DType::F32).and_then(|pr| {
+        let l = Tensor::zeros((2, 4, 40), DType::F32, gpu)?;
+        flash::bwd_prepared(&q.narrow(1, 0, 40)?, &kg, &vg, &l, &pr, kmask(&mask), scale as f32, FwdImpl::Simple)
+    });
+    expect_err(rep, "views: a prep of 96 rows for 40 query rows -> Err", bad.map(|(dq, dk, _)| (dq, dk)));
     let (qb, kb, vb) = (q.to_dtype(DType::BF16)?, k.to_device(gpu)?, v.to_device(gpu)?);
     expect_err(rep, "views: q bf16, k and v f32 -> Err", attention(&qb, &kb, &vb, &mask, scale));
     Ok(())

@@ -44,7 +44,8 @@ def main():
         row += f" {f(torch.get((t_, causal)), 'bwd_tflops')} |"
         print(row)
     for r in (r for r in bench if r.get("impl") == "candle-cp-ring-step"):
-        bwd = (f"; backward {r['bwd_step_tflops']:.1f} = {r['bwd_ratio']:.2f} of {r['bwd_single_tflops']:.1f}"
+        prep = f", prep {r['bwd_prep_ms']:.3f} ms once / {r['p']} steps" if "bwd_prep_ms" in r else ""
+        bwd = (f"; backward {r['bwd_step_tflops']:.1f} = {r['bwd_ratio']:.2f} of {r['bwd_single_tflops']:.1f}{prep}"
                if "bwd_ratio" in r else "")
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
               f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}{bwd}")

@@ -10,19 +10,22 @@ use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
-use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, StorageRef, Tensor};
+use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
 
 mod band;
 mod bwd_fused;
 mod bwd_pipe;
+mod bwd_prep;
 mod bwd_sm90;
 mod bwd_sm90_ws;
 mod sm90;
 mod sm90_ws;
 pub(crate) mod tma;
 
-pub use band::{bwd_band, fwd_band, fwd_storage_band, KBand};
+pub use band::{bwd_band, bwd_band_prepared, fwd_band, fwd_storage_band, KBand};
+pub use bwd_prep::{bwd_prep, BwdPrep};
+use bwd_prep::BwdInputs;
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -350,44 +353,6 @@ fn prep(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// Read-locked storages of one backward call's inputs, in launch order: q, k, v `[B, T|S, H|Hkv, D]`
-/// (the input dtype) and out `[B, T, H, D]`, dout `[B, T, H, D]`, lse `[B, H, T]` (f32), with the
-/// views the kernel launches of [`bwd_with`] and its `bwd_pipe` / `bwd_fused` paths take.
-struct BwdInputs<'a> {
-    t: [&'a Tensor; 6],
-    g: [(StorageRef<'a>, &'a Layout); 6],
-}
-
-impl<'a> BwdInputs<'a> {
-    const NAMES: [&'static str; 6] = ["q", "k", "v", "out", "dout", "lse"];
-
-    /// Locks the storages of q, k, v, out, dout, lse (in that order); errors naming the tensor and
-    /// its shape where one is not on a CUDA device.
-    fn lock((q, k, v): (&'a Tensor, &'a Tensor, &'a Tensor), (out, dout, lse): (&'a Tensor, &'a Tensor, &'a Tensor)) -> Result<Self> {
-        let t = [q, k, v, out, dout, lse];
-        let g = t.map(|x| x.storage_and_layout());
-        for (i, what) in Self::NAMES.iter().enumerate() {
-            storage_of(&g[i].0, what, t[i].shape())?;
-        }
-        Ok(Self { t, g })
-    }
-
-    fn view<T: CudaDType>(&self, i: usize) -> Result<CudaView<'_, T>> {
-        let what = Self::NAMES[i];
-        util::view::<T>(storage_of(&self.g[i].0, what, self.t[i].shape())?, self.g[i].1, what)
-    }
-
-    /// q, k, v as views of `T` (their dtype).
-    fn qkv<T: CudaDType>(&self) -> Result<(CudaView<'_, T>, CudaView<'_, T>, CudaView<'_, T>)> {
-        Ok((self.view(0)?, self.view(1)?, self.view(2)?))
-    }
-
-    /// out, dout, lse as f32 views.
-    fn f32s(&self) -> Result<(CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>)> {
-        Ok((self.view(3)?, self.view(4)?, self.view(5)?))
-    }
-}
-
 /// The backward kernels' f32 outputs as tensors: dq `[B, T, H, D]`, dk and dv `[B, S, Hkv, D]`.
 fn bwd_tensors(dev: &CudaDevice, (dq, dk, dv): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>), (b, t, s, h, hkv, d): Dims) -> (Tensor, Tensor, Tensor) {
     (util::to_tensor(dq, dev, (b, t, h, d)), util::to_tensor(dk, dev, (b, s, hkv, d)), util::to_tensor(dv, dev, (b, s, hkv, d)))
@@ -417,6 +382,36 @@ pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: Fwd
         Tensor::from_storage(Storage::Cuda(o), os, none(), false),
         Tensor::from_storage(Storage::Cuda(l), ls, none(), false),
     ))
+}
+
+/// The checks of an unprepared backward call before its prep: q, k, v on a CUDA device with the
+/// kernels' shapes, out/dout `[B, T, H, D]` and lse `[B, H, T]` of q's rows, a kernel dtype.
+fn check_bwd_rows(op: &str, (q, k, v): (&Tensor, &Tensor, &Tensor), (out, lse, dout): (&Tensor, &Tensor, &Tensor)) -> Result<()> {
+    util::cuda_device(q, &format!("{op}: q"))?;
+    let (b, t, _, h, _, d) = check_dims(op, q.shape(), k.shape(), v.shape())?;
+    if out.dims() != [b, t, h, d] || dout.dims() != [b, t, h, d] || lse.dims() != [b, h, t] {
+        candle_core::bail!(
+            "{op}: expected out/dout [B, T, H, D] = {:?} and lse [B, H, T], got out {:?}, dout {:?}, lse {:?}",
+            q.shape(), out.shape(), dout.shape(), lse.shape()
+        )
+    }
+    suffix(q.dtype()).map(|_| ())
+}
+
+/// The checks of a prepared backward call: q's device and the kernels' shapes, lse `[B, H, T]`,
+/// the prep's rows ([`BwdPrep`]), one dtype for q, k, v. Returns the device and the dims.
+fn check_prepared(op: &str, (q, k, v): (&Tensor, &Tensor, &Tensor), lse: &Tensor, pr: &BwdPrep) -> Result<(CudaDevice, Dims)> {
+    let dev = util::cuda_device(q, &format!("{op}: q"))?;
+    let dims = check_dims(op, q.shape(), k.shape(), v.shape())?;
+    let (b, t, _, h, _, _) = dims;
+    if lse.dims() != [b, h, t] {
+        candle_core::bail!("{op}: expected lse [B, H, T] for q {:?}, got {:?}", q.shape(), lse.shape())
+    }
+    pr.check(op, q)?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("{op}: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
+    }
+    Ok((dev, dims))
 }
 
 /// Raw backward on CUDA tensors, no graph. `out` `[B, T, H, D]` and `lse` `[B, H, T]` belong to
@@ -462,17 +457,25 @@ pub fn bwd_with(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dev = util::cuda_device(q, "flash_bwd: q")?;
-    let (b, t, s, h, hkv, d) = check_dims("flash_bwd", q.shape(), k.shape(), v.shape())?;
-    if out.dims() != [b, t, h, d] || dout.dims() != [b, t, h, d] || lse.dims() != [b, h, t] {
-        candle_core::bail!(
-            "flash_bwd: expected out/dout [B, T, H, D] = {:?} and lse [B, H, T], got out {:?}, dout {:?}, lse {:?}",
-            q.shape(), out.shape(), dout.shape(), lse.shape()
-        )
-    }
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        candle_core::bail!("flash_bwd: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
-    }
+    check_bwd_rows("flash_bwd", (q, k, v), (out, lse, dout))?;
+    bwd_prepared(q, k, v, lse, &bwd_prep(out, dout, q.dtype())?, mask, scale, imp)
+}
+
+/// [`bwd_with`] on a prepared backward ([`bwd_prep`] of the whole attention's out and dO for these
+/// query rows, or its [`BwdPrep::narrow_rows`]): what a ring runs at each step, so that delta and the
+/// 16-bit dO are made once per backward instead of once per step. `lse` `[B, H, T]` as in [`bwd`].
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_prepared(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd", (q, k, v), lse, pr)?;
     let sfx = suffix(q.dtype())?;
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
@@ -501,38 +504,29 @@ pub fn bwd_with(
         let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
         return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
     }
-    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
-    let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
+    let dims = (b, t, s, h, hkv, d);
     if wgmma {
         let atomic = imp == FwdImpl::WgmmaAtomic;
-        return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale, atomic);
+        return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (lse, pr), dims, mask, scale, atomic);
     }
     if ws {
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), bwd_sm90_ws::WsbMask::Mask(mask), scale, imp.tma());
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, bwd_sm90_ws::WsbMask::Mask(mask), scale, imp.tma());
     }
     if imp == FwdImpl::AtomicDq {
-        return bwd_fused::bwd_fused(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
+        return bwd_fused::bwd_fused(&dev, (q, k, v), (lse, pr), dims, mask, scale);
     }
     if pipe {
-        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (&out, &lse, &dout), (b, t, s, h, hkv, d), mask, scale);
+        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (lse, pr), dims, mask, scale);
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, &lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
-    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let (dout, lse, delta) = pr.launch_rows(lse, false)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
+    let (dov, lv, delta): (CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>) = inp.rows()?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
 
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
-    {
-        let func = dev.get_or_load_custom_func("flash_bwd_delta_f32", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
-        let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let mut bld = func.builder();
-        bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&bi).arg(&ti).arg(&hi).arg(&di);
-        // SAFETY: matches flash_bwd_delta_f32's parameters.
-        unsafe { bld.launch(cfg) }.w()?;
-    }
     let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };

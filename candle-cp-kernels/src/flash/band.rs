@@ -15,12 +15,12 @@
 //! (`Mma`, `AtomicDq`, a Hopper family elsewhere) `Auto`'s family runs under a band (see
 //! [`FwdImpl`]).
 
-use super::bwd_pipe::{launch_prep, PipeCfg};
-use super::{bwd_sm90, bwd_sm90_ws, bwd_tensors, check_dims, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, BwdInputs, Dims, FwdImpl};
+use super::bwd_pipe::PipeCfg;
+use super::{bwd_sm90, bwd_sm90_ws, bwd_tensors, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -228,17 +228,23 @@ pub fn bwd_band(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
-    let dev = util::cuda_device(q, "flash_bwd_band: q")?;
-    let (b, t, s, h, hkv, d) = check_dims("flash_bwd_band", q.shape(), k.shape(), v.shape())?;
-    if out.dims() != [b, t, h, d] || dout.dims() != [b, t, h, d] || lse.dims() != [b, h, t] {
-        candle_core::bail!(
-            "flash_bwd_band: expected out/dout [B, T, H, D] = {:?} and lse [B, H, T], got out {:?}, dout {:?}, lse {:?}",
-            q.shape(), out.shape(), dout.shape(), lse.shape()
-        )
-    }
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        candle_core::bail!("flash_bwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?})", q.dtype(), k.dtype(), v.dtype())
-    }
+    check_bwd_rows("flash_bwd_band", (q, k, v), (out, lse, dout))?;
+    bwd_band_prepared(q, k, v, lse, &bwd_prep(out, dout, q.dtype())?, band, scale, imp)
+}
+
+/// [`bwd_band`] on a prepared backward ([`bwd_prep`], see [`super::bwd_prepared`]).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_band_prepared(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd_band", (q, k, v), lse, pr)?;
     band.check("flash_bwd_band", b, t, &dev)?;
     let sfx = suffix(q.dtype())?;
     let pc = PipeCfg::of(d);
@@ -248,20 +254,18 @@ pub fn bwd_band(
         let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
         return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
     }
-    let f32c = |x: &Tensor| -> Result<Tensor> { x.to_dtype(DType::F32)?.contiguous() };
-    let (out, dout, lse) = (f32c(out)?, f32c(dout)?, f32c(lse)?);
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     let dims = (b, t, s, h, hkv, d);
     if (imp == FwdImpl::WgmmaWs || imp.tma()) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp.tma()).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (&out, &lse, &dout), dims, band, scale, imp.tma());
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, band, scale, imp.tma());
     }
     let atomic = imp == FwdImpl::WgmmaAtomic;
     if (imp == FwdImpl::Wgmma || atomic) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90::check(&dev, d, atomic, q.shape(), k.shape()).is_ok() {
-        return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale, atomic);
+        return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, atomic);
     }
     if pipe {
-        return bwd_pipe_band(&dev, (q, k, v), (&out, &lse, &dout), dims, (&blo, &bhi), scale);
+        return bwd_pipe_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -269,20 +273,12 @@ pub fn bwd_band(
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(&blo, t), "band batch stride")?;
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, &lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
-    let (bi, ti, si, hi, hkvi, di) = (b as i32, t as i32, s as i32, h as i32, hkv as i32, d as i32);
+    let (dout, lse, delta) = pr.launch_rows(lse, false)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
+    let (dov, lv, delta): (CudaView<'_, f32>, CudaView<'_, f32>, CudaView<'_, f32>) = inp.rows()?;
+    let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let acc = 0i32;
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut delta = unsafe { dev.alloc::<f32>(b * h * t)? };
-    {
-        let func = dev.get_or_load_custom_func("flash_bwd_delta_f32", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)?;
-        let cfg = LaunchConfig { grid_dim: ((b * t * h).div_ceil(4) as u32, 1, 1), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
-        let mut bld = func.builder();
-        bld.arg(&ov).arg(&dov).arg(&mut delta).arg(&bi).arg(&ti).arg(&hi).arg(&di);
-        // SAFETY: matches flash_bwd_delta_f32's parameters.
-        unsafe { bld.launch(cfg) }.w()?;
-    }
     let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
@@ -322,14 +318,13 @@ pub fn bwd_band(
 fn bwd_pipe_band(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     (blo, bhi): (&Tensor, &Tensor),
     scale: f32,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let sfx = suffix(q.dtype())?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let pc = PipeCfg::of(d);
     let (bn, bm) = pc.block_rows();
     let (kv_tiles, q_tiles) = (s.div_ceil(bn), t.div_ceil(bm));
@@ -339,8 +334,8 @@ fn bwd_pipe_band(
     if (h / hkv) * t.div_ceil(pc.kv_bq) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd_band: too many query rows for the pipelined kernels' 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
     let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
@@ -357,7 +352,7 @@ fn bwd_pipe_band(
     macro_rules! launch_pipe_band {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_band_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;

@@ -5,8 +5,7 @@
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. dq is summed with f32 atomics from every
 //! 128-key block, in a nondeterministic order.
 
-use super::bwd_pipe::launch_prep;
-use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, KMask};
+use super::{bwd_tensors, prep, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -47,7 +46,7 @@ pub(super) fn check_fits(dev: &CudaDevice, d: usize, q: &Shape) -> Result<()> {
 pub(super) fn bwd_fused(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
@@ -55,7 +54,6 @@ pub(super) fn bwd_fused(
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let kv_tiles = s.div_ceil(BN);
     if kv_tiles > 65_535 {
         candle_core::bail!("flash_bwd: S = {s} too long for the fused kernel's grid (at most {} keys); q {:?}, k {:?}", 65_535 * BN, q.shape(), k.shape())
@@ -65,8 +63,8 @@ pub(super) fn bwd_fused(
     if (h / hkv) * t.div_ceil(BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd: too many query rows for the fused kernel's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     // accumulate = 0: dk/dv are overwritten; dq is always added to, so it starts at zero.
@@ -79,7 +77,7 @@ pub(super) fn bwd_fused(
     macro_rules! launch_fused {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_fused_{sfx}_d{d}"), ptx::FLASH_BWD_FUSED_MODULE, ptx::FLASH_BWD_FUSED)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;

@@ -4,7 +4,7 @@
 //! k/v `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
-use super::{bwd_tensors, prep, suffix, BwdInputs, Dims, FwdImpl, KMask};
+use super::{bwd_tensors, prep, suffix, BwdInputs, BwdPrep, Dims, FwdImpl, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -95,7 +95,7 @@ pub(super) fn launch_prep<T: CudaDType + DeviceRepr>(
 pub(super) fn bwd_pipe(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
@@ -104,7 +104,6 @@ pub(super) fn bwd_pipe(
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout): contiguous,
     // start offset a multiple of 8 elements.
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let pc = PipeCfg::of(d);
     let (bn, bm) = pc.block_rows();
     let (kv_tiles, q_tiles) = (s.div_ceil(bn), t.div_ceil(bm));
@@ -116,8 +115,8 @@ pub(super) fn bwd_pipe(
     if (h / hkv) * t.div_ceil(pc.kv_bq) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd: too many query rows for the pipelined kernels' 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
@@ -130,7 +129,7 @@ pub(super) fn bwd_pipe(
     macro_rules! launch_pipe {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;

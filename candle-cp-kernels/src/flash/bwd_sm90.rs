@@ -11,7 +11,7 @@
 //! kernels (`flash_bwd_wgmma_{dkdv,dq,atomic}_band_*`) run `bwd_band` under those two families
 //! ([`bwd_wgmma_band`]).
 
-use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
+use super::{bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
@@ -88,7 +88,7 @@ fn grid_tiles((b, t, s, h, hkv): (usize, usize, usize, usize, usize), q: &Tensor
 pub(super) fn bwd_wgmma(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
@@ -97,10 +97,9 @@ pub(super) fn bwd_wgmma(
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let (kv_tiles, q_tiles) = grid_tiles((b, t, s, h, hkv), &q, &k, "flash_bwd")?;
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
@@ -113,7 +112,7 @@ pub(super) fn bwd_wgmma(
     macro_rules! launch_wgmma_bwd {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
             let cfg = LaunchConfig {
                 grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
                 block_dim: (WGMMA_BWD_THREADS, 1, 1),
@@ -174,7 +173,7 @@ pub(super) fn bwd_wgmma(
 pub(super) fn bwd_wgmma_band(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     (blo, bhi): (&Tensor, &Tensor),
     scale: f32,
@@ -182,10 +181,9 @@ pub(super) fn bwd_wgmma_band(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let sfx = suffix(q.dtype())?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let (kv_tiles, q_tiles) = grid_tiles((b, t, s, h, hkv), &q, &k, "flash_bwd_band")?;
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
     let lov = util::view::<u32>(storage_of(&los, "band lo", blo.shape())?, lol, "band lo")?;
@@ -205,7 +203,7 @@ pub(super) fn bwd_wgmma_band(
     macro_rules! launch_wgmma_bwd_band {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
             if atomic {
                 let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_atomic_band_{sfx}_d{d}"), module, src)?;
                 func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;

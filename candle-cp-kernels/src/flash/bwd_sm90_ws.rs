@@ -14,7 +14,7 @@
 //! [`super::tma`], issued by one producer thread).
 
 use super::tma::{map_bthd, map_f32_bthd, TmaMap};
-use super::{bwd_pipe, bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, Dims, KMask};
+use super::{bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
@@ -103,7 +103,7 @@ where
 pub(super) fn bwd_wgmma_ws(
     dev: &CudaDevice,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    (out, lse, dout): (&Tensor, &Tensor, &Tensor),
+    (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     mask: WsbMask<'_>,
     scale: f32,
@@ -112,7 +112,6 @@ pub(super) fn bwd_wgmma_ws(
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let (out, dout) = (prep(out)?, prep(dout)?);
     let kv_tiles = s.div_ceil(WSB_BN);
     if kv_tiles > 65_535 {
         candle_core::bail!("flash_bwd: S = {s} too long for the warp-specialized wgmma backward's grid (S <= {}); q {:?}, k {:?}", 65_535 * WSB_BN, q.shape(), k.shape())
@@ -122,8 +121,8 @@ pub(super) fn bwd_wgmma_ws(
     if (h / hkv) * t.div_ceil(WSB_BQ) > i32::MAX as usize || (b * t * h).div_ceil(4) > i32::MAX as usize {
         candle_core::bail!("flash_bwd: too many query rows for the warp-specialized wgmma backward's 32-bit counters; q {:?}, k {:?}", q.shape(), k.shape())
     }
-    let inp = BwdInputs::lock((&q, &k, &v), (&out, &dout, lse))?;
-    let (ov, dov, lv) = inp.f32s()?;
+    let (dout, lse, delta) = pr.launch_rows(lse, true)?;
+    let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let acc = 0i32;
     let smem = if tma { wsb_smem_tma(d) } else { wsb_smem(d) };
@@ -145,7 +144,7 @@ pub(super) fn bwd_wgmma_ws(
     macro_rules! launch_wgmma_ws_bwd {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
-            let (delta, do16) = bwd_pipe::launch_prep::<$ty>(dev, sfx, &ov, &dov, (b, t, h, d))?;
+            let (do16, lv, delta) = inp.rows::<$ty>()?;
             match (&mask, &lo_g, &hi_g) {
                 (WsbMask::Mask(m), _, _) if tma => {
                     let (causal, qo, qstr, ko, kstr) = m.args()?;

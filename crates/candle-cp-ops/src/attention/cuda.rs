@@ -12,7 +12,7 @@
 //! band holds a device copy (`Band::upload_all`: the ring uploads all its steps' bands at once).
 
 use super::op::AttentionOp;
-use super::{Band, Mask};
+use super::{Band, BwdPrep, Mask};
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask};
@@ -70,19 +70,9 @@ pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -
     flash::fwd(q, k, v, kmask(mask), scale as f32, FwdImpl::from_env())
 }
 
-/// CUDA `attention_bwd` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn bwd(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    mask: &Mask,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
-    flash::bwd(q, k, v, out, lse, dout, kmask(mask), scale as f32)
+/// CUDA `attention_bwd_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+pub(crate) fn bwd(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), scale as f32, FwdImpl::from_env())
 }
 
 /// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when
@@ -101,20 +91,10 @@ pub(crate) fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f
     flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
 }
 
-/// CUDA `attention_bwd_band` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn bwd_band(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    out: &Tensor,
-    lse: &Tensor,
-    dout: &Tensor,
-    band: &Band,
-    scale: f64,
-) -> Result<(Tensor, Tensor, Tensor)> {
+/// CUDA `attention_bwd_band_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
+pub(crate) fn bwd_band(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, band: &Band, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
     let (lo, hi) = band_tensors(band, q.device())?;
-    flash::bwd_band(q, k, v, out, lse, dout, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+    flash::bwd_band_prepared(q, k, v, lse, &prep.kernel(), KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
 }
 
 /// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.

@@ -161,23 +161,9 @@ fn fwd_tile(
     (o, lse)
 }
 
-/// Backward with recomputation of P from the given (global) `lse`.
-/// Returns `(dq [B,T,H,D], dk [B,S,Hkv,D], dv [B,S,Hkv,D])`; dk/dv are summed over the G
-/// query heads that share a KV head.
-#[allow(clippy::too_many_arguments)]
-pub(crate) fn backward(
-    q: &[f32],
-    k: &[f32],
-    v: &[f32],
-    out: &[f32],
-    lse: &[f32],
-    dout: &[f32],
-    dims: Dims,
-    band: &Band,
-    scale: f32,
-) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
-    let Dims { b: nb, t, s, h: nh, hkv, d } = dims;
-    // delta[b, h, i] = sum_d dout * out
+/// delta `[B, H, T]` = rowsum(dout ∘ out) of out/dout `[B, T, H, D]`: the backward's
+/// key-independent row term (made once per backward, `super::BwdPrep`).
+pub(crate) fn delta(out: &[f32], dout: &[f32], (nb, t, nh, d): (usize, usize, usize, usize)) -> Vec<f32> {
     let mut delta = vec![0f32; nb * nh * t];
     for b in 0..nb {
         for i in 0..t {
@@ -187,6 +173,26 @@ pub(crate) fn backward(
             }
         }
     }
+    delta
+}
+
+/// Backward with recomputation of P from the given (global) `lse` and `delta` `[B, H, T]`
+/// ([`delta`] of the whole attention's out and dout).
+/// Returns `(dq [B,T,H,D], dk [B,S,Hkv,D], dv [B,S,Hkv,D])`; dk/dv are summed over the G
+/// query heads that share a KV head.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn backward(
+    q: &[f32],
+    k: &[f32],
+    v: &[f32],
+    delta: &[f32],
+    lse: &[f32],
+    dout: &[f32],
+    dims: Dims,
+    band: &Band,
+    scale: f32,
+) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
+    let Dims { b: nb, t, s, h: nh, hkv, d } = dims;
     // Key chunks (in units of BWD_BK) so that there are enough work items for the pool.
     let nkb = s.div_ceil(BWD_BK).max(1);
     let want = (4 * rayon::current_num_threads()).div_ceil((nb * nh).max(1));
@@ -201,7 +207,7 @@ pub(crate) fn backward(
             (0..nh).flat_map(move |h| cb.iter().map(move |&(c0, c1)| (b, h, c0, c1)))
         })
         .collect();
-    let ctx = BwdCtx { q, k, v, dout, lse, delta: &delta, dims, band, scale };
+    let ctx = BwdCtx { q, k, v, dout, lse, delta, dims, band, scale };
     let parts: Vec<BwdPart> = units.par_iter().map(|&(b, h, c0, c1)| ctx.unit(b, h, c0, c1)).collect();
     let mut dq = vec![0f32; nb * t * nh * d];
     let mut dk = vec![0f32; nb * s * hkv * d];

@@ -23,12 +23,14 @@ mod cuda;
 mod kernel;
 mod merge;
 mod op;
+mod prep;
 mod slow;
 mod window;
 
 pub use band::Band;
 pub use merge::merge;
 pub use op::AttentionOp;
+pub use prep::BwdPrep;
 pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
 use crate::packing::Documents;
@@ -249,9 +251,8 @@ fn cpu_bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
     lse: &Tensor,
-    dout: &Tensor,
+    prep: &BwdPrep,
     dims: AttnDims,
     band: &Band,
     scale: f64,
@@ -261,9 +262,9 @@ fn cpu_bwd(
         &host_f32_ref(q)?,
         &host_f32_ref(k)?,
         &host_f32_ref(v)?,
-        &host_f32_ref(out)?,
+        &host_f32_ref(prep.delta())?,
         &host_f32_ref(lse)?,
-        &host_f32_ref(dout)?,
+        &host_f32_ref(prep.dout())?,
         dims,
         band,
         scale as f32,
@@ -280,7 +281,8 @@ fn cpu_bwd(
 /// *whole* attention these query rows belong to (the global LSE in ring attention, where this
 /// is called once per (query chunk, key chunk) block); `dout` `[B, T, H, D]`.
 /// Returns f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]` (dk/dv summed over the G = H/Hkv query
-/// heads of each KV head). Rows with lse `-inf` contribute nothing.
+/// heads of each KV head). Rows with lse `-inf` contribute nothing. Several calls over the same
+/// query rows: make one [`BwdPrep`] and call [`attention_bwd_prepared`].
 #[allow(clippy::too_many_arguments)]
 pub fn attention_bwd(
     q: &Tensor,
@@ -294,19 +296,38 @@ pub fn attention_bwd(
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = check_qkv("attention_bwd", q, k, v, mask)?;
     check_bwd_inputs("attention_bwd", q, out, lse, dout, dims)?;
+    attention_bwd_prepared(q, k, v, lse, &BwdPrep::new(q, out, dout)?, mask, scale)
+}
+
+/// [`attention_bwd`] on a prepared backward: `prep` is [`BwdPrep::new`] of these query rows'
+/// whole-attention out and dO (or [`BwdPrep::narrow_rows`] of a larger one), `lse` `[B, H, T]`.
+/// What ring, all-gather and window attention call per block.
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_prepared(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    prep: &BwdPrep,
+    mask: &Mask,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = check_qkv("attention_bwd", q, k, v, mask)?;
+    check_like("attention_bwd", "lse", lse, &[dims.b, dims.h, dims.t], q)?;
+    prep.check("attention_bwd", q, dims)?;
     let (t, s) = (dims.t, dims.s);
     if let Mask::Window { .. } = mask {
         if !band_kernels(q) {
-            return window::bwd(q, k, v, out, lse, dout, mask, scale, dims);
+            return window::bwd(q, k, v, lse, prep, mask, scale, dims);
         }
-        return attention_bwd_band(q, k, v, out, lse, dout, &Band::from_mask(mask, t, s), scale);
+        return attention_bwd_band_prepared(q, k, v, lse, prep, &Band::from_mask(mask, t, s), scale);
     }
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(dims.d) {
-        return cuda::bwd(q, k, v, out, lse, dout, mask, scale);
+        return cuda::bwd(q, k, v, lse, prep, mask, scale);
     }
     // CPU, and other devices / head dims: the CPU kernel (host copies off the CPU).
-    cpu_bwd(q, k, v, out, lse, dout, dims, &Band::from_mask(mask, t, s), scale)
+    cpu_bwd(q, k, v, lse, prep, dims, &Band::from_mask(mask, t, s), scale)
 }
 
 /// Autograd attention: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` -> out `[B, T, H, D]` in q's
@@ -372,13 +393,30 @@ pub fn attention_bwd_band(
     scale: f64,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
-    band.check("attention_bwd_band", dims.b, dims.t, dims.s)?;
     check_bwd_inputs("attention_bwd_band", q, out, lse, dout, dims)?;
+    attention_bwd_band_prepared(q, k, v, lse, &BwdPrep::new(q, out, dout)?, band, scale)
+}
+
+/// [`attention_bwd_band`] on a prepared backward (see [`attention_bwd_prepared`]).
+#[allow(clippy::too_many_arguments)]
+pub fn attention_bwd_band_prepared(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    prep: &BwdPrep,
+    band: &Band,
+    scale: f64,
+) -> Result<(Tensor, Tensor, Tensor)> {
+    let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
+    band.check("attention_bwd_band", dims.b, dims.t, dims.s)?;
+    check_like("attention_bwd_band", "lse", lse, &[dims.b, dims.h, dims.t], q)?;
+    prep.check("attention_bwd_band", q, dims)?;
     #[cfg(feature = "cuda")]
     if q.device().is_cuda() && cuda::supported(dims.d) {
-        return cuda::bwd_band(q, k, v, out, lse, dout, band, scale);
+        return cuda::bwd_band(q, k, v, lse, prep, band, scale);
     }
-    cpu_bwd(q, k, v, out, lse, dout, dims, band, scale)
+    cpu_bwd(q, k, v, lse, prep, dims, band, scale)
 }
 
 /// Autograd attention under a [`Band`]: out `[B, T, H, D]` in q's dtype (differentiable
@@ -478,7 +516,7 @@ fn window_autograd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, 
     let (m, l) = (*mask, lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: crate::autograd::BackwardFn = std::sync::Arc::new(move |dout: &Tensor| {
-        let (dq, dk, dv) = window::bwd(&qd, &kd, &vd, &out32, &l, dout, &m, scale, dims)?;
+        let (dq, dk, dv) = window::bwd(&qd, &kd, &vd, &l, &BwdPrep::new(&qd, &out32, dout)?, &m, scale, dims)?;
         Ok(vec![Some(dq.to_dtype(qdt)?), Some(dk.to_dtype(kdt)?), Some(dv.to_dtype(kdt)?)])
     });
     let out = crate::autograd::attach3("attention (window)", q, k, v, out, bwd_fn)?;

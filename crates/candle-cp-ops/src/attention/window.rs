@@ -21,7 +21,7 @@
 //! same calls with the tile's global out and lse and sums dK/dV over the tiles. Calls per
 //! tile: at most 3, so `3·T/w` calls for `T` queries (fewer when the window exceeds `T`).
 
-use super::{attention_bwd, attention_fwd, AttnDims, Mask};
+use super::{attention_bwd_prepared, attention_fwd, AttnDims, BwdPrep, Mask};
 use crate::cp::state::{LocalState, RowAccum};
 use candle_core::{bail, Result, Tensor};
 
@@ -134,15 +134,14 @@ pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, d
 }
 
 /// Backward of a window mask: f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]` (see
-/// [`super::attention_bwd`]), accumulated in place ([`RowAccum`]).
+/// [`super::attention_bwd`]) on the rows' prepared backward, accumulated in place ([`RowAccum`]).
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn bwd(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    out: &Tensor,
     lse: &Tensor,
-    dout: &Tensor,
+    prep: &BwdPrep,
     mask: &Mask,
     scale: f64,
     dims: AttnDims,
@@ -153,13 +152,12 @@ pub(crate) fn bwd(
     let mut dkv = RowAccum::on_device(2, b, s, hkv, d, dev)?;
     for c in calls(mask, t, s)? {
         let r = c.reversed;
-        let (g_q, g_k, g_v) = attention_bwd(
+        let (g_q, g_k, g_v) = attention_bwd_prepared(
             &rows(q, 1, c.q0, c.qn, r)?,
             &rows(k, 1, c.k0, c.kn, r)?,
             &rows(v, 1, c.k0, c.kn, r)?,
-            &rows(out, 1, c.q0, c.qn, r)?,
             &rows(lse, 2, c.q0, c.qn, r)?,
-            &rows(dout, 1, c.q0, c.qn, r)?,
+            &prep.map_rows(|x, dim| rows(x, dim, c.q0, c.qn, r))?,
             &c.mask,
             scale,
         )?;

@@ -22,7 +22,7 @@ use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
+use crate::attention::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, Band, BwdPrep, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
@@ -163,16 +163,17 @@ pub(super) fn bwd(
     let mut dq = RowAccum::with_residency(1, b, dims.tl, dims.h, d, dev, residency)?;
     // Global-length dK (plane 0) / dV (plane 1) contributions of this rank's queries.
     let mut dkv = RowAccum::with_residency(2, b, dims.t, dims.hkv, d, dev, residency)?;
+    let prep = BwdPrep::new(q, out, dout)?;
     for c in calls(rank, p, opts, dims, q.device())? {
         let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q.local, c.q.len)?.contiguous();
         let (kn, vn) = (
             kg.narrow(1, c.k0, c.n)?.contiguous()?,
             vg.narrow(1, c.k0, c.n)?.contiguous()?,
         );
-        let (qr, or, lr, dr) = (r(q, 1)?, r(out, 1)?, r(lse, 2)?, r(dout, 1)?);
+        let (qr, lr, pr) = (r(q, 1)?, r(lse, 2)?, prep.narrow_rows(c.q.local, c.q.len)?);
         let (dqs, dk, dv) = match &c.band {
-            Some(band) => attention_bwd_band(&qr, &kn, &vn, &or, &lr, &dr, band, scale)?,
-            None => attention_bwd(&qr, &kn, &vn, &or, &lr, &dr, &c.mask, scale)?,
+            Some(band) => attention_bwd_band_prepared(&qr, &kn, &vn, &lr, &pr, band, scale)?,
+            None => attention_bwd_prepared(&qr, &kn, &vn, &lr, &pr, &c.mask, scale)?,
         };
         dq.add_rows(0, c.q.local, &dqs)?;
         dkv.add_rows(0, c.k0, &dk)?;

@@ -43,6 +43,9 @@
 //! each rank adds its dK/dV contribution for the chunk it holds into an f32 accumulator that
 //! travels with the chunk, and after `P` hops the accumulator is back at its owner. dQ stays
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
+//! The key-independent part of every step's backward — delta = rowsum(dO ∘ O) and, on CUDA,
+//! dO rounded to the input dtype — is made once before the first step
+//! ([`crate::attention::BwdPrep`]); each call reads its rows of it.
 
 mod bands;
 mod schedule;
@@ -56,7 +59,7 @@ use schedule::mask_of;
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band};
+use crate::attention::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, BwdPrep};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
@@ -324,6 +327,8 @@ pub(super) fn bwd(
         RowAccum::with_residency(planes, dims.b, dims.tl, h, dims.d, dev, residency)
     };
     let mut dq = accum(1, dims.h)?;
+    // delta and dO's kernel form, once for every step's calls over this rank's query rows.
+    let prep = BwdPrep::new(q, out, dout)?;
     let mut stats = RingStats::default();
     let mut kv = Tensor::stack(&[k, v], 0)?;
     let mut acc_in: Option<InFlight> = None;
@@ -348,10 +353,10 @@ pub(super) fn bwd(
         for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q0, c.qn)?.contiguous();
-            let (qr, or, lr, dr) = (r(q, 1)?, r(out, 1)?, r(lse, 2)?, r(dout, 1)?);
+            let (qr, lr, pr) = (r(q, 1)?, r(lse, 2)?, prep.narrow_rows(c.q0, c.qn)?);
             let (dqb, dkb, dvb) = match &c.mask {
-                CallMask::Band(band) => attention_bwd_band(&qr, &kb, &vb, &or, &lr, &dr, band, scale)?,
-                CallMask::Mask(mask) => attention_bwd(&qr, &kb, &vb, &or, &lr, &dr, mask, scale)?,
+                CallMask::Band(band) => attention_bwd_band_prepared(&qr, &kb, &vb, &lr, &pr, band, scale)?,
+                CallMask::Mask(mask) => attention_bwd_prepared(&qr, &kb, &vb, &lr, &pr, mask, scale)?,
             };
             dq.add_rows(0, c.q0, &dqb)?;
             dkv.add_rows(0, c.k0, &dkb)?;
