@@ -347,8 +347,8 @@ pub(super) fn bwd(
         }
         let t0 = Instant::now();
         let (kc, vc) = (kv.get(0)?, kv.get(1)?);
-        // dK (plane 0) and dV (plane 1) of the chunk held at this step: [2, B, T/P, Hkv, D].
-        let mut dkv = accum(2, dims.hkv)?;
+        // dK / dV of the chunk held at this step (see `StepKv`).
+        let mut dkv = StepKv::None;
         let mut keys = KeyRows::new(&kc, &vc);
         for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
@@ -359,18 +359,21 @@ pub(super) fn bwd(
                 CallMask::Mask(mask) => attention_bwd_prepared(&qr, &kb, &vb, &lr, &pr, mask, scale)?,
             };
             dq.add_rows(0, c.q0, &dqb)?;
-            dkv.add_rows(0, c.k0, &dkb)?;
-            dkv.add_rows(1, c.k0, &dvb)?;
+            dkv.push(c.k0, dkb, dvb, || accum(2, dims.hkv))?;
             st.blocks += 1;
             st.area += (c.qn * c.kn) as u64;
             st.pairs += c.pairs;
         }
-        let contrib = dkv.finish(dev)?;
         st.compute = t0.elapsed();
-        let acc = match acc_in.take() {
-            None => contrib,
-            Some(f) => (f.wait(&mut st.wait)? + contrib)?,
+        // The accumulator of the chunk, from the previous rank (none at the first step), plus
+        // this step's dK / dV.
+        let received = match acc_in.take() {
+            Some(f) => Some(f.wait(&mut st.wait)?),
+            None => None,
         };
+        let t1 = Instant::now();
+        let acc = dkv.add_to(received, || accum(2, dims.hkv), residency, dev)?;
+        st.compute += t1.elapsed();
         // The accumulator for source `src` goes to the next rank, which holds `src` next step;
         // after the last step it is complete and goes home, to `src` itself (`steps - 1` ranks
         // back: the next rank when the ring runs all `P` steps).
@@ -394,6 +397,60 @@ pub(super) fn bwd(
         st.wait += last_wait;
     }
     Ok((dq.finish(dev)?.squeeze(0)?, own.get(0)?, own.get(1)?, stats))
+}
+
+/// The dK / dV blocks of one backward step, `[B, kn, Hkv, D]` each at key row `k0` of the held
+/// chunk. One call (every zigzag step on CUDA): the blocks are kept and added, once the
+/// accumulator from the previous rank has arrived, straight into it (in place on the device),
+/// so the step neither zero-fills a chunk-sized buffer nor sums two of them. Several calls
+/// (row chunks): summed into a step accumulator as they come, which bounds the memory held.
+enum StepKv {
+    None,
+    One(usize, Tensor, Tensor),
+    Acc(RowAccum),
+}
+
+impl StepKv {
+    /// Adds the blocks of one call (`zeros` makes a step accumulator `[2, B, T/P, Hkv, D]`).
+    fn push(&mut self, k0: usize, dk: Tensor, dv: Tensor, zeros: impl Fn() -> Result<RowAccum>) -> Result<()> {
+        *self = match std::mem::replace(self, StepKv::None) {
+            StepKv::None => StepKv::One(k0, dk, dv),
+            StepKv::One(k1, dk1, dv1) => {
+                let mut acc = zeros()?;
+                for (k, a, b) in [(k1, &dk1, &dv1), (k0, &dk, &dv)] {
+                    acc.add_rows(0, k, a)?;
+                    acc.add_rows(1, k, b)?;
+                }
+                StepKv::Acc(acc)
+            }
+            StepKv::Acc(mut acc) => {
+                acc.add_rows(0, k0, &dk)?;
+                acc.add_rows(1, k0, &dv)?;
+                StepKv::Acc(acc)
+            }
+        };
+        Ok(())
+    }
+
+    /// The chunk's accumulator after this step: `received` (none at the first step: zeros)
+    /// plus the step's blocks.
+    fn add_to(self, received: Option<Tensor>, zeros: impl Fn() -> Result<RowAccum>, residency: Residency, dev: &candle_core::Device) -> Result<Tensor> {
+        match (self, received) {
+            (StepKv::None, Some(r)) => Ok(r),
+            (StepKv::None, None) => zeros()?.finish(dev),
+            (StepKv::Acc(acc), None) => acc.finish(dev),
+            (StepKv::Acc(acc), Some(r)) => r + acc.finish(dev)?,
+            (StepKv::One(k0, dk, dv), r) => {
+                let mut acc = match r {
+                    Some(r) => RowAccum::from_tensor(r, residency)?,
+                    None => zeros()?,
+                };
+                acc.add_rows(0, k0, &dk)?;
+                acc.add_rows(1, k0, &dv)?;
+                acc.finish(dev)
+            }
+        }
+    }
 }
 
 /// Ring attention over the `P` ranks of `group` (context parallelism).

@@ -119,6 +119,43 @@ impl RowAccum {
         })
     }
 
+    /// An accumulator that starts from `t` (f32 `[planes, B, rows, H, D]`, a tensor nobody else
+    /// holds: the ring's received accumulators, fresh buffers) instead of zeros, in the form
+    /// `residency` picks for `t`'s device. The device forms take `t`'s storage and add to it in
+    /// place (a contiguous copy first when `t` is a strided view); the host form copies it.
+    pub(crate) fn from_tensor(t: Tensor, residency: Residency) -> Result<Self> {
+        let dims = match *t.dims() {
+            [planes, b, rows, h, d] if t.dtype() == DType::F32 => (planes, b, rows, h, d),
+            _ => candle_core::bail!(
+                "RowAccum::from_tensor: expected f32 [planes, B, rows, H, D], got {:?} {:?}",
+                t.dtype(),
+                t.shape()
+            ),
+        };
+        let device = t.device().clone();
+        if !residency.device_form(&device) {
+            let data = t.flatten_all()?.to_device(&Device::Cpu)?.to_vec1::<f32>()?;
+            return Ok(Self {
+                repr: Repr::Host { data },
+                dims,
+            });
+        }
+        let acc = if t.is_contiguous() {
+            t
+        } else {
+            t.force_contiguous()?
+        };
+        let repr = if device.is_cuda() || device.is_cpu() {
+            Repr::InPlace { acc }
+        } else {
+            Repr::Device {
+                acc,
+                written: vec![true; dims.0 * dims.2],
+            }
+        };
+        Ok(Self { repr, dims })
+    }
+
     /// Add `x [B, n, H, D]` (any float dtype, any device) to rows `row0 .. row0 + n` of plane
     /// `plane`.
     pub fn add_rows(&mut self, plane: usize, row0: usize, x: &Tensor) -> Result<()> {
@@ -211,6 +248,48 @@ mod tests {
                 .slice_assign(&[1..2, 0..2, 2..5, 0..2, 0..1], &(&x * 2.0)?.unsqueeze(0)?)?;
             assert_eq!(flat(&t)?, flat(&want)?, "device form {device_form}");
         }
+        Ok(())
+    }
+
+    /// An accumulator started from a tensor adds to it, in every form: the blocks' sum plus the
+    /// starting values, and the device forms write into the tensor's own storage.
+    #[test]
+    fn from_tensor_adds_to_the_tensor() -> Result<()> {
+        let dev = Device::Cpu;
+        let (planes, b, rows, h, d) = (2, 2, 7, 3, 4);
+        let start = Tensor::randn(0f32, 1., (planes, b, rows, h, d), &dev)?;
+        let x = Tensor::randn(0f32, 1., (b, 3, h, d), &dev)?;
+        let want = start.slice_assign(
+            &[1..2, 0..b, 2..5, 0..h, 0..d],
+            &(start.narrow(0, 1, 1)?.narrow(2, 2, 3)? + x.unsqueeze(0)?)?,
+        )?;
+        for residency in [Residency::Auto, Residency::ForceDevice] {
+            let t = start.copy()?;
+            let mut acc = RowAccum::from_tensor(t.clone(), residency)?;
+            assert_eq!(acc.is_device_form(), residency == Residency::ForceDevice);
+            acc.add_rows(1, 2, &x)?;
+            let got = acc.finish(&dev)?;
+            assert_eq!(flat(&got)?, flat(&want)?, "{residency:?}");
+            // in place in the device form: the tensor handed over holds the sum
+            let held = if residency == Residency::ForceDevice {
+                &want
+            } else {
+                &start
+            };
+            assert_eq!(flat(&t)?, flat(held)?, "{residency:?}");
+        }
+        // strided input: copied first, then added to
+        let t = Tensor::cat(&[&start, &start], 2)?.narrow(2, 0, rows)?;
+        assert!(!t.is_contiguous());
+        let mut acc = RowAccum::from_tensor(t, Residency::ForceDevice)?;
+        acc.add_rows(1, 2, &x)?;
+        assert_eq!(flat(&acc.finish(&dev)?)?, flat(&want)?);
+        let e = RowAccum::from_tensor(x.clone(), Residency::Auto)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        // (not an accumulator's shape: an error naming it)
+        assert!(e.contains("[2, 3, 3, 4]"), "{e}");
         Ok(())
     }
 
