@@ -10,6 +10,8 @@
 //! - a backward prepared once for all rows (`flash::bwd_prep`), called on rows `R0..T` of it
 //!   (`BwdPrep::narrow_rows`, `flash::bwd_prepared`: what the ring runs per step) against the
 //!   CPU backward of those rows, every selected family.
+//! - dQ added into a buffer holding values (`flash::bwd_prepared_add_dq`, the kernels'
+//!   `accumulate` flag / no zero fill: what the ring's dQ accumulator gets), every family.
 //! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
 //!   the shapes (no panic, no kernel launch).
 
@@ -19,6 +21,33 @@ use anyhow::Result;
 use candle_core::{DType, Device, Tensor, Var};
 use candle_cp_kernels::flash::{self, FwdImpl};
 use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, Mask};
+
+/// `flash::bwd_prepared_add_dq` as the in-place op it runs in (on the buffer's storage).
+struct AddDq<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    lse: &'a Tensor,
+    pr: &'a flash::BwdPrep,
+    mask: flash::KMask,
+    scale: f32,
+    imp: FwdImpl,
+    out: std::cell::RefCell<Option<(Tensor, Tensor)>>,
+}
+
+impl candle_core::InplaceOp1 for AddDq<'_> {
+    fn name(&self) -> &'static str {
+        "gpu-check-add-dq"
+    }
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> candle_core::Result<()> {
+        candle_core::bail!("gpu_check AddDq runs on CUDA only")
+    }
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
+        let dkv = flash::bwd_prepared_add_dq(self.q, self.k, self.v, self.lse, self.pr, self.mask, self.scale, self.imp, (s, l))?;
+        *self.out.borrow_mut() = Some(dkv);
+        Ok(())
+    }
+}
 
 /// The view inputs on `dev`: (flat q buffer, k base `[B, Hkv, S, D]`, v), and the views q, k.
 struct Views {
@@ -112,6 +141,26 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
                     rep.check(&format!("{name} prepared rows {R0}.. dv"), rel(&dv, &rows_ref.2)?, tb);
                 }
                 Err(e) => rep.error(&format!("{name} prepared rows {R0}.."), e),
+            }
+            // dQ added into a buffer that already holds values (a ring's dQ accumulator): all
+            // rows (B = 2), through `flash::bwd_prepared_add_dq`; the buffer must end as its
+            // start plus dQ, dK / dV as returned
+            let start = rand_tensor(q.dims(), 905)?;
+            let acc = start.to_device(gpu)?;
+            let added = flash::bwd_prep(&go, &gd, dtype).and_then(|pr| {
+                let op = AddDq { q: &gq, k: &gk, v: &dev.v, lse: &gl, pr: &pr, mask: kmask(&mask), scale: scale as f32, imp, out: std::cell::RefCell::new(None) };
+                acc.inplace_op1(&op)?;
+                op.out.take().ok_or_else(|| candle_core::Error::Msg("add_dq did not run".into()))
+            });
+            match added {
+                Ok((dk, dv)) => {
+                    let want = (&start + &dq_r)?;
+                    rep.check(&format!("{name} dq added into a buffer"), rel(&acc.sub(&start.to_device(gpu)?)?, &dq_r)?, tb);
+                    rep.check(&format!("{name} dq added into a buffer (sum)"), max_abs(&acc, &want)?, 4.0 * tb);
+                    rep.check(&format!("{name} dq added into a buffer: dk"), rel(&dk, &dk_r)?, tb);
+                    rep.check(&format!("{name} dq added into a buffer: dv"), rel(&dv, &dv_r)?, tb);
+                }
+                Err(e) => rep.error(&format!("{name} dq added into a buffer"), e),
             }
         }
         // the autograd op on the views: gradients flow back to the flat buffer and the k base

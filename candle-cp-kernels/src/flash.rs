@@ -8,7 +8,7 @@
 
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -23,7 +23,7 @@ mod sm90;
 mod sm90_ws;
 pub(crate) mod tma;
 
-pub use band::{bwd_band, bwd_band_prepared, fwd_band, fwd_storage_band, KBand};
+pub use band::{bwd_band, bwd_band_prepared, bwd_band_prepared_add_dq, fwd_band, fwd_storage_band, KBand};
 pub use bwd_prep::{bwd_prep, BwdPrep};
 use bwd_prep::BwdInputs;
 
@@ -353,9 +353,74 @@ fn prep(t: &Tensor) -> Result<Tensor> {
     }
 }
 
-/// The backward kernels' f32 outputs as tensors: dq `[B, T, H, D]`, dk and dv `[B, S, Hkv, D]`.
-fn bwd_tensors(dev: &CudaDevice, (dq, dk, dv): (CudaSlice<f32>, CudaSlice<f32>, CudaSlice<f32>), (b, t, s, h, hkv, d): Dims) -> (Tensor, Tensor, Tensor) {
-    (util::to_tensor(dq, dev, (b, t, h, d)), util::to_tensor(dk, dev, (b, s, hkv, d)), util::to_tensor(dv, dev, (b, s, hkv, d)))
+/// Where a backward's dQ goes: a fresh f32 `[B, T, H, D]` buffer (returned), or added into an
+/// existing f32 `[B, T, H, D]` region (a ring's dQ accumulator rows: the kernels' `accumulate`
+/// flag, or for the atomic-dQ kernels simply no zero fill), which saves the caller the buffer,
+/// its zero fill and the pass that adds it.
+pub enum DqOut<'a> {
+    /// A new buffer.
+    Fresh,
+    /// Add into this contiguous f32 view of `B·T·H·D` elements.
+    Add(CudaViewMut<'a, f32>),
+}
+
+/// A family's dQ, dK, dV: dQ only when it went to a fresh buffer ([`DqOut::Fresh`]).
+pub(super) type BwdOut = (Option<Tensor>, Tensor, Tensor);
+
+/// The fresh dQ buffer for `dq_out` (`n` elements, zero-filled when `zero`: the atomic kernels add
+/// into it; none for [`DqOut::Add`]) and the dQ kernels' accumulate flag (1 for `Add`).
+fn dq_fresh(dev: &CudaDevice, dq_out: &DqOut<'_>, n: usize, zero: bool) -> Result<(Option<CudaSlice<f32>>, i32)> {
+    Ok(match dq_out {
+        DqOut::Add(_) => (None, 1),
+        DqOut::Fresh if zero => (Some(dev.alloc_zeros::<f32>(n)?), 0),
+        // SAFETY: the non-atomic dQ kernels write every element.
+        DqOut::Fresh => (Some(unsafe { dev.alloc::<f32>(n)? }), 0),
+    })
+}
+
+/// The view the dQ kernels write: the caller's rows or the fresh buffer of [`dq_fresh`].
+fn dq_view<'a>(dq_out: DqOut<'a>, fresh: Option<&'a mut CudaSlice<f32>>) -> Result<CudaViewMut<'a, f32>> {
+    match (dq_out, fresh) {
+        (DqOut::Add(v), _) => Ok(v),
+        (DqOut::Fresh, Some(s)) => Ok(s.slice_mut(..)),
+        (DqOut::Fresh, None) => candle_core::bail!("flash_bwd: no dq buffer (internal error)"),
+    }
+}
+
+/// The backward kernels' f32 outputs as tensors: dq `[B, T, H, D]` when fresh, dk and dv
+/// `[B, S, Hkv, D]`.
+fn bwd_out(dev: &CudaDevice, dq: Option<CudaSlice<f32>>, (dk, dv): (CudaSlice<f32>, CudaSlice<f32>), (b, t, s, h, hkv, d): Dims) -> BwdOut {
+    (dq.map(|x| util::to_tensor(x, dev, (b, t, h, d))), util::to_tensor(dk, dev, (b, s, hkv, d)), util::to_tensor(dv, dev, (b, s, hkv, d)))
+}
+
+/// dQ of a [`DqOut::Fresh`] backward (the families return it whenever it was fresh).
+fn fresh_dq((dq, dk, dv): BwdOut) -> Result<(Tensor, Tensor, Tensor)> {
+    match dq {
+        Some(dq) => Ok((dq, dk, dv)),
+        None => candle_core::bail!("flash_bwd: a fresh backward returned no dq (internal error)"),
+    }
+}
+
+/// The f32 `[B, T, H, D]` view of `dq` (storage and layout of a tensor of that shape, contiguous)
+/// that [`bwd_prepared_add_dq`] / [`band::bwd_band_prepared_add_dq`] add into.
+fn dq_region<'a>(dq: &'a mut CudaStorage, dq_l: &Layout, (b, t, h, d): (usize, usize, usize, usize), op: &str) -> Result<CudaViewMut<'a, f32>> {
+    let Some((a0, a1)) = dq_l.contiguous_offsets() else {
+        candle_core::bail!("{op}: the dq rows {:?} (stride {:?}) are not contiguous", dq_l.shape(), dq_l.stride())
+    };
+    if dq_l.dims() != [b, t, h, d] {
+        candle_core::bail!("{op}: dq rows {:?}, expected [B, T, H, D] = {:?}", dq_l.shape(), [b, t, h, d])
+    }
+    Ok(dq.as_cuda_slice_mut::<f32>()?.slice_mut(a0..a1))
+}
+
+/// The backward of no rows or no keys: zeros (dQ only when fresh: nothing to add otherwise).
+fn zero_bwd(q: &Tensor, (b, t, s, h, hkv, d): Dims, dq_out: &DqOut<'_>) -> Result<BwdOut> {
+    let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
+    let dq = match dq_out {
+        DqOut::Fresh => Some(z(&[b, t, h, d])?),
+        DqOut::Add(_) => None,
+    };
+    Ok((dq, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?))
 }
 
 /// Raw forward on CUDA tensors, no graph: out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
@@ -475,6 +540,42 @@ pub fn bwd_prepared(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    fresh_dq(bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, DqOut::Fresh)?)
+}
+
+/// [`bwd_prepared`] adding dQ into `dq` (the storage and layout of an f32 `[B, T, H, D]`
+/// tensor, contiguous: e.g. rows of a ring's dQ accumulator, written in place) instead of
+/// returning it; returns dK, dV `[B, S, Hkv, D]` (f32).
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_prepared_add_dq(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+    (dq, dq_l): (&mut CudaStorage, &Layout),
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, d) = q.dims4()?;
+    let view = dq_region(dq, dq_l, (b, t, h, d), "flash_bwd")?;
+    let (_, dk, dv) = bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, DqOut::Add(view))?;
+    Ok((dk, dv))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd_prepared_to(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd", (q, k, v), lse, pr)?;
     let sfx = suffix(q.dtype())?;
     let (use_mma, pipe) = match imp {
@@ -501,22 +602,21 @@ pub fn bwd_prepared(
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
     let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (true, false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {
-        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
-        return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
+        return zero_bwd(q, (b, t, s, h, hkv, d), &dq_out);
     }
     let dims = (b, t, s, h, hkv, d);
     if wgmma {
         let atomic = imp == FwdImpl::WgmmaAtomic;
-        return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (lse, pr), dims, mask, scale, atomic);
+        return bwd_sm90::bwd_wgmma(&dev, (q, k, v), (lse, pr), dims, mask, scale, atomic, dq_out);
     }
     if ws {
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, bwd_sm90_ws::WsbMask::Mask(mask), scale, imp.tma());
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, bwd_sm90_ws::WsbMask::Mask(mask), scale, imp.tma(), dq_out);
     }
     if imp == FwdImpl::AtomicDq {
-        return bwd_fused::bwd_fused(&dev, (q, k, v), (lse, pr), dims, mask, scale);
+        return bwd_fused::bwd_fused(&dev, (q, k, v), (lse, pr), dims, mask, scale, dq_out);
     }
     if pipe {
-        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (lse, pr), dims, mask, scale);
+        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (lse, pr), dims, mask, scale, dq_out);
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (dout, lse, delta) = pr.launch_rows(lse, false)?;
@@ -527,7 +627,8 @@ pub fn bwd_prepared(
     let acc = 0i32;
 
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let (mut fresh, acc_dq) = dq_fresh(&dev, &dq_out, b * t * h * d, false)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_bwd {
@@ -556,7 +657,7 @@ pub fn bwd_prepared(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq);
             // SAFETY: matches `float* dq, BWD_ARGS_COMMON` in kernels/flash_bwd{,_mma}.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
@@ -566,5 +667,5 @@ pub fn bwd_prepared(
         DType::F16 => launch_bwd!(f16),
         _ => launch_bwd!(bf16),
     }
-    Ok(bwd_tensors(&dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(&dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

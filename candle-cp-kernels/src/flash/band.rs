@@ -16,11 +16,11 @@
 //! [`FwdImpl`]).
 
 use super::bwd_pipe::PipeCfg;
-use super::{bwd_sm90, bwd_sm90_ws, bwd_tensors, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
+use super::{bwd_out, dq_fresh, dq_region, dq_view, fresh_dq, zero_bwd, BwdOut, DqOut, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -244,6 +244,40 @@ pub fn bwd_band_prepared(
     scale: f32,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    fresh_dq(bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, DqOut::Fresh)?)
+}
+
+/// [`bwd_band_prepared`] adding dQ into `dq` (as [`super::bwd_prepared_add_dq`]); returns dK, dV.
+#[allow(clippy::too_many_arguments)]
+pub fn bwd_band_prepared_add_dq(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+    (dq, dq_l): (&mut CudaStorage, &Layout),
+) -> Result<(Tensor, Tensor)> {
+    let (b, t, h, d) = q.dims4()?;
+    let view = dq_region(dq, dq_l, (b, t, h, d), "flash_bwd_band")?;
+    let (_, dk, dv) = bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, DqOut::Add(view))?;
+    Ok((dk, dv))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn bwd_band_prepared_to(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    lse: &Tensor,
+    pr: &BwdPrep,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd_band", (q, k, v), lse, pr)?;
     band.check("flash_bwd_band", b, t, &dev)?;
     let sfx = suffix(q.dtype())?;
@@ -251,21 +285,20 @@ pub fn bwd_band_prepared(
     let (smem_kv, smem_q) = pc.smem(d);
     let pipe = use_pipe(&dev, sfx, imp, 1.0, smem_kv.max(smem_q), "flash_bwd_band", q.shape())?;
     if b * t * h == 0 || s == 0 {
-        let z = |shape: &[usize]| Tensor::zeros(shape, DType::F32, q.device());
-        return Ok((z(&[b, t, h, d])?, z(&[b, s, hkv, d])?, z(&[b, s, hkv, d])?));
+        return zero_bwd(q, (b, t, s, h, hkv, d), &dq_out);
     }
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     let dims = (b, t, s, h, hkv, d);
     if (imp == FwdImpl::WgmmaWs || imp.tma()) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90_ws::check(&dev, d, q.shape(), k.shape(), imp.tma()).is_ok() {
         let band = bwd_sm90_ws::WsbMask::Band { lo: &blo, hi: &bhi };
-        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, band, scale, imp.tma());
+        return bwd_sm90_ws::bwd_wgmma_ws(&dev, (q, k, v), (lse, pr), dims, band, scale, imp.tma(), dq_out);
     }
     let atomic = imp == FwdImpl::WgmmaAtomic;
     if (imp == FwdImpl::Wgmma || atomic) && sm90_ws::applies(&dev, sfx, d)? && bwd_sm90::check(&dev, d, atomic, q.shape(), k.shape()).is_ok() {
-        return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, atomic);
+        return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, atomic, dq_out);
     }
     if pipe {
-        return bwd_pipe_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale);
+        return bwd_pipe_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, dq_out);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -279,7 +312,8 @@ pub fn bwd_band_prepared(
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let acc = 0i32;
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let (mut fresh, acc_dq) = dq_fresh(&dev, &dq_out, b * t * h * d, false)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let (module, src) = (ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD);
@@ -300,7 +334,7 @@ pub fn bwd_band_prepared(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq);
             // SAFETY: matches `float* dq, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
@@ -310,7 +344,7 @@ pub fn bwd_band_prepared(
         DType::F16 => launch_band!(f16),
         _ => launch_band!(bf16),
     }
-    Ok(bwd_tensors(&dev, (dq, dk, dv), dims))
+    Ok(bwd_out(&dev, fresh, (dk, dv), dims))
 }
 
 /// The pipelined band backward (f16/bf16; out, lse, dout contiguous f32): prep (delta, 16-bit
@@ -322,7 +356,8 @@ fn bwd_pipe_band(
     (b, t, s, h, hkv, d): Dims,
     (blo, bhi): (&Tensor, &Tensor),
     scale: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let pc = PipeCfg::of(d);
@@ -346,7 +381,8 @@ fn bwd_pipe_band(
     let (smem_kv, smem_q) = pc.smem(d);
     let (module, src) = (ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE);
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let (mut fresh, acc_dq) = dq_fresh(dev, &dq_out, b * t * h * d, false)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_pipe_band {
@@ -370,7 +406,7 @@ fn bwd_pipe_band(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq);
             // SAFETY: matches `float* dq, PIPE_BAND_ARGS` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
@@ -380,5 +416,5 @@ fn bwd_pipe_band(
         DType::BF16 => launch_pipe_band!(bf16),
         dt => candle_core::bail!("flash_bwd_band: the pipelined kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

@@ -5,10 +5,10 @@
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`. dq is summed with f32 atomics from every
 //! 128-key block, in a nondeterministic order.
 
-use super::{bwd_tensors, prep, suffix, BwdInputs, BwdPrep, Dims, KMask};
+use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -50,7 +50,8 @@ pub(super) fn bwd_fused(
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
@@ -67,11 +68,13 @@ pub(super) fn bwd_fused(
     let inp = BwdInputs::lock((&q, &k, &v), (&dout, &lse, &delta))?;
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
-    // accumulate = 0: dk/dv are overwritten; dq is always added to, so it starts at zero.
+    // accumulate = 0: dk/dv are overwritten; dq is always added to (zeros, or the caller's rows).
     let acc = 0i32;
     let smem = smem(d);
-    // SAFETY (dk, dv): every element is written by the kernel.
-    let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
+    // dq: the caller's rows, or a fresh zero-filled buffer (the kernel adds into it). SAFETY (dk,
+    // dv): every element is written by the kernel.
+    let (mut fresh, _) = dq_fresh(dev, &dq_out, b * t * h * d, true)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_fused {
@@ -95,5 +98,5 @@ pub(super) fn bwd_fused(
         DType::BF16 => launch_fused!(bf16),
         dt => candle_core::bail!("flash_bwd: the fused kernel takes f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

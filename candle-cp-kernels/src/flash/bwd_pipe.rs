@@ -4,10 +4,10 @@
 //! k/v `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
-use super::{bwd_tensors, prep, suffix, BwdInputs, BwdPrep, Dims, FwdImpl, KMask};
+use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, suffix, BwdInputs, BwdPrep, Dims, FwdImpl, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -99,7 +99,8 @@ pub(super) fn bwd_pipe(
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout): contiguous,
     // start offset a multiple of 8 elements.
@@ -123,7 +124,8 @@ pub(super) fn bwd_pipe(
     let (smem_kv, smem_q) = pc.smem(d);
     let (module, src) = (ptx::FLASH_BWD_PIPE_MODULE, ptx::FLASH_BWD_PIPE);
     // SAFETY (all allocations below): every element is written by the kernels.
-    let mut dq = unsafe { dev.alloc::<f32>(b * t * h * d)? };
+    let (mut fresh, acc_dq) = dq_fresh(dev, &dq_out, b * t * h * d, false)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_pipe {
@@ -155,7 +157,7 @@ pub(super) fn bwd_pipe(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq);
             // SAFETY: matches `float* dq, PIPE_ARGS` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
@@ -165,5 +167,5 @@ pub(super) fn bwd_pipe(
         DType::BF16 => launch_pipe!(bf16),
         dt => candle_core::bail!("flash_bwd: the pipelined kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

@@ -11,10 +11,10 @@
 //! kernels (`flash_bwd_wgmma_{dkdv,dq,atomic}_band_*`) run `bwd_band` under those two families
 //! ([`bwd_wgmma_band`]).
 
-use super::{bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
+use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -93,7 +93,8 @@ pub(super) fn bwd_wgmma(
     mask: KMask,
     scale: f32,
     atomic: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
@@ -104,9 +105,10 @@ pub(super) fn bwd_wgmma(
     let (causal, qo, qstr, ko, kstr) = mask.args()?;
     let acc = 0i32;
     let (smem_kv, smem_q) = (if atomic { wgmma_bwd_smem_atomic(d) } else { wgmma_bwd_smem(d) }, wgmma_dq_smem(d));
-    // The atomic kernel adds into dq: zero-filled. SAFETY (the others): every element is
-    // written by the kernels.
-    let mut dq = if atomic { dev.alloc_zeros::<f32>(b * t * h * d)? } else { unsafe { dev.alloc::<f32>(b * t * h * d)? } };
+    // dq: the caller's rows (added to) or a fresh buffer, zero-filled for the atomic kernel, which
+    // adds into it. SAFETY (the others): every element is written by the kernels.
+    let (mut fresh, acc_dq) = dq_fresh(dev, &dq_out, b * t * h * d, atomic)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_wgmma_bwd {
@@ -128,7 +130,7 @@ pub(super) fn bwd_wgmma(
                 // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_ARGS` in
                 // kernels/flash_bwd_sm90.cu; device, head dim and shared memory checked by `check`.
                 unsafe { bld.launch(cfg) }.w()?;
-                return Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)));
+                return Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)));
             }
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_dkdv_{sfx}_d{d}"), ptx::FLASH_BWD_SM90_MODULE, ptx::FLASH_BWD_SM90)?;
@@ -151,7 +153,7 @@ pub(super) fn bwd_wgmma(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq);
             // SAFETY: matches `float* dq, PIPE_ARGS` in kernels/flash_bwd_sm90.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
@@ -161,7 +163,7 @@ pub(super) fn bwd_wgmma(
         DType::BF16 => launch_wgmma_bwd!(bf16),
         dt => candle_core::bail!("flash_bwd: the wgmma kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }
 
 /// The band backward of `bwd_band` under `Wgmma` (`atomic` false: `flash_bwd_wgmma_dkdv_band_*` then
@@ -178,7 +180,8 @@ pub(super) fn bwd_wgmma_band(
     (blo, bhi): (&Tensor, &Tensor),
     scale: f32,
     atomic: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let (kv_tiles, q_tiles) = grid_tiles((b, t, s, h, hkv), &q, &k, "flash_bwd_band")?;
@@ -192,9 +195,10 @@ pub(super) fn bwd_wgmma_band(
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let acc = 0i32;
     let (smem_kv, smem_q) = (if atomic { wgmma_bwd_smem_atomic(d) } else { wgmma_bwd_smem(d) }, wgmma_dq_smem(d));
-    // The atomic kernel adds into dq: zero-filled. SAFETY (the others): every element is
-    // written by the kernels.
-    let mut dq = if atomic { dev.alloc_zeros::<f32>(b * t * h * d)? } else { unsafe { dev.alloc::<f32>(b * t * h * d)? } };
+    // dq: the caller's rows (added to) or a fresh buffer, zero-filled for the atomic kernel, which
+    // adds into it. SAFETY (the others): every element is written by the kernels.
+    let (mut fresh, acc_dq) = dq_fresh(dev, &dq_out, b * t * h * d, atomic)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let kv_cfg = LaunchConfig { grid_dim: (hkv as u32, kv_tiles as u32, b as u32), block_dim: (WGMMA_BWD_THREADS, 1, 1), shared_mem_bytes: smem_kv };
@@ -213,7 +217,7 @@ pub(super) fn bwd_wgmma_band(
                 bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
                 // SAFETY: matches `float* dq, float* dk, float* dv, PIPE_BAND_ARGS` in kernels/flash_bwd_sm90.cu.
                 unsafe { bld.launch(kv_cfg) }.w()?;
-                return Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)));
+                return Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)));
             }
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_wgmma_dkdv_band_{sfx}_d{d}"), module, src)?;
@@ -230,7 +234,7 @@ pub(super) fn bwd_wgmma_band(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq);
             // SAFETY: matches `float* dq, PIPE_BAND_ARGS` in kernels/flash_bwd_sm90.cu.
             unsafe { bld.launch(q_cfg) }.w()?;
         }};
@@ -240,5 +244,5 @@ pub(super) fn bwd_wgmma_band(
         DType::BF16 => launch_wgmma_bwd_band!(bf16),
         dt => candle_core::bail!("flash_bwd_band: the wgmma kernels take f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

@@ -14,10 +14,10 @@
 //! [`super::tma`], issued by one producer thread).
 
 use super::tma::{map_bthd, map_f32_bthd, TmaMap};
-use super::{bwd_tensors, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
+use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, sm90, storage_of, suffix, BwdInputs, BwdPrep, Dims, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{DevicePtr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, DevicePtr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
 use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
@@ -108,7 +108,8 @@ pub(super) fn bwd_wgmma_ws(
     mask: WsbMask<'_>,
     scale: f32,
     tma: bool,
-) -> Result<(Tensor, Tensor, Tensor)> {
+    dq_out: DqOut<'_>,
+) -> Result<BwdOut> {
     let sfx = suffix(q.dtype())?;
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout).
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
@@ -136,9 +137,10 @@ pub(super) fn bwd_wgmma_ws(
         WsbMask::Band { lo, hi } => (Some(lo.storage_and_layout()), Some(hi.storage_and_layout())),
         WsbMask::Mask(_) => (None, None),
     };
-    // The kernel adds into dq: zero-filled. SAFETY (dk, dv): every element is written by the kernel
+    // The kernel adds into dq: the caller's rows, or a fresh zero-filled buffer. SAFETY (dk, dv): every element is written by the kernel
     // (a key block without query tiles stores zeros).
-    let mut dq = dev.alloc_zeros::<f32>(b * t * h * d)?;
+    let (mut fresh, _) = dq_fresh(dev, &dq_out, b * t * h * d, true)?;
+    let mut dq: CudaViewMut<'_, f32> = dq_view(dq_out, fresh.as_mut())?;
     let mut dk = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     let mut dv = unsafe { dev.alloc::<f32>(b * s * hkv * d)? };
     macro_rules! launch_wgmma_ws_bwd {
@@ -212,5 +214,5 @@ pub(super) fn bwd_wgmma_ws(
         DType::BF16 => launch_wgmma_ws_bwd!(bf16),
         dt => candle_core::bail!("flash_bwd: the warp-specialized wgmma backward takes f16/bf16, got {dt:?}; q {:?}", q.shape()),
     }
-    Ok(bwd_tensors(dev, (dq, dk, dv), (b, t, s, h, hkv, d)))
+    Ok(bwd_out(dev, fresh, (dk, dv), (b, t, s, h, hkv, d)))
 }

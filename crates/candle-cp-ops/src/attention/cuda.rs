@@ -75,6 +75,25 @@ pub(crate) fn bwd(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPr
     flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), scale as f32, FwdImpl::from_env())
 }
 
+/// CUDA backward of `call` adding its dQ into `dq` (an f32 `[B, n, H, D]` contiguous region, the
+/// rows of a ring's dQ accumulator); returns dk, dv `[B, S, Hkv, D]`.
+pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage, &Layout)) -> Result<(Tensor, Tensor)> {
+    let super::call::BwdCall { q, k, v, lse, prep, scale, .. } = *call;
+    let (b, n, h, _) = q.dims4()?;
+    super::check_like("attention_bwd", "lse", lse, &[b, h, n], q)?;
+    let dims = super::check_qkv("attention_bwd", q, k, v, &Mask::Full)?;
+    prep.check("attention_bwd", q, dims)?;
+    let kp = prep.kernel();
+    match call.mask {
+        super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), scale as f32, FwdImpl::from_env(), dq),
+        super::call::CallMask::Band(band) => {
+            band.check("attention_bwd_band", b, n, dims.s)?;
+            let (lo, hi) = band_tensors(band, q.device())?;
+            flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), dq)
+        }
+    }
+}
+
 /// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when
 /// it has one on `dev` ([`Band::upload_all`]), else copied now.
 fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {

@@ -59,7 +59,7 @@ use schedule::mask_of;
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, BwdPrep};
+use crate::attention::{attention_fwd, attention_fwd_band, BwdCall, BwdPrep};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
@@ -354,11 +354,13 @@ pub(super) fn bwd(
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q0, c.qn)?.contiguous();
             let (qr, lr, pr) = (r(q, 1)?, r(lse, 2)?, prep.narrow_rows(c.q0, c.qn)?);
-            let (dqb, dkb, dvb) = match &c.mask {
-                CallMask::Band(band) => attention_bwd_band_prepared(&qr, &kb, &vb, &lr, &pr, band, scale)?,
-                CallMask::Mask(mask) => attention_bwd_prepared(&qr, &kb, &vb, &lr, &pr, mask, scale)?,
+            let mask = match &c.mask {
+                CallMask::Band(band) => crate::attention::CallMask::Band(band),
+                CallMask::Mask(mask) => crate::attention::CallMask::Mask(mask),
             };
-            dq.add_rows(0, c.q0, &dqb)?;
+            let call = BwdCall { q: &qr, k: &kb, v: &vb, lse: &lr, prep: &pr, mask, scale };
+            // dQ added to this rank's accumulator (on CUDA by the kernels themselves)
+            let (dkb, dvb) = dq.add_bwd(c.q0, &call)?;
             dkv.push(c.k0, dkb, dvb, || accum(2, dims.hkv))?;
             st.blocks += 1;
             st.area += (c.qn * c.kn) as u64;

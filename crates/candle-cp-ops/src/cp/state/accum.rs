@@ -13,8 +13,10 @@
 //!   before is set from the block (one copy); otherwise `rows + block` (strided read, one add)
 //!   is written back. The reference the `InPlace` form is tested against.
 
+use super::bwd_op::AddBwdDq;
 use super::merge_op::{add_slices, block_on, AddRowsInPlace};
 use super::{with_host_f32, Residency};
+use crate::attention::BwdCall;
 use candle_core::{DType, Device, Result, Tensor};
 
 /// An f32 gradient accumulator of shape `[planes, B, rows, H, D]`, to which blocks
@@ -205,6 +207,40 @@ impl RowAccum {
         }
     }
 
+    /// Runs the backward `call` and adds its dQ `[B, n, H, D]` to rows `row0 .. row0 + n` of
+    /// plane 0; returns its dK, dV. In the in-place form (CUDA) the kernels add dQ straight into
+    /// the accumulator ([`AddBwdDq`]); otherwise the call returns dQ and [`RowAccum::add_rows`]
+    /// adds it. Same sums either way.
+    pub(crate) fn add_bwd(&mut self, row0: usize, call: &BwdCall<'_>) -> Result<(Tensor, Tensor)> {
+        let (planes, b, rows, h, d) = self.dims;
+        let (bq, n, hq, dq) = call.q.dims4()?;
+        if planes != 1 || (bq, hq, dq) != (b, h, d) || row0 + n > rows {
+            candle_core::bail!(
+                "RowAccum::add_bwd: dq rows {row0}..{} of q {:?} do not fit [planes, B, rows, H, D] = {:?}",
+                row0 + n,
+                call.q.shape(),
+                self.dims
+            )
+        }
+        match &mut self.repr {
+            Repr::InPlace { acc } => {
+                let op = AddBwdDq {
+                    call: *call,
+                    dims: self.dims,
+                    row0,
+                    out: std::sync::Mutex::new(None),
+                };
+                acc.inplace_op1(&op)?;
+                op.take()
+            }
+            _ => {
+                let (dqb, dk, dv) = call.run()?;
+                self.add_rows(0, row0, &dqb)?;
+                Ok((dk, dv))
+            }
+        }
+    }
+
     /// The accumulated tensor `[planes, B, rows, H, D]` (f32) on `device`.
     pub fn finish(self, device: &Device) -> Result<Tensor> {
         let (planes, b, rows, h, d) = self.dims;
@@ -290,6 +326,64 @@ mod tests {
             .unwrap_or_default();
         // (not an accumulator's shape: an error naming it)
         assert!(e.contains("[2, 3, 3, 4]"), "{e}");
+        Ok(())
+    }
+
+    /// A backward call's dQ added by `add_bwd`: the in-place form (its op's CPU body) equals the
+    /// host form bit for bit, both equal the call's own dQ added to the rows, dK / dV are the
+    /// call's; rows past the accumulator are an error naming the shapes.
+    #[test]
+    fn add_bwd_adds_the_calls_dq() -> Result<()> {
+        use crate::attention::{attention_fwd, BwdCall, BwdPrep, CallMask, Mask};
+        use crate::oracle::randn;
+        let (b, n, h, hkv, d, rows, row0) = (2, 12, 4, 2, 8, 30, 7);
+        let q = randn(1, &[b, n, h, d], 1.0)?;
+        let (k, v) = (
+            randn(2, &[b, 20, hkv, d], 1.0)?,
+            randn(3, &[b, 20, hkv, d], 1.0)?,
+        );
+        let dout = randn(4, &[b, n, h, d], 1.0)?;
+        let mask = Mask::causal_offsets(10, 0);
+        let (out, lse) = attention_fwd(&q, &k, &v, &mask, 0.3)?;
+        let prep = BwdPrep::new(&q, &out, &dout)?;
+        let call = BwdCall {
+            q: &q,
+            k: &k,
+            v: &v,
+            lse: &lse,
+            prep: &prep,
+            mask: CallMask::Mask(&mask),
+            scale: 0.3,
+        };
+        let (dq, dk, dv) = call.run()?;
+        let start = Tensor::randn(0f32, 1., (1, b, rows, h, d), &Device::Cpu)?;
+        let want = start.slice_assign(
+            &[0..1, 0..b, row0..row0 + n, 0..h, 0..d],
+            &(start.narrow(2, row0, n)? + dq.unsqueeze(0)?)?,
+        )?;
+        let mut got = Vec::new();
+        for residency in [Residency::Auto, Residency::ForceDevice] {
+            let mut acc = RowAccum::from_tensor(start.copy()?, residency)?;
+            let (gk, gv) = acc.add_bwd(row0, &call)?;
+            assert_eq!(
+                (flat(&gk)?, flat(&gv)?),
+                (flat(&dk)?, flat(&dv)?),
+                "{residency:?}"
+            );
+            got.push(flat(&acc.finish(&Device::Cpu)?)?);
+        }
+        assert_eq!(got[0], got[1]);
+        assert_eq!(got[0], flat(&want)?);
+        let mut acc = RowAccum::device_resident(1, b, rows, h, d, &Device::Cpu)?;
+        let e = acc
+            .add_bwd(rows - 4, &call)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(
+            e.contains("[2, 12, 4, 8]") && e.contains("(1, 2, 30, 4, 8)"),
+            "{e}"
+        );
         Ok(())
     }
 

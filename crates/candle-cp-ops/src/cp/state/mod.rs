@@ -20,6 +20,7 @@
 //! GPU.
 
 mod accum;
+mod bwd_op;
 mod local;
 mod merge_op;
 

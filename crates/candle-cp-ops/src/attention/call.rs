@@ -1,0 +1,75 @@
+//! [`BwdCall`]: one prepared backward call (a ring step's block), which either returns its dQ
+//! or adds it straight into rows of an f32 dQ accumulator on the device
+//! ([`crate::cp::state::RowAccum::add_bwd`]: the CUDA kernels' `accumulate` flag, so no dQ
+//! buffer, zero fill or add pass per step).
+
+use super::{attention_bwd_band_prepared, attention_bwd_prepared, Band, BwdPrep, Mask};
+use candle_core::{Result, Tensor};
+
+/// The mask of one call: a kernel mask or a band.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum CallMask<'a> {
+    /// Full or (offset, strided) causal.
+    Mask(&'a Mask),
+    /// One key interval per query row.
+    Band(&'a Band),
+}
+
+/// One prepared backward call: q `[B, n, H, D]`, k/v `[B, S, Hkv, D]`, the rows' lse
+/// `[B, H, n]` and prep ([`BwdPrep::narrow_rows`]).
+#[derive(Clone, Copy)]
+pub(crate) struct BwdCall<'a> {
+    pub q: &'a Tensor,
+    pub k: &'a Tensor,
+    pub v: &'a Tensor,
+    pub lse: &'a Tensor,
+    pub prep: &'a BwdPrep,
+    pub mask: CallMask<'a>,
+    pub scale: f64,
+}
+
+impl BwdCall<'_> {
+    /// The call with a fresh dQ: f32 dq `[B, n, H, D]`, dk/dv `[B, S, Hkv, D]`.
+    pub(crate) fn run(&self) -> Result<(Tensor, Tensor, Tensor)> {
+        let BwdCall { q, k, v, lse, prep, scale, .. } = *self;
+        match self.mask {
+            CallMask::Mask(m) => attention_bwd_prepared(q, k, v, lse, prep, m, scale),
+            CallMask::Band(b) => attention_bwd_band_prepared(q, k, v, lse, prep, b, scale),
+        }
+    }
+
+    /// CUDA: the call with its dQ added into `acc` (the storage and layout of an f32
+    /// `[1, B, rows, H, D]` accumulator, contiguous) at rows `row0 .. row0 + n`, in place, when
+    /// those rows are one contiguous region (B = 1, or all rows) and the kernels take the call;
+    /// `None` otherwise (the caller runs [`BwdCall::run`] and adds). Returns dk, dv.
+    #[cfg(feature = "cuda")]
+    pub(crate) fn add_dq_cuda(
+        &self,
+        acc: &mut candle_core::CudaStorage,
+        acc_l: &candle_core::Layout,
+        row0: usize,
+    ) -> Result<Option<(Tensor, Tensor)>> {
+        let (b, n, h, d) = self.q.dims4()?;
+        let rows = match *acc_l.dims() {
+            [1, ab, rows, ah, ad] if ab == b && ah == h && ad == d && row0 + n <= rows => rows,
+            _ => candle_core::bail!(
+                "BwdCall::add_dq_cuda: dq rows {row0}..{} of q {:?} do not fit the accumulator {:?}",
+                row0 + n,
+                self.q.shape(),
+                acc_l.shape()
+            ),
+        };
+        let Some((a0, _)) = acc_l.contiguous_offsets() else {
+            return Ok(None);
+        };
+        if !(self.q.device().is_cuda() && super::cuda::supported(d)) || !(b == 1 || (row0 == 0 && n == rows)) {
+            return Ok(None);
+        }
+        if let CallMask::Mask(Mask::Window { .. }) = self.mask {
+            return Ok(None); // a window is a band for these kernels (attention_bwd_prepared)
+        }
+        super::check_qkv("attention_bwd", self.q, self.k, self.v, &Mask::Full)?;
+        let sub = candle_core::Layout::contiguous_with_offset((b, n, h, d), a0 + row0 * h * d);
+        super::cuda::bwd_add_dq(self, (acc, &sub)).map(Some)
+    }
+}
