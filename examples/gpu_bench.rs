@@ -26,6 +26,7 @@ use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
 use candle_cp_ops::cp::{ring_attention_bwd_raw, ring_attention_fwd_raw, shard, CpOpts, Layout, DEFAULT_BLOCK_ROWS};
+use std::cell::RefCell;
 use std::time::{Duration, Instant};
 
 struct Args {
@@ -191,10 +192,13 @@ impl RingInputs {
 /// issues: `step_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) timed alone,
 /// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
 /// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9. With
-/// `--bwd 1` the same for the backward: each call's `flash::bwd_prepared` on the step's keys
-/// with the rows of the rank's backward prepared once from the whole sequence's out / dout, and
-/// the lse of its query rows (what the ring's backward computes per step; 2.5x the forward's
-/// FLOP; the prep's time / P added to each step) against the single-GPU backward's rate.
+/// `--bwd 1` the same for the backward, as the ring runs it: each call's
+/// `flash::bwd_prepared_add_dq` on the step's keys, with the rows of the rank's backward
+/// prepared once from the whole sequence's out / dout and the lse of its query rows, adding dQ
+/// into the rank's f32 accumulator (2.5x the forward's FLOP; the prep's time / P added to each
+/// step) against the single-GPU backward's rate; and, in the same run, session 13's path
+/// (`flash::bwd_with` per call, its fresh dQ added by one more kernel: `bwd_s13_vs_now` =
+/// its time / the ring's).
 fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
     use candle_cp_ops::cp::ring::{call_pairs, step_schedule, sub_blocks, Block};
     let (b, h, d, t, p) = (a.batch, a.heads, a.d, a.ring_t, a.ring_p);
@@ -205,14 +209,19 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
     // rank 0's lse rows (dim 2), its backward prepared once from its rows of out and dout (what
     // the ring's backward does before its steps; the prep's time, amortized over the P steps, is
     // added to each step's), and the single-GPU backward's rate
+    // (the rank's rows of out and dout stay for the session-13 path timed alongside, which
+    // prepared every call and added a fresh dQ to the accumulator)
     let bl = match &ri.bwd {
         Some((out, lse, dout, s)) => {
             let (ol, gl) = (shard(out, Layout::Zigzag, rank, p, 1)?, shard(dout, Layout::Zigzag, rank, p, 1)?);
             let prep_s = time(dev, a.iters, || flash::bwd_prep(&ol, &gl, q.dtype()).map(|_| ()))?;
-            Some((shard(lse, Layout::Zigzag, rank, p, 2)?, flash::bwd_prep(&ol, &gl, q.dtype())?, prep_s, 2.5 * single_rate * ri.single_s / s))
+            let pr = flash::bwd_prep(&ol, &gl, q.dtype())?;
+            Some((shard(lse, Layout::Zigzag, rank, p, 2)?, pr, prep_s, 2.5 * single_rate * ri.single_s / s, ol, gl))
         }
         None => None,
     };
+    // this rank's f32 dQ accumulator [1, B, T/P, H, D] (what the ring's calls add into)
+    let dq_acc = Tensor::zeros((1, b, t / p, h, d), DType::F32, dev)?;
     // The engine's default on CUDA (no row chunking: one call per block, `rows_per_call` of
     // the default options on this device), then its CPU chunking (1024 rows), for comparison.
     let on_gpu = CpOpts::new(Layout::Zigzag, true).rows_per_call(dev);
@@ -236,7 +245,13 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     let kr = ks.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let vr = vs.narrow(1, sb.k.local, sb.k.len)?.contiguous()?;
                     let rows = match &bl {
-                        Some((l, pr, ..)) => Some((l.narrow(2, qseg.local, qseg.len)?.contiguous()?, pr.narrow_rows(qseg.local, qseg.len)?)),
+                        Some((l, pr, _, _, ol, gl)) => Some((
+                            l.narrow(2, qseg.local, qseg.len)?.contiguous()?,
+                            pr.narrow_rows(qseg.local, qseg.len)?,
+                            qseg.local,
+                            ol.narrow(1, qseg.local, qseg.len)?.contiguous()?,
+                            gl.narrow(1, qseg.local, qseg.len)?.contiguous()?,
+                        )),
                         None => None,
                     };
                     calls.push((qr, kr, vr, mask, pairs, rows));
@@ -252,21 +267,46 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
             let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
             worst = worst.min(rate / single_rate);
             let bwd = match &bl {
-                Some((_, _, prep_s, single_bwd_rate)) => {
+                Some((_, _, prep_s, single_bwd_rate, ..)) => {
+                    // the ring's path: prepared calls adding dQ into the accumulator's rows (B > 1
+                    // and part of the rows: a fresh dQ added by one more kernel, as the ring does)
+                    let mut part_acc = candle_cp_ops::cp::state::RowAccum::on_device(1, b, t / p, h, d, dev)?;
                     let bsecs = time(dev, a.iters, || {
                         for (qr, kr, vr, mask, _, rows) in &calls {
-                            if let Some((l, pr)) = rows {
-                                flash::bwd_prepared(qr, kr, vr, l, pr, *mask, scale, imp)?;
+                            if let Some((l, pr, q0, ..)) = rows {
+                                let n = qr.dim(1)?;
+                                if b == 1 || n == t / p {
+                                    // rows q0 .. q0 + n of the accumulator: one contiguous region
+                                    let acc = dq_acc.narrow(2, *q0, n)?.squeeze(0)?;
+                                    acc.inplace_op1(&AddDq { q: qr, k: kr, v: vr, lse: l, pr, mask: *mask, scale, imp, out: RefCell::new(None) })?;
+                                } else {
+                                    let (dq, _, _) = flash::bwd_prepared(qr, kr, vr, l, pr, *mask, scale, imp)?;
+                                    part_acc.add_rows(0, *q0, &dq)?;
+                                }
                             }
                         }
                         Ok(())
                     })? + prep_s / p as f64;
+                    // session 13's path: every call prepared (dO to f32, prep kernel), a fresh dQ
+                    // added to the accumulator by one more kernel
+                    let mut old_acc = candle_cp_ops::cp::state::RowAccum::on_device(1, b, t / p, h, d, dev)?;
+                    let osecs = time(dev, a.iters, || {
+                        for (qr, kr, vr, mask, _, rows) in &calls {
+                            if let Some((l, _, q0, o, g)) = rows {
+                                let (dq, _, _) = flash::bwd_with(qr, kr, vr, o, l, g, *mask, scale, imp)?;
+                                old_acc.add_rows(0, *q0, &dq)?;
+                            }
+                        }
+                        Ok(())
+                    })?;
                     let brate = 2.5 * 4.0 * (b * h * d) as f64 * pairs as f64 / bsecs;
                     worst_bwd = worst_bwd.min(brate / single_bwd_rate);
                     format!(
-                        ",\"bwd_step_ms\":{:.3},\"bwd_prep_ms\":{:.3},\"bwd_step_tflops\":{:.2},\"bwd_single_tflops\":{:.2},\"bwd_ratio\":{:.3}",
+                        ",\"bwd_step_ms\":{:.3},\"bwd_prep_ms\":{:.3},\"bwd_s13_step_ms\":{:.3},\"bwd_s13_vs_now\":{:.3},\"bwd_step_tflops\":{:.2},\"bwd_single_tflops\":{:.2},\"bwd_ratio\":{:.3}",
                         bsecs * 1e3,
                         prep_s * 1e3,
+                        osecs * 1e3,
+                        osecs / bsecs,
                         brate / 1e12,
                         single_bwd_rate / 1e12,
                         brate / single_bwd_rate
@@ -288,6 +328,34 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
         println!("{{\"impl\":\"candle-cp-ring-steps\",\"kernel\":\"{imp:?}\",\"p\":{p},\"t\":{t},\"block_rows\":{},\"worst_step_ratio\":{worst:.3}{bwd}}}", block_rows.min(t));
     }
     Ok(())
+}
+
+/// `flash::bwd_prepared_add_dq` as the in-place op on the dQ accumulator's rows that the ring
+/// runs it in (`candle_cp_ops`'s `AddBwdDq`).
+struct AddDq<'a> {
+    q: &'a Tensor,
+    k: &'a Tensor,
+    v: &'a Tensor,
+    lse: &'a Tensor,
+    pr: &'a flash::BwdPrep,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+    out: RefCell<Option<(Tensor, Tensor)>>,
+}
+
+impl candle_core::InplaceOp1 for AddDq<'_> {
+    fn name(&self) -> &'static str {
+        "gpu-bench-add-dq"
+    }
+    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> candle_core::Result<()> {
+        candle_core::bail!("gpu_bench AddDq runs on CUDA only")
+    }
+    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
+        let dkv = flash::bwd_prepared_add_dq(self.q, self.k, self.v, self.lse, self.pr, self.mask, self.scale, self.imp, (s, l))?;
+        *self.out.borrow_mut() = Some(dkv);
+        Ok(())
+    }
 }
 
 /// Zigzag ring forward on `ring_p` virtual ranks vs one flash forward over the whole sequence

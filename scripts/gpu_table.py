@@ -45,6 +45,8 @@ def main():
         print(row)
     for r in (r for r in bench if r.get("impl") == "candle-cp-ring-step"):
         prep = f", prep {r['bwd_prep_ms']:.3f} ms once / {r['p']} steps" if "bwd_prep_ms" in r else ""
+        if "bwd_s13_vs_now" in r:
+            prep += f"; session 13's per-call prep + dQ add took {r['bwd_s13_vs_now']:.2f}x"
         bwd = (f"; backward {r['bwd_step_tflops']:.1f} = {r['bwd_ratio']:.2f} of {r['bwd_single_tflops']:.1f}{prep}"
                if "bwd_ratio" in r else "")
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
