@@ -10,6 +10,8 @@
 //! - a backward prepared once for all rows (`flash::bwd_prep`), called on rows `R0..T` of it
 //!   (`BwdPrep::narrow_rows`, `flash::bwd_prepared`: what the ring runs per step) against the
 //!   CPU backward of those rows, every selected family.
+//! - the forward into one packed buffer (`flash::fwd_packed`: out then lse, the ring state's
+//!   layout) equals `flash::fwd` bit for bit, every family.
 //! - dQ added into a buffer holding values (`flash::bwd_prepared_add_dq`, the kernels'
 //!   `accumulate` flag / no zero fill: what the ring's dQ accumulator gets), every family.
 //! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
@@ -119,6 +121,15 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
                 Ok((o, l)) => {
                     rep.check(&format!("{name} fwd out"), max_abs(&o, &o_ref)?, tf);
                     rep.check(&format!("{name} fwd lse"), max_abs(&l, &l_ref)?, if imp == FwdImpl::Simple { 2e-5 } else { 1e-3 });
+                    // the same forward into one packed buffer (out, then lse: the ring state's
+                    // layout), bit for bit
+                    match flash::fwd_packed(&gq, &gk, &dev.v, kmask(&mask), scale as f32, imp) {
+                        Ok(buf) => {
+                            let packed = Tensor::cat(&[o.flatten_all()?, l.flatten_all()?], 0)?;
+                            rep.check(&format!("{name} fwd_packed = fwd"), max_abs(&buf, &packed)?, 0.0);
+                        }
+                        Err(e) => rep.error(&format!("{name} fwd_packed"), e),
+                    }
                 }
                 Err(e) => rep.error(&format!("{name} fwd"), e),
             }

@@ -23,7 +23,7 @@ mod sm90;
 mod sm90_ws;
 pub(crate) mod tma;
 
-pub use band::{bwd_band, bwd_band_prepared, bwd_band_prepared_add_dq, fwd_band, fwd_storage_band, KBand};
+pub use band::{bwd_band, bwd_band_prepared, bwd_band_prepared_add_dq, fwd_band, fwd_band_packed, fwd_storage_band, KBand};
 pub use bwd_prep::{bwd_prep, BwdPrep};
 use bwd_prep::BwdInputs;
 
@@ -226,18 +226,83 @@ pub fn fwd_storage(
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!("flash_fwd: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), ql.shape())
     }
-    let sfx = suffix(q.dtype())?;
     let dev = q.device.clone();
-    let (out, lse) = match q.dtype() {
-        DType::F32 => fwd_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
-        DType::F16 => fwd_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
-        _ => fwd_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp)?,
-    };
     let (b, t, _, h, _, d) = dims;
+    // SAFETY: the forward writes every element of both (FwdDst::empty where it has no rows).
+    let (mut out, mut lse) = unsafe { (dev.alloc::<f32>(b * t * h * d)?, dev.alloc::<f32>(b * h * t)?) };
+    fwd_storage_to((q, ql), (k, kl), (v, vl), dims, mask, scale, imp, FwdDst { out: out.slice_mut(..), lse: lse.slice_mut(..) })?;
     Ok((
         (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
         (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
     ))
+}
+
+/// The forward of [`fwd_storage`] into `dst` (checked dims).
+#[allow(clippy::too_many_arguments)]
+fn fwd_storage_to(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    dims: Dims,
+    mask: KMask,
+    scale: f32,
+    imp: FwdImpl,
+    dst: FwdDst<'_>,
+) -> Result<()> {
+    use candle_core::backend::BackendStorage;
+    let sfx = suffix(q.dtype())?;
+    let dev = q.device.clone();
+    match q.dtype() {
+        DType::F32 => fwd_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp, dst),
+        DType::F16 => fwd_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp, dst),
+        _ => fwd_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, mask, scale, imp, dst),
+    }
+}
+
+/// Where a forward writes: out f32 `[B, T, H, D]` and lse f32 `[B, H, T]`, two fresh buffers
+/// ([`fwd_storage`]) or the two parts of one packed buffer ([`fwd_packed`]).
+pub(super) struct FwdDst<'a> {
+    pub out: CudaViewMut<'a, f32>,
+    pub lse: CudaViewMut<'a, f32>,
+}
+
+impl FwdDst<'_> {
+    /// The result of no key seen (or no rows): out 0, lse `-inf`.
+    pub(super) fn empty(mut self, dev: &CudaDevice) -> Result<()> {
+        let stream = dev.cuda_stream();
+        stream.memset_zeros(&mut self.out).w()?;
+        let n = self.lse.len();
+        if n > 0 {
+            stream.memcpy_htod(&vec![f32::NEG_INFINITY; n], &mut self.lse).w()?;
+        }
+        Ok(())
+    }
+}
+
+/// [`fwd`] into ONE f32 buffer `[B·T·H·D + B·H·T]`: out `[B, T, H, D]`, then lse `[B, H, T]` —
+/// the layout of the ring's running state (`candle_cp_ops::cp::state::LocalState`), which takes
+/// a first result covering all its rows as its state instead of merging it into an empty one.
+pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<Tensor> {
+    let dev = util::cuda_device(q, "flash_fwd: q")?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let dims = check_dims("flash_fwd", q.shape(), k.shape(), v.shape())?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_fwd: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
+    }
+    let (b, t, _, h, _, d) = dims;
+    let n_out = b * t * h * d;
+    // SAFETY: the forward writes every element (FwdDst::empty where it has no rows).
+    let mut buf = unsafe { dev.alloc::<f32>(n_out + b * h * t)? };
+    {
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (out, lse) = buf.split_at_mut(n_out);
+        let qkv = ((storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl));
+        fwd_storage_to(qkv.0, qkv.1, qkv.2, dims, mask, scale, imp, FwdDst { out, lse })?;
+    }
+    let n = buf.len();
+    Ok(util::to_tensor(buf, &dev, n))
 }
 
 /// The forward kernel family a call runs (after resolving [`FwdImpl`] against the dtype).
@@ -268,13 +333,14 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     mask: KMask,
     scale: f32,
     imp: FwdImpl,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     let kern = match imp {
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
-        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
+        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
         FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide => {
             let wide = imp == FwdImpl::WgmmaTmaWide;
-            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide);
+            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide, dst);
         }
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
@@ -301,14 +367,13 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         kern
     };
     if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+        return dst.empty(dev);
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), kern != FwdKernel::Simple)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = match kern {
         FwdKernel::Simple => ("simple", 16, 128, 0),
         FwdKernel::Mma => ("mma", 64, 128, 0),
@@ -331,7 +396,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above.
     unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
+    Ok(())
 }
 
 fn storage_of<'a>(s: &'a Storage, what: &str, shape: &Shape) -> Result<&'a CudaStorage> {

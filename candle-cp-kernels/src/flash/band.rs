@@ -16,11 +16,11 @@
 //! [`FwdImpl`]).
 
 use super::bwd_pipe::PipeCfg;
-use super::{bwd_out, dq_fresh, dq_region, dq_view, fresh_dq, zero_bwd, BwdOut, DqOut, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
+use super::{bwd_out, dq_fresh, dq_region, dq_view, fresh_dq, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Shape, Storage, Tensor};
 use half::{bf16, f16};
@@ -112,17 +112,61 @@ pub fn fwd_storage_band(
     let (b, t, _, h, _, d) = dims;
     let dev = q.device.clone();
     band.check("flash_fwd_band", b, t, &dev)?;
-    let sfx = suffix(q.dtype())?;
-    let bnd = (band.lo, band.hi);
-    let (out, lse) = match q.dtype() {
-        DType::F32 => fwd_band_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
-        DType::F16 => fwd_band_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
-        _ => fwd_band_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp)?,
-    };
+    // SAFETY: the forward writes every element of both (FwdDst::empty where it has no rows).
+    let (mut out, mut lse) = unsafe { (dev.alloc::<f32>(b * t * h * d)?, dev.alloc::<f32>(b * h * t)?) };
+    fwd_band_to((q, ql), (k, kl), (v, vl), dims, band, scale, imp, FwdDst { out: out.slice_mut(..), lse: lse.slice_mut(..) })?;
     Ok((
         (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
         (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
     ))
+}
+
+/// The band forward into `dst` (checked dims and band).
+#[allow(clippy::too_many_arguments)]
+fn fwd_band_to(
+    (q, ql): (&CudaStorage, &Layout),
+    (k, kl): (&CudaStorage, &Layout),
+    (v, vl): (&CudaStorage, &Layout),
+    dims: Dims,
+    band: KBand<'_>,
+    scale: f32,
+    imp: FwdImpl,
+    dst: FwdDst<'_>,
+) -> Result<()> {
+    let dev = q.device.clone();
+    let sfx = suffix(q.dtype())?;
+    let bnd = (band.lo, band.hi);
+    match q.dtype() {
+        DType::F32 => fwd_band_t::<f32>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp, dst),
+        DType::F16 => fwd_band_t::<f16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp, dst),
+        _ => fwd_band_t::<bf16>(&dev, sfx, (q, ql), (k, kl), (v, vl), dims, bnd, scale, imp, dst),
+    }
+}
+
+/// [`fwd_band`] into ONE f32 buffer, out then lse (see [`super::fwd_packed`]).
+pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl) -> Result<Tensor> {
+    let dev = util::cuda_device(q, "flash_fwd_band: q")?;
+    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
+    let dims = check_dims("flash_fwd_band", q.shape(), k.shape(), v.shape())?;
+    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
+        candle_core::bail!("flash_fwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
+    }
+    let (b, t, _, h, _, d) = dims;
+    band.check("flash_fwd_band", b, t, &dev)?;
+    let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
+    let n_out = b * t * h * d;
+    // SAFETY: the forward writes every element (FwdDst::empty where it has no rows).
+    let mut buf = unsafe { dev.alloc::<f32>(n_out + b * h * t)? };
+    {
+        let (qs, ql) = q.storage_and_layout();
+        let (ks, kl) = k.storage_and_layout();
+        let (vs, vl) = v.storage_and_layout();
+        let (out, lse) = buf.split_at_mut(n_out);
+        let qkv = ((storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl));
+        fwd_band_to(qkv.0, qkv.1, qkv.2, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, FwdDst { out, lse })?;
+    }
+    let n = buf.len();
+    Ok(util::to_tensor(buf, &dev, n))
 }
 
 
@@ -137,9 +181,10 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     (blo, bhi): (&Tensor, &Tensor),
     scale: f32,
     imp: FwdImpl,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+        return dst.empty(dev);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -150,18 +195,17 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     if imp.tma() && sm90_ws::applies(dev, sfx, d)? {
         // (WgmmaTmaWide: bands keep the 128-key entries)
         let band = sm90_ws::TmaMask::Band { lo: &lov, hi: &hiv, bstride };
-        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false);
+        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false, dst);
     }
     if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
         let ws = imp == FwdImpl::WgmmaWs;
-        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws);
+        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst);
     }
     let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = if pipe {
         let (rows, threads, smem) = pipe_band_smem(d);
         ("pipe", rows, threads, smem)
@@ -181,7 +225,7 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     bld.arg(&lov).arg(&hiv).arg(&bstride);
     // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above.
     unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
+    Ok(())
 }
 
 /// Raw band forward on CUDA tensors, no graph: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16

@@ -4,10 +4,10 @@
 //! Same shapes and results as the other forward kernels: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]`
 //! (f16/bf16), out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 
-use super::{Dims, KMask};
+use super::{Dims, FwdDst, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -59,17 +59,17 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     check_fwd(dev, sfx, d, ql, "wgmma kernel")?;
     if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+        return dst.empty(dev);
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let name = format!("flash_fwd_wgmma_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?;
     let cfg = wgmma_config(&func, (b, t, h, d))?;
@@ -81,7 +81,7 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90.cu; sizes checked by
     // check_dims, dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
+    Ok(())
 }
 
 /// The band forward of `fwd_band` on Hopper (where the kernels apply: f16/bf16, head dims 64/128,
@@ -103,16 +103,16 @@ pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     bstride: i64,
     scale: f32,
     ws: bool,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     check_fwd(dev, sfx, d, ql, "Hopper band kernel")?;
     if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+        return dst.empty(dev);
     }
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let fam = if ws { "wgmma_ws" } else { "wgmma" };
     let name = format!("flash_fwd_{fam}_band_{sfx}_d{d}");
     let func = if ws {
@@ -130,7 +130,7 @@ pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     // kernels/flash_fwd_sm90_ws.cu; sizes checked by check_dims and KBand::check
     // (fwd_storage_band), dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
+    Ok(())
 }
 
 /// Launch config of `flash_fwd_wgmma*` (grid `(ceil(T / 128), H, B)`, block 256, `wgmma_smem(d)`

@@ -10,10 +10,10 @@
 
 use super::sm90::check_fwd;
 use super::tma::{map_bthd, TmaMap};
-use super::{Dims, KMask};
+use super::{Dims, FwdDst, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
-use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::cudarc::driver::{CudaFunction, CudaView, CudaViewMut, DeviceRepr, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, CudaStorage, Layout, Result};
 
@@ -57,17 +57,17 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
     scale: f32,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     check_fwd(dev, sfx, d, ql, "warp-specialized wgmma kernel")?;
     if b * t * h == 0 {
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.alloc_zeros::<f32>(b * h * t)?));
+        return dst.empty(dev);
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let name = format!("flash_fwd_wgmma_ws_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
     let cfg = ws_config(&func, (b, t, h), ws_smem(d))?;
@@ -79,7 +79,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90_ws.cu; sizes checked by
     // check_dims, dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
-    Ok((out, lse))
+    Ok(())
 }
 
 /// The tensor maps of q `[B, T, H, D]` (boxes of `WS_BQ` rows), k and v `[B, S, Hkv, D]` (boxes of
@@ -118,20 +118,20 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     mask: TmaMask<'_>,
     scale: f32,
     wide: bool,
-) -> Result<(CudaSlice<f32>, CudaSlice<f32>)> {
+    dst: FwdDst<'_>,
+) -> Result<()> {
     check_fwd(dev, sfx, d, ql, "TMA wgmma kernel")?;
     let wide = wide && d == 128 && matches!(mask, TmaMask::Mask(_));
     let (bk, smem) = if wide { (WS_WIDE_BK, WS_WIDE_SMEM) } else { (WS_BK, ws_smem(d)) };
     if b * t * h == 0 || s == 0 {
         // (a map needs at least one key row)
-        return Ok((dev.alloc_zeros::<f32>(b * t * h * d)?, dev.clone_htod(&vec![f32::NEG_INFINITY; b * h * t])?));
+        return dst.empty(dev);
     }
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d), bk)?;
-    // SAFETY: the kernel writes every element of out and lse (rows < T, all heads, all d).
-    let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
-    let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
+    // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     match mask {
         TmaMask::Mask(m) => {
@@ -164,7 +164,7 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
             unsafe { bld.launch(cfg) }.w()?;
         }
     }
-    Ok((out, lse))
+    Ok(())
 }
 
 /// Launch config of `flash_fwd_wgmma_ws*` / `flash_fwd_wgmma_tma*` (grid `(ceil(T / 128), H, B)`,

@@ -1,9 +1,10 @@
+//! [`fwd_packed`]: one forward call whose result comes in the ring state's buffer layout, and
 //! [`BwdCall`]: one prepared backward call (a ring step's block), which either returns its dQ
 //! or adds it straight into rows of an f32 dQ accumulator on the device
 //! ([`crate::cp::state::RowAccum::add_bwd`]: the CUDA kernels' `accumulate` flag, so no dQ
 //! buffer, zero fill or add pass per step).
 
-use super::{attention_bwd_band_prepared, attention_bwd_prepared, Band, BwdPrep, Mask};
+use super::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, Band, BwdPrep, Mask};
 use candle_core::{Result, Tensor};
 
 /// The mask of one call: a kernel mask or a band.
@@ -72,4 +73,23 @@ impl BwdCall<'_> {
         let sub = candle_core::Layout::contiguous_with_offset((b, n, h, d), a0 + row0 * h * d);
         super::cuda::bwd_add_dq(self, (acc, &sub)).map(Some)
     }
+}
+
+/// The forward of `q [B, n, H, D]` against `k, v` under `mask` as ONE f32 tensor
+/// `[B·n·H·D + B·H·n]`: out, then lse — the buffer layout of the ring's running state, which
+/// takes a first result covering all its rows as it is
+/// ([`crate::cp::state::LocalState::adopt_packed`]). On CUDA the kernels write that buffer
+/// directly (`flash::fwd_packed`, `fwd_band_packed`); elsewhere (the state's in-place form
+/// forced on the CPU in tests) the two results are concatenated.
+pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64) -> Result<Tensor> {
+    #[cfg(feature = "cuda")]
+    if q.device().is_cuda() && super::cuda::supported(q.dim(3)?) && !matches!(mask, CallMask::Mask(Mask::Window { .. })) {
+        super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
+        return super::cuda::fwd_packed(q, k, v, mask, scale);
+    }
+    let (out, lse) = match mask {
+        CallMask::Mask(m) => attention_fwd(q, k, v, m, scale)?,
+        CallMask::Band(b) => attention_fwd_band(q, k, v, b, scale)?,
+    };
+    Tensor::cat(&[out.flatten_all()?, lse.flatten_all()?], 0)
 }

@@ -94,6 +94,19 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
     }
 }
 
+/// CUDA forward of one call into the packed buffer `[B·n·H·D + B·H·n]` (out, then lse).
+pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64) -> Result<Tensor> {
+    match mask {
+        super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), scale as f32, FwdImpl::from_env()),
+        super::call::CallMask::Band(band) => {
+            let (b, t, _, _) = q.dims4()?;
+            band.check("attention_fwd_band", b, t, k.dim(1)?)?;
+            let (lo, hi) = band_tensors(band, q.device())?;
+            flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+        }
+    }
+}
+
 /// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when
 /// it has one on `dev` ([`Band::upload_all`]), else copied now.
 fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {

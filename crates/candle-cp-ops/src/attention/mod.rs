@@ -32,7 +32,7 @@ pub use band::Band;
 pub use merge::merge;
 pub use op::AttentionOp;
 pub use prep::BwdPrep;
-pub(crate) use call::{BwdCall, CallMask};
+pub(crate) use call::{fwd_packed, BwdCall, CallMask};
 pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
 use crate::packing::Documents;

@@ -59,7 +59,7 @@ use schedule::mask_of;
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_fwd, attention_fwd_band, BwdCall, BwdPrep};
+use crate::attention::{attention_fwd, attention_fwd_band, fwd_packed, BwdCall, BwdPrep};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
@@ -112,6 +112,16 @@ enum CallMask {
     Mask(crate::attention::Mask),
     /// Per-row key intervals (packed documents, windows: module `bands`).
     Band(crate::attention::Band),
+}
+
+impl CallMask {
+    /// The attention layer's view of it.
+    fn as_call(&self) -> crate::attention::CallMask<'_> {
+        match self {
+            CallMask::Mask(m) => crate::attention::CallMask::Mask(m),
+            CallMask::Band(b) => crate::attention::CallMask::Band(b),
+        }
+    }
 }
 
 /// One attention call of a ring step: local query rows `[q0, q0 + qn)` against the held
@@ -253,11 +263,17 @@ pub(super) fn fwd(
         for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let qr = q.narrow(1, c.q0, c.qn)?.contiguous()?;
-            let (o, l) = match &c.mask {
-                CallMask::Band(band) => attention_fwd_band(&qr, &kb, &vb, band, scale)?,
-                CallMask::Mask(mask) => attention_fwd(&qr, &kb, &vb, mask, scale)?,
-            };
-            state.merge_rows(c.q0, &o, &l)?;
+            if state.takes_packed(c.q0, c.qn) {
+                // the first call over all rows (the in-place form): its result, in the state's
+                // buffer layout, becomes the state (no initialisation, no merge)
+                state.adopt_packed(fwd_packed(&qr, &kb, &vb, c.mask.as_call(), scale)?)?;
+            } else {
+                let (o, l) = match &c.mask {
+                    CallMask::Band(band) => attention_fwd_band(&qr, &kb, &vb, band, scale)?,
+                    CallMask::Mask(mask) => attention_fwd(&qr, &kb, &vb, mask, scale)?,
+                };
+                state.merge_rows(c.q0, &o, &l)?;
+            }
             st.blocks += 1;
             st.area += (c.qn * c.kn) as u64;
             st.pairs += c.pairs;
@@ -354,11 +370,7 @@ pub(super) fn bwd(
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let r = |x: &Tensor, dim: usize| x.narrow(dim, c.q0, c.qn)?.contiguous();
             let (qr, lr, pr) = (r(q, 1)?, r(lse, 2)?, prep.narrow_rows(c.q0, c.qn)?);
-            let mask = match &c.mask {
-                CallMask::Band(band) => crate::attention::CallMask::Band(band),
-                CallMask::Mask(mask) => crate::attention::CallMask::Mask(mask),
-            };
-            let call = BwdCall { q: &qr, k: &kb, v: &vb, lse: &lr, prep: &pr, mask, scale };
+            let call = BwdCall { q: &qr, k: &kb, v: &vb, lse: &lr, prep: &pr, mask: c.mask.as_call(), scale };
             // dQ added to this rank's accumulator (on CUDA by the kernels themselves)
             let (dkb, dvb) = dq.add_bwd(c.q0, &call)?;
             dkv.push(c.k0, dkb, dvb, || accum(2, dims.hkv))?;
@@ -374,7 +386,7 @@ pub(super) fn bwd(
             None => None,
         };
         let t1 = Instant::now();
-        let acc = dkv.add_to(received, || accum(2, dims.hkv), residency, dev)?;
+        let acc = dkv.add_to(received, [dims.b, dims.tl, dims.hkv, dims.d], || accum(2, dims.hkv), residency, dev)?;
         st.compute += t1.elapsed();
         // The accumulator for source `src` goes to the next rank, which holds `src` next step;
         // after the last step it is complete and goes home, to `src` itself (`steps - 1` ranks
@@ -435,9 +447,14 @@ impl StepKv {
     }
 
     /// The chunk's accumulator after this step: `received` (none at the first step: zeros)
-    /// plus the step's blocks.
-    fn add_to(self, received: Option<Tensor>, zeros: impl Fn() -> Result<RowAccum>, residency: Residency, dev: &candle_core::Device) -> Result<Tensor> {
+    /// plus the step's blocks. `chunk` = `[B, T/P, Hkv, D]`, the shape of a whole plane.
+    fn add_to(self, received: Option<Tensor>, chunk: [usize; 4], zeros: impl Fn() -> Result<RowAccum>, residency: Residency, dev: &candle_core::Device) -> Result<Tensor> {
         match (self, received) {
+            // the first step's one call over all the chunk's keys: its blocks are the
+            // accumulator (no zero fill, no add)
+            (StepKv::One(0, dk, dv), None) if dk.dims() == chunk && dv.dims() == chunk => {
+                Tensor::stack(&[dk.to_dtype(candle_core::DType::F32)?, dv.to_dtype(candle_core::DType::F32)?], 0)?.to_device(dev)
+            }
             (StepKv::None, Some(r)) => Ok(r),
             (StepKv::None, None) => zeros()?.finish(dev),
             (StepKv::Acc(acc), None) => acc.finish(dev),

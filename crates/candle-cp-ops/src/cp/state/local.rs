@@ -51,6 +51,21 @@ enum Repr {
     /// One f32 buffer `[B·T/P·H·D + B·H·T/P]` (`out`, then `lse`) on CUDA (or forced on the
     /// CPU), merged in place by [`MergeRowsInPlace`].
     Buffer { buf: Tensor },
+    /// The `Buffer` form before anything was folded in: no buffer yet. The first merge makes
+    /// it (out 0, lse `-inf`), or a first result covering every row becomes it
+    /// ([`LocalState::adopt_packed`]: no initialisation, no merge).
+    Empty { device: Device },
+}
+
+/// The empty `Buffer` (out 0, lse `-inf`) of a state of `dims` on `device`.
+fn empty_buffer((b, tl, h, d): (usize, usize, usize, usize), device: &Device) -> Result<Tensor> {
+    Tensor::cat(
+        &[
+            Tensor::zeros(b * tl * h * d, DType::F32, device)?,
+            Tensor::full(f32::NEG_INFINITY, b * h * tl, device)?,
+        ],
+        0,
+    )
 }
 
 impl LocalState {
@@ -100,16 +115,10 @@ impl LocalState {
         if !(device.is_cuda() || device.is_cpu()) {
             return Self::device_resident_slice_set(b, tl, h, d, device);
         }
-        let no = b * tl * h * d;
-        let buf = Tensor::cat(
-            &[
-                Tensor::zeros(no, DType::F32, device)?,
-                Tensor::full(f32::NEG_INFINITY, b * h * tl, device)?,
-            ],
-            0,
-        )?;
         Ok(Self {
-            repr: Repr::Buffer { buf },
+            repr: Repr::Empty {
+                device: device.clone(),
+            },
             dims: (b, tl, h, d),
         })
     }
@@ -148,7 +157,15 @@ impl LocalState {
         if out_s.elem_count() == 0 {
             return Ok(()); // no rows (or D = 0): nothing to fold in
         }
+        if let Repr::Empty { device } = &self.repr {
+            self.repr = Repr::Buffer {
+                buf: empty_buffer(self.dims, device)?,
+            };
+        }
         match &mut self.repr {
+            Repr::Empty { .. } => {
+                candle_core::bail!("LocalState: empty after initialisation (internal error)")
+            }
             Repr::Host { out, lse } => merge_host(out, lse, self.dims, row0, out_s, lse_s),
             Repr::Buffer { buf } => {
                 let os = block_on(out_s, buf.device())?;
@@ -180,10 +197,54 @@ impl LocalState {
         }
     }
 
+    /// Whether a result for rows `row0 .. row0 + n` would become the state as it is
+    /// ([`LocalState::adopt_packed`]): nothing folded in yet (in-place form) and all rows.
+    pub(crate) fn takes_packed(&self, row0: usize, n: usize) -> bool {
+        matches!(self.repr, Repr::Empty { .. }) && row0 == 0 && n == self.dims.1
+    }
+
+    /// Takes `buf`, a first result for ALL rows in the buffer layout (f32 `[B·T/P·H·D +
+    /// B·H·T/P]`: out then lse, e.g. `candle_cp_kernels::flash::fwd_packed`), as the state: what
+    /// folding it into the empty state gives (for a result whose rows with lse `-inf` have out 0,
+    /// as every attention kernel's do), without initialising the buffer or merging.
+    /// Errors unless [`LocalState::takes_packed`] holds for all rows and `buf` has that shape.
+    pub(crate) fn adopt_packed(&mut self, buf: Tensor) -> Result<()> {
+        let (b, tl, h, d) = self.dims;
+        let n = b * tl * h * d + b * h * tl;
+        let Repr::Empty { device } = &self.repr else {
+            candle_core::bail!("LocalState::adopt_packed: the state already holds results")
+        };
+        if buf.dims() != [n] || buf.dtype() != DType::F32 || !buf.device().same_device(device) {
+            candle_core::bail!(
+                "LocalState::adopt_packed: expected an f32 buffer [{n}] on {device:?} for the state [B, T/P, H, D] = {:?}, got {:?} {:?} on {:?}",
+                self.dims,
+                buf.dtype(),
+                buf.shape(),
+                buf.device()
+            )
+        }
+        let buf = if buf.is_contiguous() {
+            buf
+        } else {
+            buf.force_contiguous()?
+        };
+        self.repr = Repr::Buffer { buf };
+        Ok(())
+    }
+
     /// The state as f32 tensors `(out [B, T/P, H, D], lse [B, H, T/P])` on `device`.
     pub fn finish(self, device: &Device) -> Result<(Tensor, Tensor)> {
         let (b, tl, h, d) = self.dims;
-        match self.repr {
+        let repr = match self.repr {
+            Repr::Empty { device } => Repr::Buffer {
+                buf: empty_buffer(self.dims, &device)?,
+            },
+            r => r,
+        };
+        match repr {
+            Repr::Empty { .. } => {
+                candle_core::bail!("LocalState: empty after initialisation (internal error)")
+            }
             Repr::Host { out, lse } => Ok((
                 Tensor::from_vec(out, (b, tl, h, d), &Device::Cpu)?.to_device(device)?,
                 Tensor::from_vec(lse, (b, h, tl), &Device::Cpu)?.to_device(device)?,
@@ -222,6 +283,61 @@ fn merge_host(
 mod tests {
     use super::*;
     use crate::attention::merge;
+
+    /// A first result for all rows, packed, becomes the in-place state: equal to folding it
+    /// into the empty state, and only then (not for part of the rows, not twice, not the wrong
+    /// size); a state never folded into finishes as out 0, lse -inf.
+    #[test]
+    fn adopt_packed_equals_a_first_merge() -> Result<()> {
+        let dev = Device::Cpu;
+        let (b, tl, h, d) = (2, 6, 3, 4);
+        // row t = 3 of batch 0, head 0 sees no key: lse -inf and out 0, as the kernels give
+        let mut os = Tensor::randn(0f32, 1., (b, tl, h, d), &dev)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        os[3 * h * d..3 * h * d + d].fill(0.0);
+        let os = Tensor::from_vec(os, (b, tl, h, d), &dev)?;
+        let mut ls = Tensor::randn(0f32, 2., (b, h, tl), &dev)?
+            .flatten_all()?
+            .to_vec1::<f32>()?;
+        ls[3] = f32::NEG_INFINITY;
+        let ls = Tensor::from_vec(ls, (b, h, tl), &dev)?;
+        let mut merged = LocalState::device_resident(b, tl, h, d, &dev)?;
+        let mut adopted = LocalState::device_resident(b, tl, h, d, &dev)?;
+        assert!(
+            adopted.takes_packed(0, tl)
+                && !adopted.takes_packed(1, tl - 1)
+                && !adopted.takes_packed(0, tl - 1)
+        );
+        assert!(!LocalState::new(b, tl, h, d).takes_packed(0, tl));
+        merged.merge_rows(0, &os, &ls)?;
+        assert!(!merged.takes_packed(0, tl));
+        let bad = Tensor::zeros(7, DType::F32, &dev)?;
+        let e = adopted
+            .adopt_packed(bad)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        assert!(e.contains("[7]") && e.contains("(2, 6, 3, 4)"), "{e}");
+        adopted.adopt_packed(Tensor::cat(&[os.flatten_all()?, ls.flatten_all()?], 0)?)?;
+        assert!(adopted
+            .adopt_packed(Tensor::zeros(
+                b * tl * h * d + b * h * tl,
+                DType::F32,
+                &dev
+            )?)
+            .is_err());
+        let (mo, ml) = merged.finish(&dev)?;
+        let (ao, al) = adopted.finish(&dev)?;
+        let f = |t: &Tensor| t.flatten_all()?.to_vec1::<f32>();
+        assert_eq!(f(&mo)?, f(&ao)?);
+        assert_eq!(f(&ml)?, f(&al)?);
+        let (eo, el) = LocalState::device_resident(b, tl, h, d, &dev)?.finish(&dev)?;
+        assert!(
+            f(&eo)?.iter().all(|&x| x == 0.0) && f(&el)?.iter().all(|&x| x == f32::NEG_INFINITY)
+        );
+        Ok(())
+    }
 
     #[test]
     fn state_merge_equals_attention_merge() -> Result<()> {
@@ -305,7 +421,10 @@ mod tests {
         if slice_set {
             assert!(matches!(devs.repr, Repr::Device { .. }));
         } else {
-            assert!(matches!(devs.repr, Repr::Buffer { .. }));
+            assert!(matches!(
+                devs.repr,
+                Repr::Buffer { .. } | Repr::Empty { .. }
+            ));
         }
         // (row0, n): a full segment, overlapping partial ones, and rows 6..8 never merged.
         for (i, &(row0, n)) in [(0, 8), (2, 3), (0, 2), (2, 4)].iter().enumerate() {
