@@ -45,7 +45,11 @@
 //! local. Transfers of the next K/V chunk and of the previous accumulator overlap the compute.
 //! The key-independent part of every step's backward — delta = rowsum(dO ∘ O) and, on CUDA,
 //! dO rounded to the input dtype — is made once before the first step
-//! ([`crate::attention::BwdPrep`]); each call reads its rows of it.
+//! ([`crate::attention::BwdPrep`]); each call reads its rows of it. On CUDA each call's dQ is
+//! added by the kernels straight into the rank's dQ accumulator (`RowAccum::add_bwd`), a
+//! one-call step's dK/dV into the accumulator received from the previous rank, and the
+//! forward's first call over all rows writes the running state's buffer itself
+//! ([`LocalState::adopt_packed`](super::state::LocalState)).
 
 mod bands;
 mod schedule;
