@@ -22,7 +22,7 @@ use super::ring_comm::{RingStats, StepStats};
 use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, Band, BwdPrep, Mask};
+use crate::attention::{attention_fwd, attention_fwd_band, Band, BwdCall, BwdPrep, CallMask, Mask};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
@@ -171,11 +171,13 @@ pub(super) fn bwd(
             vg.narrow(1, c.k0, c.n)?.contiguous()?,
         );
         let (qr, lr, pr) = (r(q, 1)?, r(lse, 2)?, prep.narrow_rows(c.q.local, c.q.len)?);
-        let (dqs, dk, dv) = match &c.band {
-            Some(band) => attention_bwd_band_prepared(&qr, &kn, &vn, &lr, &pr, band, scale)?,
-            None => attention_bwd_prepared(&qr, &kn, &vn, &lr, &pr, &c.mask, scale)?,
+        let mask = match &c.band {
+            Some(band) => CallMask::Band(band),
+            None => CallMask::Mask(&c.mask),
         };
-        dq.add_rows(0, c.q.local, &dqs)?;
+        let call = BwdCall { q: &qr, k: &kn, v: &vn, lse: &lr, prep: &pr, mask, scale };
+        // dQ added to this rank's accumulator (on CUDA by the kernels themselves)
+        let (dk, dv) = dq.add_bwd(c.q.local, &call)?;
         dkv.add_rows(0, c.k0, &dk)?;
         dkv.add_rows(1, c.k0, &dv)?;
     }
