@@ -21,7 +21,11 @@
 //! FLOPs (FlashAttention convention): forward `4·B·H·T²·D` (halved when causal), backward
 //! 2.5× the forward. bf16 inputs, f32 accumulation.
 
+#[path = "gpu_add_dq.rs"]
+mod gpu_add_dq;
+
 use anyhow::Result;
+use gpu_add_dq::AddDq;
 use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::{run_ranks_with, ThreadGroupOptions};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
@@ -330,33 +334,6 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
     Ok(())
 }
 
-/// `flash::bwd_prepared_add_dq` as the in-place op on the dQ accumulator's rows that the ring
-/// runs it in (`candle_cp_ops`'s `AddBwdDq`).
-struct AddDq<'a> {
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    lse: &'a Tensor,
-    pr: &'a flash::BwdPrep,
-    mask: KMask,
-    scale: f32,
-    imp: FwdImpl,
-    out: RefCell<Option<(Tensor, Tensor)>>,
-}
-
-impl candle_core::InplaceOp1 for AddDq<'_> {
-    fn name(&self) -> &'static str {
-        "gpu-bench-add-dq"
-    }
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> candle_core::Result<()> {
-        candle_core::bail!("gpu_bench AddDq runs on CUDA only")
-    }
-    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
-        let dkv = flash::bwd_prepared_add_dq(self.q, self.k, self.v, self.lse, self.pr, self.mask, self.scale, self.imp, (s, l))?;
-        *self.out.borrow_mut() = Some(dkv);
-        Ok(())
-    }
-}
 
 /// Zigzag ring forward on `ring_p` virtual ranks vs one flash forward over the whole sequence
 /// (same FLOPs): efficiency = single-GPU time / ring time. The ring's kernels are `Auto`'s

@@ -36,6 +36,8 @@ use std::time::{Duration, Instant};
 
 #[path = "gpu_util.rs"]
 mod gpu_util;
+#[path = "gpu_add_dq.rs"]
+mod gpu_add_dq;
 #[path = "gpu_check_views.rs"]
 mod views;
 #[path = "gpu_check_masks.rs"]

@@ -17,6 +17,7 @@
 //! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
 //!   the shapes (no panic, no kernel launch).
 
+use super::gpu_add_dq::AddDq;
 use super::{kmask, tensor_core, Report};
 use crate::gpu_util::{max_abs, rand_tensor, rel};
 use anyhow::Result;
@@ -24,32 +25,6 @@ use candle_core::{DType, Device, Tensor, Var};
 use candle_cp_kernels::flash::{self, FwdImpl};
 use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, Mask};
 
-/// `flash::bwd_prepared_add_dq` as the in-place op it runs in (on the buffer's storage).
-struct AddDq<'a> {
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
-    lse: &'a Tensor,
-    pr: &'a flash::BwdPrep,
-    mask: flash::KMask,
-    scale: f32,
-    imp: FwdImpl,
-    out: std::cell::RefCell<Option<(Tensor, Tensor)>>,
-}
-
-impl candle_core::InplaceOp1 for AddDq<'_> {
-    fn name(&self) -> &'static str {
-        "gpu-check-add-dq"
-    }
-    fn cpu_fwd(&self, _: &mut candle_core::CpuStorage, _: &candle_core::Layout) -> candle_core::Result<()> {
-        candle_core::bail!("gpu_check AddDq runs on CUDA only")
-    }
-    fn cuda_fwd(&self, s: &mut candle_core::CudaStorage, l: &candle_core::Layout) -> candle_core::Result<()> {
-        let dkv = flash::bwd_prepared_add_dq(self.q, self.k, self.v, self.lse, self.pr, self.mask, self.scale, self.imp, (s, l))?;
-        *self.out.borrow_mut() = Some(dkv);
-        Ok(())
-    }
-}
 
 /// The view inputs on `dev`: (flat q buffer, k base `[B, Hkv, S, D]`, v), and the views q, k.
 struct Views {
