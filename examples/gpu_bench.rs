@@ -270,6 +270,21 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
             })?;
             let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
             worst = worst.min(rate / single_rate);
+            // The first step's one call over all rows, as the ring runs it since session 14 (the
+            // kernel writes the running state's buffer: `fwd_packed`) against session 13's path
+            // (the state initialised, the result merged into it), in the same run.
+            let first = match calls.as_slice() {
+                [(qr, kr, vr, mask, ..)] if step == 0 && qr.dim(1)? == t / p => {
+                    let now = time(dev, a.iters, || flash::fwd_packed(qr, kr, vr, *mask, scale, imp).map(|_| ()))?;
+                    let s13 = time(dev, a.iters, || {
+                        let mut st = candle_cp_ops::cp::state::LocalState::on_device(b, t / p, h, d, dev)?;
+                        let (o, l) = flash::fwd(qr, kr, vr, *mask, scale, imp)?;
+                        st.merge_rows(0, &o, &l)
+                    })?;
+                    format!(",\"first_step_ms\":{:.3},\"first_step_s13_ms\":{:.3},\"first_step_s13_vs_now\":{:.3}", now * 1e3, s13 * 1e3, s13 / now)
+                }
+                _ => String::new(),
+            };
             let bwd = match &bl {
                 Some((_, _, prep_s, single_bwd_rate, ..)) => {
                     // the ring's path: prepared calls adding dQ into the accumulator's rows (B > 1
@@ -319,7 +334,7 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                 None => String::new(),
             };
             println!(
-                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}{bwd}}}",
+                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}{first}{bwd}}}",
                 block_rows.min(t),
                 calls.len(),
                 secs * 1e3,

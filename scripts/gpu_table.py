@@ -49,8 +49,10 @@ def main():
             prep += f"; session 13's per-call prep + dQ add took {r['bwd_s13_vs_now']:.2f}x"
         bwd = (f"; backward {r['bwd_step_tflops']:.1f} = {r['bwd_ratio']:.2f} of {r['bwd_single_tflops']:.1f}{prep}"
                if "bwd_ratio" in r else "")
+        first = (f"; first step into the state {r['first_step_ms']:.3f} ms, session 13's init + merge path "
+                 f"{r['first_step_s13_vs_now']:.2f}x that" if "first_step_s13_vs_now" in r else "")
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
-              f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}{bwd}")
+              f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}{first}{bwd}")
     for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):
         print(f"{r['kernel']} (T = {r['t']}): {r['gbps']:.0f} GB/s = {r['ratio']:.2f} of a device copy ({r['copy_gbps']:.0f} GB/s)")
     for r in (r for r in bench if r.get("impl") == "candle-cp-band"):
