@@ -283,11 +283,22 @@ impl FwdDst<'_> {
 /// the layout of the ring's running state (`candle_cp_ops::cp::state::LocalState`), which takes
 /// a first result covering all its rows as its state instead of merging it into an empty one.
 pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<Tensor> {
-    let dev = util::cuda_device(q, "flash_fwd: q")?;
+    packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
+}
+
+/// A forward into ONE f32 buffer `[B·T·H·D + B·H·T]`: q, k, v made launchable and checked, then
+/// `write` fills out (the first part) and lse (the rest) through a [`FwdDst`] over the two
+/// parts. [`fwd_packed`] and [`band::fwd_band_packed`].
+pub(super) fn packed_fwd(
+    op: &str,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    write: impl FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<()>,
+) -> Result<Tensor> {
+    let dev = util::cuda_device(q, &format!("{op}: q"))?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let dims = check_dims("flash_fwd", q.shape(), k.shape(), v.shape())?;
+    let dims = check_dims(op, q.shape(), k.shape(), v.shape())?;
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        candle_core::bail!("flash_fwd: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
+        candle_core::bail!("{op}: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
     }
     let (b, t, _, h, _, d) = dims;
     let n_out = b * t * h * d;
@@ -298,8 +309,8 @@ pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, i
         let (ks, kl) = k.storage_and_layout();
         let (vs, vl) = v.storage_and_layout();
         let (out, lse) = buf.split_at_mut(n_out);
-        let qkv = ((storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl));
-        fwd_storage_to(qkv.0, qkv.1, qkv.2, dims, mask, scale, imp, FwdDst { out, lse })?;
+        let qkv = [(storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl)];
+        write(qkv, dims, FwdDst { out, lse })?;
     }
     let n = buf.len();
     Ok(util::to_tensor(buf, &dev, n))
@@ -623,9 +634,14 @@ pub fn bwd_prepared_add_dq(
     imp: FwdImpl,
     (dq, dq_l): (&mut CudaStorage, &Layout),
 ) -> Result<(Tensor, Tensor)> {
-    let (b, t, h, d) = q.dims4()?;
-    let view = dq_region(dq, dq_l, (b, t, h, d), "flash_bwd")?;
-    let (_, dk, dv) = bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, DqOut::Add(view))?;
+    add_dq(q, (dq, dq_l), "flash_bwd", |out| bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, out))
+}
+
+/// A backward whose dQ goes into `dq` (the rows [`dq_region`] checks against q): dK, dV.
+/// [`bwd_prepared_add_dq`] and [`band::bwd_band_prepared_add_dq`].
+fn add_dq(q: &Tensor, (dq, dq_l): (&mut CudaStorage, &Layout), op: &str, run: impl FnOnce(DqOut<'_>) -> Result<BwdOut>) -> Result<(Tensor, Tensor)> {
+    let view = dq_region(dq, dq_l, q.dims4()?, op)?;
+    let (_, dk, dv) = run(DqOut::Add(view))?;
     Ok((dk, dv))
 }
 

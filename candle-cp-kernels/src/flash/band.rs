@@ -16,7 +16,7 @@
 //! [`FwdImpl`]).
 
 use super::bwd_pipe::PipeCfg;
-use super::{bwd_out, dq_fresh, dq_region, dq_view, fresh_dq, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
+use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -145,28 +145,11 @@ fn fwd_band_to(
 
 /// [`fwd_band`] into ONE f32 buffer, out then lse (see [`super::fwd_packed`]).
 pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl) -> Result<Tensor> {
-    let dev = util::cuda_device(q, "flash_fwd_band: q")?;
-    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let dims = check_dims("flash_fwd_band", q.shape(), k.shape(), v.shape())?;
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        candle_core::bail!("flash_fwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
-    }
-    let (b, t, _, h, _, d) = dims;
-    band.check("flash_fwd_band", b, t, &dev)?;
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
-    let n_out = b * t * h * d;
-    // SAFETY: the forward writes every element (FwdDst::empty where it has no rows).
-    let mut buf = unsafe { dev.alloc::<f32>(n_out + b * h * t)? };
-    {
-        let (qs, ql) = q.storage_and_layout();
-        let (ks, kl) = k.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (out, lse) = buf.split_at_mut(n_out);
-        let qkv = ((storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl));
-        fwd_band_to(qkv.0, qkv.1, qkv.2, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, FwdDst { out, lse })?;
-    }
-    let n = buf.len();
-    Ok(util::to_tensor(buf, &dev, n))
+    packed_fwd("flash_fwd_band", (q, k, v), |[qs, ks, vs], dims, dst| {
+        band.check("flash_fwd_band", dims.0, dims.1, &qs.0.device)?;
+        fwd_band_to(qs, ks, vs, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, dst)
+    })
 }
 
 
@@ -304,10 +287,7 @@ pub fn bwd_band_prepared_add_dq(
     imp: FwdImpl,
     (dq, dq_l): (&mut CudaStorage, &Layout),
 ) -> Result<(Tensor, Tensor)> {
-    let (b, t, h, d) = q.dims4()?;
-    let view = dq_region(dq, dq_l, (b, t, h, d), "flash_bwd_band")?;
-    let (_, dk, dv) = bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, DqOut::Add(view))?;
-    Ok((dk, dv))
+    add_dq(q, (dq, dq_l), "flash_bwd_band", |out| bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, out))
 }
 
 #[allow(clippy::too_many_arguments)]
