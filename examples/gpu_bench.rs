@@ -258,7 +258,7 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                         )),
                         None => None,
                     };
-                    calls.push((qr, kr, vr, mask, pairs, rows));
+                    calls.push((qr, kr, vr, mask, pairs, rows, qseg.local));
                 }
             }
             let pairs: usize = calls.iter().map(|c| c.4).sum();
@@ -283,6 +283,33 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     })?;
                     format!(",\"first_step_ms\":{:.3},\"first_step_s13_ms\":{:.3},\"first_step_s13_vs_now\":{:.3}", now * 1e3, s13 * 1e3, s13 / now)
                 }
+                // a later step: its calls folded into the running state by the forward kernels
+                // (`fwd_fold`, since session 15) against session 14's path (forward, then the
+                // in-place merge kernel), in the same run
+                _ if step > 0 => {
+                    let tl = t / p;
+                    let state = Tensor::cat(&[Tensor::zeros(b * tl * h * d, DType::F32, dev)?, Tensor::full(f32::NEG_INFINITY, b * h * tl, dev)?], 0)?;
+                    let mut folds = true;
+                    let now = time(dev, a.iters, || {
+                        for (qr, kr, vr, mask, .., q0) in &calls {
+                            folds &= flash::fwd_fold(qr, kr, vr, *mask, scale, imp, &state, tl, *q0)?;
+                        }
+                        Ok(())
+                    })?;
+                    let mut st = candle_cp_ops::cp::state::LocalState::on_device(b, tl, h, d, dev)?;
+                    let s14 = time(dev, a.iters, || {
+                        for (qr, kr, vr, mask, .., q0) in &calls {
+                            let (o, l) = flash::fwd(qr, kr, vr, *mask, scale, imp)?;
+                            st.merge_rows(*q0, &o, &l)?;
+                        }
+                        Ok(())
+                    })?;
+                    if folds {
+                        format!(",\"fold_step_ms\":{:.3},\"fold_s14_ms\":{:.3},\"fold_s14_vs_now\":{:.3}", now * 1e3, s14 * 1e3, s14 / now)
+                    } else {
+                        String::new() // (a Hopper family: does not fold, the ring merges)
+                    }
+                }
                 _ => String::new(),
             };
             let bwd = match &bl {
@@ -291,7 +318,7 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     // and part of the rows: a fresh dQ added by one more kernel, as the ring does)
                     let mut part_acc = candle_cp_ops::cp::state::RowAccum::on_device(1, b, t / p, h, d, dev)?;
                     let bsecs = time(dev, a.iters, || {
-                        for (qr, kr, vr, mask, _, rows) in &calls {
+                        for (qr, kr, vr, mask, _, rows, _) in &calls {
                             if let Some((l, pr, q0, ..)) = rows {
                                 let n = qr.dim(1)?;
                                 if b == 1 || n == t / p {
@@ -310,7 +337,7 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     // added to the accumulator by one more kernel
                     let mut old_acc = candle_cp_ops::cp::state::RowAccum::on_device(1, b, t / p, h, d, dev)?;
                     let osecs = time(dev, a.iters, || {
-                        for (qr, kr, vr, mask, _, rows) in &calls {
+                        for (qr, kr, vr, mask, _, rows, _) in &calls {
                             if let Some((l, _, q0, o, g)) = rows {
                                 let (dq, _, _) = flash::bwd_with(qr, kr, vr, o, l, g, *mask, scale, imp)?;
                                 old_acc.add_rows(0, *q0, &dq)?;

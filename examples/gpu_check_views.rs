@@ -14,6 +14,10 @@
 //!   layout) equals `flash::fwd` bit for bit, every family.
 //! - dQ added into a buffer holding values (`flash::bwd_prepared_add_dq`, the kernels'
 //!   `accumulate` flag / no zero fill: what the ring's dQ accumulator gets), every family.
+//! - the forward folded into rows of a running state that holds values (`flash::fwd_fold`: the
+//!   ring's later steps, B = 2 so the rows are not one region) against the CPU LSE merge of the
+//!   state with the CPU forward; rows outside the call untouched; the Hopper families, which do
+//!   not fold, must say so and leave the state as it was.
 //! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
 //!   the shapes (no panic, no kernel launch).
 
@@ -56,6 +60,54 @@ fn views(flat: &Tensor, base: &Tensor, dims: (usize, usize, usize, usize, usize)
     let (b, t, h, _, d) = dims;
     let q = flat.narrow(0, OFF, b * t * h * d)?.reshape((b, t, h, d))?;
     Ok((q, base.transpose(1, 2)?))
+}
+
+/// Rows of the fold check's state: the call's T rows at [`FOLD_ROW0`] of T + 5.
+const FOLD_ROW0: usize = 2;
+
+/// `flash::fwd_fold` of the call into a state of T + 5 rows holding a previous partial result
+/// (random out / lse, every 7th row empty: lse -inf, out 0), at rows [`FOLD_ROW0`]..: the state's
+/// rows must equal the CPU LSE merge of what they held with the CPU forward `(o_ref, l_ref)`,
+/// the other rows must not change; a family that does not fold must leave it all as it was.
+#[allow(clippy::too_many_arguments)]
+fn check_fold(
+    rep: &mut Report,
+    name: &str,
+    imp: FwdImpl,
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    (o_ref, l_ref): (&Tensor, &Tensor),
+    mask: flash::KMask,
+    scale: f32,
+    tol: f64,
+) -> Result<()> {
+    let (b, t, h, d) = q.dims4()?;
+    let r = t + 5;
+    let so = rand_tensor(&[b, r, h, d], 940)?;
+    let sl = (rand_tensor(&[b, h, r], 941)? * 3.0)?;
+    let empty = Tensor::from_vec((0..b * h * r).map(|i| u8::from(i % 7 == 3)).collect::<Vec<_>>(), (b, h, r), &Device::Cpu)?;
+    let sl = empty.where_cond(&Tensor::full(f32::NEG_INFINITY, (b, h, r), &Device::Cpu)?, &sl)?;
+    let so = empty.transpose(1, 2)?.unsqueeze(3)?.broadcast_as((b, r, h, d))?.where_cond(&so.zeros_like()?, &so)?;
+    let start = Tensor::cat(&[so.flatten_all()?, sl.flatten_all()?], 0)?;
+    let state = start.to_device(q.device())?;
+    let folded = flash::fwd_fold(q, k, v, mask, scale, imp, &state, r, FOLD_ROW0)?;
+    let got = state.to_device(&Device::Cpu)?;
+    let n_out = b * r * h * d;
+    let (go, gl) = (got.narrow(0, 0, n_out)?.reshape((b, r, h, d))?, got.narrow(0, n_out, b * h * r)?.reshape((b, h, r))?);
+    let name = format!("{name} fwd folded into a state (rows {FOLD_ROW0}..{} of {r}, B = {b})", FOLD_ROW0 + t);
+    if !folded {
+        if !matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide) {
+            rep.error(&name, "the family did not fold (only the Hopper families may decline)");
+        }
+        rep.check(&format!("{name}: declined, state untouched"), max_abs(&got, &start)?, 0.0);
+        return Ok(());
+    }
+    let (mo, ml) = candle_cp_ops::attention::merge(&so.narrow(1, FOLD_ROW0, t)?, &sl.narrow(2, FOLD_ROW0, t)?, o_ref, l_ref)?;
+    rep.check(&format!("{name} out"), max_abs(&go.narrow(1, FOLD_ROW0, t)?, &mo)?, tol);
+    rep.check(&format!("{name} lse"), max_abs(&gl.narrow(2, FOLD_ROW0, t)?, &ml)?, 1e-3);
+    let outside = |x: &Tensor, dim: usize| -> Result<Tensor> { Ok(Tensor::cat(&[x.narrow(dim, 0, FOLD_ROW0)?, x.narrow(dim, FOLD_ROW0 + t, r - FOLD_ROW0 - t)?], dim)?) };
+    rep.check(&format!("{name}: other rows untouched (out)"), max_abs(&outside(&go, 1)?, &outside(&so, 1)?)?, 0.0);
+    rep.check(&format!("{name}: other rows untouched (lse)"), max_abs(&outside(&gl, 2)?, &outside(&sl, 2)?)?, 0.0);
+    Ok(())
 }
 
 pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
@@ -104,6 +156,9 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
                             rep.check(&format!("{name} fwd_packed = fwd"), max_abs(&buf, &packed)?, 0.0);
                         }
                         Err(e) => rep.error(&format!("{name} fwd_packed"), e),
+                    }
+                    if let Err(e) = check_fold(rep, &name, imp, (&gq, &gk, &dev.v), (&o_ref, &l_ref), kmask(&mask), scale as f32, tf) {
+                        rep.error(&format!("{name} fwd folded into a state"), e);
                     }
                 }
                 Err(e) => rep.error(&format!("{name} fwd"), e),

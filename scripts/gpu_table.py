@@ -51,6 +51,9 @@ def main():
                if "bwd_ratio" in r else "")
         first = (f"; first step into the state {r['first_step_ms']:.3f} ms, session 13's init + merge path "
                  f"{r['first_step_s13_vs_now']:.2f}x that" if "first_step_s13_vs_now" in r else "")
+        if "fold_s14_vs_now" in r:
+            first += (f"; calls folded into the state {r['fold_step_ms']:.3f} ms, session 14's forward + merge path "
+                      f"{r['fold_s14_vs_now']:.2f}x that")
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
               f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}{first}{bwd}")
     for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):

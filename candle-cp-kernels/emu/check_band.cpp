@@ -20,15 +20,17 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 
 #define BAND_A const unsigned int*, const unsigned int*, long long
 #define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
+// flash_fwd.cu's band entries: FWDB_P + the destination (o_T, o_row0, o_merge; CpFwdDst)
+#define FWDXB_P(TY) FWDB_P(TY), int, int, int
 #define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
 // the pipelined backward takes dO rounded to TY (flash_bwd_pipe_prep_*)
 #define PBWDB_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
 #define DECLB_D(N, TY, D)                                          \
-  void flash_fwd_simple_band_##N##_d##D(FWDB_P(TY));               \
+  void flash_fwd_simple_band_##N##_d##D(FWDXB_P(TY));              \
   void flash_bwd_dkdv_band_##N##_d##D(float*, float*, BWDB_P(TY)); \
   void flash_bwd_dq_band_##N##_d##D(float*, BWDB_P(TY));
 #define DECLB16_D(N, TY, D)                                             \
-  void flash_fwd_pipe_band_##N##_d##D(FWDB_P(TY));                      \
+  void flash_fwd_pipe_band_##N##_d##D(FWDXB_P(TY));                     \
   void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
@@ -56,7 +58,7 @@ void flash_bwd_pipe_prep_bf16(const float*, const float*, float*, __nv_bfloat16*
 
 namespace {
 
-template <typename TY> using FwdB = void (*)(FWDB_P(TY));
+template <typename TY> using FwdB = void (*)(FWDXB_P(TY));
 template <typename TY> using DkdvB = void (*)(float*, float*, BWDB_P(TY));
 template <typename TY> using DqB = void (*)(float*, BWDB_P(TY));
 template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDB_P(TY));
@@ -236,12 +238,18 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     const size_t smem = pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 + 128 * 4 : 0;  // pipe_band_smem
     auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
     bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
-      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
+      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, T, 0, 0);
     });
     check_launch(name, ok);
+    const double tol = !pipe ? 2e-5 : bf ? 2e-2 : 4e-3;
     if (ok) {
-      check(name + " out", max_abs(out.to_f32(), ref.out), !pipe ? 2e-5 : bf ? 2e-2 : 4e-3);
+      check(name + " out", max_abs(out.to_f32(), ref.out), tol);
       check(name + " lse", max_abs(lse.to_f32(), ref.lse), !pipe ? 2e-5 : 1e-3);
+      check_fold(name, B, T, H, D, ref.out, ref.lse, tol, seed + 7, [&](float* so, float* sl, int R, int r0, int mg) {
+        return cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
+          fn(q.p, k.p, v.p, so, sl, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, R, r0, mg);
+        });
+      });
     }
   }
   name = "flash_bwd_band " + tag;

@@ -204,3 +204,47 @@ int main(int argc, char** argv) {
   std::printf("emu: %d passed, %d failed in %.1f s\n", n_pass, n_fail, secs);
   return n_fail ? 1 : 0;
 }
+
+void check_fold(const std::string& name, int B, int T, int H, int D, const std::vector<double>& ref_out,
+                const std::vector<double>& ref_lse, double tol, uint64_t seed,
+                const std::function<bool(float*, float*, int, int, int)>& run) {
+  const int R = T + 7, row0 = 3;
+  const size_t no = (size_t)B * R * H * D, nl = (size_t)B * H * R;
+  Buf<float> out(no), lse(nl);
+  std::vector<double> so = randn(no, seed), sl = randn(nl, seed + 1);
+  for (size_t e = 0; e < nl; ++e) {
+    sl[e] *= 3.0;
+    if (e % 5 == 1) sl[e] = -INFINITY;  // a row that saw no key yet: out 0
+  }
+  for (int b = 0; b < B; ++b)
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < H; ++h)
+        if (sl[((size_t)b * H + h) * R + r] == -INFINITY)
+          for (int d = 0; d < D; ++d) so[(((size_t)b * R + r) * H + h) * D + d] = 0.0;
+  const auto so_f = fill(out, so), sl_f = fill(lse, sl);
+  std::vector<double> want_o(so_f), want_l(sl_f);
+  for (int b = 0; b < B; ++b)
+    for (int h = 0; h < H; ++h)
+      for (int i = 0; i < T; ++i) {
+        const size_t li = ((size_t)b * H + h) * R + row0 + i;
+        const double la = sl_f[li], lb = ref_lse[((size_t)b * H + h) * T + i], mx = std::max(la, lb);
+        double wa = 0, wb = 0, l = -INFINITY;
+        if (mx != -INFINITY) {
+          const double ea = std::exp(la - mx), eb = std::exp(lb - mx);
+          l = mx + std::log(ea + eb);
+          wa = ea / (ea + eb);
+          wb = eb / (ea + eb);
+        }
+        want_l[li] = l;
+        for (int d = 0; d < D; ++d) {
+          const size_t oi = (((size_t)b * R + row0 + i) * H + h) * D + d;
+          want_o[oi] = wa * so_f[oi] + wb * ref_out[(((size_t)b * T + i) * H + h) * D + d];
+        }
+      }
+  const std::string n = name + " fold into a state (rows 3.." + std::to_string(3 + T) + " of " + std::to_string(R) + ")";
+  const bool ok = run(out.p, lse.p, R, row0, 1);
+  check_launch(n, ok);
+  if (!ok) return;
+  check(n + " out", max_abs(out.to_f32(), want_o), tol);
+  check(n + " lse", max_abs(lse.to_f32(), want_l), 1e-3);
+}

@@ -22,6 +22,15 @@ double max_abs(const std::vector<float>& a, const std::vector<double>& b);
 // max |a - b| / max |b|
 double rel_err(const std::vector<float>& a, const std::vector<double>& b);
 std::vector<double> randn(size_t n, uint64_t seed);
+// The forward's fold mode (flash_fwd.cu CpFwdDst, o_merge = 1: the ring's running state): `run`
+// launches the forward of a [B, T, H, D] call with (out, lse, o_T, o_row0, o_merge) into a state
+// of T + 7 rows at row 3 that holds a previous partial result (random out / lse, some rows -inf
+// with out 0); checks the rows against the float64 LSE merge of that state with (ref_out,
+// ref_lse), and that rows outside 3 .. 3 + T are untouched. tol: the forward's out tolerance.
+#include <functional>
+void check_fold(const std::string& name, int B, int T, int H, int D, const std::vector<double>& ref_out,
+                const std::vector<double>& ref_lse, double tol, uint64_t seed,
+                const std::function<bool(float*, float*, int, int, int)>& run);
 void run_flash_checks();
 void run_misc_checks();
 void run_fused_checks();  // check_fused.cpp (flash_bwd_fused.cu)

@@ -69,6 +69,12 @@ MUTATIONS = [
      "    }\n"
      "    __syncthreads();\n",
      "flash_fwd_pipe", "forward pipeline: K/V prefetch issued before the per-tile barrier"),
+    ("fwd-fold-syncwarp", "flash_fwd.cu",
+     "    if (dst.merge) __syncwarp();  // the quad's 4 lanes read the old lse before lane t = 0 replaces it\n", "",
+     "flash_fwd_pipe", "forward fold: lane 0 may replace a row's lse before the quad's other lanes read it"),
+    ("fwd-fold-old-weight", "flash_fwd.cu",
+     "  return CpFold{ea / sum, eb / sum, mx + __logf(sum)};", "  return CpFold{0.f, eb / sum, mx + __logf(sum)};",
+     "flash_fwd_mma", "forward fold: the state's old rows dropped (weight 0)"),
     ("fwd-pipe-barrier", "flash_fwd.cu",
      "    __syncthreads();  // tile j (and Q) visible to all; every warp is done with tile j-1\n", "",
      "flash_fwd_pipe", "forward pipeline: per-tile barrier removed"),

@@ -1,6 +1,7 @@
 // Flash-attention forward with log-sum-exp.
 // Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs), used by the attention op's
-//   cuda_fwd in crates/candle-cp-ops/src/attention/cuda.rs.
+//   cuda_fwd in crates/candle-cp-ops/src/attention/cuda.rs; flash::fwd_fold / fwd_band_fold
+//   (src/flash/fold.rs: the result folded into the ring's running state, CpFwdDst below).
 // CPU reference: candle_cp_ops::attention::attention_fwd (and attention_slow).
 // Band entries (`flash_fwd_{simple,pipe}_band_*`: one key interval per query row, CpBand in
 //   common.cuh): Rust caller candle_cp_kernels::flash::fwd_band (src/flash/band.rs), CPU
@@ -23,13 +24,46 @@
 //   sim/fwd_pipe_sim.py; design notes in docs/kernels.md ("Forward kernel pipeline").
 #include "common.cuh"
 
+// ------------------------------------------------------------------ destination (every entry)
+// Where a forward writes (the entries' o_T, o_row0, o_merge): row i of the call is row o_row0 + i
+// of out f32 [B, o_T, H, D] / lse f32 [B, H, o_T] (a plain call: o_T = T, o_row0 = 0). o_merge:
+// fold the result into what the row holds through the log-sum-exp instead of overwriting it (the
+// ring's running state: Rust caller src/flash/fold.rs; CPU reference: merge.cu's merge_rows and
+// candle_cp_ops::cp::state::LocalState, the same formula), which saves the f32 partial result's
+// write and read of a separate merge pass.
+struct CpFwdDst {
+  float* out;
+  float* lse;
+  int T, row0, merge;
+  __device__ __forceinline__ float* out_row(int b, int i, int h, int H, int D) const {
+    return out + (((size_t)b * T + row0 + i) * H + h) * D;
+  }
+  __device__ __forceinline__ float* lse_at(int b, int h, int H, int i) const { return lse + ((size_t)b * H + h) * T + row0 + i; }
+};
+
+// One row's fold: out <- wa * out_old + wb * out_new, lse <- lse (merge.cu's merge_rows: -inf
+// safe, a row that saw no key on either side stays 0 / -inf). Without merge: wa = 0, wb = 1.
+struct CpFold {
+  float wa, wb, lse;
+};
+__device__ __forceinline__ CpFold cp_fold(bool merge, float old_lse, float new_lse) {
+  if (!merge) return CpFold{0.f, 1.f, new_lse};
+  const float mx = fmaxf(old_lse, new_lse);
+  if (mx == -INFINITY) return CpFold{0.f, 0.f, -INFINITY};
+  const float ea = __expf(old_lse - mx), eb = __expf(new_lse - mx), sum = ea + eb;
+  return CpFold{ea / sum, eb / sum, mx + __logf(sum)};
+}
+// The stored value of one output element: the normalized `x` (merge: folded into `*p`).
+__device__ __forceinline__ float cp_fold_val(bool merge, const CpFold& f, const float* p, float x) {
+  return merge ? f.wa * *p + f.wb * x : x;
+}
+
 // ------------------------------------------------------------------ CUDA-core version
 // M: CpMask, or CpBand (the `_band_` entries: keys from the tile of the block's first lo on).
 template <typename T, int D, typename M>
 __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __restrict__ k,
-                                           const T* __restrict__ v, float* __restrict__ out,
-                                           float* __restrict__ lse, int B, int T_, int S, int H,
-                                           int Hkv, float scale, M mask) {
+                                           const T* __restrict__ v, CpFwdDst dst, int B, int T_,
+                                           int S, int H, int Hkv, float scale, M mask) {
   constexpr int NW = 4, R = 4, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   __shared__ float k_s[BK * DP];
   __shared__ float v_s[BK * D];
@@ -113,20 +147,51 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
     if (i >= T_) continue;
     bool any = l[r] > 0.f;
     float inv = any ? 1.f / l[r] : 0.f;
-    size_t base = (((size_t)b * T_ + i) * H + h) * D;
+    float* orow = dst.out_row(b, i, h, H, D);
+    float* lp = dst.lse_at(b, h, H, i);
+    const CpFold f = cp_fold(dst.merge, dst.merge ? *lp : 0.f, any ? (m[r] + log2f(l[r])) * CP_LN2 : -INFINITY);
 #pragma unroll
-    for (int c = 0; c < DL; ++c)
-      if (D % 32 == 0 || lane + 32 * c < D) out[base + lane + 32 * c] = o[r][c] * inv;
-    if (lane == 0) lse[((size_t)b * H + h) * T_ + i] = any ? (m[r] + log2f(l[r])) * CP_LN2 : -INFINITY;
+    for (int c = 0; c < DL; ++c) {
+      float* p = orow + lane + 32 * c;
+      if (D % 32 == 0 || lane + 32 * c < D) *p = cp_fold_val(dst.merge, f, p, o[r][c] * inv);
+    }
+    if (dst.merge) __syncwarp();  // every lane read the old lse before lane 0 replaces it
+    if (lane == 0) *lp = f.lse;
+  }
+}
+
+// The epilogue of the tensor-core kernels (mma, pipe): rows ra and rb = ra + 8 of a quad's m16n8
+// C fragments o[dt] (cols dt * 8 + 2t, +1), normalized by inv_a / inv_b, with their lse; stored
+// or folded (CpFwdDst). Rows >= T_ are not written.
+template <int D>
+__device__ __forceinline__ void fwd_quad_store(const CpFwdDst& dst, const float (&o)[D / 8][4], float inv_a, float inv_b,
+                                               float lse_a, float lse_b, int b, int h, int H, int ra, int T_, int t) {
+  // one row at a time (fewer live registers: the pipelined d128 kernels sit at 255)
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = ra + 8 * half;
+    const bool valid = r < T_;
+    const float inv = half ? inv_b : inv_a;
+    float* lp = dst.lse_at(b, h, H, r);
+    const CpFold f = cp_fold(dst.merge, dst.merge && valid ? *lp : -INFINITY, half ? lse_b : lse_a);
+    float* orow = dst.out_row(b, r, h, H, D) + 2 * t;
+#pragma unroll
+    for (int dt = 0; dt < D / 8; ++dt) {
+      if (!valid) continue;
+      float2* p = reinterpret_cast<float2*>(orow + dt * 8);
+      const float2 x = dst.merge ? *p : make_float2(0.f, 0.f);
+      *p = make_float2(cp_fold_val(dst.merge, f, &x.x, o[dt][2 * half] * inv), cp_fold_val(dst.merge, f, &x.y, o[dt][2 * half + 1] * inv));
+    }
+    if (dst.merge) __syncwarp();  // the quad's 4 lanes read the old lse before lane t = 0 replaces it
+    if (t == 0 && valid) *lp = f.lse;
   }
 }
 
 // ------------------------------------------------------------------ tensor-core version
 template <typename T, int D>
 __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __restrict__ k,
-                                        const T* __restrict__ v, float* __restrict__ out,
-                                        float* __restrict__ lse, int B, int T_, int S, int H,
-                                        int Hkv, float scale, CpMask mask) {
+                                        const T* __restrict__ v, CpFwdDst dst, int B, int T_,
+                                        int S, int H, int Hkv, float scale, CpMask mask) {
   constexpr int BQ = 64, BK = 64, DP = D + 8, KP = BK + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   __shared__ __align__(16) T k_s[BK * DP];  // K tile, row-major [key][d]
   __shared__ __align__(16) T vt_s[D * KP];  // V tile, transposed [d][key]
@@ -243,20 +308,8 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
   l_a = cp_quad_sum(l_a);
   l_b = cp_quad_sum(l_b);
   const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
-#pragma unroll
-  for (int dt = 0; dt < DT; ++dt) {
-    int c = dt * 8 + 2 * t;
-    if (ra < T_)
-      *reinterpret_cast<float2*>(out + (((size_t)b * T_ + ra) * H + h) * D + c) =
-          make_float2(o[dt][0] * inv_a, o[dt][1] * inv_a);
-    if (rb < T_)
-      *reinterpret_cast<float2*>(out + (((size_t)b * T_ + rb) * H + h) * D + c) =
-          make_float2(o[dt][2] * inv_b, o[dt][3] * inv_b);
-  }
-  if (t == 0) {
-    if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = l_a > 0.f ? (m_a + log2f(l_a)) * CP_LN2 : -INFINITY;
-    if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = l_b > 0.f ? (m_b + log2f(l_b)) * CP_LN2 : -INFINITY;
-  }
+  fwd_quad_store<D>(dst, o, inv_a, inv_b, l_a > 0.f ? (m_a + log2f(l_a)) * CP_LN2 : -INFINITY,
+                    l_b > 0.f ? (m_b + log2f(l_b)) * CP_LN2 : -INFINITY, b, h, H, ra, T_, t);
 }
 
 // ------------------------------------------------------------------ pipelined tensor-core version
@@ -298,9 +351,8 @@ __device__ __forceinline__ void fwd_pipe_load(uint32_t dst, const T* __restrict_
 // the warp sees all of it (lo of the last row <= k0, k0 + BK <= hi of the first row).
 template <typename T, int D, int NW, int MT, int BK, typename M>
 __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __restrict__ k,
-                                         const T* __restrict__ v, float* __restrict__ out,
-                                         float* __restrict__ lse, int B, int T_, int S, int H,
-                                         int Hkv, float scale, M mask) {
+                                         const T* __restrict__ v, CpFwdDst dst, int B, int T_,
+                                         int S, int H, int Hkv, float scale, M mask) {
   constexpr int NTH = NW * 32, BQ = NW * MT * 16, DP = D + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   constexpr bool QREG = MT * D <= 128;
   CP_DYN_SMEM(unsigned char, fwd_pipe_smem);
@@ -513,20 +565,11 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   const int wrow0e = ((int)cp_nctaid_x() - 1 - (int)cp_ctaid_x()) * BQ + warp * MT * 16;
 #pragma unroll
   for (int mt = 0; mt < MT; ++mt) {
-    const int ra = wrow0e + mt * 16 + g, rb = ra + 8;
+    const int ra = wrow0e + mt * 16 + g;
     const float la = cp_quad_sum(l_r[mt][0]), lb = cp_quad_sum(l_r[mt][1]);
     const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
-    float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
-    float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < DT; ++dt) {
-      if (ra < T_) *reinterpret_cast<float2*>(oa + dt * 8) = make_float2(o[mt][dt][0] * inv_a, o[mt][dt][1] * inv_a);
-      if (rb < T_) *reinterpret_cast<float2*>(ob + dt * 8) = make_float2(o[mt][dt][2] * inv_b, o[mt][dt][3] * inv_b);
-    }
-    if (t == 0) {
-      if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_r[mt][0] + log2f(la)) * CP_LN2 : -INFINITY;
-      if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_r[mt][1] + log2f(lb)) * CP_LN2 : -INFINITY;
-    }
+    fwd_quad_store<D>(dst, o[mt], inv_a, inv_b, la > 0.f ? (m_r[mt][0] + log2f(la)) * CP_LN2 : -INFINITY,
+                      lb > 0.f ? (m_r[mt][1] + log2f(lb)) * CP_LN2 : -INFINITY, b, h, H, ra, T_, t);
   }
 }
 
@@ -534,22 +577,24 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // Head dims 16, 32, 64, 128. Launch: simple: grid (ceil(T/16), H, B), block 128;
 // mma: grid (ceil(T/64), H, B), block 128; pipe: grid (ceil(T/128), H, B), block 128, dynamic
 // shared memory as below.
+// o_T, o_row0, o_merge: CpFwdDst (a plain call: T, 0, 0).
 #define FWD_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
-      long long k_str
+      long long k_str, int o_T, int o_row0, int o_merge
+#define FWD_DST CpFwdDst{out, lse, o_T, o_row0, o_merge}
 #define FWD_CALL(IMPL, D)                                                                       \
-  IMPL<TY, D>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str})
+  IMPL<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str})
 // Band entries (`flash_fwd_{simple,pipe}_band_*`, Rust caller src/flash/band.rs, CPU reference
 // candle_cp_ops::attention::attention_fwd_band): the mask arguments replaced by the band (CpBand).
 #define FWD_BAND_ARGS                                                                         \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
-      int Hkv, float scale, CP_BAND_ARGS
+      int Hkv, float scale, CP_BAND_ARGS, int o_T, int o_row0, int o_merge
 
 #define SIMPLE(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_simple, D); } \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_simple<TY, D>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);                  \
+    fwd_simple<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);                      \
   }
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
@@ -559,11 +604,11 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // sm_80 / sm_90 / sm_90a: no spill); BK = 32 would cut 32 registers.
 #define PIPE(NAME, D, NW, MT, BK)                                                              \
   extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_##NAME##_d##D(FWD_ARGS) { \
-    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                        \
+    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,                            \
                             CpMask{causal, q_off, q_str, k_off, k_str});                       \
   }                                                                                                \
   extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);      \
+    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);          \
   }
 #define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64)
 #define TY float

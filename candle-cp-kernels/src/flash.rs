@@ -19,12 +19,14 @@ mod bwd_pipe;
 mod bwd_prep;
 mod bwd_sm90;
 mod bwd_sm90_ws;
+mod fold;
 mod sm90;
 mod sm90_ws;
 pub(crate) mod tma;
 
 pub use band::{bwd_band, bwd_band_prepared, bwd_band_prepared_add_dq, fwd_band, fwd_band_packed, fwd_storage_band, KBand};
 pub use bwd_prep::{bwd_prep, BwdPrep};
+pub use fold::{fwd_band_fold, fwd_fold};
 use bwd_prep::BwdInputs;
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
@@ -172,6 +174,12 @@ impl FwdImpl {
     pub(crate) fn tma(self) -> bool {
         matches!(self, FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide)
     }
+
+    /// Whether the family's forward runs the Hopper kernels (`flash_fwd_sm90*.cu`), which write
+    /// a plain result and do not fold into a running state ([`fwd_fold`]).
+    pub(crate) fn hopper(self) -> bool {
+        matches!(self, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide)
+    }
 }
 
 /// Sizes of one call: (b, t, s, h, hkv, d), checked.
@@ -230,14 +238,15 @@ pub fn fwd_storage(
     let (b, t, _, h, _, d) = dims;
     // SAFETY: the forward writes every element of both (FwdDst::empty where it has no rows).
     let (mut out, mut lse) = unsafe { (dev.alloc::<f32>(b * t * h * d)?, dev.alloc::<f32>(b * h * t)?) };
-    fwd_storage_to((q, ql), (k, kl), (v, vl), dims, mask, scale, imp, FwdDst { out: out.slice_mut(..), lse: lse.slice_mut(..) })?;
+    fwd_storage_to((q, ql), (k, kl), (v, vl), dims, mask, scale, imp, FwdDst::plain(out.slice_mut(..), lse.slice_mut(..)))?;
     Ok((
         (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
         (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
     ))
 }
 
-/// The forward of [`fwd_storage`] into `dst` (checked dims).
+/// The forward of [`fwd_storage`] into `dst` (checked dims). `Ok(false)`: `dst` folds and the
+/// family `imp` resolves to does not (nothing written).
 #[allow(clippy::too_many_arguments)]
 fn fwd_storage_to(
     (q, ql): (&CudaStorage, &Layout),
@@ -248,7 +257,7 @@ fn fwd_storage_to(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<()> {
+) -> Result<bool> {
     use candle_core::backend::BackendStorage;
     let sfx = suffix(q.dtype())?;
     let dev = q.device.clone();
@@ -260,15 +269,47 @@ fn fwd_storage_to(
 }
 
 /// Where a forward writes: out f32 `[B, T, H, D]` and lse f32 `[B, H, T]`, two fresh buffers
-/// ([`fwd_storage`]) or the two parts of one packed buffer ([`fwd_packed`]).
+/// ([`fwd_storage`]) or the two parts of one packed buffer ([`fwd_packed`]); or, with `fold`,
+/// rows of a running state that the result is folded into ([`fwd_fold`]).
 pub(super) struct FwdDst<'a> {
     pub out: CudaViewMut<'a, f32>,
     pub lse: CudaViewMut<'a, f32>,
+    pub fold: Option<FoldAt>,
+}
+
+/// The rows of a running state a forward is folded into: out `[B, rows, H, D]`, lse
+/// `[B, H, rows]`, the call's T query rows at `row0 .. row0 + T` (flash_fwd.cu's `CpFwdDst`).
+#[derive(Clone, Copy, Debug)]
+pub(super) struct FoldAt {
+    pub rows: usize,
+    pub row0: usize,
+}
+
+impl<'a> FwdDst<'a> {
+    /// A plain destination: out and lse written, not folded.
+    pub(super) fn plain(out: CudaViewMut<'a, f32>, lse: CudaViewMut<'a, f32>) -> Self {
+        FwdDst { out, lse, fold: None }
+    }
+
+    /// The kernel arguments `o_T, o_row0, o_merge` of flash_fwd.cu's entries for a call of `t`
+    /// query rows.
+    pub(super) fn kernel_args(&self, t: usize) -> Result<(i32, i32, i32)> {
+        let (rows, row0, merge) = match self.fold {
+            Some(f) => (f.rows, f.row0, 1),
+            None => (t, 0, 0),
+        };
+        let i = |x: usize| i32::try_from(x).map_err(|_| candle_core::Error::Msg(format!("flash_fwd: {x} rows exceed i32")));
+        Ok((i(rows)?, i(row0)?, merge))
+    }
 }
 
 impl FwdDst<'_> {
-    /// The result of no key seen (or no rows): out 0, lse `-inf`.
+    /// The result of no key seen (or no rows): out 0, lse `-inf`; folded into a state: nothing
+    /// changes.
     pub(super) fn empty(mut self, dev: &CudaDevice) -> Result<()> {
+        if self.fold.is_some() {
+            return Ok(());
+        }
         let stream = dev.cuda_stream();
         stream.memset_zeros(&mut self.out).w()?;
         let n = self.lse.len();
@@ -283,7 +324,7 @@ impl FwdDst<'_> {
 /// the layout of the ring's running state (`candle_cp_ops::cp::state::LocalState`), which takes
 /// a first result covering all its rows as its state instead of merging it into an empty one.
 pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<Tensor> {
-    packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
+    packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst).map(drop))
 }
 
 /// A forward into ONE f32 buffer `[B·T·H·D + B·H·T]`: q, k, v made launchable and checked, then
@@ -310,7 +351,7 @@ pub(super) fn packed_fwd(
         let (vs, vl) = v.storage_and_layout();
         let (out, lse) = buf.split_at_mut(n_out);
         let qkv = [(storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl)];
-        write(qkv, dims, FwdDst { out, lse })?;
+        write(qkv, dims, FwdDst::plain(out, lse))?;
     }
     let n = buf.len();
     Ok(util::to_tensor(buf, &dev, n))
@@ -345,13 +386,16 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<()> {
+) -> Result<bool> {
+    if imp.hopper() && dst.fold.is_some() {
+        return Ok(false); // the Hopper families write, they do not fold
+    }
     let kern = match imp {
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
-        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst).map(|()| true),
+        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst).map(|()| true),
         FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide => {
             let wide = imp == FwdImpl::WgmmaTmaWide;
-            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide, dst);
+            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide, dst).map(|()| true);
         }
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
@@ -378,9 +422,10 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         kern
     };
     if b * t * h == 0 {
-        return dst.empty(dev);
+        return dst.empty(dev).map(|()| true);
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), kern != FwdKernel::Simple)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
@@ -405,9 +450,11 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
-    // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above.
+    bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
+    // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above (the
+    // rows of a fold by `fold::fold_into`).
     unsafe { bld.launch(cfg) }.w()?;
-    Ok(())
+    Ok(true)
 }
 
 fn storage_of<'a>(s: &'a Storage, what: &str, shape: &Shape) -> Result<&'a CudaStorage> {

@@ -39,7 +39,7 @@ pub struct KBand<'a> {
 
 impl KBand<'_> {
     /// Checks dtype, shape and device against a call with batch `b` and `t` query rows on `dev`.
-    fn check(&self, op: &str, b: usize, t: usize, dev: &CudaDevice) -> Result<()> {
+    pub(super) fn check(&self, op: &str, b: usize, t: usize, dev: &CudaDevice) -> Result<()> {
         let (lb, lt) = self.lo.dims2()?;
         if self.lo.dtype() != DType::U32 || self.hi.dtype() != DType::U32 || self.hi.dims() != self.lo.dims() || lt != t || (lb != 1 && lb != b) {
             candle_core::bail!(
@@ -114,16 +114,17 @@ pub fn fwd_storage_band(
     band.check("flash_fwd_band", b, t, &dev)?;
     // SAFETY: the forward writes every element of both (FwdDst::empty where it has no rows).
     let (mut out, mut lse) = unsafe { (dev.alloc::<f32>(b * t * h * d)?, dev.alloc::<f32>(b * h * t)?) };
-    fwd_band_to((q, ql), (k, kl), (v, vl), dims, band, scale, imp, FwdDst { out: out.slice_mut(..), lse: lse.slice_mut(..) })?;
+    fwd_band_to((q, ql), (k, kl), (v, vl), dims, band, scale, imp, FwdDst::plain(out.slice_mut(..), lse.slice_mut(..)))?;
     Ok((
         (CudaStorage::wrap_cuda_slice(out, dev.clone()), Shape::from((b, t, h, d))),
         (CudaStorage::wrap_cuda_slice(lse, dev), Shape::from((b, h, t))),
     ))
 }
 
-/// The band forward into `dst` (checked dims and band).
+/// The band forward into `dst` (checked dims and band). `Ok(false)`: `dst` folds and the family
+/// `imp` resolves to does not (nothing written).
 #[allow(clippy::too_many_arguments)]
-fn fwd_band_to(
+pub(super) fn fwd_band_to(
     (q, ql): (&CudaStorage, &Layout),
     (k, kl): (&CudaStorage, &Layout),
     (v, vl): (&CudaStorage, &Layout),
@@ -132,7 +133,7 @@ fn fwd_band_to(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<()> {
+) -> Result<bool> {
     let dev = q.device.clone();
     let sfx = suffix(q.dtype())?;
     let bnd = (band.lo, band.hi);
@@ -148,7 +149,7 @@ pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scal
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     packed_fwd("flash_fwd_band", (q, k, v), |[qs, ks, vs], dims, dst| {
         band.check("flash_fwd_band", dims.0, dims.1, &qs.0.device)?;
-        fwd_band_to(qs, ks, vs, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, dst)
+        fwd_band_to(qs, ks, vs, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, dst).map(drop)
     })
 }
 
@@ -165,9 +166,14 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<()> {
+) -> Result<bool> {
+    let hopper_tma = imp.tma() && sm90_ws::applies(dev, sfx, d)?;
+    let hopper = hopper_tma || (matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)?);
+    if hopper && dst.fold.is_some() {
+        return Ok(false); // the Hopper families write, they do not fold
+    }
     if b * t * h == 0 {
-        return dst.empty(dev);
+        return dst.empty(dev).map(|()| true);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -175,18 +181,19 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let dims = (b, t, s, h, hkv, d);
-    if imp.tma() && sm90_ws::applies(dev, sfx, d)? {
+    if hopper_tma {
         // (WgmmaTmaWide: bands keep the 128-key entries)
         let band = sm90_ws::TmaMask::Band { lo: &lov, hi: &hiv, bstride };
-        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false, dst);
+        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false, dst).map(|()| true);
     }
-    if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
+    if hopper {
         let ws = imp == FwdImpl::WgmmaWs;
-        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst);
+        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst).map(|()| true);
     }
     let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
     let (qv, kv, vv) = inp.qkv_views()?;
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = if pipe {
@@ -206,9 +213,11 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
     bld.arg(&lov).arg(&hiv).arg(&bstride);
-    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above.
+    bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
+    // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above (the
+    // rows of a fold by `fold::fold_into`).
     unsafe { bld.launch(cfg) }.w()?;
-    Ok(())
+    Ok(true)
 }
 
 /// Raw band forward on CUDA tensors, no graph: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16

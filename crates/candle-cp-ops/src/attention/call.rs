@@ -1,4 +1,5 @@
-//! [`fwd_packed`]: one forward call whose result comes in the ring state's buffer layout, and
+//! [`fwd_packed`]: one forward call whose result comes in the ring state's buffer layout,
+//! [`fwd_fold_cuda`]: one folded into it, and
 //! [`BwdCall`]: one prepared backward call (a ring step's block), which either returns its dQ
 //! or adds it straight into rows of an f32 dQ accumulator on the device
 //! ([`crate::cp::state::RowAccum::add_bwd`]: the CUDA kernels' `accumulate` flag, so no dQ
@@ -74,6 +75,32 @@ impl BwdCall<'_> {
     }
 }
 
+impl CallMask<'_> {
+    /// The forward of `q [B, n, H, D]` against `k, v` under this mask: f32 out `[B, n, H, D]`,
+    /// lse `[B, H, n]` (no graph).
+    pub(crate) fn fwd(self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        match self {
+            CallMask::Mask(m) => attention_fwd(q, k, v, m, scale),
+            CallMask::Band(b) => attention_fwd_band(q, k, v, b, scale),
+        }
+    }
+}
+
+/// CUDA: the forward of `q [B, n, H, D]` against `k, v` under `mask`, folded into rows
+/// `row0 .. row0 + n` of `state` (the ring state's f32 buffer `[B·R·H·D + B·H·R]`, R = `rows`)
+/// by the kernels' epilogue (`flash::fwd_fold`): no partial result in memory, no merge pass.
+/// `Ok(false)` (state untouched) where the kernels do not take the call (not CUDA, head dim,
+/// window mask, a Hopper family): the caller runs [`CallMask::fwd`] and merges.
+#[cfg(feature = "cuda")]
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+    if !(q.device().is_cuda() && super::cuda::supported(q.dim(3)?)) || matches!(mask, CallMask::Mask(Mask::Window { .. })) {
+        return Ok(false);
+    }
+    super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
+    super::cuda::fwd_fold(q, k, v, mask, scale, state, rows, row0)
+}
+
 /// The forward of `q [B, n, H, D]` against `k, v` under `mask` as ONE f32 tensor
 /// `[B·n·H·D + B·H·n]`: out, then lse — the buffer layout of the ring's running state, which
 /// takes a first result covering all its rows as it is
@@ -86,9 +113,6 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>,
         super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
         return super::cuda::fwd_packed(q, k, v, mask, scale);
     }
-    let (out, lse) = match mask {
-        CallMask::Mask(m) => attention_fwd(q, k, v, m, scale)?,
-        CallMask::Band(b) => attention_fwd_band(q, k, v, b, scale)?,
-    };
+    let (out, lse) = mask.fwd(q, k, v, scale)?;
     Tensor::cat(&[out.flatten_all()?, lse.flatten_all()?], 0)
 }

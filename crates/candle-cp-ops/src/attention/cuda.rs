@@ -107,6 +107,21 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::
     }
 }
 
+/// CUDA forward of one call folded into rows `row0 .. row0 + n` of the ring state's buffer
+/// (`flash::fwd_fold`); `Ok(false)` where the family does not fold.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+    match mask {
+        super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), scale as f32, FwdImpl::from_env(), state, rows, row0),
+        super::call::CallMask::Band(band) => {
+            let (b, t, _, _) = q.dims4()?;
+            band.check("attention_fwd_band", b, t, k.dim(1)?)?;
+            let (lo, hi) = band_tensors(band, q.device())?;
+            flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), state, rows, row0)
+        }
+    }
+}
+
 /// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when
 /// it has one on `dev` ([`Band::upload_all`]), else copied now.
 fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {

@@ -33,6 +33,8 @@ pub use merge::merge;
 pub use op::AttentionOp;
 pub use prep::BwdPrep;
 pub(crate) use call::{fwd_packed, BwdCall, CallMask};
+#[cfg(feature = "cuda")]
+pub(crate) use call::fwd_fold_cuda;
 pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
 use crate::packing::Documents;

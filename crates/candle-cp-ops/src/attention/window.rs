@@ -120,6 +120,12 @@ pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, d
     let AttnDims { b, t, s, h, d, .. } = dims;
     let mut state = LocalState::on_device(b, t, h, d, q.device())?;
     for c in calls(mask, t, s)? {
+        if !c.reversed {
+            // (folded into the state by the CUDA kernels where they can: LocalState::merge_fwd)
+            let (qr, kr, vr) = (rows(q, 1, c.q0, c.qn, false)?, rows(k, 1, c.k0, c.kn, false)?, rows(v, 1, c.k0, c.kn, false)?);
+            state.merge_fwd(c.q0, &qr, &kr, &vr, super::CallMask::Mask(&c.mask), scale)?;
+            continue;
+        }
         let (o, l) = attention_fwd(
             &rows(q, 1, c.q0, c.qn, c.reversed)?,
             &rows(k, 1, c.k0, c.kn, c.reversed)?,

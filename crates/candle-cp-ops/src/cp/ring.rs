@@ -47,9 +47,10 @@
 //! dO rounded to the input dtype — is made once before the first step
 //! ([`crate::attention::BwdPrep`]); each call reads its rows of it. On CUDA each call's dQ is
 //! added by the kernels straight into the rank's dQ accumulator (`RowAccum::add_bwd`), a
-//! one-call step's dK/dV into the accumulator received from the previous rank, and the
-//! forward's first call over all rows writes the running state's buffer itself
-//! ([`LocalState::adopt_packed`](super::state::LocalState)).
+//! one-call step's dK/dV into the accumulator received from the previous rank, the
+//! forward's first call over all rows writes the running state's buffer itself, and the later
+//! calls are folded into it by the forward kernels' epilogue (no partial result, no merge pass;
+//! [`LocalState::merge_fwd`](super::state::LocalState)).
 
 mod bands;
 mod schedule;
@@ -63,7 +64,7 @@ use schedule::mask_of;
 use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
-use crate::attention::{attention_fwd, attention_fwd_band, fwd_packed, BwdCall, BwdPrep};
+use crate::attention::{BwdCall, BwdPrep};
 use crate::autograd::{attach3, BackwardFn};
 use crate::Group;
 use candle_core::{Result, Tensor};
@@ -267,17 +268,9 @@ pub(super) fn fwd(
         for c in calls {
             let (kb, vb) = keys.get(c.k0, c.kn)?;
             let qr = q.narrow(1, c.q0, c.qn)?.contiguous()?;
-            if state.takes_packed(c.q0, c.qn) {
-                // the first call over all rows (the in-place form): its result, in the state's
-                // buffer layout, becomes the state (no initialisation, no merge)
-                state.adopt_packed(fwd_packed(&qr, &kb, &vb, c.mask.as_call(), scale)?)?;
-            } else {
-                let (o, l) = match &c.mask {
-                    CallMask::Band(band) => attention_fwd_band(&qr, &kb, &vb, band, scale)?,
-                    CallMask::Mask(mask) => attention_fwd(&qr, &kb, &vb, mask, scale)?,
-                };
-                state.merge_rows(c.q0, &o, &l)?;
-            }
+            // the first call over all rows (the in-place form) becomes the state; on CUDA the
+            // later ones are folded in by the forward kernels (no partial result, no merge pass)
+            state.merge_fwd(c.q0, &qr, &kb, &vb, c.mask.as_call(), scale)?;
             st.blocks += 1;
             st.area += (c.qn * c.kn) as u64;
             st.pairs += c.pairs;

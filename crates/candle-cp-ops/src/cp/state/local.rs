@@ -32,6 +32,7 @@
 
 use super::merge_op::{block_on, merge_slices, MergeRowsInPlace};
 use super::{with_host_f32, Residency};
+use crate::attention::{fwd_packed, CallMask};
 use candle_core::{DType, Device, Result, Tensor};
 
 /// Running (out, lse) of `T/P` local query rows, f32: host memory on CPU, device tensors
@@ -197,6 +198,45 @@ impl LocalState {
         }
     }
 
+    /// Fold in the forward of `q [B, n, H, D]` (local rows `row0 .. row0 + n`) against `k, v`
+    /// under `mask`: what [`LocalState::merge_rows`] of that forward's result gives. The first
+    /// call over all rows of the in-place form becomes the state ([`LocalState::adopt_packed`]);
+    /// later calls on CUDA are folded in by the forward kernels' epilogue where they can
+    /// (`flash::fwd_fold`: no partial result written and read back, no merge pass); everything
+    /// else runs the forward and merges.
+    pub(crate) fn merge_fwd(
+        &mut self,
+        row0: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        mask: CallMask<'_>,
+        scale: f64,
+    ) -> Result<()> {
+        let (_, n, _, _) = q.dims4()?;
+        if self.takes_packed(row0, n) {
+            return self.adopt_packed(fwd_packed(q, k, v, mask, scale)?);
+        }
+        #[cfg(feature = "cuda")]
+        {
+            let (b, tl, h, d) = self.dims;
+            if q.device().is_cuda() && q.dims4()? == (b, n, h, d) && row0 + n <= tl && n > 0 {
+                if let Repr::Empty { device } = &self.repr {
+                    self.repr = Repr::Buffer {
+                        buf: empty_buffer(self.dims, device)?,
+                    };
+                }
+                if let Repr::Buffer { buf } = &self.repr {
+                    if crate::attention::fwd_fold_cuda(q, k, v, mask, scale, buf, tl, row0)? {
+                        return Ok(());
+                    }
+                }
+            }
+        }
+        let (o, l) = mask.fwd(q, k, v, scale)?;
+        self.merge_rows(row0, &o, &l)
+    }
+
     /// Whether a result for rows `row0 .. row0 + n` would become the state as it is
     /// ([`LocalState::adopt_packed`]): nothing folded in yet (in-place form) and all rows.
     pub(crate) fn takes_packed(&self, row0: usize, n: usize) -> bool {
@@ -335,6 +375,88 @@ mod tests {
         let (eo, el) = LocalState::device_resident(b, tl, h, d, &dev)?.finish(&dev)?;
         assert!(
             f(&eo)?.iter().all(|&x| x == 0.0) && f(&el)?.iter().all(|&x| x == f32::NEG_INFINITY)
+        );
+        Ok(())
+    }
+
+    /// `merge_fwd` (a forward folded in: adopted when it is the first over all rows, then
+    /// forward + merge on the CPU) equals merging each call's forward into the host state, for
+    /// both forms, under full, offset-causal and band masks on parts of the rows; calls that
+    /// do not fit the state are errors naming the shapes.
+    #[test]
+    fn merge_fwd_equals_forward_then_merge() -> Result<()> {
+        use crate::attention::{attention_fwd, Band, CallMask, Mask};
+        let dev = Device::Cpu;
+        let (b, tl, h, hkv, d, s) = (2, 8, 4, 2, 8, 6);
+        let q = Tensor::randn(0f32, 1., (b, tl, h, d), &dev)?;
+        let k = Tensor::randn(0f32, 1., (b, s, hkv, d), &dev)?;
+        let v = Tensor::randn(0f32, 1., (b, s, hkv, d), &dev)?;
+        let causal = Mask::causal_offsets(3, 0);
+        // rows 1..6: row i sees keys [i / 2, i / 2 + 3)
+        let (lo, hi): (Vec<u32>, Vec<u32>) = (0..5u32).map(|i| (i / 2, i / 2 + 3)).unzip();
+        let band = Band::new(1, 5, s, lo, hi)?;
+        let calls: [(usize, usize, CallMask<'_>); 3] = [
+            (0, tl, CallMask::Mask(&Mask::Full)),
+            (4, 4, CallMask::Mask(&causal)),
+            (1, 5, CallMask::Band(&band)),
+        ];
+        let mut reference = LocalState::new(b, tl, h, d);
+        for (row0, n, mask) in calls {
+            let (o, l) = mask.fwd(&q.narrow(1, row0, n)?, &k, &v, 0.3)?;
+            reference.merge_rows(row0, &o, &l)?;
+        }
+        let (ro, rl) = reference.finish(&dev)?;
+        for form in 0..2 {
+            let mut st = if form == 0 {
+                LocalState::new(b, tl, h, d)
+            } else {
+                LocalState::device_resident(b, tl, h, d, &dev)?
+            };
+            for (row0, n, mask) in calls {
+                st.merge_fwd(
+                    row0,
+                    &q.narrow(1, row0, n)?.contiguous()?,
+                    &k,
+                    &v,
+                    mask,
+                    0.3,
+                )?;
+            }
+            if form == 1 {
+                assert!(matches!(st.repr, Repr::Buffer { .. }));
+            }
+            let e = st
+                .merge_fwd(
+                    5,
+                    &q.narrow(1, 0, 4)?,
+                    &k,
+                    &v,
+                    CallMask::Mask(&Mask::Full),
+                    0.3,
+                )
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("[2, 4, 4, 8]") && e.contains("(2, 8, 4, 8)"),
+                "{e}"
+            );
+            let (so, sl) = st.finish(&dev)?;
+            let eo = (&so - &ro)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            let el = (&sl - &rl)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(eo < 1e-6 && el < 1e-6, "form {form}: {eo} {el}");
+        }
+        // the first call alone, over all rows: the forward itself
+        let (fo, fl) = attention_fwd(&q, &k, &v, &Mask::Full, 0.3)?;
+        let mut st = LocalState::device_resident(b, tl, h, d, &dev)?;
+        st.merge_fwd(0, &q, &k, &v, CallMask::Mask(&Mask::Full), 0.3)?;
+        let (so, sl) = st.finish(&dev)?;
+        assert_eq!(
+            so.flatten_all()?.to_vec1::<f32>()?,
+            fo.flatten_all()?.to_vec1::<f32>()?
+        );
+        assert_eq!(
+            sl.flatten_all()?.to_vec1::<f32>()?,
+            fl.flatten_all()?.to_vec1::<f32>()?
         );
         Ok(())
     }
