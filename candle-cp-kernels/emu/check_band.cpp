@@ -36,11 +36,11 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
 #define DECLWS_D(N, TY, D)                                                     \
-  void flash_fwd_wgmma_ws_band_##N##_d##D(FWDB_P(TY));                         \
-  void flash_fwd_wgmma_tma_band_##N##_d##D(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
+  void flash_fwd_wgmma_ws_band_##N##_d##D(FWDXB_P(TY));                        \
+  void flash_fwd_wgmma_tma_band_##N##_d##D(FWDXB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
   void flash_bwd_wgmma_tma_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap, CpTmaMap); \
   void flash_bwd_wgmma_ws_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
-  void flash_fwd_wgmma_band_##N##_d##D(FWDB_P(TY));                            \
+  void flash_fwd_wgmma_band_##N##_d##D(FWDXB_P(TY));                           \
   void flash_bwd_wgmma_atomic_band_##N##_d##D(float*, float*, float*, PBWDB_P(TY)); \
   void flash_bwd_wgmma_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY));     \
   void flash_bwd_wgmma_dq_band_##N##_d##D(float*, PBWDB_P(TY));
@@ -335,21 +335,26 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
     const bool ws = fam >= 2;
     const size_t smem = ws ? (size_t)(128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8  // WS_SMEM(D)
                            : (size_t)(128 + 4 * 128) * D * 2 + 1024;                     // WGMMA_SMEM(D)
-    auto fn = reinterpret_cast<void (*)(FWDB_P(TY))>(fam == 2 ? PICK_T(flash_fwd_wgmma_ws_band_, D)
-                                                              : PICK_T(flash_fwd_wgmma_band_, D));
-    using FwdTma = void (*)(FWDB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap);
+    auto fn = reinterpret_cast<void (*)(FWDXB_P(TY))>(fam == 2 ? PICK_T(flash_fwd_wgmma_ws_band_, D)
+                                                               : PICK_T(flash_fwd_wgmma_band_, D));
+    using FwdTma = void (*)(FWDXB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap);
     auto ft = reinterpret_cast<FwdTma>(PICK_T(flash_fwd_wgmma_tma_band_, D));
-    const bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(ws ? 384 : 256), smem, [&] {
-      if (fam == 3)
-        ft(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, emu_tma_map(q.p, B, T, H, D, 128),
-           emu_tma_map(k.p, B, S, Hkv, D, 128), emu_tma_map(v.p, B, S, Hkv, D, 128));
-      else
-        fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride);
-    });
+    // (o, l, o_T, o_row0, o_merge): the plain result, or folded into a state (check_fold)
+    auto run = [&](float* o, float* l, int oT, int orow0, int merge) {
+      return cp_emu::launch(name.c_str(), dim3(cdivb(T, 128), H, B), dim3(ws ? 384 : 256), smem, [&] {
+        if (fam == 3)
+          ft(q.p, k.p, v.p, o, l, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, oT, orow0, merge, emu_tma_map(q.p, B, T, H, D, 128),
+             emu_tma_map(k.p, B, S, Hkv, D, 128), emu_tma_map(v.p, B, S, Hkv, D, 128));
+        else
+          fn(q.p, k.p, v.p, o, l, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, oT, orow0, merge);
+      });
+    };
+    const bool ok = run(out.p, lse.p, T, 0, 0);
     check_launch(name, ok);
     if (ok) {
       check(name + " out", max_abs(out.to_f32(), ref.out), bf ? 2e-2 : 4e-3);
       check(name + " lse", max_abs(lse.to_f32(), ref.lse), 1e-3);
+      check_fold(name, B, T, H, D, ref.out, ref.lse, bf ? 2e-2 : 4e-3, seed + 7, run);
     }
   }
   if (!wanted(bname)) return;

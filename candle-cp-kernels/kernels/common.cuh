@@ -313,3 +313,66 @@ __device__ __forceinline__ void cp_red_add_f32(float* p, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
 #endif
 }
+// ---- forward destination (every flash forward entry: flash_fwd.cu, flash_fwd_sm90{,_ws}.cu) -------
+// Where a forward writes (the entries' o_T, o_row0, o_merge): row i of the call is row o_row0 + i
+// of out f32 [B, o_T, H, D] / lse f32 [B, H, o_T] (a plain call: o_T = T, o_row0 = 0). o_merge:
+// fold the result into what the row holds through the log-sum-exp instead of overwriting it (the
+// ring's running state: Rust caller src/flash/fold.rs; CPU reference: merge.cu's merge_rows and
+// candle_cp_ops::cp::state::LocalState, the same formula), which saves the f32 partial result's
+// write and read of a separate merge pass.
+struct CpFwdDst {
+  float* out;
+  float* lse;
+  int T, row0, merge;
+  __device__ __forceinline__ float* out_row(int b, int i, int h, int H, int D) const {
+    return out + (((size_t)b * T + row0 + i) * H + h) * D;
+  }
+  __device__ __forceinline__ float* lse_at(int b, int h, int H, int i) const { return lse + ((size_t)b * H + h) * T + row0 + i; }
+};
+
+// One row's fold: out <- wa * out_old + wb * out_new, lse <- lse (merge.cu's merge_rows: -inf
+// safe, a row that saw no key on either side stays 0 / -inf). Without merge: wa = 0, wb = 1.
+struct CpFold {
+  float wa, wb, lse;
+};
+__device__ __forceinline__ CpFold cp_fold(bool merge, float old_lse, float new_lse) {
+  if (!merge) return CpFold{0.f, 1.f, new_lse};
+  const float mx = fmaxf(old_lse, new_lse);
+  if (mx == -INFINITY) return CpFold{0.f, 0.f, -INFINITY};
+  const float ea = __expf(old_lse - mx), eb = __expf(new_lse - mx), sum = ea + eb;
+  return CpFold{ea / sum, eb / sum, mx + __logf(sum)};
+}
+// The stored value of one output element: the normalized `x` (merge: folded into `*p`).
+__device__ __forceinline__ float cp_fold_val(bool merge, const CpFold& f, const float* p, float x) {
+  return merge ? f.wa * *p + f.wb * x : x;
+}
+
+// The epilogue of the tensor-core forwards (mma, pipe, the Hopper kernels): rows ra and ra + 8 of
+// a quad's C fragments; val(i, e) is element e of column pair i (e 0, 1: row ra, cols 8i + 2t, +1;
+// e 2, 3: row ra + 8), normalized by inv_a / inv_b, stored or folded (CpFwdDst) with the rows'
+// lse. Rows >= T_ are not written. One row at a time (fewer live registers: the pipelined d128
+// kernels sit at 255).
+template <int NI, typename F>
+__device__ __forceinline__ void cp_fwd_store_quad(const CpFwdDst& dst, F val, float inv_a, float inv_b, float lse_a,
+                                                  float lse_b, int b, int h, int H, int D, int ra, int T_, int t) {
+#pragma unroll
+  for (int half = 0; half < 2; ++half) {
+    const int r = ra + 8 * half;
+    const bool valid = r < T_;
+    const float inv = half ? inv_b : inv_a;
+    float* lp = dst.lse_at(b, h, H, r);
+    const CpFold f = cp_fold(dst.merge, dst.merge && valid ? *lp : -INFINITY, half ? lse_b : lse_a);
+    float* orow = dst.out_row(b, r, h, H, D) + 2 * t;
+#pragma unroll
+    for (int i = 0; i < NI; ++i) {
+      if (!valid) continue;
+      float2* p = reinterpret_cast<float2*>(orow + i * 8);
+      const float2 x = dst.merge ? *p : make_float2(0.f, 0.f);
+      *p = make_float2(cp_fold_val(dst.merge, f, &x.x, val(i, 2 * half) * inv),
+                       cp_fold_val(dst.merge, f, &x.y, val(i, 2 * half + 1) * inv));
+    }
+    if (dst.merge) __syncwarp();  // the quad's 4 lanes read the old lse before lane t = 0 replaces it
+    if (t == 0 && valid) *lp = f.lse;
+  }
+}
+

@@ -24,40 +24,6 @@
 //   sim/fwd_pipe_sim.py; design notes in docs/kernels.md ("Forward kernel pipeline").
 #include "common.cuh"
 
-// ------------------------------------------------------------------ destination (every entry)
-// Where a forward writes (the entries' o_T, o_row0, o_merge): row i of the call is row o_row0 + i
-// of out f32 [B, o_T, H, D] / lse f32 [B, H, o_T] (a plain call: o_T = T, o_row0 = 0). o_merge:
-// fold the result into what the row holds through the log-sum-exp instead of overwriting it (the
-// ring's running state: Rust caller src/flash/fold.rs; CPU reference: merge.cu's merge_rows and
-// candle_cp_ops::cp::state::LocalState, the same formula), which saves the f32 partial result's
-// write and read of a separate merge pass.
-struct CpFwdDst {
-  float* out;
-  float* lse;
-  int T, row0, merge;
-  __device__ __forceinline__ float* out_row(int b, int i, int h, int H, int D) const {
-    return out + (((size_t)b * T + row0 + i) * H + h) * D;
-  }
-  __device__ __forceinline__ float* lse_at(int b, int h, int H, int i) const { return lse + ((size_t)b * H + h) * T + row0 + i; }
-};
-
-// One row's fold: out <- wa * out_old + wb * out_new, lse <- lse (merge.cu's merge_rows: -inf
-// safe, a row that saw no key on either side stays 0 / -inf). Without merge: wa = 0, wb = 1.
-struct CpFold {
-  float wa, wb, lse;
-};
-__device__ __forceinline__ CpFold cp_fold(bool merge, float old_lse, float new_lse) {
-  if (!merge) return CpFold{0.f, 1.f, new_lse};
-  const float mx = fmaxf(old_lse, new_lse);
-  if (mx == -INFINITY) return CpFold{0.f, 0.f, -INFINITY};
-  const float ea = __expf(old_lse - mx), eb = __expf(new_lse - mx), sum = ea + eb;
-  return CpFold{ea / sum, eb / sum, mx + __logf(sum)};
-}
-// The stored value of one output element: the normalized `x` (merge: folded into `*p`).
-__device__ __forceinline__ float cp_fold_val(bool merge, const CpFold& f, const float* p, float x) {
-  return merge ? f.wa * *p + f.wb * x : x;
-}
-
 // ------------------------------------------------------------------ CUDA-core version
 // M: CpMask, or CpBand (the `_band_` entries: keys from the tile of the block's first lo on).
 template <typename T, int D, typename M>
@@ -157,33 +123,6 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
     }
     if (dst.merge) __syncwarp();  // every lane read the old lse before lane 0 replaces it
     if (lane == 0) *lp = f.lse;
-  }
-}
-
-// The epilogue of the tensor-core kernels (mma, pipe): rows ra and rb = ra + 8 of a quad's m16n8
-// C fragments o[dt] (cols dt * 8 + 2t, +1), normalized by inv_a / inv_b, with their lse; stored
-// or folded (CpFwdDst). Rows >= T_ are not written.
-template <int D>
-__device__ __forceinline__ void fwd_quad_store(const CpFwdDst& dst, const float (&o)[D / 8][4], float inv_a, float inv_b,
-                                               float lse_a, float lse_b, int b, int h, int H, int ra, int T_, int t) {
-  // one row at a time (fewer live registers: the pipelined d128 kernels sit at 255)
-#pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int r = ra + 8 * half;
-    const bool valid = r < T_;
-    const float inv = half ? inv_b : inv_a;
-    float* lp = dst.lse_at(b, h, H, r);
-    const CpFold f = cp_fold(dst.merge, dst.merge && valid ? *lp : -INFINITY, half ? lse_b : lse_a);
-    float* orow = dst.out_row(b, r, h, H, D) + 2 * t;
-#pragma unroll
-    for (int dt = 0; dt < D / 8; ++dt) {
-      if (!valid) continue;
-      float2* p = reinterpret_cast<float2*>(orow + dt * 8);
-      const float2 x = dst.merge ? *p : make_float2(0.f, 0.f);
-      *p = make_float2(cp_fold_val(dst.merge, f, &x.x, o[dt][2 * half] * inv), cp_fold_val(dst.merge, f, &x.y, o[dt][2 * half + 1] * inv));
-    }
-    if (dst.merge) __syncwarp();  // the quad's 4 lanes read the old lse before lane t = 0 replaces it
-    if (t == 0 && valid) *lp = f.lse;
   }
 }
 
@@ -308,8 +247,9 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
   l_a = cp_quad_sum(l_a);
   l_b = cp_quad_sum(l_b);
   const float inv_a = l_a > 0.f ? 1.f / l_a : 0.f, inv_b = l_b > 0.f ? 1.f / l_b : 0.f;
-  fwd_quad_store<D>(dst, o, inv_a, inv_b, l_a > 0.f ? (m_a + log2f(l_a)) * CP_LN2 : -INFINITY,
-                    l_b > 0.f ? (m_b + log2f(l_b)) * CP_LN2 : -INFINITY, b, h, H, ra, T_, t);
+  cp_fwd_store_quad<D / 8>(dst, [&](int i, int e) { return o[i][e]; }, inv_a, inv_b,
+                           l_a > 0.f ? (m_a + log2f(l_a)) * CP_LN2 : -INFINITY,
+                           l_b > 0.f ? (m_b + log2f(l_b)) * CP_LN2 : -INFINITY, b, h, H, D, ra, T_, t);
 }
 
 // ------------------------------------------------------------------ pipelined tensor-core version
@@ -568,8 +508,9 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
     const int ra = wrow0e + mt * 16 + g;
     const float la = cp_quad_sum(l_r[mt][0]), lb = cp_quad_sum(l_r[mt][1]);
     const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
-    fwd_quad_store<D>(dst, o[mt], inv_a, inv_b, la > 0.f ? (m_r[mt][0] + log2f(la)) * CP_LN2 : -INFINITY,
-                      lb > 0.f ? (m_r[mt][1] + log2f(lb)) * CP_LN2 : -INFINITY, b, h, H, ra, T_, t);
+    cp_fwd_store_quad<D / 8>(dst, [&](int i, int e) { return o[mt][i][e]; }, inv_a, inv_b,
+                             la > 0.f ? (m_r[mt][0] + log2f(la)) * CP_LN2 : -INFINITY,
+                             lb > 0.f ? (m_r[mt][1] + log2f(lb)) * CP_LN2 : -INFINITY, b, h, H, D, ra, T_, t);
   }
 }
 

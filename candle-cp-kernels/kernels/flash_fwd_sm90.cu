@@ -1,7 +1,8 @@
 // Flash-attention forward with log-sum-exp on Hopper warpgroup MMA (wgmma.mma_async), sm_90a only.
 // EXPERIMENTAL and opt-in (`FwdImpl::Wgmma`, `CANDLE_CP_FLASH_IMPL=wgmma`): it has been compiled
 // and assembled (ptxas sm_90a) and its indexing simulated (sim/fwd_wgmma_sim.py), but it had never
-// run on a GPU when it was written. Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs).
+// run on a GPU when it was written. Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs), and
+// flash::fwd_fold (src/flash/fold.rs: folded into the ring's running state, CpFwdDst in common.cuh).
 // Built by build.rs with -arch=compute_90a (PTX `.target sm_90a`); never compile it for compute_80.
 //
 // Same arguments and semantics as `flash_fwd_mma_*` (kernels/flash_fwd.cu): q [B, T, H, D],
@@ -66,8 +67,7 @@
 // are not stored; flash_fwd_sm90_ws.cu's band entries do the same).
 template <typename T, int D, int BK, typename M>
 __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __restrict__ k,
-                                          const T* __restrict__ v, float* __restrict__ out,
-                                          float* __restrict__ lse, int B, int T_, int S, int H,
+                                          const T* __restrict__ v, CpFwdDst dst, int B, int T_, int S, int H,
                                           int Hkv, float scale, M mask) {
   constexpr int NWG = 2, NTH = 128 * NWG, BQ = 64 * NWG, NS = BK / 2, NO = D / 2;
   constexpr uint32_t Q_BYTES = BQ * D * 2, KV_BYTES = BK * D * 2;
@@ -176,7 +176,7 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
     }
   }
 
-  fwd_sm90_store<D>(o, m_a, m_b, l_a, l_b, out, lse, b, h, H, T_, ra, rb, t);
+  fwd_sm90_store<D>(o, m_a, m_b, l_a, l_b, dst, b, h, H, T_, ra, t);
 }
 
 // ---- entry points ---------------------------------------------------------------------------------
@@ -189,19 +189,21 @@ __device__ __forceinline__ void fwd_wgmma(const T* __restrict__ q, const T* __re
 #define FWD_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
-      long long k_str
+      long long k_str, int o_T, int o_row0, int o_merge
 // Band entries flash_fwd_wgmma_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
 // common.cuh; launcher src/flash/band.rs -> sm90.rs, CPU reference attention_fwd_band).
 #define FWD_BAND_ARGS                                                                         \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
-      int Hkv, float scale, CP_BAND_ARGS
+      int Hkv, float scale, CP_BAND_ARGS, int o_T, int o_row0, int o_merge
+// o_T, o_row0, o_merge (every entry): the destination rows / fold (CpFwdDst, common.cuh).
+#define FWD_DST CpFwdDst{out, lse, o_T, o_row0, o_merge}
 #define WGMMA(NAME, D)                                                                                     \
   extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_##NAME##_d##D(FWD_ARGS) {          \
-    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,                                 \
+    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,                                 \
                                CpMask{causal, q_off, q_str, k_off, k_str});                               \
   }                                                                                                        \
   extern "C" __global__ void __launch_bounds__(256, 1) flash_fwd_wgmma_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);             \
+    fwd_wgmma<TY, D, WGMMA_BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);             \
   }
 #define TY __half
 WGMMA(f16, 64) WGMMA(f16, 128)

@@ -2,7 +2,8 @@
 // sm_90a only. EXPERIMENTAL and opt-in (`FwdImpl::WgmmaWs`, `CANDLE_CP_FLASH_IMPL=wgmma-ws`): compiled
 // and assembled (ptxas sm_90a) and run under the CPU emulator (candle-cp-kernels/emu, check_flash.cpp
 // vs a float64 reference); it had never run on a GPU when it was written.
-// Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs -> src/flash/sm90_ws.rs); CPU reference:
+// Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs -> src/flash/sm90_ws.rs) and
+// flash::fwd_fold (src/flash/fold.rs: folded into the ring's running state); CPU reference:
 // candle_cp_ops::attention::attention_fwd. Built by build.rs with -arch=compute_90a; never compile it
 // for compute_80.
 //
@@ -90,8 +91,7 @@ static_assert(128 * (WS_PRODUCER_REGS + 2 * WS_CONSUMER_REGS) <= 384 * WS_LAUNCH
 // proxy). Otherwise (the maps unused) the cp.async producer below.
 template <typename T, int D, int BK, int NST, int LAG, typename M, bool TMA = false>
 __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* __restrict__ k,
-                                             const T* __restrict__ v, float* __restrict__ out,
-                                             float* __restrict__ lse, int B, int T_, int S, int H,
+                                             const T* __restrict__ v, CpFwdDst dst, int B, int T_, int S, int H,
                                              int Hkv, float scale, M mask, const CpTmaMap* tq = nullptr,
                                              const CpTmaMap* tk = nullptr, const CpTmaMap* tv = nullptr) {
   constexpr int BQ = 128, PTH = 128, NS = BK / 2, NO = D / 2;
@@ -278,7 +278,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
     reg_fence(o);
   }
 
-  fwd_sm90_store<D>(o, m_a, m_b, l_a, l_b, out, lse, b, h, H, T_, ra, rb, t);
+  fwd_sm90_store<D>(o, m_a, m_b, l_a, l_b, dst, b, h, H, T_, ra, t);
 }
 
 // ---- entry points ---------------------------------------------------------------------------------
@@ -293,12 +293,14 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
 #define FWD_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
       int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
-      long long k_str
+      long long k_str, int o_T, int o_row0, int o_merge
 // Band entries flash_fwd_wgmma_ws_band_*: the mask arguments replaced by the band (CP_BAND_ARGS,
 // common.cuh; launcher src/flash/band.rs, CPU reference candle_cp_ops::attention::attention_fwd_band).
 #define FWD_BAND_ARGS                                                                         \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
-      int Hkv, float scale, CP_BAND_ARGS
+      int Hkv, float scale, CP_BAND_ARGS, int o_T, int o_row0, int o_merge
+// o_T, o_row0, o_merge (every entry): the destination rows / fold (CpFwdDst, common.cuh).
+#define FWD_DST CpFwdDst{out, lse, o_T, o_row0, o_merge}
 // TMA entries flash_fwd_wgmma_tma{,_band}_*: the same arguments followed by the tensor maps of q, k
 // and v (src/flash/tma.rs: [B, T or S, H or Hkv, D] innermost first, box 64 x 1 x 128 x 1, 128-byte
 // swizzle), passed by value as __grid_constant__ parameters.
@@ -306,19 +308,19 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
   const CP_GRID_CONSTANT CpTmaMap tm_q, const CP_GRID_CONSTANT CpTmaMap tm_k, const CP_GRID_CONSTANT CpTmaMap tm_v
 #define WGMMA_WS(NAME, D)                                                                                   \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_##NAME##_d##D(FWD_ARGS) {         \
-    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,             \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,             \
                                                     CpMask{causal, q_off, q_str, k_off, k_str});            \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_ws_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK); \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK); \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_tma_##NAME##_d##D(FWD_ARGS, TMA_MAPS) { \
-    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpMask, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,  \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpMask, true>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,  \
         CpMask{causal, q_off, q_str, k_off, k_str}, &tm_q, &tm_k, &tm_v);                                   \
   }                                                                                                         \
   extern "C" __global__ void __launch_bounds__(384, 1)                                                      \
       flash_fwd_wgmma_tma_band_##NAME##_d##D(FWD_BAND_ARGS, TMA_MAPS) {                                     \
-    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpBand, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale,  \
+    fwd_wgmma_ws<TY, D, WS_BK, WS_NST(D), WS_LAG, CpBand, true>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,  \
         CP_BAND_OF_BLOCK, &tm_q, &tm_k, &tm_v);                                                             \
   }
 // Wide-tile TMA entries flash_fwd_wgmma_tma_wide_{f16,bf16}_d128 (FwdImpl::WgmmaTmaWide; CpMask only,
@@ -336,7 +338,7 @@ __device__ __forceinline__ void fwd_wgmma_ws(const T* __restrict__ q, const T* _
 #define WS_WIDE_SMEM ((WS_BQ + 2 * WS_WIDE_NST * WS_WIDE_BK) * 128 * 2 + 1024 + 4 * WS_WIDE_NST * 8)
 #define WGMMA_TMA_WIDE(NAME)                                                                                     \
   extern "C" __global__ void __launch_bounds__(384, 1) flash_fwd_wgmma_tma_wide_##NAME##_d128(FWD_ARGS, TMA_MAPS) { \
-    fwd_wgmma_ws<TY, 128, WS_WIDE_BK, WS_WIDE_NST, WS_LAG, CpMask, true>(q, k, v, out, lse, B, T_, S, H, Hkv, scale, \
+    fwd_wgmma_ws<TY, 128, WS_WIDE_BK, WS_WIDE_NST, WS_LAG, CpMask, true>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, \
         CpMask{causal, q_off, q_str, k_off, k_str}, &tm_q, &tm_k, &tm_v);                                          \
   }
 #define TY __half

@@ -100,25 +100,17 @@ __device__ __forceinline__ void fwd_sm90_rescale_pack(float (&o)[NO], uint32_t (
   acc_to_a<T>(pa, s);
 }
 
-// O / l into out [B, T, H, D] rows ra, rb of head h, and lse = (m + log2 l) ln 2 into lse [B, H, T]
-// (l = 0, nothing visible: O 0, lse -inf); rows >= T are not stored.
+// O / l into rows ra, rb of head h of the destination (CpFwdDst: stored, or folded into a running
+// state), and lse = (m + log2 l) ln 2 (l = 0, nothing visible: O 0, lse -inf); rows >= T are not
+// stored (cp_fwd_store_quad, common.cuh).
 template <int D, int NO>
 __device__ __forceinline__ void fwd_sm90_store(const float (&o)[NO], float m_a, float m_b, float l_a, float l_b,
-                                               float* __restrict__ out, float* __restrict__ lse, int b, int h,
-                                               int H, int T_, int ra, int rb, int t) {
+                                               const CpFwdDst& dst, int b, int h, int H, int T_, int ra, int t) {
   const float la = cp_quad_sum(l_a), lb = cp_quad_sum(l_b);
   const float inv_a = la > 0.f ? 1.f / la : 0.f, inv_b = lb > 0.f ? 1.f / lb : 0.f;
-  float* oa = out + (((size_t)b * T_ + ra) * H + h) * D + 2 * t;
-  float* ob = out + (((size_t)b * T_ + rb) * H + h) * D + 2 * t;
-#pragma unroll
-  for (int i = 0; i < NO / 4; ++i) {
-    if (ra < T_) *reinterpret_cast<float2*>(oa + 8 * i) = make_float2(o[4 * i] * inv_a, o[4 * i + 1] * inv_a);
-    if (rb < T_) *reinterpret_cast<float2*>(ob + 8 * i) = make_float2(o[4 * i + 2] * inv_b, o[4 * i + 3] * inv_b);
-  }
-  if (t == 0) {
-    if (ra < T_) lse[((size_t)b * H + h) * T_ + ra] = la > 0.f ? (m_a + log2f(la)) * CP_LN2 : -INFINITY;
-    if (rb < T_) lse[((size_t)b * H + h) * T_ + rb] = lb > 0.f ? (m_b + log2f(lb)) * CP_LN2 : -INFINITY;
-  }
+  cp_fwd_store_quad<NO / 4>(dst, [&](int i, int e) { return o[4 * i + e]; }, inv_a, inv_b,
+                            la > 0.f ? (m_a + log2f(la)) * CP_LN2 : -INFINITY, lb > 0.f ? (m_b + log2f(lb)) * CP_LN2 : -INFINITY,
+                            b, h, H, D, ra, T_, t);
 }
 
 // ---- backward (dK / dV kernels: transposed accumulators, rows = keys, columns = queries) --------

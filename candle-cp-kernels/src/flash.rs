@@ -174,12 +174,6 @@ impl FwdImpl {
     pub(crate) fn tma(self) -> bool {
         matches!(self, FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide)
     }
-
-    /// Whether the family's forward runs the Hopper kernels (`flash_fwd_sm90*.cu`), which write
-    /// a plain result and do not fold into a running state ([`fwd_fold`]).
-    pub(crate) fn hopper(self) -> bool {
-        matches!(self, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs | FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide)
-    }
 }
 
 /// Sizes of one call: (b, t, s, h, hkv, d), checked.
@@ -245,8 +239,7 @@ pub fn fwd_storage(
     ))
 }
 
-/// The forward of [`fwd_storage`] into `dst` (checked dims). `Ok(false)`: `dst` folds and the
-/// family `imp` resolves to does not (nothing written).
+/// The forward of [`fwd_storage`] into `dst` (checked dims).
 #[allow(clippy::too_many_arguments)]
 fn fwd_storage_to(
     (q, ql): (&CudaStorage, &Layout),
@@ -257,7 +250,7 @@ fn fwd_storage_to(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<bool> {
+) -> Result<()> {
     use candle_core::backend::BackendStorage;
     let sfx = suffix(q.dtype())?;
     let dev = q.device.clone();
@@ -324,7 +317,7 @@ impl FwdDst<'_> {
 /// the layout of the ring's running state (`candle_cp_ops::cp::state::LocalState`), which takes
 /// a first result covering all its rows as its state instead of merging it into an empty one.
 pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<Tensor> {
-    packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst).map(drop))
+    packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
 }
 
 /// A forward into ONE f32 buffer `[B·T·H·D + B·H·T]`: q, k, v made launchable and checked, then
@@ -386,16 +379,13 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<bool> {
-    if imp.hopper() && dst.fold.is_some() {
-        return Ok(false); // the Hopper families write, they do not fold
-    }
+) -> Result<()> {
     let kern = match imp {
-        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst).map(|()| true),
-        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst).map(|()| true),
+        FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
+        FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
         FwdImpl::WgmmaTma | FwdImpl::WgmmaTmaWide => {
             let wide = imp == FwdImpl::WgmmaTmaWide;
-            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide, dst).map(|()| true);
+            return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), sm90_ws::TmaMask::Mask(mask), scale, wide, dst);
         }
         FwdImpl::Auto | FwdImpl::Simple if sfx == "f32" => FwdKernel::Simple,
         FwdImpl::Simple => FwdKernel::Simple,
@@ -422,7 +412,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         kern
     };
     if b * t * h == 0 {
-        return dst.empty(dev).map(|()| true);
+        return dst.empty(dev);
     }
     let (causal, qo, qs, ko, ks) = mask.args()?;
     let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
@@ -454,7 +444,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above (the
     // rows of a fold by `fold::fold_into`).
     unsafe { bld.launch(cfg) }.w()?;
-    Ok(true)
+    Ok(())
 }
 
 fn storage_of<'a>(s: &'a Storage, what: &str, shape: &Shape) -> Result<&'a CudaStorage> {

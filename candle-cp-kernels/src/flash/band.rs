@@ -121,8 +121,7 @@ pub fn fwd_storage_band(
     ))
 }
 
-/// The band forward into `dst` (checked dims and band). `Ok(false)`: `dst` folds and the family
-/// `imp` resolves to does not (nothing written).
+/// The band forward into `dst` (checked dims and band).
 #[allow(clippy::too_many_arguments)]
 pub(super) fn fwd_band_to(
     (q, ql): (&CudaStorage, &Layout),
@@ -133,7 +132,7 @@ pub(super) fn fwd_band_to(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<bool> {
+) -> Result<()> {
     let dev = q.device.clone();
     let sfx = suffix(q.dtype())?;
     let bnd = (band.lo, band.hi);
@@ -149,7 +148,7 @@ pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scal
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     packed_fwd("flash_fwd_band", (q, k, v), |[qs, ks, vs], dims, dst| {
         band.check("flash_fwd_band", dims.0, dims.1, &qs.0.device)?;
-        fwd_band_to(qs, ks, vs, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, dst).map(drop)
+        fwd_band_to(qs, ks, vs, dims, KBand { lo: &blo, hi: &bhi }, scale, imp, dst)
     })
 }
 
@@ -166,14 +165,9 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     scale: f32,
     imp: FwdImpl,
     dst: FwdDst<'_>,
-) -> Result<bool> {
-    let hopper_tma = imp.tma() && sm90_ws::applies(dev, sfx, d)?;
-    let hopper = hopper_tma || (matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)?);
-    if hopper && dst.fold.is_some() {
-        return Ok(false); // the Hopper families write, they do not fold
-    }
+) -> Result<()> {
     if b * t * h == 0 {
-        return dst.empty(dev).map(|()| true);
+        return dst.empty(dev);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -181,14 +175,14 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let hiv = util::view::<u32>(storage_of(&his, "band hi", bhi.shape())?, hil, "band hi")?;
     let bstride = util::to_i64(bstride_of(blo, t), "band batch stride")?;
     let dims = (b, t, s, h, hkv, d);
-    if hopper_tma {
+    if imp.tma() && sm90_ws::applies(dev, sfx, d)? {
         // (WgmmaTmaWide: bands keep the 128-key entries)
         let band = sm90_ws::TmaMask::Band { lo: &lov, hi: &hiv, bstride };
-        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false, dst).map(|()| true);
+        return sm90_ws::fwd_wgmma_tma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, band, scale, false, dst);
     }
-    if hopper {
+    if matches!(imp, FwdImpl::Wgmma | FwdImpl::WgmmaAtomic | FwdImpl::WgmmaWs) && sm90_ws::applies(dev, sfx, d)? {
         let ws = imp == FwdImpl::WgmmaWs;
-        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst).map(|()| true);
+        return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst);
     }
     let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
@@ -217,7 +211,7 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above (the
     // rows of a fold by `fold::fold_into`).
     unsafe { bld.launch(cfg) }.w()?;
-    Ok(true)
+    Ok(())
 }
 
 /// Raw band forward on CUDA tensors, no graph: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16

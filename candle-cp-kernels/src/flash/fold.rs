@@ -14,31 +14,29 @@
 //! folded:    forward: state[rows] ⊕= attn(q, k, v)        reads + writes state
 //! ```
 //!
-//! The kernels of flash_fwd.cu fold: `Simple`, `Mma`, `Pipelined` (every family `Auto` picks, and
-//! `AtomicDq`'s forward). The Hopper families do not: for them (as resolved for the call's dtype,
-//! head dim and device) the functions return `Ok(false)` and leave the state as it was; the
-//! caller then runs the forward and a merge (`crate::merge::merge_rows_inplace`).
+//! Every forward family folds: the kernels of flash_fwd.cu (`Simple`, `Mma`, `Pipelined`) and the
+//! Hopper ones (`fwd_sm90_store` in flash_sm90.cuh), through one epilogue (`cp_fwd_store_quad`
+//! in common.cuh; the CUDA-core kernel its own per-lane form).
 
 use super::{band, check_dims, fwd_storage_to, prep, storage_of, Dims, FoldAt, FwdDst, FwdImpl, KBand, KMask};
 use crate::util;
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
-use std::cell::{Cell, RefCell};
+use std::cell::RefCell;
 
 /// The forward of q `[B, T, H, D]` against k, v `[B, S, Hkv, D]` under `mask`, folded into
 /// rows `row0 .. row0 + T` of `state`, an f32 tensor `[B·R·H·D + B·H·R]` (out `[B, R, H, D]`,
 /// then lse `[B, H, R]`, R = `rows`; contiguous, on q's device, not sharing q's, k's or v's
 /// storage), in place: each row becomes the LSE merge of what it held with the call's result (a
-/// row whose lse is `-inf` holds nothing: its out must be 0). Returns `Ok(true)` when folded,
-/// `Ok(false)` when the family `imp` resolves to does not fold (the Hopper kernels; the state
-/// is untouched). Shapes that do not fit are an error naming them.
+/// row whose lse is `-inf` holds nothing: its out must be 0). Shapes that do not fit are an
+/// error naming them.
 #[allow(clippy::too_many_arguments)]
-pub fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+pub fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
     fold_into("flash_fwd_fold", (q, k, v), (state, rows, row0), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
 }
 
 /// [`fwd_fold`] under a band (one key interval per query row, as [`super::fwd_band`]).
 #[allow(clippy::too_many_arguments)]
-pub fn fwd_band_fold(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+pub fn fwd_band_fold(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     fold_into("flash_fwd_band_fold", (q, k, v), (state, rows, row0), |[qs, ks, vs], dims, dst| {
         band.check("flash_fwd_band_fold", dims.0, dims.1, &qs.0.device)?;
@@ -46,7 +44,7 @@ pub fn fwd_band_fold(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale:
     })
 }
 
-type Write<'w> = Box<dyn FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<bool> + 'w>;
+type Write<'w> = Box<dyn FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<()> + 'w>;
 
 /// q, k, v made launchable and checked against the state, then `write` runs on the state's
 /// storage (an in-place op) with a folding [`FwdDst`] over its two parts.
@@ -54,8 +52,8 @@ fn fold_into<'w>(
     op: &'static str,
     (q, k, v): (&Tensor, &Tensor, &Tensor),
     (state, rows, row0): (&Tensor, usize, usize),
-    write: impl FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<bool> + 'w,
-) -> Result<bool> {
+    write: impl FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<()> + 'w,
+) -> Result<()> {
     util::cuda_device(q, &format!("{op}: q"))?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let dims = check_dims(op, q.shape(), k.shape(), v.shape())?;
@@ -74,9 +72,8 @@ fn fold_into<'w>(
             state.device()
         )
     }
-    let fold = Fold { q: &q, k: &k, v: &v, dims, at: FoldAt { rows, row0 }, write: RefCell::new(Some(Box::new(write))), folded: Cell::new(false) };
-    state.inplace_op1(&fold)?;
-    Ok(fold.folded.get())
+    let fold = Fold { q: &q, k: &k, v: &v, dims, at: FoldAt { rows, row0 }, write: RefCell::new(Some(Box::new(write))) };
+    state.inplace_op1(&fold)
 }
 
 /// The in-place op of [`fold_into`] (CUDA only).
@@ -87,7 +84,6 @@ struct Fold<'a, 'w> {
     dims: Dims,
     at: FoldAt,
     write: RefCell<Option<Write<'w>>>,
-    folded: Cell<bool>,
 }
 
 impl InplaceOp1 for Fold<'_, '_> {
@@ -116,8 +112,6 @@ impl InplaceOp1 for Fold<'_, '_> {
         let slice = st.as_cuda_slice_mut::<f32>()?;
         let mut buf = slice.slice_mut(o0..o1);
         let (out, lse) = buf.split_at_mut(n_out);
-        let folded = write(qkv, self.dims, FwdDst { out, lse, fold: Some(self.at) })?;
-        self.folded.set(folded);
-        Ok(())
+        write(qkv, self.dims, FwdDst { out, lse, fold: Some(self.at) })
     }
 }

@@ -69,6 +69,7 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let name = format!("flash_fwd_wgmma_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_MODULE, ptx::FLASH_FWD_SM90)?;
@@ -78,6 +79,7 @@ pub(super) fn fwd_wgmma<T: CudaDType + DeviceRepr>(
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+    bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90.cu; sizes checked by
     // check_dims, dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
@@ -112,6 +114,7 @@ pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let fam = if ws { "wgmma_ws" } else { "wgmma" };
     let name = format!("flash_fwd_{fam}_band_{sfx}_d{d}");
@@ -126,6 +129,7 @@ pub(super) fn fwd_hopper_band<T: CudaDType + DeviceRepr>(
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
     bld.arg(lo).arg(hi).arg(&bstride);
+    bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
     // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd_sm90.cu and
     // kernels/flash_fwd_sm90_ws.cu; sizes checked by check_dims and KBand::check
     // (fwd_storage_band), dtype/head dim/device above.

@@ -67,6 +67,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), true)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let name = format!("flash_fwd_wgmma_ws_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_SM90_WS_MODULE, ptx::FLASH_FWD_SM90_WS)?;
@@ -76,6 +77,7 @@ pub(super) fn fwd_wgmma_ws<T: CudaDType + DeviceRepr>(
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
     bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+    bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd_sm90_ws.cu; sizes checked by
     // check_dims, dtype/head dim/device above.
     unsafe { bld.launch(cfg) }.w()?;
@@ -131,6 +133,7 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
     let (qv, kv, vv) = inp.qkv_views()?;
     let (tq, tk, tv) = tma_maps(dev, sfx, (&qv, &kv, &vv), (b, t, s, h, hkv, d), bk)?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
+    let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (bi, ti, si, hi32, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     match mask {
@@ -144,6 +147,7 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
             bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
             bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
+            bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
             bld.arg(&tq).arg(&tk).arg(&tv);
             // SAFETY: argument list matches FWD_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu
             // (WGMMA_WS's and WGMMA_TMA_WIDE's TMA entries); sizes checked by check_dims,
@@ -157,6 +161,7 @@ pub(super) fn fwd_wgmma_tma<T: CudaDType + DeviceRepr>(
             bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi32).arg(&hkvi).arg(&scale);
             bld.arg(lo).arg(hi).arg(&bstride);
+            bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
             bld.arg(&tq).arg(&tk).arg(&tv);
             // SAFETY: argument list matches FWD_BAND_ARGS + TMA_MAPS in kernels/flash_fwd_sm90_ws.cu;
             // sizes checked by check_dims and KBand::check (fwd_storage_band), dtype/head

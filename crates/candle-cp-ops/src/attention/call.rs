@@ -89,8 +89,8 @@ impl CallMask<'_> {
 /// CUDA: the forward of `q [B, n, H, D]` against `k, v` under `mask`, folded into rows
 /// `row0 .. row0 + n` of `state` (the ring state's f32 buffer `[B·R·H·D + B·H·R]`, R = `rows`)
 /// by the kernels' epilogue (`flash::fwd_fold`): no partial result in memory, no merge pass.
-/// `Ok(false)` (state untouched) where the kernels do not take the call (not CUDA, head dim,
-/// window mask, a Hopper family): the caller runs [`CallMask::fwd`] and merges.
+/// `Ok(false)` (state untouched) where the kernels do not take the call (not CUDA, a head dim
+/// they do not take, a window mask): the caller runs [`CallMask::fwd`] and merges.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
@@ -98,7 +98,8 @@ pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'
         return Ok(false);
     }
     super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
-    super::cuda::fwd_fold(q, k, v, mask, scale, state, rows, row0)
+    super::cuda::fwd_fold(q, k, v, mask, scale, state, rows, row0)?;
+    Ok(true)
 }
 
 /// The forward of `q [B, n, H, D]` against `k, v` under `mask` as ONE f32 tensor

@@ -108,9 +108,9 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::
 }
 
 /// CUDA forward of one call folded into rows `row0 .. row0 + n` of the ring state's buffer
-/// (`flash::fwd_fold`); `Ok(false)` where the family does not fold.
+/// (`flash::fwd_fold`).
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
     match mask {
         super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), scale as f32, FwdImpl::from_env(), state, rows, row0),
         super::call::CallMask::Band(band) => {
