@@ -17,8 +17,9 @@
 //! - the forward folded into rows of a running state that holds values (`flash::fwd_fold`: the
 //!   ring's later steps, B = 2 so the rows are not one region) against the CPU LSE merge of the
 //!   state with the CPU forward; rows outside the call untouched; every family.
-//! - q and k on different devices, and q and k of different dtypes, must be an `Err` naming
-//!   the shapes (no panic, no kernel launch).
+//! - a fold into a state that does not fit (length, rows, device), q and k on different devices,
+//!   and q and k of different dtypes, must be an `Err` naming the shapes (no panic, no kernel
+//!   launch).
 
 use super::gpu_add_dq::AddDq;
 use super::{kmask, tensor_core, Report};
@@ -238,6 +239,14 @@ pub fn check_views(rep: &mut Report, gpu: &Device) -> Result<()> {
         flash::bwd_prepared(&q.narrow(1, 0, 40)?, &kg, &vg, &l, &pr, kmask(&mask), scale as f32, FwdImpl::Simple)
     });
     expect_err(rep, "views: a prep of 96 rows for 40 query rows -> Err", bad.map(|(dq, dk, _)| (dq, dk)));
+    // a fold into a state that does not fit: the wrong length, rows past its end, on the CPU
+    let fold_err = |state: &Tensor, rows: usize, row0: usize| {
+        flash::fwd_fold(&q, &kg, &vg, kmask(&mask), scale as f32, FwdImpl::Simple, state, rows, row0).map(|()| (q.clone(), q.clone()))
+    };
+    let n = 2 * 100 * 4 * 64 + 2 * 4 * 100;
+    expect_err(rep, "views: a fold into a state buffer of the wrong length -> Err", fold_err(&Tensor::zeros(n - 1, DType::F32, gpu)?, 100, 0));
+    expect_err(rep, "views: a fold of 96 rows at row 10 of a 100-row state -> Err", fold_err(&Tensor::zeros(n, DType::F32, gpu)?, 100, 10));
+    expect_err(rep, "views: a fold into a state on the CPU -> Err", fold_err(&Tensor::zeros(n, DType::F32, &Device::Cpu)?, 100, 0));
     let (qb, kb, vb) = (q.to_dtype(DType::BF16)?, k.to_device(gpu)?, v.to_device(gpu)?);
     expect_err(rep, "views: q bf16, k and v f32 -> Err", attention(&qb, &kb, &vb, &mask, scale));
     Ok(())
