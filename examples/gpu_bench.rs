@@ -193,9 +193,13 @@ impl RingInputs {
 }
 
 /// Per-step compute of the zigzag ring (rank 0's schedule, the kernel calls the ring engine
-/// issues: `step_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) timed alone,
-/// without communication or merges: each step's rate (visible pairs · 4·H·D FLOP / time)
-/// against the single-GPU kernel's rate on the whole causal sequence. Target: >= 0.9. With
+/// issues: `step_schedule`, row chunks of `CpOpts::rows_per_call`, offset masks) without
+/// communication, as the ring runs them since session 15: step 0's one call over all rows into
+/// the state's buffer (`fwd_packed`), every other call folded into the running state
+/// (`fwd_fold`); each step's rate (visible pairs · 4·H·D FLOP / time) against the single-GPU
+/// kernel's rate on the whole causal sequence. Target: >= 0.9. The calls alone, each writing a
+/// fresh result, are printed too (`kernel_step_ms`), and the paths of earlier sessions beside
+/// them (`first_step_s13_vs_now`, `fold_s14_vs_now`: their time / the ring's). With
 /// `--bwd 1` the same for the backward, as the ring runs it: each call's
 /// `flash::bwd_prepared_add_dq` on the step's keys, with the rows of the rank's backward
 /// prepared once from the whole sequence's out / dout and the lse of its query rows, adding dQ
@@ -262,18 +266,18 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                 }
             }
             let pairs: usize = calls.iter().map(|c| c.4).sum();
-            let secs = time(dev, a.iters, || {
+            // the step's kernel calls alone, each writing a fresh result
+            let kernel_secs = time(dev, a.iters, || {
                 for (qr, kr, vr, mask, ..) in &calls {
                     flash::fwd(qr, kr, vr, *mask, scale, imp)?;
                 }
                 Ok(())
             })?;
-            let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
-            worst = worst.min(rate / single_rate);
             // The first step's one call over all rows, as the ring runs it since session 14 (the
             // kernel writes the running state's buffer: `fwd_packed`) against session 13's path
             // (the state initialised, the result merged into it), in the same run.
-            let first = match calls.as_slice() {
+            // (the step as the ring runs it, timed below: `step_ms`, `ratio`, `worst_step_ratio`)
+            let (first, ring_secs) = match calls.as_slice() {
                 [(qr, kr, vr, mask, ..)] if step == 0 && qr.dim(1)? == t / p => {
                     let now = time(dev, a.iters, || flash::fwd_packed(qr, kr, vr, *mask, scale, imp).map(|_| ()))?;
                     let s13 = time(dev, a.iters, || {
@@ -281,12 +285,12 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                         let (o, l) = flash::fwd(qr, kr, vr, *mask, scale, imp)?;
                         st.merge_rows(0, &o, &l)
                     })?;
-                    format!(",\"first_step_ms\":{:.3},\"first_step_s13_ms\":{:.3},\"first_step_s13_vs_now\":{:.3}", now * 1e3, s13 * 1e3, s13 / now)
+                    (format!(",\"first_step_ms\":{:.3},\"first_step_s13_ms\":{:.3},\"first_step_s13_vs_now\":{:.3}", now * 1e3, s13 * 1e3, s13 / now), now)
                 }
-                // a later step: its calls folded into the running state by the forward kernels
+                // any other step: its calls folded into the running state by the forward kernels
                 // (`fwd_fold`, since session 15) against session 14's path (forward, then the
                 // in-place merge kernel), in the same run
-                _ if step > 0 => {
+                _ => {
                     let tl = t / p;
                     let state = Tensor::cat(&[Tensor::zeros(b * tl * h * d, DType::F32, dev)?, Tensor::full(f32::NEG_INFINITY, b * h * tl, dev)?], 0)?;
                     let now = time(dev, a.iters, || {
@@ -303,10 +307,12 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                         }
                         Ok(())
                     })?;
-                    format!(",\"fold_step_ms\":{:.3},\"fold_s14_ms\":{:.3},\"fold_s14_vs_now\":{:.3}", now * 1e3, s14 * 1e3, s14 / now)
+                    (format!(",\"fold_step_ms\":{:.3},\"fold_s14_ms\":{:.3},\"fold_s14_vs_now\":{:.3}", now * 1e3, s14 * 1e3, s14 / now), now)
                 }
-                _ => String::new(),
             };
+            let secs = ring_secs;
+            let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
+            worst = worst.min(rate / single_rate);
             let bwd = match &bl {
                 Some((_, _, prep_s, single_bwd_rate, ..)) => {
                     // the ring's path: prepared calls adding dQ into the accumulator's rows (B > 1
@@ -356,9 +362,10 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                 None => String::new(),
             };
             println!(
-                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}{first}{bwd}}}",
+                "{{\"impl\":\"candle-cp-ring-step\",\"kernel\":\"{imp:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"step\":{step},\"block_rows\":{},\"calls\":{},\"kernel_step_ms\":{:.3},\"step_ms\":{:.3},\"step_tflops\":{:.2},\"single_tflops\":{:.2},\"ratio\":{:.3}{first}{bwd}}}",
                 block_rows.min(t),
                 calls.len(),
+                kernel_secs * 1e3,
                 secs * 1e3,
                 rate / 1e12,
                 single_rate / 1e12,

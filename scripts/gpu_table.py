@@ -55,7 +55,8 @@ def main():
             first += (f"; calls folded into the state {r['fold_step_ms']:.3f} ms, session 14's forward + merge path "
                       f"{r['fold_s14_vs_now']:.2f}x that")
         print(f"zigzag ring step {r['step']} (P = {r['p']}, T = {r['t']}, {r['kernel']}, block_rows {r.get('block_rows')}, {r['calls']} calls): "
-              f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}{first}{bwd}")
+              f"{r['step_tflops']:.1f} TFLOP/s = {r['ratio']:.2f} of the single-GPU kernel's {r['single_tflops']:.1f}"
+              + (f" (the calls alone, plain results: {r['kernel_step_ms']:.3f} ms)" if "kernel_step_ms" in r else "") + f"{first}{bwd}")
     for r in (r for r in bench if r.get("impl") == "candle-cp-mem"):
         print(f"{r['kernel']} (T = {r['t']}): {r['gbps']:.0f} GB/s = {r['ratio']:.2f} of a device copy ({r['copy_gbps']:.0f} GB/s)")
     for r in (r for r in bench if r.get("impl") == "candle-cp-band"):
