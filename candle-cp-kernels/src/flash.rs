@@ -275,29 +275,41 @@ pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, i
 /// parts. [`fwd_packed`] and [`band::fwd_band_packed`].
 pub(super) fn packed_fwd(
     op: &str,
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    qkv: (&Tensor, &Tensor, &Tensor),
     write: impl FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<()>,
 ) -> Result<Tensor> {
+    let (dev, qkv, dims) = launchable(op, qkv)?;
+    let (b, t, _, h, _, d) = dims;
+    let n_out = b * t * h * d;
+    // SAFETY: the forward writes every element (FwdDst::empty where it has no rows).
+    let mut buf = unsafe { dev.alloc::<f32>(n_out + b * h * t)? };
+    with_storages(&qkv, |st| {
+        let (out, lse) = buf.split_at_mut(n_out);
+        write(st, dims, FwdDst::plain(out, lse))
+    })?;
+    let n = buf.len();
+    Ok(util::to_tensor(buf, &dev, n))
+}
+
+/// q, k, v as the kernels read them ([`prep`]: contiguous, 16-byte aligned) on a CUDA device,
+/// checked against each other ([`check_dims`], one dtype): the device, the tensors, the dims.
+/// [`packed_fwd`] and `fold::fold_into`.
+pub(super) fn launchable(op: &str, (q, k, v): (&Tensor, &Tensor, &Tensor)) -> Result<(CudaDevice, [Tensor; 3], Dims)> {
     let dev = util::cuda_device(q, &format!("{op}: q"))?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let dims = check_dims(op, q.shape(), k.shape(), v.shape())?;
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!("{op}: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
     }
-    let (b, t, _, h, _, d) = dims;
-    let n_out = b * t * h * d;
-    // SAFETY: the forward writes every element (FwdDst::empty where it has no rows).
-    let mut buf = unsafe { dev.alloc::<f32>(n_out + b * h * t)? };
-    {
-        let (qs, ql) = q.storage_and_layout();
-        let (ks, kl) = k.storage_and_layout();
-        let (vs, vl) = v.storage_and_layout();
-        let (out, lse) = buf.split_at_mut(n_out);
-        let qkv = [(storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl)];
-        write(qkv, dims, FwdDst::plain(out, lse))?;
-    }
-    let n = buf.len();
-    Ok(util::to_tensor(buf, &dev, n))
+    Ok((dev, [q, k, v], dims))
+}
+
+/// `f` on the CUDA storages and layouts of q, k, v (held for its duration).
+pub(super) fn with_storages<R>([q, k, v]: &[Tensor; 3], f: impl FnOnce([(&CudaStorage, &Layout); 3]) -> Result<R>) -> Result<R> {
+    let (qs, ql) = q.storage_and_layout();
+    let (ks, kl) = k.storage_and_layout();
+    let (vs, vl) = v.storage_and_layout();
+    f([(storage_of(&qs, "q", q.shape())?, ql), (storage_of(&ks, "k", k.shape())?, kl), (storage_of(&vs, "v", v.shape())?, vl)])
 }
 
 /// The forward kernel family a call runs (after resolving [`FwdImpl`] against the dtype).

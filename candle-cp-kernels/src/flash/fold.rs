@@ -18,8 +18,7 @@
 //! Hopper ones (`fwd_sm90_store` in flash_sm90.cuh), through one epilogue (`cp_fwd_store_quad`
 //! in common.cuh; the CUDA-core kernel its own per-lane form).
 
-use super::{band, check_dims, fwd_storage_to, prep, storage_of, Dims, FoldAt, FwdDst, FwdImpl, KBand, KMask};
-use crate::util;
+use super::{band, fwd_storage_to, launchable, with_storages, Dims, FoldAt, FwdDst, FwdImpl, KBand, KMask};
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
 use std::cell::RefCell;
 
@@ -50,43 +49,36 @@ type Write<'w> = Box<dyn FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) 
 /// storage (an in-place op) with a folding [`FwdDst`] over its two parts.
 fn fold_into<'w>(
     op: &'static str,
-    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    qkv: (&Tensor, &Tensor, &Tensor),
     (state, rows, row0): (&Tensor, usize, usize),
     write: impl FnOnce([(&CudaStorage, &Layout); 3], Dims, FwdDst<'_>) -> Result<()> + 'w,
 ) -> Result<()> {
-    util::cuda_device(q, &format!("{op}: q"))?;
-    let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
-    let dims = check_dims(op, q.shape(), k.shape(), v.shape())?;
-    if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
-        candle_core::bail!("{op}: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), q.shape())
-    }
+    let (_, qkv, dims) = launchable(op, qkv)?;
     let (b, t, _, h, _, d) = dims;
     let n = b * rows * h * d + b * h * rows;
-    if state.dtype() != DType::F32 || state.dims() != [n] || row0 + t > rows || !state.is_contiguous() || !state.device().same_device(q.device()) {
+    if state.dtype() != DType::F32 || state.dims() != [n] || row0 + t > rows || !state.is_contiguous() || !state.device().same_device(qkv[0].device()) {
         candle_core::bail!(
             "{op}: the state must be a contiguous f32 [B·R·H·D + B·H·R] = [{n}] on q's device with rows {row0}..{} inside R = {rows}, for q {:?}; got {:?} {:?} on {:?}",
             row0 + t,
-            q.shape(),
+            qkv[0].shape(),
             state.dtype(),
             state.shape(),
             state.device()
         )
     }
-    let fold = Fold { q: &q, k: &k, v: &v, dims, at: FoldAt { rows, row0 }, write: RefCell::new(Some(Box::new(write))) };
+    let fold = Fold { qkv, dims, at: FoldAt { rows, row0 }, write: RefCell::new(Some(Box::new(write))) };
     state.inplace_op1(&fold)
 }
 
 /// The in-place op of [`fold_into`] (CUDA only).
-struct Fold<'a, 'w> {
-    q: &'a Tensor,
-    k: &'a Tensor,
-    v: &'a Tensor,
+struct Fold<'w> {
+    qkv: [Tensor; 3],
     dims: Dims,
     at: FoldAt,
     write: RefCell<Option<Write<'w>>>,
 }
 
-impl InplaceOp1 for Fold<'_, '_> {
+impl InplaceOp1 for Fold<'_> {
     fn name(&self) -> &'static str {
         "cp-flash-fwd-fold"
     }
@@ -105,13 +97,9 @@ impl InplaceOp1 for Fold<'_, '_> {
         let Some((o0, o1)) = l.contiguous_offsets() else {
             candle_core::bail!("flash_fwd_fold: the state {:?} is not contiguous", l.shape())
         };
-        let (qs, ql) = self.q.storage_and_layout();
-        let (ks, kl) = self.k.storage_and_layout();
-        let (vs, vl) = self.v.storage_and_layout();
-        let qkv = [(storage_of(&qs, "q", self.q.shape())?, ql), (storage_of(&ks, "k", self.k.shape())?, kl), (storage_of(&vs, "v", self.v.shape())?, vl)];
         let slice = st.as_cuda_slice_mut::<f32>()?;
         let mut buf = slice.slice_mut(o0..o1);
         let (out, lse) = buf.split_at_mut(n_out);
-        write(qkv, self.dims, FwdDst { out, lse, fold: Some(self.at) })
+        with_storages(&self.qkv, |qkv| write(qkv, self.dims, FwdDst { out, lse, fold: Some(self.at) }))
     }
 }

@@ -94,11 +94,21 @@ impl CallMask<'_> {
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+    if !kernels_take(q, k, v, mask)? {
+        return Ok(false);
+    }
+    super::cuda::fwd_fold(q, k, v, mask, scale, state, rows, row0)?;
+    Ok(true)
+}
+
+/// Whether the CUDA forward kernels take this call (q on CUDA, a head dim they take, not a
+/// window mask: windows are bands for them), its q, k, v checked when they do.
+#[cfg(feature = "cuda")]
+fn kernels_take(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>) -> Result<bool> {
     if !(q.device().is_cuda() && super::cuda::supported(q.dim(3)?)) || matches!(mask, CallMask::Mask(Mask::Window { .. })) {
         return Ok(false);
     }
     super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
-    super::cuda::fwd_fold(q, k, v, mask, scale, state, rows, row0)?;
     Ok(true)
 }
 
@@ -110,8 +120,7 @@ pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'
 /// forced on the CPU in tests) the two results are concatenated.
 pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
-    if q.device().is_cuda() && super::cuda::supported(q.dim(3)?) && !matches!(mask, CallMask::Mask(Mask::Window { .. })) {
-        super::check_qkv("attention_fwd", q, k, v, &Mask::Full)?;
+    if kernels_take(q, k, v, mask)? {
         return super::cuda::fwd_packed(q, k, v, mask, scale);
     }
     let (out, lse) = mask.fwd(q, k, v, scale)?;

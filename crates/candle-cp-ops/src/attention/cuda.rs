@@ -87,8 +87,7 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
     match call.mask {
         super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), scale as f32, FwdImpl::from_env(), dq),
         super::call::CallMask::Band(band) => {
-            band.check("attention_bwd_band", b, n, dims.s)?;
-            let (lo, hi) = band_tensors(band, q.device())?;
+            let (lo, hi) = band_args(band, "attention_bwd_band", (b, n, dims.s), q.device())?;
             flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), dq)
         }
     }
@@ -100,8 +99,7 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::
         super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), scale as f32, FwdImpl::from_env()),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
-            band.check("attention_fwd_band", b, t, k.dim(1)?)?;
-            let (lo, hi) = band_tensors(band, q.device())?;
+            let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
             flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
         }
     }
@@ -115,11 +113,17 @@ pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::Ca
         super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), scale as f32, FwdImpl::from_env(), state, rows, row0),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
-            band.check("attention_fwd_band", b, t, k.dim(1)?)?;
-            let (lo, hi) = band_tensors(band, q.device())?;
+            let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
             flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), state, rows, row0)
         }
     }
+}
+
+/// The bounds of `band` for a call of `b` batch rows, `t` query rows and `s` keys on `dev`,
+/// checked ([`Band::check`]), as [`band_tensors`] gives them.
+fn band_args(band: &Band, op: &str, (b, t, s): (usize, usize, usize), dev: &Device) -> Result<(Tensor, Tensor)> {
+    band.check(op, b, t, s)?;
+    band_tensors(band, dev)
 }
 
 /// The bounds of `band` as u32 tensors `[batch, T]` on `dev` (lo, hi): its device copy when

@@ -158,11 +158,7 @@ impl LocalState {
         if out_s.elem_count() == 0 {
             return Ok(()); // no rows (or D = 0): nothing to fold in
         }
-        if let Repr::Empty { device } = &self.repr {
-            self.repr = Repr::Buffer {
-                buf: empty_buffer(self.dims, device)?,
-            };
-        }
+        self.init_empty()?;
         match &mut self.repr {
             Repr::Empty { .. } => {
                 candle_core::bail!("LocalState: empty after initialisation (internal error)")
@@ -221,11 +217,7 @@ impl LocalState {
         {
             let (b, tl, h, d) = self.dims;
             if q.device().is_cuda() && q.dims4()? == (b, n, h, d) && row0 + n <= tl && n > 0 {
-                if let Repr::Empty { device } = &self.repr {
-                    self.repr = Repr::Buffer {
-                        buf: empty_buffer(self.dims, device)?,
-                    };
-                }
+                self.init_empty()?;
                 if let Repr::Buffer { buf } = &self.repr {
                     if crate::attention::fwd_fold_cuda(q, k, v, mask, scale, buf, tl, row0)? {
                         return Ok(());
@@ -235,6 +227,17 @@ impl LocalState {
         }
         let (o, l) = mask.fwd(q, k, v, scale)?;
         self.merge_rows(row0, &o, &l)
+    }
+
+    /// The `Empty` form becomes the `Buffer` form of the empty state (out 0, lse `-inf`); other
+    /// forms stay as they are.
+    fn init_empty(&mut self) -> Result<()> {
+        if let Repr::Empty { device } = &self.repr {
+            self.repr = Repr::Buffer {
+                buf: empty_buffer(self.dims, device)?,
+            };
+        }
+        Ok(())
     }
 
     /// Whether a result for rows `row0 .. row0 + n` would become the state as it is
