@@ -273,11 +273,11 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                 }
                 Ok(())
             })?;
-            // The first step's one call over all rows, as the ring runs it since session 14 (the
-            // kernel writes the running state's buffer: `fwd_packed`) against session 13's path
-            // (the state initialised, the result merged into it), in the same run.
-            // (the step as the ring runs it, timed below: `step_ms`, `ratio`, `worst_step_ratio`)
-            let (first, ring_secs) = match calls.as_slice() {
+            // The step as the ring runs it (`secs`: `step_ms`, `ratio`, `worst_step_ratio`), beside
+            // the path of the session before in the same run. Step 0's one call over all rows
+            // writes the running state's buffer (`fwd_packed`, since session 14; before: the state
+            // initialised, the result merged into it).
+            let (first, secs) = match calls.as_slice() {
                 [(qr, kr, vr, mask, ..)] if step == 0 && qr.dim(1)? == t / p => {
                     let now = time(dev, a.iters, || flash::fwd_packed(qr, kr, vr, *mask, scale, imp).map(|_| ()))?;
                     let s13 = time(dev, a.iters, || {
@@ -310,7 +310,6 @@ fn ring_steps(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()>
                     (format!(",\"fold_step_ms\":{:.3},\"fold_s14_ms\":{:.3},\"fold_s14_vs_now\":{:.3}", now * 1e3, s14 * 1e3, s14 / now), now)
                 }
             };
-            let secs = ring_secs;
             let rate = 4.0 * (b * h * d) as f64 * pairs as f64 / secs;
             worst = worst.min(rate / single_rate);
             let bwd = match &bl {
