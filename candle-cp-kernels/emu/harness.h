@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstdio>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -27,7 +28,6 @@ std::vector<double> randn(size_t n, uint64_t seed);
 // of T + 7 rows at row 3 that holds a previous partial result (random out / lse, some rows -inf
 // with out 0); checks the rows against the float64 LSE merge of that state with (ref_out,
 // ref_lse), and that rows outside 3 .. 3 + T are untouched. tol: the forward's out tolerance.
-#include <functional>
 void check_fold(const std::string& name, int B, int T, int H, int D, const std::vector<double>& ref_out,
                 const std::vector<double>& ref_lse, double tol, uint64_t seed,
                 const std::function<bool(float*, float*, int, int, int)>& run);

@@ -313,6 +313,7 @@ __device__ __forceinline__ void cp_red_add_f32(float* p, float v) {
   asm volatile("red.global.add.f32 [%0], %1;\n" ::"l"(p), "f"(v) : "memory");
 #endif
 }
+
 // ---- forward destination (every flash forward entry: flash_fwd.cu, flash_fwd_sm90{,_ws}.cu) -------
 // Where a forward writes (the entries' o_T, o_row0, o_merge): row i of the call is row o_row0 + i
 // of out f32 [B, o_T, H, D] / lse f32 [B, H, o_T] (a plain call: o_T = T, o_row0 = 0). o_merge:

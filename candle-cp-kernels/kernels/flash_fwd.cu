@@ -1,7 +1,7 @@
 // Flash-attention forward with log-sum-exp.
 // Rust caller: candle_cp_kernels::flash::fwd (src/flash.rs), used by the attention op's
 //   cuda_fwd in crates/candle-cp-ops/src/attention/cuda.rs; flash::fwd_fold / fwd_band_fold
-//   (src/flash/fold.rs: the result folded into the ring's running state, CpFwdDst below).
+//   (src/flash/fold.rs: the result folded into the ring's running state, CpFwdDst in common.cuh).
 // CPU reference: candle_cp_ops::attention::attention_fwd (and attention_slow).
 // Band entries (`flash_fwd_{simple,pipe}_band_*`: one key interval per query row, CpBand in
 //   common.cuh): Rust caller candle_cp_kernels::flash::fwd_band (src/flash/band.rs), CPU
