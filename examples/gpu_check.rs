@@ -585,6 +585,17 @@ fn main() -> Result<()> {
             .collect::<Result<Vec<_>>>()?,
     };
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
+    // A misspelt section would otherwise run nothing and report "0 passed" (device time is short).
+    const SECTIONS: [&str; 14] =
+        ["probe", "flash", "views", "flash-large", "merge", "layout", "band", "oracle", "packed", "window", "decode", "llama", "nccl", "nccl-ranks"];
+    for x in only.iter().flatten() {
+        if !SECTIONS.contains(&x.as_str()) {
+            anyhow::bail!("--sections: unknown section {x:?} (one of {})", SECTIONS.join(", "));
+        }
+        if x.starts_with("nccl") && !cfg!(feature = "nccl") {
+            anyhow::bail!("--sections: {x:?} needs the binary built with `--features candle-cp-examples/nccl`");
+        }
+    }
     let want = |name: &str| only.as_ref().is_none_or(|l| l.iter().any(|x| x == name));
     let gpu = Device::new_cuda(ordinal)?;
     let quick = args.iter().any(|a| a == "--quick");

@@ -19,7 +19,7 @@ silent memory corruption on the GPU. This script checks, mechanically:
      equal the block size the launcher uses.
   4. Tile configs (tile_configs()): the constants the launch shapes derive from, read on both
      sides (PIPES / PipeCfg<D> / FusedCfg<D> / WGMMA_* / the CUDA-core and mma kernels' constexprs
-     vs flash.rs pipe_config and block/row literals, bwd_pipe.rs PipeCfg::of, bwd_fused.rs NW/BQ,
+     vs flash.rs pipe_config and block/row literals (flash/bwd.rs for the backward), bwd_pipe.rs PipeCfg::of, bwd_fused.rs NW/BQ,
      sm90.rs WGMMA_*), must agree; block threads, rows per block and dynamic shared memory follow.
   5. dtype dispatch (`DType::F16 => go!(f16, ..)` / `launch_x!(f16)` / `fwd_t::<f16>`), and the
      launch config of the one-warp-per-row kernels (delta, pipe prep, merge: grid ceil(rows / 4),
@@ -571,18 +571,19 @@ def tile_configs():
     dq = num(r"constexpr int NW = (\d+), RW = (\d+), NQ = NW \* RW, BK = \d+, DP = D \+ 1, DL", bwd_cu, "bwd_dq NW, RW") or (0, 0)
     mkv = num(r"constexpr int BK = (\d+), BQ = \d+, DP = D \+ 8", mma_cu, "bwd_mma_dkdv BK")
     mdq = num(r"constexpr int BQ = (\d+), BK = \d+, DP = D \+ 8", mma_cu, "bwd_mma_dq BQ")
-    thr = num(r"let threads = if use_mma \{ (\d+) \} else \{ (\d+) \};", fwd_rs, "flash.rs bwd dkdv threads")
-    keys = num(r"grid_dim: \(s\.div_ceil\((\d+)\) as u32, hkv as u32", fwd_rs, "flash.rs bwd dkdv keys per block")
-    rows = num(r"let rows = if use_mma \{ (\d+) \} else \{ (\d+) \};", fwd_rs, "flash.rs bwd dq rows")
-    dthr = num(r"grid_dim: \(t\.div_ceil\(rows\) as u32, h as u32, b as u32\), block_dim: \((\d+), 1, 1\)", fwd_rs, "flash.rs bwd dq threads")
+    bwd_rs = rd("src", "flash", "bwd.rs")  # the CUDA-core / mma backward launches
+    thr = num(r"let threads = if use_mma \{ (\d+) \} else \{ (\d+) \};", bwd_rs, "flash/bwd.rs bwd dkdv threads")
+    keys = num(r"grid_dim: \(s\.div_ceil\((\d+)\) as u32, hkv as u32", bwd_rs, "flash/bwd.rs bwd dkdv keys per block")
+    rows = num(r"let rows = if use_mma \{ (\d+) \} else \{ (\d+) \};", bwd_rs, "flash/bwd.rs bwd dq rows")
+    dthr = num(r"grid_dim: \(t\.div_ceil\(rows\) as u32, h as u32, b as u32\), block_dim: \((\d+), 1, 1\)", bwd_rs, "flash/bwd.rs bwd dq threads")
     if keys is not None and (keys != kv[1] or keys != mkv):
-        err(f"bwd dkdv keys per block: flash.rs {keys}, flash_bwd.cu BK={kv[1]}, flash_bwd_mma.cu BK={mkv}")
+        err(f"bwd dkdv keys per block: flash/bwd.rs {keys}, flash_bwd.cu BK={kv[1]}, flash_bwd_mma.cu BK={mkv}")
     if rows and (rows[1] != dq[0] * dq[1] or rows[0] != mdq):
-        err(f"bwd dq rows per block: flash.rs (mma, simple) {rows}, flash_bwd_mma.cu BQ={mdq}, flash_bwd.cu NW*RW={dq[0] * dq[1]}")
+        err(f"bwd dq rows per block: flash/bwd.rs (mma, simple) {rows}, flash_bwd_mma.cu BQ={mdq}, flash_bwd.cu NW*RW={dq[0] * dq[1]}")
     if thr and thr[1] != kv[0] * 32:
-        err(f"bwd simple dkdv: flash.rs threads {thr[1]} != flash_bwd.cu NW*32 = {kv[0] * 32}")
+        err(f"bwd simple dkdv: flash/bwd.rs threads {thr[1]} != flash_bwd.cu NW*32 = {kv[0] * 32}")
     if dthr is not None and mdq and (dthr != dq[0] * 32 or dthr != mdq // 16 * 32):
-        err(f"bwd dq: flash.rs threads {dthr}, flash_bwd.cu NW*32 = {dq[0] * 32}, flash_bwd_mma.cu BQ/16*32 = {mdq // 16 * 32}")
+        err(f"bwd dq: flash/bwd.rs threads {dthr}, flash_bwd.cu NW*32 = {dq[0] * 32}, flash_bwd_mma.cu BQ/16*32 = {mdq // 16 * 32}")
     for d in (16, 32, 64, 128):
         out.setdefault("flash_fwd_simple", {})[d] = (rs[1] if rs else 0, nw * r, 0)
         out.setdefault("flash_fwd_mma", {})[d] = (rm[1] if rm else 0, mbq, 0)

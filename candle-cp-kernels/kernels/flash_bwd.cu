@@ -1,6 +1,6 @@
 // Flash-attention backward: delta = rowsum(dO * O), then dK/dV (key-tile major) and dQ
 // (query-tile major), recomputing P from the saved LSE. No atomics: deterministic.
-// Rust caller: candle_cp_kernels::flash::bwd (src/flash.rs), used by the attention op's
+// Rust caller: candle_cp_kernels::flash::bwd (src/flash/bwd.rs), used by the attention op's
 //   backward in crates/candle-cp-ops/src/attention/cuda.rs.
 // CPU reference: candle_cp_ops::attention::attention_bwd.
 //

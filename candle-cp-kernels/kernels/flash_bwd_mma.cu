@@ -1,5 +1,5 @@
 // Flash-attention backward on tensor cores (mma.sync m16n8k16, f16/bf16 in, f32 accumulate).
-// Rust caller: candle_cp_kernels::flash::bwd (src/flash.rs) when the tensor-core path is chosen
+// Rust caller: candle_cp_kernels::flash::bwd (src/flash/bwd.rs) when the tensor-core path is chosen
 //   (f16/bf16; `CANDLE_CP_FLASH_IMPL=simple` selects flash_bwd.cu instead).
 // CPU reference: candle_cp_ops::attention::attention_bwd.
 //
