@@ -10,6 +10,8 @@
 //! against the CPU path and the oracle rows; `decode`: decoding against a KV cache sharded
 //! over virtual ranks (gpu_check_masks.rs). Section `band`: band masks (one key interval per
 //! query row) through the ops and the kernel crate vs the CPU (gpu_check_band.rs).
+//! Sections `oracle` and `llama` (the oracle cases and the tiny Llama on virtual ranks):
+//! gpu_check_oracle.rs.
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
@@ -30,9 +32,8 @@ use candle_core::{DType, Device, Tensor};
 use candle_cp_kernels::flash::{self, FwdImpl, KMask};
 use candle_cp_kernels::layout::{self, SeqLayout};
 use candle_cp_ops::attention::{attention_bwd, attention_fwd, merge, Mask};
-use candle_cp_ops::cp::{run_case_cp, CpMethod};
-use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs};
-use std::time::{Duration, Instant};
+use candle_cp_ops::oracle::{AttnCase, AttnMetrics, AttnOutputs};
+use std::time::Instant;
 
 #[path = "gpu_util.rs"]
 mod gpu_util;
@@ -44,6 +45,8 @@ mod views;
 mod masks;
 #[path = "gpu_check_band.rs"]
 mod band;
+#[path = "gpu_check_oracle.rs"]
+mod oracle;
 #[cfg(feature = "nccl")]
 #[path = "gpu_check_nccl.rs"]
 mod nccl;
@@ -401,56 +404,6 @@ fn report_metrics(rep: &mut Report, name: &str, got: &AttnOutputs, case: &AttnCa
     Ok(())
 }
 
-/// Oracle cases (f32): the raw kernels, the autograd op on the GPU, and CP methods on virtual
-/// ranks (thread ranks whose tensors all live on the one GPU).
-fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.sort();
-    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
-        let case = AttnCase::load(path)?;
-        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
-            continue;
-        }
-        let g = case_to(&case, gpu)?;
-        let mask = kmask(&case.mask());
-        let raw = (|| -> candle_core::Result<AttnOutputs> {
-            let (out, lse) = flash::fwd(&g.q, &g.k, &g.v, mask, case.scale as f32, FwdImpl::Simple)?;
-            let (dq, dk, dv) = flash::bwd_with(&g.q, &g.k, &g.v, &out, &lse, &g.dout, mask, case.scale as f32, FwdImpl::Simple)?;
-            Ok(AttnOutputs { out, lse, dq, dk, dv })
-        })();
-        match raw {
-            Ok(o) => report_metrics(rep, &format!("oracle {} kernels", case.name), &o, &case)?,
-            Err(e) => rep.error(&format!("oracle {} kernels", case.name), e),
-        }
-        match run_single(&g) {
-            Ok(o) => report_metrics(rep, &format!("oracle {} autograd op", case.name), &o, &case)?,
-            Err(e) => rep.error(&format!("oracle {} autograd op", case.name), e),
-        }
-        let t = case.q.dim(1)?;
-        for method in CpMethod::ALL {
-            for p in [2, 4] {
-                if rep.quick && p != 2 {
-                    continue;
-                }
-                if t % method.layout().divisor(p) != 0 {
-                    continue;
-                }
-                let name = format!("oracle {} {method} P{p} virtual ranks", case.name);
-                match run_case_cp(&g, method, p, Duration::from_secs(120)) {
-                    Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
-                    Err(e) => rep.error(&name, e),
-                }
-            }
-        }
-        let name = format!("oracle {} ulysses P2 virtual ranks", case.name);
-        match gpu_util::run_ulysses(&g, 2) {
-            Ok(o) => report_metrics(rep, &name, &o, &case)?,
-            Err(e) => rep.error(&name, e),
-        }
-    }
-    Ok(())
-}
-
 /// Production-sized problem (T = 4096, D = 128, bf16, causal and full, GQA 2:1): the
 /// tensor-core kernel families against the f32 CUDA-core kernels on the same bf16 inputs
 /// (the CPU reference would take minutes here). Catches pipeline bugs that only show with
@@ -504,68 +457,6 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
         }
     }
     Ok(())
-}
-
-/// The tiny Hugging Face Llama oracle (logits, loss, every parameter gradient) on GPU virtual
-/// ranks: single device, the CP methods, Ulysses, Megatron TP + SP, and the 2-D layouts, with
-/// the same tolerances as `tests/llama_parity.rs`.
-fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
-    use candle_cp_llama::layout::{CpKind, Layout};
-    use candle_cp_llama::verify::{verify_reference, verify_reference_recompute};
-    let layouts = [
-        ("single", Layout::single()),
-        ("cp4 zigzag", Layout::cp(CpKind::Zigzag, 4)),
-        ("cp2 ring", Layout::cp(CpKind::Ring, 2)),
-        ("cp2 striped", Layout::cp(CpKind::Striped, 2)),
-        ("cp2 all-gather", Layout::cp(CpKind::AllGather, 2)),
-        ("ulysses2", Layout::cp(CpKind::Ulysses, 2)),
-        ("tp2 + sp", Layout::single().with_tp(2, true)),
-        ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
-        ("2-d 2x2", Layout::two_d(2, 2)),
-    ];
-    // the same with every layer recomputed in backward (Llama::with_recompute)
-    let recomputed = [("tp2 x cp2 zigzag + sp, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))];
-    // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation; this
-    // one runs Ulysses x ring on sub-groups of the thread world; `nccl-ranks` runs TP x CP + SP)
-    const QUICK: [&str; 1] = ["2-d 2x2"];
-    for (label, layout) in layouts {
-        if rep.quick && !QUICK.contains(&label) {
-            continue;
-        }
-        let name = format!("llama {label}");
-        report_llama(rep, &name, verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu));
-    }
-    if !rep.quick {
-        for (label, layout) in recomputed {
-            let name = format!("llama {label}");
-            let res = verify_reference_recompute(dir, format!("{dir}/reference.safetensors"), layout, gpu, true);
-            report_llama(rep, &name, res);
-        }
-    }
-    Ok(())
-}
-
-/// One PASS/FAIL line for a tiny-Llama oracle run (logits, loss, worst gradient, rank spread).
-fn report_llama(rep: &mut Report, name: &str, res: candle_core::Result<candle_cp_llama::verify::Report>) {
-    match res {
-        Ok(r) => {
-            println!(
-                "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
-                if r.pass() { "PASS" } else { "FAIL" },
-                r.logits_abs,
-                r.loss_abs,
-                r.grad_rel_max,
-                r.worst_param,
-                r.rank_spread
-            );
-            if r.pass() {
-                rep.pass += 1
-            } else {
-                rep.fail.push(name.to_string())
-            }
-        }
-        Err(e) => rep.error(name, e),
-    }
 }
 
 fn main() -> Result<()> {
@@ -623,7 +514,7 @@ fn main() -> Result<()> {
     }
     if want("oracle") {
         let t = Instant::now();
-        if let Err(e) = check_oracle(&mut rep, &gpu, &oracle) {
+        if let Err(e) = oracle::check_oracle(&mut rep, &gpu, &oracle) {
             rep.error("section oracle", e);
         }
         println!("-- section oracle + virtual ranks: {:.1} s", t.elapsed().as_secs_f64());
@@ -651,7 +542,7 @@ fn main() -> Result<()> {
     }
     if want("llama") {
         let t = Instant::now();
-        if let Err(e) = check_llama(&mut rep, &gpu, &llama) {
+        if let Err(e) = oracle::check_llama(&mut rep, &gpu, &llama) {
             rep.error("section llama", e);
         }
         println!("-- section llama (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());

@@ -2,7 +2,8 @@
 //! `#[path]`): `NcclGroup` on one GPU (world 1, abort, a rank that never joins) and on NCCL
 //! ranks one GPU each (CP methods, Ulysses and the tiny Llama against the oracles).
 
-use super::{report_llama, report_metrics, Report, QUICK_MAX_TOKENS};
+use super::oracle::report_llama;
+use super::{report_metrics, Report, QUICK_MAX_TOKENS};
 use crate::gpu_util::{self, max_abs, rand_tensor};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};

@@ -1,0 +1,130 @@
+//! `gpu_check --sections oracle,llama` (included by `gpu_check.rs` with `#[path]`): the PyTorch
+//! float64 oracle on the GPU.
+//!
+//! `oracle`: every attention case (f32) through the raw kernels, the autograd op on the GPU, and
+//! the CP methods on virtual ranks (thread ranks whose tensors all live on the one GPU), outputs
+//! and gradients against the reference within the case's tolerances.
+//!
+//! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
+//! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks.
+
+use super::{case_to, kmask, report_metrics, Report, QUICK_MAX_TOKENS};
+use crate::gpu_util;
+use anyhow::Result;
+use candle_core::Device;
+use candle_cp_kernels::flash::{self, FwdImpl};
+use candle_cp_ops::cp::{run_case_cp, CpMethod};
+use candle_cp_ops::oracle::{run_single, AttnCase, AttnOutputs};
+use std::time::Duration;
+
+/// Oracle cases (f32): the raw kernels, the autograd op on the GPU, and CP methods on virtual
+/// ranks (thread ranks whose tensors all live on the one GPU).
+pub fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.sort();
+    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
+        let case = AttnCase::load(path)?;
+        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
+            continue;
+        }
+        let g = case_to(&case, gpu)?;
+        let mask = kmask(&case.mask());
+        let raw = (|| -> candle_core::Result<AttnOutputs> {
+            let (out, lse) = flash::fwd(&g.q, &g.k, &g.v, mask, case.scale as f32, FwdImpl::Simple)?;
+            let (dq, dk, dv) = flash::bwd_with(&g.q, &g.k, &g.v, &out, &lse, &g.dout, mask, case.scale as f32, FwdImpl::Simple)?;
+            Ok(AttnOutputs { out, lse, dq, dk, dv })
+        })();
+        match raw {
+            Ok(o) => report_metrics(rep, &format!("oracle {} kernels", case.name), &o, &case)?,
+            Err(e) => rep.error(&format!("oracle {} kernels", case.name), e),
+        }
+        match run_single(&g) {
+            Ok(o) => report_metrics(rep, &format!("oracle {} autograd op", case.name), &o, &case)?,
+            Err(e) => rep.error(&format!("oracle {} autograd op", case.name), e),
+        }
+        let t = case.q.dim(1)?;
+        for method in CpMethod::ALL {
+            for p in [2, 4] {
+                if rep.quick && p != 2 {
+                    continue;
+                }
+                if t % method.layout().divisor(p) != 0 {
+                    continue;
+                }
+                let name = format!("oracle {} {method} P{p} virtual ranks", case.name);
+                match run_case_cp(&g, method, p, Duration::from_secs(120)) {
+                    Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
+                    Err(e) => rep.error(&name, e),
+                }
+            }
+        }
+        let name = format!("oracle {} ulysses P2 virtual ranks", case.name);
+        match gpu_util::run_ulysses(&g, 2) {
+            Ok(o) => report_metrics(rep, &name, &o, &case)?,
+            Err(e) => rep.error(&name, e),
+        }
+    }
+    Ok(())
+}
+
+/// The tiny Hugging Face Llama oracle (logits, loss, every parameter gradient) on GPU virtual
+/// ranks: single device, the CP methods, Ulysses, Megatron TP + SP, and the 2-D layouts, with
+/// the same tolerances as `tests/llama_parity.rs`.
+pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
+    use candle_cp_llama::layout::{CpKind, Layout};
+    use candle_cp_llama::verify::{verify_reference, verify_reference_recompute};
+    let layouts = [
+        ("single", Layout::single()),
+        ("cp4 zigzag", Layout::cp(CpKind::Zigzag, 4)),
+        ("cp2 ring", Layout::cp(CpKind::Ring, 2)),
+        ("cp2 striped", Layout::cp(CpKind::Striped, 2)),
+        ("cp2 all-gather", Layout::cp(CpKind::AllGather, 2)),
+        ("ulysses2", Layout::cp(CpKind::Ulysses, 2)),
+        ("tp2 + sp", Layout::single().with_tp(2, true)),
+        ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
+        ("2-d 2x2", Layout::two_d(2, 2)),
+    ];
+    // the same with every layer recomputed in backward (Llama::with_recompute)
+    let recomputed = [("tp2 x cp2 zigzag + sp, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))];
+    // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation; this
+    // one runs Ulysses x ring on sub-groups of the thread world; `nccl-ranks` runs TP x CP + SP)
+    const QUICK: [&str; 1] = ["2-d 2x2"];
+    for (label, layout) in layouts {
+        if rep.quick && !QUICK.contains(&label) {
+            continue;
+        }
+        let name = format!("llama {label}");
+        report_llama(rep, &name, verify_reference(dir, format!("{dir}/reference.safetensors"), layout, gpu));
+    }
+    if !rep.quick {
+        for (label, layout) in recomputed {
+            let name = format!("llama {label}");
+            let res = verify_reference_recompute(dir, format!("{dir}/reference.safetensors"), layout, gpu, true);
+            report_llama(rep, &name, res);
+        }
+    }
+    Ok(())
+}
+
+/// One PASS/FAIL line for a tiny-Llama oracle run (logits, loss, worst gradient, rank spread).
+pub fn report_llama(rep: &mut Report, name: &str, res: candle_core::Result<candle_cp_llama::verify::Report>) {
+    match res {
+        Ok(r) => {
+            println!(
+                "{} {name}: logits {:.2e} loss {:.2e} grad rel {:.2e} ({}) ranks {:.1e}",
+                if r.pass() { "PASS" } else { "FAIL" },
+                r.logits_abs,
+                r.loss_abs,
+                r.grad_rel_max,
+                r.worst_param,
+                r.rank_spread
+            );
+            if r.pass() {
+                rep.pass += 1
+            } else {
+                rep.fail.push(name.to_string())
+            }
+        }
+        Err(e) => rep.error(name, e),
+    }
+}
