@@ -18,6 +18,8 @@
 //! `candle-cp-ops`. Every kernel has a CPU reference there, named at the top of its `.cu`
 //! file; `examples/gpu_check.rs` compares them on a GPU.
 
+#![warn(missing_docs)]
+
 #[cfg(feature = "cuda")]
 pub mod flash;
 #[cfg(feature = "cuda")]

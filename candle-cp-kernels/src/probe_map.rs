@@ -6,8 +6,8 @@
 //! and layouts in C++ for the emulator.
 //!
 //! Inputs are small integers, exact in bf16 and f16 and in an f32 sum, chosen so that each output
-//! value names its source: for mma16816, A[m][k] = 16m + k + 1 against a one-hot B (passes 0, 1:
-//! D = A[m][n + 8p]) and a one-hot A against B[k][n] = 8k + n + 1 (pass 2: D = B[m][n]); for
+//! value names its source: for mma16816, `A[m][k]` = 16m + k + 1 against a one-hot B (passes 0, 1:
+//! D = `A[m][n + 8p]`) and a one-hot A against `B[k][n]` = 8k + n + 1 (pass 2: D = `B[m][n]`); for
 //! wgmma, one nonzero per 16 k values in each row of A (at k % 16 = m % 16) and four passes
 //! giving D = m + 1 (row), n + 1 (column), the A k-step read + 1, and the B k index + 1; for the
 //! TMA load, a 16-bit code per tensor element (batch, head, row, column); for the stmatrix dS
@@ -41,7 +41,7 @@ pub fn mma_d_coord(lane: usize, r: usize) -> (i64, i64) {
     ((g + 8 * (r / 2)) as i64, (2 * t + r % 2) as i64)
 }
 
-/// Inputs of mma16816 pass `p`: A [16 x 16] row-major and B [16 x 8] (B[k][n] at 8k + n).
+/// Inputs of mma16816 pass `p`: A [16 x 16] row-major and B [16 x 8] (`B[k][n]` at 8k + n).
 pub fn mma_inputs(p: usize) -> (Vec<f32>, Vec<f32>) {
     let a = (0..256).map(|e| if p < 2 { e as f32 + 1.0 } else if e / 16 == e % 16 { 1.0 } else { 0.0 }).collect();
     let b = (0..128)
@@ -423,7 +423,7 @@ impl WgForm {
     }
 }
 
-/// A[m][k] of wgmma pass `p` (one nonzero per 16 k values: k % 16 == m % 16).
+/// `A[m][k]` of wgmma pass `p` (one nonzero per 16 k values: k % 16 == m % 16).
 pub fn wg_a(p: usize, m: usize, k: usize) -> f32 {
     if k % 16 != m % 16 {
         return 0.0;
@@ -435,7 +435,7 @@ pub fn wg_a(p: usize, m: usize, k: usize) -> f32 {
     }
 }
 
-/// B[k][n] of wgmma pass `p`.
+/// `B[k][n]` of wgmma pass `p`.
 pub fn wg_b(p: usize, k: usize, n: usize) -> f32 {
     match p {
         1 => (n + 1) as f32,

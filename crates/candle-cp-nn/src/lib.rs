@@ -61,6 +61,8 @@
 //! `reduce_from_tp_region` (all-reduce, bwd identity) and the activations outside the TP
 //! region are replicated `[B, T, C]`.
 
+#![warn(missing_docs)]
+
 mod dropout;
 mod linear;
 mod norm;

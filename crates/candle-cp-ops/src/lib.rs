@@ -11,6 +11,8 @@
 //! - [`oracle`]: load reference attention cases (safetensors) and compare results to them.
 //! - [`recompute`]: activation recomputation of a block (keep its input, rerun it in backward).
 
+#![warn(missing_docs)]
+
 pub mod attention;
 pub mod autograd;
 pub mod cp;

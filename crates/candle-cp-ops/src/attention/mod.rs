@@ -51,13 +51,33 @@ pub enum Mask {
     /// Every query sees every key.
     Full,
     /// Query at global position `qp` sees key at `kp` iff `kp <= qp`.
-    Causal { q_offset: usize, q_stride: usize, k_offset: usize, k_stride: usize },
+    Causal {
+        /// Global position of local query row 0.
+        q_offset: usize,
+        /// Global distance between consecutive local query rows (1, or `P` when striped).
+        q_stride: usize,
+        /// Global position of local key row 0.
+        k_offset: usize,
+        /// Global distance between consecutive local key rows (1, or `P` when striped).
+        k_stride: usize,
+    },
     /// Causal sliding window (Mistral-style): query at `qp` sees key at `kp` iff
     /// `qp - window < kp <= qp` (itself and the `window - 1` keys before it). `window >= 1`.
     /// The kernels take only `Full` and `Causal`; [`attention_fwd`], [`attention_bwd`] and
     /// [`attention`] split a window call into at most three kernel calls per `window` query
     /// rows (module `window`).
-    Window { q_offset: usize, q_stride: usize, k_offset: usize, k_stride: usize, window: usize },
+    Window {
+        /// Global position of local query row 0.
+        q_offset: usize,
+        /// Global distance between consecutive local query rows.
+        q_stride: usize,
+        /// Global position of local key row 0.
+        k_offset: usize,
+        /// Global distance between consecutive local key rows.
+        k_stride: usize,
+        /// Keys each query sees: itself and the `window - 1` before it.
+        window: usize,
+    },
 }
 
 impl Mask {
