@@ -151,9 +151,24 @@ pub enum FwdImpl {
 
 impl FwdImpl {
     /// `CANDLE_CP_FLASH_IMPL` = `simple` | `mma` | `pipelined` | `wgmma` | `atomic` |
-    /// `wgmma-atomic` | `wgmma-ws` | `wgmma-tma` | `wgmma-tma-wide` | anything else (`Auto`).
+    /// `wgmma-atomic` | `wgmma-ws` | `wgmma-tma` | `wgmma-tma-wide` | unset or empty (`Auto`).
+    /// Any other value also runs `Auto`, and the first such call says so on stderr (a misspelt
+    /// family must not pass for a measurement of it).
     pub fn from_env() -> Self {
-        std::env::var("CANDLE_CP_FLASH_IMPL").ok().and_then(|v| Self::from_name(&v)).unwrap_or(FwdImpl::Auto)
+        let v = std::env::var("CANDLE_CP_FLASH_IMPL").unwrap_or_default();
+        if v.trim().is_empty() {
+            return FwdImpl::Auto;
+        }
+        Self::from_name(&v).unwrap_or_else(|| {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| {
+                eprintln!(
+                    "candle-cp: CANDLE_CP_FLASH_IMPL={v:?} is not a kernel family (auto, simple, mma, pipelined, wgmma, \
+                     atomic, wgmma-atomic, wgmma-ws, wgmma-tma, wgmma-tma-wide); running auto"
+                )
+            });
+            FwdImpl::Auto
+        })
     }
 
     /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic`,
