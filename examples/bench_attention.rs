@@ -85,6 +85,7 @@ fn bench(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: f6
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(&args, &["--t"], &["--no-slow", "--split"]).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let ts: Vec<usize> = match args.iter().position(|a| a == "--t") {
         Some(i) => args
             .get(i + 1)

@@ -63,6 +63,8 @@ fn run(path: &str, x: &Var, w: &Var, labels: &Tensor) -> Result<(f64, f64, f32)>
 }
 
 fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(&args, &["--tokens", "--hidden", "--vocab", "--dtype"], &[])?;
     let n: usize = arg("--tokens", 4096)?;
     let h: usize = arg("--hidden", 512)?;
     let v: usize = arg("--vocab", 32000)?;

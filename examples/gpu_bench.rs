@@ -54,6 +54,11 @@ struct Args {
 
 fn parse() -> Result<Args> {
     let a: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(
+        &a,
+        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t"],
+        &[],
+    )?;
     let get = |f: &str| a.iter().position(|x| x == f).and_then(|i| a.get(i + 1)).cloned();
     let num = |f: &str, d: usize| -> Result<usize> { Ok(get(f).map(|s| s.parse()).transpose()?.unwrap_or(d)) };
     let ts = match get("--t") {

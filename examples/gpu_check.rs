@@ -461,6 +461,7 @@ fn check_large(rep: &mut Report, gpu: &Device) -> Result<()> {
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(&args, &["--ordinal", "--oracle", "--llama", "--impls", "--sections"], &["--quick"])?;
     let arg = |flag: &str| args.iter().position(|a| a == flag).and_then(|i| args.get(i + 1)).cloned();
     let ordinal: usize = arg("--ordinal").map(|s| s.parse()).transpose()?.unwrap_or(0);
     let oracle = arg("--oracle").unwrap_or_else(|| "tests/data/oracle/attn".into());

@@ -33,6 +33,8 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 }
 
 fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(&args, &["--p", "--t", "--layout"], &[])?;
     let p: usize = arg("--p", 4)?;
     let t: usize = arg("--t", 2048)?;
     let layout: Layout = arg::<String>("--layout", "zigzag".into())?.parse()?;
