@@ -384,6 +384,20 @@ fn check_layout(rep: &mut Report, gpu: &Device) -> Result<()> {
     Ok(())
 }
 
+/// The oracle attention cases of `dir` (its `*.safetensors` files, in file-name order), loaded
+/// one at a time; with `quick`, those over [`QUICK_MAX_TOKENS`] (batch x tokens) are left out.
+fn oracle_cases(dir: &str, quick: bool) -> Result<impl Iterator<Item = Result<AttnCase>>> {
+    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
+    files.retain(|p| p.extension().is_some_and(|e| e == "safetensors"));
+    files.sort();
+    let small = |c: &AttnCase| -> candle_core::Result<bool> { Ok(c.q.dim(0)? * c.q.dim(1)? <= QUICK_MAX_TOKENS) };
+    Ok(files.into_iter().filter_map(move |path| match AttnCase::load(&path).and_then(|c| Ok((!quick || small(&c)?, c))) {
+        Ok((true, c)) => Some(Ok(c)),
+        Ok((false, _)) => None,
+        Err(e) => Some(Err(e.into())),
+    }))
+}
+
 fn case_to(case: &AttnCase, dev: &Device) -> Result<AttnCase> {
     let mut c = case.clone();
     c.q = c.q.to_device(dev)?;

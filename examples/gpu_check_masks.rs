@@ -21,7 +21,7 @@
 //! appended round-robin; `sharded_decode_attention` of the next tokens (f32 and bf16, with and
 //! without a window) against the CPU's causal attention of the whole sequence.
 
-use super::{case_to, report_metrics, Report, QUICK_MAX_TOKENS};
+use super::{case_to, oracle_cases, report_metrics, Report};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
 use candle_core::{DType, Device};
@@ -75,13 +75,8 @@ fn oracle_rows(rep: &mut Report, name: &str, po: &PackedOracle, got: &AttnOutput
 
 /// The `packed` section (see the module docs).
 pub fn check_packed(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.sort();
-    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
-        let case = AttnCase::load(path)?;
-        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
-            continue;
-        }
+    for case in oracle_cases(dir, rep.quick)? {
+        let case = case?;
         // the CPU path on the same inputs, checked against the oracle rows first
         let (packed, po) = packed_case(&case)?;
         let docs = po.documents.clone();
@@ -127,11 +122,9 @@ pub fn check_packed(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 
 /// The `window` section (see the module docs).
 pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.sort();
-    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
-        let case = AttnCase::load(path)?;
-        if !case.causal || (rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS) {
+    for case in oracle_cases(dir, rep.quick)? {
+        let case = case?;
+        if !case.causal {
             continue;
         }
         let t = case.q.dim(1)?;

@@ -3,12 +3,11 @@
 //! ranks one GPU each (CP methods, Ulysses and the tiny Llama against the oracles).
 
 use super::oracle::report_llama;
-use super::{report_metrics, Report, QUICK_MAX_TOKENS};
+use super::{oracle_cases, report_metrics, Report};
 use crate::gpu_util::{self, max_abs, rand_tensor};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_cp_ops::cp::{CpMethod, Layout};
-use candle_cp_ops::oracle::AttnCase;
 use std::time::{Duration, Instant};
 
 pub fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
@@ -109,15 +108,9 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
         println!("  nccl-ranks: skipped ({n} GPU; NCCL ranks need one GPU each, 2 at least)");
         return Ok(());
     }
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.retain(|p| p.extension().is_some_and(|e| e == "safetensors"));
-    files.sort();
-    for path in &files {
-        let case = AttnCase::load(path)?;
+    for case in oracle_cases(dir, rep.quick)? {
+        let case = case?;
         let t = case.q.dim(1)?;
-        if rep.quick && case.q.dim(0)? * t > QUICK_MAX_TOKENS {
-            continue;
-        }
         for method in CpMethod::ALL {
             for p in [2, 4].into_iter().filter(|&p| p <= n) {
                 if t % method.layout().divisor(p) != 0 {

@@ -8,25 +8,20 @@
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
 //! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks.
 
-use super::{case_to, kmask, report_metrics, Report, QUICK_MAX_TOKENS};
+use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
 use anyhow::Result;
 use candle_core::Device;
 use candle_cp_kernels::flash::{self, FwdImpl};
 use candle_cp_ops::cp::{run_case_cp, CpMethod};
-use candle_cp_ops::oracle::{run_single, AttnCase, AttnOutputs};
+use candle_cp_ops::oracle::{run_single, AttnOutputs};
 use std::time::Duration;
 
 /// Oracle cases (f32): the raw kernels, the autograd op on the GPU, and CP methods on virtual
 /// ranks (thread ranks whose tensors all live on the one GPU).
 pub fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
-    let mut files: Vec<_> = std::fs::read_dir(dir)?.filter_map(|e| e.ok().map(|e| e.path())).collect();
-    files.sort();
-    for path in files.iter().filter(|p| p.extension().is_some_and(|e| e == "safetensors")) {
-        let case = AttnCase::load(path)?;
-        if rep.quick && case.q.dim(0)? * case.q.dim(1)? > QUICK_MAX_TOKENS {
-            continue;
-        }
+    for case in oracle_cases(dir, rep.quick)? {
+        let case = case?;
         let g = case_to(&case, gpu)?;
         let mask = kmask(&case.mask());
         let raw = (|| -> candle_core::Result<AttnOutputs> {
