@@ -206,6 +206,9 @@ impl Lm {
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
     let (p, t) = (a.cp, a.seq);
+    if p == 0 || t == 0 {
+        anyhow::bail!("--cp ({p}) and --seq ({t}) must be at least 1")
+    }
     let t0 = std::time::Instant::now();
     let dev = match a.device.as_str() {
         "cpu" => Device::Cpu,

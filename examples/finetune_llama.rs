@@ -206,7 +206,9 @@ fn layout(a: &Args) -> Result<Layout> {
         }
         k => Layout::cp(k, a.cp),
     };
-    Ok(l.with_tp(a.tp, a.sp).with_dp(a.dp))
+    let l = l.with_tp(a.tp, a.sp).with_dp(a.dp);
+    l.check_degrees()?;
+    Ok(l)
 }
 
 fn data_source(a: &Args) -> Result<(DataSource, String)> {

@@ -154,6 +154,7 @@ fn main() -> anyhow::Result<()> {
         }
         k => Layout::cp(k, a.cp),
     };
+    layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (t, new) = (a.prompt_len, a.new_tokens);
     let prompt = random_prompt(a.batch, t, cfg.vocab_size, a.seed)?;
     println!(

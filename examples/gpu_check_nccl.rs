@@ -1,6 +1,7 @@
 //! `gpu_check` sections `nccl` and `nccl-ranks` (feature `nccl`; included by `gpu_check.rs` with
-//! `#[path]`): `NcclGroup` on one GPU (world 1, abort, a rank that never joins) and on NCCL
-//! ranks one GPU each (CP methods, Ulysses and the tiny Llama against the oracles).
+//! `#[path]`): `NcclGroup` on one GPU (world 1, empty tensors refused, abort, a rank that never
+//! joins) and on NCCL ranks one GPU each (CP methods, Ulysses and the tiny Llama against the
+//! oracles).
 
 use super::oracle::report_llama;
 use super::{oracle_cases, report_metrics, Report};
@@ -37,6 +38,25 @@ pub fn check_nccl(rep: &mut Report, ordinal: usize) -> Result<()> {
             // (a result left on the GPU counts as a failure)
             let err = if matches!(r.device(), Device::Cpu) { max_abs(&r, &xh)? } else { f64::INFINITY };
             rep.check(&format!("nccl P1 {what} of a host tensor, result on the host"), err, 0.0);
+        }
+        // an empty tensor (here a view with no rows, on the GPU and on the host) is refused at
+        // once by every collective, with an error that says so, before NCCL sees it
+        for (place, e) in [("GPU", x.narrow(1, 1, 0)?), ("host", xh.narrow(1, 1, 0)?)] {
+            let t = Instant::now();
+            let results = [
+                ("all_gather", g.all_gather(&e, 1).err()),
+                ("all_reduce", g.all_reduce(&e).err()),
+                ("all_to_all", g.all_to_all(&e, 2, 1).err()),
+                ("send_recv", g.send_recv(&e, 0, 0).err()),
+            ];
+            for (what, err) in results {
+                let name = format!("nccl P1 {what} of an empty {place} tensor: Err (err = seconds)");
+                match err {
+                    Some(m) if m.to_string().contains("empty") => rep.check(&name, t.elapsed().as_secs_f64(), 0.5),
+                    Some(m) => rep.error(&name, format!("unexpected message: {m}")),
+                    None => rep.error(&name, "returned Ok"),
+                }
+            }
         }
         g.barrier()?;
         // Host time per call of the non-blocking communicator: each ncclSend/Recv group returns

@@ -9,10 +9,25 @@
 //! collective, in the same order, with tensors of the same shape and dtype (except where
 //! noted). A mismatch is reported as an `Err` on every participating rank; a rank that fails
 //! or panics makes the others' current or next collective return `Err` within the group's
-//! timeout.
+//! timeout. Every tensor passed to a collective holds at least one element (see
+//! [`ensure_nonempty`]).
 
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
+
+/// `Err` naming `op`, `name` and the shape when `t` holds no elements (a dimension of size 0).
+///
+/// Every collective of this workspace's process groups, and every public op built on them,
+/// refuses empty tensors with this error: candle 0.11's CPU backend panics on some views of
+/// empty tensors (a `cat`, a `sum` or an `index_select` over a view at a non-zero offset
+/// slices the storage past its end), and a rank that panics would take the others down with
+/// it. A shard with no rows has no use in these methods, so the error is the honest answer.
+pub fn ensure_nonempty(op: &str, name: &str, t: &Tensor) -> Result<()> {
+    if t.elem_count() == 0 {
+        candle_core::bail!("{op}: {name} {:?} is empty (a dimension of size 0); it needs at least one element", t.shape())
+    }
+    Ok(())
+}
 
 /// A pending point-to-point receive started by [`ProcessGroup::send_recv`].
 ///

@@ -40,6 +40,6 @@ pub mod thread;
 pub mod watchdog;
 mod world;
 
-pub use group::{Group, PendingRecv, ProcessGroup};
+pub use group::{ensure_nonempty, Group, PendingRecv, ProcessGroup};
 pub use mesh::Mesh;
 pub use thread::{run_ranks, run_ranks_with, ThreadGroup, ThreadGroupOptions, WorldHandle};

@@ -22,7 +22,7 @@
 
 use crate::collect::{check_round, chunk, fresh_on, sum_in_order, tensor_of};
 use crate::world::{lock, Comm, Entry, Op, Taken, World};
-use crate::{Group, PendingRecv, ProcessGroup};
+use crate::{ensure_nonempty, Group, PendingRecv, ProcessGroup};
 use candle_core::{Device, Error, Result, Tensor};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -160,6 +160,9 @@ impl ThreadGroup {
 
     /// Deposit this rank's entry for the next round without waiting.
     fn start(&self, op: Op, tensor: Option<&Tensor>) -> Result<u64> {
+        if let Some(t) = tensor {
+            ensure_nonempty(&format!("thread group {}: rank {} in {op}", self.comm.label, self.rank), "tensor", t)?;
+        }
         let seq = self.seq.fetch_add(1, Ordering::SeqCst);
         let entry = Entry {
             op,

@@ -174,8 +174,9 @@ impl Layout {
         self.sp && self.tp > 1
     }
 
-    /// Check the degrees against each other and the model (`heads`, `kv_heads`).
-    pub fn validate(&self, heads: usize, kv_heads: usize) -> Result<()> {
+    /// Check the degrees against each other: every degree at least 1, and the Ulysses / ring
+    /// split that the CP kind needs. [`Layout::validate`] adds the model's head counts.
+    pub fn check_degrees(&self) -> Result<()> {
         if self.tp == 0 || self.cp == 0 || self.dp == 0 || self.ulysses == 0 || self.ring == 0 {
             bail!("layout {self}: every degree must be at least 1")
         }
@@ -189,8 +190,14 @@ impl Layout {
             CpKind::Ring | CpKind::Zigzag | CpKind::Striped | CpKind::AllGather if self.ulysses != 1 => {
                 bail!("layout {self}: ulysses degree must be 1 for {}", self.cp_kind)
             }
-            _ => {}
+            _ => Ok(()),
         }
+    }
+
+    /// Check the degrees against each other ([`Layout::check_degrees`]) and the model
+    /// (`heads`, `kv_heads`).
+    pub fn validate(&self, heads: usize, kv_heads: usize) -> Result<()> {
+        self.check_degrees()?;
         if !heads.is_multiple_of(self.tp) || !kv_heads.is_multiple_of(self.tp) {
             bail!(
                 "layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})",
@@ -454,6 +461,12 @@ mod tests {
         assert!(Layout::cp(CpKind::Ulysses, 3).validate(8, 2).is_err());
         assert!(Layout::single().with_tp(4, true).validate(8, 2).is_err());
         assert!(Layout::cp(CpKind::Ulysses, 4).validate(8, 2).is_ok());
+        // a zero degree is refused before any model is known (the examples' flag check)
+        for l in [Layout::cp(CpKind::Zigzag, 0), Layout::cp(CpKind::Zigzag, 2).with_dp(0), Layout::single().with_tp(0, false)] {
+            let e = l.check_degrees().err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("every degree must be at least 1"), "{l}: {e}");
+        }
+        assert!(Layout::two_d(2, 2).check_degrees().is_ok());
         let ids = Tensor::zeros((1, 10), DType::U32, &Device::Cpu).unwrap();
         let res = run_ranks(2, |g| {
             shard_batch(&ids, &ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2))?).map(|_| ())

@@ -268,6 +268,7 @@ impl Llama {
     /// `positions` `[Ts]`, or `[B, Ts]` with documents.
     pub(crate) fn hidden_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
         let (b, ts) = input_ids.dims2()?;
+        candle_cp_comm::ensure_nonempty("Llama::hidden", "input_ids", input_ids)?;
         let per_row = docs.is_some() && positions.dims() == [b, ts];
         if positions.dims() != [ts] && !per_row {
             let what = if docs.is_some() { "Llama::hidden_packed" } else { "Llama::hidden" };

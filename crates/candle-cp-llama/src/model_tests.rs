@@ -181,3 +181,30 @@ fn bf16_close_to_f32() -> Result<()> {
     assert!((losses[0] - losses[1]).abs() < 2e-2, "{losses:?}");
     Ok(())
 }
+
+/// An empty batch or an empty sequence is refused with an error naming the shape, on every
+/// rank, for the forward and the losses.
+#[test]
+fn empty_input_ids_are_refused() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::cp(crate::layout::CpKind::Zigzag, 2))?;
+        let vm = shard_params(&init_params(&cfg, 3, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        let mut msgs = vec![];
+        for (b, t) in [(0usize, 16usize), (1, 0)] {
+            let ids = Tensor::zeros((b, t), DType::U32, &Device::Cpu)?;
+            let pos = Tensor::zeros(t, DType::U32, &Device::Cpu)?;
+            for e in [m.forward(&ids, &pos).err(), m.token_nll(&ids, &ids, &pos).err()] {
+                msgs.push(e.map(|e| e.to_string()));
+            }
+        }
+        Ok(msgs)
+    }) {
+        for msg in r? {
+            let msg = msg.expect("an empty input must be refused");
+            assert!(msg.contains("Llama::hidden: input_ids") && msg.contains("empty"), "{msg}");
+        }
+    }
+    Ok(())
+}

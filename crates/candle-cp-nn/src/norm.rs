@@ -28,6 +28,7 @@ use std::sync::Arc;
 /// instead of a dozen broadcast ops). `x` `[.., h]`, `w` `[h]`; output as `x`.
 /// Differentiable w.r.t. `x` and `w` (backward in f32). Reference: [`rms_norm_slow`].
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    candle_cp_comm::ensure_nonempty("rms_norm", "x", x)?;
     let h = x.dim(D::Minus1)?;
     if w.dims() != [h] {
         bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())

@@ -27,13 +27,14 @@
 
 use crate::autograd::{attach1, BackwardFn};
 use candle_core::{Result, Tensor};
-use candle_cp_comm::Group;
+use candle_cp_comm::{ensure_nonempty, Group};
 use std::sync::Arc;
 
 /// The sequence dimension of `[B, T, ...]` activations (batch first).
 pub const SEQ_DIM: usize = 1;
 
 fn check_dim(op: &str, x: &Tensor, dim: usize) -> Result<()> {
+    ensure_nonempty(op, "x", x)?;
     if dim >= x.rank() {
         candle_core::bail!("{op}: dim {dim} out of range for a tensor of shape {:?}", x.dims())
     }
@@ -70,6 +71,7 @@ fn attach_partner(
 /// identical on every rank) is used by every rank: each rank's gradient w.r.t. `x` is
 /// partial and the backward sums them. Conjugate of [`reduce_from_tp_region`].
 pub fn copy_to_tp_region(x: &Tensor, group: &Group) -> Result<Tensor> {
+    ensure_nonempty("copy_to_tp_region", "x", x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }
@@ -82,6 +84,7 @@ pub fn copy_to_tp_region(x: &Tensor, group: &Group) -> Result<Tensor> {
 /// `x` (any shape) holds this rank's partial sum, e.g. the output `[B, T, C]` of a
 /// row-parallel matmul. Conjugate of [`copy_to_tp_region`].
 pub fn reduce_from_tp_region(x: &Tensor, group: &Group) -> Result<Tensor> {
+    ensure_nonempty("reduce_from_tp_region", "x", x)?;
     if group.size() == 1 {
         return Ok(x.clone());
     }

@@ -219,6 +219,7 @@ impl NcclGroup {
     /// goes back there, see [`Self::back`]). A tensor on another GPU is an error.
     fn check(&self, t: &Tensor, op: &str) -> Result<(Tensor, bool)> {
         self.healthy(op)?;
+        crate::ensure_nonempty(op, "tensor", t)?;
         match t.device() {
             Device::Cuda(d) if d.same_device(&self.device) => Ok((t.contiguous()?, false)),
             Device::Cpu => Ok((t.to_device(&self.device())?.contiguous()?, true)),

@@ -16,6 +16,7 @@ pub fn merge(out_a: &Tensor, lse_a: &Tensor, out_b: &Tensor, lse_b: &Tensor) -> 
             out_a.shape(), lse_a.shape(), out_b.shape(), lse_b.shape()
         )
     }
+    candle_cp_comm::ensure_nonempty("merge", "out_a", out_a)?;
     if out_a.device().is_cpu() {
         return merge_cpu(out_a, lse_a, out_b, lse_b);
     }

@@ -52,6 +52,11 @@ impl KvShard {
                 positions.len()
             )
         }
+        if n == 0 {
+            // nothing to append (a rank that holds no row of this prefill)
+            return Ok(());
+        }
+        candle_cp_comm::ensure_nonempty("KvShard::append", "k", k)?;
         let len = self.positions.len();
         let (kb, vb) = match self.buf.take() {
             None => (k.contiguous()?.copy()?, v.contiguous()?.copy()?),
@@ -217,6 +222,7 @@ pub fn sharded_decode_attention(
     if q_positions.len() != tq {
         bail!("sharded_decode_attention: {} query positions for q {:?}", q_positions.len(), q.shape())
     }
+    candle_cp_comm::ensure_nonempty("sharded_decode_attention", "q", q)?;
     if window == Some(0) {
         bail!("sharded_decode_attention: a sliding window must hold at least 1 key (q {:?})", q.shape())
     }

@@ -167,6 +167,7 @@ impl Segment {
 }
 
 fn check_dim(global: &Tensor, dim: usize, what: &str) -> Result<usize> {
+    candle_cp_comm::ensure_nonempty(what, "tensor", global)?;
     if dim >= global.rank() {
         bail!(
             "{what}: dim {dim} out of range for a tensor of shape {:?}",
@@ -296,6 +297,7 @@ pub fn position_ids(
 /// Collective over `group`. `local` is `[.., T/P, ..]`, result `[.., T, ..]` on every rank.
 pub fn gather(local: &Tensor, group: &crate::Group, layout: Layout, dim: usize) -> Result<Tensor> {
     let p = group.size();
+    check_dim(local, dim, "gather")?;
     let all = group.all_gather(&local.contiguous()?, dim)?;
     #[cfg(feature = "cuda")]
     if let Some(x) = cuda::unshard_cat(&all, layout, p, dim)? {
