@@ -1,0 +1,162 @@
+//! Seeded random configurations through every context-parallel attention, outputs and
+//! gradients against the dense single-device reference (plain candle ops).
+//!
+//! The fixed tests (`packed_attention.rs`, `window_attention.rs`, `cp_oracle.rs`) pin chosen
+//! shapes; this one draws many small ones so that the less travelled corners are covered too:
+//! document boundaries anywhere (length-1 documents, one document per shard, boundaries on
+//! chunk edges), windows of 1 key up to more than `T`, full and causal masks, GQA ratios,
+//! degrees 2..4 on every layout, odd `block_rows`, Ulysses with fewer KV heads than the degree,
+//! and the 2-D Ulysses x ring split. Every configuration that the methods accept must match
+//! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
+//! reason the configuration explains (a length the layout cannot split, a window without the
+//! causal mask, heads that do not split), never with a panic.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_ops::attention::{attention_docs_mask_slow, Mask};
+use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
+use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs, AttnTol};
+use candle_cp_ops::packing::Documents;
+use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
+use candle_cp_tests::{assert_attn_close as check, fwd_bwd};
+use std::time::Duration;
+
+const TIMEOUT: Duration = Duration::from_secs(60);
+const CONFIGS: u64 = 400;
+
+/// xorshift64: the draws of one configuration.
+struct Draw(u64);
+
+impl Draw {
+    fn below(&mut self, n: usize) -> usize {
+        self.0 ^= self.0 << 13;
+        self.0 ^= self.0 >> 7;
+        self.0 ^= self.0 << 17;
+        (self.0 % n as u64) as usize
+    }
+    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
+        xs[self.below(xs.len())]
+    }
+}
+
+/// Document lengths summing to `t`: mostly short documents, sometimes length 1, sometimes
+/// one document.
+fn doc_lengths(d: &mut Draw, t: usize) -> Vec<usize> {
+    if d.below(5) == 0 {
+        return vec![t];
+    }
+    let mut lens = vec![];
+    let mut left = t;
+    while left > 0 {
+        let l = if d.below(6) == 0 { 1 } else { 1 + d.below(left.min(t / 2 + 1)) }.min(left);
+        lens.push(l);
+        left -= l;
+    }
+    lens
+}
+
+#[derive(Debug)]
+enum Method {
+    Cp(CpMethod),
+    Ulysses(Layout),
+    Usp { u: usize, r: usize },
+}
+
+/// Filled in by the reference run.
+fn placeholder() -> Result<AttnOutputs> {
+    let z = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
+    Ok(AttnOutputs { out: z.clone(), lse: z.clone(), dq: z.clone(), dk: z.clone(), dv: z })
+}
+
+#[test]
+fn random_configurations_match_the_dense_reference() -> Result<()> {
+    let tol = AttnTol::for_sigma(1.0);
+    let (mut checked, mut refused) = (0, 0);
+    // corners that the checked configurations must have reached
+    let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather) = (0, 0, 0, 0, 0, 0, 0);
+    for seed in 0..CONFIGS {
+        let mut d = Draw(0x9e37_79b9_7f4a_7c15 ^ (seed + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
+        let b = d.pick(&[1, 2]);
+        let t = d.pick(&[8, 12, 16, 24, 32, 40, 48]);
+        let hkv = d.pick(&[1, 2]);
+        let h = hkv * d.pick(&[1, 2, 4]);
+        let hd = d.pick(&[4, 8]);
+        let causal = d.below(4) != 0;
+        let window = (causal && d.below(3) == 0).then(|| 1 + d.below(t + 4));
+        let lens = doc_lengths(&mut d, t);
+        let docs = Documents::from_lengths(&lens)?;
+        let p = d.pick(&[2, 3, 4]);
+        let layout = d.pick(&[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
+        let method = match d.below(6) {
+            0 => Method::Ulysses(layout),
+            1 => Method::Usp { u: 2, r: d.pick(&[1, 2]) },
+            2 => Method::Cp(CpMethod::AllGather(layout)),
+            _ => Method::Cp(CpMethod::Ring(layout)),
+        };
+        let block_rows = d.pick(&[0, 3, 5, 7]);
+        let ranks = match method {
+            Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
+            _ => format!("P {p}"),
+        };
+        let what = format!(
+            "config {seed}: {method:?} {ranks}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?}, block_rows {block_rows}"
+        );
+
+        let mut case = AttnCase {
+            name: what.clone(),
+            causal,
+            scale: 1.0 / (hd as f64).sqrt(),
+            sigma: 1.0,
+            q: randn(3 * seed + 1, &[b, t, h, hd], 1.0)?,
+            k: randn(3 * seed + 2, &[b, t, hkv, hd], 1.0)?,
+            v: randn(3 * seed + 3, &[b, t, hkv, hd], 1.0)?,
+            dout: randn(3 * seed + 4, &[b, t, h, hd], 1.0)?,
+            reference: placeholder()?,
+        };
+        let mask = match window {
+            Some(w) => Mask::sliding_window(w),
+            None if causal => Mask::causal(),
+            None => Mask::Full,
+        };
+        case.reference = fwd_bwd(&case, &|q, k, v| attention_docs_mask_slow(q, k, v, &docs, &mask, case.scale))?;
+
+        let run = match method {
+            Method::Cp(m) => {
+                let mut opts = CpOpts { block_rows, ..CpOpts::default() }.with_documents(docs.clone());
+                if let Some(w) = window {
+                    opts = opts.with_window(w);
+                }
+                run_case_cp_with(&case, m, p, TIMEOUT, opts)
+            }
+            Method::Ulysses(l) => run_case_ulysses_with(&case, p, l, TIMEOUT, Some(docs.clone()), window),
+            Method::Usp { u, r } => run_case_usp_with(&case, u, r, TIMEOUT, Some(docs.clone()), window),
+        };
+        match run {
+            Ok(run) => {
+                check(&run.outputs, &case.reference, &tol, &what)?;
+                checked += 1;
+                len_one += lens.contains(&1) as usize;
+                one_doc += (lens.len() == 1) as usize;
+                windowed += window.is_some() as usize;
+                full += !causal as usize;
+                ulysses += matches!(method, Method::Ulysses(_)) as usize;
+                usp += matches!(method, Method::Usp { .. }) as usize;
+                allgather += matches!(method, Method::Cp(CpMethod::AllGather(_))) as usize;
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                let explained = ["not divisible", "must divide"].iter().any(|k| msg.contains(k));
+                assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
+                refused += 1;
+            }
+        }
+    }
+    // the draws must mostly produce configurations the methods accept
+    println!(
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}"
+    );
+    assert!(checked >= CONFIGS as usize / 2, "only {checked} of {CONFIGS} configurations ran ({refused} refused)");
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather)] {
+        assert!(n >= 3, "only {n} checked configurations with {corner}");
+    }
+    Ok(())
+}
