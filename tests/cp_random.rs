@@ -5,8 +5,8 @@
 //! shapes; this one draws many small ones so that the less travelled corners are covered too:
 //! document boundaries anywhere (length-1 documents, one document per shard, boundaries on
 //! chunk edges), windows of 1 key up to more than `T`, full and causal masks, GQA ratios,
-//! degrees 2..4 on every layout, odd `block_rows`, Ulysses with fewer KV heads than the degree,
-//! and the 2-D Ulysses x ring split. Every configuration that the methods accept must match
+//! degrees 2..4 on every layout, odd `block_rows`, different documents per batch row, Ulysses
+//! with fewer KV heads than the degree, and the 2-D Ulysses x ring split. Every configuration that the methods accept must match
 //! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
@@ -72,7 +72,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let tol = AttnTol::for_sigma(1.0);
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
-    let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather) = (0, 0, 0, 0, 0, 0, 0);
+    let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
     for seed in 0..CONFIGS {
         let mut d = Draw(0x9e37_79b9_7f4a_7c15 ^ (seed + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
         let b = d.pick(&[1, 2]);
@@ -84,6 +84,8 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         let window = (causal && d.below(3) == 0).then(|| 1 + d.below(t + 4));
         let lens = doc_lengths(&mut d, t);
         let docs = Documents::from_lengths(&lens)?;
+        // sometimes each batch row has its own documents (ring / all-gather only)
+        let row_lens = (b == 2 && d.below(3) == 0).then(|| doc_lengths(&mut d, t));
         let p = d.pick(&[2, 3, 4]);
         let layout = d.pick(&[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
         let method = match d.below(6) {
@@ -98,7 +100,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             _ => format!("P {p}"),
         };
         let what = format!(
-            "config {seed}: {method:?} {ranks}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?}, block_rows {block_rows}"
+            "config {seed}: {method:?} {ranks}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}"
         );
 
         let mut case = AttnCase {
@@ -117,16 +119,35 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             None if causal => Mask::causal(),
             None => Mask::Full,
         };
-        case.reference = fwd_bwd(&case, &|q, k, v| attention_docs_mask_slow(q, k, v, &docs, &mask, case.scale))?;
+        let rows: Vec<Documents> = match &row_lens {
+            Some(second) => vec![docs.clone(), Documents::from_lengths(second)?],
+            None => vec![docs.clone(); b],
+        };
+        // the reference: each batch row with its own documents, rows concatenated
+        case.reference = fwd_bwd(&case, &|q, k, v| {
+            let mut outs = vec![];
+            let mut lses = vec![];
+            for (i, row_docs) in rows.iter().enumerate() {
+                let (o, l) = attention_docs_mask_slow(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, row_docs, &mask, case.scale)?;
+                outs.push(o);
+                lses.push(l);
+            }
+            Ok((Tensor::cat(&outs, 0)?, Tensor::cat(&lses, 0)?))
+        })?;
 
         let run = match method {
             Method::Cp(m) => {
-                let mut opts = CpOpts { block_rows, ..CpOpts::default() }.with_documents(docs.clone());
+                let opts = CpOpts { block_rows, ..CpOpts::default() };
+                let mut opts = match row_lens {
+                    Some(_) => opts.with_row_documents(rows.clone()),
+                    None => opts.with_documents(docs.clone()),
+                };
                 if let Some(w) = window {
                     opts = opts.with_window(w);
                 }
                 run_case_cp_with(&case, m, p, TIMEOUT, opts)
             }
+            Method::Ulysses(_) | Method::Usp { .. } if row_lens.is_some() => continue,
             Method::Ulysses(l) => run_case_ulysses_with(&case, p, l, TIMEOUT, Some(docs.clone()), window),
             Method::Usp { u, r } => run_case_usp_with(&case, u, r, TIMEOUT, Some(docs.clone()), window),
         };
@@ -141,6 +162,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 ulysses += matches!(method, Method::Ulysses(_)) as usize;
                 usp += matches!(method, Method::Usp { .. }) as usize;
                 allgather += matches!(method, Method::Cp(CpMethod::AllGather(_))) as usize;
+                per_row += row_lens.is_some() as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -152,10 +174,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}"
     );
     assert!(checked >= CONFIGS as usize / 2, "only {checked} of {CONFIGS} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row)] {
         assert!(n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())
