@@ -73,6 +73,7 @@ fn affine(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
 }
 
 fn check_input(what: &str, x: &Tensor, in_dim: usize, sp: bool) -> Result<()> {
+    candle_cp_comm::ensure_nonempty(what, "input", x)?;
     let ok = if sp { x.rank() >= 3 } else { x.rank() >= 2 };
     if !ok || x.dim(x.rank() - 1)? != in_dim {
         let shape = if sp { format!("[B, T, .., {in_dim}]") } else { format!("[.., {in_dim}]") };

@@ -77,6 +77,7 @@ fn param(v: &Tensor, tp: &Tp, sync: GradSync) -> Result<Tensor> {
 }
 
 fn check_input(what: &str, x: &Tensor, dim: usize) -> Result<()> {
+    candle_cp_comm::ensure_nonempty(what, "input", x)?;
     if x.rank() == 0 || x.dim(D::Minus1)? != dim {
         bail!("{what}: input {:?} must be [.., {dim}]", x.dims())
     }

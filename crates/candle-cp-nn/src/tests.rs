@@ -104,3 +104,35 @@ fn indivisible_shards_and_bad_inputs_are_errors() -> Result<()> {
     }
     Ok(())
 }
+
+/// An input with an empty dimension (fresh, or a view at a non-zero offset, on which some of
+/// candle's CPU ops panic) is an error on every rank from every layer, never a panic.
+#[test]
+fn empty_inputs_are_errors() -> Result<()> {
+    for r in run_ranks(2, |g: Group| {
+        let tp = Tp::new(g, true);
+        let vm = VarMap::new();
+        let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        let col = ColumnParallelLinear::new(vb.pp("col"), 8, 8, LinearConfig::new(true), &tp)?;
+        let row = RowParallelLinear::new(vb.pp("row"), 8, 8, LinearConfig::new(true), &tp)?;
+        let rms = crate::RmsNorm::new(vb.pp("rms"), 8, 1e-5, &tp)?;
+        let ln = crate::LayerNorm::new(vb.pp("ln"), 8, 1e-5, &tp)?;
+        let fresh = Tensor::zeros((1, 0, 8), DType::F32, &Device::Cpu)?;
+        let view = Tensor::zeros((1, 4, 8), DType::F32, &Device::Cpu)?.narrow(1, 2, 0)?;
+        let row_in = Tensor::zeros((1, 4, 4), DType::F32, &Device::Cpu)?.narrow(1, 2, 0)?;
+        let mut errs = vec![];
+        for x in [&fresh, &view] {
+            errs.push(col.forward(x).err().map(|e| e.to_string()));
+            errs.push(rms.forward(x).err().map(|e| e.to_string()));
+            errs.push(ln.forward(x).err().map(|e| e.to_string()));
+        }
+        errs.push(row.forward(&row_in).err().map(|e| e.to_string()));
+        Ok(errs)
+    }) {
+        for e in r? {
+            let e = e.expect("an empty input must be refused");
+            assert!(e.contains("empty") && e.contains("[1, 0,"), "{e}");
+        }
+    }
+    Ok(())
+}
