@@ -22,7 +22,7 @@ fn io_err(what: &str, p: &Path, e: impl std::fmt::Display) -> candle_core::Error
 pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return candle_core::safetensors::load(&single, device);
+        return candle_core::safetensors::load(&single, device).map_err(|e| io_err("loading", &single, e));
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
@@ -41,7 +41,8 @@ pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<Strin
     files.dedup();
     let mut out = HashMap::new();
     for f in files {
-        out.extend(candle_core::safetensors::load(dir.join(f), device)?);
+        let path = dir.join(f);
+        out.extend(candle_core::safetensors::load(&path, device).map_err(|e| io_err("loading", &path, e))?);
     }
     Ok(out)
 }
@@ -273,6 +274,21 @@ mod tests {
             .map(|e| e.to_string())
             .unwrap_or_default();
         assert!(e.contains("model.norm.weight"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// A damaged weights file (here cut in half) is an error that names the file.
+    #[test]
+    fn damaged_weights_file_is_named() -> Result<()> {
+        let cfg = LlamaConfig::tiny(64, 32, 1, 4, 2);
+        let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-damaged-{}", std::process::id()));
+        save_hf(&dir, &init_params(&cfg, 1, DType::F32, &Device::Cpu)?, &cfg)?;
+        let file = dir.join("model.safetensors");
+        let bytes = std::fs::read(&file).map_err(|e| io_err("reading", &file, e))?;
+        std::fs::write(&file, &bytes[..bytes.len() / 2]).map_err(|e| io_err("writing", &file, e))?;
+        let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(&file.display().to_string()), "{e}");
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

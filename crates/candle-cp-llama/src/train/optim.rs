@@ -251,7 +251,8 @@ impl AdamW {
     /// parameter's current value.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let p = path.as_ref();
-        let t = candle_core::safetensors::load(p, &Device::Cpu)?;
+        let t = candle_core::safetensors::load(p, &Device::Cpu)
+            .map_err(|e| candle_core::Error::Msg(format!("reading optimizer state {}: {e}", p.display())))?;
         let step = t
             .get("step")
             .ok_or_else(|| candle_core::Error::Msg(format!("{}: no 'step' tensor", p.display())))?;
