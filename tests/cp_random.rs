@@ -108,10 +108,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             causal,
             scale: 1.0 / (hd as f64).sqrt(),
             sigma: 1.0,
-            q: randn(3 * seed + 1, &[b, t, h, hd], 1.0)?,
-            k: randn(3 * seed + 2, &[b, t, hkv, hd], 1.0)?,
-            v: randn(3 * seed + 3, &[b, t, hkv, hd], 1.0)?,
-            dout: randn(3 * seed + 4, &[b, t, h, hd], 1.0)?,
+            q: randn(4 * seed + 1, &[b, t, h, hd], 1.0)?,
+            k: randn(4 * seed + 2, &[b, t, hkv, hd], 1.0)?,
+            v: randn(4 * seed + 3, &[b, t, hkv, hd], 1.0)?,
+            dout: randn(4 * seed + 4, &[b, t, h, hd], 1.0)?,
             reference: placeholder()?,
         };
         let mask = match window {
