@@ -9,13 +9,15 @@
 //! windows through the single-device op, ring, all-gather KV and Ulysses on virtual ranks
 //! against the CPU path and the oracle rows; `decode`: decoding against a KV cache sharded
 //! over virtual ranks (gpu_check_masks.rs). Section `band`: band masks (one key interval per
-//! query row) through the ops and the kernel crate vs the CPU (gpu_check_band.rs).
+//! query row) through the ops and the kernel crate vs the CPU (gpu_check_band.rs). Section
+//! `random`: seeded random configurations (documents, windows, masks, GQA, D, dtype, layouts)
+//! through every CP method on virtual ranks vs the CPU path (gpu_check_random.rs).
 //! Sections `oracle` and `llama` (the oracle cases and the tiny Llama on virtual ranks):
 //! gpu_check_oracle.rs.
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
@@ -45,6 +47,8 @@ mod views;
 mod masks;
 #[path = "gpu_check_band.rs"]
 mod band;
+#[path = "gpu_check_random.rs"]
+mod random;
 #[path = "gpu_check_oracle.rs"]
 mod oracle;
 #[cfg(feature = "nccl")]
@@ -492,8 +496,10 @@ fn main() -> Result<()> {
     };
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
     // A misspelt section would otherwise run nothing and report "0 passed" (device time is short).
-    const SECTIONS: [&str; 14] =
-        ["probe", "flash", "views", "flash-large", "merge", "layout", "band", "oracle", "packed", "window", "decode", "llama", "nccl", "nccl-ranks"];
+    const SECTIONS: [&str; 15] = [
+        "probe", "flash", "views", "flash-large", "merge", "layout", "band", "oracle", "packed", "window", "decode", "random", "llama", "nccl",
+        "nccl-ranks",
+    ];
     for x in only.iter().flatten() {
         if !SECTIONS.contains(&x.as_str()) {
             anyhow::bail!("--sections: unknown section {x:?} (one of {})", SECTIONS.join(", "));
@@ -554,6 +560,13 @@ fn main() -> Result<()> {
             rep.error("section window", e);
         }
         println!("-- section sliding window (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
+    }
+    if want("random") {
+        let t = Instant::now();
+        if let Err(e) = random::check_random(&mut rep, &gpu) {
+            rep.error("section random", e);
+        }
+        println!("-- section random configurations (virtual ranks): {:.1} s", t.elapsed().as_secs_f64());
     }
     if want("llama") {
         let t = Instant::now();

@@ -103,8 +103,11 @@ shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" can
 shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
 t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,llama,nccl,nccl-ranks
+  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
+# the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
+shim_step gpu_check_random env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random
+echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_log")"
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \

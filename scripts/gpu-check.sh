@@ -158,8 +158,10 @@ run() {
     echo "-- again with the plain mma kernels (tells kernel bugs from ring bugs)"
     step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=mma "$bin/gpu_check" --oracle tests/data/oracle/attn --sections oracle
   fi
-  echo "-- masks: packed documents, sliding windows, decode against a sharded KV cache (virtual ranks), band masks"
-  step 55 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band
+  echo "-- masks: packed documents, sliding windows, decode against a sharded KV cache (virtual ranks), band masks, random configurations"
+  step 60 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band,random
+  echo "-- random configurations again on the warp-specialized TMA kernels (the Hopper family with band masks)"
+  step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=wgmma-tma "$bin/gpu_check" --sections random
   echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
   local imp ring want mem reserve docs bwd auto
@@ -229,7 +231,7 @@ preflight() {
   done
   export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
   "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide \
-    --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,nccl,nccl-ranks >"$out/check.log" 2>&1 \
+    --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,nccl,nccl-ranks >"$out/check.log" 2>&1 \
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic \
