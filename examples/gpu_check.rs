@@ -49,6 +49,8 @@ mod masks;
 mod band;
 #[path = "gpu_check_random.rs"]
 mod random;
+#[path = "../tests/draws.rs"]
+mod draws;
 #[path = "gpu_check_oracle.rs"]
 mod oracle;
 #[cfg(feature = "nccl")]

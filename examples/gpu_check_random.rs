@@ -11,48 +11,19 @@
 //! result on the same bf16-rounded inputs with bf16 bounds; the others are f32 (the CUDA-core
 //! kernels), checked with the oracle's f32 bounds. The reference is the CPU's single-device
 //! `attention_docs_mask` (autograd), which `tests/cp_random.rs` checks against the dense
-//! reference. 32 configurations (T up to 512), 12 under `--quick` (T up to 128).
+//! reference; the draws are `tests/draws.rs`'s. 32 configurations (T up to 512), 12 under `--quick` (T up to 128).
 
 use super::{case_to, report_metrics, Report};
+use crate::draws::{doc_lengths, pick, random_case, rng};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
 use candle_cp_ops::attention::{attention_docs_mask, Mask};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{randn, run_single_with, AttnCase, AttnOutputs};
+use candle_cp_ops::oracle::run_single_with;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
 use std::time::Duration;
-
-/// xorshift64: the draws of one configuration.
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
-
-/// Document lengths summing to `t`: mostly short documents, sometimes length 1, sometimes one.
-fn doc_lengths(d: &mut Draw, t: usize) -> Vec<usize> {
-    if d.below(5) == 0 {
-        return vec![t];
-    }
-    let mut lens = vec![];
-    let mut left = t;
-    while left > 0 {
-        let l = if d.below(6) == 0 { 1 } else { 1 + d.below(left.min(t / 2 + 1)) }.min(left);
-        lens.push(l);
-        left -= l;
-    }
-    lens
-}
 
 #[derive(Debug, Clone, Copy)]
 enum Method {
@@ -66,21 +37,21 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
     let (n, lengths): (u64, &[usize]) = if rep.quick { (12, &[64, 96, 128]) } else { (32, &[64, 128, 192, 256, 384, 512]) };
     let timeout = Duration::from_secs(120);
     for seed in 0..n {
-        let mut d = Draw(0x5bd1_e995_9e37_79b9 ^ (seed + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
-        let b = d.pick(&[1, 2]);
-        let t = d.pick(lengths);
-        let (h, hkv) = d.pick(&[(4, 2), (4, 1), (2, 2), (8, 2), (4, 4)]);
-        let hd = d.pick(&[64, 128]);
+        let mut d = rng(2000 + seed);
+        let b = pick(&mut d, &[1, 2]);
+        let t = pick(&mut d, lengths);
+        let (h, hkv) = pick(&mut d, &[(4, 2), (4, 1), (2, 2), (8, 2), (4, 4)]);
+        let hd = pick(&mut d, &[64, 128]);
         let causal = d.below(4) != 0;
         let window = (causal && d.below(3) == 0).then(|| 1 + d.below(t + 8));
         let lens = doc_lengths(&mut d, t);
         let docs = Documents::from_lengths(&lens)?;
         // Ulysses splits heads: P = 4 only where 4 divides H
-        let p = if h >= 4 { d.pick(&[2, 4]) } else { 2 };
-        let layout = d.pick(&[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
+        let p = if h >= 4 { pick(&mut d, &[2, 4]) } else { 2 };
+        let layout = pick(&mut d, &[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
         let method = match d.below(6) {
             0 => Method::Ulysses(layout),
-            1 => Method::Usp { r: d.pick(&[1, 2]) },
+            1 => Method::Usp { r: pick(&mut d, &[1, 2]) },
             2 => Method::Cp(CpMethod::AllGather(layout)),
             _ => Method::Cp(CpMethod::Ring(layout)),
         };
@@ -97,18 +68,7 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
 
         // inputs on the CPU (bf16-rounded for bf16 runs), the CPU path's result as reference
         let round = |x: Tensor| -> candle_core::Result<Tensor> { if bf16 { x.to_dtype(DType::BF16)?.to_dtype(DType::F32) } else { Ok(x) } };
-        let zero = || Tensor::zeros(1, DType::F32, &Device::Cpu);
-        let mut case = AttnCase {
-            name: name.clone(),
-            causal,
-            scale: 1.0 / (hd as f64).sqrt(),
-            sigma: 1.0,
-            q: round(randn(4 * seed + 101, &[b, t, h, hd], 1.0)?)?,
-            k: round(randn(4 * seed + 102, &[b, t, hkv, hd], 1.0)?)?,
-            v: round(randn(4 * seed + 103, &[b, t, hkv, hd], 1.0)?)?,
-            dout: round(randn(4 * seed + 104, &[b, t, h, hd], 1.0)?)?,
-            reference: AttnOutputs { out: zero()?, lse: zero()?, dq: zero()?, dk: zero()?, dv: zero()? },
-        };
+        let mut case = random_case(name.clone(), 100 + seed, [b, t, h, hkv, hd], causal, round)?;
         let mask = match window {
             Some(w) => Mask::sliding_window(w),
             None if causal => Mask::causal(),

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+pub mod draws;
+
 /// `tests/data/oracle/<sub>` (`sub` = `attn`, `tiny-llama`, or a file below them).
 pub fn oracle_dir(sub: &str) -> PathBuf {
     PathBuf::from(env!("CARGO_MANIFEST_DIR"))

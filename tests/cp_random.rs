@@ -11,60 +11,24 @@
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
 
-use candle_core::{DType, Device, Result, Tensor};
+use candle_core::{Result, Tensor};
 use candle_cp_ops::attention::{attention_docs_mask_slow, Mask};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs, AttnTol};
+use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
+use candle_cp_tests::draws::{doc_lengths, pick, random_case, rng};
 use candle_cp_tests::{assert_attn_close as check, fwd_bwd};
 use std::time::Duration;
 
 const TIMEOUT: Duration = Duration::from_secs(60);
 const CONFIGS: u64 = 400;
 
-/// xorshift64: the draws of one configuration.
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
-
-/// Document lengths summing to `t`: mostly short documents, sometimes length 1, sometimes
-/// one document.
-fn doc_lengths(d: &mut Draw, t: usize) -> Vec<usize> {
-    if d.below(5) == 0 {
-        return vec![t];
-    }
-    let mut lens = vec![];
-    let mut left = t;
-    while left > 0 {
-        let l = if d.below(6) == 0 { 1 } else { 1 + d.below(left.min(t / 2 + 1)) }.min(left);
-        lens.push(l);
-        left -= l;
-    }
-    lens
-}
-
 #[derive(Debug)]
 enum Method {
     Cp(CpMethod),
     Ulysses(Layout),
     Usp { u: usize, r: usize },
-}
-
-/// Filled in by the reference run.
-fn placeholder() -> Result<AttnOutputs> {
-    let z = Tensor::zeros(1, DType::F32, &Device::Cpu)?;
-    Ok(AttnOutputs { out: z.clone(), lse: z.clone(), dq: z.clone(), dk: z.clone(), dv: z })
 }
 
 #[test]
@@ -74,27 +38,27 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
     for seed in 0..CONFIGS {
-        let mut d = Draw(0x9e37_79b9_7f4a_7c15 ^ (seed + 1).wrapping_mul(0x2545_f491_4f6c_dd1d));
-        let b = d.pick(&[1, 2]);
-        let t = d.pick(&[8, 12, 16, 24, 32, 40, 48]);
-        let hkv = d.pick(&[1, 2]);
-        let h = hkv * d.pick(&[1, 2, 4]);
-        let hd = d.pick(&[4, 8]);
+        let mut d = rng(seed);
+        let b = pick(&mut d, &[1, 2]);
+        let t = pick(&mut d, &[8, 12, 16, 24, 32, 40, 48]);
+        let hkv = pick(&mut d, &[1, 2]);
+        let h = hkv * pick(&mut d, &[1, 2, 4]);
+        let hd = pick(&mut d, &[4, 8]);
         let causal = d.below(4) != 0;
         let window = (causal && d.below(3) == 0).then(|| 1 + d.below(t + 4));
         let lens = doc_lengths(&mut d, t);
         let docs = Documents::from_lengths(&lens)?;
         // sometimes each batch row has its own documents (ring / all-gather only)
         let row_lens = (b == 2 && d.below(3) == 0).then(|| doc_lengths(&mut d, t));
-        let p = d.pick(&[2, 3, 4]);
-        let layout = d.pick(&[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
+        let p = pick(&mut d, &[2, 3, 4]);
+        let layout = pick(&mut d, &[Layout::Contiguous, Layout::Zigzag, Layout::Striped]);
         let method = match d.below(6) {
             0 => Method::Ulysses(layout),
-            1 => Method::Usp { u: 2, r: d.pick(&[1, 2]) },
+            1 => Method::Usp { u: 2, r: pick(&mut d, &[1, 2]) },
             2 => Method::Cp(CpMethod::AllGather(layout)),
             _ => Method::Cp(CpMethod::Ring(layout)),
         };
-        let block_rows = d.pick(&[0, 3, 5, 7]);
+        let block_rows = pick(&mut d, &[0, 3, 5, 7]);
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
             _ => format!("P {p}"),
@@ -103,17 +67,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             "config {seed}: {method:?} {ranks}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}"
         );
 
-        let mut case = AttnCase {
-            name: what.clone(),
-            causal,
-            scale: 1.0 / (hd as f64).sqrt(),
-            sigma: 1.0,
-            q: randn(4 * seed + 1, &[b, t, h, hd], 1.0)?,
-            k: randn(4 * seed + 2, &[b, t, hkv, hd], 1.0)?,
-            v: randn(4 * seed + 3, &[b, t, hkv, hd], 1.0)?,
-            dout: randn(4 * seed + 4, &[b, t, h, hd], 1.0)?,
-            reference: placeholder()?,
-        };
+        let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
         let mask = match window {
             Some(w) => Mask::sliding_window(w),
             None if causal => Mask::causal(),

@@ -13,40 +13,26 @@ use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::params::varmap_tensors;
 use candle_cp_llama::verify::{compare, run_layout, Reference, Tolerances};
 use candle_cp_llama::{init_params, LlamaConfig};
+use candle_cp_tests::draws::{pick, rng};
 
 const CONFIGS: u64 = 120;
-
-/// xorshift64: the draws of one configuration.
-struct Draw(u64);
-
-impl Draw {
-    fn below(&mut self, n: usize) -> usize {
-        self.0 ^= self.0 << 13;
-        self.0 ^= self.0 >> 7;
-        self.0 ^= self.0 << 17;
-        (self.0 % n as u64) as usize
-    }
-    fn pick<T: Copy>(&mut self, xs: &[T]) -> T {
-        xs[self.below(xs.len())]
-    }
-}
 
 #[test]
 fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     for seed in 0..CONFIGS {
-        let mut d = Draw(0x2545_f491_4f6c_dd1d ^ (seed + 7).wrapping_mul(0x9e37_79b9_7f4a_7c15));
-        let (heads, kv_heads) = d.pick(&[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
-        let hidden = heads * d.pick(&[4, 8]);
-        let layers = d.pick(&[1, 2]);
-        let vocab = d.pick(&[37, 64]);
-        let b = d.pick(&[1, 2]);
-        let t = d.pick(&[16, 24, 32, 48]);
+        let mut d = rng(1000 + seed);
+        let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
+        let hidden = heads * pick(&mut d, &[4, 8]);
+        let layers = pick(&mut d, &[1, 2]);
+        let vocab = pick(&mut d, &[37, 64]);
+        let b = pick(&mut d, &[1, 2]);
+        let t = pick(&mut d, &[16, 24, 32, 48]);
         let window = (d.below(3) == 0).then(|| 1 + d.below(t + 4));
         let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window);
-        let cp = d.pick(&[2, 4]);
-        let kind = d.pick(&[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
+        let cp = pick(&mut d, &[2, 4]);
+        let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
             CpKind::TwoD => Layout::two_d(2, cp / 2),
             k => Layout::cp(k, cp),
