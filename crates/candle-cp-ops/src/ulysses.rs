@@ -34,10 +34,10 @@ use std::sync::Arc;
 
 fn check4(op: &str, name: &str, x: &Tensor) -> Result<(usize, usize, usize, usize)> {
     match x.dims() {
-        &[b, t, h, d] if b * t * h * d == 0 => {
-            candle_core::bail!("{op}: {name} {:?} is empty (B, T, H and D must each be at least 1)", x.shape())
+        &[b, t, h, d] => {
+            candle_cp_comm::ensure_nonempty(op, name, x)?;
+            Ok((b, t, h, d))
         }
-        &[b, t, h, d] => Ok((b, t, h, d)),
         d => candle_core::bail!("{op}: {name} must be [B, T, H, D], got shape {d:?}"),
     }
 }

@@ -140,12 +140,8 @@ pub fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> R
     if ks != vs {
         candle_core::bail!("{op}: k {:?} and v {:?} must have the same shape", k.shape(), v.shape())
     }
-    if q.elem_count() == 0 || k.elem_count() == 0 {
-        candle_core::bail!(
-            "{op}: q {:?} or k/v {:?} is empty (B, T, S, H, Hkv and D must each be at least 1)",
-            q.shape(), k.shape()
-        )
-    }
+    candle_cp_comm::ensure_nonempty(op, "q", q)?;
+    candle_cp_comm::ensure_nonempty(op, "k/v", k)?;
     let (b, t, h, d) = (qs[0], qs[1], qs[2], qs[3]);
     let (kb, s, hkv, kd) = (ks[0], ks[1], ks[2], ks[3]);
     if kb != b || kd != d {

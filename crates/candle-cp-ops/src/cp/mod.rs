@@ -241,13 +241,8 @@ pub(crate) fn check_inputs(
             v.shape()
         )
     }
-    if q.elem_count() == 0 || k.elem_count() == 0 {
-        bail!(
-            "{name}: q {:?} or k/v {:?} is empty (B, T/P, H, Hkv and D must each be at least 1)",
-            q.shape(),
-            k.shape()
-        )
-    }
+    candle_cp_comm::ensure_nonempty(name, "q", q)?;
+    candle_cp_comm::ensure_nonempty(name, "k/v", k)?;
     if kb != b || ktl != tl || kd != d {
         bail!(
             "{name}: q {:?} and k/v {:?} disagree on B, T/P or D",
