@@ -166,6 +166,24 @@ fn tp2_x_ulysses2_sp_kv_replicated() {
 }
 
 #[test]
+fn tp4_sp_kv_heads_replicated() {
+    // 2 KV heads over TP 4: each KV head on 2 TP ranks, its weight gradient summed over them
+    check(Layout::single().with_tp(4, true));
+}
+
+#[test]
+fn tp8_no_sp_one_query_head_per_rank() {
+    // 8 query heads, 2 KV heads over TP 8: one query head per rank, each KV head on 4 ranks
+    check(Layout::single().with_tp(8, false));
+}
+
+#[test]
+fn tp4_x_cp2_zigzag_sp_kv_heads_replicated() {
+    // the KV-copy gradient groups span the CP ranks too (8 ranks)
+    check(Layout::cp(CpKind::Zigzag, 2).with_tp(4, true));
+}
+
+#[test]
 fn two_d_2x2() {
     check(Layout::two_d(2, 2));
 }

@@ -4,8 +4,8 @@
 //! `llama_parity.rs` runs every layout on the oracle checkpoint (one shape); this draws the
 //! shapes too: hidden width, depth, query and KV heads (MHA, GQA, MQA), a sliding window or
 //! none, batch and length, then a layout that fits them: ring (contiguous), zigzag, striped,
-//! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 (with or without SP)
-//! or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
+//! SP; TP above the KV-head count replicates KV heads) or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -21,6 +21,7 @@ const CONFIGS: u64 = 120;
 fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
+    let mut kv_copies = 0;
     for seed in 0..CONFIGS {
         let mut d = rng(1000 + seed);
         let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
@@ -38,7 +39,8 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             k => Layout::cp(k, cp),
         };
         match d.below(4) {
-            0 => layout = layout.with_tp(2, d.below(2) == 0),
+            // TP 4 on 2 or 1 KV heads replicates each KV head over 2 or 4 TP ranks
+            0 => layout = layout.with_tp(pick(&mut d, &[2, 4]), d.below(2) == 0),
             1 => layout = layout.with_dp(2),
             _ => {}
         }
@@ -78,6 +80,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 );
                 checked += 1;
                 tp += (layout.tp > 1) as usize;
+                kv_copies += (layout.tp > kv_heads) as usize;
                 dp += (layout.dp > 1) as usize;
                 windowed += window.is_some() as usize;
             }
@@ -89,7 +92,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {dp} with DP, {windowed} with a window), {refused} refused");
-    assert!(checked >= CONFIGS as usize / 2 && tp >= 3 && dp >= 3 && windowed >= 3, "{checked} checked, {tp} TP, {dp} DP, {windowed} window");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {dp} with DP, {windowed} with a window), {refused} refused");
+    assert!(
+        checked >= CONFIGS as usize / 2 && tp >= 3 && kv_copies >= 2 && dp >= 3 && windowed >= 3,
+        "{checked} checked, {tp} TP ({kv_copies} with KV copies), {dp} DP, {windowed} window"
+    );
     Ok(())
 }

@@ -9,6 +9,7 @@
 //! | TP-sharded (q/k/v/o, gate/up/down)| DP × CP (never TP: each TP rank owns a different slice) |
 //! | replicated (embeddings, norms, head), no SP | DP × CP (TP ranks already hold identical full gradients) |
 //! | replicated, with SP               | DP × CP × TP (each TP rank saw other tokens) |
+//! | k/v with fewer KV heads than TP ranks | DP × CP × the TP ranks holding the same KV head (each saw other query heads) |
 //!
 //! Gradients are packed into f32 buffers of up to 2^26 elements per group (one all-reduce
 //! each), in [`param_specs`] order on every rank.
@@ -39,25 +40,25 @@ fn reduce_with_buckets(
     bucket_elems: usize,
 ) -> Result<()> {
     let vars = crate::params::lock_vars(varmap)?.clone();
-    // TP-sharded weights: DP × CP; replicated ones: DP × CP (+ TP under SP)
-    let repl_group = if ctx.layout.seq_parallel() {
-        &ctx.world
-    } else {
-        &ctx.dp_cp
-    };
-    let mut per_group: Vec<(&Group, Vec<String>)> = vec![(&ctx.dp_cp, Vec::new()), (repl_group, Vec::new())];
-    for s in param_specs(cfg) {
-        if !vars.contains_key(&s.name) {
-            bail!(
-                "reduce_gradients: parameter {} {:?} is not in the VarMap",
-                s.name,
-                s.shape
-            )
-        }
-        let i = if s.shard == Shard::Replicated { 1 } else { 0 };
-        per_group[i].1.push(s.name);
+    // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
+    // (checked before any collective: a rank that errors here communicates nothing)
+    let specs = param_specs(cfg);
+    if let Some(s) = specs.iter().find(|s| !vars.contains_key(&s.name)) {
+        bail!(
+            "reduce_gradients: parameter {} {:?} is not in the VarMap",
+            s.name,
+            s.shape
+        )
     }
-    for (group, names) in per_group {
+    let mut per_group: Vec<((bool, usize), Group, Vec<String>)> = Vec::new();
+    for s in specs {
+        let key = (s.shard == Shard::Replicated, s.shard.copies(ctx.layout.tp));
+        match per_group.iter_mut().find(|(k, _, _)| *k == key) {
+            Some((_, _, names)) => names.push(s.name),
+            None => per_group.push((key, ctx.grad_group(s.shard)?, vec![s.name])),
+        }
+    }
+    for (_, group, names) in per_group {
         if group.size() == 1 {
             continue;
         }
@@ -73,7 +74,7 @@ fn reduce_with_buckets(
             elems += g.elem_count();
             bucket.push((var, g));
             if elems >= bucket_elems || i + 1 == names.len() {
-                all_reduce_bucket(grads, std::mem::take(&mut bucket), group)?;
+                all_reduce_bucket(grads, std::mem::take(&mut bucket), &group)?;
                 elems = 0;
             }
         }

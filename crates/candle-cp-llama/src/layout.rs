@@ -10,8 +10,10 @@
 
 use candle_core::{bail, DType, Result, Tensor};
 use candle_cp_comm::Group;
+use candle_cp_nn::Shard;
 use candle_cp_ops::cp::shard::{self as cpshard, Layout as SeqLayout};
 use std::fmt;
+use std::sync::{Arc, Mutex};
 use std::str::FromStr;
 
 /// Label value that contributes no loss (the last position of the global sequence, padding).
@@ -195,12 +197,17 @@ impl Layout {
     }
 
     /// Check the degrees against each other ([`Layout::check_degrees`]) and the model
-    /// (`heads`, `kv_heads`).
+    /// (`heads`, `kv_heads`): `tp` must divide `heads`, and divide `kv_heads` or be a multiple
+    /// of it (fewer KV heads than TP ranks: each KV head is replicated on `tp / kv_heads`
+    /// adjacent TP ranks, see [`ParallelCtx::grad_group`]).
     pub fn validate(&self, heads: usize, kv_heads: usize) -> Result<()> {
         self.check_degrees()?;
-        if !heads.is_multiple_of(self.tp) || !kv_heads.is_multiple_of(self.tp) {
+        if !heads.is_multiple_of(self.tp) {
+            bail!("layout {self}: tp = {} must divide heads ({heads})", self.tp)
+        }
+        if kv_heads == 0 || !(kv_heads.is_multiple_of(self.tp) || self.tp.is_multiple_of(kv_heads)) {
             bail!(
-                "layout {self}: tp = {} must divide heads ({heads}) and kv heads ({kv_heads})",
+                "layout {self}: tp = {} must divide kv heads ({kv_heads}) or be a multiple of it (each KV head then replicated on tp / kv heads ranks)",
                 self.tp
             )
         }
@@ -246,6 +253,8 @@ pub struct ParallelCtx {
     pub ring: Group,
     /// Coordinates of this rank: `(dp_i, cp_i, tp_i)`.
     pub coords: (usize, usize, usize),
+    /// Gradient groups of replicated row blocks, by copies per block, made on first use.
+    block_groups: Arc<Mutex<Vec<(usize, Group)>>>,
 }
 
 impl ParallelCtx {
@@ -289,7 +298,42 @@ impl ParallelCtx {
             ulysses,
             ring,
             coords: (dp_i, cp_i, tp_i),
+            block_groups: Arc::new(Mutex::new(Vec::new())),
         })
+    }
+
+    /// The group over which the gradient shares of a parameter split as `shard` over the TP
+    /// group are summed: the ranks that hold the same slice of it but different tokens or
+    /// different heads.
+    ///
+    /// | shard | group |
+    /// |-------|-------|
+    /// | [`Shard::Rows`], [`Shard::Cols`], [`Shard::RowBlocks`] with one copy | `dp_cp` |
+    /// | [`Shard::Replicated`] | `dp_cp`, or `world` under sequence parallelism |
+    /// | [`Shard::RowBlocks`]`(n)`, `n < tp` (KV heads replicated over `tp/n` TP ranks) | `dp_cp` × the `tp/n` TP ranks holding the block |
+    ///
+    /// The last group is made on first use, by a collective over `world` (every rank must ask
+    /// for it at the same point, as [`crate::reduce_gradients`] does), and kept for reuse.
+    pub fn grad_group(&self, shard: Shard) -> Result<Group> {
+        let copies = shard.copies(self.layout.tp);
+        match shard {
+            Shard::Replicated if self.layout.seq_parallel() => return Ok(self.world.clone()),
+            Shard::Replicated => return Ok(self.dp_cp.clone()),
+            _ if copies == 1 => return Ok(self.dp_cp.clone()),
+            _ => {}
+        }
+        let mut cache = self
+            .block_groups
+            .lock()
+            .map_err(|_| candle_core::Error::Msg("ParallelCtx: group cache lock poisoned".into()))?;
+        if let Some((_, g)) = cache.iter().find(|(c, _)| *c == copies) {
+            return Ok(g.clone());
+        }
+        let (dp_i, cp_i, tp_i) = self.coords;
+        let key = (dp_i * self.layout.cp + cp_i) * copies + tp_i % copies;
+        let g = self.world.split(shard.slice_index(self.layout.tp, tp_i), key)?;
+        cache.push((copies, g.clone()));
+        Ok(g)
     }
 
     /// A context for one device (`world` of size 1).
@@ -456,10 +500,47 @@ mod tests {
         Ok(())
     }
 
+    /// `grad_group` for DP 2 × CP 2 × TP 4 (SP) with 2 KV heads: K/V gradients are summed
+    /// over every rank holding the same KV head, across all DP and CP indices (8 of the 16
+    /// ranks); split weights over DP × CP (4 ranks); replicated ones over the world (SP).
+    #[test]
+    fn grad_groups_hold_the_copies() -> Result<()> {
+        let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(4, true).with_dp(2);
+        let res = run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g.clone(), layout)?;
+            let members = |grp: &Group| -> Result<Vec<u32>> {
+                let me = Tensor::new(&[g.rank() as f32], &Device::Cpu)?;
+                Ok(grp.all_gather(&me, 0)?.to_vec1::<f32>()?.iter().map(|&x| x as u32).collect())
+            };
+            let kv = members(&ctx.grad_group(Shard::RowBlocks(2))?)?;
+            // asked again: the cached group, no new collective
+            let again = members(&ctx.grad_group(Shard::RowBlocks(2))?)?;
+            let rows = members(&ctx.grad_group(Shard::Rows)?)?;
+            let repl = ctx.grad_group(Shard::Replicated)?.size();
+            let one_copy = ctx.grad_group(Shard::RowBlocks(8))?.size();
+            Ok((kv, again, rows, repl, one_copy))
+        });
+        for (r, out) in res.into_iter().enumerate() {
+            let (kv, again, rows, repl, one_copy) = out?;
+            let head = (r % 4) / 2;
+            let want: Vec<u32> = (0..16u32).filter(|w| ((w % 4) / 2) as usize == head).collect();
+            assert_eq!(kv, want, "rank {r}");
+            assert_eq!(again, want, "rank {r}");
+            let want_rows: Vec<u32> = (0..16u32).filter(|w| w % 4 == r as u32 % 4).collect();
+            assert_eq!(rows, want_rows, "rank {r}");
+            assert_eq!((repl, one_copy), (16, 4), "rank {r}");
+        }
+        Ok(())
+    }
+
     #[test]
     fn bad_degrees_are_errors() {
         assert!(Layout::cp(CpKind::Ulysses, 3).validate(8, 2).is_err());
-        assert!(Layout::single().with_tp(4, true).validate(8, 2).is_err());
+        // TP 4 over 2 KV heads replicates them; TP 3 over 2 neither divides nor replicates
+        assert!(Layout::single().with_tp(4, true).validate(8, 2).is_ok());
+        let e = Layout::single().with_tp(3, true).validate(6, 2).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("tp = 3") && e.contains("kv heads (2)"), "{e}");
+        assert!(Layout::single().with_tp(4, true).validate(6, 2).is_err());
         assert!(Layout::cp(CpKind::Ulysses, 4).validate(8, 2).is_ok());
         // a zero degree is refused before any model is known (the examples' flag check)
         for l in [Layout::cp(CpKind::Zigzag, 0), Layout::cp(CpKind::Zigzag, 2).with_dp(0), Layout::single().with_tp(0, false)] {

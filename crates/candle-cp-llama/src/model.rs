@@ -13,7 +13,7 @@ use crate::layout::ParallelCtx;
 use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
 use candle_core::{bail, DType, Module, Result, Tensor};
-use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Tp};
+use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
@@ -165,10 +165,11 @@ impl Llama {
         for i in 0..cfg.num_hidden_layers {
             let vl = vb.pp(format!("model.layers.{i}"));
             let (va, vm) = (vl.pp("self_attn"), vl.pp("mlp"));
+            let kv = Shard::RowBlocks(cfg.num_key_value_heads);
             let qkv = [
-                (va.pp("q_proj"), qd),
-                (va.pp("k_proj"), kd),
-                (va.pp("v_proj"), kd),
+                (va.pp("q_proj"), qd, Shard::Rows),
+                (va.pp("k_proj"), kd, kv),
+                (va.pp("v_proj"), kd, kv),
             ];
             let gate_up = [
                 (vm.pp("gate_proj"), cfg.intermediate_size),
@@ -176,7 +177,7 @@ impl Llama {
             ];
             blocks.push(Arc::new(Block {
                 input_norm: norm(vl.pp("input_layernorm"))?,
-                qkv: ColumnParallelLinear::new_fused(&qkv, h, lin, &tp)?,
+                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, lin, &tp)?,
                 o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
                 post_norm: norm(vl.pp("post_attention_layernorm"))?,
                 gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
@@ -281,7 +282,8 @@ impl Llama {
         }
         let cfg = &self.cfg;
         let (tp, d) = (self.ctx.layout.tp, cfg.head_dim);
-        let (hl, hkvl) = (cfg.num_attention_heads / tp, cfg.num_key_value_heads / tp);
+        // fewer KV heads than TP ranks: each rank holds one (replicated) KV head
+        let (hl, hkvl) = (cfg.num_attention_heads / tp, (cfg.num_key_value_heads / tp).max(1));
         let mut pos = self.cp_positions(positions)?;
         if pos.is_empty() {
             bail!("Llama::hidden_packed: empty batch (input_ids {:?})", input_ids.dims())

@@ -6,7 +6,7 @@
 //! | `model.embed_tokens.weight`                 | `[V, h]`         | replicated      |
 //! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
-//! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads) |
+//! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
@@ -59,12 +59,10 @@ impl ParamSpec {
     }
 
     /// Rebuild the full tensor from the local shard (collective over `ctx.tp` for split
-    /// parameters; replicated ones are returned as is).
+    /// parameters, keeping one copy of replicated KV heads; replicated parameters are
+    /// returned as is).
     pub fn gather(&self, local: &Tensor, ctx: &ParallelCtx) -> Result<Tensor> {
-        match self.shard.dim() {
-            Some(d) if ctx.layout.tp > 1 => ctx.tp.all_gather(&local.contiguous()?, d),
-            _ => Ok(local.clone()),
-        }
+        self.shard.gather(local, &ctx.tp)
     }
 }
 
@@ -80,6 +78,8 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         RowParallelLinear::WEIGHT_SHARD,
         RmsNorm::WEIGHT_SHARD,
     );
+    // K/V rows split by KV head: like `col` when tp divides Hkv, else one head per rank
+    let kv = Shard::RowBlocks(cfg.num_key_value_heads);
     let mut out = Vec::new();
     let mut add =
         |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
@@ -92,8 +92,8 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         let p = |s: &str| format!("model.layers.{l}.{s}");
         add(p("input_layernorm.weight"), vec![h], norm);
         add(p("self_attn.q_proj.weight"), vec![qd, h], col);
-        add(p("self_attn.k_proj.weight"), vec![kd, h], col);
-        add(p("self_attn.v_proj.weight"), vec![kd, h], col);
+        add(p("self_attn.k_proj.weight"), vec![kd, h], kv);
+        add(p("self_attn.v_proj.weight"), vec![kd, h], kv);
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         add(p("post_attention_layernorm.weight"), vec![h], norm);
         add(p("mlp.gate_proj.weight"), vec![i, h], col);

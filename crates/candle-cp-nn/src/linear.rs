@@ -132,12 +132,30 @@ impl ColumnParallelLinear {
     /// `[out_i/P, in_dim]` (and `bias` `[out_i/P]`) from its own builder `vbs[i].0`
     /// (`vbs[i].1 = out_i`, global). Split the output with [`Self::forward_parts`].
     pub fn new_fused(vbs: &[(VarBuilder, usize)], in_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
+        let parts: Vec<_> = vbs.iter().map(|(vb, o)| (vb.clone(), *o, Self::WEIGHT_SHARD)).collect();
+        Self::new_fused_sharded(&parts, in_dim, cfg, tp)
+    }
+
+    /// [`Self::new_fused`] with each part's own row split: [`Shard::Rows`], or
+    /// [`Shard::RowBlocks`]`(n)` for a part made of `n` heads, which replicates each head over
+    /// `P/n` ranks when there are fewer heads than ranks (K/V of a GQA model with fewer KV
+    /// heads than the TP size). Part `i` then takes `weight` `[out_i/P, in]` or, replicated,
+    /// `[out_i/n, in]`. A replicated part's weight (and bias) gradient is this copy's share:
+    /// sum it over the ranks holding the same block ([`Shard::copies`], [`Shard::slice_index`]).
+    pub fn new_fused_sharded(vbs: &[(VarBuilder, usize, Shard)], in_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
         if vbs.is_empty() {
             bail!("ColumnParallelLinear: no parts given")
         }
         let mut parts = Vec::with_capacity(vbs.len());
-        for (vb, out_dim) in vbs {
-            let ol = check_divisible("ColumnParallelLinear", *out_dim, "out_dim", tp)?;
+        for (vb, out_dim, shard) in vbs {
+            let ol = match shard {
+                Shard::Rows => check_divisible("ColumnParallelLinear", *out_dim, "out_dim", tp)?,
+                Shard::RowBlocks(_) => shard
+                    .local_shape(&[*out_dim, in_dim], tp.size())
+                    .map_err(|e| candle_core::Error::Msg(format!("ColumnParallelLinear: out_dim = {out_dim}: {e}")))?
+                    .dims()[0],
+                other => bail!("ColumnParallelLinear: a part split as {other:?}; parts are split by rows"),
+            };
             let (weight, bias) = cfg.load(vb, ol, in_dim, in_dim)?;
             parts.push(Part { weight, bias });
         }

@@ -6,9 +6,21 @@
 //! `VarMap` from a full checkpoint, slice each tensor with [`Shard::slice`] (or
 //! [`shard_for_tp`]) using the layer's split: [`crate::ColumnParallelLinear::WEIGHT_SHARD`]
 //! (rows), [`crate::RowParallelLinear::WEIGHT_SHARD`] (columns), norms replicated.
+//!
+//! [`Shard::RowBlocks`] splits rows by blocks (attention heads) and, when there are fewer
+//! blocks than ranks, replicates each block over several ranks: the K/V projections of a
+//! GQA model with fewer KV heads than the TP size. For 2 KV heads over `P = 4`:
+//!
+//! ```text
+//! full k_proj [2·D, in]      TP rank:   0      1      2      3
+//!   block 0 (KV head 0)  ──────────▶  [D,in] [D,in]
+//!   block 1 (KV head 1)  ──────────▶                [D,in] [D,in]
+//! copies = P / blocks = 2 (a block's gradient shares are summed over its copies)
+//! ```
 
 use crate::Tp;
 use candle_core::{bail, Result, Shape, Tensor};
+use candle_cp_comm::Group;
 
 /// How a parameter is split over a TP group of size `P`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -21,6 +33,12 @@ pub enum Shard {
     /// Split along dim 1: rank `r` holds columns `[r·n/P, (r+1)·n/P)` (row-parallel weight
     /// `[out, in/P]`).
     Cols,
+    /// Dim 0 is `n` equal blocks (e.g. `n` attention heads of `D` rows each). When `P`
+    /// divides `n` this is [`Shard::Rows`] (rank `r` holds blocks `[r·n/P, (r+1)·n/P)`).
+    /// When `n` divides `P` (fewer blocks than ranks) rank `r` holds the single block
+    /// `⌊r·n/P⌋`, so each block is held by `P/n` adjacent ranks ([`Shard::copies`]): the
+    /// K/V projection of a GQA model with fewer KV heads than the TP size.
+    RowBlocks(usize),
 }
 
 impl Shard {
@@ -28,15 +46,46 @@ impl Shard {
     pub fn dim(&self) -> Option<usize> {
         match self {
             Shard::Replicated => None,
-            Shard::Rows => Some(0),
+            Shard::Rows | Shard::RowBlocks(_) => Some(0),
             Shard::Cols => Some(1),
         }
+    }
+
+    /// How many of `size` ranks hold each slice: `size` for [`Shard::Replicated`], `size/n`
+    /// for [`Shard::RowBlocks`]`(n)` with `n < size`, else 1. A gradient computed on one copy
+    /// is that copy's share: the true gradient is the sum over the copies.
+    pub fn copies(&self, size: usize) -> usize {
+        match *self {
+            Shard::Replicated => size,
+            Shard::RowBlocks(n) if n > 0 && n < size && size.is_multiple_of(n) => size / n,
+            _ => 1,
+        }
+    }
+
+    /// Which copy group rank `rank` of `size` belongs to: ranks holding the same slice get the
+    /// same index (`0..size/copies`). Rank `r` of a [`Shard::RowBlocks`]`(n)` with `n < size`
+    /// holds block `r·n/size`.
+    pub fn slice_index(&self, size: usize, rank: usize) -> usize {
+        rank / self.copies(size).max(1)
     }
 
     /// The shape one of `size` ranks holds for a full tensor of shape `full`. Errors (naming
     /// the shape) if `size` does not divide the split dim or the tensor has no such dim.
     pub fn local_shape(&self, full: &[usize], size: usize) -> Result<Shape> {
         let mut s = full.to_vec();
+        if let Shard::RowBlocks(n) = *self {
+            if s.is_empty() || n == 0 || size == 0 || !s[0].is_multiple_of(n) {
+                bail!("{self:?} shard of a tensor {full:?}: dim 0 is not {n} equal blocks")
+            }
+            if n.is_multiple_of(size) {
+                s[0] /= size;
+            } else if size.is_multiple_of(n) {
+                s[0] /= n;
+            } else {
+                bail!("{self:?} shard of a tensor {full:?}: {n} blocks neither divisible by nor dividing the TP size {size}")
+            }
+            return Ok(Shape::from(s));
+        }
         if let Some(d) = self.dim() {
             if d >= s.len() || size == 0 || !s[d].is_multiple_of(size) {
                 bail!("{self:?} shard of a tensor {full:?}: dim {d} is not divisible by the TP size {size}")
@@ -57,9 +106,30 @@ impl Shard {
             None => Ok(full.clone()),
             Some(d) => {
                 let n = local.dims()[d];
-                full.detach().narrow(d, rank * n, n)?.contiguous()
+                full.detach().narrow(d, self.slice_index(size, rank) * n, n)?.contiguous()
             }
         }
+    }
+
+    /// The full tensor from each rank's `local` slice: all-gather over `group` (the TP group;
+    /// collective, every rank calls it), dropping the extra copies of replicated blocks.
+    /// Replicated tensors are returned as they are, without communication.
+    pub fn gather(&self, local: &Tensor, group: &Group) -> Result<Tensor> {
+        let Some(d) = self.dim() else { return Ok(local.clone()) };
+        let size = group.size();
+        if size == 1 {
+            return Ok(local.clone());
+        }
+        let all = group.all_gather(&local.contiguous()?, d)?;
+        let copies = self.copies(size);
+        if copies == 1 {
+            return Ok(all);
+        }
+        let n = local.dim(d)?;
+        let blocks = (0..size / copies)
+            .map(|b| all.narrow(d, b * copies * n, n))
+            .collect::<Result<Vec<_>>>()?;
+        Tensor::cat(&blocks, d)
     }
 }
 
@@ -86,6 +156,46 @@ mod tests {
         assert!(e.contains("[4, 6]") && e.contains("TP size 3"), "{e}");
         assert!(Shard::Cols.slice(&Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu)?, 2, 0).is_err());
         assert!(Shard::Rows.slice(&full, 2, 2).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn row_blocks_split_or_replicate() -> Result<()> {
+        let full = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((4, 6))?;
+        // 2 blocks of 2 rows over 4 ranks: ranks 0, 1 hold block 0, ranks 2, 3 block 1
+        let b = Shard::RowBlocks(2);
+        assert_eq!(b.local_shape(&[4, 6], 4)?.dims(), [2, 6]);
+        assert_eq!((b.copies(4), b.copies(2), b.copies(1)), (2, 1, 1));
+        for (r, block) in [(0, 0), (1, 0), (2, 1), (3, 1)] {
+            assert_eq!(b.slice_index(4, r), block);
+            assert_eq!(b.slice(&full, 4, r)?.to_vec2::<f32>()?, full.narrow(0, 2 * block, 2)?.to_vec2::<f32>()?);
+        }
+        // P divides the blocks: plain rows
+        for r in 0..2 {
+            assert_eq!(b.slice(&full, 2, r)?.to_vec2::<f32>()?, Shard::Rows.slice(&full, 2, r)?.to_vec2::<f32>()?);
+        }
+        // 4 blocks over 8 ranks: each 1-row block twice
+        assert_eq!(Shard::RowBlocks(4).slice(&full, 8, 5)?.to_vec2::<f32>()?, full.narrow(0, 2, 1)?.to_vec2::<f32>()?);
+        let e = Shard::RowBlocks(2).slice(&full, 3, 0).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[4, 6]") && e.contains("TP size 3"), "{e}");
+        assert!(Shard::RowBlocks(3).local_shape(&[4, 6], 3).is_err());
+        assert!(Shard::RowBlocks(2).slice(&full, 4, 4).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn row_blocks_gather_drops_the_copies() -> Result<()> {
+        let full = Tensor::arange(0f32, 48., &Device::Cpu)?.reshape((8, 6))?;
+        for (blocks, p) in [(2usize, 4usize), (2, 2), (4, 8), (1, 4), (8, 4)] {
+            let got = candle_cp_comm::run_ranks(p, |g| {
+                let s = Shard::RowBlocks(blocks);
+                let local = s.slice(&full, p, g.rank())?;
+                s.gather(&local, &g)?.to_vec2::<f32>()
+            });
+            for r in got {
+                assert_eq!(r?, full.to_vec2::<f32>()?, "{blocks} blocks over {p} ranks");
+            }
+        }
         Ok(())
     }
 }

@@ -136,3 +136,60 @@ fn empty_inputs_are_errors() -> Result<()> {
     }
     Ok(())
 }
+
+/// A fused layer with a Rows part (4 heads) and a replicated `RowBlocks(2)` part (2 heads)
+/// over TP = 4, with and without SP: each rank's outputs are its slices of the dense
+/// outputs, the input gradient equals the dense one, and the weight gradient of the
+/// replicated part, summed over its copies, equals the dense gradient of its block.
+#[test]
+fn replicated_row_blocks_match_the_dense_layer() -> Result<()> {
+    use crate::Shard;
+    let (hd, in_dim, p, t_len) = (2usize, 4usize, 4usize, 8usize);
+    let (wq, wk, x) = (t(&[4 * hd, in_dim], 0.1)?, t(&[2 * hd, in_dim], 0.2)?, t(&[1, t_len, in_dim], 0.3)?);
+    // dense reference: loss = Σ q·cq + Σ k·ck with fixed weights cq, ck
+    let (cq, ck) = (t(&[1, t_len, 4 * hd], 0.4)?, t(&[1, t_len, 2 * hd], 0.5)?);
+    let xv = candle_core::Var::from_tensor(&x)?;
+    let (wqv, wkv) = (candle_core::Var::from_tensor(&wq)?, candle_core::Var::from_tensor(&wk)?);
+    let q = xv.as_tensor().broadcast_matmul(&wqv.as_tensor().t()?)?;
+    let k = xv.as_tensor().broadcast_matmul(&wkv.as_tensor().t()?)?;
+    let g = ((&q * &cq)?.sum_all()? + (&k * &ck)?.sum_all()?)?.backward()?;
+    let (dx, dwk) = (g.get(xv.as_tensor()).cloned().unwrap_or(x.zeros_like()?), g.get(wkv.as_tensor()).cloned().unwrap_or(wk.zeros_like()?));
+    for sp in [false, true] {
+        for r in run_ranks(p, |grp: Group| {
+            let tp = Tp::new(grp.clone(), sp);
+            let r = grp.rank();
+            let vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+            let kv = Shard::RowBlocks(2);
+            let parts = [(vb.pp("q"), 4 * hd, Shard::Rows), (vb.pp("k"), 2 * hd, kv)];
+            let layer = ColumnParallelLinear::new_fused_sharded(&parts, in_dim, LinearConfig::new(false), &tp)?;
+            assert_eq!(layer.part_sizes(), vec![hd, hd]);
+            let mut m = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone();
+            m.get_mut("q.weight").map(|v| v.set(&Shard::Rows.slice(&wq, p, r)?)).transpose()?;
+            m.get_mut("k.weight").map(|v| v.set(&kv.slice(&wk, p, r)?)).transpose()?;
+            let xl = if sp { x.narrow(1, r * t_len / p, t_len / p)? } else { x.clone() };
+            let xl = candle_core::Var::from_tensor(&xl)?;
+            let ys = layer.forward_parts(xl.as_tensor())?;
+            let cql = cq.narrow(2, r * hd, hd)?;
+            let blk = kv.slice_index(p, r);
+            let ckl = (ck.narrow(2, blk * hd, hd)? / kv.copies(p) as f64)?;
+            let e_q = max_abs(&ys[0], &q.narrow(2, r * hd, hd)?)?;
+            let e_k = max_abs(&ys[1], &k.narrow(2, blk * hd, hd)?)?;
+            // each copy carries 1/copies of its block's loss, so the copies sum to the dense loss
+            let grads = ((&ys[0] * &cql)?.sum_all()? + (&ys[1] * &ckl)?.sum_all()?)?.backward()?;
+            let gx = grads.get(xl.as_tensor()).cloned().unwrap_or(xl.zeros_like()?);
+            // (without SP the input's copy_to_tp_region already all-reduced it in backward)
+            let want_dx = if sp { dx.narrow(1, r * t_len / p, t_len / p)? } else { dx.clone() };
+            let gk = grads.get(m["k.weight"].as_tensor()).cloned().unwrap_or(m["k.weight"].zeros_like()?);
+            let gk = kv.gather(&gk, &grp)?;
+            Ok((e_q, e_k, max_abs(&gx, &want_dx)?, gk))
+        }) {
+            let (e_q, e_k, e_x, gk) = r?;
+            assert!(e_q < 1e-5 && e_k < 1e-5, "sp {sp}: outputs {e_q} {e_k}");
+            assert!(e_x < 1e-5, "sp {sp}: input grad {e_x}");
+            // gather keeps one copy per block: its share is half the block's gradient
+            assert!(max_abs(&(gk * 2.0)?, &dwk)? < 1e-5, "sp {sp}: k weight grad");
+        }
+    }
+    Ok(())
+}

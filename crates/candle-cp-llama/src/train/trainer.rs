@@ -20,7 +20,7 @@ use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
     gather_full, global_mean, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors,
-    shard_batch, shard_batch_packed, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, Shard, IGNORE,
+    shard_batch, shard_batch_packed, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
@@ -307,9 +307,10 @@ pub fn train_rank(
         let data = crate::params::lock_vars(&varmap)?;
         data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
     };
-    let sharded: HashMap<String, bool> = param_specs(&mcfg)
+    // how many TP ranks hold each parameter's gradient (for the global norm)
+    let copies: HashMap<String, usize> = param_specs(&mcfg)
         .into_iter()
-        .map(|s| (s.name, !matches!(s.shard, Shard::Replicated)))
+        .map(|s| (s.name, s.shard.copies(ctx.layout.tp)))
         .collect();
     // DP and CP replicas hold identical optimizer states (same reduced gradients, same
     // updates): one file per TP rank, written by the replica with dp = cp = 0. With ZeRO-1
@@ -455,11 +456,11 @@ pub fn train_rank(
         };
         reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
         let named = named_grads(&grads, &varmap)?;
-        let mut items: Vec<(Tensor, bool)> = Vec::with_capacity(named.len());
+        let mut items: Vec<(Tensor, usize)> = Vec::with_capacity(named.len());
         let mut names: Vec<&String> = named.keys().collect();
         names.sort();
         for n in names {
-            items.push((named[n].clone(), sharded.get(n).copied().unwrap_or(false)));
+            items.push((named[n].clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp)));
         }
         let inv_accum = 1.0 / cfg.grad_accum as f64;
         let norm = global_norm(&items, Some(&ctx.tp))? * inv_accum;

@@ -230,6 +230,44 @@ fn recompute_trains_like_the_plain_run() -> Result<()> {
     Ok(())
 }
 
+/// The test model has 2 query heads and 1 KV head. TP 2 (with SP, alone and with zigzag
+/// CP 2) holds that KV head on both TP ranks and sums its gradient over them. These runs
+/// follow the one-device run for 6 clipped steps: same losses, same gradient norms (the
+/// norm counts the KV head once). Their final checkpoints hold the same weights.
+#[test]
+fn tp_beyond_the_kv_heads_trains_like_one_device() -> Result<()> {
+    let d1 = tmpdir("kv1");
+    let one = run(&tiny_cfg(Some(d1.clone()), Layout::single(), 1, 1))?;
+    let (want, _) = load_hf(d1.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
+    let want = crate::params::varmap_tensors(&want)?;
+    for (i, layout) in [Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)].into_iter().enumerate() {
+        let d = tmpdir(&format!("kv-tp{i}"));
+        let other = run(&tiny_cfg(Some(d.clone()), layout, 1, 1))?;
+        assert_eq!(other[0].metrics.len(), 6);
+        for (x, y) in one[0].metrics.iter().zip(other[0].metrics.iter()) {
+            assert!((x.loss - y.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", x.step, x.loss, y.loss);
+            assert!(
+                (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
+                "{layout} step {}: grad norm {} vs {}",
+                x.step,
+                x.grad_norm,
+                y.grad_norm
+            );
+        }
+        let (got, _) = load_hf(d.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
+        let got = crate::params::varmap_tensors(&got)?;
+        assert_eq!(got.len(), want.len());
+        for (name, w) in &want {
+            assert_eq!(got[name].dims(), w.dims(), "{layout}: {name}");
+            let e = (&got[name] - w)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(e < 1e-4, "{layout}: {name} differs by {e}");
+        }
+        std::fs::remove_dir_all(&d).ok();
+    }
+    std::fs::remove_dir_all(&d1).ok();
+    Ok(())
+}
+
 /// ZeRO-1 over DP 2 x CP 2 (bf16 weights: sliced master copies) follows the unsharded run
 /// exactly; its checkpoint resumes a run without ZeRO-1 on the same curve.
 #[test]
