@@ -63,7 +63,8 @@ pub fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 }
 
 /// The tiny Hugging Face Llama oracle (logits, loss, every parameter gradient) on GPU virtual
-/// ranks: single device, the CP methods, Ulysses, Megatron TP + SP, and the 2-D layouts, with
+/// ranks: single device, the CP methods, Ulysses, Megatron TP + SP (TP 4 replicating the 2 KV
+/// heads too), and the 2-D layouts, with
 /// the same tolerances as `tests/llama_parity.rs`.
 pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     use candle_cp_llama::layout::{CpKind, Layout};
@@ -77,6 +78,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         ("ulysses2", Layout::cp(CpKind::Ulysses, 2)),
         ("tp2 + sp", Layout::single().with_tp(2, true)),
         ("tp2 x cp2 zigzag + sp", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)),
+        // 2 KV heads over TP 4: each KV head on 2 ranks, its gradient summed over them
+        ("tp4 + sp, kv heads replicated", Layout::single().with_tp(4, true)),
         ("2-d 2x2", Layout::two_d(2, 2)),
     ];
     // the same with every layer recomputed in backward (Llama::with_recompute)
