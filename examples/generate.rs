@@ -5,13 +5,15 @@
 //! draws a seeded random prompt, and generates twice: on one device, then on `--cp`
 //! CPU thread ranks with the layout `--cp-kind` (each rank prefills its shard of the prompt
 //! and keeps only that shard's K/V; decode steps attend over the sharded cache with one small
-//! all-gather per layer). Prints the tokens, prefill and decode time per token, the KV-cache
+//! all-gather per layer). With `--tp`, each TP rank also keeps only its own heads' K/V
+//! (`--sp`: the layout trained with sequence parallelism; generation runs it off). Prints the tokens, prefill and decode time per token, the KV-cache
 //! bytes per rank, and exits non-zero if the CP tokens differ from the single-device ones.
 //!
 //! ```text
 //! cargo run --release --example generate
 //! cargo run --release --example generate -- --cp 2 --cp-kind ulysses --prompt-len 512
 //! cargo run --release --example generate -- --sliding-window 128 --new-tokens 32
+//! cargo run --release --example generate -- --cp 2 --tp 4 --sp   # TP 4 > the 2 KV heads
 //! cargo run --release --example generate -- --temperature 0.8 --top-p 0.9 --sample-seed 3
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! ```
@@ -66,6 +68,13 @@ struct Args {
     /// With --temperature: seed of the sampler (the same on every rank and on one device).
     #[arg(long, default_value_t = 0)]
     sample_seed: u64,
+    /// Tensor-parallel degree (must divide the query heads; divides the KV heads or is a
+    /// multiple of them, replicating each KV head). World = cp · tp threads.
+    #[arg(long, default_value_t = 1)]
+    tp: usize,
+    /// Sequence parallelism on the TP group (as the model was trained; decoding runs it off).
+    #[arg(long)]
+    sp: bool,
     /// Compute device: cpu, or cuda (build with `--features cuda`): the single-device run and
     /// every thread rank on GPU 0 (virtual ranks).
     #[arg(long, default_value = "cpu")]
@@ -153,7 +162,8 @@ fn main() -> anyhow::Result<()> {
             Layout::two_d(2, a.cp / 2)
         }
         k => Layout::cp(k, a.cp),
-    };
+    }
+    .with_tp(a.tp, a.sp);
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (t, new) = (a.prompt_len, a.new_tokens);
     let prompt = random_prompt(a.batch, t, cfg.vocab_size, a.seed)?;
@@ -196,10 +206,12 @@ fn main() -> anyhow::Result<()> {
     }
     let max_rank = cp.iter().map(|g| g.cache_bytes).max().unwrap_or(0);
     println!(
-        "\nKV cache per rank: max {max_rank} B = {:.3} of single device ({} B; 1/P = {:.3})",
+        "\nKV cache per rank: max {max_rank} B = {:.3} of single device ({} B; 1/CP = {:.3}, times {}/{} KV heads per TP rank)",
         max_rank as f64 / s.cache_bytes.max(1) as f64,
         s.cache_bytes,
-        1.0 / layout.cp as f64
+        1.0 / layout.cp as f64,
+        (cfg.num_key_value_heads / layout.tp).max(1),
+        cfg.num_key_value_heads
     );
     let mut worst = 0f32;
     for g in &cp {

@@ -8,7 +8,9 @@
 //!   the single-device tokens and logits within 1e-4, its ranks agree bitwise, and each rank's
 //!   cache holds at most `1/P` of the single-device bytes plus one decoded token per layer;
 //! - sliding window 16: the same on two layouts, and the logits differ from the no-window run;
-//! - tp = 2 and a prompt length the layout cannot shard are errors (naming `T`).
+//! - tensor parallelism (TP 2 with and without SP, with zigzag / Ulysses / ring CP, TP 4 and 8
+//!   replicating the 2 KV heads): the same tokens and logits, each rank caching its own heads;
+//! - dp = 2 and a prompt length the layout cannot shard are errors (naming `T`).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
@@ -126,12 +128,16 @@ fn assert_equals_full_forward(cfg: &LlamaConfig, gen: &Generation) -> Result<()>
 }
 
 /// `layout`'s ranks give `want`'s tokens and logits (1e-4), agree bitwise, and hold `~1/P`
-/// of its cache. Returns the worst logits difference.
+/// of its cache (`P` = CP degree), of their own KV heads only under TP. Returns the worst
+/// logits difference.
 fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -> Result<f32> {
     let gens = generate(cfg, layout, &the_prompt()?, NEW)?;
     let p = layout.cp;
     // one decoded token's k, v over all layers: 2 · L · B · Hkv · D · 4 bytes
     let per_token = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4;
+    // a TP rank caches its KV heads: Hkv / tp of them, or the one it holds when tp > Hkv
+    let hkv = cfg.num_key_value_heads;
+    let own = |bytes: usize| bytes * (hkv / layout.tp).max(1) / hkv;
     let mut worst = 0f32;
     let rank0 = Tensor::cat(&gens[0].logits, 0)?
         .flatten_all()?
@@ -157,8 +163,8 @@ fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -
         );
         match cfg.sliding_window {
             None => assert!(
-                g.cache_bytes <= want.cache_bytes / p + per_token,
-                "{layout} rank {r}: cache {} bytes > single {} / {p} + {per_token}",
+                g.cache_bytes <= own(want.cache_bytes / p + per_token),
+                "{layout} rank {r}: cache {} bytes > own heads of single {} / {p} + {per_token}",
                 g.cache_bytes,
                 want.cache_bytes
             ),
@@ -172,9 +178,9 @@ fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -
             ),
         }
     }
-    // without a window the shards together hold every cached token exactly once
+    // without a window the CP shards together hold every cached token exactly once (per TP rank)
     if cfg.sliding_window.is_none() {
-        assert_eq!(gens.iter().map(|g| g.cache_rows).sum::<usize>(), want.cache_rows, "{layout}");
+        assert_eq!(gens.iter().map(|g| g.cache_rows).sum::<usize>(), want.cache_rows * layout.tp, "{layout}");
     }
     println!(
         "{layout}: tokens = single device, logits max |diff| {worst:.1e}, cache {} B/rank vs {} B single",
@@ -219,6 +225,26 @@ fn every_cp_kind_equals_single_device() -> Result<()> {
     Ok(())
 }
 
+/// Tensor parallelism (with and without SP, alone and with CP, and TP 4 / 8 beyond the 2 KV
+/// heads, which replicates them): each TP rank decodes its own heads against its own KV cache,
+/// and the tokens and logits are the single device's.
+#[test]
+fn tensor_parallel_generation_equals_single_device() -> Result<()> {
+    let cfg = &data().cfg;
+    let want = single(cfg)?;
+    for layout in [
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Ring, 2).with_tp(8, false),
+    ] {
+        assert_layout_matches(cfg, layout, &want)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn sliding_window_equals_single_device_and_binds() -> Result<()> {
     let plain = single(&data().cfg)?;
@@ -243,8 +269,8 @@ fn sliding_window_equals_single_device_and_binds() -> Result<()> {
 fn bad_layouts_and_lengths_are_errors() -> Result<()> {
     let cfg = &data().cfg;
     let ids = the_prompt()?;
-    // tensor parallelism
-    let layout = Layout::single().with_tp(2, false);
+    // data parallelism (each DP replica would hold other batch rows)
+    let layout = Layout::single().with_dp(2);
     for r in run_ranks(2, |g| {
         Ok(model(cfg, &ParallelCtx::new(g, layout)?)?
             .generate_greedy(&ids, 2)
@@ -252,7 +278,7 @@ fn bad_layouts_and_lengths_are_errors() -> Result<()> {
             .map(|e| e.to_string()))
     }) {
         let e = r?.unwrap_or_default();
-        assert!(e.contains("tp = 1"), "tp = 2 must be refused: {e}");
+        assert!(e.contains("dp = 1"), "dp = 2 must be refused: {e}");
     }
     // T = 60 is not a multiple of 2·4 (zigzag 4), T = 62 of 4 (ring shards of 2-D 2×2 / ulysses 2)
     for (t, layout) in [

@@ -1,4 +1,5 @@
-//! Generation (greedy decoding) with a KV cache sharded over the CP ranks.
+//! Generation (greedy decoding) with a KV cache sharded over the CP ranks, and over the TP
+//! ranks by head.
 //!
 //! ```text
 //! prompt [B, T] (global ids, the same on every rank)
@@ -15,10 +16,16 @@
 //!     every rank) → argmax
 //! ```
 //!
-//! Memory: each rank's cache holds `~(T + generated) / P` tokens, i.e.
-//! `2 · L · B · Hkv · D · dtype bytes` per token ([`KvCache::bytes`]); the cache is never
-//! gathered. Inference only (no autograd graph is kept: cached k, v and hidden states are
-//! detached). Requires `tp = 1` and `dp = 1`; every CP kind works.
+//! Tensor parallelism: each TP rank computes its `H/tp` query heads and caches its KV heads
+//! (`Hkv/tp`, or the one KV head it holds when `tp > Hkv`); o_proj and down_proj all-reduce
+//! over the TP group, so hidden states and logits are the same on every TP rank. A layout
+//! trained with sequence parallelism generates with it off (the same weights): a decode step's
+//! one token cannot be split along the sequence.
+//!
+//! Memory: each rank's cache holds `~(T + generated) / P` tokens (`P` = CP degree), i.e.
+//! `2 · L · B · Hkv_local · D · dtype bytes` per token ([`KvCache::bytes`]); the cache is
+//! never gathered. Inference only (no autograd graph is kept: cached k, v and hidden states
+//! are detached). Requires `dp = 1`; every CP kind works, with or without TP.
 
 use crate::attn::attend_window;
 use crate::layout::{shard_tokens, ParallelCtx};
@@ -27,10 +34,11 @@ use crate::rope::{apply_rope, rope_tables};
 use crate::sampling::{Sampler, Sampling};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_ops::cp::{decode_owner, sharded_decode_attention, KvShard};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-/// This rank's KV cache: one [`KvShard`] per decoder layer, each `k, v [B, S_r, Hkv, D]` (in
-/// the weights' dtype) with the global position of each of its `S_r` rows. After a CP
+/// This rank's KV cache: one [`KvShard`] per decoder layer, each `k, v [B, S_r, Hkv_local, D]`
+/// (this TP rank's KV heads, in the weights' dtype) with the global position of each of its `S_r` rows. After a CP
 /// prefill of `T` prompt tokens `S_r = T / P` (the rank's CP shard), then decoded tokens are
 /// added round-robin ([`decode_owner`]). Per-rank bytes: [`KvCache::bytes`].
 #[derive(Clone, Debug, Default)]
@@ -69,7 +77,7 @@ impl KvCache {
         self.batch
     }
 
-    /// Bytes of this rank's cache: `Σ_layers 2 · B · S_r · Hkv · D · dtype size`.
+    /// Bytes of this rank's cache: `Σ_layers 2 · B · S_r · Hkv_local · D · dtype size`.
     pub fn bytes(&self) -> usize {
         self.layers
             .iter()
@@ -102,8 +110,8 @@ pub struct Generation {
 }
 
 impl Block {
-    /// Input norm, fused q/k/v projection and RoPE (`rope`) of `x [B, T, h]`: q
-    /// `[B, T, H, D]`, k, v `[B, T, Hkv, D]` (tp = 1: every head).
+    /// Input norm, fused q/k/v projection and RoPE (`rope`) of `x [B, T, h]` (whole sequence,
+    /// SP off): q `[B, T, H_local, D]`, k, v `[B, T, Hkv_local, D]` (this TP rank's heads).
     fn qkv_rope(
         &self,
         x: &Tensor,
@@ -141,20 +149,30 @@ impl Block {
 }
 
 impl Llama {
-    /// Generation needs a pure CP layout (every rank holds all heads and the whole batch).
+    /// Generation needs every rank to hold the whole batch (`dp = 1`).
     fn check_generation(&self, what: &str) -> Result<&ParallelCtx> {
         let l = &self.ctx.layout;
-        if l.tp != 1 || l.dp != 1 {
-            bail!("{what}: generation needs tp = 1 and dp = 1, layout is {l}")
+        if l.dp != 1 {
+            bail!("{what}: generation needs dp = 1 (every rank holds the whole batch), layout is {l}")
         }
         Ok(&self.ctx)
     }
 
-    /// `(H, Hkv, D)` and the softmax scale.
+    /// The decoder layers as generation runs them: sequence parallelism off (same weights).
+    fn generation_blocks(&self) -> Vec<Arc<Block>> {
+        if self.ctx.layout.seq_parallel() {
+            self.blocks.iter().map(|b| Arc::new(b.without_sp())).collect()
+        } else {
+            self.blocks.clone()
+        }
+    }
+
+    /// This TP rank's `(H_local, Hkv_local, D)` and the softmax scale.
     fn heads(&self) -> ((usize, usize, usize), f64) {
         let c = &self.cfg;
+        let tp = self.ctx.layout.tp;
         (
-            (c.num_attention_heads, c.num_key_value_heads, c.head_dim),
+            (c.num_attention_heads / tp, (c.num_key_value_heads / tp).max(1), c.head_dim),
             1.0 / (c.head_dim as f64).sqrt(),
         )
     }
@@ -182,8 +200,8 @@ impl Llama {
     /// each layer's k, v after RoPE (`[B, Tc, Hkv, D]`, `Tc = T / cp`) in a new [`KvCache`].
     ///
     /// Returns the cache and the f32 logits `[B, V]` of global position `T - 1` (the next
-    /// token's distribution), identical on every rank. Collective over the CP group. Errors
-    /// (on every rank) unless `tp = dp = 1`, or when `T` does not suit the layout (naming `T`).
+    /// token's distribution), identical on every rank. Collective over the CP and TP groups.
+    /// Errors (on every rank) unless `dp = 1`, or when `T` does not suit the layout (naming `T`).
     pub fn prefill(&self, prompt: &Tensor) -> Result<(KvCache, Tensor)> {
         let ctx = self.check_generation("Llama::prefill")?;
         let (b, t) = match prompt.dims() {
@@ -195,7 +213,10 @@ impl Llama {
         };
         let ids = self.checked_ids(prompt, "Llama::prefill")?;
         let pos = Tensor::arange(0u32, t as u32, ids.device())?;
-        let parts = shard_tokens(&[ids], &pos, b, t, ctx).map_err(|e| {
+        // SP off (generation_blocks): the whole CP shard, replicated on the TP ranks
+        let mut whole = ctx.clone();
+        whole.layout.sp = false;
+        let parts = shard_tokens(&[ids], &pos, b, t, &whole).map_err(|e| {
             candle_core::Error::Msg(format!(
                 "Llama::prefill: prompt {:?} (T = {t}) does not suit layout {}: {e}",
                 prompt.dims(),
@@ -205,11 +226,7 @@ impl Llama {
         let [ids, pos] = parts.as_slice() else {
             bail!("Llama::prefill: internal error (shards)")
         };
-        let positions = self
-            .cp_positions(pos)?
-            .into_iter()
-            .next()
-            .unwrap_or_default();
+        let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         let tc = positions.len();
         let (heads, scale) = self.heads();
         let (cos, sin) = rope_tables(&self.cfg, &positions, DType::F32, ids.device())?;
@@ -225,7 +242,7 @@ impl Llama {
             tc,
             self.cfg.hidden_size,
         ))?;
-        for blk in &self.blocks {
+        for blk in &self.generation_blocks() {
             let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
             let mut shard = KvShard::new();
             shard.append(&k.detach(), &v.detach(), &rows)?;
@@ -255,7 +272,7 @@ impl Llama {
     /// each layer appends their k, v to the cache of rank [`decode_owner`]`(p, P)` first, then
     /// attends over the whole sharded cache ([`sharded_decode_attention`], sliding window
     /// honoured). Returns f32 logits `[B, V]` of position `p`, bitwise the same on every rank.
-    /// Collective over the CP group.
+    /// Collective over the CP and TP groups.
     pub fn decode_step(&self, cache: &mut KvCache, tokens: &Tensor) -> Result<Tensor> {
         let ctx = self.check_generation("Llama::decode_step")?;
         let b = cache.batch;
@@ -277,7 +294,7 @@ impl Llama {
             .embed
             .index_select(&ids, 0)?
             .reshape((b, 1, self.cfg.hidden_size))?;
-        for (blk, shard) in self.blocks.iter().zip(cache.layers.iter_mut()) {
+        for (blk, shard) in self.generation_blocks().iter().zip(cache.layers.iter_mut()) {
             let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
             if owner {
                 shard.append(&k.detach(), &v.detach(), &[p])?;
@@ -307,8 +324,8 @@ impl Llama {
     /// Greedy decoding of `new_tokens` tokens after `prompt` (global u32 ids `[B, T]`, the
     /// same on every rank; `T` must suit the layout as for [`crate::shard_batch`]):
     /// [`Llama::prefill`], then `new_tokens - 1` [`Llama::decode_step`]s, each token the
-    /// argmax of its logits. Every rank returns the same tokens. Collective over the CP group;
-    /// needs `tp = dp = 1`.
+    /// argmax of its logits. Every rank returns the same tokens. Collective over the CP and TP
+    /// groups; needs `dp = 1`.
     pub fn generate_greedy(&self, prompt: &Tensor, new_tokens: usize) -> Result<Generation> {
         self.generate(prompt, new_tokens, Sampling::Greedy)
     }
@@ -455,20 +472,17 @@ mod tests {
         Ok(())
     }
 
-    /// tp = 2 is refused, a bad token id or decode shape is an error naming it.
+    /// dp = 2 is refused, a bad token id or decode shape is an error naming it.
     #[test]
     fn bad_input_is_an_error() -> Result<()> {
         let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
         let prompt = Tensor::arange(0u32, 16, &Device::Cpu)?.reshape((1, 16))?;
         for r in run_ranks(2, |g| {
-            let m = model(
-                &cfg,
-                &ParallelCtx::new(g, Layout::single().with_tp(2, false))?,
-            )?;
+            let m = model(&cfg, &ParallelCtx::new(g, Layout::single().with_dp(2))?)?;
             Ok(m.generate_greedy(&prompt, 2).err().map(|e| e.to_string()))
         }) {
             let e = r?.unwrap_or_default();
-            assert!(e.contains("tp = 1"), "{e}");
+            assert!(e.contains("dp = 1"), "{e}");
         }
         let r = run_ranks(1, |g| {
             let m = model(&cfg, &ParallelCtx::single(g)?)?;

@@ -80,6 +80,20 @@ impl BlockEnv {
 }
 
 impl Block {
+    /// The same layer (same weights) with sequence parallelism off: its input and output are
+    /// the whole sequence, replicated on the TP ranks (generation, whose one-token decode
+    /// steps cannot be split along the sequence).
+    pub(crate) fn without_sp(&self) -> Block {
+        Block {
+            input_norm: self.input_norm.clone(),
+            post_norm: self.post_norm.clone(),
+            qkv: self.qkv.clone().with_sequence_parallel(false),
+            o: self.o.clone().with_sequence_parallel(false),
+            gate_up: self.gate_up.clone().with_sequence_parallel(false),
+            down: self.down.clone().with_sequence_parallel(false),
+        }
+    }
+
     /// One decoder layer: `x` `[B, Ts, h]` → `[B, Ts, h]`.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
         let [b, tc, hl, hkvl, d] = env.dims;

@@ -198,6 +198,14 @@ impl ColumnParallelLinear {
         Ok(Self { parts, in_dim, tp: tp.clone() })
     }
 
+    /// The same layer (same weight tensors) with sequence parallelism `on` or off. Off, the
+    /// input is the whole sequence, replicated on the TP ranks: what one-token decode steps
+    /// need after SP training, whose `T = 1` cannot be split.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.tp.sequence_parallel = on;
+        self
+    }
+
     /// Local output features of each part (`out_i/P`).
     pub fn part_sizes(&self) -> Vec<usize> {
         self.parts.iter().map(|p| p.weight.dims()[0]).collect()
@@ -296,6 +304,14 @@ impl RowParallelLinear {
             sync: GradSync::InBackward,
             tp: tp.clone(),
         })
+    }
+
+    /// The same layer (same weight tensors) with sequence parallelism `on` or off (see
+    /// [`ColumnParallelLinear::with_sequence_parallel`]). Off, the output is all-reduced and
+    /// replicated instead of reduce-scattered along the sequence.
+    pub fn with_sequence_parallel(mut self, on: bool) -> Self {
+        self.tp.sequence_parallel = on;
+        self
     }
 
     /// Who sums the bias gradient over the TP group under SP (default [`GradSync::InBackward`]).
