@@ -14,6 +14,7 @@
 //! cargo run --release --example generate -- --cp 2 --cp-kind ulysses --prompt-len 512
 //! cargo run --release --example generate -- --sliding-window 128 --new-tokens 32
 //! cargo run --release --example generate -- --cp 2 --tp 4 --sp   # TP 4 > the 2 KV heads
+//! cargo run --release --example generate -- --cp 2 --dp 2 --batch 2
 //! cargo run --release --example generate -- --temperature 0.8 --top-p 0.9 --sample-seed 3
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! ```
@@ -75,6 +76,9 @@ struct Args {
     /// Sequence parallelism on the TP group (as the model was trained; decoding runs it off).
     #[arg(long)]
     sp: bool,
+    /// Data-parallel replicas, each generating `--batch / dp` rows. World = dp · cp · tp.
+    #[arg(long, default_value_t = 1)]
+    dp: usize,
     /// Compute device: cpu, or cuda (build with `--features cuda`): the single-device run and
     /// every thread rank on GPU 0 (virtual ranks).
     #[arg(long, default_value = "cpu")]
@@ -163,7 +167,8 @@ fn main() -> anyhow::Result<()> {
         }
         k => Layout::cp(k, a.cp),
     }
-    .with_tp(a.tp, a.sp);
+    .with_tp(a.tp, a.sp)
+    .with_dp(a.dp);
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (t, new) = (a.prompt_len, a.new_tokens);
     let prompt = random_prompt(a.batch, t, cfg.vocab_size, a.seed)?;
@@ -206,12 +211,13 @@ fn main() -> anyhow::Result<()> {
     }
     let max_rank = cp.iter().map(|g| g.cache_bytes).max().unwrap_or(0);
     println!(
-        "\nKV cache per rank: max {max_rank} B = {:.3} of single device ({} B; 1/CP = {:.3}, times {}/{} KV heads per TP rank)",
+        "\nKV cache per rank: max {max_rank} B = {:.3} of single device ({} B; 1/CP = {:.3}, times {}/{} KV heads per TP rank, times 1/DP = {:.3})",
         max_rank as f64 / s.cache_bytes.max(1) as f64,
         s.cache_bytes,
         1.0 / layout.cp as f64,
         (cfg.num_key_value_heads / layout.tp).max(1),
-        cfg.num_key_value_heads
+        cfg.num_key_value_heads,
+        1.0 / layout.dp as f64
     );
     let mut worst = 0f32;
     for g in &cp {

@@ -10,7 +10,10 @@
 //! - sliding window 16: the same on two layouts, and the logits differ from the no-window run;
 //! - tensor parallelism (TP 2 with and without SP, with zigzag / Ulysses / ring CP, TP 4 and 8
 //!   replicating the 2 KV heads): the same tokens and logits, each rank caching its own heads;
-//! - dp = 2 and a prompt length the layout cannot shard are errors (naming `T`).
+//! - data parallelism (DP 2, alone and with CP and TP): each replica decodes its row, every
+//!   rank returns both rows, greedy and sampled tokens equal the single device's;
+//! - a batch that DP does not divide and a prompt length the layout cannot shard are errors
+//!   (naming them).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
@@ -137,7 +140,8 @@ fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -
     let per_token = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4;
     // a TP rank caches its KV heads: Hkv / tp of them, or the one it holds when tp > Hkv
     let hkv = cfg.num_key_value_heads;
-    let own = |bytes: usize| bytes * (hkv / layout.tp).max(1) / hkv;
+    // and a DP replica caches its B / dp rows
+    let own = |bytes: usize| bytes * (hkv / layout.tp).max(1) / hkv / layout.dp;
     let mut worst = 0f32;
     let rank0 = Tensor::cat(&gens[0].logits, 0)?
         .flatten_all()?
@@ -178,9 +182,10 @@ fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -
             ),
         }
     }
-    // without a window the CP shards together hold every cached token exactly once (per TP rank)
+    // without a window the CP shards together hold every cached token exactly once (per TP
+    // rank and DP replica)
     if cfg.sliding_window.is_none() {
-        assert_eq!(gens.iter().map(|g| g.cache_rows).sum::<usize>(), want.cache_rows * layout.tp, "{layout}");
+        assert_eq!(gens.iter().map(|g| g.cache_rows).sum::<usize>(), want.cache_rows * layout.tp * layout.dp, "{layout}");
     }
     println!(
         "{layout}: tokens = single device, logits max |diff| {worst:.1e}, cache {} B/rank vs {} B single",
@@ -226,13 +231,16 @@ fn every_cp_kind_equals_single_device() -> Result<()> {
 }
 
 /// Tensor parallelism (with and without SP, alone and with CP, and TP 4 / 8 beyond the 2 KV
-/// heads, which replicates them): each TP rank decodes its own heads against its own KV cache,
-/// and the tokens and logits are the single device's.
+/// heads, which replicates them): each TP rank decodes its own heads against its own KV cache;
+/// data parallelism: each replica its own batch row. The tokens and logits are the single
+/// device's on every rank.
 #[test]
-fn tensor_parallel_generation_equals_single_device() -> Result<()> {
+fn tensor_and_data_parallel_generation_equals_single_device() -> Result<()> {
     let cfg = &data().cfg;
     let want = single(cfg)?;
     for layout in [
+        Layout::single().with_dp(2),
+        Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_tp(2, true),
         Layout::single().with_tp(2, false),
         Layout::single().with_tp(2, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
@@ -269,16 +277,16 @@ fn sliding_window_equals_single_device_and_binds() -> Result<()> {
 fn bad_layouts_and_lengths_are_errors() -> Result<()> {
     let cfg = &data().cfg;
     let ids = the_prompt()?;
-    // data parallelism (each DP replica would hold other batch rows)
-    let layout = Layout::single().with_dp(2);
-    for r in run_ranks(2, |g| {
+    // data parallelism that does not divide the batch (B = 2 over dp = 4)
+    let layout = Layout::single().with_dp(4);
+    for r in run_ranks(4, |g| {
         Ok(model(cfg, &ParallelCtx::new(g, layout)?)?
             .generate_greedy(&ids, 2)
             .err()
             .map(|e| e.to_string()))
     }) {
         let e = r?.unwrap_or_default();
-        assert!(e.contains("dp = 1"), "dp = 2 must be refused: {e}");
+        assert!(e.contains("dp = 4") && e.contains("[2, 64]"), "dp = 4 must be refused for B = 2: {e}");
     }
     // T = 60 is not a multiple of 2·4 (zigzag 4), T = 62 of 4 (ring shards of 2-D 2×2 / ulysses 2)
     for (t, layout) in [
@@ -327,7 +335,14 @@ fn sampled_generation_is_the_same_on_every_rank_and_layout() -> Result<()> {
             assert!(above < 20, "token {i}: {above} logits above the drawn one");
         }
     }
-    for layout in [Layout::cp(CpKind::Zigzag, 4), Layout::cp(CpKind::Ring, 2), Layout::cp(CpKind::AllGather, 2)] {
+    // (DP: each replica decodes one row, the rows' logits are shared before each draw)
+    for layout in [
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ring, 2),
+        Layout::cp(CpKind::AllGather, 2),
+        Layout::cp(CpKind::Zigzag, 2).with_dp(2),
+        Layout::single().with_tp(2, true).with_dp(2),
+    ] {
         for (r, g) in run(layout, sampling(11))?.iter().enumerate() {
             assert_eq!(g.tokens, single.tokens, "{layout} rank {r}: sampled tokens differ from one device");
         }

@@ -25,10 +25,12 @@
 //! Memory: each rank's cache holds `~(T + generated) / P` tokens (`P` = CP degree), i.e.
 //! `2 · L · B · Hkv_local · D · dtype bytes` per token ([`KvCache::bytes`]); the cache is
 //! never gathered. Inference only (no autograd graph is kept: cached k, v and hidden states
-//! are detached). Requires `dp = 1`; every CP kind works, with or without TP.
+//! are detached). Every layout works: any CP kind, with or without TP; with DP each replica
+//! generates its `B / dp` rows against its own cache, and [`Llama::generate`] shares the
+//! logits over the DP group so every rank returns all rows.
 
 use crate::attn::attend_window;
-use crate::layout::{shard_tokens, ParallelCtx};
+use crate::layout::shard_tokens;
 use crate::model::{linear, Block, Llama};
 use crate::rope::{apply_rope, rope_tables};
 use crate::sampling::{Sampler, Sampling};
@@ -149,15 +151,6 @@ impl Block {
 }
 
 impl Llama {
-    /// Generation needs every rank to hold the whole batch (`dp = 1`).
-    fn check_generation(&self, what: &str) -> Result<&ParallelCtx> {
-        let l = &self.ctx.layout;
-        if l.dp != 1 {
-            bail!("{what}: generation needs dp = 1 (every rank holds the whole batch), layout is {l}")
-        }
-        Ok(&self.ctx)
-    }
-
     /// The decoder layers as generation runs them: sequence parallelism off (same weights).
     fn generation_blocks(&self) -> Vec<Arc<Block>> {
         if self.ctx.layout.seq_parallel() {
@@ -195,15 +188,17 @@ impl Llama {
     }
 
     /// Prefill: run this rank's CP shard of `prompt` (global u32 ids `[B, T]`, the same on
-    /// every rank, sharded like [`crate::shard_batch`]) through the model exactly as the
-    /// training forward does (the layout's CP attention, sliding window included), keeping
-    /// each layer's k, v after RoPE (`[B, Tc, Hkv, D]`, `Tc = T / cp`) in a new [`KvCache`].
+    /// every rank, sharded like [`crate::shard_batch`]: this DP replica's `Bd = B / dp` rows)
+    /// through the model exactly as the training forward does (the layout's CP attention,
+    /// sliding window included), keeping each layer's k, v after RoPE
+    /// (`[Bd, Tc, Hkv_local, D]`, `Tc = T / cp`) in a new [`KvCache`] of `Bd` rows.
     ///
-    /// Returns the cache and the f32 logits `[B, V]` of global position `T - 1` (the next
-    /// token's distribution), identical on every rank. Collective over the CP and TP groups.
-    /// Errors (on every rank) unless `dp = 1`, or when `T` does not suit the layout (naming `T`).
+    /// Returns the cache and the f32 logits `[Bd, V]` of global position `T - 1` (the next
+    /// token's distribution of this replica's rows), identical on every rank of the replica.
+    /// Collective over the CP and TP groups. Errors (on every rank) when `T` does not suit the
+    /// layout (naming `T`) or `dp` does not divide `B`.
     pub fn prefill(&self, prompt: &Tensor) -> Result<(KvCache, Tensor)> {
-        let ctx = self.check_generation("Llama::prefill")?;
+        let ctx = &self.ctx;
         let (b, t) = match prompt.dims() {
             &[b, t] if b > 0 && t > 0 => (b, t),
             _ => bail!(
@@ -226,6 +221,7 @@ impl Llama {
         let [ids, pos] = parts.as_slice() else {
             bail!("Llama::prefill: internal error (shards)")
         };
+        let b = ids.dim(0)?; // this DP replica's rows
         let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         let tc = positions.len();
         let (heads, scale) = self.heads();
@@ -267,14 +263,15 @@ impl Llama {
         Ok((cache, logits.detach()))
     }
 
-    /// One decode step: the tokens `[B]` (u32, the same on every rank) at global position
+    /// One decode step: the tokens `[Bd]` (u32, this DP replica's rows, the same on every rank
+    /// of the replica; `Bd = B` without DP) at global position
     /// `p = cache.next_position()` go through the model on every rank (replicated compute);
     /// each layer appends their k, v to the cache of rank [`decode_owner`]`(p, P)` first, then
     /// attends over the whole sharded cache ([`sharded_decode_attention`], sliding window
     /// honoured). Returns f32 logits `[B, V]` of position `p`, bitwise the same on every rank.
     /// Collective over the CP and TP groups.
     pub fn decode_step(&self, cache: &mut KvCache, tokens: &Tensor) -> Result<Tensor> {
-        let ctx = self.check_generation("Llama::decode_step")?;
+        let ctx = &self.ctx;
         let b = cache.batch;
         if tokens.dims() != [b] || cache.layers.len() != self.blocks.len() {
             bail!(
@@ -324,8 +321,13 @@ impl Llama {
     /// Greedy decoding of `new_tokens` tokens after `prompt` (global u32 ids `[B, T]`, the
     /// same on every rank; `T` must suit the layout as for [`crate::shard_batch`]):
     /// [`Llama::prefill`], then `new_tokens - 1` [`Llama::decode_step`]s, each token the
-    /// argmax of its logits. Every rank returns the same tokens. Collective over the CP and TP
-    /// groups; needs `dp = 1`.
+    /// argmax of its logits. Every rank returns the same tokens. Collective over the world
+    /// (CP, TP and DP groups).
+    ///
+    /// With DP each replica prefills and decodes its `B / dp` rows (its own KV cache); the
+    /// logits are all-gathered over the DP group each step (`B · V` floats) so that every rank
+    /// chooses all `B` tokens from the same `[B, V]` logits, in row order. Sampled tokens are
+    /// therefore the single device's with the same seed, and every rank returns all `B` rows.
     pub fn generate_greedy(&self, prompt: &Tensor, new_tokens: usize) -> Result<Generation> {
         self.generate(prompt, new_tokens, Sampling::Greedy)
     }
@@ -337,9 +339,20 @@ impl Llama {
     pub fn generate(&self, prompt: &Tensor, new_tokens: usize, sampling: Sampling) -> Result<Generation> {
         let mut sampler = Sampler::new(sampling)?;
         let t0 = Instant::now();
-        let (mut cache, mut logits) = self.prefill(prompt)?;
+        let (mut cache, local) = self.prefill(prompt)?;
+        let dp = &self.ctx.dp;
+        // every row's logits on every rank: [B, V]
+        let all_rows = |l: Tensor| -> Result<Tensor> {
+            if dp.size() > 1 {
+                dp.all_gather(&l.contiguous()?, 0)
+            } else {
+                Ok(l)
+            }
+        };
+        let mut logits = all_rows(local)?;
         let prefill_time = t0.elapsed();
-        let b = cache.batch;
+        let (b, bd) = (logits.dim(0)?, cache.batch);
+        let first_row = dp.rank() * bd;
         let mut out = Generation {
             tokens: vec![Vec::with_capacity(new_tokens); b],
             logits: Vec::with_capacity(new_tokens),
@@ -358,7 +371,7 @@ impl Llama {
             if i + 1 == new_tokens {
                 break;
             }
-            logits = self.decode_step(&mut cache, &next)?;
+            logits = all_rows(self.decode_step(&mut cache, &next.narrow(0, first_row, bd)?)?)?;
         }
         out.decode_time = t1.elapsed();
         out.cache_bytes = cache.bytes();
@@ -370,7 +383,7 @@ impl Llama {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::layout::{CpKind, Layout};
+    use crate::layout::{CpKind, Layout, ParallelCtx};
     use crate::params::{init_params, shard_params};
     use crate::LlamaConfig;
     use candle_core::Device;
@@ -472,7 +485,7 @@ mod tests {
         Ok(())
     }
 
-    /// dp = 2 is refused, a bad token id or decode shape is an error naming it.
+    /// A batch that DP does not divide, a bad token id or decode shape is an error naming it.
     #[test]
     fn bad_input_is_an_error() -> Result<()> {
         let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
@@ -482,7 +495,7 @@ mod tests {
             Ok(m.generate_greedy(&prompt, 2).err().map(|e| e.to_string()))
         }) {
             let e = r?.unwrap_or_default();
-            assert!(e.contains("dp = 1"), "{e}");
+            assert!(e.contains("not divisible by dp = 2") && e.contains("[1, 16]"), "{e}");
         }
         let r = run_ranks(1, |g| {
             let m = model(&cfg, &ParallelCtx::single(g)?)?;
