@@ -35,6 +35,7 @@ use crate::model::{linear, Block, Llama};
 use crate::rope::{apply_rope, rope_tables};
 use crate::sampling::{Sampler, Sampling};
 use candle_core::{bail, DType, Module, Result, Tensor};
+use candle_cp_nn::vocab_parallel_embedding;
 use candle_cp_ops::cp::{decode_owner, sharded_decode_attention, KvShard};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -160,6 +161,23 @@ impl Llama {
         }
     }
 
+    /// Embedding of ids `[B, T]` (the whole sequence, SP off) → `[B, T, h]`, the same on
+    /// every TP rank (vocabulary-parallel: each rank looks up its slice, summed over TP).
+    fn embed_whole(&self, ids: &Tensor) -> Result<Tensor> {
+        vocab_parallel_embedding(ids, &self.embed, self.cfg.vocab_size, &self.tp_of(false))
+    }
+
+    /// Logits `[B, T, V]` of hidden states `[B, T, h]` replicated on the TP ranks (the
+    /// vocabulary slices all-gathered when the head is split).
+    fn logits_whole(&self, h: &Tensor) -> Result<Tensor> {
+        let l = linear(h, &self.lm_head)?;
+        if self.vocab_parallel() {
+            self.ctx.tp.all_gather(&l.contiguous()?, 2)
+        } else {
+            Ok(l)
+        }
+    }
+
     /// This TP rank's `(H_local, Hkv_local, D)` and the softmax scale.
     fn heads(&self) -> ((usize, usize, usize), f64) {
         let c = &self.cfg;
@@ -233,11 +251,7 @@ impl Llama {
             batch: b,
             next: t,
         };
-        let mut x = self.embed.index_select(&ids.flatten_all()?, 0)?.reshape((
-            b,
-            tc,
-            self.cfg.hidden_size,
-        ))?;
+        let mut x = self.embed_whole(ids)?;
         for blk in &self.generation_blocks() {
             let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
             let mut shard = KvShard::new();
@@ -253,9 +267,7 @@ impl Llama {
         let local = match rows.iter().position(|&p| p == t - 1) {
             Some(i) => {
                 let h = self.norm.forward(&x.narrow(1, i, 1)?)?;
-                linear(&h, &self.lm_head)?
-                    .reshape((b, v))?
-                    .to_dtype(DType::F32)?
+                self.logits_whole(&h)?.reshape((b, v))?.to_dtype(DType::F32)?
             }
             None => Tensor::zeros((b, v), DType::F32, x.device())?,
         };
@@ -287,10 +299,7 @@ impl Llama {
         let (heads, scale) = self.heads();
         let (cos, sin) = rope_tables(&self.cfg, &[p as u32], DType::F32, ids.device())?;
         let rope = |x: &Tensor| apply_rope(x, &cos, &sin);
-        let mut x = self
-            .embed
-            .index_select(&ids, 0)?
-            .reshape((b, 1, self.cfg.hidden_size))?;
+        let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
         for (blk, shard) in self.generation_blocks().iter().zip(cache.layers.iter_mut()) {
             let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
             if owner {
@@ -312,7 +321,8 @@ impl Llama {
         }
         cache.next += 1;
         let h = self.norm.forward(&x)?;
-        Ok(linear(&h, &self.lm_head)?
+        Ok(self
+            .logits_whole(&h)?
             .reshape((b, self.cfg.vocab_size))?
             .to_dtype(DType::F32)?
             .detach())

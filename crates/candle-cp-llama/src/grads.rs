@@ -6,8 +6,8 @@
 //!
 //! | parameter                         | summed over                         |
 //! |-----------------------------------|-------------------------------------|
-//! | TP-sharded (q/k/v/o, gate/up/down)| DP × CP (never TP: each TP rank owns a different slice) |
-//! | replicated (embeddings, norms, head), no SP | DP × CP (TP ranks already hold identical full gradients) |
+//! | TP-sharded (q/k/v/o, gate/up/down; embeddings and head when tp divides the vocabulary) | DP × CP (never TP: each TP rank owns a different slice) |
+//! | replicated (norms; embeddings and head when tp does not divide the vocabulary), no SP | DP × CP (TP ranks already hold identical full gradients) |
 //! | replicated, with SP               | DP × CP × TP (each TP rank saw other tokens) |
 //! | k/v with fewer KV heads than TP ranks | DP × CP × the TP ranks holding the same KV head (each saw other query heads) |
 //!
@@ -52,10 +52,11 @@ fn reduce_with_buckets(
     }
     let mut per_group: Vec<((bool, usize), Group, Vec<String>)> = Vec::new();
     for s in specs {
-        let key = (s.shard == Shard::Replicated, s.shard.copies(ctx.layout.tp));
+        let shard = s.shard.resolve(ctx.layout.tp);
+        let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp));
         match per_group.iter_mut().find(|(k, _, _)| *k == key) {
             Some((_, _, names)) => names.push(s.name),
-            None => per_group.push((key, ctx.grad_group(s.shard)?, vec![s.name])),
+            None => per_group.push((key, ctx.grad_group(shard)?, vec![s.name])),
         }
     }
     for (_, group, names) in per_group {

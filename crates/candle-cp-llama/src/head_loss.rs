@@ -133,6 +133,117 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     attach2("token_nll", x, w, out, bwd)
 }
 
+/// [`token_nll`] with the head split by vocabulary rows over a TP group (Megatron's
+/// vocab-parallel cross-entropy, chunked).
+///
+/// `x` `[B, Tc, h]`: the hidden states of the whole TP region (SP: after
+/// `gather_from_sp_region`; else after `copy_to_tp_region`, so that the backward sums this
+/// op's partial `dx` over the TP ranks). `w` `[V/P, h]`: this rank's head rows
+/// `[r·V/P, (r+1)·V/P)`. `labels` `[B, Tc]` u32, the same on every TP rank. Returns f32
+/// `-log p(label)` of this rank's rows: `[B, Tc/P]` (rows `[r·Tc/P, (r+1)·Tc/P)`) when
+/// `own_rows_only` (SP), else `[B, Tc]`.
+///
+/// ```text
+/// forward : per chunk  l = x_c · W_rᵀ (f32)  lse_r = logsumexp(l)  t_r = l[label] if it is in r's slice, else 0
+///           lse = logsumexp_r(lse_r) (all-gather [P, m])   nll = lse - Σ_r t_r (all-reduce [m])
+/// backward: dy of all Tc rows (all-gather over TP when own_rows_only)
+///           d = (exp(l - lse) - onehot_r) · dy   dx_c = d · W_r (partial)   dW_r += dᵀ · x_c
+/// ```
+pub fn token_nll_vocab_parallel(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    chunk_rows: usize,
+    group: &candle_cp_comm::Group,
+    own_rows_only: bool,
+) -> Result<Tensor> {
+    const WHAT: &str = "token_nll_vocab_parallel";
+    let (b, tc, hd) = x.dims3()?;
+    let (p, r) = (group.size(), group.rank());
+    if labels.dims() != [b, tc] || (own_rows_only && !tc.is_multiple_of(p)) {
+        bail!("{WHAT}: hidden {:?} [B, Tc, h] and labels {:?} [B, Tc] do not match (Tc divisible by the TP size {p} with own rows)", x.dims(), labels.dims())
+    }
+    let x2 = x.reshape((b * tc, hd))?;
+    let lab2 = labels.flatten_all()?;
+    let (n, _, vl) = check(&x2, w, &lab2, WHAT)?;
+    let vocab = vl * p;
+    let off = r * vl;
+    let lab: Vec<u32> = lab2.to_dtype(DType::U32)?.to_vec1()?;
+    let (idx, tgt) = valid_rows(&lab, vocab, WHAT)?;
+    let dev = x.device().clone();
+    let m = idx.len();
+    let ts = if own_rows_only { tc / p } else { tc };
+    let own = |t: &Tensor| -> Result<Tensor> {
+        let t = t.reshape((b, tc))?;
+        if own_rows_only { t.narrow(1, r * ts, ts) } else { Ok(t) }
+    };
+    if m == 0 {
+        // the same on every rank (labels are): no collective; keep x and w in the graph
+        let zero = Tensor::zeros((), DType::F32, &dev)?;
+        let z = (x.to_dtype(DType::F32)?.sum_all()? + w.to_dtype(DType::F32)?.sum_all()?)?.mul(&zero)?;
+        return Tensor::zeros((b, ts), DType::F32, &dev)?.broadcast_add(&z);
+    }
+    let chunk = chunk_rows.max(1);
+    let idx_t = Tensor::new(idx.as_slice(), &dev)?;
+    let xs = x2.detach().index_select(&idx_t, 0)?; // [m, h]
+    let wd = w.detach();
+    // target column in this rank's slice (0 when elsewhere) and whether it is here
+    let mine: Vec<bool> = tgt.iter().map(|&t| (t as usize) >= off && (t as usize) < off + vl).collect();
+    let col: Vec<u32> = tgt.iter().zip(&mine).map(|(&t, &h)| if h { t - off as u32 } else { 0 }).collect();
+    let here: Vec<f32> = mine.iter().map(|&h| if h { 1.0 } else { 0.0 }).collect();
+    let col_t = Tensor::new(col.as_slice(), &dev)?.reshape((m, 1))?;
+    let here_t = Tensor::new(here.as_slice(), &dev)?.reshape((m, 1))?;
+    let (mut lse_r, mut t_r) = (Vec::new(), Vec::new());
+    for r0 in (0..m).step_by(chunk) {
+        let c = chunk.min(m - r0);
+        let l = chunk_logits(&xs, &wd, r0, c)?;
+        let mx = l.max_keepdim(D::Minus1)?;
+        lse_r.push(l.broadcast_sub(&mx)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&mx)?); // [c, 1]
+        t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
+    }
+    let lse_r = Tensor::cat(&lse_r, 0)?.reshape((1, m))?;
+    let t_r = Tensor::cat(&t_r, 0)?.reshape(m)?;
+    // merge the P slices: lse = log Σ_r exp(lse_r), target logit = the one rank's
+    let all = group.all_gather(&lse_r.contiguous()?, 0)?; // [P, m]
+    let mx = all.max_keepdim(0)?;
+    let lse = all.broadcast_sub(&mx)?.exp()?.sum_keepdim(0)?.log()?.add(&mx)?.reshape((m, 1))?;
+    let target = group.all_reduce(&t_r.contiguous()?)?;
+    let nll = (lse.reshape(m)? - target)?;
+    let out = own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?)?;
+    let (xs_b, w_b, x_dims, group) = (xs.clone(), wd.clone(), x.dims().to_vec(), group.clone());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        // every rank's slice of the head saw every row: the gradient of all Tc rows
+        let dy = dy.to_dtype(DType::F32)?.contiguous()?;
+        let dy = if own_rows_only { group.all_gather(&dy, 1)? } else { dy };
+        let dy = dy.flatten_all()?.index_select(&idx_t, 0)?.reshape((m, 1))?;
+        let mut dxs = Vec::new();
+        let mut dw: Option<Tensor> = None;
+        for r0 in (0..m).step_by(chunk) {
+            let c = chunk.min(m - r0);
+            let xc = xs_b.narrow(0, r0, c)?;
+            let l = chunk_logits(&xs_b, &w_b, r0, c)?;
+            let p = l.broadcast_sub(&lse.narrow(0, r0, c)?)?.exp()?;
+            let d = p
+                .scatter_add(&col_t.narrow(0, r0, c)?, &here_t.narrow(0, r0, c)?.neg()?, 1)?
+                .broadcast_mul(&dy.narrow(0, r0, c)?)?
+                .to_dtype(w_b.dtype())?; // [c, V/P]
+            dxs.push(d.matmul(&w_b)?);
+            let dwc = d.t()?.matmul(&xc)?.to_dtype(DType::F32)?;
+            dw = Some(match dw {
+                None => dwc,
+                Some(a) => (a + dwc)?,
+            });
+        }
+        let dxs = Tensor::cat(&dxs, 0)?;
+        let dx = Tensor::zeros((n, x_dims[2]), dxs.dtype(), dxs.device())?
+            .index_add(&idx_t, &dxs, 0)?
+            .reshape(x_dims.as_slice())?;
+        let dw = dw.map(|d| d.to_dtype(w_b.dtype())).transpose()?;
+        Ok(vec![Some(dx), dw])
+    });
+    attach2(WHAT, x, w, out, bwd)
+}
+
 /// Reference for [`token_nll`] from plain candle ops: full logits `x · Wᵀ`, f32
 /// log-softmax, gather; candle's autograd for the backward.
 pub fn token_nll_slow(x: &Tensor, w: &Tensor, labels: &Tensor) -> Result<Tensor> {
@@ -186,6 +297,55 @@ mod tests {
             // ignored rows are exactly zero
             let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, 2)?.to_vec1::<f32>()?;
             assert_eq!((got[1], got[4]), (0.0, 0.0));
+        }
+        Ok(())
+    }
+
+    /// The vocabulary-parallel loss over 2 and 4 ranks, with own rows (SP) and without,
+    /// chunks of 1 and all rows: values equal the full-logits reference, and the input and
+    /// head gradients (input partials summed over the ranks, head slices) equal its gradients.
+    #[test]
+    fn vocab_parallel_matches_slow() -> Result<()> {
+        let (b, tc, h, v) = (2usize, 4usize, 5usize, 12usize);
+        let labels = Tensor::new(&[[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]], &Device::Cpu)?;
+        let x = Var::from_tensor(&randn(1, &[b, tc, h], 1.0)?)?;
+        let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?)?;
+        let dy = randn(3, &[b, tc], 1.0)?;
+        let want = token_nll_slow(&x.as_tensor().reshape((b * tc, h))?, w.as_tensor(), &labels.flatten_all()?)?.reshape((b, tc))?;
+        let gw = (&want * &dy)?.sum_all()?.backward()?;
+        let (gx_want, gw_want) = (gw.get(x.as_tensor()).cloned().expect("dx"), gw.get(w.as_tensor()).cloned().expect("dW"));
+        for p in [2usize, 4] {
+            for own in [false, true] {
+                for chunk in [1usize, 64] {
+                    let res = candle_cp_comm::run_ranks(p, |g| {
+                        let r = g.rank();
+                        let vl = v / p;
+                        let wl = Var::from_tensor(&w.as_tensor().narrow(0, r * vl, vl)?)?;
+                        let xr = Var::from_tensor(x.as_tensor())?;
+                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, chunk, &g, own)?;
+                        let ts = if own { tc / p } else { tc };
+                        let (want_l, dy_l) = if own {
+                            (want.narrow(1, r * ts, ts)?, dy.narrow(1, r * ts, ts)?)
+                        } else {
+                            (want.clone(), dy.clone())
+                        };
+                        let e = max_diff(&got, &want_l)?;
+                        let gr = (&got * &dy_l)?.sum_all()?.backward()?;
+                        // each rank's input gradient is the part through its vocabulary
+                        // slice: they add up to the whole (the model's gather / copy to the TP
+                        // region sums them in backward); its head slice's gradient is complete
+                        let gx = g.all_reduce(gr.get(xr.as_tensor()).expect("dx"))?;
+                        let ex = max_diff(&gx, &gx_want)?;
+                        let gwl = gr.get(wl.as_tensor()).expect("dW").clone();
+                        let ew = max_diff(&gwl, &gw_want.narrow(0, r * vl, vl)?)?;
+                        Ok((e, ex, ew))
+                    });
+                    for res in res {
+                        let (e, ex, ew) = res?;
+                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "P {p} own {own} chunk {chunk}: values {e} dx {ex} dW {ew}");
+                    }
+                }
+            }
         }
         Ok(())
     }

@@ -309,12 +309,13 @@ impl ParallelCtx {
     /// | shard | group |
     /// |-------|-------|
     /// | [`Shard::Rows`], [`Shard::Cols`], [`Shard::RowBlocks`] with one copy | `dp_cp` |
-    /// | [`Shard::Replicated`] | `dp_cp`, or `world` under sequence parallelism |
+    /// | [`Shard::Replicated`] (and [`Shard::RowsIfDivisible`] that does not divide) | `dp_cp`, or `world` under sequence parallelism |
     /// | [`Shard::RowBlocks`]`(n)`, `n < tp` (KV heads replicated over `tp/n` TP ranks) | `dp_cp` × the `tp/n` TP ranks holding the block |
     ///
     /// The last group is made on first use, by a collective over `world` (every rank must ask
     /// for it at the same point, as [`crate::reduce_gradients`] does), and kept for reuse.
     pub fn grad_group(&self, shard: Shard) -> Result<Group> {
+        let shard = shard.resolve(self.layout.tp);
         let copies = shard.copies(self.layout.tp);
         match shard {
             Shard::Replicated if self.layout.seq_parallel() => return Ok(self.world.clone()),

@@ -13,7 +13,9 @@ use crate::layout::ParallelCtx;
 use crate::params::param_specs;
 use crate::rope::{apply_rope, rope_tables};
 use candle_core::{bail, DType, Module, Result, Tensor};
-use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
+use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
+use candle_cp_ops::mappings;
+use crate::layout::IGNORE;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
@@ -31,6 +33,17 @@ pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
         )
     }
     x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, o))
+}
+
+/// The labels `[B, Ts]` of every SP rank of the TP group, `[B, Ts·P]` u32 ([`IGNORE`]
+/// included; they travel as f32, exact for labels below 2^24).
+fn gather_labels(labels: &Tensor, g: &candle_cp_comm::Group) -> Result<Tensor> {
+    let (b, ts) = labels.dims2()?;
+    let v: Vec<f32> = labels.to_dtype(DType::U32)?.flatten_all()?.to_vec1::<u32>()?.iter().map(|&l| if l == IGNORE { -1.0 } else { l as f32 }).collect();
+    let all = g.all_gather(&Tensor::from_vec(v, (b, ts), labels.device())?, 1)?;
+    let (b2, t2) = all.dims2()?;
+    let back: Vec<u32> = all.flatten_all()?.to_vec1::<f32>()?.iter().map(|&l| if l < 0.0 { IGNORE } else { l as u32 }).collect();
+    Tensor::from_vec(back, (b2, t2), labels.device())
 }
 
 pub use crate::fused::rms_norm;
@@ -326,10 +339,8 @@ impl Llama {
                 )
             }
         }
-        let mut x = self
-            .embed
-            .index_select(&ids, 0)?
-            .reshape((b, ts, cfg.hidden_size))?;
+        // vocabulary-parallel lookup (a plain one when the table is replicated)
+        let mut x = vocab_parallel_embedding(&ids.reshape((b, ts))?, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
             rope,
@@ -369,7 +380,45 @@ impl Llama {
 
     /// [`Llama::forward`] with optional packed documents.
     pub(crate) fn forward_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
-        linear(&self.hidden_with(input_ids, positions, docs)?, &self.lm_head)
+        let h = self.hidden_with(input_ids, positions, docs)?;
+        if !self.vocab_parallel() {
+            return linear(&h, &self.lm_head);
+        }
+        // this rank's vocabulary slice of the logits of the whole TP region, then all of them
+        let (g, sp) = (&self.ctx.tp, self.ctx.layout.seq_parallel());
+        let l = linear(&self.head_region(&h)?, &self.lm_head)?.contiguous()?; // [B, Tc, V/P]
+        if sp {
+            // backward: reduce-scatter (each rank's loss saw only its own rows)
+            let ts = h.dim(1)?;
+            mappings::gather_from_sp_region(&l, g, 2)?.narrow(1, g.rank() * ts, ts)
+        } else {
+            // backward: keep the own slice (every rank's loss saw every row)
+            mappings::gather_from_sp_region_replicated_grad(&l, g, 2)
+        }
+    }
+
+    /// Whether the embedding and the LM head are split by vocabulary rows over TP
+    /// (`tp > 1` and `tp` divides the vocabulary; else they are replicated).
+    pub(crate) fn vocab_parallel(&self) -> bool {
+        let tp = self.ctx.layout.tp;
+        tp > 1 && self.cfg.vocab_size.is_multiple_of(tp)
+    }
+
+    /// The TP group with sequence parallelism `sp`.
+    pub(crate) fn tp_of(&self, sp: bool) -> Tp {
+        Tp::new(self.ctx.tp.clone(), sp)
+    }
+
+    /// Final hidden states `[B, Ts, h]` → the TP region `[B, Tc, h]` the vocabulary-parallel
+    /// head reads: all-gathered along T under SP (backward reduce-scatter), else through
+    /// `copy_to_tp_region` (backward all-reduce). Either way the backward sums the head's
+    /// partial input gradients over the TP ranks.
+    fn head_region(&self, h: &Tensor) -> Result<Tensor> {
+        if self.ctx.layout.seq_parallel() {
+            mappings::gather_from_sp_region(h, &self.ctx.tp, 1)
+        } else {
+            mappings::copy_to_tp_region(h, &self.ctx.tp)
+        }
     }
 
     /// Per-token next-token loss `-log p(label)` of this rank's tokens, f32 `[B, Ts]` (0 where
@@ -397,6 +446,12 @@ impl Llama {
                 labels.dims(),
                 input_ids.dims()
             )
+        }
+        if self.vocab_parallel() {
+            let (g, sp) = (&self.ctx.tp, self.ctx.layout.seq_parallel());
+            let labels_region = if sp { gather_labels(labels, g)? } else { labels.to_dtype(DType::U32)? };
+            let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size / g.size());
+            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, chunk, g, sp);
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
         crate::head_loss::token_nll(

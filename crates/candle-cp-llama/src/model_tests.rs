@@ -115,11 +115,18 @@ fn recompute_needs_llama_backward() -> Result<()> {
 fn token_nll_equals_the_logits_path() -> Result<()> {
     let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
     let ids = Tensor::arange(0u32, 64, &Device::Cpu)?.reshape((2, 32))?;
-    for layout in [Layout::cp(crate::layout::CpKind::Zigzag, 2), Layout::single().with_tp(2, true)] {
+    // (TP: the embedding and head split by vocabulary, 64 / tp rows per rank)
+    for layout in [
+        Layout::cp(crate::layout::CpKind::Zigzag, 2),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(2, false),
+        Layout::cp(crate::layout::CpKind::Zigzag, 2).with_tp(4, true),
+    ] {
         for r in run_ranks(layout.world_size(), |g| {
             let ctx = ParallelCtx::new(g, layout)?;
             let vm = shard_params(&init_params(&cfg, 3, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
             let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+            assert_eq!((m.embed.dims()[0], m.lm_head.dims()[0]), (64 / layout.tp, 64 / layout.tp), "{layout}");
             let b = shard_batch(&ids, &ctx)?;
             // ignore every third label
             let lab: Vec<u32> = b.labels.flatten_all()?.to_vec1()?;

@@ -3,14 +3,14 @@
 //!
 //! | parameter                                   | full shape       | TP shard        |
 //! |---------------------------------------------|------------------|-----------------|
-//! | `model.embed_tokens.weight`                 | `[V, h]`         | replicated      |
+//! | `model.embed_tokens.weight`                 | `[V, h]`         | rows (vocabulary) when tp divides V, else replicated |
 //! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
 //! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
-//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | replicated      |
+//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | rows (vocabulary) when tp divides V, else replicated |
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
@@ -83,11 +83,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     let mut out = Vec::new();
     let mut add =
         |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
-    add(
-        "model.embed_tokens.weight".into(),
-        vec![v, h],
-        Shard::Replicated,
-    );
+    // vocabulary-parallel embedding and head (replicated when tp does not divide V)
+    let vocab = Shard::RowsIfDivisible(v);
+    add("model.embed_tokens.weight".into(), vec![v, h], vocab);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
         add(p("input_layernorm.weight"), vec![h], norm);
@@ -102,7 +100,7 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     }
     add("model.norm.weight".into(), vec![h], norm);
     if !cfg.tie_word_embeddings {
-        add("lm_head.weight".into(), vec![v, h], Shard::Replicated);
+        add("lm_head.weight".into(), vec![v, h], vocab);
     }
     out
 }

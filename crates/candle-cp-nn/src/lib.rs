@@ -64,6 +64,7 @@
 #![warn(missing_docs)]
 
 mod dropout;
+mod embedding;
 mod linear;
 mod norm;
 mod shard;
@@ -71,6 +72,7 @@ mod shard;
 mod tests;
 
 pub use dropout::{Dropout, Region, RngStreams};
+pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
 pub use norm::{rms_norm, rms_norm_slow, LayerNorm, RmsNorm};
 pub use shard::{shard_for_tp, Shard};

@@ -39,15 +39,31 @@ pub enum Shard {
     /// `⌊r·n/P⌋`, so each block is held by `P/n` adjacent ranks ([`Shard::copies`]): the
     /// K/V projection of a GQA model with fewer KV heads than the TP size.
     RowBlocks(usize),
+    /// Dim 0 of length `n` split as [`Shard::Rows`] when `P` divides `n`, else
+    /// [`Shard::Replicated`]: the vocabulary-parallel embedding and LM head, which fall back
+    /// to replicated weights for a vocabulary the TP size does not divide.
+    RowsIfDivisible(usize),
 }
 
 impl Shard {
-    /// The split dimension, if any.
+    /// The split dimension, if any (for [`Shard::RowsIfDivisible`]: when it splits).
     pub fn dim(&self) -> Option<usize> {
         match self {
             Shard::Replicated => None,
-            Shard::Rows | Shard::RowBlocks(_) => Some(0),
+            Shard::Rows | Shard::RowBlocks(_) | Shard::RowsIfDivisible(_) => Some(0),
             Shard::Cols => Some(1),
+        }
+    }
+
+    /// The plain split this is over `size` ranks: [`Shard::RowsIfDivisible`] becomes
+    /// [`Shard::Rows`] or [`Shard::Replicated`], [`Shard::RowBlocks`]`(n)` with `size | n`
+    /// becomes [`Shard::Rows`]; the others stay as they are.
+    pub fn resolve(&self, size: usize) -> Shard {
+        match *self {
+            Shard::RowsIfDivisible(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
+            Shard::RowsIfDivisible(_) => Shard::Replicated,
+            Shard::RowBlocks(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
+            s => s,
         }
     }
 
@@ -55,7 +71,7 @@ impl Shard {
     /// for [`Shard::RowBlocks`]`(n)` with `n < size`, else 1. A gradient computed on one copy
     /// is that copy's share: the true gradient is the sum over the copies.
     pub fn copies(&self, size: usize) -> usize {
-        match *self {
+        match self.resolve(size) {
             Shard::Replicated => size,
             Shard::RowBlocks(n) if n > 0 && n < size && size.is_multiple_of(n) => size / n,
             _ => 1,
@@ -72,6 +88,12 @@ impl Shard {
     /// The shape one of `size` ranks holds for a full tensor of shape `full`. Errors (naming
     /// the shape) if `size` does not divide the split dim or the tensor has no such dim.
     pub fn local_shape(&self, full: &[usize], size: usize) -> Result<Shape> {
+        if let Shard::RowsIfDivisible(n) = *self {
+            if full.first() != Some(&n) {
+                bail!("{self:?} shard of a tensor {full:?}: dim 0 is not {n}")
+            }
+            return self.resolve(size).local_shape(full, size);
+        }
         let mut s = full.to_vec();
         if let Shard::RowBlocks(n) = *self {
             if s.is_empty() || n == 0 || size == 0 || !s[0].is_multiple_of(n) {
@@ -102,7 +124,7 @@ impl Shard {
         if rank >= size {
             bail!("{self:?} shard of a tensor {:?}: rank {rank} out of range for TP size {size}", full.dims())
         }
-        match self.dim() {
+        match self.resolve(size).dim() {
             None => Ok(full.clone()),
             Some(d) => {
                 let n = local.dims()[d];
@@ -115,8 +137,8 @@ impl Shard {
     /// collective, every rank calls it), dropping the extra copies of replicated blocks.
     /// Replicated tensors are returned as they are, without communication.
     pub fn gather(&self, local: &Tensor, group: &Group) -> Result<Tensor> {
-        let Some(d) = self.dim() else { return Ok(local.clone()) };
         let size = group.size();
+        let Some(d) = self.resolve(size).dim() else { return Ok(local.clone()) };
         if size == 1 {
             return Ok(local.clone());
         }
@@ -180,6 +202,23 @@ mod tests {
         assert!(e.contains("[4, 6]") && e.contains("TP size 3"), "{e}");
         assert!(Shard::RowBlocks(3).local_shape(&[4, 6], 3).is_err());
         assert!(Shard::RowBlocks(2).slice(&full, 4, 4).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn rows_if_divisible_split_or_replicate() -> Result<()> {
+        let full = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((4, 6))?;
+        let v = Shard::RowsIfDivisible(4);
+        assert_eq!((v.resolve(2), v.resolve(3), v.resolve(4)), (Shard::Rows, Shard::Replicated, Shard::Rows));
+        assert_eq!((v.copies(2), v.copies(3)), (1, 3));
+        assert_eq!(v.slice(&full, 2, 1)?.to_vec2::<f32>()?, full.narrow(0, 2, 2)?.to_vec2::<f32>()?);
+        assert_eq!(v.slice(&full, 3, 2)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?);
+        assert!(Shard::RowsIfDivisible(5).local_shape(&[4, 6], 2).is_err());
+        for p in [2usize, 3] {
+            for r in candle_cp_comm::run_ranks(p, |g| v.gather(&v.slice(&full, p, g.rank())?, &g)?.to_vec2::<f32>()) {
+                assert_eq!(r?, full.to_vec2::<f32>()?, "over {p} ranks");
+            }
+        }
         Ok(())
     }
 
