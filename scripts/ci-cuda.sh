@@ -213,8 +213,9 @@ for l in zigzag ulysses "zigzag --recompute"; do
 done
 # generation with the KV cache sharded over 4 virtual ranks on CUDA (the example exits non-zero
 # unless the tokens equal the single-device run's); a contiguous ring with a sliding window,
-# and sampled tokens (the same seeded draws on every rank), too
-for g in "--cp-kind zigzag" "--cp-kind ring --sliding-window 48" "--cp-kind allgather --temperature 0.9 --top-p 0.9 --sample-seed 3"; do
+# and sampled tokens (the same seeded draws on every rank), too; and CP 2 x TP 2 + SP x DP 2
+# (vocabulary-parallel embedding and head, each TP rank caching its KV head, DP rows)
+for g in "--cp-kind zigzag" "--cp-kind ring --sliding-window 48" "--cp-kind allgather --temperature 0.9 --top-p 0.9 --sample-seed 3" "--cp 2 --tp 2 --sp --dp 2 --batch 2"; do
   # shellcheck disable=SC2086 # (word-split: the flags)
   shim_step "generate cuda $g" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/generate" --device cuda --prompt-len 256 --new-tokens 4 $g
   echo "ci-cuda: generate --device cuda $g under the shim: $(grep '^logits max' "$shim_log"); $(grep '^tokens:' "$shim_log")"
