@@ -1,0 +1,50 @@
+//! The planner's parameter count per GPU (`candle_cp_plan::memory::params_per_gpu`) equals
+//! what the Llama model actually holds on each rank, exactly, for every TP degree: Q/O and
+//! the MLP split over TP, K/V split by KV head or replicated when TP exceeds the KV heads,
+//! the embedding and head split by vocabulary, norms replicated. The planner's memory figures
+//! (weights, gradients, optimizer states) are therefore about the model we run, not an ideal.
+
+use candle_core::{DType, Device, Result};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::layout::Layout;
+use candle_cp_llama::{init_params, shard_params, Llama, LlamaConfig, ParallelCtx};
+use candle_cp_plan::memory::params_per_gpu;
+use candle_cp_plan::{Layout as PlanLayout, ModelConfig};
+use candle_nn::VarBuilder;
+
+/// Parameters (elements) each rank of TP `tp` holds after building the model, rank order.
+fn held(cfg: &LlamaConfig, tp: usize, sp: bool) -> Result<Vec<usize>> {
+    let layout = Layout::single().with_tp(tp, sp);
+    run_ranks(tp, |g| {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let vm = shard_params(&init_params(cfg, 1, DType::F32, &Device::Cpu)?, cfg, &ctx)?;
+        // the model accepts exactly these shards (it would refuse another shape)
+        Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?;
+        Ok(vm.all_vars().iter().map(|v| v.elem_count()).sum())
+    })
+    .into_iter()
+    .collect()
+}
+
+#[test]
+fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
+    let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
+    let mut tied = LlamaConfig::tiny(64, 32, 2, 8, 1);
+    tied.tie_word_embeddings = true;
+    // (config, TP degrees): 8 heads / 2 KV heads (V = 512), and MQA with a tied head (V = 64)
+    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8])] {
+        let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
+            .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+        for tp in tps {
+            let want = params_per_gpu(&m, &PlanLayout { tp, sp: true, ..PlanLayout::default() });
+            for sp in [false, true] {
+                let got = held(cfg, tp, sp)?;
+                for (r, n) in got.iter().enumerate() {
+                    assert_eq!(*n as f64, want, "tp {tp} sp {sp} rank {r}: the model holds {n} parameters, the planner says {want}");
+                }
+                println!("heads {}/{} V {} tp {tp} sp {sp}: {} parameters per rank = planner", cfg.num_attention_heads, cfg.num_key_value_heads, cfg.vocab_size, got[0]);
+            }
+        }
+    }
+    Ok(())
+}
