@@ -133,6 +133,22 @@ impl Shard {
         }
     }
 
+    /// The full tensor from the slices of all `parts.len()` ranks, in rank order (host-side
+    /// counterpart of [`Shard::gather`], e.g. for state saved per rank): concatenated along the
+    /// split dim, one copy of each replicated block kept; a replicated tensor is `parts[0]`.
+    pub fn assemble(&self, parts: &[Tensor]) -> Result<Tensor> {
+        let size = parts.len();
+        let Some(first) = parts.first() else { bail!("{self:?}: no parts to assemble") };
+        let resolved = self.resolve(size);
+        let Some(d) = resolved.dim() else { return Ok(first.clone()) };
+        let copies = resolved.copies(size);
+        let keep: Vec<Tensor> = parts.iter().step_by(copies.max(1)).cloned().collect();
+        if keep.iter().any(|t| t.dims() != first.dims()) {
+            bail!("{self:?}: parts of different shapes {:?}", parts.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>())
+        }
+        Tensor::cat(&keep, d)
+    }
+
     /// The full tensor from each rank's `local` slice: all-gather over `group` (the TP group;
     /// collective, every rank calls it), dropping the extra copies of replicated blocks.
     /// Replicated tensors are returned as they are, without communication.
@@ -219,6 +235,25 @@ mod tests {
                 assert_eq!(r?, full.to_vec2::<f32>()?, "over {p} ranks");
             }
         }
+        Ok(())
+    }
+
+    #[test]
+    fn assemble_inverts_slice() -> Result<()> {
+        let full = Tensor::arange(0f32, 48., &Device::Cpu)?.reshape((8, 6))?;
+        for (s, p) in [
+            (Shard::Rows, 4usize),
+            (Shard::Cols, 2),
+            (Shard::Replicated, 3),
+            (Shard::RowBlocks(2), 4),
+            (Shard::RowBlocks(4), 2),
+            (Shard::RowsIfDivisible(8), 4),
+            (Shard::RowsIfDivisible(8), 3),
+        ] {
+            let parts = (0..p).map(|r| s.slice(&full, p, r)).collect::<Result<Vec<_>>>()?;
+            assert_eq!(s.assemble(&parts)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?, "{s:?} over {p}");
+        }
+        assert!(Shard::Rows.assemble(&[]).is_err());
         Ok(())
     }
 

@@ -134,6 +134,59 @@ pub fn latest_checkpoint(root: impl AsRef<Path>) -> std::io::Result<Option<PathB
     Ok(list_checkpoints(root)?.pop().map(|(_, p)| p))
 }
 
+/// The optimizer state of checkpoint `dir` (written by a run with any TP degree: one
+/// `optimizer-tp<t>.safetensors` per TP rank) as this rank of `ctx` holds it: each moment
+/// (and master copy) reassembled to its full shape from the old TP ranks' files
+/// ([`candle_cp_nn::Shard::assemble`], one copy of replicated KV heads), then sliced for
+/// this layout's TP rank. What [`super::AdamW::load_tensors`] takes. Every rank reads every
+/// old file (host memory: the whole optimizer state once per rank while resuming).
+pub fn reshard_optimizer_state(
+    dir: &Path,
+    cfg: &crate::LlamaConfig,
+    ctx: &crate::ParallelCtx,
+) -> candle_core::Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    use candle_core::{bail, Device, Error};
+    let file = |t: usize| dir.join(format!("optimizer-tp{t}.safetensors"));
+    let old_tp = (0..).take_while(|&t| file(t).is_file()).count();
+    if old_tp == 0 {
+        bail!("resume: no optimizer-tp0.safetensors in {}", dir.display())
+    }
+    let files = (0..old_tp)
+        .map(|t| {
+            candle_core::safetensors::load(file(t), &Device::Cpu)
+                .map_err(|e| Error::Msg(format!("reading optimizer state {}: {e}", file(t).display())))
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    let steps = files
+        .iter()
+        .map(|f| match f.get("step") {
+            Some(s) => s.to_vec1::<u32>(),
+            None => Ok(vec![]),
+        })
+        .collect::<candle_core::Result<Vec<_>>>()?;
+    if steps.iter().any(|s| s.is_empty() || s != &steps[0]) {
+        bail!("resume: the {old_tp} optimizer files of {} disagree on the step ({steps:?})", dir.display())
+    }
+    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
+    let mut out = std::collections::HashMap::new();
+    out.insert("step".to_string(), files[0]["step"].clone());
+    for spec in crate::params::param_specs(cfg) {
+        for prefix in ["m", "v", "w"] {
+            let key = format!("{prefix}.{}", spec.name);
+            let parts: Vec<candle_core::Tensor> = files.iter().filter_map(|f| f.get(&key).cloned()).collect();
+            if parts.is_empty() {
+                continue; // no master copy (f32 run), or a missing moment that load_tensors names
+            }
+            if parts.len() != old_tp {
+                bail!("resume: {key} is in {} of the {old_tp} optimizer files of {}", parts.len(), dir.display())
+            }
+            let full = spec.shard.assemble(&parts).map_err(|e| Error::Msg(format!("resume: {key}: {e}")))?;
+            out.insert(key, spec.slice(&full, tp, tp_rank)?);
+        }
+    }
+    Ok(out)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -16,7 +16,7 @@ pub mod rng;
 pub mod schedule;
 pub mod trainer;
 
-pub use checkpoint::TrainState;
+pub use checkpoint::{reshard_optimizer_state, TrainState};
 pub use clip::{clip_factor, global_norm};
 pub use data::{DataSource, KvRecall, Sample, TokenStream};
 pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};

@@ -253,6 +253,13 @@ impl AdamW {
         let p = path.as_ref();
         let t = candle_core::safetensors::load(p, &Device::Cpu)
             .map_err(|e| candle_core::Error::Msg(format!("reading optimizer state {}: {e}", p.display())))?;
+        self.load_tensors(&t, p)
+    }
+
+    /// [`AdamW::load`] from the tensors of such a file (`step`, `m.<name>`, `v.<name>`,
+    /// optionally `w.<name>`), e.g. state resharded for another layout; `p` names their
+    /// origin in errors.
+    pub fn load_tensors(&mut self, t: &std::collections::HashMap<String, Tensor>, p: &Path) -> Result<()> {
         let step = t
             .get("step")
             .ok_or_else(|| candle_core::Error::Msg(format!("{}: no 'step' tensor", p.display())))?;

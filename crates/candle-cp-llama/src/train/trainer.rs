@@ -255,18 +255,10 @@ pub fn train_rank(
     };
     let (full, mut mcfg, state) = match (&resume_from, &cfg.model) {
         (Some(dir), _) => {
+            // (written by another layout: the weights are full HF tensors; the optimizer
+            // state is resharded below)
             let st = TrainState::load(dir.join("train_state.json"))
                 .map_err(|e| ioe("reading", dir, e))?;
-            if st.world_size != world.size() || st.layout != cfg.layout.to_string() {
-                bail!(
-                    "resume: checkpoint {} was written by layout '{}' on {} ranks, this run is '{}' on {}",
-                    dir.display(),
-                    st.layout,
-                    st.world_size,
-                    cfg.layout,
-                    world.size()
-                )
-            }
             let (vm, c) = load_hf(dir, &dev, cfg.dtype)?;
             (vm, c, Some(st))
         }
@@ -325,7 +317,12 @@ pub fn train_rank(
     let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
     let (start_step, mut tokens_seen, prev_elapsed) = match (&resume_from, &state) {
         (Some(dir), Some(st)) => {
-            opt.load(opt_file(dir))?;
+            if st.world_size == world.size() && st.layout == cfg.layout.to_string() {
+                opt.load(opt_file(dir))?;
+            } else {
+                let state = super::checkpoint::reshard_optimizer_state(dir, &mcfg, &ctx)?;
+                opt.load_tensors(&state, dir)?;
+            }
             if opt.step != st.step {
                 bail!(
                     "resume: optimizer state at step {} but train_state at step {}",
