@@ -191,6 +191,60 @@ pub fn reshard_optimizer_state(
 mod tests {
     use super::*;
 
+    /// Optimizer files written by TP 4 (2 KV heads: each on 2 ranks; V = 64 split by rows),
+    /// with moments and master copies (`w.`), resharded for TP 2 and for one device; and TP 2
+    /// files resharded for TP 4: every tensor is the new rank's slice of the full state.
+    #[test]
+    fn optimizer_state_reshards_between_tp_degrees() -> candle_core::Result<()> {
+        use crate::layout::Layout;
+        use candle_core::{DType, Device, Tensor};
+        let cfg = crate::LlamaConfig::tiny(64, 32, 1, 4, 2);
+        let specs = crate::params::param_specs(&cfg);
+        let mut full = std::collections::HashMap::new();
+        for (i, spec) in specs.iter().enumerate() {
+            for (j, prefix) in ["m", "v", "w"].iter().enumerate() {
+                let n: usize = spec.shape.iter().product();
+                let t = Tensor::arange(0f32, n as f32, &Device::Cpu)?.affine(1.0, (100 * i + 10 * j) as f64)?;
+                full.insert(format!("{prefix}.{}", spec.name), t.reshape(spec.shape.as_slice())?);
+            }
+        }
+        for (old_tp, new_tp) in [(4usize, 2usize), (4, 1), (2, 4)] {
+            let dir = std::env::temp_dir().join(format!("reshard-{old_tp}-{new_tp}-{}", std::process::id()));
+            std::fs::create_dir_all(&dir)?;
+            for r in 0..old_tp {
+                let mut file = std::collections::HashMap::new();
+                file.insert("step".to_string(), Tensor::new(&[7u32], &Device::Cpu)?);
+                for spec in &specs {
+                    for prefix in ["m", "v", "w"] {
+                        let key = format!("{prefix}.{}", spec.name);
+                        file.insert(key.clone(), spec.slice(&full[&key], old_tp, r)?);
+                    }
+                }
+                candle_core::safetensors::save(&file, dir.join(format!("optimizer-tp{r}.safetensors")))?;
+            }
+            let layout = Layout::single().with_tp(new_tp, true);
+            for res in candle_cp_comm::run_ranks(new_tp, |g| {
+                let ctx = crate::ParallelCtx::new(g, layout)?;
+                let got = reshard_optimizer_state(&dir, &cfg, &ctx)?;
+                let mut worst = 0f32;
+                for spec in &specs {
+                    for prefix in ["m", "v", "w"] {
+                        let key = format!("{prefix}.{}", spec.name);
+                        let want = spec.slice(&full[&key], new_tp, ctx.coords.2)?;
+                        let d = (&got[&key] - want)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                        worst = worst.max(d);
+                    }
+                }
+                Ok((worst, got["step"].to_dtype(DType::U32)?.to_vec1::<u32>()?, got.len()))
+            }) {
+                let (worst, step, n) = res?;
+                assert_eq!((worst, step, n), (0.0, vec![7], 1 + 3 * specs.len()), "tp {old_tp} -> {new_tp}");
+            }
+            std::fs::remove_dir_all(&dir).ok();
+        }
+        Ok(())
+    }
+
     #[test]
     fn checkpoints_are_published_atomically_and_pruned() -> std::io::Result<()> {
         let root = std::env::temp_dir().join(format!("ckpt-test-{}", std::process::id()));
