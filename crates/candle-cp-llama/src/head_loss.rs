@@ -66,6 +66,53 @@ fn chunk_logits(xs: &Tensor, w: &Tensor, r0: usize, c: usize) -> Result<Tensor> 
     xs.narrow(0, r0, c)?.matmul(&w.t()?)?.to_dtype(DType::F32)
 }
 
+/// `log Σ exp` of `t` along `dim`, kept (f32, max-shifted).
+fn logsumexp_keepdim(t: &Tensor, dim: usize) -> Result<Tensor> {
+    let mx = t.max_keepdim(dim)?;
+    t.broadcast_sub(&mx)?.exp()?.sum_keepdim(dim)?.log()?.add(&mx)
+}
+
+/// Zeros of `shape` (f32) that keep `x` and `w` in the graph with a zero gradient: the loss
+/// of a call without any valid label, like `local_nll`'s empty case.
+fn zeros_in_graph(x: &Tensor, w: &Tensor, shape: &[usize]) -> Result<Tensor> {
+    let zero = Tensor::zeros((), DType::F32, x.device())?;
+    let z = (x.to_dtype(DType::F32)?.sum_all()? + w.to_dtype(DType::F32)?.sum_all()?)?.mul(&zero)?;
+    Tensor::zeros(shape, DType::F32, x.device())?.broadcast_add(&z)
+}
+
+/// The chunked backward shared by [`token_nll`] and [`token_nll_vocab_parallel`]: per chunk of
+/// the `m` valid rows `xs` `[m, h]`, recompute `l = x_c · Wᵀ`, `d = (exp(l - lse) + onehot) ·
+/// dy` with `onehot` = `hot` `[m, 1]` (−1, or 0 where the target is on another rank) at
+/// column `col` `[m, 1]`; returns `dxs = d · W` `[m, h]` and `dW = Σ dᵀ · x_c` (f32 summed, in
+/// W's dtype).
+fn chunked_backward(
+    xs: &Tensor,
+    w: &Tensor,
+    (lse, col, hot, dy): (&Tensor, &Tensor, &Tensor, &Tensor),
+    chunk: usize,
+) -> Result<(Tensor, Option<Tensor>)> {
+    let m = xs.dim(0)?;
+    let mut dxs = Vec::new();
+    let mut dw: Option<Tensor> = None;
+    for r0 in (0..m).step_by(chunk) {
+        let c = chunk.min(m - r0);
+        let l = chunk_logits(xs, w, r0, c)?;
+        let d = l
+            .broadcast_sub(&lse.narrow(0, r0, c)?)?
+            .exp()?
+            .scatter_add(&col.narrow(0, r0, c)?, &hot.narrow(0, r0, c)?, 1)?
+            .broadcast_mul(&dy.narrow(0, r0, c)?)?
+            .to_dtype(w.dtype())?; // [c, V] (or V/P)
+        dxs.push(d.matmul(w)?);
+        let dwc = d.t()?.matmul(&xs.narrow(0, r0, c)?)?.to_dtype(DType::F32)?;
+        dw = Some(match dw {
+            None => dwc,
+            Some(a) => (a + dwc)?,
+        });
+    }
+    Ok((Tensor::cat(&dxs, 0)?, dw.map(|d| d.to_dtype(w.dtype())).transpose()?))
+}
+
 /// `-log softmax(x · Wᵀ)[label]` per row, f32 `[N]`, `0` where the label is [`IGNORE`];
 /// differentiable w.r.t. `x` and `w`. `x` `[N, h]` hidden states, `w` `[V, h]` the head
 /// (same dtype; the matmuls run in it, the softmax in f32), `labels` `[N]` u32.
@@ -77,10 +124,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     let dev = x.device().clone();
     let m = idx.len();
     if m == 0 {
-        // keep x (and the head) in the graph with a zero gradient, like local_nll's empty case
-        let zero = Tensor::zeros((), DType::F32, &dev)?;
-        let z = (x.to_dtype(DType::F32)?.sum_all()? + w.to_dtype(DType::F32)?.sum_all()?)?.mul(&zero)?;
-        return Tensor::zeros(n, DType::F32, &dev)?.broadcast_add(&z);
+        return zeros_in_graph(x, w, &[n]);
     }
     let chunk = chunk_rows.max(1);
     let idx_t = Tensor::new(idx.as_slice(), &dev)?;
@@ -91,8 +135,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
         let l = chunk_logits(&xs, &wd, r0, c)?;
-        let mx = l.max_keepdim(D::Minus1)?;
-        let s = l.broadcast_sub(&mx)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&mx)?; // [c, 1]
+        let s = logsumexp_keepdim(&l, 1)?; // [c, 1]
         nll.push((&s - l.gather(&tgt_t.narrow(0, r0, c)?, 1)?)?);
         lse.push(s);
     }
@@ -101,33 +144,11 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     // scatter the valid rows' terms into [N] (zeros elsewhere)
     let out = Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?;
     let (xs_b, w_b, x_dims) = (xs.clone(), wd.clone(), x.dims().to_vec());
+    let minus_one = Tensor::full(-1f32, (m, 1), &dev)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let dy = dy.to_dtype(DType::F32)?.index_select(&idx_t, 0)?.reshape((m, 1))?;
-        let minus_one = Tensor::full(-1f32, (chunk.min(m), 1), xs_b.device())?;
-        let mut dxs = Vec::new();
-        let mut dw: Option<Tensor> = None;
-        for r0 in (0..m).step_by(chunk) {
-            let c = chunk.min(m - r0);
-            let xc = xs_b.narrow(0, r0, c)?;
-            let l = chunk_logits(&xs_b, &w_b, r0, c)?;
-            let p = l.broadcast_sub(&lse.narrow(0, r0, c)?)?.exp()?;
-            let d = p
-                .scatter_add(&tgt_t.narrow(0, r0, c)?, &minus_one.narrow(0, 0, c)?, 1)?
-                .broadcast_mul(&dy.narrow(0, r0, c)?)?
-                .to_dtype(w_b.dtype())?; // [c, V]
-            dxs.push(d.matmul(&w_b)?);
-            let dwc = d.t()?.matmul(&xc)?.to_dtype(DType::F32)?;
-            dw = Some(match dw {
-                None => dwc,
-                Some(a) => (a + dwc)?,
-            });
-        }
-        let dxs = Tensor::cat(&dxs, 0)?;
+        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &tgt_t, &minus_one, &dy), chunk)?;
         let dx = Tensor::zeros(x_dims.as_slice(), dxs.dtype(), dxs.device())?.index_add(&idx_t, &dxs, 0)?;
-        let dw = match dw {
-            Some(d) => Some(d.to_dtype(w_b.dtype())?),
-            None => None,
-        };
         Ok(vec![Some(dx), dw])
     });
     attach2("token_nll", x, w, out, bwd)
@@ -178,10 +199,8 @@ pub fn token_nll_vocab_parallel(
         if own_rows_only { t.narrow(1, r * ts, ts) } else { Ok(t) }
     };
     if m == 0 {
-        // the same on every rank (labels are): no collective; keep x and w in the graph
-        let zero = Tensor::zeros((), DType::F32, &dev)?;
-        let z = (x.to_dtype(DType::F32)?.sum_all()? + w.to_dtype(DType::F32)?.sum_all()?)?.mul(&zero)?;
-        return Tensor::zeros((b, ts), DType::F32, &dev)?.broadcast_add(&z);
+        // the same on every rank (labels are): no collective
+        return zeros_in_graph(x, w, &[b, ts]);
     }
     let chunk = chunk_rows.max(1);
     let idx_t = Tensor::new(idx.as_slice(), &dev)?;
@@ -197,48 +216,28 @@ pub fn token_nll_vocab_parallel(
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
         let l = chunk_logits(&xs, &wd, r0, c)?;
-        let mx = l.max_keepdim(D::Minus1)?;
-        lse_r.push(l.broadcast_sub(&mx)?.exp()?.sum_keepdim(D::Minus1)?.log()?.add(&mx)?); // [c, 1]
+        lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
         t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
     }
     let lse_r = Tensor::cat(&lse_r, 0)?.reshape((1, m))?;
     let t_r = Tensor::cat(&t_r, 0)?.reshape(m)?;
     // merge the P slices: lse = log Σ_r exp(lse_r), target logit = the one rank's
     let all = group.all_gather(&lse_r.contiguous()?, 0)?; // [P, m]
-    let mx = all.max_keepdim(0)?;
-    let lse = all.broadcast_sub(&mx)?.exp()?.sum_keepdim(0)?.log()?.add(&mx)?.reshape((m, 1))?;
+    let lse = logsumexp_keepdim(&all, 0)?.reshape((m, 1))?;
     let target = group.all_reduce(&t_r.contiguous()?)?;
     let nll = (lse.reshape(m)? - target)?;
     let out = own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?)?;
+    let minus_here = here_t.neg()?;
     let (xs_b, w_b, x_dims, group) = (xs.clone(), wd.clone(), x.dims().to_vec(), group.clone());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         // every rank's slice of the head saw every row: the gradient of all Tc rows
         let dy = dy.to_dtype(DType::F32)?.contiguous()?;
         let dy = if own_rows_only { group.all_gather(&dy, 1)? } else { dy };
         let dy = dy.flatten_all()?.index_select(&idx_t, 0)?.reshape((m, 1))?;
-        let mut dxs = Vec::new();
-        let mut dw: Option<Tensor> = None;
-        for r0 in (0..m).step_by(chunk) {
-            let c = chunk.min(m - r0);
-            let xc = xs_b.narrow(0, r0, c)?;
-            let l = chunk_logits(&xs_b, &w_b, r0, c)?;
-            let p = l.broadcast_sub(&lse.narrow(0, r0, c)?)?.exp()?;
-            let d = p
-                .scatter_add(&col_t.narrow(0, r0, c)?, &here_t.narrow(0, r0, c)?.neg()?, 1)?
-                .broadcast_mul(&dy.narrow(0, r0, c)?)?
-                .to_dtype(w_b.dtype())?; // [c, V/P]
-            dxs.push(d.matmul(&w_b)?);
-            let dwc = d.t()?.matmul(&xc)?.to_dtype(DType::F32)?;
-            dw = Some(match dw {
-                None => dwc,
-                Some(a) => (a + dwc)?,
-            });
-        }
-        let dxs = Tensor::cat(&dxs, 0)?;
+        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &col_t, &minus_here, &dy), chunk)?;
         let dx = Tensor::zeros((n, x_dims[2]), dxs.dtype(), dxs.device())?
             .index_add(&idx_t, &dxs, 0)?
             .reshape(x_dims.as_slice())?;
-        let dw = dw.map(|d| d.to_dtype(w_b.dtype())).transpose()?;
         Ok(vec![Some(dx), dw])
     });
     attach2(WHAT, x, w, out, bwd)

@@ -328,19 +328,10 @@ impl Llama {
             Some(docs) => Some(crate::packed::check_docs(docs, b, tc * self.ctx.layout.cp, input_ids)?),
         };
         let scale = 1.0 / (d as f64).sqrt();
-        let ids = input_ids.to_dtype(DType::U32)?.flatten_all()?;
-        if ids.elem_count() > 0 {
-            let max = ids.max(0)?.to_scalar::<u32>()? as usize;
-            if max >= cfg.vocab_size {
-                bail!(
-                    "Llama::hidden: token id {max} out of range for vocab {} (input_ids {:?})",
-                    cfg.vocab_size,
-                    input_ids.dims()
-                )
-            }
-        }
-        // vocabulary-parallel lookup (a plain one when the table is replicated)
-        let mut x = vocab_parallel_embedding(&ids.reshape((b, ts))?, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?;
+        // vocabulary-parallel lookup (a plain one when the table is replicated); it refuses
+        // ids outside the vocabulary, naming them
+        let ids = input_ids.to_dtype(DType::U32)?;
+        let mut x = vocab_parallel_embedding(&ids, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
             rope,

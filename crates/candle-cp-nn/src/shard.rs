@@ -159,15 +159,10 @@ impl Shard {
             return Ok(local.clone());
         }
         let all = group.all_gather(&local.contiguous()?, d)?;
-        let copies = self.copies(size);
-        if copies == 1 {
+        if self.copies(size) == 1 {
             return Ok(all);
         }
-        let n = local.dim(d)?;
-        let blocks = (0..size / copies)
-            .map(|b| all.narrow(d, b * copies * n, n))
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&blocks, d)
+        self.assemble(&all.chunk(size, d)?)
     }
 }
 

@@ -54,6 +54,22 @@ fn run(cfg: &TrainConfig) -> Result<Vec<TrainOutcome>> {
         .collect()
 }
 
+/// `got` follows `want` step by step: the same steps, losses within 1e-5, gradient norms
+/// within 1e-4 (relative above 1). `what` names the run in failures.
+fn assert_same_curve(what: &str, want: &[&StepMetrics], got: &[StepMetrics]) {
+    for (x, y) in want.iter().zip(got) {
+        assert_eq!(x.step, y.step, "{what}");
+        assert!((x.loss - y.loss).abs() < 1e-5, "{what} step {}: loss {} vs {}", x.step, x.loss, y.loss);
+        assert!(
+            (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
+            "{what} step {}: grad norm {} vs {}",
+            x.step,
+            x.grad_norm,
+            y.grad_norm
+        );
+    }
+}
+
 fn tmpdir(tag: &str) -> PathBuf {
     let d = std::env::temp_dir().join(format!("cp-train-{tag}-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&d);
@@ -196,20 +212,7 @@ fn data_parallel_and_accumulation_match_one_batch() -> Result<()> {
     let dp2 = run(&tiny_cfg(None, zz.with_dp(2), 2, 1))?;
     let acc = run(&tiny_cfg(None, zz, 1, 2))?;
     for other in [&dp2, &acc] {
-        for (x, y) in one[0].metrics.iter().zip(other[0].metrics.iter()) {
-            assert!(
-                (x.loss - y.loss).abs() < 1e-5,
-                "step {}: loss {} vs {}",
-                x.step,
-                x.loss,
-                y.loss
-            );
-            assert!(
-                (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
-                "step {}",
-                x.step
-            );
-        }
+        assert_same_curve("dp 2 / accumulation", &one[0].metrics.iter().collect::<Vec<_>>(), &other[0].metrics);
     }
     Ok(())
 }
@@ -249,16 +252,7 @@ fn tp_beyond_the_kv_heads_trains_like_one_device() -> Result<()> {
         let d = tmpdir(&format!("kv-tp{i}"));
         let other = run(&tiny_cfg(Some(d.clone()), layout, 1, 1))?;
         assert_eq!(other[0].metrics.len(), 6);
-        for (x, y) in one[0].metrics.iter().zip(other[0].metrics.iter()) {
-            assert!((x.loss - y.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", x.step, x.loss, y.loss);
-            assert!(
-                (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
-                "{layout} step {}: grad norm {} vs {}",
-                x.step,
-                x.grad_norm,
-                y.grad_norm
-            );
-        }
+        assert_same_curve(&layout.to_string(), &one[0].metrics.iter().collect::<Vec<_>>(), &other[0].metrics);
         let (got, _) = load_hf(d.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
         let got = crate::params::varmap_tensors(&got)?;
         assert_eq!(got.len(), want.len());
@@ -296,17 +290,7 @@ fn resume_on_another_layout_follows_the_run() -> Result<()> {
         assert_eq!(rest[0].start_step, 3, "{next}");
         let tail: Vec<_> = whole[0].metrics.iter().filter(|m| m.step > 3).collect();
         assert_eq!(rest[0].metrics.len(), tail.len(), "{next}");
-        for (x, y) in tail.iter().zip(rest[0].metrics.iter()) {
-            assert_eq!(x.step, y.step);
-            assert!((x.loss - y.loss).abs() < 1e-5, "{next} step {}: loss {} vs {}", x.step, x.loss, y.loss);
-            assert!(
-                (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
-                "{next} step {}: grad norm {} vs {}",
-                x.step,
-                x.grad_norm,
-                y.grad_norm
-            );
-        }
+        assert_same_curve(&next.to_string(), &tail, &rest[0].metrics);
         std::fs::remove_dir_all(&d).ok();
     }
     Ok(())
@@ -392,16 +376,7 @@ fn packed_finetune_on_cp_matches_single_device() -> Result<()> {
         c.layout = layout;
         let other = run(&c)?;
         assert_eq!(other[0].metrics.len(), 3);
-        for (x, y) in one[0].metrics.iter().zip(other[0].metrics.iter()) {
-            assert!((x.loss - y.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", x.step, x.loss, y.loss);
-            assert!(
-                (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
-                "{layout} step {}: grad norm {} vs {}",
-                x.step,
-                x.grad_norm,
-                y.grad_norm
-            );
-        }
+        assert_same_curve(&layout.to_string(), &one[0].metrics.iter().collect::<Vec<_>>(), &other[0].metrics);
         // the loss moves: training happened
         assert!((other[0].metrics[2].loss - other[0].metrics[0].loss).abs() > 1e-4);
     }
@@ -437,16 +412,7 @@ fn sliding_window_finetune_on_cp_matches_single_device() -> Result<()> {
         let other = run(&c)?;
         for r in &other {
             assert_eq!(r.metrics.len(), 2);
-            for (x, y) in one[0].metrics.iter().zip(r.metrics.iter()) {
-                assert!((x.loss - y.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", x.step, x.loss, y.loss);
-                assert!(
-                    (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0),
-                    "{layout} step {}: grad norm {} vs {}",
-                    x.step,
-                    x.grad_norm,
-                    y.grad_norm
-                );
-            }
+            assert_same_curve(&layout.to_string(), &one[0].metrics.iter().collect::<Vec<_>>(), &r.metrics);
         }
     }
     Ok(())
