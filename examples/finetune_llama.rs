@@ -142,6 +142,11 @@ struct Args {
     /// Random-init KV heads.
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
+    /// Random-init vocabulary size: at least what the data needs (the default); larger
+    /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
+    /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.
+    #[arg(long)]
+    vocab: Option<usize>,
     /// Recall task: number of keys (each sequence draws a random key→value map).
     #[arg(long, default_value_t = 8)]
     keys: usize,
@@ -297,11 +302,17 @@ fn main() -> Result<()> {
     let layout = layout(&a)?;
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
+        Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
-            let vocab = data
+            let needed = data
                 .vocab_needed()
                 .max(if a.data.is_some() { 256 } else { 0 });
+            let vocab = match a.vocab {
+                Some(v) if v < needed => bail!("--vocab {v}: the data needs {needed} tokens"),
+                Some(v) => v,
+                None => needed,
+            };
             ModelSource::Init(LlamaConfig::tiny(
                 vocab, a.hidden, a.layers, a.heads, a.kv_heads,
             ))

@@ -55,13 +55,20 @@ fn prompt(b: usize, t: usize, vocab: usize, seed: u64) -> Result<Tensor> {
     Tensor::from_vec(ids, (b, t), &Device::Cpu)
 }
 
-fn the_prompt() -> Result<Tensor> {
-    prompt(2, T, data().cfg.vocab_size, 7)
+fn the_prompt(cfg: &LlamaConfig) -> Result<Tensor> {
+    prompt(2, T, cfg.vocab_size, 7)
 }
 
-/// This rank's model of `layout`, oracle weights.
+/// This rank's model of `layout`, oracle weights (the first `cfg.vocab_size` rows of the
+/// embedding and head when `cfg` has a smaller vocabulary than the oracle's).
 fn model(cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Llama> {
-    let vm = shard_tensors(&data().full, cfg, ctx)?;
+    let mut full = data().full.clone();
+    for name in ["model.embed_tokens.weight", "lm_head.weight"] {
+        if let Some(t) = full.get_mut(name) {
+            *t = t.narrow(0, 0, cfg.vocab_size)?;
+        }
+    }
+    let vm = shard_tensors(&full, cfg, ctx)?;
     Llama::new(
         VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
         cfg,
@@ -89,14 +96,14 @@ fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
 
 /// Single-device generation, computed once per config.
 fn single(cfg: &LlamaConfig) -> Result<Generation> {
-    let mut g = generate(cfg, Layout::single(), &the_prompt()?, NEW)?;
+    let mut g = generate(cfg, Layout::single(), &the_prompt(cfg)?, NEW)?;
     g.pop()
         .ok_or_else(|| candle_core::Error::Msg("no rank".into()))
 }
 
 /// No cache: the full forward of prompt + tokens so far, its last row, per generated token.
 fn assert_equals_full_forward(cfg: &LlamaConfig, gen: &Generation) -> Result<()> {
-    let ids = the_prompt()?;
+    let ids = the_prompt(cfg)?;
     let r = run_ranks(1, |g| {
         let m = model(cfg, &ParallelCtx::single(g)?)?;
         let mut seq = ids.clone();
@@ -134,7 +141,7 @@ fn assert_equals_full_forward(cfg: &LlamaConfig, gen: &Generation) -> Result<()>
 /// of its cache (`P` = CP degree), of their own KV heads only under TP. Returns the worst
 /// logits difference.
 fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -> Result<f32> {
-    let gens = generate(cfg, layout, &the_prompt()?, NEW)?;
+    let gens = generate(cfg, layout, &the_prompt(cfg)?, NEW)?;
     let p = layout.cp;
     // one decoded token's k, v over all layers: 2 · L · B · Hkv · D · 4 bytes
     let per_token = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4;
@@ -253,6 +260,26 @@ fn tensor_and_data_parallel_generation_equals_single_device() -> Result<()> {
     Ok(())
 }
 
+/// The oracle weights cut to a 509-token vocabulary (prime: padded to ⌈509/tp⌉ rows on every
+/// TP rank): generation on TP 2, 4 (+ SP) and 8 × ring CP 2 equals the single device's, so the
+/// padding columns never reach the logits or the greedy choice.
+#[test]
+fn padded_vocabulary_generation_equals_single_device() -> Result<()> {
+    let mut cfg = data().cfg.clone();
+    cfg.vocab_size = 509;
+    let want = single(&cfg)?;
+    assert_eq!(want.logits[0].dims(), [2, 509]);
+    assert_equals_full_forward(&cfg, &want)?;
+    for layout in [
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Ring, 2).with_tp(8, false),
+    ] {
+        assert_layout_matches(&cfg, layout, &want)?;
+    }
+    Ok(())
+}
+
 #[test]
 fn sliding_window_equals_single_device_and_binds() -> Result<()> {
     let plain = single(&data().cfg)?;
@@ -276,7 +303,7 @@ fn sliding_window_equals_single_device_and_binds() -> Result<()> {
 #[test]
 fn bad_layouts_and_lengths_are_errors() -> Result<()> {
     let cfg = &data().cfg;
-    let ids = the_prompt()?;
+    let ids = the_prompt(&data().cfg)?;
     // data parallelism that does not divide the batch (B = 2 over dp = 4)
     let layout = Layout::single().with_dp(4);
     for r in run_ranks(4, |g| {
@@ -319,7 +346,7 @@ fn bad_layouts_and_lengths_are_errors() -> Result<()> {
 fn sampled_generation_is_the_same_on_every_rank_and_layout() -> Result<()> {
     use candle_cp_llama::Sampling;
     let cfg = &data().cfg;
-    let ids = the_prompt()?;
+    let ids = the_prompt(&data().cfg)?;
     let sampling = |seed| Sampling::Sample { temperature: 1.5, top_k: 20, top_p: 0.95, seed };
     let run = |layout: Layout, s: Sampling| -> Result<Vec<Generation>> {
         run_ranks(layout.world_size(), |g| model(cfg, &ParallelCtx::new(g, layout)?)?.generate(&ids, NEW, s))

@@ -5,7 +5,7 @@
 //! shapes too: hidden width, depth, query and KV heads (MHA, GQA, MQA), a sliding window or
 //! none, batch and length, then a layout that fits them: ring (contiguous), zigzag, striped,
 //! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
-//! SP; TP above the KV-head count replicates KV heads) or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -21,7 +21,7 @@ const CONFIGS: u64 = 120;
 fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
-    let mut kv_copies = 0;
+    let (mut kv_copies, mut padded) = (0, 0);
     for seed in 0..CONFIGS {
         let mut d = rng(1000 + seed);
         let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
@@ -81,6 +81,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 checked += 1;
                 tp += (layout.tp > 1) as usize;
                 kv_copies += (layout.tp > kv_heads) as usize;
+                padded += (layout.tp > 1 && !vocab.is_multiple_of(layout.tp)) as usize;
                 dp += (layout.dp > 1) as usize;
                 windowed += window.is_some() as usize;
             }
@@ -92,10 +93,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {dp} with DP, {windowed} with a window), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window), {refused} refused");
     assert!(
-        checked >= CONFIGS as usize / 2 && tp >= 3 && kv_copies >= 2 && dp >= 3 && windowed >= 3,
-        "{checked} checked, {tp} TP ({kv_copies} with KV copies), {dp} DP, {windowed} window"
+        checked >= CONFIGS as usize / 2 && tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3,
+        "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window"
     );
     Ok(())
 }

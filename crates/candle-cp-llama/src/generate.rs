@@ -172,7 +172,8 @@ impl Llama {
     fn logits_whole(&self, h: &Tensor) -> Result<Tensor> {
         let l = linear(h, &self.lm_head)?;
         if self.vocab_parallel() {
-            self.ctx.tp.all_gather(&l.contiguous()?, 2)
+            // without the padding columns of a vocabulary TP does not divide
+            self.ctx.tp.all_gather(&l.contiguous()?, 2)?.narrow(2, 0, self.cfg.vocab_size)
         } else {
             Ok(l)
         }

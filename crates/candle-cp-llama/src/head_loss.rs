@@ -159,13 +159,16 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
 ///
 /// `x` `[B, Tc, h]`: the hidden states of the whole TP region (SP: after
 /// `gather_from_sp_region`; else after `copy_to_tp_region`, so that the backward sums this
-/// op's partial `dx` over the TP ranks). `w` `[V/P, h]`: this rank's head rows
-/// `[r·V/P, (r+1)·V/P)`. `labels` `[B, Tc]` u32, the same on every TP rank. Returns f32
+/// op's partial `dx` over the TP ranks). `w` `[k, h]`, `k = ⌈V/P⌉`: this rank's head rows
+/// `[r·k, (r+1)·k)` of a `vocab`-token head ([`candle_cp_nn::Shard::RowsPadded`]; rows past
+/// `vocab` are padding, left out of the softmax, and get a zero gradient). `labels` `[B, Tc]`
+/// u32, the same on every TP rank. Returns f32
 /// `-log p(label)` of this rank's rows: `[B, Tc/P]` (rows `[r·Tc/P, (r+1)·Tc/P)`) when
 /// `own_rows_only` (SP), else `[B, Tc]`.
 ///
 /// ```text
-/// forward : per chunk  l = x_c · W_rᵀ (f32)  lse_r = logsumexp(l)  t_r = l[label] if it is in r's slice, else 0
+/// forward : per chunk  l = x_c · W_rᵀ (f32, real rows only)  lse_r = logsumexp(l) (-inf: none)
+///           t_r = l[label] if it is in r's slice, else 0
 ///           lse = logsumexp_r(lse_r) (all-gather [P, m])   nll = lse - Σ_r t_r (all-reduce [m])
 /// backward: dy of all Tc rows (all-gather over TP when own_rows_only)
 ///           d = (exp(l - lse) - onehot_r) · dy   dx_c = d · W_r (partial)   dW_r += dᵀ · x_c
@@ -174,6 +177,7 @@ pub fn token_nll_vocab_parallel(
     x: &Tensor,
     w: &Tensor,
     labels: &Tensor,
+    vocab: usize,
     chunk_rows: usize,
     group: &candle_cp_comm::Group,
     own_rows_only: bool,
@@ -187,8 +191,12 @@ pub fn token_nll_vocab_parallel(
     let x2 = x.reshape((b * tc, hd))?;
     let lab2 = labels.flatten_all()?;
     let (n, _, vl) = check(&x2, w, &lab2, WHAT)?;
-    let vocab = vl * p;
+    if vl != candle_cp_nn::padded_rows(vocab, p) {
+        bail!("{WHAT}: head slice {:?} is not ⌈{vocab}/{p}⌉ rows of the {vocab}-token vocabulary", w.dims())
+    }
     let off = r * vl;
+    // the real (not padding) rows of this rank's slice
+    let real = vocab.saturating_sub(off).min(vl);
     let lab: Vec<u32> = lab2.to_dtype(DType::U32)?.to_vec1()?;
     let (idx, tgt) = valid_rows(&lab, vocab, WHAT)?;
     let dev = x.device().clone();
@@ -206,21 +214,26 @@ pub fn token_nll_vocab_parallel(
     let idx_t = Tensor::new(idx.as_slice(), &dev)?;
     let xs = x2.detach().index_select(&idx_t, 0)?; // [m, h]
     let wd = w.detach();
+    let wd = if real < vl && real > 0 { wd.narrow(0, 0, real)? } else { wd };
     // target column in this rank's slice (0 when elsewhere) and whether it is here
     let mine: Vec<bool> = tgt.iter().map(|&t| (t as usize) >= off && (t as usize) < off + vl).collect();
     let col: Vec<u32> = tgt.iter().zip(&mine).map(|(&t, &h)| if h { t - off as u32 } else { 0 }).collect();
     let here: Vec<f32> = mine.iter().map(|&h| if h { 1.0 } else { 0.0 }).collect();
     let col_t = Tensor::new(col.as_slice(), &dev)?.reshape((m, 1))?;
     let here_t = Tensor::new(here.as_slice(), &dev)?.reshape((m, 1))?;
-    let (mut lse_r, mut t_r) = (Vec::new(), Vec::new());
-    for r0 in (0..m).step_by(chunk) {
-        let c = chunk.min(m - r0);
-        let l = chunk_logits(&xs, &wd, r0, c)?;
-        lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
-        t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
-    }
-    let lse_r = Tensor::cat(&lse_r, 0)?.reshape((1, m))?;
-    let t_r = Tensor::cat(&t_r, 0)?.reshape(m)?;
+    let (lse_r, t_r) = if real == 0 {
+        // a slice of padding only: no probability mass, no target
+        (Tensor::full(f32::NEG_INFINITY, (1, m), &dev)?, Tensor::zeros(m, DType::F32, &dev)?)
+    } else {
+        let (mut lse_r, mut t_r) = (Vec::new(), Vec::new());
+        for r0 in (0..m).step_by(chunk) {
+            let c = chunk.min(m - r0);
+            let l = chunk_logits(&xs, &wd, r0, c)?;
+            lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
+            t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
+        }
+        (Tensor::cat(&lse_r, 0)?.reshape((1, m))?, Tensor::cat(&t_r, 0)?.reshape(m)?)
+    };
     // merge the P slices: lse = log Σ_r exp(lse_r), target logit = the one rank's
     let all = group.all_gather(&lse_r.contiguous()?, 0)?; // [P, m]
     let lse = logsumexp_keepdim(&all, 0)?.reshape((m, 1))?;
@@ -229,15 +242,28 @@ pub fn token_nll_vocab_parallel(
     let out = own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?)?;
     let minus_here = here_t.neg()?;
     let (xs_b, w_b, x_dims, group) = (xs.clone(), wd.clone(), x.dims().to_vec(), group.clone());
+    let w_dims = w.dims().to_vec();
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         // every rank's slice of the head saw every row: the gradient of all Tc rows
         let dy = dy.to_dtype(DType::F32)?.contiguous()?;
         let dy = if own_rows_only { group.all_gather(&dy, 1)? } else { dy };
+        if real == 0 {
+            let dx = Tensor::zeros(x_dims.as_slice(), w_b.dtype(), w_b.device())?;
+            return Ok(vec![Some(dx), Some(Tensor::zeros(w_dims.as_slice(), w_b.dtype(), w_b.device())?)]);
+        }
         let dy = dy.flatten_all()?.index_select(&idx_t, 0)?.reshape((m, 1))?;
         let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &col_t, &minus_here, &dy), chunk)?;
         let dx = Tensor::zeros((n, x_dims[2]), dxs.dtype(), dxs.device())?
             .index_add(&idx_t, &dxs, 0)?
             .reshape(x_dims.as_slice())?;
+        // padding rows: zero gradient
+        let dw = match dw {
+            Some(d) if real < vl => {
+                let pad = Tensor::zeros((vl - real, x_dims[2]), d.dtype(), d.device())?;
+                Some(Tensor::cat(&[d, pad], 0)?)
+            }
+            d => d,
+        };
         Ok(vec![Some(dx), dw])
     });
     attach2(WHAT, x, w, out, bwd)
@@ -301,27 +327,37 @@ mod tests {
     }
 
     /// The vocabulary-parallel loss over 2 and 4 ranks, with own rows (SP) and without,
-    /// chunks of 1 and all rows: values equal the full-logits reference, and the input and
-    /// head gradients (input partials summed over the ranks, head slices) equal its gradients.
+    /// chunks of 1 and all rows, for vocabularies of 12 (split evenly), 10 (padded: 3 rows per
+    /// rank) and 5 (over 4 ranks: the last rank holds padding only): values equal the
+    /// full-logits reference, and the input and head gradients (input partials summed over the
+    /// ranks, head slices, zero on padding) equal its gradients.
     #[test]
     fn vocab_parallel_matches_slow() -> Result<()> {
-        let (b, tc, h, v) = (2usize, 4usize, 5usize, 12usize);
-        let labels = Tensor::new(&[[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]], &Device::Cpu)?;
+        for v in [12usize, 10, 5] {
+            vocab_parallel_matches_slow_of(v)?;
+        }
+        Ok(())
+    }
+
+    fn vocab_parallel_matches_slow_of(v: usize) -> Result<()> {
+        let (b, tc, h) = (2usize, 4usize, 5usize);
+        let lab = [[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]].map(|r| r.map(|l| if l == IGNORE { l } else { l % v as u32 }));
+        let labels = Tensor::new(&lab, &Device::Cpu)?;
         let x = Var::from_tensor(&randn(1, &[b, tc, h], 1.0)?)?;
         let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?)?;
         let dy = randn(3, &[b, tc], 1.0)?;
         let want = token_nll_slow(&x.as_tensor().reshape((b * tc, h))?, w.as_tensor(), &labels.flatten_all()?)?.reshape((b, tc))?;
         let gw = (&want * &dy)?.sum_all()?.backward()?;
         let (gx_want, gw_want) = (gw.get(x.as_tensor()).cloned().expect("dx"), gw.get(w.as_tensor()).cloned().expect("dW"));
+        let shard = candle_cp_nn::Shard::RowsPadded(v);
         for p in [2usize, 4] {
             for own in [false, true] {
                 for chunk in [1usize, 64] {
                     let res = candle_cp_comm::run_ranks(p, |g| {
                         let r = g.rank();
-                        let vl = v / p;
-                        let wl = Var::from_tensor(&w.as_tensor().narrow(0, r * vl, vl)?)?;
+                        let wl = Var::from_tensor(&shard.slice(w.as_tensor(), p, r)?)?;
                         let xr = Var::from_tensor(x.as_tensor())?;
-                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, chunk, &g, own)?;
+                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, v, chunk, &g, own)?;
                         let ts = if own { tc / p } else { tc };
                         let (want_l, dy_l) = if own {
                             (want.narrow(1, r * ts, ts)?, dy.narrow(1, r * ts, ts)?)
@@ -336,12 +372,12 @@ mod tests {
                         let gx = g.all_reduce(gr.get(xr.as_tensor()).expect("dx"))?;
                         let ex = max_diff(&gx, &gx_want)?;
                         let gwl = gr.get(wl.as_tensor()).expect("dW").clone();
-                        let ew = max_diff(&gwl, &gw_want.narrow(0, r * vl, vl)?)?;
+                        let ew = max_diff(&gwl, &shard.slice(&gw_want, p, r)?)?;
                         Ok((e, ex, ew))
                     });
                     for res in res {
                         let (e, ex, ew) = res?;
-                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "P {p} own {own} chunk {chunk}: values {e} dx {ex} dW {ew}");
+                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "V {v} P {p} own {own} chunk {chunk}: values {e} dx {ex} dW {ew}");
                     }
                 }
             }

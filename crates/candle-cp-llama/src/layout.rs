@@ -309,7 +309,7 @@ impl ParallelCtx {
     /// | shard | group |
     /// |-------|-------|
     /// | [`Shard::Rows`], [`Shard::Cols`], [`Shard::RowBlocks`] with one copy | `dp_cp` |
-    /// | [`Shard::Replicated`] (and [`Shard::RowsIfDivisible`] that does not divide) | `dp_cp`, or `world` under sequence parallelism |
+    /// | [`Shard::Replicated`] (and [`Shard::RowsPadded`] with `V < tp`) | `dp_cp`, or `world` under sequence parallelism |
     /// | [`Shard::RowBlocks`]`(n)`, `n < tp` (KV heads replicated over `tp/n` TP ranks) | `dp_cp` × the `tp/n` TP ranks holding the block |
     ///
     /// The last group is made on first use, by a collective over `world` (every rank must ask

@@ -377,22 +377,24 @@ impl Llama {
         }
         // this rank's vocabulary slice of the logits of the whole TP region, then all of them
         let (g, sp) = (&self.ctx.tp, self.ctx.layout.seq_parallel());
-        let l = linear(&self.head_region(&h)?, &self.lm_head)?.contiguous()?; // [B, Tc, V/P]
-        if sp {
+        let l = linear(&self.head_region(&h)?, &self.lm_head)?.contiguous()?; // [B, Tc, ⌈V/P⌉]
+        let all = if sp {
             // backward: reduce-scatter (each rank's loss saw only its own rows)
             let ts = h.dim(1)?;
-            mappings::gather_from_sp_region(&l, g, 2)?.narrow(1, g.rank() * ts, ts)
+            mappings::gather_from_sp_region(&l, g, 2)?.narrow(1, g.rank() * ts, ts)?
         } else {
             // backward: keep the own slice (every rank's loss saw every row)
-            mappings::gather_from_sp_region_replicated_grad(&l, g, 2)
-        }
+            mappings::gather_from_sp_region_replicated_grad(&l, g, 2)?
+        };
+        // the padding columns of a vocabulary TP does not divide go (zero gradient)
+        all.narrow(2, 0, self.cfg.vocab_size)
     }
 
     /// Whether the embedding and the LM head are split by vocabulary rows over TP
-    /// (`tp > 1` and `tp` divides the vocabulary; else they are replicated).
+    /// ([`Shard::RowsPadded`]: `tp > 1` and at least `tp` tokens; padded to `tp·⌈V/tp⌉` rows
+    /// when `tp` does not divide `V`; else they are replicated).
     pub(crate) fn vocab_parallel(&self) -> bool {
-        let tp = self.ctx.layout.tp;
-        tp > 1 && self.cfg.vocab_size.is_multiple_of(tp)
+        Shard::RowsPadded(self.cfg.vocab_size).resolve(self.ctx.layout.tp) != Shard::Replicated
     }
 
     /// The TP group with sequence parallelism `sp`.
@@ -441,8 +443,9 @@ impl Llama {
         if self.vocab_parallel() {
             let (g, sp) = (&self.ctx.tp, self.ctx.layout.seq_parallel());
             let labels_region = if sp { gather_labels(labels, g)? } else { labels.to_dtype(DType::U32)? };
-            let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size / g.size());
-            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, chunk, g, sp);
+            let v = self.cfg.vocab_size;
+            let chunk = crate::head_loss::default_chunk_rows(candle_cp_nn::padded_rows(v, g.size()));
+            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, v, chunk, g, sp);
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
         crate::head_loss::token_nll(

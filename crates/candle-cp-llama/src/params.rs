@@ -83,8 +83,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     let mut out = Vec::new();
     let mut add =
         |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
-    // vocabulary-parallel embedding and head (replicated when tp does not divide V)
-    let vocab = Shard::RowsIfDivisible(v);
+    // vocabulary-parallel embedding and head (padded to tp·⌈V/tp⌉ rows when tp does not
+    // divide V; replicated when V < tp)
+    let vocab = Shard::RowsPadded(v);
     add("model.embed_tokens.weight".into(), vec![v, h], vocab);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");

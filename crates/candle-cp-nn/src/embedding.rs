@@ -3,9 +3,9 @@
 //! slice, the partial results summed.
 //!
 //! ```text
-//! TP rank r holds rows [r·V/P, (r+1)·V/P) of the table            (Shard::RowsIfDivisible)
+//! TP rank r holds rows [r·k, (r+1)·k) of the table, k = ⌈V/P⌉ (zero rows past V; Shard::RowsPadded)
 //! ids [B, T/P] (SP) ──all-gather T──▶ [B, T]   (without SP: ids [B, T], replicated)
-//!   lookup: e[i] = W_r[id - r·V/P] if id is in the slice, else 0        [B, T, h] partial
+//!   lookup: e[i] = W_r[id - r·k] if id is in the slice, else 0          [B, T, h] partial
 //!   SP: reduce-scatter T ──▶ [B, T/P, h]     without SP: all-reduce ──▶ [B, T, h]
 //! ```
 //!
@@ -26,8 +26,10 @@ const MAX_VOCAB: usize = 1 << 24;
 /// vocabulary, over `tp`'s group: `[B, T_in, h]`, the layout of the input (SP: this rank's
 /// sequence shard; else the whole sequence, replicated).
 ///
-/// `weight` is this rank's slice `[V/P, h]` when the TP size `P` divides `vocab` (vocabulary
-/// parallel), or the whole table `[V, h]` (replicated: a plain lookup, no communication).
+/// `weight` is this rank's slice `[⌈V/P⌉, h]` of [`crate::Shard::RowsPadded`]`(V)` (vocabulary
+/// parallel: rows `[r·⌈V/P⌉, (r+1)·⌈V/P⌉)`, zero padding past `V`, which no id reaches), or the
+/// whole table `[V, h]` (replicated, also what `RowsPadded` gives when `V < P`: a plain lookup,
+/// no communication).
 /// Collective over the TP group in the first case (every rank calls it). Errors name the
 /// shapes for a table that is neither, non-u32 or out-of-range ids, and empty input.
 pub fn vocab_parallel_embedding(ids: &Tensor, weight: &Tensor, vocab: usize, tp: &Tp) -> Result<Tensor> {
@@ -44,8 +46,12 @@ pub fn vocab_parallel_embedding(ids: &Tensor, weight: &Tensor, vocab: usize, tp:
         // replicated table (or one rank): the plain lookup
         return weight.index_select(&ids.flatten_all()?, 0)?.reshape((b, t_in, h));
     }
-    if p == 0 || rows * p != vocab {
-        bail!("{WHAT}: table {:?} is neither the whole vocabulary {vocab} nor a 1/{p} slice of it", weight.dims())
+    if p < 2 || rows != crate::padded_rows(vocab, p) {
+        bail!(
+            "{WHAT}: table {:?} is neither the whole vocabulary {vocab} nor a slice of ⌈{vocab}/{p}⌉ = {} rows",
+            weight.dims(),
+            crate::padded_rows(vocab, p)
+        )
     }
     if vocab > MAX_VOCAB {
         bail!("{WHAT}: vocabulary {vocab} above 2^24 cannot be split over TP (ids travel as f32)")
@@ -101,12 +107,20 @@ mod tests {
     use candle_core::{Device, Var};
     use candle_cp_comm::{run_ranks, Group};
 
-    /// Over TP 2 and 4 (a 12-token vocabulary), with and without SP: outputs equal the
-    /// replicated lookup bit for bit, and each rank's table-slice gradient (its rows of the
-    /// TP region) equals its slice of the replicated table's gradient.
+    /// Over TP 2 and 4, with and without SP, a 12-token vocabulary (split evenly) and a
+    /// 10-token one (padded: 3 rows per rank, the last rank with 1 real row on P 4): outputs
+    /// equal the replicated lookup bit for bit, and each rank's table-slice gradient (its rows
+    /// of the TP region) equals its slice of the replicated table's gradient (zero on padding).
     #[test]
     fn matches_the_replicated_table() -> Result<()> {
-        let (vocab, h, b, t) = (12usize, 3usize, 2usize, 8usize);
+        for vocab in [12usize, 10] {
+            matches_the_replicated_table_of(vocab)?;
+        }
+        Ok(())
+    }
+
+    fn matches_the_replicated_table_of(vocab: usize) -> Result<()> {
+        let (h, b, t) = (3usize, 2usize, 8usize);
         let w = Tensor::arange(0f32, (vocab * h) as f32, &Device::Cpu)?.reshape((vocab, h))?.affine(0.1, -1.0)?;
         let ids: Vec<u32> = (0..b * t).map(|i| ((i * 7 + 3) % vocab) as u32).collect();
         let ids = Tensor::from_vec(ids, (b, t), &Device::Cpu)?;
@@ -118,7 +132,7 @@ mod tests {
             for sp in [false, true] {
                 for res in run_ranks(p, |g: Group| {
                     let tp = Tp::new(g.clone(), sp);
-                    let shard = Shard::RowsIfDivisible(vocab);
+                    let shard = Shard::RowsPadded(vocab);
                     let wl = Var::from_tensor(&shard.slice(&w, p, g.rank())?)?;
                     let (idl, dyl, wantl) = if sp {
                         let n = t / p;
@@ -134,8 +148,8 @@ mod tests {
                     Ok((same, (g_local - g_want)?.abs()?.max_all()?.to_scalar::<f32>()?))
                 }) {
                     let (same, e) = res?;
-                    assert!(same, "P {p} sp {sp}: output differs from the replicated lookup");
-                    assert!(e < 1e-5, "P {p} sp {sp}: table gradient differs by {e}");
+                    assert!(same, "V {vocab} P {p} sp {sp}: output differs from the replicated lookup");
+                    assert!(e < 1e-5, "V {vocab} P {p} sp {sp}: table gradient differs by {e}");
                 }
             }
         }

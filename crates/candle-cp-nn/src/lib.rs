@@ -75,7 +75,7 @@ pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
 pub use norm::{rms_norm, rms_norm_slow, LayerNorm, RmsNorm};
-pub use shard::{shard_for_tp, Shard};
+pub use shard::{padded_rows, shard_for_tp, Shard};
 
 /// Who sums, over the TP group, the gradient of a replicated parameter that each rank
 /// applies to its own sequence shard (norm weights, row-parallel bias; SP on only).

@@ -17,6 +17,15 @@
 //!   block 1 (KV head 1)  ──────────▶                [D,in] [D,in]
 //! copies = P / blocks = 2 (a block's gradient shares are summed over its copies)
 //! ```
+//!
+//! [`Shard::RowsPadded`] splits a vocabulary that `P` does not divide, as Megatron does, by
+//! padding it: every rank holds `⌈V/P⌉` rows, the rows past `V` are zeros that no token id
+//! reaches and that the loss masks out. For `V = 5` over `P = 4` (2 rows each):
+//!
+//! ```text
+//! full [5, h]     TP rank:  0          1          2           3
+//!                         rows 0,1   rows 2,3   row 4, pad   pad, pad
+//! ```
 
 use crate::Tp;
 use candle_core::{bail, Result, Shape, Tensor};
@@ -39,29 +48,36 @@ pub enum Shard {
     /// `⌊r·n/P⌋`, so each block is held by `P/n` adjacent ranks ([`Shard::copies`]): the
     /// K/V projection of a GQA model with fewer KV heads than the TP size.
     RowBlocks(usize),
-    /// Dim 0 of length `n` split as [`Shard::Rows`] when `P` divides `n`, else
-    /// [`Shard::Replicated`]: the vocabulary-parallel embedding and LM head, which fall back
-    /// to replicated weights for a vocabulary the TP size does not divide.
-    RowsIfDivisible(usize),
+    /// Dim 0 of length `n` split into `P` slices of `⌈n/P⌉` rows: rank `r` holds rows
+    /// `[r·⌈n/P⌉, (r+1)·⌈n/P⌉)`, zero rows where that passes `n` (the vocabulary-parallel
+    /// embedding and LM head; Megatron pads the vocabulary likewise). [`Shard::Rows`] when `P`
+    /// divides `n`; [`Shard::Replicated`] when `n < P`.
+    RowsPadded(usize),
+}
+
+/// `⌈n/p⌉`: the rows each of `p` ranks holds of a [`Shard::RowsPadded`]`(n)` tensor.
+pub fn padded_rows(n: usize, p: usize) -> usize {
+    n.div_ceil(p.max(1))
 }
 
 impl Shard {
-    /// The split dimension, if any (for [`Shard::RowsIfDivisible`]: when it splits).
+    /// The split dimension, if any (for [`Shard::RowsPadded`]: when it splits).
     pub fn dim(&self) -> Option<usize> {
         match self {
             Shard::Replicated => None,
-            Shard::Rows | Shard::RowBlocks(_) | Shard::RowsIfDivisible(_) => Some(0),
+            Shard::Rows | Shard::RowBlocks(_) | Shard::RowsPadded(_) => Some(0),
             Shard::Cols => Some(1),
         }
     }
 
-    /// The plain split this is over `size` ranks: [`Shard::RowsIfDivisible`] becomes
-    /// [`Shard::Rows`] or [`Shard::Replicated`], [`Shard::RowBlocks`]`(n)` with `size | n`
-    /// becomes [`Shard::Rows`]; the others stay as they are.
+    /// The plainest split this is over `size` ranks: [`Shard::RowsPadded`]`(n)` becomes
+    /// [`Shard::Rows`] when `size | n` and [`Shard::Replicated`] when `n < size`,
+    /// [`Shard::RowBlocks`]`(n)` with `size | n` becomes [`Shard::Rows`]; the others stay as
+    /// they are.
     pub fn resolve(&self, size: usize) -> Shard {
         match *self {
-            Shard::RowsIfDivisible(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
-            Shard::RowsIfDivisible(_) => Shard::Replicated,
+            Shard::RowsPadded(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
+            Shard::RowsPadded(n) if n < size => Shard::Replicated,
             Shard::RowBlocks(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
             s => s,
         }
@@ -88,13 +104,17 @@ impl Shard {
     /// The shape one of `size` ranks holds for a full tensor of shape `full`. Errors (naming
     /// the shape) if `size` does not divide the split dim or the tensor has no such dim.
     pub fn local_shape(&self, full: &[usize], size: usize) -> Result<Shape> {
-        if let Shard::RowsIfDivisible(n) = *self {
+        let mut s = full.to_vec();
+        if let Shard::RowsPadded(n) = *self {
             if full.first() != Some(&n) {
                 bail!("{self:?} shard of a tensor {full:?}: dim 0 is not {n}")
             }
-            return self.resolve(size).local_shape(full, size);
+            if self.resolve(size) != *self {
+                return self.resolve(size).local_shape(full, size);
+            }
+            s[0] = padded_rows(n, size);
+            return Ok(Shape::from(s));
         }
-        let mut s = full.to_vec();
         if let Shard::RowBlocks(n) = *self {
             if s.is_empty() || n == 0 || size == 0 || !s[0].is_multiple_of(n) {
                 bail!("{self:?} shard of a tensor {full:?}: dim 0 is not {n} equal blocks")
@@ -126,6 +146,20 @@ impl Shard {
         }
         match self.resolve(size).dim() {
             None => Ok(full.clone()),
+            Some(_) if matches!(self.resolve(size), Shard::RowsPadded(_)) => {
+                // rows [r·k, (r+1)·k) of the n, then zero rows up to k
+                let (n, k) = (full.dim(0)?, local.dims()[0]);
+                let start = (rank * k).min(n);
+                let take = k.min(n - start);
+                let mut pad_shape = local.dims().to_vec();
+                pad_shape[0] = k - take;
+                let pad = Tensor::zeros(pad_shape, full.dtype(), full.device())?;
+                match (take, k - take) {
+                    (0, _) => Ok(pad),
+                    (_, 0) => full.detach().narrow(0, start, take)?.contiguous(),
+                    _ => Tensor::cat(&[full.detach().narrow(0, start, take)?, pad], 0)?.contiguous(),
+                }
+            }
             Some(d) => {
                 let n = local.dims()[d];
                 full.detach().narrow(d, self.slice_index(size, rank) * n, n)?.contiguous()
@@ -146,7 +180,12 @@ impl Shard {
         if keep.iter().any(|t| t.dims() != first.dims()) {
             bail!("{self:?}: parts of different shapes {:?}", parts.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>())
         }
-        Tensor::cat(&keep, d)
+        let all = Tensor::cat(&keep, d)?;
+        match resolved {
+            Shard::RowsPadded(n) if all.dim(0)? >= n => all.narrow(0, 0, n),
+            Shard::RowsPadded(n) => bail!("{self:?}: parts {:?} hold fewer than {n} rows", parts.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>()),
+            _ => Ok(all),
+        }
     }
 
     /// The full tensor from each rank's `local` slice: all-gather over `group` (the TP group;
@@ -159,6 +198,12 @@ impl Shard {
             return Ok(local.clone());
         }
         let all = group.all_gather(&local.contiguous()?, d)?;
+        if let Shard::RowsPadded(n) = self.resolve(size) {
+            if all.dim(0)? < n {
+                bail!("{self:?}: the {size} slices {:?} hold fewer than {n} rows", local.dims())
+            }
+            return all.narrow(0, 0, n);
+        }
         if self.copies(size) == 1 {
             return Ok(all);
         }
@@ -217,17 +262,28 @@ mod tests {
     }
 
     #[test]
-    fn rows_if_divisible_split_or_replicate() -> Result<()> {
-        let full = Tensor::arange(0f32, 24., &Device::Cpu)?.reshape((4, 6))?;
-        let v = Shard::RowsIfDivisible(4);
-        assert_eq!((v.resolve(2), v.resolve(3), v.resolve(4)), (Shard::Rows, Shard::Replicated, Shard::Rows));
-        assert_eq!((v.copies(2), v.copies(3)), (1, 3));
-        assert_eq!(v.slice(&full, 2, 1)?.to_vec2::<f32>()?, full.narrow(0, 2, 2)?.to_vec2::<f32>()?);
-        assert_eq!(v.slice(&full, 3, 2)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?);
-        assert!(Shard::RowsIfDivisible(5).local_shape(&[4, 6], 2).is_err());
-        for p in [2usize, 3] {
+    fn rows_padded_split_pad_or_replicate() -> Result<()> {
+        let full = Tensor::arange(0f32, 30., &Device::Cpu)?.reshape((5, 6))?;
+        let v = Shard::RowsPadded(5);
+        assert_eq!((v.resolve(4), v.resolve(5), v.resolve(6)), (v, Shard::Rows, Shard::Replicated));
+        assert_eq!(Shard::RowsPadded(4).resolve(2), Shard::Rows);
+        assert_eq!((v.copies(4), v.copies(6)), (1, 6));
+        assert_eq!(v.local_shape(&[5, 6], 4)?.dims(), [2, 6]);
+        assert_eq!(v.local_shape(&[5, 6], 2)?.dims(), [3, 6]);
+        assert_eq!(v.local_shape(&[5, 6], 6)?.dims(), [5, 6]);
+        // 5 rows over 4 ranks: [0, 1] [2, 3] [4, pad] [pad, pad]
+        let zeros = vec![0f32; 6];
+        let row = |i: usize| full.get(i).and_then(|r| r.to_vec1::<f32>());
+        assert_eq!(v.slice(&full, 4, 1)?.to_vec2::<f32>()?, vec![row(2)?, row(3)?]);
+        assert_eq!(v.slice(&full, 4, 2)?.to_vec2::<f32>()?, vec![row(4)?, zeros.clone()]);
+        assert_eq!(v.slice(&full, 4, 3)?.to_vec2::<f32>()?, vec![zeros.clone(), zeros]);
+        assert_eq!(v.slice(&full, 6, 5)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?);
+        assert!(Shard::RowsPadded(4).local_shape(&[5, 6], 2).is_err());
+        for p in [2usize, 3, 4, 6] {
+            let parts = (0..p).map(|r| v.slice(&full, p, r)).collect::<Result<Vec<_>>>()?;
+            assert_eq!(v.assemble(&parts)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?, "assemble over {p}");
             for r in candle_cp_comm::run_ranks(p, |g| v.gather(&v.slice(&full, p, g.rank())?, &g)?.to_vec2::<f32>()) {
-                assert_eq!(r?, full.to_vec2::<f32>()?, "over {p} ranks");
+                assert_eq!(r?, full.to_vec2::<f32>()?, "gather over {p} ranks");
             }
         }
         Ok(())
@@ -242,8 +298,9 @@ mod tests {
             (Shard::Replicated, 3),
             (Shard::RowBlocks(2), 4),
             (Shard::RowBlocks(4), 2),
-            (Shard::RowsIfDivisible(8), 4),
-            (Shard::RowsIfDivisible(8), 3),
+            (Shard::RowsPadded(8), 4),
+            (Shard::RowsPadded(8), 3),
+            (Shard::RowsPadded(8), 16),
         ] {
             let parts = (0..p).map(|r| s.slice(&full, p, r)).collect::<Result<Vec<_>>>()?;
             assert_eq!(s.assemble(&parts)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?, "{s:?} over {p}");

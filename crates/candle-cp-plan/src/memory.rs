@@ -201,7 +201,7 @@ pub fn activation_totals(
         0.0
     };
     let c = (s / l.cp) as f64;
-    let logits = c * b as f64 * (m.vocab as f64 / l.tp as f64) * 4.0;
+    let logits = c * b as f64 * vocab_rows_per_gpu(m, l) as f64 * 4.0;
     let first = layers + working;
     let last = lps * per_layer + working + logits;
     let total = if l.pp == 1 {
@@ -219,15 +219,26 @@ pub fn activation_totals(
     }
 }
 
+/// Vocabulary rows of the embedding / output projection on one GPU: `⌈V/t⌉` (a vocabulary
+/// `t` does not divide is padded with zero rows to `t·⌈V/t⌉`, as the model and Megatron do),
+/// or all `V` when `V < t` (replicated).
+pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
+    if m.vocab < l.tp {
+        m.vocab
+    } else {
+        m.vocab.div_ceil(l.tp.max(1))
+    }
+}
+
 /// Parameters held by one GPU (busiest pipeline stage): matrices over `t` (KV projections
 /// over `a_kv/t`, replicated when `t > a_kv`), norms replicated, embedding and output
-/// projection vocab-parallel over `t`, on the first/last stage.
+/// projection vocab-parallel over `t` ([`vocab_rows_per_gpu`]), on the first/last stage.
 pub fn params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let layer = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h;
-    let emb = m.vocab as f64 * h / t;
+    let emb = vocab_rows_per_gpu(m, l) as f64 * h;
     if l.pp == 1 {
         let out = if m.tie_embeddings { 0.0 } else { emb };
         return m.layers as f64 * layer + emb + out + h;

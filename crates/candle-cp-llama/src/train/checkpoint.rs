@@ -191,14 +191,22 @@ pub fn reshard_optimizer_state(
 mod tests {
     use super::*;
 
-    /// Optimizer files written by TP 4 (2 KV heads: each on 2 ranks; V = 64 split by rows),
-    /// with moments and master copies (`w.`), resharded for TP 2 and for one device; and TP 2
-    /// files resharded for TP 4: every tensor is the new rank's slice of the full state.
+    /// Optimizer files written by TP 4 (2 KV heads: each on 2 ranks; V = 64 split by rows, or
+    /// V = 62 padded to 16 rows per rank), with moments and master copies (`w.`), resharded for
+    /// TP 2 and for one device; and TP 2 files resharded for TP 4: every tensor is the new
+    /// rank's slice of the full state.
     #[test]
     fn optimizer_state_reshards_between_tp_degrees() -> candle_core::Result<()> {
+        for vocab in [64usize, 62] {
+            reshards_between_tp_degrees_of(vocab)?;
+        }
+        Ok(())
+    }
+
+    fn reshards_between_tp_degrees_of(vocab: usize) -> candle_core::Result<()> {
         use crate::layout::Layout;
         use candle_core::{DType, Device, Tensor};
-        let cfg = crate::LlamaConfig::tiny(64, 32, 1, 4, 2);
+        let cfg = crate::LlamaConfig::tiny(vocab, 32, 1, 4, 2);
         let specs = crate::params::param_specs(&cfg);
         let mut full = std::collections::HashMap::new();
         for (i, spec) in specs.iter().enumerate() {
@@ -209,7 +217,7 @@ mod tests {
             }
         }
         for (old_tp, new_tp) in [(4usize, 2usize), (4, 1), (2, 4)] {
-            let dir = std::env::temp_dir().join(format!("reshard-{old_tp}-{new_tp}-{}", std::process::id()));
+            let dir = std::env::temp_dir().join(format!("reshard-{vocab}-{old_tp}-{new_tp}-{}", std::process::id()));
             std::fs::create_dir_all(&dir)?;
             for r in 0..old_tp {
                 let mut file = std::collections::HashMap::new();
@@ -238,7 +246,7 @@ mod tests {
                 Ok((worst, got["step"].to_dtype(DType::U32)?.to_vec1::<u32>()?, got.len()))
             }) {
                 let (worst, step, n) = res?;
-                assert_eq!((worst, step, n), (0.0, vec![7], 1 + 3 * specs.len()), "tp {old_tp} -> {new_tp}");
+                assert_eq!((worst, step, n), (0.0, vec![7], 1 + 3 * specs.len()), "V {vocab}: tp {old_tp} -> {new_tp}");
             }
             std::fs::remove_dir_all(&dir).ok();
         }
