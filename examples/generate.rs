@@ -23,13 +23,11 @@ use anyhow::{bail, Context};
 use candle_core::{DType, Device, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::{
-    hf::load_safetensors_dir, shard_tensors, CpKind, Generation, Layout, Llama, LlamaConfig,
-    ParallelCtx, Sampling,
+    load_hf_sharded, CpKind, Generation, Layout, Llama, LlamaConfig, ParallelCtx, Sampling,
 };
 use candle_nn::VarBuilder;
 use clap::Parser;
-use std::collections::HashMap;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 
 #[derive(Parser)]
 struct Args {
@@ -95,7 +93,7 @@ fn random_prompt(b: usize, t: usize, vocab: usize, seed: u64) -> candle_core::Re
 /// Generate on every rank of `layout`; results in rank order.
 fn run(
     dev: &Device,
-    full: &HashMap<String, Tensor>,
+    dir: &Path,
     cfg: &LlamaConfig,
     layout: Layout,
     prompt: &Tensor,
@@ -104,7 +102,8 @@ fn run(
 ) -> anyhow::Result<Vec<Generation>> {
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
-        let vm = shard_tensors(full, cfg, &ctx)?;
+        // each rank reads only its own shards (memory-mapped, one tensor at a time)
+        let (vm, _) = load_hf_sharded(dir, &ctx, dev, DType::F32)?;
         let m = Llama::new(
             VarBuilder::from_varmap(&vm, DType::F32, dev),
             cfg,
@@ -152,8 +151,6 @@ fn main() -> anyhow::Result<()> {
         "cuda" => Device::new_cuda(0)?,
         d => bail!("--device {d}: expected cpu or cuda"),
     };
-    let full = load_safetensors_dir(&dir, &dev)
-        .with_context(|| format!("weights of {}", dir.display()))?;
     let kind: CpKind = a.cp_kind.parse()?;
     let layout = match kind {
         CpKind::TwoD => {
@@ -190,8 +187,9 @@ fn main() -> anyhow::Result<()> {
         Some(temperature) => Sampling::Sample { temperature, top_k: a.top_k, top_p: a.top_p, seed: a.sample_seed },
     };
     println!("sampling: {sampling:?}");
-    let single = run(&dev, &full, &cfg, Layout::single(), &prompt, new, sampling)?;
-    let cp = run(&dev, &full, &cfg, layout, &prompt, new, sampling)?;
+    let single = run(&dev, &dir, &cfg, Layout::single(), &prompt, new, sampling)
+        .with_context(|| format!("weights of {}", dir.display()))?;
+    let cp = run(&dev, &dir, &cfg, layout, &prompt, new, sampling)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);

@@ -7,6 +7,7 @@
 //! a crash never leaves a half-written `model.safetensors` or `config.json`.
 
 use crate::config::LlamaConfig;
+use crate::layout::ParallelCtx;
 use crate::params::{param_specs, varmap_tensors};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
@@ -20,9 +21,19 @@ fn io_err(what: &str, p: &Path, e: impl std::fmt::Display) -> candle_core::Error
 
 /// Every tensor of the checkpoint's safetensors file(s) in `dir`, on `device`.
 pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for path in safetensors_files(dir)? {
+        out.extend(candle_core::safetensors::load(&path, device).map_err(|e| io_err("loading", &path, e))?);
+    }
+    Ok(out)
+}
+
+/// The checkpoint's safetensors file(s) in `dir`: `model.safetensors`, or the files named by
+/// `model.safetensors.index.json`.
+fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     let single = dir.join("model.safetensors");
     if single.exists() {
-        return candle_core::safetensors::load(&single, device).map_err(|e| io_err("loading", &single, e));
+        return Ok(vec![single]);
     }
     let index = dir.join("model.safetensors.index.json");
     if !index.exists() {
@@ -39,12 +50,37 @@ pub fn load_safetensors_dir(dir: &Path, device: &Device) -> Result<HashMap<Strin
     let mut files: Vec<&str> = map.values().filter_map(|f| f.as_str()).collect();
     files.sort();
     files.dedup();
-    let mut out = HashMap::new();
-    for f in files {
-        let path = dir.join(f);
-        out.extend(candle_core::safetensors::load(&path, device).map_err(|e| io_err("loading", &path, e))?);
-    }
-    Ok(out)
+    Ok(files.into_iter().map(|f| dir.join(f)).collect())
+}
+
+/// This rank's shards of a HF Llama checkpoint directory, read one tensor at a time from the
+/// memory-mapped safetensors file(s): a `VarMap` of the rank's TP slices (as
+/// [`crate::shard_params`] of [`load_hf`] would give) in `dtype` on `device`, and the config.
+///
+/// The whole model never exists in memory: at most one full tensor is read (on the host)
+/// before it is sliced, then the slice goes to `device`. [`load_hf`] + `shard_params` instead
+/// hold the full model on every rank, which a model of 70B parameters (140 GB in bf16) does
+/// not survive on one GPU. The layout is checked against the config's heads first, so a bad
+/// TP degree is refused before anything is read. Errors name missing or mis-shaped tensors.
+pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
+    let dir = dir.as_ref();
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
+    ctx.layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+    let files = safetensors_files(dir)?;
+    // SAFETY: the files are mapped read-only for the length of this call; as with candle's
+    // `VarBuilder::from_mmaped_safetensors`, they must not be truncated meanwhile.
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
+        .map_err(|e| io_err("mapping", dir, e))?;
+    let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
+        let view = st.get(&spec.name).map_err(|_| {
+            candle_core::Error::Msg(format!("{}: checkpoint has no tensor {} (expected {:?})", dir.display(), spec.name, spec.shape))
+        })?;
+        if view.shape() != spec.shape.as_slice() {
+            bail!("{}: tensor {} has shape {:?}, config implies {:?}", dir.display(), spec.name, view.shape(), spec.shape)
+        }
+        st.load(&spec.name, &Device::Cpu)
+    })?;
+    Ok((vm, cfg))
 }
 
 /// Load a HF Llama checkpoint directory: returns the FULL (unsharded) model as a `VarMap`
@@ -113,46 +149,68 @@ fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
 
 /// Write `bytes` to `path` atomically: a temporary file in the same directory, fsync, rename.
 pub fn write_atomic(path: &Path, bytes: &[u8]) -> Result<()> {
+    write_atomic_with(path, |w| w.write_all(bytes).map_err(|e| io_err("writing", path, e)))
+}
+
+/// [`write_atomic`] of what `write` writes (buffered) to the temporary file.
+fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std::fs::File>) -> Result<()>) -> Result<()> {
     let dir = path.parent().unwrap_or(Path::new("."));
     let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
     let tmp = dir.join(format!(".{name}.tmp-{}", std::process::id()));
-    let res = (|| -> std::io::Result<()> {
-        let mut f = std::fs::File::create(&tmp)?;
-        f.write_all(bytes)?;
-        f.sync_all()?;
-        std::fs::rename(&tmp, path)
+    let res = (|| -> Result<()> {
+        let f = std::fs::File::create(&tmp).map_err(|e| io_err("creating", &tmp, e))?;
+        let mut w = std::io::BufWriter::new(f);
+        write(&mut w)?;
+        let f = w.into_inner().map_err(|e| io_err("writing", &tmp, e.error()))?;
+        f.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_err("renaming to", path, e))
     })();
-    if let Err(e) = res {
+    if res.is_err() {
         let _ = std::fs::remove_file(&tmp);
-        return Err(io_err("writing", path, e));
     }
-    Ok(())
+    res
 }
 
-/// Serialise named tensors as one safetensors file (keys sorted, metadata `format: pt`).
-pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
-    let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
-    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+/// The safetensors header (length prefix + JSON, padded to 8 bytes) of `tensors` in the
+/// order given, each tensor's data following the previous one's.
+fn safetensors_header(tensors: &[&(String, Tensor)]) -> Result<Vec<u8>> {
     let mut header = BTreeMap::new();
-    let mut body = Vec::new();
-    for (name, t) in sorted {
-        let bytes = le_bytes(t)?;
-        let start = body.len();
-        body.extend_from_slice(&bytes);
+    let mut at = 0usize;
+    for (name, t) in tensors {
+        let len = t.elem_count() * t.dtype().size_in_bytes();
         header.insert(
             name.clone(),
-            serde_json::json!({"dtype": st_dtype(t.dtype())?, "shape": t.dims(), "data_offsets": [start, body.len()]}),
+            serde_json::json!({"dtype": st_dtype(t.dtype())?, "shape": t.dims(), "data_offsets": [at, at + len]}),
         );
+        at += len;
     }
     header.insert("__metadata__".to_string(), serde_json::json!({"format": "pt"}));
     let mut h = serde_json::to_vec(&header).map_err(|e| candle_core::Error::Msg(format!("safetensors header: {e}")))?;
     while h.len() % 8 != 0 {
         h.push(b' ');
     }
-    let mut out = Vec::with_capacity(8 + h.len() + body.len());
+    let mut out = Vec::with_capacity(8 + h.len());
     out.extend_from_slice(&(h.len() as u64).to_le_bytes());
     out.extend_from_slice(&h);
-    out.extend_from_slice(&body);
+    Ok(out)
+}
+
+/// Serialise named tensors (keys sorted, metadata `format: pt`) to `w`, one tensor's bytes
+/// at a time.
+fn write_safetensors(w: &mut impl Write, tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
+    let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
+    sorted.sort_by(|a, b| a.0.cmp(&b.0));
+    w.write_all(&safetensors_header(&sorted)?).map_err(|e| io_err("writing", path, e))?;
+    for (_, t) in sorted {
+        w.write_all(&le_bytes(t)?).map_err(|e| io_err("writing", path, e))?;
+    }
+    Ok(())
+}
+
+/// Serialise named tensors as one safetensors file (keys sorted, metadata `format: pt`).
+pub fn safetensors_bytes(tensors: &[(String, Tensor)]) -> Result<Vec<u8>> {
+    let mut out = Vec::new();
+    write_safetensors(&mut out, tensors, Path::new("memory"))?;
     Ok(out)
 }
 
@@ -191,7 +249,9 @@ pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg:
         DType::F64 => "float64",
         _ => "float32",
     };
-    write_atomic(&dir.join("model.safetensors"), &safetensors_bytes(tensors)?)?;
+    // streamed: the file's bytes are never all in memory at once
+    let file = dir.join("model.safetensors");
+    write_atomic_with(&file, |w| write_safetensors(w, tensors, &file))?;
     write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
 }
 
@@ -223,6 +283,11 @@ mod tests {
                 assert_eq!(d, 0.0, "{k}");
                 assert_eq!(b[k].dtype(), dtype);
             }
+            // the streamed file is byte for byte the in-memory serialisation, which candle's
+            // reader accepts
+            let file = std::fs::read(dir.join("model.safetensors")).map_err(|e| io_err("reading", &dir, e))?;
+            let named: Vec<(String, Tensor)> = a.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+            assert!(file == safetensors_bytes(&named)?, "{dtype:?}: streamed file differs");
             // only the two files, no temporaries left behind
             let mut names: Vec<String> = std::fs::read_dir(&dir)
                 .map_err(|e| candle_core::Error::Msg(e.to_string()))?
@@ -289,6 +354,104 @@ mod tests {
         std::fs::write(&file, &bytes[..bytes.len() / 2]).map_err(|e| io_err("writing", &file, e))?;
         let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(&file.display().to_string()), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// Writes `cfg` and `tensors` as a HF checkpoint sharded over two files with a
+    /// `model.safetensors.index.json`, as transformers does for large models.
+    fn save_two_files(dir: &Path, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
+        std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+        let (a, b) = tensors.split_at(tensors.len() / 2);
+        let mut map = serde_json::Map::new();
+        for (file, part) in [("model-00001-of-00002.safetensors", a), ("model-00002-of-00002.safetensors", b)] {
+            write_atomic(&dir.join(file), &safetensors_bytes(part)?)?;
+            for (k, _) in part {
+                map.insert(k.clone(), serde_json::Value::String(file.into()));
+            }
+        }
+        let index = serde_json::json!({ "metadata": {}, "weight_map": map });
+        write_atomic(&dir.join("model.safetensors.index.json"), index.to_string().as_bytes())?;
+        write_atomic(&dir.join("config.json"), cfg.to_hf_json("float32").as_bytes())
+    }
+
+    /// Each rank's `load_hf_sharded` equals `shard_params` of the whole `load_hf`, bit for
+    /// bit, on the oracle checkpoint (one file; 8 heads / 2 KV heads, TP 1, 2, 4 and 8: KV
+    /// heads replicated at 4 and 8) and on a two-file checkpoint with an index whose vocabulary
+    /// (37) no TP degree divides (padded rows), in f32 and bf16.
+    #[test]
+    fn sharded_load_equals_sharding_the_whole_model() -> Result<()> {
+        use crate::layout::Layout;
+        let oracle = Path::new(concat!(env!("CARGO_MANIFEST_DIR"), "/../../tests/data/oracle/tiny-llama")).to_path_buf();
+        let odd = LlamaConfig::tiny(37, 32, 2, 4, 2);
+        let two = std::env::temp_dir().join(format!("candle-cp-llama-hf-two-files-{}", std::process::id()));
+        let mut t: Vec<(String, Tensor)> = varmap_tensors(&init_params(&odd, 3, DType::F32, &Device::Cpu)?)?.into_iter().collect();
+        t.sort_by(|x, y| x.0.cmp(&y.0));
+        save_two_files(&two, &t, &odd)?;
+        for (dir, tps) in [(&oracle, vec![1usize, 2, 4, 8]), (&two, vec![1, 2, 4])] {
+            for dtype in [DType::F32, DType::BF16] {
+                let (whole, cfg) = load_hf(dir, &Device::Cpu, dtype)?;
+                for &tp in &tps {
+                    for r in candle_cp_comm::run_ranks(tp, |g| {
+                        let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+                        let want = varmap_tensors(&crate::shard_params(&whole, &cfg, &ctx)?)?;
+                        let (got, cfg2) = load_hf_sharded(dir, &ctx, &Device::Cpu, dtype)?;
+                        let got = varmap_tensors(&got)?;
+                        let mut same = cfg2 == cfg && got.len() == want.len();
+                        for (k, w) in &want {
+                            let g = &got[k];
+                            same &= g.dims() == w.dims() && g.dtype() == dtype;
+                            same &= g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()? == w.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?;
+                        }
+                        Ok(same)
+                    }) {
+                        assert!(r?, "{} tp {tp} {dtype:?}: the sharded load differs", dir.display());
+                    }
+                }
+            }
+        }
+        let _ = std::fs::remove_dir_all(&two);
+        Ok(())
+    }
+
+    /// The sharded load refuses a layout the heads do not allow before reading, and names a
+    /// missing or mis-shaped tensor.
+    #[test]
+    fn sharded_load_errors_name_the_problem() -> Result<()> {
+        use crate::layout::Layout;
+        let cfg = LlamaConfig::tiny(64, 32, 1, 4, 2);
+        let dir = std::env::temp_dir().join(format!("candle-cp-llama-hf-sharded-errors-{}", std::process::id()));
+        let vm = init_params(&cfg, 1, DType::F32, &Device::Cpu)?;
+        let mut t: Vec<(String, Tensor)> = varmap_tensors(&vm)?.into_iter().collect();
+        t.retain(|(k, _)| k != "model.norm.weight");
+        let shapes = [("model.norm.weight".to_string(), Tensor::ones(31, DType::F32, &Device::Cpu)?)];
+        let errs = candle_cp_comm::run_ranks(1, |g| {
+            let ctx = ParallelCtx::new(g, Layout::single())?;
+            let err = |r: Result<(VarMap, LlamaConfig)>| r.err().map(|e| e.to_string()).unwrap_or_default();
+            save_hf_tensors(&dir, &t, &cfg)?;
+            let missing = err(load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32));
+            let mut t2 = t.clone();
+            t2.extend(shapes.iter().cloned());
+            save_hf_tensors(&dir, &t2, &cfg)?;
+            let shape = err(load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32));
+            Ok((missing, shape))
+        });
+        for r in errs {
+            let (missing, shape) = r?;
+            assert!(missing.contains("model.norm.weight") && missing.contains("[32]"), "{missing}");
+            assert!(shape.contains("model.norm.weight") && shape.contains("[31]") && shape.contains("[32]"), "{shape}");
+        }
+        // TP 3 does not divide 4 heads: refused from the config alone
+        for r in candle_cp_comm::run_ranks(3, |g| {
+            let ctx = ParallelCtx::new(g, Layout::single().with_tp(3, false));
+            Ok(match ctx {
+                Err(e) => e.to_string(),
+                Ok(ctx) => load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default(),
+            })
+        }) {
+            let e = r?;
+            assert!(e.contains("tp = 3 must divide heads (4)"), "{e}");
+        }
         let _ = std::fs::remove_dir_all(&dir);
         Ok(())
     }

@@ -3,14 +3,14 @@
 //!
 //! | parameter                                   | full shape       | TP shard        |
 //! |---------------------------------------------|------------------|-----------------|
-//! | `model.embed_tokens.weight`                 | `[V, h]`         | rows (vocabulary) when tp divides V, else replicated |
+//! | `model.embed_tokens.weight`                 | `[V, h]`         | rows (vocabulary), `⌈V/tp⌉` per rank, zero padding past `V` ([`Shard::RowsPadded`]) |
 //! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
 //! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
-//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | rows (vocabulary) when tp divides V, else replicated |
+//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | rows (vocabulary), as the embedding |
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
@@ -144,22 +144,56 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
     {
         let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
-            let n: usize = s.shape.iter().product();
-            let t = if s.shape.len() == 1 {
-                Tensor::ones(s.shape.as_slice(), DType::F32, &Device::Cpu)?
-            } else {
-                let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
-                for b in s.name.bytes() {
-                    key = (key ^ b as u64).wrapping_mul(0x0100_0000_01b3);
-                }
-                let mut rng = Normal(key);
-                let v: Vec<f32> = (0..n).map(|_| (0.02 * rng.sample()) as f32).collect();
-                Tensor::from_vec(v, s.shape.as_slice(), &Device::Cpu)?
-            };
+            let t = init_tensor(&s, seed)?;
             data.insert(
                 s.name.clone(),
                 Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
             );
+        }
+    }
+    Ok(vm)
+}
+
+/// The full f32 host tensor [`init_params`] draws for `spec`.
+fn init_tensor(spec: &ParamSpec, seed: u64) -> Result<Tensor> {
+    let n: usize = spec.shape.iter().product();
+    if spec.shape.len() == 1 {
+        return Tensor::ones(spec.shape.as_slice(), DType::F32, &Device::Cpu);
+    }
+    let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
+    for b in spec.name.bytes() {
+        key = (key ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    let mut rng = Normal(key);
+    let v: Vec<f32> = (0..n).map(|_| (0.02 * rng.sample()) as f32).collect();
+    Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu)
+}
+
+/// This rank's shards of [`init_params`]' model (bit for bit what [`shard_params`] of it
+/// gives), drawn one full tensor at a time on the host, sliced, then moved to `device`: the
+/// whole model never exists in memory.
+pub fn init_params_sharded(cfg: &LlamaConfig, seed: u64, dtype: DType, ctx: &ParallelCtx, device: &Device) -> Result<VarMap> {
+    cfg.validate()?;
+    sharded_params(cfg, ctx, dtype, device, |spec| init_tensor(spec, seed))
+}
+
+/// This rank's `VarMap`: for each parameter, `full_of` gives the full tensor (on the host,
+/// any float dtype), which is checked, sliced for this TP rank, cast to `dtype` and moved to
+/// `device`; one full tensor is alive at a time.
+pub(crate) fn sharded_params(
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+    dtype: DType,
+    device: &Device,
+    mut full_of: impl FnMut(&ParamSpec) -> Result<Tensor>,
+) -> Result<VarMap> {
+    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
+    let vm = VarMap::new();
+    {
+        let mut data = lock_vars(&vm)?;
+        for s in param_specs(cfg) {
+            let local = s.slice(&full_of(&s)?, tp, tp_rank)?;
+            data.insert(s.name.clone(), Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
         }
     }
     Ok(vm)
@@ -218,4 +252,71 @@ pub fn gather_full(
         out.push((s.name.clone(), s.gather(t, ctx)?));
     }
     Ok(out)
+}
+
+/// [`gather_full`] for writing a checkpoint: one parameter at a time is gathered (collective
+/// over the TP group: all ranks call it), and moved to the host when `keep` (the writing
+/// rank), dropped otherwise. A device never holds more than one full tensor; [`gather_full`]
+/// holds the whole model on every rank's device.
+pub fn gather_full_to_host(
+    local: &std::collections::HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+    keep: bool,
+) -> Result<Vec<(String, Tensor)>> {
+    let mut out = Vec::new();
+    for s in param_specs(cfg) {
+        let Some(t) = local.get(&s.name) else {
+            bail!("gather_full_to_host: missing parameter {}", s.name)
+        };
+        let full = s.gather(t, ctx)?;
+        if keep {
+            out.push((s.name.clone(), full.to_device(&Device::Cpu)?));
+        }
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::layout::Layout;
+
+    /// `init_params_sharded` is `shard_params(init_params(..))` bit for bit (TP 1, 2, 4; KV
+    /// heads replicated at 4; vocabulary 37 padded; f32 and bf16), and `gather_full_to_host`
+    /// gives the writing rank `gather_full`'s tensors on the host, the others nothing.
+    #[test]
+    fn sharded_init_and_host_gather_equal_the_whole_model_path() -> Result<()> {
+        let cfg = LlamaConfig::tiny(37, 32, 2, 4, 2);
+        for dtype in [DType::F32, DType::BF16] {
+            let whole = init_params(&cfg, 11, dtype, &Device::Cpu)?;
+            for tp in [1usize, 2, 4] {
+                for r in candle_cp_comm::run_ranks(tp, |g| {
+                    let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, false))?;
+                    let want = varmap_tensors(&shard_params(&whole, &cfg, &ctx)?)?;
+                    let got = varmap_tensors(&init_params_sharded(&cfg, 11, dtype, &ctx, &Device::Cpu)?)?;
+                    let bits = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+                    let mut same = got.len() == want.len();
+                    for (k, w) in &want {
+                        same &= got[k].dims() == w.dims() && got[k].dtype() == dtype && bits(&got[k])? == bits(w)?;
+                    }
+                    let keep = ctx.coords.2 == 0;
+                    let host = gather_full_to_host(&got, &cfg, &ctx, keep)?;
+                    let dev = gather_full(&got, &cfg, &ctx)?;
+                    if keep {
+                        same &= host.len() == dev.len();
+                        for ((n1, a), (n2, b)) in host.iter().zip(&dev) {
+                            same &= n1 == n2 && a.dims() == b.dims() && bits(a)? == bits(b)?;
+                        }
+                    } else {
+                        same &= host.is_empty();
+                    }
+                    Ok(same)
+                }) {
+                    assert!(r?, "tp {tp} {dtype:?}: the sharded init or the host gather differs");
+                }
+            }
+        }
+        Ok(())
+    }
 }

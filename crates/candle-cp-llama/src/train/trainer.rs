@@ -19,8 +19,8 @@ use super::optim::{AdamW, AdamWConfig};
 use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
-    gather_full, global_mean, init_params, load_hf, named_grads, param_specs, reduce_gradients, save_hf_tensors,
-    shard_batch, shard_batch_packed, shard_params, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
+    gather_full_to_host, global_mean, init_params_sharded, load_hf_sharded, named_grads, param_specs, reduce_gradients,
+    save_hf_tensors, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
@@ -253,21 +253,23 @@ pub fn train_rank(
         (Some(root), true) => latest_checkpoint(root).map_err(|e| ioe("reading", root, e))?,
         _ => None,
     };
-    let (full, mut mcfg, state) = match (&resume_from, &cfg.model) {
+    // Each rank reads or draws only its own shards, one full tensor at a time on the host.
+    let (varmap, mut mcfg, state) = match (&resume_from, &cfg.model) {
         (Some(dir), _) => {
             // (written by another layout: the weights are full HF tensors; the optimizer
             // state is resharded below)
             let st = TrainState::load(dir.join("train_state.json"))
                 .map_err(|e| ioe("reading", dir, e))?;
-            let (vm, c) = load_hf(dir, &dev, cfg.dtype)?;
+            let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
             (vm, c, Some(st))
         }
         (None, ModelSource::Hf(dir)) => {
-            let (vm, c) = load_hf(dir, &dev, cfg.dtype)?;
+            let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
             (vm, c, None)
         }
         (None, ModelSource::Init(c)) => {
-            (init_params(c, cfg.seed, cfg.dtype, &dev)?, c.clone(), None)
+            cfg.layout.validate(c.num_attention_heads, c.num_key_value_heads)?;
+            (init_params_sharded(c, cfg.seed, cfg.dtype, &ctx, &dev)?, c.clone(), None)
         }
     };
     if cfg.sliding_window.is_some() {
@@ -287,8 +289,6 @@ pub fn train_rank(
         .iter()
         .map(|s| s.shape.iter().product::<usize>())
         .sum();
-    let varmap = shard_params(&full, &mcfg, &ctx)?;
-    drop(full);
     let model = Llama::new(
         VarBuilder::from_varmap(&varmap, cfg.dtype, &dev),
         &mcfg,
@@ -357,7 +357,7 @@ pub fn train_rank(
         }
         world.barrier()?;
         let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
-        let full = gather_full(&crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx)?;
+        let full = gather_full_to_host(&crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
         if is_main {
             save_hf_tensors(&tmp, &full, &mcfg)?;
         }

@@ -3,6 +3,7 @@
 use super::*;
 use crate::train::data::KvRecall;
 use crate::CpKind;
+use crate::{init_params, load_hf, shard_params};
 use candle_cp_comm::run_ranks;
 
 fn tiny_cfg(out: Option<PathBuf>, layout: Layout, batch: usize, grad_accum: usize) -> TrainConfig {
