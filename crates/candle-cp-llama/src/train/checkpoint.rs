@@ -138,8 +138,9 @@ pub fn latest_checkpoint(root: impl AsRef<Path>) -> std::io::Result<Option<PathB
 /// `optimizer-tp<t>.safetensors` per TP rank) as this rank of `ctx` holds it: each moment
 /// (and master copy) reassembled to its full shape from the old TP ranks' files
 /// ([`candle_cp_nn::Shard::assemble`], one copy of replicated KV heads), then sliced for
-/// this layout's TP rank. What [`super::AdamW::load_tensors`] takes. Every rank reads every
-/// old file (host memory: the whole optimizer state once per rank while resuming).
+/// this layout's TP rank. What [`super::AdamW::load_tensors`] takes. The old files are
+/// memory-mapped and read one tensor at a time: besides its own slices, a rank holds at most
+/// one full tensor on the host.
 pub fn reshard_optimizer_state(
     dir: &Path,
     cfg: &crate::LlamaConfig,
@@ -153,13 +154,24 @@ pub fn reshard_optimizer_state(
     }
     let files = (0..old_tp)
         .map(|t| {
-            candle_core::safetensors::load(file(t), &Device::Cpu)
+            // SAFETY: mapped read-only while this function runs; checkpoints are published
+            // once (renamed into place) and never rewritten
+            unsafe { candle_core::safetensors::MmapedSafetensors::new(file(t)) }
                 .map_err(|e| Error::Msg(format!("reading optimizer state {}: {e}", file(t).display())))
         })
         .collect::<candle_core::Result<Vec<_>>>()?;
-    let steps = files
-        .iter()
-        .map(|f| match f.get("step") {
+    // the tensor `key` of old file `t`, read now; None when the file has no such tensor
+    let read = |t: usize, key: &str| -> candle_core::Result<Option<candle_core::Tensor>> {
+        match files[t].get(key) {
+            Err(_) => Ok(None),
+            Ok(_) => files[t]
+                .load(key, &Device::Cpu)
+                .map(Some)
+                .map_err(|e| Error::Msg(format!("reading {key} of {}: {e}", file(t).display()))),
+        }
+    };
+    let steps = (0..old_tp)
+        .map(|t| match read(t, "step")? {
             Some(s) => s.to_vec1::<u32>(),
             None => Ok(vec![]),
         })
@@ -169,11 +181,11 @@ pub fn reshard_optimizer_state(
     }
     let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let mut out = std::collections::HashMap::new();
-    out.insert("step".to_string(), files[0]["step"].clone());
+    out.insert("step".to_string(), candle_core::Tensor::new(steps[0].as_slice(), &Device::Cpu)?);
     for spec in crate::params::param_specs(cfg) {
         for prefix in ["m", "v", "w"] {
             let key = format!("{prefix}.{}", spec.name);
-            let parts: Vec<candle_core::Tensor> = files.iter().filter_map(|f| f.get(&key).cloned()).collect();
+            let parts: Vec<candle_core::Tensor> = (0..old_tp).map(|t| read(t, &key)).collect::<candle_core::Result<Vec<_>>>()?.into_iter().flatten().collect();
             if parts.is_empty() {
                 continue; // no master copy (f32 run), or a missing moment that load_tensors names
             }
