@@ -11,7 +11,7 @@ use crate::grads::{named_grads, reduce_gradients};
 use crate::hf::load_safetensors_dir;
 use crate::layout::{shard_batch, Layout, ParallelCtx};
 use crate::model::Llama;
-use crate::params::{gather_full, param_specs, shard_tensors};
+use crate::params::{gather_full_to_host, param_specs};
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
 use candle_nn::VarBuilder;
@@ -155,20 +155,20 @@ pub fn run_layout_recompute_on(
     let v = cfg.vocab_size;
     let body = |world: Group| -> Result<RankOut> {
         let device = &world.home_device().unwrap_or_else(|| device.clone());
-        let full_dev: HashMap<String, Tensor> = full
-            .iter()
-            .map(|(k, x)| Ok((k.clone(), x.to_dtype(DType::F32)?.to_device(device)?)))
-            .collect::<Result<_>>()?;
         let ids_dev = ids.to_device(device)?;
         let ctx = ParallelCtx::new(world, layout)?;
-        let vm = shard_tensors(&full_dev, cfg, &ctx)?;
+        // this rank's slices only go to its device (f32), one parameter at a time
+        let vm = crate::params::sharded_params(cfg, &ctx, DType::F32, device, |s| match full.get(&s.name) {
+            Some(t) => Ok(t.clone()),
+            None => bail!("run_layout: missing parameter {} {:?}", s.name, s.shape),
+        })?;
         let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?
             .with_recompute(recompute);
         let batch = shard_batch(&ids_dev, &ctx)?;
         let (loss, logits) = model.loss(&batch.input_ids, &batch.labels, &batch.positions)?;
         let mut grads = model.backward(&loss)?;
         reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
-        let full_grads = gather_full(&named_grads(&grads, &vm)?, cfg, &ctx)?;
+        let full_grads = gather_full_to_host(&named_grads(&grads, &vm)?, cfg, &ctx, true)?;
         let bl = b / layout.dp;
         Ok(RankOut {
             logits: logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
@@ -177,7 +177,7 @@ pub fn run_layout_recompute_on(
             loss: loss.to_dtype(DType::F64)?.to_scalar::<f64>()?,
             grads: full_grads
                 .into_iter()
-                .map(|(k, g)| Ok((k, g.to_device(&Device::Cpu)?.to_dtype(DType::F32)?)))
+                .map(|(k, g)| Ok((k, g.to_dtype(DType::F32)?)))
                 .collect::<Result<_>>()?,
         })
     };
