@@ -6,8 +6,8 @@
 //!
 //! | parameter                         | summed over                         |
 //! |-----------------------------------|-------------------------------------|
-//! | TP-sharded (q/k/v/o, gate/up/down; embeddings and head when tp divides the vocabulary) | DP × CP (never TP: each TP rank owns a different slice) |
-//! | replicated (norms; embeddings and head when tp does not divide the vocabulary), no SP | DP × CP (TP ranks already hold identical full gradients) |
+//! | TP-sharded (q/k/v/o, gate/up/down; embeddings and head, padded when tp does not divide the vocabulary) | DP × CP (never TP: each TP rank owns a different slice) |
+//! | replicated (norms; embeddings and head of a vocabulary smaller than tp), no SP | DP × CP (TP ranks already hold identical full gradients) |
 //! | replicated, with SP               | DP × CP × TP (each TP rank saw other tokens) |
 //! | k/v with fewer KV heads than TP ranks | DP × CP × the TP ranks holding the same KV head (each saw other query heads) |
 //!
