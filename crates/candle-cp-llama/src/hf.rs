@@ -171,16 +171,16 @@ fn write_atomic_with(path: &Path, write: impl FnOnce(&mut std::io::BufWriter<std
     res
 }
 
-/// The safetensors header (length prefix + JSON, padded to 8 bytes) of `tensors` in the
-/// order given, each tensor's data following the previous one's.
-fn safetensors_header(tensors: &[&(String, Tensor)]) -> Result<Vec<u8>> {
+/// The safetensors header (length prefix + JSON, padded to 8 bytes) of tensors `(name,
+/// shape, dtype)` in the order given, each tensor's data following the previous one's.
+fn safetensors_header(entries: &[(&str, &[usize], DType)]) -> Result<Vec<u8>> {
     let mut header = BTreeMap::new();
     let mut at = 0usize;
-    for (name, t) in tensors {
-        let len = t.elem_count() * t.dtype().size_in_bytes();
+    for &(name, shape, dtype) in entries {
+        let len = shape.iter().product::<usize>() * dtype.size_in_bytes();
         header.insert(
-            name.clone(),
-            serde_json::json!({"dtype": st_dtype(t.dtype())?, "shape": t.dims(), "data_offsets": [at, at + len]}),
+            name.to_string(),
+            serde_json::json!({"dtype": st_dtype(dtype)?, "shape": shape, "data_offsets": [at, at + len]}),
         );
         at += len;
     }
@@ -200,7 +200,8 @@ fn safetensors_header(tensors: &[&(String, Tensor)]) -> Result<Vec<u8>> {
 fn write_safetensors(w: &mut impl Write, tensors: &[(String, Tensor)], path: &Path) -> Result<()> {
     let mut sorted: Vec<&(String, Tensor)> = tensors.iter().collect();
     sorted.sort_by(|a, b| a.0.cmp(&b.0));
-    w.write_all(&safetensors_header(&sorted)?).map_err(|e| io_err("writing", path, e))?;
+    let entries: Vec<(&str, &[usize], DType)> = sorted.iter().map(|(n, t)| (n.as_str(), t.dims(), t.dtype())).collect();
+    w.write_all(&safetensors_header(&entries)?).map_err(|e| io_err("writing", path, e))?;
     for (_, t) in sorted {
         w.write_all(&le_bytes(t)?).map_err(|e| io_err("writing", path, e))?;
     }
@@ -252,6 +253,71 @@ pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg:
     // streamed: the file's bytes are never all in memory at once
     let file = dir.join("model.safetensors");
     write_atomic_with(&file, |w| write_safetensors(w, tensors, &file))?;
+    write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
+}
+
+/// Save the model whose TP shards `local` (name → this rank's shard, as the `VarMap` holds
+/// them) are spread over `ctx`'s TP groups as a HF checkpoint directory, like
+/// [`save_hf_tensors`] of [`crate::gather_full`]'s tensors, byte for byte. Collective: every
+/// rank calls it; only the rank with `write` writes.
+///
+/// Parameters are gathered one at a time and the writer streams each into the file as it
+/// arrives (the header is known from the shapes), so no rank ever holds the whole model, on
+/// the device or on the host. A write error on the writer does not desynchronise the
+/// collectives: it keeps gathering, then returns the error.
+pub fn save_hf_sharded(
+    dir: impl AsRef<Path>,
+    local: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+    write: bool,
+) -> Result<()> {
+    let dir = dir.as_ref();
+    let mut specs = param_specs(cfg);
+    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    let mut shards = Vec::with_capacity(specs.len());
+    for s in &specs {
+        let Some(t) = local.get(&s.name) else { bail!("save_hf_sharded: missing parameter {} {:?}", s.name, s.shape) };
+        shards.push(t);
+    }
+    let dtype = shards.first().map(|t| t.dtype()).unwrap_or(DType::F32);
+    let file = dir.join("model.safetensors");
+    let tmp = dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));
+    // the writer's sink: the temporary file after the header, or the first error; every rank
+    // gathers every parameter whatever happens to it
+    let mut sink: Option<Result<std::io::BufWriter<std::fs::File>>> = write.then(|| {
+        std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+        let entries: Vec<(&str, &[usize], DType)> =
+            specs.iter().zip(&shards).map(|(s, t)| (s.name.as_str(), s.shape.as_slice(), t.dtype())).collect();
+        let header = safetensors_header(&entries)?;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io_err("creating", &tmp, e))?);
+        w.write_all(&header).map_err(|e| io_err("writing", &tmp, e))?;
+        Ok(w)
+    });
+    for (s, t) in specs.iter().zip(&shards) {
+        let full = s.gather(t, ctx)?;
+        if let Some(Ok(w)) = &mut sink {
+            if let Err(e) = le_bytes(&full).and_then(|b| w.write_all(&b).map_err(|e| io_err("writing", &tmp, e))) {
+                sink = Some(Err(e));
+            }
+        }
+    }
+    let Some(sink) = sink else { return Ok(()) };
+    let done = sink.and_then(|w| {
+        let f = w.into_inner().map_err(|e| io_err("writing", &tmp, e.error()))?;
+        f.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
+        std::fs::rename(&tmp, &file).map_err(|e| io_err("renaming to", &file, e))
+    });
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done?;
+    let dname = match dtype {
+        DType::BF16 => "bfloat16",
+        DType::F16 => "float16",
+        DType::F64 => "float64",
+        _ => "float32",
+    };
     write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
 }
 
@@ -453,6 +519,49 @@ mod tests {
             assert!(e.contains("tp = 3 must divide heads (4)"), "{e}");
         }
         let _ = std::fs::remove_dir_all(&dir);
+        Ok(())
+    }
+
+    /// `save_hf_sharded` from the TP shards writes the same bytes as `save_hf_tensors` of the
+    /// whole model (TP 1, 2, 4; KV heads replicated at 4; V = 37 padded; f32 and bf16), and a
+    /// writer that cannot write returns the error while the other ranks finish (no hang).
+    #[test]
+    fn sharded_save_equals_saving_the_whole_model() -> Result<()> {
+        use crate::layout::Layout;
+        let cfg = LlamaConfig::tiny(37, 32, 2, 4, 2);
+        let root = std::env::temp_dir().join(format!("candle-cp-llama-hf-sharded-save-{}", std::process::id()));
+        for dtype in [DType::F32, DType::BF16] {
+            let whole = init_params(&cfg, 5, dtype, &Device::Cpu)?;
+            let want_dir = root.join(format!("whole-{dtype:?}"));
+            save_hf(&want_dir, &whole, &cfg)?;
+            let want = std::fs::read(want_dir.join("model.safetensors")).map_err(|e| io_err("reading", &want_dir, e))?;
+            for tp in [1usize, 2, 4] {
+                let dir = root.join(format!("tp{tp}-{dtype:?}"));
+                for r in candle_cp_comm::run_ranks(tp, |g| {
+                    let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+                    let local = varmap_tensors(&crate::shard_params(&whole, &cfg, &ctx)?)?;
+                    save_hf_sharded(&dir, &local, &cfg, &ctx, ctx.coords.2 == 0)
+                }) {
+                    r?;
+                }
+                let got = std::fs::read(dir.join("model.safetensors")).map_err(|e| io_err("reading", &dir, e))?;
+                assert!(got == want, "tp {tp} {dtype:?}: the sharded save differs from the whole model's");
+                assert_eq!(LlamaConfig::from_file(dir.join("config.json"))?, cfg);
+            }
+        }
+        // the writer's directory is a file: its error, the others' Ok, nobody hangs
+        let blocked = root.join("a-file");
+        std::fs::write(&blocked, b"x").map_err(|e| io_err("writing", &blocked, e))?;
+        let whole = init_params(&cfg, 5, DType::F32, &Device::Cpu)?;
+        let res = candle_cp_comm::run_ranks(2, |g| {
+            let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, false))?;
+            let local = varmap_tensors(&crate::shard_params(&whole, &cfg, &ctx)?)?;
+            save_hf_sharded(&blocked, &local, &cfg, &ctx, ctx.coords.2 == 0)
+        });
+        let e = res[0].as_ref().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("a-file"), "{e}");
+        assert!(res[1].is_ok(), "{:?}", res[1]);
+        let _ = std::fs::remove_dir_all(&root);
         Ok(())
     }
 }

@@ -19,8 +19,8 @@ use super::optim::{AdamW, AdamWConfig};
 use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
-    gather_full_to_host, global_mean, init_params_sharded, load_hf_sharded, named_grads, param_specs, reduce_gradients,
-    save_hf_tensors, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
+    global_mean, init_params_sharded, load_hf_sharded, named_grads, param_specs, reduce_gradients,
+    save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
@@ -357,10 +357,8 @@ pub fn train_rank(
         }
         world.barrier()?;
         let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
-        let full = gather_full_to_host(&crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
-        if is_main {
-            save_hf_tensors(&tmp, &full, &mcfg)?;
-        }
+        // gathered one parameter at a time and streamed into the file by the main rank
+        save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
         if is_main {
