@@ -124,7 +124,8 @@ fn st_dtype(d: DType) -> Result<&'static str> {
         DType::BF16 => "BF16",
         DType::F16 => "F16",
         DType::F64 => "F64",
-        other => bail!("save_hf: dtype {other:?} not supported (f32, bf16, f16, f64)"),
+        DType::U32 => "U32",
+        other => bail!("save_hf: dtype {other:?} not supported (f32, bf16, f16, f64, u32)"),
     })
 }
 
@@ -133,6 +134,7 @@ fn le_bytes(t: &Tensor) -> Result<Vec<u8>> {
     Ok(match t.dtype() {
         DType::F32 => t.to_vec1::<f32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::F64 => t.to_vec1::<f64>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
+        DType::U32 => t.to_vec1::<u32>()?.iter().flat_map(|x| x.to_le_bytes()).collect(),
         DType::BF16 => t
             .to_vec1::<half::bf16>()?
             .iter()
@@ -256,6 +258,61 @@ pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg:
     write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
 }
 
+/// Write the safetensors file `path` (its directory created if needed) whose tensors
+/// `entries` (name, shape, dtype) come one at a time from `next(i)`, in the order given: the
+/// header is built from the entries, then each tensor's bytes are appended as it arrives
+/// (temporary name, fsync, rename). `next` is called for every entry whether or not this rank
+/// writes and whatever happened to its writing, so collectives inside it stay in step across
+/// ranks; a write error (or a tensor that does not match its entry) is returned at the end.
+pub(crate) fn stream_safetensors(
+    path: &Path,
+    entries: &[(String, Vec<usize>, DType)],
+    write: bool,
+    mut next: impl FnMut(usize) -> Result<Tensor>,
+) -> Result<()> {
+    let tmp = {
+        let name = path.file_name().and_then(|n| n.to_str()).unwrap_or("file");
+        path.with_file_name(format!(".{name}.tmp-{}", std::process::id()))
+    };
+    let mut sink: Option<Result<std::io::BufWriter<std::fs::File>>> = write.then(|| {
+        let dir = path.parent().unwrap_or(Path::new("."));
+        std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
+        let list: Vec<(&str, &[usize], DType)> = entries.iter().map(|(n, s, d)| (n.as_str(), s.as_slice(), *d)).collect();
+        let header = safetensors_header(&list)?;
+        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io_err("creating", &tmp, e))?);
+        w.write_all(&header).map_err(|e| io_err("writing", &tmp, e))?;
+        Ok(w)
+    });
+    for (i, (name, shape, dtype)) in entries.iter().enumerate() {
+        let t = next(i)?;
+        if let Some(Ok(w)) = &mut sink {
+            let res = if t.dims() != shape.as_slice() || t.dtype() != *dtype {
+                Err(candle_core::Error::Msg(format!(
+                    "{}: tensor {name} is {:?} {:?}, its header entry {shape:?} {dtype:?}",
+                    path.display(),
+                    t.dims(),
+                    t.dtype()
+                )))
+            } else {
+                le_bytes(&t).and_then(|b| w.write_all(&b).map_err(|e| io_err("writing", &tmp, e)))
+            };
+            if let Err(e) = res {
+                sink = Some(Err(e));
+            }
+        }
+    }
+    let Some(sink) = sink else { return Ok(()) };
+    let done = sink.and_then(|w| {
+        let f = w.into_inner().map_err(|e| io_err("writing", &tmp, e.error()))?;
+        f.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
+        std::fs::rename(&tmp, path).map_err(|e| io_err("renaming to", path, e))
+    });
+    if done.is_err() {
+        let _ = std::fs::remove_file(&tmp);
+    }
+    done
+}
+
 /// Save the model whose TP shards `local` (name → this rank's shard, as the `VarMap` holds
 /// them) are spread over `ctx`'s TP groups as a HF checkpoint directory, like
 /// [`save_hf_tensors`] of [`crate::gather_full`]'s tensors, byte for byte. Collective: every
@@ -281,37 +338,12 @@ pub fn save_hf_sharded(
         shards.push(t);
     }
     let dtype = shards.first().map(|t| t.dtype()).unwrap_or(DType::F32);
-    let file = dir.join("model.safetensors");
-    let tmp = dir.join(format!(".model.safetensors.tmp-{}", std::process::id()));
-    // the writer's sink: the temporary file after the header, or the first error; every rank
-    // gathers every parameter whatever happens to it
-    let mut sink: Option<Result<std::io::BufWriter<std::fs::File>>> = write.then(|| {
-        std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-        let entries: Vec<(&str, &[usize], DType)> =
-            specs.iter().zip(&shards).map(|(s, t)| (s.name.as_str(), s.shape.as_slice(), t.dtype())).collect();
-        let header = safetensors_header(&entries)?;
-        let mut w = std::io::BufWriter::new(std::fs::File::create(&tmp).map_err(|e| io_err("creating", &tmp, e))?);
-        w.write_all(&header).map_err(|e| io_err("writing", &tmp, e))?;
-        Ok(w)
-    });
-    for (s, t) in specs.iter().zip(&shards) {
-        let full = s.gather(t, ctx)?;
-        if let Some(Ok(w)) = &mut sink {
-            if let Err(e) = le_bytes(&full).and_then(|b| w.write_all(&b).map_err(|e| io_err("writing", &tmp, e))) {
-                sink = Some(Err(e));
-            }
-        }
+    let entries: Vec<(String, Vec<usize>, DType)> =
+        specs.iter().zip(&shards).map(|(s, t)| (s.name.clone(), s.shape.clone(), t.dtype())).collect();
+    stream_safetensors(&dir.join("model.safetensors"), &entries, write, |i| specs[i].gather(shards[i], ctx))?;
+    if !write {
+        return Ok(());
     }
-    let Some(sink) = sink else { return Ok(()) };
-    let done = sink.and_then(|w| {
-        let f = w.into_inner().map_err(|e| io_err("writing", &tmp, e.error()))?;
-        f.sync_all().map_err(|e| io_err("syncing", &tmp, e))?;
-        std::fs::rename(&tmp, &file).map_err(|e| io_err("renaming to", &file, e))
-    });
-    if done.is_err() {
-        let _ = std::fs::remove_file(&tmp);
-    }
-    done?;
     let dname = match dtype {
         DType::BF16 => "bfloat16",
         DType::F16 => "float16",

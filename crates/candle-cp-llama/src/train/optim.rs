@@ -205,17 +205,10 @@ impl AdamW {
     pub fn state_tensors(&self) -> Result<HashMap<String, Tensor>> {
         let mut out = HashMap::new();
         for s in &self.slots {
-            let full = |t: &Tensor| -> Result<Tensor> {
-                let t = match &self.zero {
-                    Some(z) => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
-                    None => t.clone(),
-                };
-                t.to_device(&Device::Cpu)
-            };
-            out.insert(format!("m.{}", s.name), full(&s.m)?);
-            out.insert(format!("v.{}", s.name), full(&s.v)?);
+            out.insert(format!("m.{}", s.name), self.full_state(s, &s.m)?);
+            out.insert(format!("v.{}", s.name), self.full_state(s, &s.v)?);
             if let Some(w) = &s.master {
-                out.insert(format!("w.{}", s.name), full(w)?);
+                out.insert(format!("w.{}", s.name), self.full_state(s, w)?);
             }
         }
         out.insert(
@@ -225,23 +218,59 @@ impl AdamW {
         Ok(out)
     }
 
-    /// Save the state to a safetensors file.
+    /// Save the state ([`AdamW::state_tensors`]) to a safetensors file (with ZeRO-1:
+    /// collective, see [`AdamW::save_from`]).
     pub fn save(&self, path: impl AsRef<Path>) -> Result<()> {
-        candle_core::safetensors::save(&self.state_tensors()?, path)
+        self.save_from(path, true)
     }
 
     /// [`AdamW::save`] where only the ranks with `write` write the file; with ZeRO-1 every
-    /// replica rank must call it (the state is gathered first). The file is the same as
-    /// without ZeRO, so a run can resume with or without it.
+    /// replica rank must call it. The file is the same as without ZeRO, so a run can resume
+    /// with or without it. The state is gathered one tensor at a time and streamed into the
+    /// file, so no rank ever holds the whole (unsharded) state, on a device or on the host.
     pub fn save_from(&self, path: impl AsRef<Path>, write: bool) -> Result<()> {
         if self.zero.is_none() && !write {
             return Ok(());
         }
-        let st = self.state_tensors()?;
-        if write {
-            candle_core::safetensors::save(&st, path)?;
+        // (key, slot, which): 0 = m, 1 = v, 2 = master copy; "step" is the last slot index
+        let mut keys: Vec<(String, usize, u8)> = Vec::new();
+        for (i, s) in self.slots.iter().enumerate() {
+            keys.push((format!("m.{}", s.name), i, 0));
+            keys.push((format!("v.{}", s.name), i, 1));
+            if s.master.is_some() {
+                keys.push((format!("w.{}", s.name), i, 2));
+            }
         }
-        Ok(())
+        keys.push(("step".to_string(), usize::MAX, 0));
+        keys.sort_by(|a, b| a.0.cmp(&b.0));
+        let entries: Vec<(String, Vec<usize>, DType)> = keys
+            .iter()
+            .map(|(k, i, _)| match self.slots.get(*i) {
+                Some(s) => (k.clone(), s.var.dims().to_vec(), DType::F32),
+                None => (k.clone(), vec![1], DType::U32),
+            })
+            .collect();
+        crate::hf::stream_safetensors(path.as_ref(), &entries, write, |j| {
+            let (_, i, which) = &keys[j];
+            let Some(s) = self.slots.get(*i) else { return Tensor::new(&[self.step as u32], &Device::Cpu) };
+            let t = match (which, &s.master) {
+                (0, _) => &s.m,
+                (1, _) => &s.v,
+                (_, Some(w)) => w,
+                (_, None) => bail!("AdamW: {} has no master copy", s.name),
+            };
+            self.full_state(s, t)
+        })
+    }
+
+    /// The full (parameter-shaped) f32 state tensor `t` of slot `s` on the host: all-gathered
+    /// over the replicas with ZeRO-1 (collective).
+    fn full_state(&self, s: &Slot, t: &Tensor) -> Result<Tensor> {
+        let t = match &self.zero {
+            Some(z) => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
+            None => t.clone(),
+        };
+        t.to_device(&Device::Cpu)
     }
 
     /// Restore the state saved by [`AdamW::save`] (with or without ZeRO-1; this rank takes

@@ -198,6 +198,19 @@ fn zero1_matches_the_unsharded_optimizer() -> Result<()> {
         }
         assert_eq!(resumed, want_resumed, "resumed from the sharded file");
     }
+    // the streamed files (ZeRO: gathered tensor by tensor; plain) hold exactly the state
+    let plain_file = dir.join("plain.safetensors");
+    plain.save(&plain_file)?;
+    for f in [&file, &plain_file] {
+        let on_disk = candle_core::safetensors::load(f, &Device::Cpu)?;
+        assert_eq!(on_disk.len(), want_state.len(), "{}", f.display());
+        for (k, t) in &want_state {
+            let got = &on_disk[k];
+            assert_eq!((got.dims(), got.dtype()), (t.dims(), t.dtype()), "{k}");
+            let same = got.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()? == t.to_dtype(DType::F64)?.flatten_all()?.to_vec1::<f64>()?;
+            assert!(same, "{}: {k} differs from state_tensors", f.display());
+        }
+    }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
