@@ -278,19 +278,32 @@ impl AdamW {
     /// low-precision parameter's master copy comes from the file (`w.<name>`), or, in a file
     /// without one (written before master copies existed, or by an f32 run), from the
     /// parameter's current value.
+    ///
+    /// The file is memory-mapped and read one tensor at a time, each cut to this rank's
+    /// ZeRO slice before the next is read.
     pub fn load(&mut self, path: impl AsRef<Path>) -> Result<()> {
         let p = path.as_ref();
-        let t = candle_core::safetensors::load(p, &Device::Cpu)
-            .map_err(|e| candle_core::Error::Msg(format!("reading optimizer state {}: {e}", p.display())))?;
-        self.load_tensors(&t, p)
+        let err = |e: candle_core::Error| candle_core::Error::Msg(format!("reading optimizer state {}: {e}", p.display()));
+        // SAFETY: mapped read-only while this call runs; checkpoints are published once
+        // (renamed into place) and never rewritten
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(p) }.map_err(err)?;
+        self.load_with(|k| match st.get(k) {
+            Err(_) => Ok(None),
+            Ok(_) => st.load(k, &Device::Cpu).map(Some).map_err(err),
+        }, p)
     }
 
     /// [`AdamW::load`] from the tensors of such a file (`step`, `m.<name>`, `v.<name>`,
     /// optionally `w.<name>`), e.g. state resharded for another layout; `p` names their
     /// origin in errors.
     pub fn load_tensors(&mut self, t: &std::collections::HashMap<String, Tensor>, p: &Path) -> Result<()> {
-        let step = t
-            .get("step")
+        self.load_with(|k| Ok(t.get(k).cloned()), p)
+    }
+
+    /// [`AdamW::load_tensors`] with the tensors from `get` (name → tensor, `None` when
+    /// absent), asked for one at a time.
+    fn load_with(&mut self, get: impl Fn(&str) -> Result<Option<Tensor>>, p: &Path) -> Result<()> {
+        let step = get("step")?
             .ok_or_else(|| candle_core::Error::Msg(format!("{}: no 'step' tensor", p.display())))?;
         let step = step.to_vec1::<u32>()?;
         let Some(&step) = step.first() else {
@@ -299,8 +312,8 @@ impl AdamW {
         let sharded = self.zero.is_some();
         for s in self.slots.iter_mut() {
             let (Some(m), Some(v)) = (
-                t.get(&format!("m.{}", s.name)),
-                t.get(&format!("v.{}", s.name)),
+                get(&format!("m.{}", s.name))?,
+                get(&format!("v.{}", s.name))?,
             ) else {
                 bail!(
                     "{}: no optimizer state for parameter '{}'",
@@ -308,8 +321,8 @@ impl AdamW {
                     s.name
                 )
             };
-            let w = t.get(&format!("w.{}", s.name));
-            for (what, x) in [("state", Some(m)), ("state", Some(v)), ("master copy", w)] {
+            let w = get(&format!("w.{}", s.name))?;
+            for (what, x) in [("state", Some(&m)), ("state", Some(&v)), ("master copy", w.as_ref())] {
                 if let Some(x) = x {
                     if x.shape() != s.var.shape() {
                         bail!(
@@ -323,10 +336,10 @@ impl AdamW {
                 }
             }
             let dev = s.var.device().clone();
-            s.m = s.own(m, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
-            s.v = s.own(v, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
+            s.m = s.own(&m, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
+            s.v = s.own(&v, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?;
             if s.master.is_some() {
-                s.master = match w {
+                s.master = match &w {
                     Some(w) => Some(s.own(w, sharded)?.to_dtype(DType::F32)?.to_device(&dev)?),
                     None => s.master_init(sharded)?,
                 };
@@ -349,10 +362,11 @@ impl Slot {
     }
 }
 
-/// Elements `[off, off + len)` of `t` flattened when `sharded`, else `t` itself.
+/// Elements `[off, off + len)` of `t` flattened when `sharded` (a copy: a view would keep the
+/// whole tensor alive), else `t` itself.
 fn slice(t: &Tensor, off: usize, len: usize, sharded: bool) -> Result<Tensor> {
     if sharded {
-        t.flatten_all()?.narrow(0, off, len)
+        t.flatten_all()?.narrow(0, off, len)?.copy()
     } else {
         Ok(t.clone())
     }
