@@ -245,16 +245,20 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
 pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
     let dir = dir.as_ref();
     std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
-    let dtype = tensors.first().map(|(_, t)| t.dtype()).unwrap_or(DType::F32);
-    let dname = match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        DType::F64 => "float64",
-        _ => "float32",
-    };
     // streamed: the file's bytes are never all in memory at once
     let file = dir.join("model.safetensors");
     write_atomic_with(&file, |w| write_safetensors(w, tensors, &file))?;
+    write_config(dir, cfg, tensors.first().map(|(_, t)| t.dtype()))
+}
+
+/// `config.json` of `cfg` in `dir` (atomically), its `torch_dtype` from the weights' dtype.
+fn write_config(dir: &Path, cfg: &LlamaConfig, dtype: Option<DType>) -> Result<()> {
+    let dname = match dtype {
+        Some(DType::BF16) => "bfloat16",
+        Some(DType::F16) => "float16",
+        Some(DType::F64) => "float64",
+        _ => "float32",
+    };
     write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
 }
 
@@ -337,20 +341,13 @@ pub fn save_hf_sharded(
         let Some(t) = local.get(&s.name) else { bail!("save_hf_sharded: missing parameter {} {:?}", s.name, s.shape) };
         shards.push(t);
     }
-    let dtype = shards.first().map(|t| t.dtype()).unwrap_or(DType::F32);
     let entries: Vec<(String, Vec<usize>, DType)> =
         specs.iter().zip(&shards).map(|(s, t)| (s.name.clone(), s.shape.clone(), t.dtype())).collect();
     stream_safetensors(&dir.join("model.safetensors"), &entries, write, |i| specs[i].gather(shards[i], ctx))?;
     if !write {
         return Ok(());
     }
-    let dname = match dtype {
-        DType::BF16 => "bfloat16",
-        DType::F16 => "float16",
-        DType::F64 => "float64",
-        _ => "float32",
-    };
-    write_atomic(&dir.join("config.json"), cfg.to_hf_json(dname).as_bytes())
+    write_config(dir, cfg, shards.first().map(|t| t.dtype()))
 }
 
 #[cfg(test)]
