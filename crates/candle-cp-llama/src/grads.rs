@@ -29,7 +29,22 @@ use std::collections::HashMap;
 /// [`crate::Llama::new`]). A parameter without a gradient on this rank counts as zero (and
 /// gets one). Gradients keep their dtype; the sum is done in f32.
 pub fn reduce_gradients(grads: &mut GradStore, varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET)
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, false).map(|_| ())
+}
+
+/// [`reduce_gradients`] for ZeRO-1 over `ctx.dp_cp`: the gradients whose group is `dp_cp`
+/// (every TP-sharded parameter, and the replicated ones without SP) are left as this rank's
+/// shares, for [`crate::train::AdamW::reduce_scatter_grads`] to sum (it sends half the bytes
+/// of an all-reduce); the others are all-reduced as by [`reduce_gradients`]. Returns the
+/// names left unreduced, each with a gradient (zeros where this rank had none). Collective
+/// over the world group, like [`reduce_gradients`].
+pub fn reduce_gradients_except_dp_cp(
+    grads: &mut GradStore,
+    varmap: &VarMap,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+) -> Result<Vec<String>> {
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, true)
 }
 
 fn reduce_with_buckets(
@@ -38,7 +53,8 @@ fn reduce_with_buckets(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
     bucket_elems: usize,
-) -> Result<()> {
+    skip_dp_cp: bool,
+) -> Result<Vec<String>> {
     let vars = crate::params::lock_vars(varmap)?.clone();
     // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
     // (checked before any collective: a rank that errors here communicates nothing)
@@ -51,8 +67,17 @@ fn reduce_with_buckets(
         )
     }
     let mut per_group: Vec<((bool, usize), Group, Vec<String>)> = Vec::new();
+    let mut skipped = Vec::new();
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
+        if skip_dp_cp && ctx.grad_group_is_dp_cp(shard) {
+            let var = vars[&s.name].as_tensor();
+            if grads.get(var).is_none() {
+                grads.insert(var, var.zeros_like()?);
+            }
+            skipped.push(s.name);
+            continue;
+        }
         let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp));
         match per_group.iter_mut().find(|(k, _, _)| *k == key) {
             Some((_, _, names)) => names.push(s.name),
@@ -80,7 +105,7 @@ fn reduce_with_buckets(
             }
         }
     }
-    Ok(())
+    Ok(skipped)
 }
 
 /// Elements per all-reduce bucket (256 MiB of f32).
@@ -137,8 +162,8 @@ mod tests {
             let b = shard_batch(&ids, &ctx)?;
             let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
             let (mut a, mut c) = (loss.backward()?, loss.backward()?);
-            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET)?;
-            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100)?;
+            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, false)?;
+            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, false)?;
             let (na, nc) = (named_grads(&a, &vm)?, named_grads(&c, &vm)?);
             let mut worst = 0f32;
             for (k, g) in &na {

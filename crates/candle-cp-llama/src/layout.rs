@@ -317,11 +317,11 @@ impl ParallelCtx {
     pub fn grad_group(&self, shard: Shard) -> Result<Group> {
         let shard = shard.resolve(self.layout.tp);
         let copies = shard.copies(self.layout.tp);
-        match shard {
-            Shard::Replicated if self.layout.seq_parallel() => return Ok(self.world.clone()),
-            Shard::Replicated => return Ok(self.dp_cp.clone()),
-            _ if copies == 1 => return Ok(self.dp_cp.clone()),
-            _ => {}
+        if self.grad_group_is_dp_cp(shard) {
+            return Ok(self.dp_cp.clone());
+        }
+        if shard == Shard::Replicated {
+            return Ok(self.world.clone());
         }
         let mut cache = self
             .block_groups
@@ -335,6 +335,16 @@ impl ParallelCtx {
         let g = self.world.split(shard.slice_index(self.layout.tp, tp_i), key)?;
         cache.push((copies, g.clone()));
         Ok(g)
+    }
+
+    /// Whether [`ParallelCtx::grad_group`] of `shard` is `dp_cp` (the ZeRO-1 replica group,
+    /// whose sum a reduce-scatter can do: [`crate::train::AdamW::reduce_scatter_grads`]).
+    pub fn grad_group_is_dp_cp(&self, shard: Shard) -> bool {
+        let shard = shard.resolve(self.layout.tp);
+        match shard {
+            Shard::Replicated => !self.layout.seq_parallel(),
+            _ => shard.copies(self.layout.tp) == 1,
+        }
     }
 
     /// A context for one device (`world` of size 1).

@@ -396,3 +396,33 @@ pub fn verify_reference_on(
     let run = run_layout_on(&full, &cfg, &r.input_ids, layout, device, spawn)?;
     compare(&run, &r, Tolerances::default())
 }
+
+/// [`verify_reference_on`] over the first `tokens` tokens of the reference's sequence, against
+/// the single-device CPU run of those tokens (the oracle holds the whole sequence only; the
+/// CPU run is itself checked against it, e.g. by `tests/llama_parity.rs`). For slow devices
+/// (the CPU emulation of CUDA) that cannot afford the whole sequence.
+pub fn verify_prefix_on(
+    model_dir: impl AsRef<Path>,
+    reference: impl AsRef<Path>,
+    tokens: usize,
+    layout: Layout,
+    device: &Device,
+    spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
+) -> Result<Report> {
+    let (cfg, full) = load_checked(model_dir.as_ref())?;
+    let r = load_reference(reference)?;
+    let t = r.input_ids.dim(1)?;
+    if tokens == 0 || tokens > t {
+        bail!("verify_prefix_on: {tokens} tokens of a reference sequence of {t} (input_ids {:?})", r.input_ids.dims())
+    }
+    let ids = r.input_ids.narrow(1, 0, tokens)?;
+    let cpu = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    let want = Reference {
+        input_ids: ids.clone(),
+        logits: cpu.logits,
+        loss: cpu.loss,
+        grads: cpu.grads.into_iter().collect(),
+    };
+    let run = run_layout_on(&full, &cfg, &ids, layout, device, spawn)?;
+    compare(&run, &want, Tolerances::default())
+}

@@ -18,27 +18,52 @@ use candle_cp_comm::Group;
 /// `shard_group` is the group whose ranks hold different slices of the sharded gradients
 /// (the TP group); `None` means every gradient is complete on this rank. Collective over
 /// `shard_group`: every rank of it must call this, with the same number of sharded items.
+/// Squares are summed in f64.
 pub fn global_norm(grads: &[(Tensor, usize)], shard_group: Option<&Group>) -> Result<f64> {
+    global_norm_zero1(grads, &[], None, shard_group)
+}
+
+/// [`global_norm`] when some gradients are ZeRO-1 slices: `slices` pairs this rank's slice
+/// of a gradient summed over `slice_group` (the replica group,
+/// [`super::AdamW::reduce_scatter_grads`]) with that gradient's copies; `full` are whole
+/// gradients as in [`global_norm`]. The slices' squared norms are summed over `slice_group`
+/// first (one all-reduce of two f64s). Collective over `slice_group` (when `slices` is
+/// non-empty on any rank of it: every rank must then pass it) and over `shard_group`.
+pub fn global_norm_zero1(
+    full: &[(Tensor, usize)],
+    slices: &[(Tensor, usize)],
+    slice_group: Option<&Group>,
+    shard_group: Option<&Group>,
+) -> Result<f64> {
     let size = shard_group.map(|g| g.size()).unwrap_or(1);
-    let mut replicated = 0f64;
-    let mut sharded = 0f64;
-    for (g, copies) in grads {
-        let sq = g
-            .to_dtype(DType::F32)?
-            .sqr()?
-            .sum_all()?
-            .to_dtype(DType::F64)?
-            .to_scalar::<f64>()?;
-        if *copies >= size {
-            replicated += sq;
-        } else {
-            sharded += sq / (*copies).max(1) as f64;
+    // (squared norms of the gradients every shard-group rank holds alike, of the sharded ones
+    // divided by their copies)
+    let split = |items: &[(Tensor, usize)]| -> Result<[f64; 2]> {
+        let mut acc = [0f64; 2];
+        for (g, copies) in items {
+            let sq = g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+            if *copies >= size {
+                acc[0] += sq;
+            } else {
+                acc[1] += sq / (*copies).max(1) as f64;
+            }
         }
+        Ok(acc)
+    };
+    let [mut replicated, mut sharded] = split(full)?;
+    if let Some(group) = slice_group.filter(|g| g.size() > 1) {
+        let part = group.all_reduce(&Tensor::new(&split(slices)?, &Device::Cpu)?)?.to_vec1::<f64>()?;
+        replicated += part[0];
+        sharded += part[1];
+    } else {
+        let [r, s] = split(slices)?;
+        replicated += r;
+        sharded += s;
     }
     if let Some(group) = shard_group {
         if group.size() > 1 {
-            let t = Tensor::new(&[sharded as f32], &Device::Cpu)?;
-            sharded = group.all_reduce(&t)?.to_vec1::<f32>()?[0] as f64;
+            let t = Tensor::new(&[sharded], &Device::Cpu)?;
+            sharded = group.all_reduce(&t)?.to_vec1::<f64>()?[0];
         }
     }
     Ok((replicated + sharded).sqrt())
@@ -115,6 +140,32 @@ mod tests {
         for r in res {
             let n = r?;
             assert!((n - 44f64.sqrt()).abs() < 1e-6, "{n}");
+        }
+        Ok(())
+    }
+
+    /// ZeRO-1 slices on 4 ranks: TP 2 (ranks {0,1}, {2,3}) x 2 replicas ({0,2}, {1,3}). A
+    /// replicated gradient [3, 4] is cut into [3] | [4] over the replicas; TP rank 0's shard
+    /// [1, 2] into [1] | [2], TP rank 1's [2, 4] into [2] | [4]; a whole replicated [1] too.
+    /// Norm² = 9 + 16 + (1 + 4) + (4 + 16) + 1 = 51 on every rank.
+    #[test]
+    fn slices_summed_over_the_replicas() -> Result<()> {
+        let res = candle_cp_comm::run_ranks(4, |g| {
+            let dev = Device::Cpu;
+            let (t, d) = (g.rank() % 2, g.rank() / 2);
+            let tp = g.split(d, t)?;
+            let replicas = g.split(2 + t, d)?;
+            let shard = [[1.0f32, 2.0], [2.0, 4.0]][t];
+            let slices = vec![
+                (Tensor::new(&[[3.0f32, 4.0][d]], &dev)?, 2),
+                (Tensor::new(&[shard[d]], &dev)?, 1),
+            ];
+            let full = vec![(Tensor::new(&[1.0f32], &dev)?, 2)];
+            global_norm_zero1(&full, &slices, Some(&replicas), Some(&tp))
+        });
+        for r in res {
+            let n = r?;
+            assert!((n - 51f64.sqrt()).abs() < 1e-12, "{n}");
         }
         Ok(())
     }

@@ -1,6 +1,6 @@
 //! Training utilities for the fine-tuning example and for users' own training loops:
 //! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), packed
-//! documents ([`packed_data`]), AdamW with
+//! documents ([`packed_data`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
 //! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
 //! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
 //! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
@@ -15,9 +15,10 @@ pub mod plot;
 pub mod rng;
 pub mod schedule;
 pub mod trainer;
+mod zero;
 
 pub use checkpoint::{reshard_optimizer_state, TrainState};
-pub use clip::{clip_factor, global_norm};
+pub use clip::{clip_factor, global_norm, global_norm_zero1};
 pub use data::{DataSource, KvRecall, Sample, TokenStream};
 pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 pub use optim::{AdamW, AdamWConfig};

@@ -6,6 +6,8 @@ use candle_cp_comm::Group;
 use std::collections::HashMap;
 use std::path::Path;
 
+use super::zero::{gather, gather_many, reduce_scatter_many, span, Zero, BUCKET};
+
 /// AdamW hyper-parameters (the learning rate is passed to every [`AdamW::step`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct AdamWConfig {
@@ -45,23 +47,6 @@ struct Slot {
     /// resolution, e.g. 1e-5 on a bf16 weight of 0.02, would otherwise be lost every step).
     master: Option<Tensor>,
     decay: bool,
-}
-
-/// ZeRO-1: the optimizer state is split over `group`, the ranks that hold the same weights
-/// (data- and context-parallel replicas); rank `r` owns slice `r` of every parameter.
-#[derive(Clone)]
-struct Zero {
-    group: Group,
-    rank: usize,
-    size: usize,
-}
-
-/// Slice `r` of `n` elements split into `size` slices of `ceil(n / size)` (the last ones
-/// shorter or empty): `(offset, length, slice capacity)`.
-fn span(n: usize, r: usize, size: usize) -> (usize, usize, usize) {
-    let chunk = n.div_ceil(size.max(1));
-    let off = (r * chunk).min(n);
-    (off, (off + chunk).min(n) - off, chunk)
 }
 
 /// AdamW over named parameters (names are the checkpoint keys, e.g. HF names).
@@ -146,32 +131,37 @@ impl AdamW {
 
     /// One update with learning rate `lr`. Each gradient is multiplied by `grad_scale` first
     /// (gradient clipping, 1/accumulation). A parameter absent from `grads` is left untouched
-    /// (its moments too). Gradient shapes must match the parameters. With ZeRO-1 every
-    /// replica rank must call this with gradients for the same parameters.
+    /// (its moments too). Gradient shapes must match the parameters.
+    ///
+    /// With ZeRO-1 every replica rank must call this with gradients for the same parameters;
+    /// a gradient is then either the whole (summed) gradient, of which this rank uses its
+    /// slice, or that slice alone (`[len]`, from [`AdamW::reduce_scatter_grads`]). The
+    /// updated slices are all-gathered in buckets (one collective per 256 MiB).
     pub fn step(
         &mut self,
         grads: &HashMap<String, Tensor>,
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
+        // shapes first: a rank that errors here has taken part in no collective
+        for s in &self.slots {
+            if let Some(g) = grads.get(&s.name) {
+                s.check_grad(g, self.zero.is_some())?;
+            }
+        }
         self.step += 1;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
-        for s in self.slots.iter_mut() {
+        let sharded = self.zero.is_some();
+        // (slot, new slice) of the parameters to all-gather with ZeRO-1
+        let mut updated: Vec<(usize, Tensor)> = Vec::new();
+        for (i, s) in self.slots.iter_mut().enumerate() {
             let Some(g) = grads.get(&s.name) else {
                 continue;
             };
-            if g.shape() != s.var.shape() {
-                bail!(
-                    "AdamW: gradient of '{}' has shape {:?}, parameter {:?}",
-                    s.name,
-                    g.dims(),
-                    s.var.dims()
-                )
-            }
-            let sharded = self.zero.is_some();
-            let g = (s.own(g, sharded)?.to_dtype(DType::F32)? * grad_scale)?;
+            let g = if g.shape() == s.var.shape() { s.own(g, sharded)? } else { g.clone() };
+            let g = (g.to_dtype(DType::F32)? * grad_scale)?;
             s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
             s.v = ((&s.v * c.beta2)? + (g.sqr()? * (1.0 - c.beta2))?)?;
             let denom = ((&s.v / bc2)?.sqrt()? + c.eps)?;
@@ -187,16 +177,54 @@ impl AdamW {
             };
             let p = (p - (upd * lr)?)?;
             let new = p.to_dtype(s.var.dtype())?;
-            let full = match &self.zero {
-                Some(z) => gather(z, &new, s.var.elem_count())?.reshape(s.var.shape())?,
-                None => new,
-            };
-            s.var.set(&full)?;
+            if sharded {
+                updated.push((i, new));
+            } else {
+                s.var.set(&new)?;
+            }
             if s.master.is_some() {
                 s.master = Some(p);
             }
         }
+        if let Some(z) = &self.zero {
+            let items: Vec<(Tensor, usize)> = updated
+                .iter()
+                .map(|(i, t)| (t.clone(), self.slots[*i].var.elem_count()))
+                .collect();
+            for ((i, _), full) in updated.iter().zip(gather_many(z, &items, BUCKET)?) {
+                let var = &self.slots[*i].var;
+                var.set(&full.reshape(var.shape())?)?;
+            }
+        }
         Ok(())
+    }
+
+    /// ZeRO-1: sum whole gradients over the replica ranks and keep this rank's slice of each
+    /// (`[len]`, the gradient's dtype; summed in f32, one reduce-scatter per 256 MiB bucket),
+    /// ready for [`AdamW::step`]. This replaces the all-reduce over the replicas: it sends
+    /// half the bytes, and the slices hold the same values as the all-reduce's result.
+    ///
+    /// Collective over the replica group: every rank passes the same names, with gradients
+    /// of the parameters' shapes. Without ZeRO-1 (a group of one rank) it returns `grads`.
+    pub fn reduce_scatter_grads(&self, grads: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        let Some(z) = &self.zero else {
+            return Ok(grads.clone());
+        };
+        let mut names: Vec<&String> = grads.keys().collect();
+        names.sort();
+        let mut list = Vec::with_capacity(names.len());
+        for n in &names {
+            let Some(s) = self.slots.iter().find(|s| &s.name == *n) else {
+                bail!("AdamW::reduce_scatter_grads: '{n}' is not a parameter of this optimizer")
+            };
+            let g = &grads[*n];
+            if g.shape() != s.var.shape() {
+                bail!("AdamW::reduce_scatter_grads: gradient of '{n}' has shape {:?}, parameter {:?}", g.dims(), s.var.dims())
+            }
+            list.push(g.clone());
+        }
+        let slices = reduce_scatter_many(z, &list, BUCKET)?;
+        Ok(names.into_iter().cloned().zip(slices).collect())
     }
 
     /// The whole state as named tensors: `m.<name>`, `v.<name>`, `w.<name>` (the f32 master
@@ -351,6 +379,24 @@ impl AdamW {
 }
 
 impl Slot {
+    /// A gradient [`AdamW::step`] accepts: the parameter's shape, or (ZeRO-1) this rank's
+    /// slice `[len]`.
+    fn check_grad(&self, g: &Tensor, sharded: bool) -> Result<()> {
+        if g.shape() == self.var.shape() || (sharded && g.dims() == [self.len]) {
+            return Ok(());
+        }
+        if sharded {
+            bail!(
+                "AdamW: gradient of '{}' has shape {:?}, parameter {:?} (or its ZeRO-1 slice [{}])",
+                self.name,
+                g.dims(),
+                self.var.dims(),
+                self.len
+            )
+        }
+        bail!("AdamW: gradient of '{}' has shape {:?}, parameter {:?}", self.name, g.dims(), self.var.dims())
+    }
+
     /// This rank's part of a full-shape tensor (all of it without ZeRO).
     fn own(&self, t: &Tensor, sharded: bool) -> Result<Tensor> {
         slice(t, self.off, self.len, sharded)
@@ -370,18 +416,6 @@ fn slice(t: &Tensor, off: usize, len: usize, sharded: bool) -> Result<Tensor> {
     } else {
         Ok(t.clone())
     }
-}
-
-/// All replica ranks' slices of one parameter (`[len]` each) → the flat `[n]` tensor.
-fn gather(z: &Zero, slice: &Tensor, n: usize) -> Result<Tensor> {
-    let (_, len, chunk) = span(n, z.rank, z.size);
-    let padded = if len < chunk {
-        let pad = Tensor::zeros(chunk - len, slice.dtype(), slice.device())?;
-        Tensor::cat(&[slice, &pad], 0)?
-    } else {
-        slice.clone()
-    };
-    z.group.all_gather(&padded, 0)?.narrow(0, 0, n)
 }
 
 /// The f32 master copy a parameter needs: `Some` for bf16/f16 (low-precision) parameters.

@@ -12,7 +12,7 @@
 //! the mean over the remaining targets of all ranks, as for plain rows.
 
 use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
-use super::clip::{clip_factor, global_norm};
+use super::clip::{clip_factor, global_norm_zero1};
 use super::data::DataSource;
 use super::metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 use super::optim::{AdamW, AdamWConfig};
@@ -20,7 +20,7 @@ use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
     global_mean, init_params_sharded, load_hf_sharded, named_grads, param_specs, reduce_gradients,
-    save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
+    reduce_gradients_except_dp_cp, save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
@@ -449,16 +449,30 @@ pub fn train_rank(
         let Some(mut grads) = acc else {
             bail!("train: no micro-batch ran")
         };
-        reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
-        let named = named_grads(&grads, &varmap)?;
-        let mut items: Vec<(Tensor, usize)> = Vec::with_capacity(named.len());
-        let mut names: Vec<&String> = named.keys().collect();
-        names.sort();
-        for n in names {
-            items.push((named[n].clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp)));
-        }
+        // ZeRO-1: the gradients summed over the replicas (dp_cp) are reduce-scattered into the
+        // optimizer's slices, not all-reduced; the others are complete on every rank
+        let sliced: Vec<String> = if opt.is_sharded() {
+            reduce_gradients_except_dp_cp(&mut grads, &varmap, &mcfg, &ctx)?
+        } else {
+            reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
+            Vec::new()
+        };
+        let mut named = named_grads(&grads, &varmap)?;
+        drop(grads);
+        let whole: HashMap<String, Tensor> = sliced.iter().filter_map(|n| named.remove_entry(n)).collect();
+        let slices = opt.reduce_scatter_grads(&whole)?;
+        drop(whole);
+        let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
+        let mut full_items: Vec<(&String, &Tensor)> = named.iter().collect();
+        full_items.sort_by(|a, b| a.0.cmp(b.0));
+        let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
+        slice_items.sort_by(|a, b| a.0.cmp(b.0));
+        let full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect();
+        let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect();
         let inv_accum = 1.0 / cfg.grad_accum as f64;
-        let norm = global_norm(&items, Some(&ctx.tp))? * inv_accum;
+        let zero_group = opt.is_sharded().then_some(&ctx.dp_cp);
+        let norm = global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))? * inv_accum;
+        named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
         opt.step(&named, lr, factor * inv_accum)?;
         // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank order).

@@ -328,6 +328,28 @@ fn zero1_trains_like_the_plain_run_and_resumes_without_it() -> Result<()> {
     Ok(())
 }
 
+/// ZeRO-1 on TP 2 + SP x CP 2 x DP 2: the sharded weights' gradients are reduce-scattered
+/// over the 4 replicas, while the norms (summed over all 8 ranks under SP) and the KV head
+/// (held by both TP ranks) are all-reduced; the run follows the plain one: the same losses,
+/// bit for bit.
+#[test]
+fn zero1_with_tp_and_sp_trains_like_the_plain_run() -> Result<()> {
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_dp(2);
+    let c = tiny_cfg(None, layout, 2, 1);
+    let plain = run(&c)?;
+    let mut z = c.clone();
+    z.zero1 = true;
+    let zero = run(&z)?;
+    assert_eq!(plain[0].metrics.len(), zero[0].metrics.len());
+    for (x, y) in plain[0].metrics.iter().zip(zero[0].metrics.iter()) {
+        // (the squared norm adds the slices' f64 sums in another order: last-bit differences,
+        // which do not reach the f32 clipping factor)
+        assert_eq!(x.loss, y.loss, "step {}", x.step);
+        assert!((x.grad_norm - y.grad_norm).abs() <= 1e-12 * x.grad_norm, "step {}: {} vs {}", x.step, x.grad_norm, y.grad_norm);
+    }
+    Ok(())
+}
+
 /// A packed corpus of short byte documents of uneven lengths.
 fn packed_corpus() -> Result<crate::train::PackedStream> {
     let mut rng = crate::train::Rng::new(17);

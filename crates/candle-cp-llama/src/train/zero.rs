@@ -1,0 +1,185 @@
+//! ZeRO-1 collectives of [`super::AdamW`]: each of the `R` replica ranks owns slice `r` of
+//! every parameter, flattened and cut into `R` slices of `⌈n/R⌉` elements (the last ones
+//! shorter or empty).
+//!
+//! Both directions are bucketed: the slices of many parameters travel in one collective.
+//!
+//! ```text
+//! reduce-scatter (gradients, f32)            all-gather (updated parameters)
+//!   rank r: [ a0 a1 | b0 b1 ]                  rank r: [ a_r | b_r ]
+//!   rows = slices, columns = parameters        ──► all ranks: [ a0 b0 | a1 b1 ]
+//!   ──► rank r: Σ_ranks [ a_r | b_r ]              ──► a = [a0 a1], b = [b0 b1]
+//! ```
+//!
+//! The gradient sum is the one an all-reduce computes (same ranks, same order on the thread
+//! group), so a ZeRO-1 run matches a plain one; it sends `(R-1)/R` of the gradient bytes
+//! where an all-reduce sends twice that.
+
+use candle_core::{DType, Result, Tensor};
+use candle_cp_comm::Group;
+
+/// ZeRO-1: the optimizer state is split over `group`, the ranks that hold the same weights
+/// (data- and context-parallel replicas); rank `r` owns slice `r` of every parameter.
+#[derive(Clone)]
+pub(crate) struct Zero {
+    pub group: Group,
+    pub rank: usize,
+    pub size: usize,
+}
+
+/// Elements per bucket, padding included (256 MiB of f32): the flat buffer of one collective.
+pub(crate) const BUCKET: usize = 1 << 26;
+
+/// Slice `r` of `n` elements split into `size` slices of `ceil(n / size)` (the last ones
+/// shorter or empty): `(offset, length, slice capacity)`.
+pub(crate) fn span(n: usize, r: usize, size: usize) -> (usize, usize, usize) {
+    let chunk = n.div_ceil(size.max(1));
+    let off = (r * chunk).min(n);
+    (off, (off + chunk).min(n) - off, chunk)
+}
+
+/// `t` (1-D) followed by zeros up to `len` elements.
+fn pad_to(t: &Tensor, len: usize) -> Result<Tensor> {
+    let have = t.elem_count();
+    if have >= len {
+        return Ok(t.clone());
+    }
+    let pad = Tensor::zeros(len - have, t.dtype(), t.device())?;
+    Tensor::cat(&[t, &pad], 0)
+}
+
+/// All replica ranks' slices of one parameter (`[len]` each) → the flat `[n]` tensor.
+pub(crate) fn gather(z: &Zero, slice: &Tensor, n: usize) -> Result<Tensor> {
+    let (_, _, chunk) = span(n, z.rank, z.size);
+    z.group.all_gather(&pad_to(slice, chunk)?, 0)?.narrow(0, 0, n)
+}
+
+/// Bucketed [`gather`]: `items` are this rank's slices (`[len]`) of parameters of `n`
+/// elements; returns the flat `[n]` parameters in order. One all-gather per bucket of
+/// slices of one dtype (a bucket closes once it holds `bucket` elements, padding included). Collective: every replica rank passes the same `n`s and dtypes.
+pub(crate) fn gather_many(z: &Zero, items: &[(Tensor, usize)], bucket: usize) -> Result<Vec<Tensor>> {
+    let mut out = Vec::with_capacity(items.len());
+    let mut start = 0;
+    while start < items.len() {
+        let dtype = items[start].0.dtype();
+        let mut end = start;
+        let mut elems = 0;
+        while end < items.len() && items[end].0.dtype() == dtype && (end == start || elems < bucket) {
+            elems += span(items[end].1, 0, z.size).2 * z.size;
+            end += 1;
+        }
+        let chunks: Vec<usize> = items[start..end].iter().map(|(_, n)| span(*n, 0, z.size).2).collect();
+        let cols: usize = chunks.iter().sum();
+        let padded = items[start..end]
+            .iter()
+            .zip(&chunks)
+            .map(|((s, _), &c)| pad_to(s, c))
+            .collect::<Result<Vec<_>>>()?;
+        // [size · cols] rank-major → [size, cols]; parameter i is a band of columns
+        let all = z.group.all_gather(&Tensor::cat(&padded, 0)?, 0)?.reshape((z.size, cols))?;
+        let mut col = 0;
+        for ((_, n), &c) in items[start..end].iter().zip(&chunks) {
+            out.push(all.narrow(1, col, c)?.flatten_all()?.narrow(0, 0, *n)?);
+            col += c;
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+/// Sum full gradients over the replica ranks and keep this rank's slice of each: `grads`
+/// are whole gradients (any shape, `n` elements each) in the same order and shapes on every
+/// rank; returns `[len]` slices (rank `z.rank`'s span of each), in each gradient's dtype.
+/// The sum runs in f32, one reduce-scatter per bucket of `bucket` elements (padding included).
+pub(crate) fn reduce_scatter_many(z: &Zero, grads: &[Tensor], bucket: usize) -> Result<Vec<Tensor>> {
+    let mut out = Vec::with_capacity(grads.len());
+    let mut start = 0;
+    while start < grads.len() {
+        let mut end = start;
+        let mut elems = 0;
+        while end < grads.len() && (end == start || elems < bucket) {
+            elems += span(grads[end].elem_count(), 0, z.size).2 * z.size;
+            end += 1;
+        }
+        // each gradient as [size, chunk] (row r = slice r, zero-padded), side by side
+        let blocks = grads[start..end]
+            .iter()
+            .map(|g| {
+                let n = g.elem_count();
+                let chunk = span(n, 0, z.size).2;
+                pad_to(&g.to_dtype(DType::F32)?.flatten_all()?, chunk * z.size)?.reshape((z.size, chunk))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let mine = z.group.reduce_scatter(&Tensor::cat(&blocks, 1)?, 0)?.flatten_all()?;
+        let mut col = 0;
+        for g in &grads[start..end] {
+            let (_, len, chunk) = span(g.elem_count(), z.rank, z.size);
+            out.push(mine.narrow(0, col, len)?.to_dtype(g.dtype())?);
+            col += chunk;
+        }
+        start = end;
+    }
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_cp_comm::run_ranks;
+
+    /// Three ranks, parameters of 10, 2 (a rank owns nothing), 1 and 7 elements, a bf16 one;
+    /// one bucket, and buckets of a parameter each: the slices of the sum equal the slices of
+    /// `reduce_gradients`' all-reduce, and gathering them rebuilds its result, bit for bit.
+    #[test]
+    fn bucketed_pairs_match_the_all_reduce() -> Result<()> {
+        let shapes: [&[usize]; 4] = [&[2, 5], &[2], &[1], &[7]];
+        for bucket in [BUCKET, 1] {
+            let res = run_ranks(3, |g| {
+                let z = Zero { group: g.clone(), rank: g.rank(), size: g.size() };
+                let grads = shapes
+                    .iter()
+                    .enumerate()
+                    .map(|(i, s)| {
+                        let t = candle_cp_ops::oracle::randn(10 * i as u64 + g.rank() as u64, s, 1.0)?;
+                        if i == 3 { t.to_dtype(DType::BF16) } else { Ok(t) }
+                    })
+                    .collect::<Result<Vec<_>>>()?;
+                let slices = reduce_scatter_many(&z, &grads, bucket)?;
+                let items: Vec<(Tensor, usize)> = slices.iter().zip(&grads).map(|(s, g)| (s.clone(), g.elem_count())).collect();
+                let full = gather_many(&z, &items, bucket)?;
+                for ((s, grad), f) in slices.iter().zip(&grads).zip(&full) {
+                    let n = grad.elem_count();
+                    // what reduce_gradients computes: the f32 sum, back in the gradient's dtype
+                    let want = g.all_reduce(&grad.to_dtype(DType::F32)?)?.to_dtype(grad.dtype())?.flatten_all()?;
+                    let (off, len, _) = span(n, z.rank, z.size);
+                    assert_eq!((s.dims(), s.dtype()), (&[len][..], grad.dtype()));
+                    let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.to_vec1::<f32>();
+                    assert_eq!(f32s(s)?, f32s(&want.narrow(0, off, len)?)?, "slice of a gradient of {n}");
+                    assert_eq!((f.dims(), f.dtype()), (&[n][..], grad.dtype()));
+                    assert_eq!(f32s(f)?, f32s(&want)?, "gathered parameter of {n}");
+                }
+                Ok(())
+            });
+            for r in res {
+                r?;
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn spans_cover_the_parameter() {
+        for (n, size) in [(10, 3), (2, 3), (1, 4), (12, 4), (7, 1)] {
+            let mut next = 0;
+            for r in 0..size {
+                let (off, len, chunk) = span(n, r, size);
+                assert!(len <= chunk);
+                if len > 0 {
+                    assert_eq!(off, next);
+                }
+                next = off + len;
+            }
+            assert_eq!(next, n, "n {n} size {size}");
+        }
+    }
+}
