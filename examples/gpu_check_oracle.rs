@@ -68,7 +68,7 @@ pub fn check_oracle(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 /// the same tolerances as `tests/llama_parity.rs`.
 pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     use candle_cp_llama::layout::{CpKind, Layout};
-    use candle_cp_llama::verify::{verify_reference, verify_reference_recompute};
+    use candle_cp_llama::verify::{verify_prefix_on, verify_reference, verify_reference_recompute};
     let layouts = [
         ("single", Layout::single()),
         ("cp4 zigzag", Layout::cp(CpKind::Zigzag, 4)),
@@ -84,11 +84,22 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     ];
     // the same with every layer recomputed in backward (Llama::with_recompute)
     let recomputed = [("tp2 x cp2 zigzag + sp, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))];
-    // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation; this
-    // one runs Ulysses x ring on sub-groups of the thread world; `nccl-ranks` runs TP x CP + SP)
-    const QUICK: [&str; 1] = ["2-d 2x2"];
+    // (the tiny-Llama oracle is T = 2048: one layout takes minutes under the CPU emulation.
+    // --quick runs these, on the first QUICK_TOKENS tokens against the CPU: the zigzag ring,
+    // TP 4 with replicated KV heads, and Ulysses x ring on sub-groups of the thread world;
+    // `nccl-ranks` runs TP x CP + SP)
+    const QUICK: [&str; 3] = ["cp4 zigzag", "tp4 + sp, kv heads replicated", "2-d 2x2"];
     for (label, layout) in layouts {
         if rep.quick && !QUICK.contains(&label) {
+            continue;
+        }
+        if rep.quick {
+            let name = format!("llama {label}, first {QUICK_TOKENS} tokens vs cpu");
+            let opts = candle_cp_comm::ThreadGroupOptions { device: gpu.clone(), ..Default::default() };
+            let n = layout.world_size();
+            let spawn = |body: &candle_cp_llama::verify::LayoutRankBody| Ok(candle_cp_comm::run_ranks_with(n, opts, body));
+            let res = verify_prefix_on(dir, format!("{dir}/reference.safetensors"), QUICK_TOKENS, layout, gpu, spawn);
+            report_llama(rep, &name, res);
             continue;
         }
         let name = format!("llama {label}");
@@ -103,6 +114,10 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     }
     Ok(())
 }
+
+/// Tokens of the tiny-Llama oracle's sequence (2048) the `--quick` Llama checks run, against
+/// the CPU on those tokens (the CPU emulation of CUDA takes minutes for the whole sequence).
+pub const QUICK_TOKENS: usize = 256;
 
 /// One PASS/FAIL line for a tiny-Llama oracle run (logits, loss, worst gradient, rank spread).
 pub fn report_llama(rep: &mut Report, name: &str, res: candle_core::Result<candle_cp_llama::verify::Report>) {

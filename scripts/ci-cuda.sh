@@ -5,8 +5,8 @@
 #   1. nvcc 13.0.x from PyPI + link stubs: ../shared/cuda/setup.sh (installs into
 #      $HOME/.cache/cuda-13.0-pip; nothing is written to ../shared). Needs `cargo fetch` first
 #      so that it finds cudarc's sources for the stubs.
-#   2. `cargo build --release` of every crate, binary and example with `cuda` (+ `nccl`) in its
-#      own target dir (target/cuda): nvcc compiles kernels/*.cu to PTX
+#   2. `cargo build --release` of every crate, binary and example with `cuda` (+ `nccl`), in
+#      target/ (the cuda builds of the examples replace the CPU ones there): nvcc compiles kernels/*.cu to PTX
 #      (candle-cp-kernels/build.rs), candle-kernels builds its own CUDA code, and the binaries
 #      link against the CUDA libraries (stubs from step 1).
 #   3. ptxas (sm_80 and sm_90a; only sm_90a for `.target sm_90a` PTX) assembles our PTX, and its
@@ -14,7 +14,8 @@
 #   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
 #      (candle-cp-kernels/sim/*.py, a few seconds, no GPU).
 #   5. the kernel source itself, compiled as host C++ by g++ under a CUDA emulation and run on the
-#      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, ~1 min, no GPU).
+#      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, 4 min, no GPU), in the
+#      background while step 6 runs.
 #   6. the host CUDA shim (candle-cp-kernels/emu/shim/, docs/gpu.md): its self-tests, then the
 #      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
@@ -23,12 +24,14 @@
 #      the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps), and the
 #      drop-in example on CUDA.
 #
-# Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target/cuda), JOBS (2).
+# Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target), JOBS (2).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$(date +%s)
 SHARED=${CANDLE_CP_SHARED:-../shared}
-export CARGO_TARGET_DIR=${CUDA_TARGET_DIR:-$PWD/target/cuda}
+# (the README's test command built into target/ already: the dependencies the cuda feature does
+# not touch, most of them, are reused from there)
+export CARGO_TARGET_DIR=${CUDA_TARGET_DIR:-$PWD/target}
 JOBS=${JOBS:-2}
 
 cargo fetch --quiet
@@ -85,7 +88,18 @@ for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_s
   python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
 done
 python3 candle-cp-kernels/emu/mutate.py --check || { echo "ci-cuda: update candle-cp-kernels/emu/mutate.py"; exit 1; }
-emu=$(EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh 2>&1) || { grep -v '^PASS' <<<"$emu"; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; }; echo "ci-cuda: $(tail -1 <<<"$emu") (kernel source under CPU emulation)"
+# the kernel source under the CPU emulation runs in the background, beside the shim steps below
+# (gpu_check keeps one core busy; the emulator's compiles and workers take the other)
+emu_log="$CARGO_TARGET_DIR/emu.log"
+EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh >"$emu_log" 2>&1 &
+emu_pid=$!
+trap 'kill "$emu_pid" 2>/dev/null || true' EXIT
+emu_wait() {
+  local st=0
+  wait "$emu_pid" || st=$?
+  if [ "$st" != 0 ]; then grep -v '^PASS' "$emu_log" | tail -60; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; fi
+  echo "ci-cuda: $(tail -1 "$emu_log") (kernel source under CPU emulation, run beside the shim steps)"
+}
 
 shim_dir="$CARGO_TARGET_DIR/emu-shim"
 shim_log="$shim_dir/ci.log"
@@ -108,6 +122,7 @@ echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU und
 # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
 shim_step gpu_check_random env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random
 echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_log")"
+emu_wait
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \

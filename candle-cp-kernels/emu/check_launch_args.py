@@ -13,7 +13,7 @@ silent memory corruption on the GPU. This script checks, mechanically:
   2. C side: each `extern "C" __global__` entry of kernels/*.cu, macros expanded by the C
      preprocessor (system includes stripped, so no CUDA headers are needed): C types, pointer
      element types, constness (an output pointer must be pushed as `&mut`).
-  3. PTX (optional, `--ptx-dir DIR`: DIR/candle-cp-kernels-*/out/*.ptx, e.g. DIR = target/cuda/release/
+  3. PTX (optional, `--ptx-dir DIR`: DIR/candle-cp-kernels-*/out/*.ptx, e.g. DIR = target/release/
      build, or DIR/*.ptx; the newest file of each name): each entry's
      `.param` widths must equal the C widths, and its `.maxntid` (from `__launch_bounds__`) must
      equal the block size the launcher uses.
@@ -30,7 +30,7 @@ dimensions beyond rows per block, and the shared-memory formulas themselves (tra
 both sides in tile_configs(), reviewed by hand).
 
 Exit status 1 with one line per mismatch; 0 with a summary line. Usage (repo root):
-  python3 candle-cp-kernels/emu/check_launch_args.py [--ptx-dir target/cuda/release/build]
+  python3 candle-cp-kernels/emu/check_launch_args.py [--ptx-dir target/release/build]
 """
 import glob
 import os
