@@ -58,6 +58,13 @@ fn plan_405b_128k_json() {
         Some(true)
     );
     assert_eq!(v.pointer("/ring/link").and_then(|x| x.as_str()), Some("ib"));
+    // Gradient sync over the 16 CP replicas (128 GPUs: across nodes), ZeRO-1: reduce-scatter
+    // in f32 + all-gather in bf16 = 15/16·N·6 bytes for the N parameters of this GPU.
+    assert_eq!(f("/grad_sync/replicas"), 16.0);
+    assert_eq!(f("/grad_sync/params_per_gpu"), f("/model_states/params"));
+    close(f("/grad_sync/bytes_per_step"), 15.0 / 16.0 * f("/model_states/params") * 6.0, 1e-12);
+    close(f("/grad_sync/seconds_per_step"), f("/grad_sync/bytes_per_step") / 50e9, 1e-12);
+    assert_eq!(v.pointer("/grad_sync/link").and_then(|x| x.as_str()), Some("ib"));
     // Without PP the 405B weights alone exceed 80 GB.
     assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(false));
     assert!(v
@@ -96,6 +103,7 @@ fn plan_tables_for_people() {
         "Activations per layer",
         "Memory per GPU",
         "Ring over 4 ranks",
+        "Gradient sync per optimizer step (ZeRO-1 over dp*cp = 4 replicas, InfiniBand)",
         "Verdict:",
         "Bottleneck:",
     ] {

@@ -14,12 +14,15 @@
 //!
 //! A causal sliding window (the model's `sliding_window`) changes the attention FLOPs and the
 //! ring (a halo exchange on contiguous shards): see [`window`]. Packed documents
-//! ([`PlanInput::doc_len`]) do the same inside each document: see [`packed`].
+//! ([`PlanInput::doc_len`]) do the same inside each document: see [`packed`]. The gradient
+//! synchronisation over the `dp·cp` replicas, once per optimizer step, per ZeRO stage: see
+//! [`grad_sync`].
 
 #![warn(missing_docs)]
 
 pub mod comm;
 pub mod compute;
+pub mod grad_sync;
 pub mod hardware;
 pub mod layout;
 pub mod memory;

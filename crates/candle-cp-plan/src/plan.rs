@@ -1,6 +1,7 @@
 //! The whole plan: memory, FLOPs, communication, verdict (fits, smallest CP, bottleneck).
 
 use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
+use crate::grad_sync::{grad_sync, GradSync};
 use crate::compute::{layer_compute_seconds, layer_flops_packed, LayerFlops};
 use crate::hardware::Hardware;
 use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
@@ -133,6 +134,8 @@ pub struct Plan {
     pub allgather: AllgatherComm,
     /// TP/SP collectives.
     pub tp_comm: TpComm,
+    /// Gradient synchronisation over the `dp·cp` replicas, once per optimizer step.
+    pub grad_sync: GradSync,
     /// Per-layer time on one GPU for the chosen CP kind.
     pub layer_time: LayerTime,
     /// What limits this layout.
@@ -249,6 +252,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     };
     let allgather = comm::allgather(&cx);
     let tp_comm = comm::tp(&cx);
+    let grad_sync = grad_sync(l, hw, model_states.params, input.dtype.bytes());
     let (linear_s, attention_s) =
         layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
     let cp_exposed_s = match l.cp_kind {
@@ -332,6 +336,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         ulysses,
         allgather,
         tp_comm,
+        grad_sync,
         layer_time,
         bottleneck,
         verdict,

@@ -465,6 +465,32 @@ pub fn render(p: &Plan) -> String {
         ],
     );
 
+    let g = &p.grad_sync;
+    if g.replicas > 1 {
+        let stage_s = i.model.layers.div_ceil(i.layout.pp) as f64 * t.total_s;
+        table(
+            &mut o,
+            &format!("Gradient sync per optimizer step (ZeRO-{} over dp*cp = {} replicas, {})", g.zero, g.replicas, link(g.link)),
+            &[
+                r(
+                    "sent per GPU",
+                    gb(g.bytes_per_step),
+                    match g.zero {
+                        0 => "2*(R-1)/R*N*4 (all-reduce, f32)",
+                        1 | 2 => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
+                        _ => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
+                    },
+                ),
+                r("time if not overlapped", ms(g.seconds_per_step), ""),
+                r(
+                    "vs one micro-batch on this GPU",
+                    format!("{:.1}%", 100.0 * g.seconds_per_step / stage_s.max(f64::MIN_POSITIVE)),
+                    "layers/pp x total per layer",
+                ),
+            ],
+        );
+    }
+
     let _ = writeln!(o, "\nVerdict: {}", p.verdict);
     let _ = writeln!(o, "Bottleneck: {}", p.bottleneck);
     for n in &p.notes {
