@@ -6,16 +6,18 @@
 #      $HOME/.cache/cuda-13.0-pip; nothing is written to ../shared). Needs `cargo fetch` first
 #      so that it finds cudarc's sources for the stubs.
 #   2. `cargo build --release` of every crate, binary and example with `cuda` (+ `nccl`), in
-#      target/ (the cuda builds of the examples replace the CPU ones there): nvcc compiles kernels/*.cu to PTX
-#      (candle-cp-kernels/build.rs), candle-kernels builds its own CUDA code, and the binaries
+#      target/ (the cuda builds of the examples replace the CPU ones there): nvcc compiles
+#      kernels/*.cu to PTX (candle-cp-kernels/build.rs), candle-kernels builds its own CUDA code
+#      (its quantized-matmul library as unoptimised PTX: scripts/nvcc-ci.sh), and the binaries
 #      link against the CUDA libraries (stubs from step 1).
 #   3. ptxas (sm_80 and sm_90a; only sm_90a for `.target sm_90a` PTX) assembles our PTX, and its
-#      ISA version must be <= 9.0 (what the GPU machine's CUDA 13.0 driver can JIT).
+#      ISA version must be <= 9.0 (what the GPU machine's CUDA 13.0 driver can JIT); no spills
+#      in the kernels that must not spill, and the Rust launches match the kernels' parameters.
 #   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
-#      (candle-cp-kernels/sim/*.py, a few seconds, no GPU).
+#      (candle-cp-kernels/sim/*.py, no GPU).
 #   5. the kernel source itself, compiled as host C++ by g++ under a CUDA emulation and run on the
-#      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, 4 min, no GPU), in the
-#      background while step 6 runs.
+#      CPU against a float64 reference (candle-cp-kernels/emu/run.sh, 3 of its 6 thread-schedule
+#      combinations: EMU_COMBOS below; no GPU).
 #   6. the host CUDA shim (candle-cp-kernels/emu/shim/, docs/gpu.md): its self-tests, then the
 #      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
@@ -23,6 +25,8 @@
 #      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps),
 #      the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps), and the
 #      drop-in example on CUDA.
+#   Steps 4, 5 and the shim's build and self-tests run in the background from the start, beside
+#   the cargo build (they need no cargo output): on 2 cores the run is bound by the total work.
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target), JOBS (2).
 set -euo pipefail
@@ -40,13 +44,71 @@ cargo fetch --quiet
 . "$SHARED/cuda/env.sh"
 echo "ci-cuda: nvcc ready after $(( $(date +%s) - start )) s"
 
-cargo build --release -j "$JOBS" \
+shim_dir="$CARGO_TARGET_DIR/emu-shim"
+shim_log="$shim_dir/ci.log"
+mkdir -p "$shim_dir"
+# Background jobs, started before the cargo build (they need only the CUDA headers, g++ and
+# python; the 2 cores stay busy through the build's serial stretches): the pure-Python
+# simulations, the kernel source under the CPU emulation, and the host CUDA shim's build and
+# self-tests. Each writes its log; bg_wait NAME fails the run with that log if the job failed.
+bg_pids=()
+bg_start() {  # bg_start NAME CMD...
+  local name=$1
+  shift
+  ( "$@" ) >"$shim_dir/bg-$name.log" 2>&1 &
+  bg_pids+=("$!")
+  eval "bg_pid_${name//-/_}=$!"
+}
+bg_wait() {  # bg_wait NAME: wait for it; on failure show its log and stop
+  local name=$1 pid st=0
+  eval "pid=\$bg_pid_${name//-/_}"
+  wait "$pid" || st=$?
+  if [ "$st" != 0 ]; then grep -v '^PASS' "$shim_dir/bg-$name.log" | tail -60; echo "ci-cuda: $name failed (log: $shim_dir/bg-$name.log)"; exit 1; fi
+}
+trap 'for p in "${bg_pids[@]}"; do kill "$p" 2>/dev/null || true; done' EXIT
+sims() {
+  for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py candle-cp-kernels/sim/band_work.py; do
+    python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; return 1; }
+  done
+  python3 candle-cp-kernels/emu/mutate.py --check || { echo "ci-cuda: update candle-cp-kernels/emu/mutate.py"; return 1; }
+}
+bg_start sims sims
+# (EMU_COMBOS: 3 of the harness's 6 thread-schedule / cp.async-landing combinations: the
+# baseline, wgmma at issue with skewed warps, random schedule and landing; run.sh without it
+# runs all 6, as anyone changing a kernel should)
+EMU_COMBOS=${EMU_COMBOS-lockstep/at-wait,warps-asc/at-issue,random:2/random:2}
+bg_start emu env EMU_BUILD="$CARGO_TARGET_DIR/emu" EMU_COMBOS="$EMU_COMBOS" candle-cp-kernels/emu/run.sh
+shim_selftests() {
+  env EMU_SHIM_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/build.sh >"$shim_dir/build.log" 2>&1 || { cat "$shim_dir/build.log"; return 1; }
+  local l
+  l=$(tail -1 "$shim_dir/build.log")
+  env EMU_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/check_candle.sh >"$shim_dir/check_candle.log" 2>&1 || { cat "$shim_dir/check_candle.log"; return 1; }
+  echo "candle's kernels under the shim: $(grep -c '^PASS' "$shim_dir/check_candle.log") checks passed"
+  env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$l" candle-cp-kernels/emu/shim/test_blas.sh || return 1
+  env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$l" candle-cp-kernels/emu/shim/test_nccl.sh || return 1
+  echo "$l" >"$shim_dir/lib.path"
+}
+bg_start shim-selftests shim_selftests
+
+# The cuda build. NVCC: scripts/nvcc-ci.sh (candle-kernels' quantized-matmul library as
+# unoptimised PTX; everything else, our kernels included, compiled as usual) in a folder shaped
+# like the toolkit, since candle's build finds include/ and lib64/ beside nvcc's bin/.
+ci_tk="$CARGO_TARGET_DIR/nvcc-ci"
+mkdir -p "$ci_tk/bin"
+cp scripts/nvcc-ci.sh "$ci_tk/bin/nvcc"
+chmod +x "$ci_tk/bin/nvcc"
+ln -sfn "$CUDA_ROOT/include" "$ci_tk/include"
+ln -sfn "$CUDA_ROOT/lib64" "$ci_tk/lib64"
+CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" cargo build --release -j "$JOBS" \
   -p candle-cp-kernels -p candle-cp-comm -p candle-cp-ops -p candle-cp-nn -p candle-cp-llama \
   -p candle-cp-cli -p candle-cp-examples \
   --features candle-cp-examples/nccl,candle-cp-cli/cuda \
   --lib --bins --examples
 echo "ci-cuda: cargo build (cuda, nccl) done after $(( $(date +%s) - start )) s"
 
+# ptxas -v once per (PTX file, arch); the spill checks below read the same output
+ptxas_out="$CARGO_TARGET_DIR/ptxas-v"
+rm -rf "$ptxas_out"; mkdir -p "$ptxas_out"
 n=0
 for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   [ -f "$ptx" ] || continue
@@ -56,65 +118,48 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   archs="sm_80 sm_90a"
   if grep -q '^\.target sm_90a' "$ptx"; then archs=sm_90a; fi
   for arch in $archs; do
-    msg=$(ptxas -arch="$arch" -o /dev/null "$ptx" 2>&1) || { echo "$msg"; exit 1; }
+    v="$ptxas_out/$(basename "$ptx" .ptx).$arch.txt"
+    ptxas -arch="$arch" -v -o /dev/null "$ptx" >"$v" 2>&1 || { cat "$v"; exit 1; }
     # C7520: ptxas serialized the wgmma pipeline (flash_fwd_sm90.cu / flash_fwd_sm90_ws.cu /
     # flash_bwd_sm90.cu / flash_bwd_sm90_ws.cu would lose their overlap).
-    if grep -q C7520 <<<"$msg"; then echo "ci-cuda: $ptx: $msg"; exit 1; fi
+    if grep -q C7520 "$v"; then echo "ci-cuda: $ptx: $(grep C7520 "$v")"; exit 1; fi
   done
   n=$((n + 1))
 done
 [ "$n" -ge 10 ] || { echo "ci-cuda: expected 10 PTX files from candle-cp-kernels, found $n"; exit 1; }
 # the probe kernels (issue 6) must be among the PTX assembled above
 for f in probe probe_sm90; do
-  compgen -G "$CARGO_TARGET_DIR/release/build/candle-cp-kernels-*/out/$f.ptx" >/dev/null || { echo "ci-cuda: $f.ptx (candle-cp-kernels/kernels/$f.cu) was not built"; exit 1; }
+  [ -f "$ptxas_out/$f.sm_90a.txt" ] || { echo "ci-cuda: $f.ptx (candle-cp-kernels/kernels/$f.cu) was not built"; exit 1; }
 done
 # the warp-specialized forward (flash_fwd_sm90_ws.cu) and backward (flash_bwd_sm90_ws.cu) were
 # built and do not spill (setmaxnreg: forward producer 40 / consumers 232 registers, backward
 # producer 24 / consumers 240; see docs/kernels-sm90.md); C7520 is checked in the loop above
 for f in flash_fwd_sm90_ws flash_bwd_sm90_ws; do
-  ws_ptx=$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/$f.ptx 2>/dev/null | head -1 || true)
-  [ -n "$ws_ptx" ] || { echo "ci-cuda: $f.ptx was not built"; exit 1; }
-  if ptxas -arch=sm_90a -v -o /dev/null "$ws_ptx" 2>&1 | grep -E '[1-9][0-9]* bytes spill'; then echo "ci-cuda: $f.cu spills registers"; exit 1; fi
+  [ -f "$ptxas_out/$f.sm_90a.txt" ] || { echo "ci-cuda: $f.ptx was not built"; exit 1; }
+  if grep -E '[1-9][0-9]* bytes spill' "$ptxas_out/$f.sm_90a.txt"; then echo "ci-cuda: $f.cu spills registers"; exit 1; fi
 done
 # the tensor-core forward (flash_fwd_pipe_*, band entries included) does not spill on either arch
-fwd_ptx=$(ls -t "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/flash_fwd.ptx 2>/dev/null | head -1 || true)
-[ -n "$fwd_ptx" ] || { echo "ci-cuda: flash_fwd.ptx was not built"; exit 1; }
 for arch in sm_80 sm_90a; do
-  spills=$(ptxas -arch=$arch -v -o /dev/null "$fwd_ptx" 2>&1 | awk '/Function properties for/ {f=$NF} / bytes spill stores/ && f ~ /^flash_fwd_pipe/ && $5 != "0" {print f}')
+  [ -f "$ptxas_out/flash_fwd.$arch.txt" ] || { echo "ci-cuda: flash_fwd.ptx was not built"; exit 1; }
+  spills=$(awk '/Function properties for/ {f=$NF} / bytes spill stores/ && f ~ /^flash_fwd_pipe/ && $5 != "0" {print f}' "$ptxas_out/flash_fwd.$arch.txt")
   [ -z "$spills" ] || { echo "ci-cuda: flash_fwd.cu spills registers on $arch in: $spills"; exit 1; }
 done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
-for sim in candle-cp-kernels/sim/fwd_mma_sim.py candle-cp-kernels/sim/fwd_pipe_sim.py candle-cp-kernels/sim/bwd_mma_sim.py candle-cp-kernels/sim/bwd_pipe_sim.py candle-cp-kernels/sim/fwd_wgmma_sim.py candle-cp-kernels/sim/band_work.py; do
-  python3 "$sim" > /dev/null || { echo "ci-cuda: $sim failed"; python3 "$sim"; exit 1; }
-done
-python3 candle-cp-kernels/emu/mutate.py --check || { echo "ci-cuda: update candle-cp-kernels/emu/mutate.py"; exit 1; }
-# the kernel source under the CPU emulation runs in the background, beside the shim steps below
-# (gpu_check keeps one core busy; the emulator's compiles and workers take the other)
-emu_log="$CARGO_TARGET_DIR/emu.log"
-EMU_BUILD="$CARGO_TARGET_DIR/emu" candle-cp-kernels/emu/run.sh >"$emu_log" 2>&1 &
-emu_pid=$!
-trap 'kill "$emu_pid" 2>/dev/null || true' EXIT
-emu_wait() {
-  local st=0
-  wait "$emu_pid" || st=$?
-  if [ "$st" != 0 ]; then grep -v '^PASS' "$emu_log" | tail -60; echo "ci-cuda: kernel source under CPU emulation failed (candle-cp-kernels/emu/run.sh)"; exit 1; fi
-  echo "ci-cuda: $(tail -1 "$emu_log") (kernel source under CPU emulation, run beside the shim steps)"
-}
+echo "ci-cuda: ptxas and the launch check done after $(( $(date +%s) - start )) s"
+bg_wait sims
+echo "ci-cuda: the fragment-indexing simulations match (candle-cp-kernels/sim/)"
 
-shim_dir="$CARGO_TARGET_DIR/emu-shim"
-shim_log="$shim_dir/ci.log"
-mkdir -p "$shim_dir"
+step_times=""  # "name: seconds" of every shim step, printed at the end
 shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show it on failure
-  local name=$1
+  local name=$1 t0
   shift
+  t0=$(date +%s)
   "$@" >"$shim_log" 2>&1 || { grep -v '^PASS' "$shim_log" | tail -60; echo "ci-cuda: host CUDA shim: $name failed"; exit 1; }
+  step_times+="${step_times:+, }$name $(( $(date +%s) - t0 )) s"
 }
-shim_step build.sh env EMU_SHIM_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/build.sh
-lib=$(tail -1 "$shim_log")
-shim_step check_candle.sh env EMU_BUILD="$shim_dir" JOBS="$JOBS" candle-cp-kernels/emu/shim/check_candle.sh
-echo "ci-cuda: candle's kernels under the shim: $(grep -c '^PASS' "$shim_log") checks passed"
-shim_step test_blas.sh env OUT_DIR="$shim_dir/test-blas" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_blas.sh
-shim_step test_nccl.sh env OUT="$shim_dir/test-nccl" EMU_SHIM_LIB="$lib" candle-cp-kernels/emu/shim/test_nccl.sh
+bg_wait shim-selftests
+lib=$(cat "$shim_dir/lib.path")
+echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (shim self-tests done after $(( $(date +%s) - start )) s)"
 t_shim=$(date +%s)
 shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
   --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks
@@ -122,7 +167,6 @@ echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU und
 # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
 shim_step gpu_check_random env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random
 echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_log")"
-emu_wait
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
@@ -235,4 +279,7 @@ for g in "--cp-kind zigzag" "--cp-kind ring --sliding-window 48" "--cp-kind allg
   shim_step "generate cuda $g" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/generate" --device cuda --prompt-len 256 --new-tokens 4 $g
   echo "ci-cuda: generate --device cuda $g under the shim: $(grep '^logits max' "$shim_log"); $(grep '^tokens:' "$shim_log")"
 done
+bg_wait emu
+echo "ci-cuda: $(tail -1 "$shim_dir/bg-emu.log") (kernel source under CPU emulation, combinations $EMU_COMBOS; in the background since the build)"
+echo "ci-cuda: shim steps: $step_times"
 echo "ci-cuda: OK ($n PTX files, ISA <= 9.0, ptxas sm_80/sm_90a clean, simulations match, CUDA path under the shim) in $(( $(date +%s) - start )) s"
