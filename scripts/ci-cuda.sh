@@ -160,13 +160,17 @@ shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show 
 bg_wait shim-selftests
 lib=$(cat "$shim_dir/lib.path")
 echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (shim self-tests done after $(( $(date +%s) - start )) s)"
+# gpu_check (one core) in the background too, beside the steps below (the other core)
+gpu_checks() {
+  env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
+    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
+    >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
+  # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
+  env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
+    >"$shim_dir/gpu_check_random.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_random.log" | tail -60; echo "gpu_check --sections random on wgmma-tma failed"; return 1; }
+}
 t_shim=$(date +%s)
-shim_step gpu_check env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-  --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks
-echo "ci-cuda: $(grep '^gpu_check:' "$shim_log") (the cuda binary on the CPU under the host CUDA shim, $(( $(date +%s) - t_shim )) s)"
-# the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
-shim_step gpu_check_random env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random
-echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_log")"
+bg_start gpu-check gpu_checks
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
@@ -279,6 +283,9 @@ for g in "--cp-kind zigzag" "--cp-kind ring --sliding-window 48" "--cp-kind allg
   shim_step "generate cuda $g" env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/generate" --device cuda --prompt-len 256 --new-tokens 4 $g
   echo "ci-cuda: generate --device cuda $g under the shim: $(grep '^logits max' "$shim_log"); $(grep '^tokens:' "$shim_log")"
 done
+bg_wait gpu-check
+echo "ci-cuda: $(grep '^gpu_check:' "$shim_dir/gpu_check.log") (the cuda binary on the CPU under the host CUDA shim; with the steps above beside it, $(( $(date +%s) - t_shim )) s)"
+echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_dir/gpu_check_random.log")"
 bg_wait emu
 echo "ci-cuda: $(tail -1 "$shim_dir/bg-emu.log") (kernel source under CPU emulation, combinations $EMU_COMBOS; in the background since the build)"
 echo "ci-cuda: shim steps: $step_times"

@@ -4,7 +4,9 @@
 # Usage: candle-cp-kernels/emu/run.sh [check-name filter]   (from anywhere; needs ../shared/cuda
 # set up as in scripts/ci-cuda.sh, or CUDA_ROOT pointing at a toolkit with cuda_bf16.h).
 # Env: EMU_BUILD (build dir, default target/emu), CXX (g++), JOBS (2: compile jobs, and the
-# harness's worker processes unless EMU_JOBS is set), EMU_OPT (-O2).
+# harness's worker processes unless EMU_JOBS is set), EMU_OPT (-O2), EMU_COMBOS (comma-separated
+# thread-schedule / cp.async-landing combinations to run, e.g. lockstep/at-wait,random:2/random:2;
+# default all 6, see harness.cpp; CI runs 3).
 set -euo pipefail
 here=$(cd "$(dirname "$0")" && pwd)
 root=$(cd "$here/../.." && pwd)
