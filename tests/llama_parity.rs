@@ -323,3 +323,22 @@ fn diff(a: &Tensor, b: &Tensor) -> f64 {
 fn max_abs(a: &Tensor) -> f64 {
     a.to_dtype(DType::F64).unwrap().abs().unwrap().flatten_all().unwrap().max(0).unwrap().to_scalar::<f64>().unwrap()
 }
+
+/// `verify_prefix_on` (the quick CUDA check's comparison): a zigzag CP 2 x TP 2 + SP run on
+/// thread ranks over the first 128 tokens passes against the CPU run of those tokens; a
+/// prefix of 0 tokens, or longer than the reference's sequence, is an error naming the shape.
+#[test]
+fn prefix_against_the_cpu_run() {
+    use candle_cp_llama::verify::verify_prefix_on;
+    let d = dir();
+    let reference = d.join("reference.safetensors");
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
+    let n = layout.world_size();
+    let spawn = |body: &candle_cp_llama::verify::LayoutRankBody| Ok(candle_cp_comm::run_ranks_with(n, Default::default(), body));
+    let r = verify_prefix_on(&d, &reference, 128, layout, &Device::Cpu, spawn).unwrap();
+    assert!(r.pass(), "logits {} loss {} grad rel {} ({})", r.logits_abs, r.loss_abs, r.grad_rel_max, r.worst_param);
+    for bad in [0, 1 << 20] {
+        let e = verify_prefix_on(&d, &reference, bad, layout, &Device::Cpu, spawn).unwrap_err().to_string();
+        assert!(e.contains("input_ids ["), "{e}");
+    }
+}

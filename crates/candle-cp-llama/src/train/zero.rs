@@ -50,8 +50,8 @@ fn pad_to(t: &Tensor, len: usize) -> Result<Tensor> {
 
 /// All replica ranks' slices of one parameter (`[len]` each) → the flat `[n]` tensor.
 pub(crate) fn gather(z: &Zero, slice: &Tensor, n: usize) -> Result<Tensor> {
-    let (_, _, chunk) = span(n, z.rank, z.size);
-    z.group.all_gather(&pad_to(slice, chunk)?, 0)?.narrow(0, 0, n)
+    let mut one = gather_many(z, &[(slice.clone(), n)], BUCKET)?;
+    one.pop().ok_or_else(|| candle_core::Error::Msg("ZeRO gather: no result".into()))
 }
 
 /// Bucketed [`gather`]: `items` are this rank's slices (`[len]`) of parameters of `n`
