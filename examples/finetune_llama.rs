@@ -191,6 +191,11 @@ struct Args {
     /// memory at long context, about one more forward of the layers).
     #[arg(long)]
     recompute: bool,
+    /// With --recompute: start each layer's gradient reduction over the DP x CP replicas as
+    /// soon as its backward is done (on a communicator of its own), overlapping the rest of
+    /// the backward. Same training, bit for bit.
+    #[arg(long, requires = "recompute")]
+    overlap_grad_sync: bool,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -370,6 +375,7 @@ fn main() -> Result<()> {
         cuda,
         gpus: a.gpus,
         recompute: a.recompute,
+        overlap_grad_sync: a.overlap_grad_sync,
         zero1: a.zero1,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),

@@ -29,14 +29,24 @@ pub fn ensure_nonempty(op: &str, name: &str, t: &Tensor) -> Result<()> {
     Ok(())
 }
 
-/// A pending point-to-point receive started by [`ProcessGroup::send_recv`].
+/// A pending result: the receive started by [`ProcessGroup::send_recv`], or the collective
+/// started by [`ProcessGroup::all_reduce_start`] / [`ProcessGroup::reduce_scatter_start`].
 ///
-/// The transfer makes progress in the background (a communication thread for
+/// The transfer makes progress in the background (the other ranks' deposits for
 /// [`crate::ThreadGroup`], a communication stream for NCCL); call [`PendingRecv::wait`] to get
-/// the received tensor. Compute issued between `send_recv` and `wait` overlaps the transfer.
+/// the result. Compute issued between the start and `wait` overlaps the transfer.
 pub trait PendingRecv: Send {
-    /// Block until the received tensor has arrived (or the group failed / timed out).
+    /// Block until the result has arrived (or the group failed / timed out).
     fn wait(self: Box<Self>) -> Result<Tensor>;
+}
+
+/// A result that is already there (the default of the `*_start` collectives).
+struct Ready(Tensor);
+
+impl PendingRecv for Ready {
+    fn wait(self: Box<Self>) -> Result<Tensor> {
+        Ok(self.0)
+    }
 }
 
 /// A group of `size()` ranks that communicate tensors.
@@ -76,6 +86,22 @@ pub trait ProcessGroup: Send + Sync {
     /// the group must call `send_recv` together (it is a collective step of a ring); the
     /// tensor received must have been sent by `src` with `dst == self.rank()`.
     fn send_recv(&self, t: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv>>;
+
+    /// [`ProcessGroup::all_reduce`] without waiting for it: returns at once with a handle on the
+    /// sum, so compute issued before [`PendingRecv::wait`] overlaps the collective (how the
+    /// trainer reduces a layer's gradients while the backward runs on). Every rank must start
+    /// the same collectives in the same order, interleaved the same way with the group's other
+    /// calls. The default runs the blocking collective; [`crate::ThreadGroup`] and `NcclGroup`
+    /// do not wait.
+    fn all_reduce_start(&self, t: &Tensor) -> Result<Box<dyn PendingRecv>> {
+        Ok(Box::new(Ready(self.all_reduce(t)?)))
+    }
+
+    /// [`ProcessGroup::reduce_scatter`] without waiting for it, as
+    /// [`ProcessGroup::all_reduce_start`].
+    fn reduce_scatter_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        Ok(Box::new(Ready(self.reduce_scatter(t, dim)?)))
+    }
 
     /// Build the sub-group of the ranks that passed the same `color`, ordered by `key` (ties by
     /// rank). Collective over this group: every rank must call it.

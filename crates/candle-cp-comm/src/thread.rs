@@ -197,11 +197,7 @@ impl ProcessGroup for ThreadGroup {
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         let (_, taken) = self.exchange(Op::ReduceScatter { dim }, Some(t))?;
-        let p = self.size();
-        let parts = (0..p)
-            .map(|r| chunk(tensor_of(&taken.entries, r)?, dim, self.rank, p))
-            .collect::<Result<Vec<_>>>()?;
-        sum_in_order(&parts, t.device())
+        scatter_sum(&taken, dim, self.rank, self.size(), t.device())
     }
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
@@ -209,26 +205,19 @@ impl ProcessGroup for ThreadGroup {
         if self.size() == 1 {
             return Ok(t.detach());
         }
-        let dev = t.device();
-        // computed once (by whichever rank gets here first) so every rank gets the same bits
-        let sum = taken.shared.reduced.get_or_init(|| {
-            sum_in_order(
-                &taken
-                    .entries
-                    .iter()
-                    .flat_map(|e| e.tensor.clone())
-                    .collect::<Vec<_>>(),
-                dev,
-            )
-            .map_err(|e| e.to_string())
-        });
-        match sum {
-            Ok(s) => fresh_on(s, dev),
-            Err(e) => Err(Error::Msg(format!(
-                "thread group {}: all_reduce failed: {e}",
-                self.comm.label
-            ))),
-        }
+        sum_once(&self.comm.label, &taken, t.device())
+    }
+
+    fn all_reduce_start(&self, t: &Tensor) -> Result<Box<dyn PendingRecv>> {
+        let op = Op::AllReduce;
+        let seq = self.start(op.clone(), Some(t))?;
+        Ok(Box::new(ThreadRecv::new(self, seq, op, t.device())))
+    }
+
+    fn reduce_scatter_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        let op = Op::ReduceScatter { dim };
+        let seq = self.start(op.clone(), Some(t))?;
+        Ok(Box::new(ThreadRecv::new(self, seq, op, t.device())))
     }
 
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
@@ -264,16 +253,9 @@ impl ProcessGroup for ThreadGroup {
     }
 
     fn send_recv(&self, t: &Tensor, dst: usize, src: usize) -> Result<Box<dyn PendingRecv>> {
-        let seq = self.start(Op::SendRecv { dst, src }, Some(t))?;
-        Ok(Box::new(ThreadRecv {
-            comm: self.comm.clone(),
-            seq,
-            rank: self.rank,
-            src,
-            dst,
-            device: t.device().clone(),
-            done: false,
-        }))
+        let op = Op::SendRecv { dst, src };
+        let seq = self.start(op.clone(), Some(t))?;
+        Ok(Box::new(ThreadRecv::new(self, seq, op, t.device())))
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {
@@ -316,28 +298,58 @@ impl ProcessGroup for ThreadGroup {
     }
 }
 
-/// Pending receive of a [`ThreadGroup::send_recv`]: the sender's tensor is already deposited;
-/// `wait` picks it up once every rank of the group has issued this ring step.
+/// The sum over the round's entries in rank order, computed once (by whichever rank gets
+/// here first) so every rank gets the same bits.
+fn sum_once(label: &str, taken: &Taken, dev: &Device) -> Result<Tensor> {
+    let sum = taken.shared.reduced.get_or_init(|| {
+        sum_in_order(&taken.entries.iter().flat_map(|e| e.tensor.clone()).collect::<Vec<_>>(), dev)
+            .map_err(|e| e.to_string())
+    });
+    match sum {
+        Ok(s) => fresh_on(s, dev),
+        Err(e) => Err(Error::Msg(format!("thread group {label}: all_reduce failed: {e}"))),
+    }
+}
+
+/// Chunk `rank` of every entry along `dim`, summed in rank order.
+fn scatter_sum(taken: &Taken, dim: usize, rank: usize, p: usize, dev: &Device) -> Result<Tensor> {
+    let parts = (0..p)
+        .map(|r| chunk(tensor_of(&taken.entries, r)?, dim, rank, p))
+        .collect::<Result<Vec<_>>>()?;
+    sum_in_order(&parts, dev)
+}
+
+/// Pending result of a [`ThreadGroup::send_recv`] (a ring step), `all_reduce_start` or
+/// `reduce_scatter_start`: this rank's tensor is already deposited; `wait` picks up the
+/// round once every rank of the group has deposited its own.
 struct ThreadRecv {
     comm: Arc<Comm>,
     seq: u64,
     rank: usize,
-    src: usize,
-    dst: usize,
+    op: Op,
     device: Device,
     done: bool,
+}
+
+impl ThreadRecv {
+    fn new(g: &ThreadGroup, seq: u64, op: Op, device: &Device) -> Self {
+        Self { comm: g.comm.clone(), seq, rank: g.rank, op, device: device.clone(), done: false }
+    }
 }
 
 impl PendingRecv for ThreadRecv {
     fn wait(mut self: Box<Self>) -> Result<Tensor> {
         self.done = true;
-        let op = Op::SendRecv {
-            dst: self.dst,
-            src: self.src,
-        };
-        let taken = self.comm.take(self.seq, self.rank, &op)?;
+        let taken = self.comm.take(self.seq, self.rank, &self.op)?;
         check_round(&self.comm.label, self.seq, &taken.entries)?;
-        fresh_on(tensor_of(&taken.entries, self.src)?, &self.device)
+        let p = self.comm.size();
+        match self.op {
+            Op::SendRecv { src, .. } => fresh_on(tensor_of(&taken.entries, src)?, &self.device),
+            Op::AllReduce if p == 1 => fresh_on(tensor_of(&taken.entries, 0)?, &self.device),
+            Op::AllReduce => sum_once(&self.comm.label, &taken, &self.device),
+            Op::ReduceScatter { dim } => scatter_sum(&taken, dim, self.rank, p, &self.device),
+            ref op => Err(Error::Msg(format!("thread group {}: no pending result for {op} (internal error)", self.comm.label))),
+        }
     }
 }
 

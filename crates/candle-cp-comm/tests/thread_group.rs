@@ -119,3 +119,60 @@ fn results_are_detached_and_do_not_alias_inputs() -> Result<()> {
     }));
     Ok(())
 }
+
+#[test]
+fn started_collectives_match_the_blocking_ones() -> Result<()> {
+    // an all-reduce and a reduce-scatter started, a blocking all-gather in between, waited in
+    // reverse order: the same bits as the blocking collectives (bf16 sums in f32, rank order)
+    let p = 3;
+    for dtype in [DType::F32, DType::BF16] {
+        let xs = inputs(p, &[6, 2], dtype, 70)?;
+        let ys = inputs(p, &[2, 6], dtype, 71)?;
+        let res = all_ok(run_ranks(p, |g| {
+            let r = g.rank();
+            let a = g.all_reduce_start(&xs[r])?;
+            let b = g.reduce_scatter_start(&ys[r], 1)?;
+            let gathered = g.all_gather(&xs[r], 0)?;
+            let rs = b.wait()?;
+            let ar = a.wait()?;
+            Ok((ar, rs, gathered, g.all_reduce(&xs[r])?, g.reduce_scatter(&ys[r], 1)?))
+        }));
+        let want = serial_sum(&xs.iter().map(|x| x.to_dtype(DType::F32)).collect::<Result<Vec<_>>>()?)?.to_dtype(dtype)?;
+        for (r, (ar, rs, gathered, ar_blocking, rs_blocking)) in res.iter().enumerate() {
+            assert_same(ar, &want, "all_reduce_start")?;
+            assert_same(ar, ar_blocking, "all_reduce_start vs all_reduce")?;
+            assert_same(rs, rs_blocking, "reduce_scatter_start vs reduce_scatter")?;
+            assert_eq!(rs.dims(), &[2, 2], "rank {r}: reduce_scatter_start shape");
+            assert_same(gathered, &Tensor::cat(&xs, 0)?, "all_gather between")?;
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn started_collectives_report_mismatches_and_failures() {
+    // ranks that start different collectives get an error naming the op, not a wrong sum
+    let res = run_ranks(2, |g| {
+        let t = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        let pending = if g.rank() == 0 { g.all_reduce_start(&t)? } else { g.reduce_scatter_start(&t, 0)? };
+        pending.wait()
+    });
+    for (r, x) in res.iter().enumerate() {
+        let e = x.as_ref().expect_err("mismatched collectives must fail").to_string();
+        assert!(e.contains("all_reduce") && e.contains("reduce_scatter"), "rank {r}: {e}");
+    }
+    // a rank that fails before depositing: the others' wait returns an error, not a hang
+    let t0 = std::time::Instant::now();
+    let res = run_ranks(3, |g| {
+        if g.rank() == 1 {
+            candle_core::bail!("injected failure")
+        }
+        let t = Tensor::ones(4, DType::F32, &Device::Cpu)?;
+        g.all_reduce_start(&t)?.wait()
+    });
+    for (r, x) in res.iter().enumerate() {
+        let e = x.as_ref().expect_err("a failed rank must fail the others").to_string();
+        assert!(r == 1 || e.contains("injected failure"), "rank {r}: {e}");
+    }
+    assert!(t0.elapsed().as_secs() < 30, "took {:?}", t0.elapsed());
+}

@@ -252,6 +252,13 @@ impl Llama {
         self.recompute.is_some()
     }
 
+    /// The store of the recomputed layers' gradients (`None` without recompute): set a
+    /// [`candle_cp_ops::recompute::Recompute::set_block_hook`] on it to see each layer's
+    /// gradients as soon as the backward is done with the layer.
+    pub fn recompute_store(&self) -> Option<&Recompute> {
+        self.recompute.as_ref()
+    }
+
     /// Gradients of `loss` (from [`Llama::loss`] or anything built on [`Llama::forward`]):
     /// `loss.backward()`, plus the parameter gradients of recomputed layers.
     pub fn backward(&self, loss: &Tensor) -> Result<candle_core::backprop::GradStore> {

@@ -30,11 +30,20 @@ use std::sync::{Arc, Mutex};
 /// A block's forward, rerun in the backward: `[.., h] → [.., h']`, any shapes.
 pub type BlockFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 
+/// Called with each block's gradients as soon as the backward has rerun the block (blocks in
+/// reverse order of their forward), before they are filed for [`Recompute::collect_into`].
+/// The store holds the gradients of the variables the block used (its parameters) and of the
+/// block's intermediate tensors; look up the tensors you care about. An `Err` fails the
+/// backward. Used to start a block's gradient reduction while the backward of the blocks
+/// before it runs (see [`Recompute::set_block_hook`]).
+pub type BlockGradsHook = Arc<dyn Fn(&GradStore) -> Result<()> + Send + Sync>;
+
 /// Recomputes checkpointed blocks in the backward and holds their parameters' gradients
 /// until they are collected. Clones share the same store. One per model replica (rank).
 #[derive(Clone, Default)]
 pub struct Recompute {
     grads: Arc<Mutex<Option<GradStore>>>,
+    hook: Arc<Mutex<Option<BlockGradsHook>>>,
 }
 
 impl std::fmt::Debug for Recompute {
@@ -68,6 +77,13 @@ impl Recompute {
         let op = Checkpoint { name, out: Mutex::new(Some(crate::autograd::packed(&y)?)), f, store: self.clone() };
         drop(y); // the block's graph goes with it
         arg.apply_op1(op)
+    }
+
+    /// Call `hook` with each block's gradients during the backward (`None`: no hook). Shared by
+    /// the clones of this store.
+    pub fn set_block_hook(&self, hook: Option<BlockGradsHook>) -> Result<()> {
+        *self.hook.lock().map_err(lock_err)? = hook;
+        Ok(())
     }
 
     /// True when no parameter gradient is waiting to be collected.
@@ -155,6 +171,10 @@ impl CustomOp1 for Checkpoint {
         let mut grads = (&y * &g)?.sum_all()?.backward()?;
         let dx = grads.remove(x.as_tensor());
         grads.remove(&g); // (candle files a gradient for both sides of a product)
+        let hook = self.store.hook.lock().map_err(lock_err)?.clone();
+        if let Some(h) = hook {
+            h(&grads)?;
+        }
         self.store.add(grads)?;
         Ok(dx)
     }
@@ -274,6 +294,39 @@ mod tests {
         // wrong inner dimension: the forward fails with candle's shape error
         let r = rc.checkpoint("bad", &x.narrow(2, 0, 3)?, Arc::new(move |x: &Tensor| x.broadcast_matmul(&w.t()?)));
         assert!(r.is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn the_hook_sees_each_block_once_and_can_fail_the_backward() -> Result<()> {
+        let (w1, w2, x) = vars(9)?;
+        let rc = Recompute::new();
+        let seen: Arc<Mutex<Vec<Tensor>>> = Arc::default();
+        let (wt, seen2) = (w1.as_tensor().clone(), seen.clone());
+        rc.set_block_hook(Some(Arc::new(move |g: &GradStore| {
+            let gw = g.get(&wt).ok_or_else(|| candle_core::Error::Msg("hook: no dW1".into()))?;
+            seen2.lock().map_err(lock_err)?.push(gw.clone());
+            Ok(())
+        })))?;
+        let mut h = x.clone();
+        for _ in 0..3 {
+            let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+            h = rc.checkpoint("mlp", &h, Arc::new(move |x: &Tensor| block(&a, &b, x)))?;
+        }
+        let g = rc.backward(&h.sqr()?.mean_all()?)?;
+        // three blocks, three calls; the per-block dW1 add up to the collected one
+        let seen = seen.lock().map_err(lock_err)?.clone();
+        assert_eq!(seen.len(), 3);
+        let sum = ((&seen[0] + &seen[1])? + &seen[2])?;
+        let d = max_diff(&sum, g.get(w1.as_tensor()).expect("dW1"))?;
+        assert!(d <= 1e-6, "hooked dW1 sum differs by {d}");
+        // an Err from the hook fails the backward
+        rc.set_block_hook(Some(Arc::new(|_: &GradStore| candle_core::bail!("hook refused"))))?;
+        let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+        let y = rc.checkpoint("mlp", &x, Arc::new(move |x: &Tensor| block(&a, &b, x)))?;
+        let e = rc.backward(&y.sum_all()?).expect_err("the hook's error must fail the backward");
+        assert!(e.to_string().contains("hook refused"), "{e}");
+        rc.set_block_hook(None)?;
         Ok(())
     }
 }

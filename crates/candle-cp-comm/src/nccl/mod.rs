@@ -236,8 +236,14 @@ impl NcclGroup {
     }
 
     /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
-    /// `out_shape`'s element count.
+    /// `out_shape`'s element count; the compute stream waits for it.
     fn flat(&self, src: &Tensor, out_shape: Shape, kind: Flat) -> Result<Tensor> {
+        Ok(self.flat_with(src, out_shape, kind, true)?.0)
+    }
+
+    /// [`Self::flat`]; with `join` false the compute stream does not wait: the returned event
+    /// (recorded on the comm stream after the collective) is what a consumer must wait for.
+    fn flat_with(&self, src: &Tensor, out_shape: Shape, kind: Flat, join: bool) -> Result<(Tensor, Arc<CudaEvent>)> {
         let n = out_shape.elem_count();
         let op = format!("{} {:?} {:?}", kind.name(), src.dims(), src.dtype());
         let storage = {
@@ -281,8 +287,8 @@ impl NcclGroup {
             }
             dispatch!(src.dtype(), kind.name(), go)
         };
-        self.leave(op, true)?;
-        Ok(Tensor::from_storage(Storage::Cuda(storage), out_shape, BackpropOp::none(), false))
+        let ev = self.leave(op, join)?;
+        Ok((Tensor::from_storage(Storage::Cuda(storage), out_shape, BackpropOp::none(), false), ev))
     }
 
     /// Grouped send/recv: send `sends[i] = (tensor, peer)`, receive into fresh tensors shaped
@@ -440,7 +446,10 @@ fn back_checked(raw: &RawComm, r: Tensor, host: bool, op: &str) -> Result<Tensor
     Ok(r)
 }
 
+/// Pending result of `send_recv`, `all_reduce_start` or `reduce_scatter_start`: the output
+/// buffer, written on the comm stream until `event`.
 struct NcclRecv {
+    op: &'static str,
     out: Option<Tensor>,
     host: bool, // the sent tensor came from the host: so does the received one
 
@@ -453,9 +462,10 @@ struct NcclRecv {
 impl PendingRecv for NcclRecv {
     fn wait(mut self: Box<Self>) -> Result<Tensor> {
         self.compute.wait(&self.event).w()?;
-        self.raw.refuse_if_failed("send_recv wait")?;
-        let out = self.out.take().ok_or_else(|| candle_core::Error::Msg("send_recv: receive already taken".into()))?;
-        back_checked(&self.raw, out, self.host, "send_recv wait")
+        let what = format!("{} wait", self.op);
+        self.raw.refuse_if_failed(&what)?;
+        let out = self.out.take().ok_or_else(|| candle_core::Error::Msg(format!("{}: result already taken", self.op)))?;
+        back_checked(&self.raw, out, self.host, &what)
     }
 }
 
@@ -506,6 +516,27 @@ impl ProcessGroup for NcclGroup {
         self.back(self.flat(&t, t.shape().clone(), Flat::AllReduce)?, host, "all_reduce")
     }
 
+    fn all_reduce_start(&self, t: &Tensor) -> Result<Box<dyn PendingRecv>> {
+        let (t, host) = self.check(t, "all_reduce_start")?;
+        let (out, event) = self.flat_with(&t, t.shape().clone(), Flat::AllReduce, false)?;
+        Ok(Box::new(NcclRecv { op: "all_reduce_start", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+    }
+
+    fn reduce_scatter_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        let (t, host) = self.check(t, "reduce_scatter_start")?;
+        let (a, n, e) = around(t.dims(), dim, "reduce_scatter_start")?;
+        let p = self.size;
+        if n % p != 0 {
+            candle_core::bail!("reduce_scatter_start: dim {dim} of {:?} must divide by the group size {p}", t.shape())
+        }
+        // (the packing copy runs on the compute stream, which the comm stream waits for)
+        let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
+        let mut dims = t.dims().to_vec();
+        dims[dim] /= p;
+        let (out, event) = self.flat_with(&packed, Shape::from(dims), Flat::ReduceScatter, false)?;
+        Ok(Box::new(NcclRecv { op: "reduce_scatter_start", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: packed }))
+    }
+
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let (t, host) = self.check(t, "all_to_all")?;
         let p = self.size;
@@ -545,7 +576,7 @@ impl ProcessGroup for NcclGroup {
         let (t, host) = self.check(t, "send_recv")?;
         let (mut outs, event) = self.p2p("send_recv", &[(t.clone(), dst)], &[(t.shape().clone(), src)], t.dtype())?;
         let out = outs.pop().ok_or_else(|| candle_core::Error::Msg("send_recv: no receive buffer".into()))?;
-        Ok(Box::new(NcclRecv { out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+        Ok(Box::new(NcclRecv { op: "send_recv", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {

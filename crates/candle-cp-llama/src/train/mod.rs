@@ -15,6 +15,7 @@ pub mod plot;
 pub mod rng;
 pub mod schedule;
 pub mod trainer;
+mod overlap;
 mod zero;
 
 pub use checkpoint::{reshard_optimizer_state, TrainState};

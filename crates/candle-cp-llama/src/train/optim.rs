@@ -129,6 +129,11 @@ impl AdamW {
         self.zero.is_some()
     }
 
+    /// The ZeRO-1 split (`None` without ZeRO-1).
+    pub(crate) fn zero(&self) -> Option<&Zero> {
+        self.zero.as_ref()
+    }
+
     /// One update with learning rate `lr`. Each gradient is multiplied by `grad_scale` first
     /// (gradient clipping, 1/accumulation). A parameter absent from `grads` is left untouched
     /// (its moments too). Gradient shapes must match the parameters.

@@ -91,6 +91,10 @@ pub struct TrainConfig {
     /// Recompute every decoder layer in backward instead of keeping its activations
     /// ([`Llama::with_recompute`]): less memory, one more forward of the layers.
     pub recompute: bool,
+    /// Start each recomputed layer's gradient reduction over the DP × CP replicas as soon as
+    /// its backward is done, on a communicator of its own, instead of after the whole
+    /// backward (see `train::overlap`); needs `recompute`. Training is bit-identical.
+    pub overlap_grad_sync: bool,
     /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
@@ -238,6 +242,9 @@ pub fn train_rank(
             cfg.steps
         )
     }
+    if cfg.overlap_grad_sync && !cfg.recompute {
+        bail!("train: overlap_grad_sync needs recompute (a layer's gradients are known before the end of the backward only when the layer is recomputed)")
+    }
     if !cfg.batch.is_multiple_of(cfg.layout.dp) {
         bail!(
             "train: batch {} must be divisible by dp = {}",
@@ -311,6 +318,27 @@ pub fn train_rank(
         AdamW::new_zero1(named_vars, cfg.adamw, ctx.dp_cp.clone())?
     } else {
         AdamW::new(named_vars, cfg.adamw)?
+    };
+    // the early gradient reductions: those summed over exactly dp_cp, on a split of it
+    let overlap = match (cfg.overlap_grad_sync, model.recompute_store()) {
+        (false, _) => None,
+        (true, None) => bail!("train: overlap_grad_sync needs recompute (internal error: checked above)"),
+        (true, Some(_)) if ctx.dp_cp.size() == 1 => None,
+        (true, Some(rc)) => {
+            let vars = crate::params::lock_vars(&varmap)?.clone();
+            let mut early = Vec::new();
+            for s in param_specs(&mcfg) {
+                if ctx.grad_group_is_dp_cp(s.shard.resolve(ctx.layout.tp)) {
+                    let Some(v) = vars.get(&s.name) else { bail!("train: parameter {} is not in the VarMap", s.name) };
+                    early.push((s.name, v.as_tensor().clone()));
+                }
+            }
+            let group = ctx.dp_cp.split(0, ctx.dp_cp.rank())?;
+            let zero = opt.zero().cloned();
+            let ov = super::overlap::GradOverlap::new(early, group, zero)?;
+            rc.set_block_hook(Some(ov.hook()))?;
+            Some(ov)
+        }
     };
     let (dp_i, cp_i, tp_i) = ctx.coords;
     let opt_writer = dp_i == 0 && cp_i == 0;
@@ -429,6 +457,9 @@ pub fn train_rank(
             {
                 *acc += x;
             }
+            if let Some(ov) = overlap.as_ref().filter(|_| micro + 1 == cfg.grad_accum) {
+                ov.arm(ov.prev_from(acc.as_ref())?)?;
+            }
             let g = model.backward(&loss)?;
             acc = Some(match acc {
                 None => g,
@@ -449,9 +480,14 @@ pub fn train_rank(
         let Some(mut grads) = acc else {
             bail!("train: no micro-batch ran")
         };
+        // with overlap, the sums over exactly the replicas (dp_cp) started during the backward
+        let early = match &overlap {
+            Some(ov) => Some(ov.finish(&grads)?),
+            None => None,
+        };
         // ZeRO-1: the gradients summed over the replicas (dp_cp) are reduce-scattered into the
         // optimizer's slices, not all-reduced; the others are complete on every rank
-        let sliced: Vec<String> = if opt.is_sharded() {
+        let sliced: Vec<String> = if opt.is_sharded() || early.is_some() {
             reduce_gradients_except_dp_cp(&mut grads, &varmap, &mcfg, &ctx)?
         } else {
             reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
@@ -460,7 +496,20 @@ pub fn train_rank(
         let mut named = named_grads(&grads, &varmap)?;
         drop(grads);
         let whole: HashMap<String, Tensor> = sliced.iter().filter_map(|n| named.remove_entry(n)).collect();
-        let slices = opt.reduce_scatter_grads(&whole)?;
+        let slices = match early {
+            Some(e) => {
+                if e.len() != whole.len() || whole.keys().any(|n| !e.contains_key(n)) {
+                    bail!("train: the overlapped gradients ({}) are not the replicas' ({}) (internal error)", e.len(), whole.len())
+                }
+                if opt.is_sharded() {
+                    e
+                } else {
+                    named.extend(e);
+                    HashMap::new()
+                }
+            }
+            None => opt.reduce_scatter_grads(&whole)?,
+        };
         drop(whole);
         let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
         let mut full_items: Vec<(&String, &Tensor)> = named.iter().collect();

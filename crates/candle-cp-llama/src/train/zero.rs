@@ -101,23 +101,37 @@ pub(crate) fn reduce_scatter_many(z: &Zero, grads: &[Tensor], bucket: usize) -> 
             elems += span(grads[end].elem_count(), 0, z.size).2 * z.size;
             end += 1;
         }
-        // each gradient as [size, chunk] (row r = slice r, zero-padded), side by side
-        let blocks = grads[start..end]
-            .iter()
-            .map(|g| {
-                let n = g.elem_count();
-                let chunk = span(n, 0, z.size).2;
-                pad_to(&g.to_dtype(DType::F32)?.flatten_all()?, chunk * z.size)?.reshape((z.size, chunk))
-            })
-            .collect::<Result<Vec<_>>>()?;
-        let mine = z.group.reduce_scatter(&Tensor::cat(&blocks, 1)?, 0)?.flatten_all()?;
-        let mut col = 0;
-        for g in &grads[start..end] {
-            let (_, len, chunk) = span(g.elem_count(), z.rank, z.size);
-            out.push(mine.narrow(0, col, len)?.to_dtype(g.dtype())?);
-            col += chunk;
-        }
+        let mine = z.group.reduce_scatter(&pack_rows(z, &grads[start..end])?, 0)?;
+        let meta: Vec<(usize, DType)> = grads[start..end].iter().map(|g| (g.elem_count(), g.dtype())).collect();
+        out.extend(unpack_slices(z, &meta, &mine)?);
         start = end;
+    }
+    Ok(out)
+}
+
+/// One reduce-scatter's input: each gradient (f32) as `[size, chunk]`, row `r` = slice `r`
+/// zero-padded, side by side: `[size, Σ chunk]`.
+pub(crate) fn pack_rows(z: &Zero, grads: &[Tensor]) -> Result<Tensor> {
+    let blocks = grads
+        .iter()
+        .map(|g| {
+            let chunk = span(g.elem_count(), 0, z.size).2;
+            pad_to(&g.to_dtype(DType::F32)?.flatten_all()?, chunk * z.size)?.reshape((z.size, chunk))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&blocks, 1)
+}
+
+/// This rank's row of a reduce-scatter of [`pack_rows`]`(grads)` → its `[len]` slice of each
+/// gradient; `grads` = (elements, dtype) of each gradient, the slice's dtype.
+pub(crate) fn unpack_slices(z: &Zero, grads: &[(usize, DType)], mine: &Tensor) -> Result<Vec<Tensor>> {
+    let mine = mine.flatten_all()?;
+    let mut col = 0;
+    let mut out = Vec::with_capacity(grads.len());
+    for &(n, dtype) in grads {
+        let (_, len, chunk) = span(n, z.rank, z.size);
+        out.push(mine.narrow(0, col, len)?.to_dtype(dtype)?);
+        col += chunk;
     }
     Ok(out)
 }
