@@ -429,6 +429,15 @@ fn main() -> Result<()> {
             "replicated".to_string()
         }
     );
+    if replicas > 1 {
+        let how = if a.zero1 { "reduce-scattered into the ZeRO-1 slices" } else { "all-reduced" };
+        let when = if a.overlap_grad_sync {
+            "layer by layer during the backward (--overlap-grad-sync)"
+        } else {
+            "after the backward"
+        };
+        say!("gradients: {how} over the {replicas} DP x CP replicas, {when}");
+    }
     say!("out      : {}", a.out.display());
     if a.resume {
         let root = a.out.join("checkpoints");

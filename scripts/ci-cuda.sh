@@ -226,17 +226,25 @@ for kern in flash_fwd_wgmma_tma_band_bf16_d64 flash_bwd_wgmma_tma_band_bf16_d64;
 done
 same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-tma band kernels (shim)"
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
-# (with --recompute: the layers rerun in backward, NCCL collectives included)
+# (with --recompute: the layers rerun in backward, NCCL collectives included; with
+# --overlap-grad-sync each layer's gradient all-reduce starts on a second communicator
+# during the backward: all_reduce_start on the comm stream)
 shim_step "finetune_llama nccl threads" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
-  "$ft_bin" "${ft[@]}" --gpus 2 --recompute --out "$shim_dir/ft-nccl"
-same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, NCCL ranks, one thread per device, --recompute)"
+  "$ft_bin" "${ft[@]}" --gpus 2 --recompute --overlap-grad-sync --out "$shim_dir/ft-nccl"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-nccl/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, NCCL ranks, one thread per device, --recompute --overlap-grad-sync)"
 # two launched processes, one NCCL rank each (RANK/WORLD_SIZE/LOCAL_RANK, the id over a TCP
 # store on MASTER_ADDR:MASTER_PORT, the shim's NCCL across processes): the same losses
 port=$((20000 + RANDOM % 20000))
-# (with --zero1: the optimizer state split over the two processes, gathered by NCCL)
+# (with --zero1: the optimizer state split over the two processes, gathered by NCCL; the
+# first run reduce-scatters after the backward, the second during it, layer by layer:
+# reduce_scatter_start on the comm stream of a second communicator)
 shim_step "finetune_llama 2 processes" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
   candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero1 --out "$shim_dir/ft-procs"
 same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, NCCL over TCP rendezvous, --zero1)"
+port=$((20000 + RANDOM % 20000))
+shim_step "finetune_llama 2 processes overlap" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
+  candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero1 --recompute --overlap-grad-sync --out "$shim_dir/ft-procs-overlap"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs-overlap/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, --zero1 --recompute --overlap-grad-sync)"
 # a process killed mid-run: the survivor must fail, not hang, within a bounded time. With the
 # shim's default the lost peer fails its collective (NCCL reports a remote error); with
 # CPEMU_NCCL_PEER_ABORT=hang it stays pending, as within a node on GPUs, and NcclGroup's

@@ -65,6 +65,12 @@ fn plan_405b_128k_json() {
     close(f("/grad_sync/bytes_per_step"), 15.0 / 16.0 * f("/model_states/params") * 6.0, 1e-12);
     close(f("/grad_sync/seconds_per_step"), f("/grad_sync/bytes_per_step") / 50e9, 1e-12);
     assert_eq!(v.pointer("/grad_sync/link").and_then(|x| x.as_str()), Some("ib"));
+    // Overlapped layer by layer: the reduce-scatter (4 of the 6 bytes) hides behind the
+    // backward of 126 layers but one layer's share; the bf16 all-gather (2 of 6) stays.
+    close(f("/grad_sync/reduce_bytes_per_step"), f("/grad_sync/bytes_per_step") * 4.0 / 6.0, 1e-12);
+    let (t, gather) = (f("/grad_sync/seconds_per_step") * 4.0 / 6.0, f("/grad_sync/seconds_per_step") * 2.0 / 6.0);
+    let exposed = f("/grad_sync/exposed_overlapped_s");
+    assert!(exposed >= t / 126.0 + gather - 1e-12 && exposed < t + gather, "exposed {exposed}");
     // Without PP the 405B weights alone exceed 80 GB.
     assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(false));
     assert!(v

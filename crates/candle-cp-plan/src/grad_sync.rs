@@ -15,6 +15,14 @@
 //!
 //! Under SP the norm weights' gradients are summed over TP as well (`h·(2L+1)` parameters,
 //! left out here).
+//!
+//! **Overlapped** (`--recompute --overlap-grad-sync`: each layer's gradients are reduced as
+//! soon as its backward is done, on a communicator of its own): with `L` layers on the GPU,
+//! the reduction `T` (the all-reduce, or the reduce-scatter, of all `N` gradients) split into
+//! `L` equal parts started one layer-backward `b` apart, the link finishes
+//! `max(T/L, T − (L−1)·b)` after the backward: the last layer's part when the link keeps up
+//! (`T/L ≤ b`), else what the backward could not cover. The ZeRO all-gather of the updated
+//! parameters runs after the optimizer step and stays exposed.
 
 use crate::hardware::{Hardware, Link};
 use crate::layout::Layout;
@@ -35,6 +43,29 @@ pub struct GradSync {
     pub bytes_per_step: f64,
     /// `bytes_per_step / link bandwidth`, s: the time if none of it overlaps the backward.
     pub seconds_per_step: f64,
+    /// Of `bytes_per_step`, the gradient reduction (all-reduce, or reduce-scatter under ZeRO):
+    /// the part that can overlap the backward.
+    pub reduce_bytes_per_step: f64,
+    /// The time left exposed when the reduction overlaps the backward layer by layer (module
+    /// docs); `None` until [`GradSync::overlapped`] sets it.
+    pub exposed_overlapped_s: Option<f64>,
+}
+
+impl GradSync {
+    /// Sets [`GradSync::exposed_overlapped_s`] for `layers` layers on this GPU whose backward
+    /// (recompute included) takes `bwd_layer_s` each.
+    pub fn overlapped(mut self, layers: usize, bwd_layer_s: f64) -> Self {
+        if self.bytes_per_step <= 0.0 || layers == 0 {
+            self.exposed_overlapped_s = Some(0.0);
+            return self;
+        }
+        let bw = self.bytes_per_step / self.seconds_per_step;
+        let t = self.reduce_bytes_per_step / bw;
+        let l = layers as f64;
+        let rest = (self.bytes_per_step - self.reduce_bytes_per_step) / bw;
+        self.exposed_overlapped_s = Some((t / l).max(t - (l - 1.0) * bwd_layer_s) + rest);
+        self
+    }
 }
 
 /// [`GradSync`] of `layout` on `hw` for `params_per_gpu` parameters trained in `e`-byte
@@ -49,6 +80,7 @@ pub fn grad_sync(layout: &Layout, hw: &Hardware, params_per_gpu: f64, e: usize) 
         _ => 4.0 + 3.0 * e,
     };
     let bytes = frac * params_per_gpu * per_param;
+    let reduce_bytes = frac * params_per_gpu * if layout.zero == 0 { 8.0 } else { 4.0 };
     // CP ranks are tp apart; with DP the group reaches across the whole world
     let link = if layout.dp == 1 {
         Link::for_group(layout.tp, layout.cp, hw)
@@ -62,6 +94,8 @@ pub fn grad_sync(layout: &Layout, hw: &Hardware, params_per_gpu: f64, e: usize) 
         params_per_gpu,
         bytes_per_step: bytes,
         seconds_per_step: if r > 1 { bytes / link.bandwidth(hw) } else { 0.0 },
+        reduce_bytes_per_step: reduce_bytes,
+        exposed_overlapped_s: None,
     }
 }
 
@@ -98,5 +132,26 @@ mod tests {
         assert_eq!(grad_sync(&layout(1, 8, 1, 1), &hw, 1e9, 2).link, Link::Nvlink);
         assert_eq!(grad_sync(&layout(4, 2, 2, 1), &hw, 1e9, 2).link, Link::Ib);
         assert_eq!(grad_sync(&layout(2, 2, 2, 1), &hw, 1e9, 2).link, Link::Nvlink);
+    }
+
+    /// 4 layers, ZeRO-0 (all of it a reduction) of T = 0.8 s: a backward of 0.5 s per layer
+    /// leaves the last layer's 0.2 s; one of 0.1 s per layer leaves 0.8 − 3·0.1 = 0.5 s.
+    /// ZeRO-1 adds its all-gather (e = 2 of 4 + 2 bytes: 1/3 of the time) in full.
+    #[test]
+    fn exposed_when_overlapped() {
+        let hw = Hardware::preset("h100").unwrap();
+        let g = grad_sync(&layout(1, 4, 1, 0), &hw, 1e9, 2);
+        let bw = hw.nvlink_bw;
+        let n = 0.8 * bw / 6.0; // 6 bytes per parameter: T = 0.8 s
+        let g = GradSync { params_per_gpu: n, bytes_per_step: 0.8 * bw, seconds_per_step: 0.8, reduce_bytes_per_step: 0.8 * bw, ..g };
+        let close = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-9;
+        assert!(close(g.clone().overlapped(4, 0.5).exposed_overlapped_s, 0.2));
+        assert!(close(g.clone().overlapped(4, 0.1).exposed_overlapped_s, 0.5));
+        let z = grad_sync(&layout(1, 4, 1, 1), &hw, 1e9, 2);
+        let (t, gather) = (z.reduce_bytes_per_step / bw, (z.bytes_per_step - z.reduce_bytes_per_step) / bw);
+        assert!((gather / z.seconds_per_step - 1.0 / 3.0).abs() < 1e-12);
+        assert!(close(z.clone().overlapped(4, 10.0).exposed_overlapped_s, t / 4.0 + gather));
+        let one = grad_sync(&layout(8, 1, 1, 1), &hw, 1e9, 2).overlapped(4, 0.1);
+        assert_eq!(one.exposed_overlapped_s, Some(0.0));
     }
 }

@@ -273,6 +273,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         tp_s,
         total_s: linear_s + attention_s + cp_exposed_s + tp_s,
     };
+    // the backward's share of a layer's time (recompute included), by FLOPs
+    let f = &flops;
+    let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
+    let bwd_share = bwd / (bwd + f.linear_fwd + f.attention_fwd).max(f64::MIN_POSITIVE);
+    let grad_sync = grad_sync.overlapped(m.layers.div_ceil(l.pp), layer_time.total_s * bwd_share);
 
     let bottleneck = bottleneck(
         fits,

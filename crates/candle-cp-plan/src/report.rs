@@ -487,6 +487,11 @@ pub fn render(p: &Plan) -> String {
                     format!("{:.1}%", 100.0 * g.seconds_per_step / stage_s.max(f64::MIN_POSITIVE)),
                     "layers/pp x total per layer",
                 ),
+                r(
+                    "exposed if overlapped layer by layer",
+                    ms(g.exposed_overlapped_s.unwrap_or(g.seconds_per_step)),
+                    "--overlap-grad-sync: max(T/L, T-(L-1)*bwd per layer) (+ the ZeRO all-gather)",
+                ),
             ],
         );
     }
