@@ -24,6 +24,12 @@
 //! micro-batch starts reductions; each layer's gradient is first added to the sum of the
 //! earlier micro-batches, as the synchronous path adds them.
 //!
+//! Memory: a started sum holds its f32 input until it completes. At most [`MAX_INFLIGHT`]
+//! elements (1 GiB of f32) are in flight: starting more first waits for the oldest sums (whose
+//! results are kept: the reduced gradient, or under ZeRO-1 only this rank's slice). When the
+//! link keeps up with the backward the oldest sum is already done and nothing waits; when it
+//! does not, the link stays busy either way.
+//!
 //! Every rank must run the same blocks in the same order (they do: the model is the same on
 //! every rank), and each parameter must be used by one recomputed block only (else its
 //! gradient is not complete when the block's backward ends; a second block is refused).
@@ -35,6 +41,9 @@ use candle_cp_comm::{Group, PendingRecv};
 use candle_cp_ops::recompute::BlockGradsHook;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex, MutexGuard};
+
+/// Elements of f32 gradient buffers in flight at most (2^28: 1 GiB), besides the newest bucket.
+pub(crate) const MAX_INFLIGHT: usize = 1 << 28;
 
 /// One parameter whose gradient is reduced early: its order (the same on every rank), name
 /// and variable.
@@ -48,6 +57,7 @@ struct Param {
 struct Inflight {
     items: Vec<(String, Shape, DType)>,
     pending: Box<dyn PendingRecv>,
+    elems: usize,
 }
 
 struct State {
@@ -60,6 +70,11 @@ struct State {
     prev: HashMap<String, Tensor>,
     started: HashSet<String>,
     inflight: Vec<Inflight>,
+    /// Elements in flight (f32 input buffers of `inflight`), and the bound.
+    inflight_elems: usize,
+    max_inflight: usize,
+    /// Results of the sums already waited for.
+    done: HashMap<String, Tensor>,
 }
 
 /// Starts the reduction of each recomputed block's gradients as soon as the backward is done
@@ -91,8 +106,27 @@ impl GradOverlap {
             .enumerate()
             .map(|(order, (name, var))| (var.id(), Param { order, name, var }))
             .collect();
-        let st = State { params, zero, group, armed: false, prev: HashMap::new(), started: HashSet::new(), inflight: Vec::new() };
+        let st = State {
+            params,
+            zero,
+            group,
+            armed: false,
+            prev: HashMap::new(),
+            started: HashSet::new(),
+            inflight: Vec::new(),
+            inflight_elems: 0,
+            max_inflight: MAX_INFLIGHT,
+            done: HashMap::new(),
+        };
         Ok(Self { st: Arc::new(Mutex::new(st)) })
+    }
+
+    /// Bound the f32 elements in flight (besides the newest bucket) to `n` instead of
+    /// [`MAX_INFLIGHT`].
+    #[cfg(test)]
+    fn with_max_inflight(self, n: usize) -> Result<Self> {
+        lock(&self.st)?.max_inflight = n;
+        Ok(self)
     }
 
     /// The hook for [`candle_cp_ops::recompute::Recompute::set_block_hook`].
@@ -129,6 +163,8 @@ impl GradOverlap {
         st.prev = prev;
         st.started.clear();
         st.inflight.clear();
+        st.inflight_elems = 0;
+        st.done.clear();
         Ok(())
     }
 
@@ -160,30 +196,40 @@ impl GradOverlap {
         }
         rest.sort_by_key(|r| r.0);
         start(&mut st, rest.into_iter().map(|(_, n, g)| (n, g)).collect())?;
-        let mut out = HashMap::new();
-        for f in std::mem::take(&mut st.inflight) {
-            let sum = f.pending.wait()?;
-            match &st.zero {
-                Some(z) => {
-                    let meta: Vec<(usize, DType)> = f.items.iter().map(|(_, s, d)| (s.elem_count(), *d)).collect();
-                    for ((name, _, _), s) in f.items.iter().zip(unpack_slices(z, &meta, &sum)?) {
-                        out.insert(name.clone(), s);
-                    }
-                }
-                None => {
-                    let mut off = 0;
-                    for (name, shape, dtype) in f.items {
-                        let n = shape.elem_count();
-                        out.insert(name, sum.narrow(0, off, n)?.reshape(shape)?.to_dtype(dtype)?);
-                        off += n;
-                    }
-                }
-            }
+        while !st.inflight.is_empty() {
+            complete_oldest(&mut st)?;
         }
         st.started.clear();
         st.prev.clear();
-        Ok(out)
+        Ok(std::mem::take(&mut st.done))
     }
+}
+
+/// Wait for the oldest started sum and file its results in `st.done`.
+fn complete_oldest(st: &mut State) -> Result<()> {
+    if st.inflight.is_empty() {
+        return Ok(());
+    }
+    let f = st.inflight.remove(0);
+    st.inflight_elems -= f.elems;
+    let sum = f.pending.wait()?;
+    match &st.zero {
+        Some(z) => {
+            let meta: Vec<(usize, DType)> = f.items.iter().map(|(_, s, d)| (s.elem_count(), *d)).collect();
+            for ((name, _, _), s) in f.items.iter().zip(unpack_slices(z, &meta, &sum)?) {
+                st.done.insert(name.clone(), s);
+            }
+        }
+        None => {
+            let mut off = 0;
+            for (name, shape, dtype) in f.items {
+                let n = shape.elem_count();
+                st.done.insert(name, sum.narrow(0, off, n)?.reshape(shape)?.to_dtype(dtype)?);
+                off += n;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Start the sums of `items` (in this order on every rank), in buckets of at most
@@ -214,7 +260,12 @@ fn start(st: &mut State, items: Vec<(String, Tensor)>) -> Result<()> {
             st.started.insert(name.clone());
         }
         let items = bucket.iter().map(|(n, g)| (n.clone(), g.shape().clone(), g.dtype())).collect();
-        st.inflight.push(Inflight { items, pending });
+        st.inflight.push(Inflight { items, pending, elems });
+        st.inflight_elems += elems;
+        // bounded memory: the oldest sums complete before more start (the newest stays)
+        while st.inflight.len() > 1 && st.inflight_elems - elems > st.max_inflight {
+            complete_oldest(st)?;
+        }
         i = end;
     }
     Ok(())
@@ -234,7 +285,8 @@ mod tests {
     }
 
     /// Two micro-batches, the second armed: each of the 3 recomputed layers starts its sum
-    /// during the backward (3 buckets in flight when it returns, before `finish`); `finish`
+    /// during the backward (3 buckets in flight when it returns, before `finish`; 1 when the
+    /// in-flight bound is 0: each new bucket first completes the older ones); `finish`
     /// returns what `reduce_gradients` computes from the accumulated gradients, bit for bit
     /// (whole gradients, or their ZeRO-1 slices), on CP 2 and on TP 2 + SP × DP 2 (where the
     /// norm weights are left to the synchronous path).
@@ -243,7 +295,8 @@ mod tests {
         let cfg = LlamaConfig::tiny(64, 32, 3, 4, 2);
         let ids = Tensor::arange(0u32, 64, &Device::Cpu)?.reshape((2, 32))?;
         let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true).with_dp(2)];
-        for (layout, zero1) in layouts.into_iter().flat_map(|l| [(l, false), (l, true)]) {
+        let cases = layouts.into_iter().flat_map(|l| [(l, false, MAX_INFLIGHT), (l, true, MAX_INFLIGHT), (l, false, 0), (l, true, 0)]);
+        for (layout, zero1, bound) in cases {
             for r in run_ranks(layout.world_size(), |g| {
                 let ctx = ParallelCtx::new(g, layout)?;
                 let vm = shard_params(&init_params(&cfg, 5, DType::BF16, &Device::Cpu)?, &cfg, &ctx)?;
@@ -256,7 +309,7 @@ mod tests {
                     .collect();
                 let n_early = early.len();
                 let z = Zero { group: ctx.dp_cp.clone(), rank: ctx.dp_cp.rank(), size: ctx.dp_cp.size() };
-                let ov = GradOverlap::new(early, ctx.dp_cp.split(0, ctx.dp_cp.rank())?, zero1.then(|| z.clone()))?;
+                let ov = GradOverlap::new(early, ctx.dp_cp.split(0, ctx.dp_cp.rank())?, zero1.then(|| z.clone()))?.with_max_inflight(bound)?;
                 m.recompute_store().expect("recompute").set_block_hook(Some(ov.hook()))?;
                 let b = shard_batch(&ids, &ctx)?;
                 let loss = |scale: f64| -> Result<Tensor> { m.loss(&b.input_ids, &b.labels, &b.positions)?.0 * scale };
@@ -294,7 +347,8 @@ mod tests {
                 }
                 Ok(in_flight)
             }) {
-                assert_eq!(r?, 3, "one bucket per recomputed layer started in the backward ({layout})");
+                let want = if bound == 0 { 1 } else { 3 };
+                assert_eq!(r?, want, "buckets in flight after the backward ({layout}, bound {bound})");
             }
         }
         Ok(())
