@@ -181,6 +181,7 @@ fn config(a: &Args, zero1: bool, overlap: bool) -> Result<TrainConfig> {
         recompute: true,
         overlap_grad_sync: overlap,
         zero1,
+        zero2: false,
         long_range_only: false,
         args: serde_json::Value::Null,
         sliding_window: None,

@@ -187,6 +187,10 @@ struct Args {
     /// same training, same checkpoints).
     #[arg(long)]
     zero1: bool,
+    /// ZeRO-2: --zero1, and the replicas' gradients reduce-scattered into f32 slices after
+    /// every micro-batch instead of accumulated whole (less memory with --grad-accum > 1).
+    #[arg(long)]
+    zero2: bool,
     /// Recompute every decoder layer in backward instead of keeping its activations (less
     /// memory at long context, about one more forward of the layers).
     #[arg(long)]
@@ -377,6 +381,7 @@ fn main() -> Result<()> {
         recompute: a.recompute,
         overlap_grad_sync: a.overlap_grad_sync,
         zero1: a.zero1,
+        zero2: a.zero2,
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
@@ -423,18 +428,25 @@ fn main() -> Result<()> {
         } else {
             "keep their activations (--recompute to trade compute for memory)"
         },
-        if a.zero1 && replicas > 1 {
-            format!("split over {replicas} DP x CP replicas (--zero1)")
+        if (a.zero1 || a.zero2) && replicas > 1 {
+            format!("split over {replicas} DP x CP replicas (--zero{})", if a.zero2 { 2 } else { 1 })
         } else {
             "replicated".to_string()
         }
     );
     if replicas > 1 {
-        let how = if a.zero1 { "reduce-scattered into the ZeRO-1 slices" } else { "all-reduced" };
-        let when = if a.overlap_grad_sync {
-            "layer by layer during the backward (--overlap-grad-sync)"
+        let how = if a.zero2 {
+            "reduce-scattered into f32 ZeRO-2 slices"
+        } else if a.zero1 {
+            "reduce-scattered into the ZeRO-1 slices"
         } else {
-            "after the backward"
+            "all-reduced"
+        };
+        let when = match (a.overlap_grad_sync, a.zero2) {
+            (true, true) => "layer by layer during every micro-batch's backward (--overlap-grad-sync)",
+            (true, false) => "layer by layer during the last micro-batch's backward (--overlap-grad-sync)",
+            (false, true) => "after every micro-batch's backward",
+            (false, false) => "after the last micro-batch's backward",
         };
         say!("gradients: {how} over the {replicas} DP x CP replicas, {when}");
     }

@@ -29,7 +29,7 @@ use std::collections::HashMap;
 /// [`crate::Llama::new`]). A parameter without a gradient on this rank counts as zero (and
 /// gets one). Gradients keep their dtype; the sum is done in f32.
 pub fn reduce_gradients(grads: &mut GradStore, varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, false).map(|_| ())
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::No).map(|_| ())
 }
 
 /// [`reduce_gradients`] for ZeRO-1 over `ctx.dp_cp`: the gradients whose group is `dp_cp`
@@ -44,7 +44,30 @@ pub fn reduce_gradients_except_dp_cp(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
 ) -> Result<Vec<String>> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, true)
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::Fill)
+}
+
+/// [`reduce_gradients_except_dp_cp`] without the zeros: the names of the gradients left to
+/// the replicas' sum are returned, whether or not `grads` holds them (the overlapped sync has
+/// taken them already).
+pub(crate) fn reduce_gradients_beyond_dp_cp(
+    grads: &mut GradStore,
+    varmap: &VarMap,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+) -> Result<Vec<String>> {
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::NoFill)
+}
+
+/// What [`reduce_with_buckets`] does with the gradients whose group is exactly `dp_cp`.
+#[derive(Clone, Copy, PartialEq)]
+enum Skip {
+    /// Sum them like the others.
+    No,
+    /// Leave them, with zeros where this rank has none.
+    Fill,
+    /// Leave them as they are.
+    NoFill,
 }
 
 fn reduce_with_buckets(
@@ -53,7 +76,7 @@ fn reduce_with_buckets(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
     bucket_elems: usize,
-    skip_dp_cp: bool,
+    skip: Skip,
 ) -> Result<Vec<String>> {
     let vars = crate::params::lock_vars(varmap)?.clone();
     // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
@@ -70,9 +93,9 @@ fn reduce_with_buckets(
     let mut skipped = Vec::new();
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
-        if skip_dp_cp && ctx.grad_group_is_dp_cp(shard) {
+        if skip != Skip::No && ctx.grad_group_is_dp_cp(shard) {
             let var = vars[&s.name].as_tensor();
-            if grads.get(var).is_none() {
+            if skip == Skip::Fill && grads.get(var).is_none() {
                 grads.insert(var, var.zeros_like()?);
             }
             skipped.push(s.name);
@@ -162,8 +185,8 @@ mod tests {
             let b = shard_batch(&ids, &ctx)?;
             let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
             let (mut a, mut c) = (loss.backward()?, loss.backward()?);
-            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, false)?;
-            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, false)?;
+            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, Skip::No)?;
+            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, Skip::No)?;
             let (na, nc) = (named_grads(&a, &vm)?, named_grads(&c, &vm)?);
             let mut worst = 0f32;
             for (k, g) in &na {

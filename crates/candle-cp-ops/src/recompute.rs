@@ -33,10 +33,12 @@ pub type BlockFn = Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>;
 /// Called with each block's gradients as soon as the backward has rerun the block (blocks in
 /// reverse order of their forward), before they are filed for [`Recompute::collect_into`].
 /// The store holds the gradients of the variables the block used (its parameters) and of the
-/// block's intermediate tensors; look up the tensors you care about. An `Err` fails the
-/// backward. Used to start a block's gradient reduction while the backward of the blocks
-/// before it runs (see [`Recompute::set_block_hook`]).
-pub type BlockGradsHook = Arc<dyn Fn(&GradStore) -> Result<()> + Send + Sync>;
+/// block's intermediate tensors; look up the tensors you care about. A gradient the hook
+/// removes from the store is not filed (its memory goes as soon as the hook drops it): a hook
+/// that hands the gradients on, e.g. to a reduction, takes them. An `Err` fails the backward.
+/// Used to start a block's gradient reduction while the backward of the blocks before it runs
+/// (see [`Recompute::set_block_hook`]).
+pub type BlockGradsHook = Arc<dyn Fn(&mut GradStore) -> Result<()> + Send + Sync>;
 
 /// Recomputes checkpointed blocks in the backward and holds their parameters' gradients
 /// until they are collected. Clones share the same store. One per model replica (rank).
@@ -173,7 +175,7 @@ impl CustomOp1 for Checkpoint {
         grads.remove(&g); // (candle files a gradient for both sides of a product)
         let hook = self.store.hook.lock().map_err(lock_err)?.clone();
         if let Some(h) = hook {
-            h(&grads)?;
+            h(&mut grads)?;
         }
         self.store.add(grads)?;
         Ok(dx)
@@ -303,7 +305,7 @@ mod tests {
         let rc = Recompute::new();
         let seen: Arc<Mutex<Vec<Tensor>>> = Arc::default();
         let (wt, seen2) = (w1.as_tensor().clone(), seen.clone());
-        rc.set_block_hook(Some(Arc::new(move |g: &GradStore| {
+        rc.set_block_hook(Some(Arc::new(move |g: &mut GradStore| {
             let gw = g.get(&wt).ok_or_else(|| candle_core::Error::Msg("hook: no dW1".into()))?;
             seen2.lock().map_err(lock_err)?.push(gw.clone());
             Ok(())
@@ -321,11 +323,21 @@ mod tests {
         let d = max_diff(&sum, g.get(w1.as_tensor()).expect("dW1"))?;
         assert!(d <= 1e-6, "hooked dW1 sum differs by {d}");
         // an Err from the hook fails the backward
-        rc.set_block_hook(Some(Arc::new(|_: &GradStore| candle_core::bail!("hook refused"))))?;
+        rc.set_block_hook(Some(Arc::new(|_: &mut GradStore| candle_core::bail!("hook refused"))))?;
         let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
         let y = rc.checkpoint("mlp", &x, Arc::new(move |x: &Tensor| block(&a, &b, x)))?;
         let e = rc.backward(&y.sum_all()?).expect_err("the hook's error must fail the backward");
         assert!(e.to_string().contains("hook refused"), "{e}");
+        // a gradient the hook takes is not filed: dW2 stays, dW1 is gone
+        let w1t = w1.as_tensor().clone();
+        rc.set_block_hook(Some(Arc::new(move |g: &mut GradStore| {
+            g.remove(&w1t);
+            Ok(())
+        })))?;
+        let (a, b) = (w1.as_tensor().clone(), w2.as_tensor().clone());
+        let y = rc.checkpoint("mlp", &x, Arc::new(move |x: &Tensor| block(&a, &b, x)))?;
+        let g = rc.backward(&y.sum_all()?)?;
+        assert!(g.get(w1.as_tensor()).is_none() && g.get(w2.as_tensor()).is_some());
         rc.set_block_hook(None)?;
         Ok(())
     }

@@ -13,6 +13,9 @@
 //! | 1, 2 | reduce-scatter of the gradients into the owners' slices, all-gather of the updated parameters | `(R-1)/R·N·(4 + e)` |
 //! | 3 | + the parameters all-gathered again in forward and backward | `(R-1)/R·N·(4 + 3e)` |
 //!
+//! candle-cp's ZeRO-2 (`--zero2`) reduce-scatters after every micro-batch, not once per step:
+//! with `k` micro-batches per step its reduce-scatter part is `k` times the table's.
+//!
 //! Under SP the norm weights' gradients are summed over TP as well (`h·(2L+1)` parameters,
 //! left out here).
 //!

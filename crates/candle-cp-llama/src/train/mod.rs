@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod clip;
 pub mod data;
+mod grad_step;
 pub mod metrics;
 pub mod optim;
 pub mod packed_data;

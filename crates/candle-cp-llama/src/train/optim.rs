@@ -6,7 +6,7 @@ use candle_cp_comm::Group;
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::zero::{gather, gather_many, reduce_scatter_many, span, Zero, BUCKET};
+use super::zero::{gather, gather_many, reduce_scatter_many_as, span, Zero, BUCKET};
 
 /// AdamW hyper-parameters (the learning rate is passed to every [`AdamW::step`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -212,8 +212,21 @@ impl AdamW {
     /// Collective over the replica group: every rank passes the same names, with gradients
     /// of the parameters' shapes. Without ZeRO-1 (a group of one rank) it returns `grads`.
     pub fn reduce_scatter_grads(&self, grads: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        self.reduce_scatter_grads_as(grads, None)
+    }
+
+    /// [`AdamW::reduce_scatter_grads`] with the slices kept in f32 (ZeRO-2 sums them over the
+    /// micro-batches).
+    pub fn reduce_scatter_grads_f32(&self, grads: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+        self.reduce_scatter_grads_as(grads, Some(DType::F32))
+    }
+
+    fn reduce_scatter_grads_as(&self, grads: &HashMap<String, Tensor>, dtype: Option<DType>) -> Result<HashMap<String, Tensor>> {
         let Some(z) = &self.zero else {
-            return Ok(grads.clone());
+            return match dtype {
+                Some(d) => grads.iter().map(|(n, g)| Ok((n.clone(), g.to_dtype(d)?))).collect(),
+                None => Ok(grads.clone()),
+            };
         };
         let mut names: Vec<&String> = grads.keys().collect();
         names.sort();
@@ -228,7 +241,7 @@ impl AdamW {
             }
             list.push(g.clone());
         }
-        let slices = reduce_scatter_many(z, &list, BUCKET)?;
+        let slices = reduce_scatter_many_as(z, &list, BUCKET, dtype)?;
         Ok(names.into_iter().cloned().zip(slices).collect())
     }
 

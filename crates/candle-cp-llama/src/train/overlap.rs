@@ -75,6 +75,8 @@ struct State {
     max_inflight: usize,
     /// Results of the sums already waited for.
     done: HashMap<String, Tensor>,
+    /// ZeRO slices in f32 instead of the gradients' dtype (ZeRO-2 adds them up).
+    f32_slices: bool,
 }
 
 /// Starts the reduction of each recomputed block's gradients as soon as the backward is done
@@ -117,8 +119,16 @@ impl GradOverlap {
             inflight_elems: 0,
             max_inflight: MAX_INFLIGHT,
             done: HashMap::new(),
+            f32_slices: false,
         };
         Ok(Self { st: Arc::new(Mutex::new(st)) })
+    }
+
+    /// With `on`, ZeRO slices come back in f32 (for ZeRO-2, which sums them over the
+    /// micro-batches) instead of in the gradients' dtype.
+    pub fn with_f32_slices(self, on: bool) -> Result<Self> {
+        lock(&self.st)?.f32_slices = on;
+        Ok(self)
     }
 
     /// Bound the f32 elements in flight (besides the newest bucket) to `n` instead of
@@ -132,13 +142,14 @@ impl GradOverlap {
     /// The hook for [`candle_cp_ops::recompute::Recompute::set_block_hook`].
     pub fn hook(&self) -> BlockGradsHook {
         let st = self.st.clone();
-        Arc::new(move |g: &GradStore| {
+        Arc::new(move |g: &mut GradStore| {
             let mut st = lock(&st)?;
             if !st.armed {
                 return Ok(());
             }
+            // taken out of the store: the local gradient goes once its sum has started
             let mut found: Vec<(usize, String, Tensor)> =
-                st.params.values().filter_map(|p| g.get(&p.var).map(|t| (p.order, p.name.clone(), t.clone()))).collect();
+                st.params.values().filter_map(|p| g.remove(&p.var).map(|t| (p.order, p.name.clone(), t))).collect();
             found.sort_by_key(|f| f.0);
             let mut items = Vec::with_capacity(found.len());
             for (_, name, grad) in found {
@@ -156,7 +167,9 @@ impl GradOverlap {
     }
 
     /// Arm for the last micro-batch of a step: `prev` holds the sum of the earlier
-    /// micro-batches' gradients (empty without accumulation).
+    /// micro-batches' gradients (empty without accumulation). The gradients of the blocks
+    /// the backward reruns from now on are taken from the backward's store (they are not in
+    /// the store [`crate::Llama::backward`] returns); [`GradOverlap::finish`] returns their sums.
     pub fn arm(&self, prev: HashMap<String, Tensor>) -> Result<()> {
         let mut st = lock(&self.st)?;
         st.armed = true;
@@ -168,29 +181,37 @@ impl GradOverlap {
         Ok(())
     }
 
-    /// The earlier micro-batches' sums that [`GradOverlap::arm`] needs, from the accumulated
-    /// gradients.
-    pub fn prev_from(&self, acc: Option<&GradStore>) -> Result<HashMap<String, Tensor>> {
+    /// The earlier micro-batches' sums that [`GradOverlap::arm`] needs, taken out of the
+    /// accumulated gradients (what a block's sum starts from; the other parameters' stay).
+    pub fn take_prev(&self, acc: Option<&mut GradStore>) -> Result<HashMap<String, Tensor>> {
         let st = lock(&self.st)?;
         let Some(acc) = acc else { return Ok(HashMap::new()) };
-        Ok(st.params.values().filter_map(|p| acc.get(&p.var).map(|t| (p.name.clone(), t.clone()))).collect())
+        Ok(st.params.values().filter_map(|p| acc.remove(&p.var).map(|t| (p.name.clone(), t))).collect())
     }
 
     /// After the last backward: start the parameters no block reported (embeddings, head,
     /// final norm; taken from `grads`, the accumulated gradients, zeros where a rank has
-    /// none), wait for every sum and return them by name: whole gradients, or this rank's
-    /// ZeRO-1 slices (`[len]`), in each gradient's dtype.
-    pub fn finish(&self, grads: &GradStore) -> Result<HashMap<String, Tensor>> {
+    /// none; with the earlier micro-batches' sum from [`GradOverlap::arm`] added first), wait
+    /// for every sum and return them by name: whole gradients, or this rank's ZeRO-1 slices
+    /// (`[len]`), in each gradient's dtype. Every early-reduced gradient leaves `grads`.
+    pub fn finish(&self, grads: &mut GradStore) -> Result<HashMap<String, Tensor>> {
         let mut st = lock(&self.st)?;
         if !st.armed {
             bail!("GradOverlap::finish without arm (internal error)")
         }
         st.armed = false;
         let mut rest: Vec<(usize, String, Tensor)> = Vec::new();
-        for p in st.params.values().filter(|p| !st.started.contains(&p.name)) {
-            let g = match grads.get(&p.var) {
-                Some(g) => g.clone(),
-                None => p.var.zeros_like()?,
+        let mut prev = std::mem::take(&mut st.prev);
+        for p in st.params.values() {
+            let g = grads.remove(&p.var);
+            if st.started.contains(&p.name) {
+                continue;
+            }
+            let g = match (prev.remove(&p.name), g) {
+                (Some(a), Some(g)) => (a + g)?,
+                (Some(a), None) => a,
+                (None, Some(g)) => g,
+                (None, None) => p.var.zeros_like()?,
             };
             rest.push((p.order, p.name.clone(), g));
         }
@@ -215,7 +236,8 @@ fn complete_oldest(st: &mut State) -> Result<()> {
     let sum = f.pending.wait()?;
     match &st.zero {
         Some(z) => {
-            let meta: Vec<(usize, DType)> = f.items.iter().map(|(_, s, d)| (s.elem_count(), *d)).collect();
+            let f32s = st.f32_slices;
+            let meta: Vec<(usize, DType)> = f.items.iter().map(|(_, s, d)| (s.elem_count(), if f32s { DType::F32 } else { *d })).collect();
             for ((name, _, _), s) in f.items.iter().zip(unpack_slices(z, &meta, &sum)?) {
                 st.done.insert(name.clone(), s);
             }
@@ -314,23 +336,31 @@ mod tests {
                 let b = shard_batch(&ids, &ctx)?;
                 let loss = |scale: f64| -> Result<Tensor> { m.loss(&b.input_ids, &b.labels, &b.positions)?.0 * scale };
                 // micro-batch 1: not armed, nothing starts
-                let g1 = m.backward(&loss(1.0)?)?;
+                let merge = |a: &mut GradStore, g: &GradStore| -> Result<()> {
+                    for v in vars.values() {
+                        if let Some(gi) = g.get(v.as_tensor()) {
+                            let s = match a.get(v.as_tensor()) {
+                                Some(ai) => (ai + gi)?,
+                                None => gi.clone(),
+                            };
+                            a.insert(v.as_tensor(), s);
+                        }
+                    }
+                    Ok(())
+                };
+                // the synchronous path: two unarmed backwards, accumulated (a + g)
+                let mut acc = m.backward(&loss(1.0)?)?;
+                merge(&mut acc, &m.backward(&loss(0.5)?)?)?;
                 assert!(lock(&ov.st)?.inflight.is_empty(), "unarmed: nothing started");
-                ov.arm(ov.prev_from(Some(&g1))?)?;
+                // the overlapped path: the second backward armed with the first one's sums
+                let mut mine = m.backward(&loss(1.0)?)?;
+                ov.arm(ov.take_prev(Some(&mut mine))?)?;
                 let g2 = m.backward(&loss(0.5)?)?;
                 let in_flight = lock(&ov.st)?.inflight.len();
-                // the accumulated store, as the trainer builds it (a + g)
-                let mut acc = g1;
-                for v in vars.values() {
-                    if let Some(gi) = g2.get(v.as_tensor()) {
-                        let s = match acc.get(v.as_tensor()) {
-                            Some(ai) => (ai + gi)?,
-                            None => gi.clone(),
-                        };
-                        acc.insert(v.as_tensor(), s);
-                    }
-                }
-                let got = ov.finish(&acc)?;
+                let layer0 = vars["model.layers.0.mlp.down_proj.weight"].as_tensor();
+                assert!(g2.get(layer0).is_none(), "a block's early-reduced gradient leaves the store");
+                merge(&mut mine, &g2)?;
+                let got = ov.finish(&mut mine)?;
                 reduce_gradients(&mut acc, &vm, &cfg, &ctx)?;
                 let want = named_grads(&acc, &vm)?;
                 assert_eq!(got.len(), n_early);
@@ -352,6 +382,31 @@ mod tests {
             }
         }
         Ok(())
+    }
+
+    /// A rank that fails before its backward: the others, whose sums are in flight, get an
+    /// error from `finish` naming the failure, within the group's timeout (no hang).
+    #[test]
+    fn a_failed_rank_fails_the_others_sums() {
+        let t0 = std::time::Instant::now();
+        let res = run_ranks(2, |g| {
+            let w = candle_core::Var::from_tensor(&Tensor::ones((2, 2), DType::F32, &Device::Cpu)?)?;
+            let ov = GradOverlap::new(vec![("w".into(), w.as_tensor().clone())], g.split(0, g.rank())?, None)?;
+            let rc = candle_cp_ops::recompute::Recompute::new();
+            rc.set_block_hook(Some(ov.hook()))?;
+            ov.arm(HashMap::new())?;
+            if g.rank() == 1 {
+                candle_core::bail!("injected failure before the backward")
+            }
+            let wt = w.as_tensor().clone();
+            let h = rc.checkpoint("block", &Tensor::ones((1, 2), DType::F32, &Device::Cpu)?, Arc::new(move |x: &Tensor| x.matmul(&wt)))?;
+            let mut grads = rc.backward(&h.sum_all()?)?;
+            assert_eq!(lock(&ov.st)?.inflight.len(), 1, "the block's sum started");
+            ov.finish(&mut grads).map(|_| ())
+        });
+        let e = res[0].as_ref().expect_err("rank 0 must fail").to_string();
+        assert!(e.contains("injected failure"), "{e}");
+        assert!(t0.elapsed().as_secs() < 30, "took {:?}", t0.elapsed());
     }
 
     /// A parameter reported by two blocks is refused (its first gradient was incomplete).

@@ -19,8 +19,7 @@ use super::optim::{AdamW, AdamWConfig};
 use super::plot::{write_line_plot, Series};
 use super::schedule::WarmupCosine;
 use crate::{
-    global_mean, init_params_sharded, load_hf_sharded, named_grads, param_specs, reduce_gradients,
-    reduce_gradients_except_dp_cp, save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
+    global_mean, init_params_sharded, load_hf_sharded, param_specs, save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
@@ -84,6 +83,11 @@ pub struct TrainConfig {
     /// Number of GPUs thread ranks are spread over (with `cuda` and a group without a home
     /// device).
     pub gpus: usize,
+    /// ZeRO-2: ZeRO-1, and the gradients of the replicas' parameters reduce-scattered into
+    /// f32 slices after every micro-batch instead of accumulated whole (less memory with
+    /// `grad_accum > 1`, one reduce-scatter per micro-batch; see `train::grad_step`). Implies
+    /// the ZeRO-1 optimizer split.
+    pub zero2: bool,
     /// ZeRO-1: split the optimizer state (f32 moments, master copies) over the DP × CP ranks
     /// that hold the same weights, 1/(dp·cp) each; training is bit-identical, checkpoints are
     /// the same files (a run may resume with or without it).
@@ -314,32 +318,13 @@ pub fn train_rank(
     // DP and CP replicas hold identical optimizer states (same reduced gradients, same
     // updates): one file per TP rank, written by the replica with dp = cp = 0. With ZeRO-1
     // each replica keeps 1/(dp·cp) of it; the file is gathered and identical.
-    let mut opt = if cfg.zero1 {
+    let mut opt = if cfg.zero1 || cfg.zero2 {
         AdamW::new_zero1(named_vars, cfg.adamw, ctx.dp_cp.clone())?
     } else {
         AdamW::new(named_vars, cfg.adamw)?
     };
-    // the early gradient reductions: those summed over exactly dp_cp, on a split of it
-    let overlap = match (cfg.overlap_grad_sync, model.recompute_store()) {
-        (false, _) => None,
-        (true, None) => bail!("train: overlap_grad_sync needs recompute (internal error: checked above)"),
-        (true, Some(_)) if ctx.dp_cp.size() == 1 => None,
-        (true, Some(rc)) => {
-            let vars = crate::params::lock_vars(&varmap)?.clone();
-            let mut early = Vec::new();
-            for s in param_specs(&mcfg) {
-                if ctx.grad_group_is_dp_cp(s.shard.resolve(ctx.layout.tp)) {
-                    let Some(v) = vars.get(&s.name) else { bail!("train: parameter {} is not in the VarMap", s.name) };
-                    early.push((s.name, v.as_tensor().clone()));
-                }
-            }
-            let group = ctx.dp_cp.split(0, ctx.dp_cp.rank())?;
-            let zero = opt.zero().cloned();
-            let ov = super::overlap::GradOverlap::new(early, group, zero)?;
-            rc.set_block_hook(Some(ov.hook()))?;
-            Some(ov)
-        }
-    };
+    // accumulation and sums of the gradients (overlapped, ZeRO-1 / ZeRO-2: train/grad_step.rs)
+    let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
     let (dp_i, cp_i, tp_i) = ctx.coords;
     let opt_writer = dp_i == 0 && cp_i == 0;
     let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
@@ -415,7 +400,7 @@ pub fn train_rank(
     for step in start_step..cfg.steps {
         let t0 = Instant::now();
         let lr = cfg.schedule.lr(step);
-        let mut acc: Option<candle_core::backprop::GradStore> = None;
+        let mut acc = super::grad_step::StepGrads::default();
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
         for micro in 0..cfg.grad_accum {
@@ -457,60 +442,11 @@ pub fn train_rank(
             {
                 *acc += x;
             }
-            if let Some(ov) = overlap.as_ref().filter(|_| micro + 1 == cfg.grad_accum) {
-                ov.arm(ov.prev_from(acc.as_ref())?)?;
-            }
+            grad_steps.before_backward(&mut acc, micro + 1 == cfg.grad_accum)?;
             let g = model.backward(&loss)?;
-            acc = Some(match acc {
-                None => g,
-                Some(mut a) => {
-                    for (_, var) in opt.params() {
-                        if let Some(gi) = g.get(var.as_tensor()) {
-                            let sum = match a.get(var.as_tensor()) {
-                                Some(ai) => (ai + gi)?,
-                                None => gi.clone(),
-                            };
-                            a.insert(var.as_tensor(), sum);
-                        }
-                    }
-                    a
-                }
-            });
+            grad_steps.after_backward(&mut acc, g, &opt)?;
         }
-        let Some(mut grads) = acc else {
-            bail!("train: no micro-batch ran")
-        };
-        // with overlap, the sums over exactly the replicas (dp_cp) started during the backward
-        let early = match &overlap {
-            Some(ov) => Some(ov.finish(&grads)?),
-            None => None,
-        };
-        // ZeRO-1: the gradients summed over the replicas (dp_cp) are reduce-scattered into the
-        // optimizer's slices, not all-reduced; the others are complete on every rank
-        let sliced: Vec<String> = if opt.is_sharded() || early.is_some() {
-            reduce_gradients_except_dp_cp(&mut grads, &varmap, &mcfg, &ctx)?
-        } else {
-            reduce_gradients(&mut grads, &varmap, &mcfg, &ctx)?;
-            Vec::new()
-        };
-        let mut named = named_grads(&grads, &varmap)?;
-        drop(grads);
-        let whole: HashMap<String, Tensor> = sliced.iter().filter_map(|n| named.remove_entry(n)).collect();
-        let slices = match early {
-            Some(e) => {
-                if e.len() != whole.len() || whole.keys().any(|n| !e.contains_key(n)) {
-                    bail!("train: the overlapped gradients ({}) are not the replicas' ({}) (internal error)", e.len(), whole.len())
-                }
-                if opt.is_sharded() {
-                    e
-                } else {
-                    named.extend(e);
-                    HashMap::new()
-                }
-            }
-            None => opt.reduce_scatter_grads(&whole)?,
-        };
-        drop(whole);
+        let super::grad_step::Summed { whole: mut named, slices } = grad_steps.finish(acc, &opt)?;
         let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
         let mut full_items: Vec<(&String, &Tensor)> = named.iter().collect();
         full_items.sort_by(|a, b| a.0.cmp(b.0));

@@ -91,7 +91,13 @@ pub(crate) fn gather_many(z: &Zero, items: &[(Tensor, usize)], bucket: usize) ->
 /// are whole gradients (any shape, `n` elements each) in the same order and shapes on every
 /// rank; returns `[len]` slices (rank `z.rank`'s span of each), in each gradient's dtype.
 /// The sum runs in f32, one reduce-scatter per bucket of `bucket` elements (padding included).
+#[cfg(test)]
 pub(crate) fn reduce_scatter_many(z: &Zero, grads: &[Tensor], bucket: usize) -> Result<Vec<Tensor>> {
+    reduce_scatter_many_as(z, grads, bucket, None)
+}
+
+/// [`reduce_scatter_many`] with the slices in `dtype` (`None`: each gradient's own).
+pub(crate) fn reduce_scatter_many_as(z: &Zero, grads: &[Tensor], bucket: usize, dtype: Option<DType>) -> Result<Vec<Tensor>> {
     let mut out = Vec::with_capacity(grads.len());
     let mut start = 0;
     while start < grads.len() {
@@ -102,7 +108,7 @@ pub(crate) fn reduce_scatter_many(z: &Zero, grads: &[Tensor], bucket: usize) -> 
             end += 1;
         }
         let mine = z.group.reduce_scatter(&pack_rows(z, &grads[start..end])?, 0)?;
-        let meta: Vec<(usize, DType)> = grads[start..end].iter().map(|g| (g.elem_count(), g.dtype())).collect();
+        let meta: Vec<(usize, DType)> = grads[start..end].iter().map(|g| (g.elem_count(), dtype.unwrap_or(g.dtype()))).collect();
         out.extend(unpack_slices(z, &meta, &mine)?);
         start = end;
     }
