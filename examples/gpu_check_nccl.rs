@@ -128,6 +128,34 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
         println!("  nccl-ranks: skipped ({n} GPU; NCCL ranks need one GPU each, 2 at least)");
         return Ok(());
     }
+    // the started collectives (the overlapped gradient sync's): an all-reduce and a
+    // reduce-scatter along dim 1 started, a blocking all-gather in between, waited in reverse
+    // order; the same bits as the blocking calls on every rank (f32 and bf16)
+    {
+        let p = n.min(4);
+        let ordinals: Vec<usize> = (0..p).collect();
+        for dtype in [DType::F32, DType::BF16] {
+            let res = run_nccl_ranks(&ordinals, |g| -> candle_core::Result<f64> {
+                let dev = g.home_device().unwrap_or(Device::Cpu);
+                let r = g.rank() as u64;
+                let x = rand_tensor(&[3, 8 * p], 70 + r).map_err(|e| candle_core::Error::Msg(e.to_string()))?.to_dtype(dtype)?.to_device(&dev)?;
+                let a = g.all_reduce_start(&x)?;
+                let b = g.reduce_scatter_start(&x, 1)?;
+                let gathered = g.all_gather(&x, 0)?;
+                let (rs, ar) = (b.wait()?, a.wait()?);
+                let f = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
+                let d1 = (f(&ar)? - f(&g.all_reduce(&x)?)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let d2 = (f(&rs)? - f(&g.reduce_scatter(&x, 1)?)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let d3 = if gathered.dims() == [3 * p, 8 * p] { 0.0 } else { f32::INFINITY };
+                Ok(d1.max(d2).max(d3) as f64)
+            });
+            let name = format!("nccl ranks P{p} all_reduce_start / reduce_scatter_start {dtype:?} vs blocking");
+            match res.and_then(|v| v.into_iter().collect::<candle_core::Result<Vec<f64>>>()) {
+                Ok(d) => rep.check(&name, d.into_iter().fold(0.0, f64::max), 0.0),
+                Err(e) => rep.error(&name, e),
+            }
+        }
+    }
     for case in oracle_cases(dir, rep.quick)? {
         let case = case?;
         let t = case.q.dim(1)?;
