@@ -235,6 +235,26 @@ impl NcclGroup {
         back_checked(&self.raw, r, host, op)
     }
 
+    /// A reduce-scatter's flat input (the chunks along `dim` made rank-major when `dim` is not
+    /// the outermost) and its output shape (`dim` divided by the group size).
+    fn scatter_input(&self, t: &Tensor, dim: usize, op: &str) -> Result<(Tensor, Shape)> {
+        let (a, n, e) = around(t.dims(), dim, op)?;
+        let p = self.size;
+        if n % p != 0 {
+            candle_core::bail!("{op}: dim {dim} of {:?} must divide by the group size {p}", t.shape())
+        }
+        let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
+        let mut dims = t.dims().to_vec();
+        dims[dim] /= p;
+        Ok((packed, Shape::from(dims)))
+    }
+
+    /// The pending result `out` of `op`, written on the comm stream until `event`; `send` (the
+    /// input) stays alive until then.
+    fn pending(&self, op: &'static str, out: Tensor, host: bool, event: Arc<CudaEvent>, send: Tensor) -> Box<dyn PendingRecv> {
+        Box::new(NcclRecv { op, out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: send })
+    }
+
     /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
     /// `out_shape`'s element count; the compute stream waits for it.
     fn flat(&self, src: &Tensor, out_shape: Shape, kind: Flat) -> Result<Tensor> {
@@ -500,15 +520,8 @@ impl ProcessGroup for NcclGroup {
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
         let (t, host) = self.check(t, "reduce_scatter")?;
-        let (a, n, e) = around(t.dims(), dim, "reduce_scatter")?;
-        let p = self.size;
-        if n % p != 0 {
-            candle_core::bail!("reduce_scatter: dim {dim} of {:?} must divide by the group size {p}", t.shape())
-        }
-        let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
-        let mut dims = t.dims().to_vec();
-        dims[dim] /= p;
-        self.back(self.flat(&packed, Shape::from(dims), Flat::ReduceScatter)?, host, "reduce_scatter")
+        let (packed, out) = self.scatter_input(&t, dim, "reduce_scatter")?;
+        self.back(self.flat(&packed, out, Flat::ReduceScatter)?, host, "reduce_scatter")
     }
 
     fn all_reduce(&self, t: &Tensor) -> Result<Tensor> {
@@ -519,22 +532,15 @@ impl ProcessGroup for NcclGroup {
     fn all_reduce_start(&self, t: &Tensor) -> Result<Box<dyn PendingRecv>> {
         let (t, host) = self.check(t, "all_reduce_start")?;
         let (out, event) = self.flat_with(&t, t.shape().clone(), Flat::AllReduce, false)?;
-        Ok(Box::new(NcclRecv { op: "all_reduce_start", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+        Ok(self.pending("all_reduce_start", out, host, event, t))
     }
 
     fn reduce_scatter_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
         let (t, host) = self.check(t, "reduce_scatter_start")?;
-        let (a, n, e) = around(t.dims(), dim, "reduce_scatter_start")?;
-        let p = self.size;
-        if n % p != 0 {
-            candle_core::bail!("reduce_scatter_start: dim {dim} of {:?} must divide by the group size {p}", t.shape())
-        }
         // (the packing copy runs on the compute stream, which the comm stream waits for)
-        let packed = if a == 1 { t.clone() } else { t.reshape((a, p, n / p * e))?.transpose(0, 1)?.contiguous()? };
-        let mut dims = t.dims().to_vec();
-        dims[dim] /= p;
-        let (out, event) = self.flat_with(&packed, Shape::from(dims), Flat::ReduceScatter, false)?;
-        Ok(Box::new(NcclRecv { op: "reduce_scatter_start", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: packed }))
+        let (packed, out) = self.scatter_input(&t, dim, "reduce_scatter_start")?;
+        let (out, event) = self.flat_with(&packed, out, Flat::ReduceScatter, false)?;
+        Ok(self.pending("reduce_scatter_start", out, host, event, packed))
     }
 
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
@@ -576,7 +582,7 @@ impl ProcessGroup for NcclGroup {
         let (t, host) = self.check(t, "send_recv")?;
         let (mut outs, event) = self.p2p("send_recv", &[(t.clone(), dst)], &[(t.shape().clone(), src)], t.dtype())?;
         let out = outs.pop().ok_or_else(|| candle_core::Error::Msg("send_recv: no receive buffer".into()))?;
-        Ok(Box::new(NcclRecv { op: "send_recv", out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t }))
+        Ok(self.pending("send_recv", out, host, event, t))
     }
 
     fn split(&self, color: usize, key: usize) -> Result<Arc<dyn ProcessGroup>> {
