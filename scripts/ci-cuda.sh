@@ -26,7 +26,9 @@
 #      the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps), and the
 #      drop-in example on CUDA.
 #   Steps 4, 5 and the shim's build and self-tests run in the background from the start, beside
-#   the cargo build (they need no cargo output): on 2 cores the run is bound by the total work.
+#   the cargo build (they need no cargo output); step 6's gpu_check starts in the background as
+#   soon as the build is done, beside step 3 and the other shim steps: on 2 cores the run is
+#   bound by the total work.
 #
 # Env: CANDLE_CP_SHARED (default ../shared), CUDA_TARGET_DIR (default target), JOBS (2).
 set -euo pipefail
@@ -106,6 +108,22 @@ CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" cargo build --r
   --lib --bins --examples
 echo "ci-cuda: cargo build (cuda, nccl) done after $(( $(date +%s) - start )) s"
 
+bg_wait shim-selftests
+lib=$(cat "$shim_dir/lib.path")
+echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (shim self-tests done after $(( $(date +%s) - start )) s)"
+# gpu_check (one core) in the background from here on, beside ptxas and the shim steps below
+# (the other core)
+gpu_checks() {
+  env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
+    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
+    >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
+  # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
+  env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
+    >"$shim_dir/gpu_check_random.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_random.log" | tail -60; echo "gpu_check --sections random on wgmma-tma failed"; return 1; }
+}
+t_shim=$(date +%s)
+bg_start gpu-check gpu_checks
+
 # ptxas -v once per (PTX file, arch); the spill checks below read the same output
 ptxas_out="$CARGO_TARGET_DIR/ptxas-v"
 rm -rf "$ptxas_out"; mkdir -p "$ptxas_out"
@@ -157,20 +175,6 @@ shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show 
   "$@" >"$shim_log" 2>&1 || { grep -v '^PASS' "$shim_log" | tail -60; echo "ci-cuda: host CUDA shim: $name failed"; exit 1; }
   step_times+="${step_times:+, }$name $(( $(date +%s) - t0 )) s"
 }
-bg_wait shim-selftests
-lib=$(cat "$shim_dir/lib.path")
-echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (shim self-tests done after $(( $(date +%s) - start )) s)"
-# gpu_check (one core) in the background too, beside the steps below (the other core)
-gpu_checks() {
-  env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
-    >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
-  # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
-  env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
-    >"$shim_dir/gpu_check_random.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_random.log" | tail -60; echo "gpu_check --sections random on wgmma-tma failed"; return 1; }
-}
-t_shim=$(date +%s)
-bg_start gpu-check gpu_checks
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
