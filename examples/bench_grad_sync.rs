@@ -7,14 +7,17 @@
 //! `--gbps` GB/s per GPU (all-reduce `2(P-1)/P·bytes`, reduce-scatter and all-gather
 //! `(P-1)/P·bytes` of the full buffer), one transfer at a time per communicator. A blocking
 //! collective returns when its transfer ends; a started one (`all_reduce_start`,
-//! `reduce_scatter_start`) runs on the link while the rank computes, and its `wait` returns
-//! when the transfer ends. Ring send/recv, all-to-all and broadcasts are not delayed.
+//! `reduce_scatter_start`, `all_gather_start`) runs on the link while the rank computes, and
+//! its `wait` returns when the transfer ends. Ring send/recv, all-to-all and broadcasts are not delayed.
 //! The compute (forward, recomputed backward, AdamW) is real.
 //!
 //! For each mode (ZeRO-0 and ZeRO-1) the same run trains twice, synchronous and overlapped,
 //! and the table gives the median step time of the steps after the first, the modeled
 //! gradient-sync time per step, how much of it the overlap hid, and the speedup. The losses
 //! of the two runs must be equal (the overlap changes when sums run, not what they are).
+//! A second table does the same for ZeRO-1's all-gather of the updated parameters (the
+//! gradient sync overlapped in both runs): inside the optimizer step, or layer by layer
+//! during the next forward (`TrainConfig::overlap_param_gather`).
 //!
 //! Run: `cargo run --release -p candle-cp-examples --example bench_grad_sync`
 //! (defaults: CP 2 × DP 2 on 4 thread ranks, 4 layers of hidden 256, T = 512 per sequence,
@@ -74,6 +77,11 @@ impl ModeledLink {
     fn book(&self, t: &Tensor, factor: f64) -> Instant {
         let p = self.inner.size() as f64;
         let bytes = (t.elem_count() * t.dtype().size_in_bytes()) as f64 * factor * (p - 1.0) / p;
+        self.book_bytes(bytes)
+    }
+
+    /// Book a transfer of `bytes` on the link; returns its end.
+    fn book_bytes(&self, bytes: f64) -> Instant {
         let d = Duration::from_secs_f64(bytes / self.bytes_per_s);
         let mut free = self.free_at.lock().unwrap_or_else(|e| e.into_inner());
         let end = (*free).max(Instant::now()) + d;
@@ -133,6 +141,11 @@ impl ProcessGroup for ModeledLink {
         let end = self.book(t, 1.0);
         Ok(Box::new(Delayed { inner: self.inner.reduce_scatter_start(t, dim)?, end }))
     }
+    fn all_gather_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        // (the result's bytes: P times the input's)
+        let end = self.book(t, self.inner.size() as f64);
+        Ok(Box::new(Delayed { inner: self.inner.all_gather_start(t, dim)?, end }))
+    }
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         self.inner.all_to_all(t, split_dim, concat_dim)
     }
@@ -153,7 +166,16 @@ impl ProcessGroup for ModeledLink {
     }
 }
 
-fn config(a: &Args, zero1: bool, overlap: bool) -> Result<TrainConfig> {
+/// What one run overlaps: the gradient sync with the backward, ZeRO-1's parameter
+/// all-gather with the next forward.
+#[derive(Clone, Copy)]
+struct Mode {
+    zero1: bool,
+    grad: bool,
+    params: bool,
+}
+
+fn config(a: &Args, m: Mode) -> Result<TrainConfig> {
     let mut task = KvRecall::new(a.seq_len)?;
     task.n_keys = 16;
     task.n_queries = 16;
@@ -179,8 +201,9 @@ fn config(a: &Args, zero1: bool, overlap: bool) -> Result<TrainConfig> {
         cuda: false,
         gpus: 1,
         recompute: true,
-        overlap_grad_sync: overlap,
-        zero1,
+        overlap_grad_sync: m.grad,
+        overlap_param_gather: m.params,
+        zero1: m.zero1,
         zero2: false,
         long_range_only: false,
         args: serde_json::Value::Null,
@@ -189,8 +212,8 @@ fn config(a: &Args, zero1: bool, overlap: bool) -> Result<TrainConfig> {
 }
 
 /// Median step time (s) of the steps after the first, and the losses.
-fn measure(a: &Args, zero1: bool, overlap: bool) -> Result<(f64, Vec<f64>, usize)> {
-    let cfg = config(a, zero1, overlap)?;
+fn measure(a: &Args, m: Mode) -> Result<(f64, Vec<f64>, usize)> {
+    let cfg = config(a, m)?;
     let bps = a.gbps * 1e9;
     let outs = run_ranks(cfg.layout.world_size(), |g| train_rank(ModeledLink::wrap(g, bps), &cfg, &|_| {}));
     let out = outs.into_iter().next().ok_or_else(|| candle_core::Error::Msg("no rank".into()))??;
@@ -216,14 +239,15 @@ fn main() -> Result<()> {
     println!();
     println!("| ZeRO | sync after backward (s/step) | overlapped (s/step) | modeled sync (s/step) | hidden | speedup |");
     println!("|---|---|---|---|---|---|");
+    let mut z1_over = None;
     for zero1 in [false, true] {
-        let (t_sync, l_sync, n_params) = measure(&a, zero1, false)?;
-        let (t_over, l_over, _) = measure(&a, zero1, true)?;
+        let (t_sync, l_sync, n_params) = measure(&a, Mode { zero1, grad: false, params: false })?;
+        let (t_over, l_over, _) = measure(&a, Mode { zero1, grad: true, params: false })?;
         if l_sync != l_over {
             candle_core::bail!("the overlapped run's losses {l_over:?} differ from the synchronous run's {l_sync:?}")
         }
         // the gradients' bytes on the link per step: all-reduce 2(R-1)/R·4N, reduce-scatter (R-1)/R·4N
-        // (+ the ZeRO-1 all-gather of the updated f32 parameters, not overlapped by either run)
+        // (+ the ZeRO-1 all-gather of the updated f32 parameters, the second table)
         let grad = 4.0 * n_params as f64 * (r as f64 - 1.0) / r as f64 * if zero1 { 1.0 } else { 2.0 };
         let sync_s = grad / (a.gbps * 1e9);
         let hidden = ((t_sync - t_over) / sync_s).clamp(-9.99, 9.99);
@@ -233,8 +257,28 @@ fn main() -> Result<()> {
             100.0 * hidden,
             t_sync / t_over
         );
+        if zero1 {
+            z1_over = Some((t_over, l_over, n_params));
+        }
     }
     println!();
     println!("(hidden = (sync after backward − overlapped) / modeled sync; losses of both runs equal)");
+    let Some((t_step, l_step, n_params)) = z1_over else {
+        candle_core::bail!("no ZeRO-1 run")
+    };
+    let (t_fwd, l_fwd, _) = measure(&a, Mode { zero1: true, grad: true, params: true })?;
+    if l_fwd != l_step {
+        candle_core::bail!("the run with the parameter all-gather overlapped has losses {l_fwd:?}, the other {l_step:?}")
+    }
+    let gather_s = 4.0 * n_params as f64 * (r as f64 - 1.0) / r as f64 / (a.gbps * 1e9);
+    println!();
+    println!("| ZeRO-1 parameter all-gather | in the optimizer step (s/step) | during the next forward (s/step) | modeled gather (s/step) | hidden | speedup |");
+    println!("|---|---|---|---|---|---|");
+    println!(
+        "| gradient sync overlapped in both | {t_step:.3} | {t_fwd:.3} | {gather_s:.3} | {:.0}% | {:.2}x |",
+        100.0 * ((t_step - t_fwd) / gather_s).clamp(-9.99, 9.99),
+        t_step / t_fwd
+    );
+    println!("(hidden = (in the step − during the forward) / modeled gather; losses of both runs equal)");
     Ok(())
 }

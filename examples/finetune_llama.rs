@@ -200,6 +200,11 @@ struct Args {
     /// the backward. Same training, bit for bit.
     #[arg(long, requires = "recompute")]
     overlap_grad_sync: bool,
+    /// With --zero1 or --zero2: start the all-gathers of the updated parameters after the
+    /// optimizer step and wait for each layer's only when the next forward reaches it (the
+    /// later layers' parameters travel while the earlier ones compute). Same training.
+    #[arg(long)]
+    overlap_param_gather: bool,
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     timeout: u64,
@@ -350,6 +355,9 @@ fn main() -> Result<()> {
     if a.sliding_window == Some(0) {
         bail!("--sliding-window 0: a window holds at least 1 token (the query itself)")
     }
+    if a.overlap_param_gather && !(a.zero1 || a.zero2) {
+        bail!("--overlap-param-gather overlaps ZeRO's all-gather of the updated parameters: add --zero1 or --zero2")
+    }
     let cfg = TrainConfig {
         layout,
         model,
@@ -380,6 +388,7 @@ fn main() -> Result<()> {
         gpus: a.gpus,
         recompute: a.recompute,
         overlap_grad_sync: a.overlap_grad_sync,
+        overlap_param_gather: a.overlap_param_gather,
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
@@ -449,6 +458,10 @@ fn main() -> Result<()> {
             (false, false) => "after the last micro-batch's backward",
         };
         say!("gradients: {how} over the {replicas} DP x CP replicas, {when}");
+        if a.zero1 || a.zero2 {
+            let when = if a.overlap_param_gather { "layer by layer during the next forward (--overlap-param-gather)" } else { "in the optimizer step" };
+            say!("params   : the updated ZeRO slices all-gathered {when}");
+        }
     }
     say!("out      : {}", a.out.display());
     if a.resume {

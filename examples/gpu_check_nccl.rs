@@ -141,15 +141,23 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
                 let x = rand_tensor(&[3, 8 * p], 70 + r).map_err(|e| candle_core::Error::Msg(e.to_string()))?.to_dtype(dtype)?.to_device(&dev)?;
                 let a = g.all_reduce_start(&x)?;
                 let b = g.reduce_scatter_start(&x, 1)?;
+                let c = g.all_gather_start(&x, 1)?;
                 let gathered = g.all_gather(&x, 0)?;
-                let (rs, ar) = (b.wait()?, a.wait()?);
+                let (ag, rs, ar) = (c.wait()?, b.wait()?, a.wait()?);
                 let f = |t: &Tensor| t.to_dtype(DType::F32)?.to_device(&Device::Cpu);
-                let d1 = (f(&ar)? - f(&g.all_reduce(&x)?)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
-                let d2 = (f(&rs)? - f(&g.reduce_scatter(&x, 1)?)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let diff = |a: &Tensor, b: &Tensor| -> candle_core::Result<f32> {
+                    if a.dims() != b.dims() {
+                        return Ok(f32::INFINITY);
+                    }
+                    (f(a)? - f(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+                };
+                let d1 = diff(&ar, &g.all_reduce(&x)?)?;
+                let d2 = diff(&rs, &g.reduce_scatter(&x, 1)?)?;
                 let d3 = if gathered.dims() == [3 * p, 8 * p] { 0.0 } else { f32::INFINITY };
-                Ok(d1.max(d2).max(d3) as f64)
+                let d4 = diff(&ag, &g.all_gather(&x, 1)?)?;
+                Ok(d1.max(d2).max(d3).max(d4) as f64)
             });
-            let name = format!("nccl ranks P{p} all_reduce_start / reduce_scatter_start {dtype:?} vs blocking");
+            let name = format!("nccl ranks P{p} all_reduce_start / reduce_scatter_start / all_gather_start {dtype:?} vs blocking");
             match res.and_then(|v| v.into_iter().collect::<candle_core::Result<Vec<f64>>>()) {
                 Ok(d) => rep.check(&name, d.into_iter().fold(0.0, f64::max), 0.0),
                 Err(e) => rep.error(&name, e),

@@ -242,14 +242,15 @@ port=$((20000 + RANDOM % 20000))
 # (with --zero1: the optimizer state split over the two processes, gathered by NCCL; the
 # first run reduce-scatters after the backward; the second is ZeRO-2 (f32 slices) with the
 # reduce-scatters started during the backward, layer by layer: reduce_scatter_start on the
-# comm stream of a second communicator)
+# comm stream of a second communicator; and the updated parameters' all-gathers started after
+# the step and waited for layer by layer in the next forward: all_gather_start on a third)
 shim_step "finetune_llama 2 processes" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
   candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero1 --out "$shim_dir/ft-procs"
 same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, NCCL over TCP rendezvous, --zero1)"
 port=$((20000 + RANDOM % 20000))
 shim_step "finetune_llama 2 processes overlap" env MASTER_ADDR=127.0.0.1 MASTER_PORT=$port EMU_SHIM_LIB="$lib" timeout 600 \
-  candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero2 --recompute --overlap-grad-sync --out "$shim_dir/ft-procs-overlap"
-same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs-overlap/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, --zero2 --recompute --overlap-grad-sync)"
+  candle-cp-kernels/emu/shim/launch.sh 2 "$ft_bin" "${ft[@]}" --zero2 --recompute --overlap-grad-sync --overlap-param-gather --out "$shim_dir/ft-procs-overlap"
+same_loss "$shim_dir/ft-cpu-f32/metrics.jsonl" "$shim_dir/ft-procs-overlap/metrics.jsonl" 1e-5 "CP 2 zigzag, cuda f32 (shim, 2 launched processes, --zero2 --recompute --overlap-grad-sync --overlap-param-gather)"
 # a process killed mid-run: the survivor must fail, not hang, within a bounded time. With the
 # shim's default the lost peer fails its collective (NCCL reports a remote error); with
 # CPEMU_NCCL_PEER_ABORT=hang it stays pending, as within a node on GPUs, and NcclGroup's

@@ -71,6 +71,9 @@ fn plan_405b_128k_json() {
     let (t, gather) = (f("/grad_sync/seconds_per_step") * 4.0 / 6.0, f("/grad_sync/seconds_per_step") * 2.0 / 6.0);
     let exposed = f("/grad_sync/exposed_overlapped_s");
     assert!(exposed >= t / 126.0 + gather - 1e-12 && exposed < t + gather, "exposed {exposed}");
+    // ... unless it overlaps the next forward too: less of it is left, at least a layer's share
+    let both = f("/grad_sync/exposed_gather_overlapped_s");
+    assert!(both >= exposed - gather + gather / 126.0 - 1e-12 && both < exposed, "exposed with the gather overlapped {both}");
     // Without PP the 405B weights alone exceed 80 GB.
     assert_eq!(v.pointer("/fits").and_then(|x| x.as_bool()), Some(false));
     assert!(v

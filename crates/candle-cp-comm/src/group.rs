@@ -30,7 +30,8 @@ pub fn ensure_nonempty(op: &str, name: &str, t: &Tensor) -> Result<()> {
 }
 
 /// A pending result: the receive started by [`ProcessGroup::send_recv`], or the collective
-/// started by [`ProcessGroup::all_reduce_start`] / [`ProcessGroup::reduce_scatter_start`].
+/// started by [`ProcessGroup::all_reduce_start`] / [`ProcessGroup::reduce_scatter_start`] /
+/// [`ProcessGroup::all_gather_start`].
 ///
 /// The transfer makes progress in the background (the other ranks' deposits for
 /// [`crate::ThreadGroup`], a communication stream for NCCL); call [`PendingRecv::wait`] to get
@@ -101,6 +102,13 @@ pub trait ProcessGroup: Send + Sync {
     /// [`ProcessGroup::all_reduce_start`].
     fn reduce_scatter_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
         Ok(Box::new(Ready(self.reduce_scatter(t, dim)?)))
+    }
+
+    /// [`ProcessGroup::all_gather`] without waiting for it, as
+    /// [`ProcessGroup::all_reduce_start`] (how the trainer gathers ZeRO's updated parameters
+    /// while the next forward runs, layer by layer).
+    fn all_gather_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        Ok(Box::new(Ready(self.all_gather(t, dim)?)))
     }
 
     /// Build the sub-group of the ranks that passed the same `color`, ordered by `key` (ties by

@@ -220,6 +220,12 @@ impl ProcessGroup for ThreadGroup {
         Ok(Box::new(ThreadRecv::new(self, seq, op, t.device())))
     }
 
+    fn all_gather_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        let op = Op::AllGather { dim };
+        let seq = self.start(op.clone(), Some(t))?;
+        Ok(Box::new(ThreadRecv::new(self, seq, op, t.device())))
+    }
+
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor> {
         let (_, taken) = self.exchange(
             Op::AllToAll {
@@ -319,8 +325,8 @@ fn scatter_sum(taken: &Taken, dim: usize, rank: usize, p: usize, dev: &Device) -
     sum_in_order(&parts, dev)
 }
 
-/// Pending result of a [`ThreadGroup::send_recv`] (a ring step), `all_reduce_start` or
-/// `reduce_scatter_start`: this rank's tensor is already deposited; `wait` picks up the
+/// Pending result of a [`ThreadGroup::send_recv`] (a ring step), `all_reduce_start`,
+/// `reduce_scatter_start` or `all_gather_start`: this rank's tensor is already deposited; `wait` picks up the
 /// round once every rank of the group has deposited its own.
 struct ThreadRecv {
     comm: Arc<Comm>,
@@ -348,6 +354,10 @@ impl PendingRecv for ThreadRecv {
             Op::AllReduce if p == 1 => fresh_on(tensor_of(&taken.entries, 0)?, &self.device),
             Op::AllReduce => sum_once(&self.comm.label, &taken, &self.device),
             Op::ReduceScatter { dim } => scatter_sum(&taken, dim, self.rank, p, &self.device),
+            Op::AllGather { dim } => {
+                let parts = (0..p).map(|r| tensor_of(&taken.entries, r)?.to_device(&self.device)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&parts, dim)
+            }
             ref op => Err(Error::Msg(format!("thread group {}: no pending result for {op} (internal error)", self.comm.label))),
         }
     }

@@ -122,8 +122,9 @@ fn results_are_detached_and_do_not_alias_inputs() -> Result<()> {
 
 #[test]
 fn started_collectives_match_the_blocking_ones() -> Result<()> {
-    // an all-reduce and a reduce-scatter started, a blocking all-gather in between, waited in
-    // reverse order: the same bits as the blocking collectives (bf16 sums in f32, rank order)
+    // an all-reduce, a reduce-scatter and two all-gathers (dims 0 and 1) started, a blocking
+    // all-gather in between, waited in reverse order: the same bits as the blocking
+    // collectives (bf16 sums in f32, rank order)
     let p = 3;
     for dtype in [DType::F32, DType::BF16] {
         let xs = inputs(p, &[6, 2], dtype, 70)?;
@@ -132,18 +133,26 @@ fn started_collectives_match_the_blocking_ones() -> Result<()> {
             let r = g.rank();
             let a = g.all_reduce_start(&xs[r])?;
             let b = g.reduce_scatter_start(&ys[r], 1)?;
+            let c0 = g.all_gather_start(&xs[r], 0)?;
+            let c1 = g.all_gather_start(&ys[r], 1)?;
             let gathered = g.all_gather(&xs[r], 0)?;
+            let ag1 = c1.wait()?;
+            let ag0 = c0.wait()?;
             let rs = b.wait()?;
             let ar = a.wait()?;
-            Ok((ar, rs, gathered, g.all_reduce(&xs[r])?, g.reduce_scatter(&ys[r], 1)?))
+            let blocking = [g.all_reduce(&xs[r])?, g.reduce_scatter(&ys[r], 1)?, g.all_gather(&ys[r], 1)?];
+            Ok(([ar, rs, ag0, ag1], gathered, blocking))
         }));
         let want = serial_sum(&xs.iter().map(|x| x.to_dtype(DType::F32)).collect::<Result<Vec<_>>>()?)?.to_dtype(dtype)?;
-        for (r, (ar, rs, gathered, ar_blocking, rs_blocking)) in res.iter().enumerate() {
+        for (r, ([ar, rs, ag0, ag1], gathered, [ar_blocking, rs_blocking, ag1_blocking])) in res.iter().enumerate() {
             assert_same(ar, &want, "all_reduce_start")?;
             assert_same(ar, ar_blocking, "all_reduce_start vs all_reduce")?;
             assert_same(rs, rs_blocking, "reduce_scatter_start vs reduce_scatter")?;
             assert_eq!(rs.dims(), &[2, 2], "rank {r}: reduce_scatter_start shape");
             assert_same(gathered, &Tensor::cat(&xs, 0)?, "all_gather between")?;
+            assert_same(ag0, &Tensor::cat(&xs, 0)?, "all_gather_start dim 0")?;
+            assert_same(ag1, &Tensor::cat(&ys, 1)?, "all_gather_start dim 1")?;
+            assert_same(ag1, ag1_blocking, "all_gather_start vs all_gather")?;
         }
     }
     Ok(())
@@ -160,6 +169,15 @@ fn started_collectives_report_mismatches_and_failures() {
     for (r, x) in res.iter().enumerate() {
         let e = x.as_ref().expect_err("mismatched collectives must fail").to_string();
         assert!(e.contains("all_reduce") && e.contains("reduce_scatter"), "rank {r}: {e}");
+    }
+    // an all-gather started with different shapes: an error naming both, on every rank
+    let res = run_ranks(2, |g| {
+        let t = Tensor::ones(2 + g.rank(), DType::F32, &Device::Cpu)?;
+        g.all_gather_start(&t, 0)?.wait()
+    });
+    for (r, x) in res.iter().enumerate() {
+        let e = x.as_ref().expect_err("mismatched all-gather shapes must fail").to_string();
+        assert!(e.contains("[2]") && e.contains("[3]"), "rank {r}: {e}");
     }
     // a rank that fails before depositing: the others' wait returns an error, not a hang
     let t0 = std::time::Instant::now();

@@ -19,7 +19,7 @@ use crate::layout::IGNORE;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
 pub(crate) fn linear(x: &Tensor, w: &Tensor) -> Result<Tensor> {
@@ -142,7 +142,13 @@ pub struct Llama {
     recompute: Option<Recompute>,
     pub(crate) norm: RmsNorm,
     pub(crate) lm_head: Tensor,
+    /// See [`Llama::set_param_hook`].
+    param_hook: Mutex<Option<ParamHook>>,
 }
+
+/// Called by the forward with group `k` ([`crate::param_group`]) before it first uses the
+/// parameters of that group; an error stops the forward. See [`Llama::set_param_hook`].
+pub type ParamHook = Arc<dyn Fn(usize) -> Result<()> + Send + Sync>;
 
 impl Llama {
     /// Build (or fetch from a `VarMap`-backed `vb`) this rank's weights, HF names, local
@@ -231,7 +237,18 @@ impl Llama {
             recompute: None,
             norm,
             lm_head,
+            param_hook: Mutex::new(None),
         })
+    }
+
+    /// Call `hook(k)` in every forward before the parameters of group `k` are first used
+    /// ([`crate::param_group`]: 0 before the embedding, `1 + i` before layer `i`, `L + 1`
+    /// before the final norm; in that order); `None` removes it. The trainer waits there for
+    /// each layer's ZeRO all-gather ([`crate::train::PendingParams`]), so that the later
+    /// layers' parameters travel while the earlier layers compute. The backward's
+    /// recomputation of a layer does not call it (its forward did).
+    pub fn set_param_hook(&self, hook: Option<ParamHook>) {
+        *self.param_hook.lock().unwrap_or_else(|e| e.into_inner()) = hook;
     }
 
     /// Activation recomputation of every decoder layer (`on`), or none (default).
@@ -338,6 +355,9 @@ impl Llama {
         // vocabulary-parallel lookup (a plain one when the table is replicated); it refuses
         // ids outside the vocabulary, naming them
         let ids = input_ids.to_dtype(DType::U32)?;
+        let hook = self.param_hook.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        let params_ready = |k: usize| hook.as_ref().map_or(Ok(()), |h| h(k));
+        params_ready(0)?;
         let mut x = vocab_parallel_embedding(&ids, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
@@ -352,7 +372,8 @@ impl Llama {
                 bail!("Llama::hidden: the previous backward's gradients of recomputed layers were never collected: use Llama::backward(&loss), not loss.backward(), when recompute is on")
             }
         }
-        for blk in &self.blocks {
+        for (i, blk) in self.blocks.iter().enumerate() {
+            params_ready(1 + i)?;
             x = match &self.recompute {
                 Some(rc) => {
                     let (blk, env) = (blk.clone(), env.clone());
@@ -365,6 +386,7 @@ impl Llama {
                 None => blk.forward(&x, &env)?,
             };
         }
+        params_ready(1 + self.blocks.len())?;
         self.norm.forward(&x)
     }
 

@@ -106,6 +106,21 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     out
 }
 
+/// The forward-order group of parameter `name` of a model with `layers` decoder layers, for
+/// [`crate::Llama::set_param_hook`]: 0 the embedding (and a tied head), `1 + i` the
+/// parameters of layer `i` (`model.layers.{i}.*`), `layers + 1` the final norm and the head.
+/// `None` for a name that is none of these.
+pub fn param_group(name: &str, layers: usize) -> Option<usize> {
+    match name {
+        "model.embed_tokens.weight" => Some(0),
+        "model.norm.weight" | "lm_head.weight" => Some(layers + 1),
+        _ => {
+            let i: usize = name.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()?;
+            (i < layers).then_some(1 + i)
+        }
+    }
+}
+
 /// SplitMix64 → standard normals (Box–Muller), for seeded, rank-independent init.
 struct Normal(u64);
 
@@ -281,6 +296,27 @@ pub fn gather_full_to_host(
 mod tests {
     use super::*;
     use crate::layout::Layout;
+
+    /// Every parameter of a 3-layer model (tied head or not) has a group, in forward order:
+    /// the embedding 0, layer `i` `1 + i`, the final norm and head 4; other names none.
+    #[test]
+    fn param_groups_follow_the_forward() {
+        for tie in [false, true] {
+            let mut cfg = LlamaConfig::tiny(37, 32, 3, 4, 2);
+            cfg.tie_word_embeddings = tie;
+            for s in param_specs(&cfg) {
+                let want = match s.name.as_str() {
+                    "model.embed_tokens.weight" => 0,
+                    "model.norm.weight" | "lm_head.weight" => 4,
+                    n => 1 + n.split('.').nth(2).and_then(|i| i.parse::<usize>().ok()).expect("a layer parameter"),
+                };
+                assert_eq!(param_group(&s.name, 3), Some(want), "{}", s.name);
+            }
+        }
+        for other in ["model.layers.3.mlp.up_proj.weight", "model.layers.x.mlp", "lm_head", "bias"] {
+            assert_eq!(param_group(other, 3), None, "{other}");
+        }
+    }
 
     /// `init_params_sharded` is `shard_params(init_params(..))` bit for bit (TP 1, 2, 4; KV
     /// heads replicated at 4; vocabulary 37 padded; f32 and bf16), and `gather_full_to_host`

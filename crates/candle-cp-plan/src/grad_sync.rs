@@ -25,7 +25,10 @@
 //! `L` equal parts started one layer-backward `b` apart, the link finishes
 //! `max(T/L, T − (L−1)·b)` after the backward: the last layer's part when the link keeps up
 //! (`T/L ≤ b`), else what the backward could not cover. The ZeRO all-gather of the updated
-//! parameters runs after the optimizer step and stays exposed.
+//! parameters runs after the optimizer step and stays exposed, unless it overlaps the next
+//! forward (`--overlap-param-gather`: each layer's parameters gathered while the layers
+//! before it compute, one layer-forward `f` apart): then its `G` leaves
+//! `max(G/L, G − (L−1)·f)`, by the same argument.
 
 use crate::hardware::{Hardware, Link};
 use crate::layout::Layout;
@@ -52,21 +55,30 @@ pub struct GradSync {
     /// The time left exposed when the reduction overlaps the backward layer by layer (module
     /// docs); `None` until [`GradSync::overlapped`] sets it.
     pub exposed_overlapped_s: Option<f64>,
+    /// ZeRO: the time left exposed when the all-gather of the updated parameters also
+    /// overlaps the next forward layer by layer (module docs); `None` without ZeRO 1 / 2 or
+    /// until [`GradSync::overlapped`] sets it.
+    pub exposed_gather_overlapped_s: Option<f64>,
 }
 
 impl GradSync {
-    /// Sets [`GradSync::exposed_overlapped_s`] for `layers` layers on this GPU whose backward
-    /// (recompute included) takes `bwd_layer_s` each.
-    pub fn overlapped(mut self, layers: usize, bwd_layer_s: f64) -> Self {
+    /// Sets [`GradSync::exposed_overlapped_s`] (and, under ZeRO 1 / 2,
+    /// [`GradSync::exposed_gather_overlapped_s`]) for `layers` layers on this GPU whose
+    /// backward (recompute included) takes `bwd_layer_s` each and forward `fwd_layer_s`.
+    pub fn overlapped(mut self, layers: usize, bwd_layer_s: f64, fwd_layer_s: f64) -> Self {
+        let gathers = matches!(self.zero, 1 | 2);
         if self.bytes_per_step <= 0.0 || layers == 0 {
             self.exposed_overlapped_s = Some(0.0);
+            self.exposed_gather_overlapped_s = gathers.then_some(0.0);
             return self;
         }
         let bw = self.bytes_per_step / self.seconds_per_step;
         let t = self.reduce_bytes_per_step / bw;
         let l = layers as f64;
         let rest = (self.bytes_per_step - self.reduce_bytes_per_step) / bw;
-        self.exposed_overlapped_s = Some((t / l).max(t - (l - 1.0) * bwd_layer_s) + rest);
+        let reduce = (t / l).max(t - (l - 1.0) * bwd_layer_s);
+        self.exposed_overlapped_s = Some(reduce + rest);
+        self.exposed_gather_overlapped_s = gathers.then(|| reduce + (rest / l).max(rest - (l - 1.0) * fwd_layer_s));
         self
     }
 }
@@ -99,6 +111,7 @@ pub fn grad_sync(layout: &Layout, hw: &Hardware, params_per_gpu: f64, e: usize) 
         seconds_per_step: if r > 1 { bytes / link.bandwidth(hw) } else { 0.0 },
         reduce_bytes_per_step: reduce_bytes,
         exposed_overlapped_s: None,
+        exposed_gather_overlapped_s: None,
     }
 }
 
@@ -148,13 +161,19 @@ mod tests {
         let n = 0.8 * bw / 6.0; // 6 bytes per parameter: T = 0.8 s
         let g = GradSync { params_per_gpu: n, bytes_per_step: 0.8 * bw, seconds_per_step: 0.8, reduce_bytes_per_step: 0.8 * bw, ..g };
         let close = |a: Option<f64>, b: f64| (a.unwrap() - b).abs() < 1e-9;
-        assert!(close(g.clone().overlapped(4, 0.5).exposed_overlapped_s, 0.2));
-        assert!(close(g.clone().overlapped(4, 0.1).exposed_overlapped_s, 0.5));
+        assert!(close(g.clone().overlapped(4, 0.5, 0.2).exposed_overlapped_s, 0.2));
+        assert!(close(g.clone().overlapped(4, 0.1, 0.2).exposed_overlapped_s, 0.5));
+        assert_eq!(g.clone().overlapped(4, 0.1, 0.2).exposed_gather_overlapped_s, None);
         let z = grad_sync(&layout(1, 4, 1, 1), &hw, 1e9, 2);
         let (t, gather) = (z.reduce_bytes_per_step / bw, (z.bytes_per_step - z.reduce_bytes_per_step) / bw);
         assert!((gather / z.seconds_per_step - 1.0 / 3.0).abs() < 1e-12);
-        assert!(close(z.clone().overlapped(4, 10.0).exposed_overlapped_s, t / 4.0 + gather));
-        let one = grad_sync(&layout(8, 1, 1, 1), &hw, 1e9, 2).overlapped(4, 0.1);
-        assert_eq!(one.exposed_overlapped_s, Some(0.0));
+        assert!(close(z.clone().overlapped(4, 10.0, 5.0).exposed_overlapped_s, t / 4.0 + gather));
+        // the all-gather overlapping the forward: a forward layer slower than a quarter of the
+        // gather leaves that quarter; a fast one (f → 0) leaves almost all of it
+        assert!(close(z.clone().overlapped(4, 10.0, 5.0).exposed_gather_overlapped_s, t / 4.0 + gather / 4.0));
+        let f = gather / 10.0;
+        assert!(close(z.clone().overlapped(4, 10.0, f).exposed_gather_overlapped_s, t / 4.0 + gather - 3.0 * f));
+        let one = grad_sync(&layout(8, 1, 1, 1), &hw, 1e9, 2).overlapped(4, 0.1, 0.05);
+        assert_eq!((one.exposed_overlapped_s, one.exposed_gather_overlapped_s), (Some(0.0), Some(0.0)));
     }
 }

@@ -277,7 +277,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let f = &flops;
     let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
     let bwd_share = bwd / (bwd + f.linear_fwd + f.attention_fwd).max(f64::MIN_POSITIVE);
-    let grad_sync = grad_sync.overlapped(m.layers.div_ceil(l.pp), layer_time.total_s * bwd_share);
+    let grad_sync = grad_sync.overlapped(m.layers.div_ceil(l.pp), layer_time.total_s * bwd_share, layer_time.total_s * (1.0 - bwd_share));
 
     let bottleneck = bottleneck(
         fits,

@@ -468,31 +468,35 @@ pub fn render(p: &Plan) -> String {
     let g = &p.grad_sync;
     if g.replicas > 1 {
         let stage_s = i.model.layers.div_ceil(i.layout.pp) as f64 * t.total_s;
+        let mut rows = vec![
+            r(
+                "sent per GPU",
+                gb(g.bytes_per_step),
+                match g.zero {
+                    0 => "2*(R-1)/R*N*4 (all-reduce, f32)",
+                    1 | 2 => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
+                    _ => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
+                },
+            ),
+            r("time if not overlapped", ms(g.seconds_per_step), ""),
+            r(
+                "vs one micro-batch on this GPU",
+                format!("{:.1}%", 100.0 * g.seconds_per_step / stage_s.max(f64::MIN_POSITIVE)),
+                "layers/pp x total per layer",
+            ),
+            r(
+                "exposed if overlapped layer by layer",
+                ms(g.exposed_overlapped_s.unwrap_or(g.seconds_per_step)),
+                "--overlap-grad-sync: max(T/L, T-(L-1)*bwd per layer) (+ the ZeRO all-gather)",
+            ),
+        ];
+        if let Some(both) = g.exposed_gather_overlapped_s {
+            rows.push(r("+ all-gather during the next forward", ms(both), "--overlap-param-gather: + max(G/L, G-(L-1)*fwd per layer)"));
+        }
         table(
             &mut o,
             &format!("Gradient sync per optimizer step (ZeRO-{} over dp*cp = {} replicas, {})", g.zero, g.replicas, link(g.link)),
-            &[
-                r(
-                    "sent per GPU",
-                    gb(g.bytes_per_step),
-                    match g.zero {
-                        0 => "2*(R-1)/R*N*4 (all-reduce, f32)",
-                        1 | 2 => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
-                        _ => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
-                    },
-                ),
-                r("time if not overlapped", ms(g.seconds_per_step), ""),
-                r(
-                    "vs one micro-batch on this GPU",
-                    format!("{:.1}%", 100.0 * g.seconds_per_step / stage_s.max(f64::MIN_POSITIVE)),
-                    "layers/pp x total per layer",
-                ),
-                r(
-                    "exposed if overlapped layer by layer",
-                    ms(g.exposed_overlapped_s.unwrap_or(g.seconds_per_step)),
-                    "--overlap-grad-sync: max(T/L, T-(L-1)*bwd per layer) (+ the ZeRO all-gather)",
-                ),
-            ],
+            &rows,
         );
     }
 

@@ -252,7 +252,7 @@ impl NcclGroup {
     /// The pending result `out` of `op`, written on the comm stream until `event`; `send` (the
     /// input) stays alive until then.
     fn pending(&self, op: &'static str, out: Tensor, host: bool, event: Arc<CudaEvent>, send: Tensor) -> Box<dyn PendingRecv> {
-        Box::new(NcclRecv { op, out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: send })
+        Box::new(NcclRecv { op, out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: send, then: None })
     }
 
     /// Flat NCCL collective from `src` (contiguous) into a fresh buffer of the same dtype with
@@ -451,6 +451,14 @@ fn around(dims: &[usize], dim: usize, op: &str) -> Result<(usize, usize, usize)>
     Ok((dims[..dim].iter().product(), dims[dim], dims[dim + 1..].iter().product()))
 }
 
+/// An all-gather's flat result `[p, a, n·e]` (rank-major) → the input's dims with `dim`
+/// multiplied by `p` (`a`: the elements before `dim`).
+fn gathered(g: Tensor, a: usize, dims: &[usize], dim: usize, p: usize) -> Result<Tensor> {
+    let mut dims = dims.to_vec();
+    dims[dim] *= p;
+    if a == 1 { g.reshape(dims) } else { g.transpose(0, 1)?.contiguous()?.reshape(dims) }
+}
+
 /// See [`NcclGroup::back`].
 fn back_checked(raw: &RawComm, r: Tensor, host: bool, op: &str) -> Result<Tensor> {
     if !host {
@@ -466,12 +474,14 @@ fn back_checked(raw: &RawComm, r: Tensor, host: bool, op: &str) -> Result<Tensor
     Ok(r)
 }
 
-/// Pending result of `send_recv`, `all_reduce_start` or `reduce_scatter_start`: the output
-/// buffer, written on the comm stream until `event`.
+/// Pending result of `send_recv`, `all_reduce_start`, `reduce_scatter_start` or
+/// `all_gather_start`: the output buffer, written on the comm stream until `event`.
 struct NcclRecv {
     op: &'static str,
     out: Option<Tensor>,
     host: bool, // the sent tensor came from the host: so does the received one
+    /// Layout fix-up of the received buffer on the compute stream (all-gather), after the wait.
+    then: Option<Box<dyn FnOnce(Tensor) -> Result<Tensor> + Send>>,
 
     event: Arc<CudaEvent>,
     compute: Arc<CudaStream>,
@@ -485,6 +495,10 @@ impl PendingRecv for NcclRecv {
         let what = format!("{} wait", self.op);
         self.raw.refuse_if_failed(&what)?;
         let out = self.out.take().ok_or_else(|| candle_core::Error::Msg(format!("{}: result already taken", self.op)))?;
+        let out = match self.then.take() {
+            Some(f) => f(out)?,
+            None => out,
+        };
         back_checked(&self.raw, out, self.host, &what)
     }
 }
@@ -512,10 +526,17 @@ impl ProcessGroup for NcclGroup {
         let (a, n, e) = around(t.dims(), dim, "all_gather")?;
         let p = self.size;
         let g = self.flat(&t, Shape::from((p, a, n * e)), Flat::AllGather)?;
-        let mut dims = t.dims().to_vec();
-        dims[dim] *= p;
-        let r = if a == 1 { g.reshape(dims)? } else { g.transpose(0, 1)?.contiguous()?.reshape(dims)? };
-        self.back(r, host, "all_gather")
+        self.back(gathered(g, a, t.dims(), dim, p)?, host, "all_gather")
+    }
+
+    fn all_gather_start(&self, t: &Tensor, dim: usize) -> Result<Box<dyn PendingRecv>> {
+        let (t, host) = self.check(t, "all_gather_start")?;
+        let (a, n, e) = around(t.dims(), dim, "all_gather_start")?;
+        let p = self.size;
+        let (g, event) = self.flat_with(&t, Shape::from((p, a, n * e)), Flat::AllGather, false)?;
+        let dims = t.dims().to_vec();
+        let then: Box<dyn FnOnce(Tensor) -> Result<Tensor> + Send> = Box::new(move |g| gathered(g, a, &dims, dim, p));
+        Ok(Box::new(NcclRecv { op: "all_gather_start", out: Some(g), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t, then: Some(then) }))
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {

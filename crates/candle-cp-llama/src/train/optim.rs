@@ -6,7 +6,7 @@ use candle_cp_comm::Group;
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::zero::{gather, gather_many, reduce_scatter_many_as, span, Zero, BUCKET};
+use super::zero::{gather, gather_many, reduce_scatter_many_as, span, PendingParams, Zero, BUCKET};
 
 /// AdamW hyper-parameters (the learning rate is passed to every [`AdamW::step`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -148,6 +148,65 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
+        let updated = self.update(grads, lr, grad_scale)?;
+        if let Some(z) = &self.zero {
+            let items: Vec<(Tensor, usize)> = updated
+                .iter()
+                .map(|(i, t)| (t.clone(), self.slots[*i].var.elem_count()))
+                .collect();
+            for ((i, _), full) in updated.iter().zip(gather_many(z, &items, BUCKET)?) {
+                let var = &self.slots[*i].var;
+                var.set(&full.reshape(var.shape())?)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// [`AdamW::step`] that does not wait for ZeRO's all-gathers of the updated parameters:
+    /// they are started on `comm` (the replica ranks, as [`AdamW::new_zero1`]'s group: a
+    /// communicator of their own lets them run beside the model's collectives), one per
+    /// bucket of parameters of one group, groups in ascending order, and the returned
+    /// [`PendingParams`] writes each group's parameters when waited for. `group_of(name)`
+    /// gives a parameter's group: with [`crate::param_group`] and
+    /// [`crate::Llama::set_param_hook`] the next forward waits for a layer's parameters only
+    /// when it reaches the layer, while the later layers' gathers run. Until then the
+    /// parameters hold their old values: wait for every group
+    /// ([`PendingParams::finish`]) before anything else reads them.
+    ///
+    /// The parameters end up with the same bits as after [`AdamW::step`]. Without ZeRO the
+    /// update is written at once and nothing is pending.
+    pub fn step_start(
+        &mut self,
+        grads: &HashMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+        comm: &Group,
+        group_of: &dyn Fn(&str) -> usize,
+    ) -> Result<PendingParams> {
+        let Some(z) = self.zero.clone() else {
+            self.update(grads, lr, grad_scale)?;
+            return Ok(PendingParams::none());
+        };
+        if comm.size() != z.size || comm.rank() != z.rank {
+            bail!(
+                "AdamW::step_start: comm is rank {} of {}, the optimizer's replica group rank {} of {}",
+                comm.rank(),
+                comm.size(),
+                z.rank,
+                z.size
+            )
+        }
+        let updated = self.update(grads, lr, grad_scale)?;
+        let items = updated
+            .into_iter()
+            .map(|(i, t)| (group_of(&self.slots[i].name), self.slots[i].var.clone(), t))
+            .collect();
+        PendingParams::start(&Zero { group: comm.clone(), ..z }, items, BUCKET)
+    }
+
+    /// The AdamW update of every parameter in `grads`: written into the parameters without
+    /// ZeRO; with ZeRO the new slices, (slot, `[len]`), for the all-gather.
+    fn update(&mut self, grads: &HashMap<String, Tensor>, lr: f64, grad_scale: f64) -> Result<Vec<(usize, Tensor)>> {
         // shapes first: a rank that errors here has taken part in no collective
         for s in &self.slots {
             if let Some(g) = grads.get(&s.name) {
@@ -191,17 +250,7 @@ impl AdamW {
                 s.master = Some(p);
             }
         }
-        if let Some(z) = &self.zero {
-            let items: Vec<(Tensor, usize)> = updated
-                .iter()
-                .map(|(i, t)| (t.clone(), self.slots[*i].var.elem_count()))
-                .collect();
-            for ((i, _), full) in updated.iter().zip(gather_many(z, &items, BUCKET)?) {
-                let var = &self.slots[*i].var;
-                var.set(&full.reshape(var.shape())?)?;
-            }
-        }
-        Ok(())
+        Ok(updated)
     }
 
     /// ZeRO-1: sum whole gradients over the replica ranks and keep this rank's slice of each

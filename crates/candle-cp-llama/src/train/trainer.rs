@@ -99,6 +99,12 @@ pub struct TrainConfig {
     /// its backward is done, on a communicator of its own, instead of after the whole
     /// backward (see `train::overlap`); needs `recompute`. Training is bit-identical.
     pub overlap_grad_sync: bool,
+    /// ZeRO (`zero1` / `zero2`): start the all-gathers of the updated parameters after the
+    /// optimizer step, on a communicator of their own, and wait for each layer's only when
+    /// the next forward reaches the layer ([`crate::Llama::set_param_hook`],
+    /// [`super::PendingParams`]): the later layers' parameters travel while the earlier
+    /// layers compute. Training is bit-identical.
+    pub overlap_param_gather: bool,
     /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
@@ -249,6 +255,9 @@ pub fn train_rank(
     if cfg.overlap_grad_sync && !cfg.recompute {
         bail!("train: overlap_grad_sync needs recompute (a layer's gradients are known before the end of the backward only when the layer is recomputed)")
     }
+    if cfg.overlap_param_gather && !(cfg.zero1 || cfg.zero2) {
+        bail!("train: overlap_param_gather needs zero1 or zero2 (without ZeRO every rank updates whole parameters and nothing is gathered)")
+    }
     if !cfg.batch.is_multiple_of(cfg.layout.dp) {
         bail!(
             "train: batch {} must be divisible by dp = {}",
@@ -325,6 +334,8 @@ pub fn train_rank(
     };
     // accumulation and sums of the gradients (overlapped, ZeRO-1 / ZeRO-2: train/grad_step.rs)
     let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
+    // ZeRO's parameter all-gathers left running into the next forward (overlap_param_gather)
+    let param_gather = super::param_gather::ParamGather::new(&model, &ctx, cfg.overlap_param_gather)?;
     let (dp_i, cp_i, tp_i) = ctx.coords;
     let opt_writer = dp_i == 0 && cp_i == 0;
     let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
@@ -423,6 +434,7 @@ pub fn train_rank(
                 Some(_) => model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?,
                 None => model.token_nll(&ids_d, &labels_d, &pos_d)?,
             };
+            param_gather.check_forward_done()?;
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let train: Vec<f32> = labels
@@ -459,7 +471,7 @@ pub fn train_rank(
         let norm = global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))? * inv_accum;
         named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
-        opt.step(&named, lr, factor * inv_accum)?;
+        param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
         // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank order).
         let row_t = Tensor::new(&[terms.map(|x| x as f32)], &host)?;
         let rows = if token_group.size() > 1 {
@@ -500,6 +512,7 @@ pub fn train_rank(
         out.push(row);
         let done = step + 1;
         if cfg.stop_after == Some(done) {
+            param_gather.finish()?;
             return Ok(TrainOutcome {
                 metrics: out,
                 start_step,
@@ -509,6 +522,7 @@ pub fn train_rank(
         }
         let last = done == cfg.steps;
         if last || (cfg.save_every > 0 && done % cfg.save_every == 0) {
+            param_gather.finish()?;
             save(
                 done,
                 &opt,
@@ -520,6 +534,7 @@ pub fn train_rank(
             }
         }
     }
+    param_gather.finish()?;
     Ok(TrainOutcome {
         metrics: out,
         start_step,

@@ -15,8 +15,9 @@
 //! group), so a ZeRO-1 run matches a plain one; it sends `(R-1)/R` of the gradient bytes
 //! where an all-reduce sends twice that.
 
-use candle_core::{DType, Result, Tensor};
-use candle_cp_comm::Group;
+use candle_core::{DType, Result, Tensor, Var};
+use candle_cp_comm::{Group, PendingRecv};
+use std::collections::VecDeque;
 
 /// ZeRO-1: the optimizer state is split over `group`, the ranks that hold the same weights
 /// (data- and context-parallel replicas); rank `r` owns slice `r` of every parameter.
@@ -85,6 +86,92 @@ pub(crate) fn gather_many(z: &Zero, items: &[(Tensor, usize)], bucket: usize) ->
         start = end;
     }
     Ok(out)
+}
+
+/// ZeRO's all-gathers of updated parameters, started by [`super::AdamW::step_start`] and
+/// waited for group by group: [`PendingParams::wait_through`]`(k)` writes the parameters of
+/// groups `0..=k` (each bucket into its `Var`s as it arrives); [`PendingParams::finish`] all.
+///
+/// ```text
+/// step_start:  update slices ─► start gather(group 0) gather(group 1) … gather(group L+1)
+/// forward:     wait(0) embed ─► wait(1) layer 0 ─► wait(2) layer 1 ─► …
+///              (group k+1 travels while layer k computes)
+/// ```
+///
+/// Dropped unwaited, the gathers are abandoned (the group's collectives still complete) and
+/// the parameters keep their old values.
+pub struct PendingParams {
+    /// In the order started.
+    buckets: VecDeque<GatherBucket>,
+    size: usize,
+}
+
+/// (group, the pending all-gather of one bucket, its parameters: (var, elements, slice
+/// capacity)).
+type GatherBucket = (usize, Box<dyn PendingRecv>, Vec<(Var, usize, usize)>);
+
+impl PendingParams {
+    /// Nothing pending.
+    pub(crate) fn none() -> Self {
+        Self { buckets: VecDeque::new(), size: 1 }
+    }
+
+    /// Start the all-gathers of `items` = (group, parameter, this rank's updated slice
+    /// `[len]`): sorted by group (stable), one all-gather per bucket of one group and dtype
+    /// (a bucket closes once it holds `bucket` elements, padding included). Collective over
+    /// `z.group`: every replica rank passes the same groups, parameters and dtypes.
+    pub(crate) fn start(z: &Zero, mut items: Vec<(usize, Var, Tensor)>, bucket: usize) -> Result<Self> {
+        items.sort_by_key(|(k, _, _)| *k);
+        let mut buckets = VecDeque::new();
+        let mut start = 0;
+        while start < items.len() {
+            let (k, dtype) = (items[start].0, items[start].2.dtype());
+            let mut end = start;
+            let mut elems = 0;
+            while end < items.len() && items[end].0 == k && items[end].2.dtype() == dtype && (end == start || elems < bucket) {
+                elems += span(items[end].1.elem_count(), 0, z.size).2 * z.size;
+                end += 1;
+            }
+            let mut params = Vec::with_capacity(end - start);
+            let mut padded = Vec::with_capacity(end - start);
+            for (_, var, slice) in &items[start..end] {
+                let (n, chunk) = (var.elem_count(), span(var.elem_count(), 0, z.size).2);
+                padded.push(pad_to(slice, chunk)?);
+                params.push((var.clone(), n, chunk));
+            }
+            buckets.push_back((k, z.group.all_gather_start(&Tensor::cat(&padded, 0)?, 0)?, params));
+            start = end;
+        }
+        Ok(Self { buckets, size: z.size })
+    }
+
+    /// Wait for the all-gathers of groups `0..=k` (in the order started) and write their
+    /// parameters. Cheap when they are done already.
+    pub fn wait_through(&mut self, k: usize) -> Result<()> {
+        while self.buckets.front().is_some_and(|b| b.0 <= k) {
+            let Some((_, pending, params)) = self.buckets.pop_front() else { break };
+            let cols: usize = params.iter().map(|p| p.2).sum();
+            // [size · cols] rank-major → [size, cols]; parameter i is a band of columns
+            let all = pending.wait()?.reshape((self.size, cols))?;
+            let mut col = 0;
+            for (var, n, chunk) in params {
+                let full = all.narrow(1, col, chunk)?.flatten_all()?.narrow(0, 0, n)?;
+                var.set(&full.reshape(var.shape())?)?;
+                col += chunk;
+            }
+        }
+        Ok(())
+    }
+
+    /// Wait for every group.
+    pub fn finish(&mut self) -> Result<()> {
+        self.wait_through(usize::MAX)
+    }
+
+    /// Whether every started all-gather has been waited for.
+    pub fn is_done(&self) -> bool {
+        self.buckets.is_empty()
+    }
 }
 
 /// Sum full gradients over the replica ranks and keep this rank's slice of each: `grads`
@@ -177,6 +264,48 @@ mod tests {
                     assert_eq!(f32s(s)?, f32s(&want.narrow(0, off, len)?)?, "slice of a gradient of {n}");
                     assert_eq!((f.dims(), f.dtype()), (&[n][..], grad.dtype()));
                     assert_eq!(f32s(f)?, f32s(&want)?, "gathered parameter of {n}");
+                }
+                Ok(())
+            });
+            for r in res {
+                r?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Parameters in groups 2, 0, 1, 1 (one bf16), buckets of one parameter or all of a
+    /// group: waiting for group 1 writes groups 0 and 1 and leaves group 2 untouched;
+    /// `finish` writes the rest; every parameter ends as the full tensor whose slices the
+    /// ranks passed, bit for bit.
+    #[test]
+    fn pending_params_write_each_group_when_waited() -> Result<()> {
+        use candle_core::Device;
+        let spec: [(usize, &[usize], DType); 4] = [(2, &[7], DType::F32), (0, &[2, 5], DType::F32), (1, &[4], DType::BF16), (1, &[3], DType::F32)];
+        for bucket in [1, BUCKET] {
+            let res = run_ranks(3, |g| {
+                let z = Zero { group: g.clone(), rank: g.rank(), size: g.size() };
+                let mut items = Vec::new();
+                let mut want = Vec::new();
+                for (i, (k, shape, dtype)) in spec.iter().enumerate() {
+                    let full = candle_cp_ops::oracle::randn(40 + i as u64, shape, 1.0)?.to_dtype(*dtype)?;
+                    let var = Var::zeros(*shape, *dtype, &Device::Cpu)?;
+                    let (off, len, _) = span(full.elem_count(), z.rank, z.size);
+                    items.push((*k, var.clone(), full.flatten_all()?.narrow(0, off, len)?));
+                    want.push((*k, var, full));
+                }
+                let f32s = |t: &Tensor| t.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>();
+                let mut p = PendingParams::start(&z, items, bucket)?;
+                assert!(!p.is_done());
+                p.wait_through(1)?;
+                for (k, var, full) in &want {
+                    let expect = if *k <= 1 { f32s(full)? } else { vec![0.0; full.elem_count()] };
+                    assert_eq!(f32s(var.as_tensor())?, expect, "group {k} after wait_through(1)");
+                }
+                p.finish()?;
+                assert!(p.is_done());
+                for (k, var, full) in &want {
+                    assert_eq!(f32s(var.as_tensor())?, f32s(full)?, "group {k} after finish");
                 }
                 Ok(())
             });
