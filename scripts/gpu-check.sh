@@ -190,7 +190,7 @@ run() {
     echo "== 6/7 end to end: finetune_llama on the GPU (4 virtual ranks, T = 16384, bf16, --recompute)" | tee -a "$out/check-oracle.log"
     step 90 0 "$out/check-oracle.log" add -- "$bin/finetune_llama" --device cuda --gpus 1 --dtype bf16 --seq-len 16384 \
       --cp 4 --hidden 1024 --layers 4 --heads 8 --kv-heads 4 --batch 1 --keys 64 --steps 4 --lr 1e-3 --save-every 0 \
-      --recompute --overlap-grad-sync --zero1 --out /tmp/candle-cp-ft
+      --recompute --overlap-grad-sync --zero1 --overlap-param-gather --out /tmp/candle-cp-ft
   else
     echo "gpu-check: end-to-end fine-tune skipped (budget spent)" | tee -a "$out/check-oracle.log"
   fi
@@ -241,7 +241,7 @@ preflight() {
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" >/dev/null
   # step 6's command line at a tiny size
   "$bin/finetune_llama" --device cuda --gpus 1 --dtype bf16 --seq-len 256 --cp 4 --hidden 64 --layers 2 \
-    --heads 4 --kv-heads 2 --batch 1 --keys 8 --steps 2 --lr 1e-3 --save-every 0 --recompute --overlap-grad-sync --zero1 --out "$out/ft" \
+    --heads 4 --kv-heads 2 --batch 1 --keys 8 --steps 2 --lr 1e-3 --save-every 0 --recompute --overlap-grad-sync --zero1 --overlap-param-gather --out "$out/ft" \
     >"$out/ft.log" 2>&1 || { tail -20 "$out/ft.log"; echo "gpu-check preflight: finetune_llama failed"; return 1; }
   grep '^summary' "$out/ft.log"
   # step 7's wiring, with a stand-in for compute-sanitizer (it drops the tool's options, runs the
