@@ -241,9 +241,11 @@ impl Llama {
         })
     }
 
-    /// Call `hook(k)` in every forward before the parameters of group `k` are first used
-    /// ([`crate::param_group`]: 0 before the embedding, `1 + i` before layer `i`, `L + 1`
-    /// before the final norm; in that order); `None` removes it. The trainer waits there for
+    /// Call `hook(k)` in every training forward ([`Llama::forward`], [`Llama::hidden`],
+    /// [`Llama::token_nll`], [`Llama::loss`] and their packed forms; not generation's prefill
+    /// and decode) before the parameters of group `k` are first used ([`crate::param_group`]:
+    /// 0 before the embedding, `1 + i` before layer `i`, `L + 1` before the final norm; in
+    /// that order); `None` removes it. The trainer waits there for
     /// each layer's ZeRO all-gather ([`crate::train::PendingParams`]), so that the later
     /// layers' parameters travel while the earlier layers compute. The backward's
     /// recomputation of a layer does not call it (its forward did).
