@@ -188,11 +188,7 @@ impl ProcessGroup for ThreadGroup {
         if self.size() == 1 {
             return Ok(t.detach());
         }
-        let dev = t.device();
-        let parts = (0..self.size())
-            .map(|r| tensor_of(&taken.entries, r)?.to_device(dev))
-            .collect::<Result<Vec<_>>>()?;
-        Tensor::cat(&parts, dim)
+        cat_entries(&taken, self.size(), dim, t.device())
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {
@@ -317,6 +313,12 @@ fn sum_once(label: &str, taken: &Taken, dev: &Device) -> Result<Tensor> {
     }
 }
 
+/// The `p` ranks' entries on `dev`, concatenated along `dim` in rank order (an all-gather).
+fn cat_entries(taken: &Taken, p: usize, dim: usize, dev: &Device) -> Result<Tensor> {
+    let parts = (0..p).map(|r| tensor_of(&taken.entries, r)?.to_device(dev)).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, dim)
+}
+
 /// Chunk `rank` of every entry along `dim`, summed in rank order.
 fn scatter_sum(taken: &Taken, dim: usize, rank: usize, p: usize, dev: &Device) -> Result<Tensor> {
     let parts = (0..p)
@@ -326,8 +328,8 @@ fn scatter_sum(taken: &Taken, dim: usize, rank: usize, p: usize, dev: &Device) -
 }
 
 /// Pending result of a [`ThreadGroup::send_recv`] (a ring step), `all_reduce_start`,
-/// `reduce_scatter_start` or `all_gather_start`: this rank's tensor is already deposited; `wait` picks up the
-/// round once every rank of the group has deposited its own.
+/// `reduce_scatter_start` or `all_gather_start`: this rank's tensor is already deposited;
+/// `wait` picks up the round once every rank of the group has deposited its own.
 struct ThreadRecv {
     comm: Arc<Comm>,
     seq: u64,
@@ -354,10 +356,7 @@ impl PendingRecv for ThreadRecv {
             Op::AllReduce if p == 1 => fresh_on(tensor_of(&taken.entries, 0)?, &self.device),
             Op::AllReduce => sum_once(&self.comm.label, &taken, &self.device),
             Op::ReduceScatter { dim } => scatter_sum(&taken, dim, self.rank, p, &self.device),
-            Op::AllGather { dim } => {
-                let parts = (0..p).map(|r| tensor_of(&taken.entries, r)?.to_device(&self.device)).collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&parts, dim)
-            }
+            Op::AllGather { dim } => cat_entries(&taken, p, dim, &self.device),
             ref op => Err(Error::Msg(format!("thread group {}: no pending result for {op} (internal error)", self.comm.label))),
         }
     }

@@ -251,7 +251,7 @@ impl NcclGroup {
 
     /// The pending result `out` of `op`, written on the comm stream until `event`; `send` (the
     /// input) stays alive until then.
-    fn pending(&self, op: &'static str, out: Tensor, host: bool, event: Arc<CudaEvent>, send: Tensor) -> Box<dyn PendingRecv> {
+    fn pending(&self, op: &'static str, out: Tensor, host: bool, event: Arc<CudaEvent>, send: Tensor) -> Box<NcclRecv> {
         Box::new(NcclRecv { op, out: Some(out), host, event, compute: self.compute(), raw: self.raw.clone(), _send: send, then: None })
     }
 
@@ -535,8 +535,9 @@ impl ProcessGroup for NcclGroup {
         let p = self.size;
         let (g, event) = self.flat_with(&t, Shape::from((p, a, n * e)), Flat::AllGather, false)?;
         let dims = t.dims().to_vec();
-        let then: Box<dyn FnOnce(Tensor) -> Result<Tensor> + Send> = Box::new(move |g| gathered(g, a, &dims, dim, p));
-        Ok(Box::new(NcclRecv { op: "all_gather_start", out: Some(g), host, event, compute: self.compute(), raw: self.raw.clone(), _send: t, then: Some(then) }))
+        let mut r = self.pending("all_gather_start", g, host, event, t);
+        r.then = Some(Box::new(move |g| gathered(g, a, &dims, dim, p)));
+        Ok(r)
     }
 
     fn reduce_scatter(&self, t: &Tensor, dim: usize) -> Result<Tensor> {

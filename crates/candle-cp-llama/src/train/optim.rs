@@ -6,7 +6,7 @@ use candle_cp_comm::Group;
 use std::collections::HashMap;
 use std::path::Path;
 
-use super::zero::{gather, gather_many, reduce_scatter_many_as, span, PendingParams, Zero, BUCKET};
+use super::zero::{gather, reduce_scatter_many_as, span, PendingParams, Zero, BUCKET};
 
 /// AdamW hyper-parameters (the learning rate is passed to every [`AdamW::step`]).
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -148,18 +148,8 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
-        let updated = self.update(grads, lr, grad_scale)?;
-        if let Some(z) = &self.zero {
-            let items: Vec<(Tensor, usize)> = updated
-                .iter()
-                .map(|(i, t)| (t.clone(), self.slots[*i].var.elem_count()))
-                .collect();
-            for ((i, _), full) in updated.iter().zip(gather_many(z, &items, BUCKET)?) {
-                let var = &self.slots[*i].var;
-                var.set(&full.reshape(var.shape())?)?;
-            }
-        }
-        Ok(())
+        let zero = self.zero.clone();
+        self.update_and_gather(grads, lr, grad_scale, zero, &|_| 0)?.finish()
     }
 
     /// [`AdamW::step`] that does not wait for ZeRO's all-gathers of the updated parameters:
@@ -183,25 +173,38 @@ impl AdamW {
         comm: &Group,
         group_of: &dyn Fn(&str) -> usize,
     ) -> Result<PendingParams> {
-        let Some(z) = self.zero.clone() else {
-            self.update(grads, lr, grad_scale)?;
-            return Ok(PendingParams::none());
-        };
-        if comm.size() != z.size || comm.rank() != z.rank {
-            bail!(
+        let zero = match self.zero.clone() {
+            Some(z) if comm.size() != z.size || comm.rank() != z.rank => bail!(
                 "AdamW::step_start: comm is rank {} of {}, the optimizer's replica group rank {} of {}",
                 comm.rank(),
                 comm.size(),
                 z.rank,
                 z.size
-            )
-        }
+            ),
+            z => z.map(|z| Zero { group: comm.clone(), ..z }),
+        };
+        self.update_and_gather(grads, lr, grad_scale, zero, group_of)
+    }
+
+    /// [`AdamW::update`], then with ZeRO (`zero`: the replica ranks and the communicator of
+    /// the gathers) the all-gathers of the updated slices started, by `group_of` groups.
+    fn update_and_gather(
+        &mut self,
+        grads: &HashMap<String, Tensor>,
+        lr: f64,
+        grad_scale: f64,
+        zero: Option<Zero>,
+        group_of: &dyn Fn(&str) -> usize,
+    ) -> Result<PendingParams> {
         let updated = self.update(grads, lr, grad_scale)?;
+        let Some(z) = zero else {
+            return Ok(PendingParams::none());
+        };
         let items = updated
             .into_iter()
             .map(|(i, t)| (group_of(&self.slots[i].name), self.slots[i].var.clone(), t))
             .collect();
-        PendingParams::start(&Zero { group: comm.clone(), ..z }, items, BUCKET)
+        PendingParams::start(&z, items, BUCKET)
     }
 
     /// The AdamW update of every parameter in `grads`: written into the parameters without

@@ -62,28 +62,45 @@ pub(crate) fn gather_many(z: &Zero, items: &[(Tensor, usize)], bucket: usize) ->
     let mut out = Vec::with_capacity(items.len());
     let mut start = 0;
     while start < items.len() {
-        let dtype = items[start].0.dtype();
-        let mut end = start;
-        let mut elems = 0;
-        while end < items.len() && items[end].0.dtype() == dtype && (end == start || elems < bucket) {
-            elems += span(items[end].1, 0, z.size).2 * z.size;
-            end += 1;
-        }
-        let chunks: Vec<usize> = items[start..end].iter().map(|(_, n)| span(*n, 0, z.size).2).collect();
-        let cols: usize = chunks.iter().sum();
-        let padded = items[start..end]
-            .iter()
-            .zip(&chunks)
-            .map(|((s, _), &c)| pad_to(s, c))
-            .collect::<Result<Vec<_>>>()?;
-        // [size · cols] rank-major → [size, cols]; parameter i is a band of columns
-        let all = z.group.all_gather(&Tensor::cat(&padded, 0)?, 0)?.reshape((z.size, cols))?;
-        let mut col = 0;
-        for ((_, n), &c) in items[start..end].iter().zip(&chunks) {
-            out.push(all.narrow(1, col, c)?.flatten_all()?.narrow(0, 0, *n)?);
-            col += c;
-        }
+        let end = bucket_end(start, items.len(), z.size, bucket, |i| items[i].0.dtype(), |i| items[i].1);
+        let params: Vec<(usize, usize)> = items[start..end].iter().map(|(_, n)| (*n, span(*n, 0, z.size).2)).collect();
+        let packed = pack_bucket(items[start..end].iter().map(|(s, _)| s), &params)?;
+        out.extend(unpack_bucket(z.group.all_gather(&packed, 0)?, z.size, &params)?);
         start = end;
+    }
+    Ok(out)
+}
+
+/// End (exclusive) of the bucket of items `start..` of `len`: the items after `start` with
+/// its `key`, while the bucket holds fewer than `bucket` elements, padding to `size` slices
+/// included (`n(i)`: item `i`'s elements); at least one item.
+fn bucket_end<K: PartialEq>(start: usize, len: usize, size: usize, bucket: usize, key: impl Fn(usize) -> K, n: impl Fn(usize) -> usize) -> usize {
+    let (k, mut end, mut elems) = (key(start), start, 0);
+    while end < len && key(end) == k && (end == start || elems < bucket) {
+        elems += span(n(end), 0, size).2 * size;
+        end += 1;
+    }
+    end
+}
+
+/// One all-gather's input: the slices, each zero-padded to its capacity, end to end;
+/// `params` = (elements, slice capacity) of each.
+fn pack_bucket<'a>(slices: impl Iterator<Item = &'a Tensor>, params: &[(usize, usize)]) -> Result<Tensor> {
+    let padded = slices.zip(params).map(|(s, &(_, chunk))| pad_to(s, chunk)).collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&padded, 0)
+}
+
+/// An all-gather of [`pack_bucket`] (`[size · cols]`, rank-major) → each parameter's flat
+/// `[n]`.
+fn unpack_bucket(all: Tensor, size: usize, params: &[(usize, usize)]) -> Result<Vec<Tensor>> {
+    let cols: usize = params.iter().map(|p| p.1).sum();
+    // [size, cols]; parameter i is a band of columns
+    let all = all.reshape((size, cols))?;
+    let mut col = 0;
+    let mut out = Vec::with_capacity(params.len());
+    for &(n, chunk) in params {
+        out.push(all.narrow(1, col, chunk)?.flatten_all()?.narrow(0, 0, n)?);
+        col += chunk;
     }
     Ok(out)
 }
@@ -106,9 +123,14 @@ pub struct PendingParams {
     size: usize,
 }
 
-/// (group, the pending all-gather of one bucket, its parameters: (var, elements, slice
-/// capacity)).
-type GatherBucket = (usize, Box<dyn PendingRecv>, Vec<(Var, usize, usize)>);
+/// One started all-gather: its group, the pending result, and the parameters it rebuilds
+/// with their (elements, slice capacity).
+struct GatherBucket {
+    group: usize,
+    pending: Box<dyn PendingRecv>,
+    vars: Vec<Var>,
+    params: Vec<(usize, usize)>,
+}
 
 impl PendingParams {
     /// Nothing pending.
@@ -125,21 +147,12 @@ impl PendingParams {
         let mut buckets = VecDeque::new();
         let mut start = 0;
         while start < items.len() {
-            let (k, dtype) = (items[start].0, items[start].2.dtype());
-            let mut end = start;
-            let mut elems = 0;
-            while end < items.len() && items[end].0 == k && items[end].2.dtype() == dtype && (end == start || elems < bucket) {
-                elems += span(items[end].1.elem_count(), 0, z.size).2 * z.size;
-                end += 1;
-            }
-            let mut params = Vec::with_capacity(end - start);
-            let mut padded = Vec::with_capacity(end - start);
-            for (_, var, slice) in &items[start..end] {
-                let (n, chunk) = (var.elem_count(), span(var.elem_count(), 0, z.size).2);
-                padded.push(pad_to(slice, chunk)?);
-                params.push((var.clone(), n, chunk));
-            }
-            buckets.push_back((k, z.group.all_gather_start(&Tensor::cat(&padded, 0)?, 0)?, params));
+            let end = bucket_end(start, items.len(), z.size, bucket, |i| (items[i].0, items[i].2.dtype()), |i| items[i].1.elem_count());
+            let part = &items[start..end];
+            let params: Vec<(usize, usize)> = part.iter().map(|(_, v, _)| (v.elem_count(), span(v.elem_count(), 0, z.size).2)).collect();
+            let packed = pack_bucket(part.iter().map(|(_, _, s)| s), &params)?;
+            let pending = z.group.all_gather_start(&packed, 0)?;
+            buckets.push_back(GatherBucket { group: part[0].0, pending, vars: part.iter().map(|(_, v, _)| v.clone()).collect(), params });
             start = end;
         }
         Ok(Self { buckets, size: z.size })
@@ -148,16 +161,10 @@ impl PendingParams {
     /// Wait for the all-gathers of groups `0..=k` (in the order started) and write their
     /// parameters. Cheap when they are done already.
     pub fn wait_through(&mut self, k: usize) -> Result<()> {
-        while self.buckets.front().is_some_and(|b| b.0 <= k) {
-            let Some((_, pending, params)) = self.buckets.pop_front() else { break };
-            let cols: usize = params.iter().map(|p| p.2).sum();
-            // [size · cols] rank-major → [size, cols]; parameter i is a band of columns
-            let all = pending.wait()?.reshape((self.size, cols))?;
-            let mut col = 0;
-            for (var, n, chunk) in params {
-                let full = all.narrow(1, col, chunk)?.flatten_all()?.narrow(0, 0, n)?;
+        while self.buckets.front().is_some_and(|b| b.group <= k) {
+            let Some(b) = self.buckets.pop_front() else { break };
+            for (var, full) in b.vars.iter().zip(unpack_bucket(b.pending.wait()?, self.size, &b.params)?) {
                 var.set(&full.reshape(var.shape())?)?;
-                col += chunk;
             }
         }
         Ok(())
@@ -188,12 +195,7 @@ pub(crate) fn reduce_scatter_many_as(z: &Zero, grads: &[Tensor], bucket: usize, 
     let mut out = Vec::with_capacity(grads.len());
     let mut start = 0;
     while start < grads.len() {
-        let mut end = start;
-        let mut elems = 0;
-        while end < grads.len() && (end == start || elems < bucket) {
-            elems += span(grads[end].elem_count(), 0, z.size).2 * z.size;
-            end += 1;
-        }
+        let end = bucket_end(start, grads.len(), z.size, bucket, |_| (), |i| grads[i].elem_count());
         let mine = z.group.reduce_scatter(&pack_rows(z, &grads[start..end])?, 0)?;
         let meta: Vec<(usize, DType)> = grads[start..end].iter().map(|g| (g.elem_count(), dtype.unwrap_or(g.dtype()))).collect();
         out.extend(unpack_slices(z, &meta, &mine)?);
