@@ -1,8 +1,10 @@
-//! `candle-cp`: verify parallel layouts against reference data, and plan layouts.
+//! `candle-cp`: verify parallel layouts against reference data, plan layouts, and search
+//! for the fastest one.
 //!
 //! Exit codes: 0 PASS (or success), 1 FAIL, 2 bad input (message on stderr).
 
 mod plan;
+mod search;
 mod verify_attn;
 mod verify_llama;
 
@@ -23,6 +25,8 @@ enum Cmd {
     Verify(Verify),
     /// What a layout costs: activation memory, weights/optimizer, FLOPs, ring bytes, overlap.
     Plan(plan::PlanArgs),
+    /// The fastest layouts of N GPUs that fit in memory, ranked by the planner's step time.
+    Search(search::SearchArgs),
 }
 
 #[derive(Subcommand)]
@@ -49,6 +53,7 @@ fn main() -> ExitCode {
         Cmd::Verify(Verify::Attn(a)) => verify_attn::run(a),
         Cmd::Verify(Verify::Llama(a)) => verify_llama::run(a),
         Cmd::Plan(a) => plan::run(a),
+        Cmd::Search(a) => search::run(a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -1,15 +1,16 @@
-//! `candle-cp plan`: memory, FLOPs and communication of a layout, and whether it fits.
+//! `candle-cp plan`: memory, FLOPs and communication of a layout, whether it fits, and what
+//! one optimizer step takes.
 //!
 //! Formulas: `docs/arithmetic.md`; arithmetic: the `candle-cp-plan` crate.
 
 use candle_cp_plan::{
-    plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, PlanInput,
-    Recompute,
+    plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, Overlap,
+    PlanInput, Recompute,
 };
 
-/// Arguments of `candle-cp plan`.
+/// Model, sequence, hardware and rate flags shared by `candle-cp plan` and `candle-cp search`.
 #[derive(clap::Args, Debug)]
-pub struct PlanArgs {
+pub struct CommonArgs {
     /// Model: llama3-8b, llama3-70b, llama3-405b, or the path of a Hugging Face config.json.
     #[arg(long)]
     pub model: String,
@@ -51,6 +52,36 @@ pub struct PlanArgs {
     /// GPUs per NVLink domain (node).
     #[arg(long)]
     pub gpus_per_node: Option<usize>,
+    /// Achieved attention rate, TFLOP/s (overlap check and attention time).
+    #[arg(long, default_value_t = 600.0)]
+    pub attn_tflops: f64,
+    /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
+    #[arg(long)]
+    pub linear_tflops: Option<f64>,
+    /// Activation count driving the per-GPU totals: korthikanti (34·sbh) or llama (exact).
+    #[arg(long, default_value = "korthikanti")]
+    pub activations: String,
+    /// Attention stores its s×s scores (no flash attention).
+    #[arg(long)]
+    pub no_flash: bool,
+    /// dK/dV accumulated and sent in fp32 in the CP backward.
+    #[arg(long)]
+    pub dkv_fp32: bool,
+    /// Gradient sync the step time takes as hidden: none, grad (reduction during the
+    /// backward, --overlap-grad-sync) or all (+ ZeRO-1/2's parameter all-gather during the
+    /// next forward, --overlap-param-gather).
+    #[arg(long, default_value = "all")]
+    pub overlap: String,
+    /// Print one JSON object instead of tables.
+    #[arg(long)]
+    pub json: bool,
+}
+
+/// Arguments of `candle-cp plan`.
+#[derive(clap::Args, Debug)]
+pub struct PlanArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
     /// Tensor-parallel degree.
     #[arg(long, default_value_t = 1)]
     pub tp: usize,
@@ -60,6 +91,9 @@ pub struct PlanArgs {
     /// Pipeline-parallel degree (1F1B schedule assumed).
     #[arg(long, default_value_t = 1)]
     pub pp: usize,
+    /// Model chunks per pipeline rank: Megatron's interleaved 1F1B schedule (1: plain 1F1B).
+    #[arg(long, default_value_t = 1)]
+    pub virtual_stages: usize,
     /// Data-parallel degree.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
@@ -78,28 +112,14 @@ pub struct PlanArgs {
     /// ZeRO stage 0-3 (optimizer / +gradients / +weights sharded over DP x CP).
     #[arg(long, default_value_t = 1)]
     pub zero: u8,
-    /// Achieved attention rate, TFLOP/s (overlap check and attention time).
-    #[arg(long, default_value_t = 600.0)]
-    pub attn_tflops: f64,
-    /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
+    /// Micro-batches per optimizer step per data-parallel replica (gradient accumulation;
+    /// the pipeline's micro-batches) [default: --pp].
     #[arg(long)]
-    pub linear_tflops: Option<f64>,
-    /// Activation count driving the per-GPU totals: korthikanti (34·sbh) or llama (exact).
-    #[arg(long, default_value = "korthikanti")]
-    pub activations: String,
-    /// Attention stores its s×s scores (no flash attention).
-    #[arg(long)]
-    pub no_flash: bool,
-    /// dK/dV accumulated and sent in fp32 in the CP backward.
-    #[arg(long)]
-    pub dkv_fp32: bool,
-    /// Print one JSON object instead of tables.
-    #[arg(long)]
-    pub json: bool,
+    pub micro_batches: Option<usize>,
 }
 
-/// Builds the planner input from the flags; errors name the bad value.
-pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
+/// Builds the planner input from the shared flags and `layout`; errors name the bad value.
+pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanInput> {
     let mut model = ModelConfig::from_name_or_path(&a.model)?;
     if let Some(w) = a.sliding_window {
         if w == 0 {
@@ -131,16 +151,8 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         hw.name = format!("{} (overridden)", hw.name);
     }
     let layout = Layout {
-        tp: a.tp,
-        sp: a.sp,
-        cp: a.cp,
-        cp_kind: CpKind::parse(&a.cp_kind)?,
-        ulysses: a.ulysses,
-        pp: a.pp,
-        dp: a.dp,
-        zero: a.zero,
-        recompute: Recompute::parse(&a.recompute)?,
         flash: !a.no_flash,
+        ..layout
     };
     if a.doc_len == Some(0) {
         anyhow::bail!("--doc-len must be at least 1 token, got 0")
@@ -150,6 +162,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
     input.micro_batch = a.micro_batch;
     input.dtype = Dtype::parse(&a.dtype)?;
     input.dkv_fp32 = a.dkv_fp32;
+    input.overlap = Overlap::parse(&a.overlap)?;
     input.activation_model = ActivationModel::parse(&a.activations)?;
     input.attn_flops = a.attn_tflops * 1e12;
     if let Some(x) = a.linear_tflops {
@@ -158,12 +171,32 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
     Ok(input)
 }
 
+/// Builds the planner input from the flags of `candle-cp plan`; errors name the bad value.
+pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
+    let layout = Layout {
+        tp: a.tp,
+        sp: a.sp,
+        cp: a.cp,
+        cp_kind: CpKind::parse(&a.cp_kind)?,
+        ulysses: a.ulysses,
+        pp: a.pp,
+        virtual_stages: a.virtual_stages,
+        dp: a.dp,
+        zero: a.zero,
+        recompute: Recompute::parse(&a.recompute)?,
+        flash: true,
+    };
+    let mut input = input_from_common(&a.common, layout)?;
+    input.micro_batches = a.micro_batches;
+    Ok(input)
+}
+
 /// Runs the planner and prints tables or JSON. `Ok(true)` whenever the input is valid
 /// (whether or not the layout fits: that is in the output); `Err` on bad input.
 pub fn run(a: PlanArgs) -> crate::Outcome {
     let input = input_from_args(&a)?;
     let p = plan(&input)?;
-    if a.json {
+    if a.common.json {
         println!("{}", serde_json::to_string_pretty(&p)?);
     } else {
         print!("{}", report::render(&p));

@@ -13,8 +13,11 @@
 //! | 1, 2 | reduce-scatter of the gradients into the owners' slices, all-gather of the updated parameters | `(R-1)/R·N·(4 + e)` |
 //! | 3 | + the parameters all-gathered again in forward and backward | `(R-1)/R·N·(4 + 3e)` |
 //!
-//! candle-cp's ZeRO-2 (`--zero2`) reduce-scatters after every micro-batch, not once per step:
-//! with `k` micro-batches per step its reduce-scatter part is `k` times the table's.
+//! With `k` micro-batches per optimizer step ([`crate::PlanInput::micro_batches`]) the stages
+//! that shard the gradients cannot accumulate them locally: ZeRO-2 (candle-cp's `--zero2`)
+//! reduce-scatters after every micro-batch, `(R-1)/R·N·(4k + e)`, and ZeRO-3 also gathers the
+//! parameters for every micro-batch's forward and backward, `(R-1)/R·N·(k·(4 + 2e) + e)`.
+//! ZeRO-0 and 1 accumulate locally and reduce once per step; `k = 1` is the table.
 //!
 //! Under SP the norm weights' gradients are summed over TP as well (`h·(2L+1)` parameters,
 //! left out here).
@@ -28,7 +31,10 @@
 //! parameters runs after the optimizer step and stays exposed, unless it overlaps the next
 //! forward (`--overlap-param-gather`: each layer's parameters gathered while the layers
 //! before it compute, one layer-forward `f` apart): then its `G` leaves
-//! `max(G/L, G − (L−1)·f)`, by the same argument.
+//! `max(G/L, G − (L−1)·f)`, by the same argument. With `k` reductions per step (ZeRO-2/3),
+//! each of `T/k` overlaps its own micro-batch's backward: `k·max(T/(kL), T/k − (L−1)·b)`
+//! (no credit is taken for a reduction spilling into the next micro-batch's forward).
+//! ZeRO-3's per-micro-batch gathers are counted as exposed (no prefetch is modelled).
 
 use crate::hardware::{Hardware, Link};
 use crate::layout::Layout;
@@ -45,7 +51,10 @@ pub struct GradSync {
     pub zero: u8,
     /// Parameters on this GPU before ZeRO sharding, `N`.
     pub params_per_gpu: f64,
-    /// Bytes sent per GPU per optimizer step (module table).
+    /// Gradient reductions per optimizer step: the micro-batch count `k` under ZeRO-2/3
+    /// (sharded gradients cannot be accumulated locally), else 1.
+    pub reductions: usize,
+    /// Bytes sent per GPU per optimizer step (module table, `k` micro-batches).
     pub bytes_per_step: f64,
     /// `bytes_per_step / link bandwidth`, s: the time if none of it overlaps the backward.
     pub seconds_per_step: f64,
@@ -73,10 +82,11 @@ impl GradSync {
             return self;
         }
         let bw = self.bytes_per_step / self.seconds_per_step;
-        let t = self.reduce_bytes_per_step / bw;
+        let k = self.reductions.max(1) as f64;
+        let t = self.reduce_bytes_per_step / bw / k;
         let l = layers as f64;
         let rest = (self.bytes_per_step - self.reduce_bytes_per_step) / bw;
-        let reduce = (t / l).max(t - (l - 1.0) * bwd_layer_s);
+        let reduce = k * (t / l).max(t - (l - 1.0) * bwd_layer_s);
         self.exposed_overlapped_s = Some(reduce + rest);
         self.exposed_gather_overlapped_s = gathers.then(|| reduce + (rest / l).max(rest - (l - 1.0) * fwd_layer_s));
         self
@@ -84,18 +94,26 @@ impl GradSync {
 }
 
 /// [`GradSync`] of `layout` on `hw` for `params_per_gpu` parameters trained in `e`-byte
-/// elements.
-pub fn grad_sync(layout: &Layout, hw: &Hardware, params_per_gpu: f64, e: usize) -> GradSync {
+/// elements, `micro_batches` micro-batches per optimizer step (module docs; 0 counts as 1).
+pub fn grad_sync(
+    layout: &Layout,
+    hw: &Hardware,
+    params_per_gpu: f64,
+    e: usize,
+    micro_batches: usize,
+) -> GradSync {
     let r = layout.dp * layout.cp;
     let frac = (r as f64 - 1.0) / r as f64;
     let e = e as f64;
+    let reductions = if layout.zero >= 2 { micro_batches.max(1) } else { 1 };
+    let k = reductions as f64;
     let per_param = match layout.zero {
         0 => 2.0 * 4.0,
-        1 | 2 => 4.0 + e,
-        _ => 4.0 + 3.0 * e,
+        1 | 2 => 4.0 * k + e,
+        _ => k * (4.0 + 2.0 * e) + e,
     };
     let bytes = frac * params_per_gpu * per_param;
-    let reduce_bytes = frac * params_per_gpu * if layout.zero == 0 { 8.0 } else { 4.0 };
+    let reduce_bytes = frac * params_per_gpu * if layout.zero == 0 { 8.0 } else { 4.0 * k };
     // CP ranks are tp apart; with DP the group reaches across the whole world
     let link = if layout.dp == 1 {
         Link::for_group(layout.tp, layout.cp, hw)
@@ -107,6 +125,7 @@ pub fn grad_sync(layout: &Layout, hw: &Hardware, params_per_gpu: f64, e: usize) 
         link,
         zero: layout.zero,
         params_per_gpu,
+        reductions,
         bytes_per_step: bytes,
         seconds_per_step: if r > 1 { bytes / link.bandwidth(hw) } else { 0.0 },
         reduce_bytes_per_step: reduce_bytes,
@@ -130,13 +149,37 @@ mod tests {
         let hw = Hardware::preset("h100").unwrap();
         let n = 1e9;
         for (zero, per) in [(0u8, 6.0), (1, 4.5), (2, 4.5), (3, 7.5)] {
-            let g = grad_sync(&layout(1, 4, 1, zero), &hw, n, 2);
+            let g = grad_sync(&layout(1, 4, 1, zero), &hw, n, 2, 1);
             assert_eq!(g.replicas, 4);
             assert!((g.bytes_per_step - per * n).abs() < 1.0, "zero {zero}: {}", g.bytes_per_step);
             assert!((g.seconds_per_step - g.bytes_per_step / hw.nvlink_bw).abs() < 1e-12);
         }
-        let one = grad_sync(&layout(8, 1, 1, 1), &hw, n, 2);
+        let one = grad_sync(&layout(8, 1, 1, 1), &hw, n, 2, 1);
         assert_eq!((one.replicas, one.bytes_per_step, one.seconds_per_step), (1, 0.0, 0.0));
+    }
+
+    /// `k = 4` micro-batches, R = 4, N = 1e9, bf16: ZeRO-0 and 1 still reduce once (6 and 4.5
+    /// bytes per parameter); ZeRO-2 reduce-scatters 4 times, 3/4·(4·4 + 2) = 13.5; ZeRO-3 also
+    /// gathers twice per micro-batch, 3/4·(4·(4 + 4) + 2) = 25.5.
+    #[test]
+    fn micro_batches_multiply_the_sharded_reductions() {
+        let hw = Hardware::preset("h100").unwrap();
+        let n = 1e9;
+        for (zero, per, reductions) in [(0u8, 6.0, 1), (1, 4.5, 1), (2, 13.5, 4), (3, 25.5, 4)] {
+            let g = grad_sync(&layout(1, 4, 1, zero), &hw, n, 2, 4);
+            assert!((g.bytes_per_step - per * n).abs() < 1.0, "zero {zero}: {}", g.bytes_per_step);
+            assert_eq!(g.reductions, reductions, "zero {zero}");
+        }
+        // 0 micro-batches count as 1
+        assert_eq!(grad_sync(&layout(1, 4, 1, 2), &hw, n, 2, 0), grad_sync(&layout(1, 4, 1, 2), &hw, n, 2, 1));
+        // overlapped: each of the k reductions T/k against its own micro-batch's backward
+        let bw = hw.nvlink_bw;
+        let z = grad_sync(&layout(1, 4, 1, 2), &hw, n, 2, 4);
+        let (t, gather) = (z.reduce_bytes_per_step / bw, (z.bytes_per_step - z.reduce_bytes_per_step) / bw);
+        let (slow, fast) = (10.0, t / 4.0 / 8.0); // a backward layer far longer / shorter than T/k
+        let got = |b: f64| z.clone().overlapped(4, b, 10.0).exposed_overlapped_s.unwrap();
+        assert!((got(slow) - (4.0 * (t / 16.0) + gather)).abs() < 1e-9);
+        assert!((got(fast) - (4.0 * (t / 4.0 - 3.0 * fast) + gather)).abs() < 1e-9);
     }
 
     /// TP 8 × CP 2 spans two 8-GPU nodes (InfiniBand); CP 8 alone stays in one (NVLink); any
@@ -144,10 +187,10 @@ mod tests {
     #[test]
     fn link_of_the_replica_group() {
         let hw = Hardware::preset("h100").unwrap();
-        assert_eq!(grad_sync(&layout(8, 2, 1, 1), &hw, 1e9, 2).link, Link::Ib);
-        assert_eq!(grad_sync(&layout(1, 8, 1, 1), &hw, 1e9, 2).link, Link::Nvlink);
-        assert_eq!(grad_sync(&layout(4, 2, 2, 1), &hw, 1e9, 2).link, Link::Ib);
-        assert_eq!(grad_sync(&layout(2, 2, 2, 1), &hw, 1e9, 2).link, Link::Nvlink);
+        assert_eq!(grad_sync(&layout(8, 2, 1, 1), &hw, 1e9, 2, 1).link, Link::Ib);
+        assert_eq!(grad_sync(&layout(1, 8, 1, 1), &hw, 1e9, 2, 1).link, Link::Nvlink);
+        assert_eq!(grad_sync(&layout(4, 2, 2, 1), &hw, 1e9, 2, 1).link, Link::Ib);
+        assert_eq!(grad_sync(&layout(2, 2, 2, 1), &hw, 1e9, 2, 1).link, Link::Nvlink);
     }
 
     /// 4 layers, ZeRO-0 (all of it a reduction) of T = 0.8 s: a backward of 0.5 s per layer
@@ -156,7 +199,7 @@ mod tests {
     #[test]
     fn exposed_when_overlapped() {
         let hw = Hardware::preset("h100").unwrap();
-        let g = grad_sync(&layout(1, 4, 1, 0), &hw, 1e9, 2);
+        let g = grad_sync(&layout(1, 4, 1, 0), &hw, 1e9, 2, 1);
         let bw = hw.nvlink_bw;
         let n = 0.8 * bw / 6.0; // 6 bytes per parameter: T = 0.8 s
         let g = GradSync { params_per_gpu: n, bytes_per_step: 0.8 * bw, seconds_per_step: 0.8, reduce_bytes_per_step: 0.8 * bw, ..g };
@@ -164,7 +207,7 @@ mod tests {
         assert!(close(g.clone().overlapped(4, 0.5, 0.2).exposed_overlapped_s, 0.2));
         assert!(close(g.clone().overlapped(4, 0.1, 0.2).exposed_overlapped_s, 0.5));
         assert_eq!(g.clone().overlapped(4, 0.1, 0.2).exposed_gather_overlapped_s, None);
-        let z = grad_sync(&layout(1, 4, 1, 1), &hw, 1e9, 2);
+        let z = grad_sync(&layout(1, 4, 1, 1), &hw, 1e9, 2, 1);
         let (t, gather) = (z.reduce_bytes_per_step / bw, (z.bytes_per_step - z.reduce_bytes_per_step) / bw);
         assert!((gather / z.seconds_per_step - 1.0 / 3.0).abs() < 1e-12);
         assert!(close(z.clone().overlapped(4, 10.0, 5.0).exposed_overlapped_s, t / 4.0 + gather));
@@ -173,7 +216,7 @@ mod tests {
         assert!(close(z.clone().overlapped(4, 10.0, 5.0).exposed_gather_overlapped_s, t / 4.0 + gather / 4.0));
         let f = gather / 10.0;
         assert!(close(z.clone().overlapped(4, 10.0, f).exposed_gather_overlapped_s, t / 4.0 + gather - 3.0 * f));
-        let one = grad_sync(&layout(8, 1, 1, 1), &hw, 1e9, 2).overlapped(4, 0.1, 0.05);
+        let one = grad_sync(&layout(8, 1, 1, 1), &hw, 1e9, 2, 1).overlapped(4, 0.1, 0.05);
         assert_eq!((one.exposed_overlapped_s, one.exposed_gather_overlapped_s), (Some(0.0), Some(0.0)));
     }
 }

@@ -124,6 +124,11 @@ pub struct Layout {
     pub ulysses: usize,
     /// Pipeline-parallel degree.
     pub pp: usize,
+    /// Model chunks per pipeline rank, `v` (Megatron's interleaved 1F1B schedule; 1: the
+    /// plain 1F1B schedule). Each GPU holds `v` chunks of `⌈L/(pp·v)⌉` layers; the bubble
+    /// shrinks `v`-fold and the first stage stores `1 + (pp−1)/(pp·v)` times more
+    /// activations (Korthikanti et al. 2022, §4.2).
+    pub virtual_stages: usize,
     /// Data-parallel degree.
     pub dp: usize,
     /// ZeRO stage 0..=3, sharding over the `dp·cp` ranks that hold the same weights.
@@ -143,6 +148,7 @@ impl Default for Layout {
             cp_kind: CpKind::Ring,
             ulysses: 1,
             pp: 1,
+            virtual_stages: 1,
             dp: 1,
             zero: 1,
             recompute: Recompute::None,
@@ -237,6 +243,22 @@ impl Layout {
                 m.name
             )
         }
+        if self.virtual_stages == 0 || (self.virtual_stages > 1 && self.pp == 1) {
+            plan_bail!(
+                "--virtual-stages {} needs to be at least 1, and 1 without pipeline parallelism (--pp {})",
+                self.virtual_stages,
+                self.pp
+            )
+        }
+        if self.pp * self.virtual_stages > m.layers {
+            plan_bail!(
+                "PP {} x {} virtual stages exceeds the {} layers of {}",
+                self.pp,
+                self.virtual_stages,
+                m.layers,
+                m.name
+            )
+        }
         if self.cp_kind == CpKind::TwoD
             && (self.ulysses == 0 || !self.cp.is_multiple_of(self.ulysses))
         {
@@ -287,6 +309,16 @@ mod tests {
         assert!(Recompute::parse("some").unwrap_err().0.contains("'some'"));
         assert_eq!(CpKind::parse("all-gather").unwrap(), CpKind::Allgather);
         assert_eq!(Dtype::parse("fp32").unwrap().bytes(), 4);
+    }
+
+    #[test]
+    fn virtual_stages_need_pipeline_and_layers() {
+        let m = m405();
+        let v = |pp, virtual_stages| Layout { pp, virtual_stages, ..Layout::default() }.validate(&m, 8192);
+        assert!(v(16, 2).is_ok() && v(16, 1).is_ok() && v(1, 1).is_ok());
+        assert!(v(1, 2).unwrap_err().0.contains("--virtual-stages 2"));
+        assert!(v(16, 0).unwrap_err().0.contains("--virtual-stages 0"));
+        assert!(v(16, 8).unwrap_err().0.contains("PP 16 x 8 virtual stages exceeds the 126 layers"));
     }
 
     #[test]

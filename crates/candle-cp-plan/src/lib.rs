@@ -30,12 +30,16 @@ pub mod model;
 pub mod packed;
 pub mod plan;
 pub mod report;
+pub mod search;
+pub mod step;
 pub mod window;
 
 pub use hardware::Hardware;
 pub use layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 pub use model::ModelConfig;
 pub use plan::{plan, Plan, PlanInput};
+pub use search::{search, SearchInput, SearchResult};
+pub use step::{Overlap, StepTime};
 
 /// Error for bad planner input (unknown preset, degrees that do not divide, bad config).
 /// The message names the offending values.

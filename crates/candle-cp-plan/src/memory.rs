@@ -158,9 +158,22 @@ pub fn layer_per_gpu(
     }
 }
 
-/// Layers held by the busiest pipeline stage: `ceil(L / pp)`.
+/// Layers held by the busiest pipeline stage: `ceil(L / pp)`; with `v` virtual stages, `v`
+/// chunks of `ceil(L / (pp·v))`.
 pub fn layers_per_stage(m: &ModelConfig, l: &Layout) -> usize {
-    m.layers.div_ceil(l.pp)
+    let v = l.virtual_stages.max(1);
+    v * m.layers.div_ceil(l.pp * v)
+}
+
+/// Extra activations the first stage stores under the interleaved schedule:
+/// `1 + (pp−1)/(pp·v)` for `v > 1` virtual stages, else 1.
+pub fn interleave_factor(l: &Layout) -> f64 {
+    let (p, v) = (l.pp as f64, l.virtual_stages.max(1) as f64);
+    if l.virtual_stages > 1 {
+        1.0 + (p - 1.0) / (p * v)
+    } else {
+        1.0
+    }
 }
 
 /// Activation memory per GPU, bytes, for the busiest stage.
@@ -168,9 +181,10 @@ pub fn layers_per_stage(m: &ModelConfig, l: &Layout) -> usize {
 pub struct ActivationTotals {
     /// Stored per layer per GPU under the chosen recompute policy.
     pub per_layer_per_gpu: f64,
-    /// Micro-batches in flight on the first stage (1F1B schedule: `pp`).
+    /// Micro-batches in flight on the first stage (1F1B schedule: `min(pp, k)`).
     pub in_flight_microbatches: usize,
-    /// `in_flight · ceil(L/pp) · per_layer_per_gpu` on the first stage.
+    /// `in_flight · ceil(L/pp) · per_layer_per_gpu` on the first stage (× the interleaved
+    /// schedule's [`interleave_factor`]).
     pub layers: f64,
     /// Full recompute: one layer's un-recomputed activations live during its backward.
     pub recompute_working_set: f64,
@@ -180,9 +194,11 @@ pub struct ActivationTotals {
     pub total: f64,
 }
 
-/// Activation memory per GPU: the first stage stores `pp` micro-batches (1F1B) of
-/// `ceil(L/pp)` layers; the last stage stores one micro-batch plus the fp32 logits;
-/// full recompute adds one layer's full activations (the layer being backpropagated).
+/// Activation memory per GPU: the first stage stores `min(pp, k)` micro-batches (1F1B with
+/// `k` micro-batches per step) of `ceil(L/pp)` layers; the last stage stores one micro-batch
+/// plus the fp32 logits; full recompute adds one layer's full activations (the layer being
+/// backpropagated).
+#[allow(clippy::too_many_arguments)]
 pub fn activation_totals(
     am: ActivationModel,
     m: &ModelConfig,
@@ -190,11 +206,12 @@ pub fn activation_totals(
     s: usize,
     b: usize,
     e: usize,
+    micro_batches: usize,
 ) -> ActivationTotals {
     let per_layer = layer_per_gpu(am, m, l, s, b, e, l.recompute);
     let lps = layers_per_stage(m, l) as f64;
-    let in_flight = l.pp;
-    let layers = in_flight as f64 * lps * per_layer;
+    let in_flight = l.pp.min(micro_batches.max(1));
+    let layers = in_flight as f64 * lps * per_layer * interleave_factor(l);
     let working = if l.recompute == Recompute::Full {
         layer_per_gpu(am, m, l, s, b, e, Recompute::Selective)
     } else {
@@ -230,14 +247,21 @@ pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
     }
 }
 
-/// Parameters held by one GPU (busiest pipeline stage): matrices over `t` (KV projections
-/// over `a_kv/t`, replicated when `t > a_kv`), norms replicated, embedding and output
-/// projection vocab-parallel over `t` ([`vocab_rows_per_gpu`]), on the first/last stage.
-pub fn params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+/// Parameters of one layer on one GPU: matrices over `t` (KV projections over `a_kv/t`,
+/// replicated when `t > a_kv`) and the two norms (replicated).
+pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
-    let layer = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h;
+    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h
+}
+
+/// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,
+/// embedding and output projection vocab-parallel over `t` ([`vocab_rows_per_gpu`]), on the
+/// first/last stage.
+pub fn params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let h = m.hidden as f64;
+    let layer = layer_params_per_gpu(m, l);
     let emb = vocab_rows_per_gpu(m, l) as f64 * h;
     if l.pp == 1 {
         let out = if m.tie_embeddings { 0.0 } else { emb };
@@ -262,7 +286,11 @@ pub struct ModelStates {
     pub optimizer: f64,
     /// Ranks sharing the same weights, over which ZeRO shards: `dp·cp`.
     pub zero_shards: usize,
-    /// Sum of the three.
+    /// ZeRO-3's unsharded working copies: the weights of the layer being computed and of the
+    /// next one (prefetched), and the gradients of one layer before their reduce-scatter,
+    /// `3·e·max(layer, embedding)` parameters of this GPU; 0 below ZeRO-3.
+    pub zero3_gathered: f64,
+    /// Sum of the four.
     pub total: f64,
 }
 
@@ -276,13 +304,20 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     let weights = params * e as f64 / shard(3);
     let grads = params * e as f64 / shard(2);
     let optimizer = params * opt_bytes / shard(1);
+    let zero3_gathered = if l.zero >= 3 && n > 1.0 {
+        let emb = vocab_rows_per_gpu(m, l) as f64 * m.hidden as f64;
+        3.0 * e as f64 * layer_params_per_gpu(m, l).max(emb)
+    } else {
+        0.0
+    };
     ModelStates {
         params,
         weights,
         grads,
         optimizer,
         zero_shards: l.dp * l.cp,
-        total: weights + grads + optimizer,
+        zero3_gathered,
+        total: weights + grads + optimizer + zero3_gathered,
     }
 }
 
@@ -450,7 +485,10 @@ mod tests {
             },
             2,
         );
-        assert_eq!(z3.total, 16.0 * p / 128.0);
+        // + the working copies: two layers' weights and one layer's gradients, in bf16
+        assert_eq!(z3.zero3_gathered, 3.0 * 2.0 * layer);
+        assert_eq!(z3.total, 16.0 * p / 128.0 + 6.0 * layer);
+        assert_eq!(z1.zero3_gathered, 0.0);
         let f32s = model_states(&m, &Layout { zero: 0, ..l }, 4);
         assert_eq!(f32s.total, 16.0 * p);
         // Unsharded, no parallelism: 16 bytes per parameter of the whole model.
@@ -474,7 +512,7 @@ mod tests {
             cp: 16,
             ..Layout::default()
         };
-        let a = activation_totals(ActivationModel::Korthikanti, &m, &l, S, 1, 2);
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &l, S, 1, 2, 1);
         let per = 34.0 * (S * 16384) as f64 / 128.0;
         assert_eq!(a.layers, 126.0 * per);
         assert_eq!(a.logits, 8192.0 * 128256.0 / 8.0 * 4.0);
@@ -484,14 +522,29 @@ mod tests {
             pp: 16,
             ..l.clone()
         };
-        let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2);
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2, 16);
         assert_eq!(a.total, 16.0 * 8.0 * per);
+        // fewer micro-batches than stages: only those are in flight (the last stage, with
+        // one micro-batch plus the logits, is then the busier for k = 1)
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2, 4);
+        assert_eq!((a.in_flight_microbatches, a.total), (4, 4.0 * 8.0 * per));
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lp, S, 1, 2, 1);
+        assert_eq!(a.total, 8.0 * per + a.logits);
+        // interleaved, v = 2: 2 chunks of ceil(126/32) = 4 layers, and 1 + 15/32 times the
+        // activations in flight
+        let lv = Layout { virtual_stages: 2, ..lp.clone() };
+        assert_eq!(layers_per_stage(&m, &lv), 8);
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lv, S, 1, 2, 16);
+        assert_eq!(a.total, 16.0 * 8.0 * per * (1.0 + 15.0 / 32.0));
+        // v = 4: 4 chunks of ceil(126/64) = 2 layers; v = 3: 3 chunks of ceil(126/48) = 3 = 9
+        assert_eq!(layers_per_stage(&m, &Layout { virtual_stages: 4, ..lp.clone() }), 8);
+        assert_eq!(layers_per_stage(&m, &Layout { virtual_stages: 3, ..lp.clone() }), 9);
         let lf = Layout {
             recompute: Recompute::Full,
             cp_kind: CpKind::Ring,
             ..l
         };
-        let a = activation_totals(ActivationModel::Korthikanti, &m, &lf, S, 1, 2);
+        let a = activation_totals(ActivationModel::Korthikanti, &m, &lf, S, 1, 2, 1);
         assert_eq!(a.total, 126.0 * per * 2.0 / 34.0 + per + a.logits);
     }
 }

@@ -3,11 +3,12 @@
 use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
 use crate::grad_sync::{grad_sync, GradSync};
 use crate::compute::{layer_compute_seconds, layer_flops_packed, LayerFlops};
-use crate::hardware::Hardware;
+use crate::hardware::{Hardware, Link};
 use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::memory::{self, ActivationTotals, ModelStates};
 use crate::model::ModelConfig;
 use crate::packed::{self, effective_doc_len};
+use crate::step::{step_time, Overlap, StepInput, StepTime};
 use crate::window::effective_window;
 use crate::{plan_bail, Result, GB};
 use serde::Serialize;
@@ -29,6 +30,13 @@ pub struct PlanInput {
     pub doc_len: Option<usize>,
     /// Sequences per micro-batch `b` (per data-parallel replica).
     pub micro_batch: usize,
+    /// Micro-batches per optimizer step per data-parallel replica, `k` (gradient
+    /// accumulation; the pipeline's micro-batches); `None`: `pp`, the fewest that fill a 1F1B
+    /// pipeline.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub micro_batches: Option<usize>,
+    /// How much of the gradient synchronisation the step time takes as hidden.
+    pub overlap: Overlap,
     /// Training dtype.
     pub dtype: Dtype,
     /// Accumulate / send dK, dV in fp32 in the CP backward.
@@ -42,8 +50,9 @@ pub struct PlanInput {
 }
 
 impl PlanInput {
-    /// Defaults: bf16, micro-batch 1, Korthikanti count, attention at 600 TFLOP/s, linear
-    /// layers at 70% of the hardware peak.
+    /// Defaults: bf16, micro-batch 1, `pp` micro-batches per step, gradient sync overlapped
+    /// ([`Overlap::All`]), Korthikanti count, attention at 600 TFLOP/s, linear layers at 70%
+    /// of the hardware peak.
     pub fn new(model: ModelConfig, hardware: Hardware, layout: Layout, seq: usize) -> Self {
         let linear_flops = 0.7 * hardware.peak_flops;
         Self {
@@ -53,12 +62,19 @@ impl PlanInput {
             seq,
             doc_len: None,
             micro_batch: 1,
+            micro_batches: None,
+            overlap: Overlap::All,
             dtype: Dtype::Bf16,
             dkv_fp32: false,
             activation_model: ActivationModel::Korthikanti,
             attn_flops: 600e12,
             linear_flops,
         }
+    }
+
+    /// Micro-batches per optimizer step, `k`: [`PlanInput::micro_batches`] or `pp`.
+    pub fn micro_batches(&self) -> usize {
+        self.micro_batches.unwrap_or(self.layout.pp).max(1)
     }
 }
 
@@ -138,6 +154,8 @@ pub struct Plan {
     pub grad_sync: GradSync,
     /// Per-layer time on one GPU for the chosen CP kind.
     pub layer_time: LayerTime,
+    /// One optimizer step: pipeline, gradient sync, throughput, MFU.
+    pub step: StepTime,
     /// What limits this layout.
     pub bottleneck: String,
     /// One-line verdict; with packed documents on a ring, followed by the ring's compute per
@@ -158,6 +176,7 @@ fn memory_total(input: &PlanInput) -> (ActivationTotals, ModelStates, f64) {
         input.seq,
         input.micro_batch,
         e,
+        input.micro_batches(),
     );
     let st = memory::model_states(&input.model, &input.layout, e);
     let total = a.total + st.total;
@@ -199,6 +218,9 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     l.validate(m, input.seq)?;
     if input.micro_batch == 0 {
         plan_bail!("--micro-batch must be at least 1")
+    }
+    if input.micro_batches == Some(0) {
+        plan_bail!("--micro-batches must be at least 1")
     }
     if input.doc_len == Some(0) {
         plan_bail!("document length (--doc-len) must be at least 1 token, got 0")
@@ -252,7 +274,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     };
     let allgather = comm::allgather(&cx);
     let tp_comm = comm::tp(&cx);
-    let grad_sync = grad_sync(l, hw, model_states.params, input.dtype.bytes());
+    let k = input.micro_batches();
+    let grad_sync = grad_sync(l, hw, model_states.params, input.dtype.bytes(), k);
     let (linear_s, attention_s) =
         layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
     let cp_exposed_s = match l.cp_kind {
@@ -277,7 +300,33 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let f = &flops;
     let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
     let bwd_share = bwd / (bwd + f.linear_fwd + f.attention_fwd).max(f64::MIN_POSITIVE);
-    let grad_sync = grad_sync.overlapped(m.layers.div_ceil(l.pp), layer_time.total_s * bwd_share, layer_time.total_s * (1.0 - bwd_share));
+    let stage_layers = memory::layers_per_stage(m, l);
+    let grad_sync = grad_sync.overlapped(stage_layers, layer_time.total_s * bwd_share, layer_time.total_s * (1.0 - bwd_share));
+    // the head: output projection + loss, forward and backward, vocab-parallel over TP
+    let head_model_flops = 3.0 * f.logits_fwd;
+    let step = step_time(&StepInput {
+        micro_batches: k,
+        pp: l.pp,
+        virtual_stages: l.virtual_stages,
+        dp: l.dp,
+        world: l.world(),
+        layers: m.layers,
+        stage_layers,
+        layer_s: layer_time.total_s,
+        head_s: head_model_flops / (l.tp * l.cp) as f64 / input.linear_flops,
+        layer_model_flops: f.linear_fwd + f.linear_bwd + f.attention_fwd + f.attention_bwd,
+        head_model_flops,
+        tokens: (s * b) as f64,
+        peak_flops: hw.peak_flops,
+        grad_sync: &grad_sync,
+        overlap: input.overlap,
+        pp_sends_bytes: if l.pp > 1 {
+            2.0 * l.virtual_stages as f64 * (s / l.cp * b * m.hidden * e) as f64 / l.tp as f64
+        } else {
+            0.0
+        },
+        pp_link_bw: Link::for_group(l.tp * l.cp, l.pp, hw).bandwidth(hw),
+    });
 
     let bottleneck = bottleneck(
         fits,
@@ -343,6 +392,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         tp_comm,
         grad_sync,
         layer_time,
+        step,
         bottleneck,
         verdict,
         notes,
@@ -409,12 +459,13 @@ fn notes(input: &PlanInput) -> Vec<String> {
     if l.sp && l.tp == 1 {
         n.push("--sp has no effect with --tp 1".into());
     }
-    if m.layers % l.pp != 0 {
+    if m.layers % (l.pp * l.virtual_stages.max(1)) != 0 {
         n.push(format!(
-            "{} layers do not split evenly over PP {}: the busiest stage has {}",
+            "{} layers do not split evenly over PP {} x {} virtual stages: the busiest stage has {}",
             m.layers,
             l.pp,
-            m.layers.div_ceil(l.pp)
+            l.virtual_stages,
+            memory::layers_per_stage(m, l)
         ));
     }
     let window = effective_window(m.sliding_window, input.seq);
@@ -453,9 +504,33 @@ fn notes(input: &PlanInput) -> Vec<String> {
         n.push("--ulysses only applies to --cp-kind 2d".into());
     }
     if l.pp > 1 {
-        n.push(
-            "PP: 1F1B schedule assumed; the first stage holds PP micro-batches in flight".into(),
-        );
+        let k = input.micro_batches();
+        if l.virtual_stages > 1 {
+            n.push(format!(
+                "PP: interleaved 1F1B schedule with {} model chunks per GPU; the first stage holds min(pp, k) = {} micro-batches in flight, x{:.3} for the interleaving",
+                l.virtual_stages,
+                l.pp.min(k),
+                memory::interleave_factor(l)
+            ));
+            if !k.is_multiple_of(l.pp) {
+                n.push(format!("Megatron's interleaved schedule needs the micro-batches per step (k = {k}) to be a multiple of PP {}", l.pp));
+            }
+        } else {
+            n.push(format!(
+                "PP: non-interleaved 1F1B schedule assumed; the first stage holds min(pp, k) = {} micro-batches in flight",
+                l.pp.min(k)
+            ));
+        }
+        if k < l.pp {
+            n.push(format!(
+                "only k = {k} micro-batches per step for PP {}: the pipeline never fills (bubble {:.0}%)",
+                l.pp,
+                100.0 * (l.pp - 1) as f64 / (k + l.pp - 1) as f64
+            ));
+        }
+    }
+    if l.dp * l.cp > 1 && l.zero == 3 {
+        n.push("ZeRO-3: the per-micro-batch parameter gathers are counted as exposed (no prefetch overlap is modelled)".into());
     }
     n
 }

@@ -467,22 +467,24 @@ pub fn render(p: &Plan) -> String {
 
     let g = &p.grad_sync;
     if g.replicas > 1 {
-        let stage_s = i.model.layers.div_ceil(i.layout.pp) as f64 * t.total_s;
+        let stage_s = crate::memory::layers_per_stage(&i.model, &i.layout) as f64 * t.total_s;
         let mut rows = vec![
             r(
                 "sent per GPU",
                 gb(g.bytes_per_step),
-                match g.zero {
-                    0 => "2*(R-1)/R*N*4 (all-reduce, f32)",
-                    1 | 2 => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
-                    _ => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
+                match (g.zero, g.reductions > 1) {
+                    (0, _) => "2*(R-1)/R*N*4 (all-reduce, f32)",
+                    (1, _) | (2, false) => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
+                    (2, true) => "(R-1)/R*N*(4k+e) (a reduce-scatter per micro-batch + all-gather)",
+                    (_, false) => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
+                    (_, true) => "(R-1)/R*N*(k*(4+2e)+e) (per micro-batch: reduce-scatter, gathers)",
                 },
             ),
             r("time if not overlapped", ms(g.seconds_per_step), ""),
             r(
                 "vs one micro-batch on this GPU",
                 format!("{:.1}%", 100.0 * g.seconds_per_step / stage_s.max(f64::MIN_POSITIVE)),
-                "layers/pp x total per layer",
+                "busiest stage's layers x total per layer",
             ),
             r(
                 "exposed if overlapped layer by layer",
@@ -499,6 +501,8 @@ pub fn render(p: &Plan) -> String {
             &rows,
         );
     }
+
+    step::section(&mut o, p);
 
     let _ = writeln!(o, "\nVerdict: {}", p.verdict);
     let _ = writeln!(o, "Bottleneck: {}", p.bottleneck);
@@ -602,3 +606,7 @@ fn docs_line(p: &Plan) -> Option<String> {
 
 #[cfg(test)]
 mod tests;
+
+mod search;
+mod step;
+pub use search::render_search;

@@ -25,6 +25,9 @@ fn render_shows_key_numbers() {
         "1500 fwd",
         "tokens per GPU",
         "Verdict: does not fit",
+        "Optimizer step (k = 1 micro-batches per replica, pp = 1, v = 1, dp = 1)",
+        "pipeline bubble",
+        "MFU",
     ] {
         assert!(txt.contains(want), "missing {want:?} in\n{txt}");
     }

@@ -1,0 +1,355 @@
+//! Picks the layout from the arithmetic: every layout of `N` GPUs the planner can price,
+//! kept if it fits in memory, ranked by the optimizer step time of [`crate::step`].
+//!
+//! The global batch `B` (sequences per optimizer step) is fixed, so a shorter step is more
+//! tokens per second on the same GPUs. Enumerated, with `tp·cp·pp·dp = N`:
+//!
+//! - `tp`: powers of two up to `max_tp` (default: the GPUs of one NVLink domain), with SP;
+//! - `cp`: powers of two dividing `s`; each CP kind asked for (2-D: every power-of-two Ulysses
+//!   degree `1 < U < cp`); at `cp = 1` the kind does not matter and one layout is kept;
+//! - `pp`: powers of two up to the layer count; `dp = N / (tp·cp·pp)` whole, and `dp·b`
+//!   dividing `B` (then `k = B / (dp·b)` micro-batches per step); with `pp > 1`, each
+//!   power-of-two number of virtual stages `v` (interleaved 1F1B) with `pp·v ≤ L` and, as
+//!   Megatron requires for `v > 1`, `pp` dividing `k`;
+//! - each recompute policy and ZeRO stage asked for.
+//!
+//! Layouts the planner refuses (heads that do not divide, Ulysses degrees beyond the heads)
+//! are skipped and counted. Of the layouts with the same degrees and CP kind, only the fastest
+//! recompute / ZeRO choice is listed, so the top rows are different layouts.
+
+use crate::layout::{CpKind, Layout, Recompute};
+use crate::plan::{plan, PlanInput};
+use crate::step::StepTime;
+use crate::{plan_bail, Result};
+use serde::Serialize;
+use std::cmp::Ordering;
+use std::collections::BTreeMap;
+
+/// What to search.
+#[derive(Debug, Clone)]
+pub struct SearchInput {
+    /// Model, hardware, sequence, micro-batch `b`, dtype, rates, overlap; its layout's
+    /// `flash` is kept, the other layout fields are searched.
+    pub base: PlanInput,
+    /// GPUs, `N`.
+    pub gpus: usize,
+    /// Sequences per optimizer step, all replicas together, `B`.
+    pub global_batch: usize,
+    /// CP kinds to try.
+    pub kinds: Vec<CpKind>,
+    /// Recompute policies to try.
+    pub recompute: Vec<Recompute>,
+    /// ZeRO stages to try.
+    pub zero: Vec<u8>,
+    /// Largest TP degree; `None`: the hardware's GPUs per node.
+    pub max_tp: Option<usize>,
+    /// Rows to keep.
+    pub top: usize,
+}
+
+/// One ranked layout.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct Candidate {
+    /// The layout.
+    pub layout: Layout,
+    /// Micro-batches per step per replica, `k`.
+    pub micro_batches: usize,
+    /// Memory per GPU, bytes.
+    pub memory_per_gpu_bytes: f64,
+    /// The step.
+    pub step: StepTime,
+    /// What limits it ([`crate::Plan::bottleneck`]).
+    pub bottleneck: String,
+}
+
+/// The ranking.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct SearchResult {
+    /// GPUs searched.
+    pub gpus: usize,
+    /// Global batch, sequences.
+    pub global_batch: usize,
+    /// Layouts priced (valid for the model and the batch).
+    pub evaluated: usize,
+    /// Of those, the ones that fit in memory.
+    pub fitting: usize,
+    /// Layouts the planner refused (degrees that do not divide the heads, the sequence ...).
+    pub invalid: usize,
+    /// The fastest fitting layouts, fastest first, one per degrees + CP kind.
+    pub best: Vec<Candidate>,
+}
+
+fn powers_of_two(max: usize) -> impl Iterator<Item = usize> {
+    std::iter::successors(Some(1usize), |x| x.checked_mul(2)).take_while(move |&x| x <= max)
+}
+
+/// The (kind, Ulysses degree) pairs to try at CP degree `cp`.
+fn kinds_at(kinds: &[CpKind], cp: usize) -> Vec<(CpKind, usize)> {
+    if cp == 1 {
+        return vec![(CpKind::Ring, 1)];
+    }
+    let mut out = Vec::new();
+    for &k in kinds {
+        match k {
+            CpKind::TwoD => out.extend(powers_of_two(cp / 2).skip(1).map(|u| (k, u))),
+            _ => out.push((k, 1)),
+        }
+    }
+    out
+}
+
+/// Every layout of the module docs with its micro-batch count `k`, not yet validated.
+fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
+    let base = &i.base;
+    let max_tp = i.max_tp.unwrap_or(base.hardware.gpus_per_node).max(1);
+    let mut out = Vec::new();
+    for tp in powers_of_two(max_tp.min(i.gpus)) {
+        for cp in powers_of_two(i.gpus / tp).filter(|&c| base.seq.is_multiple_of(c)) {
+            for pp in powers_of_two(base.model.layers.min(i.gpus / (tp * cp))) {
+                if !i.gpus.is_multiple_of(tp * cp * pp) {
+                    continue;
+                }
+                let dp = i.gpus / (tp * cp * pp);
+                if !i.global_batch.is_multiple_of(dp * base.micro_batch) {
+                    continue;
+                }
+                let k = i.global_batch / (dp * base.micro_batch);
+                let vs: Vec<usize> = if pp == 1 || !k.is_multiple_of(pp) {
+                    vec![1]
+                } else {
+                    powers_of_two(base.model.layers / pp).collect()
+                };
+                for (cp_kind, ulysses) in kinds_at(&i.kinds, cp) {
+                    for &virtual_stages in &vs {
+                        for &recompute in &i.recompute {
+                            for &zero in &i.zero {
+                                let layout = Layout {
+                                    tp,
+                                    sp: tp > 1,
+                                    cp,
+                                    cp_kind,
+                                    ulysses,
+                                    pp,
+                                    virtual_stages,
+                                    dp,
+                                    zero,
+                                    recompute,
+                                    flash: base.layout.flash,
+                                };
+                                out.push((layout, k));
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    out
+}
+
+/// Runs the search of the module docs; errors name bad inputs (no GPUs, a batch no layout
+/// splits, a model no layout of these GPUs suits, empty choice lists).
+pub fn search(i: &SearchInput) -> Result<SearchResult> {
+    let base = &i.base;
+    base.model.validate()?;
+    base.hardware.validate()?;
+    if i.gpus == 0 || i.global_batch == 0 || base.micro_batch == 0 {
+        plan_bail!(
+            "--gpus ({}), --global-batch ({}) and --micro-batch ({}) must be at least 1",
+            i.gpus,
+            i.global_batch,
+            base.micro_batch
+        )
+    }
+    if i.kinds.is_empty() || i.recompute.is_empty() || i.zero.is_empty() {
+        plan_bail!("search: the CP kinds, recompute policies and ZeRO stages to try must not be empty")
+    }
+    if let Some(z) = i.zero.iter().find(|&&z| z > 3) {
+        plan_bail!("--zero must be 0, 1, 2 or 3, got {z}")
+    }
+    let (mut evaluated, mut fitting, mut invalid) = (0, 0, 0);
+    let mut first_refusal = None;
+    // the fastest candidate per (tp, cp, kind, ulysses, pp); ordered, so that ties list the
+    // same way on every run
+    let mut best: BTreeMap<(usize, usize, String, usize, usize), Candidate> = BTreeMap::new();
+    for (layout, k) in layouts(i) {
+        if let Err(e) = layout.validate(&base.model, base.seq) {
+            invalid += 1;
+            first_refusal.get_or_insert(e.0);
+            continue;
+        }
+        let input = PlanInput {
+            layout: layout.clone(),
+            micro_batches: Some(k),
+            ..base.clone()
+        };
+        let p = match plan(&input) {
+            Ok(p) => p,
+            Err(e) => {
+                invalid += 1;
+                first_refusal.get_or_insert(e.0);
+                continue;
+            }
+        };
+        evaluated += 1;
+        if !p.fits {
+            continue;
+        }
+        fitting += 1;
+        let l = &layout;
+        let key = (l.tp, l.cp, format!("{:?}", l.cp_kind), l.ulysses, l.pp);
+        let c = Candidate {
+            layout,
+            micro_batches: k,
+            memory_per_gpu_bytes: p.memory_per_gpu_bytes,
+            step: p.step,
+            bottleneck: p.bottleneck,
+        };
+        match best.get(&key) {
+            Some(old) if !faster(&c, old) => {}
+            _ => {
+                best.insert(key, c);
+            }
+        }
+    }
+    if evaluated == 0 {
+        match first_refusal {
+            Some(e) => plan_bail!(
+                "the planner refuses every layout of {} GPUs for a global batch of {} sequences, e.g.: {e}",
+                i.gpus,
+                i.global_batch
+            ),
+            None => plan_bail!(
+                "no layout of {} GPUs splits a global batch of {} sequences of micro-batch {} (dp·b must divide it) with the degrees and kinds asked for",
+                i.gpus,
+                i.global_batch,
+                base.micro_batch
+            ),
+        }
+    }
+    let mut best: Vec<Candidate> = best.into_values().collect();
+    best.sort_by(|a, b| {
+        if faster(a, b) {
+            Ordering::Less
+        } else if faster(b, a) {
+            Ordering::Greater
+        } else {
+            Ordering::Equal
+        }
+    });
+    best.truncate(i.top.max(1));
+    Ok(SearchResult {
+        gpus: i.gpus,
+        global_batch: i.global_batch,
+        evaluated,
+        fitting,
+        invalid,
+        best,
+    })
+}
+
+/// Shorter step; on a tie, less memory, then fewer GPUs per TP/CP group (simpler layouts).
+fn faster(a: &Candidate, b: &Candidate) -> bool {
+    let key = |c: &Candidate| {
+        (
+            c.step.step_s,
+            c.memory_per_gpu_bytes,
+            (c.layout.tp * c.layout.cp) as f64,
+            c.layout.zero as f64,
+        )
+    };
+    key(a).partial_cmp(&key(b)) == Some(Ordering::Less)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Hardware, ModelConfig};
+
+    fn input(model: &str, hw: &str, seq: usize, gpus: usize, batch: usize) -> SearchInput {
+        let base = PlanInput::new(
+            ModelConfig::preset(model).unwrap(),
+            Hardware::preset(hw).unwrap(),
+            Layout::default(),
+            seq,
+        );
+        SearchInput {
+            base,
+            gpus,
+            global_batch: batch,
+            kinds: vec![CpKind::Ring, CpKind::Allgather, CpKind::Ulysses, CpKind::TwoD],
+            recompute: vec![Recompute::None, Recompute::Full],
+            zero: vec![1, 2, 3],
+            max_tp: None,
+            top: 10,
+        }
+    }
+
+    /// Every row is a valid, fitting layout of exactly N GPUs whose plan, recomputed, gives
+    /// the same step; rows are sorted; and no layout left out of the rows beats the first.
+    #[test]
+    fn ranks_fitting_layouts_by_step_time() {
+        let i = input("llama3-8b", "h100", 131072, 64, 16);
+        let r = search(&i).unwrap();
+        assert!(r.best.len() == 10 && r.fitting >= 10 && r.evaluated >= r.fitting, "{r:?}");
+        for w in r.best.windows(2) {
+            assert!(w[0].step.step_s <= w[1].step.step_s);
+        }
+        for c in &r.best {
+            let l = &c.layout;
+            assert_eq!(l.world(), 64);
+            assert_eq!(l.dp * c.micro_batches, 16);
+            let p = plan(&PlanInput { layout: l.clone(), micro_batches: Some(c.micro_batches), ..i.base.clone() }).unwrap();
+            assert!(p.fits && p.memory_per_gpu_bytes <= 80e9);
+            assert_eq!(p.step, c.step);
+        }
+        // brute force over a few hand-written layouts: none fitting is faster than the first
+        let first = r.best[0].step.step_s;
+        for (tp, cp, pp) in [(8, 8, 1), (4, 16, 1), (8, 4, 2), (2, 32, 1), (1, 64, 1), (8, 2, 4)] {
+            for zero in [1u8, 2, 3] {
+                for recompute in [Recompute::None, Recompute::Full] {
+                    let l = Layout { tp, sp: tp > 1, cp, pp, virtual_stages: if pp > 1 { 2 } else { 1 }, dp: 64 / (tp * cp * pp), zero, recompute, ..Layout::default() };
+                    let k = 16 / l.dp;
+                    let p = plan(&PlanInput { layout: l, micro_batches: Some(k), ..i.base.clone() }).unwrap();
+                    assert!(!p.fits || p.step.step_s >= first, "{tp} {cp} {pp} z{zero}: {} < {first}", p.step.step_s);
+                }
+            }
+        }
+    }
+
+    /// Llama 3 405B at 128k on 16,384 H100s with a batch of 128 sequences: nothing without
+    /// CP fits; every row uses CP ≥ 16 and TP within a node.
+    #[test]
+    fn llama3_405b_needs_cp() {
+        let mut i = input("llama3-405b", "h100", 131072, 16384, 128);
+        i.kinds = vec![CpKind::Ring];
+        let r = search(&i).unwrap();
+        assert!(!r.best.is_empty());
+        for c in &r.best {
+            assert!(c.layout.tp <= 8 && c.layout.cp * c.layout.tp >= 64, "{:?}", c.layout);
+        }
+    }
+
+    #[test]
+    fn bad_inputs_are_named() {
+        let mut i = input("llama3-8b", "h100", 8192, 0, 16);
+        assert!(search(&i).unwrap_err().0.contains("--gpus (0)"));
+        i.gpus = 8;
+        i.global_batch = 3; // no dp·b divides 3 except dp = 1: 8 GPUs of TP/CP/PP only
+        assert!(search(&i).is_ok());
+        i.kinds.clear();
+        assert!(search(&i).unwrap_err().0.contains("must not be empty"));
+        let mut j = input("llama3-8b", "h100", 8192, 8, 16);
+        j.zero = vec![4];
+        assert!(search(&j).unwrap_err().0.contains("got 4"));
+        let mut k = input("llama3-8b", "h100", 8192, 6, 5);
+        k.max_tp = Some(1);
+        // 6 GPUs: pp and cp are powers of two, so dp is 6, 3 (pp or cp 2) or ... none divides 5
+        assert!(search(&k).unwrap_err().0.contains("no layout of 6 GPUs"));
+        // a bad rate makes the planner refuse every layout: the error says why
+        let mut r = input("llama3-8b", "h100", 8192, 8, 8);
+        r.base.attn_flops = -1.0;
+        let e = search(&r).unwrap_err().0;
+        assert!(e.contains("refuses every layout") && e.contains("attention FLOP/s must be positive"), "{e}");
+    }
+}
