@@ -68,8 +68,8 @@ pub struct CommonArgs {
     #[arg(long)]
     pub dkv_fp32: bool,
     /// Gradient sync the step time takes as hidden: none, grad (reduction during the
-    /// backward, --overlap-grad-sync) or all (+ ZeRO-1/2's parameter all-gather during the
-    /// next forward, --overlap-param-gather).
+    /// backward, --overlap-grad-sync), gather (ZeRO-1/2's parameter all-gather during the
+    /// next forward, --overlap-param-gather) or all (both).
     #[arg(long, default_value = "all")]
     pub overlap: String,
     /// Print one JSON object instead of tables.

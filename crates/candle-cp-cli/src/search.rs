@@ -30,6 +30,10 @@ pub struct SearchArgs {
     /// Layouts to list.
     #[arg(long, default_value_t = 10)]
     pub top: usize,
+    /// Only the layouts examples/finetune_llama trains (no PP, ZeRO 0-2, the gradient sync
+    /// overlapped only with full recompute), with its flags.
+    #[arg(long)]
+    pub finetune_llama: bool,
 }
 
 fn list<T>(what: &str, s: &str, parse: impl Fn(&str) -> anyhow::Result<T>) -> anyhow::Result<Vec<T>> {
@@ -60,6 +64,7 @@ pub fn input_from_args(a: &SearchArgs) -> anyhow::Result<SearchInput> {
         })?,
         max_tp: a.max_tp,
         top: a.top,
+        finetune_llama: a.finetune_llama,
     })
 }
 

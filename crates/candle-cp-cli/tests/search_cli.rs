@@ -125,3 +125,39 @@ fn search_bad_input_exits_2_with_message() {
     assert_eq!(out.status.code(), Some(2), "{stderr}");
     assert!(stderr.contains("--micro-batches must be at least 1"), "{stderr}");
 }
+
+/// `--finetune-llama`: every row is a layout the trainer runs, and every flag it prints is one
+/// of `examples/finetune_llama`'s (read from its `Args`, so a renamed flag fails here).
+#[test]
+fn search_for_finetune_llama_prints_its_flags() {
+    let v = json(&[
+        "search", "--model", "llama3-8b", "--seq", "131072", "--hardware", "h200", "--gpus", "16",
+        "--global-batch", "16", "--finetune-llama", "--zero", "0,1,2,3", "--top", "40",
+    ]);
+    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/finetune_llama.rs")).unwrap();
+    let start = src.find("struct Args {").expect("finetune_llama has an Args struct");
+    let body = &src[start..start + src[start..].find("\n}").unwrap()];
+    let known: Vec<String> = body
+        .lines()
+        .filter_map(|l| {
+            let l = l.trim_start();
+            let (name, _) = l.split_once(": ")?;
+            (!name.starts_with("//") && !name.starts_with('#') && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
+                .then(|| format!("--{}", name.replace('_', "-")))
+        })
+        .collect();
+    assert!(known.contains(&"--grad-accum".to_string()) && known.contains(&"--overlap-param-gather".to_string()), "{known:?}");
+    let best = v["best"].as_array().unwrap();
+    assert!(best.len() > 5);
+    for c in best {
+        assert_eq!(num(c, "/layout/pp"), 1.0, "{c}");
+        assert!(num(c, "/layout/zero") <= 2.0, "{c}");
+        let f = c["finetune_llama_flags"].as_str().expect("flags on every row");
+        for flag in f.split_whitespace().filter(|w| w.starts_with("--")) {
+            assert!(known.iter().any(|k| k == flag), "{flag} is not a finetune_llama flag ({f})");
+        }
+    }
+    // without --finetune-llama, no trainer flags
+    let plain = json(&["search", "--model", "llama3-8b", "--seq", "131072", "--gpus", "16", "--global-batch", "16"]);
+    assert!(plain["best"][0].get("finetune_llama_flags").is_none());
+}

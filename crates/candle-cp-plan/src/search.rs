@@ -13,13 +13,19 @@
 //!   Megatron requires for `v > 1`, `pp` dividing `k`;
 //! - each recompute policy and ZeRO stage asked for.
 //!
+//! With [`SearchInput::finetune_llama`] only the layouts candle-cp's trainer
+//! (`examples/finetune_llama`) runs are tried: no PP, ZeRO 0–2, recompute none or full, and
+//! the overlaps it has — the gradient reduction during the backward only with full recompute,
+//! the parameter all-gather during the next forward only under ZeRO-1/2 — and each row
+//! carries the trainer's flags.
+//!
 //! Layouts the planner refuses (heads that do not divide, Ulysses degrees beyond the heads)
 //! are skipped and counted. Of the layouts with the same degrees and CP kind, only the fastest
 //! recompute / ZeRO choice is listed, so the top rows are different layouts.
 
-use crate::layout::{CpKind, Layout, Recompute};
+use crate::layout::{CpKind, Dtype, Layout, Recompute};
 use crate::plan::{plan, PlanInput};
-use crate::step::StepTime;
+use crate::step::{Overlap, StepTime};
 use crate::{plan_bail, Result};
 use serde::Serialize;
 use std::cmp::Ordering;
@@ -45,6 +51,8 @@ pub struct SearchInput {
     pub max_tp: Option<usize>,
     /// Rows to keep.
     pub top: usize,
+    /// Only the layouts `examples/finetune_llama` runs, with its overlaps (module docs).
+    pub finetune_llama: bool,
 }
 
 /// One ranked layout.
@@ -60,6 +68,9 @@ pub struct Candidate {
     pub step: StepTime,
     /// What limits it ([`crate::Plan::bottleneck`]).
     pub bottleneck: String,
+    /// With [`SearchInput::finetune_llama`]: its layout and overlap flags.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub finetune_llama_flags: Option<String>,
 }
 
 /// The ranking.
@@ -75,6 +86,8 @@ pub struct SearchResult {
     pub fitting: usize,
     /// Layouts the planner refused (degrees that do not divide the heads, the sequence ...).
     pub invalid: usize,
+    /// Searched with [`SearchInput::finetune_llama`].
+    pub finetune_llama: bool,
     /// The fastest fitting layouts, fastest first, one per degrees + CP kind.
     pub best: Vec<Candidate>,
 }
@@ -103,9 +116,17 @@ fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
     let base = &i.base;
     let max_tp = i.max_tp.unwrap_or(base.hardware.gpus_per_node).max(1);
     let mut out = Vec::new();
+    let max_pp = if i.finetune_llama { 1 } else { base.model.layers };
+    let zero: Vec<u8> = i.zero.iter().copied().filter(|&z| !i.finetune_llama || z <= 2).collect();
+    let recompute: Vec<Recompute> = i
+        .recompute
+        .iter()
+        .copied()
+        .filter(|&r| !i.finetune_llama || r != Recompute::Selective)
+        .collect();
     for tp in powers_of_two(max_tp.min(i.gpus)) {
         for cp in powers_of_two(i.gpus / tp).filter(|&c| base.seq.is_multiple_of(c)) {
-            for pp in powers_of_two(base.model.layers.min(i.gpus / (tp * cp))) {
+            for pp in powers_of_two(max_pp.min(i.gpus / (tp * cp))) {
                 if !i.gpus.is_multiple_of(tp * cp * pp) {
                     continue;
                 }
@@ -121,8 +142,8 @@ fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
                 };
                 for (cp_kind, ulysses) in kinds_at(&i.kinds, cp) {
                     for &virtual_stages in &vs {
-                        for &recompute in &i.recompute {
-                            for &zero in &i.zero {
+                        for &recompute in &recompute {
+                            for &zero in &zero {
                                 let layout = Layout {
                                     tp,
                                     sp: tp > 1,
@@ -167,6 +188,16 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
     if let Some(z) = i.zero.iter().find(|&&z| z > 3) {
         plan_bail!("--zero must be 0, 1, 2 or 3, got {z}")
     }
+    if i.finetune_llama
+        && (i.zero.iter().all(|&z| z > 2)
+            || i.recompute.iter().all(|&r| r == Recompute::Selective))
+    {
+        plan_bail!(
+            "--finetune-llama: the trainer runs ZeRO 0-2 and recompute none or full; the lists asked for ({:?}, {:?}) leave nothing",
+            i.zero,
+            i.recompute
+        )
+    }
     let (mut evaluated, mut fitting, mut invalid) = (0, 0, 0);
     let mut first_refusal = None;
     // the fastest candidate per (tp, cp, kind, ulysses, pp); ordered, so that ties list the
@@ -178,9 +209,15 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
             first_refusal.get_or_insert(e.0);
             continue;
         }
+        let overlap = if i.finetune_llama {
+            base.overlap.limit(layout.recompute == Recompute::Full, matches!(layout.zero, 1 | 2))
+        } else {
+            base.overlap
+        };
         let input = PlanInput {
             layout: layout.clone(),
             micro_batches: Some(k),
+            overlap,
             ..base.clone()
         };
         let p = match plan(&input) {
@@ -198,12 +235,16 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
         fitting += 1;
         let l = &layout;
         let key = (l.tp, l.cp, format!("{:?}", l.cp_kind), l.ulysses, l.pp);
+        let finetune_llama_flags = i
+            .finetune_llama
+            .then(|| finetune_llama_flags(&layout, k, base, overlap));
         let c = Candidate {
             layout,
             micro_batches: k,
             memory_per_gpu_bytes: p.memory_per_gpu_bytes,
             step: p.step,
             bottleneck: p.bottleneck,
+            finetune_llama_flags,
         };
         match best.get(&key) {
             Some(old) if !faster(&c, old) => {}
@@ -244,8 +285,51 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
         evaluated,
         fitting,
         invalid,
+        finetune_llama: i.finetune_llama,
         best,
     })
+}
+
+/// `examples/finetune_llama`'s flags for `l` with `k` micro-batches (`--batch` is the rows of
+/// one micro-batch over all DP replicas, `--grad-accum` the micro-batches per step).
+fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap) -> String {
+    use std::fmt::Write;
+    let mut f = format!("--seq-len {} --tp {}", base.seq, l.tp);
+    if l.sp {
+        f.push_str(" --sp");
+    }
+    let kind = match l.cp_kind {
+        CpKind::Ring => "zigzag",
+        CpKind::Allgather => "allgather",
+        CpKind::Ulysses => "ulysses",
+        CpKind::TwoD => "2d",
+    };
+    let _ = write!(f, " --cp {} --cp-kind {kind}", l.cp);
+    if l.cp_kind == CpKind::TwoD {
+        let _ = write!(f, " --ulysses {}", l.ulysses);
+    }
+    let _ = write!(f, " --dp {} --batch {} --grad-accum {k}", l.dp, l.dp * base.micro_batch);
+    let dtype = match base.dtype {
+        Dtype::Bf16 => "bf16",
+        Dtype::Fp16 => "f16",
+        Dtype::Fp32 => "f32",
+    };
+    let _ = write!(f, " --dtype {dtype}");
+    if l.recompute == Recompute::Full {
+        f.push_str(" --recompute");
+    }
+    match l.zero {
+        1 => f.push_str(" --zero1"),
+        2 => f.push_str(" --zero2"),
+        _ => {}
+    }
+    if matches!(overlap, Overlap::Grad | Overlap::All) {
+        f.push_str(" --overlap-grad-sync");
+    }
+    if matches!(overlap, Overlap::Gather | Overlap::All) {
+        f.push_str(" --overlap-param-gather");
+    }
+    f
 }
 
 /// Shorter step; on a tie, less memory, then fewer GPUs per TP/CP group (simpler layouts).
@@ -282,6 +366,7 @@ mod tests {
             zero: vec![1, 2, 3],
             max_tp: None,
             top: 10,
+            finetune_llama: false,
         }
     }
 
@@ -328,6 +413,35 @@ mod tests {
         for c in &r.best {
             assert!(c.layout.tp <= 8 && c.layout.cp * c.layout.tp >= 64, "{:?}", c.layout);
         }
+    }
+
+    /// `--finetune-llama`: only what the trainer runs, with the overlaps it has, and its flags.
+    #[test]
+    fn finetune_llama_rows_are_what_the_trainer_runs() {
+        let mut i = input("llama3-8b", "h200", 131072, 16, 16);
+        i.finetune_llama = true;
+        i.zero = vec![0, 1, 2, 3];
+        i.top = 50;
+        let r = search(&i).unwrap();
+        assert!(r.best.len() > 5, "{r:?}");
+        for c in &r.best {
+            let l = &c.layout;
+            assert!(l.pp == 1 && l.zero <= 2 && l.recompute != Recompute::Selective, "{l:?}");
+            let f = c.finetune_llama_flags.as_deref().unwrap();
+            let full = l.recompute == Recompute::Full;
+            let zero12 = matches!(l.zero, 1 | 2);
+            assert_eq!(f.contains("--overlap-grad-sync"), full, "{f}");
+            assert_eq!(f.contains("--overlap-param-gather"), zero12, "{f}");
+            assert_eq!(c.step.overlap, Overlap::All.limit(full, zero12));
+            assert!(f.contains(&format!("--cp {} ", l.cp)) && f.contains(&format!("--batch {} --grad-accum {}", l.dp, c.micro_batches)), "{f}");
+        }
+        // without the trainer's limits, the same layout with recompute none is priced with
+        // the gradient reduction overlapped: never slower
+        let free = search(&SearchInput { finetune_llama: false, ..i.clone() }).unwrap();
+        assert!(free.best[0].step.step_s <= r.best[0].step.step_s);
+        assert!(free.best.iter().all(|c| c.finetune_llama_flags.is_none()));
+        i.zero = vec![3];
+        assert!(search(&i).unwrap_err().0.contains("leave nothing"));
     }
 
     #[test]

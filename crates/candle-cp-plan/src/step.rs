@@ -38,30 +38,59 @@ pub enum Overlap {
     None,
     /// The gradient reduction overlaps the backward layer by layer (`--overlap-grad-sync`).
     Grad,
+    /// Only the ZeRO-1/2 parameter all-gather overlaps the next forward
+    /// (`--overlap-param-gather` alone).
+    Gather,
     /// + under ZeRO-1/2 the parameter all-gather overlaps the next forward
     ///   (`--overlap-param-gather`).
     All,
 }
 
 impl Overlap {
-    /// Parses `none`, `grad` or `all`.
+    /// Parses `none`, `grad`, `gather` or `all`.
     pub fn parse(s: &str) -> Result<Self> {
         Ok(match s.to_ascii_lowercase().as_str() {
             "none" => Overlap::None,
             "grad" => Overlap::Grad,
+            "gather" => Overlap::Gather,
             "all" => Overlap::All,
-            _ => plan_bail!("unknown overlap '{s}' (known: none, grad, all)"),
+            _ => plan_bail!("unknown overlap '{s}' (known: none, grad, gather, all)"),
         })
+    }
+
+    /// (gradient reduction overlapped, parameter all-gather overlapped).
+    fn parts(self) -> (bool, bool) {
+        match self {
+            Overlap::None => (false, false),
+            Overlap::Grad => (true, false),
+            Overlap::Gather => (false, true),
+            Overlap::All => (true, true),
+        }
+    }
+
+    /// This overlap, keeping only the parts allowed (`grad`: the reduction during the
+    /// backward; `gather`: the all-gather during the next forward).
+    pub fn limit(self, grad: bool, gather: bool) -> Self {
+        match (self.parts().0 && grad, self.parts().1 && gather) {
+            (false, false) => Overlap::None,
+            (true, false) => Overlap::Grad,
+            (false, true) => Overlap::Gather,
+            (true, true) => Overlap::All,
+        }
     }
 
     /// The gradient sync left exposed under this assumption (`g` after
     /// [`GradSync::overlapped`]).
     pub fn exposed_s(self, g: &GradSync) -> f64 {
         let grad = g.exposed_overlapped_s.unwrap_or(g.seconds_per_step);
+        let all = g.exposed_gather_overlapped_s.unwrap_or(grad);
         match self {
             Overlap::None => g.seconds_per_step,
             Overlap::Grad => grad,
-            Overlap::All => g.exposed_gather_overlapped_s.unwrap_or(grad),
+            // none − (what the reduction's overlap saves) + ... = the full reduction plus
+            // the overlapped gather
+            Overlap::Gather => g.seconds_per_step - grad + all,
+            Overlap::All => all,
         }
     }
 }
@@ -228,6 +257,17 @@ mod tests {
         assert_eq!(grad.sync_exposed_s, g.exposed_overlapped_s.unwrap());
         assert_eq!(all.sync_exposed_s, g.exposed_gather_overlapped_s.unwrap());
         assert!(Overlap::parse("sideways").is_err());
+        // the gather alone: the whole reduction, and the gather as overlapped
+        let gather = step_time(&StepInput { overlap: Overlap::Gather, ..i.clone() });
+        let (reduce, rest) = (g.reduce_bytes_per_step / (g.bytes_per_step / g.seconds_per_step), g.seconds_per_step * (1.0 - g.reduce_bytes_per_step / g.bytes_per_step));
+        // 2 layers, a layer forward of 0.25 s (the overlapped() call above)
+        let gather_ov = (rest / 2.0).max(rest - 0.25);
+        assert!((gather.sync_exposed_s - (reduce + gather_ov)).abs() < 1e-12, "{} {}", gather.sync_exposed_s, reduce + gather_ov);
+        assert!(all.step_s <= gather.step_s && gather.step_s < t.step_s);
+        assert_eq!(Overlap::All.limit(false, true), Overlap::Gather);
+        assert_eq!(Overlap::Grad.limit(true, true), Overlap::Grad);
+        assert_eq!(Overlap::All.limit(true, false), Overlap::Grad);
+        assert_eq!(Overlap::Gather.limit(true, false), Overlap::None);
         // interleaved, v = 2: the fill and drain take (pp − 1)/v stages
         let v2 = step_time(&StepInput { virtual_stages: 2, overlap: Overlap::None, ..i.clone() });
         assert_eq!(v2.compute_s, (4.0 + 1.5) * 2.5);

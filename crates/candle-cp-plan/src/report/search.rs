@@ -57,11 +57,16 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
     );
     let _ = writeln!(
         o,
-        "{} layouts priced, {} fit, {} refused by the planner; gradient sync: {}",
+        "{} layouts priced, {} fit, {} refused by the planner; gradient sync: {}{}",
         r.evaluated,
         r.fitting,
         r.invalid,
-        overlap_label(base.overlap)
+        overlap_label(base.overlap),
+        if r.finetune_llama {
+            "\nOnly what examples/finetune_llama trains: no PP, ZeRO 0-2, the reduction overlapped only with --recompute"
+        } else {
+            ""
+        }
     );
     if r.best.is_empty() {
         let _ = writeln!(o, "\nNo layout fits: more GPUs, a longer CP, or --zero 3 / --recompute full (if not already tried).");
@@ -117,5 +122,11 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
         "\nThe fastest in full: `candle-cp plan` with this search's model, sequence and hardware flags and\n  {}",
         plan_flags(&r.best[0])
     );
+    if let Some(f) = &r.best[0].finetune_llama_flags {
+        let _ = writeln!(
+            o,
+            "Trained by examples/finetune_llama (with --device cuda --comm nccl, docs in examples/README.md):\n  {f}"
+        );
+    }
     o
 }
