@@ -316,12 +316,13 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         head_s: head_model_flops / (l.tp * l.cp) as f64 / input.linear_flops,
         layer_model_flops: f.linear_fwd + f.linear_bwd + f.attention_fwd + f.attention_bwd,
         head_model_flops,
-        tokens: (s * b) as f64,
+        tokens: s as f64 * b as f64,
         peak_flops: hw.peak_flops,
         grad_sync: &grad_sync,
         overlap: input.overlap,
         pp_sends_bytes: if l.pp > 1 {
-            2.0 * l.virtual_stages as f64 * (s / l.cp * b * m.hidden * e) as f64 / l.tp as f64
+            2.0 * l.virtual_stages as f64 * (s / l.cp) as f64 * b as f64 * e as f64 * m.hidden as f64
+                / l.tp as f64
         } else {
             0.0
         },

@@ -131,10 +131,11 @@ fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
                     continue;
                 }
                 let dp = i.gpus / (tp * cp * pp);
-                if !i.global_batch.is_multiple_of(dp * base.micro_batch) {
-                    continue;
-                }
-                let k = i.global_batch / (dp * base.micro_batch);
+                let rows = match dp.checked_mul(base.micro_batch) {
+                    Some(r) if i.global_batch.is_multiple_of(r) => r,
+                    _ => continue,
+                };
+                let k = i.global_batch / rows;
                 let vs: Vec<usize> = if pp == 1 || !k.is_multiple_of(pp) {
                     vec![1]
                 } else {
@@ -460,6 +461,10 @@ mod tests {
         k.max_tp = Some(1);
         // 6 GPUs: pp and cp are powers of two, so dp is 6, 3 (pp or cp 2) or ... none divides 5
         assert!(search(&k).unwrap_err().0.contains("no layout of 6 GPUs"));
+        // a micro-batch so large that dp·b overflows: no layout splits the batch, no panic
+        let mut o = input("llama3-8b", "h100", 8192, 8, 8);
+        o.base.micro_batch = usize::MAX / 2 + 1;
+        assert!(search(&o).unwrap_err().0.contains("no layout of 8 GPUs"));
         // a bad rate makes the planner refuse every layout: the error says why
         let mut r = input("llama3-8b", "h100", 8192, 8, 8);
         r.base.attn_flops = -1.0;
