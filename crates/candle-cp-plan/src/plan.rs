@@ -336,6 +336,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         &activations,
         &model_states,
         &layer_time,
+        &step,
         l,
     );
     let mut verdict = if fits {
@@ -401,7 +402,10 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
 }
 
 /// Memory when it does not fit (naming the larger part), else the largest share of the
-/// per-layer time.
+/// optimizer step on the busiest GPU: the per-layer parts over its layers and micro-batches
+/// (the head counted with the linear layers), the pipeline bubble, the gradient sync left
+/// exposed.
+#[allow(clippy::too_many_arguments)]
 fn bottleneck(
     fits: bool,
     total: f64,
@@ -409,6 +413,7 @@ fn bottleneck(
     a: &ActivationTotals,
     st: &ModelStates,
     t: &LayerTime,
+    step: &StepTime,
     l: &Layout,
 ) -> String {
     if !fits {
@@ -430,24 +435,33 @@ fn bottleneck(
         CpKind::Ulysses => "Ulysses all-to-all",
         CpKind::TwoD => "2-D Ulysses+ring",
     };
+    // seconds per step of each part: k micro-batches of the busiest stage's layers
+    let per_step = step.micro_batches as f64 * step.stage_layers as f64;
+    let k = step.micro_batches as f64;
     let parts = [
-        (t.linear_s, "compute: linear layers".to_string()),
-        (t.attention_s, "compute: attention".to_string()),
+        (per_step * t.linear_s + k * step.head_s, "compute: linear layers and head".to_string()),
+        (per_step * t.attention_s, "compute: attention".to_string()),
         (
-            t.cp_exposed_s,
+            per_step * t.cp_exposed_s,
             format!("CP communication ({kind}) not hidden by compute"),
         ),
-        (t.tp_s, "TP/SP collectives".to_string()),
+        (per_step * t.tp_s, "TP/SP collectives".to_string()),
+        (step.compute_s - k * step.stage_s, "pipeline bubble".to_string()),
+        (step.sync_exposed_s, "gradient sync not hidden".to_string()),
     ];
     let (v, name) =
         parts.iter().cloned().fold(
             (f64::MIN, String::new()),
             |acc, p| if p.0 > acc.0 { p } else { acc },
         );
+    let secs = if step.step_s >= 1.0 {
+        format!("{:.2} s", step.step_s)
+    } else {
+        format!("{:.1} ms", 1e3 * step.step_s)
+    };
     format!(
-        "{name} ({:.0}% of {:.2} ms per layer)",
-        100.0 * v / t.total_s,
-        1e3 * t.total_s
+        "{name} ({:.0}% of the {secs} step)",
+        100.0 * v / step.step_s.max(f64::MIN_POSITIVE),
     )
 }
 
@@ -633,6 +647,9 @@ mod tests {
         });
         inp.model = ModelConfig::preset("llama3-8b")?;
         inp.seq = 32768;
+        // 32 micro-batches per step, so that the once-per-step gradient sync (68% of a
+        // one-micro-batch step) does not dominate
+        inp.micro_batches = Some(32);
         let p = plan(&inp)?;
         assert!(p.fits);
         assert!(!p.ring.hides_fwd);
@@ -642,6 +659,26 @@ mod tests {
             "{}",
             p.bottleneck
         );
+        Ok(())
+    }
+
+    /// Over a step: PP 16 with one micro-batch is mostly bubble; short sequences on 64 DP
+    /// replicas over InfiniBand with nothing overlapped wait on the gradient sync.
+    #[test]
+    fn bottleneck_names_the_bubble_and_the_sync() -> Result<()> {
+        let mut inp = input(Layout { tp: 8, sp: true, cp: 16, pp: 16, ..Layout::default() });
+        inp.hardware = Hardware::preset("h200")?;
+        inp.micro_batches = Some(1);
+        let p = plan(&inp)?;
+        assert!(p.fits, "{}", p.verdict);
+        // 15 of 16 stage-times idle, less the small exposed sync
+        assert!(p.bottleneck.starts_with("pipeline bubble (93% of the"), "{}", p.bottleneck);
+        let mut inp = input(Layout { dp: 64, ..Layout::default() });
+        inp.model = ModelConfig::preset("llama3-8b")?;
+        inp.seq = 1024;
+        inp.overlap = Overlap::None;
+        let p = plan(&inp)?;
+        assert!(p.bottleneck.starts_with("gradient sync not hidden"), "{}", p.bottleneck);
         Ok(())
     }
 
