@@ -54,7 +54,7 @@ fn plan_step_of_the_llama3_layout() {
 }
 
 /// The search's rows are layouts of exactly the GPUs asked for, that split the batch, fit and
-/// are sorted; `plan` with the winner's flags gives the same step.
+/// are ranked; `plan` with the winner's flags gives the same step.
 #[test]
 fn search_ranks_and_plan_reproduces_the_winner() {
     let common = ["--model", "llama3-70b", "--seq", "65536", "--hardware", "h200"];
@@ -65,15 +65,15 @@ fn search_ranks_and_plan_reproduces_the_winner() {
     let best = v["best"].as_array().expect("best is a list");
     assert_eq!(best.len(), 5);
     assert!(num(&v, "/fitting") >= 5.0 && num(&v, "/evaluated") >= num(&v, "/fitting"));
-    let mut last = 0.0;
-    for c in best {
+    let steps: Vec<f64> = best.iter().map(|c| num(c, "/step/step_s")).collect();
+    for (n, c) in best.iter().enumerate() {
         let l = |k: &str| num(c, &format!("/layout/{k}"));
         assert_eq!(l("tp") * l("cp") * l("pp") * l("dp"), 256.0, "{c}");
         assert_eq!(l("dp") * num(c, "/micro_batches"), 64.0, "{c}");
         assert!(num(c, "/memory_per_gpu_bytes") <= 141e9);
-        let step = num(c, "/step/step_s");
-        assert!(step >= last);
-        last = step;
+        // ranked by step; steps within 0.5% of each other simplest first
+        let rest = steps[n..].iter().cloned().fold(f64::INFINITY, f64::min);
+        assert!(steps[n] <= rest * 1.005, "row {n}: {steps:?}");
     }
     let w = &best[0];
     let l = |k: &str| num(w, &format!("/layout/{k}")).to_string();
