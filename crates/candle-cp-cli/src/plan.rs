@@ -4,8 +4,8 @@
 //! Formulas: `docs/arithmetic.md`; arithmetic: the `candle-cp-plan` crate.
 
 use candle_cp_plan::{
-    plan, report, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, Overlap,
-    PlanInput, Recompute,
+    plan, report, ActivationModel, AttnRates, CpKind, Dtype, Hardware, Layout, ModelConfig,
+    Overlap, PlanInput, Recompute,
 };
 
 /// Model, sequence, hardware and rate flags shared by `candle-cp plan` and `candle-cp search`.
@@ -55,6 +55,12 @@ pub struct CommonArgs {
     /// Achieved attention rate, TFLOP/s (overlap check and attention time).
     #[arg(long, default_value_t = 600.0)]
     pub attn_tflops: f64,
+    /// Measured attention rates by sequence length: gpu_bench's JSON lines (bench.jsonl of
+    /// scripts/gpu-check.sh). Attention is then priced at the rate of the length each layout's
+    /// kernel calls run (the chunk s/cp for the ring), interpolated in log T; replaces
+    /// --attn-tflops.
+    #[arg(long, conflicts_with = "attn_tflops")]
+    pub attn_rates: Option<std::path::PathBuf>,
     /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
     #[arg(long)]
     pub linear_tflops: Option<f64>,
@@ -165,6 +171,11 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     input.overlap = Overlap::parse(&a.overlap)?;
     input.activation_model = ActivationModel::parse(&a.activations)?;
     input.attn_flops = a.attn_tflops * 1e12;
+    if let Some(path) = &a.attn_rates {
+        let text = std::fs::read_to_string(path)
+            .map_err(|e| anyhow::anyhow!("--attn-rates {}: {e}", path.display()))?;
+        input.attn_rates = Some(AttnRates::from_bench_jsonl(&text, &path.display().to_string())?);
+    }
     if let Some(x) = a.linear_tflops {
         input.linear_flops = x * 1e12;
     }

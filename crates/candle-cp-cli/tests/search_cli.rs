@@ -161,3 +161,42 @@ fn search_for_finetune_llama_prints_its_flags() {
     let plain = json(&["search", "--model", "llama3-8b", "--seq", "131072", "--gpus", "16", "--global-batch", "16"]);
     assert!(plain["best"][0].get("finetune_llama_flags").is_none());
 }
+
+/// `--attn-rates bench.jsonl` (gpu_bench's lines): attention at the rate measured for the
+/// layout's kernel length, in `plan` and in `search`; bad files and `--attn-tflops` beside it
+/// are refused.
+#[test]
+fn measured_attention_rates_from_gpu_bench_lines() {
+    let dir = std::env::temp_dir().join(format!("candle-cp-rates-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("bench.jsonl");
+    std::fs::write(
+        &file,
+        concat!(
+            "{\"impl\":\"candle-cp\",\"kernel\":\"WgmmaTma\",\"t\":4096,\"causal\":false,\"fwd_tflops\":300.0,\"bwd_tflops\":250.0}\n",
+            "{\"impl\":\"candle-cp\",\"kernel\":\"WgmmaTma\",\"t\":16384,\"causal\":false,\"fwd_tflops\":500.0,\"bwd_tflops\":400.0}\n",
+            "{\"skipped\":\"budget\",\"t\":32768,\"causal\":false}\n",
+        ),
+    )
+    .unwrap();
+    let f = file.to_str().unwrap();
+    // ring CP 16 at 128k: 8192-token chunks, halfway (in log T) between the two rows
+    let v = json(&["plan", "--model", "llama3-8b", "--seq", "131072", "--cp", "16", "--attn-rates", f]);
+    assert_eq!(num(&v, "/attn_kernel_tokens"), 8192.0);
+    let want = 3.5 / (1.0 / 400.0 + 2.5 / 325.0) * 1e12;
+    assert!((num(&v, "/attn_flops_used") / want - 1.0).abs() < 1e-9, "{}", num(&v, "/attn_flops_used"));
+    let s = json(&["search", "--model", "llama3-8b", "--seq", "131072", "--gpus", "16", "--global-batch", "16", "--attn-rates", f]);
+    assert!(!s["best"].as_array().unwrap().is_empty());
+    for (args, msg) in [
+        (vec!["--attn-rates", "/nonexistent/bench.jsonl"], "--attn-rates /nonexistent/bench.jsonl"),
+        (vec!["--attn-rates", f, "--attn-tflops", "500"], "cannot be used with"),
+    ] {
+        let mut all = vec!["plan", "--model", "llama3-8b", "--seq", "8192"];
+        all.extend(args);
+        let out = candle_cp(&all);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(msg), "{stderr}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -29,6 +29,7 @@ pub mod memory;
 pub mod model;
 pub mod packed;
 pub mod plan;
+pub mod rates;
 pub mod report;
 pub mod search;
 pub mod step;
@@ -38,6 +39,7 @@ pub use hardware::Hardware;
 pub use layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 pub use model::ModelConfig;
 pub use plan::{plan, Plan, PlanInput};
+pub use rates::{AttnRates, RatePoint};
 pub use search::{search, SearchInput, SearchResult};
 pub use step::{Overlap, StepTime};
 

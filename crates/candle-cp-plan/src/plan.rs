@@ -8,6 +8,7 @@ use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::memory::{self, ActivationTotals, ModelStates};
 use crate::model::ModelConfig;
 use crate::packed::{self, effective_doc_len};
+use crate::rates::{kernel_tokens, AttnRates};
 use crate::step::{step_time, Overlap, StepInput, StepTime};
 use crate::window::effective_window;
 use crate::{plan_bail, Result, GB};
@@ -43,8 +44,13 @@ pub struct PlanInput {
     pub dkv_fp32: bool,
     /// Which activation count drives the per-GPU totals.
     pub activation_model: ActivationModel,
-    /// Achieved attention FLOP/s (overlap check, attention time).
+    /// Achieved attention FLOP/s (overlap check, attention time); ignored when
+    /// [`PlanInput::attn_rates`] is given.
     pub attn_flops: f64,
+    /// Measured attention rates by sequence length: attention priced at the rate of the
+    /// layout's kernel calls ([`crate::rates`]).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub attn_rates: Option<AttnRates>,
     /// Achieved FLOP/s of the linear layers.
     pub linear_flops: f64,
 }
@@ -68,6 +74,7 @@ impl PlanInput {
             dkv_fp32: false,
             activation_model: ActivationModel::Korthikanti,
             attn_flops: 600e12,
+            attn_rates: None,
             linear_flops,
         }
     }
@@ -152,6 +159,12 @@ pub struct Plan {
     pub tp_comm: TpComm,
     /// Gradient synchronisation over the `dp·cp` replicas, once per optimizer step.
     pub grad_sync: GradSync,
+    /// Sequence length of one attention kernel call under this layout
+    /// ([`crate::rates::kernel_tokens`]).
+    pub attn_kernel_tokens: usize,
+    /// The attention rate applied, FLOP/s: [`PlanInput::attn_flops`], or the measured rates
+    /// at `attn_kernel_tokens`.
+    pub attn_flops_used: f64,
     /// Per-layer time on one GPU for the chosen CP kind.
     pub layer_time: LayerTime,
     /// One optimizer step: pipeline, gradient sync, throughput, MFU.
@@ -254,6 +267,11 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let min_cp = min_cp_that_fits(input);
 
     let flops = layer_flops_packed(m, l, s, b, input.doc_len);
+    let attn_kernel_tokens = kernel_tokens(l, s);
+    let attn_rate = match &input.attn_rates {
+        Some(r) => r.combined(attn_kernel_tokens),
+        None => input.attn_flops,
+    };
     let cx = CommCtx {
         model: m,
         layout: l,
@@ -262,7 +280,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         micro_batch: b,
         elem: e,
         grad_elem: if input.dkv_fp32 { 4 } else { e },
-        attn_rate: input.attn_flops,
+        attn_rate,
         doc_len: input.doc_len,
     };
     let (ring, ulysses) = match l.cp_kind {
@@ -277,7 +295,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let k = input.micro_batches();
     let grad_sync = grad_sync(l, hw, model_states.params, input.dtype.bytes(), k);
     let (linear_s, attention_s) =
-        layer_compute_seconds(&flops, l, input.linear_flops, input.attn_flops);
+        layer_compute_seconds(&flops, l, input.linear_flops, attn_rate);
     let cp_exposed_s = match l.cp_kind {
         CpKind::Ring => ring.exposed_s_per_layer,
         CpKind::Allgather => allgather.exposed_s_per_layer,
@@ -393,6 +411,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         allgather,
         tp_comm,
         grad_sync,
+        attn_kernel_tokens,
+        attn_flops_used: attn_rate,
         layer_time,
         step,
         bottleneck,
@@ -659,6 +679,35 @@ mod tests {
             "{}",
             p.bottleneck
         );
+        Ok(())
+    }
+
+    /// Measured rates: the plan is the one with the constant rate the table gives at the
+    /// layout's kernel length (the chunk for the ring, the whole sequence for Ulysses).
+    #[test]
+    fn measured_rates_price_attention_at_the_kernel_length() -> Result<()> {
+        use crate::rates::RatePoint;
+        let pts = [(2048, 200.0, 150.0), (8192, 450.0, 350.0), (32768, 600.0, 500.0)];
+        let rates = AttnRates::new(
+            pts.iter().map(|&(t, f, b)| RatePoint { tokens: t, fwd_flops: f * 1e12, bwd_flops: b * 1e12 }).collect(),
+            "test",
+        )?;
+        for (kind, t) in [(CpKind::Ring, 8192), (CpKind::Ulysses, 131072)] {
+            let mut with = input(Layout { tp: 8, sp: true, cp: 16, cp_kind: kind, ..Layout::default() });
+            with.attn_rates = Some(rates.clone());
+            let p = plan(&with)?;
+            assert_eq!(p.attn_kernel_tokens, t);
+            let mut flat = with.clone();
+            flat.attn_rates = None;
+            flat.attn_flops = rates.combined(t);
+            let q = plan(&flat)?;
+            assert_eq!((p.attn_flops_used, &p.layer_time, &p.ring, &p.step), (q.attn_flops_used, &q.layer_time, &q.ring, &q.step));
+        }
+        // the ring's 8k chunks at 3.5/(1/450 + 2.5/350) = 374 TFLOP/s, slower than at 600
+        let mut ring = input(Layout { tp: 8, sp: true, cp: 16, ..Layout::default() });
+        let fast = plan(&ring)?.layer_time.attention_s;
+        ring.attn_rates = Some(rates);
+        assert!((plan(&ring)?.layer_time.attention_s / fast - 600.0 / (3.5 / (1.0 / 450.0 + 2.5 / 350.0))).abs() < 1e-9);
         Ok(())
     }
 

@@ -452,8 +452,12 @@ pub fn render(p: &Plan) -> String {
     table(
         &mut o,
         &format!(
-            "Time per layer per GPU, fwd+bwd (attention {:.0}, linear {:.0} TFLOP/s)",
-            i.attn_flops / TFLOP,
+            "Time per layer per GPU, fwd+bwd (attention {:.0}{}, linear {:.0} TFLOP/s)",
+            p.attn_flops_used / TFLOP,
+            match &i.attn_rates {
+                Some(r) => format!(" measured at T = {} by {}", p.attn_kernel_tokens, r.source),
+                None => String::new(),
+            },
             i.linear_flops / TFLOP
         ),
         &[
