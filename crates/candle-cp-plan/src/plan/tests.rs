@@ -1,0 +1,191 @@
+//! Tests of [`super::plan`].
+
+use super::*;
+use crate::MIB;
+
+fn input(layout: Layout) -> PlanInput {
+    PlanInput::new(
+        ModelConfig::preset("llama3-405b").unwrap(),
+        Hardware::preset("h100").unwrap(),
+        layout,
+        131072,
+    )
+}
+
+#[test]
+fn reproduces_405b_128k() -> Result<()> {
+    let p = plan(&input(Layout {
+        tp: 8,
+        sp: true,
+        cp: 16,
+        ..Layout::default()
+    }))?;
+    assert_eq!(p.tokens_per_gpu, 8192);
+    assert_eq!(p.activation_bytes_per_layer, 34.0 * 2f64.powi(31));
+    assert!((p.activation_bytes_per_layer / GB - 73.0).abs() < 0.05);
+    assert!((p.activation_bytes_per_layer_per_gpu / GB - 0.570).abs() < 0.0005);
+    assert!(
+        (p.activation_bytes_per_layer_llama / p.activation_bytes_per_layer - 31.75 / 34.0)
+            .abs()
+            < 1e-12
+    );
+    assert_eq!(p.ring.step_bytes, 4.0 * MIB);
+    assert!((p.flops.attention_fwd / 1e12 - 563.0).abs() < 0.5);
+    assert!((p.ring.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
+    assert!(p.ring.hides_fwd);
+    assert_eq!(p.world_size, 128);
+    // 405B without PP: 101 GB of bf16 weights per GPU alone, so it does not fit on H100.
+    assert!(
+        !p.fits && p.bottleneck.starts_with("memory"),
+        "{}",
+        p.bottleneck
+    );
+    assert_eq!(p.min_cp_that_fits, None);
+    Ok(())
+}
+
+#[test]
+fn min_cp_search() -> Result<()> {
+    // PP16 on H200: CP = 1 needs ~16·8·9.13 GB of activations; the search finds the
+    // smallest power of two that fits, and that CP and only that one fits.
+    let mut inp = input(Layout {
+        tp: 8,
+        sp: true,
+        pp: 16,
+        dp: 1,
+        cp: 1,
+        ..Layout::default()
+    });
+    inp.hardware = Hardware::preset("h200")?;
+    let p = plan(&inp)?;
+    assert!(!p.fits);
+    let c = p.min_cp_that_fits.expect("some CP fits");
+    let at = |cp: usize| {
+        plan(&PlanInput {
+            layout: Layout {
+                cp,
+                ..inp.layout.clone()
+            },
+            ..inp.clone()
+        })
+    };
+    assert!(at(c)?.fits);
+    assert!(!at(c / 2)?.fits);
+    assert_eq!(at(c)?.min_cp_that_fits, Some(c));
+    // Full recompute needs less CP.
+    let full = PlanInput {
+        layout: Layout {
+            recompute: Recompute::Full,
+            ..inp.layout.clone()
+        },
+        ..inp.clone()
+    };
+    assert!(plan(&full)?.min_cp_that_fits.unwrap() < c);
+    Ok(())
+}
+
+#[test]
+fn bottleneck_is_cp_comm_for_short_chunks_on_ib() -> Result<()> {
+    // 8B, TP8, CP64 ring at 32k: 512-token chunks over IB cannot hide (< 1,500/... tokens).
+    let mut inp = input(Layout {
+        tp: 8,
+        sp: true,
+        cp: 64,
+        ..Layout::default()
+    });
+    inp.model = ModelConfig::preset("llama3-8b")?;
+    inp.seq = 32768;
+    // 32 micro-batches per step, so that the once-per-step gradient sync (68% of a
+    // one-micro-batch step) does not dominate
+    inp.micro_batches = Some(32);
+    let p = plan(&inp)?;
+    assert!(p.fits);
+    assert!(!p.ring.hides_fwd);
+    assert!(p.layer_time.cp_exposed_s > 0.0);
+    assert!(
+        p.bottleneck.starts_with("CP communication (ring)"),
+        "{}",
+        p.bottleneck
+    );
+    Ok(())
+}
+
+/// Measured rates: the plan is the one with the constant rate the table gives at the
+/// layout's kernel length (the chunk for the ring, the whole sequence for Ulysses).
+#[test]
+fn measured_rates_price_attention_at_the_kernel_length() -> Result<()> {
+    use crate::rates::RatePoint;
+    let pts = [(2048, 200.0, 150.0), (8192, 450.0, 350.0), (32768, 600.0, 500.0)];
+    let rates = AttnRates::new(
+        pts.iter().map(|&(t, f, b)| RatePoint { tokens: t, fwd_flops: f * 1e12, bwd_flops: b * 1e12 }).collect(),
+        "test",
+    )?;
+    for (kind, t) in [(CpKind::Ring, 8192), (CpKind::Ulysses, 131072)] {
+        let mut with = input(Layout { tp: 8, sp: true, cp: 16, cp_kind: kind, ..Layout::default() });
+        with.attn_rates = Some(rates.clone());
+        let p = plan(&with)?;
+        assert_eq!(p.attn_kernel_tokens, t);
+        let mut flat = with.clone();
+        flat.attn_rates = None;
+        flat.attn_flops = rates.combined(t);
+        let q = plan(&flat)?;
+        assert_eq!((p.attn_flops_used, &p.layer_time, &p.ring, &p.step), (q.attn_flops_used, &q.layer_time, &q.ring, &q.step));
+    }
+    // the ring's 8k chunks at 3.5/(1/450 + 2.5/350) = 374 TFLOP/s, slower than at 600
+    let mut ring = input(Layout { tp: 8, sp: true, cp: 16, ..Layout::default() });
+    let fast = plan(&ring)?.layer_time.attention_s;
+    ring.attn_rates = Some(rates);
+    assert!((plan(&ring)?.layer_time.attention_s / fast - 600.0 / (3.5 / (1.0 / 450.0 + 2.5 / 350.0))).abs() < 1e-9);
+    Ok(())
+}
+
+/// Over a step: PP 16 with one micro-batch is mostly bubble; short sequences on 64 DP
+/// replicas over InfiniBand with nothing overlapped wait on the gradient sync.
+#[test]
+fn bottleneck_names_the_bubble_and_the_sync() -> Result<()> {
+    let mut inp = input(Layout { tp: 8, sp: true, cp: 16, pp: 16, ..Layout::default() });
+    inp.hardware = Hardware::preset("h200")?;
+    inp.micro_batches = Some(1);
+    let p = plan(&inp)?;
+    assert!(p.fits, "{}", p.verdict);
+    // 15 of 16 stage-times idle, less the small exposed sync
+    assert!(p.bottleneck.starts_with("pipeline bubble (93% of the"), "{}", p.bottleneck);
+    let mut inp = input(Layout { dp: 64, ..Layout::default() });
+    inp.model = ModelConfig::preset("llama3-8b")?;
+    inp.seq = 1024;
+    inp.overlap = Overlap::None;
+    let p = plan(&inp)?;
+    assert!(p.bottleneck.starts_with("gradient sync not hidden"), "{}", p.bottleneck);
+    Ok(())
+}
+
+#[test]
+fn error_paths() {
+    let e = plan(&input(Layout {
+        cp: 3,
+        ..Layout::default()
+    }))
+    .unwrap_err();
+    assert!(
+        e.0.contains("CP degree 3 does not divide the sequence length 131072"),
+        "{e}"
+    );
+    let e = plan(&input(Layout {
+        tp: 6,
+        ..Layout::default()
+    }))
+    .unwrap_err();
+    assert!(
+        e.0.contains("TP degree 6 does not divide the 128 attention heads"),
+        "{e}"
+    );
+    let mut i = input(Layout::default());
+    i.micro_batch = 0;
+    assert!(plan(&i).unwrap_err().0.contains("--micro-batch"));
+    i.micro_batch = 1;
+    i.attn_flops = 0.0;
+    assert!(plan(&i)
+        .unwrap_err()
+        .0
+        .contains("attention FLOP/s must be positive"));
+}
