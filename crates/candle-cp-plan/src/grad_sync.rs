@@ -11,13 +11,14 @@
 //! |------|-------------|-------|
 //! | 0 | all-reduce of the gradients | `2·(R-1)/R·N·4` |
 //! | 1, 2 | reduce-scatter of the gradients into the owners' slices, all-gather of the updated parameters | `(R-1)/R·N·(4 + e)` |
-//! | 3 | + the parameters all-gathered again in forward and backward | `(R-1)/R·N·(4 + 3e)` |
+//! | 3 | reduce-scatter of the gradients; the parameters all-gathered for the forward and again for the backward (no all-gather after the step: the next forward's gathers collect the updated slices) | `(R-1)/R·N·(4 + 2e)` |
 //!
-//! With `k` micro-batches per optimizer step ([`crate::PlanInput::micro_batches`]) the stages
-//! that shard the gradients cannot accumulate them locally: ZeRO-2 (candle-cp's `--zero2`)
-//! reduce-scatters after every micro-batch, `(R-1)/R·N·(4k + e)`, and ZeRO-3 also gathers the
-//! parameters for every micro-batch's forward and backward, `(R-1)/R·N·(k·(4 + 2e) + e)`.
-//! ZeRO-0 and 1 accumulate locally and reduce once per step; `k = 1` is the table.
+//! (ZeRO-3 moves 1.5× the elements of ZeRO-0's all-reduce, as the ZeRO paper counts.) With
+//! `k` micro-batches per optimizer step ([`crate::PlanInput::micro_batches`]) the stages that
+//! shard the gradients cannot accumulate them locally: ZeRO-2 (candle-cp's `--zero2`)
+//! reduce-scatters after every micro-batch, `(R-1)/R·N·(4k + e)`, and ZeRO-3 repeats all of
+//! its collectives for every micro-batch, `(R-1)/R·N·k·(4 + 2e)`. ZeRO-0 and 1 accumulate
+//! locally and reduce once per step; `k = 1` is the table.
 //!
 //! Under SP the norm weights' gradients are summed over TP as well (`h·(2L+1)` parameters,
 //! left out here).
@@ -34,7 +35,12 @@
 //! `max(G/L, G − (L−1)·f)`, by the same argument. With `k` reductions per step (ZeRO-2/3),
 //! each of `T/k` overlaps its own micro-batch's backward: `k·max(T/(kL), T/k − (L−1)·b)`
 //! (no credit is taken for a reduction spilling into the next micro-batch's forward).
-//! ZeRO-3's per-micro-batch gathers are counted as exposed (no prefetch is modelled).
+//! ZeRO-3's gathers overlap like the ZeRO all-gather (prefetched one layer ahead, as FSDP and
+//! DeepSpeed do): each micro-batch's forward gather `G` leaves `max(G/L, G − (L−1)·f)`. Its
+//! backward gather shares the link with that micro-batch's reduce-scatter `T/k`: with both
+//! overlapped the pair leaves `max(B/L, B − (L−1)·b)` for `B = G + T/k`; with the gathers
+//! alone overlapped, the backward gather leaves `max(G/L, G − (L−1)·b)` and the
+//! reduce-scatter is exposed. Without the gathers' overlap they are exposed in full.
 
 use crate::hardware::{Hardware, Link};
 use crate::layout::Layout;
@@ -64,10 +70,14 @@ pub struct GradSync {
     /// The time left exposed when the reduction overlaps the backward layer by layer (module
     /// docs); `None` until [`GradSync::overlapped`] sets it.
     pub exposed_overlapped_s: Option<f64>,
-    /// ZeRO: the time left exposed when the all-gather of the updated parameters also
-    /// overlaps the next forward layer by layer (module docs); `None` without ZeRO 1 / 2 or
-    /// until [`GradSync::overlapped`] sets it.
+    /// ZeRO: the time left exposed when the parameter all-gathers also overlap compute layer
+    /// by layer (ZeRO-1/2: the next forward; ZeRO-3: each micro-batch's forward and backward;
+    /// module docs); `None` without ZeRO or until [`GradSync::overlapped`] sets it.
     pub exposed_gather_overlapped_s: Option<f64>,
+    /// ZeRO: the time left exposed when only the parameter all-gathers overlap compute (the
+    /// gradient reduction in full); `None` without ZeRO or until [`GradSync::overlapped`]
+    /// sets it.
+    pub exposed_gather_only_s: Option<f64>,
 }
 
 impl GradSync {
@@ -75,10 +85,11 @@ impl GradSync {
     /// [`GradSync::exposed_gather_overlapped_s`]) for `layers` layers on this GPU whose
     /// backward (recompute included) takes `bwd_layer_s` each and forward `fwd_layer_s`.
     pub fn overlapped(mut self, layers: usize, bwd_layer_s: f64, fwd_layer_s: f64) -> Self {
-        let gathers = matches!(self.zero, 1 | 2);
+        let gathers = self.zero >= 1;
         if self.bytes_per_step <= 0.0 || layers == 0 {
             self.exposed_overlapped_s = Some(0.0);
             self.exposed_gather_overlapped_s = gathers.then_some(0.0);
+            self.exposed_gather_only_s = gathers.then_some(0.0);
             return self;
         }
         let bw = self.bytes_per_step / self.seconds_per_step;
@@ -88,7 +99,19 @@ impl GradSync {
         let rest = (self.bytes_per_step - self.reduce_bytes_per_step) / bw;
         let reduce = k * (t / l).max(t - (l - 1.0) * bwd_layer_s);
         self.exposed_overlapped_s = Some(reduce + rest);
-        self.exposed_gather_overlapped_s = gathers.then(|| reduce + (rest / l).max(rest - (l - 1.0) * fwd_layer_s));
+        let hide = |g: f64, per_layer: f64| (g / l).max(g - (l - 1.0) * per_layer);
+        let (f, b) = (fwd_layer_s, bwd_layer_s);
+        let full_reduce = k * t;
+        let (both, gather_only) = if self.zero >= 3 {
+            // k forward and k backward gathers of rest / (2k) each; a backward gather and its
+            // micro-batch's reduce-scatter share the link
+            let g = rest / (2.0 * k);
+            (k * (hide(g, f) + hide(g + t, b)), full_reduce + k * (hide(g, f) + hide(g, b)))
+        } else {
+            (reduce + hide(rest, f), full_reduce + hide(rest, f))
+        };
+        self.exposed_gather_overlapped_s = gathers.then_some(both);
+        self.exposed_gather_only_s = gathers.then_some(gather_only);
         self
     }
 }
@@ -110,7 +133,7 @@ pub fn grad_sync(
     let per_param = match layout.zero {
         0 => 2.0 * 4.0,
         1 | 2 => 4.0 * k + e,
-        _ => k * (4.0 + 2.0 * e) + e,
+        _ => k * (4.0 + 2.0 * e),
     };
     let bytes = frac * params_per_gpu * per_param;
     let reduce_bytes = frac * params_per_gpu * if layout.zero == 0 { 8.0 } else { 4.0 * k };
@@ -131,6 +154,7 @@ pub fn grad_sync(
         reduce_bytes_per_step: reduce_bytes,
         exposed_overlapped_s: None,
         exposed_gather_overlapped_s: None,
+        exposed_gather_only_s: None,
     }
 }
 
@@ -143,12 +167,12 @@ mod tests {
     }
 
     /// R = 4 replicas, N = 1e9 parameters, bf16: ZeRO-0 sends 2·3/4·4 = 6 bytes per
-    /// parameter, ZeRO-1 3/4·(4 + 2) = 4.5, ZeRO-3 3/4·(4 + 6) = 7.5; one replica sends nothing.
+    /// parameter, ZeRO-1 3/4·(4 + 2) = 4.5, ZeRO-3 3/4·(4 + 4) = 6; one replica sends nothing.
     #[test]
     fn bytes_per_zero_stage() {
         let hw = Hardware::preset("h100").unwrap();
         let n = 1e9;
-        for (zero, per) in [(0u8, 6.0), (1, 4.5), (2, 4.5), (3, 7.5)] {
+        for (zero, per) in [(0u8, 6.0), (1, 4.5), (2, 4.5), (3, 6.0)] {
             let g = grad_sync(&layout(1, 4, 1, zero), &hw, n, 2, 1);
             assert_eq!(g.replicas, 4);
             assert!((g.bytes_per_step - per * n).abs() < 1.0, "zero {zero}: {}", g.bytes_per_step);
@@ -159,13 +183,13 @@ mod tests {
     }
 
     /// `k = 4` micro-batches, R = 4, N = 1e9, bf16: ZeRO-0 and 1 still reduce once (6 and 4.5
-    /// bytes per parameter); ZeRO-2 reduce-scatters 4 times, 3/4·(4·4 + 2) = 13.5; ZeRO-3 also
-    /// gathers twice per micro-batch, 3/4·(4·(4 + 4) + 2) = 25.5.
+    /// bytes per parameter); ZeRO-2 reduce-scatters 4 times, 3/4·(4·4 + 2) = 13.5; ZeRO-3
+    /// repeats its reduce-scatter and two gathers per micro-batch, 3/4·4·(4 + 4) = 24.
     #[test]
     fn micro_batches_multiply_the_sharded_reductions() {
         let hw = Hardware::preset("h100").unwrap();
         let n = 1e9;
-        for (zero, per, reductions) in [(0u8, 6.0, 1), (1, 4.5, 1), (2, 13.5, 4), (3, 25.5, 4)] {
+        for (zero, per, reductions) in [(0u8, 6.0, 1), (1, 4.5, 1), (2, 13.5, 4), (3, 24.0, 4)] {
             let g = grad_sync(&layout(1, 4, 1, zero), &hw, n, 2, 4);
             assert!((g.bytes_per_step - per * n).abs() < 1.0, "zero {zero}: {}", g.bytes_per_step);
             assert_eq!(g.reductions, reductions, "zero {zero}");
@@ -180,6 +204,27 @@ mod tests {
         let got = |b: f64| z.clone().overlapped(4, b, 10.0).exposed_overlapped_s.unwrap();
         assert!((got(slow) - (4.0 * (t / 16.0) + gather)).abs() < 1e-9);
         assert!((got(fast) - (4.0 * (t / 4.0 - 3.0 * fast) + gather)).abs() < 1e-9);
+        // ZeRO-3, k = 4: 4 forward and 4 backward gathers of G = gather/8 each, prefetched one
+        // layer ahead: with slow layers one layer's share of each, with f, b → 0 all of it
+        let z3 = grad_sync(&layout(1, 4, 1, 3), &hw, n, 2, 4);
+        let (t3, g3) = (z3.reduce_bytes_per_step / bw, (z3.bytes_per_step - z3.reduce_bytes_per_step) / bw);
+        assert!((g3 / t3 - 1.0).abs() < 1e-12); // 2e = 4 bytes of gathers per 4 of reduce-scatter
+        let g = g3 / 8.0;
+        let slow = z3.clone().overlapped(4, 10.0, 10.0);
+        assert!((slow.exposed_overlapped_s.unwrap() - (4.0 * (t3 / 16.0) + g3)).abs() < 1e-9);
+        // both: per micro-batch G/4 of the forward gather, (G + T/4)/4 of the backward pair
+        let want = 4.0 * (g / 4.0 + (g + t3 / 4.0) / 4.0);
+        assert!((slow.exposed_gather_overlapped_s.unwrap() - want).abs() < 1e-9);
+        // the gathers alone: the whole reduce-scatter, a quarter of each gather
+        assert!((slow.exposed_gather_only_s.unwrap() - (t3 + 8.0 * g / 4.0)).abs() < 1e-9);
+        let none = z3.clone().overlapped(4, 0.0, 0.0);
+        assert!((none.exposed_gather_overlapped_s.unwrap() - (t3 + g3)).abs() < 1e-9);
+        // a backward just long enough for the gather alone cannot also carry the
+        // reduce-scatter: (L−1)·b = G hides G, not G + T/4
+        let tight = z3.overlapped(4, g / 3.0, 10.0);
+        assert!((tight.exposed_gather_only_s.unwrap() - (t3 + 4.0 * (g / 4.0 + g / 4.0))).abs() < 1e-9);
+        let pair = g + t3 / 4.0;
+        assert!((tight.exposed_gather_overlapped_s.unwrap() - 4.0 * (g / 4.0 + (pair - g))).abs() < 1e-9);
     }
 
     /// TP 8 × CP 2 spans two 8-GPU nodes (InfiniBand); CP 8 alone stays in one (NVLink); any

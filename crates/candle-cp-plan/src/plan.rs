@@ -565,7 +565,10 @@ fn notes(input: &PlanInput) -> Vec<String> {
         }
     }
     if l.dp * l.cp > 1 && l.zero == 3 {
-        n.push("ZeRO-3: the per-micro-batch parameter gathers are counted as exposed (no prefetch overlap is modelled)".into());
+        n.push(match input.overlap {
+            Overlap::Gather | Overlap::All => "ZeRO-3: each micro-batch's parameter gathers are taken as prefetched one layer ahead (as FSDP and DeepSpeed do), hidden behind the layers before them as far as the link keeps up".into(),
+            _ => "ZeRO-3: each micro-batch's parameter gathers are counted as exposed (--overlap none or grad)".into(),
+        });
     }
     n
 }

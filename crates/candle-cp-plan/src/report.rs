@@ -480,8 +480,8 @@ pub fn render(p: &Plan) -> String {
                     (0, _) => "2*(R-1)/R*N*4 (all-reduce, f32)",
                     (1, _) | (2, false) => "(R-1)/R*N*(4+e) (reduce-scatter f32 + all-gather)",
                     (2, true) => "(R-1)/R*N*(4k+e) (a reduce-scatter per micro-batch + all-gather)",
-                    (_, false) => "(R-1)/R*N*(4+3e) (+ gathers in fwd and bwd)",
-                    (_, true) => "(R-1)/R*N*(k*(4+2e)+e) (per micro-batch: reduce-scatter, gathers)",
+                    (_, false) => "(R-1)/R*N*(4+2e) (reduce-scatter f32, gathers in fwd and bwd)",
+                    (_, true) => "(R-1)/R*N*k*(4+2e) (per micro-batch: reduce-scatter, gathers)",
                 },
             ),
             r("time if not overlapped", ms(g.seconds_per_step), ""),
@@ -497,7 +497,11 @@ pub fn render(p: &Plan) -> String {
             ),
         ];
         if let Some(both) = g.exposed_gather_overlapped_s {
-            rows.push(r("+ all-gather during the next forward", ms(both), "--overlap-param-gather: + max(G/L, G-(L-1)*fwd per layer)"));
+            if g.zero >= 3 {
+                rows.push(r("+ gathers prefetched a layer ahead", ms(both), "per micro-batch: max(G/L, G-(L-1)*fwd) + max(B/L, B-(L-1)*bwd), B = G + its reduce-scatter"));
+            } else {
+                rows.push(r("+ all-gather during the next forward", ms(both), "--overlap-param-gather: + max(G/L, G-(L-1)*fwd per layer)"));
+            }
         }
         table(
             &mut o,

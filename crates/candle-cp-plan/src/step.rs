@@ -83,14 +83,11 @@ impl Overlap {
     /// [`GradSync::overlapped`]).
     pub fn exposed_s(self, g: &GradSync) -> f64 {
         let grad = g.exposed_overlapped_s.unwrap_or(g.seconds_per_step);
-        let all = g.exposed_gather_overlapped_s.unwrap_or(grad);
         match self {
             Overlap::None => g.seconds_per_step,
             Overlap::Grad => grad,
-            // none − (what the reduction's overlap saves) + ... = the full reduction plus
-            // the overlapped gather
-            Overlap::Gather => g.seconds_per_step - grad + all,
-            Overlap::All => all,
+            Overlap::Gather => g.exposed_gather_only_s.unwrap_or(g.seconds_per_step),
+            Overlap::All => g.exposed_gather_overlapped_s.unwrap_or(grad),
         }
     }
 }

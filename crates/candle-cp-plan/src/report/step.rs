@@ -30,8 +30,8 @@ pub(super) fn overlap_label(o: Overlap) -> &'static str {
     match o {
         Overlap::None => "--overlap none: all of it after the backward",
         Overlap::Grad => "--overlap grad: reduction during the backward",
-        Overlap::Gather => "--overlap gather: ZeRO-1/2 all-gather during the next forward",
-        Overlap::All => "--overlap all: reduction during the backward, ZeRO-1/2 all-gather during the next forward",
+        Overlap::Gather => "--overlap gather: ZeRO's parameter gathers beside compute",
+        Overlap::All => "--overlap all: reduction during the backward, ZeRO's parameter gathers beside compute",
     }
 }
 
