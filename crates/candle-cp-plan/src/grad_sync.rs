@@ -28,7 +28,9 @@
 //! the reduction `T` (the all-reduce, or the reduce-scatter, of all `N` gradients) split into
 //! `L` equal parts started one layer-backward `b` apart, the link finishes
 //! `max(T/L, T − (L−1)·b)` after the backward: the last layer's part when the link keeps up
-//! (`T/L ≤ b`), else what the backward could not cover. The ZeRO all-gather of the updated
+//! (`T/L ≤ b`), else what the backward could not cover. `b` (and `f` below) is the part of a layer's
+//! time the link is free: [`crate::plan::plan`] subtracts what the CP and TP collectives on
+//! the same link take (`plan::link_busy_per_layer`). The ZeRO all-gather of the updated
 //! parameters runs after the optimizer step and stays exposed, unless it overlaps the next
 //! forward (`--overlap-param-gather`: each layer's parameters gathered while the layers
 //! before it compute, one layer-forward `f` apart): then its `G` leaves

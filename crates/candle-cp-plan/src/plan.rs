@@ -319,7 +319,24 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
     let bwd_share = bwd / (bwd + f.linear_fwd + f.attention_fwd).max(f64::MIN_POSITIVE);
     let stage_layers = memory::layers_per_stage(m, l);
-    let grad_sync = grad_sync.overlapped(stage_layers, layer_time.total_s * bwd_share, layer_time.total_s * (1.0 - bwd_share));
+    // the CP and TP collectives that use the gradient sync's link keep it busy for part of
+    // each layer: the overlapped sync has only the rest
+    let mut parts = vec![(tp_comm.link, tp_comm.fwd_bytes_per_layer, tp_comm.bwd_bytes_per_layer)];
+    match l.cp_kind {
+        CpKind::Ring => parts.push((ring.link, ring.fwd_bytes_per_layer, ring.bwd_bytes_per_layer)),
+        CpKind::Allgather => parts.push((allgather.link, allgather.fwd_bytes_per_layer, allgather.bwd_bytes_per_layer)),
+        CpKind::Ulysses => parts.push((ulysses.link, ulysses.fwd_bytes_per_layer, ulysses.bwd_bytes_per_layer)),
+        CpKind::TwoD => {
+            parts.push((ring.link, ring.fwd_bytes_per_layer, ring.bwd_bytes_per_layer));
+            parts.push((ulysses.link, ulysses.fwd_bytes_per_layer, ulysses.bwd_bytes_per_layer));
+        }
+    }
+    let (busy_fwd, busy_bwd) = link_busy_per_layer(&parts, grad_sync.link, hw, l.recompute == Recompute::Full);
+    let grad_sync = grad_sync.overlapped(
+        stage_layers,
+        (layer_time.total_s * bwd_share - busy_bwd).max(0.0),
+        (layer_time.total_s * (1.0 - bwd_share) - busy_fwd).max(0.0),
+    );
     // the head: output projection + loss, forward and backward, vocab-parallel over TP
     let head_model_flops = 3.0 * f.logits_fwd;
     let step = step_time(&StepInput {
@@ -419,6 +436,22 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         verdict,
         notes,
     })
+}
+
+/// Seconds per layer (forward, backward) that the collectives in `parts` (link, forward bytes,
+/// backward bytes per layer) keep `link` busy; with full recompute the backward reruns the
+/// forward's collectives too. Those seconds are not available to the overlapped gradient sync
+/// on the same link.
+pub fn link_busy_per_layer(parts: &[(Link, f64, f64)], link: Link, hw: &Hardware, recompute: bool) -> (f64, f64) {
+    let bw = link.bandwidth(hw);
+    let (mut fwd, mut bwd) = (0.0, 0.0);
+    for &(l, f, b) in parts {
+        if l == link {
+            fwd += f / bw;
+            bwd += b / bw + if recompute { f / bw } else { 0.0 };
+        }
+    }
+    (fwd, bwd)
 }
 
 /// Memory when it does not fit (naming the larger part), else the largest share of the

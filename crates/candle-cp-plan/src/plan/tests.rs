@@ -95,7 +95,7 @@ fn bottleneck_is_cp_comm_for_short_chunks_on_ib() -> Result<()> {
     });
     inp.model = ModelConfig::preset("llama3-8b")?;
     inp.seq = 32768;
-    // 32 micro-batches per step, so that the once-per-step gradient sync (68% of a
+    // 32 micro-batches per step, so that the once-per-step gradient sync (75% of a
     // one-micro-batch step) does not dominate
     inp.micro_batches = Some(32);
     let p = plan(&inp)?;
@@ -189,3 +189,33 @@ fn error_paths() {
         .0
         .contains("attention FLOP/s must be positive"));
 }
+
+/// Collectives on the gradient sync's own link leave it less time to overlap: only those on
+/// that link count, the backward reruns the forward's under full recompute, and a plan whose
+/// ring shares the sync's InfiniBand exposes at least as much as the formula without it.
+#[test]
+fn collectives_on_the_sync_link_shrink_its_overlap() -> Result<()> {
+    let hw = Hardware::preset("h100")?;
+    let parts = [(Link::Ib, 50e9, 100e9), (Link::Nvlink, 450e9, 450e9)];
+    assert_eq!(link_busy_per_layer(&parts, Link::Ib, &hw, false), (1.0, 2.0));
+    assert_eq!(link_busy_per_layer(&parts, Link::Ib, &hw, true), (1.0, 3.0));
+    assert_eq!(link_busy_per_layer(&parts, Link::Nvlink, &hw, false), (1.0, 1.0));
+    // 405B, TP 8 x CP 16 x DP 8 ZeRO-1: ring and sync both on InfiniBand
+    let mut inp = input(Layout { tp: 8, sp: true, cp: 16, dp: 8, pp: 16, ..Layout::default() });
+    inp.micro_batches = Some(16);
+    let p = plan(&inp)?;
+    assert_eq!((p.ring.link, p.grad_sync.link), (Link::Ib, Link::Ib));
+    let f = &p.flops;
+    let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
+    let share = bwd / (bwd + f.linear_fwd + f.attention_fwd);
+    let t = p.layer_time.total_s;
+    let g = GradSync { exposed_overlapped_s: None, exposed_gather_overlapped_s: None, exposed_gather_only_s: None, ..p.grad_sync.clone() };
+    let free = g.clone().overlapped(8, t * share, t * (1.0 - share));
+    let (bf, bb) = (p.ring.fwd_bytes_per_layer / hw.ib_bw, p.ring.bwd_bytes_per_layer / hw.ib_bw);
+    let busy = g.overlapped(8, t * share - bb, t * (1.0 - share) - bf);
+    assert_eq!(p.grad_sync.exposed_overlapped_s, busy.exposed_overlapped_s);
+    assert_eq!(p.grad_sync.exposed_gather_overlapped_s, busy.exposed_gather_overlapped_s);
+    assert!(busy.exposed_gather_overlapped_s.unwrap() > free.exposed_gather_overlapped_s.unwrap());
+    Ok(())
+}
+
