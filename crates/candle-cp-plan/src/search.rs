@@ -23,7 +23,7 @@
 //! are skipped and counted. Of the layouts with the same degrees and CP kind, only the fastest
 //! recompute / ZeRO choice is listed, so the top rows are different layouts. Rows whose steps
 //! are within 0.5% ([`TIE`]) of each other are listed simplest first (fewest GPUs per model
-//! replica, then least memory; [`rank`]).
+//! replica, then least memory; `rank`).
 
 use crate::layout::{CpKind, Dtype, Layout, Recompute};
 use crate::plan::{plan, PlanInput};
