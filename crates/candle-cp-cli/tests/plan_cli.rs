@@ -249,15 +249,7 @@ fn mistral_config(tag: &str, window: &str) -> std::path::PathBuf {
 fn plan_json(args: &[&str]) -> serde_json::Value {
     let mut all = vec!["plan"];
     all.extend_from_slice(args);
-    all.push("--json");
-    let out = candle_cp(&all);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+    common::json(&all)
 }
 
 #[test]

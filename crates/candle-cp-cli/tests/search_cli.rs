@@ -3,15 +3,7 @@
 //! with a message on bad input.
 
 mod common;
-use common::candle_cp;
-
-fn json(args: &[&str]) -> serde_json::Value {
-    let mut all = args.to_vec();
-    all.push("--json");
-    let out = candle_cp(&all);
-    assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
-    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
-}
+use common::{candle_cp, json};
 
 fn num(v: &serde_json::Value, p: &str) -> f64 {
     v.pointer(p).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("{p} missing in {v}"))

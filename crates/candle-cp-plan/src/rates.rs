@@ -54,7 +54,8 @@ impl AttnRates {
                 )
             }
         }
-        points.sort_by(|a, b| a.tokens.cmp(&b.tokens).then(combine(b).total_cmp(&combine(a))));
+        let rate = |p: &RatePoint| combine(p.fwd_flops, p.bwd_flops);
+        points.sort_by(|a, b| a.tokens.cmp(&b.tokens).then(rate(b).total_cmp(&rate(a))));
         points.dedup_by_key(|p| p.tokens);
         Ok(Self {
             points,
@@ -128,16 +129,13 @@ impl AttnRates {
     /// One rate for a forward and its backward at length `tokens`.
     pub fn combined(&self, tokens: usize) -> f64 {
         let (f, b) = self.at(tokens);
-        combine(&RatePoint {
-            tokens,
-            fwd_flops: f,
-            bwd_flops: b,
-        })
+        combine(f, b)
     }
 }
 
-fn combine(p: &RatePoint) -> f64 {
-    3.5 / (1.0 / p.fwd_flops + 2.5 / p.bwd_flops)
+/// One rate for the `1 + 2.5` FLOPs of a forward at `fwd` and its backward at `bwd`.
+fn combine(fwd: f64, bwd: f64) -> f64 {
+    3.5 / (1.0 / fwd + 2.5 / bwd)
 }
 
 /// Sequence length of one attention kernel call under `l` for a global sequence `s`: the chunk

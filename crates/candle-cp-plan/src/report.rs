@@ -471,7 +471,7 @@ pub fn render(p: &Plan) -> String {
 
     let g = &p.grad_sync;
     if g.replicas > 1 {
-        let stage_s = crate::memory::layers_per_stage(&i.model, &i.layout) as f64 * t.total_s;
+        let stage_s = p.step.stage_layers as f64 * t.total_s;
         let mut rows = vec![
             r(
                 "sent per GPU",

@@ -113,19 +113,22 @@ fn kinds_at(kinds: &[CpKind], cp: usize) -> Vec<(CpKind, usize)> {
     out
 }
 
-/// Every layout of the module docs with its micro-batch count `k`, not yet validated.
-fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
+/// The ZeRO stages and recompute policies to try: those asked for, less what
+/// `examples/finetune_llama` cannot run under [`SearchInput::finetune_llama`].
+fn choices(i: &SearchInput) -> (Vec<u8>, Vec<Recompute>) {
+    let t = i.finetune_llama;
+    let zero = i.zero.iter().copied().filter(|&z| !t || z <= 2).collect();
+    let recompute = i.recompute.iter().copied().filter(|&r| !t || r != Recompute::Selective).collect();
+    (zero, recompute)
+}
+
+/// Every layout of the module docs with its micro-batch count `k`, not yet validated, over
+/// the ZeRO stages and recompute policies of [`choices`].
+fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout, usize)> {
     let base = &i.base;
     let max_tp = i.max_tp.unwrap_or(base.hardware.gpus_per_node).max(1);
     let mut out = Vec::new();
     let max_pp = if i.finetune_llama { 1 } else { base.model.layers };
-    let zero: Vec<u8> = i.zero.iter().copied().filter(|&z| !i.finetune_llama || z <= 2).collect();
-    let recompute: Vec<Recompute> = i
-        .recompute
-        .iter()
-        .copied()
-        .filter(|&r| !i.finetune_llama || r != Recompute::Selective)
-        .collect();
     for tp in powers_of_two(max_tp.min(i.gpus)) {
         for cp in powers_of_two(i.gpus / tp).filter(|&c| base.seq.is_multiple_of(c)) {
             for pp in powers_of_two(max_pp.min(i.gpus / (tp * cp))) {
@@ -145,8 +148,8 @@ fn layouts(i: &SearchInput) -> Vec<(Layout, usize)> {
                 };
                 for (cp_kind, ulysses) in kinds_at(&i.kinds, cp) {
                     for &virtual_stages in &vs {
-                        for &recompute in &recompute {
-                            for &zero in &zero {
+                        for &recompute in recompute {
+                            for &zero in zero {
                                 let layout = Layout {
                                     tp,
                                     sp: tp > 1,
@@ -191,10 +194,8 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
     if let Some(z) = i.zero.iter().find(|&&z| z > 3) {
         plan_bail!("--zero must be 0, 1, 2 or 3, got {z}")
     }
-    if i.finetune_llama
-        && (i.zero.iter().all(|&z| z > 2)
-            || i.recompute.iter().all(|&r| r == Recompute::Selective))
-    {
+    let (zero, recompute) = choices(i);
+    if zero.is_empty() || recompute.is_empty() {
         plan_bail!(
             "--finetune-llama: the trainer runs ZeRO 0-2 and recompute none or full; the lists asked for ({:?}, {:?}) leave nothing",
             i.zero,
@@ -206,7 +207,7 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
     // the fastest candidate per (tp, cp, kind, ulysses, pp); ordered, so that ties list the
     // same way on every run
     let mut best: BTreeMap<(usize, usize, String, usize, usize), Candidate> = BTreeMap::new();
-    for (layout, k) in layouts(i) {
+    for (layout, k) in layouts(i, &zero, &recompute) {
         if let Err(e) = layout.validate(&base.model, base.seq) {
             invalid += 1;
             first_refusal.get_or_insert(e.0);

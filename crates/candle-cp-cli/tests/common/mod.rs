@@ -9,3 +9,14 @@ pub fn candle_cp(args: &[&str]) -> Output {
         .output()
         .expect("cannot run candle-cp")
 }
+
+/// Run `candle-cp` with `args` and `--json`; asserts exit 0 and returns the one JSON object it
+/// printed.
+#[allow(dead_code)] // not every test binary prints JSON
+pub fn json(args: &[&str]) -> serde_json::Value {
+    let mut all = args.to_vec();
+    all.push("--json");
+    let out = candle_cp(&all);
+    assert_eq!(out.status.code(), Some(0), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+    serde_json::from_slice(&out.stdout).expect("stdout is one JSON object")
+}
