@@ -11,10 +11,11 @@
 //! result on the same bf16-rounded inputs with bf16 bounds; the others are f32 (the CUDA-core
 //! kernels), checked with the oracle's f32 bounds. The reference is the CPU's single-device
 //! `attention_docs_mask` (autograd), which `tests/cp_random.rs` checks against the dense
-//! reference; the draws are `tests/draws.rs`'s. 32 configurations (T up to 512), 12 under `--quick` (T up to 128).
+//! reference; the draws are `tests/draws.rs`'s. 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
+//! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` instead, to search further.
 
 use super::{case_to, report_metrics, Report};
-use crate::draws::{doc_lengths, pick, random_case, rng};
+use crate::draws::{doc_lengths, pick, random_case, rng, seeds};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
@@ -36,7 +37,7 @@ enum Method {
 pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
     let (n, lengths): (u64, &[usize]) = if rep.quick { (12, &[64, 96, 128]) } else { (32, &[64, 128, 192, 256, 384, 512]) };
     let timeout = Duration::from_secs(120);
-    for seed in 0..n {
+    for seed in seeds(n)? {
         let mut d = rng(2000 + seed);
         let b = pick(&mut d, &[1, 2]);
         let t = pick(&mut d, lengths);

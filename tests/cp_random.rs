@@ -17,7 +17,7 @@ use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
-use candle_cp_tests::draws::{doc_lengths, pick, random_case, rng};
+use candle_cp_tests::draws::{doc_lengths, pick, random_case, rng, seeds};
 use candle_cp_tests::{assert_attn_close as check, fwd_bwd};
 use std::time::Duration;
 
@@ -37,7 +37,11 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
-    for seed in 0..CONFIGS {
+    let range = seeds(CONFIGS)?;
+    let n_configs = range.end - range.start;
+    // (the corners are asserted for draws at least as many as the suite's)
+    let corners = n_configs >= CONFIGS;
+    for seed in range {
         let mut d = rng(seed);
         let b = pick(&mut d, &[1, 2]);
         let t = pick(&mut d, &[8, 12, 16, 24, 32, 40, 48]);
@@ -130,9 +134,9 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     println!(
         "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}"
     );
-    assert!(checked >= CONFIGS as usize / 2, "only {checked} of {CONFIGS} configurations ran ({refused} refused)");
+    assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
     for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row)] {
-        assert!(n >= 3, "only {n} checked configurations with {corner}");
+        assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())
 }

@@ -12,6 +12,19 @@ pub fn rng(seed: u64) -> Rng {
     Rng::derive(0xC0FF_EE00_D1CE_5EED, &[seed])
 }
 
+/// The configurations a randomized check draws: `0..default`, or the range that the environment
+/// variable `CANDLE_CP_RANDOM_SEEDS` names as `A..B` (to search more seeds than the suite runs,
+/// e.g. `CANDLE_CP_RANDOM_SEEDS=400..5000 cargo test --release --test cp_random`). Errors on a
+/// value that is not such a range.
+pub fn seeds(default: u64) -> Result<std::ops::Range<u64>> {
+    let Ok(v) = std::env::var("CANDLE_CP_RANDOM_SEEDS") else { return Ok(0..default) };
+    let parsed = v.split_once("..").and_then(|(a, b)| Some((a.trim().parse::<u64>().ok()?, b.trim().parse::<u64>().ok()?)));
+    match parsed {
+        Some((a, b)) if a < b => Ok(a..b),
+        _ => candle_core::bail!("CANDLE_CP_RANDOM_SEEDS must be a non-empty range A..B, got {v:?}"),
+    }
+}
+
 /// One of `xs`, uniformly.
 pub fn pick<T: Copy>(r: &mut Rng, xs: &[T]) -> T {
     xs[r.below(xs.len())]

@@ -13,7 +13,7 @@ use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::params::varmap_tensors;
 use candle_cp_llama::verify::{compare, run_layout, Reference, Tolerances};
 use candle_cp_llama::{init_params, LlamaConfig};
-use candle_cp_tests::draws::{pick, rng};
+use candle_cp_tests::draws::{pick, rng, seeds};
 
 const CONFIGS: u64 = 120;
 
@@ -22,7 +22,11 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded) = (0, 0);
-    for seed in 0..CONFIGS {
+    let range = seeds(CONFIGS)?;
+    let n_configs = range.end - range.start;
+    // (the corners are asserted for draws at least as many as the suite's)
+    let corners = n_configs >= CONFIGS;
+    for seed in range {
         let mut d = rng(1000 + seed);
         let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
         let hidden = heads * pick(&mut d, &[4, 8]);
@@ -61,13 +65,19 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
         match run_layout(&full, &cfg, &ids, layout, &Device::Cpu) {
             Ok(run) => {
                 let rep = compare(&run, &reference, tol)?;
-                // gradients relative to max(|reference|, 1e-6): a parameter whose gradient is
-                // zero in exact arithmetic (k_proj under a window of 1 key: softmax over one key)
-                // holds float noise of ~1e-12 on both sides
+                // gradients relative to max(|reference|, 1e-3 * the largest gradient of the
+                // model): a parameter whose gradient is zero in exact arithmetic (q_proj and
+                // k_proj under a window of 1 key: softmax over one key) holds float noise of
+                // ~1e-10 on both sides, from sums of terms ~1e-3 that cancel
+                let mut largest = 0f32;
+                for r in reference.grads.values() {
+                    largest = largest.max(r.abs()?.max_all()?.to_scalar::<f32>()?);
+                }
+                let floor = (1e-3 * largest).max(1e-12);
                 let mut worst = (0f64, String::new());
                 for (name, g) in &run.grads {
                     let r = &reference.grads[name];
-                    let scale = r.abs()?.max_all()?.to_scalar::<f32>()?.max(1e-6) as f64;
+                    let scale = r.abs()?.max_all()?.to_scalar::<f32>()?.max(floor) as f64;
                     let err = (g - r)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale;
                     if err >= worst.0 {
                         worst = (err, name.clone());
@@ -95,7 +105,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     }
     println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window), {refused} refused");
     assert!(
-        checked >= CONFIGS as usize / 2 && tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3,
+        checked >= n_configs as usize / 2 && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window"
     );
     Ok(())
