@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 pub mod draws;
+pub mod packed_run;
 
 /// `tests/data/oracle/<sub>` (`sub` = `attn`, `tiny-llama`, or a file below them).
 pub fn oracle_dir(sub: &str) -> PathBuf {

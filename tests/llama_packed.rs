@@ -9,10 +9,11 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::params::varmap_tensors;
 use candle_cp_llama::{
-    gather_full, init_params, named_grads, reduce_gradients, shard_batch, shard_batch_packed, shard_tensors, Documents,
+    gather_full, init_params, named_grads, shard_batch, shard_batch_packed, shard_tensors, Documents,
     Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_nn::VarBuilder;
+use candle_cp_tests::packed_run::{max_abs, run_packed, Run};
 use std::collections::HashMap;
 
 const T: usize = 48;
@@ -36,82 +37,6 @@ fn token_ids(b: usize, seed: u64) -> Result<Tensor> {
         })
         .collect();
     Tensor::from_vec(v, (b, T), &Device::Cpu)
-}
-
-/// Global results of one run, on the host.
-struct Run {
-    /// `[B·T·V]` global logits.
-    logits: Vec<f32>,
-    /// `[B·T]` per-token NLL from `token_nll_packed` (NaN when not computed).
-    nll: Vec<f32>,
-    loss: f64,
-    grads: Vec<(String, Tensor)>,
-    /// largest disagreement between ranks (loss, gradients)
-    spread: f64,
-}
-
-fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a - b)?.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()
-}
-
-/// Run the packed batch on `layout` (thread ranks): loss_packed, backward, reduced and
-/// gathered gradients, logits unsharded by each token's global position, and (without
-/// recompute) token_nll_packed.
-fn run_packed(full: &HashMap<String, Tensor>, ids: &Tensor, docs: &[Documents], layout: Layout, recompute: bool) -> Result<Run> {
-    let cfg = cfg();
-    let (b, t) = ids.dims2()?;
-    let v = cfg.vocab_size;
-    let gpos = Tensor::arange(0u32, t as u32, &Device::Cpu)?.unsqueeze(0)?.repeat((b, 1))?;
-    type Out = (usize, Vec<Vec<u32>>, Vec<f32>, Vec<f32>, f64, Vec<(String, Tensor)>);
-    let outs: Vec<Out> = run_ranks(layout.world_size(), |g| {
-        let ctx = ParallelCtx::new(g, layout)?;
-        let vm = shard_tensors(full, &cfg, &ctx)?;
-        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?.with_recompute(recompute);
-        let sb = shard_batch_packed(ids, docs, &ctx)?;
-        let rows = shard_batch(&gpos, &ctx)?.input_ids.to_vec2::<u32>()?;
-        let nll = if recompute {
-            vec![]
-        } else {
-            model
-                .token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?
-                .flatten_all()?
-                .to_vec1()?
-        };
-        let (loss, logits) = model.loss_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?;
-        let mut grads = model.backward(&loss)?;
-        reduce_gradients(&mut grads, &vm, &cfg, &ctx)?;
-        let full_grads = gather_full(&named_grads(&grads, &vm)?, &cfg, &ctx)?;
-        Ok((ctx.coords.0, rows, logits.flatten_all()?.to_vec1()?, nll, loss.to_scalar::<f32>()? as f64, full_grads))
-    })
-    .into_iter()
-    .collect::<Result<_>>()?;
-    let mut logits = vec![f32::NAN; b * t * v];
-    let mut nll = vec![f32::NAN; b * t];
-    let bl = b / layout.dp;
-    for (dp_i, rows, lg, nl, _, _) in &outs {
-        for (bi, row) in rows.iter().enumerate() {
-            let tl = row.len();
-            for (j, &p) in row.iter().enumerate() {
-                let (src, dst) = (bi * tl + j, (dp_i * bl + bi) * t + p as usize);
-                logits[dst * v..(dst + 1) * v].copy_from_slice(&lg[src * v..(src + 1) * v]);
-                if !nl.is_empty() {
-                    nll[dst] = nl[src];
-                }
-            }
-        }
-    }
-    if logits.iter().any(|x| x.is_nan()) {
-        bail!("{layout}: some global logits uncovered")
-    }
-    let (loss, grads) = (outs[0].4, outs[0].5.clone());
-    let mut spread = 0f64;
-    for o in &outs[1..] {
-        spread = spread.max((o.4 - loss).abs());
-        for ((_, a), (_, g)) in grads.iter().zip(&o.5) {
-            spread = spread.max(max_abs(a, g)?);
-        }
-    }
-    Ok(Run { logits, nll, loss, grads, spread })
 }
 
 /// Single device, every document of every row run ALONE (plain `loss`, positions from 0):
@@ -208,7 +133,7 @@ fn check_layouts(ids: &Tensor, docs: &[Documents], layouts: &[Layout], recompute
     let v = cfg().vocab_size;
     let labels = labels_of(ids, docs)?;
     let sep = run_separate(&full, ids, docs)?;
-    let single = run_packed(&full, ids, docs, Layout::single(), false)?;
+    let single = run_packed(&full, &cfg(), ids, docs, Layout::single(), false)?;
     let sep_nll = nll_of(&sep.logits, &labels, v);
     // single-device packed = separate documents (logits, per-token loss, loss, gradients)
     let (gr, worst) = grad_rel(&single.grads, &sep.grads)?;
@@ -219,7 +144,7 @@ fn check_layouts(ids: &Tensor, docs: &[Documents], layouts: &[Layout], recompute
     assert!(gr < 5e-5, "single packed vs separate: grad rel {gr:.2e} ({worst})");
     for &layout in layouts {
         let t0 = std::time::Instant::now();
-        let run = run_packed(&full, ids, docs, layout, recompute)?;
+        let run = run_packed(&full, &cfg(), ids, docs, layout, recompute)?;
         let dl = max_diff(&run.logits, &sep.logits);
         let nll = nll_of(&run.logits, &labels, v);
         let dn = max_diff(&nll, &sep_nll);

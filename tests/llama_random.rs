@@ -7,15 +7,88 @@
 //! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
 //! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
+//!
+//! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
+//! the single-device packed run. `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::params::varmap_tensors;
 use candle_cp_llama::verify::{compare, run_layout, Reference, Tolerances};
 use candle_cp_llama::{init_params, LlamaConfig};
-use candle_cp_tests::draws::{pick, rng, seeds};
+use candle_cp_llama::train::Rng;
+use candle_cp_llama::Documents;
+use candle_cp_tests::draws::{doc_lengths, pick, rng, seeds};
+use candle_cp_tests::packed_run::run_packed;
+use std::collections::HashMap;
 
 const CONFIGS: u64 = 120;
+
+/// One drawn model and layout (see the module docs).
+struct Draw {
+    cfg: LlamaConfig,
+    layout: Layout,
+    b: usize,
+    t: usize,
+    window: Option<usize>,
+    what: String,
+}
+
+fn draw(d: &mut Rng, seed: u64) -> Draw {
+    let (heads, kv_heads) = pick(d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
+    let hidden = heads * pick(d, &[4, 8]);
+    let layers = pick(d, &[1, 2]);
+    let vocab = pick(d, &[37, 64]);
+    let b = pick(d, &[1, 2]);
+    let t = pick(d, &[16, 24, 32, 48]);
+    let window = (d.below(3) == 0).then(|| 1 + d.below(t + 4));
+    let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window);
+    let cp = pick(d, &[2, 4]);
+    let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
+    let mut layout = match kind {
+        CpKind::TwoD => Layout::two_d(2, cp / 2),
+        k => Layout::cp(k, cp),
+    };
+    match d.below(4) {
+        // TP 4 on 2 or 1 KV heads replicates each KV head over 2 or 4 TP ranks
+        0 => layout = layout.with_tp(pick(d, &[2, 4]), d.below(2) == 0),
+        1 => layout = layout.with_dp(2),
+        _ => {}
+    }
+    let what = format!(
+        "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}"
+    );
+    Draw { cfg, layout, b, t, window, what }
+}
+
+/// `[b, t]` token ids below `vocab`, varied by `seed`.
+fn token_ids(b: usize, t: usize, vocab: usize, seed: u64) -> Result<Tensor> {
+    let toks: Vec<u32> = (0..b * t).map(|i| ((i * 7 + seed as usize * 13 + i * i) % vocab) as u32).collect();
+    Tensor::from_vec(toks, (b, t), &Device::Cpu)
+}
+
+/// The worst relative gradient error over the parameters and its parameter: each parameter's
+/// `max |g - r|` over `max(max |r|, 1e-3 · the largest gradient of the model)`. A parameter
+/// whose gradient is zero in exact arithmetic (q_proj and k_proj under a window of 1 key:
+/// softmax over one key) holds float noise of ~1e-10 on both sides, from sums of terms ~1e-3
+/// that cancel; the floor keeps that noise from counting as an error.
+fn worst_grad<'a>(run: impl IntoIterator<Item = (&'a String, &'a Tensor)>, reference: &HashMap<String, Tensor>) -> Result<(f64, String)> {
+    let mut largest = 0f32;
+    for r in reference.values() {
+        largest = largest.max(r.abs()?.max_all()?.to_scalar::<f32>()?);
+    }
+    let floor = (1e-3 * largest).max(1e-12);
+    let mut worst = (0f64, String::new());
+    for (name, g) in run {
+        let Some(r) = reference.get(name) else { candle_core::bail!("no reference gradient for {name}") };
+        let scale = r.abs()?.max_all()?.to_scalar::<f32>()?.max(floor) as f64;
+        let err = (g - r)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale;
+        if err >= worst.0 {
+            worst = (err, name.clone());
+        }
+    }
+    Ok(worst)
+}
 
 #[test]
 fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
@@ -27,34 +100,11 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     // (the corners are asserted for draws at least as many as the suite's)
     let corners = n_configs >= CONFIGS;
     for seed in range {
-        let mut d = rng(1000 + seed);
-        let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
-        let hidden = heads * pick(&mut d, &[4, 8]);
-        let layers = pick(&mut d, &[1, 2]);
-        let vocab = pick(&mut d, &[37, 64]);
-        let b = pick(&mut d, &[1, 2]);
-        let t = pick(&mut d, &[16, 24, 32, 48]);
-        let window = (d.below(3) == 0).then(|| 1 + d.below(t + 4));
-        let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window);
-        let cp = pick(&mut d, &[2, 4]);
-        let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
-        let mut layout = match kind {
-            CpKind::TwoD => Layout::two_d(2, cp / 2),
-            k => Layout::cp(k, cp),
-        };
-        match d.below(4) {
-            // TP 4 on 2 or 1 KV heads replicates each KV head over 2 or 4 TP ranks
-            0 => layout = layout.with_tp(pick(&mut d, &[2, 4]), d.below(2) == 0),
-            1 => layout = layout.with_dp(2),
-            _ => {}
-        }
-        let what = format!(
-            "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}"
-        );
+        let Draw { cfg, layout, b, t, window, what } = draw(&mut rng(1000 + seed), seed);
+        let (kv_heads, vocab) = (cfg.num_key_value_heads, cfg.vocab_size);
 
         let full = varmap_tensors(&init_params(&cfg, seed + 1, DType::F32, &Device::Cpu)?)?;
-        let toks: Vec<u32> = (0..b * t).map(|i| ((i * 7 + seed as usize * 13 + i * i) % vocab) as u32).collect();
-        let ids = Tensor::from_vec(toks, (b, t), &Device::Cpu)?;
+        let ids = token_ids(b, t, vocab, seed)?;
         let single = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
         let reference = Reference {
             input_ids: ids.clone(),
@@ -65,24 +115,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
         match run_layout(&full, &cfg, &ids, layout, &Device::Cpu) {
             Ok(run) => {
                 let rep = compare(&run, &reference, tol)?;
-                // gradients relative to max(|reference|, 1e-3 * the largest gradient of the
-                // model): a parameter whose gradient is zero in exact arithmetic (q_proj and
-                // k_proj under a window of 1 key: softmax over one key) holds float noise of
-                // ~1e-10 on both sides, from sums of terms ~1e-3 that cancel
-                let mut largest = 0f32;
-                for r in reference.grads.values() {
-                    largest = largest.max(r.abs()?.max_all()?.to_scalar::<f32>()?);
-                }
-                let floor = (1e-3 * largest).max(1e-12);
-                let mut worst = (0f64, String::new());
-                for (name, g) in &run.grads {
-                    let r = &reference.grads[name];
-                    let scale = r.abs()?.max_all()?.to_scalar::<f32>()?.max(floor) as f64;
-                    let err = (g - r)?.abs()?.max_all()?.to_scalar::<f32>()? as f64 / scale;
-                    if err >= worst.0 {
-                        worst = (err, name.clone());
-                    }
-                }
+                let worst = worst_grad(run.grads.iter().map(|(n, g)| (n, g)), &reference.grads)?;
                 assert!(
                     rep.logits_abs <= tol.logits_abs && rep.loss_abs <= tol.loss_abs && worst.0 <= tol.grad_rel && rep.rank_spread <= 1e-6,
                     "{what}: logits {:.1e} loss {:.1e} grad {:.1e} ({}) rank spread {:.1e}",
@@ -109,4 +142,67 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window"
     );
     Ok(())
+}
+
+const PACKED_CONFIGS: u64 = 60;
+
+/// Packed documents through the drawn models and layouts: documents with boundaries anywhere
+/// (length-1 documents, one document), one set per batch row or shared, a window or none,
+/// sometimes recomputed layers. The packed loss, logits, per-token losses and gradients on the
+/// layout equal the single-device packed run (which `llama_packed.rs` ties to running each
+/// document alone), and the ranks agree.
+#[test]
+fn random_packed_documents_equal_single_device() -> Result<()> {
+    let (mut checked, mut refused, mut per_row, mut len_one, mut recomputed) = (0, 0, 0, 0, 0);
+    let range = seeds(PACKED_CONFIGS)?;
+    let n_configs = range.end - range.start;
+    let corners = n_configs >= PACKED_CONFIGS;
+    for seed in range {
+        let mut d = rng(5000 + seed);
+        let Draw { cfg, layout, b, t, what, .. } = draw(&mut d, seed);
+        let mut docs = vec![Documents::from_lengths(&doc_lengths(&mut d, t))?];
+        if b == 2 && d.below(2) == 0 {
+            docs.push(Documents::from_lengths(&doc_lengths(&mut d, t))?);
+        }
+        let recompute = d.below(4) == 0;
+        let what = format!("{what}, documents {docs:?}, recompute {recompute}");
+        let full = varmap_tensors(&init_params(&cfg, seed + 7, DType::F32, &Device::Cpu)?)?;
+        let ids = token_ids(b, t, cfg.vocab_size, seed)?;
+        let single = run_packed(&full, &cfg, &ids, &docs, Layout::single(), false)?;
+        match run_packed(&full, &cfg, &ids, &docs, layout, recompute) {
+            Ok(run) => {
+                let dl = max_diff(&run.logits, &single.logits);
+                // (token_nll_packed is not computed under recompute)
+                let dn = if recompute { 0.0 } else { max_diff(&run.nll, &single.nll) };
+                let dloss = (run.loss - single.loss).abs();
+                let reference: HashMap<String, Tensor> = single.grads.iter().cloned().collect();
+                let worst = worst_grad(run.grads.iter().map(|(n, g)| (n, g)), &reference)?;
+                assert!(
+                    dl <= 2e-5 && dn <= 2e-5 && dloss <= 2e-5 && worst.0 <= 1e-4 && run.spread <= 1e-6,
+                    "{what}: logits {dl:.1e} nll {dn:.1e} loss {dloss:.1e} grad {:.1e} ({}) rank spread {:.1e}",
+                    worst.0, worst.1, run.spread
+                );
+                checked += 1;
+                per_row += (docs.len() == 2) as usize;
+                len_one += docs.iter().any(|x| (0..x.count()).any(|i| x.range(i).1 - x.range(i).0 == 1)) as usize;
+                recomputed += recompute as usize;
+            }
+            Err(e) => {
+                let msg = e.to_string();
+                let explained = ["divisible", "must divide", "needs"].iter().any(|k| msg.contains(k));
+                assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
+                refused += 1;
+            }
+        }
+    }
+    println!("{checked} packed configurations checked ({per_row} with documents per row, {len_one} with length-1 documents, {recomputed} recomputed), {refused} refused");
+    assert!(
+        checked >= n_configs as usize / 2 && (!corners || (per_row >= 3 && len_one >= 3 && recomputed >= 3)),
+        "{checked} checked, {refused} refused, {per_row} per row, {len_one} with length-1 documents, {recomputed} recomputed"
+    );
+    Ok(())
+}
+
+fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
 }
