@@ -1,0 +1,145 @@
+//! Seeded random generation: drawn models, prompts and layouts decode with the KV cache sharded
+//! over the CP ranks and give the single-device tokens and logits.
+//!
+//! `llama_generate.rs` pins the oracle checkpoint and one prompt; this draws the model (width,
+//! depth, query / KV heads, vocabulary, a sliding window), the prompt (batch, length), the
+//! number of new tokens, the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2)
+//! and the sampling (greedy, or temperature / top-k / top-p from a seed). Every rank must
+//! return the same tokens and logits bit for bit, and those must be the single device's: the
+//! logits within 1e-4 at every step, the tokens equal. Float rounding may part the tokens only
+//! where the single device's choice was a near tie: for greedy decoding the two best logits
+//! within 2e-4 (checked), for sampling a draw on a boundary of the cumulative probabilities
+//! (counted; must stay rare). From there on the two continuations are not comparable and the
+//! check stops. A draw the layout cannot run must be refused for a reason the draw explains.
+//! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::params::varmap_tensors;
+use candle_cp_llama::{init_params, shard_tensors, Generation, Llama, LlamaConfig, ParallelCtx, Sampling};
+use candle_cp_tests::draws::{pick, rng, seeds};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+
+const CONFIGS: u64 = 40;
+const TOL: f32 = 1e-4;
+
+fn generate(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout, ids: &Tensor, new: usize, s: Sampling) -> Result<Vec<Generation>> {
+    run_ranks(layout.world_size(), |g| {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let vm = shard_tensors(full, cfg, &ctx)?;
+        Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?.generate(ids, new, s)
+    })
+    .into_iter()
+    .collect()
+}
+
+fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+}
+
+/// The gap between the two largest values of `row`.
+fn top2_gap(row: &[f32]) -> f32 {
+    let (mut a, mut b) = (f32::NEG_INFINITY, f32::NEG_INFINITY);
+    for &x in row {
+        if x > a {
+            (a, b) = (x, a);
+        } else if x > b {
+            b = x;
+        }
+    }
+    a - b
+}
+
+#[test]
+fn random_generation_equals_single_device() -> Result<()> {
+    let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
+    let range = seeds(CONFIGS)?;
+    let n_configs = range.end - range.start;
+    let corners = n_configs >= CONFIGS;
+    for seed in range {
+        let mut d = rng(7000 + seed);
+        let (heads, kv_heads) = pick(&mut d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 1)]);
+        let hidden = heads * pick(&mut d, &[4, 8]);
+        let layers = pick(&mut d, &[1, 2]);
+        let vocab = pick(&mut d, &[37, 64]);
+        let b = pick(&mut d, &[1, 2]);
+        let t = pick(&mut d, &[8, 16, 24, 32, 48]);
+        let new = 1 + d.below(6);
+        let window = (d.below(3) == 0).then(|| 1 + d.below(t + new + 4));
+        let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window);
+        let cp = pick(&mut d, &[2, 4]);
+        let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
+        let mut layout = match kind {
+            CpKind::TwoD => Layout::two_d(2, cp / 2),
+            k => Layout::cp(k, cp),
+        };
+        match d.below(4) {
+            0 => layout = layout.with_tp(2, d.below(2) == 0),
+            1 => layout = layout.with_dp(2),
+            _ => {}
+        }
+        let sampling = match d.below(2) {
+            0 => Sampling::Greedy,
+            _ => Sampling::Sample {
+                temperature: pick(&mut d, &[0.7, 1.0, 1.5]),
+                top_k: pick(&mut d, &[0, 5, 20]),
+                top_p: pick(&mut d, &[1.0, 0.9, 0.5]),
+                seed: seed + 3,
+            },
+        };
+        let what = format!(
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, {sampling:?}"
+        );
+        let full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
+        let toks: Vec<u32> = (0..b * t).map(|i| ((i * 11 + seed as usize * 17 + i * i * 3) % vocab) as u32).collect();
+        let ids = Tensor::from_vec(toks, (b, t), &Device::Cpu)?;
+        let one = generate(&full, &cfg, Layout::single(), &ids, new, sampling)?.remove(0);
+        let gens = match generate(&full, &cfg, layout, &ids, new, sampling) {
+            Ok(g) => g,
+            Err(e) => {
+                let msg = e.to_string();
+                let explained = ["divisible", "must divide", "needs", "multiple of"].iter().any(|k| msg.contains(k));
+                assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
+                refused += 1;
+                continue;
+            }
+        };
+        // the ranks agree bit for bit
+        for (r, g) in gens.iter().enumerate().skip(1) {
+            assert_eq!(g.tokens, gens[0].tokens, "{what}: rank {r}'s tokens differ from rank 0's");
+            for (i, (x, y)) in g.logits.iter().zip(&gens[0].logits).enumerate() {
+                assert_eq!(max_abs_diff(x, y)?, 0.0, "{what}: rank {r}'s logits of token {i} differ from rank 0's");
+            }
+        }
+        // rank 0 against the single device, step by step, until the tokens part on a near tie
+        let g = &gens[0];
+        assert_eq!(g.logits.len(), new, "{what}");
+        'steps: for i in 0..new {
+            let e = max_abs_diff(&g.logits[i], &one.logits[i])?;
+            assert!(e < TOL, "{what}: token {i}: logits differ from the single device by {e:.2e}");
+            for (row, (mine, theirs)) in g.tokens.iter().zip(&one.tokens).enumerate() {
+                if mine[i] != theirs[i] {
+                    if sampling == Sampling::Greedy {
+                        let gap = top2_gap(&one.logits[i].get(row)?.to_vec1::<f32>()?);
+                        assert!(gap < 2.0 * TOL, "{what}: token {i} row {row}: {} vs the single device's {} with the best two logits {gap:.2e} apart", mine[i], theirs[i]);
+                    }
+                    parted += 1;
+                    break 'steps;
+                }
+            }
+        }
+        checked += 1;
+        sampled += (sampling != Sampling::Greedy) as usize;
+        windowed += window.is_some() as usize;
+        tp += (layout.tp > 1) as usize;
+        dp += (layout.dp > 1) as usize;
+    }
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP; {parted} parted on a tie), {refused} refused");
+    assert!(
+        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3)),
+        "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"
+    );
+    Ok(())
+}
