@@ -6,17 +6,19 @@
 //! accumulation); this draws them together: the model (depth, query / KV heads, a sliding
 //! window), the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), the batch
 //! split (rows per step, micro-batches), ZeRO 0 / 1 / 2, recompute, `overlap_grad_sync` (with
-//! recompute), `overlap_param_gather` (with ZeRO), and the answer-only objective. Every run
-//! the trainer accepts must give the single-device losses (to 1e-5) and gradient norms (to
-//! 1e-4 relative) at the first step, 10x those after updates (see `bounds`), on every rank;
-//! a run it refuses must be refused for a reason the draw explains, never with a panic.
+//! recompute), `overlap_param_gather` (with ZeRO), the answer-only objective, and packed
+//! documents instead of the recall task. Every run the trainer accepts must give the
+//! single-device losses (to 1e-5) and gradient norms (to 1e-4 relative) at the first step,
+//! 10x those after updates (see `bounds`), on every rank; a run it refuses must be refused
+//! for a reason the draw explains, never with a panic.
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::{DType, Result};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::train::{
-    train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, StepMetrics, TrainConfig, TrainOutcome, WarmupCosine,
+    train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, Rng, StepMetrics, TrainConfig, TrainOutcome,
+    WarmupCosine,
 };
 use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
@@ -91,13 +93,26 @@ fn diverges(want: &[StepMetrics], got: &[StepMetrics], bounds: &[(f64, f64)]) ->
     None
 }
 
+/// A byte corpus of 40 short documents of uneven lengths, packed into each sequence.
+fn packed_corpus() -> Result<PackedStream> {
+    let mut r = Rng::new(17);
+    let mut text = Vec::new();
+    for _ in 0..40 {
+        let len = 3 + r.below(25);
+        text.extend((0..len).map(|_| b'a' + r.below(16) as u8));
+        text.extend_from_slice(b"\n\n");
+    }
+    PackedStream::from_bytes(&text, b"\n\n")
+}
+
 #[test]
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
-    let (mut zero, mut overlaps, mut tp, mut dp, mut accum) = (0, 0, 0, 0, 0);
+    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs) = (0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
+    let corpus = packed_corpus()?;
     for seed in range {
         let mut d = rng(9000 + seed);
         let mut task = KvRecall::new(64)?;
@@ -125,16 +140,23 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let recompute = d.below(2) == 0;
         let overlap_grad_sync = recompute && d.below(2) == 0;
         let overlap_param_gather = stage > 0 && d.below(2) == 0;
-        let long_range_only = d.below(3) == 0;
+        let mut long_range_only = d.below(3) == 0;
+        // a third of the draws train on packed documents (of a byte corpus) instead
+        let packed = d.below(3) == 0;
 
         let mut base = config(Layout::single(), model.clone(), task, batch, grad_accum, seed);
+        if packed {
+            base.data = DataSource::Packed(corpus.clone());
+            base.model = ModelSource::Init(LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window));
+            long_range_only = false;
+        }
         base.long_range_only = long_range_only;
         let mut cfg = base.clone();
         cfg.layout = layout;
         (cfg.zero1, cfg.zero2) = (stage == 1, stage == 2);
         (cfg.recompute, cfg.overlap_grad_sync, cfg.overlap_param_gather) = (recompute, overlap_grad_sync, overlap_param_gather);
         let what = format!(
-            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}"
+            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}"
         );
         let one = run(&base)?;
         // The bounds. Step 1 runs the same weights on both sides: 1e-5 on the losses, 1e-4 on
@@ -159,6 +181,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 tp += with_tp as usize;
                 dp += with_dp as usize;
                 accum += (grad_accum > 1) as usize;
+                packs += packed as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -168,9 +191,9 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3)),
+        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
     );
     Ok(())
