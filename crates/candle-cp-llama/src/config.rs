@@ -229,6 +229,8 @@ impl LlamaConfig {
             eos_token_id: token_id(m, "eos_token_id"),
             sliding_window: parse_window(m)?,
         };
+        // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
+        cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
         Ok(cfg)
     }
 
@@ -286,6 +288,28 @@ impl LlamaConfig {
         }
         if self.sliding_window == Some(0) {
             bail!("LlamaConfig: sliding_window must be >= 1 (or None), got 0")
+        }
+        // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
+        // from the first step, with no error)
+        if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {
+            bail!("LlamaConfig: rope_theta must be finite and > 0, got {}", self.rope_theta)
+        }
+        if !(self.rms_norm_eps.is_finite() && self.rms_norm_eps >= 0.0) {
+            bail!("LlamaConfig: rms_norm_eps must be finite and >= 0, got {}", self.rms_norm_eps)
+        }
+        let positive = |x: f64| x.is_finite() && x > 0.0;
+        match &self.rope_scaling {
+            RopeScaling::Default => {}
+            RopeScaling::Linear { factor } if positive(*factor) => {}
+            RopeScaling::Llama3 { factor, low_freq_factor, high_freq_factor, original_max_position_embeddings }
+                if positive(*factor)
+                    && positive(*low_freq_factor)
+                    && positive(*high_freq_factor)
+                    && high_freq_factor > low_freq_factor
+                    && *original_max_position_embeddings > 0 => {}
+            other => bail!(
+                "LlamaConfig: rope scaling {other:?} needs finite factors > 0 (llama3: high_freq_factor > low_freq_factor, original_max_position_embeddings > 0)"
+            ),
         }
         Ok(())
     }
@@ -467,6 +491,21 @@ mod tests {
         }
         assert!(c.clone().with_sliding_window(Some(0)).validate().is_err());
         assert!(c.validate().is_ok());
+        // values that give NaN angles or norms are refused, naming the key
+        for (key, bad) in [("rope_theta", "0"), ("rope_theta", "-10000.0"), ("rms_norm_eps", "-1e-5"), ("vocab_size", "0")] {
+            let e = LlamaConfig::from_json(&format!(r#"{{{BASE}, "{key}": {bad}}}"#)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(key), "{key} {bad}: {e:?}");
+        }
+        for scaling in [
+            r#"{"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 0.0, "high_freq_factor": 4.0}"#,
+            r#"{"rope_type": "llama3", "factor": 8.0, "original_max_position_embeddings": 0}"#,
+        ] {
+            let e = LlamaConfig::from_json(&format!(r#"{{{BASE}, "rope_scaling": {scaling}}}"#)).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("rope scaling"), "{scaling}: {e:?}");
+        }
+        let mut nan = c.clone();
+        nan.rope_theta = f64::NAN;
+        assert!(nan.validate().is_err());
         // round trip keeps the window; the written config is a Mistral one (HF applies it)
         let text = c.to_hf_json("float32");
         let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;

@@ -21,6 +21,26 @@ pub struct AdamWConfig {
     pub weight_decay: f64,
 }
 
+impl AdamWConfig {
+    /// Check the hyperparameters: `beta1`, `beta2` in `[0, 1)` (a decay of 1 divides the bias
+    /// correction by zero), `eps` finite and > 0, `weight_decay` finite and >= 0. Errors name
+    /// the value.
+    pub fn validate(&self) -> Result<()> {
+        for (name, b) in [("beta1", self.beta1), ("beta2", self.beta2)] {
+            if !(0.0..1.0).contains(&b) {
+                bail!("AdamW: {name} must be in [0, 1), got {b}")
+            }
+        }
+        if !(self.eps.is_finite() && self.eps > 0.0) {
+            bail!("AdamW: eps must be finite and > 0, got {}", self.eps)
+        }
+        if !(self.weight_decay.is_finite() && self.weight_decay >= 0.0) {
+            bail!("AdamW: weight_decay must be finite and >= 0, got {}", self.weight_decay)
+        }
+        Ok(())
+    }
+}
+
 impl Default for AdamWConfig {
     fn default() -> Self {
         Self {

@@ -15,6 +15,18 @@ pub struct WarmupCosine {
 }
 
 impl WarmupCosine {
+    /// Check the schedule: `peak` finite and >= 0, `min_ratio` in `[0, 1]`. Errors name the
+    /// value.
+    pub fn validate(&self) -> candle_core::Result<()> {
+        if !(self.peak.is_finite() && self.peak >= 0.0) {
+            candle_core::bail!("schedule: the peak learning rate must be finite and >= 0, got {}", self.peak)
+        }
+        if !(0.0..=1.0).contains(&self.min_ratio) {
+            candle_core::bail!("schedule: min_ratio (the final learning rate as a fraction of the peak) must be in [0, 1], got {}", self.min_ratio)
+        }
+        Ok(())
+    }
+
     /// Learning rate of optimizer step `step` (0-based).
     pub fn lr(&self, step: usize) -> f64 {
         if step < self.warmup {

@@ -252,6 +252,11 @@ pub fn train_rank(
             cfg.steps
         )
     }
+    cfg.schedule.validate()?;
+    cfg.adamw.validate()?;
+    if cfg.clip.is_nan() {
+        bail!("train: clip must be a number (<= 0: no clipping), got NaN")
+    }
     if cfg.overlap_grad_sync && !cfg.recompute {
         bail!("train: overlap_grad_sync needs recompute (a layer's gradients are known before the end of the backward only when the layer is recomputed)")
     }

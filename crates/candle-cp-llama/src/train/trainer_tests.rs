@@ -568,3 +568,28 @@ fn sliding_window_finetune_on_cp_matches_single_device() -> Result<()> {
     }
     Ok(())
 }
+
+/// Hyperparameters that would train on NaN or nonsense are refused before anything runs, naming
+/// the value: a negative or NaN learning rate, a final ratio above 1, a decay of 1 (bias
+/// correction divided by zero), eps 0, a negative weight decay, a NaN clip.
+#[test]
+fn bad_hyperparameters_are_refused() {
+    let base = tiny_cfg(None, Layout::single(), 1, 1);
+    type Set = fn(&mut TrainConfig);
+    let bad: [(&str, Set); 8] = [
+        ("peak learning rate", |c| c.schedule.peak = -1e-3),
+        ("peak learning rate", |c| c.schedule.peak = f64::NAN),
+        ("min_ratio", |c| c.schedule.min_ratio = 1.5),
+        ("beta1", |c| c.adamw.beta1 = 1.0),
+        ("beta2", |c| c.adamw.beta2 = -0.1),
+        ("eps", |c| c.adamw.eps = 0.0),
+        ("weight_decay", |c| c.adamw.weight_decay = -0.01),
+        ("clip", |c| c.clip = f64::NAN),
+    ];
+    for (key, set) in bad {
+        let mut c = base.clone();
+        set(&mut c);
+        let e = run(&c).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains(key), "{key}: {e:?}");
+    }
+}
