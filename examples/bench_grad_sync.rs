@@ -24,10 +24,10 @@
 //! `--gbps 0.02`; pick `--gbps` so that the sync is of the order of the backward, as it is on
 //! a 405B model at 128k over InfiniBand: see `candle-cp plan`, "Gradient sync per optimizer step").
 
-use candle_core::{DType, Result, Tensor};
+use candle_core::{Result, Tensor};
 use candle_cp_comm::{run_ranks, Group, PendingRecv, ProcessGroup};
 use candle_cp_llama::train::{
-    train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, TrainConfig, WarmupCosine,
+    train_rank, DataSource, KvRecall, ModelSource, TrainConfig, WarmupCosine,
 };
 use candle_cp_llama::{CpKind, Layout, LlamaConfig};
 use clap::Parser;
@@ -181,33 +181,20 @@ fn config(a: &Args, m: Mode) -> Result<TrainConfig> {
     task.n_queries = 16;
     let vocab = task.vocab_needed();
     Ok(TrainConfig {
-        layout: Layout::cp(CpKind::Zigzag, a.cp).with_dp(a.dp),
-        model: ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, 4, 2)),
-        data: DataSource::Recall(task),
-        seq_len: a.seq_len,
         batch: a.dp,
-        grad_accum: 1,
-        steps: a.steps,
         schedule: WarmupCosine { peak: 1e-3, warmup: 1, total: a.steps, min_ratio: 0.1 },
-        adamw: AdamWConfig::default(),
-        clip: 1.0,
         seed: 1,
-        out: None,
-        save_every: 0,
-        keep: 0,
-        resume: false,
-        stop_after: None,
-        dtype: DType::F32,
-        cuda: false,
-        gpus: 1,
         recompute: true,
         overlap_grad_sync: m.grad,
         overlap_param_gather: m.params,
         zero1: m.zero1,
-        zero2: false,
-        long_range_only: false,
-        args: serde_json::Value::Null,
-        sliding_window: None,
+        ..TrainConfig::new(
+            Layout::cp(CpKind::Zigzag, a.cp).with_dp(a.dp),
+            ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, 4, 2)),
+            DataSource::Recall(task),
+            a.seq_len,
+            a.steps,
+        )
     })
 }
 

@@ -13,7 +13,7 @@ use candle_cp_llama::{
     Llama, LlamaConfig, ParallelCtx, IGNORE,
 };
 use candle_nn::VarBuilder;
-use candle_cp_tests::packed_run::{max_abs, run_packed, Run};
+use candle_cp_tests::packed_run::{max_abs, max_diff, run_packed, Run};
 use std::collections::HashMap;
 
 const T: usize = 48;
@@ -107,11 +107,6 @@ fn labels_of(ids: &Tensor, docs: &[Documents]) -> Result<Vec<u32>> {
 }
 
 /// Max |a - b| over two flat vectors.
-fn max_diff(a: &[f32], b: &[f32]) -> f64 {
-    assert_eq!(a.len(), b.len());
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
-}
-
 /// Worst per-parameter relative gradient error (max |a - b| / max |b|) and its parameter.
 fn grad_rel(a: &[(String, Tensor)], b: &[(String, Tensor)]) -> Result<(f64, String)> {
     assert_eq!(a.len(), b.len(), "same parameters");

@@ -19,7 +19,7 @@ use candle_cp_llama::{init_params, LlamaConfig};
 use candle_cp_llama::train::Rng;
 use candle_cp_llama::Documents;
 use candle_cp_tests::draws::{doc_lengths, pick, rng, seeds};
-use candle_cp_tests::packed_run::run_packed;
+use candle_cp_tests::packed_run::{max_diff, run_packed};
 use std::collections::HashMap;
 
 const CONFIGS: u64 = 120;
@@ -205,8 +205,4 @@ fn assert_explained(what: &str, e: &candle_core::Error) {
     let msg = e.to_string();
     let explained = ["divisible", "must divide", "needs"].iter().any(|k| msg.contains(k));
     assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
-}
-
-fn max_diff(a: &[f32], b: &[f32]) -> f64 {
-    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
 }

@@ -30,6 +30,12 @@ pub fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
     (a - b)?.abs()?.max_all()?.to_dtype(DType::F64)?.to_scalar::<f64>()
 }
 
+/// `max |a - b|` of two host vectors of the same length, as f64.
+pub fn max_diff(a: &[f32], b: &[f32]) -> f64 {
+    assert_eq!(a.len(), b.len());
+    a.iter().zip(b).map(|(x, y)| (x - y).abs() as f64).fold(0.0, f64::max)
+}
+
 /// Run the packed batch `ids [B, T]` with `docs` (one shared, or one per row) on `layout`
 /// (thread ranks, CPU, f32 weights `full`): loss_packed, backward, reduced and gathered
 /// gradients, logits unsharded by each token's global position, and (without recompute)

@@ -13,7 +13,7 @@
 //! for a reason the draw explains, never with a panic.
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
-use candle_core::{DType, Result};
+use candle_core::Result;
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::train::{
@@ -30,33 +30,13 @@ const STEPS: usize = 3;
 /// tests set it (KvRecall data, 64 tokens, AdamW with clipping).
 fn config(layout: Layout, model: LlamaConfig, task: KvRecall, batch: usize, grad_accum: usize, seed: u64) -> TrainConfig {
     TrainConfig {
-        layout,
-        model: ModelSource::Init(model),
-        data: DataSource::Recall(task),
-        seq_len: 64,
         batch,
         grad_accum,
-        steps: STEPS,
         schedule: WarmupCosine { peak: 1e-2, warmup: 1, total: STEPS, min_ratio: 0.1 },
         adamw: AdamWConfig { weight_decay: 0.01, ..AdamWConfig::default() },
         clip: 0.5,
         seed,
-        out: None,
-        save_every: 0,
-        keep: 0,
-        resume: false,
-        stop_after: None,
-        dtype: DType::F32,
-        cuda: false,
-        gpus: 1,
-        recompute: false,
-        overlap_grad_sync: false,
-        overlap_param_gather: false,
-        zero1: false,
-        zero2: false,
-        long_range_only: false,
-        args: serde_json::Value::Null,
-        sliding_window: None,
+        ..TrainConfig::new(layout, ModelSource::Init(model), DataSource::Recall(task), 64, STEPS)
     }
 }
 

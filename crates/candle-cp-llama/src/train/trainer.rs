@@ -116,6 +116,45 @@ pub struct TrainConfig {
     pub sliding_window: Option<usize>,
 }
 
+impl TrainConfig {
+    /// A run of `steps` optimizer steps of `seq_len` tokens on `layout`, everything else at its
+    /// plain setting: one row per step, no accumulation, AdamW defaults at lr 1e-3 (no warmup,
+    /// cosine to 10%), clipping at 1.0, seed 0, f32 on the CPU, no checkpoints, no ZeRO, no
+    /// recompute, no overlap, the loss on every target, the model's own window. Set the
+    /// other fields with struct update syntax (`TrainConfig { batch: 4, ..TrainConfig::new(..) }`).
+    pub fn new(layout: Layout, model: ModelSource, data: DataSource, seq_len: usize, steps: usize) -> Self {
+        Self {
+            layout,
+            model,
+            data,
+            seq_len,
+            batch: 1,
+            grad_accum: 1,
+            steps,
+            schedule: WarmupCosine { peak: 1e-3, warmup: 0, total: steps, min_ratio: 0.1 },
+            adamw: AdamWConfig::default(),
+            clip: 1.0,
+            seed: 0,
+            out: None,
+            save_every: 0,
+            keep: 0,
+            resume: false,
+            stop_after: None,
+            dtype: DType::F32,
+            cuda: false,
+            gpus: 1,
+            zero2: false,
+            zero1: false,
+            recompute: false,
+            overlap_grad_sync: false,
+            overlap_param_gather: false,
+            long_range_only: false,
+            args: serde_json::Value::Null,
+            sliding_window: None,
+        }
+    }
+}
+
 /// What [`train_rank`] returns.
 #[derive(Debug, Clone)]
 pub struct TrainOutcome {

@@ -14,41 +14,15 @@ fn tiny_cfg(out: Option<PathBuf>, layout: Layout, batch: usize, grad_accum: usiz
     task.fused = true;
     let vocab = task.vocab_needed();
     TrainConfig {
-        layout,
-        model: ModelSource::Init(LlamaConfig::tiny(vocab, 32, 1, 2, 1)),
-        data: DataSource::Recall(task),
-        seq_len: 64,
         batch,
         grad_accum,
-        steps: 6,
-        schedule: WarmupCosine {
-            peak: 1e-2,
-            warmup: 2,
-            total: 6,
-            min_ratio: 0.1,
-        },
-        adamw: AdamWConfig {
-            weight_decay: 0.01,
-            ..AdamWConfig::default()
-        },
+        schedule: WarmupCosine { peak: 1e-2, warmup: 2, total: 6, min_ratio: 0.1 },
+        adamw: AdamWConfig { weight_decay: 0.01, ..AdamWConfig::default() },
         clip: 0.5,
         seed: 3,
         out,
         save_every: 3,
-        keep: 0,
-        resume: false,
-        stop_after: None,
-        dtype: DType::F32,
-        cuda: false,
-        gpus: 1,
-        recompute: false,
-        overlap_grad_sync: false,
-        overlap_param_gather: false,
-        zero1: false,
-        zero2: false,
-        long_range_only: false,
-        args: serde_json::Value::Null,
-        sliding_window: None,
+        ..TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(vocab, 32, 1, 2, 1)), DataSource::Recall(task), 64, 6)
     }
 }
 
