@@ -5,8 +5,9 @@
 #   1. nvcc 13.0.x from PyPI + link stubs: ../shared/cuda/setup.sh (installs into
 #      $HOME/.cache/cuda-13.0-pip; nothing is written to ../shared). Needs `cargo fetch` first
 #      so that it finds cudarc's sources for the stubs.
-#   2. `cargo build --release` of every crate, binary and example with `cuda` (+ `nccl`), in
-#      target/ (the cuda builds of the examples replace the CPU ones there): nvcc compiles
+#   2. `cargo build --release` of every crate and binary with `cuda` (+ `nccl`), and of the
+#      examples run below (the benchmark examples have no CUDA-only code; the test step built
+#      them), in target/ (the cuda builds replace the CPU ones there): nvcc compiles
 #      kernels/*.cu to PTX (candle-cp-kernels/build.rs), candle-kernels builds its own CUDA code
 #      (its quantized-matmul library as unoptimised PTX: scripts/nvcc-ci.sh), and the binaries
 #      link against the CUDA libraries (stubs from step 1).
@@ -107,7 +108,7 @@ CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" cargo build --r
   -p candle-cp-kernels -p candle-cp-comm -p candle-cp-ops -p candle-cp-nn -p candle-cp-llama \
   -p candle-cp-cli -p candle-cp-examples \
   --features candle-cp-examples/nccl,candle-cp-cli/cuda \
-  --lib --bins --examples
+  --lib --bins --example gpu_check --example gpu_bench --example finetune_llama --example drop_in --example generate
 echo "ci-cuda: cargo build (cuda, nccl) done after $(( $(date +%s) - start )) s"
 
 bg_wait shim-selftests
