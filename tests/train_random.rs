@@ -10,8 +10,9 @@
 //! documents instead of the recall task. Every run the trainer accepts must give the
 //! single-device losses (to 1e-5) and gradient norms (to 1e-4 relative) at the first step,
 //! 10x those after updates (see `bounds`), on every rank; a run it refuses must be refused
-//! for a reason the draw explains, never with a panic.
-//! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
+//! for a reason the draw explains, never with a panic. The second test stops a drawn run and
+//! resumes its checkpoint on another drawn layout with other options.
+//! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` (in both tests).
 
 use candle_core::Result;
 use candle_cp_comm::run_ranks;
@@ -38,6 +39,63 @@ fn config(layout: Layout, model: LlamaConfig, task: KvRecall, batch: usize, grad
         seed,
         ..TrainConfig::new(layout, ModelSource::Init(model), DataSource::Recall(task), 64, STEPS)
     }
+}
+
+/// Bounds on `(loss, grad norm)` gaps to the single-device run at the first step (the same
+/// weights on both sides) and at later ones (see the comment in the first test).
+const FIRST_STEP: (f64, f64) = (1e-5, 1e-4);
+const LATER_STEPS: (f64, f64) = (1e-4, 1e-3);
+
+/// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`), TP 2 with
+/// or without SP in a third of the draws, DP 2 in half.
+fn draw_layout(d: &mut Rng) -> Layout {
+    let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
+    let cp = pick(d, &[2, 4]);
+    let mut layout = match kind {
+        CpKind::TwoD => Layout::two_d(2, cp / 2),
+        k => Layout::cp(k, cp),
+    };
+    let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
+    if with_tp {
+        layout = layout.with_tp(2, d.below(2) == 0);
+    }
+    if with_dp {
+        layout = layout.with_dp(2);
+    }
+    layout
+}
+
+/// The trainer options of the draws: ZeRO 0 / 1 / 2, recompute, the overlapped gradient sync
+/// (with recompute) and parameter gather (with ZeRO).
+#[derive(Debug, Clone, Copy)]
+struct Options {
+    stage: usize,
+    recompute: bool,
+    overlap_grad_sync: bool,
+    overlap_param_gather: bool,
+}
+
+impl Options {
+    fn draw(d: &mut Rng) -> Self {
+        let stage = pick(d, &[0, 1, 2]);
+        let recompute = d.below(2) == 0;
+        let overlap_grad_sync = recompute && d.below(2) == 0;
+        let overlap_param_gather = stage > 0 && d.below(2) == 0;
+        Self { stage, recompute, overlap_grad_sync, overlap_param_gather }
+    }
+
+    fn apply(self, cfg: &mut TrainConfig) {
+        (cfg.zero1, cfg.zero2) = (self.stage == 1, self.stage == 2);
+        (cfg.recompute, cfg.overlap_grad_sync, cfg.overlap_param_gather) =
+            (self.recompute, self.overlap_grad_sync, self.overlap_param_gather);
+    }
+}
+
+/// A refusal must name its reason (a degree that does not divide, a size it needs), not panic.
+fn assert_explained(what: &str, e: &candle_core::Error) {
+    let msg = e.to_string();
+    let explained = ["divisible", "must divide", "needs"].iter().any(|k| msg.contains(k));
+    assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
 }
 
 fn run(cfg: &TrainConfig) -> Result<Vec<TrainOutcome>> {
@@ -101,25 +159,12 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let layers = pick(&mut d, &[1, 2]);
         let window = (d.below(4) == 0).then(|| 1 + d.below(70));
         let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
-        let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
-        let cp = pick(&mut d, &[2, 4]);
-        let mut layout = match kind {
-            CpKind::TwoD => Layout::two_d(2, cp / 2),
-            k => Layout::cp(k, cp),
-        };
-        let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
-        if with_tp {
-            layout = layout.with_tp(2, d.below(2) == 0);
-        }
-        if with_dp {
-            layout = layout.with_dp(2);
-        }
+        let layout = draw_layout(&mut d);
+        let (with_tp, with_dp) = (layout.tp > 1, layout.dp > 1);
         let batch = layout.dp * pick(&mut d, &[1, 2]);
         let grad_accum = pick(&mut d, &[1, 2]);
-        let stage = pick(&mut d, &[0, 1, 2]);
-        let recompute = d.below(2) == 0;
-        let overlap_grad_sync = recompute && d.below(2) == 0;
-        let overlap_param_gather = stage > 0 && d.below(2) == 0;
+        let opts = Options::draw(&mut d);
+        let Options { stage, recompute, overlap_grad_sync, overlap_param_gather } = opts;
         let mut long_range_only = d.below(3) == 0;
         // a third of the draws train on packed documents (of a byte corpus) instead
         let packed = d.below(3) == 0;
@@ -133,8 +178,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         base.long_range_only = long_range_only;
         let mut cfg = base.clone();
         cfg.layout = layout;
-        (cfg.zero1, cfg.zero2) = (stage == 1, stage == 2);
-        (cfg.recompute, cfg.overlap_grad_sync, cfg.overlap_param_gather) = (recompute, overlap_grad_sync, overlap_param_gather);
+        opts.apply(&mut cfg);
         let what = format!(
             "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}"
         );
@@ -147,7 +191,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         // reached 4.8e-7 (loss) at step 1 and 2.9e-6 / 1.3e-5 (loss / grad norm) by step 3;
         // in a search of 3,000 draws two reached 1.2e-5, and two single-device runs that split
         // the same batch into other micro-batches were 2.0e-5 apart in one of those draws.
-        let bounds: Vec<(f64, f64)> = (0..STEPS).map(|i| if i == 0 { (1e-5, 1e-4) } else { (1e-4, 1e-3) }).collect();
+        let bounds: Vec<(f64, f64)> = (0..STEPS).map(|i| if i == 0 { FIRST_STEP } else { LATER_STEPS }).collect();
         match run(&cfg) {
             Ok(outs) => {
                 for (r, o) in outs.iter().enumerate() {
@@ -164,9 +208,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 packs += packed as usize;
             }
             Err(e) => {
-                let msg = e.to_string();
-                let explained = ["divisible", "must divide", "needs"].iter().any(|k| msg.contains(k));
-                assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
+                assert_explained(&what, &e);
                 refused += 1;
             }
         }
@@ -175,6 +217,79 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
+    );
+    Ok(())
+}
+
+const RESUMES: u64 = 12;
+
+/// A run on a drawn layout with drawn options, checkpointing every step and "killed" after step
+/// 2 or 3 (the step's checkpoint not written), resumes from the newest checkpoint on another
+/// drawn layout with other drawn options: another world size, CP kind, TP degree (the optimizer
+/// state resharded from the per-TP-rank files), ZeRO stage, recompute and overlaps, keeping
+/// 0, 1 or 2 checkpoints. Both parts follow the single-device run of the same batches, within
+/// the bounds of the first test; the resumed run starts at the checkpoint's step on every rank.
+#[test]
+fn random_resumes_on_other_layouts_follow_one_device() -> Result<()> {
+    let (mut checked, mut refused, mut resharded) = (0, 0, 0);
+    let range = seeds(RESUMES)?;
+    let n_configs = range.end - range.start;
+    for seed in range {
+        let mut d = rng(19000 + seed);
+        let mut task = KvRecall::new(64)?;
+        (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
+        let (heads, kv_heads) = pick(&mut d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
+        let layers = pick(&mut d, &[1, 2]);
+        let window = (d.below(4) == 0).then(|| 1 + d.below(70));
+        let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
+        // either side may be one device
+        let side = |d: &mut Rng| if d.below(5) == 0 { Layout::single() } else { draw_layout(d) };
+        let (first, second) = (side(&mut d), side(&mut d));
+        let batch = 2 * pick(&mut d, &[1, 2]);
+        let grad_accum = pick(&mut d, &[1, 2]);
+        let (first_opts, second_opts) = (Options::draw(&mut d), Options::draw(&mut d));
+        let stop = 2 + d.below(STEPS - 1);
+        let keep = pick(&mut d, &[0, 1, 2]);
+        let what = format!(
+            "resume config {seed}: {first} ({first_opts:?}) killed after step {stop}, resumed on {second} ({second_opts:?}), heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, keep {keep}"
+        );
+        let base = config(Layout::single(), model, task, batch, grad_accum, seed);
+        let one = run(&base)?;
+        let dir = std::env::temp_dir().join(format!("cp-train-random-resume-{seed}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let mut a = TrainConfig { layout: first, out: Some(dir.clone()), save_every: 1, keep, stop_after: Some(stop), ..base.clone() };
+        first_opts.apply(&mut a);
+        let mut b = TrainConfig { layout: second, resume: true, stop_after: None, ..a.clone() };
+        second_opts.apply(&mut b);
+        let result = run(&a).and_then(|x| Ok((x, run(&b)?)));
+        let _ = std::fs::remove_dir_all(&dir);
+        match result {
+            Ok((before, after)) => {
+                let bounds: Vec<_> = (0..STEPS).map(|i| if i == 0 { FIRST_STEP } else { LATER_STEPS }).collect();
+                for (r, o) in before.iter().enumerate() {
+                    if let Some(e) = diverges(&one[0].metrics[..stop], &o.metrics, &bounds) {
+                        panic!("{what}: before the stop, rank {r} leaves the single-device run at {e}");
+                    }
+                }
+                for (r, o) in after.iter().enumerate() {
+                    assert_eq!(o.start_step, stop - 1, "{what}: rank {r} resumed from another step");
+                    if let Some(e) = diverges(&one[0].metrics[stop - 1..], &o.metrics, &bounds[stop - 1..]) {
+                        panic!("{what}: after the resume, rank {r} leaves the single-device run at {e}");
+                    }
+                }
+                checked += 1;
+                resharded += (first.tp != second.tp || first.world_size() != second.world_size()) as usize;
+            }
+            Err(e) => {
+                assert_explained(&what, &e);
+                refused += 1;
+            }
+        }
+    }
+    println!("{checked} resumed runs checked ({resharded} on another TP degree or world size), {refused} refused");
+    assert!(
+        checked >= n_configs as usize / 2 && (n_configs < RESUMES || resharded >= 3),
+        "{checked} checked, {refused} refused, {resharded} resharded"
     );
     Ok(())
 }
