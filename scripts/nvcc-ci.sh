@@ -11,7 +11,8 @@
 # their source, looked up by name; everything still compiles, and the binaries still link.
 # Every other compile (ours: candle-cp-kernels/build.rs, at -O3, which ptxas checks) passes
 # through unchanged. scripts/gpu-check.sh, which builds the binaries a GPU runs, does not use
-# this.
+# this. (The host side stays at the build's -O3: at -O0 the library's objects reference cudart's
+# __cudaInitModule, which the host CUDA shim does not provide, and the binaries fail to load.)
 #
 # Env: CANDLE_CP_REAL_NVCC (the real nvcc, required).
 set -euo pipefail
