@@ -65,6 +65,19 @@ fn draw_layout(d: &mut Rng) -> Layout {
     layout
 }
 
+/// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
+/// window in a quarter of the draws; with those numbers `(heads, kv_heads, layers, window)`.
+#[allow(clippy::type_complexity)]
+fn draw_model(d: &mut Rng) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
+    let mut task = KvRecall::new(64)?;
+    (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
+    let (heads, kv_heads) = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
+    let layers = pick(d, &[1, 2]);
+    let window = (d.below(4) == 0).then(|| 1 + d.below(70));
+    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
+    Ok((task, model, (heads, kv_heads, layers, window)))
+}
+
 /// The trainer options of the draws: ZeRO 0 / 1 / 2, recompute, the overlapped gradient sync
 /// (with recompute) and parameter gather (with ZeRO).
 #[derive(Debug, Clone, Copy)]
@@ -153,12 +166,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     let corpus = packed_corpus()?;
     for seed in range {
         let mut d = rng(9000 + seed);
-        let mut task = KvRecall::new(64)?;
-        (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
-        let (heads, kv_heads) = pick(&mut d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
-        let layers = pick(&mut d, &[1, 2]);
-        let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-        let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
+        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
         let layout = draw_layout(&mut d);
         let (with_tp, with_dp) = (layout.tp > 1, layout.dp > 1);
         let batch = layout.dp * pick(&mut d, &[1, 2]);
@@ -236,12 +244,7 @@ fn random_resumes_on_other_layouts_follow_one_device() -> Result<()> {
     let n_configs = range.end - range.start;
     for seed in range {
         let mut d = rng(19000 + seed);
-        let mut task = KvRecall::new(64)?;
-        (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
-        let (heads, kv_heads) = pick(&mut d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
-        let layers = pick(&mut d, &[1, 2]);
-        let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-        let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
+        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
         // either side may be one device
         let side = |d: &mut Rng| if d.below(5) == 0 { Layout::single() } else { draw_layout(d) };
         let (first, second) = (side(&mut d), side(&mut d));
