@@ -62,3 +62,15 @@ pub type AttnFn<'a> = dyn Fn(&candle_core::Tensor, &candle_core::Tensor, &candle
 pub fn fwd_bwd(case: &candle_cp_ops::oracle::AttnCase, f: &AttnFn<'_>) -> candle_core::Result<candle_cp_ops::oracle::AttnOutputs> {
     candle_cp_ops::oracle::run_single_with(case, f)
 }
+
+/// Uniform in `[-1, 1)`, deterministic for (seed, name) (the randomized tests' inputs).
+pub fn rand_t(seed: u64, name: &str, shape: &[usize]) -> candle_core::Result<candle_core::Tensor> {
+    use candle_cp_nn::{Region, RngStreams};
+    let u = RngStreams::new(seed).uniform(name, 0, &candle_core::Shape::from(shape), &Region::Replicated, &candle_core::Device::Cpu)?;
+    (u * 2.0)? - 1.0
+}
+
+/// The gradient of `v` in `g`, or an error naming `what`.
+pub fn grad(g: &candle_core::backprop::GradStore, v: &candle_core::Tensor, what: &str) -> candle_core::Result<candle_core::Tensor> {
+    g.get(v).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
+}

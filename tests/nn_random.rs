@@ -20,13 +20,14 @@
 //! A draw with an MLP width that TP does not divide must be refused on every rank with an
 //! error naming the width. `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
-use candle_core::{backprop::GradStore, DType, Device, Module, Result, Shape, Tensor, Var};
+use candle_core::{DType, Device, Module, Result, Tensor, Var};
 use candle_cp_comm::{run_ranks, Group};
 use candle_cp_nn::{
     padded_rows, shard_for_tp, vocab_parallel_embedding, ColumnParallelLinear, Dropout, GradSync, LayerNorm,
     LinearConfig, Region, RmsNorm, RngStreams, RowParallelLinear, Shard, Tp,
 };
 use candle_cp_tests::draws::{pick, rng, seeds};
+use candle_cp_tests::{grad, rand_t};
 use candle_cp_tests::packed_run::max_abs;
 use candle_nn::{VarBuilder, VarMap};
 use std::collections::BTreeMap;
@@ -83,12 +84,6 @@ impl Draw {
     }
 }
 
-/// Uniform in `[-1, 1)`, deterministic for (seed, name).
-fn rand_t(seed: u64, name: &str, shape: &[usize]) -> Result<Tensor> {
-    let u = RngStreams::new(seed).uniform(name, 0, &Shape::from(shape), &Region::Replicated, &Device::Cpu)?;
-    (u * 2.0)? - 1.0
-}
-
 /// The parameters' full tensors and how each is split over TP.
 fn params(c: &Draw, seed: u64) -> Result<BTreeMap<String, (Tensor, Shard)>> {
     let (v, h, f) = (c.vocab, c.hidden, c.ffn);
@@ -136,10 +131,6 @@ fn reference(c: &Draw, p: &BTreeMap<String, (Tensor, Shard)>, ids: &Tensor, up: 
     let g = (&y * up)?.sum_all()?.backward()?;
     let grads = vars.iter().map(|(n, v)| Ok((n.to_string(), grad(&g, v.as_tensor(), n)?))).collect::<Result<_>>()?;
     Ok((y, grads))
-}
-
-fn grad(g: &GradStore, v: &Tensor, what: &str) -> Result<Tensor> {
-    g.get(v).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))
 }
 
 /// One rank's stack: layers from its own `VarMap` of shards; `(y, gradients by name)`.
