@@ -20,18 +20,13 @@ mod pairs;
 mod volume;
 
 use anyhow::{bail, Context, Result};
-use candle_core::{DType, Device, Shape, Tensor};
+use candle_core::{DType, Tensor};
 use candle_cp_comm::Group;
-use candle_cp_nn::{Region, RngStreams};
 use std::collections::HashMap;
 
 // ---------------------------------------------------------------- helpers
 
-/// Uniform in `[-1, 1)`, deterministic for (seed, name).
-pub(crate) fn rand_t(seed: u64, name: &str, shape: &[usize]) -> candle_core::Result<Tensor> {
-    let u = RngStreams::new(seed).uniform(name, 0, &Shape::from(shape), &Region::Replicated, &Device::Cpu)?;
-    (u * 2.0)? - 1.0
-}
+pub(crate) use candle_cp_tests::{grad, rand_t};
 
 pub(crate) fn all_ok<T>(res: Vec<candle_core::Result<T>>) -> Result<Vec<T>> {
     res.into_iter().enumerate().map(|(r, x)| x.with_context(|| format!("rank {r}"))).collect()
@@ -47,13 +42,6 @@ pub(crate) fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
 pub(crate) fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
     let m = b.to_dtype(DType::F64)?.abs()?.max_all()?.to_scalar::<f64>()?;
     Ok(max_abs(a, b)? / m.max(1e-30))
-}
-
-pub(crate) fn grad(g: &candle_core::backprop::GradStore, v: &Tensor, what: &str) -> candle_core::Result<Tensor> {
-    match g.get(v) {
-        Some(t) => Ok(t.clone()),
-        None => candle_core::bail!("no gradient for {what}"),
-    }
 }
 
 // ---------------------------------------------------------------- communication volume
