@@ -182,7 +182,14 @@ fn ulysses_and_usp_bf16_match_single_device_bf16() -> Result<()> {
         Ok(AttnOutputs { out: c(&o.out)?, lse: c(&o.lse)?, dq: c(&o.dq)?, dk: c(&o.dk)?, dv: c(&o.dv)? })
     };
     let single = f32s(single)?;
-    // bf16 bound: 8 mantissa bits; replicated KV gradients are summed in bf16.
+    // Ulysses runs the single-device kernel on the same bf16 values: out and dq are the op's,
+    // bit for bit; the replicated KV heads' gradients leave the kernel in f32 and are summed
+    // before one rounding, so dk / dv differ from the op's (which sums the query heads of a
+    // KV head in f32 too) only where the two f32 sums round to neighbouring bf16 values
+    // (measured 1.5e-5 / 3.8e-7; summing the copies in bf16 gave 7.6e-3 on dk).
+    let tol_ulysses = AttnTol { out_abs: 1e-6, lse_abs: 1e-5, dq_rel: 1e-6, dk_rel: 1e-3, dv_rel: 1e-3 };
+    // 2-D: the ring's merge adds f32 rounding differences, which bf16 rounding can turn into
+    // one ulp (8 mantissa bits).
     let tol = AttnTol { out_abs: 1e-2, lse_abs: 1e-5, dq_rel: 1e-2, dk_rel: 1e-2, dv_rel: 1e-2 };
     let (t, p) = (256usize, 4usize);
     let parts = all_ok(run_ranks(p, |g: Group| {
@@ -197,7 +204,7 @@ fn ulysses_and_usp_bf16_match_single_device_bf16() -> Result<()> {
     }))?;
     let m = AttnMetrics::compute(&assemble(parts)?, &single)?;
     eprintln!("ulysses bf16 P = 4 vs single bf16: {m:?}");
-    assert!(m.passes(&tol), "ulysses bf16:\n{}", m.report(&tol));
+    assert!(m.passes(&tol_ulysses), "ulysses bf16:\n{}", m.report(&tol_ulysses));
     let parts = all_ok(run_ranks(4, |g: Group| {
         let groups = UspGroups::new(&g, 2, 2)?;
         let opts = UspOpts::new(true, case.scale);

@@ -22,10 +22,16 @@
 //! If `Hkv % P == 0` the KV heads are split like the query heads. If `P % Hkv == 0` (fewer KV
 //! heads than ranks) every KV head is replicated `P/Hkv` times before the all-to-all, so rank
 //! `r` receives exactly KV head `r / (P/Hkv)`, the one its query heads use; the backward sums
-//! the gradients of the copies. Any other degree is an error that lists the degrees that work.
+//! the gradients of the copies, in f32 (the kernel's dK/dV travel back unrounded), and rounds
+//! once. Any other degree is an error that lists the degrees that work.
+//!
+//! **Backward.** [`ulysses_attention`] is one attached op: its backward all-to-alls dO to
+//! heads, runs the raw attention backward ([`attention::attention_bwd`], f32 gradients) and
+//! sends dQ, dK, dV back; the two all-to-all functions above remain separate autograd ops
+//! for models that put their own attention between them.
 
 use crate::attention::{self, Mask};
-use crate::autograd::{attach1, BackwardFn};
+use crate::autograd::{attach1, attach3, BackwardFn};
 use crate::cp::Layout;
 use crate::packing::Documents;
 use candle_core::{Result, Tensor};
@@ -42,7 +48,7 @@ fn check4(op: &str, name: &str, x: &Tensor) -> Result<(usize, usize, usize, usiz
     }
 }
 
-fn seq_to_head_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
+pub(crate) fn seq_to_head_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
     let (_, _, h, _) = check4("all_to_all_seq_to_head", "x", x)?;
     let p = group.size();
     if h % p != 0 {
@@ -57,7 +63,7 @@ fn seq_to_head_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
     group.all_to_all(&x.detach(), 2, 1)
 }
 
-fn head_to_seq_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
+pub(crate) fn head_to_seq_raw(x: &Tensor, group: &Group) -> Result<Tensor> {
     let (_, t, _, _) = check4("all_to_all_head_to_seq", "x", x)?;
     let p = group.size();
     if t % p != 0 {
@@ -275,11 +281,27 @@ pub(crate) fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor) -> Result<
     Ok((b, t, h, hkv, d))
 }
 
-/// Re-shard k or v from sequence to heads for `spread` (replicating KV heads if needed).
-pub(crate) fn kv_seq_to_head(x: &Tensor, spread: KvSpread, group: &Group) -> Result<Tensor> {
+/// Re-shard k or v from sequence to heads for `spread` without a graph: `[B, T/P, Hkv, D]` →
+/// this rank's KV heads of the gathered sequence (every KV head copied first when `spread`
+/// replicates, so rank `r` receives the one its query heads use).
+pub(crate) fn kv_seq_to_head_raw(x: &Tensor, spread: KvSpread, group: &Group) -> Result<Tensor> {
     match spread {
-        KvSpread::Split => all_to_all_seq_to_head(x, group),
-        KvSpread::Replicate(f) => all_to_all_seq_to_head(&replicate_kv_heads(x, f)?, group),
+        KvSpread::Split => seq_to_head_raw(&x.detach(), group),
+        KvSpread::Replicate(f) => seq_to_head_raw(&replicate_kv_heads(&x.detach(), f)?, group),
+    }
+}
+
+/// The conjugate of [`kv_seq_to_head_raw`] for an f32 gradient `x` `[B, T, Hkv/P or 1, D]`:
+/// back to `[B, T/P, Hkv, D]` in `dtype`. Split heads travel in `dtype`; replicated heads
+/// travel in f32 and their copies are summed in f32, so the result is rounded once.
+pub(crate) fn kv_grad_head_to_seq(x: Tensor, spread: KvSpread, group: &Group, dtype: candle_core::DType) -> Result<Tensor> {
+    match spread {
+        KvSpread::Split => head_to_seq_raw(&x.to_dtype(dtype)?, group),
+        KvSpread::Replicate(f) => {
+            let x = head_to_seq_raw(&x, group)?;
+            let (b, tl, hf, d) = x.dims4()?;
+            x.reshape((b, tl, hf / f, f, d))?.sum(3)?.to_dtype(dtype)
+        }
     }
 }
 
@@ -299,55 +321,119 @@ pub(crate) fn lse_head_to_seq(lse: &Tensor, group: &Group) -> Result<Tensor> {
 /// - returns `out` `[B, T/P, H, D]` (q's dtype, differentiable w.r.t. q, k, v) and `lse`
 ///   `[B, H, T/P]` (f32, not differentiable), for this rank's rows.
 ///
+/// The backward is one call of the raw attention backward on the gathered heads (row sums from
+/// the output in q's dtype, as the single-device op takes them), between the conjugate
+/// all-to-alls. Its dK/dV leave the kernel in f32; when KV heads are replicated
+/// (`P > Hkv`) the copies' gradients travel back in f32 and are summed in f32 before the one
+/// cast to k's dtype, so bf16 dK/dV are as accurate as the single-device op's (adding bf16
+/// copies would round each copy and the sum: 1.4–1.5x the error at P = 2·Hkv, test
+/// `bf16_precision`). Split KV heads travel back in k's dtype.
+///
 /// Errors: `H % P != 0`, KV heads that can neither be split nor replicated (message lists the
 /// degrees that work), mismatched shapes. Collective over `group`.
 pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &UlyssesOpts) -> Result<(Tensor, Tensor)> {
     let (_, t_local, h, hkv, _) = check_qkv("ulysses_attention", q, k, v)?;
     let p = group.size();
     let spread = kv_spread(h, hkv, p)?;
-    let qh = all_to_all_seq_to_head(q, group)?;
-    let kh = kv_seq_to_head(k, spread, group)?;
-    let vh = kv_seq_to_head(v, spread, group)?;
-    let mask = match (opts.causal, opts.window) {
-        (true, Some(w)) => Mask::sliding_window(w),
-        (true, None) => Mask::causal(),
-        (false, None) => Mask::Full,
-        (false, Some(w)) => candle_core::bail!("ulysses_attention: a sliding window ({w}) needs the causal mask (q {:?})", q.dims()),
-    };
-    let perm = perm(&opts.order, t_local * p, q.device())?;
-    // attention over the gathered sequence in natural order
-    let attend = |q: &Tensor, k: &Tensor, v: &Tensor| match (&opts.documents, &opts.row_documents) {
-        (None, None) => attention::attention(q, k, v, &mask, opts.scale),
-        (Some(docs), None) => attention::attention_docs_mask(q, k, v, docs, &mask, opts.scale),
-        (None, Some(rows)) => row_documents_attention(q, k, v, rows, opts),
-        (Some(_), Some(_)) => candle_core::bail!(
-            "ulysses_attention: set documents (shared by every row) or row_documents (one per row), not both (q {:?})",
-            q.dims()
-        ),
-    };
-    let (out_h, lse_h) = match &perm {
-        None => attend(&qh, &kh, &vh)?,
-        Some(pm) => {
-            let nat = |x: &Tensor| x.contiguous()?.index_select(&pm.to_nat, 1);
-            let (o, l) = attend(&nat(&qh)?, &nat(&kh)?, &nat(&vh)?)?;
-            (o.contiguous()?.index_select(&pm.to_gat, 1)?, l.contiguous()?.index_select(&pm.to_gat, 2)?)
+    let t = t_local * p;
+    let mut vis = Visibility::new(opts, q.dim(0)?, t, q.dims())?;
+    if let Visibility::Band(band) = &mut vis {
+        // one device copy of the bounds for the forward and the backward
+        if band.device_bounds(q.device()).is_none() {
+            attention::Band::upload_all([band.as_mut()], q.device())?;
+        }
+    }
+    let perm = perm(&opts.order, t, q.device())?.map(Arc::new);
+    // to natural order (dim 1 of [B, T, H/P, D]) and back (`dim`: 1, or 2 for lse [B, H/P, T])
+    let nat = {
+        let perm = perm.clone();
+        move |x: Tensor| -> Result<Tensor> {
+            match &perm {
+                None => Ok(x),
+                Some(pm) => x.contiguous()?.index_select(&pm.to_nat, 1),
+            }
         }
     };
-    let out = all_to_all_head_to_seq(&out_h, group)?;
-    let lse = lse_head_to_seq(&lse_h, group)?;
+    let gat = {
+        let perm = perm.clone();
+        move |x: Tensor, dim: usize| -> Result<Tensor> {
+            match &perm {
+                None => Ok(x),
+                Some(pm) => x.contiguous()?.index_select(&pm.to_gat, dim),
+            }
+        }
+    };
+    let qh = nat(seq_to_head_raw(&q.detach(), group)?)?;
+    let (kh, vh) = (nat(kv_seq_to_head_raw(k, spread, group)?)?, nat(kv_seq_to_head_raw(v, spread, group)?)?);
+    let (out32, lse_h) = vis.fwd(&qh, &kh, &vh, opts.scale)?;
+    let out_h = out32.to_dtype(q.dtype())?;
+    drop(out32);
+    let out = head_to_seq_raw(&gat(out_h.clone(), 1)?, group)?;
+    let lse = lse_head_to_seq(&gat(lse_h.clone(), 2)?, group)?;
+    let (g, scale, qdt, kdt) = (group.clone(), opts.scale, q.dtype(), k.dtype());
+    let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let dh = nat(seq_to_head_raw(&dout.to_dtype(qdt)?, &g)?)?;
+        let (dq, dk, dv) = vis.bwd(&qh, &kh, &vh, &out_h, &lse_h, &dh, scale)?;
+        let dq = head_to_seq_raw(&gat(dq.to_dtype(qdt)?, 1)?, &g)?;
+        let kv_back = |x: Tensor| kv_grad_head_to_seq(gat(x, 1)?, spread, &g, kdt);
+        Ok(vec![Some(dq), Some(kv_back(dk)?), Some(kv_back(dv)?)])
+    });
+    let out = attach3("ulysses_attention", q, k, v, out, bwd)?;
     Ok((out, lse))
 }
 
-/// Attention over the gathered sequence `q [B, T, H/P, D]` with one set of documents per
-/// batch row: one call, one band per row.
-fn row_documents_attention(q: &Tensor, k: &Tensor, v: &Tensor, rows: &[Documents], opts: &UlyssesOpts) -> Result<(Tensor, Tensor)> {
-    let (b, t) = (q.dim(0)?, q.dim(1)?);
-    if rows.len() != b {
-        candle_core::bail!("ulysses_attention: {} row_documents for q {:?}: one per batch row (B = {b})", rows.len(), q.dims())
-    }
-    let band = attention::Band::documents(t, rows, opts.causal, opts.window)?;
-    attention::attention_band(q, k, v, &band, opts.scale)
+/// What the gathered rows (natural order, `T` of them) see: a mask (full, causal, window),
+/// or a band of packed documents (shared by the batch rows or one per row).
+enum Visibility {
+    Mask(Mask),
+    Band(Box<attention::Band>),
 }
+
+impl Visibility {
+    fn new(opts: &UlyssesOpts, b: usize, t: usize, q_dims: &[usize]) -> Result<Self> {
+        let mask = match (opts.causal, opts.window) {
+            (true, Some(w)) => Mask::sliding_window(w),
+            (true, None) => Mask::causal(),
+            (false, None) => Mask::Full,
+            (false, Some(w)) => candle_core::bail!("ulysses_attention: a sliding window ({w}) needs the causal mask (q {q_dims:?})"),
+        };
+        let rows = match (&opts.documents, &opts.row_documents) {
+            (None, None) => return Ok(Visibility::Mask(mask)),
+            (Some(docs), None) => vec![docs.clone()],
+            (None, Some(rows)) => {
+                if rows.len() != b {
+                    candle_core::bail!("ulysses_attention: {} row_documents for q {q_dims:?}: one per batch row (B = {b})", rows.len())
+                }
+                rows.clone()
+            }
+            (Some(_), Some(_)) => candle_core::bail!(
+                "ulysses_attention: set documents (shared by every row) or row_documents (one per row), not both (q {q_dims:?})"
+            ),
+        };
+        for (i, docs) in rows.iter().enumerate() {
+            docs.check_len(&format!("ulysses_attention (documents of row {i}, q {q_dims:?}, gathered T = {t})"), t)?;
+        }
+        Ok(Visibility::Band(Box::new(attention::Band::documents(t, &rows, opts.causal, opts.window)?)))
+    }
+
+    /// Raw forward: out f32, lse f32.
+    fn fwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+        match self {
+            Visibility::Mask(m) => attention::attention_fwd(q, k, v, m, scale),
+            Visibility::Band(b) => attention::attention_fwd_band(q, k, v, b, scale),
+        }
+    }
+
+    /// Raw backward: f32 dq, dk, dv.
+    #[allow(clippy::too_many_arguments)]
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+        match self {
+            Visibility::Mask(m) => attention::attention_bwd(q, k, v, out, lse, dout, m, scale),
+            Visibility::Band(b) => attention::attention_bwd_band(q, k, v, out, lse, dout, b, scale),
+        }
+    }
+}
+
 
 /// Contiguous sequence shard `[B, T/P, ...]` of `x` `[B, T, ...]` for `rank` of `p`
 /// (helper for tests and the CLI; no graph beyond `narrow`).

@@ -28,18 +28,22 @@
 //!   out [B, T/(RU), H, D], lse [B, H, T/(RU)]
 //! ```
 //! GQA: KV heads are split over the Ulysses group when `Hkv % U == 0` and replicated when
-//! `U % Hkv == 0` (the copies' gradients are summed back); the ring then carries only the
-//! `max(Hkv/U, 1)` KV heads each rank needs.
+//! `U % Hkv == 0` (the copies' f32 gradients are summed back before one rounding); the ring
+//! then carries only the `max(Hkv/U, 1)` KV heads each rank needs. The backward is the raw
+//! ring backward between the conjugate all-to-alls (one attached op: dK/dV stay f32 until the
+//! copies are summed).
 
 use crate::cp::{self, CpOpts, CpRun, Layout};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::packing::Documents;
+use crate::autograd::{attach3, BackwardFn};
 use crate::ulysses::{
-    all_to_all_head_to_seq, all_to_all_seq_to_head, check_qkv, kv_seq_to_head, kv_spread, lse_head_to_seq, ulysses_attention,
-    UlyssesOpts,
+    check_qkv, head_to_seq_raw, kv_grad_head_to_seq, kv_seq_to_head_raw, kv_spread, lse_head_to_seq, seq_to_head_raw,
+    ulysses_attention, UlyssesOpts,
 };
 use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, Mesh, ThreadGroupOptions};
+use std::sync::Arc;
 use std::time::Duration;
 
 /// The two sub-groups of a 2-D Ulysses × ring layout for this rank.
@@ -156,18 +160,32 @@ pub fn usp_shard(global: &Tensor, layout: Layout, groups: &UspGroups, dim: usize
 pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opts: &UspOpts) -> Result<(Tensor, Tensor)> {
     let (_, _, h, hkv, _) = check_qkv("usp_attention", q, k, v)?;
     let spread = kv_spread(h, hkv, groups.u())?;
-    let qh = all_to_all_seq_to_head(q, &groups.ulysses)?;
-    let kh = kv_seq_to_head(k, spread, &groups.ulysses)?;
-    let vh = kv_seq_to_head(v, spread, &groups.ulysses)?;
+    let uly = &groups.ulysses;
+    let qh = seq_to_head_raw(&q.detach(), uly)?;
+    let kh = kv_seq_to_head_raw(k, spread, uly)?;
+    let vh = kv_seq_to_head_raw(v, spread, uly)?;
     let cp_opts = CpOpts {
         documents: opts.documents.clone(),
         row_documents: opts.row_documents.clone(),
         window: opts.window,
         ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale)
     };
-    let (out_h, lse_h) = cp::ring_attention(&qh, &kh, &vh, &groups.ring, &cp_opts)?;
-    let out = all_to_all_head_to_seq(&out_h, &groups.ulysses)?;
-    let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
+    let (out32, lse_h, _) = cp::ring_attention_fwd_raw(&qh, &kh, &vh, &groups.ring, &cp_opts)?;
+    let out = head_to_seq_raw(&out32.to_dtype(q.dtype())?, uly)?;
+    let lse = lse_head_to_seq(&lse_h, uly)?;
+    let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
+    // The ring's f32 dK/dV go back through the all-to-all as kv_grad_head_to_seq says (f32 and
+    // summed before rounding when the KV heads were replicated), dQ in q's dtype.
+    let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let dh = seq_to_head_raw(&dout.to_dtype(qdt)?, &g.ulysses)?;
+        let (dq, dk, dv, _) = cp::ring_attention_bwd_raw(&qh, &kh, &vh, &out32, &lse_h, &dh, &g.ring, &cp_opts)?;
+        Ok(vec![
+            Some(head_to_seq_raw(&dq.to_dtype(qdt)?, &g.ulysses)?),
+            Some(kv_grad_head_to_seq(dk, spread, &g.ulysses, kdt)?),
+            Some(kv_grad_head_to_seq(dv, spread, &g.ulysses, kdt)?),
+        ])
+    });
+    let out = attach3("usp_attention", q, k, v, out, bwd)?;
     Ok((out, lse))
 }
 
