@@ -78,6 +78,15 @@ fn draw_model(d: &mut Rng) -> Result<(KvRecall, LlamaConfig, (usize, usize, usiz
     Ok((task, model, (heads, kv_heads, layers, window)))
 }
 
+/// A run of the draws on one layout: the layout, rows per step (1 or 2 per DP replica),
+/// micro-batches (1 or 2) and the trainer options.
+fn draw_run(d: &mut Rng) -> (Layout, usize, usize, Options) {
+    let layout = draw_layout(d);
+    let batch = layout.dp * pick(d, &[1, 2]);
+    let grad_accum = pick(d, &[1, 2]);
+    (layout, batch, grad_accum, Options::draw(d))
+}
+
 /// The trainer options of the draws: ZeRO 0 / 1 / 2, recompute, the overlapped gradient sync
 /// (with recompute) and parameter gather (with ZeRO).
 #[derive(Debug, Clone, Copy)]
@@ -167,11 +176,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     for seed in range {
         let mut d = rng(9000 + seed);
         let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
-        let layout = draw_layout(&mut d);
+        let (layout, batch, grad_accum, opts) = draw_run(&mut d);
         let (with_tp, with_dp) = (layout.tp > 1, layout.dp > 1);
-        let batch = layout.dp * pick(&mut d, &[1, 2]);
-        let grad_accum = pick(&mut d, &[1, 2]);
-        let opts = Options::draw(&mut d);
         let Options { stage, recompute, overlap_grad_sync, overlap_param_gather } = opts;
         let mut long_range_only = d.below(3) == 0;
         // a third of the draws train on packed documents (of a byte corpus) instead
@@ -315,10 +321,7 @@ fn random_bf16_training_follows_one_device() -> Result<()> {
     for seed in range {
         let mut d = rng(29000 + seed);
         let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
-        let layout = draw_layout(&mut d);
-        let batch = layout.dp * pick(&mut d, &[1, 2]);
-        let grad_accum = pick(&mut d, &[1, 2]);
-        let opts = Options::draw(&mut d);
+        let (layout, batch, grad_accum, opts) = draw_run(&mut d);
         let one = TrainConfig { dtype: candle_core::DType::BF16, ..config(Layout::single(), model, task, batch, grad_accum, seed) };
         let mut cfg = TrainConfig { layout, ..one.clone() };
         opts.apply(&mut cfg);
