@@ -1,11 +1,13 @@
-//! RMSNorm and RoPE with hand-written backward passes ([`candle_cp_ops::autograd::attach2`] /
-//! `attach1`), beside their plain-candle references (`*_slow`, differentiated by candle's
-//! autograd). The fused versions record one graph node instead of a dozen broadcast ops;
-//! tests compare values and gradients of the two. The RMSNorm pair is candle-cp-nn's
+//! RMSNorm, RoPE, the RoPE'd projection and the SiLU-gated product with hand-written backward
+//! passes ([`candle_cp_ops::autograd::attach2`] / `attach1`), beside their plain-candle
+//! references (`*_slow`, differentiated by candle's autograd). The fused versions record one
+//! graph node instead of a dozen broadcast ops, and keep for the backward only what it needs
+//! (a candle graph node keeps every input alive until the backward); tests compare values and
+//! gradients of the two. The RMSNorm pair is candle-cp-nn's
 //! (re-exported here; tested there), RoPE is here.
 
-use candle_core::{bail, Result, Tensor, D};
-use candle_cp_ops::autograd::{attach1, BackwardFn};
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
 use std::sync::Arc;
 
 /// RMSNorm with a hand-written backward and its plain-candle reference: they live in
@@ -13,16 +15,25 @@ use std::sync::Arc;
 pub use candle_cp_nn::{rms_norm, rms_norm_slow};
 
 fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize)> {
-    let (_b, t, _h, d) = x.dims4()?;
-    if cos.dims() != [t, d] || sin.dims() != [t, d] || d % 2 != 0 {
+    let (b, t, _h, d) = x.dims4()?;
+    let ok = |c: &Tensor| c.dims() == [t, d] || c.dims() == [b, t, d];
+    if !ok(cos) || cos.dims() != sin.dims() || d % 2 != 0 {
         bail!(
-            "apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, {d}] and even D, got {:?} / {:?}",
+            "apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, {d}] or [{b}, {t}, {d}] and even D, got {:?} / {:?}",
             x.dims(),
             cos.dims(),
             sin.dims()
         )
     }
     Ok((t, d))
+}
+
+/// The tables `[T, D]` (shared by the rows) or `[B, T, D]` (one per row) as `[1|B, T, 1, D]`
+/// in `dtype` (no copy when they already are).
+fn tables4(cos: &Tensor, sin: &Tensor, t: usize, d: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
+    let rows = if cos.rank() == 3 { cos.dim(0)? } else { 1 };
+    let f = |c: &Tensor| c.reshape((rows, t, 1, d))?.to_dtype(dtype);
+    Ok((f(cos)?, f(sin)?))
 }
 
 /// `rotate_half(z) = cat(-z[.., D/2..], z[.., ..D/2])` (`transpose = false`) or its transpose
@@ -41,26 +52,107 @@ fn rotate_half(z: &Tensor, transpose: bool) -> Result<Tensor> {
 }
 
 /// RoPE in the HF `rotate_half` form, `x·cos + rotate_half(x)·sin`, for `x` `[B, T, H, D]`
-/// and tables `[T, D]` (from [`crate::rope::rope_tables`]). Differentiable w.r.t. `x`
-/// (backward: `dy·cos + rotate_halfᵀ(dy·sin)`).
+/// and tables `[T, D]` (from [`crate::rope::rope_tables`]) or `[B, T, D]` (one per row).
+/// Differentiable w.r.t. `x` (backward: `dy·cos + rotate_halfᵀ(dy·sin)`).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (t, d) = check_rope(x, cos, sin)?;
-    let cos = cos.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
-    let sin = sin.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
+    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
     let xd = x.detach();
-    let out = (xd.broadcast_mul(&cos)? + rotate_half(&xd, false)?.broadcast_mul(&sin)?)?;
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let dx = (dy.broadcast_mul(&cos)? + rotate_half(&dy.broadcast_mul(&sin)?, true)?)?;
-        Ok(vec![Some(dx)])
-    });
+    let out = rope4(&xd, &cos, &sin)?;
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(rope4_t(dy, &cos, &sin)?)]));
     attach1("apply_rope", x, out, bwd)
+}
+
+/// `y·cos + rotate_half(y)·sin` with `[1|B, T, 1, D]` tables.
+fn rope4(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    y.broadcast_mul(cos)? + rotate_half(y, false)?.broadcast_mul(sin)?
+}
+
+/// The transpose (= inverse) of [`rope4`]: `dy·cos + rotate_halfᵀ(dy·sin)`.
+fn rope4_t(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    dy.broadcast_mul(cos)? + rotate_half(&dy.broadcast_mul(sin)?, true)?
+}
+
+/// A projection and RoPE as one graph node: `rope(x·wᵀ)` for `x` `[B, T, in]`, `w`
+/// `[H·D, in]` (bias-free), tables `[T, D]` or `[B, T, D]` → `[B, T, H, D]`.
+///
+/// Same values as [`apply_rope`] of the projection, but the node keeps only `x` and `w`
+/// (the projection's input, which the K/V projections keep anyway): the projection's output
+/// before RoPE is not kept for the backward, which rotates the gradient back
+/// (`ropeᵀ`) and then takes the two GEMMs `dx = g·w`, `dw = gᵀ·x`.
+/// Reference: [`linear_rope_slow`].
+pub fn linear_rope(x: &Tensor, w: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, i) = x.dims3()?;
+    let (o, wi) = w.dims2()?;
+    if wi != i || heads == 0 || o % heads != 0 {
+        bail!(
+            "linear_rope: x {:?} [B, T, in] and weight {:?} [heads·D, in] with {heads} heads do not match",
+            x.dims(),
+            w.dims()
+        )
+    }
+    let d = o / heads;
+    let (xd, wd) = (x.detach(), w.detach());
+    let y = xd.reshape((b * t, i))?.matmul(&wd.t()?)?.reshape((b, t, heads, d))?;
+    check_rope(&y, cos, sin)?;
+    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
+    let out = rope4(&y, &cos, &sin)?;
+    drop(y);
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let g = rope4_t(dy, &cos, &sin)?.reshape((b * t, o))?;
+        let dx = g.matmul(&wd)?.reshape((b, t, i))?;
+        let dw = g.t()?.matmul(&xd.reshape((b * t, i))?)?;
+        Ok(vec![Some(dx), Some(dw)])
+    });
+    attach2("linear_rope", x, w, out, bwd)
+}
+
+/// Reference for [`linear_rope`]: the projection, then [`apply_rope_slow`] (candle autograd).
+pub fn linear_rope_slow(x: &Tensor, w: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (b, t, i) = x.dims3()?;
+    let o = w.dim(0)?;
+    let y = x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, heads, o / heads))?;
+    apply_rope_slow(&y, cos, sin)
+}
+
+/// The SiLU-gated MLP product `silu(gate)·up` as one graph node (`gate`, `up` `[.., F]`, same
+/// shape and dtype). Candle's own ops would keep `silu(gate)` too; this node keeps only its
+/// two inputs and recomputes the sigmoid in the backward (in f32:
+/// `dgate = dy·up·σ(g)(1 + g(1 − σ(g)))`, `dup = dy·silu(g)`). Reference: [`swiglu_slow`].
+pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
+        bail!(
+            "swiglu: gate {:?} ({:?}) and up {:?} ({:?}) must have one shape and dtype",
+            gate.dims(),
+            gate.dtype(),
+            up.dims(),
+            up.dtype()
+        )
+    }
+    let (g, u) = (gate.detach(), up.detach());
+    let out = (g.silu()? * &u)?;
+    let dt = gate.dtype();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let (g32, u32, dy32) = (g.to_dtype(DType::F32)?, u.to_dtype(DType::F32)?, dy.to_dtype(DType::F32)?);
+        let s = (g32.neg()?.exp()? + 1.0)?.recip()?;
+        let silu = (&g32 * &s)?;
+        let dsilu = (&s * ((&g32 * (1.0 - &s)?)? + 1.0)?)?;
+        let dup = (&dy32 * &silu)?.to_dtype(dt)?;
+        let dgate = ((dy32 * u32)? * dsilu)?.to_dtype(dt)?;
+        Ok(vec![Some(dgate), Some(dup)])
+    });
+    attach2("swiglu", gate, up, out, bwd)
+}
+
+/// Reference for [`swiglu`] from candle ops (candle autograd).
+pub fn swiglu_slow(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.silu()? * up
 }
 
 /// Reference RoPE from plain candle ops (same math as [`apply_rope`]).
 pub fn apply_rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (t, d) = check_rope(x, cos, sin)?;
-    let cos = cos.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
-    let sin = sin.reshape((1, t, 1, d))?.to_dtype(x.dtype())?;
+    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
     x.broadcast_mul(&cos)? + rotate_half(x, false)?.broadcast_mul(&sin)?
 }
 
@@ -93,6 +185,62 @@ mod tests {
         );
         assert!(max_rel(a, b)? < 1e-6);
         assert!(apply_rope(x.as_tensor(), &cos.narrow(0, 0, 4)?, &sin).is_err());
+        Ok(())
+    }
+
+    /// Gradients of `sum(y·dy)` w.r.t. `vars`, for the fused and the reference op.
+    fn grads_of(y: &Tensor, dy: &Tensor, vars: &[&Var]) -> Result<Vec<Tensor>> {
+        let g = (y * dy)?.sum_all()?.backward()?;
+        vars.iter().map(|v| g.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()))).collect()
+    }
+
+    #[test]
+    fn linear_rope_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::config::LlamaConfig::tiny(16, 32, 1, 2, 1);
+        let (b, t, i, h, d) = (2, 5, 24, 3, 16);
+        // shared tables and one table per row
+        let pos: Vec<u32> = vec![3, 900, 17, 4096, 0];
+        let (c1, s1) = crate::rope::rope_tables(&cfg, &pos, DType::F32, &dev)?;
+        let (c2, s2) = crate::rope::rope_tables(&cfg, &[0, 1, 2, 3, 4], DType::F32, &dev)?;
+        let (cb, sb) = (Tensor::stack(&[&c1, &c2], 0)?, Tensor::stack(&[&s1, &s2], 0)?);
+        for (cos, sin) in [(&c1, &s1), (&cb, &sb)] {
+            let x = Var::randn(0f32, 1.0, (b, t, i), &dev)?;
+            let w = Var::randn(0f32, 0.3, (h * d, i), &dev)?;
+            let dy = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?;
+            let y = linear_rope(x.as_tensor(), w.as_tensor(), h, cos, sin)?;
+            let ys = linear_rope_slow(x.as_tensor(), w.as_tensor(), h, cos, sin)?;
+            assert_eq!(y.dims(), [b, t, h, d]);
+            assert!(max_rel(&y, &ys)? < 1e-6);
+            let (g, gs) = (grads_of(&y, &dy, &[&x, &w])?, grads_of(&ys, &dy, &[&x, &w])?);
+            for (a, r) in g.iter().zip(&gs) {
+                assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
+            }
+        }
+        // heads that do not divide the weight rows, and a table of another length
+        let x = Tensor::zeros((b, t, i), DType::F32, &dev)?;
+        let e = linear_rope(&x, &Tensor::zeros((h * d, i), DType::F32, &dev)?, 5, &c1, &s1).unwrap_err();
+        assert!(e.to_string().contains("[48, 24]"), "{e}");
+        assert!(linear_rope(&x, &Tensor::zeros((h * d, i), DType::F32, &dev)?, h, &c1.narrow(0, 0, 4)?, &s1).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn swiglu_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        // wide values: the sigmoid saturates on both sides
+        let g = Var::randn(0f32, 6.0, (3, 7, 11), &dev)?;
+        let u = Var::randn(0f32, 1.0, (3, 7, 11), &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (3, 7, 11), &dev)?;
+        let y = swiglu(g.as_tensor(), u.as_tensor())?;
+        let ys = swiglu_slow(g.as_tensor(), u.as_tensor())?;
+        assert!(max_rel(&y, &ys)? < 1e-6);
+        let (a, r) = (grads_of(&y, &dy, &[&g, &u])?, grads_of(&ys, &dy, &[&g, &u])?);
+        for (a, r) in a.iter().zip(&r) {
+            assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
+        }
+        let e = swiglu(g.as_tensor(), &u.as_tensor().narrow(2, 0, 5)?).unwrap_err();
+        assert!(e.to_string().contains("[3, 7, 5]"), "{e}");
         Ok(())
     }
 }

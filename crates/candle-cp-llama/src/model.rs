@@ -11,7 +11,8 @@ use crate::attn::attend_window;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
-use crate::rope::{apply_rope, rope_tables};
+use crate::fused::{linear_rope, swiglu};
+use crate::rope::rope_tables;
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
 use candle_cp_ops::mappings;
@@ -63,33 +64,17 @@ pub(crate) struct Block {
 }
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
-/// `[Tc, D]` of the CP shard's positions (one pair shared by every row, or one per row),
-/// `[B, Tc, Hl, Hkvl, D]`, the softmax scale, the packed documents (one shared or one per
-/// row; `None`: each row is one sequence) and the sliding window (`None`: plain causal).
+/// of the CP shard's positions in the activations' dtype, `[Tc, D]` (shared by every row) or
+/// `[B, Tc, D]` (one per row), `[B, Tc, Hl, Hkvl, D]`, the softmax scale, the packed
+/// documents (one shared or one per row; `None`: each row is one sequence) and the sliding
+/// window (`None`: plain causal).
 struct BlockEnv {
     ctx: ParallelCtx,
-    rope: Vec<(Tensor, Tensor)>,
+    rope: (Tensor, Tensor),
     dims: [usize; 5],
     scale: f64,
     docs: Option<Vec<Documents>>,
     window: Option<usize>,
-}
-
-impl BlockEnv {
-    /// RoPE of `x` `[B, Tc, H, D]` with the shared tables, or row by row.
-    fn rope(&self, x: &Tensor) -> Result<Tensor> {
-        match self.rope.as_slice() {
-            [(cos, sin)] => apply_rope(x, cos, sin),
-            rows => {
-                let parts = rows
-                    .iter()
-                    .enumerate()
-                    .map(|(i, (cos, sin))| apply_rope(&x.narrow(0, i, 1)?, cos, sin))
-                    .collect::<Result<Vec<_>>>()?;
-                Tensor::cat(&parts, 0)
-            }
-        }
-    }
 }
 
 impl Block {
@@ -108,20 +93,27 @@ impl Block {
     }
 
     /// One decoder layer: `x` `[B, Ts, h]` → `[B, Ts, h]`.
+    ///
+    /// Written so that the graph keeps what the backward needs and little more (a candle
+    /// node keeps its inputs alive until the backward): RoPE is fused into the Q and K
+    /// projections ([`linear_rope`]), the SiLU gate into one node ([`swiglu`]) and each
+    /// residual add into its row-parallel projection ([`RowParallelLinear::forward_residual`]).
+    /// `tests/plan_activations.rs` compares what stays alive with the planner's count.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
         let [b, tc, hl, hkvl, d] = env.dims;
+        let (cos, sin) = &env.rope;
         // TP region [B, Tc, ·] between the column- and row-parallel layers
-        let qkv = self.qkv.forward_parts(&self.input_norm.forward(x)?)?;
-        let q = qkv[0].reshape((b, tc, hl, d))?;
-        let k = qkv[1].reshape((b, tc, hkvl, d))?;
-        let v = qkv[2].reshape((b, tc, hkvl, d))?;
-        let q = env.rope(&q)?;
-        let k = env.rope(&k)?;
+        let xn = self.qkv.gathered_input(&self.input_norm.forward(x)?)?;
+        let q = linear_rope(&xn, self.qkv.weight(), hl, cos, sin)?;
+        let k = match self.qkv.part(1) {
+            Some((w, _)) => linear_rope(&xn, w, hkvl, cos, sin)?,
+            None => bail!("Llama block: the fused QKV projection has no K part"),
+        };
+        let v = self.qkv.part_forward(2, &xn)?.reshape((b, tc, hkvl, d))?;
         let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
-        let x = (x + self.o.forward(&a)?)?;
+        let x = self.o.forward_residual(&a, x)?;
         let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
-        let m = (gu[0].silu()? * &gu[1])?;
-        x + self.down.forward(&m)?
+        self.down.forward_residual(&swiglu(&gu[0], &gu[1])?, &x)
     }
 }
 
@@ -344,10 +336,20 @@ impl Llama {
         if pos.iter().all(|p| *p == pos[0]) {
             pos.truncate(1);
         }
-        let rope = pos
+        // one pair of tables in the activations' dtype for every layer: [Tc, D], or [B, Tc, D]
+        // with a table per row
+        let act = self.embed.dtype();
+        let tables = pos
             .iter()
             .map(|p| rope_tables(cfg, p, DType::F32, input_ids.device()))
             .collect::<Result<Vec<_>>>()?;
+        let rope = match tables.as_slice() {
+            [(cos, sin)] => (cos.to_dtype(act)?, sin.to_dtype(act)?),
+            rows => {
+                let (c, s): (Vec<Tensor>, Vec<Tensor>) = rows.iter().cloned().unzip();
+                (Tensor::stack(&c, 0)?.to_dtype(act)?, Tensor::stack(&s, 0)?.to_dtype(act)?)
+            }
+        };
         let tc = pos[0].len();
         let docs = match docs {
             None => None,

@@ -21,7 +21,9 @@
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, Module, Result, Tensor};
+use candle_cp_ops::autograd::{attach3, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
+use std::sync::Arc;
 use candle_nn::{Init, VarBuilder};
 
 /// Construction options of [`ColumnParallelLinear`] and [`RowParallelLinear`].
@@ -213,13 +215,30 @@ impl ColumnParallelLinear {
 
     /// Forward (one input gather for all parts), returning each part's output `[.., out_i/P]`.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
+        let x = self.gathered_input(x)?;
+        (0..self.parts.len()).map(|i| self.part_forward(i, &x)).collect()
+    }
+
+    /// What every part multiplies: `x` `[B, T/P, in]` all-gathered along the sequence
+    /// (`gather_from_sp_region`, SP) or `x` `[.., in]` entered into the TP region
+    /// (`copy_to_tp_region`). With [`ColumnParallelLinear::part_forward`] it splits
+    /// [`ColumnParallelLinear::forward_parts`] for a caller that fuses its own op with a
+    /// part's GEMM (the Llama block fuses RoPE into the Q and K projections).
+    pub fn gathered_input(&self, x: &Tensor) -> Result<Tensor> {
         check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
-        let x = if self.tp.sequence_parallel {
-            mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)?
+        if self.tp.sequence_parallel {
+            mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)
         } else {
-            mappings::copy_to_tp_region(x, &self.tp.group)?
-        };
-        self.parts.iter().map(|p| affine(&x, &p.weight, p.bias.as_ref())).collect()
+            mappings::copy_to_tp_region(x, &self.tp.group)
+        }
+    }
+
+    /// Part `i`'s output `[.., out_i/P]` from the [`ColumnParallelLinear::gathered_input`].
+    pub fn part_forward(&self, i: usize, gathered: &Tensor) -> Result<Tensor> {
+        match self.parts.get(i) {
+            Some(p) => affine(gathered, &p.weight, p.bias.as_ref()),
+            None => bail!("ColumnParallelLinear: part {i} of {}", self.parts.len()),
+        }
     }
 
     /// This rank's weight shard `[out/P, in]` (of part 0 when fused).
@@ -326,6 +345,62 @@ impl RowParallelLinear {
     /// The (replicated) bias `[out]`.
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
+    }
+}
+
+impl RowParallelLinear {
+    /// `residual + self.forward(x)` as one graph node (the pre-norm residual branch): `x`
+    /// `[B, T, in/P]`, `residual` the output's shape (`[B, T/P, out]` with SP, else
+    /// `[.., out]`).
+    ///
+    /// Same values as the two ops, but candle's `add` node would keep the layer's output
+    /// alive until the backward, which does not need it; this node keeps `x`, the weight and
+    /// the residual only (the residual stays alive anyway, as the next norm's input). The
+    /// reduction's partial sums are not kept either. Backward: `dresidual = g`; `g` all-gathered
+    /// along the sequence (SP; identity without) gives `dx = g·W`, `dW = gᵀ·x`. With a bias
+    /// this is the plain `residual + forward(x)`.
+    pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        if self.bias.is_some() {
+            return residual + self.forward(x)?;
+        }
+        let sp = self.tp.sequence_parallel;
+        check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
+        let (xd, wd) = (x.detach(), self.weight.detach());
+        let partial = affine(&xd, &wd, None)?;
+        let group = self.tp.group.clone();
+        let p = group.size();
+        let y = if p == 1 {
+            partial
+        } else if sp {
+            let n = partial.dim(SEQ_DIM)?;
+            if n % p != 0 {
+                bail!("RowParallelLinear: input {:?} has {n} rows, not divisible by the TP size {p} (sequence parallel)", x.dims())
+            }
+            group.reduce_scatter(&partial, SEQ_DIM)?
+        } else {
+            group.all_reduce(&partial)?
+        };
+        if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
+            bail!(
+                "RowParallelLinear::forward_residual: residual {:?} ({:?}) must match the output {:?} ({:?}) of input {:?}",
+                residual.dims(),
+                residual.dtype(),
+                y.dims(),
+                y.dtype(),
+                x.dims()
+            )
+        }
+        let out = (residual.detach() + y)?;
+        let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+            let gf = if p > 1 && sp { group.all_gather(&g.detach(), SEQ_DIM)? } else { g.detach() };
+            let (o, i) = wd.dims2()?;
+            let lead = gf.elem_count() / o;
+            let gf = gf.reshape((lead, o))?;
+            let dx = gf.matmul(&wd)?.reshape(xd.dims())?;
+            let dw = gf.t()?.matmul(&xd.reshape((lead, i))?)?;
+            Ok(vec![Some(dx), Some(dw), Some(g.clone())])
+        });
+        attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)
     }
 }
 

@@ -34,12 +34,17 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
         bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())
     }
     let dt = x.dtype();
-    let x32 = x.detach().to_dtype(DType::F32)?;
-    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let xhat = x32.broadcast_mul(&r)?;
-    let out = xhat.to_dtype(dt)?.broadcast_mul(&w.detach())?;
+    let xd = x.detach();
+    let r = {
+        let x32 = xd.to_dtype(DType::F32)?;
+        (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?
+    };
+    let out = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
     let (wd, wdt) = (w.detach(), w.dtype());
+    // The backward keeps x (the graph node keeps it anyway) and r `[.., 1]`, and recomputes
+    // x̂ = x·r: no normalised copy of the input stays alive between forward and backward.
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?;
         let dy32 = dy.to_dtype(DType::F32)?;
         let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
         let lead: usize = dy32.elem_count() / h;

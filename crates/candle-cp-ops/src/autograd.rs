@@ -7,7 +7,7 @@
 //! collective or the ring backward. Inputs are only there so candle records the edges.
 
 use candle_core::{CpuStorage, CustomOp1, CustomOp2, CustomOp3, Layout, Result, Shape, Tensor};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// Backward closure: gets `grad_out` (the gradient of the attached output) and returns one
 /// optional gradient per input, in input order.
@@ -15,7 +15,10 @@ pub type BackwardFn = Arc<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send 
 
 struct Attached {
     name: &'static str,
-    out: Tensor,
+    /// The precomputed output until the forward hands it out: taken then, so the graph node
+    /// does not keep a second copy of it alive until the backward (candle's forward must
+    /// return an owned storage, so the result is one copy of this tensor).
+    out: Mutex<Option<Tensor>>,
     bwd: BackwardFn,
 }
 
@@ -54,16 +57,25 @@ pub(crate) fn cuda_storage(name: &str, t: &Tensor) -> Result<(candle_core::CudaS
 
 impl Attached {
     fn new(name: &'static str, out: Tensor, bwd: BackwardFn) -> Result<Self> {
-        Ok(Self { name, out: packed(&out)?, bwd })
+        Ok(Self { name, out: Mutex::new(Some(packed(&out)?)), bwd })
+    }
+
+    /// The precomputed output, taken out of the op (the forward runs once).
+    fn take_out(&self) -> Result<Tensor> {
+        let mut g = self.out.lock().unwrap_or_else(|e| e.into_inner());
+        match g.take() {
+            Some(t) => Ok(t),
+            None => candle_core::bail!("{}: the attached forward ran twice", self.name),
+        }
     }
 
     fn cpu_out(&self) -> Result<(CpuStorage, Shape)> {
-        cpu_storage(self.name, &self.out)
+        cpu_storage(self.name, &self.take_out()?)
     }
 
     #[cfg(feature = "cuda")]
     fn cuda_out(&self) -> Result<(candle_core::CudaStorage, Shape)> {
-        cuda_storage(self.name, &self.out)
+        cuda_storage(self.name, &self.take_out()?)
     }
 
     fn grads(&self, grad: &Tensor, n: usize) -> Result<Vec<Option<Tensor>>> {
@@ -143,6 +155,49 @@ impl CustomOp3 for Attached3 {
     ) -> Result<(Option<Tensor>, Option<Tensor>, Option<Tensor>)> {
         let mut g = self.0.grads(grad, 3)?.into_iter();
         Ok((g.next().flatten(), g.next().flatten(), g.next().flatten()))
+    }
+}
+
+/// The output of an attached op as its backward needs it, without a second full copy.
+///
+/// CP attention ops compute their output in f32 and return it in q's dtype; the backward's
+/// row sums `rowsum(dO∘O)` want the f32 value. Keeping the f32 output would cost 4 bytes
+/// per element on top of the returned one; instead this keeps the returned (graph) output
+/// itself, shared with the graph once [`KeptOutput::set`] has seen it, and, for a 16-bit
+/// output, its rounding residual `out32 − out` in bf16 (2 bytes per element):
+/// `out + residual` is the f32 output to about 2⁻¹⁷ relative (bf16 output; 2⁻²⁰ for f16).
+/// An f32 output keeps nothing extra.
+#[derive(Clone)]
+pub(crate) struct KeptOutput {
+    node: Arc<std::sync::OnceLock<Tensor>>,
+    residual: Option<Tensor>,
+}
+
+impl KeptOutput {
+    /// From the f32 output and the output `out` returned in the op's dtype.
+    pub(crate) fn new(out32: &Tensor, out: &Tensor) -> Result<Self> {
+        let residual = match out.dtype() {
+            candle_core::DType::F32 => None,
+            _ => Some((out32 - out.to_dtype(candle_core::DType::F32)?)?.to_dtype(candle_core::DType::BF16)?),
+        };
+        Ok(Self { node: Arc::new(std::sync::OnceLock::new()), residual })
+    }
+
+    /// Record the tensor the op returned (after [`attach3`]): the backward reads it.
+    pub(crate) fn set(&self, out: &Tensor) {
+        let _ = self.node.set(out.detach());
+    }
+
+    /// The f32 output `[B, T, H, D]` (reconstructed; errors if [`KeptOutput::set`] was not called).
+    pub(crate) fn f32(&self) -> Result<Tensor> {
+        let Some(out) = self.node.get() else {
+            candle_core::bail!("attached op: backward before the forward recorded its output")
+        };
+        let o = out.to_dtype(candle_core::DType::F32)?;
+        match &self.residual {
+            None => Ok(o),
+            Some(r) => o + r.to_dtype(candle_core::DType::F32)?,
+        }
     }
 }
 

@@ -289,7 +289,10 @@ fn zero1_trains_like_the_plain_run_and_resumes_without_it() -> Result<()> {
     z.stop_after = Some(4);
     let part = run(&z)?;
     for (x, y) in plain[0].metrics.iter().zip(part[0].metrics.iter()) {
-        assert_eq!((x.loss, x.grad_norm), (y.loss, y.grad_norm), "step {}", x.step);
+        // the same updates (losses equal to the bit); the norm adds the slices' f64 squared
+        // norms in another order, so it may differ in its last bit
+        assert_eq!(x.loss, y.loss, "step {}", x.step);
+        assert!((x.grad_norm - y.grad_norm).abs() <= 1e-14 * x.grad_norm, "step {}: {} vs {}", x.step, x.grad_norm, y.grad_norm);
     }
     // resume the ZeRO-1 run's step-3 checkpoint without ZeRO-1
     let mut r = c.clone();

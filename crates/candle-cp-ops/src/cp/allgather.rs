@@ -23,7 +23,7 @@ use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_fwd, attention_fwd_band, Band, BwdCall, BwdPrep, CallMask, Mask};
-use crate::autograd::{attach3, BackwardFn};
+use crate::autograd::{attach3, BackwardFn, KeptOutput};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
 use std::sync::Arc;
@@ -287,11 +287,15 @@ pub fn allgather_attention(
     // until the backward runs): the backward all-gathers them again.
     drop(kv);
     let out = out32.to_dtype(q.dtype())?;
+    // the backward reads the returned output (+ a bf16 residual), not a kept f32 copy
+    let kept = KeptOutput::new(&out32, &out)?;
+    drop(out32);
+    let kept_b = kept.clone();
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;
-        let (dq, dk, dv) = bwd(&qd, &kv, &out32, &ls, dout, &g, &o, &dims, Residency::Auto)?;
+        let (dq, dk, dv) = bwd(&qd, &kv, &kept_b.f32()?, &ls, dout, &g, &o, &dims, Residency::Auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),
@@ -299,5 +303,6 @@ pub fn allgather_attention(
         ])
     });
     let out = attach3("allgather_attention", q, k, v, out, bwd_fn)?;
+    kept.set(&out);
     Ok((out, lse))
 }

@@ -65,7 +65,7 @@ use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{BwdCall, BwdPrep};
-use crate::autograd::{attach3, BackwardFn};
+use crate::autograd::{attach3, BackwardFn, KeptOutput};
 use crate::Group;
 use candle_core::{Result, Tensor};
 use std::sync::Arc;
@@ -489,11 +489,15 @@ pub fn ring_attention(
     let plan = StepPlan::new(group, opts, &dims, q.device())?;
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, &plan, Residency::Auto)?;
     let out = out32.to_dtype(q.dtype())?;
+    // the backward reads the returned output (+ a bf16 residual), not a kept f32 copy
+    let kept = KeptOutput::new(&out32, &out)?;
+    drop(out32);
+    let kept_b = kept.clone();
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
     let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
         let auto = Residency::Auto;
-        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &out32, &ls, dout, &g, &o, &dims, &plan, auto)?;
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &kept_b.f32()?, &ls, dout, &g, &o, &dims, &plan, auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),
@@ -501,6 +505,7 @@ pub fn ring_attention(
         ])
     });
     let out = attach3("ring_attention", q, k, v, out, bwd_fn)?;
+    kept.set(&out);
     Ok((out, lse))
 }
 
