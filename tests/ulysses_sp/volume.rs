@@ -76,8 +76,10 @@ fn comm_volume_matches_formulas() -> Result<()> {
     assert_eq!((fwd, bwd), want, "2-D bytes, §6");
     eprintln!("usp  U={u} R={r}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B");
 
-    // Megatron: an MLP (column + row parallel) moves 4(P-1)/P·B·T·C·s per rank with SP
-    // (all-gather + reduce-scatter, fwd and bwd) and without (two all-reduces).
+    // Megatron: an MLP (column + row parallel) moves 4(P-1)/P·B·T·C·s per rank without SP
+    // (two all-reduces) and 5(P-1)/P·B·T·C·s with SP (all-gather + reduce-scatter in the
+    // forward; in the backward the column-parallel input all-gathered again, its gradient
+    // reduce-scattered and the row-parallel output's gradient all-gathered).
     let (c, f) = (32usize, 64usize);
     let w1 = rand_t(1, "w1", &[f, c])?;
     let w2 = rand_t(2, "w2", &[c, f])?;
@@ -91,7 +93,7 @@ fn comm_volume_matches_formulas() -> Result<()> {
             l2.forward(&l1.forward(x.as_tensor())?.gelu()?)?.sum_all()?.backward()?;
             Ok(total(&log))
         }))?;
-        let want = 4.0 * frac * (b * t * c) as f64 * s;
+        let want = if sp { 5.0 } else { 4.0 } * frac * (b * t * c) as f64 * s;
         assert_eq!(res[0], want, "MLP bytes per rank with SP = {sp}");
         eprintln!("megatron MLP P={p} SP={sp}: fwd+bwd {:>9.0} B", res[0]);
     }

@@ -64,7 +64,8 @@ pub struct CommonArgs {
     /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
     #[arg(long)]
     pub linear_tflops: Option<f64>,
-    /// Activation count driving the per-GPU totals: korthikanti (34·sbh) or llama (exact).
+    /// Activation count driving the per-GPU totals: korthikanti (34·sbh), llama (exact count
+    /// of a fused Llama layer) or candle-cp (what this workspace's Llama keeps, measured).
     #[arg(long, default_value = "korthikanti")]
     pub activations: String,
     /// Attention stores its s×s scores (no flash attention).

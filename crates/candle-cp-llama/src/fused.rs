@@ -7,6 +7,7 @@
 //! (re-exported here; tested there), RoPE is here.
 
 use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_nn::{PartMap, PartPost};
 use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
 use std::sync::Arc;
 
@@ -105,6 +106,26 @@ pub fn linear_rope(x: &Tensor, w: &Tensor, heads: usize, cos: &Tensor, sin: &Ten
         Ok(vec![Some(dx), Some(dw)])
     });
     attach2("linear_rope", x, w, out, bwd)
+}
+
+/// RoPE as an output map of a column-parallel part ([`candle_cp_nn::PartPost`], used with
+/// `forward_parts_regathered`): the projection's output `[B, T, H·D]` → `[B, T, H, D]`
+/// rotated with tables `[T, D]` or `[B, T, D]` (in the activations' dtype); the transpose
+/// rotates the gradient back. `heads` is `H`, the tables give `T` and `D`.
+pub fn rope_post(heads: usize, cos: &Tensor, sin: &Tensor) -> Result<PartPost> {
+    let (t, d) = (cos.dim(cos.rank() - 2)?, cos.dim(D::Minus1)?);
+    let (c4, s4) = tables4(cos, sin, t, d, cos.dtype())?;
+    let (cb, sb) = (c4.clone(), s4.clone());
+    let fwd: PartMap = Arc::new(move |y: &Tensor| {
+        let (b, ty, o) = y.dims3()?;
+        if ty != t || o != heads * d {
+            bail!("rope: projection output {:?} does not fit {heads} heads of {d} over {t} positions", y.dims())
+        }
+        let y4 = y.reshape((b, t, heads, d))?;
+        rope4(&y4, &c4, &s4)
+    });
+    let bwd: PartMap = Arc::new(move |dy: &Tensor| rope4_t(dy, &cb, &sb));
+    Ok(PartPost { fwd, bwd })
 }
 
 /// Reference for [`linear_rope`]: the projection, then [`apply_rope_slow`] (candle autograd).

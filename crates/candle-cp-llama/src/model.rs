@@ -11,7 +11,7 @@ use crate::attn::attend_window;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
-use crate::fused::{linear_rope, swiglu};
+use crate::fused::{rope_post, swiglu};
 use crate::rope::rope_tables;
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
@@ -95,24 +95,23 @@ impl Block {
     /// One decoder layer: `x` `[B, Ts, h]` → `[B, Ts, h]`.
     ///
     /// Written so that the graph keeps what the backward needs and little more (a candle
-    /// node keeps its inputs alive until the backward): RoPE is fused into the Q and K
-    /// projections ([`linear_rope`]), the SiLU gate into one node ([`swiglu`]) and each
-    /// residual add into its row-parallel projection ([`RowParallelLinear::forward_residual`]).
+    /// node keeps its inputs alive until the backward): the column-parallel projections keep
+    /// only their input's sequence shard and gather it again in the backward
+    /// (`forward_parts_regathered`), RoPE is applied inside the Q and K projections' nodes
+    /// ([`rope_post`]), the SiLU gate is one node ([`swiglu`]) and each residual add is
+    /// fused into its row-parallel projection ([`RowParallelLinear::forward_residual`]).
     /// `tests/plan_activations.rs` compares what stays alive with the planner's count.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
         let [b, tc, hl, hkvl, d] = env.dims;
         let (cos, sin) = &env.rope;
         // TP region [B, Tc, ·] between the column- and row-parallel layers
-        let xn = self.qkv.gathered_input(&self.input_norm.forward(x)?)?;
-        let q = linear_rope(&xn, self.qkv.weight(), hl, cos, sin)?;
-        let k = match self.qkv.part(1) {
-            Some((w, _)) => linear_rope(&xn, w, hkvl, cos, sin)?,
-            None => bail!("Llama block: the fused QKV projection has no K part"),
-        };
-        let v = self.qkv.part_forward(2, &xn)?.reshape((b, tc, hkvl, d))?;
-        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
+        let posts = [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None];
+        let qkv = self.qkv.forward_parts_regathered(&self.input_norm.forward(x)?, &posts)?;
+        let (q, k) = (&qkv[0], &qkv[1]);
+        let v = qkv[2].reshape((b, tc, hkvl, d))?;
+        let a = attend_window(q, k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
         let x = self.o.forward_residual(&a, x)?;
-        let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
+        let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
         self.down.forward_residual(&swiglu(&gu[0], &gu[1])?, &x)
     }
 }

@@ -67,6 +67,7 @@ mod dropout;
 mod embedding;
 mod linear;
 mod norm;
+mod regather;
 mod shard;
 #[cfg(test)]
 mod tests;
@@ -75,6 +76,7 @@ pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
 pub use norm::{rms_norm, rms_norm_slow, LayerNorm, RmsNorm};
+pub use regather::{PartMap, PartPost};
 pub use shard::{padded_rows, shard_for_tp, Shard};
 
 /// Who sums, over the TP group, the gradient of a replicated parameter that each rank

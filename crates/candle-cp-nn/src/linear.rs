@@ -219,6 +219,25 @@ impl ColumnParallelLinear {
         (0..self.parts.len()).map(|i| self.part_forward(i, &x)).collect()
     }
 
+    /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
+    /// with SP), not the gathered input, and applies `posts[i]` (if any) to part `i`'s output
+    /// inside its node (Megatron-LM's re-gather in the backward; see the `regather` module
+    /// doc). `posts` is empty or one entry per part. **Every part's output must take part in
+    /// the loss**: the input gradient is formed by the last part's backward.
+    pub fn forward_parts_regathered(&self, x: &Tensor, posts: &[Option<crate::PartPost>]) -> Result<Vec<Tensor>> {
+        check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
+        if !posts.is_empty() && posts.len() != self.parts.len() {
+            bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
+        }
+        let parts = self
+            .parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| crate::regather::PartRef { weight: &p.weight, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
+            .collect();
+        crate::regather::regathered_parts(x, parts, &self.tp.group, self.tp.sequence_parallel)
+    }
+
     /// What every part multiplies: `x` `[B, T/P, in]` all-gathered along the sequence
     /// (`gather_from_sp_region`, SP) or `x` `[.., in]` entered into the TP region
     /// (`copy_to_tp_region`). With [`ColumnParallelLinear::part_forward`] it splits
@@ -263,7 +282,8 @@ impl Module for ColumnParallelLinear {
     /// `x` `[B, T/P, in]` (SP) or `[.., in]` → `[B, T, out/P]` / `[.., out/P]` (parts
     /// concatenated along the last dim when fused).
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
-        let mut ys = self.forward_parts(x)?;
+        // every part reaches the output (concatenated): the re-gathering form is safe
+        let mut ys = self.forward_parts_regathered(x, &[])?;
         if ys.len() == 1 {
             return Ok(ys.remove(0));
         }

@@ -237,3 +237,61 @@ fn forward_residual_equals_forward_plus_residual() -> Result<()> {
     }
     Ok(())
 }
+
+/// `forward_parts_regathered` (the graph keeps the input shard; the backward gathers it again)
+/// gives the values and gradients (input, weights, biases) of `forward_parts`, with an output
+/// map on one part, on 1 and 2 ranks with and without sequence parallelism; a wrong number
+/// of maps is an error.
+#[test]
+fn regathered_parts_equal_the_gathered_ones() -> Result<()> {
+    let (w1, b1, w2) = (t(&[6, 8], 0.1)?, t(&[6], 0.2)?, t(&[4, 8], 0.3)?);
+    // a linear map and its transpose: y ↦ y·M over the last dim
+    let m = t(&[6, 6], 0.8)?;
+    let (mf, mb) = (m.clone(), m.t()?.contiguous()?);
+    let post = crate::PartPost {
+        fwd: std::sync::Arc::new(move |y: &Tensor| y.broadcast_matmul(&mf)),
+        bwd: std::sync::Arc::new(move |g: &Tensor| g.broadcast_matmul(&mb)),
+    };
+    for p in [1usize, 2] {
+        for sp in [false, true] {
+            for r in run_ranks(p, |g: Group| {
+                let tp = Tp::new(g.clone(), sp);
+                let mut vm = VarMap::new();
+                let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+                let layer = ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6 * p), (vb.pp("b"), 4 * p)], 8, LinearConfig::new(true), &tp)?;
+                vm.set_one("a.weight", shard_for_tp(&Tensor::cat(&vec![&w1; p], 0)?, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+                vm.set_one("a.bias", shard_for_tp(&Tensor::cat(&vec![&b1; p], 0)?, ColumnParallelLinear::BIAS_SHARD, &tp)?)?;
+                vm.set_one("b.weight", shard_for_tp(&Tensor::cat(&vec![&w2; p], 0)?, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+                let rows = if sp { 4 / p } else { 4 };
+                let x = candle_core::Var::from_tensor(&t(&[2, rows, 8], 0.3 + g.rank() as f64)?)?;
+                let (d0, d1) = (t(&[2, 4, 6], 0.5)?, t(&[2, 4, 4], 0.6)?);
+                let vars = vm.all_vars();
+                let mut outs = Vec::new();
+                for regather in [true, false] {
+                    let ys = if regather {
+                        layer.forward_parts_regathered(x.as_tensor(), &[Some(post.clone()), None])?
+                    } else {
+                        let ys = layer.forward_parts(x.as_tensor())?;
+                        vec![(post.fwd)(&ys[0])?, ys[1].clone()]
+                    };
+                    let loss = ((&ys[0] * &d0)?.sum_all()? + (&ys[1] * &d1)?.sum_all()?)?;
+                    let gr = loss.backward()?;
+                    let mut v = vec![ys[0].clone(), ys[1].clone(), gr.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no x grad".into()))?];
+                    for var in &vars {
+                        v.push(gr.get(var.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no param grad".into()))?);
+                    }
+                    outs.push(v);
+                }
+                let worst = (0..outs[0].len()).map(|i| max_abs(&outs[0][i], &outs[1][i])).collect::<Result<Vec<f32>>>()?;
+                let bad = layer.forward_parts_regathered(x.as_tensor(), &[None]).unwrap_err().to_string();
+                Ok((worst, bad))
+            }) {
+                let (worst, bad) = r?;
+                assert_eq!(worst.len(), 7);
+                assert!(worst.iter().all(|&e| e < 1e-4), "p {p} sp {sp}: {worst:?}");
+                assert!(bad.contains("1 output maps for 2 parts"), "{bad}");
+            }
+        }
+    }
+    Ok(())
+}

@@ -297,7 +297,9 @@ pub struct TpComm {
     /// Forward bytes sent per layer: `4·(t-1)/t·c·b·h·e` (SP: 2 all-gathers + 2
     /// reduce-scatters; without SP: 2 all-reduces, the same volume).
     pub fwd_bytes_per_layer: f64,
-    /// Backward: the same volume.
+    /// Backward: the same volume, plus with SP the two column-parallel inputs all-gathered
+    /// again (the forward keeps only their sequence shards, as Megatron-LM does):
+    /// `6·(t-1)/t·c·b·h·e` with SP.
     pub bwd_bytes_per_layer: f64,
     /// Transfer time per layer, forward + backward, s (counted as exposed).
     pub exposed_s_per_layer: f64,
@@ -309,13 +311,14 @@ pub fn tp(cx: &CommCtx) -> TpComm {
     let t = l.tp as f64;
     let c = (cx.seq / l.cp) as f64;
     let fwd = 4.0 * (t - 1.0) / t * c * cx.micro_batch as f64 * m.hidden as f64 * cx.elem as f64;
+    let bwd = if l.sp { 1.5 * fwd } else { fwd };
     let link = Link::for_group(1, l.tp, hw);
     TpComm {
         degree: l.tp,
         link,
         fwd_bytes_per_layer: fwd,
-        bwd_bytes_per_layer: fwd,
-        exposed_s_per_layer: 2.0 * fwd / link.bandwidth(hw),
+        bwd_bytes_per_layer: bwd,
+        exposed_s_per_layer: (fwd + bwd) / link.bandwidth(hw),
     }
 }
 

@@ -96,15 +96,21 @@ pub enum ActivationModel {
     Korthikanti,
     /// Exact count for Llama (RMSNorm, GQA, SwiGLU, no dropout).
     Llama,
+    /// What candle-cp's own Llama keeps: the Llama count plus the terms of its
+    /// implementation (`memory::candle_cp_extra_per_gpu`), measured by
+    /// `tests/plan_activations.rs`.
+    #[serde(rename = "candle-cp")]
+    CandleCp,
 }
 
 impl ActivationModel {
-    /// Parses `korthikanti` or `llama`.
+    /// Parses `korthikanti`, `llama` or `candle-cp`.
     pub fn parse(s: &str) -> Result<Self> {
         Ok(match s.to_ascii_lowercase().as_str() {
             "korthikanti" | "megatron" => ActivationModel::Korthikanti,
             "llama" | "exact" => ActivationModel::Llama,
-            _ => plan_bail!("unknown activation model '{s}' (known: korthikanti, llama)"),
+            "candle-cp" | "candle_cp" | "candlecp" | "implemented" => ActivationModel::CandleCp,
+            _ => plan_bail!("unknown activation model '{s}' (known: korthikanti, llama, candle-cp)"),
         })
     }
 }

@@ -5,7 +5,7 @@
 //! micro-batch, `h` hidden, `a` query heads, `a_kv` KV heads, `d` head dim, `f` MLP
 //! width, `v` vocab, `e` bytes per element, `t` TP degree.
 
-use crate::layout::{ActivationModel, Layout, Recompute};
+use crate::layout::{ActivationModel, CpKind, Layout, Recompute};
 use crate::model::ModelConfig;
 use serde::Serialize;
 
@@ -142,6 +142,61 @@ pub fn llama_per_gpu(
     replicated + q_o + k_v + mlp + scores
 }
 
+/// What candle-cp's Llama layer keeps per GPU beyond [`llama_per_gpu`], by how it is
+/// implemented (`c = s/cp` tokens, `a_t = a/t` query heads and `kv_t` KV heads per TP rank,
+/// `u` the Ulysses degree, `kv_u = max(kv_t/u, 1)` KV heads per Ulysses rank):
+/// - the attention's log-sum-exp `[B, a_t, c]` f32: `4·a_t·c·b`;
+/// - the two RMSNorm statistics `[B, c/sp_div]` f32: `8·c·b / sp_div`;
+/// - ring / all-gather CP (`cp > 1`) with 16-bit activations: the output's bf16 rounding
+///   residual, which the backward's row sums read: `2·a_t·d·c·b`;
+/// - Ulysses: q, k, v and the output in the head layout: `c·b·e·(2·a_t·d + 2·u·kv_u·d)`;
+/// - 2-D: q, k, v in the head layout and the ring's f32 output:
+///   `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`.
+///
+/// The column-parallel inputs are kept as the sequence shards (gathered again in the
+/// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
+/// (the layer input is all that stays). Selective recompute is
+/// the same as none (the attention is flash-style already).
+pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+    if r == Recompute::Full {
+        return 0.0;
+    }
+    let terms = Terms::new(m, l, b, s, e);
+    let (c, bf, ef, sp_div) = (terms.c, terms.bf, terms.ef, terms.sp_div);
+    let d = m.head_dim as f64;
+    let a_t = l.heads_per_tp_rank(m) as f64;
+    let kv_t = l.kv_heads_per_tp_rank(m);
+    let lse = 4.0 * a_t * c * bf;
+    let norms = 8.0 * c * bf / sp_div;
+    let u = l.ulysses_degree();
+    let kv_u = (kv_t / u.max(1)).max(1) as f64;
+    let head_kv = 2.0 * u as f64 * kv_u * d;
+    let attention = match l.cp_kind {
+        _ if l.cp == 1 => 0.0,
+        CpKind::Ring | CpKind::Allgather => {
+            if e < 4 {
+                2.0 * a_t * d * c * bf
+            } else {
+                0.0
+            }
+        }
+        CpKind::Ulysses => c * bf * ef * (2.0 * a_t * d + head_kv),
+        CpKind::TwoD => c * bf * (ef * (a_t * d + head_kv) + 4.0 * a_t * d),
+    };
+    lse + norms + attention
+}
+
+/// [`llama_per_gpu`] plus [`candle_cp_extra_per_gpu`]: what candle-cp's Llama keeps per
+/// layer and GPU.
+pub fn candle_cp_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, e: usize, r: Recompute) -> f64 {
+    llama_per_gpu(m, l, s, b, e, r) + candle_cp_extra_per_gpu(m, l, s, b, e, r)
+}
+
+/// [`candle_cp_per_gpu`] of one layer, no parallelism (flash-style attention always).
+pub fn candle_cp_layer_bytes(m: &ModelConfig, s: usize, b: usize, e: usize) -> f64 {
+    candle_cp_per_gpu(m, &single_gpu(true), s, b, e, Recompute::None)
+}
+
 /// Per-layer, per-GPU stored activations under the chosen activation model.
 pub fn layer_per_gpu(
     am: ActivationModel,
@@ -155,6 +210,7 @@ pub fn layer_per_gpu(
     match am {
         ActivationModel::Korthikanti => korthikanti_per_gpu(m, l, s, b, e, r),
         ActivationModel::Llama => llama_per_gpu(m, l, s, b, e, r),
+        ActivationModel::CandleCp => candle_cp_per_gpu(m, l, s, b, e, r),
     }
 }
 

@@ -255,6 +255,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let per_seq = match am {
         ActivationModel::Korthikanti => memory::korthikanti_layer_bytes(m, s, 1, e, flash),
         ActivationModel::Llama => llama,
+        ActivationModel::CandleCp => memory::candle_cp_layer_bytes(m, s, 1, e),
     };
     let by = |r: Recompute| memory::layer_per_gpu(am, m, l, s, b, e, r);
     let by_recompute = ByRecompute {

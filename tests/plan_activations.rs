@@ -1,0 +1,115 @@
+//! The planner's activation count (`candle_cp_plan::memory::candle_cp_per_gpu`, the
+//! `candle-cp` activation model) equals the bytes our Llama layer keeps alive between its
+//! forward and backward, measured, on every parallel layout, in f32 and bf16.
+//!
+//! Measure: a counting global allocator (this test binary only; one `#[test]` so nothing else
+//! allocates meanwhile). Every rank builds the model and runs one forward to warm up; then,
+//! between barriers, the live heap bytes before and after a forward whose output (and so its
+//! whole graph) is held. The ranks are threads of one heap, so the difference is divided by
+//! the world size (the layouts here give every rank the same shapes). A model of 3 layers
+//! minus one of 1 layer, halved, is one layer's share: the embedding, the final norm and
+//! constant overheads cancel. Each figure must be within 1.5% of the planner's (what is
+//! left is the graph's own bookkeeping, about 20 bytes per token and layer).
+//!
+//! The Llama count (`llama_per_gpu`: what a fused Megatron-style layer keeps) is printed
+//! beside it: on one device the model keeps 1.00x it; the difference elsewhere is the
+//! implementation terms `candle_cp_extra_per_gpu` lists (gathered TP inputs, Ulysses'
+//! head-layout copies, the ring's bf16 output residual).
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::layout::Layout;
+use candle_cp_llama::{init_params_sharded, shard_batch, CpKind, Llama, LlamaConfig, ParallelCtx};
+use candle_cp_plan::memory::{candle_cp_per_gpu, llama_per_gpu};
+use candle_cp_plan::{CpKind as PlanCp, Layout as PlanLayout, ModelConfig, Recompute};
+use candle_nn::VarBuilder;
+use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Barrier};
+
+struct Counting;
+static LIVE: AtomicUsize = AtomicUsize::new(0);
+
+unsafe impl GlobalAlloc for Counting {
+    unsafe fn alloc(&self, l: AllocLayout) -> *mut u8 {
+        let p = unsafe { System.alloc(l) };
+        if !p.is_null() {
+            LIVE.fetch_add(l.size(), Ordering::SeqCst);
+        }
+        p
+    }
+    unsafe fn dealloc(&self, p: *mut u8, l: AllocLayout) {
+        unsafe { System.dealloc(p, l) };
+        LIVE.fetch_sub(l.size(), Ordering::SeqCst);
+    }
+}
+
+#[global_allocator]
+static ALLOC: Counting = Counting;
+
+const T: usize = 1024;
+
+/// Live bytes per rank that one forward of `cfg` leaves behind (graph held), `T` tokens.
+fn retained(cfg: &LlamaConfig, layout: Layout, dtype: DType, recompute: bool) -> Result<f64> {
+    let n = layout.world_size();
+    let bar = Arc::new(Barrier::new(n));
+    let dev = Device::Cpu;
+    let res = run_ranks(n, |g| {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let vm = init_params_sharded(cfg, 1, dtype, &ctx, &dev)?;
+        let model = Llama::new(VarBuilder::from_varmap(&vm, dtype, &dev), cfg, &ctx)?.with_recompute(recompute);
+        let ids: Vec<u32> = (0..T as u32).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
+        let sb = shard_batch(&Tensor::from_vec(ids, (1, T), &dev)?, &ctx)?;
+        // warm-up: thread pools and GEMM scratch buffers allocated once
+        model.hidden(&sb.input_ids, &sb.positions)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
+        bar.wait();
+        let before = LIVE.load(Ordering::SeqCst);
+        bar.wait();
+        let h = model.hidden(&sb.input_ids, &sb.positions)?;
+        bar.wait();
+        let after = LIVE.load(Ordering::SeqCst);
+        bar.wait();
+        drop(h);
+        Ok(after as f64 - before as f64)
+    });
+    let v: Vec<f64> = res.into_iter().collect::<Result<_>>()?;
+    Ok(v[0] / n as f64)
+}
+
+#[test]
+fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
+    let cfg = |layers| LlamaConfig::tiny(64, 256, layers, 8, 2);
+    let m = ModelConfig::from_hf_json(&cfg(1).to_hf_json("float32"), "tiny")
+        .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+    let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
+    let cases: Vec<(&str, Layout, PlanLayout, bool)> = vec![
+        ("one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
+        ("zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+        ("striped ring 4", Layout::cp(CpKind::Striped, 4), plan(1, false, 4, PlanCp::Ring, 1), false),
+        ("all-gather 2", Layout::cp(CpKind::AllGather, 2), plan(1, false, 2, PlanCp::Allgather, 1), false),
+        ("ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+        ("ulysses 4 (kv replicated)", Layout::cp(CpKind::Ulysses, 4), plan(1, false, 4, PlanCp::Ulysses, 4), false),
+        ("2-d 2 x 2", Layout::two_d(2, 2), plan(1, false, 4, PlanCp::TwoD, 2), false),
+        ("tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
+        ("one device, recompute", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), true),
+        ("tp 2 + sp, zigzag 2, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), true),
+    ];
+    let mut worst = 0f64;
+    for (name, layout, pl, rc) in &cases {
+        for dtype in [DType::F32, DType::BF16] {
+            let per_layer = (retained(&cfg(3), *layout, dtype, *rc)? - retained(&cfg(1), *layout, dtype, *rc)?) / 2.0;
+            let r = if *rc { Recompute::Full } else { Recompute::None };
+            let e = dtype.size_in_bytes();
+            let want = candle_cp_per_gpu(&m, pl, T, 1, e, r);
+            let fused = llama_per_gpu(&m, pl, T, 1, e, r);
+            let ratio = per_layer / want;
+            println!("{name:32} {dtype:?}: kept {per_layer:>10.0} B/layer, planner {want:>10.0} ({ratio:.4}x), fused Llama count {fused:>10.0} ({:.3}x)", per_layer / fused);
+            assert!((ratio - 1.0).abs() < 0.015, "{name} {dtype:?}: the model keeps {per_layer} bytes per layer, the planner says {want}");
+            worst = worst.max((ratio - 1.0).abs());
+        }
+    }
+    println!("worst |kept/planner - 1| = {worst:.4}");
+    Ok(())
+}
