@@ -65,9 +65,10 @@ pub struct CommonArgs {
     #[arg(long)]
     pub linear_tflops: Option<f64>,
     /// Activation count driving the per-GPU totals: korthikanti (34·sbh), llama (exact count
-    /// of a fused Llama layer) or candle-cp (what this workspace's Llama keeps, measured).
-    #[arg(long, default_value = "korthikanti")]
-    pub activations: String,
+    /// of a fused Llama layer) or candle-cp (what this workspace's Llama keeps, measured)
+    /// [default: korthikanti; candle-cp for `search --finetune-llama`].
+    #[arg(long)]
+    pub activations: Option<String>,
     /// Attention stores its s×s scores (no flash attention).
     #[arg(long)]
     pub no_flash: bool,
@@ -170,7 +171,7 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     input.dtype = Dtype::parse(&a.dtype)?;
     input.dkv_fp32 = a.dkv_fp32;
     input.overlap = Overlap::parse(&a.overlap)?;
-    input.activation_model = ActivationModel::parse(&a.activations)?;
+    input.activation_model = ActivationModel::parse(a.activations.as_deref().unwrap_or("korthikanti"))?;
     input.attn_flops = a.attn_tflops * 1e12;
     if let Some(path) = &a.attn_rates {
         let text = std::fs::read_to_string(path)

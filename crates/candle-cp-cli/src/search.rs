@@ -1,7 +1,7 @@
 //! `candle-cp search`: the fastest layouts of N GPUs that fit, from the planner's arithmetic.
 
 use crate::plan::{input_from_common, CommonArgs};
-use candle_cp_plan::{report, search, CpKind, Layout, Recompute, SearchInput};
+use candle_cp_plan::{report, search, ActivationModel, CpKind, Layout, Recompute, SearchInput};
 
 /// Arguments of `candle-cp search`.
 #[derive(clap::Args, Debug)]
@@ -31,7 +31,8 @@ pub struct SearchArgs {
     #[arg(long, default_value_t = 10)]
     pub top: usize,
     /// Only the layouts examples/finetune_llama trains (no PP, ZeRO 0-2, the gradient sync
-    /// overlapped only with full recompute), with its flags.
+    /// overlapped only with full recompute), with its flags; activations counted as our
+    /// Llama keeps them (`--activations candle-cp`) unless `--activations` says otherwise.
     #[arg(long)]
     pub finetune_llama: bool,
 }
@@ -51,7 +52,11 @@ fn list<T>(what: &str, s: &str, parse: impl Fn(&str) -> anyhow::Result<T>) -> an
 
 /// Builds the search input from the flags; errors name the bad value.
 pub fn input_from_args(a: &SearchArgs) -> anyhow::Result<SearchInput> {
-    let base = input_from_common(&a.common, Layout::default())?;
+    let mut base = input_from_common(&a.common, Layout::default())?;
+    if a.finetune_llama && a.common.activations.is_none() {
+        // the layouts our trainer runs: count what our Llama keeps
+        base.activation_model = ActivationModel::CandleCp;
+    }
     Ok(SearchInput {
         base,
         gpus: a.gpus,

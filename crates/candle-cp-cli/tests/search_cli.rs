@@ -149,9 +149,14 @@ fn search_for_finetune_llama_prints_its_flags() {
             assert!(known.iter().any(|k| k == flag), "{flag} is not a finetune_llama flag ({f})");
         }
     }
-    // without --finetune-llama, no trainer flags
+    // the trainer's layouts are judged by what our Llama keeps, unless --activations says
+    assert_eq!(v["activation_model"], "candle-cp");
+    let asked = json(&["search", "--model", "llama3-8b", "--seq", "131072", "--gpus", "16", "--global-batch", "16", "--finetune-llama", "--activations", "llama"]);
+    assert_eq!(asked["activation_model"], "llama");
+    // without --finetune-llama, no trainer flags and the default count
     let plain = json(&["search", "--model", "llama3-8b", "--seq", "131072", "--gpus", "16", "--global-batch", "16"]);
     assert!(plain["best"][0].get("finetune_llama_flags").is_none());
+    assert_eq!(plain["activation_model"], "korthikanti");
 }
 
 /// `--attn-rates bench.jsonl` (gpu_bench's lines): attention at the rate measured for the

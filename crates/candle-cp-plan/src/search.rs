@@ -25,7 +25,7 @@
 //! are within 0.5% ([`TIE`]) of each other are listed simplest first (fewest GPUs per model
 //! replica, then least memory; `rank`).
 
-use crate::layout::{CpKind, Dtype, Layout, Recompute};
+use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::plan::{plan, PlanInput};
 use crate::step::{Overlap, StepTime};
 use crate::{plan_bail, Result};
@@ -90,6 +90,8 @@ pub struct SearchResult {
     pub invalid: usize,
     /// Searched with [`SearchInput::finetune_llama`].
     pub finetune_llama: bool,
+    /// The activation count the memory verdicts used.
+    pub activation_model: ActivationModel,
     /// The fastest fitting layouts, fastest first, one per degrees + CP kind.
     pub best: Vec<Candidate>,
 }
@@ -280,6 +282,7 @@ pub fn search(i: &SearchInput) -> Result<SearchResult> {
         fitting,
         invalid,
         finetune_llama: i.finetune_llama,
+        activation_model: i.base.activation_model,
         best,
     })
 }
