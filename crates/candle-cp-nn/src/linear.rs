@@ -111,6 +111,10 @@ struct Part {
 /// A layer may be *fused* from several parts sharing the input (Q, K, V projections; gate and
 /// up of a gated MLP), each with its own `weight` `[out_i/P, in]` under its own name: the
 /// input is gathered once for all parts ([`Self::new_fused`], [`Self::forward_parts`]).
+///
+/// Memory: `Module::forward` and [`Self::forward_parts_regathered`] keep only the input
+/// shard for the backward, which gathers it again (Megatron-LM); [`Self::forward_parts`]
+/// keeps the gathered input.
 #[derive(Clone)]
 pub struct ColumnParallelLinear {
     parts: Vec<Part>,
@@ -214,6 +218,9 @@ impl ColumnParallelLinear {
     }
 
     /// Forward (one input gather for all parts), returning each part's output `[.., out_i/P]`.
+    /// The graph keeps the gathered input until the backward (`P` times the shard under SP);
+    /// when every part's output reaches the loss,
+    /// [`ColumnParallelLinear::forward_parts_regathered`] keeps only the shard.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let x = self.gathered_input(x)?;
         (0..self.parts.len()).map(|i| self.part_forward(i, &x)).collect()
