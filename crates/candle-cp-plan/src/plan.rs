@@ -129,6 +129,9 @@ pub struct Plan {
     pub activation_bytes_per_layer_no_flash: f64,
     /// Exact Llama count, per sequence (`31.75·s·h` for 405B).
     pub activation_bytes_per_layer_llama: f64,
+    /// What candle-cp's Llama keeps, per sequence, one GPU (`memory::candle_cp_layer_bytes`,
+    /// measured by `tests/plan_activations.rs`).
+    pub activation_bytes_per_layer_candle_cp: f64,
     /// Stored activations of one layer on one GPU under the layout and recompute policy
     /// (micro-batch `b`).
     pub activation_bytes_per_layer_per_gpu: f64,
@@ -415,6 +418,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         activation_bytes_per_layer_korthikanti: kor,
         activation_bytes_per_layer_no_flash: kor_nf,
         activation_bytes_per_layer_llama: llama,
+        activation_bytes_per_layer_candle_cp: memory::candle_cp_layer_bytes(m, s, 1, e),
         activation_bytes_per_layer_per_gpu: activations.per_layer_per_gpu,
         activation_bytes_per_layer_per_gpu_by_recompute: by_recompute,
         activations,

@@ -162,6 +162,11 @@ pub fn render(p: &Plan) -> String {
                 "s*e*(4h + 2*a*d + 2*a_kv*d + 3f)",
             ),
             r(
+                "per sequence, candle-cp's Llama (measured)",
+                gb(p.activation_bytes_per_layer_candle_cp),
+                "Llama + lse, norm stats (+ CP terms)",
+            ),
+            r(
                 "tokens per GPU",
                 format!("{}", p.tokens_per_gpu),
                 "c = s/cp",

@@ -29,6 +29,11 @@ fn reproduces_405b_128k() -> Result<()> {
             .abs()
             < 1e-12
     );
+    // what our Llama keeps on one GPU: the Llama count + f32 lse (128 heads) + 2 norms' r
+    assert_eq!(
+        p.activation_bytes_per_layer_candle_cp,
+        p.activation_bytes_per_layer_llama + 131072.0 * (4.0 * 128.0 + 8.0)
+    );
     assert_eq!(p.ring.step_bytes, 4.0 * MIB);
     assert!((p.flops.attention_fwd / 1e12 - 563.0).abs() < 0.5);
     assert!((p.ring.min_chunk_fwd_ib - 1500.0).abs() < 1e-6);
