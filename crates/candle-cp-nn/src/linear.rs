@@ -218,9 +218,8 @@ impl ColumnParallelLinear {
     }
 
     /// Forward (one input gather for all parts), returning each part's output `[.., out_i/P]`.
-    /// The graph keeps the gathered input until the backward (`P` times the shard under SP);
-    /// when every part's output reaches the loss,
-    /// [`ColumnParallelLinear::forward_parts_regathered`] keeps only the shard.
+    /// The plain graph: it keeps the gathered input until the backward (`P` times the shard
+    /// under SP); [`ColumnParallelLinear::forward_parts_regathered`] keeps only the shard.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         let x = self.gathered_input(x)?;
         (0..self.parts.len()).map(|i| self.part_forward(i, &x)).collect()
@@ -229,8 +228,8 @@ impl ColumnParallelLinear {
     /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
     /// with SP), not the gathered input, and applies `posts[i]` (if any) to part `i`'s output
     /// inside its node (Megatron-LM's re-gather in the backward; see the `regather` module
-    /// doc). `posts` is empty or one entry per part. **Every part's output must take part in
-    /// the loss**: the input gradient is formed by the last part's backward.
+    /// doc). `posts` is empty or one entry per part. Same values and gradients as
+    /// [`ColumnParallelLinear::forward_parts`] (parts whose output is unused add nothing).
     pub fn forward_parts_regathered(&self, x: &Tensor, posts: &[Option<crate::PartPost>]) -> Result<Vec<Tensor>> {
         check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
         if !posts.is_empty() && posts.len() != self.parts.len() {
@@ -245,12 +244,10 @@ impl ColumnParallelLinear {
         crate::regather::regathered_parts(x, parts, &self.tp.group, self.tp.sequence_parallel)
     }
 
-    /// What every part multiplies: `x` `[B, T/P, in]` all-gathered along the sequence
-    /// (`gather_from_sp_region`, SP) or `x` `[.., in]` entered into the TP region
-    /// (`copy_to_tp_region`). With [`ColumnParallelLinear::part_forward`] it splits
-    /// [`ColumnParallelLinear::forward_parts`] for a caller that fuses its own op with a
-    /// part's GEMM (the Llama block fuses RoPE into the Q and K projections).
-    pub fn gathered_input(&self, x: &Tensor) -> Result<Tensor> {
+    /// What every part multiplies in [`ColumnParallelLinear::forward_parts`]: `x`
+    /// `[B, T/P, in]` all-gathered along the sequence (`gather_from_sp_region`, SP) or `x`
+    /// `[.., in]` entered into the TP region (`copy_to_tp_region`).
+    fn gathered_input(&self, x: &Tensor) -> Result<Tensor> {
         check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
         if self.tp.sequence_parallel {
             mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)
@@ -259,8 +256,8 @@ impl ColumnParallelLinear {
         }
     }
 
-    /// Part `i`'s output `[.., out_i/P]` from the [`ColumnParallelLinear::gathered_input`].
-    pub fn part_forward(&self, i: usize, gathered: &Tensor) -> Result<Tensor> {
+    /// Part `i`'s output `[.., out_i/P]` from the gathered input.
+    fn part_forward(&self, i: usize, gathered: &Tensor) -> Result<Tensor> {
         match self.parts.get(i) {
             Some(p) => affine(gathered, &p.weight, p.bias.as_ref()),
             None => bail!("ColumnParallelLinear: part {i} of {}", self.parts.len()),

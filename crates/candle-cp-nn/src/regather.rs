@@ -4,19 +4,26 @@
 //! `[B, T, in]`; a plain graph (all-gather node, then the GEMMs) keeps that gathered tensor
 //! alive until the backward, `P` times the shard `[B, T/P, in]` the norm before it produced.
 //! Megatron-LM keeps the shard and all-gathers it again in the backward; so does this. The
-//! forward gathers once for all parts and drops the gathered input; each part is one graph
-//! node over `(shard, weight[, bias])`. In the backward the first part to run all-gathers the
-//! shard again (kept until the last part has run), every part adds `g·Wᵢ` into one
-//! `[B, T, in]` input gradient, and the last one reduce-scatters it (one collective, as
-//! before). Without SP the same holds with the identity for the gather and an all-reduce
-//! for the reduce-scatter (`copy_to_tp_region`'s pair), and the input is not copied.
+//! forward gathers once for all parts and drops the gathered input. The graph:
 //!
-//! Every part's output must take part in the loss: the input's gradient is formed by the
-//! last part's backward (an unused part leaves it unformed).
+//! ```text
+//!   x [B, T/P, in] ──► token [1] ──┬──► part 0 (token, W0[, b0]) ──► y0
+//!   (shard, kept)      (one node)  ├──► part 1 (token, W1[, b1]) ──► y1
+//!                                  └──► ...
+//! ```
+//!
+//! Backward: the first part to run all-gathers the shard again (kept until the token's
+//! backward), every part that reaches the loss adds `g·Wᵢ` into one `[B, T, in]` input
+//! gradient and returns a zero for the token; the token's backward, which candle runs after
+//! all of its consumers, reduce-scatters that sum into the shard's gradient (one collective,
+//! as before) and releases the state, so a part whose output is unused simply adds nothing and
+//! another backward over the same graph starts afresh. Without SP the same holds with the
+//! identity for the gather and an all-reduce for the reduce-scatter (`copy_to_tp_region`'s
+//! pair), and the input is not copied.
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_comm::Group;
-use candle_cp_ops::autograd::{attach2, attach3, BackwardFn};
+use candle_cp_ops::autograd::{attach1, attach2, attach3, BackwardFn};
 use candle_cp_ops::mappings::SEQ_DIM;
 use std::sync::{Arc, Mutex};
 
@@ -38,12 +45,10 @@ pub struct PartPost {
 struct State {
     /// The input as given (sequence shard with SP), detached.
     x: Tensor,
+    /// The input gathered again (first part's backward until the token's).
     full: Option<Tensor>,
+    /// The sum of the parts' input gradients `[.., T, in]` so far.
     dx: Option<Tensor>,
-    /// Parts whose backward has not run yet in this backward pass.
-    pending: usize,
-    /// Number of parts (the count starts again for another backward over the same graph).
-    parts: usize,
 }
 
 /// One part: weight `[o, in]`, optional bias `[o]`, optional output map.
@@ -68,7 +73,27 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
     let full = gather(&xd, group, sp)?;
     let in_dim = full.dim(full.rank() - 1)?;
     let lead = full.elem_count() / in_dim.max(1);
-    let state = Arc::new(Mutex::new(State { x: xd, full: None, dx: None, pending: parts.len(), parts: parts.len() }));
+    let full_dims = full.dims().to_vec();
+    let state = Arc::new(Mutex::new(State { x: xd, full: None, dx: None }));
+    // the token: the parts' one edge to x; its backward forms x's gradient
+    let token_val = Tensor::zeros(1, x.dtype(), x.device())?;
+    let token = {
+        let (st, g) = (state.clone(), group.clone());
+        let bwd: BackwardFn = Arc::new(move |_: &Tensor| {
+            let mut s = st.lock().unwrap_or_else(|e| e.into_inner());
+            s.full = None;
+            let Some(dx) = s.dx.take() else { return Ok(vec![None]) };
+            let dx = dx.reshape(full_dims.as_slice())?;
+            Ok(vec![Some(if g.size() == 1 {
+                dx
+            } else if sp {
+                g.reduce_scatter(&dx, SEQ_DIM)?
+            } else {
+                g.all_reduce(&dx)?
+            })])
+        });
+        attach1("ColumnParallelLinear input", x, token_val.clone(), bwd)?
+    };
     let mut outs = Vec::with_capacity(parts.len());
     for part in parts {
         let (o, wi) = part.weight.dims2()?;
@@ -87,7 +112,7 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
         if let Some(p) = &part.post {
             y = (p.fwd)(&y)?;
         }
-        let (st, g, post, has_bias) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some());
+        let (st, g, post, has_bias, zero) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some(), token_val.clone());
         let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
             let gy = match &post {
                 Some(p) => (p.bwd)(dy)?,
@@ -109,35 +134,18 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
                 Some(acc) => (acc + dx)?,
                 None => dx,
             });
-            s.pending = s.pending.saturating_sub(1);
-            let dx_in = if s.pending == 0 {
-                (s.full, s.pending) = (None, s.parts);
-                let dx = match s.dx.take() {
-                    Some(d) => d.reshape(full.dims())?,
-                    None => bail!("ColumnParallelLinear: no input gradient formed"),
-                };
-                Some(if g.size() == 1 {
-                    dx
-                } else if sp {
-                    g.reduce_scatter(&dx, SEQ_DIM)?
-                } else {
-                    g.all_reduce(&dx)?
-                })
-            } else {
-                None
-            };
             let db = if has_bias { Some(gy.sum(0)?) } else { None };
-            Ok(vec![dx_in, Some(dw), db])
+            Ok(vec![Some(zero.clone()), Some(dw), db])
         });
         let out = match part.bias {
-            Some(b) => attach3("ColumnParallelLinear part", x, part.weight, b, y, bwd)?,
+            Some(b) => attach3("ColumnParallelLinear part", &token, part.weight, b, y, bwd)?,
             None => {
                 let bwd2: BackwardFn = Arc::new(move |dy: &Tensor| {
                     let mut v = bwd(dy)?;
                     v.truncate(2);
                     Ok(v)
                 });
-                attach2("ColumnParallelLinear part", x, part.weight, y, bwd2)?
+                attach2("ColumnParallelLinear part", &token, part.weight, y, bwd2)?
             }
         };
         outs.push(out);

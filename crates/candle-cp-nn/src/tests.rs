@@ -295,3 +295,38 @@ fn regathered_parts_equal_the_gathered_ones() -> Result<()> {
     }
     Ok(())
 }
+
+/// A part whose output does not reach the loss adds nothing to the input's gradient (which is
+/// still formed, and equals the plain graph's), and a second backward over the same graph
+/// gives the same gradients: on 2 ranks with SP.
+#[test]
+fn regathered_parts_with_an_unused_part_and_two_backwards() -> Result<()> {
+    let (w1, w2) = (t(&[6, 8], 0.1)?, t(&[4, 8], 0.3)?);
+    for r in run_ranks(2, |g: Group| {
+        let tp = Tp::new(g.clone(), true);
+        let fused = {
+            let mut vm = VarMap::new();
+            let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+            let l = ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6), (vb.pp("b"), 4)], 8, LinearConfig::new(false), &tp)?;
+            vm.set_one("a.weight", shard_for_tp(&w1, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+            vm.set_one("b.weight", shard_for_tp(&w2, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+            l
+        };
+        let x = candle_core::Var::from_tensor(&t(&[2, 2, 8], 0.3 + g.rank() as f64)?)?;
+        let d0 = t(&[2, 4, 3], 0.5)?;
+        let grad_x = |regather: bool| -> Result<(Tensor, Tensor)> {
+            let ys = if regather { fused.forward_parts_regathered(x.as_tensor(), &[])? } else { fused.forward_parts(x.as_tensor())? };
+            let loss = (&ys[0] * &d0)?.sum_all()?; // part 1 unused
+            let a = loss.backward()?.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no x grad".into()))?;
+            let b = loss.backward()?.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no x grad (2nd)".into()))?;
+            Ok((a, b))
+        };
+        let ((r1, r2), (p1, _)) = (grad_x(true)?, grad_x(false)?);
+        Ok((max_abs(&r1, &p1)?, max_abs(&r2, &r1)?))
+    }) {
+        let (vs_plain, second) = r?;
+        assert!(vs_plain < 1e-5, "{vs_plain}");
+        assert_eq!(second, 0.0);
+    }
+    Ok(())
+}
