@@ -1,4 +1,4 @@
-//! RMSNorm, RoPE, the RoPE'd projection and the SiLU-gated product with hand-written backward
+//! RMSNorm, RoPE (also as a projection's output map) and the SiLU-gated product with hand-written backward
 //! passes ([`candle_cp_ops::autograd::attach2`] / `attach1`), beside their plain-candle
 //! references (`*_slow`, differentiated by candle's autograd). The fused versions record one
 //! graph node instead of a dozen broadcast ops, and keep for the backward only what it needs
@@ -74,40 +74,6 @@ fn rope4_t(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     dy.broadcast_mul(cos)? + rotate_half(&dy.broadcast_mul(sin)?, true)?
 }
 
-/// A projection and RoPE as one graph node: `rope(x·wᵀ)` for `x` `[B, T, in]`, `w`
-/// `[H·D, in]` (bias-free), tables `[T, D]` or `[B, T, D]` → `[B, T, H, D]`.
-///
-/// Same values as [`apply_rope`] of the projection, but the node keeps only `x` and `w`
-/// (the projection's input, which the K/V projections keep anyway): the projection's output
-/// before RoPE is not kept for the backward, which rotates the gradient back
-/// (`ropeᵀ`) and then takes the two GEMMs `dx = g·w`, `dw = gᵀ·x`.
-/// Reference: [`linear_rope_slow`].
-pub fn linear_rope(x: &Tensor, w: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (b, t, i) = x.dims3()?;
-    let (o, wi) = w.dims2()?;
-    if wi != i || heads == 0 || o % heads != 0 {
-        bail!(
-            "linear_rope: x {:?} [B, T, in] and weight {:?} [heads·D, in] with {heads} heads do not match",
-            x.dims(),
-            w.dims()
-        )
-    }
-    let d = o / heads;
-    let (xd, wd) = (x.detach(), w.detach());
-    let y = xd.reshape((b * t, i))?.matmul(&wd.t()?)?.reshape((b, t, heads, d))?;
-    check_rope(&y, cos, sin)?;
-    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
-    let out = rope4(&y, &cos, &sin)?;
-    drop(y);
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let g = rope4_t(dy, &cos, &sin)?.reshape((b * t, o))?;
-        let dx = g.matmul(&wd)?.reshape((b, t, i))?;
-        let dw = g.t()?.matmul(&xd.reshape((b * t, i))?)?;
-        Ok(vec![Some(dx), Some(dw)])
-    });
-    attach2("linear_rope", x, w, out, bwd)
-}
-
 /// RoPE as an output map of a column-parallel part ([`candle_cp_nn::PartPost`], used with
 /// `forward_parts_regathered`): the projection's output `[B, T, H·D]` → `[B, T, H, D]`
 /// rotated with tables `[T, D]` or `[B, T, D]` (in the activations' dtype); the transpose
@@ -126,14 +92,6 @@ pub fn rope_post(heads: usize, cos: &Tensor, sin: &Tensor) -> Result<PartPost> {
     });
     let bwd: PartMap = Arc::new(move |dy: &Tensor| rope4_t(dy, &cb, &sb));
     Ok(PartPost { fwd, bwd })
-}
-
-/// Reference for [`linear_rope`]: the projection, then [`apply_rope_slow`] (candle autograd).
-pub fn linear_rope_slow(x: &Tensor, w: &Tensor, heads: usize, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (b, t, i) = x.dims3()?;
-    let o = w.dim(0)?;
-    let y = x.reshape((b * t, i))?.matmul(&w.t()?)?.reshape((b, t, heads, o / heads))?;
-    apply_rope_slow(&y, cos, sin)
 }
 
 /// The SiLU-gated MLP product `silu(gate)·up` as one graph node (`gate`, `up` `[.., F]`, same
@@ -174,7 +132,7 @@ pub fn swiglu_slow(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 pub fn apply_rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     let (t, d) = check_rope(x, cos, sin)?;
     let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
-    x.broadcast_mul(&cos)? + rotate_half(x, false)?.broadcast_mul(&sin)?
+    rope4(x, &cos, &sin)
 }
 
 #[cfg(test)]
@@ -215,34 +173,34 @@ mod tests {
         vars.iter().map(|v| g.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()))).collect()
     }
 
+    /// `rope_post` (RoPE as a projection's output map: the map and its transpose) gives the
+    /// values and the input gradient of `apply_rope_slow` on the reshaped projection output,
+    /// with shared and per-row tables; an output that does not fit the heads is an error.
     #[test]
-    fn linear_rope_matches_slow_values_and_grads() -> Result<()> {
+    fn rope_post_matches_slow_values_and_grads() -> Result<()> {
         let dev = Device::Cpu;
         let cfg = crate::config::LlamaConfig::tiny(16, 32, 1, 2, 1);
-        let (b, t, i, h, d) = (2, 5, 24, 3, 16);
-        // shared tables and one table per row
+        let (b, t, h, d) = (2, 5, 3, 16);
         let pos: Vec<u32> = vec![3, 900, 17, 4096, 0];
         let (c1, s1) = crate::rope::rope_tables(&cfg, &pos, DType::F32, &dev)?;
         let (c2, s2) = crate::rope::rope_tables(&cfg, &[0, 1, 2, 3, 4], DType::F32, &dev)?;
         let (cb, sb) = (Tensor::stack(&[&c1, &c2], 0)?, Tensor::stack(&[&s1, &s2], 0)?);
         for (cos, sin) in [(&c1, &s1), (&cb, &sb)] {
-            let x = Var::randn(0f32, 1.0, (b, t, i), &dev)?;
-            let w = Var::randn(0f32, 0.3, (h * d, i), &dev)?;
+            let post = rope_post(h, cos, sin)?;
+            let y = Var::randn(0f32, 1.0, (b, t, h * d), &dev)?;
             let dy = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?;
-            let y = linear_rope(x.as_tensor(), w.as_tensor(), h, cos, sin)?;
-            let ys = linear_rope_slow(x.as_tensor(), w.as_tensor(), h, cos, sin)?;
-            assert_eq!(y.dims(), [b, t, h, d]);
-            assert!(max_rel(&y, &ys)? < 1e-6);
-            let (g, gs) = (grads_of(&y, &dy, &[&x, &w])?, grads_of(&ys, &dy, &[&x, &w])?);
-            for (a, r) in g.iter().zip(&gs) {
-                assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
-            }
+            let out = (post.fwd)(y.as_tensor())?;
+            let want = apply_rope_slow(&y.as_tensor().reshape((b, t, h, d))?, cos, sin)?;
+            assert_eq!(out.dims(), [b, t, h, d]);
+            assert!(max_rel(&out, &want)? < 1e-6);
+            let g = (post.bwd)(&dy)?.reshape((b, t, h * d))?;
+            let gs = grads_of(&want, &dy, &[&y])?;
+            assert!(max_rel(&g, &gs[0])? < 1e-6, "{}", max_rel(&g, &gs[0])?);
         }
-        // heads that do not divide the weight rows, and a table of another length
-        let x = Tensor::zeros((b, t, i), DType::F32, &dev)?;
-        let e = linear_rope(&x, &Tensor::zeros((h * d, i), DType::F32, &dev)?, 5, &c1, &s1).unwrap_err();
-        assert!(e.to_string().contains("[48, 24]"), "{e}");
-        assert!(linear_rope(&x, &Tensor::zeros((h * d, i), DType::F32, &dev)?, h, &c1.narrow(0, 0, 4)?, &s1).is_err());
+        let post = rope_post(h, &c1, &s1)?;
+        let e = (post.fwd)(&Tensor::zeros((b, t, 40), DType::F32, &dev)?).unwrap_err();
+        assert!(e.to_string().contains("[2, 5, 40]"), "{e}");
+        assert!((post.fwd)(&Tensor::zeros((b, 4, h * d), DType::F32, &dev)?).is_err());
         Ok(())
     }
 

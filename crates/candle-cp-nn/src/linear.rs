@@ -59,8 +59,14 @@ impl LinearConfig {
     }
 }
 
+/// The input and weight gradients of `x·wᵀ`: `g·w` and `gᵀ·x`, for `g` `[lead, out]`, `x`
+/// `[lead, in]` (flattened leading dims), `w` `[out, in]`.
+pub(crate) fn affine_grads(g: &Tensor, x: &Tensor, w: &Tensor) -> Result<(Tensor, Tensor)> {
+    Ok((g.matmul(w)?, g.t()?.matmul(x)?))
+}
+
 /// `x·wᵀ (+ b)` for `x` `[.., in]`, `w` `[out, in]`: one GEMM over the flattened leading dims.
-fn affine(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+pub(crate) fn affine(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
     let mut dims = x.dims().to_vec();
     let last = dims.len() - 1;
     let (o, i) = w.dims2()?;
@@ -221,8 +227,13 @@ impl ColumnParallelLinear {
     /// The plain graph: it keeps the gathered input until the backward (`P` times the shard
     /// under SP); [`ColumnParallelLinear::forward_parts_regathered`] keeps only the shard.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
-        let x = self.gathered_input(x)?;
-        (0..self.parts.len()).map(|i| self.part_forward(i, &x)).collect()
+        check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
+        let x = if self.tp.sequence_parallel {
+            mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)?
+        } else {
+            mappings::copy_to_tp_region(x, &self.tp.group)?
+        };
+        self.parts.iter().map(|p| affine(&x, &p.weight, p.bias.as_ref())).collect()
     }
 
     /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
@@ -242,26 +253,6 @@ impl ColumnParallelLinear {
             .map(|(i, p)| crate::regather::PartRef { weight: &p.weight, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
             .collect();
         crate::regather::regathered_parts(x, parts, &self.tp.group, self.tp.sequence_parallel)
-    }
-
-    /// What every part multiplies in [`ColumnParallelLinear::forward_parts`]: `x`
-    /// `[B, T/P, in]` all-gathered along the sequence (`gather_from_sp_region`, SP) or `x`
-    /// `[.., in]` entered into the TP region (`copy_to_tp_region`).
-    fn gathered_input(&self, x: &Tensor) -> Result<Tensor> {
-        check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
-        if self.tp.sequence_parallel {
-            mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)
-        } else {
-            mappings::copy_to_tp_region(x, &self.tp.group)
-        }
-    }
-
-    /// Part `i`'s output `[.., out_i/P]` from the gathered input.
-    fn part_forward(&self, i: usize, gathered: &Tensor) -> Result<Tensor> {
-        match self.parts.get(i) {
-            Some(p) => affine(gathered, &p.weight, p.bias.as_ref()),
-            None => bail!("ColumnParallelLinear: part {i} of {}", self.parts.len()),
-        }
     }
 
     /// This rank's weight shard `[out/P, in]` (of part 0 when fused).
@@ -370,9 +361,7 @@ impl RowParallelLinear {
     pub fn bias(&self) -> Option<&Tensor> {
         self.bias.as_ref()
     }
-}
 
-impl RowParallelLinear {
     /// `residual + self.forward(x)` as one graph node (the pre-norm residual branch): `x`
     /// `[B, T, in/P]`, `residual` the output's shape (`[B, T/P, out]` with SP, else
     /// `[.., out]`).
@@ -419,10 +408,8 @@ impl RowParallelLinear {
             let gf = if p > 1 && sp { group.all_gather(&g.detach(), SEQ_DIM)? } else { g.detach() };
             let (o, i) = wd.dims2()?;
             let lead = gf.elem_count() / o;
-            let gf = gf.reshape((lead, o))?;
-            let dx = gf.matmul(&wd)?.reshape(xd.dims())?;
-            let dw = gf.t()?.matmul(&xd.reshape((lead, i))?)?;
-            Ok(vec![Some(dx), Some(dw), Some(g.clone())])
+            let (dx, dw) = affine_grads(&gf.reshape((lead, o))?, &xd.reshape((lead, i))?, &wd)?;
+            Ok(vec![Some(dx.reshape(xd.dims())?), Some(dw), Some(g.clone())])
         });
         attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)
     }

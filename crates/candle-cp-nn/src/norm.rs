@@ -35,11 +35,10 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     }
     let dt = x.dtype();
     let xd = x.detach();
-    let r = {
-        let x32 = xd.to_dtype(DType::F32)?;
-        (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?
-    };
-    let out = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
+    let x32 = xd.to_dtype(DType::F32)?;
+    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let out = x32.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
+    drop(x32);
     let (wd, wdt) = (w.detach(), w.dtype());
     // The backward keeps x (the graph node keeps it anyway) and r `[.., 1]`, and recomputes
     // x̂ = x·r: no normalised copy of the input stays alive between forward and backward.

@@ -24,6 +24,7 @@
 use candle_core::{bail, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_cp_ops::autograd::{attach1, attach2, attach3, BackwardFn};
+use crate::linear::{affine, affine_grads};
 use candle_cp_ops::mappings::SEQ_DIM;
 use std::sync::{Arc, Mutex};
 
@@ -101,14 +102,7 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
             bail!("ColumnParallelLinear: input {:?} does not match weight {:?} ([out, in])", x.dims(), part.weight.dims())
         }
         let wd = part.weight.detach();
-        let mut dims = full.dims().to_vec();
-        let last = dims.len() - 1;
-        dims[last] = o;
-        let mut y = full.reshape((lead, in_dim))?.matmul(&wd.t()?)?;
-        if let Some(b) = part.bias {
-            y = y.broadcast_add(&b.detach())?;
-        }
-        let mut y = y.reshape(dims.as_slice())?;
+        let mut y = affine(&full, &wd, part.bias.map(|b| b.detach()).as_ref())?;
         if let Some(p) = &part.post {
             y = (p.fwd)(&y)?;
         }
@@ -128,8 +122,7 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
                     f
                 }
             };
-            let dw = gy.t()?.matmul(&full.reshape((lead, in_dim))?)?;
-            let dx = gy.matmul(&wd)?;
+            let (dx, dw) = affine_grads(&gy, &full.reshape((lead, in_dim))?, &wd)?;
             s.dx = Some(match s.dx.take() {
                 Some(acc) => (acc + dx)?,
                 None => dx,

@@ -15,6 +15,17 @@ fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
     (a - b)?.abs()?.max_all()?.to_scalar::<f32>()
 }
 
+/// A layer `build` makes from a fresh `VarMap`, whose entries `shards` (name, this rank's
+/// shard) then fill: the layer and the map (its `Var`s get the gradients).
+fn with_shards<L>(build: impl FnOnce(VarBuilder) -> Result<L>, shards: &[(&str, Tensor)]) -> Result<(L, VarMap)> {
+    let mut vm = VarMap::new();
+    let layer = build(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu))?;
+    for (name, shard) in shards {
+        vm.set_one(*name, shard.clone())?;
+    }
+    Ok((layer, vm))
+}
+
 #[test]
 fn one_rank_equals_candle_linear() -> Result<()> {
     let (w, b, x) = (t(&[6, 4], 0.1)?, t(&[6], 0.2)?, t(&[2, 3, 4], 0.3)?);
@@ -204,10 +215,10 @@ fn forward_residual_equals_forward_plus_residual() -> Result<()> {
         for sp in [false, true] {
             for r in run_ranks(p, |g: Group| {
                 let tp = Tp::new(g.clone(), sp);
-                let mut vm = VarMap::new();
-                let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-                let layer = RowParallelLinear::new(vb.pp("o"), 8, 6, LinearConfig::new(false), &tp)?;
-                vm.set_one("o.weight", shard_for_tp(&w, RowParallelLinear::WEIGHT_SHARD, &tp)?)?;
+                let (layer, vm) = with_shards(
+                    |vb| RowParallelLinear::new(vb.pp("o"), 8, 6, LinearConfig::new(false), &tp),
+                    &[("o.weight", shard_for_tp(&w, RowParallelLinear::WEIGHT_SHARD, &tp)?)],
+                )?;
                 let wv = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["o.weight"].clone();
                 let x = candle_core::Var::from_tensor(&t(&[2, 4, 8 / p], 0.3 + g.rank() as f64)?)?;
                 let rows = if sp { 4 / p } else { 4 };
@@ -256,12 +267,15 @@ fn regathered_parts_equal_the_gathered_ones() -> Result<()> {
         for sp in [false, true] {
             for r in run_ranks(p, |g: Group| {
                 let tp = Tp::new(g.clone(), sp);
-                let mut vm = VarMap::new();
-                let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-                let layer = ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6 * p), (vb.pp("b"), 4 * p)], 8, LinearConfig::new(true), &tp)?;
-                vm.set_one("a.weight", shard_for_tp(&Tensor::cat(&vec![&w1; p], 0)?, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
-                vm.set_one("a.bias", shard_for_tp(&Tensor::cat(&vec![&b1; p], 0)?, ColumnParallelLinear::BIAS_SHARD, &tp)?)?;
-                vm.set_one("b.weight", shard_for_tp(&Tensor::cat(&vec![&w2; p], 0)?, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
+                let rows_of = |w: &Tensor, sh| shard_for_tp(&Tensor::cat(&vec![w; p], 0)?, sh, &tp);
+                let (layer, vm) = with_shards(
+                    |vb| ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6 * p), (vb.pp("b"), 4 * p)], 8, LinearConfig::new(true), &tp),
+                    &[
+                        ("a.weight", rows_of(&w1, ColumnParallelLinear::WEIGHT_SHARD)?),
+                        ("a.bias", rows_of(&b1, ColumnParallelLinear::BIAS_SHARD)?),
+                        ("b.weight", rows_of(&w2, ColumnParallelLinear::WEIGHT_SHARD)?),
+                    ],
+                )?;
                 let rows = if sp { 4 / p } else { 4 };
                 let x = candle_core::Var::from_tensor(&t(&[2, rows, 8], 0.3 + g.rank() as f64)?)?;
                 let (d0, d1) = (t(&[2, 4, 6], 0.5)?, t(&[2, 4, 4], 0.6)?);
@@ -304,14 +318,13 @@ fn regathered_parts_with_an_unused_part_and_two_backwards() -> Result<()> {
     let (w1, w2) = (t(&[6, 8], 0.1)?, t(&[4, 8], 0.3)?);
     for r in run_ranks(2, |g: Group| {
         let tp = Tp::new(g.clone(), true);
-        let fused = {
-            let mut vm = VarMap::new();
-            let vb = VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
-            let l = ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6), (vb.pp("b"), 4)], 8, LinearConfig::new(false), &tp)?;
-            vm.set_one("a.weight", shard_for_tp(&w1, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
-            vm.set_one("b.weight", shard_for_tp(&w2, ColumnParallelLinear::WEIGHT_SHARD, &tp)?)?;
-            l
-        };
+        let (fused, _vm) = with_shards(
+            |vb| ColumnParallelLinear::new_fused(&[(vb.pp("a"), 6), (vb.pp("b"), 4)], 8, LinearConfig::new(false), &tp),
+            &[
+                ("a.weight", shard_for_tp(&w1, ColumnParallelLinear::WEIGHT_SHARD, &tp)?),
+                ("b.weight", shard_for_tp(&w2, ColumnParallelLinear::WEIGHT_SHARD, &tp)?),
+            ],
+        )?;
         let x = candle_core::Var::from_tensor(&t(&[2, 2, 8], 0.3 + g.rank() as f64)?)?;
         let d0 = t(&[2, 4, 3], 0.5)?;
         let grad_x = |regather: bool| -> Result<(Tensor, Tensor)> {

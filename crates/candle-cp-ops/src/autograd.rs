@@ -168,14 +168,14 @@ impl CustomOp3 for Attached3 {
 /// `out + residual` is the f32 output to about 2⁻¹⁷ relative (bf16 output; 2⁻²⁰ for f16).
 /// An f32 output keeps nothing extra.
 #[derive(Clone)]
-pub(crate) struct KeptOutput {
+struct KeptOutput {
     node: Arc<std::sync::OnceLock<Tensor>>,
     residual: Option<Tensor>,
 }
 
 impl KeptOutput {
     /// From the f32 output and the output `out` returned in the op's dtype.
-    pub(crate) fn new(out32: &Tensor, out: &Tensor) -> Result<Self> {
+    fn new(out32: &Tensor, out: &Tensor) -> Result<Self> {
         let residual = match out.dtype() {
             candle_core::DType::F32 => None,
             _ => Some((out32 - out.to_dtype(candle_core::DType::F32)?)?.to_dtype(candle_core::DType::BF16)?),
@@ -183,13 +183,13 @@ impl KeptOutput {
         Ok(Self { node: Arc::new(std::sync::OnceLock::new()), residual })
     }
 
-    /// Record the tensor the op returned (after [`attach3`]): the backward reads it.
-    pub(crate) fn set(&self, out: &Tensor) {
+    /// Record the tensor the op returned: the backward reads it.
+    fn set(&self, out: &Tensor) {
         let _ = self.node.set(out.detach());
     }
 
-    /// The f32 output `[B, T, H, D]` (reconstructed; errors if [`KeptOutput::set`] was not called).
-    pub(crate) fn f32(&self) -> Result<Tensor> {
+    /// The f32 output (reconstructed; errors if [`KeptOutput::set`] was not called).
+    fn f32(&self) -> Result<Tensor> {
         let Some(out) = self.node.get() else {
             candle_core::bail!("attached op: backward before the forward recorded its output")
         };
@@ -199,6 +199,32 @@ impl KeptOutput {
             Some(r) => o + r.to_dtype(candle_core::DType::F32)?,
         }
     }
+}
+
+/// Backward of [`attach3_from_f32`]: gets the f32 output (as [`KeptOutput`] rebuilds it) and
+/// the output's gradient, returns the three inputs' gradients.
+pub type BackwardFromF32 = Box<dyn Fn(&Tensor, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
+
+/// [`attach3`] for an op computed in f32: returns `out32` cast to `dtype`, differentiable
+/// w.r.t. `a`, `b`, `c` through `bwd(out_f32, grad)`. The f32 output is not kept: the backward
+/// gets it back from the returned output plus, for a 16-bit `dtype`, a bf16 rounding residual
+/// (2 bytes per element; see `KeptOutput`).
+pub fn attach3_from_f32(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    out32: Tensor,
+    dtype: candle_core::DType,
+    bwd: BackwardFromF32,
+) -> Result<Tensor> {
+    let out = out32.to_dtype(dtype)?;
+    let kept = KeptOutput::new(&out32, &out)?;
+    drop(out32);
+    let k = kept.clone();
+    let out = attach3(name, a, b, c, out, Arc::new(move |g: &Tensor| bwd(&k.f32()?, g)))?;
+    kept.set(&out);
+    Ok(out)
 }
 
 /// True when any input takes part in a graph (is a variable or derived from one).

@@ -23,10 +23,9 @@ use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_fwd, attention_fwd_band, Band, BwdCall, BwdPrep, CallMask, Mask};
-use crate::autograd::{attach3, BackwardFn, KeptOutput};
+use crate::autograd::{attach3_from_f32, BackwardFromF32};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
-use std::sync::Arc;
 use std::time::Instant;
 
 /// One attention call: query rows `q` against the global keys `[k0, k0 + n)` with `mask`, or
@@ -286,23 +285,18 @@ pub fn allgather_attention(
     // The global K/V are not kept for the backward (that would hold O(T) memory per layer
     // until the backward runs): the backward all-gathers them again.
     drop(kv);
-    let out = out32.to_dtype(q.dtype())?;
-    // the backward reads the returned output (+ a bf16 residual), not a kept f32 copy
-    let kept = KeptOutput::new(&out32, &out)?;
-    drop(out32);
-    let kept_b = kept.clone();
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
-    let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
+    // the backward gets the f32 output back from the returned one (+ a bf16 residual)
+    let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;
-        let (dq, dk, dv) = bwd(&qd, &kv, &kept_b.f32()?, &ls, dout, &g, &o, &dims, Residency::Auto)?;
+        let (dq, dk, dv) = bwd(&qd, &kv, out32, &ls, dout, &g, &o, &dims, Residency::Auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),
             Some(dv.to_dtype(kdt)?),
         ])
     });
-    let out = attach3("allgather_attention", q, k, v, out, bwd_fn)?;
-    kept.set(&out);
+    let out = attach3_from_f32("allgather_attention", q, k, v, out32, q.dtype(), bwd_fn)?;
     Ok((out, lse))
 }

@@ -65,10 +65,9 @@ use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{BwdCall, BwdPrep};
-use crate::autograd::{attach3, BackwardFn, KeptOutput};
+use crate::autograd::{attach3_from_f32, BackwardFromF32};
 use crate::Group;
 use candle_core::{Result, Tensor};
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// Number of ring steps any rank has work in (`1 + ` the largest such step; every rank
@@ -488,24 +487,19 @@ pub fn ring_attention(
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let plan = StepPlan::new(group, opts, &dims, q.device())?;
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, &plan, Residency::Auto)?;
-    let out = out32.to_dtype(q.dtype())?;
-    // the backward reads the returned output (+ a bf16 residual), not a kept f32 copy
-    let kept = KeptOutput::new(&out32, &out)?;
-    drop(out32);
-    let kept_b = kept.clone();
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
-    let bwd_fn: BackwardFn = Arc::new(move |dout: &Tensor| {
+    // the backward gets the f32 output back from the returned one (+ a bf16 residual)
+    let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
         let auto = Residency::Auto;
-        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, &kept_b.f32()?, &ls, dout, &g, &o, &dims, &plan, auto)?;
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, out32, &ls, dout, &g, &o, &dims, &plan, auto)?;
         Ok(vec![
             Some(dq.to_dtype(qdt)?),
             Some(dk.to_dtype(kdt)?),
             Some(dv.to_dtype(kdt)?),
         ])
     });
-    let out = attach3("ring_attention", q, k, v, out, bwd_fn)?;
-    kept.set(&out);
+    let out = attach3_from_f32("ring_attention", q, k, v, out32, q.dtype(), bwd_fn)?;
     Ok((out, lse))
 }
 
