@@ -342,3 +342,29 @@ fn prefix_against_the_cpu_run() {
         assert!(e.contains("input_ids ["), "{e}");
     }
 }
+
+/// Ulysses and 2-D with the head layout regathered in the backward (`--regather-heads`)
+/// give the kept run's logits, loss and every gradient bit for bit (f32), and the oracle's.
+#[test]
+fn regathered_heads_match_kept() {
+    use candle_cp_llama::HeadLayout;
+    let d = data();
+    let ids = &d.reference.input_ids;
+    for layout in [Layout::cp(CpKind::Ulysses, 2), Layout::two_d(2, 2), Layout::cp(CpKind::Ulysses, 2).with_tp(2, true)] {
+        let t0 = std::time::Instant::now();
+        let kept = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let layout = layout.with_head_layout(HeadLayout::Regathered);
+        let re = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        assert_eq!(kept.grads.len(), re.grads.len(), "{layout}: same parameters");
+        let mut grad = 0f64;
+        for ((na, a), (nb, b)) in kept.grads.iter().zip(&re.grads) {
+            assert_eq!(na, nb);
+            grad = grad.max(diff(a, b));
+        }
+        let (logits, loss) = (diff(&kept.logits, &re.logits), (kept.loss - re.loss).abs());
+        println!("{layout} vs kept: logits {logits:e} loss {loss:e} grad {grad:e} [{:.1}s]", t0.elapsed().as_secs_f64());
+        assert!(logits == 0.0 && loss == 0.0 && grad == 0.0, "{layout}: regathered differs from kept");
+        let rep = compare(&re, &d.reference, Tolerances::default()).unwrap();
+        assert!(rep.pass(), "{layout}: out of oracle tolerance: {rep:?}");
+    }
+}

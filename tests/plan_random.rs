@@ -86,6 +86,7 @@ fn random_plans_are_consistent() {
             zero: pick(&mut d, &[0, 1, 2, 3]),
             recompute: pick(&mut d, &[Recompute::None, Recompute::Selective, Recompute::Full]),
             flash: d.below(8) != 0,
+            regather_heads: false,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);
         let mut inp = PlanInput::new(model, hw, layout, seq);
@@ -96,6 +97,11 @@ fn random_plans_are_consistent() {
         inp.dtype = pick(&mut d, &[Dtype::Bf16, Dtype::Fp16, Dtype::Fp32]);
         inp.dkv_fp32 = d.below(2) == 0;
         inp.activation_model = pick(&mut d, &[ActivationModel::Korthikanti, ActivationModel::Llama]);
+        // drawn last, so the earlier draws of each seed stay what they were
+        inp.layout.regather_heads = d.below(2) == 0;
+        if d.below(3) == 0 {
+            inp.activation_model = ActivationModel::CandleCp;
+        }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
             Ok(p) => serde_json::to_value(&p).expect("a plan serialises"),

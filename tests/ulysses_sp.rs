@@ -14,6 +14,8 @@
 mod attn;
 #[path = "ulysses_sp/block.rs"]
 mod block;
+#[path = "ulysses_sp/head_layout.rs"]
+mod head_layout;
 #[path = "ulysses_sp/pairs.rs"]
 mod pairs;
 #[path = "ulysses_sp/volume.rs"]

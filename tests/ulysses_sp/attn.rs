@@ -16,7 +16,7 @@ fn oracle_cases() -> Result<Vec<AttnCase>> {
 
 /// Each rank returns the global positions of its rows and its local results; rebuild the
 /// global tensors (rows along dim 1, lse along dim 2).
-fn assemble(parts: Vec<(Vec<usize>, AttnOutputs)>) -> Result<AttnOutputs> {
+pub(crate) fn assemble(parts: Vec<(Vec<usize>, AttnOutputs)>) -> Result<AttnOutputs> {
     let pos: Vec<u32> = parts.iter().flat_map(|(p, _)| p.iter().map(|&x| x as u32)).collect();
     let mut inv = vec![0u32; pos.len()];
     for (i, &p) in pos.iter().enumerate() {
@@ -36,11 +36,11 @@ fn assemble(parts: Vec<(Vec<usize>, AttnOutputs)>) -> Result<AttnOutputs> {
     })
 }
 
-type ShardFn<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
-type AttnFn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>;
+pub(crate) type ShardFn<'a> = &'a dyn Fn(&Tensor) -> candle_core::Result<Tensor>;
+pub(crate) type AttnFn<'a> = &'a dyn Fn(&Tensor, &Tensor, &Tensor) -> candle_core::Result<(Tensor, Tensor)>;
 
 /// Forward + backward of `sum(out * dout)` on local shards; `attn` is the parallel op.
-fn local_run(case: &AttnCase, shard: ShardFn, attn: AttnFn) -> candle_core::Result<AttnOutputs> {
+pub(crate) fn local_run(case: &AttnCase, shard: ShardFn, attn: AttnFn) -> candle_core::Result<AttnOutputs> {
     let (q, k, v) = (Var::from_tensor(&shard(&case.q)?)?, Var::from_tensor(&shard(&case.k)?)?, Var::from_tensor(&shard(&case.v)?)?);
     let (out, lse) = attn(q.as_tensor(), k.as_tensor(), v.as_tensor())?;
     let grads = (&out * shard(&case.dout)?)?.sum_all()?.backward()?;
@@ -49,7 +49,7 @@ fn local_run(case: &AttnCase, shard: ShardFn, attn: AttnFn) -> candle_core::Resu
 
 /// Compare against the oracle (its tolerances) and the single-device op (the oracle's
 /// tolerances times `tight`).
-fn check_case(what: &str, case: &AttnCase, single: &AttnOutputs, got: &AttnOutputs, tight: f64) -> Result<()> {
+pub(crate) fn check_case(what: &str, case: &AttnCase, single: &AttnOutputs, got: &AttnOutputs, tight: f64) -> Result<()> {
     let tol = case.tolerances();
     let m = AttnMetrics::compute(got, &case.reference)?;
     assert!(m.passes(&tol), "{what} vs oracle:\n{}", m.report(&tol));

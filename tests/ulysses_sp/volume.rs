@@ -6,7 +6,7 @@ use candle_core::{Module, Tensor, Var};
 use candle_cp_comm::{run_ranks, Group};
 use candle_cp_nn::{ColumnParallelLinear, RowParallelLinear, Tp};
 use candle_cp_ops::cp::{self, Layout};
-use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
+use candle_cp_ops::ulysses::{ulysses_attention, HeadLayout, UlyssesOpts};
 use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 
 type AttnFn<'a> = &'a (dyn Fn(&Tensor, &Tensor, &Tensor, &Group) -> candle_core::Result<(Tensor, Tensor)> + Sync);
@@ -43,6 +43,11 @@ fn comm_volume_matches_formulas() -> Result<()> {
     let want_bwd = frac * local * (2.0 * h as f64 + 2.0 * hkv_sent);
     assert_eq!((fwd, bwd), (want_fwd, want_bwd), "Ulysses bytes per rank (fwd, bwd)");
     eprintln!("ulysses  P={p}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B");
+    // head layout regathered: the backward sends q, k, v and out to heads again
+    let re = UlyssesOpts::new(true, scale).with_head_layout(HeadLayout::Regathered);
+    let (fwd_re, bwd_re) = measure_attn(p, dims, &|q, k, v, g| ulysses_attention(q, k, v, g, &re))?;
+    assert_eq!((fwd_re, bwd_re), (want_fwd, 2.0 * want_bwd), "Ulysses bytes, head layout regathered");
+    eprintln!("ulysses  P={p}: fwd {fwd_re:>9.0} B  bwd {bwd_re:>9.0} B  (heads regathered)");
 
     // Ring (any layout): K/V of one shard per hop, P-1 hops; backward: K/V again plus the f32
     // dK/dV accumulators, P hops (docs/parallelism.md §3). All-gather KV: the same forward
@@ -75,6 +80,12 @@ fn comm_volume_matches_formulas() -> Result<()> {
     let want = (uly + lse + (r as f64 - 1.0) * ring_kv, uly + (r as f64 - 1.0) * ring_kv + r as f64 * ring_kv);
     assert_eq!((fwd, bwd), want, "2-D bytes, §6");
     eprintln!("usp  U={u} R={r}: fwd {fwd:>9.0} B  bwd {bwd:>9.0} B");
+    let (fwd_re, bwd_re) = measure_attn(p, dims, &|q, k, v, g| {
+        let groups = UspGroups::new(g, u, r)?;
+        usp_attention(q, k, v, &groups, &UspOpts::new(true, scale).with_head_layout(HeadLayout::Regathered))
+    })?;
+    assert_eq!((fwd_re, bwd_re), (want.0, want.1 + uly), "2-D bytes, head layout regathered");
+    eprintln!("usp  U={u} R={r}: fwd {fwd_re:>9.0} B  bwd {bwd_re:>9.0} B  (heads regathered)");
 
     // Megatron: an MLP (column + row parallel) moves 4(P-1)/P·B·T·C·s per rank without SP
     // (two all-reduces) and 5(P-1)/P·B·T·C·s with SP (all-gather + reduce-scatter in the

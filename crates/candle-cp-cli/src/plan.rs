@@ -72,6 +72,11 @@ pub struct CommonArgs {
     /// Attention stores its s×s scores (no flash attention).
     #[arg(long)]
     pub no_flash: bool,
+    /// Ulysses and 2-D CP: the backward all-to-alls q, k, v and the attention output to heads
+    /// again instead of keeping them (finetune_llama --regather-heads): less activation
+    /// memory under --activations candle-cp, more Ulysses backward bytes.
+    #[arg(long)]
+    pub regather_heads: bool,
     /// dK/dV accumulated and sent in fp32 in the CP backward.
     #[arg(long)]
     pub dkv_fp32: bool,
@@ -160,6 +165,7 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     }
     let layout = Layout {
         flash: !a.no_flash,
+        regather_heads: a.regather_heads,
         ..layout
     };
     if a.doc_len == Some(0) {
@@ -198,6 +204,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         zero: a.zero,
         recompute: Recompute::parse(&a.recompute)?,
         flash: true,
+        regather_heads: false,
     };
     let mut input = input_from_common(&a.common, layout)?;
     input.micro_batches = a.micro_batches;

@@ -112,7 +112,12 @@ fn attend_one(
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::Ulysses => {
-            let uo = UlyssesOpts { documents: shared, row_documents: rows, window, ..UlyssesOpts::new(true, scale) };
+            let uo = UlyssesOpts {
+                documents: shared,
+                row_documents: rows,
+                window,
+                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout)
+            };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }
         CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, shared, rows, window),

@@ -25,6 +25,11 @@ pub fn attend_2d(
         ulysses: ctx.ulysses.clone(),
         ring: ctx.ring.clone(),
     };
-    let opts = UspOpts { documents: docs, row_documents: row_docs, window, ..UspOpts::new(true, scale) };
+    let opts = UspOpts {
+        documents: docs,
+        row_documents: row_docs,
+        window,
+        ..UspOpts::new(true, scale).with_head_layout(ctx.layout.head_layout)
+    };
     Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

@@ -12,6 +12,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_cp_nn::Shard;
 use candle_cp_ops::cp::shard::{self as cpshard, Layout as SeqLayout};
+pub use candle_cp_ops::ulysses::HeadLayout;
 use std::fmt;
 use std::sync::{Arc, Mutex};
 use std::str::FromStr;
@@ -110,6 +111,10 @@ pub struct Layout {
     pub ulysses: usize,
     /// Ring degree of [`CpKind::TwoD`] (`cp = ulysses · ring`); `cp` for ring kinds.
     pub ring: usize,
+    /// What the Ulysses and 2-D attention backward keeps of the head layout (see
+    /// [`HeadLayout`]): [`HeadLayout::Regathered`] keeps only the sequence layout and
+    /// all-to-alls q, k, v and the output again in the backward. Ignored by the other kinds.
+    pub head_layout: HeadLayout,
 }
 
 impl Default for Layout {
@@ -129,6 +134,7 @@ impl Layout {
             dp: 1,
             ulysses: 1,
             ring: 1,
+            head_layout: HeadLayout::Kept,
         }
     }
     /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
@@ -160,6 +166,11 @@ impl Layout {
     pub fn with_tp(mut self, tp: usize, sp: bool) -> Self {
         self.tp = tp;
         self.sp = sp;
+        self
+    }
+    /// Same layout with the Ulysses / 2-D backward keeping `head_layout`.
+    pub fn with_head_layout(mut self, head_layout: HeadLayout) -> Self {
+        self.head_layout = head_layout;
         self
     }
     /// Same layout with data parallelism `dp`.
@@ -227,6 +238,9 @@ impl fmt::Display for Layout {
         write!(f, "{} cp={}", self.cp_kind, self.cp)?;
         if self.cp_kind == CpKind::TwoD {
             write!(f, " (ulysses={} x ring={})", self.ulysses, self.ring)?;
+        }
+        if self.head_layout == HeadLayout::Regathered && matches!(self.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
+            f.write_str(" heads-regathered")?;
         }
         write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)
     }

@@ -169,35 +169,63 @@ impl CustomOp3 for Attached3 {
 /// An f32 output keeps nothing extra.
 #[derive(Clone)]
 struct KeptOutput {
-    node: Arc<std::sync::OnceLock<Tensor>>,
+    node: OutputSlot,
     residual: Option<Tensor>,
+}
+
+/// The rounding residual `out32 − out` of an output `out` returned in a 16-bit dtype, in
+/// bf16 (`None` for an f32 `out`: nothing was rounded). `out + residual` is `out32` to about
+/// 2⁻¹⁷ relative.
+pub(crate) fn rounding_residual(out32: &Tensor, out: &Tensor) -> Result<Option<Tensor>> {
+    Ok(match out.dtype() {
+        candle_core::DType::F32 => None,
+        _ => Some((out32 - out.to_dtype(candle_core::DType::F32)?)?.to_dtype(candle_core::DType::BF16)?),
+    })
+}
+
+/// `out` in f32 plus the residual of [`rounding_residual`] (if any).
+pub(crate) fn add_residual(out: &Tensor, residual: Option<&Tensor>) -> Result<Tensor> {
+    let o = out.to_dtype(candle_core::DType::F32)?;
+    match residual {
+        None => Ok(o),
+        Some(r) => o + r.to_dtype(candle_core::DType::F32)?,
+    }
+}
+
+/// The tensor an attached op returned, recorded after [`attach3`] so that its backward can
+/// read it without keeping a copy (it shares the graph node's storage).
+#[derive(Clone, Default)]
+pub(crate) struct OutputSlot(Arc<std::sync::OnceLock<Tensor>>);
+
+impl OutputSlot {
+    /// Record the returned tensor (detached; the first call wins).
+    pub(crate) fn set(&self, out: &Tensor) {
+        let _ = self.0.set(out.detach());
+    }
+
+    /// The recorded tensor; errors if the forward did not record it.
+    pub(crate) fn get(&self) -> Result<&Tensor> {
+        match self.0.get() {
+            Some(t) => Ok(t),
+            None => candle_core::bail!("attached op: backward before the forward recorded its output"),
+        }
+    }
 }
 
 impl KeptOutput {
     /// From the f32 output and the output `out` returned in the op's dtype.
     fn new(out32: &Tensor, out: &Tensor) -> Result<Self> {
-        let residual = match out.dtype() {
-            candle_core::DType::F32 => None,
-            _ => Some((out32 - out.to_dtype(candle_core::DType::F32)?)?.to_dtype(candle_core::DType::BF16)?),
-        };
-        Ok(Self { node: Arc::new(std::sync::OnceLock::new()), residual })
+        Ok(Self { node: OutputSlot::default(), residual: rounding_residual(out32, out)? })
     }
 
     /// Record the tensor the op returned: the backward reads it.
     fn set(&self, out: &Tensor) {
-        let _ = self.node.set(out.detach());
+        self.node.set(out)
     }
 
     /// The f32 output (reconstructed; errors if [`KeptOutput::set`] was not called).
     fn f32(&self) -> Result<Tensor> {
-        let Some(out) = self.node.get() else {
-            candle_core::bail!("attached op: backward before the forward recorded its output")
-        };
-        let o = out.to_dtype(candle_core::DType::F32)?;
-        match &self.residual {
-            None => Ok(o),
-            Some(r) => o + r.to_dtype(candle_core::DType::F32)?,
-        }
+        add_residual(self.node.get()?, self.residual.as_ref())
     }
 }
 

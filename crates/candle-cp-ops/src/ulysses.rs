@@ -181,6 +181,26 @@ impl SeqOrder {
     }
 }
 
+/// What the backward of [`ulysses_attention`] / [`crate::usp::usp_attention`] keeps of the
+/// head layout (`[B, T, H/P, D]`) of q, k, v and the output.
+///
+/// The graph keeps the op's inputs q, k, v in the sequence layout and the next layer keeps its
+/// output anyway; the backward's attention needs them in the head layout.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum HeadLayout {
+    /// Keep the forward's head-layout q, k, v and output until the backward: no extra
+    /// communication, a second copy of those four per layer (of the output in f32 for the 2-D
+    /// op).
+    #[default]
+    Kept,
+    /// Keep nothing in the head layout: the backward all-to-alls q, k, v and the output to
+    /// heads again (four more all-to-alls per layer, 50% more Ulysses volume per training
+    /// step). The gradients are bit-identical to [`HeadLayout::Kept`]'s (the 2-D op with a
+    /// 16-bit output keeps its f32 output's bf16 rounding residual, as the ring does, and
+    /// agrees to that rounding).
+    Regathered,
+}
+
 /// Options of [`ulysses_attention`].
 #[derive(Clone, Debug)]
 pub struct UlyssesOpts {
@@ -199,12 +219,28 @@ pub struct UlyssesOpts {
     /// Causal sliding window of `window` keys (needs `causal`; within each document when
     /// `documents` is set), `None` for none.
     pub window: Option<usize>,
+    /// What the backward keeps of the head layout (default [`HeadLayout::Kept`]).
+    pub head_layout: HeadLayout,
 }
 
 impl UlyssesOpts {
     /// Contiguous sharding with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, order: SeqOrder::Contiguous, documents: None, row_documents: None, window: None }
+        Self {
+            causal,
+            scale,
+            order: SeqOrder::Contiguous,
+            documents: None,
+            row_documents: None,
+            window: None,
+            head_layout: HeadLayout::Kept,
+        }
+    }
+
+    /// Same options with the backward keeping `head_layout` (see [`HeadLayout`]).
+    pub fn with_head_layout(mut self, head_layout: HeadLayout) -> Self {
+        self.head_layout = head_layout;
+        self
     }
 
     /// Same options with one set of packed documents per batch row (see
@@ -363,23 +399,100 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
             }
         }
     };
-    let qh = nat(seq_to_head_raw(&q.detach(), group)?)?;
-    let (kh, vh) = (nat(kv_seq_to_head_raw(k, spread, group)?)?, nat(kv_seq_to_head_raw(v, spread, group)?)?);
-    let (out32, lse_h) = vis.fwd(&qh, &kh, &vh, opts.scale)?;
+    let heads = HeadQkv::gather(q, k, v, spread, group, &nat)?;
+    let (out32, lse_h) = vis.fwd(&heads.q, &heads.k, &heads.v, opts.scale)?;
     let out_h = out32.to_dtype(q.dtype())?;
     drop(out32);
     let out = head_to_seq_raw(&gat(out_h.clone(), 1)?, group)?;
     let lse = lse_head_to_seq(&gat(lse_h.clone(), 2)?, group)?;
     let (g, scale, qdt, kdt) = (group.clone(), opts.scale, q.dtype(), k.dtype());
+    let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
+    let slot = kept.slot();
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let (h, out_h) = kept.heads(spread, &g, &nat)?;
         let dh = nat(seq_to_head_raw(&dout.to_dtype(qdt)?, &g)?)?;
-        let (dq, dk, dv) = vis.bwd(&qh, &kh, &vh, &out_h, &lse_h, &dh, scale)?;
+        let (dq, dk, dv) = vis.bwd(&h.q, &h.k, &h.v, &out_h, &lse_h, &dh, scale)?;
         let dq = head_to_seq_raw(&gat(dq.to_dtype(qdt)?, 1)?, &g)?;
         let kv_back = |x: Tensor| kv_grad_head_to_seq(gat(x, 1)?, spread, &g, kdt);
         Ok(vec![Some(dq), Some(kv_back(dk)?), Some(kv_back(dv)?)])
     });
     let out = attach3("ulysses_attention", q, k, v, out, bwd)?;
+    if let Some(slot) = slot {
+        slot.set(&out);
+    }
     Ok((out, lse))
+}
+
+/// q, k, v in the head layout (`[B, T, H/P, D]`, KV heads as [`KvSpread`] spreads them),
+/// rows in the order the attention sees them.
+pub(crate) struct HeadQkv {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) v: Tensor,
+}
+
+impl HeadQkv {
+    /// All-to-all the sequence-layout `q`, `k`, `v` to heads and apply `nat` (row order).
+    pub(crate) fn gather(
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+        spread: KvSpread,
+        group: &Group,
+        nat: &dyn Fn(Tensor) -> Result<Tensor>,
+    ) -> Result<Self> {
+        Ok(Self {
+            q: nat(seq_to_head_raw(&q.detach(), group)?)?,
+            k: nat(kv_seq_to_head_raw(k, spread, group)?)?,
+            v: nat(kv_seq_to_head_raw(v, spread, group)?)?,
+        })
+    }
+}
+
+/// What a Ulysses-style backward keeps for its head-layout inputs ([`HeadLayout`]).
+pub(crate) enum Kept {
+    /// The forward's head-layout q, k, v and output (in the layout the attention saw).
+    Heads(HeadQkv, Tensor),
+    /// The sequence-layout q, k, v (the graph's own inputs) and the op's returned output.
+    Seq { q: Tensor, k: Tensor, v: Tensor, out: crate::autograd::OutputSlot },
+}
+
+impl Kept {
+    /// Keep `heads` and `out_h` ([`HeadLayout::Kept`]) or only references to `q`, `k`, `v`
+    /// ([`HeadLayout::Regathered`]; record the returned output in [`Kept::slot`]).
+    pub(crate) fn new(mode: HeadLayout, heads: HeadQkv, out_h: Tensor, q: &Tensor, k: &Tensor, v: &Tensor) -> Self {
+        match mode {
+            HeadLayout::Kept => Kept::Heads(heads, out_h),
+            HeadLayout::Regathered => {
+                Kept::Seq { q: q.detach(), k: k.detach(), v: v.detach(), out: Default::default() }
+            }
+        }
+    }
+
+    /// Where the returned sequence-layout output goes ([`HeadLayout::Regathered`] only).
+    pub(crate) fn slot(&self) -> Option<crate::autograd::OutputSlot> {
+        match self {
+            Kept::Heads(..) => None,
+            Kept::Seq { out, .. } => Some(out.clone()),
+        }
+    }
+
+    /// The head-layout q, k, v and output for the backward: the kept ones, or all-to-alled
+    /// again from the sequence layout (the same values: the all-to-alls only move rows).
+    pub(crate) fn heads(
+        &self,
+        spread: KvSpread,
+        group: &Group,
+        nat: &dyn Fn(Tensor) -> Result<Tensor>,
+    ) -> Result<(HeadQkv, Tensor)> {
+        match self {
+            Kept::Heads(h, o) => Ok((HeadQkv { q: h.q.clone(), k: h.k.clone(), v: h.v.clone() }, o.clone())),
+            Kept::Seq { q, k, v, out } => {
+                let h = HeadQkv::gather(q, k, v, spread, group, nat)?;
+                Ok((h, nat(seq_to_head_raw(out.get()?, group)?)?))
+            }
+        }
+    }
 }
 
 /// What the gathered rows (natural order, `T` of them) see: a mask (full, causal, window),

@@ -36,10 +36,10 @@
 use crate::cp::{self, CpOpts, CpRun, Layout};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::packing::Documents;
-use crate::autograd::{attach3, BackwardFn};
+use crate::autograd::{add_residual, attach3, rounding_residual, BackwardFn};
 use crate::ulysses::{
-    check_qkv, head_to_seq_raw, kv_grad_head_to_seq, kv_seq_to_head_raw, kv_spread, lse_head_to_seq, seq_to_head_raw,
-    ulysses_attention, UlyssesOpts,
+    check_qkv, head_to_seq_raw, kv_grad_head_to_seq, kv_spread, lse_head_to_seq, seq_to_head_raw, ulysses_attention,
+    HeadLayout, HeadQkv, Kept, UlyssesOpts,
 };
 use candle_core::{Result, Tensor, Var};
 use candle_cp_comm::{run_ranks_with, Group, Mesh, ThreadGroupOptions};
@@ -95,12 +95,30 @@ pub struct UspOpts {
     pub row_documents: Option<Vec<Documents>>,
     /// Causal sliding window of `window` keys, passed to the ring ([`CpOpts::window`]).
     pub window: Option<usize>,
+    /// What the backward keeps of the Ulysses head layout (default [`HeadLayout::Kept`]:
+    /// q, k, v and the f32 output; [`HeadLayout::Regathered`]: nothing but the output's bf16
+    /// rounding residual for a 16-bit output, the backward all-to-alls them again).
+    pub head_layout: HeadLayout,
 }
 
 impl UspOpts {
     /// Zigzag ring layout with the given mask type and scale.
     pub fn new(causal: bool, scale: f64) -> Self {
-        Self { causal, scale, ring_layout: Layout::Zigzag, documents: None, row_documents: None, window: None }
+        Self {
+            causal,
+            scale,
+            ring_layout: Layout::Zigzag,
+            documents: None,
+            row_documents: None,
+            window: None,
+            head_layout: HeadLayout::Kept,
+        }
+    }
+
+    /// Same options with the backward keeping `head_layout` (see [`HeadLayout`]).
+    pub fn with_head_layout(mut self, head_layout: HeadLayout) -> Self {
+        self.head_layout = head_layout;
+        self
     }
 
     /// Same options with one set of packed documents per batch row (see
@@ -161,24 +179,36 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let (_, _, h, hkv, _) = check_qkv("usp_attention", q, k, v)?;
     let spread = kv_spread(h, hkv, groups.u())?;
     let uly = &groups.ulysses;
-    let qh = seq_to_head_raw(&q.detach(), uly)?;
-    let kh = kv_seq_to_head_raw(k, spread, uly)?;
-    let vh = kv_seq_to_head_raw(v, spread, uly)?;
+    let same = |x: Tensor| Ok(x);
+    let heads = HeadQkv::gather(q, k, v, spread, uly, &same)?;
     let cp_opts = CpOpts {
         documents: opts.documents.clone(),
         row_documents: opts.row_documents.clone(),
         window: opts.window,
         ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale)
     };
-    let (out32, lse_h, _) = cp::ring_attention_fwd_raw(&qh, &kh, &vh, &groups.ring, &cp_opts)?;
-    let out = head_to_seq_raw(&out32.to_dtype(q.dtype())?, uly)?;
+    let (out32, lse_h, _) = cp::ring_attention_fwd_raw(&heads.q, &heads.k, &heads.v, &groups.ring, &cp_opts)?;
+    let out_h = out32.to_dtype(q.dtype())?;
+    let out = head_to_seq_raw(&out_h, uly)?;
     let lse = lse_head_to_seq(&lse_h, uly)?;
+    // Kept: the f32 output in the head layout. Regathered: the returned output, all-to-alled
+    // back in the backward, plus its bf16 rounding residual (head layout) for 16-bit outputs.
+    let (kept, residual) = match opts.head_layout {
+        HeadLayout::Kept => (Kept::new(HeadLayout::Kept, heads, out32, q, k, v), None),
+        HeadLayout::Regathered => {
+            let residual = rounding_residual(&out32, &out_h)?;
+            (Kept::new(HeadLayout::Regathered, heads, out_h, q, k, v), residual)
+        }
+    };
+    let slot = kept.slot();
     let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
     // The ring's f32 dK/dV go back through the all-to-all as kv_grad_head_to_seq says (f32 and
     // summed before rounding when the KV heads were replicated), dQ in q's dtype.
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let (h, o) = kept.heads(spread, &g.ulysses, &same)?;
+        let out32 = add_residual(&o, residual.as_ref())?;
         let dh = seq_to_head_raw(&dout.to_dtype(qdt)?, &g.ulysses)?;
-        let (dq, dk, dv, _) = cp::ring_attention_bwd_raw(&qh, &kh, &vh, &out32, &lse_h, &dh, &g.ring, &cp_opts)?;
+        let (dq, dk, dv, _) = cp::ring_attention_bwd_raw(&h.q, &h.k, &h.v, &out32, &lse_h, &dh, &g.ring, &cp_opts)?;
         Ok(vec![
             Some(head_to_seq_raw(&dq.to_dtype(qdt)?, &g.ulysses)?),
             Some(kv_grad_head_to_seq(dk, spread, &g.ulysses, kdt)?),
@@ -186,6 +216,9 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
         ])
     });
     let out = attach3("usp_attention", q, k, v, out, bwd)?;
+    if let Some(slot) = slot {
+        slot.set(&out);
+    }
     Ok((out, lse))
 }
 

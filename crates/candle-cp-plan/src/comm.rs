@@ -201,7 +201,8 @@ pub struct UlyssesComm {
     /// Forward bytes sent per layer: `(U-1)/U · c·b·d·(2·a_t·e + 2·max(a_kv,t, U)·e)`
     /// (Q, K, V in; O out), `c = s/cp`.
     pub fwd_bytes_per_layer: f64,
-    /// Backward: dO in, dQ out at `e`; dK, dV out at `g`.
+    /// Backward: dO in, dQ out at `e`; dK, dV out at `g`; with
+    /// [`crate::Layout::regather_heads`] also Q, K, V and O in again (the forward's bytes).
     pub bwd_bytes_per_layer: f64,
     /// Forward bytes relative to a ring of the same degree on the same tokens.
     pub ratio_vs_ring_fwd: f64,
@@ -236,7 +237,8 @@ pub fn ulysses(cx: &CommCtx, u: usize) -> UlyssesComm {
     let link = Link::for_group(l.tp, u, hw);
     let bw = link.bandwidth(hw);
     let fwd = frac * c * bf * d * (2.0 * hq * e + 2.0 * kv_eff * e);
-    let bwd = frac * c * bf * d * (2.0 * hq * e + 2.0 * kv_eff * g);
+    let regather = if l.regather_heads { fwd } else { 0.0 };
+    let bwd = frac * c * bf * d * (2.0 * hq * e + 2.0 * kv_eff * g) + regather;
     let ring_fwd = (u - 1) as f64 * c * bf * 2.0 * kv_t as f64 * d * e;
     UlyssesComm {
         degree: u,
@@ -430,6 +432,12 @@ mod tests {
         };
         let u = ulysses(&ctx(&m, &l, &hw), 16);
         assert!(u.valid && u.kv_replication == 16);
+        // regathered head layout: the backward sends the forward's bytes once more
+        let lr = Layout { regather_heads: true, ..l.clone() };
+        let ur = ulysses(&ctx(&m, &lr, &hw), 16);
+        assert_eq!(ur.fwd_bytes_per_layer, u.fwd_bytes_per_layer);
+        assert_eq!(ur.bwd_bytes_per_layer, u.bwd_bytes_per_layer + u.fwd_bytes_per_layer);
+        assert!(ur.exposed_s_per_layer > u.exposed_s_per_layer);
         assert_eq!(
             u.fwd_bytes_per_layer,
             15.0 / 16.0 * 8192.0 * 2.0 * 128.0 * (32.0 + 32.0)

@@ -143,6 +143,12 @@ pub struct Layout {
     pub recompute: Recompute,
     /// Flash attention (scores never stored): default true.
     pub flash: bool,
+    /// Ulysses and 2-D CP: the backward all-to-alls q, k, v and the attention output to
+    /// heads again instead of keeping their head layout (candle-cp's `HeadLayout::Regathered`):
+    /// the head-layout copies leave [`crate::memory::candle_cp_extra_per_gpu`] and the
+    /// Ulysses backward sends the forward's bytes once more ([`crate::comm::ulysses`]).
+    /// Ignored by the other kinds.
+    pub regather_heads: bool,
 }
 
 impl Default for Layout {
@@ -159,6 +165,7 @@ impl Default for Layout {
             zero: 1,
             recompute: Recompute::None,
             flash: true,
+            regather_heads: false,
         }
     }
 }

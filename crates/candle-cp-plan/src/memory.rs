@@ -151,7 +151,9 @@ pub fn llama_per_gpu(
 ///   residual, which the backward's row sums read: `2·a_t·d·c·b`;
 /// - Ulysses: q, k, v and the output in the head layout: `c·b·e·(2·a_t·d + 2·u·kv_u·d)`;
 /// - 2-D: q, k, v in the head layout and the ring's f32 output:
-///   `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`.
+///   `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`;
+/// - with [`Layout::regather_heads`] neither: Ulysses adds nothing, 2-D the output's bf16
+///   rounding residual with 16-bit activations (`2·a_t·d·c·b`, as the ring).
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -174,6 +176,16 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let attention = match l.cp_kind {
         _ if l.cp == 1 => 0.0,
         CpKind::Ring | CpKind::Allgather => {
+            if e < 4 {
+                2.0 * a_t * d * c * bf
+            } else {
+                0.0
+            }
+        }
+        // regathered: the head layout is all-to-alled again in the backward; the 2-D op keeps
+        // its output's bf16 rounding residual (16-bit outputs), as the ring does
+        CpKind::Ulysses if l.regather_heads => 0.0,
+        CpKind::TwoD if l.regather_heads => {
             if e < 4 {
                 2.0 * a_t * d * c * bf
             } else {

@@ -98,6 +98,10 @@ pub fn render(p: &Plan) -> String {
         CpKind::Ulysses => "Ulysses".to_string(),
         CpKind::TwoD => format!("2-D: Ulysses {} x ring {}", l.ulysses, l.ring_degree()),
     };
+    let kind = match l.cp_kind {
+        CpKind::Ulysses | CpKind::TwoD if l.regather_heads => format!("{kind}, heads regathered in backward"),
+        _ => kind,
+    };
     let _ = writeln!(
         o,
         "candle-cp plan: {} (h {}, {} layers, {} heads / {} KV, ffn {}, {:.1}B params{}), seq {}{}, micro-batch {}, {}",

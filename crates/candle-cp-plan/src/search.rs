@@ -164,6 +164,8 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     zero,
                                     recompute,
                                     flash: base.layout.flash,
+                                    regather_heads: base.layout.regather_heads
+                                        && matches!(cp_kind, CpKind::Ulysses | CpKind::TwoD),
                                 };
                                 out.push((layout, k));
                             }
@@ -304,6 +306,9 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
     let _ = write!(f, " --cp {} --cp-kind {kind}", l.cp);
     if l.cp_kind == CpKind::TwoD {
         let _ = write!(f, " --ulysses {}", l.ulysses);
+    }
+    if l.regather_heads && matches!(l.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
+        f.push_str(" --regather-heads");
     }
     let _ = write!(f, " --dp {} --batch {} --grad-accum {k}", l.dp, l.dp * base.micro_batch);
     let dtype = match base.dtype {

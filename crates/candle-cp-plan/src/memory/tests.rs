@@ -90,6 +90,16 @@ fn candle_cp_count_at_405b() {
     // 1 KV head per TP rank < 16: replicated, each Ulysses rank holds it for 16·c tokens
     let head = c * 2.0 * (2.0 * 16.0 * 128.0 + 2.0 * 16.0 * 128.0);
     assert_eq!(candle_cp_extra_per_gpu(&m, &u, S, 1, 2, Recompute::None), lse + norms + head);
+    // regathered in the backward: Ulysses keeps no head layout; 2-D keeps the ring's residual
+    let ur = Layout { regather_heads: true, ..u.clone() };
+    assert_eq!(candle_cp_extra_per_gpu(&m, &ur, S, 1, 2, Recompute::None), lse + norms);
+    let two_d = Layout { cp_kind: CpKind::TwoD, ulysses: 8, ..l.clone() };
+    let two_d_re = Layout { regather_heads: true, ..two_d.clone() };
+    assert!(candle_cp_extra_per_gpu(&m, &two_d, S, 1, 2, Recompute::None) > lse + norms + residual);
+    assert_eq!(candle_cp_extra_per_gpu(&m, &two_d_re, S, 1, 2, Recompute::None), lse + norms + residual);
+    assert_eq!(candle_cp_extra_per_gpu(&m, &two_d_re, S, 1, 4, Recompute::None), lse + norms);
+    // ignored by the ring kinds
+    assert_eq!(candle_cp_per_gpu(&m, &Layout { regather_heads: true, ..l.clone() }, S, 1, 2, Recompute::None), llama + lse + norms + residual);
     assert_eq!(candle_cp_extra_per_gpu(&m, &l, S, 1, 2, Recompute::Full), 0.0);
     assert_eq!(crate::ActivationModel::parse("candle-cp").unwrap(), crate::ActivationModel::CandleCp);
     assert!(crate::ActivationModel::parse("cp").unwrap_err().to_string().contains("candle-cp"));

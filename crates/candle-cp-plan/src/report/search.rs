@@ -23,6 +23,9 @@ pub fn plan_flags(c: &Candidate) -> String {
         if l.cp_kind == CpKind::TwoD {
             let _ = write!(f, " --ulysses {}", l.ulysses);
         }
+        if l.regather_heads && matches!(l.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
+            f.push_str(" --regather-heads");
+        }
     }
     if l.recompute != Recompute::None {
         let _ = write!(f, " --recompute {}", lower(l.recompute));

@@ -1,0 +1,141 @@
+//! `HeadLayout::Regathered` (the backward all-to-alls q, k, v and the output to heads again
+//! instead of keeping them): the same results as `HeadLayout::Kept`, bit for bit where the
+//! docs say so, on Ulysses and 2-D, f32 and bf16, split and replicated KV heads, permuted
+//! sequence orders; a second backward over the same graph gives the same gradients.
+
+use crate::attn::{assemble, check_case, local_run};
+use crate::{all_ok, grad, max_abs};
+use anyhow::Result;
+use candle_core::{DType, Tensor, Var};
+use candle_cp_comm::{run_ranks, Group};
+use candle_cp_ops::cp::{self, Layout};
+use candle_cp_ops::oracle::{run_single, AttnCase, AttnMetrics, AttnOutputs, AttnTol};
+use candle_cp_ops::ulysses::{ulysses_attention, HeadLayout, UlyssesOpts};
+use candle_cp_ops::usp::{usp_attention, usp_positions, usp_shard, UspGroups, UspOpts};
+use candle_cp_tests::oracle_attn;
+
+fn case(name: &str, dtype: DType) -> Result<AttnCase> {
+    let mut case = AttnCase::load(oracle_attn(name))?;
+    for x in [&mut case.q, &mut case.k, &mut case.v, &mut case.dout] {
+        *x = x.to_dtype(dtype)?;
+    }
+    Ok(case)
+}
+
+/// Largest |a - b| over out, lse, dq, dk, dv.
+fn max_diff(a: &AttnOutputs, b: &AttnOutputs) -> Result<f64> {
+    let pairs = [(&a.out, &b.out), (&a.lse, &b.lse), (&a.dq, &b.dq), (&a.dk, &b.dk), (&a.dv, &b.dv)];
+    pairs.iter().try_fold(0f64, |m, (x, y)| Ok(m.max(max_abs(x, y)?)))
+}
+
+/// Ulysses over `p` ranks with `layout` sharding, in both head-layout modes.
+fn ulysses_both(case: &AttnCase, p: usize, layout: Layout) -> Result<[AttnOutputs; 2]> {
+    let t = case.q.dim(1)?;
+    let run = |mode: HeadLayout| -> Result<AttnOutputs> {
+        let parts = all_ok(run_ranks(p, |g: Group| {
+            let r = g.rank();
+            let opts = UlyssesOpts::new(case.causal, case.scale).with_layout(layout, t, p)?.with_head_layout(mode);
+            let shard = |x: &Tensor| cp::shard(x, layout, r, p, 1);
+            let o = local_run(case, &shard, &|q, k, v| ulysses_attention(q, k, v, &g, &opts))?;
+            Ok((cp::positions(layout, r, p, t)?, o))
+        }))?;
+        assemble(parts)
+    };
+    Ok([run(HeadLayout::Kept)?, run(HeadLayout::Regathered)?])
+}
+
+/// 2-D over `u × r` ranks (zigzag ring), in both head-layout modes.
+fn usp_both(case: &AttnCase, u: usize, r: usize) -> Result<[AttnOutputs; 2]> {
+    let t = case.q.dim(1)?;
+    let run = |mode: HeadLayout| -> Result<AttnOutputs> {
+        let parts = all_ok(run_ranks(u * r, |g: Group| {
+            let groups = UspGroups::new(&g, u, r)?;
+            let opts = UspOpts::new(case.causal, case.scale).with_head_layout(mode);
+            let shard = |x: &Tensor| usp_shard(x, Layout::Zigzag, &groups, 1);
+            let o = local_run(case, &shard, &|q, k, v| usp_attention(q, k, v, &groups, &opts))?;
+            Ok((usp_positions(Layout::Zigzag, t, groups.ring.rank(), r, groups.ulysses.rank(), u)?, o))
+        }))?;
+        assemble(parts)
+    };
+    Ok([run(HeadLayout::Kept)?, run(HeadLayout::Regathered)?])
+}
+
+#[test]
+fn regathered_head_layout_equals_kept() -> Result<()> {
+    // (file, Ulysses degree and sharding): GQA with KV heads replicated (P = 4 > Hkv = 2) on
+    // contiguous shards, split KV heads on zigzag shards (a permuted gathered order), full mask
+    for (name, p, layout) in [
+        ("b2_t256_h8_kv2_d64_causal.safetensors", 4, Layout::Contiguous),
+        ("b2_t256_h8_kv2_d64_causal.safetensors", 2, Layout::Zigzag),
+        ("b1_t512_h4_kv2_d128_full.safetensors", 2, Layout::Contiguous),
+    ] {
+        for dtype in [DType::F32, DType::BF16] {
+            let c = case(name, dtype)?;
+            let [kept, regathered] = ulysses_both(&c, p, layout)?;
+            let d = max_diff(&kept, &regathered)?;
+            eprintln!("ulysses {name} P = {p} {layout} {dtype:?}: regathered vs kept max |diff| {d:e}");
+            assert_eq!(d, 0.0, "ulysses {name} P = {p} {layout} {dtype:?}: regathered differs from kept");
+            if dtype == DType::F32 {
+                let single = run_single(&c)?;
+                check_case(&format!("ulysses regathered {name} P = {p} {layout}"), &c, &single, &regathered, 0.1)?;
+            }
+        }
+    }
+    // 2-D: f32 is bit-identical (no residual); bf16 rebuilds the f32 output from the bf16
+    // output and its bf16 residual (2^-17 relative), so the row sums may move the last bit
+    for (name, u, r) in [("b2_t256_h8_kv2_d64_causal.safetensors", 4, 2), ("b1_t64_h4_kv4_d32_causal.safetensors", 2, 2)] {
+        for dtype in [DType::F32, DType::BF16] {
+            let c = case(name, dtype)?;
+            let [kept, regathered] = usp_both(&c, u, r)?;
+            let d = max_diff(&kept, &regathered)?;
+            eprintln!("usp {name} U = {u} R = {r} {dtype:?}: regathered vs kept max |diff| {d:e}");
+            if dtype == DType::F32 {
+                assert_eq!(d, 0.0, "usp {name} {u}x{r} f32: regathered differs from kept");
+                let single = run_single(&c)?;
+                check_case(&format!("usp regathered {name} U = {u} R = {r}"), &c, &single, &regathered, 0.5)?;
+            } else {
+                let tol = AttnTol { out_abs: 0.0, lse_abs: 0.0, dq_rel: 1e-2, dk_rel: 1e-2, dv_rel: 1e-2 };
+                let m = AttnMetrics::compute(&regathered, &kept)?;
+                assert!(m.passes(&tol), "usp {name} {u}x{r} bf16 regathered vs kept:\n{}", m.report(&tol));
+            }
+        }
+    }
+    Ok(())
+}
+
+#[test]
+fn regathered_second_backward_gives_the_same_gradients() -> Result<()> {
+    let c = case("b2_t256_h8_kv2_d64_causal.safetensors", DType::F32)?;
+    let res = run_ranks(4, |g: Group| {
+        let groups = UspGroups::new(&g, 2, 2)?;
+        let mut diffs = vec![];
+        for two_d in [false, true] {
+            let shard = |x: &Tensor| match two_d {
+                false => cp::shard(x, Layout::Contiguous, g.rank(), 4, 1),
+                true => usp_shard(x, Layout::Zigzag, &groups, 1),
+            };
+            let (q, k, v) = (Var::from_tensor(&shard(&c.q)?)?, Var::from_tensor(&shard(&c.k)?)?, Var::from_tensor(&shard(&c.v)?)?);
+            let out = match two_d {
+                false => {
+                    let o = UlyssesOpts::new(true, c.scale).with_head_layout(HeadLayout::Regathered);
+                    ulysses_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &o)?.0
+                }
+                true => {
+                    let o = UspOpts::new(true, c.scale).with_head_layout(HeadLayout::Regathered);
+                    usp_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &groups, &o)?.0
+                }
+            };
+            let loss = out.sqr()?.sum_all()?;
+            let (a, b) = (loss.backward()?, loss.backward()?);
+            for x in [&q, &k, &v] {
+                let (ga, gb) = (grad(&a, x.as_tensor(), "first")?, grad(&b, x.as_tensor(), "second")?);
+                diffs.push((ga - gb)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            }
+        }
+        Ok(diffs)
+    });
+    for (rank, diffs) in all_ok(res)?.into_iter().enumerate() {
+        assert!(diffs.iter().all(|&d| d == 0.0), "rank {rank}: second backward differs: {diffs:?}");
+    }
+    Ok(())
+}
