@@ -459,3 +459,24 @@ fn plan_doc_len_flag() {
         "{stderr}"
     );
 }
+
+/// `--regather-heads`: the layout says so, the candle-cp count drops the head-layout copies
+/// and the Ulysses backward sends the forward's bytes once more.
+#[test]
+fn plan_regather_heads_flag() {
+    let base = ["--model", "llama3-405b", "--seq", "131072", "--tp", "8", "--sp", "--cp", "16", "--cp-kind", "ulysses", "--activations", "candle-cp"];
+    let kept = plan_json(&base);
+    let mut args = base.to_vec();
+    args.push("--regather-heads");
+    let re = plan_json(&args);
+    let num = |v: &serde_json::Value, p: &str| v.pointer(p).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {p}"));
+    assert_eq!(re.pointer("/input/layout/regather_heads").and_then(|x| x.as_bool()), Some(true));
+    assert_eq!(kept.pointer("/input/layout/regather_heads").and_then(|x| x.as_bool()), Some(false));
+    let per_gpu = "/activation_bytes_per_layer_per_gpu";
+    assert!(num(&re, per_gpu) < num(&kept, per_gpu), "{} vs {}", num(&re, per_gpu), num(&kept, per_gpu));
+    assert_eq!(num(&re, "/ulysses/fwd_bytes_per_layer"), num(&kept, "/ulysses/fwd_bytes_per_layer"));
+    assert_eq!(
+        num(&re, "/ulysses/bwd_bytes_per_layer"),
+        num(&kept, "/ulysses/bwd_bytes_per_layer") + num(&kept, "/ulysses/fwd_bytes_per_layer")
+    );
+}

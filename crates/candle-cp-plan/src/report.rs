@@ -408,7 +408,11 @@ pub fn render(p: &Plan) -> String {
                         mib(u.fwd_bytes_per_layer),
                         mib(u.bwd_bytes_per_layer)
                     ),
-                    "(U-1)/U*c*b*d*e*(2a + 2max(a_kv,U))",
+                    if l.regather_heads {
+                        "(U-1)/U*c*b*d*e*(2a + 2max(a_kv,U)); bwd + fwd (heads regathered)"
+                    } else {
+                        "(U-1)/U*c*b*d*e*(2a + 2max(a_kv,U))"
+                    },
                 ),
                 r(
                     "Ulysses KV replication",

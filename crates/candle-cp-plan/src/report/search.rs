@@ -71,6 +71,9 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
             ""
         }
     );
+    if base.layout.regather_heads {
+        o.push_str("Ulysses and 2-D with the head layout regathered in the backward (--regather-heads)\n");
+    }
     if r.best.is_empty() {
         let _ = writeln!(o, "\nNo layout fits: more GPUs, a longer CP, or --zero 3 / --recompute full (if not already tried).");
         return o;
