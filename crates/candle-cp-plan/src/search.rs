@@ -11,7 +11,10 @@
 //!   dividing `B` (then `k = B / (dp·b)` micro-batches per step); with `pp > 1`, each
 //!   power-of-two number of virtual stages `v` (interleaved 1F1B) with `pp·v ≤ L` and, as
 //!   Megatron requires for `v > 1`, `pp` dividing `k`;
-//! - each recompute policy and ZeRO stage asked for.
+//! - each recompute policy and ZeRO stage asked for;
+//! - Ulysses and 2-D under the candle-cp activation count: with and without the head layout
+//!   regathered in the backward ([`Layout::regather_heads`]; only with it under
+//!   `--regather-heads`).
 //!
 //! With [`SearchInput::finetune_llama`] only the layouts candle-cp's trainer
 //! (`examples/finetune_llama`) runs are tried: no PP, ZeRO 0–2, recompute none or full, and
@@ -21,7 +24,7 @@
 //!
 //! Layouts the planner refuses (heads that do not divide, Ulysses degrees beyond the heads)
 //! are skipped and counted. Of the layouts with the same degrees and CP kind, only the fastest
-//! recompute / ZeRO choice is listed, so the top rows are different layouts. Rows whose steps
+//! recompute / ZeRO / head-layout choice is listed, so the top rows are different layouts. Rows whose steps
 //! are within 0.5% ([`TIE`]) of each other are listed simplest first (fewest GPUs per model
 //! replica, then least memory; `rank`).
 
@@ -115,6 +118,18 @@ fn kinds_at(kinds: &[CpKind], cp: usize) -> Vec<(CpKind, usize)> {
     out
 }
 
+/// The head-layout choices to try for `kind` (see [`Layout::regather_heads`]): Ulysses and
+/// 2-D try both under the candle-cp activation count (the only count in which regathering
+/// saves memory; it always costs backward bytes), only regathered with `--regather-heads`;
+/// the other kinds have none to choose.
+fn regathers(base: &PlanInput, kind: CpKind) -> &'static [bool] {
+    match kind {
+        CpKind::Ulysses | CpKind::TwoD if base.layout.regather_heads => &[true],
+        CpKind::Ulysses | CpKind::TwoD if base.activation_model == ActivationModel::CandleCp => &[false, true],
+        _ => &[false],
+    }
+}
+
 /// The ZeRO stages and recompute policies to try: those asked for, less what
 /// `examples/finetune_llama` cannot run under [`SearchInput::finetune_llama`].
 fn choices(i: &SearchInput) -> (Vec<u8>, Vec<Recompute>) {
@@ -148,7 +163,10 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                 } else {
                     powers_of_two(base.model.layers / pp).collect()
                 };
-                for (cp_kind, ulysses) in kinds_at(&i.kinds, cp) {
+                for (cp_kind, ulysses, regather_heads) in kinds_at(&i.kinds, cp)
+                    .into_iter()
+                    .flat_map(|(k, u)| regathers(base, k).iter().map(move |&r| (k, u, r)))
+                {
                     for &virtual_stages in &vs {
                         for &recompute in recompute {
                             for &zero in zero {
@@ -164,8 +182,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     zero,
                                     recompute,
                                     flash: base.layout.flash,
-                                    regather_heads: base.layout.regather_heads
-                                        && matches!(cp_kind, CpKind::Ulysses | CpKind::TwoD),
+                                    regather_heads,
                                 };
                                 out.push((layout, k));
                             }
@@ -502,6 +519,47 @@ mod tests {
         assert!(free.best.iter().all(|c| c.finetune_llama_flags.is_none()));
         i.zero = vec![3];
         assert!(search(&i).unwrap_err().0.contains("leave nothing"));
+    }
+
+    /// Under the candle-cp count Ulysses is tried with and without the head layout
+    /// regathered: kept where it fits (faster), regathered where only that fits, with the
+    /// trainer's flag; `--regather-heads` forces it; other counts never regather.
+    #[test]
+    fn ulysses_regathers_heads_only_where_that_fits() {
+        let mut i = input("llama3-8b", "h100", 131072, 16, 16);
+        i.kinds = vec![CpKind::Ulysses];
+        i.recompute = vec![Recompute::None];
+        i.zero = vec![1];
+        i.finetune_llama = true;
+        i.base.activation_model = ActivationModel::CandleCp;
+        let l = Layout { tp: 2, sp: true, cp: 8, cp_kind: CpKind::Ulysses, dp: 1, ..Layout::default() };
+        let mem = |regather_heads: bool| {
+            let layout = Layout { regather_heads, ..l.clone() };
+            plan(&PlanInput { layout, micro_batches: Some(16), ..i.base.clone() }).unwrap().memory_per_gpu_bytes
+        };
+        let (kept, regathered) = (mem(false), mem(true));
+        assert!(regathered < kept, "{regathered} vs {kept}");
+        let row = |i: &SearchInput| {
+            let r = search(i).unwrap();
+            r.best.into_iter().find(|c| (c.layout.tp, c.layout.cp) == (2, 8)).expect("a tp 2 x ulysses 8 row")
+        };
+        i.base.hardware.mem_bytes = kept * 1.01;
+        let c = row(&i);
+        assert!(!c.layout.regather_heads && !c.finetune_llama_flags.as_deref().unwrap().contains("--regather-heads"));
+        i.base.hardware.mem_bytes = (kept + regathered) / 2.0;
+        let c = row(&i);
+        assert!(c.layout.regather_heads && c.finetune_llama_flags.as_deref().unwrap().contains("--regather-heads"), "{c:?}");
+        let text = crate::report::render_search(&search(&i).unwrap(), &i.base);
+        assert!(text.contains("ulysses rg") && text.contains("rg: q, k, v"), "{text}");
+        // forced
+        i.base.hardware.mem_bytes = kept * 1.01;
+        i.base.layout.regather_heads = true;
+        assert!(row(&i).layout.regather_heads);
+        // another count: the head layout changes no memory there, so it is never tried
+        i.base.layout.regather_heads = false;
+        i.base.activation_model = ActivationModel::Llama;
+        i.base.hardware.mem_bytes = 1e12;
+        assert!(search(&i).unwrap().best.iter().all(|c| !c.layout.regather_heads));
     }
 
     #[test]

@@ -74,6 +74,9 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
     if base.layout.regather_heads {
         o.push_str("Ulysses and 2-D with the head layout regathered in the backward (--regather-heads)\n");
     }
+    if r.best.iter().any(|c| c.layout.regather_heads && c.layout.cp > 1) {
+        o.push_str("rg: q, k, v and the attention output all-to-alled to heads again in the backward instead of kept (--regather-heads)\n");
+    }
     if r.best.is_empty() {
         let _ = writeln!(o, "\nNo layout fits: more GPUs, a longer CP, or --zero 3 / --recompute full (if not already tried).");
         return o;
@@ -87,6 +90,7 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
             (_, CpKind::TwoD) => format!("2d u{}", l.ulysses),
             (_, x) => kind(x).to_string(),
         };
+        let k = if l.regather_heads && l.cp > 1 { format!("{k} rg") } else { k };
         rows.push(vec![
             (n + 1).to_string(),
             l.tp.to_string(),
