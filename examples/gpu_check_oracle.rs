@@ -81,8 +81,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         // 2 KV heads over TP 4: each KV head on 2 ranks, its gradient summed over them
         ("tp4 + sp, kv heads replicated", Layout::single().with_tp(4, true)),
         ("2-d 2x2", Layout::two_d(2, 2)),
-        // the backward all-to-alls q, k, v and the output to heads again (--regather-heads)
-        ("ulysses2, heads regathered", Layout::cp(CpKind::Ulysses, 2).with_head_layout(candle_cp_llama::HeadLayout::Regathered)),
+        // the backward all-to-alls q, k, v and the output to heads again (--regather-heads;
+        // the 2-D op covers Ulysses' path and the ring's rebuilt f32 output)
         ("2-d 2x2, heads regathered", Layout::two_d(2, 2).with_head_layout(candle_cp_llama::HeadLayout::Regathered)),
     ];
     // the same with every layer recomputed in backward (Llama::with_recompute)
