@@ -55,8 +55,7 @@ struct Args {
     ulysses: usize,
     /// With --cp-kind ulysses or 2d: keep only the sequence layout of q, k, v and the
     /// attention output for the backward, which all-to-alls them to heads again (less
-    /// activation memory, 50% more all-to-all volume). Same training, bit for bit (2d in bf16:
-    /// to the last bit of the attention's row sums).
+    /// activation memory, 50% more all-to-all volume). Same training, bit for bit.
     #[arg(long)]
     regather_heads: bool,
     /// Tensor-parallel degree.

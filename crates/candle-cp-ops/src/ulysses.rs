@@ -192,15 +192,14 @@ impl SeqOrder {
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
 pub enum HeadLayout {
     /// Keep the forward's head-layout q, k, v and output until the backward: no extra
-    /// communication, a second copy of those four per layer (of the output in f32 for the 2-D
-    /// op).
+    /// communication, a second copy of those four per layer.
     #[default]
     Kept,
     /// Keep nothing in the head layout: the backward all-to-alls q, k, v and the output to
     /// heads again (four more all-to-alls per layer, 50% more Ulysses volume per training
-    /// step). The gradients are bit-identical to [`HeadLayout::Kept`]'s (the 2-D op with a
-    /// 16-bit output keeps its f32 output's bf16 rounding residual, as the ring does, and
-    /// agrees to that rounding).
+    /// step). The gradients are bit-identical to [`HeadLayout::Kept`]'s: the all-to-alls only
+    /// move rows. (The 2-D op keeps a 16-bit output's bf16 rounding residual in both modes,
+    /// as the ring does, for its f32 row sums.)
     Regathered,
 }
 

@@ -96,8 +96,9 @@ pub struct UspOpts {
     /// Causal sliding window of `window` keys, passed to the ring ([`CpOpts::window`]).
     pub window: Option<usize>,
     /// What the backward keeps of the Ulysses head layout (default [`HeadLayout::Kept`]:
-    /// q, k, v and the f32 output; [`HeadLayout::Regathered`]: nothing but the output's bf16
-    /// rounding residual for a 16-bit output, the backward all-to-alls them again).
+    /// q, k, v and the output; [`HeadLayout::Regathered`]: none of them, the backward
+    /// all-to-alls them again). Either way a 16-bit output's bf16 rounding residual is kept
+    /// for the ring backward's f32 row sums.
     pub head_layout: HeadLayout,
 }
 
@@ -191,15 +192,12 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let out_h = out32.to_dtype(q.dtype())?;
     let out = head_to_seq_raw(&out_h, uly)?;
     let lse = lse_head_to_seq(&lse_h, uly)?;
-    // Kept: the f32 output in the head layout. Regathered: the returned output, all-to-alled
-    // back in the backward, plus its bf16 rounding residual (head layout) for 16-bit outputs.
-    let (kept, residual) = match opts.head_layout {
-        HeadLayout::Kept => (Kept::new(HeadLayout::Kept, heads, out32, q, k, v), None),
-        HeadLayout::Regathered => {
-            let residual = rounding_residual(&out32, &out_h)?;
-            (Kept::new(HeadLayout::Regathered, heads, out_h, q, k, v), residual)
-        }
-    };
+    // The backward's row sums read the f32 output as the output in q's dtype plus its bf16
+    // rounding residual (head layout; none for f32), whether the output is kept in the head
+    // layout or all-to-alled back from the returned one: both modes compute the same bits.
+    let residual = rounding_residual(&out32, &out_h)?;
+    drop(out32);
+    let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
     let slot = kept.slot();
     let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
     // The ring's f32 dK/dV go back through the all-to-all as kv_grad_head_to_seq says (f32 and

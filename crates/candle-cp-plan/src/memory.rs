@@ -150,8 +150,9 @@ pub fn llama_per_gpu(
 /// - ring / all-gather CP (`cp > 1`) with 16-bit activations: the output's bf16 rounding
 ///   residual, which the backward's row sums read: `2·a_t·d·c·b`;
 /// - Ulysses: q, k, v and the output in the head layout: `c·b·e·(2·a_t·d + 2·u·kv_u·d)`;
-/// - 2-D: q, k, v in the head layout and the ring's f32 output:
-///   `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`;
+/// - 2-D: q, k, v and the output in the head layout, and for 16-bit activations the
+///   output's bf16 rounding residual (the ring backward's f32 row sums; 4 bytes per output
+///   element either way): `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`;
 /// - with [`Layout::regather_heads`] neither: Ulysses adds nothing, 2-D the output's bf16
 ///   rounding residual with 16-bit activations (`2·a_t·d·c·b`, as the ring).
 ///
