@@ -533,101 +533,11 @@ pub fn render(p: &Plan) -> String {
     o
 }
 
-/// With a window or packed documents: the forward work per ring step expressed as the chunk
-/// `c'` whose zigzag half block `2·c'·c·b·d·a` has the same FLOPs; the step hides when `c'`
-/// is over the minimum chunk (for `w ≤ c`, `c' ≈ w`: the window, not the chunk, must beat the
-/// bound; for documents of `L ≤ c` on one hop, `c' ≈ L/2`).
-fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str)> {
-    let rg = &p.ring;
-    if rg.window.is_none() && rg.doc_len.is_none() {
-        return None;
-    }
-    let per_token = 2.0
-        * rg.chunk_tokens as f64
-        * p.input.micro_batch as f64
-        * p.input.model.head_dim as f64
-        * rg.q_heads as f64;
-    Some(r(
-        if rg.doc_len.is_some() {
-            "document work per step, as a chunk"
-        } else {
-            "window work per step, as a chunk"
-        },
-        format!("{:.0} tokens", rg.step_flops_fwd / per_token),
-        "step FLOPs/(2*c*b*d*a); hides above min chunk",
-    ))
-}
-
-/// The sliding-window summary line, when the model has a window.
-fn window_line(p: &Plan) -> Option<String> {
-    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
-    let w = i.model.sliding_window?;
-    if f.window.is_some() && f.doc_len.is_some() {
-        return None; // the packed-documents line names the window
-    }
-    if f.window.is_none() {
-        return Some(format!(
-            "sliding window {w} >= seq {}: causal attention, nothing changes",
-            i.seq
-        ));
-    }
-    let cp = match i.layout.cp_kind {
-        _ if i.layout.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
-            "ring: halo of {} hop(s) on contiguous shards ({} without the window)",
-            rg.hops,
-            rg.degree - 1
-        ),
-        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
-        _ => "Ulysses all-to-all unchanged".to_string(),
-    };
-    Some(format!(
-        "sliding window {w}: attention {}/layer (vs {} without); {cp}",
-        tflop(f.attention_fwd),
-        tflop(f.attention_fwd_causal)
-    ))
-}
-
-/// The packed-documents summary line, when `--doc-len` is given.
-fn docs_line(p: &Plan) -> Option<String> {
-    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
-    let l = i.doc_len?;
-    let Some(d) = f.doc_len else {
-        return Some(format!(
-            "document length {l} >= seq {}: one document, nothing changes",
-            i.seq
-        ));
-    };
-    let (n, rest) = (i.seq / d, i.seq % d);
-    let count = if rest == 0 {
-        format!("{n} per sequence")
-    } else {
-        format!("{n} + one of {rest} per sequence")
-    };
-    let window = f.window.map_or(String::new(), |w| {
-        format!(", sliding window {w} inside each")
-    });
-    let cp = match i.layout.cp_kind {
-        _ if i.layout.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
-            "ring: halo of {} hop(s) on contiguous shards ({} for the full ring)",
-            rg.hops,
-            rg.degree - 1
-        ),
-        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
-        _ => "Ulysses all-to-all unchanged".to_string(),
-    };
-    Some(format!(
-        "packed documents of {d} ({count}{window}): attention {}/layer (vs {} causal, {:.1}x less); {cp}",
-        tflop(f.attention_fwd),
-        tflop(f.attention_fwd_causal),
-        f.attention_fwd_causal / f.attention_fwd
-    ))
-}
-
 #[cfg(test)]
 mod tests;
 
+mod masks;
 mod search;
 mod step;
+use masks::{docs_line, window_chunk_row, window_line};
 pub use search::render_search;
