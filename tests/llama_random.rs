@@ -5,14 +5,15 @@
 //! shapes too: hidden width, depth, query and KV heads (MHA, GQA, MQA), a sliding window or
 //! none, batch and length, then a layout that fits them: ring (contiguous), zigzag, striped,
 //! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
-//! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2,
+//! Ulysses and 2-D half the time with the head layout regathered in the backward. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
 //! the single-device packed run. `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::layout::{CpKind, HeadLayout, Layout};
 use candle_cp_llama::params::varmap_tensors;
 use candle_cp_llama::verify::{compare, run_layout, Reference, Tolerances};
 use candle_cp_llama::{init_params, LlamaConfig};
@@ -55,6 +56,11 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         1 => layout = layout.with_dp(2),
         _ => {}
     }
+    // Ulysses / 2-D: half of them with the head layout regathered in the backward (a stream
+    // of its own, so the other draws of every seed stay what they were)
+    if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && rng(900_000 + seed).below(2) == 0 {
+        layout = layout.with_head_layout(HeadLayout::Regathered);
+    }
     let what = format!(
         "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}"
     );
@@ -94,7 +100,7 @@ fn worst_grad<'a>(run: impl IntoIterator<Item = (&'a String, &'a Tensor)>, refer
 fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
-    let (mut kv_copies, mut padded) = (0, 0);
+    let (mut kv_copies, mut padded, mut regathered) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -127,6 +133,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 padded += (layout.tp > 1 && !vocab.is_multiple_of(layout.tp)) as usize;
                 dp += (layout.dp > 1) as usize;
                 windowed += window.is_some() as usize;
+                regathered += (layout.head_layout == HeadLayout::Regathered && layout.cp > 1) as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -134,10 +141,11 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window, {regathered} Ulysses / 2-D with the head layout regathered), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3)),
-        "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window"
+        checked >= n_configs as usize / 2
+            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && regathered >= 3)),
+        "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window, {regathered} regathered"
     );
     Ok(())
 }
