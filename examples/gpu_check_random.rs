@@ -23,7 +23,8 @@ use candle_cp_ops::attention::{attention_docs_mask, Mask};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::run_single_with;
 use candle_cp_ops::packing::Documents;
-use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
+use candle_cp_ops::ulysses::{HeadLayout, UlyssesOpts};
+use candle_cp_ops::usp::{run_case_ulysses_opts, run_case_usp_opts, UspOpts};
 use std::time::Duration;
 
 #[derive(Debug, Clone, Copy)]
@@ -57,12 +58,16 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
             _ => Method::Cp(CpMethod::Ring(layout)),
         };
         let bf16 = d.below(3) != 0;
+        // Ulysses / 2-D: half of them regather the head layout in the backward (own stream)
+        let uly = matches!(method, Method::Ulysses(_) | Method::Usp { .. });
+        let heads = if uly && rng(700_000 + seed).below(2) == 0 { HeadLayout::Regathered } else { HeadLayout::Kept };
         let ranks = match method {
             Method::Usp { r } => format!("U 2 x R {r}"),
             _ => format!("P{p}"),
         };
         let name = format!(
-            "random {seed} {method:?} {ranks} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
+            "random {seed} {method:?} {ranks}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
+            if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
             if bf16 { "bf16" } else { "f32" },
             if causal { "causal" } else { "full" }
         );
@@ -91,8 +96,14 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
                 }
                 run_case_cp_with(&g, m, p, timeout, opts)
             }
-            Method::Ulysses(l) => run_case_ulysses_with(&g, p, l, timeout, Some(docs.clone()), window),
-            Method::Usp { r } => run_case_usp_with(&g, 2, r, timeout, Some(docs.clone()), window),
+            Method::Ulysses(l) => {
+                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(g.causal, g.scale) };
+                run_case_ulysses_opts(&g, p, l, timeout, o.with_head_layout(heads))
+            }
+            Method::Usp { r } => {
+                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(g.causal, g.scale) };
+                run_case_usp_opts(&g, 2, r, timeout, o.with_head_layout(heads))
+            }
         };
         match run {
             Ok(run) if bf16 => {

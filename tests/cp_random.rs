@@ -6,7 +6,8 @@
 //! document boundaries anywhere (length-1 documents, one document per shard, boundaries on
 //! chunk edges), windows of 1 key up to more than `T`, full and causal masks, GQA ratios,
 //! degrees 2..4 on every layout, odd `block_rows`, different documents per batch row, Ulysses
-//! with fewer KV heads than the degree, and the 2-D Ulysses x ring split. Every configuration that the methods accept must match
+//! with fewer KV heads than the degree, and the 2-D Ulysses x ring split (both half the time with
+//! the head layout regathered in the backward). Every configuration that the methods accept must match
 //! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
@@ -16,7 +17,8 @@ use candle_cp_ops::attention::{attention_docs_mask_slow, Mask};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
-use candle_cp_ops::usp::{run_case_ulysses_with, run_case_usp_with};
+use candle_cp_ops::ulysses::{HeadLayout, UlyssesOpts};
+use candle_cp_ops::usp::{run_case_ulysses_opts, run_case_usp_opts, UspOpts};
 use candle_cp_tests::draws::{doc_lengths, pick, random_case, rng, seeds};
 use candle_cp_tests::{assert_attn_close as check, fwd_bwd};
 use std::time::Duration;
@@ -37,6 +39,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
+    let mut regathered = 0;
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -63,12 +66,17 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             _ => Method::Cp(CpMethod::Ring(layout)),
         };
         let block_rows = pick(&mut d, &[0, 3, 5, 7]);
+        // Ulysses / 2-D: half of them regather the head layout in the backward (a stream of
+        // its own, so the other draws of every seed stay what they were)
+        let uly = matches!(method, Method::Ulysses(_) | Method::Usp { .. });
+        let heads = if uly && rng(700_000 + seed).below(2) == 0 { HeadLayout::Regathered } else { HeadLayout::Kept };
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
             _ => format!("P {p}"),
         };
         let what = format!(
-            "config {seed}: {method:?} {ranks}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}"
+            "config {seed}: {method:?} {ranks}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}",
+            if heads == HeadLayout::Regathered { " heads regathered" } else { "" }
         );
 
         let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
@@ -106,8 +114,14 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 run_case_cp_with(&case, m, p, TIMEOUT, opts)
             }
             Method::Ulysses(_) | Method::Usp { .. } if row_lens.is_some() => continue,
-            Method::Ulysses(l) => run_case_ulysses_with(&case, p, l, TIMEOUT, Some(docs.clone()), window),
-            Method::Usp { u, r } => run_case_usp_with(&case, u, r, TIMEOUT, Some(docs.clone()), window),
+            Method::Ulysses(l) => {
+                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(case.causal, case.scale) };
+                run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads))
+            }
+            Method::Usp { u, r } => {
+                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(case.causal, case.scale) };
+                run_case_usp_opts(&case, u, r, TIMEOUT, o.with_head_layout(heads))
+            }
         };
         match run {
             Ok(run) => {
@@ -121,6 +135,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 usp += matches!(method, Method::Usp { .. }) as usize;
                 allgather += matches!(method, Method::Cp(CpMethod::AllGather(_))) as usize;
                 per_row += row_lens.is_some() as usize;
+                regathered += (heads == HeadLayout::Regathered) as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -132,10 +147,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}"
     );
     assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered)] {
         assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())

@@ -298,13 +298,18 @@ pub fn run_case_ulysses_with(
     documents: Option<Documents>,
     window: Option<usize>,
 ) -> Result<CpRun> {
+    let opts = UlyssesOpts { documents, window, ..UlyssesOpts::new(case.causal, case.scale) };
+    run_case_ulysses_opts(case, p, layout, timeout, opts)
+}
+
+/// [`run_case_ulysses`] with the given options (their mask, scale, documents, window and
+/// [`crate::ulysses::HeadLayout`]; the sequence order is set from `layout`).
+pub fn run_case_ulysses_opts(case: &AttnCase, p: usize, layout: Layout, timeout: Duration, opts: UlyssesOpts) -> Result<CpRun> {
     let (_, t, h, _) = case.q.dims4()?;
     let hkv = case.k.dim(2)?;
     kv_spread(h, hkv, p)?;
     layout.local_len(t, p)?;
-    let mut opts = UlyssesOpts::new(case.causal, case.scale).with_layout(layout, t, p)?;
-    opts.documents = documents;
-    opts.window = window;
+    let opts = opts.with_layout(layout, t, p)?;
     run_sharded(case, p, timeout, &format!("ulysses P = {p} ({layout})"), |g| {
         let r = g.rank();
         let out = local_fwd_bwd(case, |x| cp::shard(x, layout, r, p, 1), |q, k, v| ulysses_attention(q, k, v, g, &opts))?;
@@ -329,6 +334,12 @@ pub fn run_case_usp_with(
     documents: Option<Documents>,
     window: Option<usize>,
 ) -> Result<CpRun> {
+    run_case_usp_opts(case, u, r, timeout, UspOpts { documents, window, ..UspOpts::new(case.causal, case.scale) })
+}
+
+/// [`run_case_usp`] with the given options (their mask, scale, documents, window and
+/// [`crate::ulysses::HeadLayout`]; the ring layout is zigzag).
+pub fn run_case_usp_opts(case: &AttnCase, u: usize, r: usize, timeout: Duration, opts: UspOpts) -> Result<CpRun> {
     let (_, t, h, _) = case.q.dims4()?;
     let hkv = case.k.dim(2)?;
     if u == 0 || r == 0 {
@@ -340,7 +351,7 @@ pub fn run_case_usp_with(
     if tr % u != 0 {
         candle_core::bail!("usp: T = {t} splits into ring shards of T/R = {tr} rows (R = {r}), not divisible by U = {u}")
     }
-    let opts = UspOpts { documents, window, ..UspOpts::new(case.causal, case.scale) };
+    let opts = UspOpts { ring_layout: layout, ..opts };
     run_sharded(case, u * r, timeout, &format!("usp U = {u} R = {r}"), |g| {
         let groups = UspGroups::new(g, u, r)?;
         let out = local_fwd_bwd(case, |x| usp_shard(x, layout, &groups, 1), |q, k, v| usp_attention(q, k, v, &groups, &opts))?;
