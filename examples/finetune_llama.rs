@@ -452,6 +452,16 @@ fn main() -> Result<()> {
             "replicated".to_string()
         }
     );
+    if matches!(layout.cp_kind, CpKind::Ulysses | CpKind::TwoD) && layout.cp > 1 {
+        say!(
+            "attention: {}",
+            if a.regather_heads {
+                "q, k, v and the output all-to-alled to heads again in the backward (--regather-heads)"
+            } else {
+                "q, k, v and the output kept in the head layout for the backward (--regather-heads keeps less and sends 50% more all-to-all bytes)"
+            }
+        );
+    }
     if replicas > 1 {
         let how = if a.zero2 {
             "reduce-scattered into f32 ZeRO-2 slices"
