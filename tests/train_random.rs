@@ -16,7 +16,7 @@
 
 use candle_core::Result;
 use candle_cp_comm::run_ranks;
-use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::layout::{CpKind, HeadLayout, Layout};
 use candle_cp_llama::train::{
     train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, Rng, StepMetrics, TrainConfig, TrainOutcome,
     WarmupCosine,
@@ -46,8 +46,9 @@ fn config(layout: Layout, model: LlamaConfig, task: KvRecall, batch: usize, grad
 const FIRST_STEP: (f64, f64) = (1e-5, 1e-4);
 const LATER_STEPS: (f64, f64) = (1e-4, 1e-3);
 
-/// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`), TP 2 with
-/// or without SP in a third of the draws, DP 2 in half.
+/// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`; Ulysses and
+/// 2-D at CP 4 with the head layout regathered), TP 2 with or without SP in a third of the
+/// draws, DP 2 in half.
 fn draw_layout(d: &mut Rng) -> Layout {
     let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
     let cp = pick(d, &[2, 4]);
@@ -55,6 +56,11 @@ fn draw_layout(d: &mut Rng) -> Layout {
         CpKind::TwoD => Layout::two_d(2, cp / 2),
         k => Layout::cp(k, cp),
     };
+    // Ulysses / 2-D at CP 4: the head layout regathered in the backward (no draw of its own,
+    // so every seed's other draws stay what they were)
+    if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && cp == 4 {
+        layout = layout.with_head_layout(HeadLayout::Regathered);
+    }
     let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
     if with_tp {
         layout = layout.with_tp(2, d.below(2) == 0);
