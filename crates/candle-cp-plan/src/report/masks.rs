@@ -31,7 +31,7 @@ pub(super) fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str
 
 /// The sliding-window summary line, when the model has a window.
 pub(super) fn window_line(p: &Plan) -> Option<String> {
-    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
+    let (i, f) = (&p.input, &p.flops);
     let w = i.model.sliding_window?;
     if f.window.is_some() && f.doc_len.is_some() {
         return None; // the packed-documents line names the window
@@ -42,16 +42,7 @@ pub(super) fn window_line(p: &Plan) -> Option<String> {
             i.seq
         ));
     }
-    let cp = match i.layout.cp_kind {
-        _ if i.layout.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
-            "ring: halo of {} hop(s) on contiguous shards ({} without the window)",
-            rg.hops,
-            rg.degree - 1
-        ),
-        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
-        _ => "Ulysses all-to-all unchanged".to_string(),
-    };
+    let cp = cp_note(p, "without the window");
     Some(format!(
         "sliding window {w}: attention {}/layer (vs {} without); {cp}",
         tflop(f.attention_fwd),
@@ -61,7 +52,7 @@ pub(super) fn window_line(p: &Plan) -> Option<String> {
 
 /// The packed-documents summary line, when `--doc-len` is given.
 pub(super) fn docs_line(p: &Plan) -> Option<String> {
-    let (i, f, rg) = (&p.input, &p.flops, &p.ring);
+    let (i, f) = (&p.input, &p.flops);
     let l = i.doc_len?;
     let Some(d) = f.doc_len else {
         return Some(format!(
@@ -78,20 +69,25 @@ pub(super) fn docs_line(p: &Plan) -> Option<String> {
     let window = f.window.map_or(String::new(), |w| {
         format!(", sliding window {w} inside each")
     });
-    let cp = match i.layout.cp_kind {
-        _ if i.layout.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => format!(
-            "ring: halo of {} hop(s) on contiguous shards ({} for the full ring)",
-            rg.hops,
-            rg.degree - 1
-        ),
-        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
-        _ => "Ulysses all-to-all unchanged".to_string(),
-    };
+    let cp = cp_note(p, "for the full ring");
     Some(format!(
         "packed documents of {d} ({count}{window}): attention {}/layer (vs {} causal, {:.1}x less); {cp}",
         tflop(f.attention_fwd),
         tflop(f.attention_fwd_causal),
         f.attention_fwd_causal / f.attention_fwd
     ))
+}
+
+/// What the window or the documents change in the CP communication; `full` names the ring's
+/// hop count without them.
+fn cp_note(p: &Plan, full: &str) -> String {
+    let (l, rg) = (&p.input.layout, &p.ring);
+    match l.cp_kind {
+        _ if l.cp == 1 => "no CP communication".to_string(),
+        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => {
+            format!("ring: halo of {} hop(s) on contiguous shards ({} {full})", rg.hops, rg.degree - 1)
+        }
+        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
+        _ => "Ulysses all-to-all unchanged".to_string(),
+    }
 }
