@@ -8,6 +8,7 @@ use candle_cp_comm::Group;
 
 /// q, k, v in the head layout (`[B, T, H/P, D]`, KV heads as [`KvSpread`] spreads them),
 /// rows in the order the attention sees them.
+#[derive(Clone)]
 pub(crate) struct HeadQkv {
     pub(crate) q: Tensor,
     pub(crate) k: Tensor,
@@ -69,7 +70,7 @@ impl Kept {
         nat: &dyn Fn(Tensor) -> Result<Tensor>,
     ) -> Result<(HeadQkv, Tensor)> {
         match self {
-            Kept::Heads(h, o) => Ok((HeadQkv { q: h.q.clone(), k: h.k.clone(), v: h.v.clone() }, o.clone())),
+            Kept::Heads(h, o) => Ok((h.clone(), o.clone())),
             Kept::Seq { q, k, v, out } => {
                 let h = HeadQkv::gather(q, k, v, spread, group, nat)?;
                 Ok((h, nat(seq_to_head_raw(out.get()?, group)?)?))
