@@ -486,7 +486,15 @@ fn main() -> Result<()> {
     if a.resume {
         let root = a.out.join("checkpoints");
         match candle_cp_llama::train::checkpoint::latest_checkpoint(&root)? {
-            Some(p) => say!("resume   : from {}", p.display()),
+            Some(p) => {
+                let old_tp = candle_cp_llama::train::checkpoint::optimizer_tp_degree(&p);
+                let how = if old_tp == a.tp {
+                    "optimizer state read as saved (same TP degree)".to_string()
+                } else {
+                    format!("optimizer state resharded from TP {old_tp} to TP {}", a.tp)
+                };
+                say!("resume   : from {} ({how})", p.display())
+            }
             None => say!(
                 "resume   : no checkpoint in {}, starting from step 0",
                 root.display()

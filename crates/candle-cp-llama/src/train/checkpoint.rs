@@ -28,9 +28,11 @@ pub struct TrainState {
     pub tokens_seen: u64,
     /// Wall time spent in training before this checkpoint, seconds.
     pub elapsed_s: f64,
-    /// World size of the run that wrote the checkpoint (checked on resume).
+    /// World size of the run that wrote the checkpoint (for the record: a resume may change
+    /// it).
     pub world_size: usize,
-    /// Human-readable layout (e.g. `zigzag cp=4 tp=1 dp=1`), checked on resume.
+    /// Human-readable layout (e.g. `zigzag cp=4 tp=1 dp=1`), for the record: a resume may
+    /// use another (the optimizer files say the TP degree, [`optimizer_tp_degree`]).
     pub layout: String,
     /// Free-form run arguments, for the record.
     pub args: serde_json::Value,
@@ -134,6 +136,14 @@ pub fn latest_checkpoint(root: impl AsRef<Path>) -> std::io::Result<Option<PathB
     Ok(list_checkpoints(root)?.pop().map(|(_, p)| p))
 }
 
+/// How many TP ranks wrote the optimizer state of checkpoint `dir`: the number of
+/// `optimizer-tp<t>.safetensors` files, counted from `t = 0` (0 when there is none). A run
+/// with this TP degree loads its own rank's file as it is, whatever its CP, DP, SP or head
+/// layout; another degree reshards ([`reshard_optimizer_state`]).
+pub fn optimizer_tp_degree(dir: &Path) -> usize {
+    (0..).take_while(|&t| dir.join(format!("optimizer-tp{t}.safetensors")).is_file()).count()
+}
+
 /// The optimizer state of checkpoint `dir` (written by a run with any TP degree: one
 /// `optimizer-tp<t>.safetensors` per TP rank) as this rank of `ctx` holds it: each moment
 /// (and master copy) reassembled to its full shape from the old TP ranks' files
@@ -148,7 +158,7 @@ pub fn reshard_optimizer_state(
 ) -> candle_core::Result<std::collections::HashMap<String, candle_core::Tensor>> {
     use candle_core::{bail, Device, Error};
     let file = |t: usize| dir.join(format!("optimizer-tp{t}.safetensors"));
-    let old_tp = (0..).take_while(|&t| file(t).is_file()).count();
+    let old_tp = optimizer_tp_degree(dir);
     if old_tp == 0 {
         bail!("resume: no optimizer-tp0.safetensors in {}", dir.display())
     }

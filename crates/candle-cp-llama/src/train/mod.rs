@@ -20,7 +20,7 @@ pub mod trainer;
 mod overlap;
 mod zero;
 
-pub use checkpoint::{reshard_optimizer_state, TrainState};
+pub use checkpoint::{optimizer_tp_degree, reshard_optimizer_state, TrainState};
 pub use clip::{clip_factor, global_norm, global_norm_zero1};
 pub use data::{DataSource, KvRecall, Sample, TokenStream};
 pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};

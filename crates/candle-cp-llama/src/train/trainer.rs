@@ -162,6 +162,10 @@ pub struct TrainOutcome {
     pub metrics: Vec<StepMetrics>,
     /// Step the run started from (0, or the resumed checkpoint's step).
     pub start_step: usize,
+    /// On a resume whose TP degree differs from the checkpoint's: that degree (the optimizer
+    /// state was resharded from its files). `None` when the run read its own TP rank's file,
+    /// or did not resume.
+    pub optimizer_resharded_from: Option<usize>,
     /// Model config used.
     pub config: LlamaConfig,
     /// Number of parameters of the full model.
@@ -383,11 +387,17 @@ pub fn train_rank(
     let (dp_i, cp_i, tp_i) = ctx.coords;
     let opt_writer = dp_i == 0 && cp_i == 0;
     let opt_file = |dir: &Path| dir.join(format!("optimizer-tp{tp_i}.safetensors"));
+    let mut resharded_from = None;
     let (start_step, mut tokens_seen, prev_elapsed) = match (&resume_from, &state) {
         (Some(dir), Some(st)) => {
-            if st.world_size == world.size() && st.layout == cfg.layout.to_string() {
+            // The files are per TP rank and identical across DP and CP replicas (and ZeRO
+            // slices them on load), so the same TP degree reads its own file whatever else
+            // changed (CP kind or degree, DP, SP, the head layout); another degree reshards.
+            let old_tp = super::checkpoint::optimizer_tp_degree(dir);
+            if old_tp == ctx.layout.tp {
                 opt.load(opt_file(dir))?;
             } else {
+                resharded_from = Some(old_tp);
                 let state = super::checkpoint::reshard_optimizer_state(dir, &mcfg, &ctx)?;
                 opt.load_tensors(&state, dir)?;
             }
@@ -560,6 +570,7 @@ pub fn train_rank(
             return Ok(TrainOutcome {
                 metrics: out,
                 start_step,
+                optimizer_resharded_from: resharded_from,
                 config: mcfg,
                 n_params,
             });
@@ -582,6 +593,7 @@ pub fn train_rank(
     Ok(TrainOutcome {
         metrics: out,
         start_step,
+        optimizer_resharded_from: resharded_from,
         config: mcfg,
         n_params,
     })

@@ -247,9 +247,10 @@ fn tp_beyond_the_kv_heads_trains_like_one_device() -> Result<()> {
 
 /// A checkpoint written by one layout resumes on another: the step-3 checkpoint of zigzag CP 2 × TP 2 + SP
 /// (the KV head replicated on both TP ranks, the vocabulary split) continues for the last 3 steps on
-/// one device, on ring CP 2 × DP 2 with ZeRO-1, and on TP 2 without SP. The optimizer state is
-/// resharded from the per-TP-rank files. Every continuation follows the uninterrupted run
-/// (losses to 1e-5, gradient norms to 1e-4): the moments carried over.
+/// one device, on ring CP 2 × DP 2 with ZeRO-1, and on TP 2 without SP. The TP 1 runs reshard the
+/// optimizer state from the two per-TP-rank files; the TP 2 run reads its own rank's file as it
+/// is (the same TP degree: no reshard, whatever else changed). Every continuation follows the
+/// uninterrupted run (losses to 1e-5, gradient norms to 1e-4): the moments carried over.
 #[test]
 fn resume_on_another_layout_follows_the_run() -> Result<()> {
     let first = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
@@ -266,6 +267,8 @@ fn resume_on_another_layout_follows_the_run() -> Result<()> {
         (c.layout, c.resume, c.stop_after, c.zero1) = (next, true, None, zero1);
         let rest = run(&c)?;
         assert_eq!(rest[0].start_step, 3, "{next}");
+        let want = if next.tp == 2 { None } else { Some(2) };
+        assert!(rest.iter().all(|r| r.optimizer_resharded_from == want), "{next}");
         let tail: Vec<_> = whole[0].metrics.iter().filter(|m| m.step > 3).collect();
         assert_eq!(rest[0].metrics.len(), tail.len(), "{next}");
         assert_same_curve(&next.to_string(), &tail, &rest[0].metrics);
