@@ -30,7 +30,7 @@ use candle_cp_llama::train::{
     AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, StepMetrics, TokenStream,
     TrainConfig, WarmupCosine,
 };
-use candle_cp_llama::{CpKind, HeadLayout, Layout, LlamaConfig};
+use candle_cp_llama::{CpKind, HeadLayout, Layout, LlamaConfig, RowSums};
 use clap::Parser;
 use launch::Launch;
 use std::path::PathBuf;
@@ -58,6 +58,12 @@ struct Args {
     /// activation memory, 50% more all-to-all volume). Same training, bit for bit.
     #[arg(long)]
     regather_heads: bool,
+    /// bf16 / f16 on one device or --cp-kind ulysses: take the attention backward's row sums
+    /// from the f32 output (its bf16 rounding residual kept, 2 bytes per attention output
+    /// element) instead of the 16-bit one: dq and dk as accurate as the ring's. The ring kinds
+    /// and 2d always do this.
+    #[arg(long)]
+    f32_row_sums: bool,
     /// Tensor-parallel degree.
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -234,7 +240,8 @@ fn layout(a: &Args) -> Result<Layout> {
         bail!("--regather-heads applies to --cp-kind ulysses or 2d, not {kind}")
     }
     let heads = if a.regather_heads { HeadLayout::Regathered } else { HeadLayout::Kept };
-    let l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads);
+    let rows = if a.f32_row_sums { RowSums::F32 } else { RowSums::Output };
+    let l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads).with_row_sums(rows);
     l.check_degrees()?;
     Ok(l)
 }
@@ -461,6 +468,15 @@ fn main() -> Result<()> {
                 "q, k, v and the output kept in the head layout for the backward (--regather-heads keeps less and sends 50% more all-to-all bytes)"
             }
         );
+    }
+    if a.dtype != "f32" {
+        let rs = layout.effective_row_sums();
+        let why = match (rs, a.f32_row_sums) {
+            (RowSums::F32, true) => "(--f32-row-sums: a bf16 residual per attention output element)",
+            (RowSums::F32, false) => "(always, for this CP kind)",
+            _ => "(--f32-row-sums keeps a bf16 residual per output element for dq, dk as accurate as the ring's)",
+        };
+        say!("row sums : the attention backward takes them {rs} {why}");
     }
     if replicas > 1 {
         let how = if a.zero2 {

@@ -368,3 +368,30 @@ fn regathered_heads_match_kept() {
         assert!(rep.pass(), "{layout}: out of oracle tolerance: {rep:?}");
     }
 }
+
+/// The attention backward's row sums from the f32 output (`--f32-row-sums`) change nothing in
+/// f32 (nothing is rounded): one device, TP 2 + SP and Ulysses 2 (head layout kept and
+/// regathered) give the default run's logits, loss and every gradient bit for bit, and the
+/// oracle's. (bf16: `tests/bf16_precision.rs`, `tests/ulysses_sp/head_layout.rs`.)
+#[test]
+fn f32_row_sums_change_nothing_in_f32() {
+    use candle_cp_llama::{HeadLayout, RowSums};
+    let d = data();
+    let ids = &d.reference.input_ids;
+    let ulysses = Layout::cp(CpKind::Ulysses, 2);
+    for layout in [Layout::single(), Layout::single().with_tp(2, true), ulysses, ulysses.with_head_layout(HeadLayout::Regathered)] {
+        let base = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let layout = layout.with_row_sums(RowSums::F32);
+        let rs = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
+        let grad = base.grads.iter().zip(&rs.grads).map(|((na, a), (nb, b))| {
+            assert_eq!(na, nb);
+            diff(a, b)
+        });
+        let grad = grad.fold(0f64, f64::max);
+        let (logits, loss) = (diff(&base.logits, &rs.logits), (base.loss - rs.loss).abs());
+        println!("{layout} vs default: logits {logits:e} loss {loss:e} grad {grad:e}");
+        assert!(logits == 0.0 && loss == 0.0 && grad == 0.0, "{layout}: differs from the default row sums in f32");
+        let rep = compare(&rs, &d.reference, Tolerances::default()).unwrap();
+        assert!(rep.pass(), "{layout}: out of oracle tolerance: {rep:?}");
+    }
+}

@@ -77,6 +77,11 @@ pub struct CommonArgs {
     /// memory under --activations candle-cp, more Ulysses backward bytes.
     #[arg(long)]
     pub regather_heads: bool,
+    /// One device and Ulysses: the attention backward's row sums from the f32 output
+    /// (finetune_llama --f32-row-sums): the output's bf16 rounding residual joins the
+    /// candle-cp count for 16-bit activations (the ring kinds and 2-D always keep it).
+    #[arg(long)]
+    pub f32_row_sums: bool,
     /// dK/dV accumulated and sent in fp32 in the CP backward.
     #[arg(long)]
     pub dkv_fp32: bool,
@@ -166,6 +171,7 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     let layout = Layout {
         flash: !a.no_flash,
         regather_heads: a.regather_heads,
+        f32_row_sums: a.f32_row_sums,
         ..layout
     };
     if a.doc_len == Some(0) {
@@ -205,6 +211,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         recompute: Recompute::parse(&a.recompute)?,
         flash: true,
         regather_heads: false,
+        f32_row_sums: false,
     };
     let mut input = input_from_common(&a.common, layout)?;
     input.micro_batches = a.micro_batches;

@@ -480,3 +480,25 @@ fn plan_regather_heads_flag() {
         num(&kept, "/ulysses/bwd_bytes_per_layer") + num(&kept, "/ulysses/fwd_bytes_per_layer")
     );
 }
+
+/// `plan --f32-row-sums`: Ulysses 16 at 405B / 128k (bf16, candle-cp count) keeps the output's
+/// bf16 residual, `2·a_t·d·c` bytes per layer and GPU (16 heads per TP rank, d = 128,
+/// c = 8192 tokens), the Ulysses bytes unchanged; the ring kinds keep it already.
+#[test]
+fn plan_f32_row_sums_flag() {
+    let base = ["--model", "llama3-405b", "--seq", "131072", "--tp", "8", "--sp", "--cp", "16", "--activations", "candle-cp"];
+    let num = |v: &serde_json::Value, p: &str| v.pointer(p).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {p}"));
+    let per_gpu = "/activation_bytes_per_layer_per_gpu";
+    for (kind, added) in [("ulysses", 2.0 * 16.0 * 128.0 * 8192.0), ("ring", 0.0)] {
+        let mut args = base.to_vec();
+        args.extend(["--cp-kind", kind]);
+        let default = plan_json(&args);
+        args.push("--f32-row-sums");
+        let rows = plan_json(&args);
+        assert_eq!(rows.pointer("/input/layout/f32_row_sums").and_then(|x| x.as_bool()), Some(true));
+        assert_eq!(num(&rows, per_gpu) - num(&default, per_gpu), added, "{kind}");
+        if kind == "ulysses" {
+            assert_eq!(num(&rows, "/ulysses/bwd_bytes_per_layer"), num(&default, "/ulysses/bwd_bytes_per_layer"));
+        }
+    }
+}

@@ -17,7 +17,7 @@
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention, attention_band, attention_docs_mask, Band, Mask};
+use candle_cp_ops::attention::{attention_band_with, attention_docs_mask_with, attention_with, Band, Mask};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
@@ -96,10 +96,11 @@ fn attend_one(
     };
     if l.cp == 1 {
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
+        let rs = l.row_sums;
         return Ok(match (&shared, &rows) {
-            (Some(d), _) => attention_docs_mask(q, k, v, d, &mask, scale)?.0,
-            (None, Some(rows)) => attention_band(q, k, v, &Band::documents(q.dim(1)?, rows, true, window)?, scale)?.0,
-            (None, None) => attention(q, k, v, &mask, scale)?.0,
+            (Some(d), _) => attention_docs_mask_with(q, k, v, d, &mask, scale, rs)?.0,
+            (None, Some(rows)) => attention_band_with(q, k, v, &Band::documents(q.dim(1)?, rows, true, window)?, scale, rs)?.0,
+            (None, None) => attention_with(q, k, v, &mask, scale, rs)?.0,
         });
     }
     let opts = CpOpts {
@@ -116,7 +117,7 @@ fn attend_one(
                 documents: shared,
                 row_documents: rows,
                 window,
-                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout)
+                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout).with_row_sums(l.row_sums)
             };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }

@@ -12,6 +12,7 @@ use candle_core::{bail, DType, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_cp_nn::Shard;
 use candle_cp_ops::cp::shard::{self as cpshard, Layout as SeqLayout};
+pub use candle_cp_ops::attention::RowSums;
 pub use candle_cp_ops::ulysses::HeadLayout;
 use std::fmt;
 use std::sync::{Arc, Mutex};
@@ -115,6 +116,10 @@ pub struct Layout {
     /// [`HeadLayout`]): [`HeadLayout::Regathered`] keeps only the sequence layout and
     /// all-to-alls q, k, v and the output again in the backward. Ignored by the other kinds.
     pub head_layout: HeadLayout,
+    /// Where the attention backward's row sums take the output from (see [`RowSums`]) on one
+    /// device (`cp = 1`) and under Ulysses; the ring kinds and 2-D always take them from the f32
+    /// output. Changes nothing for f32 weights.
+    pub row_sums: RowSums,
 }
 
 impl Default for Layout {
@@ -135,6 +140,7 @@ impl Layout {
             ulysses: 1,
             ring: 1,
             head_layout: HeadLayout::Kept,
+            row_sums: RowSums::Output,
         }
     }
     /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
@@ -172,6 +178,21 @@ impl Layout {
     pub fn with_head_layout(mut self, head_layout: HeadLayout) -> Self {
         self.head_layout = head_layout;
         self
+    }
+    /// Same layout with the attention backward's row sums taken as `row_sums` says (one
+    /// device and Ulysses; see [`Layout::row_sums`]).
+    pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
+        self.row_sums = row_sums;
+        self
+    }
+    /// Where this layout's attention backward takes its row sums from: [`RowSums::F32`] for
+    /// the ring kinds and 2-D (always), else [`Layout::row_sums`].
+    pub fn effective_row_sums(&self) -> RowSums {
+        match self.cp_kind {
+            _ if self.cp == 1 => self.row_sums,
+            CpKind::Ulysses => self.row_sums,
+            _ => RowSums::F32,
+        }
     }
     /// Same layout with data parallelism `dp`.
     pub fn with_dp(mut self, dp: usize) -> Self {
@@ -241,6 +262,9 @@ impl fmt::Display for Layout {
         }
         if self.head_layout == HeadLayout::Regathered && matches!(self.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
             f.write_str(" heads-regathered")?;
+        }
+        if self.row_sums == RowSums::F32 && (self.cp == 1 || self.cp_kind == CpKind::Ulysses) {
+            f.write_str(" f32-row-sums")?;
         }
         write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)
     }

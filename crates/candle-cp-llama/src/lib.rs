@@ -70,7 +70,7 @@ pub use generate::{Generation, KvCache};
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};
 pub use hf::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, save_hf_tensors};
-pub use layout::{shard_batch, CpKind, HeadLayout, Layout, ParallelCtx, ShardedBatch, IGNORE};
+pub use layout::{shard_batch, CpKind, HeadLayout, Layout, ParallelCtx, RowSums, ShardedBatch, IGNORE};
 pub use model::{global_mean, local_nll, rms_norm, Llama, ParamHook};
 pub use packed::shard_batch_packed;
 pub use candle_cp_ops::packing::Documents;

@@ -30,7 +30,7 @@
 //! sends dQ, dK, dV back; the two all-to-all functions above remain separate autograd ops
 //! for models that put their own attention between them.
 
-use crate::attention::{self, Mask};
+use crate::attention::{self, Mask, RowSums};
 use crate::autograd::{attach1, attach3, BackwardFn};
 use crate::cp::Layout;
 use crate::packing::Documents;
@@ -223,6 +223,10 @@ pub struct UlyssesOpts {
     pub window: Option<usize>,
     /// What the backward keeps of the head layout (default [`HeadLayout::Kept`]).
     pub head_layout: HeadLayout,
+    /// Where the backward's row sums take the output from (default [`RowSums::Output`]; with
+    /// [`RowSums::F32`] a 16-bit output's bf16 rounding residual is kept in the head layout,
+    /// `[B, T, H/P, D]`, in either head layout mode).
+    pub row_sums: RowSums,
 }
 
 impl UlyssesOpts {
@@ -236,7 +240,14 @@ impl UlyssesOpts {
             row_documents: None,
             window: None,
             head_layout: HeadLayout::Kept,
+            row_sums: RowSums::Output,
         }
+    }
+
+    /// Same options with the backward's row sums taken as `row_sums` says (see [`RowSums`]).
+    pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
+        self.row_sums = row_sums;
+        self
     }
 
     /// Same options with the backward keeping `head_layout` (see [`HeadLayout`]).
@@ -359,8 +370,9 @@ pub(crate) fn lse_head_to_seq(lse: &Tensor, group: &Group) -> Result<Tensor> {
 /// - returns `out` `[B, T/P, H, D]` (q's dtype, differentiable w.r.t. q, k, v) and `lse`
 ///   `[B, H, T/P]` (f32, not differentiable), for this rank's rows.
 ///
-/// The backward is one call of the raw attention backward on the gathered heads (row sums from
-/// the output in q's dtype, as the single-device op takes them), between the conjugate
+/// The backward is one call of the raw attention backward on the gathered heads (row sums as
+/// [`UlyssesOpts::row_sums`] says, by default from the output in q's dtype, as the
+/// single-device op takes them), between the conjugate
 /// all-to-alls. Its dK/dV leave the kernel in f32; when KV heads are replicated
 /// (`P > Hkv`) the copies' gradients travel back in f32 and are summed in f32 before the one
 /// cast to k's dtype, so bf16 dK/dV are as accurate as the single-device op's (adding bf16
@@ -404,6 +416,10 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let heads = HeadQkv::gather(q, k, v, spread, group, &nat)?;
     let (out32, lse_h) = vis.fwd(&heads.q, &heads.k, &heads.v, opts.scale)?;
     let out_h = out32.to_dtype(q.dtype())?;
+    let residual = match opts.row_sums {
+        RowSums::F32 => crate::autograd::rounding_residual(&out32, &out_h)?,
+        RowSums::Output => None,
+    };
     drop(out32);
     let out = head_to_seq_raw(&gat(out_h.clone(), 1)?, group)?;
     let lse = lse_head_to_seq(&gat(lse_h.clone(), 2)?, group)?;
@@ -412,6 +428,11 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let slot = kept.slot();
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
         let (h, out_h) = kept.heads(spread, &g, &nat)?;
+        // the f32 output for the row sums ([`RowSums::F32`]), else the 16-bit one
+        let out_h = match &residual {
+            Some(r) => crate::autograd::add_residual(&out_h, Some(r))?,
+            None => out_h,
+        };
         let dh = nat(seq_to_head_raw(&dout.to_dtype(qdt)?, &g)?)?;
         let (dq, dk, dv) = vis.bwd(&h.q, &h.k, &h.v, &out_h, &lse_h, &dh, scale)?;
         let dq = head_to_seq_raw(&gat(dq.to_dtype(qdt)?, 1)?, &g)?;

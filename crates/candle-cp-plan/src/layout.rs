@@ -149,6 +149,11 @@ pub struct Layout {
     /// Ulysses backward sends the forward's bytes once more ([`crate::comm::ulysses`]).
     /// Ignored by the other kinds.
     pub regather_heads: bool,
+    /// One device (`cp = 1`) and Ulysses: the attention backward's row sums from the f32
+    /// output (candle-cp's `RowSums::F32`, `finetune_llama --f32-row-sums`): the output's bf16
+    /// rounding residual joins [`crate::memory::candle_cp_extra_per_gpu`] for 16-bit
+    /// activations. The ring kinds and 2-D always do this (their count has the term already).
+    pub f32_row_sums: bool,
 }
 
 impl Default for Layout {
@@ -166,6 +171,7 @@ impl Default for Layout {
             recompute: Recompute::None,
             flash: true,
             regather_heads: false,
+            f32_row_sums: false,
         }
     }
 }

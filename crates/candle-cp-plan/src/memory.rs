@@ -154,7 +154,9 @@ pub fn llama_per_gpu(
 ///   output's bf16 rounding residual (the ring backward's f32 row sums; 4 bytes per output
 ///   element either way): `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`;
 /// - with [`Layout::regather_heads`] neither: Ulysses adds nothing, 2-D the output's bf16
-///   rounding residual with 16-bit activations (`2·a_t·d·c·b`, as the ring).
+///   rounding residual with 16-bit activations (`2·a_t·d·c·b`, as the ring);
+/// - with [`Layout::f32_row_sums`] one device and Ulysses keep that residual too (16-bit
+///   activations; Ulysses in the head layout, the same `2·a_t·d·c·b`).
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -174,26 +176,17 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let u = l.ulysses_degree();
     let kv_u = (kv_t / u.max(1)).max(1) as f64;
     let head_kv = 2.0 * u as f64 * kv_u * d;
+    // the output's bf16 rounding residual (16-bit activations), for f32 row sums
+    let residual = if e < 4 { 2.0 * a_t * d * c * bf } else { 0.0 };
+    let own_residual = if l.f32_row_sums { residual } else { 0.0 };
     let attention = match l.cp_kind {
-        _ if l.cp == 1 => 0.0,
-        CpKind::Ring | CpKind::Allgather => {
-            if e < 4 {
-                2.0 * a_t * d * c * bf
-            } else {
-                0.0
-            }
-        }
+        _ if l.cp == 1 => own_residual,
+        CpKind::Ring | CpKind::Allgather => residual,
         // regathered: the head layout is all-to-alled again in the backward; the 2-D op keeps
         // its output's bf16 rounding residual (16-bit outputs), as the ring does
-        CpKind::Ulysses if l.regather_heads => 0.0,
-        CpKind::TwoD if l.regather_heads => {
-            if e < 4 {
-                2.0 * a_t * d * c * bf
-            } else {
-                0.0
-            }
-        }
-        CpKind::Ulysses => c * bf * ef * (2.0 * a_t * d + head_kv),
+        CpKind::Ulysses if l.regather_heads => own_residual,
+        CpKind::TwoD if l.regather_heads => residual,
+        CpKind::Ulysses => c * bf * ef * (2.0 * a_t * d + head_kv) + own_residual,
         CpKind::TwoD => c * bf * (ef * (a_t * d + head_kv) + 4.0 * a_t * d),
     };
     lse + norms + attention

@@ -183,6 +183,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     recompute,
                                     flash: base.layout.flash,
                                     regather_heads,
+                                    f32_row_sums: base.layout.f32_row_sums,
                                 };
                                 out.push((layout, k));
                             }
@@ -326,6 +327,9 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
     }
     if l.regather_heads && matches!(l.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
         f.push_str(" --regather-heads");
+    }
+    if l.f32_row_sums && (l.cp == 1 || l.cp_kind == CpKind::Ulysses) {
+        f.push_str(" --f32-row-sums");
     }
     let _ = write!(f, " --dp {} --batch {} --grad-accum {k}", l.dp, l.dp * base.micro_batch);
     let dtype = match base.dtype {

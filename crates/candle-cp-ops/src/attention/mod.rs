@@ -25,6 +25,7 @@ mod kernel;
 mod merge;
 mod op;
 mod prep;
+mod row_sums;
 mod slow;
 mod window;
 
@@ -32,6 +33,7 @@ pub use band::Band;
 pub use merge::merge;
 pub use op::AttentionOp;
 pub use prep::BwdPrep;
+pub use row_sums::RowSums;
 pub(crate) use call::{fwd_packed, BwdCall, CallMask};
 #[cfg(feature = "cuda")]
 pub(crate) use call::fwd_fold_cuda;
@@ -358,9 +360,26 @@ pub fn attention_bwd_prepared(
 
 /// Autograd attention: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` -> out `[B, T, H, D]` in q's
 /// dtype (differentiable w.r.t. q, k, v through [`AttentionOp`]'s `bwd`), lse f32 `[B, H, T]`
-/// (not differentiable). Accumulation is f32 for every input dtype.
+/// (not differentiable). Accumulation is f32 for every input dtype. The backward's row sums
+/// come from the returned output ([`RowSums::Output`]); [`attention_with`] chooses.
 pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+    attention_with(q, k, v, mask, scale, RowSums::Output)
+}
+
+/// [`attention`] with the backward's row sums taken as `row_sums` says: from the returned
+/// output (the op, nothing extra kept) or from the f32 output ([`RowSums::F32`]: the raw
+/// forward and backward attached as a closure, a bf16 rounding residual kept for a 16-bit
+/// output).
+pub fn attention_with(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention", q, k, v, mask)?;
+    if row_sums == RowSums::F32 {
+        if let Mask::Window { .. } = mask {
+            if band_kernels(q) {
+                return attention_band_with(q, k, v, &Band::from_mask(mask, dims.t, dims.s), scale, row_sums);
+            }
+        }
+        return row_sums::attention_f32(q, k, v, mask, scale);
+    }
     if let Mask::Window { .. } = mask {
         if !band_kernels(q) {
             return window_autograd(q, k, v, mask, scale, dims);
@@ -447,13 +466,22 @@ pub fn attention_bwd_band_prepared(
 
 /// Autograd attention under a [`Band`]: out `[B, T, H, D]` in q's dtype (differentiable
 /// w.r.t. q, k, v), lse f32 `[B, H, T]`. One kernel call forward, one backward (on CUDA both
-/// read one device copy of the bounds, made here unless `band` already has one).
+/// read one device copy of the bounds, made here unless `band` already has one). Row sums from
+/// the returned output; [`attention_band_with`] chooses.
 pub fn attention_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+    attention_band_with(q, k, v, band, scale, RowSums::Output)
+}
+
+/// [`attention_band`] with the backward's row sums taken as `row_sums` says ([`attention_with`]).
+pub fn attention_band_with(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention_band", q, k, v, &Mask::Full)?;
     band.check("attention_band", dims.b, dims.t, dims.s)?;
     let mut band = band.clone();
     if band.device_bounds(q.device()).is_none() {
         Band::upload_all([&mut band], q.device())?;
+    }
+    if row_sums == RowSums::F32 {
+        return row_sums::attention_band_f32(q, k, v, band, scale);
     }
     let op = AttentionOp::with_band(Arc::new(band), scale, false);
     let slot = op.lse_slot();
@@ -507,9 +535,23 @@ pub fn attention_docs_mask(
     mask: &Mask,
     scale: f64,
 ) -> Result<(Tensor, Tensor)> {
+    attention_docs_mask_with(q, k, v, docs, mask, scale, RowSums::Output)
+}
+
+/// [`attention_docs_mask`] with the backward's row sums taken as `row_sums` says
+/// ([`attention_with`]).
+pub fn attention_docs_mask_with(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    docs: &Documents,
+    mask: &Mask,
+    scale: f64,
+    row_sums: RowSums,
+) -> Result<(Tensor, Tensor)> {
     let t = check_docs("attention_docs", q, k, v, docs)?;
     if docs.count() == 1 {
-        return attention(q, k, v, mask, scale);
+        return attention_with(q, k, v, mask, scale, row_sums);
     }
     if band_kernels(q) {
         let (causal, window) = match *mask {
@@ -519,14 +561,14 @@ pub fn attention_docs_mask(
             _ => candle_core::bail!("attention_docs: the mask inside documents must be Full, Mask::causal() or Mask::sliding_window(w), got {mask:?} (q {:?})", q.shape()),
         };
         let band = Band::documents(t, std::slice::from_ref(docs), causal, window)?;
-        return attention_band(q, k, v, &band, scale);
+        return attention_band_with(q, k, v, &band, scale, row_sums);
     }
     let mut outs = Vec::with_capacity(docs.count());
     let mut lses = Vec::with_capacity(docs.count());
     for d in 0..docs.count() {
         let (a, b) = docs.range(d);
         let r = |x: &Tensor| x.narrow(1, a, b - a);
-        let (o, l) = attention(&r(q)?, &r(k)?, &r(v)?, mask, scale)?;
+        let (o, l) = attention_with(&r(q)?, &r(k)?, &r(v)?, mask, scale, row_sums)?;
         outs.push(o);
         lses.push(l);
     }
