@@ -11,7 +11,8 @@
 //! result on the same bf16-rounded inputs with bf16 bounds; the others are f32 (the CUDA-core
 //! kernels), checked with the oracle's f32 bounds. The reference is the CPU's single-device
 //! `attention_docs_mask` (autograd), which `tests/cp_random.rs` checks against the dense
-//! reference; the draws are `tests/draws.rs`'s. 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
+//! reference; the draws are `tests/draws.rs`'s. Half the Ulysses draws take the backward's
+//! row sums from the f32 output (`RowSums::F32`) and then also run the single-device op so. 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` instead, to search further.
 
 use super::{case_to, report_metrics, Report};
@@ -19,9 +20,9 @@ use crate::draws::{doc_lengths, pick, random_case, rng, seeds};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_cp_ops::attention::{attention_docs_mask, Mask};
+use candle_cp_ops::attention::{attention_docs_mask, attention_docs_mask_with, Mask, RowSums};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::run_single_with;
+use candle_cp_ops::oracle::{run_single_with, AttnCase, AttnOutputs};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{HeadLayout, UlyssesOpts};
 use candle_cp_ops::usp::{run_case_ulysses_opts, run_case_usp_opts, UspOpts};
@@ -61,13 +62,20 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
         // Ulysses / 2-D: half of them regather the head layout in the backward (own stream)
         let uly = matches!(method, Method::Ulysses(_) | Method::Usp { .. });
         let heads = if uly && rng(700_000 + seed).below(2) == 0 { HeadLayout::Regathered } else { HeadLayout::Kept };
+        // Ulysses: half of them take the backward's row sums from the f32 output, and then the
+        // single-device op does too (own stream)
+        let rows = match method {
+            Method::Ulysses(_) if rng(710_000 + seed).below(2) == 0 => RowSums::F32,
+            _ => RowSums::Output,
+        };
         let ranks = match method {
             Method::Usp { r } => format!("U 2 x R {r}"),
             _ => format!("P{p}"),
         };
         let name = format!(
-            "random {seed} {method:?} {ranks}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
+            "random {seed} {method:?} {ranks}{}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
+            if rows == RowSums::F32 { " f32 row sums" } else { "" },
             if bf16 { "bf16" } else { "f32" },
             if causal { "causal" } else { "full" }
         );
@@ -98,25 +106,37 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
             Method::Ulysses(l) => {
                 let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(g.causal, g.scale) };
-                run_case_ulysses_opts(&g, p, l, timeout, o.with_head_layout(heads))
+                run_case_ulysses_opts(&g, p, l, timeout, o.with_head_layout(heads).with_row_sums(rows))
             }
             Method::Usp { r } => {
                 let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(g.causal, g.scale) };
                 run_case_usp_opts(&g, 2, r, timeout, o.with_head_layout(heads))
             }
         };
-        match run {
-            Ok(run) if bf16 => {
-                let (o, want) = (&run.outputs, &case.reference);
-                rep.check(&format!("{name} out"), max_abs(&o.out, &want.out)?, 2e-2);
-                rep.check(&format!("{name} lse"), max_abs(&o.lse, &want.lse)?, 2e-2);
-                rep.check(&format!("{name} dq"), rel(&o.dq, &want.dq)?, 5e-2);
-                rep.check(&format!("{name} dk"), rel(&o.dk, &want.dk)?, 5e-2);
-                rep.check(&format!("{name} dv"), rel(&o.dv, &want.dv)?, 5e-2);
-            }
-            Ok(run) => report_metrics(rep, &name, &run.outputs, &case)?,
-            Err(e) => rep.error(&name, e),
+        check_run(rep, &name, run.map(|r| r.outputs), &case, bf16)?;
+        if rows == RowSums::F32 {
+            // the single-device op with f32 row sums on the GPU (its raw forward and backward
+            // attached, the bf16 residual rebuilding the f32 output)
+            let single = run_single_with(&g, |q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, g.scale, RowSums::F32));
+            check_run(rep, &format!("{name}, single-device op with f32 row sums"), single, &case, bf16)?;
         }
+    }
+    Ok(())
+}
+
+/// Checks `run` against `case.reference`: bf16 bounds for a bf16 run, else the oracle's.
+fn check_run(rep: &mut Report, name: &str, run: candle_core::Result<AttnOutputs>, case: &AttnCase, bf16: bool) -> Result<()> {
+    match run {
+        Ok(o) if bf16 => {
+            let want = &case.reference;
+            rep.check(&format!("{name} out"), max_abs(&o.out, &want.out)?, 2e-2);
+            rep.check(&format!("{name} lse"), max_abs(&o.lse, &want.lse)?, 2e-2);
+            rep.check(&format!("{name} dq"), rel(&o.dq, &want.dq)?, 5e-2);
+            rep.check(&format!("{name} dk"), rel(&o.dk, &want.dk)?, 5e-2);
+            rep.check(&format!("{name} dv"), rel(&o.dv, &want.dv)?, 5e-2);
+        }
+        Ok(o) => report_metrics(rep, name, &o, case)?,
+        Err(e) => rep.error(name, e),
     }
     Ok(())
 }

@@ -7,13 +7,14 @@
 //! chunk edges), windows of 1 key up to more than `T`, full and causal masks, GQA ratios,
 //! degrees 2..4 on every layout, odd `block_rows`, different documents per batch row, Ulysses
 //! with fewer KV heads than the degree, and the 2-D Ulysses x ring split (both half the time with
-//! the head layout regathered in the backward). Every configuration that the methods accept must match
+//! the head layout regathered in the backward; half the Ulysses ones, and then the
+//! single-device op, with the backward's row sums from the f32 output). Every configuration that the methods accept must match
 //! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
 
 use candle_core::{Result, Tensor};
-use candle_cp_ops::attention::{attention_docs_mask_slow, Mask};
+use candle_cp_ops::attention::{attention_docs_mask_slow, attention_docs_mask_with, Mask, RowSums};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
@@ -39,7 +40,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
-    let mut regathered = 0;
+    let (mut regathered, mut f32_rows) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -70,13 +71,21 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         // its own, so the other draws of every seed stay what they were)
         let uly = matches!(method, Method::Ulysses(_) | Method::Usp { .. });
         let heads = if uly && rng(700_000 + seed).below(2) == 0 { HeadLayout::Regathered } else { HeadLayout::Kept };
+        // Ulysses: half of them take the backward's row sums from the f32 output (own stream;
+        // f32 inputs: the same values through the attached raw forward and backward), and then
+        // the single-device op does too
+        let row_sums = match method {
+            Method::Ulysses(_) if rng(710_000 + seed).below(2) == 0 => RowSums::F32,
+            _ => RowSums::Output,
+        };
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
             _ => format!("P {p}"),
         };
         let what = format!(
-            "config {seed}: {method:?} {ranks}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}",
-            if heads == HeadLayout::Regathered { " heads regathered" } else { "" }
+            "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}",
+            if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
+            if row_sums == RowSums::F32 { " f32 row sums" } else { "" }
         );
 
         let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
@@ -116,7 +125,11 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             Method::Ulysses(_) | Method::Usp { .. } if row_lens.is_some() => continue,
             Method::Ulysses(l) => {
                 let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(case.causal, case.scale) };
-                run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads))
+                if row_sums == RowSums::F32 {
+                    let single = fwd_bwd(&case, &|q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, case.scale, RowSums::F32))?;
+                    check(&single, &case.reference, &tol, &format!("{what}, single-device op with f32 row sums"))?;
+                }
+                run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads).with_row_sums(row_sums))
             }
             Method::Usp { u, r } => {
                 let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(case.causal, case.scale) };
@@ -136,6 +149,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 allgather += matches!(method, Method::Cp(CpMethod::AllGather(_))) as usize;
                 per_row += row_lens.is_some() as usize;
                 regathered += (heads == HeadLayout::Regathered) as usize;
+                f32_rows += (row_sums == RowSums::F32) as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -147,10 +161,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}"
     );
     assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows)] {
         assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())

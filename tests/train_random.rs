@@ -21,7 +21,7 @@ use candle_cp_llama::train::{
     train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, Rng, StepMetrics, TrainConfig, TrainOutcome,
     WarmupCosine,
 };
-use candle_cp_llama::LlamaConfig;
+use candle_cp_llama::{LlamaConfig, RowSums};
 use candle_cp_tests::draws::{pick, rng, seeds};
 
 const CONFIGS: u64 = 24;
@@ -47,7 +47,7 @@ const FIRST_STEP: (f64, f64) = (1e-5, 1e-4);
 const LATER_STEPS: (f64, f64) = (1e-4, 1e-3);
 
 /// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`; Ulysses and
-/// 2-D at CP 4 with the head layout regathered), TP 2 with or without SP in a third of the
+/// 2-D at CP 4 with the head layout regathered, Ulysses at CP 2 with f32 row sums), TP 2 with or without SP in a third of the
 /// draws, DP 2 in half.
 fn draw_layout(d: &mut Rng) -> Layout {
     let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
@@ -60,6 +60,11 @@ fn draw_layout(d: &mut Rng) -> Layout {
     // so every seed's other draws stay what they were)
     if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && cp == 4 {
         layout = layout.with_head_layout(HeadLayout::Regathered);
+    }
+    // Ulysses at CP 2: the backward's row sums from the f32 output (the same in f32; in bf16
+    // the residual is kept and read)
+    if kind == CpKind::Ulysses && cp == 2 {
+        layout = layout.with_row_sums(RowSums::F32);
     }
     let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
     if with_tp {
