@@ -140,7 +140,7 @@ fn random_plans_are_consistent() {
         let (pp, v, k) = (inp.layout.pp as f64, inp.layout.virtual_stages as f64, n("/step/micro_batches"));
         assert_eq!(k as usize, inp.micro_batches.unwrap_or(inp.layout.pp), "{what}: micro-batches");
         assert!(close(n("/step/bubble_fraction"), (pp - 1.0) / (v * k + pp - 1.0)), "{what}: bubble");
-        assert!(close(n("/step/step_s"), sum(&["/step/compute_s", "/step/sync_exposed_s"])), "{what}: step");
+        assert!(close(n("/step/step_s"), sum(&["/step/compute_s", "/step/pp_exposed_s", "/step/sync_exposed_s"])), "{what}: step");
         assert!(n("/step/step_s") <= n("/step/step_s_no_overlap") * (1.0 + 1e-12), "{what}: overlap made the step slower");
         assert!(close(n("/step/tokens_per_step"), (inp.micro_batch * inp.seq * inp.layout.dp) as f64 * k), "{what}: tokens per step");
         let mfu = n("/step/mfu");

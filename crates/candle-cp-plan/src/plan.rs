@@ -461,8 +461,8 @@ pub fn link_busy_per_layer(parts: &[(Link, f64, f64)], link: Link, hw: &Hardware
 
 /// Memory when it does not fit (naming the larger part), else the largest share of the
 /// optimizer step on the busiest GPU: the per-layer parts over its layers and micro-batches
-/// (the head counted with the linear layers), the pipeline bubble, the gradient sync left
-/// exposed.
+/// (the head counted with the linear layers), the pipeline bubble and its exposed sends, the
+/// gradient sync left exposed.
 #[allow(clippy::too_many_arguments)]
 fn bottleneck(
     fits: bool,
@@ -505,6 +505,7 @@ fn bottleneck(
         ),
         (per_step * t.tp_s, "TP/SP collectives".to_string()),
         (step.compute_s - k * step.stage_s, "pipeline bubble".to_string()),
+        (step.pp_exposed_s, "pipeline sends on the fill and drain".to_string()),
         (step.sync_exposed_s, "gradient sync not hidden".to_string()),
     ];
     let (v, name) =

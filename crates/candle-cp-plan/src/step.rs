@@ -5,7 +5,7 @@
 //!   stage 0 │F1 F2 F3 F4 B1 F5 B2 ... Bk│          the busiest stage runs k forward +
 //!   stage 1 │   F1 F2 F3 B1 ...      Bk │ ...      backward micro-batches; the pipeline
 //!   ...                                            fills and drains around them:
-//!   step = (k + (pp − 1)/v) · stage  +  gradient sync left exposed
+//!   step = (k + (pp − 1)/v) · stage  +  fill / drain sends  +  gradient sync left exposed
 //! ```
 //!
 //! - `stage` = the busiest GPU's layers ([`crate::memory::layers_per_stage`]: `⌈L/pp⌉`, or
@@ -16,10 +16,13 @@
 //!   stage).
 //! - The fill and drain take `(pp − 1)` stage-times, `v` times fewer under Megatron's
 //!   interleaved schedule: the bubble is `(pp − 1)/(v·k + pp − 1)`. The point-to-point
-//!   activation sends between stages are not counted (they overlap compute in 1F1B; the
-//!   interleaved schedule sends `v` times as many); they are reported
-//!   ([`StepTime::pp_sends_bytes`]: `2·v·(s/cp)·b·h·e/t` per micro-batch per GPU, the
-//!   activations forward and their gradients backward, TP-sharded as Megatron sends them).
+//!   activation sends between stages ([`StepTime::pp_sends_bytes`]: `2·v·(s/cp)·b·h·e/t` per
+//!   micro-batch per GPU, the activations forward and their gradients backward, TP-sharded as
+//!   Megatron sends them) overlap compute in the steady 1F1B phase; on the fill and the drain
+//!   each stage waits for its neighbour's: `pp − 1` one-way sends of one chunk's activations
+//!   forward and `pp − 1` of their gradients backward are exposed, whatever `v`
+//!   ([`StepTime::pp_exposed_s`] = `2·(pp − 1)` sends of `pp_sends_bytes/(2·v)` bytes =
+//!   `(pp − 1)·pp_sends_s / v`). Launch and collective latencies are not modelled.
 //! - The gradient sync ([`crate::grad_sync`]) is counted as exposed after the last backward,
 //!   in full ([`Overlap::None`]) or by its overlapped formulas.
 //! - Model FLOPs exclude recomputation: `dp·k·(L·(linear + attention, fwd + bwd) + 3·logits)`
@@ -108,6 +111,10 @@ pub struct StepTime {
     pub pp_sends_bytes: f64,
     /// `pp_sends_bytes` over the link between stages, s.
     pub pp_sends_s: f64,
+    /// The sends on the pipeline's fill and drain path, exposed: `(pp − 1)·pp_sends_s / v`
+    /// (`2·(pp − 1)` one-way sends of one chunk's activations or their gradients), s; 0
+    /// without PP.
+    pub pp_exposed_s: f64,
     /// Pipeline bubble `(pp − 1)/(v·k + pp − 1)`.
     pub bubble_fraction: f64,
     /// `(k + (pp − 1)/v) · stage_s`, s.
@@ -116,7 +123,7 @@ pub struct StepTime {
     pub overlap: Overlap,
     /// Gradient synchronisation left exposed under `overlap`, s.
     pub sync_exposed_s: f64,
-    /// `compute_s + sync_exposed_s`, s.
+    /// `compute_s + pp_exposed_s + sync_exposed_s`, s.
     pub step_s: f64,
     /// The same with nothing overlapped, s.
     pub step_s_no_overlap: f64,
@@ -177,8 +184,10 @@ pub fn step_time(i: &StepInput) -> StepTime {
     let (kf, pp, v) = (k as f64, i.pp.max(1) as f64, i.virtual_stages.max(1) as f64);
     let stage_s = i.stage_layers as f64 * i.layer_s + i.head_s;
     let compute_s = (kf + (pp - 1.0) / v) * stage_s;
+    let pp_sends_s = if i.pp_sends_bytes > 0.0 { i.pp_sends_bytes / i.pp_link_bw } else { 0.0 };
+    let pp_exposed_s = (pp - 1.0) * pp_sends_s / v;
     let sync_exposed_s = i.overlap.exposed_s(i.grad_sync);
-    let step_s = compute_s + sync_exposed_s;
+    let step_s = compute_s + pp_exposed_s + sync_exposed_s;
     let tokens_per_step = i.dp as f64 * kf * i.tokens;
     let model_flops_per_step =
         i.dp as f64 * kf * (i.layers as f64 * i.layer_model_flops + i.head_model_flops);
@@ -190,13 +199,14 @@ pub fn step_time(i: &StepInput) -> StepTime {
         head_s: i.head_s,
         stage_s,
         pp_sends_bytes: i.pp_sends_bytes,
-        pp_sends_s: if i.pp_sends_bytes > 0.0 { i.pp_sends_bytes / i.pp_link_bw } else { 0.0 },
+        pp_sends_s,
+        pp_exposed_s,
         bubble_fraction: (pp - 1.0) / (v * kf + pp - 1.0),
         compute_s,
         overlap: i.overlap,
         sync_exposed_s,
         step_s,
-        step_s_no_overlap: compute_s + i.grad_sync.seconds_per_step,
+        step_s_no_overlap: compute_s + pp_exposed_s + i.grad_sync.seconds_per_step,
         tokens_per_step,
         tokens_per_s_per_gpu: per_gpu(tokens_per_step),
         model_flops_per_step,
@@ -212,7 +222,7 @@ mod tests {
     use crate::{Hardware, Layout};
 
     /// PP 4 with k = 4: a bubble of 3/7 (3/11 interleaved with v = 2); 2 layers of 1 s + a
-    /// 0.5 s head per stage.
+    /// 0.5 s head per stage; 1 GB sent per micro-batch at 50 GB/s.
     #[test]
     fn pipeline_bubble_and_throughput() {
         let hw = Hardware::preset("h100").unwrap();
@@ -242,7 +252,9 @@ mod tests {
         assert_eq!(t.compute_s, 7.0 * 2.5);
         assert_eq!(t.bubble_fraction, 3.0 / 7.0);
         assert_eq!(t.pp_sends_s, 0.02);
-        assert_eq!(t.step_s, 17.5 + g.seconds_per_step);
+        // the fill's 3 forward sends and the drain's 3 backward sends, 10 ms each
+        assert_eq!(t.pp_exposed_s, 3.0 * 0.02);
+        assert_eq!(t.step_s, 17.5 + t.pp_exposed_s + g.seconds_per_step);
         assert_eq!(t.step_s, t.step_s_no_overlap);
         assert_eq!(t.tokens_per_step, 2.0 * 4.0 * 4096.0);
         assert_eq!(t.model_flops_per_step, 8.0 * (8e15 + 2e14));
@@ -270,5 +282,11 @@ mod tests {
         assert_eq!(v2.compute_s, (4.0 + 1.5) * 2.5);
         assert_eq!(v2.bubble_fraction, 3.0 / 11.0);
         assert!((v2.bubble_fraction - 1.5 / 5.5).abs() < 1e-15);
+        // the same 2·(pp − 1) one-way sends of a chunk's activations, a chunk being 1/v of
+        // what a micro-batch sends
+        assert_eq!(v2.pp_exposed_s, 3.0 * 0.02 / 2.0);
+        // no PP: nothing to send
+        let flat = step_time(&StepInput { pp: 1, pp_sends_bytes: 0.0, ..i.clone() });
+        assert_eq!(flat.pp_exposed_s, 0.0);
     }
 }

@@ -46,7 +46,8 @@ fn cast3(g: (Tensor, Tensor, Tensor), qdt: candle_core::DType, kdt: candle_core:
 /// [`super::attention`] with [`RowSums::F32`] (shapes already checked): the raw forward on
 /// detached inputs (f32 output), the raw backward attached with the rebuilt f32 output.
 pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
+    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let (out32, lse) = attention_fwd(&qd, &kd, &vd, mask, scale)?;
     let (m, l, qdt, kdt) = (*mask, lse.clone(), q.dtype(), k.dtype());
     let bwd: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
@@ -59,7 +60,8 @@ pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, sca
 /// [`super::attention_band`] with [`RowSums::F32`] (checked; `band` holds its device copy
 /// where the kernels want one).
 pub(super) fn attention_band_f32(q: &Tensor, k: &Tensor, v: &Tensor, band: Band, scale: f64) -> Result<(Tensor, Tensor)> {
-    let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
+    // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
+    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let (out32, lse) = attention_fwd_band(&qd, &kd, &vd, &band, scale)?;
     let (l, qdt, kdt) = (lse.clone(), q.dtype(), k.dtype());
     let bwd: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
