@@ -58,12 +58,13 @@ struct Args {
     /// activation memory, 50% more all-to-all volume). Same training, bit for bit.
     #[arg(long)]
     regather_heads: bool,
-    /// bf16 / f16 on one device or --cp-kind ulysses: take the attention backward's row sums
-    /// from the f32 output (its bf16 rounding residual kept, 2 bytes per attention output
-    /// element) instead of the 16-bit one: dq and dk as accurate as the ring's. The ring kinds
-    /// and 2d always do this.
+    /// bf16 / f16: where the attention backward's row sums take the output from. f32: the f32
+    /// output (its bf16 rounding residual kept, 2 bytes per attention output element; dq and
+    /// dk as accurate as with f32 outputs); output: the returned 16-bit output (nothing kept,
+    /// FlashAttention's choice). [default: f32 for the ring kinds and 2d, output on one device
+    /// and for ulysses]
     #[arg(long)]
-    f32_row_sums: bool,
+    row_sums: Option<String>,
     /// Tensor-parallel degree.
     #[arg(long, default_value_t = 1)]
     tp: usize,
@@ -240,8 +241,13 @@ fn layout(a: &Args) -> Result<Layout> {
         bail!("--regather-heads applies to --cp-kind ulysses or 2d, not {kind}")
     }
     let heads = if a.regather_heads { HeadLayout::Regathered } else { HeadLayout::Kept };
-    let rows = if a.f32_row_sums { RowSums::F32 } else { RowSums::Output };
-    let l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads).with_row_sums(rows);
+    let mut l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads);
+    match a.row_sums.as_deref() {
+        None => {}
+        Some("f32") => l = l.with_row_sums(RowSums::F32),
+        Some("output") => l = l.with_row_sums(RowSums::Output),
+        Some(x) => bail!("--row-sums {x}: expected f32 or output"),
+    }
     l.check_degrees()?;
     Ok(l)
 }
@@ -471,12 +477,12 @@ fn main() -> Result<()> {
     }
     if a.dtype != "f32" {
         let rs = layout.effective_row_sums();
-        let why = match (rs, a.f32_row_sums) {
-            (RowSums::F32, true) => "(--f32-row-sums: a bf16 residual per attention output element)",
-            (RowSums::F32, false) => "(always, for this CP kind)",
-            _ => "(--f32-row-sums keeps a bf16 residual per output element for dq, dk as accurate as the ring's)",
+        let how = if layout.row_sums.is_some() { "--row-sums" } else { "this CP kind's default" };
+        let what = match rs {
+            RowSums::F32 => "a bf16 residual kept per attention output element; --row-sums output keeps none",
+            RowSums::Output => "nothing kept; --row-sums f32 keeps a bf16 residual per output element for more accurate dq, dk",
         };
-        say!("row sums : the attention backward takes them {rs} {why}");
+        say!("row sums : the attention backward takes them {rs} ({how}: {what})");
     }
     if replicas > 1 {
         let how = if a.zero2 {

@@ -12,7 +12,9 @@
 //! kernels), checked with the oracle's f32 bounds. The reference is the CPU's single-device
 //! `attention_docs_mask` (autograd), which `tests/cp_random.rs` checks against the dense
 //! reference; the draws are `tests/draws.rs`'s. Half the Ulysses draws take the backward's
-//! row sums from the f32 output (`RowSums::F32`) and then also run the single-device op so. 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
+//! row sums from the f32 output (`RowSums::F32`) and then also run the single-device op so;
+//! half the ring and all-gather draws take them from the returned output (`RowSums::Output`).
+//! 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` instead, to search further.
 
 use super::{case_to, report_metrics, Report};
@@ -63,11 +65,16 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
         let uly = matches!(method, Method::Ulysses(_) | Method::Usp { .. });
         let heads = if uly && rng(700_000 + seed).below(2) == 0 { HeadLayout::Regathered } else { HeadLayout::Kept };
         // Ulysses: half of them take the backward's row sums from the f32 output, and then the
-        // single-device op does too (own stream)
+        // single-device op does too; ring / all-gather: half of them from the returned output
+        // (own stream)
+        let half = rng(710_000 + seed).below(2) == 0;
         let rows = match method {
-            Method::Ulysses(_) if rng(710_000 + seed).below(2) == 0 => RowSums::F32,
-            _ => RowSums::Output,
+            Method::Ulysses(_) if half => RowSums::F32,
+            Method::Cp(_) if half => RowSums::Output,
+            Method::Ulysses(_) => RowSums::Output,
+            _ => RowSums::F32,
         };
+        let single_f32_rows = matches!(method, Method::Ulysses(_)) && rows == RowSums::F32;
         let ranks = match method {
             Method::Usp { r } => format!("U 2 x R {r}"),
             _ => format!("P{p}"),
@@ -75,7 +82,11 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
         let name = format!(
             "random {seed} {method:?} {ranks}{}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
-            if rows == RowSums::F32 { " f32 row sums" } else { "" },
+            match (&method, rows) {
+                (Method::Ulysses(_), RowSums::F32) => " f32 row sums",
+                (Method::Cp(_), RowSums::Output) => " output row sums",
+                _ => "",
+            },
             if bf16 { "bf16" } else { "f32" },
             if causal { "causal" } else { "full" }
         );
@@ -102,7 +113,7 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
                 if let Some(w) = window {
                     opts = opts.with_window(w);
                 }
-                run_case_cp_with(&g, m, p, timeout, opts)
+                run_case_cp_with(&g, m, p, timeout, opts.with_row_sums(rows))
             }
             Method::Ulysses(l) => {
                 let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(g.causal, g.scale) };
@@ -114,7 +125,7 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
         };
         check_run(rep, &name, run.map(|r| r.outputs), &case, bf16)?;
-        if rows == RowSums::F32 {
+        if single_f32_rows {
             // the single-device op with f32 row sums on the GPU (its raw forward and backward
             // attached, the bf16 residual rebuilding the f32 output)
             let single = run_single_with(&g, |q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, g.scale, RowSums::F32));

@@ -8,7 +8,8 @@
 //! degrees 2..4 on every layout, odd `block_rows`, different documents per batch row, Ulysses
 //! with fewer KV heads than the degree, and the 2-D Ulysses x ring split (both half the time with
 //! the head layout regathered in the backward; half the Ulysses ones, and then the
-//! single-device op, with the backward's row sums from the f32 output). Every configuration that the methods accept must match
+//! single-device op, with the backward's row sums from the f32 output, half the ring and
+//! all-gather ones from the returned output). Every configuration that the methods accept must match
 //! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
@@ -40,7 +41,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
-    let (mut regathered, mut f32_rows) = (0, 0);
+    let (mut regathered, mut f32_rows, mut out_rows) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -76,7 +77,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         // the single-device op does too
         let row_sums = match method {
             Method::Ulysses(_) if rng(710_000 + seed).below(2) == 0 => RowSums::F32,
-            _ => RowSums::Output,
+            Method::Ulysses(_) => RowSums::Output,
+            // ring / all-gather: half of them from the returned output (no residual kept)
+            _ if rng(710_000 + seed).below(2) == 0 => RowSums::Output,
+            _ => RowSums::F32,
         };
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
@@ -85,7 +89,11 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         let what = format!(
             "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
-            if row_sums == RowSums::F32 { " f32 row sums" } else { "" }
+            match (&method, row_sums) {
+                (Method::Ulysses(_), RowSums::F32) => " f32 row sums",
+                (Method::Cp(_), RowSums::Output) => " output row sums",
+                _ => "",
+            }
         );
 
         let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
@@ -112,7 +120,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
 
         let run = match method {
             Method::Cp(m) => {
-                let opts = CpOpts { block_rows, ..CpOpts::default() };
+                let opts = CpOpts { block_rows, ..CpOpts::default() }.with_row_sums(row_sums);
                 let mut opts = match row_lens {
                     Some(_) => opts.with_row_documents(rows.clone()),
                     None => opts.with_documents(docs.clone()),
@@ -149,7 +157,8 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 allgather += matches!(method, Method::Cp(CpMethod::AllGather(_))) as usize;
                 per_row += row_lens.is_some() as usize;
                 regathered += (heads == HeadLayout::Regathered) as usize;
-                f32_rows += (row_sums == RowSums::F32) as usize;
+                f32_rows += matches!(method, Method::Ulysses(_) if row_sums == RowSums::F32) as usize;
+                out_rows += matches!(method, Method::Cp(_) if row_sums == RowSums::Output) as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -161,10 +170,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}, ring / all-gather with output row sums {out_rows}"
     );
     assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows), ("output row sums", out_rows)] {
         assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())

@@ -369,19 +369,24 @@ fn regathered_heads_match_kept() {
     }
 }
 
-/// The attention backward's row sums from the f32 output (`--f32-row-sums`) change nothing in
-/// f32 (nothing is rounded): one device, TP 2 + SP and Ulysses 2 (head layout kept and
-/// regathered) give the default run's logits, loss and every gradient bit for bit, and the
-/// oracle's. (bf16: `tests/bf16_precision.rs`, `tests/ulysses_sp/head_layout.rs`.)
+/// Where the attention backward's row sums come from (`--row-sums f32|output`) changes nothing
+/// in f32 (nothing is rounded): one device, TP 2 + SP and Ulysses 2 (head layout kept and
+/// regathered) with f32 row sums, the zigzag ring 2 and 2-D 2 × 2 with the output's, give the
+/// default run's logits, loss and every gradient bit for bit, and the oracle's. (bf16:
+/// `tests/bf16_precision.rs`, `tests/ulysses_sp/head_layout.rs`; memory:
+/// `tests/plan_activations.rs`.)
 #[test]
-fn f32_row_sums_change_nothing_in_f32() {
+fn row_sums_change_nothing_in_f32() {
     use candle_cp_llama::{HeadLayout, RowSums};
     let d = data();
     let ids = &d.reference.input_ids;
     let ulysses = Layout::cp(CpKind::Ulysses, 2);
-    for layout in [Layout::single(), Layout::single().with_tp(2, true), ulysses, ulysses.with_head_layout(HeadLayout::Regathered)] {
+    let f32_rows = [Layout::single(), Layout::single().with_tp(2, true), ulysses, ulysses.with_head_layout(HeadLayout::Regathered)];
+    let out_rows = [Layout::cp(CpKind::Zigzag, 2), Layout::two_d(2, 2)];
+    let cases = f32_rows.map(|l| (l, RowSums::F32)).into_iter().chain(out_rows.map(|l| (l, RowSums::Output)));
+    for (layout, rows) in cases {
         let base = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
-        let layout = layout.with_row_sums(RowSums::F32);
+        let layout = layout.with_row_sums(rows);
         let rs = run_layout(&d.full, &d.cfg, ids, layout, &Device::Cpu).unwrap_or_else(|e| panic!("{layout}: {e}"));
         let grad = base.grads.iter().zip(&rs.grads).map(|((na, a), (nb, b))| {
             assert_eq!(na, nb);

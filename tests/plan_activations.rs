@@ -17,13 +17,14 @@
 //! copies, the ring's bf16 output residual); with the head layout regathered in the backward
 //! (`HeadLayout::Regathered`) Ulysses keeps the Llama count and 2-D the ring's. With the
 //! backward's row sums from the f32 output (`RowSums::F32`), one device and Ulysses keep the
-//! output's bf16 rounding residual in bf16 (the ring's term), nothing more in f32.
+//! output's bf16 rounding residual in bf16 (the ring's term), nothing more in f32; with them
+//! from the returned output (`RowSums::Output`) the ring and 2-D keep none.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::Layout;
 use candle_cp_llama::HeadLayout::Regathered;
-use candle_cp_llama::RowSums::F32 as F32Rows;
+use candle_cp_llama::RowSums::{Output as OutRows, F32 as F32Rows};
 use candle_cp_llama::{init_params_sharded, shard_batch, CpKind, Llama, LlamaConfig, ParallelCtx};
 use candle_cp_plan::memory::{candle_cp_per_gpu, llama_per_gpu};
 use candle_cp_plan::{CpKind as PlanCp, Layout as PlanLayout, ModelConfig, Recompute};
@@ -88,7 +89,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
-    let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: true, ..l };
+    let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };
+    let out_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(false), ..l };
     let cases: Vec<(&str, Layout, PlanLayout, bool)> = vec![
         ("one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
         ("tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
@@ -105,6 +107,9 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("one device, f32 row sums", Layout::single().with_row_sums(F32Rows), f32_rows(plan(1, false, 1, PlanCp::Ring, 1)), false),
         ("ulysses 2, f32 row sums", Layout::cp(CpKind::Ulysses, 2).with_row_sums(F32Rows), f32_rows(plan(1, false, 2, PlanCp::Ulysses, 2)), false),
         ("ulysses 4, regathered, f32 rows", Layout::cp(CpKind::Ulysses, 4).with_head_layout(Regathered).with_row_sums(F32Rows), f32_rows(regathered(plan(1, false, 4, PlanCp::Ulysses, 4))), false),
+        ("zigzag ring 2, output row sums", Layout::cp(CpKind::Zigzag, 2).with_row_sums(OutRows), out_rows(plan(1, false, 2, PlanCp::Ring, 1)), false),
+        ("2-d 2 x 2, output row sums", Layout::two_d(2, 2).with_row_sums(OutRows), out_rows(plan(1, false, 4, PlanCp::TwoD, 2)), false),
+        ("2-d regathered, output rows", Layout::two_d(2, 2).with_head_layout(Regathered).with_row_sums(OutRows), out_rows(regathered(plan(1, false, 4, PlanCp::TwoD, 2))), false),
         ("tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
         ("one device, recompute", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), true),
         ("tp 2 + sp, zigzag 2, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), true),

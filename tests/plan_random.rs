@@ -87,7 +87,7 @@ fn random_plans_are_consistent() {
             recompute: pick(&mut d, &[Recompute::None, Recompute::Selective, Recompute::Full]),
             flash: d.below(8) != 0,
             regather_heads: false,
-            f32_row_sums: false,
+            f32_row_sums: None,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);
         let mut inp = PlanInput::new(model, hw, layout, seq);
@@ -103,7 +103,7 @@ fn random_plans_are_consistent() {
         if d.below(3) == 0 {
             inp.activation_model = ActivationModel::CandleCp;
         }
-        inp.layout.f32_row_sums = d.below(2) == 0;
+        inp.layout.f32_row_sums = pick(&mut d, &[None, Some(true), Some(false)]);
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
             Ok(p) => serde_json::to_value(&p).expect("a plan serialises"),

@@ -47,7 +47,8 @@ const FIRST_STEP: (f64, f64) = (1e-5, 1e-4);
 const LATER_STEPS: (f64, f64) = (1e-4, 1e-3);
 
 /// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`; Ulysses and
-/// 2-D at CP 4 with the head layout regathered, Ulysses at CP 2 with f32 row sums), TP 2 with or without SP in a third of the
+/// 2-D at CP 4 with the head layout regathered, Ulysses at CP 2 with f32 row sums, all-gather
+/// and 2-D at CP 4 with the output's), TP 2 with or without SP in a third of the
 /// draws, DP 2 in half.
 fn draw_layout(d: &mut Rng) -> Layout {
     let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
@@ -65,6 +66,10 @@ fn draw_layout(d: &mut Rng) -> Layout {
     // the residual is kept and read)
     if kind == CpKind::Ulysses && cp == 2 {
         layout = layout.with_row_sums(RowSums::F32);
+    }
+    // all-gather and 2-D at CP 4: the row sums from the returned output (no residual kept)
+    if matches!(kind, CpKind::AllGather | CpKind::TwoD) && cp == 4 {
+        layout = layout.with_row_sums(RowSums::Output);
     }
     let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
     if with_tp {

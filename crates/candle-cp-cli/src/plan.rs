@@ -77,11 +77,12 @@ pub struct CommonArgs {
     /// memory under --activations candle-cp, more Ulysses backward bytes.
     #[arg(long)]
     pub regather_heads: bool,
-    /// One device and Ulysses: the attention backward's row sums from the f32 output
-    /// (finetune_llama --f32-row-sums): the output's bf16 rounding residual joins the
-    /// candle-cp count for 16-bit activations (the ring kinds and 2-D always keep it).
+    /// Where the attention backward's row sums come from (finetune_llama --row-sums): f32
+    /// (the output's bf16 rounding residual joins the candle-cp count for 16-bit activations)
+    /// or output (none) [default: f32 for the ring kinds and 2d, output on one device and for
+    /// ulysses].
     #[arg(long)]
-    pub f32_row_sums: bool,
+    pub row_sums: Option<String>,
     /// dK/dV accumulated and sent in fp32 in the CP backward.
     #[arg(long)]
     pub dkv_fp32: bool,
@@ -171,7 +172,12 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     let layout = Layout {
         flash: !a.no_flash,
         regather_heads: a.regather_heads,
-        f32_row_sums: a.f32_row_sums,
+        f32_row_sums: match a.row_sums.as_deref() {
+            None => None,
+            Some("f32") => Some(true),
+            Some("output") => Some(false),
+            Some(x) => anyhow::bail!("--row-sums {x}: expected f32 or output"),
+        },
         ..layout
     };
     if a.doc_len == Some(0) {
@@ -211,7 +217,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         recompute: Recompute::parse(&a.recompute)?,
         flash: true,
         regather_heads: false,
-        f32_row_sums: false,
+        f32_row_sums: None,
     };
     let mut input = input_from_common(&a.common, layout)?;
     input.micro_batches = a.micro_batches;

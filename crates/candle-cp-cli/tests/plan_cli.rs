@@ -481,24 +481,27 @@ fn plan_regather_heads_flag() {
     );
 }
 
-/// `plan --f32-row-sums`: Ulysses 16 at 405B / 128k (bf16, candle-cp count) keeps the output's
-/// bf16 residual, `2·a_t·d·c` bytes per layer and GPU (16 heads per TP rank, d = 128,
-/// c = 8192 tokens), the Ulysses bytes unchanged; the ring kinds keep it already.
+/// `plan --row-sums f32|output`: Ulysses 16 at 405B / 128k (bf16, candle-cp count) keeps the
+/// output's bf16 residual with `f32`, `2·a_t·d·c` bytes per layer and GPU (16 heads per TP
+/// rank, d = 128, c = 8192 tokens), the Ulysses bytes unchanged; the ring keeps it by default
+/// and drops it with `output`.
 #[test]
-fn plan_f32_row_sums_flag() {
+fn plan_row_sums_flag() {
     let base = ["--model", "llama3-405b", "--seq", "131072", "--tp", "8", "--sp", "--cp", "16", "--activations", "candle-cp"];
     let num = |v: &serde_json::Value, p: &str| v.pointer(p).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {p}"));
     let per_gpu = "/activation_bytes_per_layer_per_gpu";
-    for (kind, added) in [("ulysses", 2.0 * 16.0 * 128.0 * 8192.0), ("ring", 0.0)] {
+    let residual = 2.0 * 16.0 * 128.0 * 8192.0;
+    for (kind, rows, added) in [("ulysses", "f32", residual), ("ulysses", "output", 0.0), ("ring", "f32", 0.0), ("ring", "output", -residual)] {
         let mut args = base.to_vec();
         args.extend(["--cp-kind", kind]);
         let default = plan_json(&args);
-        args.push("--f32-row-sums");
-        let rows = plan_json(&args);
-        assert_eq!(rows.pointer("/input/layout/f32_row_sums").and_then(|x| x.as_bool()), Some(true));
-        assert_eq!(num(&rows, per_gpu) - num(&default, per_gpu), added, "{kind}");
+        assert!(default.pointer("/input/layout/f32_row_sums").is_some_and(|x| x.is_null()));
+        args.extend(["--row-sums", rows]);
+        let set = plan_json(&args);
+        assert_eq!(set.pointer("/input/layout/f32_row_sums").and_then(|x| x.as_bool()), Some(rows == "f32"));
+        assert_eq!(num(&set, per_gpu) - num(&default, per_gpu), added, "{kind} {rows}");
         if kind == "ulysses" {
-            assert_eq!(num(&rows, "/ulysses/bwd_bytes_per_layer"), num(&default, "/ulysses/bwd_bytes_per_layer"));
+            assert_eq!(num(&set, "/ulysses/bwd_bytes_per_layer"), num(&default, "/ulysses/bwd_bytes_per_layer"));
         }
     }
 }

@@ -96,7 +96,7 @@ fn attend_one(
     };
     if l.cp == 1 {
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
-        let rs = l.row_sums;
+        let rs = l.effective_row_sums();
         return Ok(match (&shared, &rows) {
             (Some(d), _) => attention_docs_mask_with(q, k, v, d, &mask, scale, rs)?.0,
             (None, Some(rows)) => attention_band_with(q, k, v, &Band::documents(q.dim(1)?, rows, true, window)?, scale, rs)?.0,
@@ -107,7 +107,7 @@ fn attend_one(
         documents: shared.clone(),
         row_documents: rows.clone(),
         window,
-        ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale)
+        ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale).with_row_sums(l.effective_row_sums())
     };
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
@@ -117,7 +117,7 @@ fn attend_one(
                 documents: shared,
                 row_documents: rows,
                 window,
-                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout).with_row_sums(l.row_sums)
+                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout).with_row_sums(l.effective_row_sums())
             };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }

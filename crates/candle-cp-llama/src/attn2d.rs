@@ -29,7 +29,7 @@ pub fn attend_2d(
         documents: docs,
         row_documents: row_docs,
         window,
-        ..UspOpts::new(true, scale).with_head_layout(ctx.layout.head_layout)
+        ..UspOpts::new(true, scale).with_head_layout(ctx.layout.head_layout).with_row_sums(ctx.layout.effective_row_sums())
     };
     Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

@@ -116,10 +116,11 @@ pub struct Layout {
     /// [`HeadLayout`]): [`HeadLayout::Regathered`] keeps only the sequence layout and
     /// all-to-alls q, k, v and the output again in the backward. Ignored by the other kinds.
     pub head_layout: HeadLayout,
-    /// Where the attention backward's row sums take the output from (see [`RowSums`]) on one
-    /// device (`cp = 1`) and under Ulysses; the ring kinds and 2-D always take them from the f32
-    /// output. Changes nothing for f32 weights.
-    pub row_sums: RowSums,
+    /// Where the attention backward's row sums take the output from (see [`RowSums`]);
+    /// `None`: each kind's default ([`Layout::default_row_sums`]: from the f32 output for the
+    /// ring kinds and 2-D, from the returned output on one device and under Ulysses). Changes
+    /// nothing for f32 weights.
+    pub row_sums: Option<RowSums>,
 }
 
 impl Default for Layout {
@@ -140,7 +141,7 @@ impl Layout {
             ulysses: 1,
             ring: 1,
             head_layout: HeadLayout::Kept,
-            row_sums: RowSums::Output,
+            row_sums: None,
         }
     }
     /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
@@ -179,20 +180,26 @@ impl Layout {
         self.head_layout = head_layout;
         self
     }
-    /// Same layout with the attention backward's row sums taken as `row_sums` says (one
-    /// device and Ulysses; see [`Layout::row_sums`]).
+    /// Same layout with the attention backward's row sums taken as `row_sums` says (see
+    /// [`Layout::row_sums`]).
     pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
-        self.row_sums = row_sums;
+        self.row_sums = Some(row_sums);
         self
     }
-    /// Where this layout's attention backward takes its row sums from: [`RowSums::F32`] for
-    /// the ring kinds and 2-D (always), else [`Layout::row_sums`].
-    pub fn effective_row_sums(&self) -> RowSums {
+    /// Where this kind's attention backward takes its row sums from unless told:
+    /// [`RowSums::F32`] for the ring kinds and 2-D (their output's bf16 residual kept),
+    /// [`RowSums::Output`] on one device and under Ulysses (FlashAttention's choice).
+    pub fn default_row_sums(&self) -> RowSums {
         match self.cp_kind {
-            _ if self.cp == 1 => self.row_sums,
-            CpKind::Ulysses => self.row_sums,
+            _ if self.cp == 1 => RowSums::Output,
+            CpKind::Ulysses => RowSums::Output,
             _ => RowSums::F32,
         }
+    }
+    /// Where this layout's attention backward takes its row sums from: [`Layout::row_sums`],
+    /// else [`Layout::default_row_sums`].
+    pub fn effective_row_sums(&self) -> RowSums {
+        self.row_sums.unwrap_or_else(|| self.default_row_sums())
     }
     /// Same layout with data parallelism `dp`.
     pub fn with_dp(mut self, dp: usize) -> Self {
@@ -263,8 +270,10 @@ impl fmt::Display for Layout {
         if self.head_layout == HeadLayout::Regathered && matches!(self.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
             f.write_str(" heads-regathered")?;
         }
-        if self.row_sums == RowSums::F32 && (self.cp == 1 || self.cp_kind == CpKind::Ulysses) {
-            f.write_str(" f32-row-sums")?;
+        match self.effective_row_sums() {
+            r if r == self.default_row_sums() => {}
+            RowSums::F32 => f.write_str(" f32-row-sums")?,
+            RowSums::Output => f.write_str(" output-row-sums")?,
         }
         write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)
     }

@@ -213,9 +213,11 @@ impl OutputSlot {
 }
 
 impl KeptOutput {
-    /// From the f32 output and the output `out` returned in the op's dtype.
-    fn new(out32: &Tensor, out: &Tensor) -> Result<Self> {
-        Ok(Self { node: OutputSlot::default(), residual: rounding_residual(out32, out)? })
+    /// From the f32 output and the output `out` returned in the op's dtype; without
+    /// `keep_residual` the backward reads the returned output alone.
+    fn new(out32: &Tensor, out: &Tensor, keep_residual: bool) -> Result<Self> {
+        let residual = if keep_residual { rounding_residual(out32, out)? } else { None };
+        Ok(Self { node: OutputSlot::default(), residual })
     }
 
     /// Record the tensor the op returned: the backward reads it.
@@ -246,8 +248,25 @@ pub fn attach3_from_f32(
     dtype: candle_core::DType,
     bwd: BackwardFromF32,
 ) -> Result<Tensor> {
+    attach3_from_f32_with(name, a, b, c, out32, dtype, true, bwd)
+}
+
+/// [`attach3_from_f32`], keeping the bf16 rounding residual only when `keep_residual`: without
+/// it the backward's `out_f32` is the returned 16-bit output in f32 (nothing extra kept; the
+/// row sums of FlashAttention).
+#[allow(clippy::too_many_arguments)]
+pub fn attach3_from_f32_with(
+    name: &'static str,
+    a: &Tensor,
+    b: &Tensor,
+    c: &Tensor,
+    out32: Tensor,
+    dtype: candle_core::DType,
+    keep_residual: bool,
+    bwd: BackwardFromF32,
+) -> Result<Tensor> {
     let out = out32.to_dtype(dtype)?;
-    let kept = KeptOutput::new(&out32, &out)?;
+    let kept = KeptOutput::new(&out32, &out, keep_residual)?;
     drop(out32);
     let k = kept.clone();
     let out = attach3(name, a, b, c, out, Arc::new(move |g: &Tensor| bwd(&k.f32()?, g)))?;

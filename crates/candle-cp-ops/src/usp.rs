@@ -33,6 +33,7 @@
 //! ring backward between the conjugate all-to-alls (one attached op: dK/dV stay f32 until the
 //! copies are summed).
 
+use crate::attention::RowSums;
 use crate::cp::{self, CpOpts, CpRun, Layout};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::packing::Documents;
@@ -98,8 +99,11 @@ pub struct UspOpts {
     /// What the backward keeps of the Ulysses head layout (default [`HeadLayout::Kept`]:
     /// q, k, v and the output; [`HeadLayout::Regathered`]: none of them, the backward
     /// all-to-alls them again). Either way a 16-bit output's bf16 rounding residual is kept
-    /// for the ring backward's f32 row sums.
+    /// for the ring backward's f32 row sums (unless `row_sums` is [`RowSums::Output`]).
     pub head_layout: HeadLayout,
+    /// Where the ring backward's row sums take the output from (default [`RowSums::F32`], as
+    /// [`CpOpts::row_sums`]).
+    pub row_sums: RowSums,
 }
 
 impl UspOpts {
@@ -113,7 +117,14 @@ impl UspOpts {
             row_documents: None,
             window: None,
             head_layout: HeadLayout::Kept,
+            row_sums: RowSums::F32,
         }
+    }
+
+    /// Same options with the ring backward's row sums taken as `row_sums` says.
+    pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
+        self.row_sums = row_sums;
+        self
     }
 
     /// Same options with the backward keeping `head_layout` (see [`HeadLayout`]).
@@ -195,7 +206,10 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     // The backward's row sums read the f32 output as the output in q's dtype plus its bf16
     // rounding residual (head layout; none for f32), whether the output is kept in the head
     // layout or all-to-alled back from the returned one: both modes compute the same bits.
-    let residual = rounding_residual(&out32, &out_h)?;
+    let residual = match opts.row_sums {
+        RowSums::F32 => rounding_residual(&out32, &out_h)?,
+        RowSums::Output => None,
+    };
     drop(out32);
     let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
     let slot = kept.slot();

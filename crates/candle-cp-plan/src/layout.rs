@@ -149,11 +149,12 @@ pub struct Layout {
     /// Ulysses backward sends the forward's bytes once more ([`crate::comm::ulysses`]).
     /// Ignored by the other kinds.
     pub regather_heads: bool,
-    /// One device (`cp = 1`) and Ulysses: the attention backward's row sums from the f32
-    /// output (candle-cp's `RowSums::F32`, `finetune_llama --f32-row-sums`): the output's bf16
-    /// rounding residual joins [`crate::memory::candle_cp_extra_per_gpu`] for 16-bit
-    /// activations. The ring kinds and 2-D always do this (their count has the term already).
-    pub f32_row_sums: bool,
+    /// Whether the attention backward's row sums come from the f32 output (candle-cp's
+    /// `RowSums`, `finetune_llama --row-sums f32|output`): then the output's bf16 rounding
+    /// residual is in [`crate::memory::candle_cp_extra_per_gpu`] for 16-bit activations.
+    /// `None`: each kind's default ([`Layout::f32_row_sums_or_default`]: yes for the ring kinds
+    /// and 2-D, no on one device and for Ulysses).
+    pub f32_row_sums: Option<bool>,
 }
 
 impl Default for Layout {
@@ -171,12 +172,19 @@ impl Default for Layout {
             recompute: Recompute::None,
             flash: true,
             regather_heads: false,
-            f32_row_sums: false,
+            f32_row_sums: None,
         }
     }
 }
 
 impl Layout {
+    /// [`Layout::f32_row_sums`], else the kind's default: the ring kinds and 2-D take the
+    /// backward's row sums from the f32 output, one device (`cp = 1`) and Ulysses from the
+    /// returned one.
+    pub fn f32_row_sums_or_default(&self) -> bool {
+        self.f32_row_sums.unwrap_or(self.cp > 1 && self.cp_kind != CpKind::Ulysses)
+    }
+
     /// World size `tp·cp·pp·dp`.
     pub fn world(&self) -> usize {
         self.tp * self.cp * self.pp * self.dp

@@ -147,16 +147,14 @@ pub fn llama_per_gpu(
 /// `u` the Ulysses degree, `kv_u = max(kv_t/u, 1)` KV heads per Ulysses rank):
 /// - the attention's log-sum-exp `[B, a_t, c]` f32: `4·a_t·c·b`;
 /// - the two RMSNorm statistics `[B, c/sp_div]` f32: `8·c·b / sp_div`;
-/// - ring / all-gather CP (`cp > 1`) with 16-bit activations: the output's bf16 rounding
-///   residual, which the backward's row sums read: `2·a_t·d·c·b`;
-/// - Ulysses: q, k, v and the output in the head layout: `c·b·e·(2·a_t·d + 2·u·kv_u·d)`;
-/// - 2-D: q, k, v and the output in the head layout, and for 16-bit activations the
-///   output's bf16 rounding residual (the ring backward's f32 row sums; 4 bytes per output
-///   element either way): `c·b·(e·(a_t·d + 2·u·kv_u·d) + 4·a_t·d)`;
-/// - with [`Layout::regather_heads`] neither: Ulysses adds nothing, 2-D the output's bf16
-///   rounding residual with 16-bit activations (`2·a_t·d·c·b`, as the ring);
-/// - with [`Layout::f32_row_sums`] one device and Ulysses keep that residual too (16-bit
-///   activations; Ulysses in the head layout, the same `2·a_t·d·c·b`).
+/// - Ulysses and 2-D keeping their head layout: q, k, v and the output there, in q's dtype:
+///   `c·b·e·(2·a_t·d + 2·u·kv_u·d)` (with [`Layout::regather_heads`] nothing: the backward
+///   all-to-alls them again);
+/// - where the backward's row sums come from the f32 output
+///   ([`Layout::f32_row_sums_or_default`]: by default the ring kinds and 2-D, with
+///   [`Layout::f32_row_sums`] also one device and Ulysses) and activations are 16-bit: the
+///   output's bf16 rounding residual `2·a_t·d·c·b` (Ulysses and 2-D: in the head layout, the
+///   same bytes).
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -177,18 +175,13 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let kv_u = (kv_t / u.max(1)).max(1) as f64;
     let head_kv = 2.0 * u as f64 * kv_u * d;
     // the output's bf16 rounding residual (16-bit activations), for f32 row sums
-    let residual = if e < 4 { 2.0 * a_t * d * c * bf } else { 0.0 };
-    let own_residual = if l.f32_row_sums { residual } else { 0.0 };
-    let attention = match l.cp_kind {
-        _ if l.cp == 1 => own_residual,
-        CpKind::Ring | CpKind::Allgather => residual,
-        // regathered: the head layout is all-to-alled again in the backward; the 2-D op keeps
-        // its output's bf16 rounding residual (16-bit outputs), as the ring does
-        CpKind::Ulysses if l.regather_heads => own_residual,
-        CpKind::TwoD if l.regather_heads => residual,
-        CpKind::Ulysses => c * bf * ef * (2.0 * a_t * d + head_kv) + own_residual,
-        CpKind::TwoD => c * bf * (ef * (a_t * d + head_kv) + 4.0 * a_t * d),
+    let residual = if e < 4 && l.f32_row_sums_or_default() { 2.0 * a_t * d * c * bf } else { 0.0 };
+    // Ulysses and 2-D keeping their head layout: q, k, v and the output there, in q's dtype
+    let head_layout = match l.cp_kind {
+        CpKind::Ulysses | CpKind::TwoD if l.cp > 1 && !l.regather_heads => c * bf * ef * (2.0 * a_t * d + head_kv),
+        _ => 0.0,
     };
+    let attention = head_layout + residual;
     lse + norms + attention
 }
 

@@ -328,8 +328,10 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
     if l.regather_heads && matches!(l.cp_kind, CpKind::Ulysses | CpKind::TwoD) {
         f.push_str(" --regather-heads");
     }
-    if l.f32_row_sums && (l.cp == 1 || l.cp_kind == CpKind::Ulysses) {
-        f.push_str(" --f32-row-sums");
+    match l.f32_row_sums {
+        Some(true) => f.push_str(" --row-sums f32"),
+        Some(false) => f.push_str(" --row-sums output"),
+        None => {}
     }
     let _ = write!(f, " --dp {} --batch {} --grad-accum {k}", l.dp, l.dp * base.micro_batch);
     let dtype = match base.dtype {

@@ -23,7 +23,7 @@ use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_fwd, attention_fwd_band, Band, BwdCall, BwdPrep, CallMask, Mask};
-use crate::autograd::{attach3_from_f32, BackwardFromF32};
+use crate::autograd::{attach3_from_f32_with, BackwardFromF32};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
 use std::time::Instant;
@@ -287,7 +287,8 @@ pub fn allgather_attention(
     drop(kv);
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
-    // the backward gets the f32 output back from the returned one (+ a bf16 residual)
+    // the backward gets the f32 output back from the returned one (+ a bf16 residual, unless
+    // opts.row_sums is RowSums::Output)
     let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;
         let (dq, dk, dv) = bwd(&qd, &kv, out32, &ls, dout, &g, &o, &dims, Residency::Auto)?;
@@ -297,6 +298,7 @@ pub fn allgather_attention(
             Some(dv.to_dtype(kdt)?),
         ])
     });
-    let out = attach3_from_f32("allgather_attention", q, k, v, out32, q.dtype(), bwd_fn)?;
+    let keep = opts.row_sums == crate::attention::RowSums::F32;
+    let out = attach3_from_f32_with("allgather_attention", q, k, v, out32, q.dtype(), keep, bwd_fn)?;
     Ok((out, lse))
 }

@@ -37,6 +37,7 @@ pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun,
 
 use crate::packing::Documents;
 use crate::Group;
+use crate::attention::RowSums;
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Options of the context-parallel attention ops.
@@ -79,6 +80,11 @@ pub struct CpOpts {
     /// (the ring still rotates every K/V chunk; all-gather KV attends each row chunk to its
     /// window's keys only).
     pub window: Option<usize>,
+    /// Where the backward's row sums take the output from (default [`RowSums::F32`]: the
+    /// returned output plus its bf16 rounding residual, kept until the backward, 2 bytes per
+    /// output element for a 16-bit output; [`RowSums::Output`]: the returned output alone,
+    /// as FlashAttention and the single-device op by default, nothing kept).
+    pub row_sums: RowSums,
 }
 
 /// Query rows per attention call on the CPU when [`CpOpts::block_rows`] is `0` (automatic).
@@ -98,6 +104,7 @@ impl Default for CpOpts {
             documents: None,
             row_documents: None,
             window: None,
+            row_sums: RowSums::F32,
         }
     }
 }
@@ -134,6 +141,12 @@ impl CpOpts {
     /// Number of distinct row masks: `B` entries of [`CpOpts::row_documents`], else 1.
     pub fn mask_rows(&self) -> usize {
         self.row_documents.as_ref().map_or(1, |r| r.len().max(1))
+    }
+    /// Same options with the backward's row sums taken as `row_sums` says (see
+    /// [`CpOpts::row_sums`]).
+    pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
+        self.row_sums = row_sums;
+        self
     }
     /// Same options with a causal sliding window of `window` keys (see [`CpOpts::window`]).
     pub fn with_window(mut self, window: usize) -> Self {

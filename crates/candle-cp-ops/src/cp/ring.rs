@@ -65,7 +65,7 @@ use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{BwdCall, BwdPrep};
-use crate::autograd::{attach3_from_f32, BackwardFromF32};
+use crate::autograd::{attach3_from_f32_with, BackwardFromF32};
 use crate::Group;
 use candle_core::{Result, Tensor};
 use std::time::{Duration, Instant};
@@ -489,7 +489,8 @@ pub fn ring_attention(
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, &plan, Residency::Auto)?;
     let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
     let (qdt, kdt) = (q.dtype(), k.dtype());
-    // the backward gets the f32 output back from the returned one (+ a bf16 residual)
+    // the backward gets the f32 output back from the returned one (+ a bf16 residual, unless
+    // opts.row_sums is RowSums::Output)
     let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
         let auto = Residency::Auto;
         let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, out32, &ls, dout, &g, &o, &dims, &plan, auto)?;
@@ -499,7 +500,8 @@ pub fn ring_attention(
             Some(dv.to_dtype(kdt)?),
         ])
     });
-    let out = attach3_from_f32("ring_attention", q, k, v, out32, q.dtype(), bwd_fn)?;
+    let keep = opts.row_sums == crate::attention::RowSums::F32;
+    let out = attach3_from_f32_with("ring_attention", q, k, v, out32, q.dtype(), keep, bwd_fn)?;
     Ok((out, lse))
 }
 

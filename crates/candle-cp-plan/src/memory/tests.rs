@@ -75,7 +75,8 @@ fn korthikanti_table2_under_tp_sp_cp() {
 /// The candle-cp count at 405B, 128k, TP 8 + SP + CP 16 (ring, bf16): the Llama count plus
 /// the lse (16 heads per TP rank), the norms' statistics (over 8 with SP) and the ring's bf16
 /// residual; f32 drops the residual, Ulysses 16 adds q, k, v and out in the head layout, and
-/// full recompute adds nothing; f32 row sums add the residual to Ulysses and one device. `ActivationModel::parse` knows the model.
+/// full recompute adds nothing; f32 row sums add the residual to Ulysses and one device, and
+/// output row sums take it from the ring kinds and 2-D. `ActivationModel::parse` knows the model.
 #[test]
 fn candle_cp_count_at_405b() {
     let m = m405();
@@ -102,20 +103,26 @@ fn candle_cp_count_at_405b() {
     assert_eq!(candle_cp_per_gpu(&m, &Layout { regather_heads: true, ..l.clone() }, S, 1, 2, Recompute::None), llama + lse + norms + residual);
     assert_eq!(candle_cp_extra_per_gpu(&m, &l, S, 1, 2, Recompute::Full), 0.0);
     // f32 row sums: Ulysses (kept or regathered) and one device keep the residual in 16 bits;
-    // the ring kinds and 2-D have it already; f32 activations nothing
-    let rs = |l: &Layout| Layout { f32_row_sums: true, ..l.clone() };
+    // the ring kinds and 2-D have it by default and drop it with output row sums; f32
+    // activations keep none
+    let rs = |l: &Layout, f32_rows| Layout { f32_row_sums: Some(f32_rows), ..l.clone() };
     let extra = |l: &Layout, e| candle_cp_extra_per_gpu(&m, l, S, 1, e, Recompute::None);
     for x in [&u, &ur] {
-        assert_eq!(extra(&rs(x), 2), extra(x, 2) + residual);
-        assert_eq!(extra(&rs(x), 4), extra(x, 4));
+        assert_eq!(extra(&rs(x, true), 2), extra(x, 2) + residual);
+        assert_eq!(extra(&rs(x, false), 2), extra(x, 2));
+        assert_eq!(extra(&rs(x, true), 4), extra(x, 4));
     }
     for x in [&l, &two_d, &two_d_re] {
-        assert_eq!(extra(&rs(x), 2), extra(x, 2));
+        assert_eq!(extra(&rs(x, true), 2), extra(x, 2));
+        assert_eq!(extra(&rs(x, false), 2), extra(x, 2) - residual);
+        assert_eq!(extra(&rs(x, false), 4), extra(x, 4));
     }
+    assert_eq!(extra(&rs(&l, false), 2), lse + norms);
+    assert_eq!(extra(&rs(&two_d_re, false), 2), lse + norms);
     let tp_only = Layout { cp: 1, ..l.clone() };
     let c1 = S as f64; // one device holds every token
-    assert_eq!(extra(&rs(&tp_only), 2), extra(&tp_only, 2) + 2.0 * 16.0 * 128.0 * c1);
-    assert_eq!(extra(&rs(&tp_only), 2), 4.0 * 16.0 * c1 + 8.0 * c1 / 8.0 + 2.0 * 16.0 * 128.0 * c1);
+    assert_eq!(extra(&rs(&tp_only, true), 2), extra(&tp_only, 2) + 2.0 * 16.0 * 128.0 * c1);
+    assert_eq!(extra(&rs(&tp_only, true), 2), 4.0 * 16.0 * c1 + 8.0 * c1 / 8.0 + 2.0 * 16.0 * 128.0 * c1);
     assert_eq!(crate::ActivationModel::parse("candle-cp").unwrap(), crate::ActivationModel::CandleCp);
     assert!(crate::ActivationModel::parse("cp").unwrap_err().to_string().contains("candle-cp"));
 }
