@@ -231,7 +231,7 @@ impl KeptOutput {
     }
 }
 
-/// Backward of [`attach3_from_f32`]: gets the f32 output (as [`KeptOutput`] rebuilds it) and
+/// Backward of [`attach3_from_f32`]: gets the f32 output (as `KeptOutput` rebuilds it) and
 /// the output's gradient, returns the three inputs' gradients.
 pub type BackwardFromF32 = Box<dyn Fn(&Tensor, &Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 

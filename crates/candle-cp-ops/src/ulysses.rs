@@ -198,8 +198,8 @@ pub enum HeadLayout {
     /// Keep nothing in the head layout: the backward all-to-alls q, k, v and the output to
     /// heads again (four more all-to-alls per layer, 50% more Ulysses volume per training
     /// step). The gradients are bit-identical to [`HeadLayout::Kept`]'s: the all-to-alls only
-    /// move rows. (The 2-D op keeps a 16-bit output's bf16 rounding residual in both modes,
-    /// as the ring does, for its f32 row sums.)
+    /// move rows. (A 16-bit output's bf16 rounding residual, kept for f32 row sums, is kept in
+    /// both modes: the 2-D op's by default, as the ring's; Ulysses' with [`RowSums::F32`].)
     Regathered,
 }
 

@@ -8,8 +8,9 @@
 //! `tests/bf16_precision.rs`). [`RowSums::F32`] takes it from the f32 output, rebuilt in the
 //! backward from the returned output plus its bf16 rounding residual (2 bytes per output
 //! element kept until the backward; [`crate::autograd::attach3_from_f32`]), as the ring and
-//! all-gather CP and the 2-D op always do. With f32 inputs nothing is rounded and both modes
-//! give the same values.
+//! all-gather CP and the 2-D op do by default (their options take a [`RowSums`] too:
+//! `CpOpts::row_sums`, `UspOpts::row_sums`; Ulysses: `UlyssesOpts::row_sums`). With f32 inputs
+//! nothing is rounded and both modes give the same values.
 
 use super::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
 use crate::autograd::{attach3_from_f32, BackwardFromF32};
@@ -24,8 +25,8 @@ pub enum RowSums {
     #[default]
     Output,
     /// The f32 output, rebuilt from the returned output and its bf16 rounding residual
-    /// (`out32 − out`, 2 bytes per output element `[B, T, H, D]`, kept until the backward). The
-    /// gradients get the accuracy of the ring's backward (which always does this).
+    /// (`out32 − out`, 2 bytes per output element `[B, T, H, D]`, kept until the backward): dq
+    /// and dk as accurate as with an f32 output. The default of the ring kinds and 2-D.
     F32,
 }
 
