@@ -7,6 +7,7 @@
 //! # documents (separated by blank lines) packed into each sequence, masked from each other:
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
+//! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -154,6 +155,10 @@ struct Args {
     /// Random-init KV heads.
     #[arg(long, default_value_t = 2)]
     kv_heads: usize,
+    /// Random-init model with biases on the q, k, v projections (Qwen2; saved as
+    /// `Qwen2ForCausalLM`). A --model checkpoint's config.json says for itself.
+    #[arg(long)]
+    qkv_bias: bool,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.
@@ -339,6 +344,7 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
+        Some(_) if a.qkv_bias => bail!("--qkv-bias shapes a random-init model; a --model checkpoint's config.json says whether it has biases"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -349,9 +355,7 @@ fn main() -> Result<()> {
                 Some(v) => v,
                 None => needed,
             };
-            ModelSource::Init(LlamaConfig::tiny(
-                vocab, a.hidden, a.layers, a.heads, a.kv_heads,
-            ))
+            ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias))
         }
     };
     let cuda = match a.device.as_str() {
@@ -562,7 +566,8 @@ fn main() -> Result<()> {
         .sliding_window
         .map_or(String::new(), |w| format!(", sliding window {w}"));
     println!(
-        "model    : {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
+        "model    : {} {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
+        c.arch().hf_names().0,
         o.n_params,
         c.hidden_size,
         c.num_hidden_layers,

@@ -82,15 +82,18 @@ fn draw_layout(d: &mut Rng) -> Layout {
 }
 
 /// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
-/// window in a quarter of the draws; with those numbers `(heads, kv_heads, layers, window)`.
+/// window in a quarter of the draws, Qwen2's q, k, v biases in half of the seeds (a stream of
+/// its own, so the other draws stay what they were); with those numbers
+/// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
-fn draw_model(d: &mut Rng) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
+fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
     let mut task = KvRecall::new(64)?;
     (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
     let (heads, kv_heads) = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
     let layers = pick(d, &[1, 2]);
     let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window);
+    let bias = rng(919_000 + seed).below(2) == 0;
+    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(bias);
     Ok((task, model, (heads, kv_heads, layers, window)))
 }
 
@@ -191,7 +194,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     let corpus = packed_corpus()?;
     for seed in range {
         let mut d = rng(9000 + seed);
-        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
+        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d, seed)?;
         let (layout, batch, grad_accum, opts) = draw_run(&mut d);
         let (with_tp, with_dp) = (layout.tp > 1, layout.dp > 1);
         let Options { stage, recompute, overlap_grad_sync, overlap_param_gather } = opts;
@@ -202,7 +205,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let mut base = config(Layout::single(), model.clone(), task, batch, grad_accum, seed);
         if packed {
             base.data = DataSource::Packed(corpus.clone());
-            base.model = ModelSource::Init(LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window));
+            base.model = ModelSource::Init(LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(model.qkv_bias));
             long_range_only = false;
         }
         base.long_range_only = long_range_only;
@@ -210,7 +213,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         cfg.layout = layout;
         opts.apply(&mut cfg);
         let what = format!(
-            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}"
+            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}",
+            model.qkv_bias
         );
         let one = run(&base)?;
         // The bounds. Step 1 runs the same weights on both sides: 1e-5 on the losses, 1e-4 on
@@ -266,7 +270,7 @@ fn random_resumes_on_other_layouts_follow_one_device() -> Result<()> {
     let n_configs = range.end - range.start;
     for seed in range {
         let mut d = rng(19000 + seed);
-        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
+        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d, seed)?;
         // either side may be one device
         let side = |d: &mut Rng| if d.below(5) == 0 { Layout::single() } else { draw_layout(d) };
         let (first, second) = (side(&mut d), side(&mut d));
@@ -276,7 +280,8 @@ fn random_resumes_on_other_layouts_follow_one_device() -> Result<()> {
         let stop = 2 + d.below(STEPS - 1);
         let keep = pick(&mut d, &[0, 1, 2]);
         let what = format!(
-            "resume config {seed}: {first} ({first_opts:?}) killed after step {stop}, resumed on {second} ({second_opts:?}), heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, keep {keep}"
+            "resume config {seed}: {first} ({first_opts:?}) killed after step {stop}, resumed on {second} ({second_opts:?}), heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {}, batch {batch} x {grad_accum} micro-batches, keep {keep}",
+            model.qkv_bias
         );
         let base = config(Layout::single(), model, task, batch, grad_accum, seed);
         let one = run(&base)?;
@@ -336,12 +341,13 @@ fn random_bf16_training_follows_one_device() -> Result<()> {
     let n_configs = range.end - range.start;
     for seed in range {
         let mut d = rng(29000 + seed);
-        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d)?;
+        let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d, seed)?;
+        let biased = model.qkv_bias;
         let (layout, batch, grad_accum, opts) = draw_run(&mut d);
         let one = TrainConfig { dtype: candle_core::DType::BF16, ..config(Layout::single(), model, task, batch, grad_accum, seed) };
         let mut cfg = TrainConfig { layout, ..one.clone() };
         opts.apply(&mut cfg);
-        let what = format!("bf16 config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?}, batch {batch} x {grad_accum} micro-batches, {opts:?}");
+        let what = format!("bf16 config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {biased}, batch {batch} x {grad_accum} micro-batches, {opts:?}");
         let base = run(&one)?;
         // The bounds. bf16 rounds every matmul output and the weights (to 2^-9 relative), so
         // the gaps are those of the f32 test times ~100: over 361 draws (`0..400`) they reached

@@ -4,6 +4,7 @@
 //! newer `rope_parameters` object (`rope_type`, `rope_theta`, scaling keys). Written back in
 //! both forms so old and new transformers versions load it.
 
+pub use crate::arch::Arch;
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -69,6 +70,9 @@ pub struct LlamaConfig {
     /// sees the keys at `p - w < kp <= p` (itself and the `w - 1` before; inside its document
     /// when packed). `None` (absent or `null` in config.json): plain causal attention.
     pub sliding_window: Option<usize>,
+    /// Biases on the q, k and v projections (`self_attn.{q,k,v}_proj.bias`): Qwen2
+    /// (`model_type` `qwen2`). See [`crate::arch`] for the architectures a config may name.
+    pub qkv_bias: bool,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -98,21 +102,17 @@ fn need_usize(m: &Map<String, Value>, k: &str) -> Result<usize> {
     }
 }
 
-/// `sliding_window` of config.json: an integer >= 1 or `null`/absent (`None`); `None` also when
-/// `use_sliding_window` is `false` (Qwen2-style configs carry a window they do not use).
+/// `sliding_window` of config.json: an integer >= 1 or `null`/absent (`None`). Whether the
+/// layers use it is [`Arch::window`]'s answer (`use_sliding_window`, `layer_types`, ...).
 fn parse_window(m: &Map<String, Value>) -> Result<Option<usize>> {
-    let w = match m.get("sliding_window") {
+    Ok(match m.get("sliding_window") {
         None | Some(Value::Null) => None,
         Some(v) => match v.as_u64() {
             Some(0) => bail!("config.json: `sliding_window` must be >= 1 or null, got 0"),
             Some(x) => Some(x as usize),
             None => bail!("config.json: `sliding_window` must be a positive integer or null, got {v}"),
         },
-    };
-    if m.get("use_sliding_window").and_then(|v| v.as_bool()) == Some(false) {
-        return Ok(None);
-    }
-    Ok(w)
+    })
 }
 
 fn token_id(m: &Map<String, Value>, k: &str) -> Option<Value> {
@@ -207,16 +207,13 @@ impl LlamaConfig {
                 bail!("config.json: hidden_act `{act}` not supported (only silu)")
             }
         }
-        for k in ["attention_bias", "mlp_bias"] {
-            if m.get(k).and_then(|v| v.as_bool()) == Some(true) {
-                bail!("config.json: `{k}: true` not supported (bias-free Llama only)")
-            }
-        }
+        let arch = Arch::of_config(m)?;
+        let layers = need_usize(m, "num_hidden_layers")?;
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
             intermediate_size: need_usize(m, "intermediate_size")?,
-            num_hidden_layers: need_usize(m, "num_hidden_layers")?,
+            num_hidden_layers: layers,
             num_attention_heads: heads,
             num_key_value_heads: kv,
             head_dim,
@@ -227,7 +224,8 @@ impl LlamaConfig {
             max_position_embeddings: get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
-            sliding_window: parse_window(m)?,
+            sliding_window: arch.window(m, parse_window(m)?, layers)?,
+            qkv_bias: arch.qkv_bias(m)?,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -264,6 +262,24 @@ impl LlamaConfig {
             bos_token_id: None,
             eos_token_id: None,
             sliding_window: None,
+            qkv_bias: false,
+        }
+    }
+
+    /// The same config with (`true`) or without biases on the q, k, v projections (a Qwen2
+    /// model, see [`LlamaConfig::qkv_bias`]).
+    pub fn with_qkv_bias(mut self, on: bool) -> Self {
+        self.qkv_bias = on;
+        self
+    }
+
+    /// The architecture [`LlamaConfig::to_hf_json`] writes: Qwen2 with q, k, v biases, else
+    /// Mistral with a sliding window, else Llama.
+    pub fn arch(&self) -> Arch {
+        match (self.qkv_bias, self.sliding_window) {
+            (true, _) => Arch::Qwen2,
+            (false, Some(_)) => Arch::Mistral,
+            (false, None) => Arch::Llama,
         }
     }
 
@@ -314,11 +330,13 @@ impl LlamaConfig {
         Ok(())
     }
 
-    /// HF `config.json` text (`LlamaForCausalLM`, both RoPE spellings), for `dtype` in
-    /// `"float32"` / `"bfloat16"` / `"float16"`. `sliding_window` is always written (`null`
-    /// when `None`); with a window the architecture is `MistralForCausalLM` (`model_type`
-    /// `"mistral"`: the same parameters, and transformers applies the window), since
-    /// `LlamaForCausalLM` would ignore it.
+    /// HF `config.json` text (both RoPE spellings), for `dtype` in `"float32"` /
+    /// `"bfloat16"` / `"float16"`, of the architecture [`LlamaConfig::arch`] names.
+    /// `sliding_window` is always written (`null` when `None`); with a window and no biases
+    /// the architecture is `MistralForCausalLM` (`model_type` `"mistral"`: the same
+    /// parameters, and transformers applies the window), since `LlamaForCausalLM` would
+    /// ignore it. With q, k, v biases it is `Qwen2ForCausalLM`, the window (if any) on every
+    /// layer (`use_sliding_window`, `max_window_layers: 0`).
     pub fn to_hf_json(&self, dtype: &str) -> String {
         // `rope_parameters` (transformers >= 5) plus the legacy top-level `rope_theta` and, only
         // when scaled, `rope_scaling` holding the same object (transformers 4 reads it; 5 treats
@@ -350,10 +368,7 @@ impl LlamaConfig {
                 );
             }
         }
-        let (arch, model_type) = match self.sliding_window {
-            Some(_) => ("MistralForCausalLM", "mistral"),
-            None => ("LlamaForCausalLM", "llama"),
-        };
+        let (arch, model_type) = self.arch().hf_names();
         let v = json!({
             "architectures": [arch],
             "model_type": model_type,
@@ -383,9 +398,17 @@ impl LlamaConfig {
             "dtype": dtype,
         });
         let mut v = v;
-        if self.rope_scaling != RopeScaling::Default {
-            if let Some(m) = v.as_object_mut() {
+        if let Some(m) = v.as_object_mut() {
+            if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));
+            }
+            if self.arch() == Arch::Qwen2 {
+                // Qwen2Config has no bias keys (q, k, v always biased); the window on every layer
+                m.remove("attention_bias");
+                m.remove("mlp_bias");
+                m.insert("use_sliding_window".into(), json!(self.sliding_window.is_some()));
+                let from = if self.sliding_window.is_some() { 0 } else { self.num_hidden_layers };
+                m.insert("max_window_layers".into(), json!(from));
             }
         }
         serde_json::to_string_pretty(&v).unwrap_or_default()

@@ -53,6 +53,31 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
+/// Refuse checkpoint tensors the model of `cfg` would not read (a bias of a config that
+/// names none, Qwen3's q/k norms, ...): loading without them would run a different model,
+/// silently. Not refused: `lm_head.weight` of a tied model (some exporters write it) and
+/// RoPE's `*.rotary_emb.inv_freq` buffers (computed from the config).
+fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, names: impl Iterator<Item = &'a str>) -> Result<()> {
+    let used: std::collections::HashSet<String> = param_specs(cfg).into_iter().map(|s| s.name).collect();
+    let mut unused: Vec<&str> = names
+        .filter(|n| !(used.contains(*n) || n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && *n == "lm_head.weight")))
+        .collect();
+    if unused.is_empty() {
+        return Ok(());
+    }
+    unused.sort();
+    let n = unused.len();
+    unused.truncate(4);
+    bail!(
+        "{}: checkpoint has {n} tensor(s) a {} model with this config.json does not use ({}{}): its config names another architecture or leaves out a feature (supported: {})",
+        dir.display(),
+        cfg.arch().hf_names().0,
+        unused.join(", "),
+        if n > 4 { ", ..." } else { "" },
+        crate::Arch::SUPPORTED
+    )
+}
+
 /// This rank's shards of a HF Llama checkpoint directory, read one tensor at a time from the
 /// memory-mapped safetensors file(s): a `VarMap` of the rank's TP slices (as
 /// [`crate::shard_params`] of [`load_hf`] would give) in `dtype` on `device`, and the config.
@@ -61,7 +86,7 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
 /// before it is sliced, then the slice goes to `device`. [`load_hf`] + `shard_params` instead
 /// hold the full model on every rank, which a model of 70B parameters (140 GB in bf16) does
 /// not survive on one GPU. The layout is checked against the config's heads first, so a bad
-/// TP degree is refused before anything is read. Errors name missing or mis-shaped tensors.
+/// TP degree is refused before anything is read. Errors name missing, mis-shaped or unused tensors.
 pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
     let dir = dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -71,6 +96,7 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     // `VarBuilder::from_mmaped_safetensors`, they must not be truncated meanwhile.
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
         .map_err(|e| io_err("mapping", dir, e))?;
+    refuse_unused(dir, &cfg, st.tensors().iter().map(|(n, _)| n.as_str()))?;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
         let view = st.get(&spec.name).map_err(|_| {
             candle_core::Error::Msg(format!("{}: checkpoint has no tensor {} (expected {:?})", dir.display(), spec.name, spec.shape))
@@ -85,12 +111,13 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
 
 /// Load a HF Llama checkpoint directory: returns the FULL (unsharded) model as a `VarMap`
 /// of Vars in `dtype` on `device` (shard it per rank with [`crate::shard_params`]) and its
-/// config. Errors name missing or mis-shaped tensors. Extra tensors are ignored; a
-/// `lm_head.weight` of a tied model is ignored.
+/// config. Errors name missing or mis-shaped tensors, and tensors the model would not use
+/// (a `lm_head.weight` of a tied model and RoPE's `inv_freq` buffers are ignored).
 pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
     let dir = dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
     let tensors = load_safetensors_dir(dir, device)?;
+    refuse_unused(dir, &cfg, tensors.keys().map(|k| k.as_str()))?;
     let vm = VarMap::new();
     {
         let mut data = crate::params::lock_vars(&vm)?;

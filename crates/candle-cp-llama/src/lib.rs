@@ -18,6 +18,10 @@
 //! set [`LlamaConfig::sliding_window`] (e.g. `LlamaConfig::tiny(..).with_sliding_window(Some(w))`)
 //! and every layout keeps each query to itself and the `w - 1` tokens before it ([`attn`]).
 //!
+//! Architectures: Llama, Mistral and Qwen2 (`model_type` `llama`, `mistral`, `qwen2`; Qwen2's
+//! biases on the q, k, v projections, [`LlamaConfig::qkv_bias`]); any other config, and any
+//! checkpoint tensor the model would not use, is refused by name ([`arch`]).
+//!
 //! ```no_run
 //! use candle_core::{DType, Device, Tensor};
 //! use candle_cp_comm::run_ranks;
@@ -47,6 +51,7 @@
 //! Parallel results equal the single-device ones: see `tests/llama_parity.rs` and
 //! [`verify::verify_reference`] (also `candle-cp verify llama`).
 
+pub mod arch;
 pub mod attn;
 mod attn2d;
 pub mod config;
@@ -65,7 +70,7 @@ pub mod sampling;
 pub mod train;
 pub mod verify;
 
-pub use config::{LlamaConfig, RopeScaling};
+pub use config::{Arch, LlamaConfig, RopeScaling};
 pub use generate::{Generation, KvCache};
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};

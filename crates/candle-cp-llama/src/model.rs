@@ -201,7 +201,7 @@ impl Llama {
             ];
             blocks.push(Arc::new(Block {
                 input_norm: norm(vl.pp("input_layernorm"))?,
-                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, lin, &tp)?,
+                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?,
                 o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
                 post_norm: norm(vl.pp("post_attention_layernorm"))?,
                 gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,

@@ -7,6 +7,7 @@
 //! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
 //! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
+//! | `self_attn.{q,k,v}_proj.bias` (Qwen2, [`LlamaConfig::qkv_bias`]) | `[H·D]`, `[Hkv·D]` | as the weight's rows |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
@@ -90,9 +91,12 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
         add(p("input_layernorm.weight"), vec![h], norm);
-        add(p("self_attn.q_proj.weight"), vec![qd, h], col);
-        add(p("self_attn.k_proj.weight"), vec![kd, h], kv);
-        add(p("self_attn.v_proj.weight"), vec![kd, h], kv);
+        for (proj, rows, shard) in [("q_proj", qd, col), ("k_proj", kd, kv), ("v_proj", kd, kv)] {
+            add(p(&format!("self_attn.{proj}.weight")), vec![rows, h], shard);
+            if cfg.qkv_bias {
+                add(p(&format!("self_attn.{proj}.bias")), vec![rows], shard);
+            }
+        }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         add(p("post_attention_layernorm.weight"), vec![h], norm);
         add(p("mlp.gate_proj.weight"), vec![i, h], col);
@@ -152,7 +156,8 @@ pub(crate) fn lock_vars(
 
 /// A full (unsharded) model with HF's default init — N(0, 0.02²) matrices, norms 1 —
 /// drawn from `seed` (each tensor from its own stream keyed by its name), so every rank
-/// that calls it gets the same weights. Vars in `dtype` on `device`.
+/// that calls it gets the same weights. Vars in `dtype` on `device`. Qwen2's q, k, v biases
+/// are drawn like the matrices (HF starts them at 0), so that a seeded model exercises them.
 pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) -> Result<VarMap> {
     cfg.validate()?;
     let vm = VarMap::new();
@@ -172,7 +177,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 /// The full f32 host tensor [`init_params`] draws for `spec`.
 fn init_tensor(spec: &ParamSpec, seed: u64) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
-    if spec.shape.len() == 1 {
+    if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
         return Tensor::ones(spec.shape.as_slice(), DType::F32, &Device::Cpu);
     }
     let mut key = seed ^ 0xD1B5_4A32_D192_ED03;

@@ -303,12 +303,14 @@ pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
 }
 
 /// Parameters of one layer on one GPU: matrices over `t` (KV projections over `a_kv/t`,
-/// replicated when `t > a_kv`) and the two norms (replicated).
+/// replicated when `t > a_kv`), the q, k, v biases split the same way, and the two norms
+/// (replicated).
 pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
-    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h
+    let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
+    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h + bias
 }
 
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,

@@ -29,6 +29,9 @@ pub struct ModelConfig {
     /// length is the same as none. Presets have none; `candle-cp plan --sliding-window W`
     /// overrides it.
     pub sliding_window: Option<usize>,
+    /// Biases on the q, k, v projections (Qwen2: `model_type` `qwen2`); `q_dim + 2·kv_dim`
+    /// more parameters per layer. Presets have none.
+    pub qkv_bias: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -57,6 +60,7 @@ impl ModelConfig {
             vocab: 128256,
             tie_embeddings: false,
             sliding_window: None,
+            qkv_bias: false,
         };
         Ok(cfg)
     }
@@ -76,7 +80,10 @@ impl ModelConfig {
     /// Reads a Hugging Face `config.json` (fields `hidden_size`, `num_hidden_layers`,
     /// `num_attention_heads`, `intermediate_size`, `vocab_size`; optional
     /// `num_key_value_heads`, `head_dim`, `tie_word_embeddings`, `sliding_window` (an
-    /// integer or null; ignored when `use_sliding_window` is false; 0 is an error)).
+    /// integer or null; ignored when `use_sliding_window` is false; 0 is an error)). A Qwen2
+    /// config (`model_type` `qwen2` or `Qwen2ForCausalLM`) has q, k, v biases and a window
+    /// only with `use_sliding_window: true` on the layers from `max_window_layers` on (the
+    /// model's rule, `candle_cp_llama::arch`: all of them or none, else an error).
     pub fn from_hf_file(path: &std::path::Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| PlanError(format!("cannot read model config {}: {e}", path.display())))?;
@@ -123,8 +130,11 @@ impl ModelConfig {
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
             .unwrap_or(false);
+        let qwen2 = v.get("model_type").and_then(|t| t.as_str()) == Some("qwen2")
+            || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|c| c.as_str() == Some("Qwen2ForCausalLM")));
         let use_window = match v.get("use_sliding_window") {
-            None | Some(serde_json::Value::Null) => true,
+            // Qwen2Config: use_sliding_window defaults to false
+            None | Some(serde_json::Value::Null) => !qwen2,
             Some(x) => match x.as_bool() {
                 Some(b) => b,
                 None => plan_bail!(
@@ -132,11 +142,28 @@ impl ModelConfig {
                 ),
             },
         };
-        let sliding_window = if use_window {
+        let mut sliding_window = if use_window {
             get("sliding_window")?
         } else {
             None
         };
+        if qwen2 && sliding_window.is_some() {
+            // layer i slides iff i >= max_window_layers (Qwen2Config's default 28)
+            let from = match v.get("max_window_layers") {
+                None | Some(serde_json::Value::Null) => 28,
+                Some(x) => match x.as_u64() {
+                    Some(n) => n as usize,
+                    None => plan_bail!("model config {name}: 'max_window_layers' must be a non-negative integer, got {x}"),
+                },
+            };
+            if from >= layers {
+                sliding_window = None;
+            } else if from > 0 {
+                plan_bail!(
+                    "model config {name}: a sliding window on layers {from}..{layers} only (max_window_layers {from}): every layer attends the same way in candle-cp"
+                )
+            }
+        }
         let cfg = Self {
             name: name.to_string(),
             hidden,
@@ -148,6 +175,7 @@ impl ModelConfig {
             vocab,
             tie_embeddings,
             sliding_window,
+            qkv_bias: qwen2,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -193,9 +221,19 @@ impl ModelConfig {
         h * q + 2 * h * kv + q * h + 3 * h * f
     }
 
-    /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`).
+    /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`) and, with
+    /// [`ModelConfig::qkv_bias`], the q, k, v biases (`a·d + 2·a_kv·d`).
     pub fn layer_params(&self) -> u64 {
-        self.layer_matrix_params() + 2 * self.hidden as u64
+        self.layer_matrix_params() + 2 * self.hidden as u64 + self.qkv_bias_params()
+    }
+
+    /// The q, k, v biases of one layer: `a·d + 2·a_kv·d`, or 0 without them.
+    pub fn qkv_bias_params(&self) -> u64 {
+        if self.qkv_bias {
+            (self.q_dim() + 2 * self.kv_dim()) as u64
+        } else {
+            0
+        }
     }
 
     /// Embedding parameters `v·h` (and as many again for an untied output projection).
@@ -308,6 +346,17 @@ mod tests {
             e.0.contains("'sliding_window' must be a positive integer"),
             "{e}"
         );
+        // Qwen2: q, k, v biases; use_sliding_window false when absent; the window on the
+        // layers from max_window_layers (default 28) on: all (0), none (>= 32), else an error
+        let q = |extra: &str| parse(&format!(r#","model_type":"qwen2","sliding_window":4096{extra}"#));
+        assert!(q("")?.qkv_bias && !parse("")?.qkv_bias);
+        assert_eq!(q("")?.sliding_window, None);
+        assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":0"#)?.sliding_window, Some(4096));
+        assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":32"#)?.sliding_window, None);
+        let e = q(r#","use_sliding_window":true"#).unwrap_err();
+        assert!(e.0.contains("layers 28..32 only"), "{e}");
+        // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer
+        assert_eq!(q("")?.layer_params() - parse("")?.layer_params(), 6144);
         let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();
         assert!(
             e.0.contains("'use_sliding_window' must be true or false"),

@@ -157,6 +157,7 @@ mod tests {
             vocab: 32000,
             tie_embeddings: false,
             sliding_window: window,
+            qkv_bias: false,
         }
     }
 

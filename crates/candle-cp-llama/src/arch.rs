@@ -1,0 +1,266 @@
+//! Which Hugging Face architectures a `config.json` may name, and what each one implies for
+//! the parameters and the attention of [`crate::Llama`]:
+//!
+//! | `model_type` (`architectures`)     | q, k, v biases | sliding window                          |
+//! |------------------------------------|----------------|-----------------------------------------|
+//! | `llama` (`LlamaForCausalLM`)       | no             | `sliding_window` if the config has one  |
+//! | `mistral` (`MistralForCausalLM`)   | no             | `sliding_window` (every layer)          |
+//! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | only with `use_sliding_window`, on the layers from `max_window_layers` on |
+//!
+//! Anything else is refused by name. Without the check a config of another architecture
+//! would load and train silently as a different model: Qwen3's q/k norms, a Llama with
+//! `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be parameters the model
+//! never reads. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
+//! does not use. A window on some layers only (`layer_types` mixing `full_attention` and
+//! `sliding_attention`, or Qwen2's `max_window_layers` between 0 and the layer count) is
+//! refused too: every layer of this model attends the same way.
+
+use candle_core::{bail, Result};
+use serde_json::{Map, Value};
+
+/// The architecture a config names (see the module doc).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Arch {
+    /// `LlamaForCausalLM`.
+    Llama,
+    /// `MistralForCausalLM`: a Llama with a sliding window.
+    Mistral,
+    /// `Qwen2ForCausalLM`: a Llama with biases on the q, k and v projections.
+    Qwen2,
+}
+
+impl Arch {
+    /// The supported `model_type` values, as listed in errors.
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2";
+
+    fn of_model_type(t: &str) -> Option<Arch> {
+        match t {
+            "llama" => Some(Arch::Llama),
+            "mistral" => Some(Arch::Mistral),
+            "qwen2" => Some(Arch::Qwen2),
+            _ => None,
+        }
+    }
+
+    fn of_class(c: &str) -> Option<Arch> {
+        match c {
+            "LlamaForCausalLM" => Some(Arch::Llama),
+            "MistralForCausalLM" => Some(Arch::Mistral),
+            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            _ => None,
+        }
+    }
+
+    /// `(architectures[0], model_type)` as transformers writes them.
+    pub fn hf_names(self) -> (&'static str, &'static str) {
+        match self {
+            Arch::Llama => ("LlamaForCausalLM", "llama"),
+            Arch::Mistral => ("MistralForCausalLM", "mistral"),
+            Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+        }
+    }
+
+    /// The architecture of a parsed `config.json`: from `model_type`, else from the first of
+    /// `architectures`, else [`Arch::Llama`]. Errors name an unsupported value, or the two
+    /// keys naming different architectures.
+    pub fn of_config(m: &Map<String, Value>) -> Result<Arch> {
+        let by_type = match m.get("model_type") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(t)) => match Arch::of_model_type(t) {
+                Some(a) => Some(a),
+                None => bail!("config.json: model_type `{t}` not supported (supported: {})", Arch::SUPPORTED),
+            },
+            Some(other) => bail!("config.json: `model_type` must be a string, got {other}"),
+        };
+        let classes: Vec<&str> = match m.get("architectures") {
+            None | Some(Value::Null) => vec![],
+            Some(Value::Array(a)) => a.iter().filter_map(|v| v.as_str()).collect(),
+            Some(other) => bail!("config.json: `architectures` must be a list of strings, got {other}"),
+        };
+        let mut by_class = None;
+        for c in classes {
+            match (Arch::of_class(c), by_class) {
+                (None, _) => bail!(
+                    "config.json: architecture `{c}` not supported (supported: {})",
+                    [Arch::Llama, Arch::Mistral, Arch::Qwen2].map(|a| a.hf_names().0).join(", ")
+                ),
+                (Some(a), Some(b)) if a != b => bail!("config.json: `architectures` names both {} and {}", b.hf_names().0, a.hf_names().0),
+                (Some(a), _) => by_class = Some(a),
+            }
+        }
+        match (by_type, by_class) {
+            (Some(a), Some(b)) if a != b => bail!(
+                "config.json: model_type `{}` but architectures `{}`",
+                a.hf_names().1,
+                b.hf_names().0
+            ),
+            (Some(a), _) | (None, Some(a)) => Ok(a),
+            (None, None) => Ok(Arch::Llama),
+        }
+    }
+
+    /// Whether the q, k, v projections carry biases; errors for the biases this model does
+    /// not have (`attention_bias` of a Llama or Mistral config, which includes o_proj's;
+    /// `mlp_bias`).
+    pub(crate) fn qkv_bias(self, m: &Map<String, Value>) -> Result<bool> {
+        if m.get("mlp_bias").and_then(|v| v.as_bool()) == Some(true) {
+            bail!("config.json: `mlp_bias: true` not supported (the MLP projections have no biases)")
+        }
+        match self {
+            // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
+            Arch::Qwen2 => Ok(true),
+            Arch::Llama | Arch::Mistral => {
+                if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
+                    bail!(
+                        "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
+                    )
+                }
+                Ok(false)
+            }
+        }
+    }
+
+    /// The window every layer uses (`None`: plain causal), from `sliding_window` (already
+    /// parsed, `window`), `use_sliding_window`, Qwen2's `max_window_layers` and `layer_types`.
+    /// Errors for windows on some layers only.
+    pub(crate) fn window(self, m: &Map<String, Value>, window: Option<usize>, layers: usize) -> Result<Option<usize>> {
+        let use_key = m.get("use_sliding_window").and_then(|v| v.as_bool());
+        let w = match (self, use_key) {
+            (_, Some(false)) => None,
+            // Qwen2Config: use_sliding_window defaults to false
+            (Arch::Qwen2, None) => None,
+            _ => window,
+        };
+        let per_layer: Vec<bool> = match m.get("layer_types") {
+            None | Some(Value::Null) => match self {
+                Arch::Qwen2 => {
+                    // transformers: layer i slides iff sliding_window and i >= max_window_layers
+                    // (Qwen2Config's default is 28)
+                    let from = match m.get("max_window_layers") {
+                        None | Some(Value::Null) => 28,
+                        Some(v) => match v.as_u64() {
+                            Some(x) => x as usize,
+                            None => bail!("config.json: `max_window_layers` must be a non-negative integer, got {v}"),
+                        },
+                    };
+                    (0..layers).map(|i| w.is_some() && i >= from).collect()
+                }
+                Arch::Llama | Arch::Mistral => vec![w.is_some(); layers],
+            },
+            Some(Value::Array(a)) => {
+                if a.len() != layers {
+                    bail!("config.json: `layer_types` has {} entries for {layers} layers", a.len())
+                }
+                let mut v = Vec::with_capacity(layers);
+                for t in a {
+                    match t.as_str() {
+                        Some("full_attention") => v.push(false),
+                        Some("sliding_attention") => v.push(w.is_some()),
+                        _ => bail!("config.json: `layer_types` entry {t} not supported (full_attention, sliding_attention)"),
+                    }
+                }
+                v
+            }
+            Some(other) => bail!("config.json: `layer_types` must be a list, got {other}"),
+        };
+        let windowed = per_layer.iter().filter(|&&s| s).count();
+        if windowed == 0 {
+            return Ok(None);
+        }
+        if windowed < layers {
+            bail!(
+                "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): every layer attends the same way here",
+                w.unwrap_or(0),
+                per_layer.iter().enumerate().filter(|(_, &s)| !s).map(|(i, _)| i).collect::<Vec<_>>()
+            )
+        }
+        Ok(w)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::LlamaConfig;
+
+    const BASE: &str = r#""vocab_size": 512, "hidden_size": 128, "intermediate_size": 352,
+        "num_hidden_layers": 2, "num_attention_heads": 8, "num_key_value_heads": 2"#;
+
+    fn parse(extra: &str) -> Result<LlamaConfig> {
+        LlamaConfig::from_json(&format!("{{{BASE}{extra}}}"))
+    }
+
+    fn err(extra: &str) -> String {
+        parse(extra).err().map(|e| e.to_string()).unwrap_or_default()
+    }
+
+    #[test]
+    fn architectures_and_their_biases() -> Result<()> {
+        // no key, Llama, Mistral: no biases; Qwen2 (by either key): q, k, v biases
+        for extra in ["", r#", "model_type": "llama""#, r#", "architectures": ["MistralForCausalLM"]"#] {
+            assert!(!parse(extra)?.qkv_bias, "{extra}");
+        }
+        for extra in [
+            r#", "model_type": "qwen2""#,
+            r#", "architectures": ["Qwen2ForCausalLM"]"#,
+            r#", "model_type": "qwen2", "architectures": ["Qwen2ForCausalLM"], "attention_bias": false"#,
+        ] {
+            let c = parse(extra)?;
+            assert!(c.qkv_bias, "{extra}");
+            assert_eq!(c.arch(), Arch::Qwen2);
+        }
+        // refused by name: other architectures, disagreeing keys, biases the model lacks
+        for (extra, want) in [
+            (r#", "model_type": "qwen3""#, "model_type `qwen3` not supported"),
+            (r#", "architectures": ["Qwen3ForCausalLM"]"#, "architecture `Qwen3ForCausalLM` not supported"),
+            (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
+            (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
+            (r#", "model_type": 3"#, "`model_type` must be a string"),
+            (r#", "attention_bias": true"#, "`attention_bias: true` not supported"),
+            (r#", "model_type": "qwen2", "mlp_bias": true"#, "`mlp_bias: true` not supported"),
+        ] {
+            let e = err(extra);
+            assert!(e.contains(want), "{extra}: {e:?}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn which_layers_slide() -> Result<()> {
+        let w = |extra: &str| -> Result<Option<usize>> { Ok(parse(extra)?.sliding_window) };
+        // Qwen2: off unless use_sliding_window; then layers >= max_window_layers (default 28)
+        assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 4096"#)?, None);
+        assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true"#)?, None);
+        assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 0"#)?, Some(64));
+        assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 2"#)?, None);
+        let e = err(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 1"#);
+        assert!(e.contains("on 1 of 2 layers") && e.contains("[0]"), "{e}");
+        // Mistral: every layer; layer_types (newer transformers) decide when present
+        assert_eq!(w(r#", "model_type": "mistral", "sliding_window": 64"#)?, Some(64));
+        assert_eq!(w(r#", "sliding_window": 64, "layer_types": ["full_attention", "full_attention"]"#)?, None);
+        assert_eq!(w(r#", "sliding_window": 64, "layer_types": ["sliding_attention", "sliding_attention"]"#)?, Some(64));
+        assert_eq!(w(r#", "layer_types": ["sliding_attention", "sliding_attention"]"#)?, None);
+        let e = err(r#", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]"#);
+        assert!(e.contains("on 1 of 2 layers") && e.contains("[1]"), "{e}");
+        assert!(err(r#", "layer_types": ["full_attention"]"#).contains("1 entries for 2 layers"));
+        assert!(err(r#", "layer_types": ["chunked_attention", "full_attention"]"#).contains("chunked_attention"));
+        Ok(())
+    }
+
+    /// What `to_hf_json` writes for a Qwen2 config reads back as the same config, with the
+    /// keys transformers' Qwen2Config reads (no bias keys, the window on every layer).
+    #[test]
+    fn qwen2_round_trip() -> Result<()> {
+        for window in [None, Some(32)] {
+            let c = LlamaConfig::tiny(64, 32, 3, 4, 2).with_qkv_bias(true).with_sliding_window(window);
+            let text = c.to_hf_json("bfloat16");
+            let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+            assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("qwen2"), Some("Qwen2ForCausalLM")));
+            assert!(v.get("attention_bias").is_none() && v.get("mlp_bias").is_none(), "{text}");
+            assert_eq!(v["use_sliding_window"].as_bool(), Some(window.is_some()));
+            assert_eq!(v["max_window_layers"].as_u64(), Some(if window.is_some() { 0 } else { 3 }));
+            assert_eq!(LlamaConfig::from_json(&text)?, c);
+        }
+        Ok(())
+    }
+}

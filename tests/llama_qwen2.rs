@@ -1,0 +1,289 @@
+//! Qwen2: the Llama with biases on the q, k, v projections (`LlamaConfig::qkv_bias`,
+//! `model_type` `qwen2`).
+//!
+//! - A plain-candle float64 reference of the whole model (embedding, RMSNorm, biased
+//!   projections, RoPE by `rotate_half`, dense causal softmax attention with GQA, SwiGLU,
+//!   head, next-token cross-entropy; autograd for every gradient) first reproduces the PyTorch
+//!   oracle (`tests/data/oracle/tiny-llama`, no biases) within its tolerances, so it is a
+//!   reference; with random biases added it is the Qwen2 reference.
+//! - The tiny-llama weights plus seeded biases (std 0.5, so they move the logits) on every
+//!   kind of layout — one device, ring, zigzag, Ulysses with replicated KV heads, 2-D, TP with
+//!   SP, TP 4 replicating the 2 KV heads (and their biases), TP × CP, DP — give the
+//!   reference's logits, loss and every gradient, the biases' included, within the oracle's
+//!   float32 tolerances.
+//! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
+//!   single device's tokens.
+//! - Checkpoints: a Qwen2 checkpoint saves as `Qwen2ForCausalLM` and loads back bit for bit,
+//!   whole or sharded over TP 1, 2, 4; biases under a config without them are refused, naming
+//!   the tensors (before: loaded and ignored, a silently different model).
+
+use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::hf::{load_safetensors_dir, save_hf_tensors};
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::verify::{compare, load_reference, run_layout, Reference, Tolerances};
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, shard_tensors, Llama, LlamaConfig, ParallelCtx};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+
+const T: usize = 256;
+
+fn oracle() -> Result<(LlamaConfig, HashMap<String, Tensor>, Reference)> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    Ok((
+        LlamaConfig::from_file(dir.join("config.json"))?,
+        load_safetensors_dir(&dir, &Device::Cpu)?,
+        load_reference(dir.join("reference.safetensors"))?,
+    ))
+}
+
+/// The oracle's weights with seeded q, k, v biases of std `std`, and the config with them.
+fn qwen2(std: f64) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let (cfg, mut full, _) = oracle()?;
+    let cfg = cfg.with_qkv_bias(true);
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        if spec.name.ends_with(".bias") {
+            let seed = spec.name.bytes().fold(17u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
+            let b = (candle_cp_tests::rand_t(seed, &spec.name, &spec.shape)? * std)?;
+            full.insert(spec.name.clone(), b);
+        }
+    }
+    Ok((cfg, full))
+}
+
+/// `x [.., in] · wᵀ (+ b)`.
+fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.broadcast_matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    x.broadcast_mul(&r)?.broadcast_mul(w)
+}
+
+/// HF's `rotate_half`: `[-x2, x1]` for the halves `x1, x2` of the last dim.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)
+}
+
+/// The model in float64 from plain candle ops: logits, mean next-token loss, and the gradient
+/// of every parameter (as f32), for `ids [B, T]` (positions `0..T` in every row).
+fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<Reference> {
+    let vars: HashMap<&str, Var> =
+        full.iter().map(|(k, t)| Ok((k.as_str(), Var::from_tensor(&t.to_dtype(DType::F64)?)?))).collect::<Result<_>>()?;
+    let p = |n: &str| -> Result<&Tensor> {
+        vars.get(n).map(|v| v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no {n}")))
+    };
+    let (b, t) = ids.dims2()?;
+    let (h, hh, hkv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let eps = cfg.rms_norm_eps;
+    let inv: Vec<f64> = (0..d / 2).map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d as f64)).collect();
+    let ang: Vec<f64> = (0..t).flat_map(|p| inv.iter().map(move |f| p as f64 * f)).collect();
+    let ang = Tensor::from_vec(ang, (t, d / 2), &Device::Cpu)?;
+    let ang = Tensor::cat(&[&ang, &ang], 1)?;
+    let (cos, sin) = (ang.cos()?, ang.sin()?);
+    let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)? };
+    let mask: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 }).collect();
+    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+    let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("model.layers.{l}.{s}");
+        let bias = |s: &str| -> Result<Option<&Tensor>> {
+            if cfg.qkv_bias { p(&n(&format!("self_attn.{s}.bias"))).map(Some) } else { Ok(None) }
+        };
+        let hn = rms(&x, p(&n("input_layernorm.weight"))?, eps)?;
+        let heads = |s: &str, nh: usize| -> Result<Tensor> {
+            linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)
+        };
+        let (q, k, v) = (rope(&heads("q_proj", hh)?)?, rope(&heads("k_proj", hkv)?)?, heads("v_proj", hkv)?);
+        // GQA: query head j uses KV head j / (H / Hkv)
+        let rep = |x: Tensor| -> Result<Tensor> {
+            x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
+        };
+        let (k, v) = (rep(k)?, rep(v)?);
+        let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
+        let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
+        let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
+        x = (x + linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?)?;
+        let hn = rms(&x, p(&n("post_attention_layernorm.weight"))?, eps)?;
+        let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
+        let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
+        x = (x + linear(&(g.silu()? * u)?, p(&n("mlp.down_proj.weight"))?, None)?)?;
+    }
+    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+    let logits = linear(&rms(&x, p("model.norm.weight")?, eps)?, p(head)?, None)?;
+    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
+    let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
+    let loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
+    let store: GradStore = loss.backward()?;
+    let mut grads = HashMap::new();
+    for (k, v) in &vars {
+        let g = store.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no gradient for {k}")))?;
+        grads.insert(k.to_string(), g.to_dtype(DType::F32)?);
+    }
+    Ok(Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads })
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+}
+
+/// The reference itself: the PyTorch oracle's logits, loss and gradients (no biases),
+/// within the oracle README's tolerances. A planted fault (RoPE's halves not rotated) fails.
+#[test]
+fn the_reference_reproduces_the_oracle() -> Result<()> {
+    let (cfg, full, want) = oracle()?;
+    let got = reference(&full, &cfg, &want.input_ids)?;
+    let tol = Tolerances::default();
+    let logits = max_abs(&got.logits, &want.logits)?;
+    let loss = (got.loss - want.loss).abs();
+    let mut worst = 0f64;
+    for (k, w) in &want.grads {
+        let scale = w.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        worst = worst.max(max_abs(&got.grads[k], w)? / scale);
+    }
+    println!("f64 reference vs oracle: logits {logits:.1e}, loss {loss:.1e}, grad rel {worst:.1e}");
+    assert_eq!(got.grads.len(), want.grads.len());
+    assert!(logits < tol.logits_abs && loss < tol.loss_abs && worst < tol.grad_rel, "{logits} {loss} {worst}");
+    Ok(())
+}
+
+/// Every kind of layout with the biases: the f64 reference's logits, loss and gradients.
+#[test]
+fn qwen2_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = qwen2(0.5)?;
+    let (_, _, o) = oracle()?;
+    let ids = o.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let want = reference(&full, &cfg, &ids)?;
+    // the biases matter: without them the logits move by far more than the tolerance
+    let (plain_cfg, mut plain) = (cfg.clone().with_qkv_bias(false), full.clone());
+    plain.retain(|k, _| !k.ends_with(".bias"));
+    let moved = max_abs(&reference(&plain, &plain_cfg, &ids)?.logits, &want.logits)?;
+    assert!(moved > 1e-2, "the biases moved the logits by only {moved:.1e}");
+    let two_rows = Tensor::cat(&[&ids, &ids], 0)?;
+    let two_ref = reference_rows(&want)?;
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 2),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ulysses, 4),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    for layout in layouts {
+        let run = run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?;
+        let rep = compare(&run, &want, Tolerances::default())?;
+        println!("qwen2 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.ends_with(".bias")).count(), 3 * cfg.num_hidden_layers);
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2);
+    let rep = compare(&run_layout(&full, &cfg, &two_rows, layout, &Device::Cpu)?, &two_ref, Tolerances::default())?;
+    println!("qwen2 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+    assert!(rep.pass(), "{layout}: {rep:?}");
+    Ok(())
+}
+
+/// The reference of a batch of two copies of its row: the same loss and gradients.
+fn reference_rows(r: &Reference) -> Result<Reference> {
+    Ok(Reference {
+        input_ids: Tensor::cat(&[&r.input_ids, &r.input_ids], 0)?,
+        logits: Tensor::cat(&[&r.logits, &r.logits], 0)?,
+        loss: r.loss,
+        grads: r.grads.clone(),
+    })
+}
+
+/// Cached decoding with the biases equals the full forward; CP and TP decode the same tokens.
+#[test]
+fn qwen2_generation() -> Result<()> {
+    let (cfg, full) = qwen2(0.5)?;
+    let ids = oracle()?.2.input_ids.narrow(1, 0, 32)?.contiguous()?;
+    let gen = |layout: Layout| {
+        run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_tensors(&full, &cfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+            let out = m.generate_greedy(&ids, 6)?;
+            // the full forward of the prompt and the tokens, its last row before each token
+            let toks = Tensor::from_vec(out.tokens.concat(), (out.tokens.len(), out.tokens[0].len()), &Device::Cpu)?;
+            let seq = Tensor::cat(&[&ids, &toks], 1)?;
+            let all = if layout.world_size() == 1 { Some(m.forward(&seq, &Tensor::arange(0u32, seq.dim(1)? as u32, &Device::Cpu)?)?) } else { None };
+            Ok((out, all))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()
+    };
+    let single = gen(Layout::single())?;
+    let (want, Some(full_fwd)) = &single[0] else { candle_core::bail!("no full forward") };
+    for (i, l) in want.logits.iter().enumerate() {
+        let row = full_fwd.narrow(1, ids.dim(1)? - 1 + i, 1)?.squeeze(1)?;
+        let e = max_abs(l, &row)?;
+        assert!(e < 1e-4, "token {i}: cached logits differ from the full forward by {e:.1e}");
+    }
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false)] {
+        for (r, (g, _)) in gen(layout)?.iter().enumerate() {
+            assert_eq!(g.tokens, want.tokens, "{layout} rank {r}");
+            for (a, b) in g.logits.iter().zip(&want.logits) {
+                assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Qwen2 checkpoint round trips bit for bit (whole, and sharded over TP 1, 2, 4: the KV
+/// biases replicated like their weights at 4); biases under a Llama config are refused.
+#[test]
+fn qwen2_checkpoints() -> Result<()> {
+    let (cfg, full) = qwen2(0.5)?;
+    let root = std::env::temp_dir().join(format!("candle-cp-qwen2-{}", std::process::id()));
+    let mut tensors: Vec<(String, Tensor)> = full.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let dir = root.join("qwen2");
+    save_hf_tensors(&dir, &tensors, &cfg)?;
+    let text = std::fs::read_to_string(dir.join("config.json"))?;
+    assert!(text.contains("Qwen2ForCausalLM") && text.contains("\"qwen2\""), "{text}");
+    let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back, cfg);
+    let again = root.join("again");
+    save_hf(&again, &vm, &back)?;
+    assert!(std::fs::read(dir.join("model.safetensors"))? == std::fs::read(again.join("model.safetensors"))?);
+    for tp in [1usize, 2, 4] {
+        for r in run_ranks(tp, |g| {
+            let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+            let want = shard_tensors(&full, &cfg, &ctx)?;
+            let (got, _) = load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+            let (want, got) = (want.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone(), got.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone());
+            let mut same = want.len() == got.len();
+            for (k, w) in &want {
+                same &= got.get(k).map(|g| max_abs(g.as_tensor(), w.as_tensor()).map(|e| e == 0.0)).transpose()? == Some(true);
+            }
+            Ok(same)
+        }) {
+            assert!(r?, "tp {tp}: the sharded load differs from sharding the whole model");
+        }
+    }
+    // the same tensors under a Llama config: refused, naming a bias, by both loaders
+    let llama = root.join("llama");
+    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qkv_bias(false))?;
+    let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("6 tensor(s)") && e.contains("model.layers.0.self_attn.k_proj.bias") && e.contains("LlamaForCausalLM"), "{e}");
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
+        Ok(load_hf_sharded(&llama, &ctx, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default())
+    }) {
+        let e = r?;
+        assert!(e.contains("q_proj.bias"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
