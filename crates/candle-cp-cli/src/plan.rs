@@ -11,7 +11,8 @@ use candle_cp_plan::{
 /// Model, sequence, hardware and rate flags shared by `candle-cp plan` and `candle-cp search`.
 #[derive(clap::Args, Debug)]
 pub struct CommonArgs {
-    /// Model: llama3-8b, llama3-70b, llama3-405b, or the path of a Hugging Face config.json.
+    /// Model: llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b, qwen2.5-72b, or the path of a
+    /// Hugging Face config.json (Llama, Mistral or Qwen2).
     #[arg(long)]
     pub model: String,
     /// Global sequence length in tokens (all CP ranks together).

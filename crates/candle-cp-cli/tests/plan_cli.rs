@@ -505,3 +505,51 @@ fn plan_row_sums_flag() {
         }
     }
 }
+
+/// Qwen2.5 presets and a Qwen2 `config.json`: q, k, v biases, no window unless the config
+/// turns it on for every layer, and the 28 heads of the 7B refusing a Ulysses degree of 8.
+#[test]
+fn plan_qwen2_presets_and_config() {
+    let preset = plan_json(&["--model", "qwen2.5-7b", "--seq", "8192"]);
+    let model = |v: &serde_json::Value, k: &str| v.pointer(&format!("/input/model/{k}")).cloned().unwrap_or_default();
+    assert_eq!(model(&preset, "qkv_bias"), serde_json::json!(true));
+    assert_eq!((model(&preset, "heads"), model(&preset, "kv_heads"), model(&preset, "vocab")), (28.into(), 4.into(), 152064.into()));
+    let dir = std::env::temp_dir().join(format!("candle-cp-plan-cli-qwen2-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = |tag: &str, extra: &str| {
+        let p = dir.join(format!("{tag}.json"));
+        std::fs::write(
+            &p,
+            format!(
+                r#"{{"architectures":["Qwen2ForCausalLM"],"model_type":"qwen2","hidden_size":3584,"intermediate_size":18944,
+                "num_hidden_layers":28,"num_attention_heads":28,"num_key_value_heads":4,"vocab_size":152064,
+                "tie_word_embeddings":false,"sliding_window":131072{extra}}}"#
+            ),
+        )
+        .unwrap();
+        p
+    };
+    // as Qwen2.5-7B ships it: the window is off (use_sliding_window false, max_window_layers 28)
+    let shipped = cfg("shipped", r#","use_sliding_window":false,"max_window_layers":28"#);
+    let v = plan_json(&["--model", shipped.to_str().unwrap(), "--seq", "8192"]);
+    for k in ["hidden", "layers", "heads", "kv_heads", "ffn", "vocab", "qkv_bias"] {
+        assert_eq!(model(&v, k), model(&preset, k), "{k}");
+    }
+    assert!(model(&v, "sliding_window").is_null());
+    let all = cfg("all", r#","use_sliding_window":true,"max_window_layers":0"#);
+    let v = plan_json(&["--model", all.to_str().unwrap(), "--seq", "8192"]);
+    assert_eq!(model(&v, "sliding_window"), serde_json::json!(131072));
+    let some = cfg("some", r#","use_sliding_window":true,"max_window_layers":20"#);
+    for (args, msg) in [
+        (vec!["--model", "qwen2.5-7b", "--seq", "131072", "--cp", "8", "--cp-kind", "ulysses"], "Ulysses degree 8 does not divide the 28 query heads"),
+        (vec!["--model", some.to_str().unwrap(), "--seq", "8192"], "layers 20..28 only"),
+    ] {
+        let mut a = vec!["plan"];
+        a.extend(args);
+        let out = candle_cp(&a);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(2), "{stderr}");
+        assert!(stderr.contains(msg), "{stderr:?} lacks {msg:?}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+}

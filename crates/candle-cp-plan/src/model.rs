@@ -30,25 +30,30 @@ pub struct ModelConfig {
     /// overrides it.
     pub sliding_window: Option<usize>,
     /// Biases on the q, k, v projections (Qwen2: `model_type` `qwen2`); `q_dim + 2·kv_dim`
-    /// more parameters per layer. Presets have none.
+    /// more parameters per layer. The Llama presets have none, the Qwen2.5 ones have them.
     pub qkv_bias: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 3] = ["llama3-8b", "llama3-70b", "llama3-405b"];
+pub const MODEL_PRESETS: [&str; 5] = ["llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b"];
 
 impl ModelConfig {
-    /// A built-in Llama 3 (3.1) shape: `llama3-8b`, `llama3-70b` or `llama3-405b`.
+    /// A built-in shape: Llama 3 (3.1) `llama3-8b`, `llama3-70b` or `llama3-405b`
+    /// (vocabulary 128256), or Qwen2.5 `qwen2.5-7b` or `qwen2.5-72b` (vocabulary 152064, q, k,
+    /// v biases; the 7B has 28 query and 4 KV heads).
     pub fn preset(name: &str) -> Result<Self> {
         let (hidden, layers, heads, kv_heads, ffn) = match name.to_ascii_lowercase().as_str() {
             "llama3-8b" => (4096, 32, 32, 8, 14336),
             "llama3-70b" => (8192, 80, 64, 8, 28672),
             "llama3-405b" => (16384, 126, 128, 8, 53248),
+            "qwen2.5-7b" => (3584, 28, 28, 4, 18944),
+            "qwen2.5-72b" => (8192, 80, 64, 8, 29568),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
             ),
         };
+        let qwen = name.to_ascii_lowercase().starts_with("qwen");
         let cfg = Self {
             name: name.to_ascii_lowercase(),
             hidden,
@@ -57,10 +62,10 @@ impl ModelConfig {
             kv_heads,
             head_dim: hidden / heads,
             ffn,
-            vocab: 128256,
+            vocab: if qwen { 152064 } else { 128256 },
             tie_embeddings: false,
             sliding_window: None,
-            qkv_bias: false,
+            qkv_bias: qwen,
         };
         Ok(cfg)
     }
@@ -277,6 +282,11 @@ mod tests {
         );
         let m = ModelConfig::preset("llama3-405b")?;
         assert_eq!((m.head_dim, m.q_dim(), m.kv_dim()), (128, 16384, 1024));
+        // Qwen2.5 model cards: 7.61B and 72.7B parameters (with the q, k, v biases)
+        let q7 = ModelConfig::preset("qwen2.5-7b")?;
+        assert_eq!(q7.total_params(), 7_615_616_512);
+        assert!((b("qwen2.5-72b")? - 72.7).abs() < 0.05, "{}", b("qwen2.5-72b")?);
+        assert!(q7.qkv_bias && q7.head_dim == 128 && !m.qkv_bias);
         Ok(())
     }
 

@@ -113,7 +113,8 @@ pub fn render(p: &Plan) -> String {
         m.ffn,
         m.total_params() as f64 / 1e9,
         m.sliding_window
-            .map_or(String::new(), |w| format!(", sliding window {w}")),
+            .map_or(String::new(), |w| format!(", sliding window {w}"))
+            + if m.qkv_bias { ", q/k/v biases" } else { "" },
         i.seq,
         i.doc_len
             .map_or(String::new(), |d| format!(" packed as documents of {d}")),
