@@ -6,7 +6,8 @@
 //! and gradients against the reference within the case's tolerances.
 //!
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
-//! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks.
+//! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks; the
+//! same weights with Qwen2's q, k, v biases under TP 4 + SP against the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
@@ -115,7 +116,33 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
             report_llama(rep, &name, res);
         }
     }
+    let name = format!("llama qwen2 (q, k, v biases) tp4 + sp, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, qwen2_vs_cpu(gpu, dir));
     Ok(())
+}
+
+/// Qwen2's q, k, v biases (seeded, std ~0.4) on the oracle's weights, TP 4 + SP on GPU virtual
+/// ranks (the 2 KV heads' biases replicated over 2 ranks each) against the single-device CPU
+/// run of the same model (which `tests/llama_qwen2.rs` holds to a float64 reference), on the
+/// first [`QUICK_TOKENS`] tokens of the oracle's sequence.
+fn qwen2_vs_cpu(gpu: &Device, dir: &str) -> candle_core::Result<candle_cp_llama::verify::Report> {
+    use candle_cp_llama::layout::Layout;
+    use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
+    use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
+    let cfg = LlamaConfig::from_file(format!("{dir}/config.json"))?.with_qkv_bias(true);
+    let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
+    for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
+        if k.ends_with(".bias") {
+            full.insert(k, (t * 20.0)?);
+        }
+    }
+    let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;
+    let cpu = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    let reference = Reference { input_ids: ids.clone(), logits: cpu.logits.clone(), loss: cpu.loss, grads: cpu.grads.iter().cloned().collect() };
+    let layout = Layout::single().with_tp(4, true);
+    let opts = candle_cp_comm::ThreadGroupOptions { device: gpu.clone(), ..Default::default() };
+    let spawn = |body: &LayoutRankBody| Ok(candle_cp_comm::run_ranks_with(layout.world_size(), opts, body));
+    compare(&run_layout_on(&full, &cfg, &ids, layout, gpu, spawn)?, &reference, Tolerances::default())
 }
 
 /// Tokens of the tiny-Llama oracle's sequence (2048) the `--quick` Llama checks run, against
