@@ -11,6 +11,8 @@
 //!   SP, TP 4 replicating the 2 KV heads (and their biases), TP × CP, DP — give the
 //!   reference's logits, loss and every gradient, the biases' included, within the oracle's
 //!   float32 tolerances.
+//! - YaRN (Qwen2.5's 128k RoPE scaling), its ramp acting at this length: every kind of layout
+//!   gives the reference's results.
 //! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
 //!   single device's tokens.
 //! - Checkpoints: a Qwen2 checkpoint saves as `Qwen2ForCausalLM` and loads back bit for bit,
@@ -82,11 +84,15 @@ fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) ->
     let (b, t) = ids.dims2()?;
     let (h, hh, hkv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
     let eps = cfg.rms_norm_eps;
-    let inv: Vec<f64> = (0..d / 2).map(|i| cfg.rope_theta.powf(-((2 * i) as f64) / d as f64)).collect();
+    // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
+    // test below checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on
+    // cos and sin as HF applies it
+    let inv = candle_cp_llama::rope::inv_freq(cfg);
     let ang: Vec<f64> = (0..t).flat_map(|p| inv.iter().map(move |f| p as f64 * f)).collect();
     let ang = Tensor::from_vec(ang, (t, d / 2), &Device::Cpu)?;
     let ang = Tensor::cat(&[&ang, &ang], 1)?;
-    let (cos, sin) = (ang.cos()?, ang.sin()?);
+    let af = cfg.rope_scaling.attention_factor();
+    let (cos, sin) = ((ang.cos()? * af)?, (ang.sin()? * af)?);
     let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)? };
     let mask: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 }).collect();
     let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
@@ -189,6 +195,35 @@ fn qwen2_on_every_layout_matches_the_reference() -> Result<()> {
     let rep = compare(&run_layout(&full, &cfg, &two_rows, layout, &Device::Cpu)?, &two_ref, Tolerances::default())?;
     println!("qwen2 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
     assert!(rep.pass(), "{layout}: {rep:?}");
+    Ok(())
+}
+
+/// Qwen2 with YaRN (factor 4 over an original length of 64, so that the ramp and the
+/// attention factor act at T = 256): every kind of layout gives the reference's results.
+#[test]
+fn qwen2_with_yarn_matches_the_reference() -> Result<()> {
+    let (mut cfg, full) = qwen2(0.5)?;
+    cfg.rope_scaling = candle_cp_llama::RopeScaling::Yarn {
+        factor: 4.0,
+        original_max_position_embeddings: 64,
+        beta_fast: 32.0,
+        beta_slow: 1.0,
+        attention_factor: None,
+        mscale: None,
+        mscale_all_dim: None,
+        truncate: true,
+    };
+    let ids = oracle()?.2.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let want = reference(&full, &cfg, &ids)?;
+    let plain = reference(&full, &qwen2(0.5)?.0, &ids)?;
+    let moved = max_abs(&plain.logits, &want.logits)?;
+    // (the model's logits must be within 1e-5 of the reference: a run without YaRN is not)
+    assert!(moved > 100.0 * Tolerances::default().logits_abs, "YaRN moved the logits by only {moved:.1e}");
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 4), Layout::cp(CpKind::Ulysses, 2), Layout::cp(CpKind::Ring, 2).with_tp(2, true)] {
+        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
+        println!("qwen2 + yarn {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
     Ok(())
 }
 

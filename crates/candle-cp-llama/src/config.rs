@@ -2,7 +2,10 @@
 //!
 //! Both RoPE spellings are read: the legacy top-level `rope_theta` + `rope_scaling`, and the
 //! newer `rope_parameters` object (`rope_type`, `rope_theta`, scaling keys). Written back in
-//! both forms so old and new transformers versions load it.
+//! both forms so old and new transformers versions load it. Scalings: `linear`, `llama3`,
+//! `yarn` (as current transformers computes it: `factor` as configured; some 4.x releases
+//! replaced it by `max_position_embeddings / original_max_position_embeddings` when the
+//! config names the original length); others are refused by name.
 
 pub use crate::arch::Arch;
 use candle_core::{bail, Result};
@@ -32,6 +35,48 @@ pub enum RopeScaling {
         /// Context length the frequencies were trained for (HF default 8192).
         original_max_position_embeddings: usize,
     },
+    /// YaRN (HF `_compute_yarn_parameters`; Qwen2.5's long-context setting): the frequencies
+    /// that turn fewer than `beta_slow` times over `original_max_position_embeddings` are
+    /// divided by `factor`, those that turn more than `beta_fast` times kept, a linear ramp
+    /// over the dimensions in between; cos and sin are multiplied by
+    /// [`RopeScaling::attention_factor`].
+    Yarn {
+        /// Divisor of the low frequencies.
+        factor: f64,
+        /// Context length the frequencies were trained for (config.json's
+        /// `max_position_embeddings` when the scaling object has none).
+        original_max_position_embeddings: usize,
+        /// Rotations above which a frequency is kept (HF default 32).
+        beta_fast: f64,
+        /// Rotations below which a frequency is divided by `factor` (HF default 1).
+        beta_slow: f64,
+        /// `attention_factor` as configured (`None`: from `factor` and the mscales).
+        attention_factor: Option<f64>,
+        /// DeepSeek-style `mscale` / `mscale_all_dim` (the attention factor is the ratio of
+        /// their `0.1·m·ln(factor) + 1` when both are set and non-zero).
+        mscale: Option<f64>,
+        /// See `mscale`.
+        mscale_all_dim: Option<f64>,
+        /// Round the ramp's ends to whole dimensions (HF `truncate`, default true).
+        truncate: bool,
+    },
+}
+
+impl RopeScaling {
+    /// The factor cos and sin are multiplied by: 1, or YaRN's `attention_factor` (given, or
+    /// `0.1·ln(factor) + 1`; with both mscales the ratio of those with `mscale` and with
+    /// `mscale_all_dim`; 1 for a factor <= 1).
+    pub fn attention_factor(&self) -> f64 {
+        let get_mscale = |scale: f64, m: f64| if scale <= 1.0 { 1.0 } else { 0.1 * m * scale.ln() + 1.0 };
+        match self {
+            RopeScaling::Yarn { attention_factor: Some(a), .. } => *a,
+            RopeScaling::Yarn { factor, mscale: Some(m), mscale_all_dim: Some(md), .. } if *m != 0.0 && *md != 0.0 => {
+                get_mscale(*factor, *m) / get_mscale(*factor, *md)
+            }
+            RopeScaling::Yarn { factor, .. } => get_mscale(*factor, 1.0),
+            _ => 1.0,
+        }
+    }
 }
 
 /// Architecture hyper-parameters of a Llama-style decoder (`LlamaForCausalLM`).
@@ -122,8 +167,9 @@ fn token_id(m: &Map<String, Value>, k: &str) -> Option<Value> {
     }
 }
 
-/// Parse a RoPE scaling object (legacy `rope_scaling` or `rope_parameters`).
-fn parse_scaling(obj: &Map<String, Value>) -> Result<RopeScaling> {
+/// Parse a RoPE scaling object (legacy `rope_scaling` or `rope_parameters`); `max_pos` is
+/// config.json's `max_position_embeddings` (YaRN's default original length).
+fn parse_scaling(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeScaling> {
     let kind = obj
         .get("rope_type")
         .or_else(|| obj.get("type"))
@@ -153,7 +199,22 @@ fn parse_scaling(obj: &Map<String, Value>) -> Result<RopeScaling> {
                 original_max_position_embeddings: orig,
             })
         }
-        other => bail!("config.json: unsupported rope_type `{other}` (supported: default, linear, llama3)"),
+        "yarn" => Ok(RopeScaling::Yarn {
+            factor: factor()?,
+            original_max_position_embeddings: get_usize(obj, "original_max_position_embeddings")?.unwrap_or(max_pos),
+            // HF: `get("beta_fast") or 32` (a 0 or null means the default too)
+            beta_fast: get_f64(obj, "beta_fast")?.filter(|&b| b != 0.0).unwrap_or(32.0),
+            beta_slow: get_f64(obj, "beta_slow")?.filter(|&b| b != 0.0).unwrap_or(1.0),
+            attention_factor: get_f64(obj, "attention_factor")?,
+            mscale: get_f64(obj, "mscale")?,
+            mscale_all_dim: get_f64(obj, "mscale_all_dim")?,
+            truncate: match obj.get("truncate") {
+                None | Some(Value::Null) => true,
+                Some(Value::Bool(b)) => *b,
+                Some(v) => bail!("config.json: yarn `truncate` must be true or false, got {v}"),
+            },
+        }),
+        other => bail!("config.json: unsupported rope_type `{other}` (supported: default, linear, llama3, yarn)"),
     }
 }
 
@@ -184,18 +245,19 @@ impl LlamaConfig {
         if head_dim % 2 != 0 {
             bail!("config.json: head_dim ({head_dim}) must be even for RoPE")
         }
+        let max_pos = get_usize(m, "max_position_embeddings")?.unwrap_or(4096);
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
         let (rope_theta, rope_scaling) = match m.get("rope_parameters") {
             Some(Value::Object(p)) => {
                 let theta = get_f64(p, "rope_theta")?
                     .or(get_f64(m, "rope_theta")?)
                     .unwrap_or(10000.0);
-                (theta, parse_scaling(p)?)
+                (theta, parse_scaling(p, max_pos)?)
             }
             _ => {
                 let theta = get_f64(m, "rope_theta")?.unwrap_or(10000.0);
                 let scaling = match m.get("rope_scaling") {
-                    Some(Value::Object(s)) => parse_scaling(s)?,
+                    Some(Value::Object(s)) => parse_scaling(s, max_pos)?,
                     None | Some(Value::Null) => RopeScaling::Default,
                     Some(other) => bail!("config.json: `rope_scaling` must be an object or null, got {other}"),
                 };
@@ -221,7 +283,7 @@ impl LlamaConfig {
             rope_theta,
             rope_scaling,
             tie_word_embeddings: m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
-            max_position_embeddings: get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
+            max_position_embeddings: max_pos,
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
             sliding_window: arch.window(m, parse_window(m)?, layers)?,
@@ -323,8 +385,15 @@ impl LlamaConfig {
                     && positive(*high_freq_factor)
                     && high_freq_factor > low_freq_factor
                     && *original_max_position_embeddings > 0 => {}
+            RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, attention_factor, mscale, mscale_all_dim, .. }
+                if positive(*factor)
+                    && *original_max_position_embeddings > 0
+                    && positive(*beta_fast)
+                    && positive(*beta_slow)
+                    && attention_factor.is_none_or(positive)
+                    && [mscale, mscale_all_dim].iter().all(|m| m.is_none_or(|x| x.is_finite())) => {}
             other => bail!(
-                "LlamaConfig: rope scaling {other:?} needs finite factors > 0 (llama3: high_freq_factor > low_freq_factor, original_max_position_embeddings > 0)"
+                "LlamaConfig: rope scaling {other:?} needs finite factors > 0 (llama3: high_freq_factor > low_freq_factor, original_max_position_embeddings > 0; yarn: beta_fast, beta_slow and an attention_factor > 0)"
             ),
         }
         Ok(())
@@ -366,6 +435,30 @@ impl LlamaConfig {
                     "original_max_position_embeddings".into(),
                     json!(original_max_position_embeddings),
                 );
+            }
+            RopeScaling::Yarn {
+                factor,
+                original_max_position_embeddings,
+                beta_fast,
+                beta_slow,
+                attention_factor,
+                mscale,
+                mscale_all_dim,
+                truncate,
+            } => {
+                rope.insert("rope_type".into(), json!("yarn"));
+                rope.insert("factor".into(), json!(factor));
+                rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+                rope.insert("beta_fast".into(), json!(beta_fast));
+                rope.insert("beta_slow".into(), json!(beta_slow));
+                for (k, v) in [("attention_factor", attention_factor), ("mscale", mscale), ("mscale_all_dim", mscale_all_dim)] {
+                    if let Some(v) = v {
+                        rope.insert(k.into(), json!(v));
+                    }
+                }
+                if !truncate {
+                    rope.insert("truncate".into(), json!(false));
+                }
             }
         }
         let (arch, model_type) = self.arch().hf_names();
@@ -477,7 +570,7 @@ mod tests {
         assert_eq!(c.rope_scaling, RopeScaling::Default);
         assert!(LlamaConfig::from_json(&format!(r#"{{{BASE}, "num_key_value_heads": 3}}"#)).is_err());
         assert!(LlamaConfig::from_json(&format!(
-            r#"{{{BASE}, "rope_scaling": {{"type": "yarn", "factor": 2.0}}}}"#
+            r#"{{{BASE}, "rope_scaling": {{"type": "dynamic", "factor": 2.0}}}}"#
         ))
         .is_err());
         assert!(LlamaConfig::from_json(r#"{"hidden_size": 4}"#).is_err());

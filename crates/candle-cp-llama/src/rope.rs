@@ -39,13 +39,38 @@ pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
                 })
                 .collect()
         }
+        RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
+            // the dimension whose frequency turns `rot` times over the original length
+            let dim_of = |rot: f64| {
+                d as f64 * (original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
+                    / (2.0 * cfg.rope_theta.ln())
+            };
+            let (mut low, mut high) = (dim_of(beta_fast), dim_of(beta_slow));
+            if truncate {
+                (low, high) = (low.floor(), high.ceil());
+            }
+            let (low, mut high) = (low.max(0.0), high.min(d as f64 - 1.0));
+            if low == high {
+                high += 0.001;
+            }
+            // ramp 0: the frequency kept (extrapolated), 1: divided by the factor (interpolated)
+            base.into_iter()
+                .enumerate()
+                .map(|(i, f)| {
+                    let ramp = ((i as f64 - low) / (high - low)).clamp(0.0, 1.0);
+                    f / factor * ramp + f * (1.0 - ramp)
+                })
+                .collect()
+        }
     }
 }
 
 /// `cos`, `sin` tables `[T, D]` for the given global positions (`[T]`), built in f64 on the
-/// host and converted to `dtype` on `device`. Column `i` and `i + D/2` share an angle.
+/// host and converted to `dtype` on `device`. Column `i` and `i + D/2` share an angle. Both
+/// are multiplied by the scaling's [`RopeScaling::attention_factor`] (YaRN's; 1 otherwise).
 pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
     let f = inv_freq(cfg);
+    let scale = cfg.rope_scaling.attention_factor();
     let d = cfg.head_dim;
     let t = positions.len();
     let mut cos = Vec::with_capacity(t * d);
@@ -54,8 +79,8 @@ pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &
         for _ in 0..2 {
             for &fr in &f {
                 let a = p as f64 * fr;
-                cos.push(a.cos());
-                sin.push(a.sin());
+                cos.push(a.cos() * scale);
+                sin.push(a.sin() * scale);
             }
         }
     }
@@ -124,5 +149,74 @@ mod tests {
         for (p, s) in plain.iter().zip(&scaled) {
             assert!(*s <= *p && *s >= p / 8.0 - 1e-18);
         }
+    }
+
+    /// YaRN as Qwen2.5 configures it for 128k (theta 1e6, D = 128, 4 × 32768): the ramp runs
+    /// over dimensions 23..40 (by hand: 128·ln(32768 / (β·2π)) / (2·ln 1e6) = 23.60 for β = 32,
+    /// 39.66 for β = 1, floored and ceiled), frequencies below it kept, above it divided by 4,
+    /// in between the linear mix; cos and sin carry 0.1·ln 4 + 1.
+    #[test]
+    fn yarn_ramp_and_attention_factor() -> Result<()> {
+        let text = r#"{"vocab_size": 64, "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 1,
+            "num_attention_heads": 2, "rope_theta": 1000000.0, "max_position_embeddings": 32768,
+            "rope_scaling": {"factor": 4.0, "original_max_position_embeddings": 32768, "type": "yarn"}}"#;
+        let cfg = LlamaConfig::from_json(text)?;
+        assert_eq!(cfg.head_dim, 128);
+        let yarn = inv_freq(&cfg);
+        let plain = inv_freq(&LlamaConfig { rope_scaling: RopeScaling::Default, ..cfg.clone() });
+        for (i, (y, p)) in yarn.iter().zip(&plain).enumerate() {
+            let ramp = ((i as f64 - 23.0) / 17.0).clamp(0.0, 1.0);
+            let want = p / 4.0 * ramp + p * (1.0 - ramp);
+            assert!((y - want).abs() <= 1e-15 * p, "dim {i}: {y} vs {want}");
+            match i {
+                0..=23 => assert_eq!(y, p, "dim {i} kept"),
+                40.. => assert_eq!(*y, p / 4.0, "dim {i} divided"),
+                _ => assert!(*y < *p && *y > p / 4.0, "dim {i} between"),
+            }
+        }
+        let af = 0.1 * 4f64.ln() + 1.0;
+        assert!((cfg.rope_scaling.attention_factor() - af).abs() < 1e-15);
+        let (cos, sin) = rope_tables(&cfg, &[0, 7], DType::F64, &Device::Cpu)?;
+        assert_eq!(cos.get(0)?.to_vec1::<f64>()?, vec![af; 128]);
+        let (c7, s7) = (cos.get(1)?.to_vec1::<f64>()?, sin.get(1)?.to_vec1::<f64>()?);
+        for i in [0, 30, 63] {
+            let a = 7.0 * yarn[i];
+            assert!((c7[i] - af * a.cos()).abs() < 1e-15 && (s7[i + 64] - af * a.sin()).abs() < 1e-15, "dim {i}");
+        }
+        // written back (with the defaults made explicit) and read again: the same scaling
+        let back = LlamaConfig::from_json(&cfg.to_hf_json("bfloat16"))?;
+        assert_eq!(back, cfg);
+        assert!(matches!(back.rope_scaling, RopeScaling::Yarn { beta_fast: 32.0, beta_slow: 1.0, truncate: true, attention_factor: None, .. }));
+        Ok(())
+    }
+
+    /// YaRN's options: the original length from `max_position_embeddings` when absent, a given
+    /// attention factor, the mscale ratio, no truncation (a wider ramp), bad values refused.
+    #[test]
+    fn yarn_options() -> Result<()> {
+        let cfg = |scaling: &str| {
+            LlamaConfig::from_json(&format!(
+                r#"{{"vocab_size": 64, "hidden_size": 256, "intermediate_size": 64, "num_hidden_layers": 1,
+                "num_attention_heads": 2, "rope_theta": 1000000.0, "max_position_embeddings": 8192,
+                "rope_parameters": {{"rope_type": "yarn", "rope_theta": 1000000.0, {scaling}}}}}"#
+            ))
+        };
+        let c = cfg(r#""factor": 2.0"#)?;
+        assert!(matches!(c.rope_scaling, RopeScaling::Yarn { original_max_position_embeddings: 8192, .. }));
+        assert_eq!(cfg(r#""factor": 2.0, "attention_factor": 1.5"#)?.rope_scaling.attention_factor(), 1.5);
+        let m = |x: f64| 0.1 * x * 40f64.ln() + 1.0;
+        let r = cfg(r#""factor": 40.0, "mscale": 1.0, "mscale_all_dim": 0.5"#)?.rope_scaling.attention_factor();
+        assert!((r - m(1.0) / m(0.5)).abs() < 1e-15, "{r}");
+        // factor <= 1: no attention scaling
+        assert_eq!(cfg(r#""factor": 1.0"#)?.rope_scaling.attention_factor(), 1.0);
+        // without truncation the ramp runs over 23.60..39.66 instead of 23..40: dimension 24
+        // is divided less, dimension 39 more
+        let (t, u) = (inv_freq(&cfg(r#""factor": 4.0, "original_max_position_embeddings": 32768"#)?), inv_freq(&cfg(r#""factor": 4.0, "original_max_position_embeddings": 32768, "truncate": false"#)?));
+        assert!(u[24] > t[24] && u[39] < t[39] && u[23] == t[23] && u[40] == t[40]);
+        for bad in [r#""factor": 0.0"#, r#""factor": 4.0, "beta_fast": -1.0"#, r#""factor": 4.0, "attention_factor": -2.0"#, r#""factor": 4.0, "truncate": 3"#] {
+            let e = cfg(bad).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("factor") || e.contains("yarn") || e.contains("truncate"), "{bad}: {e:?}");
+        }
+        Ok(())
     }
 }

@@ -31,6 +31,7 @@ use std::time::Instant;
 
 /// Where the initial weights come from.
 #[derive(Debug, Clone)]
+#[allow(clippy::large_enum_variant)] // one per run: a boxed config would buy nothing
 pub enum ModelSource {
     /// Random init of this architecture ([`crate::init_params`] with the run seed).
     Init(LlamaConfig),
