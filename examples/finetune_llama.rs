@@ -8,6 +8,7 @@
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
+//! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -159,6 +160,10 @@ struct Args {
     /// `Qwen2ForCausalLM`). A --model checkpoint's config.json says for itself.
     #[arg(long)]
     qkv_bias: bool,
+    /// Random-init model with RMSNorms over each q and k head before RoPE (Qwen3; saved as
+    /// `Qwen3ForCausalLM`). A --model checkpoint's config.json says for itself.
+    #[arg(long)]
+    qk_norm: bool,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.
@@ -344,7 +349,7 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias => bail!("--qkv-bias shapes a random-init model; a --model checkpoint's config.json says whether it has biases"),
+        Some(_) if a.qkv_bias || a.qk_norm => bail!("--qkv-bias and --qk-norm shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -355,7 +360,11 @@ fn main() -> Result<()> {
                 Some(v) => v,
                 None => needed,
             };
-            ModelSource::Init(LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias))
+            let cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
+            if a.qkv_bias && a.qk_norm {
+                bail!("--qkv-bias (Qwen2) and --qk-norm (Qwen3): pick one")
+            }
+            ModelSource::Init(cfg)
         }
     };
     let cuda = match a.device.as_str() {

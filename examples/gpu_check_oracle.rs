@@ -123,7 +123,7 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 
 /// Qwen2's q, k, v biases (seeded, std ~0.4) on the oracle's weights, TP 4 + SP on GPU virtual
 /// ranks (the 2 KV heads' biases replicated over 2 ranks each) against the single-device CPU
-/// run of the same model (which `tests/llama_qwen2.rs` holds to a float64 reference), on the
+/// run of the same model (which `tests/llama_qwen.rs` holds to a float64 reference), on the
 /// first [`QUICK_TOKENS`] tokens of the oracle's sequence.
 fn qwen2_vs_cpu(gpu: &Device, dir: &str) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::layout::Layout;

@@ -84,14 +84,17 @@ fn retained(cfg: &LlamaConfig, layout: Layout, dtype: DType, recompute: bool) ->
 
 #[test]
 fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
-    let cfg = |layers| LlamaConfig::tiny(64, 256, layers, 8, 2);
-    let m = ModelConfig::from_hf_json(&cfg(1).to_hf_json("float32"), "tiny")
-        .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+    let cfg = |layers, qk_norm| LlamaConfig::tiny(64, 256, layers, 8, 2).with_qk_norm(qk_norm);
+    let model = |qk_norm| {
+        ModelConfig::from_hf_json(&cfg(1, qk_norm).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
+    };
+    let (m, qwen3) = (model(false)?, model(true)?);
+    assert!(qwen3.qk_norm && !m.qk_norm);
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
     let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };
     let out_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(false), ..l };
-    let cases: Vec<(&str, Layout, PlanLayout, bool)> = vec![
+    let mut cases: Vec<(&str, Layout, PlanLayout, bool)> = vec![
         ("one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
         ("tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
         ("tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
@@ -114,14 +117,25 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("one device, recompute", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), true),
         ("tp 2 + sp, zigzag 2, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), true),
     ];
+    // Qwen3's head norms (the model and the planner with `qk_norm`)
+    let qwen3_cases = [
+        ("qwen3: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("qwen3: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("qwen3: tp 4, no sp (kv replicated)", Layout::single().with_tp(4, false), plan(4, false, 1, PlanCp::Ring, 1), false),
+        ("qwen3: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+        ("qwen3: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+    ];
+    let n_plain = cases.len();
+    cases.extend(qwen3_cases);
     let mut worst = 0f64;
-    for (name, layout, pl, rc) in &cases {
+    for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
+        let (qk, m) = if i < n_plain { (false, &m) } else { (true, &qwen3) };
         for dtype in [DType::F32, DType::BF16] {
-            let per_layer = (retained(&cfg(3), *layout, dtype, *rc)? - retained(&cfg(1), *layout, dtype, *rc)?) / 2.0;
+            let per_layer = (retained(&cfg(3, qk), *layout, dtype, *rc)? - retained(&cfg(1, qk), *layout, dtype, *rc)?) / 2.0;
             let r = if *rc { Recompute::Full } else { Recompute::None };
             let e = dtype.size_in_bytes();
-            let want = candle_cp_per_gpu(&m, pl, T, 1, e, r);
-            let fused = llama_per_gpu(&m, pl, T, 1, e, r);
+            let want = candle_cp_per_gpu(m, pl, T, 1, e, r);
+            let fused = llama_per_gpu(m, pl, T, 1, e, r);
             let ratio = per_layer / want;
             println!("{name:32} {dtype:?}: kept {per_layer:>10.0} B/layer, planner {want:>10.0} ({ratio:.4}x), fused Llama count {fused:>10.0} ({:.3}x)", per_layer / fused);
             assert!((ratio - 1.0).abs() < 0.015, "{name} {dtype:?}: the model keeps {per_layer} bytes per layer, the planner says {want}");

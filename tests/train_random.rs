@@ -82,8 +82,9 @@ fn draw_layout(d: &mut Rng) -> Layout {
 }
 
 /// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
-/// window in a quarter of the draws, Qwen2's q, k, v biases in half of the seeds (a stream of
-/// its own, so the other draws stay what they were); with those numbers
+/// window in a quarter of the draws, Qwen2's q, k, v biases in a third of the seeds and
+/// Qwen3's q / k head norms in another third (a stream of its own, so the other draws stay
+/// what they were); with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -92,8 +93,11 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
     let (heads, kv_heads) = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
     let layers = pick(d, &[1, 2]);
     let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-    let bias = rng(919_000 + seed).below(2) == 0;
-    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(bias);
+    let arch = rng(919_000 + seed).below(3);
+    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads)
+        .with_sliding_window(window)
+        .with_qkv_bias(arch == 1)
+        .with_qk_norm(arch == 2);
     Ok((task, model, (heads, kv_heads, layers, window)))
 }
 
@@ -205,7 +209,9 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let mut base = config(Layout::single(), model.clone(), task, batch, grad_accum, seed);
         if packed {
             base.data = DataSource::Packed(corpus.clone());
-            base.model = ModelSource::Init(LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(model.qkv_bias));
+            base.model = ModelSource::Init(
+                LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(model.qkv_bias).with_qk_norm(model.qk_norm),
+            );
             long_range_only = false;
         }
         base.long_range_only = long_range_only;
@@ -213,8 +219,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         cfg.layout = layout;
         opts.apply(&mut cfg);
         let what = format!(
-            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}",
-            model.qkv_bias
+            "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} {}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}",
+            model.arch().hf_names().0
         );
         let one = run(&base)?;
         // The bounds. Step 1 runs the same weights on both sides: 1e-5 on the losses, 1e-4 on
@@ -280,8 +286,8 @@ fn random_resumes_on_other_layouts_follow_one_device() -> Result<()> {
         let stop = 2 + d.below(STEPS - 1);
         let keep = pick(&mut d, &[0, 1, 2]);
         let what = format!(
-            "resume config {seed}: {first} ({first_opts:?}) killed after step {stop}, resumed on {second} ({second_opts:?}), heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {}, batch {batch} x {grad_accum} micro-batches, keep {keep}",
-            model.qkv_bias
+            "resume config {seed}: {first} ({first_opts:?}) killed after step {stop}, resumed on {second} ({second_opts:?}), heads {heads}/{kv_heads} layers {layers} window {window:?} {}, batch {batch} x {grad_accum} micro-batches, keep {keep}",
+            model.arch().hf_names().0
         );
         let base = config(Layout::single(), model, task, batch, grad_accum, seed);
         let one = run(&base)?;
@@ -342,12 +348,12 @@ fn random_bf16_training_follows_one_device() -> Result<()> {
     for seed in range {
         let mut d = rng(29000 + seed);
         let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d, seed)?;
-        let biased = model.qkv_bias;
+        let biased = model.arch().hf_names().0;
         let (layout, batch, grad_accum, opts) = draw_run(&mut d);
         let one = TrainConfig { dtype: candle_core::DType::BF16, ..config(Layout::single(), model, task, batch, grad_accum, seed) };
         let mut cfg = TrainConfig { layout, ..one.clone() };
         opts.apply(&mut cfg);
-        let what = format!("bf16 config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} qkv bias {biased}, batch {batch} x {grad_accum} micro-batches, {opts:?}");
+        let what = format!("bf16 config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} {biased}, batch {batch} x {grad_accum} micro-batches, {opts:?}");
         let base = run(&one)?;
         // The bounds. bf16 rounds every matmul output and the weights (to 2^-9 relative), so
         // the gaps are those of the f32 test times ~100: over 361 draws (`0..400`) they reached

@@ -1,18 +1,22 @@
 //! Which Hugging Face architectures a `config.json` may name, and what each one implies for
 //! the parameters and the attention of [`crate::Llama`]:
 //!
-//! | `model_type` (`architectures`)     | q, k, v biases | sliding window                          |
-//! |------------------------------------|----------------|-----------------------------------------|
-//! | `llama` (`LlamaForCausalLM`)       | no             | `sliding_window` if the config has one  |
-//! | `mistral` (`MistralForCausalLM`)   | no             | `sliding_window` (every layer)          |
-//! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | only with `use_sliding_window`, on the layers from `max_window_layers` on |
+//! | `model_type` (`architectures`)     | q, k, v biases | q, k norms | sliding window                          |
+//! |------------------------------------|----------------|------------|-----------------------------------------|
+//! | `llama` (`LlamaForCausalLM`)       | no             | no         | `sliding_window` if the config has one  |
+//! | `mistral` (`MistralForCausalLM`)   | no             | no         | `sliding_window` (every layer)          |
+//! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on |
+//! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
+//!
+//! Qwen3's q and k norms are RMSNorms over each head's `D` features (weights `[D]`, shared by
+//! the heads), applied after the projection and before RoPE ([`crate::LlamaConfig::qk_norm`]).
 //!
 //! Anything else is refused by name. Without the check a config of another architecture
-//! would load and train silently as a different model: Qwen3's q/k norms, a Llama with
-//! `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be parameters the model
-//! never reads. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
+//! would load and train silently as a different model: Qwen3-MoE's experts, Gemma's extra
+//! norms, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
+//! parameters the model never reads. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
 //! does not use. A window on some layers only (`layer_types` mixing `full_attention` and
-//! `sliding_attention`, or Qwen2's `max_window_layers` between 0 and the layer count) is
+//! `sliding_attention`, or Qwen2's / Qwen3's `max_window_layers` between 0 and the layer count) is
 //! refused too: every layer of this model attends the same way.
 
 use candle_core::{bail, Result};
@@ -27,17 +31,20 @@ pub enum Arch {
     Mistral,
     /// `Qwen2ForCausalLM`: a Llama with biases on the q, k and v projections.
     Qwen2,
+    /// `Qwen3ForCausalLM`: a Llama with RMSNorms over each q and k head before RoPE.
+    Qwen3,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3";
 
     fn of_model_type(t: &str) -> Option<Arch> {
         match t {
             "llama" => Some(Arch::Llama),
             "mistral" => Some(Arch::Mistral),
             "qwen2" => Some(Arch::Qwen2),
+            "qwen3" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -47,6 +54,7 @@ impl Arch {
             "LlamaForCausalLM" => Some(Arch::Llama),
             "MistralForCausalLM" => Some(Arch::Mistral),
             "Qwen2ForCausalLM" => Some(Arch::Qwen2),
+            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
             _ => None,
         }
     }
@@ -57,6 +65,7 @@ impl Arch {
             Arch::Llama => ("LlamaForCausalLM", "llama"),
             Arch::Mistral => ("MistralForCausalLM", "mistral"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
+            Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
         }
     }
 
@@ -82,7 +91,7 @@ impl Arch {
             match (Arch::of_class(c), by_class) {
                 (None, _) => bail!(
                     "config.json: architecture `{c}` not supported (supported: {})",
-                    [Arch::Llama, Arch::Mistral, Arch::Qwen2].map(|a| a.hf_names().0).join(", ")
+                    [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3].map(|a| a.hf_names().0).join(", ")
                 ),
                 (Some(a), Some(b)) if a != b => bail!("config.json: `architectures` names both {} and {}", b.hf_names().0, a.hf_names().0),
                 (Some(a), _) => by_class = Some(a),
@@ -109,7 +118,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 => Ok(true),
-            Arch::Llama | Arch::Mistral => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -120,6 +129,11 @@ impl Arch {
         }
     }
 
+    /// Whether each q and k head is RMS-normalised before RoPE (Qwen3).
+    pub(crate) fn qk_norm(self) -> bool {
+        self == Arch::Qwen3
+    }
+
     /// The window every layer uses (`None`: plain causal), from `sliding_window` (already
     /// parsed, `window`), `use_sliding_window`, Qwen2's `max_window_layers` and `layer_types`.
     /// Errors for windows on some layers only.
@@ -127,13 +141,13 @@ impl Arch {
         let use_key = m.get("use_sliding_window").and_then(|v| v.as_bool());
         let w = match (self, use_key) {
             (_, Some(false)) => None,
-            // Qwen2Config: use_sliding_window defaults to false
-            (Arch::Qwen2, None) => None,
+            // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
+            (Arch::Qwen2 | Arch::Qwen3, None) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
             None | Some(Value::Null) => match self {
-                Arch::Qwen2 => {
+                Arch::Qwen2 | Arch::Qwen3 => {
                     // transformers: layer i slides iff sliding_window and i >= max_window_layers
                     // (Qwen2Config's default is 28)
                     let from = match m.get("max_window_layers") {
@@ -209,15 +223,24 @@ mod tests {
             assert!(c.qkv_bias, "{extra}");
             assert_eq!(c.arch(), Arch::Qwen2);
         }
+        // Qwen3 (by either key): q / k head norms, no biases
+        for extra in [r#", "model_type": "qwen3", "attention_bias": false"#, r#", "architectures": ["Qwen3ForCausalLM"]"#] {
+            let c = parse(extra)?;
+            assert!(c.qk_norm && !c.qkv_bias, "{extra}");
+            assert_eq!(c.arch(), Arch::Qwen3);
+        }
+        assert!(!parse("")?.qk_norm);
+        assert!(LlamaConfig::tiny(64, 32, 1, 4, 2).with_qk_norm(true).with_qkv_bias(true).validate().is_err());
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
-            (r#", "model_type": "qwen3""#, "model_type `qwen3` not supported"),
-            (r#", "architectures": ["Qwen3ForCausalLM"]"#, "architecture `Qwen3ForCausalLM` not supported"),
+            (r#", "model_type": "qwen3_moe""#, "model_type `qwen3_moe` not supported"),
+            (r#", "architectures": ["Gemma2ForCausalLM"]"#, "architecture `Gemma2ForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),
             (r#", "attention_bias": true"#, "`attention_bias: true` not supported"),
             (r#", "model_type": "qwen2", "mlp_bias": true"#, "`mlp_bias: true` not supported"),
+            (r#", "model_type": "qwen3", "attention_bias": true"#, "`attention_bias: true` not supported"),
         ] {
             let e = err(extra);
             assert!(e.contains(want), "{extra}: {e:?}");
@@ -247,16 +270,19 @@ mod tests {
         Ok(())
     }
 
-    /// What `to_hf_json` writes for a Qwen2 config reads back as the same config, with the
-    /// keys transformers' Qwen2Config reads (no bias keys, the window on every layer).
+    /// What `to_hf_json` writes for a Qwen2 or Qwen3 config reads back as the same config,
+    /// with the keys transformers' Qwen2Config / Qwen3Config read (Qwen2: no bias keys; Qwen3:
+    /// `attention_bias: false`; the window on every layer).
     #[test]
-    fn qwen2_round_trip() -> Result<()> {
-        for window in [None, Some(32)] {
-            let c = LlamaConfig::tiny(64, 32, 3, 4, 2).with_qkv_bias(true).with_sliding_window(window);
+    fn qwen_round_trip() -> Result<()> {
+        for (window, qwen3) in [(None, false), (Some(32), false), (None, true), (Some(32), true)] {
+            let c = LlamaConfig::tiny(64, 32, 3, 4, 2).with_qkv_bias(!qwen3).with_qk_norm(qwen3).with_sliding_window(window);
             let text = c.to_hf_json("bfloat16");
             let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-            assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("qwen2"), Some("Qwen2ForCausalLM")));
-            assert!(v.get("attention_bias").is_none() && v.get("mlp_bias").is_none(), "{text}");
+            let want = if qwen3 { ("qwen3", "Qwen3ForCausalLM") } else { ("qwen2", "Qwen2ForCausalLM") };
+            assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some(want.0), Some(want.1)));
+            assert_eq!(v.get("attention_bias").and_then(|b| b.as_bool()), qwen3.then_some(false), "{text}");
+            assert!(v.get("mlp_bias").is_none(), "{text}");
             assert_eq!(v["use_sliding_window"].as_bool(), Some(window.is_some()));
             assert_eq!(v["max_window_layers"].as_u64(), Some(if window.is_some() { 0 } else { 3 }));
             assert_eq!(LlamaConfig::from_json(&text)?, c);

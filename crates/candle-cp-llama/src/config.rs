@@ -118,6 +118,9 @@ pub struct LlamaConfig {
     /// Biases on the q, k and v projections (`self_attn.{q,k,v}_proj.bias`): Qwen2
     /// (`model_type` `qwen2`). See [`crate::arch`] for the architectures a config may name.
     pub qkv_bias: bool,
+    /// RMSNorms over each q and k head (`self_attn.{q,k}_norm.weight`, `[head_dim]`) between
+    /// the projection and RoPE: Qwen3 (`model_type` `qwen3`).
+    pub qk_norm: bool,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -288,6 +291,7 @@ impl LlamaConfig {
             eos_token_id: token_id(m, "eos_token_id"),
             sliding_window: arch.window(m, parse_window(m)?, layers)?,
             qkv_bias: arch.qkv_bias(m)?,
+            qk_norm: arch.qk_norm(),
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -325,6 +329,7 @@ impl LlamaConfig {
             eos_token_id: None,
             sliding_window: None,
             qkv_bias: false,
+            qk_norm: false,
         }
     }
 
@@ -335,13 +340,21 @@ impl LlamaConfig {
         self
     }
 
-    /// The architecture [`LlamaConfig::to_hf_json`] writes: Qwen2 with q, k, v biases, else
-    /// Mistral with a sliding window, else Llama.
+    /// The same config with (`true`) or without RMSNorms over each q and k head (a Qwen3
+    /// model, see [`LlamaConfig::qk_norm`]).
+    pub fn with_qk_norm(mut self, on: bool) -> Self {
+        self.qk_norm = on;
+        self
+    }
+
+    /// The architecture [`LlamaConfig::to_hf_json`] writes: Qwen3 with q, k norms, Qwen2
+    /// with q, k, v biases, else Mistral with a sliding window, else Llama.
     pub fn arch(&self) -> Arch {
-        match (self.qkv_bias, self.sliding_window) {
-            (true, _) => Arch::Qwen2,
-            (false, Some(_)) => Arch::Mistral,
-            (false, None) => Arch::Llama,
+        match (self.qk_norm, self.qkv_bias, self.sliding_window) {
+            (true, _, _) => Arch::Qwen3,
+            (false, true, _) => Arch::Qwen2,
+            (false, false, Some(_)) => Arch::Mistral,
+            (false, false, None) => Arch::Llama,
         }
     }
 
@@ -366,6 +379,9 @@ impl LlamaConfig {
         }
         if self.sliding_window == Some(0) {
             bail!("LlamaConfig: sliding_window must be >= 1 (or None), got 0")
+        }
+        if self.qkv_bias && self.qk_norm {
+            bail!("LlamaConfig: q, k, v biases (Qwen2) and q, k norms (Qwen3) together are no architecture this model writes")
         }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
         // from the first step, with no error)
@@ -495,9 +511,12 @@ impl LlamaConfig {
             if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));
             }
-            if self.arch() == Arch::Qwen2 {
-                // Qwen2Config has no bias keys (q, k, v always biased); the window on every layer
-                m.remove("attention_bias");
+            if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
+                // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias
+                // (attention_bias false); the window on every layer
+                if self.arch() == Arch::Qwen2 {
+                    m.remove("attention_bias");
+                }
                 m.remove("mlp_bias");
                 m.insert("use_sliding_window".into(), json!(self.sliding_window.is_some()));
                 let from = if self.sliding_window.is_some() { 0 } else { self.num_hidden_layers };

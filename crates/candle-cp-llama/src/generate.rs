@@ -131,9 +131,13 @@ impl Block {
                 x.dims()
             )
         };
-        let q = rope(&q.reshape((b, t, h, d))?)?;
-        let k = rope(&k.reshape((b, t, hkv, d))?)?;
-        Ok((q, k, v.reshape((b, t, hkv, d))?))
+        let (q, k) = (q.reshape((b, t, h, d))?, k.reshape((b, t, hkv, d))?);
+        // Qwen3: the head norms before RoPE (no backward here: the weights as they are)
+        let (q, k) = match &self.qk_norm {
+            Some(n) => n.apply(&q, &k, None)?,
+            None => (q, k),
+        };
+        Ok((rope(&q)?, rope(&k)?, v.reshape((b, t, hkv, d))?))
     }
 
     /// The rest of the layer after attention `a [B, T, H·D]`: o_proj, residual, MLP, residual.

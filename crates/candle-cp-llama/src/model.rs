@@ -61,6 +61,30 @@ pub(crate) struct Block {
     /// `gate_proj`, `up_proj` fused: one input gather.
     pub(crate) gate_up: ColumnParallelLinear,
     pub(crate) down: RowParallelLinear,
+    /// Qwen3's q and k head norms: weights `[D]` and epsilon ([`LlamaConfig::qk_norm`]).
+    pub(crate) qk_norm: Option<QkNorm>,
+}
+
+/// RMSNorms over each q and k head (Qwen3), between the projection and RoPE.
+#[derive(Clone)]
+pub(crate) struct QkNorm {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    pub(crate) eps: f64,
+}
+
+impl QkNorm {
+    /// `q [B, T, H, D]` and `k [B, T, Hkv, D]` normalised over `D`. `tp`: the weights'
+    /// gradients, partial on each TP rank (its own heads), are summed over the TP group in the
+    /// backward (`copy_to_tp_region`); `None` leaves them partial (under sequence parallelism,
+    /// where [`crate::reduce_gradients`] sums replicated weights over the whole world).
+    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, tp: Option<&candle_cp_comm::Group>) -> Result<(Tensor, Tensor)> {
+        let w = |w: &Tensor| match tp {
+            Some(g) => candle_cp_ops::mappings::copy_to_tp_region(w, g),
+            None => Ok(w.clone()),
+        };
+        Ok((rms_norm(q, &w(&self.q)?, self.eps)?, rms_norm(k, &w(&self.k)?, self.eps)?))
+    }
 }
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
@@ -89,6 +113,7 @@ impl Block {
             o: self.o.clone().with_sequence_parallel(false),
             gate_up: self.gate_up.clone().with_sequence_parallel(false),
             down: self.down.clone().with_sequence_parallel(false),
+            qk_norm: self.qk_norm.clone(),
         }
     }
 
@@ -105,9 +130,22 @@ impl Block {
         let [b, tc, hl, hkvl, d] = env.dims;
         let (cos, sin) = &env.rope;
         // TP region [B, Tc, ·] between the column- and row-parallel layers
-        let posts = [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None];
+        let posts = match self.qk_norm {
+            None => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
+            // Qwen3: the head norms come between the projection and RoPE
+            Some(_) => [None, None, None],
+        };
         let qkv = self.qkv.forward_parts_regathered(&self.input_norm.forward(x)?, &posts)?;
-        let (q, k) = (&qkv[0], &qkv[1]);
+        let (q, k) = match &self.qk_norm {
+            None => (qkv[0].clone(), qkv[1].clone()),
+            Some(n) => {
+                let l = env.ctx.layout;
+                let tp = (l.tp > 1 && !l.seq_parallel()).then_some(&env.ctx.tp);
+                let (q, k) = n.apply(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, tp)?;
+                (crate::fused::apply_rope(&q, cos, sin)?, crate::fused::apply_rope(&k, cos, sin)?)
+            }
+        };
+        let (q, k) = (&q, &k);
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
         let a = attend_window(q, k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
         let x = self.o.forward_residual(&a, x)?;
@@ -212,6 +250,15 @@ impl Llama {
                     lin,
                     &tp,
                 )?,
+                qk_norm: match cfg.qk_norm {
+                    false => None,
+                    // (ones in a fresh VarMap, as RmsNorm's weights)
+                    true => Some(QkNorm {
+                        q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", Init::Const(1.0))?,
+                        k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", Init::Const(1.0))?,
+                        eps,
+                    }),
+                },
             }));
         }
         let norm = norm(vb.pp("model.norm"))?;

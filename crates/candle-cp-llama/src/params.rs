@@ -8,6 +8,7 @@
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
 //! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
 //! | `self_attn.{q,k,v}_proj.bias` (Qwen2, [`LlamaConfig::qkv_bias`]) | `[H·D]`, `[Hkv·D]` | as the weight's rows |
+//! | `self_attn.{q,k}_norm.weight` (Qwen3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
@@ -96,6 +97,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             if cfg.qkv_bias {
                 add(p(&format!("self_attn.{proj}.bias")), vec![rows], shard);
             }
+        }
+        if cfg.qk_norm {
+            add(p("self_attn.q_norm.weight"), vec![cfg.head_dim], norm);
+            add(p("self_attn.k_norm.weight"), vec![cfg.head_dim], norm);
         }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         add(p("post_attention_layernorm.weight"), vec![h], norm);

@@ -154,7 +154,10 @@ pub fn llama_per_gpu(
 ///   ([`Layout::f32_row_sums_or_default`]: by default the ring kinds and 2-D, with
 ///   [`Layout::f32_row_sums`] also one device and Ulysses) and activations are 16-bit: the
 ///   output's bf16 rounding residual `2·a_t·d·c·b` (Ulysses and 2-D: in the head layout, the
-///   same bytes).
+///   same bytes);
+/// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node,
+///   so q and k stay before the norm and between the norm and RoPE, in the activations' dtype,
+///   with each head's f32 statistic: `c·b·(a_t + kv_t)·(2·d·e + 4)`.
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -182,7 +185,8 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         _ => 0.0,
     };
     let attention = head_layout + residual;
-    lse + norms + attention
+    let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (2.0 * d * ef + 4.0) } else { 0.0 };
+    lse + norms + attention + qk_norm
 }
 
 /// [`llama_per_gpu`] plus [`candle_cp_extra_per_gpu`]: what candle-cp's Llama keeps per
@@ -304,13 +308,13 @@ pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
 
 /// Parameters of one layer on one GPU: matrices over `t` (KV projections over `a_kv/t`,
 /// replicated when `t > a_kv`), the q, k, v biases split the same way, and the two norms
-/// (replicated).
+/// and Qwen3's head norms (replicated).
 pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
-    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h + bias
+    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h + bias + m.qk_norm_params() as f64
 }
 
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,

@@ -32,6 +32,9 @@ pub struct ModelConfig {
     /// Biases on the q, k, v projections (Qwen2: `model_type` `qwen2`); `q_dim + 2·kv_dim`
     /// more parameters per layer. The Llama presets have none, the Qwen2.5 ones have them.
     pub qkv_bias: bool,
+    /// RMSNorms over each q and k head before RoPE (Qwen3: `model_type` `qwen3`): two weights
+    /// `[d]` per layer, and what the layer keeps grows (`memory::candle_cp_extra_per_gpu`).
+    pub qk_norm: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -66,6 +69,7 @@ impl ModelConfig {
             tie_embeddings: false,
             sliding_window: None,
             qkv_bias: qwen,
+            qk_norm: false,
         };
         Ok(cfg)
     }
@@ -135,11 +139,14 @@ impl ModelConfig {
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
             .unwrap_or(false);
-        let qwen2 = v.get("model_type").and_then(|t| t.as_str()) == Some("qwen2")
-            || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|c| c.as_str() == Some("Qwen2ForCausalLM")));
+        let names = |t: &str, class: &str| {
+            v.get("model_type").and_then(|x| x.as_str()) == Some(t)
+                || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|c| c.as_str() == Some(class)))
+        };
+        let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM"));
         let use_window = match v.get("use_sliding_window") {
-            // Qwen2Config: use_sliding_window defaults to false
-            None | Some(serde_json::Value::Null) => !qwen2,
+            // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
+            None | Some(serde_json::Value::Null) => !(qwen2 || qwen3),
             Some(x) => match x.as_bool() {
                 Some(b) => b,
                 None => plan_bail!(
@@ -152,7 +159,7 @@ impl ModelConfig {
         } else {
             None
         };
-        if qwen2 && sliding_window.is_some() {
+        if (qwen2 || qwen3) && sliding_window.is_some() {
             // layer i slides iff i >= max_window_layers (Qwen2Config's default 28)
             let from = match v.get("max_window_layers") {
                 None | Some(serde_json::Value::Null) => 28,
@@ -181,6 +188,7 @@ impl ModelConfig {
             tie_embeddings,
             sliding_window,
             qkv_bias: qwen2,
+            qk_norm: qwen3,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -226,10 +234,20 @@ impl ModelConfig {
         h * q + 2 * h * kv + q * h + 3 * h * f
     }
 
-    /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`) and, with
-    /// [`ModelConfig::qkv_bias`], the q, k, v biases (`a·d + 2·a_kv·d`).
+    /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`), with
+    /// [`ModelConfig::qkv_bias`] the q, k, v biases (`a·d + 2·a_kv·d`) and with
+    /// [`ModelConfig::qk_norm`] the head norms (`2·d`).
     pub fn layer_params(&self) -> u64 {
-        self.layer_matrix_params() + 2 * self.hidden as u64 + self.qkv_bias_params()
+        self.layer_matrix_params() + 2 * self.hidden as u64 + self.qkv_bias_params() + self.qk_norm_params()
+    }
+
+    /// Qwen3's q and k head-norm weights of one layer: `2·d`, or 0 without them.
+    pub fn qk_norm_params(&self) -> u64 {
+        if self.qk_norm {
+            2 * self.head_dim as u64
+        } else {
+            0
+        }
     }
 
     /// The q, k, v biases of one layer: `a·d + 2·a_kv·d`, or 0 without them.

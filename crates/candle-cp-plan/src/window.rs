@@ -158,6 +158,7 @@ mod tests {
             tie_embeddings: false,
             sliding_window: window,
             qkv_bias: false,
+            qk_norm: false,
         }
     }
 

@@ -1,5 +1,6 @@
-//! Qwen2: the Llama with biases on the q, k, v projections (`LlamaConfig::qkv_bias`,
-//! `model_type` `qwen2`).
+//! Qwen2 and Qwen3: the Llama with biases on the q, k, v projections (`LlamaConfig::qkv_bias`,
+//! `model_type` `qwen2`), and the Llama with RMSNorms over each q and k head before RoPE
+//! (`LlamaConfig::qk_norm`, `model_type` `qwen3`).
 //!
 //! - A plain-candle float64 reference of the whole model (embedding, RMSNorm, biased
 //!   projections, RoPE by `rotate_half`, dense causal softmax attention with GQA, SwiGLU,
@@ -11,11 +12,15 @@
 //!   SP, TP 4 replicating the 2 KV heads (and their biases), TP × CP, DP — give the
 //!   reference's logits, loss and every gradient, the biases' included, within the oracle's
 //!   float32 tolerances.
+//! - Qwen3: the same weights with seeded q / k norm weights (1 ± 0.5) on every kind of layout,
+//!   TP with and without SP among them (the norms' gradients are partial on each TP rank:
+//!   summed over TP in the backward without SP, by `reduce_gradients` with it; with the KV
+//!   heads replicated over TP 4, each copy's share), against the reference.
 //! - YaRN (Qwen2.5's 128k RoPE scaling), its ramp acting at this length: every kind of layout
 //!   gives the reference's results.
 //! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
 //!   single device's tokens.
-//! - Checkpoints: a Qwen2 checkpoint saves as `Qwen2ForCausalLM` and loads back bit for bit,
+//! - Checkpoints: a Qwen2 (and a Qwen3) checkpoint saves as `Qwen2ForCausalLM` and loads back bit for bit,
 //!   whole or sharded over TP 1, 2, 4; biases under a config without them are refused, naming
 //!   the tensors (before: loaded and ignored, a silently different model).
 
@@ -48,6 +53,19 @@ fn qwen2(std: f64) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
             let seed = spec.name.bytes().fold(17u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
             let b = (candle_cp_tests::rand_t(seed, &spec.name, &spec.shape)? * std)?;
             full.insert(spec.name.clone(), b);
+        }
+    }
+    Ok((cfg, full))
+}
+
+/// The oracle's weights with seeded q / k norm weights `1 + 0.5·u`, `u` in [-1, 1), and the
+/// config with them (Qwen3).
+fn qwen3() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let (cfg, mut full, _) = oracle()?;
+    let cfg = cfg.with_qk_norm(true);
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        if spec.name.contains("_norm.weight") && spec.name.contains("self_attn") {
+            full.insert(spec.name.clone(), ((candle_cp_tests::rand_t(23, &spec.name, &spec.shape)? * 0.5)? + 1.0)?);
         }
     }
     Ok((cfg, full))
@@ -106,7 +124,13 @@ fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) ->
         let heads = |s: &str, nh: usize| -> Result<Tensor> {
             linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)
         };
-        let (q, k, v) = (rope(&heads("q_proj", hh)?)?, rope(&heads("k_proj", hkv)?)?, heads("v_proj", hkv)?);
+        let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
+        if cfg.qk_norm {
+            // Qwen3: each head's D features normalised before RoPE
+            q = rms(&q, p(&n("self_attn.q_norm.weight"))?, eps)?;
+            k = rms(&k, p(&n("self_attn.k_norm.weight"))?, eps)?;
+        }
+        let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
         // GQA: query head j uses KV head j / (H / Hkv)
         let rep = |x: Tensor| -> Result<Tensor> {
             x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
@@ -198,6 +222,43 @@ fn qwen2_on_every_layout_matches_the_reference() -> Result<()> {
     Ok(())
 }
 
+/// Qwen3's head norms on every kind of layout, TP with and without SP: the reference.
+#[test]
+fn qwen3_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = qwen3()?;
+    let ids = oracle()?.2.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let want = reference(&full, &cfg, &ids)?;
+    let (plain_cfg, mut plain) = (cfg.clone().with_qk_norm(false), full.clone());
+    plain.retain(|k, _| !(k.contains("self_attn") && k.contains("_norm")));
+    let moved = max_abs(&reference(&plain, &plain_cfg, &ids)?.logits, &want.logits)?;
+    assert!(moved > 100.0 * Tolerances::default().logits_abs, "the q / k norms moved the logits by only {moved:.1e}");
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::AllGather, 2),
+        Layout::cp(CpKind::Ulysses, 4),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Ring, 2).with_tp(2, false),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    for layout in layouts {
+        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
+        println!("qwen3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.contains("_norm.weight") && k.contains("self_attn")).count(), 2 * cfg.num_hidden_layers);
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
+    let layout = Layout::single().with_tp(2, false).with_dp(2);
+    let rep = compare(&run_layout(&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, layout, &Device::Cpu)?, &reference_rows(&want)?, Tolerances::default())?;
+    println!("qwen3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+    assert!(rep.pass(), "{layout}: {rep:?}");
+    Ok(())
+}
+
 /// Qwen2 with YaRN (factor 4 over an original length of 64, so that the ramp and the
 /// attention factor act at T = 256): every kind of layout gives the reference's results.
 #[test]
@@ -237,10 +298,14 @@ fn reference_rows(r: &Reference) -> Result<Reference> {
     })
 }
 
-/// Cached decoding with the biases equals the full forward; CP and TP decode the same tokens.
+/// Cached decoding with the biases (and with Qwen3's head norms) equals the full forward; CP and TP decode the same tokens.
 #[test]
-fn qwen2_generation() -> Result<()> {
-    let (cfg, full) = qwen2(0.5)?;
+fn qwen2_and_qwen3_generation() -> Result<()> {
+    generation(qwen2(0.5)?)?;
+    generation(qwen3()?)
+}
+
+fn generation((cfg, full): (LlamaConfig, HashMap<String, Tensor>)) -> Result<()> {
     let ids = oracle()?.2.input_ids.narrow(1, 0, 32)?.contiguous()?;
     let gen = |layout: Layout| {
         run_ranks(layout.world_size(), |g| {
@@ -266,7 +331,7 @@ fn qwen2_generation() -> Result<()> {
     }
     for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false)] {
         for (r, (g, _)) in gen(layout)?.iter().enumerate() {
-            assert_eq!(g.tokens, want.tokens, "{layout} rank {r}");
+            assert_eq!(g.tokens, want.tokens, "{} {layout} rank {r}", cfg.arch().hf_names().0);
             for (a, b) in g.logits.iter().zip(&want.logits) {
                 assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
             }
@@ -319,6 +384,40 @@ fn qwen2_checkpoints() -> Result<()> {
         let e = r?;
         assert!(e.contains("q_proj.bias"), "{e}");
     }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// A Qwen3 checkpoint: written as `Qwen3ForCausalLM`, read back as the same config and
+/// weights (sharded over TP 4 too); its head norms under a Llama config are refused.
+#[test]
+fn qwen3_checkpoints() -> Result<()> {
+    let (cfg, full) = qwen3()?;
+    let root = std::env::temp_dir().join(format!("candle-cp-qwen3-{}", std::process::id()));
+    let mut tensors: Vec<(String, Tensor)> = full.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let dir = root.join("qwen3");
+    save_hf_tensors(&dir, &tensors, &cfg)?;
+    let text = std::fs::read_to_string(dir.join("config.json"))?;
+    assert!(text.contains("Qwen3ForCausalLM") && text.contains("\"qwen3\""), "{text}");
+    let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back, cfg);
+    for (k, t) in &full {
+        let got = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.get(k).map(|v| v.as_tensor().clone());
+        assert_eq!(got.map(|g| max_abs(&g, t)).transpose()?, Some(0.0), "{k}");
+    }
+    for r in run_ranks(4, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(4, false))?;
+        let (got, _) = load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+        let q = got.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["model.layers.1.self_attn.q_norm.weight"].as_tensor().clone();
+        max_abs(&q, &full["model.layers.1.self_attn.q_norm.weight"])
+    }) {
+        assert_eq!(r?, 0.0, "every TP rank holds the whole q norm");
+    }
+    let llama = root.join("llama");
+    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qk_norm(false))?;
+    let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("4 tensor(s)") && e.contains("self_attn.k_norm.weight"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }
