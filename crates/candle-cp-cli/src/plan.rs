@@ -11,8 +11,8 @@ use candle_cp_plan::{
 /// Model, sequence, hardware and rate flags shared by `candle-cp plan` and `candle-cp search`.
 #[derive(clap::Args, Debug)]
 pub struct CommonArgs {
-    /// Model: llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b, qwen2.5-72b, or the path of a
-    /// Hugging Face config.json (Llama, Mistral or Qwen2).
+    /// Model: llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b, qwen2.5-72b, qwen3-8b, qwen3-32b,
+    /// or the path of a Hugging Face config.json (Llama, Mistral, Qwen2 or Qwen3).
     #[arg(long)]
     pub model: String,
     /// Global sequence length in tokens (all CP ranks together).

@@ -506,10 +506,10 @@ fn plan_row_sums_flag() {
     }
 }
 
-/// Qwen2.5 presets and a Qwen2 `config.json`: q, k, v biases, no window unless the config
+/// Qwen2.5 and Qwen3 presets and a Qwen2 `config.json`: q, k, v biases, no window unless the config
 /// turns it on for every layer, and the 28 heads of the 7B refusing a Ulysses degree of 8.
 #[test]
-fn plan_qwen2_presets_and_config() {
+fn plan_qwen_presets_and_config() {
     let preset = plan_json(&["--model", "qwen2.5-7b", "--seq", "8192"]);
     let model = |v: &serde_json::Value, k: &str| v.pointer(&format!("/input/model/{k}")).cloned().unwrap_or_default();
     assert_eq!(model(&preset, "qkv_bias"), serde_json::json!(true));
@@ -551,5 +551,8 @@ fn plan_qwen2_presets_and_config() {
         assert_eq!(out.status.code(), Some(2), "{stderr}");
         assert!(stderr.contains(msg), "{stderr:?} lacks {msg:?}");
     }
+    // Qwen3: head norms, D = 128 on the 32B's 5120-wide model
+    let q3 = plan_json(&["--model", "qwen3-32b", "--seq", "8192"]);
+    assert_eq!((model(&q3, "qk_norm"), model(&q3, "head_dim"), model(&q3, "hidden")), (true.into(), 128.into(), 5120.into()));
     let _ = std::fs::remove_dir_all(&dir);
 }

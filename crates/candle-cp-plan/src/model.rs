@@ -38,38 +38,43 @@ pub struct ModelConfig {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 5] = ["llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b"];
+pub const MODEL_PRESETS: [&str; 7] = ["llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b"];
 
 impl ModelConfig {
     /// A built-in shape: Llama 3 (3.1) `llama3-8b`, `llama3-70b` or `llama3-405b`
-    /// (vocabulary 128256), or Qwen2.5 `qwen2.5-7b` or `qwen2.5-72b` (vocabulary 152064, q, k,
-    /// v biases; the 7B has 28 query and 4 KV heads).
+    /// (vocabulary 128256), Qwen2.5 `qwen2.5-7b` or `qwen2.5-72b` (vocabulary 152064, q, k, v
+    /// biases; the 7B has 28 query and 4 KV heads), or Qwen3 `qwen3-8b` or `qwen3-32b`
+    /// (vocabulary 151936, q / k head norms, head dim 128: the 32B's 64 heads are 8192 wide
+    /// on a 5120-wide model).
     pub fn preset(name: &str) -> Result<Self> {
-        let (hidden, layers, heads, kv_heads, ffn) = match name.to_ascii_lowercase().as_str() {
+        let lower = name.to_ascii_lowercase();
+        let (hidden, layers, heads, kv_heads, ffn) = match lower.as_str() {
             "llama3-8b" => (4096, 32, 32, 8, 14336),
             "llama3-70b" => (8192, 80, 64, 8, 28672),
             "llama3-405b" => (16384, 126, 128, 8, 53248),
             "qwen2.5-7b" => (3584, 28, 28, 4, 18944),
             "qwen2.5-72b" => (8192, 80, 64, 8, 29568),
+            "qwen3-8b" => (4096, 36, 32, 8, 12288),
+            "qwen3-32b" => (5120, 64, 64, 8, 25600),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
             ),
         };
-        let qwen = name.to_ascii_lowercase().starts_with("qwen");
+        let (qwen2, qwen3) = (lower.starts_with("qwen2"), lower.starts_with("qwen3"));
         let cfg = Self {
-            name: name.to_ascii_lowercase(),
+            name: lower.clone(),
             hidden,
             layers,
             heads,
             kv_heads,
-            head_dim: hidden / heads,
+            head_dim: if qwen3 { 128 } else { hidden / heads },
             ffn,
-            vocab: if qwen { 152064 } else { 128256 },
+            vocab: if qwen2 { 152064 } else if qwen3 { 151936 } else { 128256 },
             tie_embeddings: false,
             sliding_window: None,
-            qkv_bias: qwen,
-            qk_norm: false,
+            qkv_bias: qwen2,
+            qk_norm: qwen3,
         };
         Ok(cfg)
     }
@@ -305,6 +310,10 @@ mod tests {
         assert_eq!(q7.total_params(), 7_615_616_512);
         assert!((b("qwen2.5-72b")? - 72.7).abs() < 0.05, "{}", b("qwen2.5-72b")?);
         assert!(q7.qkv_bias && q7.head_dim == 128 && !m.qkv_bias);
+        // Qwen3 model cards: 8.2B and 32.8B parameters (with the head norms)
+        let (q8, q32) = (ModelConfig::preset("qwen3-8b")?, ModelConfig::preset("qwen3-32b")?);
+        assert_eq!((q8.total_params(), q32.total_params()), (8_190_735_360, 32_762_123_264));
+        assert!(q32.qk_norm && q32.q_dim() == 8192 && q32.hidden == 5120);
         Ok(())
     }
 
