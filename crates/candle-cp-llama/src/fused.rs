@@ -123,6 +123,49 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     attach2("swiglu", gate, up, out, bwd)
 }
 
+/// Qwen3's head norm then RoPE as one graph node: `rope(rms_norm(x)·w)` over the last dim of
+/// `x` `[B, T, H, D]`, weight `w` `[D]` (shared by the heads), tables as [`apply_rope`]'s.
+/// Values and gradients are those of [`rms_norm`] followed by [`apply_rope`] (the same
+/// operations in the same order, bit for bit), but the node keeps only `x` (its input) and
+/// the per-head statistic `[B, T, H, 1]` f32: the normalised copy the two nodes would keep
+/// between them is recomputed in the backward. Reference: [`qk_norm_rope_slow`].
+pub fn qk_norm_rope(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    let (t, d) = check_rope(x, cos, sin)?;
+    if w.dims() != [d] {
+        bail!("qk_norm_rope: weight {:?} must be [{d}] for x {:?}", w.dims(), x.dims())
+    }
+    let (c4, s4) = tables4(cos, sin, t, d, x.dtype())?;
+    let dt = x.dtype();
+    let xd = x.detach();
+    let x32 = xd.to_dtype(DType::F32)?;
+    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let n = x32.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
+    drop(x32);
+    let out = rope4(&n, &c4, &s4)?;
+    drop(n);
+    let (wd, wdt) = (w.detach(), w.dtype());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        // RoPE's transpose gives the norm's output gradient; then the RMSNorm backward
+        // (candle-cp-nn's `rms_norm`, the same arithmetic)
+        let dn = rope4_t(dy, &c4, &s4)?;
+        let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?;
+        let dn32 = dn.to_dtype(DType::F32)?;
+        let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
+        let lead = dn32.elem_count() / d;
+        let dw = dn32.broadcast_mul(&xh)?.reshape((lead, d))?.sum(0)?.to_dtype(wdt)?;
+        let g = dn32.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
+        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
+        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?.to_dtype(dt)?;
+        Ok(vec![Some(dx), Some(dw)])
+    });
+    attach2("qk_norm_rope", x, w, out, bwd)
+}
+
+/// Reference for [`qk_norm_rope`] from plain candle ops (candle autograd).
+pub fn qk_norm_rope_slow(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    apply_rope_slow(&rms_norm_slow(x, w, eps)?, cos, sin)
+}
+
 /// Reference for [`swiglu`] from candle ops (candle autograd).
 pub fn swiglu_slow(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     gate.silu()? * up
@@ -201,6 +244,44 @@ mod tests {
         let e = (post.fwd)(&Tensor::zeros((b, t, 40), DType::F32, &dev)?).unwrap_err();
         assert!(e.to_string().contains("[2, 5, 40]"), "{e}");
         assert!((post.fwd)(&Tensor::zeros((b, 4, h * d), DType::F32, &dev)?).is_err());
+        Ok(())
+    }
+
+    /// The fused head norm + RoPE: the plain-candle reference's values and gradients (x and
+    /// the weight) in f32, and bit for bit what `rms_norm` then `apply_rope` give, in f32 and
+    /// bf16, shared and per-row tables; a weight of the wrong width is an error.
+    #[test]
+    fn qk_norm_rope_matches_slow_and_the_two_ops() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::config::LlamaConfig::tiny(16, 32, 1, 2, 1);
+        let (b, t, h, d) = (2, 5, 3, 16);
+        let (c1, s1) = crate::rope::rope_tables(&cfg, &[3, 900, 17, 4096, 0], DType::F32, &dev)?;
+        let (c2, s2) = crate::rope::rope_tables(&cfg, &[0, 1, 2, 3, 4], DType::F32, &dev)?;
+        let (cb, sb) = (Tensor::stack(&[&c1, &c2], 0)?, Tensor::stack(&[&s1, &s2], 0)?);
+        for (cos, sin) in [(&c1, &s1), (&cb, &sb)] {
+            for dtype in [DType::F32, DType::BF16] {
+                let x = Var::from_tensor(&Tensor::randn(0f32, 2.0, (b, t, h, d), &dev)?.to_dtype(dtype)?)?;
+                let w = Var::from_tensor(&(Tensor::randn(0f32, 0.5, d, &dev)? + 1.0)?.to_dtype(dtype)?)?;
+                let dy = Tensor::randn(0f32, 1.0, (b, t, h, d), &dev)?.to_dtype(dtype)?;
+                let y = qk_norm_rope(x.as_tensor(), w.as_tensor(), 1e-6, cos, sin)?;
+                let two = apply_rope(&rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?, cos, sin)?;
+                let bits = |t: &Tensor| -> Result<Vec<f32>> { t.to_dtype(DType::F32)?.flatten_all()?.to_vec1() };
+                assert_eq!(bits(&y)?, bits(&two)?, "{dtype:?}: values");
+                let (g, g2) = (grads_of(&y, &dy, &[&x, &w])?, grads_of(&two, &dy, &[&x, &w])?);
+                for (a, r) in g.iter().zip(&g2) {
+                    assert_eq!(bits(a)?, bits(r)?, "{dtype:?}: gradients");
+                }
+                if dtype == DType::F32 {
+                    let ys = qk_norm_rope_slow(x.as_tensor(), w.as_tensor(), 1e-6, cos, sin)?;
+                    assert!(max_rel(&y, &ys)? < 1e-6);
+                    for (a, r) in g.iter().zip(&grads_of(&ys, &dy, &[&x, &w])?) {
+                        assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
+                    }
+                }
+            }
+        }
+        let e = qk_norm_rope(&Tensor::zeros((b, t, h, d), DType::F32, &dev)?, &Tensor::ones(8, DType::F32, &dev)?, 1e-6, &c1, &s1).unwrap_err();
+        assert!(e.to_string().contains("[8]"), "{e}");
         Ok(())
     }
 

@@ -134,7 +134,7 @@ impl Block {
         let (q, k) = (q.reshape((b, t, h, d))?, k.reshape((b, t, hkv, d))?);
         // Qwen3: the head norms before RoPE (no backward here: the weights as they are)
         let (q, k) = match &self.qk_norm {
-            Some(n) => n.apply(&q, &k, None)?,
+            Some(n) => n.apply(&q, &k)?,
             None => (q, k),
         };
         Ok((rope(&q)?, rope(&k)?, v.reshape((b, t, hkv, d))?))

@@ -74,16 +74,23 @@ pub(crate) struct QkNorm {
 }
 
 impl QkNorm {
-    /// `q [B, T, H, D]` and `k [B, T, Hkv, D]` normalised over `D`. `tp`: the weights'
-    /// gradients, partial on each TP rank (its own heads), are summed over the TP group in the
-    /// backward (`copy_to_tp_region`); `None` leaves them partial (under sequence parallelism,
-    /// where [`crate::reduce_gradients`] sums replicated weights over the whole world).
-    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor, tp: Option<&candle_cp_comm::Group>) -> Result<(Tensor, Tensor)> {
+    /// `q [B, T, H, D]` and `k [B, T, Hkv, D]` normalised over `D` (generation: no backward).
+    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((rms_norm(q, &self.q, self.eps)?, rms_norm(k, &self.k, self.eps)?))
+    }
+
+    /// `q`, `k` normalised and rotated by the tables `cos`, `sin`, each one graph node
+    /// ([`crate::fused::qk_norm_rope`]: keeps the input and the statistic). `tp`: the
+    /// weights' gradients, partial on each TP rank (its own heads), are summed over the TP
+    /// group in the backward (`copy_to_tp_region`); `None` leaves them partial (under sequence
+    /// parallelism, where [`crate::reduce_gradients`] sums replicated weights over the world).
+    pub(crate) fn apply_with_rope(&self, q: &Tensor, k: &Tensor, cos: &Tensor, sin: &Tensor, tp: Option<&candle_cp_comm::Group>) -> Result<(Tensor, Tensor)> {
         let w = |w: &Tensor| match tp {
             Some(g) => candle_cp_ops::mappings::copy_to_tp_region(w, g),
             None => Ok(w.clone()),
         };
-        Ok((rms_norm(q, &w(&self.q)?, self.eps)?, rms_norm(k, &w(&self.k)?, self.eps)?))
+        let f = crate::fused::qk_norm_rope;
+        Ok((f(q, &w(&self.q)?, self.eps, cos, sin)?, f(k, &w(&self.k)?, self.eps, cos, sin)?))
     }
 }
 
@@ -141,8 +148,7 @@ impl Block {
             Some(n) => {
                 let l = env.ctx.layout;
                 let tp = (l.tp > 1 && !l.seq_parallel()).then_some(&env.ctx.tp);
-                let (q, k) = n.apply(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, tp)?;
-                (crate::fused::apply_rope(&q, cos, sin)?, crate::fused::apply_rope(&k, cos, sin)?)
+                n.apply_with_rope(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, cos, sin, tp)?
             }
         };
         let (q, k) = (&q, &k);

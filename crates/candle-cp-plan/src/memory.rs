@@ -155,9 +155,9 @@ pub fn llama_per_gpu(
 ///   [`Layout::f32_row_sums`] also one device and Ulysses) and activations are 16-bit: the
 ///   output's bf16 rounding residual `2·a_t·d·c·b` (Ulysses and 2-D: in the head layout, the
 ///   same bytes);
-/// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node,
-///   so q and k stay before the norm and between the norm and RoPE, in the activations' dtype,
-///   with each head's f32 statistic: `c·b·(a_t + kv_t)·(2·d·e + 4)`.
+/// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node
+///   into one node with the norm, which keeps q and k before the norm, in the activations'
+///   dtype, and each head's f32 statistic: `c·b·(a_t + kv_t)·(d·e + 4)`.
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -185,7 +185,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         _ => 0.0,
     };
     let attention = head_layout + residual;
-    let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (2.0 * d * ef + 4.0) } else { 0.0 };
+    let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (d * ef + 4.0) } else { 0.0 };
     lse + norms + attention + qk_norm
 }
 
