@@ -117,29 +117,40 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
     }
     let name = format!("llama qwen2 (q, k, v biases) tp4 + sp, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, qwen2_vs_cpu(gpu, dir));
+    report_llama(rep, &name, qwen_vs_cpu(gpu, dir, false, Layout::single().with_tp(4, true)));
+    // the head norms' gradients summed over TP in the backward (no SP), beside a ring
+    let name = format!("llama qwen3 (q / k head norms) tp2, no sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, qwen_vs_cpu(gpu, dir, true, Layout::cp(CpKind::Ring, 2).with_tp(2, false)));
     Ok(())
 }
 
-/// Qwen2's q, k, v biases (seeded, std ~0.4) on the oracle's weights, TP 4 + SP on GPU virtual
-/// ranks (the 2 KV heads' biases replicated over 2 ranks each) against the single-device CPU
-/// run of the same model (which `tests/llama_qwen.rs` holds to a float64 reference), on the
-/// first [`QUICK_TOKENS`] tokens of the oracle's sequence.
-fn qwen2_vs_cpu(gpu: &Device, dir: &str) -> candle_core::Result<candle_cp_llama::verify::Report> {
-    use candle_cp_llama::layout::Layout;
+/// The oracle's weights with Qwen2's q, k, v biases (seeded, std ~0.4; `qwen3` false) or
+/// Qwen3's q / k head norms (weights 1 ± ~0.4) on `layout`'s GPU virtual ranks, against the
+/// single-device CPU run of the same model (which `tests/llama_qwen.rs` holds to a float64
+/// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence.
+fn qwen_vs_cpu(gpu: &Device, dir: &str, qwen3: bool, layout: candle_cp_llama::layout::Layout) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
     use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
-    let cfg = LlamaConfig::from_file(format!("{dir}/config.json"))?.with_qkv_bias(true);
+    let cfg = LlamaConfig::from_file(format!("{dir}/config.json"))?.with_qkv_bias(!qwen3).with_qk_norm(qwen3);
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
-    for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
+    let (w, b) = (candle_core::DType::F32, Device::Cpu);
+    for (k, t) in varmap_tensors(&init_params(&LlamaConfig { qk_norm: false, ..cfg.clone().with_qkv_bias(true) }, 7, w, &b)?)? {
         if k.ends_with(".bias") {
-            full.insert(k, (t * 20.0)?);
+            if qwen3 {
+                // Qwen3's head norms from the same seeded draws: 1 + 20·N(0, 0.02²), per head dim
+                let d = cfg.head_dim;
+                let name = k.replace("_proj.bias", "_norm.weight");
+                if name.contains("q_norm") || name.contains("k_norm") {
+                    full.insert(name, ((t.narrow(0, 0, d)? * 20.0)? + 1.0)?);
+                }
+            } else {
+                full.insert(k, (t * 20.0)?);
+            }
         }
     }
     let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;
-    let cpu = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    let cpu = run_layout(&full, &cfg, &ids, candle_cp_llama::layout::Layout::single(), &Device::Cpu)?;
     let reference = Reference { input_ids: ids.clone(), logits: cpu.logits.clone(), loss: cpu.loss, grads: cpu.grads.iter().cloned().collect() };
-    let layout = Layout::single().with_tp(4, true);
     let opts = candle_cp_comm::ThreadGroupOptions { device: gpu.clone(), ..Default::default() };
     let spawn = |body: &LayoutRankBody| Ok(candle_cp_comm::run_ranks_with(layout.world_size(), opts, body));
     compare(&run_layout_on(&full, &cfg, &ids, layout, gpu, spawn)?, &reference, Tolerances::default())
