@@ -7,7 +7,8 @@
 //!   with TP = 2, 4, SP on and off, against a single-device block built from plain candle ops:
 //!   outputs, input gradient and every parameter gradient;
 //! - Ulysses and 2-D attention on every oracle case the heads allow (incl. KV replication),
-//!   against the float64 oracle and the single-device op;
+//!   against the float64 oracle and the single-device op; at degrees the KV heads neither
+//!   divide nor are divided by (KV heads replicated to the lcm), against the dense reference;
 //! - error paths.
 
 #[path = "ulysses_sp/attn.rs"]
@@ -16,6 +17,8 @@ mod attn;
 mod block;
 #[path = "ulysses_sp/head_layout.rs"]
 mod head_layout;
+#[path = "ulysses_sp/kv_lcm.rs"]
+mod kv_lcm;
 #[path = "ulysses_sp/pairs.rs"]
 mod pairs;
 #[path = "ulysses_sp/volume.rs"]

@@ -18,12 +18,16 @@
 //! permuted to natural order before attention and back after it (a local `index_select`,
 //! differentiable), so causal masks see true positions.
 //!
-//! **GQA / MQA.** Query head `h` uses KV head `h / (H/Hkv)`. `H % P == 0` is required.
-//! If `Hkv % P == 0` the KV heads are split like the query heads. If `P % Hkv == 0` (fewer KV
-//! heads than ranks) every KV head is replicated `P/Hkv` times before the all-to-all, so rank
-//! `r` receives exactly KV head `r / (P/Hkv)`, the one its query heads use; the backward sums
+//! **GQA / MQA.** Query head `h` uses KV head `h / (H/Hkv)`. `H % P == 0` is the only
+//! requirement on the degree. If `Hkv % P == 0` the KV heads are split like the query heads.
+//! Otherwise every KV head is replicated `f = lcm(Hkv, P)/Hkv` times before the all-to-all:
+//! the `L = lcm(Hkv, P)` copies split evenly, and rank `r` receives copies
+//! `[r·L/P, (r+1)·L/P)`, exactly the KV heads its query heads use, in order (`H/L` query heads
+//! per copy there). With `P % Hkv == 0` (fewer KV heads than ranks) that is one copy of KV
+//! head `r / (P/Hkv)` per rank; with neither dividing the other (e.g. `H = 28`, `Hkv = 4`,
+//! `P = 7` or `14`, a degree DeepSpeed-Ulysses and yunchang refuse) several. The backward sums
 //! the gradients of the copies, in f32 (the kernel's dK/dV travel back unrounded), and rounds
-//! once. Any other degree is an error that lists the degrees that work.
+//! once. A degree that does not divide `H` is an error that lists the degrees that work.
 //!
 //! **Backward.** [`ulysses_attention`] is one attached op: its backward all-to-alls dO to
 //! heads, runs the raw attention backward ([`attention::attention_bwd`], f32 gradients) and
@@ -116,15 +120,20 @@ pub fn all_to_all_head_to_seq(x: &Tensor, group: &Group) -> Result<Tensor> {
 pub enum KvSpread {
     /// `Hkv % P == 0`: rank `r` gets KV heads `[r·Hkv/P, (r+1)·Hkv/P)`.
     Split,
-    /// `P % Hkv == 0`, `Hkv < P`: each KV head is replicated this many (`P/Hkv`) times; rank
-    /// `r` gets one copy of KV head `r / (P/Hkv)`.
+    /// `Hkv % P != 0`: each KV head is replicated this many (`lcm(Hkv, P)/Hkv`) times; rank
+    /// `r` gets copies `[r·L/P, (r+1)·L/P)` of the `L = lcm(Hkv, P)` (for `P % Hkv == 0` one
+    /// copy, of KV head `r / (P/Hkv)`).
     Replicate(usize),
 }
 
-/// Ulysses degrees `P` that work for `H` query heads and `Hkv` KV heads:
-/// `H % P == 0` and (`Hkv % P == 0` or `P % Hkv == 0`).
+/// Ulysses degrees `P` that work for `H` query heads and `Hkv` KV heads (`Hkv` dividing
+/// `H`): the divisors of `H` (KV heads split or replicated, [`KvSpread`]).
 pub fn valid_ulysses_degrees(h: usize, hkv: usize) -> Vec<usize> {
-    (1..=h).filter(|&p| h.is_multiple_of(p) && hkv > 0 && (hkv.is_multiple_of(p) || p.is_multiple_of(hkv))).collect()
+    (1..=h).filter(|&p| h.is_multiple_of(p) && hkv > 0 && h.is_multiple_of(hkv)).collect()
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
 }
 
 /// Decide how KV heads are spread over `p` ranks; errors name `H`, `Hkv`, `P` and list the
@@ -141,12 +150,9 @@ pub fn kv_spread(h: usize, hkv: usize, p: usize) -> Result<KvSpread> {
     }
     if hkv.is_multiple_of(p) {
         Ok(KvSpread::Split)
-    } else if p.is_multiple_of(hkv) {
-        Ok(KvSpread::Replicate(p / hkv))
     } else {
-        candle_core::bail!(
-            "ulysses: Hkv = {hkv} KV heads cannot be spread over P = {p} ranks (need Hkv % P == 0 to split them or P % Hkv == 0 to replicate them); degrees that work for H = {h}, Hkv = {hkv}: {ok:?}"
-        )
+        // lcm(Hkv, P) copies (it divides H, since Hkv and P do): P/gcd per KV head
+        Ok(KvSpread::Replicate(p / gcd(hkv, p)))
     }
 }
 
@@ -379,8 +385,8 @@ pub(crate) fn lse_head_to_seq(lse: &Tensor, group: &Group) -> Result<Tensor> {
 /// copies would round each copy and the sum: 1.4–1.5x the error at P = 2·Hkv, test
 /// `bf16_precision`). Split KV heads travel back in k's dtype.
 ///
-/// Errors: `H % P != 0`, KV heads that can neither be split nor replicated (message lists the
-/// degrees that work), mismatched shapes. Collective over `group`.
+/// Errors: `H % P != 0` (the message lists the degrees that work), mismatched shapes.
+/// Collective over `group`.
 pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts: &UlyssesOpts) -> Result<(Tensor, Tensor)> {
     let (_, t_local, h, hkv, _) = check_qkv("ulysses_attention", q, k, v)?;
     let p = group.size();
@@ -518,15 +524,18 @@ mod tests {
     fn degrees_and_kv_spread() -> Result<()> {
         assert_eq!(valid_ulysses_degrees(8, 2), vec![1, 2, 4, 8]);
         assert_eq!(valid_ulysses_degrees(6, 1), vec![1, 2, 3, 6]);
-        assert_eq!(valid_ulysses_degrees(12, 3), vec![1, 3, 6, 12]);
+        assert_eq!(valid_ulysses_degrees(12, 3), vec![1, 2, 3, 4, 6, 12]);
+        assert_eq!(valid_ulysses_degrees(28, 4), vec![1, 2, 4, 7, 14, 28]);
         assert_eq!(valid_ulysses_degrees(4, 4), vec![1, 2, 4]);
         assert_eq!(kv_spread(8, 2, 2)?, KvSpread::Split);
         assert_eq!(kv_spread(8, 2, 4)?, KvSpread::Replicate(2));
         assert_eq!(kv_spread(8, 2, 8)?, KvSpread::Replicate(4));
+        // neither dividing the other: lcm(Hkv, P) copies, L/P per rank
+        assert_eq!(kv_spread(12, 3, 2)?, KvSpread::Replicate(2)); // 6 copies, 3 per rank
+        assert_eq!(kv_spread(28, 4, 14)?, KvSpread::Replicate(7)); // 28 copies, 2 per rank
+        assert_eq!(kv_spread(12, 4, 6)?, KvSpread::Replicate(3)); // 12 copies, 2 per rank
         let e = kv_spread(6, 6, 4).unwrap_err().to_string();
         assert!(e.contains("H = 6") && e.contains("P = 4") && e.contains("[1, 2, 3, 6]"), "{e}");
-        let e = kv_spread(12, 3, 2).unwrap_err().to_string();
-        assert!(e.contains("Hkv = 3") && e.contains("P = 2") && e.contains("[1, 3, 6, 12]"), "{e}");
         Ok(())
     }
 

@@ -184,9 +184,9 @@ pub fn usp_shard(global: &Tensor, layout: Layout, groups: &UspGroups, dim: usize
 /// - returns `out` `[B, T/(R·U), H, D]` (q's dtype, differentiable w.r.t. q, k, v) and `lse`
 ///   `[B, H, T/(R·U)]` (f32), equal to the rows of single-device attention over `T`.
 ///
-/// Errors: `H % U != 0`, KV heads that can neither be split nor replicated over `U` (the
-/// message lists the Ulysses degrees that work), `T` not divisible by what the ring layout
-/// needs. Collective over both groups.
+/// Errors: `H % U != 0` (the message lists the Ulysses degrees that work; KV heads are split
+/// or replicated for any of them, [`crate::ulysses::KvSpread`]), `T` not divisible by what the
+/// ring layout needs. Collective over both groups.
 pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opts: &UspOpts) -> Result<(Tensor, Tensor)> {
     let (_, _, h, hkv, _) = check_qkv("usp_attention", q, k, v)?;
     let spread = kv_spread(h, hkv, groups.u())?;

@@ -115,7 +115,7 @@ pub struct RingComm {
 pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let q_heads = (m.heads / l.tp / u).max(1);
-    let kv_heads = (l.kv_heads_per_tp_rank(m) / u).max(1);
+    let kv_heads = crate::layout::kv_copies_per_ulysses_rank(l.kv_heads_per_tp_rank(m), u);
     let c = cx.seq / r;
     let (cf, bf, d, e, g) = (
         c as f64,
@@ -194,7 +194,8 @@ pub struct UlyssesComm {
     pub valid: bool,
     /// The constraint, or why it fails.
     pub constraint: String,
-    /// Each KV head is replicated this many times (`U / a_kv,t` when `U > a_kv,t`, else 1).
+    /// Each KV head is replicated this many times (`lcm(a_kv,t, U) / a_kv,t`: `U / a_kv,t`
+    /// when `a_kv,t` divides `U`, 1 when `U` divides `a_kv,t`).
     pub kv_replication: usize,
     /// Link the all-to-all spans.
     pub link: Link,
@@ -225,7 +226,8 @@ pub fn ulysses(cx: &CommCtx, u: usize) -> UlyssesComm {
     };
     let hq = (m.heads / l.tp) as f64;
     let kv_t = l.kv_heads_per_tp_rank(m);
-    let kv_eff = kv_t.max(u) as f64;
+    // KV heads entering the all-to-all, copies included: lcm(kv_t, u)
+    let kv_eff = (crate::layout::kv_copies_per_ulysses_rank(kv_t, u) * u) as f64;
     let c = (cx.seq / l.cp) as f64;
     let (bf, d, e, g) = (
         cx.micro_batch as f64,
@@ -244,7 +246,7 @@ pub fn ulysses(cx: &CommCtx, u: usize) -> UlyssesComm {
         degree: u,
         valid,
         constraint,
-        kv_replication: if u > kv_t { u / kv_t } else { 1 },
+        kv_replication: crate::layout::kv_copies_per_ulysses_rank(kv_t, u) * u / kv_t.max(1),
         link,
         fwd_bytes_per_layer: fwd,
         bwd_bytes_per_layer: bwd,
@@ -442,6 +444,18 @@ mod tests {
             u.fwd_bytes_per_layer,
             15.0 / 16.0 * 8192.0 * 2.0 * 128.0 * (32.0 + 32.0)
         );
+        // Qwen2.5-7B: 28 query / 4 KV heads. U = 7 and 14 neither divide nor are multiples of
+        // the 4 KV heads: each is replicated to lcm(4, U) = 28 copies (7 each), 4 or 2 per rank
+        let q7 = ModelConfig::preset("qwen2.5-7b").unwrap();
+        let lq = Layout { cp: 14, cp_kind: CpKind::Ulysses, ..Layout::default() };
+        for (deg, per_rank) in [(7, 4), (14, 2)] {
+            let uq = ulysses(&ctx(&q7, &lq, &hw), deg);
+            assert!(uq.valid && uq.kv_replication == 7, "{uq:?}");
+            assert_eq!(crate::layout::kv_copies_per_ulysses_rank(4, deg), per_rank);
+            let frac = (deg - 1) as f64 / deg as f64;
+            assert_eq!(uq.fwd_bytes_per_layer, frac * (131072 / 14) as f64 * 2.0 * 128.0 * (2.0 * 28.0 + 2.0 * 28.0));
+        }
+        assert!(lq.validate(&q7, 14 * 8192).is_ok());
         let bad = ulysses(&ctx(&m, &l, &hw), 32);
         assert!(
             !bad.valid

@@ -221,8 +221,8 @@ impl Layout {
 
     /// Checks the layout against the model and the global sequence length `seq`:
     /// degrees positive, `cp | seq`, `t | a`, `t | a_kv` or `a_kv | t`, `pp <= L`,
-    /// Ulysses degree divides the per-TP-rank query heads and divides (or is a multiple
-    /// of) the per-TP-rank KV heads, 2-D: `ulysses | cp`.
+    /// Ulysses degree divides the per-TP-rank query heads (the KV heads are split or
+    /// replicated to fit, [`kv_copies_per_ulysses_rank`]), 2-D: `ulysses | cp`.
     pub fn validate(&self, m: &ModelConfig, seq: usize) -> Result<()> {
         for (what, x) in [
             ("tp", self.tp),
@@ -304,8 +304,9 @@ impl Layout {
 }
 
 /// The Ulysses head constraint for degree `u` after TP `tp`: `u` divides the query heads
-/// per TP rank `a/t`, and divides the KV heads per TP rank or is a multiple of them (then
-/// each KV head is replicated `u / a_kv,t` times).
+/// per TP rank `a/t`. The KV heads per TP rank are split when `u` divides them, else each is
+/// replicated so that their `lcm(a_kv,t, u)` copies split evenly
+/// ([`kv_copies_per_ulysses_rank`]; candle-cp's `ulysses::KvSpread`).
 pub fn check_ulysses(m: &ModelConfig, tp: usize, u: usize) -> Result<()> {
     let hq = m.heads / tp;
     if u == 0 || !hq.is_multiple_of(u) {
@@ -314,11 +315,19 @@ pub fn check_ulysses(m: &ModelConfig, tp: usize, u: usize) -> Result<()> {
             m.heads
         )
     }
-    let hkv = (m.kv_heads / tp).max(1);
-    if !hkv.is_multiple_of(u) && !u.is_multiple_of(hkv) {
-        plan_bail!("Ulysses degree {u} neither divides nor is a multiple of the {hkv} KV heads per TP rank")
-    }
     Ok(())
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// KV heads (copies included) each of `u` Ulysses ranks holds after the all-to-all, from
+/// `kv_t` KV heads per TP rank: `lcm(kv_t, u) / u` (`kv_t/u` when `u` divides them, 1 when
+/// they divide `u`).
+pub fn kv_copies_per_ulysses_rank(kv_t: usize, u: usize) -> usize {
+    let (k, u) = (kv_t.max(1), u.max(1));
+    k / gcd(k, u)
 }
 
 #[cfg(test)]

@@ -144,7 +144,8 @@ pub fn llama_per_gpu(
 
 /// What candle-cp's Llama layer keeps per GPU beyond [`llama_per_gpu`], by how it is
 /// implemented (`c = s/cp` tokens, `a_t = a/t` query heads and `kv_t` KV heads per TP rank,
-/// `u` the Ulysses degree, `kv_u = max(kv_t/u, 1)` KV heads per Ulysses rank):
+/// `u` the Ulysses degree, `kv_u = lcm(kv_t, u)/u` KV heads per Ulysses rank, copies
+/// included):
 /// - the attention's log-sum-exp `[B, a_t, c]` f32: `4·a_t·c·b`;
 /// - the two RMSNorm statistics `[B, c/sp_div]` f32: `8·c·b / sp_div`;
 /// - Ulysses and 2-D keeping their head layout: q, k, v and the output there, in q's dtype:
@@ -175,7 +176,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let lse = 4.0 * a_t * c * bf;
     let norms = 8.0 * c * bf / sp_div;
     let u = l.ulysses_degree();
-    let kv_u = (kv_t / u.max(1)).max(1) as f64;
+    let kv_u = crate::layout::kv_copies_per_ulysses_rank(kv_t, u) as f64;
     let head_kv = 2.0 * u as f64 * kv_u * d;
     // the output's bf16 rounding residual (16-bit activations), for f32 row sums
     let residual = if e < 4 && l.f32_row_sums_or_default() { 2.0 * a_t * d * c * bf } else { 0.0 };
