@@ -147,23 +147,24 @@ fn ulysses_errors_name_heads_and_degrees() -> Result<()> {
     for m in all_ok(res)? {
         assert!(m.contains("H = 6") && m.contains("P = 4"), "{m}");
     }
-    // H = 12, Hkv = 3 over P = 2: KV heads can be neither split nor replicated
-    let res = run_ranks(2, |g: Group| {
+    // H = 12, Hkv = 3 over P = 5: the message lists every divisor of H (KV heads are split or
+    // replicated to fit any of them, `kv_lcm.rs`)
+    let res = run_ranks(5, |g: Group| {
         let e = ulysses_attention(&z(12)?, &z(3)?, &z(3)?, &g, &UlyssesOpts::new(false, 0.3));
         Ok(e.err().map(|e| e.to_string()).unwrap_or_default())
     });
     for m in all_ok(res)? {
-        assert!(m.contains("Hkv = 3") && m.contains("P = 2") && m.contains("[1, 3, 6, 12]"), "{m}");
+        assert!(m.contains("Hkv = 3") && m.contains("P = 5") && m.contains("[1, 2, 3, 4, 6, 12]"), "{m}");
     }
     // 2-D: the Ulysses degree is checked the same way; U·R must be the world size
     let res = run_ranks(4, |g: Group| {
         let groups = UspGroups::new(&g, 4, 1)?;
-        let e = usp_attention(&z(12)?, &z(3)?, &z(3)?, &groups, &UspOpts::new(true, 0.3));
+        let e = usp_attention(&z(10)?, &z(5)?, &z(5)?, &groups, &UspOpts::new(true, 0.3));
         let bad = UspGroups::new(&g, 3, 1).err().map(|e| e.to_string()).unwrap_or_default();
         Ok((e.err().map(|e| e.to_string()).unwrap_or_default(), bad))
     });
     for (m, bad) in all_ok(res)? {
-        assert!(m.contains("P = 4") && m.contains("[1, 3, 6, 12]"), "{m}");
+        assert!(m.contains("P = 4") && m.contains("[1, 2, 5, 10]"), "{m}");
         assert!(bad.contains("U = 3") && bad.contains("world size 4"), "{bad}");
     }
     Ok(())
