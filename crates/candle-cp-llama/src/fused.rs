@@ -135,27 +135,13 @@ pub fn qk_norm_rope(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor
         bail!("qk_norm_rope: weight {:?} must be [{d}] for x {:?}", w.dims(), x.dims())
     }
     let (c4, s4) = tables4(cos, sin, t, d, x.dtype())?;
-    let dt = x.dtype();
-    let xd = x.detach();
-    let x32 = xd.to_dtype(DType::F32)?;
-    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let n = x32.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
-    drop(x32);
+    let (xd, wd) = (x.detach(), w.detach());
+    let (n, r) = candle_cp_nn::rms_norm_fwd(&xd, &wd, eps)?;
     let out = rope4(&n, &c4, &s4)?;
     drop(n);
-    let (wd, wdt) = (w.detach(), w.dtype());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         // RoPE's transpose gives the norm's output gradient; then the RMSNorm backward
-        // (candle-cp-nn's `rms_norm`, the same arithmetic)
-        let dn = rope4_t(dy, &c4, &s4)?;
-        let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?;
-        let dn32 = dn.to_dtype(DType::F32)?;
-        let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
-        let lead = dn32.elem_count() / d;
-        let dw = dn32.broadcast_mul(&xh)?.reshape((lead, d))?.sum(0)?.to_dtype(wdt)?;
-        let g = dn32.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
-        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?.to_dtype(dt)?;
+        let (dx, dw) = candle_cp_nn::rms_norm_bwd(&xd, &r, &wd, &rope4_t(dy, &c4, &s4)?)?;
         Ok(vec![Some(dx), Some(dw)])
     });
     attach2("qk_norm_rope", x, w, out, bwd)

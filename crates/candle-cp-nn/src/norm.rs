@@ -33,27 +33,42 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     if w.dims() != [h] {
         bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())
     }
-    let dt = x.dtype();
     let xd = x.detach();
-    let x32 = xd.to_dtype(DType::F32)?;
-    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let out = x32.broadcast_mul(&r)?.to_dtype(dt)?.broadcast_mul(&w.detach())?;
-    drop(x32);
-    let (wd, wdt) = (w.detach(), w.dtype());
+    let (out, r) = rms_norm_fwd(&xd, &w.detach(), eps)?;
+    let wd = w.detach();
     // The backward keeps x (the graph node keeps it anyway) and r `[.., 1]`, and recomputes
     // x̂ = x·r: no normalised copy of the input stays alive between forward and backward.
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&r)?;
-        let dy32 = dy.to_dtype(DType::F32)?;
-        let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
-        let lead: usize = dy32.elem_count() / h;
-        let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(wdt)?;
-        let g = dy32.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
-        let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
-        let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(&r)?.to_dtype(dt)?;
+        let (dx, dw) = rms_norm_bwd(&xd, &r, &wd, dy)?;
         Ok(vec![Some(dx), Some(dw)])
     });
     attach2("rms_norm", x, w, out, bwd)
+}
+
+/// The raw forward of [`rms_norm`] on detached tensors: the output and the statistic
+/// `r = rsqrt(mean(x²) + eps)` `[.., 1]` (f32), which [`rms_norm_bwd`] takes.
+pub fn rms_norm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    let x32 = x.to_dtype(DType::F32)?;
+    let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let out = x32.broadcast_mul(&r)?.to_dtype(x.dtype())?.broadcast_mul(w)?;
+    Ok((out, r))
+}
+
+/// The raw backward of [`rms_norm`]: `(dx, dw)` for the output gradient `dy`, from the input
+/// `x`, the statistic `r` of [`rms_norm_fwd`] and the weight `w` (x̂ = x·r recomputed; f32
+/// arithmetic; `dx` in `x`'s dtype, `dw` in `w`'s). Also the backward of the fused head norm
+/// and RoPE in candle-cp-llama.
+pub fn rms_norm_bwd(x: &Tensor, r: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    let (dt, h) = (x.dtype(), x.dim(D::Minus1)?);
+    let xhat = x.to_dtype(DType::F32)?.broadcast_mul(r)?;
+    let dy32 = dy.to_dtype(DType::F32)?;
+    let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
+    let lead: usize = dy32.elem_count() / h;
+    let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(w.dtype())?;
+    let g = dy32.broadcast_mul(&w.to_dtype(DType::F32)?)?;
+    let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
+    let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(r)?.to_dtype(dt)?;
+    Ok((dx, dw))
 }
 
 /// Reference RMSNorm from plain candle ops (same math as [`rms_norm`], candle autograd).
