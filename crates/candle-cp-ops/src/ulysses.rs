@@ -25,7 +25,7 @@
 //! `[r·L/P, (r+1)·L/P)`, exactly the KV heads its query heads use, in order (`H/L` query heads
 //! per copy there). With `P % Hkv == 0` (fewer KV heads than ranks) that is one copy of KV
 //! head `r / (P/Hkv)` per rank; with neither dividing the other (e.g. `H = 28`, `Hkv = 4`,
-//! `P = 7` or `14`, a degree DeepSpeed-Ulysses and yunchang refuse) several. The backward sums
+//! `P = 7` or `14`) several. The backward sums
 //! the gradients of the copies, in f32 (the kernel's dK/dV travel back unrounded), and rounds
 //! once. A degree that does not divide `H` is an error that lists the degrees that work.
 //!
