@@ -20,9 +20,10 @@
 //!   gives the reference's results.
 //! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
 //!   single device's tokens.
-//! - Checkpoints: a Qwen2 (and a Qwen3) checkpoint saves as `Qwen2ForCausalLM` and loads back bit for bit,
-//!   whole or sharded over TP 1, 2, 4; biases under a config without them are refused, naming
-//!   the tensors (before: loaded and ignored, a silently different model).
+//! - Checkpoints: a Qwen2 and a Qwen3 checkpoint save as `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
+//!   and load back bit for bit, whole or sharded over TP 1, 2, 4; their biases / head norms
+//!   under a config without them are refused, naming the tensors (before: loaded and ignored,
+//!   a silently different model).
 
 use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
 use candle_cp_comm::run_ranks;
@@ -50,8 +51,7 @@ fn qwen2(std: f64) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let cfg = cfg.with_qkv_bias(true);
     for spec in candle_cp_llama::param_specs(&cfg) {
         if spec.name.ends_with(".bias") {
-            let seed = spec.name.bytes().fold(17u64, |a, b| a.wrapping_mul(31).wrapping_add(b as u64));
-            let b = (candle_cp_tests::rand_t(seed, &spec.name, &spec.shape)? * std)?;
+            let b = (candle_cp_tests::rand_t(17, &spec.name, &spec.shape)? * std)?;
             full.insert(spec.name.clone(), b);
         }
     }
@@ -340,84 +340,59 @@ fn generation((cfg, full): (LlamaConfig, HashMap<String, Tensor>)) -> Result<()>
     Ok(())
 }
 
-/// A Qwen2 checkpoint round trips bit for bit (whole, and sharded over TP 1, 2, 4: the KV
-/// biases replicated like their weights at 4); biases under a Llama config are refused.
+/// A Qwen2 and a Qwen3 checkpoint each round trip bit for bit (whole, and sharded over TP 1,
+/// 2, 4: the KV biases replicated like their weights at 4, the head norms whole on every
+/// rank); their biases / head norms under a Llama config are refused by both loaders.
 #[test]
-fn qwen2_checkpoints() -> Result<()> {
-    let (cfg, full) = qwen2(0.5)?;
-    let root = std::env::temp_dir().join(format!("candle-cp-qwen2-{}", std::process::id()));
+fn qwen2_and_qwen3_checkpoints() -> Result<()> {
+    checkpoint_round_trip(qwen2(0.5)?, 6, "model.layers.0.self_attn.k_proj.bias")?;
+    checkpoint_round_trip(qwen3()?, 4, "model.layers.0.self_attn.k_norm.weight")
+}
+
+/// `(cfg, full)` saved, read back (whole and sharded) and written again; the same tensors
+/// under the config without the architecture's extra parameters: refused, naming `unused`
+/// tensors, `name` among them.
+fn checkpoint_round_trip((cfg, full): (LlamaConfig, HashMap<String, Tensor>), unused: usize, name: &str) -> Result<()> {
+    let (class, model_type) = cfg.arch().hf_names();
+    let root = std::env::temp_dir().join(format!("candle-cp-{model_type}-{}", std::process::id()));
     let mut tensors: Vec<(String, Tensor)> = full.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let dir = root.join("qwen2");
+    let dir = root.join(model_type);
     save_hf_tensors(&dir, &tensors, &cfg)?;
     let text = std::fs::read_to_string(dir.join("config.json"))?;
-    assert!(text.contains("Qwen2ForCausalLM") && text.contains("\"qwen2\""), "{text}");
+    assert!(text.contains(class) && text.contains(&format!("\"{model_type}\"")), "{text}");
     let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
     assert_eq!(back, cfg);
     let again = root.join("again");
     save_hf(&again, &vm, &back)?;
-    assert!(std::fs::read(dir.join("model.safetensors"))? == std::fs::read(again.join("model.safetensors"))?);
+    assert!(std::fs::read(dir.join("model.safetensors"))? == std::fs::read(again.join("model.safetensors"))?, "{class}: written again, the bytes differ");
     for tp in [1usize, 2, 4] {
         for r in run_ranks(tp, |g| {
             let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
             let want = shard_tensors(&full, &cfg, &ctx)?;
             let (got, _) = load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
-            let (want, got) = (want.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone(), got.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone());
+            let lock = |vm: &candle_nn::VarMap| vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into())).map(|d| d.clone());
+            let (want, got) = (lock(&want)?, lock(&got)?);
             let mut same = want.len() == got.len();
             for (k, w) in &want {
                 same &= got.get(k).map(|g| max_abs(g.as_tensor(), w.as_tensor()).map(|e| e == 0.0)).transpose()? == Some(true);
             }
             Ok(same)
         }) {
-            assert!(r?, "tp {tp}: the sharded load differs from sharding the whole model");
+            assert!(r?, "{class} tp {tp}: the sharded load differs from sharding the whole model");
         }
     }
-    // the same tensors under a Llama config: refused, naming a bias, by both loaders
     let llama = root.join("llama");
-    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qkv_bias(false))?;
+    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qkv_bias(false).with_qk_norm(false))?;
     let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("6 tensor(s)") && e.contains("model.layers.0.self_attn.k_proj.bias") && e.contains("LlamaForCausalLM"), "{e}");
+    assert!(e.contains(&format!("{unused} tensor(s)")) && e.contains(name) && e.contains("LlamaForCausalLM"), "{e}");
     for r in run_ranks(2, |g| {
         let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
         Ok(load_hf_sharded(&llama, &ctx, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default())
     }) {
         let e = r?;
-        assert!(e.contains("q_proj.bias"), "{e}");
+        assert!(e.contains(name), "{e}");
     }
-    let _ = std::fs::remove_dir_all(&root);
-    Ok(())
-}
-
-/// A Qwen3 checkpoint: written as `Qwen3ForCausalLM`, read back as the same config and
-/// weights (sharded over TP 4 too); its head norms under a Llama config are refused.
-#[test]
-fn qwen3_checkpoints() -> Result<()> {
-    let (cfg, full) = qwen3()?;
-    let root = std::env::temp_dir().join(format!("candle-cp-qwen3-{}", std::process::id()));
-    let mut tensors: Vec<(String, Tensor)> = full.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
-    tensors.sort_by(|a, b| a.0.cmp(&b.0));
-    let dir = root.join("qwen3");
-    save_hf_tensors(&dir, &tensors, &cfg)?;
-    let text = std::fs::read_to_string(dir.join("config.json"))?;
-    assert!(text.contains("Qwen3ForCausalLM") && text.contains("\"qwen3\""), "{text}");
-    let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back, cfg);
-    for (k, t) in &full {
-        let got = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.get(k).map(|v| v.as_tensor().clone());
-        assert_eq!(got.map(|g| max_abs(&g, t)).transpose()?, Some(0.0), "{k}");
-    }
-    for r in run_ranks(4, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single().with_tp(4, false))?;
-        let (got, _) = load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
-        let q = got.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["model.layers.1.self_attn.q_norm.weight"].as_tensor().clone();
-        max_abs(&q, &full["model.layers.1.self_attn.q_norm.weight"])
-    }) {
-        assert_eq!(r?, 0.0, "every TP rank holds the whole q norm");
-    }
-    let llama = root.join("llama");
-    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qk_norm(false))?;
-    let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("4 tensor(s)") && e.contains("self_attn.k_norm.weight"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }

@@ -39,24 +39,15 @@ impl Arch {
     /// The supported `model_type` values, as listed in errors.
     pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3";
 
+    /// Every architecture, in [`Arch::SUPPORTED`]'s order.
+    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3];
+
     fn of_model_type(t: &str) -> Option<Arch> {
-        match t {
-            "llama" => Some(Arch::Llama),
-            "mistral" => Some(Arch::Mistral),
-            "qwen2" => Some(Arch::Qwen2),
-            "qwen3" => Some(Arch::Qwen3),
-            _ => None,
-        }
+        Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
     }
 
     fn of_class(c: &str) -> Option<Arch> {
-        match c {
-            "LlamaForCausalLM" => Some(Arch::Llama),
-            "MistralForCausalLM" => Some(Arch::Mistral),
-            "Qwen2ForCausalLM" => Some(Arch::Qwen2),
-            "Qwen3ForCausalLM" => Some(Arch::Qwen3),
-            _ => None,
-        }
+        Arch::ALL.into_iter().find(|a| a.hf_names().0 == c)
     }
 
     /// `(architectures[0], model_type)` as transformers writes them.
@@ -91,7 +82,7 @@ impl Arch {
             match (Arch::of_class(c), by_class) {
                 (None, _) => bail!(
                     "config.json: architecture `{c}` not supported (supported: {})",
-                    [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3].map(|a| a.hf_names().0).join(", ")
+                    Arch::ALL.map(|a| a.hf_names().0).join(", ")
                 ),
                 (Some(a), Some(b)) if a != b => bail!("config.json: `architectures` names both {} and {}", b.hf_names().0, a.hf_names().0),
                 (Some(a), _) => by_class = Some(a),
@@ -210,6 +201,7 @@ mod tests {
 
     #[test]
     fn architectures_and_their_biases() -> Result<()> {
+        assert_eq!(Arch::ALL.map(|a| a.hf_names().1).join(", "), Arch::SUPPORTED);
         // no key, Llama, Mistral: no biases; Qwen2 (by either key): q, k, v biases
         for extra in ["", r#", "model_type": "llama""#, r#", "architectures": ["MistralForCausalLM"]"#] {
             assert!(!parse(extra)?.qkv_bias, "{extra}");
