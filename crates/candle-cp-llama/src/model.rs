@@ -151,9 +151,8 @@ impl Block {
                 n.apply_with_rope(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, cos, sin, tp)?
             }
         };
-        let (q, k) = (&q, &k);
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
-        let a = attend_window(q, k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
+        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
         let x = self.o.forward_residual(&a, x)?;
         let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
         self.down.forward_residual(&swiglu(&gu[0], &gu[1])?, &x)
