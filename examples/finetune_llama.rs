@@ -571,9 +571,11 @@ fn main() -> Result<()> {
     };
 
     let c = &o.config;
-    let window = c
-        .sliding_window
-        .map_or(String::new(), |w| format!(", sliding window {w}"));
+    let window = match (c.sliding_window, &c.sliding_layers) {
+        (None, _) => String::new(),
+        (Some(w), None) => format!(", sliding window {w}"),
+        (Some(w), Some(l)) => format!(", sliding window {w} on {} of {} layers", l.iter().filter(|&&s| s).count(), l.len()),
+    };
     println!(
         "model    : {} {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
         c.arch().hf_names().0,

@@ -18,8 +18,12 @@
 //!   heads replicated over TP 4, each copy's share), against the reference.
 //! - YaRN (Qwen2.5's 128k RoPE scaling), its ramp acting at this length: every kind of layout
 //!   gives the reference's results.
+//! - Windows on some layers only (Qwen's `max_window_layers` / `layer_types`,
+//!   `LlamaConfig::sliding_layers`), either layer windowed: every kind of layout gives the
+//!   reference's results (the reference masks each layer by `LlamaConfig::layer_window`).
 //! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
-//!   single device's tokens.
+//!   single device's tokens (per-layer windows too: the windowed layer's cache evicts, the
+//!   other's keeps every row).
 //! - Checkpoints: a Qwen2 and a Qwen3 checkpoint save as `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
 //!   and load back bit for bit, whole or sharded over TP 1, 2, 4; their biases / head norms
 //!   under a config without them are refused, naming the tensors (before: loaded and ignored,
@@ -112,8 +116,12 @@ fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) ->
     let af = cfg.rope_scaling.attention_factor();
     let (cos, sin) = ((ang.cos()? * af)?, (ang.sin()? * af)?);
     let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)? };
-    let mask: Vec<f64> = (0..t * t).map(|i| if i % t > i / t { f64::NEG_INFINITY } else { 0.0 }).collect();
-    let mask = Tensor::from_vec(mask, (t, t), &Device::Cpu)?;
+    // causal, within the layer's window if it has one: query i sees key j iff i - w < j <= i
+    let mask = |w: Option<usize>| -> Result<Tensor> {
+        let w = w.unwrap_or(t);
+        let m: Vec<f64> = (0..t * t).map(|i| if i % t > i / t || i / t - i % t >= w { f64::NEG_INFINITY } else { 0.0 }).collect();
+        Tensor::from_vec(m, (t, t), &Device::Cpu)
+    };
     let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
     for l in 0..cfg.num_hidden_layers {
         let n = |s: &str| format!("model.layers.{l}.{s}");
@@ -136,7 +144,7 @@ fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) ->
             x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
         };
         let (k, v) = (rep(k)?, rep(v)?);
-        let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask)?;
+        let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask(cfg.layer_window(l))?)?;
         let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
         let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
         x = (x + linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?)?;
@@ -302,7 +310,45 @@ fn reference_rows(r: &Reference) -> Result<Reference> {
 #[test]
 fn qwen2_and_qwen3_generation() -> Result<()> {
     generation(qwen2(0.5)?)?;
-    generation(qwen3()?)
+    generation(qwen3()?)?;
+    // a window of 12 on the second layer only binds within the 32 + 6 tokens
+    let (cfg, full) = qwen3()?;
+    generation((cfg.with_sliding_window(Some(12)).with_sliding_layers(Some(vec![false, true])), full))
+}
+
+/// A window on one of the two layers (either one): every kind of layout gives the
+/// reference's results, which differ from both the window on every layer and none.
+#[test]
+fn per_layer_windows_match_the_reference() -> Result<()> {
+    let (cfg, full) = qwen3()?;
+    let ids = oracle()?.2.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let w = cfg.clone().with_sliding_window(Some(40));
+    let (every, none) = (reference(&full, &w, &ids)?, reference(&full, &cfg, &ids)?);
+    for layers in [vec![false, true], vec![true, false]] {
+        let cfg = w.clone().with_sliding_layers(Some(layers.clone()));
+        cfg.validate()?;
+        let want = reference(&full, &cfg, &ids)?;
+        for (what, other) in [("every layer", &every), ("no layer", &none)] {
+            let moved = max_abs(&other.logits, &want.logits)?;
+            assert!(moved > 100.0 * Tolerances::default().logits_abs, "{layers:?} vs the window on {what}: {moved:.1e}");
+        }
+        let layouts = [
+            Layout::single(),
+            Layout::cp(CpKind::Ring, 4),
+            Layout::cp(CpKind::Zigzag, 4),
+            Layout::cp(CpKind::Ulysses, 2),
+            Layout::two_d(2, 2),
+            Layout::single().with_tp(2, true),
+            Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        ];
+        for layout in layouts {
+            let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
+            println!("window 40 on layers {layers:?} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+            assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+            assert!(rep.pass(), "{layers:?} {layout}: {rep:?}");
+        }
+    }
+    Ok(())
 }
 
 fn generation((cfg, full): (LlamaConfig, HashMap<String, Tensor>)) -> Result<()> {

@@ -145,7 +145,8 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
         if w == 0 {
             anyhow::bail!("--sliding-window must be at least 1 token, got 0")
         }
-        model.sliding_window = Some(w);
+        // on every layer (a window the config had on some layers only goes)
+        (model.sliding_window, model.partial_window) = (Some(w), None);
     }
     let mut hw = Hardware::preset(&a.hardware)?;
     if let Some(x) = a.gpu_mem_gb {

@@ -539,18 +539,26 @@ fn plan_qwen_presets_and_config() {
     let all = cfg("all", r#","use_sliding_window":true,"max_window_layers":0"#);
     let v = plan_json(&["--model", all.to_str().unwrap(), "--seq", "8192"]);
     assert_eq!(model(&v, "sliding_window"), serde_json::json!(131072));
-    let some = cfg("some", r#","use_sliding_window":true,"max_window_layers":20"#);
-    for (args, msg) in [
-        (vec!["--model", "qwen2.5-7b", "--seq", "131072", "--cp", "8", "--cp-kind", "ulysses"], "Ulysses degree 8 does not divide the 28 query heads"),
-        (vec!["--model", some.to_str().unwrap(), "--seq", "8192"], "layers 20..28 only"),
-    ] {
-        let mut a = vec!["plan"];
-        a.extend(args);
-        let out = candle_cp(&a);
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        assert_eq!(out.status.code(), Some(2), "{stderr}");
-        assert!(stderr.contains(msg), "{stderr:?} lacks {msg:?}");
+    // a window on the layers from 20 on (or as layer_types says): planned as full attention,
+    // with a note; the same FLOPs as no window
+    let none = plan_json(&["--model", shipped.to_str().unwrap(), "--seq", "262144"]);
+    let flops = |v: &serde_json::Value| v.pointer("/step/compute_s").cloned();
+    let types: Vec<&str> = (0..28).map(|i| if i % 4 == 3 { "full_attention" } else { "sliding_attention" }).collect();
+    let listed = format!(r#","use_sliding_window":true,"layer_types":{}"#, serde_json::json!(types));
+    for (tag, extra, k) in [("some", r#","use_sliding_window":true,"max_window_layers":20"#.to_string(), 8), ("listed", listed, 21)] {
+        let v = plan_json(&["--model", cfg(tag, &extra).to_str().unwrap(), "--seq", "262144"]);
+        assert!(model(&v, "sliding_window").is_null());
+        assert_eq!(model(&v, "partial_window"), serde_json::json!([131072, k]), "{tag}");
+        let notes = v["notes"].to_string();
+        assert!(notes.contains(&format!("sliding window 131072 on {k} of 28 layers only")), "{tag}: {notes}");
+        assert_eq!(flops(&v), flops(&none), "{tag}");
+        assert!(flops(&v).is_some());
     }
+    let out = candle_cp(&["plan", "--model", "qwen2.5-7b", "--seq", "131072", "--cp", "8", "--cp-kind", "ulysses"]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(2), "{stderr}");
+    let msg = "Ulysses degree 8 does not divide the 28 query heads";
+    assert!(stderr.contains(msg), "{stderr:?} lacks {msg:?}");
     // Qwen3: head norms, D = 128 on the 32B's 5120-wide model
     let q3 = plan_json(&["--model", "qwen3-32b", "--seq", "8192"]);
     assert_eq!((model(&q3, "qk_norm"), model(&q3, "head_dim"), model(&q3, "hidden")), (true.into(), 128.into(), 5120.into()));

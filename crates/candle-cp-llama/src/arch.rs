@@ -5,8 +5,12 @@
 //! |------------------------------------|----------------|------------|-----------------------------------------|
 //! | `llama` (`LlamaForCausalLM`)       | no             | no         | `sliding_window` if the config has one  |
 //! | `mistral` (`MistralForCausalLM`)   | no             | no         | `sliding_window` (every layer)          |
-//! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on |
+//! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on, or those `layer_types` names |
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
+//!
+//! Qwen's window may sit on some layers only ([`crate::LlamaConfig::sliding_layers`]; each
+//! layer attends within [`crate::LlamaConfig::layer_window`], on every layout, in training and
+//! in generation).
 //!
 //! Qwen3's q and k norms are RMSNorms over each head's `D` features (weights `[D]`, shared by
 //! the heads), applied after the projection and before RoPE ([`crate::LlamaConfig::qk_norm`]).
@@ -15,9 +19,9 @@
 //! would load and train silently as a different model: Qwen3-MoE's experts, Gemma's extra
 //! norms, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
 //! parameters the model never reads. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
-//! does not use. A window on some layers only (`layer_types` mixing `full_attention` and
-//! `sliding_attention`, or Qwen2's / Qwen3's `max_window_layers` between 0 and the layer count) is
-//! refused too: every layer of this model attends the same way.
+//! does not use. A Llama or Mistral config with a window on some layers only (`layer_types`
+//! mixing `full_attention` and `sliding_attention`) is refused too: transformers gives those
+//! one window for every layer, so the checkpoint saved back would load as a different model.
 
 use candle_core::{bail, Result};
 use serde_json::{Map, Value};
@@ -125,10 +129,13 @@ impl Arch {
         self == Arch::Qwen3
     }
 
-    /// The window every layer uses (`None`: plain causal), from `sliding_window` (already
-    /// parsed, `window`), `use_sliding_window`, Qwen2's `max_window_layers` and `layer_types`.
-    /// Errors for windows on some layers only.
-    pub(crate) fn window(self, m: &Map<String, Value>, window: Option<usize>, layers: usize) -> Result<Option<usize>> {
+    /// The window and the layers that use it (`None`: every layer; see
+    /// [`crate::LlamaConfig::sliding_layers`]), from `sliding_window` (already parsed,
+    /// `window`), `use_sliding_window`, Qwen2's `max_window_layers` and `layer_types`. A window
+    /// no layer uses is `None`. Errors for windows on some layers only of a Llama or Mistral
+    /// (transformers gives those one window for every layer).
+    #[allow(clippy::type_complexity)]
+    pub(crate) fn window(self, m: &Map<String, Value>, window: Option<usize>, layers: usize) -> Result<(Option<usize>, Option<Vec<bool>>)> {
         let use_key = m.get("use_sliding_window").and_then(|v| v.as_bool());
         let w = match (self, use_key) {
             (_, Some(false)) => None,
@@ -170,16 +177,19 @@ impl Arch {
         };
         let windowed = per_layer.iter().filter(|&&s| s).count();
         if windowed == 0 {
-            return Ok(None);
+            return Ok((None, None));
         }
-        if windowed < layers {
+        if windowed == layers {
+            return Ok((w, None));
+        }
+        if matches!(self, Arch::Llama | Arch::Mistral) {
             bail!(
-                "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): every layer attends the same way here",
+                "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3)",
                 w.unwrap_or(0),
                 per_layer.iter().enumerate().filter(|(_, &s)| !s).map(|(i, _)| i).collect::<Vec<_>>()
             )
         }
-        Ok(w)
+        Ok((w, Some(per_layer)))
     }
 }
 
@@ -248,15 +258,22 @@ mod tests {
         assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 4096, "use_sliding_window": true"#)?, None);
         assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 0"#)?, Some(64));
         assert_eq!(w(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 2"#)?, None);
-        let e = err(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 1"#);
-        assert!(e.contains("on 1 of 2 layers") && e.contains("[0]"), "{e}");
+        // ... on some layers only: per layer
+        let c = parse(r#", "model_type": "qwen2", "sliding_window": 64, "use_sliding_window": true, "max_window_layers": 1"#)?;
+        assert_eq!((c.sliding_window, c.sliding_layers.clone()), (Some(64), Some(vec![false, true])));
+        assert_eq!((c.layer_window(0), c.layer_window(1)), (None, Some(64)));
+        let c = parse(r#", "model_type": "qwen3", "sliding_window": 64, "use_sliding_window": true, "layer_types": ["sliding_attention", "full_attention"]"#)?;
+        assert_eq!(c.sliding_layers, Some(vec![true, false]));
+        // layer_types without use_sliding_window: Qwen's window is off
+        let c = parse(r#", "model_type": "qwen3", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]"#)?;
+        assert_eq!((c.sliding_window, c.sliding_layers), (None, None));
         // Mistral: every layer; layer_types (newer transformers) decide when present
         assert_eq!(w(r#", "model_type": "mistral", "sliding_window": 64"#)?, Some(64));
         assert_eq!(w(r#", "sliding_window": 64, "layer_types": ["full_attention", "full_attention"]"#)?, None);
         assert_eq!(w(r#", "sliding_window": 64, "layer_types": ["sliding_attention", "sliding_attention"]"#)?, Some(64));
         assert_eq!(w(r#", "layer_types": ["sliding_attention", "sliding_attention"]"#)?, None);
         let e = err(r#", "sliding_window": 64, "layer_types": ["sliding_attention", "full_attention"]"#);
-        assert!(e.contains("on 1 of 2 layers") && e.contains("[1]"), "{e}");
+        assert!(e.contains("on 1 of 2 layers") && e.contains("[1]") && e.contains("one window for every layer"), "{e}");
         assert!(err(r#", "layer_types": ["full_attention"]"#).contains("1 entries for 2 layers"));
         assert!(err(r#", "layer_types": ["chunked_attention", "full_attention"]"#).contains("chunked_attention"));
         Ok(())
@@ -264,7 +281,8 @@ mod tests {
 
     /// What `to_hf_json` writes for a Qwen2 or Qwen3 config reads back as the same config,
     /// with the keys transformers' Qwen2Config / Qwen3Config read (Qwen2: no bias keys; Qwen3:
-    /// `attention_bias: false`; the window on every layer).
+    /// `attention_bias: false`; the window on every layer, or `layer_types` when only some
+    /// layers slide).
     #[test]
     fn qwen_round_trip() -> Result<()> {
         for (window, qwen3) in [(None, false), (Some(32), false), (None, true), (Some(32), true)] {
@@ -277,8 +295,42 @@ mod tests {
             assert!(v.get("mlp_bias").is_none(), "{text}");
             assert_eq!(v["use_sliding_window"].as_bool(), Some(window.is_some()));
             assert_eq!(v["max_window_layers"].as_u64(), Some(if window.is_some() { 0 } else { 3 }));
+            assert!(v.get("layer_types").is_none(), "{text}");
             assert_eq!(LlamaConfig::from_json(&text)?, c);
         }
+        // some layers slide: layer_types, and max_window_layers where they are the last ones
+        for (layers, from) in [(vec![false, true, true], 1), (vec![true, false, true], 0)] {
+            for qwen3 in [false, true] {
+                let c = LlamaConfig::tiny(64, 32, 3, 4, 2)
+                    .with_qkv_bias(!qwen3)
+                    .with_qk_norm(qwen3)
+                    .with_sliding_window(Some(32))
+                    .with_sliding_layers(Some(layers.clone()));
+                c.validate()?;
+                let text = c.to_hf_json("bfloat16");
+                let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                assert_eq!(v["max_window_layers"].as_u64(), Some(from));
+                let types: Vec<&str> = v["layer_types"].as_array().into_iter().flatten().filter_map(|t| t.as_str()).collect();
+                let want: Vec<&str> = layers.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+                assert_eq!(types, want);
+                assert_eq!(LlamaConfig::from_json(&text)?, c);
+            }
+        }
         Ok(())
+    }
+
+    /// `sliding_layers` needs a window, one entry per layer, and a Qwen architecture (a Llama
+    /// or Mistral config.json cannot say which layers slide); all `true` is every layer.
+    #[test]
+    fn sliding_layers_are_checked() {
+        let base = LlamaConfig::tiny(64, 32, 3, 4, 2).with_qk_norm(true);
+        let msg = |c: LlamaConfig| c.validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(msg(base.clone().with_sliding_layers(Some(vec![true, false, true]))).contains("without a sliding_window"));
+        let w = base.clone().with_sliding_window(Some(8));
+        assert!(msg(w.clone().with_sliding_layers(Some(vec![true, false]))).contains("2 entries for 3 layers"));
+        let plain = w.clone().with_qk_norm(false).with_sliding_layers(Some(vec![true, false, true]));
+        assert!(msg(plain).contains("Qwen2 or Qwen3"));
+        assert_eq!(w.clone().with_sliding_layers(Some(vec![true; 3])).sliding_layers, None);
+        assert_eq!(w.with_sliding_layers(Some(vec![false, true, false])).layer_window(1), Some(8));
     }
 }

@@ -114,7 +114,13 @@ pub struct LlamaConfig {
     /// Causal sliding-window attention (Mistral `sliding_window`): a query at position `p`
     /// sees the keys at `p - w < kp <= p` (itself and the `w - 1` before; inside its document
     /// when packed). `None` (absent or `null` in config.json): plain causal attention.
+    /// Which layers use it: [`LlamaConfig::sliding_layers`].
     pub sliding_window: Option<usize>,
+    /// The layers that use [`LlamaConfig::sliding_window`] when only some do (one entry per
+    /// layer, `true`: sliding; HF `layer_types`, or Qwen2 / Qwen3 `max_window_layers`); `None`:
+    /// every layer. Only Qwen2 and Qwen3 configs carry per-layer windows
+    /// ([`LlamaConfig::validate`]). See [`LlamaConfig::layer_window`].
+    pub sliding_layers: Option<Vec<bool>>,
     /// Biases on the q, k and v projections (`self_attn.{q,k,v}_proj.bias`): Qwen2
     /// (`model_type` `qwen2`). See [`crate::arch`] for the architectures a config may name.
     pub qkv_bias: bool,
@@ -274,6 +280,7 @@ impl LlamaConfig {
         }
         let arch = Arch::of_config(m)?;
         let layers = need_usize(m, "num_hidden_layers")?;
+        let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -289,7 +296,8 @@ impl LlamaConfig {
             max_position_embeddings: max_pos,
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
-            sliding_window: arch.window(m, parse_window(m)?, layers)?,
+            sliding_window,
+            sliding_layers,
             qkv_bias: arch.qkv_bias(m)?,
             qk_norm: arch.qk_norm(),
         };
@@ -328,6 +336,7 @@ impl LlamaConfig {
             bos_token_id: None,
             eos_token_id: None,
             sliding_window: None,
+            sliding_layers: None,
             qkv_bias: false,
             qk_norm: false,
         }
@@ -365,6 +374,23 @@ impl LlamaConfig {
         self
     }
 
+    /// The same config with the window on the layers `layers` marks `true` only (one entry
+    /// per layer; `None`: every layer; see [`LlamaConfig::sliding_layers`]). A mask that is all
+    /// `true` is stored as `None`; [`LlamaConfig::validate`] checks the length and that a
+    /// window is set.
+    pub fn with_sliding_layers(mut self, layers: Option<Vec<bool>>) -> Self {
+        self.sliding_layers = layers.filter(|l| !l.iter().all(|&s| s));
+        self
+    }
+
+    /// The window layer `layer` attends within (`None`: plain causal attention).
+    pub fn layer_window(&self, layer: usize) -> Option<usize> {
+        match &self.sliding_layers {
+            Some(l) if !l.get(layer).copied().unwrap_or(false) => None,
+            _ => self.sliding_window,
+        }
+    }
+
     /// Check the shape invariants (`H % Hkv == 0`, even `head_dim`, non-zero sizes).
     pub fn validate(&self) -> Result<()> {
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
@@ -379,6 +405,23 @@ impl LlamaConfig {
         }
         if self.sliding_window == Some(0) {
             bail!("LlamaConfig: sliding_window must be >= 1 (or None), got 0")
+        }
+        if let Some(l) = &self.sliding_layers {
+            let n = self.num_hidden_layers;
+            if l.len() != n {
+                bail!("LlamaConfig: sliding_layers has {} entries for {n} layers", l.len())
+            }
+            if self.sliding_window.is_none() {
+                bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
+            }
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
+                bail!(
+                    "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
+                     a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
+                    l.iter().filter(|&&s| s).count(),
+                    self.arch()
+                )
+            }
         }
         if self.qkv_bias && self.qk_norm {
             bail!("LlamaConfig: q, k, v biases (Qwen2) and q, k norms (Qwen3) together are no architecture this model writes")
@@ -420,8 +463,10 @@ impl LlamaConfig {
     /// `sliding_window` is always written (`null` when `None`); with a window and no biases
     /// the architecture is `MistralForCausalLM` (`model_type` `"mistral"`: the same
     /// parameters, and transformers applies the window), since `LlamaForCausalLM` would
-    /// ignore it. With q, k, v biases it is `Qwen2ForCausalLM`, the window (if any) on every
-    /// layer (`use_sliding_window`, `max_window_layers: 0`).
+    /// ignore it. With q, k, v biases it is `Qwen2ForCausalLM` (with q, k norms
+    /// `Qwen3ForCausalLM`), the window (if any) on every layer (`use_sliding_window`,
+    /// `max_window_layers: 0`) or on [`LlamaConfig::sliding_layers`] (`layer_types`, and
+    /// `max_window_layers` the first sliding layer).
     pub fn to_hf_json(&self, dtype: &str) -> String {
         // `rope_parameters` (transformers >= 5) plus the legacy top-level `rope_theta` and, only
         // when scaled, `rope_scaling` holding the same object (transformers 4 reads it; 5 treats
@@ -518,8 +563,20 @@ impl LlamaConfig {
                     m.remove("attention_bias");
                 }
                 m.remove("mlp_bias");
+                // (the first sliding layer: exact when the sliding layers are the last ones, as
+                // transformers builds `layer_types` without the key; written when only some slide)
                 m.insert("use_sliding_window".into(), json!(self.sliding_window.is_some()));
-                let from = if self.sliding_window.is_some() { 0 } else { self.num_hidden_layers };
+                let n = self.num_hidden_layers;
+                let from = match (&self.sliding_layers, self.sliding_window) {
+                    (_, None) => n,
+                    (None, Some(_)) => 0,
+                    (Some(l), Some(_)) => {
+                        let types: Vec<&str> =
+                            l.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+                        m.insert("layer_types".into(), json!(types));
+                        l.iter().position(|&s| s).unwrap_or(n)
+                    }
+                };
                 m.insert("max_window_layers".into(), json!(from));
             }
         }

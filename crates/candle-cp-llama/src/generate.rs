@@ -262,7 +262,7 @@ impl Llama {
             let mut shard = KvShard::new();
             shard.append(&k.detach(), &v.detach(), &rows)?;
             cache.layers.push(shard);
-            let a = attend_window(&q, &k, &v, ctx, scale, None, self.cfg.sliding_window)?;
+            let a = attend_window(&q, &k, &v, ctx, scale, None, blk.window)?;
             x = blk
                 .finish(&x, &a.reshape((b, tc, heads.0 * heads.2))?)?
                 .detach();
@@ -311,10 +311,10 @@ impl Llama {
                 shard.append(&k.detach(), &v.detach(), &[p])?;
             }
             let (a, _lse) =
-                sharded_decode_attention(&q, &[p], shard, &ctx.cp, scale, self.cfg.sliding_window)?;
+                sharded_decode_attention(&q, &[p], shard, &ctx.cp, scale, blk.window)?;
             // a sliding window never looks back past p + 2 - w again: drop those rows once
             // they are half of the shard (amortised: each row is copied O(1) times)
-            if let Some(w) = self.cfg.sliding_window {
+            if let Some(w) = blk.window {
                 let dead = (p + 2).saturating_sub(w);
                 if shard.count_before(dead) * 2 >= shard.len().max(2) {
                     shard.evict_before(dead)?;

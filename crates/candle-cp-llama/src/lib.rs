@@ -16,10 +16,12 @@
 //!
 //! Sliding-window attention (Mistral `sliding_window`, read from and written to config.json):
 //! set [`LlamaConfig::sliding_window`] (e.g. `LlamaConfig::tiny(..).with_sliding_window(Some(w))`)
-//! and every layout keeps each query to itself and the `w - 1` tokens before it ([`attn`]).
+//! and every layout keeps each query to itself and the `w - 1` tokens before it ([`attn`]);
+//! Qwen2 / Qwen3 configs may put it on some layers only ([`LlamaConfig::sliding_layers`]).
 //!
-//! Architectures: Llama, Mistral and Qwen2 (`model_type` `llama`, `mistral`, `qwen2`; Qwen2's
-//! biases on the q, k, v projections, [`LlamaConfig::qkv_bias`]); any other config, and any
+//! Architectures: Llama, Mistral, Qwen2 and Qwen3 (`model_type` `llama`, `mistral`, `qwen2`,
+//! `qwen3`; Qwen2's biases on the q, k, v projections, [`LlamaConfig::qkv_bias`]; Qwen3's q, k
+//! head norms, [`LlamaConfig::qk_norm`]); any other config, and any
 //! checkpoint tensor the model would not use, is refused by name ([`arch`]).
 //!
 //! ```no_run

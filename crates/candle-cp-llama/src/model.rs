@@ -63,6 +63,8 @@ pub(crate) struct Block {
     pub(crate) down: RowParallelLinear,
     /// Qwen3's q and k head norms: weights `[D]` and epsilon ([`LlamaConfig::qk_norm`]).
     pub(crate) qk_norm: Option<QkNorm>,
+    /// The sliding window this layer attends within ([`LlamaConfig::layer_window`]).
+    pub(crate) window: Option<usize>,
 }
 
 /// RMSNorms over each q and k head (Qwen3), between the projection and RoPE.
@@ -96,16 +98,14 @@ impl QkNorm {
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
 /// of the CP shard's positions in the activations' dtype, `[Tc, D]` (shared by every row) or
-/// `[B, Tc, D]` (one per row), `[B, Tc, Hl, Hkvl, D]`, the softmax scale, the packed
-/// documents (one shared or one per row; `None`: each row is one sequence) and the sliding
-/// window (`None`: plain causal).
+/// `[B, Tc, D]` (one per row), `[B, Tc, Hl, Hkvl, D]`, the softmax scale and the packed
+/// documents (one shared or one per row; `None`: each row is one sequence).
 struct BlockEnv {
     ctx: ParallelCtx,
     rope: (Tensor, Tensor),
     dims: [usize; 5],
     scale: f64,
     docs: Option<Vec<Documents>>,
-    window: Option<usize>,
 }
 
 impl Block {
@@ -121,6 +121,7 @@ impl Block {
             gate_up: self.gate_up.clone().with_sequence_parallel(false),
             down: self.down.clone().with_sequence_parallel(false),
             qk_norm: self.qk_norm.clone(),
+            window: self.window,
         }
     }
 
@@ -152,7 +153,7 @@ impl Block {
             }
         };
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
-        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), env.window)?.reshape((b, tc, hl * d))?;
+        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window)?.reshape((b, tc, hl * d))?;
         let x = self.o.forward_residual(&a, x)?;
         let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
         self.down.forward_residual(&swiglu(&gu[0], &gu[1])?, &x)
@@ -264,6 +265,7 @@ impl Llama {
                         eps,
                     }),
                 },
+                window: cfg.layer_window(i),
             }));
         }
         let norm = norm(vb.pp("model.norm"))?;
@@ -420,7 +422,6 @@ impl Llama {
             dims: [b, tc, hl, hkvl, d],
             scale,
             docs,
-            window: cfg.sliding_window,
         });
         if let Some(rc) = &self.recompute {
             if !rc.is_empty() {

@@ -35,6 +35,11 @@ pub struct ModelConfig {
     /// RMSNorms over each q and k head before RoPE (Qwen3: `model_type` `qwen3`): two weights
     /// `[d]` per layer, and what the layer keeps grows (`memory::candle_cp_extra_per_gpu`).
     pub qk_norm: bool,
+    /// A window a config puts on some layers only, `(w, n)`: window `w` on `n` of the
+    /// `layers` (Qwen `max_window_layers`, `layer_types`). The planner then plans every layer
+    /// as full causal attention (`sliding_window` is `None`: an upper bound on the attention
+    /// FLOPs and the ring bytes) and says so in its notes.
+    pub partial_window: Option<(usize, usize)>,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -75,6 +80,7 @@ impl ModelConfig {
             sliding_window: None,
             qkv_bias: qwen2,
             qk_norm: qwen3,
+            partial_window: None,
         };
         Ok(cfg)
     }
@@ -97,7 +103,9 @@ impl ModelConfig {
     /// integer or null; ignored when `use_sliding_window` is false; 0 is an error)). A Qwen2
     /// config (`model_type` `qwen2` or `Qwen2ForCausalLM`) has q, k, v biases and a window
     /// only with `use_sliding_window: true` on the layers from `max_window_layers` on (the
-    /// model's rule, `candle_cp_llama::arch`: all of them or none, else an error).
+    /// model's rule, `candle_cp_llama::arch`); `layer_types` (a list of `full_attention` /
+    /// `sliding_attention`) says which layers slide when present. A window on some layers
+    /// only is [`ModelConfig::partial_window`].
     pub fn from_hf_file(path: &std::path::Path) -> Result<Self> {
         let text = std::fs::read_to_string(path)
             .map_err(|e| PlanError(format!("cannot read model config {}: {e}", path.display())))?;
@@ -164,21 +172,40 @@ impl ModelConfig {
         } else {
             None
         };
-        if (qwen2 || qwen3) && sliding_window.is_some() {
-            // layer i slides iff i >= max_window_layers (Qwen2Config's default 28)
-            let from = match v.get("max_window_layers") {
-                None | Some(serde_json::Value::Null) => 28,
-                Some(x) => match x.as_u64() {
-                    Some(n) => n as usize,
-                    None => plan_bail!("model config {name}: 'max_window_layers' must be a non-negative integer, got {x}"),
-                },
-            };
-            if from >= layers {
+        // which layers slide: layer_types when given, else Qwen's max_window_layers, else all
+        let sliding: Vec<bool> = match v.get("layer_types") {
+            None | Some(serde_json::Value::Null) if qwen2 || qwen3 => {
+                // layer i slides iff i >= max_window_layers (Qwen2Config's default 28)
+                let from = match v.get("max_window_layers") {
+                    None | Some(serde_json::Value::Null) => 28,
+                    Some(x) => match x.as_u64() {
+                        Some(n) => n as usize,
+                        None => plan_bail!("model config {name}: 'max_window_layers' must be a non-negative integer, got {x}"),
+                    },
+                };
+                (0..layers).map(|i| i >= from).collect()
+            }
+            None | Some(serde_json::Value::Null) => vec![true; layers],
+            Some(serde_json::Value::Array(a)) if a.len() == layers => {
+                let mut out = Vec::with_capacity(layers);
+                for t in a {
+                    match t.as_str() {
+                        Some("sliding_attention") => out.push(true),
+                        Some("full_attention") => out.push(false),
+                        _ => plan_bail!("model config {name}: 'layer_types' entry {t} not supported (full_attention, sliding_attention)"),
+                    }
+                }
+                out
+            }
+            Some(x) => plan_bail!("model config {name}: 'layer_types' must be a list of {layers} entries, got {x}"),
+        };
+        let slides = sliding.iter().filter(|&&s| s).count();
+        let mut partial_window = None;
+        if let Some(w) = sliding_window {
+            if slides == 0 {
                 sliding_window = None;
-            } else if from > 0 {
-                plan_bail!(
-                    "model config {name}: a sliding window on layers {from}..{layers} only (max_window_layers {from}): every layer attends the same way in candle-cp"
-                )
+            } else if slides < layers {
+                (sliding_window, partial_window) = (None, Some((w, slides)));
             }
         }
         let cfg = Self {
@@ -194,6 +221,7 @@ impl ModelConfig {
             sliding_window,
             qkv_bias: qwen2,
             qk_norm: qwen3,
+            partial_window,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -384,14 +412,25 @@ mod tests {
             "{e}"
         );
         // Qwen2: q, k, v biases; use_sliding_window false when absent; the window on the
-        // layers from max_window_layers (default 28) on: all (0), none (>= 32), else an error
+        // layers from max_window_layers (default 28) on: all (0), none (>= 32), else some
+        // (`partial_window`, planned as full attention)
         let q = |extra: &str| parse(&format!(r#","model_type":"qwen2","sliding_window":4096{extra}"#));
         assert!(q("")?.qkv_bias && !parse("")?.qkv_bias);
         assert_eq!(q("")?.sliding_window, None);
         assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":0"#)?.sliding_window, Some(4096));
         assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":32"#)?.sliding_window, None);
-        let e = q(r#","use_sliding_window":true"#).unwrap_err();
-        assert!(e.0.contains("layers 28..32 only"), "{e}");
+        let some = q(r#","use_sliding_window":true"#)?;
+        assert_eq!((some.sliding_window, some.partial_window), (None, Some((4096, 4))));
+        // layer_types decide when given (any architecture): all, none, some
+        let types = |t: &[&str]| format!(r#","sliding_window":64,"num_hidden_layers":{},"layer_types":{}"#, t.len(), serde_json::json!(t));
+        let short = |t: &[&str]| ModelConfig::from_hf_json(&format!("{{{}{}}}", base.replace(r#""num_hidden_layers":32,"#, ""), types(t)), "m");
+        let (s, f) = ("sliding_attention", "full_attention");
+        assert_eq!((short(&[s, s])?.sliding_window, short(&[s, s])?.partial_window), (Some(64), None));
+        assert_eq!((short(&[f, f])?.sliding_window, short(&[f, f])?.partial_window), (None, None));
+        assert_eq!((short(&[f, s, s])?.sliding_window, short(&[f, s, s])?.partial_window), (None, Some((64, 2))));
+        assert!(short(&[s, "chunked_attention"]).unwrap_err().0.contains("chunked_attention"));
+        let e = ModelConfig::from_hf_json(&format!("{{{base}{}}}", r#","sliding_window":64,"layer_types":["full_attention"]"#), "m").unwrap_err();
+        assert!(e.0.contains("a list of 32 entries"), "{e}");
         // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer
         assert_eq!(q("")?.layer_params() - parse("")?.layer_params(), 6144);
         let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();

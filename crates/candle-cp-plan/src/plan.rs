@@ -549,6 +549,12 @@ fn notes(input: &PlanInput) -> Vec<String> {
         CpKind::TwoD => l.ring_degree(),
         _ => 1,
     };
+    if let Some((w, k)) = m.partial_window {
+        n.push(format!(
+            "sliding window {w} on {k} of {} layers only: planned as full causal attention on every layer (an upper bound on the attention FLOPs and the ring bytes)",
+            m.layers
+        ));
+    }
     match (m.sliding_window, window) {
         (Some(w), None) => n.push(format!(
             "sliding window {w} >= sequence {}: the same as causal attention",

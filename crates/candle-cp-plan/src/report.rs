@@ -114,6 +114,7 @@ pub fn render(p: &Plan) -> String {
         m.total_params() as f64 / 1e9,
         m.sliding_window
             .map_or(String::new(), |w| format!(", sliding window {w}"))
+            + &m.partial_window.map_or(String::new(), |(w, k)| format!(", sliding window {w} on {k} layers"))
             + if m.qkv_bias { ", q/k/v biases" } else { "" },
         i.seq,
         i.doc_len

@@ -159,6 +159,7 @@ mod tests {
             sliding_window: window,
             qkv_bias: false,
             qk_norm: false,
+            partial_window: None,
         }
     }
 
