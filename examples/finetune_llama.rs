@@ -164,6 +164,11 @@ struct Args {
     /// `Qwen3ForCausalLM`). A --model checkpoint's config.json says for itself.
     #[arg(long)]
     qk_norm: bool,
+    /// Random-init Gemma 3 model (`Gemma3ForCausalLM`: `1 + w` norms, norms after attention and
+    /// MLP, GELU MLP, scaled embedding, tied head; with --sliding-window, the window on all
+    /// but every sixth layer, which rotate by a RoPE of their own).
+    #[arg(long)]
+    gemma3: bool,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.
@@ -349,7 +354,7 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm => bail!("--qkv-bias and --qk-norm shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 => bail!("--qkv-bias, --qk-norm and --gemma3 shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -360,9 +365,13 @@ fn main() -> Result<()> {
                 Some(v) => v,
                 None => needed,
             };
-            let cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if a.qkv_bias && a.qk_norm {
-                bail!("--qkv-bias (Qwen2) and --qk-norm (Qwen3): pick one")
+            let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
+            if [a.qkv_bias, a.qk_norm, a.gemma3].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3) and --gemma3: pick one")
+            }
+            if a.gemma3 {
+                let every_sixth_full = (0..a.layers).map(|i| (i + 1) % 6 != 0).collect();
+                cfg = cfg.with_gemma3(true).with_sliding_window(a.sliding_window).with_sliding_layers(a.sliding_window.map(|_| every_sixth_full));
             }
             ModelSource::Init(cfg)
         }

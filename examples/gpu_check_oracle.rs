@@ -7,11 +7,13 @@
 //!
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
 //! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks; the
-//! same weights with Qwen2's q, k, v biases under TP 4 + SP against the CPU.
+//! same weights with Qwen2's q, k, v biases under TP 4 + SP, with Qwen3's head norms under TP 2
+//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2, against the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
 use anyhow::Result;
+use candle_cp_llama::Arch;
 use candle_core::Device;
 use candle_cp_kernels::flash::{self, FwdImpl};
 use candle_cp_ops::cp::{run_case_cp, CpMethod};
@@ -117,30 +119,48 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
     }
     let name = format!("llama qwen2 (q, k, v biases) tp4 + sp, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, qwen_vs_cpu(gpu, dir, false, Layout::single().with_tp(4, true)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen2, Layout::single().with_tp(4, true)));
     // the head norms' gradients summed over TP in the backward (no SP), beside a ring
     let name = format!("llama qwen3 (q / k head norms) tp2, no sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, qwen_vs_cpu(gpu, dir, true, Layout::cp(CpKind::Ring, 2).with_tp(2, false)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3, Layout::cp(CpKind::Ring, 2).with_tp(2, false)));
+    // Gemma 3: 1 + w norms, norms after attention and MLP, GELU, scaled tied embedding, a
+    // window and the local RoPE on the first layer only
+    let name = format!("llama gemma3 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)));
     Ok(())
 }
 
-/// The oracle's weights with Qwen2's q, k, v biases (seeded, std ~0.4; `qwen3` false) or
-/// Qwen3's q / k head norms (weights 1 ± 0.4) on `layout`'s GPU virtual ranks, against the
-/// single-device CPU run of the same model (which `tests/llama_qwen.rs` holds to a float64
+/// The oracle's weights with Qwen2's q, k, v biases (seeded, std ~0.4), Qwen3's q / k head
+/// norms (weights 1 ± 0.4) or as Gemma 3 (every norm weight 0.4·sin, entering as `1 + w`;
+/// the head tied; window 40 on layer 0) on `layout`'s GPU virtual ranks, against the
+/// single-device CPU run of the same model (which `tests/llama_archs.rs` holds to a float64
 /// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence.
-fn qwen_vs_cpu(gpu: &Device, dir: &str, qwen3: bool, layout: candle_cp_llama::layout::Layout) -> candle_core::Result<candle_cp_llama::verify::Report> {
+fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
     use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
-    let cfg = LlamaConfig::from_file(format!("{dir}/config.json"))?.with_qkv_bias(!qwen3).with_qk_norm(qwen3);
+    let base = LlamaConfig::from_file(format!("{dir}/config.json"))?;
+    let cfg = match arch {
+        Arch::Gemma3 => base.with_gemma3(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])),
+        _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
+    };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
-    // the architecture's extra parameters: the seeded biases (N(0, 0.02²)) times 20, or head
-    // norm weights 1 + 0.4·sin(i + name length) (init_params draws them as ones)
+    if cfg.tie_word_embeddings {
+        full.remove("lm_head.weight");
+    }
+    // the architecture's parameters: the seeded biases (N(0, 0.02²)) times 20, head norm
+    // weights 1 + 0.4·sin(i + name length) (init_params draws them as ones), Gemma's norm
+    // weights 0.4·sin(..) (every norm)
+    let sin = |k: &str, n: usize, one: f32| -> candle_core::Result<candle_core::Tensor> {
+        let w: Vec<f32> = (0..n).map(|i| one + 0.4 * ((i + k.len()) as f32).sin()).collect();
+        candle_core::Tensor::from_vec(w, n, &Device::Cpu)
+    };
     for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
         if k.ends_with(".bias") {
             full.insert(k, (t * 20.0)?);
+        } else if arch == Arch::Gemma3 && t.rank() == 1 {
+            full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
         } else if k.contains("self_attn") && k.ends_with("_norm.weight") {
-            let w: Vec<f32> = (0..t.dim(0)?).map(|i| 1.0 + 0.4 * ((i + k.len()) as f32).sin()).collect();
-            full.insert(k, candle_core::Tensor::from_vec(w, t.dim(0)?, &Device::Cpu)?);
+            full.insert(k.clone(), sin(&k, t.dim(0)?, 1.0)?);
         }
     }
     let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;

@@ -2,6 +2,7 @@
 
 use std::path::PathBuf;
 
+pub mod dense_llama;
 pub mod draws;
 pub mod packed_run;
 

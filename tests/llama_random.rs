@@ -7,8 +7,8 @@
 //! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
 //! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2,
 //! Ulysses and 2-D half the time with the head layout regathered in the backward, a third of
-//! the models with Qwen2's q, k, v biases and a third with Qwen3's q / k head norms (a Qwen
-//! window on one of two layers only in most of the draws that can have one). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! the models with Qwen2's q, k, v biases, Qwen3's q / k head norms and Gemma 3 a quarter
+//! each (their window on one of two layers only in most of the draws that can have one). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -45,16 +45,20 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
     let b = pick(d, &[1, 2]);
     let t = pick(d, &[16, 24, 32, 48]);
     let window = (d.below(3) == 0).then(|| 1 + d.below(t + 4));
-    // the architecture: Llama, Qwen2 (q, k, v biases) or Qwen3 (q / k head norms), a third
-    // each (a stream of its own, as below)
-    let arch = rng(910_000 + seed).below(3);
+    // the architecture: Llama, Qwen2 (q, k, v biases), Qwen3 (q / k head norms) or Gemma 3, a
+    // quarter each (a stream of its own, as below)
+    let arch = rng(910_000 + seed).below(4);
     let (bias, qk_norm) = (arch == 1, arch == 2);
-    let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(bias).with_qk_norm(qk_norm);
+    let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads)
+        .with_sliding_window(window)
+        .with_qkv_bias(bias)
+        .with_qk_norm(qk_norm)
+        .with_gemma3(arch == 3);
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
     let cfg = match (window, arch, layers, per_layer.below(4)) {
-        (Some(_), 1 | 2, 2, 1..) => cfg.with_sliding_layers(Some(if per_layer.below(2) == 0 { vec![true, false] } else { vec![false, true] })),
+        (Some(_), 1..=3, 2, 1..) => cfg.with_sliding_layers(Some(if per_layer.below(2) == 0 { vec![true, false] } else { vec![false, true] })),
         _ => cfg,
     };
     let cp = pick(d, &[2, 4]);
@@ -75,8 +79,9 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         layout = layout.with_head_layout(HeadLayout::Regathered);
     }
     let what = format!(
-        "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?} on {:?} qkv bias {bias} qk norm {qk_norm}",
-        cfg.sliding_layers
+        "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?} on {:?} {:?}",
+        cfg.sliding_layers,
+        cfg.arch()
     );
     Draw { cfg, layout, b, t, window, what }
 }
@@ -115,7 +120,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
-    let mut some_layers = 0;
+    let (mut some_layers, mut gemma) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -152,6 +157,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 biased += cfg.qkv_bias as usize;
                 normed += cfg.qk_norm as usize;
                 some_layers += cfg.sliding_layers.is_some() as usize;
+                gemma += cfg.gemma3.is_some() as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -159,10 +165,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

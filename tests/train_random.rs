@@ -82,9 +82,9 @@ fn draw_layout(d: &mut Rng) -> Layout {
 }
 
 /// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
-/// window in a quarter of the draws, Qwen2's q, k, v biases in a third of the seeds and
-/// Qwen3's q / k head norms in another third (a stream of its own, so the other draws stay
-/// what they were); with those numbers
+/// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
+/// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
+/// they were); with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -93,11 +93,12 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
     let (heads, kv_heads) = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
     let layers = pick(d, &[1, 2]);
     let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-    let arch = rng(919_000 + seed).below(3);
+    let arch = rng(919_000 + seed).below(4);
     let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads)
         .with_sliding_window(window)
         .with_qkv_bias(arch == 1)
-        .with_qk_norm(arch == 2);
+        .with_qk_norm(arch == 2)
+        .with_gemma3(arch == 3);
     Ok((task, model, (heads, kv_heads, layers, window)))
 }
 
@@ -210,7 +211,11 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         if packed {
             base.data = DataSource::Packed(corpus.clone());
             base.model = ModelSource::Init(
-                LlamaConfig::tiny(128, 32, layers, heads, kv_heads).with_sliding_window(window).with_qkv_bias(model.qkv_bias).with_qk_norm(model.qk_norm),
+                LlamaConfig::tiny(128, 32, layers, heads, kv_heads)
+                    .with_sliding_window(window)
+                    .with_qkv_bias(model.qkv_bias)
+                    .with_qk_norm(model.qk_norm)
+                    .with_gemma3(model.gemma3.is_some()),
             );
             long_range_only = false;
         }

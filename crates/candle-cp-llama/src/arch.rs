@@ -7,8 +7,11 @@
 //! | `mistral` (`MistralForCausalLM`)   | no             | no         | `sliding_window` (every layer)          |
 //! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on, or those `layer_types` names |
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
+//! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //!
-//! Qwen's window may sit on some layers only ([`crate::LlamaConfig::sliding_layers`]; each
+//! Gemma 3 differs from a Llama in more than these columns: see [`crate::gemma`].
+//!
+//! Qwen's and Gemma's window may sit on some layers only ([`crate::LlamaConfig::sliding_layers`]; each
 //! layer attends within [`crate::LlamaConfig::layer_window`], on every layout, in training and
 //! in generation).
 //!
@@ -16,9 +19,9 @@
 //! the heads), applied after the projection and before RoPE ([`crate::LlamaConfig::qk_norm`]).
 //!
 //! Anything else is refused by name. Without the check a config of another architecture
-//! would load and train silently as a different model: Qwen3-MoE's experts, Gemma's extra
-//! norms, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
-//! parameters the model never reads. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
+//! would load and train silently as a different model: Qwen3-MoE's experts, Gemma 2's
+//! soft-capping, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
+//! parameters or arithmetic the model never applies. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
 //! does not use. A Llama or Mistral config with a window on some layers only (`layer_types`
 //! mixing `full_attention` and `sliding_attention`) is refused too: transformers gives those
 //! one window for every layer, so the checkpoint saved back would load as a different model.
@@ -37,14 +40,16 @@ pub enum Arch {
     Qwen2,
     /// `Qwen3ForCausalLM`: a Llama with RMSNorms over each q and k head before RoPE.
     Qwen3,
+    /// `Gemma3ForCausalLM` (`model_type` `gemma3_text`, the text model): see [`crate::gemma`].
+    Gemma3,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, gemma3_text";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 4] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3];
+    pub const ALL: [Arch; 5] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -61,6 +66,7 @@ impl Arch {
             Arch::Mistral => ("MistralForCausalLM", "mistral"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
         }
     }
 
@@ -72,6 +78,9 @@ impl Arch {
             None | Some(Value::Null) => None,
             Some(Value::String(t)) => match Arch::of_model_type(t) {
                 Some(a) => Some(a),
+                None if t == "gemma3" => bail!(
+                    "config.json: model_type `gemma3` (Gemma3ForConditionalGeneration, text and vision) not supported: the text model's config is its `text_config` (model_type `gemma3_text`)"
+                ),
                 None => bail!("config.json: model_type `{t}` not supported (supported: {})", Arch::SUPPORTED),
             },
             Some(other) => bail!("config.json: `model_type` must be a string, got {other}"),
@@ -113,7 +122,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Gemma3 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -126,7 +135,7 @@ impl Arch {
 
     /// Whether each q and k head is RMS-normalised before RoPE (Qwen3).
     pub(crate) fn qk_norm(self) -> bool {
-        self == Arch::Qwen3
+        matches!(self, Arch::Qwen3 | Arch::Gemma3)
     }
 
     /// The window and the layers that use it (`None`: every layer; see
@@ -156,6 +165,17 @@ impl Arch {
                         },
                     };
                     (0..layers).map(|i| w.is_some() && i >= from).collect()
+                }
+                Arch::Gemma3 => {
+                    // transformers before `layer_types`: layer i slides iff (i + 1) % pattern
+                    let p = match m.get("sliding_window_pattern") {
+                        None | Some(Value::Null) => 6,
+                        Some(v) => match v.as_u64() {
+                            Some(x) if x > 0 => x as usize,
+                            _ => bail!("config.json: `sliding_window_pattern` must be a positive integer, got {v}"),
+                        },
+                    };
+                    (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(p)).collect()
                 }
                 Arch::Llama | Arch::Mistral => vec![w.is_some(); layers],
             },

@@ -8,6 +8,9 @@
 //! config names the original length); others are refused by name.
 
 pub use crate::arch::Arch;
+#[path = "gemma.rs"]
+pub mod gemma;
+pub use gemma::Gemma3;
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -125,8 +128,11 @@ pub struct LlamaConfig {
     /// (`model_type` `qwen2`). See [`crate::arch`] for the architectures a config may name.
     pub qkv_bias: bool,
     /// RMSNorms over each q and k head (`self_attn.{q,k}_norm.weight`, `[head_dim]`) between
-    /// the projection and RoPE: Qwen3 (`model_type` `qwen3`).
+    /// the projection and RoPE: Qwen3 (`model_type` `qwen3`), Gemma 3.
     pub qk_norm: bool,
+    /// Gemma 3 (`model_type` `gemma3_text`): its numbers, and everything the architecture
+    /// changes besides ([`gemma`]); `None` for the other architectures.
+    pub gemma3: Option<Gemma3>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -242,8 +248,11 @@ impl LlamaConfig {
                 "config.json: num_attention_heads ({heads}) must be a positive multiple of num_key_value_heads ({kv})"
             )
         }
+        let arch = Arch::of_config(m)?;
         let head_dim = match get_usize(m, "head_dim")? {
             Some(d) => d,
+            // Gemma3TextConfig's default
+            None if arch == Arch::Gemma3 => 256,
             None => {
                 if hidden_size % heads != 0 {
                     bail!("config.json: hidden_size ({hidden_size}) not divisible by num_attention_heads ({heads}) and no head_dim")
@@ -251,19 +260,29 @@ impl LlamaConfig {
                 hidden_size / heads
             }
         };
-        if head_dim % 2 != 0 {
+        if head_dim == 0 || head_dim % 2 != 0 {
             bail!("config.json: head_dim ({head_dim}) must be even for RoPE")
         }
-        let max_pos = get_usize(m, "max_position_embeddings")?.unwrap_or(4096);
+        // Gemma 3: its own defaults, RoPE per layer type, activation
+        let gemma_defaults = if arch == Arch::Gemma3 { Some(gemma::defaults(m)?) } else { None };
+        let max_pos = match gemma_defaults {
+            Some(d) => d.1,
+            None => get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
+        };
+        let gemma3 = match arch {
+            Arch::Gemma3 => Some(gemma::parse(m, max_pos)?),
+            _ => None,
+        };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
-        let (rope_theta, rope_scaling) = match m.get("rope_parameters") {
-            Some(Value::Object(p)) => {
+        let (rope_theta, rope_scaling) = match (&gemma3, m.get("rope_parameters")) {
+            (Some((_, theta, scaling)), _) => (*theta, scaling.clone()),
+            (None, Some(Value::Object(p))) => {
                 let theta = get_f64(p, "rope_theta")?
                     .or(get_f64(m, "rope_theta")?)
                     .unwrap_or(10000.0);
                 (theta, parse_scaling(p, max_pos)?)
             }
-            _ => {
+            (None, _) => {
                 let theta = get_f64(m, "rope_theta")?.unwrap_or(10000.0);
                 let scaling = match m.get("rope_scaling") {
                     Some(Value::Object(s)) => parse_scaling(s, max_pos)?,
@@ -273,14 +292,21 @@ impl LlamaConfig {
                 (theta, scaling)
             }
         };
-        if let Some(act) = m.get("hidden_act").and_then(|v| v.as_str()) {
+        if let (None, Some(act)) = (&gemma3, m.get("hidden_act").and_then(|v| v.as_str())) {
             if act != "silu" {
                 bail!("config.json: hidden_act `{act}` not supported (only silu)")
             }
         }
-        let arch = Arch::of_config(m)?;
         let layers = need_usize(m, "num_hidden_layers")?;
-        let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
+        let window = match gemma_defaults {
+            Some(d) => d.2,
+            None => parse_window(m)?,
+        };
+        let (sliding_window, sliding_layers) = arch.window(m, window, layers)?;
+        let tie = match gemma_defaults {
+            Some(d) => d.0,
+            None => m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+        };
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -292,7 +318,7 @@ impl LlamaConfig {
             rms_norm_eps: get_f64(m, "rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
+            tie_word_embeddings: tie,
             max_position_embeddings: max_pos,
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
@@ -300,6 +326,7 @@ impl LlamaConfig {
             sliding_layers,
             qkv_bias: arch.qkv_bias(m)?,
             qk_norm: arch.qk_norm(),
+            gemma3: gemma3.map(|g| g.0),
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -339,7 +366,75 @@ impl LlamaConfig {
             sliding_layers: None,
             qkv_bias: false,
             qk_norm: false,
+            gemma3: None,
         }
+    }
+
+    /// The same config as a Gemma 3 model (`on`: the softmax scale `head_dim^-1/2`
+    /// (`query_pre_attn_scalar = head_dim`), [`Gemma3::new`]'s local RoPE base, the q, k head
+    /// norms on, tied embeddings; see [`gemma`]), or not (`false`: the numbers go, the rest
+    /// stays).
+    pub fn with_gemma3(mut self, on: bool) -> Self {
+        self.gemma3 = on.then(|| Gemma3 { query_pre_attn_scalar: self.head_dim as f64, ..Gemma3::new() });
+        if on {
+            self.qk_norm = true;
+            self.tie_word_embeddings = true;
+        }
+        self
+    }
+
+    /// The activation of the gated MLP (GELU-tanh for Gemma 3, else SiLU).
+    pub fn activation(&self) -> crate::fused::Activation {
+        match self.gemma3 {
+            Some(_) => crate::fused::Activation::GeluTanh,
+            None => crate::fused::Activation::Silu,
+        }
+    }
+
+    /// How every RMSNorm applies its weight (Gemma 3: `x̂ · (1 + w)`).
+    pub fn norm_weight(&self) -> candle_cp_nn::NormWeight {
+        match self.gemma3 {
+            Some(_) => candle_cp_nn::NormWeight::UnitOffset,
+            None => candle_cp_nn::NormWeight::Scale,
+        }
+    }
+
+    /// The softmax scale: `head_dim^-1/2`, Gemma 3's `query_pre_attn_scalar^-1/2`.
+    pub fn attn_scale(&self) -> f64 {
+        match &self.gemma3 {
+            Some(g) => 1.0 / g.query_pre_attn_scalar.sqrt(),
+            None => 1.0 / (self.head_dim as f64).sqrt(),
+        }
+    }
+
+    /// The factor on the embedding output for weights of `dtype` (Gemma 3: `√h` rounded to
+    /// `dtype`, as transformers casts it; `None`: none).
+    pub fn embed_scale(&self, dtype: candle_core::DType) -> Result<Option<f64>> {
+        if self.gemma3.is_none() {
+            return Ok(None);
+        }
+        let s = (self.hidden_size as f64).sqrt();
+        let t = candle_core::Tensor::new(&[s], &candle_core::Device::Cpu)?.to_dtype(dtype)?.to_dtype(candle_core::DType::F64)?;
+        Ok(Some(t.to_vec1::<f64>()?[0]))
+    }
+
+    /// The RoPE config of layer `layer`'s rotation: the config itself, or for a Gemma 3
+    /// sliding layer one of base `rope_local_base_freq`, unscaled.
+    pub fn layer_rope(&self, layer: usize) -> std::borrow::Cow<'_, LlamaConfig> {
+        match &self.gemma3 {
+            Some(g) if self.layer_window(layer).is_some() => std::borrow::Cow::Owned(LlamaConfig {
+                rope_theta: g.rope_local_base_freq,
+                rope_scaling: RopeScaling::Default,
+                gemma3: None,
+                ..self.clone()
+            }),
+            _ => std::borrow::Cow::Borrowed(self),
+        }
+    }
+
+    /// Whether layer `layer` rotates by the local RoPE ([`LlamaConfig::layer_rope`]).
+    pub fn layer_rope_is_local(&self, layer: usize) -> bool {
+        self.gemma3.is_some() && self.layer_window(layer).is_some()
     }
 
     /// The same config with (`true`) or without biases on the q, k, v projections (a Qwen2
@@ -359,6 +454,9 @@ impl LlamaConfig {
     /// The architecture [`LlamaConfig::to_hf_json`] writes: Qwen3 with q, k norms, Qwen2
     /// with q, k, v biases, else Mistral with a sliding window, else Llama.
     pub fn arch(&self) -> Arch {
+        if self.gemma3.is_some() {
+            return Arch::Gemma3;
+        }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
             (false, true, _) => Arch::Qwen2,
@@ -414,7 +512,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
@@ -425,6 +523,16 @@ impl LlamaConfig {
         }
         if self.qkv_bias && self.qk_norm {
             bail!("LlamaConfig: q, k, v biases (Qwen2) and q, k norms (Qwen3) together are no architecture this model writes")
+        }
+        if let Some(g) = &self.gemma3 {
+            if !self.qk_norm || self.qkv_bias {
+                bail!("LlamaConfig: Gemma 3 has q, k head norms and no q, k, v biases (qk_norm {}, qkv_bias {})", self.qk_norm, self.qkv_bias)
+            }
+            for (k, v) in [("query_pre_attn_scalar", g.query_pre_attn_scalar), ("rope_local_base_freq", g.rope_local_base_freq)] {
+                if !(v.is_finite() && v > 0.0) {
+                    bail!("LlamaConfig: Gemma 3 {k} must be finite and > 0, got {v}")
+                }
+            }
         }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
         // from the first step, with no error)
@@ -555,6 +663,9 @@ impl LlamaConfig {
         if let Some(m) = v.as_object_mut() {
             if self.rope_scaling != RopeScaling::Default {
                 m.insert("rope_scaling".into(), Value::Object(rope));
+            }
+            if let Some(g) = &self.gemma3 {
+                gemma::write(m, self, g);
             }
             if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias

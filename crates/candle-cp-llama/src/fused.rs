@@ -1,4 +1,4 @@
-//! RMSNorm, RoPE (also as a projection's output map) and the SiLU-gated product with hand-written backward
+//! RMSNorm, RoPE (also as a projection's output map) and the SiLU- / GELU-gated products with hand-written backward
 //! passes ([`candle_cp_ops::autograd::attach2`] / `attach1`), beside their plain-candle
 //! references (`*_slow`, differentiated by candle's autograd). The fused versions record one
 //! graph node instead of a dozen broadcast ops, and keep for the backward only what it needs
@@ -7,7 +7,7 @@
 //! (re-exported here; tested there), RoPE is here.
 
 use candle_core::{bail, DType, Result, Tensor, D};
-use candle_cp_nn::{PartMap, PartPost};
+use candle_cp_nn::{NormWeight, PartMap, PartPost};
 use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
 use std::sync::Arc;
 
@@ -99,15 +99,7 @@ pub fn rope_post(heads: usize, cos: &Tensor, sin: &Tensor) -> Result<PartPost> {
 /// two inputs and recomputes the sigmoid in the backward (in f32:
 /// `dgate = dy·up·σ(g)(1 + g(1 − σ(g)))`, `dup = dy·silu(g)`). Reference: [`swiglu_slow`].
 pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
-    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
-        bail!(
-            "swiglu: gate {:?} ({:?}) and up {:?} ({:?}) must have one shape and dtype",
-            gate.dims(),
-            gate.dtype(),
-            up.dims(),
-            up.dtype()
-        )
-    }
+    check_gate_up("swiglu", gate, up)?;
     let (g, u) = (gate.detach(), up.detach());
     let out = (g.silu()? * &u)?;
     let dt = gate.dtype();
@@ -123,6 +115,72 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
     attach2("swiglu", gate, up, out, bwd)
 }
 
+/// The activation of the gated MLP: `down(act(gate) · up)`.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum Activation {
+    /// SiLU (Llama, Mistral, Qwen: `hidden_act` `silu`), [`swiglu`].
+    #[default]
+    Silu,
+    /// GELU, tanh approximation (Gemma: `hidden_activation` `gelu_pytorch_tanh`), [`geglu`].
+    GeluTanh,
+}
+
+impl Activation {
+    /// `act(gate) · up` as one graph node ([`swiglu`] or [`geglu`]).
+    pub fn gated(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self {
+            Activation::Silu => swiglu(gate, up),
+            Activation::GeluTanh => geglu(gate, up),
+        }
+    }
+
+    /// `act(gate) · up` from candle's ops (no backward of its own: generation).
+    pub fn gated_plain(self, gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+        match self {
+            Activation::Silu => swiglu_slow(gate, up),
+            Activation::GeluTanh => geglu_slow(gate, up),
+        }
+    }
+}
+
+/// Gemma's gated MLP product `gelu_tanh(gate)·up` as one graph node (`gelu_tanh(g) = g/2 ·
+/// (1 + tanh(√(2/π)·(g + 0.044715·g³)))`, PyTorch's `gelu(approximate="tanh")`); keeps only
+/// its two inputs, the backward in f32. Reference: [`geglu_slow`].
+pub fn geglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    check_gate_up("geglu", gate, up)?;
+    let (g, u) = (gate.detach(), up.detach());
+    let out = (g.gelu()? * &u)?;
+    let dt = gate.dtype();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let (g32, u32, dy32) = (g.to_dtype(DType::F32)?, u.to_dtype(DType::F32)?, dy.to_dtype(DType::F32)?);
+        const C: f64 = 0.797_884_560_802_865_4; // √(2/π)
+        const K: f64 = 0.044_715;
+        let g2 = g32.sqr()?;
+        let th = ((&g32 * ((&g2 * K)? + 1.0)?)? * C)?.tanh()?;
+        let half1 = ((&th + 1.0)? * 0.5)?;
+        let gelu = (&g32 * &half1)?;
+        // d/dg: (1 + th)/2 + g/2 · (1 - th²) · √(2/π) · (1 + 3K·g²)
+        let dgelu = (&half1 + (((&g32 * 0.5)? * (1.0 - th.sqr()?)?)? * ((&g2 * (3.0 * K * C))? + C)?)?)?;
+        let dup = (&dy32 * &gelu)?.to_dtype(dt)?;
+        let dgate = ((dy32 * u32)? * dgelu)?.to_dtype(dt)?;
+        Ok(vec![Some(dgate), Some(dup)])
+    });
+    attach2("geglu", gate, up, out, bwd)
+}
+
+fn check_gate_up(op: &str, gate: &Tensor, up: &Tensor) -> Result<()> {
+    if gate.dims() != up.dims() || gate.dtype() != up.dtype() {
+        bail!(
+            "{op}: gate {:?} ({:?}) and up {:?} ({:?}) must have one shape and dtype",
+            gate.dims(),
+            gate.dtype(),
+            up.dims(),
+            up.dtype()
+        )
+    }
+    Ok(())
+}
+
 /// Qwen3's head norm then RoPE as one graph node: `rope(rms_norm(x)·w)` over the last dim of
 /// `x` `[B, T, H, D]`, weight `w` `[D]` (shared by the heads), tables as [`apply_rope`]'s.
 /// Values and gradients are those of [`rms_norm`] followed by [`apply_rope`] (the same
@@ -130,18 +188,24 @@ pub fn swiglu(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 /// the per-head statistic `[B, T, H, 1]` f32: the normalised copy the two nodes would keep
 /// between them is recomputed in the backward. Reference: [`qk_norm_rope_slow`].
 pub fn qk_norm_rope(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+    qk_norm_rope_with(x, w, eps, cos, sin, NormWeight::Scale)
+}
+
+/// [`qk_norm_rope`] with the norm's weight applied as `form` says (Gemma 3's head norms:
+/// [`NormWeight::UnitOffset`]).
+pub fn qk_norm_rope_with(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor, form: NormWeight) -> Result<Tensor> {
     let (t, d) = check_rope(x, cos, sin)?;
     if w.dims() != [d] {
         bail!("qk_norm_rope: weight {:?} must be [{d}] for x {:?}", w.dims(), x.dims())
     }
     let (c4, s4) = tables4(cos, sin, t, d, x.dtype())?;
     let (xd, wd) = (x.detach(), w.detach());
-    let (n, r) = candle_cp_nn::rms_norm_fwd(&xd, &wd, eps)?;
+    let (n, r) = candle_cp_nn::rms_norm_fwd_with(&xd, &wd, eps, form)?;
     let out = rope4(&n, &c4, &s4)?;
     drop(n);
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         // RoPE's transpose gives the norm's output gradient; then the RMSNorm backward
-        let (dx, dw) = candle_cp_nn::rms_norm_bwd(&xd, &r, &wd, &rope4_t(dy, &c4, &s4)?)?;
+        let (dx, dw) = candle_cp_nn::rms_norm_bwd_with(&xd, &r, &wd, &rope4_t(dy, &c4, &s4)?, form)?;
         Ok(vec![Some(dx), Some(dw)])
     });
     attach2("qk_norm_rope", x, w, out, bwd)
@@ -150,6 +214,16 @@ pub fn qk_norm_rope(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor
 /// Reference for [`qk_norm_rope`] from plain candle ops (candle autograd).
 pub fn qk_norm_rope_slow(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     apply_rope_slow(&rms_norm_slow(x, w, eps)?, cos, sin)
+}
+
+/// Reference for [`qk_norm_rope_with`] from plain candle ops (candle autograd).
+pub fn qk_norm_rope_slow_with(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor, form: NormWeight) -> Result<Tensor> {
+    apply_rope_slow(&candle_cp_nn::rms_norm_slow_with(x, w, eps, form)?, cos, sin)
+}
+
+/// Reference for [`geglu`] from candle ops (candle autograd).
+pub fn geglu_slow(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
+    gate.gelu()? * up
 }
 
 /// Reference for [`swiglu`] from candle ops (candle autograd).
@@ -287,6 +361,56 @@ mod tests {
         }
         let e = swiglu(g.as_tensor(), &u.as_tensor().narrow(2, 0, 5)?).unwrap_err();
         assert!(e.to_string().contains("[3, 7, 5]"), "{e}");
+        Ok(())
+    }
+
+    /// GeGLU (Gemma): values and gradients equal candle's `gelu` (tanh form) times `up` under
+    /// candle's autograd, in f32 over wide values (tanh saturating both ways); values and
+    /// gradients also match PyTorch's formula (gradient by central differences) in f64.
+    #[test]
+    fn geglu_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let g = Var::randn(0f32, 3.0, (3, 7, 11), &dev)?;
+        let u = Var::randn(0f32, 1.0, (3, 7, 11), &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (3, 7, 11), &dev)?;
+        let y = geglu(g.as_tensor(), u.as_tensor())?;
+        let ys = geglu_slow(g.as_tensor(), u.as_tensor())?;
+        assert!(max_rel(&y, &ys)? < 1e-6);
+        let (a, r) = (grads_of(&y, &dy, &[&g, &u])?, grads_of(&ys, &dy, &[&g, &u])?);
+        for (a, r) in a.iter().zip(&r) {
+            assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
+        }
+        let torch = |x: f64| 0.5 * x * (1.0 + ((2.0 / std::f64::consts::PI).sqrt() * (x + 0.044715 * x * x * x)).tanh());
+        let ones = Tensor::ones((1, 1, 9), DType::F32, &dev)?;
+        let xs = [-6.0f32, -2.5, -1.0, -0.3, 0.0, 0.2, 1.1, 2.7, 5.0];
+        let gx = Var::from_tensor(&Tensor::new(&xs, &dev)?.reshape((1, 1, 9))?)?;
+        let yx = geglu(gx.as_tensor(), &ones)?;
+        let dg = grads_of(&yx, &ones, &[&gx])?[0].flatten_all()?.to_vec1::<f32>()?;
+        for ((x, d), y) in xs.iter().zip(&dg).zip(yx.flatten_all()?.to_vec1::<f32>()?) {
+            let (x, h) = (*x as f64, 1e-4);
+            assert!((y as f64 - torch(x)).abs() < 1e-6, "gelu({x}): {y} vs {}", torch(x));
+            let want = (torch(x + h) - torch(x - h)) / (2.0 * h);
+            assert!((*d as f64 - want).abs() < 1e-5, "gelu' at {x}: {d} vs {want}");
+        }
+        Ok(())
+    }
+
+    /// The head norm with Gemma's `1 + w`: the plain reference's values and gradients.
+    #[test]
+    fn qk_norm_rope_unit_offset_matches_slow() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::config::LlamaConfig::tiny(16, 32, 1, 2, 1);
+        let (cos, sin) = crate::rope::rope_tables(&cfg, &[3, 900, 17, 4096, 0], DType::F32, &dev)?;
+        let x = Var::randn(0f32, 2.0, (2, 5, 3, 16), &dev)?;
+        let w = Var::randn(0f32, 0.3, 16, &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (2, 5, 3, 16), &dev)?;
+        let f = NormWeight::UnitOffset;
+        let y = qk_norm_rope_with(x.as_tensor(), w.as_tensor(), 1e-6, &cos, &sin, f)?;
+        let ys = qk_norm_rope_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, &cos, &sin, f)?;
+        assert!(max_rel(&y, &ys)? < 1e-6);
+        for (a, r) in grads_of(&y, &dy, &[&x, &w])?.iter().zip(&grads_of(&ys, &dy, &[&x, &w])?) {
+            assert!(max_rel(a, r)? < 1e-5, "{}", max_rel(a, r)?);
+        }
         Ok(())
     }
 }

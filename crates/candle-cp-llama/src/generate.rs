@@ -140,9 +140,16 @@ impl Block {
         Ok((rope(&q)?, rope(&k)?, v.reshape((b, t, hkv, d))?))
     }
 
-    /// The rest of the layer after attention `a [B, T, H·D]`: o_proj, residual, MLP, residual.
+    /// The rest of the layer after attention `a [B, T, H·D]`: o_proj, residual, MLP, residual
+    /// (Gemma 3: each branch normalised before its residual add).
     fn finish(&self, x: &Tensor, a: &Tensor) -> Result<Tensor> {
-        let x = (x + self.o.forward(a)?)?;
+        let branch = |i: usize, y: Tensor| -> Result<Tensor> {
+            match &self.sandwich {
+                Some(n) => if i == 0 { n.0.forward(&y) } else { n.1.forward(&y) },
+                None => Ok(y),
+            }
+        };
+        let x = (x + branch(0, self.o.forward(a)?)?)?;
         let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
         let [g, u] = gu.as_slice() else {
             bail!(
@@ -151,7 +158,7 @@ impl Block {
                 x.dims()
             )
         };
-        x + self.down.forward(&(g.silu()? * u)?)?
+        x + branch(1, self.down.forward(&self.act.gated_plain(g, u)?)?)?
     }
 }
 
@@ -168,7 +175,19 @@ impl Llama {
     /// Embedding of ids `[B, T]` (the whole sequence, SP off) → `[B, T, h]`, the same on
     /// every TP rank (vocabulary-parallel: each rank looks up its slice, summed over TP).
     fn embed_whole(&self, ids: &Tensor) -> Result<Tensor> {
-        vocab_parallel_embedding(ids, &self.embed, self.cfg.vocab_size, &self.tp_of(false))
+        self.embed_scaled(vocab_parallel_embedding(ids, &self.embed, self.cfg.vocab_size, &self.tp_of(false))?)
+    }
+
+    /// RoPE tables `(cos, sin)` `[T, D]` f32 of `positions`, and those of the local RoPE when
+    /// some layer uses it (Gemma 3's sliding layers).
+    #[allow(clippy::type_complexity)]
+    fn rope_pair(&self, positions: &[u32], dev: &candle_core::Device) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+        let c = &self.cfg;
+        let local = match (0..c.num_hidden_layers).find(|&i| c.layer_rope_is_local(i)) {
+            Some(i) => Some(rope_tables(&c.layer_rope(i), positions, DType::F32, dev)?),
+            None => None,
+        };
+        Ok((rope_tables(c, positions, DType::F32, dev)?, local))
     }
 
     /// Logits `[B, T, V]` of hidden states `[B, T, h]` replicated on the TP ranks (the
@@ -189,7 +208,7 @@ impl Llama {
         let tp = self.ctx.layout.tp;
         (
             (c.num_attention_heads / tp, (c.num_key_value_heads / tp).max(1), c.head_dim),
-            1.0 / (c.head_dim as f64).sqrt(),
+            c.attn_scale(),
         )
     }
 
@@ -248,8 +267,7 @@ impl Llama {
         let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         let tc = positions.len();
         let (heads, scale) = self.heads();
-        let (cos, sin) = rope_tables(&self.cfg, &positions, DType::F32, ids.device())?;
-        let rope = |x: &Tensor| apply_rope(x, &cos, &sin);
+        let ((cos, sin), local) = self.rope_pair(&positions, ids.device())?;
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let mut cache = KvCache {
             layers: Vec::with_capacity(self.blocks.len()),
@@ -258,7 +276,11 @@ impl Llama {
         };
         let mut x = self.embed_whole(ids)?;
         for blk in &self.generation_blocks() {
-            let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
+            let (c, s) = match (&local, blk.local_rope) {
+                (Some((c, s)), true) => (c, s),
+                _ => (&cos, &sin),
+            };
+            let (q, k, v) = blk.qkv_rope(&x, heads, |x: &Tensor| apply_rope(x, c, s))?;
             let mut shard = KvShard::new();
             shard.append(&k.detach(), &v.detach(), &rows)?;
             cache.layers.push(shard);
@@ -302,11 +324,14 @@ impl Llama {
         let p = cache.next;
         let owner = decode_owner(p, ctx.cp.size()) == ctx.cp.rank();
         let (heads, scale) = self.heads();
-        let (cos, sin) = rope_tables(&self.cfg, &[p as u32], DType::F32, ids.device())?;
-        let rope = |x: &Tensor| apply_rope(x, &cos, &sin);
+        let ((cos, sin), local) = self.rope_pair(&[p as u32], ids.device())?;
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
         for (blk, shard) in self.generation_blocks().iter().zip(cache.layers.iter_mut()) {
-            let (q, k, v) = blk.qkv_rope(&x, heads, rope)?;
+            let (c, s) = match (&local, blk.local_rope) {
+                (Some((c, s)), true) => (c, s),
+                _ => (&cos, &sin),
+            };
+            let (q, k, v) = blk.qkv_rope(&x, heads, |x: &Tensor| apply_rope(x, c, s))?;
             if owner {
                 shard.append(&k.detach(), &v.detach(), &[p])?;
             }

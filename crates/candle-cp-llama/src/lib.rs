@@ -19,9 +19,10 @@
 //! and every layout keeps each query to itself and the `w - 1` tokens before it ([`attn`]);
 //! Qwen2 / Qwen3 configs may put it on some layers only ([`LlamaConfig::sliding_layers`]).
 //!
-//! Architectures: Llama, Mistral, Qwen2 and Qwen3 (`model_type` `llama`, `mistral`, `qwen2`,
-//! `qwen3`; Qwen2's biases on the q, k, v projections, [`LlamaConfig::qkv_bias`]; Qwen3's q, k
-//! head norms, [`LlamaConfig::qk_norm`]); any other config, and any
+//! Architectures: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (`model_type` `llama`, `mistral`,
+//! `qwen2`, `qwen3`, `gemma3_text`; Qwen2's biases on the q, k, v projections,
+//! [`LlamaConfig::qkv_bias`]; Qwen3's q, k head norms, [`LlamaConfig::qk_norm`]; Gemma 3,
+//! [`LlamaConfig::gemma3`] and [`gemma`]); any other config, and any
 //! checkpoint tensor the model would not use, is refused by name ([`arch`]).
 //!
 //! ```no_run
@@ -72,7 +73,7 @@ pub mod sampling;
 pub mod train;
 pub mod verify;
 
-pub use config::{Arch, LlamaConfig, RopeScaling};
+pub use config::{gemma, Arch, Gemma3, LlamaConfig, RopeScaling};
 pub use generate::{Generation, KvCache};
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};

@@ -11,7 +11,7 @@ use crate::attn::attend_window;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
-use crate::fused::{rope_post, swiglu};
+use crate::fused::{rope_post, Activation};
 use crate::rope::rope_tables;
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
@@ -65,6 +65,13 @@ pub(crate) struct Block {
     pub(crate) qk_norm: Option<QkNorm>,
     /// The sliding window this layer attends within ([`LlamaConfig::layer_window`]).
     pub(crate) window: Option<usize>,
+    /// Gemma 3's norms after the attention and after the MLP (`post_attention_layernorm`,
+    /// `post_feedforward_layernorm`), each on its branch before the residual add.
+    pub(crate) sandwich: Option<(RmsNorm, RmsNorm)>,
+    /// The gated MLP's activation.
+    pub(crate) act: Activation,
+    /// Whether the layer rotates by the local RoPE tables ([`LlamaConfig::layer_rope_is_local`]).
+    pub(crate) local_rope: bool,
 }
 
 /// RMSNorms over each q and k head (Qwen3), between the projection and RoPE.
@@ -73,12 +80,15 @@ pub(crate) struct QkNorm {
     pub(crate) q: Tensor,
     pub(crate) k: Tensor,
     pub(crate) eps: f64,
+    /// How the weights apply (Gemma 3: `1 + w`).
+    pub(crate) form: candle_cp_nn::NormWeight,
 }
 
 impl QkNorm {
     /// `q [B, T, H, D]` and `k [B, T, Hkv, D]` normalised over `D` (generation: no backward).
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((rms_norm(q, &self.q, self.eps)?, rms_norm(k, &self.k, self.eps)?))
+        let n = |x: &Tensor, w: &Tensor| candle_cp_nn::rms_norm_with(x, w, self.eps, self.form);
+        Ok((n(q, &self.q)?, n(k, &self.k)?))
     }
 
     /// `q`, `k` normalised and rotated by the tables `cos`, `sin`, each one graph node
@@ -91,18 +101,20 @@ impl QkNorm {
             Some(g) => candle_cp_ops::mappings::copy_to_tp_region(w, g),
             None => Ok(w.clone()),
         };
-        let f = crate::fused::qk_norm_rope;
-        Ok((f(q, &w(&self.q)?, self.eps, cos, sin)?, f(k, &w(&self.k)?, self.eps, cos, sin)?))
+        let f = |x: &Tensor, wt: &Tensor| crate::fused::qk_norm_rope_with(x, wt, self.eps, cos, sin, self.form);
+        Ok((f(q, &w(&self.q)?)?, f(k, &w(&self.k)?)?))
     }
 }
 
 /// What every layer of one forward shares: the parallel context, RoPE tables `(cos, sin)`
-/// of the CP shard's positions in the activations' dtype, `[Tc, D]` (shared by every row) or
+/// of the CP shard's positions in the activations' dtype (and the local ones of Gemma 3's
+/// sliding layers), `[Tc, D]` (shared by every row) or
 /// `[B, Tc, D]` (one per row), `[B, Tc, Hl, Hkvl, D]`, the softmax scale and the packed
 /// documents (one shared or one per row; `None`: each row is one sequence).
 struct BlockEnv {
     ctx: ParallelCtx,
     rope: (Tensor, Tensor),
+    rope_local: Option<(Tensor, Tensor)>,
     dims: [usize; 5],
     scale: f64,
     docs: Option<Vec<Documents>>,
@@ -122,6 +134,9 @@ impl Block {
             down: self.down.clone().with_sequence_parallel(false),
             qk_norm: self.qk_norm.clone(),
             window: self.window,
+            sandwich: self.sandwich.clone(),
+            act: self.act,
+            local_rope: self.local_rope,
         }
     }
 
@@ -136,7 +151,10 @@ impl Block {
     /// `tests/plan_activations.rs` compares what stays alive with the planner's count.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
         let [b, tc, hl, hkvl, d] = env.dims;
-        let (cos, sin) = &env.rope;
+        let (cos, sin) = match (&env.rope_local, self.local_rope) {
+            (Some(local), true) => local,
+            _ => &env.rope,
+        };
         // TP region [B, Tc, ·] between the column- and row-parallel layers
         let posts = match self.qk_norm {
             None => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
@@ -154,9 +172,17 @@ impl Block {
         };
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
         let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window)?.reshape((b, tc, hl * d))?;
-        let x = self.o.forward_residual(&a, x)?;
+        let x = match &self.sandwich {
+            None => self.o.forward_residual(&a, x)?,
+            // Gemma 3: x + norm(o(a))
+            Some((after_attn, _)) => (x + after_attn.forward(&self.o.forward(&a)?)?)?,
+        };
         let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
-        self.down.forward_residual(&swiglu(&gu[0], &gu[1])?, &x)
+        let m = self.act.gated(&gu[0], &gu[1])?;
+        match &self.sandwich {
+            None => self.down.forward_residual(&m, &x),
+            Some((_, after_mlp)) => x + after_mlp.forward(&self.down.forward(&m)?)?,
+        }
     }
 }
 
@@ -225,8 +251,12 @@ impl Llama {
             cfg.num_key_value_heads * cfg.head_dim,
         );
         let lin = LinearConfig::new(false).with_init(init);
+        let (form, gemma) = (cfg.norm_weight(), cfg.gemma3.is_some());
+        // (weights: ones in a fresh VarMap, or Gemma's zeros, which its `1 + w` makes ones)
+        let norm_init = Init::Const(if gemma { 0.0 } else { 1.0 });
         let norm = |vb: VarBuilder| -> Result<RmsNorm> {
-            Ok(RmsNorm::new(vb, h, eps, &tp)?.with_grad_sync(GradSync::Deferred))
+            let w = vb.get_with_hints(h, "weight", norm_init)?;
+            Ok(RmsNorm::from_weight(&w, eps, &tp)?.with_grad_sync(GradSync::Deferred).with_form(form))
         };
         let embed = get("model.embed_tokens.weight")?;
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
@@ -247,7 +277,9 @@ impl Llama {
                 input_norm: norm(vl.pp("input_layernorm"))?,
                 qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?,
                 o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
-                post_norm: norm(vl.pp("post_attention_layernorm"))?,
+                // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
+                // `post_attention_layernorm` is the one after the attention)
+                post_norm: norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
                 gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
                 down: RowParallelLinear::new(
                     vm.pp("down_proj"),
@@ -260,12 +292,19 @@ impl Llama {
                     false => None,
                     // (ones in a fresh VarMap, as RmsNorm's weights)
                     true => Some(QkNorm {
-                        q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", Init::Const(1.0))?,
-                        k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", Init::Const(1.0))?,
+                        q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
+                        k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
                         eps,
+                        form,
                     }),
                 },
                 window: cfg.layer_window(i),
+                sandwich: match gemma {
+                    false => None,
+                    true => Some((norm(vl.pp("post_attention_layernorm"))?, norm(vl.pp("post_feedforward_layernorm"))?)),
+                },
+                act: cfg.activation(),
+                local_rope: cfg.layer_rope_is_local(i),
             }));
         }
         let norm = norm(vb.pp("model.norm"))?;
@@ -392,33 +431,42 @@ impl Llama {
         // one pair of tables in the activations' dtype for every layer: [Tc, D], or [B, Tc, D]
         // with a table per row
         let act = self.embed.dtype();
-        let tables = pos
-            .iter()
-            .map(|p| rope_tables(cfg, p, DType::F32, input_ids.device()))
-            .collect::<Result<Vec<_>>>()?;
-        let rope = match tables.as_slice() {
-            [(cos, sin)] => (cos.to_dtype(act)?, sin.to_dtype(act)?),
-            rows => {
-                let (c, s): (Vec<Tensor>, Vec<Tensor>) = rows.iter().cloned().unzip();
-                (Tensor::stack(&c, 0)?.to_dtype(act)?, Tensor::stack(&s, 0)?.to_dtype(act)?)
-            }
+        let tables_of = |cfg: &LlamaConfig| -> Result<(Tensor, Tensor)> {
+            let tables = pos
+                .iter()
+                .map(|p| rope_tables(cfg, p, DType::F32, input_ids.device()))
+                .collect::<Result<Vec<_>>>()?;
+            Ok(match tables.as_slice() {
+                [(cos, sin)] => (cos.to_dtype(act)?, sin.to_dtype(act)?),
+                rows => {
+                    let (c, s): (Vec<Tensor>, Vec<Tensor>) = rows.iter().cloned().unzip();
+                    (Tensor::stack(&c, 0)?.to_dtype(act)?, Tensor::stack(&s, 0)?.to_dtype(act)?)
+                }
+            })
+        };
+        let rope = tables_of(cfg)?;
+        // Gemma 3's sliding layers: their own base, unscaled
+        let rope_local = match (0..cfg.num_hidden_layers).find(|&i| cfg.layer_rope_is_local(i)) {
+            Some(i) => Some(tables_of(&cfg.layer_rope(i))?),
+            None => None,
         };
         let tc = pos[0].len();
         let docs = match docs {
             None => None,
             Some(docs) => Some(crate::packed::check_docs(docs, b, tc * self.ctx.layout.cp, input_ids)?),
         };
-        let scale = 1.0 / (d as f64).sqrt();
+        let scale = cfg.attn_scale();
         // vocabulary-parallel lookup (a plain one when the table is replicated); it refuses
         // ids outside the vocabulary, naming them
         let ids = input_ids.to_dtype(DType::U32)?;
         let hook = self.param_hook.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let params_ready = |k: usize| hook.as_ref().map_or(Ok(()), |h| h(k));
         params_ready(0)?;
-        let mut x = vocab_parallel_embedding(&ids, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?;
+        let mut x = self.embed_scaled(vocab_parallel_embedding(&ids, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?)?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
             rope,
+            rope_local,
             dims: [b, tc, hl, hkvl, d],
             scale,
             docs,
@@ -480,6 +528,14 @@ impl Llama {
     /// when `tp` does not divide `V`; else they are replicated).
     pub(crate) fn vocab_parallel(&self) -> bool {
         Shard::RowsPadded(self.cfg.vocab_size).resolve(self.ctx.layout.tp) != Shard::Replicated
+    }
+
+    /// The embedding output times the config's factor (Gemma 3's `√h` in the weights' dtype).
+    pub(crate) fn embed_scaled(&self, x: Tensor) -> Result<Tensor> {
+        match self.cfg.embed_scale(self.embed.dtype())? {
+            Some(s) => x.affine(s, 0.0),
+            None => Ok(x),
+        }
     }
 
     /// The TP group with sequence parallelism `sp`.

@@ -8,7 +8,8 @@
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
 //! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
 //! | `self_attn.{q,k,v}_proj.bias` (Qwen2, [`LlamaConfig::qkv_bias`]) | `[H·D]`, `[Hkv·D]` | as the weight's rows |
-//! | `self_attn.{q,k}_norm.weight` (Qwen3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
+//! | `self_attn.{q,k}_norm.weight` (Qwen3, Gemma 3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
+//! | `{pre,post}_feedforward_layernorm.weight` (Gemma 3, [`LlamaConfig::gemma3`]; its `post_attention_layernorm` follows the attention) | `[h]` | replicated |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
@@ -104,6 +105,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         add(p("post_attention_layernorm.weight"), vec![h], norm);
+        if cfg.gemma3.is_some() {
+            add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
+            add(p("post_feedforward_layernorm.weight"), vec![h], norm);
+        }
         add(p("mlp.gate_proj.weight"), vec![i, h], col);
         add(p("mlp.up_proj.weight"), vec![i, h], col);
         add(p("mlp.down_proj.weight"), vec![h, i], row);
@@ -159,7 +164,8 @@ pub(crate) fn lock_vars(
         .map_err(|_| candle_core::Error::Msg("varmap lock poisoned".into()))
 }
 
-/// A full (unsharded) model with HF's default init — N(0, 0.02²) matrices, norms 1 —
+/// A full (unsharded) model with HF's default init — N(0, 0.02²) matrices, norms 1 (Gemma
+/// 3's, whose weights enter as `1 + w`, 0) —
 /// drawn from `seed` (each tensor from its own stream keyed by its name), so every rank
 /// that calls it gets the same weights. Vars in `dtype` on `device`. Qwen2's q, k, v biases
 /// are drawn like the matrices (HF starts them at 0), so that a seeded model exercises them.
@@ -169,7 +175,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
     {
         let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
-            let t = init_tensor(&s, seed)?;
+            let t = init_tensor(&s, seed, cfg)?;
             data.insert(
                 s.name.clone(),
                 Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
@@ -180,10 +186,11 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 }
 
 /// The full f32 host tensor [`init_params`] draws for `spec`.
-fn init_tensor(spec: &ParamSpec, seed: u64) -> Result<Tensor> {
+fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
     if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
-        return Tensor::ones(spec.shape.as_slice(), DType::F32, &Device::Cpu);
+        let one = if cfg.gemma3.is_some() { 0.0 } else { 1.0 };
+        return Tensor::full(one as f32, spec.shape.as_slice(), &Device::Cpu);
     }
     let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
     for b in spec.name.bytes() {
@@ -199,7 +206,7 @@ fn init_tensor(spec: &ParamSpec, seed: u64) -> Result<Tensor> {
 /// whole model never exists in memory.
 pub fn init_params_sharded(cfg: &LlamaConfig, seed: u64, dtype: DType, ctx: &ParallelCtx, device: &Device) -> Result<VarMap> {
     cfg.validate()?;
-    sharded_params(cfg, ctx, dtype, device, |spec| init_tensor(spec, seed))
+    sharded_params(cfg, ctx, dtype, device, |spec| init_tensor(spec, seed, cfg))
 }
 
 /// This rank's `VarMap`: for each parameter, `full_of` gives the full tensor (on the host,

@@ -14,7 +14,8 @@
 //! Without SP every rank sees all rows and holds the full gradient; nothing is reduced.
 //!
 //! Statistics are computed in f32 whatever the input dtype (HF form for RMSNorm: the
-//! normalised value is cast back to the input dtype, then multiplied by the weight).
+//! normalised value is cast back to the input dtype, then multiplied by the weight; Gemma's
+//! form, [`NormWeight::UnitOffset`], multiplies by `1 + w` in f32 and casts last).
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, DType, Module, Result, Tensor, D};
@@ -23,23 +24,41 @@ use candle_cp_ops::mappings::copy_to_tp_region;
 use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
 
+/// How an RMSNorm's weight `w` scales the normalised value `x̂ = x · rsqrt(mean(x²) + eps)`
+/// (computed in f32).
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub enum NormWeight {
+    /// HF Llama / Qwen: `x̂` cast to `x`'s dtype, then times `w` (weights start at ones).
+    #[default]
+    Scale,
+    /// Gemma: `x̂ · (1 + w)` in f32, then cast to `x`'s dtype (weights start at zeros; a
+    /// 16-bit `w` is widened before the 1 is added, so `1 + w` is not rounded).
+    UnitOffset,
+}
+
 /// RMSNorm `x · rsqrt(mean(x²) + eps) · w` (HF form: statistics in f32, the normalised
 /// value cast to `x`'s dtype, then times `w`), with a hand-written backward (one graph node
 /// instead of a dozen broadcast ops). `x` `[.., h]`, `w` `[h]`; output as `x`.
 /// Differentiable w.r.t. `x` and `w` (backward in f32). Reference: [`rms_norm_slow`].
 pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
+    rms_norm_with(x, w, eps, NormWeight::Scale)
+}
+
+/// [`rms_norm`] with the weight applied as `form` says ([`NormWeight::UnitOffset`]: Gemma's
+/// `x̂ · (1 + w)`). Reference: [`rms_norm_slow_with`].
+pub fn rms_norm_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> Result<Tensor> {
     candle_cp_comm::ensure_nonempty("rms_norm", "x", x)?;
     let h = x.dim(D::Minus1)?;
     if w.dims() != [h] {
         bail!("rms_norm: weight {:?} must be [{h}] for input {:?}", w.dims(), x.dims())
     }
     let xd = x.detach();
-    let (out, r) = rms_norm_fwd(&xd, &w.detach(), eps)?;
+    let (out, r) = rms_norm_fwd_with(&xd, &w.detach(), eps, form)?;
     let wd = w.detach();
     // The backward keeps x (the graph node keeps it anyway) and r `[.., 1]`, and recomputes
     // x̂ = x·r: no normalised copy of the input stays alive between forward and backward.
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let (dx, dw) = rms_norm_bwd(&xd, &r, &wd, dy)?;
+        let (dx, dw) = rms_norm_bwd_with(&xd, &r, &wd, dy, form)?;
         Ok(vec![Some(dx), Some(dw)])
     });
     attach2("rms_norm", x, w, out, bwd)
@@ -48,9 +67,17 @@ pub fn rms_norm(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
 /// The raw forward of [`rms_norm`] on detached tensors: the output and the statistic
 /// `r = rsqrt(mean(x²) + eps)` `[.., 1]` (f32), which [`rms_norm_bwd`] takes.
 pub fn rms_norm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)> {
+    rms_norm_fwd_with(x, w, eps, NormWeight::Scale)
+}
+
+/// [`rms_norm_fwd`] with the weight applied as `form` says.
+pub fn rms_norm_fwd_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> Result<(Tensor, Tensor)> {
     let x32 = x.to_dtype(DType::F32)?;
     let r = (x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    let out = x32.broadcast_mul(&r)?.to_dtype(x.dtype())?.broadcast_mul(w)?;
+    let out = match form {
+        NormWeight::Scale => x32.broadcast_mul(&r)?.to_dtype(x.dtype())?.broadcast_mul(w)?,
+        NormWeight::UnitOffset => x32.broadcast_mul(&r)?.broadcast_mul(&(w.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(x.dtype())?,
+    };
     Ok((out, r))
 }
 
@@ -59,13 +86,22 @@ pub fn rms_norm_fwd(x: &Tensor, w: &Tensor, eps: f64) -> Result<(Tensor, Tensor)
 /// arithmetic; `dx` in `x`'s dtype, `dw` in `w`'s). Also the backward of the fused head norm
 /// and RoPE in candle-cp-llama.
 pub fn rms_norm_bwd(x: &Tensor, r: &Tensor, w: &Tensor, dy: &Tensor) -> Result<(Tensor, Tensor)> {
+    rms_norm_bwd_with(x, r, w, dy, NormWeight::Scale)
+}
+
+/// [`rms_norm_bwd`] for the weight applied as `form` says (Gemma's `1 + w`: `dw` from the
+/// f32 `x̂`, which that form never rounds).
+pub fn rms_norm_bwd_with(x: &Tensor, r: &Tensor, w: &Tensor, dy: &Tensor, form: NormWeight) -> Result<(Tensor, Tensor)> {
     let (dt, h) = (x.dtype(), x.dim(D::Minus1)?);
     let xhat = x.to_dtype(DType::F32)?.broadcast_mul(r)?;
     let dy32 = dy.to_dtype(DType::F32)?;
-    let xh = xhat.to_dtype(dt)?.to_dtype(DType::F32)?;
+    let (xh, w32) = match form {
+        NormWeight::Scale => (xhat.to_dtype(dt)?.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?),
+        NormWeight::UnitOffset => (xhat.clone(), (w.to_dtype(DType::F32)? + 1.0)?),
+    };
     let lead: usize = dy32.elem_count() / h;
     let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(w.dtype())?;
-    let g = dy32.broadcast_mul(&w.to_dtype(DType::F32)?)?;
+    let g = dy32.broadcast_mul(&w32)?;
     let m = (&g * &xhat)?.mean_keepdim(D::Minus1)?;
     let dx = (g - xhat.broadcast_mul(&m)?)?.broadcast_mul(r)?.to_dtype(dt)?;
     Ok((dx, dw))
@@ -78,6 +114,18 @@ pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     let ms = x32.sqr()?.mean_keepdim(D::Minus1)?;
     let xn = x32.broadcast_mul(&(ms + eps)?.sqrt()?.recip()?)?;
     xn.to_dtype(dt)?.broadcast_mul(w)
+}
+
+/// Reference for [`rms_norm_with`] from plain candle ops (candle autograd).
+pub fn rms_norm_slow_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> Result<Tensor> {
+    match form {
+        NormWeight::Scale => rms_norm_slow(x, w, eps),
+        NormWeight::UnitOffset => {
+            let x32 = x.to_dtype(DType::F32)?;
+            let xn = x32.broadcast_div(&(x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?)?;
+            xn.broadcast_mul(&(w.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(x.dtype())
+        }
+    }
 }
 
 fn replicated(what: &str, t: &Tensor, dim: usize) -> Result<Tensor> {
@@ -114,6 +162,7 @@ pub struct RmsNorm {
     eps: f64,
     sync: GradSync,
     tp: Tp,
+    form: NormWeight,
 }
 
 impl RmsNorm {
@@ -127,7 +176,13 @@ impl RmsNorm {
     /// Build from a weight `[C]` (used as is: pass a `Var`'s tensor to train it).
     pub fn from_weight(weight: &Tensor, eps: f64, tp: &Tp) -> Result<Self> {
         let c = weight.dim(0)?;
-        Ok(Self { weight: replicated("RmsNorm", weight, c)?, eps, sync: GradSync::InBackward, tp: tp.clone() })
+        Ok(Self { weight: replicated("RmsNorm", weight, c)?, eps, sync: GradSync::InBackward, tp: tp.clone(), form: NormWeight::Scale })
+    }
+    /// How the weight scales the normalised value (default [`NormWeight::Scale`]; Gemma's
+    /// [`NormWeight::UnitOffset`]).
+    pub fn with_form(mut self, form: NormWeight) -> Self {
+        self.form = form;
+        self
     }
     /// Who sums the weight gradient over the TP group under SP (default [`GradSync::InBackward`]).
     pub fn with_grad_sync(mut self, sync: GradSync) -> Self {
@@ -143,7 +198,7 @@ impl RmsNorm {
 impl Module for RmsNorm {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         check_input("RmsNorm", x, self.weight.dim(0)?)?;
-        rms_norm(x, &param(&self.weight, &self.tp, self.sync)?, self.eps)
+        rms_norm_with(x, &param(&self.weight, &self.tp, self.sync)?, self.eps, self.form)
     }
 }
 
@@ -260,6 +315,43 @@ mod tests {
         }
         let e = rms_norm(x.as_tensor(), &Tensor::ones(5, DType::F32, &dev)?, 1e-5).err().map(|e| e.to_string());
         assert!(e.unwrap_or_default().contains("[5]"));
+        Ok(())
+    }
+
+    /// Gemma's `x̂ · (1 + w)`: values and gradients equal the plain-op reference (f32, and
+    /// bf16 where `1 + w` must not be rounded to bf16: a bf16 `1 + w` would be off by up to
+    /// 2^-8), and differ from the scale form.
+    #[test]
+    fn unit_offset_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
+        let w = Var::randn(0f32, 0.05, 24, &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
+        let f = NormWeight::UnitOffset;
+        let y = rms_norm_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        let ys = rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        assert!(max_rel(&y, &ys)? < 1e-6);
+        let plain = rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?;
+        assert!(max_rel(&plain, &ys)? > 0.5, "the offset changed nothing");
+        let g = (&y * &dy)?.sum_all()?.backward()?;
+        let gs = (&ys * &dy)?.sum_all()?.backward()?;
+        for v in [&x, &w] {
+            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
+        }
+        // bf16: the same as the f32 arithmetic on the bf16 values, rounded once
+        let (xb, wb) = (x.as_tensor().to_dtype(DType::BF16)?, w.as_tensor().to_dtype(DType::BF16)?);
+        let yb = rms_norm_with(&xb, &wb, 1e-6, f)?.to_dtype(DType::F32)?;
+        let want = rms_norm_slow_with(&xb.to_dtype(DType::F32)?, &wb.to_dtype(DType::F32)?, 1e-6, f)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+        assert_eq!((yb - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        // the module: zeros are the identity scale
+        for r in run_ranks(1, |g: Group| {
+            let n = RmsNorm::from_weight(&Tensor::zeros(24, DType::F32, &dev)?, 1e-6, &Tp::new(g, false))?.with_form(f);
+            let want = rms_norm(x.as_tensor(), &Tensor::ones(24, DType::F32, &dev)?, 1e-6)?;
+            max_rel(&n.forward(x.as_tensor())?, &want)
+        }) {
+            assert!(r? < 1e-6);
+        }
         Ok(())
     }
 }

@@ -137,8 +137,16 @@ impl ModelConfig {
         let ffn = need("intermediate_size")?;
         let vocab = need("vocab_size")?;
         let kv_heads = get("num_key_value_heads")?.unwrap_or(heads);
+        let names = |t: &str, class: &str| {
+            v.get("model_type").and_then(|x| x.as_str()) == Some(t)
+                || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|c| c.as_str() == Some(class)))
+        };
+        // Gemma 3 (text): head dim 256, a tied head and a window of 4096 unless the config says
+        // otherwise; the window on all but every `sliding_window_pattern`-th layer (default 6)
+        let gemma3 = names("gemma3_text", "Gemma3ForCausalLM");
         let head_dim = match get("head_dim")? {
             Some(d) => d,
+            None if gemma3 => 256,
             None => {
                 if hidden % heads != 0 {
                     plan_bail!(
@@ -151,11 +159,7 @@ impl ModelConfig {
         let tie_embeddings = v
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
-            .unwrap_or(false);
-        let names = |t: &str, class: &str| {
-            v.get("model_type").and_then(|x| x.as_str()) == Some(t)
-                || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|c| c.as_str() == Some(class)))
-        };
+            .unwrap_or(gemma3);
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM"));
         let use_window = match v.get("use_sliding_window") {
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
@@ -167,10 +171,10 @@ impl ModelConfig {
                 ),
             },
         };
-        let mut sliding_window = if use_window {
-            get("sliding_window")?
-        } else {
-            None
+        let mut sliding_window = match (use_window, v.get("sliding_window")) {
+            (true, None) if gemma3 => Some(4096),
+            (true, _) => get("sliding_window")?,
+            (false, _) => None,
         };
         // which layers slide: layer_types when given, else Qwen's max_window_layers, else all
         let sliding: Vec<bool> = match v.get("layer_types") {
@@ -184,6 +188,10 @@ impl ModelConfig {
                     },
                 };
                 (0..layers).map(|i| i >= from).collect()
+            }
+            None | Some(serde_json::Value::Null) if gemma3 => {
+                let p = get("sliding_window_pattern")?.unwrap_or(6);
+                (0..layers).map(|i| !(i + 1).is_multiple_of(p)).collect()
             }
             None | Some(serde_json::Value::Null) => vec![true; layers],
             Some(serde_json::Value::Array(a)) if a.len() == layers => {
@@ -220,7 +228,7 @@ impl ModelConfig {
             tie_embeddings,
             sliding_window,
             qkv_bias: qwen2,
-            qk_norm: qwen3,
+            qk_norm: qwen3 || gemma3,
             partial_window,
         };
         cfg.validate()?;
@@ -431,6 +439,21 @@ mod tests {
         assert!(short(&[s, "chunked_attention"]).unwrap_err().0.contains("chunked_attention"));
         let e = ModelConfig::from_hf_json(&format!("{{{base}{}}}", r#","sliding_window":64,"layer_types":["full_attention"]"#), "m").unwrap_err();
         assert!(e.0.contains("a list of 32 entries"), "{e}");
+        // Gemma 3 (text): head norms, a tied head, head dim 256, five sliding layers of six
+        // (window 4096 unless given)
+        let g = ModelConfig::from_hf_json(
+            r#"{"model_type":"gemma3_text","hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
+                "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window":512}"#,
+            "g",
+        )?;
+        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias);
+        assert_eq!((g.head_dim, g.sliding_window, g.partial_window), (256, None, Some((512, 22))));
+        let g = ModelConfig::from_hf_json(
+            r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
+                "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window_pattern":2}"#,
+            "g",
+        )?;
+        assert_eq!(g.partial_window, Some((4096, 13)));
         // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer
         assert_eq!(q("")?.layer_params() - parse("")?.layer_params(), 6144);
         let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();

@@ -1,10 +1,11 @@
-//! Qwen2 and Qwen3: the Llama with biases on the q, k, v projections (`LlamaConfig::qkv_bias`,
-//! `model_type` `qwen2`), and the Llama with RMSNorms over each q and k head before RoPE
-//! (`LlamaConfig::qk_norm`, `model_type` `qwen3`).
+//! The architectures beside Llama: Qwen2 (biases on the q, k, v projections,
+//! `LlamaConfig::qkv_bias`, `model_type` `qwen2`), Qwen3 (RMSNorms over each q and k head
+//! before RoPE, `LlamaConfig::qk_norm`, `model_type` `qwen3`) and Gemma 3 (`gemma3_text`,
+//! `LlamaConfig::gemma3`).
 //!
-//! - A plain-candle float64 reference of the whole model (embedding, RMSNorm, biased
-//!   projections, RoPE by `rotate_half`, dense causal softmax attention with GQA, SwiGLU,
-//!   head, next-token cross-entropy; autograd for every gradient) first reproduces the PyTorch
+//! - A plain-candle float64 reference of the whole model (`dense_llama.rs`: embedding,
+//!   RMSNorm, biased projections, RoPE by `rotate_half`, dense causal softmax attention with
+//!   GQA, SwiGLU, head, next-token cross-entropy; autograd for every gradient) first reproduces the PyTorch
 //!   oracle (`tests/data/oracle/tiny-llama`, no biases) within its tolerances, so it is a
 //!   reference; with random biases added it is the Qwen2 reference.
 //! - The tiny-llama weights plus seeded biases (std 0.5, so they move the logits) on every
@@ -24,12 +25,18 @@
 //! - Generation: cached decode equals the full forward, and CP / TP layouts decode the
 //!   single device's tokens (per-layer windows too: the windowed layer's cache evicts, the
 //!   other's keeps every row).
-//! - Checkpoints: a Qwen2 and a Qwen3 checkpoint save as `Qwen2ForCausalLM` / `Qwen3ForCausalLM`
-//!   and load back bit for bit, whole or sharded over TP 1, 2, 4; their biases / head norms
-//!   under a config without them are refused, naming the tensors (before: loaded and ignored,
-//!   a silently different model).
+//! - Gemma 3: the tiny-llama weights with seeded norm weights (all entering as `1 + w`), the
+//!   two extra norms per layer, a tied head, a window on the first layer only (local RoPE
+//!   base 10000 there, the global one scaled linearly by 4), `query_pre_attn_scalar` 24 on
+//!   `D` = 16: every kind of layout gives the reference's results; cached generation equals the
+//!   full forward and CP / TP decode the same tokens.
+//! - Checkpoints: a Qwen2, a Qwen3 and a Gemma 3 checkpoint save as `Qwen2ForCausalLM` /
+//!   `Qwen3ForCausalLM` / `Gemma3ForCausalLM` and load back bit for bit, whole or sharded over
+//!   TP 1, 2, 4; their biases / head norms under a config without them are refused, naming
+//!   the tensors (before: loaded and ignored, a silently different model).
 
-use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_tests::dense_llama::{max_abs, reference, reference_rows};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::{load_safetensors_dir, save_hf_tensors};
 use candle_cp_llama::layout::{CpKind, Layout};
@@ -75,100 +82,63 @@ fn qwen3() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     Ok((cfg, full))
 }
 
-/// `x [.., in] · wᵀ (+ b)`.
-fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
-    let y = x.broadcast_matmul(&w.t()?)?;
-    match b {
-        Some(b) => y.broadcast_add(b),
-        None => Ok(y),
+/// The oracle's weights as a Gemma 3 model (see the module doc): every 1-D weight redrawn as
+/// `0.3·u` (a Gemma norm multiplies by `1 + w`), the extra norms drawn alike, the head tied.
+fn gemma3() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let (cfg, mut full, _) = oracle()?;
+    let mut cfg = cfg.with_gemma3(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]));
+    cfg.rope_scaling = candle_cp_llama::RopeScaling::Linear { factor: 4.0 };
+    if let Some(g) = cfg.gemma3.as_mut() {
+        g.query_pre_attn_scalar = 24.0;
     }
-}
-
-fn rms(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
-    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
-    x.broadcast_mul(&r)?.broadcast_mul(w)
-}
-
-/// HF's `rotate_half`: `[-x2, x1]` for the halves `x1, x2` of the last dim.
-fn rotate_half(x: &Tensor) -> Result<Tensor> {
-    let d = x.dim(D::Minus1)?;
-    Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)
-}
-
-/// The model in float64 from plain candle ops: logits, mean next-token loss, and the gradient
-/// of every parameter (as f32), for `ids [B, T]` (positions `0..T` in every row).
-fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<Reference> {
-    let vars: HashMap<&str, Var> =
-        full.iter().map(|(k, t)| Ok((k.as_str(), Var::from_tensor(&t.to_dtype(DType::F64)?)?))).collect::<Result<_>>()?;
-    let p = |n: &str| -> Result<&Tensor> {
-        vars.get(n).map(|v| v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no {n}")))
-    };
-    let (b, t) = ids.dims2()?;
-    let (h, hh, hkv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-    let eps = cfg.rms_norm_eps;
-    // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
-    // test below checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on
-    // cos and sin as HF applies it
-    let inv = candle_cp_llama::rope::inv_freq(cfg);
-    let ang: Vec<f64> = (0..t).flat_map(|p| inv.iter().map(move |f| p as f64 * f)).collect();
-    let ang = Tensor::from_vec(ang, (t, d / 2), &Device::Cpu)?;
-    let ang = Tensor::cat(&[&ang, &ang], 1)?;
-    let af = cfg.rope_scaling.attention_factor();
-    let (cos, sin) = ((ang.cos()? * af)?, (ang.sin()? * af)?);
-    let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(&cos)? + rotate_half(x)?.broadcast_mul(&sin)? };
-    // causal, within the layer's window if it has one: query i sees key j iff i - w < j <= i
-    let mask = |w: Option<usize>| -> Result<Tensor> {
-        let w = w.unwrap_or(t);
-        let m: Vec<f64> = (0..t * t).map(|i| if i % t > i / t || i / t - i % t >= w { f64::NEG_INFINITY } else { 0.0 }).collect();
-        Tensor::from_vec(m, (t, t), &Device::Cpu)
-    };
-    let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
-    for l in 0..cfg.num_hidden_layers {
-        let n = |s: &str| format!("model.layers.{l}.{s}");
-        let bias = |s: &str| -> Result<Option<&Tensor>> {
-            if cfg.qkv_bias { p(&n(&format!("self_attn.{s}.bias"))).map(Some) } else { Ok(None) }
-        };
-        let hn = rms(&x, p(&n("input_layernorm.weight"))?, eps)?;
-        let heads = |s: &str, nh: usize| -> Result<Tensor> {
-            linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)
-        };
-        let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
-        if cfg.qk_norm {
-            // Qwen3: each head's D features normalised before RoPE
-            q = rms(&q, p(&n("self_attn.q_norm.weight"))?, eps)?;
-            k = rms(&k, p(&n("self_attn.k_norm.weight"))?, eps)?;
+    cfg.validate()?;
+    full.remove("lm_head.weight");
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        if spec.shape.len() == 1 {
+            full.insert(spec.name.clone(), (candle_cp_tests::rand_t(29, &spec.name, &spec.shape)? * 0.3)?);
         }
-        let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
-        // GQA: query head j uses KV head j / (H / Hkv)
-        let rep = |x: Tensor| -> Result<Tensor> {
-            x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
-        };
-        let (k, v) = (rep(k)?, rep(v)?);
-        let s = (q.matmul(&k.t()?)? / (d as f64).sqrt())?.broadcast_add(&mask(cfg.layer_window(l))?)?;
-        let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
-        let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
-        x = (x + linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?)?;
-        let hn = rms(&x, p(&n("post_attention_layernorm.weight"))?, eps)?;
-        let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
-        let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
-        x = (x + linear(&(g.silu()? * u)?, p(&n("mlp.down_proj.weight"))?, None)?)?;
     }
-    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-    let logits = linear(&rms(&x, p("model.norm.weight")?, eps)?, p(head)?, None)?;
-    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
-    let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
-    let loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
-    let store: GradStore = loss.backward()?;
-    let mut grads = HashMap::new();
-    for (k, v) in &vars {
-        let g = store.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no gradient for {k}")))?;
-        grads.insert(k.to_string(), g.to_dtype(DType::F32)?);
-    }
-    Ok(Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads })
+    Ok((cfg, full))
 }
 
-fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
-    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+/// Gemma 3 on every kind of layout, TP with and without SP: the reference; what makes it
+/// Gemma matters (the same weights read as Qwen3 give other logits).
+#[test]
+fn gemma3_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = gemma3()?;
+    let ids = oracle()?.2.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let want = reference(&full, &cfg, &ids)?;
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    for layout in layouts {
+        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
+        println!("gemma3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.ends_with("feedforward_layernorm.weight")).count(), 2 * cfg.num_hidden_layers);
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
+    let layout = Layout::cp(CpKind::Ring, 2).with_dp(2);
+    let rep = compare(&run_layout(&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, layout, &Device::Cpu)?, &reference_rows(&want)?, Tolerances::default())?;
+    println!("gemma3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+    assert!(rep.pass(), "{layout}: {rep:?}");
+    Ok(())
+}
+
+/// Cached decoding of Gemma 3 equals its full forward; CP and TP decode the same tokens.
+#[test]
+fn gemma3_generation() -> Result<()> {
+    let (cfg, full) = gemma3()?;
+    // a window of 12 on the first layer binds within the 32 + 6 tokens
+    generation((cfg.with_sliding_window(Some(12)), full))
 }
 
 /// The reference itself: the PyTorch oracle's logits, loss and gradients (no biases),
@@ -296,16 +266,6 @@ fn qwen2_with_yarn_matches_the_reference() -> Result<()> {
     Ok(())
 }
 
-/// The reference of a batch of two copies of its row: the same loss and gradients.
-fn reference_rows(r: &Reference) -> Result<Reference> {
-    Ok(Reference {
-        input_ids: Tensor::cat(&[&r.input_ids, &r.input_ids], 0)?,
-        logits: Tensor::cat(&[&r.logits, &r.logits], 0)?,
-        loss: r.loss,
-        grads: r.grads.clone(),
-    })
-}
-
 /// Cached decoding with the biases (and with Qwen3's head norms) equals the full forward; CP and TP decode the same tokens.
 #[test]
 fn qwen2_and_qwen3_generation() -> Result<()> {
@@ -390,9 +350,11 @@ fn generation((cfg, full): (LlamaConfig, HashMap<String, Tensor>)) -> Result<()>
 /// 2, 4: the KV biases replicated like their weights at 4, the head norms whole on every
 /// rank); their biases / head norms under a Llama config are refused by both loaders.
 #[test]
-fn qwen2_and_qwen3_checkpoints() -> Result<()> {
+fn qwen2_qwen3_and_gemma3_checkpoints() -> Result<()> {
     checkpoint_round_trip(qwen2(0.5)?, 6, "model.layers.0.self_attn.k_proj.bias")?;
-    checkpoint_round_trip(qwen3()?, 4, "model.layers.0.self_attn.k_norm.weight")
+    checkpoint_round_trip(qwen3()?, 4, "model.layers.0.self_attn.k_norm.weight")?;
+    // Gemma 3 read as a Llama: its head norms and extra norms are unused
+    checkpoint_round_trip(gemma3()?, 8, "model.layers.0.pre_feedforward_layernorm.weight")
 }
 
 /// `(cfg, full)` saved, read back (whole and sharded) and written again; the same tensors
@@ -429,7 +391,7 @@ fn checkpoint_round_trip((cfg, full): (LlamaConfig, HashMap<String, Tensor>), un
         }
     }
     let llama = root.join("llama");
-    save_hf_tensors(&llama, &tensors, &cfg.clone().with_qkv_bias(false).with_qk_norm(false))?;
+    save_hf_tensors(&llama, &tensors, &cfg.clone().with_gemma3(false).with_qkv_bias(false).with_qk_norm(false).with_sliding_window(None).with_sliding_layers(None))?;
     let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains(&format!("{unused} tensor(s)")) && e.contains(name) && e.contains("LlamaForCausalLM"), "{e}");
     for r in run_ranks(2, |g| {

@@ -1,0 +1,252 @@
+//! Gemma 3 (`model_type` `gemma3_text`, `Gemma3ForCausalLM`): what its `config.json` says
+//! beyond a Llama's, read and written back ([`Gemma3`], [`super::LlamaConfig::gemma3`]).
+//!
+//! A Gemma 3 layer is the Llama layer with:
+//! - the embedding output times `√h` (the factor rounded to the weights' dtype first, as
+//!   transformers' `Gemma3TextScaledWordEmbedding` does);
+//! - every RMSNorm `x̂ · (1 + w)` in f32 ([`candle_cp_nn::NormWeight::UnitOffset`]; weights
+//!   start at zeros), the head norms of Qwen 3 ([`super::LlamaConfig::qk_norm`]) included;
+//! - norms after the attention and after the MLP too (`post_attention_layernorm`,
+//!   `post_feedforward_layernorm`, each before its residual add; the norm before the MLP is
+//!   `pre_feedforward_layernorm`);
+//! - the GELU-gated MLP (`gelu_pytorch_tanh`, [`crate::fused::geglu`]);
+//! - the softmax scale `query_pre_attn_scalar^-1/2`;
+//! - the sliding window on most layers (`layer_types`, or every layer but each
+//!   `sliding_window_pattern`-th: five of six), those layers rotating by RoPE of base
+//!   `rope_local_base_freq` unscaled, the others by `rope_theta` with `rope_scaling`.
+//!
+//! Refused by name: logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`;
+//! Gemma 2's), bidirectional attention, another activation.
+
+use super::{get_f64, get_usize, parse_scaling, LlamaConfig, RopeScaling};
+use candle_core::{bail, Result};
+use serde_json::{json, Map, Value};
+
+/// What a Gemma 3 config adds to the Llama shape (see the module doc for what the
+/// architecture implies beyond these numbers).
+#[derive(Clone, Debug, PartialEq)]
+pub struct Gemma3 {
+    /// The softmax scale is `query_pre_attn_scalar^-1/2` (transformers' default 256).
+    pub query_pre_attn_scalar: f64,
+    /// RoPE base of the sliding-window layers, unscaled (`rope_local_base_freq`, default
+    /// 10000); the full-attention layers use `rope_theta` and `rope_scaling`.
+    pub rope_local_base_freq: f64,
+}
+
+impl Gemma3 {
+    /// transformers' defaults.
+    pub fn new() -> Self {
+        Self { query_pre_attn_scalar: 256.0, rope_local_base_freq: 10000.0 }
+    }
+}
+
+impl Default for Gemma3 {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The Gemma 3 keys of a `gemma3_text` config: `(gemma3, rope_theta, rope_scaling)` (the
+/// full-attention layers' RoPE; legacy `rope_theta` / `rope_scaling` / `rope_local_base_freq`,
+/// or `rope_parameters` keyed by layer type). Errors name what this model would not compute.
+pub(super) fn parse(m: &Map<String, Value>, max_pos: usize) -> Result<(Gemma3, f64, RopeScaling)> {
+    for k in ["final_logit_softcapping", "attn_logit_softcapping"] {
+        match m.get(k) {
+            None | Some(Value::Null) => {}
+            Some(v) => bail!("config.json: `{k}: {v}` not supported (Gemma 3 has no logit soft-capping; Gemma 2 does)"),
+        }
+    }
+    if m.get("use_bidirectional_attention").and_then(|v| v.as_bool()) == Some(true) {
+        bail!("config.json: `use_bidirectional_attention: true` not supported (causal language models only)")
+    }
+    for k in ["hidden_activation", "hidden_act"] {
+        match m.get(k).and_then(|v| v.as_str()) {
+            None | Some("gelu_pytorch_tanh") => {}
+            Some(a) => bail!("config.json: Gemma 3 `{k}` `{a}` not supported (only gelu_pytorch_tanh)"),
+        }
+    }
+    let mut g = Gemma3::new();
+    if let Some(s) = get_f64(m, "query_pre_attn_scalar")? {
+        g.query_pre_attn_scalar = s;
+    }
+    let (theta, scaling) = match m.get("rope_parameters") {
+        Some(Value::Object(p)) if p.contains_key("full_attention") || p.contains_key("sliding_attention") => {
+            // transformers 5: one RoPE per layer type
+            let of = |k: &str| -> Result<Map<String, Value>> {
+                match p.get(k) {
+                    Some(Value::Object(o)) => Ok(o.clone()),
+                    None | Some(Value::Null) => Ok(Map::new()),
+                    Some(v) => bail!("config.json: `rope_parameters.{k}` must be an object, got {v}"),
+                }
+            };
+            let (full, local) = (of("full_attention")?, of("sliding_attention")?);
+            if parse_scaling(&local, max_pos)? != RopeScaling::Default {
+                bail!("config.json: a scaled RoPE on Gemma 3's sliding layers (`rope_parameters.sliding_attention`) not supported")
+            }
+            if let Some(t) = get_f64(&local, "rope_theta")? {
+                g.rope_local_base_freq = t;
+            }
+            (get_f64(&full, "rope_theta")?.unwrap_or(1_000_000.0), parse_scaling(&full, max_pos)?)
+        }
+        Some(Value::Object(p)) => {
+            if let Some(t) = get_f64(m, "rope_local_base_freq")? {
+                g.rope_local_base_freq = t;
+            }
+            (get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(1_000_000.0), parse_scaling(p, max_pos)?)
+        }
+        _ => {
+            if let Some(t) = get_f64(m, "rope_local_base_freq")? {
+                g.rope_local_base_freq = t;
+            }
+            let scaling = match m.get("rope_scaling") {
+                Some(Value::Object(s)) => parse_scaling(s, max_pos)?,
+                None | Some(Value::Null) => RopeScaling::Default,
+                Some(other) => bail!("config.json: `rope_scaling` must be an object or null, got {other}"),
+            };
+            (get_f64(m, "rope_theta")?.unwrap_or(1_000_000.0), scaling)
+        }
+    };
+    Ok((g, theta, scaling))
+}
+
+/// Gemma 3's defaults where a `gemma3_text` config.json leaves a key out:
+/// `(tie_word_embeddings, max_position_embeddings, sliding_window)` (`head_dim`: 256).
+pub(super) fn defaults(m: &Map<String, Value>) -> Result<(bool, usize, Option<usize>)> {
+    let window = match m.get("sliding_window") {
+        None => Some(4096),
+        Some(_) => super::parse_window(m)?,
+    };
+    Ok((
+        m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(true),
+        get_usize(m, "max_position_embeddings")?.unwrap_or(131072),
+        window,
+    ))
+}
+
+/// Turn the Llama keys `to_hf_json` wrote into a Gemma 3 config: the activation, the scale,
+/// both RoPE bases in the legacy keys (what the published checkpoints carry, and what
+/// transformers 4 and 5 both read), `layer_types` (plus `sliding_window_pattern` when the
+/// layers follow one), no soft-capping.
+pub(super) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, g: &Gemma3) {
+    for k in ["hidden_act", "mlp_bias", "pretraining_tp", "rope_parameters"] {
+        m.remove(k);
+    }
+    m.insert("hidden_activation".into(), json!("gelu_pytorch_tanh"));
+    m.insert("query_pre_attn_scalar".into(), json!(g.query_pre_attn_scalar));
+    m.insert("rope_local_base_freq".into(), json!(g.rope_local_base_freq));
+    m.insert("final_logit_softcapping".into(), Value::Null);
+    m.insert("attn_logit_softcapping".into(), Value::Null);
+    let n = cfg.num_hidden_layers;
+    let slides: Vec<bool> = (0..n).map(|i| cfg.layer_window(i).is_some()).collect();
+    let types: Vec<&str> = slides.iter().map(|&s| if s { "sliding_attention" } else { "full_attention" }).collect();
+    m.insert("layer_types".into(), json!(types));
+    // transformers before `layer_types`: layer i slides iff (i + 1) % pattern != 0
+    if let Some(p) = (1..=n + 1).find(|&p| slides.iter().enumerate().all(|(i, &s)| s != (i + 1).is_multiple_of(p))) {
+        m.insert("sliding_window_pattern".into(), json!(p));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::{Arch, LlamaConfig};
+
+    /// google/gemma-3-1b-pt's config.json as published (transformers 4.50).
+    const GEMMA3_1B: &str = r#"{
+      "architectures": ["Gemma3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "attn_logit_softcapping": null, "bos_token_id": 2, "cache_implementation": "hybrid",
+      "eos_token_id": 1, "final_logit_softcapping": null, "head_dim": 256,
+      "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 1152, "initializer_range": 0.02,
+      "intermediate_size": 6912, "max_position_embeddings": 32768, "model_type": "gemma3_text",
+      "num_attention_heads": 4, "num_hidden_layers": 26, "num_key_value_heads": 1,
+      "pad_token_id": 0, "query_pre_attn_scalar": 256, "rms_norm_eps": 1e-06,
+      "rope_local_base_freq": 10000, "rope_scaling": null, "rope_theta": 1000000,
+      "sliding_window": 512, "sliding_window_pattern": 6, "torch_dtype": "bfloat16",
+      "transformers_version": "4.50.0.dev0", "use_cache": true, "vocab_size": 262144
+    }"#;
+
+    fn with(extra: &str) -> String {
+        GEMMA3_1B.replacen('{', &format!("{{{extra}"), 1)
+    }
+
+    #[test]
+    fn published_config_reads_and_round_trips() -> Result<()> {
+        let c = LlamaConfig::from_json(GEMMA3_1B)?;
+        assert_eq!(c.arch(), Arch::Gemma3);
+        assert_eq!((c.head_dim, c.num_attention_heads, c.num_key_value_heads, c.vocab_size), (256, 4, 1, 262144));
+        assert!(c.tie_word_embeddings && c.qk_norm && !c.qkv_bias);
+        assert_eq!((c.rope_theta, c.rope_scaling.clone()), (1e6, RopeScaling::Default));
+        assert_eq!(c.gemma3, Some(Gemma3 { query_pre_attn_scalar: 256.0, rope_local_base_freq: 10000.0 }));
+        assert_eq!(c.attn_scale(), 1.0 / 16.0);
+        assert_eq!(c.activation(), crate::fused::Activation::GeluTanh);
+        // five sliding layers of every six: layers 5, 11, 17, 23 attend fully, with the global RoPE
+        let full: Vec<usize> = (0..26).filter(|&i| c.layer_window(i).is_none()).collect();
+        assert_eq!(full, vec![5, 11, 17, 23]);
+        assert!(c.layer_rope_is_local(0) && !c.layer_rope_is_local(5));
+        assert_eq!(c.layer_rope(0).rope_theta, 10000.0);
+        assert_eq!(c.layer_rope(5).rope_theta, 1e6);
+        // √1152 = 33.94 in bf16: 34.0 (transformers casts the factor to the weights' dtype)
+        assert_eq!(c.embed_scale(candle_core::DType::BF16)?, Some(34.0));
+        assert!((c.embed_scale(candle_core::DType::F32)?.unwrap_or(0.0) - 1152f64.sqrt()).abs() < 1e-5);
+        let text = c.to_hf_json("bfloat16");
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("gemma3_text"), Some("Gemma3ForCausalLM")));
+        assert_eq!(v["hidden_activation"].as_str(), Some("gelu_pytorch_tanh"));
+        assert_eq!(v["sliding_window_pattern"].as_u64(), Some(6));
+        assert_eq!(v["layer_types"].as_array().map(|a| a.len()), Some(26));
+        assert!(v.get("hidden_act").is_none() && v.get("rope_parameters").is_none(), "{text}");
+        assert!(v["final_logit_softcapping"].is_null());
+        assert_eq!(LlamaConfig::from_json(&text)?, c);
+        Ok(())
+    }
+
+    #[test]
+    fn other_spellings_and_defaults() -> Result<()> {
+        // gemma-3-4b's linear scaling of the global RoPE
+        let c = LlamaConfig::from_json(&with(r#""rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "#).replace(r#""rope_scaling": null,"#, ""))?;
+        assert_eq!(c.rope_scaling, RopeScaling::Linear { factor: 8.0 });
+        assert_eq!(c.layer_rope(0).rope_scaling, RopeScaling::Default);
+        assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);
+        // transformers 5: one RoPE per layer type
+        let v5 = GEMMA3_1B.replace(r#""rope_scaling": null, "rope_theta": 1000000,"#, "").replace(r#""rope_local_base_freq": 10000,"#, "");
+        let v5 = v5.replacen('{', r#"{"rope_parameters": {"full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1000000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}, "#, 1);
+        let c5 = LlamaConfig::from_json(&v5)?;
+        assert_eq!((c5.rope_theta, c5.rope_scaling.clone(), c5.gemma3.clone()), (1e6, RopeScaling::Linear { factor: 8.0 }, c.gemma3.clone()));
+        // layer_types wins over the pattern; an absent window is 4096; absent ties are tied
+        let types: Vec<&str> = (0..26).map(|i| if i % 2 == 0 { "sliding_attention" } else { "full_attention" }).collect();
+        let c = LlamaConfig::from_json(&with(&format!(r#""layer_types": {}, "#, serde_json::json!(types))))?;
+        assert_eq!((c.layer_window(0), c.layer_window(1)), (Some(512), None));
+        let c = LlamaConfig::from_json(&GEMMA3_1B.replace(r#""sliding_window": 512,"#, ""))?;
+        assert_eq!(c.sliding_window, Some(4096));
+        let c = LlamaConfig::from_json(&GEMMA3_1B.replace(r#""head_dim": 256,"#, "").replace(r#""query_pre_attn_scalar": 256,"#, ""))?;
+        assert_eq!((c.head_dim, c.attn_scale()), (256, 1.0 / 16.0));
+        Ok(())
+    }
+
+    #[test]
+    fn what_gemma3_does_not_compute_is_refused() {
+        let err = |text: &str| LlamaConfig::from_json(text).err().map(|e| e.to_string()).unwrap_or_default();
+        for (text, want) in [
+            (GEMMA3_1B.replace(r#""final_logit_softcapping": null"#, r#""final_logit_softcapping": 30.0"#), "final_logit_softcapping: 30.0"),
+            (GEMMA3_1B.replace(r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 50.0"#), "attn_logit_softcapping"),
+            (GEMMA3_1B.replace("gelu_pytorch_tanh", "gelu"), "`gelu` not supported"),
+            (with(r#""use_bidirectional_attention": true, "#), "use_bidirectional_attention"),
+            (GEMMA3_1B.replace(r#""model_type": "gemma3_text""#, r#""model_type": "gemma3""#).replace("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "text_config"),
+            (GEMMA3_1B.replace(r#""sliding_window_pattern": 6"#, r#""sliding_window_pattern": 0"#), "sliding_window_pattern"),
+            (with(r#""rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}, "#), "sliding layers"),
+        ] {
+            let e = err(&text);
+            assert!(e.contains(want), "{want}: {e:?}");
+        }
+        let mut c = LlamaConfig::tiny(64, 32, 2, 4, 2).with_gemma3(true);
+        assert!(c.validate().is_ok());
+        c.qk_norm = false;
+        assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("head norms"));
+        let mut c = LlamaConfig::tiny(64, 32, 2, 4, 2).with_gemma3(true);
+        if let Some(g) = c.gemma3.as_mut() {
+            g.query_pre_attn_scalar = 0.0;
+        }
+        assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("query_pre_attn_scalar"));
+    }
+}

@@ -1,0 +1,156 @@
+//! A dense float64 model from plain candle ops, the reference of the architecture tests
+//! (`llama_archs.rs`): embedding, RMSNorm, (biased) projections, q / k head
+//! norms, RoPE by HF's `rotate_half`, dense softmax attention with GQA under a causal mask
+//! (within each layer's window), the gated MLP, head, next-token cross-entropy; candle's
+//! autograd for every gradient. It first reproduces the PyTorch oracle (`llama_archs.rs`), so
+//! the Llama part is checked against PyTorch; each architecture's differences are written
+//! here from transformers' modelling code, in the plainest form:
+//!
+//! - Qwen2: `+ b` on the q, k, v projections; Qwen3: `rms(q)·w`, `rms(k)·w` per head before
+//!   RoPE.
+//! - Gemma 3: embedding × `√h` (rounded to f32, the weights' dtype in the tests); every norm
+//!   `x / √(mean(x²) + eps) · (1 + w)`; `x + norm(attn(..))` and `x + norm(mlp(..))`;
+//!   `gelu_tanh(gate)·up`; scale `query_pre_attn_scalar^-1/2`; sliding layers rotate by
+//!   `rope_local_base_freq^(-2i/D)`, unscaled.
+
+use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
+use candle_cp_llama::verify::Reference;
+use candle_cp_llama::LlamaConfig;
+use std::collections::HashMap;
+
+/// `x [.., in] · wᵀ (+ b)`.
+pub fn linear(x: &Tensor, w: &Tensor, b: Option<&Tensor>) -> Result<Tensor> {
+    let y = x.broadcast_matmul(&w.t()?)?;
+    match b {
+        Some(b) => y.broadcast_add(b),
+        None => Ok(y),
+    }
+}
+
+/// RMSNorm, Llama's `x̂·w` or Gemma's `x̂·(1 + w)`.
+pub fn rms(x: &Tensor, w: &Tensor, eps: f64, gemma: bool) -> Result<Tensor> {
+    let r = (x.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?.recip()?;
+    let w = if gemma { (w + 1.0)? } else { w.clone() };
+    x.broadcast_mul(&r)?.broadcast_mul(&w)
+}
+
+/// HF's `rotate_half`: `[-x2, x1]` for the halves `x1, x2` of the last dim.
+fn rotate_half(x: &Tensor) -> Result<Tensor> {
+    let d = x.dim(D::Minus1)?;
+    Tensor::cat(&[&x.narrow(D::Minus1, d / 2, d / 2)?.neg()?, &x.narrow(D::Minus1, 0, d / 2)?], D::Minus1)
+}
+
+/// `(cos, sin)` `[T, D]` of the frequencies `inv` (`[D/2]`) at positions `0..t`, times `af`.
+fn tables(inv: &[f64], t: usize, af: f64) -> Result<(Tensor, Tensor)> {
+    let ang: Vec<f64> = (0..t).flat_map(|p| inv.iter().map(move |f| p as f64 * f)).collect();
+    let ang = Tensor::from_vec(ang, (t, inv.len()), &Device::Cpu)?;
+    let ang = Tensor::cat(&[&ang, &ang], 1)?;
+    Ok(((ang.cos()? * af)?, (ang.sin()? * af)?))
+}
+
+/// The model in float64 from plain candle ops: logits, mean next-token loss, and the gradient
+/// of every parameter (as f32), for `ids [B, T]` (positions `0..T` in every row).
+pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<Reference> {
+    let vars: HashMap<&str, Var> =
+        full.iter().map(|(k, t)| Ok((k.as_str(), Var::from_tensor(&t.to_dtype(DType::F64)?)?))).collect::<Result<_>>()?;
+    let p = |n: &str| -> Result<&Tensor> {
+        vars.get(n).map(|v| v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no {n}")))
+    };
+    let (b, t) = ids.dims2()?;
+    let (h, hh, hkv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
+    let (eps, gemma) = (cfg.rms_norm_eps, cfg.gemma3.clone());
+    let norm = |x: &Tensor, name: &str| rms(x, p(name)?, eps, gemma.is_some());
+    // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
+    // test checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on cos and
+    // sin as HF applies it; Gemma's sliding layers: their own base, unscaled
+    let global = tables(&candle_cp_llama::rope::inv_freq(cfg), t, cfg.rope_scaling.attention_factor())?;
+    let local = match &gemma {
+        Some(g) => Some(tables(&(0..d / 2).map(|i| g.rope_local_base_freq.powf(-2.0 * i as f64 / d as f64)).collect::<Vec<_>>(), t, 1.0)?),
+        None => None,
+    };
+    // causal, within the layer's window if it has one: query i sees key j iff i - w < j <= i
+    let mask = |w: Option<usize>| -> Result<Tensor> {
+        let w = w.unwrap_or(t);
+        let m: Vec<f64> = (0..t * t).map(|i| if i % t > i / t || i / t - i % t >= w { f64::NEG_INFINITY } else { 0.0 }).collect();
+        Tensor::from_vec(m, (t, t), &Device::Cpu)
+    };
+    let scale = match &gemma {
+        Some(g) => g.query_pre_attn_scalar.powf(-0.5),
+        None => (d as f64).powf(-0.5),
+    };
+    let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
+    if gemma.is_some() {
+        x = (x * ((h as f64).sqrt() as f32) as f64)?;
+    }
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("model.layers.{l}.{s}");
+        let bias = |s: &str| -> Result<Option<&Tensor>> {
+            if cfg.qkv_bias { p(&n(&format!("self_attn.{s}.bias"))).map(Some) } else { Ok(None) }
+        };
+        let window = cfg.layer_window(l);
+        let (cos, sin) = match (&local, window) {
+            (Some(loc), Some(_)) => loc,
+            _ => &global,
+        };
+        let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)? };
+        let hn = norm(&x, &n("input_layernorm.weight"))?;
+        let heads = |s: &str, nh: usize| -> Result<Tensor> {
+            linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)
+        };
+        let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
+        if cfg.qk_norm {
+            // Qwen3, Gemma 3: each head's D features normalised before RoPE
+            q = norm(&q, &n("self_attn.q_norm.weight"))?;
+            k = norm(&k, &n("self_attn.k_norm.weight"))?;
+        }
+        let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
+        // GQA: query head j uses KV head j / (H / Hkv)
+        let rep = |x: Tensor| -> Result<Tensor> {
+            x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
+        };
+        let (k, v) = (rep(k)?, rep(v)?);
+        let s = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask(window)?)?;
+        let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
+        let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
+        let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?;
+        let (pre_mlp, o) = match gemma {
+            Some(_) => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
+            None => ("post_attention_layernorm.weight", o),
+        };
+        x = (x + o)?;
+        let hn = norm(&x, &n(pre_mlp))?;
+        let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
+        let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
+        let act = if gemma.is_some() { g.gelu()? } else { g.silu()? };
+        let m = linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?;
+        let m = if gemma.is_some() { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
+        x = (x + m)?;
+    }
+    let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
+    let logits = linear(&norm(&x, "model.norm.weight")?, p(head)?, None)?;
+    let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
+    let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
+    let loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
+    let store: GradStore = loss.backward()?;
+    let mut grads = HashMap::new();
+    for (k, v) in &vars {
+        let g = store.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no gradient for {k}")))?;
+        grads.insert(k.to_string(), g.to_dtype(DType::F32)?);
+    }
+    Ok(Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads })
+}
+
+/// Max |a - b| in f64.
+pub fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
+    (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()
+}
+
+/// The reference of a batch of two copies of its row: the same loss and gradients.
+pub fn reference_rows(r: &Reference) -> Result<Reference> {
+    Ok(Reference {
+        input_ids: Tensor::cat(&[&r.input_ids, &r.input_ids], 0)?,
+        logits: Tensor::cat(&[&r.logits, &r.logits], 0)?,
+        loss: r.loss,
+        grads: r.grads.clone(),
+    })
+}
