@@ -101,8 +101,7 @@ fn gemma3() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     Ok((cfg, full))
 }
 
-/// Gemma 3 on every kind of layout, TP with and without SP: the reference; what makes it
-/// Gemma matters (the same weights read as Qwen3 give other logits).
+/// Gemma 3 on every kind of layout, TP with and without SP, and DP: the reference.
 #[test]
 fn gemma3_on_every_layout_matches_the_reference() -> Result<()> {
     let (cfg, full) = gemma3()?;
@@ -119,17 +118,23 @@ fn gemma3_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::single().with_tp(4, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
     ];
-    for layout in layouts {
-        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
-        println!("gemma3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.ends_with("feedforward_layernorm.weight")).count(), 2 * cfg.num_hidden_layers);
-        assert!(rep.pass(), "{layout}: {rep:?}");
+    let extra = |k: &str| k.ends_with("feedforward_layernorm.weight");
+    on_layouts("gemma3", (&full, &cfg, &ids, &want), &layouts, (&extra, 2 * cfg.num_hidden_layers))?;
+    on_layouts("gemma3", (&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, &reference_rows(&want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], (&extra, 2 * cfg.num_hidden_layers))
+}
+
+/// The model `(full, cfg)` on `ids` on each of `layouts` against `want` within the oracle's
+/// tolerances, every parameter compared, `count` of them those `extra` names (the
+/// architecture's own).
+type Case<'a> = (&'a HashMap<String, Tensor>, &'a LlamaConfig, &'a Tensor, &'a Reference);
+fn on_layouts(label: &str, (full, cfg, ids, want): Case<'_>, layouts: &[Layout], (extra, count): (&dyn Fn(&str) -> bool, usize)) -> Result<()> {
+    for &layout in layouts {
+        let rep = compare(&run_layout(full, cfg, ids, layout, &Device::Cpu)?, want, Tolerances::default())?;
+        println!("{label} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| extra(k)).count(), count, "{label} {layout}");
+        assert!(rep.pass(), "{label} {layout}: {rep:?}");
     }
-    let layout = Layout::cp(CpKind::Ring, 2).with_dp(2);
-    let rep = compare(&run_layout(&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, layout, &Device::Cpu)?, &reference_rows(&want)?, Tolerances::default())?;
-    println!("gemma3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
-    assert!(rep.pass(), "{layout}: {rep:?}");
     Ok(())
 }
 
@@ -185,19 +190,9 @@ fn qwen2_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::single().with_tp(4, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
     ];
-    for layout in layouts {
-        let run = run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?;
-        let rep = compare(&run, &want, Tolerances::default())?;
-        println!("qwen2 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.ends_with(".bias")).count(), 3 * cfg.num_hidden_layers);
-        assert!(rep.pass(), "{layout}: {rep:?}");
-    }
-    let layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2);
-    let rep = compare(&run_layout(&full, &cfg, &two_rows, layout, &Device::Cpu)?, &two_ref, Tolerances::default())?;
-    println!("qwen2 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
-    assert!(rep.pass(), "{layout}: {rep:?}");
-    Ok(())
+    let biases = |k: &str| k.ends_with(".bias");
+    on_layouts("qwen2", (&full, &cfg, &ids, &want), &layouts, (&biases, 3 * cfg.num_hidden_layers))?;
+    on_layouts("qwen2", (&full, &cfg, &two_rows, &two_ref), &[Layout::cp(CpKind::Zigzag, 2).with_dp(2)], (&biases, 3 * cfg.num_hidden_layers))
 }
 
 /// Qwen3's head norms on every kind of layout, TP with and without SP: the reference.
@@ -223,18 +218,10 @@ fn qwen3_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::cp(CpKind::Ring, 2).with_tp(2, false),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
     ];
-    for layout in layouts {
-        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
-        println!("qwen3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| k.contains("_norm.weight") && k.contains("self_attn")).count(), 2 * cfg.num_hidden_layers);
-        assert!(rep.pass(), "{layout}: {rep:?}");
-    }
-    let layout = Layout::single().with_tp(2, false).with_dp(2);
-    let rep = compare(&run_layout(&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, layout, &Device::Cpu)?, &reference_rows(&want)?, Tolerances::default())?;
-    println!("qwen3 {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
-    assert!(rep.pass(), "{layout}: {rep:?}");
-    Ok(())
+    let head_norms = |k: &str| k.contains("_norm.weight") && k.contains("self_attn");
+    on_layouts("qwen3", (&full, &cfg, &ids, &want), &layouts, (&head_norms, 2 * cfg.num_hidden_layers))?;
+    let two = (&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, &reference_rows(&want)?);
+    on_layouts("qwen3", two, &[Layout::single().with_tp(2, false).with_dp(2)], (&head_norms, 2 * cfg.num_hidden_layers))
 }
 
 /// Qwen2 with YaRN (factor 4 over an original length of 64, so that the ramp and the
@@ -301,12 +288,7 @@ fn per_layer_windows_match_the_reference() -> Result<()> {
             Layout::single().with_tp(2, true),
             Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
         ];
-        for layout in layouts {
-            let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
-            println!("window 40 on layers {layers:?} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-            assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-            assert!(rep.pass(), "{layers:?} {layout}: {rep:?}");
-        }
+        on_layouts(&format!("window 40 on layers {layers:?}"), (&full, &cfg, &ids, &want), &layouts, (&|_: &str| false, 0))?;
     }
     Ok(())
 }
