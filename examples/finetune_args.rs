@@ -1,0 +1,318 @@
+//! `finetune_llama`'s flags ([`Args`]) and what they build: the layout, the data source.
+//! Included by `finetune_llama.rs` with `#[path]`.
+
+use anyhow::{bail, Context, Result};
+use candle_cp_llama::train::{DataSource, KvRecall, PackedStream, TokenStream};
+use candle_cp_llama::{CpKind, HeadLayout, Layout, RowSums};
+use clap::Parser;
+use std::path::PathBuf;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Fine-tune a Llama-style model with context parallelism (thread ranks on CPU, or GPUs)"
+)]
+pub(crate) struct Args {
+    /// Global sequence length T (tokens per row, split over the CP ranks).
+    #[arg(long, default_value_t = 512)]
+    pub(crate) seq_len: usize,
+    /// Context-parallel degree.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) cp: usize,
+    /// CP algorithm: ring, zigzag, striped, allgather, ulysses, 2d.
+    #[arg(long, default_value = "zigzag")]
+    pub(crate) cp_kind: String,
+    /// Ulysses degree for --cp-kind 2d (cp = ulysses · ring).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) ulysses: usize,
+    /// With --cp-kind ulysses or 2d: keep only the sequence layout of q, k, v and the
+    /// attention output for the backward, which all-to-alls them to heads again (less
+    /// activation memory, 50% more all-to-all volume). Same training, bit for bit.
+    #[arg(long)]
+    pub(crate) regather_heads: bool,
+    /// bf16 / f16: where the attention backward's row sums take the output from. f32: the f32
+    /// output (its bf16 rounding residual kept, 2 bytes per attention output element; dq and
+    /// dk as accurate as with f32 outputs); output: the returned 16-bit output (nothing kept,
+    /// FlashAttention's choice). [default: f32 for the ring kinds and 2d, output on one device
+    /// and for ulysses]
+    #[arg(long)]
+    pub(crate) row_sums: Option<String>,
+    /// Tensor-parallel degree.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) tp: usize,
+    /// Megatron sequence parallelism inside the TP group.
+    #[arg(long)]
+    pub(crate) sp: bool,
+    /// Data-parallel degree (gradients all-reduced over DP × CP).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) dp: usize,
+    /// Optimizer steps.
+    #[arg(long, default_value_t = 400)]
+    pub(crate) steps: usize,
+    /// Peak learning rate.
+    #[arg(long, default_value_t = 1e-2)]
+    pub(crate) lr: f64,
+    /// Warmup steps (linear), then cosine decay.
+    #[arg(long, default_value_t = 10)]
+    pub(crate) warmup: usize,
+    /// Final learning rate as a fraction of --lr.
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) min_lr_ratio: f64,
+    /// AdamW weight decay (matrices only).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) weight_decay: f64,
+    /// Clip the global gradient norm (0 = off).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) clip: f64,
+    /// Global rows per micro-batch (default: 4 for the synthetic task, else dp; must be a
+    /// multiple of dp).
+    #[arg(long)]
+    pub(crate) batch: Option<usize>,
+    /// Micro-batches per optimizer step.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) grad_accum: usize,
+    /// Run seed (initial weights, data).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) seed: u64,
+    /// Text file to fine-tune on (byte-level tokens unless --tokenizer).
+    #[arg(long)]
+    pub(crate) data: Option<PathBuf>,
+    /// HF tokenizer.json for --data.
+    #[arg(long)]
+    pub(crate) tokenizer: Option<PathBuf>,
+    /// Pack documents: split --data into documents on --doc-separator (blank lines) and fill
+    /// each sequence with consecutive documents (the last one cut). Attention stays inside a
+    /// document, RoPE positions restart per document, and no document's last token is trained
+    /// to predict the next document; the CP shards cut documents anywhere (no padding).
+    /// Needs --data (the synthetic task is one sequence per row).
+    #[arg(long)]
+    pub(crate) pack_docs: bool,
+    /// Document separator for --pack-docs (`\n` means a newline).
+    #[arg(long, default_value = "\\n\\n")]
+    pub(crate) doc_separator: String,
+    /// HF Llama checkpoint directory to start from (default: random init).
+    #[arg(long)]
+    pub(crate) model: Option<PathBuf>,
+    /// Output directory: metrics.jsonl, loss.png, checkpoints/.
+    #[arg(long, default_value = "runs/finetune")]
+    pub(crate) out: PathBuf,
+    /// Checkpoint every N steps (0 = only at the end).
+    #[arg(long, default_value_t = 100)]
+    pub(crate) save_every: usize,
+    /// Keep the newest N checkpoints (0 = all).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) keep: usize,
+    /// Continue from the newest checkpoint in --out.
+    #[arg(long)]
+    pub(crate) resume: bool,
+    /// Stop after this step without the final checkpoint (simulates a killed run).
+    #[arg(long)]
+    pub(crate) stop_after: Option<usize>,
+    /// Causal sliding-window attention (Mistral `sliding_window`): each token attends to
+    /// itself and the N - 1 tokens before it, on every layout (and within each document with
+    /// --pack-docs). Overrides the `sliding_window` of a --model checkpoint's config.json,
+    /// which is used otherwise; default: none (full causal attention).
+    #[arg(long)]
+    pub(crate) sliding_window: Option<usize>,
+    /// Random-init model width.
+    #[arg(long, default_value_t = 64)]
+    pub(crate) hidden: usize,
+    /// Random-init model depth.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) layers: usize,
+    /// Random-init query heads.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) heads: usize,
+    /// Random-init KV heads.
+    #[arg(long, default_value_t = 2)]
+    pub(crate) kv_heads: usize,
+    /// Random-init model with biases on the q, k, v projections (Qwen2; saved as
+    /// `Qwen2ForCausalLM`). A --model checkpoint's config.json says for itself.
+    #[arg(long)]
+    pub(crate) qkv_bias: bool,
+    /// Random-init model with RMSNorms over each q and k head before RoPE (Qwen3; saved as
+    /// `Qwen3ForCausalLM`). A --model checkpoint's config.json says for itself.
+    #[arg(long)]
+    pub(crate) qk_norm: bool,
+    /// Random-init Gemma 3 model (`Gemma3ForCausalLM`: `1 + w` norms, norms after attention and
+    /// MLP, GELU MLP, scaled embedding, tied head; with --sliding-window, the window on all
+    /// but every sixth layer, which rotate by a RoPE of their own).
+    #[arg(long)]
+    pub(crate) gemma3: bool,
+    /// Random-init vocabulary size: at least what the data needs (the default); larger
+    /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
+    /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.
+    #[arg(long)]
+    pub(crate) vocab: Option<usize>,
+    /// Recall task: number of keys (each sequence draws a random key→value map).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) keys: usize,
+    /// Recall task: number of values (chance long-range loss is ln(values)).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) values: usize,
+    /// Recall task: queries (distinct keys) per sequence; default min(keys, T/8).
+    #[arg(long)]
+    pub(crate) queries: Option<usize>,
+    /// Recall task: store a pair as two tokens `k v` (needs an induction circuit: learns
+    /// much more slowly) instead of one fused token.
+    #[arg(long)]
+    pub(crate) unfused: bool,
+    /// Training objective: `all` next-token targets, or `long-range` targets only (answer-only
+    /// loss). Default: long-range for the synthetic task, all for --data. With long-range,
+    /// the progress line also shows the (untrained) all-target loss as `all`.
+    #[arg(long)]
+    pub(crate) loss_on: Option<String>,
+    /// Compute device of the ranks: cpu, or cuda (build with `--features cuda`; with --comm
+    /// threads rank r uses GPU r % --gpus, several ranks may share one GPU).
+    #[arg(long, default_value = "cpu")]
+    pub(crate) device: String,
+    /// GPUs to spread the ranks over with --device cuda (--comm nccl: one rank per GPU, so at
+    /// least as many as the layout has ranks).
+    #[arg(long, default_value_t = 1)]
+    pub(crate) gpus: usize,
+    /// Collectives: `threads` (ranks are threads of this process; tensors cross devices
+    /// through the host) or `nccl` (GPUs only, build with `--features nccl`): one thread per
+    /// GPU in this process, or, when RANK and WORLD_SIZE are set (a launcher started one
+    /// process per GPU), this process's rank (LOCAL_RANK = its GPU, the NCCL id through
+    /// MASTER_ADDR:MASTER_PORT or CANDLE_CP_NCCL_ID_FILE).
+    #[arg(long, default_value = "threads")]
+    pub(crate) comm: String,
+    /// Weight dtype: f32, bf16 or f16 (low precision is meant for GPUs).
+    #[arg(long, default_value = "f32")]
+    pub(crate) dtype: String,
+    /// ZeRO-1: split the optimizer state over the DP x CP replicas (1/(dp·cp) of it per rank;
+    /// same training, same checkpoints).
+    #[arg(long)]
+    pub(crate) zero1: bool,
+    /// ZeRO-2: --zero1, and the replicas' gradients reduce-scattered into f32 slices after
+    /// every micro-batch instead of accumulated whole (less memory with --grad-accum > 1).
+    #[arg(long)]
+    pub(crate) zero2: bool,
+    /// Recompute every decoder layer in backward instead of keeping its activations (less
+    /// memory at long context, about one more forward of the layers).
+    #[arg(long)]
+    pub(crate) recompute: bool,
+    /// With --recompute: start each layer's gradient reduction over the DP x CP replicas as
+    /// soon as its backward is done (on a communicator of its own), overlapping the rest of
+    /// the backward. Same training, bit for bit.
+    #[arg(long, requires = "recompute")]
+    pub(crate) overlap_grad_sync: bool,
+    /// With --zero1 or --zero2: start the all-gathers of the updated parameters after the
+    /// optimizer step and wait for each layer's only when the next forward reaches it (the
+    /// later layers' parameters travel while the earlier ones compute). Same training.
+    #[arg(long)]
+    pub(crate) overlap_param_gather: bool,
+    /// Collective timeout in seconds.
+    #[arg(long, default_value_t = 600)]
+    pub(crate) timeout: u64,
+}
+
+pub(crate) fn layout(a: &Args) -> Result<Layout> {
+    let kind: CpKind = a.cp_kind.parse()?;
+    let l = match kind {
+        CpKind::TwoD => {
+            if !a.cp.is_multiple_of(a.ulysses) {
+                bail!(
+                    "--cp {} must be a multiple of --ulysses {}",
+                    a.cp,
+                    a.ulysses
+                )
+            }
+            Layout::two_d(a.ulysses, a.cp / a.ulysses)
+        }
+        k => Layout::cp(k, a.cp),
+    };
+    if a.regather_heads && !matches!(kind, CpKind::Ulysses | CpKind::TwoD) {
+        bail!("--regather-heads applies to --cp-kind ulysses or 2d, not {kind}")
+    }
+    let heads = if a.regather_heads { HeadLayout::Regathered } else { HeadLayout::Kept };
+    let mut l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads);
+    match a.row_sums.as_deref() {
+        None => {}
+        Some("f32") => l = l.with_row_sums(RowSums::F32),
+        Some("output") => l = l.with_row_sums(RowSums::Output),
+        Some(x) => bail!("--row-sums {x}: expected f32 or output"),
+    }
+    l.check_degrees()?;
+    Ok(l)
+}
+
+pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
+    if a.pack_docs && a.data.is_none() {
+        bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
+    }
+    let Some(path) = &a.data else {
+        let mut t = KvRecall::new(a.seq_len)?;
+        t.n_keys = a.keys;
+        t.n_values = a.values;
+        t.n_queries = a.queries.unwrap_or(a.keys.min(a.seq_len / 8));
+        t.fused = !a.unfused;
+        t.validate()?;
+        let desc = format!(
+            "synthetic key→value recall: {} keys stored in [T/4, T/2), {} queries in the last quarter (chance long-range loss ln {} = {:.2})",
+            t.n_keys,
+            t.long_range_targets(),
+            t.n_values,
+            (t.n_values as f64).ln()
+        );
+        return Ok((DataSource::Recall(t), desc));
+    };
+    let bytes =
+        std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?;
+    if a.pack_docs {
+        return packed_source(a, path, &bytes);
+    }
+    let stream = match &a.tokenizer {
+        None => TokenStream::from_bytes(&bytes),
+        Some(tp) => {
+            let tok = tokenizers::Tokenizer::from_file(tp)
+                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let text = String::from_utf8_lossy(&bytes);
+            let enc = tok
+                .encode(text.as_ref(), false)
+                .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+            TokenStream {
+                tokens: enc.get_ids().to_vec(),
+            }
+        }
+    };
+    let desc = format!(
+        "{} ({} tokens, {})",
+        path.display(),
+        stream.tokens.len(),
+        if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
+    );
+    Ok((DataSource::Text(stream), desc))
+}
+
+/// `--pack-docs`: the documents of `bytes`, byte-level or through --tokenizer (each
+/// document tokenised on its own).
+fn packed_source(a: &Args, path: &std::path::Path, bytes: &[u8]) -> Result<(DataSource, String)> {
+    let sep = a.doc_separator.replace("\\n", "\n");
+    let stream = match &a.tokenizer {
+        None => PackedStream::from_bytes(bytes, sep.as_bytes())?,
+        Some(tp) => {
+            let tok = tokenizers::Tokenizer::from_file(tp)
+                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let docs = candle_cp_llama::train::packed_data::split_documents(bytes, sep.as_bytes())?
+                .into_iter()
+                .map(|d| {
+                    let enc = tok
+                        .encode(String::from_utf8_lossy(d).as_ref(), false)
+                        .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
+                    Ok(enc.get_ids().to_vec())
+                })
+                .collect::<Result<Vec<_>>>()?;
+            PackedStream::from_documents(docs)?
+        }
+    };
+    let desc = format!(
+        "{} ({} tokens in {} documents of {:.1} tokens on average, split on {:?}, {}), packed",
+        path.display(),
+        stream.len(),
+        stream.count(),
+        stream.mean_doc_len(),
+        sep,
+        if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
+    );
+    Ok((DataSource::Packed(stream), desc))
+}
