@@ -351,6 +351,8 @@ mod tests {
         let plain = w.clone().with_qk_norm(false).with_sliding_layers(Some(vec![true, false, true]));
         assert!(msg(plain).contains("Qwen2 or Qwen3"));
         assert_eq!(w.clone().with_sliding_layers(Some(vec![true; 3])).sliding_layers, None);
+        let none = w.clone().with_sliding_layers(Some(vec![false; 3]));
+        assert_eq!((none.sliding_window, none.sliding_layers), (None, None));
         assert_eq!(w.with_sliding_layers(Some(vec![false, true, false])).layer_window(1), Some(8));
     }
 }

@@ -474,10 +474,13 @@ impl LlamaConfig {
 
     /// The same config with the window on the layers `layers` marks `true` only (one entry
     /// per layer; `None`: every layer; see [`LlamaConfig::sliding_layers`]). A mask that is all
-    /// `true` is stored as `None`; [`LlamaConfig::validate`] checks the length and that a
-    /// window is set.
+    /// `true` is stored as `None`; one that is all `false` removes the window (as config.json
+    /// parsing reads it); [`LlamaConfig::validate`] checks the length and that a window is set.
     pub fn with_sliding_layers(mut self, layers: Option<Vec<bool>>) -> Self {
-        self.sliding_layers = layers.filter(|l| !l.iter().all(|&s| s));
+        if layers.as_ref().is_some_and(|l| !l.is_empty() && l.iter().all(|&s| !s)) {
+            self.sliding_window = None;
+        }
+        self.sliding_layers = layers.filter(|l| l.iter().any(|&s| !s) && l.iter().any(|&s| s));
         self
     }
 
