@@ -84,12 +84,14 @@ fn retained(cfg: &LlamaConfig, layout: Layout, dtype: DType, recompute: bool) ->
 
 #[test]
 fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
-    let cfg = |layers, qk_norm| LlamaConfig::tiny(64, 256, layers, 8, 2).with_qk_norm(qk_norm);
-    let model = |qk_norm| {
-        ModelConfig::from_hf_json(&cfg(1, qk_norm).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
+    // the architecture: 0 Llama, 1 Qwen3 (head norms), 2 Gemma 3 (head norms, norms after
+    // attention and MLP, GELU, scaled embedding; no window here)
+    let cfg = |layers, arch: usize| LlamaConfig::tiny(64, 256, layers, 8, 2).with_qk_norm(arch == 1).with_gemma3(arch == 2);
+    let model = |arch| {
+        ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
-    let (m, qwen3) = (model(false)?, model(true)?);
-    assert!(qwen3.qk_norm && !m.qk_norm);
+    let (m, qwen3, gemma3) = (model(0)?, model(1)?, model(2)?);
+    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.gemma3 && gemma3.qk_norm);
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
     let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };
@@ -125,13 +127,26 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("qwen3: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
         ("qwen3: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
     ];
-    let n_plain = cases.len();
+    // Gemma 3 (the model and the planner with `gemma3`)
+    let gemma3_cases = [
+        ("gemma3: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("gemma3: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("gemma3: tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
+        ("gemma3: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+        ("gemma3: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+    ];
+    let (n_plain, n_qwen3) = (cases.len(), qwen3_cases.len());
     cases.extend(qwen3_cases);
+    cases.extend(gemma3_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
-        let (qk, m) = if i < n_plain { (false, &m) } else { (true, &qwen3) };
+        let (arch, m) = match i {
+            i if i < n_plain => (0, &m),
+            i if i < n_plain + n_qwen3 => (1, &qwen3),
+            _ => (2, &gemma3),
+        };
         for dtype in [DType::F32, DType::BF16] {
-            let per_layer = (retained(&cfg(3, qk), *layout, dtype, *rc)? - retained(&cfg(1, qk), *layout, dtype, *rc)?) / 2.0;
+            let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;
             let r = if *rc { Recompute::Full } else { Recompute::None };
             let e = dtype.size_in_bytes();
             let want = candle_cp_per_gpu(m, pl, T, 1, e, r);

@@ -174,14 +174,14 @@ impl Block {
         let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window)?.reshape((b, tc, hl * d))?;
         let x = match &self.sandwich {
             None => self.o.forward_residual(&a, x)?,
-            // Gemma 3: x + norm(o(a))
-            Some((after_attn, _)) => (x + after_attn.forward(&self.o.forward(&a)?)?)?,
+            // Gemma 3: x + norm(o(a)), one node keeping o(a) and the statistic
+            Some((after_attn, _)) => after_attn.forward_add(x, &self.o.forward_lean(&a)?)?,
         };
         let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
         let m = self.act.gated(&gu[0], &gu[1])?;
         match &self.sandwich {
             None => self.down.forward_residual(&m, &x),
-            Some((_, after_mlp)) => x + after_mlp.forward(&self.down.forward(&m)?)?,
+            Some((_, after_mlp)) => after_mlp.forward_add(&x, &self.down.forward_lean(&m)?),
         }
     }
 }

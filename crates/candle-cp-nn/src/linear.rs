@@ -21,7 +21,7 @@
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, Module, Result, Tensor};
-use candle_cp_ops::autograd::{attach3, BackwardFn};
+use candle_cp_ops::autograd::{attach2, attach3, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
 use std::sync::Arc;
 use candle_nn::{Init, VarBuilder};
@@ -376,6 +376,45 @@ impl RowParallelLinear {
         if self.bias.is_some() {
             return residual + self.forward(x)?;
         }
+        let (y, grads) = self.lean_parts(x)?;
+        if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
+            bail!(
+                "RowParallelLinear::forward_residual: residual {:?} ({:?}) must match the output {:?} ({:?}) of input {:?}",
+                residual.dims(),
+                residual.dtype(),
+                y.dims(),
+                y.dtype(),
+                x.dims()
+            )
+        }
+        let out = (residual.detach() + y)?;
+        let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+            let (dx, dw) = grads(g)?;
+            Ok(vec![Some(dx), Some(dw), Some(g.clone())])
+        });
+        attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)
+    }
+
+    /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
+    /// reduction's partial sums (`[B, T, out]`, full length), which the collective's node of
+    /// [`Module::forward`] keeps until the backward, are not kept. Same values and gradients
+    /// (see [`RowParallelLinear::forward_residual`]). With a bias this is `forward`.
+    pub fn forward_lean(&self, x: &Tensor) -> Result<Tensor> {
+        if self.bias.is_some() {
+            return self.forward(x);
+        }
+        let (y, grads) = self.lean_parts(x)?;
+        let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+            let (dx, dw) = grads(g)?;
+            Ok(vec![Some(dx), Some(dw)])
+        });
+        attach2("RowParallelLinear::forward_lean", x, &self.weight, y, bwd)
+    }
+
+    /// The reduced output of `x` without a graph, and the backward of `x ↦ y` (`g` ↦ `(dx,
+    /// dW)`: `g` all-gathered along the sequence under SP, then the matrix products).
+    #[allow(clippy::type_complexity)]
+    fn lean_parts(&self, x: &Tensor) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>)> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
         let (xd, wd) = (x.detach(), self.weight.detach());
@@ -393,25 +432,14 @@ impl RowParallelLinear {
         } else {
             group.all_reduce(&partial)?
         };
-        if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
-            bail!(
-                "RowParallelLinear::forward_residual: residual {:?} ({:?}) must match the output {:?} ({:?}) of input {:?}",
-                residual.dims(),
-                residual.dtype(),
-                y.dims(),
-                y.dtype(),
-                x.dims()
-            )
-        }
-        let out = (residual.detach() + y)?;
-        let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+        let grads = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
             let gf = if p > 1 && sp { group.all_gather(&g.detach(), SEQ_DIM)? } else { g.detach() };
             let (o, i) = wd.dims2()?;
             let lead = gf.elem_count() / o;
             let (dx, dw) = affine_grads(&gf.reshape((lead, o))?, &xd.reshape((lead, i))?, &wd)?;
-            Ok(vec![Some(dx.reshape(xd.dims())?), Some(dw), Some(g.clone())])
-        });
-        attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)
+            Ok((dx.reshape(xd.dims())?, dw))
+        };
+        Ok((y, Box::new(grads)))
     }
 }
 

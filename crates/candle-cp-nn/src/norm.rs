@@ -19,7 +19,7 @@
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, DType, Module, Result, Tensor, D};
-use candle_cp_ops::autograd::{attach2, BackwardFn};
+use candle_cp_ops::autograd::{attach2, attach3, BackwardFn};
 use candle_cp_ops::mappings::copy_to_tp_region;
 use candle_nn::{Init, VarBuilder};
 use std::sync::Arc;
@@ -116,6 +116,34 @@ pub fn rms_norm_slow(x: &Tensor, w: &Tensor, eps: f64) -> Result<Tensor> {
     xn.to_dtype(dt)?.broadcast_mul(w)
 }
 
+/// `residual + rms_norm_with(y, w, eps, form)` as one graph node (Gemma's norms after the
+/// attention and after the MLP, each before its residual add): the node keeps `y` and the
+/// statistic, not the normalised copy a separate add would keep; the sum is the same
+/// arithmetic (the normalised value in `y`'s dtype, then the add). `residual`, `y` `[.., h]`
+/// of one shape and dtype, `w` `[h]`. Reference: [`rms_norm_slow_with`] plus an add.
+pub fn rms_norm_add(residual: &Tensor, y: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> Result<Tensor> {
+    candle_cp_comm::ensure_nonempty("rms_norm_add", "y", y)?;
+    let h = y.dim(D::Minus1)?;
+    if w.dims() != [h] || residual.dims() != y.dims() || residual.dtype() != y.dtype() {
+        bail!(
+            "rms_norm_add: residual {:?} ({:?}), y {:?} ({:?}) and weight {:?}: need one shape and dtype, and weight [{h}]",
+            residual.dims(),
+            residual.dtype(),
+            y.dims(),
+            y.dtype(),
+            w.dims()
+        )
+    }
+    let (yd, wd) = (y.detach(), w.detach());
+    let (n, r) = rms_norm_fwd_with(&yd, &wd, eps, form)?;
+    let out = (residual.detach() + n)?;
+    let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let (dy, dw) = rms_norm_bwd_with(&yd, &r, &wd, dout, form)?;
+        Ok(vec![Some(dout.clone()), Some(dy), Some(dw)])
+    });
+    attach3("rms_norm_add", residual, y, w, out, bwd)
+}
+
 /// Reference for [`rms_norm_with`] from plain candle ops (candle autograd).
 pub fn rms_norm_slow_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> Result<Tensor> {
     match form {
@@ -192,6 +220,15 @@ impl RmsNorm {
     /// The weight `[C]`.
     pub fn weight(&self) -> &Tensor {
         &self.weight
+    }
+}
+
+impl RmsNorm {
+    /// `residual + self.forward(y)` as one graph node ([`rms_norm_add`]), `residual` and `y`
+    /// on the same rows.
+    pub fn forward_add(&self, residual: &Tensor, y: &Tensor) -> Result<Tensor> {
+        check_input("RmsNorm", y, self.weight.dim(0)?)?;
+        rms_norm_add(residual, y, &param(&self.weight, &self.tp, self.sync)?, self.eps, self.form)
     }
 }
 
@@ -344,6 +381,18 @@ mod tests {
         let yb = rms_norm_with(&xb, &wb, 1e-6, f)?.to_dtype(DType::F32)?;
         let want = rms_norm_slow_with(&xb.to_dtype(DType::F32)?, &wb.to_dtype(DType::F32)?, 1e-6, f)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
         assert_eq!((yb - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        // `residual + norm(y)` as one node: the two ops' values and gradients
+        let r = Var::randn(0f32, 1.0, (2, 7, 24), &dev)?;
+        let fused = rms_norm_add(r.as_tensor(), x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        let two = (r.as_tensor() + rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?)?;
+        assert!(max_rel(&fused, &two)? < 1e-6);
+        let (g, gs) = ((&fused * &dy)?.sum_all()?.backward()?, (&two * &dy)?.sum_all()?.backward()?);
+        for v in [&r, &x, &w] {
+            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
+        }
+        let e = rms_norm_add(&r.as_tensor().narrow(1, 0, 3)?, x.as_tensor(), w.as_tensor(), 1e-6, f).err().map(|e| e.to_string());
+        assert!(e.unwrap_or_default().contains("[2, 3, 24]"));
         // the module: zeros are the identity scale
         for r in run_ranks(1, |g: Group| {
             let n = RmsNorm::from_weight(&Tensor::zeros(24, DType::F32, &dev)?, 1e-6, &Tp::new(g, false))?.with_form(f);

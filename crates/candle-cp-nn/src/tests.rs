@@ -205,9 +205,10 @@ fn replicated_row_blocks_match_the_dense_layer() -> Result<()> {
     Ok(())
 }
 
-/// `RowParallelLinear::forward_residual` (one graph node) gives the values and the gradients
-/// (input, weight shard, residual) of `residual + forward(x)`, on 1 and 2 ranks with and
-/// without sequence parallelism; a residual of another shape is an error naming both shapes.
+/// `RowParallelLinear::forward_residual` (one graph node), and `residual + forward_lean(x)`,
+/// give the values and the gradients (input, weight shard, residual) of `residual +
+/// forward(x)`, on 1 and 2 ranks with and without sequence parallelism; a residual of another
+/// shape is an error naming both shapes.
 #[test]
 fn forward_residual_equals_forward_plus_residual() -> Result<()> {
     let w = t(&[6, 8], 0.4)?;
@@ -225,17 +226,17 @@ fn forward_residual_equals_forward_plus_residual() -> Result<()> {
                 let res = candle_core::Var::from_tensor(&t(&[2, rows, 6], 0.7 + g.rank() as f64)?)?;
                 let dy = t(&[2, rows, 6], 0.9)?;
                 let mut outs = Vec::new();
-                for fused in [true, false] {
-                    let y = if fused {
-                        layer.forward_residual(x.as_tensor(), res.as_tensor())?
-                    } else {
-                        (res.as_tensor() + layer.forward(x.as_tensor())?)?
+                for mode in 0..3 {
+                    let y = match mode {
+                        0 => (res.as_tensor() + layer.forward(x.as_tensor())?)?,
+                        1 => layer.forward_residual(x.as_tensor(), res.as_tensor())?,
+                        _ => (res.as_tensor() + layer.forward_lean(x.as_tensor())?)?,
                     };
                     let gr = (&y * &dy)?.sum_all()?.backward()?;
                     let get = |v: &candle_core::Var| gr.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
                     outs.push([y, get(&x)?, get(&wv)?, get(&res)?]);
                 }
-                let worst = (0..4).map(|i| max_abs(&outs[0][i], &outs[1][i])).collect::<Result<Vec<f32>>>()?;
+                let worst = (0..4).map(|i| Ok(max_abs(&outs[0][i], &outs[1][i])?.max(max_abs(&outs[0][i], &outs[2][i])?))).collect::<Result<Vec<f32>>>()?;
                 let bad = layer.forward_residual(x.as_tensor(), &t(&[2, rows, 5], 0.1)?).unwrap_err().to_string();
                 Ok((worst, bad))
             }) {

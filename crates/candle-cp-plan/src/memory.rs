@@ -159,6 +159,9 @@ pub fn llama_per_gpu(
 /// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node
 ///   into one node with the norm, which keeps q and k before the norm, in the activations'
 ///   dtype, and each head's f32 statistic: `c·b·(a_t + kv_t)·(d·e + 4)`.
+/// - Gemma 3's norms after the attention and the MLP ([`ModelConfig::gemma3`]): each norm and
+///   its residual add are one node, which keeps the projection's output (`[B, c/sp_div, h]`)
+///   and the f32 statistic: `2·c·b·(h·e + 4) / sp_div`.
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -187,7 +190,8 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     };
     let attention = head_layout + residual;
     let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (d * ef + 4.0) } else { 0.0 };
-    lse + norms + attention + qk_norm
+    let sandwich = if m.gemma3 { 2.0 * c * bf * (m.hidden as f64 * ef + 4.0) / sp_div } else { 0.0 };
+    lse + norms + attention + qk_norm + sandwich
 }
 
 /// [`llama_per_gpu`] plus [`candle_cp_extra_per_gpu`]: what candle-cp's Llama keeps per
@@ -309,13 +313,13 @@ pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
 
 /// Parameters of one layer on one GPU: matrices over `t` (KV projections over `a_kv/t`,
 /// replicated when `t > a_kv`), the q, k, v biases split the same way, and the two norms
-/// and Qwen3's head norms (replicated).
+/// and Qwen3's head norms (replicated; Gemma 3's four norms).
 pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
-    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + 2.0 * h + bias + m.qk_norm_params() as f64
+    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64
 }
 
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,

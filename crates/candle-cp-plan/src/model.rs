@@ -40,6 +40,11 @@ pub struct ModelConfig {
     /// as full causal attention (`sliding_window` is `None`: an upper bound on the attention
     /// FLOPs and the ring bytes) and says so in its notes.
     pub partial_window: Option<(usize, usize)>,
+    /// Gemma 3 (`model_type` `gemma3_text`): two more norms per layer, after the attention and
+    /// after the MLP (`2h` parameters; what the layer keeps: [`crate::memory::candle_cp_extra_per_gpu`]);
+    /// its head norms are [`ModelConfig::qk_norm`], its windows [`ModelConfig::partial_window`].
+    /// (GELU or SiLU: the same parameters and activations.)
+    pub gemma3: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -81,6 +86,7 @@ impl ModelConfig {
             qkv_bias: qwen2,
             qk_norm: qwen3,
             partial_window: None,
+            gemma3: false,
         };
         Ok(cfg)
     }
@@ -230,6 +236,7 @@ impl ModelConfig {
             qkv_bias: qwen2,
             qk_norm: qwen3 || gemma3,
             partial_window,
+            gemma3,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -279,7 +286,13 @@ impl ModelConfig {
     /// [`ModelConfig::qkv_bias`] the q, k, v biases (`a·d + 2·a_kv·d`) and with
     /// [`ModelConfig::qk_norm`] the head norms (`2·d`).
     pub fn layer_params(&self) -> u64 {
-        self.layer_matrix_params() + 2 * self.hidden as u64 + self.qkv_bias_params() + self.qk_norm_params()
+        self.layer_matrix_params() + self.layer_norm_params() + self.qkv_bias_params() + self.qk_norm_params()
+    }
+
+    /// The norm weights of one layer: `2h` (before the attention and the MLP), Gemma 3's `4h`
+    /// (and after each).
+    pub fn layer_norm_params(&self) -> u64 {
+        (if self.gemma3 { 4 } else { 2 }) * self.hidden as u64
     }
 
     /// Qwen3's q and k head-norm weights of one layer: `2·d`, or 0 without them.
@@ -446,7 +459,8 @@ mod tests {
                 "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window":512}"#,
             "g",
         )?;
-        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias);
+        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias && g.gemma3);
+        assert_eq!(g.layer_norm_params(), 4 * 1152);
         assert_eq!((g.head_dim, g.sliding_window, g.partial_window), (256, None, Some((512, 22))));
         let g = ModelConfig::from_hf_json(
             r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
