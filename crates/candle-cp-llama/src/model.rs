@@ -1,5 +1,5 @@
 //! The Llama decoder: embeddings, RMSNorm, RoPE on global positions, GQA attention through
-//! the layout's (context-parallel) attention, SiLU-gated MLP, tied or untied head, and the
+//! the layout's (context-parallel) attention, SiLU- (GELU-, Gemma 3) gated MLP, tied or untied head, and the
 //! globally reduced next-token loss.
 //!
 //! Shapes on one rank (`B` local batch, `Ts` tokens this rank embeds, `Tc` tokens of its CP
@@ -146,9 +146,12 @@ impl Block {
     /// node keeps its inputs alive until the backward): the column-parallel projections keep
     /// only their input's sequence shard and gather it again in the backward
     /// (`forward_parts_regathered`), RoPE is applied inside the Q and K projections' nodes
-    /// ([`rope_post`]), the SiLU gate is one node ([`swiglu`]) and each residual add is
-    /// fused into its row-parallel projection ([`RowParallelLinear::forward_residual`]).
-    /// `tests/plan_activations.rs` compares what stays alive with the planner's count.
+    /// ([`rope_post`]; with head norms, norm and RoPE are one node), the gate is one node
+    /// ([`Activation::gated`]) and each residual add is fused into its row-parallel
+    /// projection ([`RowParallelLinear::forward_residual`]; Gemma 3: into the norm after it,
+    /// [`RmsNorm::forward_add`], the projection keeping no partial sums,
+    /// [`RowParallelLinear::forward_lean`]). `tests/plan_activations.rs` compares what stays
+    /// alive with the planner's count.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
         let [b, tc, hl, hkvl, d] = env.dims;
         let (cos, sin) = match (&env.rope_local, self.local_rope) {
@@ -290,7 +293,7 @@ impl Llama {
                 )?,
                 qk_norm: match cfg.qk_norm {
                     false => None,
-                    // (ones in a fresh VarMap, as RmsNorm's weights)
+                    // (`norm_init` in a fresh VarMap, as the other norms' weights)
                     true => Some(QkNorm {
                         q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
                         k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
