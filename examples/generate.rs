@@ -170,14 +170,16 @@ fn main() -> anyhow::Result<()> {
     let (t, new) = (a.prompt_len, a.new_tokens);
     let prompt = random_prompt(a.batch, t, cfg.vocab_size, a.seed)?;
     println!(
-        "model {} ({} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}; prompt [{}, {t}] (seed {}), {new} new tokens",
+        "model {} ({} {} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}{}; prompt [{}, {t}] (seed {}), {new} new tokens",
         dir.display(),
+        cfg.arch().hf_names().0,
         cfg.num_hidden_layers,
         cfg.hidden_size,
         cfg.num_attention_heads,
         cfg.num_key_value_heads,
         cfg.vocab_size,
         cfg.sliding_window,
+        cfg.sliding_layers.as_ref().map_or(String::new(), |l| format!(" on {} of the layers", l.iter().filter(|&&s| s).count())),
         a.batch,
         a.seed
     );
