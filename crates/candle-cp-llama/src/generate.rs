@@ -59,9 +59,11 @@ impl KvCache {
         &self.layers
     }
 
-    /// Cached rows `S_r` on this rank (the same for every layer).
+    /// Cached rows `S_r` on this rank: the most any layer holds (the same for every layer
+    /// unless some layers have a sliding window, whose caches drop the rows it no longer
+    /// reaches).
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |l| l.len())
+        self.layers.iter().map(|l| l.len()).max().unwrap_or(0)
     }
 
     /// No cached row on this rank.
@@ -104,7 +106,7 @@ pub struct Generation {
     pub logits: Vec<Tensor>,
     /// Bytes of this rank's KV cache at the end ([`KvCache::bytes`]).
     pub cache_bytes: usize,
-    /// Rows of this rank's KV cache at the end (per layer).
+    /// Rows of this rank's KV cache at the end ([`KvCache::len`]: the most any layer holds).
     pub cache_rows: usize,
     /// Wall time of the prefill (prompt forward, cache fill, first token's logits).
     pub prefill_time: Duration,
