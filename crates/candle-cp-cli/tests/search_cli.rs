@@ -119,20 +119,22 @@ fn search_bad_input_exits_2_with_message() {
 }
 
 /// `--finetune-llama`: every row is a layout the trainer runs, and every flag it prints is one
-/// of `examples/finetune_llama`'s (read from its `Args`, so a renamed flag fails here).
+/// of `examples/finetune_llama`'s (read from its `Args` in `finetune_args.rs`, so a renamed flag
+/// fails here).
 #[test]
 fn search_for_finetune_llama_prints_its_flags() {
     let v = json(&[
         "search", "--model", "llama3-8b", "--seq", "131072", "--hardware", "h200", "--gpus", "16",
         "--global-batch", "16", "--finetune-llama", "--zero", "0,1,2,3", "--top", "40",
     ]);
-    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/finetune_llama.rs")).unwrap();
+    let src = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/../../examples/finetune_args.rs")).unwrap();
     let start = src.find("struct Args {").expect("finetune_llama has an Args struct");
     let body = &src[start..start + src[start..].find("\n}").unwrap()];
     let known: Vec<String> = body
         .lines()
         .filter_map(|l| {
             let l = l.trim_start();
+            let l = l.strip_prefix("pub(crate) ").unwrap_or(l);
             let (name, _) = l.split_once(": ")?;
             (!name.starts_with("//") && !name.starts_with('#') && name.chars().all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == '_'))
                 .then(|| format!("--{}", name.replace('_', "-")))
