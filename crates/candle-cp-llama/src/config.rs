@@ -240,6 +240,9 @@ impl LlamaConfig {
         let Some(m) = v.as_object() else {
             bail!("config.json: top level is not an object")
         };
+        // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
+        let text = gemma::text_config(m)?;
+        let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
         let heads = need_usize(m, "num_attention_heads")?;
         let kv = get_usize(m, "num_key_value_heads")?.unwrap_or(heads);

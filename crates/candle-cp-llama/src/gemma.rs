@@ -15,6 +15,12 @@
 //!   `sliding_window_pattern`-th: five of six), those layers rotating by RoPE of base
 //!   `rope_local_base_freq` unscaled, the others by `rope_theta` with `rope_scaling`.
 //!
+//! The multimodal checkpoints (`model_type` `gemma3`, `Gemma3ForConditionalGeneration`: the
+//! 4B, 12B and 27B as published) give their text model: the config's `text_config`
+//! (with `Gemma3TextConfig`'s defaults filled in), the tensors under
+//! `language_model.model.*` / `model.language_model.*` (`crate::hf` maps the names and skips
+//! the vision tower and projector); it saves back as the text model, `Gemma3ForCausalLM`.
+//!
 //! Refused by name: logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`;
 //! Gemma 2's), bidirectional attention, another activation.
 
@@ -44,6 +50,45 @@ impl Default for Gemma3 {
     fn default() -> Self {
         Self::new()
     }
+}
+
+/// The text model's config of a Gemma 3 `config.json`, with transformers' `Gemma3TextConfig`
+/// defaults for the shape keys it leaves out (the published 4B's `text_config` names only its
+/// width, depth, MLP width, window and RoPE scaling): for the multimodal `gemma3`
+/// (`Gemma3ForConditionalGeneration`) its `text_config`, for `gemma3_text` the config itself;
+/// `None` for other architectures. A `gemma3` config without a `text_config` object is an
+/// error.
+pub(super) fn text_config(m: &Map<String, Value>) -> Result<Option<Map<String, Value>>> {
+    let model_type = m.get("model_type").and_then(|v| v.as_str());
+    let classes: Vec<&str> = m.get("architectures").and_then(|a| a.as_array()).map(|a| a.iter().filter_map(|c| c.as_str()).collect()).unwrap_or_default();
+    let multimodal = model_type == Some("gemma3") || classes.contains(&"Gemma3ForConditionalGeneration");
+    let mut t = if multimodal {
+        match m.get("text_config") {
+            Some(Value::Object(t)) => {
+                let mut t = t.clone();
+                t.insert("model_type".into(), json!("gemma3_text"));
+                t.remove("architectures");
+                t
+            }
+            _ => bail!("config.json: a multimodal Gemma 3 config (model_type `gemma3`) without a `text_config` object"),
+        }
+    } else if model_type == Some("gemma3_text") || classes.contains(&"Gemma3ForCausalLM") {
+        m.clone()
+    } else {
+        return Ok(None);
+    };
+    for (k, v) in [
+        ("vocab_size", 262_208),
+        ("hidden_size", 2304),
+        ("intermediate_size", 9216),
+        ("num_hidden_layers", 26),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+        ("head_dim", 256),
+    ] {
+        t.entry(k).or_insert(json!(v));
+    }
+    Ok(Some(t))
 }
 
 /// The Gemma 3 keys of a `gemma3_text` config: `(gemma3, rope_theta, rope_scaling)` (the
@@ -224,6 +269,32 @@ mod tests {
         Ok(())
     }
 
+    /// google/gemma-3-4b-it's config.json (multimodal): its `text_config` names only what
+    /// differs from `Gemma3TextConfig`'s defaults, which fill the rest (8 heads, 4 KV heads of
+    /// 256, vocabulary 262208).
+    #[test]
+    fn multimodal_config_gives_its_text_model() -> Result<()> {
+        let mm = r#"{"architectures": ["Gemma3ForConditionalGeneration"], "boi_token_index": 255999,
+            "eoi_token_index": 256000, "eos_token_id": [1, 106], "image_token_index": 262144,
+            "initializer_range": 0.02, "mm_tokens_per_image": 256, "model_type": "gemma3",
+            "text_config": {"hidden_size": 2560, "intermediate_size": 10240, "model_type": "gemma3_text",
+                "num_hidden_layers": 34, "rope_scaling": {"factor": 8.0, "rope_type": "linear"}, "sliding_window": 1024},
+            "torch_dtype": "bfloat16", "transformers_version": "4.50.0.dev0",
+            "vision_config": {"hidden_size": 1152, "image_size": 896, "intermediate_size": 4304,
+                "model_type": "siglip_vision_model", "num_attention_heads": 16, "num_hidden_layers": 27, "patch_size": 14}}"#;
+        let c = LlamaConfig::from_json(mm)?;
+        assert_eq!(c.arch(), Arch::Gemma3);
+        assert_eq!((c.hidden_size, c.intermediate_size, c.num_hidden_layers), (2560, 10240, 34));
+        assert_eq!((c.num_attention_heads, c.num_key_value_heads, c.head_dim, c.vocab_size), (8, 4, 256, 262208));
+        assert_eq!((c.sliding_window, c.rope_scaling.clone(), c.attn_scale()), (Some(1024), RopeScaling::Linear { factor: 8.0 }, 1.0 / 16.0));
+        let full: Vec<usize> = (0..34).filter(|&i| c.layer_window(i).is_none()).collect();
+        assert_eq!(full, vec![5, 11, 17, 23, 29]);
+        assert!(c.tie_word_embeddings);
+        // saved as the text model, read back the same
+        assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);
+        Ok(())
+    }
+
     #[test]
     fn what_gemma3_does_not_compute_is_refused() {
         let err = |text: &str| LlamaConfig::from_json(text).err().map(|e| e.to_string()).unwrap_or_default();
@@ -232,7 +303,7 @@ mod tests {
             (GEMMA3_1B.replace(r#""attn_logit_softcapping": null"#, r#""attn_logit_softcapping": 50.0"#), "attn_logit_softcapping"),
             (GEMMA3_1B.replace("gelu_pytorch_tanh", "gelu"), "`gelu` not supported"),
             (with(r#""use_bidirectional_attention": true, "#), "use_bidirectional_attention"),
-            (GEMMA3_1B.replace(r#""model_type": "gemma3_text""#, r#""model_type": "gemma3""#).replace("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "text_config"),
+            (GEMMA3_1B.replace(r#""model_type": "gemma3_text""#, r#""model_type": "gemma3""#).replace("Gemma3ForCausalLM", "Gemma3ForConditionalGeneration"), "without a `text_config` object"),
             (GEMMA3_1B.replace(r#""sliding_window_pattern": 6"#, r#""sliding_window_pattern": 0"#), "sliding_window_pattern"),
             (with(r#""rope_parameters": {"sliding_attention": {"rope_type": "linear", "factor": 2.0}}, "#), "sliding layers"),
         ] {

@@ -53,14 +53,74 @@ fn safetensors_files(dir: &Path) -> Result<Vec<std::path::PathBuf>> {
     Ok(files.into_iter().map(|f| dir.join(f)).collect())
 }
 
+/// Where a checkpoint keeps the text model's tensors: under their own names (`model.*`,
+/// `lm_head.weight`), or inside a multimodal Gemma 3 (`Gemma3ForConditionalGeneration`):
+/// `language_model.model.*` (transformers before 4.52) or `model.language_model.*` (since),
+/// beside a vision tower and projector that the text model does not read.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum TextPrefix {
+    Plain,
+    LanguageModel,
+    ModelLanguageModel,
+}
+
+impl TextPrefix {
+    /// The layout of a checkpoint with tensors `names` for `cfg` (only Gemma 3 looks inside a
+    /// multimodal checkpoint).
+    fn detect<'a>(cfg: &LlamaConfig, names: impl Iterator<Item = &'a str>) -> Self {
+        if cfg.gemma3.is_none() {
+            return TextPrefix::Plain;
+        }
+        for n in names {
+            match n {
+                "language_model.model.embed_tokens.weight" => return TextPrefix::LanguageModel,
+                "model.language_model.embed_tokens.weight" => return TextPrefix::ModelLanguageModel,
+                _ => {}
+            }
+        }
+        TextPrefix::Plain
+    }
+
+    /// The checkpoint's name of the parameter `spec` (an HF causal-LM name).
+    fn checkpoint_name(self, spec: &str) -> String {
+        match self {
+            TextPrefix::Plain => spec.to_string(),
+            TextPrefix::LanguageModel => format!("language_model.{spec}"),
+            TextPrefix::ModelLanguageModel => match spec.strip_prefix("model.") {
+                Some(rest) => format!("model.language_model.{rest}"),
+                None => spec.to_string(),
+            },
+        }
+    }
+
+    /// The parameter name of checkpoint tensor `name`; `None` for the other towers of a
+    /// multimodal checkpoint (vision tower, projector), which the text model does not read.
+    fn param_name(self, name: &str) -> Option<String> {
+        let other_tower = ["vision_tower.", "multi_modal_projector.", "model.vision_tower.", "model.multi_modal_projector."];
+        match self {
+            TextPrefix::Plain => Some(name.to_string()),
+            _ if other_tower.iter().any(|p| name.starts_with(p)) => None,
+            TextPrefix::LanguageModel => Some(name.strip_prefix("language_model.").unwrap_or(name).to_string()),
+            TextPrefix::ModelLanguageModel => Some(match name.strip_prefix("model.language_model.") {
+                Some(rest) => format!("model.{rest}"),
+                None => name.to_string(),
+            }),
+        }
+    }
+}
+
 /// Refuse checkpoint tensors the model of `cfg` would not read (a bias of a config that
 /// names none, Qwen3's q/k norms, ...): loading without them would run a different model,
-/// silently. Not refused: `lm_head.weight` of a tied model (some exporters write it) and
-/// RoPE's `*.rotary_emb.inv_freq` buffers (computed from the config).
-fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, names: impl Iterator<Item = &'a str>) -> Result<()> {
+/// silently. Not refused: `lm_head.weight` of a tied model (some exporters write it),
+/// RoPE's `*.rotary_emb.inv_freq` buffers (computed from the config), and a multimodal Gemma
+/// 3's vision tower and projector ([`TextPrefix`]).
+fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let used: std::collections::HashSet<String> = param_specs(cfg).into_iter().map(|s| s.name).collect();
     let mut unused: Vec<&str> = names
-        .filter(|n| !(used.contains(*n) || n.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && *n == "lm_head.weight")))
+        .filter(|n| match prefix.param_name(n) {
+            None => false,
+            Some(p) => !(used.contains(&p) || p.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && p == "lm_head.weight")),
+        })
         .collect();
     if unused.is_empty() {
         return Ok(());
@@ -96,15 +156,18 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     // `VarBuilder::from_mmaped_safetensors`, they must not be truncated meanwhile.
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::multi(&files) }
         .map_err(|e| io_err("mapping", dir, e))?;
-    refuse_unused(dir, &cfg, st.tensors().iter().map(|(n, _)| n.as_str()))?;
+    let names = st.tensors();
+    let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
+    refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        let view = st.get(&spec.name).map_err(|_| {
-            candle_core::Error::Msg(format!("{}: checkpoint has no tensor {} (expected {:?})", dir.display(), spec.name, spec.shape))
+        let name = prefix.checkpoint_name(&spec.name);
+        let view = st.get(&name).map_err(|_| {
+            candle_core::Error::Msg(format!("{}: checkpoint has no tensor {name} (expected {:?})", dir.display(), spec.shape))
         })?;
         if view.shape() != spec.shape.as_slice() {
-            bail!("{}: tensor {} has shape {:?}, config implies {:?}", dir.display(), spec.name, view.shape(), spec.shape)
+            bail!("{}: tensor {name} has shape {:?}, config implies {:?}", dir.display(), view.shape(), spec.shape)
         }
-        st.load(&spec.name, &Device::Cpu)
+        st.load(&name, &Device::Cpu)
     })?;
     Ok((vm, cfg))
 }
@@ -112,21 +175,23 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
 /// Load a HF Llama checkpoint directory: returns the FULL (unsharded) model as a `VarMap`
 /// of Vars in `dtype` on `device` (shard it per rank with [`crate::shard_params`]) and its
 /// config. Errors name missing or mis-shaped tensors, and tensors the model would not use
-/// (a `lm_head.weight` of a tied model and RoPE's `inv_freq` buffers are ignored).
+/// (a `lm_head.weight` of a tied model and RoPE's `inv_freq` buffers are ignored). A
+/// multimodal Gemma 3 checkpoint gives its text model (the vision tower is not read).
 pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(VarMap, LlamaConfig)> {
     let dir = dir.as_ref();
     let cfg = LlamaConfig::from_file(dir.join("config.json"))?;
     let tensors = load_safetensors_dir(dir, device)?;
-    refuse_unused(dir, &cfg, tensors.keys().map(|k| k.as_str()))?;
+    let prefix = TextPrefix::detect(&cfg, tensors.keys().map(|k| k.as_str()));
+    refuse_unused(dir, &cfg, prefix, tensors.keys().map(|k| k.as_str()))?;
     let vm = VarMap::new();
     {
         let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
-            let Some(t) = tensors.get(&s.name) else {
+            let Some(t) = tensors.get(&prefix.checkpoint_name(&s.name)) else {
                 bail!(
                     "{}: checkpoint has no tensor {} (expected {:?})",
                     dir.display(),
-                    s.name,
+                    prefix.checkpoint_name(&s.name),
                     s.shape
                 )
             };
