@@ -47,6 +47,45 @@ pub struct ModelConfig {
     pub gemma3: bool,
 }
 
+/// The text model's config of a Gemma 3 `config.json` with `Gemma3TextConfig`'s defaults for
+/// the shape keys it leaves out: a multimodal one's (`model_type` `gemma3`, as the 4B, 12B and
+/// 27B are published) `text_config`, or a `gemma3_text` config itself; other configs as they
+/// are.
+fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
+    let is = |k: &str, t: &str| v.get(k).and_then(|x| x.as_str()) == Some(t);
+    let class = |c: &str| v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|x| x.as_str() == Some(c)));
+    let mut t = if is("model_type", "gemma3") || class("Gemma3ForConditionalGeneration") {
+        match v.get("text_config") {
+            Some(serde_json::Value::Object(t)) => {
+                let mut t = t.clone();
+                t.insert("model_type".into(), "gemma3_text".into());
+                t.remove("architectures");
+                t
+            }
+            _ => plan_bail!("model config {name}: a multimodal Gemma 3 config (model_type 'gemma3') without a 'text_config' object"),
+        }
+    } else if is("model_type", "gemma3_text") || class("Gemma3ForCausalLM") {
+        match v {
+            serde_json::Value::Object(m) => m,
+            _ => return Ok(v),
+        }
+    } else {
+        return Ok(v);
+    };
+    for (k, d) in [
+        ("vocab_size", 262_208),
+        ("hidden_size", 2304),
+        ("intermediate_size", 9216),
+        ("num_hidden_layers", 26),
+        ("num_attention_heads", 8),
+        ("num_key_value_heads", 4),
+        ("head_dim", 256),
+    ] {
+        t.entry(k).or_insert(d.into());
+    }
+    Ok(serde_json::Value::Object(t))
+}
+
 /// Names accepted by [`ModelConfig::preset`].
 pub const MODEL_PRESETS: [&str; 7] = ["llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b"];
 
@@ -122,6 +161,7 @@ impl ModelConfig {
     pub fn from_hf_json(text: &str, name: &str) -> Result<Self> {
         let v: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| PlanError(format!("model config {name} is not valid JSON: {e}")))?;
+        let v = gemma3_text(v, name)?;
         let get = |key: &str| -> Result<Option<usize>> {
             match v.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(None),
@@ -468,6 +508,18 @@ mod tests {
             "g",
         )?;
         assert_eq!(g.partial_window, Some((4096, 13)));
+        // a multimodal one (google/gemma-3-4b-it's text_config): its text model, defaults filled
+        let g = ModelConfig::from_hf_json(
+            r#"{"architectures":["Gemma3ForConditionalGeneration"],"model_type":"gemma3","text_config":{"hidden_size":2560,
+                "intermediate_size":10240,"model_type":"gemma3_text","num_hidden_layers":34,"sliding_window":1024},
+                "vision_config":{"hidden_size":1152}}"#,
+            "g",
+        )?;
+        assert!(g.gemma3 && g.qk_norm && g.tie_embeddings);
+        assert_eq!((g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.vocab), (2560, 34, 8, 4, 256, 262208));
+        assert_eq!(g.partial_window, Some((1024, 29)));
+        let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3"}"#, "g").unwrap_err();
+        assert!(e.0.contains("text_config"), "{e}");
         // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer
         assert_eq!(q("")?.layer_params() - parse("")?.layer_params(), 6144);
         let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();
