@@ -121,7 +121,7 @@ pub struct LlamaConfig {
     pub sliding_window: Option<usize>,
     /// The layers that use [`LlamaConfig::sliding_window`] when only some do (one entry per
     /// layer, `true`: sliding; HF `layer_types`, or Qwen2 / Qwen3 `max_window_layers`); `None`:
-    /// every layer. Only Qwen2 and Qwen3 configs carry per-layer windows
+    /// every layer. Only Qwen2, Qwen3 and Gemma 3 configs carry per-layer windows
     /// ([`LlamaConfig::validate`]). See [`LlamaConfig::layer_window`].
     pub sliding_layers: Option<Vec<bool>>,
     /// Biases on the q, k and v projections (`self_attn.{q,k,v}_proj.bias`): Qwen2
@@ -254,8 +254,6 @@ impl LlamaConfig {
         let arch = Arch::of_config(m)?;
         let head_dim = match get_usize(m, "head_dim")? {
             Some(d) => d,
-            // Gemma3TextConfig's default
-            None if arch == Arch::Gemma3 => 256,
             None => {
                 if hidden_size % heads != 0 {
                     bail!("config.json: hidden_size ({hidden_size}) not divisible by num_attention_heads ({heads}) and no head_dim")
@@ -266,12 +264,8 @@ impl LlamaConfig {
         if head_dim == 0 || head_dim % 2 != 0 {
             bail!("config.json: head_dim ({head_dim}) must be even for RoPE")
         }
-        // Gemma 3: its own defaults, RoPE per layer type, activation
-        let gemma_defaults = if arch == Arch::Gemma3 { Some(gemma::defaults(m)?) } else { None };
-        let max_pos = match gemma_defaults {
-            Some(d) => d.1,
-            None => get_usize(m, "max_position_embeddings")?.unwrap_or(4096),
-        };
+        let max_pos = get_usize(m, "max_position_embeddings")?.unwrap_or(4096);
+        // Gemma 3: RoPE per layer type, activation (its defaults are in `m` already)
         let gemma3 = match arch {
             Arch::Gemma3 => Some(gemma::parse(m, max_pos)?),
             _ => None,
@@ -301,15 +295,7 @@ impl LlamaConfig {
             }
         }
         let layers = need_usize(m, "num_hidden_layers")?;
-        let window = match gemma_defaults {
-            Some(d) => d.2,
-            None => parse_window(m)?,
-        };
-        let (sliding_window, sliding_layers) = arch.window(m, window, layers)?;
-        let tie = match gemma_defaults {
-            Some(d) => d.0,
-            None => m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
-        };
+        let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -321,7 +307,7 @@ impl LlamaConfig {
             rms_norm_eps: get_f64(m, "rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
-            tie_word_embeddings: tie,
+            tie_word_embeddings: m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
             max_position_embeddings: max_pos,
             bos_token_id: token_id(m, "bos_token_id"),
             eos_token_id: token_id(m, "eos_token_id"),
@@ -424,15 +410,22 @@ impl LlamaConfig {
     /// The RoPE config of layer `layer`'s rotation: the config itself, or for a Gemma 3
     /// sliding layer one of base `rope_local_base_freq`, unscaled.
     pub fn layer_rope(&self, layer: usize) -> std::borrow::Cow<'_, LlamaConfig> {
-        match &self.gemma3 {
-            Some(g) if self.layer_window(layer).is_some() => std::borrow::Cow::Owned(LlamaConfig {
-                rope_theta: g.rope_local_base_freq,
-                rope_scaling: RopeScaling::Default,
-                gemma3: None,
-                ..self.clone()
-            }),
-            _ => std::borrow::Cow::Borrowed(self),
+        match self.layer_rope_is_local(layer).then(|| self.local_rope()).flatten() {
+            Some(local) => std::borrow::Cow::Owned(local),
+            None => std::borrow::Cow::Borrowed(self),
         }
+    }
+
+    /// The RoPE config of the layers that rotate by the local RoPE (Gemma 3's sliding layers:
+    /// base `rope_local_base_freq`, unscaled), when some layer does.
+    pub fn local_rope(&self) -> Option<LlamaConfig> {
+        let g = self.gemma3.as_ref()?;
+        (0..self.num_hidden_layers).any(|i| self.layer_rope_is_local(i)).then(|| LlamaConfig {
+            rope_theta: g.rope_local_base_freq,
+            rope_scaling: RopeScaling::Default,
+            gemma3: None,
+            ..self.clone()
+        })
     }
 
     /// Whether layer `layer` rotates by the local RoPE ([`LlamaConfig::layer_rope`]).

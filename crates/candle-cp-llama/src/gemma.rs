@@ -24,7 +24,7 @@
 //! Refused by name: logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`;
 //! Gemma 2's), bidirectional attention, another activation.
 
-use super::{get_f64, get_usize, parse_scaling, LlamaConfig, RopeScaling};
+use super::{get_f64, parse_scaling, LlamaConfig, RopeScaling};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
@@ -53,7 +53,8 @@ impl Default for Gemma3 {
 }
 
 /// The text model's config of a Gemma 3 `config.json`, with transformers' `Gemma3TextConfig`
-/// defaults for the shape keys it leaves out (the published 4B's `text_config` names only its
+/// defaults for the keys it leaves out (shape, head dim 256, 131072 positions, window 4096
+/// (an explicit `null` stays), tied head) (the published 4B's `text_config` names only its
 /// width, depth, MLP width, window and RoPE scaling): for the multimodal `gemma3`
 /// (`Gemma3ForConditionalGeneration`) its `text_config`, for `gemma3_text` the config itself;
 /// `None` for other architectures. A `gemma3` config without a `text_config` object is an
@@ -78,15 +79,18 @@ pub(super) fn text_config(m: &Map<String, Value>) -> Result<Option<Map<String, V
         return Ok(None);
     };
     for (k, v) in [
-        ("vocab_size", 262_208),
-        ("hidden_size", 2304),
-        ("intermediate_size", 9216),
-        ("num_hidden_layers", 26),
-        ("num_attention_heads", 8),
-        ("num_key_value_heads", 4),
-        ("head_dim", 256),
+        ("vocab_size", json!(262_208)),
+        ("hidden_size", json!(2304)),
+        ("intermediate_size", json!(9216)),
+        ("num_hidden_layers", json!(26)),
+        ("num_attention_heads", json!(8)),
+        ("num_key_value_heads", json!(4)),
+        ("head_dim", json!(256)),
+        ("max_position_embeddings", json!(131_072)),
+        ("sliding_window", json!(4096)),
+        ("tie_word_embeddings", json!(true)),
     ] {
-        t.entry(k).or_insert(json!(v));
+        t.entry(k).or_insert(v);
     }
     Ok(Some(t))
 }
@@ -152,20 +156,6 @@ pub(super) fn parse(m: &Map<String, Value>, max_pos: usize) -> Result<(Gemma3, f
         }
     };
     Ok((g, theta, scaling))
-}
-
-/// Gemma 3's defaults where a `gemma3_text` config.json leaves a key out:
-/// `(tie_word_embeddings, max_position_embeddings, sliding_window)` (`head_dim`: 256).
-pub(super) fn defaults(m: &Map<String, Value>) -> Result<(bool, usize, Option<usize>)> {
-    let window = match m.get("sliding_window") {
-        None => Some(4096),
-        Some(_) => super::parse_window(m)?,
-    };
-    Ok((
-        m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(true),
-        get_usize(m, "max_position_embeddings")?.unwrap_or(131072),
-        window,
-    ))
 }
 
 /// Turn the Llama keys `to_hf_json` wrote into a Gemma 3 config: the activation, the scale,

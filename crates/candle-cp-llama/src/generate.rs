@@ -185,8 +185,8 @@ impl Llama {
     #[allow(clippy::type_complexity)]
     fn rope_pair(&self, positions: &[u32], dev: &candle_core::Device) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
         let c = &self.cfg;
-        let local = match (0..c.num_hidden_layers).find(|&i| c.layer_rope_is_local(i)) {
-            Some(i) => Some(rope_tables(&c.layer_rope(i), positions, DType::F32, dev)?),
+        let local = match c.local_rope() {
+            Some(local) => Some(rope_tables(&local, positions, DType::F32, dev)?),
             None => None,
         };
         Ok((rope_tables(c, positions, DType::F32, dev)?, local))

@@ -449,8 +449,8 @@ impl Llama {
         };
         let rope = tables_of(cfg)?;
         // Gemma 3's sliding layers: their own base, unscaled
-        let rope_local = match (0..cfg.num_hidden_layers).find(|&i| cfg.layer_rope_is_local(i)) {
-            Some(i) => Some(tables_of(&cfg.layer_rope(i))?),
+        let rope_local = match cfg.local_rope() {
+            Some(local) => Some(tables_of(&local)?),
             None => None,
         };
         let tc = pos[0].len();
