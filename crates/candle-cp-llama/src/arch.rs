@@ -79,7 +79,7 @@ impl Arch {
             Some(Value::String(t)) => match Arch::of_model_type(t) {
                 Some(a) => Some(a),
                 None if t == "gemma3" => bail!(
-                    "config.json: model_type `gemma3` (Gemma3ForConditionalGeneration, text and vision) not supported: the text model's config is its `text_config` (model_type `gemma3_text`)"
+                    "config.json: model_type `gemma3` (Gemma3ForConditionalGeneration, text and vision): its text model's config is its `text_config` (model_type `gemma3_text`, which `LlamaConfig::from_json` reads)"
                 ),
                 None => bail!("config.json: model_type `{t}` not supported (supported: {})", Arch::SUPPORTED),
             },
@@ -204,7 +204,7 @@ impl Arch {
         }
         if matches!(self, Arch::Llama | Arch::Mistral) {
             bail!(
-                "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3)",
+                "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3, Gemma 3)",
                 w.unwrap_or(0),
                 per_layer.iter().enumerate().filter(|(_, &s)| !s).map(|(i, _)| i).collect::<Vec<_>>()
             )
