@@ -139,6 +139,11 @@ fn cases() -> Vec<Case> {
     // many K/V tiles per query block (exercises the double-buffered pipelines), ragged ends.
     v.push(c(1, 1000, 1000, 4, 2, 128, Mask::causal_offsets(24, 0), "long-causal-gqa"));
     v.push(c(2, 513, 1031, 2, 1, 64, Mask::Full, "long-full-mqa"));
+    // head dim 256 (Gemma 3 1B / 4B / 12B): the CUDA-core kernels alone, with dynamic shared
+    // memory; full, causal GQA with two key tiles, a ring block below the diagonal
+    v.push(c(1, 45, 77, 2, 2, 256, Mask::Full, "full"));
+    v.push(c(2, 70, 70, 4, 2, 256, causal, "causal-gqa"));
+    v.push(c(1, 40, 64, 2, 1, 256, Mask::causal_offsets(64, 0), "offset-below"));
     v
 }
 
@@ -169,7 +174,8 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             let (o_ref, l_ref) = attention_fwd(&q, &k, &v, &c.mask, scale)?;
             let (gq, gk, gv) = (q.to_device(gpu)?, k.to_device(gpu)?, v.to_device(gpu)?);
             let tag = format!("{} d{} {dtype:?} [b{} t{} s{} h{} kv{}]", c.label, c.d, c.b, c.t, c.s, c.h, c.hkv);
-            let all: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple] } else { &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
+            let core_only = flash::CORE_ONLY_HEAD_DIMS.contains(&c.d);
+            let all: &[FwdImpl] = if dtype == DType::F32 || core_only { &[FwdImpl::Simple] } else { &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined] };
             let mut imps: Vec<FwdImpl> = all.iter().copied().filter(|&i| rep.wants(i)).collect();
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::Wgmma) {
                 imps.push(FwdImpl::Wgmma);
@@ -187,8 +193,11 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             if dtype != DType::F32 && c.d == 128 && rep.named(FwdImpl::WgmmaTmaWide) {
                 imps.push(FwdImpl::WgmmaTmaWide);
             }
-            if dtype != DType::F32 && rep.named(FwdImpl::AtomicDq) {
+            if dtype != DType::F32 && !core_only && rep.named(FwdImpl::AtomicDq) {
                 imps.push(FwdImpl::AtomicDq);
+            }
+            if core_only && dtype == DType::BF16 {
+                check_core_only_refused(rep, &tag, (&gq, &gk, &gv), kmask(&c.mask), scale as f32);
             }
             let imps = &imps;
             for &imp in imps {
@@ -231,6 +240,31 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// At a head dim only the CUDA-core kernels take (256), the raw kernel functions refuse the
+/// tensor-core families by name (one check per family: an error naming the head dim), and
+/// `Auto` runs (on the CUDA-core kernels).
+fn check_core_only_refused(rep: &mut Report, tag: &str, (q, k, v): (&Tensor, &Tensor, &Tensor), mask: KMask, scale: f32) {
+    for imp in [FwdImpl::Mma, FwdImpl::Pipelined, FwdImpl::AtomicDq] {
+        let name = format!("flash_fwd {imp:?} {tag} refused");
+        match flash::fwd(q, k, v, mask, scale, imp) {
+            Err(e) if e.to_string().contains("head dim 256") => {
+                println!("PASS {name}: {e}");
+                rep.pass += 1
+            }
+            Err(e) => rep.error(&name, e),
+            Ok(_) => rep.error(&name, "ran instead of refusing"),
+        }
+    }
+    let name = format!("flash_fwd Auto {tag} runs");
+    match flash::fwd(q, k, v, mask, scale, FwdImpl::Auto) {
+        Ok(_) => {
+            println!("PASS {name}");
+            rep.pass += 1
+        }
+        Err(e) => rep.error(&name, e),
+    }
 }
 
 /// Probe kernels (`candle_cp_kernels::probe`): mma.sync / ldmatrix / cp.async (and wgmma on

@@ -4,7 +4,7 @@
 //! `Band::from_positions`), documents + sliding window, a window over a ring step's keys
 //! (queries after the keys), `Mask::sliding_window` (`Band::from_mask`), random monotone bands
 //! with empty rows, and per-batch bands (`Band::stack`, a different band per batch row); head
-//! dims 16, 32, 64, 128. Per case and dtype:
+//! dims 16, 32, 64, 128, and 256 (the CUDA-core kernels alone). Per case and dtype:
 //! - `attention_fwd_band` / `attention_bwd_band` (the ops' default kernels, `CANDLE_CP_FLASH_IMPL`)
 //!   against the CPU (backward from the CPU's out / lse);
 //! - `attention_band` (autograd: out in the input dtype, gradients of `sum(out · dout)`);
@@ -94,6 +94,8 @@ fn cases(quick: bool) -> Result<Vec<BandCase>> {
             Band::stack(&[Band::from_mask(&Mask::sliding_window(50), 150, 150), Band::from_positions(&p150, &p150, full_docs)?])?,
         ),
         c("batch-2 per-row random bands", 2, 2, 2, 32, Band::stack(&[random_band(90, 77, 6)?, random_band(90, 77, 7)?])?),
+        // head dim 256 (Gemma 3's sliding layers): the CUDA-core band kernels alone
+        c("docs + window 17", 1, 2, 1, 256, Band::from_positions(&pos(0, 80), &pos(0, 80), MaskSpec { causal: true, window: Some(17), docs: Some(&Documents::from_lengths(&[30, 1, 49])?) })?),
     ];
     if !quick {
         let long = Documents::from_lengths(&[300, 5, 420, 275])?;
@@ -224,7 +226,12 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
 
             // the kernel crate with an explicit family; Mma falls back to Auto's
-            let imps: &[FwdImpl] = if dtype == DType::F32 { &[FwdImpl::Simple, FwdImpl::Mma] } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::WgmmaTma] };
+            // (head dim 256: the CUDA-core kernels alone; the others refuse it by name, gpu_check.rs)
+            let imps: &[FwdImpl] = if flash::CORE_ONLY_HEAD_DIMS.contains(&c.d) {
+                &[FwdImpl::Simple]
+            } else if dtype == DType::F32 {
+                &[FwdImpl::Simple, FwdImpl::Mma]
+            } else { &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Mma, FwdImpl::Wgmma, FwdImpl::WgmmaAtomic, FwdImpl::WgmmaWs, FwdImpl::WgmmaTma] };
             for &imp in imps {
                 let ((to, tl), tg) = tols(dtype, imp != FwdImpl::Simple);
                 let name = format!("band flash::fwd_band {imp:?} {tag}");

@@ -8,7 +8,8 @@
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
 //! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks; the
 //! same weights with Qwen2's q, k, v biases under TP 4 + SP, with Qwen3's head norms under TP 2
-//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2, against the CPU.
+//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: the CUDA-core
+//! kernels), against the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
@@ -119,14 +120,18 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
         }
     }
     let name = format!("llama qwen2 (q, k, v biases) tp4 + sp, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen2, Layout::single().with_tp(4, true)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen2, Layout::single().with_tp(4, true), None));
     // the head norms' gradients summed over TP in the backward (no SP), beside a ring
     let name = format!("llama qwen3 (q / k head norms) tp2, no sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3, Layout::cp(CpKind::Ring, 2).with_tp(2, false)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3, Layout::cp(CpKind::Ring, 2).with_tp(2, false), None));
     // Gemma 3: 1 + w norms, norms after attention and MLP, GELU, scaled tied embedding, a
     // window and the local RoPE on the first layer only
     let name = format!("llama gemma3 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    // Gemma 3's head dim 256 (its 1B / 4B / 12B): the CUDA-core kernels in every ring step,
+    // the sliding layer's band kernels included
+    let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
     Ok(())
 }
 
@@ -134,11 +139,16 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 /// norms (weights 1 ± 0.4) or as Gemma 3 (every norm weight 0.4·sin, entering as `1 + w`;
 /// the head tied; window 40 on layer 0) on `layout`'s GPU virtual ranks, against the
 /// single-device CPU run of the same model (which `tests/llama_archs.rs` holds to a float64
-/// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence.
-fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout) -> candle_core::Result<candle_cp_llama::verify::Report> {
+/// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence. `head_dim`:
+/// 4 query / 2 KV heads of that width instead of the oracle's 8 / 2 of 16, their q, k, v, o
+/// projections drawn (seeded, 5× the init's scale so that the attention is far from uniform).
+fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout, head_dim: Option<usize>) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
     use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
-    let base = LlamaConfig::from_file(format!("{dir}/config.json"))?;
+    let mut base = LlamaConfig::from_file(format!("{dir}/config.json"))?;
+    if let Some(d) = head_dim {
+        (base.num_attention_heads, base.num_key_value_heads, base.head_dim) = (4, 2, d);
+    }
     let cfg = match arch {
         Arch::Gemma3 => base.with_gemma3(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])),
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
@@ -157,6 +167,8 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
     for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
         if k.ends_with(".bias") {
             full.insert(k, (t * 20.0)?);
+        } else if head_dim.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
+            full.insert(k, (t * 5.0)?);
         } else if arch == Arch::Gemma3 && t.rank() == 1 {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
         } else if k.contains("self_attn") && k.ends_with("_norm.weight") {

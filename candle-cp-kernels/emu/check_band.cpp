@@ -33,7 +33,7 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
   void flash_fwd_pipe_band_##N##_d##D(FWDXB_P(TY));                     \
   void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
-#define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128)
+#define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDXB_P(TY));                        \
@@ -67,22 +67,24 @@ template <typename TY> using PDqB = void (*)(float*, PBWDB_P(TY));
 // Entry points by (family, D): family 0 = simple (CUDA cores), 1 = pipe (tensor cores).
 #define PICK(PRE, N, D) \
   (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : (void*)&PRE##N##_d128)
+// (d 256: the CUDA-core entries only)
+#define PICK_CORE(PRE, N, D) (D == 256 ? (void*)&PRE##N##_d256 : PICK(PRE, N, D))
 template <typename TY> struct Ents;
 // (void*: the pipelined backward entries take dO as TY, see PBWDB_P)
 template <> struct Ents<float> {
-  static void* fwd(bool, int D) { return PICK(flash_fwd_simple_band_, f32, D); }
-  static void* dkdv(bool, int D) { return PICK(flash_bwd_dkdv_band_, f32, D); }
-  static void* dq(bool, int D) { return PICK(flash_bwd_dq_band_, f32, D); }
+  static void* fwd(bool, int D) { return PICK_CORE(flash_fwd_simple_band_, f32, D); }
+  static void* dkdv(bool, int D) { return PICK_CORE(flash_bwd_dkdv_band_, f32, D); }
+  static void* dq(bool, int D) { return PICK_CORE(flash_bwd_dq_band_, f32, D); }
 };
 template <> struct Ents<__half> {
-  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, f16, D) : PICK(flash_fwd_simple_band_, f16, D); }
-  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, f16, D) : PICK(flash_bwd_dkdv_band_, f16, D); }
-  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, f16, D) : PICK(flash_bwd_dq_band_, f16, D); }
+  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, f16, D) : PICK_CORE(flash_fwd_simple_band_, f16, D); }
+  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, f16, D) : PICK_CORE(flash_bwd_dkdv_band_, f16, D); }
+  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, f16, D) : PICK_CORE(flash_bwd_dq_band_, f16, D); }
 };
 template <> struct Ents<__nv_bfloat16> {
-  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, bf16, D) : PICK(flash_fwd_simple_band_, bf16, D); }
-  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, bf16, D) : PICK(flash_bwd_dkdv_band_, bf16, D); }
-  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, bf16, D) : PICK(flash_bwd_dq_band_, bf16, D); }
+  static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, bf16, D) : PICK_CORE(flash_fwd_simple_band_, bf16, D); }
+  static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, bf16, D) : PICK_CORE(flash_bwd_dkdv_band_, bf16, D); }
+  static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, bf16, D) : PICK_CORE(flash_bwd_dq_band_, bf16, D); }
 };
 
 // One band problem: bounds [nb][T] (nb = 1: shared by every batch row, else B).
@@ -235,7 +237,7 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   if (wanted(name)) {
     Buf<float> out(nq), lse(nl);
     const unsigned rows = pipe ? 128 : 16;
-    const size_t smem = pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 + 128 * 4 : 0;  // pipe_band_smem
+    const size_t smem = pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 + 128 * 4 : core_smem(0, D);  // pipe_band_smem
     auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
     bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
       fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, T, 0, 0);
@@ -261,10 +263,10 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     auto dqf = reinterpret_cast<DqB<TY>>(Ents<TY>::dq(false, D));
     ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
                         [&] { flash_bwd_delta_f32(o32.p, dout.p, delta.p, B, T, H, D); }) &&
-         cp_emu::launch("flash_bwd_dkdv_band", dim3(cdivb(S, 32), Hkv, B), dim3(128), 0, [&] {
+         cp_emu::launch("flash_bwd_dkdv_band", dim3(cdivb(S, 32), Hkv, B), dim3(128), core_smem(1, D), [&] {
            dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
          }) &&
-         cp_emu::launch("flash_bwd_dq_band", dim3(cdivb(T, 8), H, B), dim3(128), 0, [&] {
+         cp_emu::launch("flash_bwd_dq_band", dim3(cdivb(T, 8), H, B), dim3(128), core_smem(2, D), [&] {
            dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
          });
   } else {
@@ -408,6 +410,11 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
 // Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the Hopper families (wgmma,
 // wgmma_atomic, wgmma_ws, wgmma_tma) with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
+  if (c.D == 256) {  // the CUDA-core kernels alone (dynamic shared memory)
+    run_band<float>(c, false, seed++);
+    run_band<__nv_bfloat16>(c, false, seed++);
+    return;
+  }
   if (c.D <= 64) run_band<float>(c, false, seed++);
   run_band<__nv_bfloat16>(c, false, seed++);
   run_band<__nv_bfloat16>(c, true, seed++);
@@ -467,6 +474,15 @@ void run_band_checks() {
     band_random(170, 201, rng, c.lo, c.hi);
     band_random(170, 201, rng, c.lo, c.hi);
     run_all(c, seed);
+  }
+  {  // head dim 256 (Gemma 3's sliding layers): documents + window 20, GQA 2:1, and a ring step
+     // whose window starts inside the keys
+    BandCase c{"docs + window 20", 1, 70, 70, 2, 1, 256, 1, {}, {}};
+    band_of_positions(70, 70, 0, 0, true, 20, {0, 30, 33}, c.lo, c.hi);
+    run_all(c, seed);
+    BandCase r{"ring step window 40", 1, 32, 64, 2, 2, 256, 1, {}, {}};
+    band_of_positions(32, 64, 100, 50, true, 40, {}, r.lo, r.hi);
+    run_all(r, seed);
   }
   {  // shared random band over batch 2, leading empty rows, d 32
     BandCase c{"random shared, leading empty rows", 2, 77, 90, 3, 1, 32, 1, {}, {}};

@@ -31,7 +31,7 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_mma_dq_##N##_d##D(float*, BWD_P(TY));                                      \
   void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
   void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
-#define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128)
+#define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
 #define DECL16(N, TY)                                                                       \
   DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
   void flash_bwd_pipe_prep_##N(const float*, const float*, float*, TY*, int, int, int, int);
@@ -83,7 +83,7 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_mma_dq_" #N "_d" #D, (void*)&flash_bwd_mma_dq_##N##_d##D},                  \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
-#define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128)
+#define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128) REG_D(N, 256)
 #define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
@@ -259,7 +259,7 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       Buf<float> out(nq), lse(nl);
       const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma || wide;
       unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
-      size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : 0;
+      size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : core_smem(0, D);
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
       if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
@@ -301,10 +301,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       auto dkdv = reinterpret_cast<DkdvFn<TY>>(lookup(pre + "dkdv_" + dsfx));
       auto dqf = reinterpret_cast<DqFn<TY>>(lookup(pre + "dq_" + dsfx));
       grads = [&, pre, dkdv, dqf](int acc) {
-        return cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), 0, [&] {
+        return cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), im == Impl::Simple ? core_smem(1, D) : 0, [&] {
                  dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                }) &&
-               cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), dim3(128), 0, [&] {
+               cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), dim3(128), im == Impl::Simple ? core_smem(2, D) : 0, [&] {
                  dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
@@ -417,6 +417,19 @@ void run_flash_checks() {
     if (c.D <= 64) run_case<float>(c, {Impl::Simple}, seed++, &c == &cases[3]);
     run_case<__nv_bfloat16>(c, all, seed++, &c == &cases[2] || &c == &cases[5]);
     run_case<__half>(c, all, seed++, &c == &cases[3]);
+  }
+  // head dim 256 (Gemma 3): the CUDA-core kernels alone, with dynamic shared memory (their
+  // arrays exceed the 48 KiB static limit); two key tiles and a ragged end, GQA, a ring block
+  // whose queries come after its keys, and fully masked rows; the accumulate / fold runs on both.
+  const Case d256{"causal gqa2:1 multi-tile", 1, 70, 70, 2, 1, 256, 1, 0, 1, 0, 1};
+  const Case d256_after{"causal q after k (q_off 40), rows fully masked (k_off 50)", 2, 24, 40, 2, 2, 256, 1, 40, 1, 50, 1};
+  const Case d256_full{"full t != s", 1, 17, 45, 1, 1, 256, 0, 0, 1, 0, 1};
+  for (const Case* cp : {&d256, &d256_after, &d256_full}) {
+    const Case& c = *cp;
+    const bool acc = cp != &d256_full;
+    run_case<float>(c, {Impl::Simple}, seed++, acc);
+    run_case<__nv_bfloat16>(c, {Impl::Simple}, seed++, acc);
+    run_case<__half>(c, {Impl::Simple}, seed++, false);
   }
   // wgmma (D 64 / 128 only): rows that see no key (lse -inf) with strides, key blocks that no
   // query sees, ragged T / S, GQA 3:1 over several 64-row tiles and 128-key blocks, a diagonal

@@ -484,6 +484,45 @@ def num(rx, text, what):
     return [int(x) for x in m.groups()] if len(m.groups()) > 1 else int(m.group(1))
 
 
+def core_smem_configs(fwd_cu, bwd_cu, core_rs, num, err):
+    """The CUDA-core kernels' shared memory (cp_core_smem<N> in fwd_simple, bwd_dkdv, bwd_dq, N
+    evaluated from the kernels' constexprs at each head dim) against src/flash/core.rs smem_bytes
+    (`Core::X => a * d + b` floats); returns kind -> d -> the dynamic bytes a launch passes (0
+    while static: up to CP_CORE_STATIC_SMEM bytes)."""
+    lim = num(r"#define CP_CORE_STATIC_SMEM \((\d+) \* 1024\)", rd("kernels", "common.cuh"), "CP_CORE_STATIC_SMEM")
+    rlim = num(r"const STATIC_SMEM: usize = (\d+) \* 1024;", core_rs, "core.rs STATIC_SMEM")
+    if lim != rlim:
+        err(f"core.rs STATIC_SMEM {rlim} KiB != common.cuh CP_CORE_STATIC_SMEM {lim} KiB")
+    ns = re.findall(r"cp_core_smem<([^>]+)>\(\)", fwd_cu) + re.findall(r"cp_core_smem<([^>]+)>\(\)", bwd_cu)
+    if len(ns) != 3:
+        err(f"expected cp_core_smem<N> in fwd_simple, bwd_dkdv, bwd_dq, found {len(ns)}")
+        return lambda kind, d: 0
+    consts = [dict(NW=4, R=4, BK=32), dict(NW=4, RW=2, NQ=8, BK=32), dict(NW=4, RW=2, NQ=8, BK=32)]
+    for c, txt, pat in ((consts[0], fwd_cu, r"constexpr int NW = (\d+), R = (\d+), BK = (\d+), DP = D \+ 1"),
+                        (consts[1], bwd_cu, r"constexpr int NW = (\d+), RW = (\d+), NQ = NW \* RW, BK = (\d+), DP = D \+ 1, PER"),
+                        (consts[2], bwd_cu, r"constexpr int NW = (\d+), RW = (\d+), NQ = NW \* RW, BK = (\d+), DP = D \+ 1, DL")):
+        m = re.search(pat, txt)
+        if not m:
+            err(f"cp_core_smem: cannot read the constexprs ({pat})")
+            continue
+        a, b, bk = map(int, m.groups())
+        c.update(NW=a, BK=bk, **({"R": b} if "R" in c else {"RW": b, "NQ": a * b}))
+    rust = {k: (int(a), int(b)) for k, a, b in re.findall(r"Core::(\w+) => (\d+) \* d \+ (\d+),", core_rs)}
+    kinds = ("Fwd", "Dkdv", "Dq")
+    table = {}
+    for kind, expr, c in zip(kinds, ns, consts):
+        if kind not in rust:
+            err(f"core.rs smem_bytes: no `Core::{kind} => a * d + b` arm")
+            continue
+        for d in (16, 32, 64, 128, 256):
+            floats = eval(expr, {}, dict(c, D=d, DP=d + 1))  # the kernel's N (integer arithmetic)
+            want = rust[kind][0] * d + rust[kind][1]
+            if floats != want:
+                err(f"cp_core_smem<{expr}> at d {d}: {floats} floats, core.rs Core::{kind} says {want}")
+            table.setdefault(kind, {})[d] = 0 if floats * 4 <= (lim or 48) * 1024 else floats * 4
+    return lambda kind, d: table.get(kind, {}).get(d, 0)
+
+
 def tile_configs():
     """Tile constants on both sides (kernel .cu vs Rust launcher), asserted equal; returns the
     launch shape per kernel family and head dim: {family: {d: (threads, rows per block, smem)}}.
@@ -561,7 +600,9 @@ def tile_configs():
     bwd_cu, mma_cu = rd("kernels", "flash_bwd.cu"), rd("kernels", "flash_bwd_mma.cu")
     nw, r = num(r"constexpr int NW = (\d+), R = (\d+), BK = \d+, DP = D \+ 1", fwd_cu, "fwd_simple NW, R") or (0, 0)
     mbq = num(r"constexpr int BQ = (\d+), BK = \d+, DP = D \+ 8, KP", fwd_cu, "fwd_mma BQ")
-    rs = num(r'FwdKernel::Simple => \("simple", (\d+), (\d+), 0\)', fwd_rs, "flash.rs simple (rows, threads, 0)")
+    rs = num(r'FwdKernel::Simple => \("simple", (\d+), (\d+), core::core_smem\(core::Core::Fwd, d\)\)', fwd_rs,
+             "flash.rs simple (rows, threads, core_smem(Fwd, d))")
+    core_smem = core_smem_configs(fwd_cu, rd("kernels", "flash_bwd.cu"), rd("src", "flash", "core.rs"), num, err)
     rm = num(r'FwdKernel::Mma => \("mma", (\d+), (\d+), 0\)', fwd_rs, "flash.rs mma (rows, threads, 0)")
     if rs and rs != [nw * r, nw * 32]:
         err(f"fwd_simple: kernel NW={nw} R={r} ({nw * r} rows, {nw * 32} threads) != flash.rs (rows, threads) {rs}")
@@ -585,12 +626,18 @@ def tile_configs():
     if dthr is not None and mdq and (dthr != dq[0] * 32 or dthr != mdq // 16 * 32):
         err(f"bwd dq: flash/bwd.rs threads {dthr}, flash_bwd.cu NW*32 = {dq[0] * 32}, flash_bwd_mma.cu BQ/16*32 = {mdq // 16 * 32}")
     for d in (16, 32, 64, 128):
-        out.setdefault("flash_fwd_simple", {})[d] = (rs[1] if rs else 0, nw * r, 0)
         out.setdefault("flash_fwd_mma", {})[d] = (rm[1] if rm else 0, mbq, 0)
-        out.setdefault("flash_bwd_dkdv", {})[d] = (thr[1] if thr else 0, keys, 0)
         out.setdefault("flash_bwd_mma_dkdv", {})[d] = (thr[0] if thr else 0, keys, 0)
-        out.setdefault("flash_bwd_dq", {})[d] = (dthr, rows[1] if rows else 0, 0)
         out.setdefault("flash_bwd_mma_dq", {})[d] = (dthr, rows[0] if rows else 0, 0)
+    for d in (16, 32, 64, 128, 256):  # the CUDA-core kernels also take 256 (dynamic shared memory)
+        out.setdefault("flash_fwd_simple", {})[d] = (rs[1] if rs else 0, nw * r, core_smem("Fwd", d))
+        out.setdefault("flash_bwd_dkdv", {})[d] = (thr[1] if thr else 0, keys, core_smem("Dkdv", d))
+        out.setdefault("flash_bwd_dq", {})[d] = (dthr, rows[1] if rows else 0, core_smem("Dq", d))
+    for f in ("flash/bwd.rs", "flash/band.rs"):
+        src = rd("src", *f.split("/"))
+        for kind in ("Dkdv", "Dq"):
+            if f"core_smem(Core::{kind}, d)" not in src:
+                err(f"{f}: the CUDA-core {kind} launch does not size its shared memory with core::core_smem(Core::{kind}, d)")
     # band entries (`*_band_*`, launched from src/flash/band.rs): the launch shapes of their
     # non-band kernels (the forward pipe adds 128 ints of dynamic shared memory: pipe_band_smem)
     band_rs = rd("src", "flash", "band.rs")

@@ -98,3 +98,12 @@ struct Ref {
 // defined in check_flash.cpp, used by every flash check.
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
               const std::vector<double>& dout, double scale);
+
+// Dynamic shared memory of a CUDA-core kernel launch at head dim D (src/flash/core.rs
+// `core_smem`, kernels/common.cuh `cp_core_smem`): 0 while the kernel's floats fit the 48 KiB
+// of static shared memory (D <= 128), else all of them. kind: 0 forward (80 D + 32 floats),
+// 1 dK/dV (80 D + 576), 2 dQ (80 D + 64).
+inline size_t core_smem(int kind, int D) {
+  const size_t floats = (size_t)80 * D + (kind == 0 ? 32 : kind == 1 ? 576 : 64);
+  return floats * 4 <= 48 * 1024 ? 0 : floats * 4;
+}

@@ -302,6 +302,28 @@ __device__ __forceinline__ unsigned cp_nctaid_x() {
 #define CP_EMU_POISON(...)
 #endif
 
+// Shared memory of the CUDA-core kernels (flash_fwd.cu `fwd_simple`, flash_bwd.cu `bwd_dkdv` /
+// `bwd_dq`): N floats. A static array while it fits the 48 KiB a block may declare statically
+// (head dims up to 128); above that (head dim 256: about 82 KB) the launch's dynamic shared
+// memory, which the Rust launcher sizes to N * 4 bytes (src/flash/core.rs `core_smem` mirrors
+// the sizes; the emulator fails the launch when it is smaller).
+#define CP_CORE_STATIC_SMEM (48 * 1024)
+template <int N>
+__device__ __forceinline__ float* cp_core_smem() {
+  if constexpr ((size_t)N * 4 <= CP_CORE_STATIC_SMEM) {
+    __shared__ __align__(16) float cp_core_static[N];
+    CP_EMU_POISON(cp_core_static);
+    return cp_core_static;
+  } else {
+#ifdef CP_HOST_EMU
+    return reinterpret_cast<float*>(cp_emu::smem_ptr(0, (uint32_t)N * 4));
+#else
+    extern __shared__ __align__(16) float cp_core_dyn[];
+    return cp_core_dyn;
+#endif
+  }
+}
+
 // *p += v on a global f32, atomically, without returning the old value (red.global.add.f32:
 // the SM does not wait for the L2's reply). The order in which concurrent additions land is unspecified
 // (f32 sums are then nondeterministic in their last bits). Host emulation: every CUDA thread of

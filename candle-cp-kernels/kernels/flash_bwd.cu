@@ -40,7 +40,8 @@ __device__ __forceinline__ void bwd_p_ds(float s, float dp, float lse_i, float d
   ds = p * (dp - delta_i);
 }
 
-// Head dims 16, 32, 64, 128.
+// Head dims 16, 32, 64, 128, 256. Shared memory: cp_core_smem (common.cuh): static up to d 128,
+// dynamic at d 256 ((80 d + 576) * 4 bytes for dK/dV, (80 d + 64) * 4 for dQ).
 // dK, dV for a tile of 32 keys of one KV head. Launch: grid (ceil(S/32), Hkv, B), block 128.
 template <typename T, int D, typename M>
 __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __restrict__ k,
@@ -49,8 +50,13 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
                                          float* __restrict__ dk, float* __restrict__ dv, int B, int T_,
                                          int S, int H, int Hkv, float scale, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, PER = BK * D / (NW * 32);
-  __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D], p_s[NQ * BK], ds_s[NQ * BK];
-  CP_EMU_POISON(k_s, v_s, q_s, do_s, p_s, ds_s);
+  // k_s, v_s [BK][DP]; q_s, do_s [NQ][D]; p_s, ds_s [NQ][BK]: (80 D + 576) floats (core.rs CORE_DKDV_SMEM)
+  float* const k_s = cp_core_smem<2 * BK * DP + 2 * NQ * D + 2 * NQ * BK>();
+  float* const v_s = k_s + BK * DP;
+  float* const q_s = v_s + BK * DP;
+  float* const do_s = q_s + NQ * D;
+  float* const p_s = do_s + NQ * D;
+  float* const ds_s = p_s + NQ * BK;
   const int b = blockIdx.z, kvh = blockIdx.y, k0 = blockIdx.x * BK;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, G = H / Hkv;
   for (int e = threadIdx.x; e < BK * D; e += blockDim.x) {
@@ -125,8 +131,11 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
                                        float* __restrict__ dq, int B, int T_, int S, int H, int Hkv,
                                        float scale, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, DL = (D + 31) / 32;
-  __shared__ float k_s[BK * DP], v_s[BK * DP], q_s[NQ * D], do_s[NQ * D];
-  CP_EMU_POISON(k_s, v_s, q_s, do_s);
+  // k_s, v_s [BK][DP]; q_s, do_s [NQ][D]: (80 D + 64) floats (core.rs CORE_DQ_SMEM)
+  float* const k_s = cp_core_smem<2 * BK * DP + 2 * NQ * D>();
+  float* const v_s = k_s + BK * DP;
+  float* const q_s = v_s + BK * DP;
+  float* const do_s = q_s + NQ * D;
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv), i0 = blockIdx.x * NQ;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   for (int e = threadIdx.x; e < NQ * D; e += blockDim.x) {
@@ -211,7 +220,7 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_band_##NAME##_d##D(float* dq, BWD_BAND_ARGS) { \
     bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
   }
-#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128)
+#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128) ENTRIES_D(NAME, 256)
 
 #define TY float
 ENTRIES(f32)

@@ -31,10 +31,10 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
                                            const T* __restrict__ v, CpFwdDst dst, int B, int T_,
                                            int S, int H, int Hkv, float scale, M mask) {
   constexpr int NW = 4, R = 4, BK = 32, DP = D + 1, DL = (D + 31) / 32;
-  __shared__ float k_s[BK * DP];
-  __shared__ float v_s[BK * D];
-  __shared__ float q_s[NW * R * D];
-  CP_EMU_POISON(k_s, v_s, q_s);
+  // k_s [BK][DP], v_s [BK][D], q_s [NW * R][D]: (80 D + 32) floats (CORE_FWD_SMEM in src/flash/core.rs)
+  float* const k_s = cp_core_smem<BK * DP + BK * D + NW * R * D>();
+  float* const v_s = k_s + BK * DP;
+  float* const q_s = v_s + BK * D;
   const int b = blockIdx.z, h = blockIdx.y, kvh = h / (H / Hkv);
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int row0 = blockIdx.x * NW * R;
@@ -515,7 +515,8 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 }
 
 // ------------------------------------------------------------------ entry points
-// Head dims 16, 32, 64, 128. Launch: simple: grid (ceil(T/16), H, B), block 128;
+// Head dims 16, 32, 64, 128 (and 256 for simple). Launch: simple: grid (ceil(T/16), H, B), block
+// 128, dynamic shared memory 0 up to d 128 and (80 d + 32) * 4 bytes at d 256 (cp_core_smem);
 // mma: grid (ceil(T/64), H, B), block 128; pipe: grid (ceil(T/128), H, B), block 128, dynamic
 // shared memory as below.
 // o_T, o_row0, o_merge: CpFwdDst (a plain call: T, 0, 0).
@@ -553,15 +554,15 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   }
 #define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64)
 #define TY float
-SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128)
+SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128) SIMPLE(f32, 256)
 #undef TY
 #define TY __half
-SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 128)
+SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 128) SIMPLE(f16, 256)
 MMA(f16, 16) MMA(f16, 32) MMA(f16, 64) MMA(f16, 128)
 PIPES(f16)
 #undef TY
 #define TY __nv_bfloat16
-SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 128)
+SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 128) SIMPLE(bf16, 256)
 MMA(bf16, 16) MMA(bf16, 32) MMA(bf16, 64) MMA(bf16, 128)
 PIPES(bf16)
 #undef TY

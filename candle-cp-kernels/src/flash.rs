@@ -3,7 +3,8 @@
 //!
 //! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16 or bf16, same dtype), out f32
 //! `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). `T`, `S` are local lengths; the mask
-//! carries global positions. Head dims 16, 32, 64 and 128. Query head `h` reads KV head `h / (H/Hkv)`.
+//! carries global positions. Head dims 16, 32, 64 and 128 on every family, 256 on the CUDA-core
+//! kernels only (module `core`). Query head `h` reads KV head `h / (H/Hkv)`.
 //! Band masks (one key interval per query row): [`fwd_band`], [`bwd_band`] (module `band`).
 
 use crate::{ptx, util};
@@ -20,6 +21,7 @@ mod bwd_pipe;
 mod bwd_prep;
 mod bwd_sm90;
 mod bwd_sm90_ws;
+mod core;
 mod dst;
 mod fold;
 mod sm90;
@@ -33,6 +35,7 @@ pub use bwd_prep::{bwd_prep, BwdPrep};
 use dst::{FoldAt, FwdDst};
 pub use fold::{fwd_band_fold, fwd_fold};
 use bwd_prep::BwdInputs;
+pub use core::{head_dim_supported, CORE_ONLY_HEAD_DIMS, HEAD_DIMS};
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -171,6 +174,18 @@ impl FwdImpl {
         })
     }
 
+    /// The family a whole-model setting (`CANDLE_CP_FLASH_IMPL`, through the attention ops)
+    /// runs at head dim `d`: itself, except at the head dims only the CUDA-core kernels take
+    /// ([`CORE_ONLY_HEAD_DIMS`]: 256), where every family runs [`FwdImpl::Simple`]. The raw
+    /// kernel functions do not do this: there an explicit other family at 256 is an error.
+    pub fn for_head_dim(self, d: usize) -> Self {
+        if CORE_ONLY_HEAD_DIMS.contains(&d) {
+            FwdImpl::Simple
+        } else {
+            self
+        }
+    }
+
     /// The family named `auto`, `simple`, `mma`, `pipelined`, `wgmma`, `atomic`, `wgmma-atomic`,
     /// `wgmma-ws`, `wgmma-tma` or `wgmma-tma-wide` (the names `CANDLE_CP_FLASH_IMPL` and the GPU examples' `--impl`/`--impls` take); `None`
     /// otherwise.
@@ -205,8 +220,8 @@ fn check_dims(op: &str, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
     if k != v || kb != b || kd != d || hkv == 0 || h % hkv != 0 {
         candle_core::bail!("{op}: expected q [B, T, H, D], k/v [B, S, Hkv, D] with H % Hkv == 0, got q {q:?}, k {k:?}, v {v:?}")
     }
-    if !matches!(d, 16 | 32 | 64 | 128) {
-        candle_core::bail!("{op}: head dim {d} not supported by the CUDA kernels (16, 32, 64, 128); q {q:?}")
+    if !head_dim_supported(d) {
+        candle_core::bail!("{op}: head dim {d} not supported by the CUDA kernels (16, 32, 64, 128; 256 on the CUDA-core kernels); q {q:?}")
     }
     if h > 65_535 || b > 65_535 || hkv > 65_535 {
         candle_core::bail!("{op}: too many heads or batches for the launch grid; q {q:?}, k {k:?}")
@@ -360,6 +375,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
+    let imp = core::family_for(dev, imp, d, "flash_fwd", ql.shape())?;
     let kern = match imp {
         FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
         FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
@@ -401,7 +417,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = match kern {
-        FwdKernel::Simple => ("simple", 16, 128, 0),
+        FwdKernel::Simple => ("simple", 16, 128, core::core_smem(core::Core::Fwd, d)),
         FwdKernel::Mma => ("mma", 64, 128, 0),
         FwdKernel::Pipelined => {
             let (rows, threads, smem) = pipe_config(d);

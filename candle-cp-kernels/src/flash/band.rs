@@ -16,6 +16,7 @@
 //! [`FwdImpl`]).
 
 use super::bwd_pipe::PipeCfg;
+use super::core::{self, Core};
 use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
@@ -166,6 +167,7 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
+    let imp = core::family_for(dev, imp, d, "flash_fwd_band", ql.shape())?;
     if b * t * h == 0 {
         return dst.empty(dev);
     }
@@ -194,7 +196,7 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
         let (rows, threads, smem) = pipe_band_smem(d);
         ("pipe", rows, threads, smem)
     } else {
-        ("simple", 16, 128, 0)
+        ("simple", 16, 128, core::core_smem(Core::Fwd, d))
     };
     let name = format!("flash_fwd_{kind}_band_{sfx}_d{d}");
     let func = dev.get_or_load_custom_func(&name, ptx::FLASH_FWD_MODULE, ptx::FLASH_FWD)?;
@@ -307,6 +309,7 @@ fn bwd_band_prepared_to(
 ) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd_band", (q, k, v), lse, pr)?;
     band.check("flash_bwd_band", b, t, &dev)?;
+    let imp = core::family_for(&dev, imp, d, "flash_bwd_band", q.shape())?;
     let sfx = suffix(q.dtype())?;
     let pc = PipeCfg::of(d);
     let (smem_kv, smem_q) = pc.smem(d);
@@ -347,8 +350,10 @@ fn bwd_band_prepared_to(
     macro_rules! launch_band {
         ($ty:ty) => {{
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
+            let smem = core::core_smem(Core::Dkdv, d);
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_dkdv_band_{sfx}_d{d}"), module, src)?;
-            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            core::opt_in(&func, smem)?;
+            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
@@ -356,8 +361,10 @@ fn bwd_band_prepared_to(
             // SAFETY: matches `float* dk, float* dv, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
             unsafe { bld.launch(cfg) }.w()?;
 
+            let smem = core::core_smem(Core::Dq, d);
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_dq_band_{sfx}_d{d}"), module, src)?;
-            let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            core::opt_in(&func, smem)?;
+            let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);

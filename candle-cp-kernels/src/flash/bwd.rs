@@ -7,6 +7,7 @@
 //! `[B, H, T]`; dq f32 `[B, T, H, D]`, dk/dv f32 `[B, S, Hkv, D]`.
 
 use super::bwd_prep::{bwd_prep, BwdInputs, BwdPrep};
+use super::core::{self, Core};
 use super::{bwd_fused, bwd_pipe, bwd_sm90, bwd_sm90_ws, check_dims, suffix, Dims, FwdImpl, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
@@ -217,6 +218,7 @@ pub(super) fn bwd_prepared_to(
     dq_out: DqOut<'_>,
 ) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd", (q, k, v), lse, pr)?;
+    let imp = core::family_for(&dev, imp, d, "flash_bwd", q.shape())?;
     let sfx = suffix(q.dtype())?;
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
@@ -280,9 +282,11 @@ pub(super) fn bwd_prepared_to(
                 ("flash_bwd", ptx::FLASH_BWD_MODULE, ptx::FLASH_BWD)
             };
             let name = format!("{pre}_dkdv_{sfx}_d{d}");
+            let smem = if use_mma { 0 } else { core::core_smem(Core::Dkdv, d) };
             let func = dev.get_or_load_custom_func(&name, module, src)?;
+            core::opt_in(&func, smem)?;
             let threads = if use_mma { 64 } else { 128 };
-            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
@@ -291,9 +295,11 @@ pub(super) fn bwd_prepared_to(
             unsafe { bld.launch(cfg) }.w()?;
 
             let name = format!("{pre}_dq_{sfx}_d{d}");
+            let smem = if use_mma { 0 } else { core::core_smem(Core::Dq, d) };
             let func = dev.get_or_load_custom_func(&name, module, src)?;
+            core::opt_in(&func, smem)?;
             let rows = if use_mma { 64 } else { 8 };
-            let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: 0 };
+            let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);

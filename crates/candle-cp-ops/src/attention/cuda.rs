@@ -4,7 +4,9 @@
 //! parent, compared on a GPU by `examples/gpu_check.rs`.
 //!
 //! Forward kernel choice: tensor cores for f16/bf16, CUDA cores for f32; override with
-//! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128.
+//! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128 on every kernel family; 256
+//! (Gemma 3 1B / 4B / 12B) on the CUDA-core kernels, whatever `CANDLE_CP_FLASH_IMPL` says
+//! (`FwdImpl::for_head_dim`; the tensor-core and Hopper families stop at 128).
 //!
 //! Bands ([`Band`]: windows, packed documents, per-batch masks): the band kernels of the
 //! `Simple`, `Pipelined` and Hopper families (`candle_cp_kernels::flash::{fwd_band, bwd_band}`);
@@ -17,9 +19,22 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
 use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask};
 
-/// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error).
+/// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error):
+/// `candle_cp_kernels::flash::head_dim_supported` (16, 32, 64, 128, and 256 on the CUDA-core
+/// kernels).
 pub(crate) fn supported(head_dim: usize) -> bool {
-    matches!(head_dim, 16 | 32 | 64 | 128)
+    flash::head_dim_supported(head_dim)
+}
+
+/// The kernel family for q `[B, T, H, D]`: `CANDLE_CP_FLASH_IMPL`'s, or the CUDA-core kernels at
+/// a head dim only they take (`FwdImpl::for_head_dim`: 256).
+fn imp(q: &Tensor) -> FwdImpl {
+    imp_of_dims(q.dims())
+}
+
+/// [`imp`] from q's dims.
+fn imp_of_dims(dims: &[usize]) -> FwdImpl {
+    FwdImpl::from_env().for_head_dim(dims.last().copied().unwrap_or(0))
 }
 
 /// Kernel mask from the op's [`Mask`].
@@ -48,9 +63,9 @@ pub(crate) fn op_fwd(
     let ((out, out_shape), (lse, lse_shape)) = match &op.band {
         Some(band) => {
             let (lo, hi) = band_tensors(band, &Device::Cuda(q.device.clone()))?;
-            flash::fwd_storage_band(q, ql, k, kl, v, vl, KBand { lo: &lo, hi: &hi }, op.scale as f32, FwdImpl::from_env())?
+            flash::fwd_storage_band(q, ql, k, kl, v, vl, KBand { lo: &lo, hi: &hi }, op.scale as f32, imp_of_dims(ql.dims()))?
         }
-        None => flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), op.scale as f32, FwdImpl::from_env())?,
+        None => flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), op.scale as f32, imp_of_dims(ql.dims()))?,
     };
     let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, candle_core::op::BackpropOp::none(), false);
     *op.lse_slot().lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
@@ -67,12 +82,12 @@ pub(crate) fn op_fwd(
 
 /// CUDA `attention_fwd` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
-    flash::fwd(q, k, v, kmask(mask), scale as f32, FwdImpl::from_env())
+    flash::fwd(q, k, v, kmask(mask), scale as f32, imp(q))
 }
 
 /// CUDA `attention_bwd_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 pub(crate) fn bwd(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
-    flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), scale as f32, FwdImpl::from_env())
+    flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), scale as f32, imp(q))
 }
 
 /// CUDA backward of `call` adding its dQ into `dq` (an f32 `[B, n, H, D]` contiguous region, the
@@ -85,10 +100,10 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
     prep.check("attention_bwd", q, dims)?;
     let kp = prep.kernel();
     match call.mask {
-        super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), scale as f32, FwdImpl::from_env(), dq),
+        super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), scale as f32, imp(q), dq),
         super::call::CallMask::Band(band) => {
             let (lo, hi) = band_args(band, "attention_bwd_band", (b, n, dims.s), q.device())?;
-            flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), dq)
+            flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, scale as f32, imp(q), dq)
         }
     }
 }
@@ -96,11 +111,11 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
 /// CUDA forward of one call into the packed buffer `[B·n·H·D + B·H·n]` (out, then lse).
 pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64) -> Result<Tensor> {
     match mask {
-        super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), scale as f32, FwdImpl::from_env()),
+        super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), scale as f32, imp(q)),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
             let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
-            flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+            flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, imp(q))
         }
     }
 }
@@ -110,11 +125,11 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
     match mask {
-        super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), scale as f32, FwdImpl::from_env(), state, rows, row0),
+        super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), scale as f32, imp(q), state, rows, row0),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
             let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
-            flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env(), state, rows, row0)
+            flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, imp(q), state, rows, row0)
         }
     }
 }
@@ -139,13 +154,13 @@ fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {
 /// CUDA `attention_fwd_band` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 pub(crate) fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
     let (lo, hi) = band_tensors(band, q.device())?;
-    flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+    flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, scale as f32, imp(q))
 }
 
 /// CUDA `attention_bwd_band_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 pub(crate) fn bwd_band(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, band: &Band, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
     let (lo, hi) = band_tensors(band, q.device())?;
-    flash::bwd_band_prepared(q, k, v, lse, &prep.kernel(), KBand { lo: &lo, hi: &hi }, scale as f32, FwdImpl::from_env())
+    flash::bwd_band_prepared(q, k, v, lse, &prep.kernel(), KBand { lo: &lo, hi: &hi }, scale as f32, imp(q))
 }
 
 /// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.

@@ -1,0 +1,114 @@
+//! The CUDA-core kernels' launch numbers (`kernels/flash_fwd.cu` `fwd_simple`,
+//! `kernels/flash_bwd.cu` `bwd_dkdv` / `bwd_dq`, their `_band_` entries) and the head dims only
+//! they take.
+//!
+//! Head dim 256 (Gemma 3 1B / 4B / 12B, Gemma 2) runs on the CUDA-core family alone: its tiles
+//! (f32 K and V of 32 keys, the block's query rows) need about 82 KB of shared memory per block,
+//! more than a block may declare statically, so at d = 256 the kernels take it as dynamic shared
+//! memory (`cp_core_smem` in `kernels/common.cuh`) and the launcher passes the size below. The
+//! tensor-core and Hopper families stop at 128 (their register tiles of a 256-wide head do not
+//! fit); `FwdImpl::Auto` resolves to `Simple` there, an explicit other family is an error.
+
+use super::FwdImpl;
+use crate::util;
+use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
+use candle_core::cuda_backend::cudarc::driver::CudaFunction;
+use candle_core::cuda_backend::WrapErr;
+use candle_core::{CudaDevice, Result, Shape};
+
+/// Head dims every kernel family takes.
+pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
+
+/// Head dims only the CUDA-core kernels ([`FwdImpl::Simple`]) take.
+pub const CORE_ONLY_HEAD_DIMS: [usize; 1] = [256];
+
+/// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`CORE_ONLY_HEAD_DIMS`]).
+pub fn head_dim_supported(d: usize) -> bool {
+    HEAD_DIMS.contains(&d) || CORE_ONLY_HEAD_DIMS.contains(&d)
+}
+
+/// One of the CUDA-core kernels.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum Core {
+    /// `flash_fwd_simple{,_band}_*`: K `[32][d+1]`, V `[32][d]`, Q `[16][d]` floats.
+    Fwd,
+    /// `flash_bwd_dkdv{,_band}_*`: K, V `[32][d+1]`, Q, dO `[8][d]`, P, dS `[8][32]` floats.
+    Dkdv,
+    /// `flash_bwd_dq{,_band}_*`: K, V `[32][d+1]`, Q, dO `[8][d]` floats.
+    Dq,
+}
+
+/// The largest shared memory a block may declare statically (`CP_CORE_STATIC_SMEM`).
+const STATIC_SMEM: usize = 48 * 1024;
+
+/// Shared memory of a CUDA-core kernel at head dim `d`, in bytes (`cp_core_smem<N>` with the N
+/// of each kernel: `80·d + 32`, `80·d + 576`, `80·d + 64` floats).
+pub(super) fn smem_bytes(k: Core, d: usize) -> usize {
+    let floats = match k {
+        Core::Fwd => 80 * d + 32,
+        Core::Dkdv => 80 * d + 576,
+        Core::Dq => 80 * d + 64,
+    };
+    floats * 4
+}
+
+/// The dynamic shared memory a launch of `k` at head dim `d` passes: 0 while the kernel's arrays
+/// are static (up to 48 KiB: d ≤ 128), else all of [`smem_bytes`] (d = 256: 82,048 / 84,224 /
+/// 82,176 bytes).
+pub(super) fn core_smem(k: Core, d: usize) -> u32 {
+    let b = smem_bytes(k, d);
+    if b <= STATIC_SMEM {
+        0
+    } else {
+        b as u32
+    }
+}
+
+/// Opts `func` into `smem` bytes of dynamic shared memory when that is above 48 KiB (the
+/// driver's default limit per kernel); nothing otherwise.
+pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
+    if smem as usize > STATIC_SMEM {
+        func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem as i32).w()?;
+    }
+    Ok(())
+}
+
+/// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a head dim only the
+/// CUDA-core kernels take, [`FwdImpl::Simple`] for `Auto` and `Simple` (after checking that the
+/// device gives a block their shared memory), an error naming the head dim for an explicit
+/// other family.
+pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
+    if !CORE_ONLY_HEAD_DIMS.contains(&d) {
+        return Ok(imp);
+    }
+    if !matches!(imp, FwdImpl::Auto | FwdImpl::Simple) {
+        candle_core::bail!("{op}: head dim {d} runs on the CUDA-core kernels only (FwdImpl::Simple or Auto), not {imp:?}; q {q:?}")
+    }
+    let need = [Core::Fwd, Core::Dkdv, Core::Dq].into_iter().map(|k| smem_bytes(k, d)).max().unwrap_or(0);
+    let optin = util::smem_optin(dev)?;
+    if need as i64 > optin {
+        candle_core::bail!("{op}: head dim {d} needs {need} bytes of shared memory per block, the device allows {optin}; q {q:?}")
+    }
+    Ok(FwdImpl::Simple)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The sizes the kernels' `cp_core_smem<N>` take: static (0 dynamic) up to d = 128, the
+    /// whole buffer at d = 256.
+    #[test]
+    fn core_smem_static_up_to_128() {
+        for d in HEAD_DIMS {
+            for k in [Core::Fwd, Core::Dkdv, Core::Dq] {
+                assert_eq!(core_smem(k, d), 0, "{k:?} d{d}: {} bytes", smem_bytes(k, d));
+            }
+        }
+        assert_eq!(smem_bytes(Core::Dkdv, 128), 43_264);
+        assert_eq!(core_smem(Core::Fwd, 256), 82_048);
+        assert_eq!(core_smem(Core::Dkdv, 256), 84_224);
+        assert_eq!(core_smem(Core::Dq, 256), 82_176);
+        assert!(head_dim_supported(256) && !head_dim_supported(96) && !head_dim_supported(512));
+    }
+}
