@@ -12,7 +12,8 @@ use candle_cp_plan::{
 #[derive(clap::Args, Debug)]
 pub struct CommonArgs {
     /// Model: llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b, qwen2.5-72b, qwen3-8b, qwen3-32b,
-    /// or the path of a Hugging Face config.json (Llama, Mistral, Qwen2 or Qwen3).
+    /// gemma3-1b, gemma3-4b, gemma3-12b, gemma3-27b, or the path of a Hugging Face config.json
+    /// (Llama, Mistral, Qwen2, Qwen3 or Gemma 3).
     #[arg(long)]
     pub model: String,
     /// Global sequence length in tokens (all CP ranks together).

@@ -539,10 +539,10 @@ fn plan_qwen_presets_and_config() {
     let all = cfg("all", r#","use_sliding_window":true,"max_window_layers":0"#);
     let v = plan_json(&["--model", all.to_str().unwrap(), "--seq", "8192"]);
     assert_eq!(model(&v, "sliding_window"), serde_json::json!(131072));
-    // a window on the layers from 20 on (or as layer_types says): planned as full attention,
-    // with a note; the same FLOPs as no window
+    // a window on the layers from 20 on (or as layer_types says): the sliding layers priced
+    // apart (the window's attention FLOPs), the layer time the average of the two kinds
     let none = plan_json(&["--model", shipped.to_str().unwrap(), "--seq", "262144"]);
-    let flops = |v: &serde_json::Value| v.pointer("/step/compute_s").cloned();
+    let num = |v: &serde_json::Value, p: &str| v.pointer(p).and_then(|x| x.as_f64()).unwrap_or_else(|| panic!("no number at {p}"));
     let types: Vec<&str> = (0..28).map(|i| if i % 4 == 3 { "full_attention" } else { "sliding_attention" }).collect();
     let listed = format!(r#","use_sliding_window":true,"layer_types":{}"#, serde_json::json!(types));
     for (tag, extra, k) in [("some", r#","use_sliding_window":true,"max_window_layers":20"#.to_string(), 8), ("listed", listed, 21)] {
@@ -550,10 +550,19 @@ fn plan_qwen_presets_and_config() {
         assert!(model(&v, "sliding_window").is_null());
         assert_eq!(model(&v, "partial_window"), serde_json::json!([131072, k]), "{tag}");
         let notes = v["notes"].to_string();
-        assert!(notes.contains(&format!("sliding window 131072 on {k} of 28 layers only")), "{tag}: {notes}");
-        assert_eq!(flops(&v), flops(&none), "{tag}");
-        assert!(flops(&v).is_some());
+        assert!(notes.contains(&format!("sliding window 131072 on {k} of 28 layers: their attention is the window's")), "{tag}: {notes}");
+        assert_eq!((num(&v, "/sliding/window"), num(&v, "/sliding/layers")), (131072.0, k as f64), "{tag}");
+        // 4·q_dim·(s·w − w·(w−1)/2) per sequence: 3/4 of the causal 2·s²·q_dim at w = s/2
+        let (sf, w) = (262144f64, 131072f64);
+        assert_eq!(num(&v, "/sliding/flops/attention_fwd"), 4.0 * 3584.0 * (sf * w - w * (w - 1.0) / 2.0), "{tag}");
+        assert_eq!(num(&v, "/flops/attention_fwd"), num(&none, "/flops/attention_fwd"), "{tag}");
+        let (full_s, slide_s) = (num(&none, "/layer_time/attention_s"), num(&v, "/sliding/attention_s"));
+        assert!(slide_s < 0.76 * full_s && slide_s > 0.74 * full_s, "{tag}: {slide_s} vs {full_s}");
+        let avg = ((28 - k) as f64 * full_s + k as f64 * slide_s) / 28.0;
+        assert!((num(&v, "/layer_time/attention_s") - avg).abs() <= 1e-12 * avg, "{tag}");
+        assert!(num(&v, "/step/compute_s") < num(&none, "/step/compute_s"), "{tag}");
     }
+    assert!(none.pointer("/sliding").is_some_and(|x| x.is_null()));
     let out = candle_cp(&["plan", "--model", "qwen2.5-7b", "--seq", "131072", "--cp", "8", "--cp-kind", "ulysses"]);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(2), "{stderr}");

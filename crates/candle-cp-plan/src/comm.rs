@@ -113,6 +113,20 @@ pub struct RingComm {
 /// plain ring). The model's sliding window, if shorter than `s`, and packed documents
 /// (`cx.doc_len`), if shorter than `s`, make it a halo exchange.
 pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
+    ring_with(cx, r, u, false)
+}
+
+/// [`ring`] on zigzag shards whatever the window: the window's layers of a model whose other
+/// layers attend causally (a window on some layers only, [`crate::partial`]) share the layout
+/// those need, zigzag, where every rank's two chunks border chunks of ranks all around the ring:
+/// the K/V rotate the full ring (`R-1` hops, `R` dK/dV transfers) while the window's work
+/// (`4·b·d·a_r·(s·w − w·(w−1)/2) / R` FLOPs per rank) is spread over the `R` steps (an
+/// average: it falls on the steps that bring a neighbouring chunk).
+pub fn ring_full(cx: &CommCtx, r: usize, u: usize) -> RingComm {
+    ring_with(cx, r, u, true)
+}
+
+fn ring_with(cx: &CommCtx, r: usize, u: usize, full: bool) -> RingComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let q_heads = (m.heads / l.tp / u).max(1);
     let kv_heads = crate::layout::kv_copies_per_ulysses_rank(l.kv_heads_per_tp_rank(m), u);
@@ -129,7 +143,7 @@ pub fn ring(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     let step_bytes = cf * bf * 2.0 * kv_heads as f64 * d * e;
     let window = effective_window(m.sliding_window, cx.seq);
     let doc_len = effective_doc_len(cx.doc_len, cx.seq);
-    let hops = packed::ring_hops(cx.seq, r, doc_len, window);
+    let hops = if full { r.saturating_sub(1) } else { packed::ring_hops(cx.seq, r, doc_len, window) };
     let dkv_transfers = accumulator_transfers(hops);
     let steps = hops as f64;
     let step_flops_fwd = if window.is_none() && doc_len.is_none() {

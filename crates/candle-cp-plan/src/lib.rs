@@ -13,7 +13,8 @@
 //! JSON); [`report::render`] prints it as tables for people.
 //!
 //! A causal sliding window (the model's `sliding_window`) changes the attention FLOPs and the
-//! ring (a halo exchange on contiguous shards): see [`window`]. Packed documents
+//! ring (a halo exchange on contiguous shards): see [`window`]; a window on some layers only
+//! (Gemma 3, Qwen `max_window_layers`): see [`partial`]. Packed documents
 //! ([`PlanInput::doc_len`]) do the same inside each document: see [`packed`]. The gradient
 //! synchronisation over the `dp·cp` replicas, once per optimizer step, per ZeRO stage: see
 //! [`grad_sync`].
@@ -28,6 +29,7 @@ pub mod layout;
 pub mod memory;
 pub mod model;
 pub mod packed;
+pub mod partial;
 pub mod plan;
 pub mod rates;
 pub mod report;

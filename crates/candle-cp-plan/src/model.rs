@@ -87,16 +87,24 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 7] = ["llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b"];
+pub const MODEL_PRESETS: [&str; 11] = [
+    "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
+];
 
 impl ModelConfig {
     /// A built-in shape: Llama 3 (3.1) `llama3-8b`, `llama3-70b` or `llama3-405b`
     /// (vocabulary 128256), Qwen2.5 `qwen2.5-7b` or `qwen2.5-72b` (vocabulary 152064, q, k, v
     /// biases; the 7B has 28 query and 4 KV heads), or Qwen3 `qwen3-8b` or `qwen3-32b`
     /// (vocabulary 151936, q / k head norms, head dim 128: the 32B's 64 heads are 8192 wide
-    /// on a 5120-wide model).
+    /// on a 5120-wide model), or Gemma 3's text models `gemma3-1b`, `gemma3-4b`, `gemma3-12b`
+    /// or `gemma3-27b` as published (head dim 256, 128 for the 27B; vocabulary 262208, 262144
+    /// for the 1B; tied head; head norms and the two norms after attention and MLP; a window of
+    /// 1024 keys, 512 for the 1B, on five layers of six: [`ModelConfig::partial_window`]).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
+        if let Some(g) = Self::gemma3_preset(&lower) {
+            return Ok(g);
+        }
         let (hidden, layers, heads, kv_heads, ffn) = match lower.as_str() {
             "llama3-8b" => (4096, 32, 32, 8, 14336),
             "llama3-70b" => (8192, 80, 64, 8, 28672),
@@ -128,6 +136,35 @@ impl ModelConfig {
             gemma3: false,
         };
         Ok(cfg)
+    }
+
+    /// The Gemma 3 presets of [`ModelConfig::preset`] (`None` for other names). Shapes from
+    /// the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
+    /// `Gemma3TextConfig`'s defaults); sliding layers: all but every sixth.
+    fn gemma3_preset(lower: &str) -> Option<Self> {
+        let (hidden, layers, heads, kv_heads, head_dim, ffn, vocab, window) = match lower {
+            "gemma3-1b" => (1152, 26, 4, 1, 256, 6912, 262_144, 512),
+            "gemma3-4b" => (2560, 34, 8, 4, 256, 10240, 262_208, 1024),
+            "gemma3-12b" => (3840, 48, 16, 8, 256, 15360, 262_208, 1024),
+            "gemma3-27b" => (5376, 62, 32, 16, 128, 21504, 262_208, 1024),
+            _ => return None,
+        };
+        Some(Self {
+            name: lower.to_string(),
+            hidden,
+            layers,
+            heads,
+            kv_heads,
+            head_dim,
+            ffn,
+            vocab,
+            tie_embeddings: true,
+            sliding_window: None,
+            qkv_bias: false,
+            qk_norm: true,
+            partial_window: Some((window, layers - layers / 6)),
+            gemma3: true,
+        })
     }
 
     /// A preset name, or else a path to a Hugging Face `config.json`.
@@ -403,6 +440,11 @@ mod tests {
         let (q8, q32) = (ModelConfig::preset("qwen3-8b")?, ModelConfig::preset("qwen3-32b")?);
         assert_eq!((q8.total_params(), q32.total_params()), (8_190_735_360, 32_762_123_264));
         assert!(q32.qk_norm && q32.q_dim() == 8192 && q32.hidden == 5120);
+        // Gemma 3: google/gemma-3-1b-pt has 999,885,952 parameters (tied head, four norms and
+        // the head norms per layer); the 27B's text model 27.0B (its checkpoint's 27.4B holds
+        // the vision tower too)
+        assert_eq!(ModelConfig::preset("gemma3-1b")?.total_params(), 999_885_952);
+        assert!((b("gemma3-27b")? - 27.01).abs() < 0.01, "{}", b("gemma3-27b")?);
         Ok(())
     }
 
@@ -502,6 +544,14 @@ mod tests {
         assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias && g.gemma3);
         assert_eq!(g.layer_norm_params(), 4 * 1152);
         assert_eq!((g.head_dim, g.sliding_window, g.partial_window), (256, None, Some((512, 22))));
+        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-1b")? });
+        // the 12B's and 27B's published text_config (google/gemma-3-{12b,27b}-it)
+        let mm = |t: &str| ModelConfig::from_hf_json(&format!(r#"{{"model_type":"gemma3","text_config":{{"model_type":"gemma3_text",{t}}}}}"#), "g");
+        let g12 = mm(r#""hidden_size":3840,"intermediate_size":15360,"num_attention_heads":16,"num_hidden_layers":48,"num_key_value_heads":8,"sliding_window":1024"#)?;
+        assert_eq!(g12, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-12b")? });
+        let g27 = mm(r#""head_dim":128,"hidden_size":5376,"intermediate_size":21504,"num_attention_heads":32,"num_hidden_layers":62,"num_key_value_heads":16,"query_pre_attn_scalar":168,"sliding_window":1024"#)?;
+        assert_eq!(g27, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-27b")? });
+        assert_eq!(g27.partial_window, Some((1024, 52)));
         let g = ModelConfig::from_hf_json(
             r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
                 "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window_pattern":2}"#,
@@ -518,6 +568,7 @@ mod tests {
         assert!(g.gemma3 && g.qk_norm && g.tie_embeddings);
         assert_eq!((g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.vocab), (2560, 34, 8, 4, 256, 262208));
         assert_eq!(g.partial_window, Some((1024, 29)));
+        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-4b")? });
         let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3"}"#, "g").unwrap_err();
         assert!(e.0.contains("text_config"), "{e}");
         // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer

@@ -3,6 +3,7 @@
 use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
 use crate::grad_sync::{grad_sync, GradSync};
 use crate::compute::{layer_compute_seconds, layer_flops_packed, LayerFlops};
+use crate::partial::{self, SlidingLayers};
 use crate::hardware::{Hardware, Link};
 use crate::layout::{ActivationModel, CpKind, Dtype, Layout, Recompute};
 use crate::memory::{self, ActivationTotals, ModelStates};
@@ -149,8 +150,12 @@ pub struct Plan {
     pub fits: bool,
     /// Smallest power-of-two CP (other degrees fixed) that fits, if any up to `s`.
     pub min_cp_that_fits: Option<usize>,
-    /// FLOPs per layer.
+    /// FLOPs per layer (with a window on some layers only, [`Plan::sliding`], those of a
+    /// full-attention layer).
     pub flops: LayerFlops,
+    /// With a window on some layers only: the sliding layers' FLOPs, ring and times
+    /// ([`crate::partial`]; [`Plan::layer_time`] and the step average the two kinds).
+    pub sliding: Option<SlidingLayers>,
     /// Ring over the CP group (the ring part for 2-D; a plain ring over `cp` otherwise,
     /// for comparison).
     pub ring: RingComm,
@@ -168,7 +173,8 @@ pub struct Plan {
     /// The attention rate applied, FLOP/s: [`PlanInput::attn_flops`], or the measured rates
     /// at `attn_kernel_tokens`.
     pub attn_flops_used: f64,
-    /// Per-layer time on one GPU for the chosen CP kind.
+    /// Per-layer time on one GPU for the chosen CP kind (averaged over the full and sliding
+    /// layers with [`Plan::sliding`]).
     pub layer_time: LayerTime,
     /// One optimizer step: pipeline, gradient sync, throughput, MFU.
     pub step: StepTime,
@@ -306,6 +312,16 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         CpKind::Ulysses => ulysses.exposed_s_per_layer,
         CpKind::TwoD => ring.exposed_s_per_layer + ulysses.exposed_s_per_layer,
     };
+    // a window on some layers only: the sliding layers priced apart, the layer averaged
+    let sliding = partial::sliding_layers(&cx, input.linear_flops, ulysses.exposed_s_per_layer, allgather.exposed_s_per_layer);
+    let (attention_s, cp_exposed_s, avg_flops) = match &sliding {
+        Some(sl) => (
+            partial::average(m.layers, sl, attention_s, sl.attention_s),
+            partial::average(m.layers, sl, cp_exposed_s, sl.cp_exposed_s),
+            partial::average_flops(m.layers, &flops, sl),
+        ),
+        None => (attention_s, cp_exposed_s, flops.clone()),
+    };
     let tp_s = if l.tp > 1 {
         tp_comm.exposed_s_per_layer
     } else {
@@ -319,7 +335,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         total_s: linear_s + attention_s + cp_exposed_s + tp_s,
     };
     // the backward's share of a layer's time (recompute included), by FLOPs
-    let f = &flops;
+    let f = &avg_flops;
     let bwd = f.linear_bwd + f.attention_bwd + f.recompute;
     let bwd_share = bwd / (bwd + f.linear_fwd + f.attention_fwd).max(f64::MIN_POSITIVE);
     let stage_layers = memory::layers_per_stage(m, l);
@@ -428,6 +444,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         fits,
         min_cp_that_fits: min_cp,
         flops,
+        sliding,
         ring,
         ulysses,
         allgather,
@@ -550,10 +567,15 @@ fn notes(input: &PlanInput) -> Vec<String> {
         _ => 1,
     };
     if let Some((w, k)) = m.partial_window {
-        n.push(format!(
-            "sliding window {w} on {k} of {} layers only: planned as full causal attention on every layer (an upper bound on the attention FLOPs and the ring bytes)",
-            m.layers
-        ));
+        n.push(match partial::effective_partial(m, input.seq) {
+            None => format!("sliding window {w} on {k} of {} layers >= sequence {}: every layer attends causally", m.layers, input.seq),
+            Some(_) if ring_degree > 1 => format!(
+                "sliding window {w} on {k} of {} layers: their attention is the window's, priced apart and averaged with the full layers'; on the ring they keep the full layers' zigzag shards, so their K/V rotate the whole ring ({} hops) for a window's worth of work",
+                m.layers,
+                ring_degree - 1
+            ),
+            Some(_) => format!("sliding window {w} on {k} of {} layers: their attention is the window's, priced apart and averaged with the full layers'", m.layers),
+        });
     }
     match (m.sliding_window, window) {
         (Some(w), None) => n.push(format!(

@@ -142,7 +142,7 @@ pub fn render(p: &Plan) -> String {
         hw.ib_bw / GB
     );
 
-    for line in window_line(p).into_iter().chain(docs_line(p)) {
+    for line in window_line(p).into_iter().chain(partial_line(p)).chain(docs_line(p)) {
         let _ = writeln!(o, "{line}");
     }
 
@@ -270,11 +270,22 @@ pub fn render(p: &Plan) -> String {
                     "2*s^2*b*a*d",
                 )
             },
+        ]
+        .into_iter()
+        .chain(p.sliding.as_ref().map(|sl| {
+            r(
+                format!("windowed attention forward ({} sliding layers)", sl.layers),
+                tflop(sl.flops.attention_fwd),
+                "4*b*a*d*(s*w - w*(w-1)/2)",
+            )
+        }))
+        .chain([
             r("linear backward", tflop(f.linear_bwd), "2x forward"),
             r("attention backward", tflop(f.attention_bwd), "2.5x forward"),
             r("recompute", tflop(f.recompute), "forward again (full)"),
             r("per GPU, fwd+bwd", tflop(f.per_gpu_fwd_bwd), "/ (t*cp)"),
-        ],
+        ])
+        .collect::<Vec<_>>(),
     );
 
     let rg = &p.ring;
@@ -541,5 +552,5 @@ mod tests;
 mod masks;
 mod search;
 mod step;
-use masks::{docs_line, window_chunk_row, window_line};
+use masks::{docs_line, partial_line, window_chunk_row, window_line};
 pub use search::render_search;

@@ -1,6 +1,6 @@
 //! The sliding-window and packed-document rows and lines of [`super::render`].
 
-use super::{r, tflop};
+use super::{ms, r, tflop};
 use crate::layout::CpKind;
 use crate::plan::Plan;
 
@@ -90,4 +90,32 @@ fn cp_note(p: &Plan, full: &str) -> String {
         CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
         _ => "Ulysses all-to-all unchanged".to_string(),
     }
+}
+
+/// The line of a window on some layers only ([`Plan::sliding`]): the sliding layers' attention
+/// and, on a ring, their full zigzag ring and what of it is exposed.
+pub(super) fn partial_line(p: &Plan) -> Option<String> {
+    let sl = p.sliding.as_ref()?;
+    let (m, l) = (&p.input.model, &p.input.layout);
+    let cp = match l.cp_kind {
+        _ if l.cp == 1 => "no CP communication".to_string(),
+        CpKind::Ring | CpKind::TwoD if sl.ring.degree > 1 => format!(
+            "ring: zigzag keeps the full ring for them ({} hops), {} compute vs {} transfer per forward step, {} exposed per layer ({} on a full layer)",
+            sl.ring.hops,
+            ms(sl.ring.step_compute_s_fwd),
+            ms(sl.ring.step_transfer_s_fwd),
+            ms(sl.ring.exposed_s_per_layer),
+            ms(p.ring.exposed_s_per_layer)
+        ),
+        CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
+        _ => "Ulysses all-to-all unchanged".to_string(),
+    };
+    Some(format!(
+        "sliding window {} on {} of {} layers: their attention {}/layer (vs {} causal); {cp}; per layer, the two kinds averaged",
+        sl.window,
+        sl.layers,
+        m.layers,
+        tflop(sl.flops.attention_fwd),
+        tflop(p.flops.attention_fwd)
+    ))
 }
