@@ -64,7 +64,7 @@ fn plan_at_cp(inp: &PlanInput, cp: usize) -> Option<Value> {
 
 #[test]
 fn random_plans_are_consistent() {
-    let (mut ok, mut refused, mut fitting, mut with_min) = (0, 0, 0, 0);
+    let (mut ok, mut refused, mut fitting, mut with_min, mut sliding) = (0, 0, 0, 0, 0);
     let range = seeds(CONFIGS).expect("seed range");
     let n_configs = range.end - range.start;
     for seed in range {
@@ -104,6 +104,12 @@ fn random_plans_are_consistent() {
             inp.activation_model = ActivationModel::CandleCp;
         }
         inp.layout.f32_row_sums = pick(&mut d, &[None, Some(true), Some(false)]);
+        // a window on some layers only (Gemma 3's five of six, Qwen's max_window_layers)
+        if d.below(4) == 0 {
+            let layers = inp.model.layers;
+            inp.model.sliding_window = None;
+            inp.model.partial_window = Some((pick(&mut d, &[1, 512, 4096, 100_000]), pick(&mut d, &[1, layers / 2, layers - layers / 6, layers - 1])));
+        }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
             Ok(p) => serde_json::to_value(&p).expect("a plan serialises"),
@@ -136,6 +142,21 @@ fn random_plans_are_consistent() {
         assert_eq!(fits, mem <= n("/gpu_memory_bytes"), "{what}: fits");
         fitting += fits as usize;
         assert!(close(n("/layer_time/total_s"), sum(&["/layer_time/linear_s", "/layer_time/attention_s", "/layer_time/cp_exposed_s", "/layer_time/tp_s"])), "{what}: layer time");
+        if !p["sliding"].is_null() {
+            sliding += 1;
+            // the sliding layers' attention is the window's, and the layer averages the two
+            // kinds: against the same plan with every layer causal
+            let mut causal = inp.clone();
+            causal.model.partial_window = None;
+            let c = serde_json::to_value(plan(&causal).expect("the causal plan")).expect("serialises");
+            let (l, sl) = (inp.model.layers as f64, n("/sliding/layers"));
+            assert!(n("/sliding/flops/attention_fwd") <= n("/flops/attention_fwd"), "{what}: sliding attention");
+            assert_eq!(n("/flops/attention_fwd"), num(&c, "/flops/attention_fwd"), "{what}: full layers' FLOPs");
+            let avg = ((l - sl) * num(&c, "/layer_time/attention_s") + sl * n("/sliding/attention_s")) / l;
+            assert!(close(n("/layer_time/attention_s"), avg), "{what}: averaged attention {} vs {avg}", n("/layer_time/attention_s"));
+            assert!(n("/step/model_flops_per_step") <= num(&c, "/step/model_flops_per_step") * (1.0 + 1e-12), "{what}: model FLOPs");
+            assert_eq!(n("/sliding/ring/hops"), num(&c, "/ring/degree") - 1.0, "{what}: the sliding layers' full ring");
+        }
 
         let (pp, v, k) = (inp.layout.pp as f64, inp.layout.virtual_stages as f64, n("/step/micro_batches"));
         assert_eq!(k as usize, inp.micro_batches.unwrap_or(inp.layout.pp), "{what}: micro-batches");
@@ -178,6 +199,7 @@ fn random_plans_are_consistent() {
             assert!(b <= a * (1.0 + 1e-12), "{what}: CP x2 raises activations per layer per GPU {a} -> {b}");
         }
     }
-    println!("{ok} plans checked ({fitting} fit, {with_min} with a smallest fitting CP), {refused} refused");
+    println!("{ok} plans checked ({fitting} fit, {with_min} with a smallest fitting CP, {sliding} with a window on some layers), {refused} refused");
+    assert!(n_configs < 100 || sliding > 0, "no plan with a window on some layers");
     assert!(ok as u64 >= n_configs / 5, "only {ok} of {n_configs} drawn inputs were planned");
 }
