@@ -36,7 +36,7 @@ fn bad_numbers(v: &Value, path: &str, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| bad_numbers(x, &format!("{path}/{i}"), out)),
         // serde_json writes NaN and infinities as null: only options may be null
         Value::Null => {
-            let optional = ["window", "sliding_window", "partial_window", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding"];
+            let optional = ["window", "sliding_window", "partial_window", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows"];
             if !optional.iter().any(|k| path.ends_with(&format!("/{k}"))) {
                 out.push(format!("{path} = null"));
             }
@@ -155,7 +155,13 @@ fn random_plans_are_consistent() {
             let avg = ((l - sl) * num(&c, "/layer_time/attention_s") + sl * n("/sliding/attention_s")) / l;
             assert!(close(n("/layer_time/attention_s"), avg), "{what}: averaged attention {} vs {avg}", n("/layer_time/attention_s"));
             assert!(n("/step/model_flops_per_step") <= num(&c, "/step/model_flops_per_step") * (1.0 + 1e-12), "{what}: model FLOPs");
-            assert_eq!(n("/sliding/ring/hops"), num(&c, "/ring/degree") - 1.0, "{what}: the sliding layers' full ring");
+            // on zigzag shards: a halo exchange when w − 1 fits in a chunk of T/(2R), else the full ring
+            let (r, w) = (num(&c, "/ring/degree"), n("/sliding/window"));
+            if r > 1.0 && w - 1.0 <= (inp.seq / (2 * r as usize)) as f64 {
+                assert_eq!((n("/sliding/ring/halo_rows"), n("/sliding/ring/active_steps")), (w - 1.0, 1.0), "{what}: the sliding layers' halo");
+            } else {
+                assert_eq!(n("/sliding/ring/hops"), r - 1.0, "{what}: the sliding layers' full ring");
+            }
         }
 
         let (pp, v, k) = (inp.layout.pp as f64, inp.layout.virtual_stages as f64, n("/step/micro_batches"));

@@ -275,15 +275,14 @@ fn plan_sliding_window_flag_and_config() {
     );
     assert_eq!(num(&w, "/flops/window"), 4096.0);
     assert!(causal.pointer("/flops/window").unwrap().is_null());
-    // Chunk 16384 ≥ w − 1: one hop forward, two accumulator transfers backward.
-    assert_eq!(num(&w, "/ring/hops"), 1.0);
-    assert_eq!(num(&w, "/ring/active_steps"), 2.0);
+    // Chunk 16384 ≥ w − 1: the halo exchange of the 4095 rows before each shard (K and V of
+    // the 8 KV heads of 128, bf16) with the previous rank, and their dK/dV back.
+    assert_eq!((num(&w, "/ring/halo_rows"), num(&w, "/ring/hops"), num(&w, "/ring/active_steps")), (4095.0, 1.0, 1.0));
     assert_eq!(num(&causal, "/ring/hops"), 7.0);
-    let step = num(&w, "/ring/step_bytes");
-    assert_eq!(step, num(&causal, "/ring/step_bytes"));
-    assert_eq!(num(&w, "/ring/fwd_bytes_per_layer"), step);
-    assert_eq!(num(&w, "/ring/bwd_bytes_per_layer"), 3.0 * step);
-    assert_eq!(num(&causal, "/ring/fwd_bytes_per_layer"), 7.0 * step);
+    let halo = 4095.0 * 2.0 * 8.0 * 128.0 * 2.0;
+    assert_eq!((num(&w, "/ring/fwd_bytes_per_layer"), num(&w, "/ring/bwd_bytes_per_layer")), (halo, halo));
+    assert_eq!(num(&causal, "/ring/fwd_bytes_per_layer"), 7.0 * num(&causal, "/ring/step_bytes"));
+    assert!(causal.pointer("/ring/halo_rows").unwrap().is_null());
     // All-gather still gathers everything.
     assert_eq!(
         num(&w, "/allgather/fwd_bytes_per_layer"),
@@ -307,8 +306,8 @@ fn plan_sliding_window_flag_and_config() {
     let text = String::from_utf8_lossy(&out.stdout);
     for want in [
         "sliding window 4096: attention 8.66 TFLOP/layer (vs 141 TFLOP without)",
-        "ring: halo of 1 hop(s) on contiguous shards (7 without the window)",
-        "zigzag would keep the full ring",
+        "ring: a halo exchange of the 4095 K/V rows before each shard, no ring (7 hops without the window)",
+        "Note: sliding window 4096: a halo exchange of the 4095 K/V rows",
     ] {
         assert!(text.contains(want), "missing {want:?} in\n{text}");
     }

@@ -45,6 +45,11 @@ pub struct RingComm {
     pub degree: usize,
     /// Sliding window modelled (`None`: causal, zigzag full ring; a window `≥ s` is none).
     pub window: Option<usize>,
+    /// With a window of `w − 1 ≤` one chunk: the halo exchange of `m = w − 1` K/V rows with
+    /// the neighbours that replaces the ring (`candle_cp_ops::cp::halo`); the byte and time
+    /// fields below are then the exchange's (`hops` 1, `active_steps` 1, nothing hidden).
+    /// `None`: the ring.
+    pub halo_rows: Option<usize>,
     /// Packed document length modelled (`None`: one document; `L ≥ s` is none).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub doc_len: Option<usize>,
@@ -126,7 +131,52 @@ pub fn ring_full(cx: &CommCtx, r: usize, u: usize) -> RingComm {
     ring_with(cx, r, u, true)
 }
 
+/// The window's halo exchange in place of the ring (`candle_cp_ops::cp::halo`, what
+/// `ring_attention` runs by default): with a window whose `m = w − 1` keys before a query reach
+/// at most one chunk back (`T/(2R)` on zigzag shards, `rg` from [`ring_full`]; `T/R` contiguous),
+/// each rank exchanges the `m` K/V rows before each of its chunks with its neighbours (zigzag:
+/// both, contiguous: the previous one), then attends in one local call; the backward sends the
+/// halo rows' dK/dV back the same way (in the activation dtype). Bytes per direction
+/// `m·b·2·a_kv,r·d·e`, forward and backward; nothing overlaps them (the call needs the rows).
+/// `None` where it does not apply (no window, or one reaching further back).
+fn halo(cx: &CommCtx, rg: &RingComm, full: bool) -> Option<RingComm> {
+    let w = rg.window?;
+    let chunk = if full { rg.chunk_tokens / 2 } else { rg.chunk_tokens };
+    if rg.degree < 2 || w - 1 > chunk {
+        return None;
+    }
+    let m = w - 1;
+    let dirs = if full { 2.0 } else { 1.0 };
+    let bw = rg.link.bandwidth(cx.hw);
+    let step_bytes = m as f64 * cx.micro_batch as f64 * 2.0 * rg.kv_heads as f64 * cx.model.head_dim as f64 * cx.elem as f64;
+    let bytes = dirs * step_bytes;
+    let flops = rg.step_flops_fwd * rg.active_steps as f64; // the rank's whole windowed forward
+    Some(RingComm {
+        halo_rows: Some(m),
+        hops: usize::from(m > 0),
+        active_steps: 1,
+        dkv_transfers: if m > 0 { dirs as usize } else { 0 },
+        step_bytes,
+        fwd_bytes_per_layer: bytes,
+        bwd_bytes_per_layer: bytes,
+        step_flops_fwd: flops,
+        step_compute_s_fwd: flops / cx.attn_rate,
+        step_transfer_s_fwd: bytes / bw,
+        hides_fwd: m == 0,
+        step_compute_s_bwd: 2.5 * flops / cx.attn_rate,
+        step_transfer_s_bwd: bytes / bw,
+        hides_bwd: m == 0,
+        exposed_s_per_layer: 2.0 * bytes / bw,
+        ..rg.clone()
+    })
+}
+
 fn ring_with(cx: &CommCtx, r: usize, u: usize, full: bool) -> RingComm {
+    let rg = ring_of(cx, r, u, full);
+    halo(cx, &rg, full).unwrap_or(rg)
+}
+
+fn ring_of(cx: &CommCtx, r: usize, u: usize, full: bool) -> RingComm {
     let (m, l, hw) = (cx.model, cx.layout, cx.hw);
     let q_heads = (m.heads / l.tp / u).max(1);
     let kv_heads = crate::layout::kv_copies_per_ulysses_rank(l.kv_heads_per_tp_rank(m), u);
@@ -168,6 +218,7 @@ fn ring_with(cx: &CommCtx, r: usize, u: usize, full: bool) -> RingComm {
     RingComm {
         degree: r,
         window,
+        halo_rows: None,
         doc_len,
         hops,
         active_steps: hops + 1,

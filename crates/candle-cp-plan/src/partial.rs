@@ -106,28 +106,38 @@ mod tests {
     use super::*;
     use crate::{Hardware, Layout};
 
-    /// Gemma-like: window 1024 on 40 of 48 layers at 128k over a zigzag ring of 8: the sliding
-    /// layers' attention is the window's, their ring keeps 7 hops, and the averages weigh the
-    /// two kinds 8 : 40.
+    /// Gemma-like: a window on 40 of 48 layers at 128k over a zigzag ring of 8 (chunks of
+    /// 8192): the sliding layers' attention is the window's; a window of 1024 is a halo
+    /// exchange of 1023 rows with both neighbours, one of 10000 keeps the full ring (7 hops);
+    /// the averages weigh the two kinds 8 : 40.
     #[test]
     fn sliding_layers_of_a_mixed_model() {
         let mut m = ModelConfig::preset("llama3-8b").unwrap();
         m.layers = 48;
-        m.partial_window = Some((1024, 40));
         let s = 131072;
-        let hw = Hardware::preset("h100").unwrap();
+        // one GPU per node: the ring on InfiniBand
+        let hw = Hardware { gpus_per_node: 1, ..Hardware::preset("h100").unwrap() };
         let l = Layout { cp: 8, ..Layout::default() };
-        let cx = CommCtx { model: &m, layout: &l, hw: &hw, seq: s, micro_batch: 1, elem: 2, grad_elem: 4, attn_rate: 4e14, doc_len: None };
+        let far = ModelConfig { partial_window: Some((10000, 40)), ..m.clone() };
+        let cx = CommCtx { model: &far, layout: &l, hw: &hw, seq: s, micro_batch: 1, elem: 2, grad_elem: 4, attn_rate: 4e14, doc_len: None };
+        let wide = sliding_layers(&cx, 6e14, 0.0, 0.0).unwrap();
+        assert_eq!((wide.ring.halo_rows, wide.ring.hops, wide.ring.active_steps, wide.ring.dkv_transfers), (None, 7, 8, 8));
+        let full = comm::ring(&cx, 8, 1);
+        assert_eq!((wide.ring.step_bytes, wide.ring.fwd_bytes_per_layer), (full.step_bytes, full.fwd_bytes_per_layer));
+        // the window's work per step: the rank's share spread over the 8 steps
+        assert!((wide.ring.step_flops_fwd - wide.flops.attention_fwd / 8.0 / 8.0).abs() < 1e-3 * wide.ring.step_flops_fwd);
+        assert!(wide.ring.exposed_s_per_layer > full.exposed_s_per_layer);
+        m.partial_window = Some((1024, 40));
+        let cx = CommCtx { model: &m, ..cx };
         let sl = sliding_layers(&cx, 6e14, 0.0, 0.0).unwrap();
         assert_eq!((sl.window, sl.layers), (1024, 40));
         let (sf, w) = (s as f64, 1024.0);
         assert_eq!(sl.flops.attention_fwd, 4.0 * (sf * w - w * (w - 1.0) / 2.0) * m.q_dim() as f64);
-        assert_eq!((sl.ring.hops, sl.ring.active_steps, sl.ring.dkv_transfers), (7, 8, 8));
-        let full = comm::ring(&cx, 8, 1);
-        assert_eq!((sl.ring.step_bytes, sl.ring.fwd_bytes_per_layer), (full.step_bytes, full.fwd_bytes_per_layer));
-        // the window's work per step: the rank's share spread over the 8 steps
-        assert!((sl.ring.step_flops_fwd - sl.flops.attention_fwd / 8.0 / 8.0).abs() < 1e-3 * sl.ring.step_flops_fwd);
-        assert!(sl.ring.exposed_s_per_layer > full.exposed_s_per_layer);
+        // the halo: 1023 rows of the 8 KV heads of 128, bf16, to each neighbour, and back
+        let rows = 1023.0 * 2.0 * 8.0 * 128.0 * 2.0;
+        assert_eq!((sl.ring.halo_rows, sl.ring.hops, sl.ring.active_steps, sl.ring.dkv_transfers), (Some(1023), 1, 1, 2));
+        assert_eq!((sl.ring.fwd_bytes_per_layer, sl.ring.bwd_bytes_per_layer), (2.0 * rows, 2.0 * rows));
+        assert!(sl.ring.exposed_s_per_layer < wide.ring.exposed_s_per_layer / 50.0, "{} vs {}", sl.ring.exposed_s_per_layer, wide.ring.exposed_s_per_layer);
         let f = layer_flops_packed(&ModelConfig { partial_window: None, ..m.clone() }, &l, s, 1, None);
         let a = average_flops(48, &f, &sl);
         assert!((a.attention_fwd - (8.0 * f.attention_fwd + 40.0 * sl.flops.attention_fwd) / 48.0).abs() < 1e-6 * a.attention_fwd);

@@ -313,18 +313,20 @@ pub fn render(p: &Plan) -> String {
                 rg.chunk_tokens,
                 rg.q_heads,
                 rg.kv_heads,
-                if banded {
-                    format!("; contiguous, halo of {} hop(s)", rg.hops)
-                } else {
-                    String::new()
+                match rg.halo_rows {
+                    Some(m) => format!("; a halo exchange of the {m} K/V rows before the shard, no ring"),
+                    None if banded => format!("; contiguous, halo of {} hop(s)", rg.hops),
+                    None => String::new(),
                 }
             ),
             &[
-                r("K+V per step", mib(rg.step_bytes), "c*b*2*a_kv*d*e"),
+                r("K+V per step", mib(rg.step_bytes), if rg.halo_rows.is_some() { "(w-1)*b*2*a_kv*d*e per neighbour" } else { "c*b*2*a_kv*d*e" }),
                 r(
                     "per layer forward",
                     mib(rg.fwd_bytes_per_layer),
-                    if docs {
+                    if rg.halo_rows.is_some() {
+                        "step, to the next rank (zigzag: each neighbour)"
+                    } else if docs {
                         "h*step, h = min(R-1, ceil((m-1)/c)), m = min(L, w)"
                     } else if windowed {
                         "h*step, h = min(R-1, ceil((w-1)/c))"
@@ -335,7 +337,9 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "per layer backward",
                     mib(rg.bwd_bytes_per_layer),
-                    if banded {
+                    if rg.halo_rows.is_some() {
+                        "the halo rows' dK/dV back, e bytes"
+                    } else if banded {
                         "h*step + (h+1)*step*g/e (dK/dV)"
                     } else {
                         "(R-1)*step + R*step*g/e (dK/dV)"
@@ -344,7 +348,9 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "attention per step (fwd)",
                     tflop(rg.step_flops_fwd),
-                    if docs {
+                    if rg.halo_rows.is_some() {
+                        "rank's windowed attention, one call"
+                    } else if docs {
                         "rank's packed attention / (h+1) steps"
                     } else if windowed {
                         "rank's windowed attention / (h+1) steps"

@@ -221,21 +221,35 @@ mod tests {
         assert_eq!((full.window, full.hops, full.active_steps), (None, 7, 8));
         assert_eq!(full.dkv_transfers, 8);
         let r = ring8(Some(4096), s, 2);
-        // c = 16384 ≥ w - 1: one hop, two steps. K+V per step: 16384·2·8·128·2 = 64 MiB.
-        assert_eq!((r.window, r.hops, r.active_steps), (Some(4096), 1, 2));
+        // c = 16384 ≥ w - 1: the halo exchange instead of the ring: the 4095 K/V rows before
+        // the shard from the previous rank, 4095·2·8·128·2 bytes, forward and (dK/dV) backward,
+        // one local call with the rank's windowed FLOPs, nothing hidden.
+        assert_eq!((r.window, r.halo_rows, r.hops, r.active_steps, r.dkv_transfers), (Some(4096), Some(4095), 1, 1, 1));
+        let halo = 4095.0 * 2.0 * 8.0 * 128.0 * 2.0;
+        assert_eq!((r.step_bytes, r.fwd_bytes_per_layer, r.bwd_bytes_per_layer), (halo, halo, halo));
+        assert_eq!(ring8(Some(4096), s, 4).bwd_bytes_per_layer, halo);
+        let rank = 4.0 * visible_pairs(s, Some(4096)) * 128.0 * 32.0 / 8.0;
+        assert_eq!(r.step_flops_fwd, rank);
+        assert!((r.step_compute_s_bwd - 2.5 * r.step_compute_s_fwd).abs() < 1e-12 * r.step_compute_s_bwd);
+        let bw = r.link.bandwidth(&Hardware::preset("h100").unwrap());
+        assert!((r.exposed_s_per_layer - 2.0 * halo / bw).abs() < 1e-12 * r.exposed_s_per_layer);
+        assert!(r.contiguous_imbalance < 1.02);
+        // w - 1 = c: the largest halo; w - 1 = c + 1: the ring, two hops (the halo's chunk
+        // bound), each of a whole chunk: 16384·2·8·128·2 = 64 MiB
+        assert_eq!(ring8(Some(16385), s, 2).halo_rows, Some(16384));
+        let r = ring8(Some(16386), s, 2);
+        assert_eq!((r.halo_rows, r.hops, r.active_steps), (None, 2, 3));
         assert_eq!(r.step_bytes, 64.0 * MIB);
         assert_eq!(r.step_bytes, full.step_bytes);
-        assert_eq!(r.fwd_bytes_per_layer, 64.0 * MIB);
-        assert_eq!(r.bwd_bytes_per_layer, 64.0 * MIB + 2.0 * 64.0 * MIB);
+        assert_eq!(r.fwd_bytes_per_layer, 2.0 * 64.0 * MIB);
         // fp32 dK/dV: accumulators at g/e = 2.
-        let r4 = ring8(Some(4096), s, 4);
-        assert_eq!(r4.bwd_bytes_per_layer, 64.0 * MIB + 2.0 * 128.0 * MIB);
-        // Compute per active step: the rank's windowed FLOPs over h + 1 = 2 steps.
-        let rank = 4.0 * visible_pairs(s, Some(4096)) * 128.0 * 32.0 / 8.0;
-        assert_eq!(r.step_flops_fwd, rank / 2.0);
-        assert_eq!(r.step_compute_s_fwd, rank / 2.0 / 600e12);
+        let r4 = ring8(Some(16386), s, 4);
+        assert_eq!(r4.bwd_bytes_per_layer, 2.0 * 64.0 * MIB + 3.0 * 128.0 * MIB);
+        // Compute per active step: the rank's windowed FLOPs over h + 1 = 3 steps.
+        let rank = 4.0 * visible_pairs(s, Some(16386)) * 128.0 * 32.0 / 8.0;
+        assert_eq!(r.step_flops_fwd, rank / 3.0);
+        assert_eq!(r.step_compute_s_fwd, rank / 3.0 / 600e12);
         assert_eq!(r.step_compute_s_bwd, 2.5 * r.step_compute_s_fwd);
-        assert!(r.contiguous_imbalance < 1.02);
         // w - 1 = 2c: two hops; a window ≥ s: exactly the full ring.
         let r2 = ring8(Some(2 * 16384 + 1), s, 2);
         assert_eq!((r2.hops, r2.dkv_transfers), (2, 3));
@@ -243,11 +257,11 @@ mod tests {
         assert_eq!(r2.bwd_bytes_per_layer, 2.0 * 64.0 * MIB + 3.0 * 64.0 * MIB);
         let rs = ring8(Some(s), s, 2);
         assert_eq!(rs, full);
-        // w = 1: no hop, no traffic, nothing exposed.
+        // w = 1: no halo rows, no traffic, nothing exposed.
         let r1 = ring8(Some(1), s, 2);
         assert_eq!(
-            (r1.hops, r1.fwd_bytes_per_layer, r1.bwd_bytes_per_layer),
-            (0, 0.0, 0.0)
+            (r1.halo_rows, r1.hops, r1.fwd_bytes_per_layer, r1.bwd_bytes_per_layer),
+            (Some(0), 0, 0.0, 0.0)
         );
         assert_eq!(r1.exposed_s_per_layer, 0.0);
         // Short shards (512 tokens on NVLink): exposed = h·(gap_fwd + gap_bwd).
@@ -282,8 +296,8 @@ mod tests {
             let ratio = p.layer_time.attention_s / c.layer_time.attention_s;
             let want = visible_pairs(131072, Some(4096)) / visible_pairs(131072, None);
             assert!((ratio - want).abs() < 1e-12, "{ratio} vs {want}");
-            let zigzag_note = p.notes.iter().any(|n| n.contains("zigzag would keep"));
-            assert_eq!(zigzag_note, kind == CpKind::Ring, "{:?}", p.notes);
+            let halo_note = p.notes.iter().any(|n| n.contains("a halo exchange of the 4095 K/V rows"));
+            assert_eq!(halo_note, kind == CpKind::Ring, "{:?}", p.notes);
             assert!(c.notes.iter().all(|n| !n.contains("sliding window")));
         }
         // A window of 0 is an error naming the window.

@@ -21,6 +21,7 @@
 pub mod allgather;
 pub mod balance;
 pub mod decode;
+pub mod halo;
 pub mod ring;
 pub mod ring_comm;
 pub mod shard;
@@ -80,6 +81,11 @@ pub struct CpOpts {
     /// (the ring still rotates every K/V chunk; all-gather KV attends each row chunk to its
     /// window's keys only).
     pub window: Option<usize>,
+    /// A window that reaches at most one chunk back (`w − 1 ≤ T/(2P)` zigzag, `≤ T/P`
+    /// contiguous) runs as a halo exchange (default `true`, [`halo`]): each rank receives only
+    /// the `w − 1` K/V rows before each of its chunks from its neighbours and attends locally,
+    /// instead of rotating every chunk around the ring. `false` keeps the ring.
+    pub halo: bool,
     /// Where the backward's row sums take the output from (default [`RowSums::F32`]: the
     /// returned output plus its bf16 rounding residual, kept until the backward, 2 bytes per
     /// output element for a 16-bit output; [`RowSums::Output`]: the returned output alone,
@@ -104,6 +110,7 @@ impl Default for CpOpts {
             documents: None,
             row_documents: None,
             window: None,
+            halo: true,
             row_sums: RowSums::F32,
         }
     }
@@ -146,6 +153,11 @@ impl CpOpts {
     /// [`CpOpts::row_sums`]).
     pub fn with_row_sums(mut self, row_sums: RowSums) -> Self {
         self.row_sums = row_sums;
+        self
+    }
+    /// Same options with the halo exchange for short windows on or off (see [`CpOpts::halo`]).
+    pub fn with_halo(mut self, halo: bool) -> Self {
+        self.halo = halo;
         self
     }
     /// Same options with a causal sliding window of `window` keys (see [`CpOpts::window`]).

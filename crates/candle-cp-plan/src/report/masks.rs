@@ -10,7 +10,7 @@ use crate::plan::Plan;
 /// bound; for documents of `L ≤ c` on one hop, `c' ≈ L/2`).
 pub(super) fn window_chunk_row(p: &Plan) -> Option<(String, String, &'static str)> {
     let rg = &p.ring;
-    if rg.window.is_none() && rg.doc_len.is_none() {
+    if (rg.window.is_none() && rg.doc_len.is_none()) || rg.halo_rows.is_some() {
         return None;
     }
     let per_token = 2.0
@@ -84,9 +84,10 @@ fn cp_note(p: &Plan, full: &str) -> String {
     let (l, rg) = (&p.input.layout, &p.ring);
     match l.cp_kind {
         _ if l.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => {
-            format!("ring: halo of {} hop(s) on contiguous shards ({} {full})", rg.hops, rg.degree - 1)
-        }
+        CpKind::Ring | CpKind::TwoD if rg.degree > 1 => match rg.halo_rows {
+            Some(m) => format!("ring: a halo exchange of the {m} K/V rows before each shard, no ring ({} hops {full})", rg.degree - 1),
+            None => format!("ring: halo of {} hop(s) on contiguous shards ({} {full})", rg.hops, rg.degree - 1),
+        },
         CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
         _ => "Ulysses all-to-all unchanged".to_string(),
     }
@@ -99,14 +100,21 @@ pub(super) fn partial_line(p: &Plan) -> Option<String> {
     let (m, l) = (&p.input.model, &p.input.layout);
     let cp = match l.cp_kind {
         _ if l.cp == 1 => "no CP communication".to_string(),
-        CpKind::Ring | CpKind::TwoD if sl.ring.degree > 1 => format!(
-            "ring: zigzag keeps the full ring for them ({} hops), {} compute vs {} transfer per forward step, {} exposed per layer ({} on a full layer)",
-            sl.ring.hops,
-            ms(sl.ring.step_compute_s_fwd),
-            ms(sl.ring.step_transfer_s_fwd),
-            ms(sl.ring.exposed_s_per_layer),
-            ms(p.ring.exposed_s_per_layer)
-        ),
+        CpKind::Ring | CpKind::TwoD if sl.ring.degree > 1 => match sl.ring.halo_rows {
+            Some(m) => format!(
+                "on zigzag shards a halo exchange of the {m} K/V rows before each chunk with both neighbours (no ring), {} exposed per layer ({} on a full layer)",
+                ms(sl.ring.exposed_s_per_layer),
+                ms(p.ring.exposed_s_per_layer)
+            ),
+            None => format!(
+                "ring: zigzag keeps the full ring for them ({} hops), {} compute vs {} transfer per forward step, {} exposed per layer ({} on a full layer)",
+                sl.ring.hops,
+                ms(sl.ring.step_compute_s_fwd),
+                ms(sl.ring.step_transfer_s_fwd),
+                ms(sl.ring.exposed_s_per_layer),
+                ms(p.ring.exposed_s_per_layer)
+            ),
+        },
         CpKind::Allgather => "all-gather KV still gathers all K/V".to_string(),
         _ => "Ulysses all-to-all unchanged".to_string(),
     };

@@ -53,23 +53,29 @@ fn render_with_a_sliding_window() {
     let p = plan(&inp(&m, CpKind::Ring)).unwrap();
     let txt = render(&p);
     let line = format!(
-        "sliding window 4096: attention {}/layer (vs {} without); ring: halo of 1 hop(s) on contiguous shards (7 without the window)",
+        "sliding window 4096: attention {}/layer (vs {} without); ring: a halo exchange of the 4095 K/V rows before each shard, no ring (7 hops without the window)",
         tflop(p.flops.attention_fwd),
         tflop(causal.flops.attention_fwd)
     );
     assert!(txt.contains(&line), "missing {line:?} in\n{txt}");
     for want in [
         "windowed attention forward",
-        "contiguous, halo of 1 hop(s)",
-        "h*step + (h+1)*step*g/e",
-        "Note: sliding window 4096: the planner models contiguous shards for a window",
-        "zigzag would keep the full ring (7 hops)",
-        "window work per step, as a chunk",
+        "a halo exchange of the 4095 K/V rows before the shard, no ring",
+        "the halo rows' dK/dV back",
+        "Note: sliding window 4096: a halo exchange of the 4095 K/V rows before each shard",
         "Ulysses vs full ring bytes (fwd)",
     ] {
         assert!(txt.contains(want), "missing {want:?} in\n{txt}");
     }
     assert!(!render(&causal).contains("sliding window"));
+    assert!(!txt.contains("window work per step, as a chunk"), "{txt}");
+    // a window past one shard keeps the (contiguous) ring, a halo of 2 hops
+    m.sliding_window = Some(16386);
+    let far = render(&plan(&inp(&m, CpKind::Ring)).unwrap());
+    for want in ["contiguous, halo of 2 hop(s)", "h*step + (h+1)*step*g/e", "Note: sliding window 16386: the planner models contiguous shards for a window", "zigzag would keep the full ring (7 hops)", "window work per step, as a chunk"] {
+        assert!(far.contains(want), "missing {want:?} in
+{far}");
+    }
     let ag = render(&plan(&inp(&m, CpKind::Allgather)).unwrap());
     assert!(ag.contains("all-gather KV still gathers all K/V"), "{ag}");
     assert!(!ag.contains("Note: sliding window"), "{ag}");
