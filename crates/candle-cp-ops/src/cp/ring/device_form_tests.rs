@@ -99,6 +99,7 @@ fn check_docs(
         documents,
         row_documents: None,
         window,
+        halo: true,
         row_sums: crate::attention::RowSums::F32,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
