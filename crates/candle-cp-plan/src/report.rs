@@ -361,20 +361,20 @@ pub fn render(p: &Plan) -> String {
                 r(
                     "step compute / transfer, fwd",
                     format!(
-                        "{} / {} hides: {}",
+                        "{} / {} {}",
                         ms(rg.step_compute_s_fwd),
                         ms(rg.step_transfer_s_fwd),
-                        yes(rg.hides_fwd)
+                        if rg.halo_rows.is_some() { "exchanged before the call".to_string() } else { format!("hides: {}", yes(rg.hides_fwd)) }
                     ),
                     "",
                 ),
                 r(
                     "step compute / transfer, bwd",
                     format!(
-                        "{} / {} hides: {}",
+                        "{} / {} {}",
                         ms(rg.step_compute_s_bwd),
                         ms(rg.step_transfer_s_bwd),
-                        yes(rg.hides_bwd)
+                        if rg.halo_rows.is_some() { "exchanged before the call".to_string() } else { format!("hides: {}", yes(rg.hides_bwd)) }
                     ),
                     "",
                 ),
