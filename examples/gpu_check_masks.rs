@@ -14,8 +14,9 @@
 //! `window`: each causal oracle case with a window of `T/4 + 3` keys: the CPU window attention
 //! (its first `w` rows checked against the oracle), then on the GPU the single-device op (f32,
 //! and bf16 through the tensor-core kernels against the f32 CPU result with bf16 bounds), the
-//! ring (contiguous: stops after the window's hops; zigzag; striped) and all-gather KV on
-//! virtual ranks, Ulysses P = 2.
+//! ring (contiguous: stops after the window's hops, or the halo exchange; zigzag; striped) and
+//! all-gather KV on virtual ranks, Ulysses P = 2; and a window of `T/8 + 1` on zigzag P = 2
+//! (within one chunk: the halo exchange with both neighbours).
 //!
 //! `decode`: a prompt's K/V sharded zigzag over P = 2 and 4 virtual ranks plus decoded tokens
 //! appended round-robin; `sharded_decode_attention` of the next tokens (f32 and bf16, with and
@@ -174,6 +175,15 @@ pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
                     Err(e) => rep.error(&name, e),
                 }
             }
+        }
+        // a window within one zigzag chunk (T/4 at P = 2): the halo exchange with both
+        // neighbours (cp::halo) instead of the ring
+        let w2 = t / 8 + 1;
+        let near = window_case(&case, w2)?;
+        let name = format!("window {} zigzag P2 virtual ranks (halo exchange)", near.name);
+        match run_case_cp_with(&case_to(&near, gpu)?, CpMethod::Ring(Layout::Zigzag), 2, Duration::from_secs(120), CpOpts::default().with_window(w2)) {
+            Ok(run) => report_metrics(rep, &name, &run.outputs, &near)?,
+            Err(e) => rep.error(&name, e),
         }
         if case.q.dim(2)? % 2 == 0 {
             let name = format!("window {} ulysses P2 virtual ranks", windowed.name);
