@@ -11,7 +11,8 @@
 //! backward), their masked / plain ratios, the attention calls and the bytes one rank sends in
 //! the forward (the ring stops early when no rank needs the later steps); then the layout
 //! [`best_layout`] picks for this mask. Blocks the mask hides are skipped, so the time should
-//! follow the pairs, not `T²`.
+//! follow the pairs, not `T²`. With `--window`, then: the autograd `ring_attention` (forward +
+//! backward) with the halo exchange against the ring, zigzag and contiguous, in the same run.
 //!
 //! Run: `cargo run --release -p candle-cp-examples --example bench_masks -- --t 16384 --p 4 --doc-len 1024`
 //! (`--doc-len 0 --window 2048`: a sliding window alone)
@@ -153,5 +154,60 @@ fn main() -> Result<()> {
     }
     let (best, _) = best_layout(a.p, a.t, spec)?;
     println!("\nbest_layout for this mask: {best}");
+    if let Some(w) = a.window {
+        halo_table(&a, docs.as_ref(), w)?;
+    }
     Ok(())
+}
+
+/// With a window: the autograd `ring_attention` (forward + backward, wall time of the slowest
+/// rank, median of 3 after a warm-up) with the halo exchange (`cp::halo`, the default where the
+/// window reaches at most one chunk back) against the ring (`CpOpts::with_halo(false)`) in the
+/// same run, zigzag and contiguous.
+fn halo_table(a: &Args, docs: Option<&Documents>, w: usize) -> Result<()> {
+    println!("\n| layout | halo applies | ring ms fwd+bwd (slowest rank) | halo ms | halo / ring | halo fwd KiB sent/rank (2·(w-1)·Hkv·D·4 per neighbour) |");
+    println!("|---|---|---|---|---|---|");
+    for lay in [Layout::Zigzag, Layout::Contiguous] {
+        if lay.local_len(a.t, a.p).is_err() {
+            continue;
+        }
+        let mut opts = CpOpts::new(lay, true).with_window(w);
+        opts.documents = docs.cloned();
+        let applies = candle_cp_ops::cp::halo::applies(&opts, a.p, a.t);
+        let time = |halo: bool| -> Result<f64> {
+            let mut xs = Vec::new();
+            for i in 0..4 {
+                let o = opts.clone().with_halo(halo);
+                let ranks = run_ranks(a.p, |g: Group| one_pass(a, &g, &o));
+                let t = ranks.into_iter().collect::<Result<Vec<_>>>()?.into_iter().fold(0f64, f64::max);
+                if i > 0 {
+                    xs.push(t);
+                }
+            }
+            xs.sort_by(f64::total_cmp);
+            Ok(xs[xs.len() / 2])
+        };
+        let (ring, halo) = (time(false)?, time(true)?);
+        let neighbours = if lay == Layout::Zigzag { 2 } else { 1 };
+        let kib = if applies { (neighbours * 2 * (w - 1) * a.kv_heads * a.dim * 4) as f64 / 1024.0 } else { f64::NAN };
+        println!("| {lay} | {} | {:.1} | {:.1} | {:.3} | {kib:.0} |", if applies { "yes" } else { "no (ring both times)" }, ring * 1e3, halo * 1e3, halo / ring);
+    }
+    Ok(())
+}
+
+/// One rank's autograd `ring_attention` forward and backward (1 rayon thread), seconds.
+fn one_pass(a: &Args, g: &Group, opts: &CpOpts) -> Result<f64> {
+    let tl = opts.layout.local_len(a.t, a.p)?;
+    let dev = Device::Cpu;
+    let q = candle_core::Var::randn(0f32, 1., (1, tl, a.heads, a.dim), &dev)?;
+    let k = candle_core::Var::randn(0f32, 1., (1, tl, a.kv_heads, a.dim), &dev)?;
+    let v = candle_core::Var::randn(0f32, 1., (1, tl, a.kv_heads, a.dim), &dev)?;
+    let dout = Tensor::randn(0f32, 1., (1, tl, a.heads, a.dim), &dev)?;
+    let pool = rayon::ThreadPoolBuilder::new().num_threads(1).build().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    pool.install(|| {
+        let t0 = std::time::Instant::now();
+        let (out, _) = candle_cp_ops::cp::ring_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), g, opts)?;
+        (out * &dout)?.sum_all()?.backward()?;
+        Ok(t0.elapsed().as_secs_f64())
+    })
 }
