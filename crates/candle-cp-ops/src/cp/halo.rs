@@ -17,11 +17,11 @@
 //!  (rank P−1's chunks P−1 and P are adjacent: its own first chunk's tail serves its second)
 //! ```
 //!
-//! Two exchanges (contiguous: one) of `m` rows of K and V each, whatever `P`, against `P − 1`
-//! hops of whole chunks on the ring (zigzag keeps the full ring for a window, since each rank's
-//! chunks border ranks on both sides). The exchanges are autograd ops whose backward sends the
-//! halo rows' dK/dV back to their owner (the same exchange in the other direction), which adds
-//! them to its tail rows; the attention is the band op ([`crate::attention::attention_band_with`]),
+//! Two transfers (contiguous: one) of `m` rows of K and V, in flight together, whatever `P`,
+//! against `P − 1` hops of whole chunks on the ring (zigzag keeps the full ring for a window,
+//! since each rank's chunks border ranks on both sides). The exchange is one autograd op whose
+//! backward sends the halo rows' dK/dV back to their owner (the same transfers in the other
+//! direction), which adds them to its tail rows; the attention is the band op ([`crate::attention::attention_band_with`]),
 //! so the backward is the band backward on the same rows. Every exchange is a collective over
 //! the group: ranks whose halo has no predecessor (global chunk 0, rank `P − 1`'s second chunk)
 //! still exchange, and keep the rows they receive masked out of the band (their gradient is
@@ -51,17 +51,37 @@ pub fn applies(opts: &CpOpts, p: usize, t: usize) -> bool {
     }
 }
 
-/// `x` sent to rank `dst` while a tensor of the same shape is received from `src`
-/// (differentiable: the backward sends the received rows' gradient back to `src` and receives
-/// `dst`'s, the same exchange the other way round). Collective over `group`.
-fn exchange(x: &Tensor, group: &Group, dst: usize, src: usize) -> Result<Tensor> {
-    let got = group.send_recv(&x.detach(), dst, src)?.wait()?;
-    if got.dims() != x.dims() {
-        bail!("halo exchange: rank {} received {:?} from rank {src}, sent {:?} ({})", group.rank(), got.dims(), x.dims(), group.describe())
-    }
-    let g = group.clone();
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(g.send_recv(&dy.detach().contiguous()?, src, dst)?.wait()?)]));
-    attach1("halo_exchange", x, got, bwd)
+/// The halo rows of every part at once: `tails[i]` (`[B, m, 2·Hkv, D]`: K and V side by side)
+/// goes to rank `routes[i].0` while part `i`'s halo is received from `routes[i].1`, all
+/// transfers in flight together. Differentiable: the backward sends each received part's
+/// gradient back to where it came from and receives its own tail's, in the same order on
+/// every rank (one op for all parts, so no rank can run two exchanges' backwards in another
+/// order than its neighbours, which matters at P = 2, where both go to the same rank).
+/// Collective over `group`.
+fn exchange(tails: &[Tensor], group: &Group, routes: Vec<(usize, usize)>) -> Result<Vec<Tensor>> {
+    let run = move |g: &Group, xs: &[Tensor], back: bool| -> Result<Vec<Tensor>> {
+        let mut pending = Vec::with_capacity(xs.len());
+        for (x, &(dst, src)) in xs.iter().zip(&routes) {
+            let (to, from) = if back { (src, dst) } else { (dst, src) };
+            pending.push(g.send_recv(&x.contiguous()?, to, from)?);
+        }
+        let got = pending.into_iter().map(|p| p.wait()).collect::<Result<Vec<_>>>()?;
+        for (x, y) in xs.iter().zip(&got) {
+            if x.dims() != y.dims() {
+                bail!("halo exchange: rank {} received {:?}, sent {:?} ({})", g.rank(), y.dims(), x.dims(), g.describe())
+            }
+        }
+        Ok(got)
+    };
+    let stacked = Tensor::stack(tails, 0)?;
+    let got = Tensor::stack(&run(group, &stacked.detach().chunk(tails.len(), 0)?.iter().map(|t| t.squeeze(0)).collect::<Result<Vec<_>>>()?, false)?, 0)?;
+    let (g, n) = (group.clone(), tails.len());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let parts = dy.detach().chunk(n, 0)?.iter().map(|t| t.squeeze(0)).collect::<Result<Vec<_>>>()?;
+        Ok(vec![Some(Tensor::stack(&run(&g, &parts, true)?, 0)?)])
+    });
+    let out = attach1("halo_exchange", &stacked, got, bwd)?;
+    (0..n).map(|i| out.get(i)).collect()
 }
 
 /// One local chunk: its global start, length, and where its keys begin in the
@@ -114,44 +134,46 @@ pub(crate) fn halo_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, 
     let (next, prev) = ((r + 1) % p, (r + p - 1) % p);
     // the extended K/V: per part [halo slot | own rows], and (zigzag, rank P−1) the rows
     // received for a second chunk whose halo is local, masked out
-    let mut ks: Vec<Tensor> = Vec::new();
-    let mut vs: Vec<Tensor> = Vec::new();
+    let hkv = dims.hkv;
+    // every part's halo in one exchange: part 0 (the first chunk) from the previous rank's
+    // first chunk, part 1 (zigzag's second chunk) from the next rank's second chunk
+    let tail = |seg: usize| -> Result<Tensor> {
+        let (a, n) = (segs[seg].local + segs[seg].len - m, m);
+        Tensor::cat(&[k.narrow(1, a, n)?, v.narrow(1, a, n)?], 2)
+    };
+    let halos = if m > 0 {
+        let routes: Vec<(usize, usize)> = (0..segs.len()).map(|i| if i == 0 { (next, prev) } else { (prev, next) }).collect();
+        let tails = (0..segs.len()).map(tail).collect::<Result<Vec<_>>>()?;
+        exchange(&tails, group, routes)?
+    } else {
+        vec![]
+    };
+    // the extended K/V: per part [halo slot | own rows], and (zigzag, rank P−1, whose chunks
+    // P−1 and P are adjacent: its own first chunk's tail is the second's halo) the rows
+    // received for the second chunk, kept in front of its slot and masked out
+    let mut kv: Vec<Tensor> = Vec::new();
     let mut parts = Vec::with_capacity(segs.len());
     let rows = |x: &[Tensor]| x.iter().map(|t| t.dim(1)).sum::<Result<usize>>();
-    let tail = |x: &Tensor, seg: usize| x.narrow(1, segs[seg].local + segs[seg].len - m, m);
     for (i, seg) in segs.iter().enumerate() {
         let mut valid = seg.offset > 0;
         if m > 0 {
-            let (hk, hv) = if i == 0 {
-                // the first chunk's halo: the tail of the previous rank's first chunk (rank 0's
-                // chunk 0 has none: what it receives from rank P−1 stays masked)
-                let (sk, sv) = (tail(k, 0)?, tail(v, 0)?);
-                (exchange(&sk, group, next, prev)?, exchange(&sv, group, next, prev)?)
+            let halo = if i == 1 && r == p - 1 {
+                kv.push(halos[1].clone());
+                valid = true;
+                tail(0)?
             } else {
-                // zigzag's second chunk: the tail of the next rank's second chunk, or for rank
-                // P−1 (chunks P−1 and P adjacent) the tail of its own first chunk, the rows
-                // received then kept masked in front of the slot
-                let (sk, sv) = (tail(k, 1)?, tail(v, 1)?);
-                let (rk, rv) = (exchange(&sk, group, prev, next)?, exchange(&sv, group, prev, next)?);
-                if r == p - 1 {
-                    ks.push(rk);
-                    vs.push(rv);
-                    valid = true;
-                    (tail(k, 0)?, tail(v, 0)?)
-                } else {
-                    (rk, rv)
-                }
+                halos[i].clone()
             };
-            parts.push(Part { start: seg.offset, len: seg.len, base: rows(&ks)?, valid });
-            ks.push(hk);
-            vs.push(hv);
+            parts.push(Part { start: seg.offset, len: seg.len, base: rows(&kv)?, valid });
+            kv.push(halo);
         } else {
-            parts.push(Part { start: seg.offset, len: seg.len, base: rows(&ks)?, valid });
+            parts.push(Part { start: seg.offset, len: seg.len, base: rows(&kv)?, valid });
         }
-        ks.push(k.narrow(1, seg.local, seg.len)?);
-        vs.push(v.narrow(1, seg.local, seg.len)?);
+        kv.push(Tensor::cat(&[k.narrow(1, seg.local, seg.len)?, v.narrow(1, seg.local, seg.len)?], 2)?);
     }
-    let (kx, vx) = (Tensor::cat(&ks, 1)?, Tensor::cat(&vs, 1)?);
+    let kv = Tensor::cat(&kv, 1)?;
+    let (ks, vs) = (kv.narrow(2, 0, hkv)?, kv.narrow(2, hkv, hkv)?);
+    let (kx, vx) = (ks.contiguous()?, vs.contiguous()?);
     let s = kx.dim(1)?;
     let docs: Vec<Option<&Documents>> = match (&opts.documents, &opts.row_documents) {
         (_, Some(rows)) => rows.iter().map(Some).collect(),
