@@ -20,8 +20,9 @@ pub struct CommonArgs {
     #[arg(long)]
     pub seq: usize,
     /// Causal sliding window in tokens (query i sees keys i-W < j <= i); overrides the
-    /// model's `sliding_window`. Cuts the attention FLOPs and makes the ring a halo exchange
-    /// on contiguous shards.
+    /// model's `sliding_window`. Cuts the attention FLOPs; on the ring, W - 1 <= the shard
+    /// (s/CP) is a halo exchange of the W - 1 K/V rows before each shard, a longer window a
+    /// ring of the few hops it reaches on contiguous shards.
     #[arg(long)]
     pub sliding_window: Option<usize>,
     /// Packed documents of L tokens (the last one possibly shorter), attention kept inside
