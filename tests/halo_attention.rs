@@ -9,29 +9,14 @@
 use candle_core::{Result, Tensor};
 use candle_cp_ops::attention::{attention_docs_mask_slow, Mask};
 use candle_cp_ops::cp::{halo, run_case_cp_with, CpMethod, CpOpts, Layout};
-use candle_cp_ops::oracle::{randn, AttnCase, AttnOutputs, AttnTol};
+use candle_cp_ops::oracle::{AttnCase, AttnOutputs, AttnTol};
 use candle_cp_ops::packing::Documents;
 use std::time::Duration;
 
+use candle_cp_tests::draws::random_case;
 use candle_cp_tests::{assert_attn_close as check, fwd_bwd as run};
 
 const TIMEOUT: Duration = Duration::from_secs(120);
-
-fn case(seed: u64, b: usize, t: usize) -> Result<AttnCase> {
-    let (h, hkv, d) = (4, 2, 8);
-    let zero = || Tensor::zeros(1, candle_core::DType::F32, &candle_core::Device::Cpu);
-    Ok(AttnCase {
-        name: format!("halo b{b} t{t}"),
-        causal: true,
-        scale: 1.0 / (d as f64).sqrt(),
-        sigma: 1.0,
-        q: randn(seed, &[b, t, h, d], 1.0)?,
-        k: randn(seed + 1, &[b, t, hkv, d], 1.0)?,
-        v: randn(seed + 2, &[b, t, hkv, d], 1.0)?,
-        dout: randn(seed + 3, &[b, t, h, d], 1.0)?,
-        reference: AttnOutputs { out: zero()?, lse: zero()?, dq: zero()?, dk: zero()?, dv: zero()? },
-    })
-}
 
 /// The dense reference, batch row by batch row (each with its own documents).
 fn reference(c: &AttnCase, docs: &[Documents], w: usize) -> Result<AttnOutputs> {
@@ -57,7 +42,7 @@ fn reference(c: &AttnCase, docs: &[Documents], w: usize) -> Result<AttnOutputs> 
 fn halo_matches_the_dense_reference_and_the_ring() -> Result<()> {
     let (b, t) = (2usize, 48usize);
     let tol = AttnTol::for_sigma(1.0);
-    let c = case(7, b, t)?;
+    let c = random_case(format!("halo b{b} t{t}"), 7, [b, t, 4, 2, 8], true, Ok)?;
     let one = Documents::single(t)?;
     let shared = Documents::from_lengths(&[5, 17, 1, 14, 11])?;
     let per_row = vec![Documents::from_lengths(&[30, 18])?, Documents::from_lengths(&[3, 1, 44])?];
