@@ -74,3 +74,40 @@ fn halo_matches_the_dense_reference_and_the_ring() -> Result<()> {
     assert!(!halo::applies(&CpOpts::new(Layout::Striped, true).with_window(2), 2, t));
     Ok(())
 }
+
+/// A rank that fails between the forward and the backward (its gradient never exchanged) makes
+/// the others' backward return an error within the group's timeout, never hang; ranks that
+/// disagree on the window fail on every rank before any exchange.
+#[test]
+fn a_failing_rank_ends_the_halo_exchange() -> Result<()> {
+    use candle_cp_comm::{run_ranks_with, Group, ThreadGroupOptions};
+    use candle_cp_ops::cp::ring_attention;
+    use std::time::Instant;
+    let opts = || ThreadGroupOptions::with_timeout(Duration::from_secs(3));
+    let t0 = Instant::now();
+    let res = run_ranks_with(3, opts(), |g: Group| {
+        let q = candle_core::Var::from_tensor(&candle_cp_ops::oracle::randn(1, &[1, 8, 2, 8], 1.0)?)?;
+        let k = candle_core::Var::from_tensor(&candle_cp_ops::oracle::randn(2, &[1, 8, 1, 8], 1.0)?)?;
+        let o = CpOpts::new(Layout::Zigzag, true).with_window(3);
+        let (out, _) = ring_attention(q.as_tensor(), k.as_tensor(), k.as_tensor(), &g, &o)?;
+        if g.rank() == 1 {
+            candle_core::bail!("rank 1 gives up before its backward");
+        }
+        out.sum_all()?.backward().map(|_| ())
+    });
+    assert!(t0.elapsed() < Duration::from_secs(30), "no hang: {:?}", t0.elapsed());
+    for (r, x) in res.into_iter().enumerate() {
+        assert!(x.is_err(), "rank {r} must fail (rank 1 never exchanged its gradient)");
+    }
+    let res = run_ranks_with(2, opts(), |g: Group| {
+        let q = candle_cp_ops::oracle::randn(1, &[1, 8, 2, 8], 1.0)?;
+        let k = candle_cp_ops::oracle::randn(2, &[1, 8, 1, 8], 1.0)?;
+        let o = CpOpts::new(Layout::Zigzag, true).with_window(2 + g.rank());
+        ring_attention(&q, &k, &k, &g, &o).map(|_| ())
+    });
+    for (r, x) in res.into_iter().enumerate() {
+        let e = x.err().unwrap_or_else(|| panic!("rank {r} must fail")).to_string();
+        assert!(e.contains("sliding window"), "rank {r}: {e}");
+    }
+    Ok(())
+}
