@@ -111,3 +111,30 @@ fn a_failing_rank_ends_the_halo_exchange() -> Result<()> {
     }
     Ok(())
 }
+
+/// 2-D Ulysses × ring (`usp_attention`): a window within one chunk of the ring part runs its
+/// halo exchange on the head-layout rows, the backward through that graph; against the dense
+/// reference with U = 2 × R = 2 and U = 4 × R = 2 (the KV heads replicated), with and without
+/// packed documents.
+#[test]
+fn usp_ring_part_runs_the_halo_exchange() -> Result<()> {
+    use candle_cp_ops::usp::run_case_usp_with;
+    let (b, t) = (2usize, 48usize);
+    let tol = AttnTol::for_sigma(1.0);
+    let c = random_case(format!("usp halo b{b} t{t}"), 11, [b, t, 4, 2, 8], true, Ok)?;
+    let shared = Documents::from_lengths(&[5, 17, 1, 14, 11])?;
+    for (u, r) in [(2usize, 2usize), (4, 2)] {
+        let chunk = t / (2 * r);
+        for w in [1, 2, chunk / 2 + 1, chunk + 1, chunk + 2] {
+            for docs in [None, Some(shared.clone())] {
+                let what = format!("U{u} x R{r} window {w} documents {}", docs.is_some());
+                let want = reference(&c, &[docs.clone().unwrap_or(Documents::single(t)?)], w)?;
+                let ring_part = CpOpts::new(Layout::Zigzag, true).with_window(w);
+                assert_eq!(halo::applies(&ring_part, r, t), w - 1 <= chunk, "{what}");
+                let got = run_case_usp_with(&c, u, r, TIMEOUT, docs, Some(w))?;
+                check(&got.outputs, &want, &tol, &what)?;
+            }
+        }
+    }
+    Ok(())
+}

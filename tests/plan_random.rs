@@ -157,7 +157,7 @@ fn random_plans_are_consistent() {
             assert!(n("/step/model_flops_per_step") <= num(&c, "/step/model_flops_per_step") * (1.0 + 1e-12), "{what}: model FLOPs");
             // on zigzag shards: a halo exchange when w − 1 fits in a chunk of T/(2R), else the full ring
             let (r, w) = (num(&c, "/ring/degree"), n("/sliding/window"));
-            if r > 1.0 && inp.layout.cp_kind != CpKind::TwoD && w - 1.0 <= (inp.seq / (2 * r as usize)) as f64 {
+            if r > 1.0 && w - 1.0 <= (inp.seq / (2 * r as usize)) as f64 {
                 assert_eq!((n("/sliding/ring/halo_rows"), n("/sliding/ring/active_steps")), (w - 1.0, 1.0), "{what}: the sliding layers' halo");
             } else {
                 assert_eq!(n("/sliding/ring/hops"), r - 1.0, "{what}: the sliding layers' full ring");

@@ -199,6 +199,10 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
         window: opts.window,
         ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale)
     };
+    if cp::halo::applies(&cp_opts, groups.r(), heads.q.dim(1)? * groups.r()) {
+        // a window within one chunk of the ring part: its halo exchange, not the ring
+        return usp_halo((q, k, v), heads, spread, groups, &cp_opts);
+    }
     let (out32, lse_h, _) = cp::ring_attention_fwd_raw(&heads.q, &heads.k, &heads.v, &groups.ring, &cp_opts)?;
     let out_h = out32.to_dtype(q.dtype())?;
     let out = head_to_seq_raw(&out_h, uly)?;
@@ -231,6 +235,40 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     if let Some(slot) = slot {
         slot.set(&out);
     }
+    Ok((out, lse))
+}
+
+/// [`usp_attention`] whose ring part is the halo exchange of a short window ([`cp::halo`]): the
+/// band attention of the head-layout rows runs with autograd on leaves of its own, and the
+/// op's backward runs that graph's backward on the all-to-alled output gradient (the graph,
+/// heads included, is kept until then, whatever `opts.head_layout`).
+fn usp_halo(
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    heads: HeadQkv,
+    spread: crate::ulysses::KvSpread,
+    groups: &UspGroups,
+    cp_opts: &CpOpts,
+) -> Result<(Tensor, Tensor)> {
+    let dims = cp::check_inputs("usp_attention", &heads.q, &heads.k, &heads.v, &groups.ring, cp_opts)?;
+    let (qv, kv, vv) = (Var::from_tensor(&heads.q)?, Var::from_tensor(&heads.k)?, Var::from_tensor(&heads.v)?);
+    let (out_h, lse_h) = cp::halo::halo_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &groups.ring, cp_opts, &dims)?;
+    let out = head_to_seq_raw(&out_h.detach(), &groups.ulysses)?;
+    let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
+    let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
+    let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
+        let dh = seq_to_head_raw(&dout.to_dtype(qdt)?, &g.ulysses)?;
+        let grads = (&out_h * &dh)?.sum_all()?.backward()?;
+        let grad = |x: &Var, n: &str| -> Result<Tensor> {
+            grads.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg(format!("usp_attention (halo): no gradient for {n}")))
+        };
+        let f32 = candle_core::DType::F32;
+        Ok(vec![
+            Some(head_to_seq_raw(&grad(&qv, "q")?.to_dtype(qdt)?, &g.ulysses)?),
+            Some(kv_grad_head_to_seq(grad(&kv, "k")?.to_dtype(f32)?, spread, &g.ulysses, kdt)?),
+            Some(kv_grad_head_to_seq(grad(&vv, "v")?.to_dtype(f32)?, spread, &g.ulysses, kdt)?),
+        ])
+    });
+    let out = attach3("usp_attention", q, k, v, out, bwd)?;
     Ok((out, lse))
 }
 

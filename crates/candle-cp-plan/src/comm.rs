@@ -138,14 +138,10 @@ pub fn ring_full(cx: &CommCtx, r: usize, u: usize) -> RingComm {
 /// both, contiguous: the previous one), then attends in one local call; the backward sends the
 /// halo rows' dK/dV back the same way (in the activation dtype). Bytes per direction
 /// `m·b·2·a_kv,r·d·e`, forward and backward; nothing overlaps them (the call needs the rows).
-/// `None` where it does not apply (no window, one reaching further back, or the ring part of
-/// 2-D, whose `usp_attention` keeps the ring).
+/// `None` where it does not apply (no window, or one reaching further back). The ring part of
+/// 2-D runs it too (`candle_cp_ops::usp`).
 fn halo(cx: &CommCtx, rg: &RingComm, full: bool) -> Option<RingComm> {
     let w = rg.window?;
-    if cx.layout.cp_kind == crate::layout::CpKind::TwoD {
-        // 2-D's ring part (candle_cp_ops::usp) runs the raw ring, no halo exchange
-        return None;
-    }
     let chunk = if full { rg.chunk_tokens / 2 } else { rg.chunk_tokens };
     if rg.degree < 2 || w - 1 > chunk {
         return None;

@@ -569,7 +569,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
     if let Some((w, k)) = m.partial_window {
         n.push(match partial::effective_partial(m, input.seq) {
             None => format!("sliding window {w} on {k} of {} layers >= sequence {}: every layer attends causally", m.layers, input.seq),
-            Some(_) if l.cp_kind == CpKind::Ring && ring_degree > 1 && w - 1 <= input.seq / (2 * ring_degree) => format!(
+            Some(_) if ring_degree > 1 && w - 1 <= input.seq / (2 * ring_degree) => format!(
                 "sliding window {w} on {k} of {} layers: their attention is the window's, priced apart and averaged with the full layers'; on the full layers' zigzag shards each exchanges the {} K/V rows before each of its two chunks with its neighbours (a halo exchange, no ring)",
                 m.layers,
                 w - 1
@@ -587,7 +587,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
             "sliding window {w} >= sequence {}: the same as causal attention",
             input.seq
         )),
-        (_, Some(w)) if l.cp_kind == CpKind::Ring && ring_degree > 1 && w - 1 <= input.seq / ring_degree => n.push(format!(
+        (_, Some(w)) if ring_degree > 1 && w - 1 <= input.seq / ring_degree => n.push(format!(
             "sliding window {w}: a halo exchange of the {} K/V rows before each shard with the previous rank replaces the ring (candle-cp's ring_attention, for windows reaching at most one chunk back: on zigzag shards with both neighbours, for w - 1 <= T/(2·CP))",
             w - 1
         )),
