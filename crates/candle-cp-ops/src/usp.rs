@@ -184,6 +184,9 @@ pub fn usp_shard(global: &Tensor, layout: Layout, groups: &UspGroups, dim: usize
 /// - returns `out` `[B, T/(R·U), H, D]` (q's dtype, differentiable w.r.t. q, k, v) and `lse`
 ///   `[B, H, T/(R·U)]` (f32), equal to the rows of single-device attention over `T`.
 ///
+/// A causal window within one chunk of the ring part (`T/(2R)` zigzag) runs that part as the
+/// halo exchange of [`cp::halo`] instead of the ring.
+///
 /// Errors: `H % U != 0` (the message lists the Ulysses degrees that work; KV heads are split
 /// or replicated for any of them, [`crate::ulysses::KvSpread`]), `T` not divisible by what the
 /// ring layout needs. Collective over both groups.
