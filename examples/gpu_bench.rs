@@ -8,8 +8,10 @@
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
 //!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|wgmma-tma-wide|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
-//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384]
+//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384] [--window 1024]
 //! ```
+//! `--window W`: after the ring, the autograd `ring_attention` with a causal window of `W` as
+//! the halo exchange against the ring, same ranks, same run (`"impl":"candle-cp-halo"`).
 //! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
 //! one band call (`flash::fwd_band` / `flash::bwd_band` with the first `--impl` family, the
 //! bounds on the device beforehand) against one call per document (what the CP engines issued
@@ -50,13 +52,15 @@ struct Args {
     docs: Vec<usize>,
     /// Sequence length of the band benchmark (`--docs-t`).
     docs_t: usize,
+    /// A causal window for the halo-against-ring benchmark (`--window`, none by default).
+    window: Option<usize>,
 }
 
 fn parse() -> Result<Args> {
     let a: Vec<String> = std::env::args().collect();
     candle_cp_examples::check_flags(
         &a,
-        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t"],
+        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t", "--window"],
         &[],
     )?;
     let get = |f: &str| a.iter().position(|x| x == f).and_then(|i| a.get(i + 1)).cloned();
@@ -89,6 +93,7 @@ fn parse() -> Result<Args> {
             None => Vec::new(),
         },
         docs_t: num("--docs-t", 16384)?,
+        window: get("--window").map(|s| s.parse()).transpose()?,
     })
 }
 
@@ -160,7 +165,63 @@ fn main() -> Result<()> {
         if start.elapsed() < a.budget {
             ring(&a, &dev, scale, &ri)?;
         }
+        if let (Some(w), true) = (a.window, start.elapsed() < a.budget) {
+            halo_vs_ring(&a, &dev, scale, &ri, w)?;
+        }
     }
+    Ok(())
+}
+
+/// With `--window W`: the autograd `ring_attention` (forward + backward of `sum(out · dout)`) on
+/// `ring_p` virtual ranks, zigzag, causal window `W`, as the halo exchange (`cp::halo`, where
+/// `W - 1 <= T/(2P)`) against the ring (`CpOpts::with_halo(false)`), in the same run: slowest
+/// rank from a barrier, best of `--iters` after a warm-up (`"impl":"candle-cp-halo"`;
+/// `speedup` = ring / halo). Virtual ranks share one GPU, so the transfers are device copies:
+/// this times the calls and launches, not a link.
+fn halo_vs_ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs, w: usize) -> Result<()> {
+    let (t, p) = (a.ring_t, a.ring_p);
+    let dout = randn_bf16(dev, &[a.batch, t, a.heads, a.d])?;
+    let shards: Vec<[Tensor; 4]> = (0..p)
+        .map(|r| {
+            let sh = |x: &Tensor| shard(x, Layout::Zigzag, r, p, 1);
+            Ok([sh(&ri.q)?, sh(&ri.k)?, sh(&ri.v)?, sh(&dout)?])
+        })
+        .collect::<candle_core::Result<_>>()?;
+    let base = CpOpts::new(Layout::Zigzag, true).with_scale(scale as f64).with_window(w);
+    let time = |halo: bool| -> Result<f64> {
+        let opts = base.clone().with_halo(halo);
+        let run = || -> Result<f64> {
+            let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
+                let [q, k, v, d] = &shards[g.rank()];
+                let (q, k, v) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(k)?, candle_core::Var::from_tensor(v)?);
+                q.device().synchronize()?;
+                g.barrier()?;
+                let t0 = Instant::now();
+                let (out, _) = candle_cp_ops::cp::ring_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &opts)?;
+                let grads = (out * d)?.sum_all()?.backward()?;
+                if let Some(dq) = grads.get(q.as_tensor()) {
+                    dq.device().synchronize()?;
+                }
+                Ok(t0.elapsed().as_secs_f64())
+            });
+            let mut worst = 0f64;
+            for r in res {
+                worst = worst.max(r?);
+            }
+            Ok(worst)
+        };
+        run()?; // warm-up
+        Ok((0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min))
+    };
+    let (ring_s, halo_s) = (time(false)?, time(true)?);
+    let applies = candle_cp_ops::cp::halo::applies(&base, p, t);
+    println!(
+        "{{\"impl\":\"candle-cp-halo\",\"kernel\":\"{:?}\",\"layout\":\"zigzag\",\"p\":{p},\"t\":{t},\"window\":{w},\"halo\":{applies},\"ring_ms\":{:.3},\"halo_ms\":{:.3},\"speedup\":{:.3}}}",
+        FwdImpl::from_env(),
+        ring_s * 1e3,
+        halo_s * 1e3,
+        ring_s / halo_s
+    );
     Ok(())
 }
 

@@ -181,12 +181,14 @@ shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show 
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
-  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200
+  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --budget-s 200
 grep '^{' "$shim_log" >"$shim_dir/bench.jsonl"
 rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
 [ "$rows" = 14 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 14 (7 families x causal, full)"; exit 1; }
 band_rows=$(grep -c '"impl":"candle-cp-band"' "$shim_dir/bench.jsonl" || true)
 [ "$band_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --docs under the shim printed $band_rows band rows, expected 1"; exit 1; }
+halo_rows=$(grep -c '"impl":"candle-cp-halo".*"halo":true' "$shim_dir/bench.jsonl" || true)
+[ "$halo_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --window under the shim printed $halo_rows halo rows, expected 1"; exit 1; }
 : >"$shim_dir/sdpa.jsonl"
 shim_step gpu_table.py python3 scripts/gpu_table.py "$shim_dir/bench.jsonl" "$shim_dir/sdpa.jsonl"
 echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; timings meaningless on the CPU)"

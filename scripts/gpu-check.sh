@@ -164,13 +164,13 @@ run() {
   step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=wgmma-tma "$bin/gpu_check" --sections random
   echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring want mem reserve docs bwd auto
+  local imp ring want mem reserve docs bwd auto window
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers.
   for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma wgmma-tma-wide atomic; do
-    ring=0 mem=0 docs="" bwd=1 auto=()
+    ring=0 mem=0 docs="" window="" bwd=1 auto=()
     case $imp in
-      pipelined) ring=4 docs=128,1024 want=65 reserve=150 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 60 SDPA; docs: band vs per-document calls
+      pipelined) ring=4 docs=128,1024 window=1024 want=65 reserve=150 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 60 SDPA; docs: band vs per-document calls
       wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=120 ;;  # docs: the wgmma band kernels
       wgmma-ws) docs=128,1024 want=50 reserve=100 ;;  # docs: its band kernels
       wgmma-tma) ring=4 docs=128,1024 want=55 reserve=80 auto=(CANDLE_CP_FLASH_IMPL=wgmma-tma) ;;  # the warp-specialized kernels with TMA loads; its ring steps, and the whole ring on them (Auto)
@@ -180,7 +180,7 @@ run() {
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
     step "$want" "$reserve" "$out/bench.jsonl" add -- env "${auto[@]}" "$bin/gpu_bench" --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3 \
-      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} --budget-s $((lim > 20 ? lim - 10 : 10))
+      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} ${window:+--window "$window"} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
@@ -235,7 +235,7 @@ preflight() {
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic \
-    --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
+    --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
     || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
   : >"$out/sdpa.jsonl"
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" >/dev/null

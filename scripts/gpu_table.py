@@ -63,6 +63,10 @@ def main():
         print(f"packed documents of {r['doc_len']} (T = {r['t']}, {r['docs']} documents, {r.get('kernel', 'Auto')}): one band call "
               f"{r['band_fwd_ms']:.2f} + {r['band_bwd_ms']:.2f} ms vs per-document calls "
               f"{r['perdoc_fwd_ms']:.2f} + {r['perdoc_bwd_ms']:.2f} ms (fwd + bwd): {r['speedup']:.2}x")
+    for r in (r for r in bench if r.get("impl") == "candle-cp-halo"):
+        print(f"window {r['window']} on zigzag, P = {r['p']} virtual ranks, T = {r['t']} ({r.get('kernel', 'Auto')}): "
+              f"{'halo exchange' if r['halo'] else 'ring both times (the window is past a chunk)'} {r['halo_ms']:.2f} ms vs ring "
+              f"{r['ring_ms']:.2f} ms (forward + backward): {r['speedup']:.2f}x")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']} (ring on {r.get('kernel', 'Auto')}): {r['ring_ms']:.1f} ms "
               f"vs single-GPU kernel ({r.get('single_kernel', '?')}) {r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")
