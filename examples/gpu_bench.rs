@@ -190,28 +190,19 @@ fn halo_vs_ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs, w: usize) -
     let base = CpOpts::new(Layout::Zigzag, true).with_scale(scale as f64).with_window(w);
     let time = |halo: bool| -> Result<f64> {
         let opts = base.clone().with_halo(halo);
-        let run = || -> Result<f64> {
-            let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
-                let [q, k, v, d] = &shards[g.rank()];
-                let (q, k, v) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(k)?, candle_core::Var::from_tensor(v)?);
-                q.device().synchronize()?;
-                g.barrier()?;
-                let t0 = Instant::now();
-                let (out, _) = candle_cp_ops::cp::ring_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &opts)?;
-                let grads = (out * d)?.sum_all()?.backward()?;
-                if let Some(dq) = grads.get(q.as_tensor()) {
-                    dq.device().synchronize()?;
-                }
-                Ok(t0.elapsed().as_secs_f64())
-            });
-            let mut worst = 0f64;
-            for r in res {
-                worst = worst.max(r?);
+        slowest_rank(a, dev, p, |g| {
+            let [q, k, v, d] = &shards[g.rank()];
+            let (q, k, v) = (candle_core::Var::from_tensor(q)?, candle_core::Var::from_tensor(k)?, candle_core::Var::from_tensor(v)?);
+            q.device().synchronize()?;
+            g.barrier()?;
+            let t0 = Instant::now();
+            let (out, _) = candle_cp_ops::cp::ring_attention(q.as_tensor(), k.as_tensor(), v.as_tensor(), &g, &opts)?;
+            let grads = (out * d)?.sum_all()?.backward()?;
+            if let Some(dq) = grads.get(q.as_tensor()) {
+                dq.device().synchronize()?;
             }
-            Ok(worst)
-        };
-        run()?; // warm-up
-        Ok((0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min))
+            Ok(t0.elapsed().as_secs_f64())
+        })
     };
     let (ring_s, halo_s) = (time(false)?, time(true)?);
     let applies = candle_cp_ops::cp::halo::applies(&base, p, t);
@@ -486,25 +477,16 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
             })
             .into_iter()
             .collect::<std::result::Result<Vec<_>, _>>()?;
-            let run_bwd = || -> Result<f64> {
-                let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, |g| {
-                    let [q, k, v] = &shards[g.rank()];
-                    let (out, lse) = &fwds[g.rank()];
-                    out.device().synchronize()?;
-                    g.barrier()?;
-                    let t0 = Instant::now();
-                    let (dq, _, _, _) = ring_attention_bwd_raw(q, k, v, out, lse, &douts[g.rank()], &g, &opts)?;
-                    dq.device().synchronize()?;
-                    Ok(t0.elapsed().as_secs_f64())
-                });
-                let mut worst = 0f64;
-                for r in res {
-                    worst = worst.max(r?);
-                }
-                Ok(worst)
-            };
-            run_bwd()?; // warm-up
-            let s = (0..a.iters.max(1)).map(|_| run_bwd()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min);
+            let s = slowest_rank(a, dev, p, |g| {
+                let [q, k, v] = &shards[g.rank()];
+                let (out, lse) = &fwds[g.rank()];
+                out.device().synchronize()?;
+                g.barrier()?;
+                let t0 = Instant::now();
+                let (dq, _, _, _) = ring_attention_bwd_raw(q, k, v, out, lse, &douts[g.rank()], &g, &opts)?;
+                dq.device().synchronize()?;
+                Ok(t0.elapsed().as_secs_f64())
+            })?;
             format!(",\"ring_bwd_ms\":{:.3},\"single_bwd_ms\":{:.3},\"bwd_efficiency\":{:.3}", s * 1e3, single_bwd * 1e3, single_bwd / s)
         }
         None => String::new(),
@@ -519,6 +501,21 @@ fn ring(a: &Args, dev: &Device, scale: f32, ri: &RingInputs) -> Result<()> {
         single / ring_s
     );
     Ok(())
+}
+
+/// `body` on `p` virtual ranks of `dev` (each returns its seconds, timed from a barrier): the
+/// slowest rank's, best of `--iters` runs after a warm-up.
+fn slowest_rank(a: &Args, dev: &Device, p: usize, body: impl Fn(candle_cp_comm::Group) -> candle_core::Result<f64> + Send + Sync) -> Result<f64> {
+    let run = || -> Result<f64> {
+        let res = run_ranks_with(p, ThreadGroupOptions { device: dev.clone(), ..Default::default() }, &body);
+        let mut worst = 0f64;
+        for r in res {
+            worst = worst.max(r?);
+        }
+        Ok(worst)
+    };
+    run()?; // warm-up
+    Ok((0..a.iters.max(1)).map(|_| run()).collect::<Result<Vec<_>>>()?.into_iter().fold(f64::MAX, f64::min))
 }
 
 /// The memory-bound kernels on `[B, T, H, D]` (T = the largest `--t`): bytes each one reads
