@@ -102,9 +102,8 @@ impl ModelConfig {
     /// 1024 keys, 512 for the 1B, on five layers of six: [`ModelConfig::partial_window`]).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
-        if let Some(g) = Self::gemma3_preset(&lower) {
-            return Ok(g);
-        }
+        // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
+        // `Gemma3TextConfig`'s defaults)
         let (hidden, layers, heads, kv_heads, ffn) = match lower.as_str() {
             "llama3-8b" => (4096, 32, 32, 8, 14336),
             "llama3-70b" => (8192, 80, 64, 8, 28672),
@@ -113,58 +112,45 @@ impl ModelConfig {
             "qwen2.5-72b" => (8192, 80, 64, 8, 29568),
             "qwen3-8b" => (4096, 36, 32, 8, 12288),
             "qwen3-32b" => (5120, 64, 64, 8, 25600),
+            "gemma3-1b" => (1152, 26, 4, 1, 6912),
+            "gemma3-4b" => (2560, 34, 8, 4, 10240),
+            "gemma3-12b" => (3840, 48, 16, 8, 15360),
+            "gemma3-27b" => (5376, 62, 32, 16, 21504),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
             ),
         };
-        let (qwen2, qwen3) = (lower.starts_with("qwen2"), lower.starts_with("qwen3"));
+        let (qwen2, qwen3, gemma3) = (lower.starts_with("qwen2"), lower.starts_with("qwen3"), lower.starts_with("gemma3"));
+        let one_b = lower == "gemma3-1b";
         let cfg = Self {
             name: lower.clone(),
             hidden,
             layers,
             heads,
             kv_heads,
-            head_dim: if qwen3 { 128 } else { hidden / heads },
+            head_dim: match () {
+                _ if qwen3 || lower == "gemma3-27b" => 128,
+                _ if gemma3 => 256,
+                _ => hidden / heads,
+            },
             ffn,
-            vocab: if qwen2 { 152064 } else if qwen3 { 151936 } else { 128256 },
-            tie_embeddings: false,
+            vocab: match () {
+                _ if qwen2 => 152064,
+                _ if qwen3 => 151936,
+                _ if one_b => 262_144,
+                _ if gemma3 => 262_208,
+                _ => 128256,
+            },
+            tie_embeddings: gemma3,
             sliding_window: None,
             qkv_bias: qwen2,
-            qk_norm: qwen3,
-            partial_window: None,
-            gemma3: false,
+            qk_norm: qwen3 || gemma3,
+            // a window of 1024 keys (512 for the 1B) on all but every sixth layer
+            partial_window: gemma3.then(|| (if one_b { 512 } else { 1024 }, layers - layers / 6)),
+            gemma3,
         };
         Ok(cfg)
-    }
-
-    /// The Gemma 3 presets of [`ModelConfig::preset`] (`None` for other names). Shapes from
-    /// the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
-    /// `Gemma3TextConfig`'s defaults); sliding layers: all but every sixth.
-    fn gemma3_preset(lower: &str) -> Option<Self> {
-        let (hidden, layers, heads, kv_heads, head_dim, ffn, vocab, window) = match lower {
-            "gemma3-1b" => (1152, 26, 4, 1, 256, 6912, 262_144, 512),
-            "gemma3-4b" => (2560, 34, 8, 4, 256, 10240, 262_208, 1024),
-            "gemma3-12b" => (3840, 48, 16, 8, 256, 15360, 262_208, 1024),
-            "gemma3-27b" => (5376, 62, 32, 16, 128, 21504, 262_208, 1024),
-            _ => return None,
-        };
-        Some(Self {
-            name: lower.to_string(),
-            hidden,
-            layers,
-            heads,
-            kv_heads,
-            head_dim,
-            ffn,
-            vocab,
-            tie_embeddings: true,
-            sliding_window: None,
-            qkv_bias: false,
-            qk_norm: true,
-            partial_window: Some((window, layers - layers / 6)),
-            gemma3: true,
-        })
     }
 
     /// A preset name, or else a path to a Hugging Face `config.json`.
