@@ -425,7 +425,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         verdict.push_str("; ");
         verdict.push_str(&packed::ring_verdict(d, &ring, &r_plain));
     }
-    let notes = notes(input);
+    let notes = notes(input, &ring, sliding.as_ref());
     Ok(Plan {
         input: input.clone(),
         world_size: l.world(),
@@ -541,7 +541,9 @@ fn bottleneck(
     )
 }
 
-fn notes(input: &PlanInput) -> Vec<String> {
+/// The plan's caveats; `ring` and `sliding` as priced (whether a window's ring is a halo
+/// exchange is theirs to say, [`crate::comm::ring`]).
+fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) -> Vec<String> {
     let (m, l) = (&input.model, &input.layout);
     let mut n = Vec::new();
     if l.flash && l.recompute == Recompute::Selective {
@@ -569,7 +571,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
     if let Some((w, k)) = m.partial_window {
         n.push(match partial::effective_partial(m, input.seq) {
             None => format!("sliding window {w} on {k} of {} layers >= sequence {}: every layer attends causally", m.layers, input.seq),
-            Some(_) if ring_degree > 1 && w - 1 <= input.seq / (2 * ring_degree) => format!(
+            Some(_) if ring_degree > 1 && sliding.is_some_and(|sl| sl.ring.halo_rows.is_some()) => format!(
                 "sliding window {w} on {k} of {} layers: their attention is the window's, priced apart and averaged with the full layers'; on the full layers' zigzag shards each exchanges the {} K/V rows before each of its two chunks with its neighbours (a halo exchange, no ring)",
                 m.layers,
                 w - 1
@@ -587,7 +589,7 @@ fn notes(input: &PlanInput) -> Vec<String> {
             "sliding window {w} >= sequence {}: the same as causal attention",
             input.seq
         )),
-        (_, Some(w)) if ring_degree > 1 && w - 1 <= input.seq / ring_degree => n.push(format!(
+        (_, Some(w)) if ring_degree > 1 && ring.halo_rows.is_some() => n.push(format!(
             "sliding window {w}: a halo exchange of the {} K/V rows before each shard with the previous rank replaces the ring (candle-cp's ring_attention, for windows reaching at most one chunk back: on zigzag shards with both neighbours, for w - 1 <= T/(2·CP))",
             w - 1
         )),
