@@ -73,14 +73,14 @@ fn exchange(tails: &[Tensor], group: &Group, routes: Vec<(usize, usize)>) -> Res
         }
         Ok(got)
     };
-    let stacked = Tensor::stack(tails, 0)?;
-    let got = Tensor::stack(&run(group, &stacked.detach().chunk(tails.len(), 0)?.iter().map(|t| t.squeeze(0)).collect::<Result<Vec<_>>>()?, false)?, 0)?;
+    let got = Tensor::stack(&run(group, &tails.iter().map(Tensor::detach).collect::<Vec<_>>(), false)?, 0)?;
     let (g, n) = (group.clone(), tails.len());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let parts = dy.detach().chunk(n, 0)?.iter().map(|t| t.squeeze(0)).collect::<Result<Vec<_>>>()?;
         Ok(vec![Some(Tensor::stack(&run(&g, &parts, true)?, 0)?)])
     });
-    let out = attach1("halo_exchange", &stacked, got, bwd)?;
+    // one graph node for all parts (the stack of the tails is its input)
+    let out = attach1("halo_exchange", &Tensor::stack(tails, 0)?, got, bwd)?;
     (0..n).map(|i| out.get(i)).collect()
 }
 
