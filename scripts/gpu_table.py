@@ -25,7 +25,8 @@ def load(path):
 
 def main():
     bench = load(sys.argv[1])
-    ours = [r for r in bench if r.get("impl") == "candle-cp"]
+    # (head dim 256 rows: their own table below)
+    ours = [r for r in bench if r.get("impl") == "candle-cp" and r.get("d", 128) != 256]
     kernels = sorted({r.get("kernel", "?") for r in ours})
     ours = {(r["t"], r["causal"], r.get("kernel", "?")): r for r in ours}
     ring = [r for r in bench if r.get("impl") == "candle-cp-ring"]
@@ -73,7 +74,28 @@ def main():
         if "bwd_efficiency" in r:
             print(f"  backward: {r['ring_bwd_ms']:.1f} ms (slowest rank, from a barrier) vs single-GPU "
                   f"{r['single_bwd_ms']:.1f} ms, efficiency {r['bwd_efficiency']:.2f}")
+    wide_table([r for r in bench if r.get("impl") == "candle-cp" and r.get("d") == 256])
     targets(ours, [r for r in bench if r.get("impl") == "candle-cp-ring-steps"])
+
+
+def wide_table(rows):
+    """Head dim 256 (Gemma 3): each family's TFLOP/s per T and mask, and the pipelined
+    tensor-core kernels' rate over the CUDA-core ones' (same run)."""
+    if not rows:
+        return
+    kernels = sorted({r.get("kernel", "?") for r in rows})
+    by = {(r["t"], r["causal"], r.get("kernel", "?")): r for r in rows}
+    print("\nhead dim 256 (bf16), TFLOP/s\n")
+    print("| T | mask |" + "".join(f" {k} fwd | {k} bwd |" for k in kernels) + " Pipelined / Simple fwd | bwd |")
+    print("|" + "---|" * (4 + 2 * len(kernels)))
+    f = lambda r, k: f"{r[k]:.1f}" if r and k in r else "-"
+    for t_, causal in sorted({k[:2] for k in by}):
+        row = f"| {t_} | {'causal' if causal else 'full'} |"
+        row += "".join(f" {f(by.get((t_, causal, k)), 'fwd_tflops')} | {f(by.get((t_, causal, k)), 'bwd_tflops')} |" for k in kernels)
+        p, s_ = by.get((t_, causal, "Pipelined")), by.get((t_, causal, "Simple"))
+        for key in ("fwd_tflops", "bwd_tflops"):
+            row += f" {p[key] / s_[key]:.2f}x |" if p and s_ and key in p and key in s_ and s_[key] > 0 else " - |"
+        print(row)
 
 
 # Issue 6's targets (H200, bf16, D = 128, T = 16k): forward >= 370 TFLOP/s, backward >= 300; every

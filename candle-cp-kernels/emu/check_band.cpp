@@ -34,7 +34,7 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
   void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
-#define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128)
+#define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128) DECLB16_D(N, TY, 256)
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDXB_P(TY));                        \
   void flash_fwd_wgmma_tma_band_##N##_d##D(FWDXB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
@@ -65,10 +65,10 @@ template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDB_P(TY));
 template <typename TY> using PDqB = void (*)(float*, PBWDB_P(TY));
 
 // Entry points by (family, D): family 0 = simple (CUDA cores), 1 = pipe (tensor cores).
-#define PICK(PRE, N, D) \
-  (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : (void*)&PRE##N##_d128)
-// (d 256: the CUDA-core entries only)
-#define PICK_CORE(PRE, N, D) (D == 256 ? (void*)&PRE##N##_d256 : PICK(PRE, N, D))
+#define PICK(PRE, N, D)                                                                                           \
+  (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : D == 128 ? (void*)&PRE##N##_d128 \
+                                                                                                  : (void*)&PRE##N##_d256)
+#define PICK_CORE(PRE, N, D) PICK(PRE, N, D)
 template <typename TY> struct Ents;
 // (void*: the pipelined backward entries take dO as TY, see PBWDB_P)
 template <> struct Ents<float> {
@@ -236,8 +236,10 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   std::string name = "flash_fwd_band " + tag;
   if (wanted(name)) {
     Buf<float> out(nq), lse(nl);
-    const unsigned rows = pipe ? 128 : 16;
-    const size_t smem = pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 + 128 * 4 : core_smem(0, D);  // pipe_band_smem
+    // pipe_band_smem (src/flash/band.rs): pipe_config's (PIPES: BQ 128, BK 64; BQ 64, BK 32 at d 256) + BQ ints
+    const unsigned rows = pipe ? (D == 256 ? 64 : 128) : 16;
+    const size_t pbk = D == 256 ? 32 : 64;
+    const size_t smem = pipe ? (rows + 4 * pbk) * (D + 8) * 2 + rows * 4 + rows * 4 : core_smem(0, D);
     auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
     bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
       fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, T, 0, 0);
@@ -270,8 +272,9 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
            dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
          });
   } else {
-    // PipeCfg::of (src/flash/bwd_pipe.rs)
-    const int kv_nw = 8, kv_bq = 64, q_nw = D == 128 ? 8 : 4, q_mt = D == 128 ? 1 : 2, q_bn = D == 128 ? 64 : 32;
+    // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da
+    const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = D >= 128 ? 8 : 4, q_mt = D >= 128 ? 1 : 2,
+              q_bn = D == 128 ? 64 : 32;
     const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
     const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
     Buf<TY> do16(nq);
@@ -281,10 +284,12 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
     ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
                         [&] { prep(o32.p, dout.p, delta.p, do16.p, B, T, H, D); }) &&
-         cp_emu::launch("flash_bwd_pipe_dkdv_band", dim3(Hkv, cdivb(S, bn), B), dim3(32 * kv_nw), smem_kv, [&] {
+         // (d 256: 203,264 / 202,752 bytes, launched on Hopper only: bwd_pipe::fits)
+         cp_emu::launch(D == 256 ? "flash_bwd_pipe_dkdv_band [sm_90]" : "flash_bwd_pipe_dkdv_band", dim3(Hkv * (D / kv_da), cdivb(S, bn), B),
+                        dim3(32 * kv_nw), smem_kv, [&] {
            dkdv(dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
          }) &&
-         cp_emu::launch("flash_bwd_pipe_dq_band", dim3(H, cdivb(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
+         cp_emu::launch(D == 256 ? "flash_bwd_pipe_dq_band [sm_90]" : "flash_bwd_pipe_dq_band", dim3(H, cdivb(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
            dqf(dq.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
          });
   }
@@ -410,9 +415,11 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
 // Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the Hopper families (wgmma,
 // wgmma_atomic, wgmma_ws, wgmma_tma) with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
-  if (c.D == 256) {  // the CUDA-core kernels alone (dynamic shared memory)
+  if (c.D == 256) {  // the CUDA-core (dynamic shared memory) and pipelined kernels alone
     run_band<float>(c, false, seed++);
     run_band<__nv_bfloat16>(c, false, seed++);
+    run_band<__nv_bfloat16>(c, true, seed++);
+    run_band<__half>(c, true, seed++);
     return;
   }
   if (c.D <= 64) run_band<float>(c, false, seed++);

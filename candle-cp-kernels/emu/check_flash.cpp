@@ -32,8 +32,14 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
   void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
 #define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
+// head dim 256: the pipelined entries only (no mma kernels there)
+#define DECLP_D(N, TY, D)                                                                   \
+  void flash_fwd_pipe_##N##_d##D(FWDX_P(TY));                                               \
+  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
+  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
 #define DECL16(N, TY)                                                                       \
   DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
+  DECLP_D(N, TY, 256)                                                                       \
   void flash_bwd_pipe_prep_##N(const float*, const float*, float*, TY*, int, int, int, int);
 extern "C" {
 DECL(f32, float)
@@ -84,7 +90,10 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
 #define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128) REG_D(N, 256)
-#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128)
+#define REGP_D(N, D) {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},       \
+    {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
+    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
+#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 256)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
@@ -258,8 +267,12 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
       const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma || wide;
-      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : 128, threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
-      size_t smem = im == Impl::Pipe ? (size_t)(128 + 4 * 64) * (D + 8) * 2 + 128 * 4 : core_smem(0, D);
+      // pipe_config (src/flash.rs, PIPES): BQ 128 over BK 64, BQ 64 over BK 32 at d 256
+      const unsigned pipe_rows = D == 256 ? 64 : 128;
+      const size_t pipe_bk = D == 256 ? 32 : 64;
+      unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : im == Impl::Pipe ? pipe_rows : 128,
+               threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
+      size_t smem = im == Impl::Pipe ? (pipe_rows + 4 * pipe_bk) * (D + 8) * 2 + pipe_rows * 4 : core_smem(0, D);
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
       if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
@@ -310,8 +323,9 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       };
       ok = ok && grads(0);
     } else {
-      // PipeCfg::of (src/flash/bwd_pipe.rs)
-      const int kv_nw = 8, kv_bq = 64, q_nw = D == 128 ? 8 : 4, q_mt = D == 128 ? 1 : 2, q_bn = D == 128 ? 64 : 32;
+      // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da
+      const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = D >= 128 ? 8 : 4, q_mt = D >= 128 ? 1 : 2,
+                q_bn = D == 128 ? 64 : 32;
       const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
       const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
       auto do16p = std::make_shared<Buf<TY>>(nq);
@@ -328,17 +342,20 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       // WGMMA_BWD_* / WGMMA_DQ_* (flash_bwd_sm90.cu), src/flash/bwd_sm90.rs
       const bool wg = im == Impl::Wgmma;
       const std::string kvname = wg ? "flash_bwd_wgmma_dkdv" : "flash_bwd_pipe_dkdv", qname = wg ? "flash_bwd_wgmma_dq" : "flash_bwd_pipe_dq";
+      // (d 256: 203,264 / 202,752 bytes, launched on Hopper only: bwd_pipe::fits)
+      const std::string lim = D == 256 ? " [sm_90]" : "";
       auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup(kvname + "_" + dsfx));
       auto dqf = reinterpret_cast<PDqFn<TY>>(lookup(qname + "_" + dsfx));
       const int kv_bn = wg ? 128 : bn, kv_thr = wg ? 256 : 32 * kv_nw, q_bm = wg ? 128 : bm, q_thr = wg ? 256 : 32 * q_nw;
+      const int kv_x = wg ? Hkv : Hkv * (D / kv_da);
       const size_t kv_smem = wg ? (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024 : smem_kv;
       const size_t q_smem = wg ? (size_t)(2 * 128 + 4 * 128) * D * 2 + 1024 : smem_q;
-      grads = [&, do16p, dkdv, dqf, kvname, qname, kv_bn, kv_thr, kv_smem, q_bm, q_thr, q_smem](int acc) {
+      grads = [&, do16p, dkdv, dqf, kvname, qname, lim, kv_x, kv_bn, kv_thr, kv_smem, q_bm, q_thr, q_smem](int acc) {
         const TY* d16 = do16p->p;
-        return cp_emu::launch(kvname.c_str(), dim3(Hkv, cdiv(S, kv_bn), B), dim3(kv_thr), kv_smem, [&] {
+        return cp_emu::launch((kvname + lim).c_str(), dim3(kv_x, cdiv(S, kv_bn), B), dim3(kv_thr), kv_smem, [&] {
                  dkdv(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                }) &&
-               cp_emu::launch(qname.c_str(), dim3(H, cdiv(T, q_bm), B), dim3(q_thr), q_smem, [&] {
+               cp_emu::launch((qname + lim).c_str(), dim3(H, cdiv(T, q_bm), B), dim3(q_thr), q_smem, [&] {
                  dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
@@ -418,9 +435,11 @@ void run_flash_checks() {
     run_case<__nv_bfloat16>(c, all, seed++, &c == &cases[2] || &c == &cases[5]);
     run_case<__half>(c, all, seed++, &c == &cases[3]);
   }
-  // head dim 256 (Gemma 3): the CUDA-core kernels alone, with dynamic shared memory (their
-  // arrays exceed the 48 KiB static limit); two key tiles and a ragged end, GQA, a ring block
-  // whose queries come after its keys, and fully masked rows; the accumulate / fold runs on both.
+  // head dim 256 (Gemma 3): the CUDA-core kernels, with dynamic shared memory (their arrays
+  // exceed the 48 KiB static limit), and the pipelined ones (64-row forward blocks over 32-key
+  // tiles; dK/dV blocks of 128 of the 256 columns, grid x = 2 Hkv); two key tiles and a ragged
+  // end, GQA, a ring block whose queries come after its keys, and fully masked rows; the
+  // accumulate / fold runs on both.
   const Case d256{"causal gqa2:1 multi-tile", 1, 70, 70, 2, 1, 256, 1, 0, 1, 0, 1};
   const Case d256_after{"causal q after k (q_off 40), rows fully masked (k_off 50)", 2, 24, 40, 2, 2, 256, 1, 40, 1, 50, 1};
   const Case d256_full{"full t != s", 1, 17, 45, 1, 1, 256, 0, 0, 1, 0, 1};
@@ -428,8 +447,13 @@ void run_flash_checks() {
     const Case& c = *cp;
     const bool acc = cp != &d256_full;
     run_case<float>(c, {Impl::Simple}, seed++, acc);
-    run_case<__nv_bfloat16>(c, {Impl::Simple}, seed++, acc);
-    run_case<__half>(c, {Impl::Simple}, seed++, false);
+    run_case<__nv_bfloat16>(c, {Impl::Simple, Impl::Pipe}, seed++, acc);
+    run_case<__half>(c, {Impl::Simple, Impl::Pipe}, seed++, acc);
+  }
+  {  // pipelined d256 over several blocks each way: 3 forward blocks of 64 rows, 2 dK/dV key
+     // blocks of 128 (2 column slices each), query tiles of 32, causal GQA 3:1 with a ragged end
+    const Case d256_big{"pipe causal gqa3:1 ragged", 1, 150, 200, 3, 1, 256, 1, 50, 1, 0, 1};
+    run_case<__nv_bfloat16>(d256_big, {Impl::Pipe}, seed++, true);
   }
   // wgmma (D 64 / 128 only): rows that see no key (lse -inf) with strides, key blocks that no
   // query sees, ragged T / S, GQA 3:1 over several 64-row tiles and 128-key blocks, a diagonal

@@ -532,39 +532,63 @@ def tile_configs():
     PipeCfg::smem, bwd_fused.rs smem, sm90.rs wgmma_smem); the parameters are read from source."""
     out = {}
     fwd_cu, fwd_rs = rd("kernels", "flash_fwd.cu"), rd("src", "flash.rs")
-    pipes = re.search(r"#define PIPES\(NAME\)(.*)", fwd_cu)
+    pipes = re.search(r"#define PIPES\(NAME\)((?:.*\\\n)*.*)", fwd_cu)
     cu = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
           re.findall(r"PIPE\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", pipes.group(1) if pipes else "")}
+    # flash.rs: pipe_tile(d) gives (NW, MT, BK) (one head dim special-cased), pipe_config the
+    # launch from it: rows 16 NW MT, threads 32 NW, smem (BQ + 4 BK) (d + 8) 2 + BQ 4.
+    pt = re.search(r"fn pipe_tile\(d: usize\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
+    tiles = num(r"if d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*\((\d+), (\d+), (\d+)\)\s*\}",
+                pt.group(1) if pt else "", "flash.rs pipe_tile")
     pc = re.search(r"fn pipe_config\(d: usize\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
-    rbk = num(r"const BK: usize = (\d+);", pc.group(1) if pc else "", "flash.rs pipe_config BK")
-    rrows_thr = num(r"\((\d+),\s*(\d+),\s*\(\(\d+ \+ 4 \* BK\)", pc.group(1) if pc else "", "flash.rs pipe_config (rows, threads)")
+    formula = ("let bq = 16 * nw * mt;", "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + bq * 4) as u32)")
+    if not pc or any(f not in pc.group(1) for f in formula):
+        err(f"flash.rs pipe_config: expected {formula} (the kernel's layout: Q, two K and two V buffers, BQ ints)")
+
+    def rust_tile(d):
+        if not tiles:
+            return None
+        return tuple(tiles[1:4]) if d == tiles[0] else tuple(tiles[4:7])
     fam = out.setdefault("flash_fwd_pipe", {})
     for d, (nw, mt, bk) in sorted(cu.items()):
         bq = nw * mt * 16
-        if rrows_thr and (rrows_thr[0] != bq or rrows_thr[1] != nw * 32 or rbk != bk):
-            err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} (BQ {bq}, {nw * 32} threads) but flash.rs pipe_config uses rows {rrows_thr[0]}, threads {rrows_thr[1]}, BK {rbk}")
+        if rust_tile(d) not in (None, (nw, mt, bk)):
+            err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile({d}) = {rust_tile(d)}")
         fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + bq * 4)
-        if rbk:
-            rust = (128 + 4 * rbk) * (d + 8) * 2 + 128 * 4
-            if rust != fam[d][2]:
-                err(f"flash_fwd_pipe d{d}: kernel smem {fam[d][2]} != flash.rs pipe_config {rust}")
-    if sorted(cu) != [16, 32, 64, 128]:
+    if sorted(cu) != [16, 32, 64, 128, 256]:
         err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
 
+    # flash_bwd_pipe.cu PipeCfg<D> (generic, KV_DA = D) and its specializations vs bwd_pipe.rs
+    # PipeCfg::of (`if d == N { Self { .. } }` branches, `else` = generic with kv_da: d).
     bp_cu, bp_rs = rd("kernels", "flash_bwd_pipe.cu"), rd("src", "flash", "bwd_pipe.rs")
-    keys = ("KV_NW", "KV_BQ", "Q_NW", "Q_MT", "Q_BN")
-    gen = num(r"template <int D> struct PipeCfg \{\s*static constexpr int " + r",\s*".join(k + r" = (\d+)" for k in keys), bp_cu, "PipeCfg<D>")
-    spec = num(r"template <> struct PipeCfg<128> \{\s*static constexpr int " + r",\s*".join(k + r" = (\d+)" for k in keys), bp_cu, "PipeCfg<128>")
-    rk = ("kv_nw", "kv_bq", "q_nw", "q_mt", "q_bn")
-    r128 = num(r"if d == 128 \{\s*Self \{ " + r",\s*".join(k + r": (\d+)" for k in rk), bp_rs, "bwd_pipe.rs PipeCfg::of d == 128")
-    rgen = num(r"\} else \{\s*Self \{ " + r",\s*".join(k + r": (\d+)" for k in rk), bp_rs, "bwd_pipe.rs PipeCfg::of else")
-    if gen and rgen and gen != rgen:
-        err(f"PipeCfg<D> {dict(zip(keys, gen))} != bwd_pipe.rs PipeCfg::of(d != 128) {dict(zip(rk, rgen))}")
-    if spec and r128 and spec != r128:
-        err(f"PipeCfg<128> {dict(zip(keys, spec))} != bwd_pipe.rs PipeCfg::of(128) {dict(zip(rk, r128))}")
-    for d in (16, 32, 64, 128):
-        c = (spec if d == 128 else gen) or [0] * 5
-        kv_nw, kv_bq, q_nw, q_mt, q_bn = c
+    keys = ("KV_NW", "KV_BQ", "KV_DA", "Q_NW", "Q_MT", "Q_BN")
+    rk = tuple(k.lower() for k in keys)
+
+    def fields(text, sep):
+        return {k: v for k, v in re.findall(r"(\w+)" + sep + r"(\w+)", text)}
+    cu_cfg = {}
+    for m in re.finditer(r"template <(?:int D)?> struct PipeCfg(?:<(\d+)>)? \{\s*static constexpr int ([^;]*);", bp_cu):
+        cu_cfg[int(m.group(1)) if m.group(1) else "D"] = fields(m.group(2), r" = ")
+    rs_cfg = {}
+    of = re.search(r"pub\(super\) fn of\(d: usize\) -> Self \{(.*?)\n    \}", bp_rs, re.S)
+    for m in re.finditer(r"(?:if d == (\d+)|else) \{\s*Self \{ ([^}]*)\}", of.group(1) if of else ""):
+        rs_cfg[int(m.group(1)) if m.group(1) else "D"] = fields(m.group(2), r": ")
+    if set(cu_cfg) != set(rs_cfg) or "D" not in cu_cfg:
+        err(f"PipeCfg specializations: flash_bwd_pipe.cu {sorted(map(str, cu_cfg))} != bwd_pipe.rs PipeCfg::of {sorted(map(str, rs_cfg))}")
+    for spec in cu_cfg:
+        c, r = cu_cfg[spec], rs_cfg.get(spec, {})
+        cv, rv = [c.get(k) for k in keys], [r.get(k) for k in rk]
+        if [str(x).replace("d", "D") for x in rv] != [str(x) for x in cv]:
+            err(f"PipeCfg<{spec}> {dict(zip(keys, cv))} != bwd_pipe.rs PipeCfg::of {dict(zip(rk, rv))}")
+    if "hkv * (d / self.kv_da)" not in bp_rs:
+        err("bwd_pipe.rs kv_grid_x: expected hkv * (d / self.kv_da) (the kernel's kvh = blockIdx.x / (D / DA))")
+    for d in (16, 32, 64, 128, 256):
+        c = cu_cfg.get(d) or cu_cfg.get("D") or {}
+        try:
+            kv_nw, kv_bq, _, q_nw, q_mt, q_bn = [int(c[k]) if c[k] != "D" else d for k in keys]
+        except (KeyError, ValueError):
+            err(f"PipeCfg<{d}>: cannot read {keys} from {c}")
+            continue
         row = (d + 8) * 2
         out.setdefault("flash_bwd_pipe_dkdv", {})[d] = (32 * kv_nw, 16 * kv_nw, (2 * 16 * kv_nw + 4 * kv_bq) * row + 4 * kv_bq * 4)
         out.setdefault("flash_bwd_pipe_dq", {})[d] = (32 * q_nw, 16 * q_mt * q_nw, (2 * 16 * q_mt * q_nw + 4 * q_bn) * row)

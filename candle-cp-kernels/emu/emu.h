@@ -245,8 +245,9 @@ Schedule schedule();
 // __launch_bounds__, see lb.py): the launch fails if the block has more threads than the bound.
 void launch_bounds(const char* entry, int max_threads, int min_blocks = 0);
 // Shared memory (dynamic + static) per block above the opt-in limit fails the launch:
-// 227 KB (232,448 bytes, sm_90) for entries whose name contains "wgmma" (sm_90 only), else
-// 163 KB (166,912 bytes, sm_80).
+// 227 KB (232,448 bytes, sm_90) for launches whose name contains "wgmma" (sm_90 only) or
+// "[sm_90]" (a launch the Rust side makes on Hopper only, e.g. the pipelined backward at head
+// dim 256), else 163 KB (166,912 bytes, sm_80).
 constexpr size_t SMEM_OPTIN_SM80 = 166912, SMEM_OPTIN_SM90 = 232448;
 
 // Launch `body` (which calls the kernel entry point) on a grid of blocks. Returns false (and

@@ -44,13 +44,21 @@
 
 // Tile shapes per head dim (kept in sync with `PipeCfg::of` in src/flash/bwd_pipe.rs, which sizes
 // the grid and the dynamic shared memory from them): the dK/dV kernel runs KV_NW warps x 16 keys over
-// KV_BQ-query tiles; the dQ kernel Q_NW warps x 16 * Q_MT rows over Q_BN-key tiles. D = 128
-// keeps Q_MT = 1 (Q_MT = 2 spills there: 128 accumulator registers plus S and dP).
+// KV_BQ-query tiles, each block owning KV_DA of the D columns of dK / dV (grid x = Hkv * D / KV_DA);
+// the dQ kernel Q_NW warps x 16 * Q_MT rows over Q_BN-key tiles. D = 128 keeps Q_MT = 1 (Q_MT = 2
+// spills there: 128 accumulator registers plus S and dP). D = 256 (Gemma 3): a warp's dK and dV
+// rows of all 256 columns would take 256 accumulator registers, so each dK/dV block keeps 128
+// columns of both (two blocks per key tile, both computing the whole S^T and dP^T from the full
+// K, V, Q, dO tiles: 6 instead of 4 matrix products per pair of tiles), and query tiles of 32
+// rows keep the tiles within Hopper's 227 KiB per block (203,264 bytes; dQ 202,752).
 template <int D> struct PipeCfg {
-  static constexpr int KV_NW = 8, KV_BQ = 64, Q_NW = 4, Q_MT = 2, Q_BN = 32;
+  static constexpr int KV_NW = 8, KV_BQ = 64, KV_DA = D, Q_NW = 4, Q_MT = 2, Q_BN = 32;
 };
 template <> struct PipeCfg<128> {
-  static constexpr int KV_NW = 8, KV_BQ = 64, Q_NW = 8, Q_MT = 1, Q_BN = 64;
+  static constexpr int KV_NW = 8, KV_BQ = 64, KV_DA = 128, Q_NW = 8, Q_MT = 1, Q_BN = 64;
+};
+template <> struct PipeCfg<256> {
+  static constexpr int KV_NW = 8, KV_BQ = 32, KV_DA = 128, Q_NW = 8, Q_MT = 1, Q_BN = 32;
 };
 
 // pipe_pt under a band: P^T = exp2(S^T * sl2 - lse2), and where need_mask 0 for the pairs
@@ -79,24 +87,25 @@ __device__ __forceinline__ void pipe_pt_band(float (&st)[QT][4], const float* ls
   }
 }
 
-// Grid (Hkv, ceil(S / BN), B), block 32 * NW, dynamic shared memory
+// Grid (Hkv * D / DA, ceil(S / BN), B), block 32 * NW, dynamic shared memory
 // (2 * BN + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * 4 bytes.
-template <typename T, int D, int NW, int BQ, typename M>
+template <typename T, int D, int NW, int BQ, int DA, typename M>
 __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* __restrict__ k,
                                               const T* __restrict__ v, const T* __restrict__ do16,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
                                               float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
                                               int Hkv, float scale, M mask, int accumulate) {
-  constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DT = D / 8, QT = BQ / 8;
-  static_assert(D % 16 == 0 && BQ % 16 == 0 && BQ <= NT, "tile shape");
+  constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DTA = DA / 8, QT = BQ / 8;
+  static_assert(D % 16 == 0 && BQ % 16 == 0 && BQ <= NT && DA % 16 == 0 && D % DA == 0, "tile shape");
   CP_DYN_SMEM(unsigned char, pipe_smem);
   const uint32_t k_a = cp_smem_u32(pipe_smem), v_a = k_a + BN * DPB, q_a = v_a + BN * DPB,
                  do_a = q_a + 2 * BQ * DPB;
   float* lse_s = reinterpret_cast<float*>(pipe_smem + (2 * BN + 4 * BQ) * DPB);  // [2][BQ]
   float* dl_s = lse_s + 2 * BQ;                                                   // [2][BQ]
   // Key tiles along y, in increasing order: under a causal mask the first tiles see the most
-  // queries, so the heaviest blocks are dispatched first (heads vary fastest, along x).
-  const int b = blockIdx.z, kvh = blockIdx.x, k0 = blockIdx.y * BN, G = H / Hkv;
+  // queries, so the heaviest blocks are dispatched first (heads vary fastest, along x; with
+  // DA < D, x = kvh * (D / DA) + the block's column slice, columns c0 .. c0 + DA - 1).
+  const int b = blockIdx.z, kvh = blockIdx.x / (D / DA), c0 = (blockIdx.x % (D / DA)) * DA, k0 = blockIdx.y * BN, G = H / Hkv;
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const uint32_t off_a = pipe_off_a(lane, DPB), off_b = pipe_off_b(lane, DPB);
   const float sl2 = scale * CP_LOG2E;
@@ -111,7 +120,7 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
                                q_stride, b, kvh * G + it / n_qt, i_begin + (it % n_qt) * BQ, T_, H, l2, dl);
   };
   // A block with no query tile (every query precedes its keys) issues no copy at all.
-  float acc_k[DT][4], acc_v[DT][4];
+  float acc_k[DTA][4], acc_v[DTA][4];
   pipe_kv_begin<T, D, BN, BQ, NT>(n_it, k_a, v_a, k, v, kv_base, kv_stride, k0, S, tid, lse_s, dl_s, issue, acc_k, acc_v);
   const int kr0 = warp * 16;
   const long long kp_last = mask.kpos(min(k0 + BN, S) - 1);  // (band: unused)
@@ -154,7 +163,7 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
       for (int kk = 0; kk < QT / 2; ++kk) {
         uint32_t pa[4];
         pipe_pack_a<T>(pa, st[2 * kk], st[2 * kk + 1]);
-        pipe_acc_trans<T, D>(acc_v, pa, dob_a + kk * 16 * DPB, off_a);
+        pipe_acc_trans<T, DA>(acc_v, pa, dob_a + kk * 16 * DPB + c0 * 2, off_a);
       }
       // dP^T = V dO^T.
       float dpt[QT][4];
@@ -171,13 +180,13 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
       for (int kk = 0; kk < QT / 2; ++kk) {
         uint32_t da[4];
         pipe_pack_a<T>(da, dpt[2 * kk], dpt[2 * kk + 1]);
-        pipe_acc_trans<T, D>(acc_k, da, qb_a + kk * 16 * DPB, off_a);
+        pipe_acc_trans<T, DA>(acc_k, da, qb_a + kk * 16 * DPB + c0 * 2, off_a);
       }
     }
     if (more && tid < BQ) lse_s[(buf ^ 1) * BQ + tid] = nl, dl_s[(buf ^ 1) * BQ + tid] = nd;
     __syncthreads();  // buffer `buf` is free for the prefetch of the next iteration
   }
-  pipe_store_kv<D>(dk, dv, acc_k, acc_v, b, k0 + kr0 + g, S, Hkv, kvh, t, scale, accumulate);
+  pipe_store_kv<D, DA>(dk, dv, acc_k, acc_v, b, k0 + kr0 + g, S, Hkv, kvh, t, scale, accumulate, c0);
 }
 
 // Grid (H, ceil(T / BM), B) with BM = 16 * MT * NW, block 32 * NW, dynamic shared memory
@@ -407,7 +416,7 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
       flash_bwd_pipe_dkdv_##NAME##_d##D(float* dk, float* dv, PIPE_ARGS) {                                \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
+    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
                                              PIPE_MASK, accumulate);                                      \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::Q_NW, 1)                                  \
@@ -419,7 +428,7 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
       flash_bwd_pipe_dkdv_band_##NAME##_d##D(float* dk, float* dv, PIPE_BAND_ARGS) {                      \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
+    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
                                              CP_BAND_OF_BLOCK, accumulate);                               \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::Q_NW, 1)                                  \
@@ -433,7 +442,7 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
                                                          TY* do16, int B, int T_, int H, int D) {        \
     bwd_pipe_prep<TY>(o, dout, delta, do16, B, T_, H, D);                                                 \
   }                                                                                                       \
-  PIPE_ENTRIES_D(NAME, 16) PIPE_ENTRIES_D(NAME, 32) PIPE_ENTRIES_D(NAME, 64) PIPE_ENTRIES_D(NAME, 128)
+  PIPE_ENTRIES_D(NAME, 16) PIPE_ENTRIES_D(NAME, 32) PIPE_ENTRIES_D(NAME, 64) PIPE_ENTRIES_D(NAME, 128) PIPE_ENTRIES_D(NAME, 256)
 
 #define TY __half
 PIPE_ENTRIES(f16)

@@ -74,15 +74,16 @@ __device__ __forceinline__ void pipe_store_rows(float* __restrict__ out, const f
 }
 
 // dK/dV side: store this warp's dK (times scale) and dV rows: keys ja = k0 + 16 * warp + g and
-// ja + 8 of KV head kvh (dk/dv f32 [B, S, Hkv, D]).
-template <int D>
+// ja + 8 of KV head kvh (dk/dv f32 [B, S, Hkv, D]), columns c0 .. c0 + DA - 1 (DA < D: a block
+// that owns a column slice of dK / dV, the pipelined kernel at D = 256).
+template <int D, int DA = D>
 __device__ __forceinline__ void pipe_store_kv(float* __restrict__ dk, float* __restrict__ dv, const float (*acc_k)[4],
                                               const float (*acc_v)[4], int b, int ja, int S, int Hkv, int kvh,
-                                              int t, float scale, int accumulate) {
+                                              int t, float scale, int accumulate, int c0 = 0) {
   const int jb = ja + 8;
-  const size_t gi_a = (((size_t)b * S + ja) * Hkv + kvh) * D, gi_b = gi_a + (size_t)8 * Hkv * D;
-  pipe_store_rows<D>(dk, acc_k, gi_a, gi_b, ja < S, jb < S, t, scale, accumulate);
-  pipe_store_rows<D>(dv, acc_v, gi_a, gi_b, ja < S, jb < S, t, 1.f, accumulate);
+  const size_t gi_a = (((size_t)b * S + ja) * Hkv + kvh) * D + c0, gi_b = gi_a + (size_t)8 * Hkv * D;
+  pipe_store_rows<DA>(dk, acc_k, gi_a, gi_b, ja < S, jb < S, t, scale, accumulate);
+  pipe_store_rows<DA>(dv, acc_v, gi_a, gi_b, ja < S, jb < S, t, 1.f, accumulate);
 }
 
 // dK/dV side: issue the cp.async copies of query tile (head hq, rows i0 .. i0 + BQ - 1) of Q and
@@ -108,12 +109,13 @@ __device__ __forceinline__ void pipe_issue_q(uint32_t q_dst, uint32_t do_dst, co
 // dK/dV side, block start: unless the block has no query tile (n_it == 0; then nothing may still
 // be in flight into shared memory when its threads exit), copy the BN-key K and V tiles (keys k0 ..)
 // to k_a / v_a and issue query tile 0 (issue(0, 0, l2, dl)), its lse2 / delta going to lse_s / dl_s;
-// commit that group; zero this warp's dK / dV accumulators.
-template <typename T, int D, int BN, int BQ, int NT, typename Issue>
+// commit that group; zero this warp's dK / dV accumulators (DTA 8-column tiles: D / 8, or the
+// block's column slice).
+template <typename T, int D, int BN, int BQ, int NT, int DTA, typename Issue>
 __device__ __forceinline__ void pipe_kv_begin(int n_it, uint32_t k_a, uint32_t v_a, const T* __restrict__ k,
                                               const T* __restrict__ v, size_t kv_base, size_t kv_stride, int k0,
                                               int S, int tid, float* lse_s, float* dl_s, const Issue& issue,
-                                              float (*acc_k)[4], float (*acc_v)[4]) {
+                                              float (&acc_k)[DTA][4], float (&acc_v)[DTA][4]) {
   if (n_it > 0) {
     pipe_load_tile<T, D, BN, NT>(k_a, k + kv_base, kv_stride, k0, S);
     pipe_load_tile<T, D, BN, NT>(v_a, v + kv_base, kv_stride, k0, S);
@@ -123,7 +125,7 @@ __device__ __forceinline__ void pipe_kv_begin(int n_it, uint32_t k_a, uint32_t v
   }
   cp_async_commit();
 #pragma unroll
-  for (int dt = 0; dt < D / 8; ++dt)
+  for (int dt = 0; dt < DTA; ++dt)
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc_k[dt][e] = acc_v[dt][e] = 0.f;
 }

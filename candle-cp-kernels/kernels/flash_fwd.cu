@@ -517,7 +517,7 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // ------------------------------------------------------------------ entry points
 // Head dims 16, 32, 64, 128 (and 256 for simple). Launch: simple: grid (ceil(T/16), H, B), block
 // 128, dynamic shared memory 0 up to d 128 and (80 d + 32) * 4 bytes at d 256 (cp_core_smem);
-// mma: grid (ceil(T/64), H, B), block 128; pipe: grid (ceil(T/128), H, B), block 128, dynamic
+// mma: grid (ceil(T/64), H, B), block 128; pipe: grid (ceil(T/BQ), H, B), block NW*32, dynamic
 // shared memory as below.
 // o_T, o_row0, o_merge: CpFwdDst (a plain call: T, 0, 0).
 #define FWD_ARGS                                                                              \
@@ -552,7 +552,11 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_band_##NAME##_d##D(FWD_BAND_ARGS) { \
     fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);          \
   }
-#define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64)
+// d256 (Gemma 3): 4 warps x 16 rows (BQ 64) over key tiles of 32, Q re-read from shared memory
+// per tile (MT * D > 128): 101,632 bytes, two blocks per Hopper SM; its O accumulators (128 per
+// thread) are d128's.
+#define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64) \
+  PIPE(NAME, 256, 4, 1, 32)
 #define TY float
 SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128) SIMPLE(f32, 256)
 #undef TY

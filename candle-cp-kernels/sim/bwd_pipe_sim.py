@@ -20,8 +20,10 @@ L2E = 1.4426950408889634
 INF = math.inf
 def cfg(D):  # PipeCfg<D> of the kernel file (and PipeCfg::of in src/flash/bwd_pipe.rs)
     if D == 128:
-        return dict(KV_NW=8, KV_BQ=64, Q_NW=8, Q_MT=1, Q_BN=64)
-    return dict(KV_NW=8, KV_BQ=64, Q_NW=4, Q_MT=2, Q_BN=32)
+        return dict(KV_NW=8, KV_BQ=64, KV_DA=128, Q_NW=8, Q_MT=1, Q_BN=64)
+    if D == 256:  # dK/dV blocks of 128 of the 256 columns (grid x = Hkv * D / KV_DA)
+        return dict(KV_NW=8, KV_BQ=32, KV_DA=128, Q_NW=8, Q_MT=1, Q_BN=32)
+    return dict(KV_NW=8, KV_BQ=64, KV_DA=D, Q_NW=4, Q_MT=2, Q_BN=32)
 conflicts = []  # (what, D, addresses)
 ROUND = {'on': False}  # --bf16: round inputs, dO, P and dS to bf16 where the kernels do
 
@@ -232,14 +234,15 @@ def frag_pack(x, kk):  # A fragment from two 8-column accumulator tiles (cp_pack
 
 def dkdv_kernel(P, dk, dv, accumulate):
     B, T, S, H, Hkv, D, scale, mask = P['B'], P['T'], P['S'], P['H'], P['Hkv'], P['D'], P['scale'], P['mask']
-    NW, BQ = cfg(D)['KV_NW'], cfg(D)['KV_BQ']
+    NW, BQ, DA = cfg(D)['KV_NW'], cfg(D)['KV_BQ'], cfg(D)['KV_DA']
     BN, NT, DP = 16 * NW, 32 * NW, D + 8
-    DPB, DC, DT, QT = DP * 2, D // 16, D // 8, BQ // 8
+    DPB, DC, DTA, QT = DP * 2, D // 16, DA // 8, BQ // 8
     assert BQ <= NT and BQ % 16 == 0
     sl2 = scale * L2E
     G = H // Hkv
     for b in range(B):
-        for kvh in range(Hkv):
+        for bxx in range(Hkv * (D // DA)):  # blockIdx.x: KV head and column slice c0 .. c0 + DA - 1
+            kvh, c0 = bxx // (D // DA), (bxx % (D // DA)) * DA
             for bx in range((S + BN - 1) // BN):
                 sm = Block(smem_bytes(D, 'dkdv'))
                 k_a = 0; v_a = k_a + BN * DPB; q_a = v_a + BN * DPB; do_a = q_a + 2 * BQ * DPB
@@ -268,8 +271,8 @@ def dkdv_kernel(P, dk, dv, accumulate):
                     lse_s[0:BQ] = l2; dl_s[0:BQ] = dl
                     sm.store('lse', range(BQ))
                 sm.commit()
-                acc_k = [[[[0.0] * 4 for _ in range(32)] for _ in range(DT)] for _ in range(NW)]
-                acc_v = [[[[0.0] * 4 for _ in range(32)] for _ in range(DT)] for _ in range(NW)]
+                acc_k = [[[[0.0] * 4 for _ in range(32)] for _ in range(DTA)] for _ in range(NW)]
+                acc_v = [[[[0.0] * 4 for _ in range(32)] for _ in range(DTA)] for _ in range(NW)]
                 kp_last = mask.kpos(min(k0 + BN, S) - 1)
                 for it in range(n_it):
                     buf = it & 1; more = it + 1 < n_it
@@ -302,8 +305,8 @@ def dkdv_kernel(P, dk, dv, accumulate):
                                     st[nt][l][e] = p
                         for kk in range(QT // 2):
                             pa = frag_pack(st, kk)
-                            for dp in range(D // 16):
-                                bo = sm.ldsm([dob_a + kk * 16 * DPB + dp * 32 + off_a(l, DPB) for l in range(32)], True)
+                            for dp in range(DA // 16):
+                                bo = sm.ldsm([dob_a + kk * 16 * DPB + c0 * 2 + dp * 32 + off_a(l, DPB) for l in range(32)], True)
                                 mma(acc_v[warp][2 * dp], pa, [x[0] for x in bo], [x[1] for x in bo])
                                 mma(acc_v[warp][2 * dp + 1], pa, [x[2] for x in bo], [x[3] for x in bo])
                         dpt = [[[0.0] * 4 for _ in range(32)] for _ in range(QT)]
@@ -320,8 +323,8 @@ def dkdv_kernel(P, dk, dv, accumulate):
                                     dpt[nt][l][e] = st[nt][l][e] * (dpt[nt][l][e] - dls[nt * 8 + 2 * t + (e & 1)])
                         for kk in range(QT // 2):
                             da = frag_pack(dpt, kk)
-                            for dp in range(D // 16):
-                                bq = sm.ldsm([qb_a + kk * 16 * DPB + dp * 32 + off_a(l, DPB) for l in range(32)], True)
+                            for dp in range(DA // 16):
+                                bq = sm.ldsm([qb_a + kk * 16 * DPB + c0 * 2 + dp * 32 + off_a(l, DPB) for l in range(32)], True)
                                 mma(acc_k[warp][2 * dp], da, [x[0] for x in bq], [x[1] for x in bq])
                                 mma(acc_k[warp][2 * dp + 1], da, [x[2] for x in bq], [x[3] for x in bq])
                     if more:
@@ -332,10 +335,10 @@ def dkdv_kernel(P, dk, dv, accumulate):
                 for warp in range(NW):
                     kr0 = warp * 16
                     ja = [k0 + kr0 + (l >> 2) for l in range(32)]
-                    gi_a = [((b * S + j) * Hkv + kvh) * D for j in ja]; gi_b = [x + 8 * Hkv * D for x in gi_a]
+                    gi_a = [((b * S + j) * Hkv + kvh) * D + c0 for j in ja]; gi_b = [x + 8 * Hkv * D for x in gi_a]
                     ok_a = [j < S for j in ja]; ok_b = [j + 8 < S for j in ja]
-                    store_rows(dk, acc_k[warp], gi_a, gi_b, ok_a, ok_b, D, scale, accumulate)
-                    store_rows(dv, acc_v[warp], gi_a, gi_b, ok_a, ok_b, D, 1.0, accumulate)
+                    store_rows(dk, acc_k[warp], gi_a, gi_b, ok_a, ok_b, DA, scale, accumulate)
+                    store_rows(dv, acc_v[warp], gi_a, gi_b, ok_a, ok_b, DA, 1.0, accumulate)
 
 
 def dq_kernel(P, dq, accumulate):
@@ -525,6 +528,7 @@ if __name__ == '__main__':
         (1, 20, 70, 1, 1, 64, True, 50, 1, 0, 1, {}),
         (1, 17, 66, 1, 1, 128, True, 50, 1, 0, 1, {}),
         (1, 130, 20, 2, 1, 64, True, 10, 1, 0, 1, {}),                  # D=64 dK/dV: 6 double-buffered tiles
+        (1, 40, 30, 1, 1, 256, True, 10, 1, 0, 1, {'accumulate': True}), # D=256: two column slices, 2 query tiles
     ]
     for (B, T, S, H, Hkv, D, causal, qo, qs, ko, ks, extra) in cases:
         e = run_case(B, T, S, H, Hkv, D, causal, qo, qs, ko, ks, **extra)
@@ -533,13 +537,15 @@ if __name__ == '__main__':
               f"dq {e[0]:.1e} dk {e[1]:.1e} dv {e[2]:.1e}")
     # Dynamic shared memory per block vs the opt-in maxima (bwd_pipe.rs `fits` falls back to the mma
     # kernels under Auto where a device allows less, e.g. sm_86/sm_89/sm_120: 101,376 bytes).
-    SM80_OPTIN = 166912
-    sizes = {D: (smem_bytes(D, 'dkdv'), smem_bytes(D, 'dq')) for D in (16, 32, 64, 128)}
-    if max(max(v) for v in sizes.values()) > SM80_OPTIN:
+    # D = 256 is Hopper's alone (232,448 bytes; Auto runs the CUDA-core backward elsewhere).
+    SM80_OPTIN, SM90_OPTIN = 166912, 232448
+    sizes = {D: (smem_bytes(D, 'dkdv'), smem_bytes(D, 'dq')) for D in (16, 32, 64, 128, 256)}
+    over = {D: v for D, v in sizes.items() if max(v) > (SM90_OPTIN if D == 256 else SM80_OPTIN)}
+    if over:
         bad = True
-        print(f"shared memory over sm_80's {SM80_OPTIN} bytes per block: {sizes}")
+        print(f"shared memory over the opt-in maximum (sm_80's {SM80_OPTIN}; sm_90's {SM90_OPTIN} at D 256): {over}")
     else:
-        print(f"shared memory (dK/dV, dQ) per D: {sizes}, all <= sm_80's {SM80_OPTIN}")
+        print(f"shared memory (dK/dV, dQ) per D: {sizes}, <= sm_80's {SM80_OPTIN} (D 256: sm_90's {SM90_OPTIN})")
     if hazards:
         bad = True
         print(f"synchronization hazards: {len(hazards)}, first: {hazards[0]}")

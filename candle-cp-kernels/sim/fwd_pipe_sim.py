@@ -24,20 +24,24 @@ L2E = 1.4426950408889634
 
 def configs():
     src = open(os.path.join(os.path.dirname(__file__), "..", "kernels", "flash_fwd.cu")).read()
-    line = re.search(r"#define PIPES\(NAME\)(.*)", src).group(1)
+    line = re.search(r"#define PIPES\(NAME\)((?:.*\\\n)*.*)", src).group(1)
     return {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
             re.findall(r"PIPE\(NAME, (\d+), (\d+), (\d+), (\d+)\)", line)}
 
 
 def check_launcher(cfgs):
-    """src/flash.rs `pipe_config` must launch what PIPES instantiates: 128 threads, 128 rows,
-    (128 + 4 BK) * (d + 8) * 2 + 128 * 4 bytes of dynamic shared memory with one BK for all d."""
+    """src/flash.rs `pipe_config` must launch what PIPES instantiates: its `pipe_tile(d)` gives
+    each head dim's (NW, MT, BK), and the launch is 32 NW threads, BQ = 16 NW MT rows and
+    (BQ + 4 BK) * (d + 8) * 2 + BQ * 4 bytes of dynamic shared memory."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "src", "flash.rs")).read()
+    tile = src[src.index("fn pipe_tile"):][:300]
+    m = re.search(r"if d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*\((\d+), (\d+), (\d+)\)", tile)
+    assert m, tile
+    sd, special, other = int(m.group(1)), tuple(map(int, m.group(2, 3, 4))), tuple(map(int, m.group(5, 6, 7)))
     body = src[src.index("fn pipe_config"):][:400]
-    bk = int(re.search(r"const BK: usize = (\d+);", body).group(1))
-    assert "(128, 128, ((128 + 4 * BK) * (d + 8) * 2 + 128 * 4) as u32)" in body, body
-    for d, (nw, mt, k) in cfgs.items():
-        assert (nw * 32, nw * mt * 16, k) == (128, 128, bk), f"pipe_config does not match PIPE d{d}"
+    assert "let bq = 16 * nw * mt;" in body and "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + bq * 4) as u32)" in body, body
+    for d, cfg in cfgs.items():
+        assert cfg == (special if d == sd else other), f"pipe_tile({d}) = {special if d == sd else other} does not match PIPE d{d} {cfg}"
 
 
 def mma(d, a, b0, b1):
@@ -317,7 +321,8 @@ if __name__ == "__main__":
              (1, 130, 200, 1, 1, 64, (1, 64, 1, 0, 1)),    # causal with query offset, ragged
              (1, 140, 150, 2, 1, 128, (1, 10, 1, 0, 1)),   # d128 config, GQA, causal, ragged
              (1, 100, 300, 1, 1, 64, (1, 200, 1, 0, 1)),   # 4-5 tiles, warps end at different tiles
-             (1, 128, 100, 1, 1, 32, (1, 0, 1, 70, 1))]    # warps 0-1 see no key, warps 2-3 do
+             (1, 128, 100, 1, 1, 32, (1, 0, 1, 70, 1)),    # warps 0-1 see no key, warps 2-3 do
+             (1, 70, 80, 1, 1, 256, (1, 10, 1, 0, 1))]     # d256 config (BQ 64, BK 32, Q from shared memory)
     for (B, T, S, H, Hkv, D, mask) in cases:
         dims = (B, T, S, H, Hkv, D)
         q = [random.gauss(0, 1) for _ in range(B * T * H * D)]

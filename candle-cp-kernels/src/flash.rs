@@ -4,7 +4,7 @@
 //! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16 or bf16, same dtype), out f32
 //! `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). `T`, `S` are local lengths; the mask
 //! carries global positions. Head dims 16, 32, 64 and 128 on every family, 256 on the CUDA-core
-//! kernels only (module `core`). Query head `h` reads KV head `h / (H/Hkv)`.
+//! and pipelined tensor-core kernels (module `core`). Query head `h` reads KV head `h / (H/Hkv)`.
 //! Band masks (one key interval per query row): [`fwd_band`], [`bwd_band`] (module `band`).
 
 use crate::{ptx, util};
@@ -35,7 +35,7 @@ pub use bwd_prep::{bwd_prep, BwdPrep};
 use dst::{FoldAt, FwdDst};
 pub use fold::{fwd_band_fold, fwd_fold};
 use bwd_prep::BwdInputs;
-pub use core::{head_dim_supported, CORE_ONLY_HEAD_DIMS, HEAD_DIMS};
+pub use core::{family_takes, head_dim_supported, HEAD_DIMS, WIDE_HEAD_DIMS};
 
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
@@ -93,8 +93,8 @@ pub enum FwdImpl {
     Mma,
     /// Tensor-core kernels with `cp.async` double-buffered K/V tiles and `ldmatrix` fragment
     /// loads (FlashAttention-2 pipeline); f16/bf16 only. Forward: `flash_fwd_pipe_*`, 128 query
-    /// rows per block, tile j+1 of K and V copied while tile j is used; a scale <= 0 runs the
-    /// `Mma` forward instead.
+    /// rows per block (64 at head dim 256), tile j+1 of K and V copied while tile j is used; a
+    /// scale <= 0 runs the `Mma` forward instead (the `Simple` one at head dim 256).
     Pipelined,
     /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma`; `Auto` never picks it):
     /// warpgroup MMA (`wgmma.mma_async`, PTX for sm_90a), f16/bf16 and head dims 64/128 only;
@@ -175,14 +175,16 @@ impl FwdImpl {
     }
 
     /// The family a whole-model setting (`CANDLE_CP_FLASH_IMPL`, through the attention ops)
-    /// runs at head dim `d`: itself, except at the head dims only the CUDA-core kernels take
-    /// ([`CORE_ONLY_HEAD_DIMS`]: 256), where every family runs [`FwdImpl::Simple`]. The raw
-    /// kernel functions do not do this: there an explicit other family at 256 is an error.
+    /// runs at head dim `d`: itself where it has kernels at `d` ([`family_takes`]), else `Auto`
+    /// (at [`WIDE_HEAD_DIMS`], 256, the mma, fused and Hopper families run `Auto`: the pipelined
+    /// kernels for f16/bf16 where the device has their shared memory, the CUDA-core ones
+    /// otherwise). The raw kernel functions do not do this: there such a family at 256 is an
+    /// error.
     pub fn for_head_dim(self, d: usize) -> Self {
-        if CORE_ONLY_HEAD_DIMS.contains(&d) {
-            FwdImpl::Simple
-        } else {
+        if family_takes(self, d) || !head_dim_supported(d) {
             self
+        } else {
+            FwdImpl::Auto
         }
     }
 
@@ -353,13 +355,23 @@ enum FwdKernel {
     Pipelined,
 }
 
-/// Launch shape of `flash_fwd_pipe_*_d{d}`: (query rows per block, threads per block, dynamic
-/// shared memory bytes). Mirrors `PIPES` in kernels/flash_fwd.cu: 4 warps x 32 rows, key tiles
-/// of BK = 64, shared memory: Q plus two K and two V buffers, (128 + 4 BK) rows of (d + 8)
-/// 16-bit elements, plus 128 ints (104,960 bytes at d = 128, 55,808 at d = 64).
+/// Tile of `flash_fwd_pipe_*_d{d}` (`PIPES` in kernels/flash_fwd.cu): (warps NW, 16-row tiles
+/// per warp MT, keys per K/V tile BK): 4 x 2 x 64 up to d = 128, 4 x 1 x 32 at d = 256.
+fn pipe_tile(d: usize) -> (usize, usize, usize) {
+    if d == 256 {
+        (4, 1, 32)
+    } else {
+        (4, 2, 64)
+    }
+}
+
+/// Launch shape of `flash_fwd_pipe_*_d{d}`: (query rows per block BQ = 16 NW MT, threads per block
+/// 32 NW, dynamic shared memory bytes: Q plus two K and two V buffers, (BQ + 4 BK) rows of (d + 8)
+/// 16-bit elements, plus BQ ints): 104,960 bytes at d = 128, 55,808 at d = 64, 101,632 at d = 256.
 fn pipe_config(d: usize) -> (usize, u32, u32) {
-    const BK: usize = 64;
-    (128, 128, ((128 + 4 * BK) * (d + 8) * 2 + 128 * 4) as u32)
+    let (nw, mt, bk) = pipe_tile(d);
+    let bq = 16 * nw * mt;
+    (bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + bq * 4) as u32)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -389,6 +401,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdImpl::Mma => FwdKernel::Mma,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if scale > 0.0 => FwdKernel::Pipelined,
         // The pipelined kernel takes row maxima before scaling, which needs scale > 0.
+        FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if core::wide_fallback(d) => FwdKernel::Simple,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq => FwdKernel::Mma,
     };
     // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
@@ -398,6 +411,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         let need = pipe_config(d).2;
         match (i64::from(need) <= optin, imp) {
             (true, _) => FwdKernel::Pipelined,
+            (false, FwdImpl::Auto) if core::wide_fallback(d) => FwdKernel::Simple,
             (false, FwdImpl::Auto) => FwdKernel::Mma,
             (false, _) => candle_core::bail!(
                 "flash_fwd: the pipelined kernel needs {need} bytes of shared memory per block, the device allows {optin}; q {:?}",

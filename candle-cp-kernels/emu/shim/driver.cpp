@@ -515,7 +515,10 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   std::lock_guard<std::mutex> g(launch_mutex());
   const auto t0 = std::chrono::steady_clock::now();
   const cp_emu::Thunk t = fn->thunk;
-  const bool ok = cp_emu::launch(fn->name.c_str(), dim3(gx, gy, gz), dim3(bx, by, bz), smem, [&] { t(params); });
+  // The emulated device's opt-in limit of shared memory per block: sm_90's on an sm_90 device
+  // ("[sm_90]" in the launch name, emu.h), else sm_80's (wgmma entries: sm_90's whatever it is).
+  const std::string lname = fn->name + (compute_capability() == 90 ? " [sm_90]" : "");
+  const bool ok = cp_emu::launch(lname.c_str(), dim3(gx, gy, gz), dim3(bx, by, bz), smem, [&] { t(params); });
   if (trace())
     log("launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u: %s in %.1f ms", fn->name.c_str(), gx, gy, gz, bx, by, bz, smem,
         ok ? "ok" : "FAILED", std::chrono::duration<double, std::milli>(std::chrono::steady_clock::now() - t0).count());

@@ -426,7 +426,7 @@ fn bwd_pipe_band(
 
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_band_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
-            let cfg = LaunchConfig { grid_dim: (hkv as u32, kv_tiles as u32, b as u32), block_dim: (32 * pc.kv_nw as u32, 1, 1), shared_mem_bytes: smem_kv };
+            let cfg = LaunchConfig { grid_dim: (pc.kv_grid_x(hkv, d) as u32, kv_tiles as u32, b as u32), block_dim: (32 * pc.kv_nw as u32, 1, 1), shared_mem_bytes: smem_kv };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);

@@ -242,7 +242,8 @@ pub(super) fn bwd_prepared_to(
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
-    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (true, false) } else { (use_mma, pipe) };
+    // (At head dim 256, which has no mma kernels, the CUDA-core ones.)
+    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (!core::wide_fallback(d), false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {
         return zero_bwd(q, (b, t, s, h, hkv, d), &dq_out);
     }

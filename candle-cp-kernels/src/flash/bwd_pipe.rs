@@ -13,12 +13,14 @@ use candle_core::{CudaDevice, DType, Result, Shape, Tensor};
 use half::{bf16, f16};
 
 /// Tile shapes of `kernels/flash_bwd_pipe.cu` (its `PipeCfg<D>`; keep the two in sync): the
-/// dK/dV kernel runs `kv_nw` warps x 16 keys per block over `kv_bq`-row query tiles, the dQ
-/// kernel `q_nw` warps x `16 * q_mt` query rows per block over `q_bn`-key tiles.
+/// dK/dV kernel runs `kv_nw` warps x 16 keys per block over `kv_bq`-row query tiles, each block
+/// owning `kv_da` of the d columns of dK and dV (d / kv_da blocks per key tile: 2 at d = 256, 1
+/// below), the dQ kernel `q_nw` warps x `16 * q_mt` query rows per block over `q_bn`-key tiles.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct PipeCfg {
     pub(super) kv_nw: usize,
     pub(super) kv_bq: usize,
+    pub(super) kv_da: usize,
     pub(super) q_nw: usize,
     pub(super) q_mt: usize,
     pub(super) q_bn: usize,
@@ -27,10 +29,17 @@ pub(super) struct PipeCfg {
 impl PipeCfg {
     pub(super) fn of(d: usize) -> Self {
         if d == 128 {
-            Self { kv_nw: 8, kv_bq: 64, q_nw: 8, q_mt: 1, q_bn: 64 }
+            Self { kv_nw: 8, kv_bq: 64, kv_da: 128, q_nw: 8, q_mt: 1, q_bn: 64 }
+        } else if d == 256 {
+            Self { kv_nw: 8, kv_bq: 32, kv_da: 128, q_nw: 8, q_mt: 1, q_bn: 32 }
         } else {
-            Self { kv_nw: 8, kv_bq: 64, q_nw: 4, q_mt: 2, q_bn: 32 }
+            Self { kv_nw: 8, kv_bq: 64, kv_da: d, q_nw: 4, q_mt: 2, q_bn: 32 }
         }
+    }
+    /// Grid x of the dK/dV kernel for `hkv` KV heads at head dim `d`: one block per KV head and
+    /// column slice.
+    pub(super) fn kv_grid_x(&self, hkv: usize, d: usize) -> usize {
+        hkv * (d / self.kv_da)
     }
     /// Keys per dK/dV block and query rows per dQ block.
     pub(super) fn block_rows(&self) -> (usize, usize) {
@@ -49,9 +58,10 @@ impl PipeCfg {
 
 /// Whether the pipelined backward can run at head dim `d` on `dev`: the dynamic shared memory
 /// of both kernels (at d = 128: 140,288 bytes for dK/dV, 139,264 for dQ; at d = 64: 74,752 and
-/// 55,296) within the device's opt-in maximum per block (sm_80: 166,912; sm_90: 232,448;
-/// sm_86, sm_89, sm_120: 101,376). Where it does not fit, `Auto` gets `Ok(false)` (the caller
-/// runs the mma kernels instead) and an explicit kernel choice an error naming the sizes.
+/// 55,296; at d = 256: 203,264 and 202,752) within the device's opt-in maximum per block (sm_80:
+/// 166,912; sm_90: 232,448; sm_86, sm_89, sm_120: 101,376). Where it does not fit, `Auto` gets
+/// `Ok(false)` (the caller runs the mma kernels instead, the CUDA-core ones at d = 256) and an
+/// explicit kernel choice an error naming the sizes.
 pub(super) fn fits(dev: &CudaDevice, d: usize, imp: FwdImpl, q: &Shape) -> Result<bool> {
     let (kv, dq) = PipeCfg::of(d).smem(d);
     let need = kv.max(dq);
@@ -108,6 +118,7 @@ pub(super) fn bwd_pipe(
     let pc = PipeCfg::of(d);
     let (bn, bm) = pc.block_rows();
     let (kv_tiles, q_tiles) = (s.div_ceil(bn), t.div_ceil(bm));
+    let kv_x = pc.kv_grid_x(hkv, d);
     if kv_tiles > 65_535 || q_tiles > 65_535 {
         candle_core::bail!("flash_bwd: T = {t} or S = {s} too long for the pipelined kernels' grid (at most {} rows); q {:?}, k {:?}", 65_535 * bn.min(bm), q.shape(), k.shape())
     }
@@ -136,7 +147,7 @@ pub(super) fn bwd_pipe(
             let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
             let cfg = LaunchConfig {
-                grid_dim: (hkv as u32, kv_tiles as u32, b as u32),
+                grid_dim: (kv_x as u32, kv_tiles as u32, b as u32),
                 block_dim: (32 * pc.kv_nw as u32, 1, 1),
                 shared_mem_bytes: smem_kv,
             };

@@ -1,13 +1,21 @@
 //! The CUDA-core kernels' launch numbers (`kernels/flash_fwd.cu` `fwd_simple`,
 //! `kernels/flash_bwd.cu` `bwd_dkdv` / `bwd_dq`, their `_band_` entries) and the head dims only
-//! they take.
+//! some families take.
 //!
-//! Head dim 256 (Gemma 3 1B / 4B / 12B, Gemma 2) runs on the CUDA-core family alone: its tiles
-//! (f32 K and V of 32 keys, the block's query rows) need about 82 KB of shared memory per block,
-//! more than a block may declare statically, so at d = 256 the kernels take it as dynamic shared
-//! memory (`cp_core_smem` in `kernels/common.cuh`) and the launcher passes the size below. The
-//! tensor-core and Hopper families stop at 128 (their register tiles of a 256-wide head do not
-//! fit); `FwdImpl::Auto` resolves to `Simple` there, an explicit other family is an error.
+//! Head dim 256 (Gemma 3 1B / 4B / 12B, Gemma 2) runs on two families:
+//! - the CUDA-core kernels ([`FwdImpl::Simple`]; f32, and f16/bf16 where the device lacks the
+//!   pipelined kernels' shared memory): their tiles (f32 K and V of 32 keys, the block's query
+//!   rows) need about 82 KB of shared memory per block, more than a block may declare
+//!   statically, so at d = 256 they take it as dynamic shared memory (`cp_core_smem` in
+//!   `kernels/common.cuh`) and the launcher passes the size below;
+//! - the pipelined tensor-core kernels ([`FwdImpl::Pipelined`], and `Auto` for f16/bf16): the
+//!   forward with 64-row blocks over 32-key tiles (101,632 bytes), the backward with dK/dV
+//!   blocks that each keep 128 of the 256 columns (203,264 bytes) and 128-row dQ blocks
+//!   (202,752): Hopper (232,448 bytes per block) and sm_80 (166,912) for the forward only, so
+//!   `Auto` runs the CUDA-core backward there.
+//!
+//! The mma, fused and Hopper families stop at 128; `FwdImpl::for_head_dim` maps them to `Auto`
+//! at 256, and the raw kernel functions refuse them by name.
 
 use super::FwdImpl;
 use crate::util;
@@ -19,12 +27,19 @@ use candle_core::{CudaDevice, Result, Shape};
 /// Head dims every kernel family takes.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Head dims only the CUDA-core kernels ([`FwdImpl::Simple`]) take.
-pub const CORE_ONLY_HEAD_DIMS: [usize; 1] = [256];
+/// Head dims only the CUDA-core ([`FwdImpl::Simple`]) and pipelined tensor-core
+/// ([`FwdImpl::Pipelined`]) kernels take; `Auto` runs one of those two.
+pub const WIDE_HEAD_DIMS: [usize; 1] = [256];
 
-/// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`CORE_ONLY_HEAD_DIMS`]).
+/// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`WIDE_HEAD_DIMS`]).
 pub fn head_dim_supported(d: usize) -> bool {
-    HEAD_DIMS.contains(&d) || CORE_ONLY_HEAD_DIMS.contains(&d)
+    HEAD_DIMS.contains(&d) || WIDE_HEAD_DIMS.contains(&d)
+}
+
+/// Whether family `imp` has kernels at head dim `d` (every family at [`HEAD_DIMS`]; `Auto`,
+/// `Simple` and `Pipelined` at [`WIDE_HEAD_DIMS`]).
+pub fn family_takes(imp: FwdImpl, d: usize) -> bool {
+    HEAD_DIMS.contains(&d) || (WIDE_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
 }
 
 /// One of the CUDA-core kernels.
@@ -73,23 +88,31 @@ pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
     Ok(())
 }
 
-/// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a head dim only the
-/// CUDA-core kernels take, [`FwdImpl::Simple`] for `Auto` and `Simple` (after checking that the
-/// device gives a block their shared memory), an error naming the head dim for an explicit
-/// other family.
+/// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`WIDE_HEAD_DIMS`] head
+/// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking, unless `Pipelined`, that the
+/// device gives a block the CUDA-core kernels' shared memory: `Auto` falls back to them where the
+/// pipelined ones do not fit; the launchers resolve `Auto` with [`wide_fallback`]), an error
+/// naming the head dim for an explicit other family.
 pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
-    if !CORE_ONLY_HEAD_DIMS.contains(&d) {
+    if !WIDE_HEAD_DIMS.contains(&d) || imp == FwdImpl::Pipelined {
         return Ok(imp);
     }
-    if !matches!(imp, FwdImpl::Auto | FwdImpl::Simple) {
-        candle_core::bail!("{op}: head dim {d} runs on the CUDA-core kernels only (FwdImpl::Simple or Auto), not {imp:?}; q {q:?}")
+    if !family_takes(imp, d) {
+        candle_core::bail!("{op}: head dim {d} runs on the CUDA-core and pipelined kernels only (FwdImpl::Simple, Pipelined or Auto), not {imp:?}; q {q:?}")
     }
     let need = [Core::Fwd, Core::Dkdv, Core::Dq].into_iter().map(|k| smem_bytes(k, d)).max().unwrap_or(0);
     let optin = util::smem_optin(dev)?;
     if need as i64 > optin {
         candle_core::bail!("{op}: head dim {d} needs {need} bytes of shared memory per block, the device allows {optin}; q {q:?}")
     }
-    Ok(FwdImpl::Simple)
+    Ok(imp)
+}
+
+/// Whether a launcher that would run the mma kernels (where the pipelined ones do not fit, or
+/// the forward's scale is not positive) runs the CUDA-core ones instead: at a [`WIDE_HEAD_DIMS`]
+/// head dim, which has no mma kernels.
+pub(super) fn wide_fallback(d: usize) -> bool {
+    WIDE_HEAD_DIMS.contains(&d)
 }
 
 #[cfg(test)]
@@ -110,5 +133,8 @@ mod tests {
         assert_eq!(core_smem(Core::Dkdv, 256), 84_224);
         assert_eq!(core_smem(Core::Dq, 256), 82_176);
         assert!(head_dim_supported(256) && !head_dim_supported(96) && !head_dim_supported(512));
+        assert!(family_takes(FwdImpl::Pipelined, 256) && family_takes(FwdImpl::Auto, 256) && family_takes(FwdImpl::Simple, 256));
+        assert!(!family_takes(FwdImpl::Mma, 256) && !family_takes(FwdImpl::WgmmaTma, 256) && !family_takes(FwdImpl::AtomicDq, 256));
+        assert!(family_takes(FwdImpl::WgmmaTma, 128) && !family_takes(FwdImpl::Simple, 96));
     }
 }

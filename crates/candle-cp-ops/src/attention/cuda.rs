@@ -5,8 +5,8 @@
 //!
 //! Forward kernel choice: tensor cores for f16/bf16, CUDA cores for f32; override with
 //! `CANDLE_CP_FLASH_IMPL=simple|mma`. Head dims 16, 32, 64, 128 on every kernel family; 256
-//! (Gemma 3 1B / 4B / 12B) on the CUDA-core kernels, whatever `CANDLE_CP_FLASH_IMPL` says
-//! (`FwdImpl::for_head_dim`; the tensor-core and Hopper families stop at 128).
+//! (Gemma 3 1B / 4B / 12B) on the CUDA-core and pipelined tensor-core kernels: a family without
+//! kernels there (mma, fused, Hopper) runs `Auto`'s (`FwdImpl::for_head_dim`).
 //!
 //! Bands ([`Band`]: windows, packed documents, per-batch masks): the band kernels of the
 //! `Simple`, `Pipelined` and Hopper families (`candle_cp_kernels::flash::{fwd_band, bwd_band}`);
@@ -21,13 +21,14 @@ use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask};
 
 /// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error):
 /// `candle_cp_kernels::flash::head_dim_supported` (16, 32, 64, 128, and 256 on the CUDA-core
-/// kernels).
+/// and pipelined kernels).
 pub(crate) fn supported(head_dim: usize) -> bool {
     flash::head_dim_supported(head_dim)
 }
 
-/// The kernel family for q `[B, T, H, D]`: `CANDLE_CP_FLASH_IMPL`'s, or the CUDA-core kernels at
-/// a head dim only they take (`FwdImpl::for_head_dim`: 256).
+/// The kernel family for q `[B, T, H, D]`: `CANDLE_CP_FLASH_IMPL`'s, or `Auto` where that family
+/// has no kernels at the head dim (`FwdImpl::for_head_dim`: the mma, fused and Hopper families at
+/// 256).
 fn imp(q: &Tensor) -> FwdImpl {
     imp_of_dims(q.dims())
 }
