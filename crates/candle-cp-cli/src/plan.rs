@@ -60,8 +60,9 @@ pub struct CommonArgs {
     pub attn_tflops: f64,
     /// Measured attention rates by sequence length: gpu_bench's JSON lines (bench.jsonl of
     /// scripts/gpu-check.sh). Attention is then priced at the rate of the length each layout's
-    /// kernel calls run (the chunk s/cp for the ring), interpolated in log T; replaces
-    /// --attn-tflops.
+    /// kernel calls run (the chunk s/cp for the ring), interpolated in log T, from the rows
+    /// measured at the model's head dim (else the nearest measured one, said in the report);
+    /// replaces --attn-tflops.
     #[arg(long, conflicts_with = "attn_tflops")]
     pub attn_rates: Option<std::path::PathBuf>,
     /// Achieved rate of the linear layers, TFLOP/s [default: 70% of the hardware peak].
@@ -198,7 +199,7 @@ pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanI
     if let Some(path) = &a.attn_rates {
         let text = std::fs::read_to_string(path)
             .map_err(|e| anyhow::anyhow!("--attn-rates {}: {e}", path.display()))?;
-        input.attn_rates = Some(AttnRates::from_bench_jsonl(&text, &path.display().to_string())?);
+        input.attn_rates = Some(AttnRates::from_bench_jsonl(&text, &path.display().to_string(), input.model.head_dim)?);
     }
     if let Some(x) = a.linear_tflops {
         input.linear_flops = x * 1e12;

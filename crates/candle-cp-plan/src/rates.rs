@@ -64,11 +64,13 @@ impl AttnRates {
     }
 
     /// Reads `gpu_bench`'s JSON lines: the `"impl":"candle-cp"` rows with both `fwd_tflops`
-    /// and `bwd_tflops`. Non-causal rows when there are any (a ring step's blocks are mostly
-    /// full), else the causal ones. Other lines (skips, ring and band rows, SDPA) are ignored.
-    pub fn from_bench_jsonl(text: &str, source: &str) -> Result<Self> {
-        let mut full = Vec::new();
-        let mut causal = Vec::new();
+    /// and `bwd_tflops` measured at the model's `head_dim` (their `"d"`; a row without one
+    /// counts for any head dim). Non-causal rows when there are any (a ring step's blocks are
+    /// mostly full), else the causal ones. Other lines (skips, ring and band rows, SDPA) are
+    /// ignored. A file with no row at `head_dim` (e.g. a D = 128 run for a model with heads of
+    /// 256) is read at the measured head dim nearest to it, and [`AttnRates::source`] says so.
+    pub fn from_bench_jsonl(text: &str, source: &str, head_dim: usize) -> Result<Self> {
+        let mut rows = Vec::new();
         for (n, line) in text.lines().enumerate() {
             let line = line.trim();
             if line.is_empty() {
@@ -90,12 +92,32 @@ impl AttnRates {
                 fwd_flops: f * TFLOP,
                 bwd_flops: b * TFLOP,
             };
-            if v.get("causal").and_then(|x| x.as_bool()) == Some(true) {
+            let d = num("d").map(|d| d as usize);
+            rows.push((d, v.get("causal").and_then(|x| x.as_bool()) == Some(true), p));
+        }
+        // the head dim to read: the model's if measured (or a row says none), else the nearest
+        let measured: Vec<usize> = rows.iter().filter_map(|r| r.0).collect();
+        let d_read = if measured.is_empty() || rows.iter().any(|r| r.0.is_none_or(|d| d == head_dim)) {
+            head_dim
+        } else {
+            measured.iter().copied().min_by_key(|&d| (d.abs_diff(head_dim), d)).unwrap_or(head_dim)
+        };
+        let (mut full, mut causal) = (Vec::new(), Vec::new());
+        for (d, is_causal, p) in rows {
+            if d.is_some_and(|d| d != d_read) {
+                continue;
+            }
+            if is_causal {
                 causal.push(p);
             } else {
                 full.push(p);
             }
         }
+        let note = if d_read == head_dim {
+            String::new()
+        } else {
+            format!("; measured at head dim {d_read}, none at the model's {head_dim}")
+        };
         let (points, kind) = if full.is_empty() {
             (causal, "causal")
         } else {
@@ -104,7 +126,7 @@ impl AttnRates {
         if points.is_empty() {
             plan_bail!("{source}: no \"impl\":\"candle-cp\" line with fwd_tflops and bwd_tflops (gpu_bench's kernel rows)")
         }
-        Self::new(points, format!("{source} ({kind} rows)"))
+        Self::new(points, format!("{source} ({kind} rows{note})"))
     }
 
     /// Forward and backward FLOP/s at length `tokens` (module docs).
@@ -185,15 +207,38 @@ mod tests {
 {"impl":"torch-sdpa","t":8192,"causal":false,"fwd_tflops":600.0,"bwd_tflops":500.0}
 {"impl":"candle-cp","kernel":"WgmmaTma","t":16384,"causal":false,"fwd_tflops":400.0,"bwd_tflops":300.0}
 "#;
-        let r = AttnRates::from_bench_jsonl(text, "bench.jsonl").unwrap();
+        let r = AttnRates::from_bench_jsonl(text, "bench.jsonl", 128).unwrap();
         // the non-causal rows with a backward: 4096 and 16384
         assert_eq!(r.points, vec![pt(4096, 300.0, 250.0), pt(16384, 400.0, 300.0)]);
         assert!(r.source.contains("non-causal"));
         let causal_only = text.lines().filter(|l| !l.contains("\"causal\":false")).collect::<Vec<_>>().join("\n");
-        let c = AttnRates::from_bench_jsonl(&causal_only, "b").unwrap();
+        let c = AttnRates::from_bench_jsonl(&causal_only, "b", 128).unwrap();
         assert_eq!(c.points, vec![pt(4096, 200.0, 150.0)]);
-        assert!(AttnRates::from_bench_jsonl("{\"impl\":\"torch-sdpa\"}", "b").unwrap_err().0.contains("no \"impl\""));
-        assert!(AttnRates::from_bench_jsonl("not json", "b").unwrap_err().0.contains("line 1 is not JSON"));
+        assert!(AttnRates::from_bench_jsonl("{\"impl\":\"torch-sdpa\"}", "b", 128).unwrap_err().0.contains("no \"impl\""));
+        assert!(AttnRates::from_bench_jsonl("not json", "b", 128).unwrap_err().0.contains("line 1 is not JSON"));
+    }
+
+    /// Rows of another head dim (gpu-check.sh's D = 256 step beside its D = 128 runs) are not
+    /// read for a model of head dim 128, and are for one of 256; a model whose head dim has no
+    /// row is read at the nearest measured one, and the source says so.
+    #[test]
+    fn reads_the_models_head_dim() {
+        let text = r#"
+{"impl":"candle-cp","kernel":"Pipelined","d":128,"t":4096,"causal":false,"fwd_tflops":300.0,"bwd_tflops":250.0}
+{"impl":"candle-cp","kernel":"Pipelined","d":256,"t":4096,"causal":false,"fwd_tflops":500.0,"bwd_tflops":400.0}
+{"impl":"candle-cp","kernel":"Simple","d":256,"t":4096,"causal":false,"fwd_tflops":20.0,"bwd_tflops":10.0}
+{"impl":"candle-cp","kernel":"Pipelined","d":256,"t":16384,"causal":false,"fwd_tflops":450.0,"bwd_tflops":350.0}
+"#;
+        let r128 = AttnRates::from_bench_jsonl(text, "b", 128).unwrap();
+        assert_eq!(r128.points, vec![pt(4096, 300.0, 250.0)]);
+        assert!(!r128.source.contains("head dim"), "{}", r128.source);
+        let r256 = AttnRates::from_bench_jsonl(text, "b", 256).unwrap();
+        assert_eq!(r256.points, vec![pt(4096, 500.0, 400.0), pt(16384, 450.0, 350.0)]);
+        let r64 = AttnRates::from_bench_jsonl(text, "b", 64).unwrap();
+        assert_eq!(r64.points, r128.points);
+        assert!(r64.source.contains("measured at head dim 128, none at the model's 64"), "{}", r64.source);
+        let r192 = AttnRates::from_bench_jsonl(text, "b", 192).unwrap();
+        assert_eq!(r192.points, r128.points, "equally near: the smaller head dim");
     }
 
     #[test]
