@@ -144,11 +144,14 @@ fn cases() -> Vec<Case> {
     // many K/V tiles per query block (exercises the double-buffered pipelines), ragged ends.
     v.push(c(1, 1000, 1000, 4, 2, 128, Mask::causal_offsets(24, 0), "long-causal-gqa"));
     v.push(c(2, 513, 1031, 2, 1, 64, Mask::Full, "long-full-mqa"));
-    // head dim 256 (Gemma 3 1B / 4B / 12B): the CUDA-core kernels alone, with dynamic shared
-    // memory; full, causal GQA with two key tiles, a ring block below the diagonal
+    // head dim 256 (Gemma 3 1B / 4B / 12B): the CUDA-core kernels (dynamic shared memory) and
+    // the pipelined ones (64-row forward blocks, dK/dV blocks of 128 columns); full, causal GQA
+    // with two key tiles, a ring block below the diagonal, and several blocks of each kind
+    // with ragged ends (3 forward blocks, 2 key blocks x 2 column slices, 9 query tiles)
     v.push(c(1, 45, 77, 2, 2, 256, Mask::Full, "full"));
     v.push(c(2, 70, 70, 4, 2, 256, causal, "causal-gqa"));
     v.push(c(1, 40, 64, 2, 1, 256, Mask::causal_offsets(64, 0), "offset-below"));
+    v.push(c(1, 150, 200, 3, 1, 256, Mask::causal_offsets(50, 0), "ragged-causal-gqa3"));
     v
 }
 

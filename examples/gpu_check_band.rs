@@ -94,7 +94,7 @@ fn cases(quick: bool) -> Result<Vec<BandCase>> {
             Band::stack(&[Band::from_mask(&Mask::sliding_window(50), 150, 150), Band::from_positions(&p150, &p150, full_docs)?])?,
         ),
         c("batch-2 per-row random bands", 2, 2, 2, 32, Band::stack(&[random_band(90, 77, 6)?, random_band(90, 77, 7)?])?),
-        // head dim 256 (Gemma 3's sliding layers): the CUDA-core band kernels alone
+        // head dim 256 (Gemma 3's sliding layers): the CUDA-core and pipelined band kernels
         c("docs + window 17", 1, 2, 1, 256, Band::from_positions(&pos(0, 80), &pos(0, 80), MaskSpec { causal: true, window: Some(17), docs: Some(&Documents::from_lengths(&[30, 1, 49])?) })?),
     ];
     if !quick {

@@ -8,8 +8,9 @@
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
 //! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks; the
 //! same weights with Qwen2's q, k, v biases under TP 4 + SP, with Qwen3's head norms under TP 2
-//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: the CUDA-core
-//! kernels), against the CPU.
+//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: f32, so the
+//! CUDA-core kernels; the pipelined ones at 256 run in the flash, band and random sections),
+//! against the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
@@ -128,8 +129,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     // window and the local RoPE on the first layer only
     let name = format!("llama gemma3 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
-    // Gemma 3's head dim 256 (its 1B / 4B / 12B): the CUDA-core kernels in every ring step,
-    // the sliding layer's band kernels included
+    // Gemma 3's head dim 256 (its 1B / 4B / 12B): the CUDA-core kernels (f32) in every ring
+    // step, the sliding layer's band kernels included
     let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
     Ok(())
