@@ -244,7 +244,7 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
                         rep.check(&format!("{name} out"), max_abs(&o, &o_ref)?, to);
                         rep.check(&format!("{name} lse"), max_abs(&l, &l_ref)?, tl);
                     }
-                    Err(e) if wide && super::lacks_smem(imp, &e) => rep.refused(&name, e),
+                    Err(e) if super::lacks_smem(imp, &e) => rep.refused(&name, e),
                     Err(e) => rep.error(&name, e),
                 }
                 let name = format!("band flash::bwd_band {imp:?} {tag}");
@@ -254,7 +254,7 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
                         rep.check(&format!("{name} dk"), rel(&dk, &dk_r)?, tg);
                         rep.check(&format!("{name} dv"), rel(&dv, &dv_r)?, tg);
                     }
-                    Err(e) if wide && super::lacks_smem(imp, &e) => rep.refused(&name, e),
+                    Err(e) if super::lacks_smem(imp, &e) => rep.refused(&name, e),
                     Err(e) => rep.error(&name, e),
                 }
             }

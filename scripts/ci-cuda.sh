@@ -23,7 +23,7 @@
 #      `--features cuda,nccl` gpu_check binary of step 2, unmodified, on the CPU: candle's CUDA
 #      backend, our launchers, our and candle's kernels (emulated), cuBLAS / cuRAND / NCCL
 #      stand-ins; `--quick` set, every kernel family, virtual ranks, NCCL ranks on 4 devices
-#      (and the flash, band and random sections on an emulated sm_80, `CPEMU_CC=80`);
+#      (and the flash, band (and random) sections on an emulated sm_80 and sm_86, `CPEMU_CC`);
 #      then gpu_bench at a tiny size through scripts/gpu_table.py (the GPU check's bench steps),
 #      the fine-tuning example on 2 shim "GPUs" against the CPU (f32 and bf16, 3 steps), and the
 #      drop-in example on CUDA.
@@ -124,11 +124,16 @@ gpu_checks() {
   # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
   env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
     >"$shim_dir/gpu_check_random.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_random.log" | tail -60; echo "gpu_check --sections random on wgmma-tma failed"; return 1; }
-  # an emulated sm_80 (A100: 166,912 bytes of shared memory per block): Auto's fallbacks (head
-  # dim 256: the pipelined forward, the CUDA-core backward) and the refusals that name the sizes
+  # an emulated sm_80 (A100: 166,912 bytes of shared memory per block) and sm_86 (A10, L40S,
+  # RTX 4090 / 5090: 101,376): Auto's choices there (sm_80, head dim 256: the pipelined forward,
+  # the CUDA-core backward; sm_86: the mma kernels up to 128, the pipelined forward and the
+  # CUDA-core backward at 256) and the refusals of explicit families, which name the sizes
   env CPEMU_CC=80 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-    --impls simple,mma,pipelined,atomic --sections flash,band,random \
+    --impls auto,simple,mma,pipelined,atomic --sections flash,band,random \
     >"$shim_dir/gpu_check_sm80.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_sm80.log" | tail -60; echo "gpu_check on an emulated sm_80 failed"; return 1; }
+  env CPEMU_CC=86 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
+    --impls auto,simple,mma,pipelined --sections flash,band \
+    >"$shim_dir/gpu_check_sm86.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check_sm86.log" | tail -60; echo "gpu_check on an emulated sm_86 failed"; return 1; }
 }
 t_shim=$(date +%s)
 bg_start gpu-check gpu_checks
@@ -314,7 +319,9 @@ done
 bg_wait gpu-check
 echo "ci-cuda: $(grep '^gpu_check:' "$shim_dir/gpu_check.log") (the cuda binary on the CPU under the host CUDA shim; with the steps above beside it, $(( $(date +%s) - t_shim )) s)"
 echo "ci-cuda: random configurations on the wgmma-tma kernels: $(grep '^gpu_check:' "$shim_dir/gpu_check_random.log")"
-echo "ci-cuda: on an emulated sm_80 (CPEMU_CC=80): $(grep '^gpu_check:' "$shim_dir/gpu_check_sm80.log") ($(grep -c 'refused on this device' "$shim_dir/gpu_check_sm80.log") refusals for want of shared memory)"
+for cc in 80 86; do
+  echo "ci-cuda: on an emulated sm_$cc (CPEMU_CC=$cc): $(grep '^gpu_check:' "$shim_dir/gpu_check_sm$cc.log") ($(grep -c 'refused on this device' "$shim_dir/gpu_check_sm$cc.log") refusals for want of shared memory)"
+done
 bg_wait emu
 echo "ci-cuda: $(tail -1 "$shim_dir/bg-emu.log") (kernel source under CPU emulation, combinations $EMU_COMBOS; in the background since the build)"
 echo "ci-cuda: shim steps: $step_times"

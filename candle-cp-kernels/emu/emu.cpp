@@ -524,10 +524,11 @@ bool launch(const char* name, dim3 grid, dim3 block, size_t dyn_smem_bytes, cons
         for (size_t i = 0; i < statics.size(); ++i)
           if (statics_block[i] == block_serial) bytes += statics[i].second;
         const bool sm90 = std::strstr(name, "wgmma") != nullptr || std::strstr(name, "[sm_90]") != nullptr;
-        const size_t limit = sm90 ? SMEM_OPTIN_SM90 : SMEM_OPTIN_SM80;
+        const bool sm86 = !sm90 && std::strstr(name, "[sm_86]") != nullptr;
+        const size_t limit = sm90 ? SMEM_OPTIN_SM90 : sm86 ? SMEM_OPTIN_SM86 : SMEM_OPTIN_SM80;
         if (bytes > limit) {
           sched_fail("%zu bytes of shared memory per block exceed the %s opt-in limit (%zu bytes)", bytes,
-                     sm90 ? "sm_90" : "sm_80", limit);
+                     sm90 ? "sm_90" : sm86 ? "sm_86" : "sm_80", limit);
           return false;
         }
       }

@@ -247,8 +247,9 @@ void launch_bounds(const char* entry, int max_threads, int min_blocks = 0);
 // Shared memory (dynamic + static) per block above the opt-in limit fails the launch:
 // 227 KB (232,448 bytes, sm_90) for launches whose name contains "wgmma" (sm_90 only) or
 // "[sm_90]" (a launch the Rust side makes on Hopper only, e.g. the pipelined backward at head
-// dim 256), else 163 KB (166,912 bytes, sm_80).
-constexpr size_t SMEM_OPTIN_SM80 = 166912, SMEM_OPTIN_SM90 = 232448;
+// dim 256), 99 KB (101,376 bytes: sm_86 / sm_89 / sm_120) for "[sm_86]" (the host CUDA shim's
+// emulated sm_86 device), else 163 KB (166,912 bytes, sm_80).
+constexpr size_t SMEM_OPTIN_SM80 = 166912, SMEM_OPTIN_SM90 = 232448, SMEM_OPTIN_SM86 = 101376;
 
 // Launch `body` (which calls the kernel entry point) on a grid of blocks. Returns false (and
 // prints why) if a kernel thread failed: deadlock, divergent barrier, bad shared address,

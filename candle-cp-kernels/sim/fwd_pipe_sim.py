@@ -32,14 +32,15 @@ def configs():
 def check_launcher(cfgs):
     """src/flash.rs `pipe_config` must launch what PIPES instantiates: its `pipe_tile(d)` gives
     each head dim's (NW, MT, BK), and the launch is 32 NW threads, BQ = 16 NW MT rows and
-    (BQ + 4 BK) * (d + 8) * 2 + BQ * 4 bytes of dynamic shared memory."""
+    (BQ + 4 BK) * (d + 8) * 2 bytes of dynamic shared memory (the per-row key bounds live in the
+    Q rows' padding, which run_block models)."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "src", "flash.rs")).read()
     tile = src[src.index("fn pipe_tile"):][:300]
     m = re.search(r"if d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*\((\d+), (\d+), (\d+)\)", tile)
     assert m, tile
     sd, special, other = int(m.group(1)), tuple(map(int, m.group(2, 3, 4))), tuple(map(int, m.group(5, 6, 7)))
     body = src[src.index("fn pipe_config"):][:400]
-    assert "let bq = 16 * nw * mt;" in body and "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + bq * 4) as u32)" in body, body
+    assert "let bq = 16 * nw * mt;" in body and "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2) as u32)" in body, body
     for d, cfg in cfgs.items():
         assert cfg == (special if d == sd else other), f"pipe_tile({d}) = {special if d == sd else other} does not match PIPE d{d} {cfg}"
 
@@ -66,8 +67,9 @@ def mma(d, a, b0, b1):
 
 
 class Block:
-    def __init__(self, nbytes, stats):
+    def __init__(self, nbytes, stats, d):
         self.mem = [NAN] * (nbytes // 2)  # 16-bit elements of the dynamic shared memory
+        self.d = d  # every tile's rows are d + 8 elements: columns d .. d+7 are padding
         self.pending = []                 # cp.async copies in flight: (dst element, values)
         self.stats = stats
         self.reads, self.writes = set(), set()  # elements read / copied into since the last barrier
@@ -77,6 +79,7 @@ class Block:
         assert 0 <= src and src + 8 <= len(glob), "cp.async source must be a mapped address"
         vals = glob[src:src + 8] if valid else [0.0] * 8
         e = dst // 2
+        assert e % (self.d + 8) + 8 <= self.d, "cp.async into a row's padding (it holds lim_s / lo_s)"
         self.mem[e:e + 8] = [NAN] * 8  # undefined until wait + barrier
         self.writes.update(range(e, e + 8))
         self.pending.append((e, vals))
@@ -95,6 +98,7 @@ class Block:
         for i in range(4):
             rows = addrs[8 * i:8 * i + 8]
             assert all(a % 16 == 0 for a in rows), "ldmatrix rows must be 16-byte aligned"
+            assert all((a // 2) % (self.d + 8) + 8 <= self.d for a in rows), "ldmatrix of a row's padding"
             self.stats["ldsm"] += 1
             if len({(a // 16) % 8 for a in rows}) != 8:
                 self.stats["ldsm_conflict"] += 1
@@ -154,9 +158,18 @@ def run_block(bx, grid_x, b, h, dims, cfg, mask, scale, q, k, v, out, lse, wcoun
     TILE_B = BK * DP * 2  # bytes of one K or V buffer (two of each)
     q_sa, k_sa = 0, BQ * DP * 2
     v_sa = k_sa + 2 * TILE_B
-    blk = Block((BQ + 4 * BK) * DP * 2, stats)
+    blk = Block((BQ + 4 * BK) * DP * 2, stats, D)
     n_tiles = (key_end(mask, qpos(min(row0 + BQ, T) - 1), S) + BK - 1) // BK
-    lim_s = [key_end(mask, qpos(row0 + r), S) for r in range(BQ)]
+    # lim_s[r] lives in Q row r's padding (CpPadInts: the int at element D of the row, i.e. the
+    # element pair D, D+1); plain stores before the first barrier, never copied over or read by
+    # ldmatrix (asserted in Block)
+    for r in range(BQ):
+        blk.mem[(q_sa // 2) + r * DP + D] = ("lim", key_end(mask, qpos(row0 + r), S))
+
+    def lim_s(r):
+        tag, val = blk.mem[(q_sa // 2) + r * DP + D]
+        assert tag == "lim", "lim_s slot overwritten"
+        return val
     kv_rs = Hkv * D
     kv_off = (b * S * Hkv + kvh) * D  # same element offset into k and v
     warps = []
@@ -215,8 +228,8 @@ def run_block(bx, grid_x, b, h, dims, cfg, mask, scale, q, k, v, out, lse, wcoun
                 for l in range(32):
                     g, t = l >> 2, l & 3
                     if not full_tile:
-                        ca = lim_s[warp * MT * 16 + mt * 16 + g] - k0 - 2 * t
-                        cb = lim_s[warp * MT * 16 + mt * 16 + g + 8] - k0 - 2 * t
+                        ca = lim_s(warp * MT * 16 + mt * 16 + g) - k0 - 2 * t
+                        cb = lim_s(warp * MT * 16 + mt * 16 + g + 8) - k0 - 2 * t
                         for nt in range(NT):
                             for e in range(4):
                                 if nt * 8 + (e & 1) >= (ca if e < 2 else cb):

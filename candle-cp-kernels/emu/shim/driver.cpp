@@ -56,8 +56,17 @@ int device_count() {
   return n;
 }
 int compute_capability() {
-  static int cc = env_int("CPEMU_CC", 90) == 80 ? 80 : 90;
+  static int cc = [] {
+    const int c = env_int("CPEMU_CC", 90);
+    return c == 80 || c == 86 ? c : 90;
+  }();
   return cc;
+}
+// The emulated device's opt-in maximum of shared memory per block (sm_90: 232,448; sm_80:
+// 166,912; sm_86, like sm_89 / sm_120: 101,376).
+static int smem_optin() {
+  const int cc = compute_capability();
+  return (int)(cc == 90 ? cp_emu::SMEM_OPTIN_SM90 : cc == 86 ? cp_emu::SMEM_OPTIN_SM86 : cp_emu::SMEM_OPTIN_SM80);
 }
 
 std::mutex& launch_mutex() {
@@ -244,9 +253,9 @@ int cuDeviceGetAttribute(int* pi, int attrib, int dev) {
     case 41: v = 1; break;                        // UNIFIED_ADDRESSING
     case 75: v = compute_capability() / 10; break;  // COMPUTE_CAPABILITY_MAJOR
     case 76: v = compute_capability() % 10; break;  // COMPUTE_CAPABILITY_MINOR
-    case 81: v = h ? 233472 : 167936; break;      // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
+    case 81: v = h ? 233472 : compute_capability() == 86 ? 102400 : 167936; break;  // MAX_SHARED_MEMORY_PER_MULTIPROCESSOR
     case 82: v = 65536; break;                    // MAX_REGISTERS_PER_MULTIPROCESSOR
-    case 97: v = (int)(h ? cp_emu::SMEM_OPTIN_SM90 : cp_emu::SMEM_OPTIN_SM80); break;  // OPTIN
+    case 97: v = smem_optin(); break;             // MAX_SHARED_MEMORY_PER_BLOCK_OPTIN
     case 115: v = 0; break;                       // MEMORY_POOLS_SUPPORTED: plain cuMemAlloc
     default: v = 0; break;
   }
@@ -467,7 +476,7 @@ int cuFuncSetAttribute(void* f, int attrib, int value) {
   auto fn = static_cast<Func*>(f);
   if (!fn) return CU_INVALID_HANDLE;
   if (attrib == 8) {  // MAX_DYNAMIC_SHARED_SIZE_BYTES
-    const int optin = (int)(compute_capability() == 90 ? cp_emu::SMEM_OPTIN_SM90 : cp_emu::SMEM_OPTIN_SM80);
+    const int optin = smem_optin();
     if (value < 0 || value > optin) {
       log("cuFuncSetAttribute(%s, MAX_DYNAMIC_SHARED_SIZE_BYTES, %d): above the device's opt-in limit %d",
           fn->name.c_str(), value, optin);
@@ -515,9 +524,11 @@ int cuLaunchKernel(void* f, unsigned gx, unsigned gy, unsigned gz, unsigned bx, 
   std::lock_guard<std::mutex> g(launch_mutex());
   const auto t0 = std::chrono::steady_clock::now();
   const cp_emu::Thunk t = fn->thunk;
-  // The emulated device's opt-in limit of shared memory per block: sm_90's on an sm_90 device
-  // ("[sm_90]" in the launch name, emu.h), else sm_80's (wgmma entries: sm_90's whatever it is).
-  const std::string lname = fn->name + (compute_capability() == 90 ? " [sm_90]" : "");
+  // The emulated device's opt-in limit of shared memory per block: sm_90's / sm_86's on such a
+  // device ("[sm_90]" / "[sm_86]" in the launch name, emu.h), else sm_80's (wgmma entries: sm_90's
+  // whatever it is).
+  const int cc = compute_capability();
+  const std::string lname = fn->name + (cc == 90 ? " [sm_90]" : cc == 86 ? " [sm_86]" : "");
   const bool ok = cp_emu::launch(lname.c_str(), dim3(gx, gy, gz), dim3(bx, by, bz), smem, [&] { t(params); });
   if (trace())
     log("launch %s grid (%u,%u,%u) block (%u,%u,%u) smem %u: %s in %.1f ms", fn->name.c_str(), gx, gy, gz, bx, by, bz, smem,

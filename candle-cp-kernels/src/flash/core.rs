@@ -9,10 +9,10 @@
 //!   statically, so at d = 256 they take it as dynamic shared memory (`cp_core_smem` in
 //!   `kernels/common.cuh`) and the launcher passes the size below;
 //! - the pipelined tensor-core kernels ([`FwdImpl::Pipelined`], and `Auto` for f16/bf16): the
-//!   forward with 64-row blocks over 32-key tiles (101,632 bytes), the backward with dK/dV
-//!   blocks that each keep 128 of the 256 columns (203,264 bytes) and 128-row dQ blocks
-//!   (202,752): Hopper (232,448 bytes per block) and sm_80 (166,912) for the forward only, so
-//!   `Auto` runs the CUDA-core backward there.
+//!   forward with 64-row blocks over 32-key tiles (101,376 bytes: every GPU from sm_80 on), the
+//!   backward with dK/dV blocks that each keep 128 of the 256 columns (203,264 bytes) and
+//!   128-row dQ blocks (202,752): Hopper only (232,448 bytes per block), so `Auto` runs the
+//!   CUDA-core backward elsewhere.
 //!
 //! The mma, fused and Hopper families stop at 128; `FwdImpl::for_head_dim` maps them to `Auto`
 //! at 256, and the raw kernel functions refuse them by name.
@@ -89,12 +89,12 @@ pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
 }
 
 /// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`WIDE_HEAD_DIMS`] head
-/// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking, unless `Pipelined`, that the
-/// device gives a block the CUDA-core kernels' shared memory: `Auto` falls back to them where the
-/// pipelined ones do not fit; the launchers resolve `Auto` with [`wide_fallback`]), an error
-/// naming the head dim for an explicit other family.
+/// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking that the device gives a block
+/// the CUDA-core kernels' shared memory: they are the fallback there, [`wide_fallback`]: for
+/// `Auto` where the pipelined kernels do not fit, for a forward with scale <= 0), an error naming
+/// the head dim for an explicit other family.
 pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
-    if !WIDE_HEAD_DIMS.contains(&d) || imp == FwdImpl::Pipelined {
+    if !WIDE_HEAD_DIMS.contains(&d) {
         return Ok(imp);
     }
     if !family_takes(imp, d) {
