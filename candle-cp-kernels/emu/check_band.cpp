@@ -236,11 +236,11 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
   std::string name = "flash_fwd_band " + tag;
   if (wanted(name)) {
     Buf<float> out(nq), lse(nl);
-    // pipe_config (src/flash.rs; PIPES: BQ 128, BK 64; BQ 64, BK 32 at d 256): lo_s and lim_s in
-    // the Q rows' padding
+    // pipe_band_smem (src/flash/band.rs): pipe_config's (PIPES: BQ 128, BK 64; BQ 64, BK 32 at d
+    // 256) + 2 BQ ints (lim_s, lo_s), none at d 256 (both in the Q rows' padding)
     const unsigned rows = pipe ? (D == 256 ? 64 : 128) : 16;
     const size_t pbk = D == 256 ? 32 : 64;
-    const size_t smem = pipe ? (rows + 4 * pbk) * (D + 8) * 2 : core_smem(0, D);
+    const size_t smem = pipe ? (rows + 4 * pbk) * (D + 8) * 2 + (D == 256 ? 0 : 2 * rows * 4) : core_smem(0, D);
     auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
     bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
       fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, T, 0, 0);

@@ -267,13 +267,13 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
     if (wanted(name)) {
       Buf<float> out(nq), lse(nl);
       const bool ws = im == Impl::WgmmaWs || im == Impl::WgmmaTma || wide;
-      // pipe_config (src/flash.rs, PIPES): BQ 128 over BK 64, BQ 64 over BK 32 at d 256; the
-      // per-row key bounds in the Q rows' padding
+      // pipe_config (src/flash.rs, PIPES): BQ 128 over BK 64 + BQ ints; BQ 64 over BK 32 at d 256,
+      // the per-row key bounds in the Q rows' padding
       const unsigned pipe_rows = D == 256 ? 64 : 128;
       const size_t pipe_bk = D == 256 ? 32 : 64;
       unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : im == Impl::Pipe ? pipe_rows : 128,
                threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
-      size_t smem = im == Impl::Pipe ? (pipe_rows + 4 * pipe_bk) * (D + 8) * 2 : core_smem(0, D);
+      size_t smem = im == Impl::Pipe ? (pipe_rows + 4 * pipe_bk) * (D + 8) * 2 + (D == 256 ? 0 : pipe_rows * 4) : core_smem(0, D);
       if (im == Impl::Wgmma) smem = (size_t)(128 + 4 * 128) * D * 2 + 1024;  // WGMMA_SMEM(D), src/flash/sm90.rs
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
       if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs

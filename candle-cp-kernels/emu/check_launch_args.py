@@ -536,17 +536,21 @@ def tile_configs():
     cu = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
           re.findall(r"PIPE\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", pipes.group(1) if pipes else "")}
     # flash.rs: pipe_tile(d) gives (NW, MT, BK) (one head dim special-cased), pipe_config the
-    # launch from it: rows 16 NW MT, threads 32 NW, smem (BQ + 4 BK) (d + 8) 2 (the per-row key
-    # bounds in the Q rows' padding: CpPadInts).
+    # launch from it: rows 16 NW MT, threads 32 NW, smem (BQ + 4 BK) (d + 8) 2 + BQ 4 (d = 256: the
+    # per-row key bounds in the Q rows' padding, CpPadInts, no ints: pipe_pads_bounds).
     pt = re.search(r"fn pipe_tile\(d: usize\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
     tiles = num(r"if d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*\((\d+), (\d+), (\d+)\)\s*\}",
                 pt.group(1) if pt else "", "flash.rs pipe_tile")
     pc = re.search(r"fn pipe_config\(d: usize\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
-    formula = ("let bq = 16 * nw * mt;", "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2) as u32)")
+    formula = ("let bq = 16 * nw * mt;", "let ints = if pipe_pads_bounds(d) { 0 } else { bq * 4 };",
+               "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + ints) as u32)")
     if not pc or any(f not in pc.group(1) for f in formula):
-        err(f"flash.rs pipe_config: expected {formula} (the kernel's layout: Q, two K and two V buffers)")
-    if "const CpPadInts lim_s{fwd_pipe_smem + D * 2, DP * 2};" not in fwd_cu or "const CpPadInts lo_s{fwd_pipe_smem + D * 2 + 4, DP * 2};" not in fwd_cu:
-        err("flash_fwd.cu fwd_pipe: expected lim_s / lo_s in the Q rows' padding (CpPadInts at D * 2 and D * 2 + 4, stride DP * 2): pipe_config counts no memory for them")
+        err(f"flash.rs pipe_config: expected {formula} (the kernel's layout: Q, two K and two V buffers, BQ ints)")
+    pads = [int(x) for x in re.findall(r"if constexpr \(D == (\d+)\) return CpPadInts<DP \* 2>\{fwd_pipe_smem \+ D \* 2(?: \+ 4)?\};", fwd_cu)]
+    rpads = num(r"fn pipe_pads_bounds\(d: usize\) -> bool \{\s*d == (\d+)\s*\}", fwd_rs, "flash.rs pipe_pads_bounds")
+    if len(pads) != 2 or len(set(pads)) != 1 or pads[0] != rpads:
+        err(f"fwd_pipe keeps lim_s / lo_s in the Q rows' padding at D in {pads}, flash.rs pipe_pads_bounds says d == {rpads}")
+    pad_d = rpads
 
     def rust_tile(d):
         if not tiles:
@@ -557,7 +561,7 @@ def tile_configs():
         bq = nw * mt * 16
         if rust_tile(d) not in (None, (nw, mt, bk)):
             err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile({d}) = {rust_tile(d)}")
-        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2)
+        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
     if sorted(cu) != [16, 32, 64, 128, 256]:
         err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
 
@@ -666,13 +670,13 @@ def tile_configs():
             if f"core_smem(Core::{kind}, d)" not in src:
                 err(f"{f}: the CUDA-core {kind} launch does not size its shared memory with core::core_smem(Core::{kind}, d)")
     # band entries (`*_band_*`, launched from src/flash/band.rs): the launch shapes of their
-    # non-band kernels (the forward pipe's lo_s shares the Q rows' padding: band.rs launches it
-    # with pipe_config)
+    # non-band kernels (the forward pipe adds BQ ints, lo_s, except where both bounds live in the
+    # Q rows' padding: pipe_band_smem)
     band_rs = rd("src", "flash", "band.rs")
-    if "let (rows, threads, smem) = pipe_config(d);" not in band_rs:
-        err("band.rs: expected the pipelined band forward launched with pipe_config(d) (lo_s in the Q rows' padding)")
+    if "smem + if pipe_pads_bounds(d) { 0 } else { rows as u32 * 4 }" not in band_rs:
+        err("band.rs pipe_band_smem: expected the non-band smem plus 4 bytes per row (lo_s in fwd_pipe) unless pipe_pads_bounds")
     for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
-        out[fam + "_band"] = dict(out[fam])
+        out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fam == "flash_fwd_pipe" and d != pad_d else 0)) for d, c in out[fam].items()}
     # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))

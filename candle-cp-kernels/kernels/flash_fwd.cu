@@ -274,20 +274,23 @@ __device__ __forceinline__ void fwd_pipe_load(uint32_t dst, const T* __restrict_
   }
 }
 
-// One int per row of the Q tile, kept in that row's padding (elements D .. D+7: 16 bytes that no
-// cp.async or ldmatrix touches): slot 0 = lim_s (key_end), slot 1 = lo_s (band: kbegin).
+// One int per query row of the block in the padding of its Q tile row (elements D .. D+7: 16
+// bytes that no cp.async or ldmatrix touches; `base` = row 0's first padding byte, + 4 for the
+// second int): fwd_pipe's lim_s / lo_s at D = 256.
+template <int STRIDE>
 struct CpPadInts {
-  unsigned char* base;  // Q row 0's first padding byte + 4 * slot
-  int stride;           // bytes per Q row
-  __device__ __forceinline__ int& operator[](int r) const { return *reinterpret_cast<int*>(base + r * stride); }
+  unsigned char* base;
+  __device__ __forceinline__ int& operator[](int r) const { return *reinterpret_cast<int*>(base + r * STRIDE); }
 };
 
 // Block = NW warps; warp w owns query rows [w*MT*16, (w+1)*MT*16) of the block's BQ = NW*MT*16
 // rows (MT m16 row tiles). K/V tiles of BK keys. Dynamic shared memory, row stride D + 8
 // elements (odd multiple of 16 bytes: ldmatrix / cp.async phases are bank-conflict free):
-//   q_s [BQ][D+8] | k_s [2][BK][D+8] | v_s [2][BK][D+8]   ((BQ + 4*BK) * (D+8) * 2 bytes),
-// the per-row key bounds lim_s (and lo_s) in q_s's row padding (CpPadInts; since session 33:
-// 512 bytes less, so d256's 101,376 bytes fit sm_86 / sm_89 / sm_120's opt-in maximum).
+//   q_s [BQ][D+8] | k_s [2][BK][D+8] | v_s [2][BK][D+8] | lim_s [BQ] int
+//   ((BQ + 4*BK) * (D+8) * 2 + BQ * 4 bytes; a band's lo_s: BQ ints more). At D = 256 lim_s and
+//   lo_s live in q_s's row padding instead (CpRowInts), so the block takes (BQ + 4*BK) * (D+8) * 2
+//   = 101,376 bytes, band or not: sm_86 / sm_89 / sm_120's maximum per block (CpPadInts). (The
+//   padded layout at D = 128 makes the band entry spill 4-8 bytes on sm_80, hence only at 256.)
 // Pipeline per key tile j (K and V double-buffered, buffer j % 2):
 //   wait(K_j, V_j) + barrier -> issue K_{j+1}, V_{j+1} into buffer (j+1) % 2
 //   -> S = Q K_j^T -> mask + online softmax -> O += P V_j,
@@ -324,12 +327,17 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   const int w_full = mask.kend(M::BAND ? min(wrow0, T_ - 1) : wrow0, S) - kb;
   // lim_s[r] = key_end of block row r: row r sees exactly keys [0, lim_s[r]) (positions increase
   // with the index). Read only for tiles that need a mask test; visible after the first barrier.
-  // Kept in Q row r's padding: 4 rows of 8 lanes read 8 rows' slots on 8 distinct bank groups.
-  const CpPadInts lim_s{fwd_pipe_smem + D * 2, DP * 2};
+  auto lim_s = [&] {
+    if constexpr (D == 256) return CpPadInts<DP * 2>{fwd_pipe_smem + D * 2};
+    else return reinterpret_cast<int*>(fwd_pipe_smem + (BQ + 4 * BK) * DP * 2);
+  }();
   for (int r = tid; r < BQ; r += NTH) lim_s[r] = mask.kend(M::BAND ? min(row0 + r, T_ - 1) : row0 + r, S) - kb;
-  // Band: lo_s[r] = lo of block row r (the next int of the row's padding); row r sees keys
-  // [lo_s[r], lim_s[r]). Rows past T repeat row T - 1.
-  const CpPadInts lo_s{fwd_pipe_smem + D * 2 + 4, DP * 2};
+  // Band: lo_s[r] = lo of block row r (BQ more ints of dynamic shared memory; D = 256: the next
+  // int of the row's padding); row r sees keys [lo_s[r], lim_s[r]). Rows past T repeat row T - 1.
+  auto lo_s = [&] {
+    if constexpr (D == 256) return CpPadInts<DP * 2>{fwd_pipe_smem + D * 2 + 4};
+    else return lim_s + BQ;
+  }();
   if constexpr (M::BAND)
     for (int r = tid; r < BQ; r += NTH) lo_s[r] = mask.kbegin(min(row0 + r, T_ - 1)) - kb;
 
@@ -551,7 +559,7 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
 // Pipelined: block NW*32 threads, BQ = NW*MT*16 rows, dynamic shared memory (BQ + 4*BK) * (D + 8)
-// * 2 bytes (band entries too); the Rust launcher (src/flash.rs, `pipe_config`) mirrors these numbers and
+// * 2 + BQ * 4 bytes (band: + BQ * 4 more; D = 256: no ints, band or not); the Rust launcher (src/flash.rs, `pipe_config`) mirrors these numbers and
 // sim/fwd_pipe_sim.py parses them from PIPES. d128 at BK = 64 sits at 255 registers (ptxas 13.0,
 // sm_80 / sm_90 / sm_90a: no spill); BK = 32 would cut 32 registers.
 #define PIPE(NAME, D, NW, MT, BK)                                                              \
@@ -563,8 +571,9 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
     fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);          \
   }
 // d256 (Gemma 3): 4 warps x 16 rows (BQ 64) over key tiles of 32, Q re-read from shared memory
-// per tile (MT * D > 128): 101,376 bytes (sm_86 / sm_89 / sm_120's maximum per block; two blocks
-// per Hopper SM); its O accumulators (128 per thread) are d128's.
+// per tile (MT * D > 128): 101,376 bytes, band entry too (the row bounds in Q's row padding:
+// sm_86 / sm_89 / sm_120's maximum per block); two blocks per Hopper SM; its O accumulators (128
+// per thread) are d128's.
 #define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64) \
   PIPE(NAME, 256, 4, 1, 32)
 #define TY float

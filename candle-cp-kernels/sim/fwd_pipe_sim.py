@@ -32,17 +32,20 @@ def configs():
 def check_launcher(cfgs):
     """src/flash.rs `pipe_config` must launch what PIPES instantiates: its `pipe_tile(d)` gives
     each head dim's (NW, MT, BK), and the launch is 32 NW threads, BQ = 16 NW MT rows and
-    (BQ + 4 BK) * (d + 8) * 2 bytes of dynamic shared memory (the per-row key bounds live in the
-    Q rows' padding, which run_block models)."""
+    (BQ + 4 BK) * (d + 8) * 2 + BQ * 4 bytes of dynamic shared memory, without the BQ ints where
+    `pipe_pads_bounds(d)` (d = 256: the per-row key bounds in the Q rows' padding, which
+    run_block models). Returns that head dim."""
     src = open(os.path.join(os.path.dirname(__file__), "..", "src", "flash.rs")).read()
     tile = src[src.index("fn pipe_tile"):][:300]
     m = re.search(r"if d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*\((\d+), (\d+), (\d+)\)", tile)
     assert m, tile
     sd, special, other = int(m.group(1)), tuple(map(int, m.group(2, 3, 4))), tuple(map(int, m.group(5, 6, 7)))
     body = src[src.index("fn pipe_config"):][:400]
-    assert "let bq = 16 * nw * mt;" in body and "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2) as u32)" in body, body
+    assert "let bq = 16 * nw * mt;" in body and "(bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + ints) as u32)" in body, body
+    assert "let ints = if pipe_pads_bounds(d) { 0 } else { bq * 4 };" in body, body
     for d, cfg in cfgs.items():
         assert cfg == (special if d == sd else other), f"pipe_tile({d}) = {special if d == sd else other} does not match PIPE d{d} {cfg}"
+    return int(re.search(r"fn pipe_pads_bounds\(d: usize\) -> bool \{\s*d == (\d+)", src).group(1))
 
 
 def mma(d, a, b0, b1):
@@ -160,13 +163,17 @@ def run_block(bx, grid_x, b, h, dims, cfg, mask, scale, q, k, v, out, lse, wcoun
     v_sa = k_sa + 2 * TILE_B
     blk = Block((BQ + 4 * BK) * DP * 2, stats, D)
     n_tiles = (key_end(mask, qpos(min(row0 + BQ, T) - 1), S) + BK - 1) // BK
-    # lim_s[r] lives in Q row r's padding (CpPadInts: the int at element D of the row, i.e. the
-    # element pair D, D+1); plain stores before the first barrier, never copied over or read by
-    # ldmatrix (asserted in Block)
-    for r in range(BQ):
-        blk.mem[(q_sa // 2) + r * DP + D] = ("lim", key_end(mask, qpos(row0 + r), S))
+    # lim_s[r]: at D = PAD_D in Q row r's padding (CpPadInts: the int at element D of the row,
+    # i.e. the element pair D, D+1; plain stores before the first barrier, never copied over or
+    # read by ldmatrix, asserted in Block), else in BQ ints after the tiles (outside blk.mem)
+    lim_arr = [key_end(mask, qpos(row0 + r), S) for r in range(BQ)]
+    if D == PAD_D:
+        for r in range(BQ):
+            blk.mem[(q_sa // 2) + r * DP + D] = ("lim", lim_arr[r])
 
     def lim_s(r):
+        if D != PAD_D:
+            return lim_arr[r]
         tag, val = blk.mem[(q_sa // 2) + r * DP + D]
         assert tag == "lim", "lim_s slot overwritten"
         return val
@@ -321,7 +328,7 @@ def ref(dims, mask, scale, q, k, v):
 if __name__ == "__main__":
     random.seed(3)
     cfgs = configs()
-    check_launcher(cfgs)
+    PAD_D = check_launcher(cfgs)
     stats = dict(ldsm=0, ldsm_conflict=0, st=0, st_conflict=0, rescale=0, rescale_skipped=0, st_conflict_small_d=0)
     bad = False
     # (B, T, S, H, Hkv, D, (causal, q_off, q_str, k_off, k_str))

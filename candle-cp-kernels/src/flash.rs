@@ -365,14 +365,22 @@ fn pipe_tile(d: usize) -> (usize, usize, usize) {
     }
 }
 
-/// Launch shape of `flash_fwd_pipe{,_band}_*_d{d}`: (query rows per block BQ = 16 NW MT, threads
-/// per block 32 NW, dynamic shared memory bytes: Q plus two K and two V buffers, (BQ + 4 BK) rows
-/// of (d + 8) 16-bit elements; the per-row key bounds live in the Q rows' padding): 104,448 bytes
-/// at d = 128, 55,296 at d = 64, 101,376 at d = 256 (sm_86 / sm_89 / sm_120's maximum).
+/// Whether `flash_fwd_pipe{,_band}_*_d{d}` keeps its per-row key bounds in the Q rows' padding
+/// (d = 256: `CpPadInts`, no shared memory of their own) rather than in BQ ints after the tiles
+/// (BQ more for a band).
+fn pipe_pads_bounds(d: usize) -> bool {
+    d == 256
+}
+
+/// Launch shape of `flash_fwd_pipe_*_d{d}`: (query rows per block BQ = 16 NW MT, threads per block
+/// 32 NW, dynamic shared memory bytes: Q plus two K and two V buffers, (BQ + 4 BK) rows of (d + 8)
+/// 16-bit elements, plus BQ ints unless [`pipe_pads_bounds`]): 104,960 bytes at d = 128, 55,808
+/// at d = 64, 101,376 at d = 256 (sm_86 / sm_89 / sm_120's maximum per block).
 fn pipe_config(d: usize) -> (usize, u32, u32) {
     let (nw, mt, bk) = pipe_tile(d);
     let bq = 16 * nw * mt;
-    (bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2) as u32)
+    let ints = if pipe_pads_bounds(d) { 0 } else { bq * 4 };
+    (bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + ints) as u32)
 }
 
 #[allow(clippy::too_many_arguments)]
@@ -405,7 +413,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if core::wide_fallback(d) => FwdKernel::Simple,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq => FwdKernel::Mma,
     };
-    // The pipelined kernel's shared memory (104,448 bytes at d = 128) exceeds what some GPUs
+    // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
     // allow per block (e.g. sm_86/sm_89: 99 KiB): Auto falls back to the mma kernel there.
     let kern = if kern == FwdKernel::Pipelined {
         let optin = util::smem_optin(dev)?;

@@ -17,7 +17,7 @@
 
 use super::bwd_pipe::PipeCfg;
 use super::core::{self, Core};
-use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
+use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, pipe_pads_bounds, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -85,6 +85,13 @@ fn use_pipe(dev: &CudaDevice, sfx: &str, imp: FwdImpl, scale: f32, need: u32, wh
     Ok(false)
 }
 
+
+/// Dynamic shared memory of `flash_fwd_pipe_band_*`: the non-band kernel's plus BQ ints (the
+/// per-row lower bounds), none at d = 256 (they share the Q rows' padding: `pipe_pads_bounds`).
+fn pipe_band_smem(d: usize) -> (usize, u32, u32) {
+    let (rows, threads, smem) = pipe_config(d);
+    (rows, threads, smem + if pipe_pads_bounds(d) { 0 } else { rows as u32 * 4 })
+}
 
 /// Band forward on storages (for `CustomOp3::cuda_fwd`): out f32 `[B, T, H, D]`, lse f32
 /// `[B, H, T]` with their shapes. A row with an empty interval gets out 0 and lse `-inf`.
@@ -180,16 +187,14 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
         let ws = imp == FwdImpl::WgmmaWs;
         return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst);
     }
-    let pipe = use_pipe(dev, sfx, imp, scale, pipe_config(d).2, "flash_fwd_band", ql.shape())?;
+    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = if pipe {
-        // (the per-row lower bounds share the Q rows' padding with the upper ones: the non-band
-        // kernel's launch)
-        let (rows, threads, smem) = pipe_config(d);
+        let (rows, threads, smem) = pipe_band_smem(d);
         ("pipe", rows, threads, smem)
     } else {
         ("simple", 16, 128, core::core_smem(Core::Fwd, d))
