@@ -288,8 +288,8 @@ struct CpPadInts {
 // elements (odd multiple of 16 bytes: ldmatrix / cp.async phases are bank-conflict free):
 //   q_s [BQ][D+8] | k_s [2][BK][D+8] | v_s [2][BK][D+8] | lim_s [BQ] int
 //   ((BQ + 4*BK) * (D+8) * 2 + BQ * 4 bytes; a band's lo_s: BQ ints more). At D = 256 lim_s and
-//   lo_s live in q_s's row padding instead (CpRowInts), so the block takes (BQ + 4*BK) * (D+8) * 2
-//   = 101,376 bytes, band or not: sm_86 / sm_89 / sm_120's maximum per block (CpPadInts). (The
+//   lo_s live in q_s's row padding instead (CpPadInts), so the block takes (BQ + 4*BK) * (D+8) * 2
+//   = 101,376 bytes, band or not: sm_86 / sm_89 / sm_120's maximum per block. (The
 //   padded layout at D = 128 makes the band entry spill 4-8 bytes on sm_80, hence only at 256.)
 // Pipeline per key tile j (K and V double-buffered, buffer j % 2):
 //   wait(K_j, V_j) + barrier -> issue K_{j+1}, V_{j+1} into buffer (j+1) % 2
@@ -559,7 +559,8 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
 // Pipelined: block NW*32 threads, BQ = NW*MT*16 rows, dynamic shared memory (BQ + 4*BK) * (D + 8)
-// * 2 + BQ * 4 bytes (band: + BQ * 4 more; D = 256: no ints, band or not); the Rust launcher (src/flash.rs, `pipe_config`) mirrors these numbers and
+// * 2 + BQ * 4 bytes (band: + BQ * 4 more; D = 256: no ints, band or not); the Rust launcher
+// (src/flash.rs, `pipe_config`, band.rs `pipe_band_smem`) mirrors these numbers and
 // sim/fwd_pipe_sim.py parses them from PIPES. d128 at BK = 64 sits at 255 registers (ptxas 13.0,
 // sm_80 / sm_90 / sm_90a: no spill); BK = 32 would cut 32 registers.
 #define PIPE(NAME, D, NW, MT, BK)                                                              \

@@ -410,7 +410,8 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdImpl::Mma => FwdKernel::Mma,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if scale > 0.0 => FwdKernel::Pipelined,
         // The pipelined kernel takes row maxima before scaling, which needs scale > 0.
-        FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if core::wide_fallback(d) => FwdKernel::Simple,
+        // (the CUDA-core kernels where the mma ones have no kernel: head dim 256)
+        FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if !family_takes(FwdImpl::Mma, d) => FwdKernel::Simple,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq => FwdKernel::Mma,
     };
     // The pipelined kernel's shared memory (104,960 bytes at d = 128) exceeds what some GPUs
@@ -420,7 +421,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         let need = pipe_config(d).2;
         match (i64::from(need) <= optin, imp) {
             (true, _) => FwdKernel::Pipelined,
-            (false, FwdImpl::Auto) if core::wide_fallback(d) => FwdKernel::Simple,
+            (false, FwdImpl::Auto) if !family_takes(FwdImpl::Mma, d) => FwdKernel::Simple,
             (false, FwdImpl::Auto) => FwdKernel::Mma,
             (false, _) => candle_core::bail!(
                 "flash_fwd: the pipelined kernel needs {need} bytes of shared memory per block, the device allows {optin}; q {:?}",

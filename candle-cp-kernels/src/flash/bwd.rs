@@ -8,7 +8,7 @@
 
 use super::bwd_prep::{bwd_prep, BwdInputs, BwdPrep};
 use super::core::{self, Core};
-use super::{bwd_fused, bwd_pipe, bwd_sm90, bwd_sm90_ws, check_dims, suffix, Dims, FwdImpl, KMask};
+use super::{bwd_fused, bwd_pipe, bwd_sm90, bwd_sm90_ws, check_dims, family_takes, suffix, Dims, FwdImpl, KMask};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -243,7 +243,7 @@ pub(super) fn bwd_prepared_to(
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
     // (At head dim 256, which has no mma kernels, the CUDA-core ones.)
-    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (!core::wide_fallback(d), false) } else { (use_mma, pipe) };
+    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (family_takes(FwdImpl::Mma, d), false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {
         return zero_bwd(q, (b, t, s, h, hkv, d), &dq_out);
     }

@@ -90,9 +90,9 @@ pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
 
 /// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`WIDE_HEAD_DIMS`] head
 /// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking that the device gives a block
-/// the CUDA-core kernels' shared memory: they are the fallback there, [`wide_fallback`]: for
-/// `Auto` where the pipelined kernels do not fit, for a forward with scale <= 0), an error naming
-/// the head dim for an explicit other family.
+/// the CUDA-core kernels' shared memory: the launchers fall back to them where they would run the
+/// mma kernels, which have none at that head dim: `Auto` where the pipelined kernels do not fit,
+/// a forward with scale <= 0), an error naming the head dim for an explicit other family.
 pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
     if !WIDE_HEAD_DIMS.contains(&d) {
         return Ok(imp);
@@ -108,12 +108,6 @@ pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: 
     Ok(imp)
 }
 
-/// Whether a launcher that would run the mma kernels (where the pipelined ones do not fit, or
-/// the forward's scale is not positive) runs the CUDA-core ones instead: at a [`WIDE_HEAD_DIMS`]
-/// head dim, which has no mma kernels.
-pub(super) fn wide_fallback(d: usize) -> bool {
-    WIDE_HEAD_DIMS.contains(&d)
-}
 
 #[cfg(test)]
 mod tests {
