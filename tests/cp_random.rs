@@ -9,13 +9,14 @@
 //! with fewer KV heads than the degree, and the 2-D Ulysses x ring split (both half the time with
 //! the head layout regathered in the backward; half the Ulysses ones, and then the
 //! single-device op, with the backward's row sums from the f32 output, half the ring and
-//! all-gather ones from the returned output). Every configuration that the methods accept must match
+//! all-gather ones from the returned output; a third of all with Gemma 2's logit soft cap).
+//! Every configuration that the methods accept must match
 //! the reference within `AttnTol::for_sigma(1)`; the ones they refuse must be refused for a
 //! reason the configuration explains (a length the layout cannot split, a window without the
 //! causal mask, heads that do not split), never with a panic.
 
 use candle_core::{Result, Tensor};
-use candle_cp_ops::attention::{attention_docs_mask_slow, attention_docs_mask_with, Mask, RowSums};
+use candle_cp_ops::attention::{attention_docs_mask_slow, attention_docs_mask_with, Mask, RowSums, Scores};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
@@ -41,7 +42,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
-    let (mut regathered, mut f32_rows, mut out_rows) = (0, 0, 0);
+    let (mut regathered, mut f32_rows, mut out_rows, mut capped) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -82,12 +83,14 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             _ if rng(710_000 + seed).below(2) == 0 => RowSums::Output,
             _ => RowSums::F32,
         };
+        // a third of them with a logit soft cap (own stream), small enough to bend the logits
+        let softcap = (rng(720_000 + seed).below(3) == 0).then(|| pick(&mut rng(730_000 + seed), &[0.5, 1.0, 2.5]));
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
             _ => format!("P {p}"),
         };
         let what = format!(
-            "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}",
+            "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}, softcap {softcap:?}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
             match (&method, row_sums) {
                 (Method::Ulysses(_), RowSums::F32) => " f32 row sums",
@@ -97,6 +100,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         );
 
         let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
+        let scores = Scores::new(case.scale).with_softcap(softcap);
         let mask = match window {
             Some(w) => Mask::sliding_window(w),
             None if causal => Mask::causal(),
@@ -111,7 +115,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             let mut outs = vec![];
             let mut lses = vec![];
             for (i, row_docs) in rows.iter().enumerate() {
-                let (o, l) = attention_docs_mask_slow(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, row_docs, &mask, case.scale)?;
+                let (o, l) = attention_docs_mask_slow(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, row_docs, &mask, scores)?;
                 outs.push(o);
                 lses.push(l);
             }
@@ -120,7 +124,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
 
         let run = match method {
             Method::Cp(m) => {
-                let opts = CpOpts { block_rows, ..CpOpts::default() }.with_row_sums(row_sums);
+                let opts = CpOpts { block_rows, ..CpOpts::default() }.with_row_sums(row_sums).with_softcap(softcap);
                 let mut opts = match row_lens {
                     Some(_) => opts.with_row_documents(rows.clone()),
                     None => opts.with_documents(docs.clone()),
@@ -132,15 +136,15 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             }
             Method::Ulysses(_) | Method::Usp { .. } if row_lens.is_some() => continue,
             Method::Ulysses(l) => {
-                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(case.causal, case.scale) };
+                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(case.causal, case.scale).with_softcap(softcap) };
                 if row_sums == RowSums::F32 {
-                    let single = fwd_bwd(&case, &|q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, case.scale, RowSums::F32))?;
+                    let single = fwd_bwd(&case, &|q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, scores, RowSums::F32))?;
                     check(&single, &case.reference, &tol, &format!("{what}, single-device op with f32 row sums"))?;
                 }
                 run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads).with_row_sums(row_sums))
             }
             Method::Usp { u, r } => {
-                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(case.causal, case.scale) };
+                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(case.causal, case.scale).with_softcap(softcap) };
                 run_case_usp_opts(&case, u, r, TIMEOUT, o.with_head_layout(heads))
             }
         };
@@ -159,6 +163,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 regathered += (heads == HeadLayout::Regathered) as usize;
                 f32_rows += matches!(method, Method::Ulysses(_) if row_sums == RowSums::F32) as usize;
                 out_rows += matches!(method, Method::Cp(_) if row_sums == RowSums::Output) as usize;
+                capped += softcap.is_some() as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -170,10 +175,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}, ring / all-gather with output row sums {out_rows}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}, ring / all-gather with output row sums {out_rows}, soft cap {capped}"
     );
     assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows), ("output row sums", out_rows)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows), ("output row sums", out_rows), ("soft cap", capped)] {
         assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())

@@ -34,7 +34,7 @@
 //! sends dQ, dK, dV back; the two all-to-all functions above remain separate autograd ops
 //! for models that put their own attention between them.
 
-use crate::attention::{self, Mask, RowSums};
+use crate::attention::{self, Mask, RowSums, Scores};
 use crate::autograd::{attach1, attach3, BackwardFn};
 use crate::cp::Layout;
 use crate::packing::Documents;
@@ -216,6 +216,8 @@ pub struct UlyssesOpts {
     pub causal: bool,
     /// Softmax scale, usually `1/sqrt(D)`.
     pub scale: f64,
+    /// Logit soft cap (Gemma 2; see [`attention::Scores`]), `None` for none.
+    pub softcap: Option<f64>,
     /// Global positions of the gathered rows (see [`SeqOrder`]).
     pub order: SeqOrder,
     /// Packed documents of the global sequence (`None`: one document): a query sees only keys
@@ -241,6 +243,7 @@ impl UlyssesOpts {
         Self {
             causal,
             scale,
+            softcap: None,
             order: SeqOrder::Contiguous,
             documents: None,
             row_documents: None,
@@ -248,6 +251,18 @@ impl UlyssesOpts {
             head_layout: HeadLayout::Kept,
             row_sums: RowSums::Output,
         }
+    }
+
+    /// Same options with the logits soft-capped at `cap` (`None`: uncapped; see
+    /// [`attention::Scores`]).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap;
+        self
+    }
+
+    /// The scale and soft cap as the attention ops take them.
+    pub fn scores(&self) -> Scores {
+        Scores::new(self.scale).with_softcap(self.softcap)
     }
 
     /// Same options with the backward's row sums taken as `row_sums` says (see [`RowSums`]).
@@ -420,7 +435,7 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
         }
     };
     let heads = HeadQkv::gather(q, k, v, spread, group, &nat)?;
-    let (out32, lse_h) = vis.fwd(&heads.q, &heads.k, &heads.v, opts.scale)?;
+    let (out32, lse_h) = vis.fwd(&heads.q, &heads.k, &heads.v, opts.scores())?;
     let out_h = out32.to_dtype(q.dtype())?;
     let residual = match opts.row_sums {
         RowSums::F32 => crate::autograd::rounding_residual(&out32, &out_h)?,
@@ -429,7 +444,7 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     drop(out32);
     let out = head_to_seq_raw(&gat(out_h.clone(), 1)?, group)?;
     let lse = lse_head_to_seq(&gat(lse_h.clone(), 2)?, group)?;
-    let (g, scale, qdt, kdt) = (group.clone(), opts.scale, q.dtype(), k.dtype());
+    let (g, scale, qdt, kdt) = (group.clone(), opts.scores(), q.dtype(), k.dtype());
     let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
     let slot = kept.slot();
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
@@ -487,7 +502,7 @@ impl Visibility {
     }
 
     /// Raw forward: out f32, lse f32.
-    fn fwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    fn fwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, scale: Scores) -> Result<(Tensor, Tensor)> {
         match self {
             Visibility::Mask(m) => attention::attention_fwd(q, k, v, m, scale),
             Visibility::Band(b) => attention::attention_fwd_band(q, k, v, b, scale),
@@ -496,7 +511,7 @@ impl Visibility {
 
     /// Raw backward: f32 dq, dk, dv.
     #[allow(clippy::too_many_arguments)]
-    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, scale: f64) -> Result<(Tensor, Tensor, Tensor)> {
+    fn bwd(&self, q: &Tensor, k: &Tensor, v: &Tensor, out: &Tensor, lse: &Tensor, dout: &Tensor, scale: Scores) -> Result<(Tensor, Tensor, Tensor)> {
         match self {
             Visibility::Mask(m) => attention::attention_bwd(q, k, v, out, lse, dout, m, scale),
             Visibility::Band(b) => attention::attention_bwd_band(q, k, v, out, lse, dout, b, scale),

@@ -87,6 +87,8 @@ pub struct UspOpts {
     pub causal: bool,
     /// Softmax scale, usually `1/sqrt(D)`.
     pub scale: f64,
+    /// Logit soft cap (Gemma 2; see [`crate::attention::Scores`]), `None` for none.
+    pub softcap: Option<f64>,
     /// How the sequence is split over the ring groups (zigzag balances causal work).
     pub ring_layout: Layout,
     /// Packed documents of the global sequence (`None`: one document), passed to the ring
@@ -112,6 +114,7 @@ impl UspOpts {
         Self {
             causal,
             scale,
+            softcap: None,
             ring_layout: Layout::Zigzag,
             documents: None,
             row_documents: None,
@@ -119,6 +122,12 @@ impl UspOpts {
             head_layout: HeadLayout::Kept,
             row_sums: RowSums::F32,
         }
+    }
+
+    /// Same options with the logits soft-capped at `cap` (`None`: uncapped).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap;
+        self
     }
 
     /// Same options with the ring backward's row sums taken as `row_sums` says.
@@ -200,7 +209,7 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
         documents: opts.documents.clone(),
         row_documents: opts.row_documents.clone(),
         window: opts.window,
-        ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale)
+        ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale).with_softcap(opts.softcap)
     };
     if cp::halo::applies(&cp_opts, groups.r(), heads.q.dim(1)? * groups.r()) {
         // a window within one chunk of the ring part: its halo exchange, not the ring

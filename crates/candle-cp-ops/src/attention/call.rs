@@ -5,6 +5,7 @@
 //! ([`crate::cp::state::RowAccum::add_bwd`]: the CUDA kernels' `accumulate` flag, so no dQ
 //! buffer, zero fill or add pass per step).
 
+use super::Scores;
 use super::{attention_bwd_band_prepared, attention_bwd_prepared, attention_fwd, attention_fwd_band, Band, BwdPrep, Mask};
 use candle_core::{Result, Tensor};
 
@@ -27,7 +28,7 @@ pub(crate) struct BwdCall<'a> {
     pub lse: &'a Tensor,
     pub prep: &'a BwdPrep,
     pub mask: CallMask<'a>,
-    pub scale: f64,
+    pub scale: Scores,
 }
 
 impl BwdCall<'_> {
@@ -78,7 +79,7 @@ impl BwdCall<'_> {
 impl CallMask<'_> {
     /// The forward of `q [B, n, H, D]` against `k, v` under this mask: f32 out `[B, n, H, D]`,
     /// lse `[B, H, n]` (no graph).
-    pub(crate) fn fwd(self, q: &Tensor, k: &Tensor, v: &Tensor, scale: f64) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn fwd(self, q: &Tensor, k: &Tensor, v: &Tensor, scale: Scores) -> Result<(Tensor, Tensor)> {
         match self {
             CallMask::Mask(m) => attention_fwd(q, k, v, m, scale),
             CallMask::Band(b) => attention_fwd_band(q, k, v, b, scale),
@@ -93,7 +94,7 @@ impl CallMask<'_> {
 /// they do not take, a window mask): the caller runs [`CallMask::fwd`] and merges.
 #[cfg(feature = "cuda")]
 #[allow(clippy::too_many_arguments)]
-pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
+pub(crate) fn fwd_fold_cuda(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: Scores, state: &Tensor, rows: usize, row0: usize) -> Result<bool> {
     if !kernels_take(q, k, v, mask)? {
         return Ok(false);
     }
@@ -118,7 +119,7 @@ fn kernels_take(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>) -> Resul
 /// ([`crate::cp::state::LocalState::adopt_packed`]). On CUDA the kernels write that buffer
 /// directly (`flash::fwd_packed`, `fwd_band_packed`); elsewhere (the state's in-place form
 /// forced on the CPU in tests) the two results are concatenated.
-pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: f64) -> Result<Tensor> {
+pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: CallMask<'_>, scale: Scores) -> Result<Tensor> {
     #[cfg(feature = "cuda")]
     if kernels_take(q, k, v, mask)? {
         return super::cuda::fwd_packed(q, k, v, mask, scale);

@@ -11,6 +11,7 @@
 //! output is deterministic for a given thread count.
 
 use super::blas::{ds_row, dot, exp_f32, exp_sub, exp_sub_sum, matmul, row_max, scale_row, Mat};
+use super::scores::{softcap_row, softcap_row_grad};
 use super::Band;
 use rayon::prelude::*;
 
@@ -40,7 +41,7 @@ pub(crate) fn forward(
     v: &[f32],
     dims: Dims,
     band: &Band,
-    scale: f32,
+    (scale, cap): (f32, f32),
 ) -> (Vec<f32>, Vec<f32>) {
     let Dims { b: nb, t, h: nh, d, .. } = dims;
     // query tiles per band row (a shared band: the same tiles for every batch row)
@@ -56,7 +57,7 @@ pub(crate) fn forward(
         .collect();
     let tiles: Vec<(Vec<f32>, Vec<f32>)> = units
         .par_iter()
-        .map(|&(b, h, i0, i1)| fwd_tile(q, k, v, dims, band.row(b), scale, b, h, (i0, i1)))
+        .map(|&(b, h, i0, i1)| fwd_tile(q, k, v, dims, band.row(b), (scale, cap), b, h, (i0, i1)))
         .collect();
     let mut out = vec![0f32; nb * t * nh * d];
     let mut lse = vec![f32::NEG_INFINITY; nb * nh * t];
@@ -101,7 +102,7 @@ fn fwd_tile(
     v: &[f32],
     dims: Dims,
     (lo, hi): (&[u32], &[u32]),
-    scale: f32,
+    (scale, cap): (f32, f32),
     b: usize,
     h: usize,
     (i0, i1): (usize, usize),
@@ -131,6 +132,9 @@ fn fwd_tile(
             if va >= vb {
                 row.fill(0.0);
                 continue;
+            }
+            if cap > 0.0 {
+                softcap_row(&mut row[va..vb], cap);
             }
             let bm = row_max(&row[va..vb]);
             let mnew = m[r].max(bm);
@@ -190,7 +194,7 @@ pub(crate) fn backward(
     dout: &[f32],
     dims: Dims,
     band: &Band,
-    scale: f32,
+    (scale, cap): (f32, f32),
 ) -> (Vec<f32>, Vec<f32>, Vec<f32>) {
     let Dims { b: nb, t, s, h: nh, hkv, d } = dims;
     // Key chunks (in units of BWD_BK) so that there are enough work items for the pool.
@@ -207,7 +211,7 @@ pub(crate) fn backward(
             (0..nh).flat_map(move |h| cb.iter().map(move |&(c0, c1)| (b, h, c0, c1)))
         })
         .collect();
-    let ctx = BwdCtx { q, k, v, dout, lse, delta, dims, band, scale };
+    let ctx = BwdCtx { q, k, v, dout, lse, delta, dims, band, scale, cap };
     let parts: Vec<BwdPart> = units.par_iter().map(|&(b, h, c0, c1)| ctx.unit(b, h, c0, c1)).collect();
     let mut dq = vec![0f32; nb * t * nh * d];
     let mut dk = vec![0f32; nb * s * hkv * d];
@@ -246,6 +250,8 @@ struct BwdCtx<'a> {
     dims: Dims,
     band: &'a Band,
     scale: f32,
+    /// Logit soft cap (0: none).
+    cap: f32,
 }
 
 impl BwdCtx<'_> {
@@ -295,6 +301,8 @@ impl BwdCtx<'_> {
         let mut dv = vec![0f32; (c1 - c0) * d];
         let mut pb = vec![0f32; BWD_BQ * BWD_BK];
         let mut db = vec![0f32; BWD_BQ * BWD_BK];
+        // the soft cap's derivative 1 - tanh² per (row, key) of the tile
+        let mut gb = if self.cap > 0.0 { vec![0f32; BWD_BQ * BWD_BK] } else { Vec::new() };
         let mut j0 = c0;
         while j0 < c1 {
             let j1 = self.key_tile_end(b, j0, (j0 + BWD_BK).min(c1));
@@ -321,6 +329,9 @@ impl BwdCtx<'_> {
                         row.fill(0.0);
                         continue;
                     }
+                    if self.cap > 0.0 {
+                        softcap_row_grad(&mut row[va..vb], &mut gb[r * jn + va..r * jn + vb], self.cap);
+                    }
                     exp_sub(&mut row[va..vb], l);
                     row[..va].fill(0.0);
                     row[vb..].fill(0.0);
@@ -334,6 +345,13 @@ impl BwdCtx<'_> {
                     let prow = &pb[r * jn..(r + 1) * jn];
                     let drow = &mut db[r * jn..(r + 1) * jn];
                     ds_row(drow, prow, dl);
+                    if self.cap > 0.0 {
+                        // dS w.r.t. the uncapped logit; masked entries are 0 already (P = 0)
+                        let (va, vb) = ((lo[i0 + r] as usize).saturating_sub(j0).min(jn), (hi[i0 + r] as usize).saturating_sub(j0).min(jn));
+                        if va < vb {
+                            drow[va..vb].iter_mut().zip(&gb[r * jn + va..r * jn + vb]).for_each(|(x, g)| *x *= g);
+                        }
+                    }
                 }
                 // dK += scale * dS^T Q ; dQ += scale * dS K
                 matmul(jn, d, qn, dk_acc, d, true, Mat::new(&db, 0, 1, jn), qm, self.scale);

@@ -26,6 +26,7 @@ mod merge;
 mod op;
 mod prep;
 mod row_sums;
+mod scores;
 mod slow;
 mod window;
 
@@ -34,6 +35,7 @@ pub use merge::merge;
 pub use op::AttentionOp;
 pub use prep::BwdPrep;
 pub use row_sums::RowSums;
+pub use scores::Scores;
 pub(crate) use call::{fwd_packed, BwdCall, CallMask};
 #[cfg(feature = "cuda")]
 pub(crate) use call::fwd_fold_cuda;
@@ -234,7 +236,9 @@ pub(crate) fn host_f32_ref(x: &Tensor) -> Result<HostF32<'_>> {
 /// out f32 `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). A query row with no visible key
 /// gets out 0 and lse `-inf`. `T`, `S` are the *local* lengths; the mask carries the global
 /// positions.
-pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("causal")?;
     let dims = check_qkv("attention_fwd", q, k, v, mask)?;
     if let Mask::Window { .. } = mask {
         if !band_kernels(q) {
@@ -283,7 +287,7 @@ fn cpu_bwd(
     prep: &BwdPrep,
     dims: AttnDims,
     band: &Band,
-    scale: f64,
+    scale: Scores,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let AttnDims { b, t, s, h, hkv, d } = dims;
     let (dq, dk, dv) = kernel::backward(
@@ -295,7 +299,7 @@ fn cpu_bwd(
         &host_f32_ref(prep.dout())?,
         dims,
         band,
-        scale as f32,
+        scale.f32s(),
     );
     let dev = q.device();
     Ok((
@@ -320,8 +324,10 @@ pub fn attention_bwd(
     lse: &Tensor,
     dout: &Tensor,
     mask: &Mask,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_bwd")?;
     let dims = check_qkv("attention_bwd", q, k, v, mask)?;
     check_bwd_inputs("attention_bwd", q, out, lse, dout, dims)?;
     attention_bwd_prepared(q, k, v, lse, &BwdPrep::new(q, out, dout)?, mask, scale)
@@ -338,8 +344,10 @@ pub fn attention_bwd_prepared(
     lse: &Tensor,
     prep: &BwdPrep,
     mask: &Mask,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_bwd_prepared")?;
     let dims = check_qkv("attention_bwd", q, k, v, mask)?;
     check_like("attention_bwd", "lse", lse, &[dims.b, dims.h, dims.t], q)?;
     prep.check("attention_bwd", q, dims)?;
@@ -362,7 +370,9 @@ pub fn attention_bwd_prepared(
 /// dtype (differentiable w.r.t. q, k, v through [`AttentionOp`]'s `bwd`), lse f32 `[B, H, T]`
 /// (not differentiable). Accumulation is f32 for every input dtype. The backward's row sums
 /// come from the returned output ([`RowSums::Output`]); [`attention_with`] chooses.
-pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention")?;
     attention_with(q, k, v, mask, scale, RowSums::Output)
 }
 
@@ -370,7 +380,9 @@ pub fn attention(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) ->
 /// output (the op, nothing extra kept) or from the f32 output ([`RowSums::F32`]: the raw
 /// forward and backward attached as a closure, a bf16 rounding residual kept for a 16-bit
 /// output).
-pub fn attention_with(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+pub fn attention_with(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: impl Into<Scores>, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_with")?;
     let dims = check_qkv("attention", q, k, v, mask)?;
     if row_sums == RowSums::F32 {
         if let Mask::Window { .. } = mask {
@@ -409,7 +421,9 @@ fn band_kernels(q: &Tensor) -> bool {
 /// `[B, S, Hkv, D]` -> out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; the band is `[1 or B, T]`
 /// over `S` keys. A row with an empty interval gets out 0 and lse `-inf`. One kernel call
 /// whatever the band holds (documents, windows, causal edges).
-pub fn attention_fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention_fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_fwd_band")?;
     let dims = check_qkv("attention_fwd_band", q, k, v, &Mask::Full)?;
     band.check("attention_fwd_band", dims.b, dims.t, dims.s)?;
     #[cfg(feature = "cuda")]
@@ -435,8 +449,10 @@ pub fn attention_bwd_band(
     lse: &Tensor,
     dout: &Tensor,
     band: &Band,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_bwd_band")?;
     let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
     check_bwd_inputs("attention_bwd_band", q, out, lse, dout, dims)?;
     attention_bwd_band_prepared(q, k, v, lse, &BwdPrep::new(q, out, dout)?, band, scale)
@@ -451,8 +467,10 @@ pub fn attention_bwd_band_prepared(
     lse: &Tensor,
     prep: &BwdPrep,
     band: &Band,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_bwd_band_prepared")?;
     let dims = check_qkv("attention_bwd_band", q, k, v, &Mask::Full)?;
     band.check("attention_bwd_band", dims.b, dims.t, dims.s)?;
     check_like("attention_bwd_band", "lse", lse, &[dims.b, dims.h, dims.t], q)?;
@@ -468,12 +486,16 @@ pub fn attention_bwd_band_prepared(
 /// w.r.t. q, k, v), lse f32 `[B, H, T]`. One kernel call forward, one backward (on CUDA both
 /// read one device copy of the bounds, made here unless `band` already has one). Row sums from
 /// the returned output; [`attention_band_with`] chooses.
-pub fn attention_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_band")?;
     attention_band_with(q, k, v, band, scale, RowSums::Output)
 }
 
 /// [`attention_band`] with the backward's row sums taken as `row_sums` says ([`attention_with`]).
-pub fn attention_band_with(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+pub fn attention_band_with(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: impl Into<Scores>, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_band_with")?;
     let dims = check_qkv("attention_band", q, k, v, &Mask::Full)?;
     band.check("attention_band", dims.b, dims.t, dims.s)?;
     let mut band = band.clone();
@@ -518,8 +540,10 @@ pub fn attention_docs(
     v: &Tensor,
     docs: &Documents,
     causal: bool,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_docs")?;
     let mask = if causal { Mask::causal() } else { Mask::Full };
     attention_docs_mask(q, k, v, docs, &mask, scale)
 }
@@ -533,8 +557,10 @@ pub fn attention_docs_mask(
     v: &Tensor,
     docs: &Documents,
     mask: &Mask,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_docs_mask")?;
     attention_docs_mask_with(q, k, v, docs, mask, scale, RowSums::Output)
 }
 
@@ -546,9 +572,11 @@ pub fn attention_docs_mask_with(
     v: &Tensor,
     docs: &Documents,
     mask: &Mask,
-    scale: f64,
+    scale: impl Into<Scores>,
     row_sums: RowSums,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("attention_docs_mask_with")?;
     let t = check_docs("attention_docs", q, k, v, docs)?;
     if docs.count() == 1 {
         return attention_with(q, k, v, mask, scale, row_sums);
@@ -577,7 +605,7 @@ pub fn attention_docs_mask_with(
 
 /// [`attention`] for a window mask: the decomposed forward (module `window`) on detached
 /// inputs, its backward attached as a closure.
-fn window_autograd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, dims: AttnDims) -> Result<(Tensor, Tensor)> {
+fn window_autograd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Scores, dims: AttnDims) -> Result<(Tensor, Tensor)> {
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let (out32, lse) = window::fwd(&qd, &kd, &vd, mask, scale, dims)?;
     let out = out32.to_dtype(q.dtype())?;

@@ -1,5 +1,6 @@
 //! [`AttentionOp`]: the candle `CustomOp3` wrapping the blockwise kernels.
 
+use super::Scores;
 use super::{attention_bwd, attention_bwd_band, kernel, Band, Mask};
 use candle_core::backend::BackendStorage;
 use candle_core::{CpuStorage, CustomOp3, DType, Device, Layout, Result, Shape, Tensor};
@@ -22,8 +23,8 @@ pub struct AttentionOp {
     pub mask: Mask,
     /// Visibility as per-row key intervals ([`Band`]); takes precedence over `mask`.
     pub band: Option<Arc<Band>>,
-    /// Multiplier of q·k (usually 1/sqrt(D)).
-    pub scale: f64,
+    /// Multiplier of q·k (usually 1/sqrt(D)) and logit soft cap.
+    pub scale: Scores,
     /// Forward output dtype: f32 when true (raw `attention_fwd`), q's dtype otherwise.
     pub f32_out: bool,
     lse: LseSlot,
@@ -31,13 +32,13 @@ pub struct AttentionOp {
 
 impl AttentionOp {
     /// New op with an empty lse slot.
-    pub fn new(mask: Mask, scale: f64, f32_out: bool) -> Self {
-        Self { mask, scale, f32_out, band: None, lse: Arc::new(Mutex::new(None)) }
+    pub fn new(mask: Mask, scale: impl Into<Scores>, f32_out: bool) -> Self {
+        Self { mask, scale: scale.into(), f32_out, band: None, lse: Arc::new(Mutex::new(None)) }
     }
 
     /// New op whose visibility is `band` (per-row key intervals), with an empty lse slot.
-    pub fn with_band(band: Arc<Band>, scale: f64, f32_out: bool) -> Self {
-        Self { mask: Mask::Full, scale, f32_out, band: Some(band), lse: Arc::new(Mutex::new(None)) }
+    pub fn with_band(band: Arc<Band>, scale: impl Into<Scores>, f32_out: bool) -> Self {
+        Self { mask: Mask::Full, scale: scale.into(), f32_out, band: Some(band), lse: Arc::new(Mutex::new(None)) }
     }
 
     /// Handle on the slot where the forward leaves lse `[B, H, T]`.
@@ -92,6 +93,7 @@ impl CustomOp3 for AttentionOp {
         l3: &Layout,
     ) -> Result<(CpuStorage, Shape)> {
         reject_window(self)?;
+        self.scale.check("attention")?;
         let (b, t, h, d) = l1.shape().dims4()?;
         let (_, s, hkv, _) = l2.shape().dims4()?;
         if l3.shape() != l2.shape() || hkv == 0 || h % hkv != 0 {
@@ -108,7 +110,7 @@ impl CustomOp3 for AttentionOp {
             }
             None => Arc::new(Band::from_mask(&self.mask, t, s)),
         };
-        let (out, lse) = kernel::forward(&q, &k, &v, dims, &band, self.scale as f32);
+        let (out, lse) = kernel::forward(&q, &k, &v, dims, &band, self.scale.f32s());
         let lse = Tensor::from_vec(lse, (b, h, t), &Device::Cpu)?;
         *self.lse.lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
         let storage = match (self.f32_out, s1.dtype()) {

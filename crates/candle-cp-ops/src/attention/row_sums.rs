@@ -12,6 +12,7 @@
 //! `CpOpts::row_sums`, `UspOpts::row_sums`; Ulysses: `UlyssesOpts::row_sums`). With f32 inputs
 //! nothing is rounded and both modes give the same values.
 
+use super::Scores;
 use super::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
 use crate::autograd::{attach3_from_f32, BackwardFromF32};
 use candle_core::{Result, Tensor};
@@ -46,7 +47,7 @@ fn cast3(g: (Tensor, Tensor, Tensor), qdt: candle_core::DType, kdt: candle_core:
 
 /// [`super::attention`] with [`RowSums::F32`] (shapes already checked): the raw forward on
 /// detached inputs (f32 output), the raw backward attached with the rebuilt f32 output.
-pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Scores) -> Result<(Tensor, Tensor)> {
     // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
     let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let (out32, lse) = attention_fwd(&qd, &kd, &vd, mask, scale)?;
@@ -60,7 +61,7 @@ pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, sca
 
 /// [`super::attention_band`] with [`RowSums::F32`] (checked; `band` holds its device copy
 /// where the kernels want one).
-pub(super) fn attention_band_f32(q: &Tensor, k: &Tensor, v: &Tensor, band: Band, scale: f64) -> Result<(Tensor, Tensor)> {
+pub(super) fn attention_band_f32(q: &Tensor, k: &Tensor, v: &Tensor, band: Band, scale: Scores) -> Result<(Tensor, Tensor)> {
     // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
     let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let (out32, lse) = attention_fwd_band(&qd, &kd, &vd, &band, scale)?;

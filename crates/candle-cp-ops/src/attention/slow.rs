@@ -1,5 +1,6 @@
 //! `attention_slow`: the reference attention from plain candle ops (materialises T×S).
 
+use super::Scores;
 use super::{check_qkv, Band, Mask};
 use crate::packing::Documents;
 use candle_core::{DType, Device, Result, Tensor, D};
@@ -8,7 +9,8 @@ use candle_core::{DType, Device, Result, Tensor, D};
 /// candle autograd. Same contract as [`super::attention`]: q `[B, T, H, D]`, k/v
 /// `[B, S, Hkv, D]` -> out `[B, T, H, D]` (q's dtype), lse f32 `[B, H, T]` (detached). Computes
 /// in f32 and builds the full `[B, H, T, S]` score matrix: for tests only.
-pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention_slow(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
     check_qkv("attention_slow", q, k, v, mask)?;
     slow_with(q, k, v, scale, |i, j| mask.visible(i, j))
 }
@@ -23,8 +25,9 @@ pub fn attention_docs_slow(
     v: &Tensor,
     docs: &Documents,
     causal: bool,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
     super::check_docs("attention_docs_slow", q, k, v, docs)?;
     slow_with(q, k, v, scale, |i, j| docs.visible(i, j, causal))
 }
@@ -37,8 +40,9 @@ pub fn attention_docs_mask_slow(
     v: &Tensor,
     docs: &Documents,
     mask: &Mask,
-    scale: f64,
+    scale: impl Into<Scores>,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
     super::check_docs("attention_docs_mask_slow", q, k, v, docs)?;
     slow_with(q, k, v, scale, |i, j| match (docs.doc_of(i), docs.doc_of(j)) {
         (Some(a), Some(b)) if a == b => {
@@ -51,7 +55,8 @@ pub fn attention_docs_mask_slow(
 
 /// [`attention_slow`] under a [`Band`] (the reference for [`super::attention_band`]); a band
 /// with one row per batch row is applied row by row. For tests only.
-pub fn attention_band_slow(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: f64) -> Result<(Tensor, Tensor)> {
+pub fn attention_band_slow(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: impl Into<Scores>) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
     let dims = check_qkv("attention_band_slow", q, k, v, &Mask::Full)?;
     band.check("attention_band_slow", dims.b, dims.t, dims.s)?;
     if band.batch() == 1 {
@@ -72,10 +77,11 @@ fn slow_with(
     q: &Tensor,
     k: &Tensor,
     v: &Tensor,
-    scale: f64,
+    scale: Scores,
     visible: impl Fn(usize, usize) -> bool,
 ) -> Result<(Tensor, Tensor)> {
     let dims = check_qkv("attention_slow", q, k, v, &Mask::Full)?;
+    scale.check("attention_slow")?;
     let (b, t, s, h, hkv, d) = (dims.b, dims.t, dims.s, dims.h, dims.hkv, dims.d);
     let g = h / hkv;
     let dev = q.device();
@@ -90,7 +96,11 @@ fn slow_with(
             .reshape((b, h, s, d))
     };
     let (kf, vf) = (rep(k)?, rep(v)?);
-    let scores = (qf.matmul(&kf.t()?.contiguous()?)? * scale)?; // [B, H, T, S]
+    let scores = (qf.matmul(&kf.t()?.contiguous()?)? * scale.scale)?; // [B, H, T, S]
+    let scores = match scale.softcap {
+        Some(c) => ((scores / c)?.tanh()? * c)?,
+        None => scores,
+    };
     let vis: Vec<u8> = (0..t).flat_map(|i| (0..s).map(|j| visible(i, j) as u8).collect::<Vec<_>>()).collect();
     let vis = Tensor::from_vec(vis, (t, s), &Device::Cpu)?.to_device(dev)?.broadcast_as((b, h, t, s))?;
     let neg_inf = Tensor::full(f32::NEG_INFINITY, (b, h, t, s), dev)?;

@@ -21,6 +21,7 @@
 //! same calls with the tile's global out and lse and sums dK/dV over the tiles. Calls per
 //! tile: at most 3, so `3·T/w` calls for `T` queries (fewer when the window exceeds `T`).
 
+use super::Scores;
 use super::{attention_bwd_prepared, attention_fwd, AttnDims, BwdPrep, Mask};
 use crate::cp::state::{LocalState, RowAccum};
 use candle_core::{bail, Result, Tensor};
@@ -116,7 +117,7 @@ fn rows(x: &Tensor, dim: usize, a: usize, n: usize, rev: bool) -> Result<Tensor>
 /// Forward of a window mask: f32 out `[B, T, H, D]`, lse `[B, H, T]` (see
 /// [`super::attention_fwd`]). The calls' partial results merge in place into an f32 running
 /// state of all rows ([`LocalState`]); rows no call covers keep out 0, lse `-inf`.
-pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: f64, dims: AttnDims) -> Result<(Tensor, Tensor)> {
+pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Scores, dims: AttnDims) -> Result<(Tensor, Tensor)> {
     let AttnDims { b, t, s, h, d, .. } = dims;
     let mut state = LocalState::on_device(b, t, h, d, q.device())?;
     for c in calls(mask, t, s)? {
@@ -149,7 +150,7 @@ pub(crate) fn bwd(
     lse: &Tensor,
     prep: &BwdPrep,
     mask: &Mask,
-    scale: f64,
+    scale: Scores,
     dims: AttnDims,
 ) -> Result<(Tensor, Tensor, Tensor)> {
     let AttnDims { b, t, s, h, hkv, d } = dims;

@@ -15,6 +15,7 @@
 //! memory per GPU, and per token only the tiny partial results travel (not K/V). New tokens'
 //! entries go round-robin ([`decode_owner`]) so the shards stay balanced.
 
+use crate::attention::Scores;
 use crate::attention::{attention_fwd, merge, Mask};
 use crate::Group;
 use candle_core::{bail, DType, Result, Tensor};
@@ -162,7 +163,7 @@ pub fn decode_owner(pos: usize, p: usize) -> usize {
 
 /// This rank's partial attention: f32 out `[B, Tq, H, D]`, lse `[B, H, Tq]` of `q` against
 /// the shard's rows visible from each query (position `<= qp`, and `> qp - window`).
-fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: f64, window: Option<usize>) -> Result<(Tensor, Tensor)> {
+fn local_partial(q: &Tensor, q_positions: &[usize], shard: &KvShard, scale: Scores, window: Option<usize>) -> Result<(Tensor, Tensor)> {
     let (b, tq, h, d) = q.dims4()?;
     let empty = || -> Result<(Tensor, Tensor)> {
         Ok((
@@ -212,9 +213,11 @@ pub fn sharded_decode_attention(
     q_positions: &[usize],
     shard: &KvShard,
     group: &Group,
-    scale: f64,
+    scale: impl Into<Scores>,
     window: Option<usize>,
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Scores = scale.into();
+    scale.check("sharded_decode_attention")?;
     let (b, tq, h, d) = match q.dims() {
         &[b, tq, h, d] => (b, tq, h, d),
         _ => bail!("sharded_decode_attention: q must be [B, Tq, H, D], got {:?}", q.shape()),

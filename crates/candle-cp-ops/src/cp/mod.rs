@@ -38,7 +38,7 @@ pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun,
 
 use crate::packing::Documents;
 use crate::Group;
-use crate::attention::RowSums;
+use crate::attention::{RowSums, Scores};
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Options of the context-parallel attention ops.
@@ -50,6 +50,9 @@ pub struct CpOpts {
     pub causal: bool,
     /// Softmax scale; `None` = `1/sqrt(D)`.
     pub scale: Option<f64>,
+    /// Logit soft cap (Gemma 2's `attn_logit_softcapping`, see [`crate::attention::Scores`]);
+    /// `None`: uncapped.
+    pub softcap: Option<f64>,
     /// Start the next chunk's transfer before computing the current one (double buffer).
     /// `false` waits for each transfer before computing (for measuring the overlap).
     pub overlap: bool,
@@ -104,6 +107,7 @@ impl Default for CpOpts {
             layout: Layout::Zigzag,
             causal: true,
             scale: None,
+            softcap: None,
             overlap: true,
             block_rows: 0,
             check_ranks: true,
@@ -174,6 +178,12 @@ impl CpOpts {
         self.scale = Some(scale);
         self
     }
+    /// Same options with the logits soft-capped at `cap` (`None`: uncapped; see
+    /// [`CpOpts::softcap`]).
+    pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
+        self.softcap = cap;
+        self
+    }
     /// Query rows per attention call for tensors on `device`: [`CpOpts::block_rows`] when it
     /// is set (non-zero), else [`DEFAULT_BLOCK_ROWS`] on the CPU and unbounded on CUDA.
     pub fn rows_per_call(&self, device: &Device) -> usize {
@@ -206,9 +216,9 @@ fn dtype_code(d: DType) -> f32 {
     }
 }
 
-/// The softmax scale: `opts.scale`, else `1/sqrt(D)`.
-pub(crate) fn scale_of(opts: &CpOpts, d: usize) -> f64 {
-    opts.scale.unwrap_or(1.0 / (d as f64).sqrt())
+/// The logits of `opts`: its scale (else `1/sqrt(D)`) and soft cap.
+pub(crate) fn scale_of(opts: &CpOpts, d: usize) -> Scores {
+    Scores::new(opts.scale.unwrap_or(1.0 / (d as f64).sqrt())).with_softcap(opts.softcap)
 }
 
 /// [`check_inputs`] for a backward pass, plus: `out` and `dout` must match q's shape
@@ -309,6 +319,8 @@ pub(crate) fn check_inputs(
             docs.check_len(&format!("{name} (row {i} of q {:?} on each of P = {p} ranks)", q.shape()), t)?;
         }
     }
+    let scores = scale_of(opts, d);
+    scores.check(name)?;
     match opts.window {
         Some(0) => bail!("{name}: a sliding window must hold at least 1 key (q {:?})", q.shape()),
         Some(w) if !opts.causal => bail!("{name}: a sliding window ({w}) needs the causal mask (q {:?})", q.shape()),
@@ -334,6 +346,8 @@ pub(crate) fn check_inputs(
             // window: none = 0, else its size in two exact 16-bit pieces (+1 marks presence)
             opts.window.map_or(0.0, |w| 1.0 + (w & 0xffff) as f32),
             opts.window.map_or(0.0, |w| ((w >> 16) & 0xffff) as f32),
+            scores.scale as f32,
+            scores.softcap.map_or(0.0, |c| c as f32),
         ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
@@ -353,7 +367,7 @@ pub(crate) fn check_inputs(
                 )
             }
             if other[5..] != extra[..] {
-                bail!("{name}: ranks disagree on dtype, layout, causal flag, packed documents or sliding window (rank {} vs rank {r}, {})", group.rank(), group.describe())
+                bail!("{name}: ranks disagree on dtype, layout, causal flag, packed documents, sliding window, scale or soft cap (rank {} vs rank {r}, {})", group.rank(), group.describe())
             }
         }
     }

@@ -93,6 +93,7 @@ fn check_docs(
         layout,
         causal: case.causal,
         scale: Some(case.scale),
+        softcap: None,
         overlap: true,
         block_rows: rows,
         check_ranks: true,

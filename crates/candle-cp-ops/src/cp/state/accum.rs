@@ -353,7 +353,7 @@ mod tests {
             lse: &lse,
             prep: &prep,
             mask: CallMask::Mask(&mask),
-            scale: 0.3,
+            scale: 0.3.into(),
         };
         let (dq, dk, dv) = call.run()?;
         let start = Tensor::randn(0f32, 1., (1, b, rows, h, d), &Device::Cpu)?;

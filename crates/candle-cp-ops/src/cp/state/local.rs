@@ -30,6 +30,7 @@
 //! Both device forms can be forced on the CPU (the `Buffer` form's CPU body is the host form's
 //! own merge), which is how they are tested against each other without a GPU.
 
+use crate::attention::Scores;
 use super::merge_op::{block_on, merge_slices, MergeRowsInPlace};
 use super::{with_host_f32, Residency};
 use crate::attention::{fwd_packed, CallMask};
@@ -207,7 +208,7 @@ impl LocalState {
         k: &Tensor,
         v: &Tensor,
         mask: CallMask<'_>,
-        scale: f64,
+        scale: Scores,
     ) -> Result<()> {
         let (_, n, _, _) = q.dims4()?;
         if self.takes_packed(row0, n) {

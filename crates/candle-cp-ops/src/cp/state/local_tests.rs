@@ -80,7 +80,7 @@ fn merge_fwd_equals_forward_then_merge() -> Result<()> {
     ];
     let mut reference = LocalState::new(b, tl, h, d);
     for (row0, n, mask) in calls {
-        let (o, l) = mask.fwd(&q.narrow(1, row0, n)?, &k, &v, 0.3)?;
+        let (o, l) = mask.fwd(&q.narrow(1, row0, n)?, &k, &v, 0.3.into())?;
         reference.merge_rows(row0, &o, &l)?;
     }
     let (ro, rl) = reference.finish(&dev)?;
@@ -97,7 +97,7 @@ fn merge_fwd_equals_forward_then_merge() -> Result<()> {
                 &k,
                 &v,
                 mask,
-                0.3,
+                0.3.into(),
             )?;
         }
         if form == 1 {
@@ -110,7 +110,7 @@ fn merge_fwd_equals_forward_then_merge() -> Result<()> {
                 &k,
                 &v,
                 CallMask::Mask(&Mask::Full),
-                0.3,
+                0.3.into(),
             )
             .unwrap_err()
             .to_string();
@@ -126,7 +126,7 @@ fn merge_fwd_equals_forward_then_merge() -> Result<()> {
     // the first call alone, over all rows: the forward itself
     let (fo, fl) = attention_fwd(&q, &k, &v, &Mask::Full, 0.3)?;
     let mut st = LocalState::device_resident(b, tl, h, d, &dev)?;
-    st.merge_fwd(0, &q, &k, &v, CallMask::Mask(&Mask::Full), 0.3)?;
+    st.merge_fwd(0, &q, &k, &v, CallMask::Mask(&Mask::Full), 0.3.into())?;
     let (so, sl) = st.finish(&dev)?;
     assert_eq!(
         so.flatten_all()?.to_vec1::<f32>()?,
