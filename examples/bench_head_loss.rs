@@ -41,7 +41,7 @@ fn run(path: &str, x: &Var, w: &Var, labels: &Tensor) -> Result<(f64, f64, f32)>
     let (sum, n) = match path {
         "chunked" => {
             let v = w.dims()[0];
-            let nll = token_nll(x.as_tensor(), w.as_tensor(), labels, default_chunk_rows(v))?;
+            let nll = token_nll(x.as_tensor(), w.as_tensor(), labels, default_chunk_rows(v), None)?;
             (nll.sum_all()?, labels.dims()[0])
         }
         _ => {

@@ -7,9 +7,11 @@
 //! | `mistral` (`MistralForCausalLM`)   | no             | no         | `sliding_window` (every layer)          |
 //! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on, or those `layer_types` names |
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
+//! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //!
-//! Gemma 3 differs from a Llama in more than these columns: see [`crate::gemma`].
+//! Gemma 2 and 3 differ from a Llama in more than these columns: see [`crate::gemma2`] (its
+//! logit soft-capping) and [`crate::gemma`].
 //!
 //! Qwen's and Gemma's window may sit on some layers only ([`crate::LlamaConfig::sliding_layers`]; each
 //! layer attends within [`crate::LlamaConfig::layer_window`], on every layout, in training and
@@ -19,8 +21,7 @@
 //! the heads), applied after the projection and before RoPE ([`crate::LlamaConfig::qk_norm`]).
 //!
 //! Anything else is refused by name. Without the check a config of another architecture
-//! would load and train silently as a different model: Qwen3-MoE's experts, Gemma 2's
-//! soft-capping, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
+//! would load and train silently as a different model: Qwen3-MoE's experts, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
 //! parameters or arithmetic the model never applies. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
 //! does not use. A Llama or Mistral config with a window on some layers only (`layer_types`
 //! mixing `full_attention` and `sliding_attention`) is refused too: transformers gives those
@@ -42,14 +43,16 @@ pub enum Arch {
     Qwen3,
     /// `Gemma3ForCausalLM` (`model_type` `gemma3_text`, the text model): see [`crate::gemma`].
     Gemma3,
+    /// `Gemma2ForCausalLM`: see [`crate::gemma2`].
+    Gemma2,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, gemma3_text";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, gemma3_text, gemma2";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 5] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3];
+    pub const ALL: [Arch; 6] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3, Arch::Gemma2];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -67,6 +70,7 @@ impl Arch {
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
+            Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
         }
     }
 
@@ -122,7 +126,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Gemma3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma2 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -166,6 +170,8 @@ impl Arch {
                     };
                     (0..layers).map(|i| w.is_some() && i >= from).collect()
                 }
+                // Gemma2Config: layer i slides iff (i + 1) % 2 != 0 (layers 0, 2, 4, ...)
+                Arch::Gemma2 => (0..layers).map(|i| w.is_some() && i % 2 == 0).collect(),
                 Arch::Gemma3 => {
                     // transformers before `layer_types`: layer i slides iff (i + 1) % pattern
                     let p = match m.get("sliding_window_pattern") {
@@ -256,7 +262,7 @@ mod tests {
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
             (r#", "model_type": "qwen3_moe""#, "model_type `qwen3_moe` not supported"),
-            (r#", "architectures": ["Gemma2ForCausalLM"]"#, "architecture `Gemma2ForCausalLM` not supported"),
+            (r#", "architectures": ["Qwen3MoeForCausalLM"]"#, "architecture `Qwen3MoeForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),

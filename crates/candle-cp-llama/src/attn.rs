@@ -17,13 +17,15 @@
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention_band_with, attention_docs_mask_with, attention_with, Band, Mask};
+use candle_cp_ops::attention::{attention_band_with, attention_docs_mask_with, attention_with, Band, Mask, Scores};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 
-/// Causal attention of the CP shard `q, k, v` with softmax `scale` (see the module doc).
-pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: f64) -> Result<Tensor> {
+/// Causal attention of the CP shard `q, k, v` with softmax `scale` (and the soft cap a
+/// [`Scores`] may carry; see the module doc).
+pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: impl Into<Scores>) -> Result<Tensor> {
+    let scale: Scores = scale.into();
     attend_one(q, k, v, ctx, scale, None, None)
 }
 
@@ -36,9 +38,10 @@ pub fn attend_docs(
     k: &Tensor,
     v: &Tensor,
     ctx: &ParallelCtx,
-    scale: f64,
+    scale: impl Into<Scores>,
     docs: Option<&[Documents]>,
 ) -> Result<Tensor> {
+    let scale: Scores = scale.into();
     attend_window(q, k, v, ctx, scale, docs, None)
 }
 
@@ -50,10 +53,11 @@ pub fn attend_window(
     k: &Tensor,
     v: &Tensor,
     ctx: &ParallelCtx,
-    scale: f64,
+    scale: impl Into<Scores>,
     docs: Option<&[Documents]>,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    let scale: Scores = scale.into();
     if window == Some(0) {
         bail!("attend: a sliding window must hold at least 1 key (q {:?})", q.dims())
     }
@@ -80,7 +84,7 @@ fn attend_one(
     k: &Tensor,
     v: &Tensor,
     ctx: &ParallelCtx,
-    scale: f64,
+    scale: Scores,
     docs: Option<&[Documents]>,
     window: Option<usize>,
 ) -> Result<Tensor> {
@@ -107,7 +111,7 @@ fn attend_one(
         documents: shared.clone(),
         row_documents: rows.clone(),
         window,
-        ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale).with_row_sums(l.effective_row_sums())
+        ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale.scale).with_softcap(scale.softcap).with_row_sums(l.effective_row_sums())
     };
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
@@ -117,7 +121,7 @@ fn attend_one(
                 documents: shared,
                 row_documents: rows,
                 window,
-                ..UlyssesOpts::new(true, scale).with_head_layout(l.head_layout).with_row_sums(l.effective_row_sums())
+                ..UlyssesOpts::new(true, scale.scale).with_softcap(scale.softcap).with_head_layout(l.head_layout).with_row_sums(l.effective_row_sums())
             };
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }

@@ -2,6 +2,7 @@
 
 use crate::layout::ParallelCtx;
 use candle_core::{Result, Tensor};
+use candle_cp_ops::attention::Scores;
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::usp::{usp_attention, UspGroups, UspOpts};
 
@@ -16,7 +17,7 @@ pub fn attend_2d(
     k: &Tensor,
     v: &Tensor,
     ctx: &ParallelCtx,
-    scale: f64,
+    scale: Scores,
     docs: Option<Documents>,
     row_docs: Option<Vec<Documents>>,
     window: Option<usize>,
@@ -29,7 +30,7 @@ pub fn attend_2d(
         documents: docs,
         row_documents: row_docs,
         window,
-        ..UspOpts::new(true, scale).with_head_layout(ctx.layout.head_layout).with_row_sums(ctx.layout.effective_row_sums())
+        ..UspOpts::new(true, scale.scale).with_softcap(scale.softcap).with_head_layout(ctx.layout.head_layout).with_row_sums(ctx.layout.effective_row_sums())
     };
     Ok(usp_attention(q, k, v, &groups, &opts)?.0)
 }

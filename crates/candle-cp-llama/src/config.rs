@@ -11,6 +11,9 @@ pub use crate::arch::Arch;
 #[path = "gemma.rs"]
 pub mod gemma;
 pub use gemma::Gemma3;
+#[path = "gemma2.rs"]
+pub mod gemma2;
+pub use gemma2::Gemma2;
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -133,6 +136,9 @@ pub struct LlamaConfig {
     /// Gemma 3 (`model_type` `gemma3_text`): its numbers, and everything the architecture
     /// changes besides ([`gemma`]); `None` for the other architectures.
     pub gemma3: Option<Gemma3>,
+    /// Gemma 2 (`model_type` `gemma2`): its numbers (the scale, the logit soft caps), and
+    /// everything the architecture changes besides ([`gemma2`]); `None` for the others.
+    pub gemma2: Option<Gemma2>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -241,7 +247,10 @@ impl LlamaConfig {
             bail!("config.json: top level is not an object")
         };
         // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
-        let text = gemma::text_config(m)?;
+        let text = match gemma::text_config(m)? {
+            Some(t) => Some(t),
+            None => gemma2::with_defaults(m),
+        };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
         let heads = need_usize(m, "num_attention_heads")?;
@@ -270,6 +279,10 @@ impl LlamaConfig {
             Arch::Gemma3 => Some(gemma::parse(m, max_pos)?),
             _ => None,
         };
+        let gemma2 = match arch {
+            Arch::Gemma2 => Some(gemma2::parse(m)?),
+            _ => None,
+        };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
         let (rope_theta, rope_scaling) = match (&gemma3, m.get("rope_parameters")) {
             (Some((_, theta, scaling)), _) => (*theta, scaling.clone()),
@@ -289,7 +302,7 @@ impl LlamaConfig {
                 (theta, scaling)
             }
         };
-        if let (None, Some(act)) = (&gemma3, m.get("hidden_act").and_then(|v| v.as_str())) {
+        if let (None, None, Some(act)) = (&gemma3, &gemma2, m.get("hidden_act").and_then(|v| v.as_str())) {
             if act != "silu" {
                 bail!("config.json: hidden_act `{act}` not supported (only silu)")
             }
@@ -316,6 +329,7 @@ impl LlamaConfig {
             qkv_bias: arch.qkv_bias(m)?,
             qk_norm: arch.qk_norm(),
             gemma3: gemma3.map(|g| g.0),
+            gemma2,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -356,6 +370,7 @@ impl LlamaConfig {
             qkv_bias: false,
             qk_norm: false,
             gemma3: None,
+            gemma2: None,
         }
     }
 
@@ -372,34 +387,66 @@ impl LlamaConfig {
         self
     }
 
-    /// The activation of the gated MLP (GELU-tanh for Gemma 3, else SiLU).
+    /// The same config as a Gemma 2 model (`on`: the softmax scale `head_dim^-1/2`
+    /// (`query_pre_attn_scalar = head_dim`), [`Gemma2::new`]'s soft caps (attention 50, output
+    /// 30), no q, k head norms, tied embeddings; see [`gemma2`]), or not (`false`: the numbers
+    /// go, the rest stays).
+    pub fn with_gemma2(mut self, on: bool) -> Self {
+        self.gemma2 = on.then(|| Gemma2 { query_pre_attn_scalar: self.head_dim as f64, ..Gemma2::new() });
+        if on {
+            self.qk_norm = false;
+            self.tie_word_embeddings = true;
+        }
+        self
+    }
+
+    /// Whether this is a Gemma 2 or Gemma 3 model (the GELU-gated MLP, `1 + w` norms, the
+    /// norms after attention and MLP, the `√h` embedding factor).
+    pub fn is_gemma(&self) -> bool {
+        self.gemma3.is_some() || self.gemma2.is_some()
+    }
+
+    /// The activation of the gated MLP (GELU-tanh for Gemma 2 and 3, else SiLU).
     pub fn activation(&self) -> crate::fused::Activation {
-        match self.gemma3 {
-            Some(_) => crate::fused::Activation::GeluTanh,
-            None => crate::fused::Activation::Silu,
+        match self.is_gemma() {
+            true => crate::fused::Activation::GeluTanh,
+            false => crate::fused::Activation::Silu,
         }
     }
 
-    /// How every RMSNorm applies its weight (Gemma 3: `x̂ · (1 + w)`).
+    /// How every RMSNorm applies its weight (Gemma 2 and 3: `x̂ · (1 + w)`).
     pub fn norm_weight(&self) -> candle_cp_nn::NormWeight {
-        match self.gemma3 {
-            Some(_) => candle_cp_nn::NormWeight::UnitOffset,
-            None => candle_cp_nn::NormWeight::Scale,
+        match self.is_gemma() {
+            true => candle_cp_nn::NormWeight::UnitOffset,
+            false => candle_cp_nn::NormWeight::Scale,
         }
     }
 
-    /// The softmax scale: `head_dim^-1/2`, Gemma 3's `query_pre_attn_scalar^-1/2`.
+    /// The softmax scale: `head_dim^-1/2`, Gemma's `query_pre_attn_scalar^-1/2`.
     pub fn attn_scale(&self) -> f64 {
-        match &self.gemma3 {
-            Some(g) => 1.0 / g.query_pre_attn_scalar.sqrt(),
-            None => 1.0 / (self.head_dim as f64).sqrt(),
+        match (&self.gemma3, &self.gemma2) {
+            (Some(g), _) => 1.0 / g.query_pre_attn_scalar.sqrt(),
+            (None, Some(g)) => 1.0 / g.query_pre_attn_scalar.sqrt(),
+            (None, None) => 1.0 / (self.head_dim as f64).sqrt(),
         }
     }
 
-    /// The factor on the embedding output for weights of `dtype` (Gemma 3: `√h` rounded to
-    /// `dtype`, as transformers casts it; `None`: none).
+    /// The attention logits: [`LlamaConfig::attn_scale`] and Gemma 2's
+    /// `attn_logit_softcapping`.
+    pub fn attn_scores(&self) -> candle_cp_ops::attention::Scores {
+        let cap = self.gemma2.as_ref().and_then(|g| g.attn_logit_softcapping);
+        candle_cp_ops::attention::Scores::new(self.attn_scale()).with_softcap(cap)
+    }
+
+    /// The soft cap on the output logits (Gemma 2's `final_logit_softcapping`), if any.
+    pub fn final_logit_softcap(&self) -> Option<f64> {
+        self.gemma2.as_ref().and_then(|g| g.final_logit_softcapping)
+    }
+
+    /// The factor on the embedding output for weights of `dtype` (Gemma 2 and 3: `√h` rounded
+    /// to `dtype`, as transformers casts it; `None`: none).
     pub fn embed_scale(&self, dtype: candle_core::DType) -> Result<Option<f64>> {
-        if self.gemma3.is_none() {
+        if !self.is_gemma() {
             return Ok(None);
         }
         let s = (self.hidden_size as f64).sqrt();
@@ -424,6 +471,7 @@ impl LlamaConfig {
             rope_theta: g.rope_local_base_freq,
             rope_scaling: RopeScaling::Default,
             gemma3: None,
+            gemma2: None,
             ..self.clone()
         })
     }
@@ -452,6 +500,9 @@ impl LlamaConfig {
     pub fn arch(&self) -> Arch {
         if self.gemma3.is_some() {
             return Arch::Gemma3;
+        }
+        if self.gemma2.is_some() {
+            return Arch::Gemma2;
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
@@ -511,7 +562,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma2) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
@@ -532,6 +583,17 @@ impl LlamaConfig {
                     bail!("LlamaConfig: Gemma 3 {k} must be finite and > 0, got {v}")
                 }
             }
+        }
+        if let Some(g) = &self.gemma2 {
+            if self.gemma3.is_some() || self.qk_norm || self.qkv_bias {
+                bail!(
+                    "LlamaConfig: Gemma 2 has no q, k head norms, no q, k, v biases and is not Gemma 3 (qk_norm {}, qkv_bias {}, gemma3 {})",
+                    self.qk_norm,
+                    self.qkv_bias,
+                    self.gemma3.is_some()
+                )
+            }
+            gemma2::validate(g)?;
         }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
         // from the first step, with no error)
@@ -665,6 +727,9 @@ impl LlamaConfig {
             }
             if let Some(g) = &self.gemma3 {
                 gemma::write(m, self, g);
+            }
+            if let Some(g) = &self.gemma2 {
+                gemma2::write(m, self, g);
             }
             if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias

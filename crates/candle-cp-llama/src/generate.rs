@@ -196,21 +196,22 @@ impl Llama {
     /// vocabulary slices all-gathered when the head is split).
     fn logits_whole(&self, h: &Tensor) -> Result<Tensor> {
         let l = linear(h, &self.lm_head)?;
-        if self.vocab_parallel() {
+        let l = if self.vocab_parallel() {
             // without the padding columns of a vocabulary TP does not divide
-            self.ctx.tp.all_gather(&l.contiguous()?, 2)?.narrow(2, 0, self.cfg.vocab_size)
+            self.ctx.tp.all_gather(&l.contiguous()?, 2)?.narrow(2, 0, self.cfg.vocab_size)?
         } else {
-            Ok(l)
-        }
+            l
+        };
+        self.cap_logits(l)
     }
 
     /// This TP rank's `(H_local, Hkv_local, D)` and the softmax scale.
-    fn heads(&self) -> ((usize, usize, usize), f64) {
+    fn heads(&self) -> ((usize, usize, usize), candle_cp_ops::attention::Scores) {
         let c = &self.cfg;
         let tp = self.ctx.layout.tp;
         (
             (c.num_attention_heads / tp, (c.num_key_value_heads / tp).max(1), c.head_dim),
-            c.attn_scale(),
+            c.attn_scores(),
         )
     }
 

@@ -61,9 +61,28 @@ fn check(x: &Tensor, w: &Tensor, labels: &Tensor, what: &str) -> Result<(usize, 
     Ok((n, h, v))
 }
 
-/// f32 logits `[c, V]` of rows `r0..r0 + c` of `xs` (the matmul in the weights' dtype).
-fn chunk_logits(xs: &Tensor, w: &Tensor, r0: usize, c: usize) -> Result<Tensor> {
-    xs.narrow(0, r0, c)?.matmul(&w.t()?)?.to_dtype(DType::F32)
+/// f32 logits `[c, V]` of rows `r0..r0 + c` of `xs` (the matmul in the weights' dtype),
+/// soft-capped to `cap · tanh(l / cap)` when `cap` is set (Gemma 2's
+/// `final_logit_softcapping`).
+fn chunk_logits(xs: &Tensor, w: &Tensor, r0: usize, c: usize, cap: Option<f64>) -> Result<Tensor> {
+    let l = xs.narrow(0, r0, c)?.matmul(&w.t()?)?.to_dtype(DType::F32)?;
+    match cap {
+        Some(cap) => cap_logits(&l, cap),
+        None => Ok(l),
+    }
+}
+
+/// `cap · tanh(l / cap)`: the output logits' soft cap (differentiable).
+pub fn cap_logits(l: &Tensor, cap: f64) -> Result<Tensor> {
+    (l / cap)?.tanh()? * cap
+}
+
+/// Errors for a cap that is not finite and > 0.
+fn check_cap(cap: Option<f64>, what: &str) -> Result<()> {
+    match cap {
+        Some(c) if !(c.is_finite() && c > 0.0) => bail!("{what}: a logit soft cap must be finite and > 0, got {c}"),
+        _ => Ok(()),
+    }
 }
 
 /// `log Σ exp` of `t` along `dim`, kept (f32, max-shifted).
@@ -83,26 +102,32 @@ fn zeros_in_graph(x: &Tensor, w: &Tensor, shape: &[usize]) -> Result<Tensor> {
 /// The chunked backward shared by [`token_nll`] and [`token_nll_vocab_parallel`]: per chunk of
 /// the `m` valid rows `xs` `[m, h]`, recompute `l = x_c · Wᵀ`, `d = (exp(l - lse) + onehot) ·
 /// dy` with `onehot` = `hot` `[m, 1]` (−1, or 0 where the target is on another rank) at
-/// column `col` `[m, 1]`; returns `dxs = d · W` `[m, h]` and `dW = Σ dᵀ · x_c` (f32 summed, in
-/// W's dtype).
+/// column `col` `[m, 1]` (with a soft cap, `d` times the cap's derivative `1 - (l/cap)²` of
+/// the capped logits `l`); returns `dxs = d · W` `[m, h]` and `dW = Σ dᵀ · x_c` (f32 summed,
+/// in W's dtype).
 fn chunked_backward(
     xs: &Tensor,
     w: &Tensor,
     (lse, col, hot, dy): (&Tensor, &Tensor, &Tensor, &Tensor),
     chunk: usize,
+    cap: Option<f64>,
 ) -> Result<(Tensor, Option<Tensor>)> {
     let m = xs.dim(0)?;
     let mut dxs = Vec::new();
     let mut dw: Option<Tensor> = None;
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
-        let l = chunk_logits(xs, w, r0, c)?;
+        let l = chunk_logits(xs, w, r0, c, cap)?;
         let d = l
             .broadcast_sub(&lse.narrow(0, r0, c)?)?
             .exp()?
             .scatter_add(&col.narrow(0, r0, c)?, &hot.narrow(0, r0, c)?, 1)?
-            .broadcast_mul(&dy.narrow(0, r0, c)?)?
-            .to_dtype(w.dtype())?; // [c, V] (or V/P)
+            .broadcast_mul(&dy.narrow(0, r0, c)?)?;
+        let d = match cap {
+            Some(cap) => (d * (1.0 - (l / cap)?.sqr()?)?)?,
+            None => d,
+        };
+        let d = d.to_dtype(w.dtype())?; // [c, V] (or V/P)
         dxs.push(d.matmul(w)?);
         let dwc = d.t()?.matmul(&xs.narrow(0, r0, c)?)?.to_dtype(DType::F32)?;
         dw = Some(match dw {
@@ -117,8 +142,11 @@ fn chunked_backward(
 /// differentiable w.r.t. `x` and `w`. `x` `[N, h]` hidden states, `w` `[V, h]` the head
 /// (same dtype; the matmuls run in it, the softmax in f32), `labels` `[N]` u32.
 /// `chunk_rows` bounds the rows of one `[rows, V]` buffer ([`default_chunk_rows`]).
-pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> Result<Tensor> {
+/// `softcap`: the logits soft-capped to `cap · tanh(l / cap)` before the softmax (Gemma 2's
+/// `final_logit_softcapping`), `None` for none.
+pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<Tensor> {
     let (n, _, v) = check(x, w, labels, "token_nll")?;
+    check_cap(softcap, "token_nll")?;
     let lab: Vec<u32> = labels.to_dtype(DType::U32)?.to_vec1()?;
     let (idx, tgt) = valid_rows(&lab, v, "token_nll")?;
     let dev = x.device().clone();
@@ -134,7 +162,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     let (mut lse, mut nll) = (Vec::new(), Vec::new());
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
-        let l = chunk_logits(&xs, &wd, r0, c)?;
+        let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
         let s = logsumexp_keepdim(&l, 1)?; // [c, 1]
         nll.push((&s - l.gather(&tgt_t.narrow(0, r0, c)?, 1)?)?);
         lse.push(s);
@@ -147,7 +175,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
     let minus_one = Tensor::full(-1f32, (m, 1), &dev)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let dy = dy.to_dtype(DType::F32)?.index_select(&idx_t, 0)?.reshape((m, 1))?;
-        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &tgt_t, &minus_one, &dy), chunk)?;
+        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &tgt_t, &minus_one, &dy), chunk, softcap)?;
         let dx = Tensor::zeros(x_dims.as_slice(), dxs.dtype(), dxs.device())?.index_add(&idx_t, &dxs, 0)?;
         Ok(vec![Some(dx), dw])
     });
@@ -164,7 +192,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
 /// `vocab` are padding, left out of the softmax, and get a zero gradient). `labels` `[B, Tc]`
 /// u32, the same on every TP rank. Returns f32
 /// `-log p(label)` of this rank's rows: `[B, Tc/P]` (rows `[r·Tc/P, (r+1)·Tc/P)`) when
-/// `own_rows_only` (SP), else `[B, Tc]`.
+/// `own_rows_only` (SP), else `[B, Tc]`. `softcap` as in [`token_nll`].
 ///
 /// ```text
 /// forward : per chunk  l = x_c · W_rᵀ (f32, real rows only)  lse_r = logsumexp(l) (-inf: none)
@@ -173,6 +201,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize) -> 
 /// backward: dy of all Tc rows (all-gather over TP when own_rows_only)
 ///           d = (exp(l - lse) - onehot_r) · dy   dx_c = d · W_r (partial)   dW_r += dᵀ · x_c
 /// ```
+#[allow(clippy::too_many_arguments)]
 pub fn token_nll_vocab_parallel(
     x: &Tensor,
     w: &Tensor,
@@ -181,8 +210,10 @@ pub fn token_nll_vocab_parallel(
     chunk_rows: usize,
     group: &candle_cp_comm::Group,
     own_rows_only: bool,
+    softcap: Option<f64>,
 ) -> Result<Tensor> {
     const WHAT: &str = "token_nll_vocab_parallel";
+    check_cap(softcap, WHAT)?;
     let (b, tc, hd) = x.dims3()?;
     let (p, r) = (group.size(), group.rank());
     if labels.dims() != [b, tc] || (own_rows_only && !tc.is_multiple_of(p)) {
@@ -228,7 +259,7 @@ pub fn token_nll_vocab_parallel(
         let (mut lse_r, mut t_r) = (Vec::new(), Vec::new());
         for r0 in (0..m).step_by(chunk) {
             let c = chunk.min(m - r0);
-            let l = chunk_logits(&xs, &wd, r0, c)?;
+            let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
             lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
             t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
         }
@@ -252,7 +283,7 @@ pub fn token_nll_vocab_parallel(
             return Ok(vec![Some(dx), Some(Tensor::zeros(w_dims.as_slice(), w_b.dtype(), w_b.device())?)]);
         }
         let dy = dy.flatten_all()?.index_select(&idx_t, 0)?.reshape((m, 1))?;
-        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &col_t, &minus_here, &dy), chunk)?;
+        let (dxs, dw) = chunked_backward(&xs_b, &w_b, (&lse, &col_t, &minus_here, &dy), chunk, softcap)?;
         let dx = Tensor::zeros((n, x_dims[2]), dxs.dtype(), dxs.device())?
             .index_add(&idx_t, &dxs, 0)?
             .reshape(x_dims.as_slice())?;
@@ -270,13 +301,19 @@ pub fn token_nll_vocab_parallel(
 }
 
 /// Reference for [`token_nll`] from plain candle ops: full logits `x · Wᵀ`, f32
-/// log-softmax, gather; candle's autograd for the backward.
-pub fn token_nll_slow(x: &Tensor, w: &Tensor, labels: &Tensor) -> Result<Tensor> {
+/// log-softmax (of the capped logits with `softcap`), gather; candle's autograd for the
+/// backward.
+pub fn token_nll_slow(x: &Tensor, w: &Tensor, labels: &Tensor, softcap: Option<f64>) -> Result<Tensor> {
     let (n, _, v) = check(x, w, labels, "token_nll_slow")?;
+    check_cap(softcap, "token_nll_slow")?;
     let lab: Vec<u32> = labels.to_dtype(DType::U32)?.to_vec1()?;
     valid_rows(&lab, v, "token_nll_slow")?;
     let dev = x.device();
     let logits = x.matmul(&w.t()?)?.to_dtype(DType::F32)?;
+    let logits = match softcap {
+        Some(c) => cap_logits(&logits, c)?,
+        None => logits,
+    };
     let mx = logits.max_keepdim(D::Minus1)?.detach();
     let sh = logits.broadcast_sub(&mx)?;
     let lsm = sh.broadcast_sub(&sh.exp()?.sum_keepdim(D::Minus1)?.log()?)?;
@@ -297,30 +334,35 @@ mod tests {
     }
 
     /// values and gradients (w.r.t. x and W) equal the full-logits reference, for chunks of
-    /// 1, 3 and all rows, with ignored labels, f32 and bf16
+    /// 1, 3 and all rows, with ignored labels, f32 and bf16, with and without a soft cap
     #[test]
     fn token_nll_matches_slow() -> Result<()> {
         let (n, h, v) = (7, 6, 11);
         let labels = Tensor::new(&[3u32, IGNORE, 0, 10, IGNORE, 5, 5], &Device::Cpu)?;
-        for (dt, tol) in [(DType::F32, 2e-6f32), (DType::BF16, 2e-2)] {
+        for ((dt, tol), cap) in [(DType::F32, 2e-6f32), (DType::BF16, 2e-2)].into_iter().flat_map(|d| [(d, None), (d, Some(1.5))]) {
             let x = Var::from_tensor(&randn(1, &[n, h], 1.0)?.to_dtype(dt)?)?;
             let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?.to_dtype(dt)?)?;
             let dy = randn(3, &[n], 1.0)?;
-            let want = token_nll_slow(x.as_tensor(), w.as_tensor(), &labels)?;
+            let want = token_nll_slow(x.as_tensor(), w.as_tensor(), &labels, cap)?;
+            if cap.is_some() {
+                // the cap changes the loss at these logits
+                let plain = token_nll_slow(x.as_tensor(), w.as_tensor(), &labels, None)?;
+                assert!(max_diff(&plain, &want)? > 0.1, "the cap does not bend these logits");
+            }
             let gw = (&want * &dy)?.sum_all()?.backward()?;
             for chunk in [1, 3, 64] {
-                let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, chunk)?;
+                let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, chunk, cap)?;
                 assert_eq!(got.dims(), [n]);
                 let d = max_diff(&got, &want)?;
-                assert!(d <= tol, "{dt:?} chunk {chunk}: values differ by {d}");
+                assert!(d <= tol, "{dt:?} cap {cap:?} chunk {chunk}: values differ by {d}");
                 let g = (&got * &dy)?.sum_all()?.backward()?;
                 for (name, t) in [("dx", x.as_tensor()), ("dW", w.as_tensor())] {
                     let d = max_diff(g.get(t).expect("grad"), gw.get(t).expect("grad"))?;
-                    assert!(d <= tol * 4.0, "{dt:?} chunk {chunk}: {name} differs by {d}");
+                    assert!(d <= tol * 4.0, "{dt:?} cap {cap:?} chunk {chunk}: {name} differs by {d}");
                 }
             }
             // ignored rows are exactly zero
-            let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, 2)?.to_vec1::<f32>()?;
+            let got = token_nll(x.as_tensor(), w.as_tensor(), &labels, 2, cap)?.to_vec1::<f32>()?;
             assert_eq!((got[1], got[4]), (0.0, 0.0));
         }
         Ok(())
@@ -334,19 +376,19 @@ mod tests {
     #[test]
     fn vocab_parallel_matches_slow() -> Result<()> {
         for v in [12usize, 10, 5] {
-            vocab_parallel_matches_slow_of(v)?;
+            vocab_parallel_matches_slow_of(v, None)?;
         }
-        Ok(())
+        vocab_parallel_matches_slow_of(10, Some(1.5))
     }
 
-    fn vocab_parallel_matches_slow_of(v: usize) -> Result<()> {
+    fn vocab_parallel_matches_slow_of(v: usize, cap: Option<f64>) -> Result<()> {
         let (b, tc, h) = (2usize, 4usize, 5usize);
         let lab = [[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]].map(|r| r.map(|l| if l == IGNORE { l } else { l % v as u32 }));
         let labels = Tensor::new(&lab, &Device::Cpu)?;
         let x = Var::from_tensor(&randn(1, &[b, tc, h], 1.0)?)?;
         let w = Var::from_tensor(&randn(2, &[v, h], 0.7)?)?;
         let dy = randn(3, &[b, tc], 1.0)?;
-        let want = token_nll_slow(&x.as_tensor().reshape((b * tc, h))?, w.as_tensor(), &labels.flatten_all()?)?.reshape((b, tc))?;
+        let want = token_nll_slow(&x.as_tensor().reshape((b * tc, h))?, w.as_tensor(), &labels.flatten_all()?, cap)?.reshape((b, tc))?;
         let gw = (&want * &dy)?.sum_all()?.backward()?;
         let (gx_want, gw_want) = (gw.get(x.as_tensor()).cloned().expect("dx"), gw.get(w.as_tensor()).cloned().expect("dW"));
         let shard = candle_cp_nn::Shard::RowsPadded(v);
@@ -357,7 +399,7 @@ mod tests {
                         let r = g.rank();
                         let wl = Var::from_tensor(&shard.slice(w.as_tensor(), p, r)?)?;
                         let xr = Var::from_tensor(x.as_tensor())?;
-                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, v, chunk, &g, own)?;
+                        let got = token_nll_vocab_parallel(xr.as_tensor(), wl.as_tensor(), &labels, v, chunk, &g, own, cap)?;
                         let ts = if own { tc / p } else { tc };
                         let (want_l, dy_l) = if own {
                             (want.narrow(1, r * ts, ts)?, dy.narrow(1, r * ts, ts)?)
@@ -377,7 +419,7 @@ mod tests {
                     });
                     for res in res {
                         let (e, ex, ew) = res?;
-                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "V {v} P {p} own {own} chunk {chunk}: values {e} dx {ex} dW {ew}");
+                        assert!(e < 2e-6 && ex < 1e-5 && ew < 1e-5, "V {v} P {p} own {own} chunk {chunk} cap {cap:?}: values {e} dx {ex} dW {ew}");
                     }
                 }
             }
@@ -390,16 +432,20 @@ mod tests {
         let x = Var::from_tensor(&randn(1, &[3, 4], 1.0)?)?;
         let w = Var::from_tensor(&randn(2, &[5, 4], 1.0)?)?;
         let none = Tensor::new(&[IGNORE; 3], &Device::Cpu)?;
-        let z = token_nll(x.as_tensor(), w.as_tensor(), &none, 4)?;
+        let z = token_nll(x.as_tensor(), w.as_tensor(), &none, 4, None)?;
         assert_eq!(z.to_vec1::<f32>()?, vec![0.0; 3]);
         let g = z.sum_all()?.backward()?;
         assert_eq!(max_diff(g.get(x.as_tensor()).expect("still in the graph"), &Tensor::zeros((3, 4), DType::F32, &Device::Cpu)?)?, 0.0);
         let out_of_vocab = Tensor::new(&[1u32, 5, 0], &Device::Cpu)?;
-        let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab, 4).unwrap_err().to_string();
+        let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab, 4, None).unwrap_err().to_string();
         assert!(e.contains("label 5 out of range for vocab 5"), "{e}");
         let short = Tensor::new(&[1u32, 2], &Device::Cpu)?;
-        let e = token_nll(x.as_tensor(), w.as_tensor(), &short, 4).unwrap_err().to_string();
+        let e = token_nll(x.as_tensor(), w.as_tensor(), &short, 4, None).unwrap_err().to_string();
         assert!(e.contains("[3, 4]") && e.contains("[2]"), "{e}");
+        for bad in [0.0, -1.0, f64::NAN] {
+            let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab.narrow(0, 0, 1)?.repeat(3)?, 4, Some(bad)).unwrap_err().to_string();
+            assert!(e.contains("soft cap"), "{e}");
+        }
         Ok(())
     }
 }

@@ -116,7 +116,7 @@ struct BlockEnv {
     rope: (Tensor, Tensor),
     rope_local: Option<(Tensor, Tensor)>,
     dims: [usize; 5],
-    scale: f64,
+    scale: candle_cp_ops::attention::Scores,
     docs: Option<Vec<Documents>>,
 }
 
@@ -254,7 +254,7 @@ impl Llama {
             cfg.num_key_value_heads * cfg.head_dim,
         );
         let lin = LinearConfig::new(false).with_init(init);
-        let (form, gemma) = (cfg.norm_weight(), cfg.gemma3.is_some());
+        let (form, gemma) = (cfg.norm_weight(), cfg.is_gemma());
         // (weights: ones in a fresh VarMap, or Gemma's zeros, which its `1 + w` makes ones)
         let norm_init = Init::Const(if gemma { 0.0 } else { 1.0 });
         let norm = |vb: VarBuilder| -> Result<RmsNorm> {
@@ -458,7 +458,7 @@ impl Llama {
             None => None,
             Some(docs) => Some(crate::packed::check_docs(docs, b, tc * self.ctx.layout.cp, input_ids)?),
         };
-        let scale = cfg.attn_scale();
+        let scale = cfg.attn_scores();
         // vocabulary-parallel lookup (a plain one when the table is replicated); it refuses
         // ids outside the vocabulary, naming them
         let ids = input_ids.to_dtype(DType::U32)?;
@@ -508,6 +508,20 @@ impl Llama {
     /// [`Llama::forward`] with optional packed documents.
     pub(crate) fn forward_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
         let h = self.hidden_with(input_ids, positions, docs)?;
+        self.cap_logits(self.logits_of(&h)?)
+    }
+
+    /// The output logits soft-capped (Gemma 2's `final_logit_softcapping`), or as they are.
+    pub(crate) fn cap_logits(&self, l: Tensor) -> Result<Tensor> {
+        match self.cfg.final_logit_softcap() {
+            Some(c) => crate::head_loss::cap_logits(&l, c),
+            None => Ok(l),
+        }
+    }
+
+    /// The uncapped logits `[B, Ts, V]` of final hidden states `h` `[B, Ts, h]`.
+    fn logits_of(&self, h: &Tensor) -> Result<Tensor> {
+        let h = h.clone();
         if !self.vocab_parallel() {
             return linear(&h, &self.lm_head);
         }
@@ -589,7 +603,7 @@ impl Llama {
             let labels_region = if sp { gather_labels(labels, g)? } else { labels.to_dtype(DType::U32)? };
             let v = self.cfg.vocab_size;
             let chunk = crate::head_loss::default_chunk_rows(candle_cp_nn::padded_rows(v, g.size()));
-            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, v, chunk, g, sp);
+            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, v, chunk, g, sp, self.cfg.final_logit_softcap());
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
         crate::head_loss::token_nll(
@@ -597,6 +611,7 @@ impl Llama {
             &self.lm_head,
             &labels.flatten_all()?,
             chunk,
+            self.cfg.final_logit_softcap(),
         )?
         .reshape((b, ts))
     }

@@ -105,7 +105,7 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         add(p("post_attention_layernorm.weight"), vec![h], norm);
-        if cfg.gemma3.is_some() {
+        if cfg.is_gemma() {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
             add(p("post_feedforward_layernorm.weight"), vec![h], norm);
         }
@@ -189,7 +189,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
     if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
-        let one = if cfg.gemma3.is_some() { 0.0 } else { 1.0 };
+        let one = if cfg.is_gemma() { 0.0 } else { 1.0 };
         return Tensor::full(one as f32, spec.shape.as_slice(), &Device::Cpu);
     }
     let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
