@@ -12,6 +12,9 @@
 //!   `x / √(mean(x²) + eps) · (1 + w)`; `x + norm(attn(..))` and `x + norm(mlp(..))`;
 //!   `gelu_tanh(gate)·up`; scale `query_pre_attn_scalar^-1/2`; sliding layers rotate by
 //!   `rope_local_base_freq^(-2i/D)`, unscaled.
+//! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
+//!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
+//!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
 
 use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
 use candle_cp_llama::verify::Reference;
@@ -58,8 +61,20 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
     };
     let (b, t) = ids.dims2()?;
     let (h, hh, hkv, d) = (cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim);
-    let (eps, gemma) = (cfg.rms_norm_eps, cfg.gemma3.clone());
-    let norm = |x: &Tensor, name: &str| rms(x, p(name)?, eps, gemma.is_some());
+    let (eps, gemma, gemma2) = (cfg.rms_norm_eps, cfg.gemma3.clone(), cfg.gemma2.clone());
+    // Gemma 2 and 3 alike: `1 + w` norms, sandwich norms, GELU, the embedding factor
+    let gemma_like = gemma.is_some() || gemma2.is_some();
+    let norm = |x: &Tensor, name: &str| rms(x, p(name)?, eps, gemma_like);
+    let (attn_cap, final_cap) = match &gemma2 {
+        Some(g) => (g.attn_logit_softcapping, g.final_logit_softcapping),
+        None => (None, None),
+    };
+    let cap = |x: Tensor, c: Option<f64>| -> Result<Tensor> {
+        match c {
+            Some(c) => (x / c)?.tanh()? * c,
+            None => Ok(x),
+        }
+    };
     // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
     // test checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on cos and
     // sin as HF applies it; Gemma's sliding layers: their own base, unscaled
@@ -74,12 +89,13 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
         let m: Vec<f64> = (0..t * t).map(|i| if i % t > i / t || i / t - i % t >= w { f64::NEG_INFINITY } else { 0.0 }).collect();
         Tensor::from_vec(m, (t, t), &Device::Cpu)
     };
-    let scale = match &gemma {
-        Some(g) => g.query_pre_attn_scalar.powf(-0.5),
-        None => (d as f64).powf(-0.5),
+    let scale = match (&gemma, &gemma2) {
+        (Some(g), _) => g.query_pre_attn_scalar.powf(-0.5),
+        (None, Some(g)) => g.query_pre_attn_scalar.powf(-0.5),
+        (None, None) => (d as f64).powf(-0.5),
     };
     let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
-    if gemma.is_some() {
+    if gemma_like {
         x = (x * ((h as f64).sqrt() as f32) as f64)?;
     }
     for l in 0..cfg.num_hidden_layers {
@@ -109,25 +125,25 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
             x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
         };
         let (k, v) = (rep(k)?, rep(v)?);
-        let s = (q.matmul(&k.t()?)? * scale)?.broadcast_add(&mask(window)?)?;
+        let s = cap((q.matmul(&k.t()?)? * scale)?, attn_cap)?.broadcast_add(&mask(window)?)?;
         let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
         let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
         let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?;
-        let (pre_mlp, o) = match gemma {
-            Some(_) => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
-            None => ("post_attention_layernorm.weight", o),
+        let (pre_mlp, o) = match gemma_like {
+            true => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
+            false => ("post_attention_layernorm.weight", o),
         };
         x = (x + o)?;
         let hn = norm(&x, &n(pre_mlp))?;
         let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
         let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
-        let act = if gemma.is_some() { g.gelu()? } else { g.silu()? };
+        let act = if gemma_like { g.gelu()? } else { g.silu()? };
         let m = linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?;
-        let m = if gemma.is_some() { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
+        let m = if gemma_like { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
         x = (x + m)?;
     }
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-    let logits = linear(&norm(&x, "model.norm.weight")?, p(head)?, None)?;
+    let logits = cap(linear(&norm(&x, "model.norm.weight")?, p(head)?, None)?, final_cap)?;
     let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
     let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
     let loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;

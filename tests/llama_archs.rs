@@ -101,6 +101,74 @@ fn gemma3() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     Ok((cfg, full))
 }
 
+/// The attention soft cap of [`gemma2`]: the tiny model's attention logits are small.
+const ATTN_CAP: f64 = 0.1;
+
+/// The oracle's weights as a Gemma 2 model: as [`gemma3`] without the head norms, a window
+/// on layer 0, soft caps small enough to bind on these logits (attention [`ATTN_CAP`],
+/// output 0.5).
+fn gemma2() -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let (cfg, mut full, _) = oracle()?;
+    let mut cfg = cfg.with_gemma2(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]));
+    if let Some(g) = cfg.gemma2.as_mut() {
+        g.query_pre_attn_scalar = 24.0;
+        g.attn_logit_softcapping = Some(ATTN_CAP);
+        g.final_logit_softcapping = Some(0.5);
+    }
+    cfg.validate()?;
+    full.remove("lm_head.weight");
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        if spec.shape.len() == 1 {
+            full.insert(spec.name.clone(), (candle_cp_tests::rand_t(31, &spec.name, &spec.shape)? * 0.3)?);
+        }
+    }
+    Ok((cfg, full))
+}
+
+/// Gemma 2 (its logit soft caps inside attention and on the output) on every kind of layout,
+/// TP with and without SP, and DP: the reference; the caps bind (without them the reference's
+/// loss moves).
+#[test]
+fn gemma2_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = gemma2()?;
+    let ids = oracle()?.2.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let want = reference(&full, &cfg, &ids)?;
+    for (which, off) in [("attention", (None, Some(0.5))), ("output", (Some(ATTN_CAP), None))] {
+        let mut plain = cfg.clone();
+        if let Some(g) = plain.gemma2.as_mut() {
+            (g.attn_logit_softcapping, g.final_logit_softcapping) = off;
+        }
+        let other = reference(&full, &plain, &ids)?;
+        // the query projection's gradient (attention) and the loss (output) move without it
+        let q = "model.layers.0.self_attn.q_proj.weight";
+        let rel = max_abs(&other.grads[q], &want.grads[q])? / max_abs(&want.grads[q], &want.grads[q].zeros_like()?)?;
+        let e = (other.loss - want.loss).abs();
+        assert!(if which == "attention" { rel > 0.05 } else { e > 1e-3 }, "the {which} cap does not bind: without it dq_proj moves {rel:.1e} (relative), the loss {e:.1e}");
+    }
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::AllGather, 2),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    let extra = |k: &str| k.ends_with("feedforward_layernorm.weight");
+    on_layouts("gemma2", (&full, &cfg, &ids, &want), &layouts, (&extra, 2 * cfg.num_hidden_layers))?;
+    on_layouts("gemma2", (&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, &reference_rows(&want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], (&extra, 2 * cfg.num_hidden_layers))
+}
+
+/// Cached decoding of Gemma 2 (capped logits) equals its full forward; CP and TP decode the
+/// same tokens.
+#[test]
+fn gemma2_generation() -> Result<()> {
+    let (cfg, full) = gemma2()?;
+    generation((cfg.with_sliding_window(Some(12)), full))
+}
+
 /// Gemma 3 on every kind of layout, TP with and without SP, and DP: the reference.
 #[test]
 fn gemma3_on_every_layout_matches_the_reference() -> Result<()> {
@@ -394,7 +462,9 @@ fn qwen2_qwen3_and_gemma3_checkpoints() -> Result<()> {
     checkpoint_round_trip(qwen2(0.5)?, 6, "model.layers.0.self_attn.k_proj.bias")?;
     checkpoint_round_trip(qwen3()?, 4, "model.layers.0.self_attn.k_norm.weight")?;
     // Gemma 3 read as a Llama: its head norms and extra norms are unused
-    checkpoint_round_trip(gemma3()?, 8, "model.layers.0.pre_feedforward_layernorm.weight")
+    checkpoint_round_trip(gemma3()?, 8, "model.layers.0.pre_feedforward_layernorm.weight")?;
+    // Gemma 2 read as a Llama: its extra norms are unused
+    checkpoint_round_trip(gemma2()?, 4, "model.layers.0.pre_feedforward_layernorm.weight")
 }
 
 /// `(cfg, full)` saved, read back (whole and sharded) and written again; the same tensors
@@ -431,7 +501,7 @@ fn checkpoint_round_trip((cfg, full): (LlamaConfig, HashMap<String, Tensor>), un
         }
     }
     let llama = root.join("llama");
-    save_hf_tensors(&llama, &tensors, &cfg.clone().with_gemma3(false).with_qkv_bias(false).with_qk_norm(false).with_sliding_window(None).with_sliding_layers(None))?;
+    save_hf_tensors(&llama, &tensors, &cfg.clone().with_gemma3(false).with_gemma2(false).with_qkv_bias(false).with_qk_norm(false).with_sliding_window(None).with_sliding_layers(None))?;
     let e = load_hf(&llama, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains(&format!("{unused} tensor(s)")) && e.contains(name) && e.contains("LlamaForCausalLM"), "{e}");
     for r in run_ranks(2, |g| {
