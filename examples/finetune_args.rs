@@ -138,6 +138,12 @@ pub(crate) struct Args {
     /// but every sixth layer, which rotate by a RoPE of their own).
     #[arg(long)]
     pub(crate) gemma3: bool,
+    /// Random-init model shaped as Gemma 2: Gemma 3's norms, MLP and embedding factor without
+    /// the q, k head norms, logits soft-capped in attention (50) and at the output (30), and
+    /// with --sliding-window, the window on every other layer (0, 2, 4, ...). CPU only (the
+    /// CUDA attention kernels take no soft cap yet).
+    #[arg(long)]
+    pub(crate) gemma2: bool,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.

@@ -45,7 +45,7 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 => bail!("--qkv-bias, --qk-norm and --gemma3 shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 => bail!("--qkv-bias, --qk-norm, --gemma3 and --gemma2 shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -57,8 +57,12 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3) and --gemma3: pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3 and --gemma2: pick one")
+            }
+            if a.gemma2 {
+                let every_other = (0..a.layers).map(|i| i % 2 == 0).collect();
+                cfg = cfg.with_gemma2(true).with_sliding_window(a.sliding_window).with_sliding_layers(a.sliding_window.map(|_| every_other));
             }
             if a.gemma3 {
                 let every_sixth_full = (0..a.layers).map(|i| (i + 1) % 6 != 0).collect();

@@ -91,7 +91,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
     let (m, qwen3, gemma3) = (model(0)?, model(1)?, model(2)?);
-    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.gemma3 && gemma3.qk_norm);
+    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm);
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
     let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };

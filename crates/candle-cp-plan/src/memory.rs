@@ -159,7 +159,7 @@ pub fn llama_per_gpu(
 /// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node
 ///   into one node with the norm, which keeps q and k before the norm, in the activations'
 ///   dtype, and each head's f32 statistic: `c·b·(a_t + kv_t)·(d·e + 4)`.
-/// - Gemma 3's norms after the attention and the MLP ([`ModelConfig::gemma3`]): each norm and
+/// - Gemma's norms after the attention and the MLP ([`ModelConfig::sandwich_norms`]): each norm and
 ///   its residual add are one node, which keeps the projection's output (`[B, c/sp_div, h]`)
 ///   and the f32 statistic: `2·c·b·(h·e + 4) / sp_div`.
 ///
@@ -190,7 +190,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     };
     let attention = head_layout + residual;
     let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (d * ef + 4.0) } else { 0.0 };
-    let sandwich = if m.gemma3 { 2.0 * c * bf * (m.hidden as f64 * ef + 4.0) / sp_div } else { 0.0 };
+    let sandwich = if m.sandwich_norms { 2.0 * c * bf * (m.hidden as f64 * ef + 4.0) / sp_div } else { 0.0 };
     lse + norms + attention + qk_norm + sandwich
 }
 

@@ -40,11 +40,12 @@ pub struct ModelConfig {
     /// as full causal attention (`sliding_window` is `None`: an upper bound on the attention
     /// FLOPs and the ring bytes) and says so in its notes.
     pub partial_window: Option<(usize, usize)>,
-    /// Gemma 3 (`model_type` `gemma3_text`): two more norms per layer, after the attention and
-    /// after the MLP (`2h` parameters; what the layer keeps: [`crate::memory::candle_cp_extra_per_gpu`]);
-    /// its head norms are [`ModelConfig::qk_norm`], its windows [`ModelConfig::partial_window`].
-    /// (GELU or SiLU: the same parameters and activations.)
-    pub gemma3: bool,
+    /// Gemma 2 and 3 (`model_type` `gemma2`, `gemma3_text`): two more norms per layer, after
+    /// the attention and after the MLP (`2h` parameters; what the layer keeps:
+    /// [`crate::memory::candle_cp_extra_per_gpu`]); Gemma 3's head norms are
+    /// [`ModelConfig::qk_norm`], the windows [`ModelConfig::partial_window`]. (GELU or SiLU,
+    /// Gemma 2's logit soft caps: the same parameters and activations.)
+    pub sandwich_norms: bool,
 }
 
 /// The text model's config of a Gemma 3 `config.json` with `Gemma3TextConfig`'s defaults for
@@ -87,8 +88,9 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 11] = [
+pub const MODEL_PRESETS: [&str; 14] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
+    "gemma2-2b", "gemma2-9b", "gemma2-27b",
 ];
 
 impl ModelConfig {
@@ -99,7 +101,10 @@ impl ModelConfig {
     /// on a 5120-wide model), or Gemma 3's text models `gemma3-1b`, `gemma3-4b`, `gemma3-12b`
     /// or `gemma3-27b` as published (head dim 256, 128 for the 27B; vocabulary 262208, 262144
     /// for the 1B; tied head; head norms and the two norms after attention and MLP; a window of
-    /// 1024 keys, 512 for the 1B, on five layers of six: [`ModelConfig::partial_window`]).
+    /// 1024 keys, 512 for the 1B, on five layers of six: [`ModelConfig::partial_window`]), or
+    /// Gemma 2's `gemma2-2b`, `gemma2-9b` or `gemma2-27b` (head dim 256, 128 for the 27B;
+    /// vocabulary 256000; tied head; the two norms after attention and MLP; a window of 4096
+    /// keys on every other layer).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -116,12 +121,17 @@ impl ModelConfig {
             "gemma3-4b" => (2560, 34, 8, 4, 10240),
             "gemma3-12b" => (3840, 48, 16, 8, 15360),
             "gemma3-27b" => (5376, 62, 32, 16, 21504),
+            // google/gemma-2-{2b, 9b, 27b}
+            "gemma2-2b" => (2304, 26, 8, 4, 9216),
+            "gemma2-9b" => (3584, 42, 16, 8, 14336),
+            "gemma2-27b" => (4608, 46, 32, 16, 36864),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
             ),
         };
         let (qwen2, qwen3, gemma3) = (lower.starts_with("qwen2"), lower.starts_with("qwen3"), lower.starts_with("gemma3"));
+        let gemma2 = lower.starts_with("gemma2");
         let one_b = lower == "gemma3-1b";
         let cfg = Self {
             name: lower.clone(),
@@ -130,8 +140,8 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" => 128,
-                _ if gemma3 => 256,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" => 128,
+                _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
             },
             ffn,
@@ -140,15 +150,21 @@ impl ModelConfig {
                 _ if qwen3 => 151936,
                 _ if one_b => 262_144,
                 _ if gemma3 => 262_208,
+                _ if gemma2 => 256_000,
                 _ => 128256,
             },
-            tie_embeddings: gemma3,
+            tie_embeddings: gemma3 || gemma2,
             sliding_window: None,
             qkv_bias: qwen2,
             qk_norm: qwen3 || gemma3,
             // a window of 1024 keys (512 for the 1B) on all but every sixth layer
-            partial_window: gemma3.then(|| (if one_b { 512 } else { 1024 }, layers - layers / 6)),
-            gemma3,
+            partial_window: match () {
+                _ if gemma3 => Some((if one_b { 512 } else { 1024 }, layers - layers / 6)),
+                // 4096 keys on layers 0, 2, 4, ...
+                _ if gemma2 => Some((4096, layers.div_ceil(2))),
+                _ => None,
+            },
+            sandwich_norms: gemma3 || gemma2,
         };
         Ok(cfg)
     }
@@ -213,9 +229,11 @@ impl ModelConfig {
         // Gemma 3 (text): head dim 256, a tied head and a window of 4096 unless the config says
         // otherwise; the window on all but every `sliding_window_pattern`-th layer (default 6)
         let gemma3 = names("gemma3_text", "Gemma3ForCausalLM");
+        // Gemma 2: as Gemma 3's defaults, the window on every other layer from layer 0
+        let gemma2 = names("gemma2", "Gemma2ForCausalLM");
         let head_dim = match get("head_dim")? {
             Some(d) => d,
-            None if gemma3 => 256,
+            None if gemma3 || gemma2 => 256,
             None => {
                 if hidden % heads != 0 {
                     plan_bail!(
@@ -228,7 +246,7 @@ impl ModelConfig {
         let tie_embeddings = v
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
-            .unwrap_or(gemma3);
+            .unwrap_or(gemma3 || gemma2);
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM"));
         let use_window = match v.get("use_sliding_window") {
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
@@ -241,7 +259,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (true, None) if gemma3 => Some(4096),
+            (true, None) if gemma3 || gemma2 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
         };
@@ -262,6 +280,7 @@ impl ModelConfig {
                 let p = get("sliding_window_pattern")?.unwrap_or(6);
                 (0..layers).map(|i| !(i + 1).is_multiple_of(p)).collect()
             }
+            None | Some(serde_json::Value::Null) if gemma2 => (0..layers).map(|i| i % 2 == 0).collect(),
             None | Some(serde_json::Value::Null) => vec![true; layers],
             Some(serde_json::Value::Array(a)) if a.len() == layers => {
                 let mut out = Vec::with_capacity(layers);
@@ -299,7 +318,7 @@ impl ModelConfig {
             qkv_bias: qwen2,
             qk_norm: qwen3 || gemma3,
             partial_window,
-            gemma3,
+            sandwich_norms: gemma3 || gemma2,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -355,7 +374,7 @@ impl ModelConfig {
     /// The norm weights of one layer: `2h` (before the attention and the MLP), Gemma 3's `4h`
     /// (and after each).
     pub fn layer_norm_params(&self) -> u64 {
-        (if self.gemma3 { 4 } else { 2 }) * self.hidden as u64
+        (if self.sandwich_norms { 4 } else { 2 }) * self.hidden as u64
     }
 
     /// Qwen3's q and k head-norm weights of one layer: `2·d`, or 0 without them.
@@ -430,6 +449,12 @@ mod tests {
         // the head norms per layer); the 27B's text model 27.0B (its checkpoint's 27.4B holds
         // the vision tower too)
         assert_eq!(ModelConfig::preset("gemma3-1b")?.total_params(), 999_885_952);
+        // Gemma 2 as published (google/gemma-2-{2b, 9b, 27b}: 2,614,341,888, 9,241,705,984 and
+        // 27,227,128,320 parameters)
+        let g2: Vec<u64> = ["gemma2-2b", "gemma2-9b", "gemma2-27b"].iter().map(|n| ModelConfig::preset(n).map(|m| m.total_params())).collect::<Result<_>>()?;
+        assert_eq!(g2, vec![2_614_341_888, 9_241_705_984, 27_227_128_320]);
+        let g9 = ModelConfig::preset("gemma2-9b")?;
+        assert_eq!((g9.head_dim, g9.partial_window, g9.sandwich_norms, g9.qk_norm), (256, Some((4096, 21)), true, false));
         assert!((b("gemma3-27b")? - 27.01).abs() < 0.01, "{}", b("gemma3-27b")?);
         Ok(())
     }
@@ -527,7 +552,7 @@ mod tests {
                 "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window":512}"#,
             "g",
         )?;
-        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias && g.gemma3);
+        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias && g.sandwich_norms);
         assert_eq!(g.layer_norm_params(), 4 * 1152);
         assert_eq!((g.head_dim, g.sliding_window, g.partial_window), (256, None, Some((512, 22))));
         assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-1b")? });
@@ -544,6 +569,16 @@ mod tests {
             "g",
         )?;
         assert_eq!(g.partial_window, Some((4096, 13)));
+        // Gemma 2 (google/gemma-2-27b's config.json, its shape keys): the window on every
+        // other layer, no head norms, the two extra norms
+        let g = ModelConfig::from_hf_json(
+            r#"{"architectures":["Gemma2ForCausalLM"],"model_type":"gemma2","head_dim":128,"hidden_size":4608,"intermediate_size":36864,
+                "num_attention_heads":32,"num_hidden_layers":46,"num_key_value_heads":16,"vocab_size":256000,"sliding_window":4096,
+                "attn_logit_softcapping":50.0,"final_logit_softcapping":30.0,"query_pre_attn_scalar":144}"#,
+            "g",
+        )?;
+        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma2-27b")? });
+        assert!(g.sandwich_norms && !g.qk_norm && g.tie_embeddings && g.partial_window == Some((4096, 23)));
         // a multimodal one (google/gemma-3-4b-it's text_config): its text model, defaults filled
         let g = ModelConfig::from_hf_json(
             r#"{"architectures":["Gemma3ForConditionalGeneration"],"model_type":"gemma3","text_config":{"hidden_size":2560,
@@ -551,7 +586,7 @@ mod tests {
                 "vision_config":{"hidden_size":1152}}"#,
             "g",
         )?;
-        assert!(g.gemma3 && g.qk_norm && g.tie_embeddings);
+        assert!(g.sandwich_norms && g.qk_norm && g.tie_embeddings);
         assert_eq!((g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.vocab), (2560, 34, 8, 4, 256, 262208));
         assert_eq!(g.partial_window, Some((1024, 29)));
         assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-4b")? });

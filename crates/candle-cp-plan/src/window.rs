@@ -160,7 +160,7 @@ mod tests {
             qkv_bias: false,
             qk_norm: false,
             partial_window: None,
-            gemma3: false,
+            sandwich_norms: false,
         }
     }
 
