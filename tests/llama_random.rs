@@ -8,7 +8,8 @@
 //! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2,
 //! Ulysses and 2-D half the time with the head layout regathered in the backward, a third of
 //! the models with Qwen2's q, k, v biases, Qwen3's q / k head norms and Gemma 3 a quarter
-//! each (their window on one of two layers only in most of the draws that can have one). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! each (their window on one of two layers only in most of the draws that can have one), a
+//! third of the rest Gemma 2 (logit soft caps in attention and on the output). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -54,6 +55,19 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         .with_qkv_bias(bias)
         .with_qk_norm(qk_norm)
         .with_gemma3(arch == 3);
+    // a third of the Llama draws are Gemma 2 instead, with soft caps small enough to bind on
+    // these logits (streams of their own)
+    let cfg = match arch == 0 && rng(930_000 + seed).below(3) == 0 {
+        true => {
+            let mut c = cfg.with_gemma2(true);
+            let mut caps = rng(940_000 + seed);
+            if let Some(g) = c.gemma2.as_mut() {
+                (g.attn_logit_softcapping, g.final_logit_softcapping) = (Some(pick(&mut caps, &[0.3, 1.0])), Some(pick(&mut caps, &[0.5, 3.0])));
+            }
+            c
+        }
+        false => cfg,
+    };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
@@ -79,9 +93,10 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         layout = layout.with_head_layout(HeadLayout::Regathered);
     }
     let what = format!(
-        "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?} on {:?} {:?}",
+        "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?} on {:?} {:?}{}",
         cfg.sliding_layers,
-        cfg.arch()
+        cfg.arch(),
+        cfg.gemma2.as_ref().map_or(String::new(), |g| format!(" caps {:?} / {:?}", g.attn_logit_softcapping, g.final_logit_softcapping))
     );
     Draw { cfg, layout, b, t, window, what }
 }
@@ -120,7 +135,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
-    let (mut some_layers, mut gemma) = (0, 0);
+    let (mut some_layers, mut gemma, mut gemma2) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -158,6 +173,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 normed += cfg.qk_norm as usize;
                 some_layers += cfg.sliding_layers.is_some() as usize;
                 gemma += cfg.gemma3.is_some() as usize;
+                gemma2 += cfg.gemma2.is_some() as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -165,10 +181,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

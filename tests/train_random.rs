@@ -84,7 +84,7 @@ fn draw_layout(d: &mut Rng) -> Layout {
 /// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
 /// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
 /// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
-/// they were); with those numbers
+/// they were), Gemma 2 in a third of the rest (another stream); with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -99,7 +99,20 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
         .with_qkv_bias(arch == 1)
         .with_qk_norm(arch == 2)
         .with_gemma3(arch == 3);
+    // a third of the Llama seeds are Gemma 2 instead (soft caps 1 in attention, 3 on the output)
+    let model = match arch == 0 && rng(929_000 + seed).below(3) == 0 {
+        true => with_caps(model.with_gemma2(true), Some((1.0, 3.0))),
+        false => model,
+    };
     Ok((task, model, (heads, kv_heads, layers, window)))
+}
+
+/// `cfg` with Gemma 2's soft caps `(attention, output)` (`cfg` must be Gemma 2), or as it is.
+fn with_caps(mut cfg: LlamaConfig, caps: Option<(f64, f64)>) -> LlamaConfig {
+    if let (Some(g), Some((a, f))) = (cfg.gemma2.as_mut(), caps) {
+        (g.attn_logit_softcapping, g.final_logit_softcapping) = (Some(a), Some(f));
+    }
+    cfg
 }
 
 /// A run of the draws on one layout: the layout, rows per step (1 or 2 per DP replica),
@@ -192,7 +205,7 @@ fn packed_corpus() -> Result<PackedStream> {
 #[test]
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
-    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs) = (0, 0, 0, 0, 0, 0);
+    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2) = (0, 0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -210,13 +223,16 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let mut base = config(Layout::single(), model.clone(), task, batch, grad_accum, seed);
         if packed {
             base.data = DataSource::Packed(corpus.clone());
-            base.model = ModelSource::Init(
+            let caps = model.gemma2.as_ref().and_then(|g| Some((g.attn_logit_softcapping?, g.final_logit_softcapping?)));
+            base.model = ModelSource::Init(with_caps(
                 LlamaConfig::tiny(128, 32, layers, heads, kv_heads)
                     .with_sliding_window(window)
                     .with_qkv_bias(model.qkv_bias)
                     .with_qk_norm(model.qk_norm)
-                    .with_gemma3(model.gemma3.is_some()),
-            );
+                    .with_gemma3(model.gemma3.is_some())
+                    .with_gemma2(model.gemma2.is_some()),
+                caps,
+            ));
             long_range_only = false;
         }
         base.long_range_only = long_range_only;
@@ -251,6 +267,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 dp += with_dp as usize;
                 accum += (grad_accum > 1) as usize;
                 packs += packed as usize;
+                gemma2 += model.gemma2.is_some() as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -258,9 +275,9 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3)),
+        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
     );
     Ok(())
