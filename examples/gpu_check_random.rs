@@ -14,6 +14,8 @@
 //! reference; the draws are `tests/draws.rs`'s. Half the Ulysses draws take the backward's
 //! row sums from the f32 output (`RowSums::F32`) and then also run the single-device op so;
 //! half the ring and all-gather draws take them from the returned output (`RowSums::Output`).
+//! A third of the draws soft-cap the logits (Gemma 2: the CUDA-core kernels and the pipelined
+//! forward's capped entries, `flash::Logits`).
 //! 32 configurations (T up to 512), 12 under `--quick` (T up to 128);
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` instead, to search further.
 
@@ -22,7 +24,7 @@ use crate::draws::{doc_lengths, pick, random_case, rng, seeds};
 use crate::gpu_util::{max_abs, rel};
 use anyhow::Result;
 use candle_core::{DType, Device, Tensor};
-use candle_cp_ops::attention::{attention_docs_mask, attention_docs_mask_with, Mask, RowSums};
+use candle_cp_ops::attention::{attention_docs_mask, attention_docs_mask_with, Mask, RowSums, Scores};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::{run_single_with, AttnCase, AttnOutputs};
 use candle_cp_ops::packing::Documents;
@@ -78,12 +80,14 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
             _ => RowSums::F32,
         };
         let single_f32_rows = matches!(method, Method::Ulysses(_)) && rows == RowSums::F32;
+        // a third of them with a logit soft cap that binds at these logits (own stream)
+        let softcap = (rng(740_000 + seed).below(3) == 0).then(|| pick(&mut rng(750_000 + seed), &[1.0, 3.0]));
         let ranks = match method {
             Method::Usp { r } => format!("U 2 x R {r}"),
             _ => format!("P{p}"),
         };
         let name = format!(
-            "random {seed} {method:?} {ranks}{}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}",
+            "random {seed} {method:?} {ranks}{}{} {} b{b} t{t} h{h} kv{hkv} d{hd} {} window {window:?} docs {lens:?}{}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
             match (&method, rows) {
                 (Method::Ulysses(_), RowSums::F32) => " f32 row sums",
@@ -91,7 +95,8 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
                 _ => "",
             },
             if bf16 { "bf16" } else { "f32" },
-            if causal { "causal" } else { "full" }
+            if causal { "causal" } else { "full" },
+            softcap.map_or(String::new(), |c| format!(" softcap {c}"))
         );
 
         // inputs on the CPU (bf16-rounded for bf16 runs), the CPU path's result as reference
@@ -102,7 +107,8 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
             None if causal => Mask::causal(),
             None => Mask::Full,
         };
-        case.reference = run_single_with(&case, |q, k, v| attention_docs_mask(q, k, v, &docs, &mask, case.scale))?;
+        let scores = Scores::new(case.scale).with_softcap(softcap);
+        case.reference = run_single_with(&case, |q, k, v| attention_docs_mask(q, k, v, &docs, &mask, scores))?;
 
         let mut g = case_to(&case, gpu)?;
         if bf16 {
@@ -112,18 +118,18 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
         }
         let run = match method {
             Method::Cp(m) => {
-                let mut opts = CpOpts::default().with_documents(docs.clone());
+                let mut opts = CpOpts::default().with_documents(docs.clone()).with_softcap(softcap);
                 if let Some(w) = window {
                     opts = opts.with_window(w);
                 }
                 run_case_cp_with(&g, m, p, timeout, opts.with_row_sums(rows))
             }
             Method::Ulysses(l) => {
-                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(g.causal, g.scale) };
+                let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(g.causal, g.scale).with_softcap(softcap) };
                 run_case_ulysses_opts(&g, p, l, timeout, o.with_head_layout(heads).with_row_sums(rows))
             }
             Method::Usp { r } => {
-                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(g.causal, g.scale) };
+                let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(g.causal, g.scale).with_softcap(softcap) };
                 run_case_usp_opts(&g, 2, r, timeout, o.with_head_layout(heads))
             }
         };
@@ -131,7 +137,7 @@ pub fn check_random(rep: &mut Report, gpu: &Device) -> Result<()> {
         if single_f32_rows {
             // the single-device op with f32 row sums on the GPU (its raw forward and backward
             // attached, the bf16 residual rebuilding the f32 output)
-            let single = run_single_with(&g, |q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, g.scale, RowSums::F32));
+            let single = run_single_with(&g, |q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, scores, RowSums::F32));
             check_run(rep, &format!("{name}, single-device op with f32 row sums"), single, &case, bf16)?;
         }
     }

@@ -22,15 +22,19 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 #define FWDB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, BAND_A
 // flash_fwd.cu's band entries: FWDB_P + the destination (o_T, o_row0, o_merge; CpFwdDst)
 #define FWDXB_P(TY) FWDB_P(TY), int, int, int
-#define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
+// flash_fwd.cu's simple / pipe band entries: the logit soft cap after the scale
+#define FWDCB_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, float, BAND_A, int, int, int
+// flash_bwd.cu's band entries: the soft cap after the scale too
+#define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, float, BAND_A, int
 // the pipelined backward takes dO rounded to TY (flash_bwd_pipe_prep_*)
 #define PBWDB_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
 #define DECLB_D(N, TY, D)                                          \
-  void flash_fwd_simple_band_##N##_d##D(FWDXB_P(TY));              \
+  void flash_fwd_simple_band_##N##_d##D(FWDCB_P(TY));              \
   void flash_bwd_dkdv_band_##N##_d##D(float*, float*, BWDB_P(TY)); \
   void flash_bwd_dq_band_##N##_d##D(float*, BWDB_P(TY));
 #define DECLB16_D(N, TY, D)                                             \
-  void flash_fwd_pipe_band_##N##_d##D(FWDXB_P(TY));                     \
+  void flash_fwd_pipe_band_##N##_d##D(FWDCB_P(TY));                     \
+  void flash_fwd_pipe_cap_band_##N##_d##D(FWDCB_P(TY));                 \
   void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
@@ -58,7 +62,7 @@ void flash_bwd_pipe_prep_bf16(const float*, const float*, float*, __nv_bfloat16*
 
 namespace {
 
-template <typename TY> using FwdB = void (*)(FWDXB_P(TY));
+template <typename TY> using FwdB = void (*)(FWDCB_P(TY));
 template <typename TY> using DkdvB = void (*)(float*, float*, BWDB_P(TY));
 template <typename TY> using DqB = void (*)(float*, BWDB_P(TY));
 template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDB_P(TY));
@@ -71,18 +75,22 @@ template <typename TY> using PDqB = void (*)(float*, PBWDB_P(TY));
 #define PICK_CORE(PRE, N, D) PICK(PRE, N, D)
 template <typename TY> struct Ents;
 // (void*: the pipelined backward entries take dO as TY, see PBWDB_P)
+// fwdc: the pipelined forward's soft-capped band entries (flash_fwd_pipe_cap_band_*)
 template <> struct Ents<float> {
   static void* fwd(bool, int D) { return PICK_CORE(flash_fwd_simple_band_, f32, D); }
+  static void* fwdc(int D) { return PICK_CORE(flash_fwd_simple_band_, f32, D); }  // (never called: no f32 pipe)
   static void* dkdv(bool, int D) { return PICK_CORE(flash_bwd_dkdv_band_, f32, D); }
   static void* dq(bool, int D) { return PICK_CORE(flash_bwd_dq_band_, f32, D); }
 };
 template <> struct Ents<__half> {
   static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, f16, D) : PICK_CORE(flash_fwd_simple_band_, f16, D); }
+  static void* fwdc(int D) { return PICK(flash_fwd_pipe_cap_band_, f16, D); }
   static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, f16, D) : PICK_CORE(flash_bwd_dkdv_band_, f16, D); }
   static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, f16, D) : PICK_CORE(flash_bwd_dq_band_, f16, D); }
 };
 template <> struct Ents<__nv_bfloat16> {
   static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, bf16, D) : PICK_CORE(flash_fwd_simple_band_, bf16, D); }
+  static void* fwdc(int D) { return PICK(flash_fwd_pipe_cap_band_, bf16, D); }
   static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, bf16, D) : PICK_CORE(flash_bwd_dkdv_band_, bf16, D); }
   static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, bf16, D) : PICK_CORE(flash_bwd_dq_band_, bf16, D); }
 };
@@ -149,8 +157,9 @@ void band_random(int T, int S, std::mt19937_64& rng, std::vector<unsigned>& lo, 
   }
 }
 
+// cap > 0: logits cap * tanh(scale * q.k / cap) (Gemma 2's soft cap), as check_flash.cpp's reference
 Ref band_reference(const BandCase& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-                   const std::vector<double>& dout, double scale) {
+                   const std::vector<double>& dout, double scale, double cap = 0.0) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
   Ref r;
   r.out.assign((size_t)B * T * H * D, 0.0);
@@ -171,7 +180,7 @@ Ref band_reference(const BandCase& c, const std::vector<double>& q, const std::v
           if (!c.vis(b, i, j)) continue;
           double acc = 0;
           for (int d = 0; d < D; ++d) acc += qi[d] * kj(k, j)[d];
-          s[j] = acc * scale;
+          s[j] = cap > 0 ? cap * std::tanh(acc * scale / cap) : acc * scale;
           m = std::max(m, s[j]);
         }
         if (m == -INFINITY) continue;
@@ -193,7 +202,7 @@ Ref band_reference(const BandCase& c, const std::vector<double>& q, const std::v
           if (!c.vis(b, i, j)) continue;
           double dp = 0;
           for (int d = 0; d < D; ++d) dp += gi[d] * kj(v, j)[d];
-          const double ds = p[j] * (dp - delta) * scale;
+          const double ds = p[j] * (dp - delta) * scale * (cap > 0 ? 1 - (s[j] / cap) * (s[j] / cap) : 1.0);
           double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + kvh) * D];
           double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + kvh) * D];
           for (int d = 0; d < D; ++d) {
@@ -215,23 +224,28 @@ template <> const char* sfxb<__nv_bfloat16>() { return "bf16"; }
 
 // Forward and backward of one case with the simple (pipe = false) or pipelined kernels, launched
 // as src/flash/band.rs does (grids, blocks, dynamic shared memory).
-template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed) {
+// cap > 0: the logit soft cap (the simple kernels and the pipelined forward; q and k times `amp`).
+template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed, float cap = 0.f, double amp = 1.0) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
   Buf<TY> q(nq), k(nk), v(nk);
-  const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
+  auto amped = [amp](std::vector<double> x) {
+    for (auto& e : x) e *= amp;
+    return x;
+  };
+  const auto qd = fill(q, amped(randn(nq, seed))), kd = fill(k, amped(randn(nk, seed + 1))), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl);
   const auto dd = fill(dout, randn(nq, seed + 3));
   Buf<unsigned> lo(c.lo.size()), hi(c.hi.size());
   std::copy(c.lo.begin(), c.lo.end(), lo.p);
   std::copy(c.hi.begin(), c.hi.end(), hi.p);
   const long long bstride = c.nb == 1 ? 0 : T;
-  const Ref ref = band_reference(c, qd, kd, vd, dd, (double)scale);
+  const Ref ref = band_reference(c, qd, kd, vd, dd, (double)scale, (double)cap);
   fill(o32, ref.out);
   fill(l32, ref.lse);
   const bool bf = std::is_same<TY, __nv_bfloat16>::value;
-  const std::string tag = std::string(pipe ? "pipe " : "simple ") + sfxb<TY>() + " " + c.tag();
+  const std::string tag = std::string(pipe ? "pipe " : "simple ") + sfxb<TY>() + " " + c.tag() + (cap > 0 ? " softcap" : "");
 
   std::string name = "flash_fwd_band " + tag;
   if (wanted(name)) {
@@ -239,11 +253,11 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     // pipe_band_smem (src/flash/band.rs): pipe_config's (PIPES: BQ 128, BK 64; BQ 64, BK 32 at d
     // 256) + 2 BQ ints (lim_s, lo_s), none at d 256 (both in the Q rows' padding)
     const unsigned rows = pipe ? (D == 256 ? 64 : 128) : 16;
-    const size_t pbk = D == 256 ? 32 : 64;
+    const size_t pbk = D == 256 || (cap > 0 && D == 128) ? 32 : 64;  // (PIPES_CAP: d128 at 32 capped)
     const size_t smem = pipe ? (rows + 4 * pbk) * (D + 8) * 2 + (D == 256 ? 0 : 2 * rows * 4) : core_smem(0, D);
-    auto fn = reinterpret_cast<FwdB<TY>>(Ents<TY>::fwd(pipe, D));
+    auto fn = reinterpret_cast<FwdB<TY>>(cap > 0 && pipe ? Ents<TY>::fwdc(D) : Ents<TY>::fwd(pipe, D));
     bool ok = cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
-      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, T, 0, 0);
+      fn(q.p, k.p, v.p, out.p, lse.p, B, T, S, H, Hkv, scale, cap, lo.p, hi.p, bstride, T, 0, 0);
     });
     check_launch(name, ok);
     const double tol = !pipe ? 2e-5 : bf ? 2e-2 : 4e-3;
@@ -252,13 +266,13 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
       check(name + " lse", max_abs(lse.to_f32(), ref.lse), !pipe ? 2e-5 : 1e-3);
       check_fold(name, B, T, H, D, ref.out, ref.lse, tol, seed + 7, [&](float* so, float* sl, int R, int r0, int mg) {
         return cp_emu::launch(name.c_str(), dim3(cdivb(T, rows), H, B), dim3(128), smem, [&] {
-          fn(q.p, k.p, v.p, so, sl, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, R, r0, mg);
+          fn(q.p, k.p, v.p, so, sl, B, T, S, H, Hkv, scale, cap, lo.p, hi.p, bstride, R, r0, mg);
         });
       });
     }
   }
   name = "flash_bwd_band " + tag;
-  if (!wanted(name)) return;
+  if (!wanted(name) || (cap > 0 && pipe)) return;  // (a capped backward runs the simple kernels)
   Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
   bool ok;
   if (!pipe) {
@@ -267,10 +281,10 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     ok = cp_emu::launch("flash_bwd_delta_f32", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
                         [&] { flash_bwd_delta_f32(o32.p, dout.p, delta.p, B, T, H, D); }) &&
          cp_emu::launch("flash_bwd_dkdv_band", dim3(cdivb(S, 32), Hkv, B), dim3(128), core_smem(1, D), [&] {
-           dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+           dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, cap, lo.p, hi.p, bstride, 0);
          }) &&
          cp_emu::launch("flash_bwd_dq_band", dim3(cdivb(T, 8), H, B), dim3(128), core_smem(2, D), [&] {
-           dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+           dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, cap, lo.p, hi.p, bstride, 0);
          });
   } else {
     // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da
@@ -499,5 +513,18 @@ void run_band_checks() {
     for (int i = 0; i < 9; ++i) c.lo[i] = c.hi[i] = 0;
     for (int i = 9; i < 77; ++i) c.hi[i] = std::max(c.hi[i], c.lo[i]);
     run_all(c, seed);
+  }
+  {  // logit soft cap (Gemma 2) under bands: documents + window (Gemma 2's sliding layers), d 64
+     // and d 256, q and k at 3x the spread; the simple kernels both ways, the pipelined forward
+    BandCase c{"docs + window 17", 1, 200, 200, 4, 2, 64, 1, {}, {}};
+    band_of_positions(200, 200, 0, 0, true, 17, {0, 70, 75, 160}, c.lo, c.hi);
+    BandCase r{"ring step window 40", 1, 32, 64, 2, 2, 256, 1, {}, {}};
+    band_of_positions(32, 64, 100, 50, true, 40, {}, r.lo, r.hi);
+    for (const BandCase* cp : {&c, &r}) {
+      if (cp->D <= 64) run_band<float>(*cp, false, seed++, 4.f, 3.0);
+      run_band<__nv_bfloat16>(*cp, false, seed++, 4.f, 3.0);
+      run_band<__nv_bfloat16>(*cp, true, seed++, 4.f, 3.0);
+      run_band<__half>(*cp, true, seed++, 4.f, 3.0);
+    }
   }
 }

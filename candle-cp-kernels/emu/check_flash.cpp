@@ -15,18 +15,23 @@ struct alignas(64) CpTmaMap {
   unsigned long long opaque[16];
 };
 
-#define FWD_P(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float, int, long long, long long, long long, long long
-// flash_fwd.cu's entries: FWD_P + the destination (o_T, o_row0, o_merge; CpFwdDst)
+#define FWD_HEAD(TY) const TY*, const TY*, const TY*, float*, float*, int, int, int, int, int, float
+#define FWD_P(TY) FWD_HEAD(TY), int, long long, long long, long long, long long
+// the Hopper forward entries: FWD_P + the destination (o_T, o_row0, o_merge; CpFwdDst)
 #define FWDX_P(TY) FWD_P(TY), int, int, int
-#define BWD_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
+// flash_fwd.cu's entries (simple, mma, pipe): the logit soft cap after the scale
+#define FWDC_P(TY) FWD_HEAD(TY), float, int, long long, long long, long long, long long, int, int, int
+// flash_bwd.cu / flash_bwd_mma.cu: the soft cap after the scale too
+#define BWD_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, float, int, long long, long long, long long, long long, int
 #define PIPE_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
 #define DECL_D(N, TY, D)                                                                    \
-  void flash_fwd_simple_##N##_d##D(FWDX_P(TY));                                             \
+  void flash_fwd_simple_##N##_d##D(FWDC_P(TY));                                             \
   void flash_bwd_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                                \
   void flash_bwd_dq_##N##_d##D(float*, BWD_P(TY));
 #define DECL16_D(N, TY, D)                                                                  \
-  void flash_fwd_mma_##N##_d##D(FWDX_P(TY));                                                \
-  void flash_fwd_pipe_##N##_d##D(FWDX_P(TY));                                               \
+  void flash_fwd_mma_##N##_d##D(FWDC_P(TY));                                                \
+  void flash_fwd_pipe_##N##_d##D(FWDC_P(TY));                                               \
+  void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
   void flash_bwd_mma_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                            \
   void flash_bwd_mma_dq_##N##_d##D(float*, BWD_P(TY));                                      \
   void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
@@ -34,7 +39,8 @@ struct alignas(64) CpTmaMap {
 #define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
 // head dim 256: the pipelined entries only (no mma kernels there)
 #define DECLP_D(N, TY, D)                                                                   \
-  void flash_fwd_pipe_##N##_d##D(FWDX_P(TY));                                               \
+  void flash_fwd_pipe_##N##_d##D(FWDC_P(TY));                                               \
+  void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
   void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
   void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
 #define DECL16(N, TY)                                                                       \
@@ -85,19 +91,21 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_dq_" #N "_d" #D, (void*)&flash_bwd_dq_##N##_d##D},
 #define REG16_D(N, D) {"flash_fwd_mma_" #N "_d" #D, (void*)&flash_fwd_mma_##N##_d##D},        \
     {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},                      \
+    {"flash_fwd_pipe_cap_" #N "_d" #D, (void*)&flash_fwd_pipe_cap_##N##_d##D},              \
     {"flash_bwd_mma_dkdv_" #N "_d" #D, (void*)&flash_bwd_mma_dkdv_##N##_d##D},              \
     {"flash_bwd_mma_dq_" #N "_d" #D, (void*)&flash_bwd_mma_dq_##N##_d##D},                  \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
 #define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128) REG_D(N, 256)
 #define REGP_D(N, D) {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},       \
+    {"flash_fwd_pipe_cap_" #N "_d" #D, (void*)&flash_fwd_pipe_cap_##N##_d##D},              \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
 #define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 256)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-              const std::vector<double>& dout, double scale) {
+              const std::vector<double>& dout, double scale, double cap) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D, G = H / Hkv;
   Ref r;
   r.out.assign((size_t)B * T * H * D, 0.0);
@@ -118,7 +126,7 @@ Ref reference(const Case& c, const std::vector<double>& q, const std::vector<dou
           if (!c.vis(i, j)) continue;
           double acc = 0;
           for (int d = 0; d < D; ++d) acc += qi[d] * kj(k, j)[d];
-          s[j] = acc * scale;
+          s[j] = cap > 0 ? cap * std::tanh(acc * scale / cap) : acc * scale;
           m = std::max(m, s[j]);
         }
         if (m == -INFINITY) continue;
@@ -140,7 +148,8 @@ Ref reference(const Case& c, const std::vector<double>& q, const std::vector<dou
           if (!c.vis(i, j)) continue;
           double dp = 0;
           for (int d = 0; d < D; ++d) dp += gi[d] * kj(v, j)[d];
-          const double ds = p[j] * (dp - delta) * scale;
+          // with a soft cap: times its derivative 1 - (s / cap)^2 at the capped logit s
+          const double ds = p[j] * (dp - delta) * scale * (cap > 0 ? 1 - (s[j] / cap) * (s[j] / cap) : 1.0);
           double* dkj = &r.dk[(((size_t)b * S + j) * Hkv + kvh) * D];
           double* dvj = &r.dv[(((size_t)b * S + j) * Hkv + kvh) * D];
           for (int d = 0; d < D; ++d) {
@@ -183,6 +192,7 @@ void* lookup(const std::string& name) {
 }
 
 template <typename TY> using FwdXFn = void (*)(FWDX_P(TY));
+template <typename TY> using FwdCFn = void (*)(FWDC_P(TY));
 template <typename TY> using FwdTmaFn = void (*)(FWDX_P(TY), CpTmaMap, CpTmaMap, CpTmaMap);
 template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
 template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
@@ -241,19 +251,26 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D) {
 
 namespace {
 
-template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false) {
+// cap > 0: the logit soft cap (Gemma 2) of the simple / mma-less paths: flash_fwd.cu's simple and
+// pipe entries and flash_bwd.cu's kernels (q and k scaled by `amp` so that the logits bend).
+template <typename TY> void run_case(const Case& c, const std::vector<Impl>& impls, uint64_t seed, bool accum_checks = false,
+                                     float cap = 0.f, double amp = 1.0) {
   const int B = c.B, T = c.T, S = c.S, H = c.H, Hkv = c.Hkv, D = c.D;
   const size_t nq = (size_t)B * T * H * D, nk = (size_t)B * S * Hkv * D, nl = (size_t)B * H * T;
   const float scale = 1.f / std::sqrt((float)D);
   Buf<TY> q(nq), k(nk), v(nk);
-  const auto qd = fill(q, randn(nq, seed)), kd = fill(k, randn(nk, seed + 1)), vd = fill(v, randn(nk, seed + 2));
+  auto amped = [amp](std::vector<double> x) {
+    for (auto& e : x) e *= amp;
+    return x;
+  };
+  const auto qd = fill(q, amped(randn(nq, seed))), kd = fill(k, amped(randn(nk, seed + 1))), vd = fill(v, randn(nk, seed + 2));
   const auto dout_d = randn(nq, seed + 3);
   Buf<float> dout(nq), o32(nq), l32(nl);
   const auto dd = fill(dout, dout_d);
-  const Ref ref = reference(c, qd, kd, vd, dd, (double)scale);
+  const Ref ref = reference(c, qd, kd, vd, dd, (double)scale, (double)cap);
   fill(o32, ref.out);
   fill(l32, ref.lse);
-  const std::string tag = std::string(sfx<TY>()) + " " + c.tag();
+  const std::string tag = std::string(sfx<TY>()) + " " + c.tag() + (cap > 0 ? " softcap " + std::to_string(cap).substr(0, 4) : "");
   const std::string dsfx = std::string(sfx<TY>()) + "_d" + std::to_string(D);
   const bool f16 = sizeof(TY) == 2, bf = std::is_same<TY, __nv_bfloat16>::value;
 
@@ -270,7 +287,8 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       // pipe_config (src/flash.rs, PIPES): BQ 128 over BK 64 + BQ ints; BQ 64 over BK 32 at d 256,
       // the per-row key bounds in the Q rows' padding
       const unsigned pipe_rows = D == 256 ? 64 : 128;
-      const size_t pipe_bk = D == 256 ? 32 : 64;
+      // (the soft-capped entries, PIPES_CAP: d128 over 32-key tiles too)
+      const size_t pipe_bk = D == 256 || (cap > 0 && D == 128) ? 32 : 64;
       unsigned rows = im == Impl::Simple ? 16 : im == Impl::Mma ? 64 : im == Impl::Pipe ? pipe_rows : 128,
                threads = im == Impl::Wgmma ? 256 : ws ? 384 : 128;
       size_t smem = im == Impl::Pipe ? (pipe_rows + 4 * pipe_bk) * (D + 8) * 2 + (D == 256 ? 0 : pipe_rows * 4) : core_smem(0, D);
@@ -278,7 +296,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       const size_t nst = D == 128 ? 3 : 4;  // WS_NST(D)
       if (ws) smem = (128 + 2 * nst * 128) * D * 2 + 1024 + 4 * nst * 8;  // WS_SMEM(D), src/flash/sm90_ws.rs
       if (wide) smem = (128 + 2 * 2 * 176) * 128 * 2 + 1024 + 4 * 2 * 8;  // WS_WIDE_SMEM
-      auto fn = reinterpret_cast<FwdXFn<TY>>(lookup(std::string("flash_fwd_") + impl_name(im) + "_" + dsfx));
+      // (a soft cap: the pipelined forward's capped entries, flash_fwd_pipe_cap_*)
+      void* fp = lookup(std::string("flash_fwd_") + impl_name(im) + (cap > 0 && im == Impl::Pipe ? "_cap_" : "_") + dsfx);
+      auto fn = reinterpret_cast<FwdXFn<TY>>(fp);
+      auto fnc = reinterpret_cast<FwdCFn<TY>>(fp);
       // (o, l, o_T, o_row0, o_merge): the plain result, or folded into a state (check_fold)
       auto run = [&](float* o, float* l, int oT, int orow0, int merge) {
         return cp_emu::launch(name.c_str(), dim3(cdiv(T, rows), H, B), dim3(threads), smem, [&] {
@@ -287,8 +308,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
             reinterpret_cast<FwdTmaFn<TY>>(fn)(q.p, k.p, v.p, o, l, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks,
                                                oT, orow0, merge, emu_tma_map(q.p, B, T, H, D, 128),
                                                emu_tma_map(k.p, B, S, Hkv, D, kr), emu_tma_map(v.p, B, S, Hkv, D, kr));
-          } else {
+          } else if (sm90) {
             fn(q.p, k.p, v.p, o, l, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, oT, orow0, merge);
+          } else {
+            fnc(q.p, k.p, v.p, o, l, B, T, S, H, Hkv, scale, cap, c.causal, c.qo, c.qs, c.ko, c.ks, oT, orow0, merge);
           }
         });
       };
@@ -301,9 +324,9 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       }
       if (ok && accum_checks) check_fold(name, B, T, H, D, ref.out, ref.lse, tol, seed + 7, run);
     }
-    // ---- backward
+    // ---- backward (a soft cap runs flash_bwd.cu's kernels only: src/flash.rs Logits)
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
-    if (wide || !wanted(name)) continue;
+    if (wide || !wanted(name) || (cap > 0 && im != Impl::Simple)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
     bool ok = true;
     std::function<bool(int)> grads;  // dK/dV then dQ kernels, `accumulate` as given
@@ -316,10 +339,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       auto dqf = reinterpret_cast<DqFn<TY>>(lookup(pre + "dq_" + dsfx));
       grads = [&, pre, dkdv, dqf](int acc) {
         return cp_emu::launch((pre + "dkdv").c_str(), dim3(cdiv(S, 32), Hkv, B), dim3(im == Impl::Simple ? 128 : 64), im == Impl::Simple ? core_smem(1, D) : 0, [&] {
-                 dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 dkdv(dk.p, dv.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, cap, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                }) &&
                cp_emu::launch((pre + "dq").c_str(), dim3(cdiv(T, im == Impl::Simple ? 8 : 64), H, B), dim3(128), im == Impl::Simple ? core_smem(2, D) : 0, [&] {
-                 dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, cap, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
                });
       };
       ok = ok && grads(0);
@@ -495,4 +518,16 @@ void run_flash_checks() {
   run_case<__nv_bfloat16>(wide_edge, {Impl::WgmmaTmaWide}, seed++);
   run_case<__half>(wide_ring, {Impl::WgmmaTmaWide}, seed++);
   run_case<__nv_bfloat16>(wide_masked, {Impl::WgmmaTmaWide}, seed++, true);
+  // Logit soft cap (Gemma 2): the CUDA-core forward and backward and the pipelined forward, q and
+  // k at 3x the usual spread so that the cap bends most logits; causal GQA over several tiles,
+  // rows fully masked, head dims 64 / 128 / 256, fold and accumulate runs.
+  const Case cap_causal{"causal gqa2:1 multi-tile", 1, 150, 150, 2, 1, 64, 1, 0, 1, 0, 1};
+  const Case cap_masked{"causal rows fully masked (k_off 20)", 2, 50, 40, 1, 1, 128, 1, 0, 1, 20, 1};
+  const Case cap_d256{"causal q after k (q_off 40)", 1, 70, 110, 2, 2, 256, 1, 40, 1, 0, 1};
+  for (const Case* cp : {&cap_causal, &cap_masked, &cap_d256}) {
+    const float cap = cp == &cap_masked ? 2.f : 5.f;
+    run_case<float>(*cp, {Impl::Simple}, seed++, true, cap, 3.0);
+    run_case<__nv_bfloat16>(*cp, {Impl::Simple, Impl::Pipe}, seed++, true, cap, 3.0);
+    run_case<__half>(*cp, {Impl::Simple, Impl::Pipe}, seed++, false, cap, 3.0);
+  }
 }

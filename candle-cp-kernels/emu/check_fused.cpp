@@ -91,7 +91,7 @@ template <typename TY> void run_fused(const FCase& c, uint64_t seed, Kind kind =
   const auto qd = fill(q, qr), kd = fill(k, kr), vd = fill(v, randn(nk, seed + 2));
   Buf<float> dout(nq), o32(nq), l32(nl), delta(nl), dq(nq), dk(nk), dv(nk);
   const auto dd = fill(dout, randn(nq, seed + 3));
-  Ref ref = reference(c.attn(), qd, kd, vd, dd, (double)scale);
+  Ref ref = reference(c.attn(), qd, kd, vd, dd, (double)scale, 0.0);
   fill(o32, ref.out);
   fill(l32, ref.lse);
   // Initial outputs: zeros for dq (the launcher's zero fill); with `accumulate`, known values

@@ -564,6 +564,26 @@ def tile_configs():
         fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
     if sorted(cu) != [16, 32, 64, 128, 256]:
         err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
+    # the soft-capped entries (flash_fwd_pipe_cap{,_band}_*, PIPES_CAP): PIPES' tiles except the
+    # head dim flash.rs pipe_tile_of special-cases (d128 over 32-key tiles); pipe_config_of takes
+    # the K / V rows of the smaller tiles off pipe_config's bytes
+    caps = re.search(r"#define PIPES_CAP\(NAME\)((?:.*\\\n)*.*)", fwd_cu)
+    cu_cap = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
+              re.findall(r"PIPE_CAP\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", caps.group(1) if caps else "")}
+    ptc = re.search(r"fn pipe_tile_of\(d: usize, capped: bool\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
+    ctile = num(r"if capped && d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*pipe_tile\(d\)\s*\}",
+                ptc.group(1) if ptc else "", "flash.rs pipe_tile_of")
+    if "(rows, threads, smem - (4 * (bk - cbk) * (d + 8) * 2) as u32)" not in fwd_rs:
+        err("flash.rs pipe_config_of: expected pipe_config's bytes less 4 (bk - cbk) rows of (d + 8) 16-bit elements")
+    fam = out.setdefault("flash_fwd_pipe_cap", {})
+    for d, (nw, mt, bk) in sorted(cu_cap.items()):
+        want = tuple(ctile[1:4]) if ctile and d == ctile[0] else rust_tile(d)
+        if want not in (None, (nw, mt, bk)):
+            err(f"flash_fwd_pipe_cap d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile_of({d}, true) = {want}")
+        bq = nw * mt * 16
+        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
+    if sorted(cu_cap) != [16, 32, 64, 128, 256]:
+        err(f"flash_fwd.cu PIPES_CAP: head dims {sorted(cu_cap)}")
 
     # flash_bwd_pipe.cu PipeCfg<D> (generic, KV_DA = D) and its specializations vs bwd_pipe.rs
     # PipeCfg::of (`if d == N { Self { .. } }` branches, `else` = generic with kv_da: d).
@@ -675,8 +695,9 @@ def tile_configs():
     band_rs = rd("src", "flash", "band.rs")
     if "smem + if pipe_pads_bounds(d) { 0 } else { rows as u32 * 4 }" not in band_rs:
         err("band.rs pipe_band_smem: expected the non-band smem plus 4 bytes per row (lo_s in fwd_pipe) unless pipe_pads_bounds")
-    for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
-        out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fam == "flash_fwd_pipe" and d != pad_d else 0)) for d, c in out[fam].items()}
+    for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_fwd_pipe_cap", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
+        fwd_pipe = fam in ("flash_fwd_pipe", "flash_fwd_pipe_cap")
+        out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fwd_pipe and d != pad_d else 0)) for d, c in out[fam].items()}
     # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))

@@ -97,7 +97,7 @@ struct Ref {
 // float64 attention forward + backward (the backward from this forward's out / lse);
 // defined in check_flash.cpp, used by every flash check.
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
-              const std::vector<double>& dout, double scale);
+              const std::vector<double>& dout, double scale, double cap = 0.0);
 
 // Dynamic shared memory of a CUDA-core kernel launch at head dim D (src/flash/core.rs
 // `core_smem`, kernels/common.cuh `cp_core_smem`): 0 while the kernel's floats fit the 48 KiB

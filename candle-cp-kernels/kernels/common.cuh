@@ -176,6 +176,10 @@ template <> __device__ __forceinline__ void cp_mma16816<__half>(float* d, const 
 #endif
 }
 
+// tanh(x) = 1 - 2 / (e^{2x} + 1) with the fast exp: few registers (the pipelined forward's soft
+// cap at 255 of them); absolute error ~1e-7 (saturates to +-1 exactly: e^{2x} -> inf or 0).
+__device__ __forceinline__ float cp_tanh_fast(float x) { return 1.f - 2.f / (__expf(2.f * x) + 1.f); }
+
 // ---- asynchronous copies, ldmatrix, fast exp2 (sm_80+) ----------------------------------------
 // Shared-memory address (32-bit, .shared window) of a generic pointer into shared memory.
 __device__ __forceinline__ uint32_t cp_smem_u32(const void* p) {

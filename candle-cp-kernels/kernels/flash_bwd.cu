@@ -6,6 +6,7 @@
 //
 // q [B, T, H, D], k/v [B, S, Hkv, D] (type T); o, do f32 [B, T, H, D]; lse, delta f32 [B, H, T]
 // (lse of the *whole* attention the rows belong to: the global LSE in a ring).
+// cap > 0: Gemma 2's logit soft cap (see bwd_p_ds; the forward's in flash_fwd.cu), 0 = none.
 // dq f32 [B, T, H, D], dk/dv f32 [B, S, Hkv, D]. With accumulate != 0 the kernels add into
 // dq/dk/dv (f32 accumulation across ring steps) instead of overwriting them.
 // GQA: dK/dV of KV head kvh sum over its H / Hkv query heads.
@@ -34,10 +35,18 @@ extern "C" __global__ void flash_bwd_delta_f32(const float* __restrict__ o, cons
 }
 
 // p = exp(scale * q.k - lse) (0 where masked or lse = -inf); ds = p * (do.v - delta).
+// With a soft cap (cap > 0): the logit x = cap * tanh(scale * q.k / cap), p = exp(x - lse), and
+// ds (the gradient w.r.t. scale * q.k) times the cap's derivative 1 - tanh^2.
 __device__ __forceinline__ void bwd_p_ds(float s, float dp, float lse_i, float delta_i, bool vis,
-                                         float scale, float& p, float& ds) {
-  p = (vis && lse_i != -INFINITY) ? __expf(s * scale - lse_i) : 0.f;
-  ds = p * (dp - delta_i);
+                                         float scale, float cap, float& p, float& ds) {
+  float x = s * scale, g = 1.f;
+  if (cap > 0.f) {
+    const float th = tanhf(x / cap);
+    x = cap * th;
+    g = 1.f - th * th;
+  }
+  p = (vis && lse_i != -INFINITY) ? __expf(x - lse_i) : 0.f;
+  ds = p * (dp - delta_i) * g;
 }
 
 // Head dims 16, 32, 64, 128, 256. Shared memory: cp_core_smem (common.cuh): static up to d 128,
@@ -48,7 +57,7 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
                                          const T* __restrict__ v, const float* __restrict__ dout,
                                          const float* __restrict__ lse, const float* __restrict__ delta,
                                          float* __restrict__ dk, float* __restrict__ dv, int B, int T_,
-                                         int S, int H, int Hkv, float scale, M mask, int accumulate) {
+                                         int S, int H, int Hkv, float scale, float cap, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, PER = BK * D / (NW * 32);
   // k_s, v_s [BK][DP]; q_s, do_s [NQ][D]; p_s, ds_s [NQ][BK]: (80 D + 576) floats (core.rs CORE_DKDV_SMEM)
   float* const k_s = cp_core_smem<2 * BK * DP + 2 * NQ * D + 2 * NQ * BK>();
@@ -93,7 +102,7 @@ __device__ __forceinline__ void bwd_dkdv(const T* __restrict__ q, const T* __res
         float p = 0.f, ds = 0.f;
         if (i < T_) {
           size_t li = ((size_t)b * H + hq) * T_ + i;
-          bwd_p_ds(s, dp, lse[li], delta[li], j < S && mask.visible(i, j), scale, p, ds);
+          bwd_p_ds(s, dp, lse[li], delta[li], j < S && mask.visible(i, j), scale, cap, p, ds);
         }
         p_s[r * BK + lane] = p;
         ds_s[r * BK + lane] = ds * scale;
@@ -129,7 +138,7 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
                                        const T* __restrict__ v, const float* __restrict__ dout,
                                        const float* __restrict__ lse, const float* __restrict__ delta,
                                        float* __restrict__ dq, int B, int T_, int S, int H, int Hkv,
-                                       float scale, M mask, int accumulate) {
+                                       float scale, float cap, M mask, int accumulate) {
   constexpr int NW = 4, RW = 2, NQ = NW * RW, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   // k_s, v_s [BK][DP]; q_s, do_s [NQ][D]: (80 D + 64) floats (core.rs CORE_DQ_SMEM)
   float* const k_s = cp_core_smem<2 * BK * DP + 2 * NQ * D>();
@@ -176,7 +185,7 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
         dp += do_s[r * D + d] * v_s[lane * DP + d];
       }
       float p, ds;
-      bwd_p_ds(s, dp, lse_r[rr], delta_r[rr], i < T_ && j < S && mask.visible(i, j), scale, p, ds);
+      bwd_p_ds(s, dp, lse_r[rr], delta_r[rr], i < T_ && j < S && mask.visible(i, j), scale, cap, p, ds);
       ds *= scale;
 #pragma unroll 4
       for (int jj = 0; jj < BK; ++jj) {
@@ -203,22 +212,22 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
 
 #define BWD_ARGS_COMMON                                                                            \
   const TY *q, const TY *k, const TY *v, const float *dout, const float *lse, const float *delta, \
-      int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,             \
+      int B, int T_, int S, int H, int Hkv, float scale, float cap, int causal, long long q_off,  \
       long long q_str, long long k_off, long long k_str, int accumulate
 #define MASK CpMask{causal, q_off, q_str, k_off, k_str}
-#define DKDV(D) bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, MASK, accumulate)
-#define DQ(D) bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, MASK, accumulate)
+#define DKDV(D) bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, cap, MASK, accumulate)
+#define DQ(D) bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, cap, MASK, accumulate)
 #define BWD_BAND_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, const float *dout, const float *lse, const float *delta, \
-      int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
+      int B, int T_, int S, int H, int Hkv, float scale, float cap, CP_BAND_ARGS, int accumulate
 #define ENTRIES_D(NAME, D)                                                                                    \
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_##NAME##_d##D(float* dk, float* dv, BWD_ARGS_COMMON) { DKDV(D); } \
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_##NAME##_d##D(float* dq, BWD_ARGS_COMMON) { DQ(D); } \
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dkdv_band_##NAME##_d##D(float* dk, float* dv, BWD_BAND_ARGS) { \
-    bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
+    bwd_dkdv<TY, D>(q, k, v, dout, lse, delta, dk, dv, B, T_, S, H, Hkv, scale, cap, CP_BAND_OF_BLOCK, accumulate); \
   } \
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_band_##NAME##_d##D(float* dq, BWD_BAND_ARGS) { \
-    bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK, accumulate); \
+    bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, cap, CP_BAND_OF_BLOCK, accumulate); \
   }
 #define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128) ENTRIES_D(NAME, 256)
 

@@ -244,9 +244,11 @@ __device__ __forceinline__ void bwd_dq_mma(const T* __restrict__ q, const T* __r
   }
 }
 
+// `cap`: flash_bwd.cu's argument list (one Rust launcher for both); always 0 here (a soft cap
+// runs the flash_bwd.cu kernels).
 #define BWD_ARGS_COMMON                                                                            \
   const TY *q, const TY *k, const TY *v, const float *dout, const float *lse, const float *delta, \
-      int B, int T_, int S, int H, int Hkv, float scale, int causal, long long q_off,             \
+      int B, int T_, int S, int H, int Hkv, float scale, float cap, int causal, long long q_off,  \
       long long q_str, long long k_off, long long k_str, int accumulate
 #define MASK CpMask{causal, q_off, q_str, k_off, k_str}
 #define ENTRIES_D(NAME, D)                                                                                       \

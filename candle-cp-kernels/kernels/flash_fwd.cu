@@ -10,6 +10,8 @@
 // q [B, T, H, D], k/v [B, S, Hkv, D] (contiguous, element type T), out f32 [B, T, H, D],
 // lse f32 [B, H, T] (natural log). Query head h reads KV head h / (H / Hkv) (GQA).
 // Mask: see CpMask in common.cuh. A row that sees no key gets out = 0 and lse = -inf.
+// Soft cap (`cap` > 0, Gemma 2's attn_logit_softcapping; the simple and pipe entries, 0 = none):
+//   the logit is cap * tanh(scale * q.k / cap) (CPU reference: candle_cp_ops::attention::Scores).
 //
 // Three implementations:
 // - `flash_fwd_simple_*`: CUDA cores, f32 math, every dtype (f32/f16/bf16). Block = 4 warps x 4
@@ -29,7 +31,7 @@
 template <typename T, int D, typename M>
 __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __restrict__ k,
                                            const T* __restrict__ v, CpFwdDst dst, int B, int T_,
-                                           int S, int H, int Hkv, float scale, M mask) {
+                                           int S, int H, int Hkv, float scale, float cap, M mask) {
   constexpr int NW = 4, R = 4, BK = 32, DP = D + 1, DL = (D + 31) / 32;
   // k_s [BK][DP], v_s [BK][D], q_s [NW * R][D]: (80 D + 32) floats (CORE_FWD_SMEM in src/flash/core.rs)
   float* const k_s = cp_core_smem<BK * DP + BK * D + NW * R * D>();
@@ -80,7 +82,8 @@ __device__ __forceinline__ void fwd_simple(const T* __restrict__ q, const T* __r
     for (int r = 0; r < R; ++r) {
       int i = row0 + warp * R + r;
       bool vis = j < S && i < T_ && mask.visible(i, j);
-      float sv = vis ? s[r] * sl2 : -INFINITY;
+      const float x = cap > 0.f ? cap * tanhf(s[r] * scale / cap) * CP_LOG2E : s[r] * sl2;
+      float sv = vis ? x : -INFINITY;
       float m_new = fmaxf(m[r], cp_warp_max(sv));
       float alpha = 1.f;
       if (m_new == -INFINITY) {
@@ -301,10 +304,12 @@ struct CpPadInts {
 // M = CpBand (`_band_` entries): the tiles start at the one holding lo of the block's first row;
 // a warp skips tiles below its first row's lo, and a tile needs no mask test when every row of
 // the warp sees all of it (lo of the last row <= k0, k0 + BK <= hi of the first row).
-template <typename T, int D, int NW, int MT, int BK, typename M>
+// CAP: the soft-capped variant (`flash_fwd_pipe_cap{,_band}_*`, PIPES_CAP): the cap's code only
+// there, so the uncapped entries keep their registers (d128 sits at 255 without a spill).
+template <typename T, int D, int NW, int MT, int BK, bool CAP, typename M>
 __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __restrict__ k,
                                          const T* __restrict__ v, CpFwdDst dst, int B, int T_,
-                                         int S, int H, int Hkv, float scale, M mask) {
+                                         int S, int H, int Hkv, float scale, float cap, M mask) {
   constexpr int NTH = NW * 32, BQ = NW * MT * 16, DP = D + 8, DC = D / 16, DT = D / 8, NT = BK / 8;
   constexpr bool QREG = MT * D <= 128;
   CP_DYN_SMEM(unsigned char, fwd_pipe_smem);
@@ -316,6 +321,9 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
   // final wave of the grid gets the light ones.
   const int row0 = (gridDim.x - 1 - blockIdx.x) * BQ, wrow0 = row0 + warp * MT * 16;
   const float sl2 = scale * CP_LOG2E;
+  // Soft cap: raw score x (masked: -inf) -> cap * tanh(x * scale / cap) in the log2 domain.
+  const float sc = CAP ? scale / cap : 0.f, capl2 = cap * CP_LOG2E;
+  auto cap_l2 = [sc, capl2](float x) { return x == -INFINITY ? -INFINITY : capl2 * cp_tanh_fast(x * sc); };
 
   // Keys [0, n_tiles * BK) hold every key some row of the block sees; [0, w_end) of this warp.
   // Band: key indices below are relative to kb, the start of the tile holding lo of the block's
@@ -462,8 +470,11 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
         mx_a = fmaxf(mx_a, fmaxf(s[mt][nt][0], s[mt][nt][1]));
         mx_b = fmaxf(mx_b, fmaxf(s[mt][nt][2], s[mt][nt][3]));
       }
-      // Running max in the log2 domain (-inf * sl2 = -inf).
-      const float mn_a = fmaxf(m_r[mt][0], cp_quad_max(mx_a) * sl2), mn_b = fmaxf(m_r[mt][1], cp_quad_max(mx_b) * sl2);
+      // Running max in the log2 domain (-inf * sl2 = -inf). Soft cap: the capped logit of the raw
+      // maximum (cap * tanh(x * scale / cap) increases with x, scale > 0), each score capped as it
+      // is exponentiated below (no extra live registers: d128 sits at 255).
+      const float mn_a = fmaxf(m_r[mt][0], CAP ? cap_l2(cp_quad_max(mx_a)) : cp_quad_max(mx_a) * sl2);
+      const float mn_b = fmaxf(m_r[mt][1], CAP ? cap_l2(cp_quad_max(mx_b)) : cp_quad_max(mx_b) * sl2);
       // Row with nothing visible yet: subtract 0 instead of -inf (every s is -inf -> p = 0, no NaN).
       const float mo_a = mn_a == -INFINITY ? 0.f : mn_a, mo_b = mn_b == -INFINITY ? 0.f : mn_b;
       // alpha = 1 exactly when the running max did not move (then O needs no rescale).
@@ -472,10 +483,17 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
       float sum_a = 0.f, sum_b = 0.f;
 #pragma unroll
       for (int nt = 0; nt < NT; ++nt) {
-        s[mt][nt][0] = cp_exp2(fmaf(s[mt][nt][0], sl2, -mo_a));
-        s[mt][nt][1] = cp_exp2(fmaf(s[mt][nt][1], sl2, -mo_a));
-        s[mt][nt][2] = cp_exp2(fmaf(s[mt][nt][2], sl2, -mo_b));
-        s[mt][nt][3] = cp_exp2(fmaf(s[mt][nt][3], sl2, -mo_b));
+        if constexpr (CAP) {
+          s[mt][nt][0] = cp_exp2(cap_l2(s[mt][nt][0]) - mo_a);
+          s[mt][nt][1] = cp_exp2(cap_l2(s[mt][nt][1]) - mo_a);
+          s[mt][nt][2] = cp_exp2(cap_l2(s[mt][nt][2]) - mo_b);
+          s[mt][nt][3] = cp_exp2(cap_l2(s[mt][nt][3]) - mo_b);
+        } else {
+          s[mt][nt][0] = cp_exp2(fmaf(s[mt][nt][0], sl2, -mo_a));
+          s[mt][nt][1] = cp_exp2(fmaf(s[mt][nt][1], sl2, -mo_a));
+          s[mt][nt][2] = cp_exp2(fmaf(s[mt][nt][2], sl2, -mo_b));
+          s[mt][nt][3] = cp_exp2(fmaf(s[mt][nt][3], sl2, -mo_b));
+        }
         sum_a += s[mt][nt][0] + s[mt][nt][1];
         sum_b += s[mt][nt][2] + s[mt][nt][3];
       }
@@ -540,8 +558,8 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // o_T, o_row0, o_merge: CpFwdDst (a plain call: T, 0, 0).
 #define FWD_ARGS                                                                              \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
-      int Hkv, float scale, int causal, long long q_off, long long q_str, long long k_off,    \
-      long long k_str, int o_T, int o_row0, int o_merge
+      int Hkv, float scale, float cap, int causal, long long q_off, long long q_str,          \
+      long long k_off, long long k_str, int o_T, int o_row0, int o_merge
 #define FWD_DST CpFwdDst{out, lse, o_T, o_row0, o_merge}
 #define FWD_CALL(IMPL, D)                                                                       \
   IMPL<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CpMask{causal, q_off, q_str, k_off, k_str})
@@ -549,13 +567,16 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // candle_cp_ops::attention::attention_fwd_band): the mask arguments replaced by the band (CpBand).
 #define FWD_BAND_ARGS                                                                         \
   const TY *q, const TY *k, const TY *v, float *out, float *lse, int B, int T_, int S, int H, \
-      int Hkv, float scale, CP_BAND_ARGS, int o_T, int o_row0, int o_merge
+      int Hkv, float scale, float cap, CP_BAND_ARGS, int o_T, int o_row0, int o_merge
 
 #define SIMPLE(NAME, D) \
-  extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_simple, D); } \
+  extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_##NAME##_d##D(FWD_ARGS) {                   \
+    fwd_simple<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, cap, CpMask{causal, q_off, q_str, k_off, k_str}); \
+  }                                                                                                             \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_simple_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_simple<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);                      \
+    fwd_simple<TY, D>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, cap, CP_BAND_OF_BLOCK);                 \
   }
+// (no soft cap: the launcher runs the simple or pipe entries for one; `cap` is 0 here)
 #define MMA(NAME, D) \
   extern "C" __global__ void __launch_bounds__(128) flash_fwd_mma_##NAME##_d##D(FWD_ARGS) { FWD_CALL(fwd_mma, D); }
 // Pipelined: block NW*32 threads, BQ = NW*MT*16 rows, dynamic shared memory (BQ + 4*BK) * (D + 8)
@@ -563,30 +584,39 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // (src/flash.rs, `pipe_config`, band.rs `pipe_band_smem`) mirrors these numbers and
 // sim/fwd_pipe_sim.py parses them from PIPES. d128 at BK = 64 sits at 255 registers (ptxas 13.0,
 // sm_80 / sm_90 / sm_90a: no spill); BK = 32 would cut 32 registers.
-#define PIPE(NAME, D, NW, MT, BK)                                                              \
-  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_##NAME##_d##D(FWD_ARGS) { \
-    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale,                            \
-                            CpMask{causal, q_off, q_str, k_off, k_str});                       \
+#define PIPE_ENTRIES(NAME, D, NW, MT, BK, KIND, CAP, CAPV)                                     \
+  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_##KIND##_##NAME##_d##D(FWD_ARGS) { \
+    fwd_pipe<TY, D, NW, MT, BK, CAP>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CAPV,                \
+                                     CpMask{causal, q_off, q_str, k_off, k_str});              \
   }                                                                                                \
-  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_pipe_band_##NAME##_d##D(FWD_BAND_ARGS) { \
-    fwd_pipe<TY, D, NW, MT, BK>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CP_BAND_OF_BLOCK);          \
+  extern "C" __global__ void __launch_bounds__(NW * 32, 1) flash_fwd_##KIND##_band_##NAME##_d##D(FWD_BAND_ARGS) { \
+    fwd_pipe<TY, D, NW, MT, BK, CAP>(q, k, v, FWD_DST, B, T_, S, H, Hkv, scale, CAPV, CP_BAND_OF_BLOCK); \
   }
+// flash_fwd_pipe{,_band}_* (uncapped: `cap` ignored) and flash_fwd_pipe_cap{,_band}_* (soft cap,
+// PIPES_CAP below)
+#define PIPE(NAME, D, NW, MT, BK) PIPE_ENTRIES(NAME, D, NW, MT, BK, pipe, false, 0.f)
+#define PIPE_CAP(NAME, D, NW, MT, BK) PIPE_ENTRIES(NAME, D, NW, MT, BK, pipe_cap, true, cap)
 // d256 (Gemma 3): 4 warps x 16 rows (BQ 64) over key tiles of 32, Q re-read from shared memory
 // per tile (MT * D > 128): 101,376 bytes, band entry too (the row bounds in Q's row padding:
 // sm_86 / sm_89 / sm_120's maximum per block); two blocks per Hopper SM; its O accumulators (128
 // per thread) are d128's.
 #define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64) \
   PIPE(NAME, 256, 4, 1, 32)
+// The soft-capped entries (Gemma 2): PIPES' tiles but d128 over 32-key tiles (BQ 128: 70,144 bytes):
+// at 64 the cap's tanh pushes it past 255 registers (ptxas: 20-136 bytes of spill). src/flash.rs
+// `pipe_tile_of(d, true)` mirrors these.
+#define PIPES_CAP(NAME) PIPE_CAP(NAME, 16, 4, 2, 64) PIPE_CAP(NAME, 32, 4, 2, 64) PIPE_CAP(NAME, 64, 4, 2, 64) \
+  PIPE_CAP(NAME, 128, 4, 2, 32) PIPE_CAP(NAME, 256, 4, 1, 32)
 #define TY float
 SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128) SIMPLE(f32, 256)
 #undef TY
 #define TY __half
 SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 128) SIMPLE(f16, 256)
 MMA(f16, 16) MMA(f16, 32) MMA(f16, 64) MMA(f16, 128)
-PIPES(f16)
+PIPES(f16) PIPES_CAP(f16)
 #undef TY
 #define TY __nv_bfloat16
 SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 128) SIMPLE(bf16, 256)
 MMA(bf16, 16) MMA(bf16, 32) MMA(bf16, 64) MMA(bf16, 128)
-PIPES(bf16)
+PIPES(bf16) PIPES_CAP(bf16)
 #undef TY

@@ -37,6 +37,58 @@ pub use fold::{fwd_band_fold, fwd_fold};
 use bwd_prep::BwdInputs;
 pub use core::{family_takes, head_dim_supported, HEAD_DIMS, WIDE_HEAD_DIMS};
 
+/// The logits the kernels compute: `scale · q·k`, soft-capped to `cap · tanh(x / cap)` when
+/// `cap > 0` (Gemma 2's `attn_logit_softcapping`; CPU reference `candle_cp_ops::attention::Scores`).
+/// Every launcher takes `impl Into<Logits>`: a plain `f32` scale is uncapped.
+///
+/// The CUDA-core kernels (`Simple`, forward and backward, band entries too) and the pipelined
+/// forward apply a cap. With one, a forward asked of another family (mma, fused, Hopper) runs
+/// `Auto`'s choice (pipelined for f16/bf16 where it fits, else CUDA cores), and every backward
+/// runs on CUDA cores.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct Logits {
+    /// Softmax scale.
+    pub scale: f32,
+    /// Soft cap (`0`: none).
+    pub cap: f32,
+}
+
+impl From<f32> for Logits {
+    fn from(scale: f32) -> Self {
+        Self { scale, cap: 0.0 }
+    }
+}
+
+impl Logits {
+    /// `scale` with logits capped to `(-cap, cap)` (`cap = 0`: none).
+    pub fn capped(scale: f32, cap: f32) -> Self {
+        Self { scale, cap }
+    }
+
+    /// Errors for a cap that is negative or not finite, naming `op` and q's shape.
+    fn check(&self, op: &str, q: &Shape) -> Result<()> {
+        if !(self.cap.is_finite() && self.cap >= 0.0) {
+            candle_core::bail!("{op}: a logit soft cap must be finite and > 0 (0: none), got {}; q {q:?}", self.cap)
+        }
+        Ok(())
+    }
+
+    /// The family a forward runs: `imp`, or with a cap `Auto` for a family without one (mma,
+    /// fused, Hopper).
+    fn fwd_family(&self, imp: FwdImpl) -> FwdImpl {
+        match imp {
+            _ if self.cap == 0.0 => imp,
+            FwdImpl::Simple | FwdImpl::Pipelined | FwdImpl::Auto => imp,
+            _ => FwdImpl::Auto,
+        }
+    }
+
+    /// The family a backward runs: `imp`, or with a cap the CUDA-core kernels.
+    fn bwd_family(&self, imp: FwdImpl) -> FwdImpl {
+        if self.cap == 0.0 { imp } else { FwdImpl::Simple }
+    }
+}
+
 /// Kernel-side mirror of `candle_cp_ops::attention::Mask`: query row `i` is at global position
 /// `q_offset + i * q_stride`, key row `j` at `k_offset + j * k_stride`; when `causal`, a key is
 /// visible iff its position is `<=` the query's.
@@ -257,9 +309,10 @@ pub fn fwd_storage(
     v: &CudaStorage,
     vl: &Layout,
     mask: KMask,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
+    let scale: Logits = scale.into();
     use candle_core::backend::BackendStorage;
     let dims = check_dims("flash_fwd", ql.shape(), kl.shape(), vl.shape())?;
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
@@ -284,7 +337,7 @@ fn fwd_storage_to(
     (v, vl): (&CudaStorage, &Layout),
     dims: Dims,
     mask: KMask,
-    scale: f32,
+    scale: Logits,
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
@@ -301,7 +354,8 @@ fn fwd_storage_to(
 /// [`fwd`] into ONE f32 buffer `[B·T·H·D + B·H·T]`: out `[B, T, H, D]`, then lse `[B, H, T]` —
 /// the layout of the ring's running state (`candle_cp_ops::cp::state::LocalState`), which takes
 /// a first result covering all its rows as its state instead of merging it into an empty one.
-pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<Tensor> {
+pub fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: impl Into<Logits>, imp: FwdImpl) -> Result<Tensor> {
+    let scale: Logits = scale.into();
     packed_fwd("flash_fwd", (q, k, v), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
 }
 
@@ -365,6 +419,17 @@ fn pipe_tile(d: usize) -> (usize, usize, usize) {
     }
 }
 
+/// [`pipe_tile`] of the entries a call runs: with a soft cap (`capped`) the
+/// `flash_fwd_pipe_cap{,_band}_*` ones (`PIPES_CAP` in `kernels/flash_fwd.cu`: d128 over 32-key
+/// tiles, where 64 would spill).
+fn pipe_tile_of(d: usize, capped: bool) -> (usize, usize, usize) {
+    if capped && d == 128 {
+        (4, 2, 32)
+    } else {
+        pipe_tile(d)
+    }
+}
+
 /// Whether `flash_fwd_pipe{,_band}_*_d{d}` keeps its per-row key bounds in the Q rows' padding
 /// (d = 256: `CpPadInts`, no shared memory of their own) rather than in BQ ints after the tiles
 /// (BQ more for a band).
@@ -383,6 +448,14 @@ fn pipe_config(d: usize) -> (usize, u32, u32) {
     (bq, 32 * nw as u32, ((bq + 4 * bk) * (d + 8) * 2 + ints) as u32)
 }
 
+/// [`pipe_config`] of the entries a call runs ([`pipe_tile_of`]): the soft-capped d128 ones hold
+/// 4 × 32 fewer K / V rows, 70,144 bytes.
+fn pipe_config_of(d: usize, capped: bool) -> (usize, u32, u32) {
+    let (rows, threads, smem) = pipe_config(d);
+    let (bk, cbk) = (pipe_tile(d).2, pipe_tile_of(d, capped).2);
+    (rows, threads, smem - (4 * (bk - cbk) * (d + 8) * 2) as u32)
+}
+
 #[allow(clippy::too_many_arguments)]
 fn fwd_t<T: CudaDType + DeviceRepr>(
     dev: &CudaDevice,
@@ -392,11 +465,13 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     (v, vl): (&CudaStorage, &Layout),
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
-    scale: f32,
+    logits: Logits,
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
-    let imp = core::family_for(dev, imp, d, "flash_fwd", ql.shape())?;
+    logits.check("flash_fwd", ql.shape())?;
+    let imp = core::family_for(dev, logits.fwd_family(imp), d, "flash_fwd", ql.shape())?;
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     let kern = match imp {
         FwdImpl::Wgmma | FwdImpl::WgmmaAtomic => return sm90::fwd_wgmma::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
         FwdImpl::WgmmaWs => return sm90_ws::fwd_wgmma_ws::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), (b, t, s, h, hkv, d), mask, scale, dst),
@@ -418,7 +493,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     // allow per block (e.g. sm_86/sm_89: 99 KiB): Auto falls back to the mma kernel there.
     let kern = if kern == FwdKernel::Pipelined {
         let optin = util::smem_optin(dev)?;
-        let need = pipe_config(d).2;
+        let need = pipe_config_of(d, cap > 0.0).2;
         match (i64::from(need) <= optin, imp) {
             (true, _) => FwdKernel::Pipelined,
             (false, FwdImpl::Auto) if !family_takes(FwdImpl::Mma, d) => FwdKernel::Simple,
@@ -431,6 +506,8 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     } else {
         kern
     };
+    // (the mma kernels take no cap: a capped Auto falls back to the CUDA-core ones)
+    let kern = if cap > 0.0 && kern == FwdKernel::Mma { FwdKernel::Simple } else { kern };
     if b * t * h == 0 {
         return dst.empty(dev);
     }
@@ -444,8 +521,9 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdKernel::Simple => ("simple", 16, 128, core::core_smem(core::Core::Fwd, d)),
         FwdKernel::Mma => ("mma", 64, 128, 0),
         FwdKernel::Pipelined => {
-            let (rows, threads, smem) = pipe_config(d);
-            ("pipe", rows, threads, smem)
+            let (rows, threads, smem) = pipe_config_of(d, cap > 0.0);
+            // (the soft-capped entries: `flash_fwd_pipe_cap_*`)
+            (if cap > 0.0 { "pipe_cap" } else { "pipe" }, rows, threads, smem)
         }
     };
     let name = format!("flash_fwd_{kind}_{sfx}_d{d}");
@@ -458,7 +536,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
     bld.arg(&causal).arg(&qo).arg(&qs).arg(&ko).arg(&ks);
     bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
     // SAFETY: argument list matches FWD_ARGS in kernels/flash_fwd.cu; sizes checked above (the
@@ -488,7 +566,8 @@ fn prep(t: &Tensor) -> Result<Tensor> {
 
 /// Raw forward on CUDA tensors, no graph: out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 /// A query row with no visible key gets out 0 and lse `-inf`.
-pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+pub fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: impl Into<Logits>, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     util::cuda_device(q, "flash_fwd: q")?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let (qs, ql) = q.storage_and_layout();

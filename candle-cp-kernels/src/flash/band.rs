@@ -17,7 +17,7 @@
 
 use super::bwd_pipe::PipeCfg;
 use super::core::{self, Core};
-use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config, pipe_pads_bounds, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl};
+use super::{add_dq, bwd_out, dq_fresh, dq_view, fresh_dq, packed_fwd, zero_bwd, BwdOut, DqOut, FwdDst, bwd_sm90, bwd_sm90_ws, check_bwd_rows, check_dims, check_prepared, pipe_config_of, pipe_pads_bounds, prep, sm90, sm90_ws, storage_of, suffix, bwd_prep, BwdInputs, BwdPrep, Dims, FwdImpl, Logits};
 use crate::{ptx, util};
 use candle_core::backend::BackendStorage;
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
@@ -88,8 +88,9 @@ fn use_pipe(dev: &CudaDevice, sfx: &str, imp: FwdImpl, scale: f32, need: u32, wh
 
 /// Dynamic shared memory of `flash_fwd_pipe_band_*`: the non-band kernel's plus BQ ints (the
 /// per-row lower bounds), none at d = 256 (they share the Q rows' padding: `pipe_pads_bounds`).
-fn pipe_band_smem(d: usize) -> (usize, u32, u32) {
-    let (rows, threads, smem) = pipe_config(d);
+/// (`capped`: the soft-capped entries, `pipe_config_of`.)
+fn pipe_band_smem(d: usize, capped: bool) -> (usize, u32, u32) {
+    let (rows, threads, smem) = pipe_config_of(d, capped);
     (rows, threads, smem + if pipe_pads_bounds(d) { 0 } else { rows as u32 * 4 })
 }
 
@@ -104,9 +105,10 @@ pub fn fwd_storage_band(
     v: &CudaStorage,
     vl: &Layout,
     band: KBand<'_>,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<((CudaStorage, Shape), (CudaStorage, Shape))> {
+    let scale: Logits = scale.into();
     let dims = check_dims("flash_fwd_band", ql.shape(), kl.shape(), vl.shape())?;
     if k.dtype() != q.dtype() || v.dtype() != q.dtype() {
         candle_core::bail!("flash_fwd_band: q, k, v dtypes differ ({:?}, {:?}, {:?}); q {:?}", q.dtype(), k.dtype(), v.dtype(), ql.shape())
@@ -131,7 +133,7 @@ pub(super) fn fwd_band_to(
     (v, vl): (&CudaStorage, &Layout),
     dims: Dims,
     band: KBand<'_>,
-    scale: f32,
+    scale: Logits,
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
@@ -146,7 +148,8 @@ pub(super) fn fwd_band_to(
 }
 
 /// [`fwd_band`] into ONE f32 buffer, out then lse (see [`super::fwd_packed`]).
-pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl) -> Result<Tensor> {
+pub fn fwd_band_packed(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: impl Into<Logits>, imp: FwdImpl) -> Result<Tensor> {
+    let scale: Logits = scale.into();
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     packed_fwd("flash_fwd_band", (q, k, v), |[qs, ks, vs], dims, dst| {
         band.check("flash_fwd_band", dims.0, dims.1, &qs.0.device)?;
@@ -164,11 +167,13 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     (v, vl): (&CudaStorage, &Layout),
     (b, t, s, h, hkv, d): Dims,
     (blo, bhi): (&Tensor, &Tensor),
-    scale: f32,
+    logits: Logits,
     imp: FwdImpl,
     dst: FwdDst<'_>,
 ) -> Result<()> {
-    let imp = core::family_for(dev, imp, d, "flash_fwd_band", ql.shape())?;
+    logits.check("flash_fwd_band", ql.shape())?;
+    let imp = core::family_for(dev, logits.fwd_family(imp), d, "flash_fwd_band", ql.shape())?;
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     if b * t * h == 0 {
         return dst.empty(dev);
     }
@@ -187,15 +192,15 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
         let ws = imp == FwdImpl::WgmmaWs;
         return sm90::fwd_hopper_band::<T>(dev, sfx, (q, ql), (k, kl), (v, vl), dims, &lov, &hiv, bstride, scale, ws, dst);
     }
-    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d).2, "flash_fwd_band", ql.shape())?;
+    let pipe = use_pipe(dev, sfx, imp, scale, pipe_band_smem(d, cap > 0.0).2, "flash_fwd_band", ql.shape())?;
     let inp = util::FwdQkv::<T>::new(dev, (q, ql), (k, kl), (v, vl), pipe)?;
     let (qv, kv, vv) = inp.qkv_views()?;
     let (o_t, o_row0, o_merge): (i32, i32, i32) = dst.kernel_args(t)?;
     // The kernel writes every element of out and lse (rows < T, all heads, all d).
     let (mut out, mut lse): (CudaViewMut<'_, f32>, CudaViewMut<'_, f32>) = (dst.out, dst.lse);
     let (kind, rows, threads, smem) = if pipe {
-        let (rows, threads, smem) = pipe_band_smem(d);
-        ("pipe", rows, threads, smem)
+        let (rows, threads, smem) = pipe_band_smem(d, cap > 0.0);
+        (if cap > 0.0 { "pipe_cap" } else { "pipe" }, rows, threads, smem)
     } else {
         ("simple", 16, 128, core::core_smem(Core::Fwd, d))
     };
@@ -208,7 +213,7 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
     let (bi, ti, si, hi, hkvi) = (b as i32, t as i32, s as i32, h as i32, hkv as i32);
     let mut bld = func.builder();
     bld.arg(&qv).arg(&kv).arg(&vv).arg(&mut out).arg(&mut lse);
-    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+    bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
     bld.arg(&lov).arg(&hiv).arg(&bstride);
     bld.arg(&o_t).arg(&o_row0).arg(&o_merge);
     // SAFETY: argument list matches FWD_BAND_ARGS in kernels/flash_fwd.cu; sizes checked above (the
@@ -221,7 +226,8 @@ fn fwd_band_t<T: CudaDType + DeviceRepr>(
 /// or bf16) -> out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; a row with an empty interval gets
 /// out 0 and lse `-inf`. `imp`: `Simple` runs the CUDA-core kernel, every other choice the
 /// pipelined tensor-core kernel for f16/bf16 (see [`FwdImpl`]).
-pub fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+pub fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: impl Into<Logits>, imp: FwdImpl) -> Result<(Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     util::cuda_device(q, "flash_fwd_band: q")?;
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
@@ -258,9 +264,10 @@ pub fn bwd_band(
     lse: &Tensor,
     dout: &Tensor,
     band: KBand<'_>,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     check_bwd_rows("flash_bwd_band", (q, k, v), (out, lse, dout))?;
     bwd_band_prepared(q, k, v, lse, &bwd_prep(out, dout, q.dtype())?, band, scale, imp)
 }
@@ -274,9 +281,10 @@ pub fn bwd_band_prepared(
     lse: &Tensor,
     pr: &BwdPrep,
     band: KBand<'_>,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     fresh_dq(bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, DqOut::Fresh)?)
 }
 
@@ -289,10 +297,11 @@ pub fn bwd_band_prepared_add_dq(
     lse: &Tensor,
     pr: &BwdPrep,
     band: KBand<'_>,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
     (dq, dq_l): (&mut CudaStorage, &Layout),
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     add_dq(q, (dq, dq_l), "flash_bwd_band", |out| bwd_band_prepared_to(q, k, v, lse, pr, band, scale, imp, out))
 }
 
@@ -304,13 +313,15 @@ fn bwd_band_prepared_to(
     lse: &Tensor,
     pr: &BwdPrep,
     band: KBand<'_>,
-    scale: f32,
+    logits: Logits,
     imp: FwdImpl,
     dq_out: DqOut<'_>,
 ) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd_band", (q, k, v), lse, pr)?;
     band.check("flash_bwd_band", b, t, &dev)?;
-    let imp = core::family_for(&dev, imp, d, "flash_bwd_band", q.shape())?;
+    logits.check("flash_bwd_band", q.shape())?;
+    let imp = core::family_for(&dev, logits.bwd_family(imp), d, "flash_bwd_band", q.shape())?;
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     let sfx = suffix(q.dtype())?;
     let pc = PipeCfg::of(d);
     let (smem_kv, smem_q) = pc.smem(d);
@@ -357,7 +368,7 @@ fn bwd_band_prepared_to(
             let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
-            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
             bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
             // SAFETY: matches `float* dk, float* dv, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
             unsafe { bld.launch(cfg) }.w()?;
@@ -368,7 +379,7 @@ fn bwd_band_prepared_to(
             let cfg = LaunchConfig { grid_dim: (t.div_ceil(8) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
-            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
             bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq);
             // SAFETY: matches `float* dq, BWD_BAND_ARGS` in kernels/flash_bwd.cu.
             unsafe { bld.launch(cfg) }.w()?;

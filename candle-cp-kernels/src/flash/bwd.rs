@@ -8,7 +8,7 @@
 
 use super::bwd_prep::{bwd_prep, BwdInputs, BwdPrep};
 use super::core::{self, Core};
-use super::{bwd_fused, bwd_pipe, bwd_sm90, bwd_sm90_ws, check_dims, family_takes, suffix, Dims, FwdImpl, KMask};
+use super::{bwd_fused, bwd_pipe, bwd_sm90, bwd_sm90_ws, check_dims, family_takes, suffix, Dims, FwdImpl, KMask, Logits};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{CudaSlice, CudaView, CudaViewMut, LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
@@ -129,8 +129,9 @@ pub fn bwd(
     lse: &Tensor,
     dout: &Tensor,
     mask: KMask,
-    scale: f32,
+    scale: impl Into<Logits>,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     bwd_with(q, k, v, out, lse, dout, mask, scale, FwdImpl::from_env())
 }
 
@@ -155,9 +156,10 @@ pub fn bwd_with(
     lse: &Tensor,
     dout: &Tensor,
     mask: KMask,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     check_bwd_rows("flash_bwd", (q, k, v), (out, lse, dout))?;
     bwd_prepared(q, k, v, lse, &bwd_prep(out, dout, q.dtype())?, mask, scale, imp)
 }
@@ -173,9 +175,10 @@ pub fn bwd_prepared(
     lse: &Tensor,
     pr: &BwdPrep,
     mask: KMask,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
 ) -> Result<(Tensor, Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     fresh_dq(bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, DqOut::Fresh)?)
 }
 
@@ -190,10 +193,11 @@ pub fn bwd_prepared_add_dq(
     lse: &Tensor,
     pr: &BwdPrep,
     mask: KMask,
-    scale: f32,
+    scale: impl Into<Logits>,
     imp: FwdImpl,
     (dq, dq_l): (&mut CudaStorage, &Layout),
 ) -> Result<(Tensor, Tensor)> {
+    let scale: Logits = scale.into();
     add_dq(q, (dq, dq_l), "flash_bwd", |out| bwd_prepared_to(q, k, v, lse, pr, mask, scale, imp, out))
 }
 
@@ -213,12 +217,14 @@ pub(super) fn bwd_prepared_to(
     lse: &Tensor,
     pr: &BwdPrep,
     mask: KMask,
-    scale: f32,
+    logits: Logits,
     imp: FwdImpl,
     dq_out: DqOut<'_>,
 ) -> Result<BwdOut> {
     let (dev, (b, t, s, h, hkv, d)) = check_prepared("flash_bwd", (q, k, v), lse, pr)?;
-    let imp = core::family_for(&dev, imp, d, "flash_bwd", q.shape())?;
+    logits.check("flash_bwd", q.shape())?;
+    let imp = core::family_for(&dev, logits.bwd_family(imp), d, "flash_bwd", q.shape())?;
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     let sfx = suffix(q.dtype())?;
     let (use_mma, pipe) = match imp {
         FwdImpl::Auto => (false, sfx != "f32"),
@@ -290,7 +296,7 @@ pub(super) fn bwd_prepared_to(
             let cfg = LaunchConfig { grid_dim: (s.div_ceil(32) as u32, hkv as u32, b as u32), block_dim: (threads, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
-            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
             bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
             // SAFETY: matches `float* dk, float* dv, BWD_ARGS_COMMON` in kernels/flash_bwd{,_mma}.cu.
             unsafe { bld.launch(cfg) }.w()?;
@@ -303,7 +309,7 @@ pub(super) fn bwd_prepared_to(
             let cfg = LaunchConfig { grid_dim: (t.div_ceil(rows) as u32, h as u32, b as u32), block_dim: (128, 1, 1), shared_mem_bytes: smem };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&dov).arg(&lv).arg(&delta);
-            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
+            bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale).arg(&cap);
             bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq);
             // SAFETY: matches `float* dq, BWD_ARGS_COMMON` in kernels/flash_bwd{,_mma}.cu.
             unsafe { bld.launch(cfg) }.w()?;

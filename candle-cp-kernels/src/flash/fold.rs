@@ -18,7 +18,7 @@
 //! Hopper ones (`fwd_sm90_store` in flash_sm90.cuh), through one epilogue (`cp_fwd_store_quad`
 //! in common.cuh; the CUDA-core kernel its own per-lane form).
 
-use super::{band, fwd_storage_to, launchable, with_storages, Dims, FoldAt, FwdDst, FwdImpl, KBand, KMask};
+use super::{band, fwd_storage_to, launchable, with_storages, Dims, FoldAt, FwdDst, FwdImpl, KBand, KMask, Logits};
 use candle_core::{CpuStorage, CudaStorage, DType, InplaceOp1, Layout, Result, Tensor};
 use std::cell::RefCell;
 
@@ -29,13 +29,15 @@ use std::cell::RefCell;
 /// row whose lse is `-inf` holds nothing: its out must be 0). Shapes that do not fit are an
 /// error naming them.
 #[allow(clippy::too_many_arguments)]
-pub fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
+pub fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: KMask, scale: impl Into<Logits>, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
+    let scale: Logits = scale.into();
     fold_into("flash_fwd_fold", (q, k, v), (state, rows, row0), |[qs, ks, vs], dims, dst| fwd_storage_to(qs, ks, vs, dims, mask, scale, imp, dst))
 }
 
 /// [`fwd_fold`] under a band (one key interval per query row, as [`super::fwd_band`]).
 #[allow(clippy::too_many_arguments)]
-pub fn fwd_band_fold(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: f32, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
+pub fn fwd_band_fold(q: &Tensor, k: &Tensor, v: &Tensor, band: KBand<'_>, scale: impl Into<Logits>, imp: FwdImpl, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
+    let scale: Logits = scale.into();
     let (blo, bhi) = (band.lo.contiguous()?, band.hi.contiguous()?);
     fold_into("flash_fwd_band_fold", (q, k, v), (state, rows, row0), |[qs, ks, vs], dims, dst| {
         band.check("flash_fwd_band_fold", dims.0, dims.1, &qs.0.device)?;

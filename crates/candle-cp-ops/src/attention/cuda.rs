@@ -10,7 +10,10 @@
 //!
 //! Bands ([`Band`]: windows, packed documents, per-batch masks): the band kernels of the
 //! `Simple`, `Pipelined` and Hopper families (`candle_cp_kernels::flash::{fwd_band, bwd_band}`);
-//! `Mma` and `AtomicDq` fall back to `Auto`'s under a band. The bounds are copied to the device at each call unless the
+//! `Mma` and `AtomicDq` fall back to `Auto`'s under a band.
+//!
+//! A logit soft cap ([`Scores::softcap`], Gemma 2) runs on the CUDA-core kernels and the pipelined
+//! forward (`flash::Logits`): the other families' choices give way to those. The bounds are copied to the device at each call unless the
 //! band holds a device copy (`Band::upload_all`: the ring uploads all its steps' bands at once).
 
 use super::Scores;
@@ -18,7 +21,7 @@ use super::op::AttentionOp;
 use super::{Band, BwdPrep, Mask};
 use candle_core::backend::BackendStorage;
 use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Storage, Tensor};
-use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask};
+use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask, Logits};
 
 /// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error):
 /// `candle_cp_kernels::flash::head_dim_supported` (16, 32, 64, 128, and 256 on the CUDA-core
@@ -39,15 +42,10 @@ fn imp_of_dims(dims: &[usize]) -> FwdImpl {
     FwdImpl::from_env().for_head_dim(dims.last().copied().unwrap_or(0))
 }
 
-/// The scale as the kernels take it; errors for a soft cap, which the CUDA kernels do not
-/// apply yet (the CPU kernels do: [`Scores`]).
-fn kscale(s: Scores) -> Result<f32> {
-    if let Some(c) = s.softcap {
-        candle_core::bail!(
-            "attention on CUDA: logit soft-capping (softcap {c}) runs on the CPU kernels only so far; the CUDA kernels take no cap"
-        )
-    }
-    Ok(s.scale as f32)
+/// The logits as the kernels take them (scale and soft cap; a capped call runs the CUDA-core
+/// kernels or the pipelined forward, `flash::Logits`).
+fn kscale(s: Scores) -> Result<Logits> {
+    Ok(Logits::capped(s.scale as f32, s.softcap.map_or(0.0, |c| c as f32)))
 }
 
 /// Kernel mask from the op's [`Mask`].
