@@ -8,8 +8,12 @@
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
 //!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|wgmma-tma-wide|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
-//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384] [--window 1024]
+//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384] [--window 1024] [--softcap 50]
 //! ```
+//! `--softcap C`: each family's line is followed by the same calls with Gemma 2's logit soft cap
+//! `C` (`flash::Logits`: the pipelined forward's capped entries, the CUDA-core backward), in the
+//! same run (`"impl":"candle-cp-softcap"`; `fwd_vs_plain` / `bwd_vs_plain` = capped time /
+//! uncapped time).
 //! `--window W`: after the ring, the autograd `ring_attention` with a causal window of `W` as
 //! the halo exchange against the ring, same ranks, same run (`"impl":"candle-cp-halo"`).
 //! `--docs L,..`: packed documents of `L` tokens over `--docs-t` tokens (causal inside each),
@@ -54,13 +58,15 @@ struct Args {
     docs_t: usize,
     /// A causal window for the halo-against-ring benchmark (`--window`, none by default).
     window: Option<usize>,
+    /// Gemma 2's logit soft cap, timed beside each family (`--softcap`, none by default).
+    softcap: Option<f32>,
 }
 
 fn parse() -> Result<Args> {
     let a: Vec<String> = std::env::args().collect();
     candle_cp_examples::check_flags(
         &a,
-        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t", "--window"],
+        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t", "--window", "--softcap"],
         &[],
     )?;
     let get = |f: &str| a.iter().position(|x| x == f).and_then(|i| a.get(i + 1)).cloned();
@@ -94,6 +100,7 @@ fn parse() -> Result<Args> {
         },
         docs_t: num("--docs-t", 16384)?,
         window: get("--window").map(|s| s.parse()).transpose()?,
+        softcap: get("--softcap").map(|s| s.parse()).transpose()?,
     })
 }
 
@@ -144,18 +151,37 @@ fn main() -> Result<()> {
             for &imp in &a.imps {
                 let (out, lse) = flash::fwd(&q, &k, &v, mask, scale, imp)?;
                 let fwd_s = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, scale, imp).map(|_| ()))?;
-                let bwd = if a.bwd {
-                    let bwd_s = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, imp).map(|_| ()))?;
-                    format!(",\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}", bwd_s * 1e3, 2.5 * flops / bwd_s / 1e12)
+                let bwd_s = if a.bwd {
+                    Some(time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out, &lse, &dout, mask, scale, imp).map(|_| ()))?)
                 } else {
-                    String::new()
+                    None
                 };
+                let bwd = bwd_s.map_or(String::new(), |bs| format!(",\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2}", bs * 1e3, 2.5 * flops / bs / 1e12));
                 println!(
                     "{{\"impl\":\"candle-cp\",\"kernel\":\"{:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2}{bwd}}}",
                     imp,
                     fwd_s * 1e3,
                     flops / fwd_s / 1e12,
                 );
+                if let Some(c) = a.softcap {
+                    // the same calls with the soft cap (capped pipelined forward entries, CUDA-core backward)
+                    let l = flash::Logits::capped(scale, c);
+                    let (out_c, lse_c) = flash::fwd(&q, &k, &v, mask, l, imp)?;
+                    let cf = time(&dev, a.iters, || flash::fwd(&q, &k, &v, mask, l, imp).map(|_| ()))?;
+                    let cbwd = match bwd_s {
+                        Some(bs) => {
+                            let cb = time(&dev, a.iters, || flash::bwd_with(&q, &k, &v, &out_c, &lse_c, &dout, mask, l, imp).map(|_| ()))?;
+                            format!(",\"bwd_ms\":{:.3},\"bwd_tflops\":{:.2},\"bwd_vs_plain\":{:.3}", cb * 1e3, 2.5 * flops / cb / 1e12, cb / bs)
+                        }
+                        None => String::new(),
+                    };
+                    println!(
+                        "{{\"impl\":\"candle-cp-softcap\",\"kernel\":\"{imp:?}\",\"dtype\":\"bf16\",\"b\":{b},\"h\":{h},\"d\":{d},\"t\":{t},\"causal\":{causal},\"cap\":{c},\"fwd_ms\":{:.3},\"fwd_tflops\":{:.2},\"fwd_vs_plain\":{:.3}{cbwd}}}",
+                        cf * 1e3,
+                        flops / cf / 1e12,
+                        cf / fwd_s
+                    );
+                }
             }
         }
     }

@@ -133,12 +133,18 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     // step, the sliding layer's band kernels included
     let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
+    // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
+    // step's kernels and in the chunked head loss, Ulysses 2 (the head layout's attention calls)
+    let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 2 x dp 2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 2).with_dp(2), None));
+    let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     Ok(())
 }
 
 /// The oracle's weights with Qwen2's q, k, v biases (seeded, std ~0.4), Qwen3's q / k head
-/// norms (weights 1 ± 0.4) or as Gemma 3 (every norm weight 0.4·sin, entering as `1 + w`;
-/// the head tied; window 40 on layer 0) on `layout`'s GPU virtual ranks, against the
+/// norms (weights 1 ± 0.4) or as Gemma 3 or 2 (every norm weight 0.4·sin, entering as `1 + w`;
+/// the head tied; window 40 on layer 0; Gemma 2's soft caps 1 and 2) on `layout`'s GPU virtual ranks, against the
 /// single-device CPU run of the same model (which `tests/llama_archs.rs` holds to a float64
 /// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence. `head_dim`:
 /// 4 query / 2 KV heads of that width instead of the oracle's 8 / 2 of 16, their q, k, v, o
@@ -152,6 +158,13 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
     }
     let cfg = match arch {
         Arch::Gemma3 => base.with_gemma3(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])),
+        Arch::Gemma2 => {
+            let mut c = base.with_gemma2(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]));
+            if let Some(g) = c.gemma2.as_mut() {
+                (g.attn_logit_softcapping, g.final_logit_softcapping) = (Some(1.0), Some(2.0));
+            }
+            c
+        }
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
@@ -170,7 +183,7 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             full.insert(k, (t * 20.0)?);
         } else if head_dim.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
             full.insert(k, (t * 5.0)?);
-        } else if arch == Arch::Gemma3 && t.rank() == 1 {
+        } else if matches!(arch, Arch::Gemma3 | Arch::Gemma2) && t.rank() == 1 {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
         } else if k.contains("self_attn") && k.ends_with("_norm.weight") {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 1.0)?);

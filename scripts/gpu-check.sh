@@ -162,26 +162,26 @@ run() {
   step 60 $keep "$out/check-oracle.log" add -- "$bin/gpu_check" --oracle tests/data/oracle/attn --sections packed,window,decode,band,random
   echo "-- random configurations again on the warp-specialized TMA kernels (the Hopper family with band masks)"
   step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=wgmma-tma "$bin/gpu_check" --sections random
-  echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128; D = 256: pipelined vs CUDA-core), then PyTorch SDPA on the same GPU"
+  echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128; D = 256: pipelined vs CUDA-core, and with Gemma 2's soft cap), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local imp ring want mem reserve docs bwd auto window d ts heads
+  local imp ring want mem reserve docs bwd auto window softcap d ts heads
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers.
   for imp in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma wgmma-tma-wide atomic pipelined,simple; do
-    ring=0 mem=0 docs="" window="" bwd=1 auto=() d=128 ts=4096,8192,16384,32768 heads=16
+    ring=0 mem=0 docs="" window="" softcap="" bwd=1 auto=() d=128 ts=4096,8192,16384,32768 heads=16
     case $imp in
-      pipelined) ring=4 docs=128,1024 window=1024 want=65 reserve=175 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 25 d256 + 60 SDPA; docs: band vs per-document calls
-      wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=145 ;;  # docs: the wgmma band kernels
-      wgmma-ws) docs=128,1024 want=50 reserve=125 ;;  # docs: its band kernels
-      wgmma-tma) ring=4 docs=128,1024 want=55 reserve=105 auto=(CANDLE_CP_FLASH_IMPL=wgmma-tma) ;;  # the warp-specialized kernels with TMA loads; its ring steps, and the whole ring on them (Auto)
-      wgmma-tma-wide) bwd=0 want=25 reserve=85 ;;  # its forward's 176-key tiles (full, causal); the backward is wgmma-tma's
-      atomic) mem=1 want=40 reserve=85 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
-      pipelined,simple) d=256 ts=4096,16384 heads=8 want=25 reserve=60 ;;  # head dim 256 (Gemma 3): the pipelined kernels vs the CUDA-core ones
+      pipelined) ring=4 docs=128,1024 window=1024 want=65 reserve=185 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 35 d256 + 60 SDPA; docs: band vs per-document calls
+      wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=155 ;;  # docs: the wgmma band kernels
+      wgmma-ws) docs=128,1024 want=50 reserve=135 ;;  # docs: its band kernels
+      wgmma-tma) ring=4 docs=128,1024 want=55 reserve=115 auto=(CANDLE_CP_FLASH_IMPL=wgmma-tma) ;;  # the warp-specialized kernels with TMA loads; its ring steps, and the whole ring on them (Auto)
+      wgmma-tma-wide) bwd=0 want=25 reserve=95 ;;  # its forward's 176-key tiles (full, causal); the backward is wgmma-tma's
+      atomic) mem=1 want=40 reserve=95 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
+      pipelined,simple) d=256 ts=4096,16384 heads=8 softcap=50 want=35 reserve=60 ;;  # head dim 256 (Gemma 2 / 3): the pipelined kernels vs the CUDA-core ones, and Gemma 2's soft cap on each
     esac
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
     step "$want" "$reserve" "$out/bench.jsonl" add -- env "${auto[@]}" "$bin/gpu_bench" --t "$ts" --heads "$heads" --d "$d" --iters 3 \
-      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} ${window:+--window "$window"} --budget-s $((lim > 20 ? lim - 10 : 10))
+      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} ${window:+--window "$window"} ${softcap:+--softcap "$softcap"} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
@@ -239,7 +239,7 @@ preflight() {
     --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
     || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
   # step 5's head-dim-256 line
-  "$bin/gpu_bench" --t 128 --heads 2 --d 256 --iters 1 --impl pipelined,simple --bwd 1 --ring-t 16384 --ring-p 0 --mem 0 --budget-s 60 \
+  "$bin/gpu_bench" --t 128 --heads 2 --d 256 --iters 1 --impl pipelined,simple --bwd 1 --softcap 50 --ring-t 16384 --ring-p 0 --mem 0 --budget-s 60 \
     >>"$out/bench.jsonl" 2>>"$out/bench.err" || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench at d 256 failed"; return 1; }
   : >"$out/sdpa.jsonl"
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" >/dev/null

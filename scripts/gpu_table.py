@@ -68,6 +68,11 @@ def main():
         print(f"window {r['window']} on zigzag, P = {r['p']} virtual ranks, T = {r['t']} ({r.get('kernel', 'Auto')}): "
               f"{'halo exchange' if r['halo'] else 'ring both times (the window is past a chunk)'} {r['halo_ms']:.2f} ms vs ring "
               f"{r['ring_ms']:.2f} ms (forward + backward): {r['speedup']:.2f}x")
+    for r in (r for r in bench if r.get("impl") == "candle-cp-softcap"):
+        bwd = (f", backward {r['bwd_ms']:.2f} ms ({r['bwd_tflops']:.0f} TFLOP/s, {r['bwd_vs_plain']:.2f}x the uncapped)"
+               if "bwd_ms" in r else "")
+        print(f"soft cap {r['cap']:g} (Gemma 2), {r['kernel']}, D = {r['d']}, T = {r['t']}, {'causal' if r['causal'] else 'full'}: "
+              f"forward {r['fwd_ms']:.2f} ms ({r['fwd_tflops']:.0f} TFLOP/s, {r['fwd_vs_plain']:.2f}x the uncapped){bwd}")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']} (ring on {r.get('kernel', 'Auto')}): {r['ring_ms']:.1f} ms "
               f"vs single-GPU kernel ({r.get('single_kernel', '?')}) {r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")
