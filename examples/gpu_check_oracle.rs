@@ -134,9 +134,9 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
     // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
-    // step's kernels and in the chunked head loss, Ulysses 2 (the head layout's attention calls)
-    let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 2 x dp 2, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 2).with_dp(2), None));
+    // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
+    let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     Ok(())
