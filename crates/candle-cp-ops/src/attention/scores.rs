@@ -9,7 +9,8 @@ use candle_core::{bail, Result};
 ///
 /// Every attention function takes `impl Into<Scores>`, so a plain `f64` scale still works
 /// (`Scores::from(scale)`: no cap). The cap is applied before masking, per (query, key) pair,
-/// inside the kernels (the CPU kernels and the CUDA `simple` ones); the log-sum-exp the ops
+/// inside the kernels (the CPU kernels; on CUDA the CUDA-core kernels and the pipelined
+/// forward's capped entries, `candle_cp_kernels::flash::Logits`); the log-sum-exp the ops
 /// return is that of the capped logits, so ring and all-gather partial results merge as
 /// without a cap. Backward: `dL/ds = dL/ds' · (1 - (s'/c)²)` with `s'` the capped logit,
 /// recomputed per tile as P is.
