@@ -28,6 +28,8 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 #define BWDB_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, float, BAND_A, int
 // the pipelined backward takes dO rounded to TY (flash_bwd_pipe_prep_*)
 #define PBWDB_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, BAND_A, int
+// flash_bwd_pipe.cu's band entries (pipe and pipe_cap): the soft cap last
+#define PBWDBC_P(TY) PBWDB_P(TY), float
 #define DECLB_D(N, TY, D)                                          \
   void flash_fwd_simple_band_##N##_d##D(FWDCB_P(TY));              \
   void flash_bwd_dkdv_band_##N##_d##D(float*, float*, BWDB_P(TY)); \
@@ -35,8 +37,10 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
 #define DECLB16_D(N, TY, D)                                             \
   void flash_fwd_pipe_band_##N##_d##D(FWDCB_P(TY));                     \
   void flash_fwd_pipe_cap_band_##N##_d##D(FWDCB_P(TY));                 \
-  void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDB_P(TY)); \
-  void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDB_P(TY));
+  void flash_bwd_pipe_dkdv_band_##N##_d##D(float*, float*, PBWDBC_P(TY)); \
+  void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDBC_P(TY));           \
+  void flash_bwd_pipe_cap_dkdv_band_##N##_d##D(float*, float*, PBWDBC_P(TY)); \
+  void flash_bwd_pipe_cap_dq_band_##N##_d##D(float*, PBWDBC_P(TY));
 #define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
 #define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128) DECLB16_D(N, TY, 256)
 #define DECLWS_D(N, TY, D)                                                     \
@@ -65,8 +69,8 @@ namespace {
 template <typename TY> using FwdB = void (*)(FWDCB_P(TY));
 template <typename TY> using DkdvB = void (*)(float*, float*, BWDB_P(TY));
 template <typename TY> using DqB = void (*)(float*, BWDB_P(TY));
-template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDB_P(TY));
-template <typename TY> using PDqB = void (*)(float*, PBWDB_P(TY));
+template <typename TY> using PDkdvB = void (*)(float*, float*, PBWDBC_P(TY));
+template <typename TY> using PDqB = void (*)(float*, PBWDBC_P(TY));
 
 // Entry points by (family, D): family 0 = simple (CUDA cores), 1 = pipe (tensor cores).
 #define PICK(PRE, N, D)                                                                                           \
@@ -79,18 +83,24 @@ template <typename TY> struct Ents;
 template <> struct Ents<float> {
   static void* fwd(bool, int D) { return PICK_CORE(flash_fwd_simple_band_, f32, D); }
   static void* fwdc(int D) { return PICK_CORE(flash_fwd_simple_band_, f32, D); }  // (never called: no f32 pipe)
+  static void* dkdvc(int D) { return PICK_CORE(flash_bwd_dkdv_band_, f32, D); }     // (never called)
+  static void* dqc(int D) { return PICK_CORE(flash_bwd_dq_band_, f32, D); }         // (never called)
   static void* dkdv(bool, int D) { return PICK_CORE(flash_bwd_dkdv_band_, f32, D); }
   static void* dq(bool, int D) { return PICK_CORE(flash_bwd_dq_band_, f32, D); }
 };
 template <> struct Ents<__half> {
   static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, f16, D) : PICK_CORE(flash_fwd_simple_band_, f16, D); }
   static void* fwdc(int D) { return PICK(flash_fwd_pipe_cap_band_, f16, D); }
+  static void* dkdvc(int D) { return PICK(flash_bwd_pipe_cap_dkdv_band_, f16, D); }
+  static void* dqc(int D) { return PICK(flash_bwd_pipe_cap_dq_band_, f16, D); }
   static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, f16, D) : PICK_CORE(flash_bwd_dkdv_band_, f16, D); }
   static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, f16, D) : PICK_CORE(flash_bwd_dq_band_, f16, D); }
 };
 template <> struct Ents<__nv_bfloat16> {
   static void* fwd(bool p, int D) { return p ? PICK(flash_fwd_pipe_band_, bf16, D) : PICK_CORE(flash_fwd_simple_band_, bf16, D); }
   static void* fwdc(int D) { return PICK(flash_fwd_pipe_cap_band_, bf16, D); }
+  static void* dkdvc(int D) { return PICK(flash_bwd_pipe_cap_dkdv_band_, bf16, D); }
+  static void* dqc(int D) { return PICK(flash_bwd_pipe_cap_dq_band_, bf16, D); }
   static void* dkdv(bool p, int D) { return p ? PICK(flash_bwd_pipe_dkdv_band_, bf16, D) : PICK_CORE(flash_bwd_dkdv_band_, bf16, D); }
   static void* dq(bool p, int D) { return p ? PICK(flash_bwd_pipe_dq_band_, bf16, D) : PICK_CORE(flash_bwd_dq_band_, bf16, D); }
 };
@@ -272,7 +282,7 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     }
   }
   name = "flash_bwd_band " + tag;
-  if (!wanted(name) || (cap > 0 && pipe)) return;  // (a capped backward runs the simple kernels)
+  if (!wanted(name)) return;
   Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
   bool ok;
   if (!pipe) {
@@ -293,8 +303,9 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
     const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
     const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
     Buf<TY> do16(nq);
-    auto dkdv = reinterpret_cast<PDkdvB<TY>>(Ents<TY>::dkdv(true, D));
-    auto dqf = reinterpret_cast<PDqB<TY>>(Ents<TY>::dq(true, D));
+    // (a soft cap: the capped entries, flash_bwd_pipe_cap_*)
+    auto dkdv = reinterpret_cast<PDkdvB<TY>>(cap > 0 ? Ents<TY>::dkdvc(D) : Ents<TY>::dkdv(true, D));
+    auto dqf = reinterpret_cast<PDqB<TY>>(cap > 0 ? Ents<TY>::dqc(D) : Ents<TY>::dq(true, D));
     using PrepFn = void (*)(const float*, const float*, float*, TY*, int, int, int, int);
     PrepFn prep = bf ? (PrepFn)(void*)&flash_bwd_pipe_prep_bf16 : (PrepFn)(void*)&flash_bwd_pipe_prep_f16;
     ok = cp_emu::launch("flash_bwd_pipe_prep", dim3(cdivb((long)B * T * H, 4)), dim3(128), 0,
@@ -302,10 +313,10 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
          // (d 256: 203,264 / 202,752 bytes, launched on Hopper only: bwd_pipe::fits)
          cp_emu::launch(D == 256 ? "flash_bwd_pipe_dkdv_band [sm_90]" : "flash_bwd_pipe_dkdv_band", dim3(Hkv * (D / kv_da), cdivb(S, bn), B),
                         dim3(32 * kv_nw), smem_kv, [&] {
-           dkdv(dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+           dkdv(dk.p, dv.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0, cap);
          }) &&
          cp_emu::launch(D == 256 ? "flash_bwd_pipe_dq_band [sm_90]" : "flash_bwd_pipe_dq_band", dim3(H, cdivb(T, bm), B), dim3(32 * q_nw), smem_q, [&] {
-           dqf(dq.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0);
+           dqf(dq.p, q.p, k.p, v.p, (const TY*)do16.p, l32.p, delta.p, B, T, S, H, Hkv, scale, lo.p, hi.p, bstride, 0, cap);
          });
   }
   check_launch(name, ok);

@@ -24,6 +24,8 @@ struct alignas(64) CpTmaMap {
 // flash_bwd.cu / flash_bwd_mma.cu: the soft cap after the scale too
 #define BWD_P(TY) const TY*, const TY*, const TY*, const float*, const float*, const float*, int, int, int, int, int, float, float, int, long long, long long, long long, long long, int
 #define PIPE_P(TY) const TY*, const TY*, const TY*, const TY*, const float*, const float*, int, int, int, int, int, float, int, long long, long long, long long, long long, int
+// flash_bwd_pipe.cu's entries (pipe and pipe_cap): PIPE_P + the soft cap
+#define PIPEC_P(TY) PIPE_P(TY), float
 #define DECL_D(N, TY, D)                                                                    \
   void flash_fwd_simple_##N##_d##D(FWDC_P(TY));                                             \
   void flash_bwd_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                                \
@@ -34,15 +36,19 @@ struct alignas(64) CpTmaMap {
   void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
   void flash_bwd_mma_dkdv_##N##_d##D(float*, float*, BWD_P(TY));                            \
   void flash_bwd_mma_dq_##N##_d##D(float*, BWD_P(TY));                                      \
-  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
-  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
+  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                         \
+  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPEC_P(TY));                                   \
+  void flash_bwd_pipe_cap_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                     \
+  void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
 #define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
 // head dim 256: the pipelined entries only (no mma kernels there)
 #define DECLP_D(N, TY, D)                                                                   \
   void flash_fwd_pipe_##N##_d##D(FWDC_P(TY));                                               \
   void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
-  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPE_P(TY));                          \
-  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPE_P(TY));
+  void flash_bwd_pipe_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                         \
+  void flash_bwd_pipe_dq_##N##_d##D(float*, PIPEC_P(TY));                                   \
+  void flash_bwd_pipe_cap_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                     \
+  void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
 #define DECL16(N, TY)                                                                       \
   DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
   DECLP_D(N, TY, 256)                                                                       \
@@ -95,12 +101,16 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_mma_dkdv_" #N "_d" #D, (void*)&flash_bwd_mma_dkdv_##N##_d##D},              \
     {"flash_bwd_mma_dq_" #N "_d" #D, (void*)&flash_bwd_mma_dq_##N##_d##D},                  \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
-    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
+    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},                \
+    {"flash_bwd_pipe_cap_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dkdv_##N##_d##D},    \
+    {"flash_bwd_pipe_cap_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dq_##N##_d##D},
 #define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128) REG_D(N, 256)
 #define REGP_D(N, D) {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},       \
     {"flash_fwd_pipe_cap_" #N "_d" #D, (void*)&flash_fwd_pipe_cap_##N##_d##D},              \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
-    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},
+    {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},                \
+    {"flash_bwd_pipe_cap_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dkdv_##N##_d##D},    \
+    {"flash_bwd_pipe_cap_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dq_##N##_d##D},
 #define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 256)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
@@ -198,6 +208,8 @@ template <typename TY> using DkdvFn = void (*)(float*, float*, BWD_P(TY));
 template <typename TY> using DqFn = void (*)(float*, BWD_P(TY));
 template <typename TY> using PDkdvFn = void (*)(float*, float*, PIPE_P(TY));
 template <typename TY> using PDqFn = void (*)(float*, PIPE_P(TY));
+template <typename TY> using PDkdvCFn = void (*)(float*, float*, PIPEC_P(TY));
+template <typename TY> using PDqCFn = void (*)(float*, PIPEC_P(TY));
 
 template <typename T> const char* sfx();
 template <> const char* sfx<float>() { return "f32"; }
@@ -324,9 +336,9 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       }
       if (ok && accum_checks) check_fold(name, B, T, H, D, ref.out, ref.lse, tol, seed + 7, run);
     }
-    // ---- backward (a soft cap runs flash_bwd.cu's kernels only: src/flash.rs Logits)
+    // ---- backward (a soft cap: flash_bwd.cu's kernels and flash_bwd_pipe.cu's capped entries)
     name = std::string("flash_bwd_") + impl_name(im) + " " + tag;
-    if (wide || !wanted(name) || (cap > 0 && im != Impl::Simple)) continue;
+    if (wide || !wanted(name) || (cap > 0 && im != Impl::Simple && im != Impl::Pipe)) continue;
     Buf<float> dq(nq), dk(nk), dv(nk), delta(nl);
     bool ok = true;
     std::function<bool(int)> grads;  // dK/dV then dQ kernels, `accumulate` as given
@@ -365,22 +377,32 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       }
       // WGMMA_BWD_* / WGMMA_DQ_* (flash_bwd_sm90.cu), src/flash/bwd_sm90.rs
       const bool wg = im == Impl::Wgmma;
-      const std::string kvname = wg ? "flash_bwd_wgmma_dkdv" : "flash_bwd_pipe_dkdv", qname = wg ? "flash_bwd_wgmma_dq" : "flash_bwd_pipe_dq";
+      const std::string pk = cap > 0 ? "flash_bwd_pipe_cap_" : "flash_bwd_pipe_";
+      const std::string kvname = wg ? "flash_bwd_wgmma_dkdv" : pk + "dkdv", qname = wg ? "flash_bwd_wgmma_dq" : pk + "dq";
       // (d 256: 203,264 / 202,752 bytes, launched on Hopper only: bwd_pipe::fits)
       const std::string lim = D == 256 ? " [sm_90]" : "";
       auto dkdv = reinterpret_cast<PDkdvFn<TY>>(lookup(kvname + "_" + dsfx));
       auto dqf = reinterpret_cast<PDqFn<TY>>(lookup(qname + "_" + dsfx));
+      // (flash_bwd_pipe.cu's entries take the cap last)
+      auto dkdvc = reinterpret_cast<PDkdvCFn<TY>>(lookup(kvname + "_" + dsfx));
+      auto dqfc = reinterpret_cast<PDqCFn<TY>>(lookup(qname + "_" + dsfx));
       const int kv_bn = wg ? 128 : bn, kv_thr = wg ? 256 : 32 * kv_nw, q_bm = wg ? 128 : bm, q_thr = wg ? 256 : 32 * q_nw;
       const int kv_x = wg ? Hkv : Hkv * (D / kv_da);
       const size_t kv_smem = wg ? (size_t)(2 * 128 + 4 * 64) * D * 2 + 4 * 64 * 4 + 1024 : smem_kv;
       const size_t q_smem = wg ? (size_t)(2 * 128 + 4 * 128) * D * 2 + 1024 : smem_q;
-      grads = [&, do16p, dkdv, dqf, kvname, qname, lim, kv_x, kv_bn, kv_thr, kv_smem, q_bm, q_thr, q_smem](int acc) {
+      grads = [&, do16p, dkdv, dqf, dkdvc, dqfc, wg, kvname, qname, lim, kv_x, kv_bn, kv_thr, kv_smem, q_bm, q_thr, q_smem](int acc) {
         const TY* d16 = do16p->p;
         return cp_emu::launch((kvname + lim).c_str(), dim3(kv_x, cdiv(S, kv_bn), B), dim3(kv_thr), kv_smem, [&] {
-                 dkdv(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 if (wg)
+                   dkdv(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 else
+                   dkdvc(dk.p, dv.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc, cap);
                }) &&
                cp_emu::launch((qname + lim).c_str(), dim3(H, cdiv(T, q_bm), B), dim3(q_thr), q_smem, [&] {
-                 dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 if (wg)
+                   dqf(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc);
+                 else
+                   dqfc(dq.p, q.p, k.p, v.p, d16, l32.p, delta.p, B, T, S, H, Hkv, scale, c.causal, c.qo, c.qs, c.ko, c.ks, acc, cap);
                });
       };
       if (im == Impl::WgmmaWs || im == Impl::WgmmaTma) {

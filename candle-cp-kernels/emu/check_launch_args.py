@@ -698,6 +698,9 @@ def tile_configs():
     for fam in ("flash_fwd_simple", "flash_fwd_pipe", "flash_fwd_pipe_cap", "flash_bwd_dkdv", "flash_bwd_dq", "flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq"):
         fwd_pipe = fam in ("flash_fwd_pipe", "flash_fwd_pipe_cap")
         out[fam + "_band"] = {d: (c[0], c[1], c[2] + (c[1] * 4 if fwd_pipe and d != pad_d else 0)) for d, c in out[fam].items()}
+    # the pipelined backward's soft-capped entries (flash_bwd_pipe_cap_*) launch as the uncapped ones
+    for fam in ("flash_bwd_pipe_dkdv", "flash_bwd_pipe_dq", "flash_bwd_pipe_dkdv_band", "flash_bwd_pipe_dq_band"):
+        out[fam.replace("flash_bwd_pipe", "flash_bwd_pipe_cap", 1)] = dict(out[fam])
     # the warp-specialized kernels' band entries launch as the non-band ones (sm90_ws.rs ws_config,
     # bwd_sm90_ws.rs: one LaunchConfig for both)
     out["flash_fwd_wgmma_ws_band"] = dict(out.get("flash_fwd_wgmma_ws", {}))

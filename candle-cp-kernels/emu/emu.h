@@ -287,5 +287,6 @@ inline int __any_sync(unsigned mask, int pred) { return (int)::cp_emu::warp_u32(
 inline unsigned __ballot_sync(unsigned mask, int pred) { return ::cp_emu::warp_u32(::cp_emu::WarpOp::Ballot, mask, pred != 0, 0); }
 
 inline float __expf(float x) { return std::exp(x); }
+inline float __log2f(float x) { return std::log2(x); }
 inline float __logf(float x) { return std::log(x); }
 inline float __fdividef(float a, float b) { return a / b; }

@@ -35,6 +35,8 @@
 //   P = exp2(s - inf) = 0 and it adds nothing; keys past S only feed dK/dV rows that are never
 //   stored (dK/dV kernel) or are masked explicitly (dQ kernel). A row with lse = -inf also gets
 //   lse2 = +inf. Causal masking is evaluated per element only in tiles that cross the diagonal.
+// Soft cap (Gemma 2): `flash_bwd_pipe_cap_*` (CAP, `cap` > 0): P from the capped logit, dS times
+//   the cap's derivative recovered from P (CpCap, flash_bwd_pipe.cuh); every entry takes `cap` last.
 // Band entries (`flash_bwd_pipe_{dkdv,dq}_band_*`, Rust caller src/flash/band.rs, CPU reference
 //   candle_cp_ops::attention::attention_bwd_band): the mask arguments replaced by a band (CpBand,
 //   common.cuh; same shared memory). dK/dV blocks stream the query rows [qbegin, qend) of their
@@ -66,7 +68,7 @@ template <> struct PipeCfg<256> {
 // (its bounds read from global memory; rows past T take row T - 1's, their lse2 = +inf gives 0).
 template <int QT>
 __device__ __forceinline__ void pipe_pt_band(float (&st)[QT][4], const float* ls, int t, float sl2, CpBand band,
-                                             bool need_mask, int ja, int i0, int T_) {
+                                             bool need_mask, int ja, int i0, int T_, const CpCap* cc = nullptr) {
 #pragma unroll
   for (int nt = 0; nt < QT; ++nt) {
     const float2 l2 = *reinterpret_cast<const float2*>(ls + nt * 8 + 2 * t);
@@ -79,7 +81,8 @@ __device__ __forceinline__ void pipe_pt_band(float (&st)[QT][4], const float* ls
       }
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float p = cp_exp2(fmaf(st[nt][e], sl2, -((e & 1) ? l2.y : l2.x)));
+      const float l = (e & 1) ? l2.y : l2.x;
+      float p = cc ? cp_exp2(cc->logit2(st[nt][e]) - l) : cp_exp2(fmaf(st[nt][e], sl2, -l));
       const int j = ja + (e < 2 ? 0 : 8);
       if (need_mask && (j < lo[e & 1] || j >= hi[e & 1])) p = 0.f;
       st[nt][e] = p;
@@ -89,12 +92,13 @@ __device__ __forceinline__ void pipe_pt_band(float (&st)[QT][4], const float* ls
 
 // Grid (Hkv * D / DA, ceil(S / BN), B), block 32 * NW, dynamic shared memory
 // (2 * BN + 4 * BQ) * (D + 8) * sizeof(T) + 4 * BQ * 4 bytes.
-template <typename T, int D, int NW, int BQ, int DA, typename M>
+// CAP: the soft-capped entries (flash_bwd_pipe_cap_*; CpCap), `cap` > 0 there and unused otherwise.
+template <typename T, int D, int NW, int BQ, int DA, bool CAP, typename M>
 __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* __restrict__ k,
                                               const T* __restrict__ v, const T* __restrict__ do16,
                                               const float* __restrict__ lse, const float* __restrict__ delta,
                                               float* __restrict__ dk, float* __restrict__ dv, int T_, int S, int H,
-                                              int Hkv, float scale, M mask, int accumulate) {
+                                              int Hkv, float scale, float cap, M mask, int accumulate) {
   constexpr int BN = 16 * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DTA = DA / 8, QT = BQ / 8;
   static_assert(D % 16 == 0 && BQ % 16 == 0 && BQ <= NT && DA % 16 == 0 && D % DA == 0, "tile shape");
   CP_DYN_SMEM(unsigned char, pipe_smem);
@@ -153,11 +157,13 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
       // S^T = K Q^T: rows = this warp's 16 keys, cols = BQ queries.
       float st[QT][4];
       pipe_rows_x_tile<T, D, QT>(st, k_a + kr0 * DPB, qb_a, off_a, off_b);
-      // P^T = exp2(S^T * scale * log2 e - lse2); causally hidden pairs -> 0.
+      // P^T = exp2(S^T * scale * log2 e - lse2) (capped: exp2(capped logit - lse2)); causally
+      // hidden pairs -> 0.
+      const CpCap cc = CAP ? CpCap::of(scale, cap) : CpCap{};
       if constexpr (M::BAND)
-        pipe_pt_band<QT>(st, ls, t, sl2, mask, need_mask, k0 + kr0 + g, i0, T_);
+        pipe_pt_band<QT>(st, ls, t, sl2, mask, need_mask, k0 + kr0 + g, i0, T_, CAP ? &cc : nullptr);
       else
-        pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true);
+        pipe_pt<QT, false>(st, ls, t, sl2, mask, need_mask, kp_a, kp_b, i0, false, true, true, CAP ? &cc : nullptr);
       // dV += P^T dO: k = queries (16 per step), n = d (two 8-column tiles per ldmatrix.trans).
 #pragma unroll
       for (int kk = 0; kk < QT / 2; ++kk) {
@@ -168,12 +174,17 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
       // dP^T = V dO^T.
       float dpt[QT][4];
       pipe_rows_x_tile<T, D, QT>(dpt, v_a + kr0 * DPB, dob_a, off_a, off_b);
-      // dS^T = P^T (dP^T - delta) (unscaled).
+      // dS^T = P^T (dP^T - delta) (unscaled; capped: times the cap's derivative).
 #pragma unroll
       for (int nt = 0; nt < QT; ++nt) {
         const float2 d2 = *reinterpret_cast<const float2*>(dls + nt * 8 + 2 * t);
 #pragma unroll
         for (int e = 0; e < 4; ++e) dpt[nt][e] = st[nt][e] * (dpt[nt][e] - ((e & 1) ? d2.y : d2.x));
+        if constexpr (CAP) {
+          const float2 l2 = *reinterpret_cast<const float2*>(ls + nt * 8 + 2 * t);
+#pragma unroll
+          for (int e = 0; e < 4; ++e) dpt[nt][e] = cc.grad(dpt[nt][e], st[nt][e], (e & 1) ? l2.y : l2.x);
+        }
       }
       // dK += dS^T Q.
 #pragma unroll
@@ -192,12 +203,12 @@ __device__ __forceinline__ void bwd_pipe_dkdv(const T* __restrict__ q, const T* 
 // Grid (H, ceil(T / BM), B) with BM = 16 * MT * NW, block 32 * NW, dynamic shared memory
 // (2 * BM + 4 * BN) * (D + 8) * sizeof(T) bytes. Warp w owns rows 16 * MT * w .. + 16 * MT - 1
 // (MT m-tiles of 16 rows: every K/V fragment loaded from shared memory feeds MT mma).
-template <typename T, int D, int NW, int MT, int BN, typename M>
+template <typename T, int D, int NW, int MT, int BN, bool CAP, typename M>
 __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __restrict__ k,
                                             const T* __restrict__ v, const T* __restrict__ do16,
                                             const float* __restrict__ lse, const float* __restrict__ delta,
                                             float* __restrict__ dq, int T_, int S, int H, int Hkv, float scale,
-                                            M mask, int accumulate) {
+                                            float cap, M mask, int accumulate) {
   constexpr int BM = 16 * MT * NW, NT = 32 * NW, DP = D + 8, DPB = DP * 2, DC = D / 16, DT = D / 8, KT = BN / 8;
   static_assert(D % 16 == 0 && BN % 16 == 0, "tile shape");
   CP_DYN_SMEM(unsigned char, pipe_smem);
@@ -209,6 +220,7 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
   const int tid = threadIdx.x, warp = tid / 32, lane = tid % 32, g = lane >> 2, t = lane & 3;
   const uint32_t off_a = pipe_off_a(lane, DPB), off_b = pipe_off_b(lane, DPB);
   const float sl2 = scale * CP_LOG2E;
+  const CpCap cc = CAP ? CpCap::of(scale, cap) : CpCap{};
 
   const size_t qb = ((size_t)b * T_ * H + h) * D, q_stride = (size_t)H * D;
   const size_t kv_base = ((size_t)b * S * Hkv + kvh) * D, kv_stride = (size_t)Hkv * D;
@@ -310,7 +322,7 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
         for (int nt = 0; nt < KT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) {
-            float p = cp_exp2(fmaf(s[mt][nt][e], sl2, -l2[mt][e >> 1]));
+            float p = CAP ? cp_exp2(cc.logit2(s[mt][nt][e]) - l2[mt][e >> 1]) : cp_exp2(fmaf(s[mt][nt][e], sl2, -l2[mt][e >> 1]));
             if (need_mask) {
               const int j = k0 + nt * 8 + 2 * t + (e & 1);
               if constexpr (M::BAND) {
@@ -353,7 +365,10 @@ __device__ __forceinline__ void bwd_pipe_dq(const T* __restrict__ q, const T* __
 #pragma unroll
           for (int u = 0; u < 2; ++u)
 #pragma unroll
-            for (int e = 0; e < 4; ++e) ds[u][e] = s[mt][2 * kk + u][e] * (dp[mt][2 * kk + u][e] - dl[mt][e >> 1]);
+            for (int e = 0; e < 4; ++e) {
+              ds[u][e] = s[mt][2 * kk + u][e] * (dp[mt][2 * kk + u][e] - dl[mt][e >> 1]);
+              if constexpr (CAP) ds[u][e] = cc.grad(ds[u][e], s[mt][2 * kk + u][e], l2[mt][e >> 1]);
+            }
           da[mt][0] = cp_pack2<T>(ds[0][0], ds[0][1]);
           da[mt][1] = cp_pack2<T>(ds[0][2], ds[0][3]);
           da[mt][2] = cp_pack2<T>(ds[1][0], ds[1][1]);
@@ -412,31 +427,34 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
 #define PIPE_BAND_ARGS                                                                            \
   const TY *q, const TY *k, const TY *v, const TY *dout16, const float *lse, const float *delta, \
       int B, int T_, int S, int H, int Hkv, float scale, CP_BAND_ARGS, int accumulate
-#define PIPE_ENTRIES_D(NAME, D)                                                                           \
+// KIND pipe (uncapped, CAP false: `cap` ignored) or pipe_cap (the soft cap, Gemma 2): both take
+// `float cap` after the other arguments (one Rust launcher for both).
+#define PIPE_ENTRIES_K(NAME, D, KIND, CAP)                                                                  \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
-      flash_bwd_pipe_dkdv_##NAME##_d##D(float* dk, float* dv, PIPE_ARGS) {                                \
+      flash_bwd_##KIND##_dkdv_##NAME##_d##D(float* dk, float* dv, PIPE_ARGS, float cap) {                 \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
-                                             PIPE_MASK, accumulate);                                      \
+    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA, CAP>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale, \
+                                             cap, PIPE_MASK, accumulate);                                 \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::Q_NW, 1)                                  \
-      flash_bwd_pipe_dq_##NAME##_d##D(float* dq, PIPE_ARGS) {                                             \
+      flash_bwd_##KIND##_dq_##NAME##_d##D(float* dq, PIPE_ARGS, float cap) {                              \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
-                                                  PIPE_MASK, accumulate);                                 \
+    bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN, CAP>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
+                                                  cap, PIPE_MASK, accumulate);                            \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::KV_NW, 1)                                 \
-      flash_bwd_pipe_dkdv_band_##NAME##_d##D(float* dk, float* dv, PIPE_BAND_ARGS) {                      \
+      flash_bwd_##KIND##_dkdv_band_##NAME##_d##D(float* dk, float* dv, PIPE_BAND_ARGS, float cap) {       \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale,  \
-                                             CP_BAND_OF_BLOCK, accumulate);                               \
+    bwd_pipe_dkdv<TY, D, C::KV_NW, C::KV_BQ, C::KV_DA, CAP>(q, k, v, dout16, lse, delta, dk, dv, T_, S, H, Hkv, scale, \
+                                             cap, CP_BAND_OF_BLOCK, accumulate);                          \
   }                                                                                                       \
   extern "C" __global__ void __launch_bounds__(32 * PipeCfg<D>::Q_NW, 1)                                  \
-      flash_bwd_pipe_dq_band_##NAME##_d##D(float* dq, PIPE_BAND_ARGS) {                                   \
+      flash_bwd_##KIND##_dq_band_##NAME##_d##D(float* dq, PIPE_BAND_ARGS, float cap) {                    \
     using C = PipeCfg<D>;                                                                                 \
-    bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
-                                                  CP_BAND_OF_BLOCK, accumulate);                          \
+    bwd_pipe_dq<TY, D, C::Q_NW, C::Q_MT, C::Q_BN, CAP>(q, k, v, dout16, lse, delta, dq, T_, S, H, Hkv, scale, \
+                                                  cap, CP_BAND_OF_BLOCK, accumulate);                     \
   }
+#define PIPE_ENTRIES_D(NAME, D) PIPE_ENTRIES_K(NAME, D, pipe, false) PIPE_ENTRIES_K(NAME, D, pipe_cap, true)
 #define PIPE_ENTRIES(NAME)                                                                                \
   extern "C" __global__ void flash_bwd_pipe_prep_##NAME(const float* o, const float* dout, float* delta, \
                                                          TY* do16, int B, int T_, int H, int D) {        \

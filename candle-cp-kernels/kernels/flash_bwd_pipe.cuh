@@ -31,6 +31,22 @@ __device__ __forceinline__ void pipe_load_tile(uint32_t s, const T* __restrict__
 }
 
 // log2-domain LSE of a row, +inf for a row past T or with lse = -inf (then P = 0).
+// The soft cap of the pipelined backward's capped entries (flash_bwd_pipe_cap_*, Gemma 2): the
+// logit of a raw score s in the log2 domain, capl2 * tanh(s * sc) (sc = scale / cap, capl2 = cap
+// log2 e), and the cap's derivative 1 - tanh^2 recovered from P = exp2(logit - lse2) itself, so no
+// register per score is added: tanh = (log2 P + lse2) / capl2 (P = 0: no gradient).
+struct CpCap {
+  float sc = 0.f, capl2 = 0.f;
+  __device__ static CpCap of(float scale, float cap) { return CpCap{scale / cap, cap * CP_LOG2E}; }
+  __device__ float logit2(float s) const { return capl2 * cp_tanh_fast(s * sc); }
+  // ds (w.r.t. the capped logit) -> w.r.t. the raw scaled score (a division rather than a third
+  // live constant: the d128 dK/dV band entry sits at 255 registers)
+  __device__ float grad(float ds, float p, float l2) const {
+    const float th = __fdividef(__log2f(p) + l2, capl2);
+    return p > 0.f ? ds * (1.f - th * th) : 0.f;
+  }
+};
+
 __device__ __forceinline__ float pipe_lse2(const float* __restrict__ lse, size_t li, bool valid) {
   if (!valid) return INFINITY;
   const float l = lse[li];
@@ -158,13 +174,14 @@ __device__ __forceinline__ void pipe_rows_x_tile(float (&acc)[QT][4], uint32_t a
 template <int QT, bool RAGGED>
 __device__ __forceinline__ void pipe_pt(float (&st)[QT][4], const float* ls, int t, float sl2, CpMask mask,
                                         bool need_mask, long long kp_a, long long kp_b, int i0, bool ragged,
-                                        bool kok_a, bool kok_b) {
+                                        bool kok_a, bool kok_b, const CpCap* cc = nullptr) {
 #pragma unroll
   for (int nt = 0; nt < QT; ++nt) {
     const float2 l2 = *reinterpret_cast<const float2*>(ls + nt * 8 + 2 * t);
 #pragma unroll
     for (int e = 0; e < 4; ++e) {
-      float p = cp_exp2(fmaf(st[nt][e], sl2, -((e & 1) ? l2.y : l2.x)));
+      const float l = (e & 1) ? l2.y : l2.x;
+      float p = cc ? cp_exp2(cc->logit2(st[nt][e]) - l) : cp_exp2(fmaf(st[nt][e], sl2, -l));  // (cc: the capped entries)
       if (need_mask && (e < 2 ? kp_a : kp_b) > mask.qpos(i0 + nt * 8 + 2 * t + (e & 1))) p = 0.f;
       if (RAGGED && ragged && !(e < 2 ? kok_a : kok_b)) p = 0.f;
       st[nt][e] = p;

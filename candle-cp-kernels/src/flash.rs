@@ -42,9 +42,9 @@ pub use core::{family_takes, head_dim_supported, HEAD_DIMS, WIDE_HEAD_DIMS};
 /// Every launcher takes `impl Into<Logits>`: a plain `f32` scale is uncapped.
 ///
 /// The CUDA-core kernels (`Simple`, forward and backward, band entries too) and the pipelined
-/// forward apply a cap. With one, a forward asked of another family (mma, fused, Hopper) runs
-/// `Auto`'s choice (pipelined for f16/bf16 where it fits, else CUDA cores), and every backward
-/// runs on CUDA cores.
+/// ones (their capped entries `flash_fwd_pipe_cap_*`, `flash_bwd_pipe_cap_*`) apply a cap. With
+/// one, a call asked of another family (mma, fused, Hopper) runs `Auto`'s choice (pipelined for
+/// f16/bf16 where it fits, else CUDA cores; never mma).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct Logits {
     /// Softmax scale.
@@ -83,9 +83,10 @@ impl Logits {
         }
     }
 
-    /// The family a backward runs: `imp`, or with a cap the CUDA-core kernels.
+    /// The family a backward runs: as [`Logits::fwd_family`] (the pipelined backward has capped
+    /// entries too).
     fn bwd_family(&self, imp: FwdImpl) -> FwdImpl {
-        if self.cap == 0.0 { imp } else { FwdImpl::Simple }
+        self.fwd_family(imp)
     }
 }
 

@@ -340,7 +340,7 @@ fn bwd_band_prepared_to(
         return bwd_sm90::bwd_wgmma_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, atomic, dq_out);
     }
     if pipe {
-        return bwd_pipe_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), scale, dq_out);
+        return bwd_pipe_band(&dev, (q, k, v), (lse, pr), dims, (&blo, &bhi), logits, dq_out);
     }
     let (los, lol) = blo.storage_and_layout();
     let (his, hil) = bhi.storage_and_layout();
@@ -401,10 +401,12 @@ fn bwd_pipe_band(
     (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     (blo, bhi): (&Tensor, &Tensor),
-    scale: f32,
+    logits: Logits,
     dq_out: DqOut<'_>,
 ) -> Result<BwdOut> {
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     let sfx = suffix(q.dtype())?;
+    let kind = if cap > 0.0 { "pipe_cap" } else { "pipe" };  // (the soft-capped entries)
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
     let pc = PipeCfg::of(d);
     let (bn, bm) = pc.block_rows();
@@ -436,24 +438,24 @@ fn bwd_pipe_band(
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
             let (do16, lv, delta) = inp.rows::<$ty>()?;
 
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_band_{sfx}_d{d}"), module, src)?;
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_{kind}_dkdv_band_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
             let cfg = LaunchConfig { grid_dim: (pc.kv_grid_x(hkv, d) as u32, kv_tiles as u32, b as u32), block_dim: (32 * pc.kv_nw as u32, 1, 1), shared_mem_bytes: smem_kv };
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc);
-            // SAFETY: matches `float* dk, float* dv, PIPE_BAND_ARGS` in kernels/flash_bwd_pipe.cu.
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc).arg(&cap);
+            // SAFETY: matches `float* dk, float* dv, PIPE_BAND_ARGS, float cap` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
 
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dq_band_{sfx}_d{d}"), module, src)?;
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_{kind}_dq_band_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_q as i32).w()?;
             let cfg = LaunchConfig { grid_dim: (h as u32, q_tiles as u32, b as u32), block_dim: (32 * pc.q_nw as u32, 1, 1), shared_mem_bytes: smem_q };
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq);
-            // SAFETY: matches `float* dq, PIPE_BAND_ARGS` in kernels/flash_bwd_pipe.cu.
+            bld.arg(&lov).arg(&hiv).arg(&bstride).arg(&acc_dq).arg(&cap);
+            // SAFETY: matches `float* dq, PIPE_BAND_ARGS, float cap` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
     }

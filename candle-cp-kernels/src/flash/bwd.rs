@@ -249,7 +249,8 @@ pub(super) fn bwd_prepared_to(
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
     // (At head dim 256, which has no mma kernels, the CUDA-core ones.)
-    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (family_takes(FwdImpl::Mma, d), false) } else { (use_mma, pipe) };
+    // (a soft cap: never the mma kernels, which take none)
+    let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (family_takes(FwdImpl::Mma, d) && cap == 0.0, false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {
         return zero_bwd(q, (b, t, s, h, hkv, d), &dq_out);
     }
@@ -265,7 +266,7 @@ pub(super) fn bwd_prepared_to(
         return bwd_fused::bwd_fused(&dev, (q, k, v), (lse, pr), dims, mask, scale, dq_out);
     }
     if pipe {
-        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (lse, pr), dims, mask, scale, dq_out);
+        return bwd_pipe::bwd_pipe(&dev, (q, k, v), (lse, pr), dims, mask, logits, dq_out);
     }
     let (q, k, v) = (q.contiguous()?, k.contiguous()?, v.contiguous()?);
     let (dout, lse, delta) = pr.launch_rows(lse, false)?;

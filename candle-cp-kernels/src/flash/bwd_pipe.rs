@@ -4,7 +4,7 @@
 //! k/v `[B, S, Hkv, D]` (f16/bf16); out, dout f32 `[B, T, H, D]`, lse f32 `[B, H, T]`; returns
 //! f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 
-use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, suffix, BwdInputs, BwdPrep, Dims, FwdImpl, KMask};
+use super::{bwd_out, dq_fresh, dq_view, BwdOut, DqOut, prep, suffix, BwdInputs, BwdPrep, Dims, FwdImpl, KMask, Logits};
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::sys::CUfunction_attribute;
 use candle_core::cuda_backend::cudarc::driver::{CudaViewMut, CudaSlice, CudaView, DeviceRepr, LaunchConfig, PushKernelArg};
@@ -108,10 +108,13 @@ pub(super) fn bwd_pipe(
     (lse, pr): (&Tensor, &BwdPrep),
     (b, t, s, h, hkv, d): Dims,
     mask: KMask,
-    scale: f32,
+    logits: Logits,
     dq_out: DqOut<'_>,
 ) -> Result<BwdOut> {
+    let (scale, cap): (f32, f32) = (logits.scale, logits.cap);
     let sfx = suffix(q.dtype())?;
+    // the soft-capped entries (`flash_bwd_pipe_cap_*`) with a cap, the same tiles
+    let kind = if cap > 0.0 { "pipe_cap" } else { "pipe" };
     // 16-byte aligned rows for cp.async (q, k, v) and float4 loads (out, dout): contiguous,
     // start offset a multiple of 8 elements.
     let (q, k, v) = (prep(q)?, prep(k)?, prep(v)?);
@@ -144,7 +147,7 @@ pub(super) fn bwd_pipe(
             let (qv, kv, vv) = inp.qkv::<$ty>()?;
             let (do16, lv, delta) = inp.rows::<$ty>()?;
 
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dkdv_{sfx}_d{d}"), module, src)?;
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_{kind}_dkdv_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_kv as i32).w()?;
             let cfg = LaunchConfig {
                 grid_dim: (kv_x as u32, kv_tiles as u32, b as u32),
@@ -154,11 +157,11 @@ pub(super) fn bwd_pipe(
             let mut bld = func.builder();
             bld.arg(&mut dk).arg(&mut dv).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc);
-            // SAFETY: matches `float* dk, float* dv, PIPE_ARGS` in kernels/flash_bwd_pipe.cu.
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc).arg(&cap);
+            // SAFETY: matches `float* dk, float* dv, PIPE_ARGS, float cap` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
 
-            let func = dev.get_or_load_custom_func(&format!("flash_bwd_pipe_dq_{sfx}_d{d}"), module, src)?;
+            let func = dev.get_or_load_custom_func(&format!("flash_bwd_{kind}_dq_{sfx}_d{d}"), module, src)?;
             func.set_attribute(CUfunction_attribute::CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES, smem_q as i32).w()?;
             let cfg = LaunchConfig {
                 grid_dim: (h as u32, q_tiles as u32, b as u32),
@@ -168,8 +171,8 @@ pub(super) fn bwd_pipe(
             let mut bld = func.builder();
             bld.arg(&mut dq).arg(&qv).arg(&kv).arg(&vv).arg(&do16).arg(&lv).arg(&delta);
             bld.arg(&bi).arg(&ti).arg(&si).arg(&hi).arg(&hkvi).arg(&scale);
-            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq);
-            // SAFETY: matches `float* dq, PIPE_ARGS` in kernels/flash_bwd_pipe.cu.
+            bld.arg(&causal).arg(&qo).arg(&qstr).arg(&ko).arg(&kstr).arg(&acc_dq).arg(&cap);
+            // SAFETY: matches `float* dq, PIPE_ARGS, float cap` in kernels/flash_bwd_pipe.cu.
             unsafe { bld.launch(cfg) }.w()?;
         }};
     }
