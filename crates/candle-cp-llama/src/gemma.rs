@@ -78,21 +78,28 @@ pub(super) fn text_config(m: &Map<String, Value>) -> Result<Option<Map<String, V
     } else {
         return Ok(None);
     };
+    fill_defaults(&mut t, 262_208, 131_072);
+    Ok(Some(t))
+}
+
+/// The keys `Gemma3TextConfig` and `Gemma2Config` default alike where `t` leaves them out (the
+/// 2B-class shape: width 2304, 26 layers, 8 heads / 4 KV heads of 256, MLP 9216; a window of
+/// 4096; a tied head), with the vocabulary and positions that differ.
+pub(super) fn fill_defaults(t: &mut Map<String, Value>, vocab: u64, max_positions: u64) {
     for (k, v) in [
-        ("vocab_size", json!(262_208)),
+        ("vocab_size", json!(vocab)),
         ("hidden_size", json!(2304)),
         ("intermediate_size", json!(9216)),
         ("num_hidden_layers", json!(26)),
         ("num_attention_heads", json!(8)),
         ("num_key_value_heads", json!(4)),
         ("head_dim", json!(256)),
-        ("max_position_embeddings", json!(131_072)),
+        ("max_position_embeddings", json!(max_positions)),
         ("sliding_window", json!(4096)),
         ("tie_word_embeddings", json!(true)),
     ] {
         t.entry(k).or_insert(v);
     }
-    Ok(Some(t))
 }
 
 /// The Gemma 3 keys of a `gemma3_text` config: `(gemma3, rope_theta, rope_scaling)` (the

@@ -51,20 +51,7 @@ pub(super) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>
         return None;
     }
     let mut t = m.clone();
-    for (k, v) in [
-        ("vocab_size", json!(256_000)),
-        ("hidden_size", json!(2304)),
-        ("intermediate_size", json!(9216)),
-        ("num_hidden_layers", json!(26)),
-        ("num_attention_heads", json!(8)),
-        ("num_key_value_heads", json!(4)),
-        ("head_dim", json!(256)),
-        ("max_position_embeddings", json!(8192)),
-        ("sliding_window", json!(4096)),
-        ("tie_word_embeddings", json!(true)),
-    ] {
-        t.entry(k).or_insert(v);
-    }
+    super::gemma::fill_defaults(&mut t, 256_000, 8192);
     Some(t)
 }
 
