@@ -1,7 +1,8 @@
 //! Blockwise attention forward + backward on CPU vs `attention_slow` (plain candle ops).
 //!
-//! Run: `cargo run --release -p candle-cp-examples --example bench_attention [-- --t 1024,2048] [--no-slow] [--split]`
-//! (`--split`: also time the raw `attention_fwd` / `attention_bwd` separately.)
+//! Run: `cargo run --release -p candle-cp-examples --example bench_attention [-- --t 1024,2048] [--no-slow] [--split] [--softcap 50]`
+//! (`--split`: also time the raw `attention_fwd` / `attention_bwd` separately; `--softcap C`: the
+//! op with Gemma 2's logit soft cap `C` against the uncapped op, alternating pairs.)
 //!
 //! Shapes: B = 1, H = 8 (Hkv = 8), D = 64, causal, f32; T = 1k, 2k, 4k, 8k by default.
 //! CPU time (user + system over all threads, /proc/self/stat, 10 ms ticks) is printed too: on a
@@ -20,10 +21,10 @@
 //! time ~100 GFLOP/s would give (the reference's rate), marked "~".
 
 use candle_core::{DType, Device, Result, Tensor, Var};
-use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, attention_slow, Mask};
+use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, attention_slow, Mask, Scores};
 use std::time::Instant;
 
-type AttnFn = fn(&Tensor, &Tensor, &Tensor, &Mask, f64) -> Result<(Tensor, Tensor)>;
+type AttnFn = fn(&Tensor, &Tensor, &Tensor, &Mask, Scores) -> Result<(Tensor, Tensor)>;
 
 fn status_kb(key: &str) -> Option<u64> {
     let s = std::fs::read_to_string("/proc/self/status").ok()?;
@@ -53,7 +54,7 @@ struct Run {
     peak_mb: f64,
 }
 
-fn run_once(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: f64) -> Result<Run> {
+fn run_once(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: Scores) -> Result<Run> {
     let (qv, kv, vv) = (Var::from_tensor(q)?, Var::from_tensor(k)?, Var::from_tensor(v)?);
     let base = reset_peak();
     let c0 = cpu_seconds();
@@ -72,7 +73,7 @@ fn run_once(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale:
 }
 
 /// Median wall time, CPU time of that run, max peak over `reps` runs.
-fn bench(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: f64, reps: usize) -> Result<Run> {
+fn bench(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: Scores, reps: usize) -> Result<Run> {
     let mut runs = Vec::new();
     for _ in 0..reps {
         runs.push(run_once(f, q, k, v, dout, scale)?);
@@ -85,7 +86,7 @@ fn bench(f: AttnFn, q: &Tensor, k: &Tensor, v: &Tensor, dout: &Tensor, scale: f6
 
 fn main() -> Result<()> {
     let args: Vec<String> = std::env::args().collect();
-    candle_cp_examples::check_flags(&args, &["--t"], &["--no-slow", "--split"]).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    candle_cp_examples::check_flags(&args, &["--t", "--softcap"], &["--no-slow", "--split"]).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let ts: Vec<usize> = match args.iter().position(|a| a == "--t") {
         Some(i) => args
             .get(i + 1)
@@ -94,7 +95,7 @@ fn main() -> Result<()> {
         None => vec![1024, 2048, 4096, 8192],
     };
     let (b, h, d) = (1usize, 8usize, 64usize);
-    let scale = 1.0 / (d as f64).sqrt();
+    let scale = Scores::new(1.0 / (d as f64).sqrt());
     println!("attention fwd+bwd, CPU, B={b} H={h} D={d} causal f32, rayon threads = {}", rayon_threads());
     let no_slow = args.iter().any(|a| a == "--no-slow");
     println!("load average at start: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
@@ -137,7 +138,11 @@ fn main() -> Result<()> {
         );
     }
     if args.iter().any(|a| a == "--split") {
-        split(&ts, scale)?;
+        split(&ts, scale.scale)?;
+    }
+    if let Some(c) = args.iter().position(|a| a == "--softcap").and_then(|i| args.get(i + 1)) {
+        let cap: f64 = c.parse().map_err(|e| candle_core::Error::Msg(format!("--softcap {c}: {e}")))?;
+        softcap(&ts, scale, cap)?;
     }
     println!("load average at end: {}", std::fs::read_to_string("/proc/loadavg").unwrap_or_default().trim());
     Ok(())
@@ -168,6 +173,35 @@ fn split(ts: &[usize], scale: f64) -> Result<()> {
             fwd_flops / fc / 1e9,
             2.5 * fwd_flops / bc / 1e9
         );
+    }
+    Ok(())
+}
+
+/// `--softcap C`: `attention` forward + backward (causal, the shapes above) with the logit soft
+/// cap `C` against the uncapped op on the same inputs: 5 alternating pairs after a warm-up of
+/// each, median CPU times and the median of the pairs' ratios (capped / uncapped).
+fn softcap(ts: &[usize], scale: Scores, cap: f64) -> Result<()> {
+    let capped = scale.with_softcap(Some(cap));
+    println!("| T | uncapped CPU (s) | capped (softcap {cap}) CPU (s) | capped / uncapped (median of 5 pairs) |");
+    println!("|---|---|---|---|");
+    for &t in ts {
+        let r = || Tensor::randn(0f32, 1.0, (1, t, 8, 64), &Device::Cpu);
+        let (q, k, v, dout) = (r()?, r()?, r()?, r()?);
+        run_once(attention, &q, &k, &v, &dout, scale)?;
+        run_once(attention, &q, &k, &v, &dout, capped)?;
+        let mut pairs = Vec::new();
+        for _ in 0..5 {
+            let a = run_once(attention, &q, &k, &v, &dout, scale)?.cpu;
+            let b = run_once(attention, &q, &k, &v, &dout, capped)?.cpu;
+            pairs.push((a, b));
+        }
+        let med = |mut x: Vec<f64>| {
+            x.sort_by(f64::total_cmp);
+            x[x.len() / 2]
+        };
+        let ratio = med(pairs.iter().map(|(a, b)| b / a.max(1e-9)).collect());
+        let (a, b) = (med(pairs.iter().map(|p| p.0).collect()), med(pairs.iter().map(|p| p.1).collect()));
+        println!("| {t} | {a:.2} | {b:.2} | {ratio:.3}x |");
     }
     Ok(())
 }

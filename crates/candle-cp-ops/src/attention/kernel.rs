@@ -10,8 +10,7 @@
 //! backward over (batch, head, key chunk). Results are reduced in a fixed order, so the
 //! output is deterministic for a given thread count.
 
-use super::blas::{ds_row, dot, exp_f32, exp_sub, exp_sub_sum, matmul, row_max, scale_row, Mat};
-use super::scores::{softcap_row, softcap_row_grad};
+use super::blas::{ds_row, dot, exp_f32, exp_sub, exp_sub_sum, matmul, row_max, scale_row, softcap_row, softcap_row_grad, Mat};
 use super::Band;
 use rayon::prelude::*;
 
