@@ -24,7 +24,7 @@
 //! Refused by name: logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`;
 //! Gemma 2's), bidirectional attention, another activation.
 
-use super::{get_f64, parse_scaling, LlamaConfig, RopeScaling};
+use super::{get_f64, parse_scaling, Gemma2, LlamaConfig, RopeScaling};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
@@ -185,6 +185,117 @@ pub(super) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, g: &Gemma3) {
     // transformers before `layer_types`: layer i slides iff (i + 1) % pattern != 0
     if let Some(p) = (1..=n + 1).find(|&p| slides.iter().enumerate().all(|(i, &s)| s != (i + 1).is_multiple_of(p))) {
         m.insert("sliding_window_pattern".into(), json!(p));
+    }
+}
+
+/// What Gemma 2 and 3 change in the accessors every layer reads (the architecture-dependent
+/// numbers of a [`LlamaConfig`]; the other architectures' are the Llama ones).
+impl LlamaConfig {
+    /// The same config as a Gemma 3 model (`on`: the softmax scale `head_dim^-1/2`
+    /// (`query_pre_attn_scalar = head_dim`), [`Gemma3::new`]'s local RoPE base, the q, k head
+    /// norms on, tied embeddings; see [`crate::gemma`]), or not (`false`: the numbers go, the rest
+    /// stays).
+    pub fn with_gemma3(mut self, on: bool) -> Self {
+        self.gemma3 = on.then(|| Gemma3 { query_pre_attn_scalar: self.head_dim as f64, ..Gemma3::new() });
+        if on {
+            self.qk_norm = true;
+            self.tie_word_embeddings = true;
+        }
+        self
+    }
+
+    /// The same config as a Gemma 2 model (`on`: the softmax scale `head_dim^-1/2`
+    /// (`query_pre_attn_scalar = head_dim`), [`super::Gemma2::new`]'s soft caps (attention 50, output
+    /// 30), no q, k head norms, tied embeddings; see [`super::gemma2`]), or not (`false`: the numbers
+    /// go, the rest stays).
+    pub fn with_gemma2(mut self, on: bool) -> Self {
+        self.gemma2 = on.then(|| Gemma2 { query_pre_attn_scalar: self.head_dim as f64, ..Gemma2::new() });
+        if on {
+            self.qk_norm = false;
+            self.tie_word_embeddings = true;
+        }
+        self
+    }
+
+    /// Whether this is a Gemma 2 or Gemma 3 model (the GELU-gated MLP, `1 + w` norms, the
+    /// norms after attention and MLP, the `√h` embedding factor).
+    pub fn is_gemma(&self) -> bool {
+        self.gemma3.is_some() || self.gemma2.is_some()
+    }
+
+    /// The activation of the gated MLP (GELU-tanh for Gemma 2 and 3, else SiLU).
+    pub fn activation(&self) -> crate::fused::Activation {
+        match self.is_gemma() {
+            true => crate::fused::Activation::GeluTanh,
+            false => crate::fused::Activation::Silu,
+        }
+    }
+
+    /// How every RMSNorm applies its weight (Gemma 2 and 3: `x̂ · (1 + w)`).
+    pub fn norm_weight(&self) -> candle_cp_nn::NormWeight {
+        match self.is_gemma() {
+            true => candle_cp_nn::NormWeight::UnitOffset,
+            false => candle_cp_nn::NormWeight::Scale,
+        }
+    }
+
+    /// The softmax scale: `head_dim^-1/2`, Gemma's `query_pre_attn_scalar^-1/2`.
+    pub fn attn_scale(&self) -> f64 {
+        match (&self.gemma3, &self.gemma2) {
+            (Some(g), _) => 1.0 / g.query_pre_attn_scalar.sqrt(),
+            (None, Some(g)) => 1.0 / g.query_pre_attn_scalar.sqrt(),
+            (None, None) => 1.0 / (self.head_dim as f64).sqrt(),
+        }
+    }
+
+    /// The attention logits: [`LlamaConfig::attn_scale`] and Gemma 2's
+    /// `attn_logit_softcapping`.
+    pub fn attn_scores(&self) -> candle_cp_ops::attention::Scores {
+        let cap = self.gemma2.as_ref().and_then(|g| g.attn_logit_softcapping);
+        candle_cp_ops::attention::Scores::new(self.attn_scale()).with_softcap(cap)
+    }
+
+    /// The soft cap on the output logits (Gemma 2's `final_logit_softcapping`), if any.
+    pub fn final_logit_softcap(&self) -> Option<f64> {
+        self.gemma2.as_ref().and_then(|g| g.final_logit_softcapping)
+    }
+
+    /// The factor on the embedding output for weights of `dtype` (Gemma 2 and 3: `√h` rounded
+    /// to `dtype`, as transformers casts it; `None`: none).
+    pub fn embed_scale(&self, dtype: candle_core::DType) -> Result<Option<f64>> {
+        if !self.is_gemma() {
+            return Ok(None);
+        }
+        let s = (self.hidden_size as f64).sqrt();
+        let t = candle_core::Tensor::new(&[s], &candle_core::Device::Cpu)?.to_dtype(dtype)?.to_dtype(candle_core::DType::F64)?;
+        Ok(Some(t.to_vec1::<f64>()?[0]))
+    }
+
+    /// The RoPE config of layer `layer`'s rotation: the config itself, or for a Gemma 3
+    /// sliding layer one of base `rope_local_base_freq`, unscaled.
+    pub fn layer_rope(&self, layer: usize) -> std::borrow::Cow<'_, LlamaConfig> {
+        match self.layer_rope_is_local(layer).then(|| self.local_rope()).flatten() {
+            Some(local) => std::borrow::Cow::Owned(local),
+            None => std::borrow::Cow::Borrowed(self),
+        }
+    }
+
+    /// The RoPE config of the layers that rotate by the local RoPE (Gemma 3's sliding layers:
+    /// base `rope_local_base_freq`, unscaled), when some layer does.
+    pub fn local_rope(&self) -> Option<LlamaConfig> {
+        let g = self.gemma3.as_ref()?;
+        (0..self.num_hidden_layers).any(|i| self.layer_rope_is_local(i)).then(|| LlamaConfig {
+            rope_theta: g.rope_local_base_freq,
+            rope_scaling: RopeScaling::Default,
+            gemma3: None,
+            gemma2: None,
+            ..self.clone()
+        })
+    }
+
+    /// Whether layer `layer` rotates by the local RoPE ([`LlamaConfig::layer_rope`]).
+    pub fn layer_rope_is_local(&self, layer: usize) -> bool {
+        self.gemma3.is_some() && self.layer_window(layer).is_some()
     }
 }
 
