@@ -532,9 +532,12 @@ def tile_configs():
     PipeCfg::smem, bwd_fused.rs smem, sm90.rs wgmma_smem); the parameters are read from source."""
     out = {}
     fwd_cu, fwd_rs = rd("kernels", "flash_fwd.cu"), rd("src", "flash.rs")
-    pipes = re.search(r"#define PIPES\(NAME\)((?:.*\\\n)*.*)", fwd_cu)
-    cu = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
-          re.findall(r"PIPE\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", pipes.group(1) if pipes else "")}
+    def pipe_list(macro, entry):
+        """{d: (NW, MT, BK)} of the `entry(NAME, D, NW, MT, BK)` list `#define macro(NAME)`."""
+        m = re.search(r"#define " + macro + r"\(NAME\)((?:.*\\\n)*.*)", fwd_cu)
+        return {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
+                re.findall(entry + r"\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", m.group(1) if m else "")}
+    cu = pipe_list("PIPES", "PIPE")
     # flash.rs: pipe_tile(d) gives (NW, MT, BK) (one head dim special-cased), pipe_config the
     # launch from it: rows 16 NW MT, threads 32 NW, smem (BQ + 4 BK) (d + 8) 2 + BQ 4 (d = 256: the
     # per-row key bounds in the Q rows' padding, CpPadInts, no ints: pipe_pads_bounds).
@@ -556,20 +559,21 @@ def tile_configs():
         if not tiles:
             return None
         return tuple(tiles[1:4]) if d == tiles[0] else tuple(tiles[4:7])
+    def pipe_shape(d, nw, mt, bk):
+        """(threads, rows, smem) of a forward pipe entry: Q, two K and two V buffers, BQ ints."""
+        bq = nw * mt * 16
+        return (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
     fam = out.setdefault("flash_fwd_pipe", {})
     for d, (nw, mt, bk) in sorted(cu.items()):
-        bq = nw * mt * 16
         if rust_tile(d) not in (None, (nw, mt, bk)):
             err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile({d}) = {rust_tile(d)}")
-        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
+        fam[d] = pipe_shape(d, nw, mt, bk)
     if sorted(cu) != [16, 32, 64, 128, 256]:
         err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
     # the soft-capped entries (flash_fwd_pipe_cap{,_band}_*, PIPES_CAP): PIPES' tiles except the
     # head dim flash.rs pipe_tile_of special-cases (d128 over 32-key tiles); pipe_config_of takes
     # the K / V rows of the smaller tiles off pipe_config's bytes
-    caps = re.search(r"#define PIPES_CAP\(NAME\)((?:.*\\\n)*.*)", fwd_cu)
-    cu_cap = {int(d): (int(nw), int(mt), int(bk)) for d, nw, mt, bk in
-              re.findall(r"PIPE_CAP\(NAME,\s*(\d+),\s*(\d+),\s*(\d+),\s*(\d+)\)", caps.group(1) if caps else "")}
+    cu_cap = pipe_list("PIPES_CAP", "PIPE_CAP")
     ptc = re.search(r"fn pipe_tile_of\(d: usize, capped: bool\)[^{]*\{(.*?)\n\}", fwd_rs, re.S)
     ctile = num(r"if capped && d == (\d+) \{\s*\((\d+), (\d+), (\d+)\)\s*\} else \{\s*pipe_tile\(d\)\s*\}",
                 ptc.group(1) if ptc else "", "flash.rs pipe_tile_of")
@@ -580,8 +584,7 @@ def tile_configs():
         want = tuple(ctile[1:4]) if ctile and d == ctile[0] else rust_tile(d)
         if want not in (None, (nw, mt, bk)):
             err(f"flash_fwd_pipe_cap d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile_of({d}, true) = {want}")
-        bq = nw * mt * 16
-        fam[d] = (nw * 32, bq, (bq + 4 * bk) * (d + 8) * 2 + (0 if d == pad_d else bq * 4))
+        fam[d] = pipe_shape(d, nw, mt, bk)
     if sorted(cu_cap) != [16, 32, 64, 128, 256]:
         err(f"flash_fwd.cu PIPES_CAP: head dims {sorted(cu_cap)}")
 

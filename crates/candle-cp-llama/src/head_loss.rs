@@ -77,12 +77,9 @@ pub fn cap_logits(l: &Tensor, cap: f64) -> Result<Tensor> {
     (l / cap)?.tanh()? * cap
 }
 
-/// Errors for a cap that is not finite and > 0.
+/// Errors for a cap that is not finite and > 0 (the attention's rule, `Scores::check`).
 fn check_cap(cap: Option<f64>, what: &str) -> Result<()> {
-    match cap {
-        Some(c) if !(c.is_finite() && c > 0.0) => bail!("{what}: a logit soft cap must be finite and > 0, got {c}"),
-        _ => Ok(()),
-    }
+    candle_cp_ops::attention::Scores::new(1.0).with_softcap(cap).check(what)
 }
 
 /// `log Σ exp` of `t` along `dim`, kept (f32, max-shifted).

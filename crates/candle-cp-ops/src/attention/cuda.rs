@@ -44,8 +44,8 @@ fn imp_of_dims(dims: &[usize]) -> FwdImpl {
 
 /// The logits as the kernels take them (scale and soft cap; a capped call runs the CUDA-core
 /// kernels or the pipelined forward, `flash::Logits`).
-fn kscale(s: Scores) -> Result<Logits> {
-    Ok(Logits::capped(s.scale as f32, s.softcap.map_or(0.0, |c| c as f32)))
+fn kscale(s: Scores) -> Logits {
+    Logits::capped(s.scale as f32, s.softcap.map_or(0.0, |c| c as f32))
 }
 
 /// Kernel mask from the op's [`Mask`].
@@ -74,9 +74,9 @@ pub(crate) fn op_fwd(
     let ((out, out_shape), (lse, lse_shape)) = match &op.band {
         Some(band) => {
             let (lo, hi) = band_tensors(band, &Device::Cuda(q.device.clone()))?;
-            flash::fwd_storage_band(q, ql, k, kl, v, vl, KBand { lo: &lo, hi: &hi }, kscale(op.scale)?, imp_of_dims(ql.dims()))?
+            flash::fwd_storage_band(q, ql, k, kl, v, vl, KBand { lo: &lo, hi: &hi }, kscale(op.scale), imp_of_dims(ql.dims()))?
         }
-        None => flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), kscale(op.scale)?, imp_of_dims(ql.dims()))?,
+        None => flash::fwd_storage(q, ql, k, kl, v, vl, kmask(&op.mask), kscale(op.scale), imp_of_dims(ql.dims()))?,
     };
     let lse = Tensor::from_storage(Storage::Cuda(lse), lse_shape, candle_core::op::BackpropOp::none(), false);
     *op.lse_slot().lock().unwrap_or_else(|e| e.into_inner()) = Some(lse);
@@ -93,12 +93,12 @@ pub(crate) fn op_fwd(
 
 /// CUDA `attention_fwd` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 pub(crate) fn fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Scores) -> Result<(Tensor, Tensor)> {
-    flash::fwd(q, k, v, kmask(mask), kscale(scale)?, imp(q))
+    flash::fwd(q, k, v, kmask(mask), kscale(scale), imp(q))
 }
 
 /// CUDA `attention_bwd_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 pub(crate) fn bwd(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, mask: &Mask, scale: Scores) -> Result<(Tensor, Tensor, Tensor)> {
-    flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), kscale(scale)?, imp(q))
+    flash::bwd_prepared(q, k, v, lse, &prep.kernel(), kmask(mask), kscale(scale), imp(q))
 }
 
 /// CUDA backward of `call` adding its dQ into `dq` (an f32 `[B, n, H, D]` contiguous region, the
@@ -111,10 +111,10 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
     prep.check("attention_bwd", q, dims)?;
     let kp = prep.kernel();
     match call.mask {
-        super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), kscale(scale)?, imp(q), dq),
+        super::call::CallMask::Mask(m) => flash::bwd_prepared_add_dq(q, k, v, lse, &kp, kmask(m), kscale(scale), imp(q), dq),
         super::call::CallMask::Band(band) => {
             let (lo, hi) = band_args(band, "attention_bwd_band", (b, n, dims.s), q.device())?;
-            flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, kscale(scale)?, imp(q), dq)
+            flash::bwd_band_prepared_add_dq(q, k, v, lse, &kp, KBand { lo: &lo, hi: &hi }, kscale(scale), imp(q), dq)
         }
     }
 }
@@ -122,11 +122,11 @@ pub(crate) fn bwd_add_dq(call: &super::call::BwdCall<'_>, dq: (&mut CudaStorage,
 /// CUDA forward of one call into the packed buffer `[B·n·H·D + B·H·n]` (out, then lse).
 pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: Scores) -> Result<Tensor> {
     match mask {
-        super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), kscale(scale)?, imp(q)),
+        super::call::CallMask::Mask(m) => flash::fwd_packed(q, k, v, kmask(m), kscale(scale), imp(q)),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
             let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
-            flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale)?, imp(q))
+            flash::fwd_band_packed(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale), imp(q))
         }
     }
 }
@@ -136,11 +136,11 @@ pub(crate) fn fwd_packed(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::
 #[allow(clippy::too_many_arguments)]
 pub(crate) fn fwd_fold(q: &Tensor, k: &Tensor, v: &Tensor, mask: super::call::CallMask<'_>, scale: Scores, state: &Tensor, rows: usize, row0: usize) -> Result<()> {
     match mask {
-        super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), kscale(scale)?, imp(q), state, rows, row0),
+        super::call::CallMask::Mask(m) => flash::fwd_fold(q, k, v, kmask(m), kscale(scale), imp(q), state, rows, row0),
         super::call::CallMask::Band(band) => {
             let (b, t, _, _) = q.dims4()?;
             let (lo, hi) = band_args(band, "attention_fwd_band", (b, t, k.dim(1)?), q.device())?;
-            flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale)?, imp(q), state, rows, row0)
+            flash::fwd_band_fold(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale), imp(q), state, rows, row0)
         }
     }
 }
@@ -165,13 +165,13 @@ fn band_tensors(band: &Band, dev: &Device) -> Result<(Tensor, Tensor)> {
 /// CUDA `attention_fwd_band` (raw, no graph): out f32 `[B, T, H, D]`, lse f32 `[B, H, T]`.
 pub(crate) fn fwd_band(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scale: Scores) -> Result<(Tensor, Tensor)> {
     let (lo, hi) = band_tensors(band, q.device())?;
-    flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale)?, imp(q))
+    flash::fwd_band(q, k, v, KBand { lo: &lo, hi: &hi }, kscale(scale), imp(q))
 }
 
 /// CUDA `attention_bwd_band_prepared` (raw, no graph): f32 dq `[B, T, H, D]`, dk/dv `[B, S, Hkv, D]`.
 pub(crate) fn bwd_band(q: &Tensor, k: &Tensor, v: &Tensor, lse: &Tensor, prep: &BwdPrep, band: &Band, scale: Scores) -> Result<(Tensor, Tensor, Tensor)> {
     let (lo, hi) = band_tensors(band, q.device())?;
-    flash::bwd_band_prepared(q, k, v, lse, &prep.kernel(), KBand { lo: &lo, hi: &hi }, kscale(scale)?, imp(q))
+    flash::bwd_band_prepared(q, k, v, lse, &prep.kernel(), KBand { lo: &lo, hi: &hi }, kscale(scale), imp(q))
 }
 
 /// CUDA `merge`: f32 out `[B, T, H, D]`, lse `[B, H, T]`.

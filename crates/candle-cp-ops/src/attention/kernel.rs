@@ -345,11 +345,9 @@ impl BwdCtx<'_> {
                     let drow = &mut db[r * jn..(r + 1) * jn];
                     ds_row(drow, prow, dl);
                     if self.cap > 0.0 {
-                        // dS w.r.t. the uncapped logit; masked entries are 0 already (P = 0)
-                        let (va, vb) = ((lo[i0 + r] as usize).saturating_sub(j0).min(jn), (hi[i0 + r] as usize).saturating_sub(j0).min(jn));
-                        if va < vb {
-                            drow[va..vb].iter_mut().zip(&gb[r * jn + va..r * jn + vb]).for_each(|(x, g)| *x *= g);
-                        }
+                        // dS w.r.t. the uncapped logit (where P = 0, dS is 0 whatever gb holds:
+                        // its entries are finite, in [0, 1])
+                        drow.iter_mut().zip(&gb[r * jn..(r + 1) * jn]).for_each(|(x, g)| *x *= g);
                     }
                 }
                 // dK += scale * dS^T Q ; dQ += scale * dS K
