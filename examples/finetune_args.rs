@@ -141,7 +141,7 @@ pub(crate) struct Args {
     /// Random-init model shaped as Gemma 2: Gemma 3's norms, MLP and embedding factor without
     /// the q, k head norms, logits soft-capped in attention (50) and at the output (30), and
     /// with --sliding-window, the window on every other layer (0, 2, 4, ...). On CUDA the capped
-    /// attention runs the pipelined forward's capped kernels and the CUDA-core backward.
+    /// attention runs the pipelined kernels' capped entries (CUDA-core ones for f32).
     #[arg(long)]
     pub(crate) gemma2: bool,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
