@@ -15,6 +15,11 @@
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
+//! - Qwen3-MoE: on a sparse layer the router's `softmax(x·Wrᵀ)`, each token's top `K`
+//!   (renormalised with `norm_topk_prob`), and every expert's SwiGLU on every token weighted by
+//!   that token's weight of it (0 when not chosen); with `output_router_logits` the loss adds
+//!   `coef · E · Σ_e (C_e / R)·(S_e / R)` (`C_e` choices of expert `e`, `S_e` its summed
+//!   probability, `R` router rows, over every sparse layer: `load_balancing_loss_func`).
 
 use candle_core::{backprop::GradStore, DType, Device, Result, Tensor, Var, D};
 use candle_cp_llama::verify::Reference;
@@ -54,6 +59,13 @@ fn tables(inv: &[f64], t: usize, af: f64) -> Result<(Tensor, Tensor)> {
 /// The model in float64 from plain candle ops: logits, mean next-token loss, and the gradient
 /// of every parameter (as f32), for `ids [B, T]` (positions `0..T` in every row).
 pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<Reference> {
+    Ok(reference_routed(full, cfg, ids)?.0)
+}
+
+/// [`reference`], and the smallest gap between a token's `K`-th and `K+1`-th router
+/// probability over the sparse layers (infinite without experts): a routing whose gap is far
+/// above float32 rounding routes the same in float32, on every layout.
+pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<(Reference, f64)> {
     let vars: HashMap<&str, Var> =
         full.iter().map(|(k, t)| Ok((k.as_str(), Var::from_tensor(&t.to_dtype(DType::F64)?)?))).collect::<Result<_>>()?;
     let p = |n: &str| -> Result<&Tensor> {
@@ -94,6 +106,12 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
         (None, Some(g)) => g.query_pre_attn_scalar.powf(-0.5),
         (None, None) => (d as f64).powf(-0.5),
     };
+    // the router's statistics (load-balancing loss) and the smallest top-K margin
+    let mut margin = f64::INFINITY;
+    let e_n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
+    let mut counts = vec![0f64; e_n];
+    let mut prob_sums: Option<Tensor> = None;
+    let mut rows = 0usize;
     let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
     if gemma_like {
         x = (x * ((h as f64).sqrt() as f32) as f64)?;
@@ -135,10 +153,50 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
         };
         x = (x + o)?;
         let hn = norm(&x, &n(pre_mlp))?;
-        let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
-        let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
-        let act = if gemma_like { g.gelu()? } else { g.silu()? };
-        let m = linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?;
+        let m = match &cfg.moe {
+            Some(mc) if cfg.is_moe_layer(l) => {
+                let (e, k, rn) = (mc.num_experts, mc.num_experts_per_tok, b * t);
+                let x2 = hn.reshape((rn, h))?;
+                let probs = candle_nn::ops::softmax(&linear(&x2, p(&n("mlp.gate.weight"))?, None)?, D::Minus1)?;
+                let mut chosen = vec![0f64; rn * e];
+                for (i, row) in probs.to_vec2::<f64>()?.iter().enumerate() {
+                    let mut idx: Vec<usize> = (0..e).collect();
+                    idx.sort_by(|&a, &c| row[c].total_cmp(&row[a]));
+                    for &j in &idx[..k] {
+                        chosen[i * e + j] = 1.0;
+                        counts[j] += 1.0;
+                    }
+                    if k < e {
+                        margin = margin.min(row[idx[k - 1]] - row[idx[k]]);
+                    }
+                }
+                let s = probs.sum(0)?;
+                prob_sums = Some(match prob_sums.take() {
+                    Some(acc) => (acc + s)?,
+                    None => s,
+                });
+                rows += rn;
+                let mut w = (&probs * Tensor::from_vec(chosen, (rn, e), &Device::Cpu)?)?;
+                if mc.norm_topk_prob {
+                    w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+                }
+                let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;
+                for ex in 0..e {
+                    let w_of = |s: &str| -> Result<Tensor> { p(&n(&format!("mlp.experts.{s}")))?.get(ex) };
+                    let g = linear(&x2, &w_of("gate_proj")?, None)?;
+                    let u = linear(&x2, &w_of("up_proj")?, None)?;
+                    let ye = linear(&(g.silu()? * u)?, &w_of("down_proj")?, None)?;
+                    y = (y + ye.broadcast_mul(&w.narrow(1, ex, 1)?)?)?;
+                }
+                y.reshape((b, t, h))?
+            }
+            _ => {
+                let g = linear(&hn, p(&n("mlp.gate_proj.weight"))?, None)?;
+                let u = linear(&hn, p(&n("mlp.up_proj.weight"))?, None)?;
+                let act = if gemma_like { g.gelu()? } else { g.silu()? };
+                linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?
+            }
+        };
         let m = if gemma_like { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
         x = (x + m)?;
     }
@@ -146,14 +204,21 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
     let logits = cap(linear(&norm(&x, "model.norm.weight")?, p(head)?, None)?, final_cap)?;
     let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
     let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
-    let loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
+    let mut loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
+    if let (Some(mc), Some(s)) = (&cfg.moe, &prob_sums) {
+        if mc.output_router_logits {
+            let c = Tensor::from_vec(counts, e_n, &Device::Cpu)?;
+            let aux = ((c * s)?.sum_all()? * (e_n as f64 / (rows * rows) as f64))?;
+            loss = (loss + (aux * mc.router_aux_loss_coef)?)?;
+        }
+    }
     let store: GradStore = loss.backward()?;
     let mut grads = HashMap::new();
     for (k, v) in &vars {
         let g = store.get(v.as_tensor()).ok_or_else(|| candle_core::Error::Msg(format!("reference: no gradient for {k}")))?;
         grads.insert(k.to_string(), g.to_dtype(DType::F32)?);
     }
-    Ok(Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads })
+    Ok((Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads }, margin))
 }
 
 /// Max |a - b| in f64.

@@ -7,6 +7,7 @@
 //! | `mistral` (`MistralForCausalLM`)   | no             | no         | `sliding_window` (every layer)          |
 //! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on, or those `layer_types` names |
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
+//! | `qwen3_moe` (`Qwen3MoeForCausalLM`) | no            | yes        | as Qwen2 (its MLPs: [`crate::config::qwen3_moe`]) |
 //! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //!
@@ -21,7 +22,7 @@
 //! the heads), applied after the projection and before RoPE ([`crate::LlamaConfig::qk_norm`]).
 //!
 //! Anything else is refused by name. Without the check a config of another architecture
-//! would load and train silently as a different model: Qwen3-MoE's experts, a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
+//! would load and train silently as a different model: a shared expert (Qwen2-MoE), a Llama with `attention_bias: true` (its o_proj bias) or `mlp_bias: true` would be
 //! parameters or arithmetic the model never applies. For the same reason [`crate::load_hf`] refuses checkpoint tensors the model
 //! does not use. A Llama or Mistral config with a window on some layers only (`layer_types`
 //! mixing `full_attention` and `sliding_attention`) is refused too: transformers gives those
@@ -41,6 +42,9 @@ pub enum Arch {
     Qwen2,
     /// `Qwen3ForCausalLM`: a Llama with RMSNorms over each q and k head before RoPE.
     Qwen3,
+    /// `Qwen3MoeForCausalLM`: a Qwen3 whose MLPs are mixtures of experts (see
+    /// [`crate::config::qwen3_moe`]).
+    Qwen3Moe,
     /// `Gemma3ForCausalLM` (`model_type` `gemma3_text`, the text model): see [`crate::gemma`].
     Gemma3,
     /// `Gemma2ForCausalLM`: see [`crate::gemma2`].
@@ -49,10 +53,10 @@ pub enum Arch {
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, gemma3_text, gemma2";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gemma2";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 6] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Gemma3, Arch::Gemma2];
+    pub const ALL: [Arch; 7] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Gemma3, Arch::Gemma2];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -69,6 +73,7 @@ impl Arch {
             Arch::Mistral => ("MistralForCausalLM", "mistral"),
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
+            Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
         }
@@ -126,7 +131,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma2 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Gemma2 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -139,7 +144,7 @@ impl Arch {
 
     /// Whether each q and k head is RMS-normalised before RoPE (Qwen3).
     pub(crate) fn qk_norm(self) -> bool {
-        matches!(self, Arch::Qwen3 | Arch::Gemma3)
+        matches!(self, Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3)
     }
 
     /// The window and the layers that use it (`None`: every layer; see
@@ -153,12 +158,12 @@ impl Arch {
         let w = match (self, use_key) {
             (_, Some(false)) => None,
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
-            (Arch::Qwen2 | Arch::Qwen3, None) => None,
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe, None) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
             None | Some(Value::Null) => match self {
-                Arch::Qwen2 | Arch::Qwen3 => {
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
                     // transformers: layer i slides iff sliding_window and i >= max_window_layers
                     // (Qwen2Config's default is 28)
                     let from = match m.get("max_window_layers") {
@@ -261,8 +266,8 @@ mod tests {
         assert!(LlamaConfig::tiny(64, 32, 1, 4, 2).with_qk_norm(true).with_qkv_bias(true).validate().is_err());
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
-            (r#", "model_type": "qwen3_moe""#, "model_type `qwen3_moe` not supported"),
-            (r#", "architectures": ["Qwen3MoeForCausalLM"]"#, "architecture `Qwen3MoeForCausalLM` not supported"),
+            (r#", "model_type": "qwen2_moe""#, "model_type `qwen2_moe` not supported"),
+            (r#", "architectures": ["MixtralForCausalLM"]"#, "architecture `MixtralForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),

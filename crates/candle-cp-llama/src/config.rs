@@ -14,6 +14,9 @@ pub use gemma::Gemma3;
 #[path = "gemma2.rs"]
 pub mod gemma2;
 pub use gemma2::Gemma2;
+#[path = "qwen3_moe.rs"]
+pub mod qwen3_moe;
+pub use qwen3_moe::MoeConfig;
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -139,6 +142,9 @@ pub struct LlamaConfig {
     /// Gemma 2 (`model_type` `gemma2`): its numbers (the scale, the logit soft caps), and
     /// everything the architecture changes besides ([`gemma2`]); `None` for the others.
     pub gemma2: Option<Gemma2>,
+    /// Qwen3-MoE (`model_type` `qwen3_moe`): the mixture-of-experts MLPs ([`qwen3_moe`]);
+    /// `None`: every MLP is dense.
+    pub moe: Option<MoeConfig>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -283,6 +289,10 @@ impl LlamaConfig {
             Arch::Gemma2 => Some(gemma2::parse(m)?),
             _ => None,
         };
+        let moe = match arch {
+            Arch::Qwen3Moe => Some(qwen3_moe::parse(m)?),
+            _ => None,
+        };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
         let (rope_theta, rope_scaling) = match (&gemma3, m.get("rope_parameters")) {
             (Some((_, theta, scaling)), _) => (*theta, scaling.clone()),
@@ -330,6 +340,7 @@ impl LlamaConfig {
             qk_norm: arch.qk_norm(),
             gemma3: gemma3.map(|g| g.0),
             gemma2,
+            moe,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -371,6 +382,7 @@ impl LlamaConfig {
             qk_norm: false,
             gemma3: None,
             gemma2: None,
+            moe: None,
         }
     }
 
@@ -396,6 +408,9 @@ impl LlamaConfig {
         }
         if self.gemma2.is_some() {
             return Arch::Gemma2;
+        }
+        if self.moe.is_some() {
+            return Arch::Qwen3Moe;
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
@@ -455,7 +470,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Gemma3 | Arch::Gemma2) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Gemma2) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
@@ -487,6 +502,16 @@ impl LlamaConfig {
                 )
             }
             gemma2::validate(g)?;
+        }
+        if let Some(m) = &self.moe {
+            if !self.qk_norm || self.qkv_bias || self.is_gemma() {
+                bail!(
+                    "LlamaConfig: a mixture of experts is a Qwen3-MoE model: q, k head norms, no q, k, v biases, no Gemma (qk_norm {}, qkv_bias {})",
+                    self.qk_norm,
+                    self.qkv_bias
+                )
+            }
+            qwen3_moe::validate(m, self.num_hidden_layers)?;
         }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
         // from the first step, with no error)
@@ -624,7 +649,10 @@ impl LlamaConfig {
             if let Some(g) = &self.gemma2 {
                 gemma2::write(m, self, g);
             }
-            if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3) {
+            if let Some(moe) = &self.moe {
+                qwen3_moe::write(m, moe);
+            }
+            if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias
                 // (attention_bias false); the window on every layer
                 if self.arch() == Arch::Qwen2 {

@@ -152,15 +152,18 @@ impl Block {
             }
         };
         let x = (x + branch(0, self.o.forward(a)?)?)?;
-        let gu = self.gate_up.forward_parts(&self.post_norm.forward(&x)?)?;
-        let [g, u] = gu.as_slice() else {
-            bail!(
-                "generate: fused gate/up gave {} parts for x {:?}",
-                gu.len(),
-                x.dims()
-            )
+        let xn = self.post_norm.forward(&x)?;
+        let y = match &self.mlp {
+            crate::model::Mlp::Dense { gate_up, down } => {
+                let gu = gate_up.forward_parts(&xn)?;
+                let [g, u] = gu.as_slice() else {
+                    bail!("generate: fused gate/up gave {} parts for x {:?}", gu.len(), x.dims())
+                };
+                down.forward(&self.act.gated_plain(g, u)?)?
+            }
+            crate::model::Mlp::Sparse(moe) => moe.forward(&xn)?,
         };
-        x + branch(1, self.down.forward(&self.act.gated_plain(g, u)?)?)?
+        x + branch(1, y)?
     }
 }
 

@@ -8,7 +8,7 @@
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
-use crate::params::{param_specs, varmap_tensors};
+use crate::params::{checkpoint_tensors, param_specs, varmap_tensors, ParamSpec};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 use std::collections::{BTreeMap, HashMap};
@@ -109,13 +109,36 @@ impl TextPrefix {
     }
 }
 
+/// The full tensor of parameter `spec` from the checkpoint, whose tensor `name` `get(name)`
+/// returns (`None`: absent): the tensor of that name, or a stacked expert tensor `[E, ·, ·]`
+/// from its `E` experts' tensors ([`checkpoint_tensors`]). Errors name a missing or mis-shaped
+/// tensor.
+fn param_from_checkpoint(dir: &Path, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+    let mut parts = Vec::new();
+    for (name, expert) in checkpoint_tensors(spec) {
+        let name = prefix.checkpoint_name(&name);
+        let want = if expert.is_some() { &spec.shape[1..] } else { spec.shape.as_slice() };
+        let Some(t) = get(&name)? else {
+            bail!("{}: checkpoint has no tensor {name} (expected {want:?})", dir.display())
+        };
+        if t.dims() != want {
+            bail!("{}: tensor {name} has shape {:?}, config implies {want:?}", dir.display(), t.dims())
+        }
+        if expert.is_none() {
+            return Ok(t);
+        }
+        parts.push(t);
+    }
+    Tensor::stack(&parts, 0)
+}
+
 /// Refuse checkpoint tensors the model of `cfg` would not read (a bias of a config that
 /// names none, Qwen3's q/k norms, ...): loading without them would run a different model,
 /// silently. Not refused: `lm_head.weight` of a tied model (some exporters write it),
 /// RoPE's `*.rotary_emb.inv_freq` buffers (computed from the config), and a multimodal Gemma
 /// 3's vision tower and projector ([`TextPrefix`]).
 fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
-    let used: std::collections::HashSet<String> = param_specs(cfg).into_iter().map(|s| s.name).collect();
+    let used: std::collections::HashSet<String> = param_specs(cfg).iter().flat_map(checkpoint_tensors).map(|(n, _)| n).collect();
     let mut unused: Vec<&str> = names
         .filter(|n| match prefix.param_name(n) {
             None => false,
@@ -160,14 +183,10 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
     refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        let name = prefix.checkpoint_name(&spec.name);
-        let view = st.get(&name).map_err(|_| {
-            candle_core::Error::Msg(format!("{}: checkpoint has no tensor {name} (expected {:?})", dir.display(), spec.shape))
-        })?;
-        if view.shape() != spec.shape.as_slice() {
-            bail!("{}: tensor {name} has shape {:?}, config implies {:?}", dir.display(), view.shape(), spec.shape)
-        }
-        st.load(&name, &Device::Cpu)
+        param_from_checkpoint(dir, spec, prefix, |name| match st.get(name) {
+            Err(_) => Ok(None),
+            Ok(_) => st.load(name, &Device::Cpu).map(Some),
+        })
     })?;
     Ok((vm, cfg))
 }
@@ -187,23 +206,7 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
     {
         let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
-            let Some(t) = tensors.get(&prefix.checkpoint_name(&s.name)) else {
-                bail!(
-                    "{}: checkpoint has no tensor {} (expected {:?})",
-                    dir.display(),
-                    prefix.checkpoint_name(&s.name),
-                    s.shape
-                )
-            };
-            if t.dims() != s.shape.as_slice() {
-                bail!(
-                    "{}: tensor {} has shape {:?}, config implies {:?}",
-                    dir.display(),
-                    s.name,
-                    t.dims(),
-                    s.shape
-                )
-            }
+            let t = param_from_checkpoint(dir, &s, prefix, |name| Ok(tensors.get(name).cloned()))?;
             data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
         }
     }
@@ -328,7 +331,12 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
                 s.shape
             )
         }
-        named.push((s.name.clone(), t.clone()));
+        for (name, expert) in checkpoint_tensors(&s) {
+            named.push((name, match expert {
+                Some(e) => t.get(e)?,
+                None => t.clone(),
+            }));
+        }
     }
     save_hf_tensors(dir, &named, cfg)
 }
@@ -426,16 +434,43 @@ pub fn save_hf_sharded(
     write: bool,
 ) -> Result<()> {
     let dir = dir.as_ref();
-    let mut specs = param_specs(cfg);
-    specs.sort_by(|a, b| a.name.cmp(&b.name));
+    let specs = param_specs(cfg);
     let mut shards = Vec::with_capacity(specs.len());
     for s in &specs {
         let Some(t) = local.get(&s.name) else { bail!("save_hf_sharded: missing parameter {} {:?}", s.name, s.shape) };
         shards.push(t);
     }
-    let entries: Vec<(String, Vec<usize>, DType)> =
-        specs.iter().zip(&shards).map(|(s, t)| (s.name.clone(), s.shape.clone(), t.dtype())).collect();
-    stream_safetensors(&dir.join("model.safetensors"), &entries, write, |i| specs[i].gather(shards[i], ctx))?;
+    // the checkpoint's tensors by name: (name, parameter, expert of a stacked one)
+    let mut tensors: Vec<(String, usize, Option<usize>)> =
+        specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, i, e))).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let entries: Vec<(String, Vec<usize>, DType)> = tensors
+        .iter()
+        .map(|(n, i, e)| (n.clone(), if e.is_some() { specs[*i].shape[1..].to_vec() } else { specs[*i].shape.clone() }, shards[*i].dtype()))
+        .collect();
+    // a stacked parameter is gathered once and kept until its last expert is written (its
+    // experts' names interleave with the other projections' of the layer)
+    let mut left: Vec<usize> = vec![0; specs.len()];
+    for (_, i, _) in &tensors {
+        left[*i] += 1;
+    }
+    let mut held: HashMap<usize, Tensor> = HashMap::new();
+    stream_safetensors(&dir.join("model.safetensors"), &entries, write, |k| {
+        let (_, i, e) = tensors[k];
+        let full = match held.remove(&i) {
+            Some(t) => t,
+            None => specs[i].gather(shards[i], ctx)?,
+        };
+        left[i] -= 1;
+        let out = match e {
+            Some(e) => full.get(e)?,
+            None => full.clone(),
+        };
+        if left[i] > 0 {
+            held.insert(i, full);
+        }
+        Ok(out)
+    })?;
     if !write {
         return Ok(());
     }

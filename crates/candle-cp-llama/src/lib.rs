@@ -66,6 +66,7 @@ pub mod hf;
 pub mod layout;
 pub mod loss;
 pub mod model;
+mod moe;
 pub mod packed;
 pub mod params;
 pub mod rope;
@@ -73,7 +74,7 @@ pub mod sampling;
 pub mod train;
 pub mod verify;
 
-pub use config::{gemma, gemma2, Arch, Gemma2, Gemma3, LlamaConfig, RopeScaling};
+pub use config::{gemma, gemma2, qwen3_moe, Arch, Gemma2, Gemma3, LlamaConfig, MoeConfig, RopeScaling};
 pub use generate::{Generation, KvCache};
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};

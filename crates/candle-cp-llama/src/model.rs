@@ -17,6 +17,7 @@ use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
 use candle_cp_ops::mappings;
 use crate::layout::IGNORE;
+use crate::moe::{RouterLog, SparseMoe};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
 use candle_nn::{Init, VarBuilder};
@@ -58,9 +59,8 @@ pub(crate) struct Block {
     /// `q_proj`, `k_proj`, `v_proj` fused: one input gather (SP) for the three.
     pub(crate) qkv: ColumnParallelLinear,
     pub(crate) o: RowParallelLinear,
-    /// `gate_proj`, `up_proj` fused: one input gather.
-    pub(crate) gate_up: ColumnParallelLinear,
-    pub(crate) down: RowParallelLinear,
+    /// The MLP: dense, or a mixture of experts (Qwen3-MoE's sparse layers).
+    pub(crate) mlp: Mlp,
     /// Qwen3's q and k head norms: weights `[D]` and epsilon ([`LlamaConfig::qk_norm`]).
     pub(crate) qk_norm: Option<QkNorm>,
     /// The sliding window this layer attends within ([`LlamaConfig::layer_window`]).
@@ -72,6 +72,27 @@ pub(crate) struct Block {
     pub(crate) act: Activation,
     /// Whether the layer rotates by the local RoPE tables ([`LlamaConfig::layer_rope_is_local`]).
     pub(crate) local_rope: bool,
+}
+
+/// A layer's MLP.
+#[derive(Clone)]
+pub(crate) enum Mlp {
+    /// `gate_proj`, `up_proj` fused (one input gather), `down_proj`.
+    Dense { gate_up: ColumnParallelLinear, down: RowParallelLinear },
+    /// A mixture of experts ([`crate::moe`]).
+    Sparse(SparseMoe),
+}
+
+impl Mlp {
+    fn without_sp(&self) -> Mlp {
+        match self {
+            Mlp::Dense { gate_up, down } => Mlp::Dense {
+                gate_up: gate_up.clone().with_sequence_parallel(false),
+                down: down.clone().with_sequence_parallel(false),
+            },
+            Mlp::Sparse(m) => Mlp::Sparse(m.without_sp()),
+        }
+    }
 }
 
 /// RMSNorms over each q and k head (Qwen3), between the projection and RoPE.
@@ -130,8 +151,7 @@ impl Block {
             post_norm: self.post_norm.clone(),
             qkv: self.qkv.clone().with_sequence_parallel(false),
             o: self.o.clone().with_sequence_parallel(false),
-            gate_up: self.gate_up.clone().with_sequence_parallel(false),
-            down: self.down.clone().with_sequence_parallel(false),
+            mlp: self.mlp.without_sp(),
             qk_norm: self.qk_norm.clone(),
             window: self.window,
             sandwich: self.sandwich.clone(),
@@ -180,11 +200,23 @@ impl Block {
             // Gemma 3: x + norm(o(a)), one node keeping o(a) and the statistic
             Some((after_attn, _)) => after_attn.forward_add(x, &self.o.forward_lean(&a)?)?,
         };
-        let gu = self.gate_up.forward_parts_regathered(&self.post_norm.forward(&x)?, &[])?;
-        let m = self.act.gated(&gu[0], &gu[1])?;
-        match &self.sandwich {
-            None => self.down.forward_residual(&m, &x),
-            Some((_, after_mlp)) => after_mlp.forward_add(&x, &self.down.forward_lean(&m)?),
+        let xn = self.post_norm.forward(&x)?;
+        match &self.mlp {
+            Mlp::Dense { gate_up, down } => {
+                let gu = gate_up.forward_parts_regathered(&xn, &[])?;
+                let m = self.act.gated(&gu[0], &gu[1])?;
+                match &self.sandwich {
+                    None => down.forward_residual(&m, &x),
+                    Some((_, after_mlp)) => after_mlp.forward_add(&x, &down.forward_lean(&m)?),
+                }
+            }
+            Mlp::Sparse(moe) => {
+                let y = moe.forward(&xn)?;
+                match &self.sandwich {
+                    None => x + y,
+                    Some((_, after_mlp)) => after_mlp.forward_add(&x, &y),
+                }
+            }
         }
     }
 }
@@ -208,6 +240,8 @@ pub struct Llama {
     pub(crate) lm_head: Tensor,
     /// See [`Llama::set_param_hook`].
     param_hook: Mutex<Option<ParamHook>>,
+    /// The sparse layers' router statistics of the last forward ([`Llama::router_aux_loss`]).
+    pub(crate) router_log: RouterLog,
 }
 
 /// Called by the forward with group `k` ([`crate::param_group`]) before it first uses the
@@ -262,6 +296,7 @@ impl Llama {
             Ok(RmsNorm::from_weight(&w, eps, &tp)?.with_grad_sync(GradSync::Deferred).with_form(form))
         };
         let embed = get("model.embed_tokens.weight")?;
+        let router_log = RouterLog::default();
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
         for i in 0..cfg.num_hidden_layers {
             let vl = vb.pp(format!("model.layers.{i}"));
@@ -272,10 +307,29 @@ impl Llama {
                 (va.pp("k_proj"), kd, kv),
                 (va.pp("v_proj"), kd, kv),
             ];
-            let gate_up = [
-                (vm.pp("gate_proj"), cfg.intermediate_size),
-                (vm.pp("up_proj"), cfg.intermediate_size),
-            ];
+            let mlp = match &cfg.moe {
+                Some(m) if cfg.is_moe_layer(i) => {
+                    let p = |s: &str| format!("model.layers.{i}.mlp.{s}");
+                    Mlp::Sparse(SparseMoe {
+                        router: get(&p("gate.weight"))?,
+                        gate: get(&p("experts.gate_proj"))?,
+                        up: get(&p("experts.up_proj"))?,
+                        down: get(&p("experts.down_proj"))?,
+                        top_k: m.num_experts_per_tok,
+                        norm_topk: m.norm_topk_prob,
+                        tp: tp.clone(),
+                        act: cfg.activation(),
+                        log: router_log.clone(),
+                    })
+                }
+                _ => {
+                    let gate_up = [(vm.pp("gate_proj"), cfg.intermediate_size), (vm.pp("up_proj"), cfg.intermediate_size)];
+                    Mlp::Dense {
+                        gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
+                        down: RowParallelLinear::new(vm.pp("down_proj"), cfg.intermediate_size, h, lin, &tp)?,
+                    }
+                }
+            };
             blocks.push(Arc::new(Block {
                 input_norm: norm(vl.pp("input_layernorm"))?,
                 qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?,
@@ -283,14 +337,7 @@ impl Llama {
                 // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
                 // `post_attention_layernorm` is the one after the attention)
                 post_norm: norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
-                gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
-                down: RowParallelLinear::new(
-                    vm.pp("down_proj"),
-                    cfg.intermediate_size,
-                    h,
-                    lin,
-                    &tp,
-                )?,
+                mlp,
                 qk_norm: match cfg.qk_norm {
                     false => None,
                     // (`norm_init` in a fresh VarMap, as the other norms' weights)
@@ -325,6 +372,7 @@ impl Llama {
             norm,
             lm_head,
             param_hook: Mutex::new(None),
+            router_log,
         })
     }
 
@@ -465,6 +513,7 @@ impl Llama {
         let hook = self.param_hook.lock().unwrap_or_else(|e| e.into_inner()).clone();
         let params_ready = |k: usize| hook.as_ref().map_or(Ok(()), |h| h(k));
         params_ready(0)?;
+        self.router_log.clear();
         let mut x = self.embed_scaled(vocab_parallel_embedding(&ids, &self.embed, cfg.vocab_size, &self.tp_of(self.ctx.layout.seq_parallel()))?)?;
         let env = Arc::new(BlockEnv {
             ctx: self.ctx.clone(),
@@ -643,7 +692,45 @@ impl Llama {
         let logits = self.forward_with(input_ids, positions, docs)?;
         let (terms, n) = local_nll(&logits, labels)?;
         let loss = global_mean(&terms, n, self.ctx.token_group())?;
+        let loss = match self.router_aux_loss()? {
+            Some(aux) => (loss + aux)?,
+            None => loss,
+        };
         Ok((loss, logits))
+    }
+
+    /// Qwen3-MoE's load-balancing term of the last training forward (`output_router_logits`):
+    /// `router_aux_loss_coef · E · Σ_e f_e P_e` over every token of the global batch and every
+    /// sparse layer (see [`crate::moe`]), a scalar f32 equal on every rank; `None` without
+    /// experts or with `output_router_logits: false`. [`Llama::loss`] adds it; add it to a loss
+    /// built from [`Llama::token_nll`] (the trainer does). Collective over the DP × CP ranks
+    /// (every rank calls it after the forward, before the backward). It also hands the
+    /// term's derivative to the sparse layers, whose backward adds it: the returned tensor is
+    /// a constant, so the backward of `loss + aux` is right whether or not `aux` is in it,
+    /// once this has been called.
+    pub fn router_aux_loss(&self) -> Result<Option<Tensor>> {
+        let Some(m) = &self.cfg.moe else { return Ok(None) };
+        if !m.output_router_logits {
+            return Ok(None);
+        }
+        let e = m.num_experts;
+        let (counts, sums, rows) = self.router_log.stats();
+        if counts.len() != e {
+            bail!("Llama::router_aux_loss: no sparse layer logged its router since the last forward started (call it after a forward)")
+        }
+        // TP ranks route the same tokens: sum over the ranks of other tokens, DP × CP
+        let mut v: Vec<f32> = counts.iter().chain(&sums).map(|&x| x as f32).collect();
+        v.push(rows as f32);
+        let dev = self.embed.device();
+        let all: Vec<f32> = self.ctx.dp_cp.all_reduce(&Tensor::from_vec(v, 2 * e + 1, dev)?)?.to_vec1()?;
+        let (c, p, r) = (&all[..e], &all[e..2 * e], all[2 * e] as f64);
+        let coef = m.router_aux_loss_coef;
+        let aux = e as f64 * c.iter().zip(p).map(|(&c, &p)| c as f64 * p as f64).sum::<f64>() / (r * r);
+        // d(coef · aux) / d prob[n, e], shared out over the TP ranks (their sums add up)
+        let tp = self.ctx.layout.tp as f64;
+        let grad: Vec<f32> = c.iter().map(|&c| (coef * e as f64 * c as f64 / (r * r) / tp) as f32).collect();
+        self.router_log.set_grad(Tensor::from_vec(grad, e, dev)?);
+        Ok(Some(Tensor::new((coef * aux) as f32, dev)?))
     }
 }
 

@@ -13,7 +13,15 @@
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
+//! | `mlp.gate.weight` (Qwen3-MoE sparse layers, [`LlamaConfig::is_moe_layer`]) | `[E, h]` | replicated (the router) |
+//! | `mlp.experts.{gate,up}_proj` (sparse layers) | `[E, Ie, h]`    | dim 1 (each expert's rows, [`Shard::Dim`]) |
+//! | `mlp.experts.down_proj` (sparse layers)     | `[E, h, Ie]`     | dim 2 (each expert's columns) |
 //! | `lm_head.weight` (absent when tied)         | `[V, h]`         | rows (vocabulary), as the embedding |
+//!
+//! A sparse layer's experts are stacked: one `[E, ·, ·]` tensor per projection (the layout of
+//! transformers 5's fused experts), which the experts' grouped matmul reads without a copy.
+//! Checkpoints hold them per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`):
+//! [`crate::hf`] splits and stacks them at the boundary ([`checkpoint_tensors`]).
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
@@ -109,15 +117,41 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
             add(p("post_feedforward_layernorm.weight"), vec![h], norm);
         }
-        add(p("mlp.gate_proj.weight"), vec![i, h], col);
-        add(p("mlp.up_proj.weight"), vec![i, h], col);
-        add(p("mlp.down_proj.weight"), vec![h, i], row);
+        match &cfg.moe {
+            Some(m) if cfg.is_moe_layer(l) => {
+                let (e, ie) = (m.num_experts, m.moe_intermediate_size);
+                add(p("mlp.gate.weight"), vec![e, h], norm);
+                add(p("mlp.experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
+                add(p("mlp.experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
+                add(p("mlp.experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
+            }
+            _ => {
+                add(p("mlp.gate_proj.weight"), vec![i, h], col);
+                add(p("mlp.up_proj.weight"), vec![i, h], col);
+                add(p("mlp.down_proj.weight"), vec![h, i], row);
+            }
+        }
     }
     add("model.norm.weight".into(), vec![h], norm);
     if !cfg.tie_word_embeddings {
         add("lm_head.weight".into(), vec![v, h], vocab);
     }
     out
+}
+
+/// The checkpoint tensors of parameter `spec`: `(name, index)` pairs, `index` the expert of a
+/// stacked expert tensor (`mlp.experts.{gate,up,down}_proj` `[E, ·, ·]` is held in a checkpoint
+/// as `mlp.experts.{e}.{gate,up,down}_proj.weight`, `e` in `0..E`), `None` for a parameter
+/// held whole under its own name.
+pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
+    for proj in ["gate_proj", "up_proj", "down_proj"] {
+        let suffix = format!("mlp.experts.{proj}");
+        if let Some(prefix) = spec.name.strip_suffix(&suffix) {
+            let e = spec.shape.first().copied().unwrap_or(0);
+            return (0..e).map(|i| (format!("{prefix}mlp.experts.{i}.{proj}.weight"), Some(i))).collect();
+        }
+    }
+    vec![(spec.name.clone(), None)]
 }
 
 /// The forward-order group of parameter `name` of a model with `layers` decoder layers, for

@@ -53,6 +53,10 @@ pub enum Shard {
     /// embedding and LM head; Megatron pads the vocabulary likewise). [`Shard::Rows`] when `P`
     /// divides `n`; [`Shard::Replicated`] when `n < P`.
     RowsPadded(usize),
+    /// Split along dim `d`: rank `r` holds `[r·n/P, (r+1)·n/P)` of it (the stacked expert
+    /// weights of a mixture of experts, `[E, I/P, h]` and `[E, h, I/P]`).
+    /// [`Shard::Rows`] for `d = 0`, [`Shard::Cols`] for `d = 1`.
+    Dim(usize),
 }
 
 /// `⌈n/p⌉`: the rows each of `p` ranks holds of a [`Shard::RowsPadded`]`(n)` tensor.
@@ -67,6 +71,7 @@ impl Shard {
             Shard::Replicated => None,
             Shard::Rows | Shard::RowBlocks(_) | Shard::RowsPadded(_) => Some(0),
             Shard::Cols => Some(1),
+            Shard::Dim(d) => Some(*d),
         }
     }
 
@@ -79,6 +84,8 @@ impl Shard {
             Shard::RowsPadded(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
             Shard::RowsPadded(n) if n < size => Shard::Replicated,
             Shard::RowBlocks(n) if size > 0 && n.is_multiple_of(size) => Shard::Rows,
+            Shard::Dim(0) => Shard::Rows,
+            Shard::Dim(1) => Shard::Cols,
             s => s,
         }
     }
@@ -234,6 +241,17 @@ mod tests {
         assert!(e.contains("[4, 6]") && e.contains("TP size 3"), "{e}");
         assert!(Shard::Cols.slice(&Tensor::zeros(4, candle_core::DType::F32, &Device::Cpu)?, 2, 0).is_err());
         assert!(Shard::Rows.slice(&full, 2, 2).is_err());
+        // along dim 2 of a stack of matrices (expert weights [E, h, I])
+        let e3 = Tensor::arange(0f32, 48., &Device::Cpu)?.reshape((2, 4, 6))?;
+        assert_eq!(Shard::Dim(2).local_shape(e3.dims(), 3)?.dims(), [2, 4, 2]);
+        let s = Shard::Dim(2).slice(&e3, 3, 1)?;
+        assert_eq!(s.to_vec3::<f32>()?, e3.narrow(2, 2, 2)?.to_vec3::<f32>()?);
+        let parts: Vec<Tensor> = (0..3).map(|r| Shard::Dim(2).slice(&e3, 3, r)).collect::<Result<_>>()?;
+        assert_eq!(Shard::Dim(2).assemble(&parts)?.to_vec3::<f32>()?, e3.to_vec3::<f32>()?);
+        assert_eq!((Shard::Dim(0).resolve(2), Shard::Dim(1).resolve(2), Shard::Dim(2).copies(2)), (Shard::Rows, Shard::Cols, 1));
+        let e = Shard::Dim(2).local_shape(e3.dims(), 4).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[2, 4, 6]") && e.contains("dim 2"), "{e}");
+        assert!(Shard::Dim(3).local_shape(e3.dims(), 2).is_err());
         Ok(())
     }
 

@@ -9,6 +9,7 @@
 //! - [`mappings`]: Megatron tensor/sequence-parallel conjugate collectives.
 //! - [`autograd`]: attach a hand-written backward to a precomputed tensor.
 //! - [`oracle`]: load reference attention cases (safetensors) and compare results to them.
+//! - [`moe`]: mixture of experts — the experts' grouped matmul, top-k routing.
 //! - [`recompute`]: activation recomputation of a block (keep its input, rerun it in backward).
 
 #![warn(missing_docs)]
@@ -17,6 +18,7 @@ pub mod attention;
 pub mod autograd;
 pub mod cp;
 pub mod mappings;
+pub mod moe;
 pub mod oracle;
 pub mod packing;
 pub mod recompute;

@@ -1,0 +1,184 @@
+//! The mixture-of-experts MLP of a Qwen3-MoE sparse layer ([`crate::config::qwen3_moe`]), on
+//! the TP group, with or without sequence parallelism, and its load-balancing loss.
+//!
+//! ```text
+//!  x [B, Ts, h] ─gather (SP) / copy (TP)─► xf [B, Tc, h] ─► router logits x·Wrᵀ [N, E]
+//!     probs = softmax (f32) ─► top K per token (host) ─► pairs grouped by expert
+//!     xs = xf rows of the pairs [N·K, h] ─► grouped matmuls: act(xs·Wgᵀ)·(xs·Wuᵀ) ·Wdᵀ
+//!     y = Σ_k w_k · (its expert's row)  [B, Tc, h] ─reduce-scatter (SP) / all-reduce (TP)─►
+//! ```
+//!
+//! Each TP rank holds every expert's `Ie/tp` slice (`[E, Ie/tp, h]`, `[E, h, Ie/tp]`: expert
+//! tensor parallelism), routes the whole region the same way (the router is replicated) and
+//! sums partial outputs as the dense MLP does. Context parallelism needs nothing more: each
+//! CP rank routes its own tokens. The router's gradient is partial on each TP rank (it
+//! weights partial expert outputs): summed over TP in the graph without SP (as the q, k
+//! norms), by [`crate::reduce_gradients`] with SP.
+//!
+//! The load-balancing loss (transformers' `load_balancing_loss_func`, with
+//! `output_router_logits`) is `E · Σ_e f_e · P_e` over every token of the global batch and
+//! every sparse layer (`f_e` the fraction of (token, slot) choices of expert `e` per token,
+//! `P_e` the mean probability of `e`). Its statistics are global (summed over the DP × CP
+//! ranks), so it cannot be one rank's graph: the layers log their counts and probability
+//! sums ([`RouterLog`]), [`crate::Llama::router_aux_loss`] sums them over the ranks and sets
+//! the loss's derivative w.r.t. each probability (`coef · E · C_e / R²`, the same for every
+//! token), which the layers' probabilities add to their gradient in the backward (a
+//! recomputed layer too).
+
+use crate::fused::Activation;
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_nn::Tp;
+use candle_cp_ops::autograd::{attach1, BackwardFn};
+use candle_cp_ops::mappings::{self, SEQ_DIM};
+use candle_cp_ops::moe::{grouped_matmul, Routing};
+use std::sync::{Arc, Mutex};
+
+/// The router statistics of one forward, over its sparse layers, and the load-balancing
+/// loss's derivative for the backward. Shared by a model's sparse layers.
+#[derive(Clone, Default)]
+pub(crate) struct RouterLog(Arc<Mutex<LogState>>);
+
+#[derive(Default)]
+struct LogState {
+    /// `Σ` over layers of each expert's (token, slot) choices.
+    counts: Vec<f64>,
+    /// `Σ` over layers and tokens of each expert's probability.
+    prob_sums: Vec<f64>,
+    /// Router rows `Σ_layers N` (each sparse layer's tokens).
+    rows: usize,
+    /// `d loss / d prob[n, e]` for every token and layer (`[E]`), once the loss is known.
+    grad: Option<Tensor>,
+}
+
+impl RouterLog {
+    fn lock(&self) -> std::sync::MutexGuard<'_, LogState> {
+        self.0.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Forget the last forward (statistics and derivative): called as a forward starts.
+    pub(crate) fn clear(&self) {
+        *self.lock() = LogState::default();
+    }
+
+    fn record(&self, counts: &[usize], prob_sums: &[f32], rows: usize) {
+        let mut s = self.lock();
+        if s.counts.len() != counts.len() {
+            s.counts = vec![0.0; counts.len()];
+            s.prob_sums = vec![0.0; counts.len()];
+        }
+        for (a, &c) in s.counts.iter_mut().zip(counts) {
+            *a += c as f64;
+        }
+        for (a, &p) in s.prob_sums.iter_mut().zip(prob_sums) {
+            *a += p as f64;
+        }
+        s.rows += rows;
+    }
+
+    /// `(counts, probability sums, rows)` logged since the forward started.
+    pub(crate) fn stats(&self) -> (Vec<f64>, Vec<f64>, usize) {
+        let s = self.lock();
+        (s.counts.clone(), s.prob_sums.clone(), s.rows)
+    }
+
+    /// Set the derivative `[E]` (f32) the probabilities add to their gradient.
+    pub(crate) fn set_grad(&self, g: Tensor) {
+        self.lock().grad = Some(g);
+    }
+
+    fn grad(&self) -> Option<Tensor> {
+        self.lock().grad.clone()
+    }
+}
+
+/// A sparse layer's MLP (see the module doc): this TP rank's slices of the experts.
+#[derive(Clone)]
+pub(crate) struct SparseMoe {
+    /// `[E, h]`, replicated.
+    pub(crate) router: Tensor,
+    /// `[E, Ie/tp, h]`.
+    pub(crate) gate: Tensor,
+    /// `[E, Ie/tp, h]`.
+    pub(crate) up: Tensor,
+    /// `[E, h, Ie/tp]`.
+    pub(crate) down: Tensor,
+    pub(crate) top_k: usize,
+    pub(crate) norm_topk: bool,
+    pub(crate) tp: Tp,
+    pub(crate) act: Activation,
+    pub(crate) log: RouterLog,
+}
+
+impl SparseMoe {
+    /// The same layer with sequence parallelism off (generation).
+    pub(crate) fn without_sp(&self) -> SparseMoe {
+        SparseMoe { tp: Tp::new(self.tp.group.clone(), false), ..self.clone() }
+    }
+
+    /// `x` `[B, Ts, h]` (the post-attention norm's output; the sequence shard under SP) →
+    /// the MLP's output, same shape (no residual).
+    pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {
+        let g = &self.tp.group;
+        let p = g.size();
+        let sp = self.tp.sequence_parallel && p > 1;
+        let xf = if sp {
+            mappings::gather_from_sp_region(x, g, SEQ_DIM)?
+        } else if p > 1 {
+            mappings::copy_to_tp_region(x, g)?
+        } else {
+            x.clone()
+        };
+        let (b, t, h) = xf.dims3()?;
+        let (e, hr) = self.router.dims2()?;
+        if hr != h {
+            bail!("SparseMoe: input {:?} does not match the router {:?} ([E, h])", x.dims(), self.router.dims())
+        }
+        let n = b * t;
+        let x2 = xf.reshape((n, h))?;
+        // without SP the router's TP shares are summed here (with SP: reduce_gradients)
+        let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
+        let logits = x2.matmul(&router.t()?)?;
+        let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        let routing = Routing::top_k(&probs, self.top_k)?;
+        let sums: Vec<f32> = probs.detach().sum(0)?.to_vec1()?;
+        self.log.record(&routing.counts, &sums, n);
+        let probs = with_aux_grad(&probs, &self.log)?;
+        let dev = x.device();
+        let k = self.top_k;
+        let chosen = Tensor::from_vec(routing.experts.clone(), (n, k), dev)?;
+        let mut w = probs.gather(&chosen, 1)?;
+        if self.norm_topk {
+            w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        let w = w.to_dtype(x.dtype())?;
+        let rows = Tensor::from_vec(routing.sorted_tokens(), n * k, dev)?;
+        let xs = x2.index_select(&rows, 0)?;
+        let gate = grouped_matmul(&xs, &self.gate, &routing.counts)?;
+        let up = grouped_matmul(&xs, &self.up, &routing.counts)?;
+        let ys = grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, &routing.counts)?;
+        // back to (token, slot) order, weighted, summed over the slots
+        let back = Tensor::from_vec(routing.inverse.clone(), n * k, dev)?;
+        let y = ys.index_select(&back, 0)?.reshape((n, k, h))?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.reshape((b, t, h))?;
+        if sp {
+            mappings::reduce_scatter_to_sp_region(&y, g, SEQ_DIM)
+        } else if p > 1 {
+            mappings::reduce_from_tp_region(&y, g)
+        } else {
+            Ok(y)
+        }
+        .and_then(|y| if y.dims() == x.dims() { Ok(y) } else { bail!("SparseMoe: output {:?} for input {:?} (E = {e})", y.dims(), x.dims()) })
+    }
+}
+
+/// `probs` `[N, E]` as they are, whose gradient gains the load-balancing loss's derivative
+/// `[E]` (broadcast over the tokens) when the log has one at backward time.
+fn with_aux_grad(probs: &Tensor, log: &RouterLog) -> Result<Tensor> {
+    let log = log.clone();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        Ok(vec![Some(match log.grad() {
+            Some(g) => dy.broadcast_add(&g.to_device(dy.device())?.to_dtype(dy.dtype())?.unsqueeze(0)?)?,
+            None => dy.clone(),
+        })])
+    });
+    attach1("router_aux_grad", probs, probs.detach(), bwd)
+}

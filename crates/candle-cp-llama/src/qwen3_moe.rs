@@ -1,0 +1,227 @@
+//! Qwen3-MoE (`model_type` `qwen3_moe`, `Qwen3MoeForCausalLM`): a Qwen3 (q, k head norms)
+//! whose MLPs are mixtures of experts ([`MoeConfig`], [`super::LlamaConfig::moe`]).
+//!
+//! A sparse layer's MLP routes each token to `K = num_experts_per_tok` of `E = num_experts`
+//! SwiGLU experts of width `moe_intermediate_size`: router probabilities `softmax(x·Wrᵀ)`
+//! (in f32), the top `K` (renormalised to sum 1 when `norm_topk_prob`), the output the
+//! probability-weighted sum of the chosen experts' outputs ([`crate::moe`]). Layer `i` is sparse
+//! unless it is in `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0`; the others are
+//! dense MLPs of width `intermediate_size`.
+//!
+//! With `output_router_logits: true` the training loss adds `router_aux_loss_coef` times the
+//! load-balancing loss of transformers' `load_balancing_loss_func` over every token of the
+//! global batch and every sparse layer ([`crate::Llama::loss`]).
+
+use super::{get_f64, get_usize, LlamaConfig};
+use candle_core::{bail, Result};
+use serde_json::{json, Map, Value};
+
+/// The mixture-of-experts keys of a Qwen3-MoE config (see the module doc).
+#[derive(Clone, Debug, PartialEq)]
+pub struct MoeConfig {
+    /// Experts per sparse layer `E` (`num_experts`, default 128).
+    pub num_experts: usize,
+    /// Experts per token `K` (`num_experts_per_tok`, default 8).
+    pub num_experts_per_tok: usize,
+    /// Each expert's MLP width (`moe_intermediate_size`, default 768).
+    pub moe_intermediate_size: usize,
+    /// Renormalise the top-`K` probabilities to sum 1 (`norm_topk_prob`, default false).
+    pub norm_topk_prob: bool,
+    /// Every `decoder_sparse_step`-th layer is sparse (default 1: all).
+    pub decoder_sparse_step: usize,
+    /// Layers with a dense MLP whatever the step (`mlp_only_layers`, default none).
+    pub mlp_only_layers: Vec<usize>,
+    /// Weight of the load-balancing loss (`router_aux_loss_coef`, default 0.001).
+    pub router_aux_loss_coef: f64,
+    /// Whether the training loss includes the load-balancing loss (`output_router_logits`,
+    /// default false, as in transformers).
+    pub output_router_logits: bool,
+}
+
+impl MoeConfig {
+    /// `E` experts, `K` per token, each `width` wide; the other keys at transformers'
+    /// defaults (every layer sparse, no renormalisation, no load-balancing loss).
+    pub fn new(num_experts: usize, top_k: usize, width: usize) -> Self {
+        Self {
+            num_experts,
+            num_experts_per_tok: top_k,
+            moe_intermediate_size: width,
+            norm_topk_prob: false,
+            decoder_sparse_step: 1,
+            mlp_only_layers: vec![],
+            router_aux_loss_coef: 0.001,
+            output_router_logits: false,
+        }
+    }
+}
+
+/// The Qwen3-MoE keys of a `qwen3_moe` config, defaults filled as `Qwen3MoeConfig` does.
+pub(super) fn parse(m: &Map<String, Value>) -> Result<MoeConfig> {
+    let mut c = MoeConfig::new(128, 8, 768);
+    for (k, slot) in [
+        ("num_experts", &mut c.num_experts),
+        ("num_experts_per_tok", &mut c.num_experts_per_tok),
+        ("moe_intermediate_size", &mut c.moe_intermediate_size),
+        ("decoder_sparse_step", &mut c.decoder_sparse_step),
+    ] {
+        if let Some(v) = get_usize(m, k)? {
+            *slot = v;
+        }
+    }
+    for (k, slot) in [("norm_topk_prob", &mut c.norm_topk_prob), ("output_router_logits", &mut c.output_router_logits)] {
+        match m.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(b)) => *slot = *b,
+            Some(v) => bail!("config.json: `{k}` must be true or false, got {v}"),
+        }
+    }
+    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
+        c.router_aux_loss_coef = x;
+    }
+    match m.get("mlp_only_layers") {
+        None | Some(Value::Null) => {}
+        Some(Value::Array(a)) => {
+            for v in a {
+                match v.as_u64() {
+                    Some(i) => c.mlp_only_layers.push(i as usize),
+                    None => bail!("config.json: `mlp_only_layers` entries must be layer indices, got {v}"),
+                }
+            }
+        }
+        Some(v) => bail!("config.json: `mlp_only_layers` must be a list of layer indices, got {v}"),
+    }
+    if m.get("shared_expert_intermediate_size").and_then(|v| v.as_u64()).is_some_and(|s| s > 0) {
+        bail!("config.json: `shared_expert_intermediate_size` (a shared expert, Qwen2-MoE) not supported")
+    }
+    Ok(c)
+}
+
+/// Errors for numbers that give no model (`1 <= K <= E`, widths > 0, step >= 1, layers that
+/// exist, a finite coefficient >= 0).
+pub(super) fn validate(c: &MoeConfig, layers: usize) -> Result<()> {
+    if c.num_experts == 0 || c.num_experts_per_tok == 0 || c.num_experts_per_tok > c.num_experts {
+        bail!(
+            "LlamaConfig: a mixture of experts needs 1 <= num_experts_per_tok ({}) <= num_experts ({})",
+            c.num_experts_per_tok,
+            c.num_experts
+        )
+    }
+    if c.moe_intermediate_size == 0 || c.decoder_sparse_step == 0 {
+        bail!(
+            "LlamaConfig: moe_intermediate_size ({}) and decoder_sparse_step ({}) must be > 0",
+            c.moe_intermediate_size,
+            c.decoder_sparse_step
+        )
+    }
+    if let Some(i) = c.mlp_only_layers.iter().find(|&&i| i >= layers) {
+        bail!("LlamaConfig: mlp_only_layers names layer {i} of a model with {layers} layers")
+    }
+    if !(c.router_aux_loss_coef.is_finite() && c.router_aux_loss_coef >= 0.0) {
+        bail!("LlamaConfig: router_aux_loss_coef must be finite and >= 0, got {}", c.router_aux_loss_coef)
+    }
+    Ok(())
+}
+
+/// The Qwen3-MoE keys `to_hf_json` adds to a Qwen3 config.
+pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
+    m.insert("num_experts".into(), json!(c.num_experts));
+    m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
+    m.insert("moe_intermediate_size".into(), json!(c.moe_intermediate_size));
+    m.insert("norm_topk_prob".into(), json!(c.norm_topk_prob));
+    m.insert("decoder_sparse_step".into(), json!(c.decoder_sparse_step));
+    m.insert("mlp_only_layers".into(), json!(c.mlp_only_layers));
+    m.insert("router_aux_loss_coef".into(), json!(c.router_aux_loss_coef));
+    m.insert("output_router_logits".into(), json!(c.output_router_logits));
+}
+
+impl LlamaConfig {
+    /// The same config as a Qwen3-MoE model with `moe` (q, k head norms on; see
+    /// [`LlamaConfig::moe`]), or without experts (`None`).
+    pub fn with_moe(mut self, moe: Option<MoeConfig>) -> Self {
+        if moe.is_some() {
+            self.qk_norm = true;
+        }
+        self.moe = moe;
+        self
+    }
+
+    /// Whether layer `layer`'s MLP is a mixture of experts (see the module doc).
+    pub fn is_moe_layer(&self, layer: usize) -> bool {
+        match &self.moe {
+            None => false,
+            Some(c) => !c.mlp_only_layers.contains(&layer) && (layer + 1).is_multiple_of(c.decoder_sparse_step.max(1)),
+        }
+    }
+
+    /// The sparse layers' count.
+    pub fn moe_layers(&self) -> usize {
+        (0..self.num_hidden_layers).filter(|&i| self.is_moe_layer(i)).count()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::Arch;
+
+    /// Qwen/Qwen3-30B-A3B's config.json as published.
+    pub(crate) const QWEN3_30B_A3B: &str = r#"{
+      "architectures": ["Qwen3MoeForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+      "bos_token_id": 151643, "decoder_sparse_step": 1, "eos_token_id": 151645, "head_dim": 128,
+      "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02,
+      "intermediate_size": 6144, "max_position_embeddings": 40960, "max_window_layers": 48,
+      "mlp_only_layers": [], "model_type": "qwen3_moe", "moe_intermediate_size": 768,
+      "norm_topk_prob": true, "num_attention_heads": 32, "num_experts": 128,
+      "num_experts_per_tok": 8, "num_hidden_layers": 48, "num_key_value_heads": 4,
+      "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_scaling": null,
+      "rope_theta": 1000000.0, "router_aux_loss_coef": 0.001, "sliding_window": null,
+      "tie_word_embeddings": false, "torch_dtype": "bfloat16", "transformers_version": "4.51.0",
+      "use_cache": true, "use_sliding_window": false, "vocab_size": 151936
+    }"#;
+
+    #[test]
+    fn published_config_reads_and_round_trips() -> Result<()> {
+        let c = LlamaConfig::from_json(QWEN3_30B_A3B)?;
+        assert_eq!(c.arch(), Arch::Qwen3Moe);
+        assert!(c.qk_norm && !c.qkv_bias);
+        let m = c.moe.clone().expect("moe");
+        assert_eq!((m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob), (128, 8, 768, true));
+        assert_eq!((c.moe_layers(), c.intermediate_size, c.sliding_window), (48, 6144, None));
+        let text = c.to_hf_json("bfloat16");
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("qwen3_moe"), Some("Qwen3MoeForCausalLM")));
+        assert_eq!((v["num_experts"].as_u64(), v["norm_topk_prob"].as_bool()), (Some(128), Some(true)));
+        assert_eq!(LlamaConfig::from_json(&text)?, c);
+        Ok(())
+    }
+
+    #[test]
+    fn sparse_layers_defaults_and_refusals() -> Result<()> {
+        let base = QWEN3_30B_A3B.replace(r#""num_hidden_layers": 48"#, r#""num_hidden_layers": 6"#);
+        let c = LlamaConfig::from_json(&base.replace(r#""decoder_sparse_step": 1"#, r#""decoder_sparse_step": 2"#).replace(r#""mlp_only_layers": []"#, r#""mlp_only_layers": [3]"#))?;
+        let sparse: Vec<usize> = (0..6).filter(|&i| c.is_moe_layer(i)).collect();
+        assert_eq!(sparse, vec![1, 5]);
+        // absent keys: Qwen3MoeConfig's defaults
+        let c = LlamaConfig::from_json(r#"{"model_type": "qwen3_moe", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48,
+            "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2}"#)?;
+        assert_eq!(c.moe, Some(MoeConfig::new(128, 8, 768)));
+        let err = |text: &str| LlamaConfig::from_json(text).err().map(|e| e.to_string()).unwrap_or_default();
+        for (text, want) in [
+            (base.replace(r#""num_experts_per_tok": 8"#, r#""num_experts_per_tok": 129"#), "num_experts_per_tok (129) <= num_experts (128)"),
+            (base.replace(r#""mlp_only_layers": []"#, r#""mlp_only_layers": [6]"#), "layer 6 of a model with 6 layers"),
+            (base.replace(r#""decoder_sparse_step": 1"#, r#""decoder_sparse_step": 0"#), "decoder_sparse_step (0)"),
+            (base.replace(r#""norm_topk_prob": true"#, r#""norm_topk_prob": 1"#), "`norm_topk_prob` must be true or false"),
+            (base.replace(r#""router_aux_loss_coef": 0.001"#, r#""router_aux_loss_coef": -1"#), "router_aux_loss_coef must be finite"),
+            (base.replace(r#""decoder_sparse_step": 1"#, r#""decoder_sparse_step": 1, "shared_expert_intermediate_size": 512"#), "shared expert"),
+        ] {
+            let e = err(&text);
+            assert!(e.contains(want), "{want}: {e:?}");
+        }
+        // a mixture of experts is Qwen3-MoE: q, k norms, no biases, no Gemma
+        let mut c = LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(MoeConfig::new(4, 2, 16)));
+        assert!(c.validate().is_ok() && c.arch() == Arch::Qwen3Moe);
+        c.qkv_bias = true;
+        assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("Qwen3-MoE"));
+        Ok(())
+    }
+}

@@ -1,0 +1,255 @@
+//! Mixture-of-experts primitives: the grouped matrix product of the experts, and the routing
+//! of tokens to them.
+//!
+//! A mixture-of-experts layer sends each of `N` tokens to `K` of `E` experts. Sorting the
+//! `N·K` (token, slot) pairs by expert makes each expert's rows one contiguous block, and the
+//! experts' products one **grouped matmul** over a stack of weights `[E, out, in]`:
+//!
+//! ```text
+//!   x [M = N·K, in], rows by expert        w [E, out, in]
+//!   ┌ rows of expert 0 (counts[0]) ┐  ·  w[0]ᵀ  ┐
+//!   │ rows of expert 1 (counts[1]) │  ·  w[1]ᵀ  ├─►  y [M, out]
+//!   └ ...                          ┘  ·  ...    ┘
+//! ```
+//!
+//! [`grouped_matmul`] is one graph node: its backward computes `dx` block by block and `dW`
+//! expert by expert, without the zero-padded full-size gradients that `narrow` per expert
+//! would give candle's backward (one `[M, in]` tensor per expert). [`grouped_matmul_slow`] is
+//! the same product from candle's ops, the reference of the tests.
+//!
+//! [`Routing`] is the host side: each token's top `K` experts from its router probabilities,
+//! the permutation that groups the pairs by expert and its inverse.
+
+use crate::autograd::{attach2, BackwardFn};
+use candle_core::{bail, DType, Result, Tensor};
+use std::sync::Arc;
+
+fn check(op: &str, x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<(usize, usize, usize)> {
+    let (m, i) = match x.dims() {
+        &[m, i] => (m, i),
+        d => bail!("{op}: x must be [M, in], got shape {d:?}"),
+    };
+    let (e, o, wi) = match w.dims() {
+        &[e, o, wi] => (e, o, wi),
+        d => bail!("{op}: w must be [E, out, in], got shape {d:?}"),
+    };
+    if wi != i {
+        bail!("{op}: x {:?} and w {:?} ([E, out, in]) disagree on in", x.dims(), w.dims())
+    }
+    if counts.len() != e {
+        bail!("{op}: {} row counts for w {:?} with E = {e} experts", counts.len(), w.dims())
+    }
+    if counts.iter().sum::<usize>() != m {
+        bail!("{op}: row counts {counts:?} sum to {}, x {:?} has M = {m} rows", counts.iter().sum::<usize>(), x.dims())
+    }
+    if x.dtype() != w.dtype() || !x.device().same_device(w.device()) {
+        bail!("{op}: x {:?} {:?} and w {:?} {:?} differ in dtype or device", x.dims(), x.dtype(), w.dims(), w.dtype())
+    }
+    Ok((e, o, i))
+}
+
+/// `x [M, in]` times each expert's weight: rows `[o_e, o_e + counts[e])` (`o_e` the sum of
+/// the counts before `e`) by `w[e]ᵀ`, `w` `[E, out, in]` → `[M, out]`.
+///
+/// One graph node, differentiable w.r.t. `x` and `w` (an expert without rows gets a zero
+/// gradient). Errors name the shapes: `x` not 2-D, `w` not 3-D, `in` that differ, counts that
+/// are not one per expert or do not sum to `M`, dtypes or devices that differ.
+pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let (_, o, i) = check("grouped_matmul", x, w, counts)?;
+    let (xd, wd) = (x.detach(), w.detach());
+    let y = blocks(&xd, counts, o, |e, xe| xe.matmul(&wd.get(e)?.t()?))?;
+    let counts = counts.to_vec();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let dy = dy.detach();
+        let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
+        let mut dw = Vec::with_capacity(counts.len());
+        let mut off = 0;
+        for &n in &counts {
+            dw.push(match n {
+                0 => Tensor::zeros((o, i), wd.dtype(), wd.device())?,
+                _ => dy.narrow(0, off, n)?.t()?.matmul(&xd.narrow(0, off, n)?)?,
+            });
+            off += n;
+        }
+        Ok(vec![Some(dx), Some(Tensor::stack(&dw, 0)?)])
+    });
+    attach2("grouped_matmul", x, w, y, bwd)
+}
+
+/// `f(e, rows of expert e)` for each expert with rows, concatenated: `[M, width]`.
+fn blocks(x: &Tensor, counts: &[usize], width: usize, f: impl Fn(usize, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let mut parts = Vec::with_capacity(counts.len());
+    let mut off = 0;
+    for (e, &n) in counts.iter().enumerate() {
+        if n > 0 {
+            parts.push(f(e, &x.narrow(0, off, n)?)?);
+        }
+        off += n;
+    }
+    match parts.len() {
+        0 => Tensor::zeros((0, width), x.dtype(), x.device()),
+        _ => Tensor::cat(&parts, 0),
+    }
+}
+
+/// [`grouped_matmul`] from candle's ops (`narrow`, `matmul`, `cat`; candle's backward): the
+/// reference.
+pub fn grouped_matmul_slow(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let (_, o, _) = check("grouped_matmul_slow", x, w, counts)?;
+    blocks(x, counts, o, |e, xe| xe.matmul(&w.get(e)?.t()?))
+}
+
+/// Which experts the tokens go to, and how their (token, slot) pairs are grouped by expert.
+///
+/// For `N` tokens and `K` slots, pair `j = n·K + k` is token `n`'s `k`-th choice.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Routing {
+    /// `[N·K]`: the expert of each pair, each token's experts by falling probability (ties:
+    /// the lower expert first).
+    pub experts: Vec<u32>,
+    /// `[N·K]`: the pairs in expert order (stable: by token within an expert).
+    pub order: Vec<u32>,
+    /// `[N·K]`: the position of each pair in `order` (`order[inverse[j]] == j`).
+    pub inverse: Vec<u32>,
+    /// `[E]`: pairs per expert (the row counts of [`grouped_matmul`]).
+    pub counts: Vec<usize>,
+    /// Tokens `N`.
+    pub tokens: usize,
+    /// Slots `K` per token.
+    pub top_k: usize,
+}
+
+impl Routing {
+    /// Each token's `top_k` experts from `probs` `[N, E]` (any float dtype; read on the
+    /// host). Errors for `top_k` outside `1..=E`, a shape that is not 2-D, or a value that is
+    /// not finite (a NaN router would route arbitrarily).
+    pub fn top_k(probs: &Tensor, top_k: usize) -> Result<Routing> {
+        let (n, e) = match probs.dims() {
+            &[n, e] => (n, e),
+            d => bail!("Routing::top_k: probabilities must be [N, E], got shape {d:?}"),
+        };
+        if top_k == 0 || top_k > e {
+            bail!("Routing::top_k: top_k = {top_k} of E = {e} experts (probabilities {:?})", probs.dims())
+        }
+        let p: Vec<f32> = probs.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+        if let Some(bad) = p.iter().position(|v| !v.is_finite()) {
+            bail!("Routing::top_k: router probability of token {} expert {} is {} (probabilities {:?})", bad / e, bad % e, p[bad], probs.dims())
+        }
+        let mut experts = Vec::with_capacity(n * top_k);
+        let mut idx: Vec<u32> = Vec::with_capacity(e);
+        for row in p.chunks(e.max(1)) {
+            idx.clear();
+            idx.extend(0..e as u32);
+            // by falling probability, ties by index (a stable sort of the indices)
+            idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            experts.extend_from_slice(&idx[..top_k]);
+        }
+        Ok(Self::from_experts(experts, n, top_k, e))
+    }
+
+    /// The grouping of given choices: `experts` `[N·K]` (each `< e`).
+    pub fn from_experts(experts: Vec<u32>, tokens: usize, top_k: usize, e: usize) -> Routing {
+        let mut counts = vec![0usize; e];
+        for &x in &experts {
+            counts[x as usize] += 1;
+        }
+        // counting sort, stable
+        let mut start: Vec<usize> = counts.iter().scan(0, |s, &c| { let o = *s; *s += c; Some(o) }).collect();
+        let mut order = vec![0u32; experts.len()];
+        let mut inverse = vec![0u32; experts.len()];
+        for (j, &x) in experts.iter().enumerate() {
+            let at = start[x as usize];
+            order[at] = j as u32;
+            inverse[j] = at as u32;
+            start[x as usize] += 1;
+        }
+        Routing { experts, order, inverse, counts, tokens, top_k }
+    }
+
+    /// `[N·K]` u32: the token of each pair in expert order (the rows of [`grouped_matmul`]'s
+    /// input, an `index_select` of the tokens).
+    pub fn sorted_tokens(&self) -> Vec<u32> {
+        self.order.iter().map(|&j| j / self.top_k as u32).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn max_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    }
+
+    /// The op and its reference agree in the forward and in both gradients, with experts that
+    /// get no rows among them.
+    #[test]
+    fn grouped_matmul_matches_slow() -> Result<()> {
+        let dev = Device::Cpu;
+        for counts in [vec![3usize, 0, 5, 1], vec![0, 0, 9, 0], vec![2, 2, 2, 2]] {
+            let m: usize = counts.iter().sum();
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (m, 6), &dev)?)?;
+            let w = Var::from_tensor(&Tensor::randn(0f32, 1., (4, 5, 6), &dev)?)?;
+            let dy = Tensor::randn(0f32, 1., (m, 5), &dev)?;
+            let y = grouped_matmul(x.as_tensor(), w.as_tensor(), &counts)?;
+            let ys = grouped_matmul_slow(x.as_tensor(), w.as_tensor(), &counts)?;
+            assert!(max_diff(&y, &ys)? < 1e-5);
+            // the rows of expert e are x_rows · w[e]ᵀ
+            let e = counts.iter().position(|&c| c > 0).unwrap_or(0);
+            let want = x.as_tensor().narrow(0, 0, counts[e])?.matmul(&w.as_tensor().get(e)?.t()?)?;
+            assert!(max_diff(&y.narrow(0, 0, counts[e])?, &want)? < 1e-5);
+            let (g, gs) = ((&y * &dy)?.sum_all()?.backward()?, (&ys * &dy)?.sum_all()?.backward()?);
+            for v in [&x, &w] {
+                let (a, b) = (g.get(v.as_tensor()).expect("grad"), gs.get(v.as_tensor()).expect("grad"));
+                assert!(max_diff(a, b)? < 1e-5, "{counts:?}");
+            }
+            // an expert without rows: zero gradient
+            if let Some(z) = counts.iter().position(|&c| c == 0) {
+                let dw = g.get(w.as_tensor()).expect("grad").get(z)?;
+                assert_eq!(dw.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+            }
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn grouped_matmul_refuses_bad_shapes() -> Result<()> {
+        let dev = Device::Cpu;
+        let (x, w) = (Tensor::zeros((4, 6), DType::F32, &dev)?, Tensor::zeros((2, 5, 6), DType::F32, &dev)?);
+        for (x, w, c, want) in [
+            (x.clone(), w.clone(), vec![1usize, 2], "sum to 3"),
+            (x.clone(), w.clone(), vec![4], "1 row counts"),
+            (x.reshape((2, 2, 6))?, w.clone(), vec![2, 2], "[M, in]"),
+            (x.clone(), w.reshape((2, 30))?, vec![2, 2], "[E, out, in]"),
+            (x.narrow(1, 0, 5)?, w.clone(), vec![2, 2], "disagree on in"),
+            (x.to_dtype(DType::BF16)?, w.clone(), vec![2, 2], "dtype"),
+        ] {
+            let e = grouped_matmul(&x, &w, &c).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        Ok(())
+    }
+
+    #[test]
+    fn routing_groups_pairs_by_expert() -> Result<()> {
+        let p = Tensor::new(&[[0.1f32, 0.5, 0.4], [0.3, 0.3, 0.4], [0.6, 0.1, 0.3]], &Device::Cpu)?;
+        let r = Routing::top_k(&p, 2)?;
+        // ties by the lower expert
+        assert_eq!(r.experts, vec![1, 2, 2, 0, 0, 2]);
+        assert_eq!(r.counts, vec![2, 1, 3]);
+        // expert 0: pairs 3, 4; expert 1: pair 0; expert 2: pairs 1, 2, 5
+        assert_eq!(r.order, vec![3, 4, 0, 1, 2, 5]);
+        for (j, &at) in r.inverse.iter().enumerate() {
+            assert_eq!(r.order[at as usize], j as u32);
+        }
+        assert_eq!(r.sorted_tokens(), vec![1, 2, 0, 0, 1, 2]);
+        for (k, want) in [(0, "top_k = 0"), (4, "top_k = 4")] {
+            let e = Routing::top_k(&p, k).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(want), "{e}");
+        }
+        let nan = Tensor::new(&[[0.1f32, f32::NAN]], &Device::Cpu)?;
+        assert!(Routing::top_k(&nan, 1).err().map(|e| e.to_string()).unwrap_or_default().contains("NaN"));
+        Ok(())
+    }
+}

@@ -1,0 +1,201 @@
+//! Qwen3-MoE (`model_type` `qwen3_moe`): mixture-of-experts MLPs on every kind of layout.
+//!
+//! - The tiny-llama weights as a Qwen3-MoE model (seeded q / k norms; layer 0 dense through
+//!   `mlp_only_layers`, layer 1 a mixture of 8 experts, 2 per token, renormalised, each 48
+//!   wide; the load-balancing loss on with a coefficient that moves the router's gradient):
+//!   one device, ring, zigzag, all-gather, Ulysses, 2-D, TP with and without SP (expert
+//!   tensor parallelism: each rank holds every expert's slice), TP × CP, DP, and with the
+//!   layers recomputed in the backward give the float64 reference's logits, loss and every
+//!   gradient (router and stacked experts included) within the oracle's float32 tolerances.
+//!   The reference's smallest top-K margin is asserted far above float32 rounding, so every
+//!   layout routes as the reference does.
+//! - The load-balancing loss binds (without it the router's gradient moves by > 5%).
+//! - Generation: cached decoding equals the full forward; CP and TP decode the same tokens.
+//! - Checkpoints: the experts are written per expert (`mlp.experts.{e}.{gate,up,down}_proj
+//!   .weight`, as published Qwen3-MoE checkpoints hold them) and read back stacked, whole and
+//!   sharded over TP 1, 2, 4, bit for bit; the sharded writer writes the same bytes; read as
+//!   a dense Qwen3 the experts are refused by name.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_comm::run_ranks;
+use candle_cp_llama::hf::load_safetensors_dir;
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, Tolerances};
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, Llama, LlamaConfig, MoeConfig, ParallelCtx};
+use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
+use candle_nn::VarBuilder;
+use std::collections::HashMap;
+
+const T: usize = 256;
+
+fn ids(t: usize) -> Result<Tensor> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, t)?.contiguous()
+}
+
+/// The oracle's weights as a Qwen3-MoE model (see the module doc), `coef` the load-balancing
+/// loss's weight (`None`: off).
+fn qwen3_moe(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    let base = LlamaConfig::from_file(dir.join("config.json"))?;
+    let mut moe = MoeConfig::new(8, 2, 48);
+    moe.norm_topk_prob = true;
+    moe.mlp_only_layers = vec![0];
+    moe.output_router_logits = coef.is_some();
+    moe.router_aux_loss_coef = coef.unwrap_or(0.0);
+    let cfg = base.with_moe(Some(moe));
+    cfg.validate()?;
+    let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let mut full = HashMap::new();
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        let name = &spec.name;
+        let t = if let Some(t) = oracle.get(name) {
+            t.clone()
+        } else if name.contains("self_attn") && name.ends_with("_norm.weight") {
+            ((candle_cp_tests::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?
+        } else if name.ends_with("mlp.gate.weight") {
+            (candle_cp_tests::rand_t(37, name, &spec.shape)? * 0.1)?
+        } else {
+            (candle_cp_tests::rand_t(41, name, &spec.shape)? * 0.08)?
+        };
+        full.insert(name.clone(), t);
+    }
+    Ok((cfg, full))
+}
+
+/// Every kind of layout (and recomputed layers, and DP) gives the reference's logits, loss and
+/// gradients; the routing is far from a tie; the load-balancing loss binds.
+#[test]
+fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = qwen3_moe(Some(0.5))?;
+    let ids = ids(T)?;
+    let (want, margin) = reference_routed(&full, &cfg, &ids)?;
+    println!("smallest top-2 margin of the router probabilities: {margin:.2e}");
+    assert!(margin > 1e-5, "a near tie in the routing ({margin:.1e}): float32 could route otherwise");
+    let (plain_cfg, _) = qwen3_moe(None)?;
+    let plain = reference(&full, &plain_cfg, &ids)?;
+    let r = "model.layers.1.mlp.gate.weight";
+    let rel = max_abs(&plain.grads[r], &want.grads[r])? / max_abs(&want.grads[r], &want.grads[r].zeros_like()?)?;
+    assert!(rel > 0.05, "the load-balancing loss moves the router's gradient by only {rel:.1e}");
+    let experts = |k: &str| k.contains("mlp.experts.") || k.ends_with("mlp.gate.weight");
+    let check = |layout: Layout, run: candle_cp_llama::verify::LayoutRun, want: &candle_cp_llama::verify::Reference| -> Result<()> {
+        let rep = compare(&run, want, Tolerances::default())?;
+        println!("qwen3_moe {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4, "{layout}");
+        assert!(rep.pass(), "{layout}: {rep:?}");
+        Ok(())
+    };
+    for layout in [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::AllGather, 2),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ] {
+        check(layout, run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want)?;
+    }
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
+    check(layout, run_layout_recompute(&full, &cfg, &ids, layout, &Device::Cpu, true)?, &want)?;
+    let two = Tensor::cat(&[&ids, &ids], 0)?;
+    let layout = Layout::cp(CpKind::Ring, 2).with_dp(2);
+    check(layout, run_layout(&full, &cfg, &two, layout, &Device::Cpu)?, &reference_rows(&want)?)
+}
+
+/// Cached decoding equals the full forward; CP and TP decode the single device's tokens.
+#[test]
+fn qwen3_moe_generation() -> Result<()> {
+    let (cfg, full) = qwen3_moe(None)?;
+    let ids = ids(32)?;
+    let gen = |layout: Layout| {
+        run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_tensors(&full, &cfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+            let out = m.generate_greedy(&ids, 6)?;
+            let toks = Tensor::from_vec(out.tokens.concat(), (out.tokens.len(), out.tokens[0].len()), &Device::Cpu)?;
+            let seq = Tensor::cat(&[&ids, &toks], 1)?;
+            let all = if layout.world_size() == 1 { Some(m.forward(&seq, &Tensor::arange(0u32, seq.dim(1)? as u32, &Device::Cpu)?)?) } else { None };
+            Ok((out, all))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()
+    };
+    let single = gen(Layout::single())?;
+    let (want, Some(full_fwd)) = &single[0] else { candle_core::bail!("no full forward") };
+    for (i, l) in want.logits.iter().enumerate() {
+        let e = max_abs(l, &full_fwd.narrow(1, ids.dim(1)? - 1 + i, 1)?.squeeze(1)?)?;
+        assert!(e < 1e-4, "token {i}: cached logits differ from the full forward by {e:.1e}");
+    }
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)] {
+        for (r, (g, _)) in gen(layout)?.iter().enumerate() {
+            assert_eq!(g.tokens, want.tokens, "{layout} rank {r}");
+            for (a, b) in g.logits.iter().zip(&want.logits) {
+                assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The experts go to a checkpoint per expert and come back stacked, whole and sharded; the
+/// sharded writer writes the same bytes; a dense Qwen3 config refuses them by name.
+#[test]
+fn qwen3_moe_checkpoints() -> Result<()> {
+    let (cfg, full) = qwen3_moe(Some(0.01))?;
+    let root = std::env::temp_dir().join(format!("candle-cp-qwen3-moe-{}", std::process::id()));
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        for (k, t) in &full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    let dir = root.join("whole");
+    save_hf(&dir, &vm, &cfg)?;
+    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    assert!(names.contains_key("model.layers.1.mlp.experts.7.down_proj.weight") && names.contains_key("model.layers.1.mlp.gate.weight"));
+    assert_eq!(names["model.layers.1.mlp.experts.3.gate_proj.weight"].dims(), [48, 128]);
+    assert!(!names.keys().any(|k| k.ends_with("experts.gate_proj")), "stacked names leaked into the checkpoint");
+    assert_eq!(max_abs(&names["model.layers.1.mlp.experts.5.up_proj.weight"], &full["model.layers.1.mlp.experts.up_proj"].get(5)?)?, 0.0);
+    let config = std::fs::read_to_string(dir.join("config.json"))?;
+    assert!(config.contains("Qwen3MoeForCausalLM") && config.contains("\"mlp_only_layers\""), "{config}");
+    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    assert_eq!(got.len(), full.len());
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    let bytes = std::fs::read(dir.join("model.safetensors"))?;
+    for tp in [1usize, 2, 4] {
+        let sharded = root.join(format!("tp{tp}"));
+        for r in run_ranks(tp, |g| {
+            let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+            let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+            let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+            let mut same = want.len() == got.len();
+            for (k, w) in &want {
+                same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
+            }
+            save_hf_sharded(&sharded, &want, &cfg, &ctx, ctx.world.rank() == 0)?;
+            Ok(same)
+        }) {
+            assert!(r?, "tp {tp}: the sharded load differs from sharding the whole model");
+        }
+        assert!(std::fs::read(sharded.join("model.safetensors"))? == bytes, "tp {tp}: the sharded writer wrote other bytes");
+    }
+    // read as a dense Qwen3: the router and the experts are not its parameters
+    let mut dense = cfg.clone().with_moe(None);
+    dense.intermediate_size = 352;
+    std::fs::write(dir.join("config.json"), dense.to_hf_json("float32"))?;
+    let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("model.layers.1.mlp.experts.0.down_proj.weight") && e.contains("Qwen3ForCausalLM"), "{e}");
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
