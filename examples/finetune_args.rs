@@ -144,6 +144,12 @@ pub(crate) struct Args {
     /// attention runs the pipelined kernels' capped entries (CUDA-core ones for f32).
     #[arg(long)]
     pub(crate) gemma2: bool,
+    /// A Qwen3-MoE model (random init): `E,K` — every layer's MLP a mixture of E experts, K
+    /// per token (renormalised), each --hidden wide, with the load-balancing loss (coefficient
+    /// 0.01); q, k head norms as Qwen3. Experts are split over --tp (each rank holds every
+    /// expert's slice); each CP rank routes its own tokens.
+    #[arg(long, value_name = "E,K")]
+    pub(crate) moe: Option<String>,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.

@@ -9,6 +9,7 @@
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
+//! cargo run --release --example finetune_llama -- --moe 8,2      # Qwen3-MoE: 8 experts, 2 per token
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -45,7 +46,7 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 => bail!("--qkv-bias, --qk-norm, --gemma3 and --gemma2 shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2 and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -57,8 +58,18 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3 and --gemma2: pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.moe.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2 and --moe (Qwen3-MoE): pick one")
+            }
+            if let Some(spec) = &a.moe {
+                let parts: Vec<usize> = spec.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<_, _>>().map_err(|e| anyhow::anyhow!("--moe {spec}: expected E,K ({e})"))?;
+                let [e, k] = parts.as_slice() else { bail!("--moe {spec}: expected E,K (experts, experts per token)") };
+                let mut moe = candle_cp_llama::MoeConfig::new(*e, *k, a.hidden);
+                moe.norm_topk_prob = true;
+                moe.output_router_logits = true;
+                moe.router_aux_loss_coef = 0.01;
+                cfg = cfg.with_moe(Some(moe));
+                cfg.validate()?;
             }
             if a.gemma2 {
                 let every_other = (0..a.layers).map(|i| i % 2 == 0).collect();

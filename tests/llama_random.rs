@@ -9,7 +9,9 @@
 //! Ulysses and 2-D half the time with the head layout regathered in the backward, a third of
 //! the models with Qwen2's q, k, v biases, Qwen3's q / k head norms and Gemma 3 a quarter
 //! each (their window on one of two layers only in most of the draws that can have one), a
-//! third of the rest Gemma 2 (logit soft caps in attention and on the output). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! third of the rest Gemma 2 (logit soft caps in attention and on the output), half of the
+//! Qwen3 ones Qwen3-MoE (4 or 8 experts, 1 to 3 per token, renormalised or not, the
+//! load-balancing loss on or off, one layer of two dense or none). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -68,6 +70,20 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         }
         false => cfg,
     };
+    // half of the Qwen3 draws are Qwen3-MoE (a stream of its own)
+    let mut m = rng(950_000 + seed);
+    let cfg = match arch == 2 && m.below(2) == 0 {
+        true => {
+            let mut moe = candle_cp_llama::MoeConfig::new(pick(&mut m, &[4, 8]), 1 + m.below(3), pick(&mut m, &[8, 16]));
+            moe.norm_topk_prob = m.below(2) == 0;
+            (moe.output_router_logits, moe.router_aux_loss_coef) = (m.below(2) == 0, 0.3);
+            if layers == 2 && m.below(2) == 0 {
+                moe.mlp_only_layers = vec![m.below(2)];
+            }
+            cfg.with_moe(Some(moe))
+        }
+        false => cfg,
+    };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
@@ -97,6 +113,7 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         cfg.sliding_layers,
         cfg.arch(),
         cfg.gemma2.as_ref().map_or(String::new(), |g| format!(" caps {:?} / {:?}", g.attn_logit_softcapping, g.final_logit_softcapping))
+            + &cfg.moe.as_ref().map_or(String::new(), |m| format!(" experts {} top {} norm {} aux {} dense {:?}", m.num_experts, m.num_experts_per_tok, m.norm_topk_prob, m.output_router_logits, m.mlp_only_layers))
     );
     Draw { cfg, layout, b, t, window, what }
 }
@@ -135,7 +152,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
-    let (mut some_layers, mut gemma, mut gemma2) = (0, 0, 0);
+    let (mut some_layers, mut gemma, mut gemma2, mut moe) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -174,6 +191,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 some_layers += cfg.sliding_layers.is_some() as usize;
                 gemma += cfg.gemma3.is_some() as usize;
                 gemma2 += cfg.gemma2.is_some() as usize;
+                moe += cfg.moe.is_some() as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -181,10 +199,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} Qwen3-MoE), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

@@ -7,7 +7,8 @@
 //! window), the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), the batch
 //! split (rows per step, micro-batches), ZeRO 0 / 1 / 2, recompute, `overlap_grad_sync` (with
 //! recompute), `overlap_param_gather` (with ZeRO), the answer-only objective, and packed
-//! documents instead of the recall task. Every run the trainer accepts must give the
+//! documents instead of the recall task; half of the Qwen3 models are Qwen3-MoE (4 experts, 2
+//! per token, the load-balancing loss on). Every run the trainer accepts must give the
 //! single-device losses (to 1e-5) and gradient norms (to 1e-4 relative) at the first step,
 //! 10x those after updates (see `bounds`), on every rank; a run it refuses must be refused
 //! for a reason the draw explains, never with a panic. The second test stops a drawn run and
@@ -102,6 +103,15 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
     // a third of the Llama seeds are Gemma 2 instead (soft caps 1 in attention, 3 on the output)
     let model = match arch == 0 && rng(929_000 + seed).below(3) == 0 {
         true => with_caps(model.with_gemma2(true), Some((1.0, 3.0))),
+        false => model,
+    };
+    // half of the Qwen3 seeds are Qwen3-MoE instead
+    let model = match arch == 2 && rng(939_000 + seed).below(2) == 0 {
+        true => {
+            let mut moe = candle_cp_llama::MoeConfig::new(4, 2, 16);
+            (moe.norm_topk_prob, moe.output_router_logits, moe.router_aux_loss_coef) = (true, true, 0.1);
+            model.with_moe(Some(moe))
+        }
         false => model,
     };
     Ok((task, model, (heads, kv_heads, layers, window)))
@@ -205,7 +215,7 @@ fn packed_corpus() -> Result<PackedStream> {
 #[test]
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
-    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2) = (0, 0, 0, 0, 0, 0, 0);
+    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe) = (0, 0, 0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -230,7 +240,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                     .with_qkv_bias(model.qkv_bias)
                     .with_qk_norm(model.qk_norm)
                     .with_gemma3(model.gemma3.is_some())
-                    .with_gemma2(model.gemma2.is_some()),
+                    .with_gemma2(model.gemma2.is_some())
+                    .with_moe(model.moe.clone()),
                 caps,
             ));
             long_range_only = false;
@@ -268,6 +279,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 accum += (grad_accum > 1) as usize;
                 packs += packed as usize;
                 gemma2 += model.gemma2.is_some() as usize;
+                moe += model.moe.is_some() as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -275,9 +287,9 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1)),
+        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
     );
     Ok(())

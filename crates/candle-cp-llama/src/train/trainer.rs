@@ -501,6 +501,12 @@ pub fn train_rank(
             let nll = nll.flatten_all()?;
             let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
             let loss = global_mean(&selected, n_train, &token_group)?;
+            // Qwen3-MoE's load-balancing term (a constant here; its derivative reaches the
+            // routers through the sparse layers' backward)
+            let loss = match model.router_aux_loss()? {
+                Some(aux) => (loss + aux.to_device(&dev)?)?,
+                None => loss,
+            };
             objective += loss.to_scalar::<f32>()? as f64;
             let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
             for (acc, x) in terms
