@@ -2,7 +2,7 @@
 //! what the Llama model actually holds on each rank, exactly, for every TP degree: Q/O and
 //! the MLP split over TP, K/V split by KV head or replicated when TP exceeds the KV heads,
 //! the embedding and head split by vocabulary (padded when TP does not divide it), norms
-//! replicated, Qwen2's q, k, v biases split like their weights, Qwen3's head norms replicated. The planner's memory figures
+//! replicated, Qwen2's q, k, v biases split like their weights, Qwen3's head norms replicated, Qwen3-MoE's router replicated and every expert's slice on each TP rank (one layer of two dense). The planner's memory figures
 //! (weights, gradients, optimizer states) are therefore about the model we run, not an ideal.
 
 use candle_core::{DType, Device, Result};
@@ -38,9 +38,13 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let qwen2 = oracle.clone().with_qkv_bias(true);
     // Qwen3: q / k head-norm weights `[D]`, replicated on every TP rank
     let qwen3 = oracle.clone().with_qk_norm(true);
+    // Qwen3-MoE: 8 experts 48 wide on layer 1 (layer 0 dense)
+    let mut experts = candle_cp_llama::MoeConfig::new(8, 2, 48);
+    experts.mlp_only_layers = vec![0];
+    let qwen3_moe = oracle.clone().with_moe(Some(experts));
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

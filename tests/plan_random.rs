@@ -36,7 +36,7 @@ fn bad_numbers(v: &Value, path: &str, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| bad_numbers(x, &format!("{path}/{i}"), out)),
         // serde_json writes NaN and infinities as null: only options may be null
         Value::Null => {
-            let optional = ["window", "sliding_window", "partial_window", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows"];
+            let optional = ["window", "sliding_window", "partial_window", "moe", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows"];
             if !optional.iter().any(|k| path.ends_with(&format!("/{k}"))) {
                 out.push(format!("{path} = null"));
             }
@@ -69,7 +69,7 @@ fn random_plans_are_consistent() {
     let n_configs = range.end - range.start;
     for seed in range {
         let mut d = rng(11000 + seed);
-        let mut model = ModelConfig::preset(pick(&mut d, &["llama3-8b", "llama3-70b", "llama3-405b"])).expect("preset");
+        let mut model = ModelConfig::preset(pick(&mut d, &["llama3-8b", "llama3-70b", "llama3-405b", "qwen3-30b-a3b"])).expect("preset");
         if d.below(4) == 0 {
             model.sliding_window = Some(pick(&mut d, &[512, 4096, 100_000]));
         }

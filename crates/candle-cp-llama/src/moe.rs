@@ -30,7 +30,7 @@ use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_nn::Tp;
 use candle_cp_ops::autograd::{attach1, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
-use candle_cp_ops::moe::{grouped_matmul, Routing};
+use candle_cp_ops::moe::{combine, grouped_matmul, Routing};
 use std::sync::{Arc, Mutex};
 
 /// The router statistics of one forward, over its sparse layers, and the load-balancing
@@ -138,11 +138,10 @@ impl SparseMoe {
         // without SP the router's TP shares are summed here (with SP: reduce_gradients)
         let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
         let logits = x2.matmul(&router.t()?)?;
-        let probs = candle_nn::ops::softmax(&logits.to_dtype(DType::F32)?, D::Minus1)?;
+        let probs = router_probs(&logits, &self.log)?;
         let routing = Routing::top_k(&probs, self.top_k)?;
         let sums: Vec<f32> = probs.detach().sum(0)?.to_vec1()?;
         self.log.record(&routing.counts, &sums, n);
-        let probs = with_aux_grad(&probs, &self.log)?;
         let dev = x.device();
         let k = self.top_k;
         let chosen = Tensor::from_vec(routing.experts.clone(), (n, k), dev)?;
@@ -157,8 +156,7 @@ impl SparseMoe {
         let up = grouped_matmul(&xs, &self.up, &routing.counts)?;
         let ys = grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, &routing.counts)?;
         // back to (token, slot) order, weighted, summed over the slots
-        let back = Tensor::from_vec(routing.inverse.clone(), n * k, dev)?;
-        let y = ys.index_select(&back, 0)?.reshape((n, k, h))?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)?.reshape((b, t, h))?;
+        let y = combine(&ys, &w, &routing.inverse)?.reshape((b, t, h))?;
         if sp {
             mappings::reduce_scatter_to_sp_region(&y, g, SEQ_DIM)
         } else if p > 1 {
@@ -170,15 +168,21 @@ impl SparseMoe {
     }
 }
 
-/// `probs` `[N, E]` as they are, whose gradient gains the load-balancing loss's derivative
-/// `[E]` (broadcast over the tokens) when the log has one at backward time.
-fn with_aux_grad(probs: &Tensor, log: &RouterLog) -> Result<Tensor> {
-    let log = log.clone();
+/// The router's probabilities `softmax(logits)` `[N, E]` in f32, one node that keeps only
+/// `logits` (the backward recomputes the softmax). Their gradient gains the load-balancing
+/// loss's derivative `[E]` (broadcast over the tokens) when the log has one at backward time.
+fn router_probs(logits: &Tensor, log: &RouterLog) -> Result<Tensor> {
+    let softmax = |l: &Tensor| candle_nn::ops::softmax_last_dim(&l.to_dtype(DType::F32)?);
+    let probs = softmax(&logits.detach())?;
+    let (log, kept) = (log.clone(), logits.detach());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        Ok(vec![Some(match log.grad() {
+        let dy = match log.grad() {
             Some(g) => dy.broadcast_add(&g.to_device(dy.device())?.to_dtype(dy.dtype())?.unsqueeze(0)?)?,
             None => dy.clone(),
-        })])
+        };
+        let p = softmax(&kept)?;
+        let dl = (&p * dy.broadcast_sub(&(&p * &dy)?.sum_keepdim(D::Minus1)?)?)?;
+        Ok(vec![Some(dl.to_dtype(kept.dtype())?)])
     });
-    attach1("router_aux_grad", probs, probs.detach(), bwd)
+    attach1("router_probs", logits, probs, bwd)
 }

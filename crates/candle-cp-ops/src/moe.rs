@@ -17,6 +17,10 @@
 //! would give candle's backward (one `[M, in]` tensor per expert). [`grouped_matmul_slow`] is
 //! the same product from candle's ops, the reference of the tests.
 //!
+//! [`combine`] weights the experts' rows and sums each token's `K` of them, one node that keeps
+//! only the rows and the weights ([`combine_slow`]: the same from candle's ops, which keeps
+//! two more `[N·K, h]` tensors until the backward).
+//!
 //! [`Routing`] is the host side: each token's top `K` experts from its router probabilities,
 //! the permutation that groups the pairs by expert and its inverse.
 
@@ -97,6 +101,66 @@ fn blocks(x: &Tensor, counts: &[usize], width: usize, f: impl Fn(usize, &Tensor)
 pub fn grouped_matmul_slow(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let (_, o, _) = check("grouped_matmul_slow", x, w, counts)?;
     blocks(x, counts, o, |e, xe| xe.matmul(&w.get(e)?.t()?))
+}
+
+/// `y[n] = Σ_k w[n, k] · ys[inverse[n·K + k]]`: each token's `K` expert rows, `ys` `[N·K, h]`
+/// in expert order, weighted by `w` `[N, K]` and summed → `[N, h]`.
+///
+/// One graph node keeping `ys` and `w` (the backward: `dys` the weights times the output's
+/// gradient, back in expert order; `dw` each row's dot product with it). `inverse` is
+/// [`Routing::inverse`]. Errors name the shapes.
+pub fn combine(ys: &Tensor, w: &Tensor, inverse: &[u32]) -> Result<Tensor> {
+    let (n, k, h) = check_combine("combine", ys, w, inverse)?;
+    let back = Tensor::from_vec(inverse.to_vec(), n * k, ys.device())?;
+    let order = {
+        let mut o = vec![0u32; n * k];
+        for (j, &at) in inverse.iter().enumerate() {
+            o[at as usize] = j as u32;
+        }
+        Tensor::from_vec(o, n * k, ys.device())?
+    };
+    let (ysd, wd) = (ys.detach(), w.detach());
+    let y = pairs(&ysd, &back, n, k, h)?.broadcast_mul(&wd.unsqueeze(2)?)?.sum(1)?;
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let dy = dy.detach().unsqueeze(1)?;
+        let dys = dy.broadcast_mul(&wd.unsqueeze(2)?)?.reshape((n * k, h))?.index_select(&order, 0)?;
+        let dw = pairs(&ysd, &back, n, k, h)?.broadcast_mul(&dy)?.sum(2)?;
+        Ok(vec![Some(dys), Some(dw)])
+    });
+    attach2("combine", ys, w, y, bwd)
+}
+
+/// The rows of `ys` in (token, slot) order, `[N, K, h]`.
+fn pairs(ys: &Tensor, back: &Tensor, n: usize, k: usize, h: usize) -> Result<Tensor> {
+    ys.index_select(back, 0)?.reshape((n, k, h))
+}
+
+fn check_combine(op: &str, ys: &Tensor, w: &Tensor, inverse: &[u32]) -> Result<(usize, usize, usize)> {
+    let (m, h) = match ys.dims() {
+        &[m, h] => (m, h),
+        d => bail!("{op}: ys must be [N·K, h], got shape {d:?}"),
+    };
+    let (n, k) = match w.dims() {
+        &[n, k] => (n, k),
+        d => bail!("{op}: w must be [N, K], got shape {d:?}"),
+    };
+    if n * k != m || inverse.len() != m {
+        bail!("{op}: ys {:?}, w {:?} and {} pair positions disagree (N·K rows)", ys.dims(), w.dims(), inverse.len())
+    }
+    if let Some(bad) = inverse.iter().find(|&&i| i as usize >= m) {
+        bail!("{op}: pair position {bad} out of range for ys {:?}", ys.dims())
+    }
+    if ys.dtype() != w.dtype() || !ys.device().same_device(w.device()) {
+        bail!("{op}: ys {:?} {:?} and w {:?} {:?} differ in dtype or device", ys.dims(), ys.dtype(), w.dims(), w.dtype())
+    }
+    Ok((n, k, h))
+}
+
+/// [`combine`] from candle's ops (`index_select`, `broadcast_mul`, `sum`): the reference.
+pub fn combine_slow(ys: &Tensor, w: &Tensor, inverse: &[u32]) -> Result<Tensor> {
+    let (n, k, h) = check_combine("combine_slow", ys, w, inverse)?;
+    let back = Tensor::from_vec(inverse.to_vec(), n * k, ys.device())?;
+    pairs(ys, &back, n, k, h)?.broadcast_mul(&w.unsqueeze(2)?)?.sum(1)
 }
 
 /// Which experts the tokens go to, and how their (token, slot) pairs are grouped by expert.
@@ -226,6 +290,41 @@ mod tests {
             (x.to_dtype(DType::BF16)?, w.clone(), vec![2, 2], "dtype"),
         ] {
             let e = grouped_matmul(&x, &w, &c).err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains(want), "{want}: {e}");
+        }
+        Ok(())
+    }
+
+    /// The combine and its reference agree in the forward and in both gradients; bad shapes
+    /// are refused by name.
+    #[test]
+    fn combine_matches_slow() -> Result<()> {
+        let dev = Device::Cpu;
+        let probs = Tensor::rand(0f32, 1., (7, 5), &dev)?;
+        let r = Routing::top_k(&probs, 3)?;
+        let ys = Var::from_tensor(&Tensor::randn(0f32, 1., (21, 6), &dev)?)?;
+        let w = Var::from_tensor(&Tensor::rand(0f32, 1., (7, 3), &dev)?)?;
+        let dy = Tensor::randn(0f32, 1., (7, 6), &dev)?;
+        let y = combine(ys.as_tensor(), w.as_tensor(), &r.inverse)?;
+        let ys_ = combine_slow(ys.as_tensor(), w.as_tensor(), &r.inverse)?;
+        assert!(max_diff(&y, &ys_)? < 1e-5);
+        // token 4 = Σ_k w[4, k] · ys[inverse[4·3 + k]]
+        let mut want = Tensor::zeros(6, DType::F32, &dev)?;
+        for k in 0..3 {
+            let row = ys.as_tensor().get(r.inverse[12 + k] as usize)?;
+            want = (want + (row * w.as_tensor().get(4)?.get(k)?.to_scalar::<f32>()? as f64)?)?;
+        }
+        assert!(max_diff(&y.get(4)?, &want)? < 1e-5);
+        let (g, gs) = ((&y * &dy)?.sum_all()?.backward()?, (&ys_ * &dy)?.sum_all()?.backward()?);
+        for v in [&ys, &w] {
+            assert!(max_diff(g.get(v.as_tensor()).expect("grad"), gs.get(v.as_tensor()).expect("grad"))? < 1e-5);
+        }
+        for (ysb, wb, inv, want) in [
+            (ys.as_tensor().narrow(0, 0, 20)?, w.as_tensor().clone(), r.inverse.clone(), "disagree"),
+            (ys.as_tensor().clone(), w.as_tensor().clone(), vec![99; 21], "out of range"),
+            (ys.as_tensor().clone(), w.as_tensor().to_dtype(DType::BF16)?, r.inverse.clone(), "dtype"),
+        ] {
+            let e = combine(&ysb, &wb, &inv).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains(want), "{want}: {e}");
         }
         Ok(())

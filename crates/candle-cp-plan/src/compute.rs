@@ -56,7 +56,8 @@ pub fn layer_flops_packed(
     doc_len: Option<usize>,
 ) -> LayerFlops {
     let (sf, bf) = (s as f64, b as f64);
-    let linear_fwd = 2.0 * sf * bf * m.layer_matrix_params() as f64;
+    // (a mixture of experts: the router and the K experts each token goes through)
+    let linear_fwd = 2.0 * sf * bf * m.layer_active_matrix_params();
     let attention_fwd_causal = 2.0 * sf * sf * bf * m.q_dim() as f64;
     let window = effective_window(m.sliding_window, s);
     let doc_len = effective_doc_len(doc_len, s);

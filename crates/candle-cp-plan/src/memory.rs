@@ -110,7 +110,9 @@ pub fn korthikanti_per_gpu(
 /// - replicated unless SP: `c·b·e·4h` (two RMSNorm inputs, QKV input, MLP input);
 /// - `c·b·e·2·a·d / t` (Q after RoPE, attention output O);
 /// - `c·b·e·2·a_kv,t·d` (K after RoPE, V; replicated heads count on every rank);
-/// - `c·b·e·3f / t` (gate and up outputs, down-projection input);
+/// - `c·b·e·3f / t` (gate and up outputs, down-projection input); a sparse layer (mixture of
+///   experts, averaged over the layers: [`ModelConfig::sparse_fraction`]) `c·b·e·K·(3f_e/t + 2h)`
+///   instead (each token's `K` rows into the experts and out of them, gate, up, the product);
 /// - without flash/selective: `a·c·s·b·e / t` (softmax probabilities);
 /// - full recompute keeps only the layer input `c·b·h·e` (over `t` with SP).
 pub fn llama_per_gpu(
@@ -137,7 +139,14 @@ pub fn llama_per_gpu(
     let replicated = cbe * 4.0 * h / sp_div;
     let q_o = cbe * 2.0 * m.q_dim() as f64 / t;
     let k_v = cbe * 2.0 * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
-    let mlp = cbe * 3.0 * m.ffn as f64 / t;
+    let dense_mlp = cbe * 3.0 * m.ffn as f64 / t;
+    let mlp = match &m.moe {
+        None => dense_mlp,
+        Some(x) => {
+            let sparse = cbe * x.top_k as f64 * (3.0 * x.expert_ffn as f64 / t + 2.0 * h);
+            dense_mlp + m.sparse_fraction() * (sparse - dense_mlp)
+        }
+    };
     let scores = terms.scores(m, l, s, r, ef);
     replicated + q_o + k_v + mlp + scores
 }
@@ -162,6 +171,13 @@ pub fn llama_per_gpu(
 /// - Gemma's norms after the attention and the MLP ([`ModelConfig::sandwich_norms`]): each norm and
 ///   its residual add are one node, which keeps the projection's output (`[B, c/sp_div, h]`)
 ///   and the f32 statistic: `2·c·b·(h·e + 4) / sp_div`.
+/// - a sparse layer (averaged over the layers, [`ModelConfig::sparse_fraction`]): the router's
+///   logits and f32 probabilities `c·b·E·(e + 4)`, the chosen experts and their f32 weights
+///   `8·c·b·K` (renormalised: `4·c·b·(K + 1)` more; 16-bit: the weights in `e` bytes too), the
+///   pair indices `12·c·b·K`, the MLP output before the residual add `c·b·h·e / sp_div`; with
+///   `t > 1` the gathered (or copied) input and the partial output `2·c·b·h·e` (the input is
+///   not regathered in the backward as the dense MLP's is), without SP the router's copy
+///   `E·h·e`.
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -191,7 +207,19 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let attention = head_layout + residual;
     let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (d * ef + 4.0) } else { 0.0 };
     let sandwich = if m.sandwich_norms { 2.0 * c * bf * (m.hidden as f64 * ef + 4.0) / sp_div } else { 0.0 };
-    lse + norms + attention + qk_norm + sandwich
+    let moe = match &m.moe {
+        None => 0.0,
+        Some(x) => {
+            let (n, k, ex, h) = (c * bf, x.top_k as f64, x.experts as f64, m.hidden as f64);
+            let router = n * ex * (ef + 4.0);
+            let weights = 8.0 * n * k + if x.norm_topk { 4.0 * n * (k + 1.0) } else { 0.0 } + if e < 4 { n * k * ef } else { 0.0 };
+            let pairs = 12.0 * n * k;
+            let out = n * h * ef / sp_div;
+            let tp = if l.tp > 1 { 2.0 * n * h * ef + if l.sp { 0.0 } else { ex * h * ef } } else { 0.0 };
+            m.sparse_fraction() * (router + weights + pairs + out + tp)
+        }
+    };
+    lse + norms + attention + qk_norm + sandwich + moe
 }
 
 /// [`llama_per_gpu`] plus [`candle_cp_extra_per_gpu`]: what candle-cp's Llama keeps per
@@ -319,7 +347,12 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
-    2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64
+    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64;
+    match &m.moe {
+        // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
+        Some(x) => dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / t - 3.0 * h * f / t),
+        None => dense,
+    }
 }
 
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,

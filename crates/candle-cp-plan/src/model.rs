@@ -46,6 +46,28 @@ pub struct ModelConfig {
     /// [`ModelConfig::qk_norm`], the windows [`ModelConfig::partial_window`]. (GELU or SiLU,
     /// Gemma 2's logit soft caps: the same parameters and activations.)
     pub sandwich_norms: bool,
+    /// Mixtures of experts (Qwen3-MoE, `model_type` `qwen3_moe`): the sparse layers' MLPs;
+    /// `None`: every MLP dense.
+    pub moe: Option<MoeShape>,
+}
+
+/// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
+/// `sparse_layers` layers a router `[E, h]` and `E` SwiGLU experts of width `expert_ffn`, `K`
+/// of them per token; the other layers' MLPs are dense ([`ModelConfig::ffn`] wide). Each TP
+/// rank holds every expert's `1/t` slice; the planner counts a layer as the average over the
+/// layers (`sparse_layers / L` of each sparse layer's terms).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct MoeShape {
+    /// Experts per sparse layer `E`.
+    pub experts: usize,
+    /// Experts per token `K`.
+    pub top_k: usize,
+    /// Each expert's MLP width `f_e`.
+    pub expert_ffn: usize,
+    /// Layers whose MLP is a mixture of experts.
+    pub sparse_layers: usize,
+    /// The top `K` probabilities renormalised to sum 1 (`norm_topk_prob`).
+    pub norm_topk: bool,
 }
 
 /// The text model's config of a Gemma 3 `config.json` with `Gemma3TextConfig`'s defaults for
@@ -87,10 +109,33 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(t))
 }
 
+/// The mixture-of-experts keys of a `qwen3_moe` config (`Qwen3MoeConfig`'s defaults: 128
+/// experts, 8 per token, 768 wide, every layer sparse unless `mlp_only_layers` /
+/// `decoder_sparse_step` say otherwise).
+fn moe_shape(v: &serde_json::Value, layers: usize, name: &str) -> Result<MoeShape> {
+    let get = |k: &str, d: usize| -> Result<usize> {
+        match v.get(k) {
+            None | Some(serde_json::Value::Null) => Ok(d),
+            Some(x) => match x.as_u64() {
+                Some(n) if n > 0 => Ok(n as usize),
+                _ => plan_bail!("model config {name}: '{k}' must be a positive integer, got {x}"),
+            },
+        }
+    };
+    let (experts, top_k, expert_ffn, step) = (get("num_experts", 128)?, get("num_experts_per_tok", 8)?, get("moe_intermediate_size", 768)?, get("decoder_sparse_step", 1)?);
+    if top_k > experts {
+        plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_experts {experts}")
+    }
+    let dense: Vec<u64> = v.get("mlp_only_layers").and_then(|x| x.as_array()).map(|a| a.iter().filter_map(|i| i.as_u64()).collect()).unwrap_or_default();
+    let sparse_layers = (0..layers).filter(|&i| !dense.contains(&(i as u64)) && (i + 1).is_multiple_of(step)).count();
+    let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
+    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk })
+}
+
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 14] = [
+pub const MODEL_PRESETS: [&str; 16] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
-    "gemma2-2b", "gemma2-9b", "gemma2-27b",
+    "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b",
 ];
 
 impl ModelConfig {
@@ -104,7 +149,9 @@ impl ModelConfig {
     /// 1024 keys, 512 for the 1B, on five layers of six: [`ModelConfig::partial_window`]), or
     /// Gemma 2's `gemma2-2b`, `gemma2-9b` or `gemma2-27b` (head dim 256, 128 for the 27B;
     /// vocabulary 256000; tied head; the two norms after attention and MLP; a window of 4096
-    /// keys on every other layer).
+    /// keys on every other layer), or Qwen3-MoE's `qwen3-30b-a3b` or `qwen3-235b-a22b` (as
+    /// Qwen3, every layer a mixture of 128 experts, 8 per token, 768 / 1536 wide:
+    /// [`ModelConfig::moe`]).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -125,6 +172,10 @@ impl ModelConfig {
             "gemma2-2b" => (2304, 26, 8, 4, 9216),
             "gemma2-9b" => (3584, 42, 16, 8, 14336),
             "gemma2-27b" => (4608, 46, 32, 16, 36864),
+            // Qwen/Qwen3-{30B-A3B, 235B-A22B} (intermediate_size of their configs; no layer
+            // is dense)
+            "qwen3-30b-a3b" => (2048, 48, 32, 4, 6144),
+            "qwen3-235b-a22b" => (4096, 94, 64, 4, 12288),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -165,6 +216,11 @@ impl ModelConfig {
                 _ => None,
             },
             sandwich_norms: gemma3 || gemma2,
+            moe: match lower.as_str() {
+                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true }),
+                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true }),
+                _ => None,
+            },
         };
         Ok(cfg)
     }
@@ -247,7 +303,14 @@ impl ModelConfig {
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
             .unwrap_or(gemma3 || gemma2);
-        let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM"));
+        let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
+        let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
+        for other in ["qwen2_moe", "mixtral", "deepseek_v3", "llama4", "gpt_oss"] {
+            if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe is)")
+            }
+        }
+        let moe = if qwen3_moe { Some(moe_shape(&v, layers, name)?) } else { None };
         let use_window = match v.get("use_sliding_window") {
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
             None | Some(serde_json::Value::Null) => !(qwen2 || qwen3),
@@ -319,6 +382,7 @@ impl ModelConfig {
             qk_norm: qwen3 || gemma3,
             partial_window,
             sandwich_norms: gemma3 || gemma2,
+            moe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -352,6 +416,40 @@ impl ModelConfig {
     /// Key (or value) width `a_kv·d`.
     pub fn kv_dim(&self) -> usize {
         self.kv_heads * self.head_dim
+    }
+
+    /// The sparse layers' share of the layers, `sparse_layers / L` (0 without experts).
+    pub fn sparse_fraction(&self) -> f64 {
+        match &self.moe {
+            Some(m) if self.layers > 0 => m.sparse_layers as f64 / self.layers as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// Parameters of a sparse layer's MLP beyond a dense one's: the router `E·h` and the
+    /// experts `3·h·f_e·E`, less the dense `3·h·f` (0 without experts).
+    fn sparse_mlp_extra(&self) -> f64 {
+        let Some(m) = &self.moe else { return 0.0 };
+        let h = self.hidden as f64;
+        (m.experts as f64) * h + 3.0 * h * (m.expert_ffn * m.experts) as f64 - 3.0 * h * self.ffn as f64
+    }
+
+    /// The matrix parameters one token goes through in a layer, averaged over the layers
+    /// (what the linear FLOPs count): [`ModelConfig::layer_matrix_params`], a sparse layer's
+    /// MLP counting the router and the `K` experts a token uses (`E·h + 3·h·f_e·K`).
+    pub fn layer_active_matrix_params(&self) -> f64 {
+        let dense = self.layer_matrix_params() as f64;
+        let Some(m) = &self.moe else { return dense };
+        let h = self.hidden as f64;
+        let sparse = m.experts as f64 * h + 3.0 * h * (m.expert_ffn * m.top_k) as f64 - 3.0 * h * self.ffn as f64;
+        dense + self.sparse_fraction() * sparse
+    }
+
+    /// Parameters a token goes through (embedding and head once): the "active" parameters of
+    /// a mixture of experts; [`ModelConfig::total_params`] for a dense model.
+    pub fn active_params(&self) -> u64 {
+        let extra = self.layers as f64 * (self.layer_active_matrix_params() - self.layer_matrix_params() as f64);
+        (self.total_params() as f64 - self.layers as f64 * self.sparse_fraction() * self.sparse_mlp_extra() + extra).round() as u64
     }
 
     /// Parameters in one layer's matrices: `h·a·d` (Q) + `2·h·a_kv·d` (K, V) + `a·d·h` (O)
@@ -407,10 +505,17 @@ impl ModelConfig {
         } else {
             self.embedding_params()
         };
-        self.layers as u64 * self.layer_params()
-            + self.embedding_params()
-            + out
-            + self.hidden as u64
+        let sparse = match &self.moe {
+            Some(m) => (m.sparse_layers as f64 * self.sparse_mlp_extra()) as i64,
+            None => 0,
+        };
+        (self.layers as u64 * self.layer_params() + self.embedding_params() + out + self.hidden as u64).saturating_add_signed(sparse)
+    }
+
+    /// [`ModelConfig::layer_params`] averaged over the layers (a sparse layer's MLP holds the
+    /// router and every expert).
+    pub fn mean_layer_params(&self) -> f64 {
+        self.layer_params() as f64 + self.sparse_fraction() * self.sparse_mlp_extra()
     }
 }
 
@@ -456,6 +561,24 @@ mod tests {
         let g9 = ModelConfig::preset("gemma2-9b")?;
         assert_eq!((g9.head_dim, g9.partial_window, g9.sandwich_norms, g9.qk_norm), (256, Some((4096, 21)), true, false));
         assert!((b("gemma3-27b")? - 27.01).abs() < 0.01, "{}", b("gemma3-27b")?);
+        // Qwen3-MoE: Qwen/Qwen3-30B-A3B's 30,532,122,624 parameters (3.3B activated), the
+        // 235B-A22B's 235.09B (22.2B activated), from their config.json arithmetic
+        let (a3, a22) = (ModelConfig::preset("qwen3-30b-a3b")?, ModelConfig::preset("qwen3-235b-a22b")?);
+        assert_eq!((a3.total_params(), a3.active_params()), (30_532_122_624, 3_353_032_704));
+        assert_eq!((a22.total_params(), a22.active_params()), (235_093_634_560, 22_190_763_520));
+        assert!(a3.qk_norm && a3.head_dim == 128 && a3.sparse_fraction() == 1.0);
+        // the published config reads as the preset
+        let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,
+            "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,"vocab_size":151936,
+            "moe_intermediate_size":768,"num_experts":128,"norm_topk_prob":true,"num_experts_per_tok":8,"decoder_sparse_step":1,"mlp_only_layers":[],
+            "tie_word_embeddings":false,"use_sliding_window":false,"sliding_window":null,"max_window_layers":48}"#;
+        assert_eq!(ModelConfig::from_hf_json(text, "qwen3-30b-a3b")?, a3);
+        // two of its 48 layers dense: 2 · (3·h·f − router − experts) fewer parameters
+        let some = ModelConfig::from_hf_json(&text.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0, 47]"#), "m")?;
+        assert_eq!(some.moe.as_ref().map(|m| m.sparse_layers), Some(46));
+        assert_eq!(a3.total_params() - some.total_params(), 2 * (128 * 2048 + 3 * 2048 * 768 * 128 - 3 * 2048 * 6144));
+        let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "mixtral"), "m").unwrap_err();
+        assert!(e.0.contains("'mixtral'"), "{e}");
         Ok(())
     }
 

@@ -115,7 +115,8 @@ pub fn render(p: &Plan) -> String {
         m.sliding_window
             .map_or(String::new(), |w| format!(", sliding window {w}"))
             + &m.partial_window.map_or(String::new(), |(w, k)| format!(", sliding window {w} on {k} layers"))
-            + if m.qkv_bias { ", q/k/v biases" } else { "" },
+            + if m.qkv_bias { ", q/k/v biases" } else { "" }
+            + &m.moe.as_ref().map_or(String::new(), |x| format!(", {} experts ({} per token, {} wide) on {} layers, {:.1}B active", x.experts, x.top_k, x.expert_ffn, x.sparse_layers, m.active_params() as f64 / 1e9)),
         i.seq,
         i.doc_len
             .map_or(String::new(), |d| format!(" packed as documents of {d}")),
@@ -165,7 +166,7 @@ pub fn render(p: &Plan) -> String {
             r(
                 "per sequence, Llama exact (GQA, SwiGLU)",
                 gb(p.activation_bytes_per_layer_llama),
-                "s*e*(4h + 2*a*d + 2*a_kv*d + 3f)",
+                if m.moe.is_some() { "s*e*(4h + 2*a*d + 2*a_kv*d + K*(3f_e + 2h))" } else { "s*e*(4h + 2*a*d + 2*a_kv*d + 3f)" },
             ),
             r(
                 "per sequence, candle-cp's Llama (measured)",
@@ -249,7 +250,7 @@ pub fn render(p: &Plan) -> String {
             r(
                 "linear forward",
                 tflop(f.linear_fwd),
-                "2*s*b*(2h*a*d + 2h*a_kv*d + 3h*f)",
+                if m.moe.is_some() { "2*s*b*(2h*a*d + 2h*a_kv*d + E*h + 3h*f_e*K)" } else { "2*s*b*(2h*a*d + 2h*a_kv*d + 3h*f)" },
             ),
             if f.doc_len.is_some() {
                 r(

@@ -161,6 +161,7 @@ mod tests {
             qk_norm: false,
             partial_window: None,
             sandwich_norms: false,
+            moe: None,
         }
     }
 
