@@ -172,7 +172,12 @@ impl SparseMoe {
 /// `logits` (the backward recomputes the softmax). Their gradient gains the load-balancing
 /// loss's derivative `[E]` (broadcast over the tokens) when the log has one at backward time.
 fn router_probs(logits: &Tensor, log: &RouterLog) -> Result<Tensor> {
-    let softmax = |l: &Tensor| candle_nn::ops::softmax_last_dim(&l.to_dtype(DType::F32)?);
+    // (from candle's elementwise ops and reductions, which every backend has)
+    let softmax = |l: &Tensor| -> Result<Tensor> {
+        let l = l.to_dtype(DType::F32)?;
+        let e = l.broadcast_sub(&l.max_keepdim(D::Minus1)?)?.exp()?;
+        e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
+    };
     let probs = softmax(&logits.detach())?;
     let (log, kept) = (log.clone(), logits.detach());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
