@@ -14,7 +14,9 @@
 //! - Checkpoints: the experts are written per expert (`mlp.experts.{e}.{gate,up,down}_proj
 //!   .weight`, as published Qwen3-MoE checkpoints hold them) and read back stacked, whole and
 //!   sharded over TP 1, 2, 4, bit for bit; the sharded writer writes the same bytes; read as
-//!   a dense Qwen3 the experts are refused by name.
+//!   a dense Qwen3 the experts are refused by name. transformers 5's fused experts
+//!   (`mlp.experts.gate_up_proj` `[E, 2·Ie, h]`, `mlp.experts.down_proj` `[E, h, Ie]`) read the
+//!   same.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
@@ -189,6 +191,35 @@ fn qwen3_moe_checkpoints() -> Result<()> {
             assert!(r?, "tp {tp}: the sharded load differs from sharding the whole model");
         }
         assert!(std::fs::read(sharded.join("model.safetensors"))? == bytes, "tp {tp}: the sharded writer wrote other bytes");
+    }
+    // transformers 5's fused experts: gate and up concatenated along dim 1, down as stacked
+    let fused_dir = root.join("fused");
+    std::fs::create_dir_all(&fused_dir)?;
+    let mut fused: HashMap<String, Tensor> = HashMap::new();
+    for (k, t) in &full {
+        if let Some(p) = k.strip_suffix("mlp.experts.gate_proj") {
+            fused.insert(format!("{p}mlp.experts.gate_up_proj"), Tensor::cat(&[t, &full[&format!("{p}mlp.experts.up_proj")]], 1)?);
+        } else if !k.ends_with("mlp.experts.up_proj") {
+            fused.insert(k.clone(), t.clone());
+        }
+    }
+    candle_core::safetensors::save(&fused, fused_dir.join("model.safetensors"))?;
+    std::fs::write(fused_dir.join("config.json"), &config)?;
+    let got = candle_cp_llama::params::varmap_tensors(&load_hf(&fused_dir, &Device::Cpu, DType::F32)?.0)?;
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "fused: {k}");
+    }
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, false))?;
+        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&fused_dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+        let mut same = want.len() == got.len();
+        for (k, w) in &want {
+            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
+        }
+        Ok(same)
+    }) {
+        assert!(r?, "fused, tp 2: the sharded load differs");
     }
     // read as a dense Qwen3: the router and the experts are not its parameters
     let mut dense = cfg.clone().with_moe(None);

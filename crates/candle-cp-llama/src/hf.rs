@@ -8,7 +8,7 @@
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
-use crate::params::{checkpoint_tensors, param_specs, varmap_tensors, ParamSpec};
+use crate::params::{checkpoint_tensors, fused_checkpoint_tensor, param_specs, varmap_tensors, ParamSpec};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
 use std::collections::{BTreeMap, HashMap};
@@ -111,9 +111,26 @@ impl TextPrefix {
 
 /// The full tensor of parameter `spec` from the checkpoint, whose tensor `name` `get(name)`
 /// returns (`None`: absent): the tensor of that name, or a stacked expert tensor `[E, ·, ·]`
-/// from its `E` experts' tensors ([`checkpoint_tensors`]). Errors name a missing or mis-shaped
+/// from transformers 5's fused tensor or else from its `E` experts' tensors
+/// ([`fused_checkpoint_tensor`], [`checkpoint_tensors`]). Errors name a missing or mis-shaped
 /// tensor.
 fn param_from_checkpoint(dir: &Path, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+    if let Some((name, rows)) = fused_checkpoint_tensor(spec) {
+        let name = prefix.checkpoint_name(&name);
+        if let Some(t) = get(&name)? {
+            let mut want = spec.shape.clone();
+            if rows.is_some() {
+                want[1] *= 2;
+            }
+            if t.dims() != want.as_slice() {
+                bail!("{}: tensor {name} has shape {:?}, config implies {want:?}", dir.display(), t.dims())
+            }
+            return match rows {
+                Some((start, len)) => t.narrow(1, start, len)?.contiguous(),
+                None => Ok(t),
+            };
+        }
+    }
     let mut parts = Vec::new();
     for (name, expert) in checkpoint_tensors(spec) {
         let name = prefix.checkpoint_name(&name);
@@ -138,7 +155,9 @@ fn param_from_checkpoint(dir: &Path, spec: &ParamSpec, prefix: TextPrefix, mut g
 /// RoPE's `*.rotary_emb.inv_freq` buffers (computed from the config), and a multimodal Gemma
 /// 3's vision tower and projector ([`TextPrefix`]).
 fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
-    let used: std::collections::HashSet<String> = param_specs(cfg).iter().flat_map(checkpoint_tensors).map(|(n, _)| n).collect();
+    let specs = param_specs(cfg);
+    let fused = specs.iter().filter_map(fused_checkpoint_tensor).map(|(n, _)| n);
+    let used: std::collections::HashSet<String> = specs.iter().flat_map(checkpoint_tensors).map(|(n, _)| n).chain(fused).collect();
     let mut unused: Vec<&str> = names
         .filter(|n| match prefix.param_name(n) {
             None => false,

@@ -154,6 +154,20 @@ pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
     vec![(spec.name.clone(), None)]
 }
 
+/// The name and the rows `(start, len)` along dim 1 of a stacked expert parameter in
+/// transformers 5's fused layout (`mlp.experts.gate_up_proj` `[E, 2·Ie, h]`, gate then up;
+/// `mlp.experts.down_proj` `[E, h, Ie]` whole: `None`), or `None` for another parameter.
+pub fn fused_checkpoint_tensor(spec: &ParamSpec) -> Option<(String, Option<(usize, usize)>)> {
+    let ie = spec.shape.get(1).copied().unwrap_or(0);
+    if let Some(prefix) = spec.name.strip_suffix("mlp.experts.gate_proj") {
+        return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((0, ie))));
+    }
+    if let Some(prefix) = spec.name.strip_suffix("mlp.experts.up_proj") {
+        return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((ie, ie))));
+    }
+    spec.name.ends_with("mlp.experts.down_proj").then(|| (spec.name.clone(), None))
+}
+
 /// The forward-order group of parameter `name` of a model with `layers` decoder layers, for
 /// [`crate::Llama::set_param_hook`]: 0 the embedding (and a tied head), `1 + i` the
 /// parameters of layer `i` (`model.layers.{i}.*`), `layers + 1` the final norm and the head.
