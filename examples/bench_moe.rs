@@ -11,7 +11,7 @@
 //! read the ratio, not the seconds. The two paths' outputs and gradients are compared first.
 
 use anyhow::{bail, Result};
-use candle_core::{DType, Device, Tensor, Var};
+use candle_core::{Device, Tensor, Var};
 use candle_cp_ops::moe::{combine, combine_slow, grouped_matmul, grouped_matmul_slow, Routing};
 use std::time::Instant;
 
