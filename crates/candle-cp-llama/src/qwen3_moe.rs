@@ -220,7 +220,7 @@ mod tests {
         // a mixture of experts is Qwen3-MoE: q, k norms, no biases, no Gemma
         let mut c = LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(MoeConfig::new(4, 2, 16)));
         assert!(c.validate().is_ok() && c.arch() == Arch::Qwen3Moe);
-        c.qkv_bias = true;
+        c.qk_norm = false;
         assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("Qwen3-MoE"));
         Ok(())
     }
