@@ -221,6 +221,44 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     Ok((Reference { input_ids: ids.clone(), logits: logits.to_dtype(DType::F32)?, loss: loss.to_scalar::<f64>()?, grads }, margin))
 }
 
+/// Greedy generation of 6 tokens after `ids` `[B, T]`: the cached decode's logits equal the
+/// full forward's rows (1e-4) on one device, and each of `layouts` decodes the same tokens
+/// (logits within 1e-4) on every rank.
+pub fn cached_generation_agrees(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, ids: &Tensor, layouts: &[candle_cp_llama::Layout]) -> Result<()> {
+    use candle_cp_llama::{shard_tensors, Layout, Llama, ParallelCtx};
+    let gen = |layout: Layout| {
+        candle_cp_comm::run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_tensors(full, cfg, &ctx)?;
+            let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?;
+            let out = m.generate_greedy(ids, 6)?;
+            // the full forward of the prompt and the tokens, its last row before each token
+            let toks = Tensor::from_vec(out.tokens.concat(), (out.tokens.len(), out.tokens[0].len()), &Device::Cpu)?;
+            let seq = Tensor::cat(&[ids, &toks], 1)?;
+            let all = if layout.world_size() == 1 { Some(m.forward(&seq, &Tensor::arange(0u32, seq.dim(1)? as u32, &Device::Cpu)?)?) } else { None };
+            Ok((out, all))
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()
+    };
+    let single = gen(Layout::single())?;
+    let (want, Some(full_fwd)) = &single[0] else { candle_core::bail!("no full forward") };
+    for (i, l) in want.logits.iter().enumerate() {
+        let row = full_fwd.narrow(1, ids.dim(1)? - 1 + i, 1)?.squeeze(1)?;
+        let e = max_abs(l, &row)?;
+        assert!(e < 1e-4, "token {i}: cached logits differ from the full forward by {e:.1e}");
+    }
+    for &layout in layouts {
+        for (r, (g, _)) in gen(layout)?.iter().enumerate() {
+            assert_eq!(g.tokens, want.tokens, "{} {layout} rank {r}", cfg.arch().hf_names().0);
+            for (a, b) in g.logits.iter().zip(&want.logits) {
+                assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Max |a - b| in f64.
 pub fn max_abs(a: &Tensor, b: &Tensor) -> Result<f64> {
     (a.to_dtype(DType::F64)? - b.to_dtype(DType::F64)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()

@@ -41,8 +41,7 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::{load_safetensors_dir, save_hf_tensors};
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, Reference, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, shard_tensors, Llama, LlamaConfig, ParallelCtx};
-use candle_nn::VarBuilder;
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, shard_tensors, LlamaConfig, ParallelCtx};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -421,37 +420,7 @@ fn per_layer_windows_match_the_reference() -> Result<()> {
 
 fn generation((cfg, full): (LlamaConfig, HashMap<String, Tensor>)) -> Result<()> {
     let ids = oracle()?.2.input_ids.narrow(1, 0, 32)?.contiguous()?;
-    let gen = |layout: Layout| {
-        run_ranks(layout.world_size(), |g| {
-            let ctx = ParallelCtx::new(g, layout)?;
-            let vm = shard_tensors(&full, &cfg, &ctx)?;
-            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
-            let out = m.generate_greedy(&ids, 6)?;
-            // the full forward of the prompt and the tokens, its last row before each token
-            let toks = Tensor::from_vec(out.tokens.concat(), (out.tokens.len(), out.tokens[0].len()), &Device::Cpu)?;
-            let seq = Tensor::cat(&[&ids, &toks], 1)?;
-            let all = if layout.world_size() == 1 { Some(m.forward(&seq, &Tensor::arange(0u32, seq.dim(1)? as u32, &Device::Cpu)?)?) } else { None };
-            Ok((out, all))
-        })
-        .into_iter()
-        .collect::<Result<Vec<_>>>()
-    };
-    let single = gen(Layout::single())?;
-    let (want, Some(full_fwd)) = &single[0] else { candle_core::bail!("no full forward") };
-    for (i, l) in want.logits.iter().enumerate() {
-        let row = full_fwd.narrow(1, ids.dim(1)? - 1 + i, 1)?.squeeze(1)?;
-        let e = max_abs(l, &row)?;
-        assert!(e < 1e-4, "token {i}: cached logits differ from the full forward by {e:.1e}");
-    }
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false)] {
-        for (r, (g, _)) in gen(layout)?.iter().enumerate() {
-            assert_eq!(g.tokens, want.tokens, "{} {layout} rank {r}", cfg.arch().hf_names().0);
-            for (a, b) in g.logits.iter().zip(&want.logits) {
-                assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
-            }
-        }
-    }
-    Ok(())
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false)])
 }
 
 /// A Qwen2 and a Qwen3 checkpoint each round trip bit for bit (whole, and sharded over TP 1,

@@ -23,9 +23,8 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, Llama, LlamaConfig, MoeConfig, ParallelCtx};
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeConfig, ParallelCtx};
 use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
-use candle_nn::VarBuilder;
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -113,36 +112,8 @@ fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
 #[test]
 fn qwen3_moe_generation() -> Result<()> {
     let (cfg, full) = qwen3_moe(None)?;
-    let ids = ids(32)?;
-    let gen = |layout: Layout| {
-        run_ranks(layout.world_size(), |g| {
-            let ctx = ParallelCtx::new(g, layout)?;
-            let vm = shard_tensors(&full, &cfg, &ctx)?;
-            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
-            let out = m.generate_greedy(&ids, 6)?;
-            let toks = Tensor::from_vec(out.tokens.concat(), (out.tokens.len(), out.tokens[0].len()), &Device::Cpu)?;
-            let seq = Tensor::cat(&[&ids, &toks], 1)?;
-            let all = if layout.world_size() == 1 { Some(m.forward(&seq, &Tensor::arange(0u32, seq.dim(1)? as u32, &Device::Cpu)?)?) } else { None };
-            Ok((out, all))
-        })
-        .into_iter()
-        .collect::<Result<Vec<_>>>()
-    };
-    let single = gen(Layout::single())?;
-    let (want, Some(full_fwd)) = &single[0] else { candle_core::bail!("no full forward") };
-    for (i, l) in want.logits.iter().enumerate() {
-        let e = max_abs(l, &full_fwd.narrow(1, ids.dim(1)? - 1 + i, 1)?.squeeze(1)?)?;
-        assert!(e < 1e-4, "token {i}: cached logits differ from the full forward by {e:.1e}");
-    }
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)] {
-        for (r, (g, _)) in gen(layout)?.iter().enumerate() {
-            assert_eq!(g.tokens, want.tokens, "{layout} rank {r}");
-            for (a, b) in g.logits.iter().zip(&want.logits) {
-                assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
-            }
-        }
-    }
-    Ok(())
+    let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
 }
 
 /// The experts go to a checkpoint per expert and come back stacked, whole and sharded; the
