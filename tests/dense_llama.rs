@@ -15,7 +15,7 @@
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
-//! - Qwen3-MoE: on a sparse layer the router's `softmax(x·Wrᵀ)`, each token's top `K`
+//! - Qwen3-MoE and Mixtral: on a sparse layer the router's `softmax(x·Wrᵀ)`, each token's top `K`
 //!   (renormalised with `norm_topk_prob`), and every expert's SwiGLU on every token weighted by
 //!   that token's weight of it (0 when not chosen); with `output_router_logits` the loss adds
 //!   `coef · E · Σ_e (C_e / R)·(S_e / R)` (`C_e` choices of expert `e`, `S_e` its summed
@@ -157,7 +157,8 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             Some(mc) if cfg.is_moe_layer(l) => {
                 let (e, k, rn) = (mc.num_experts, mc.num_experts_per_tok, b * t);
                 let x2 = hn.reshape((rn, h))?;
-                let probs = candle_nn::ops::softmax(&linear(&x2, p(&n("mlp.gate.weight"))?, None)?, D::Minus1)?;
+                let module = mc.module();
+                let probs = candle_nn::ops::softmax(&linear(&x2, p(&n(&format!("{module}.gate.weight")))?, None)?, D::Minus1)?;
                 let mut chosen = vec![0f64; rn * e];
                 for (i, row) in probs.to_vec2::<f64>()?.iter().enumerate() {
                     let mut idx: Vec<usize> = (0..e).collect();
@@ -182,7 +183,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 }
                 let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;
                 for ex in 0..e {
-                    let w_of = |s: &str| -> Result<Tensor> { p(&n(&format!("mlp.experts.{s}")))?.get(ex) };
+                    let w_of = |s: &str| -> Result<Tensor> { p(&n(&format!("{module}.experts.{s}")))?.get(ex) };
                     let g = linear(&x2, &w_of("gate_proj")?, None)?;
                     let u = linear(&x2, &w_of("up_proj")?, None)?;
                     let ye = linear(&(g.silu()? * u)?, &w_of("down_proj")?, None)?;

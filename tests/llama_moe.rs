@@ -1,4 +1,5 @@
-//! Qwen3-MoE (`model_type` `qwen3_moe`): mixture-of-experts MLPs on every kind of layout.
+//! Qwen3-MoE (`model_type` `qwen3_moe`) and Mixtral (`mixtral`): mixture-of-experts MLPs on
+//! every kind of layout.
 //!
 //! - The tiny-llama weights as a Qwen3-MoE model (seeded q / k norms; layer 0 dense through
 //!   `mlp_only_layers`, layer 1 a mixture of 8 experts, 2 per token, renormalised, each 48
@@ -17,13 +18,17 @@
 //!   a dense Qwen3 the experts are refused by name. transformers 5's fused experts
 //!   (`mlp.experts.gate_up_proj` `[E, 2·Ie, h]`, `mlp.experts.down_proj` `[E, h, Ie]`) read the
 //!   same.
+//! - Mixtral (no head norms, every layer sparse, a window of 40 on every layer, the top 2 of 8
+//!   renormalised, the load-balancing loss on): six layouts, DP and recomputed layers give the
+//!   reference's results; its checkpoint names (`block_sparse_moe.experts.{e}.{w1,w3,w2}`) round
+//!   trip whole and sharded.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeConfig, ParallelCtx};
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeConfig, MoeStyle, ParallelCtx};
 use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
 use std::collections::HashMap;
 
@@ -37,14 +42,31 @@ fn ids(t: usize) -> Result<Tensor> {
 /// The oracle's weights as a Qwen3-MoE model (see the module doc), `coef` the load-balancing
 /// loss's weight (`None`: off).
 fn qwen3_moe(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    moe_model(MoeStyle::Qwen3Moe, coef)
+}
+
+/// [`qwen3_moe`]'s weights as a Mixtral: no head norms, both layers sparse, a window of 40.
+fn mixtral(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    moe_model(MoeStyle::Mixtral, coef)
+}
+
+fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let dir = candle_cp_tests::oracle_dir("tiny-llama");
     let base = LlamaConfig::from_file(dir.join("config.json"))?;
-    let mut moe = MoeConfig::new(8, 2, 48);
-    moe.norm_topk_prob = true;
-    moe.mlp_only_layers = vec![0];
+    let mut moe = match style {
+        MoeStyle::Qwen3Moe => {
+            let mut m = MoeConfig::new(8, 2, 48);
+            (m.norm_topk_prob, m.mlp_only_layers) = (true, vec![0]);
+            m
+        }
+        MoeStyle::Mixtral => MoeConfig::mixtral(8, 2, 48),
+    };
     moe.output_router_logits = coef.is_some();
     moe.router_aux_loss_coef = coef.unwrap_or(0.0);
-    let cfg = base.with_moe(Some(moe));
+    let mut cfg = base.with_moe(Some(moe));
+    if style == MoeStyle::Mixtral {
+        cfg = cfg.with_sliding_window(Some(40));
+    }
     cfg.validate()?;
     let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
     let mut full = HashMap::new();
@@ -54,8 +76,8 @@ fn qwen3_moe(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)
             t.clone()
         } else if name.contains("self_attn") && name.ends_with("_norm.weight") {
             ((candle_cp_tests::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?
-        } else if name.ends_with("mlp.gate.weight") {
-            (candle_cp_tests::rand_t(37, name, &spec.shape)? * 0.1)?
+        } else if name.ends_with(".gate.weight") {
+            (candle_cp_tests::rand_t(if style == MoeStyle::Mixtral { 43 } else { 37 }, name, &spec.shape)? * 0.1)?
         } else {
             (candle_cp_tests::rand_t(41, name, &spec.shape)? * 0.08)?
         };
@@ -68,26 +90,7 @@ fn qwen3_moe(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)
 /// gradients; the routing is far from a tie; the load-balancing loss binds.
 #[test]
 fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
-    let (cfg, full) = qwen3_moe(Some(0.5))?;
-    let ids = ids(T)?;
-    let (want, margin) = reference_routed(&full, &cfg, &ids)?;
-    println!("smallest top-2 margin of the router probabilities: {margin:.2e}");
-    assert!(margin > 1e-5, "a near tie in the routing ({margin:.1e}): float32 could route otherwise");
-    let (plain_cfg, _) = qwen3_moe(None)?;
-    let plain = reference(&full, &plain_cfg, &ids)?;
-    let r = "model.layers.1.mlp.gate.weight";
-    let rel = max_abs(&plain.grads[r], &want.grads[r])? / max_abs(&want.grads[r], &want.grads[r].zeros_like()?)?;
-    assert!(rel > 0.05, "the load-balancing loss moves the router's gradient by only {rel:.1e}");
-    let experts = |k: &str| k.contains("mlp.experts.") || k.ends_with("mlp.gate.weight");
-    let check = |layout: Layout, run: candle_cp_llama::verify::LayoutRun, want: &candle_cp_llama::verify::Reference| -> Result<()> {
-        let rep = compare(&run, want, Tolerances::default())?;
-        println!("qwen3_moe {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4, "{layout}");
-        assert!(rep.pass(), "{layout}: {rep:?}");
-        Ok(())
-    };
-    for layout in [
+    let layouts = [
         Layout::single(),
         Layout::cp(CpKind::Ring, 4),
         Layout::cp(CpKind::Zigzag, 4),
@@ -98,7 +101,49 @@ fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::single().with_tp(2, true),
         Layout::single().with_tp(4, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
-    ] {
+    ];
+    on_layouts(MoeStyle::Qwen3Moe, &layouts)
+}
+
+/// Mixtral (no head norms, every layer sparse, a window on every layer) on six layouts, DP and
+/// recomputed layers: the reference.
+#[test]
+fn mixtral_on_every_layout_matches_the_reference() -> Result<()> {
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    on_layouts(MoeStyle::Mixtral, &layouts)
+}
+
+/// The model of `style` (load-balancing loss at 0.5) on `layouts`, then zigzag 2 × TP 2 + SP
+/// with recomputed layers and ring 2 × DP 2, against the float64 reference.
+fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
+    let (cfg, full) = moe_model(style, Some(0.5))?;
+    let ids = ids(T)?;
+    let (want, margin) = reference_routed(&full, &cfg, &ids)?;
+    println!("{style:?}: smallest top-2 margin of the router probabilities: {margin:.2e}");
+    assert!(margin > 1e-5, "a near tie in the routing ({margin:.1e}): float32 could route otherwise");
+    let (plain_cfg, _) = moe_model(style, None)?;
+    let plain = reference(&full, &plain_cfg, &ids)?;
+    let module = cfg.moe.as_ref().map_or("mlp", |m| m.module());
+    let r = format!("model.layers.1.{module}.gate.weight");
+    let rel = max_abs(&plain.grads[&r], &want.grads[&r])? / max_abs(&want.grads[&r], &want.grads[&r].zeros_like()?)?;
+    assert!(rel > 0.05, "the load-balancing loss moves the router's gradient by only {rel:.1e}");
+    let experts = |k: &str| k.contains(&format!("{module}.experts.")) || k.ends_with(&format!("{module}.gate.weight"));
+    let check = |layout: Layout, run: candle_cp_llama::verify::LayoutRun, want: &candle_cp_llama::verify::Reference| -> Result<()> {
+        let rep = compare(&run, want, Tolerances::default())?;
+        println!("{style:?} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4 * cfg.moe_layers(), "{layout}");
+        assert!(rep.pass(), "{style:?} {layout}: {rep:?}");
+        Ok(())
+    };
+    for &layout in layouts {
         check(layout, run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want)?;
     }
     let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true);
@@ -108,12 +153,61 @@ fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
     check(layout, run_layout(&full, &cfg, &two, layout, &Device::Cpu)?, &reference_rows(&want)?)
 }
 
-/// Cached decoding equals the full forward; CP and TP decode the single device's tokens.
+/// Cached decoding equals the full forward; CP and TP decode the single device's tokens
+/// (Qwen3-MoE; Mixtral with a window of 12, which binds within the 32 + 6 tokens).
 #[test]
-fn qwen3_moe_generation() -> Result<()> {
-    let (cfg, full) = qwen3_moe(None)?;
+fn qwen3_moe_and_mixtral_generation() -> Result<()> {
     let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
-    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
+    let (cfg, full) = qwen3_moe(None)?;
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)?;
+    let (cfg, full) = mixtral(None)?;
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg.with_sliding_window(Some(12)), &full, &ids(32)?, &layouts)
+}
+
+/// A Mixtral's experts go to a checkpoint under Mixtral's names and come back, whole and
+/// sharded over TP 2.
+#[test]
+fn mixtral_checkpoints() -> Result<()> {
+    let (cfg, full) = mixtral(Some(0.02))?;
+    let dir = std::env::temp_dir().join(format!("candle-cp-mixtral-{}", std::process::id()));
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        for (k, t) in &full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    save_hf(&dir, &vm, &cfg)?;
+    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    for k in ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.1.block_sparse_moe.experts.0.w2.weight"] {
+        assert!(names.contains_key(k), "{k}");
+    }
+    // w1 is the gate, w3 the up projection, w2 the down projection
+    let stacked = |p: &str| full[&format!("model.layers.0.block_sparse_moe.experts.{p}")].get(3);
+    for (ckpt, p) in [("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")] {
+        assert_eq!(max_abs(&names[&format!("model.layers.0.block_sparse_moe.experts.3.{ckpt}.weight")], &stacked(p)?)?, 0.0, "{ckpt}");
+    }
+    assert!(std::fs::read_to_string(dir.join("config.json"))?.contains("MixtralForCausalLM"));
+    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
+        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+        let mut same = want.len() == got.len();
+        for (k, w) in &want {
+            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
+        }
+        Ok(same)
+    }) {
+        assert!(r?, "tp 2: the sharded load differs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
 }
 
 /// The experts go to a checkpoint per expert and come back stacked, whole and sharded; the

@@ -92,11 +92,15 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         m.norm_topk_prob = true;
         m
     };
-    let cfg = |layers, arch: usize| LlamaConfig::tiny(64, 256, layers, 8, 2).with_qk_norm(arch == 1).with_gemma3(arch == 2).with_moe((arch == 3).then(moe));
+    // 4 Mixtral (the same experts, no head norms)
+    let cfg = |layers, arch: usize| {
+        let c = LlamaConfig::tiny(64, 256, layers, 8, 2).with_qk_norm(arch == 1).with_gemma3(arch == 2).with_moe((arch == 3).then(moe));
+        if arch == 4 { c.with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 64))) } else { c }
+    };
     let model = |arch| {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
-    let (m, qwen3, gemma3, qwen3_moe) = (model(0)?, model(1)?, model(2)?, model(3)?);
+    let (m, qwen3, gemma3, qwen3_moe, mixtral) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?);
     assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some());
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
@@ -150,17 +154,23 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("qwen3-moe: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
         ("qwen3-moe: tp 2 + sp, zigzag 2, recompute", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), true),
     ];
-    let (n_plain, n_qwen3, n_gemma3) = (cases.len(), qwen3_cases.len(), gemma3_cases.len());
+    let mixtral_cases = [
+        ("mixtral: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("mixtral: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+    ];
+    let (n_plain, n_qwen3, n_gemma3, n_moe) = (cases.len(), qwen3_cases.len(), gemma3_cases.len(), moe_cases.len());
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
+    cases.extend(mixtral_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
             i if i < n_plain => (0, &m),
             i if i < n_plain + n_qwen3 => (1, &qwen3),
             i if i < n_plain + n_qwen3 + n_gemma3 => (2, &gemma3),
-            _ => (3, &qwen3_moe),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe => (3, &qwen3_moe),
+            _ => (4, &mixtral),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

@@ -8,6 +8,7 @@
 //! | `qwen2` (`Qwen2ForCausalLM`)       | yes            | no         | only with `use_sliding_window`, on the layers from `max_window_layers` on, or those `layer_types` names |
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
 //! | `qwen3_moe` (`Qwen3MoeForCausalLM`) | no            | yes        | as Qwen2 (its MLPs: [`crate::config::qwen3_moe`]) |
+//! | `mixtral` (`MixtralForCausalLM`)   | no             | no         | as Mistral (its MLPs: [`crate::config::qwen3_moe`]) |
 //! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //!
@@ -45,6 +46,8 @@ pub enum Arch {
     /// `Qwen3MoeForCausalLM`: a Qwen3 whose MLPs are mixtures of experts (see
     /// [`crate::config::qwen3_moe`]).
     Qwen3Moe,
+    /// `MixtralForCausalLM`: a Mistral whose MLPs are mixtures of experts.
+    Mixtral,
     /// `Gemma3ForCausalLM` (`model_type` `gemma3_text`, the text model): see [`crate::gemma`].
     Gemma3,
     /// `Gemma2ForCausalLM`: see [`crate::gemma2`].
@@ -53,10 +56,10 @@ pub enum Arch {
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, gemma3_text, gemma2";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma3_text, gemma2";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 7] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Gemma3, Arch::Gemma2];
+    pub const ALL: [Arch; 8] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Gemma3, Arch::Gemma2];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -74,6 +77,7 @@ impl Arch {
             Arch::Qwen2 => ("Qwen2ForCausalLM", "qwen2"),
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
+            Arch::Mixtral => ("MixtralForCausalLM", "mixtral"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
         }
@@ -131,7 +135,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Gemma2 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -188,7 +192,7 @@ impl Arch {
                     };
                     (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(p)).collect()
                 }
-                Arch::Llama | Arch::Mistral => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral => vec![w.is_some(); layers],
             },
             Some(Value::Array(a)) => {
                 if a.len() != layers {
@@ -213,7 +217,7 @@ impl Arch {
         if windowed == layers {
             return Ok((w, None));
         }
-        if matches!(self, Arch::Llama | Arch::Mistral) {
+        if matches!(self, Arch::Llama | Arch::Mistral | Arch::Mixtral) {
             bail!(
                 "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3, Gemma 3)",
                 w.unwrap_or(0),
@@ -267,7 +271,7 @@ mod tests {
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
             (r#", "model_type": "qwen2_moe""#, "model_type `qwen2_moe` not supported"),
-            (r#", "architectures": ["MixtralForCausalLM"]"#, "architecture `MixtralForCausalLM` not supported"),
+            (r#", "architectures": ["DeepseekV3ForCausalLM"]"#, "architecture `DeepseekV3ForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),

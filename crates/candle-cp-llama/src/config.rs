@@ -16,7 +16,7 @@ pub mod gemma2;
 pub use gemma2::Gemma2;
 #[path = "qwen3_moe.rs"]
 pub mod qwen3_moe;
-pub use qwen3_moe::MoeConfig;
+pub use qwen3_moe::{MoeConfig, MoeStyle};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 use std::path::Path;
@@ -291,6 +291,7 @@ impl LlamaConfig {
         };
         let moe = match arch {
             Arch::Qwen3Moe => Some(qwen3_moe::parse(m)?),
+            Arch::Mixtral => Some(qwen3_moe::parse_mixtral(m, need_usize(m, "intermediate_size")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -409,8 +410,11 @@ impl LlamaConfig {
         if self.gemma2.is_some() {
             return Arch::Gemma2;
         }
-        if self.moe.is_some() {
-            return Arch::Qwen3Moe;
+        if let Some(m) = &self.moe {
+            return match m.style {
+                MoeStyle::Qwen3Moe => Arch::Qwen3Moe,
+                MoeStyle::Mixtral => Arch::Mixtral,
+            };
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
@@ -504,11 +508,22 @@ impl LlamaConfig {
             gemma2::validate(g)?;
         }
         if let Some(m) = &self.moe {
-            if !self.qk_norm || self.qkv_bias || self.is_gemma() {
+            let mixtral = m.style == MoeStyle::Mixtral;
+            if self.qk_norm == mixtral || self.qkv_bias || self.is_gemma() {
                 bail!(
-                    "LlamaConfig: a mixture of experts is a Qwen3-MoE model: q, k head norms, no q, k, v biases, no Gemma (qk_norm {}, qkv_bias {})",
+                    "LlamaConfig: a mixture of experts is a Qwen3-MoE model (q, k head norms) or a Mixtral (none), no q, k, v biases, no Gemma (qk_norm {}, qkv_bias {}, {:?})",
                     self.qk_norm,
-                    self.qkv_bias
+                    self.qkv_bias,
+                    m.style
+                )
+            }
+            if mixtral && (m.moe_intermediate_size != self.intermediate_size || !m.mlp_only_layers.is_empty() || m.decoder_sparse_step != 1) {
+                bail!(
+                    "LlamaConfig: a Mixtral's experts are intermediate_size ({}) wide ({} given) on every layer (mlp_only_layers {:?}, decoder_sparse_step {})",
+                    self.intermediate_size,
+                    m.moe_intermediate_size,
+                    m.mlp_only_layers,
+                    m.decoder_sparse_step
                 )
             }
             qwen3_moe::validate(m, self.num_hidden_layers)?;

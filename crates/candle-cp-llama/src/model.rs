@@ -309,7 +309,7 @@ impl Llama {
             ];
             let mlp = match &cfg.moe {
                 Some(m) if cfg.is_moe_layer(i) => {
-                    let p = |s: &str| format!("model.layers.{i}.mlp.{s}");
+                    let p = |s: &str| format!("model.layers.{i}.{}.{s}", m.module());
                     Mlp::Sparse(SparseMoe {
                         router: get(&p("gate.weight"))?,
                         gate: get(&p("experts.gate_proj"))?,

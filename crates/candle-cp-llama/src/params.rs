@@ -13,14 +13,23 @@
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
-//! | `mlp.gate.weight` (Qwen3-MoE sparse layers, [`LlamaConfig::is_moe_layer`]) | `[E, h]` | replicated (the router) |
-//! | `mlp.experts.{gate,up}_proj` (sparse layers) | `[E, Ie, h]`    | dim 1 (each expert's rows, [`Shard::Dim`]) |
-//! | `mlp.experts.down_proj` (sparse layers)     | `[E, h, Ie]`     | dim 2 (each expert's columns) |
-//! | `lm_head.weight` (absent when tied)         | `[V, h]`         | rows (vocabulary), as the embedding |
+//!
+//! A sparse layer (Qwen3-MoE, Mixtral: [`LlamaConfig::is_moe_layer`]) has instead, under its
+//! module `m` (`mlp`, Mixtral's `block_sparse_moe`: [`crate::MoeConfig::module`]):
+//!
+//! | parameter                                   | full shape       | TP shard        |
+//! |---------------------------------------------|------------------|-----------------|
+//! | `m.gate.weight`                             | `[E, h]`         | replicated (the router) |
+//! | `m.experts.{gate,up}_proj`                  | `[E, Ie, h]`     | dim 1 (each expert's rows, [`Shard::Dim`]) |
+//! | `m.experts.down_proj`                       | `[E, h, Ie]`     | dim 2 (each expert's columns) |
+//!
+//! and the model ends with `lm_head.weight` `[V, h]` (absent when tied), rows (vocabulary) as
+//! the embedding.
 //!
 //! A sparse layer's experts are stacked: one `[E, ·, ·]` tensor per projection (the layout of
 //! transformers 5's fused experts), which the experts' grouped matmul reads without a copy.
-//! Checkpoints hold them per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`):
+//! Checkpoints hold them per expert (`mlp.experts.{e}.{gate,up,down}_proj.weight`; Mixtral's
+//! `block_sparse_moe.experts.{e}.{w1,w3,w2}.weight`):
 //! [`crate::hf`] splits and stacks them at the boundary ([`checkpoint_tensors`]).
 
 use crate::config::LlamaConfig;
@@ -120,10 +129,11 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         match &cfg.moe {
             Some(m) if cfg.is_moe_layer(l) => {
                 let (e, ie) = (m.num_experts, m.moe_intermediate_size);
-                add(p("mlp.gate.weight"), vec![e, h], norm);
-                add(p("mlp.experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
-                add(p("mlp.experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
-                add(p("mlp.experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
+                let q = |s: &str| p(&format!("{}.{s}", m.module()));
+                add(q("gate.weight"), vec![e, h], norm);
+                add(q("experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
+                add(q("experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
+                add(q("experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
             }
             _ => {
                 add(p("mlp.gate_proj.weight"), vec![i, h], col);
@@ -144,11 +154,20 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
 /// as `mlp.experts.{e}.{gate,up,down}_proj.weight`, `e` in `0..E`), `None` for a parameter
 /// held whole under its own name.
 pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
-    for proj in ["gate_proj", "up_proj", "down_proj"] {
-        let suffix = format!("mlp.experts.{proj}");
+    // (module, stacked name, the checkpoint's per-expert name)
+    let names = [
+        ("mlp", "gate_proj", "gate_proj"),
+        ("mlp", "up_proj", "up_proj"),
+        ("mlp", "down_proj", "down_proj"),
+        ("block_sparse_moe", "gate_proj", "w1"),
+        ("block_sparse_moe", "up_proj", "w3"),
+        ("block_sparse_moe", "down_proj", "w2"),
+    ];
+    for (module, proj, per_expert) in names {
+        let suffix = format!("{module}.experts.{proj}");
         if let Some(prefix) = spec.name.strip_suffix(&suffix) {
             let e = spec.shape.first().copied().unwrap_or(0);
-            return (0..e).map(|i| (format!("{prefix}mlp.experts.{i}.{proj}.weight"), Some(i))).collect();
+            return (0..e).map(|i| (format!("{prefix}{module}.experts.{i}.{per_expert}.weight"), Some(i))).collect();
         }
     }
     vec![(spec.name.clone(), None)]

@@ -1,5 +1,8 @@
 //! Qwen3-MoE (`model_type` `qwen3_moe`, `Qwen3MoeForCausalLM`): a Qwen3 (q, k head norms)
-//! whose MLPs are mixtures of experts ([`MoeConfig`], [`super::LlamaConfig::moe`]).
+//! whose MLPs are mixtures of experts ([`MoeConfig`], [`super::LlamaConfig::moe`]); and
+//! Mixtral (`model_type` `mixtral`, `MixtralForCausalLM`): a Mistral (no head norms, the window
+//! on every layer) whose every MLP is one, `num_local_experts` experts `intermediate_size`
+//! wide, the top-K probabilities always renormalised ([`MoeStyle`]).
 //!
 //! A sparse layer's MLP routes each token to `K = num_experts_per_tok` of `E = num_experts`
 //! SwiGLU experts of width `moe_intermediate_size`: router probabilities `softmax(x·Wrᵀ)`
@@ -16,9 +19,21 @@ use super::{get_f64, get_usize, LlamaConfig};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
-/// The mixture-of-experts keys of a Qwen3-MoE config (see the module doc).
+/// Whose mixture of experts: the checkpoint names and config keys differ.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum MoeStyle {
+    /// Qwen3-MoE: `mlp.gate`, `mlp.experts.{e}.{gate,up,down}_proj`.
+    Qwen3Moe,
+    /// Mixtral: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (gate, up,
+    /// down).
+    Mixtral,
+}
+
+/// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
 #[derive(Clone, Debug, PartialEq)]
 pub struct MoeConfig {
+    /// Qwen3-MoE or Mixtral.
+    pub style: MoeStyle,
     /// Experts per sparse layer `E` (`num_experts`, default 128).
     pub num_experts: usize,
     /// Experts per token `K` (`num_experts_per_tok`, default 8).
@@ -43,6 +58,7 @@ impl MoeConfig {
     /// defaults (every layer sparse, no renormalisation, no load-balancing loss).
     pub fn new(num_experts: usize, top_k: usize, width: usize) -> Self {
         Self {
+            style: MoeStyle::Qwen3Moe,
             num_experts,
             num_experts_per_tok: top_k,
             moe_intermediate_size: width,
@@ -53,6 +69,39 @@ impl MoeConfig {
             output_router_logits: false,
         }
     }
+
+    /// A Mixtral of `E` experts, `K` per token, each `width` wide (= the config's
+    /// `intermediate_size`), renormalised, transformers' defaults otherwise.
+    pub fn mixtral(num_experts: usize, top_k: usize, width: usize) -> Self {
+        Self { style: MoeStyle::Mixtral, norm_topk_prob: true, ..Self::new(num_experts, top_k, width) }
+    }
+
+    /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
+    pub fn module(&self) -> &'static str {
+        match self.style {
+            MoeStyle::Qwen3Moe => "mlp",
+            MoeStyle::Mixtral => "block_sparse_moe",
+        }
+    }
+}
+
+/// The keys of a `mixtral` config (`MixtralConfig`'s defaults: 8 experts, 2 per token; the
+/// expert width is `intermediate_size`). A router jitter is refused (noise this model does not
+/// draw).
+pub(super) fn parse_mixtral(m: &Map<String, Value>, width: usize) -> Result<MoeConfig> {
+    let mut c = MoeConfig::mixtral(get_usize(m, "num_local_experts")?.unwrap_or(8), get_usize(m, "num_experts_per_tok")?.unwrap_or(2), width);
+    match m.get("output_router_logits") {
+        None | Some(Value::Null) => {}
+        Some(Value::Bool(b)) => c.output_router_logits = *b,
+        Some(v) => bail!("config.json: `output_router_logits` must be true or false, got {v}"),
+    }
+    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
+        c.router_aux_loss_coef = x;
+    }
+    if get_f64(m, "router_jitter_noise")?.is_some_and(|j| j != 0.0) {
+        bail!("config.json: `router_jitter_noise` other than 0 not supported (the router's training noise)")
+    }
+    Ok(c)
 }
 
 /// The Qwen3-MoE keys of a `qwen3_moe` config, defaults filled as `Qwen3MoeConfig` does.
@@ -122,8 +171,16 @@ pub(super) fn validate(c: &MoeConfig, layers: usize) -> Result<()> {
     Ok(())
 }
 
-/// The Qwen3-MoE keys `to_hf_json` adds to a Qwen3 config.
+/// The mixture-of-experts keys `to_hf_json` adds (Qwen3-MoE's, or Mixtral's).
 pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
+    if c.style == MoeStyle::Mixtral {
+        m.insert("num_local_experts".into(), json!(c.num_experts));
+        m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
+        m.insert("router_aux_loss_coef".into(), json!(c.router_aux_loss_coef));
+        m.insert("output_router_logits".into(), json!(c.output_router_logits));
+        m.insert("router_jitter_noise".into(), json!(0.0));
+        return;
+    }
     m.insert("num_experts".into(), json!(c.num_experts));
     m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
     m.insert("moe_intermediate_size".into(), json!(c.moe_intermediate_size));
@@ -135,11 +192,14 @@ pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
 }
 
 impl LlamaConfig {
-    /// The same config as a Qwen3-MoE model with `moe` (q, k head norms on; see
-    /// [`LlamaConfig::moe`]), or without experts (`None`).
+    /// The same config as a Qwen3-MoE model with `moe` (q, k head norms on), or a Mixtral
+    /// (head norms off, `intermediate_size` the experts' width; see [`LlamaConfig::moe`]), or
+    /// without experts (`None`).
     pub fn with_moe(mut self, moe: Option<MoeConfig>) -> Self {
-        if moe.is_some() {
-            self.qk_norm = true;
+        match moe.as_ref().map(|m| (m.style, m.moe_intermediate_size)) {
+            Some((MoeStyle::Qwen3Moe, _)) => self.qk_norm = true,
+            Some((MoeStyle::Mixtral, w)) => (self.qk_norm, self.intermediate_size) = (false, w),
+            None => {}
         }
         self.moe = moe;
         self
@@ -222,6 +282,44 @@ mod tests {
         assert!(c.validate().is_ok() && c.arch() == Arch::Qwen3Moe);
         c.qk_norm = false;
         assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("Qwen3-MoE"));
+        Ok(())
+    }
+
+    /// mistralai/Mixtral-8x7B-v0.1's config.json as published.
+    const MIXTRAL_8X7B: &str = r#"{
+      "architectures": ["MixtralForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 1,
+      "eos_token_id": 2, "hidden_act": "silu", "hidden_size": 4096, "initializer_range": 0.02,
+      "intermediate_size": 14336, "max_position_embeddings": 32768, "model_type": "mixtral",
+      "num_attention_heads": 32, "num_experts_per_tok": 2, "num_hidden_layers": 32,
+      "num_key_value_heads": 8, "num_local_experts": 8, "output_router_logits": false,
+      "rms_norm_eps": 1e-05, "rope_theta": 1000000.0, "router_aux_loss_coef": 0.02,
+      "sliding_window": null, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "transformers_version": "4.36.0.dev0", "use_cache": true, "vocab_size": 32000
+    }"#;
+
+    #[test]
+    fn mixtral_config_reads_and_round_trips() -> Result<()> {
+        let c = LlamaConfig::from_json(MIXTRAL_8X7B)?;
+        assert_eq!(c.arch(), Arch::Mixtral);
+        assert!(!c.qk_norm && !c.qkv_bias && c.sliding_window.is_none());
+        let m = c.moe.clone().expect("moe");
+        assert_eq!((m.style, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.norm_topk_prob), (MoeStyle::Mixtral, 8, 2, 14336, true));
+        assert_eq!((m.router_aux_loss_coef, m.module(), c.moe_layers()), (0.02, "block_sparse_moe", 32));
+        let text = c.to_hf_json("bfloat16");
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("mixtral"), Some("MixtralForCausalLM")));
+        assert_eq!((v["num_local_experts"].as_u64(), v["intermediate_size"].as_u64()), (Some(8), Some(14336)));
+        assert_eq!(LlamaConfig::from_json(&text)?, c);
+        // a window on every layer (Mistral's rule); a router jitter refused
+        let w = LlamaConfig::from_json(&MIXTRAL_8X7B.replace(r#""sliding_window": null"#, r#""sliding_window": 4096"#))?;
+        assert_eq!((w.layer_window(0), w.layer_window(31)), (Some(4096), Some(4096)));
+        let e = LlamaConfig::from_json(&MIXTRAL_8X7B.replace(r#""use_cache": true"#, r#""router_jitter_noise": 0.1"#)).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("router_jitter_noise"), "{e}");
+        // Mixtral has no head norms, and its experts are intermediate_size wide
+        let mut c = LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(MoeConfig::mixtral(4, 2, 16)));
+        assert!(c.validate().is_ok() && c.arch() == Arch::Mixtral && c.intermediate_size == 16);
+        c.intermediate_size = 20;
+        assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("intermediate_size"));
         Ok(())
     }
 }

@@ -133,9 +133,9 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str) -> Result<MoeShap
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 16] = [
+pub const MODEL_PRESETS: [&str; 17] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
-    "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b",
+    "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
 ];
 
 impl ModelConfig {
@@ -151,7 +151,8 @@ impl ModelConfig {
     /// vocabulary 256000; tied head; the two norms after attention and MLP; a window of 4096
     /// keys on every other layer), or Qwen3-MoE's `qwen3-30b-a3b` or `qwen3-235b-a22b` (as
     /// Qwen3, every layer a mixture of 128 experts, 8 per token, 768 / 1536 wide:
-    /// [`ModelConfig::moe`]).
+    /// [`ModelConfig::moe`]), or Mixtral's `mixtral-8x7b` (a Mistral 7B whose every MLP is 8
+    /// experts 14336 wide, 2 per token; vocabulary 32000).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -176,6 +177,8 @@ impl ModelConfig {
             // is dense)
             "qwen3-30b-a3b" => (2048, 48, 32, 4, 6144),
             "qwen3-235b-a22b" => (4096, 94, 64, 4, 12288),
+            // mistralai/Mixtral-8x7B-v0.1
+            "mixtral-8x7b" => (4096, 32, 32, 8, 14336),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -202,6 +205,7 @@ impl ModelConfig {
                 _ if one_b => 262_144,
                 _ if gemma3 => 262_208,
                 _ if gemma2 => 256_000,
+                _ if lower == "mixtral-8x7b" => 32000,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2,
@@ -219,6 +223,7 @@ impl ModelConfig {
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true }),
+                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true }),
                 _ => None,
             },
         };
@@ -305,12 +310,25 @@ impl ModelConfig {
             .unwrap_or(gemma3 || gemma2);
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["qwen2_moe", "mixtral", "deepseek_v3", "llama4", "gpt_oss"] {
+        for other in ["qwen2_moe", "deepseek_v3", "llama4", "gpt_oss"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe is)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe and mixtral are)")
             }
         }
-        let moe = if qwen3_moe { Some(moe_shape(&v, layers, name)?) } else { None };
+        // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
+        let mixtral = names("mixtral", "MixtralForCausalLM");
+        let moe = if qwen3_moe {
+            Some(moe_shape(&v, layers, name)?)
+        } else if mixtral {
+            let experts = get("num_local_experts")?.unwrap_or(8);
+            let top_k = get("num_experts_per_tok")?.unwrap_or(2);
+            if top_k > experts {
+                plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
+            }
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true })
+        } else {
+            None
+        };
         let use_window = match v.get("use_sliding_window") {
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
             None | Some(serde_json::Value::Null) => !(qwen2 || qwen3),
@@ -577,8 +595,15 @@ mod tests {
         let some = ModelConfig::from_hf_json(&text.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0, 47]"#), "m")?;
         assert_eq!(some.moe.as_ref().map(|m| m.sparse_layers), Some(46));
         assert_eq!(a3.total_params() - some.total_params(), 2 * (128 * 2048 + 3 * 2048 * 768 * 128 - 3 * 2048 * 6144));
-        let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "mixtral"), "m").unwrap_err();
-        assert!(e.0.contains("'mixtral'"), "{e}");
+        let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v3"), "m").unwrap_err();
+        assert!(e.0.contains("'deepseek_v3'"), "{e}");
+        // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
+        let mx = ModelConfig::preset("mixtral-8x7b")?;
+        assert_eq!((mx.total_params(), mx.active_params()), (46_702_792_704, 12_879_925_248));
+        let text = r#"{"architectures":["MixtralForCausalLM"],"model_type":"mixtral","hidden_size":4096,"intermediate_size":14336,
+            "num_attention_heads":32,"num_experts_per_tok":2,"num_hidden_layers":32,"num_key_value_heads":8,"num_local_experts":8,
+            "sliding_window":null,"tie_word_embeddings":false,"vocab_size":32000}"#;
+        assert_eq!(ModelConfig::from_hf_json(text, "mixtral-8x7b")?, mx);
         Ok(())
     }
 
