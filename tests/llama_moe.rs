@@ -22,6 +22,8 @@
 //!   renormalised, the load-balancing loss on): six layouts, DP and recomputed layers give the
 //!   reference's results; its checkpoint names (`block_sparse_moe.experts.{e}.{w1,w3,w2}`) round
 //!   trip whole and sharded.
+//! - Refused by name: an expert width TP does not divide, a checkpoint missing an expert's
+//!   tensor or holding one of another shape.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
@@ -293,5 +295,57 @@ fn qwen3_moe_checkpoints() -> Result<()> {
     let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("model.layers.1.mlp.experts.0.down_proj.weight") && e.contains("Qwen3ForCausalLM"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// What a mixture of experts cannot be split or loaded as is refused by name: a width TP does
+/// not divide, a checkpoint missing an expert or holding one of another shape.
+#[test]
+fn moe_bad_inputs_are_refused_by_name() -> Result<()> {
+    let (cfg, full) = qwen3_moe(None)?;
+    // 48-wide experts over TP 4 split; 50-wide ones do not
+    let mut odd = cfg.clone();
+    if let Some(m) = odd.moe.as_mut() {
+        m.moe_intermediate_size = 50;
+    }
+    let errs: Vec<String> = run_ranks(4, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(4, true))?;
+        let vm = candle_cp_llama::init_params(&odd, 1, DType::F32, &Device::Cpu)?;
+        Ok(candle_cp_llama::shard_params(&vm, &odd, &ctx).err().map(|e| e.to_string()).unwrap_or_default())
+    })
+    .into_iter()
+    .collect::<Result<_>>()?;
+    for e in errs {
+        assert!(e.contains("mlp.experts.gate_proj") && e.contains("TP size 4") && e.contains("[8, 50, 128]"), "{e}");
+    }
+    // a checkpoint without expert 5's up projection, and one with expert 2's down projection transposed
+    let dir = std::env::temp_dir().join(format!("candle-cp-moe-bad-{}", std::process::id()));
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        for (k, t) in &full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    save_hf(&dir, &vm, &cfg)?;
+    let whole = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let mut tensors = whole.clone();
+    tensors.remove("model.layers.1.mlp.experts.5.up_proj.weight");
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("no tensor model.layers.1.mlp.experts.5.up_proj.weight") && e.contains("[48, 128]"), "{e}");
+    let mut tensors = whole;
+    let down = "model.layers.1.mlp.experts.2.down_proj.weight";
+    let t = tensors[down].t()?.contiguous()?;
+    tensors.insert(down.into(), t);
+    candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, false))?;
+        Ok(load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default())
+    }) {
+        let e = r?;
+        assert!(e.contains(down) && e.contains("[48, 128]") && e.contains("[128, 48]"), "{e}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
