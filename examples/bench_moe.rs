@@ -74,6 +74,14 @@ fn main() -> Result<()> {
     let (n, h, e, k, f, pairs) = (arg("--tokens", 2048usize)?, arg("--hidden", 512usize)?, arg("--experts", 16usize)?, arg("--top-k", 4usize)?, arg("--width", 256usize)?, arg("--pairs", 5usize)?);
     let dev = Device::Cpu;
     let probs = candle_nn::ops::softmax_last_dim(&Tensor::randn(0f32, 1., (n, e), &dev)?)?;
+    // (the median of 5 calls)
+    let mut times = vec![];
+    for _ in 0..5 {
+        let t0 = Instant::now();
+        Routing::top_k(&probs, k)?;
+        times.push(t0.elapsed().as_secs_f64() * 1e3);
+    }
+    let route_ms = median(times);
     let routing = Routing::top_k(&probs, k)?;
     let i = Inputs {
         x: Var::from_tensor(&Tensor::randn(0f32, 1., (n, h), &dev)?)?,
@@ -84,7 +92,7 @@ fn main() -> Result<()> {
         routing,
         dy: Tensor::randn(0f32, 1., (n, h), &dev)?,
     };
-    println!("experts: N {n} tokens, h {h}, E {e} experts of width {f}, top {k} (f32, CPU); counts {:?}", i.routing.counts);
+    println!("experts: N {n} tokens, h {h}, E {e} experts of width {f}, top {k} (f32, CPU); routing (host top-K) {route_ms:.1} ms; counts {:?}", i.routing.counts);
     let (_, _, a) = run(&i, true)?;
     let (_, _, b) = run(&i, false)?;
     let mut worst = 0f32;

@@ -183,6 +183,22 @@ pub struct Routing {
     pub top_k: usize,
 }
 
+/// Each row's (of `rows`, `E` probabilities each) top `K` experts into `out` (`K` per row), by
+/// falling probability, ties by index: the top K partitioned off (O(E)), then sorted.
+fn top_k_rows(rows: &[f32], e: usize, top_k: usize, out: &mut [u32]) {
+    let mut idx: Vec<u32> = Vec::with_capacity(e);
+    for (row, o) in rows.chunks(e).zip(out.chunks_mut(top_k)) {
+        idx.clear();
+        idx.extend(0..e as u32);
+        let by = |a: &u32, b: &u32| row[*b as usize].total_cmp(&row[*a as usize]).then(a.cmp(b));
+        if top_k < e {
+            idx.select_nth_unstable_by(top_k - 1, by);
+        }
+        idx[..top_k].sort_unstable_by(by);
+        o.copy_from_slice(&idx[..top_k]);
+    }
+}
+
 impl Routing {
     /// Each token's `top_k` experts from `probs` `[N, E]` (any float dtype; read on the
     /// host). Errors for `top_k` outside `1..=E`, a shape that is not 2-D, or a value that is
@@ -199,15 +215,16 @@ impl Routing {
         if let Some(bad) = p.iter().position(|v| !v.is_finite()) {
             bail!("Routing::top_k: router probability of token {} expert {} is {} (probabilities {:?})", bad / e, bad % e, p[bad], probs.dims())
         }
-        let mut experts = Vec::with_capacity(n * top_k);
-        let mut idx: Vec<u32> = Vec::with_capacity(e);
-        for row in p.chunks(e.max(1)) {
-            idx.clear();
-            idx.extend(0..e as u32);
-            // by falling probability, ties by index (a stable sort of the indices)
-            idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
-            experts.extend_from_slice(&idx[..top_k]);
-        }
+        let mut experts = vec![0u32; n * top_k];
+        // rows split over the host's threads (a layer at 32k tokens and 128 experts: 4M
+        // probabilities per call)
+        let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n.div_ceil(2048)).max(1);
+        let rows_per = n.div_ceil(threads).max(1);
+        std::thread::scope(|s| {
+            for (out, rows) in experts.chunks_mut(rows_per * top_k).zip(p.chunks(rows_per * e)) {
+                s.spawn(move || top_k_rows(rows, e, top_k, out));
+            }
+        });
         Ok(Self::from_experts(experts, n, top_k, e))
     }
 
