@@ -15,7 +15,7 @@
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
-//! - Qwen3-MoE and Mixtral: on a sparse layer the router's `softmax(x·Wrᵀ)`, each token's top `K`
+//! - Qwen3-MoE, Mixtral and Qwen2-MoE (plus `sigmoid(x·w_g)·shared(x)`): on a sparse layer the router's `softmax(x·Wrᵀ)`, each token's top `K`
 //!   (renormalised with `norm_topk_prob`), and every expert's SwiGLU on every token weighted by
 //!   that token's weight of it (0 when not chosen); with `output_router_logits` the loss adds
 //!   `coef · E · Σ_e (C_e / R)·(S_e / R)` (`C_e` choices of expert `e`, `S_e` its summed
@@ -188,6 +188,13 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                     let u = linear(&x2, &w_of("up_proj")?, None)?;
                     let ye = linear(&(g.silu()? * u)?, &w_of("down_proj")?, None)?;
                     y = (y + ye.broadcast_mul(&w.narrow(1, ex, 1)?)?)?;
+                }
+                if mc.shared_expert_intermediate_size > 0 {
+                    // Qwen2-MoE: + sigmoid(x·w_g) · shared(x)
+                    let sh = |s: &str| p(&n(&format!("{module}.shared_expert.{s}.weight")));
+                    let m = (linear(&x2, sh("gate_proj")?, None)?.silu()? * linear(&x2, sh("up_proj")?, None)?)?;
+                    let gate = candle_nn::ops::sigmoid(&linear(&x2, p(&n(&format!("{module}.shared_expert_gate.weight")))?, None)?)?;
+                    y = (y + linear(&m, sh("down_proj")?, None)?.broadcast_mul(&gate)?)?;
                 }
                 y.reshape((b, t, h))?
             }

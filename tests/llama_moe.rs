@@ -22,6 +22,9 @@
 //!   renormalised, the load-balancing loss on): six layouts, DP and recomputed layers give the
 //!   reference's results; its checkpoint names (`block_sparse_moe.experts.{e}.{w1,w3,w2}`) round
 //!   trip whole and sharded.
+//! - Qwen2-MoE (q, k, v biases, a shared expert 64 wide behind its sigmoid gate): six layouts,
+//!   DP and recomputed layers give the reference's results; the shared expert binds; its
+//!   checkpoint round-trips whole and over TP 2.
 //! - Refused by name: an expert width TP does not divide, a checkpoint missing an expert's
 //!   tensor or holding one of another shape.
 
@@ -62,6 +65,11 @@ fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap
             m
         }
         MoeStyle::Mixtral => MoeConfig::mixtral(8, 2, 48),
+        MoeStyle::Qwen2Moe => {
+            let mut m = MoeConfig::qwen2_moe(8, 2, 48, 64);
+            m.mlp_only_layers = vec![0];
+            m
+        }
     };
     moe.output_router_logits = coef.is_some();
     moe.router_aux_loss_coef = coef.unwrap_or(0.0);
@@ -122,6 +130,64 @@ fn mixtral_on_every_layout_matches_the_reference() -> Result<()> {
     on_layouts(MoeStyle::Mixtral, &layouts)
 }
 
+/// Qwen2-MoE (q, k, v biases; a shared expert weighted by its sigmoid gate beside the routed
+/// ones) on six layouts, DP and recomputed layers: the reference; the shared expert binds; its
+/// checkpoint round-trips (whole and over TP 2).
+#[test]
+fn qwen2_moe_on_every_layout_matches_the_reference() -> Result<()> {
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    on_layouts(MoeStyle::Qwen2Moe, &layouts)?;
+    // the shared expert matters: without it the logits move
+    let (cfg, full) = moe_model(MoeStyle::Qwen2Moe, None)?;
+    let ids = ids(T)?;
+    let mut zeroed = full.clone();
+    let down = "model.layers.1.mlp.shared_expert.down_proj.weight";
+    zeroed.insert(down.into(), full[down].zeros_like()?);
+    let moved = max_abs(&reference(&zeroed, &cfg, &ids)?.logits, &reference(&full, &cfg, &ids)?.logits)?;
+    assert!(moved > 1e-3, "the shared expert moves the logits by only {moved:.1e}");
+    // its checkpoint: the shared expert under its transformers names, whole and over TP 2
+    let dir = std::env::temp_dir().join(format!("candle-cp-qwen2-moe-{}", std::process::id()));
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        for (k, t) in &full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    save_hf(&dir, &vm, &cfg)?;
+    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    for k in ["model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight", "model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.self_attn.k_proj.bias"] {
+        assert!(names.contains_key(k), "{k}");
+    }
+    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
+        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+        let mut same = want.len() == got.len();
+        for (k, w) in &want {
+            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
+        }
+        Ok(same)
+    }) {
+        assert!(r?, "tp 2: the sharded load differs");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
 /// The model of `style` (load-balancing loss at 0.5) on `layouts`, then zigzag 2 × TP 2 + SP
 /// with recomputed layers and ring 2 × DP 2, against the float64 reference.
 fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
@@ -158,12 +224,14 @@ fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
 /// Cached decoding equals the full forward; CP and TP decode the single device's tokens
 /// (Qwen3-MoE; Mixtral with a window of 12, which binds within the 32 + 6 tokens).
 #[test]
-fn qwen3_moe_and_mixtral_generation() -> Result<()> {
+fn moe_generation() -> Result<()> {
     let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
     let (cfg, full) = qwen3_moe(None)?;
     candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)?;
     let (cfg, full) = mixtral(None)?;
-    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg.with_sliding_window(Some(12)), &full, &ids(32)?, &layouts)
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg.with_sliding_window(Some(12)), &full, &ids(32)?, &layouts)?;
+    let (cfg, full) = moe_model(MoeStyle::Qwen2Moe, None)?;
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
 }
 
 /// A Mixtral's experts go to a checkpoint under Mixtral's names and come back, whole and

@@ -11,8 +11,8 @@
 //! each (their window on one of two layers only in most of the draws that can have one), a
 //! third of the rest Gemma 2 (logit soft caps in attention and on the output), half of the
 //! Qwen3 ones Qwen3-MoE (4 or 8 experts, 1 to 3 per token, renormalised or not, the
-//! load-balancing loss on or off, one layer of two dense or none), a third of the other Llama
-//! ones Mixtral. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! load-balancing loss on or off, one layer of two dense or none), half of the Qwen2 ones
+//! Qwen2-MoE (a shared expert too), a third of the other Llama ones Mixtral. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -81,6 +81,17 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
             if layers == 2 && m.below(2) == 0 {
                 moe.mlp_only_layers = vec![m.below(2)];
             }
+            cfg.with_moe(Some(moe))
+        }
+        false => cfg,
+    };
+    // half of the Qwen2 draws are Qwen2-MoE (a shared expert; a stream of its own)
+    let mut q2 = rng(970_000 + seed);
+    let cfg = match arch == 1 && q2.below(2) == 0 {
+        true => {
+            let mut moe = candle_cp_llama::MoeConfig::qwen2_moe(pick(&mut q2, &[4, 8]), 1 + q2.below(3), pick(&mut q2, &[8, 16]), pick(&mut q2, &[8, 24]));
+            moe.norm_topk_prob = q2.below(2) == 0;
+            (moe.output_router_logits, moe.router_aux_loss_coef) = (q2.below(2) == 0, 0.3);
             cfg.with_moe(Some(moe))
         }
         false => cfg,
@@ -210,7 +221,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Mixtral)), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral)), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3)),

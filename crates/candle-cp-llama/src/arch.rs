@@ -9,6 +9,7 @@
 //! | `qwen3` (`Qwen3ForCausalLM`)       | no             | yes        | as Qwen2                                |
 //! | `qwen3_moe` (`Qwen3MoeForCausalLM`) | no            | yes        | as Qwen2 (its MLPs: [`crate::config::qwen3_moe`]) |
 //! | `mixtral` (`MixtralForCausalLM`)   | no             | no         | as Mistral (its MLPs: [`crate::config::qwen3_moe`]) |
+//! | `qwen2_moe` (`Qwen2MoeForCausalLM`) | yes           | no         | as Qwen2 (its MLPs: [`crate::config::qwen3_moe`]) |
 //! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //!
@@ -48,6 +49,8 @@ pub enum Arch {
     Qwen3Moe,
     /// `MixtralForCausalLM`: a Mistral whose MLPs are mixtures of experts.
     Mixtral,
+    /// `Qwen2MoeForCausalLM`: a Qwen2 whose MLPs are mixtures of experts with a shared expert.
+    Qwen2Moe,
     /// `Gemma3ForCausalLM` (`model_type` `gemma3_text`, the text model): see [`crate::gemma`].
     Gemma3,
     /// `Gemma2ForCausalLM`: see [`crate::gemma2`].
@@ -56,10 +59,10 @@ pub enum Arch {
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, gemma3_text, gemma2";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 8] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Gemma3, Arch::Gemma2];
+    pub const ALL: [Arch; 9] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -78,6 +81,7 @@ impl Arch {
             Arch::Qwen3 => ("Qwen3ForCausalLM", "qwen3"),
             Arch::Qwen3Moe => ("Qwen3MoeForCausalLM", "qwen3_moe"),
             Arch::Mixtral => ("MixtralForCausalLM", "mixtral"),
+            Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
         }
@@ -134,7 +138,7 @@ impl Arch {
         }
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
-            Arch::Qwen2 => Ok(true),
+            Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
             Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
@@ -162,12 +166,12 @@ impl Arch {
         let w = match (self, use_key) {
             (_, Some(false)) => None,
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
-            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe, None) => None,
+            (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, None) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
             None | Some(Value::Null) => match self {
-                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe => {
+                Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe => {
                     // transformers: layer i slides iff sliding_window and i >= max_window_layers
                     // (Qwen2Config's default is 28)
                     let from = match m.get("max_window_layers") {
@@ -270,7 +274,7 @@ mod tests {
         assert!(LlamaConfig::tiny(64, 32, 1, 4, 2).with_qk_norm(true).with_qkv_bias(true).validate().is_err());
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
-            (r#", "model_type": "qwen2_moe""#, "model_type `qwen2_moe` not supported"),
+            (r#", "model_type": "deepseek_v2""#, "model_type `deepseek_v2` not supported"),
             (r#", "architectures": ["DeepseekV3ForCausalLM"]"#, "architecture `DeepseekV3ForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),

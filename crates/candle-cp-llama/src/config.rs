@@ -292,6 +292,7 @@ impl LlamaConfig {
         let moe = match arch {
             Arch::Qwen3Moe => Some(qwen3_moe::parse(m)?),
             Arch::Mixtral => Some(qwen3_moe::parse_mixtral(m, need_usize(m, "intermediate_size")?)?),
+            Arch::Qwen2Moe => Some(qwen3_moe::parse_qwen2(m)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -414,6 +415,7 @@ impl LlamaConfig {
             return match m.style {
                 MoeStyle::Qwen3Moe => Arch::Qwen3Moe,
                 MoeStyle::Mixtral => Arch::Mixtral,
+                MoeStyle::Qwen2Moe => Arch::Qwen2Moe,
             };
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
@@ -474,7 +476,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Gemma3 | Arch::Gemma2) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
@@ -509,9 +511,10 @@ impl LlamaConfig {
         }
         if let Some(m) = &self.moe {
             let mixtral = m.style == MoeStyle::Mixtral;
-            if self.qk_norm == mixtral || self.qkv_bias || self.is_gemma() {
+            let (norms, biases) = (m.style == MoeStyle::Qwen3Moe, m.style == MoeStyle::Qwen2Moe);
+            if self.qk_norm != norms || self.qkv_bias != biases || self.is_gemma() || (m.shared_expert_intermediate_size > 0) != biases {
                 bail!(
-                    "LlamaConfig: a mixture of experts is a Qwen3-MoE model (q, k head norms) or a Mixtral (none), no q, k, v biases, no Gemma (qk_norm {}, qkv_bias {}, {:?})",
+                    "LlamaConfig: a mixture of experts is a Qwen3-MoE model (q, k head norms), a Qwen2-MoE (q, k, v biases, a shared expert) or a Mixtral (neither), no Gemma (qk_norm {}, qkv_bias {}, {:?})",
                     self.qk_norm,
                     self.qkv_bias,
                     m.style
@@ -667,10 +670,10 @@ impl LlamaConfig {
             if let Some(moe) = &self.moe {
                 qwen3_moe::write(m, moe);
             }
-            if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe) {
+            if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias
                 // (attention_bias false); the window on every layer
-                if self.arch() == Arch::Qwen2 {
+                if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen2Moe) {
                     m.remove("attention_bias");
                 }
                 m.remove("mlp_bias");

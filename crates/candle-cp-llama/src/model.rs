@@ -320,6 +320,15 @@ impl Llama {
                         tp: tp.clone(),
                         act: cfg.activation(),
                         log: router_log.clone(),
+                        shared: match m.shared_expert_intermediate_size {
+                            0 => None,
+                            _ => Some(crate::moe::SharedExpert {
+                                gate: get(&p("shared_expert.gate_proj.weight"))?,
+                                up: get(&p("shared_expert.up_proj.weight"))?,
+                                down: get(&p("shared_expert.down_proj.weight"))?,
+                                weight: get(&p("shared_expert_gate.weight"))?,
+                            }),
+                        },
                     })
                 }
                 _ => {

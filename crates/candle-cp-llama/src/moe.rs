@@ -107,6 +107,23 @@ pub(crate) struct SparseMoe {
     pub(crate) tp: Tp,
     pub(crate) act: Activation,
     pub(crate) log: RouterLog,
+    /// Qwen2-MoE's shared expert.
+    pub(crate) shared: Option<SharedExpert>,
+}
+
+/// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a
+/// dense MLP's), weighted by `sigmoid(x·wᵀ)` (`w` `[1, h]`, replicated; its gradient summed
+/// over TP like the router's).
+#[derive(Clone)]
+pub(crate) struct SharedExpert {
+    /// `[Is/tp, h]`.
+    pub(crate) gate: Tensor,
+    /// `[Is/tp, h]`.
+    pub(crate) up: Tensor,
+    /// `[h, Is/tp]`.
+    pub(crate) down: Tensor,
+    /// `[1, h]`.
+    pub(crate) weight: Tensor,
 }
 
 impl SparseMoe {
@@ -156,7 +173,15 @@ impl SparseMoe {
         let up = grouped_matmul(&xs, &self.up, &routing.counts)?;
         let ys = grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, &routing.counts)?;
         // back to (token, slot) order, weighted, summed over the slots
-        let y = combine(&ys, &w, &routing.inverse)?.reshape((b, t, h))?;
+        let mut y = combine(&ys, &w, &routing.inverse)?;
+        if let Some(s) = &self.shared {
+            // sigmoid(x·wᵀ) from elementwise ops (every backend), times this rank's partial sums
+            let sw = if p > 1 && !sp { mappings::copy_to_tp_region(&s.weight, g)? } else { s.weight.clone() };
+            let gate = (x2.matmul(&sw.t()?)?.neg()?.exp()? + 1.0)?.recip()?;
+            let m = self.act.gated(&x2.matmul(&s.gate.t()?)?, &x2.matmul(&s.up.t()?)?)?;
+            y = (y + m.matmul(&s.down.t()?)?.broadcast_mul(&gate)?)?;
+        }
+        let y = y.reshape((b, t, h))?;
         if sp {
             mappings::reduce_scatter_to_sp_region(&y, g, SEQ_DIM)
         } else if p > 1 {

@@ -22,6 +22,9 @@
 //! | `m.gate.weight`                             | `[E, h]`         | replicated (the router) |
 //! | `m.experts.{gate,up}_proj`                  | `[E, Ie, h]`     | dim 1 (each expert's rows, [`Shard::Dim`]) |
 //! | `m.experts.down_proj`                       | `[E, h, Ie]`     | dim 2 (each expert's columns) |
+//! | `mlp.shared_expert.{gate,up}_proj.weight` (Qwen2-MoE) | `[Is, h]` | rows            |
+//! | `mlp.shared_expert.down_proj.weight` (Qwen2-MoE) | `[h, Is]`   | columns         |
+//! | `mlp.shared_expert_gate.weight` (Qwen2-MoE) | `[1, h]`         | replicated      |
 //!
 //! and the model ends with `lm_head.weight` `[V, h]` (absent when tied), rows (vocabulary) as
 //! the embedding.
@@ -134,6 +137,13 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
                 add(q("experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
+                let is = m.shared_expert_intermediate_size;
+                if is > 0 {
+                    add(q("shared_expert.gate_proj.weight"), vec![is, h], col);
+                    add(q("shared_expert.up_proj.weight"), vec![is, h], col);
+                    add(q("shared_expert.down_proj.weight"), vec![h, is], row);
+                    add(q("shared_expert_gate.weight"), vec![1, h], norm);
+                }
             }
             _ => {
                 add(p("mlp.gate_proj.weight"), vec![i, h], col);

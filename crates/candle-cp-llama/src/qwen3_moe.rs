@@ -2,7 +2,10 @@
 //! whose MLPs are mixtures of experts ([`MoeConfig`], [`super::LlamaConfig::moe`]); and
 //! Mixtral (`model_type` `mixtral`, `MixtralForCausalLM`): a Mistral (no head norms, the window
 //! on every layer) whose every MLP is one, `num_local_experts` experts `intermediate_size`
-//! wide, the top-K probabilities always renormalised ([`MoeStyle`]).
+//! wide, the top-K probabilities always renormalised ([`MoeStyle`]); and Qwen2-MoE
+//! (`model_type` `qwen2_moe`, `Qwen2MoeForCausalLM`: Qwen1.5-MoE, Qwen2-57B-A14B): a Qwen2 (q, k,
+//! v biases) whose sparse layers add a **shared expert** — a SwiGLU `shared_expert_intermediate_size`
+//! wide that every token goes through, weighted by `sigmoid(x·w_g)` (`shared_expert_gate`).
 //!
 //! A sparse layer's MLP routes each token to `K = num_experts_per_tok` of `E = num_experts`
 //! SwiGLU experts of width `moe_intermediate_size`: router probabilities `softmax(x·Wrᵀ)`
@@ -27,6 +30,9 @@ pub enum MoeStyle {
     /// Mixtral: `block_sparse_moe.gate`, `block_sparse_moe.experts.{e}.{w1,w3,w2}` (gate, up,
     /// down).
     Mixtral,
+    /// Qwen2-MoE: Qwen3-MoE's names, and a shared expert (`mlp.shared_expert.{gate,up,down}_proj`,
+    /// `mlp.shared_expert_gate`).
+    Qwen2Moe,
 }
 
 /// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
@@ -51,6 +57,8 @@ pub struct MoeConfig {
     /// Whether the training loss includes the load-balancing loss (`output_router_logits`,
     /// default false, as in transformers).
     pub output_router_logits: bool,
+    /// The shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`); 0: none.
+    pub shared_expert_intermediate_size: usize,
 }
 
 impl MoeConfig {
@@ -67,7 +75,14 @@ impl MoeConfig {
             mlp_only_layers: vec![],
             router_aux_loss_coef: 0.001,
             output_router_logits: false,
+            shared_expert_intermediate_size: 0,
         }
+    }
+
+    /// A Qwen2-MoE of `E` experts, `K` per token, each `width` wide, with a shared expert
+    /// `shared` wide; transformers' defaults otherwise (no renormalisation).
+    pub fn qwen2_moe(num_experts: usize, top_k: usize, width: usize, shared: usize) -> Self {
+        Self { style: MoeStyle::Qwen2Moe, shared_expert_intermediate_size: shared, ..Self::new(num_experts, top_k, width) }
     }
 
     /// A Mixtral of `E` experts, `K` per token, each `width` wide (= the config's
@@ -79,7 +94,7 @@ impl MoeConfig {
     /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
     pub fn module(&self) -> &'static str {
         match self.style {
-            MoeStyle::Qwen3Moe => "mlp",
+            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe => "mlp",
             MoeStyle::Mixtral => "block_sparse_moe",
         }
     }
@@ -106,7 +121,24 @@ pub(super) fn parse_mixtral(m: &Map<String, Value>, width: usize) -> Result<MoeC
 
 /// The Qwen3-MoE keys of a `qwen3_moe` config, defaults filled as `Qwen3MoeConfig` does.
 pub(super) fn parse(m: &Map<String, Value>) -> Result<MoeConfig> {
-    let mut c = MoeConfig::new(128, 8, 768);
+    if m.get("shared_expert_intermediate_size").and_then(|v| v.as_u64()).is_some_and(|s| s > 0) {
+        bail!("config.json: `shared_expert_intermediate_size` (a shared expert: Qwen2-MoE, model_type qwen2_moe) in a qwen3_moe config")
+    }
+    parse_with(m, MoeConfig::new(128, 8, 768))
+}
+
+/// The keys of a `qwen2_moe` config, defaults filled as `Qwen2MoeConfig` does (60 experts, 4 per
+/// token, 1408 wide, a shared expert 5632 wide).
+pub(super) fn parse_qwen2(m: &Map<String, Value>) -> Result<MoeConfig> {
+    let mut c = parse_with(m, MoeConfig::qwen2_moe(60, 4, 1408, 5632))?;
+    if let Some(s) = get_usize(m, "shared_expert_intermediate_size")? {
+        c.shared_expert_intermediate_size = s;
+    }
+    Ok(c)
+}
+
+/// The keys Qwen2-MoE and Qwen3-MoE share, over the defaults `c`.
+fn parse_with(m: &Map<String, Value>, mut c: MoeConfig) -> Result<MoeConfig> {
     for (k, slot) in [
         ("num_experts", &mut c.num_experts),
         ("num_experts_per_tok", &mut c.num_experts_per_tok),
@@ -138,9 +170,6 @@ pub(super) fn parse(m: &Map<String, Value>) -> Result<MoeConfig> {
             }
         }
         Some(v) => bail!("config.json: `mlp_only_layers` must be a list of layer indices, got {v}"),
-    }
-    if m.get("shared_expert_intermediate_size").and_then(|v| v.as_u64()).is_some_and(|s| s > 0) {
-        bail!("config.json: `shared_expert_intermediate_size` (a shared expert, Qwen2-MoE) not supported")
     }
     Ok(c)
 }
@@ -189,6 +218,9 @@ pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
     m.insert("mlp_only_layers".into(), json!(c.mlp_only_layers));
     m.insert("router_aux_loss_coef".into(), json!(c.router_aux_loss_coef));
     m.insert("output_router_logits".into(), json!(c.output_router_logits));
+    if c.style == MoeStyle::Qwen2Moe {
+        m.insert("shared_expert_intermediate_size".into(), json!(c.shared_expert_intermediate_size));
+    }
 }
 
 impl LlamaConfig {
@@ -198,6 +230,7 @@ impl LlamaConfig {
     pub fn with_moe(mut self, moe: Option<MoeConfig>) -> Self {
         match moe.as_ref().map(|m| (m.style, m.moe_intermediate_size)) {
             Some((MoeStyle::Qwen3Moe, _)) => self.qk_norm = true,
+            Some((MoeStyle::Qwen2Moe, _)) => (self.qk_norm, self.qkv_bias) = (false, true),
             Some((MoeStyle::Mixtral, w)) => (self.qk_norm, self.intermediate_size) = (false, w),
             None => {}
         }
@@ -282,6 +315,40 @@ mod tests {
         assert!(c.validate().is_ok() && c.arch() == Arch::Qwen3Moe);
         c.qk_norm = false;
         assert!(c.validate().err().map(|e| e.to_string()).unwrap_or_default().contains("Qwen3-MoE"));
+        Ok(())
+    }
+
+    /// Qwen/Qwen1.5-MoE-A2.7B's config.json as published.
+    const QWEN15_MOE: &str = r#"{
+      "architectures": ["Qwen2MoeForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+      "decoder_sparse_step": 1, "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 2048,
+      "initializer_range": 0.02, "intermediate_size": 5632, "max_position_embeddings": 8192,
+      "max_window_layers": 21, "model_type": "qwen2_moe", "moe_intermediate_size": 1408,
+      "norm_topk_prob": false, "num_attention_heads": 16, "num_experts": 60,
+      "num_experts_per_tok": 4, "num_hidden_layers": 24, "num_key_value_heads": 16,
+      "output_router_logits": false, "rms_norm_eps": 1e-06, "rope_theta": 1000000.0,
+      "router_aux_loss_coef": 0.001, "shared_expert_intermediate_size": 5632,
+      "sliding_window": 32768, "tie_word_embeddings": false, "torch_dtype": "bfloat16",
+      "transformers_version": "4.40.0.dev0", "use_cache": true, "use_sliding_window": false,
+      "vocab_size": 151936
+    }"#;
+
+    #[test]
+    fn qwen2_moe_config_reads_and_round_trips() -> Result<()> {
+        let c = LlamaConfig::from_json(QWEN15_MOE)?;
+        assert_eq!(c.arch(), Arch::Qwen2Moe);
+        assert!(c.qkv_bias && !c.qk_norm && c.sliding_window.is_none());
+        let m = c.moe.clone().expect("moe");
+        assert_eq!((m.style, m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size, m.shared_expert_intermediate_size), (MoeStyle::Qwen2Moe, 60, 4, 1408, 5632));
+        assert!(!m.norm_topk_prob && c.moe_layers() == 24);
+        let text = c.to_hf_json("bfloat16");
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str()), (Some("qwen2_moe"), Some("Qwen2MoeForCausalLM")));
+        assert_eq!(v["shared_expert_intermediate_size"].as_u64(), Some(5632));
+        assert_eq!(LlamaConfig::from_json(&text)?, c);
+        // a shared expert in a qwen3_moe config is not Qwen3-MoE's
+        let e = LlamaConfig::from_json(&QWEN15_MOE.replace("qwen2_moe", "qwen3_moe").replace("Qwen2MoeForCausalLM", "Qwen3MoeForCausalLM")).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("shared_expert_intermediate_size"), "{e}");
         Ok(())
     }
 
