@@ -44,9 +44,11 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let qwen3_moe = oracle.clone().with_moe(Some(experts));
     // Mixtral: 8 experts 48 wide on both layers, no head norms
     let mixtral = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48)));
+    // Qwen2-MoE: a shared expert 64 wide and its gate beside 8 experts, q, k, v biases
+    let qwen2_moe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64)));
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

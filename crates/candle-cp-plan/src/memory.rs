@@ -143,7 +143,8 @@ pub fn llama_per_gpu(
     let mlp = match &m.moe {
         None => dense_mlp,
         Some(x) => {
-            let sparse = cbe * x.top_k as f64 * (3.0 * x.expert_ffn as f64 / t + 2.0 * h);
+            // (Qwen2-MoE's shared expert: a dense MLP's `3·f_s/t` beside)
+            let sparse = cbe * (x.top_k as f64 * (3.0 * x.expert_ffn as f64 / t + 2.0 * h) + 3.0 * x.shared_ffn as f64 / t);
             dense_mlp + m.sparse_fraction() * (sparse - dense_mlp)
         }
     };
@@ -216,7 +217,14 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
             let pairs = 12.0 * n * k;
             let out = n * h * ef / sp_div;
             let tp = if l.tp > 1 { 2.0 * n * h * ef + if l.sp { 0.0 } else { ex * h * ef } } else { 0.0 };
-            m.sparse_fraction() * (router + weights + pairs + out + tp)
+            // Qwen2-MoE's shared expert: its gate's logit through the sigmoid's four steps and the
+            // gate (five `[N, 1]`), its output, the product and the routed experts' sum beside it
+            // (three `[N, h]`); without SP its gate weight's copy
+            let shared = match x.shared_ffn {
+                0 => 0.0,
+                _ => n * ef * (3.0 * h + 5.0) + if l.tp > 1 && !l.sp { h * ef } else { 0.0 },
+            };
+            m.sparse_fraction() * (router + weights + pairs + out + tp + shared)
         }
     };
     lse + norms + attention + qk_norm + sandwich + moe
@@ -350,7 +358,10 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
-        Some(x) => dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / t - 3.0 * h * f / t),
+        Some(x) => {
+            let shared = if x.shared_ffn > 0 { 3.0 * h * x.shared_ffn as f64 / t + h } else { 0.0 };
+            dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / t - 3.0 * h * f / t + shared)
+        }
         None => dense,
     }
 }

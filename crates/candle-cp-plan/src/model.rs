@@ -68,6 +68,9 @@ pub struct MoeShape {
     pub sparse_layers: usize,
     /// The top `K` probabilities renormalised to sum 1 (`norm_topk_prob`).
     pub norm_topk: bool,
+    /// Qwen2-MoE's shared expert's width `f_s` (`shared_expert_intermediate_size`; 0: none): a
+    /// SwiGLU every token goes through, weighted by a sigmoid gate `[1, h]`.
+    pub shared_ffn: usize,
 }
 
 /// The text model's config of a Gemma 3 `config.json` with `Gemma3TextConfig`'s defaults for
@@ -112,7 +115,7 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
 /// The mixture-of-experts keys of a `qwen3_moe` config (`Qwen3MoeConfig`'s defaults: 128
 /// experts, 8 per token, 768 wide, every layer sparse unless `mlp_only_layers` /
 /// `decoder_sparse_step` say otherwise).
-fn moe_shape(v: &serde_json::Value, layers: usize, name: &str) -> Result<MoeShape> {
+fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> Result<MoeShape> {
     let get = |k: &str, d: usize| -> Result<usize> {
         match v.get(k) {
             None | Some(serde_json::Value::Null) => Ok(d),
@@ -122,14 +125,17 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str) -> Result<MoeShap
             },
         }
     };
-    let (experts, top_k, expert_ffn, step) = (get("num_experts", 128)?, get("num_experts_per_tok", 8)?, get("moe_intermediate_size", 768)?, get("decoder_sparse_step", 1)?);
+    // (Qwen2MoeConfig's defaults: 60 experts, 4 per token, 1408 wide, a shared expert 5632)
+    let d = if qwen2 { [60, 4, 1408] } else { [128, 8, 768] };
+    let (experts, top_k, expert_ffn, step) = (get("num_experts", d[0])?, get("num_experts_per_tok", d[1])?, get("moe_intermediate_size", d[2])?, get("decoder_sparse_step", 1)?);
+    let shared_ffn = if qwen2 { get("shared_expert_intermediate_size", 5632)? } else { 0 };
     if top_k > experts {
         plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_experts {experts}")
     }
     let dense: Vec<u64> = v.get("mlp_only_layers").and_then(|x| x.as_array()).map(|a| a.iter().filter_map(|i| i.as_u64()).collect()).unwrap_or_default();
     let sparse_layers = (0..layers).filter(|&i| !dense.contains(&(i as u64)) && (i + 1).is_multiple_of(step)).count();
     let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
-    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk })
+    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk, shared_ffn })
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -221,9 +227,9 @@ impl ModelConfig {
             },
             sandwich_norms: gemma3 || gemma2,
             moe: match lower.as_str() {
-                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true }),
-                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true }),
-                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true }),
+                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 _ => None,
             },
         };
@@ -309,23 +315,24 @@ impl ModelConfig {
             .and_then(|x| x.as_bool())
             .unwrap_or(gemma3 || gemma2);
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
-        let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM"), names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["qwen2_moe", "deepseek_v3", "llama4", "gpt_oss"] {
+        let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
+        let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
+        for other in ["deepseek_v2", "deepseek_v3", "llama4", "gpt_oss"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe and mixtral are)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe and mixtral are)")
             }
         }
         // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
         let mixtral = names("mixtral", "MixtralForCausalLM");
-        let moe = if qwen3_moe {
-            Some(moe_shape(&v, layers, name)?)
+        let moe = if qwen3_moe || qwen2_moe {
+            Some(moe_shape(&v, layers, name, qwen2_moe)?)
         } else if mixtral {
             let experts = get("num_local_experts")?.unwrap_or(8);
             let top_k = get("num_experts_per_tok")?.unwrap_or(2);
             if top_k > experts {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
             }
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 })
         } else {
             None
         };
@@ -449,7 +456,16 @@ impl ModelConfig {
     fn sparse_mlp_extra(&self) -> f64 {
         let Some(m) = &self.moe else { return 0.0 };
         let h = self.hidden as f64;
-        (m.experts as f64) * h + 3.0 * h * (m.expert_ffn * m.experts) as f64 - 3.0 * h * self.ffn as f64
+        (m.experts as f64) * h + 3.0 * h * (m.expert_ffn * m.experts) as f64 - 3.0 * h * self.ffn as f64 + Self::shared_params(m, h)
+    }
+
+    /// The shared expert and its gate, `3·h·f_s + h` (0 without one).
+    fn shared_params(m: &MoeShape, h: f64) -> f64 {
+        if m.shared_ffn > 0 {
+            3.0 * h * m.shared_ffn as f64 + h
+        } else {
+            0.0
+        }
     }
 
     /// The matrix parameters one token goes through in a layer, averaged over the layers
@@ -459,7 +475,7 @@ impl ModelConfig {
         let dense = self.layer_matrix_params() as f64;
         let Some(m) = &self.moe else { return dense };
         let h = self.hidden as f64;
-        let sparse = m.experts as f64 * h + 3.0 * h * (m.expert_ffn * m.top_k) as f64 - 3.0 * h * self.ffn as f64;
+        let sparse = m.experts as f64 * h + 3.0 * h * (m.expert_ffn * m.top_k) as f64 - 3.0 * h * self.ffn as f64 + Self::shared_params(m, h);
         dense + self.sparse_fraction() * sparse
     }
 
@@ -595,6 +611,15 @@ mod tests {
         let some = ModelConfig::from_hf_json(&text.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0, 47]"#), "m")?;
         assert_eq!(some.moe.as_ref().map(|m| m.sparse_layers), Some(46));
         assert_eq!(a3.total_params() - some.total_params(), 2 * (128 * 2048 + 3 * 2048 * 768 * 128 - 3 * 2048 * 6144));
+        // Qwen/Qwen1.5-MoE-A2.7B (q, k, v biases, a shared expert 5632 wide): 14.3B, 2.7B active
+        let q15 = ModelConfig::from_hf_json(
+            r#"{"architectures":["Qwen2MoeForCausalLM"],"model_type":"qwen2_moe","hidden_size":2048,"intermediate_size":5632,
+                "num_attention_heads":16,"num_hidden_layers":24,"num_key_value_heads":16,"vocab_size":151936,"moe_intermediate_size":1408,
+                "num_experts":60,"num_experts_per_tok":4,"shared_expert_intermediate_size":5632,"tie_word_embeddings":false}"#,
+            "q15",
+        )?;
+        assert_eq!((q15.total_params(), q15.active_params()), (14_315_784_192, 2_689_173_504));
+        assert!(q15.qkv_bias && !q15.qk_norm && q15.moe.as_ref().is_some_and(|m| m.shared_ffn == 5632));
         let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v3"), "m").unwrap_err();
         assert!(e.0.contains("'deepseek_v3'"), "{e}");
         // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
