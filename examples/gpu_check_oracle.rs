@@ -145,6 +145,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3Moe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama qwen3-moe (8 experts, top 2, load-balancing loss) tp2, no sp x ulysses 2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3Moe, Layout::cp(CpKind::Ulysses, 2).with_tp(2, false), None));
+    let name = format!("llama qwen2-moe (8 experts, top 2, a shared expert, q, k, v biases) tp2, no sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen2Moe, Layout::cp(CpKind::Ring, 2).with_tp(2, false), None));
     let name = format!("llama mixtral (8 experts, top 2, window 40 on every layer) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Mixtral, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     Ok(())
@@ -179,6 +181,11 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             base.with_moe(Some(moe))
         }
         Arch::Mixtral => base.with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48))).with_sliding_window(Some(40)),
+        Arch::Qwen2Moe => {
+            let mut moe = candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64);
+            moe.mlp_only_layers = vec![0];
+            base.with_moe(Some(moe))
+        }
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
@@ -195,7 +202,7 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
     for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
         if k.ends_with(".bias") {
             full.insert(k, (t * 20.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral) && (k.contains(".experts.") || k.ends_with(".gate.weight")) {
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe) && (k.contains(".experts.") || k.ends_with(".gate.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             full.insert(k.clone(), if k.ends_with(".gate.weight") { (t * 5.0)? } else { t });
         } else if head_dim.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
@@ -204,6 +211,9 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
         } else if k.contains("self_attn") && k.ends_with("_norm.weight") {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 1.0)?);
+        } else if !full.contains_key(&k) {
+            // (Qwen2-MoE's shared expert and its gate: the init's draw)
+            full.insert(k, t);
         }
     }
     let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;
