@@ -154,37 +154,51 @@ fn qwen2_moe_on_every_layout_matches_the_reference() -> Result<()> {
     assert!(moved > 1e-3, "the shared expert moves the logits by only {moved:.1e}");
     // its checkpoint: the shared expert under its transformers names, whole and over TP 2
     let dir = std::env::temp_dir().join(format!("candle-cp-qwen2-moe-{}", std::process::id()));
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(&dir, &vm, &cfg)?;
-    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let names = save_and_reload(&dir, &full, &cfg)?;
     for k in ["model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight", "model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.self_attn.k_proj.bias"] {
         assert!(names.contains_key(k), "{k}");
     }
-    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back_cfg, cfg);
+    sharded_load_matches(&dir, &full, &cfg, 2, true)?;
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// `full` saved as a HF checkpoint in `dir` ([`save_hf`]) and read back whole: the same config
+/// and every tensor bit for bit. Returns the checkpoint's tensors by their names.
+fn save_and_reload(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        for (k, t) in full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    save_hf(dir, &vm, cfg)?;
+    let (back, back_cfg) = load_hf(dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(&back_cfg, cfg);
     let got = candle_cp_llama::params::varmap_tensors(&back)?;
-    for (k, t) in &full {
+    assert_eq!(got.len(), full.len());
+    for (k, t) in full {
         assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
     }
-    for r in run_ranks(2, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
-        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+    load_safetensors_dir(dir, &Device::Cpu)
+}
+
+/// The checkpoint in `dir` read sharded over TP `tp` ([`load_hf_sharded`]) gives each rank
+/// exactly its shards of `full`.
+fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, tp: usize, sp: bool) -> Result<()> {
+    for r in run_ranks(tp, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, sp))?;
+        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(full, cfg, &ctx)?)?;
+        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
         let mut same = want.len() == got.len();
         for (k, w) in &want {
             same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
         }
         Ok(same)
     }) {
-        assert!(r?, "tp 2: the sharded load differs");
+        assert!(r?, "{}, tp {tp}: the sharded load differs from sharding the whole model", dir.display());
     }
-    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
 
@@ -240,15 +254,7 @@ fn moe_generation() -> Result<()> {
 fn mixtral_checkpoints() -> Result<()> {
     let (cfg, full) = mixtral(Some(0.02))?;
     let dir = std::env::temp_dir().join(format!("candle-cp-mixtral-{}", std::process::id()));
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(&dir, &vm, &cfg)?;
-    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let names = save_and_reload(&dir, &full, &cfg)?;
     for k in ["model.layers.0.block_sparse_moe.gate.weight", "model.layers.1.block_sparse_moe.experts.7.w1.weight", "model.layers.1.block_sparse_moe.experts.0.w2.weight"] {
         assert!(names.contains_key(k), "{k}");
     }
@@ -258,24 +264,7 @@ fn mixtral_checkpoints() -> Result<()> {
         assert_eq!(max_abs(&names[&format!("model.layers.0.block_sparse_moe.experts.3.{ckpt}.weight")], &stacked(p)?)?, 0.0, "{ckpt}");
     }
     assert!(std::fs::read_to_string(dir.join("config.json"))?.contains("MixtralForCausalLM"));
-    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back_cfg, cfg);
-    let got = candle_cp_llama::params::varmap_tensors(&back)?;
-    for (k, t) in &full {
-        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
-    }
-    for r in run_ranks(2, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
-        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-        let mut same = want.len() == got.len();
-        for (k, w) in &want {
-            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-        }
-        Ok(same)
-    }) {
-        assert!(r?, "tp 2: the sharded load differs");
-    }
+    sharded_load_matches(&dir, &full, &cfg, 2, true)?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -286,44 +275,24 @@ fn mixtral_checkpoints() -> Result<()> {
 fn qwen3_moe_checkpoints() -> Result<()> {
     let (cfg, full) = qwen3_moe(Some(0.01))?;
     let root = std::env::temp_dir().join(format!("candle-cp-qwen3-moe-{}", std::process::id()));
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
     let dir = root.join("whole");
-    save_hf(&dir, &vm, &cfg)?;
-    let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let names = save_and_reload(&dir, &full, &cfg)?;
     assert!(names.contains_key("model.layers.1.mlp.experts.7.down_proj.weight") && names.contains_key("model.layers.1.mlp.gate.weight"));
     assert_eq!(names["model.layers.1.mlp.experts.3.gate_proj.weight"].dims(), [48, 128]);
     assert!(!names.keys().any(|k| k.ends_with("experts.gate_proj")), "stacked names leaked into the checkpoint");
     assert_eq!(max_abs(&names["model.layers.1.mlp.experts.5.up_proj.weight"], &full["model.layers.1.mlp.experts.up_proj"].get(5)?)?, 0.0);
     let config = std::fs::read_to_string(dir.join("config.json"))?;
     assert!(config.contains("Qwen3MoeForCausalLM") && config.contains("\"mlp_only_layers\""), "{config}");
-    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back_cfg, cfg);
-    let got = candle_cp_llama::params::varmap_tensors(&back)?;
-    assert_eq!(got.len(), full.len());
-    for (k, t) in &full {
-        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
-    }
     let bytes = std::fs::read(dir.join("model.safetensors"))?;
     for tp in [1usize, 2, 4] {
+        sharded_load_matches(&dir, &full, &cfg, tp, true)?;
         let sharded = root.join(format!("tp{tp}"));
         for r in run_ranks(tp, |g| {
             let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
-            let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-            let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-            let mut same = want.len() == got.len();
-            for (k, w) in &want {
-                same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-            }
-            save_hf_sharded(&sharded, &want, &cfg, &ctx, ctx.world.rank() == 0)?;
-            Ok(same)
+            let mine = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+            save_hf_sharded(&sharded, &mine, &cfg, &ctx, ctx.world.rank() == 0)
         }) {
-            assert!(r?, "tp {tp}: the sharded load differs from sharding the whole model");
+            r?;
         }
         assert!(std::fs::read(sharded.join("model.safetensors"))? == bytes, "tp {tp}: the sharded writer wrote other bytes");
     }
@@ -344,18 +313,7 @@ fn qwen3_moe_checkpoints() -> Result<()> {
     for (k, t) in &full {
         assert_eq!(max_abs(&got[k], t)?, 0.0, "fused: {k}");
     }
-    for r in run_ranks(2, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, false))?;
-        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&fused_dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-        let mut same = want.len() == got.len();
-        for (k, w) in &want {
-            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-        }
-        Ok(same)
-    }) {
-        assert!(r?, "fused, tp 2: the sharded load differs");
-    }
+    sharded_load_matches(&fused_dir, &full, &cfg, 2, false)?;
     // read as a dense Qwen3: the router and the experts are not its parameters
     let mut dense = cfg.clone().with_moe(None);
     dense.intermediate_size = 352;
@@ -388,14 +346,7 @@ fn moe_bad_inputs_are_refused_by_name() -> Result<()> {
     }
     // a checkpoint without expert 5's up projection, and one with expert 2's down projection transposed
     let dir = std::env::temp_dir().join(format!("candle-cp-moe-bad-{}", std::process::id()));
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(&dir, &vm, &cfg)?;
+    save_and_reload(&dir, &full, &cfg)?;
     let whole = load_safetensors_dir(&dir, &Device::Cpu)?;
     let mut tensors = whole.clone();
     tensors.remove("model.layers.1.mlp.experts.5.up_proj.weight");
