@@ -219,12 +219,17 @@ impl Routing {
         // rows split over the host's threads (a layer at 32k tokens and 128 experts: 4M
         // probabilities per call)
         let threads = std::thread::available_parallelism().map_or(1, |t| t.get()).min(n.div_ceil(2048)).max(1);
-        let rows_per = n.div_ceil(threads).max(1);
-        std::thread::scope(|s| {
-            for (out, rows) in experts.chunks_mut(rows_per * top_k).zip(p.chunks(rows_per * e)) {
-                s.spawn(move || top_k_rows(rows, e, top_k, out));
-            }
-        });
+        if threads == 1 {
+            // (a decode step's one token, a short sequence: no thread to start)
+            top_k_rows(&p, e, top_k, &mut experts);
+        } else {
+            let rows_per = n.div_ceil(threads);
+            std::thread::scope(|s| {
+                for (out, rows) in experts.chunks_mut(rows_per * top_k).zip(p.chunks(rows_per * e)) {
+                    s.spawn(move || top_k_rows(rows, e, top_k, out));
+                }
+            });
+        }
         Ok(Self::from_experts(experts, n, top_k, e))
     }
 
@@ -344,6 +349,24 @@ mod tests {
             let e = combine(&ysb, &wb, &inv).err().map(|e| e.to_string()).unwrap_or_default();
             assert!(e.contains(want), "{want}: {e}");
         }
+        Ok(())
+    }
+
+    /// Many tokens (the rows split over the host's threads) with ties among them: each token's
+    /// experts are those of a full sort by falling probability, ties by index.
+    #[test]
+    fn routing_of_many_tokens_matches_a_full_sort() -> Result<()> {
+        let (n, e, k) = (5000, 16, 3);
+        // probabilities rounded to 1/8: many ties
+        let p = (Tensor::rand(0f32, 1., (n, e), &Device::Cpu)? * 8.0)?.floor()?;
+        let r = Routing::top_k(&p, k)?;
+        let rows: Vec<Vec<f32>> = p.to_vec2()?;
+        for (i, row) in rows.iter().enumerate() {
+            let mut idx: Vec<u32> = (0..e as u32).collect();
+            idx.sort_by(|&a, &b| row[b as usize].total_cmp(&row[a as usize]));
+            assert_eq!(&r.experts[i * k..(i + 1) * k], &idx[..k], "token {i}: {row:?}");
+        }
+        assert_eq!(r.counts.iter().sum::<usize>(), n * k);
         Ok(())
     }
 
