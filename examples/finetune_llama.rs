@@ -261,6 +261,7 @@ fn main() -> Result<()> {
         let lr_loss = m
             .long_range_loss
             .map_or(String::new(), |x| format!("  long-range {x:.3}"));
+        let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
         let all = if (m.train_loss - m.loss).abs() > 1e-6 {
             format!("  all {:.3}", m.loss)
         } else {
@@ -274,7 +275,7 @@ fn main() -> Result<()> {
             )
         });
         println!(
-            "[{bar}] step {:>4}/{steps}  loss {:.4}{lr_loss}{all}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  peak {mem}  {:.1}s",
+            "[{bar}] step {:>4}/{steps}  loss {:.4}{aux}{lr_loss}{all}  lr {:.2e}  |g| {:.3}  {:.0} tok/s  peak {mem}  {:.1}s",
             m.step, m.train_loss, m.lr, m.grad_norm, m.tokens_per_s, m.elapsed_s
         );
     };

@@ -11,7 +11,8 @@ pub struct StepMetrics {
     /// Optimizer step, 1-based (the state after this many updates).
     pub step: usize,
     /// The training objective: mean over micro-batches of the model's loss (all targets, or
-    /// the long-range targets only with [`crate::train::TrainConfig::long_range_only`]).
+    /// the long-range targets only with [`crate::train::TrainConfig::long_range_only`]), plus
+    /// a mixture of experts' load-balancing term when the config asks for it.
     pub train_loss: f64,
     /// Mean next-token cross-entropy over ALL targets of the step's batch (all micro-batches),
     /// whatever the objective.
@@ -28,6 +29,12 @@ pub struct StepMetrics {
     pub elapsed_s: f64,
     /// Peak resident memory of the process so far (VmHWM), MiB; `None` where unavailable.
     pub peak_rss_mib: Option<f64>,
+    /// A mixture of experts' load-balancing term in `train_loss` (mean over micro-batches,
+    /// `router_aux_loss_coef` times transformers' `load_balancing_loss_func`: `coef · K` when
+    /// the routing is balanced, up to `coef · E` when one expert takes every token;
+    /// [`crate::Llama::router_aux_loss`]); absent without one.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub router_aux_loss: Option<f64>,
 }
 
 /// Append-only JSON-lines metrics file.
@@ -125,6 +132,7 @@ mod tests {
             tokens_per_s: 100.0,
             elapsed_s: step as f64,
             peak_rss_mib: Some(10.0),
+            router_aux_loss: step.is_multiple_of(3).then_some(0.02),
         }
     }
 

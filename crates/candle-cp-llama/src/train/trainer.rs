@@ -469,6 +469,7 @@ pub fn train_rank(
         let mut acc = super::grad_step::StepGrads::default();
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
+        let mut aux_sum: Option<f64> = None;
         for micro in 0..cfg.grad_accum {
             let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
             // packed rows: labels IGNORE at document ends, RoPE positions per document,
@@ -504,7 +505,10 @@ pub fn train_rank(
             // Qwen3-MoE's load-balancing term (a constant here; its derivative reaches the
             // routers through the sparse layers' backward)
             let loss = match model.router_aux_loss()? {
-                Some(aux) => (loss + aux.to_device(&dev)?)?,
+                Some(aux) => {
+                    *aux_sum.get_or_insert(0.0) += aux.to_scalar::<f32>()? as f64;
+                    (loss + aux.to_device(&dev)?)?
+                }
                 None => loss,
             };
             objective += loss.to_scalar::<f32>()? as f64;
@@ -562,6 +566,7 @@ pub fn train_rank(
             tokens_per_s: tokens_per_step as f64 / dt.max(1e-9),
             elapsed_s: prev_elapsed + t_start.elapsed().as_secs_f64(),
             peak_rss_mib: peak_rss_bytes().map(|b| b as f64 / (1 << 20) as f64),
+            router_aux_loss: aux_sum.map(|a| a * inv_accum),
         };
         if let Some(log) = &log {
             log.append(&row)

@@ -195,6 +195,31 @@ fn data_parallel_and_accumulation_match_one_batch() -> Result<()> {
     Ok(())
 }
 
+/// A Qwen3-MoE with the load-balancing loss reports its term: near `coef · K` at the start
+/// (balanced routing), included in the objective; the same on 2 DP × 2 CP ranks as on one
+/// device (its statistics are the global batch's). A dense model reports none.
+#[test]
+fn moe_load_balancing_term_is_reported() -> Result<()> {
+    let mut base = tiny_cfg(None, Layout::single(), 2, 1);
+    assert!(run(&base)?[0].metrics.iter().all(|m| m.router_aux_loss.is_none()));
+    let ModelSource::Init(m) = &base.model else { candle_core::bail!("init model expected") };
+    let mut moe = crate::MoeConfig::new(4, 2, 16);
+    (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.1);
+    base.model = ModelSource::Init(m.clone().with_moe(Some(moe)));
+    let one = run(&base)?;
+    let first = one[0].metrics[0].router_aux_loss.expect("an aux term");
+    assert!((0.1..0.4).contains(&first), "coef 0.1 × K 2 when balanced: {first}");
+    let mut par = base.clone();
+    par.layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2);
+    let two = run(&par)?;
+    for (a, b) in one[0].metrics.iter().zip(&two[0].metrics) {
+        let (x, y) = (a.router_aux_loss.unwrap_or(f64::NAN), b.router_aux_loss.unwrap_or(f64::NAN));
+        assert!((x - y).abs() < 1e-5, "step {}: aux {x} on one device, {y} on DP 2 x CP 2", a.step);
+    }
+    assert_same_curve("moe dp 2 x cp 2", &one[0].metrics.iter().collect::<Vec<_>>(), &two[0].metrics);
+    Ok(())
+}
+
 /// Training with every layer recomputed in backward (with gradient accumulation and
 /// TP + SP + zigzag CP, so collectives rerun inside the backward) follows the plain run's
 /// loss and gradient-norm curve exactly.
