@@ -22,15 +22,10 @@
 
 use candle_core::{DType, Device, Result, Tensor, Var};
 use candle_cp_ops::attention::{attention, attention_bwd, attention_fwd, attention_slow, Mask, Scores};
+use candle_cp_examples::status_kb;
 use std::time::Instant;
 
 type AttnFn = fn(&Tensor, &Tensor, &Tensor, &Mask, Scores) -> Result<(Tensor, Tensor)>;
-
-fn status_kb(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with(key))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
 
 /// Reset VmHWM to the current RSS (Linux >= 4.0); returns the RSS before the run in kB.
 fn reset_peak() -> u64 {

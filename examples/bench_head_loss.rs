@@ -14,24 +14,8 @@ use anyhow::{bail, Result};
 use candle_core::{DType, Device, Tensor, Var};
 use candle_cp_llama::head_loss::{default_chunk_rows, token_nll};
 use candle_cp_llama::local_nll;
+use candle_cp_examples::{arg, status_kb};
 use std::time::Instant;
-
-fn status_kb(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with(key))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => match args.get(i + 1).map(|v| v.parse::<T>()) {
-            Some(Ok(v)) => Ok(v),
-            _ => bail!("{name}: expected a value"),
-        },
-        None => Ok(default),
-    }
-}
 
 /// One forward + backward of `path`; (seconds, extra peak MiB, loss).
 fn run(path: &str, x: &Var, w: &Var, labels: &Tensor) -> Result<(f64, f64, f32)> {

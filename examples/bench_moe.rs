@@ -13,24 +13,8 @@
 use anyhow::{bail, Result};
 use candle_core::{Device, Tensor, Var};
 use candle_cp_ops::moe::{combine, combine_slow, grouped_matmul, grouped_matmul_slow, Routing};
+use candle_cp_examples::{arg, status_kb};
 use std::time::Instant;
-
-fn status_kb(key: &str) -> Option<u64> {
-    let s = std::fs::read_to_string("/proc/self/status").ok()?;
-    let line = s.lines().find(|l| l.starts_with(key))?;
-    line.split_whitespace().nth(1)?.parse().ok()
-}
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => match args.get(i + 1).map(|v| v.parse::<T>()) {
-            Some(Ok(v)) => Ok(v),
-            _ => bail!("{name}: expected a value"),
-        },
-        None => Ok(default),
-    }
-}
 
 struct Inputs {
     x: Var,
@@ -71,6 +55,8 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn main() -> Result<()> {
+    let args: Vec<String> = std::env::args().collect();
+    candle_cp_examples::check_flags(&args, &["--tokens", "--hidden", "--experts", "--top-k", "--width", "--pairs"], &[])?;
     let (n, h, e, k, f, pairs) = (arg("--tokens", 2048usize)?, arg("--hidden", 512usize)?, arg("--experts", 16usize)?, arg("--top-k", 4usize)?, arg("--width", 256usize)?, arg("--pairs", 5usize)?);
     let dev = Device::Cpu;
     let probs = candle_nn::ops::softmax_last_dim(&Tensor::randn(0f32, 1., (n, e), &dev)?)?;

@@ -26,6 +26,26 @@ pub fn check_flags(args: &[String], with_value: &[&str], switches: &[&str]) -> a
     Ok(())
 }
 
+/// The value after flag `name` on the command line, parsed, or `default` when the flag is
+/// absent; an error naming the flag when its value is missing or does not parse.
+pub fn arg<T: std::str::FromStr>(name: &str, default: T) -> anyhow::Result<T> {
+    let args: Vec<String> = std::env::args().collect();
+    match args.iter().position(|a| a == name) {
+        Some(i) => match args.get(i + 1).map(|v| v.parse::<T>()) {
+            Some(Ok(v)) => Ok(v),
+            _ => anyhow::bail!("{name} needs a valid value"),
+        },
+        None => Ok(default),
+    }
+}
+
+/// A field of `/proc/self/status` in kB (`"VmRSS:"`, `"VmHWM:"`); `None` where unavailable.
+pub fn status_kb(key: &str) -> Option<u64> {
+    let s = std::fs::read_to_string("/proc/self/status").ok()?;
+    let line = s.lines().find(|l| l.starts_with(key))?;
+    line.split_whitespace().nth(1)?.parse().ok()
+}
+
 #[cfg(test)]
 mod tests {
     use super::check_flags;

@@ -211,9 +211,9 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
         } else if k.contains("self_attn") && k.ends_with("_norm.weight") {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 1.0)?);
-        } else if !full.contains_key(&k) {
+        } else {
             // (Qwen2-MoE's shared expert and its gate: the init's draw)
-            full.insert(k, t);
+            full.entry(k).or_insert(t);
         }
     }
     let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;

@@ -15,18 +15,8 @@ use candle_cp_comm::run_ranks;
 use candle_cp_ops::attention::{attention, Mask};
 use candle_cp_ops::cp::{balance, gather, ring_attention, shard, CpOpts, Layout};
 use rand::{rngs::StdRng, Rng, SeedableRng};
+use candle_cp_examples::arg;
 use std::time::Instant;
-
-fn arg<T: std::str::FromStr>(name: &str, default: T) -> Result<T> {
-    let args: Vec<String> = std::env::args().collect();
-    match args.iter().position(|a| a == name) {
-        Some(i) => match args.get(i + 1).map(|s| s.parse::<T>()) {
-            Some(Ok(v)) => Ok(v),
-            _ => anyhow::bail!("{name} needs a valid value"),
-        },
-        None => Ok(default),
-    }
-}
 
 fn max_abs_diff(a: &Tensor, b: &Tensor) -> Result<f32> {
     Ok((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)

@@ -319,7 +319,7 @@ impl Llama {
                         norm_topk: m.norm_topk_prob,
                         tp: tp.clone(),
                         act: cfg.activation(),
-                        log: router_log.clone(),
+                        log: m.output_router_logits.then(|| router_log.clone()),
                         shared: match m.shared_expert_intermediate_size {
                             0 => None,
                             _ => Some(crate::moe::SharedExpert {

@@ -106,7 +106,9 @@ pub(crate) struct SparseMoe {
     pub(crate) norm_topk: bool,
     pub(crate) tp: Tp,
     pub(crate) act: Activation,
-    pub(crate) log: RouterLog,
+    /// The model's router statistics, when its loss has the load-balancing term
+    /// (`output_router_logits`); `None`: nothing is logged (no probability sums copied down).
+    pub(crate) log: Option<RouterLog>,
     /// Qwen2-MoE's shared expert.
     pub(crate) shared: Option<SharedExpert>,
 }
@@ -146,7 +148,7 @@ impl SparseMoe {
             x.clone()
         };
         let (b, t, h) = xf.dims3()?;
-        let (e, hr) = self.router.dims2()?;
+        let hr = self.router.dim(1)?;
         if hr != h {
             bail!("SparseMoe: input {:?} does not match the router {:?} ([E, h])", x.dims(), self.router.dims())
         }
@@ -155,10 +157,12 @@ impl SparseMoe {
         // without SP the router's TP shares are summed here (with SP: reduce_gradients)
         let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
         let logits = x2.matmul(&router.t()?)?;
-        let probs = router_probs(&logits, &self.log)?;
+        let probs = router_probs(&logits, self.log.as_ref())?;
         let routing = Routing::top_k(&probs, self.top_k)?;
-        let sums: Vec<f32> = probs.detach().sum(0)?.to_vec1()?;
-        self.log.record(&routing.counts, &sums, n);
+        if let Some(log) = &self.log {
+            let sums: Vec<f32> = probs.detach().sum(0)?.to_vec1()?;
+            log.record(&routing.counts, &sums, n);
+        }
         let dev = x.device();
         let k = self.top_k;
         let chosen = Tensor::from_vec(routing.experts.clone(), (n, k), dev)?;
@@ -189,14 +193,13 @@ impl SparseMoe {
         } else {
             Ok(y)
         }
-        .and_then(|y| if y.dims() == x.dims() { Ok(y) } else { bail!("SparseMoe: output {:?} for input {:?} (E = {e})", y.dims(), x.dims()) })
     }
 }
 
 /// The router's probabilities `softmax(logits)` `[N, E]` in f32, one node that keeps only
 /// `logits` (the backward recomputes the softmax). Their gradient gains the load-balancing
-/// loss's derivative `[E]` (broadcast over the tokens) when the log has one at backward time.
-fn router_probs(logits: &Tensor, log: &RouterLog) -> Result<Tensor> {
+/// loss's derivative `[E]` (broadcast over the tokens) when a log has one at backward time.
+fn router_probs(logits: &Tensor, log: Option<&RouterLog>) -> Result<Tensor> {
     // (from candle's elementwise ops and reductions, which every backend has)
     let softmax = |l: &Tensor| -> Result<Tensor> {
         let l = l.to_dtype(DType::F32)?;
@@ -204,9 +207,9 @@ fn router_probs(logits: &Tensor, log: &RouterLog) -> Result<Tensor> {
         e.broadcast_div(&e.sum_keepdim(D::Minus1)?)
     };
     let probs = softmax(&logits.detach())?;
-    let (log, kept) = (log.clone(), logits.detach());
+    let (log, kept) = (log.cloned(), logits.detach());
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let dy = match log.grad() {
+        let dy = match log.as_ref().and_then(|l| l.grad()) {
             Some(g) => dy.broadcast_add(&g.to_device(dy.device())?.to_dtype(dy.dtype())?.unsqueeze(0)?)?,
             None => dy.clone(),
         };
