@@ -76,6 +76,26 @@ pub trait ProcessGroup: Send + Sync {
     /// concatenate the chunks received from ranks `0..size()` along `concat_dim`.
     fn all_to_all(&self, t: &Tensor, split_dim: usize, concat_dim: usize) -> Result<Tensor>;
 
+    /// Uneven all-to-all along dim 0: the first `send_rows[0]` rows of `t` go to rank 0, the
+    /// next `send_rows[1]` to rank 1, ...; the result holds, in rank order, the
+    /// `recv_rows[i]` rows rank `i` sent here (`recv_rows[i]` must be rank `i`'s
+    /// `send_rows[self.rank()]`, e.g. from an all-gather of the counts). How the tokens of a
+    /// mixture of experts travel to the ranks that hold their experts and back
+    /// (`candle_cp_ops::moe_ep`).
+    ///
+    /// No tensor without elements is passed or returned (see [`ensure_nonempty`]): when
+    /// `send_rows` sum to 0, `t` gives only the trailing shape and the dtype (any number of
+    /// rows); when `recv_rows` sum to 0 the result is one row of zeros. Errors name the counts
+    /// and shapes when `t` has neither `Σ send_rows` rows nor (with nothing to send) any, or a
+    /// count list is not one per rank.
+    ///
+    /// The default (every group here) pads each rank's chunks to the largest chunk of the
+    /// round (learnt from a one-number all-gather) and calls [`ProcessGroup::all_to_all`]:
+    /// two collectives, and `P · max` rows on the wire per rank however uneven the counts.
+    fn all_to_all_v(&self, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
+        padded_all_to_all_v(self, t, send_rows, recv_rows)
+    }
+
     /// Every rank gets `root`'s `t` (the other ranks' `t` give only shape and dtype).
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor>;
 
@@ -126,6 +146,53 @@ pub trait ProcessGroup: Send + Sync {
     fn describe(&self) -> String {
         format!("process group (rank {} of {})", self.rank(), self.size())
     }
+}
+
+/// [`ProcessGroup::all_to_all_v`] from [`ProcessGroup::all_gather`] (the round's largest
+/// chunk) and [`ProcessGroup::all_to_all`] on chunks padded to it.
+fn padded_all_to_all_v<G: ProcessGroup + ?Sized>(g: &G, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
+    let p = g.size();
+    let (sent, got) = (send_rows.iter().sum::<usize>(), recv_rows.iter().sum::<usize>());
+    if send_rows.len() != p || recv_rows.len() != p {
+        candle_core::bail!(
+            "all_to_all_v: {} send and {} receive counts on a group of {p} ranks ({})",
+            send_rows.len(),
+            recv_rows.len(),
+            g.describe()
+        )
+    }
+    ensure_nonempty("all_to_all_v", "t", t)?;
+    let dims = t.dims();
+    if dims[0] != sent && sent != 0 {
+        candle_core::bail!("all_to_all_v: t {dims:?} has {} rows, the send counts {send_rows:?} sum to {sent}", dims[0])
+    }
+    let most = send_rows.iter().chain(recv_rows).copied().max().unwrap_or(0) as u32;
+    let most = g.all_gather(&Tensor::new(&[most], &Device::Cpu)?, 0)?.to_vec1::<u32>()?;
+    let m = most.iter().copied().max().unwrap_or(0).max(1) as usize;
+    let mut rest = dims.to_vec();
+    let mut chunks = Vec::with_capacity(2 * p);
+    let mut off = 0;
+    for &n in send_rows {
+        if n > 0 {
+            chunks.push(t.narrow(0, off, n)?);
+        }
+        if n < m {
+            rest[0] = m - n;
+            chunks.push(Tensor::zeros(rest.as_slice(), t.dtype(), t.device())?);
+        }
+        off += n;
+    }
+    let got_all = g.all_to_all(&Tensor::cat(&chunks, 0)?, 0, 0)?;
+    if got == 0 {
+        return got_all.narrow(0, 0, 1)?.zeros_like();
+    }
+    let parts = recv_rows
+        .iter()
+        .enumerate()
+        .filter(|(_, &n)| n > 0)
+        .map(|(i, &n)| got_all.narrow(0, i * m, n))
+        .collect::<Result<Vec<_>>>()?;
+    Tensor::cat(&parts, 0)
 }
 
 /// Shared handle on a process group; what the ops and layers take.

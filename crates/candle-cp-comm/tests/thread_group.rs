@@ -194,3 +194,47 @@ fn started_collectives_report_mismatches_and_failures() {
     }
     assert!(t0.elapsed().as_secs() < 30, "took {:?}", t0.elapsed());
 }
+
+/// `all_to_all_v` delivers every rank's chunks, in rank order, on 3 ranks with counts that
+/// include empty chunks, a rank that sends nothing (its `t` only gives the shape) and a rank
+/// that receives nothing (one zero row back); f32 and bf16, rows of shape `[2, 3]`. Wrong
+/// counts are refused by name on every rank.
+#[test]
+fn all_to_all_v_delivers_uneven_chunks() -> Result<()> {
+    // rows[i][j]: what rank i sends rank j (rank 1 sends nothing, rank 2 receives nothing)
+    let rows = [[2usize, 3, 0], [0, 0, 0], [1, 4, 0]];
+    for dtype in [DType::F32, DType::BF16] {
+        let p = 3;
+        let sent: Vec<usize> = rows.iter().map(|r| r.iter().sum::<usize>().max(1)).collect();
+        let xs: Vec<Tensor> = (0..p)
+            .map(|r| Ok(inputs(1, &[sent[r], 2, 3], dtype, 5 + r as u64)?.remove(0)))
+            .collect::<Result<_>>()?;
+        let got = all_ok(run_ranks(p, |g| {
+            let r = g.rank();
+            let recv: Vec<usize> = (0..p).map(|i| rows[i][r]).collect();
+            g.all_to_all_v(&xs[r], &rows[r], &recv)
+        }));
+        for (r, got) in got.iter().enumerate() {
+            let mut want = Vec::new();
+            for (i, x) in xs.iter().enumerate() {
+                let off: usize = rows[i][..r].iter().sum();
+                if rows[i][r] > 0 {
+                    want.push(x.narrow(0, off, rows[i][r])?);
+                }
+            }
+            let want = if want.is_empty() { Tensor::zeros((1, 2, 3), dtype, &Device::Cpu)? } else { Tensor::cat(&want, 0)? };
+            assert_same(got, &want, &format!("{dtype:?} rank {r}"))?;
+        }
+    }
+    let errs = run_ranks(2, |g| {
+        let t = Tensor::zeros((3, 2), DType::F32, &Device::Cpu)?;
+        match g.rank() {
+            0 => g.all_to_all_v(&t, &[1, 1], &[1, 1]),
+            _ => g.all_to_all_v(&t, &[1, 2, 0], &[1, 1]),
+        }
+    });
+    let msgs: Vec<String> = errs.into_iter().map(|e| e.err().map(|e| e.to_string()).unwrap_or_default()).collect();
+    assert!(msgs[0].contains("rows") || msgs[0].contains("rank"), "{msgs:?}");
+    assert!(msgs[1].contains("3 send and 2 receive counts"), "{msgs:?}");
+    Ok(())
+}

@@ -10,6 +10,7 @@
 //! - [`autograd`]: attach a hand-written backward to a precomputed tensor.
 //! - [`oracle`]: load reference attention cases (safetensors) and compare results to them.
 //! - [`moe`]: mixture of experts — the experts' grouped matmul, top-k routing.
+//! - [`moe_ep`]: expert parallelism — routed rows to the ranks holding their experts and back.
 //! - [`recompute`]: activation recomputation of a block (keep its input, rerun it in backward).
 
 #![warn(missing_docs)]
@@ -19,6 +20,7 @@ pub mod autograd;
 pub mod cp;
 pub mod mappings;
 pub mod moe;
+pub mod moe_ep;
 pub mod oracle;
 pub mod packing;
 pub mod recompute;
