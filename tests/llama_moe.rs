@@ -32,7 +32,7 @@ use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
-use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, Tolerances};
+use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, LayoutRun, Reference, Tolerances};
 use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeConfig, MoeStyle, ParallelCtx};
 use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
 use std::collections::HashMap;
@@ -216,15 +216,7 @@ fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
     let r = format!("model.layers.1.{module}.gate.weight");
     let rel = max_abs(&plain.grads[&r], &want.grads[&r])? / max_abs(&want.grads[&r], &want.grads[&r].zeros_like()?)?;
     assert!(rel > 0.05, "the load-balancing loss moves the router's gradient by only {rel:.1e}");
-    let experts = |k: &str| k.contains(&format!("{module}.experts.")) || k.ends_with(&format!("{module}.gate.weight"));
-    let check = |layout: Layout, run: candle_cp_llama::verify::LayoutRun, want: &candle_cp_llama::verify::Reference| -> Result<()> {
-        let rep = compare(&run, want, Tolerances::default())?;
-        println!("{style:?} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4 * cfg.moe_layers(), "{layout}");
-        assert!(rep.pass(), "{style:?} {layout}: {rep:?}");
-        Ok(())
-    };
+    let check = |layout: Layout, run: LayoutRun, want: &Reference| check_run(&cfg, layout, run, want);
     for &layout in layouts {
         check(layout, run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want)?;
     }
@@ -233,6 +225,57 @@ fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
     let two = Tensor::cat(&[&ids, &ids], 0)?;
     let layout = Layout::cp(CpKind::Ring, 2).with_dp(2);
     check(layout, run_layout(&full, &cfg, &two, layout, &Device::Cpu)?, &reference_rows(&want)?)
+}
+
+/// `run` (of `layout`) gives `want`'s logits, loss and every gradient, the router's and the
+/// stacked experts' among them, within the oracle's float32 tolerances.
+fn check_run(cfg: &LlamaConfig, layout: Layout, run: LayoutRun, want: &Reference) -> Result<()> {
+    let module = cfg.moe.as_ref().map_or("mlp", |m| m.module());
+    let experts = |k: &str| k.contains(&format!("{module}.experts.")) || k.ends_with(&format!("{module}.gate.weight"));
+    let rep = compare(&run, want, Tolerances::default())?;
+    println!("{module} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+    assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+    assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4 * cfg.moe_layers(), "{layout}");
+    assert!(rep.pass(), "{module} {layout}: {rep:?}");
+    Ok(())
+}
+
+/// Expert parallelism (each sparse layer's 8 experts split over `ep` DP × CP ranks, the routed
+/// rows exchanged): EP over the whole CP group and over part of it, under every CP kind, with
+/// TP (+ SP), across DP replicas, and with recomputed layers, give the float64 reference's
+/// logits, loss and gradients (the experts' gathered back from their EP ranks) — for
+/// Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert).
+#[test]
+fn expert_parallel_layouts_match_the_reference() -> Result<()> {
+    let ids = ids(T)?;
+    let two = Tensor::cat(&[&ids, &ids], 0)?;
+    for style in [MoeStyle::Qwen3Moe, MoeStyle::Mixtral, MoeStyle::Qwen2Moe] {
+        let (cfg, full) = moe_model(style, Some(0.5))?;
+        let (want, _) = reference_routed(&full, &cfg, &ids)?;
+        let layouts: Vec<(Layout, bool, bool)> = match style {
+            MoeStyle::Qwen3Moe => vec![
+                (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
+                (Layout::cp(CpKind::Ring, 4).with_ep(2), false, false),
+                (Layout::cp(CpKind::Ulysses, 2).with_ep(2), false, false),
+                (Layout::two_d(2, 2).with_ep(4), false, false),
+                (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), false, false),
+                (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true, false),
+                (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, true),
+                (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), false, true),
+            ],
+            _ => vec![
+                (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
+                (Layout::cp(CpKind::AllGather, 2).with_tp(2, false).with_ep(2), false, false),
+                (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), true, true),
+            ],
+        };
+        for (layout, recompute, dp) in layouts {
+            let rows_want = if dp { Some(reference_rows(&want)?) } else { None };
+            let run = run_layout_recompute(&full, &cfg, if dp { &two } else { &ids }, layout, &Device::Cpu, recompute)?;
+            check_run(&cfg, layout, run, rows_want.as_ref().unwrap_or(&want))?;
+        }
+    }
+    Ok(())
 }
 
 /// Cached decoding equals the full forward; CP and TP decode the single device's tokens

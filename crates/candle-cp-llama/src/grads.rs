@@ -10,6 +10,7 @@
 //! | replicated (norms; embeddings and head of a vocabulary smaller than tp), no SP | DP × CP (TP ranks already hold identical full gradients) |
 //! | replicated, with SP               | DP × CP × TP (each TP rank saw other tokens) |
 //! | k/v with fewer KV heads than TP ranks | DP × CP × the TP ranks holding the same KV head (each saw other query heads) |
+//! | stacked experts under expert parallelism (`ep > 1`) | the DP × CP ranks holding the same experts ([`ParallelCtx::ep_dp`]; the EP exchange's backward brought the EP group's tokens) |
 //!
 //! Gradients are packed into f32 buffers of up to 2^26 elements per group (one all-reduce
 //! each), in [`param_specs`] order on every rank.
@@ -89,11 +90,11 @@ fn reduce_with_buckets(
             s.shape
         )
     }
-    let mut per_group: Vec<((bool, usize), Group, Vec<String>)> = Vec::new();
+    let mut per_group: Vec<((bool, usize, bool), Group, Vec<String>)> = Vec::new();
     let mut skipped = Vec::new();
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
-        if skip != Skip::No && ctx.grad_group_is_dp_cp(shard) {
+        if skip != Skip::No && ctx.param_grad_group_is_dp_cp(&s) {
             let var = vars[&s.name].as_tensor();
             if skip == Skip::Fill && grads.get(var).is_none() {
                 grads.insert(var, var.zeros_like()?);
@@ -101,10 +102,14 @@ fn reduce_with_buckets(
             skipped.push(s.name);
             continue;
         }
-        let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp));
+        let expert = s.is_expert() && ctx.ep.is_some();
+        let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp), expert);
         match per_group.iter_mut().find(|(k, _, _)| *k == key) {
             Some((_, _, names)) => names.push(s.name),
-            None => per_group.push((key, ctx.grad_group(shard)?, vec![s.name])),
+            None => {
+                let group = ctx.param_grad_group(&s)?;
+                per_group.push((key, group, vec![s.name]))
+            }
         }
     }
     for (_, group, names) in per_group {

@@ -116,6 +116,11 @@ pub struct Layout {
     /// [`HeadLayout`]): [`HeadLayout::Regathered`] keeps only the sequence layout and
     /// all-to-alls q, k, v and the output again in the backward. Ignored by the other kinds.
     pub head_layout: HeadLayout,
+    /// Expert-parallel degree: each sparse layer's experts split over `ep` ranks of the DP × CP
+    /// group (consecutive ones, same TP rank; [`ParallelCtx::ep`]), the routed tokens sent to
+    /// the ranks holding their experts and back ([`candle_cp_ops::moe_ep`]). 1: every rank
+    /// holds every expert (its TP slice). `ep` must divide `dp · cp` and the experts.
+    pub ep: usize,
     /// Where the attention backward's row sums take the output from (see [`RowSums`]);
     /// `None`: each kind's default ([`Layout::default_row_sums`]: from the f32 output for the
     /// ring kinds and 2-D, from the returned output on one device and under Ulysses). Changes
@@ -142,6 +147,7 @@ impl Layout {
             ring: 1,
             head_layout: HeadLayout::Kept,
             row_sums: None,
+            ep: 1,
         }
     }
     /// Pure CP of degree `cp` with algorithm `kind` (for [`CpKind::TwoD`] use [`Layout::two_d`]).
@@ -201,6 +207,11 @@ impl Layout {
     pub fn effective_row_sums(&self) -> RowSums {
         self.row_sums.unwrap_or_else(|| self.default_row_sums())
     }
+    /// Same layout with expert parallelism `ep` (see [`Layout::ep`]).
+    pub fn with_ep(mut self, ep: usize) -> Self {
+        self.ep = ep;
+        self
+    }
     /// Same layout with data parallelism `dp`.
     pub fn with_dp(mut self, dp: usize) -> Self {
         self.dp = dp;
@@ -218,8 +229,11 @@ impl Layout {
     /// Check the degrees against each other: every degree at least 1, and the Ulysses / ring
     /// split that the CP kind needs. [`Layout::validate`] adds the model's head counts.
     pub fn check_degrees(&self) -> Result<()> {
-        if self.tp == 0 || self.cp == 0 || self.dp == 0 || self.ulysses == 0 || self.ring == 0 {
+        if self.tp == 0 || self.cp == 0 || self.dp == 0 || self.ulysses == 0 || self.ring == 0 || self.ep == 0 {
             bail!("layout {self}: every degree must be at least 1")
+        }
+        if !(self.dp * self.cp).is_multiple_of(self.ep) {
+            bail!("layout {self}: ep = {} must divide dp · cp = {} (the experts split over DP × CP ranks)", self.ep, self.dp * self.cp)
         }
         match self.cp_kind {
             CpKind::Ulysses if self.ulysses != self.cp || self.ring != 1 => {
@@ -275,7 +289,11 @@ impl fmt::Display for Layout {
             RowSums::F32 => f.write_str(" f32-row-sums")?,
             RowSums::Output => f.write_str(" output-row-sums")?,
         }
-        write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)
+        write!(f, " tp={}{} dp={}", self.tp, if self.sp { "+sp" } else { "" }, self.dp)?;
+        if self.ep > 1 {
+            write!(f, " ep={}", self.ep)?;
+        }
+        Ok(())
     }
 }
 
@@ -298,6 +316,12 @@ pub struct ParallelCtx {
     pub ulysses: Group,
     /// Ring sub-group of the CP group (size `ring`; 2-D only, else the CP group).
     pub ring: Group,
+    /// The expert-parallel group (size `ep`: the `ep` consecutive DP × CP ranks of this TP
+    /// rank, `dp_cp` index `q` with the same `q / ep`); `None` when `ep = 1`.
+    pub ep: Option<Group>,
+    /// The ranks that hold the same experts (same TP rank and `q mod ep`, size
+    /// `dp · cp / ep`): the gradient group of the stacked experts. `dp_cp` when `ep = 1`.
+    pub ep_dp: Group,
     /// Coordinates of this rank: `(dp_i, cp_i, tp_i)`.
     pub coords: (usize, usize, usize),
     /// Gradient groups of replicated row blocks, by copies per block, made on first use.
@@ -335,6 +359,17 @@ impl ParallelCtx {
         } else {
             (cp_g.clone(), cp_g.clone())
         };
+        let (ep, ep_dp) = if layout.ep > 1 {
+            if !(layout.dp * cp).is_multiple_of(layout.ep) {
+                bail!("ParallelCtx: layout {layout}: ep = {} must divide dp · cp = {}", layout.ep, layout.dp * cp)
+            }
+            let (q, e) = (dp_i * cp + cp_i, layout.ep);
+            let ep = world.split((q / e) * tp + tp_i, q % e)?;
+            let ep_dp = world.split((q % e) * tp + tp_i, q / e)?;
+            (Some(ep), ep_dp)
+        } else {
+            (None, dp_cp.clone())
+        };
         Ok(Self {
             layout,
             world,
@@ -344,6 +379,8 @@ impl ParallelCtx {
             dp_cp,
             ulysses,
             ring,
+            ep,
+            ep_dp,
             coords: (dp_i, cp_i, tp_i),
             block_groups: Arc::new(Mutex::new(Vec::new())),
         })
@@ -392,6 +429,33 @@ impl ParallelCtx {
             Shard::Replicated => !self.layout.seq_parallel(),
             _ => shard.copies(self.layout.tp) == 1,
         }
+    }
+
+    /// This rank's index in the EP group and the group's size (`(0, 1)` without EP): it holds
+    /// experts `[i·E/ep, (i+1)·E/ep)`.
+    pub fn ep_coords(&self) -> (usize, usize) {
+        match &self.ep {
+            Some(g) => (g.rank(), g.size()),
+            None => (0, 1),
+        }
+    }
+
+    /// The group over which the gradient shares of parameter `spec` are summed:
+    /// [`ParallelCtx::grad_group`] of its TP split, except the stacked experts under expert
+    /// parallelism ([`crate::params::ParamSpec::is_expert`]), summed over
+    /// [`ParallelCtx::ep_dp`] (the ranks holding the same experts: the EP exchange's backward
+    /// has already brought every EP rank's tokens to them).
+    pub fn param_grad_group(&self, spec: &crate::params::ParamSpec) -> Result<Group> {
+        if spec.is_expert() && self.ep.is_some() {
+            return Ok(self.ep_dp.clone());
+        }
+        self.grad_group(spec.shard)
+    }
+
+    /// Whether [`ParallelCtx::param_grad_group`] of `spec` is `dp_cp` (see
+    /// [`ParallelCtx::grad_group_is_dp_cp`]; never for the experts under expert parallelism).
+    pub fn param_grad_group_is_dp_cp(&self, spec: &crate::params::ParamSpec) -> bool {
+        !(spec.is_expert() && self.ep.is_some()) && self.grad_group_is_dp_cp(spec.shard)
     }
 
     /// A context for one device (`world` of size 1).

@@ -258,6 +258,15 @@ impl Llama {
         cfg.validate()?;
         ctx.layout
             .validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
+        if ctx.layout.ep > 1 {
+            match &cfg.moe {
+                None => bail!("Llama::new: layout {} has ep = {}, the model has no experts (a dense config)", ctx.layout, ctx.layout.ep),
+                Some(m) if !m.num_experts.is_multiple_of(ctx.layout.ep) => {
+                    bail!("Llama::new: ep = {} does not divide the {} experts (layout {})", ctx.layout.ep, m.num_experts, ctx.layout)
+                }
+                _ => {}
+            }
+        }
         let tp_size = ctx.layout.tp;
         if ctx.tp.size() != tp_size {
             bail!(
@@ -280,7 +289,7 @@ impl Llama {
             let Some(s) = specs.get(name) else {
                 bail!("Llama::new: no parameter spec for {name}")
             };
-            vb.get_with_hints(s.local_shape(tp_size)?, name, init)
+            vb.get_with_hints(s.local_shape_in(ctx)?, name, init)
         };
         let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
         let (qd, kd) = (
@@ -329,6 +338,7 @@ impl Llama {
                                 weight: get(&p("shared_expert_gate.weight"))?,
                             }),
                         },
+                        ep: ctx.ep.clone(),
                     })
                 }
                 _ => {

@@ -15,6 +15,12 @@
 //! weights partial expert outputs): summed over TP in the graph without SP (as the q, k
 //! norms), by [`crate::reduce_gradients`] with SP.
 //!
+//! Expert parallelism (`ep > 1`, [`crate::Layout::ep`]): each rank of the EP group (DP × CP
+//! ranks of one TP rank) holds `E/ep` experts; the pairs grouped by expert go to the ranks
+//! holding their experts and come back ([`candle_cp_ops::moe_ep`]) around the grouped
+//! matmuls. With TP too, the EP group's ranks share a TP rank, so they exchange rows for the
+//! same `1/tp` slice of their experts; every TP rank routes alike, so the exchanges agree.
+//!
 //! The load-balancing loss (transformers' `load_balancing_loss_func`, with
 //! `output_router_logits`) is `E · Σ_e f_e · P_e` over every token of the global batch and
 //! every sparse layer (`f_e` the fraction of (token, slot) choices of expert `e` per token,
@@ -30,7 +36,9 @@ use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_nn::Tp;
 use candle_cp_ops::autograd::{attach1, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
+use candle_cp_comm::Group;
 use candle_cp_ops::moe::{combine, grouped_matmul, Routing};
+use candle_cp_ops::moe_ep::{dispatch_to_experts, return_from_experts, ExpertExchange};
 use std::sync::{Arc, Mutex};
 
 /// The router statistics of one forward, over its sparse layers, and the load-balancing
@@ -111,6 +119,9 @@ pub(crate) struct SparseMoe {
     pub(crate) log: Option<RouterLog>,
     /// Qwen2-MoE's shared expert.
     pub(crate) shared: Option<SharedExpert>,
+    /// The expert-parallel group (`ep > 1`): `gate`, `up`, `down` hold this EP rank's
+    /// `E/ep` experts, the routed rows travel to their experts' ranks and back.
+    pub(crate) ep: Option<Group>,
 }
 
 /// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a
@@ -173,9 +184,15 @@ impl SparseMoe {
         let w = w.to_dtype(x.dtype())?;
         let rows = Tensor::from_vec(routing.sorted_tokens(), n * k, dev)?;
         let xs = x2.index_select(&rows, 0)?;
-        let gate = grouped_matmul(&xs, &self.gate, &routing.counts)?;
-        let up = grouped_matmul(&xs, &self.up, &routing.counts)?;
-        let ys = grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, &routing.counts)?;
+        let ys = match &self.ep {
+            None => self.experts(&xs, &routing.counts)?,
+            Some(ep) => {
+                // to the ranks holding the experts, through this rank's E/ep, and back
+                let ex = ExpertExchange::new(&routing.counts, ep)?;
+                let yl = self.experts(&dispatch_to_experts(&xs, &ex)?, ex.local_counts())?;
+                return_from_experts(&yl, &ex)?
+            }
+        };
         // back to (token, slot) order, weighted, summed over the slots
         let mut y = combine(&ys, &w, &routing.inverse)?;
         if let Some(s) = &self.shared {
@@ -193,6 +210,15 @@ impl SparseMoe {
         } else {
             Ok(y)
         }
+    }
+}
+
+impl SparseMoe {
+    /// The experts' SwiGLU on rows grouped by expert (`counts`, one per expert held).
+    fn experts(&self, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
+        let gate = grouped_matmul(xs, &self.gate, counts)?;
+        let up = grouped_matmul(xs, &self.up, counts)?;
+        grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, counts)
     }
 }
 

@@ -68,6 +68,24 @@ impl ParamSpec {
     /// This TP rank's slice of the full tensor ([`Shard::slice`], the split of the layer that
     /// uses the parameter).
     pub fn slice(&self, full: &Tensor, tp: usize, tp_rank: usize) -> Result<Tensor> {
+        self.check_full(full)?;
+        self.shard
+            .slice(full, tp, tp_rank)
+            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))
+    }
+
+    /// Rebuild the full tensor from the local shard (collective over `ctx.tp` for split
+    /// parameters, keeping one copy of replicated KV heads, then over `ctx.ep` for the
+    /// stacked experts under expert parallelism; replicated parameters are returned as is).
+    pub fn gather(&self, local: &Tensor, ctx: &ParallelCtx) -> Result<Tensor> {
+        let t = self.shard.gather(local, &ctx.tp)?;
+        match &ctx.ep {
+            Some(ep) if self.is_expert() => ep.all_gather(&t, 0),
+            _ => Ok(t),
+        }
+    }
+
+    fn check_full(&self, full: &Tensor) -> Result<()> {
         if full.dims() != self.shape.as_slice() {
             bail!(
                 "parameter {}: checkpoint tensor {:?}, expected {:?}",
@@ -76,16 +94,46 @@ impl ParamSpec {
                 self.shape
             )
         }
-        self.shard
-            .slice(full, tp, tp_rank)
-            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))
+        Ok(())
     }
 
-    /// Rebuild the full tensor from the local shard (collective over `ctx.tp` for split
-    /// parameters, keeping one copy of replicated KV heads; replicated parameters are
-    /// returned as is).
-    pub fn gather(&self, local: &Tensor, ctx: &ParallelCtx) -> Result<Tensor> {
-        self.shard.gather(local, &ctx.tp)
+    /// Whether this is a sparse layer's stacked expert weight (`[E, ·, ·]`,
+    /// `*.experts.{gate,up,down}_proj`), split over the EP group along dim 0 under expert
+    /// parallelism ([`crate::Layout::ep`]).
+    pub fn is_expert(&self) -> bool {
+        self.shape.len() == 3 && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| self.name.ends_with(s))
+    }
+
+    /// The shape this rank of `ctx` holds: [`ParamSpec::local_shape`] of its TP degree, and
+    /// the experts `E/ep` under expert parallelism. Errors if a degree does not divide.
+    pub fn local_shape_in(&self, ctx: &ParallelCtx) -> Result<Shape> {
+        let s = self.local_shape(ctx.layout.tp)?;
+        let (_, ep) = ctx.ep_coords();
+        if !self.is_expert() || ep == 1 {
+            return Ok(s);
+        }
+        let mut d = s.dims().to_vec();
+        if !d[0].is_multiple_of(ep) {
+            bail!("parameter {}: {} experts ({:?}) do not split over ep = {ep} ranks", self.name, d[0], self.shape)
+        }
+        d[0] /= ep;
+        Ok(Shape::from(d))
+    }
+
+    /// This rank's slice of the full tensor: its EP rank's experts under expert parallelism
+    /// ([`candle_cp_ops::moe_ep::local_experts`]), then its TP slice ([`ParamSpec::slice`]).
+    pub fn slice_for(&self, full: &Tensor, ctx: &ParallelCtx) -> Result<Tensor> {
+        let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
+        let (ep_rank, ep) = ctx.ep_coords();
+        if !self.is_expert() || ep == 1 {
+            return self.slice(full, tp, tp_rank);
+        }
+        self.check_full(full)?;
+        let mine = candle_cp_ops::moe_ep::local_experts(full, ep_rank, ep)
+            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))?;
+        self.shard
+            .slice(&mine, tp, tp_rank)
+            .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))
     }
 }
 
@@ -296,12 +344,11 @@ pub(crate) fn sharded_params(
     device: &Device,
     mut full_of: impl FnMut(&ParamSpec) -> Result<Tensor>,
 ) -> Result<VarMap> {
-    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let vm = VarMap::new();
     {
         let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
-            let local = s.slice(&full_of(&s)?, tp, tp_rank)?;
+            let local = s.slice_for(&full_of(&s)?, ctx)?;
             data.insert(s.name.clone(), Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
         }
     }
@@ -331,7 +378,6 @@ pub fn shard_tensors(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
 ) -> Result<VarMap> {
-    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let vm = VarMap::new();
     {
         let mut data = lock_vars(&vm)?;
@@ -339,7 +385,7 @@ pub fn shard_tensors(
             let Some(t) = full.get(&s.name) else {
                 bail!("shard_params: missing parameter {} {:?}", s.name, s.shape)
             };
-            let local = s.slice(t, tp, tp_rank)?;
+            let local = s.slice_for(t, ctx)?;
             data.insert(s.name.clone(), Var::from_tensor(&local.detach())?);
         }
     }

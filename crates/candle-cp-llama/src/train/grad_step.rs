@@ -68,7 +68,7 @@ impl GradSteps {
         let mut replica = Vec::new();
         for s in param_specs(cfg) {
             let Some(v) = all.get(&s.name) else { bail!("train: parameter {} is not in the VarMap", s.name) };
-            if ctx.grad_group_is_dp_cp(s.shard.resolve(ctx.layout.tp)) {
+            if ctx.param_grad_group_is_dp_cp(&s) {
                 replica.push((s.name.clone(), v.as_tensor().clone()));
             }
             vars.push((s.name, v.as_tensor().clone()));

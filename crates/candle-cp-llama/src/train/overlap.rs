@@ -326,7 +326,7 @@ mod tests {
                 let vars = crate::params::lock_vars(&vm)?.clone();
                 let early: Vec<(String, Tensor)> = param_specs(&cfg)
                     .into_iter()
-                    .filter(|s| ctx.grad_group_is_dp_cp(s.shard.resolve(layout.tp)))
+                    .filter(|s| ctx.param_grad_group_is_dp_cp(s))
                     .map(|s| (s.name.clone(), vars[&s.name].as_tensor().clone()))
                     .collect();
                 let n_early = early.len();
