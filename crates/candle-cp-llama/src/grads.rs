@@ -90,7 +90,9 @@ fn reduce_with_buckets(
             s.shape
         )
     }
-    let mut per_group: Vec<((bool, usize, bool), Group, Vec<String>)> = Vec::new();
+    // (replicated, copies, an expert under EP) → the group and its parameters
+    type Key = (bool, usize, bool);
+    let mut per_group: Vec<(Key, Group, Vec<String>)> = Vec::new();
     let mut skipped = Vec::new();
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);

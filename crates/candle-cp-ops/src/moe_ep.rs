@@ -79,10 +79,10 @@ impl ExpertExchange {
         let mut order = Vec::with_capacity(r);
         for x in 0..el {
             let mut at = 0usize;
-            for i in 0..p {
+            for (i, &from_i) in recv.iter().enumerate() {
                 let before: usize = (0..x).map(|y| of(i, me * el + y)).sum();
                 order.extend((at + before..at + before + of(i, me * el + x)).map(|v| v as u32));
-                at += recv[i];
+                at += from_i;
             }
         }
         let mut inverse = vec![0u32; r];

@@ -189,7 +189,6 @@ pub fn reshard_optimizer_state(
     if steps.iter().any(|s| s.is_empty() || s != &steps[0]) {
         bail!("resume: the {old_tp} optimizer files of {} disagree on the step ({steps:?})", dir.display())
     }
-    let (tp, tp_rank) = (ctx.layout.tp, ctx.coords.2);
     let mut out = std::collections::HashMap::new();
     out.insert("step".to_string(), candle_core::Tensor::new(steps[0].as_slice(), &Device::Cpu)?);
     for spec in crate::params::param_specs(cfg) {
@@ -203,7 +202,7 @@ pub fn reshard_optimizer_state(
                 bail!("resume: {key} is in {} of the {old_tp} optimizer files of {}", parts.len(), dir.display())
             }
             let full = spec.shard.assemble(&parts).map_err(|e| Error::Msg(format!("resume: {key}: {e}")))?;
-            out.insert(key, spec.slice(&full, tp, tp_rank)?);
+            out.insert(key, spec.slice_for(&full, ctx)?);
         }
     }
     Ok(out)

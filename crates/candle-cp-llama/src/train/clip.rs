@@ -69,6 +69,19 @@ pub fn global_norm_zero1(
     Ok((replicated + sharded).sqrt())
 }
 
+/// One item for [`global_norm`] standing for `grads` split over `group` (each rank holds
+/// different ones: the experts of an expert-parallel group): `[‖all of them‖]` (f64, on the
+/// host), the L2 norm over the group's ranks, with one copy per rank of the TP group (the
+/// experts are TP slices too). Collective over `group`.
+pub fn group_norm_item(grads: &[Tensor], group: &Group) -> Result<Tensor> {
+    let mut sq = 0f64;
+    for g in grads {
+        sq += g.to_dtype(DType::F64)?.sqr()?.sum_all()?.to_scalar::<f64>()?;
+    }
+    let sq = group.all_reduce(&Tensor::new(&[sq], &Device::Cpu)?)?.to_vec1::<f64>()?[0];
+    Tensor::new(&[sq.sqrt()], &Device::Cpu)
+}
+
 /// The factor that brings a gradient of norm `norm` down to `max_norm` (1 if already below,
 /// or if `max_norm <= 0`, which disables clipping).
 pub fn clip_factor(norm: f64, max_norm: f64) -> f64 {

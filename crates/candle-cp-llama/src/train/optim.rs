@@ -85,6 +85,9 @@ pub struct AdamW {
     pub step: usize,
     slots: Vec<Slot>,
     zero: Option<Zero>,
+    /// Parameters split over an expert-parallel group along dim 0, and the group: their state
+    /// is gathered over it when saved ([`AdamW::with_expert_parallel`]).
+    experts: Option<(Group, std::collections::HashSet<String>)>,
 }
 
 impl AdamW {
@@ -128,7 +131,7 @@ impl AdamW {
                 Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay })
             })
             .collect::<Result<Vec<_>>>()?;
-        Ok(Self { cfg, step: 0, slots, zero })
+        Ok(Self { cfg, step: 0, slots, zero, experts: None })
     }
 
     /// Parameter names, sorted.
@@ -317,6 +320,18 @@ impl AdamW {
         Ok(names.into_iter().cloned().zip(slices).collect())
     }
 
+    /// The same optimizer, told that the parameters `names` are this rank's slice (along dim 0)
+    /// of tensors split over `group` (the stacked experts under expert parallelism,
+    /// `ParallelCtx::ep`): [`AdamW::save_from`] gathers their state over `group`, so the
+    /// file holds every expert, as a run without expert parallelism writes it (every rank of
+    /// `group` must then call it). A group of one rank changes nothing.
+    pub fn with_expert_parallel(mut self, group: Group, names: impl IntoIterator<Item = String>) -> Self {
+        if group.size() > 1 {
+            self.experts = Some((group, names.into_iter().collect()));
+        }
+        self
+    }
+
     /// The whole state as named tensors: `m.<name>`, `v.<name>`, `w.<name>` (the f32 master
     /// copy of a low-precision parameter) and `step` (u32 `[1]`), full shapes on the host.
     /// With ZeRO-1 the slices are all-gathered: collective over the replica ranks.
@@ -347,9 +362,10 @@ impl AdamW {
     /// with or without it. The state is gathered one tensor at a time and streamed into the
     /// file, so no rank ever holds the whole (unsharded) state, on a device or on the host.
     pub fn save_from(&self, path: impl AsRef<Path>, write: bool) -> Result<()> {
-        if self.zero.is_none() && !write {
+        if self.zero.is_none() && self.experts.is_none() && !write {
             return Ok(());
         }
+        let split = |name: &str| self.experts.as_ref().filter(|(_, n)| n.contains(name)).map(|(g, _)| g);
         // (key, slot, which): 0 = m, 1 = v, 2 = master copy; "step" is the last slot index
         let mut keys: Vec<(String, usize, u8)> = Vec::new();
         for (i, s) in self.slots.iter().enumerate() {
@@ -364,7 +380,13 @@ impl AdamW {
         let entries: Vec<(String, Vec<usize>, DType)> = keys
             .iter()
             .map(|(k, i, _)| match self.slots.get(*i) {
-                Some(s) => (k.clone(), s.var.dims().to_vec(), DType::F32),
+                Some(s) => {
+                    let mut d = s.var.dims().to_vec();
+                    if let (Some(g), Some(d0)) = (split(&s.name), d.first_mut()) {
+                        *d0 *= g.size();
+                    }
+                    (k.clone(), d, DType::F32)
+                }
                 None => (k.clone(), vec![1], DType::U32),
             })
             .collect();
@@ -377,7 +399,10 @@ impl AdamW {
                 (_, Some(w)) => w,
                 (_, None) => bail!("AdamW: {} has no master copy", s.name),
             };
-            self.full_state(s, t)
+            match split(&s.name) {
+                Some(g) => g.all_gather(&self.full_state(s, t)?, 0)?.to_device(&Device::Cpu),
+                None => self.full_state(s, t),
+            }
         })
     }
 

@@ -163,9 +163,10 @@ pub struct TrainOutcome {
     pub metrics: Vec<StepMetrics>,
     /// Step the run started from (0, or the resumed checkpoint's step).
     pub start_step: usize,
-    /// On a resume whose TP degree differs from the checkpoint's: that degree (the optimizer
-    /// state was resharded from its files). `None` when the run read its own TP rank's file,
-    /// or did not resume.
+    /// On a resume whose TP degree differs from the checkpoint's, or under expert parallelism
+    /// (each EP rank takes its experts' slice of the files): the checkpoint's TP degree (the
+    /// optimizer state was resharded from its files). `None` when the run read its own TP
+    /// rank's file, or did not resume.
     pub optimizer_resharded_from: Option<usize>,
     /// Model config used.
     pub config: LlamaConfig,
@@ -307,6 +308,9 @@ pub fn train_rank(
     if cfg.overlap_param_gather && !(cfg.zero1 || cfg.zero2) {
         bail!("train: overlap_param_gather needs zero1 or zero2 (without ZeRO every rank updates whole parameters and nothing is gathered)")
     }
+    if cfg.layout.ep > 1 && (cfg.zero1 || cfg.zero2) {
+        bail!("train: zero1 / zero2 with expert parallelism (ep = {}) is not supported: the experts' optimizer state is split over the EP ranks already, and ZeRO would slice it over all DP × CP ranks", cfg.layout.ep)
+    }
     if !cfg.batch.is_multiple_of(cfg.layout.dp) {
         bail!(
             "train: batch {} must be divisible by dp = {}",
@@ -381,6 +385,12 @@ pub fn train_rank(
     } else {
         AdamW::new(named_vars, cfg.adamw)?
     };
+    // the experts' state is gathered over the EP group when saved (the file holds every expert)
+    let experts: std::collections::HashSet<String> =
+        param_specs(&mcfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
+    if let Some(ep) = &ctx.ep {
+        opt = opt.with_expert_parallel(ep.clone(), experts.iter().cloned());
+    }
     // accumulation and sums of the gradients (overlapped, ZeRO-1 / ZeRO-2: train/grad_step.rs)
     let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
     // ZeRO's parameter all-gathers left running into the next forward (overlap_param_gather)
@@ -395,7 +405,7 @@ pub fn train_rank(
             // slices them on load), so the same TP degree reads its own file whatever else
             // changed (CP kind or degree, DP, SP, the head layout); another degree reshards.
             let old_tp = super::checkpoint::optimizer_tp_degree(dir);
-            if old_tp == ctx.layout.tp {
+            if old_tp == ctx.layout.tp && ctx.ep.is_none() {
                 opt.load(opt_file(dir))?;
             } else {
                 resharded_from = Some(old_tp);
@@ -525,11 +535,19 @@ pub fn train_rank(
         }
         let super::grad_step::Summed { whole: mut named, slices } = grad_steps.finish(acc, &opt)?;
         let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
-        let mut full_items: Vec<(&String, &Tensor)> = named.iter().collect();
+        let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
         full_items.sort_by(|a, b| a.0.cmp(b.0));
+        // the experts' gradients under EP: one item, their norm over the EP group
+        let mut expert_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| experts.contains(*n)).collect();
+        expert_items.sort_by(|a, b| a.0.cmp(b.0));
+        let expert_item = match &ctx.ep {
+            Some(ep) => Some((super::clip::group_norm_item(&expert_items.iter().map(|(_, g)| (*g).clone()).collect::<Vec<_>>(), ep)?, 1)),
+            None => None,
+        };
         let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
         slice_items.sort_by(|a, b| a.0.cmp(b.0));
-        let full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect();
+        let mut full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect();
+        full_items.extend(expert_item);
         let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect();
         let inv_accum = 1.0 / cfg.grad_accum as f64;
         let zero_group = opt.is_sharded().then_some(&ctx.dp_cp);
@@ -614,3 +632,7 @@ pub fn train_rank(
 #[cfg(test)]
 #[path = "trainer_tests.rs"]
 mod tests;
+
+#[cfg(test)]
+#[path = "trainer_moe_tests.rs"]
+mod moe_tests;

@@ -1,0 +1,85 @@
+//! Trainer tests of mixture-of-experts models: the load-balancing term, expert parallelism.
+use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
+use super::*;
+use crate::CpKind;
+
+fn moe_cfg(out: Option<PathBuf>, layout: Layout) -> Result<TrainConfig> {
+    let mut c = tiny_cfg(out, layout, 2, 1);
+    let ModelSource::Init(m) = &c.model else { candle_core::bail!("init model expected") };
+    let mut moe = crate::MoeConfig::new(4, 2, 16);
+    (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.1);
+    c.model = ModelSource::Init(m.clone().with_moe(Some(moe)));
+    Ok(c)
+}
+
+/// A Qwen3-MoE with the load-balancing loss reports its term: near `coef · K` at the start
+/// (balanced routing), included in the objective; the same on 2 DP × 2 CP ranks as on one
+/// device (its statistics are the global batch's). A dense model reports none.
+#[test]
+fn moe_load_balancing_term_is_reported() -> Result<()> {
+    let mut base = tiny_cfg(None, Layout::single(), 2, 1);
+    assert!(run(&base)?[0].metrics.iter().all(|m| m.router_aux_loss.is_none()));
+    let ModelSource::Init(m) = &base.model else { candle_core::bail!("init model expected") };
+    let mut moe = crate::MoeConfig::new(4, 2, 16);
+    (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.1);
+    base.model = ModelSource::Init(m.clone().with_moe(Some(moe)));
+    let one = run(&base)?;
+    let first = one[0].metrics[0].router_aux_loss.expect("an aux term");
+    assert!((0.1..0.4).contains(&first), "coef 0.1 × K 2 when balanced: {first}");
+    let mut par = base.clone();
+    par.layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2);
+    let two = run(&par)?;
+    for (a, b) in one[0].metrics.iter().zip(&two[0].metrics) {
+        let (x, y) = (a.router_aux_loss.unwrap_or(f64::NAN), b.router_aux_loss.unwrap_or(f64::NAN));
+        assert!((x - y).abs() < 1e-5, "step {}: aux {x} on one device, {y} on DP 2 x CP 2", a.step);
+    }
+    assert_same_curve("moe dp 2 x cp 2", &one[0].metrics.iter().collect::<Vec<_>>(), &two[0].metrics);
+    Ok(())
+}
+
+/// Expert parallelism: 4 experts over 4 DP × CP ranks (one each) and over 2 of them follow the
+/// one-device run for 6 clipped steps (the gradient norm counts every expert once); their
+/// checkpoints hold every expert, the same weights; a run stopped after step 4 resumes from
+/// its step-3 checkpoint on another EP degree and on one device, on the same curve. ZeRO with
+/// EP is refused by name.
+#[test]
+fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
+    let d1 = tmpdir("ep1");
+    let one = run(&moe_cfg(Some(d1.clone()), Layout::single())?)?;
+    let (want, _) = crate::load_hf(d1.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
+    let want = crate::params::varmap_tensors(&want)?;
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    for (i, layout) in [Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(4), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)].into_iter().enumerate() {
+        let d = tmpdir(&format!("ep-{i}"));
+        let other = run(&moe_cfg(Some(d.clone()), layout)?)?;
+        assert_eq!(other[0].metrics.len(), 6);
+        assert_same_curve(&layout.to_string(), &curve, &other[0].metrics);
+        let (got, _) = crate::load_hf(d.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
+        let got = crate::params::varmap_tensors(&got)?;
+        assert_eq!(got.len(), want.len());
+        for (name, w) in &want {
+            let diff = (&got[name] - w)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(diff < 1e-5, "{layout}: {name} differs by {diff}");
+        }
+        std::fs::remove_dir_all(&d).ok();
+    }
+    // stopped after step 4 (checkpoint at 3) on EP 4, resumed on EP 2 and on one device
+    let tail: Vec<&StepMetrics> = one[0].metrics.iter().filter(|m| m.step > 3).collect();
+    for (i, next) in [Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), Layout::single()].into_iter().enumerate() {
+        let d = tmpdir(&format!("ep-resume{i}"));
+        let mut c = moe_cfg(Some(d.clone()), Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(4))?;
+        c.stop_after = Some(4);
+        run(&c)?;
+        (c.layout, c.resume, c.stop_after) = (next, true, None);
+        let rest = run(&c)?;
+        assert_eq!(rest[0].start_step, 3, "{next}");
+        assert_same_curve(&format!("resumed on {next}"), &tail, &rest[0].metrics);
+        std::fs::remove_dir_all(&d).ok();
+    }
+    std::fs::remove_dir_all(&d1).ok();
+    let mut z = moe_cfg(None, Layout::cp(CpKind::Zigzag, 2).with_ep(2))?;
+    z.zero1 = true;
+    let e = run(&z).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("zero1 / zero2 with expert parallelism (ep = 2)"), "{e}");
+    Ok(())
+}
