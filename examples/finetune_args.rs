@@ -45,6 +45,11 @@ pub(crate) struct Args {
     /// Data-parallel degree (gradients all-reduced over DP × CP).
     #[arg(long, default_value_t = 1)]
     pub(crate) dp: usize,
+    /// Expert-parallel degree (a mixture of experts, --moe or an MoE checkpoint): each sparse
+    /// layer's experts split over `ep` of the DP × CP ranks, the routed tokens sent to their
+    /// experts' ranks and back. Must divide dp · cp and the experts.
+    #[arg(long, default_value_t = 1)]
+    pub(crate) ep: usize,
     /// Optimizer steps.
     #[arg(long, default_value_t = 400)]
     pub(crate) steps: usize,
@@ -237,7 +242,7 @@ pub(crate) fn layout(a: &Args) -> Result<Layout> {
         bail!("--regather-heads applies to --cp-kind ulysses or 2d, not {kind}")
     }
     let heads = if a.regather_heads { HeadLayout::Regathered } else { HeadLayout::Kept };
-    let mut l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_head_layout(heads);
+    let mut l = l.with_tp(a.tp, a.sp).with_dp(a.dp).with_ep(a.ep).with_head_layout(heads);
     match a.row_sums.as_deref() {
         None => {}
         Some("f32") => l = l.with_row_sums(RowSums::F32),

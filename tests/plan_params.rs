@@ -64,3 +64,42 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     }
     Ok(())
 }
+
+/// Under expert parallelism each rank holds `E/ep` experts (each its TP slice): the planner's
+/// parameters per GPU equal the model's shards on every rank (Qwen3-MoE and Mixtral, EP 2 and
+/// 4 over CP / DP ranks, with TP 2 too), and its model states shrink by the experts' share.
+#[test]
+fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> Result<()> {
+    let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
+    let mut experts = candle_cp_llama::MoeConfig::new(8, 2, 48);
+    experts.mlp_only_layers = vec![0];
+    let qwen3_moe = oracle.clone().with_moe(Some(experts));
+    let mixtral = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48)));
+    let layouts = [
+        Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_ep(2),
+        Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_ep(4),
+        Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_tp(2, true).with_ep(2),
+    ];
+    for cfg in [&qwen3_moe, &mixtral] {
+        let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
+            .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+        for layout in layouts {
+            let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero: 0, ..PlanLayout::default() };
+            let want = params_per_gpu(&m, &plan);
+            let whole = params_per_gpu(&m, &PlanLayout { ep: 1, ..plan.clone() });
+            assert!(want < whole, "{layout}: EP holds fewer parameters");
+            let got = run_ranks(layout.world_size(), |g| {
+                let ctx = ParallelCtx::new(g, layout)?;
+                let vm = shard_params(&init_params(cfg, 1, DType::F32, &Device::Cpu)?, cfg, &ctx)?;
+                Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), cfg, &ctx)?;
+                Ok(vm.all_vars().iter().map(|v| v.elem_count()).sum::<usize>())
+            });
+            for (r, n) in got.into_iter().enumerate() {
+                let n = n?;
+                assert_eq!(n as f64, want, "{layout} rank {r}: the model holds {n} parameters, the planner says {want}");
+            }
+            println!("{layout}: {want} parameters per rank = planner ({whole} without EP)");
+        }
+    }
+    Ok(())
+}

@@ -83,6 +83,7 @@ fn random_plans_are_consistent() {
             pp: pick(&mut d, &[1, 2, 4, 16]),
             virtual_stages: pick(&mut d, &[1, 1, 2, 3]),
             dp: pick(&mut d, &[1, 2, 8, 64]),
+            ep: 1,
             zero: pick(&mut d, &[0, 1, 2, 3]),
             recompute: pick(&mut d, &[Recompute::None, Recompute::Selective, Recompute::Full]),
             flash: d.below(8) != 0,
@@ -109,6 +110,10 @@ fn random_plans_are_consistent() {
             let layers = inp.model.layers;
             inp.model.sliding_window = None;
             inp.model.partial_window = Some((pick(&mut d, &[1, 512, 4096, 100_000]), pick(&mut d, &[1, layers / 2, layers - layers / 6, layers - 1])));
+        }
+        // expert parallelism on a mixture of experts (drawn after the rest, as above)
+        if inp.model.moe.is_some() {
+            inp.layout.ep = pick(&mut d, &[1, 2, 4, 8, 16]);
         }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
@@ -141,7 +146,7 @@ fn random_plans_are_consistent() {
         let fits = p["fits"].as_bool().expect("fits");
         assert_eq!(fits, mem <= n("/gpu_memory_bytes"), "{what}: fits");
         fitting += fits as usize;
-        assert!(close(n("/layer_time/total_s"), sum(&["/layer_time/linear_s", "/layer_time/attention_s", "/layer_time/cp_exposed_s", "/layer_time/tp_s"])), "{what}: layer time");
+        assert!(close(n("/layer_time/total_s"), sum(&["/layer_time/linear_s", "/layer_time/attention_s", "/layer_time/cp_exposed_s", "/layer_time/tp_s", "/layer_time/ep_s"])), "{what}: layer time");
         if !p["sliding"].is_null() {
             sliding += 1;
             // the sliding layers' attention is the window's, and the layer averages the two

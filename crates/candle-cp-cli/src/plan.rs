@@ -121,6 +121,10 @@ pub struct PlanArgs {
     /// Data-parallel degree.
     #[arg(long, default_value_t = 1)]
     pub dp: usize,
+    /// Expert-parallel degree (a mixture of experts): the experts split over `ep` of the
+    /// dp·cp ranks. Must divide dp·cp and the experts.
+    #[arg(long, default_value_t = 1)]
+    pub ep: usize,
     /// Megatron sequence parallelism on the TP group.
     #[arg(long)]
     pub sp: bool,
@@ -219,6 +223,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         pp: a.pp,
         virtual_stages: a.virtual_stages,
         dp: a.dp,
+        ep: a.ep,
         zero: a.zero,
         recompute: Recompute::parse(&a.recompute)?,
         flash: true,

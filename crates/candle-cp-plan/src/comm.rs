@@ -392,6 +392,35 @@ pub fn tp(cx: &CommCtx) -> TpComm {
     }
 }
 
+/// Expert-parallel all-to-alls per layer (averaged over the layers: only the sparse ones
+/// exchange).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct EpComm {
+    /// Degree `ep`.
+    pub degree: usize,
+    /// Link the group spans (its ranks `tp` apart).
+    pub link: Link,
+    /// Forward bytes sent per layer: the routed rows to their experts' ranks and back,
+    /// `2·(ep−1)/ep·c·b·K·h·e` on a sparse layer (balanced routing; every TP rank sends its
+    /// copy of the rows).
+    pub fwd_bytes_per_layer: f64,
+    /// Backward: the gradients of the same rows both ways, the forward's volume.
+    pub bwd_bytes_per_layer: f64,
+    /// Transfer time per layer, forward + backward, s (counted as exposed).
+    pub exposed_s_per_layer: f64,
+}
+
+/// The EP exchange on `c = s/cp` tokens per rank (zero without experts or with `ep = 1`).
+pub fn ep(cx: &CommCtx) -> EpComm {
+    let (m, l, hw) = (cx.model, cx.layout, cx.hw);
+    let link = Link::for_group(l.tp, l.ep, hw);
+    let k = m.moe.as_ref().map_or(0, |x| x.top_k) as f64;
+    let ep = l.ep.max(1) as f64;
+    let c = (cx.seq / l.cp) as f64;
+    let fwd = m.sparse_fraction() * 2.0 * (ep - 1.0) / ep * c * cx.micro_batch as f64 * k * m.hidden as f64 * cx.elem as f64;
+    EpComm { degree: l.ep, link, fwd_bytes_per_layer: fwd, bwd_bytes_per_layer: fwd, exposed_s_per_layer: 2.0 * fwd / link.bandwidth(hw) }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -556,5 +585,28 @@ mod tests {
         assert_eq!(r.step_bytes, 65536.0 * 2.0 * 128.0 * 2.0);
         assert_eq!(r.link, Link::Ib);
         assert_eq!(ulysses(&ctx(&m, &l, &hw), 8).link, Link::Nvlink);
+    }
+
+    /// The EP exchange: Qwen3-30B-A3B (every layer sparse, top 8, h 2048) at 128k over CP 8,
+    /// EP 8 sends `2·7/8·c·K·h·e` = 896 MiB each way per layer, in a node at TP 1 and across
+    /// nodes at TP 2; nothing with EP 1 or a dense model. The layout refuses EP that divides
+    /// neither the experts nor dp·cp, and EP on a dense model, by name.
+    #[test]
+    fn ep_bytes_and_refusals() {
+        let m = ModelConfig::preset("qwen3-30b-a3b").unwrap();
+        let hw = Hardware::preset("h100").unwrap();
+        let l = Layout { cp: 8, cp_kind: CpKind::Ring, ep: 8, zero: 0, ..Layout::default() };
+        let x = ep(&ctx(&m, &l, &hw));
+        assert_eq!(x.fwd_bytes_per_layer, 2.0 * 7.0 / 8.0 * 16384.0 * 8.0 * 2048.0 * 2.0);
+        assert_eq!(x.fwd_bytes_per_layer, 896.0 * MIB);
+        assert_eq!((x.bwd_bytes_per_layer, x.link), (x.fwd_bytes_per_layer, Link::Nvlink));
+        assert_eq!(ep(&ctx(&m, &Layout { tp: 2, ..l.clone() }, &hw)).link, Link::Ib);
+        assert_eq!(ep(&ctx(&m, &Layout { ep: 1, ..l.clone() }, &hw)).fwd_bytes_per_layer, 0.0);
+        assert!(l.validate(&m, S).is_ok());
+        let e = |l: Layout, m: &ModelConfig| format!("{:?}", l.validate(m, S).unwrap_err());
+        assert!(e(Layout { ep: 3, cp: 6, ..l.clone() }, &m).contains("does not divide the 128 experts"));
+        assert!(e(Layout { ep: 16, ..l.clone() }, &m).contains("does not divide dp·cp = 8"));
+        let dense = ModelConfig::preset("llama3-8b").unwrap();
+        assert!(e(l.clone(), &dense).contains("needs a mixture of experts"));
     }
 }

@@ -137,6 +137,10 @@ pub struct Layout {
     pub virtual_stages: usize,
     /// Data-parallel degree.
     pub dp: usize,
+    /// Expert-parallel degree (a mixture of experts): each sparse layer's experts split over
+    /// `ep` of the `dp·cp` ranks of one TP rank (consecutive: `tp` apart), the routed tokens
+    /// exchanged by all-to-all ([`crate::comm::ep`]). Must divide `dp·cp` and the experts.
+    pub ep: usize,
     /// ZeRO stage 0..=3, sharding over the `dp·cp` ranks that hold the same weights.
     pub zero: u8,
     /// Activation recomputation policy.
@@ -168,6 +172,7 @@ impl Default for Layout {
             pp: 1,
             virtual_stages: 1,
             dp: 1,
+            ep: 1,
             zero: 1,
             recompute: Recompute::None,
             flash: true,
@@ -236,6 +241,21 @@ impl Layout {
         }
         if seq == 0 {
             plan_bail!("--seq must be at least 1")
+        }
+        if self.ep == 0 {
+            plan_bail!("--ep must be at least 1")
+        }
+        if self.ep > 1 {
+            match &m.moe {
+                None => plan_bail!("--ep {} needs a mixture of experts; {} is dense", self.ep, m.name),
+                Some(x) if !x.experts.is_multiple_of(self.ep) => {
+                    plan_bail!("EP degree {} does not divide the {} experts of {}", self.ep, x.experts, m.name)
+                }
+                _ => {}
+            }
+            if !(self.dp * self.cp).is_multiple_of(self.ep) {
+                plan_bail!("EP degree {} does not divide dp·cp = {} (the experts split over DP × CP ranks)", self.ep, self.dp * self.cp)
+            }
         }
         if self.zero > 3 {
             plan_bail!("--zero must be 0, 1, 2 or 3, got {}", self.zero)

@@ -360,9 +360,20 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
         Some(x) => {
             let shared = if x.shared_ffn > 0 { 3.0 * h * x.shared_ffn as f64 / t + h } else { 0.0 };
-            dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / t - 3.0 * h * f / t + shared)
+            let ep = l.ep.max(1) as f64;
+            dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / (t * ep) - 3.0 * h * f / t + shared)
         }
         None => dense,
+    }
+}
+
+/// Expert parameters of one layer on one GPU (averaged over the layers like
+/// [`layer_params_per_gpu`]): each expert's `1/t` slice of the `E/ep` experts it holds; 0 for
+/// a dense model.
+pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    match &m.moe {
+        Some(x) => m.sparse_fraction() * 3.0 * m.hidden as f64 * (x.expert_ffn * x.experts) as f64 / (l.tp * l.ep.max(1)) as f64,
+        None => 0.0,
     }
 }
 
@@ -405,15 +416,20 @@ pub struct ModelStates {
 }
 
 /// Mixed-precision Adam state per GPU (16 bytes/param in bf16/fp16), sharded per ZeRO
-/// stage over the `dp·cp` ranks that hold the same weight shard.
+/// stage over the `dp·cp` ranks that hold the same weight shard (the experts under expert
+/// parallelism over the `dp·cp/ep` ranks that hold the same experts, as Megatron shards them).
 pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     let params = params_per_gpu(m, l);
+    let experts = layers_per_stage(m, l) as f64 * layer_expert_params_per_gpu(m, l);
+    let dense = params - experts;
     let n = (l.dp * l.cp) as f64;
+    let n_ex = n / l.ep.max(1) as f64;
     let opt_bytes = if e < 4 { 12.0 } else { 8.0 };
-    let shard = |stage: u8| if l.zero >= stage { n } else { 1.0 };
-    let weights = params * e as f64 / shard(3);
-    let grads = params * e as f64 / shard(2);
-    let optimizer = params * opt_bytes / shard(1);
+    let shard = |stage: u8, n: f64| if l.zero >= stage { n } else { 1.0 };
+    let by = |bytes: f64, stage: u8| dense * bytes / shard(stage, n) + experts * bytes / shard(stage, n_ex);
+    let weights = by(e as f64, 3);
+    let grads = by(e as f64, 2);
+    let optimizer = by(opt_bytes, 1);
     let zero3_gathered = if l.zero >= 3 && n > 1.0 {
         let emb = vocab_rows_per_gpu(m, l) as f64 * m.hidden as f64;
         3.0 * e as f64 * layer_params_per_gpu(m, l).max(emb)

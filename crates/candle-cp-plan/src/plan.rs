@@ -1,6 +1,6 @@
 //! The whole plan: memory, FLOPs, communication, verdict (fits, smallest CP, bottleneck).
 
-use crate::comm::{self, AllgatherComm, CommCtx, RingComm, TpComm, UlyssesComm};
+use crate::comm::{self, AllgatherComm, CommCtx, EpComm, RingComm, TpComm, UlyssesComm};
 use crate::grad_sync::{grad_sync, GradSync};
 use crate::compute::{layer_compute_seconds, layer_flops_packed, LayerFlops};
 use crate::partial::{self, SlidingLayers};
@@ -108,6 +108,8 @@ pub struct LayerTime {
     pub cp_exposed_s: f64,
     /// TP/SP collectives.
     pub tp_s: f64,
+    /// Expert-parallel all-to-alls ([`Plan::ep_comm`]; 0 without EP).
+    pub ep_s: f64,
     /// Sum.
     pub total_s: f64,
 }
@@ -165,6 +167,8 @@ pub struct Plan {
     pub allgather: AllgatherComm,
     /// TP/SP collectives.
     pub tp_comm: TpComm,
+    /// Expert-parallel all-to-alls (zero bytes with `ep = 1`).
+    pub ep_comm: EpComm,
     /// Gradient synchronisation over the `dp·cp` replicas, once per optimizer step.
     pub grad_sync: GradSync,
     /// Sequence length of one attention kernel call under this layout
@@ -302,6 +306,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     };
     let allgather = comm::allgather(&cx);
     let tp_comm = comm::tp(&cx);
+    let ep_comm = comm::ep(&cx);
     let k = input.micro_batches();
     let grad_sync = grad_sync(l, hw, model_states.params, input.dtype.bytes(), k);
     let (linear_s, attention_s) =
@@ -332,7 +337,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         attention_s,
         cp_exposed_s,
         tp_s,
-        total_s: linear_s + attention_s + cp_exposed_s + tp_s,
+        ep_s: ep_comm.exposed_s_per_layer,
+        total_s: linear_s + attention_s + cp_exposed_s + tp_s + ep_comm.exposed_s_per_layer,
     };
     // the backward's share of a layer's time (recompute included), by FLOPs
     let f = &avg_flops;
@@ -341,7 +347,10 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
     let stage_layers = memory::layers_per_stage(m, l);
     // the CP and TP collectives that use the gradient sync's link keep it busy for part of
     // each layer: the overlapped sync has only the rest
-    let mut parts = vec![(tp_comm.link, tp_comm.fwd_bytes_per_layer, tp_comm.bwd_bytes_per_layer)];
+    let mut parts = vec![
+        (tp_comm.link, tp_comm.fwd_bytes_per_layer, tp_comm.bwd_bytes_per_layer),
+        (ep_comm.link, ep_comm.fwd_bytes_per_layer, ep_comm.bwd_bytes_per_layer),
+    ];
     match l.cp_kind {
         CpKind::Ring => parts.push((ring.link, ring.fwd_bytes_per_layer, ring.bwd_bytes_per_layer)),
         CpKind::Allgather => parts.push((allgather.link, allgather.fwd_bytes_per_layer, allgather.bwd_bytes_per_layer)),
@@ -449,6 +458,7 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         ulysses,
         allgather,
         tp_comm,
+        ep_comm,
         grad_sync,
         attn_kernel_tokens,
         attn_flops_used: attn_rate,
@@ -521,6 +531,7 @@ fn bottleneck(
             format!("CP communication ({kind}) not hidden by compute"),
         ),
         (per_step * t.tp_s, "TP/SP collectives".to_string()),
+        (per_step * t.ep_s, "expert-parallel all-to-alls".to_string()),
         (step.compute_s - k * step.stage_s, "pipeline bubble".to_string()),
         (step.pp_exposed_s, "pipeline sends on the fill and drain".to_string()),
         (step.sync_exposed_s, "gradient sync not hidden".to_string()),
@@ -551,6 +562,16 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
     }
     if l.sp && l.tp == 1 {
         n.push("--sp has no effect with --tp 1".into());
+    }
+    if l.ep > 1 {
+        n.push(format!(
+            "expert parallelism {}: each GPU holds {} of the experts; the all-to-alls assume balanced routing (candle-cp pads each exchange to its largest chunk, so skewed routing sends more)",
+            l.ep,
+            m.moe.as_ref().map_or(0, |x| x.experts / l.ep)
+        ));
+        if l.zero > 0 {
+            n.push("ZeRO with expert parallelism: the experts' states are sharded over the dp·cp/ep ranks holding them, as Megatron does; candle-cp's trainer refuses ZeRO with EP".into());
+        }
     }
     if m.layers % (l.pp * l.virtual_stages.max(1)) != 0 {
         n.push(format!(

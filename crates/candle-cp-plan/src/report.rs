@@ -481,6 +481,19 @@ pub fn render(p: &Plan) -> String {
         let _ = writeln!(o, "  Ulysses heads: {}", u.constraint);
     }
 
+    if l.ep > 1 {
+        let x = &p.ep_comm;
+        table(
+            &mut o,
+            "Expert-parallel all-to-alls (per layer per GPU, averaged over the layers)",
+            &[r(
+                format!("EP {} ({})", x.degree, link(x.link)),
+                format!("{} fwd / {} bwd", mib(x.fwd_bytes_per_layer), mib(x.bwd_bytes_per_layer)),
+                "sparse/L*2*(ep-1)/ep*c*b*K*h*e",
+            )],
+        );
+    }
+
     let t = &p.layer_time;
     table(
         &mut o,
@@ -498,8 +511,11 @@ pub fn render(p: &Plan) -> String {
             r("attention", ms(t.attention_s), ""),
             r("CP communication not hidden", ms(t.cp_exposed_s), ""),
             r("TP/SP collectives", ms(t.tp_s), ""),
-            r("total", ms(t.total_s), ""),
-        ],
+        ]
+        .into_iter()
+        .chain((l.ep > 1).then(|| r("EP all-to-alls", ms(t.ep_s), "")))
+        .chain([r("total", ms(t.total_s), "")])
+        .collect::<Vec<_>>(),
     );
 
     let g = &p.grad_sync;

@@ -179,6 +179,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     pp,
                                     virtual_stages,
                                     dp,
+                                    ep: 1,
                                     zero,
                                     recompute,
                                     flash: base.layout.flash,
