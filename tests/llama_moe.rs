@@ -409,5 +409,26 @@ fn moe_bad_inputs_are_refused_by_name() -> Result<()> {
         assert!(e.contains(down) && e.contains("[48, 128]") && e.contains("[128, 48]"), "{e}");
     }
     let _ = std::fs::remove_dir_all(&dir);
+    // expert parallelism over a degree that does not divide the 8 experts, and on a dense model
+    let errs = run_ranks(6, |g| {
+        let ctx = ParallelCtx::new(g, Layout::cp(CpKind::Ring, 6).with_ep(6))?;
+        let vm = candle_cp_llama::init_params(&cfg, 1, DType::F32, &Device::Cpu)?;
+        Ok(candle_cp_llama::shard_params(&vm, &cfg, &ctx).err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    for e in errs {
+        let e = e?;
+        assert!(e.contains("8 experts") && e.contains("ep = 6"), "{e}");
+    }
+    let dense = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
+    let errs = run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2).with_ep(2))?;
+        let vm = candle_cp_llama::shard_params(&candle_cp_llama::init_params(&dense, 1, DType::F32, &Device::Cpu)?, &dense, &ctx)?;
+        let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
+        Ok(candle_cp_llama::Llama::new(vb, &dense, &ctx).err().map(|e| e.to_string()).unwrap_or_default())
+    });
+    for e in errs {
+        let e = e?;
+        assert!(e.contains("ep = 2") && e.contains("no experts"), "{e}");
+    }
     Ok(())
 }

@@ -78,6 +78,34 @@ fn grad_groups_hold_the_copies() -> Result<()> {
     Ok(())
 }
 
+/// Expert parallelism 2 on DP 2 × CP 2 × TP 2: the EP group is the two consecutive DP × CP
+/// ranks of one TP rank (`q = dp·2 + cp`, `q / 2` alike), the experts' gradient group the
+/// ranks with the same `q mod 2` and TP rank; `ep_coords` is the index in the EP group.
+#[test]
+fn ep_groups_hold_consecutive_replicas() -> Result<()> {
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_dp(2).with_ep(2);
+    let res = run_ranks(layout.world_size(), |g| {
+        let ctx = ParallelCtx::new(g.clone(), layout)?;
+        let members = |grp: &Group| -> Result<Vec<u32>> {
+            let me = Tensor::new(&[g.rank() as f32], &Device::Cpu)?;
+            Ok(grp.all_gather(&me, 0)?.to_vec1::<f32>()?.iter().map(|&x| x as u32).collect())
+        };
+        let ep = ctx.ep.as_ref().ok_or_else(|| candle_core::Error::Msg("no EP group".into()))?;
+        Ok((members(ep)?, members(&ctx.ep_dp)?, ctx.ep_coords()))
+    });
+    for (r, out) in res.into_iter().enumerate() {
+        let (ep, ep_dp, coords) = out?;
+        let (tp_i, q) = (r % 2, r / 2);
+        let want_ep: Vec<u32> = (0..4).filter(|&w| w / 2 == q / 2).map(|w| (w * 2 + tp_i) as u32).collect();
+        let want_dp: Vec<u32> = (0..4).filter(|&w| w % 2 == q % 2).map(|w| (w * 2 + tp_i) as u32).collect();
+        assert_eq!((ep, ep_dp, coords), (want_ep, want_dp, (q % 2, 2)), "rank {r}");
+    }
+    // EP must divide DP × CP
+    let e = Layout::cp(CpKind::Zigzag, 2).with_ep(4).check_degrees().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("ep = 4 must divide dp · cp = 2"), "{e}");
+    Ok(())
+}
+
 #[test]
 fn bad_degrees_are_errors() {
     assert!(Layout::cp(CpKind::Ulysses, 3).validate(8, 2).is_err());

@@ -129,6 +129,9 @@ impl ParamSpec {
             return self.slice(full, tp, tp_rank);
         }
         self.check_full(full)?;
+        if !self.shape[0].is_multiple_of(ep) {
+            bail!("parameter {}: {} experts ({:?}) do not split over ep = {ep} ranks", self.name, self.shape[0], self.shape)
+        }
         let mine = candle_cp_ops::moe_ep::local_experts(full, ep_rank, ep)
             .map_err(|e| candle_core::Error::Msg(format!("parameter {}: {e}", self.name)))?;
         self.shard
