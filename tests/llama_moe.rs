@@ -25,6 +25,12 @@
 //! - Qwen2-MoE (q, k, v biases, a shared expert 64 wide behind its sigmoid gate): six layouts,
 //!   DP and recomputed layers give the reference's results; the shared expert binds; its
 //!   checkpoint round-trips whole and over TP 2.
+//! - Expert parallelism (the experts split over EP ranks of the DP × CP group, routed rows
+//!   exchanged by all-to-all): fourteen layouts of the three styles (EP over all or part of
+//!   the CP group, every CP kind, with TP + SP, across DP replicas, recomputed) give the
+//!   reference's results; EP decodes the single device's tokens; checkpoints load and write
+//!   the same bytes from EP ranks; a degree that does not divide the experts, and EP on a
+//!   dense model, are refused by name.
 //! - Refused by name: an expert width TP does not divide, a checkpoint missing an expert's
 //!   tensor or holding one of another shape.
 
@@ -158,7 +164,7 @@ fn qwen2_moe_on_every_layout_matches_the_reference() -> Result<()> {
     for k in ["model.layers.1.mlp.shared_expert_gate.weight", "model.layers.1.mlp.shared_expert.up_proj.weight", "model.layers.1.mlp.experts.7.gate_proj.weight", "model.layers.1.self_attn.k_proj.bias"] {
         assert!(names.contains_key(k), "{k}");
     }
-    sharded_load_matches(&dir, &full, &cfg, 2, true)?;
+    sharded_load_matches(&dir, &full, &cfg, Layout::single().with_tp(2, true))?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -186,9 +192,9 @@ fn save_and_reload(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &
 
 /// The checkpoint in `dir` read sharded over TP `tp` ([`load_hf_sharded`]) gives each rank
 /// exactly its shards of `full`.
-fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, tp: usize, sp: bool) -> Result<()> {
-    for r in run_ranks(tp, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, sp))?;
+fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout) -> Result<()> {
+    for r in run_ranks(layout.world_size(), |g| {
+        let ctx = ParallelCtx::new(g, layout)?;
         let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(full, cfg, &ctx)?)?;
         let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
         let mut same = want.len() == got.len();
@@ -197,7 +203,7 @@ fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, c
         }
         Ok(same)
     }) {
-        assert!(r?, "{}, tp {tp}: the sharded load differs from sharding the whole model", dir.display());
+        assert!(r?, "{}, {layout}: the sharded load differs from sharding the whole model", dir.display());
     }
     Ok(())
 }
@@ -278,11 +284,17 @@ fn expert_parallel_layouts_match_the_reference() -> Result<()> {
     Ok(())
 }
 
-/// Cached decoding equals the full forward; CP and TP decode the single device's tokens
+/// Cached decoding equals the full forward; CP, TP and EP decode the single device's tokens
 /// (Qwen3-MoE; Mixtral with a window of 12, which binds within the 32 + 6 tokens).
 #[test]
 fn moe_generation() -> Result<()> {
-    let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
+    let layouts = [
+        Layout::cp(CpKind::Zigzag, 2),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, false),
+        Layout::cp(CpKind::Zigzag, 2).with_ep(2),
+        Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2),
+    ];
     let (cfg, full) = qwen3_moe(None)?;
     candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)?;
     let (cfg, full) = mixtral(None)?;
@@ -307,7 +319,7 @@ fn mixtral_checkpoints() -> Result<()> {
         assert_eq!(max_abs(&names[&format!("model.layers.0.block_sparse_moe.experts.3.{ckpt}.weight")], &stacked(p)?)?, 0.0, "{ckpt}");
     }
     assert!(std::fs::read_to_string(dir.join("config.json"))?.contains("MixtralForCausalLM"));
-    sharded_load_matches(&dir, &full, &cfg, 2, true)?;
+    sharded_load_matches(&dir, &full, &cfg, Layout::single().with_tp(2, true))?;
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
@@ -327,17 +339,26 @@ fn qwen3_moe_checkpoints() -> Result<()> {
     let config = std::fs::read_to_string(dir.join("config.json"))?;
     assert!(config.contains("Qwen3MoeForCausalLM") && config.contains("\"mlp_only_layers\""), "{config}");
     let bytes = std::fs::read(dir.join("model.safetensors"))?;
-    for tp in [1usize, 2, 4] {
-        sharded_load_matches(&dir, &full, &cfg, tp, true)?;
-        let sharded = root.join(format!("tp{tp}"));
-        for r in run_ranks(tp, |g| {
-            let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+    // over TP, and with the experts split over EP ranks (alone and with TP)
+    let layouts = [
+        Layout::single().with_tp(1, true),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, true),
+        Layout::cp(CpKind::Zigzag, 2).with_ep(2),
+        Layout::cp(CpKind::Ring, 4).with_ep(4),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2),
+    ];
+    for (i, layout) in layouts.into_iter().enumerate() {
+        sharded_load_matches(&dir, &full, &cfg, layout)?;
+        let sharded = root.join(format!("layout{i}"));
+        for r in run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
             let mine = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
             save_hf_sharded(&sharded, &mine, &cfg, &ctx, ctx.world.rank() == 0)
         }) {
             r?;
         }
-        assert!(std::fs::read(sharded.join("model.safetensors"))? == bytes, "tp {tp}: the sharded writer wrote other bytes");
+        assert!(std::fs::read(sharded.join("model.safetensors"))? == bytes, "{layout}: the sharded writer wrote other bytes");
     }
     // transformers 5's fused experts: gate and up concatenated along dim 1, down as stacked
     let fused_dir = root.join("fused");
@@ -356,7 +377,7 @@ fn qwen3_moe_checkpoints() -> Result<()> {
     for (k, t) in &full {
         assert_eq!(max_abs(&got[k], t)?, 0.0, "fused: {k}");
     }
-    sharded_load_matches(&fused_dir, &full, &cfg, 2, false)?;
+    sharded_load_matches(&fused_dir, &full, &cfg, Layout::single().with_tp(2, false))?;
     // read as a dense Qwen3: the router and the experts are not its parameters
     let mut dense = cfg.clone().with_moe(None);
     dense.intermediate_size = 352;

@@ -130,6 +130,15 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
     if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && rng(900_000 + seed).below(2) == 0 {
         layout = layout.with_head_layout(HeadLayout::Regathered);
     }
+    // a mixture of experts: half of them with the experts split over EP ranks (a divisor of
+    // dp · cp that divides the experts; a stream of its own)
+    if let Some(m) = &cfg.moe {
+        let mut e = rng(940_000 + seed);
+        let ways: Vec<usize> = (2..=layout.dp * layout.cp).filter(|p| (layout.dp * layout.cp).is_multiple_of(*p) && m.num_experts.is_multiple_of(*p)).collect();
+        if !ways.is_empty() && e.below(2) == 0 {
+            layout = layout.with_ep(pick(&mut e, &ways));
+        }
+    }
     let what = format!(
         "config {seed}: {layout}, B {b} T {t}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?} on {:?} {:?}{}",
         cfg.sliding_layers,
@@ -174,7 +183,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
-    let (mut some_layers, mut gemma, mut gemma2, mut moe) = (0, 0, 0, 0);
+    let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -214,6 +223,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 gemma += cfg.gemma3.is_some() as usize;
                 gemma2 += cfg.gemma2.is_some() as usize;
                 moe += cfg.moe.is_some() as usize;
+                ep += (layout.ep > 1) as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -221,7 +231,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral)), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3)),
