@@ -149,6 +149,12 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen2Moe, Layout::cp(CpKind::Ring, 2).with_tp(2, false), None));
     let name = format!("llama mixtral (8 experts, top 2, window 40 on every layer) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Mixtral, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    // expert parallelism: the routed rows exchanged between the ranks holding their experts
+    // (the all-to-all of uneven chunks, the reordering by expert, the zero row), on the GPU
+    let name = format!("llama qwen3-moe expert parallel ep4 over cp4 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3Moe, Layout::cp(CpKind::Zigzag, 4).with_ep(4), None));
+    let name = format!("llama mixtral expert parallel ep2 x tp2 + sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Mixtral, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None));
     Ok(())
 }
 
