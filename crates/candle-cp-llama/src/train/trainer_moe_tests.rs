@@ -37,7 +37,8 @@ fn moe_load_balancing_term_is_reported() -> Result<()> {
     Ok(())
 }
 
-/// Expert parallelism: 4 experts over 4 DP × CP ranks (one each) and over 2 of them follow the
+/// Expert parallelism: 4 experts over 4 DP × CP ranks (one each), over 2 of them, and over CP
+/// 2 × TP 2 + SP with recomputed layers and the overlapped gradient sync follow the
 /// one-device run for 6 clipped steps (the gradient norm counts every expert once); their
 /// checkpoints hold every expert, the same weights; a run stopped after step 4 resumes from
 /// its step-3 checkpoint on another EP degree and on one device, on the same curve. ZeRO with
@@ -49,9 +50,18 @@ fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
     let (want, _) = crate::load_hf(d1.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
     let want = crate::params::varmap_tensors(&want)?;
     let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
-    for (i, layout) in [Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(4), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)].into_iter().enumerate() {
+    // (the third: recomputed layers, the replicas' gradients summed as each layer's backward
+    // ends, the experts' over their own group after it)
+    let runs = [
+        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(4), false),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true),
+    ];
+    for (i, (layout, overlap)) in runs.into_iter().enumerate() {
         let d = tmpdir(&format!("ep-{i}"));
-        let other = run(&moe_cfg(Some(d.clone()), layout)?)?;
+        let mut c = moe_cfg(Some(d.clone()), layout)?;
+        (c.recompute, c.overlap_grad_sync) = (overlap, overlap);
+        let other = run(&c)?;
         assert_eq!(other[0].metrics.len(), 6);
         assert_same_curve(&layout.to_string(), &curve, &other[0].metrics);
         let (got, _) = crate::load_hf(d.join("checkpoints/step-000006"), &Device::Cpu, DType::F32)?;
