@@ -164,6 +164,44 @@ pub fn check_nccl_ranks(rep: &mut Report, dir: &str, llama: &str) -> Result<()> 
             }
         }
     }
+    // all_to_all_v (the experts' exchange) as grouped send/recv: uneven chunks, a rank that
+    // sends nothing (rank 1) and one that receives nothing (the last), f32 and bf16: every rank
+    // gets exactly the rows the others sent it, in rank order
+    {
+        let p = n.min(4);
+        let ordinals: Vec<usize> = (0..p).collect();
+        let rows = |i: usize, j: usize| if i == 1 || j == p - 1 { 0 } else { (i * 3 + j * 5) % 4 + 1 };
+        for dtype in [DType::F32, DType::BF16] {
+            let input = |i: usize| -> candle_core::Result<Tensor> {
+                let m = (0..p).map(|j| rows(i, j)).sum::<usize>().max(1);
+                rand_tensor(&[m, 3, 5], 90 + i as u64).map_err(|e| candle_core::Error::Msg(e.to_string()))?.to_dtype(dtype)
+            };
+            let res = run_nccl_ranks(&ordinals, |g| -> candle_core::Result<f64> {
+                let (r, dev) = (g.rank(), g.home_device().unwrap_or(Device::Cpu));
+                let send: Vec<usize> = (0..p).map(|j| rows(r, j)).collect();
+                let recv: Vec<usize> = (0..p).map(|i| rows(i, r)).collect();
+                let got = g.all_to_all_v(&input(r)?.to_device(&dev)?, &send, &recv)?.to_device(&Device::Cpu)?;
+                let mut want = Vec::new();
+                for i in 0..p {
+                    let off: usize = (0..r).map(|j| rows(i, j)).sum();
+                    if rows(i, r) > 0 {
+                        want.push(input(i)?.narrow(0, off, rows(i, r))?);
+                    }
+                }
+                let want = if want.is_empty() { Tensor::zeros((1, 3, 5), dtype, &Device::Cpu)? } else { Tensor::cat(&want, 0)? };
+                if got.dims() != want.dims() {
+                    return Ok(f64::INFINITY);
+                }
+                let f = |t: &Tensor| t.to_dtype(DType::F32);
+                Ok((f(&got)? - f(&want)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64)
+            });
+            let name = format!("nccl ranks P{p} all_to_all_v (uneven rows, empty chunks) {dtype:?}");
+            match res.and_then(|v| v.into_iter().collect::<candle_core::Result<Vec<f64>>>()) {
+                Ok(d) => rep.check(&name, d.into_iter().fold(0.0, f64::max), 0.0),
+                Err(e) => rep.error(&name, e),
+            }
+        }
+    }
     for case in oracle_cases(dir, rep.quick)? {
         let case = case?;
         let t = case.q.dim(1)?;

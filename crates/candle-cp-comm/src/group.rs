@@ -89,9 +89,10 @@ pub trait ProcessGroup: Send + Sync {
     /// and shapes when `t` has neither `Σ send_rows` rows nor (with nothing to send) any, or a
     /// count list is not one per rank.
     ///
-    /// The default (every group here) pads each rank's chunks to the largest chunk of the
+    /// The default ([`crate::ThreadGroup`]) pads each rank's chunks to the largest chunk of the
     /// round (learnt from a one-number all-gather) and calls [`ProcessGroup::all_to_all`]:
     /// two collectives, and `P · max` rows on the wire per rank however uneven the counts.
+    /// `NcclGroup` sends each pair's rows as they are (grouped send/recv).
     fn all_to_all_v(&self, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
         padded_all_to_all_v(self, t, send_rows, recv_rows)
     }
@@ -151,21 +152,10 @@ pub trait ProcessGroup: Send + Sync {
 /// [`ProcessGroup::all_to_all_v`] from [`ProcessGroup::all_gather`] (the round's largest
 /// chunk) and [`ProcessGroup::all_to_all`] on chunks padded to it.
 fn padded_all_to_all_v<G: ProcessGroup + ?Sized>(g: &G, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
+    check_all_to_all_v(g, t, send_rows, recv_rows)?;
     let p = g.size();
-    let (sent, got) = (send_rows.iter().sum::<usize>(), recv_rows.iter().sum::<usize>());
-    if send_rows.len() != p || recv_rows.len() != p {
-        candle_core::bail!(
-            "all_to_all_v: {} send and {} receive counts on a group of {p} ranks ({})",
-            send_rows.len(),
-            recv_rows.len(),
-            g.describe()
-        )
-    }
-    ensure_nonempty("all_to_all_v", "t", t)?;
+    let got = recv_rows.iter().sum::<usize>();
     let dims = t.dims();
-    if dims[0] != sent && sent != 0 {
-        candle_core::bail!("all_to_all_v: t {dims:?} has {} rows, the send counts {send_rows:?} sum to {sent}", dims[0])
-    }
     let most = send_rows.iter().chain(recv_rows).copied().max().unwrap_or(0) as u32;
     let most = g.all_gather(&Tensor::new(&[most], &Device::Cpu)?, 0)?.to_vec1::<u32>()?;
     let m = most.iter().copied().max().unwrap_or(0).max(1) as usize;
@@ -193,6 +183,27 @@ fn padded_all_to_all_v<G: ProcessGroup + ?Sized>(g: &G, t: &Tensor, send_rows: &
         .map(|(i, &n)| got_all.narrow(0, i * m, n))
         .collect::<Result<Vec<_>>>()?;
     Tensor::cat(&parts, 0)
+}
+
+/// The checks of [`ProcessGroup::all_to_all_v`]'s arguments on `g` (every implementation's):
+/// one count per rank each way, `t` not empty and holding `Σ send_rows` rows (any number when
+/// that is 0). Errors name the counts and the shape.
+pub(crate) fn check_all_to_all_v<G: ProcessGroup + ?Sized>(g: &G, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<()> {
+    let p = g.size();
+    if send_rows.len() != p || recv_rows.len() != p {
+        candle_core::bail!(
+            "all_to_all_v: {} send and {} receive counts on a group of {p} ranks ({})",
+            send_rows.len(),
+            recv_rows.len(),
+            g.describe()
+        )
+    }
+    ensure_nonempty("all_to_all_v", "t", t)?;
+    let (dims, sent) = (t.dims(), send_rows.iter().sum::<usize>());
+    if t.rank() == 0 || (dims[0] != sent && sent != 0) {
+        candle_core::bail!("all_to_all_v: t {dims:?} must have the {sent} rows the send counts {send_rows:?} sum to")
+    }
+    Ok(())
 }
 
 /// Shared handle on a process group; what the ops and layers take.

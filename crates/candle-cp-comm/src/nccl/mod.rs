@@ -583,6 +583,28 @@ impl ProcessGroup for NcclGroup {
         self.back(Tensor::cat(&outs, concat_dim)?, host, "all_to_all")
     }
 
+    /// Grouped send/recv of the chunks as they are (no padding: each pair's rows only; a pair
+    /// with no rows sends nothing).
+    fn all_to_all_v(&self, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
+        crate::group::check_all_to_all_v(self, t, send_rows, recv_rows)?;
+        let (t, host) = self.check(t, "all_to_all_v")?;
+        let rest = &t.dims()[1..];
+        let mut sends = Vec::new();
+        let mut off = 0;
+        for (j, &n) in send_rows.iter().enumerate() {
+            if n > 0 {
+                sends.push((t.narrow(0, off, n)?.contiguous()?, j));
+            }
+            off += n;
+        }
+        let shape = |n: usize| Shape::from([&[n][..], rest].concat());
+        let recvs: Vec<(Shape, usize)> = recv_rows.iter().enumerate().filter(|(_, &n)| n > 0).map(|(i, &n)| (shape(n), i)).collect();
+        let (outs, ev) = self.p2p("all_to_all_v", &sends, &recvs, t.dtype())?;
+        self.compute().wait(&ev).w()?;
+        let out = if outs.is_empty() { Tensor::zeros(shape(1), t.dtype(), &self.device())? } else { Tensor::cat(&outs, 0)? };
+        self.back(out, host, "all_to_all_v")
+    }
+
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         if root >= self.size {
             candle_core::bail!("broadcast: root {root} out of range for group size {}", self.size)
