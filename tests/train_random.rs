@@ -215,7 +215,7 @@ fn packed_corpus() -> Result<PackedStream> {
 #[test]
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
-    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe) = (0, 0, 0, 0, 0, 0, 0, 0);
+    let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -250,6 +250,17 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let mut cfg = base.clone();
         cfg.layout = layout;
         opts.apply(&mut cfg);
+        // a mixture of experts without ZeRO: half of them with the 4 experts split over 2 or 4
+        // of the DP × CP ranks (a stream of its own)
+        if let Some(m) = &model.moe {
+            let mut e = rng(949_000 + seed);
+            let n = layout.dp * layout.cp;
+            let ways: Vec<usize> = [2, 4].into_iter().filter(|&p| n.is_multiple_of(p) && m.num_experts.is_multiple_of(p)).collect();
+            if stage == 0 && !ways.is_empty() && e.below(2) == 0 {
+                cfg.layout = layout.with_ep(pick(&mut e, &ways));
+            }
+        }
+        let layout = cfg.layout;
         let what = format!(
             "config {seed}: {layout}, heads {heads}/{kv_heads} layers {layers} window {window:?} {}, batch {batch} x {grad_accum} micro-batches, ZeRO {stage}, recompute {recompute}, overlap grad sync {overlap_grad_sync}, overlap param gather {overlap_param_gather}, long-range only {long_range_only}, packed documents {packed}",
             model.arch().hf_names().0
@@ -280,6 +291,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 packs += packed as usize;
                 gemma2 += model.gemma2.is_some() as usize;
                 moe += model.moe.is_some() as usize;
+                ep += (layout.ep > 1) as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -287,7 +299,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
