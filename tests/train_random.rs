@@ -250,13 +250,13 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         let mut cfg = base.clone();
         cfg.layout = layout;
         opts.apply(&mut cfg);
-        // a mixture of experts without ZeRO: half of them with the 4 experts split over 2 or 4
-        // of the DP × CP ranks (a stream of its own)
+        // a mixture of experts: half of them with the 4 experts split over 2 or 4 of the DP ×
+        // CP ranks (a stream of its own; with ZeRO the experts' state stays whole)
         if let Some(m) = &model.moe {
             let mut e = rng(949_000 + seed);
             let n = layout.dp * layout.cp;
             let ways: Vec<usize> = [2, 4].into_iter().filter(|&p| n.is_multiple_of(p) && m.num_experts.is_multiple_of(p)).collect();
-            if stage == 0 && !ways.is_empty() && e.below(2) == 0 {
+            if !ways.is_empty() && e.below(2) == 0 {
                 cfg.layout = layout.with_ep(pick(&mut e, &ways));
             }
         }

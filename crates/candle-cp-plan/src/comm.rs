@@ -608,5 +608,11 @@ mod tests {
         assert!(e(Layout { ep: 16, ..l.clone() }, &m).contains("does not divide dp·cp = 8"));
         let dense = ModelConfig::preset("llama3-8b").unwrap();
         assert!(e(l.clone(), &dense).contains("needs a mixture of experts"));
+        // ZeRO-1 with EP: the dense parameters' Adam state over dp·cp, the experts' whole
+        let z = Layout { dp: 2, zero: 1, ..l.clone() };
+        let st = crate::memory::model_states(&m, &z, 2);
+        let ex = m.layers as f64 * crate::memory::layer_expert_params_per_gpu(&m, &z);
+        assert_eq!(ex, 48.0 * 3.0 * 2048.0 * 768.0 * 128.0 / 8.0);
+        assert!((st.optimizer - ((st.params - ex) * 12.0 / 16.0 + ex * 12.0)).abs() < 1.0, "{st:?}");
     }
 }

@@ -570,7 +570,7 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
             m.moe.as_ref().map_or(0, |x| x.experts / l.ep)
         ));
         if l.zero > 0 {
-            n.push("ZeRO with expert parallelism: the experts' states are sharded over the dp·cp/ep ranks holding them, as Megatron does; candle-cp's trainer refuses ZeRO with EP".into());
+            n.push("ZeRO with expert parallelism: ZeRO splits the dense parameters' states over dp·cp; the experts' stay whole on each EP rank (candle-cp's trainer; Megatron would shard them over the dp·cp/ep ranks holding them)".into());
         }
     }
     if m.layers % (l.pp * l.virtual_stages.max(1)) != 0 {

@@ -67,6 +67,9 @@ struct Slot {
     /// resolution, e.g. 1e-5 on a bf16 weight of 0.02, would otherwise be lost every step).
     master: Option<Tensor>,
     decay: bool,
+    /// Whether this slot's state is a ZeRO slice (every slot with ZeRO, except the experts
+    /// under expert parallelism: [`AdamW::with_expert_parallel`]).
+    sharded: bool,
 }
 
 /// AdamW over named parameters (names are the checkpoint keys, e.g. HF names).
@@ -128,7 +131,7 @@ impl AdamW {
                 let z = Tensor::zeros(slice(var.as_tensor(), off, len, sharded)?.shape(), DType::F32, var.device())?;
                 let master = master_of(&var)?.map(|m| slice(&m, off, len, sharded)).transpose()?;
                 let decay = var.rank() >= 2;
-                Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay })
+                Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay, sharded })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { cfg, step: 0, slots, zero, experts: None })
@@ -236,20 +239,20 @@ impl AdamW {
         // shapes first: a rank that errors here has taken part in no collective
         for s in &self.slots {
             if let Some(g) = grads.get(&s.name) {
-                s.check_grad(g, self.zero.is_some())?;
+                s.check_grad(g, s.sharded)?;
             }
         }
         self.step += 1;
         let c = self.cfg;
         let bc1 = 1.0 - c.beta1.powi(self.step as i32);
         let bc2 = 1.0 - c.beta2.powi(self.step as i32);
-        let sharded = self.zero.is_some();
         // (slot, new slice) of the parameters to all-gather with ZeRO-1
         let mut updated: Vec<(usize, Tensor)> = Vec::new();
         for (i, s) in self.slots.iter_mut().enumerate() {
             let Some(g) = grads.get(&s.name) else {
                 continue;
             };
+            let sharded = s.sharded;
             let g = if g.shape() == s.var.shape() { s.own(g, sharded)? } else { g.clone() };
             let g = (g.to_dtype(DType::F32)? * grad_scale)?;
             s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
@@ -310,6 +313,9 @@ impl AdamW {
             let Some(s) = self.slots.iter().find(|s| &s.name == *n) else {
                 bail!("AdamW::reduce_scatter_grads: '{n}' is not a parameter of this optimizer")
             };
+            if !s.sharded {
+                bail!("AdamW::reduce_scatter_grads: '{n}' is not split over the replicas (an expert under expert parallelism: sum its gradient over the ranks holding it)")
+            }
             let g = &grads[*n];
             if g.shape() != s.var.shape() {
                 bail!("AdamW::reduce_scatter_grads: gradient of '{n}' has shape {:?}, parameter {:?}", g.dims(), s.var.dims())
@@ -322,14 +328,28 @@ impl AdamW {
 
     /// The same optimizer, told that the parameters `names` are this rank's slice (along dim 0)
     /// of tensors split over `group` (the stacked experts under expert parallelism,
-    /// `ParallelCtx::ep`): [`AdamW::save_from`] gathers their state over `group`, so the
-    /// file holds every expert, as a run without expert parallelism writes it (every rank of
-    /// `group` must then call it). A group of one rank changes nothing.
-    pub fn with_expert_parallel(mut self, group: Group, names: impl IntoIterator<Item = String>) -> Self {
-        if group.size() > 1 {
-            self.experts = Some((group, names.into_iter().collect()));
+    /// `ParallelCtx::ep`): their state is never a ZeRO slice (ZeRO splits the other
+    /// parameters' state over the replicas; the experts' is split over `group` already, and
+    /// their gradients are summed over the ranks holding them, not reduce-scattered), and
+    /// [`AdamW::save_from`] gathers it over `group`, so the file holds every expert, as a run
+    /// without expert parallelism writes it (every rank of `group` must then call it). Call it
+    /// before the first step. A group of one rank changes nothing.
+    pub fn with_expert_parallel(mut self, group: Group, names: impl IntoIterator<Item = String>) -> Result<Self> {
+        if group.size() == 1 {
+            return Ok(self);
         }
-        self
+        if self.step > 0 {
+            bail!("AdamW::with_expert_parallel: called after {} steps (before the first, while the state is zero)", self.step)
+        }
+        let names: std::collections::HashSet<String> = names.into_iter().collect();
+        for s in self.slots.iter_mut().filter(|s| s.sharded && names.contains(&s.name)) {
+            (s.off, s.len, s.sharded) = (0, s.var.elem_count(), false);
+            s.m = Tensor::zeros(s.var.shape(), DType::F32, s.var.device())?;
+            s.v = s.m.clone();
+            s.master = master_of(&s.var)?;
+        }
+        self.experts = Some((group, names));
+        Ok(self)
     }
 
     /// The whole state as named tensors: `m.<name>`, `v.<name>`, `w.<name>` (the f32 master
@@ -410,8 +430,8 @@ impl AdamW {
     /// over the replicas with ZeRO-1 (collective).
     fn full_state(&self, s: &Slot, t: &Tensor) -> Result<Tensor> {
         let t = match &self.zero {
-            Some(z) => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
-            None => t.clone(),
+            Some(z) if s.sharded => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
+            _ => t.clone(),
         };
         t.to_device(&Device::Cpu)
     }
@@ -452,8 +472,8 @@ impl AdamW {
         let Some(&step) = step.first() else {
             bail!("{}: empty 'step' tensor", p.display())
         };
-        let sharded = self.zero.is_some();
         for s in self.slots.iter_mut() {
+            let sharded = s.sharded;
             let (Some(m), Some(v)) = (
                 get(&format!("m.{}", s.name))?,
                 get(&format!("v.{}", s.name))?,

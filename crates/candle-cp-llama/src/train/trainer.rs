@@ -308,9 +308,6 @@ pub fn train_rank(
     if cfg.overlap_param_gather && !(cfg.zero1 || cfg.zero2) {
         bail!("train: overlap_param_gather needs zero1 or zero2 (without ZeRO every rank updates whole parameters and nothing is gathered)")
     }
-    if cfg.layout.ep > 1 && (cfg.zero1 || cfg.zero2) {
-        bail!("train: zero1 / zero2 with expert parallelism (ep = {}) is not supported: the experts' optimizer state is split over the EP ranks already, and ZeRO would slice it over all DP × CP ranks", cfg.layout.ep)
-    }
     if !cfg.batch.is_multiple_of(cfg.layout.dp) {
         bail!(
             "train: batch {} must be divisible by dp = {}",
@@ -385,11 +382,12 @@ pub fn train_rank(
     } else {
         AdamW::new(named_vars, cfg.adamw)?
     };
-    // the experts' state is gathered over the EP group when saved (the file holds every expert)
+    // the experts' state: whole on each EP rank (not a ZeRO slice), gathered over the EP group
+    // when saved (the file holds every expert)
     let experts: std::collections::HashSet<String> =
         param_specs(&mcfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
     if let Some(ep) = &ctx.ep {
-        opt = opt.with_expert_parallel(ep.clone(), experts.iter().cloned());
+        opt = opt.with_expert_parallel(ep.clone(), experts.iter().cloned())?;
     }
     // accumulation and sums of the gradients (overlapped, ZeRO-1 / ZeRO-2: train/grad_step.rs)
     let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
