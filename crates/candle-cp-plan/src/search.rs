@@ -103,6 +103,15 @@ fn powers_of_two(max: usize) -> impl Iterator<Item = usize> {
     std::iter::successors(Some(1usize), |x| x.checked_mul(2)).take_while(move |&x| x <= max)
 }
 
+/// The expert-parallel degrees to try over `replicas = dp·cp` ranks: 1, and for a mixture of
+/// experts every power of two that divides both the replicas and the experts.
+fn expert_degrees(base: &PlanInput, replicas: usize) -> Vec<usize> {
+    match &base.model.moe {
+        Some(m) => powers_of_two(replicas).filter(|&e| replicas.is_multiple_of(e) && m.experts.is_multiple_of(e)).collect(),
+        None => vec![1],
+    }
+}
+
 /// The (kind, Ulysses degree) pairs to try at CP degree `cp`.
 fn kinds_at(kinds: &[CpKind], cp: usize) -> Vec<(CpKind, usize)> {
     if cp == 1 {
@@ -169,7 +178,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                 {
                     for &virtual_stages in &vs {
                         for &recompute in recompute {
-                            for &zero in zero {
+                            for (&zero, ep) in zero.iter().flat_map(|z| expert_degrees(base, dp * cp).into_iter().map(move |e| (z, e))) {
                                 let layout = Layout {
                                     tp,
                                     sp: tp > 1,
@@ -179,7 +188,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     pp,
                                     virtual_stages,
                                     dp,
-                                    ep: 1,
+                                    ep,
                                     zero,
                                     recompute,
                                     flash: base.layout.flash,
@@ -335,6 +344,9 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
         None => {}
     }
     let _ = write!(f, " --dp {} --batch {} --grad-accum {k}", l.dp, l.dp * base.micro_batch);
+    if l.ep > 1 {
+        let _ = write!(f, " --ep {}", l.ep);
+    }
     let dtype = match base.dtype {
         Dtype::Bf16 => "bf16",
         Dtype::Fp16 => "f16",
@@ -428,6 +440,32 @@ mod tests {
             top: 10,
             finetune_llama: false,
         }
+    }
+
+    /// A mixture of experts is searched with expert parallelism too: Qwen3-30B-A3B at 128k on
+    /// 16 H100s for finetune_llama (ZeRO ≤ 2) counts more layouts than with EP 1 only, ranks
+    /// some EP layouts, each a valid plan that fits, whose flags carry `--ep`; the EP degrees
+    /// tried divide both dp·cp and the 128 experts; a dense model is searched with EP 1.
+    #[test]
+    fn moe_search_tries_expert_parallelism() {
+        let mut i = input("qwen3-30b-a3b", "h100", 131072, 16, 4);
+        (i.finetune_llama, i.zero, i.top) = (true, vec![0, 1, 2], 40);
+        let r = search(&i).unwrap();
+        let ep: Vec<&Candidate> = r.best.iter().filter(|c| c.layout.ep > 1).collect();
+        assert!(!ep.is_empty(), "{r:?}");
+        for c in &ep {
+            let l = &c.layout;
+            assert!((l.dp * l.cp).is_multiple_of(l.ep) && 128 % l.ep == 0);
+            let p = plan(&PlanInput { layout: l.clone(), micro_batches: Some(c.micro_batches), ..i.base.clone() }).unwrap();
+            assert!(p.fits && p.ep_comm.fwd_bytes_per_layer > 0.0);
+            let flags = c.finetune_llama_flags.as_deref().unwrap_or("");
+            assert!(flags.contains(&format!("--ep {}", l.ep)), "{flags}");
+        }
+        assert_eq!(expert_degrees(&i.base, 16), vec![1, 2, 4, 8, 16]);
+        assert_eq!(expert_degrees(&i.base, 12), vec![1, 2, 4]);
+        let dense = input("llama3-8b", "h100", 131072, 16, 4);
+        assert_eq!(expert_degrees(&dense.base, 16), vec![1]);
+        assert!(search(&dense).unwrap().best.iter().all(|c| c.layout.ep == 1));
     }
 
     /// Every row is a valid, fitting layout of exactly N GPUs whose plan, recomputed, gives

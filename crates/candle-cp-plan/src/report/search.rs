@@ -12,6 +12,9 @@ use std::fmt::Write;
 pub fn plan_flags(c: &Candidate) -> String {
     let l = &c.layout;
     let mut f = format!("--tp {} --cp {} --pp {} --dp {}", l.tp, l.cp, l.pp, l.dp);
+    if l.ep > 1 {
+        let _ = write!(f, " --ep {}", l.ep);
+    }
     if l.virtual_stages > 1 {
         let _ = write!(f, " --virtual-stages {}", l.virtual_stages);
     }
@@ -81,7 +84,12 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
         let _ = writeln!(o, "\nNo layout fits: more GPUs, a longer CP, or --zero 3 / --recompute full (if not already tried).");
         return o;
     }
-    let head = ["#", "tp", "cp", "kind", "pp", "v", "dp", "k", "recompute", "zero", "memory", "bubble", "step", "tok/s/GPU", "MFU", "bottleneck"];
+    // (an "ep" column after "dp" for a mixture of experts)
+    let moe = base.model.moe.is_some();
+    let mut head = vec!["#", "tp", "cp", "kind", "pp", "v", "dp", "k", "recompute", "zero", "memory", "bubble", "step", "tok/s/GPU", "MFU", "bottleneck"];
+    if moe {
+        head.insert(7, "ep");
+    }
     let mut rows: Vec<Vec<String>> = vec![head.iter().map(|s| s.to_string()).collect()];
     for (n, c) in r.best.iter().enumerate() {
         let l = &c.layout;
@@ -99,6 +107,7 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
             l.pp.to_string(),
             l.virtual_stages.to_string(),
             l.dp.to_string(),
+            l.ep.to_string(),
             c.micro_batches.to_string(),
             lower(l.recompute),
             l.zero.to_string(),
@@ -109,6 +118,9 @@ pub fn render_search(r: &SearchResult, base: &PlanInput) -> String {
             format!("{:.1}%", 100.0 * c.step.mfu),
             c.bottleneck.clone(),
         ]);
+        if !moe {
+            rows.last_mut().map(|r| r.remove(7));
+        }
     }
     let cols = head.len();
     let width: Vec<usize> = (0..cols).map(|j| rows.iter().map(|r| r[j].chars().count()).max().unwrap_or(0)).collect();
