@@ -102,8 +102,10 @@ fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap
     Ok((cfg, full))
 }
 
-/// Every kind of layout (and recomputed layers, and DP) gives the reference's logits, loss and
-/// gradients; the routing is far from a tie; the load-balancing loss binds.
+/// Every kind of layout (and recomputed layers, and DP, and expert parallelism over all or
+/// part of the CP group, under every CP kind, with TP + SP, across DP replicas) gives the
+/// reference's logits, loss and gradients (the experts' gathered back from their EP ranks);
+/// the routing is far from a tie; the load-balancing loss binds.
 #[test]
 fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
     let layouts = [
@@ -118,13 +120,24 @@ fn qwen3_moe_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::single().with_tp(4, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
     ];
-    on_layouts(MoeStyle::Qwen3Moe, &layouts)
+    // expert parallelism: (layout, recomputed layers, two DP rows)
+    let ep = [
+        (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
+        (Layout::cp(CpKind::Ring, 4).with_ep(2), false, false),
+        (Layout::cp(CpKind::Ulysses, 2).with_ep(2), false, false),
+        (Layout::two_d(2, 2).with_ep(4), false, false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), false, false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true, false),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, true),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), false, true),
+    ];
+    on_layouts(MoeStyle::Qwen3Moe, &layouts, &ep)
 }
 
-/// Mixtral (no head norms, every layer sparse, a window on every layer) on six layouts, DP and
-/// recomputed layers: the reference.
-#[test]
-fn mixtral_on_every_layout_matches_the_reference() -> Result<()> {
+/// The six layouts of the Mixtral and Qwen2-MoE tests, then their three expert-parallel ones
+/// (layout, recomputed layers, two DP rows).
+#[allow(clippy::type_complexity)]
+fn six_layouts() -> ([Layout; 6], [(Layout, bool, bool); 3]) {
     let layouts = [
         Layout::single(),
         Layout::cp(CpKind::Zigzag, 4),
@@ -133,23 +146,29 @@ fn mixtral_on_every_layout_matches_the_reference() -> Result<()> {
         Layout::single().with_tp(4, true),
         Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
     ];
-    on_layouts(MoeStyle::Mixtral, &layouts)
+    let ep = [
+        (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
+        (Layout::cp(CpKind::AllGather, 2).with_tp(2, false).with_ep(2), false, false),
+        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), true, true),
+    ];
+    (layouts, ep)
+}
+
+/// Mixtral (no head norms, every layer sparse, a window on every layer) on six layouts, DP,
+/// recomputed layers and three expert-parallel layouts: the reference.
+#[test]
+fn mixtral_on_every_layout_matches_the_reference() -> Result<()> {
+    let (layouts, ep) = six_layouts();
+    on_layouts(MoeStyle::Mixtral, &layouts, &ep)
 }
 
 /// Qwen2-MoE (q, k, v biases; a shared expert weighted by its sigmoid gate beside the routed
-/// ones) on six layouts, DP and recomputed layers: the reference; the shared expert binds; its
+/// ones) on six layouts, DP, recomputed layers and three expert-parallel layouts: the reference; the shared expert binds; its
 /// checkpoint round-trips (whole and over TP 2).
 #[test]
 fn qwen2_moe_on_every_layout_matches_the_reference() -> Result<()> {
-    let layouts = [
-        Layout::single(),
-        Layout::cp(CpKind::Zigzag, 4),
-        Layout::cp(CpKind::Ulysses, 2),
-        Layout::single().with_tp(2, false),
-        Layout::single().with_tp(4, true),
-        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
-    ];
-    on_layouts(MoeStyle::Qwen2Moe, &layouts)?;
+    let (layouts, ep) = six_layouts();
+    on_layouts(MoeStyle::Qwen2Moe, &layouts, &ep)?;
     // the shared expert matters: without it the logits move
     let (cfg, full) = moe_model(MoeStyle::Qwen2Moe, None)?;
     let ids = ids(T)?;
@@ -209,8 +228,9 @@ fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, c
 }
 
 /// The model of `style` (load-balancing loss at 0.5) on `layouts`, then zigzag 2 × TP 2 + SP
-/// with recomputed layers and ring 2 × DP 2, against the float64 reference.
-fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
+/// with recomputed layers and ring 2 × DP 2, then the expert-parallel layouts `ep` (layout,
+/// recomputed layers, two DP rows), against the float64 reference.
+fn on_layouts(style: MoeStyle, layouts: &[Layout], ep: &[(Layout, bool, bool)]) -> Result<()> {
     let (cfg, full) = moe_model(style, Some(0.5))?;
     let ids = ids(T)?;
     let (want, margin) = reference_routed(&full, &cfg, &ids)?;
@@ -230,7 +250,13 @@ fn on_layouts(style: MoeStyle, layouts: &[Layout]) -> Result<()> {
     check(layout, run_layout_recompute(&full, &cfg, &ids, layout, &Device::Cpu, true)?, &want)?;
     let two = Tensor::cat(&[&ids, &ids], 0)?;
     let layout = Layout::cp(CpKind::Ring, 2).with_dp(2);
-    check(layout, run_layout(&full, &cfg, &two, layout, &Device::Cpu)?, &reference_rows(&want)?)
+    let rows_want = reference_rows(&want)?;
+    check(layout, run_layout(&full, &cfg, &two, layout, &Device::Cpu)?, &rows_want)?;
+    for &(layout, recompute, dp) in ep {
+        let (input, want) = if dp { (&two, &rows_want) } else { (&ids, &want) };
+        check(layout, run_layout_recompute(&full, &cfg, input, layout, &Device::Cpu, recompute)?, want)?;
+    }
+    Ok(())
 }
 
 /// `run` (of `layout`) gives `want`'s logits, loss and every gradient, the router's and the
@@ -243,44 +269,6 @@ fn check_run(cfg: &LlamaConfig, layout: Layout, run: LayoutRun, want: &Reference
     assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
     assert_eq!(rep.grad_rel.iter().filter(|(k, _)| experts(k)).count(), 4 * cfg.moe_layers(), "{layout}");
     assert!(rep.pass(), "{module} {layout}: {rep:?}");
-    Ok(())
-}
-
-/// Expert parallelism (each sparse layer's 8 experts split over `ep` DP × CP ranks, the routed
-/// rows exchanged): EP over the whole CP group and over part of it, under every CP kind, with
-/// TP (+ SP), across DP replicas, and with recomputed layers, give the float64 reference's
-/// logits, loss and gradients (the experts' gathered back from their EP ranks) — for
-/// Qwen3-MoE, Mixtral and Qwen2-MoE (shared expert).
-#[test]
-fn expert_parallel_layouts_match_the_reference() -> Result<()> {
-    let ids = ids(T)?;
-    let two = Tensor::cat(&[&ids, &ids], 0)?;
-    for style in [MoeStyle::Qwen3Moe, MoeStyle::Mixtral, MoeStyle::Qwen2Moe] {
-        let (cfg, full) = moe_model(style, Some(0.5))?;
-        let (want, _) = reference_routed(&full, &cfg, &ids)?;
-        let layouts: Vec<(Layout, bool, bool)> = match style {
-            MoeStyle::Qwen3Moe => vec![
-                (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
-                (Layout::cp(CpKind::Ring, 4).with_ep(2), false, false),
-                (Layout::cp(CpKind::Ulysses, 2).with_ep(2), false, false),
-                (Layout::two_d(2, 2).with_ep(4), false, false),
-                (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), false, false),
-                (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true, false),
-                (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, true),
-                (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), false, true),
-            ],
-            _ => vec![
-                (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false, false),
-                (Layout::cp(CpKind::AllGather, 2).with_tp(2, false).with_ep(2), false, false),
-                (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), true, true),
-            ],
-        };
-        for (layout, recompute, dp) in layouts {
-            let rows_want = if dp { Some(reference_rows(&want)?) } else { None };
-            let run = run_layout_recompute(&full, &cfg, if dp { &two } else { &ids }, layout, &Device::Cpu, recompute)?;
-            check_run(&cfg, layout, run, rows_want.as_ref().unwrap_or(&want))?;
-        }
-    }
     Ok(())
 }
 

@@ -75,14 +75,21 @@ impl ExpertExchange {
         let recv: Vec<usize> = (0..p).map(|i| (0..el).map(|x| of(i, me * el + x)).sum()).collect();
         let mut counts_local: Vec<usize> = (0..el).map(|x| (0..p).map(|i| of(i, me * el + x)).sum()).collect();
         let r: usize = recv.iter().sum();
-        // received rows: rank i's block (start `at[i]`), inside it expert by expert
+        // received rows: rank by rank, inside each rank's block expert by expert; `start[i·el
+        // + x]` is where rank i's rows of local expert x begin
+        let mut start = Vec::with_capacity(p * el);
+        let mut at = 0usize;
+        for i in 0..p {
+            for x in 0..el {
+                start.push(at);
+                at += of(i, me * el + x);
+            }
+        }
         let mut order = Vec::with_capacity(r);
         for x in 0..el {
-            let mut at = 0usize;
-            for (i, &from_i) in recv.iter().enumerate() {
-                let before: usize = (0..x).map(|y| of(i, me * el + y)).sum();
-                order.extend((at + before..at + before + of(i, me * el + x)).map(|v| v as u32));
-                at += from_i;
+            for i in 0..p {
+                let a = start[i * el + x];
+                order.extend((a..a + of(i, me * el + x)).map(|v| v as u32));
             }
         }
         let mut inverse = vec![0u32; r];
