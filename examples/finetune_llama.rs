@@ -188,7 +188,12 @@ fn main() -> Result<()> {
             "keep their activations (--recompute to trade compute for memory)"
         },
         if (a.zero1 || a.zero2) && replicas > 1 {
-            format!("split over {replicas} DP x CP replicas (--zero{})", if a.zero2 { 2 } else { 1 })
+            let experts = match replicas / layout.ep {
+                _ if layout.ep == 1 => String::new(),
+                1 => ", the experts' whole on their EP rank (no other rank holds them)".to_string(),
+                n => format!(", the experts' over the {n} ranks holding the same experts"),
+            };
+            format!("split over {replicas} DP x CP replicas{experts} (--zero{})", if a.zero2 { 2 } else { 1 })
         } else {
             "replicated".to_string()
         }
@@ -302,6 +307,7 @@ fn main() -> Result<()> {
         c.num_key_value_heads,
         c.vocab_size
     );
+    println!("optimizer: {:.2} MiB of Adam state on rank 0", o.optimizer_state_bytes as f64 / (1u64 << 20) as f64);
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(

@@ -8,6 +8,7 @@
 use candle_core::{DType, Device, Result};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::layout::Layout;
+use candle_cp_llama::train::AdamW;
 use candle_cp_llama::{init_params, shard_params, Llama, LlamaConfig, ParallelCtx};
 use candle_cp_plan::memory::params_per_gpu;
 use candle_cp_plan::{Layout as PlanLayout, ModelConfig};
@@ -67,7 +68,9 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
 
 /// Under expert parallelism each rank holds `E/ep` experts (each its TP slice): the planner's
 /// parameters per GPU equal the model's shards on every rank (Qwen3-MoE and Mixtral, EP 2 and
-/// 4 over CP / DP ranks, with TP 2 too), and its model states shrink by the experts' share.
+/// 4 over CP / DP ranks, with TP 2 too), and its model states shrink by the experts' share;
+/// under ZeRO-1 its Adam state per GPU is the trainer's (the experts' split over the ranks
+/// holding them).
 #[test]
 fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> Result<()> {
     let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
@@ -78,6 +81,7 @@ fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> R
     let layouts = [
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_ep(2),
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_ep(4),
+        Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_ep(2),
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_tp(2, true).with_ep(2),
     ];
     for cfg in [&qwen3_moe, &mixtral] {
@@ -99,6 +103,27 @@ fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> R
                 assert_eq!(n as f64, want, "{layout} rank {r}: the model holds {n} parameters, the planner says {want}");
             }
             println!("{layout}: {want} parameters per rank = planner ({whole} without EP)");
+            // ZeRO-1: the trainer's Adam state (dense over dp·cp, experts over the dp·cp/ep
+            // ranks holding them, bf16 weights: 12 bytes per parameter) summed over the ranks
+            // is the planner's per-GPU figure times the GPUs (the ranks' ⌈n/R⌉ slices differ
+            // by an element, their sum does not)
+            let zero = PlanLayout { zero: 1, ..plan.clone() };
+            let want = candle_cp_plan::memory::model_states(&m, &zero, 2).optimizer * layout.world_size() as f64;
+            let dense = candle_cp_plan::memory::model_states(&m, &PlanLayout { ep: 1, ..zero.clone() }, 2).optimizer * layout.world_size() as f64;
+            let got = run_ranks(layout.world_size(), |g| {
+                let ctx = ParallelCtx::new(g, layout)?;
+                let vm = shard_params(&init_params(cfg, 1, DType::BF16, &Device::Cpu)?, cfg, &ctx)?;
+                let named = vm.data().lock().map_err(|e| candle_core::Error::Msg(e.to_string()))?.iter().map(|(k, v)| (k.clone(), v.clone())).collect();
+                let experts = candle_cp_llama::param_specs(cfg).into_iter().filter(|s| s.is_expert()).map(|s| s.name);
+                let opt = AdamW::new_zero1(named, Default::default(), ctx.dp_cp.clone())?;
+                let ep = ctx.ep.clone().ok_or_else(|| candle_core::Error::Msg("an EP group".into()))?;
+                Ok(opt.with_expert_parallel(ep, ctx.ep_dp.clone(), experts)?.state_bytes())
+            });
+            let total: usize = got.into_iter().sum::<Result<usize>>()?;
+            assert!((total as f64 - want).abs() < 1e-9 * want, "{layout}: the ranks hold {total} bytes of Adam state, the planner says {want} in all");
+            // (the same total as ZeRO over every replica without EP: each element's state once)
+            assert!((want - dense).abs() < 1e-9 * want, "{layout}: {want} bytes of Adam state in all, {dense} without EP");
+            println!("{layout} ZeRO-1: {total} bytes of Adam state over the ranks = planner");
         }
     }
     Ok(())

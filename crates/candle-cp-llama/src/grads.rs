@@ -30,7 +30,7 @@ use std::collections::HashMap;
 /// [`crate::Llama::new`]). A parameter without a gradient on this rank counts as zero (and
 /// gets one). Gradients keep their dtype; the sum is done in f32.
 pub fn reduce_gradients(grads: &mut GradStore, varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::No).map(|_| ())
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::No, false).map(|_| ())
 }
 
 /// [`reduce_gradients`] for ZeRO-1 over `ctx.dp_cp`: the gradients whose group is `dp_cp`
@@ -45,24 +45,28 @@ pub fn reduce_gradients_except_dp_cp(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
 ) -> Result<Vec<String>> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::Fill)
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::Fill, false).map(|(n, _)| n)
 }
 
-/// [`reduce_gradients_except_dp_cp`] without the zeros: the names of the gradients left to
-/// the replicas' sum are returned, whether or not `grads` holds them (the overlapped sync has
-/// taken them already).
-pub(crate) fn reduce_gradients_beyond_dp_cp(
+/// The trainer's [`reduce_gradients_except_dp_cp`]: with `skip` = [`Skip::NoFill`] the names
+/// of the gradients left to the replicas' sum are returned whether or not `grads` holds them
+/// (the overlapped sync has taken them already); with `experts` the stacked experts under
+/// expert parallelism are left too (ZeRO reduce-scatters them over `ctx.ep_dp`), with zeros
+/// where this rank has none. Returns (the replicas' names, the experts' names).
+pub(crate) fn reduce_gradients_for_zero(
     grads: &mut GradStore,
     varmap: &VarMap,
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
-) -> Result<Vec<String>> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::NoFill)
+    skip: Skip,
+    experts: bool,
+) -> Result<(Vec<String>, Vec<String>)> {
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, skip, experts)
 }
 
 /// What [`reduce_with_buckets`] does with the gradients whose group is exactly `dp_cp`.
 #[derive(Clone, Copy, PartialEq)]
-enum Skip {
+pub(crate) enum Skip {
     /// Sum them like the others.
     No,
     /// Leave them, with zeros where this rank has none.
@@ -78,7 +82,8 @@ fn reduce_with_buckets(
     ctx: &ParallelCtx,
     bucket_elems: usize,
     skip: Skip,
-) -> Result<Vec<String>> {
+    skip_experts: bool,
+) -> Result<(Vec<String>, Vec<String>)> {
     let vars = crate::params::lock_vars(varmap)?.clone();
     // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
     // (checked before any collective: a rank that errors here communicates nothing)
@@ -93,9 +98,18 @@ fn reduce_with_buckets(
     // (replicated, copies, an expert under EP) → the group and its parameters
     type Key = (bool, usize, bool);
     let mut per_group: Vec<(Key, Group, Vec<String>)> = Vec::new();
-    let mut skipped = Vec::new();
+    let (mut skipped, mut experts) = (Vec::new(), Vec::new());
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
+        let expert = s.is_expert() && ctx.ep.is_some();
+        if skip_experts && expert {
+            let var = vars[&s.name].as_tensor();
+            if grads.get(var).is_none() {
+                grads.insert(var, var.zeros_like()?);
+            }
+            experts.push(s.name);
+            continue;
+        }
         if skip != Skip::No && ctx.param_grad_group_is_dp_cp(&s) {
             let var = vars[&s.name].as_tensor();
             if skip == Skip::Fill && grads.get(var).is_none() {
@@ -104,7 +118,6 @@ fn reduce_with_buckets(
             skipped.push(s.name);
             continue;
         }
-        let expert = s.is_expert() && ctx.ep.is_some();
         let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp), expert);
         match per_group.iter_mut().find(|(k, _, _)| *k == key) {
             Some((_, _, names)) => names.push(s.name),
@@ -135,7 +148,7 @@ fn reduce_with_buckets(
             }
         }
     }
-    Ok(skipped)
+    Ok((skipped, experts))
 }
 
 /// Elements per all-reduce bucket (256 MiB of f32).
@@ -192,8 +205,8 @@ mod tests {
             let b = shard_batch(&ids, &ctx)?;
             let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
             let (mut a, mut c) = (loss.backward()?, loss.backward()?);
-            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, Skip::No)?;
-            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, Skip::No)?;
+            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, Skip::No, false)?;
+            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, Skip::No, false)?;
             let (na, nc) = (named_grads(&a, &vm)?, named_grads(&c, &vm)?);
             let mut worst = 0f32;
             for (k, g) in &na {

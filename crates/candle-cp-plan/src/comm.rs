@@ -590,7 +590,8 @@ mod tests {
     /// The EP exchange: Qwen3-30B-A3B (every layer sparse, top 8, h 2048) at 128k over CP 8,
     /// EP 8 sends `2·7/8·c·K·h·e` = 896 MiB each way per layer, in a node at TP 1 and across
     /// nodes at TP 2; nothing with EP 1 or a dense model. The layout refuses EP that divides
-    /// neither the experts nor dp·cp, and EP on a dense model, by name.
+    /// neither the experts nor dp·cp, and EP on a dense model, by name. ZeRO splits the
+    /// experts' Adam state over the `dp·cp/ep` ranks holding them.
     #[test]
     fn ep_bytes_and_refusals() {
         let m = ModelConfig::preset("qwen3-30b-a3b").unwrap();
@@ -608,11 +609,15 @@ mod tests {
         assert!(e(Layout { ep: 16, ..l.clone() }, &m).contains("does not divide dp·cp = 8"));
         let dense = ModelConfig::preset("llama3-8b").unwrap();
         assert!(e(l.clone(), &dense).contains("needs a mixture of experts"));
-        // ZeRO-1 with EP: the dense parameters' Adam state over dp·cp, the experts' whole
+        // ZeRO-1 with EP 8 over dp·cp 16: the dense parameters' Adam state over the 16, the
+        // experts' over the 2 ranks holding the same experts; with EP 16 whole
         let z = Layout { dp: 2, zero: 1, ..l.clone() };
         let st = crate::memory::model_states(&m, &z, 2);
         let ex = m.layers as f64 * crate::memory::layer_expert_params_per_gpu(&m, &z);
         assert_eq!(ex, 48.0 * 3.0 * 2048.0 * 768.0 * 128.0 / 8.0);
+        assert!((st.optimizer - ((st.params - ex) * 12.0 / 16.0 + ex * 12.0 / 2.0)).abs() < 1.0, "{st:?}");
+        let z16 = Layout { ep: 16, ..z.clone() };
+        let (st, ex) = (crate::memory::model_states(&m, &z16, 2), ex / 2.0);
         assert!((st.optimizer - ((st.params - ex) * 12.0 / 16.0 + ex * 12.0)).abs() < 1.0, "{st:?}");
     }
 }

@@ -417,14 +417,15 @@ pub struct ModelStates {
 
 /// Mixed-precision Adam state per GPU (16 bytes/param in bf16/fp16), sharded per ZeRO
 /// stage over the `dp·cp` ranks that hold the same weight shard; under expert parallelism the
-/// experts' (split over the EP ranks already) stay whole on each rank, as candle-cp's trainer
-/// keeps them (`AdamW::with_expert_parallel`).
+/// experts' (split over the EP ranks already) over the `dp·cp/ep` ranks holding the same
+/// experts, as candle-cp's trainer splits them (`AdamW::with_expert_parallel`) and
+/// Megatron's distributed optimizer does.
 pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     let params = params_per_gpu(m, l);
     let experts = layers_per_stage(m, l) as f64 * layer_expert_params_per_gpu(m, l);
     let dense = params - experts;
     let n = (l.dp * l.cp) as f64;
-    let n_ex = if l.ep > 1 { 1.0 } else { n };
+    let n_ex = n / l.ep.max(1) as f64;
     let opt_bytes = if e < 4 { 12.0 } else { 8.0 };
     let shard = |stage: u8, n: f64| if l.zero >= stage { n } else { 1.0 };
     let by = |bytes: f64, stage: u8| dense * bytes / shard(stage, n) + experts * bytes / shard(stage, n_ex);

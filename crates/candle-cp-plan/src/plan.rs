@@ -570,7 +570,11 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
             m.moe.as_ref().map_or(0, |x| x.experts / l.ep)
         ));
         if l.zero > 0 {
-            n.push("ZeRO with expert parallelism: ZeRO splits the dense parameters' states over dp·cp; the experts' stay whole on each EP rank (candle-cp's trainer; Megatron would shard them over the dp·cp/ep ranks holding them)".into());
+            n.push(format!(
+                "ZeRO with expert parallelism: the dense parameters' states split over dp·cp = {}, the experts' over the dp·cp/ep = {} ranks holding the same experts",
+                l.dp * l.cp,
+                l.dp * l.cp / l.ep
+            ));
         }
     }
     if m.layers % (l.pp * l.virtual_stages.max(1)) != 0 {

@@ -19,7 +19,7 @@
 use super::optim::AdamW;
 use super::overlap::GradOverlap;
 use crate::config::LlamaConfig;
-use crate::grads::{named_grads, reduce_gradients, reduce_gradients_beyond_dp_cp, reduce_gradients_except_dp_cp};
+use crate::grads::{named_grads, reduce_gradients, reduce_gradients_for_zero, Skip};
 use crate::layout::ParallelCtx;
 use crate::params::param_specs;
 use crate::Llama;
@@ -151,17 +151,21 @@ impl GradSteps {
             (Some(ov), false) => Some(ov.finish(&mut grads)?),
             (None, false) => None,
         };
-        let sliced: Vec<String> = if early.is_some() {
-            reduce_gradients_beyond_dp_cp(&mut grads, vm, cfg, ctx)?
+        // (ZeRO with expert parallelism: the experts' gradients reduce-scattered over the ranks
+        // holding them, after the others)
+        let experts = opt.splits_experts();
+        let (sliced, expert_names) = if early.is_some() {
+            reduce_gradients_for_zero(&mut grads, vm, cfg, ctx, Skip::NoFill, experts)?
         } else if opt.is_sharded() {
-            reduce_gradients_except_dp_cp(&mut grads, vm, cfg, ctx)?
+            reduce_gradients_for_zero(&mut grads, vm, cfg, ctx, Skip::Fill, experts)?
         } else {
             reduce_gradients(&mut grads, vm, cfg, ctx)?;
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
         let mut whole = named_grads(&grads, vm)?;
         drop(grads);
         let replicas: HashMap<String, Tensor> = sliced.iter().filter_map(|n| whole.remove_entry(n)).collect();
+        let expert_grads: HashMap<String, Tensor> = expert_names.iter().filter_map(|n| whole.remove_entry(n)).collect();
         let slices = match early {
             Some(e) => {
                 if e.len() != sliced.len() || sliced.iter().any(|n| !e.contains_key(n)) {
@@ -176,6 +180,10 @@ impl GradSteps {
             }
             None => opt.reduce_scatter_grads(&replicas)?,
         };
+        let mut slices = slices;
+        if !expert_grads.is_empty() {
+            slices.extend(opt.reduce_scatter_grads(&expert_grads)?);
+        }
         Ok(Summed { whole, slices })
     }
 }

@@ -3,7 +3,7 @@
 
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_cp_comm::Group;
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 use std::path::Path;
 
 use super::zero::{gather, reduce_scatter_many_as, span, PendingParams, Zero, BUCKET};
@@ -67,9 +67,10 @@ struct Slot {
     /// resolution, e.g. 1e-5 on a bf16 weight of 0.02, would otherwise be lost every step).
     master: Option<Tensor>,
     decay: bool,
-    /// Whether this slot's state is a ZeRO slice (every slot with ZeRO, except the experts
-    /// under expert parallelism: [`AdamW::with_expert_parallel`]).
-    sharded: bool,
+    /// The ranks this slot's state is split over (`None`: whole): the replicas with ZeRO, the
+    /// ranks holding the same experts for the experts under expert parallelism
+    /// ([`AdamW::with_expert_parallel`]).
+    zero: Option<Zero>,
 }
 
 /// AdamW over named parameters (names are the checkpoint keys, e.g. HF names).
@@ -88,9 +89,18 @@ pub struct AdamW {
     pub step: usize,
     slots: Vec<Slot>,
     zero: Option<Zero>,
-    /// Parameters split over an expert-parallel group along dim 0, and the group: their state
-    /// is gathered over it when saved ([`AdamW::with_expert_parallel`]).
-    experts: Option<(Group, std::collections::HashSet<String>)>,
+    /// Parameters split over an expert-parallel group along dim 0
+    /// ([`AdamW::with_expert_parallel`]).
+    experts: Option<Experts>,
+}
+
+/// The experts under expert parallelism ([`AdamW::with_expert_parallel`]).
+struct Experts {
+    /// The EP group: their state is gathered over it when saved.
+    group: Group,
+    names: HashSet<String>,
+    /// With ZeRO: the ranks holding the same experts, over which their state is split.
+    zero: Option<Zero>,
 }
 
 impl AdamW {
@@ -131,7 +141,7 @@ impl AdamW {
                 let z = Tensor::zeros(slice(var.as_tensor(), off, len, sharded)?.shape(), DType::F32, var.device())?;
                 let master = master_of(&var)?.map(|m| slice(&m, off, len, sharded)).transpose()?;
                 let decay = var.rank() >= 2;
-                Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay, sharded })
+                Ok(Slot { name, var, off, len, m: z.clone(), v: z, master, decay, zero: zero.clone() })
             })
             .collect::<Result<Vec<_>>>()?;
         Ok(Self { cfg, step: 0, slots, zero, experts: None })
@@ -155,6 +165,13 @@ impl AdamW {
         self.zero.is_some()
     }
 
+    /// Bytes of optimizer state on this rank: the f32 moments and master copies of its
+    /// slices (what the planner's `optimizer` figure counts per GPU).
+    pub fn state_bytes(&self) -> usize {
+        let slot = |s: &Slot| s.m.elem_count() + s.v.elem_count() + s.master.as_ref().map_or(0, |w| w.elem_count());
+        4 * self.slots.iter().map(slot).sum::<usize>()
+    }
+
     /// The ZeRO-1 split (`None` without ZeRO-1).
     pub(crate) fn zero(&self) -> Option<&Zero> {
         self.zero.as_ref()
@@ -174,8 +191,8 @@ impl AdamW {
         lr: f64,
         grad_scale: f64,
     ) -> Result<()> {
-        let zero = self.zero.clone();
-        self.update_and_gather(grads, lr, grad_scale, zero, &|_| 0)?.finish()
+        let (zero, experts) = (self.zero.clone(), self.expert_zero().cloned());
+        self.update_and_gather(grads, lr, grad_scale, zero, experts, &|_| 0)?.finish()
     }
 
     /// [`AdamW::step`] that does not wait for ZeRO's all-gathers of the updated parameters:
@@ -191,46 +208,71 @@ impl AdamW {
     ///
     /// The parameters end up with the same bits as after [`AdamW::step`]. Without ZeRO the
     /// update is written at once and nothing is pending.
+    ///
+    /// Under expert parallelism with ZeRO ([`AdamW::with_expert_parallel`]) the experts'
+    /// slices are gathered over the ranks holding the same experts, on `expert_comm` (a
+    /// communicator of those ranks, in the same order); it is not used otherwise.
     pub fn step_start(
         &mut self,
         grads: &HashMap<String, Tensor>,
         lr: f64,
         grad_scale: f64,
         comm: &Group,
+        expert_comm: Option<&Group>,
         group_of: &dyn Fn(&str) -> usize,
     ) -> Result<PendingParams> {
-        let zero = match self.zero.clone() {
-            Some(z) if comm.size() != z.size || comm.rank() != z.rank => bail!(
-                "AdamW::step_start: comm is rank {} of {}, the optimizer's replica group rank {} of {}",
-                comm.rank(),
-                comm.size(),
-                z.rank,
-                z.size
-            ),
-            z => z.map(|z| Zero { group: comm.clone(), ..z }),
+        // (checked before the update: a rank that errors here has changed nothing)
+        let on = |z: &Zero, c: Option<&Group>, what: &str| -> Result<Zero> {
+            match c {
+                Some(c) if c.size() == z.size && c.rank() == z.rank => Ok(Zero { group: c.clone(), ..z.clone() }),
+                Some(c) => bail!("AdamW::step_start: {what} is rank {} of {}, the optimizer's group of it rank {} of {}", c.rank(), c.size(), z.rank, z.size),
+                None => bail!("AdamW::step_start: the experts' state is split over {} ranks (ZeRO with expert parallelism): pass {what}, a communicator of them", z.size),
+            }
         };
-        self.update_and_gather(grads, lr, grad_scale, zero, group_of)
+        let zero = self.zero.as_ref().map(|z| on(z, Some(comm), "comm")).transpose()?;
+        let experts = self.expert_zero().map(|z| on(z, expert_comm, "expert_comm")).transpose()?;
+        self.update_and_gather(grads, lr, grad_scale, zero, experts, group_of)
     }
 
-    /// [`AdamW::update`], then with ZeRO (`zero`: the replica ranks and the communicator of
-    /// the gathers) the all-gathers of the updated slices started, by `group_of` groups.
+    /// The experts' ZeRO split (ZeRO with expert parallelism over more than one rank holding
+    /// the same experts).
+    fn expert_zero(&self) -> Option<&Zero> {
+        self.experts.as_ref().and_then(|e| e.zero.as_ref())
+    }
+
+    /// Whether `name` is an expert under expert parallelism.
+    fn is_expert(&self, name: &str) -> bool {
+        self.experts.as_ref().is_some_and(|e| e.names.contains(name))
+    }
+
+    /// [`AdamW::update`], then with ZeRO the all-gathers of the updated slices started, by
+    /// `group_of` groups: over `zero` (the replica ranks and the communicator of the gathers),
+    /// the experts' over `experts` (the ranks holding the same experts).
     fn update_and_gather(
         &mut self,
         grads: &HashMap<String, Tensor>,
         lr: f64,
         grad_scale: f64,
         zero: Option<Zero>,
+        experts: Option<Zero>,
         group_of: &dyn Fn(&str) -> usize,
     ) -> Result<PendingParams> {
         let updated = self.update(grads, lr, grad_scale)?;
-        let Some(z) = zero else {
-            return Ok(PendingParams::none());
-        };
-        let items = updated
-            .into_iter()
-            .map(|(i, t)| (group_of(&self.slots[i].name), self.slots[i].var.clone(), t))
-            .collect();
-        PendingParams::start(&z, items, BUCKET)
+        let (mut dense, mut expert) = (Vec::new(), Vec::new());
+        for (i, t) in updated {
+            let s = &self.slots[i];
+            let item = (group_of(&s.name), s.var.clone(), t);
+            if self.is_expert(&s.name) { expert.push(item) } else { dense.push(item) }
+        }
+        let mut parts = Vec::new();
+        for (z, items) in [(zero, dense), (experts, expert)] {
+            match z {
+                Some(z) => parts.push((z, items)),
+                None if items.is_empty() => {}
+                None => bail!("AdamW: {} updated slices without a group to gather them over (internal error)", items.len()),
+            }
+        }
+        PendingParams::start_many(parts, BUCKET)
     }
 
     /// The AdamW update of every parameter in `grads`: written into the parameters without
@@ -239,7 +281,7 @@ impl AdamW {
         // shapes first: a rank that errors here has taken part in no collective
         for s in &self.slots {
             if let Some(g) = grads.get(&s.name) {
-                s.check_grad(g, s.sharded)?;
+                s.check_grad(g, s.zero.is_some())?;
             }
         }
         self.step += 1;
@@ -252,7 +294,7 @@ impl AdamW {
             let Some(g) = grads.get(&s.name) else {
                 continue;
             };
-            let sharded = s.sharded;
+            let sharded = s.zero.is_some();
             let g = if g.shape() == s.var.shape() { s.own(g, sharded)? } else { g.clone() };
             let g = (g.to_dtype(DType::F32)? * grad_scale)?;
             s.m = ((&s.m * c.beta1)? + (&g * (1.0 - c.beta1))?)?;
@@ -286,9 +328,12 @@ impl AdamW {
     /// (`[len]`, the gradient's dtype; summed in f32, one reduce-scatter per 256 MiB bucket),
     /// ready for [`AdamW::step`]. This replaces the all-reduce over the replicas: it sends
     /// half the bytes, and the slices hold the same values as the all-reduce's result.
+    /// The experts under expert parallelism ([`AdamW::with_expert_parallel`]) are summed
+    /// over the ranks holding them instead (after the other parameters).
     ///
-    /// Collective over the replica group: every rank passes the same names, with gradients
-    /// of the parameters' shapes. Without ZeRO-1 (a group of one rank) it returns `grads`.
+    /// Collective over the replica group (and the experts' group when `grads` holds experts):
+    /// every rank passes the same names, with gradients of the parameters' shapes. Without
+    /// ZeRO-1 (a group of one rank) it returns `grads`.
     pub fn reduce_scatter_grads(&self, grads: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
         self.reduce_scatter_grads_as(grads, None)
     }
@@ -308,47 +353,86 @@ impl AdamW {
         };
         let mut names: Vec<&String> = grads.keys().collect();
         names.sort();
-        let mut list = Vec::with_capacity(names.len());
-        for n in &names {
-            let Some(s) = self.slots.iter().find(|s| &s.name == *n) else {
+        // (the other parameters', the experts')
+        let (mut dense, mut experts) = ((Vec::new(), Vec::new()), (Vec::new(), Vec::new()));
+        for n in names {
+            let Some(s) = self.slots.iter().find(|s| &s.name == n) else {
                 bail!("AdamW::reduce_scatter_grads: '{n}' is not a parameter of this optimizer")
             };
-            if !s.sharded {
-                bail!("AdamW::reduce_scatter_grads: '{n}' is not split over the replicas (an expert under expert parallelism: sum its gradient over the ranks holding it)")
-            }
-            let g = &grads[*n];
+            let g = &grads[n];
             if g.shape() != s.var.shape() {
                 bail!("AdamW::reduce_scatter_grads: gradient of '{n}' has shape {:?}, parameter {:?}", g.dims(), s.var.dims())
             }
-            list.push(g.clone());
+            let list = match (self.is_expert(n), &s.zero) {
+                (false, _) => &mut dense,
+                (true, Some(_)) => &mut experts,
+                (true, None) => bail!("AdamW::reduce_scatter_grads: '{n}' is an expert under expert parallelism whose state is not split (one rank holds it): sum its gradient over the ranks holding it and pass it whole"),
+            };
+            list.0.push(n.clone());
+            list.1.push(g.clone());
         }
-        let slices = reduce_scatter_many_as(z, &list, BUCKET, dtype)?;
-        Ok(names.into_iter().cloned().zip(slices).collect())
+        let mut out = HashMap::new();
+        for (z, (names, list)) in [(Some(z), dense), (self.expert_zero(), experts)] {
+            if let (Some(z), false) = (z, list.is_empty()) {
+                out.extend(names.into_iter().zip(reduce_scatter_many_as(z, &list, BUCKET, dtype)?));
+            }
+        }
+        Ok(out)
+    }
+
+    /// Whether the experts' state is split over the ranks holding them (ZeRO with expert
+    /// parallelism, more than one rank per expert): their gradients then go through
+    /// [`AdamW::reduce_scatter_grads`] too.
+    pub fn splits_experts(&self) -> bool {
+        self.expert_zero().is_some()
     }
 
     /// The same optimizer, told that the parameters `names` are this rank's slice (along dim 0)
     /// of tensors split over `group` (the stacked experts under expert parallelism,
-    /// `ParallelCtx::ep`): their state is never a ZeRO slice (ZeRO splits the other
-    /// parameters' state over the replicas; the experts' is split over `group` already, and
-    /// their gradients are summed over the ranks holding them, not reduce-scattered), and
-    /// [`AdamW::save_from`] gathers it over `group`, so the file holds every expert, as a run
-    /// without expert parallelism writes it (every rank of `group` must then call it). Call it
-    /// before the first step. A group of one rank changes nothing.
-    pub fn with_expert_parallel(mut self, group: Group, names: impl IntoIterator<Item = String>) -> Result<Self> {
+    /// `ParallelCtx::ep`); `replicas` are the ranks holding the same slice
+    /// (`ParallelCtx::ep_dp`). With ZeRO ([`AdamW::new_zero1`] over the replicas of the other
+    /// parameters, `group.size() · replicas.size()` ranks) the experts' state is split over
+    /// `replicas` instead (as Megatron's distributed optimizer splits it over the expert
+    /// data-parallel ranks): their gradients are summed over those ranks and passed whole
+    /// (not through [`AdamW::reduce_scatter_grads`]), each rank updates its slice and
+    /// [`AdamW::step`] all-gathers it over `replicas`. [`AdamW::save_from`] gathers the state
+    /// over `group` too, so the file holds every expert, as a run without expert parallelism
+    /// writes it (every rank of `group` must then call it). Call it before the first step. A
+    /// `group` of one rank changes nothing.
+    pub fn with_expert_parallel(mut self, group: Group, replicas: Group, names: impl IntoIterator<Item = String>) -> Result<Self> {
         if group.size() == 1 {
             return Ok(self);
         }
         if self.step > 0 {
             bail!("AdamW::with_expert_parallel: called after {} steps (before the first, while the state is zero)", self.step)
         }
-        let names: std::collections::HashSet<String> = names.into_iter().collect();
-        for s in self.slots.iter_mut().filter(|s| s.sharded && names.contains(&s.name)) {
-            (s.off, s.len, s.sharded) = (0, s.var.elem_count(), false);
-            s.m = Tensor::zeros(s.var.shape(), DType::F32, s.var.device())?;
+        let zero = match &self.zero {
+            Some(z) if group.size() * replicas.size() != z.size => bail!(
+                "AdamW::with_expert_parallel: {} EP ranks × {} ranks holding the same experts is not the {} replicas the state is split over",
+                group.size(),
+                replicas.size(),
+                z.size
+            ),
+            Some(_) if replicas.size() > 1 => Some(Zero { rank: replicas.rank(), size: replicas.size(), group: replicas }),
+            _ => None,
+        };
+        let names: HashSet<String> = names.into_iter().collect();
+        for s in self.slots.iter_mut().filter(|s| names.contains(&s.name)) {
+            let n = s.var.elem_count();
+            (s.off, s.len) = match &zero {
+                Some(z) => {
+                    let (o, l, _) = span(n, z.rank, z.size);
+                    (o, l)
+                }
+                None => (0, n),
+            };
+            s.zero = zero.clone();
+            let sharded = zero.is_some();
+            s.m = Tensor::zeros(s.own(s.var.as_tensor(), sharded)?.shape(), DType::F32, s.var.device())?;
             s.v = s.m.clone();
-            s.master = master_of(&s.var)?;
+            s.master = s.master_init(sharded)?;
         }
-        self.experts = Some((group, names));
+        self.experts = Some(Experts { group, names, zero });
         Ok(self)
     }
 
@@ -385,7 +469,7 @@ impl AdamW {
         if self.zero.is_none() && self.experts.is_none() && !write {
             return Ok(());
         }
-        let split = |name: &str| self.experts.as_ref().filter(|(_, n)| n.contains(name)).map(|(g, _)| g);
+        let split = |name: &str| self.experts.as_ref().filter(|e| e.names.contains(name)).map(|e| &e.group);
         // (key, slot, which): 0 = m, 1 = v, 2 = master copy; "step" is the last slot index
         let mut keys: Vec<(String, usize, u8)> = Vec::new();
         for (i, s) in self.slots.iter().enumerate() {
@@ -427,11 +511,11 @@ impl AdamW {
     }
 
     /// The full (parameter-shaped) f32 state tensor `t` of slot `s` on the host: all-gathered
-    /// over the replicas with ZeRO-1 (collective).
+    /// over the ranks it is split over with ZeRO (collective).
     fn full_state(&self, s: &Slot, t: &Tensor) -> Result<Tensor> {
-        let t = match &self.zero {
-            Some(z) if s.sharded => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
-            _ => t.clone(),
+        let t = match &s.zero {
+            Some(z) => gather(z, t, s.var.elem_count())?.reshape(s.var.shape())?,
+            None => t.clone(),
         };
         t.to_device(&Device::Cpu)
     }
@@ -440,7 +524,9 @@ impl AdamW {
     /// its slice). Every parameter must have its moments in the file, with the same shape. A
     /// low-precision parameter's master copy comes from the file (`w.<name>`), or, in a file
     /// without one (written before master copies existed, or by an f32 run), from the
-    /// parameter's current value.
+    /// parameter's current value. Under expert parallelism ([`AdamW::with_expert_parallel`])
+    /// the experts' state may hold every expert, as [`AdamW::save_from`] writes it: this EP
+    /// rank takes its experts.
     ///
     /// The file is memory-mapped and read one tensor at a time, each cut to this rank's
     /// ZeRO slice before the next is read.
@@ -472,11 +558,21 @@ impl AdamW {
         let Some(&step) = step.first() else {
             bail!("{}: empty 'step' tensor", p.display())
         };
+        // the experts under expert parallelism: this EP rank's slice of a file holding every expert
+        let ep = self.experts.as_ref().map(|e| (e.group.rank(), e.group.size(), e.names.clone()));
         for s in self.slots.iter_mut() {
-            let sharded = s.sharded;
+            let sharded = s.zero.is_some();
+            let ep_slice = |x: Option<Tensor>| -> Result<Option<Tensor>> {
+                let (Some(x), Some((r, size, names))) = (x.clone(), &ep) else { return Ok(x) };
+                let (d, want) = (x.dims(), s.var.dims());
+                match (d.split_first(), want.split_first()) {
+                    (Some((&d0, rest)), Some((&w0, wrest))) if names.contains(&s.name) && d0 == w0 * size && rest == wrest => Ok(Some(x.narrow(0, r * w0, w0)?)),
+                    _ => Ok(Some(x)),
+                }
+            };
             let (Some(m), Some(v)) = (
-                get(&format!("m.{}", s.name))?,
-                get(&format!("v.{}", s.name))?,
+                ep_slice(get(&format!("m.{}", s.name))?)?,
+                ep_slice(get(&format!("v.{}", s.name))?)?,
             ) else {
                 bail!(
                     "{}: no optimizer state for parameter '{}'",
@@ -484,7 +580,7 @@ impl AdamW {
                     s.name
                 )
             };
-            let w = get(&format!("w.{}", s.name))?;
+            let w = ep_slice(get(&format!("w.{}", s.name))?)?;
             for (what, x) in [("state", Some(&m)), ("state", Some(&v)), ("master copy", w.as_ref())] {
                 if let Some(x) = x {
                     if x.shape() != s.var.shape() {

@@ -27,6 +27,8 @@ use crate::{param_group, Llama, ParallelCtx};
 pub(crate) struct ParamGather {
     /// The gathers' communicator (a split of `ctx.dp_cp`); `None`: the option is off.
     comm: Option<Group>,
+    /// The experts' gathers' under expert parallelism (a split of `ctx.ep_dp`).
+    expert_comm: Option<Group>,
     pending: Arc<Mutex<PendingParams>>,
 }
 
@@ -35,18 +37,23 @@ fn lock(p: &Mutex<PendingParams>) -> MutexGuard<'_, PendingParams> {
 }
 
 impl ParamGather {
-    /// `on`: install the hook on `model` and split a communicator off `ctx.dp_cp`
-    /// (collective over it). Off: [`ParamGather::step`] is [`AdamW::step`].
+    /// `on`: install the hook on `model` and split a communicator off `ctx.dp_cp` (and off
+    /// `ctx.ep_dp` under expert parallelism; collective over them). Off:
+    /// [`ParamGather::step`] is [`AdamW::step`].
     pub fn new(model: &Llama, ctx: &ParallelCtx, on: bool) -> Result<Self> {
         let pending = Arc::new(Mutex::new(PendingParams::none()));
-        let comm = if on {
+        let (comm, expert_comm) = if on {
             let p = pending.clone();
             model.set_param_hook(Some(Arc::new(move |k| lock(&p).wait_through(k))));
-            Some(ctx.dp_cp.split(0, ctx.dp_cp.rank())?)
+            let experts = match ctx.ep {
+                Some(_) if ctx.ep_dp.size() > 1 => Some(ctx.ep_dp.split(0, ctx.ep_dp.rank())?),
+                _ => None,
+            };
+            (Some(ctx.dp_cp.split(0, ctx.dp_cp.rank())?), experts)
         } else {
-            None
+            (None, None)
         };
-        Ok(Self { comm, pending })
+        Ok(Self { comm, expert_comm, pending })
     }
 
     /// The optimizer step: on, with the all-gathers left pending for the next forward
@@ -58,7 +65,7 @@ impl ParamGather {
         let mut p = lock(&self.pending);
         // (nothing is pending here: the forward has waited for every group)
         p.finish()?;
-        *p = opt.step_start(grads, lr, scale, comm, &|name| param_group(name, layers).unwrap_or(0))?;
+        *p = opt.step_start(grads, lr, scale, comm, self.expert_comm.as_ref(), &|name| param_group(name, layers).unwrap_or(0))?;
         Ok(())
     }
 

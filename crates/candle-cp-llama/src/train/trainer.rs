@@ -172,6 +172,9 @@ pub struct TrainOutcome {
     pub config: LlamaConfig,
     /// Number of parameters of the full model.
     pub n_params: usize,
+    /// Bytes of Adam state on this rank ([`super::AdamW::state_bytes`]: ZeRO's slices, the
+    /// experts this rank holds under expert parallelism).
+    pub optimizer_state_bytes: usize,
 }
 
 fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
@@ -382,12 +385,12 @@ pub fn train_rank(
     } else {
         AdamW::new(named_vars, cfg.adamw)?
     };
-    // the experts' state: whole on each EP rank (not a ZeRO slice), gathered over the EP group
-    // when saved (the file holds every expert)
+    // the experts' state: with ZeRO split over the ranks holding the same experts (ep_dp), not
+    // over all the replicas; gathered over the EP group when saved (the file holds every expert)
     let experts: std::collections::HashSet<String> =
         param_specs(&mcfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
     if let Some(ep) = &ctx.ep {
-        opt = opt.with_expert_parallel(ep.clone(), experts.iter().cloned())?;
+        opt = opt.with_expert_parallel(ep.clone(), ctx.ep_dp.clone(), experts.iter().cloned())?;
     }
     // accumulation and sums of the gradients (overlapped, ZeRO-1 / ZeRO-2: train/grad_step.rs)
     let grad_steps = super::grad_step::GradSteps::new(&model, &varmap, &mcfg, &ctx, &opt, cfg.overlap_grad_sync, cfg.zero2)?;
@@ -535,12 +538,14 @@ pub fn train_rank(
         let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
         let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
         full_items.sort_by(|a, b| a.0.cmp(b.0));
-        // the experts' gradients under EP: one item, their norm over the EP group
+        // the experts' whole gradients under EP: one item, their norm over the EP group (with
+        // ZeRO splitting them over the ranks holding them they are slices, summed over dp_cp
+        // with the others)
         let mut expert_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| experts.contains(*n)).collect();
         expert_items.sort_by(|a, b| a.0.cmp(b.0));
         let expert_item = match &ctx.ep {
-            Some(ep) => Some((super::clip::group_norm_item(&expert_items.iter().map(|(_, g)| (*g).clone()).collect::<Vec<_>>(), ep)?, 1)),
-            None => None,
+            Some(ep) if !opt.splits_experts() => Some((super::clip::group_norm_item(&expert_items.iter().map(|(_, g)| (*g).clone()).collect::<Vec<_>>(), ep)?, 1)),
+            _ => None,
         };
         let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
         slice_items.sort_by(|a, b| a.0.cmp(b.0));
@@ -601,6 +606,7 @@ pub fn train_rank(
                 optimizer_resharded_from: resharded_from,
                 config: mcfg,
                 n_params,
+                optimizer_state_bytes: opt.state_bytes(),
             });
         }
         let last = done == cfg.steps;
@@ -624,6 +630,7 @@ pub fn train_rank(
         optimizer_resharded_from: resharded_from,
         config: mcfg,
         n_params,
+        optimizer_state_bytes: opt.state_bytes(),
     })
 }
 

@@ -39,8 +39,9 @@ fn moe_load_balancing_term_is_reported() -> Result<()> {
 
 /// Expert parallelism: 4 experts over 4 DP × CP ranks (one each), over 2 of them, over CP 2 ×
 /// TP 2 + SP with recomputed layers and the overlapped gradient sync, and with ZeRO-1 and
-/// ZeRO-2 (+ the overlapped parameter gather: the experts' state whole on each EP rank, the
-/// rest sliced) follow the one-device run for 6 clipped steps (the gradient norm counts every
+/// ZeRO-2 (+ the overlapped parameter gather; the experts' gradients reduce-scattered and
+/// their state split over the 2 ranks holding the same experts, the rest over the 4
+/// replicas), and ZeRO-1 under TP 2 + SP too, follow the one-device run for 6 clipped steps (the gradient norm counts every
 /// expert once); their checkpoints hold every expert, the same weights; a run stopped after
 /// step 4 (EP 4, ZeRO-1) resumes from its step-3 checkpoint on another EP degree with ZeRO-2
 /// and on one device, on the same curve.
@@ -59,7 +60,8 @@ fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
         (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), false, 0),
         (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true, 0),
         (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, 1),
-        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), true, 2),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2), true, 2),
+        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_tp(2, true).with_ep(2), true, 1),
     ];
     for (i, (layout, overlap, zero)) in runs.into_iter().enumerate() {
         let d = tmpdir(&format!("ep-{i}"));

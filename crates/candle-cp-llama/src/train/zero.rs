@@ -120,13 +120,16 @@ fn unpack_bucket(all: Tensor, size: usize, params: &[(usize, usize)]) -> Result<
 pub struct PendingParams {
     /// In the order started.
     buckets: VecDeque<GatherBucket>,
-    size: usize,
 }
 
-/// One started all-gather: its group, the pending result, and the parameters it rebuilds
-/// with their (elements, slice capacity).
+/// A parameter to rebuild: (its group, the parameter, this rank's updated slice `[len]`).
+pub(crate) type GatherItem = (usize, Var, Tensor);
+
+/// One started all-gather: its group, the ranks it gathers over, the pending result, and the
+/// parameters it rebuilds with their (elements, slice capacity).
 struct GatherBucket {
     group: usize,
+    size: usize,
     pending: Box<dyn PendingRecv>,
     vars: Vec<Var>,
     params: Vec<(usize, usize)>,
@@ -135,27 +138,42 @@ struct GatherBucket {
 impl PendingParams {
     /// Nothing pending.
     pub(crate) fn none() -> Self {
-        Self { buckets: VecDeque::new(), size: 1 }
+        Self { buckets: VecDeque::new() }
     }
 
     /// Start the all-gathers of `items` = (group, parameter, this rank's updated slice
     /// `[len]`): sorted by group (stable), one all-gather per bucket of one group and dtype
     /// (a bucket closes once it holds `bucket` elements, padding included). Collective over
     /// `z.group`: every replica rank passes the same groups, parameters and dtypes.
-    pub(crate) fn start(z: &Zero, mut items: Vec<(usize, Var, Tensor)>, bucket: usize) -> Result<Self> {
-        items.sort_by_key(|(k, _, _)| *k);
+    #[cfg(test)]
+    pub(crate) fn start(z: &Zero, items: Vec<GatherItem>, bucket: usize) -> Result<Self> {
+        Self::start_many(vec![(z.clone(), items)], bucket)
+    }
+
+    /// [`PendingParams::start`] of several splits at once (`parts` = the ranks of a split and
+    /// its items: the dense parameters over the replicas, the experts over the ranks holding
+    /// them): the buckets of every split sorted by group, within a group by split, so that
+    /// waiting for a group waits for its parameters of every split. Collective over each
+    /// split's group.
+    pub(crate) fn start_many(parts: Vec<(Zero, Vec<GatherItem>)>, bucket: usize) -> Result<Self> {
+        // (group, split, parameter, slice)
+        let mut items: Vec<(usize, usize, Var, Tensor)> =
+            parts.iter().enumerate().flat_map(|(j, (_, it))| it.iter().map(move |(k, v, t)| (*k, j, v.clone(), t.clone()))).collect();
+        items.sort_by_key(|(k, j, _, _)| (*k, *j));
         let mut buckets = VecDeque::new();
         let mut start = 0;
         while start < items.len() {
-            let end = bucket_end(start, items.len(), z.size, bucket, |i| (items[i].0, items[i].2.dtype()), |i| items[i].1.elem_count());
+            let z = &parts[items[start].1].0;
+            let end = bucket_end(start, items.len(), z.size, bucket, |i| (items[i].0, items[i].1, items[i].3.dtype()), |i| items[i].2.elem_count());
             let part = &items[start..end];
-            let params: Vec<(usize, usize)> = part.iter().map(|(_, v, _)| (v.elem_count(), span(v.elem_count(), 0, z.size).2)).collect();
-            let packed = pack_bucket(part.iter().map(|(_, _, s)| s), &params)?;
+            let params: Vec<(usize, usize)> = part.iter().map(|(_, _, v, _)| (v.elem_count(), span(v.elem_count(), 0, z.size).2)).collect();
+            let packed = pack_bucket(part.iter().map(|(_, _, _, s)| s), &params)?;
             let pending = z.group.all_gather_start(&packed, 0)?;
-            buckets.push_back(GatherBucket { group: part[0].0, pending, vars: part.iter().map(|(_, v, _)| v.clone()).collect(), params });
+            let vars = part.iter().map(|(_, _, v, _)| v.clone()).collect();
+            buckets.push_back(GatherBucket { group: part[0].0, size: z.size, pending, vars, params });
             start = end;
         }
-        Ok(Self { buckets, size: z.size })
+        Ok(Self { buckets })
     }
 
     /// Wait for the all-gathers of groups `0..=k` (in the order started) and write their
@@ -163,7 +181,7 @@ impl PendingParams {
     pub fn wait_through(&mut self, k: usize) -> Result<()> {
         while self.buckets.front().is_some_and(|b| b.group <= k) {
             let Some(b) = self.buckets.pop_front() else { break };
-            for (var, full) in b.vars.iter().zip(unpack_bucket(b.pending.wait()?, self.size, &b.params)?) {
+            for (var, full) in b.vars.iter().zip(unpack_bucket(b.pending.wait()?, b.size, &b.params)?) {
                 var.set(&full.reshape(var.shape())?)?;
             }
         }
