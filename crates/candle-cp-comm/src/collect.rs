@@ -29,7 +29,7 @@ pub(crate) fn check_round(label: &str, seq: u64, entries: &[Entry]) -> Result<()
     let same_kind = entries
         .iter()
         .all(|e| discriminant(&e.op) == discriminant(first));
-    let free_params = matches!(first, Op::SendRecv { .. } | Op::Split { .. });
+    let free_params = matches!(first, Op::SendRecv { .. } | Op::Split { .. } | Op::AllToAllV { .. });
     if !same_kind || (!free_params && entries.iter().any(|e| &e.op != first)) {
         bail!(
             "thread group {label}: mismatched collectives in call #{seq}: {}",
@@ -97,7 +97,37 @@ pub(crate) fn check_round(label: &str, seq: u64, entries: &[Entry]) -> Result<()
             }
         }
         Op::SendRecv { .. } => check_pairing(label, seq, entries)?,
+        Op::AllToAllV { .. } => check_counts(label, seq, entries)?,
         Op::AllReduce | Op::Barrier | Op::Split { .. } => {}
+    }
+    Ok(())
+}
+
+/// `all_to_all_v`: what rank `i` sends rank `j` is what `j` receives from `i`, and every
+/// rank's rows have the same trailing dims and dtype.
+fn check_counts(label: &str, seq: u64, entries: &[Entry]) -> Result<()> {
+    let counts: Vec<(&[usize], &[usize])> = entries
+        .iter()
+        .map(|e| match &e.op {
+            Op::AllToAllV { send_rows, recv_rows } => (send_rows.as_slice(), recv_rows.as_slice()),
+            _ => (&[][..], &[][..]),
+        })
+        .collect();
+    for (i, (send, _)) in counts.iter().enumerate() {
+        for (j, (_, recv)) in counts.iter().enumerate() {
+            if send.get(j) != recv.get(i) {
+                bail!(
+                    "thread group {label}: all_to_all_v in call #{seq}: rank {i} sends rank {j} {:?} rows, rank {j} receives {:?} from rank {i}: {}",
+                    send.get(j),
+                    recv.get(i),
+                    describe_round(entries)
+                )
+            }
+        }
+    }
+    let rows = |e: &Entry| e.tensor.as_ref().map(|t| (t.dims().get(1..).map(|d| d.to_vec()), t.dtype()));
+    if entries.iter().any(|e| rows(e) != rows(&entries[0])) {
+        bail!("thread group {label}: all_to_all_v in call #{seq} needs rows of the same shape and dtype on every rank: {}", describe_round(entries))
     }
     Ok(())
 }

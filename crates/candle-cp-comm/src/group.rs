@@ -208,3 +208,32 @@ pub(crate) fn check_all_to_all_v<G: ProcessGroup + ?Sized>(g: &G, t: &Tensor, se
 
 /// Shared handle on a process group; what the ops and layers take.
 pub type Group = Arc<dyn ProcessGroup>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::run_ranks;
+    use candle_core::DType;
+
+    /// The default (padded) `all_to_all_v`, which a `ProcessGroup` without its own gets,
+    /// delivers what the thread group's native one does, bit for bit: uneven chunks, a rank
+    /// sending nothing, one receiving nothing (one zero row).
+    #[test]
+    fn padded_all_to_all_v_matches_the_native_one() -> Result<()> {
+        let rows = [[2usize, 3, 0], [0, 0, 0], [1, 4, 0]];
+        let res = run_ranks(3, |g| {
+            let r = g.rank();
+            let sent = rows[r].iter().sum::<usize>().max(1);
+            let t = Tensor::arange(0u32, (sent * 4) as u32, &Device::Cpu)?.to_dtype(DType::F32)?.affine(1.0, 100.0 * r as f64)?.reshape((sent, 4))?;
+            let recv: Vec<usize> = (0..3).map(|i| rows[i][r]).collect();
+            let native = g.all_to_all_v(&t, &rows[r], &recv)?;
+            let padded = padded_all_to_all_v(g.as_ref(), &t, &rows[r], &recv)?;
+            assert_eq!(native.dims(), padded.dims(), "rank {r}");
+            assert_eq!(native.to_vec2::<f32>()?, padded.to_vec2::<f32>()?, "rank {r}");
+            Ok(native.dim(0)?)
+        });
+        let got: Vec<usize> = res.into_iter().collect::<Result<_>>()?;
+        assert_eq!(got, [3, 7, 1], "rows received (rank 2: one zero row)");
+        Ok(())
+    }
+}

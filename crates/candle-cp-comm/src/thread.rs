@@ -241,6 +241,31 @@ impl ProcessGroup for ThreadGroup {
         Tensor::cat(&parts, concat_dim)
     }
 
+    /// Native: each rank reads its rows straight from the others' tensors (no padding to the
+    /// round's largest chunk, as the default does); the counts of every pair are checked
+    /// against each other, on every rank.
+    fn all_to_all_v(&self, t: &Tensor, send_rows: &[usize], recv_rows: &[usize]) -> Result<Tensor> {
+        crate::group::check_all_to_all_v(self, t, send_rows, recv_rows)?;
+        let op = Op::AllToAllV { send_rows: send_rows.to_vec(), recv_rows: recv_rows.to_vec() };
+        let (_, taken) = self.exchange(op, Some(t))?;
+        let (me, dev) = (self.rank, t.device());
+        let mut parts = Vec::new();
+        for (r, e) in taken.entries.iter().enumerate() {
+            let (Op::AllToAllV { send_rows: theirs, .. }, Some(x)) = (&e.op, &e.tensor) else {
+                candle_core::bail!("thread group {}: rank {r} took part in all_to_all_v without counts (internal error)", self.comm.label)
+            };
+            if recv_rows[r] > 0 {
+                let off: usize = theirs[..me].iter().sum();
+                parts.push(x.narrow(0, off, recv_rows[r])?.to_device(dev)?);
+            }
+        }
+        if parts.is_empty() {
+            // nothing received: one zero row (never a tensor without elements)
+            return t.narrow(0, 0, 1)?.zeros_like();
+        }
+        Tensor::cat(&parts, 0)?.force_contiguous()
+    }
+
     fn broadcast(&self, t: &Tensor, root: usize) -> Result<Tensor> {
         let (_, taken) = self.exchange(Op::Broadcast { root }, Some(t))?;
         if root == self.rank {

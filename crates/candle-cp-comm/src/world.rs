@@ -114,6 +114,8 @@ pub(crate) enum Op {
     ReduceScatter { dim: usize },
     AllReduce,
     AllToAll { split_dim: usize, concat_dim: usize },
+    /// Rows along dim 0: this rank's counts to and from each rank.
+    AllToAllV { send_rows: Vec<usize>, recv_rows: Vec<usize> },
     Broadcast { root: usize },
     Barrier,
     SendRecv { dst: usize, src: usize },
@@ -135,6 +137,7 @@ impl std::fmt::Display for Op {
                     "all_to_all(split_dim={split_dim}, concat_dim={concat_dim})"
                 )
             }
+            Op::AllToAllV { send_rows, recv_rows } => write!(f, "all_to_all_v(send_rows={send_rows:?}, recv_rows={recv_rows:?})"),
             Op::Broadcast { root } => write!(f, "broadcast(root={root})"),
             Op::Barrier => write!(f, "barrier"),
             Op::SendRecv { dst, src } => write!(f, "send_recv(dst={dst}, src={src})"),

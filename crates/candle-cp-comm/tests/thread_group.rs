@@ -236,5 +236,22 @@ fn all_to_all_v_delivers_uneven_chunks() -> Result<()> {
     let msgs: Vec<String> = errs.into_iter().map(|e| e.err().map(|e| e.to_string()).unwrap_or_default()).collect();
     assert!(msgs[0].contains("rows") || msgs[0].contains("rank"), "{msgs:?}");
     assert!(msgs[1].contains("3 send and 2 receive counts"), "{msgs:?}");
+    // counts that disagree between a pair (rank 0 sends rank 1 two rows, rank 1 expects one),
+    // and rows of another width: refused on every rank, by name
+    for (width, recv01) in [(2usize, 1usize), (3, 2)] {
+        let errs = run_ranks(2, |g| {
+            let w = if g.rank() == 1 { width } else { 2 };
+            let t = Tensor::zeros((3, w), DType::F32, &Device::Cpu)?;
+            match g.rank() {
+                0 => g.all_to_all_v(&t, &[1, 2], &[1, 1]),
+                _ => g.all_to_all_v(&t, &[1, 2], &[recv01, 2]),
+            }
+        });
+        for e in errs {
+            let msg = e.err().map(|e| e.to_string()).unwrap_or_default();
+            let want = if width == 2 { "rank 0 sends rank 1 Some(2) rows, rank 1 receives Some(1)" } else { "rows of the same shape and dtype" };
+            assert!(msg.contains(want) && msg.contains("all_to_all_v"), "{msg}");
+        }
+    }
     Ok(())
 }

@@ -565,7 +565,7 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
     }
     if l.ep > 1 {
         n.push(format!(
-            "expert parallelism {}: each GPU holds {} of the experts; the all-to-alls assume balanced routing (candle-cp pads each exchange to its largest chunk, so skewed routing sends more)",
+            "expert parallelism {}: each GPU holds {} of the experts; the all-to-alls assume balanced routing (skewed routing sends more to and from the busiest rank, which sets the exchange's time)",
             l.ep,
             m.moe.as_ref().map_or(0, |x| x.experts / l.ep)
         ));
