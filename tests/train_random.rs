@@ -216,6 +216,8 @@ fn packed_corpus() -> Result<PackedStream> {
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
+    // EP draws whose ZeRO splits the experts' state over the ranks holding them (ep < dp·cp)
+    let mut ep_zero = 0;
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -251,7 +253,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
         cfg.layout = layout;
         opts.apply(&mut cfg);
         // a mixture of experts: half of them with the 4 experts split over 2 or 4 of the DP ×
-        // CP ranks (a stream of its own; with ZeRO the experts' state stays whole)
+        // CP ranks (a stream of its own; with ZeRO the experts' state is split over the dp·cp/ep ranks holding
+        // them, whole when that is one)
         if let Some(m) = &model.moe {
             let mut e = rng(949_000 + seed);
             let n = layout.dp * layout.cp;
@@ -292,6 +295,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 gemma2 += model.gemma2.is_some() as usize;
                 moe += model.moe.is_some() as usize;
                 ep += (layout.ep > 1) as usize;
+                ep_zero += (layout.ep > 1 && stage > 0 && layout.ep < layout.dp * layout.cp) as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -299,7 +303,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
