@@ -30,7 +30,7 @@ use std::collections::HashMap;
 /// [`crate::Llama::new`]). A parameter without a gradient on this rank counts as zero (and
 /// gets one). Gradients keep their dtype; the sum is done in f32.
 pub fn reduce_gradients(grads: &mut GradStore, varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::No, false).map(|_| ())
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::No, Skip::No).map(|_| ())
 }
 
 /// [`reduce_gradients`] for ZeRO-1 over `ctx.dp_cp`: the gradients whose group is `dp_cp`
@@ -45,26 +45,27 @@ pub fn reduce_gradients_except_dp_cp(
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
 ) -> Result<Vec<String>> {
-    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::Fill, false).map(|(n, _)| n)
+    reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, Skip::Fill, Skip::No).map(|(n, _)| n)
 }
 
 /// The trainer's [`reduce_gradients_except_dp_cp`]: with `skip` = [`Skip::NoFill`] the names
 /// of the gradients left to the replicas' sum are returned whether or not `grads` holds them
-/// (the overlapped sync has taken them already); with `experts` the stacked experts under
-/// expert parallelism are left too (ZeRO reduce-scatters them over `ctx.ep_dp`), with zeros
-/// where this rank has none. Returns (the replicas' names, the experts' names).
+/// (the overlapped sync has taken them already); `experts` does the same for the stacked
+/// experts under expert parallelism ([`Skip::No`]: summed over `ctx.ep_dp` here; otherwise
+/// left for ZeRO to reduce-scatter over it). Returns (the replicas' names, the experts' names).
 pub(crate) fn reduce_gradients_for_zero(
     grads: &mut GradStore,
     varmap: &VarMap,
     cfg: &LlamaConfig,
     ctx: &ParallelCtx,
     skip: Skip,
-    experts: bool,
+    experts: Skip,
 ) -> Result<(Vec<String>, Vec<String>)> {
     reduce_with_buckets(grads, varmap, cfg, ctx, BUCKET, skip, experts)
 }
 
-/// What [`reduce_with_buckets`] does with the gradients whose group is exactly `dp_cp`.
+/// What [`reduce_with_buckets`] does with the gradients whose group is exactly `dp_cp` (or,
+/// as its last argument, with the experts' under expert parallelism).
 #[derive(Clone, Copy, PartialEq)]
 pub(crate) enum Skip {
     /// Sum them like the others.
@@ -82,7 +83,7 @@ fn reduce_with_buckets(
     ctx: &ParallelCtx,
     bucket_elems: usize,
     skip: Skip,
-    skip_experts: bool,
+    skip_experts: Skip,
 ) -> Result<(Vec<String>, Vec<String>)> {
     let vars = crate::params::lock_vars(varmap)?.clone();
     // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
@@ -102,9 +103,9 @@ fn reduce_with_buckets(
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
         let expert = s.is_expert() && ctx.ep.is_some();
-        if skip_experts && expert {
+        if skip_experts != Skip::No && expert {
             let var = vars[&s.name].as_tensor();
-            if grads.get(var).is_none() {
+            if skip_experts == Skip::Fill && grads.get(var).is_none() {
                 grads.insert(var, var.zeros_like()?);
             }
             experts.push(s.name);
@@ -205,8 +206,8 @@ mod tests {
             let b = shard_batch(&ids, &ctx)?;
             let (loss, _) = m.loss(&b.input_ids, &b.labels, &b.positions)?;
             let (mut a, mut c) = (loss.backward()?, loss.backward()?);
-            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, Skip::No, false)?;
-            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, Skip::No, false)?;
+            reduce_with_buckets(&mut a, &vm, &cfg, &ctx, BUCKET, Skip::No, Skip::No)?;
+            reduce_with_buckets(&mut c, &vm, &cfg, &ctx, 100, Skip::No, Skip::No)?;
             let (na, nc) = (named_grads(&a, &vm)?, named_grads(&c, &vm)?);
             let mut worst = 0f32;
             for (k, g) in &na {

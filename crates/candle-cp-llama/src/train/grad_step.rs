@@ -9,7 +9,11 @@
 //! | any, `overlap_grad_sync` | as above, started layer by layer ([`super::overlap`]) | during the (last, or every under ZeRO-2) backward |
 //!
 //! The gradients summed over more ranks (norm weights under SP, KV heads held by several TP
-//! ranks) are accumulated whole and all-reduced after the last backward in every mode.
+//! ranks) are accumulated whole and all-reduced after the last backward in every mode. Under
+//! expert parallelism with ZeRO splitting the experts' state ([`AdamW::splits_experts`]) the
+//! stacked experts' gradients are reduce-scattered over the ranks holding them (`ep_dp`), after
+//! the replicas': after the last backward (ZeRO-1), after every backward (ZeRO-2); otherwise
+//! they are all-reduced over `ep_dp` with the others.
 //! ZeRO-2 keeps no whole gradient of the replicas' parameters from one micro-batch to the
 //! next (only the f32 slices: `4/R` bytes per parameter instead of `e`), at the price of one
 //! reduce-scatter per micro-batch instead of one per step. Its sums are the micro-batches'
@@ -37,6 +41,9 @@ pub(crate) struct GradSteps {
     vars: Vec<(String, Tensor)>,
     /// The parameters whose gradient is summed over exactly `dp_cp`.
     replica: Vec<(String, Tensor)>,
+    /// ZeRO-2 splitting the experts' state ([`AdamW::splits_experts`]): the experts, whose
+    /// gradients are reduce-scattered over the ranks holding them after every backward too.
+    experts: Vec<(String, Tensor)>,
     overlap: Option<GradOverlap>,
     zero2: bool,
 }
@@ -66,10 +73,13 @@ impl GradSteps {
         let all = crate::params::lock_vars(varmap)?.clone();
         let mut vars = Vec::new();
         let mut replica = Vec::new();
+        let mut experts = Vec::new();
         for s in param_specs(cfg) {
             let Some(v) = all.get(&s.name) else { bail!("train: parameter {} is not in the VarMap", s.name) };
             if ctx.param_grad_group_is_dp_cp(&s) {
                 replica.push((s.name.clone(), v.as_tensor().clone()));
+            } else if zero2 && opt.splits_experts() && s.is_expert() && ctx.ep.is_some() {
+                experts.push((s.name.clone(), v.as_tensor().clone()));
             }
             vars.push((s.name, v.as_tensor().clone()));
         }
@@ -85,7 +95,7 @@ impl GradSteps {
             }
         };
         let zero2 = zero2 && ctx.dp_cp.size() > 1;
-        Ok(Self { varmap: varmap.clone(), cfg: cfg.clone(), ctx: ctx.clone(), vars, replica, overlap, zero2 })
+        Ok(Self { varmap: varmap.clone(), cfg: cfg.clone(), ctx: ctx.clone(), vars, replica, experts, overlap, zero2 })
     }
 
     /// Before a micro-batch's backward (`last`: the step's last one): arm the overlap.
@@ -101,7 +111,7 @@ impl GradSteps {
     /// into the slices now).
     pub fn after_backward(&self, st: &mut StepGrads, mut g: GradStore, opt: &AdamW) -> Result<()> {
         if self.zero2 {
-            let slices = match &self.overlap {
+            let mut slices = match &self.overlap {
                 Some(ov) => ov.finish(&mut g)?,
                 None => {
                     let mut whole = HashMap::new();
@@ -115,6 +125,14 @@ impl GradSteps {
                     opt.reduce_scatter_grads_f32(&whole)?
                 }
             };
+            // the experts' (split over the ranks holding them), after the replicas'
+            if !self.experts.is_empty() {
+                let mut whole = HashMap::new();
+                for (name, var) in &self.experts {
+                    whole.insert(name.clone(), g.remove(var).map_or_else(|| var.zeros_like(), Ok)?);
+                }
+                slices.extend(opt.reduce_scatter_grads_f32(&whole)?);
+            }
             for (name, s) in slices {
                 let sum = match st.slices.remove(&name) {
                     Some(a) => (a + s)?,
@@ -153,7 +171,12 @@ impl GradSteps {
         };
         // (ZeRO with expert parallelism: the experts' gradients reduce-scattered over the ranks
         // holding them, after the others)
-        let experts = opt.splits_experts();
+        // (ZeRO-2 has summed them into its slices already)
+        let experts = match (opt.splits_experts(), self.experts.is_empty()) {
+            (false, _) => Skip::No,
+            (true, true) => Skip::Fill,
+            (true, false) => Skip::NoFill,
+        };
         let (sliced, expert_names) = if early.is_some() {
             reduce_gradients_for_zero(&mut grads, vm, cfg, ctx, Skip::NoFill, experts)?
         } else if opt.is_sharded() {
@@ -168,8 +191,9 @@ impl GradSteps {
         let expert_grads: HashMap<String, Tensor> = expert_names.iter().filter_map(|n| whole.remove_entry(n)).collect();
         let slices = match early {
             Some(e) => {
-                if e.len() != sliced.len() || sliced.iter().any(|n| !e.contains_key(n)) {
-                    bail!("train: the early-summed gradients ({}) are not the replicas' ({}) (internal error)", e.len(), sliced.len())
+                let early_experts: &[String] = if self.experts.is_empty() { &[] } else { &expert_names };
+                if e.len() != sliced.len() + early_experts.len() || sliced.iter().chain(early_experts).any(|n| !e.contains_key(n)) {
+                    bail!("train: the early-summed gradients ({}) are not the replicas' ({}) and experts' ({}) (internal error)", e.len(), sliced.len(), early_experts.len())
                 }
                 if opt.is_sharded() {
                     e

@@ -44,7 +44,8 @@ fn moe_load_balancing_term_is_reported() -> Result<()> {
 /// replicas), and ZeRO-1 under TP 2 + SP too, follow the one-device run for 6 clipped steps (the gradient norm counts every
 /// expert once); their checkpoints hold every expert, the same weights; a run stopped after
 /// step 4 (EP 4, ZeRO-1) resumes from its step-3 checkpoint on another EP degree with ZeRO-2
-/// and on one device, on the same curve.
+/// and on one device, on the same curve. ZeRO-2 with 2 micro-batches (the experts' gradient
+/// slices summed over them) follows the one-device run of the same micro-batches.
 #[test]
 fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
     let d1 = tmpdir("ep1");
@@ -80,6 +81,17 @@ fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
             assert!(diff < 1e-5, "{layout}: {name} differs by {diff}");
         }
         std::fs::remove_dir_all(&d).ok();
+    }
+    // ZeRO-2 over 2 micro-batches: the experts' slices summed over them (plain and overlapped)
+    let mut acc = moe_cfg(None, Layout::single())?;
+    acc.grad_accum = 2;
+    let one2 = run(&acc)?;
+    let curve2: Vec<&StepMetrics> = one2[0].metrics.iter().collect();
+    for overlap in [false, true] {
+        let mut c = acc.clone();
+        c.layout = Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2);
+        (c.zero2, c.recompute, c.overlap_grad_sync) = (true, overlap, overlap);
+        assert_same_curve(&format!("{} zero 2, 2 micro-batches, overlap {overlap}", c.layout), &curve2, &run(&c)?[0].metrics);
     }
     // stopped after step 4 (checkpoint at 3) on EP 4, resumed on EP 2 and on one device
     let tail: Vec<&StepMetrics> = one[0].metrics.iter().filter(|m| m.step > 3).collect();
