@@ -267,6 +267,7 @@ fn main() -> Result<()> {
             .long_range_loss
             .map_or(String::new(), |x| format!("  long-range {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
+        let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         let all = if (m.train_loss - m.loss).abs() > 1e-6 {
             format!("  all {:.3}", m.loss)
         } else {

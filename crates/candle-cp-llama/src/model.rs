@@ -718,6 +718,17 @@ impl Llama {
         Ok((loss, logits))
     }
 
+    /// The routing balance of the last training forward's sparse layers, from the global
+    /// batch's choices (summed over the DP × CP ranks): each layer's most-chosen expert's
+    /// (token, slot) count over the mean count, averaged over the layers. 1 is balanced; `E/K`
+    /// (top `K` of `E` experts) when every token chooses the same experts. Under expert
+    /// parallelism the busiest expert's rank receives about that multiple of the mean rows in
+    /// the all-to-all. Computed by [`Llama::router_aux_loss`] (same conditions, no
+    /// communication of its own); `None` before it, or without the load-balancing term.
+    pub fn expert_load(&self) -> Option<f64> {
+        self.router_log.load()
+    }
+
     /// Qwen3-MoE's load-balancing term of the last training forward (`output_router_logits`):
     /// `router_aux_loss_coef · E · Σ_e f_e P_e` over every token of the global batch and every
     /// sparse layer (see [`crate::moe`]), a scalar f32 equal on every rank; `None` without
@@ -737,12 +748,20 @@ impl Llama {
         if counts.len() != e {
             bail!("Llama::router_aux_loss: no sparse layer logged its router since the last forward started (call it after a forward)")
         }
-        // TP ranks route the same tokens: sum over the ranks of other tokens, DP × CP
+        // TP ranks route the same tokens: sum over the ranks of other tokens, DP × CP (each
+        // layer's counts too, for the routing balance)
+        let layers = self.router_log.layer_counts();
         let mut v: Vec<f32> = counts.iter().chain(&sums).map(|&x| x as f32).collect();
         v.push(rows as f32);
+        v.extend(layers.iter().flatten().map(|&x| x as f32));
         let dev = self.embed.device();
-        let all: Vec<f32> = self.ctx.dp_cp.all_reduce(&Tensor::from_vec(v, 2 * e + 1, dev)?)?.to_vec1()?;
+        let n = v.len();
+        let all: Vec<f32> = self.ctx.dp_cp.all_reduce(&Tensor::from_vec(v, n, dev)?)?.to_vec1()?;
         let (c, p, r) = (&all[..e], &all[e..2 * e], all[2 * e] as f64);
+        let per_layer: Vec<Vec<f64>> = all[2 * e + 1..].chunks(e).map(|l| l.iter().map(|&x| x as f64).collect()).collect();
+        if let Some(load) = crate::moe::load_balance(&per_layer) {
+            self.router_log.set_load(load);
+        }
         let coef = m.router_aux_loss_coef;
         let aux = e as f64 * c.iter().zip(p).map(|(&c, &p)| c as f64 * p as f64).sum::<f64>() / (r * r);
         // d(coef · aux) / d prob[n, e], shared out over the TP ranks (their sums add up)

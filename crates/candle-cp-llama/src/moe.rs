@@ -54,6 +54,10 @@ struct LogState {
     prob_sums: Vec<f64>,
     /// Router rows `Σ_layers N` (each sparse layer's tokens).
     rows: usize,
+    /// Each sparse layer's counts, in the order the layers ran.
+    layer_counts: Vec<Vec<f64>>,
+    /// The routing balance [`crate::Llama::router_aux_loss`] computed from the global counts.
+    load: Option<f64>,
     /// `d loss / d prob[n, e]` for every token and layer (`[E]`), once the loss is known.
     grad: Option<Tensor>,
 }
@@ -77,6 +81,7 @@ impl RouterLog {
         for (a, &c) in s.counts.iter_mut().zip(counts) {
             *a += c as f64;
         }
+        s.layer_counts.push(counts.iter().map(|&c| c as f64).collect());
         for (a, &p) in s.prob_sums.iter_mut().zip(prob_sums) {
             *a += p as f64;
         }
@@ -89,6 +94,21 @@ impl RouterLog {
         (s.counts.clone(), s.prob_sums.clone(), s.rows)
     }
 
+    /// Each sparse layer's counts logged since the forward started (`[E]` each, run order).
+    pub(crate) fn layer_counts(&self) -> Vec<Vec<f64>> {
+        self.lock().layer_counts.clone()
+    }
+
+    /// Record the routing balance of the forward (see [`crate::Llama::expert_load`]).
+    pub(crate) fn set_load(&self, load: f64) {
+        self.lock().load = Some(load);
+    }
+
+    /// The routing balance recorded for the forward, if any.
+    pub(crate) fn load(&self) -> Option<f64> {
+        self.lock().load
+    }
+
     /// Set the derivative `[E]` (f32) the probabilities add to their gradient.
     pub(crate) fn set_grad(&self, g: Tensor) {
         self.lock().grad = Some(g);
@@ -97,6 +117,20 @@ impl RouterLog {
     fn grad(&self) -> Option<Tensor> {
         self.lock().grad.clone()
     }
+}
+
+/// The routing balance of sparse layers from their global counts (`[E]` each): each layer's
+/// most-chosen expert's count over the mean count, averaged over the layers (1 when balanced;
+/// at most `E/K` for top `K`, every token choosing the same experts).
+pub(crate) fn load_balance(layers: &[Vec<f64>]) -> Option<f64> {
+    let per: Vec<f64> = layers
+        .iter()
+        .filter_map(|c| {
+            let (sum, max) = (c.iter().sum::<f64>(), c.iter().copied().fold(0.0, f64::max));
+            (sum > 0.0).then(|| max * c.len() as f64 / sum)
+        })
+        .collect();
+    (!per.is_empty()).then(|| per.iter().sum::<f64>() / per.len() as f64)
 }
 
 /// A sparse layer's MLP (see the module doc): this TP rank's slices of the experts.
@@ -244,4 +278,16 @@ fn router_probs(logits: &Tensor, log: Option<&RouterLog>) -> Result<Tensor> {
         Ok(vec![Some(dl.to_dtype(kept.dtype())?)])
     });
     attach1("router_probs", logits, probs, bwd)
+}
+
+#[cfg(test)]
+mod tests {
+    /// Balanced counts give 1, a layer whose busiest expert has twice the mean 2: their mean
+    /// 1.5; a layer that routed nothing is left out; no layers, no figure.
+    #[test]
+    fn load_balance_by_hand() {
+        let layers = vec![vec![2.0, 2.0, 2.0, 2.0], vec![4.0, 0.0, 2.0, 2.0], vec![0.0; 4]];
+        assert_eq!(super::load_balance(&layers), Some(1.5));
+        assert_eq!(super::load_balance(&[]), None);
+    }
 }

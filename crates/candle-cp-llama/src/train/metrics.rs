@@ -35,6 +35,11 @@ pub struct StepMetrics {
     /// [`crate::Llama::router_aux_loss`]); absent without one.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub router_aux_loss: Option<f64>,
+    /// The routing balance beside it ([`crate::Llama::expert_load`]: each sparse layer's
+    /// most-chosen expert over the mean, averaged over layers and micro-batches; 1 is
+    /// balanced); absent without the load-balancing term.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_load: Option<f64>,
 }
 
 /// Append-only JSON-lines metrics file.
@@ -133,6 +138,7 @@ mod tests {
             elapsed_s: step as f64,
             peak_rss_mib: Some(10.0),
             router_aux_loss: step.is_multiple_of(3).then_some(0.02),
+            expert_load: step.is_multiple_of(3).then_some(1.25),
         }
     }
 

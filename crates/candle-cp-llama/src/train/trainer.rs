@@ -481,6 +481,7 @@ pub fn train_rank(
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
         let mut aux_sum: Option<f64> = None;
+        let mut load_sum: Option<f64> = None;
         for micro in 0..cfg.grad_accum {
             let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
             // packed rows: labels IGNORE at document ends, RoPE positions per document,
@@ -518,6 +519,9 @@ pub fn train_rank(
             let loss = match model.router_aux_loss()? {
                 Some(aux) => {
                     *aux_sum.get_or_insert(0.0) += aux.to_scalar::<f32>()? as f64;
+                    if let Some(l) = model.expert_load() {
+                        *load_sum.get_or_insert(0.0) += l;
+                    }
                     (loss + aux.to_device(&dev)?)?
                 }
                 None => loss,
@@ -588,6 +592,7 @@ pub fn train_rank(
             elapsed_s: prev_elapsed + t_start.elapsed().as_secs_f64(),
             peak_rss_mib: peak_rss_bytes().map(|b| b as f64 / (1 << 20) as f64),
             router_aux_loss: aux_sum.map(|a| a * inv_accum),
+            expert_load: load_sum.map(|a| a * inv_accum),
         };
         if let Some(log) = &log {
             log.append(&row)

@@ -14,11 +14,12 @@ fn moe_cfg(out: Option<PathBuf>, layout: Layout) -> Result<TrainConfig> {
 
 /// A Qwen3-MoE with the load-balancing loss reports its term: near `coef · K` at the start
 /// (balanced routing), included in the objective; the same on 2 DP × 2 CP ranks as on one
-/// device (its statistics are the global batch's). A dense model reports none.
+/// device (its statistics are the global batch's), and so is the routing balance
+/// (`expert_load`, in `[1, E/K]`). A dense model reports neither.
 #[test]
 fn moe_load_balancing_term_is_reported() -> Result<()> {
     let mut base = tiny_cfg(None, Layout::single(), 2, 1);
-    assert!(run(&base)?[0].metrics.iter().all(|m| m.router_aux_loss.is_none()));
+    assert!(run(&base)?[0].metrics.iter().all(|m| m.router_aux_loss.is_none() && m.expert_load.is_none()));
     let ModelSource::Init(m) = &base.model else { candle_core::bail!("init model expected") };
     let mut moe = crate::MoeConfig::new(4, 2, 16);
     (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.1);
@@ -32,7 +33,11 @@ fn moe_load_balancing_term_is_reported() -> Result<()> {
     for (a, b) in one[0].metrics.iter().zip(&two[0].metrics) {
         let (x, y) = (a.router_aux_loss.unwrap_or(f64::NAN), b.router_aux_loss.unwrap_or(f64::NAN));
         assert!((x - y).abs() < 1e-5, "step {}: aux {x} on one device, {y} on DP 2 x CP 2", a.step);
+        // the routing balance: of the global batch (the same counts on both), in [1, E/K]
+        let (x, y) = (a.expert_load.unwrap_or(f64::NAN), b.expert_load.unwrap_or(f64::NAN));
+        assert!((1.0..=2.0).contains(&x) && (x - y).abs() < 1e-6, "step {}: expert load {x} on one device, {y} on DP 2 x CP 2", a.step);
     }
+    assert!(one[0].metrics.iter().any(|m| m.expert_load.is_some_and(|x| x > 1.0)), "some imbalance at random init");
     assert_same_curve("moe dp 2 x cp 2", &one[0].metrics.iter().collect::<Vec<_>>(), &two[0].metrics);
     Ok(())
 }
