@@ -126,6 +126,8 @@ pub struct ColumnParallelLinear {
     parts: Vec<Part>,
     in_dim: usize,
     tp: Tp,
+    /// LoRA adapters, one per part (empty: none; [`Self::with_lora`]).
+    lora: Vec<Option<crate::Lora>>,
 }
 
 impl ColumnParallelLinear {
@@ -171,7 +173,29 @@ impl ColumnParallelLinear {
             let (weight, bias) = cfg.load(vb, ol, in_dim, in_dim)?;
             parts.push(Part { weight, bias });
         }
-        Ok(Self { parts, in_dim, tp: tp.clone() })
+        Ok(Self { parts, in_dim, tp: tp.clone(), lora: Vec::new() })
+    }
+
+    /// The same layer with LoRA adapters, `adapters[i]` on part `i` (`None`: none), each
+    /// `A` `[r, in]` (replicated over TP) and `B` `[out_i/P, r]` (this rank's rows of the part,
+    /// split as its weight): part `i`'s output gains `s·(x·Aᵀ)·Bᵀ` before its output map.
+    /// See [`crate::lora`] for the split and the factors' gradients.
+    pub fn with_lora(mut self, adapters: Vec<Option<crate::Lora>>) -> Result<Self> {
+        if adapters.len() != self.parts.len() {
+            bail!("ColumnParallelLinear: {} LoRA adapters for {} parts", adapters.len(), self.parts.len())
+        }
+        for (p, l) in self.parts.iter().zip(&adapters) {
+            if let Some(l) = l {
+                l.check("ColumnParallelLinear", self.in_dim, p.weight.dims()[0])?;
+            }
+        }
+        self.lora = if adapters.iter().any(|l| l.is_some()) { adapters } else { Vec::new() };
+        Ok(self)
+    }
+
+    /// Part `i`'s LoRA adapter, if any.
+    pub fn lora(&self, i: usize) -> Option<&crate::Lora> {
+        self.lora.get(i).and_then(|l| l.as_ref())
     }
 
     /// A layer of constants from the full `weight` `[out, in]` and optional `bias` `[out]`,
@@ -207,7 +231,7 @@ impl ColumnParallelLinear {
             };
             parts.push(Part { weight: crate::shard_for_tp(w, Self::WEIGHT_SHARD, tp)?, bias });
         }
-        Ok(Self { parts, in_dim, tp: tp.clone() })
+        Ok(Self { parts, in_dim, tp: tp.clone(), lora: Vec::new() })
     }
 
     /// The same layer (same weight tensors) with sequence parallelism `on` or off. Off, the
@@ -228,12 +252,27 @@ impl ColumnParallelLinear {
     /// under SP); [`ColumnParallelLinear::forward_parts_regathered`] keeps only the shard.
     pub fn forward_parts(&self, x: &Tensor) -> Result<Vec<Tensor>> {
         check_input("ColumnParallelLinear", x, self.in_dim, self.tp.sequence_parallel)?;
-        let x = if self.tp.sequence_parallel {
+        let xg = if self.tp.sequence_parallel {
             mappings::gather_from_sp_region(x, &self.tp.group, SEQ_DIM)?
         } else {
             mappings::copy_to_tp_region(x, &self.tp.group)?
         };
-        self.parts.iter().map(|p| affine(&x, &p.weight, p.bias.as_ref())).collect()
+        let ys: Vec<Tensor> = self.parts.iter().map(|p| affine(&xg, &p.weight, p.bias.as_ref())).collect::<Result<_>>()?;
+        self.add_lora(x, ys)
+    }
+
+    /// Each adapted part's output plus its LoRA update (computed from the input `x` as given).
+    fn add_lora(&self, x: &Tensor, ys: Vec<Tensor>) -> Result<Vec<Tensor>> {
+        if self.lora.is_empty() {
+            return Ok(ys);
+        }
+        ys.into_iter()
+            .zip(&self.lora)
+            .map(|(y, l)| match l {
+                Some(l) => y + crate::lora::column_delta(x, l, &self.tp)?,
+                None => Ok(y),
+            })
+            .collect()
     }
 
     /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
@@ -246,13 +285,27 @@ impl ColumnParallelLinear {
         if !posts.is_empty() && posts.len() != self.parts.len() {
             bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
         }
-        let parts = self
+        if !self.lora.is_empty() {
+            // the update goes in before the output map: the maps run after the sum, as nodes
+            // of their own (which keep the pre-map output: an adapted part costs that tensor)
+            let ys = crate::regather::regathered_parts(x, self.part_refs(&[]), &self.tp.group, self.tp.sequence_parallel)?;
+            let ys = self.add_lora(x, ys)?;
+            return ys.into_iter().enumerate().map(|(i, y)| match posts.get(i).cloned().flatten() {
+                Some(post) => crate::regather::apply_post(&y, post),
+                None => Ok(y),
+            }).collect();
+        }
+        crate::regather::regathered_parts(x, self.part_refs(posts), &self.tp.group, self.tp.sequence_parallel)
+    }
+
+    /// The parts for [`crate::regather::regathered_parts`], with `posts` (empty or one each).
+    fn part_refs(&self, posts: &[Option<crate::PartPost>]) -> Vec<crate::regather::PartRef<'_>> {
+        self
             .parts
             .iter()
             .enumerate()
             .map(|(i, p)| crate::regather::PartRef { weight: &p.weight, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
-            .collect();
-        crate::regather::regathered_parts(x, parts, &self.tp.group, self.tp.sequence_parallel)
+            .collect()
     }
 
     /// This rank's weight shard `[out/P, in]` (of part 0 when fused).
@@ -304,6 +357,8 @@ pub struct RowParallelLinear {
     bias: Option<Tensor>,
     sync: GradSync,
     tp: Tp,
+    /// A LoRA adapter ([`Self::with_lora`]).
+    lora: Option<crate::Lora>,
 }
 
 impl RowParallelLinear {
@@ -317,7 +372,7 @@ impl RowParallelLinear {
     pub fn new(vb: VarBuilder, in_dim: usize, out_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
         let il = check_divisible("RowParallelLinear", in_dim, "in_dim", tp)?;
         let (weight, bias) = cfg.load(&vb, out_dim, il, in_dim)?;
-        Ok(Self { weight, bias, sync: GradSync::InBackward, tp: tp.clone() })
+        Ok(Self { weight, bias, sync: GradSync::InBackward, tp: tp.clone(), lora: None })
     }
 
     /// A layer of constants from the full `weight` `[out, in]` and optional `bias` `[out]`,
@@ -337,7 +392,30 @@ impl RowParallelLinear {
             bias: bias.map(|b| b.detach().contiguous()).transpose()?,
             sync: GradSync::InBackward,
             tp: tp.clone(),
+            lora: None,
         })
+    }
+
+    /// The same layer with a LoRA adapter: `A` `[r, in/P]` (this rank's columns, split as the
+    /// weight), `B` `[out, r]` (replicated); the output gains `s·(Σ_TP x·Aᵀ)·Bᵀ`, the `r`-wide
+    /// partial sums reduced as the output is. See [`crate::lora`].
+    pub fn with_lora(mut self, lora: crate::Lora) -> Result<Self> {
+        lora.check("RowParallelLinear", self.weight.dims()[1], self.weight.dims()[0])?;
+        self.lora = Some(lora);
+        Ok(self)
+    }
+
+    /// The LoRA adapter, if any.
+    pub fn lora(&self) -> Option<&crate::Lora> {
+        self.lora.as_ref()
+    }
+
+    /// `y` plus the LoRA update of input `x`, if any.
+    fn add_lora(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
+        match &self.lora {
+            Some(l) => y + crate::lora::row_delta(x, l, &self.tp)?,
+            None => Ok(y),
+        }
     }
 
     /// The same layer (same weight tensors) with sequence parallelism `on` or off (see
@@ -392,7 +470,8 @@ impl RowParallelLinear {
             let (dx, dw) = grads(g)?;
             Ok(vec![Some(dx), Some(dw), Some(g.clone())])
         });
-        attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)
+        let out = attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)?;
+        self.add_lora(x, out)
     }
 
     /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
@@ -408,7 +487,8 @@ impl RowParallelLinear {
             let (dx, dw) = grads(g)?;
             Ok(vec![Some(dx), Some(dw)])
         });
-        attach2("RowParallelLinear::forward_lean", x, &self.weight, y, bwd)
+        let y = attach2("RowParallelLinear::forward_lean", x, &self.weight, y, bwd)?;
+        self.add_lora(x, y)
     }
 
     /// The reduced output of `x` without a graph, and the backward of `x ↦ y` (`g` ↦ `(dx,
@@ -454,6 +534,7 @@ impl Module for RowParallelLinear {
         } else {
             mappings::reduce_from_tp_region(&partial, &self.tp.group)?
         };
+        let y = self.add_lora(x, y)?;
         match &self.bias {
             None => Ok(y),
             Some(b) if sp && self.sync == GradSync::InBackward => {

@@ -1,0 +1,148 @@
+//! LoRA adapters on the tensor-parallel linears: `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`, `A` `[r, in]`,
+//! `B` `[out, r]`, `s = alpha / r` (PEFT's `lora_A` / `lora_B`, no dropout).
+//!
+//! The factors are split over TP as the weight they adapt, so that no collective is added
+//! beyond the adapter's own `r`-wide activations:
+//!
+//! | layer | `A` `[r, in]` | `B` `[out, r]` | the adapter's activations |
+//! |-------|---------------|----------------|---------------------------|
+//! | [`crate::ColumnParallelLinear`] (weight rows split) | replicated ([`crate::Shard::Replicated`]) | rows, as the part's weight ([`crate::Shard::Rows`] / `RowBlocks`) | `u = x·Aᵀ` all-gathered along the sequence (SP), or the input copied into the TP region (no SP) |
+//! | [`crate::RowParallelLinear`] (weight columns split) | columns, as the weight ([`crate::Shard::Cols`]) | replicated | `v = x·Aᵀ` partial, reduce-scattered (SP) or all-reduced (no SP), `[.., r]` |
+//!
+//! The replicated factors' gradients follow the rule of the other replicated parameters
+//! (norm weights): complete and equal on every TP rank without SP (the column's `A` enters
+//! through `copy_to_tp_region`, whose backward sums it over TP), each rank's own rows' share
+//! with SP (sum it over TP, as `candle_cp_llama::reduce_gradients` does for replicated
+//! parameters under SP). A split factor's gradient is complete for its slice.
+//!
+//! The CPU reference is the dense layer with the adapter on full tensors (`tests`:
+//! [`crate::lora`] on TP 2 and 4, with and without SP, every forward path, against it).
+
+use candle_core::{bail, Result, Tensor};
+use candle_cp_ops::mappings::{self, SEQ_DIM};
+use candle_nn::{Init, VarBuilder};
+
+use crate::Tp;
+
+/// Rank and scaling of LoRA adapters (PEFT's `r` and `lora_alpha`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoraConfig {
+    /// The adapters' rank `r` (> 0).
+    pub rank: usize,
+    /// `lora_alpha`: the update is scaled by `alpha / r`.
+    pub alpha: f64,
+}
+
+impl LoraConfig {
+    /// Rank `rank`, `lora_alpha` = `alpha`.
+    pub fn new(rank: usize, alpha: f64) -> Result<Self> {
+        if rank == 0 || !alpha.is_finite() {
+            bail!("LoRA: rank must be > 0 and alpha finite, got rank {rank}, alpha {alpha}")
+        }
+        Ok(Self { rank, alpha })
+    }
+
+    /// The update's scale `alpha / r`.
+    pub fn scale(&self) -> f64 {
+        self.alpha / self.rank as f64
+    }
+}
+
+/// One adapter: this rank's factors `a` `[r, in_local]`, `b` `[out_local, r]` and the scale.
+#[derive(Clone)]
+pub struct Lora {
+    a: Tensor,
+    b: Tensor,
+    scale: f64,
+}
+
+impl Lora {
+    /// From this rank's factors (split as the module doc's table says): `a` `[r, in]`, `b`
+    /// `[out, r]`, the same `r`. Errors name the shapes.
+    pub fn new(a: Tensor, b: Tensor, scale: f64) -> Result<Self> {
+        let (ra, _) = a.dims2().map_err(|_| candle_core::Error::Msg(format!("LoRA: A {:?} must be [r, in]", a.dims())))?;
+        let (_, rb) = b.dims2().map_err(|_| candle_core::Error::Msg(format!("LoRA: B {:?} must be [out, r]", b.dims())))?;
+        if ra != rb || ra == 0 {
+            bail!("LoRA: A {:?} and B {:?} must share a rank r > 0 (A [r, in], B [out, r])", a.dims(), b.dims())
+        }
+        if a.dtype() != b.dtype() || !a.device().same_device(b.device()) {
+            bail!("LoRA: A ({:?}) and B ({:?}) must share a dtype and a device", a.dtype(), b.dtype())
+        }
+        Ok(Self { a, b, scale })
+    }
+
+    /// This rank's factors from `vb`: `lora_A.weight` `[r, in_local]` and `lora_B.weight`
+    /// `[out_local, r]`. A fresh `VarMap` draws `A` uniform in `±1/√in_dim` (PEFT's Kaiming
+    /// init over the whole input, `in_dim`) and sets `B` to zero, so the adapted layer starts
+    /// as the base layer.
+    pub fn load(vb: &VarBuilder, in_local: usize, in_dim: usize, out_local: usize, cfg: &LoraConfig) -> Result<Self> {
+        let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
+        let a = vb.get_with_hints((cfg.rank, in_local), "lora_A.weight", Init::Uniform { lo: -bound, up: bound })?;
+        let b = vb.get_with_hints((out_local, cfg.rank), "lora_B.weight", Init::Const(0.0))?;
+        Self::new(a, b, cfg.scale())
+    }
+
+    /// `A` `[r, in_local]`.
+    pub fn a(&self) -> &Tensor {
+        &self.a
+    }
+    /// `B` `[out_local, r]`.
+    pub fn b(&self) -> &Tensor {
+        &self.b
+    }
+    /// `alpha / r`.
+    pub fn scale(&self) -> f64 {
+        self.scale
+    }
+    /// The rank `r`.
+    pub fn rank(&self) -> usize {
+        self.a.dims()[0]
+    }
+
+    /// Check the factors against a layer of input `in_local` and output `out_local` features
+    /// (`what` names the layer in errors).
+    pub(crate) fn check(&self, what: &str, in_local: usize, out_local: usize) -> Result<()> {
+        if self.a.dims()[1] != in_local || self.b.dims()[0] != out_local {
+            bail!(
+                "{what}: LoRA A {:?} / B {:?} do not fit this rank's weight [{out_local}, {in_local}] (A [r, {in_local}], B [{out_local}, r])",
+                self.a.dims(),
+                self.b.dims()
+            )
+        }
+        Ok(())
+    }
+}
+
+/// A column-parallel part's update `s·(x·Aᵀ)·Bᵀ` `[.., T, out_local]` from the layer's input
+/// `x` as given (the sequence shard under SP, replicated without).
+pub(crate) fn column_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    let p = tp.size();
+    let u = if p > 1 && tp.sequence_parallel {
+        mappings::gather_from_sp_region(&x.broadcast_matmul(&l.a.t()?)?, &tp.group, SEQ_DIM)?
+    } else if p > 1 {
+        let a = mappings::copy_to_tp_region(&l.a, &tp.group)?;
+        mappings::copy_to_tp_region(x, &tp.group)?.broadcast_matmul(&a.t()?)?
+    } else {
+        x.broadcast_matmul(&l.a.t()?)?
+    };
+    u.broadcast_matmul(&l.b.t()?)? * l.scale
+}
+
+/// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the
+/// sequence shard under SP, replicated without), from its feature-sharded input `x`.
+pub(crate) fn row_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    let p = tp.size();
+    let v = x.broadcast_matmul(&l.a.t()?)?;
+    let v = if p == 1 {
+        v
+    } else if tp.sequence_parallel {
+        mappings::reduce_scatter_to_sp_region(&v, &tp.group, SEQ_DIM)?
+    } else {
+        mappings::reduce_from_tp_region(&v, &tp.group)?
+    };
+    v.broadcast_matmul(&l.b.t()?)? * l.scale
+}
+
+#[cfg(test)]
+#[path = "lora_tests.rs"]
+mod tests;
