@@ -145,6 +145,9 @@ pub struct LlamaConfig {
     /// Qwen3-MoE (`model_type` `qwen3_moe`): the mixture-of-experts MLPs ([`qwen3_moe`]);
     /// `None`: every MLP is dense.
     pub moe: Option<MoeConfig>,
+    /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
+    /// listed projections gain adapters, which a LoRA run trains alone.
+    pub lora: Option<crate::lora::LoraSpec>,
 }
 
 fn get_usize(m: &Map<String, Value>, k: &str) -> Result<Option<usize>> {
@@ -343,6 +346,7 @@ impl LlamaConfig {
             gemma3: gemma3.map(|g| g.0),
             gemma2,
             moe,
+            lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
@@ -385,6 +389,7 @@ impl LlamaConfig {
             gemma3: None,
             gemma2: None,
             moe: None,
+            lora: None,
         }
     }
 

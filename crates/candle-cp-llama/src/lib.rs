@@ -64,6 +64,7 @@ pub mod grads;
 pub mod head_loss;
 pub mod hf;
 pub mod layout;
+pub mod lora;
 pub mod loss;
 pub mod model;
 mod moe;
@@ -83,4 +84,5 @@ pub use layout::{shard_batch, CpKind, HeadLayout, Layout, ParallelCtx, RowSums, 
 pub use model::{global_mean, local_nll, rms_norm, Llama, ParamHook};
 pub use packed::shard_batch_packed;
 pub use candle_cp_ops::packing::Documents;
-pub use params::{gather_full, gather_full_to_host, init_params, init_params_sharded, param_group, param_specs, shard_params, shard_tensors, ParamSpec, Shard};
+pub use params::{gather_full, gather_full_to_host, init_params, init_params_sharded, param_group, param_specs, shard_params, shard_tensors, trainable_specs, ParamSpec, Shard};
+pub use lora::LoraSpec;

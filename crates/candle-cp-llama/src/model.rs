@@ -304,6 +304,17 @@ impl Llama {
             let w = vb.get_with_hints(h, "weight", norm_init)?;
             Ok(RmsNorm::from_weight(&w, eps, &tp)?.with_grad_sync(GradSync::Deferred).with_form(form))
         };
+        // the LoRA adapter of projection `module` under `prefix` (crate::lora), if a target:
+        // in a fresh VarMap A uniform in ±1/√in, B zero
+        let lora_for = |prefix: &str, module: &str| -> Result<Option<candle_cp_nn::Lora>> {
+            let Some(l) = cfg.lora.as_ref().filter(|l| l.adapts(module)) else { return Ok(None) };
+            let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
+            let (Some(sa), Some(sb)) = (specs.get(&an), specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
+            let bound = 1.0 / (sa.shape[1].max(1) as f64).sqrt();
+            let a = vb.get_with_hints(sa.local_shape_in(ctx)?, &an, Init::Uniform { lo: -bound, up: bound })?;
+            let b = vb.get_with_hints(sb.local_shape_in(ctx)?, &bn, Init::Const(0.0))?;
+            Ok(Some(candle_cp_nn::Lora::new(a, b, l.config.scale())?))
+        };
         let embed = get("model.embed_tokens.weight")?;
         let router_log = RouterLog::default();
         let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
@@ -343,16 +354,27 @@ impl Llama {
                 }
                 _ => {
                     let gate_up = [(vm.pp("gate_proj"), cfg.intermediate_size), (vm.pp("up_proj"), cfg.intermediate_size)];
+                    let mp = format!("model.layers.{i}.mlp");
+                    let mut down = RowParallelLinear::new(vm.pp("down_proj"), cfg.intermediate_size, h, lin, &tp)?;
+                    if let Some(l) = lora_for(&mp, "down_proj")? {
+                        down = down.with_lora(l)?;
+                    }
                     Mlp::Dense {
-                        gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?,
-                        down: RowParallelLinear::new(vm.pp("down_proj"), cfg.intermediate_size, h, lin, &tp)?,
+                        gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?.with_lora(vec![lora_for(&mp, "gate_proj")?, lora_for(&mp, "up_proj")?])?,
+                        down,
                     }
                 }
             };
+            let ap = format!("model.layers.{i}.self_attn");
+            let mut o = RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?;
+            if let Some(l) = lora_for(&ap, "o_proj")? {
+                o = o.with_lora(l)?;
+            }
+            let qkv_lora = vec![lora_for(&ap, "q_proj")?, lora_for(&ap, "k_proj")?, lora_for(&ap, "v_proj")?];
             blocks.push(Arc::new(Block {
                 input_norm: norm(vl.pp("input_layernorm"))?,
-                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?,
-                o: RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?,
+                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?.with_lora(qkv_lora)?,
+                o,
                 // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
                 // `post_attention_layernorm` is the one after the attention)
                 post_norm: norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,

@@ -58,6 +58,11 @@ pub struct ParamSpec {
 }
 
 impl ParamSpec {
+    /// Whether this is a LoRA adapter factor ([`crate::lora`]).
+    pub fn is_lora(&self) -> bool {
+        crate::lora::is_lora_name(&self.name)
+    }
+
     /// The shape one of `tp` ranks holds. Errors if `tp` does not divide the split dim.
     pub fn local_shape(&self, tp: usize) -> Result<Shape> {
         self.shard
@@ -155,8 +160,23 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     // K/V rows split by KV head: like `col` when tp divides Hkv, else one head per rank
     let kv = Shard::RowBlocks(cfg.num_key_value_heads);
     let mut out = Vec::new();
-    let mut add =
-        |name: String, shape: Vec<usize>, shard| out.push(ParamSpec { name, shape, shard });
+    let lora = cfg.lora.clone();
+    let mut add = |name: String, shape: Vec<usize>, shard: Shard| {
+        // a LoRA target's adapters follow its weight: A [r, in], B [out, r], split as
+        // candle_cp_nn::lora says (column: A replicated, B as the weight's rows; row: A as
+        // its columns, B replicated)
+        let target = lora.as_ref().and_then(|l| {
+            let module = name.strip_suffix(".weight")?.rsplit('.').next()?;
+            (l.adapts(module) && shape.len() == 2 && !name.contains("shared_expert")).then_some(l.config.rank)
+        });
+        out.push(ParamSpec { name: name.clone(), shape: shape.clone(), shard });
+        if let Some(r) = target {
+            let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
+            let (a, b) = if shard == RowParallelLinear::WEIGHT_SHARD { (shard, Shard::Replicated) } else { (Shard::Replicated, shard) };
+            out.push(ParamSpec { name: format!("{base}.lora_A.weight"), shape: vec![r, shape[1]], shard: a });
+            out.push(ParamSpec { name: format!("{base}.lora_B.weight"), shape: vec![shape[0], r], shard: b });
+        }
+    };
     // vocabulary-parallel embedding and head (padded to tp·⌈V/tp⌉ rows when tp does not
     // divide V; replicated when V < tp)
     let vocab = Shard::RowsPadded(v);
@@ -313,9 +333,23 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
     Ok(vm)
 }
 
+/// The parameters a run trains: the LoRA adapters alone when `cfg.lora` is set
+/// ([`crate::lora`]), else every parameter ([`param_specs`]).
+pub fn trainable_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
+    let all = param_specs(cfg);
+    match cfg.lora {
+        Some(_) => all.into_iter().filter(|s| s.is_lora()).collect(),
+        None => all,
+    }
+}
+
 /// The full f32 host tensor [`init_params`] draws for `spec`.
 fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
+    if spec.name.ends_with(".lora_B.weight") {
+        // B starts at zero: the adapted model starts as the base model
+        return Tensor::zeros(spec.shape.as_slice(), DType::F32, &Device::Cpu);
+    }
     if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
         let one = if cfg.is_gemma() { 0.0 } else { 1.0 };
         return Tensor::full(one as f32, spec.shape.as_slice(), &Device::Cpu);
@@ -325,6 +359,12 @@ fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor>
         key = (key ^ b as u64).wrapping_mul(0x0100_0000_01b3);
     }
     let mut rng = Normal(key);
+    if spec.name.ends_with(".lora_A.weight") {
+        // uniform in ±1/√in, PEFT's Kaiming init of A
+        let bound = 1.0 / (spec.shape[1].max(1) as f64).sqrt();
+        let v: Vec<f32> = (0..n).map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32).collect();
+        return Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu);
+    }
     let v: Vec<f32> = (0..n).map(|_| (0.02 * rng.sample()) as f32).collect();
     Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu)
 }

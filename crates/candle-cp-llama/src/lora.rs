@@ -1,0 +1,122 @@
+//! LoRA fine-tuning of the model: adapters on chosen projections of every decoder layer
+//! ([`LoraSpec`], [`crate::LlamaConfig::lora`]), the other parameters frozen.
+//!
+//! The adapters are parameters like the others ([`crate::param_specs`] lists them after the
+//! weight they adapt, `….{q,k,v,o,gate,up,down}_proj.lora_{A,B}.weight`, split over TP as
+//! `candle_cp_nn::lora` says), so sharding, gathering, the gradient sums and ZeRO treat them
+//! as any parameter; [`crate::params::trainable_specs`] is what a LoRA run trains. A sparse
+//! layer's MLP (the experts) is not adapted.
+//!
+//! On disk they are a PEFT adapter: `adapter_model.safetensors` (names prefixed
+//! `base_model.model.`) and `adapter_config.json` ([`save_peft_adapter`], [`load_peft_adapter`]),
+//! which `peft.PeftModel.from_pretrained` reads beside the base model.
+
+use candle_core::{bail, Device, Result, Tensor};
+use candle_cp_nn::LoraConfig;
+use std::collections::HashMap;
+use std::path::Path;
+
+/// The projections of a decoder layer LoRA may adapt (PEFT's `target_modules` names).
+pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
+
+/// PEFT's prefix of the adapter tensors' names in `adapter_model.safetensors`.
+pub const PEFT_PREFIX: &str = "base_model.model.";
+
+/// Which projections get adapters, and their rank and scale.
+#[derive(Clone, Debug, PartialEq)]
+pub struct LoraSpec {
+    /// Rank and `lora_alpha`.
+    pub config: LoraConfig,
+    /// PEFT module names, a subset of [`TARGETS`], in that order.
+    pub targets: Vec<String>,
+}
+
+impl LoraSpec {
+    /// Adapters of rank `rank`, scale `alpha / rank`, on the projections `targets` (PEFT
+    /// names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`).
+    /// Errors name an unknown or missing target.
+    pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> Result<Self> {
+        let config = LoraConfig::new(rank, alpha)?;
+        if let Some(t) = targets.iter().find(|t| !TARGETS.contains(t)) {
+            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?})")
+        }
+        if targets.is_empty() {
+            bail!("LoRA: no target modules (some of {TARGETS:?})")
+        }
+        let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
+        Ok(Self { config, targets })
+    }
+
+    /// Whether projection `module` (e.g. `q_proj`) is adapted.
+    pub fn adapts(&self, module: &str) -> bool {
+        self.targets.iter().any(|t| t == module)
+    }
+
+    /// PEFT's `adapter_config.json` for these adapters on the model at `base` (a name or a
+    /// path, as `base_model_name_or_path`).
+    pub fn peft_config_json(&self, base: &str) -> serde_json::Value {
+        serde_json::json!({
+            "peft_type": "LORA",
+            "task_type": "CAUSAL_LM",
+            "base_model_name_or_path": base,
+            "r": self.config.rank,
+            "lora_alpha": self.config.alpha,
+            "lora_dropout": 0.0,
+            "bias": "none",
+            "target_modules": self.targets,
+            "fan_in_fan_out": false,
+            "inference_mode": false,
+        })
+    }
+}
+
+impl crate::LlamaConfig {
+    /// The same config with LoRA adapters `lora` (or none).
+    pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {
+        self.lora = lora;
+        self
+    }
+}
+
+/// Whether parameter `name` is a LoRA factor (`….lora_A.weight` / `….lora_B.weight`).
+pub fn is_lora_name(name: &str) -> bool {
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+}
+
+/// Write the adapters `tensors` (full tensors by parameter name) as a PEFT adapter into
+/// `dir`: `adapter_model.safetensors` and `adapter_config.json` (`base` as its base model).
+pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str) -> Result<()> {
+    let named: HashMap<String, Tensor> =
+        tensors.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| Ok((format!("{PEFT_PREFIX}{n}"), t.to_device(&Device::Cpu)?.contiguous()?))).collect::<Result<_>>()?;
+    if named.is_empty() {
+        bail!("save_peft_adapter: no LoRA tensors to write into {}", dir.display())
+    }
+    let io = |what: &str, p: &Path, e: std::io::Error| candle_core::Error::Msg(format!("{what} {}: {e}", p.display()));
+    std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, e))?;
+    candle_core::safetensors::save(&named, dir.join("adapter_model.safetensors"))?;
+    let cfg = dir.join("adapter_config.json");
+    let text = serde_json::to_string_pretty(&spec.peft_config_json(base)).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    std::fs::write(&cfg, text).map_err(|e| io("writing", &cfg, e))
+}
+
+/// The adapters of a PEFT adapter directory (`adapter_model.safetensors`), by parameter name
+/// (the `base_model.model.` prefix removed), on the host; and its rank, alpha and targets
+/// from `adapter_config.json`.
+pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor>)> {
+    let cfg_path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", cfg_path.display())))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?;
+    let rank = v.get("r").and_then(|x| x.as_u64()).ok_or_else(|| candle_core::Error::Msg(format!("{}: no rank 'r'", cfg_path.display())))? as usize;
+    let alpha = v.get("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(rank as f64);
+    let targets: Vec<String> = match v.get("target_modules") {
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+        _ => bail!("{}: 'target_modules' must be a list of module names", cfg_path.display()),
+    };
+    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?;
+    let file = dir.join("adapter_model.safetensors");
+    let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
+        .into_iter()
+        .map(|(n, t)| (n.strip_prefix(PEFT_PREFIX).map(String::from).unwrap_or(n), t))
+        .collect();
+    Ok((spec, tensors))
+}

@@ -1,0 +1,146 @@
+//! LoRA adapters in the Llama model, on parallel layouts, against references they must equal:
+//!
+//! - `B = 0` (how adapters start): the model is the oracle's (`tests/data/oracle/tiny-llama`,
+//!   float64), and the adapters' gradients follow from the oracle's weight gradients by the
+//!   chain rule: `dB = s·dW·Aᵀ`, `dA = s·Bᵀ·dW = 0`.
+//! - `B ≠ 0`: the model is the dense model with merged weights `W + s·B·A` (run on one device),
+//!   `dA = s·Bᵀ·dW'` and `dB = s·dW'·Aᵀ` from its weight gradients `dW'`.
+//!
+//! Adapters on all seven projections; TP splits them as candle-cp-nn's `lora` module says
+//! (K/V heads replicated over TP ranks at TP 4 and 8).
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::lora::TARGETS;
+use candle_cp_llama::verify::{load_reference, run_layout, LayoutRun};
+use candle_cp_llama::{hf::load_safetensors_dir, param_specs, LlamaConfig, LoraSpec};
+use std::collections::HashMap;
+
+const RANK: usize = 4;
+const ALPHA: f64 = 6.0;
+
+fn dir() -> std::path::PathBuf {
+    candle_cp_tests::oracle_dir("tiny-llama")
+}
+
+/// The oracle's weights plus adapters: `A` seeded, `B` zero or seeded (`b_scale`).
+fn with_adapters(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, b_scale: f64) -> Result<HashMap<String, Tensor>> {
+    let mut out = full.clone();
+    for (i, s) in param_specs(cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        let t = if s.name.ends_with("lora_B.weight") && b_scale == 0.0 {
+            Tensor::zeros(s.shape.as_slice(), DType::F32, &Device::Cpu)?
+        } else {
+            let sd = if s.name.ends_with("lora_B.weight") { b_scale } else { 0.2 };
+            candle_cp_ops::oracle::randn(900 + i as u64, &s.shape, sd as f32)?.to_dtype(DType::F32)?
+        };
+        out.insert(s.name, t);
+    }
+    Ok(out)
+}
+
+/// The adapted weights' names: (weight, its A, its B).
+fn adapted(cfg: &LlamaConfig) -> Vec<(String, String, String)> {
+    param_specs(cfg)
+        .into_iter()
+        .filter_map(|s| {
+            let base = s.name.strip_suffix(".lora_A.weight")?.to_string();
+            Some((format!("{base}.weight"), s.name.clone(), format!("{base}.lora_B.weight")))
+        })
+        .collect()
+}
+
+fn f64s(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::F64)
+}
+
+/// max |a − b| / max |b| (max |a − b| when b is 0).
+fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    Ok(if m > 0.0 { d / m } else { d })
+}
+
+/// The adapters' gradients the chain rule gives from weight gradients `dw` (by weight name):
+/// `dA = s·Bᵀ·dW`, `dB = s·dW·Aᵀ`, by adapter name.
+fn chain_rule(cfg: &LlamaConfig, weights: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let s = ALPHA / RANK as f64;
+    let mut out = HashMap::new();
+    for (w, a, b) in adapted(cfg) {
+        let g = f64s(&dw[&w])?;
+        out.insert(a.clone(), (f64s(&weights[&b])?.t()?.matmul(&g)? * s)?);
+        out.insert(b, (g.matmul(&f64s(&weights[&a])?.t()?)? * s)?);
+    }
+    Ok(out)
+}
+
+/// Every adapter gradient of `run` against `want`; logits against `logits`: the worst
+/// (logits abs, gradient rel) and the adapter it was on.
+fn check(what: &str, run: &LayoutRun, logits: &Tensor, want: &HashMap<String, Tensor>, grad_tol: f64) -> Result<()> {
+    let e_logits = (f64s(&run.logits)? - f64s(logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let got: HashMap<&String, &Tensor> = run.grads.iter().map(|(n, g)| (n, g)).collect();
+    let (mut worst, mut at) = (0f64, String::new());
+    for (n, w) in want {
+        let e = rel(got[n], w)?;
+        if e > worst {
+            (worst, at) = (e, n.clone());
+        }
+    }
+    println!("{what}: logits {e_logits:.2e}, adapter gradients {worst:.2e} ({at}), rank spread {:.1e}", run.grad_spread);
+    assert!(e_logits < 1e-5, "{what}: logits off by {e_logits}");
+    assert!(worst < grad_tol, "{what}: {at} off by {worst} (relative)");
+    Ok(())
+}
+
+fn layouts() -> Vec<Layout> {
+    vec![
+        Layout::single(),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::two_d(2, 2),
+    ]
+}
+
+/// `B = 0`: logits equal the float64 oracle's, `dB = s·dW·Aᵀ` of its weight gradients
+/// (relative 5e-5, the README's gradient bound), `dA = 0`, on five layouts.
+#[test]
+fn fresh_adapters_follow_the_oracle_on_every_layout() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?));
+    let reference = load_reference(dir().join("reference.safetensors"))?;
+    let full = with_adapters(&cfg, &load_safetensors_dir(&dir(), &Device::Cpu)?, 0.0)?;
+    let oracle_dw: HashMap<String, Tensor> = reference.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+    let want = chain_rule(&cfg, &full, &oracle_dw)?;
+    assert!(want.iter().filter(|(n, _)| n.ends_with("lora_A.weight")).all(|(_, g)| g.abs().and_then(|a| a.max_all()?.to_scalar::<f64>()).is_ok_and(|m| m == 0.0)));
+    for layout in layouts() {
+        let run = run_layout(&full, &cfg, &reference.input_ids, layout, &Device::Cpu)?;
+        assert!((run.loss - reference.loss).abs() < 5e-6, "{layout}: loss {} vs {}", run.loss, reference.loss);
+        check(&format!("{layout} (B = 0)"), &run, &reference.logits, &want, 5e-5)?;
+    }
+    Ok(())
+}
+
+/// `B ≠ 0`: logits equal the merged dense model's (`W + s·B·A`, one device), the adapters'
+/// gradients its weight gradients through the chain rule (relative 1e-4), on five layouts.
+#[test]
+fn trained_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?));
+    let reference = load_reference(dir().join("reference.safetensors"))?;
+    let full = with_adapters(&cfg, &load_safetensors_dir(&dir(), &Device::Cpu)?, 0.05)?;
+    // the merged model: W + s·B·A, no adapters
+    let mut merged: HashMap<String, Tensor> = full.iter().filter(|(n, _)| !candle_cp_llama::lora::is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    for (w, a, b) in adapted(&cfg) {
+        let delta = (full[&b].matmul(&full[&a])? * (ALPHA / RANK as f64))?;
+        merged.insert(w.clone(), (&full[&w] + delta)?);
+    }
+    let dense = run_layout(&merged, &base, &reference.input_ids, Layout::single(), &Device::Cpu)?;
+    let dw: HashMap<String, Tensor> = dense.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+    let want = chain_rule(&cfg, &full, &dw)?;
+    for layout in layouts() {
+        let run = run_layout(&full, &cfg, &reference.input_ids, layout, &Device::Cpu)?;
+        assert!((run.loss - dense.loss).abs() < 5e-6, "{layout}: loss {} vs {}", run.loss, dense.loss);
+        check(&format!("{layout} (B ≠ 0)"), &run, &dense.logits, &want, 1e-4)?;
+    }
+    Ok(())
+}
