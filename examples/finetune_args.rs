@@ -155,6 +155,14 @@ pub(crate) struct Args {
     /// expert's slice); each CP rank routes its own tokens.
     #[arg(long, value_name = "E,K")]
     pub(crate) moe: Option<String>,
+    /// LoRA fine-tuning: `R,ALPHA` — adapters of rank R (scale ALPHA/R) on --lora-targets,
+    /// every other weight frozen (no gradient, no optimizer state); checkpoints hold the base
+    /// model and a PEFT adapter (adapter_model.safetensors, adapter_config.json).
+    #[arg(long, value_name = "R,ALPHA")]
+    pub(crate) lora: Option<String>,
+    /// The projections --lora adapts (PEFT names, comma-separated).
+    #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
+    pub(crate) lora_targets: String,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.

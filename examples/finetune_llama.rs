@@ -144,6 +144,16 @@ fn main() -> Result<()> {
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
+        lora: match &a.lora {
+            None => None,
+            Some(spec) => {
+                let (r, alpha) = spec.split_once(',').ok_or_else(|| anyhow::anyhow!("--lora {spec}: expected R,ALPHA"))?;
+                let r: usize = r.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: rank ({e})"))?;
+                let alpha: f64 = alpha.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: alpha ({e})"))?;
+                let targets: Vec<&str> = a.lora_targets.split(',').map(|t| t.trim()).collect();
+                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?)
+            }
+        },
     };
     let world = layout.world_size();
     let launch = Launch::from_args(&a, world, cuda)?;
@@ -237,6 +247,14 @@ fn main() -> Result<()> {
             say!("params   : the updated ZeRO slices all-gathered {when}");
         }
     }
+    if let Some(l) = &cfg.lora {
+        say!(
+            "lora     : rank {}, alpha {} on {} of every layer; every other weight frozen; checkpoints add a PEFT adapter",
+            l.config.rank,
+            l.config.alpha,
+            l.targets.join(", ")
+        );
+    }
     say!("out      : {}", a.out.display());
     if a.resume {
         let root = a.out.join("checkpoints");
@@ -308,7 +326,13 @@ fn main() -> Result<()> {
         c.num_key_value_heads,
         c.vocab_size
     );
-    println!("optimizer: {:.2} MiB of Adam state on rank 0", o.optimizer_state_bytes as f64 / (1u64 << 20) as f64);
+    println!(
+        "optimizer: {:.2} MiB of Adam state on rank 0 ({} of the {} parameters trained{})",
+        o.optimizer_state_bytes as f64 / (1u64 << 20) as f64,
+        o.trainable_params,
+        o.n_params,
+        if a.lora.is_some() { ": the LoRA adapters" } else { "" }
+    );
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(

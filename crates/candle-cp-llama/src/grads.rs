@@ -13,11 +13,11 @@
 //! | stacked experts under expert parallelism (`ep > 1`) | the DP × CP ranks holding the same experts ([`ParallelCtx::ep_dp`]; the EP exchange's backward brought the EP group's tokens) |
 //!
 //! Gradients are packed into f32 buffers of up to 2^26 elements per group (one all-reduce
-//! each), in [`param_specs`] order on every rank.
+//! each), in [`crate::param_specs`] order on every rank (a LoRA run: its adapters only, [`crate::trainable_specs`]).
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
-use crate::params::{param_specs, Shard};
+use crate::params::Shard;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, DType, Result, Tensor};
 use candle_cp_comm::Group;
@@ -88,7 +88,8 @@ fn reduce_with_buckets(
     let vars = crate::params::lock_vars(varmap)?.clone();
     // one list per gradient group (ParallelCtx::grad_group), in first-seen param_specs order
     // (checked before any collective: a rank that errors here communicates nothing)
-    let specs = param_specs(cfg);
+    // (a LoRA run's frozen weights have no gradient to sum)
+    let specs = crate::params::trainable_specs(cfg);
     if let Some(s) = specs.iter().find(|s| !vars.contains_key(&s.name)) {
         bail!(
             "reduce_gradients: parameter {} {:?} is not in the VarMap",

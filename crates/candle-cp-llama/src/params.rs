@@ -344,7 +344,7 @@ pub fn trainable_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
 }
 
 /// The full f32 host tensor [`init_params`] draws for `spec`.
-fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
+pub(crate) fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
     if spec.name.ends_with(".lora_B.weight") {
         // B starts at zero: the adapted model starts as the base model

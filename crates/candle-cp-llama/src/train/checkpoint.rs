@@ -191,7 +191,7 @@ pub fn reshard_optimizer_state(
     }
     let mut out = std::collections::HashMap::new();
     out.insert("step".to_string(), candle_core::Tensor::new(steps[0].as_slice(), &Device::Cpu)?);
-    for spec in crate::params::param_specs(cfg) {
+    for spec in crate::params::trainable_specs(cfg) {
         for prefix in ["m", "v", "w"] {
             let key = format!("{prefix}.{}", spec.name);
             let parts: Vec<candle_core::Tensor> = (0..old_tp).map(|t| read(t, &key)).collect::<candle_core::Result<Vec<_>>>()?.into_iter().flatten().collect();

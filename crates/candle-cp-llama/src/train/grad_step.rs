@@ -25,7 +25,6 @@ use super::overlap::GradOverlap;
 use crate::config::LlamaConfig;
 use crate::grads::{named_grads, reduce_gradients, reduce_gradients_for_zero, Skip};
 use crate::layout::ParallelCtx;
-use crate::params::param_specs;
 use crate::Llama;
 use candle_core::backprop::GradStore;
 use candle_core::{bail, Result, Tensor};
@@ -74,7 +73,7 @@ impl GradSteps {
         let mut vars = Vec::new();
         let mut replica = Vec::new();
         let mut experts = Vec::new();
-        for s in param_specs(cfg) {
+        for s in crate::params::trainable_specs(cfg) {
             let Some(v) = all.get(&s.name) else { bail!("train: parameter {} is not in the VarMap", s.name) };
             if ctx.param_grad_group_is_dp_cp(&s) {
                 replica.push((s.name.clone(), v.as_tensor().clone()));

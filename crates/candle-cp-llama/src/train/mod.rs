@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod clip;
 pub mod data;
 mod grad_step;
+mod lora;
 pub mod metrics;
 pub mod optim;
 pub mod packed_data;

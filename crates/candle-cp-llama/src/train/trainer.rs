@@ -115,6 +115,10 @@ pub struct TrainConfig {
     /// [`LlamaConfig::sliding_window`] (of the HF checkpoint, the init config, or the resumed
     /// checkpoint); `None`: keep the model's. Checkpoints are written with the window used.
     pub sliding_window: Option<usize>,
+    /// LoRA fine-tuning ([`crate::lora`]): adapters on these projections are trained, every
+    /// other parameter frozen (no gradient, no optimizer state); each checkpoint holds the
+    /// base model and the adapters as a PEFT adapter. `None`: train every parameter.
+    pub lora: Option<crate::LoraSpec>,
 }
 
 impl TrainConfig {
@@ -152,6 +156,7 @@ impl TrainConfig {
             long_range_only: false,
             args: serde_json::Value::Null,
             sliding_window: None,
+            lora: None,
         }
     }
 }
@@ -170,8 +175,10 @@ pub struct TrainOutcome {
     pub optimizer_resharded_from: Option<usize>,
     /// Model config used.
     pub config: LlamaConfig,
-    /// Number of parameters of the full model.
+    /// Number of parameters of the full model (a LoRA run's adapters included).
     pub n_params: usize,
+    /// Number of those the run trains (a LoRA run: the adapters).
+    pub trainable_params: usize,
     /// Bytes of Adam state on this rank ([`super::AdamW::state_bytes`]: ZeRO's slices, the
     /// experts this rank holds under expert parallelism).
     pub optimizer_state_bytes: usize,
@@ -349,6 +356,19 @@ pub fn train_rank(
         mcfg.sliding_window = cfg.sliding_window;
         mcfg.validate()?;
     }
+    // LoRA: the adapters beside the base weights (from the checkpoint being resumed, or drawn)
+    let lora_saved = resume_from.as_ref().filter(|d| d.join("adapter_config.json").exists());
+    match (&cfg.lora, lora_saved, &resume_from) {
+        (Some(l), _, _) => {
+            if let (Some(dir), None) = (&resume_from, lora_saved) {
+                bail!("resume: {} holds no LoRA adapter (a run that trained every weight): resume it without lora", dir.display())
+            }
+            mcfg.lora = Some(l.clone());
+            super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, lora_saved.map(|d| d.as_path()))?;
+        }
+        (None, Some(dir), _) => bail!("resume: {} holds LoRA adapters: resume it with the same lora settings", dir.display()),
+        (None, None, _) => {}
+    }
     cfg.layout
         .validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
     if cfg.data.vocab_needed() > mcfg.vocab_size {
@@ -362,15 +382,17 @@ pub fn train_rank(
         .iter()
         .map(|s| s.shape.iter().product::<usize>())
         .sum();
-    let model = Llama::new(
-        VarBuilder::from_varmap(&varmap, cfg.dtype, &dev),
-        &mcfg,
-        &ctx,
-    )?
-    .with_recompute(cfg.recompute);
+    // (a LoRA run: the base weights frozen, plain tensors)
+    let vb = match &mcfg.lora {
+        Some(_) => super::lora::frozen_builder(&varmap, cfg.dtype, &dev)?,
+        None => VarBuilder::from_varmap(&varmap, cfg.dtype, &dev),
+    };
+    let model = Llama::new(vb, &mcfg, &ctx)?.with_recompute(cfg.recompute);
+    let trainable_params: usize = crate::params::trainable_specs(&mcfg).iter().map(|s| s.shape.iter().product::<usize>()).sum();
+    let trainable: std::collections::HashSet<String> = crate::params::trainable_specs(&mcfg).into_iter().map(|s| s.name).collect();
     let named_vars: Vec<(String, candle_core::Var)> = {
         let data = crate::params::lock_vars(&varmap)?;
-        data.iter().map(|(k, v)| (k.clone(), v.clone())).collect()
+        data.iter().filter(|(k, _)| trainable.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect()
     };
     // how many TP ranks hold each parameter's gradient (for the global norm)
     let copies: HashMap<String, usize> = param_specs(&mcfg)
@@ -388,7 +410,7 @@ pub fn train_rank(
     // the experts' state: with ZeRO split over the ranks holding the same experts (ep_dp), not
     // over all the replicas; gathered over the EP group when saved (the file holds every expert)
     let experts: std::collections::HashSet<String> =
-        param_specs(&mcfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
+        crate::params::trainable_specs(&mcfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
     if let Some(ep) = &ctx.ep {
         opt = opt.with_expert_parallel(ep.clone(), ctx.ep_dp.clone(), experts.iter().cloned())?;
     }
@@ -448,7 +470,10 @@ pub fn train_rank(
         world.barrier()?;
         let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
         // gathered one parameter at a time and streamed into the file by the main rank
-        save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
+        // (a LoRA run: the base model, then the adapters as a PEFT adapter beside it)
+        let base_cfg = LlamaConfig { lora: None, ..mcfg.clone() };
+        save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &base_cfg, &ctx, is_main)?;
+        super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, ".")?;
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
         if is_main {
@@ -611,6 +636,7 @@ pub fn train_rank(
                 optimizer_resharded_from: resharded_from,
                 config: mcfg,
                 n_params,
+                trainable_params,
                 optimizer_state_bytes: opt.state_bytes(),
             });
         }
@@ -635,6 +661,7 @@ pub fn train_rank(
         optimizer_resharded_from: resharded_from,
         config: mcfg,
         n_params,
+        trainable_params,
         optimizer_state_bytes: opt.state_bytes(),
     })
 }
@@ -646,3 +673,7 @@ mod tests;
 #[cfg(test)]
 #[path = "trainer_moe_tests.rs"]
 mod moe_tests;
+
+#[cfg(test)]
+#[path = "trainer_lora_tests.rs"]
+mod lora_tests;
