@@ -89,6 +89,8 @@ fn random_plans_are_consistent() {
             flash: d.below(8) != 0,
             regather_heads: false,
             f32_row_sums: None,
+            lora_rank: 0,
+            lora_mlp: false,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);
         let mut inp = PlanInput::new(model, hw, layout, seq);

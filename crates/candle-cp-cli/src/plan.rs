@@ -44,6 +44,14 @@ pub struct CommonArgs {
     /// GPU memory, GB (10^9 bytes).
     #[arg(long)]
     pub gpu_mem_gb: Option<f64>,
+    /// LoRA fine-tuning: adapters of rank R on q, k, v, o (finetune_llama --lora R,ALPHA),
+    /// every other weight frozen: gradients and Adam state for the adapters only. 0: full
+    /// fine-tuning.
+    #[arg(long, value_name = "R", default_value_t = 0)]
+    pub lora: usize,
+    /// With --lora: the MLP projections (gate, up, down) too.
+    #[arg(long)]
+    pub lora_mlp: bool,
     /// Dense bf16 peak, TFLOP/s.
     #[arg(long)]
     pub flops: Option<f64>,
@@ -147,7 +155,11 @@ pub struct PlanArgs {
 }
 
 /// Builds the planner input from the shared flags and `layout`; errors name the bad value.
-pub fn input_from_common(a: &CommonArgs, layout: Layout) -> anyhow::Result<PlanInput> {
+pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<PlanInput> {
+    (layout.lora_rank, layout.lora_mlp) = (a.lora, a.lora_mlp);
+    if a.lora_mlp && a.lora == 0 {
+        anyhow::bail!("--lora-mlp adapts the MLP projections too: give the adapters' rank with --lora R")
+    }
     let mut model = ModelConfig::from_name_or_path(&a.model)?;
     if let Some(w) = a.sliding_window {
         if w == 0 {
@@ -229,6 +241,8 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         flash: true,
         regather_heads: false,
         f32_row_sums: None,
+        lora_rank: 0,
+        lora_mlp: false,
     };
     let mut input = input_from_common(&a.common, layout)?;
     input.micro_batches = a.micro_batches;

@@ -159,6 +159,13 @@ pub struct Layout {
     /// `None`: each kind's default ([`Layout::f32_row_sums_or_default`]: yes for the ring kinds
     /// and 2-D, no on one device and for Ulysses).
     pub f32_row_sums: Option<bool>,
+    /// LoRA fine-tuning (candle-cp's `TrainConfig::lora`): adapters of this rank on q, k, v,
+    /// o of every layer (and gate, up, down of the dense MLPs with [`Layout::lora_mlp`]), the
+    /// other weights frozen: gradients and Adam state for the adapters only
+    /// ([`crate::memory::layer_lora_params_per_gpu`]). 0: every weight trained.
+    pub lora_rank: usize,
+    /// LoRA on the MLP projections too (PEFT's "all linear" targets).
+    pub lora_mlp: bool,
 }
 
 impl Default for Layout {
@@ -178,6 +185,8 @@ impl Default for Layout {
             flash: true,
             regather_heads: false,
             f32_row_sums: None,
+            lora_rank: 0,
+            lora_mlp: false,
         }
     }
 }

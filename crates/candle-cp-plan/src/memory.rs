@@ -377,6 +377,26 @@ pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     }
 }
 
+/// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):
+/// `r·(in + out)` per adapted projection, split over TP as candle-cp splits them (a
+/// column-parallel projection's `A` `[r, in]` replicated and `B` `[out/t, r]`; a row-parallel
+/// one's `A` `[r, in/t]` and `B` `[out, r]` replicated; K/V's `B` as their heads). The MLP's
+/// (with [`Layout::lora_mlp`]) on the dense layers only: the experts are not adapted.
+pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let r = l.lora_rank as f64;
+    if r == 0.0 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
+    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    // q, k, v: A replicated, B split; o: A split, B replicated
+    let attn = r * (3.0 * h + q / t + 2.0 * kv) + r * (q / t + h);
+    let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
+    let mlp = if l.lora_mlp { dense_mlp * (r * (2.0 * h + 2.0 * f / t) + r * (f / t + h)) } else { 0.0 };
+    attn + mlp
+}
+
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,
 /// embedding and output projection vocab-parallel over `t` ([`vocab_rows_per_gpu`]), on the
 /// first/last stage.
@@ -415,13 +435,15 @@ pub struct ModelStates {
     pub total: f64,
 }
 
-/// Mixed-precision Adam state per GPU (16 bytes/param in bf16/fp16), sharded per ZeRO
+/// Mixed-precision Adam state per GPU (16 bytes/param in bf16/fp16; a LoRA run: `e` bytes
+/// per frozen weight, 16 per adapter parameter), sharded per ZeRO
 /// stage over the `dp·cp` ranks that hold the same weight shard; under expert parallelism the
 /// experts' (split over the EP ranks already) over the `dp·cp/ep` ranks holding the same
 /// experts, as candle-cp's trainer splits them (`AdamW::with_expert_parallel`) and
 /// Megatron's distributed optimizer does.
 pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
-    let params = params_per_gpu(m, l);
+    let adapters = layers_per_stage(m, l) as f64 * layer_lora_params_per_gpu(m, l);
+    let params = params_per_gpu(m, l) + adapters;
     let experts = layers_per_stage(m, l) as f64 * layer_expert_params_per_gpu(m, l);
     let dense = params - experts;
     let n = (l.dp * l.cp) as f64;
@@ -430,8 +452,12 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     let shard = |stage: u8, n: f64| if l.zero >= stage { n } else { 1.0 };
     let by = |bytes: f64, stage: u8| dense * bytes / shard(stage, n) + experts * bytes / shard(stage, n_ex);
     let weights = by(e as f64, 3);
-    let grads = by(e as f64, 2);
-    let optimizer = by(opt_bytes, 1);
+    // LoRA: gradients and Adam state of the adapters alone (the base weights frozen)
+    let (grads, optimizer) = if l.lora_rank > 0 {
+        (adapters * e as f64 / shard(2, n), adapters * opt_bytes / shard(1, n))
+    } else {
+        (by(e as f64, 2), by(opt_bytes, 1))
+    };
     let zero3_gathered = if l.zero >= 3 && n > 1.0 {
         let emb = vocab_rows_per_gpu(m, l) as f64 * m.hidden as f64;
         3.0 * e as f64 * layer_params_per_gpu(m, l).max(emb)

@@ -563,6 +563,14 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
     if l.sp && l.tp == 1 {
         n.push("--sp has no effect with --tp 1".into());
     }
+    if l.lora_rank > 0 {
+        n.push(format!(
+            "LoRA rank {} on q, k, v, o{}: {:.1} M adapter parameters per GPU hold the gradients and the Adam state; the other weights are frozen (their e bytes only); activations as full fine-tuning keeps them",
+            l.lora_rank,
+            if l.lora_mlp { " and the dense MLPs' gate, up, down" } else { "" },
+            crate::memory::layers_per_stage(m, l) as f64 * crate::memory::layer_lora_params_per_gpu(m, l) / 1e6
+        ));
+    }
     if l.ep > 1 {
         n.push(format!(
             "expert parallelism {}: each GPU holds {} of the experts; the all-to-alls assume balanced routing (skewed routing sends more to and from the busiest rank, which sets the exchange's time)",

@@ -194,6 +194,8 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     flash: base.layout.flash,
                                     regather_heads,
                                     f32_row_sums: base.layout.f32_row_sums,
+                                    lora_rank: base.layout.lora_rank,
+                                    lora_mlp: base.layout.lora_mlp,
                                 };
                                 out.push((layout, k));
                             }
@@ -366,6 +368,13 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
     }
     if matches!(overlap, Overlap::Gather | Overlap::All) {
         f.push_str(" --overlap-param-gather");
+    }
+    if l.lora_rank > 0 {
+        // (alpha = 2r, a common choice; it does not change the plan)
+        let _ = write!(f, " --lora {},{}", l.lora_rank, 2 * l.lora_rank);
+        if l.lora_mlp {
+            f.push_str(" --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj");
+        }
     }
     f
 }
