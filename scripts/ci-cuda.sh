@@ -230,6 +230,12 @@ for dt in f32 bf16; do
     "$ft_bin" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
   same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "CP 2 zigzag, cuda $dt (shim, thread ranks on 2 devices)"
 done
+# LoRA on every projection (the base frozen: plain tensors, no gradient): the same losses
+ftl=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
+shim_step "finetune_llama cpu lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftl[@]}" --out "$shim_dir/ft-cpu-lora"
+shim_step "finetune_llama cuda lora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftl[@]}" --out "$shim_dir/ft-cuda-lora"
+same_loss "$shim_dir/ft-cpu-lora/metrics.jsonl" "$shim_dir/ft-cuda-lora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
 ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)
