@@ -104,9 +104,11 @@ fn run(
         let ctx = ParallelCtx::new(g, layout)?;
         // each rank reads only its own shards (memory-mapped, one tensor at a time)
         let (vm, _) = load_hf_sharded(dir, &ctx, dev, DType::F32)?;
+        // a LoRA run's checkpoint: its PEFT adapter beside the base model
+        let lora_cfg = candle_cp_llama::lora::load_adapter_sharded(dir, cfg, &vm, &ctx, DType::F32, dev)?;
         let m = Llama::new(
             VarBuilder::from_varmap(&vm, DType::F32, dev),
-            cfg,
+            lora_cfg.as_ref().unwrap_or(cfg),
             &ctx,
         )?;
         m.generate(prompt, new, sampling)

@@ -99,6 +99,46 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     std::fs::write(&cfg, text).map_err(|e| io("writing", &cfg, e))
 }
 
+/// Whether `dir` holds a PEFT adapter (`adapter_config.json`), as a LoRA run's checkpoints do.
+pub fn has_adapter(dir: &Path) -> bool {
+    dir.join("adapter_config.json").exists()
+}
+
+/// Add this rank's shards of the PEFT adapter in `dir` to `varmap` (the base model's shards,
+/// e.g. from [`crate::load_hf_sharded`] of the same directory) and return `cfg` with its
+/// [`LoraSpec`]: build the model from both to run the fine-tuned model (generation). `None`
+/// when `dir` holds no adapter. Errors name a missing adapter tensor or one of another shape.
+pub fn load_adapter_sharded(dir: &Path, cfg: &crate::LlamaConfig, varmap: &candle_nn::VarMap, ctx: &crate::ParallelCtx, dtype: candle_core::DType, device: &Device) -> Result<Option<crate::LlamaConfig>> {
+    if !has_adapter(dir) {
+        return Ok(None);
+    }
+    let (spec, tensors) = load_peft_adapter(dir)?;
+    let cfg = cfg.clone().with_lora(Some(spec));
+    insert_adapter_shards(varmap, &cfg, ctx, dtype, device, |s| match tensors.get(&s.name) {
+        Some(t) => Ok(t.clone()),
+        None => bail!("{}: the adapter has no {} {:?}", dir.display(), s.name, s.shape),
+    })?;
+    Ok(Some(cfg))
+}
+
+/// Insert this rank's shard of each of `cfg`'s adapters into `varmap`, the full tensor from
+/// `full_of` (checked against the spec, sliced for the rank, cast, moved).
+pub(crate) fn insert_adapter_shards(
+    varmap: &candle_nn::VarMap,
+    cfg: &crate::LlamaConfig,
+    ctx: &crate::ParallelCtx,
+    dtype: candle_core::DType,
+    device: &Device,
+    full_of: impl Fn(&crate::ParamSpec) -> Result<Tensor>,
+) -> Result<()> {
+    let mut data = crate::params::lock_vars(varmap)?;
+    for s in crate::param_specs(cfg).into_iter().filter(|s| s.is_lora()) {
+        let local = s.slice_for(&full_of(&s)?, ctx)?;
+        data.insert(s.name.clone(), candle_core::Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
+    }
+    Ok(())
+}
+
 /// The adapters of a PEFT adapter directory (`adapter_model.safetensors`), by parameter name
 /// (the `base_model.model.` prefix removed), on the host; and its rank, alpha and targets
 /// from `adapter_config.json`.

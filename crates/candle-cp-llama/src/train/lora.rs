@@ -12,7 +12,7 @@
 use crate::lora::{is_lora_name, load_peft_adapter, save_peft_adapter};
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
-use candle_core::{bail, DType, Device, Result, Tensor, Var};
+use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_nn::{VarBuilder, VarMap};
 use std::collections::HashMap;
 use std::path::Path;
@@ -32,19 +32,13 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
         }
         None => None,
     };
-    let mut data = lock_vars(varmap)?;
-    for s in param_specs(cfg).into_iter().filter(|s| s.is_lora()) {
-        let full = match &saved {
-            Some(t) => match t.get(&s.name) {
-                Some(t) => t.clone(),
-                None => bail!("resume: the adapter file has no {} {:?}", s.name, s.shape),
-            },
-            None => init_tensor(&s, seed, cfg)?,
-        };
-        let local = s.slice_for(&full, ctx)?;
-        data.insert(s.name.clone(), Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
-    }
-    Ok(())
+    crate::lora::insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| match &saved {
+        Some(t) => match t.get(&s.name) {
+            Some(t) => Ok(t.clone()),
+            None => bail!("resume: the adapter file has no {} {:?}", s.name, s.shape),
+        },
+        None => init_tensor(s, seed, cfg),
+    })
 }
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no

@@ -3,6 +3,8 @@
 use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
 use super::*;
 use crate::CpKind;
+use candle_cp_comm::run_ranks;
+use candle_nn::VarMap;
 
 fn lora_cfg(out: Option<PathBuf>, layout: Layout) -> Result<TrainConfig> {
     let mut c = tiny_cfg(out, layout, 2, 1);
@@ -42,6 +44,35 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     assert_eq!(o.optimizer_state_bytes, 8 * o.trainable_params, "f32 moments of the adapters only");
     let (first, last) = (o.metrics[0].loss, o.metrics[5].loss);
     assert!(last < first, "the loss falls: {first} → {last}");
+    // the checkpoint as a model (base + adapter, load_adapter_sharded) gives the logits of
+    // the merged weights W + s·B·A
+    let ids = Tensor::new(&[[3u32, 9, 27, 1, 14, 5, 40, 2]], &Device::Cpu)?;
+    let logits = run_ranks(1, |g| {
+        let ctx = crate::ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = crate::load_hf_sharded(&ck, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(cfg) = crate::lora::load_adapter_sharded(&ck, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else { candle_core::bail!("no adapter") };
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        // merged: W + s·B·A for every adapted weight, no adapters
+        let mut merged = saved.clone();
+        for (name, w) in saved.iter() {
+            let stem = name.strip_suffix(".weight").unwrap_or(name);
+            if let (Some(a), Some(b)) = (adapters.get(&format!("{stem}.lora_A.weight")), adapters.get(&format!("{stem}.lora_B.weight"))) {
+                merged.insert(name.clone(), (w + (b.matmul(a)? * spec.config.scale())?)?);
+            }
+        }
+        let mvm = VarMap::new();
+        for (n, t) in &merged {
+            mvm.data().lock().map_err(|e| candle_core::Error::Msg(e.to_string()))?.insert(n.clone(), candle_core::Var::from_tensor(t)?);
+        }
+        let dense = Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &base, &ctx)?;
+        let pos = Tensor::arange(0u32, 8, &Device::Cpu)?;
+        let (a, b) = (m.forward(&ids, &pos)?, dense.forward(&ids, &pos)?);
+        Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+    });
+    for e in logits {
+        let e = e?;
+        assert!(e < 1e-5, "the loaded LoRA checkpoint's logits differ from the merged model's by {e}");
+    }
     let curve: Vec<&StepMetrics> = o.metrics.iter().collect();
     // (layout, recompute + overlaps, ZeRO stage)
     let runs = [
