@@ -67,7 +67,7 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
         let dense = Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &base, &ctx)?;
         let pos = Tensor::arange(0u32, 8, &Device::Cpu)?;
         let (a, b) = (m.forward(&ids, &pos)?, dense.forward(&ids, &pos)?);
-        Ok((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?)
+        (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
     });
     for e in logits {
         let e = e?;
