@@ -3,6 +3,7 @@
 //!
 //! Exit codes: 0 PASS (or success), 1 FAIL, 2 bad input (message on stderr).
 
+mod merge_lora;
 mod plan;
 mod search;
 mod verify_attn;
@@ -27,6 +28,8 @@ enum Cmd {
     Plan(plan::PlanArgs),
     /// The fastest layouts of N GPUs that fit in memory, ranked by the planner's step time.
     Search(search::SearchArgs),
+    /// A LoRA checkpoint (base model + PEFT adapter) as one merged Hugging Face model.
+    MergeLora(merge_lora::MergeArgs),
 }
 
 #[derive(Subcommand)]
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
         Cmd::Verify(Verify::Llama(a)) => verify_llama::run(a),
         Cmd::Plan(a) => plan::run(a),
         Cmd::Search(a) => search::run(a),
+        Cmd::MergeLora(a) => merge_lora::run(a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -139,6 +139,30 @@ pub(crate) fn insert_adapter_shards(
     Ok(())
 }
 
+/// Merge adapters into their weights, in place: `W ← W + s·B·A` (in f32, back in `W`'s dtype)
+/// for every adapted weight in `weights` (full tensors by parameter name), the model a
+/// serving stack loads without PEFT. `adapters` by parameter name (`….lora_{A,B}.weight`, as
+/// [`load_peft_adapter`] gives them). Returns how many weights were merged; errors name a
+/// weight an adapter has no base for, or factors that do not fit it.
+pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>) -> Result<usize> {
+    let mut merged = 0;
+    for (name, a) in adapters.iter().filter(|(n, _)| n.ends_with(".lora_A.weight")) {
+        let stem = &name[..name.len() - ".lora_A.weight".len()];
+        let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
+        let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
+        let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
+        let (f32, dt) = (candle_core::DType::F32, w.dtype());
+        let (dw, w32) = (b.to_dtype(f32)?.matmul(&a.to_dtype(f32)?)?, w.to_dtype(f32)?);
+        if dw.dims() != w32.dims() {
+            bail!("merge_adapter: B {:?} · A {:?} does not fit {wn} {:?}", b.dims(), a.dims(), w.dims())
+        }
+        let new = (w32 + (dw * spec.config.scale())?)?.to_dtype(dt)?;
+        weights.insert(wn, new);
+        merged += 1;
+    }
+    Ok(merged)
+}
+
 /// The adapters of a PEFT adapter directory (`adapter_model.safetensors`), by parameter name
 /// (the `base_model.model.` prefix removed), on the host; and its rank, alpha and targets
 /// from `adapter_config.json`.

@@ -45,7 +45,7 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     let (first, last) = (o.metrics[0].loss, o.metrics[5].loss);
     assert!(last < first, "the loss falls: {first} → {last}");
     // the checkpoint as a model (base + adapter, load_adapter_sharded) gives the logits of
-    // the merged weights W + s·B·A
+    // the merged weights W + s·B·A (merge_adapter)
     let ids = Tensor::new(&[[3u32, 9, 27, 1, 14, 5, 40, 2]], &Device::Cpu)?;
     let logits = run_ranks(1, |g| {
         let ctx = crate::ParallelCtx::new(g, Layout::single())?;
@@ -54,12 +54,7 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
         let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
         // merged: W + s·B·A for every adapted weight, no adapters
         let mut merged = saved.clone();
-        for (name, w) in saved.iter() {
-            let stem = name.strip_suffix(".weight").unwrap_or(name);
-            if let (Some(a), Some(b)) = (adapters.get(&format!("{stem}.lora_A.weight")), adapters.get(&format!("{stem}.lora_B.weight"))) {
-                merged.insert(name.clone(), (w + (b.matmul(a)? * spec.config.scale())?)?);
-            }
-        }
+        assert_eq!(crate::lora::merge_adapter(&mut merged, &spec, &adapters)?, 6);
         let mvm = VarMap::new();
         for (n, t) in &merged {
             mvm.data().lock().map_err(|e| candle_core::Error::Msg(e.to_string()))?.insert(n.clone(), candle_core::Var::from_tensor(t)?);

@@ -1,0 +1,47 @@
+//! `candle-cp merge-lora`: a LoRA run's checkpoint (the base model and a PEFT adapter beside it)
+//! as one Hugging Face model, `W + s·B·A` in every adapted weight, for a serving stack that
+//! loads no adapter.
+
+use candle_core::{DType, Device};
+use candle_cp_llama::lora::{has_adapter, load_peft_adapter, merge_adapter};
+use std::path::PathBuf;
+
+/// Flags of `candle-cp merge-lora`.
+#[derive(clap::Args, Debug)]
+pub struct MergeArgs {
+    /// The checkpoint: a directory with model.safetensors, config.json, adapter_model.safetensors
+    /// and adapter_config.json (finetune_llama --lora writes them).
+    #[arg(long)]
+    pub checkpoint: PathBuf,
+    /// Where to write the merged model (model.safetensors, config.json).
+    #[arg(long)]
+    pub out: PathBuf,
+}
+
+/// Load, merge, write; prints what it merged.
+pub fn run(a: MergeArgs) -> crate::Outcome {
+    if !has_adapter(&a.checkpoint) {
+        anyhow::bail!("{}: no adapter_config.json (not a LoRA checkpoint)", a.checkpoint.display())
+    }
+    let (vm, cfg) = candle_cp_llama::load_hf(&a.checkpoint, &Device::Cpu, DType::F32)?;
+    let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
+    let dtype = weights.values().next().map(|t| t.dtype()).unwrap_or(DType::F32);
+    let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
+    let n = merge_adapter(&mut weights, &spec, &adapters)?;
+    let named: Vec<(String, candle_core::Tensor)> = candle_cp_llama::param_specs(&cfg)
+        .into_iter()
+        .map(|s| match weights.remove(&s.name) {
+            Some(t) => Ok((s.name, t.to_dtype(dtype)?)),
+            None => anyhow::bail!("merge-lora: the checkpoint has no {}", s.name),
+        })
+        .collect::<anyhow::Result<_>>()?;
+    candle_cp_llama::save_hf_tensors(&a.out, &named, &cfg)?;
+    println!(
+        "merged {n} weights (LoRA rank {}, alpha {}, {}) into {}",
+        spec.config.rank,
+        spec.config.alpha,
+        spec.targets.join(", "),
+        a.out.display()
+    );
+    Ok(true)
+}

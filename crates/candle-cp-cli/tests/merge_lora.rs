@@ -1,0 +1,61 @@
+//! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model
+//! becomes one model whose logits equal the adapted model's; a directory without an adapter is
+//! refused (exit 2).
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
+use candle_cp_llama::{layout::Layout, LoraSpec, ParallelCtx};
+use candle_nn::VarBuilder;
+use std::path::Path;
+
+mod common;
+use common::candle_cp;
+
+#[test]
+fn merged_model_equals_the_adapted_one() -> Result<()> {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle/tiny-llama");
+    let dir = std::env::temp_dir().join(format!("candle-cp-merge-lora-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir)?;
+    for f in ["model.safetensors", "config.json"] {
+        std::fs::copy(tiny.join(f), dir.join(f))?;
+    }
+    // adapters on every projection, B off zero (as after training)
+    let (_, base_cfg) = candle_cp_llama::load_hf(&dir, &Device::Cpu, DType::F32)?;
+    let spec = LoraSpec::new(4, 8.0, &TARGETS)?;
+    let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
+    let mut adapters = std::collections::HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(70 + i as u64, &s.shape, 0.1)?);
+    }
+    save_peft_adapter(&dir, &spec, &adapters, "tiny-llama")?;
+    let out = dir.join("merged");
+    let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    assert!(text.contains("merged 14 weights"), "{text}");
+    let ids = Tensor::new(&[[5u32, 17, 200, 3, 99, 41, 7, 300]], &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, 8, &Device::Cpu)?;
+    let logits = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
+            candle_core::bail!("no adapter")
+        };
+        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
+        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
+        assert!(mcfg.lora.is_none() && !candle_cp_llama::lora::has_adapter(&out), "a plain model");
+        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        (adapted.forward(&ids, &pos)? - merged.forward(&ids, &pos)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+    });
+    for e in logits {
+        let e = e?;
+        assert!(e < 1e-5, "merged logits differ from the adapted model's by {e}");
+    }
+    // a plain model directory is refused
+    let o = candle_cp(&["merge-lora", "--checkpoint", out.to_str().unwrap_or(""), "--out", dir.join("again").to_str().unwrap_or("")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("not a LoRA checkpoint"));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
