@@ -285,17 +285,21 @@ impl ColumnParallelLinear {
         if !posts.is_empty() && posts.len() != self.parts.len() {
             bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
         }
-        if !self.lora.is_empty() {
-            // the update goes in before the output map: the maps run after the sum, as nodes
-            // of their own (which keep the pre-map output: an adapted part costs that tensor)
-            let ys = crate::regather::regathered_parts(x, self.part_refs(&[]), &self.tp.group, self.tp.sequence_parallel)?;
-            let ys = self.add_lora(x, ys)?;
-            return ys.into_iter().enumerate().map(|(i, y)| match posts.get(i).cloned().flatten() {
-                Some(post) => crate::regather::apply_post(&y, post),
-                None => Ok(y),
-            }).collect();
+        let ys = crate::regather::regathered_parts(x, self.part_refs(posts), &self.tp.group, self.tp.sequence_parallel)?;
+        if self.lora.is_empty() {
+            return Ok(ys);
         }
-        crate::regather::regathered_parts(x, self.part_refs(posts), &self.tp.group, self.tp.sequence_parallel)
+        // the update through the part's output map (linear: post(y + δ) = post(y) + post(δ)),
+        // a node that keeps the adapter's r-wide activations only
+        ys.into_iter()
+            .zip(&self.lora)
+            .enumerate()
+            .map(|(i, (y, l))| match (l, posts.get(i).and_then(|p| p.as_ref())) {
+                (Some(l), Some(post)) => y + crate::lora::column_delta_mapped(x, l, &self.tp, post)?,
+                (Some(l), None) => y + crate::lora::column_delta(x, l, &self.tp)?,
+                (None, _) => Ok(y),
+            })
+            .collect()
     }
 
     /// The parts for [`crate::regather::regathered_parts`], with `posts` (empty or one each).

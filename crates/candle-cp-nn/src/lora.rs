@@ -15,6 +15,10 @@
 //! with SP (sum it over TP, as `candle_cp_llama::reduce_gradients` does for replicated
 //! parameters under SP). A split factor's gradient is complete for its slice.
 //!
+//! A part with an output map (RoPE) takes the update through the map as a node of its own that
+//! keeps only the adapter's `r`-wide activations (the map is linear: `post(y + δ) = post(y) +
+//! post(δ)`), so the regathered path keeps no `[T, out]` tensor more than without adapters.
+//!
 //! The CPU reference is the dense layer with the adapter on full tensors (`tests`:
 //! [`crate::lora`] on TP 2 and 4, with and without SP, every forward path, against it).
 
@@ -116,6 +120,33 @@ impl Lora {
 /// A column-parallel part's update `s·(x·Aᵀ)·Bᵀ` `[.., T, out_local]` from the layer's input
 /// `x` as given (the sequence shard under SP, replicated without).
 pub(crate) fn column_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    column_u(x, l, tp)?.broadcast_matmul(&l.b.t()?)? * l.scale
+}
+
+/// [`column_delta`] through a part's output map `post` (linear, e.g. RoPE): `post(s·u·Bᵀ)`
+/// as one graph node that keeps only `u = x·Aᵀ` (`[.., T, r]`) and `B`, not the `[.., T,
+/// out_local]` update, so an adapted part with a map keeps no more than its `r`-wide
+/// activations. Backward: `g' = postᵀ(g)`, `du = s·g'·B`, `dB = s·g'ᵀ·u`.
+pub(crate) fn column_delta_mapped(x: &Tensor, l: &Lora, tp: &Tp, post: &crate::PartPost) -> Result<Tensor> {
+    let u = column_u(x, l, tp)?;
+    let (ud, bd, s) = (u.detach(), l.b.detach(), l.scale);
+    let out = (post.fwd)(&(ud.broadcast_matmul(&bd.t()?)? * s)?)?;
+    let (o, r) = bd.dims2()?;
+    let (post, udims) = (post.clone(), ud.dims().to_vec());
+    let bwd: candle_cp_ops::autograd::BackwardFn = std::sync::Arc::new(move |g: &Tensor| {
+        let lead = udims.iter().product::<usize>() / r.max(1);
+        let g2 = (post.bwd)(g)?.reshape((lead, o))?;
+        let du = (g2.matmul(&bd)? * s)?.reshape(udims.as_slice())?;
+        let db = (g2.t()?.matmul(&ud.reshape((lead, r))?)? * s)?;
+        Ok(vec![Some(du), Some(db)])
+    });
+    candle_cp_ops::autograd::attach2("LoRA update", &u, &l.b, out, bwd)
+}
+
+/// `u = x·Aᵀ` `[.., T, r]` over the whole sequence: all-gathered along it (SP), or from the
+/// input copied into the TP region with `A` copied too (no SP: `A`'s gradient summed over TP
+/// in the backward).
+fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     let p = tp.size();
     let u = if p > 1 && tp.sequence_parallel {
         mappings::gather_from_sp_region(&x.broadcast_matmul(&l.a.t()?)?, &tp.group, SEQ_DIM)?
@@ -125,7 +156,7 @@ pub(crate) fn column_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     } else {
         x.broadcast_matmul(&l.a.t()?)?
     };
-    u.broadcast_matmul(&l.b.t()?)? * l.scale
+    Ok(u)
 }
 
 /// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the

@@ -59,15 +59,6 @@ pub(crate) struct PartRef<'a> {
     pub(crate) post: Option<PartPost>,
 }
 
-/// `post.fwd(y)` as a graph node of its own (backward `post.bwd`), for an output map applied
-/// after a sum outside the part's node (a LoRA update).
-pub(crate) fn apply_post(y: &Tensor, post: PartPost) -> Result<Tensor> {
-    let out = (post.fwd)(&y.detach())?;
-    let dims = y.dims().to_vec();
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some((post.bwd)(dy)?.reshape(dims.as_slice())?)]));
-    attach1("ColumnParallelLinear output map", y, out, bwd)
-}
-
 fn gather(x: &Tensor, group: &Group, sp: bool) -> Result<Tensor> {
     if sp && group.size() > 1 {
         group.all_gather(x, SEQ_DIM)
