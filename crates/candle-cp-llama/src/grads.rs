@@ -104,20 +104,14 @@ fn reduce_with_buckets(
     for s in specs {
         let shard = s.shard.resolve(ctx.layout.tp);
         let expert = s.is_expert() && ctx.ep.is_some();
-        if skip_experts != Skip::No && expert {
+        // left to the caller: the experts' (skip_experts) or the replicas' (skip) gradients
+        let (mode, left) = if expert { (skip_experts, &mut experts) } else { (skip, &mut skipped) };
+        if mode != Skip::No && (expert || ctx.param_grad_group_is_dp_cp(&s)) {
             let var = vars[&s.name].as_tensor();
-            if skip_experts == Skip::Fill && grads.get(var).is_none() {
+            if mode == Skip::Fill && grads.get(var).is_none() {
                 grads.insert(var, var.zeros_like()?);
             }
-            experts.push(s.name);
-            continue;
-        }
-        if skip != Skip::No && ctx.param_grad_group_is_dp_cp(&s) {
-            let var = vars[&s.name].as_tensor();
-            if skip == Skip::Fill && grads.get(var).is_none() {
-                grads.insert(var, var.zeros_like()?);
-            }
-            skipped.push(s.name);
+            left.push(s.name);
             continue;
         }
         let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp), expert);

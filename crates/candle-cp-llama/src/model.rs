@@ -304,16 +304,15 @@ impl Llama {
             let w = vb.get_with_hints(h, "weight", norm_init)?;
             Ok(RmsNorm::from_weight(&w, eps, &tp)?.with_grad_sync(GradSync::Deferred).with_form(form))
         };
-        // the LoRA adapter of projection `module` under `prefix` (crate::lora), if a target:
-        // in a fresh VarMap A uniform in ±1/√in, B zero
+        // the LoRA adapter of projection `module` under `prefix` (crate::lora), if a target
+        // (its local shapes from the specs; in a fresh VarMap A uniform in ±1/√in, B zero)
         let lora_for = |prefix: &str, module: &str| -> Result<Option<candle_cp_nn::Lora>> {
             let Some(l) = cfg.lora.as_ref().filter(|l| l.adapts(module)) else { return Ok(None) };
             let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
             let (Some(sa), Some(sb)) = (specs.get(&an), specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
-            let bound = 1.0 / (sa.shape[1].max(1) as f64).sqrt();
-            let a = vb.get_with_hints(sa.local_shape_in(ctx)?, &an, Init::Uniform { lo: -bound, up: bound })?;
-            let b = vb.get_with_hints(sb.local_shape_in(ctx)?, &bn, Init::Const(0.0))?;
-            Ok(Some(candle_cp_nn::Lora::new(a, b, l.config.scale())?))
+            let (a, b) = (sa.local_shape_in(ctx)?, sb.local_shape_in(ctx)?);
+            let vm = vb.pp(format!("{prefix}.{module}"));
+            Ok(Some(candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?))
         };
         let embed = get("model.embed_tokens.weight")?;
         let router_log = RouterLog::default();

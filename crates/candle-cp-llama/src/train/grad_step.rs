@@ -169,8 +169,7 @@ impl GradSteps {
             (None, false) => None,
         };
         // (ZeRO with expert parallelism: the experts' gradients reduce-scattered over the ranks
-        // holding them, after the others)
-        // (ZeRO-2 has summed them into its slices already)
+        // holding them, after the others; ZeRO-2 has summed them into its slices already)
         let experts = match (opt.splits_experts(), self.experts.is_empty()) {
             (false, _) => Skip::No,
             (true, true) => Skip::Fill,
@@ -188,7 +187,7 @@ impl GradSteps {
         drop(grads);
         let replicas: HashMap<String, Tensor> = sliced.iter().filter_map(|n| whole.remove_entry(n)).collect();
         let expert_grads: HashMap<String, Tensor> = expert_names.iter().filter_map(|n| whole.remove_entry(n)).collect();
-        let slices = match early {
+        let mut slices = match early {
             Some(e) => {
                 let early_experts: &[String] = if self.experts.is_empty() { &[] } else { &expert_names };
                 if e.len() != sliced.len() + early_experts.len() || sliced.iter().chain(early_experts).any(|n| !e.contains_key(n)) {
@@ -203,7 +202,6 @@ impl GradSteps {
             }
             None => opt.reduce_scatter_grads(&replicas)?,
         };
-        let mut slices = slices;
         if !expert_grads.is_empty() {
             slices.extend(opt.reduce_scatter_grads(&expert_grads)?);
         }

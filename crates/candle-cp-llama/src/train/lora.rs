@@ -9,7 +9,7 @@
 //!                      optimizer-tp*.safetensors, train_state.json   (the adapters' state)
 //! ```
 
-use crate::lora::{is_lora_name, load_peft_adapter, save_peft_adapter};
+use crate::lora::{insert_adapter_shards, is_lora_name, load_adapter_sharded, save_peft_adapter};
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -22,23 +22,14 @@ use std::path::Path;
 /// drawn from `seed` (`A` uniform in `±1/√in`, `B` zero).
 pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx, seed: u64, dtype: DType, device: &Device, from: Option<&Path>) -> Result<()> {
     let Some(spec) = &cfg.lora else { bail!("train: add_adapters without a LoRA spec (internal error)") };
-    let saved = match from {
-        Some(dir) => {
-            let (s, t) = load_peft_adapter(dir)?;
-            if s != *spec {
-                bail!("resume: {} holds LoRA adapters {s:?}, this run asks for {spec:?}", dir.display())
-            }
-            Some(t)
-        }
-        None => None,
+    let Some(dir) = from else {
+        return insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| init_tensor(s, seed, cfg));
     };
-    crate::lora::insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| match &saved {
-        Some(t) => match t.get(&s.name) {
-            Some(t) => Ok(t.clone()),
-            None => bail!("resume: the adapter file has no {} {:?}", s.name, s.shape),
-        },
-        None => init_tensor(s, seed, cfg),
-    })
+    let saved = load_adapter_sharded(dir, cfg, varmap, ctx, dtype, device)?.and_then(|c| c.lora);
+    match saved {
+        Some(s) if s == *spec => Ok(()),
+        s => bail!("resume: {} holds LoRA adapters {s:?}, this run asks for {spec:?}", dir.display()),
+    }
 }
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
