@@ -23,9 +23,20 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     if !has_adapter(&a.checkpoint) {
         anyhow::bail!("{}: no adapter_config.json (not a LoRA checkpoint)", a.checkpoint.display())
     }
+    // merged in f32, written in the checkpoint's own dtype (that of its first tensor)
+    let file = a.checkpoint.join("model.safetensors");
+    let dtype = if file.exists() {
+        // SAFETY: mapped read-only for this block; checkpoints are not rewritten in place
+        let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&file)? };
+        match st.tensors().first() {
+            Some((name, _)) => st.load(name, &Device::Cpu)?.dtype(),
+            None => DType::F32,
+        }
+    } else {
+        DType::F32
+    };
     let (vm, cfg) = candle_cp_llama::load_hf(&a.checkpoint, &Device::Cpu, DType::F32)?;
     let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
-    let dtype = weights.values().next().map(|t| t.dtype()).unwrap_or(DType::F32);
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;
     let named: Vec<(String, candle_core::Tensor)> = candle_cp_llama::param_specs(&cfg)

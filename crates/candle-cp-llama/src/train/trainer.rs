@@ -473,7 +473,8 @@ pub fn train_rank(
         // (a LoRA run: the base model, then the adapters as a PEFT adapter beside it)
         let base_cfg = LlamaConfig { lora: None, ..mcfg.clone() };
         save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &base_cfg, &ctx, is_main)?;
-        super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, ".")?;
+        let published = root.join(super::checkpoint::checkpoint_name(step));
+        super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, &published.display().to_string())?;
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
         if is_main {
