@@ -87,6 +87,8 @@ fn check(what: &str, run: &LayoutRun, logits: &Tensor, want: &HashMap<String, Te
     }
     println!("{what}: logits {e_logits:.2e}, adapter gradients {worst:.2e} ({at}), rank spread {:.1e}", run.grad_spread);
     assert!(e_logits < 1e-5, "{what}: logits off by {e_logits}");
+    assert!(run.grad_spread < 1e-6, "{what}: the ranks' adapter gradients differ by {}", run.grad_spread);
+    assert_eq!(run.grads.len(), want.len(), "{what}: the adapters' gradients, and only theirs");
     assert!(worst < grad_tol, "{what}: {at} off by {worst} (relative)");
     Ok(())
 }
@@ -112,10 +114,15 @@ fn fresh_adapters_follow_the_oracle_on_every_layout() -> Result<()> {
     let oracle_dw: HashMap<String, Tensor> = reference.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
     let want = chain_rule(&cfg, &full, &oracle_dw)?;
     assert!(want.iter().filter(|(n, _)| n.ends_with("lora_A.weight")).all(|(_, g)| g.abs().and_then(|a| a.max_all()?.to_scalar::<f64>()).is_ok_and(|m| m == 0.0)));
+    on_every_layout("B = 0", &full, &cfg, &reference.input_ids, (reference.loss, &reference.logits), &want, 5e-5)
+}
+
+/// [`check`] on every layout of [`layouts`], the loss within 5e-6 of `loss`.
+fn on_every_layout(what: &str, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, (loss, logits): (f64, &Tensor), want: &HashMap<String, Tensor>, grad_tol: f64) -> Result<()> {
     for layout in layouts() {
-        let run = run_layout(&full, &cfg, &reference.input_ids, layout, &Device::Cpu)?;
-        assert!((run.loss - reference.loss).abs() < 5e-6, "{layout}: loss {} vs {}", run.loss, reference.loss);
-        check(&format!("{layout} (B = 0)"), &run, &reference.logits, &want, 5e-5)?;
+        let run = run_layout(full, cfg, ids, layout, &Device::Cpu)?;
+        assert!((run.loss - loss).abs() < 5e-6, "{layout}: loss {} vs {loss}", run.loss);
+        check(&format!("{layout} ({what})"), &run, logits, want, grad_tol)?;
     }
     Ok(())
 }
@@ -129,18 +136,11 @@ fn trained_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let reference = load_reference(dir().join("reference.safetensors"))?;
     let full = with_adapters(&cfg, &load_safetensors_dir(&dir(), &Device::Cpu)?, 0.05)?;
     // the merged model: W + s·B·A, no adapters
-    let mut merged: HashMap<String, Tensor> = full.iter().filter(|(n, _)| !candle_cp_llama::lora::is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
-    for (w, a, b) in adapted(&cfg) {
-        let delta = (full[&b].matmul(&full[&a])? * (ALPHA / RANK as f64))?;
-        merged.insert(w.clone(), (&full[&w] + delta)?);
-    }
+    let (adapters, mut merged): (HashMap<String, Tensor>, HashMap<String, Tensor>) = full.clone().into_iter().partition(|(n, _)| candle_cp_llama::lora::is_lora_name(n));
+    let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+    assert_eq!(candle_cp_llama::lora::merge_adapter(&mut merged, &spec, &adapters)?, 14);
     let dense = run_layout(&merged, &base, &reference.input_ids, Layout::single(), &Device::Cpu)?;
     let dw: HashMap<String, Tensor> = dense.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
     let want = chain_rule(&cfg, &full, &dw)?;
-    for layout in layouts() {
-        let run = run_layout(&full, &cfg, &reference.input_ids, layout, &Device::Cpu)?;
-        assert!((run.loss - dense.loss).abs() < 5e-6, "{layout}: loss {} vs {}", run.loss, dense.loss);
-        check(&format!("{layout} (B ≠ 0)"), &run, &dense.logits, &want, 1e-4)?;
-    }
-    Ok(())
+    on_every_layout("B ≠ 0", &full, &cfg, &reference.input_ids, (dense.loss, &dense.logits), &want, 1e-4)
 }

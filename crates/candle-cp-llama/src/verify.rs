@@ -168,7 +168,11 @@ pub fn run_layout_recompute_on(
         let (loss, logits) = model.loss(&batch.input_ids, &batch.labels, &batch.positions)?;
         let mut grads = model.backward(&loss)?;
         reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
-        let full_grads = gather_full_to_host(&named_grads(&grads, &vm)?, cfg, &ctx, true)?;
+        let mut full_grads = gather_full_to_host(&named_grads(&grads, &vm)?, cfg, &ctx, true)?;
+        // (a LoRA model: its adapters' gradients only; the frozen weights' are not summed)
+        if cfg.lora.is_some() {
+            full_grads.retain(|(n, _)| crate::lora::is_lora_name(n));
+        }
         let bl = b / layout.dp;
         Ok(RankOut {
             logits: logits.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?,
