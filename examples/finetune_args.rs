@@ -156,8 +156,9 @@ pub(crate) struct Args {
     #[arg(long, value_name = "E,K")]
     pub(crate) moe: Option<String>,
     /// LoRA fine-tuning: `R,ALPHA` — adapters of rank R (scale ALPHA/R) on --lora-targets,
-    /// every other weight frozen (no gradient, no optimizer state); checkpoints hold the base
-    /// model and a PEFT adapter (adapter_model.safetensors, adapter_config.json).
+    /// every other weight frozen (no gradient, no optimizer state); checkpoints hold a PEFT
+    /// adapter (adapter_model.safetensors, adapter_config.json) naming the base model: --model,
+    /// or OUT/base written once (a random init, a changed --sliding-window).
     #[arg(long, value_name = "R,ALPHA")]
     pub(crate) lora: Option<String>,
     /// The projections --lora adapts (PEFT names, comma-separated).

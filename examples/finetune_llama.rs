@@ -249,7 +249,7 @@ fn main() -> Result<()> {
     }
     if let Some(l) = &cfg.lora {
         say!(
-            "lora     : rank {}, alpha {} on {} of every layer; every other weight frozen; checkpoints add a PEFT adapter",
+            "lora     : rank {}, alpha {} on {} of every layer; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
             l.config.rank,
             l.config.alpha,
             l.targets.join(", ")

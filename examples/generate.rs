@@ -103,7 +103,7 @@ fn run(
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
         // each rank reads only its own shards (memory-mapped, one tensor at a time)
-        let (vm, _) = load_hf_sharded(dir, &ctx, dev, DType::F32)?;
+        let (vm, _) = load_hf_sharded(candle_cp_llama::lora::base_model_dir(dir)?, &ctx, dev, DType::F32)?;
         // a LoRA run's checkpoint: its PEFT adapter beside the base model
         let lora_cfg = candle_cp_llama::lora::load_adapter_sharded(dir, cfg, &vm, &ctx, DType::F32, dev)?;
         let m = Llama::new(
@@ -143,8 +143,10 @@ fn main() -> anyhow::Result<()> {
     let dir = a.model.clone().unwrap_or_else(|| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/oracle/tiny-llama")
     });
-    let mut cfg = LlamaConfig::from_file(dir.join("config.json"))
-        .with_context(|| format!("config of {}", dir.display()))?;
+    // a LoRA run's checkpoint holds the adapter and names its base model
+    let base = candle_cp_llama::lora::base_model_dir(&dir)?;
+    let mut cfg = LlamaConfig::from_file(base.join("config.json"))
+        .with_context(|| format!("config of {}", base.display()))?;
     if a.sliding_window.is_some() {
         cfg = cfg.with_sliding_window(a.sliding_window);
     }

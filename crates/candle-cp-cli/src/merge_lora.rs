@@ -1,16 +1,17 @@
-//! `candle-cp merge-lora`: a LoRA run's checkpoint (the base model and a PEFT adapter beside it)
-//! as one Hugging Face model, `W + s·B·A` in every adapted weight, for a serving stack that
+//! `candle-cp merge-lora`: a LoRA run's checkpoint (a PEFT adapter naming its base model, or
+//! with the base beside it) as one Hugging Face model, `W + s·B·A` in every adapted weight, for a serving stack that
 //! loads no adapter.
 
 use candle_core::{DType, Device};
-use candle_cp_llama::lora::{has_adapter, load_peft_adapter, merge_adapter};
+use candle_cp_llama::lora::{base_model_dir, has_adapter, load_peft_adapter, merge_adapter};
 use std::path::PathBuf;
 
 /// Flags of `candle-cp merge-lora`.
 #[derive(clap::Args, Debug)]
 pub struct MergeArgs {
-    /// The checkpoint: a directory with model.safetensors, config.json, adapter_model.safetensors
-    /// and adapter_config.json (finetune_llama --lora writes them).
+    /// The checkpoint: a directory with adapter_model.safetensors and adapter_config.json
+    /// (finetune_llama --lora writes them), the base model (config.json, model.safetensors)
+    /// beside them or where adapter_config.json's base_model_name_or_path says.
     #[arg(long)]
     pub checkpoint: PathBuf,
     /// Where to write the merged model (model.safetensors, config.json).
@@ -23,8 +24,10 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     if !has_adapter(&a.checkpoint) {
         anyhow::bail!("{}: no adapter_config.json (not a LoRA checkpoint)", a.checkpoint.display())
     }
-    // merged in f32, written in the checkpoint's own dtype (that of its first tensor)
-    let file = a.checkpoint.join("model.safetensors");
+    // the base model: beside the adapter, or where the adapter config says (a LoRA run's
+    // checkpoints name their base); merged in f32, written in its dtype (its first tensor's)
+    let base = base_model_dir(&a.checkpoint)?;
+    let file = base.join("model.safetensors");
     let dtype = if file.exists() {
         // SAFETY: mapped read-only for this block; checkpoints are not rewritten in place
         let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(&file)? };
@@ -35,7 +38,7 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     } else {
         DType::F32
     };
-    let (vm, cfg) = candle_cp_llama::load_hf(&a.checkpoint, &Device::Cpu, DType::F32)?;
+    let (vm, cfg) = candle_cp_llama::load_hf(&base, &Device::Cpu, DType::F32)?;
     let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;

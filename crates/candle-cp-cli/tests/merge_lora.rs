@@ -1,6 +1,6 @@
-//! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model
-//! becomes one model whose logits equal the adapted model's; a directory without an adapter is
-//! refused (exit 2).
+//! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model, or
+//! naming it, becomes one model whose logits equal the adapted model's; a directory without an
+//! adapter, or whose adapter names a base that is not there, is refused (exit 2).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
@@ -52,6 +52,19 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
         let e = e?;
         assert!(e < 1e-5, "merged logits differ from the adapted model's by {e}");
     }
+    // a checkpoint holding the adapter alone, naming its base (as a LoRA run writes them):
+    // the same merged model, byte for byte; a base that is not there is refused by name
+    let ck = dir.join("ck");
+    save_peft_adapter(&ck, &spec, &adapters, dir.to_str().unwrap_or(""))?;
+    let out2 = dir.join("merged2");
+    let o = candle_cp(&["merge-lora", "--checkpoint", ck.to_str().unwrap_or(""), "--out", out2.to_str().unwrap_or("")]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read(out.join("model.safetensors"))? == std::fs::read(out2.join("model.safetensors"))?, "merged through the named base");
+    let lost = dir.join("lost");
+    save_peft_adapter(&lost, &spec, &adapters, "/nonexistent/base")?;
+    let o = candle_cp(&["merge-lora", "--checkpoint", lost.to_str().unwrap_or(""), "--out", dir.join("x").to_str().unwrap_or("")]);
+    assert_eq!(o.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&o.stderr).contains("'/nonexistent/base' was not found"), "{}", String::from_utf8_lossy(&o.stderr));
     // a plain model directory is refused
     let o = candle_cp(&["merge-lora", "--checkpoint", out.to_str().unwrap_or(""), "--out", dir.join("again").to_str().unwrap_or("")]);
     assert_eq!(o.status.code(), Some(2));

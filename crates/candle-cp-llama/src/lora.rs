@@ -14,7 +14,7 @@
 use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_nn::LoraConfig;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// The projections of a decoder layer LoRA may adapt (PEFT's `target_modules` names).
 pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
@@ -104,6 +104,50 @@ pub fn has_adapter(dir: &Path) -> bool {
     dir.join("adapter_config.json").exists()
 }
 
+/// Whether `dir` holds a model's weights (`model.safetensors` or
+/// `model.safetensors.index.json`) and its `config.json`.
+pub fn has_model_weights(dir: &Path) -> bool {
+    dir.join("config.json").exists() && (dir.join("model.safetensors").exists() || dir.join("model.safetensors.index.json").exists())
+}
+
+/// The directory holding the base model of checkpoint `dir`, for [`crate::load_hf_sharded`]:
+/// `dir` itself when it holds the weights ([`has_model_weights`]: a full fine-tune's
+/// checkpoint, a Hugging Face model); else, for a PEFT adapter that names its base (a LoRA
+/// run's checkpoints keep only the adapter and reference the frozen base, written once), the
+/// adapter's `base_model_name_or_path` — as given (absolute, or relative to the working
+/// directory), relative to `dir`, or, for a run directory moved since it was written, the
+/// trainer's `<out>/base` beside `<out>/checkpoints/step-N`. Errors name every place looked at.
+pub fn base_model_dir(dir: &Path) -> Result<PathBuf> {
+    if has_model_weights(dir) {
+        return Ok(dir.to_path_buf());
+    }
+    if !has_adapter(dir) {
+        bail!("{}: no model weights (config.json with model.safetensors or its index) and no adapter_config.json", dir.display())
+    }
+    let base = read_adapter_config(dir)?.get("base_model_name_or_path").and_then(|b| b.as_str().map(String::from)).unwrap_or_default();
+    let given = PathBuf::from(&base);
+    let mut tried = vec![given.clone()];
+    if given.is_relative() {
+        tried.push(dir.join(&given));
+    }
+    tried.push(dir.join("..").join("..").join("base"));
+    match tried.iter().find(|p| !p.as_os_str().is_empty() && has_model_weights(p)) {
+        Some(p) => Ok(p.clone()),
+        None => bail!(
+            "{}: the adapter's base model '{base}' was not found (looked in {})",
+            dir.display(),
+            tried.iter().map(|p| p.display().to_string()).collect::<Vec<_>>().join(", ")
+        ),
+    }
+}
+
+/// `dir/adapter_config.json` as JSON.
+fn read_adapter_config(dir: &Path) -> Result<serde_json::Value> {
+    let cfg_path = dir.join("adapter_config.json");
+    let text = std::fs::read_to_string(&cfg_path).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", cfg_path.display())))?;
+    serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))
+}
+
 /// Add this rank's shards of the PEFT adapter in `dir` to `varmap` (the base model's shards,
 /// e.g. from [`crate::load_hf_sharded`] of the same directory) and return `cfg` with its
 /// [`LoraSpec`]: build the model from both to run the fine-tuned model (generation). `None`
@@ -168,8 +212,7 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
 /// from `adapter_config.json`.
 pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor>)> {
     let cfg_path = dir.join("adapter_config.json");
-    let text = std::fs::read_to_string(&cfg_path).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", cfg_path.display())))?;
-    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?;
+    let v = read_adapter_config(dir)?;
     let rank = v.get("r").and_then(|x| x.as_u64()).ok_or_else(|| candle_core::Error::Msg(format!("{}: no rank 'r'", cfg_path.display())))? as usize;
     let alpha = v.get("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(rank as f64);
     let targets: Vec<String> = match v.get("target_modules") {

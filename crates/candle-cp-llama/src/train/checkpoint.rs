@@ -7,6 +7,8 @@
 //!                                  optimizer-tp<t>.safetensors, train_state.json
 //! <out>/checkpoints/latest         text file: the name of the newest complete checkpoint
 //! ```
+//! A LoRA run's checkpoints hold a PEFT adapter in place of the model's weights, naming the
+//! frozen base model (`train/lora.rs`, [`crate::lora::base_model_dir`]).
 //! A checkpoint is written into `.tmp-step-XXXXXX/`, then renamed; `latest` is replaced by a
 //! rename too. A run killed at any moment leaves either the previous or the new checkpoint,
 //! never a half-written one.

@@ -2,20 +2,29 @@
 //! added to a rank's `VarMap` beside the base weights, the model built with the base frozen,
 //! and the adapters written into each checkpoint as a PEFT adapter.
 //!
+//! The frozen base is not written into every checkpoint (an 8B base is 16 GB in bf16, its
+//! adapters tens of MB): the checkpoints name it in `adapter_config.json`, as PEFT does. It is
+//! the Hugging Face model the run started from, or, when the run drew its weights or changed
+//! the model's config (the sliding window), `<out>/base`, written once before the first
+//! checkpoint ([`BaseModel`]); a resumed run keeps its checkpoint's base.
+//!
 //! ```text
-//! checkpoints/step-N/  model.safetensors, config.json   the base model (unchanged by training)
-//!                      adapter_model.safetensors,        the adapters (PEFT: peft.PeftModel.
-//!                      adapter_config.json               from_pretrained(base, this dir))
-//!                      optimizer-tp*.safetensors, train_state.json   (the adapters' state)
+//! <out>/base/                  model.safetensors, config.json   (only when there is no model
+//!                              directory to name: drawn weights, a changed config)
+//! <out>/checkpoints/step-N/    adapter_model.safetensors,  the adapters (PEFT: peft.PeftModel.
+//!                              adapter_config.json         from_pretrained(base, this dir))
+//!                              optimizer-tp*.safetensors, train_state.json   (their state)
 //! ```
 
 use crate::lora::{insert_adapter_shards, is_lora_name, load_adapter_sharded, save_peft_adapter};
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
 use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_cp_comm::Group;
 use candle_nn::{VarBuilder, VarMap};
+use std::cell::Cell;
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// Add this rank's shards of `cfg`'s adapters (`cfg.lora` set) to `varmap`: from the PEFT
 /// adapter in `from` (a checkpoint being resumed; its rank and targets must be `cfg`'s), or
@@ -54,4 +63,55 @@ pub(crate) fn save_adapters(dir: &Path, varmap: &VarMap, cfg: &LlamaConfig, ctx:
         save_peft_adapter(dir, spec, &full, base)?;
     }
     Ok(())
+}
+
+/// Where a LoRA run's checkpoints find their frozen base model (each adapter config names
+/// it), and whether the run still has to write it there.
+pub(crate) struct BaseModel {
+    /// The base model's directory (absolute: `base_model_name_or_path`).
+    pub(crate) path: PathBuf,
+    /// Written by [`BaseModel::write_once`] before the first checkpoint.
+    pending: Cell<bool>,
+}
+
+impl BaseModel {
+    /// The base of a run writing into `out`: `source` (the model directory the base weights
+    /// were read from: a Hugging Face model, a resumed checkpoint's base) when there is one and
+    /// the run kept its config (`config_changed` false), else `<out>/base`, to be written.
+    pub(crate) fn new(out: &Path, source: Option<&Path>, config_changed: bool) -> Result<Self> {
+        let abs = |p: &Path| std::path::absolute(p).map_err(|e| candle_core::Error::Msg(format!("LoRA base: {}: {e}", p.display())));
+        match source {
+            Some(src) if !config_changed => Ok(Self { path: abs(src)?, pending: Cell::new(false) }),
+            _ => Ok(Self { path: abs(&out.join("base"))?, pending: Cell::new(true) }),
+        }
+    }
+
+    /// Write the frozen base (the varmap's weights other than the adapters, as `cfg` without
+    /// LoRA) into [`BaseModel::path`] unless it is there already: into a temporary directory,
+    /// then renamed (replacing an older base of the same run directory). Collective over
+    /// `world` (the parameters are gathered over TP); the rank with `write` writes.
+    pub(crate) fn write_once(&self, varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx, world: &Group, write: bool) -> Result<()> {
+        if !self.pending.get() {
+            return Ok(());
+        }
+        let io = |what: &str, p: &Path, e: std::io::Error| candle_core::Error::Msg(format!("LoRA base: {what} {}: {e}", p.display()));
+        let tmp = self.path.with_file_name(".tmp-base");
+        if write {
+            if tmp.exists() {
+                std::fs::remove_dir_all(&tmp).map_err(|e| io("removing", &tmp, e))?;
+            }
+            std::fs::create_dir_all(&tmp).map_err(|e| io("creating", &tmp, e))?;
+        }
+        world.barrier()?;
+        let base_cfg = LlamaConfig { lora: None, ..cfg.clone() };
+        crate::save_hf_sharded(&tmp, &crate::params::varmap_tensors(varmap)?, &base_cfg, ctx, write)?;
+        if write {
+            if self.path.exists() {
+                std::fs::remove_dir_all(&self.path).map_err(|e| io("replacing", &self.path, e))?;
+            }
+            std::fs::rename(&tmp, &self.path).map_err(|e| io("publishing", &self.path, e))?;
+        }
+        self.pending.set(false);
+        Ok(())
+    }
 }

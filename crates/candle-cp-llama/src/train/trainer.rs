@@ -334,24 +334,27 @@ pub fn train_rank(
         _ => None,
     };
     // Each rank reads or draws only its own shards, one full tensor at a time on the host.
-    let (varmap, mut mcfg, state) = match (&resume_from, &cfg.model) {
+    // (`base_dir`: the model directory the weights came from, when it is not the checkpoint's)
+    let (varmap, mut mcfg, state, base_dir) = match (&resume_from, &cfg.model) {
         (Some(dir), _) => {
             // (written by another layout: the weights are full HF tensors; the optimizer
-            // state is resharded below)
+            // state is resharded below; a LoRA checkpoint's base model is where it says)
             let st = TrainState::load(dir.join("train_state.json"))
                 .map_err(|e| ioe("reading", dir, e))?;
-            let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
-            (vm, c, Some(st))
+            let base = crate::lora::base_model_dir(dir)?;
+            let (vm, c) = load_hf_sharded(&base, &ctx, &dev, cfg.dtype)?;
+            (vm, c, Some(st), (base != *dir).then_some(base))
         }
         (None, ModelSource::Hf(dir)) => {
             let (vm, c) = load_hf_sharded(dir, &ctx, &dev, cfg.dtype)?;
-            (vm, c, None)
+            (vm, c, None, Some(dir.clone()))
         }
         (None, ModelSource::Init(c)) => {
             cfg.layout.validate(c.num_attention_heads, c.num_key_value_heads)?;
-            (init_params_sharded(c, cfg.seed, cfg.dtype, &ctx, &dev)?, c.clone(), None)
+            (init_params_sharded(c, cfg.seed, cfg.dtype, &ctx, &dev)?, c.clone(), None, None)
         }
     };
+    let window_changed = cfg.sliding_window.is_some() && cfg.sliding_window != mcfg.sliding_window;
     if cfg.sliding_window.is_some() {
         mcfg.sliding_window = cfg.sliding_window;
         mcfg.validate()?;
@@ -369,6 +372,12 @@ pub fn train_rank(
         (None, Some(dir), _) => bail!("resume: {} holds LoRA adapters: resume it with the same lora settings", dir.display()),
         (None, None, _) => {}
     }
+    // a LoRA run's checkpoints name the frozen base (written once when there is no model
+    // directory to name)
+    let lora_base = match (&cfg.lora, &cfg.out) {
+        (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed)?),
+        _ => None,
+    };
     cfg.layout
         .validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
     if cfg.data.vocab_needed() > mcfg.vocab_size {
@@ -470,11 +479,14 @@ pub fn train_rank(
         world.barrier()?;
         let tmp = root.join(format!(".tmp-{}", super::checkpoint::checkpoint_name(step)));
         // gathered one parameter at a time and streamed into the file by the main rank
-        // (a LoRA run: the base model, then the adapters as a PEFT adapter beside it)
-        let base_cfg = LlamaConfig { lora: None, ..mcfg.clone() };
-        save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &base_cfg, &ctx, is_main)?;
-        let published = root.join(super::checkpoint::checkpoint_name(step));
-        super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, &published.display().to_string())?;
+        // (a LoRA run: only the adapters, as a PEFT adapter naming the base model)
+        match &lora_base {
+            Some(base) => {
+                base.write_once(&varmap, &mcfg, &ctx, &world, is_main)?;
+                super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, &base.path.display().to_string())?;
+            }
+            None => save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?,
+        }
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
         if is_main {

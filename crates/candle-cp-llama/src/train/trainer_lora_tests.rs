@@ -28,7 +28,18 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     let ModelSource::Init(base_cfg) = &c1.model else { candle_core::bail!("init model expected") };
     let initial = crate::params::varmap_tensors(&crate::init_params(base_cfg, c1.seed, DType::F32, &Device::Cpu)?)?;
     let ck = d1.join("checkpoints/step-000006");
-    let saved = crate::params::varmap_tensors(&crate::load_hf(&ck, &Device::Cpu, DType::F32)?.0)?;
+    // the checkpoints hold the adapter only and name the base, written once into <out>/base
+    let base_dir = std::path::absolute(d1.join("base"))?;
+    assert_eq!(crate::lora::base_model_dir(&ck)?, base_dir);
+    for c in ["step-000003", "step-000006"] {
+        let c = d1.join("checkpoints").join(c);
+        assert!(!c.join("model.safetensors").exists() && crate::lora::has_adapter(&c), "{}: the adapter alone", c.display());
+    }
+    let mtime = |p: &Path| std::fs::metadata(p).and_then(|m| m.modified()).map_err(candle_core::Error::wrap);
+    let base_file = base_dir.join("model.safetensors");
+    let base_time = mtime(&base_file)?;
+    assert!(base_time <= mtime(&d1.join("checkpoints/step-000003/adapter_model.safetensors"))?, "the base written once, before the first checkpoint");
+    let saved = crate::params::varmap_tensors(&crate::load_hf(&base_dir, &Device::Cpu, DType::F32)?.0)?;
     assert_eq!(saved.len(), initial.len(), "the checkpoint's model is the base model");
     for (n, w) in &initial {
         let same = saved[n].flatten_all()?.to_vec1::<f32>()? == w.flatten_all()?.to_vec1::<f32>()?;
@@ -49,7 +60,7 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     let ids = Tensor::new(&[[3u32, 9, 27, 1, 14, 5, 40, 2]], &Device::Cpu)?;
     let logits = run_ranks(1, |g| {
         let ctx = crate::ParallelCtx::new(g, Layout::single())?;
-        let (vm, base) = crate::load_hf_sharded(&ck, &ctx, &Device::Cpu, DType::F32)?;
+        let (vm, base) = crate::load_hf_sharded(crate::lora::base_model_dir(&ck)?, &ctx, &Device::Cpu, DType::F32)?;
         let Some(cfg) = crate::lora::load_adapter_sharded(&ck, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else { candle_core::bail!("no adapter") };
         let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
         // merged: W + s·B·A for every adapted weight, no adapters
@@ -97,9 +108,12 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     c.stop_after = Some(4);
     run(&c)?;
     (c.layout, c.resume, c.stop_after) = (Layout::single().with_tp(2, true), true, None);
+    let base_time = mtime(&d.join("base/model.safetensors"))?;
     let rest = run(&c)?;
     assert_eq!(rest[0].start_step, 3);
     assert_same_curve("LoRA resumed on tp 2", &tail, &rest[0].metrics);
+    assert_eq!(mtime(&d.join("base/model.safetensors"))?, base_time, "a resumed run keeps its checkpoint's base");
+    assert_eq!(crate::lora::base_model_dir(&d.join("checkpoints/step-000006"))?, std::path::absolute(d.join("base"))?);
     // refusals: resumed without LoRA, or with another rank
     let mut plain = c.clone();
     plain.lora = None;
@@ -111,5 +125,53 @@ fn lora_trains_the_adapters_alone_on_every_layout() -> Result<()> {
     assert!(e.contains("LoRA adapters") && e.contains("this run asks for"), "{e}");
     std::fs::remove_dir_all(&d).ok();
     std::fs::remove_dir_all(&d1).ok();
+    Ok(())
+}
+
+/// A LoRA run from a Hugging Face model names that model as its checkpoints' base and writes
+/// no base of its own; one that changes the model's config (the sliding window) writes the
+/// changed base into `<out>/base`. A run directory moved since it was written still finds its
+/// base (`<out>/base` beside the checkpoints), and resumes from there on the same curve.
+#[test]
+fn lora_checkpoints_name_their_base_model() -> Result<()> {
+    let hf = tmpdir("lora-hf-base");
+    let c0 = lora_cfg(None, Layout::single())?;
+    let ModelSource::Init(base_cfg) = &c0.model else { candle_core::bail!("init model expected") };
+    crate::save_hf(&hf, &crate::init_params(base_cfg, c0.seed, DType::F32, &Device::Cpu)?, base_cfg)?;
+    let d = tmpdir("lora-hf");
+    let mut c = lora_cfg(Some(d.clone()), Layout::single())?;
+    c.model = ModelSource::Hf(hf.clone());
+    let whole = run(&c)?;
+    let ck = d.join("checkpoints/step-000006");
+    assert_eq!(crate::lora::base_model_dir(&ck)?, std::path::absolute(&hf)?, "the model the run started from");
+    assert!(!d.join("base").exists(), "no base of its own");
+    // a changed window: the base (with that window) written into <out>/base
+    let dw = tmpdir("lora-hf-window");
+    let mut cw = c.clone();
+    (cw.out, cw.sliding_window, cw.steps, cw.save_every) = (Some(dw.clone()), Some(4), 1, 1);
+    run(&cw)?;
+    let wbase = crate::lora::base_model_dir(&dw.join("checkpoints/step-000001"))?;
+    assert_eq!(wbase, std::path::absolute(dw.join("base"))?);
+    assert_eq!(crate::LlamaConfig::from_file(wbase.join("config.json"))?.sliding_window, Some(4));
+    // drawn weights, then the run directory moved: the base found beside the checkpoints
+    let (da, moved) = (tmpdir("lora-move"), tmpdir("lora-moved"));
+    let mut ca = lora_cfg(Some(da.clone()), Layout::single())?;
+    ca.stop_after = Some(4);
+    run(&ca)?;
+    std::fs::rename(&da, &moved)?;
+    let mut cm = ca.clone();
+    (cm.out, cm.resume, cm.stop_after) = (Some(moved.clone()), true, None);
+    let ck3 = moved.join("checkpoints/step-000003");
+    assert_eq!(crate::lora::base_model_dir(&ck3)?, ck3.join("../../base"));
+    let rest = run(&cm)?;
+    let straight = run(&lora_cfg(None, Layout::single())?)?;
+    let tail: Vec<&StepMetrics> = straight[0].metrics.iter().filter(|m| m.step > 3).collect();
+    assert_same_curve("moved and resumed", &tail, &rest[0].metrics);
+    // the same curve from the HF model as from the drawn weights it holds
+    let all: Vec<&StepMetrics> = straight[0].metrics.iter().collect();
+    assert_same_curve("from the HF model", &all, &whole[0].metrics);
+    for x in [&hf, &d, &dw, &moved] {
+        std::fs::remove_dir_all(x).ok();
+    }
     Ok(())
 }
