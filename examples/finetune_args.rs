@@ -161,6 +161,9 @@ pub(crate) struct Args {
     /// or OUT/base written once (a random init, a changed --sliding-window).
     #[arg(long, value_name = "R,ALPHA")]
     pub(crate) lora: Option<String>,
+    /// rsLoRA: scale the --lora update by ALPHA/√R instead of ALPHA/R (PEFT's use_rslora).
+    #[arg(long, requires = "lora")]
+    pub(crate) rslora: bool,
     /// The projections --lora adapts (PEFT names, comma-separated).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,

@@ -151,7 +151,7 @@ fn main() -> Result<()> {
                 let r: usize = r.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: rank ({e})"))?;
                 let alpha: f64 = alpha.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: alpha ({e})"))?;
                 let targets: Vec<&str> = a.lora_targets.split(',').map(|t| t.trim()).collect();
-                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?)
+                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora))
             }
         },
     };
@@ -249,9 +249,11 @@ fn main() -> Result<()> {
     }
     if let Some(l) = &cfg.lora {
         say!(
-            "lora     : rank {}, alpha {} on {} of every layer; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
+            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
             l.config.rank,
             l.config.alpha,
+            l.config.scale(),
+            if l.config.rslora { ", rsLoRA" } else { "" },
             l.targets.join(", ")
         );
     }

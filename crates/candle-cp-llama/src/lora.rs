@@ -47,6 +47,12 @@ impl LoraSpec {
         Ok(Self { config, targets })
     }
 
+    /// The same adapters with rsLoRA's scale `alpha / √r` (`on`, PEFT's `use_rslora`).
+    pub fn with_rslora(mut self, on: bool) -> Self {
+        self.config = self.config.with_rslora(on);
+        self
+    }
+
     /// Whether projection `module` (e.g. `q_proj`) is adapted.
     pub fn adapts(&self, module: &str) -> bool {
         self.targets.iter().any(|t| t == module)
@@ -62,6 +68,8 @@ impl LoraSpec {
             "r": self.config.rank,
             "lora_alpha": self.config.alpha,
             "lora_dropout": 0.0,
+            "use_rslora": self.config.rslora,
+            "use_dora": false,
             "bias": "none",
             "target_modules": self.targets,
             "fan_in_fan_out": false,
@@ -158,6 +166,11 @@ pub fn load_adapter_sharded(dir: &Path, cfg: &crate::LlamaConfig, varmap: &candl
     }
     let (spec, tensors) = load_peft_adapter(dir)?;
     let cfg = cfg.clone().with_lora(Some(spec));
+    // every tensor of the file is one the spec gives the model (none silently left out)
+    let names: std::collections::HashSet<String> = crate::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).map(|s| s.name).collect();
+    if let Some(extra) = tensors.keys().find(|n| !names.contains(*n)) {
+        bail!("{}: the adapter's {extra} is not one of the {} adapter tensors of this model ({} layers)", dir.display(), names.len(), cfg.num_hidden_layers)
+    }
     insert_adapter_shards(varmap, &cfg, ctx, dtype, device, |s| match tensors.get(&s.name) {
         Some(t) => Ok(t.clone()),
         None => bail!("{}: the adapter has no {} {:?}", dir.display(), s.name, s.shape),
@@ -217,9 +230,13 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     let alpha = v.get("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(rank as f64);
     let targets: Vec<String> = match v.get("target_modules") {
         Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
-        _ => bail!("{}: 'target_modules' must be a list of module names", cfg_path.display()),
+        // PEFT's shorthand for every linear layer but the output head
+        Some(serde_json::Value::String(s)) if s == "all-linear" => TARGETS.iter().map(|t| t.to_string()).collect(),
+        _ => bail!("{}: 'target_modules' must be a list of module names or \"all-linear\" (a pattern is not supported)", cfg_path.display()),
     };
-    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?;
+    refuse_unsupported(&v, &cfg_path)?;
+    let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
+    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?.with_rslora(rslora);
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()
@@ -227,3 +244,38 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
         .collect();
     Ok((spec, tensors))
 }
+
+/// Refuse, by name, the PEFT options that change what the adapter computes and that this model
+/// does not implement (they would otherwise be ignored silently): DoRA, trained biases, extra
+/// trained modules, per-module ranks or alphas, adapters on some layers only, transposed
+/// weights, layer replication. `lora_dropout` (training only) and the init settings are
+/// accepted.
+fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
+    let set = |key: &str| match v.get(key) {
+        None | Some(serde_json::Value::Null) | Some(serde_json::Value::Bool(false)) => false,
+        Some(serde_json::Value::Array(a)) => !a.is_empty(),
+        Some(serde_json::Value::Object(o)) => !o.is_empty(),
+        Some(serde_json::Value::String(s)) => key != "bias" || s != "none",
+        Some(_) => true,
+    };
+    let what = [
+        ("use_dora", "DoRA"),
+        ("bias", "trained biases"),
+        ("lora_bias", "trained biases on lora_B"),
+        ("modules_to_save", "fully trained extra modules"),
+        ("rank_pattern", "per-module ranks"),
+        ("alpha_pattern", "per-module alphas"),
+        ("layers_to_transform", "adapters on some layers only"),
+        ("fan_in_fan_out", "transposed (Conv1D) weights"),
+        ("layer_replication", "layer replication"),
+        ("exclude_modules", "excluded modules"),
+    ];
+    match what.iter().find(|(k, _)| set(k)) {
+        Some((k, w)) => bail!("{}: '{k}' = {} ({w}) is not supported", path.display(), v[*k]),
+        None => Ok(()),
+    }
+}
+
+#[cfg(test)]
+#[path = "lora_tests.rs"]
+mod tests;

@@ -1,5 +1,6 @@
 //! LoRA adapters on the tensor-parallel linears: `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`, `A` `[r, in]`,
-//! `B` `[out, r]`, `s = alpha / r` (PEFT's `lora_A` / `lora_B`, no dropout).
+//! `B` `[out, r]`, `s = alpha / r` or rsLoRA's `alpha / √r` (PEFT's `lora_A` / `lora_B`, no
+//! dropout).
 //!
 //! The factors are split over TP as the weight they adapt, so that no collective is added
 //! beyond the adapter's own `r`-wide activations:
@@ -28,27 +29,37 @@ use candle_nn::{Init, VarBuilder};
 
 use crate::Tp;
 
-/// Rank and scaling of LoRA adapters (PEFT's `r` and `lora_alpha`).
+/// Rank and scaling of LoRA adapters (PEFT's `r`, `lora_alpha` and `use_rslora`).
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LoraConfig {
     /// The adapters' rank `r` (> 0).
     pub rank: usize,
-    /// `lora_alpha`: the update is scaled by `alpha / r`.
+    /// `lora_alpha`: the update is scaled by `alpha / r` (`alpha / √r` with `rslora`).
     pub alpha: f64,
+    /// Rank-stabilised scaling (rsLoRA, PEFT's `use_rslora`): `alpha / √r`, so that the update's
+    /// size does not shrink as the rank grows.
+    pub rslora: bool,
 }
 
 impl LoraConfig {
-    /// Rank `rank`, `lora_alpha` = `alpha`.
+    /// Rank `rank`, `lora_alpha` = `alpha`, the scale `alpha / r`.
     pub fn new(rank: usize, alpha: f64) -> Result<Self> {
         if rank == 0 || !alpha.is_finite() {
             bail!("LoRA: rank must be > 0 and alpha finite, got rank {rank}, alpha {alpha}")
         }
-        Ok(Self { rank, alpha })
+        Ok(Self { rank, alpha, rslora: false })
     }
 
-    /// The update's scale `alpha / r`.
+    /// The same adapters with rsLoRA's scale `alpha / √r` (`on`) or the plain `alpha / r`.
+    pub fn with_rslora(mut self, on: bool) -> Self {
+        self.rslora = on;
+        self
+    }
+
+    /// The update's scale: `alpha / r`, or `alpha / √r` with [`LoraConfig::rslora`].
     pub fn scale(&self) -> f64 {
-        self.alpha / self.rank as f64
+        let r = self.rank as f64;
+        self.alpha / if self.rslora { r.sqrt() } else { r }
     }
 }
 
@@ -94,7 +105,7 @@ impl Lora {
     pub fn b(&self) -> &Tensor {
         &self.b
     }
-    /// `alpha / r`.
+    /// The update's scale ([`LoraConfig::scale`]).
     pub fn scale(&self) -> f64 {
         self.scale
     }

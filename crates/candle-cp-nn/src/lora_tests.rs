@@ -172,5 +172,6 @@ fn bad_adapters_are_refused() -> Result<()> {
     }
     assert!(LoraConfig::new(0, 16.0).is_err());
     assert_eq!(LoraConfig::new(8, 16.0)?.scale(), 2.0);
+    assert_eq!(LoraConfig::new(16, 16.0)?.with_rslora(true).scale(), 4.0, "rsLoRA: alpha / √r");
     Ok(())
 }
