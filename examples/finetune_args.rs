@@ -164,6 +164,11 @@ pub(crate) struct Args {
     /// rsLoRA: scale the --lora update by ALPHA/√R instead of ALPHA/R (PEFT's use_rslora).
     #[arg(long, requires = "lora")]
     pub(crate) rslora: bool,
+    /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json,
+    /// adapter_model.safetensors; e.g. one published for --model) instead of drawing them; its
+    /// rank, alpha and targets are the run's (with --lora too, they must agree).
+    #[arg(long, value_name = "DIR")]
+    pub(crate) lora_from: Option<PathBuf>,
     /// The projections --lora adapts (PEFT names, comma-separated).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,

@@ -144,7 +144,10 @@ fn main() -> Result<()> {
         long_range_only,
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
+        lora_init: a.lora_from.clone(),
         lora: match &a.lora {
+            // the adapter's own rank, alpha and targets
+            None if a.lora_from.is_some() => a.lora_from.as_deref().map(|d| candle_cp_llama::lora::load_peft_adapter(d).map(|(s, _)| s)).transpose()?,
             None => None,
             Some(spec) => {
                 let (r, alpha) = spec.split_once(',').ok_or_else(|| anyhow::anyhow!("--lora {spec}: expected R,ALPHA"))?;

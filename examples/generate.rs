@@ -34,6 +34,10 @@ struct Args {
     /// HF checkpoint directory (config.json + *.safetensors); default: the tiny-llama oracle.
     #[arg(long)]
     model: Option<PathBuf>,
+    /// A PEFT LoRA adapter directory (adapter_config.json, adapter_model.safetensors) to run
+    /// over --model; default: --model's own adapter when it is a LoRA run's checkpoint.
+    #[arg(long, value_name = "DIR")]
+    adapter: Option<PathBuf>,
     /// Number of CP ranks (threads).
     #[arg(long, default_value_t = 4)]
     cp: usize,
@@ -91,9 +95,11 @@ fn random_prompt(b: usize, t: usize, vocab: usize, seed: u64) -> candle_core::Re
 }
 
 /// Generate on every rank of `layout`; results in rank order.
+#[allow(clippy::too_many_arguments)]
 fn run(
     dev: &Device,
     dir: &Path,
+    adapter: Option<&Path>,
     cfg: &LlamaConfig,
     layout: Layout,
     prompt: &Tensor,
@@ -103,9 +109,15 @@ fn run(
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
         // each rank reads only its own shards (memory-mapped, one tensor at a time)
-        let (vm, _) = load_hf_sharded(candle_cp_llama::lora::base_model_dir(dir)?, &ctx, dev, DType::F32)?;
-        // a LoRA run's checkpoint: its PEFT adapter beside the base model
-        let lora_cfg = candle_cp_llama::lora::load_adapter_sharded(dir, cfg, &vm, &ctx, DType::F32, dev)?;
+        let (vm, _) = load_hf_sharded(dir, &ctx, dev, DType::F32)?;
+        // a PEFT adapter's shards beside the base model's
+        let lora_cfg = match adapter {
+            Some(ad) => match candle_cp_llama::lora::load_adapter_sharded(ad, cfg, &vm, &ctx, DType::F32, dev)? {
+                Some(c) => Some(c),
+                None => candle_core::bail!("{}: no adapter_config.json (not a PEFT adapter)", ad.display()),
+            },
+            None => None,
+        };
         let m = Llama::new(
             VarBuilder::from_varmap(&vm, DType::F32, dev),
             lora_cfg.as_ref().unwrap_or(cfg),
@@ -140,13 +152,17 @@ fn per_token_ms(gens: &[Generation], t: usize, new: usize) -> (f64, f64, f64) {
 
 fn main() -> anyhow::Result<()> {
     let a = Args::parse();
-    let dir = a.model.clone().unwrap_or_else(|| {
+    let model = a.model.clone().unwrap_or_else(|| {
         PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../tests/data/oracle/tiny-llama")
     });
-    // a LoRA run's checkpoint holds the adapter and names its base model
-    let base = candle_cp_llama::lora::base_model_dir(&dir)?;
-    let mut cfg = LlamaConfig::from_file(base.join("config.json"))
-        .with_context(|| format!("config of {}", base.display()))?;
+    // the base model and the adapter run over it: --adapter over --model, or a LoRA run's
+    // checkpoint (its adapter, naming its base)
+    let (dir, adapter) = match &a.adapter {
+        Some(ad) => (model.clone(), Some(ad.clone())),
+        None => (candle_cp_llama::lora::base_model_dir(&model)?, candle_cp_llama::lora::has_adapter(&model).then(|| model.clone())),
+    };
+    let mut cfg = LlamaConfig::from_file(dir.join("config.json"))
+        .with_context(|| format!("config of {}", dir.display()))?;
     if a.sliding_window.is_some() {
         cfg = cfg.with_sliding_window(a.sliding_window);
     }
@@ -193,9 +209,12 @@ fn main() -> anyhow::Result<()> {
         Some(temperature) => Sampling::Sample { temperature, top_k: a.top_k, top_p: a.top_p, seed: a.sample_seed },
     };
     println!("sampling: {sampling:?}");
-    let single = run(&dev, &dir, &cfg, Layout::single(), &prompt, new, sampling)
+    if let Some(ad) = &adapter {
+        println!("adapter: {} (PEFT LoRA, over the model)", ad.display());
+    }
+    let single = run(&dev, &dir, adapter.as_deref(), &cfg, Layout::single(), &prompt, new, sampling)
         .with_context(|| format!("weights of {}", dir.display()))?;
-    let cp = run(&dev, &dir, &cfg, layout, &prompt, new, sampling)?;
+    let cp = run(&dev, &dir, adapter.as_deref(), &cfg, layout, &prompt, new, sampling)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);

@@ -17,6 +17,10 @@ pub struct MergeArgs {
     /// Where to write the merged model (model.safetensors, config.json).
     #[arg(long)]
     pub out: PathBuf,
+    /// The base model directory (config.json, model.safetensors), when it is not the one the
+    /// adapter names (e.g. an adapter downloaded apart from its base).
+    #[arg(long)]
+    pub base: Option<PathBuf>,
 }
 
 /// Load, merge, write; prints what it merged.
@@ -26,7 +30,10 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     }
     // the base model: beside the adapter, or where the adapter config says (a LoRA run's
     // checkpoints name their base); merged in f32, written in its dtype (its first tensor's)
-    let base = base_model_dir(&a.checkpoint)?;
+    let base = match &a.base {
+        Some(b) => b.clone(),
+        None => base_model_dir(&a.checkpoint)?,
+    };
     let file = base.join("model.safetensors");
     let dtype = if file.exists() {
         // SAFETY: mapped read-only for this block; checkpoints are not rewritten in place

@@ -65,6 +65,11 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
     let o = candle_cp(&["merge-lora", "--checkpoint", lost.to_str().unwrap_or(""), "--out", dir.join("x").to_str().unwrap_or("")]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("'/nonexistent/base' was not found"), "{}", String::from_utf8_lossy(&o.stderr));
+    // ... unless given with --base (an adapter apart from its base)
+    let out3 = dir.join("merged3");
+    let o = candle_cp(&["merge-lora", "--checkpoint", lost.to_str().unwrap_or(""), "--base", dir.to_str().unwrap_or(""), "--out", out3.to_str().unwrap_or("")]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(std::fs::read(out.join("model.safetensors"))? == std::fs::read(out3.join("model.safetensors"))?, "merged over --base");
     // a plain model directory is refused
     let o = candle_cp(&["merge-lora", "--checkpoint", out.to_str().unwrap_or(""), "--out", dir.join("again").to_str().unwrap_or("")]);
     assert_eq!(o.status.code(), Some(2));

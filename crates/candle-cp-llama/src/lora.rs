@@ -78,6 +78,14 @@ impl LoraSpec {
     }
 }
 
+impl std::fmt::Display for LoraSpec {
+    /// `rank 8, alpha 16 (rsLoRA) on q_proj, v_proj`
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let rs = if self.config.rslora { " (rsLoRA)" } else { "" };
+        write!(f, "rank {}, alpha {}{rs} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
+    }
+}
+
 impl crate::LlamaConfig {
     /// The same config with LoRA adapters `lora` (or none).
     pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {

@@ -27,17 +27,23 @@ use std::collections::HashMap;
 use std::path::{Path, PathBuf};
 
 /// Add this rank's shards of `cfg`'s adapters (`cfg.lora` set) to `varmap`: from the PEFT
-/// adapter in `from` (a checkpoint being resumed; its rank and targets must be `cfg`'s), or
-/// drawn from `seed` (`A` uniform in `±1/√in`, `B` zero).
+/// adapter in `from` (a checkpoint being resumed, or [`super::TrainConfig::lora_init`]; its
+/// rank, alpha and targets must be `cfg`'s), or drawn from `seed` (`A` uniform in `±1/√in`,
+/// `B` zero).
 pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx, seed: u64, dtype: DType, device: &Device, from: Option<&Path>) -> Result<()> {
     let Some(spec) = &cfg.lora else { bail!("train: add_adapters without a LoRA spec (internal error)") };
     let Some(dir) = from else {
         return insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| init_tensor(s, seed, cfg));
     };
-    let saved = load_adapter_sharded(dir, cfg, varmap, ctx, dtype, device)?.and_then(|c| c.lora);
+    // (the spec checked before the tensors: another rank or targets gives other names)
+    let saved = if crate::lora::has_adapter(dir) { Some(crate::lora::load_peft_adapter(dir)?.0) } else { None };
     match saved {
-        Some(s) if s == *spec => Ok(()),
-        s => bail!("resume: {} holds LoRA adapters {s:?}, this run asks for {spec:?}", dir.display()),
+        Some(s) if s == *spec => {
+            load_adapter_sharded(dir, cfg, varmap, ctx, dtype, device)?;
+            Ok(())
+        }
+        Some(s) => bail!("{} holds LoRA adapters of {s}, this run asks for {spec}", dir.display()),
+        None => bail!("{} holds no LoRA adapter (adapter_config.json), this run asks for {spec}", dir.display()),
     }
 }
 

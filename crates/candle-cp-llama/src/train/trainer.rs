@@ -117,8 +117,12 @@ pub struct TrainConfig {
     pub sliding_window: Option<usize>,
     /// LoRA fine-tuning ([`crate::lora`]): adapters on these projections are trained, every
     /// other parameter frozen (no gradient, no optimizer state); each checkpoint holds the
-    /// base model and the adapters as a PEFT adapter. `None`: train every parameter.
+    /// adapters as a PEFT adapter naming the base model. `None`: train every parameter.
     pub lora: Option<crate::LoraSpec>,
+    /// A PEFT adapter directory (e.g. one published for the base model) the adapters start
+    /// from instead of being drawn; its rank, alpha and targets must be [`TrainConfig::lora`]'s.
+    /// A resumed run takes its checkpoint's adapters instead.
+    pub lora_init: Option<PathBuf>,
 }
 
 impl TrainConfig {
@@ -157,6 +161,7 @@ impl TrainConfig {
             args: serde_json::Value::Null,
             sliding_window: None,
             lora: None,
+            lora_init: None,
         }
     }
 }
@@ -367,9 +372,11 @@ pub fn train_rank(
                 bail!("resume: {} holds no LoRA adapter (a run that trained every weight): resume it without lora", dir.display())
             }
             mcfg.lora = Some(l.clone());
-            super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, lora_saved.map(|d| d.as_path()))?;
+            let from = lora_saved.or(cfg.lora_init.as_ref());
+            super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, from.map(|d| d.as_path()))?;
         }
         (None, Some(dir), _) => bail!("resume: {} holds LoRA adapters: resume it with the same lora settings", dir.display()),
+        (None, None, _) if cfg.lora_init.is_some() => bail!("train: lora_init without lora (the adapters' rank, alpha and targets)"),
         (None, None, _) => {}
     }
     // a LoRA run's checkpoints name the frozen base (written once when there is no model

@@ -175,3 +175,46 @@ fn lora_checkpoints_name_their_base_model() -> Result<()> {
     }
     Ok(())
 }
+
+/// `lora_init`: the adapters start from a PEFT adapter directory (here a run's step-3
+/// checkpoint; at learning rate 0 the run writes them back bit for bit, on TP 2 + SP where they
+/// are split, while a run without it writes the drawn ones); an adapter of another rank, or
+/// `lora_init` without `lora`, is refused by name.
+#[test]
+fn lora_starts_from_a_peft_adapter() -> Result<()> {
+    let d = tmpdir("lora-init-src");
+    let mut c = lora_cfg(Some(d.clone()), Layout::single())?;
+    c.stop_after = Some(4);
+    run(&c)?;
+    let src = d.join("checkpoints/step-000003");
+    let (_, want) = crate::lora::load_peft_adapter(&src)?;
+    let still = |init: Option<PathBuf>, tag: &str| -> Result<HashMap<String, Tensor>> {
+        let o = tmpdir(tag);
+        let mut c = lora_cfg(Some(o.clone()), Layout::single().with_tp(2, true))?;
+        c.schedule.peak = 0.0;
+        (c.steps, c.save_every, c.lora_init) = (1, 1, init);
+        run(&c)?;
+        let got = crate::lora::load_peft_adapter(&o.join("checkpoints/step-000001"))?.1;
+        std::fs::remove_dir_all(&o).ok();
+        Ok(got)
+    };
+    let same = |a: &HashMap<String, Tensor>| -> Result<bool> {
+        let mut all = a.len() == want.len();
+        for (n, t) in a {
+            all &= t.flatten_all()?.to_vec1::<f32>()? == want[n].flatten_all()?.to_vec1::<f32>()?;
+        }
+        Ok(all)
+    };
+    assert!(same(&still(Some(src.clone()), "lora-init")?)?, "the adapters started from the given ones");
+    assert!(!same(&still(None, "lora-drawn")?)?, "without lora_init they are drawn");
+    let mut other = lora_cfg(None, Layout::single())?;
+    other.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj"])?);
+    other.lora_init = Some(src.clone());
+    let e = run(&other).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("holds LoRA adapters") && e.contains("this run asks for"), "{e}");
+    (other.lora, other.steps) = (None, 1);
+    let e = run(&other).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("lora_init without lora"), "{e}");
+    std::fs::remove_dir_all(&d).ok();
+    Ok(())
+}
