@@ -64,6 +64,7 @@ pub mod grads;
 pub mod head_loss;
 pub mod hf;
 pub mod layout;
+mod layer_build;
 pub mod lora;
 pub mod loss;
 pub mod model;

@@ -8,19 +8,19 @@
 //! ids `[B, Ts]` → hidden `[B, Ts, h]` → (TP region `[B, Tc, ·]`) → logits `[B, Ts, V]`.
 
 use crate::attn::attend_window;
+use crate::layer_build::LayerBuilder;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
-use crate::params::param_specs;
 use crate::fused::{rope_post, Activation};
 use crate::rope::rope_tables;
 use candle_core::{bail, DType, Module, Result, Tensor};
-use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
+use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, RmsNorm, RowParallelLinear, Shard, Tp};
 use candle_cp_ops::mappings;
 use crate::layout::IGNORE;
 use crate::moe::{RouterLog, SparseMoe};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::recompute::Recompute;
-use candle_nn::{Init, VarBuilder};
+use candle_nn::VarBuilder;
 use std::sync::{Arc, Mutex};
 
 /// `x @ w^T` for `x` `[B, T, in]`, `w` `[out, in]` → `[B, T, out]`.
@@ -275,133 +275,15 @@ impl Llama {
                 ctx.layout
             )
         }
-        let tp = Tp::new(ctx.tp.clone(), ctx.layout.seq_parallel());
-        let mut specs = std::collections::HashMap::new();
-        for s in param_specs(cfg) {
-            specs.insert(s.name.clone(), s);
-        }
-        // HF init: matrices N(0, 0.02²) (norms: ones, by RmsNorm)
-        let init = Init::Randn {
-            mean: 0.0,
-            stdev: 0.02,
-        };
-        let get = |name: &str| -> Result<Tensor> {
-            let Some(s) = specs.get(name) else {
-                bail!("Llama::new: no parameter spec for {name}")
-            };
-            vb.get_with_hints(s.local_shape_in(ctx)?, name, init)
-        };
-        let (h, eps) = (cfg.hidden_size, cfg.rms_norm_eps);
-        let (qd, kd) = (
-            cfg.num_attention_heads * cfg.head_dim,
-            cfg.num_key_value_heads * cfg.head_dim,
-        );
-        let lin = LinearConfig::new(false).with_init(init);
-        let (form, gemma) = (cfg.norm_weight(), cfg.is_gemma());
-        // (weights: ones in a fresh VarMap, or Gemma's zeros, which its `1 + w` makes ones)
-        let norm_init = Init::Const(if gemma { 0.0 } else { 1.0 });
-        let norm = |vb: VarBuilder| -> Result<RmsNorm> {
-            let w = vb.get_with_hints(h, "weight", norm_init)?;
-            Ok(RmsNorm::from_weight(&w, eps, &tp)?.with_grad_sync(GradSync::Deferred).with_form(form))
-        };
-        // the LoRA adapter of projection `module` under `prefix` (crate::lora), if a target
-        // (its local shapes from the specs; in a fresh VarMap A uniform in ±1/√in, B zero)
-        let lora_for = |prefix: &str, module: &str| -> Result<Option<candle_cp_nn::Lora>> {
-            let Some(l) = cfg.lora.as_ref().filter(|l| l.adapts(module)) else { return Ok(None) };
-            let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
-            let (Some(sa), Some(sb)) = (specs.get(&an), specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
-            let (a, b) = (sa.local_shape_in(ctx)?, sb.local_shape_in(ctx)?);
-            let vm = vb.pp(format!("{prefix}.{module}"));
-            Ok(Some(candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?))
-        };
-        let embed = get("model.embed_tokens.weight")?;
         let router_log = RouterLog::default();
-        let mut blocks = Vec::with_capacity(cfg.num_hidden_layers);
-        for i in 0..cfg.num_hidden_layers {
-            let vl = vb.pp(format!("model.layers.{i}"));
-            let (va, vm) = (vl.pp("self_attn"), vl.pp("mlp"));
-            let kv = Shard::RowBlocks(cfg.num_key_value_heads);
-            let qkv = [
-                (va.pp("q_proj"), qd, Shard::Rows),
-                (va.pp("k_proj"), kd, kv),
-                (va.pp("v_proj"), kd, kv),
-            ];
-            let mlp = match &cfg.moe {
-                Some(m) if cfg.is_moe_layer(i) => {
-                    let p = |s: &str| format!("model.layers.{i}.{}.{s}", m.module());
-                    Mlp::Sparse(SparseMoe {
-                        router: get(&p("gate.weight"))?,
-                        gate: get(&p("experts.gate_proj"))?,
-                        up: get(&p("experts.up_proj"))?,
-                        down: get(&p("experts.down_proj"))?,
-                        top_k: m.num_experts_per_tok,
-                        norm_topk: m.norm_topk_prob,
-                        tp: tp.clone(),
-                        act: cfg.activation(),
-                        log: m.output_router_logits.then(|| router_log.clone()),
-                        shared: match m.shared_expert_intermediate_size {
-                            0 => None,
-                            _ => Some(crate::moe::SharedExpert {
-                                gate: get(&p("shared_expert.gate_proj.weight"))?,
-                                up: get(&p("shared_expert.up_proj.weight"))?,
-                                down: get(&p("shared_expert.down_proj.weight"))?,
-                                weight: get(&p("shared_expert_gate.weight"))?,
-                            }),
-                        },
-                        ep: ctx.ep.clone(),
-                    })
-                }
-                _ => {
-                    let gate_up = [(vm.pp("gate_proj"), cfg.intermediate_size), (vm.pp("up_proj"), cfg.intermediate_size)];
-                    let mp = format!("model.layers.{i}.mlp");
-                    let mut down = RowParallelLinear::new(vm.pp("down_proj"), cfg.intermediate_size, h, lin, &tp)?;
-                    if let Some(l) = lora_for(&mp, "down_proj")? {
-                        down = down.with_lora(l)?;
-                    }
-                    Mlp::Dense {
-                        gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &tp)?.with_lora(vec![lora_for(&mp, "gate_proj")?, lora_for(&mp, "up_proj")?])?,
-                        down,
-                    }
-                }
-            };
-            let ap = format!("model.layers.{i}.self_attn");
-            let mut o = RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &tp)?;
-            if let Some(l) = lora_for(&ap, "o_proj")? {
-                o = o.with_lora(l)?;
-            }
-            let qkv_lora = vec![lora_for(&ap, "q_proj")?, lora_for(&ap, "k_proj")?, lora_for(&ap, "v_proj")?];
-            blocks.push(Arc::new(Block {
-                input_norm: norm(vl.pp("input_layernorm"))?,
-                qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &tp)?.with_lora(qkv_lora)?,
-                o,
-                // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
-                // `post_attention_layernorm` is the one after the attention)
-                post_norm: norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
-                mlp,
-                qk_norm: match cfg.qk_norm {
-                    false => None,
-                    // (`norm_init` in a fresh VarMap, as the other norms' weights)
-                    true => Some(QkNorm {
-                        q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
-                        k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
-                        eps,
-                        form,
-                    }),
-                },
-                window: cfg.layer_window(i),
-                sandwich: match gemma {
-                    false => None,
-                    true => Some((norm(vl.pp("post_attention_layernorm"))?, norm(vl.pp("post_feedforward_layernorm"))?)),
-                },
-                act: cfg.activation(),
-                local_rope: cfg.layer_rope_is_local(i),
-            }));
-        }
-        let norm = norm(vb.pp("model.norm"))?;
+        let lb = LayerBuilder::new(vb, cfg, ctx, router_log.clone());
+        let embed = lb.get("model.embed_tokens.weight")?;
+        let blocks = (0..cfg.num_hidden_layers).map(|i| lb.block(i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        let norm = lb.norm(lb.vb().pp("model.norm"))?;
         let lm_head = if cfg.tie_word_embeddings {
             embed.clone()
         } else {
-            get("lm_head.weight")?
+            lb.get("lm_head.weight")?
         };
         Ok(Self {
             cfg: cfg.clone(),

@@ -1,6 +1,7 @@
 //! Tests of `model.rs` (the Llama forward, its losses and its parameters).
 
 use super::*;
+use crate::params::param_specs;
 use crate::layout::{shard_batch, Layout, IGNORE};
 use crate::params::{init_params, shard_params};
 use candle_core::Device;

@@ -1,0 +1,160 @@
+//! How a decoder layer is built from a `VarBuilder`: names, local shapes and inits from the
+//! parameter specs, the TP / SP layers, the LoRA adapters. [`crate::Llama::new`] builds every
+//! layer once; a model over a quantized base ([`crate::quant`]) builds each layer anew in every
+//! forward (and recomputation) from weights dequantized on the fly.
+
+use crate::config::LlamaConfig;
+use crate::layout::ParallelCtx;
+use crate::model::{Block, Mlp, QkNorm};
+use crate::moe::{RouterLog, SparseMoe};
+use crate::params::{param_specs, ParamSpec};
+use candle_core::{bail, Result, Tensor};
+use candle_cp_nn::{ColumnParallelLinear, GradSync, LinearConfig, RmsNorm, RowParallelLinear, Shard, Tp};
+use candle_nn::{Init, VarBuilder};
+use std::collections::HashMap;
+
+/// What a layer is built from: the weights (`vb`), the config, the ranks, the specs.
+#[derive(Clone)]
+pub(crate) struct LayerBuilder<'a> {
+    vb: VarBuilder<'a>,
+    cfg: LlamaConfig,
+    ctx: ParallelCtx,
+    specs: HashMap<String, ParamSpec>,
+    pub(crate) tp: Tp,
+    router_log: RouterLog,
+}
+
+/// HF init: matrices N(0, 0.02²) (norms: ones, by RmsNorm).
+const INIT: Init = Init::Randn { mean: 0.0, stdev: 0.02 };
+
+impl<'a> LayerBuilder<'a> {
+    /// A builder over `vb` (the sparse layers log their routing into `router_log`).
+    pub(crate) fn new(vb: VarBuilder<'a>, cfg: &LlamaConfig, ctx: &ParallelCtx, router_log: RouterLog) -> Self {
+        let specs = param_specs(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
+        let tp = Tp::new(ctx.tp.clone(), ctx.layout.seq_parallel());
+        Self { vb, cfg: cfg.clone(), ctx: ctx.clone(), specs, tp, router_log }
+    }
+
+    /// Parameter `name` with this rank's local shape (a fresh `VarMap`: the HF init).
+    pub(crate) fn get(&self, name: &str) -> Result<Tensor> {
+        let Some(s) = self.specs.get(name) else {
+            bail!("Llama::new: no parameter spec for {name}")
+        };
+        self.vb.get_with_hints(s.local_shape_in(&self.ctx)?, name, INIT)
+    }
+
+    /// The RMSNorm whose weight is under `vb` (weights: ones in a fresh VarMap, or Gemma's
+    /// zeros, which its `1 + w` makes ones).
+    pub(crate) fn norm(&self, vb: VarBuilder) -> Result<RmsNorm> {
+        let w = vb.get_with_hints(self.cfg.hidden_size, "weight", self.norm_init())?;
+        Ok(RmsNorm::from_weight(&w, self.cfg.rms_norm_eps, &self.tp)?.with_grad_sync(GradSync::Deferred).with_form(self.cfg.norm_weight()))
+    }
+
+    /// The norms' init in a fresh VarMap.
+    fn norm_init(&self) -> Init {
+        Init::Const(if self.cfg.is_gemma() { 0.0 } else { 1.0 })
+    }
+
+    /// The weights' root (`model.`, `lm_head.` below it).
+    pub(crate) fn vb(&self) -> &VarBuilder<'a> {
+        &self.vb
+    }
+
+    /// The LoRA adapter of projection `module` under `prefix` (crate::lora), if a target
+    /// (its local shapes from the specs; in a fresh VarMap A uniform in ±1/√in, B zero).
+    fn lora_for(&self, prefix: &str, module: &str) -> Result<Option<candle_cp_nn::Lora>> {
+        let Some(l) = self.cfg.lora.as_ref().filter(|l| l.adapts(module)) else { return Ok(None) };
+        let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
+        let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
+        let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
+        let vm = self.vb.pp(format!("{prefix}.{module}"));
+        Ok(Some(candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?))
+    }
+
+    /// Decoder layer `i`.
+    pub(crate) fn block(&self, i: usize) -> Result<Block> {
+        let cfg = &self.cfg;
+        let (h, eps, init) = (cfg.hidden_size, cfg.rms_norm_eps, INIT);
+        let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+        let lin = LinearConfig::new(false).with_init(init);
+        let (form, gemma, norm_init) = (cfg.norm_weight(), cfg.is_gemma(), self.norm_init());
+        let vl = self.vb.pp(format!("model.layers.{i}"));
+        let (va, vm) = (vl.pp("self_attn"), vl.pp("mlp"));
+        let kv = Shard::RowBlocks(cfg.num_key_value_heads);
+        let qkv = [
+            (va.pp("q_proj"), qd, Shard::Rows),
+            (va.pp("k_proj"), kd, kv),
+            (va.pp("v_proj"), kd, kv),
+        ];
+        let mlp = match &cfg.moe {
+            Some(m) if cfg.is_moe_layer(i) => {
+                let p = |s: &str| format!("model.layers.{i}.{}.{s}", m.module());
+                Mlp::Sparse(SparseMoe {
+                    router: self.get(&p("gate.weight"))?,
+                    gate: self.get(&p("experts.gate_proj"))?,
+                    up: self.get(&p("experts.up_proj"))?,
+                    down: self.get(&p("experts.down_proj"))?,
+                    top_k: m.num_experts_per_tok,
+                    norm_topk: m.norm_topk_prob,
+                    tp: self.tp.clone(),
+                    act: cfg.activation(),
+                    log: m.output_router_logits.then(|| self.router_log.clone()),
+                    shared: match m.shared_expert_intermediate_size {
+                        0 => None,
+                        _ => Some(crate::moe::SharedExpert {
+                            gate: self.get(&p("shared_expert.gate_proj.weight"))?,
+                            up: self.get(&p("shared_expert.up_proj.weight"))?,
+                            down: self.get(&p("shared_expert.down_proj.weight"))?,
+                            weight: self.get(&p("shared_expert_gate.weight"))?,
+                        }),
+                    },
+                    ep: self.ctx.ep.clone(),
+                })
+            }
+            _ => {
+                let gate_up = [(vm.pp("gate_proj"), cfg.intermediate_size), (vm.pp("up_proj"), cfg.intermediate_size)];
+                let mp = format!("model.layers.{i}.mlp");
+                let mut down = RowParallelLinear::new(vm.pp("down_proj"), cfg.intermediate_size, h, lin, &self.tp)?;
+                if let Some(l) = self.lora_for(&mp, "down_proj")? {
+                    down = down.with_lora(l)?;
+                }
+                Mlp::Dense {
+                    gate_up: ColumnParallelLinear::new_fused(&gate_up, h, lin, &self.tp)?.with_lora(vec![self.lora_for(&mp, "gate_proj")?, self.lora_for(&mp, "up_proj")?])?,
+                    down,
+                }
+            }
+        };
+        let ap = format!("model.layers.{i}.self_attn");
+        let mut o = RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &self.tp)?;
+        if let Some(l) = self.lora_for(&ap, "o_proj")? {
+            o = o.with_lora(l)?;
+        }
+        let qkv_lora = vec![self.lora_for(&ap, "q_proj")?, self.lora_for(&ap, "k_proj")?, self.lora_for(&ap, "v_proj")?];
+        Ok(Block {
+            input_norm: self.norm(vl.pp("input_layernorm"))?,
+            qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &self.tp)?.with_lora(qkv_lora)?,
+            o,
+            // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
+            // `post_attention_layernorm` is the one after the attention)
+            post_norm: self.norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+            mlp,
+            qk_norm: match cfg.qk_norm {
+                false => None,
+                // (`norm_init` in a fresh VarMap, as the other norms' weights)
+                true => Some(QkNorm {
+                    q: va.pp("q_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
+                    k: va.pp("k_norm").get_with_hints(cfg.head_dim, "weight", norm_init)?,
+                    eps,
+                    form,
+                }),
+            },
+            window: cfg.layer_window(i),
+            sandwich: match gemma {
+                false => None,
+                true => Some((self.norm(vl.pp("post_attention_layernorm"))?, self.norm(vl.pp("post_feedforward_layernorm"))?)),
+            },
+            act: cfg.activation(),
+            local_rope: cfg.layer_rope_is_local(i),
+        })
+    }
+}
