@@ -169,6 +169,12 @@ pub(crate) struct Args {
     /// rank, alpha and targets are the run's (with --lora too, they must agree).
     #[arg(long, value_name = "DIR")]
     pub(crate) lora_from: Option<PathBuf>,
+    /// Hold the LoRA run's frozen base quantized (QLoRA-style): `int8` or `nf4`, optionally
+    /// with the group width (inputs per scale, default 64), e.g. `nf4,32`. The decoder layers'
+    /// projections are dequantized layer by layer in each forward (add --recompute to keep
+    /// one layer's at a time).
+    #[arg(long, value_name = "KIND[,GROUP]")]
+    pub(crate) quantize_base: Option<String>,
     /// The projections --lora adapts (PEFT names, comma-separated).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,

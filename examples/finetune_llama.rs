@@ -105,6 +105,9 @@ fn main() -> Result<()> {
     if a.sliding_window == Some(0) {
         bail!("--sliding-window 0: a window holds at least 1 token (the query itself)")
     }
+    if a.quantize_base.is_some() && a.lora.is_none() && a.lora_from.is_none() {
+        bail!("--quantize-base quantizes a LoRA run's frozen base: add --lora R,ALPHA or --lora-from DIR")
+    }
     if a.overlap_param_gather && !(a.zero1 || a.zero2) {
         bail!("--overlap-param-gather overlaps ZeRO's all-gather of the updated parameters: add --zero1 or --zero2")
     }
@@ -145,6 +148,14 @@ fn main() -> Result<()> {
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
         lora_init: a.lora_from.clone(),
+        quantize_base: match &a.quantize_base {
+            None => None,
+            Some(q) => {
+                let (kind, group) = q.split_once(',').unwrap_or((q, "64"));
+                let group: usize = group.trim().parse().map_err(|e| anyhow::anyhow!("--quantize-base {q}: group ({e})"))?;
+                Some(candle_cp_nn::QuantConfig::new(kind.trim().parse()?, group)?)
+            }
+        },
         lora: match &a.lora {
             // the adapter's own rank, alpha and targets
             None if a.lora_from.is_some() => a.lora_from.as_deref().map(|d| candle_cp_llama::lora::load_peft_adapter(d).map(|(s, _)| s)).transpose()?,
@@ -331,13 +342,21 @@ fn main() -> Result<()> {
         c.num_key_value_heads,
         c.vocab_size
     );
+    let cfg_lora = a.lora.is_some() || a.lora_from.is_some();
     println!(
         "optimizer: {:.2} MiB of Adam state on rank 0 ({} of the {} parameters trained{})",
         o.optimizer_state_bytes as f64 / (1u64 << 20) as f64,
         o.trainable_params,
         o.n_params,
-        if a.lora.is_some() { ": the LoRA adapters" } else { "" }
+        if cfg_lora { ": the LoRA adapters" } else { "" }
     );
+    if cfg_lora {
+        println!(
+            "base     : {:.2} MiB of frozen weights on rank 0{}",
+            o.frozen_weight_bytes as f64 / (1u64 << 20) as f64,
+            a.quantize_base.as_deref().map(|q| format!(" (projections quantized: {q})")).unwrap_or_default()
+        );
+    }
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(

@@ -16,6 +16,7 @@
 //!
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
+use candle_cp_plan::layout::BaseQuant;
 use candle_cp_plan::{plan, ActivationModel, CpKind, Dtype, Hardware, Layout, ModelConfig, Overlap, PlanInput, Recompute};
 use candle_cp_tests::draws::{pick, rng, seeds};
 use serde_json::Value;
@@ -36,7 +37,7 @@ fn bad_numbers(v: &Value, path: &str, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| bad_numbers(x, &format!("{path}/{i}"), out)),
         // serde_json writes NaN and infinities as null: only options may be null
         Value::Null => {
-            let optional = ["window", "sliding_window", "partial_window", "moe", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows"];
+            let optional = ["window", "sliding_window", "partial_window", "moe", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows", "base_quant"];
             if !optional.iter().any(|k| path.ends_with(&format!("/{k}"))) {
                 out.push(format!("{path} = null"));
             }
@@ -64,7 +65,7 @@ fn plan_at_cp(inp: &PlanInput, cp: usize) -> Option<Value> {
 
 #[test]
 fn random_plans_are_consistent() {
-    let (mut ok, mut refused, mut fitting, mut with_min, mut sliding) = (0, 0, 0, 0, 0);
+    let (mut ok, mut refused, mut fitting, mut with_min, mut sliding, mut quantized) = (0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS).expect("seed range");
     let n_configs = range.end - range.start;
     for seed in range {
@@ -91,6 +92,7 @@ fn random_plans_are_consistent() {
             f32_row_sums: None,
             lora_rank: 0,
             lora_mlp: false,
+            base_quant: None,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);
         let mut inp = PlanInput::new(model, hw, layout, seq);
@@ -117,6 +119,12 @@ fn random_plans_are_consistent() {
         if inp.model.moe.is_some() {
             inp.layout.ep = pick(&mut d, &[1, 2, 4, 8, 16]);
         }
+        // LoRA, its frozen base quantized or not (drawn after the rest, as above)
+        if d.below(4) == 0 {
+            inp.layout.lora_rank = pick(&mut d, &[8, 64]);
+            inp.layout.lora_mlp = d.below(2) == 0;
+            inp.layout.base_quant = pick(&mut d, &[None, Some(BaseQuant { bits: 4, group: 64 }), Some(BaseQuant { bits: 8, group: 128 })]);
+        }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {
             Ok(p) => serde_json::to_value(&p).expect("a plan serialises"),
@@ -142,7 +150,20 @@ fn random_plans_are_consistent() {
         } else {
             assert!(total >= first * (1.0 - 1e-12) && total <= (first + logits) * (1.0 + 1e-12), "{what}: activations {total} vs first stage {first}, logits {logits}");
         }
-        assert!(close(n("/model_states/total"), sum(&["/model_states/weights", "/model_states/grads", "/model_states/optimizer", "/model_states/zero3_gathered"])), "{what}: model states");
+        assert!(close(n("/model_states/total"), sum(&["/model_states/weights", "/model_states/grads", "/model_states/optimizer", "/model_states/zero3_gathered", "/model_states/dequantized"])), "{what}: model states");
+        if let Some(q) = inp.layout.base_quant {
+            // against the same plan with the base unquantized: fewer weight bytes (below e bytes
+            // per weight), the dequantized copies on top, nothing else changed
+            let mut plain = inp.clone();
+            plain.layout.base_quant = None;
+            let c = serde_json::to_value(plan(&plain).expect("the unquantized plan")).expect("serialises");
+            let saved = num(&c, "/model_states/weights") - n("/model_states/weights");
+            let e = inp.dtype.bytes() as f64;
+            assert!((saved > 0.0) == (q.bytes_per_weight() < e), "{what}: quantized weights save {saved} bytes at {} bytes each", q.bytes_per_weight());
+            assert!(n("/model_states/dequantized") > 0.0, "{what}: dequantized copies");
+            assert!(close(n("/memory_per_gpu_bytes") - num(&c, "/memory_per_gpu_bytes"), n("/model_states/dequantized") - saved), "{what}: memory per GPU");
+            quantized += 1;
+        }
         let mem = n("/memory_per_gpu_bytes");
         assert!(close(mem, sum(&["/activations/total", "/model_states/total"])), "{what}: memory per GPU");
         let fits = p["fits"].as_bool().expect("fits");
@@ -212,7 +233,7 @@ fn random_plans_are_consistent() {
             assert!(b <= a * (1.0 + 1e-12), "{what}: CP x2 raises activations per layer per GPU {a} -> {b}");
         }
     }
-    println!("{ok} plans checked ({fitting} fit, {with_min} with a smallest fitting CP, {sliding} with a window on some layers), {refused} refused");
+    println!("{ok} plans checked ({fitting} fit, {with_min} with a smallest fitting CP, {sliding} with a window on some layers, {quantized} with a quantized base), {refused} refused");
     assert!(n_configs < 100 || sliding > 0, "no plan with a window on some layers");
     assert!(ok as u64 >= n_configs / 5, "only {ok} of {n_configs} drawn inputs were planned");
 }

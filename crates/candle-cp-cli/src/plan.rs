@@ -52,6 +52,10 @@ pub struct CommonArgs {
     /// With --lora: the MLP projections (gate, up, down) too.
     #[arg(long)]
     pub lora_mlp: bool,
+    /// With --lora: the frozen base quantized (finetune_llama --quantize-base): int8 or nf4,
+    /// optionally ,GROUP (inputs per scale, default 64).
+    #[arg(long, value_name = "KIND[,GROUP]")]
+    pub quant_base: Option<String>,
     /// Dense bf16 peak, TFLOP/s.
     #[arg(long)]
     pub flops: Option<f64>,
@@ -157,6 +161,10 @@ pub struct PlanArgs {
 /// Builds the planner input from the shared flags and `layout`; errors name the bad value.
 pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<PlanInput> {
     (layout.lora_rank, layout.lora_mlp) = (a.lora, a.lora_mlp);
+    layout.base_quant = a.quant_base.as_deref().map(candle_cp_plan::layout::BaseQuant::parse).transpose()?;
+    if layout.base_quant.is_some() && a.lora == 0 {
+        anyhow::bail!("--quant-base quantizes a LoRA run's frozen base: give the adapters' rank with --lora R")
+    }
     if a.lora_mlp && a.lora == 0 {
         anyhow::bail!("--lora-mlp adapts the MLP projections too: give the adapters' rank with --lora R")
     }
@@ -243,6 +251,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         f32_row_sums: None,
         lora_rank: 0,
         lora_mlp: false,
+        base_quant: None,
     };
     let mut input = input_from_common(&a.common, layout)?;
     input.micro_batches = a.micro_batches;

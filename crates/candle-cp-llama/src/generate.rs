@@ -169,12 +169,14 @@ impl Block {
 
 impl Llama {
     /// The decoder layers as generation runs them: sequence parallelism off (same weights).
-    fn generation_blocks(&self) -> Vec<Arc<Block>> {
-        if self.ctx.layout.seq_parallel() {
-            self.blocks.iter().map(|b| Arc::new(b.without_sp())).collect()
+    fn generation_blocks(&self) -> Result<Vec<Arc<Block>>> {
+        // (a quantized base's layers: built from the dequantized weights, held for the call)
+        let blocks = self.layer_blocks()?;
+        Ok(if self.ctx.layout.seq_parallel() {
+            blocks.iter().map(|b| Arc::new(b.without_sp())).collect()
         } else {
-            self.blocks.clone()
-        }
+            blocks
+        })
     }
 
     /// Embedding of ids `[B, T]` (the whole sequence, SP off) → `[B, T, h]`, the same on
@@ -276,12 +278,12 @@ impl Llama {
         let ((cos, sin), local) = self.rope_pair(&positions, ids.device())?;
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let mut cache = KvCache {
-            layers: Vec::with_capacity(self.blocks.len()),
+            layers: Vec::with_capacity(self.cfg.num_hidden_layers),
             batch: b,
             next: t,
         };
         let mut x = self.embed_whole(ids)?;
-        for blk in &self.generation_blocks() {
+        for blk in &self.generation_blocks()? {
             let (c, s) = match (&local, blk.local_rope) {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
@@ -318,12 +320,12 @@ impl Llama {
     pub fn decode_step(&self, cache: &mut KvCache, tokens: &Tensor) -> Result<Tensor> {
         let ctx = &self.ctx;
         let b = cache.batch;
-        if tokens.dims() != [b] || cache.layers.len() != self.blocks.len() {
+        if tokens.dims() != [b] || cache.layers.len() != self.cfg.num_hidden_layers {
             bail!(
                 "Llama::decode_step: tokens {:?} must be [{b}] for a cache of B = {b} and {} layers ({} in the model)",
                 tokens.dims(),
                 cache.layers.len(),
-                self.blocks.len()
+                self.cfg.num_hidden_layers
             )
         }
         let ids = self.checked_ids(tokens, "Llama::decode_step")?;
@@ -332,7 +334,7 @@ impl Llama {
         let (heads, scale) = self.heads();
         let ((cos, sin), local) = self.rope_pair(&[p as u32], ids.device())?;
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
-        for (blk, shard) in self.generation_blocks().iter().zip(cache.layers.iter_mut()) {
+        for (blk, shard) in self.generation_blocks()?.iter().zip(cache.layers.iter_mut()) {
             let (c, s) = match (&local, blk.local_rope) {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),

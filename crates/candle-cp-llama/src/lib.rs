@@ -71,6 +71,7 @@ pub mod model;
 mod moe;
 pub mod packed;
 pub mod params;
+pub mod quant;
 pub mod rope;
 pub mod sampling;
 pub mod train;

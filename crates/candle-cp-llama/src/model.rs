@@ -234,6 +234,9 @@ pub struct Llama {
     pub(crate) ctx: ParallelCtx,
     pub(crate) embed: Tensor,
     pub(crate) blocks: Vec<Arc<Block>>,
+    /// A quantized base's layers, built in each forward ([`Llama::new_quantized`]; `blocks`
+    /// is then empty).
+    lazy: Option<Arc<LayerBuilder<'static>>>,
     /// `Some`: layers are checkpointed (recomputed in backward), see [`Llama::with_recompute`].
     recompute: Option<Recompute>,
     pub(crate) norm: RmsNorm,
@@ -255,6 +258,66 @@ impl Llama {
     /// [`crate::init_params`] + [`crate::shard_params`] for replicated weights that agree
     /// across ranks.
     pub fn new(vb: VarBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Self> {
+        Self::check_layout(cfg, ctx)?;
+        let router_log = RouterLog::default();
+        let lb = LayerBuilder::new(vb, cfg, ctx, router_log.clone());
+        let blocks = (0..cfg.num_hidden_layers).map(|i| lb.block(i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+        Self::assemble(&lb, cfg, ctx, blocks, None, router_log)
+    }
+
+    /// A LoRA model over a quantized frozen base ([`crate::quant`]): its decoder layers are
+    /// built anew in every forward (and recomputation) from weights dequantized to `dtype` on
+    /// `device`, so between steps only the codes are held; with [`Llama::with_recompute`] at
+    /// most one layer's dequantized weights are alive at a time. Computes as
+    /// [`Llama::new`] over the dequantized weights.
+    pub fn new_quantized(base: &crate::quant::QuantBase, dtype: DType, device: &candle_core::Device, cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Self> {
+        Self::check_layout(cfg, ctx)?;
+        if cfg.lora.is_none() {
+            bail!("Llama::new_quantized: the config has no LoRA adapters (a quantized base is frozen)")
+        }
+        let router_log = RouterLog::default();
+        let lb = LayerBuilder::new(VarBuilder::from_backend(base.backend(), dtype, device.clone()), cfg, ctx, router_log.clone());
+        // every layer built once here: the shapes and names checked now, not in a forward
+        for i in 0..cfg.num_hidden_layers {
+            lb.block(i)?;
+        }
+        Self::assemble(&lb, cfg, ctx, Vec::new(), Some(Arc::new(lb.clone())), router_log)
+    }
+
+    /// The embedding, final norm and head from `lb`, with the layers `blocks` (or built by
+    /// `lazy` in each forward).
+    fn assemble(lb: &LayerBuilder, cfg: &LlamaConfig, ctx: &ParallelCtx, blocks: Vec<Arc<Block>>, lazy: Option<Arc<LayerBuilder<'static>>>, router_log: RouterLog) -> Result<Self> {
+        let embed = lb.get("model.embed_tokens.weight")?;
+        let norm = lb.norm(lb.vb().pp("model.norm"))?;
+        let lm_head = if cfg.tie_word_embeddings {
+            embed.clone()
+        } else {
+            lb.get("lm_head.weight")?
+        };
+        Ok(Self {
+            cfg: cfg.clone(),
+            ctx: ctx.clone(),
+            embed,
+            blocks,
+            lazy,
+            recompute: None,
+            norm,
+            lm_head,
+            param_hook: Mutex::new(None),
+            router_log,
+        })
+    }
+
+    /// The decoder layers (a quantized base's built now from its dequantized weights).
+    pub(crate) fn layer_blocks(&self) -> Result<Vec<Arc<Block>>> {
+        match &self.lazy {
+            None => Ok(self.blocks.clone()),
+            Some(lb) => (0..self.cfg.num_hidden_layers).map(|i| lb.block(i).map(Arc::new)).collect(),
+        }
+    }
+
+    /// The config's and the layout's checks, before any weight is read.
+    fn check_layout(cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<()> {
         cfg.validate()?;
         ctx.layout
             .validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
@@ -275,27 +338,7 @@ impl Llama {
                 ctx.layout
             )
         }
-        let router_log = RouterLog::default();
-        let lb = LayerBuilder::new(vb, cfg, ctx, router_log.clone());
-        let embed = lb.get("model.embed_tokens.weight")?;
-        let blocks = (0..cfg.num_hidden_layers).map(|i| lb.block(i).map(Arc::new)).collect::<Result<Vec<_>>>()?;
-        let norm = lb.norm(lb.vb().pp("model.norm"))?;
-        let lm_head = if cfg.tie_word_embeddings {
-            embed.clone()
-        } else {
-            lb.get("lm_head.weight")?
-        };
-        Ok(Self {
-            cfg: cfg.clone(),
-            ctx: ctx.clone(),
-            embed,
-            blocks,
-            recompute: None,
-            norm,
-            lm_head,
-            param_hook: Mutex::new(None),
-            router_log,
-        })
+        Ok(())
     }
 
     /// Call `hook(k)` in every training forward ([`Llama::forward`], [`Llama::hidden`],
@@ -450,21 +493,24 @@ impl Llama {
                 bail!("Llama::hidden: the previous backward's gradients of recomputed layers were never collected: use Llama::backward(&loss), not loss.backward(), when recompute is on")
             }
         }
-        for (i, blk) in self.blocks.iter().enumerate() {
+        let n = self.cfg.num_hidden_layers;
+        for i in 0..n {
             params_ready(1 + i)?;
-            x = match &self.recompute {
-                Some(rc) => {
-                    let (blk, env) = (blk.clone(), env.clone());
-                    rc.checkpoint(
-                        "llama_layer",
-                        &x,
-                        Arc::new(move |x: &Tensor| blk.forward(x, &env)),
-                    )?
+            x = match (&self.recompute, &self.lazy) {
+                (Some(rc), None) => {
+                    let (blk, env) = (self.blocks[i].clone(), env.clone());
+                    rc.checkpoint("llama_layer", &x, Arc::new(move |x: &Tensor| blk.forward(x, &env)))?
                 }
-                None => blk.forward(&x, &env)?,
+                // built inside the checkpoint: its dequantized weights live while it runs
+                (Some(rc), Some(lb)) => {
+                    let (lb, env) = (lb.clone(), env.clone());
+                    rc.checkpoint("llama_layer", &x, Arc::new(move |x: &Tensor| lb.block(i)?.forward(x, &env)))?
+                }
+                (None, None) => self.blocks[i].forward(&x, &env)?,
+                (None, Some(lb)) => lb.block(i)?.forward(&x, &env)?,
             };
         }
-        params_ready(1 + self.blocks.len())?;
+        params_ready(1 + n)?;
         self.norm.forward(&x)
     }
 

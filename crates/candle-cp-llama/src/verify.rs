@@ -150,6 +150,36 @@ pub fn run_layout_recompute_on(
     recompute: bool,
     spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
 ) -> Result<LayoutRun> {
+    run_layout_impl(full, cfg, ids, layout, device, recompute, None, spawn)
+}
+
+/// [`run_layout_recompute`] of a LoRA model (`cfg.lora` set) whose frozen base each rank
+/// quantizes from its shards ([`crate::quant::QuantBase`], [`Llama::new_quantized`]).
+pub fn run_layout_quantized(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+    quant: candle_cp_nn::QuantConfig,
+) -> Result<LayoutRun> {
+    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
+    let n = layout.world_size();
+    run_layout_impl(full, cfg, ids, layout, device, recompute, Some(quant), |body| Ok(run_ranks_with(n, opts, body)))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn run_layout_impl(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+    quant: Option<candle_cp_nn::QuantConfig>,
+    spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
+) -> Result<LayoutRun> {
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
     let (b, t) = ids.dims2()?;
     let v = cfg.vocab_size;
@@ -162,13 +192,27 @@ pub fn run_layout_recompute_on(
             Some(t) => Ok(t.clone()),
             None => bail!("run_layout: missing parameter {} {:?}", s.name, s.shape),
         })?;
-        let model = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?
-            .with_recompute(recompute);
+        let model = match quant {
+            None => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?,
+            Some(q) => Llama::new_quantized(&crate::quant::QuantBase::from_varmap(&vm, cfg, q)?, DType::F32, device, cfg, &ctx)?,
+        }
+        .with_recompute(recompute);
         let batch = shard_batch(&ids_dev, &ctx)?;
         let (loss, logits) = model.loss(&batch.input_ids, &batch.labels, &batch.positions)?;
         let mut grads = model.backward(&loss)?;
         reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
-        let mut full_grads = gather_full_to_host(&named_grads(&grads, &vm)?, cfg, &ctx, true)?;
+        let named = named_grads(&grads, &vm)?;
+        let mut full_grads = match quant {
+            None => gather_full_to_host(&named, cfg, &ctx, true)?,
+            // (the quantized base's frozen weights have no gradient: the adapters' alone)
+            Some(_) => crate::params::trainable_specs(cfg)
+                .into_iter()
+                .map(|s| match named.get(&s.name) {
+                    Some(g) => Ok((s.name.clone(), s.gather(g, &ctx)?.to_device(&Device::Cpu)?)),
+                    None => bail!("run_layout: no gradient for adapter {}", s.name),
+                })
+                .collect::<Result<_>>()?,
+        };
         // (a LoRA model: its adapters' gradients only; the frozen weights' are not summed)
         if cfg.lora.is_some() {
             full_grads.retain(|(n, _)| crate::lora::is_lora_name(n));

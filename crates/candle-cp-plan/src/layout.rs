@@ -166,6 +166,46 @@ pub struct Layout {
     pub lora_rank: usize,
     /// LoRA on the MLP projections too (PEFT's "all linear" targets).
     pub lora_mlp: bool,
+    /// A LoRA run's frozen base held quantized (candle-cp's `TrainConfig::quantize_base`): the
+    /// decoder layers' dense projections as codes with per-group scales
+    /// ([`crate::memory::layer_quantized_params_per_gpu`]). `None`: in the training dtype.
+    pub base_quant: Option<BaseQuant>,
+}
+
+/// How a quantized frozen base stores its projections.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Serialize)]
+pub struct BaseQuant {
+    /// Bits per code: 8 (int8) or 4 (NF4).
+    pub bits: u8,
+    /// Inputs per f32 scale.
+    pub group: usize,
+}
+
+impl BaseQuant {
+    /// Bytes per quantized weight: `bits/8 + 4/group`.
+    pub fn bytes_per_weight(&self) -> f64 {
+        self.bits as f64 / 8.0 + 4.0 / self.group as f64
+    }
+
+    /// `int8` or `nf4`, optionally `,GROUP` (default 64), as finetune_llama's --quantize-base.
+    pub fn parse(s: &str) -> Result<Self> {
+        let (kind, group) = s.split_once(',').unwrap_or((s, "64"));
+        let bits = match kind.trim() {
+            "int8" => 8,
+            "nf4" => 4,
+            k => plan_bail!("quantized base '{k}': expected int8 or nf4"),
+        };
+        match group.trim().parse::<usize>() {
+            Ok(g) if g > 0 && g.is_multiple_of(2) => Ok(Self { bits, group: g }),
+            _ => plan_bail!("quantized base '{s}': the group must be an even number > 0"),
+        }
+    }
+}
+
+impl std::fmt::Display for BaseQuant {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},{}", if self.bits == 8 { "int8" } else { "nf4" }, self.group)
+    }
 }
 
 impl Default for Layout {
@@ -187,6 +227,7 @@ impl Default for Layout {
             f32_row_sums: None,
             lora_rank: 0,
             lora_mlp: false,
+            base_quant: None,
         }
     }
 }

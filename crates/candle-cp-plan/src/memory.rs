@@ -377,6 +377,18 @@ pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     }
 }
 
+/// The parameters of one layer on one GPU that a quantized base stores as codes
+/// ([`Layout::base_quant`]): the attention's q, k, v, o and the dense MLP's gate, up, down
+/// (split over TP as [`layer_params_per_gpu`] counts them); not the norms, biases, router or
+/// experts.
+pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let t = l.tp as f64;
+    let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
+    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
+    2.0 * h * q / t + 2.0 * h * kv + dense_mlp * 3.0 * h * f / t
+}
+
 /// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):
 /// `r·(in + out)` per adapted projection, split over TP as candle-cp splits them (a
 /// column-parallel projection's `A` `[r, in]` replicated and `B` `[out/t, r]`; a row-parallel
@@ -427,6 +439,11 @@ pub struct ModelStates {
     pub optimizer: f64,
     /// Ranks sharing the same weights, over which ZeRO shards: `dp·cp`.
     pub zero_shards: usize,
+    /// A quantized base's dequantized working weights ([`Layout::base_quant`]): `e` bytes
+    /// for one layer's quantized projections with full recompute (built in the layer's forward
+    /// and again in its backward), for every layer's without (the graph keeps them for the
+    /// backward); 0 without quantization.
+    pub dequantized: f64,
     /// ZeRO-3's unsharded working copies: the weights of the layer being computed and of the
     /// next one (prefetched), and the gradients of one layer before their reduce-scatter,
     /// `3·e·max(layer, embedding)` parameters of this GPU; 0 below ZeRO-3.
@@ -451,7 +468,18 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     let opt_bytes = if e < 4 { 12.0 } else { 8.0 };
     let shard = |stage: u8, n: f64| if l.zero >= stage { n } else { 1.0 };
     let by = |bytes: f64, stage: u8| dense * bytes / shard(stage, n) + experts * bytes / shard(stage, n_ex);
-    let weights = by(e as f64, 3);
+    let mut weights = by(e as f64, 3);
+    // a quantized base: its projections' codes and scales in place of e bytes per weight,
+    // and the dequantized copies the forward builds
+    let quantized = layers_per_stage(m, l) as f64 * layer_quantized_params_per_gpu(m, l);
+    let dequantized = match l.base_quant.filter(|_| l.lora_rank > 0) {
+        Some(q) => {
+            weights -= quantized * (e as f64 - q.bytes_per_weight()) / shard(3, n);
+            let layers = if l.recompute == crate::layout::Recompute::Full { 1.0 } else { layers_per_stage(m, l) as f64 };
+            e as f64 * layer_quantized_params_per_gpu(m, l) * layers
+        }
+        None => 0.0,
+    };
     // LoRA: gradients and Adam state of the adapters alone (the base weights frozen)
     let (grads, optimizer) = if l.lora_rank > 0 {
         (adapters * e as f64 / shard(2, n), adapters * opt_bytes / shard(1, n))
@@ -470,8 +498,9 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
         grads,
         optimizer,
         zero_shards: l.dp * l.cp,
+        dequantized,
         zero3_gathered,
-        total: weights + grads + optimizer + zero3_gathered,
+        total: weights + grads + optimizer + zero3_gathered + dequantized,
     }
 }
 

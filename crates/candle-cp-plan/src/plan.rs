@@ -570,6 +570,15 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
             if l.lora_mlp { " and the dense MLPs' gate, up, down" } else { "" },
             crate::memory::layers_per_stage(m, l) as f64 * crate::memory::layer_lora_params_per_gpu(m, l) / 1e6
         ));
+        if let Some(q) = l.base_quant {
+            n.push(format!(
+                "quantized base {q}: {:.1} M projection weights per GPU at {:.3} bytes each; {} dequantized at a time ({})",
+                crate::memory::layers_per_stage(m, l) as f64 * crate::memory::layer_quantized_params_per_gpu(m, l) / 1e6,
+                q.bytes_per_weight(),
+                if l.recompute == Recompute::Full { "one layer's" } else { "every layer's" },
+                if l.recompute == Recompute::Full { "built in its forward, again in its backward" } else { "the graph keeps them for the backward: add --recompute full" }
+            ));
+        }
     }
     if l.ep > 1 {
         n.push(format!(

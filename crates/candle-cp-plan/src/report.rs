@@ -198,10 +198,7 @@ pub fn render(p: &Plan) -> String {
 
     let a = &p.activations;
     let st = &p.model_states;
-    table(
-        &mut o,
-        "Memory per GPU",
-        &[
+    let mut rows = vec![
             r(
                 "parameters on this GPU",
                 format!("{:.2}B", st.params / 1e9),
@@ -222,6 +219,11 @@ pub fn render(p: &Plan) -> String {
                 gb(st.optimizer),
                 "12 bytes/param (/dp*cp with ZeRO-1+)",
             ),
+        ];
+    if st.dequantized > 0.0 {
+        rows.push(r("dequantized base weights", gb(st.dequantized), "e bytes/projection weight: one layer (full recompute) or all"));
+    }
+    rows.extend([
             r(
                 "activations, layers",
                 gb(a.layers),
@@ -239,8 +241,8 @@ pub fn render(p: &Plan) -> String {
                 "peak of first/last stage",
             ),
             r("GPU memory", gb(p.gpu_memory_bytes), ""),
-        ],
-    );
+    ]);
+    table(&mut o, "Memory per GPU", &rows);
 
     let f = &p.flops;
     table(

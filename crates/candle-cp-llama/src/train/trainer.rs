@@ -123,6 +123,10 @@ pub struct TrainConfig {
     /// from instead of being drawn; its rank, alpha and targets must be [`TrainConfig::lora`]'s.
     /// A resumed run takes its checkpoint's adapters instead.
     pub lora_init: Option<PathBuf>,
+    /// A LoRA run's frozen base held quantized (QLoRA-style, [`crate::quant`]): the decoder
+    /// layers' projections as int8 or NF4 codes, dequantized layer by layer in each forward
+    /// (with [`TrainConfig::recompute`], one layer's at a time). `None`: as loaded.
+    pub quantize_base: Option<candle_cp_nn::QuantConfig>,
 }
 
 impl TrainConfig {
@@ -162,6 +166,7 @@ impl TrainConfig {
             sliding_window: None,
             lora: None,
             lora_init: None,
+            quantize_base: None,
         }
     }
 }
@@ -187,6 +192,10 @@ pub struct TrainOutcome {
     /// Bytes of Adam state on this rank ([`super::AdamW::state_bytes`]: ZeRO's slices, the
     /// experts this rank holds under expert parallelism).
     pub optimizer_state_bytes: usize,
+    /// Bytes of frozen weights on this rank (a LoRA run's base: its codes and scales with
+    /// [`TrainConfig::quantize_base`], and the weights left unquantized); 0 for a full
+    /// fine-tune.
+    pub frozen_weight_bytes: usize,
 }
 
 fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
@@ -398,12 +407,25 @@ pub fn train_rank(
         .iter()
         .map(|s| s.shape.iter().product::<usize>())
         .sum();
-    // (a LoRA run: the base weights frozen, plain tensors)
-    let vb = match &mcfg.lora {
-        Some(_) => super::lora::frozen_builder(&varmap, cfg.dtype, &dev)?,
-        None => VarBuilder::from_varmap(&varmap, cfg.dtype, &dev),
+    // (a LoRA run: the base weights frozen, plain tensors or quantized)
+    let (model, frozen_weight_bytes) = match (&mcfg.lora, cfg.quantize_base) {
+        (Some(_), Some(q)) => {
+            // the base written (when the checkpoints need it) before its dense shards go
+            if let Some(b) = &lora_base {
+                b.write_once(&varmap, &mcfg, &ctx, &world, rank == 0)?;
+            }
+            let qb = crate::quant::QuantBase::from_varmap(&varmap, &mcfg, q)?;
+            let (qbytes, plain) = qb.frozen_bytes();
+            (Llama::new_quantized(&qb, cfg.dtype, &dev, &mcfg, &ctx)?, qbytes + plain)
+        }
+        (None, Some(_)) => bail!("train: quantize_base quantizes a LoRA run's frozen base: set lora"),
+        (Some(_), None) => {
+            let frozen = crate::params::lock_vars(&varmap)?.iter().filter(|(n, _)| !crate::lora::is_lora_name(n)).map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes()).sum();
+            (Llama::new(super::lora::frozen_builder(&varmap, cfg.dtype, &dev)?, &mcfg, &ctx)?, frozen)
+        }
+        (None, None) => (Llama::new(VarBuilder::from_varmap(&varmap, cfg.dtype, &dev), &mcfg, &ctx)?, 0),
     };
-    let model = Llama::new(vb, &mcfg, &ctx)?.with_recompute(cfg.recompute);
+    let model = model.with_recompute(cfg.recompute);
     let trainable_params: usize = crate::params::trainable_specs(&mcfg).iter().map(|s| s.shape.iter().product::<usize>()).sum();
     let trainable: std::collections::HashSet<String> = crate::params::trainable_specs(&mcfg).into_iter().map(|s| s.name).collect();
     let named_vars: Vec<(String, candle_core::Var)> = {
@@ -658,6 +680,7 @@ pub fn train_rank(
                 n_params,
                 trainable_params,
                 optimizer_state_bytes: opt.state_bytes(),
+                frozen_weight_bytes,
             });
         }
         let last = done == cfg.steps;
@@ -683,6 +706,7 @@ pub fn train_rank(
         n_params,
         trainable_params,
         optimizer_state_bytes: opt.state_bytes(),
+        frozen_weight_bytes,
     })
 }
 

@@ -218,3 +218,69 @@ fn lora_starts_from_a_peft_adapter() -> Result<()> {
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
+
+/// `quantize_base`: a LoRA run over an NF4 base (quantized by each rank from its shards) on
+/// TP 2 + SP × DP 2 with recompute follows the one-device run over the dequantized base step
+/// by step and writes the same adapters; it holds the codes (`frozen_weight_bytes`: NF4's
+/// bytes for the projections, the rest as loaded); a drawn base is written to `<out>/base` in
+/// full precision before it is quantized. Without lora it is refused.
+#[test]
+fn lora_over_a_quantized_base_follows_the_dequantized_one() -> Result<()> {
+    let q = candle_cp_nn::QuantConfig::new(candle_cp_nn::QuantKind::Nf4, 8)?;
+    let c0 = lora_cfg(None, Layout::single())?;
+    let ModelSource::Init(base_cfg) = &c0.model else { candle_core::bail!("init model expected") };
+    let init = crate::init_params(base_cfg, c0.seed, DType::F32, &Device::Cpu)?;
+    let deq = VarMap::new();
+    for (n, t) in crate::params::varmap_tensors(&init)? {
+        let t = if crate::quant::is_quantized_weight(&n) { candle_cp_nn::QuantWeight::quantize(&t, q)?.dequantize(DType::F32)? } else { t };
+        crate::params::lock_vars(&deq)?.insert(n, candle_core::Var::from_tensor(&t)?);
+    }
+    let (hf, hfq) = (tmpdir("qlora-hf"), tmpdir("qlora-hfq"));
+    crate::save_hf(&hf, &init, base_cfg)?;
+    crate::save_hf(&hfq, &deq, base_cfg)?;
+    let (da, db) = (tmpdir("qlora-a"), tmpdir("qlora-b"));
+    let mut want_cfg = lora_cfg(Some(db.clone()), Layout::single())?;
+    want_cfg.model = ModelSource::Hf(hfq.clone());
+    let want = run(&want_cfg)?;
+    let layout = Layout::single().with_tp(2, true).with_dp(2);
+    let mut c = lora_cfg(Some(da.clone()), layout)?;
+    (c.model, c.quantize_base, c.recompute) = (ModelSource::Hf(hf.clone()), Some(q), true);
+    let got = run(&c)?;
+    let curve: Vec<&StepMetrics> = want[0].metrics.iter().collect();
+    assert_same_curve("NF4 base on tp 2 + sp × dp 2", &curve, &got[0].metrics);
+    let (_, a) = crate::lora::load_peft_adapter(&da.join("checkpoints/step-000006"))?;
+    let (_, b) = crate::lora::load_peft_adapter(&db.join("checkpoints/step-000006"))?;
+    for (n, t) in &b {
+        let diff = (&a[n] - t)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        assert!(diff < 1e-5, "{n} differs by {diff}");
+    }
+    assert_eq!(crate::lora::base_model_dir(&da.join("checkpoints/step-000006"))?, std::path::absolute(&hf)?, "the full-precision model named");
+    // the frozen bytes of rank 0: NF4 codes and scales of its projection shards, the rest f32
+    let ctx_shapes = |s: &crate::ParamSpec| -> usize { s.shape.iter().product::<usize>() / if s.shard.copies(2) == 2 { 1 } else { 2 } };
+    let mcfg = base_cfg.clone().with_lora(c.lora.clone());
+    let expect: usize = crate::param_specs(&mcfg)
+        .iter()
+        .filter(|s| !s.is_lora())
+        .map(|s| if crate::quant::is_quantized_weight(&s.name) { q.bytes(ctx_shapes(s)) } else { 4 * ctx_shapes(s) })
+        .sum();
+    assert_eq!(got[0].frozen_weight_bytes, expect);
+    assert!(got[0].frozen_weight_bytes < want[0].frozen_weight_bytes / 2, "{} vs {}", got[0].frozen_weight_bytes, want[0].frozen_weight_bytes);
+    // a drawn base: written in full precision into <out>/base, then quantized
+    let dc = tmpdir("qlora-init");
+    let mut ci = lora_cfg(Some(dc.clone()), Layout::single())?;
+    (ci.quantize_base, ci.steps, ci.save_every) = (Some(q), 1, 1);
+    run(&ci)?;
+    let written = crate::params::varmap_tensors(&crate::load_hf(dc.join("base"), &Device::Cpu, DType::F32)?.0)?;
+    for (n, t) in crate::params::varmap_tensors(&init)? {
+        assert!(written[&n].flatten_all()?.to_vec1::<f32>()? == t.flatten_all()?.to_vec1::<f32>()?, "{n}: the base as drawn");
+    }
+    let mut plain = c0.clone();
+    plain.lora = None;
+    plain.quantize_base = Some(q);
+    let e = run(&plain).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("quantize_base") && e.contains("set lora"), "{e}");
+    for x in [&hf, &hfq, &da, &db, &dc] {
+        std::fs::remove_dir_all(x).ok();
+    }
+    Ok(())
+}

@@ -1,0 +1,103 @@
+//! A LoRA model over a quantized frozen base (`candle_cp_llama::quant`, QLoRA-style) on
+//! parallel layouts: each rank quantizes its own TP shards, and the model must equal the
+//! one-device model over the dequantized weights of the whole base (logits within 1e-5,
+//! adapter gradients within 5e-5 relative, the ranks agreeing), with and without recompute —
+//! that is, every layout computes with the same quantized weights. The quantization itself
+//! changes the model (logits move off the unquantized model's), and a group width that does
+//! not divide a rank's local input width is refused by name.
+
+use candle_core::{Device, Result, Tensor};
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::lora::TARGETS;
+use candle_cp_llama::quant::is_quantized_weight;
+use candle_cp_llama::verify::{load_reference, run_layout, run_layout_quantized, LayoutRun};
+use candle_cp_llama::{hf::load_safetensors_dir, param_specs, LlamaConfig, LoraSpec};
+use candle_cp_nn::{QuantConfig, QuantKind, QuantWeight};
+use std::collections::HashMap;
+
+fn dir() -> std::path::PathBuf {
+    candle_cp_tests::oracle_dir("tiny-llama")
+}
+
+/// The oracle's weights plus seeded adapters (`B` off zero, as after training).
+fn with_adapters(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
+    let mut full = load_safetensors_dir(&dir(), &Device::Cpu)?;
+    for (i, s) in param_specs(cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
+        full.insert(s.name.clone(), candle_cp_ops::oracle::randn(500 + i as u64, &s.shape, sd)?);
+    }
+    Ok(full)
+}
+
+/// `full` with every weight the base quantizes replaced by its dequantized whole-tensor codes.
+fn dequantized(full: &HashMap<String, Tensor>, q: QuantConfig) -> Result<HashMap<String, Tensor>> {
+    full.iter()
+        .map(|(n, t)| {
+            let t = if is_quantized_weight(n) { QuantWeight::quantize(t, q)?.dequantize(t.dtype())? } else { t.clone() };
+            Ok((n.clone(), t))
+        })
+        .collect()
+}
+
+fn max_abs(a: &Tensor, b: &Tensor) -> Result<f32> {
+    (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()
+}
+
+/// Logits and every adapter gradient of `got` against `want`.
+fn check(what: &str, got: &LayoutRun, want: &LayoutRun) -> Result<()> {
+    let e = max_abs(&got.logits, &want.logits)?;
+    assert!(e < 1e-5, "{what}: logits off by {e}");
+    assert!((got.loss - want.loss).abs() < 5e-6, "{what}: loss {} vs {}", got.loss, want.loss);
+    assert!(got.grad_spread < 1e-6, "{what}: the ranks' adapter gradients differ by {}", got.grad_spread);
+    let w: HashMap<&String, &Tensor> = want.grads.iter().map(|(n, g)| (n, g)).collect();
+    assert_eq!(got.grads.len(), w.len(), "{what}: the adapters' gradients, and only theirs");
+    let mut worst = 0f32;
+    for (n, g) in &got.grads {
+        let r = w[n];
+        worst = worst.max(max_abs(g, r)? / r.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?.max(1e-12));
+    }
+    println!("{what}: logits {e:.2e}, adapter gradients {worst:.2e} relative");
+    assert!(worst < 5e-5, "{what}: adapter gradients off by {worst} (relative)");
+    Ok(())
+}
+
+#[test]
+fn quantized_base_equals_its_dequantized_weights_on_every_layout() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(4, 6.0, &TARGETS)?));
+    let ids = load_reference(dir().join("reference.safetensors"))?.input_ids;
+    let full = with_adapters(&cfg)?;
+    let plain = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    // (layout, recompute): TP 4 splits down_proj's 352 inputs into 88 per rank
+    let layouts = [
+        (Layout::single(), false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true),
+        (Layout::cp(CpKind::Ulysses, 2).with_tp(2, false), false),
+        (Layout::single().with_tp(4, true), false),
+        (Layout::two_d(2, 2), true),
+    ];
+    for kind in [QuantKind::Nf4, QuantKind::Int8] {
+        let q = QuantConfig::new(kind, 8)?;
+        let want = run_layout(&dequantized(&full, q)?, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+        let moved = max_abs(&want.logits, &plain.logits)?;
+        assert!(moved > 1e-4, "{kind}: quantizing moved the logits by {moved} only");
+        // (int8 on the layouts with the most splits: the same code path as NF4's otherwise)
+        for (layout, recompute) in layouts.into_iter().filter(|(l, _)| kind == QuantKind::Nf4 || l.world_size() == 4) {
+            let got = run_layout_quantized(&full, &cfg, &ids, layout, &Device::Cpu, recompute, q)?;
+            check(&format!("{kind} on {layout}, recompute {recompute}"), &got, &want)?;
+        }
+    }
+    // groups of 64 do not divide down_proj's 176 inputs per rank at TP 2
+    let e = run_layout_quantized(&full, &cfg, &ids, Layout::single().with_tp(2, true), &Device::Cpu, false, QuantConfig::new(QuantKind::Nf4, 64)?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("down_proj.weight") && e.contains("group 64") && e.contains("[128, 176]"), "{e}");
+    // a model without adapters is refused
+    let e = run_layout_quantized(&full, &base, &ids, Layout::single(), &Device::Cpu, false, QuantConfig::new(QuantKind::Nf4, 8)?)
+        .err()
+        .map(|e| e.to_string())
+        .unwrap_or_default();
+    assert!(e.contains("no LoRA adapters"), "{e}");
+    Ok(())
+}
