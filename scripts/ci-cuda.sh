@@ -236,6 +236,13 @@ shim_step "finetune_llama cpu lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --devic
 shim_step "finetune_llama cuda lora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftl[@]}" --out "$shim_dir/ft-cuda-lora"
 same_loss "$shim_dir/ft-cpu-lora/metrics.jsonl" "$shim_dir/ft-cuda-lora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
+# the same over an NF4 base (its codes dequantized by candle ops on the device, layer by layer
+# inside the recompute checkpoints)
+ftq=("${ftl[@]}" --quantize-base nf4,16 --recompute)
+shim_step "finetune_llama cpu qlora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftq[@]}" --out "$shim_dir/ft-cpu-qlora"
+shim_step "finetune_llama cuda qlora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftq[@]}" --out "$shim_dir/ft-cuda-qlora"
+same_loss "$shim_dir/ft-cpu-qlora/metrics.jsonl" "$shim_dir/ft-cuda-qlora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA over an NF4 base with recompute, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
 ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)

@@ -130,14 +130,22 @@ pub fn run_layout_recompute(
     device: &Device,
     recompute: bool,
 ) -> Result<LayoutRun> {
-    let opts = ThreadGroupOptions {
-        device: device.clone(),
-        ..Default::default()
-    };
+    on_threads(full, cfg, ids, layout, device, recompute, None)
+}
+
+/// [`run_layout_impl`] on thread ranks computing on `device`.
+fn on_threads(
+    full: &HashMap<String, Tensor>,
+    cfg: &LlamaConfig,
+    ids: &Tensor,
+    layout: Layout,
+    device: &Device,
+    recompute: bool,
+    quant: Option<candle_cp_nn::QuantConfig>,
+) -> Result<LayoutRun> {
+    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
     let n = layout.world_size();
-    run_layout_recompute_on(full, cfg, ids, layout, device, recompute, |body| {
-        Ok(run_ranks_with(n, opts, body))
-    })
+    run_layout_impl(full, cfg, ids, layout, device, recompute, quant, |body| Ok(run_ranks_with(n, opts, body)))
 }
 
 /// [`run_layout_on`] with the choice of [`run_layout_recompute`].
@@ -164,9 +172,7 @@ pub fn run_layout_quantized(
     recompute: bool,
     quant: candle_cp_nn::QuantConfig,
 ) -> Result<LayoutRun> {
-    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
-    let n = layout.world_size();
-    run_layout_impl(full, cfg, ids, layout, device, recompute, Some(quant), |body| Ok(run_ranks_with(n, opts, body)))
+    on_threads(full, cfg, ids, layout, device, recompute, Some(quant))
 }
 
 #[allow(clippy::too_many_arguments)]
