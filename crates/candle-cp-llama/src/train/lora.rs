@@ -49,10 +49,42 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
 /// gradient is computed or kept for them), the adapters the `VarMap`'s variables.
-pub(crate) fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
     let tensors: HashMap<String, Tensor> =
         lock_vars(varmap)?.iter().map(|(n, v)| (n.clone(), if is_lora_name(n) { v.as_tensor().clone() } else { v.as_tensor().detach() })).collect();
     Ok(VarBuilder::from_tensors(tensors, dtype, device))
+}
+
+/// The model of a LoRA run over `varmap` (its base weights and adapters) with the base frozen:
+/// plain tensors, or quantized by `quant` ([`crate::quant::QuantBase`]; the base first written
+/// to `base` when the checkpoints need it there, as its dense shards are dropped). Returns the
+/// model and the bytes of frozen weights this rank holds. Collective over `world` when the base
+/// is written.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn frozen_model(
+    varmap: &VarMap,
+    cfg: &LlamaConfig,
+    ctx: &ParallelCtx,
+    quant: Option<candle_cp_nn::QuantConfig>,
+    dtype: DType,
+    device: &Device,
+    base: Option<&BaseModel>,
+    world: &Group,
+) -> Result<(crate::Llama, usize)> {
+    match quant {
+        Some(q) => {
+            if let Some(b) = base {
+                b.write_once(varmap, cfg, ctx, world, world.rank() == 0)?;
+            }
+            let qb = crate::quant::QuantBase::from_varmap(varmap, cfg, q)?;
+            let (codes, plain) = qb.frozen_bytes();
+            Ok((crate::Llama::new_quantized(&qb, dtype, device, cfg, ctx)?, codes + plain))
+        }
+        None => {
+            let frozen = lock_vars(varmap)?.iter().filter(|(n, _)| !is_lora_name(n)).map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes()).sum();
+            Ok((crate::Llama::new(frozen_builder(varmap, dtype, device)?, cfg, ctx)?, frozen))
+        }
+    }
 }
 
 /// Gather the adapters over TP (collective over the world: every rank calls it) and, on the

@@ -7,6 +7,7 @@
 
 pub mod checkpoint;
 pub mod clip;
+mod config;
 pub mod data;
 mod grad_step;
 mod lora;

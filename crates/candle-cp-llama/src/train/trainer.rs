@@ -13,190 +13,21 @@
 
 use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
 use super::clip::{clip_factor, global_norm_zero1};
-use super::data::DataSource;
 use super::metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
-use super::optim::{AdamW, AdamWConfig};
+use super::optim::AdamW;
 use super::plot::{write_line_plot, Series};
-use super::schedule::WarmupCosine;
 use crate::{
-    global_mean, init_params_sharded, load_hf_sharded, param_specs, save_hf_sharded, shard_batch, shard_batch_packed, Layout, Llama, LlamaConfig, ParallelCtx, IGNORE,
+    global_mean, init_params_sharded, load_hf_sharded, param_specs, save_hf_sharded, shard_batch, shard_batch_packed, Llama, ParallelCtx, IGNORE,
 };
-use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_cp_ops::packing::Documents;
 use candle_nn::VarBuilder;
 use std::collections::HashMap;
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::time::Instant;
 
-/// Where the initial weights come from.
-#[derive(Debug, Clone)]
-#[allow(clippy::large_enum_variant)] // one per run: a boxed config would buy nothing
-pub enum ModelSource {
-    /// Random init of this architecture ([`crate::init_params`] with the run seed).
-    Init(LlamaConfig),
-    /// A Hugging Face Llama checkpoint directory (`config.json` + safetensors).
-    Hf(PathBuf),
-}
-
-/// Everything a run needs; identical on every rank.
-#[derive(Debug, Clone)]
-pub struct TrainConfig {
-    /// Parallel layout (world size `dp · cp · tp`).
-    pub layout: Layout,
-    /// Initial weights.
-    pub model: ModelSource,
-    /// Training sequences (packed documents when the source's samples carry them).
-    pub data: DataSource,
-    /// Global sequence length `T`.
-    pub seq_len: usize,
-    /// Global rows per micro-batch (split over DP; must be divisible by `layout.dp`).
-    pub batch: usize,
-    /// Micro-batches per optimizer step (gradients are averaged over them).
-    pub grad_accum: usize,
-    /// Optimizer steps of the whole run (also the schedule's length).
-    pub steps: usize,
-    /// Learning-rate schedule.
-    pub schedule: WarmupCosine,
-    /// AdamW hyper-parameters.
-    pub adamw: AdamWConfig,
-    /// Clip the global gradient norm to this (≤ 0: no clipping).
-    pub clip: f64,
-    /// Run seed (weights of a random init, data).
-    pub seed: u64,
-    /// Output directory (metrics.jsonl, loss.png, checkpoints/); `None`: nothing written.
-    pub out: Option<PathBuf>,
-    /// Checkpoint every this many steps (0: only at the end of the run).
-    pub save_every: usize,
-    /// Keep the newest `keep` checkpoints (0: all).
-    pub keep: usize,
-    /// Continue from the newest checkpoint in `out/checkpoints` if there is one.
-    pub resume: bool,
-    /// Stop (as if killed) after this step, without the end-of-run checkpoint — for testing
-    /// resume. `None`: run to `steps`.
-    pub stop_after: Option<usize>,
-    /// Weight dtype (F32 for training on CPU).
-    pub dtype: DType,
-    /// Compute on CUDA instead of the CPU (needs the `cuda` feature; data, sharding, optimizer
-    /// bookkeeping and checkpoints stay on the host): on the group's own GPU when it has one
-    /// (`ProcessGroup::home_device`, e.g. an `NcclGroup`), else on device `world rank % gpus`.
-    pub cuda: bool,
-    /// Number of GPUs thread ranks are spread over (with `cuda` and a group without a home
-    /// device).
-    pub gpus: usize,
-    /// ZeRO-2: ZeRO-1, and the gradients of the replicas' parameters reduce-scattered into
-    /// f32 slices after every micro-batch instead of accumulated whole (less memory with
-    /// `grad_accum > 1`, one reduce-scatter per micro-batch; see `train::grad_step`). Implies
-    /// the ZeRO-1 optimizer split.
-    pub zero2: bool,
-    /// ZeRO-1: split the optimizer state (f32 moments, master copies) over the DP × CP ranks
-    /// that hold the same weights, 1/(dp·cp) each; training is bit-identical, checkpoints are
-    /// the same files (a run may resume with or without it).
-    pub zero1: bool,
-    /// Recompute every decoder layer in backward instead of keeping its activations
-    /// ([`Llama::with_recompute`]): less memory, one more forward of the layers.
-    pub recompute: bool,
-    /// Start each recomputed layer's gradient reduction over the DP × CP replicas as soon as
-    /// its backward is done, on a communicator of its own, instead of after the whole
-    /// backward (see `train::overlap`); needs `recompute`. Training is bit-identical.
-    pub overlap_grad_sync: bool,
-    /// ZeRO (`zero1` / `zero2`): start the all-gathers of the updated parameters after the
-    /// optimizer step, on a communicator of their own, and wait for each layer's only when
-    /// the next forward reaches the layer ([`crate::Llama::set_param_hook`],
-    /// [`super::PendingParams`]): the later layers' parameters travel while the earlier
-    /// layers compute. Training is bit-identical.
-    pub overlap_param_gather: bool,
-    /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
-    /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
-    pub long_range_only: bool,
-    /// Free-form arguments stored in every checkpoint's `train_state.json`.
-    pub args: serde_json::Value,
-    /// Causal sliding window (keys per query) overriding the model config's own
-    /// [`LlamaConfig::sliding_window`] (of the HF checkpoint, the init config, or the resumed
-    /// checkpoint); `None`: keep the model's. Checkpoints are written with the window used.
-    pub sliding_window: Option<usize>,
-    /// LoRA fine-tuning ([`crate::lora`]): adapters on these projections are trained, every
-    /// other parameter frozen (no gradient, no optimizer state); each checkpoint holds the
-    /// adapters as a PEFT adapter naming the base model. `None`: train every parameter.
-    pub lora: Option<crate::LoraSpec>,
-    /// A PEFT adapter directory (e.g. one published for the base model) the adapters start
-    /// from instead of being drawn; its rank, alpha and targets must be [`TrainConfig::lora`]'s.
-    /// A resumed run takes its checkpoint's adapters instead.
-    pub lora_init: Option<PathBuf>,
-    /// A LoRA run's frozen base held quantized (QLoRA-style, [`crate::quant`]): the decoder
-    /// layers' projections as int8 or NF4 codes, dequantized layer by layer in each forward
-    /// (with [`TrainConfig::recompute`], one layer's at a time). `None`: as loaded.
-    pub quantize_base: Option<candle_cp_nn::QuantConfig>,
-}
-
-impl TrainConfig {
-    /// A run of `steps` optimizer steps of `seq_len` tokens on `layout`, everything else at its
-    /// plain setting: one row per step, no accumulation, AdamW defaults at lr 1e-3 (no warmup,
-    /// cosine to 10%), clipping at 1.0, seed 0, f32 on the CPU, no checkpoints, no ZeRO, no
-    /// recompute, no overlap, the loss on every target, the model's own window. Set the
-    /// other fields with struct update syntax (`TrainConfig { batch: 4, ..TrainConfig::new(..) }`).
-    pub fn new(layout: Layout, model: ModelSource, data: DataSource, seq_len: usize, steps: usize) -> Self {
-        Self {
-            layout,
-            model,
-            data,
-            seq_len,
-            batch: 1,
-            grad_accum: 1,
-            steps,
-            schedule: WarmupCosine { peak: 1e-3, warmup: 0, total: steps, min_ratio: 0.1 },
-            adamw: AdamWConfig::default(),
-            clip: 1.0,
-            seed: 0,
-            out: None,
-            save_every: 0,
-            keep: 0,
-            resume: false,
-            stop_after: None,
-            dtype: DType::F32,
-            cuda: false,
-            gpus: 1,
-            zero2: false,
-            zero1: false,
-            recompute: false,
-            overlap_grad_sync: false,
-            overlap_param_gather: false,
-            long_range_only: false,
-            args: serde_json::Value::Null,
-            sliding_window: None,
-            lora: None,
-            lora_init: None,
-            quantize_base: None,
-        }
-    }
-}
-
-/// What [`train_rank`] returns.
-#[derive(Debug, Clone)]
-pub struct TrainOutcome {
-    /// Metrics of the steps run by THIS call (not the ones before a resume).
-    pub metrics: Vec<StepMetrics>,
-    /// Step the run started from (0, or the resumed checkpoint's step).
-    pub start_step: usize,
-    /// On a resume whose TP degree differs from the checkpoint's, or under expert parallelism
-    /// (each EP rank takes its experts' slice of the files): the checkpoint's TP degree (the
-    /// optimizer state was resharded from its files). `None` when the run read its own TP
-    /// rank's file, or did not resume.
-    pub optimizer_resharded_from: Option<usize>,
-    /// Model config used.
-    pub config: LlamaConfig,
-    /// Number of parameters of the full model (a LoRA run's adapters included).
-    pub n_params: usize,
-    /// Number of those the run trains (a LoRA run: the adapters).
-    pub trainable_params: usize,
-    /// Bytes of Adam state on this rank ([`super::AdamW::state_bytes`]: ZeRO's slices, the
-    /// experts this rank holds under expert parallelism).
-    pub optimizer_state_bytes: usize,
-    /// Bytes of frozen weights on this rank (a LoRA run's base: its codes and scales with
-    /// [`TrainConfig::quantize_base`], and the weights left unquantized); 0 for a full
-    /// fine-tune.
-    pub frozen_weight_bytes: usize,
-}
+pub use super::config::{ModelSource, TrainConfig, TrainOutcome};
 
 fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
     candle_core::Error::Msg(format!("{what} {}: {e}", p.display()))
@@ -408,22 +239,10 @@ pub fn train_rank(
         .map(|s| s.shape.iter().product::<usize>())
         .sum();
     // (a LoRA run: the base weights frozen, plain tensors or quantized)
-    let (model, frozen_weight_bytes) = match (&mcfg.lora, cfg.quantize_base) {
-        (Some(_), Some(q)) => {
-            // the base written (when the checkpoints need it) before its dense shards go
-            if let Some(b) = &lora_base {
-                b.write_once(&varmap, &mcfg, &ctx, &world, rank == 0)?;
-            }
-            let qb = crate::quant::QuantBase::from_varmap(&varmap, &mcfg, q)?;
-            let (qbytes, plain) = qb.frozen_bytes();
-            (Llama::new_quantized(&qb, cfg.dtype, &dev, &mcfg, &ctx)?, qbytes + plain)
-        }
-        (None, Some(_)) => bail!("train: quantize_base quantizes a LoRA run's frozen base: set lora"),
-        (Some(_), None) => {
-            let frozen = crate::params::lock_vars(&varmap)?.iter().filter(|(n, _)| !crate::lora::is_lora_name(n)).map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes()).sum();
-            (Llama::new(super::lora::frozen_builder(&varmap, cfg.dtype, &dev)?, &mcfg, &ctx)?, frozen)
-        }
-        (None, None) => (Llama::new(VarBuilder::from_varmap(&varmap, cfg.dtype, &dev), &mcfg, &ctx)?, 0),
+    let (model, frozen_weight_bytes) = match &mcfg.lora {
+        Some(_) => super::lora::frozen_model(&varmap, &mcfg, &ctx, cfg.quantize_base, cfg.dtype, &dev, lora_base.as_ref(), &world)?,
+        None if cfg.quantize_base.is_some() => bail!("train: quantize_base quantizes a LoRA run's frozen base: set lora"),
+        None => (Llama::new(VarBuilder::from_varmap(&varmap, cfg.dtype, &dev), &mcfg, &ctx)?, 0),
     };
     let model = model.with_recompute(cfg.recompute);
     let trainable_params: usize = crate::params::trainable_specs(&mcfg).iter().map(|s| s.shape.iter().product::<usize>()).sum();

@@ -2,6 +2,9 @@
 //! resume, refusals.
 use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
 use super::*;
+use crate::Layout;
+use candle_core::DType;
+use std::path::PathBuf;
 use crate::CpKind;
 use candle_cp_comm::run_ranks;
 use candle_nn::VarMap;

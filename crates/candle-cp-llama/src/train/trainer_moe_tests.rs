@@ -1,6 +1,9 @@
 //! Trainer tests of mixture-of-experts models: the load-balancing term, expert parallelism.
 use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
 use super::*;
+use crate::Layout;
+use candle_core::DType;
+use std::path::PathBuf;
 use crate::CpKind;
 
 fn moe_cfg(out: Option<PathBuf>, layout: Layout) -> Result<TrainConfig> {

@@ -1,6 +1,10 @@
 //! Tests of [`super::train_rank`]: resume determinism, DP / accumulation equivalence, a CP
 //! rank without targets.
 use super::*;
+use crate::train::{AdamWConfig, DataSource, WarmupCosine};
+use crate::{Layout, LlamaConfig};
+use candle_core::DType;
+use std::path::PathBuf;
 use crate::train::data::KvRecall;
 use crate::CpKind;
 use crate::{init_params, load_hf, shard_params};
