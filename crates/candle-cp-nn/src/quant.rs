@@ -16,8 +16,10 @@
 //! `shards_quantize_as_slices_of_the_whole`). Bytes per weight: int8 `1 + 4/g`, NF4 `0.5 + 4/g`
 //! (`g = 64`: 1.06 and 0.56, against 2 for bf16).
 //!
-//! The CPU reference of [`QuantWeight::dequantize`] is [`QuantWeight::dequantize_slow`] (host
-//! loops over the same codes).
+//! [`QuantWeight::dequantize`] runs host loops on the CPU ([`QuantWeight::dequantize_host`], the
+//! reference) and candle ops, a chunk of rows at a time, on other devices
+//! ([`QuantWeight::dequantize_ops`]); the two are equal bit for bit (tested on the CPU, and the
+//! CUDA path's fine-tune under the host CUDA shim in `.ci/run`).
 
 use candle_core::{bail, DType, Device, Result, Tensor};
 
@@ -41,6 +43,10 @@ pub const NF4_LEVELS: [f32; 16] = [
     0.722_956_84,
     1.0,
 ];
+
+/// Elements per chunk of [`QuantWeight::dequantize_ops`] (bounds its f32 temporaries: about
+/// 30 bytes per element for NF4).
+pub const DEQUANT_CHUNK: usize = 1 << 22;
 
 /// How frozen weights are stored.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -160,10 +166,39 @@ impl QuantWeight {
         })
     }
 
-    /// The weight `[out, in]` in `dtype`, from the codes by candle ops on their device.
+    /// The weight `[out, in]` in `dtype` on the codes' device: by host loops on the CPU
+    /// ([`QuantWeight::dequantize_host`]), by candle ops elsewhere
+    /// ([`QuantWeight::dequantize_ops`]); the same values either way.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
-        let (o, i, g) = (self.out_dim, self.in_dim, self.cfg.group);
-        let c = self.codes.to_dtype(DType::F32)?;
+        match self.codes.device() {
+            Device::Cpu => self.dequantize_host()?.to_dtype(dtype),
+            _ => self.dequantize_ops(dtype),
+        }
+    }
+
+    /// [`QuantWeight::dequantize`] by candle ops on the codes' device (any device), in chunks of
+    /// rows so that the f32 temporaries stay within [`DEQUANT_CHUNK`] elements whatever the
+    /// weight's size; the output alone is full-size.
+    pub fn dequantize_ops(&self, dtype: DType) -> Result<Tensor> {
+        let (o, i) = (self.out_dim, self.in_dim);
+        let rows = (DEQUANT_CHUNK / i.max(1)).clamp(1, o.max(1));
+        let mut parts = Vec::with_capacity(o.div_ceil(rows));
+        let mut r = 0;
+        while r < o {
+            let n = rows.min(o - r);
+            parts.push(self.dequantize_rows(r, n, dtype)?);
+            r += n;
+        }
+        if parts.len() == 1 {
+            return Ok(parts.remove(0));
+        }
+        Tensor::cat(&parts, 0)
+    }
+
+    /// Rows `r0 .. r0 + n` of the weight in `dtype`, by candle ops.
+    fn dequantize_rows(&self, r0: usize, n: usize, dtype: DType) -> Result<Tensor> {
+        let (i, g) = (self.in_dim, self.cfg.group);
+        let c = self.codes.narrow(0, r0, n)?.to_dtype(DType::F32)?;
         let unit = match self.cfg.kind {
             QuantKind::Int8 => (c - 128.0)?,
             QuantKind::Nf4 => {
@@ -174,11 +209,13 @@ impl QuantWeight {
                 levels.index_select(&idx, 0)?
             }
         };
-        unit.reshape((o, i / g, g))?.broadcast_mul(&self.scales.unsqueeze(2)?)?.reshape((o, i))?.to_dtype(dtype)
+        let scales = self.scales.narrow(0, r0, n)?;
+        unit.reshape((n, i / g, g))?.broadcast_mul(&scales.unsqueeze(2)?)?.reshape((n, i))?.to_dtype(dtype)
     }
 
-    /// [`QuantWeight::dequantize`] by host loops over the codes (the CPU reference), f32.
-    pub fn dequantize_slow(&self) -> Result<Tensor> {
+    /// The weight `[out, in]` in f32 on the host, by loops over the codes: the CPU path of
+    /// [`QuantWeight::dequantize`] and the reference of [`QuantWeight::dequantize_ops`].
+    pub fn dequantize_host(&self) -> Result<Tensor> {
         let codes = self.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?;
         let scales = self.scales.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let n = self.out_dim * self.in_dim;
@@ -239,8 +276,9 @@ mod tests {
         let nf4_gap = NF4_LEVELS.windows(2).map(|p| p[1] - p[0]).fold(0f32, f32::max);
         for (kind, step) in [(QuantKind::Int8, 1.0 / 254.0), (QuantKind::Nf4, nf4_gap / 2.0)] {
             let q = QuantWeight::quantize(&w, QuantConfig::new(kind, 16)?)?;
-            let (fast, slow) = (q.dequantize(DType::F32)?, q.dequantize_slow()?);
+            let (fast, slow) = (q.dequantize_ops(DType::F32)?, q.dequantize_host()?);
             assert_eq!(max_abs(&fast, &slow)?, 0.0, "{kind}: candle ops vs host loops");
+            assert_eq!(max_abs(&q.dequantize(DType::F32)?, &slow)?, 0.0, "{kind}: the CPU path");
             let err = (&fast - &w)?.abs()?.reshape((12, 4, 16))?;
             let amax = w.abs()?.reshape((12, 4, 16))?.max_keepdim(2)?;
             let worst = err.broadcast_div(&amax)?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
@@ -253,6 +291,19 @@ mod tests {
         let z = QuantWeight::quantize(&Tensor::zeros((2, 8), DType::F32, &Device::Cpu)?, QuantConfig::new(QuantKind::Nf4, 8)?)?;
         assert_eq!(z.dequantize(DType::BF16)?.dtype(), DType::BF16);
         assert_eq!(z.dequantize(DType::F32)?.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
+        Ok(())
+    }
+
+    /// A weight wider than a chunk: one row per chunk of the candle-op path, the host loops'
+    /// values bit for bit.
+    #[test]
+    fn chunked_dequantization_matches_the_host() -> Result<()> {
+        let i = DEQUANT_CHUNK / 2 + 64;
+        let w = (Tensor::arange(0f32, (3 * i) as f32, &Device::Cpu)? * 0.37)?.sin()?.reshape((3, i))?;
+        for kind in [QuantKind::Int8, QuantKind::Nf4] {
+            let q = QuantWeight::quantize(&w, QuantConfig::new(kind, 64)?)?;
+            assert_eq!(max_abs(&q.dequantize_ops(DType::F32)?, &q.dequantize_host()?)?, 0.0, "{kind}");
+        }
         Ok(())
     }
 
