@@ -175,6 +175,17 @@ pub(crate) struct Args {
     /// one layer's at a time).
     #[arg(long, value_name = "KIND[,GROUP]")]
     pub(crate) quantize_base: Option<String>,
+    /// Evaluate the held-out loss every N optimizer steps (and after the last); 0: never. A
+    /// corpus (--data) keeps its last --eval-fraction out of training for it; the synthetic
+    /// task draws fresh samples.
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub(crate) eval_every: usize,
+    /// Held-out batches (of --batch rows) per evaluation; the same rows every time.
+    #[arg(long, default_value_t = 4)]
+    pub(crate) eval_batches: usize,
+    /// The share of a --data corpus held out (its end: tokens, or documents with --pack-docs).
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) eval_fraction: f64,
     /// The projections --lora adapts (PEFT names, comma-separated).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,

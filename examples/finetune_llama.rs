@@ -44,6 +44,15 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let layout = layout(&a)?;
     let (data, data_desc) = data_source(&a)?;
+    // held-out evaluation: the end of a corpus kept out of training (the synthetic task draws
+    // fresh samples)
+    let (data, eval) = match a.eval_every {
+        0 => (data, None),
+        every => {
+            let (train, held) = data.split_held_out(a.eval_fraction, a.seq_len)?;
+            (train, Some(candle_cp_llama::train::EvalConfig { data: held, every, batches: a.eval_batches }))
+        }
+    };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
         Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2 and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
@@ -148,6 +157,7 @@ fn main() -> Result<()> {
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
         lora_init: a.lora_from.clone(),
+        eval: eval.clone(),
         quantize_base: match &a.quantize_base {
             None => None,
             Some(q) => {
@@ -179,6 +189,14 @@ fn main() -> Result<()> {
         launch.describe(world, &a, cuda, dtype)
     );
     say!("data     : {data_desc}");
+    if let Some(e) = &eval {
+        let what = match &e.data {
+            DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
+            DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
+            DataSource::Recall(_) => "fresh samples of the task".to_string(),
+        };
+        say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch);
+    }
     if let DataSource::Packed(_) = &cfg.data {
         // the first step's rows (batches are a pure function of (seed, step, row))
         let rows = cfg.data.rows(cfg.seed, 0, 0, batch, a.seq_len)?;
@@ -307,6 +325,8 @@ fn main() -> Result<()> {
         } else {
             String::new()
         };
+        let all = all + &m.eval_loss.map_or(String::new(), |x| format!("  held-out {x:.3}"));
+        let all = all + &m.eval_long_range_loss.map_or(String::new(), |x| format!(" (long-range {x:.3})"));
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!(
                 "{:.0} MiB/rank ({:.0} MiB process)",

@@ -107,6 +107,9 @@ pub struct TrainConfig {
     /// layers' projections as int8 or NF4 codes, dequantized layer by layer in each forward
     /// (with [`TrainConfig::recompute`], one layer's at a time). `None`: as loaded.
     pub quantize_base: Option<candle_cp_nn::QuantConfig>,
+    /// Held-out evaluation every few steps ([`super::eval`]): `eval_loss` in the metrics of
+    /// the steps that evaluate. `None`: none.
+    pub eval: Option<super::EvalConfig>,
 }
 
 impl TrainConfig {
@@ -147,6 +150,7 @@ impl TrainConfig {
             lora: None,
             lora_init: None,
             quantize_base: None,
+            eval: None,
         }
     }
 }

@@ -287,6 +287,38 @@ impl DataSource {
             .collect()
     }
 
+    /// Split off held-out data for [`super::EvalConfig::data`]: a corpus's last `fraction` of
+    /// tokens (a window's worth at least: errors when either part is shorter than `seq_len`),
+    /// a packed corpus's last `fraction` of documents (one at least, one left to train on);
+    /// the synthetic task is its own held-out source (the evaluation salts the seed). Returns
+    /// (training data, held-out data).
+    pub fn split_held_out(&self, fraction: f64, seq_len: usize) -> Result<(DataSource, DataSource)> {
+        if !(fraction > 0.0 && fraction < 1.0) {
+            bail!("held-out fraction {fraction}: must be in (0, 1)")
+        }
+        match self {
+            DataSource::Recall(_) => Ok((self.clone(), self.clone())),
+            DataSource::Text(s) => {
+                let n = s.tokens.len();
+                let cut = n - ((n as f64 * fraction).round() as usize).max(seq_len).min(n);
+                if cut < seq_len {
+                    bail!("held-out split: {n} tokens leave {cut} to train on and {} held out, each part needs a window of seq_len {seq_len}", n - cut)
+                }
+                let part = |r: std::ops::Range<usize>| DataSource::Text(TokenStream { tokens: s.tokens[r].to_vec() });
+                Ok((part(0..cut), part(cut..n)))
+            }
+            DataSource::Packed(s) => {
+                let n = s.count();
+                let held = ((n as f64 * fraction).round() as usize).max(1);
+                if held >= n {
+                    bail!("held-out split: {n} documents, {held} held out leave none to train on")
+                }
+                let docs = |r: std::ops::Range<usize>| -> Result<DataSource> { Ok(DataSource::Packed(PackedStream::from_documents(r.map(|i| s.document(i).to_vec()).collect())?)) };
+                Ok((docs(0..n - held)?, docs(n - held..n)?))
+            }
+        }
+    }
+
     /// Smallest model vocabulary that holds every token.
     pub fn vocab_needed(&self) -> usize {
         match self {

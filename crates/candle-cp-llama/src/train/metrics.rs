@@ -40,6 +40,13 @@ pub struct StepMetrics {
     /// balanced); absent without the load-balancing term.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_load: Option<f64>,
+    /// Mean loss over all targets of the held-out rows after this step's update
+    /// ([`crate::train::TrainConfig::eval`]); absent on the steps that do not evaluate.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_loss: Option<f64>,
+    /// The same over the held-out rows' long-range targets (absent when they have none).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_long_range_loss: Option<f64>,
 }
 
 /// Append-only JSON-lines metrics file.
@@ -139,6 +146,8 @@ mod tests {
             peak_rss_mib: Some(10.0),
             router_aux_loss: step.is_multiple_of(3).then_some(0.02),
             expert_load: step.is_multiple_of(3).then_some(1.25),
+            eval_loss: step.is_multiple_of(2).then_some(0.75),
+            eval_long_range_loss: None,
         }
     }
 

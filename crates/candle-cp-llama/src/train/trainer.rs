@@ -11,6 +11,7 @@
 //! inside documents, RoPE positions per document, no target across a boundary; the loss is
 //! the mean over the remaining targets of all ranks, as for plain rows.
 
+use super::data::DataSource;
 use super::checkpoint::{begin_checkpoint, commit_checkpoint, latest_checkpoint, TrainState};
 use super::clip::{clip_factor, global_norm_zero1};
 use super::metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
@@ -36,7 +37,7 @@ fn ioe(what: &str, p: &Path, e: std::io::Error) -> candle_core::Error {
 /// `(Σ nll, count)` over this rank's targets (labels ≠ [`IGNORE`]) and over its long-range
 /// targets (`mask` = 1): `[all_sum, all_n, lr_sum, lr_n]`, from the per-token losses `nll`
 /// (f32 values), `labels` and `mask` (u32 values), all of one shard `[B, Ts]` flattened.
-fn nll_terms(nll: &[f32], labels: &[u32], mask: &[u32]) -> [f64; 4] {
+pub(crate) fn nll_terms(nll: &[f32], labels: &[u32], mask: &[u32]) -> [f64; 4] {
     let mut out = [0.0; 4];
     for ((&v, &l), &m) in nll.iter().zip(labels).zip(mask) {
         if l != IGNORE {
@@ -59,9 +60,19 @@ fn global_batch(
     micro: usize,
     dev: &Device,
 ) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
-    let rows = cfg
-        .data
-        .rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
+    batch_of(&cfg.data, cfg.seed, cfg, step, micro, dev)
+}
+
+/// [`global_batch`] of `data` drawn from `seed` (the held-out batches: [`super::eval`]).
+pub(crate) fn batch_of(
+    data: &DataSource,
+    seed: u64,
+    cfg: &TrainConfig,
+    step: usize,
+    micro: usize,
+    dev: &Device,
+) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
+    let rows = data.rows(seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
     let ids: Vec<u32> = rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mask: Vec<u32> = rows
         .iter()
@@ -79,8 +90,8 @@ fn global_batch(
     ))
 }
 
-/// Write `loss.png` (training loss, all-target loss if different, long-range loss per step)
-/// from the metrics file.
+/// Write `loss.png` (training loss, all-target loss if different, long-range loss per step,
+/// held-out loss where evaluated) from the metrics file.
 pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
     let rows = MetricsLog::read(metrics_path).map_err(|e| ioe("reading", metrics_path, e))?;
     let train: Vec<(f64, f64)> = rows.iter().map(|r| (r.step as f64, r.train_loss)).collect();
@@ -120,6 +131,11 @@ pub fn plot_metrics(metrics_path: &Path, png_path: &Path) -> Result<()> {
             color: [214, 39, 40],
             points: &lr,
         });
+    }
+    // held-out loss at the steps that evaluated
+    let eval: Vec<(f64, f64)> = rows.iter().filter_map(|r| r.eval_loss.map(|x| (r.step as f64, x))).collect();
+    if !eval.is_empty() {
+        series.push(Series { label: "held-out loss", color: [44, 160, 44], points: &eval });
     }
     write_line_plot(png_path, 800, 480, &series).map_err(|e| ioe("writing", png_path, e))
 }
@@ -227,6 +243,9 @@ pub fn train_rank(
     };
     cfg.layout
         .validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
+    if let Some(e) = &cfg.eval {
+        e.check(mcfg.vocab_size)?;
+    }
     if cfg.data.vocab_needed() > mcfg.vocab_size {
         bail!(
             "train: data uses {} token ids, model vocabulary is {}",
@@ -463,6 +482,15 @@ pub fn train_rank(
         }
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
+        // held-out loss after this update (its time not in the step's tokens/s)
+        let (eval_loss, eval_long_range_loss) = match &cfg.eval {
+            Some(e) if e.due(step + 1, cfg.steps) => {
+                param_gather.finish()?;
+                let (all, lr) = super::eval::evaluate(&model, cfg, e, &ctx, &dev)?;
+                (Some(all), lr)
+            }
+            _ => (None, None),
+        };
         let row = StepMetrics {
             step: step + 1,
             train_loss: objective * inv_accum,
@@ -479,6 +507,8 @@ pub fn train_rank(
             peak_rss_mib: peak_rss_bytes().map(|b| b as f64 / (1 << 20) as f64),
             router_aux_loss: aux_sum.map(|a| a * inv_accum),
             expert_load: load_sum.map(|a| a * inv_accum),
+            eval_loss,
+            eval_long_range_loss,
         };
         if let Some(log) = &log {
             log.append(&row)
@@ -540,3 +570,7 @@ mod moe_tests;
 #[cfg(test)]
 #[path = "trainer_lora_tests.rs"]
 mod lora_tests;
+
+#[cfg(test)]
+#[path = "trainer_eval_tests.rs"]
+mod eval_tests;

@@ -463,7 +463,7 @@ fn overlapped_param_gather_trains_like_the_gather_in_the_step() -> Result<()> {
 }
 
 /// A packed corpus of short byte documents of uneven lengths.
-fn packed_corpus() -> Result<crate::train::PackedStream> {
+pub(super) fn packed_corpus() -> Result<crate::train::PackedStream> {
     let mut rng = crate::train::Rng::new(17);
     let mut text = Vec::new();
     for _ in 0..40 {
