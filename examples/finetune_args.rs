@@ -186,7 +186,7 @@ pub(crate) struct Args {
     /// The share of a --data corpus held out (its end: tokens, or documents with --pack-docs).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) eval_fraction: f64,
-    /// The projections --lora adapts (PEFT names, comma-separated).
+    /// The projections --lora adapts (PEFT names, comma-separated; `all-linear`: all seven).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,
     /// Random-init vocabulary size: at least what the data needs (the default); larger

@@ -174,7 +174,11 @@ fn main() -> Result<()> {
                 let (r, alpha) = spec.split_once(',').ok_or_else(|| anyhow::anyhow!("--lora {spec}: expected R,ALPHA"))?;
                 let r: usize = r.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: rank ({e})"))?;
                 let alpha: f64 = alpha.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: alpha ({e})"))?;
-                let targets: Vec<&str> = a.lora_targets.split(',').map(|t| t.trim()).collect();
+                // (PEFT's "all-linear": the seven projections)
+                let targets: Vec<&str> = match a.lora_targets.trim() {
+                    "all-linear" => candle_cp_llama::lora::TARGETS.to_vec(),
+                    t => t.split(',').map(|t| t.trim()).collect(),
+                };
                 Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora))
             }
         },

@@ -207,7 +207,7 @@ pub fn render(p: &Plan) -> String {
             r(
                 "weights",
                 gb(st.weights),
-                "e bytes/param (/dp*cp with ZeRO-3)",
+                if p.input.layout.base_quant.is_some() { "e bytes/param; quantized projections: their codes + scales" } else { "e bytes/param (/dp*cp with ZeRO-3)" },
             ),
             r(
                 "gradients",
