@@ -130,22 +130,21 @@ pub fn run_layout_recompute(
     device: &Device,
     recompute: bool,
 ) -> Result<LayoutRun> {
-    on_threads(full, cfg, ids, layout, device, recompute, None)
+    on_threads(full, cfg, ids, layout, device, RunOpts { recompute, quant: None })
+}
+
+/// How [`run_layout_impl`] builds the model: recomputed layers, a quantized base.
+#[derive(Clone, Copy)]
+struct RunOpts {
+    recompute: bool,
+    quant: Option<candle_cp_nn::QuantConfig>,
 }
 
 /// [`run_layout_impl`] on thread ranks computing on `device`.
-fn on_threads(
-    full: &HashMap<String, Tensor>,
-    cfg: &LlamaConfig,
-    ids: &Tensor,
-    layout: Layout,
-    device: &Device,
-    recompute: bool,
-    quant: Option<candle_cp_nn::QuantConfig>,
-) -> Result<LayoutRun> {
-    let opts = ThreadGroupOptions { device: device.clone(), ..Default::default() };
+fn on_threads(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, layout: Layout, device: &Device, opts: RunOpts) -> Result<LayoutRun> {
+    let groups = ThreadGroupOptions { device: device.clone(), ..Default::default() };
     let n = layout.world_size();
-    run_layout_impl(full, cfg, ids, layout, device, recompute, quant, |body| Ok(run_ranks_with(n, opts, body)))
+    run_layout_impl(full, cfg, ids, layout, device, opts, |body| Ok(run_ranks_with(n, groups, body)))
 }
 
 /// [`run_layout_on`] with the choice of [`run_layout_recompute`].
@@ -158,7 +157,7 @@ pub fn run_layout_recompute_on(
     recompute: bool,
     spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
 ) -> Result<LayoutRun> {
-    run_layout_impl(full, cfg, ids, layout, device, recompute, None, spawn)
+    run_layout_impl(full, cfg, ids, layout, device, RunOpts { recompute, quant: None }, spawn)
 }
 
 /// [`run_layout_recompute`] of a LoRA model (`cfg.lora` set) whose frozen base each rank
@@ -172,18 +171,16 @@ pub fn run_layout_quantized(
     recompute: bool,
     quant: candle_cp_nn::QuantConfig,
 ) -> Result<LayoutRun> {
-    on_threads(full, cfg, ids, layout, device, recompute, Some(quant))
+    on_threads(full, cfg, ids, layout, device, RunOpts { recompute, quant: Some(quant) })
 }
 
-#[allow(clippy::too_many_arguments)]
 fn run_layout_impl(
     full: &HashMap<String, Tensor>,
     cfg: &LlamaConfig,
     ids: &Tensor,
     layout: Layout,
     device: &Device,
-    recompute: bool,
-    quant: Option<candle_cp_nn::QuantConfig>,
+    RunOpts { recompute, quant }: RunOpts,
     spawn: impl FnOnce(&LayoutRankBody) -> Result<Vec<Result<RankOut>>>,
 ) -> Result<LayoutRun> {
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
