@@ -161,6 +161,10 @@ pub(crate) struct Args {
     /// or OUT/base written once (a random init, a changed --sliding-window).
     #[arg(long, value_name = "R,ALPHA")]
     pub(crate) lora: Option<String>,
+    /// Dropout on the LoRA adapters' inputs while training (PEFT's lora_dropout; with
+    /// --lora-from, the adapter file's unless given).
+    #[arg(long, value_name = "P")]
+    pub(crate) lora_dropout: Option<f64>,
     /// rsLoRA: scale the --lora update by ALPHA/√R instead of ALPHA/R (PEFT's use_rslora).
     #[arg(long, requires = "lora")]
     pub(crate) rslora: bool,

@@ -114,6 +114,9 @@ fn main() -> Result<()> {
     if a.sliding_window == Some(0) {
         bail!("--sliding-window 0: a window holds at least 1 token (the query itself)")
     }
+    if a.lora_dropout.is_some() && a.lora.is_none() && a.lora_from.is_none() {
+        bail!("--lora-dropout drops the LoRA adapters' inputs: add --lora R,ALPHA or --lora-from DIR")
+    }
     if a.quantize_base.is_some() && a.lora.is_none() && a.lora_from.is_none() {
         bail!("--quantize-base quantizes a LoRA run's frozen base: add --lora R,ALPHA or --lora-from DIR")
     }
@@ -181,7 +184,12 @@ fn main() -> Result<()> {
                 };
                 Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora))
             }
-        },
+        }
+        .map(|l| match a.lora_dropout {
+            Some(p) => l.with_dropout(p),
+            None => Ok(l),
+        })
+        .transpose()?,
     };
     let world = layout.world_size();
     let launch = Launch::from_args(&a, world, cuda)?;
@@ -289,7 +297,7 @@ fn main() -> Result<()> {
             l.config.rank,
             l.config.alpha,
             l.config.scale(),
-            if l.config.rslora { ", rsLoRA" } else { "" },
+            if l.config.rslora { ", rsLoRA" } else { "" }.to_string() + &if l.dropout > 0.0 { format!(", dropout {}", l.dropout) } else { String::new() },
             l.targets.join(", ")
         );
     }

@@ -22,6 +22,8 @@ pub(crate) struct LayerBuilder<'a> {
     specs: HashMap<String, ParamSpec>,
     pub(crate) tp: Tp,
     router_log: RouterLog,
+    /// The token indices the adapters' dropout masks are drawn for (shared by the model).
+    pub(crate) lora_rows: candle_cp_nn::DropoutRows,
 }
 
 /// HF init: matrices N(0, 0.02²) (norms: ones, by RmsNorm).
@@ -32,7 +34,7 @@ impl<'a> LayerBuilder<'a> {
     pub(crate) fn new(vb: VarBuilder<'a>, cfg: &LlamaConfig, ctx: &ParallelCtx, router_log: RouterLog) -> Self {
         let specs = param_specs(cfg).into_iter().map(|s| (s.name.clone(), s)).collect();
         let tp = Tp::new(ctx.tp.clone(), ctx.layout.seq_parallel());
-        Self { vb, cfg: cfg.clone(), ctx: ctx.clone(), specs, tp, router_log }
+        Self { vb, cfg: cfg.clone(), ctx: ctx.clone(), specs, tp, router_log, lora_rows: Default::default() }
     }
 
     /// Parameter `name` with this rank's local shape (a fresh `VarMap`: the HF init).
@@ -68,7 +70,8 @@ impl<'a> LayerBuilder<'a> {
         let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
         let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
         let vm = self.vb.pp(format!("{prefix}.{module}"));
-        Ok(Some(candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?))
+        let lora = candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?;
+        Ok(Some(lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?))
     }
 
     /// Decoder layer `i`.

@@ -524,6 +524,23 @@ pub fn shard_batch(global_ids: &Tensor, ctx: &ParallelCtx) -> Result<ShardedBatc
 /// Shard `[B, T]` tensors (and `[T]` positions) for this rank; returns them in order, the
 /// positions last: `[B/dp, T_local]` each, positions `[T_local]`.
 pub(crate) fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<Tensor>> {
+    shard_tokens_sp(xs, pos, b, t, ctx, ctx.layout.seq_parallel())
+}
+
+/// The index `b·T + t` in the global batch `[B, T]` of each token of this rank's CP shard
+/// (its TP region: the whole CP shard, not its SP piece), `[B/dp, Tc]` row-major, as
+/// [`shard_batch`] places the tokens: what the LoRA adapters' dropout masks are keyed on.
+pub fn token_indices(b: usize, t: usize, ctx: &ParallelCtx) -> Result<Vec<u64>> {
+    let n = b.checked_mul(t).filter(|&n| n <= u32::MAX as usize);
+    let Some(n) = n else { bail!("token_indices: a [{b}, {t}] batch has more tokens than u32 indices") };
+    let dev = candle_core::Device::Cpu;
+    let idx = Tensor::arange(0u32, n as u32, &dev)?.reshape((b, t))?;
+    let pos = Tensor::arange(0u32, t as u32, &dev)?;
+    let parts = shard_tokens_sp(&[idx], &pos, b, t, ctx, false)?;
+    Ok(parts[0].flatten_all()?.to_vec1::<u32>()?.into_iter().map(u64::from).collect())
+}
+
+fn shard_tokens_sp(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx: &ParallelCtx, sp: bool) -> Result<Vec<Tensor>> {
     let l = &ctx.layout;
     let (dp_i, cp_i, tp_i) = ctx.coords;
     if !b.is_multiple_of(l.dp) {
@@ -548,7 +565,6 @@ pub(crate) fn shard_tokens(xs: &[Tensor], pos: &Tensor, b: usize, t: usize, ctx:
         )
     }
     let tc = if two_d { tr / l.ulysses } else { tr };
-    let sp = l.seq_parallel();
     if sp && tc % l.tp != 0 {
         bail!(
             "shard_batch: local length {tc} (T = {t}, cp = {}) not divisible by tp = {} for sequence parallelism",

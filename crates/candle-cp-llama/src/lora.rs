@@ -29,6 +29,8 @@ pub struct LoraSpec {
     pub config: LoraConfig,
     /// PEFT module names, a subset of [`TARGETS`], in that order.
     pub targets: Vec<String>,
+    /// Dropout on the adapters' inputs while training (PEFT's `lora_dropout`, in `[0, 1)`).
+    pub dropout: f64,
 }
 
 impl LoraSpec {
@@ -44,7 +46,17 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets })
+        Ok(Self { config, targets, dropout: 0.0 })
+    }
+
+    /// The same adapters with dropout `p` on their inputs while training (PEFT's
+    /// `lora_dropout`). Errors unless `p` is in `[0, 1)`.
+    pub fn with_dropout(mut self, p: f64) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            bail!("LoRA: dropout {p} must be in [0, 1)")
+        }
+        self.dropout = p;
+        Ok(self)
     }
 
     /// The same adapters with rsLoRA's scale `alpha / √r` (`on`, PEFT's `use_rslora`).
@@ -67,7 +79,7 @@ impl LoraSpec {
             "base_model_name_or_path": base,
             "r": self.config.rank,
             "lora_alpha": self.config.alpha,
-            "lora_dropout": 0.0,
+            "lora_dropout": self.dropout,
             "use_rslora": self.config.rslora,
             "use_dora": false,
             "bias": "none",
@@ -82,7 +94,8 @@ impl std::fmt::Display for LoraSpec {
     /// `rank 8, alpha 16 (rsLoRA) on q_proj, v_proj`
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let rs = if self.config.rslora { " (rsLoRA)" } else { "" };
-        write!(f, "rank {}, alpha {}{rs} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
+        let drop = if self.dropout > 0.0 { format!(", dropout {}", self.dropout) } else { String::new() };
+        write!(f, "rank {}, alpha {}{rs}{drop} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
     }
 }
 
@@ -244,7 +257,8 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     };
     refuse_unsupported(&v, &cfg_path)?;
     let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
-    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?.with_rslora(rslora);
+    let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
+    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?.with_rslora(rslora).with_dropout(dropout)?;
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()

@@ -74,7 +74,7 @@ fn rslora_round_trips_and_scales_by_the_root_of_the_rank() -> Result<()> {
     Ok(())
 }
 
-/// `all-linear` adapts the seven projections; a pattern, and each option that would change the
+/// `all-linear` adapts the seven projections; `lora_dropout` is read; a pattern, and each option that would change the
 /// adapter's computation, is refused naming the key; a tensor the spec does not give the model
 /// is refused naming it.
 #[test]
@@ -113,7 +113,7 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
         (v["rank_pattern"], v["alpha_pattern"], v["modules_to_save"], v["lora_dropout"]) =
             (serde_json::json!({}), serde_json::json!({}), serde_json::Value::Null, serde_json::json!(0.05));
     })?;
-    assert_eq!(load_peft_adapter(&dir)?.0, spec);
+    assert_eq!(load_peft_adapter(&dir)?.0, spec.clone().with_dropout(0.05)?, "lora_dropout read");
     // a stray tensor (an adapter on a layer the model does not have)
     let mut more = ad.clone();
     more.insert("model.layers.1.self_attn.q_proj.lora_A.weight".into(), Tensor::zeros((2, 32), DType::F32, &Device::Cpu)?);

@@ -245,6 +245,9 @@ pub struct Llama {
     param_hook: Mutex<Option<ParamHook>>,
     /// The sparse layers' router statistics of the last forward ([`Llama::router_aux_loss`]).
     pub(crate) router_log: RouterLog,
+    /// The token indices the LoRA adapters' dropout masks are drawn for
+    /// ([`Llama::set_lora_dropout`]).
+    lora_rows: candle_cp_nn::DropoutRows,
 }
 
 /// Called by the forward with group `k` ([`crate::param_group`]) before it first uses the
@@ -305,7 +308,26 @@ impl Llama {
             lm_head,
             param_hook: Mutex::new(None),
             router_log,
+            lora_rows: lb.lora_rows.clone(),
         })
+    }
+
+    /// Dropout on the LoRA adapters' inputs ([`crate::LoraSpec::dropout`]) in the next
+    /// forwards (and their recomputations): `Some((streams, step, b, t))` draws the masks of
+    /// forward `step` (e.g. the optimizer step's micro-batch, numbered consecutively) for this
+    /// rank's tokens of a global batch `[b, t]` ([`crate::layout::token_indices`]: every layout
+    /// drops what one device drops); `None` (the default): no dropout, as evaluation and
+    /// generation want. Nothing happens for a model without LoRA dropout.
+    pub fn set_lora_dropout(&self, key: Option<(candle_cp_nn::RngStreams, u64, usize, usize)>) -> Result<()> {
+        let key = match key {
+            Some((streams, step, b, t)) if self.cfg.lora.as_ref().is_some_and(|l| l.dropout > 0.0) => {
+                let rows = crate::layout::token_indices(b, t, &self.ctx)?;
+                let batch = b / self.ctx.layout.dp;
+                Some(candle_cp_nn::DropoutKey { streams, step, tc: rows.len() / batch.max(1), rows: Arc::new(rows), batch })
+            }
+            _ => None,
+        };
+        self.lora_rows.set(key)
     }
 
     /// The decoder layers (a quantized base's built now from its dequantized weights).

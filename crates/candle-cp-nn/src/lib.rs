@@ -67,6 +67,7 @@ mod dropout;
 mod embedding;
 mod linear;
 pub mod lora;
+pub mod lora_dropout;
 mod norm;
 pub mod quant;
 mod regather;
@@ -78,6 +79,7 @@ pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
 pub use lora::{Lora, LoraConfig};
+pub use lora_dropout::{DropoutKey, DropoutRows};
 pub use quant::{QuantConfig, QuantKind, QuantWeight};
 pub use norm::{
     rms_norm, rms_norm_add, rms_norm_bwd, rms_norm_bwd_with, rms_norm_fwd, rms_norm_fwd_with, rms_norm_slow, rms_norm_slow_with, rms_norm_with, LayerNorm, NormWeight, RmsNorm,

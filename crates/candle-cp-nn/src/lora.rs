@@ -1,6 +1,7 @@
 //! LoRA adapters on the tensor-parallel linears: `y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`, `A` `[r, in]`,
-//! `B` `[out, r]`, `s = alpha / r` or rsLoRA's `alpha / √r` (PEFT's `lora_A` / `lora_B`, no
-//! dropout).
+//! `B` `[out, r]`, `s = alpha / r` or rsLoRA's `alpha / √r` (PEFT's `lora_A` / `lora_B`),
+//! optionally with dropout on the adapter's input ([`Lora::with_dropout`],
+//! [`crate::lora_dropout`]).
 //!
 //! The factors are split over TP as the weight they adapt, so that no collective is added
 //! beyond the adapter's own `r`-wide activations:
@@ -69,6 +70,7 @@ pub struct Lora {
     a: Tensor,
     b: Tensor,
     scale: f64,
+    dropout: Option<crate::lora_dropout::AdapterDropout>,
 }
 
 impl Lora {
@@ -83,7 +85,26 @@ impl Lora {
         if a.dtype() != b.dtype() || !a.device().same_device(b.device()) {
             bail!("LoRA: A ({:?}) and B ({:?}) must share a dtype and a device", a.dtype(), b.dtype())
         }
-        Ok(Self { a, b, scale })
+        Ok(Self { a, b, scale, dropout: None })
+    }
+
+    /// The same adapter with dropout `p` in `[0, 1)` on its input (PEFT's `lora_dropout`;
+    /// [`crate::lora_dropout`]): masks on stream `name` for the token indices `rows` holds
+    /// (none while it holds no key: no dropout).
+    pub fn with_dropout(mut self, p: f64, name: impl Into<String>, rows: &crate::DropoutRows) -> Result<Self> {
+        if !(0.0..1.0).contains(&p) {
+            bail!("LoRA: dropout {p} must be in [0, 1)")
+        }
+        self.dropout = (p > 0.0).then(|| crate::lora_dropout::AdapterDropout { p, name: name.into(), rows: rows.clone() });
+        Ok(self)
+    }
+
+    /// `x` through this adapter's dropout (itself without one).
+    fn drop(&self, x: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Tensor> {
+        match &self.dropout {
+            Some(d) => d.apply(x, input, tp),
+            None => Ok(x.clone()),
+        }
     }
 
     /// This rank's factors from `vb`: `lora_A.weight` `[r, in_local]` and `lora_B.weight`
@@ -158,6 +179,7 @@ pub(crate) fn column_delta_mapped(x: &Tensor, l: &Lora, tp: &Tp, post: &crate::P
 /// input copied into the TP region with `A` copied too (no SP: `A`'s gradient summed over TP
 /// in the backward).
 fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    let x = &l.drop(x, crate::lora_dropout::Input::Column, tp)?;
     let p = tp.size();
     let u = if p > 1 && tp.sequence_parallel {
         mappings::gather_from_sp_region(&x.broadcast_matmul(&l.a.t()?)?, &tp.group, SEQ_DIM)?
@@ -173,6 +195,7 @@ fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
 /// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the
 /// sequence shard under SP, replicated without), from its feature-sharded input `x`.
 pub(crate) fn row_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    let x = &l.drop(x, crate::lora_dropout::Input::Row, tp)?;
     let p = tp.size();
     let v = x.broadcast_matmul(&l.a.t()?)?;
     let v = if p == 1 {

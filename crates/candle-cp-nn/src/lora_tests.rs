@@ -44,15 +44,33 @@ fn double() -> PartPost {
     PartPost { fwd: Arc::new(|y: &Tensor| y * 2.0), bwd: Arc::new(|g: &Tensor| g * 2.0) }
 }
 
+/// The dropout of the split test's adapters: probability, the seed of the streams, the step.
+const DROP: (f64, u64, u64) = (0.4, 9, 3);
+
+/// The dropout key of the split test: one batch row, tokens `0..T`.
+fn drop_key() -> crate::DropoutKey {
+    crate::DropoutKey { streams: crate::RngStreams::new(DROP.1), step: DROP.2, rows: Arc::new((0..T as u64).collect()), batch: 1, tc: T }
+}
+
+/// `x` `[1, T, f]` through adapter `name`'s dropout, from the whole-tensor formula: keep where
+/// the stream's value of element `t·f + j` is at least `p`, scaled by `1/(1-p)`.
+fn dense_drop(x: &Tensor, name: &str) -> Result<Tensor> {
+    let f = x.dim(2)?;
+    let u = crate::RngStreams::new(DROP.1).uniform(name, DROP.2, &candle_core::Shape::from((T, f)), &crate::Region::Replicated, &Device::Cpu)?;
+    x.broadcast_mul(&(u.ge(DROP.0 as f32)?.to_dtype(DType::F32)? * (1.0 / (1.0 - DROP.0)))?.unsqueeze(0)?)
+}
+
 /// Dense reference: `q = map(x·(Wq + s·Bq·Aq)ᵀ)`, `k = x·(Wk + s·Bk·Ak)ᵀ`, `o = q·(Wo + s·Bo·Ao)ᵀ`
-/// (the adapters as their own products), loss `Σ o·co + Σ k·ck`: the loss's gradients by name
-/// (`x` and every weight), and o, k.
-fn dense(f: &Full, map: bool) -> Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
+/// (the adapters as their own products; with `drop`, each adapter's input through its dropout,
+/// [`dense_drop`]), loss `Σ o·co + Σ k·ck`: the loss's gradients by name (`x` and every
+/// weight), and o, k.
+fn dense(f: &Full, map: bool, drop: bool) -> Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
     let vars: HashMap<&str, Var> = f.w.iter().map(|(k, v)| Ok((*k, Var::from_tensor(v)?))).collect::<Result<_>>()?;
     let xv = Var::from_tensor(&f.x)?;
     let v = |n: &str| vars[n].as_tensor().clone();
     let lin = |x: &Tensor, w: &str, a: &str, b: &str| -> Result<Tensor> {
-        x.broadcast_matmul(&v(w).t()?)? + (x.broadcast_matmul(&v(a).t()?)?.broadcast_matmul(&v(b).t()?)? * SCALE)?
+        let xa = if drop { dense_drop(x, w)? } else { x.clone() };
+        x.broadcast_matmul(&v(w).t()?)? + (xa.broadcast_matmul(&v(a).t()?)?.broadcast_matmul(&v(b).t()?)? * SCALE)?
     };
     let mut q = lin(xv.as_tensor(), "q", "qa", "qb")?;
     if map {
@@ -76,11 +94,48 @@ fn dense(f: &Full, map: bool) -> Result<(HashMap<String, Tensor>, Tensor, Tensor
 /// weights' gradients too (the adapters leave them right).
 #[test]
 fn adapters_match_the_dense_layers_on_every_split() -> Result<()> {
+    splits(false)
+}
+
+/// The same with dropout 0.4 on every adapter's input (`Lora::with_dropout`): each rank's masks
+/// are its rows' and features' of the whole-tensor masks ([`dense_drop`]), so outputs and
+/// gradients are the dense ones on every split and path; without a key no dropout happens.
+#[test]
+fn adapter_dropout_matches_the_dense_masks_on_every_split() -> Result<()> {
+    splits(true)?;
+    // no key set: the adapter's input as it is
     let f = full()?;
+    let rows = crate::DropoutRows::default();
+    let tp1 = run_ranks(1, |g: Group| {
+        let tp = Tp::new(g, false);
+        let l = Lora::new(f.w["qa"].clone(), f.w["qb"].clone(), SCALE)?.with_dropout(0.4, "q", &rows)?;
+        let plain = Lora::new(f.w["qa"].clone(), f.w["qb"].clone(), SCALE)?;
+        max_abs(&column_delta(&f.x, &l, &tp)?, &column_delta(&f.x, &plain, &tp)?)
+    });
+    for e in tp1 {
+        assert_eq!(e?, 0.0, "without a key, no dropout");
+    }
+    assert!(Lora::new(f.w["qa"].clone(), f.w["qb"].clone(), SCALE)?.with_dropout(1.0, "q", &rows).is_err());
+    Ok(())
+}
+
+/// [`adapters_match_the_dense_layers_on_every_split`], the adapters with dropout or not.
+fn splits(drop: bool) -> Result<()> {
+    let f = full()?;
+    let rows = crate::DropoutRows::default();
+    rows.set(drop.then(drop_key))?;
     for (p, sp, col_path, row_path) in [(2, false, 0, 0), (2, true, 1, 1), (4, false, 1, 2), (4, true, 0, 2), (4, true, 1, 0), (2, false, 1, 1)] {
         let map = col_path == 1;
-        let (want, o, k) = dense(&f, map)?;
-        let what = format!("tp {p} sp {sp} column path {col_path} row path {row_path}");
+        let (want, o, k) = dense(&f, map, drop)?;
+        let what = format!("tp {p} sp {sp} column path {col_path} row path {row_path} dropout {drop}");
+        // (with dropout: stream `name`, the dense reference's)
+        let ad = |l: Lora, name: &str| -> Result<Lora> {
+            if drop {
+                l.with_dropout(DROP.0, name, &rows)
+            } else {
+                Ok(l)
+            }
+        };
         for r in run_ranks(p, |g: Group| {
             let tp = Tp::new(g.clone(), sp);
             let r = g.rank();
@@ -98,10 +153,10 @@ fn adapters_match_the_dense_layers_on_every_split() -> Result<()> {
                 m["q.weight"].set(&v("q"))?;
                 m["k.weight"].set(&v("k"))?;
             }
-            let col = col.with_lora(vec![Some(Lora::new(v("qa"), v("qb"), SCALE)?), Some(Lora::new(v("ka"), v("kb"), SCALE)?)])?;
+            let col = col.with_lora(vec![Some(ad(Lora::new(v("qa"), v("qb"), SCALE)?, "q")?), Some(ad(Lora::new(v("ka"), v("kb"), SCALE)?, "k")?)])?;
             let row = RowParallelLinear::new(vb.pp("o"), 8, 4, LinearConfig::new(false), &tp)?;
             vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["o.weight"].set(&v("o"))?;
-            let row = row.with_lora(Lora::new(v("oa"), v("ob"), SCALE)?)?;
+            let row = row.with_lora(ad(Lora::new(v("oa"), v("ob"), SCALE)?, "o")?)?;
             // the weights' gradients land on the layers' own variables
             for n in ["q", "k", "o"] {
                 let var = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?[&format!("{n}.weight")].clone();

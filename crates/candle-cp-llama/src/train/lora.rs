@@ -28,8 +28,8 @@ use std::path::{Path, PathBuf};
 
 /// Add this rank's shards of `cfg`'s adapters (`cfg.lora` set) to `varmap`: from the PEFT
 /// adapter in `from` (a checkpoint being resumed, or [`super::TrainConfig::lora_init`]; its
-/// rank, alpha and targets must be `cfg`'s), or drawn from `seed` (`A` uniform in `±1/√in`,
-/// `B` zero).
+/// rank, alpha, scaling and targets must be `cfg`'s — its dropout, a training setting, may
+/// differ), or drawn from `seed` (`A` uniform in `±1/√in`, `B` zero).
 pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx, seed: u64, dtype: DType, device: &Device, from: Option<&Path>) -> Result<()> {
     let Some(spec) = &cfg.lora else { bail!("train: add_adapters without a LoRA spec (internal error)") };
     let Some(dir) = from else {
@@ -38,7 +38,7 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
     // (the spec checked before the tensors: another rank or targets gives other names)
     let saved = if crate::lora::has_adapter(dir) { Some(crate::lora::load_peft_adapter(dir)?.0) } else { None };
     match saved {
-        Some(s) if s == *spec => {
+        Some(s) if s.clone().with_dropout(spec.dropout)? == *spec => {
             load_adapter_sharded(dir, cfg, varmap, ctx, dtype, device)?;
             Ok(())
         }

@@ -389,6 +389,8 @@ pub fn train_rank(
         let mut load_sum: Option<f64> = None;
         for micro in 0..cfg.grad_accum {
             let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
+            // LoRA dropout: this forward's masks (keyed on the micro-batch's global number)
+            model.set_lora_dropout(Some((candle_cp_nn::RngStreams::new(cfg.seed), (step * cfg.grad_accum + micro) as u64, cfg.batch, cfg.seq_len)))?;
             // packed rows: labels IGNORE at document ends, RoPE positions per document,
             // attention inside documents
             let sb = match &docs {
@@ -486,6 +488,7 @@ pub fn train_rank(
         let (eval_loss, eval_long_range_loss) = match &cfg.eval {
             Some(e) if e.due(step + 1, cfg.steps) => {
                 param_gather.finish()?;
+                model.set_lora_dropout(None)?;
                 let (all, lr) = super::eval::evaluate(&model, cfg, e, &ctx, &dev)?;
                 (Some(all), lr)
             }
