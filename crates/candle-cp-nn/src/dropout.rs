@@ -93,15 +93,16 @@ impl RngStreams {
         Tensor::from_vec(v, shape.clone(), device)
     }
 
-    /// Uniform values `[rows.len(), cols]` of stream `name` at `step` for the rows `rows` (their
-    /// indices in a global 2-D tensor of `total_cols` columns) and columns `col0 .. col0 + cols`:
-    /// element `(r, j)` is the global element `rows[r]·total_cols + col0 + j`, as [`Self::uniform`]
-    /// numbers it, so ranks holding rows in any order (a CP shard, zigzag chunks) draw the
-    /// single-device values.
-    pub fn uniform_rows(&self, name: &str, step: u64, rows: &[u64], col0: usize, cols: usize, total_cols: usize, device: &Device) -> Result<Tensor> {
-        if col0 + cols > total_cols {
-            candle_core::bail!("dropout: columns {col0}..{} past the {total_cols} of the global tensor", col0 + cols)
+    /// Uniform values `[rows.len(), cols.len()]` of stream `name` at `step` for the rows `rows`
+    /// (their indices in a global 2-D tensor of `total_cols` columns) and the columns `cols`:
+    /// element `(r, j)` is the global element `rows[r]·total_cols + cols.start + j`, as
+    /// [`Self::uniform`] numbers it, so ranks holding rows in any order (a CP shard, zigzag
+    /// chunks) draw the single-device values.
+    pub fn uniform_rows(&self, name: &str, step: u64, rows: &[u64], cols: std::ops::Range<usize>, total_cols: usize, device: &Device) -> Result<Tensor> {
+        if cols.end > total_cols || cols.start > cols.end {
+            candle_core::bail!("dropout: columns {cols:?} past the {total_cols} of the global tensor")
         }
+        let (col0, cols) = (cols.start, cols.len());
         let key = self.key(name, step);
         let mut v = Vec::with_capacity(rows.len() * cols);
         for &r in rows {
@@ -207,12 +208,12 @@ mod tests {
     fn rows_draw_the_global_values() -> Result<()> {
         let (rng, dev) = (RngStreams::new(5), Device::Cpu);
         let global = rng.uniform("x", 2, &Shape::from((6, 8)), &Region::Replicated, &dev)?;
-        let got = rng.uniform_rows("x", 2, &[4, 1, 5], 3, 4, 8, &dev)?;
+        let got = rng.uniform_rows("x", 2, &[4, 1, 5], 3..7, 8, &dev)?;
         for (i, r) in [4usize, 1, 5].into_iter().enumerate() {
             let d = (got.i(i)? - global.i((r, 3..7))?)?.abs()?.max_all()?.to_scalar::<f32>()?;
             assert_eq!(d, 0.0, "row {r}");
         }
-        assert!(rng.uniform_rows("x", 2, &[0], 6, 4, 8, &dev).is_err());
+        assert!(rng.uniform_rows("x", 2, &[0], 6..10, 8, &dev).is_err());
         Ok(())
     }
 

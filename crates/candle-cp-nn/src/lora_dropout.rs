@@ -91,7 +91,7 @@ impl AdapterDropout {
             Input::Column => (0, f),
             Input::Row => (rank * f, f * p),
         };
-        let u = k.streams.uniform_rows(&self.name, k.step, &rows, col0, f, total, x.device())?;
+        let u = k.streams.uniform_rows(&self.name, k.step, &rows, col0..col0 + f, total, x.device())?;
         let keep = (u.ge(self.p as f32)?.to_dtype(DType::F32)? * (1.0 / (1.0 - self.p)))?;
         x.mul(&keep.to_dtype(x.dtype())?.reshape((b, t, f))?)
     }
