@@ -187,16 +187,30 @@ pub fn load_adapter_sharded(dir: &Path, cfg: &crate::LlamaConfig, varmap: &candl
     }
     let (spec, tensors) = load_peft_adapter(dir)?;
     let cfg = cfg.clone().with_lora(Some(spec));
-    // every tensor of the file is one the spec gives the model (none silently left out)
-    let names: std::collections::HashSet<String> = crate::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).map(|s| s.name).collect();
+    insert_loaded_adapter(dir, &cfg, &tensors, varmap, ctx, dtype, device)?;
+    Ok(Some(cfg))
+}
+
+/// Insert this rank's shards of `cfg`'s adapters from `tensors` (the full tensors of the PEFT
+/// adapter in `dir`, [`load_peft_adapter`]'s) into `varmap`. Errors name a tensor the spec does
+/// not give the model (none is left out silently), one missing, or one of another shape.
+pub(crate) fn insert_loaded_adapter(
+    dir: &Path,
+    cfg: &crate::LlamaConfig,
+    tensors: &HashMap<String, Tensor>,
+    varmap: &candle_nn::VarMap,
+    ctx: &crate::ParallelCtx,
+    dtype: candle_core::DType,
+    device: &Device,
+) -> Result<()> {
+    let names: std::collections::HashSet<String> = crate::param_specs(cfg).into_iter().filter(|s| s.is_lora()).map(|s| s.name).collect();
     if let Some(extra) = tensors.keys().find(|n| !names.contains(*n)) {
         bail!("{}: the adapter's {extra} is not one of the {} adapter tensors of this model ({} layers)", dir.display(), names.len(), cfg.num_hidden_layers)
     }
-    insert_adapter_shards(varmap, &cfg, ctx, dtype, device, |s| match tensors.get(&s.name) {
+    insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| match tensors.get(&s.name) {
         Some(t) => Ok(t.clone()),
         None => bail!("{}: the adapter has no {} {:?}", dir.display(), s.name, s.shape),
-    })?;
-    Ok(Some(cfg))
+    })
 }
 
 /// Insert this rank's shard of each of `cfg`'s adapters into `varmap`, the full tensor from

@@ -16,7 +16,7 @@
 //!                              optimizer-tp*.safetensors, train_state.json   (their state)
 //! ```
 
-use crate::lora::{insert_adapter_shards, is_lora_name, load_adapter_sharded, save_peft_adapter};
+use crate::lora::{insert_adapter_shards, is_lora_name, save_peft_adapter};
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -35,16 +35,15 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
     let Some(dir) = from else {
         return insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| init_tensor(s, seed, cfg));
     };
-    // (the spec checked before the tensors: another rank or targets gives other names)
-    let saved = if crate::lora::has_adapter(dir) { Some(crate::lora::load_peft_adapter(dir)?.0) } else { None };
-    match saved {
-        Some(s) if s.clone().with_dropout(spec.dropout)? == *spec => {
-            load_adapter_sharded(dir, cfg, varmap, ctx, dtype, device)?;
-            Ok(())
-        }
-        Some(s) => bail!("{} holds LoRA adapters of {s}, this run asks for {spec}", dir.display()),
-        None => bail!("{} holds no LoRA adapter (adapter_config.json), this run asks for {spec}", dir.display()),
+    // (read once; the spec checked before the tensors: another rank or targets gives other names)
+    if !crate::lora::has_adapter(dir) {
+        bail!("{} holds no LoRA adapter (adapter_config.json), this run asks for {spec}", dir.display())
     }
+    let (saved, tensors) = crate::lora::load_peft_adapter(dir)?;
+    if saved.clone().with_dropout(spec.dropout)? != *spec {
+        bail!("{} holds LoRA adapters of {saved}, this run asks for {spec}", dir.display())
+    }
+    crate::lora::insert_loaded_adapter(dir, cfg, &tensors, varmap, ctx, dtype, device)
 }
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
