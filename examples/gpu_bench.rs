@@ -1,8 +1,8 @@
 //! GPU benchmark (feature `cuda`): forward and backward TFLOP/s of the candle-cp flash kernels,
 //! and zigzag ring attention on virtual ranks (threads sharing one GPU) against the
 //! single-GPU kernel; with `--mem 1`, the memory-bound kernels (ring merge, final cast,
-//! zigzag shard/unshard, all-to-all pack/unpack) in GB/s against a device-to-device copy of
-//! the same bytes. Prints one JSON object per line (read by `scripts/gpu_table.py`).
+//! zigzag shard/unshard, all-to-all pack/unpack, int8 / NF4 dequantization beside its candle-op
+//! formulation) in GB/s against a device-to-device copy of the same bytes. Prints one JSON object per line (read by `scripts/gpu_table.py`).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
@@ -576,6 +576,17 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
         sl.slice_set(&ml, 2, r0)
     };
     let half = 1.5 * (n_o + n_l);
+    // A quantized frozen weight (a LoRA run's base) to bf16, as each layer's forward does: the
+    // kernel (one pass) and the candle-op formulation it replaced on CUDA (`dequantize_ops`),
+    // same useful bytes (codes + scales read, the bf16 weight written). [n / 4096, 4096], n the
+    // element count of the attention output above, groups of 64.
+    use candle_cp_nn::quant::{QuantConfig, QuantKind, QuantWeight};
+    let wq_in = 4096usize;
+    let w = Tensor::randn(0f32, 1f32, ((b * t * h * d / wq_in).max(1), wq_in), dev)?;
+    let n_w = w.elem_count() as f64;
+    let q_nf4 = QuantWeight::quantize(&w, QuantConfig::new(QuantKind::Nf4, 64)?)?;
+    let q_int8 = QuantWeight::quantize(&w, QuantConfig::new(QuantKind::Int8, 64)?)?;
+    let (b_nf4, b_int8) = (q_nf4.bytes() as f64 + 2.0 * n_w, q_int8.bytes() as f64 + 2.0 * n_w);
     // (name, bytes read + written, the call)
     type Call<'a> = Box<dyn Fn() -> candle_core::Result<()> + 'a>;
     let cases: Vec<(&str, f64, Call)> = vec![
@@ -587,6 +598,10 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
         ("zigzag unshard bf16", 2.0 * n_x, Box::new(|| layout::unshard(&x, 1, layout::SeqLayout::Zigzag, p).map(|_| ()))),
         ("a2a pack bf16 (heads)", 2.0 * n_x, Box::new(|| layout::a2a_pack(&x, 2, p).map(|_| ()))),
         ("a2a unpack bf16 (seq)", 2.0 * n_x, Box::new(|| layout::a2a_unpack(&packed, 1).map(|_| ()))),
+        ("dequantize nf4 g64 -> bf16, kernel", b_nf4, Box::new(|| q_nf4.dequantize(DType::BF16).map(|_| ()))),
+        ("dequantize nf4 g64 -> bf16, candle ops", b_nf4, Box::new(|| q_nf4.dequantize_ops(DType::BF16).map(|_| ()))),
+        ("dequantize int8 g64 -> bf16, kernel", b_int8, Box::new(|| q_int8.dequantize(DType::BF16).map(|_| ()))),
+        ("dequantize int8 g64 -> bf16, candle ops", b_int8, Box::new(|| q_int8.dequantize_ops(DType::BF16).map(|_| ()))),
     ];
     let copy_s = time(dev, a.iters.max(5), || o.copy().map(|_| ()))?;
     let copy_gbps = 2.0 * n_o / copy_s / 1e9;

@@ -13,11 +13,12 @@
 //! `random`: seeded random configurations (documents, windows, masks, GQA, D, dtype, layouts)
 //! through every CP method on virtual ranks vs the CPU path (gpu_check_random.rs).
 //! Sections `oracle` and `llama` (the oracle cases and the tiny Llama on virtual ranks):
-//! gpu_check_oracle.rs.
+//! gpu_check_oracle.rs. Section `quant`: the int8 / NF4 dequantization kernel (a LoRA run's
+//! quantized base) against the host loops, bit for bit (gpu_check_quant.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,quant,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
@@ -50,6 +51,8 @@ mod masks;
 mod band;
 #[path = "gpu_check_random.rs"]
 mod random;
+#[path = "gpu_check_quant.rs"]
+mod quant;
 #[path = "../tests/draws.rs"]
 mod draws;
 #[path = "gpu_check_oracle.rs"]
@@ -574,9 +577,9 @@ fn main() -> Result<()> {
     };
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
     // A misspelt section would otherwise run nothing and report "0 passed" (device time is short).
-    const SECTIONS: [&str; 15] = [
-        "probe", "flash", "views", "flash-large", "merge", "layout", "band", "oracle", "packed", "window", "decode", "random", "llama", "nccl",
-        "nccl-ranks",
+    const SECTIONS: [&str; 16] = [
+        "probe", "flash", "views", "flash-large", "merge", "layout", "quant", "band", "oracle", "packed", "window", "decode", "random", "llama",
+        "nccl", "nccl-ranks",
     ];
     for x in only.iter().flatten() {
         if !SECTIONS.contains(&x.as_str()) {
@@ -592,13 +595,14 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 7] = [
+    let sections: [(&str, Section); 8] = [
         ("probe", check_probe),
         ("flash", check_flash),
         ("views", views::check_views),
         ("flash-large", check_large),
         ("merge", check_merge),
         ("layout", check_layout),
+        ("quant", quant::check_quant),
         ("band", band::check_band),
     ];
     for (name, f) in sections {

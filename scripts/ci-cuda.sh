@@ -119,7 +119,7 @@ echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (sh
 # (the other core)
 gpu_checks() {
   env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
+    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,quant,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
     >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
   # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
   env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
@@ -236,12 +236,13 @@ shim_step "finetune_llama cpu lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --devic
 shim_step "finetune_llama cuda lora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftl[@]}" --out "$shim_dir/ft-cuda-lora"
 same_loss "$shim_dir/ft-cpu-lora/metrics.jsonl" "$shim_dir/ft-cuda-lora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
-# the same over an NF4 base (its codes dequantized by candle ops on the device, layer by layer
-# inside the recompute checkpoints)
+# the same over an NF4 base (its codes dequantized on the device by kernels/quant.cu, layer by
+# layer inside the recompute checkpoints; the trace must show that kernel)
 ftq=("${ftl[@]}" --quantize-base nf4,16 --recompute)
 shim_step "finetune_llama cpu qlora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftq[@]}" --out "$shim_dir/ft-cpu-qlora"
-shim_step "finetune_llama cuda qlora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+shim_step "finetune_llama cuda qlora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftq[@]}" --out "$shim_dir/ft-cuda-qlora"
+grep -q 'launch dequant_nf4_f32 ' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the NF4 fine-tune did not launch dequant_nf4_f32 (kernels/quant.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-qlora/metrics.jsonl" "$shim_dir/ft-cuda-qlora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA over an NF4 base with recompute, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices

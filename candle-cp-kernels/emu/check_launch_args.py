@@ -23,7 +23,7 @@ silent memory corruption on the GPU. This script checks, mechanically:
      sm90.rs WGMMA_*), must agree; block threads, rows per block and dynamic shared memory follow.
   5. dtype dispatch (`DType::F16 => go!(f16, ..)` / `launch_x!(f16)` / `fwd_t::<f16>`), and the
      launch config of the one-warp-per-row kernels (delta, pipe prep, merge: grid ceil(rows / 4),
-     block 128) and of the grid-stride kernels (layout, cast: `grid_stride_blocks`).
+     block 128) and of the grid-stride kernels (layout, cast, dequant: `grid_stride_blocks`).
 
 Not covered: the order of two pushed values of the same type (e.g. B and T, both int), grid
 dimensions beyond rows per block, and the shared-memory formulas themselves (transcribed from
@@ -405,7 +405,7 @@ def check():
     # one warp per row, 4 rows per block (`blockIdx.x * 4 + threadIdx.x / 32`): grid ceil(rows / 4), block 128;
     # grid-stride kernels (`gridDim.x * blockDim.x`): any grid and block.
     warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+|merge_rows_inplace_\w+)$"
-    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace)_\w+$"
+    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace|dequant_int8|dequant_nf4)_\w+$"
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
             if re.match(warp_rows, kname) and not ("div_ceil(4) as u32, 1, 1)" in cfg and "block_dim: (128, 1, 1)" in cfg):

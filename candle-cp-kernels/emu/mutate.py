@@ -323,6 +323,17 @@ MUTATIONS = [
      "cp_tma_reduce_add_4d(tm[4], dc0 + 32, hq, i0, b, dqb + DQB_BYTES / 2);",
      "cp_tma_reduce_add_4d(tm[4], dc0 + 32, hq, i0, b, dqb);",
      "wgmma_tma", "TMA backward: the second dQ box (columns 32..63) reduced from the first box's buffer"),
+    # dequantization (quant.cu)
+    ("dequant-nibble-order", "quant.cu",
+     "      a = lv[c & 15u] * s;\n      b = lv[c >> 4] * s;\n", "      a = lv[c >> 4] * s;\n      b = lv[c & 15u] * s;\n",
+     "dequant_nf4", "NF4 dequantization: element 2j read from the high nibble (PEFT / bitsandbytes order is not ours)"),
+    ("dequant-group", "quant.cu",
+     "const float s = scales[j / half_g];", "const float s = scales[j / g];",
+     "dequant_", "dequantization: the scale of group j / g for pair j (pairs counted as elements)"),
+    ("dequant-levels-sync", "quant.cu",
+     "    if (threadIdx.x < 16) lv[threadIdx.x] = cp_nf4_level(threadIdx.x);\n    __syncthreads();\n",
+     "    if (threadIdx.x < 16) lv[threadIdx.x] = cp_nf4_level(threadIdx.x);\n",
+     "dequant_nf4", "NF4 dequantization: the level table read before every thread has written it (no barrier)"),
 ]
 
 

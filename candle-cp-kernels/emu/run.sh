@@ -33,6 +33,7 @@ srcs+=(emu/emu_sync.cpp)  # mbarriers, named barriers (emu.h)
 srcs+=(emu/emu_wgmma.cpp)  # wgmma, setmaxnreg (emu.h)
 srcs+=(emu/emu_async.cpp)  # cp.async, async-proxy view (emu.h)
 srcs+=(emu/check_band.cpp)  # band masks (the `_band_` entries)
+srcs+=(kernels/quant.cu emu/check_quant.cpp)  # int8 / NF4 dequantization
 start=$(date +%s)
 objs=()
 pids=()

@@ -9,6 +9,7 @@
 //!   and backward;
 //! - `merge`: ring-step LSE merge on an f32 accumulator, and the final cast;
 //! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack;
+//! - `quant`: dequantization of int8 / NF4 frozen weights (a LoRA run's quantized base);
 //! - `probe`: probe kernels that check (and diagnose) our reading of the PTX ISA for mma.sync,
 //!   ldmatrix, cp.async and wgmma on the GPU (`probe_map` / `probe_diag`, their host-side layouts
 //!   and analysis, are compiled without the feature too).
@@ -32,5 +33,7 @@ pub mod probe_diag;
 pub mod probe_map;
 #[cfg(feature = "cuda")]
 pub mod ptx;
+#[cfg(feature = "cuda")]
+pub mod quant;
 #[cfg(feature = "cuda")]
 mod util;

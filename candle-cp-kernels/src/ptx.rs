@@ -38,6 +38,9 @@ pub const FLASH_BWD_SM90_WS: &str = include_str!(concat!(env!("OUT_DIR"), "/flas
 pub const MERGE: &str = include_str!(concat!(env!("OUT_DIR"), "/merge.ptx"));
 /// `kernels/layout.cu`: `seq_permute_*`, `a2a_pack_*`, `a2a_unpack_*` for f32/f16/bf16/u32/u8.
 pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
+/// `kernels/quant.cu`: `dequant_{int8,nf4}_{f32,f16,bf16}` (a quantized frozen weight to a dense
+/// one, see [`crate::quant`]).
+pub const QUANT: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
 /// `kernels/probe.cu`: `probe_mma16816_{f16,bf16}`, `probe_ldsm`, `probe_cp_async` (diagnostic
 /// probes of mma.sync / ldmatrix / cp.async, see [`crate::probe`]).
 pub const PROBE: &str = include_str!(concat!(env!("OUT_DIR"), "/probe.ptx"));
@@ -68,6 +71,8 @@ pub const FLASH_BWD_SM90_WS_MODULE: &str = "candle_cp_flash_bwd_sm90_ws";
 pub const MERGE_MODULE: &str = "candle_cp_merge";
 /// See [`FLASH_FWD_MODULE`].
 pub const LAYOUT_MODULE: &str = "candle_cp_layout";
+/// See [`FLASH_FWD_MODULE`].
+pub const QUANT_MODULE: &str = "candle_cp_quant";
 /// See [`FLASH_FWD_MODULE`].
 pub const PROBE_MODULE: &str = "candle_cp_probe";
 /// See [`FLASH_FWD_MODULE`].

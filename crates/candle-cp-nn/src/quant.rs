@@ -17,8 +17,10 @@
 //! (`g = 64`: 1.06 and 0.56, against 2 for bf16).
 //!
 //! [`QuantWeight::dequantize`] runs host loops on the CPU ([`QuantWeight::dequantize_host`], the
-//! reference) and candle ops, a chunk of rows at a time, on other devices
-//! ([`QuantWeight::dequantize_ops`]); the two are equal bit for bit (tested on the CPU, and the
+//! reference), one kernel on CUDA (`candle_cp_kernels::quant`, kernels/quant.cu: reads the codes
+//! and scales once, writes the weight once) and candle ops, a chunk of rows at a time, on other
+//! devices ([`QuantWeight::dequantize_ops`]); all equal bit for bit (tested on the CPU; the kernel
+//! against the host loops under the CUDA emulation and in `gpu_check --sections quant`, and the
 //! CUDA path's fine-tune under the host CUDA shim in `.ci/run`).
 
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -167,13 +169,33 @@ impl QuantWeight {
     }
 
     /// The weight `[out, in]` in `dtype` on the codes' device: by host loops on the CPU
-    /// ([`QuantWeight::dequantize_host`]), by candle ops elsewhere
-    /// ([`QuantWeight::dequantize_ops`]); the same values either way.
+    /// ([`QuantWeight::dequantize_host`]), by one kernel on CUDA (feature `cuda`:
+    /// `candle_cp_kernels::quant::dequantize`, one pass over the codes), by candle ops elsewhere
+    /// ([`QuantWeight::dequantize_ops`]); the same values every way.
     pub fn dequantize(&self, dtype: DType) -> Result<Tensor> {
         match self.codes.device() {
             Device::Cpu => self.dequantize_host()?.to_dtype(dtype),
+            #[cfg(feature = "cuda")]
+            Device::Cuda(_) => {
+                use candle_cp_kernels::quant::{dequantize, Codes};
+                let kind = match self.cfg.kind {
+                    QuantKind::Int8 => Codes::Int8,
+                    QuantKind::Nf4 => Codes::Nf4,
+                };
+                dequantize(&self.codes, &self.scales, kind, self.cfg.group, (self.out_dim, self.in_dim), dtype)
+            }
             _ => self.dequantize_ops(dtype),
         }
+    }
+
+    /// The codes: u8 `[out, in]` (int8) or `[out, in/2]` (NF4, element `2j` in the low nibble).
+    pub fn codes(&self) -> &Tensor {
+        &self.codes
+    }
+
+    /// The scales: f32 `[out, in/g]`, each group's absmax (NF4) or absmax / 127 (int8).
+    pub fn scales(&self) -> &Tensor {
+        &self.scales
     }
 
     /// [`QuantWeight::dequantize`] by candle ops on the codes' device (any device), in chunks of
