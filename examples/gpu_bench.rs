@@ -2,7 +2,7 @@
 //! and zigzag ring attention on virtual ranks (threads sharing one GPU) against the
 //! single-GPU kernel; with `--mem 1`, the memory-bound kernels (ring merge, final cast,
 //! zigzag shard/unshard, all-to-all pack/unpack, int8 / NF4 dequantization beside its candle-op
-//! formulation) in GB/s against a device-to-device copy of the same bytes. Prints one JSON object per line (read by `scripts/gpu_table.py`).
+//! formulation, top-K routing on the device beside the host loop) in GB/s against a device-to-device copy of the same bytes. Prints one JSON object per line (read by `scripts/gpu_table.py`).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
@@ -587,6 +587,14 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
     let q_nf4 = QuantWeight::quantize(&w, QuantConfig::new(QuantKind::Nf4, 64)?)?;
     let q_int8 = QuantWeight::quantize(&w, QuantConfig::new(QuantKind::Int8, 64)?)?;
     let (b_nf4, b_int8) = (q_nf4.bytes() as f64 + 2.0 * n_w, q_int8.bytes() as f64 + 2.0 * n_w);
+    // Mixture-of-experts routing of B·T tokens over 128 experts, top 8 (Qwen3-MoE): chosen on
+    // the device (`kernels/moe.cu`, only the [N, 8] choices copied down) and on the host (the
+    // [N, 128] probabilities copied down, the host loop: the path before the kernel), both to
+    // the full `Routing`. Bytes: the probabilities read once.
+    use candle_cp_ops::moe::Routing;
+    let probs = Tensor::rand(0f32, 1f32, (b * t, 128), dev)?;
+    let b_route = (b * t * 128 * 4) as f64;
+    let host_route = || -> candle_core::Result<()> { Routing::top_k(&probs.to_device(&Device::Cpu)?, 8).map(|_| ()) };
     // (name, bytes read + written, the call)
     type Call<'a> = Box<dyn Fn() -> candle_core::Result<()> + 'a>;
     let cases: Vec<(&str, f64, Call)> = vec![
@@ -602,6 +610,8 @@ fn mem_kernels(a: &Args, dev: &Device) -> Result<()> {
         ("dequantize nf4 g64 -> bf16, candle ops", b_nf4, Box::new(|| q_nf4.dequantize_ops(DType::BF16).map(|_| ()))),
         ("dequantize int8 g64 -> bf16, kernel", b_int8, Box::new(|| q_int8.dequantize(DType::BF16).map(|_| ()))),
         ("dequantize int8 g64 -> bf16, candle ops", b_int8, Box::new(|| q_int8.dequantize_ops(DType::BF16).map(|_| ()))),
+        ("route top 8 of 128 experts, device", b_route, Box::new(|| Routing::top_k(&probs, 8).map(|_| ()))),
+        ("route top 8 of 128 experts, host", b_route, Box::new(host_route)),
     ];
     let copy_s = time(dev, a.iters.max(5), || o.copy().map(|_| ()))?;
     let copy_gbps = 2.0 * n_o / copy_s / 1e9;

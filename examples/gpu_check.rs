@@ -14,11 +14,12 @@
 //! through every CP method on virtual ranks vs the CPU path (gpu_check_random.rs).
 //! Sections `oracle` and `llama` (the oracle cases and the tiny Llama on virtual ranks):
 //! gpu_check_oracle.rs. Section `quant`: the int8 / NF4 dequantization kernel (a LoRA run's
-//! quantized base) against the host loops, bit for bit (gpu_check_quant.rs).
+//! quantized base) against the host loops, bit for bit (gpu_check_quant.rs). Section `moe`: top-K
+//! routing on the device against the host loop (gpu_check_moe.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,quant,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,quant,moe,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
@@ -53,6 +54,8 @@ mod band;
 mod random;
 #[path = "gpu_check_quant.rs"]
 mod quant;
+#[path = "gpu_check_moe.rs"]
+mod moe;
 #[path = "../tests/draws.rs"]
 mod draws;
 #[path = "gpu_check_oracle.rs"]
@@ -577,8 +580,8 @@ fn main() -> Result<()> {
     };
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
     // A misspelt section would otherwise run nothing and report "0 passed" (device time is short).
-    const SECTIONS: [&str; 16] = [
-        "probe", "flash", "views", "flash-large", "merge", "layout", "quant", "band", "oracle", "packed", "window", "decode", "random", "llama",
+    const SECTIONS: [&str; 17] = [
+        "probe", "flash", "views", "flash-large", "merge", "layout", "quant", "moe", "band", "oracle", "packed", "window", "decode", "random", "llama",
         "nccl", "nccl-ranks",
     ];
     for x in only.iter().flatten() {
@@ -595,7 +598,7 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 8] = [
+    let sections: [(&str, Section); 9] = [
         ("probe", check_probe),
         ("flash", check_flash),
         ("views", views::check_views),
@@ -603,6 +606,7 @@ fn main() -> Result<()> {
         ("merge", check_merge),
         ("layout", check_layout),
         ("quant", quant::check_quant),
+        ("moe", moe::check_moe),
         ("band", band::check_band),
     ];
     for (name, f) in sections {

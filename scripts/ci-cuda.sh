@@ -119,7 +119,7 @@ echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (sh
 # (the other core)
 gpu_checks() {
   env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,quant,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
+    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,quant,moe,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
     >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
   # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
   env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \

@@ -22,7 +22,7 @@ silent memory corruption on the GPU. This script checks, mechanically:
      vs flash.rs pipe_config and block/row literals (flash/bwd.rs for the backward), bwd_pipe.rs PipeCfg::of, bwd_fused.rs NW/BQ,
      sm90.rs WGMMA_*), must agree; block threads, rows per block and dynamic shared memory follow.
   5. dtype dispatch (`DType::F16 => go!(f16, ..)` / `launch_x!(f16)` / `fwd_t::<f16>`), and the
-     launch config of the one-warp-per-row kernels (delta, pipe prep, merge: grid ceil(rows / 4),
+     launch config of the one-warp-per-row kernels (delta, pipe prep, merge, top-K: grid ceil(rows / 4),
      block 128) and of the grid-stride kernels (layout, cast, dequant: `grid_stride_blocks`).
 
 Not covered: the order of two pushed values of the same type (e.g. B and T, both int), grid
@@ -404,7 +404,7 @@ def check():
             err(f"go!({m.group(1)}, \"{m.group(2)}\"): element type does not match the dtype suffix")
     # one warp per row, 4 rows per block (`blockIdx.x * 4 + threadIdx.x / 32`): grid ceil(rows / 4), block 128;
     # grid-stride kernels (`gridDim.x * blockDim.x`): any grid and block.
-    warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+|merge_rows_inplace_\w+)$"
+    warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+|merge_rows_inplace_\w+|moe_top_k_\w+)$"
     stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace|dequant_int8|dequant_nf4)_\w+$"
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
@@ -413,9 +413,9 @@ def check():
             if re.match(stride, kname) and "grid_stride_blocks(" not in cfg:
                 err(f"{where}: {kname} is a grid-stride kernel: expected grid_stride_blocks(..); got {cfg}")
     srcs = "".join(rd("kernels", os.path.basename(x)) for x in glob.glob(os.path.join(KERN, "*.cu")))
-    if srcs.count("blockIdx.x * 4 + threadIdx.x / 32") != 3:
-        err("expected 3 kernels with `blockIdx.x * 4 + threadIdx.x / 32` rows (delta, pipe prep, merge_rows: merge_step and "
-            "merge_rows_inplace); update warp_rows")
+    if srcs.count("blockIdx.x * 4 + threadIdx.x / 32") != 4:
+        err("expected 4 kernels with `blockIdx.x * 4 + threadIdx.x / 32` rows (delta, pipe prep, merge_rows: merge_step and "
+            "merge_rows_inplace, moe_top_k); update warp_rows")
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
             launched.add(kname)

@@ -334,6 +334,16 @@ MUTATIONS = [
      "    if (threadIdx.x < 16) lv[threadIdx.x] = cp_nf4_level(threadIdx.x);\n    __syncthreads();\n",
      "    if (threadIdx.x < 16) lv[threadIdx.x] = cp_nf4_level(threadIdx.x);\n",
      "dequant_nf4", "NF4 dequantization: the level table read before every thread has written it (no barrier)"),
+    # top-K routing (moe.cu)
+    ("top-k-ties", "moe.cu",
+     "(unsigned long long)(0xFFFFFFFFu - (uint32_t)e);", "(unsigned long long)(uint32_t)e;",
+     "moe_top_k", "top-K routing: ties broken by the higher expert index (the CPU takes the lower)"),
+    ("top-k-negative-order", "moe.cu",
+     "return (b & 0x80000000u) ? ~b : (b | 0x80000000u);", "return b | 0x80000000u;",
+     "moe_top_k", "top-K routing: negative values ranked by their raw bits (above every positive)"),
+    ("top-k-bad-warp", "moe.cu",
+     "  for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(CP_FULL_MASK, bad, o));\n", "",
+     "moe_top_k", "top-K routing: a non-finite probability seen only by its own lane (no warp minimum)"),
 ]
 
 

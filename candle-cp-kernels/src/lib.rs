@@ -9,6 +9,7 @@
 //!   and backward;
 //! - `merge`: ring-step LSE merge on an f32 accumulator, and the final cast;
 //! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack;
+//! - `moe`: each token's top K experts on the device (mixture-of-experts routing);
 //! - `quant`: dequantization of int8 / NF4 frozen weights (a LoRA run's quantized base);
 //! - `probe`: probe kernels that check (and diagnose) our reading of the PTX ISA for mma.sync,
 //!   ldmatrix, cp.async and wgmma on the GPU (`probe_map` / `probe_diag`, their host-side layouts
@@ -27,6 +28,8 @@ pub mod flash;
 pub mod layout;
 #[cfg(feature = "cuda")]
 pub mod merge;
+#[cfg(feature = "cuda")]
+pub mod moe;
 #[cfg(feature = "cuda")]
 pub mod probe;
 pub mod probe_diag;

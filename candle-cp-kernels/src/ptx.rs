@@ -41,6 +41,8 @@ pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
 /// `kernels/quant.cu`: `dequant_{int8,nf4}_{f32,f16,bf16}` (a quantized frozen weight to a dense
 /// one, see [`crate::quant`]).
 pub const QUANT: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
+/// `kernels/moe.cu`: `moe_top_k_{f32,f16,bf16}` (each token's top K experts, see [`crate::moe`]).
+pub const MOE: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
 /// `kernels/probe.cu`: `probe_mma16816_{f16,bf16}`, `probe_ldsm`, `probe_cp_async` (diagnostic
 /// probes of mma.sync / ldmatrix / cp.async, see [`crate::probe`]).
 pub const PROBE: &str = include_str!(concat!(env!("OUT_DIR"), "/probe.ptx"));
@@ -73,6 +75,8 @@ pub const MERGE_MODULE: &str = "candle_cp_merge";
 pub const LAYOUT_MODULE: &str = "candle_cp_layout";
 /// See [`FLASH_FWD_MODULE`].
 pub const QUANT_MODULE: &str = "candle_cp_quant";
+/// See [`FLASH_FWD_MODULE`].
+pub const MOE_MODULE: &str = "candle_cp_moe";
 /// See [`FLASH_FWD_MODULE`].
 pub const PROBE_MODULE: &str = "candle_cp_probe";
 /// See [`FLASH_FWD_MODULE`].

@@ -21,8 +21,10 @@
 //! only the rows and the weights ([`combine_slow`]: the same from candle's ops, which keeps
 //! two more `[N·K, h]` tensors until the backward).
 //!
-//! [`Routing`] is the host side: each token's top `K` experts from its router probabilities,
-//! the permutation that groups the pairs by expert and its inverse.
+//! [`Routing`] is the host side: each token's top `K` experts from its router probabilities
+//! (chosen on the device for CUDA tensors, `kernels/moe.cu`: only the `[N, K]` choices are
+//! copied down, not the `[N, E]` probabilities), the permutation that groups the pairs by
+//! expert and its inverse.
 
 use crate::autograd::{attach2, BackwardFn};
 use candle_core::{bail, DType, Result, Tensor};
@@ -201,8 +203,9 @@ fn top_k_rows(rows: &[f32], e: usize, top_k: usize, out: &mut [u32]) {
 
 impl Routing {
     /// Each token's `top_k` experts from `probs` `[N, E]` (any float dtype; read on the
-    /// host). Errors for `top_k` outside `1..=E`, a shape that is not 2-D, or a value that is
-    /// not finite (a NaN router would route arbitrarily).
+    /// host, or chosen by one kernel on a CUDA device for f32 / f16 / bf16 and `E <= 1024`: the
+    /// same choices). Errors for `top_k` outside `1..=E`, a shape that is not 2-D, or a value
+    /// that is not finite (a NaN router would route arbitrarily).
     pub fn top_k(probs: &Tensor, top_k: usize) -> Result<Routing> {
         let (n, e) = match probs.dims() {
             &[n, e] => (n, e),
@@ -210,6 +213,10 @@ impl Routing {
         };
         if top_k == 0 || top_k > e {
             bail!("Routing::top_k: top_k = {top_k} of E = {e} experts (probabilities {:?})", probs.dims())
+        }
+        #[cfg(feature = "cuda")]
+        if probs.device().is_cuda() && e <= candle_cp_kernels::moe::MAX_EXPERTS && matches!(probs.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+            return Self::top_k_cuda(probs, n, e, top_k);
         }
         let p: Vec<f32> = probs.detach().to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
         if let Some(bad) = p.iter().position(|v| !v.is_finite()) {
@@ -229,6 +236,20 @@ impl Routing {
                     s.spawn(move || top_k_rows(rows, e, top_k, out));
                 }
             });
+        }
+        Ok(Self::from_experts(experts, n, top_k, e))
+    }
+
+    /// [`Routing::top_k`] on a CUDA device: the choices made there (`kernels/moe.cu`, the same
+    /// as the host loop's), only the `[N, K]` indices copied down.
+    #[cfg(feature = "cuda")]
+    fn top_k_cuda(probs: &Tensor, n: usize, e: usize, top_k: usize) -> Result<Routing> {
+        let experts: Vec<u32> = candle_cp_kernels::moe::top_k(&probs.detach(), top_k)?.flatten_all()?.to_vec1()?;
+        // a row that was not routed holds E + (its first non-finite expert) in slot 0
+        if let Some(t) = experts.chunks(top_k).position(|row| row[0] as usize >= e) {
+            let x = experts[t * top_k] as usize - e;
+            let v = probs.get(t)?.get(x)?.to_dtype(DType::F32)?.to_scalar::<f32>()?;
+            bail!("Routing::top_k: router probability of token {t} expert {x} is {v} (probabilities {:?})", probs.dims())
         }
         Ok(Self::from_experts(experts, n, top_k, e))
     }
