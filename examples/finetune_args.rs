@@ -190,6 +190,10 @@ pub(crate) struct Args {
     /// The share of a --data corpus held out (its end: tokens, or documents with --pack-docs).
     #[arg(long, default_value_t = 0.05)]
     pub(crate) eval_fraction: f64,
+    /// Held-out text of its own for --eval-every (read as --data is: the same --tokenizer,
+    /// --pack-docs and separator); the whole --data corpus then trains (no --eval-fraction).
+    #[arg(long, value_name = "FILE")]
+    pub(crate) eval_data: Option<PathBuf>,
     /// The projections --lora adapts (PEFT names, comma-separated; `all-linear`: all seven).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,
@@ -311,8 +315,13 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
         );
         return Ok((DataSource::Recall(t), desc));
     };
-    let bytes =
-        std::fs::read(path).with_context(|| format!("reading --data {}", path.display()))?;
+    corpus_source(a, path, "--data")
+}
+
+/// A text file as --data reads it (`flag` names the option in errors): byte-level or through
+/// --tokenizer, packed documents with --pack-docs; and its description.
+pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
+    let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
     if a.pack_docs {
         return packed_source(a, path, &bytes);
     }

@@ -36,7 +36,7 @@ use candle_cp_llama::train::{
 };
 use candle_cp_llama::{CpKind, LlamaConfig, RowSums};
 use clap::Parser;
-use args::{data_source, layout, Args};
+use args::{corpus_source, data_source, layout, Args};
 use launch::Launch;
 use std::time::{Duration, Instant};
 
@@ -44,11 +44,17 @@ fn main() -> Result<()> {
     let a = Args::parse();
     let layout = layout(&a)?;
     let (data, data_desc) = data_source(&a)?;
-    // held-out evaluation: the end of a corpus kept out of training (the synthetic task draws
-    // fresh samples)
-    let (data, eval) = match a.eval_every {
-        0 => (data, None),
-        every => {
+    // held-out evaluation: a file of its own (--eval-data), or the end of a corpus kept out of
+    // training (the synthetic task draws fresh samples)
+    let (data, eval) = match (a.eval_every, &a.eval_data) {
+        (0, Some(_)) => bail!("--eval-data is read by the held-out evaluation: give --eval-every N too"),
+        (_, Some(_)) if a.data.is_none() => bail!("--eval-data holds out text: give the training corpus as --data (the synthetic task draws its own held-out samples)"),
+        (0, None) => (data, None),
+        (every, Some(path)) => {
+            let (held, _) = corpus_source(&a, path, "--eval-data")?;
+            (data, Some(candle_cp_llama::train::EvalConfig { data: held, every, batches: a.eval_batches }))
+        }
+        (every, None) => {
             let (train, held) = data.split_held_out(a.eval_fraction, a.seq_len)?;
             (train, Some(candle_cp_llama::train::EvalConfig { data: held, every, batches: a.eval_batches }))
         }
@@ -60,6 +66,7 @@ fn main() -> Result<()> {
         None => {
             let needed = data
                 .vocab_needed()
+                .max(eval.as_ref().map_or(0, |e| e.data.vocab_needed()))
                 .max(if a.data.is_some() { 256 } else { 0 });
             let vocab = match a.vocab {
                 Some(v) if v < needed => bail!("--vocab {v}: the data needs {needed} tokens"),
@@ -203,6 +210,8 @@ fn main() -> Result<()> {
     say!("data     : {data_desc}");
     if let Some(e) = &eval {
         let what = match &e.data {
+            DataSource::Text(s) if a.eval_data.is_some() => format!("{} tokens of --eval-data", s.tokens.len()),
+            DataSource::Packed(s) if a.eval_data.is_some() => format!("{} documents of --eval-data", s.count()),
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
