@@ -174,10 +174,11 @@ pub(crate) struct Args {
     #[arg(long, value_name = "DIR")]
     pub(crate) lora_from: Option<PathBuf>,
     /// Hold the LoRA run's frozen base quantized (QLoRA-style): `int8` or `nf4`, optionally
-    /// with the group width (inputs per scale, default 64), e.g. `nf4,32`. The decoder layers'
-    /// projections are dequantized layer by layer in each forward (add --recompute to keep
-    /// one layer's at a time).
-    #[arg(long, value_name = "KIND[,GROUP]")]
+    /// with the group width (inputs per scale, default 64), e.g. `nf4,32`, and `,dq` to
+    /// quantize the scales too (u8 per scale, blocks of 16 rows; `,dqROWS` another block), e.g.
+    /// `nf4,64,dq`. The decoder layers' projections are dequantized layer by layer in each
+    /// forward (add --recompute to keep one layer's at a time).
+    #[arg(long, value_name = "KIND[,GROUP[,dq]]")]
     pub(crate) quantize_base: Option<String>,
     /// Evaluate the held-out loss every N optimizer steps (and after the last); 0: never. A
     /// corpus (--data) keeps its last --eval-fraction out of training for it; the synthetic

@@ -170,11 +170,7 @@ fn main() -> Result<()> {
         eval: eval.clone(),
         quantize_base: match &a.quantize_base {
             None => None,
-            Some(q) => {
-                let (kind, group) = q.split_once(',').unwrap_or((q, "64"));
-                let group: usize = group.trim().parse().map_err(|e| anyhow::anyhow!("--quantize-base {q}: group ({e})"))?;
-                Some(candle_cp_nn::QuantConfig::new(kind.trim().parse()?, group)?)
-            }
+            Some(q) => Some(q.parse::<candle_cp_nn::QuantConfig>().map_err(|e| anyhow::anyhow!("--quantize-base {q}: {e}"))?),
         },
         lora: match &a.lora {
             // the adapter's own rank, alpha and targets

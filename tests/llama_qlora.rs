@@ -1,7 +1,8 @@
 //! A LoRA model over a quantized frozen base (`candle_cp_llama::quant`, QLoRA-style) on
 //! parallel layouts: each rank quantizes its own TP shards, and the model must equal the
 //! one-device model over the dequantized weights of the whole base (logits within 1e-5,
-//! adapter gradients within 5e-5 relative, the ranks agreeing), with and without recompute —
+//! adapter gradients within 5e-5 relative, the ranks agreeing), with and without recompute, f32
+//! and double-quantized scales —
 //! that is, every layout computes with the same quantized weights. The quantization itself
 //! changes the model (logits move off the unquantized model's), and a group width that does
 //! not divide a rank's local input width is refused by name.
@@ -76,15 +77,17 @@ fn quantized_base_equals_its_dequantized_weights_on_every_layout() -> Result<()>
         (Layout::single().with_tp(4, true), false),
         (Layout::two_d(2, 2), true),
     ];
-    for kind in [QuantKind::Nf4, QuantKind::Int8] {
-        let q = QuantConfig::new(kind, 8)?;
+    // NF4 and int8 with f32 scales, NF4 with double-quantized scales (blocks of 4 rows)
+    let configs = [QuantConfig::new(QuantKind::Nf4, 8)?, QuantConfig::new(QuantKind::Int8, 8)?, QuantConfig::new(QuantKind::Nf4, 8)?.with_double_quant(4)?];
+    for q in configs {
         let want = run_layout(&dequantized(&full, q)?, &cfg, &ids, Layout::single(), &Device::Cpu)?;
         let moved = max_abs(&want.logits, &plain.logits)?;
-        assert!(moved > 1e-4, "{kind}: quantizing moved the logits by {moved} only");
-        // (int8 on the layouts with the most splits: the same code path as NF4's otherwise)
-        for (layout, recompute) in layouts.into_iter().filter(|(l, _)| kind == QuantKind::Nf4 || l.world_size() == 4) {
+        assert!(moved > 1e-4, "{q}: quantizing moved the logits by {moved} only");
+        // (int8 and double quantization on the layouts with the most splits: the same code
+        // path as NF4's otherwise)
+        for (layout, recompute) in layouts.into_iter().filter(|(l, _)| q == configs[0] || l.world_size() == 4) {
             let got = run_layout_quantized(&full, &cfg, &ids, layout, &Device::Cpu, recompute, q)?;
-            check(&format!("{kind} on {layout}, recompute {recompute}"), &got, &want)?;
+            check(&format!("{q} on {layout}, recompute {recompute}"), &got, &want)?;
         }
     }
     // groups of 64 do not divide down_proj's 176 inputs per rank at TP 2

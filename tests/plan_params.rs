@@ -168,7 +168,8 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
     Ok(())
 }
 
-/// A quantized base (NF4 and int8, groups of 8, LoRA on every projection): the planner's
+/// A quantized base (NF4 and int8, groups of 8, NF4 with double-quantized scales in blocks of
+/// 4 rows, LoRA on every projection): the planner's
 /// weights per GPU (the projections' codes and scales, the other frozen weights and the
 /// adapters at `e` bytes) equal what each rank's `QuantBase` holds plus its adapters, on TP
 /// 1, 2 and 4, every rank.
@@ -177,10 +178,14 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
     let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
     let cfg = oracle.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
     let m = ModelConfig::from_hf_json(&oracle.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
-    for (kind, bits) in [(candle_cp_nn::QuantKind::Nf4, 4), (candle_cp_nn::QuantKind::Int8, 8)] {
+    for (kind, bits, double) in [(candle_cp_nn::QuantKind::Nf4, 4, None), (candle_cp_nn::QuantKind::Int8, 8, None), (candle_cp_nn::QuantKind::Nf4, 4, Some(4))] {
         let q = candle_cp_nn::QuantConfig::new(kind, 8)?;
+        let q = match double {
+            Some(b) => q.with_double_quant(b)?,
+            None => q,
+        };
         for layout in [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)] {
-            let base_quant = Some(candle_cp_plan::layout::BaseQuant { bits, group: 8 });
+            let base_quant = Some(candle_cp_plan::layout::BaseQuant { bits, group: 8, double });
             let plan = PlanLayout { tp: layout.tp, sp: layout.sp, lora_rank: 4, lora_mlp: true, base_quant, ..PlanLayout::default() };
             let want = candle_cp_plan::memory::model_states(&m, &plan, 4).weights;
             let got = run_ranks(layout.world_size(), |g| {
@@ -196,7 +201,7 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
                 let b = b? as f64;
                 assert!((b - want).abs() < 1e-9 * want, "{kind} {layout} rank {r}: {b} bytes of weights, the planner says {want}");
             }
-            println!("{kind} {layout}: {want} bytes of weights per GPU = planner");
+            println!("{q} {layout}: {want} bytes of weights per GPU = planner");
         }
     }
     Ok(())

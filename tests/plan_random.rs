@@ -123,7 +123,7 @@ fn random_plans_are_consistent() {
         if d.below(4) == 0 {
             inp.layout.lora_rank = pick(&mut d, &[8, 64]);
             inp.layout.lora_mlp = d.below(2) == 0;
-            inp.layout.base_quant = pick(&mut d, &[None, Some(BaseQuant { bits: 4, group: 64 }), Some(BaseQuant { bits: 8, group: 128 })]);
+            inp.layout.base_quant = pick(&mut d, &[None, Some(BaseQuant { bits: 4, group: 64, double: None }), Some(BaseQuant { bits: 8, group: 128, double: None }), Some(BaseQuant { bits: 4, group: 64, double: Some(16) })]);
         }
         let what = format!("config {seed}: {inp:?}");
         let p = match plan(&inp) {

@@ -53,8 +53,9 @@ pub struct CommonArgs {
     #[arg(long)]
     pub lora_mlp: bool,
     /// With --lora: the frozen base quantized (finetune_llama --quantize-base): int8 or nf4,
-    /// optionally ,GROUP (inputs per scale, default 64).
-    #[arg(long, value_name = "KIND[,GROUP]")]
+    /// optionally ,GROUP (inputs per scale, default 64) and ,dq (double-quantized scales: u8
+    /// each, blocks of 16 rows; ,dqROWS another block).
+    #[arg(long, value_name = "KIND[,GROUP[,dq]]")]
     pub quant_base: Option<String>,
     /// Dense bf16 peak, TFLOP/s.
     #[arg(long)]

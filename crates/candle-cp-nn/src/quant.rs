@@ -14,7 +14,10 @@
 //! the local input width) quantizes to the same codes as the same slice of the whole weight
 //! quantized: every layout computes with the same dequantized values (test
 //! `shards_quantize_as_slices_of_the_whole`). Bytes per weight: int8 `1 + 4/g`, NF4 `0.5 + 4/g`
-//! (`g = 64`: 1.06 and 0.56, against 2 for bf16).
+//! (`g = 64`: 1.06 and 0.56, against 2 for bf16). With double quantization
+//! ([`QuantConfig::double`], QLoRA's idea in a form that shards) the f32 scales are themselves
+//! stored as u8 codes on a grid per block of `R` rows of one scale column (`lo + code·step`):
+//! `1/g + 8/(g·R)` bytes of scales per weight instead of `4/g` (NF4, `g = 64`, `R = 16`: 0.523).
 //!
 //! [`QuantWeight::dequantize`] runs host loops on the CPU ([`QuantWeight::dequantize_host`], the
 //! reference), one kernel on CUDA (`candle_cp_kernels::quant`, kernels/quant.cu: reads the codes
@@ -79,32 +82,100 @@ impl std::fmt::Display for QuantKind {
     }
 }
 
-/// Kind and group width of a quantization.
+/// Kind and group width of a quantization, and whether its scales are quantized too.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct QuantConfig {
     /// Int8 or NF4.
     pub kind: QuantKind,
     /// Inputs per scale (even, > 0; must divide each quantized weight's local input width).
     pub group: usize,
+    /// Double quantization (QLoRA's, in a form that shards): the f32 scales `[out, in/g]`
+    /// stored as u8 codes on a grid per block of this many consecutive rows of one scale
+    /// column (`s ≈ lo + code·step`, `lo` the block's least scale, `step` its range / 255; both
+    /// f32 per block). Must divide each quantized weight's local output width (rows split by
+    /// column-parallel TP keep whole blocks, columns split by row-parallel TP cut none). `None`:
+    /// f32 scales.
+    pub double: Option<usize>,
 }
 
+/// Rows per double-quantization block when `,dq` names none ([`QuantConfig::from_str`]).
+pub const DQ_ROWS: usize = 16;
+
 impl QuantConfig {
-    /// `kind` with groups of `group` inputs.
+    /// `kind` with groups of `group` inputs, f32 scales.
     pub fn new(kind: QuantKind, group: usize) -> Result<Self> {
         if group == 0 || !group.is_multiple_of(2) {
             bail!("quantization: group {group} must be even and > 0")
         }
-        Ok(Self { kind, group })
+        Ok(Self { kind, group, double: None })
     }
 
-    /// Bytes a quantized weight of `n` elements takes (codes and scales).
+    /// The same with the scales double-quantized in blocks of `rows` rows (> 0).
+    pub fn with_double_quant(mut self, rows: usize) -> Result<Self> {
+        if rows == 0 {
+            bail!("quantization: double-quantization blocks of 0 rows")
+        }
+        self.double = Some(rows);
+        Ok(self)
+    }
+
+    /// Bytes a quantized weight of `n` elements takes (codes and scales; with double
+    /// quantization, whole blocks assumed).
     pub fn bytes(&self, n: usize) -> usize {
         let codes = match self.kind {
             QuantKind::Int8 => n,
             QuantKind::Nf4 => n / 2,
         };
-        codes + 4 * n / self.group
+        codes + match self.double {
+            None => 4 * n / self.group,
+            Some(b) => n / self.group + 8 * n / (self.group * b),
+        }
     }
+}
+
+/// `KIND[,GROUP[,dq[ROWS]]]`: `int8` or `nf4`, groups of `GROUP` inputs (default 64), `dq` for
+/// double-quantized scales in blocks of `ROWS` rows (default [`DQ_ROWS`]); e.g. `nf4,64,dq`.
+impl std::str::FromStr for QuantConfig {
+    type Err = candle_core::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        let group = match parts.get(1) {
+            None => 64,
+            Some(g) => g.parse().map_err(|_| candle_core::Error::Msg(format!("quantization '{s}': group '{g}' is not a number")))?,
+        };
+        let cfg = Self::new(parts[0].parse()?, group)?;
+        match parts.get(2..).unwrap_or(&[]) {
+            [] => Ok(cfg),
+            [dq] if dq.starts_with("dq") => {
+                let rows = match &dq[2..] {
+                    "" => DQ_ROWS,
+                    r => r.parse().map_err(|_| candle_core::Error::Msg(format!("quantization '{s}': 'dq{r}': expected dq or dqROWS")))?,
+                };
+                cfg.with_double_quant(rows)
+            }
+            _ => bail!("quantization '{s}': expected KIND[,GROUP[,dq[ROWS]]], e.g. nf4,64,dq"),
+        }
+    }
+}
+
+impl std::fmt::Display for QuantConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{},{}", self.kind, self.group)?;
+        match self.double {
+            Some(b) => write!(f, ",dq{b}"),
+            None => Ok(()),
+        }
+    }
+}
+
+/// How a [`QuantWeight`] holds its scales.
+#[derive(Clone, Debug)]
+enum Scales {
+    /// f32 `[out, in/g]`.
+    F32(Tensor),
+    /// Double-quantized ([`QuantConfig::double`], `b` rows a block): u8 codes `[out, in/g]`,
+    /// and per block its least scale `lo` and `step`, f32 `[out/b, in/g]` each.
+    Double { codes: Tensor, lo: Tensor, step: Tensor },
 }
 
 /// A quantized 2-D weight `[out, in]`: codes (u8) and per-group scales (f32) on a device.
@@ -112,8 +183,9 @@ impl QuantConfig {
 pub struct QuantWeight {
     /// `[out, in]` (int8) or `[out, in/2]` (NF4, element `2j` in the low nibble).
     codes: Tensor,
-    /// `[out, in/g]`: each group's absmax (NF4) or absmax / 127 (int8: one code's step).
-    scales: Tensor,
+    /// `[out, in/g]`: each group's absmax (NF4) or absmax / 127 (int8: one code's step), as f32
+    /// or double-quantized.
+    scales: Scales,
     cfg: QuantConfig,
     out_dim: usize,
     in_dim: usize,
@@ -121,12 +193,16 @@ pub struct QuantWeight {
 
 impl QuantWeight {
     /// Quantize `w` `[out, in]` (any float dtype and device; the codes and scales go to `w`'s
-    /// device). Errors when `w` is not 2-D or `cfg.group` does not divide `in`.
+    /// device). Errors when `w` is not 2-D, `cfg.group` does not divide `in`, or the
+    /// double-quantization rows do not divide `out`.
     pub fn quantize(w: &Tensor, cfg: QuantConfig) -> Result<Self> {
         let (out_dim, in_dim) = w.dims2().map_err(|_| candle_core::Error::Msg(format!("quantize: weight {:?} is not [out, in]", w.dims())))?;
         let g = cfg.group;
         if in_dim % g != 0 {
             bail!("quantize: group {g} does not divide the input width of weight {:?} (under TP, of its local shard)", w.dims())
+        }
+        if let Some(b) = cfg.double.filter(|b| !out_dim.is_multiple_of(*b)) {
+            bail!("quantize: double-quantization blocks of {b} rows do not divide the output width of weight {:?} (under TP, of its local shard)", w.dims())
         }
         let host = w.to_dtype(DType::F32)?.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
         let n_groups = out_dim * in_dim / g;
@@ -159,9 +235,22 @@ impl QuantWeight {
             QuantKind::Int8 => in_dim,
             QuantKind::Nf4 => in_dim / 2,
         };
+        let cols = in_dim / g;
+        let scales = match cfg.double {
+            None => Scales::F32(Tensor::from_vec(scales, (out_dim, cols), &Device::Cpu)?.to_device(dev)?),
+            Some(b) => {
+                let (codes, lo, step) = double_quantize(&scales, cols, b);
+                let blocks = (out_dim / b, cols);
+                Scales::Double {
+                    codes: Tensor::from_vec(codes, (out_dim, cols), &Device::Cpu)?.to_device(dev)?,
+                    lo: Tensor::from_vec(lo, blocks, &Device::Cpu)?.to_device(dev)?,
+                    step: Tensor::from_vec(step, blocks, &Device::Cpu)?.to_device(dev)?,
+                }
+            }
+        };
         Ok(Self {
             codes: Tensor::from_vec(codes, (out_dim, code_cols), &Device::Cpu)?.to_device(dev)?,
-            scales: Tensor::from_vec(scales, (out_dim, in_dim / g), &Device::Cpu)?.to_device(dev)?,
+            scales,
             cfg,
             out_dim,
             in_dim,
@@ -182,7 +271,7 @@ impl QuantWeight {
                     QuantKind::Int8 => Codes::Int8,
                     QuantKind::Nf4 => Codes::Nf4,
                 };
-                dequantize(&self.codes, &self.scales, kind, self.cfg.group, (self.out_dim, self.in_dim), dtype)
+                dequantize(&self.codes, &self.scales()?, kind, self.cfg.group, (self.out_dim, self.in_dim), dtype)
             }
             _ => self.dequantize_ops(dtype),
         }
@@ -193,9 +282,37 @@ impl QuantWeight {
         &self.codes
     }
 
-    /// The scales: f32 `[out, in/g]`, each group's absmax (NF4) or absmax / 127 (int8).
-    pub fn scales(&self) -> &Tensor {
-        &self.scales
+    /// The scales: f32 `[out, in/g]`, each group's absmax (NF4) or absmax / 127 (int8); when
+    /// double-quantized, decoded by candle ops on their device (`lo + code·step`: a multiply,
+    /// then an add, each rounded, as [`QuantWeight::dequantize_host`] computes them).
+    pub fn scales(&self) -> Result<Tensor> {
+        match &self.scales {
+            Scales::F32(s) => Ok(s.clone()),
+            Scales::Double { codes, lo, step } => {
+                let (o, cols) = codes.dims2()?;
+                let b = o / lo.dim(0)?.max(1);
+                let c = codes.to_dtype(DType::F32)?.reshape((o / b.max(1), b, cols))?;
+                c.broadcast_mul(&step.unsqueeze(1)?)?.broadcast_add(&lo.unsqueeze(1)?)?.reshape((o, cols))
+            }
+        }
+    }
+
+    /// [`QuantWeight::scales`] on the host by loops (the reference).
+    fn scales_host(&self) -> Result<Vec<f32>> {
+        let host = |t: &Tensor| -> Result<Vec<f32>> { t.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>() };
+        match &self.scales {
+            Scales::F32(s) => host(s),
+            Scales::Double { codes, lo, step } => {
+                let codes = codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?;
+                let (lo, step) = (host(lo)?, host(step)?);
+                let cols = self.in_dim / self.cfg.group;
+                let b = self.cfg.double.unwrap_or(1);
+                Ok(codes.iter().enumerate().map(|(k, &c)| {
+                    let blk = (k / cols / b) * cols + k % cols;
+                    lo[blk] + c as f32 * step[blk]
+                }).collect())
+            }
+        }
     }
 
     /// [`QuantWeight::dequantize`] by candle ops on the codes' device (any device), in chunks of
@@ -231,7 +348,7 @@ impl QuantWeight {
                 levels.index_select(&idx, 0)?
             }
         };
-        let scales = self.scales.narrow(0, r0, n)?;
+        let scales = self.scales()?.narrow(0, r0, n)?;
         unit.reshape((n, i / g, g))?.broadcast_mul(&scales.unsqueeze(2)?)?.reshape((n, i))?.to_dtype(dtype)
     }
 
@@ -239,7 +356,7 @@ impl QuantWeight {
     /// [`QuantWeight::dequantize`] and the reference of [`QuantWeight::dequantize_ops`].
     pub fn dequantize_host(&self) -> Result<Tensor> {
         let codes = self.codes.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<u8>()?;
-        let scales = self.scales.to_device(&Device::Cpu)?.flatten_all()?.to_vec1::<f32>()?;
+        let scales = self.scales_host()?;
         let n = self.out_dim * self.in_dim;
         let w: Vec<f32> = (0..n)
             .map(|e| {
@@ -265,8 +382,36 @@ impl QuantWeight {
 
     /// Bytes held (codes and scales).
     pub fn bytes(&self) -> usize {
-        self.codes.elem_count() + 4 * self.scales.elem_count()
+        self.codes.elem_count()
+            + match &self.scales {
+                Scales::F32(s) => 4 * s.elem_count(),
+                Scales::Double { codes, lo, step } => codes.elem_count() + 4 * (lo.elem_count() + step.elem_count()),
+            }
     }
+}
+
+/// Double quantization of `scales` (`[out, cols]` row-major, all >= 0) in blocks of `b` rows of
+/// one column: u8 codes `[out, cols]`, and per block `[out/b, cols]` its least scale and step
+/// (its range / 255; 0 for a block of equal scales, whose codes are all 0). A scale decodes to
+/// `lo + code·step`, within half a step of its value.
+fn double_quantize(scales: &[f32], cols: usize, b: usize) -> (Vec<u8>, Vec<f32>, Vec<f32>) {
+    let blocks = scales.len() / cols / b;
+    let (mut lo, mut step) = (vec![0f32; blocks * cols], vec![0f32; blocks * cols]);
+    let mut codes = vec![0u8; scales.len()];
+    for r in 0..blocks {
+        for c in 0..cols {
+            let at = |i: usize| (r * b + i) * cols + c;
+            let (mn, mx) = (0..b).map(|i| scales[at(i)]).fold((f32::INFINITY, f32::NEG_INFINITY), |(a, z), s| (a.min(s), z.max(s)));
+            let st = (mx - mn) / 255.0;
+            (lo[r * cols + c], step[r * cols + c]) = (mn, st);
+            if st > 0.0 {
+                for i in 0..b {
+                    codes[at(i)] = ((scales[at(i)] - mn) / st).round().clamp(0.0, 255.0) as u8;
+                }
+            }
+        }
+    }
+    (codes, lo, step)
 }
 
 /// The index of the NF4 level nearest `x` (in [-1, 1]); ties to the lower level.
@@ -341,6 +486,60 @@ mod tests {
             assert_eq!(max_abs(&rows, &whole.narrow(0, 4, 4)?)?, 0.0, "{kind}: rows");
             let cols = QuantWeight::quantize(&w.narrow(1, 24, 24)?, cfg)?.dequantize(DType::F32)?;
             assert_eq!(max_abs(&cols, &whole.narrow(1, 24, 24)?)?, 0.0, "{kind}: columns");
+        }
+        Ok(())
+    }
+
+    /// Double-quantized scales: the same weight codes as f32 scales, each scale within half a
+    /// step of its block's grid, host loops and candle ops equal bit for bit, the bytes
+    /// counted, shards of whole blocks (rows) and any columns equal to the whole's slices, and
+    /// blocks that do not divide the rows refused by name.
+    #[test]
+    fn double_quantized_scales() -> Result<()> {
+        let w = randn(7, &[32, 64], 0.5)?;
+        for kind in [QuantKind::Int8, QuantKind::Nf4] {
+            let plain = QuantWeight::quantize(&w, QuantConfig::new(kind, 16)?)?;
+            let cfg = QuantConfig::new(kind, 16)?.with_double_quant(8)?;
+            let dq = QuantWeight::quantize(&w, cfg)?;
+            assert_eq!(max_abs(&dq.codes().to_dtype(DType::F32)?, &plain.codes().to_dtype(DType::F32)?)?, 0.0, "{kind}: weight codes");
+            let (s, s0) = (dq.scales()?, plain.scales()?);
+            // per block of 8 rows of a column: |s - s0| <= (max - min) / 255 / 2
+            let blk = |t: &Tensor| t.reshape((4, 8, 4));
+            let range = (blk(&s0)?.max_keepdim(1)? - blk(&s0)?.min_keepdim(1)?)?;
+            let err = (blk(&s)? - blk(&s0)?)?.abs()?;
+            let over = (err - range.broadcast_as((4, 8, 4))?.affine(0.5 / 255.0, 1e-7)?)?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+            assert!(over <= 0.0, "{kind}: a scale off by {over} past half a step");
+            assert!(max_abs(&s, &s0)? > 0.0, "{kind}: the scales are quantized");
+            assert_eq!(max_abs(&Tensor::from_vec(dq.scales_host()?, (32, 4), &Device::Cpu)?, &s)?, 0.0, "{kind}: host scales vs ops");
+            assert_eq!(max_abs(&dq.dequantize_ops(DType::F32)?, &dq.dequantize_host()?)?, 0.0, "{kind}: candle ops vs host loops");
+            assert_eq!(dq.bytes(), cfg.bytes(32 * 64));
+            assert_eq!(dq.bytes(), plain.bytes() - 3 * 32 * 4 + 8 * 4 * 4);
+            let whole = dq.dequantize(DType::F32)?;
+            let rows = QuantWeight::quantize(&w.narrow(0, 8, 16)?, cfg)?.dequantize(DType::F32)?;
+            assert_eq!(max_abs(&rows, &whole.narrow(0, 8, 16)?)?, 0.0, "{kind}: rows");
+            let cols = QuantWeight::quantize(&w.narrow(1, 16, 32)?, cfg)?.dequantize(DType::F32)?;
+            assert_eq!(max_abs(&cols, &whole.narrow(1, 16, 32)?)?, 0.0, "{kind}: columns");
+        }
+        // a block of equal scales: step 0, decoded exactly
+        let flat = QuantWeight::quantize(&Tensor::ones((4, 8), DType::F32, &Device::Cpu)?, QuantConfig::new(QuantKind::Nf4, 8)?.with_double_quant(4)?)?;
+        assert_eq!(flat.dequantize(DType::F32)?.sum_all()?.to_scalar::<f32>()?, 32.0);
+        let e = QuantWeight::quantize(&randn(1, &[12, 16], 1.0)?, QuantConfig::new(QuantKind::Nf4, 8)?.with_double_quant(8)?).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("8 rows") && e.contains("[12, 16]"), "{e}");
+        Ok(())
+    }
+
+    /// `KIND[,GROUP[,dq[ROWS]]]` parsed and printed back.
+    #[test]
+    fn config_strings() -> Result<()> {
+        let c: QuantConfig = "nf4,64,dq".parse()?;
+        assert_eq!((c.kind, c.group, c.double), (QuantKind::Nf4, 64, Some(DQ_ROWS)));
+        assert_eq!(c.to_string(), "nf4,64,dq16");
+        assert_eq!("nf4,64,dq16".parse::<QuantConfig>()?, c);
+        let c: QuantConfig = "int8".parse()?;
+        assert_eq!((c.kind, c.group, c.double, c.to_string()), (QuantKind::Int8, 64, None, "int8,64".to_string()));
+        assert_eq!("nf4, 32, dq8".parse::<QuantConfig>()?.double, Some(8));
+        for bad in ["nf4,64,xx", "nf4,64,dq0", "nf4,x", "nf4,3", "int4", "nf4,64,dq,1"] {
+            assert!(bad.parse::<QuantConfig>().is_err(), "{bad}");
         }
         Ok(())
     }

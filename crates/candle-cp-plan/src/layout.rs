@@ -177,34 +177,62 @@ pub struct Layout {
 pub struct BaseQuant {
     /// Bits per code: 8 (int8) or 4 (NF4).
     pub bits: u8,
-    /// Inputs per f32 scale.
+    /// Inputs per scale.
     pub group: usize,
+    /// Double-quantized scales (candle-cp's `QuantConfig::double`): u8 per scale plus two f32
+    /// per block of this many rows of a scale column. `None`: f32 scales.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub double: Option<usize>,
 }
 
 impl BaseQuant {
-    /// Bytes per quantized weight: `bits/8 + 4/group`.
+    /// Bytes per quantized weight: `bits/8 + 4/group`, or with double-quantized scales
+    /// `bits/8 + 1/group + 8/(group·rows)`.
     pub fn bytes_per_weight(&self) -> f64 {
-        self.bits as f64 / 8.0 + 4.0 / self.group as f64
+        let g = self.group as f64;
+        self.bits as f64 / 8.0
+            + match self.double {
+                None => 4.0 / g,
+                Some(b) => 1.0 / g + 8.0 / (g * b as f64),
+            }
     }
 
-    /// `int8` or `nf4`, optionally `,GROUP` (default 64), as finetune_llama's --quantize-base.
+    /// `int8` or `nf4`, optionally `,GROUP` (default 64) and `,dq[ROWS]` (double-quantized
+    /// scales, blocks of 16 rows by default), as finetune_llama's --quantize-base.
     pub fn parse(s: &str) -> Result<Self> {
-        let (kind, group) = s.split_once(',').unwrap_or((s, "64"));
-        let bits = match kind.trim() {
+        let parts: Vec<&str> = s.split(',').map(str::trim).collect();
+        let bits = match parts[0] {
             "int8" => 8,
             "nf4" => 4,
             k => plan_bail!("quantized base '{k}': expected int8 or nf4"),
         };
-        match group.trim().parse::<usize>() {
-            Ok(g) if g > 0 && g.is_multiple_of(2) => Ok(Self { bits, group: g }),
+        let group = match parts.get(1).map(|g| g.parse::<usize>()) {
+            None => 64,
+            Some(Ok(g)) if g > 0 && g.is_multiple_of(2) => g,
             _ => plan_bail!("quantized base '{s}': the group must be an even number > 0"),
-        }
+        };
+        let double = match parts.get(2..).unwrap_or(&[]) {
+            [] => None,
+            [dq] if dq.starts_with("dq") => match &dq[2..] {
+                "" => Some(16),
+                r => match r.parse::<usize>() {
+                    Ok(b) if b > 0 => Some(b),
+                    _ => plan_bail!("quantized base '{s}': 'dq{r}': expected dq or dqROWS (ROWS > 0)"),
+                },
+            },
+            _ => plan_bail!("quantized base '{s}': expected KIND[,GROUP[,dq[ROWS]]], e.g. nf4,64,dq"),
+        };
+        Ok(Self { bits, group, double })
     }
 }
 
 impl std::fmt::Display for BaseQuant {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        write!(f, "{},{}", if self.bits == 8 { "int8" } else { "nf4" }, self.group)
+        write!(f, "{},{}", if self.bits == 8 { "int8" } else { "nf4" }, self.group)?;
+        match self.double {
+            Some(b) => write!(f, ",dq{b}"),
+            None => Ok(()),
+        }
     }
 }
 
@@ -415,6 +443,22 @@ mod tests {
         assert!(Recompute::parse("some").unwrap_err().0.contains("'some'"));
         assert_eq!(CpKind::parse("all-gather").unwrap(), CpKind::Allgather);
         assert_eq!(Dtype::parse("fp32").unwrap().bytes(), 4);
+    }
+
+    /// `--quant-base KIND[,GROUP[,dq[ROWS]]]`: parsed, printed back as finetune_llama reads it,
+    /// bytes per weight; bad values named.
+    #[test]
+    fn base_quant_strings() {
+        let q = BaseQuant::parse("nf4,64,dq").unwrap();
+        assert_eq!((q.bits, q.group, q.double, q.to_string()), (4, 64, Some(16), "nf4,64,dq16".to_string()));
+        assert!((q.bytes_per_weight() - (0.5 + 1.0 / 64.0 + 8.0 / 1024.0)).abs() < 1e-12);
+        let q = BaseQuant::parse("int8").unwrap();
+        assert_eq!((q.bits, q.group, q.double, q.to_string()), (8, 64, None, "int8,64".to_string()));
+        assert!((q.bytes_per_weight() - (1.0 + 4.0 / 64.0)).abs() < 1e-12);
+        assert_eq!(BaseQuant::parse("nf4,32,dq8").unwrap().double, Some(8));
+        for bad in ["nf4,64,dq0", "nf4,64,x", "nf4,3", "int4", "nf4,64,dq,2"] {
+            assert!(BaseQuant::parse(bad).unwrap_err().0.contains(bad.split(',').next().unwrap()), "{bad}");
+        }
     }
 
     #[test]
