@@ -15,11 +15,12 @@
 //! Sections `oracle` and `llama` (the oracle cases and the tiny Llama on virtual ranks):
 //! gpu_check_oracle.rs. Section `quant`: the int8 / NF4 dequantization kernel (a LoRA run's
 //! quantized base) against the host loops, bit for bit (gpu_check_quant.rs). Section `moe`: top-K
-//! routing on the device against the host loop (gpu_check_moe.rs).
+//! routing on the device against the host loop (gpu_check_moe.rs). Section `dropout`: dropout keep
+//! masks drawn on the device against the host draws (gpu_check_dropout.rs).
 //!
 //! ```text
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_check -- [--oracle DIR] [--ordinal N] \
-//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,quant,moe,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
+//!     [--llama DIR] [--impls auto,simple,mma,pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic] [--sections probe,flash,views,flash-large,merge,layout,quant,moe,dropout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks]
 //!     [--quick]
 //! ```
 //! `--impls` limits the kernel families checked by the flash sections (`wgmma`, `wgmma-atomic`, `wgmma-ws` and `wgmma-tma`, Hopper only, and
@@ -56,6 +57,8 @@ mod random;
 mod quant;
 #[path = "gpu_check_moe.rs"]
 mod moe;
+#[path = "gpu_check_dropout.rs"]
+mod dropout;
 #[path = "../tests/draws.rs"]
 mod draws;
 #[path = "gpu_check_oracle.rs"]
@@ -580,8 +583,8 @@ fn main() -> Result<()> {
     };
     let only: Option<Vec<String>> = arg("--sections").map(|l| l.split(',').map(|x| x.trim().to_string()).collect());
     // A misspelt section would otherwise run nothing and report "0 passed" (device time is short).
-    const SECTIONS: [&str; 17] = [
-        "probe", "flash", "views", "flash-large", "merge", "layout", "quant", "moe", "band", "oracle", "packed", "window", "decode", "random", "llama",
+    const SECTIONS: [&str; 18] = [
+        "probe", "flash", "views", "flash-large", "merge", "layout", "quant", "moe", "dropout", "band", "oracle", "packed", "window", "decode", "random", "llama",
         "nccl", "nccl-ranks",
     ];
     for x in only.iter().flatten() {
@@ -598,7 +601,7 @@ fn main() -> Result<()> {
     let mut rep = Report { imps, quick, ..Default::default() };
     let start = Instant::now();
     type Section = fn(&mut Report, &Device) -> Result<()>;
-    let sections: [(&str, Section); 9] = [
+    let sections: [(&str, Section); 10] = [
         ("probe", check_probe),
         ("flash", check_flash),
         ("views", views::check_views),
@@ -607,6 +610,7 @@ fn main() -> Result<()> {
         ("layout", check_layout),
         ("quant", quant::check_quant),
         ("moe", moe::check_moe),
+        ("dropout", dropout::check_dropout),
         ("band", band::check_band),
     ];
     for (name, f) in sections {

@@ -119,7 +119,7 @@ echo "ci-cuda: $(grep "^candle's kernels" "$shim_dir/bg-shim-selftests.log") (sh
 # (the other core)
 gpu_checks() {
   env CPEMU_DEVICES=4 LD_LIBRARY_PATH="$lib" timeout 1200 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick \
-    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,quant,moe,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
+    --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide --sections probe,flash,views,merge,layout,quant,moe,dropout,band,oracle,packed,window,decode,random,llama,nccl,nccl-ranks \
     >"$shim_dir/gpu_check.log" 2>&1 || { grep -v '^PASS' "$shim_dir/gpu_check.log" | tail -60; echo "gpu_check failed"; return 1; }
   # the random configurations again on the warp-specialized TMA kernels (Auto picks pipelined)
   env CANDLE_CP_FLASH_IMPL=wgmma-tma LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_check" --quick --sections random \
@@ -230,12 +230,14 @@ for dt in f32 bf16; do
     "$ft_bin" --device cuda --gpus 2 "${ft[@]}" --out "$shim_dir/ft-cuda-$dt"
   same_loss "$shim_dir/ft-cpu-$dt/metrics.jsonl" "$shim_dir/ft-cuda-$dt/metrics.jsonl" "$tol" "CP 2 zigzag, cuda $dt (shim, thread ranks on 2 devices)"
 done
-# LoRA on every projection (the base frozen: plain tensors, no gradient): the same losses
-ftl=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj)
+# LoRA on every projection (the base frozen: plain tensors, no gradient), with LoRA dropout (its
+# keep masks drawn on the device by kernels/dropout.cu, the host's bits): the same losses
+ftl=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --lora-dropout 0.1)
 shim_step "finetune_llama cpu lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftl[@]}" --out "$shim_dir/ft-cpu-lora"
-shim_step "finetune_llama cuda lora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+shim_step "finetune_llama cuda lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftl[@]}" --out "$shim_dir/ft-cuda-lora"
-same_loss "$shim_dir/ft-cpu-lora/metrics.jsonl" "$shim_dir/ft-cuda-lora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
+grep -q 'launch dropout_keep_f32 ' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the LoRA fine-tune with dropout did not launch dropout_keep_f32 (kernels/dropout.cu)"; exit 1; }
+same_loss "$shim_dir/ft-cpu-lora/metrics.jsonl" "$shim_dir/ft-cuda-lora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA on every projection with dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
 # the same over an NF4 base (its codes dequantized on the device by kernels/quant.cu, layer by
 # layer inside the recompute checkpoints; the trace must show that kernel)
 ftq=("${ftl[@]}" --quantize-base nf4,16 --recompute)

@@ -232,7 +232,7 @@ preflight() {
   done
   export LD_LIBRARY_PATH="$lib" CPEMU_DEVICES=2
   "$bin/gpu_check" --quick --impls simple,mma,pipelined,atomic,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide \
-    --sections probe,flash,views,merge,layout,quant,moe,band,oracle,packed,window,decode,random,nccl,nccl-ranks >"$out/check.log" 2>&1 \
+    --sections probe,flash,views,merge,layout,quant,moe,dropout,band,oracle,packed,window,decode,random,nccl,nccl-ranks >"$out/check.log" 2>&1 \
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic \

@@ -23,7 +23,7 @@ silent memory corruption on the GPU. This script checks, mechanically:
      sm90.rs WGMMA_*), must agree; block threads, rows per block and dynamic shared memory follow.
   5. dtype dispatch (`DType::F16 => go!(f16, ..)` / `launch_x!(f16)` / `fwd_t::<f16>`), and the
      launch config of the one-warp-per-row kernels (delta, pipe prep, merge, top-K: grid ceil(rows / 4),
-     block 128) and of the grid-stride kernels (layout, cast, dequant: `grid_stride_blocks`).
+     block 128) and of the grid-stride kernels (layout, cast, dequant, dropout: `grid_stride_blocks`).
 
 Not covered: the order of two pushed values of the same type (e.g. B and T, both int), grid
 dimensions beyond rows per block, and the shared-memory formulas themselves (transcribed from
@@ -50,7 +50,7 @@ KERN = os.path.join(ROOT, "kernels")
 SFX_TY = {"f32": "f32", "f16": "f16", "bf16": "bf16", "u32": "u32", "u8": "u8"}
 # C scalar / element types -> (class, bytes) and Rust element type
 C_ELEM = {"float": "f32", "__half": "f16", "__nv_bfloat16": "bf16", "unsigned int": "u32",
-          "uint32_t": "u32", "unsigned char": "u8", "uint8_t": "u8", "double": "f64"}
+          "uint32_t": "u32", "unsigned char": "u8", "uint8_t": "u8", "double": "f64", "long long": "i64"}
 C_SCALAR = {"int": ("int", 4), "unsigned int": ("int", 4), "unsigned": ("int", 4), "long long": ("int", 8),
             "unsigned long long": ("int", 8), "size_t": ("int", 8), "int64_t": ("int", 8),
             "float": ("float", 4), "double": ("float", 8),
@@ -405,7 +405,7 @@ def check():
     # one warp per row, 4 rows per block (`blockIdx.x * 4 + threadIdx.x / 32`): grid ceil(rows / 4), block 128;
     # grid-stride kernels (`gridDim.x * blockDim.x`): any grid and block.
     warp_rows = r"^(flash_bwd_delta_f32|flash_bwd_pipe_prep_\w+|merge_step_\w+|merge_rows_inplace_\w+|moe_top_k_\w+)$"
-    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace|dequant_int8|dequant_nf4)_\w+$"
+    stride = r"^(seq_permute|a2a_pack|a2a_unpack|cast_out|add_rows_inplace|dequant_int8|dequant_nf4|dropout_keep)_\w+$"
     for where, f, text, names, binds, args, cfg in sites:
         for kname in names:
             if re.match(warp_rows, kname) and not ("div_ceil(4) as u32, 1, 1)" in cfg and "block_dim: (128, 1, 1)" in cfg):

@@ -344,6 +344,16 @@ MUTATIONS = [
     ("top-k-bad-warp", "moe.cu",
      "  for (int o = 16; o > 0; o >>= 1) bad = min(bad, __shfl_xor_sync(CP_FULL_MASK, bad, o));\n", "",
      "moe_top_k", "top-K routing: a non-finite probability seen only by its own lane (no warp minimum)"),
+    # dropout keep masks (dropout.cu)
+    ("dropout-bits", "dropout.cu",
+     "(float)(unsigned)(h >> 40) * (1.0f / 16777216.0f)", "(float)(unsigned)(h >> 41) * (1.0f / 16777216.0f)",
+     "dropout_keep", "dropout keep mask: the uniform value from the wrong 24 bits of the hash"),
+    ("dropout-col0", "dropout.cu",
+     "* total_cols + col0 + (unsigned long long)j;", "* total_cols + (unsigned long long)j;",
+     "dropout_keep", "dropout keep mask: a column window numbered from the tensor's first column"),
+    ("dropout-rows", "dropout.cu",
+     "(unsigned long long)rows[r] * total_cols", "(unsigned long long)r * total_cols",
+     "dropout_keep", "dropout keep mask: local row numbers instead of the global row indices (a shard's mask = rank 0's)"),
 ]
 
 

@@ -9,6 +9,7 @@
 //!   and backward;
 //! - `merge`: ring-step LSE merge on an f32 accumulator, and the final cast;
 //! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack;
+//! - `dropout`: dropout keep masks from counter-based streams (SP and LoRA dropout);
 //! - `moe`: each token's top K experts on the device (mixture-of-experts routing);
 //! - `quant`: dequantization of int8 / NF4 frozen weights (a LoRA run's quantized base);
 //! - `probe`: probe kernels that check (and diagnose) our reading of the PTX ISA for mma.sync,
@@ -22,6 +23,8 @@
 
 #![warn(missing_docs)]
 
+#[cfg(feature = "cuda")]
+pub mod dropout;
 #[cfg(feature = "cuda")]
 pub mod flash;
 #[cfg(feature = "cuda")]

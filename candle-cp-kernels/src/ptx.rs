@@ -43,6 +43,9 @@ pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
 pub const QUANT: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
 /// `kernels/moe.cu`: `moe_top_k_{f32,f16,bf16}` (each token's top K experts, see [`crate::moe`]).
 pub const MOE: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+/// `kernels/dropout.cu`: `dropout_keep_{f32,f16,bf16}` (dropout keep masks from counter-based
+/// streams, see [`crate::dropout`]).
+pub const DROPOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/dropout.ptx"));
 /// `kernels/probe.cu`: `probe_mma16816_{f16,bf16}`, `probe_ldsm`, `probe_cp_async` (diagnostic
 /// probes of mma.sync / ldmatrix / cp.async, see [`crate::probe`]).
 pub const PROBE: &str = include_str!(concat!(env!("OUT_DIR"), "/probe.ptx"));
@@ -77,6 +80,8 @@ pub const LAYOUT_MODULE: &str = "candle_cp_layout";
 pub const QUANT_MODULE: &str = "candle_cp_quant";
 /// See [`FLASH_FWD_MODULE`].
 pub const MOE_MODULE: &str = "candle_cp_moe";
+/// See [`FLASH_FWD_MODULE`].
+pub const DROPOUT_MODULE: &str = "candle_cp_dropout";
 /// See [`FLASH_FWD_MODULE`].
 pub const PROBE_MODULE: &str = "candle_cp_probe";
 /// See [`FLASH_FWD_MODULE`].

@@ -114,6 +114,42 @@ impl RngStreams {
         }
         Tensor::from_vec(v, (rows.len(), cols), device)
     }
+
+    /// The scaled keep mask of dropout with probability `p` (`1 / (1 - p)` where the value of
+    /// [`Self::uniform_rows`] is `>= p`, else 0) in `dtype`, for the same rows and columns. On a
+    /// CUDA device (feature `cuda`) one kernel draws it there (`candle_cp_kernels::dropout`:
+    /// only the row indices travel); elsewhere from [`Self::uniform_rows`] by candle ops. The
+    /// same values either way.
+    #[allow(clippy::too_many_arguments)]
+    pub fn keep_mask_rows(&self, name: &str, step: u64, rows: &[u64], cols: std::ops::Range<usize>, total_cols: usize, p: f64, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
+        #[cfg(feature = "cuda")]
+        if device.is_cuda() && matches!(dtype, candle_core::DType::F32 | candle_core::DType::F16 | candle_core::DType::BF16) {
+            let scale = (1.0 / (1.0 - p)) as f32;
+            return candle_cp_kernels::dropout::keep_mask(rows, self.key(name, step), cols, total_cols, p as f32, scale, dtype, device);
+        }
+        let u = self.uniform_rows(name, step, rows, cols, total_cols, device)?;
+        (u.ge(p as f32)?.to_dtype(candle_core::DType::F32)? * (1.0 / (1.0 - p)))?.to_dtype(dtype)
+    }
+}
+
+/// The global row indices (and the columns per row) of a local tensor of `dims` placed in the
+/// global one as `region` says: [`RngStreams::uniform`]'s numbering as rows of the last
+/// dimensions after `dim`.
+fn region_rows(dims: &[usize], region: &Region) -> Result<(Vec<u64>, usize)> {
+    let (dim, rank, world) = match *region {
+        Region::Replicated => (0, 0, 1),
+        Region::Sharded { dim, rank, world } => {
+            if dim >= dims.len() || world == 0 || rank >= world {
+                candle_core::bail!("dropout: region {region:?} does not fit a local tensor of shape {dims:?}")
+            }
+            (dim, rank, world)
+        }
+    };
+    let n_local = if dims.is_empty() { 1 } else { dims[dim] };
+    let outer: usize = dims.iter().take(dim).product();
+    let inner: usize = dims.iter().skip(dim + 1).product();
+    let rows = (0..outer).flat_map(|o| (0..n_local).map(move |j| (o * n_local * world + rank * n_local + j) as u64)).collect();
+    Ok((rows, inner))
 }
 
 /// Inverted dropout: `y = x · keep / (1 - p)`, `keep = (u >= p)` with `u` from a named stream.
@@ -140,8 +176,14 @@ impl Dropout {
         &self.name
     }
 
-    /// The scaled keep mask (`0` or `1/(1-p)`, in `dtype`) for a local tensor of `shape`.
+    /// The scaled keep mask (`0` or `1/(1-p)`, in `dtype`) for a local tensor of `shape`; on
+    /// a CUDA device drawn there ([`RngStreams::keep_mask_rows`]), the same values.
     pub fn mask(&self, shape: &Shape, rng: &RngStreams, step: u64, region: &Region, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
+        if device.is_cuda() {
+            // drawn on the device: the local tensor as rows of its dims past `dim`
+            let (rows, inner) = region_rows(shape.dims(), region)?;
+            return rng.keep_mask_rows(&self.name, step, &rows, 0..inner, inner, self.p, dtype, device)?.reshape(shape);
+        }
         let u = rng.uniform(&self.name, step, shape, region, device)?;
         (u.ge(self.p as f32)?.to_dtype(candle_core::DType::F32)? * (1.0 / (1.0 - self.p)))?.to_dtype(dtype)
     }
@@ -161,6 +203,27 @@ impl Dropout {
 mod tests {
     use super::*;
     use candle_core::{DType, IndexOp};
+
+    /// The row form the CUDA path draws from ([`region_rows`] + [`RngStreams::keep_mask_rows`])
+    /// equals [`Dropout::mask`]'s region form, for a replicated tensor and a shard along a
+    /// middle dimension, in f32 and bf16.
+    #[test]
+    fn row_form_equals_region_form() -> Result<()> {
+        let rng = RngStreams::new(11);
+        let d = Dropout::new(0.25, "blk.drop")?;
+        for (dims, region) in [(vec![2usize, 8, 5], Region::Replicated), (vec![3, 2, 4, 6], Region::Sharded { dim: 1, rank: 2, world: 3 })] {
+            for dtype in [DType::F32, DType::BF16] {
+                let shape = Shape::from(dims.clone());
+                let want = d.mask(&shape, &rng, 4, &region, dtype, &Device::Cpu)?;
+                let (rows, inner) = region_rows(&dims, &region)?;
+                let got = rng.keep_mask_rows("blk.drop", 4, &rows, 0..inner, inner, 0.25, dtype, &Device::Cpu)?.reshape(shape)?;
+                let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                assert_eq!(diff, 0.0, "{dims:?} {region:?} {dtype:?}");
+            }
+        }
+        assert!(region_rows(&[2, 3], &Region::Sharded { dim: 2, rank: 0, world: 2 }).is_err());
+        Ok(())
+    }
 
     #[test]
     fn shard_masks_equal_slices_of_global_mask() -> Result<()> {

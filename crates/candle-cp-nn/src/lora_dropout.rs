@@ -13,7 +13,7 @@
 //! recomputed layer draws the same masks again.
 
 use crate::{RngStreams, Tp};
-use candle_core::{bail, DType, Result, Tensor};
+use candle_core::{bail, Result, Tensor};
 use std::sync::{Arc, Mutex};
 
 /// The token indices the adapters' masks are drawn for in the current forward: this rank's CP
@@ -91,8 +91,7 @@ impl AdapterDropout {
             Input::Column => (0, f),
             Input::Row => (rank * f, f * p),
         };
-        let u = k.streams.uniform_rows(&self.name, k.step, &rows, col0..col0 + f, total, x.device())?;
-        let keep = (u.ge(self.p as f32)?.to_dtype(DType::F32)? * (1.0 / (1.0 - self.p)))?;
-        x.mul(&keep.to_dtype(x.dtype())?.reshape((b, t, f))?)
+        let keep = k.streams.keep_mask_rows(&self.name, k.step, &rows, col0..col0 + f, total, self.p, x.dtype(), x.device())?;
+        x.mul(&keep.reshape((b, t, f))?)
     }
 }
