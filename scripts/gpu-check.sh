@@ -144,7 +144,7 @@ run() {
   echo "== 0/7 probes: each tensor-core primitive (mma.sync, ldmatrix, cp.async, wgmma) alone, with a diagnosis of any mismatch"
   step 20 $keep "$machine" add -- "$bin/gpu_check" --sections probe
   echo "== 1/7 correctness: every kernel vs the CPU path (simple, mma), merge, layout"
-  step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,views,flash-large,merge,layout
+  step 70 $keep "$out/check.log" new -- "$bin/gpu_check" --impls simple,mma --sections flash,views,flash-large,merge,layout,quant,moe,dropout
   echo "== 2/7 correctness: pipelined kernels (the default for f16/bf16) and the fused atomic-dQ backward vs the CPU path"
   step 40 $keep "$out/check-pipelined.log" new -- "$bin/gpu_check" --impls pipelined,atomic --sections flash,views,flash-large
   echo "== 3/7 correctness: experimental Hopper kernels vs the CPU path: wgmma forward and backwards, then the warp-specialized forward and backward"
