@@ -48,7 +48,8 @@ __device__ __forceinline__ void cp_store2(__nv_bfloat16* out, size_t j, float a,
   reinterpret_cast<__nv_bfloat162*>(out)[j] = __floats2bfloat162_rn(a, b);
 }
 
-// NF4 = 0: int8 codes; 1: NF4 codes. pairs = n / 2; g = the group (even).
+// NF4 = 0: int8 codes; 1: NF4 codes. pairs = n / 2; g = the group (even). Blocks of at least 16
+// threads (the level table is filled by the first 16).
 template <int NF4, typename T>
 __device__ __forceinline__ void dequant(const uint8_t* codes, const float* scales, T* out, long long pairs,
                                         long long g) {
