@@ -66,31 +66,9 @@ impl RngStreams {
     /// placed in the global tensor as `region` says. Equal on every rank for the same global
     /// element; equal to the single-device values.
     pub fn uniform(&self, name: &str, step: u64, shape: &Shape, region: &Region, device: &Device) -> Result<Tensor> {
-        let dims = shape.dims();
-        let (dim, rank, world) = match *region {
-            Region::Replicated => (0, 0, 1),
-            Region::Sharded { dim, rank, world } => {
-                if dim >= dims.len() || world == 0 || rank >= world {
-                    candle_core::bail!("dropout: region {region:?} does not fit a local tensor of shape {dims:?}")
-                }
-                (dim, rank, world)
-            }
-        };
-        let key = self.key(name, step);
-        let n_local = if dims.is_empty() { 1 } else { dims[dim] };
-        let outer: usize = dims.iter().take(dim).product();
-        let inner: usize = dims.iter().skip(dim + 1).product();
-        let mut v = Vec::with_capacity(shape.elem_count());
-        for o in 0..outer {
-            for j in 0..n_local {
-                let row = (o * n_local * world + rank * n_local + j) * inner;
-                for i in 0..inner {
-                    let h = splitmix64(key ^ splitmix64((row + i) as u64));
-                    v.push((h >> 40) as f32 * (1.0 / (1u64 << 24) as f32));
-                }
-            }
-        }
-        Tensor::from_vec(v, shape.clone(), device)
+        // the local tensor as rows (its dims up to the split one) of its dims after it
+        let (rows, inner) = region_rows(shape.dims(), region)?;
+        self.uniform_rows(name, step, &rows, 0..inner, inner, device)?.reshape(shape.clone())
     }
 
     /// Uniform values `[rows.len(), cols.len()]` of stream `name` at `step` for the rows `rows`
