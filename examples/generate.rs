@@ -38,6 +38,11 @@ struct Args {
     /// over --model; default: --model's own adapter when it is a LoRA run's checkpoint.
     #[arg(long, value_name = "DIR")]
     adapter: Option<PathBuf>,
+    /// Run the adapter over the base quantized as a QLoRA run trained it (finetune_llama's
+    /// --quantize-base: `int8` or `nf4`, `,GROUP`, `,dq`), each layer dequantized when used.
+    /// Needs an adapter.
+    #[arg(long, value_name = "KIND[,GROUP[,dq]]")]
+    quantize_base: Option<String>,
     /// Number of CP ranks (threads).
     #[arg(long, default_value_t = 4)]
     cp: usize,
@@ -100,6 +105,7 @@ fn run(
     dev: &Device,
     dir: &Path,
     adapter: Option<&Path>,
+    quant: Option<candle_cp_nn::QuantConfig>,
     cfg: &LlamaConfig,
     layout: Layout,
     prompt: &Tensor,
@@ -118,11 +124,12 @@ fn run(
             },
             None => None,
         };
-        let m = Llama::new(
-            VarBuilder::from_varmap(&vm, DType::F32, dev),
-            lora_cfg.as_ref().unwrap_or(cfg),
-            &ctx,
-        )?;
+        let m = match (quant, &lora_cfg) {
+            (None, _) => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, dev), lora_cfg.as_ref().unwrap_or(cfg), &ctx)?,
+            // the model a QLoRA run computed with: the frozen projections as codes
+            (Some(q), Some(lc)) => Llama::new_quantized(&candle_cp_llama::quant::QuantBase::from_varmap(&vm, lc, q)?, DType::F32, dev, lc, &ctx)?,
+            (Some(_), None) => candle_core::bail!("--quantize-base runs an adapter over a quantized base: give --adapter (or a LoRA run's checkpoint as --model)"),
+        };
         m.generate(prompt, new, sampling)
     });
     res.into_iter()
@@ -161,6 +168,10 @@ fn main() -> anyhow::Result<()> {
         Some(ad) => (model.clone(), Some(ad.clone())),
         None => (candle_cp_llama::lora::base_model_dir(&model)?, candle_cp_llama::lora::has_adapter(&model).then(|| model.clone())),
     };
+    let quant = a.quantize_base.as_deref().map(|q| q.parse::<candle_cp_nn::QuantConfig>().map_err(|e| anyhow::anyhow!("--quantize-base {q}: {e}"))).transpose()?;
+    if quant.is_some() && adapter.is_none() {
+        anyhow::bail!("--quantize-base runs an adapter over a quantized base: give --adapter (or a LoRA run's checkpoint as --model)")
+    }
     let mut cfg = LlamaConfig::from_file(dir.join("config.json"))
         .with_context(|| format!("config of {}", dir.display()))?;
     if a.sliding_window.is_some() {
@@ -210,11 +221,11 @@ fn main() -> anyhow::Result<()> {
     };
     println!("sampling: {sampling:?}");
     if let Some(ad) = &adapter {
-        println!("adapter: {} (PEFT LoRA, over the model)", ad.display());
+        println!("adapter: {} (PEFT LoRA, over the model{})", ad.display(), quant.map(|q| format!(" quantized {q}")).unwrap_or_default());
     }
-    let single = run(&dev, &dir, adapter.as_deref(), &cfg, Layout::single(), &prompt, new, sampling)
+    let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), &prompt, new, sampling)
         .with_context(|| format!("weights of {}", dir.display()))?;
-    let cp = run(&dev, &dir, adapter.as_deref(), &cfg, layout, &prompt, new, sampling)?;
+    let cp = run(&dev, &dir, adapter.as_deref(), quant, &cfg, layout, &prompt, new, sampling)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
         let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);
