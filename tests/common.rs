@@ -3,6 +3,7 @@
 use std::path::PathBuf;
 
 pub mod dense_llama;
+pub mod moe_model;
 pub mod draws;
 pub mod packed_run;
 

@@ -39,8 +39,9 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, LayoutRun, Reference, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeConfig, MoeStyle, ParallelCtx};
+use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeStyle, ParallelCtx};
 use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
+use candle_cp_tests::moe_model::moe_model;
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -59,47 +60,6 @@ fn qwen3_moe(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)
 /// [`qwen3_moe`]'s weights as a Mixtral: no head norms, both layers sparse, a window of 40.
 fn mixtral(coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     moe_model(MoeStyle::Mixtral, coef)
-}
-
-fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
-    let dir = candle_cp_tests::oracle_dir("tiny-llama");
-    let base = LlamaConfig::from_file(dir.join("config.json"))?;
-    let mut moe = match style {
-        MoeStyle::Qwen3Moe => {
-            let mut m = MoeConfig::new(8, 2, 48);
-            (m.norm_topk_prob, m.mlp_only_layers) = (true, vec![0]);
-            m
-        }
-        MoeStyle::Mixtral => MoeConfig::mixtral(8, 2, 48),
-        MoeStyle::Qwen2Moe => {
-            let mut m = MoeConfig::qwen2_moe(8, 2, 48, 64);
-            m.mlp_only_layers = vec![0];
-            m
-        }
-    };
-    moe.output_router_logits = coef.is_some();
-    moe.router_aux_loss_coef = coef.unwrap_or(0.0);
-    let mut cfg = base.with_moe(Some(moe));
-    if style == MoeStyle::Mixtral {
-        cfg = cfg.with_sliding_window(Some(40));
-    }
-    cfg.validate()?;
-    let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
-    let mut full = HashMap::new();
-    for spec in candle_cp_llama::param_specs(&cfg) {
-        let name = &spec.name;
-        let t = if let Some(t) = oracle.get(name) {
-            t.clone()
-        } else if name.contains("self_attn") && name.ends_with("_norm.weight") {
-            ((candle_cp_tests::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?
-        } else if name.ends_with(".gate.weight") {
-            (candle_cp_tests::rand_t(if style == MoeStyle::Mixtral { 43 } else { 37 }, name, &spec.shape)? * 0.1)?
-        } else {
-            (candle_cp_tests::rand_t(41, name, &spec.shape)? * 0.08)?
-        };
-        full.insert(name.clone(), t);
-    }
-    Ok((cfg, full))
 }
 
 /// Every kind of layout (and recomputed layers, and DP, and expert parallelism over all or

@@ -34,7 +34,13 @@ fn with_adapters(cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
 fn dequantized(full: &HashMap<String, Tensor>, q: QuantConfig) -> Result<HashMap<String, Tensor>> {
     full.iter()
         .map(|(n, t)| {
-            let t = if is_quantized_weight(n) { QuantWeight::quantize(t, q)?.dequantize(t.dtype())? } else { t.clone() };
+            // (a stacked [E, out, in] quantized as [E·out, in], as the base does)
+            let t = if is_quantized_weight(n) {
+                let in_dim = t.dims().last().copied().unwrap_or(1);
+                QuantWeight::quantize(&t.reshape(((), in_dim))?, q)?.dequantize(t.dtype())?.reshape(t.shape())?
+            } else {
+                t.clone()
+            };
             Ok((n.clone(), t))
         })
         .collect()
@@ -141,6 +147,37 @@ fn generation_over_a_quantized_base_equals_the_dequantized_model() -> Result<()>
                     assert!(e < 1e-5, "{q} on {layout}, rank {r}: logits off by {e}");
                 }
             }
+        }
+    }
+    Ok(())
+}
+
+/// A mixture of experts over a quantized base: the experts' stacked weights and the shared
+/// expert's are quantized too (most of its weights), and the model equals the one-device model
+/// over the dequantized weights — logits, loss, adapter gradients — on one device, TP 2 + SP ×
+/// zigzag 2 and EP 2 over zigzag 2 (Qwen2-MoE: a dense layer, a shared expert; Mixtral: its
+/// `block_sparse_moe` names), NF4 groups of 8.
+#[test]
+fn moe_experts_are_quantized_and_every_layout_equals_the_dequantized_model() -> Result<()> {
+    use candle_cp_llama::MoeStyle;
+    let ids = load_reference(dir().join("reference.safetensors"))?.input_ids;
+    for style in [MoeStyle::Qwen2Moe, MoeStyle::Mixtral] {
+        let (base, weights) = candle_cp_tests::moe_model::moe_model(style, None)?;
+        let cfg = base.with_lora(Some(LoraSpec::new(4, 6.0, &TARGETS)?));
+        let mut full = weights;
+        for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+            let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
+            full.insert(s.name.clone(), candle_cp_ops::oracle::randn(700 + i as u64, &s.shape, sd)?);
+        }
+        let experts: Vec<&String> = full.keys().filter(|n| n.contains(".experts.") || n.contains("shared_expert.")).collect();
+        assert!(!experts.is_empty() && experts.iter().all(|n| is_quantized_weight(n) || n.ends_with("shared_expert_gate.weight")), "{style:?}: {experts:?}");
+        let q = QuantConfig::new(QuantKind::Nf4, 8)?;
+        let want = run_layout(&dequantized(&full, q)?, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+        let plain = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+        assert!(max_abs(&want.logits, &plain.logits)? > 1e-4, "{style:?}: quantizing moved nothing");
+        for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)] {
+            let got = run_layout_quantized(&full, &cfg, &ids, layout, &Device::Cpu, false, q)?;
+            check(&format!("{style:?} {q} on {layout}"), &got, &want)?;
         }
     }
     Ok(())

@@ -169,24 +169,30 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
 }
 
 /// A quantized base (NF4 and int8, groups of 8, NF4 with double-quantized scales in blocks of
-/// 4 rows, LoRA on every projection): the planner's
+/// 4 rows, LoRA on every projection; the tiny Llama and a Qwen2-MoE of it): the planner's
 /// weights per GPU (the projections' codes and scales, the other frozen weights and the
 /// adapters at `e` bytes) equal what each rank's `QuantBase` holds plus its adapters, on TP
 /// 1, 2 and 4, every rank.
 #[test]
 fn planner_quantized_base_equals_the_trainers() -> Result<()> {
     let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
-    let cfg = oracle.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
-    let m = ModelConfig::from_hf_json(&oracle.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+    let moe = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::Qwen2Moe, None)?.0;
+    // (model, layouts): the dense Llama on TP 1, 2, 4; the Qwen2-MoE (experts and shared expert
+    // quantized too) on TP 1, TP 2 + SP, and EP 2 over zigzag 2
+    let dense_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
+    let moe_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::cp(candle_cp_llama::layout::CpKind::Zigzag, 2).with_ep(2)];
+    for (base, layouts) in [(oracle, dense_layouts), (moe, moe_layouts)] {
+    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
+    let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     for (kind, bits, double) in [(candle_cp_nn::QuantKind::Nf4, 4, None), (candle_cp_nn::QuantKind::Int8, 8, None), (candle_cp_nn::QuantKind::Nf4, 4, Some(4))] {
         let q = candle_cp_nn::QuantConfig::new(kind, 8)?;
         let q = match double {
             Some(b) => q.with_double_quant(b)?,
             None => q,
         };
-        for layout in [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)] {
+        for &layout in &layouts {
             let base_quant = Some(candle_cp_plan::layout::BaseQuant { bits, group: 8, double });
-            let plan = PlanLayout { tp: layout.tp, sp: layout.sp, lora_rank: 4, lora_mlp: true, base_quant, ..PlanLayout::default() };
+            let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, ep: layout.ep, lora_rank: 4, lora_mlp: true, base_quant, ..PlanLayout::default() };
             let want = candle_cp_plan::memory::model_states(&m, &plan, 4).weights;
             let got = run_ranks(layout.world_size(), |g| {
                 let ctx = ParallelCtx::new(g, layout)?;
@@ -201,8 +207,9 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
                 let b = b? as f64;
                 assert!((b - want).abs() < 1e-9 * want, "{kind} {layout} rank {r}: {b} bytes of weights, the planner says {want}");
             }
-            println!("{q} {layout}: {want} bytes of weights per GPU = planner");
+            println!("{} {q} {layout}: {want} bytes of weights per GPU = planner", if base.moe.is_some() { "qwen2-moe" } else { "llama" });
         }
+    }
     }
     Ok(())
 }

@@ -1,7 +1,8 @@
-//! A quantized frozen base for LoRA fine-tuning (QLoRA-style): the decoder layers' dense
-//! projections (`q_proj` … `down_proj`) held as int8 or NF4 codes with per-group scales
-//! ([`candle_cp_nn::quant`]), everything else (embedding, norms, head, the experts, the
-//! adapters) as it was.
+//! A quantized frozen base for LoRA fine-tuning (QLoRA-style): the decoder layers' projections
+//! (`q_proj` … `down_proj`, and in a sparse layer the experts' stacked `[E, out, in]` weights and
+//! the shared expert's — most of a mixture of experts' weights) held as int8 or NF4 codes with
+//! per-group scales ([`candle_cp_nn::quant`]; a stacked weight as `[E·out, in]`), everything
+//! else (embedding, norms, head, router, the adapters) as it was.
 //!
 //! A model over it ([`crate::Llama::new_quantized`]) builds each decoder layer anew in every
 //! forward from weights dequantized on the fly, so between steps a rank holds the codes only
@@ -23,15 +24,22 @@ use candle_nn::{Init, VarMap};
 use std::collections::HashMap;
 use std::sync::Arc;
 
-/// Whether parameter `name` is one the quantized base stores quantized: a dense decoder
-/// layer's projection weight (`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
-/// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`).
+/// Whether parameter `name` is one the quantized base stores quantized: a decoder layer's
+/// projection weight (`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
+/// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`), a sparse layer's stacked experts
+/// (`model.layers.{i}.{mlp,block_sparse_moe}.experts.{gate,up,down}_proj`) or its shared
+/// expert's projections (`model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight`).
 pub fn is_quantized_weight(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("model.layers.") else { return false };
     let Some((_, tail)) = rest.split_once('.') else { return false };
-    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj"]
-        .iter()
-        .any(|m| tail == format!("{m}.weight"))
+    const PROJ: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
+    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"].iter().any(|m| tail == format!("{m}.weight"))
+        || PROJ.iter().any(|p| {
+            tail == format!("mlp.{p}.weight")
+                || tail == format!("mlp.shared_expert.{p}.weight")
+                || tail == format!("mlp.experts.{p}")
+                || tail == format!("block_sparse_moe.experts.{p}")
+        })
 }
 
 /// One stored parameter of a quantized base.
@@ -39,8 +47,9 @@ pub fn is_quantized_weight(name: &str) -> bool {
 enum Stored {
     /// As it was (the adapters keep their variables' tensors, so gradients reach them).
     Plain(Tensor),
-    /// Codes and scales.
-    Quant(QuantWeight),
+    /// Codes and scales, and the weight's dims (a stacked `[E, out, in]` is quantized as
+    /// `[E·out, in]`).
+    Quant(QuantWeight, Vec<usize>),
 }
 
 /// A rank's parameters with the frozen projections quantized: what
@@ -69,7 +78,12 @@ impl QuantBase {
             let stored = if crate::lora::is_lora_name(name) {
                 Stored::Plain(t.clone())
             } else if is_quantized_weight(name) {
-                Stored::Quant(QuantWeight::quantize(t, cfg).map_err(|e| candle_core::Error::Msg(format!("quantized base: {name}: {e}")))?)
+                // a stacked [E, out, in] as [E·out, in]: groups along each row's inputs as ever
+                let dims = t.dims().to_vec();
+                let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+                let t2 = t.reshape((rows, dims.last().copied().unwrap_or(1)))?;
+                let q = QuantWeight::quantize(&t2, cfg).map_err(|e| candle_core::Error::Msg(format!("quantized base: {name} {dims:?}: {e}")))?;
+                Stored::Quant(q, dims)
             } else {
                 Stored::Plain(t.detach())
             };
@@ -90,7 +104,7 @@ impl QuantBase {
         let (mut q, mut p) = (0, 0);
         for (n, s) in self.tensors.iter() {
             match s {
-                Stored::Quant(w) => q += w.bytes(),
+                Stored::Quant(w, _) => q += w.bytes(),
                 Stored::Plain(t) if !crate::lora::is_lora_name(n) => p += t.elem_count() * t.dtype().size_in_bytes(),
                 Stored::Plain(_) => {}
             }
@@ -116,7 +130,7 @@ impl candle_nn::var_builder::SimpleBackend for QuantBase {
     fn get_unchecked(&self, name: &str, dtype: DType, dev: &Device) -> Result<Tensor> {
         match self.tensors.get(name) {
             Some(Stored::Plain(t)) => t.to_dtype(dtype)?.to_device(dev),
-            Some(Stored::Quant(w)) => w.dequantize(dtype)?.to_device(dev),
+            Some(Stored::Quant(w, dims)) => w.dequantize(dtype)?.reshape(dims.as_slice())?.to_device(dev),
             None => bail!("quantized base: no parameter {name}"),
         }
     }

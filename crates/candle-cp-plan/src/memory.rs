@@ -378,15 +378,16 @@ pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 }
 
 /// The parameters of one layer on one GPU that a quantized base stores as codes
-/// ([`Layout::base_quant`]): the attention's q, k, v, o and the dense MLP's gate, up, down
-/// (split over TP as [`layer_params_per_gpu`] counts them); not the norms, biases, router or
-/// experts.
+/// ([`Layout::base_quant`]): the attention's q, k, v, o, the dense MLP's gate, up, down, and a
+/// sparse layer's experts and shared expert (split over TP and EP as [`layer_params_per_gpu`]
+/// counts them); not the norms, biases or router.
 pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
-    2.0 * h * q / t + 2.0 * h * kv + dense_mlp * 3.0 * h * f / t
+    let shared = m.moe.as_ref().map_or(0.0, |x| m.sparse_fraction() * 3.0 * h * x.shared_ffn as f64 / t);
+    2.0 * h * q / t + 2.0 * h * kv + dense_mlp * 3.0 * h * f / t + layer_expert_params_per_gpu(m, l) + shared
 }
 
 /// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):

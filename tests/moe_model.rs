@@ -1,0 +1,53 @@
+//! A tiny mixture-of-experts model for the tests: the tiny-llama oracle's weights with its MLPs
+//! turned into experts (Qwen3-MoE, Mixtral or Qwen2-MoE style), the new weights seeded.
+
+use candle_core::{Device, Result, Tensor};
+use candle_cp_llama::hf::load_safetensors_dir;
+use candle_cp_llama::{LlamaConfig, MoeConfig, MoeStyle};
+use std::collections::HashMap;
+
+/// The tiny Llama as a `style` mixture of 8 experts, top 2, expert width 48 (Qwen3-MoE: a dense
+/// first layer and normalised top-K; Mixtral: both layers sparse, a window of 40; Qwen2-MoE: a
+/// dense first layer and a shared expert of width 64), the load-balancing loss at `coef`; its
+/// config and full weights.
+pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let dir = crate::oracle_dir("tiny-llama");
+    let base = LlamaConfig::from_file(dir.join("config.json"))?;
+    let mut moe = match style {
+        MoeStyle::Qwen3Moe => {
+            let mut m = MoeConfig::new(8, 2, 48);
+            (m.norm_topk_prob, m.mlp_only_layers) = (true, vec![0]);
+            m
+        }
+        MoeStyle::Mixtral => MoeConfig::mixtral(8, 2, 48),
+        MoeStyle::Qwen2Moe => {
+            let mut m = MoeConfig::qwen2_moe(8, 2, 48, 64);
+            m.mlp_only_layers = vec![0];
+            m
+        }
+    };
+    moe.output_router_logits = coef.is_some();
+    moe.router_aux_loss_coef = coef.unwrap_or(0.0);
+    let mut cfg = base.with_moe(Some(moe));
+    if style == MoeStyle::Mixtral {
+        cfg = cfg.with_sliding_window(Some(40));
+    }
+    cfg.validate()?;
+    let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let mut full = HashMap::new();
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        let name = &spec.name;
+        let t = if let Some(t) = oracle.get(name) {
+            t.clone()
+        } else if name.contains("self_attn") && name.ends_with("_norm.weight") {
+            ((crate::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?
+        } else if name.ends_with(".gate.weight") {
+            (crate::rand_t(if style == MoeStyle::Mixtral { 43 } else { 37 }, name, &spec.shape)? * 0.1)?
+        } else {
+            (crate::rand_t(41, name, &spec.shape)? * 0.08)?
+        };
+        full.insert(name.clone(), t);
+    }
+    Ok((cfg, full))
+}
+
