@@ -6,7 +6,7 @@
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Device, Result, Storage, Tensor};
+use candle_core::{DType, Device, Result, Tensor};
 use half::{bf16, f16};
 
 /// The keep mask `[rows.len(), cols.len()]` in `dtype` (f32, f16 or bf16) on the CUDA device
@@ -27,8 +27,7 @@ pub fn keep_mask(rows: &[u64], key: u64, cols: std::ops::Range<usize>, total_col
     let idx: Vec<i64> = rows.iter().map(|&r| i64::try_from(r)).collect::<std::result::Result<_, _>>().map_err(|_| candle_core::Error::Msg("dropout keep_mask: a row index past i64".into()))?;
     let idx = Tensor::from_vec(idx, rows.len(), device)?;
     let (st, l) = idx.storage_and_layout();
-    let Storage::Cuda(st) = &*st else { candle_core::bail!("dropout keep_mask: row indices not on the CUDA device") };
-    let rv = util::view::<i64>(st, l, "rows")?;
+    let rv = util::view::<i64>(util::storage(&st, "dropout keep_mask: row indices")?, l, "rows")?;
     let n_rows = util::to_i64(rows.len(), "rows")?;
     let ncols = util::to_i64(cols.len(), "cols")?;
     let (col0, total) = (cols.start as u64, total_cols as u64);

@@ -5,7 +5,7 @@
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use half::{bf16, f16};
 
 /// How a global sequence of length `L` is split over `P` ranks.
@@ -17,12 +17,6 @@ pub enum SeqLayout {
     Striped,
 }
 
-fn cuda<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => candle_core::bail!("{what} is not on a CUDA device"),
-    }
-}
 
 /// Copy kernel over `x` (made contiguous): `name_{dtype}` with args (src, dst, extra...).
 fn launch(
@@ -39,7 +33,7 @@ fn launch(
     }
     let x = x.contiguous()?;
     let (st, l) = x.storage_and_layout();
-    let st = cuda(&st, kernel)?;
+    let st = util::storage(&st, kernel)?;
     let cfg = LaunchConfig { grid_dim: (util::grid_stride_blocks(n), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };
     macro_rules! go {
         ($ty:ty, $sfx:literal) => {{

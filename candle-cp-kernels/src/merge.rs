@@ -13,12 +13,6 @@ use candle_core::backend::BackendStorage;
 use candle_core::{CudaDevice, CudaStorage, DType, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
 
-fn cuda<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => candle_core::bail!("merge: {what} is not on a CUDA device"),
-    }
-}
 
 /// Merge `(acc_o, acc_lse)` (running state; `acc_o` any float dtype, converted to f32) with a
 /// block result `(blk_o, blk_lse)` over a disjoint key set: out `[B, T, H, D]` f32, lse
@@ -43,10 +37,10 @@ pub fn merge(acc_o: &Tensor, acc_lse: &Tensor, blk_o: &Tensor, blk_lse: &Tensor)
     let (als, all) = al.storage_and_layout();
     let (bos, bol) = bo.storage_and_layout();
     let (bls, bll) = bl.storage_and_layout();
-    let aov = util::view::<f32>(cuda(&aos, "acc_o")?, aol, "acc_o")?;
-    let alv = util::view::<f32>(cuda(&als, "acc_lse")?, all, "acc_lse")?;
-    let blv = util::view::<f32>(cuda(&bls, "blk_lse")?, bll, "blk_lse")?;
-    let bos = cuda(&bos, "blk_o")?;
+    let aov = util::view::<f32>(util::storage(&aos, "merge: acc_o")?, aol, "acc_o")?;
+    let alv = util::view::<f32>(util::storage(&als, "merge: acc_lse")?, all, "acc_lse")?;
+    let blv = util::view::<f32>(util::storage(&bls, "merge: blk_lse")?, bll, "blk_lse")?;
+    let bos = util::storage(&bos, "merge: blk_o")?;
     // SAFETY: the kernel writes every row of out and lse.
     let mut out = unsafe { dev.alloc::<f32>(b * t * h * d)? };
     let mut lse = unsafe { dev.alloc::<f32>(b * h * t)? };
@@ -209,7 +203,7 @@ pub fn cast_out(acc: &Tensor, dtype: DType) -> Result<Tensor> {
     }
     let acc = acc.contiguous()?;
     let (st, l) = acc.storage_and_layout();
-    let src = util::view::<f32>(cuda(&st, "acc")?, l, "acc")?;
+    let src = util::view::<f32>(util::storage(&st, "merge: acc")?, l, "acc")?;
     let out = cast_f32(&dev, &src, dtype)?;
     Ok(Tensor::from_storage(Storage::Cuda(out), acc.shape().clone(), candle_core::op::BackpropOp::none(), false))
 }

@@ -5,18 +5,12 @@
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use half::{bf16, f16};
 
 /// The most experts [`top_k`] takes (a lane's 32-bit mask of chosen experts, 32 lanes).
 pub const MAX_EXPERTS: usize = 1024;
 
-fn cuda<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => candle_core::bail!("moe::top_k: {what} is not on a CUDA device"),
-    }
-}
 
 /// Each row's top `k` of `probs` `[N, E]` (f32, f16 or bf16, on a CUDA device) as u32
 /// `[N, k]` on the device: expert indices by falling probability (f32's total order, as
@@ -36,7 +30,7 @@ pub fn top_k(probs: &Tensor, k: usize) -> Result<Tensor> {
     let (ni, ei, ki) = (util::to_i32(n, "N")?, util::to_i32(e, "E")?, util::to_i32(k, "K")?);
     let probs = probs.contiguous()?;
     let (st, l) = probs.storage_and_layout();
-    let st = cuda(&st, "probs")?;
+    let st = util::storage(&st, "moe::top_k: probs")?;
     // SAFETY: the kernel writes every slot of every routed row; a row it does not route gets
     // its slot 0 (the caller reads no other slot of it).
     let mut out = unsafe { dev.alloc::<u32>(n * k)? };

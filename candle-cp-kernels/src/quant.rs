@@ -14,7 +14,7 @@
 use crate::{ptx, util};
 use candle_core::cuda_backend::cudarc::driver::{LaunchConfig, PushKernelArg};
 use candle_core::cuda_backend::WrapErr;
-use candle_core::{DType, Result, Storage, Tensor};
+use candle_core::{DType, Result, Tensor};
 use half::{bf16, f16};
 
 /// How the codes encode the weight.
@@ -26,12 +26,6 @@ pub enum Codes {
     Nf4,
 }
 
-fn cuda<'a>(s: &'a Storage, what: &str) -> Result<&'a candle_core::CudaStorage> {
-    match s {
-        Storage::Cuda(c) => Ok(c),
-        _ => candle_core::bail!("dequantize: {what} is not on a CUDA device"),
-    }
-}
 
 /// The weight `[out, in]` = `dims` in `dtype` (f32, f16 or bf16) from its `codes` (u8,
 /// `[out, in]` for int8, `[out, in/2]` for NF4) and `scales` (f32, `[out, in/group]`, one per
@@ -67,8 +61,8 @@ pub fn dequantize(codes: &Tensor, scales: &Tensor, kind: Codes, group: usize, di
     let (codes, scales) = (codes.contiguous()?, scales.contiguous()?);
     let (cs, cl) = codes.storage_and_layout();
     let (ss, sl) = scales.storage_and_layout();
-    let cv = util::view::<u8>(cuda(&cs, "codes")?, cl, "codes")?;
-    let sv = util::view::<f32>(cuda(&ss, "scales")?, sl, "scales")?;
+    let cv = util::view::<u8>(util::storage(&cs, "dequantize: codes")?, cl, "codes")?;
+    let sv = util::view::<f32>(util::storage(&ss, "dequantize: scales")?, sl, "scales")?;
     let pairs = util::to_i64(n / 2, "pairs")?;
     let g = util::to_i64(group, "group")?;
     let cfg = LaunchConfig { grid_dim: (util::grid_stride_blocks(n / 2), 1, 1), block_dim: (256, 1, 1), shared_mem_bytes: 0 };

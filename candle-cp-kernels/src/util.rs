@@ -13,6 +13,14 @@ pub(crate) fn smem_optin(dev: &CudaDevice) -> Result<i64> {
     Ok(i64::from(optin))
 }
 
+/// The CUDA storage in `s`, or an error naming `what`.
+pub(crate) fn storage<'a>(s: &'a Storage, what: &str) -> Result<&'a CudaStorage> {
+    match s {
+        Storage::Cuda(c) => Ok(c),
+        _ => candle_core::bail!("{what} is not on a CUDA device"),
+    }
+}
+
 /// Contiguous view of `l`'s elements in `s`.
 pub(crate) fn view<'a, T: CudaDType>(s: &'a CudaStorage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
     let Some((a, b)) = l.contiguous_offsets() else {
