@@ -290,8 +290,8 @@ impl QuantWeight {
             Scales::F32(s) => Ok(s.clone()),
             Scales::Double { codes, lo, step } => {
                 let (o, cols) = codes.dims2()?;
-                let b = o / lo.dim(0)?.max(1);
-                let c = codes.to_dtype(DType::F32)?.reshape((o / b.max(1), b, cols))?;
+                let b = self.cfg.double.unwrap_or(1);
+                let c = codes.to_dtype(DType::F32)?.reshape((o / b, b, cols))?;
                 c.broadcast_mul(&step.unsqueeze(1)?)?.broadcast_add(&lo.unsqueeze(1)?)?.reshape((o, cols))
             }
         }
@@ -321,11 +321,13 @@ impl QuantWeight {
     pub fn dequantize_ops(&self, dtype: DType) -> Result<Tensor> {
         let (o, i) = (self.out_dim, self.in_dim);
         let rows = (DEQUANT_CHUNK / i.max(1)).clamp(1, o.max(1));
+        // (decoded once: double-quantized scales are rebuilt by ops)
+        let scales = self.scales()?;
         let mut parts = Vec::with_capacity(o.div_ceil(rows));
         let mut r = 0;
         while r < o {
             let n = rows.min(o - r);
-            parts.push(self.dequantize_rows(r, n, dtype)?);
+            parts.push(self.dequantize_rows(r, n, &scales, dtype)?);
             r += n;
         }
         if parts.len() == 1 {
@@ -334,8 +336,8 @@ impl QuantWeight {
         Tensor::cat(&parts, 0)
     }
 
-    /// Rows `r0 .. r0 + n` of the weight in `dtype`, by candle ops.
-    fn dequantize_rows(&self, r0: usize, n: usize, dtype: DType) -> Result<Tensor> {
+    /// Rows `r0 .. r0 + n` of the weight in `dtype`, by candle ops (`scales`: all of them, f32).
+    fn dequantize_rows(&self, r0: usize, n: usize, scales: &Tensor, dtype: DType) -> Result<Tensor> {
         let (i, g) = (self.in_dim, self.cfg.group);
         let c = self.codes.narrow(0, r0, n)?.to_dtype(DType::F32)?;
         let unit = match self.cfg.kind {
@@ -348,7 +350,7 @@ impl QuantWeight {
                 levels.index_select(&idx, 0)?
             }
         };
-        let scales = self.scales()?.narrow(0, r0, n)?;
+        let scales = scales.narrow(0, r0, n)?;
         unit.reshape((n, i / g, g))?.broadcast_mul(&scales.unsqueeze(2)?)?.reshape((n, i))?.to_dtype(dtype)
     }
 
