@@ -157,13 +157,10 @@ impl Dropout {
     /// The scaled keep mask (`0` or `1/(1-p)`, in `dtype`) for a local tensor of `shape`; on
     /// a CUDA device drawn there ([`RngStreams::keep_mask_rows`]), the same values.
     pub fn mask(&self, shape: &Shape, rng: &RngStreams, step: u64, region: &Region, dtype: candle_core::DType, device: &Device) -> Result<Tensor> {
-        if device.is_cuda() {
-            // drawn on the device: the local tensor as rows of its dims past `dim`
-            let (rows, inner) = region_rows(shape.dims(), region)?;
-            return rng.keep_mask_rows(&self.name, step, &rows, 0..inner, inner, self.p, dtype, device)?.reshape(shape);
-        }
-        let u = rng.uniform(&self.name, step, shape, region, device)?;
-        (u.ge(self.p as f32)?.to_dtype(candle_core::DType::F32)? * (1.0 / (1.0 - self.p)))?.to_dtype(dtype)
+        // the local tensor as rows of its dims past the split one ([`RngStreams::uniform`]'s
+        // numbering); on CUDA the mask is drawn there
+        let (rows, inner) = region_rows(shape.dims(), region)?;
+        rng.keep_mask_rows(&self.name, step, &rows, 0..inner, inner, self.p, dtype, device)?.reshape(shape)
     }
 
     /// Apply dropout to `x` (any shape; `region` says which part of the global tensor `x`
@@ -182,20 +179,32 @@ mod tests {
     use super::*;
     use candle_core::{DType, IndexOp};
 
-    /// The row form the CUDA path draws from ([`region_rows`] + [`RngStreams::keep_mask_rows`])
-    /// equals [`Dropout::mask`]'s region form, for a replicated tensor and a shard along a
-    /// middle dimension, in f32 and bf16.
+    /// [`Dropout::mask`] (rows of a region through [`RngStreams::keep_mask_rows`], the form the
+    /// CUDA kernel draws) equals the definition element by element: the hash of each element's
+    /// index in the global tensor, for a replicated tensor and a shard along a middle dimension,
+    /// in f32 and bf16.
     #[test]
-    fn row_form_equals_region_form() -> Result<()> {
+    fn mask_equals_the_definition() -> Result<()> {
         let rng = RngStreams::new(11);
-        let d = Dropout::new(0.25, "blk.drop")?;
-        for (dims, region) in [(vec![2usize, 8, 5], Region::Replicated), (vec![3, 2, 4, 6], Region::Sharded { dim: 1, rank: 2, world: 3 })] {
+        let (p, d) = (0.25, Dropout::new(0.25, "blk.drop")?);
+        let key = rng.key("blk.drop", 4);
+        // (local dims, region, global index of local (a, j, rest) as a, global row, rest)
+        for (dims, region, rank, world) in [(vec![2usize, 8, 5], Region::Replicated, 0, 1), (vec![3, 2, 4, 6], Region::Sharded { dim: 1, rank: 2, world: 3 }, 2, 3)] {
+            let (outer, n, inner) = (dims[0], dims[1], dims[2..].iter().product::<usize>());
+            let mut want = Vec::new();
+            for a in 0..outer {
+                for j in 0..n {
+                    for e in 0..inner {
+                        let g = ((a * n * world + rank * n + j) * inner + e) as u64;
+                        let u = (splitmix64(key ^ splitmix64(g)) >> 40) as f32 / (1u64 << 24) as f32;
+                        want.push(if u >= p as f32 { (1.0 / (1.0 - p)) as f32 } else { 0.0 });
+                    }
+                }
+            }
+            let want = Tensor::from_vec(want, dims.clone(), &Device::Cpu)?;
             for dtype in [DType::F32, DType::BF16] {
-                let shape = Shape::from(dims.clone());
-                let want = d.mask(&shape, &rng, 4, &region, dtype, &Device::Cpu)?;
-                let (rows, inner) = region_rows(&dims, &region)?;
-                let got = rng.keep_mask_rows("blk.drop", 4, &rows, 0..inner, inner, 0.25, dtype, &Device::Cpu)?.reshape(shape)?;
-                let diff = (got.to_dtype(DType::F32)? - want.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+                let got = d.mask(&Shape::from(dims.clone()), &rng, 4, &region, dtype, &Device::Cpu)?;
+                let diff = (got.to_dtype(DType::F32)? - want.to_dtype(dtype)?.to_dtype(DType::F32)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
                 assert_eq!(diff, 0.0, "{dims:?} {region:?} {dtype:?}");
             }
         }
