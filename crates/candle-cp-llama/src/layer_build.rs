@@ -74,6 +74,33 @@ impl<'a> LayerBuilder<'a> {
         Ok(Some(lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?))
     }
 
+    /// The adapters of a sparse layer whose MLP is under `module` (`model.layers.{i}.mlp.`,
+    /// with the dot): its experts' stacked factors and its shared expert's (crate::moe_lora),
+    /// `None` when no expert projection is a target.
+    fn moe_lora(&self, module: &str) -> Result<Option<crate::moe_lora::MoeLora>> {
+        let Some(l) = self.cfg.lora.as_ref() else { return Ok(None) };
+        let factors = |stem: String| -> Result<Option<crate::moe_lora::Factors>> {
+            let (an, bn) = (format!("{stem}.lora_A.weight"), format!("{stem}.lora_B.weight"));
+            let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { return Ok(None) };
+            // a fresh VarMap: A uniform in ±1/√in (PEFT's init), B zero
+            let bound = 1.0 / (sa.shape.last().copied().unwrap_or(1).max(1) as f64).sqrt();
+            let a = self.vb.get_with_hints(sa.local_shape_in(&self.ctx)?, &an, Init::Uniform { lo: -bound, up: bound })?;
+            let b = self.vb.get_with_hints(sb.local_shape_in(&self.ctx)?, &bn, Init::Const(0.0))?;
+            Ok(Some(crate::moe_lora::Factors { a, b, stream: format!("{stem}.lora_dropout") }))
+        };
+        let projs = ["gate_proj", "up_proj", "down_proj"];
+        let experts = [factors(format!("{module}experts.{}", projs[0]))?, factors(format!("{module}experts.{}", projs[1]))?, factors(format!("{module}experts.{}", projs[2]))?];
+        let shared = [
+            factors(format!("{module}shared_expert.{}", projs[0]))?,
+            factors(format!("{module}shared_expert.{}", projs[1]))?,
+            factors(format!("{module}shared_expert.{}", projs[2]))?,
+        ];
+        if experts.iter().chain(&shared).all(|f| f.is_none()) {
+            return Ok(None);
+        }
+        Ok(Some(crate::moe_lora::MoeLora { experts, shared, scale: l.config.scale(), dropout: l.dropout, rows: self.lora_rows.clone() }))
+    }
+
     /// Decoder layer `i`.
     pub(crate) fn block(&self, i: usize) -> Result<Block> {
         let cfg = &self.cfg;
@@ -112,6 +139,7 @@ impl<'a> LayerBuilder<'a> {
                         }),
                     },
                     ep: self.ctx.ep.clone(),
+                    lora: self.moe_lora(&p(""))?,
                 })
             }
             _ => {

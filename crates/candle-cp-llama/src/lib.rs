@@ -69,6 +69,7 @@ pub mod lora;
 pub mod loss;
 pub mod model;
 mod moe;
+mod moe_lora;
 pub mod packed;
 pub mod params;
 pub mod quant;

@@ -4,12 +4,16 @@
 //! The adapters are parameters like the others ([`crate::param_specs`] lists them after the
 //! weight they adapt, `….{q,k,v,o,gate,up,down}_proj.lora_{A,B}.weight`, split over TP as
 //! `candle_cp_nn::lora` says), so sharding, gathering, the gradient sums and ZeRO treat them
-//! as any parameter; [`crate::params::trainable_specs`] is what a LoRA run trains. A sparse
-//! layer's MLP (the experts) is not adapted.
+//! as any parameter; [`crate::params::trainable_specs`] is what a LoRA run trains. In a sparse
+//! layer the targets `gate_proj`, `up_proj`, `down_proj` adapt every expert's projections
+//! (factors stacked as the experts' weights, `….experts.{proj}.lora_A.weight` `[E, r, in]`,
+//! `lora_B` `[E, out, r]`, split over EP as they are) and the shared expert's, as PEFT does.
 //!
 //! On disk they are a PEFT adapter: `adapter_model.safetensors` (names prefixed
-//! `base_model.model.`) and `adapter_config.json` ([`save_peft_adapter`], [`load_peft_adapter`]),
-//! which `peft.PeftModel.from_pretrained` reads beside the base model.
+//! `base_model.model.`; an expert's factors under its own name,
+//! `….experts.{e}.{proj}.lora_A.weight`, Mixtral's `w1`, `w3`, `w2`) and `adapter_config.json`
+//! ([`save_peft_adapter`], [`load_peft_adapter`]), which `peft.PeftModel.from_pretrained` reads
+//! beside the base model.
 
 use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_nn::LoraConfig;
@@ -115,8 +119,12 @@ pub fn is_lora_name(name: &str) -> bool {
 /// Write the adapters `tensors` (full tensors by parameter name) as a PEFT adapter into
 /// `dir`: `adapter_model.safetensors` and `adapter_config.json` (`base` as its base model).
 pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str) -> Result<()> {
-    let named: HashMap<String, Tensor> =
-        tensors.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| Ok((format!("{PEFT_PREFIX}{n}"), t.to_device(&Device::Cpu)?.contiguous()?))).collect::<Result<_>>()?;
+    let adapters: HashMap<String, Tensor> = tensors.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    // (a sparse layer's stacked expert factors as PEFT's per-expert tensors)
+    let named: HashMap<String, Tensor> = crate::moe_lora::split_expert_adapters(&adapters)?
+        .into_iter()
+        .map(|(n, t)| Ok((format!("{PEFT_PREFIX}{n}"), t.to_device(&Device::Cpu)?.contiguous()?)))
+        .collect::<Result<_>>()?;
     if named.is_empty() {
         bail!("save_peft_adapter: no LoRA tensors to write into {}", dir.display())
     }
@@ -124,7 +132,10 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     std::fs::create_dir_all(dir).map_err(|e| io("creating", dir, e))?;
     candle_core::safetensors::save(&named, dir.join("adapter_model.safetensors"))?;
     let cfg = dir.join("adapter_config.json");
-    let text = serde_json::to_string_pretty(&spec.peft_config_json(base)).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let mut json = spec.peft_config_json(base);
+    // Mixtral's experts are w1, w3, w2 to PEFT
+    json["target_modules"] = serde_json::json!(crate::moe_lora::peft_target_names(&spec.targets, named.keys()));
+    let text = serde_json::to_string_pretty(&json).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     std::fs::write(&cfg, text).map_err(|e| io("writing", &cfg, e))
 }
 
@@ -242,6 +253,9 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
         let stem = &name[..name.len() - ".lora_A.weight".len()];
         let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
         let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
+        // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
+        // factors [E, r, in] and [E, out, r]: one product per expert)
+        let wn = if !weights.contains_key(&wn) && weights.contains_key(stem) { stem.to_string() } else { wn };
         let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
         let (f32, dt) = (candle_core::DType::F32, w.dtype());
         let (dw, w32) = (b.to_dtype(f32)?.matmul(&a.to_dtype(f32)?)?, w.to_dtype(f32)?);
@@ -272,13 +286,16 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     refuse_unsupported(&v, &cfg_path)?;
     let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
     let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
-    let spec = LoraSpec::new(rank, alpha, &targets.iter().map(|s| s.as_str()).collect::<Vec<_>>())?.with_rslora(rslora).with_dropout(dropout)?;
+    // (Mixtral's expert modules w1, w3, w2 are our gate_proj, up_proj, down_proj)
+    let targets: Vec<&str> = targets.iter().map(|s| crate::moe_lora::target_from_peft(s)).collect();
+    let spec = LoraSpec::new(rank, alpha, &targets)?.with_rslora(rslora).with_dropout(dropout)?;
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()
         .map(|(n, t)| (n.strip_prefix(PEFT_PREFIX).map(String::from).unwrap_or(n), t))
         .collect();
-    Ok((spec, tensors))
+    // a sparse layer's per-expert factors stacked as the model holds them
+    Ok((spec, crate::moe_lora::stack_expert_adapters(tensors)?))
 }
 
 /// Refuse, by name, the PEFT options that change what the adapter computes and that this model

@@ -39,6 +39,7 @@ use candle_cp_ops::mappings::{self, SEQ_DIM};
 use candle_cp_comm::Group;
 use candle_cp_ops::moe::{combine, grouped_matmul, Routing};
 use candle_cp_ops::moe_ep::{dispatch_to_experts, return_from_experts, ExpertExchange};
+use crate::moe_lora::{plus, MoeLora};
 use std::sync::{Arc, Mutex};
 
 /// The router statistics of one forward, over its sparse layers, and the load-balancing
@@ -156,6 +157,8 @@ pub(crate) struct SparseMoe {
     /// The expert-parallel group (`ep > 1`): `gate`, `up`, `down` hold this EP rank's
     /// `E/ep` experts, the routed rows travel to their experts' ranks and back.
     pub(crate) ep: Option<Group>,
+    /// LoRA adapters on the experts and the shared expert ([`crate::moe_lora`]).
+    pub(crate) lora: Option<MoeLora>,
 }
 
 /// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a
@@ -216,14 +219,21 @@ impl SparseMoe {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
         }
         let w = w.to_dtype(x.dtype())?;
-        let rows = Tensor::from_vec(routing.sorted_tokens(), n * k, dev)?;
+        let sorted = routing.sorted_tokens();
+        // the adapters' dropout keys of the rows grouped by expert (LoRA dropout while training)
+        let keys = match &self.lora {
+            Some(l) => l.expert_keys(&sorted, &routing.counts, n)?,
+            None => None,
+        };
+        let rows = Tensor::from_vec(sorted, n * k, dev)?;
         let xs = x2.index_select(&rows, 0)?;
         let ys = match &self.ep {
-            None => self.experts(&xs, &routing.counts)?,
+            None => self.experts(&xs, &routing.counts, keys.as_deref())?,
             Some(ep) => {
                 // to the ranks holding the experts, through this rank's E/ep, and back
                 let ex = ExpertExchange::new(&routing.counts, ep)?;
-                let yl = self.experts(&dispatch_to_experts(&xs, &ex)?, ex.local_counts())?;
+                let keys = keys.map(|k| ex.dispatch_keys(&k, dev)).transpose()?;
+                let yl = self.experts(&dispatch_to_experts(&xs, &ex)?, ex.local_counts(), keys.as_deref())?;
                 return_from_experts(&yl, &ex)?
             }
         };
@@ -233,8 +243,20 @@ impl SparseMoe {
             // sigmoid(x·wᵀ) from elementwise ops (every backend), times this rank's partial sums
             let sw = if p > 1 && !sp { mappings::copy_to_tp_region(&s.weight, g)? } else { s.weight.clone() };
             let gate = (x2.matmul(&sw.t()?)?.neg()?.exp()? + 1.0)?.recip()?;
-            let m = self.act.gated(&x2.matmul(&s.gate.t()?)?, &x2.matmul(&s.up.t()?)?)?;
-            y = (y + m.matmul(&s.down.t()?)?.broadcast_mul(&gate)?)?;
+            // (with the adapters' updates on this rank's slices, crate::moe_lora)
+            let tokens = match &self.lora {
+                Some(l) => l.shared_tokens(n)?,
+                None => None,
+            };
+            let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
+                let d = match &self.lora {
+                    Some(l) => l.shared_delta(i, x, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
+                    None => None,
+                };
+                plus(x.matmul(&w.t()?)?, d)
+            };
+            let m = self.act.gated(&proj(0, &x2, &s.gate)?, &proj(1, &x2, &s.up)?)?;
+            y = (y + proj(2, &m, &s.down)?.broadcast_mul(&gate)?)?;
         }
         let y = y.reshape((b, t, h))?;
         if sp {
@@ -248,11 +270,20 @@ impl SparseMoe {
 }
 
 impl SparseMoe {
-    /// The experts' SwiGLU on rows grouped by expert (`counts`, one per expert held).
-    fn experts(&self, xs: &Tensor, counts: &[usize]) -> Result<Tensor> {
-        let gate = grouped_matmul(xs, &self.gate, counts)?;
-        let up = grouped_matmul(xs, &self.up, counts)?;
-        grouped_matmul(&self.act.gated(&gate, &up)?, &self.down, counts)
+    /// The experts' SwiGLU on rows grouped by expert (`counts`, one per expert held), with
+    /// their adapters' updates (`keys`: the rows' dropout keys, crate::moe_lora).
+    fn experts(&self, xs: &Tensor, counts: &[usize], keys: Option<&[u64]>) -> Result<Tensor> {
+        let ep = self.ep.is_some();
+        let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
+            let d = match &self.lora {
+                Some(l) => l.expert_delta(i, x, counts, keys, &self.tp, ep)?,
+                None => None,
+            };
+            plus(grouped_matmul(x, w, counts)?, d)
+        };
+        let gate = proj(0, xs, &self.gate)?;
+        let up = proj(1, xs, &self.up)?;
+        proj(2, &self.act.gated(&gate, &up)?, &self.down)
     }
 }
 

@@ -103,10 +103,12 @@ impl ParamSpec {
     }
 
     /// Whether this is a sparse layer's stacked expert weight (`[E, ·, ·]`,
-    /// `*.experts.{gate,up,down}_proj`), split over the EP group along dim 0 under expert
-    /// parallelism ([`crate::Layout::ep`]).
+    /// `*.experts.{gate,up,down}_proj`) or one of its stacked LoRA factors
+    /// (`….lora_{A,B}.weight`, see [`crate::lora`]), split over the EP group along dim 0 under
+    /// expert parallelism ([`crate::Layout::ep`]).
     pub fn is_expert(&self) -> bool {
-        self.shape.len() == 3 && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| self.name.ends_with(s))
+        let stem = self.name.strip_suffix(".lora_A.weight").or_else(|| self.name.strip_suffix(".lora_B.weight")).unwrap_or(&self.name);
+        self.shape.len() == 3 && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| stem.ends_with(s))
     }
 
     /// The shape this rank of `ctx` holds: [`ParamSpec::local_shape`] of its TP degree, and
@@ -165,16 +167,24 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         // a LoRA target's adapters follow its weight: A [r, in], B [out, r], split as
         // candle_cp_nn::lora says (column: A replicated, B as the weight's rows; row: A as
         // its columns, B replicated)
+        // a sparse layer's stacked experts `[E, out, in]` (names without `.weight`) get stacked
+        // factors `[E, r, in]`, `[E, out, r]` split as theirs (crate::moe_lora)
         let target = lora.as_ref().and_then(|l| {
-            let module = name.strip_suffix(".weight")?.rsplit('.').next()?;
-            (l.adapts(module) && shape.len() == 2 && !name.contains("shared_expert")).then_some(l.config.rank)
+            let stem = name.strip_suffix(".weight").unwrap_or(&name);
+            let module = stem.rsplit('.').next()?;
+            let stacked = shape.len() == 3 && stem.contains(".experts.");
+            (l.adapts(module) && (stacked || (shape.len() == 2 && name.ends_with(".weight")))).then_some(l.config.rank)
         });
         out.push(ParamSpec { name: name.clone(), shape: shape.clone(), shard });
         if let Some(r) = target {
             let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
-            let (a, b) = if shard == RowParallelLinear::WEIGHT_SHARD { (shard, Shard::Replicated) } else { (Shard::Replicated, shard) };
-            out.push(ParamSpec { name: format!("{base}.lora_A.weight"), shape: vec![r, shape[1]], shard: a });
-            out.push(ParamSpec { name: format!("{base}.lora_B.weight"), shape: vec![shape[0], r], shard: b });
+            let (a, b) = match shard {
+                RowParallelLinear::WEIGHT_SHARD | Shard::Dim(2) => (shard, Shard::Replicated),
+                _ => (Shard::Replicated, shard),
+            };
+            let (outer, (o, i)) = (&shape[..shape.len() - 2], (shape[shape.len() - 2], shape[shape.len() - 1]));
+            out.push(ParamSpec { name: format!("{base}.lora_A.weight"), shape: [outer, &[r, i]].concat(), shard: a });
+            out.push(ParamSpec { name: format!("{base}.lora_B.weight"), shape: [outer, &[o, r]].concat(), shard: b });
         }
     };
     // vocabulary-parallel embedding and head (padded to tp·⌈V/tp⌉ rows when tp does not
@@ -244,11 +254,16 @@ pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
         ("block_sparse_moe", "up_proj", "w3"),
         ("block_sparse_moe", "down_proj", "w2"),
     ];
+    // a stacked LoRA factor: `….experts.{proj}.lora_A.weight` ↔ `….experts.{e}.{proj}.lora_A.weight`
+    let (stem, tail) = match ["lora_A", "lora_B"].iter().find_map(|f| Some((spec.name.strip_suffix(&format!(".{f}.weight"))?, f))) {
+        Some((stem, f)) => (stem, format!("{f}.weight")),
+        None => (spec.name.as_str(), "weight".to_string()),
+    };
     for (module, proj, per_expert) in names {
         let suffix = format!("{module}.experts.{proj}");
-        if let Some(prefix) = spec.name.strip_suffix(&suffix) {
+        if let Some(prefix) = stem.strip_suffix(&suffix).filter(|_| spec.shape.len() == 3) {
             let e = spec.shape.first().copied().unwrap_or(0);
-            return (0..e).map(|i| (format!("{prefix}{module}.experts.{i}.{per_expert}.weight"), Some(i))).collect();
+            return (0..e).map(|i| (format!("{prefix}{module}.experts.{i}.{per_expert}.{tail}"), Some(i))).collect();
         }
     }
     vec![(spec.name.clone(), None)]
@@ -361,7 +376,8 @@ pub(crate) fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Res
     let mut rng = Normal(key);
     if spec.name.ends_with(".lora_A.weight") {
         // uniform in ±1/√in, PEFT's Kaiming init of A
-        let bound = 1.0 / (spec.shape[1].max(1) as f64).sqrt();
+        // (the input features: the last dim, of `[r, in]` or a stacked `[E, r, in]`)
+        let bound = 1.0 / (spec.shape.last().copied().unwrap_or(1).max(1) as f64).sqrt();
         let v: Vec<f32> = (0..n).map(|_| ((2.0 * rng.uniform() - 1.0) * bound) as f32).collect();
         return Tensor::from_vec(v, spec.shape.as_slice(), &Device::Cpu);
     }

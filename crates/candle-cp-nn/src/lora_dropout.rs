@@ -51,6 +51,12 @@ impl DropoutRows {
     fn get(&self) -> Option<Arc<DropoutKey>> {
         self.0.lock().ok().and_then(|k| k.clone())
     }
+
+    /// The current key (`None`: no dropout), for adapters outside this crate that draw their
+    /// masks themselves (a mixture of experts' adapters, whose rows are (token, expert) pairs).
+    pub fn key(&self) -> Option<Arc<DropoutKey>> {
+        self.get()
+    }
 }
 
 /// Which layer's input a mask is for.

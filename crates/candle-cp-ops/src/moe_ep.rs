@@ -129,6 +129,21 @@ impl ExpertExchange {
         &self.group
     }
 
+    /// Per-row keys (`u64`, one per row of this rank's `[M, ·]` rows grouped by expert) sent
+    /// as [`dispatch_to_experts`] sends the rows: the keys of this rank's experts' rows, grouped
+    /// by local expert (`[R]`; one key 0 for the zero row when `R = 0`). For values that must
+    /// travel with the rows, e.g. the (token, expert) keys of dropout masks drawn where the
+    /// experts are. Collective over the EP group.
+    pub fn dispatch_keys(&self, keys: &[u64], device: &Device) -> Result<Vec<u64>> {
+        let m: usize = self.send.iter().sum();
+        if keys.len() != m {
+            bail!("ExpertExchange::dispatch_keys: {} keys for the {m} rows sent {:?}", keys.len(), self.send)
+        }
+        // (as i64 bits: every group moves i64)
+        let t = Tensor::from_vec(keys.iter().map(|&k| k as i64).collect::<Vec<_>>(), (m, 1), device)?;
+        Ok(self.forward_raw(&t)?.flatten_all()?.to_vec1::<i64>()?.into_iter().map(|k| k as u64).collect())
+    }
+
     fn check(&self, op: &str, t: &Tensor, rows: usize) -> Result<()> {
         if t.rank() < 2 || t.dim(0)? != rows {
             bail!("{op}: input {:?} must be [{rows}, ...] (rows sent {:?}, received {:?})", t.dims(), self.send, self.recv)

@@ -1,0 +1,259 @@
+//! LoRA adapters on a sparse layer's experts and on its shared expert: PEFT adapts every linear
+//! whose name a target gives, so `gate_proj`, `up_proj`, `down_proj` (Mixtral's `w1`, `w3`,
+//! `w2`) adapt each expert's projections, and Qwen2-MoE's shared expert's.
+//!
+//! The experts' adapters are stacked like their weights ([`crate::params`]): per projection
+//! `A` `[E, r, in]`, `B` `[E, out, r]` (`….experts.{gate,up,down}_proj.lora_{A,B}.weight`), and
+//! run as two grouped matmuls beside the weight's, on the rows grouped by expert:
+//!
+//! ```text
+//!  xs [M, in] ─► grouped(xs, W)  +  s · grouped(grouped(drop(xs), A) [M, r], B)   [M, out]
+//! ```
+//!
+//! On disk (PEFT) each expert has its own factors, `….experts.{e}.{proj}.lora_{A,B}.weight`
+//! ([`stack_expert_adapters`] / [`split_expert_adapters`] at the boundary).
+//!
+//! TP splits the factors as the dense adapters ([`candle_cp_nn::lora`]): gate and up `A`
+//! replicated, `B` as the weight's rows (dim 1); down `A` as the weight's columns (dim 2), `B`
+//! replicated. Every TP rank computes its slice for the whole region's rows, so a replicated
+//! factor's gradient on one TP rank is that rank's share: summed over TP in the graph
+//! (`copy_to_tp_region`, as the router's) without SP and under expert parallelism, by
+//! [`crate::reduce_gradients`] with SP otherwise (whose group of a replicated parameter spans TP;
+//! the experts' group under EP, [`crate::ParallelCtx::ep_dp`], does not). EP splits the
+//! stacked factors along `E` as the weights ([`crate::params::ParamSpec::is_expert`]).
+//!
+//! Dropout (PEFT's `lora_dropout`): a mask row is keyed on the (token, expert) pair,
+//! `token · E + e` (`token` the global index the model's [`candle_cp_nn::DropoutRows`] holds),
+//! so each expert drops its own elements, as PEFT's per-expert dropout modules do, and every
+//! layout drops what one device drops; under EP the keys travel with the rows
+//! ([`candle_cp_ops::moe_ep::ExpertExchange::dispatch_keys`]). The shared expert's rows are
+//! keyed on the token alone, as a dense adapter's.
+
+use candle_core::{bail, Result, Tensor};
+use candle_cp_nn::{DropoutRows, Tp};
+use candle_cp_ops::mappings;
+use candle_cp_ops::moe::grouped_matmul;
+use std::collections::HashMap;
+
+/// One adapted projection: this rank's factors (stacked `[E_local, r, in_local]`,
+/// `[E_local, out_local, r]` for the experts; `[r, in_local]`, `[out_local, r]` for the shared
+/// expert) and the name of its dropout stream.
+#[derive(Clone)]
+pub(crate) struct Factors {
+    pub(crate) a: Tensor,
+    pub(crate) b: Tensor,
+    pub(crate) stream: String,
+}
+
+/// A sparse layer's adapters: the experts' and the shared expert's gate, up, down (each
+/// `None` when not a target), their scale and dropout.
+#[derive(Clone)]
+pub(crate) struct MoeLora {
+    /// The experts' `[gate, up, down]`.
+    pub(crate) experts: [Option<Factors>; 3],
+    /// The shared expert's `[gate, up, down]`.
+    pub(crate) shared: [Option<Factors>; 3],
+    /// `alpha / r` (or rsLoRA's `alpha / √r`).
+    pub(crate) scale: f64,
+    /// Dropout on the adapters' inputs while training.
+    pub(crate) dropout: f64,
+    /// The model's token indices of the current forward (`None` inside: no dropout).
+    pub(crate) rows: DropoutRows,
+}
+
+/// The projection index of `down_proj`, whose input is feature-sharded over TP.
+const DOWN: usize = 2;
+
+impl MoeLora {
+    /// Whether any expert projection is adapted with dropout and the current forward draws
+    /// masks: then the rows need keys ([`MoeLora::expert_keys`]).
+    pub(crate) fn needs_keys(&self) -> bool {
+        self.dropout > 0.0 && self.experts.iter().any(|f| f.is_some()) && self.rows.key().is_some()
+    }
+
+    /// The dropout keys `token · E + e` of the rows grouped by expert: `tokens` the region's
+    /// token (row of `[B·Tc]`) of each, `counts` `[E]` the rows per expert. `None` without
+    /// dropout this forward. Errors when the model's token indices do not cover the region.
+    pub(crate) fn expert_keys(&self, tokens: &[u32], counts: &[usize], region_rows: usize) -> Result<Option<Vec<u64>>> {
+        let Some(k) = self.rows.key().filter(|_| self.needs_keys()) else { return Ok(None) };
+        if k.rows.len() != region_rows {
+            bail!("MoE LoRA dropout: {} token indices for a region of {region_rows} rows", k.rows.len())
+        }
+        if tokens.len() != counts.iter().sum::<usize>() {
+            bail!("MoE LoRA dropout: {} rows for the expert counts {counts:?}", tokens.len())
+        }
+        if let Some(&t) = tokens.iter().find(|&&t| t as usize >= region_rows) {
+            bail!("MoE LoRA dropout: token {t} outside a region of {region_rows} rows")
+        }
+        let e = counts.len() as u64;
+        let mut keys = Vec::with_capacity(tokens.len());
+        for (expert, &c) in counts.iter().enumerate() {
+            for &t in &tokens[keys.len()..keys.len() + c] {
+                keys.push(k.rows[t as usize].wrapping_mul(e).wrapping_add(expert as u64));
+            }
+        }
+        Ok(Some(keys))
+    }
+
+    /// `x` `[R, f]` with the dropout of stream `stream` on rows keyed `keys` (a down
+    /// projection's input: this TP rank's slice of the features); `x` itself without keys.
+    fn drop(&self, x: &Tensor, stream: &str, keys: Option<&[u64]>, down: bool, tp: &Tp) -> Result<Tensor> {
+        let (Some(keys), Some(k)) = (keys, self.rows.key()) else { return Ok(x.clone()) };
+        if self.dropout == 0.0 {
+            return Ok(x.clone());
+        }
+        let (r, f) = x.dims2()?;
+        if keys.len() != r {
+            bail!("MoE LoRA dropout ({stream}): {} row keys for an input {:?}", keys.len(), x.dims())
+        }
+        let (col0, total) = if down { (tp.group.rank() * f, f * tp.size()) } else { (0, f) };
+        let keep = k.streams.keep_mask_rows(stream, k.step, keys, col0..col0 + f, total, self.dropout, x.dtype(), x.device())?;
+        x.mul(&keep)
+    }
+
+    /// A replicated factor as the graph uses it: copied into the TP region (its gradient
+    /// summed over TP in the backward) unless [`crate::reduce_gradients`] sums it (SP, no EP).
+    fn replicated(t: &Tensor, tp: &Tp, ep: bool) -> Result<Tensor> {
+        if tp.size() > 1 && (!tp.sequence_parallel || ep) {
+            mappings::copy_to_tp_region(t, &tp.group)
+        } else {
+            Ok(t.clone())
+        }
+    }
+
+    /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
+    /// grouped by `counts` (this rank's experts), keyed `keys` for dropout: `[R, out_local]`, or
+    /// `None` when the projection is not adapted. `ep`: under expert parallelism.
+    pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
+        let Some(f) = &self.experts[i] else { return Ok(None) };
+        let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
+        let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, ep)?) } else { (Self::replicated(&f.a, tp, ep)?, f.b.clone()) };
+        let u = grouped_matmul(&x, &a, counts)?;
+        Ok(Some((grouped_matmul(&u, &b, counts)? * self.scale)?))
+    }
+
+    /// The shared expert's update of projection `i` for the region's rows `x` `[N, in_local]`
+    /// (`tokens`: their global token indices for dropout, `None` without): `[N, out_local]`,
+    /// or `None` when the projection is not adapted.
+    pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
+        let Some(f) = &self.shared[i] else { return Ok(None) };
+        let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
+        let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, false)?) } else { (Self::replicated(&f.a, tp, false)?, f.b.clone()) };
+        Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?))
+    }
+
+    /// The region's global token indices when the shared expert's adapters draw masks.
+    pub(crate) fn shared_tokens(&self, region_rows: usize) -> Result<Option<std::sync::Arc<Vec<u64>>>> {
+        let Some(k) = self.rows.key().filter(|_| self.dropout > 0.0 && self.shared.iter().any(|f| f.is_some())) else { return Ok(None) };
+        if k.rows.len() != region_rows {
+            bail!("MoE LoRA dropout: {} token indices for a region of {region_rows} rows", k.rows.len())
+        }
+        Ok(Some(k.rows.clone()))
+    }
+}
+
+/// `y + d` for an update `d` (none: `y`).
+pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
+    match d {
+        Some(d) => y + d,
+        None => Ok(y),
+    }
+}
+
+/// The per-expert checkpoint modules of the stacked projections: (module, stacked name, the
+/// checkpoint's per-expert name), as [`crate::params::checkpoint_tensors`] maps the weights.
+const EXPERT_NAMES: [(&str, &str, &str); 6] = [
+    ("mlp", "gate_proj", "gate_proj"),
+    ("mlp", "up_proj", "up_proj"),
+    ("mlp", "down_proj", "down_proj"),
+    ("block_sparse_moe", "gate_proj", "w1"),
+    ("block_sparse_moe", "up_proj", "w3"),
+    ("block_sparse_moe", "down_proj", "w2"),
+];
+
+/// Per-expert adapter tensors as a PEFT file holds them
+/// (`….{mlp,block_sparse_moe}.experts.{e}.{proj}.lora_{A,B}.weight`, `[r, in]` / `[out, r]`)
+/// stacked into the model's parameters (`….experts.{gate,up,down}_proj.lora_{A,B}.weight`,
+/// `[E, r, in]` / `[E, out, r]`); other tensors pass as they are. Errors name an expert missing
+/// from `0..E` or factors of different shapes.
+pub(crate) fn stack_expert_adapters(tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    // stacked name → (expert, tensor)
+    let mut groups: HashMap<String, Vec<(usize, Tensor)>> = HashMap::new();
+    for (name, t) in tensors {
+        match per_expert_name(&name) {
+            Some((stacked, e)) => groups.entry(stacked).or_default().push((e, t)),
+            None => {
+                out.insert(name, t);
+            }
+        }
+    }
+    for (stacked, mut parts) in groups {
+        parts.sort_by_key(|(e, _)| *e);
+        if let Some((i, (e, _))) = parts.iter().enumerate().find(|(i, (e, _))| i != e) {
+            bail!("LoRA adapter: {stacked} has expert {e} where expert {i} was expected (the {} experts' factors must be 0..{})", parts.len(), parts.len())
+        }
+        let dims = parts[0].1.dims().to_vec();
+        if let Some((e, t)) = parts.iter().find(|(_, t)| t.dims() != dims.as_slice()) {
+            bail!("LoRA adapter: {stacked}: expert {e}'s factor {:?} differs from expert 0's {dims:?}", t.dims())
+        }
+        let ts: Vec<Tensor> = parts.into_iter().map(|(_, t)| t).collect();
+        out.insert(stacked, Tensor::stack(&ts, 0)?);
+    }
+    Ok(out)
+}
+
+/// `(stacked name, expert)` of a per-expert adapter factor's name, `None` for another name.
+fn per_expert_name(name: &str) -> Option<(String, usize)> {
+    let (factor, stem) = ["lora_A", "lora_B"].iter().find_map(|f| Some((*f, name.strip_suffix(&format!(".{f}.weight"))?)))?;
+    for (module, proj, per) in EXPERT_NAMES {
+        let Some(head) = stem.strip_suffix(&format!(".{per}")) else { continue };
+        let Some((prefix, e)) = head.rsplit_once('.') else { continue };
+        let (Some(prefix), Ok(e)) = (prefix.strip_suffix(&format!("{module}.experts")), e.parse::<usize>()) else { continue };
+        return Some((format!("{prefix}{module}.experts.{proj}.{factor}.weight"), e));
+    }
+    None
+}
+
+/// The model's stacked expert factors (3-D, `….experts.{gate,up,down}_proj.lora_{A,B}.weight`)
+/// split into the per-expert tensors a PEFT file holds; other tensors pass as they are.
+pub(crate) fn split_expert_adapters(tensors: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (name, t) in tensors {
+        let spec = crate::ParamSpec { name: name.clone(), shape: t.dims().to_vec(), shard: crate::params::Shard::Replicated };
+        for (n, e) in crate::params::checkpoint_tensors(&spec) {
+            let part = match e {
+                Some(e) => t.get(e)?.contiguous()?,
+                None => t.clone(),
+            };
+            out.insert(n, part);
+        }
+    }
+    Ok(out)
+}
+
+/// PEFT's names of the target modules `targets` on a model whose adapter tensors are `names`:
+/// Mixtral's experts are `w1`, `w3`, `w2` (it has no other gate, up, down projections).
+pub(crate) fn peft_target_names(targets: &[String], names: impl Iterator<Item = impl AsRef<str>>) -> Vec<String> {
+    let mixtral = names.into_iter().any(|n| n.as_ref().contains("block_sparse_moe.experts."));
+    targets
+        .iter()
+        .map(|t| match (mixtral, t.as_str()) {
+            (true, "gate_proj") => "w1".into(),
+            (true, "up_proj") => "w3".into(),
+            (true, "down_proj") => "w2".into(),
+            _ => t.clone(),
+        })
+        .collect()
+}
+
+/// A PEFT target module name as [`crate::lora::TARGETS`] names it (Mixtral's expert names
+/// `w1`, `w3`, `w2` are `gate_proj`, `up_proj`, `down_proj`).
+pub(crate) fn target_from_peft(name: &str) -> &str {
+    match name {
+        "w1" => "gate_proj",
+        "w3" => "up_proj",
+        "w2" => "down_proj",
+        n => n,
+    }
+}

@@ -1,0 +1,183 @@
+//! LoRA adapters on a mixture of experts' experts and shared expert (the targets `gate_proj`,
+//! `up_proj`, `down_proj` adapt every expert's projections, as PEFT does), on parallel layouts,
+//! against references they must equal:
+//!
+//! - The adapted model is the model with merged weights `W_e + s·B_e·A_e` (every expert's, the
+//!   shared expert's, the dense ones'): its logits and loss are the float64 reference's of the
+//!   merged weights, the adapters' gradients follow from its weight gradients by the chain rule
+//!   (`dA_e = s·B_eᵀ·dW_e`, `dB_e = s·dW_e·A_eᵀ`), on one device, TP with and without SP, TP ×
+//!   CP, and expert parallelism (alone, with TP + SP, across DP replicas); the three styles
+//!   (Qwen3-MoE, Mixtral's `block_sparse_moe` names, Qwen2-MoE's shared expert).
+//! - PEFT files hold one factor per expert (`mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
+//!   `block_sparse_moe.experts.{e}.w1`, with target modules `w1`, `w3`, `w2`): written and read
+//!   back stacked bit for bit; an expert missing from the file is refused by name.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::lora::{is_lora_name, load_peft_adapter, merge_adapter, save_peft_adapter, TARGETS};
+use candle_cp_llama::verify::{load_reference, run_layout_recompute, LayoutRun};
+use candle_cp_llama::{param_specs, LlamaConfig, LoraSpec, MoeStyle};
+use candle_cp_tests::dense_llama::{reference_rows, reference_routed};
+use candle_cp_tests::moe_model::moe_model;
+use std::collections::HashMap;
+
+const RANK: usize = 4;
+const ALPHA: f64 = 6.0;
+const T: usize = 128;
+
+fn ids(t: usize) -> Result<Tensor> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, t)?.contiguous()
+}
+
+/// The model of `style` with adapters on all seven projections (config, full weights with
+/// seeded factors, `B ≠ 0`).
+fn adapted(style: MoeStyle) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
+    let (base, mut full) = moe_model(style, None)?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?));
+    for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
+        full.insert(s.name.clone(), candle_cp_ops::oracle::randn(1300 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
+    }
+    Ok((base, cfg, full))
+}
+
+fn f64s(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::F64)
+}
+
+/// max |a − b| / max |b|.
+fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    Ok(if m > 0.0 { d / m } else { d })
+}
+
+/// The adapters' gradients from the merged model's weight gradients `dw` (by weight name; a
+/// stacked expert weight `[E, out, in]` by its name without `.weight`): `dA = s·Bᵀ·dW`,
+/// `dB = s·dW·Aᵀ` (per expert for stacked factors).
+fn chain_rule(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let s = ALPHA / RANK as f64;
+    let mut out = HashMap::new();
+    for spec in param_specs(cfg) {
+        let Some(stem) = spec.name.strip_suffix(".lora_A.weight") else { continue };
+        let g = match dw.get(&format!("{stem}.weight")).or_else(|| dw.get(stem)) {
+            Some(g) => f64s(g)?,
+            None => candle_core::bail!("no weight gradient for {stem}"),
+        };
+        let (a, b) = (f64s(&full[&spec.name])?, f64s(&full[&format!("{stem}.lora_B.weight")])?);
+        out.insert(spec.name.clone(), (b.t()?.contiguous()?.matmul(&g)? * s)?);
+        out.insert(format!("{stem}.lora_B.weight"), (g.matmul(&a.t()?.contiguous()?)? * s)?);
+    }
+    Ok(out)
+}
+
+/// `run` against the merged model: logits, loss, every adapter gradient; the ranks agree.
+fn check(what: &str, run: &LayoutRun, logits: &Tensor, loss: f64, want: &HashMap<String, Tensor>) -> Result<()> {
+    let e_logits = (f64s(&run.logits)? - f64s(logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let got: HashMap<&String, &Tensor> = run.grads.iter().map(|(n, g)| (n, g)).collect();
+    let (mut worst, mut at) = (0f64, String::new());
+    for (n, w) in want {
+        let Some(g) = got.get(n) else { candle_core::bail!("{what}: no gradient for {n}") };
+        let e = rel(g, w)?;
+        if e > worst {
+            (worst, at) = (e, n.clone());
+        }
+    }
+    println!("{what}: logits {e_logits:.2e}, loss {:.1e}, adapter gradients {worst:.2e} ({at}), rank spread {:.1e}", (run.loss - loss).abs(), run.grad_spread);
+    assert!(e_logits < 2e-5, "{what}: logits off by {e_logits}");
+    assert!((run.loss - loss).abs() < 5e-6, "{what}: loss {} vs {loss}", run.loss);
+    assert!(run.grad_spread < 1e-6, "{what}: the ranks' adapter gradients differ by {}", run.grad_spread);
+    assert_eq!(run.grads.len(), want.len(), "{what}: the adapters' gradients, and only theirs");
+    assert!(worst < 2e-4, "{what}: {at} off by {worst} (relative)");
+    Ok(())
+}
+
+/// Every style on TP (with and without SP), TP × CP and expert-parallel layouts equals the
+/// merged model's float64 reference, adapter gradients by the chain rule; the expert and
+/// shared-expert factors move the logits (they are not left out).
+#[test]
+fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
+    let ids = ids(T)?;
+    let two = Tensor::cat(&[&ids, &ids], 0)?;
+    for (style, merged_n) in [(MoeStyle::Qwen3Moe, 14), (MoeStyle::Mixtral, 14), (MoeStyle::Qwen2Moe, 17)] {
+        let (base, cfg, full) = adapted(style)?;
+        let specs = param_specs(&cfg);
+        let stacked: Vec<&str> = specs.iter().filter(|s| s.is_lora() && s.is_expert()).map(|s| s.name.as_str()).collect();
+        assert_eq!(stacked.len(), 6 * cfg.moe_layers(), "{style:?}: A and B of gate, up, down per sparse layer: {stacked:?}");
+        let (adapters, weights): (HashMap<String, Tensor>, HashMap<String, Tensor>) = full.clone().into_iter().partition(|(n, _)| is_lora_name(n));
+        let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+        let mut merged = weights.clone();
+        assert_eq!(merge_adapter(&mut merged, &spec, &adapters)?, merged_n, "{style:?}: weights merged");
+        let (want, margin) = reference_routed(&merged, &base, &ids)?;
+        assert!(margin > 1e-5, "{style:?}: a near tie in the routing ({margin:.1e})");
+        // the experts' adapters bind: merging the others alone gives other logits
+        let moe_factor = |n: &str| n.contains("experts.") || n.contains("shared_expert.");
+        let dense: HashMap<String, Tensor> = adapters.iter().filter(|(n, _)| !moe_factor(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+        let mut no_experts = weights.clone();
+        merge_adapter(&mut no_experts, &spec, &dense)?;
+        let without = reference_routed(&no_experts, &base, &ids)?.0;
+        let moved = (f64s(&without.logits)? - f64s(&want.logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        assert!(moved > 1e-3, "{style:?}: the expert adapters move the logits by only {moved:.1e}");
+        let rows_want = reference_rows(&want)?;
+        let want_g = chain_rule(&cfg, &full, &want.grads)?;
+        let layouts = [
+            (Layout::single(), false, false),
+            (Layout::single().with_tp(2, false), false, false),
+            (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), false, false),
+            (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
+            (Layout::cp(CpKind::Zigzag, 2).with_ep(2), false, false),
+            (Layout::cp(CpKind::AllGather, 2).with_tp(2, false).with_ep(2), false, false),
+            (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), false, false),
+            (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, true),
+        ];
+        for (layout, recompute, dp) in layouts {
+            let (input, r) = if dp { (&two, &rows_want) } else { (&ids, &want) };
+            let run = run_layout_recompute(&full, &cfg, input, layout, &Device::Cpu, recompute)?;
+            check(&format!("{style:?} {layout}{}", if recompute { " (recomputed)" } else { "" }), &run, &r.logits, r.loss, &want_g)?;
+        }
+    }
+    Ok(())
+}
+
+/// A PEFT adapter of a mixture of experts holds each expert's factors under its own name (and
+/// Mixtral's module names, `w1`, `w3`, `w2`, in its target modules); reading it gives the
+/// stacked factors back bit for bit and the same model; an expert missing is refused by name.
+#[test]
+fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
+    let root = std::env::temp_dir().join(format!("candle-cp-moe-lora-{}", std::process::id()));
+    for style in [MoeStyle::Qwen2Moe, MoeStyle::Mixtral] {
+        let (_, cfg, full) = adapted(style)?;
+        let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+        let adapters: HashMap<String, Tensor> = full.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+        let dir = root.join(format!("{style:?}"));
+        save_peft_adapter(&dir, &spec, &adapters, "base")?;
+        let file = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
+        let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+        let targets: Vec<&str> = json["target_modules"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
+        let (module, gate, expected_targets) = match style {
+            MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"]),
+            _ => ("mlp", "gate_proj", TARGETS.to_vec()),
+        };
+        assert_eq!(targets, expected_targets, "{style:?}: PEFT's target modules");
+        let per_expert = format!("base_model.model.model.layers.1.{module}.experts.7.{gate}.lora_A.weight");
+        assert_eq!(file.get(&per_expert).map(|t| t.dims().to_vec()), Some(vec![RANK, cfg.hidden_size]), "{style:?}: {per_expert}");
+        assert!(file.keys().all(|n| !n.contains("experts.gate_proj")), "{style:?}: no stacked tensor on disk");
+        let (read_spec, read) = load_peft_adapter(&dir)?;
+        assert_eq!(read_spec, spec, "{style:?}: the spec read back");
+        assert_eq!(read.len(), adapters.len(), "{style:?}: the stacked factors");
+        for (n, t) in &adapters {
+            let got = read.get(n).ok_or_else(|| candle_core::Error::Msg(format!("{style:?}: {n} not read back")))?;
+            assert_eq!(got.dims(), t.dims(), "{n}");
+            assert_eq!((got - t)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?, 0.0, "{n}");
+        }
+        // an expert's factor missing from the file is refused by name
+        let mut short: HashMap<String, Tensor> = file.clone();
+        short.remove(&format!("base_model.model.model.layers.1.{module}.experts.3.{gate}.lora_B.weight"));
+        candle_core::safetensors::save(&short, dir.join("adapter_model.safetensors"))?;
+        let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("experts") && e.contains("expert 4 where expert 3"), "{style:?}: {e}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
