@@ -168,6 +168,53 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
     Ok(())
 }
 
+/// LoRA on every projection of a Qwen2-MoE (the experts' stacked adapters and the shared
+/// expert's too): the planner's adapter parameters and Adam state per GPU equal the trainer's
+/// on one device, TP 2 + SP, EP 2 over zigzag 2 and EP 2 over ring 2 × DP 2 with ZeRO-1 (the
+/// experts' adapters' state split over the ranks holding their experts, the rest over the
+/// replicas), every rank.
+#[test]
+fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
+    use candle_cp_llama::layout::CpKind;
+    let base = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::Qwen2Moe, None)?.0;
+    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
+    let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+    let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)];
+    for layout in layouts {
+        let zero = (layout.dp * layout.cp > 1) as u8;
+        let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, ..PlanLayout::default() };
+        let per_gpu = candle_cp_plan::memory::layers_per_stage(&m, &plan) as f64 * candle_cp_plan::memory::layer_lora_params_per_gpu(&m, &plan);
+        let want = candle_cp_plan::memory::model_states(&m, &plan, 4).optimizer;
+        let got = run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_params(&init_params(&cfg, 1, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
+            Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+            let named: Vec<(String, candle_core::Var)> = vm
+                .data()
+                .lock()
+                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+                .iter()
+                .filter(|(k, _)| candle_cp_llama::lora::is_lora_name(k))
+                .map(|(k, v)| (k.clone(), v.clone()))
+                .collect();
+            let params: usize = named.iter().map(|(_, v)| v.elem_count()).sum();
+            let experts: Vec<String> = candle_cp_llama::params::trainable_specs(&cfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
+            let mut opt = if zero > 0 { AdamW::new_zero1(named, Default::default(), ctx.dp_cp.clone())? } else { AdamW::new(named, Default::default())? };
+            if let Some(ep) = &ctx.ep {
+                opt = opt.with_expert_parallel(ep.clone(), ctx.ep_dp.clone(), experts)?;
+            }
+            Ok((params, opt.state_bytes()))
+        });
+        for (r, x) in got.into_iter().enumerate() {
+            let (params, bytes) = x?;
+            assert!((params as f64 - per_gpu).abs() < 1e-9 * per_gpu, "{layout} rank {r}: {params} adapter parameters, the planner says {per_gpu}");
+            assert!((bytes as f64 - want).abs() < 1e-9 * want, "{layout} rank {r}: {bytes} bytes of adapter state, the planner says {want}");
+        }
+        println!("qwen2-moe {layout} LoRA: {per_gpu} adapter parameters, {want} bytes of Adam state per GPU = planner");
+    }
+    Ok(())
+}
+
 /// A quantized base (NF4 and int8, groups of 8, NF4 with double-quantized scales in blocks of
 /// 4 rows, LoRA on every projection; the tiny Llama and a Qwen2-MoE of it): the planner's
 /// weights per GPU (the projections' codes and scales, the other frozen weights and the

@@ -160,7 +160,7 @@ pub struct Layout {
     /// and 2-D, no on one device and for Ulysses).
     pub f32_row_sums: Option<bool>,
     /// LoRA fine-tuning (candle-cp's `TrainConfig::lora`): adapters of this rank on q, k, v,
-    /// o of every layer (and gate, up, down of the dense MLPs with [`Layout::lora_mlp`]), the
+    /// o of every layer (and gate, up, down of the MLPs, experts included, with [`Layout::lora_mlp`]), the
     /// other weights frozen: gradients and Adam state for the adapters only
     /// ([`crate::memory::layer_lora_params_per_gpu`]). 0: every weight trained.
     pub lora_rank: usize,

@@ -394,7 +394,9 @@ pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 /// `r·(in + out)` per adapted projection, split over TP as candle-cp splits them (a
 /// column-parallel projection's `A` `[r, in]` replicated and `B` `[out/t, r]`; a row-parallel
 /// one's `A` `[r, in/t]` and `B` `[out, r]` replicated; K/V's `B` as their heads). The MLP's
-/// (with [`Layout::lora_mlp`]) on the dense layers only: the experts are not adapted.
+/// with [`Layout::lora_mlp`]: a dense layer's, and a sparse layer's shared expert's and
+/// experts' ([`layer_expert_lora_params_per_gpu`]), as PEFT's targets `gate_proj`, `up_proj`,
+/// `down_proj` adapt them.
 pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let r = l.lora_rank as f64;
     if r == 0.0 {
@@ -406,8 +408,26 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     // q, k, v: A replicated, B split; o: A split, B replicated
     let attn = r * (3.0 * h + q / t + 2.0 * kv) + r * (q / t + h);
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
-    let mlp = if l.lora_mlp { dense_mlp * (r * (2.0 * h + 2.0 * f / t) + r * (f / t + h)) } else { 0.0 };
-    attn + mlp
+    // gate, up: A replicated, B split; down: A split, B replicated
+    let mlp_of = |f: f64| r * (2.0 * h + 2.0 * f / t) + r * (f / t + h);
+    let shared = m.moe.as_ref().filter(|x| x.shared_ffn > 0).map_or(0.0, |x| m.sparse_fraction() * mlp_of(x.shared_ffn as f64));
+    let mlp = if l.lora_mlp { dense_mlp * mlp_of(f) + shared } else { 0.0 };
+    attn + mlp + layer_expert_lora_params_per_gpu(m, l)
+}
+
+/// The experts' share of [`layer_lora_params_per_gpu`] (averaged over the layers, as
+/// [`layer_expert_params_per_gpu`]): with [`Layout::lora_mlp`] each of the `E/ep` experts a GPU
+/// holds has a dense MLP's adapters of width `f_e` (`r·(3h + 3f_e/t)`); 0 otherwise. Split over
+/// EP like the experts, so ZeRO splits their state over the `dp·cp/ep` ranks holding them.
+pub fn layer_expert_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let (r, t, h) = (l.lora_rank as f64, l.tp as f64, m.hidden as f64);
+    match &m.moe {
+        Some(x) if l.lora_mlp && r > 0.0 => {
+            let per_expert = r * (3.0 * h + 3.0 * x.expert_ffn as f64 / t);
+            m.sparse_fraction() * per_expert * x.experts as f64 / l.ep.max(1) as f64
+        }
+        _ => 0.0,
+    }
 }
 
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,
@@ -483,7 +503,10 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
     };
     // LoRA: gradients and Adam state of the adapters alone (the base weights frozen)
     let (grads, optimizer) = if l.lora_rank > 0 {
-        (adapters * e as f64 / shard(2, n), adapters * opt_bytes / shard(1, n))
+        // (the experts' adapters split over the ranks holding their experts, as the experts)
+        let ex = layers_per_stage(m, l) as f64 * layer_expert_lora_params_per_gpu(m, l);
+        let of = |bytes: f64, stage: u8| (adapters - ex) * bytes / shard(stage, n) + ex * bytes / shard(stage, n_ex);
+        (of(e as f64, 2), of(opt_bytes, 1))
     } else {
         (by(e as f64, 2), by(opt_bytes, 1))
     };

@@ -567,7 +567,11 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
         n.push(format!(
             "LoRA rank {} on q, k, v, o{}: {:.1} M adapter parameters per GPU hold the gradients and the Adam state; the other weights are frozen (their e bytes only); activations as full fine-tuning keeps them",
             l.lora_rank,
-            if l.lora_mlp { " and the dense MLPs' gate, up, down" } else { "" },
+            match (l.lora_mlp, m.moe.is_some()) {
+                (true, true) => " and the MLPs' gate, up, down (every expert's too)",
+                (true, false) => " and the MLPs' gate, up, down",
+                _ => "",
+            },
             crate::memory::layers_per_stage(m, l) as f64 * crate::memory::layer_lora_params_per_gpu(m, l) / 1e6
         ));
         if let Some(q) = l.base_quant {
