@@ -169,8 +169,12 @@ fn moe_experts_are_quantized_and_every_layout_equals_the_dequantized_model() -> 
             let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
             full.insert(s.name.clone(), candle_cp_ops::oracle::randn(700 + i as u64, &s.shape, sd)?);
         }
-        let experts: Vec<&String> = full.keys().filter(|n| n.contains(".experts.") || n.contains("shared_expert.")).collect();
+        let lora = candle_cp_llama::lora::is_lora_name;
+        let experts: Vec<&String> = full.keys().filter(|n| (n.contains(".experts.") || n.contains("shared_expert.")) && !lora(n)).collect();
         assert!(!experts.is_empty() && experts.iter().all(|n| is_quantized_weight(n) || n.ends_with("shared_expert_gate.weight")), "{style:?}: {experts:?}");
+        // the experts' adapters (stacked factors, trained) are not quantized
+        let adapters: Vec<&String> = full.keys().filter(|n| n.contains(".experts.") && lora(n)).collect();
+        assert!(adapters.len() == 6 * cfg.moe_layers() && adapters.iter().all(|n| !is_quantized_weight(n)), "{style:?}: {adapters:?}");
         let q = QuantConfig::new(QuantKind::Nf4, 8)?;
         let want = run_layout(&dequantized(&full, q)?, &cfg, &ids, Layout::single(), &Device::Cpu)?;
         let plain = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;

@@ -49,13 +49,18 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;
-    let named: Vec<(String, candle_core::Tensor)> = candle_cp_llama::param_specs(&cfg)
-        .into_iter()
-        .map(|s| match weights.remove(&s.name) {
-            Some(t) => Ok((s.name, t.to_dtype(dtype)?)),
-            None => anyhow::bail!("merge-lora: the checkpoint has no {}", s.name),
-        })
-        .collect::<anyhow::Result<_>>()?;
+    let mut named: Vec<(String, candle_core::Tensor)> = Vec::new();
+    for s in candle_cp_llama::param_specs(&cfg) {
+        let Some(t) = weights.remove(&s.name) else { anyhow::bail!("merge-lora: the checkpoint has no {}", s.name) };
+        let t = t.to_dtype(dtype)?;
+        // a sparse layer's stacked experts written per expert, as checkpoints hold them
+        for (name, expert) in candle_cp_llama::params::checkpoint_tensors(&s) {
+            named.push((name, match expert {
+                Some(e) => t.get(e)?,
+                None => t.clone(),
+            }));
+        }
+    }
     candle_cp_llama::save_hf_tensors(&a.out, &named, &cfg)?;
     println!(
         "merged {n} weights (LoRA rank {}, alpha {}, {}) into {}",

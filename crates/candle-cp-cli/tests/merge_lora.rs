@@ -1,6 +1,8 @@
 //! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model, or
 //! naming it, becomes one model whose logits equal the adapted model's; a directory without an
-//! adapter, or whose adapter names a base that is not there, is refused (exit 2).
+//! adapter, or whose adapter names a base that is not there, is refused (exit 2). A Mixtral's
+//! adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the file)
+//! merges into each expert's weights.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
@@ -74,6 +76,55 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
     let o = candle_cp(&["merge-lora", "--checkpoint", out.to_str().unwrap_or(""), "--out", dir.join("again").to_str().unwrap_or("")]);
     assert_eq!(o.status.code(), Some(2));
     assert!(String::from_utf8_lossy(&o.stderr).contains("not a LoRA checkpoint"));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A Mixtral (4 experts, top 2) with adapters on every projection, every expert's among them
+/// (per expert in the PEFT file, `w1` / `w3` / `w2`): the merged checkpoint, written per expert,
+/// gives the adapted model's logits.
+#[test]
+fn merged_mixtral_equals_the_adapted_one() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("candle-cp-merge-mixtral-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base_cfg = candle_cp_llama::LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(candle_cp_llama::MoeConfig::mixtral(4, 2, 16)));
+    candle_cp_llama::save_hf(&dir, &candle_cp_llama::init_params(&base_cfg, 3, DType::F32, &Device::Cpu)?, &base_cfg)?;
+    let spec = LoraSpec::new(4, 8.0, &TARGETS)?;
+    let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
+    let mut adapters = std::collections::HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(170 + i as u64, &s.shape, 0.3)?);
+    }
+    save_peft_adapter(&dir, &spec, &adapters, "tiny-mixtral")?;
+    let out = dir.join("merged");
+    let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    // 2 layers: q, k, v, o and the stacked gate, up, down of the experts
+    assert!(text.contains("merged 14 weights") && text.contains("gate_proj"), "{text}");
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(out.join("model.safetensors"))? };
+    assert!(st.get("model.layers.1.block_sparse_moe.experts.3.w1.weight").is_ok(), "per-expert names in the merged checkpoint");
+    let ids = Tensor::new(&[[5u32, 17, 60, 3, 9, 41, 7, 30, 11, 2]], &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, 10, &Device::Cpu)?;
+    let diffs = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
+            candle_core::bail!("no adapter")
+        };
+        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
+        let plain = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &base, &ctx)?;
+        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
+        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let a = adapted.forward(&ids, &pos)?;
+        let d = |x: &Tensor| -> Result<f32> { (&a - x)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+        Ok((d(&merged.forward(&ids, &pos)?)?, d(&plain.forward(&ids, &pos)?)?))
+    });
+    for x in diffs {
+        let (merged, plain) = x?;
+        assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
+        assert!(plain > 1e-3, "the adapters move the logits by only {plain}");
+    }
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
