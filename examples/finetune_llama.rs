@@ -298,12 +298,17 @@ fn main() -> Result<()> {
     }
     if let Some(l) = &cfg.lora {
         say!(
-            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
+            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer{}; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
             l.config.rank,
             l.config.alpha,
             l.config.scale(),
             if l.config.rslora { ", rsLoRA" } else { "" }.to_string() + &if l.dropout > 0.0 { format!(", dropout {}", l.dropout) } else { String::new() },
-            l.targets.join(", ")
+            l.targets.join(", "),
+            // (a sparse layer's MLP projections are its experts': each adapted, as PEFT does)
+            match &cfg.moe {
+                Some(m) if ["gate_proj", "up_proj", "down_proj"].iter().any(|t| l.adapts(t)) => format!(" (in a sparse layer each of the {} experts' too)", m.num_experts),
+                _ => String::new(),
+            }
         );
     }
     say!("out      : {}", a.out.display());

@@ -246,6 +246,15 @@ shim_step "finetune_llama cuda qlora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRA
   "$ft_bin" --device cuda --gpus 2 "${ftq[@]}" --out "$shim_dir/ft-cuda-qlora"
 grep -q 'launch dequant_nf4_f32 ' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the NF4 fine-tune did not launch dequant_nf4_f32 (kernels/quant.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-qlora/metrics.jsonl" "$shim_dir/ft-cuda-qlora/metrics.jsonl" 1e-5 "CP 2 zigzag, LoRA over an NF4 base with recompute, cuda f32 (shim, thread ranks on 2 devices)"
+# a mixture of experts (4, 2 per token) with LoRA on every expert's projections (stacked factors
+# through grouped matmuls), expert parallelism over the 2 CP ranks, and LoRA dropout keyed on
+# (token, expert), the keys sent with the rows: routed on the device, the same losses
+ftm=(--cp 2 --cp-kind zigzag --ep 2 --moe 4,2 --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --lora-dropout 0.1)
+shim_step "finetune_llama cpu moe lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftm[@]}" --out "$shim_dir/ft-cpu-moe-lora"
+shim_step "finetune_llama cuda moe lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftm[@]}" --out "$shim_dir/ft-cuda-moe-lora"
+grep -q 'launch moe_top_k' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch moe_top_k (kernels/moe.cu)"; exit 1; }
+same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora/metrics.jsonl" 1e-5 "CP 2 zigzag x EP 2, MoE with LoRA on every expert and dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
 ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)

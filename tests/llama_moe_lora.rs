@@ -11,6 +11,7 @@
 //! - PEFT files hold one factor per expert (`mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
 //!   `block_sparse_moe.experts.{e}.w1`, with target modules `w1`, `w3`, `w2`): written and read
 //!   back stacked bit for bit; an expert missing from the file is refused by name.
+//! - Generation: the cached decode equals the full forward; CP, TP and EP decode alike.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::layout::{CpKind, Layout};
@@ -179,5 +180,19 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         assert!(e.contains("experts") && e.contains("expert 4 where expert 3"), "{style:?}: {e}");
     }
     let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
+
+/// Generation with the experts adapted: the cached decode equals the full forward, and zigzag
+/// 2, TP 2 and EP 2 over zigzag 2 decode the single device's tokens (Qwen2-MoE: a shared
+/// expert; Mixtral: `block_sparse_moe`).
+#[test]
+fn expert_adapters_generate_alike_on_every_layout() -> Result<()> {
+    let ids = ids(32)?;
+    for style in [MoeStyle::Qwen2Moe, MoeStyle::Mixtral] {
+        let (_, cfg, full) = adapted(style)?;
+        let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
+        candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &layouts)?;
+    }
     Ok(())
 }

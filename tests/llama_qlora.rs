@@ -156,7 +156,8 @@ fn generation_over_a_quantized_base_equals_the_dequantized_model() -> Result<()>
 /// expert's are quantized too (most of its weights), and the model equals the one-device model
 /// over the dequantized weights — logits, loss, adapter gradients — on one device, TP 2 + SP ×
 /// zigzag 2 and EP 2 over zigzag 2 (Qwen2-MoE: a dense layer, a shared expert; Mixtral: its
-/// `block_sparse_moe` names), NF4 groups of 8.
+/// `block_sparse_moe` names), NF4 groups of 8; the experts' adapters (LoRA on every expert) stay
+/// unquantized.
 #[test]
 fn moe_experts_are_quantized_and_every_layout_equals_the_dequantized_model() -> Result<()> {
     use candle_cp_llama::MoeStyle;
