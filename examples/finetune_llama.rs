@@ -305,7 +305,10 @@ fn main() -> Result<()> {
             if l.config.rslora { ", rsLoRA" } else { "" }.to_string() + &if l.dropout > 0.0 { format!(", dropout {}", l.dropout) } else { String::new() },
             l.targets.join(", "),
             // (a sparse layer's MLP projections are its experts': each adapted, as PEFT does)
-            match &cfg.moe {
+            match match &cfg.model {
+                ModelSource::Init(c) => c.moe.clone(),
+                ModelSource::Hf(dir) => candle_cp_llama::LlamaConfig::from_file(dir.join("config.json")).ok().and_then(|c| c.moe),
+            } {
                 Some(m) if ["gate_proj", "up_proj", "down_proj"].iter().any(|t| l.adapts(t)) => format!(" (in a sparse layer each of the {} experts' too)", m.num_experts),
                 _ => String::new(),
             }
