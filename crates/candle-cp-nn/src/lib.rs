@@ -63,6 +63,7 @@
 
 #![warn(missing_docs)]
 
+mod dora;
 mod dropout;
 mod embedding;
 mod linear;
@@ -75,6 +76,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
+pub use dora::{dora_magnitude, dora_merge, dora_weight, WeightSplit};
 pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};

@@ -257,11 +257,26 @@ impl ColumnParallelLinear {
         } else {
             mappings::copy_to_tp_region(x, &self.tp.group)?
         };
-        let ys: Vec<Tensor> = self.parts.iter().map(|p| affine(&xg, &p.weight, p.bias.as_ref())).collect::<Result<_>>()?;
+        let ws = self.weights()?;
+        let ys: Vec<Tensor> = self.parts.iter().zip(&ws).map(|(p, w)| affine(&xg, w, p.bias.as_ref())).collect::<Result<_>>()?;
         self.add_lora(x, ys)
     }
 
-    /// Each adapted part's output plus its LoRA update (computed from the input `x` as given).
+    /// The parts' weights the forward computes with: each DoRA part's DoRA weight
+    /// ([`crate::dora`]), the others' as they are.
+    fn weights(&self) -> Result<Vec<Tensor>> {
+        self.parts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| match self.lora(i) {
+                Some(l) => Ok(l.dora_weight(&p.weight, crate::WeightSplit::Rows, &self.tp)?.unwrap_or_else(|| p.weight.clone())),
+                None => Ok(p.weight.clone()),
+            })
+            .collect()
+    }
+
+    /// Each adapted part's output plus its LoRA update (computed from the input `x` as given;
+    /// a DoRA part's adapter is in its weight already).
     fn add_lora(&self, x: &Tensor, ys: Vec<Tensor>) -> Result<Vec<Tensor>> {
         if self.lora.is_empty() {
             return Ok(ys);
@@ -269,8 +284,8 @@ impl ColumnParallelLinear {
         ys.into_iter()
             .zip(&self.lora)
             .map(|(y, l)| match l {
-                Some(l) => y + crate::lora::column_delta(x, l, &self.tp)?,
-                None => Ok(y),
+                Some(l) if l.magnitude().is_none() => y + crate::lora::column_delta(x, l, &self.tp)?,
+                _ => Ok(y),
             })
             .collect()
     }
@@ -285,7 +300,8 @@ impl ColumnParallelLinear {
         if !posts.is_empty() && posts.len() != self.parts.len() {
             bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
         }
-        let ys = crate::regather::regathered_parts(x, self.part_refs(posts), &self.tp.group, self.tp.sequence_parallel)?;
+        let ws = self.weights()?;
+        let ys = crate::regather::regathered_parts(x, self.part_refs(&ws, posts), &self.tp.group, self.tp.sequence_parallel)?;
         if self.lora.is_empty() {
             return Ok(ys);
         }
@@ -294,7 +310,7 @@ impl ColumnParallelLinear {
         ys.into_iter()
             .zip(&self.lora)
             .enumerate()
-            .map(|(i, (y, l))| match (l, posts.get(i).and_then(|p| p.as_ref())) {
+            .map(|(i, (y, l))| match (l.as_ref().filter(|l| l.magnitude().is_none()), posts.get(i).and_then(|p| p.as_ref())) {
                 (Some(l), Some(post)) => y + crate::lora::column_delta_mapped(x, l, &self.tp, post)?,
                 (Some(l), None) => y + crate::lora::column_delta(x, l, &self.tp)?,
                 (None, _) => Ok(y),
@@ -302,13 +318,15 @@ impl ColumnParallelLinear {
             .collect()
     }
 
-    /// The parts for [`crate::regather::regathered_parts`], with `posts` (empty or one each).
-    fn part_refs(&self, posts: &[Option<crate::PartPost>]) -> Vec<crate::regather::PartRef<'_>> {
+    /// The parts for [`crate::regather::regathered_parts`] with weights `ws` ([`Self::weights`])
+    /// and `posts` (empty or one each).
+    fn part_refs<'a>(&'a self, ws: &'a [Tensor], posts: &[Option<crate::PartPost>]) -> Vec<crate::regather::PartRef<'a>> {
         self
             .parts
             .iter()
+            .zip(ws)
             .enumerate()
-            .map(|(i, p)| crate::regather::PartRef { weight: &p.weight, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
+            .map(|(i, (p, w))| crate::regather::PartRef { weight: w, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
             .collect()
     }
 
@@ -414,11 +432,20 @@ impl RowParallelLinear {
         self.lora.as_ref()
     }
 
-    /// `y` plus the LoRA update of input `x`, if any.
+    /// `y` plus the LoRA update of input `x`, if any (a DoRA adapter's is in the weight).
     fn add_lora(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
         match &self.lora {
-            Some(l) => y + crate::lora::row_delta(x, l, &self.tp)?,
-            None => Ok(y),
+            Some(l) if l.magnitude().is_none() => y + crate::lora::row_delta(x, l, &self.tp)?,
+            _ => Ok(y),
+        }
+    }
+
+    /// The weight the forward computes with: the DoRA weight with a DoRA adapter
+    /// ([`crate::dora`]), else this rank's shard.
+    fn weight_used(&self) -> Result<Tensor> {
+        match &self.lora {
+            Some(l) => Ok(l.dora_weight(&self.weight, crate::WeightSplit::Cols, &self.tp)?.unwrap_or_else(|| self.weight.clone())),
+            None => Ok(self.weight.clone()),
         }
     }
 
@@ -458,7 +485,8 @@ impl RowParallelLinear {
         if self.bias.is_some() {
             return residual + self.forward(x)?;
         }
-        let (y, grads) = self.lean_parts(x)?;
+        let w = self.weight_used()?;
+        let (y, grads) = self.lean_parts(x, &w)?;
         if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
             bail!(
                 "RowParallelLinear::forward_residual: residual {:?} ({:?}) must match the output {:?} ({:?}) of input {:?}",
@@ -474,7 +502,7 @@ impl RowParallelLinear {
             let (dx, dw) = grads(g)?;
             Ok(vec![Some(dx), Some(dw), Some(g.clone())])
         });
-        let out = attach3("RowParallelLinear::forward_residual", x, &self.weight, residual, out, bwd)?;
+        let out = attach3("RowParallelLinear::forward_residual", x, &w, residual, out, bwd)?;
         self.add_lora(x, out)
     }
 
@@ -486,22 +514,23 @@ impl RowParallelLinear {
         if self.bias.is_some() {
             return self.forward(x);
         }
-        let (y, grads) = self.lean_parts(x)?;
+        let w = self.weight_used()?;
+        let (y, grads) = self.lean_parts(x, &w)?;
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
             let (dx, dw) = grads(g)?;
             Ok(vec![Some(dx), Some(dw)])
         });
-        let y = attach2("RowParallelLinear::forward_lean", x, &self.weight, y, bwd)?;
+        let y = attach2("RowParallelLinear::forward_lean", x, &w, y, bwd)?;
         self.add_lora(x, y)
     }
 
     /// The reduced output of `x` without a graph, and the backward of `x ↦ y` (`g` ↦ `(dx,
     /// dW)`: `g` all-gathered along the sequence under SP, then the matrix products).
     #[allow(clippy::type_complexity)]
-    fn lean_parts(&self, x: &Tensor) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>)> {
+    fn lean_parts(&self, x: &Tensor, w: &Tensor) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>)> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
-        let (xd, wd) = (x.detach(), self.weight.detach());
+        let (xd, wd) = (x.detach(), w.detach());
         let partial = affine(&xd, &wd, None)?;
         let group = self.tp.group.clone();
         let p = group.size();
@@ -532,7 +561,7 @@ impl Module for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
-        let partial = affine(x, &self.weight, None)?;
+        let partial = affine(x, &self.weight_used()?, None)?;
         let y = if sp {
             mappings::reduce_scatter_to_sp_region(&partial, &self.tp.group, SEQ_DIM)?
         } else {

@@ -71,6 +71,8 @@ pub struct Lora {
     b: Tensor,
     scale: f64,
     dropout: Option<crate::lora_dropout::AdapterDropout>,
+    /// DoRA's magnitude `m` (this rank's, `[out_local]` or replicated `[out]`; [`Lora::with_dora`]).
+    magnitude: Option<Tensor>,
 }
 
 impl Lora {
@@ -85,7 +87,7 @@ impl Lora {
         if a.dtype() != b.dtype() || !a.device().same_device(b.device()) {
             bail!("LoRA: A ({:?}) and B ({:?}) must share a dtype and a device", a.dtype(), b.dtype())
         }
-        Ok(Self { a, b, scale, dropout: None })
+        Ok(Self { a, b, scale, dropout: None, magnitude: None })
     }
 
     /// The same adapter with dropout `p` in `[0, 1)` on its input (PEFT's `lora_dropout`;
@@ -97,6 +99,34 @@ impl Lora {
         }
         self.dropout = (p > 0.0).then(|| crate::lora_dropout::AdapterDropout { p, name: name.into(), rows: rows.clone() });
         Ok(self)
+    }
+
+    /// The same adapter as DoRA ([`crate::dora`]): the layer computes with
+    /// `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, `magnitude` `m` this rank's (`[out_local]` on a
+    /// column-parallel layer, the whole `[out]` replicated on a row-parallel one).
+    pub fn with_dora(mut self, magnitude: Tensor) -> Result<Self> {
+        if magnitude.rank() != 1 || magnitude.dim(0)? != self.b.dims()[0] {
+            bail!("DoRA: magnitude {:?} must be [out] of B {:?} ([out, r])", magnitude.dims(), self.b.dims())
+        }
+        self.magnitude = Some(magnitude);
+        Ok(self)
+    }
+
+    /// DoRA's magnitude, if this is a DoRA adapter.
+    pub fn magnitude(&self) -> Option<&Tensor> {
+        self.magnitude.as_ref()
+    }
+
+    /// This rank's slice of the DoRA weight `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` of its weight slice
+    /// `w` split as `split` ([`crate::dora::dora_weight`]); `None` for a plain LoRA adapter.
+    /// Refused while its input dropout draws masks (training with dropout, see [`crate::dora`]).
+    pub(crate) fn dora_weight(&self, w: &Tensor, split: crate::WeightSplit, tp: &Tp) -> Result<Option<Tensor>> {
+        let Some(m) = &self.magnitude else { return Ok(None) };
+        if let Some(d) = self.dropout.as_ref().filter(|d| d.active()) {
+            bail!("DoRA ({}): training with dropout {} on the adapter's input is not supported; set the LoRA dropout to 0", d.name, d.p)
+        }
+        // (the replicated tensors' gradients: summed over TP here without SP, by the caller with it)
+        Ok(Some(crate::dora::dora_weight(w, &self.a, &self.b, m, self.scale, split, tp, !tp.sequence_parallel)?))
     }
 
     /// `x` through this adapter's dropout (itself without one).

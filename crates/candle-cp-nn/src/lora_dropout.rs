@@ -77,6 +77,11 @@ pub(crate) struct AdapterDropout {
 }
 
 impl AdapterDropout {
+    /// Whether masks are drawn now (a key is set: a training forward).
+    pub(crate) fn active(&self) -> bool {
+        self.rows.get().is_some()
+    }
+
     /// `x` `[B, T, f]` with its dropped elements zeroed and the kept ones scaled by `1/(1-p)`;
     /// `x` itself when no key is set. Errors name shapes that do not fit the key.
     pub(crate) fn apply(&self, x: &Tensor, input: Input, tp: &Tp) -> Result<Tensor> {

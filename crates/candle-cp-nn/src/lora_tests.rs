@@ -36,6 +36,10 @@ fn full() -> Result<Full> {
     for (i, (name, shape)) in [("q", [8, 4]), ("k", [4, 4]), ("o", [4, 8]), ("qa", [3, 4]), ("qb", [8, 3]), ("ka", [3, 4]), ("kb", [4, 3]), ("oa", [3, 8]), ("ob", [4, 3])].into_iter().enumerate() {
         w.insert(name, t(&shape, 0.1 * i as f64 + 0.05)?);
     }
+    // DoRA's magnitudes (positive, about the rows' norms)
+    for (i, (name, n)) in [("qm", 8), ("km", 4), ("om", 4)].into_iter().enumerate() {
+        w.insert(name, (t(&[n], 0.3 * i as f64 + 0.7)?.abs()? + 0.6)?);
+    }
     Ok(Full { x: t(&[1, T, 4], 1.3)?, w, co: t(&[1, T, 4], 2.1)?, ck: t(&[1, T, 4], 2.7)? })
 }
 
@@ -64,11 +68,19 @@ fn dense_drop(x: &Tensor, name: &str) -> Result<Tensor> {
 /// (the adapters as their own products; with `drop`, each adapter's input through its dropout,
 /// [`dense_drop`]), loss `Σ o·co + Σ k·ck`: the loss's gradients by name (`x` and every
 /// weight), and o, k.
-fn dense(f: &Full, map: bool, drop: bool) -> Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
+/// With `dora`, each layer's weight is DoRA's `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` (the norm a
+/// constant; `m` the tensors `qm`, `km`, `om`) in place of the adapter's update.
+fn dense(f: &Full, map: bool, drop: bool, dora: bool) -> Result<(HashMap<String, Tensor>, Tensor, Tensor)> {
     let vars: HashMap<&str, Var> = f.w.iter().map(|(k, v)| Ok((*k, Var::from_tensor(v)?))).collect::<Result<_>>()?;
     let xv = Var::from_tensor(&f.x)?;
     let v = |n: &str| vars[n].as_tensor().clone();
     let lin = |x: &Tensor, w: &str, a: &str, b: &str| -> Result<Tensor> {
+        if dora {
+            let vw = (v(w) + (v(b).matmul(&v(a))? * SCALE)?)?;
+            let norm = vw.detach().sqr()?.sum_keepdim(1)?.sqrt()?;
+            let wd = vw.broadcast_mul(&v(&format!("{w}m")).unsqueeze(1)?.broadcast_div(&norm)?)?;
+            return x.broadcast_matmul(&wd.t()?);
+        }
         let xa = if drop { dense_drop(x, w)? } else { x.clone() };
         x.broadcast_matmul(&v(w).t()?)? + (xa.broadcast_matmul(&v(a).t()?)?.broadcast_matmul(&v(b).t()?)? * SCALE)?
     };
@@ -94,7 +106,31 @@ fn dense(f: &Full, map: bool, drop: bool) -> Result<(HashMap<String, Tensor>, Te
 /// weights' gradients too (the adapters leave them right).
 #[test]
 fn adapters_match_the_dense_layers_on_every_split() -> Result<()> {
-    splits(false)
+    splits(false, false)
+}
+
+/// DoRA ([`crate::dora`]) on the same layers, splits and paths: outputs, the input's gradient,
+/// the factors' and the magnitudes' gradients (q's and k's `m` split as their rows, o's
+/// replicated and summed over TP under SP; the norms of o's rows all-reduced over TP) equal the
+/// dense DoRA layers'; training with dropout is refused by name.
+#[test]
+fn dora_matches_the_dense_layers_on_every_split() -> Result<()> {
+    splits(false, true)?;
+    let f = full()?;
+    let rows = crate::DropoutRows::default();
+    rows.set(Some(drop_key()))?;
+    for r in run_ranks(1, |g: Group| {
+        let tp = Tp::new(g, false);
+        let col = ColumnParallelLinear::from_full(&f.w["q"], None, &tp)?;
+        let l = Lora::new(f.w["qa"].clone(), f.w["qb"].clone(), SCALE)?.with_dropout(0.4, "q", &rows)?.with_dora(f.w["qm"].clone())?;
+        Ok(col.with_lora(vec![Some(l)])?.forward_parts(&f.x).err().map(|e| e.to_string()).unwrap_or_default())
+    }) {
+        let e = r?;
+        assert!(e.contains("DoRA (q)") && e.contains("dropout 0.4"), "{e}");
+    }
+    let e = Lora::new(f.w["qa"].clone(), f.w["qb"].clone(), SCALE)?.with_dora(f.w["km"].clone()).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("[4]") && e.contains("[8, 3]"), "{e}");
+    Ok(())
 }
 
 /// The same with dropout 0.4 on every adapter's input (`Lora::with_dropout`): each rank's masks
@@ -102,7 +138,7 @@ fn adapters_match_the_dense_layers_on_every_split() -> Result<()> {
 /// gradients are the dense ones on every split and path; without a key no dropout happens.
 #[test]
 fn adapter_dropout_matches_the_dense_masks_on_every_split() -> Result<()> {
-    splits(true)?;
+    splits(true, false)?;
     // no key set: the adapter's input as it is
     let f = full()?;
     let rows = crate::DropoutRows::default();
@@ -119,19 +155,21 @@ fn adapter_dropout_matches_the_dense_masks_on_every_split() -> Result<()> {
     Ok(())
 }
 
-/// [`adapters_match_the_dense_layers_on_every_split`], the adapters with dropout or not.
-fn splits(drop: bool) -> Result<()> {
+/// [`adapters_match_the_dense_layers_on_every_split`], the adapters with dropout or not, as
+/// DoRA or not.
+fn splits(drop: bool, dora: bool) -> Result<()> {
     let f = full()?;
     let rows = crate::DropoutRows::default();
     rows.set(drop.then(drop_key))?;
     for (p, sp, col_path, row_path) in [(2, false, 0, 0), (2, true, 1, 1), (4, false, 1, 2), (4, true, 0, 2), (4, true, 1, 0), (2, false, 1, 1)] {
         let map = col_path == 1;
-        let (want, o, k) = dense(&f, map, drop)?;
-        let what = format!("tp {p} sp {sp} column path {col_path} row path {row_path} dropout {drop}");
+        let (want, o, k) = dense(&f, map, drop, dora)?;
+        let what = format!("tp {p} sp {sp} column path {col_path} row path {row_path} dropout {drop} dora {dora}");
         // (with dropout: stream `name`, the dense reference's)
-        let ad = |l: Lora, name: &str| -> Result<Lora> {
-            if drop {
-                l.with_dropout(DROP.0, name, &rows)
+        let ad = |l: Lora, name: &str, m: Tensor| -> Result<Lora> {
+            let l = if drop { l.with_dropout(DROP.0, name, &rows)? } else { l };
+            if dora {
+                l.with_dora(m)
             } else {
                 Ok(l)
             }
@@ -141,10 +179,14 @@ fn splits(drop: bool) -> Result<()> {
             let r = g.rank();
             let kv = if p > 2 { Shard::RowBlocks(2) } else { Shard::Rows };
             // (name, shard) of every tensor
-            let shards: [(&str, Shard); 9] =
-                [("q", Shard::Rows), ("k", kv), ("o", Shard::Cols), ("qa", Shard::Replicated), ("qb", Shard::Rows), ("ka", Shard::Replicated), ("kb", kv), ("oa", Shard::Cols), ("ob", Shard::Replicated)];
+            let mut shards: Vec<(&str, Shard)> =
+                vec![("q", Shard::Rows), ("k", kv), ("o", Shard::Cols), ("qa", Shard::Replicated), ("qb", Shard::Rows), ("ka", Shard::Replicated), ("kb", kv), ("oa", Shard::Cols), ("ob", Shard::Replicated)];
+            if dora {
+                shards.extend([("qm", Shard::Rows), ("km", kv), ("om", Shard::Replicated)]);
+            }
             let mut vars: HashMap<&str, Var> = shards.iter().map(|(n, s)| Ok((*n, Var::from_tensor(&s.slice(&f.w[n], p, r)?)?))).collect::<Result<_>>()?;
-            let v = |n: &str| vars[n].as_tensor().clone();
+            // (the magnitudes when not DoRA: unused)
+            let v = |n: &str| vars.get(n).map_or_else(|| f.w[n].clone(), |x| x.as_tensor().clone());
             let vm = VarMap::new();
             let vb = candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu);
             let col = ColumnParallelLinear::new_fused_sharded(&[(vb.pp("q"), 8, Shard::Rows), (vb.pp("k"), 4, kv)], 4, LinearConfig::new(false), &tp)?;
@@ -153,10 +195,10 @@ fn splits(drop: bool) -> Result<()> {
                 m["q.weight"].set(&v("q"))?;
                 m["k.weight"].set(&v("k"))?;
             }
-            let col = col.with_lora(vec![Some(ad(Lora::new(v("qa"), v("qb"), SCALE)?, "q")?), Some(ad(Lora::new(v("ka"), v("kb"), SCALE)?, "k")?)])?;
+            let col = col.with_lora(vec![Some(ad(Lora::new(v("qa"), v("qb"), SCALE)?, "q", v("qm"))?), Some(ad(Lora::new(v("ka"), v("kb"), SCALE)?, "k", v("km"))?)])?;
             let row = RowParallelLinear::new(vb.pp("o"), 8, 4, LinearConfig::new(false), &tp)?;
             vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["o.weight"].set(&v("o"))?;
-            let row = row.with_lora(ad(Lora::new(v("oa"), v("ob"), SCALE)?, "o")?)?;
+            let row = row.with_lora(ad(Lora::new(v("oa"), v("ob"), SCALE)?, "o", v("om"))?)?;
             // the weights' gradients land on the layers' own variables
             for n in ["q", "k", "o"] {
                 let var = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?[&format!("{n}.weight")].clone();
@@ -180,7 +222,7 @@ fn splits(drop: bool) -> Result<()> {
             let gr = loss.backward()?;
             let grad = |var: &Var| -> Result<Tensor> { gr.get(var.as_tensor()).cloned().map_or_else(|| var.zeros_like(), Ok) };
             let mut errs = vec![("o".to_string(), e_o), ("k".to_string(), e_k), ("x".to_string(), max_abs(&grad(&xl)?, &rows(&want["x"])?)?)];
-            for (n, s) in shards {
+            for (n, s) in shards.iter().copied() {
                 let mut gv = grad(&vars[n])?;
                 // replicated: the sum over TP under SP (each rank's rows), else already whole;
                 // replicated blocks: the sum over their copies

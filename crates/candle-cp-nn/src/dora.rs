@@ -1,0 +1,99 @@
+//! DoRA (weight-decomposed LoRA, PEFT's `use_dora`): an adapted weight is
+//! `W' = g ⊙ (W + s·B·A)` with `g = m / ‖W + s·B·A‖` per output row, `m` the trained magnitude
+//! (`lora_magnitude_vector`, `[out]`, initialised to the rows' norms `‖W‖`) and the norm
+//! treated as a constant (detached, as the paper and PEFT do).
+//!
+//! The layer computes with `W'` in place of `W` (one `[out, in]` tensor per adapted weight and
+//! forward, as PEFT's DoRA builds `W + s·B·A` for its norm), so every forward path — fused parts,
+//! output maps, the re-gathered SP input, the lean row-parallel nodes — is the plain layer's;
+//! the gradient of `W'` flows on to `A`, `B` and `m`.
+//!
+//! Over TP each rank builds its slice of `W'`:
+//!
+//! | layer | `W` | `m` | the rows' norms |
+//! |-------|-----|-----|-----------------|
+//! | [`crate::ColumnParallelLinear`] | rows | rows, as the weight | local (whole rows) |
+//! | [`crate::RowParallelLinear`] | columns | replicated | the squares' sums all-reduced over TP |
+//!
+//! A replicated tensor (the column layer's `A`; the row layer's `B` and `m`) gets on each TP rank
+//! the share of its gradient that rank's slice of `W'` gives: summed over TP in the backward
+//! without SP (`copy_to_tp_region`), by the caller with SP, as the LoRA factors' (see
+//! [`crate::lora`]).
+//!
+//! Training with dropout on the adapter's input is refused: PEFT's DoRA then runs the base
+//! weight a second time on the dropped input, which this formulation does not.
+
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_ops::mappings;
+
+use crate::Tp;
+
+/// How the weight an adapter is on is split over TP.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum WeightSplit {
+    /// Rows (output features): [`crate::ColumnParallelLinear`], a stacked expert's gate / up.
+    Rows,
+    /// Columns (input features): [`crate::RowParallelLinear`], a stacked expert's down.
+    Cols,
+}
+
+/// `W' = g ⊙ (W + s·B·A)`, `g = m / ‖W + s·B·A‖` (the norm over the input features, detached):
+/// this rank's slice. `w` `[.., out, in]` (2-D, or stacked `[E, out, in]`), `a` `[.., r, in]`,
+/// `b` `[.., out, r]`, `m` `[.., out]`, each this rank's as the module doc's table splits them;
+/// `sum_replicated`: sum the replicated tensors' gradients over TP in the backward (without SP).
+/// The result has `w`'s dtype; the norms are taken in f32. Errors name the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<Tensor> {
+    let (wd, ad, bd, md) = (w.dims(), a.dims(), b.dims(), m.dims());
+    let n = wd.len();
+    let fits = n >= 2
+        && ad.len() == n
+        && bd.len() == n
+        && md.len() == n - 1
+        && wd[..n - 2] == ad[..n - 2]
+        && wd[..n - 2] == bd[..n - 2]
+        && wd[..n - 1] == *md
+        && ad[n - 1] == wd[n - 1]
+        && bd[n - 2] == wd[n - 2]
+        && ad[n - 2] == bd[n - 1];
+    if !fits {
+        bail!("DoRA: W {wd:?}, A {ad:?}, B {bd:?}, m {md:?} do not fit (W [.., out, in], A [.., r, in], B [.., out, r], m [.., out])")
+    }
+    let p = tp.size();
+    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+    let (a, b, m) = match split {
+        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
+        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
+    };
+    let v = (w + (b.matmul(&a)? * scale)?.to_dtype(w.dtype())?)?;
+    // ‖V‖ per output row, a constant: over the whole row (all-reduced over TP for a column split)
+    let sq = v.detach().to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?;
+    let sq = if split == WeightSplit::Cols && p > 1 { tp.group.all_reduce(&sq)? } else { sq };
+    let norm = sq.sqrt()?;
+    let g = m.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+    v.broadcast_mul(&g.to_dtype(w.dtype())?)
+}
+
+/// The magnitude `m` DoRA starts from: this rank's rows' norms `‖W‖` (`[.., out]`, f32) of its
+/// slice `w` `[.., out, in]`, all-reduced over TP for a column split (collective over the TP
+/// group then: every rank calls it).
+pub fn dora_magnitude(w: &Tensor, split: WeightSplit, tp: &Tp) -> Result<Tensor> {
+    if w.rank() < 2 {
+        bail!("DoRA: weight {:?} must be [.., out, in]", w.dims())
+    }
+    let sq = w.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)?;
+    let sq = if split == WeightSplit::Cols && tp.size() > 1 { tp.group.all_reduce(&sq)? } else { sq };
+    sq.sqrt()
+}
+
+/// The merged weight of a DoRA adapter on full tensors: `W' = m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`
+/// in f32, back in `W`'s dtype (2-D or stacked `[E, out, in]`).
+pub fn dora_merge(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64) -> Result<Tensor> {
+    let f = DType::F32;
+    let v = (w.to_dtype(f)? + (b.to_dtype(f)?.matmul(&a.to_dtype(f)?)? * scale)?)?;
+    if v.dims() != w.dims() || m.dims() != &w.dims()[..w.rank() - 1] {
+        bail!("DoRA merge: W {:?}, A {:?}, B {:?}, m {:?} do not fit", w.dims(), a.dims(), b.dims(), m.dims())
+    }
+    let g = m.to_dtype(f)?.unsqueeze(D::Minus1)?.broadcast_div(&v.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?)?;
+    v.broadcast_mul(&g)?.to_dtype(w.dtype())
+}
