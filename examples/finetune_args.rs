@@ -168,6 +168,10 @@ pub(crate) struct Args {
     /// rsLoRA: scale the --lora update by ALPHA/√R instead of ALPHA/R (PEFT's use_rslora).
     #[arg(long, requires = "lora")]
     pub(crate) rslora: bool,
+    /// DoRA (PEFT's use_dora): each adapted weight m/‖W + s·B·A‖ ⊙ (W + s·B·A), a magnitude m
+    /// per output row trained beside the --lora factors (started at the rows' norms).
+    #[arg(long, requires = "lora")]
+    pub(crate) dora: bool,
     /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json,
     /// adapter_model.safetensors; e.g. one published for --model) instead of drawing them; its
     /// rank, alpha and targets are the run's (with --lora too, they must agree).

@@ -185,7 +185,7 @@ fn main() -> Result<()> {
                     "all-linear" => candle_cp_llama::lora::TARGETS.to_vec(),
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
-                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora))
+                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora).with_dora(a.dora))
             }
         }
         .map(|l| match a.lora_dropout {
@@ -302,7 +302,7 @@ fn main() -> Result<()> {
             l.config.rank,
             l.config.alpha,
             l.config.scale(),
-            if l.config.rslora { ", rsLoRA" } else { "" }.to_string() + &if l.dropout > 0.0 { format!(", dropout {}", l.dropout) } else { String::new() },
+            if l.config.rslora { ", rsLoRA" } else { "" }.to_string() + if l.dora { ", DoRA" } else { "" } + &if l.dropout > 0.0 { format!(", dropout {}", l.dropout) } else { String::new() },
             l.targets.join(", "),
             // (a sparse layer's MLP projections are its experts': each adapted, as PEFT does)
             match match &cfg.model {

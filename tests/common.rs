@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 pub mod dense_llama;
 pub mod moe_model;
+pub mod lora_ref;
 pub mod draws;
 pub mod packed_run;
 

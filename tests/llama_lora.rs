@@ -144,3 +144,30 @@ fn trained_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let want = chain_rule(&cfg, &full, &dw)?;
     on_every_layout("B ≠ 0", &full, &cfg, &reference.input_ids, (dense.loss, &dense.logits), &want, 1e-4)
 }
+
+/// DoRA on every projection (`use_dora`; magnitudes off the rows' norms, `B ≠ 0`): logits equal
+/// the merged dense model's (`m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, one device), the factors' and the
+/// magnitudes' gradients its weight gradients through DoRA's chain rule (the norm a constant,
+/// `candle_cp_tests::lora_ref`), relative 1e-4, on five layouts (o's and down's magnitudes
+/// replicated over TP, their rows' norms summed over it).
+#[test]
+fn dora_equals_the_merged_model_on_every_layout() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?.with_dora(true)));
+    let reference = load_reference(dir().join("reference.safetensors"))?;
+    let mut full = with_adapters(&cfg, &load_safetensors_dir(&dir(), &Device::Cpu)?, 0.05)?;
+    candle_cp_tests::lora_ref::set_magnitudes(&cfg, &mut full, 950)?;
+    let (adapters, mut merged): (HashMap<String, Tensor>, HashMap<String, Tensor>) = full.clone().into_iter().partition(|(n, _)| candle_cp_llama::lora::is_lora_name(n));
+    assert_eq!(adapters.len(), 3 * 14, "A, B and a magnitude per adapted weight");
+    let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+    assert_eq!(candle_cp_llama::lora::merge_adapter(&mut merged, &spec, &adapters)?, 14);
+    let dense = run_layout(&merged, &base, &reference.input_ids, Layout::single(), &Device::Cpu)?;
+    let dw: HashMap<String, Tensor> = dense.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+    let want = candle_cp_tests::lora_ref::adapter_grads(&cfg, &full, &dw, ALPHA / RANK as f64)?;
+    // the magnitudes bind: plain LoRA's merged model gives other logits
+    let mut plain = full.clone().into_iter().filter(|(n, _)| !candle_cp_llama::lora::is_lora_name(n)).collect::<HashMap<_, _>>();
+    candle_cp_llama::lora::merge_adapter(&mut plain, &spec.clone().with_dora(false), &adapters)?;
+    let lora = run_layout(&plain, &base, &reference.input_ids, Layout::single(), &Device::Cpu)?;
+    assert!((lora.loss - dense.loss).abs() > 1e-4, "DoRA's magnitudes move the loss ({} vs {})", lora.loss, dense.loss);
+    on_every_layout("DoRA", &full, &cfg, &reference.input_ids, (dense.loss, &dense.logits), &want, 1e-4)
+}

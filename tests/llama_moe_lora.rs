@@ -10,7 +10,10 @@
 //!   (Qwen3-MoE, Mixtral's `block_sparse_moe` names, Qwen2-MoE's shared expert).
 //! - PEFT files hold one factor per expert (`mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
 //!   `block_sparse_moe.experts.{e}.w1`, with target modules `w1`, `w3`, `w2`): written and read
-//!   back stacked bit for bit; an expert missing from the file is refused by name.
+//!   back stacked bit for bit (DoRA's magnitudes too, one per expert); an expert missing from
+//!   the file is refused by name.
+//! - DoRA (`use_dora`): the same against the merged model `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, the
+//!   magnitudes' gradients by DoRA's chain rule (Qwen3-MoE, Qwen2-MoE, eight layouts each).
 //! - Generation: the cached decode equals the full forward; CP, TP and EP decode alike.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -33,12 +36,16 @@ fn ids(t: usize) -> Result<Tensor> {
 
 /// The model of `style` with adapters on all seven projections (config, full weights with
 /// seeded factors, `B ≠ 0`).
-fn adapted(style: MoeStyle) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
+/// With `dora`, DoRA's magnitudes off the rows' norms ([`candle_cp_tests::lora_ref::set_magnitudes`]).
+fn adapted(style: MoeStyle, dora: bool) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
     let (base, mut full) = moe_model(style, None)?;
-    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?));
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?.with_dora(dora)));
     for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         full.insert(s.name.clone(), candle_cp_ops::oracle::randn(1300 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
+    }
+    if dora {
+        candle_cp_tests::lora_ref::set_magnitudes(&cfg, &mut full, 1700)?;
     }
     Ok((base, cfg, full))
 }
@@ -52,25 +59,6 @@ fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
     let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
     let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
     Ok(if m > 0.0 { d / m } else { d })
-}
-
-/// The adapters' gradients from the merged model's weight gradients `dw` (by weight name; a
-/// stacked expert weight `[E, out, in]` by its name without `.weight`): `dA = s·Bᵀ·dW`,
-/// `dB = s·dW·Aᵀ` (per expert for stacked factors).
-fn chain_rule(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
-    let s = ALPHA / RANK as f64;
-    let mut out = HashMap::new();
-    for spec in param_specs(cfg) {
-        let Some(stem) = spec.name.strip_suffix(".lora_A.weight") else { continue };
-        let g = match dw.get(&format!("{stem}.weight")).or_else(|| dw.get(stem)) {
-            Some(g) => f64s(g)?,
-            None => candle_core::bail!("no weight gradient for {stem}"),
-        };
-        let (a, b) = (f64s(&full[&spec.name])?, f64s(&full[&format!("{stem}.lora_B.weight")])?);
-        out.insert(spec.name.clone(), (b.t()?.contiguous()?.matmul(&g)? * s)?);
-        out.insert(format!("{stem}.lora_B.weight"), (g.matmul(&a.t()?.contiguous()?)? * s)?);
-    }
-    Ok(out)
 }
 
 /// `run` against the merged model: logits, loss, every adapter gradient; the ranks agree.
@@ -101,11 +89,13 @@ fn check(what: &str, run: &LayoutRun, logits: &Tensor, loss: f64, want: &HashMap
 fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let ids = ids(T)?;
     let two = Tensor::cat(&[&ids, &ids], 0)?;
-    for (style, merged_n) in [(MoeStyle::Qwen3Moe, 14), (MoeStyle::Mixtral, 14), (MoeStyle::Qwen2Moe, 17)] {
-        let (base, cfg, full) = adapted(style)?;
+    let runs = [(MoeStyle::Qwen3Moe, 14, false), (MoeStyle::Mixtral, 14, false), (MoeStyle::Qwen2Moe, 17, false), (MoeStyle::Qwen3Moe, 14, true), (MoeStyle::Qwen2Moe, 17, true)];
+    for (style, merged_n, dora) in runs {
+        let (base, cfg, full) = adapted(style, dora)?;
         let specs = param_specs(&cfg);
         let stacked: Vec<&str> = specs.iter().filter(|s| s.is_lora() && s.is_expert()).map(|s| s.name.as_str()).collect();
-        assert_eq!(stacked.len(), 6 * cfg.moe_layers(), "{style:?}: A and B of gate, up, down per sparse layer: {stacked:?}");
+        let per = if dora { 9 } else { 6 };
+        assert_eq!(stacked.len(), per * cfg.moe_layers(), "{style:?}: A and B (and DoRA's m) of gate, up, down per sparse layer: {stacked:?}");
         let (adapters, weights): (HashMap<String, Tensor>, HashMap<String, Tensor>) = full.clone().into_iter().partition(|(n, _)| is_lora_name(n));
         let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
         let mut merged = weights.clone();
@@ -121,7 +111,7 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
         let moved = (f64s(&without.logits)? - f64s(&want.logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         assert!(moved > 1e-3, "{style:?}: the expert adapters move the logits by only {moved:.1e}");
         let rows_want = reference_rows(&want)?;
-        let want_g = chain_rule(&cfg, &full, &want.grads)?;
+        let want_g = candle_cp_tests::lora_ref::adapter_grads(&cfg, &full, &want.grads, ALPHA / RANK as f64)?;
         let layouts = [
             (Layout::single(), false, false),
             (Layout::single().with_tp(2, false), false, false),
@@ -135,7 +125,7 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
         for (layout, recompute, dp) in layouts {
             let (input, r) = if dp { (&two, &rows_want) } else { (&ids, &want) };
             let run = run_layout_recompute(&full, &cfg, input, layout, &Device::Cpu, recompute)?;
-            check(&format!("{style:?} {layout}{}", if recompute { " (recomputed)" } else { "" }), &run, &r.logits, r.loss, &want_g)?;
+            check(&format!("{style:?}{} {layout}{}", if dora { " DoRA" } else { "" }, if recompute { " (recomputed)" } else { "" }), &run, &r.logits, r.loss, &want_g)?;
         }
     }
     Ok(())
@@ -148,7 +138,8 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
 fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
     let root = std::env::temp_dir().join(format!("candle-cp-moe-lora-{}", std::process::id()));
     for style in [MoeStyle::Qwen2Moe, MoeStyle::Mixtral] {
-        let (_, cfg, full) = adapted(style)?;
+        // (Qwen2-MoE's as DoRA: a magnitude per expert too)
+        let (_, cfg, full) = adapted(style, style == MoeStyle::Qwen2Moe)?;
         let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
         let adapters: HashMap<String, Tensor> = full.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
         let dir = root.join(format!("{style:?}"));
@@ -164,6 +155,11 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         let per_expert = format!("base_model.model.model.layers.1.{module}.experts.7.{gate}.lora_A.weight");
         assert_eq!(file.get(&per_expert).map(|t| t.dims().to_vec()), Some(vec![RANK, cfg.hidden_size]), "{style:?}: {per_expert}");
         assert!(file.keys().all(|n| !n.contains("experts.gate_proj")), "{style:?}: no stacked tensor on disk");
+        if spec.dora {
+            let m = format!("base_model.model.model.layers.1.{module}.experts.7.down_proj.lora_magnitude_vector");
+            assert_eq!(file.get(&m).map(|t| t.dims().to_vec()), Some(vec![cfg.hidden_size]), "{style:?}: {m}");
+            assert_eq!(json["use_dora"], serde_json::json!(true));
+        }
         let (read_spec, read) = load_peft_adapter(&dir)?;
         assert_eq!(read_spec, spec, "{style:?}: the spec read back");
         assert_eq!(read.len(), adapters.len(), "{style:?}: the stacked factors");
@@ -190,7 +186,7 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
 fn expert_adapters_generate_alike_on_every_layout() -> Result<()> {
     let ids = ids(32)?;
     for style in [MoeStyle::Qwen2Moe, MoeStyle::Mixtral] {
-        let (_, cfg, full) = adapted(style)?;
+        let (_, cfg, full) = adapted(style, style == MoeStyle::Qwen2Moe)?;
         let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
         candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &layouts)?;
     }

@@ -1,8 +1,8 @@
 //! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model, or
 //! naming it, becomes one model whose logits equal the adapted model's; a directory without an
 //! adapter, or whose adapter names a base that is not there, is refused (exit 2). A Mixtral's
-//! adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the file)
-//! merges into each expert's weights.
+//! DoRA adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the
+//! file) merges into each expert's weights.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
@@ -80,20 +80,23 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
     Ok(())
 }
 
-/// A Mixtral (4 experts, top 2) with adapters on every projection, every expert's among them
-/// (per expert in the PEFT file, `w1` / `w3` / `w2`): the merged checkpoint, written per expert,
-/// gives the adapted model's logits.
+/// A Mixtral (4 experts, top 2) with DoRA adapters on every projection, every expert's among
+/// them (per expert in the PEFT file, `w1` / `w3` / `w2`, each with its magnitude): the merged
+/// checkpoint, written per expert, gives the adapted model's logits.
 #[test]
 fn merged_mixtral_equals_the_adapted_one() -> Result<()> {
     let dir = std::env::temp_dir().join(format!("candle-cp-merge-mixtral-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&dir);
     let base_cfg = candle_cp_llama::LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(candle_cp_llama::MoeConfig::mixtral(4, 2, 16)));
     candle_cp_llama::save_hf(&dir, &candle_cp_llama::init_params(&base_cfg, 3, DType::F32, &Device::Cpu)?, &base_cfg)?;
-    let spec = LoraSpec::new(4, 8.0, &TARGETS)?;
+    let spec = LoraSpec::new(4, 8.0, &TARGETS)?.with_dora(true);
     let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
     let mut adapters = std::collections::HashMap::new();
     for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
-        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(170 + i as u64, &s.shape, 0.3)?);
+        let t = candle_cp_ops::oracle::randn(170 + i as u64, &s.shape, 0.3)?;
+        // (magnitudes about 1: the drawn rows' norms are about 0.1)
+        let t = if s.name.ends_with(candle_cp_llama::lora::MAGNITUDE) { (t + 1.0)? } else { t };
+        adapters.insert(s.name.clone(), t);
     }
     save_peft_adapter(&dir, &spec, &adapters, "tiny-mixtral")?;
     let out = dir.join("merged");

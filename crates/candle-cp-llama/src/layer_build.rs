@@ -71,7 +71,21 @@ impl<'a> LayerBuilder<'a> {
         let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
         let vm = self.vb.pp(format!("{prefix}.{module}"));
         let lora = candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?;
-        Ok(Some(lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?))
+        let lora = lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?;
+        Ok(Some(match self.magnitude(&format!("{prefix}.{module}"))? {
+            Some(m) => lora.with_dora(m)?,
+            None => lora,
+        }))
+    }
+
+    /// DoRA's magnitude of the weight `stem` (`….lora_magnitude_vector`, this rank's), `None`
+    /// without DoRA (in a fresh VarMap: ones; the trainer sets the weight's norms).
+    fn magnitude(&self, stem: &str) -> Result<Option<Tensor>> {
+        let name = format!("{stem}{}", crate::lora::MAGNITUDE);
+        match self.specs.get(&name) {
+            Some(s) => Ok(Some(self.vb.get_with_hints(s.local_shape_in(&self.ctx)?, &name, Init::Const(1.0))?)),
+            None => Ok(None),
+        }
     }
 
     /// The adapters of a sparse layer whose MLP is under `module` (`model.layers.{i}.mlp.`,
@@ -86,7 +100,7 @@ impl<'a> LayerBuilder<'a> {
             let bound = 1.0 / (sa.shape.last().copied().unwrap_or(1).max(1) as f64).sqrt();
             let a = self.vb.get_with_hints(sa.local_shape_in(&self.ctx)?, &an, Init::Uniform { lo: -bound, up: bound })?;
             let b = self.vb.get_with_hints(sb.local_shape_in(&self.ctx)?, &bn, Init::Const(0.0))?;
-            Ok(Some(crate::moe_lora::Factors { a, b, stream: format!("{stem}.lora_dropout") }))
+            Ok(Some(crate::moe_lora::Factors { a, b, m: self.magnitude(&stem)?, stream: format!("{stem}.lora_dropout") }))
         };
         let projs = ["gate_proj", "up_proj", "down_proj"];
         let experts = [factors(format!("{module}experts.{}", projs[0]))?, factors(format!("{module}experts.{}", projs[1]))?, factors(format!("{module}experts.{}", projs[2]))?];

@@ -35,6 +35,9 @@ pub struct LoraSpec {
     pub targets: Vec<String>,
     /// Dropout on the adapters' inputs while training (PEFT's `lora_dropout`, in `[0, 1)`).
     pub dropout: f64,
+    /// DoRA (PEFT's `use_dora`): each adapted weight `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` with a
+    /// trained magnitude `m` per output row (`….lora_magnitude_vector`, [`candle_cp_nn::dora`]).
+    pub dora: bool,
 }
 
 impl LoraSpec {
@@ -50,7 +53,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0 })
+        Ok(Self { config, targets, dropout: 0.0, dora: false })
     }
 
     /// The same adapters with dropout `p` on their inputs while training (PEFT's
@@ -66,6 +69,12 @@ impl LoraSpec {
     /// The same adapters with rsLoRA's scale `alpha / √r` (`on`, PEFT's `use_rslora`).
     pub fn with_rslora(mut self, on: bool) -> Self {
         self.config = self.config.with_rslora(on);
+        self
+    }
+
+    /// The same adapters as DoRA (`on`, PEFT's `use_dora`) or plain LoRA.
+    pub fn with_dora(mut self, on: bool) -> Self {
+        self.dora = on;
         self
     }
 
@@ -85,7 +94,7 @@ impl LoraSpec {
             "lora_alpha": self.config.alpha,
             "lora_dropout": self.dropout,
             "use_rslora": self.config.rslora,
-            "use_dora": false,
+            "use_dora": self.dora,
             "bias": "none",
             "target_modules": self.targets,
             "fan_in_fan_out": false,
@@ -97,7 +106,12 @@ impl LoraSpec {
 impl std::fmt::Display for LoraSpec {
     /// `rank 8, alpha 16 (rsLoRA) on q_proj, v_proj`
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        let rs = if self.config.rslora { " (rsLoRA)" } else { "" };
+        let rs = match (self.config.rslora, self.dora) {
+            (true, true) => " (rsLoRA, DoRA)",
+            (true, false) => " (rsLoRA)",
+            (false, true) => " (DoRA)",
+            (false, false) => "",
+        };
         let drop = if self.dropout > 0.0 { format!(", dropout {}", self.dropout) } else { String::new() };
         write!(f, "rank {}, alpha {}{rs}{drop} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
     }
@@ -111,10 +125,14 @@ impl crate::LlamaConfig {
     }
 }
 
-/// Whether parameter `name` is a LoRA factor (`….lora_A.weight` / `….lora_B.weight`).
+/// Whether parameter `name` is a LoRA factor (`….lora_A.weight` / `….lora_B.weight`) or a DoRA
+/// magnitude (`….lora_magnitude_vector`).
 pub fn is_lora_name(name: &str) -> bool {
-    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight")
+    name.ends_with(".lora_A.weight") || name.ends_with(".lora_B.weight") || name.ends_with(MAGNITUDE)
 }
+
+/// The suffix of a DoRA magnitude's name (PEFT's, in the adapter file and the model).
+pub const MAGNITUDE: &str = ".lora_magnitude_vector";
 
 /// Write the adapters `tensors` (full tensors by parameter name) as a PEFT adapter into
 /// `dir`: `adapter_model.safetensors` and `adapter_config.json` (`base` as its base model).
@@ -242,9 +260,10 @@ pub(crate) fn insert_adapter_shards(
     Ok(())
 }
 
-/// Merge adapters into their weights, in place: `W ← W + s·B·A` (in f32, back in `W`'s dtype)
-/// for every adapted weight in `weights` (full tensors by parameter name), the model a
-/// serving stack loads without PEFT. `adapters` by parameter name (`….lora_{A,B}.weight`, as
+/// Merge adapters into their weights, in place: `W ← W + s·B·A` (DoRA: `m / ‖W + s·B·A‖ ⊙
+/// (W + s·B·A)`; in f32, back in `W`'s dtype) for every adapted weight in `weights` (full
+/// tensors by parameter name), the model a serving stack loads without PEFT. `adapters` by
+/// parameter name (`….lora_{A,B}.weight`, `….lora_magnitude_vector`, as
 /// [`load_peft_adapter`] gives them). Returns how many weights were merged; errors name a
 /// weight an adapter has no base for, or factors that do not fit it.
 pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>) -> Result<usize> {
@@ -262,7 +281,12 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
         if dw.dims() != w32.dims() {
             bail!("merge_adapter: B {:?} · A {:?} does not fit {wn} {:?}", b.dims(), a.dims(), w.dims())
         }
-        let new = (w32 + (dw * spec.config.scale())?)?.to_dtype(dt)?;
+        let new = match adapters.get(&format!("{stem}{MAGNITUDE}")) {
+            // DoRA: m / ‖W + s·B·A‖ ⊙ (W + s·B·A)
+            Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config.scale())?,
+            None if spec.dora => bail!("merge_adapter: a DoRA adapter without {stem}{MAGNITUDE}"),
+            _ => (w32 + (dw * spec.config.scale())?)?.to_dtype(dt)?,
+        };
         weights.insert(wn, new);
         merged += 1;
     }
@@ -285,10 +309,11 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     };
     refuse_unsupported(&v, &cfg_path)?;
     let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
+    let dora = v.get("use_dora").and_then(|x| x.as_bool()).unwrap_or(false);
     let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
     // (Mixtral's expert modules w1, w3, w2 are our gate_proj, up_proj, down_proj)
     let targets: Vec<&str> = targets.iter().map(|s| crate::moe_lora::target_from_peft(s)).collect();
-    let spec = LoraSpec::new(rank, alpha, &targets)?.with_rslora(rslora).with_dropout(dropout)?;
+    let spec = LoraSpec::new(rank, alpha, &targets)?.with_rslora(rslora).with_dropout(dropout)?.with_dora(dora);
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()
@@ -299,7 +324,7 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
 }
 
 /// Refuse, by name, the PEFT options that change what the adapter computes and that this model
-/// does not implement (they would otherwise be ignored silently): DoRA, trained biases, extra
+/// does not implement (they would otherwise be ignored silently): trained biases, extra
 /// trained modules, per-module ranks or alphas, adapters on some layers only, transposed
 /// weights, layer replication. `lora_dropout` (training only) and the init settings are
 /// accepted.
@@ -312,7 +337,6 @@ fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
         Some(_) => true,
     };
     let what = [
-        ("use_dora", "DoRA"),
         ("bias", "trained biases"),
         ("lora_bias", "trained biases on lora_B"),
         ("modules_to_save", "fully trained extra modules"),

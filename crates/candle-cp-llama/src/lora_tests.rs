@@ -90,7 +90,6 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("a pattern is not supported"), "{e}");
     let cases = [
-        ("use_dora", serde_json::json!(true)),
         ("bias", serde_json::json!("lora_only")),
         ("lora_bias", serde_json::json!(true)),
         ("modules_to_save", serde_json::json!(["lm_head"])),

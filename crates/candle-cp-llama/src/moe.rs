@@ -249,9 +249,9 @@ impl SparseMoe {
                 None => None,
             };
             let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
-                let d = match &self.lora {
-                    Some(l) => l.shared_delta(i, x, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
-                    None => None,
+                let (w, d) = match &self.lora {
+                    Some(l) => (l.weight(i, true, w, &self.tp, false)?.unwrap_or_else(|| w.clone()), l.shared_delta(i, x, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?),
+                    None => (w.clone(), None),
                 };
                 plus(x.matmul(&w.t()?)?, d)
             };
@@ -275,11 +275,11 @@ impl SparseMoe {
     fn experts(&self, xs: &Tensor, counts: &[usize], keys: Option<&[u64]>) -> Result<Tensor> {
         let ep = self.ep.is_some();
         let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
-            let d = match &self.lora {
-                Some(l) => l.expert_delta(i, x, counts, keys, &self.tp, ep)?,
-                None => None,
+            let (w, d) = match &self.lora {
+                Some(l) => (l.weight(i, false, w, &self.tp, ep)?.unwrap_or_else(|| w.clone()), l.expert_delta(i, x, counts, keys, &self.tp, ep)?),
+                None => (w.clone(), None),
             };
-            plus(grouped_matmul(x, w, counts)?, d)
+            plus(grouped_matmul(x, &w, counts)?, d)
         };
         let gate = proj(0, xs, &self.gate)?;
         let up = proj(1, xs, &self.up)?;

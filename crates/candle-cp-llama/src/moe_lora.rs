@@ -28,6 +28,10 @@
 //! layout drops what one device drops; under EP the keys travel with the rows
 //! ([`candle_cp_ops::moe_ep::ExpertExchange::dispatch_keys`]). The shared expert's rows are
 //! keyed on the token alone, as a dense adapter's.
+//!
+//! DoRA ([`candle_cp_nn::dora`]): a magnitude per expert and output row (`[E, out]`,
+//! `….lora_magnitude_vector`, split as `B`); the experts compute with their DoRA weights
+//! (stacked) in place of the update beside the weight.
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
@@ -42,6 +46,8 @@ use std::collections::HashMap;
 pub(crate) struct Factors {
     pub(crate) a: Tensor,
     pub(crate) b: Tensor,
+    /// DoRA's magnitude (`[E_local, out_local]` / `[out_local]`, replicated for down).
+    pub(crate) m: Option<Tensor>,
     pub(crate) stream: String,
 }
 
@@ -121,11 +127,26 @@ impl MoeLora {
         }
     }
 
+    /// The weight projection `i` of the experts (`shared` false) or the shared expert computes
+    /// with: DoRA's `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` of this rank's slice `w` for a DoRA adapter
+    /// ([`candle_cp_nn::dora`]), `None` otherwise (the weight as it is, the update beside it).
+    /// Refused while dropout draws masks (training).
+    pub(crate) fn weight(&self, i: usize, shared: bool, w: &Tensor, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
+        let f = if shared { &self.shared[i] } else { &self.experts[i] };
+        let Some((f, m)) = f.as_ref().and_then(|f| Some((f, f.m.as_ref()?))) else { return Ok(None) };
+        if self.dropout > 0.0 && self.rows.key().is_some() {
+            bail!("DoRA ({}): training with dropout {} on the adapter's input is not supported; set the LoRA dropout to 0", f.stream, self.dropout)
+        }
+        let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
+        let sum = tp.size() > 1 && (!tp.sequence_parallel || ep);
+        Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, self.scale, split, tp, sum)?))
+    }
+
     /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
     /// grouped by `counts` (this rank's experts), keyed `keys` for dropout: `[R, out_local]`, or
     /// `None` when the projection is not adapted. `ep`: under expert parallelism.
     pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
-        let Some(f) = &self.experts[i] else { return Ok(None) };
+        let Some(f) = self.experts[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
         let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
         let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, ep)?) } else { (Self::replicated(&f.a, tp, ep)?, f.b.clone()) };
         let u = grouped_matmul(&x, &a, counts)?;
@@ -136,7 +157,7 @@ impl MoeLora {
     /// (`tokens`: their global token indices for dropout, `None` without): `[N, out_local]`,
     /// or `None` when the projection is not adapted.
     pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
-        let Some(f) = &self.shared[i] else { return Ok(None) };
+        let Some(f) = self.shared[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
         let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
         let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, false)?) } else { (Self::replicated(&f.a, tp, false)?, f.b.clone()) };
         Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?))
@@ -205,12 +226,12 @@ pub(crate) fn stack_expert_adapters(tensors: HashMap<String, Tensor>) -> Result<
 
 /// `(stacked name, expert)` of a per-expert adapter factor's name, `None` for another name.
 fn per_expert_name(name: &str) -> Option<(String, usize)> {
-    let (factor, stem) = ["lora_A", "lora_B"].iter().find_map(|f| Some((*f, name.strip_suffix(&format!(".{f}.weight"))?)))?;
+    let (factor, stem) = ["lora_A.weight", "lora_B.weight", "lora_magnitude_vector"].iter().find_map(|f| Some((*f, name.strip_suffix(&format!(".{f}"))?)))?;
     for (module, proj, per) in EXPERT_NAMES {
         let Some(head) = stem.strip_suffix(&format!(".{per}")) else { continue };
         let Some((prefix, e)) = head.rsplit_once('.') else { continue };
         let (Some(prefix), Ok(e)) = (prefix.strip_suffix(&format!("{module}.experts")), e.parse::<usize>()) else { continue };
-        return Some((format!("{prefix}{module}.experts.{proj}.{factor}.weight"), e));
+        return Some((format!("{prefix}{module}.experts.{proj}.{factor}"), e));
     }
     None
 }

@@ -107,8 +107,11 @@ impl ParamSpec {
     /// (`….lora_{A,B}.weight`, see [`crate::lora`]), split over the EP group along dim 0 under
     /// expert parallelism ([`crate::Layout::ep`]).
     pub fn is_expert(&self) -> bool {
-        let stem = self.name.strip_suffix(".lora_A.weight").or_else(|| self.name.strip_suffix(".lora_B.weight")).unwrap_or(&self.name);
-        self.shape.len() == 3 && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| stem.ends_with(s))
+        let magnitude = self.name.strip_suffix(crate::lora::MAGNITUDE);
+        let stem = magnitude.or_else(|| self.name.strip_suffix(".lora_A.weight")).or_else(|| self.name.strip_suffix(".lora_B.weight")).unwrap_or(&self.name);
+        // (a stacked DoRA magnitude is [E, out])
+        let rank = if magnitude.is_some() { 2 } else { 3 };
+        self.shape.len() == rank && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| stem.ends_with(s))
     }
 
     /// The shape this rank of `ctx` holds: [`ParamSpec::local_shape`] of its TP degree, and
@@ -173,10 +176,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             let stem = name.strip_suffix(".weight").unwrap_or(&name);
             let module = stem.rsplit('.').next()?;
             let stacked = shape.len() == 3 && stem.contains(".experts.");
-            (l.adapts(module) && (stacked || (shape.len() == 2 && name.ends_with(".weight")))).then_some(l.config.rank)
+            (l.adapts(module) && (stacked || (shape.len() == 2 && name.ends_with(".weight")))).then_some((l.config.rank, l.dora))
         });
         out.push(ParamSpec { name: name.clone(), shape: shape.clone(), shard });
-        if let Some(r) = target {
+        if let Some((r, dora)) = target {
             let base = name.strip_suffix(".weight").unwrap_or(&name).to_string();
             let (a, b) = match shard {
                 RowParallelLinear::WEIGHT_SHARD | Shard::Dim(2) => (shard, Shard::Replicated),
@@ -185,6 +188,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             let (outer, (o, i)) = (&shape[..shape.len() - 2], (shape[shape.len() - 2], shape[shape.len() - 1]));
             out.push(ParamSpec { name: format!("{base}.lora_A.weight"), shape: [outer, &[r, i]].concat(), shard: a });
             out.push(ParamSpec { name: format!("{base}.lora_B.weight"), shape: [outer, &[o, r]].concat(), shard: b });
+            if dora {
+                // DoRA's magnitude [.., out]: split as the weight's rows, replicated with its columns
+                out.push(ParamSpec { name: format!("{base}{}", crate::lora::MAGNITUDE), shape: [outer, &[o]].concat(), shard: b });
+            }
         }
     };
     // vocabulary-parallel embedding and head (padded to tp·⌈V/tp⌉ rows when tp does not
@@ -255,13 +262,14 @@ pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
         ("block_sparse_moe", "down_proj", "w2"),
     ];
     // a stacked LoRA factor: `….experts.{proj}.lora_A.weight` ↔ `….experts.{e}.{proj}.lora_A.weight`
-    let (stem, tail) = match ["lora_A", "lora_B"].iter().find_map(|f| Some((spec.name.strip_suffix(&format!(".{f}.weight"))?, f))) {
-        Some((stem, f)) => (stem, format!("{f}.weight")),
-        None => (spec.name.as_str(), "weight".to_string()),
+    // (and a stacked DoRA magnitude [E, out] ↔ `….experts.{e}.{proj}.lora_magnitude_vector`)
+    let (stem, tail, rank) = match ["lora_A.weight", "lora_B.weight", "lora_magnitude_vector"].iter().find_map(|f| Some((spec.name.strip_suffix(&format!(".{f}"))?, f))) {
+        Some((stem, f)) => (stem, f.to_string(), if f.starts_with("lora_magnitude") { 2 } else { 3 }),
+        None => (spec.name.as_str(), "weight".to_string(), 3),
     };
     for (module, proj, per_expert) in names {
         let suffix = format!("{module}.experts.{proj}");
-        if let Some(prefix) = stem.strip_suffix(&suffix).filter(|_| spec.shape.len() == 3) {
+        if let Some(prefix) = stem.strip_suffix(&suffix).filter(|_| spec.shape.len() == rank) {
             let e = spec.shape.first().copied().unwrap_or(0);
             return (0..e).map(|i| (format!("{prefix}{module}.experts.{i}.{per_expert}.{tail}"), Some(i))).collect();
         }
@@ -372,6 +380,13 @@ pub(crate) fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Res
     let mut key = seed ^ 0xD1B5_4A32_D192_ED03;
     for b in spec.name.bytes() {
         key = (key ^ b as u64).wrapping_mul(0x0100_0000_01b3);
+    }
+    if let Some(stem) = spec.name.strip_suffix(crate::lora::MAGNITUDE) {
+        // DoRA's magnitude starts at the rows' norms of the weight it adapts (as drawn here)
+        let Some(w) = param_specs(cfg).into_iter().find(|s| s.name == format!("{stem}.weight") || s.name == stem) else {
+            bail!("init: no weight for the DoRA magnitude {}", spec.name)
+        };
+        return init_tensor(&w, seed, cfg)?.sqr()?.sum(candle_core::D::Minus1)?.sqrt();
     }
     let mut rng = Normal(key);
     if spec.name.ends_with(".lora_A.weight") {

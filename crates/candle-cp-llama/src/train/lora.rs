@@ -46,6 +46,38 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
     crate::lora::insert_loaded_adapter(dir, cfg, &tensors, varmap, ctx, dtype, device)
 }
 
+/// DoRA's magnitudes of drawn adapters (`cfg.lora` DoRA): each adapted weight's rows' norms
+/// `‖W‖` (PEFT's init, `B` being zero), of the weights the model computes with — this rank's
+/// base shards in `varmap`, dequantized from `quant` as the quantized base holds them — the
+/// norms of a column-split weight's rows summed over TP (collective over the TP group).
+pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx, quant: Option<candle_cp_nn::QuantConfig>) -> Result<()> {
+    if !cfg.lora.as_ref().is_some_and(|l| l.dora) {
+        return Ok(());
+    }
+    let tp = candle_cp_nn::Tp::new(ctx.tp.clone(), false);
+    for s in param_specs(cfg).into_iter().filter(|s| s.name.ends_with(crate::lora::MAGNITUDE)) {
+        let stem = &s.name[..s.name.len() - crate::lora::MAGNITUDE.len()];
+        let (w, var) = {
+            let vars = lock_vars(varmap)?;
+            let Some(w) = vars.get(&format!("{stem}.weight")).or_else(|| vars.get(stem)) else { bail!("DoRA: no weight for {}", s.name) };
+            let Some(var) = vars.get(&s.name) else { bail!("DoRA: no {} in the VarMap", s.name) };
+            (w.as_tensor().detach(), var.clone())
+        };
+        let w = match quant {
+            Some(q) if crate::quant::is_quantized_weight(&format!("{stem}.weight")) || crate::quant::is_quantized_weight(stem) => {
+                // (as crate::quant::QuantBase stores it: rows of the inputs, a stack as [E·out, in])
+                let dims = w.dims().to_vec();
+                let rows: usize = dims[..dims.len() - 1].iter().product();
+                candle_cp_nn::QuantWeight::quantize(&w.reshape((rows, dims[dims.len() - 1]))?, q)?.dequantize(w.dtype())?.reshape(dims)?
+            }
+            _ => w,
+        };
+        let split = if s.shard == candle_cp_nn::Shard::Replicated { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
+        var.set(&candle_cp_nn::dora_magnitude(&w, split, &tp)?.to_dtype(var.dtype())?)?;
+    }
+    Ok(())
+}
+
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
 /// gradient is computed or kept for them), the adapters the `VarMap`'s variables.
 fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {

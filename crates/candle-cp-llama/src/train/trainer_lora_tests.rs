@@ -331,3 +331,65 @@ fn lora_dropout_is_the_same_on_every_layout() -> Result<()> {
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
+
+/// DoRA (`use_dora`): a drawn run starts as the base model (`B` zero, each magnitude its row's
+/// norm, so step 1's loss is plain LoRA's) and trains the magnitudes too (off the norms); the
+/// checkpoint's PEFT file holds them (`….lora_magnitude_vector`, `use_dora` in its config);
+/// zigzag 2 × TP 2 + SP with recomputed layers and ring 2 × DP 2 with ZeRO-1 follow the
+/// one-device run; resumed from its checkpoint it continues the curve. Over an NF4 base the
+/// magnitudes start at the dequantized rows' norms (step 1 = the QLoRA run's). DoRA with
+/// dropout is refused by name.
+#[test]
+fn dora_trains_magnitudes_alike_on_every_layout() -> Result<()> {
+    let d = tmpdir("dora");
+    let mut c = lora_cfg(Some(d.clone()), Layout::single())?;
+    c.lora = c.lora.map(|l| l.with_dora(true));
+    let one = run(&c)?;
+    let mut plain = c.clone();
+    (plain.out, plain.lora) = (None, plain.lora.map(|l| l.with_dora(false)));
+    let lora = run(&plain)?;
+    assert!((one[0].metrics[0].loss - lora[0].metrics[0].loss).abs() < 1e-6, "DoRA starts as the base model");
+    assert!((one[0].metrics[5].loss - lora[0].metrics[5].loss).abs() > 1e-6, "and trains otherwise than LoRA");
+    let ck = d.join("checkpoints/step-000006");
+    let (spec, adapters) = crate::lora::load_peft_adapter(&ck)?;
+    assert!(spec.dora && Some(&spec) == c.lora.as_ref());
+    let ModelSource::Init(base_cfg) = &c.model else { candle_core::bail!("init model expected") };
+    let init = crate::params::varmap_tensors(&crate::init_params(base_cfg, c.seed, DType::F32, &Device::Cpu)?)?;
+    let mags: Vec<(&String, &Tensor)> = adapters.iter().filter(|(n, _)| n.ends_with(crate::lora::MAGNITUDE)).collect();
+    assert_eq!(mags.len(), 6, "q, k, v, o, gate, down");
+    for (n, m) in mags {
+        let w = &init[&format!("{}.weight", &n[..n.len() - crate::lora::MAGNITUDE.len()])];
+        let moved = (m - w.sqr()?.sum(1)?.sqrt()?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(moved > 1e-6, "{n}: the magnitude did not train");
+    }
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    for (layout, recompute, zero1) in [(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false), (Layout::cp(CpKind::Ring, 2).with_dp(2), false, true)] {
+        let mut cl = c.clone();
+        (cl.out, cl.layout, cl.recompute, cl.zero1) = (None, layout, recompute, zero1);
+        assert_same_curve(&format!("DoRA on {layout}"), &curve, &run(&cl)?[0].metrics);
+    }
+    // stopped after step 4 (checkpoint at 3), resumed on TP 2: the same curve
+    let dr = tmpdir("dora-resume");
+    let mut cr = c.clone();
+    (cr.out, cr.stop_after) = (Some(dr.clone()), Some(4));
+    run(&cr)?;
+    (cr.layout, cr.resume, cr.stop_after) = (Layout::single().with_tp(2, false), true, None);
+    let resumed = run(&cr)?;
+    assert_eq!(resumed[0].start_step, 3);
+    assert_same_curve("DoRA resumed on tp 2", &curve[3..].to_vec(), &resumed[0].metrics);
+    // over an NF4 base: step 1 is the QLoRA run's
+    let q = candle_cp_nn::QuantConfig::new(candle_cp_nn::QuantKind::Nf4, 8)?;
+    let (mut cq, mut pq) = (c.clone(), plain.clone());
+    (cq.out, cq.steps, cq.quantize_base, pq.steps, pq.quantize_base) = (None, 1, Some(q), 1, Some(q));
+    let (a, b) = (run(&cq)?[0].metrics[0].loss, run(&pq)?[0].metrics[0].loss);
+    assert!((a - b).abs() < 1e-6, "QDoRA starts as the quantized base: {a} vs {b}");
+    let mut cd = c.clone();
+    cd.out = None;
+    cd.lora = cd.lora.map(|l| l.with_dropout(0.1)).transpose()?;
+    let e = run(&cd).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("DoRA") && e.contains("dropout 0.1"), "{e}");
+    for x in [&d, &dr] {
+        std::fs::remove_dir_all(x).ok();
+    }
+    Ok(())
+}

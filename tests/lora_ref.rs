@@ -1,0 +1,57 @@
+//! The adapters' gradients from a merged model's weight gradients (the chain rule through
+//! `W' = W + s·B·A`, or DoRA's `W' = m / ‖V‖ ⊙ V`, `V = W + s·B·A`, the norm a constant), and
+//! DoRA magnitudes to test with.
+
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_llama::{lora::MAGNITUDE, param_specs, LlamaConfig};
+use std::collections::HashMap;
+
+fn f64s(t: &Tensor) -> Result<Tensor> {
+    t.to_dtype(DType::F64)
+}
+
+/// Every adapter's gradient (by name) from the merged model's weight gradients `dw` (by weight
+/// name; a stacked expert weight `[E, out, in]` by its name without `.weight`), `full` holding
+/// the weights and adapters, `s` the scale: plain LoRA `dA = s·Bᵀ·dW'`, `dB = s·dW'·Aᵀ`; DoRA
+/// (`cfg`'s spec) `dV = m/‖V‖ ⊙ dW'`, `dA = s·Bᵀ·dV`, `dB = s·dV·Aᵀ`, `dm = Σ_in dW' ⊙ V / ‖V‖`.
+pub fn adapter_grads(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>, s: f64) -> Result<HashMap<String, Tensor>> {
+    let dora = cfg.lora.as_ref().is_some_and(|l| l.dora);
+    let mut out = HashMap::new();
+    for spec in param_specs(cfg) {
+        let Some(stem) = spec.name.strip_suffix(".lora_A.weight") else { continue };
+        let (wn, g) = match (dw.get(&format!("{stem}.weight")), dw.get(stem)) {
+            (Some(g), _) => (format!("{stem}.weight"), f64s(g)?),
+            (None, Some(g)) => (stem.to_string(), f64s(g)?),
+            _ => bail!("no weight gradient for {stem}"),
+        };
+        let (a, b) = (f64s(&full[&spec.name])?, f64s(&full[&format!("{stem}.lora_B.weight")])?);
+        let dv = if dora {
+            let v = (f64s(&full[&wn])? + (b.matmul(&a)? * s)?)?;
+            let n = v.sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+            let m = f64s(&full[&format!("{stem}{MAGNITUDE}")])?.unsqueeze(D::Minus1)?;
+            out.insert(format!("{stem}{MAGNITUDE}"), (&g * &v)?.broadcast_div(&n)?.sum(D::Minus1)?);
+            g.broadcast_mul(&m.broadcast_div(&n)?)?
+        } else {
+            g
+        };
+        out.insert(spec.name.clone(), (b.t()?.contiguous()?.matmul(&dv)? * s)?);
+        out.insert(format!("{stem}.lora_B.weight"), (dv.matmul(&a.t()?.contiguous()?)? * s)?);
+    }
+    Ok(out)
+}
+
+/// DoRA magnitudes for `full`'s adapted weights: each row's norm `‖W‖` times `1 + 0.2·z`
+/// (`z` seeded normals), so `m / ‖W + s·B·A‖` is not one; replaces the magnitudes in `full`.
+pub fn set_magnitudes(cfg: &LlamaConfig, full: &mut HashMap<String, Tensor>, seed: u64) -> Result<()> {
+    for (i, spec) in param_specs(cfg).into_iter().filter(|s| s.name.ends_with(MAGNITUDE)).enumerate() {
+        let stem = &spec.name[..spec.name.len() - MAGNITUDE.len()];
+        let w = match (full.get(&format!("{stem}.weight")), full.get(stem)) {
+            (Some(w), _) | (None, Some(w)) => w.clone(),
+            _ => bail!("no weight for {}", spec.name),
+        };
+        let norm = w.to_dtype(DType::F32)?.sqr()?.sum(D::Minus1)?.sqrt()?;
+        let z = candle_cp_ops::oracle::randn(seed + i as u64, &spec.shape, 0.2)?.to_dtype(DType::F32)?;
+        full.insert(spec.name.clone(), (norm * (z + 1.0)?)?);
+    }
+    Ok(())
+}
