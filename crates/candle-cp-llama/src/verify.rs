@@ -195,7 +195,10 @@ fn run_layout_impl(
             Some(t) => Ok(t.clone()),
             None => bail!("run_layout: missing parameter {} {:?}", s.name, s.shape),
         })?;
+        // (a LoRA model over its frozen base, as the trainer builds it: the base plain tensors)
+        let lora = cfg.lora.is_some();
         let model = match quant {
+            None if lora => Llama::new(crate::train::lora::frozen_builder(&vm, DType::F32, device)?, cfg, &ctx)?,
             None => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?,
             Some(q) => Llama::new_quantized(&crate::quant::QuantBase::from_varmap(&vm, cfg, q)?, DType::F32, device, cfg, &ctx)?,
         }
@@ -206,9 +209,9 @@ fn run_layout_impl(
         reduce_gradients(&mut grads, &vm, cfg, &ctx)?;
         let named = named_grads(&grads, &vm)?;
         let mut full_grads = match quant {
-            None => gather_full_to_host(&named, cfg, &ctx, true)?,
-            // (the quantized base's frozen weights have no gradient: the adapters' alone)
-            Some(_) => crate::params::trainable_specs(cfg)
+            None if !lora => gather_full_to_host(&named, cfg, &ctx, true)?,
+            // (the frozen base's weights have no gradient: the adapters' alone)
+            _ => crate::params::trainable_specs(cfg)
                 .into_iter()
                 .map(|s| match named.get(&s.name) {
                     Some(g) => Ok((s.name.clone(), s.gather(g, &ctx)?.to_device(&Device::Cpu)?)),

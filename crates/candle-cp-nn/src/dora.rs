@@ -6,7 +6,9 @@
 //! The layer computes with `W'` in place of `W` (one `[out, in]` tensor per adapted weight and
 //! forward, as PEFT's DoRA builds `W + s·B·A` for its norm), so every forward path — fused parts,
 //! output maps, the re-gathered SP input, the lean row-parallel nodes — is the plain layer's;
-//! the gradient of `W'` flows on to `A`, `B` and `m`.
+//! the gradient of `W'` flows on to `A`, `B` and `m`. Over a frozen `W` (a LoRA run's base) `W'`
+//! is one graph node over `A`, `B`, `m` whose backward rebuilds `W + s·B·A`: the graph keeps `W'`
+//! alone (the layer's product needs it), `e` bytes per adapted weight until the backward.
 //!
 //! Over TP each rank builds its slice of `W'`:
 //!
@@ -65,13 +67,49 @@ pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, s
         WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
         WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
     };
+    if !w.track_op() {
+        return dora_weight_lean(w, &a, &b, &m, scale, split, tp);
+    }
     let v = (w + (b.matmul(&a)? * scale)?.to_dtype(w.dtype())?)?;
-    // ‖V‖ per output row, a constant: over the whole row (all-reduced over TP for a column split)
-    let sq = v.detach().to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?;
-    let sq = if split == WeightSplit::Cols && p > 1 { tp.group.all_reduce(&sq)? } else { sq };
-    let norm = sq.sqrt()?;
+    let norm = row_norms(&v.detach(), split, tp)?;
     let g = m.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
     v.broadcast_mul(&g.to_dtype(w.dtype())?)
+}
+
+/// `‖V‖` per output row `[.., out, 1]` in f32: over the whole row (the squares' sums
+/// all-reduced over TP for a column split).
+fn row_norms(v: &Tensor, split: WeightSplit, tp: &Tp) -> Result<Tensor> {
+    let sq = v.to_dtype(DType::F32)?.sqr()?.sum_keepdim(D::Minus1)?;
+    let sq = if split == WeightSplit::Cols && tp.size() > 1 { tp.group.all_reduce(&sq)? } else { sq };
+    sq.sqrt()
+}
+
+/// [`dora_weight`] of a frozen `w` (not in a graph, as a LoRA run's base) as one graph node over
+/// `A`, `B`, `m` that keeps none of the `[out, in]` temporaries: its backward rebuilds
+/// `V = W + s·B·A` from `w` (kept anyway, as the layer's weight) and the factors. With
+/// `dW'` the output's gradient and `g = m / ‖V‖`: `dV = g ⊙ dW'`, `dA = s·Bᵀ·dV`,
+/// `dB = s·dV·Aᵀ`, `dm = Σ_in dW' ⊙ V / ‖V‖`.
+fn dora_weight_lean(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp) -> Result<Tensor> {
+    let (wd, ad, bd, md) = (w.detach(), a.detach(), b.detach(), m.detach());
+    let dt = w.dtype();
+    let v_of = move |w: &Tensor, a: &Tensor, b: &Tensor| -> Result<Tensor> { w + (b.matmul(a)? * scale)?.to_dtype(dt)? };
+    let v = v_of(&wd, &ad, &bd)?;
+    let norm = row_norms(&v, split, tp)?;
+    let g = md.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+    let out = v.broadcast_mul(&g.to_dtype(dt)?)?;
+    drop(v);
+    let (fa, fb, fm) = (ad.dtype(), bd.dtype(), md.dtype());
+    let bwd: candle_cp_ops::autograd::BackwardFn = std::sync::Arc::new(move |dw: &Tensor| {
+        let f = DType::F32;
+        let v = v_of(&wd, &ad, &bd)?.to_dtype(f)?;
+        let dw = dw.to_dtype(f)?;
+        let dm = (&dw * &v)?.sum_keepdim(D::Minus1)?.broadcast_div(&norm)?.squeeze(D::Minus1)?;
+        let dv = dw.broadcast_mul(&g)?;
+        let da = (bd.to_dtype(f)?.t()?.matmul(&dv)? * scale)?;
+        let db = (dv.matmul(&ad.to_dtype(f)?.t()?)? * scale)?;
+        Ok(vec![Some(da.to_dtype(fa)?), Some(db.to_dtype(fb)?), Some(dm.to_dtype(fm)?)])
+    });
+    candle_cp_ops::autograd::attach3("DoRA weight", a, b, m, out, bwd)
 }
 
 /// The magnitude `m` DoRA starts from: this rank's rows' norms `‖W‖` (`[.., out]`, f32) of its

@@ -80,7 +80,7 @@ pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &Para
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
 /// gradient is computed or kept for them), the adapters the `VarMap`'s variables.
-fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+pub(crate) fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
     let tensors: HashMap<String, Tensor> =
         lock_vars(varmap)?.iter().map(|(n, v)| (n.clone(), if is_lora_name(n) { v.as_tensor().clone() } else { v.as_tensor().detach() })).collect();
     Ok(VarBuilder::from_tensors(tensors, dtype, device))

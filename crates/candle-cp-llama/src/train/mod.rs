@@ -11,7 +11,7 @@ mod config;
 pub mod data;
 pub mod eval;
 mod grad_step;
-mod lora;
+pub(crate) mod lora;
 pub mod metrics;
 pub mod optim;
 pub mod packed_data;
