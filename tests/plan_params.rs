@@ -169,7 +169,8 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
 }
 
 /// LoRA on every projection of a Qwen2-MoE (the experts' stacked adapters and the shared
-/// expert's too): the planner's adapter parameters and Adam state per GPU equal the trainer's
+/// expert's too), plain and DoRA (a magnitude per output row, the experts' split over EP): the
+/// planner's adapter parameters and Adam state per GPU equal the trainer's
 /// on one device, TP 2 + SP, EP 2 over zigzag 2 and EP 2 over ring 2 × DP 2 with ZeRO-1 (the
 /// experts' adapters' state split over the ranks holding their experts, the rest over the
 /// replicas), every rank.
@@ -177,12 +178,12 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
 fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
     use candle_cp_llama::layout::CpKind;
     let base = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::Qwen2Moe, None)?.0;
-    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
     let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)];
-    for layout in layouts {
+    for (layout, dora) in layouts.into_iter().flat_map(|l| [(l, false), (l, true)]) {
+        let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?.with_dora(dora)));
         let zero = (layout.dp * layout.cp > 1) as u8;
-        let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, ..PlanLayout::default() };
+        let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, lora_dora: dora, ..PlanLayout::default() };
         let per_gpu = candle_cp_plan::memory::layers_per_stage(&m, &plan) as f64 * candle_cp_plan::memory::layer_lora_params_per_gpu(&m, &plan);
         let want = candle_cp_plan::memory::model_states(&m, &plan, 4).optimizer;
         let got = run_ranks(layout.world_size(), |g| {
@@ -210,7 +211,7 @@ fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
             assert!((params as f64 - per_gpu).abs() < 1e-9 * per_gpu, "{layout} rank {r}: {params} adapter parameters, the planner says {per_gpu}");
             assert!((bytes as f64 - want).abs() < 1e-9 * want, "{layout} rank {r}: {bytes} bytes of adapter state, the planner says {want}");
         }
-        println!("qwen2-moe {layout} LoRA: {per_gpu} adapter parameters, {want} bytes of Adam state per GPU = planner");
+        println!("qwen2-moe {layout} LoRA (DoRA {dora}): {per_gpu} adapter parameters, {want} bytes of Adam state per GPU = planner");
     }
     Ok(())
 }

@@ -92,6 +92,7 @@ fn random_plans_are_consistent() {
             f32_row_sums: None,
             lora_rank: 0,
             lora_mlp: false,
+            lora_dora: false,
             base_quant: None,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);

@@ -52,6 +52,10 @@ pub struct CommonArgs {
     /// With --lora: the MLP projections (gate, up, down) too.
     #[arg(long)]
     pub lora_mlp: bool,
+    /// With --lora: DoRA (finetune_llama --dora): a magnitude per output row, and each adapted
+    /// weight's DoRA copy kept for the backward (one layer's with --recompute full).
+    #[arg(long)]
+    pub dora: bool,
     /// With --lora: the frozen base quantized (finetune_llama --quantize-base): int8 or nf4,
     /// optionally ,GROUP (inputs per scale, default 64) and ,dq (double-quantized scales: u8
     /// each, blocks of 16 rows; ,dqROWS another block).
@@ -161,7 +165,10 @@ pub struct PlanArgs {
 
 /// Builds the planner input from the shared flags and `layout`; errors name the bad value.
 pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<PlanInput> {
-    (layout.lora_rank, layout.lora_mlp) = (a.lora, a.lora_mlp);
+    (layout.lora_rank, layout.lora_mlp, layout.lora_dora) = (a.lora, a.lora_mlp, a.dora);
+    if a.dora && a.lora == 0 {
+        anyhow::bail!("--dora decomposes the LoRA adapters' weights: give the adapters' rank with --lora R")
+    }
     layout.base_quant = a.quant_base.as_deref().map(candle_cp_plan::layout::BaseQuant::parse).transpose()?;
     if layout.base_quant.is_some() && a.lora == 0 {
         anyhow::bail!("--quant-base quantizes a LoRA run's frozen base: give the adapters' rank with --lora R")
@@ -252,6 +259,7 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         f32_row_sums: None,
         lora_rank: 0,
         lora_mlp: false,
+        lora_dora: false,
         base_quant: None,
     };
     let mut input = input_from_common(&a.common, layout)?;

@@ -166,6 +166,10 @@ pub struct Layout {
     pub lora_rank: usize,
     /// LoRA on the MLP projections too (PEFT's "all linear" targets).
     pub lora_mlp: bool,
+    /// DoRA (candle-cp's `LoraSpec::dora`): a magnitude per adapted weight's output row beside
+    /// the factors, and each adapted weight's DoRA copy `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` built in
+    /// the forward and kept for the backward ([`crate::memory::ModelStates::dora_weights`]).
+    pub lora_dora: bool,
     /// A LoRA run's frozen base held quantized (candle-cp's `TrainConfig::quantize_base`): the
     /// decoder layers' dense projections as codes with per-group scales
     /// ([`crate::memory::layer_quantized_params_per_gpu`]). `None`: in the training dtype.
@@ -255,6 +259,7 @@ impl Default for Layout {
             f32_row_sums: None,
             lora_rank: 0,
             lora_mlp: false,
+            lora_dora: false,
             base_quant: None,
         }
     }

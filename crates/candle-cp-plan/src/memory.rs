@@ -405,11 +405,13 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
-    // q, k, v: A replicated, B split; o: A split, B replicated
-    let attn = r * (3.0 * h + q / t + 2.0 * kv) + r * (q / t + h);
+    // q, k, v: A replicated, B split; o: A split, B replicated (DoRA: a magnitude per output
+    // row, split as B)
+    let dora = if l.lora_dora { 1.0 } else { 0.0 };
+    let attn = r * (3.0 * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h);
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
     // gate, up: A replicated, B split; down: A split, B replicated
-    let mlp_of = |f: f64| r * (2.0 * h + 2.0 * f / t) + r * (f / t + h);
+    let mlp_of = |f: f64| r * (2.0 * h + 2.0 * f / t) + r * (f / t + h) + dora * (2.0 * f / t + h);
     let shared = m.moe.as_ref().filter(|x| x.shared_ffn > 0).map_or(0.0, |x| m.sparse_fraction() * mlp_of(x.shared_ffn as f64));
     let mlp = if l.lora_mlp { dense_mlp * mlp_of(f) + shared } else { 0.0 };
     attn + mlp + layer_expert_lora_params_per_gpu(m, l)
@@ -423,10 +425,30 @@ pub fn layer_expert_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let (r, t, h) = (l.lora_rank as f64, l.tp as f64, m.hidden as f64);
     match &m.moe {
         Some(x) if l.lora_mlp && r > 0.0 => {
-            let per_expert = r * (3.0 * h + 3.0 * x.expert_ffn as f64 / t);
+            let dora = if l.lora_dora { 2.0 * x.expert_ffn as f64 / t + h } else { 0.0 };
+            let per_expert = r * (3.0 * h + 3.0 * x.expert_ffn as f64 / t) + dora;
             m.sparse_fraction() * per_expert * x.experts as f64 / l.ep.max(1) as f64
         }
         _ => 0.0,
+    }
+}
+
+/// The weights of one layer on one GPU that LoRA adapts ([`Layout::lora_rank`]): q, k, v, o,
+/// and with [`Layout::lora_mlp`] the MLP's (a sparse layer's experts and shared expert too); 0
+/// without LoRA. DoRA keeps a copy of each for the backward ([`ModelStates::dora_weights`]).
+pub fn layer_adapted_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    if l.lora_rank == 0 {
+        return 0.0;
+    }
+    let t = l.tp as f64;
+    let (h, q) = (m.hidden as f64, m.q_dim() as f64);
+    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let attn = 2.0 * h * q / t + 2.0 * h * kv;
+    if l.lora_mlp {
+        // the quantized base's projections are exactly these
+        layer_quantized_params_per_gpu(m, l)
+    } else {
+        attn
     }
 }
 
@@ -465,6 +487,10 @@ pub struct ModelStates {
     /// and again in its backward), for every layer's without (the graph keeps them for the
     /// backward); 0 without quantization.
     pub dequantized: f64,
+    /// DoRA's working weights ([`Layout::lora_dora`]): `e` bytes per adapted weight
+    /// ([`layer_adapted_params_per_gpu`]) for one layer with full recompute, for every layer
+    /// without (each layer's graph keeps its DoRA weights for the backward); 0 without DoRA.
+    pub dora_weights: f64,
     /// ZeRO-3's unsharded working copies: the weights of the layer being computed and of the
     /// next one (prefetched), and the gradients of one layer before their reduce-scatter,
     /// `3·e·max(layer, embedding)` parameters of this GPU; 0 below ZeRO-3.
@@ -501,6 +527,13 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
         }
         None => 0.0,
     };
+    // DoRA: the adapted weights' DoRA copies, kept for the backward
+    let dora_weights = if l.lora_dora && l.lora_rank > 0 {
+        let layers = if l.recompute == crate::layout::Recompute::Full { 1.0 } else { layers_per_stage(m, l) as f64 };
+        e as f64 * layer_adapted_params_per_gpu(m, l) * layers
+    } else {
+        0.0
+    };
     // LoRA: gradients and Adam state of the adapters alone (the base weights frozen)
     let (grads, optimizer) = if l.lora_rank > 0 {
         // (the experts' adapters split over the ranks holding their experts, as the experts)
@@ -523,8 +556,9 @@ pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
         optimizer,
         zero_shards: l.dp * l.cp,
         dequantized,
+        dora_weights,
         zero3_gathered,
-        total: weights + grads + optimizer + zero3_gathered + dequantized,
+        total: weights + grads + optimizer + zero3_gathered + dequantized + dora_weights,
     }
 }
 

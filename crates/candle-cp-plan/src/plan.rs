@@ -574,6 +574,13 @@ fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&SlidingLayers>) ->
             },
             crate::memory::layers_per_stage(m, l) as f64 * crate::memory::layer_lora_params_per_gpu(m, l) / 1e6
         ));
+        if l.lora_dora {
+            n.push(format!(
+                "DoRA: a magnitude per adapted output row beside the factors; each adapted weight's DoRA copy m/|W + sBA| (W + sBA), {:.1} M weights per layer per GPU, {} (e bytes each)",
+                crate::memory::layer_adapted_params_per_gpu(m, l) / 1e6,
+                if l.recompute == Recompute::Full { "one layer's at a time (built in its forward, again in its backward)" } else { "every layer's kept for the backward: add --recompute full" }
+            ));
+        }
         if let Some(q) = l.base_quant {
             n.push(format!(
                 "quantized base {q}: {:.1} M projection weights per GPU at {:.3} bytes each; {} dequantized at a time ({})",

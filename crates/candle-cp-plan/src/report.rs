@@ -223,6 +223,9 @@ pub fn render(p: &Plan) -> String {
     if st.dequantized > 0.0 {
         rows.push(r("dequantized base weights", gb(st.dequantized), "e bytes/projection weight: one layer (full recompute) or all"));
     }
+    if st.dora_weights > 0.0 {
+        rows.push(r("DoRA weights", gb(st.dora_weights), "e bytes/adapted weight: one layer (full recompute) or all"));
+    }
     rows.extend([
             r(
                 "activations, layers",

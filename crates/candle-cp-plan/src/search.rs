@@ -196,6 +196,7 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     f32_row_sums: base.layout.f32_row_sums,
                                     lora_rank: base.layout.lora_rank,
                                     lora_mlp: base.layout.lora_mlp,
+                                    lora_dora: base.layout.lora_dora,
                                     base_quant: base.layout.base_quant,
                                 };
                                 out.push((layout, k));
@@ -375,6 +376,9 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
         let _ = write!(f, " --lora {},{}", l.lora_rank, 2 * l.lora_rank);
         if l.lora_mlp {
             f.push_str(" --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj");
+        }
+        if l.lora_dora {
+            f.push_str(" --dora");
         }
         if let Some(q) = l.base_quant {
             let _ = write!(f, " --quantize-base {q}");
