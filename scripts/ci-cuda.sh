@@ -255,6 +255,13 @@ shim_step "finetune_llama cuda moe lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LI
   "$ft_bin" --device cuda --gpus 2 "${ftm[@]}" --out "$shim_dir/ft-cuda-moe-lora"
 grep -q 'launch moe_top_k' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch moe_top_k (kernels/moe.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora/metrics.jsonl" 1e-5 "CP 2 zigzag x EP 2, MoE with LoRA on every expert and dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
+# DoRA on every projection (each adapted weight m/|W + sBA| (W + sBA) built per forward, one
+# graph node whose backward rebuilds W + sBA), TP 2 + SP: the same losses
+ftd=(--tp 2 --sp --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --dora)
+shim_step "finetune_llama cpu dora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftd[@]}" --out "$shim_dir/ft-cpu-dora"
+shim_step "finetune_llama cuda dora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftd[@]}" --out "$shim_dir/ft-cuda-dora"
+same_loss "$shim_dir/ft-cpu-dora/metrics.jsonl" "$shim_dir/ft-cuda-dora/metrics.jsonl" 1e-5 "TP 2 + SP, DoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
 ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)
