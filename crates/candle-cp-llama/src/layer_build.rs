@@ -91,7 +91,7 @@ impl<'a> LayerBuilder<'a> {
     /// The adapters of a sparse layer whose MLP is under `module` (`model.layers.{i}.mlp.`,
     /// with the dot): its experts' stacked factors and its shared expert's (crate::moe_lora),
     /// `None` when no expert projection is a target.
-    fn moe_lora(&self, module: &str) -> Result<Option<crate::moe_lora::MoeLora>> {
+    fn moe_lora(&self, module: &str) -> Result<Option<Box<crate::moe_lora::MoeLora>>> {
         let Some(l) = self.cfg.lora.as_ref() else { return Ok(None) };
         let factors = |stem: String| -> Result<Option<crate::moe_lora::Factors>> {
             let (an, bn) = (format!("{stem}.lora_A.weight"), format!("{stem}.lora_B.weight"));
@@ -112,7 +112,7 @@ impl<'a> LayerBuilder<'a> {
         if experts.iter().chain(&shared).all(|f| f.is_none()) {
             return Ok(None);
         }
-        Ok(Some(crate::moe_lora::MoeLora { experts, shared, scale: l.config.scale(), dropout: l.dropout, rows: self.lora_rows.clone() }))
+        Ok(Some(Box::new(crate::moe_lora::MoeLora { experts, shared, scale: l.config.scale(), dropout: l.dropout, rows: self.lora_rows.clone() })))
     }
 
     /// Decoder layer `i`.

@@ -158,7 +158,7 @@ pub(crate) struct SparseMoe {
     /// `E/ep` experts, the routed rows travel to their experts' ranks and back.
     pub(crate) ep: Option<Group>,
     /// LoRA adapters on the experts and the shared expert ([`crate::moe_lora`]).
-    pub(crate) lora: Option<MoeLora>,
+    pub(crate) lora: Option<Box<MoeLora>>,
 }
 
 /// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a

@@ -376,7 +376,7 @@ fn dora_trains_magnitudes_alike_on_every_layout() -> Result<()> {
     (cr.layout, cr.resume, cr.stop_after) = (Layout::single().with_tp(2, false), true, None);
     let resumed = run(&cr)?;
     assert_eq!(resumed[0].start_step, 3);
-    assert_same_curve("DoRA resumed on tp 2", &curve[3..].to_vec(), &resumed[0].metrics);
+    assert_same_curve("DoRA resumed on tp 2", &curve[3..], &resumed[0].metrics);
     // over an NF4 base: step 1 is the QLoRA run's
     let q = candle_cp_nn::QuantConfig::new(candle_cp_nn::QuantKind::Nf4, 8)?;
     let (mut cq, mut pq) = (c.clone(), plain.clone());
