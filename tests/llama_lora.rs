@@ -49,16 +49,7 @@ fn adapted(cfg: &LlamaConfig) -> Vec<(String, String, String)> {
         .collect()
 }
 
-fn f64s(t: &Tensor) -> Result<Tensor> {
-    t.to_dtype(DType::F64)
-}
-
-/// max |a − b| / max |b| (max |a − b| when b is 0).
-fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    Ok(if m > 0.0 { d / m } else { d })
-}
+use candle_cp_tests::lora_ref::{f64s, rel};
 
 /// The adapters' gradients the chain rule gives from weight gradients `dw` (by weight name):
 /// `dA = s·Bᵀ·dW`, `dB = s·dW·Aᵀ`, by adapter name.

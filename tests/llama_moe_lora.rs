@@ -50,16 +50,7 @@ fn adapted(style: MoeStyle, dora: bool) -> Result<(LlamaConfig, LlamaConfig, Has
     Ok((base, cfg, full))
 }
 
-fn f64s(t: &Tensor) -> Result<Tensor> {
-    t.to_dtype(DType::F64)
-}
-
-/// max |a − b| / max |b|.
-fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
-    let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
-    Ok(if m > 0.0 { d / m } else { d })
-}
+use candle_cp_tests::lora_ref::{f64s, rel};
 
 /// `run` against the merged model: logits, loss, every adapter gradient; the ranks agree.
 fn check(what: &str, run: &LayoutRun, logits: &Tensor, loss: f64, want: &HashMap<String, Tensor>) -> Result<()> {

@@ -6,8 +6,28 @@ use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_llama::{lora::MAGNITUDE, param_specs, LlamaConfig};
 use std::collections::HashMap;
 
-fn f64s(t: &Tensor) -> Result<Tensor> {
+/// `t` in float64.
+pub fn f64s(t: &Tensor) -> Result<Tensor> {
     t.to_dtype(DType::F64)
+}
+
+/// max |a − b| / max |b| (max |a − b| when b is 0).
+pub fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
+    let d = (f64s(a)? - f64s(b)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    let m = f64s(b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+    Ok(if m > 0.0 { d / m } else { d })
+}
+
+/// The adapters' variables in `vm` (LoRA factors and DoRA magnitudes), by name.
+pub fn adapter_vars(vm: &candle_nn::VarMap) -> Result<Vec<(String, candle_core::Var)>> {
+    Ok(vm
+        .data()
+        .lock()
+        .map_err(|e| candle_core::Error::Msg(e.to_string()))?
+        .iter()
+        .filter(|(k, _)| candle_cp_llama::lora::is_lora_name(k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect())
 }
 
 /// Every adapter's gradient (by name) from the merged model's weight gradients `dw` (by weight

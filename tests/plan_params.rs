@@ -149,14 +149,7 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
                 let ctx = ParallelCtx::new(g, layout)?;
                 let vm = shard_params(&init_params(&cfg, 1, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
                 Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
-                let named: Vec<(String, candle_core::Var)> = vm
-                    .data()
-                    .lock()
-                    .map_err(|e| candle_core::Error::Msg(e.to_string()))?
-                    .iter()
-                    .filter(|(k, _)| candle_cp_llama::lora::is_lora_name(k))
-                    .map(|(k, v)| (k.clone(), v.clone()))
-                    .collect();
+                let named = candle_cp_tests::lora_ref::adapter_vars(&vm)?;
                 let opt = if zero > 0 { AdamW::new_zero1(named, Default::default(), ctx.dp_cp.clone())? } else { AdamW::new(named, Default::default())? };
                 Ok(opt.state_bytes())
             });
@@ -190,14 +183,7 @@ fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
             let ctx = ParallelCtx::new(g, layout)?;
             let vm = shard_params(&init_params(&cfg, 1, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
             Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
-            let named: Vec<(String, candle_core::Var)> = vm
-                .data()
-                .lock()
-                .map_err(|e| candle_core::Error::Msg(e.to_string()))?
-                .iter()
-                .filter(|(k, _)| candle_cp_llama::lora::is_lora_name(k))
-                .map(|(k, v)| (k.clone(), v.clone()))
-                .collect();
+            let named = candle_cp_tests::lora_ref::adapter_vars(&vm)?;
             let params: usize = named.iter().map(|(_, v)| v.elem_count()).sum();
             let experts: Vec<String> = candle_cp_llama::params::trainable_specs(&cfg).into_iter().filter(|s| s.is_expert() && ctx.ep.is_some()).map(|s| s.name).collect();
             let mut opt = if zero > 0 { AdamW::new_zero1(named, Default::default(), ctx.dp_cp.clone())? } else { AdamW::new(named, Default::default())? };

@@ -181,16 +181,6 @@ pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
     }
 }
 
-/// The per-expert checkpoint modules of the stacked projections: (module, stacked name, the
-/// checkpoint's per-expert name), as [`crate::params::checkpoint_tensors`] maps the weights.
-const EXPERT_NAMES: [(&str, &str, &str); 6] = [
-    ("mlp", "gate_proj", "gate_proj"),
-    ("mlp", "up_proj", "up_proj"),
-    ("mlp", "down_proj", "down_proj"),
-    ("block_sparse_moe", "gate_proj", "w1"),
-    ("block_sparse_moe", "up_proj", "w3"),
-    ("block_sparse_moe", "down_proj", "w2"),
-];
 
 /// Per-expert adapter tensors as a PEFT file holds them
 /// (`….{mlp,block_sparse_moe}.experts.{e}.{proj}.lora_{A,B}.weight`, `[r, in]` / `[out, r]`)
@@ -227,7 +217,7 @@ pub(crate) fn stack_expert_adapters(tensors: HashMap<String, Tensor>) -> Result<
 /// `(stacked name, expert)` of a per-expert adapter factor's name, `None` for another name.
 fn per_expert_name(name: &str) -> Option<(String, usize)> {
     let (factor, stem) = ["lora_A.weight", "lora_B.weight", "lora_magnitude_vector"].iter().find_map(|f| Some((*f, name.strip_suffix(&format!(".{f}"))?)))?;
-    for (module, proj, per) in EXPERT_NAMES {
+    for (module, proj, per) in crate::params::EXPERT_NAMES {
         let Some(head) = stem.strip_suffix(&format!(".{per}")) else { continue };
         let Some((prefix, e)) = head.rsplit_once('.') else { continue };
         let (Some(prefix), Ok(e)) = (prefix.strip_suffix(&format!("{module}.experts")), e.parse::<usize>()) else { continue };

@@ -247,27 +247,29 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     out
 }
 
+/// The stacked expert projections and their checkpoints' per-expert modules: (MLP module,
+/// stacked name, the checkpoint's per-expert name).
+pub(crate) const EXPERT_NAMES: [(&str, &str, &str); 6] = [
+    ("mlp", "gate_proj", "gate_proj"),
+    ("mlp", "up_proj", "up_proj"),
+    ("mlp", "down_proj", "down_proj"),
+    ("block_sparse_moe", "gate_proj", "w1"),
+    ("block_sparse_moe", "up_proj", "w3"),
+    ("block_sparse_moe", "down_proj", "w2"),
+];
+
 /// The checkpoint tensors of parameter `spec`: `(name, index)` pairs, `index` the expert of a
 /// stacked expert tensor (`mlp.experts.{gate,up,down}_proj` `[E, ·, ·]` is held in a checkpoint
 /// as `mlp.experts.{e}.{gate,up,down}_proj.weight`, `e` in `0..E`), `None` for a parameter
 /// held whole under its own name.
 pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
-    // (module, stacked name, the checkpoint's per-expert name)
-    let names = [
-        ("mlp", "gate_proj", "gate_proj"),
-        ("mlp", "up_proj", "up_proj"),
-        ("mlp", "down_proj", "down_proj"),
-        ("block_sparse_moe", "gate_proj", "w1"),
-        ("block_sparse_moe", "up_proj", "w3"),
-        ("block_sparse_moe", "down_proj", "w2"),
-    ];
     // a stacked LoRA factor: `….experts.{proj}.lora_A.weight` ↔ `….experts.{e}.{proj}.lora_A.weight`
     // (and a stacked DoRA magnitude [E, out] ↔ `….experts.{e}.{proj}.lora_magnitude_vector`)
     let (stem, tail, rank) = match ["lora_A.weight", "lora_B.weight", "lora_magnitude_vector"].iter().find_map(|f| Some((spec.name.strip_suffix(&format!(".{f}"))?, f))) {
         Some((stem, f)) => (stem, f.to_string(), if f.starts_with("lora_magnitude") { 2 } else { 3 }),
         None => (spec.name.as_str(), "weight".to_string(), 3),
     };
-    for (module, proj, per_expert) in names {
+    for (module, proj, per_expert) in EXPERT_NAMES {
         let suffix = format!("{module}.experts.{proj}");
         if let Some(prefix) = stem.strip_suffix(&suffix).filter(|_| spec.shape.len() == rank) {
             let e = spec.shape.first().copied().unwrap_or(0);
