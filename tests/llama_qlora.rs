@@ -111,6 +111,27 @@ fn quantized_base_equals_its_dequantized_weights_on_every_layout() -> Result<()>
     Ok(())
 }
 
+/// QDoRA: DoRA adapters (magnitudes off the rows' norms) over an NF4 base equal DoRA over the
+/// dequantized weights on one device — logits, every factor's and magnitude's gradient — on one
+/// device, TP 2 + SP × zigzag 2 with recomputed layers and TP 4 + SP (each layer's DoRA weights
+/// built from the weights dequantized in its forward).
+#[test]
+fn dora_over_a_quantized_base_equals_its_dequantized_weights() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(4, 6.0, &TARGETS)?.with_dora(true)));
+    let ids = load_reference(dir().join("reference.safetensors"))?.input_ids;
+    let mut full = with_adapters(&cfg)?;
+    candle_cp_tests::lora_ref::set_magnitudes(&cfg, &mut full, 520)?;
+    let q = QuantConfig::new(QuantKind::Nf4, 8)?;
+    let want = run_layout(&dequantized(&full, q)?, &cfg, &ids, Layout::single(), &Device::Cpu)?;
+    assert_eq!(want.grads.iter().filter(|(n, _)| n.ends_with(candle_cp_llama::lora::MAGNITUDE)).count(), 14, "a magnitude per adapted weight");
+    for (layout, recompute) in [(Layout::single(), false), (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true), (Layout::single().with_tp(4, true), false)] {
+        let got = run_layout_quantized(&full, &cfg, &ids, layout, &Device::Cpu, recompute, q)?;
+        check(&format!("DoRA over {q} on {layout}, recompute {recompute}"), &got, &want)?;
+    }
+    Ok(())
+}
+
 /// Generation over a quantized base (`Llama::new_quantized`: what `generate --quantize-base`
 /// runs, the model a QLoRA run trained) equals generation over the dequantized weights on one
 /// device: the same tokens, logits within 1e-5, on one device and on TP 2 + SP × zigzag 2
