@@ -125,7 +125,8 @@ fn run(
             None => None,
         };
         let m = match (quant, &lora_cfg) {
-            (None, _) => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, dev), lora_cfg.as_ref().unwrap_or(cfg), &ctx)?,
+            // (an adapter merged into the weights once: no adapter work per decode step)
+            (None, _) => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, dev), lora_cfg.as_ref().unwrap_or(cfg), &ctx)?.with_adapters_merged()?,
             // the model a QLoRA run computed with: the frozen projections as codes
             (Some(q), Some(lc)) => Llama::new_quantized(&candle_cp_llama::quant::QuantBase::from_varmap(&vm, lc, q)?, DType::F32, dev, lc, &ctx)?,
             (Some(_), None) => candle_core::bail!("--quantize-base runs an adapter over a quantized base: give --adapter (or a LoRA run's checkpoint as --model)"),

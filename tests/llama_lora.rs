@@ -140,7 +140,8 @@ fn trained_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
 /// the merged dense model's (`m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, one device), the factors' and the
 /// magnitudes' gradients its weight gradients through DoRA's chain rule (the norm a constant,
 /// `candle_cp_tests::lora_ref`), relative 1e-4, on five layouts (o's and down's magnitudes
-/// replicated over TP, their rows' norms summed over it).
+/// replicated over TP, their rows' norms summed over it); merged into the weights for generation
+/// (`Llama::with_adapters_merged`), DoRA and plain LoRA decode the adapted model's tokens.
 #[test]
 fn dora_equals_the_merged_model_on_every_layout() -> Result<()> {
     let base = LlamaConfig::from_file(dir().join("config.json"))?;
@@ -160,5 +161,13 @@ fn dora_equals_the_merged_model_on_every_layout() -> Result<()> {
     candle_cp_llama::lora::merge_adapter(&mut plain, &spec.clone().with_dora(false), &adapters)?;
     let lora = run_layout(&plain, &base, &reference.input_ids, Layout::single(), &Device::Cpu)?;
     assert!((lora.loss - dense.loss).abs() > 1e-4, "DoRA's magnitudes move the loss ({} vs {})", lora.loss, dense.loss);
-    on_every_layout("DoRA", &full, &cfg, &reference.input_ids, (dense.loss, &dense.logits), &want, 1e-4)
+    on_every_layout("DoRA", &full, &cfg, &reference.input_ids, (dense.loss, &dense.logits), &want, 1e-4)?;
+    // merged into the weights for generation (row-parallel DoRA norms over TP): the same tokens
+    let ids = reference.input_ids.narrow(1, 0, 24)?;
+    let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_tp(2, false)];
+    for c in [cfg.clone(), base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?))] {
+        let e = candle_cp_tests::lora_ref::merged_generation_agrees(&c, &full, &ids, &layouts)?;
+        println!("merged adapters (DoRA {}): logits within {e:.1e}", c.lora.as_ref().is_some_and(|l| l.dora));
+    }
+    Ok(())
 }

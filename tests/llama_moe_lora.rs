@@ -171,8 +171,9 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
 }
 
 /// Generation with the experts adapted: the cached decode equals the full forward, and zigzag
-/// 2, TP 2 and EP 2 over zigzag 2 decode the single device's tokens (Qwen2-MoE: a shared
-/// expert; Mixtral: `block_sparse_moe`).
+/// 2, TP 2 and EP 2 over zigzag 2 decode the single device's tokens (Qwen2-MoE, as DoRA: a
+/// shared expert; Mixtral: `block_sparse_moe`); with the adapters merged into the weights
+/// (`Llama::with_adapters_merged`) one device, TP 2 + SP and EP 2 decode the same tokens.
 #[test]
 fn expert_adapters_generate_alike_on_every_layout() -> Result<()> {
     let ids = ids(32)?;
@@ -180,6 +181,9 @@ fn expert_adapters_generate_alike_on_every_layout() -> Result<()> {
         let (_, cfg, full) = adapted(style, style == MoeStyle::Qwen2Moe)?;
         let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
         candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &layouts)?;
+        // the adapters merged into the weights (what generation runs): the same tokens
+        let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids, &[Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)])?;
+        println!("{style:?}: merged adapters' logits within {e:.1e}");
     }
     Ok(())
 }

@@ -75,3 +75,33 @@ pub fn set_magnitudes(cfg: &LlamaConfig, full: &mut HashMap<String, Tensor>, see
     }
     Ok(())
 }
+
+/// On each of `layouts` (every rank): `Llama::with_adapters_merged` (the adapters folded into the
+/// weights, as generation runs) decodes the same 6 tokens after `ids` as the adapted model,
+/// logits within 1e-4; the largest difference over the layouts.
+pub fn merged_generation_agrees(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, ids: &Tensor, layouts: &[candle_cp_llama::Layout]) -> Result<f64> {
+    use candle_cp_llama::{shard_tensors, Llama, ParallelCtx};
+    let mut worst = 0f64;
+    for &layout in layouts {
+        for r in candle_cp_comm::run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_tensors(full, cfg, &ctx)?;
+            let build = || Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &candle_core::Device::Cpu), cfg, &ctx);
+            let adapted = build()?.generate_greedy(ids, 6)?;
+            let merged = build()?.with_adapters_merged()?.generate_greedy(ids, 6)?;
+            if adapted.tokens != merged.tokens {
+                bail!("{layout}: merged adapters decode {:?}, the adapted model {:?}", merged.tokens, adapted.tokens)
+            }
+            let mut e = 0f64;
+            for (a, b) in adapted.logits.iter().zip(&merged.logits) {
+                e = e.max(crate::dense_llama::max_abs(a, b)?);
+            }
+            Ok(e)
+        }) {
+            let e = r?;
+            assert!(e < 1e-4, "{layout}: merged adapters' logits off by {e}");
+            worst = worst.max(e);
+        }
+    }
+    Ok(worst)
+}

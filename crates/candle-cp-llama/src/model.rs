@@ -53,6 +53,7 @@ pub use crate::loss::{global_mean, local_nll};
 
 /// One decoder layer from candle-cp-nn layers (they hold the TP/SP logic: input gathers,
 /// output reductions, norm weights on sequence shards).
+#[derive(Clone)]
 pub(crate) struct Block {
     pub(crate) input_norm: RmsNorm,
     pub(crate) post_norm: RmsNorm,
@@ -81,6 +82,17 @@ pub(crate) enum Mlp {
     Dense { gate_up: ColumnParallelLinear, down: RowParallelLinear },
     /// A mixture of experts ([`crate::moe`]).
     Sparse(SparseMoe),
+}
+
+impl Block {
+    /// The same layer for inference with every adapter merged into its weight.
+    fn with_adapters_merged(&self) -> Result<Block> {
+        let mlp = match &self.mlp {
+            Mlp::Dense { gate_up, down } => Mlp::Dense { gate_up: gate_up.with_adapters_merged()?, down: down.with_adapters_merged()? },
+            Mlp::Sparse(s) => Mlp::Sparse(s.with_adapters_merged()?),
+        };
+        Ok(Block { qkv: self.qkv.with_adapters_merged()?, o: self.o.with_adapters_merged()?, mlp, ..self.clone() })
+    }
 }
 
 impl Mlp {
@@ -386,6 +398,20 @@ impl Llama {
     pub fn with_recompute(mut self, on: bool) -> Self {
         self.recompute = on.then(Recompute::new);
         self
+    }
+
+    /// The same model for inference with every LoRA / DoRA adapter merged into its weight on each
+    /// rank (`W + s·B·A`, DoRA's `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`; detached: nothing left to
+    /// train): the same logits without the adapters' work in every forward — DoRA builds its
+    /// weights once here instead of in every decode step. Collective over TP (DoRA's row norms
+    /// of a row-parallel weight). A model over a quantized base (its layers built in every
+    /// forward) is returned as it is.
+    pub fn with_adapters_merged(mut self) -> Result<Self> {
+        if self.lazy.is_some() || self.cfg.lora.is_none() {
+            return Ok(self);
+        }
+        self.blocks = self.blocks.iter().map(|b| Ok(Arc::new(b.with_adapters_merged()?))).collect::<Result<_>>()?;
+        Ok(self)
     }
 
     /// Whether layers are recomputed in backward.

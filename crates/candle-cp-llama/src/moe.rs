@@ -182,6 +182,18 @@ impl SparseMoe {
         SparseMoe { tp: Tp::new(self.tp.group.clone(), false), ..self.clone() }
     }
 
+    /// The same layer for inference with its adapters merged into the experts' and the shared
+    /// expert's weights (crate::moe_lora); itself without adapters.
+    pub(crate) fn with_adapters_merged(&self) -> Result<SparseMoe> {
+        let Some(l) = &self.lora else { return Ok(self.clone()) };
+        let m = |i: usize, shared: bool, w: &Tensor| -> Result<Tensor> { Ok(l.merged(i, shared, w, &self.tp)?.unwrap_or_else(|| w.clone())) };
+        let shared = match &self.shared {
+            Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: s.weight.clone() }),
+            None => None,
+        };
+        Ok(SparseMoe { gate: m(0, false, &self.gate)?, up: m(1, false, &self.up)?, down: m(2, false, &self.down)?, shared, lora: None, ..self.clone() })
+    }
+
     /// `x` `[B, Ts, h]` (the post-attention norm's output; the sequence shard under SP) →
     /// the MLP's output, same shape (no residual).
     pub(crate) fn forward(&self, x: &Tensor) -> Result<Tensor> {

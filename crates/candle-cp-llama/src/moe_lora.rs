@@ -142,6 +142,21 @@ impl MoeLora {
         Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, self.scale, split, tp, sum)?))
     }
 
+    /// Projection `i`'s weight (this rank's slice `w`) with its adapter merged, detached, for
+    /// inference (`W + s·B·A` per expert, or DoRA's weight); `None` when not adapted.
+    pub(crate) fn merged(&self, i: usize, shared: bool, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
+        let Some(f) = (if shared { &self.shared[i] } else { &self.experts[i] }) else { return Ok(None) };
+        let (w, a, b) = (w.detach(), f.a.detach(), f.b.detach());
+        let merged = match &f.m {
+            Some(m) => {
+                let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
+                candle_cp_nn::dora_weight(&w, &a, &b, &m.detach(), self.scale, split, tp, false)?
+            }
+            None => (&w + (b.matmul(&a)? * self.scale)?.to_dtype(w.dtype())?)?,
+        };
+        Ok(Some(merged.detach()))
+    }
+
     /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
     /// grouped by `counts` (this rank's experts), keyed `keys` for dropout: `[R, out_local]`, or
     /// `None` when the projection is not adapted. `ep`: under expert parallelism.

@@ -198,6 +198,20 @@ impl ColumnParallelLinear {
         self.lora.get(i).and_then(|l| l.as_ref())
     }
 
+    /// The same layer for inference with each part's adapter merged into its weight (`W +
+    /// s·B·A`, or DoRA's weight; detached: no parameter is left to train) and no adapters: the
+    /// same outputs without the adapters' work in every forward. Itself without adapters.
+    pub fn with_adapters_merged(&self) -> Result<Self> {
+        let mut out = self.clone();
+        for (i, p) in out.parts.iter_mut().enumerate() {
+            if let Some(l) = self.lora(i) {
+                p.weight = l.merged(&p.weight, crate::WeightSplit::Rows, &self.tp)?;
+            }
+        }
+        out.lora = Vec::new();
+        Ok(out)
+    }
+
     /// A layer of constants from the full `weight` `[out, in]` and optional `bias` `[out]`,
     /// keeping this rank's rows (not trainable: for training put the shards in a `VarMap`).
     pub fn from_full(weight: &Tensor, bias: Option<&Tensor>, tp: &Tp) -> Result<Self> {
@@ -430,6 +444,17 @@ impl RowParallelLinear {
     /// The LoRA adapter, if any.
     pub fn lora(&self) -> Option<&crate::Lora> {
         self.lora.as_ref()
+    }
+
+    /// The same layer for inference with its adapter merged into the weight (see
+    /// [`ColumnParallelLinear::with_adapters_merged`]; collective over TP for DoRA).
+    pub fn with_adapters_merged(&self) -> Result<Self> {
+        let mut out = self.clone();
+        if let Some(l) = &self.lora {
+            out.weight = l.merged(&self.weight, crate::WeightSplit::Cols, &self.tp)?;
+            out.lora = None;
+        }
+        Ok(out)
     }
 
     /// `y` plus the LoRA update of input `x`, if any (a DoRA adapter's is in the weight).

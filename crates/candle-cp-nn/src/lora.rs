@@ -129,6 +129,18 @@ impl Lora {
         Ok(Some(crate::dora::dora_weight(w, &self.a, &self.b, m, self.scale, split, tp, !tp.sequence_parallel)?))
     }
 
+    /// This rank's slice of the adapted weight, detached, for inference: DoRA's weight, or
+    /// `W + s·B·A` of this rank's factors (`B` `[out_local, r]`, `A` `[r, in_local]`: a column
+    /// layer's rows, a row layer's columns). Collective over TP for a DoRA weight split by
+    /// columns (its rows' norms).
+    pub(crate) fn merged(&self, w: &Tensor, split: crate::WeightSplit, tp: &Tp) -> Result<Tensor> {
+        let m = match &self.magnitude {
+            Some(m) => crate::dora::dora_weight(&w.detach(), &self.a.detach(), &self.b.detach(), &m.detach(), self.scale, split, tp, false)?,
+            None => (w.detach() + (self.b.detach().matmul(&self.a.detach())? * self.scale)?.to_dtype(w.dtype())?)?,
+        };
+        Ok(m.detach())
+    }
+
     /// `x` through this adapter's dropout (itself without one).
     fn drop(&self, x: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Tensor> {
         match &self.dropout {
