@@ -172,6 +172,10 @@ pub(crate) struct Args {
     /// per output row trained beside the --lora factors (started at the rows' norms).
     #[arg(long, requires = "lora")]
     pub(crate) dora: bool,
+    /// Modules trained whole beside the --lora adapters and saved in the adapter file (PEFT's
+    /// modules_to_save): embed_tokens, lm_head (e.g. for tokens added to the vocabulary).
+    #[arg(long, value_name = "M,..", requires = "lora")]
+    pub(crate) lora_modules_to_save: Option<String>,
     /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json,
     /// adapter_model.safetensors; e.g. one published for --model) instead of drawing them; its
     /// rank, alpha and targets are the run's (with --lora too, they must agree).

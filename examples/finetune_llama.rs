@@ -185,7 +185,8 @@ fn main() -> Result<()> {
                     "all-linear" => candle_cp_llama::lora::TARGETS.to_vec(),
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
-                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora).with_dora(a.dora))
+                let saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
+                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora).with_dora(a.dora).with_modules_to_save(&saved)?)
             }
         }
         .map(|l| match a.lora_dropout {
@@ -298,7 +299,7 @@ fn main() -> Result<()> {
     }
     if let Some(l) = &cfg.lora {
         say!(
-            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer{}; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
+            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer{}{}; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
             l.config.rank,
             l.config.alpha,
             l.config.scale(),
@@ -311,7 +312,8 @@ fn main() -> Result<()> {
             } {
                 Some(m) if ["gate_proj", "up_proj", "down_proj"].iter().any(|t| l.adapts(t)) => format!(" (in a sparse layer each of the {} experts' too)", m.num_experts),
                 _ => String::new(),
-            }
+            },
+            if l.modules_to_save.is_empty() { String::new() } else { format!("; {} trained whole (modules_to_save)", l.modules_to_save.join(", ")) }
         );
     }
     say!("out      : {}", a.out.display());
@@ -393,7 +395,11 @@ fn main() -> Result<()> {
         o.optimizer_state_bytes as f64 / (1u64 << 20) as f64,
         o.trainable_params,
         o.n_params,
-        if cfg_lora { ": the LoRA adapters" } else { "" }
+        match (cfg_lora, &a.lora_modules_to_save) {
+            (true, Some(m)) => format!(": the LoRA adapters and {m}"),
+            (true, None) => ": the LoRA adapters".to_string(),
+            _ => String::new(),
+        }
     );
     if cfg_lora {
         println!(

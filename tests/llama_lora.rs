@@ -171,3 +171,46 @@ fn dora_equals_the_merged_model_on_every_layout() -> Result<()> {
     }
     Ok(())
 }
+
+/// `modules_to_save` (PEFT: modules trained whole beside the adapters): with the embedding and
+/// the head trained too and fresh adapters (`B = 0`), the model is the oracle's, the embedding's
+/// and the head's gradients are the oracle's (vocabulary-parallel over TP), the adapters' the
+/// chain rule's, on five layouts; the PEFT file holds them under their own names and reads back
+/// the same; a module that cannot be trained whole is refused by name, as is `lm_head` of a
+/// model whose head is tied to its embedding.
+#[test]
+fn modules_to_save_train_with_the_adapters_on_every_layout() -> Result<()> {
+    let base = LlamaConfig::from_file(dir().join("config.json"))?;
+    let spec = LoraSpec::new(RANK, ALPHA, &TARGETS)?.with_modules_to_save(&["lm_head", "embed_tokens"])?;
+    assert_eq!(spec.modules_to_save, ["embed_tokens", "lm_head"]);
+    let cfg = base.clone().with_lora(Some(spec.clone()));
+    let trained: Vec<String> = candle_cp_llama::trainable_specs(&cfg).into_iter().map(|s| s.name).collect();
+    assert!(trained.contains(&"model.embed_tokens.weight".to_string()) && trained.contains(&"lm_head.weight".to_string()), "{trained:?}");
+    let reference = load_reference(dir().join("reference.safetensors"))?;
+    let full = with_adapters(&cfg, &load_safetensors_dir(&dir(), &Device::Cpu)?, 0.0)?;
+    let oracle_dw: HashMap<String, Tensor> = reference.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+    let mut want = chain_rule(&cfg, &full, &oracle_dw)?;
+    for n in ["model.embed_tokens.weight", "lm_head.weight"] {
+        want.insert(n.to_string(), oracle_dw[n].clone());
+    }
+    on_every_layout("modules_to_save", &full, &cfg, &reference.input_ids, (reference.loss, &reference.logits), &want, 5e-5)?;
+    // the PEFT file: the modules under their own names, read back bit for bit
+    let tmp = std::env::temp_dir().join(format!("candle-cp-mts-{}", std::process::id()));
+    let adapters: HashMap<String, Tensor> = full.iter().filter(|(n, _)| spec.trains(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    candle_cp_llama::lora::save_peft_adapter(&tmp, &spec, &adapters, "base")?;
+    let file = candle_core::safetensors::load(tmp.join("adapter_model.safetensors"), &Device::Cpu)?;
+    assert!(file.contains_key("base_model.model.model.embed_tokens.weight") && file.contains_key("base_model.model.lm_head.weight"));
+    let (read_spec, read) = candle_cp_llama::lora::load_peft_adapter(&tmp)?;
+    assert_eq!(read_spec, spec);
+    assert_eq!(read.len(), adapters.len());
+    assert_eq!((&read["lm_head.weight"] - &full["lm_head.weight"])?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+    std::fs::remove_dir_all(&tmp).ok();
+    // refusals
+    let e = LoraSpec::new(RANK, ALPHA, &TARGETS)?.with_modules_to_save(&["norm"]).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("'norm'") && e.contains("embed_tokens"), "{e}");
+    let mut tied = cfg.clone();
+    tied.tie_word_embeddings = true;
+    let e = tied.validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("lm_head") && e.contains("tie_word_embeddings"), "{e}");
+    Ok(())
+}

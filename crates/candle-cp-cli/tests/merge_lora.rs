@@ -1,5 +1,6 @@
 //! The `candle-cp merge-lora` binary: a checkpoint with a PEFT adapter beside the base model, or
-//! naming it, becomes one model whose logits equal the adapted model's; a directory without an
+//! naming it, becomes one model whose logits equal the adapted model's (its head trained whole,
+//! `modules_to_save`, replacing the base's); a directory without an
 //! adapter, or whose adapter names a base that is not there, is refused (exit 2). A Mixtral's
 //! DoRA adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the
 //! file) merges into each expert's weights.
@@ -24,10 +25,11 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
     }
     // adapters on every projection, B off zero (as after training)
     let (_, base_cfg) = candle_cp_llama::load_hf(&dir, &Device::Cpu, DType::F32)?;
-    let spec = LoraSpec::new(4, 8.0, &TARGETS)?;
+    // (and the head trained whole: modules_to_save)
+    let spec = LoraSpec::new(4, 8.0, &TARGETS)?.with_modules_to_save(&["lm_head"])?;
     let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
     let mut adapters = std::collections::HashMap::new();
-    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| spec.trains(&s.name)).enumerate() {
         adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(70 + i as u64, &s.shape, 0.1)?);
     }
     save_peft_adapter(&dir, &spec, &adapters, "tiny-llama")?;
@@ -35,7 +37,7 @@ fn merged_model_equals_the_adapted_one() -> Result<()> {
     let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
     let text = String::from_utf8_lossy(&o.stdout).to_string();
     assert_eq!(o.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&o.stderr));
-    assert!(text.contains("merged 14 weights"), "{text}");
+    assert!(text.contains("merged 15 weights"), "{text}");
     let ids = Tensor::new(&[[5u32, 17, 200, 3, 99, 41, 7, 300]], &Device::Cpu)?;
     let pos = Tensor::arange(0u32, 8, &Device::Cpu)?;
     let logits = candle_cp_comm::run_ranks(1, |g| {

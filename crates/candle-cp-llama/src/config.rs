@@ -460,6 +460,9 @@ impl LlamaConfig {
 
     /// Check the shape invariants (`H % Hkv == 0`, even `head_dim`, non-zero sizes).
     pub fn validate(&self) -> Result<()> {
+        if self.tie_word_embeddings && self.lora.as_ref().is_some_and(|l| l.modules_to_save.iter().any(|m| m == "lm_head")) {
+            bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
+        }
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")

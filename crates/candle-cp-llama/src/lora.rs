@@ -38,7 +38,13 @@ pub struct LoraSpec {
     /// DoRA (PEFT's `use_dora`): each adapted weight `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` with a
     /// trained magnitude `m` per output row (`….lora_magnitude_vector`, [`candle_cp_nn::dora`]).
     pub dora: bool,
+    /// Modules trained whole beside the adapters and saved in the adapter file (PEFT's
+    /// `modules_to_save`): some of [`SAVED_MODULES`], e.g. for tokens added to the vocabulary.
+    pub modules_to_save: Vec<String>,
 }
+
+/// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
+pub const SAVED_MODULES: [(&str, &str); 2] = [("embed_tokens", "model.embed_tokens.weight"), ("lm_head", "lm_head.weight")];
 
 impl LoraSpec {
     /// Adapters of rank `rank`, scale `alpha / rank`, on the projections `targets` (PEFT
@@ -53,7 +59,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new() })
     }
 
     /// The same adapters with dropout `p` on their inputs while training (PEFT's
@@ -78,6 +84,27 @@ impl LoraSpec {
         self
     }
 
+    /// The same adapters with `modules` (some of `embed_tokens`, `lm_head`: [`SAVED_MODULES`])
+    /// trained whole beside them (PEFT's `modules_to_save`). Errors name another module.
+    pub fn with_modules_to_save(mut self, modules: &[&str]) -> Result<Self> {
+        if let Some(m) = modules.iter().find(|m| !SAVED_MODULES.iter().any(|(n, _)| n == *m)) {
+            bail!("LoRA: module '{m}' cannot be trained whole beside the adapters (modules_to_save: some of {:?})", SAVED_MODULES.map(|(n, _)| n))
+        }
+        self.modules_to_save = SAVED_MODULES.iter().filter(|(n, _)| modules.contains(n)).map(|(n, _)| n.to_string()).collect();
+        Ok(self)
+    }
+
+    /// Whether a run with these adapters trains parameter `name`: an adapter's factor or DoRA
+    /// magnitude ([`is_lora_name`]), or a module trained whole ([`LoraSpec::modules_to_save`]).
+    pub fn trains(&self, name: &str) -> bool {
+        is_lora_name(name) || self.saved_param(name)
+    }
+
+    /// Whether `name` is the parameter of a module in [`LoraSpec::modules_to_save`].
+    pub fn saved_param(&self, name: &str) -> bool {
+        SAVED_MODULES.iter().any(|(m, p)| *p == name && self.modules_to_save.iter().any(|s| s == m))
+    }
+
     /// Whether projection `module` (e.g. `q_proj`) is adapted.
     pub fn adapts(&self, module: &str) -> bool {
         self.targets.iter().any(|t| t == module)
@@ -98,6 +125,7 @@ impl LoraSpec {
             "bias": "none",
             "target_modules": self.targets,
             "fan_in_fan_out": false,
+            "modules_to_save": if self.modules_to_save.is_empty() { serde_json::Value::Null } else { serde_json::json!(self.modules_to_save) },
             "inference_mode": false,
         })
     }
@@ -113,6 +141,7 @@ impl std::fmt::Display for LoraSpec {
             (false, false) => "",
         };
         let drop = if self.dropout > 0.0 { format!(", dropout {}", self.dropout) } else { String::new() };
+        let drop = if self.modules_to_save.is_empty() { drop } else { format!("{drop}, {} trained whole", self.modules_to_save.join(", ")) };
         write!(f, "rank {}, alpha {}{rs}{drop} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
     }
 }
@@ -137,7 +166,8 @@ pub const MAGNITUDE: &str = ".lora_magnitude_vector";
 /// Write the adapters `tensors` (full tensors by parameter name) as a PEFT adapter into
 /// `dir`: `adapter_model.safetensors` and `adapter_config.json` (`base` as its base model).
 pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str) -> Result<()> {
-    let adapters: HashMap<String, Tensor> = tensors.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    // (with the modules trained whole, under their own names, as PEFT saves modules_to_save)
+    let adapters: HashMap<String, Tensor> = tensors.iter().filter(|(n, _)| spec.trains(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
     // (a sparse layer's stacked expert factors as PEFT's per-expert tensors)
     let named: HashMap<String, Tensor> = crate::moe_lora::split_expert_adapters(&adapters)?
         .into_iter()
@@ -232,14 +262,23 @@ pub(crate) fn insert_loaded_adapter(
     dtype: candle_core::DType,
     device: &Device,
 ) -> Result<()> {
-    let names: std::collections::HashSet<String> = crate::param_specs(cfg).into_iter().filter(|s| s.is_lora()).map(|s| s.name).collect();
+    let Some(spec) = &cfg.lora else { bail!("{}: inserting an adapter into a model without a LoRA spec", dir.display()) };
+    let names: std::collections::HashSet<String> = crate::param_specs(cfg).into_iter().filter(|s| spec.trains(&s.name)).map(|s| s.name).collect();
     if let Some(extra) = tensors.keys().find(|n| !names.contains(*n)) {
         bail!("{}: the adapter's {extra} is not one of the {} adapter tensors of this model ({} layers)", dir.display(), names.len(), cfg.num_hidden_layers)
     }
-    insert_adapter_shards(varmap, cfg, ctx, dtype, device, |s| match tensors.get(&s.name) {
+    let full_of = |s: &crate::ParamSpec| match tensors.get(&s.name) {
         Some(t) => Ok(t.clone()),
         None => bail!("{}: the adapter has no {} {:?}", dir.display(), s.name, s.shape),
-    })
+    };
+    insert_adapter_shards(varmap, cfg, ctx, dtype, device, full_of)?;
+    // the modules trained whole replace the base's
+    let mut data = crate::params::lock_vars(varmap)?;
+    for s in crate::param_specs(cfg).into_iter().filter(|s| spec.saved_param(&s.name)) {
+        let local = s.slice_for(&full_of(&s)?, ctx)?;
+        data.insert(s.name.clone(), candle_core::Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
+    }
+    Ok(())
 }
 
 /// Insert this rank's shard of each of `cfg`'s adapters into `varmap`, the full tensor from
@@ -268,6 +307,16 @@ pub(crate) fn insert_adapter_shards(
 /// weight an adapter has no base for, or factors that do not fit it.
 pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>) -> Result<usize> {
     let mut merged = 0;
+    // the modules trained whole: their tensors replace the base's
+    for (name, t) in adapters.iter().filter(|(n, _)| spec.saved_param(n)) {
+        let Some(w) = weights.get(name) else { bail!("merge_adapter: the model has no {name} for the adapter's module trained whole") };
+        if w.dims() != t.dims() {
+            bail!("merge_adapter: the adapter's {name} {:?} does not fit the model's {:?}", t.dims(), w.dims())
+        }
+        let t = t.to_dtype(w.dtype())?;
+        weights.insert(name.clone(), t);
+        merged += 1;
+    }
     for (name, a) in adapters.iter().filter(|(n, _)| n.ends_with(".lora_A.weight")) {
         let stem = &name[..name.len() - ".lora_A.weight".len()];
         let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
@@ -310,10 +359,20 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     refuse_unsupported(&v, &cfg_path)?;
     let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
     let dora = v.get("use_dora").and_then(|x| x.as_bool()).unwrap_or(false);
+    let saved: Vec<String> = match v.get("modules_to_save") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+        Some(other) => bail!("{}: 'modules_to_save' must be a list of module names, got {other}", cfg_path.display()),
+    };
     let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
     // (Mixtral's expert modules w1, w3, w2 are our gate_proj, up_proj, down_proj)
     let targets: Vec<&str> = targets.iter().map(|s| crate::moe_lora::target_from_peft(s)).collect();
-    let spec = LoraSpec::new(rank, alpha, &targets)?.with_rslora(rslora).with_dropout(dropout)?.with_dora(dora);
+    let spec = LoraSpec::new(rank, alpha, &targets)?
+        .with_rslora(rslora)
+        .with_dropout(dropout)?
+        .with_dora(dora)
+        .with_modules_to_save(&saved.iter().map(|s| s.as_str()).collect::<Vec<_>>())
+        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?;
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()
@@ -324,8 +383,8 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
 }
 
 /// Refuse, by name, the PEFT options that change what the adapter computes and that this model
-/// does not implement (they would otherwise be ignored silently): trained biases, extra
-/// trained modules, per-module ranks or alphas, adapters on some layers only, transposed
+/// does not implement (they would otherwise be ignored silently): trained biases, per-module
+/// ranks or alphas, adapters on some layers only, transposed
 /// weights, layer replication. `lora_dropout` (training only) and the init settings are
 /// accepted.
 fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
@@ -339,7 +398,6 @@ fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
     let what = [
         ("bias", "trained biases"),
         ("lora_bias", "trained biases on lora_B"),
-        ("modules_to_save", "fully trained extra modules"),
         ("rank_pattern", "per-module ranks"),
         ("alpha_pattern", "per-module alphas"),
         ("layers_to_transform", "adapters on some layers only"),

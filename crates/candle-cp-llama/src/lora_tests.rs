@@ -92,7 +92,6 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     let cases = [
         ("bias", serde_json::json!("lora_only")),
         ("lora_bias", serde_json::json!(true)),
-        ("modules_to_save", serde_json::json!(["lm_head"])),
         ("rank_pattern", serde_json::json!({"q_proj": 8})),
         ("alpha_pattern", serde_json::json!({"q_proj": 8})),
         ("layers_to_transform", serde_json::json!([0])),
@@ -106,6 +105,13 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
         let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(&format!("'{key}'")) && e.contains("not supported"), "{key}: {e}");
     }
+    // modules trained whole: the embedding and the head read, another module refused by name
+    save_peft_adapter(&dir, &spec, &ad, "base")?;
+    edit(&dir, |v| v["modules_to_save"] = serde_json::json!(["lm_head"]))?;
+    assert_eq!(load_peft_adapter(&dir)?.0.modules_to_save, ["lm_head"]);
+    edit(&dir, |v| v["modules_to_save"] = serde_json::json!(["score"]))?;
+    let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("'score'") && e.contains("modules_to_save"), "{e}");
     // the defaults PEFT writes are accepted (bias "none", empty patterns, dropout)
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| {

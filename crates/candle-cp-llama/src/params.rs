@@ -362,8 +362,8 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
 /// ([`crate::lora`]), else every parameter ([`param_specs`]).
 pub fn trainable_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     let all = param_specs(cfg);
-    match cfg.lora {
-        Some(_) => all.into_iter().filter(|s| s.is_lora()).collect(),
+    match &cfg.lora {
+        Some(l) => all.into_iter().filter(|s| l.trains(&s.name)).collect(),
         None => all,
     }
 }

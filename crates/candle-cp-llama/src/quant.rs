@@ -58,6 +58,8 @@ enum Stored {
 pub struct QuantBase {
     tensors: Arc<HashMap<String, Stored>>,
     cfg: QuantConfig,
+    /// The trained parameters (adapters, modules trained whole): not frozen bytes.
+    trained: Arc<std::collections::HashSet<String>>,
 }
 
 impl QuantBase {
@@ -75,7 +77,7 @@ impl QuantBase {
         let mut tensors = HashMap::with_capacity(vars.len());
         for (name, var) in vars.iter() {
             let t = var.as_tensor();
-            let stored = if crate::lora::is_lora_name(name) {
+            let stored = if model.lora.as_ref().is_some_and(|l| l.trains(name)) {
                 Stored::Plain(t.clone())
             } else if is_quantized_weight(name) {
                 // a stacked [E, out, in] as [E·out, in]: groups along each row's inputs as ever
@@ -90,7 +92,8 @@ impl QuantBase {
             tensors.insert(name.clone(), stored);
         }
         vars.retain(|n, _| !is_quantized_weight(n));
-        Ok(Self { tensors: Arc::new(tensors), cfg })
+        let trained = tensors.keys().filter(|n| model.lora.as_ref().is_some_and(|l| l.trains(n))).cloned().collect();
+        Ok(Self { tensors: Arc::new(tensors), cfg, trained: Arc::new(trained) })
     }
 
     /// The quantization.
@@ -105,7 +108,7 @@ impl QuantBase {
         for (n, s) in self.tensors.iter() {
             match s {
                 Stored::Quant(w, _) => q += w.bytes(),
-                Stored::Plain(t) if !crate::lora::is_lora_name(n) => p += t.elem_count() * t.dtype().size_in_bytes(),
+                Stored::Plain(t) if !self.trained.contains(n) => p += t.elem_count() * t.dtype().size_in_bytes(),
                 Stored::Plain(_) => {}
             }
         }

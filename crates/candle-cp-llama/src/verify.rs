@@ -198,7 +198,7 @@ fn run_layout_impl(
         // (a LoRA model over its frozen base, as the trainer builds it: the base plain tensors)
         let lora = cfg.lora.is_some();
         let model = match quant {
-            None if lora => Llama::new(crate::train::lora::frozen_builder(&vm, DType::F32, device)?, cfg, &ctx)?,
+            None if lora => Llama::new(crate::train::lora::frozen_builder(&vm, cfg, DType::F32, device)?, cfg, &ctx)?,
             None => Llama::new(VarBuilder::from_varmap(&vm, DType::F32, device), cfg, &ctx)?,
             Some(q) => Llama::new_quantized(&crate::quant::QuantBase::from_varmap(&vm, cfg, q)?, DType::F32, device, cfg, &ctx)?,
         }
@@ -221,7 +221,7 @@ fn run_layout_impl(
         };
         // (a LoRA model: its adapters' gradients only; the frozen weights' are not summed)
         if cfg.lora.is_some() {
-            full_grads.retain(|(n, _)| crate::lora::is_lora_name(n));
+            full_grads.retain(|(n, _)| cfg.lora.as_ref().is_some_and(|l| l.trains(n)));
         }
         let bl = b / layout.dp;
         Ok(RankOut {

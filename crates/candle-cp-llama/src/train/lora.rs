@@ -16,7 +16,7 @@
 //!                              optimizer-tp*.safetensors, train_state.json   (their state)
 //! ```
 
-use crate::lora::{insert_adapter_shards, is_lora_name, save_peft_adapter};
+use crate::lora::{insert_adapter_shards, save_peft_adapter};
 use crate::params::{init_tensor, lock_vars, param_specs};
 use crate::{LlamaConfig, ParallelCtx};
 use candle_core::{bail, DType, Device, Result, Tensor};
@@ -80,15 +80,17 @@ pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &Para
 
 /// A builder of the model over `varmap` whose base weights are frozen: plain tensors (no
 /// gradient is computed or kept for them), the adapters the `VarMap`'s variables.
-pub(crate) fn frozen_builder(varmap: &VarMap, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+pub(crate) fn frozen_builder(varmap: &VarMap, cfg: &LlamaConfig, dtype: DType, device: &Device) -> Result<VarBuilder<'static>> {
+    let trains = |n: &str| cfg.lora.as_ref().is_some_and(|l| l.trains(n));
     let tensors: HashMap<String, Tensor> =
-        lock_vars(varmap)?.iter().map(|(n, v)| (n.clone(), if is_lora_name(n) { v.as_tensor().clone() } else { v.as_tensor().detach() })).collect();
+        lock_vars(varmap)?.iter().map(|(n, v)| (n.clone(), if trains(n) { v.as_tensor().clone() } else { v.as_tensor().detach() })).collect();
     Ok(VarBuilder::from_tensors(tensors, dtype, device))
 }
 
 /// The model of a LoRA run over `varmap` (its base weights and adapters) with the base frozen:
 /// plain tensors, or quantized by `quant` ([`crate::quant::QuantBase`]; the base first written
-/// to `base` when the checkpoints need it there, as its dense shards are dropped). Returns the
+/// to `base` when the checkpoints need it there, as its dense shards are dropped, or as modules
+/// trained whole will move). Returns the
 /// model and the bytes of frozen weights this rank holds. Collective over `world` when the base
 /// is written.
 #[allow(clippy::too_many_arguments)]
@@ -102,18 +104,22 @@ pub(crate) fn frozen_model(
     base: Option<&BaseModel>,
     world: &Group,
 ) -> Result<(crate::Llama, usize)> {
+    // the base written before training when training changes what it would hold: quantization
+    // drops its dense shards, modules trained whole (modules_to_save) move
+    let saves = cfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty());
+    if let Some(b) = base.filter(|_| quant.is_some() || saves) {
+        b.write_once(varmap, cfg, ctx, world, world.rank() == 0)?;
+    }
     match quant {
         Some(q) => {
-            if let Some(b) = base {
-                b.write_once(varmap, cfg, ctx, world, world.rank() == 0)?;
-            }
             let qb = crate::quant::QuantBase::from_varmap(varmap, cfg, q)?;
             let (codes, plain) = qb.frozen_bytes();
             Ok((crate::Llama::new_quantized(&qb, dtype, device, cfg, ctx)?, codes + plain))
         }
         None => {
-            let frozen = lock_vars(varmap)?.iter().filter(|(n, _)| !is_lora_name(n)).map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes()).sum();
-            Ok((crate::Llama::new(frozen_builder(varmap, dtype, device)?, cfg, ctx)?, frozen))
+            let trains = |n: &str| cfg.lora.as_ref().is_some_and(|l| l.trains(n));
+            let frozen = lock_vars(varmap)?.iter().filter(|(n, _)| !trains(n)).map(|(_, v)| v.as_tensor().elem_count() * v.as_tensor().dtype().size_in_bytes()).sum();
+            Ok((crate::Llama::new(frozen_builder(varmap, cfg, dtype, device)?, cfg, ctx)?, frozen))
         }
     }
 }
@@ -124,7 +130,7 @@ pub(crate) fn save_adapters(dir: &Path, varmap: &VarMap, cfg: &LlamaConfig, ctx:
     let Some(spec) = &cfg.lora else { return Ok(()) };
     let local = crate::params::varmap_tensors(varmap)?;
     let mut full = HashMap::new();
-    for s in param_specs(cfg).into_iter().filter(|s| s.is_lora()) {
+    for s in param_specs(cfg).into_iter().filter(|s| spec.trains(&s.name)) {
         let Some(t) = local.get(&s.name) else { bail!("save: missing adapter {} {:?}", s.name, s.shape) };
         full.insert(s.name.clone(), s.gather(t, ctx)?.to_dtype(DType::F32)?);
     }

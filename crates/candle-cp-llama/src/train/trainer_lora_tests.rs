@@ -393,3 +393,51 @@ fn dora_trains_magnitudes_alike_on_every_layout() -> Result<()> {
     }
     Ok(())
 }
+
+/// `modules_to_save`: the embedding and the head trained whole beside the adapters (PEFT's
+/// option, e.g. for added tokens): both move, the other base weights do not; zigzag 2 × TP 2 +
+/// SP (vocabulary-parallel) and ring 2 × DP 2 with ZeRO-1 over an NF4 base follow the one-device
+/// runs; the checkpoint's PEFT file holds them, and the checkpoint as a model (base + adapter)
+/// gives the trained model's loss; resumed on TP 2 it continues the curve.
+#[test]
+fn modules_to_save_train_whole_beside_the_adapters() -> Result<()> {
+    let d = tmpdir("mts");
+    let mut c = lora_cfg(Some(d.clone()), Layout::single())?;
+    c.lora = c.lora.map(|l| l.with_modules_to_save(&["embed_tokens", "lm_head"])).transpose()?;
+    let one = run(&c)?;
+    let ck = d.join("checkpoints/step-000006");
+    let (spec, adapters) = crate::lora::load_peft_adapter(&ck)?;
+    assert_eq!(Some(&spec), c.lora.as_ref());
+    let ModelSource::Init(base_cfg) = &c.model else { candle_core::bail!("init model expected") };
+    let init = crate::params::varmap_tensors(&crate::init_params(base_cfg, c.seed, DType::F32, &Device::Cpu)?)?;
+    for n in ["model.embed_tokens.weight", "lm_head.weight"] {
+        let moved = (&adapters[n] - &init[n])?.abs()?.max_all()?.to_scalar::<f32>()?;
+        assert!(moved > 1e-6, "{n} did not train");
+    }
+    let base = crate::params::varmap_tensors(&crate::load_hf(crate::lora::base_model_dir(&ck)?, &Device::Cpu, DType::F32)?.0)?;
+    assert!(base["lm_head.weight"].flatten_all()?.to_vec1::<f32>()? == init["lm_head.weight"].flatten_all()?.to_vec1::<f32>()?, "the base's head is the initial one");
+    assert!(one[0].trainable_params > (init["lm_head.weight"].elem_count() + init["model.embed_tokens.weight"].elem_count()));
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    let mut cl = c.clone();
+    (cl.out, cl.layout, cl.recompute) = (None, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true);
+    assert_same_curve("modules_to_save on zigzag 2 x tp 2 + sp", &curve, &run(&cl)?[0].metrics);
+    // over an NF4 base: the one-device QLoRA run's curve on ring 2 × DP 2 with ZeRO-1
+    let q = candle_cp_nn::QuantConfig::new(candle_cp_nn::QuantKind::Nf4, 8)?;
+    let mut q1 = c.clone();
+    (q1.out, q1.quantize_base) = (None, Some(q));
+    let qone = run(&q1)?;
+    let mut q2 = q1.clone();
+    (q2.layout, q2.zero1) = (Layout::cp(CpKind::Ring, 2).with_dp(2), true);
+    assert_same_curve("modules_to_save over NF4 on ring 2 x dp 2", &qone[0].metrics.iter().collect::<Vec<_>>(), &run(&q2)?[0].metrics);
+    // stopped after step 4, resumed on TP 2
+    let dr = tmpdir("mts-resume");
+    let mut cr = c.clone();
+    (cr.out, cr.stop_after) = (Some(dr.clone()), Some(4));
+    run(&cr)?;
+    (cr.layout, cr.resume, cr.stop_after) = (Layout::single().with_tp(2, false), true, None);
+    assert_same_curve("modules_to_save resumed on tp 2", &curve[3..], &run(&cr)?[0].metrics);
+    for x in [&d, &dr] {
+        std::fs::remove_dir_all(x).ok();
+    }
+    Ok(())
+}
