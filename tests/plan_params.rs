@@ -129,7 +129,8 @@ fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> R
     Ok(())
 }
 
-/// LoRA (rank 4, on q, k, v, o and on every projection): the planner's Adam state per GPU
+/// LoRA (rank 4, on q, k, v, o and on every projection; with the embedding and the head trained
+/// whole, modules_to_save): the planner's Adam state per GPU
 /// (the adapters' alone, f32: 8 bytes per parameter, split over the replicas by ZeRO-1) times
 /// the GPUs equals what the trainer's optimizer over each rank's adapters holds, on TP 1, 2 and
 /// 4 (K/V adapters replicated with the heads at TP 4) and over DP 2 × CP 2 with ZeRO-1.
@@ -137,25 +138,32 @@ fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> R
 fn planner_lora_state_equals_the_trainers() -> Result<()> {
     let oracle = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
     let all = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
-    for (targets, mlp) in [(&all[..4], false), (&all[..], true)] {
-        let cfg = oracle.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, targets)?));
+    // (the last: the embedding and the head trained whole too, modules_to_save)
+    for (targets, mlp, saved) in [(&all[..4], false, false), (&all[..], true, false), (&all[..4], false, true)] {
+        let spec = candle_cp_llama::LoraSpec::new(4, 8.0, targets)?;
+        let spec = if saved { spec.with_modules_to_save(&["embed_tokens", "lm_head"])? } else { spec };
+        let cfg = oracle.clone().with_lora(Some(spec));
         let m = ModelConfig::from_hf_json(&oracle.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_tp(2, true)];
         for layout in layouts {
             let zero = (layout.dp * layout.cp > 1) as u8;
-            let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, zero, lora_rank: 4, lora_mlp: mlp, ..PlanLayout::default() };
+            let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, zero, lora_rank: 4, lora_mlp: mlp, lora_save_embed: saved, lora_save_head: saved, ..PlanLayout::default() };
             let want = candle_cp_plan::memory::model_states(&m, &plan, 4).optimizer * layout.world_size() as f64;
             let got = run_ranks(layout.world_size(), |g| {
                 let ctx = ParallelCtx::new(g, layout)?;
                 let vm = shard_params(&init_params(&cfg, 1, DType::F32, &Device::Cpu)?, &cfg, &ctx)?;
                 Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
-                let named = candle_cp_tests::lora_ref::adapter_vars(&vm)?;
+                let mut named = candle_cp_tests::lora_ref::adapter_vars(&vm)?;
+                if saved {
+                    let vars = vm.data().lock().map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+                    named.extend(["model.embed_tokens.weight", "lm_head.weight"].map(|n| (n.to_string(), vars[n].clone())));
+                }
                 let opt = if zero > 0 { AdamW::new_zero1(named, Default::default(), ctx.dp_cp.clone())? } else { AdamW::new(named, Default::default())? };
                 Ok(opt.state_bytes())
             });
             let total: usize = got.into_iter().sum::<Result<usize>>()?;
-            assert!((total as f64 - want).abs() < 1e-9 * want, "{layout} mlp {mlp}: the ranks hold {total} bytes of adapter state, the planner says {want}");
-            println!("{layout} LoRA (mlp {mlp}): {total} bytes of Adam state over the ranks = planner");
+            assert!((total as f64 - want).abs() < 1e-9 * want, "{layout} mlp {mlp} saved {saved}: the ranks hold {total} bytes of adapter state, the planner says {want}");
+            println!("{layout} LoRA (mlp {mlp}, embedding and head trained {saved}): {total} bytes of Adam state over the ranks = planner");
         }
     }
     Ok(())

@@ -93,6 +93,8 @@ fn random_plans_are_consistent() {
             lora_rank: 0,
             lora_mlp: false,
             lora_dora: false,
+            lora_save_embed: false,
+            lora_save_head: false,
             base_quant: None,
         };
         let seq = pick(&mut d, &[1, 7, 1000, 4096, 8192, 131072, 1 << 20]);

@@ -56,6 +56,10 @@ pub struct CommonArgs {
     /// weight's DoRA copy kept for the backward (one layer's with --recompute full).
     #[arg(long)]
     pub dora: bool,
+    /// With --lora: modules trained whole beside the adapters (finetune_llama
+    /// --lora-modules-to-save): embed_tokens, lm_head.
+    #[arg(long, value_name = "M,..")]
+    pub lora_modules_to_save: Option<String>,
     /// With --lora: the frozen base quantized (finetune_llama --quantize-base): int8 or nf4,
     /// optionally ,GROUP (inputs per scale, default 64) and ,dq (double-quantized scales: u8
     /// each, blocks of 16 rows; ,dqROWS another block).
@@ -166,6 +170,16 @@ pub struct PlanArgs {
 /// Builds the planner input from the shared flags and `layout`; errors name the bad value.
 pub fn input_from_common(a: &CommonArgs, mut layout: Layout) -> anyhow::Result<PlanInput> {
     (layout.lora_rank, layout.lora_mlp, layout.lora_dora) = (a.lora, a.lora_mlp, a.dora);
+    for m in a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect::<Vec<_>>()).unwrap_or_default() {
+        match m {
+            "embed_tokens" => layout.lora_save_embed = true,
+            "lm_head" => layout.lora_save_head = true,
+            other => anyhow::bail!("--lora-modules-to-save {other}: embed_tokens or lm_head"),
+        }
+    }
+    if (layout.lora_save_embed || layout.lora_save_head) && a.lora == 0 {
+        anyhow::bail!("--lora-modules-to-save trains modules beside the LoRA adapters: give the adapters' rank with --lora R")
+    }
     if a.dora && a.lora == 0 {
         anyhow::bail!("--dora decomposes the LoRA adapters' weights: give the adapters' rank with --lora R")
     }
@@ -260,6 +274,8 @@ pub fn input_from_args(a: &PlanArgs) -> anyhow::Result<PlanInput> {
         lora_rank: 0,
         lora_mlp: false,
         lora_dora: false,
+        lora_save_embed: false,
+        lora_save_head: false,
         base_quant: None,
     };
     let mut input = input_from_common(&a.common, layout)?;

@@ -170,6 +170,12 @@ pub struct Layout {
     /// the factors, and each adapted weight's DoRA copy `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` built in
     /// the forward and kept for the backward ([`crate::memory::ModelStates::dora_weights`]).
     pub lora_dora: bool,
+    /// LoRA with modules trained whole (candle-cp's `LoraSpec::modules_to_save`): the embedding
+    /// and / or the head, their rows on this GPU counted with the adapters
+    /// ([`crate::memory::lora_saved_params_per_gpu`]).
+    pub lora_save_embed: bool,
+    /// See [`Layout::lora_save_embed`]: the head (not of a model whose head is its embedding).
+    pub lora_save_head: bool,
     /// A LoRA run's frozen base held quantized (candle-cp's `TrainConfig::quantize_base`): the
     /// decoder layers' dense projections as codes with per-group scales
     /// ([`crate::memory::layer_quantized_params_per_gpu`]). `None`: in the training dtype.
@@ -260,6 +266,8 @@ impl Default for Layout {
             lora_rank: 0,
             lora_mlp: false,
             lora_dora: false,
+            lora_save_embed: false,
+            lora_save_head: false,
             base_quant: None,
         }
     }

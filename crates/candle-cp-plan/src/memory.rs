@@ -452,6 +452,23 @@ pub fn layer_adapted_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     }
 }
 
+/// The parameters of the modules a LoRA run trains whole on one GPU ([`Layout::lora_save_embed`],
+/// [`Layout::lora_save_head`]): the embedding's and the head's vocabulary rows of this GPU
+/// (`⌈V/t⌉·h` each); with pipeline stages the busier of the first (embedding) and the last
+/// (head). 0 without LoRA.
+pub fn lora_saved_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    if l.lora_rank == 0 {
+        return 0.0;
+    }
+    let rows = vocab_rows_per_gpu(m, l) as f64 * m.hidden as f64;
+    let (e, h) = (if l.lora_save_embed { rows } else { 0.0 }, if l.lora_save_head && !m.tie_embeddings { rows } else { 0.0 });
+    if l.pp > 1 {
+        e.max(h)
+    } else {
+        e + h
+    }
+}
+
 /// Parameters held by one GPU (busiest pipeline stage): [`layer_params_per_gpu`] per layer,
 /// embedding and output projection vocab-parallel over `t` ([`vocab_rows_per_gpu`]), on the
 /// first/last stage.
@@ -506,8 +523,11 @@ pub struct ModelStates {
 /// experts, as candle-cp's trainer splits them (`AdamW::with_expert_parallel`) and
 /// Megatron's distributed optimizer does.
 pub fn model_states(m: &ModelConfig, l: &Layout, e: usize) -> ModelStates {
-    let adapters = layers_per_stage(m, l) as f64 * layer_lora_params_per_gpu(m, l);
-    let params = params_per_gpu(m, l) + adapters;
+    // (with the modules trained whole: their gradients and Adam state as the adapters'; their
+    // weights are the base's, counted once)
+    let saved = lora_saved_params_per_gpu(m, l);
+    let adapters = layers_per_stage(m, l) as f64 * layer_lora_params_per_gpu(m, l) + saved;
+    let params = params_per_gpu(m, l) + adapters - saved;
     let experts = layers_per_stage(m, l) as f64 * layer_expert_params_per_gpu(m, l);
     let dense = params - experts;
     let n = (l.dp * l.cp) as f64;

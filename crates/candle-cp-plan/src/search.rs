@@ -197,6 +197,8 @@ fn layouts(i: &SearchInput, zero: &[u8], recompute: &[Recompute]) -> Vec<(Layout
                                     lora_rank: base.layout.lora_rank,
                                     lora_mlp: base.layout.lora_mlp,
                                     lora_dora: base.layout.lora_dora,
+                                    lora_save_embed: base.layout.lora_save_embed,
+                                    lora_save_head: base.layout.lora_save_head,
                                     base_quant: base.layout.base_quant,
                                 };
                                 out.push((layout, k));
@@ -379,6 +381,10 @@ fn finetune_llama_flags(l: &Layout, k: usize, base: &PlanInput, overlap: Overlap
         }
         if l.lora_dora {
             f.push_str(" --dora");
+        }
+        let saved: Vec<&str> = [(l.lora_save_embed, "embed_tokens"), (l.lora_save_head, "lm_head")].iter().filter(|(on, _)| *on).map(|(_, m)| *m).collect();
+        if !saved.is_empty() {
+            let _ = write!(f, " --lora-modules-to-save {}", saved.join(","));
         }
         if let Some(q) = l.base_quant {
             let _ = write!(f, " --quantize-base {q}");
