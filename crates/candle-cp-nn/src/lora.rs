@@ -194,7 +194,8 @@ impl Lora {
 /// A column-parallel part's update `s·(x·Aᵀ)·Bᵀ` `[.., T, out_local]` from the layer's input
 /// `x` as given (the sequence shard under SP, replicated without).
 pub(crate) fn column_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
-    column_u(x, l, tp)?.broadcast_matmul(&l.b.t()?)? * l.scale
+    // (the scale on the r-wide activations: one pass over `[T, out]` fewer, each way)
+    (column_u(x, l, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)
 }
 
 /// [`column_delta`] through a part's output map `post` (linear, e.g. RoPE): `post(s·u·Bᵀ)`
@@ -247,7 +248,7 @@ pub(crate) fn row_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     } else {
         mappings::reduce_from_tp_region(&v, &tp.group)?
     };
-    v.broadcast_matmul(&l.b.t()?)? * l.scale
+    (v * l.scale)?.broadcast_matmul(&l.b.t()?)
 }
 
 #[cfg(test)]
