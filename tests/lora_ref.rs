@@ -32,13 +32,15 @@ pub fn adapter_vars(vm: &candle_nn::VarMap) -> Result<Vec<(String, candle_core::
 
 /// Every adapter's gradient (by name) from the merged model's weight gradients `dw` (by weight
 /// name; a stacked expert weight `[E, out, in]` by its name without `.weight`), `full` holding
-/// the weights and adapters, `s` the scale: plain LoRA `dA = s·Bᵀ·dW'`, `dB = s·dW'·Aᵀ`; DoRA
+/// the weights and adapters, `s` each adapter's scale (`cfg`'s, per module): plain LoRA `dA = s·Bᵀ·dW'`, `dB = s·dW'·Aᵀ`; DoRA
 /// (`cfg`'s spec) `dV = m/‖V‖ ⊙ dW'`, `dA = s·Bᵀ·dV`, `dB = s·dV·Aᵀ`, `dm = Σ_in dW' ⊙ V / ‖V‖`.
-pub fn adapter_grads(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>, s: f64) -> Result<HashMap<String, Tensor>> {
-    let dora = cfg.lora.as_ref().is_some_and(|l| l.dora);
+pub fn adapter_grads(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let Some(lora) = &cfg.lora else { bail!("adapter_grads: a model without adapters") };
+    let dora = lora.dora;
     let mut out = HashMap::new();
     for spec in param_specs(cfg) {
         let Some(stem) = spec.name.strip_suffix(".lora_A.weight") else { continue };
+        let s = lora.config_for(stem).scale();
         let (wn, g) = match (dw.get(&format!("{stem}.weight")), dw.get(stem)) {
             (Some(g), _) => (format!("{stem}.weight"), f64s(g)?),
             (None, Some(g)) => (stem.to_string(), f64s(g)?),

@@ -65,12 +65,14 @@ impl<'a> LayerBuilder<'a> {
     /// The LoRA adapter of projection `module` under `prefix` (crate::lora), if a target
     /// (its local shapes from the specs; in a fresh VarMap A uniform in ±1/√in, B zero).
     fn lora_for(&self, prefix: &str, module: &str) -> Result<Option<candle_cp_nn::Lora>> {
-        let Some(l) = self.cfg.lora.as_ref().filter(|l| l.adapts(module)) else { return Ok(None) };
+        let stem = format!("{prefix}.{module}");
+        // (a target on an adapted layer; its rank and alpha the patterns': crate::lora_select)
+        let Some(l) = self.cfg.lora.as_ref().filter(|l| l.adapts_weight(&stem)) else { return Ok(None) };
         let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
         let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
         let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
         let vm = self.vb.pp(format!("{prefix}.{module}"));
-        let lora = candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config)?;
+        let lora = candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config_for(&stem))?;
         let lora = lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?;
         Ok(Some(match self.magnitude(&format!("{prefix}.{module}"))? {
             Some(m) => lora.with_dora(m)?,
@@ -100,7 +102,7 @@ impl<'a> LayerBuilder<'a> {
             let bound = 1.0 / (sa.shape.last().copied().unwrap_or(1).max(1) as f64).sqrt();
             let a = self.vb.get_with_hints(sa.local_shape_in(&self.ctx)?, &an, Init::Uniform { lo: -bound, up: bound })?;
             let b = self.vb.get_with_hints(sb.local_shape_in(&self.ctx)?, &bn, Init::Const(0.0))?;
-            Ok(Some(crate::moe_lora::Factors { a, b, m: self.magnitude(&stem)?, stream: format!("{stem}.lora_dropout") }))
+            Ok(Some(crate::moe_lora::Factors { a, b, m: self.magnitude(&stem)?, stream: format!("{stem}.lora_dropout"), scale: l.config_for(&stem).scale() }))
         };
         let projs = ["gate_proj", "up_proj", "down_proj"];
         let experts = [factors(format!("{module}experts.{}", projs[0]))?, factors(format!("{module}experts.{}", projs[1]))?, factors(format!("{module}experts.{}", projs[2]))?];
@@ -112,7 +114,7 @@ impl<'a> LayerBuilder<'a> {
         if experts.iter().chain(&shared).all(|f| f.is_none()) {
             return Ok(None);
         }
-        Ok(Some(Box::new(crate::moe_lora::MoeLora { experts, shared, scale: l.config.scale(), dropout: l.dropout, rows: self.lora_rows.clone() })))
+        Ok(Some(Box::new(crate::moe_lora::MoeLora { experts, shared, dropout: l.dropout, rows: self.lora_rows.clone() })))
     }
 
     /// Decoder layer `i`.

@@ -70,6 +70,7 @@ pub mod loss;
 pub mod model;
 mod moe;
 mod moe_lora;
+pub mod lora_select;
 pub mod packed;
 pub mod params;
 pub mod quant;

@@ -9,6 +9,10 @@
 //! (factors stacked as the experts' weights, `….experts.{proj}.lora_A.weight` `[E, r, in]`,
 //! `lora_B` `[E, out, r]`, split over EP as they are) and the shared expert's, as PEFT does.
 //!
+//! PEFT's `layers_to_transform`, `rank_pattern` and `alpha_pattern` select layers and give
+//! modules their own rank and alpha ([`crate::lora_select`]: [`LoraSpec::adapts_weight`],
+//! [`LoraSpec::config_for`]).
+//!
 //! On disk they are a PEFT adapter: `adapter_model.safetensors` (names prefixed
 //! `base_model.model.`; an expert's factors under its own name,
 //! `….experts.{e}.{proj}.lora_A.weight`, Mixtral's `w1`, `w3`, `w2`) and `adapter_config.json`
@@ -41,6 +45,12 @@ pub struct LoraSpec {
     /// Modules trained whole beside the adapters and saved in the adapter file (PEFT's
     /// `modules_to_save`): some of [`SAVED_MODULES`], e.g. for tokens added to the vocabulary.
     pub modules_to_save: Vec<String>,
+    /// The decoder layers adapted (PEFT's `layers_to_transform`; `None`: every layer), sorted.
+    pub layers: Option<Vec<usize>>,
+    /// Per-module ranks (PEFT's `rank_pattern`), sorted by key: see [`crate::lora_select`].
+    pub rank_pattern: Vec<(String, usize)>,
+    /// Per-module alphas (PEFT's `alpha_pattern`), sorted by key.
+    pub alpha_pattern: Vec<(String, f64)>,
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
@@ -59,7 +69,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new() })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new() })
     }
 
     /// The same adapters with dropout `p` on their inputs while training (PEFT's
@@ -126,6 +136,10 @@ impl LoraSpec {
             "target_modules": self.targets,
             "fan_in_fan_out": false,
             "modules_to_save": if self.modules_to_save.is_empty() { serde_json::Value::Null } else { serde_json::json!(self.modules_to_save) },
+            "layers_to_transform": self.layers,
+            "layers_pattern": self.layers.as_ref().map(|_| "layers"),
+            "rank_pattern": self.rank_pattern.iter().map(|(k, r)| (k.clone(), serde_json::json!(r))).collect::<serde_json::Map<_, _>>(),
+            "alpha_pattern": self.alpha_pattern.iter().map(|(k, a)| (k.clone(), serde_json::json!(a))).collect::<serde_json::Map<_, _>>(),
             "inference_mode": false,
         })
     }
@@ -142,6 +156,11 @@ impl std::fmt::Display for LoraSpec {
         };
         let drop = if self.dropout > 0.0 { format!(", dropout {}", self.dropout) } else { String::new() };
         let drop = if self.modules_to_save.is_empty() { drop } else { format!("{drop}, {} trained whole", self.modules_to_save.join(", ")) };
+        let drop = match &self.layers {
+            Some(ls) => format!("{drop}, layers {ls:?} only"),
+            None => drop,
+        };
+        let drop = if self.rank_pattern.is_empty() && self.alpha_pattern.is_empty() { drop } else { format!("{drop}, per-module ranks {:?} / alphas {:?}", self.rank_pattern, self.alpha_pattern) };
         write!(f, "rank {}, alpha {}{rs}{drop} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
     }
 }
@@ -332,9 +351,9 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
         }
         let new = match adapters.get(&format!("{stem}{MAGNITUDE}")) {
             // DoRA: m / ‖W + s·B·A‖ ⊙ (W + s·B·A)
-            Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config.scale())?,
+            Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config_for(stem).scale())?,
             None if spec.dora => bail!("merge_adapter: a DoRA adapter without {stem}{MAGNITUDE}"),
-            _ => (w32 + (dw * spec.config.scale())?)?.to_dtype(dt)?,
+            _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt)?,
         };
         weights.insert(wn, new);
         merged += 1;
@@ -372,7 +391,10 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
         .with_dropout(dropout)?
         .with_dora(dora)
         .with_modules_to_save(&saved.iter().map(|s| s.as_str()).collect::<Vec<_>>())
-        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?;
+        .and_then(|s| s.with_rank_pattern(pattern(&v, "rank_pattern", |x| x.as_u64().map(|r| r as usize))?))
+        .and_then(|s| s.with_alpha_pattern(pattern(&v, "alpha_pattern", |x| x.as_f64())?))
+        .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?
+        .with_layers(layers_to_transform(&v, &cfg_path)?);
     let file = dir.join("adapter_model.safetensors");
     let tensors = candle_core::safetensors::load(&file, &Device::Cpu)?
         .into_iter()
@@ -382,9 +404,35 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     Ok((spec, crate::moe_lora::stack_expert_adapters(tensors)?))
 }
 
+/// The `key → value` object `key` of an adapter config (absent, null or empty: none); errors
+/// name a value `get` does not read.
+fn pattern<T>(v: &serde_json::Value, key: &str, get: impl Fn(&serde_json::Value) -> Option<T>) -> Result<Vec<(String, T)>> {
+    match v.get(key) {
+        None | Some(serde_json::Value::Null) => Ok(Vec::new()),
+        Some(serde_json::Value::Object(o)) => o.iter().map(|(k, x)| get(x).map(|x| (k.clone(), x)).ok_or_else(|| candle_core::Error::Msg(format!("'{key}': '{k}' has the value {x}")))).collect(),
+        Some(other) => bail!("'{key}' must be an object of module-name keys, got {other}"),
+    }
+}
+
+/// PEFT's `layers_to_transform` (an index or a list; absent or null: every layer) over the
+/// decoder layers `model.layers.{i}` (`layers_pattern` absent, null, or `layers`).
+fn layers_to_transform(v: &serde_json::Value, path: &Path) -> Result<Option<Vec<usize>>> {
+    match v.get("layers_pattern") {
+        None | Some(serde_json::Value::Null) => {}
+        Some(serde_json::Value::String(s)) if s == "layers" => {}
+        Some(serde_json::Value::Array(a)) if a.len() == 1 && a[0].as_str() == Some("layers") => {}
+        Some(other) => bail!("{}: 'layers_pattern' = {other} is not supported (this model's decoder layers are 'layers')", path.display()),
+    }
+    let index = |x: &serde_json::Value| x.as_u64().map(|i| i as usize).ok_or_else(|| candle_core::Error::Msg(format!("{}: 'layers_to_transform' holds {x}, not a layer index", path.display())));
+    match v.get("layers_to_transform") {
+        None | Some(serde_json::Value::Null) => Ok(None),
+        Some(serde_json::Value::Array(a)) => Ok(Some(a.iter().map(index).collect::<Result<_>>()?)),
+        Some(x) => Ok(Some(vec![index(x)?])),
+    }
+}
+
 /// Refuse, by name, the PEFT options that change what the adapter computes and that this model
-/// does not implement (they would otherwise be ignored silently): trained biases, per-module
-/// ranks or alphas, adapters on some layers only, transposed
+/// does not implement (they would otherwise be ignored silently): trained biases, transposed
 /// weights, layer replication. `lora_dropout` (training only) and the init settings are
 /// accepted.
 fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
@@ -398,9 +446,6 @@ fn refuse_unsupported(v: &serde_json::Value, path: &Path) -> Result<()> {
     let what = [
         ("bias", "trained biases"),
         ("lora_bias", "trained biases on lora_B"),
-        ("rank_pattern", "per-module ranks"),
-        ("alpha_pattern", "per-module alphas"),
-        ("layers_to_transform", "adapters on some layers only"),
         ("fan_in_fan_out", "transposed (Conv1D) weights"),
         ("layer_replication", "layer replication"),
         ("exclude_modules", "excluded modules"),

@@ -92,9 +92,7 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     let cases = [
         ("bias", serde_json::json!("lora_only")),
         ("lora_bias", serde_json::json!(true)),
-        ("rank_pattern", serde_json::json!({"q_proj": 8})),
-        ("alpha_pattern", serde_json::json!({"q_proj": 8})),
-        ("layers_to_transform", serde_json::json!([0])),
+        ("layers_pattern", serde_json::json!("h")),
         ("fan_in_fan_out", serde_json::json!(true)),
         ("layer_replication", serde_json::json!([[0, 1]])),
         ("exclude_modules", serde_json::json!(["k_proj"])),
@@ -105,6 +103,16 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
         let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains(&format!("'{key}'")) && e.contains("not supported"), "{key}: {e}");
     }
+    // per-module ranks and alphas, some layers only: read (crate::lora_select)
+    save_peft_adapter(&dir, &spec, &ad, "base")?;
+    edit(&dir, |v| {
+        (v["rank_pattern"], v["alpha_pattern"], v["layers_to_transform"]) = (serde_json::json!({"q_proj": 8}), serde_json::json!({"v_proj": 2.5}), serde_json::json!(0));
+    })?;
+    let s = load_peft_adapter(&dir)?.0;
+    assert_eq!((s.rank_pattern, s.alpha_pattern, s.layers), (vec![("q_proj".to_string(), 8)], vec![("v_proj".to_string(), 2.5)], Some(vec![0])));
+    edit(&dir, |v| v["rank_pattern"] = serde_json::json!({"q_proj": "eight"}))?;
+    let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("'rank_pattern'") && e.contains("\"eight\""), "{e}");
     // modules trained whole: the embedding and the head read, another module refused by name
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| v["modules_to_save"] = serde_json::json!(["lm_head"]))?;

@@ -49,6 +49,8 @@ pub(crate) struct Factors {
     /// DoRA's magnitude (`[E_local, out_local]` / `[out_local]`, replicated for down).
     pub(crate) m: Option<Tensor>,
     pub(crate) stream: String,
+    /// `alpha / r` of this projection's adapter (or rsLoRA's `alpha / √r`; crate::lora_select).
+    pub(crate) scale: f64,
 }
 
 /// A sparse layer's adapters: the experts' and the shared expert's gate, up, down (each
@@ -59,8 +61,6 @@ pub(crate) struct MoeLora {
     pub(crate) experts: [Option<Factors>; 3],
     /// The shared expert's `[gate, up, down]`.
     pub(crate) shared: [Option<Factors>; 3],
-    /// `alpha / r` (or rsLoRA's `alpha / √r`).
-    pub(crate) scale: f64,
     /// Dropout on the adapters' inputs while training.
     pub(crate) dropout: f64,
     /// The model's token indices of the current forward (`None` inside: no dropout).
@@ -139,7 +139,7 @@ impl MoeLora {
         }
         let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
         let sum = tp.size() > 1 && (!tp.sequence_parallel || ep);
-        Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, self.scale, split, tp, sum)?))
+        Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, f.scale, split, tp, sum)?))
     }
 
     /// Projection `i`'s weight (this rank's slice `w`) with its adapter merged, detached, for
@@ -150,9 +150,9 @@ impl MoeLora {
         let merged = match &f.m {
             Some(m) => {
                 let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
-                candle_cp_nn::dora_weight(&w, &a, &b, &m.detach(), self.scale, split, tp, false)?
+                candle_cp_nn::dora_weight(&w, &a, &b, &m.detach(), f.scale, split, tp, false)?
             }
-            None => (&w + (b.matmul(&a)? * self.scale)?.to_dtype(w.dtype())?)?,
+            None => (&w + (b.matmul(&a)? * f.scale)?.to_dtype(w.dtype())?)?,
         };
         Ok(Some(merged.detach()))
     }
@@ -165,7 +165,7 @@ impl MoeLora {
         let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
         let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, ep)?) } else { (Self::replicated(&f.a, tp, ep)?, f.b.clone()) };
         let u = grouped_matmul(&x, &a, counts)?;
-        Ok(Some((grouped_matmul(&u, &b, counts)? * self.scale)?))
+        Ok(Some((grouped_matmul(&u, &b, counts)? * f.scale)?))
     }
 
     /// The shared expert's update of projection `i` for the region's rows `x` `[N, in_local]`
@@ -175,7 +175,7 @@ impl MoeLora {
         let Some(f) = self.shared[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
         let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
         let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, false)?) } else { (Self::replicated(&f.a, tp, false)?, f.b.clone()) };
-        Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * self.scale)?))
+        Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * f.scale)?))
     }
 
     /// The region's global token indices when the shared expert's adapters draw masks.

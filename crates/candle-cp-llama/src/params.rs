@@ -174,9 +174,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         // factors `[E, r, in]`, `[E, out, r]` split as theirs (crate::moe_lora)
         let target = lora.as_ref().and_then(|l| {
             let stem = name.strip_suffix(".weight").unwrap_or(&name);
-            let module = stem.rsplit('.').next()?;
             let stacked = shape.len() == 3 && stem.contains(".experts.");
-            (l.adapts(module) && (stacked || (shape.len() == 2 && name.ends_with(".weight")))).then_some((l.config.rank, l.dora))
+            // (its layer among the adapted ones, its rank the pattern's: crate::lora_select)
+            (l.adapts_weight(stem) && (stacked || (shape.len() == 2 && name.ends_with(".weight")))).then(|| (l.config_for(stem).rank, l.dora))
         });
         out.push(ParamSpec { name: name.clone(), shape: shape.clone(), shard });
         if let Some((r, dora)) = target {

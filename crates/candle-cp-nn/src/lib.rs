@@ -63,7 +63,7 @@
 
 #![warn(missing_docs)]
 
-mod dora;
+pub mod dora;
 mod dropout;
 mod embedding;
 mod linear;

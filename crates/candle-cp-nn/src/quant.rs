@@ -98,7 +98,7 @@ pub struct QuantConfig {
     pub double: Option<usize>,
 }
 
-/// Rows per double-quantization block when `,dq` names none ([`QuantConfig::from_str`]).
+/// Rows per double-quantization block when `,dq` names none (`QuantConfig`'s `FromStr`).
 pub const DQ_ROWS: usize = 16;
 
 impl QuantConfig {
