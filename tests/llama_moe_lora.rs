@@ -230,5 +230,10 @@ fn per_module_ranks_and_layers_equal_the_merged_model() -> Result<()> {
     assert_eq!(read, spec, "the selection read back");
     assert_eq!(tensors.len(), adapters.len());
     std::fs::remove_dir_all(&dir).ok();
+    // layers the model does not have, or none, are refused by name
+    for layers in [vec![2], vec![]] {
+        let e = base.clone().with_lora(Some(spec.clone().with_layers(Some(layers)))).validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("layers_to_transform") && e.contains("2 decoder layers"), "{e}");
+    }
     Ok(())
 }

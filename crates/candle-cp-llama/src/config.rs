@@ -460,6 +460,11 @@ impl LlamaConfig {
 
     /// Check the shape invariants (`H % Hkv == 0`, even `head_dim`, non-zero sizes).
     pub fn validate(&self) -> Result<()> {
+        if let Some(ls) = self.lora.as_ref().and_then(|l| l.layers.as_ref()) {
+            if ls.is_empty() || ls.iter().any(|&i| i >= self.num_hidden_layers) {
+                bail!("LlamaConfig: LoRA layers_to_transform {ls:?} must name some of the {} decoder layers", self.num_hidden_layers)
+            }
+        }
         if self.tie_word_embeddings && self.lora.as_ref().is_some_and(|l| l.modules_to_save.iter().any(|m| m == "lm_head")) {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
