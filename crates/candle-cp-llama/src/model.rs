@@ -239,7 +239,7 @@ impl Block {
 /// The decoder layers are candle-cp-nn layers on the TP group (`ctx.tp`, sequence parallel
 /// when [`crate::Layout::seq_parallel`]): q/k/v and gate/up are fused
 /// [`ColumnParallelLinear`]s, o/down [`RowParallelLinear`]s, the norms [`RmsNorm`] with
-/// [`GradSync::Deferred`] (their TP share of the gradient is summed by
+/// [`candle_cp_nn::GradSync::Deferred`] (their TP share of the gradient is summed by
 /// [`crate::reduce_gradients`] with the DP/CP sums, in one bucketed all-reduce).
 pub struct Llama {
     pub(crate) cfg: LlamaConfig,
@@ -728,7 +728,7 @@ impl Llama {
 
     /// Qwen3-MoE's load-balancing term of the last training forward (`output_router_logits`):
     /// `router_aux_loss_coef · E · Σ_e f_e P_e` over every token of the global batch and every
-    /// sparse layer (see [`crate::moe`]), a scalar f32 equal on every rank; `None` without
+    /// sparse layer (see `moe.rs`), a scalar f32 equal on every rank; `None` without
     /// experts or with `output_router_logits: false`. [`Llama::loss`] adds it; add it to a loss
     /// built from [`Llama::token_nll`] (the trainer does). Collective over the DP × CP ranks
     /// (every rank calls it after the forward, before the backward). It also hands the

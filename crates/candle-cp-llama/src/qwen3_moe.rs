@@ -10,7 +10,7 @@
 //! A sparse layer's MLP routes each token to `K = num_experts_per_tok` of `E = num_experts`
 //! SwiGLU experts of width `moe_intermediate_size`: router probabilities `softmax(x·Wrᵀ)`
 //! (in f32), the top `K` (renormalised to sum 1 when `norm_topk_prob`), the output the
-//! probability-weighted sum of the chosen experts' outputs ([`crate::moe`]). Layer `i` is sparse
+//! probability-weighted sum of the chosen experts' outputs (`moe.rs`). Layer `i` is sparse
 //! unless it is in `mlp_only_layers`, when `(i + 1) % decoder_sparse_step == 0`; the others are
 //! dense MLPs of width `intermediate_size`.
 //!

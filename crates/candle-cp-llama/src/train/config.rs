@@ -74,7 +74,7 @@ pub struct TrainConfig {
     /// the same files (a run may resume with or without it).
     pub zero1: bool,
     /// Recompute every decoder layer in backward instead of keeping its activations
-    /// ([`Llama::with_recompute`]): less memory, one more forward of the layers.
+    /// ([`crate::Llama::with_recompute`]): less memory, one more forward of the layers.
     pub recompute: bool,
     /// Start each recomputed layer's gradient reduction over the DP × CP replicas as soon as
     /// its backward is done, on a communicator of its own, instead of after the whole
@@ -86,7 +86,7 @@ pub struct TrainConfig {
     /// [`super::PendingParams`]): the later layers' parameters travel while the earlier
     /// layers compute. Training is bit-identical.
     pub overlap_param_gather: bool,
-    /// Train on the long-range targets only (the other labels are set to [`IGNORE`], like an
+    /// Train on the long-range targets only (the other labels are set to [`crate::IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
     /// Free-form arguments stored in every checkpoint's `train_state.json`.
@@ -155,7 +155,7 @@ impl TrainConfig {
     }
 }
 
-/// What [`train_rank`] returns.
+/// What [`crate::train::train_rank`] returns.
 #[derive(Debug, Clone)]
 pub struct TrainOutcome {
     /// Metrics of the steps run by THIS call (not the ones before a resume).
