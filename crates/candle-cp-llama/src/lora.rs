@@ -9,8 +9,8 @@
 //! (factors stacked as the experts' weights, `….experts.{proj}.lora_A.weight` `[E, r, in]`,
 //! `lora_B` `[E, out, r]`, split over EP as they are) and the shared expert's, as PEFT does.
 //!
-//! PEFT's `layers_to_transform`, `rank_pattern` and `alpha_pattern` select layers and give
-//! modules their own rank and alpha ([`crate::lora_select`]: [`LoraSpec::adapts_weight`],
+//! PEFT's `layers_to_transform`, `rank_pattern`, `alpha_pattern` and a `target_modules` regular
+//! expression select layers and modules and give modules their own rank and alpha ([`crate::lora_select`]: [`LoraSpec::adapts_weight`],
 //! [`LoraSpec::config_for`]).
 //!
 //! On disk they are a PEFT adapter: `adapter_model.safetensors` (names prefixed
@@ -51,6 +51,9 @@ pub struct LoraSpec {
     pub rank_pattern: Vec<(String, usize)>,
     /// Per-module alphas (PEFT's `alpha_pattern`), sorted by key.
     pub alpha_pattern: Vec<(String, f64)>,
+    /// PEFT's `target_modules` as one regular expression over the modules' whole names
+    /// (`re.fullmatch`), [`LoraSpec::targets`] then every projection: see [`crate::lora_select`].
+    pub target_regex: Option<String>,
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
@@ -69,7 +72,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new() })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None })
     }
 
     /// The same adapters with dropout `p` on their inputs while training (PEFT's
@@ -133,7 +136,10 @@ impl LoraSpec {
             "use_rslora": self.config.rslora,
             "use_dora": self.dora,
             "bias": "none",
-            "target_modules": self.targets,
+            "target_modules": match &self.target_regex {
+                Some(r) => serde_json::json!(r),
+                None => serde_json::json!(self.targets),
+            },
             "fan_in_fan_out": false,
             "modules_to_save": if self.modules_to_save.is_empty() { serde_json::Value::Null } else { serde_json::json!(self.modules_to_save) },
             "layers_to_transform": self.layers,
@@ -161,7 +167,11 @@ impl std::fmt::Display for LoraSpec {
             None => drop,
         };
         let drop = if self.rank_pattern.is_empty() && self.alpha_pattern.is_empty() { drop } else { format!("{drop}, per-module ranks {:?} / alphas {:?}", self.rank_pattern, self.alpha_pattern) };
-        write!(f, "rank {}, alpha {}{rs}{drop} on {}", self.config.rank, self.config.alpha, self.targets.join(", "))
+        let on = match &self.target_regex {
+            Some(r) => format!("the modules matching '{r}'"),
+            None => self.targets.join(", "),
+        };
+        write!(f, "rank {}, alpha {}{rs}{drop} on {on}", self.config.rank, self.config.alpha)
     }
 }
 
@@ -201,7 +211,9 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     let cfg = dir.join("adapter_config.json");
     let mut json = spec.peft_config_json(base);
     // Mixtral's experts are w1, w3, w2 to PEFT
-    json["target_modules"] = serde_json::json!(crate::moe_lora::peft_target_names(&spec.targets, named.keys()));
+    if spec.target_regex.is_none() {
+        json["target_modules"] = serde_json::json!(crate::moe_lora::peft_target_names(&spec.targets, named.keys()));
+    }
     let text = serde_json::to_string_pretty(&json).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     std::fs::write(&cfg, text).map_err(|e| io("writing", &cfg, e))
 }
@@ -369,11 +381,13 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     let v = read_adapter_config(dir)?;
     let rank = v.get("r").and_then(|x| x.as_u64()).ok_or_else(|| candle_core::Error::Msg(format!("{}: no rank 'r'", cfg_path.display())))? as usize;
     let alpha = v.get("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(rank as f64);
-    let targets: Vec<String> = match v.get("target_modules") {
-        Some(serde_json::Value::Array(a)) => a.iter().filter_map(|x| x.as_str().map(String::from)).collect(),
+    let (targets, regex): (Vec<String>, Option<String>) = match v.get("target_modules") {
+        Some(serde_json::Value::Array(a)) => (a.iter().filter_map(|x| x.as_str().map(String::from)).collect(), None),
         // PEFT's shorthand for every linear layer but the output head
-        Some(serde_json::Value::String(s)) if s == "all-linear" => TARGETS.iter().map(|t| t.to_string()).collect(),
-        _ => bail!("{}: 'target_modules' must be a list of module names or \"all-linear\" (a pattern is not supported)", cfg_path.display()),
+        Some(serde_json::Value::String(s)) if s == "all-linear" => (TARGETS.iter().map(|t| t.to_string()).collect(), None),
+        // one regular expression over the modules' whole names
+        Some(serde_json::Value::String(s)) => (TARGETS.iter().map(|t| t.to_string()).collect(), Some(s.clone())),
+        _ => bail!("{}: 'target_modules' must be a list of module names, \"all-linear\" or a regular expression", cfg_path.display()),
     };
     refuse_unsupported(&v, &cfg_path)?;
     let rslora = v.get("use_rslora").and_then(|x| x.as_bool()).unwrap_or(false);
@@ -393,6 +407,7 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
         .with_modules_to_save(&saved.iter().map(|s| s.as_str()).collect::<Vec<_>>())
         .and_then(|s| s.with_rank_pattern(pattern(&v, "rank_pattern", |x| x.as_u64().map(|r| r as usize))?))
         .and_then(|s| s.with_alpha_pattern(pattern(&v, "alpha_pattern", |x| x.as_f64())?))
+        .and_then(|s| s.with_target_regex(regex))
         .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?
         .with_layers(layers_to_transform(&v, &cfg_path)?);
     let file = dir.join("adapter_model.safetensors");

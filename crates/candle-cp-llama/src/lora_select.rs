@@ -4,6 +4,10 @@
 //! the first `rank_pattern` / `alpha_pattern` key that matches its module's name, else `r` and
 //! `lora_alpha` ([`LoraSpec::config_for`]).
 //!
+//! `target_modules` may instead be one regular expression ([`LoraSpec::target_regex`]): a weight
+//! is adapted when it matches the module's whole name (PEFT's `re.fullmatch`), its projection one
+//! of [`crate::lora::TARGETS`].
+//!
 //! A module's name is its weight's without `.weight` (`model.layers.3.self_attn.q_proj`); a key
 //! matches a name equal to it or ending in `.` + key, and is a regular expression when it holds
 //! one's metacharacters (PEFT's `re.match(rf"(.*\.)?({key})$", name)`). Keys are tried in sorted
@@ -92,6 +96,20 @@ impl LoraSpec {
         Ok(self)
     }
 
+    /// The same adapters on the modules whose whole names match `regex` (PEFT's `target_modules`
+    /// as a string; `None`: the [`LoraSpec::targets`] list). Errors name a regular expression
+    /// that does not compile.
+    pub fn with_target_regex(mut self, regex: Option<String>) -> Result<Self> {
+        if let Some(r) = &regex {
+            if let Err(e) = regex::Regex::new(&format!("^(?:{r})$")) {
+                bail!("LoRA target_modules: '{r}' is not a regular expression ({e})")
+            }
+            self.targets = crate::lora::TARGETS.iter().map(|t| t.to_string()).collect();
+        }
+        self.target_regex = regex;
+        Ok(self)
+    }
+
     /// Whether the weight with parameter stem `stem` (its name without `.weight`, e.g.
     /// `model.layers.0.self_attn.q_proj`; a sparse layer's stacked experts
     /// `model.layers.1.mlp.experts.gate_proj`) gets an adapter: its projection a target, its
@@ -103,7 +121,12 @@ impl LoraSpec {
             (Some(_), None) => false,
             (None, _) => true,
         };
-        self.adapts(module) && layer_ok
+        let regex_ok = match &self.target_regex {
+            // (compiled when set)
+            Some(r) => regex::Regex::new(&format!("^(?:{r})$")).is_ok_and(|re| re.is_match(&peft_name(stem))),
+            None => true,
+        };
+        self.adapts(module) && layer_ok && regex_ok
     }
 
     /// The rank and scale of the adapter on weight `stem` (see [`LoraSpec::adapts_weight`]):
@@ -142,6 +165,14 @@ mod tests {
         let e = s.clone().with_rank_pattern(vec![("q_proj(".into(), 2)]).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("'q_proj('") && e.contains("regular expression"), "{e}");
         assert!(s.with_rank_pattern(vec![("q_proj".into(), 0)]).is_err());
+        // target_modules as one regular expression over whole names (experts as expert 0)
+        let r = LoraSpec::new(8, 16.0, &["q_proj"])?.with_target_regex(Some(r".*\.layers\.1\..*(v_proj|experts\.\d+\.w2)".into()))?;
+        assert_eq!(r.targets.len(), 7);
+        assert!(r.adapts_weight("model.layers.1.self_attn.v_proj") && !r.adapts_weight("model.layers.0.self_attn.v_proj"));
+        assert!(!r.adapts_weight("model.layers.1.self_attn.q_proj"), "a whole-name match");
+        assert!(r.adapts_weight("model.layers.1.block_sparse_moe.experts.down_proj") && !r.adapts_weight("model.layers.1.block_sparse_moe.experts.up_proj"));
+        let e = r.with_target_regex(Some("(q_proj".into())).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("'(q_proj'"), "{e}");
         Ok(())
     }
 }

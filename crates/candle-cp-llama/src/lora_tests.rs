@@ -86,9 +86,14 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| v["target_modules"] = serde_json::json!("all-linear"))?;
     assert_eq!(load_peft_adapter(&dir)?.0.targets, TARGETS.to_vec());
-    edit(&dir, |v| v["target_modules"] = serde_json::json!(".*q_proj"))?;
+    // a regular expression over whole names (crate::lora_select), written back as it is
+    edit(&dir, |v| v["target_modules"] = serde_json::json!(".*layers\\.0\\..*q_proj"))?;
+    let s = load_peft_adapter(&dir)?.0;
+    assert!(s.adapts_weight("model.layers.0.self_attn.q_proj") && !s.adapts_weight("model.layers.1.self_attn.q_proj") && !s.adapts_weight("model.layers.0.self_attn.k_proj"));
+    assert_eq!(s.peft_config_json("base")["target_modules"], serde_json::json!(".*layers\\.0\\..*q_proj"));
+    edit(&dir, |v| v["target_modules"] = serde_json::json!(7))?;
     let e = load_peft_adapter(&dir).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("a pattern is not supported"), "{e}");
+    assert!(e.contains("'target_modules'"), "{e}");
     let cases = [
         ("bias", serde_json::json!("lora_only")),
         ("lora_bias", serde_json::json!(true)),
