@@ -68,13 +68,12 @@ impl<'a> LayerBuilder<'a> {
         let stem = format!("{prefix}.{module}");
         // (a target on an adapted layer; its rank and alpha the patterns': crate::lora_select)
         let Some(l) = self.cfg.lora.as_ref().filter(|l| l.adapts_weight(&stem)) else { return Ok(None) };
-        let (an, bn) = (format!("{prefix}.{module}.lora_A.weight"), format!("{prefix}.{module}.lora_B.weight"));
+        let (an, bn) = (format!("{stem}.lora_A.weight"), format!("{stem}.lora_B.weight"));
         let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
         let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
-        let vm = self.vb.pp(format!("{prefix}.{module}"));
-        let lora = candle_cp_nn::Lora::load(&vm, a.dims()[1], sa.shape[1], b.dims()[0], &l.config_for(&stem))?;
-        let lora = lora.with_dropout(l.dropout, format!("{prefix}.{module}.lora_dropout"), &self.lora_rows)?;
-        Ok(Some(match self.magnitude(&format!("{prefix}.{module}"))? {
+        let lora = candle_cp_nn::Lora::load(&self.vb.pp(&stem), a.dims()[1], sa.shape[1], b.dims()[0], &l.config_for(&stem))?;
+        let lora = lora.with_dropout(l.dropout, format!("{stem}.lora_dropout"), &self.lora_rows)?;
+        Ok(Some(match self.magnitude(&stem)? {
             Some(m) => lora.with_dora(m)?,
             None => lora,
         }))
@@ -104,13 +103,10 @@ impl<'a> LayerBuilder<'a> {
             let b = self.vb.get_with_hints(sb.local_shape_in(&self.ctx)?, &bn, Init::Const(0.0))?;
             Ok(Some(crate::moe_lora::Factors { a, b, m: self.magnitude(&stem)?, stream: format!("{stem}.lora_dropout"), scale: l.config_for(&stem).scale() }))
         };
-        let projs = ["gate_proj", "up_proj", "down_proj"];
-        let experts = [factors(format!("{module}experts.{}", projs[0]))?, factors(format!("{module}experts.{}", projs[1]))?, factors(format!("{module}experts.{}", projs[2]))?];
-        let shared = [
-            factors(format!("{module}shared_expert.{}", projs[0]))?,
-            factors(format!("{module}shared_expert.{}", projs[1]))?,
-            factors(format!("{module}shared_expert.{}", projs[2]))?,
-        ];
+        let of = |part: &str| -> Result<[Option<crate::moe_lora::Factors>; 3]> {
+            Ok([factors(format!("{module}{part}.gate_proj"))?, factors(format!("{module}{part}.up_proj"))?, factors(format!("{module}{part}.down_proj"))?])
+        };
+        let (experts, shared) = (of("experts")?, of("shared_expert")?);
         if experts.iter().chain(&shared).all(|f| f.is_none()) {
             return Ok(None);
         }

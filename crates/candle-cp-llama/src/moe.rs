@@ -21,6 +21,9 @@
 //! matmuls. With TP too, the EP group's ranks share a TP rank, so they exchange rows for the
 //! same `1/tp` slice of their experts; every TP rank routes alike, so the exchanges agree.
 //!
+//! LoRA / DoRA adapters on the experts and the shared expert (PEFT's `gate_proj`, `up_proj`,
+//! `down_proj` targets) run beside their grouped matmuls: `moe_lora.rs`.
+//!
 //! The load-balancing loss (transformers' `load_balancing_loss_func`, with
 //! `output_router_logits`) is `E · Σ_e f_e · P_e` over every token of the global batch and
 //! every sparse layer (`f_e` the fraction of (token, slot) choices of expert `e` per token,
