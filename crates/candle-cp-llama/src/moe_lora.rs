@@ -117,13 +117,25 @@ impl MoeLora {
         x.mul(&keep)
     }
 
-    /// A replicated factor as the graph uses it: copied into the TP region (its gradient
-    /// summed over TP in the backward) unless [`crate::reduce_gradients`] sums it (SP, no EP).
-    fn replicated(t: &Tensor, tp: &Tp, ep: bool) -> Result<Tensor> {
-        if tp.size() > 1 && (!tp.sequence_parallel || ep) {
-            mappings::copy_to_tp_region(t, &tp.group)
+    /// Whether a replicated factor's gradient is summed over TP in the graph (copied into the
+    /// TP region): without SP and under EP; else [`crate::reduce_gradients`] sums it.
+    fn sums_in_graph(tp: &Tp, ep: bool) -> bool {
+        tp.size() > 1 && (!tp.sequence_parallel || ep)
+    }
+
+    /// Projection `i`'s factors `(A, B)` as the graph uses them: the replicated one (down's `B`,
+    /// the others' `A`) copied into the TP region when [`MoeLora::sums_in_graph`].
+    fn in_graph(f: &Factors, i: usize, tp: &Tp, ep: bool) -> Result<(Tensor, Tensor)> {
+        let copy = |t: &Tensor| if Self::sums_in_graph(tp, ep) { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+        Ok(if i == DOWN { (f.a.clone(), copy(&f.b)?) } else { (copy(&f.a)?, f.b.clone()) })
+    }
+
+    /// How projection `i`'s weight is split over TP (down: by its input columns).
+    fn split(i: usize) -> candle_cp_nn::WeightSplit {
+        if i == DOWN {
+            candle_cp_nn::WeightSplit::Cols
         } else {
-            Ok(t.clone())
+            candle_cp_nn::WeightSplit::Rows
         }
     }
 
@@ -137,24 +149,14 @@ impl MoeLora {
         if self.dropout > 0.0 && self.rows.key().is_some() {
             bail!("DoRA ({}): training with dropout {} on the adapter's input is not supported; set the LoRA dropout to 0", f.stream, self.dropout)
         }
-        let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
-        let sum = tp.size() > 1 && (!tp.sequence_parallel || ep);
-        Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, f.scale, split, tp, sum)?))
+        Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, f.scale, Self::split(i), tp, Self::sums_in_graph(tp, ep))?))
     }
 
     /// Projection `i`'s weight (this rank's slice `w`) with its adapter merged, detached, for
     /// inference (`W + s·B·A` per expert, or DoRA's weight); `None` when not adapted.
     pub(crate) fn merged(&self, i: usize, shared: bool, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
         let Some(f) = (if shared { &self.shared[i] } else { &self.experts[i] }) else { return Ok(None) };
-        let (w, a, b) = (w.detach(), f.a.detach(), f.b.detach());
-        let merged = match &f.m {
-            Some(m) => {
-                let split = if i == DOWN { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
-                candle_cp_nn::dora_weight(&w, &a, &b, &m.detach(), f.scale, split, tp, false)?
-            }
-            None => (&w + (b.matmul(&a)? * f.scale)?.to_dtype(w.dtype())?)?,
-        };
-        Ok(Some(merged.detach()))
+        Ok(Some(candle_cp_nn::lora::merged_weight(w, &f.a, &f.b, f.m.as_ref(), f.scale, Self::split(i), tp)?))
     }
 
     /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
@@ -163,7 +165,7 @@ impl MoeLora {
     pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
         let Some(f) = self.experts[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
         let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
-        let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, ep)?) } else { (Self::replicated(&f.a, tp, ep)?, f.b.clone()) };
+        let (a, b) = Self::in_graph(f, i, tp, ep)?;
         let u = grouped_matmul(&x, &a, counts)?;
         Ok(Some((grouped_matmul(&u, &b, counts)? * f.scale)?))
     }
@@ -174,7 +176,7 @@ impl MoeLora {
     pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
         let Some(f) = self.shared[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
         let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
-        let (a, b) = if i == DOWN { (f.a.clone(), Self::replicated(&f.b, tp, false)?) } else { (Self::replicated(&f.a, tp, false)?, f.b.clone()) };
+        let (a, b) = Self::in_graph(f, i, tp, false)?;
         Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * f.scale)?))
     }
 

@@ -42,6 +42,20 @@ pub fn is_quantized_weight(name: &str) -> bool {
         })
 }
 
+/// `t` quantized as a quantized base stores it: a stacked `[E, out, in]` as `[E·out, in]`
+/// (groups along each row's inputs as ever).
+fn quantize_rows(t: &Tensor, cfg: QuantConfig) -> Result<QuantWeight> {
+    let dims = t.dims();
+    let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
+    QuantWeight::quantize(&t.reshape((rows, dims.last().copied().unwrap_or(1)))?, cfg)
+}
+
+/// The weight a quantized base's model computes with in place of `t` (its shape and dtype):
+/// `t` quantized as [`QuantBase`] stores it, dequantized.
+pub(crate) fn as_dequantized(t: &Tensor, cfg: QuantConfig) -> Result<Tensor> {
+    quantize_rows(t, cfg)?.dequantize(t.dtype())?.reshape(t.shape())
+}
+
 /// One stored parameter of a quantized base.
 #[derive(Clone)]
 enum Stored {
@@ -80,12 +94,7 @@ impl QuantBase {
             let stored = if model.lora.as_ref().is_some_and(|l| l.trains(name)) {
                 Stored::Plain(t.clone())
             } else if is_quantized_weight(name) {
-                // a stacked [E, out, in] as [E·out, in]: groups along each row's inputs as ever
-                let dims = t.dims().to_vec();
-                let rows: usize = dims[..dims.len().saturating_sub(1)].iter().product();
-                let t2 = t.reshape((rows, dims.last().copied().unwrap_or(1)))?;
-                let q = QuantWeight::quantize(&t2, cfg).map_err(|e| candle_core::Error::Msg(format!("quantized base: {name} {dims:?}: {e}")))?;
-                Stored::Quant(q, dims)
+                Stored::Quant(quantize_rows(t, cfg).map_err(|e| candle_core::Error::Msg(format!("quantized base: {name} {:?}: {e}", t.dims())))?, t.dims().to_vec())
             } else {
                 Stored::Plain(t.detach())
             };

@@ -134,11 +134,7 @@ impl Lora {
     /// layer's rows, a row layer's columns). Collective over TP for a DoRA weight split by
     /// columns (its rows' norms).
     pub(crate) fn merged(&self, w: &Tensor, split: crate::WeightSplit, tp: &Tp) -> Result<Tensor> {
-        let m = match &self.magnitude {
-            Some(m) => crate::dora::dora_weight(&w.detach(), &self.a.detach(), &self.b.detach(), &m.detach(), self.scale, split, tp, false)?,
-            None => (w.detach() + (self.b.detach().matmul(&self.a.detach())? * self.scale)?.to_dtype(w.dtype())?)?,
-        };
-        Ok(m.detach())
+        merged_weight(w, &self.a, &self.b, self.magnitude.as_ref(), self.scale, split, tp)
     }
 
     /// `x` through this adapter's dropout (itself without one).
@@ -189,6 +185,19 @@ impl Lora {
         }
         Ok(())
     }
+}
+
+/// A rank's slice `w` of an adapted weight with its adapter merged, detached (for inference):
+/// `W + s·B·A`, or with a DoRA magnitude `m` DoRA's weight ([`crate::dora::dora_weight`]; its
+/// rows' norms over TP for a `Cols` split: collective). `w` `[.., out, in]` with factors
+/// `[.., r, in]`, `[.., out, r]` as this rank holds them (2-D, or stacked experts `[E, ·, ·]`).
+pub fn merged_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: Option<&Tensor>, scale: f64, split: crate::WeightSplit, tp: &Tp) -> Result<Tensor> {
+    let (w, a, b) = (w.detach(), a.detach(), b.detach());
+    let merged = match m {
+        Some(m) => crate::dora::dora_weight(&w, &a, &b, &m.detach(), scale, split, tp, false)?,
+        None => (&w + (b.matmul(&a)? * scale)?.to_dtype(w.dtype())?)?,
+    };
+    Ok(merged.detach())
 }
 
 /// A column-parallel part's update `s·(x·Aᵀ)·Bᵀ` `[.., T, out_local]` from the layer's input

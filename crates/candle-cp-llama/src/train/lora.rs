@@ -64,12 +64,7 @@ pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &Para
             (w.as_tensor().detach(), var.clone())
         };
         let w = match quant {
-            Some(q) if crate::quant::is_quantized_weight(&format!("{stem}.weight")) || crate::quant::is_quantized_weight(stem) => {
-                // (as crate::quant::QuantBase stores it: rows of the inputs, a stack as [E·out, in])
-                let dims = w.dims().to_vec();
-                let rows: usize = dims[..dims.len() - 1].iter().product();
-                candle_cp_nn::QuantWeight::quantize(&w.reshape((rows, dims[dims.len() - 1]))?, q)?.dequantize(w.dtype())?.reshape(dims)?
-            }
+            Some(q) if crate::quant::is_quantized_weight(&format!("{stem}.weight")) || crate::quant::is_quantized_weight(stem) => crate::quant::as_dequantized(&w, q)?,
             _ => w,
         };
         let split = if s.shard == candle_cp_nn::Shard::Replicated { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
