@@ -1,7 +1,9 @@
 //! One adapted projection, forward + backward over a frozen base weight: no adapter (the
-//! baseline), LoRA (`y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`) and DoRA (`y = x·W'ᵀ`, `W' = m / ‖W + s·B·A‖ ⊙
-//! (W + s·B·A)`, candle-cp-nn's `dora`), through `ColumnParallelLinear` and `RowParallelLinear`
-//! on one rank, in the same process, on the same input.
+//! baseline), LoRA (`y = x·Wᵀ + s·(x·Aᵀ)·Bᵀ`), DoRA (`y = x·W'ᵀ`, `W' = m / ‖W + s·B·A‖ ⊙
+//! (W + s·B·A)`, candle-cp-nn's `dora`), and both training with dropout 0.1 on the adapter's
+//! input (LoRA: `s·(drop(x)·Aᵀ)·Bᵀ`; DoRA: PEFT's `x·Wᵀ + drop(x)·(W' - W)ᵀ`, a second
+//! `[out, in]` product), through `ColumnParallelLinear` and `RowParallelLinear` on one rank, in
+//! the same process, on the same input.
 //!
 //! Run: `cargo run --release --example bench_lora [-- --tokens 1024 --hidden 1024 --out 2816 --rank 16 --pairs 5]`
 //!
@@ -23,6 +25,10 @@ enum Kind {
     Base,
     Lora,
     Dora,
+    /// LoRA with dropout on its input.
+    LoraDrop,
+    /// DoRA with dropout on its input.
+    DoraDrop,
 }
 
 struct Inputs {
@@ -33,15 +39,20 @@ struct Inputs {
     m: Var,
     dy: Tensor,
     scale: f64,
+    /// The dropout's token indices (a key set: masks drawn, as in a training forward).
+    rows: candle_cp_nn::DropoutRows,
 }
 
 /// The adapter of `kind` on `i`'s factors (`None` for the baseline).
 fn adapter(i: &Inputs, kind: Kind) -> Result<Option<Lora>> {
     let l = Lora::new(i.a.as_tensor().clone(), i.b.as_tensor().clone(), i.scale)?;
+    let drop = |l: Lora| l.with_dropout(0.1, "bench", &i.rows);
     Ok(match kind {
         Kind::Base => None,
         Kind::Lora => Some(l),
         Kind::Dora => Some(l.with_dora(i.m.as_tensor().clone())?),
+        Kind::LoraDrop => Some(drop(l)?),
+        Kind::DoraDrop => Some(drop(l)?.with_dora(i.m.as_tensor().clone())?),
     })
 }
 
@@ -94,7 +105,10 @@ fn main() -> Result<()> {
             dy: Tensor::randn(0f32, 1., (1, t, out), &dev)?,
             w,
             scale: 2.0,
+            rows: candle_cp_nn::DropoutRows::default(),
         };
+        let key = candle_cp_nn::DropoutKey { streams: candle_cp_nn::RngStreams::new(1), step: 0, rows: std::sync::Arc::new((0..t as u64).collect()), batch: 1, tc: t };
+        i.rows.set(Some(key))?;
         // DoRA's output is the merged weight's
         let (_, y) = run(&i, Kind::Dora, row, &tp)?;
         let merged = candle_cp_nn::dora_merge(&i.w, i.a.as_tensor(), i.b.as_tensor(), i.m.as_tensor(), i.scale)?;
@@ -103,8 +117,8 @@ fn main() -> Result<()> {
         if e > 1e-4 {
             bail!("DoRA's output differs from the merged weight's by {e:.1e} (relative)")
         }
-        let kinds = [Kind::Base, Kind::Lora, Kind::Dora];
-        let mut ts = vec![vec![]; 3];
+        let kinds = [Kind::Base, Kind::Lora, Kind::Dora, Kind::LoraDrop, Kind::DoraDrop];
+        let mut ts = vec![vec![]; kinds.len()];
         for &k in &kinds {
             run(&i, k, row, &tp)?; // warm-up
         }
@@ -115,7 +129,7 @@ fn main() -> Result<()> {
         }
         let t0 = median(ts[0].clone());
         let layer = if row { "RowParallelLinear" } else { "ColumnParallelLinear" };
-        for (j, name) in ["base (frozen W)", "LoRA", "DoRA"].iter().enumerate() {
+        for (j, name) in ["base (frozen W)", "LoRA", "DoRA", "LoRA dropout", "DoRA dropout"].iter().enumerate() {
             let tj = median(ts[j].clone());
             println!("{layer:21} {name:16}: {:8.1} ms   {:.2}x the base", tj * 1e3, tj / t0);
         }

@@ -210,13 +210,17 @@ echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; t
 # the shim vs the CPU, f32 and bf16 (the cuda run takes the CUDA kernels, optimizer, checkpoint);
 # in f32 also over NCCL: one process with a thread per GPU, and two launched processes (RANK,
 # WORLD_SIZE, MASTER_ADDR/PORT; the shim's NCCL across processes: CPEMU_NCCL_TRANSPORT=files)
-same_loss() {  # same_loss A.jsonl B.jsonl TOL LABEL: equal train losses over 3 steps
+same_loss() {  # same_loss A.jsonl B.jsonl TOL LABEL: equal train (and held-out, if any) losses over 3 steps
   python3 - "$@" <<'PY' || exit 1
 import json, sys
-a, b = ([json.loads(l)["train_loss"] for l in open(f)] for f in sys.argv[1:3])
+recs = [[json.loads(l) for l in open(f)] for f in sys.argv[1:3]]
 tol = float(sys.argv[3])
-diff = max(abs(x - y) for x, y in zip(a, b)) if len(a) == len(b) == 3 else float("inf")
-print(f"ci-cuda: finetune_llama, 3 steps: {sys.argv[4]} vs cpu train loss max |diff| {diff:.1e} (tol {tol:.0e})")
+pairs = [(x["train_loss"], y["train_loss"]) for x, y in zip(*recs)]
+evals = [(x["eval_loss"], y["eval_loss"]) for x, y in zip(*recs) if x.get("eval_loss") is not None or y.get("eval_loss") is not None]
+ok = len(recs[0]) == len(recs[1]) == 3 and all(x is not None and y is not None for x, y in evals)
+diff = max(abs(x - y) for x, y in pairs + (evals if ok else [])) if ok else float("inf")
+held = f", {len(evals)} held-out" if evals else ""
+print(f"ci-cuda: finetune_llama, 3 steps{held}: {sys.argv[4]} vs cpu loss max |diff| {diff:.1e} (tol {tol:.0e})")
 sys.exit(0 if diff <= tol else 1)
 PY
 }
@@ -255,13 +259,14 @@ shim_step "finetune_llama cuda moe lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LI
   "$ft_bin" --device cuda --gpus 2 "${ftm[@]}" --out "$shim_dir/ft-cuda-moe-lora"
 grep -q 'launch moe_top_k' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch moe_top_k (kernels/moe.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora/metrics.jsonl" 1e-5 "CP 2 zigzag x EP 2, MoE with LoRA on every expert and dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
-# DoRA on every projection (each adapted weight m/|W + sBA| (W + sBA) built per forward, one
-# graph node whose backward rebuilds W + sBA), TP 2 + SP: the same losses
-ftd=(--tp 2 --sp --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --dora)
+# DoRA on every projection with LoRA dropout 0.1 (training: the base on x plus (W' - W) on the
+# dropped input, W' - W one graph node whose backward rebuilds W + sBA; the held-out pass at
+# step 3: W' = m/|W + sBA| (W + sBA) in place of W), TP 2 + SP: the same losses
+ftd=(--tp 2 --sp --seq-len 128 --steps 3 --save-every 0 --dtype f32 --lora 8,16 --lora-targets q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj --dora --lora-dropout 0.1 --eval-every 3)
 shim_step "finetune_llama cpu dora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftd[@]}" --out "$shim_dir/ft-cpu-dora"
 shim_step "finetune_llama cuda dora" env CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftd[@]}" --out "$shim_dir/ft-cuda-dora"
-same_loss "$shim_dir/ft-cpu-dora/metrics.jsonl" "$shim_dir/ft-cuda-dora/metrics.jsonl" 1e-5 "TP 2 + SP, DoRA on every projection, cuda f32 (shim, thread ranks on 2 devices)"
+same_loss "$shim_dir/ft-cpu-dora/metrics.jsonl" "$shim_dir/ft-cuda-dora/metrics.jsonl" 1e-5 "TP 2 + SP, DoRA on every projection with dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
 # packed documents (blank-line separated paragraphs of a doc) with a sliding window of 40 on a
 # contiguous ring of 4 ranks (shards of 64 tokens: the ring stops after one hop) on 2 devices
 ftp=(--cp 4 --cp-kind ring --seq-len 256 --steps 3 --save-every 0 --dtype f32 --data docs/parallelism.md --pack-docs --sliding-window 40)

@@ -265,7 +265,7 @@ impl SparseMoe {
             };
             let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
                 let (w, d) = match &self.lora {
-                    Some(l) => (l.weight(i, true, w, &self.tp, false)?.unwrap_or_else(|| w.clone()), l.shared_delta(i, x, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?),
+                    Some(l) => (l.weight(i, true, w, &self.tp, false)?.unwrap_or_else(|| w.clone()), l.shared_delta(i, x, w, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?),
                     None => (w.clone(), None),
                 };
                 plus(x.matmul(&w.t()?)?, d)
@@ -291,7 +291,7 @@ impl SparseMoe {
         let ep = self.ep.is_some();
         let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
             let (w, d) = match &self.lora {
-                Some(l) => (l.weight(i, false, w, &self.tp, ep)?.unwrap_or_else(|| w.clone()), l.expert_delta(i, x, counts, keys, &self.tp, ep)?),
+                Some(l) => (l.weight(i, false, w, &self.tp, ep)?.unwrap_or_else(|| w.clone()), l.expert_delta(i, x, w, counts, keys, &self.tp, ep)?),
                 None => (w.clone(), None),
             };
             plus(grouped_matmul(x, &w, counts)?, d)

@@ -31,7 +31,8 @@
 //!
 //! DoRA ([`candle_cp_nn::dora`]): a magnitude per expert and output row (`[E, out]`,
 //! `….lora_magnitude_vector`, split as `B`); the experts compute with their DoRA weights
-//! (stacked) in place of the update beside the weight.
+//! (stacked) in place of the update beside the weight, or, training with dropout, with their
+//! base weights and the update `(W'_e - W_e)·drop(x)` beside them (PEFT's second base pass).
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
@@ -139,17 +140,32 @@ impl MoeLora {
         }
     }
 
+    /// Whether the adapters' dropout draws masks in this forward (a training forward).
+    fn drops(&self) -> bool {
+        self.dropout > 0.0 && self.rows.key().is_some()
+    }
+
     /// The weight projection `i` of the experts (`shared` false) or the shared expert computes
     /// with: DoRA's `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` of this rank's slice `w` for a DoRA adapter
-    /// ([`candle_cp_nn::dora`]), `None` otherwise (the weight as it is, the update beside it).
-    /// Refused while dropout draws masks (training).
+    /// ([`candle_cp_nn::dora`]), `None` otherwise (the weight as it is, the update beside it:
+    /// LoRA's, or DoRA's `(W' - W)·drop(x)` while dropout draws masks).
     pub(crate) fn weight(&self, i: usize, shared: bool, w: &Tensor, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
         let f = if shared { &self.shared[i] } else { &self.experts[i] };
         let Some((f, m)) = f.as_ref().and_then(|f| Some((f, f.m.as_ref()?))) else { return Ok(None) };
-        if self.dropout > 0.0 && self.rows.key().is_some() {
-            bail!("DoRA ({}): training with dropout {} on the adapter's input is not supported; set the LoRA dropout to 0", f.stream, self.dropout)
+        if self.drops() {
+            return Ok(None);
         }
         Ok(Some(candle_cp_nn::dora_weight(w, &f.a, &f.b, m, f.scale, Self::split(i), tp, Self::sums_in_graph(tp, ep))?))
+    }
+
+    /// The update weight `W' - W` of a DoRA adapter training with dropout
+    /// ([`candle_cp_nn::dora_update`]) on this rank's slice `w`; `None` for a LoRA adapter or
+    /// while no masks are drawn (then [`MoeLora::weight`] is DoRA's).
+    fn dora_update(&self, f: &Factors, i: usize, w: &Tensor, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
+        match f.m.as_ref().filter(|_| self.drops()) {
+            Some(m) => Ok(Some(candle_cp_nn::dora_update(w, &f.a, &f.b, m, f.scale, Self::split(i), tp, Self::sums_in_graph(tp, ep))?)),
+            None => Ok(None),
+        }
     }
 
     /// Projection `i`'s weight (this rank's slice `w`) with its adapter merged, detached, for
@@ -161,9 +177,16 @@ impl MoeLora {
 
     /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
     /// grouped by `counts` (this rank's experts), keyed `keys` for dropout: `[R, out_local]`, or
-    /// `None` when the projection is not adapted. `ep`: under expert parallelism.
-    pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
-        let Some(f) = self.experts[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
+    /// `None` when the projection is not adapted (or is DoRA's, in its weight). `w` this rank's
+    /// stacked weights `[E_local, out_local, in_local]` (a DoRA adapter's update while it drops,
+    /// `(W'_e - W_e)·drop(x)`). `ep`: under expert parallelism.
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, w: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
+        let Some(f) = self.experts[i].as_ref() else { return Ok(None) };
+        if f.m.is_some() {
+            let Some(dw) = self.dora_update(f, i, w, tp, ep)? else { return Ok(None) };
+            return Ok(Some(grouped_matmul(&self.drop(x, &f.stream, keys, i == DOWN, tp)?, &dw, counts)?));
+        }
         let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
         let (a, b) = Self::in_graph(f, i, tp, ep)?;
         let u = grouped_matmul(&x, &a, counts)?;
@@ -172,9 +195,14 @@ impl MoeLora {
 
     /// The shared expert's update of projection `i` for the region's rows `x` `[N, in_local]`
     /// (`tokens`: their global token indices for dropout, `None` without): `[N, out_local]`,
-    /// or `None` when the projection is not adapted.
-    pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
-        let Some(f) = self.shared[i].as_ref().filter(|f| f.m.is_none()) else { return Ok(None) };
+    /// or `None` when the projection is not adapted (or is DoRA's, in its weight); `w` this
+    /// rank's slice of its weight (for DoRA's update while it drops).
+    pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, w: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
+        let Some(f) = self.shared[i].as_ref() else { return Ok(None) };
+        if f.m.is_some() {
+            let Some(dw) = self.dora_update(f, i, w, tp, false)? else { return Ok(None) };
+            return Ok(Some(self.drop(x, &f.stream, tokens, i == DOWN, tp)?.matmul(&dw.t()?)?));
+        }
         let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
         let (a, b) = Self::in_graph(f, i, tp, false)?;
         Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * f.scale)?))
@@ -283,5 +311,79 @@ pub(crate) fn target_from_peft(name: &str) -> &str {
         "w3" => "up_proj",
         "w2" => "down_proj",
         n => n,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{DType, Device, Var, D};
+    use candle_cp_comm::{run_ranks, Group};
+    use candle_cp_nn::{DropoutKey, RngStreams};
+    use std::sync::Arc;
+
+    fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.61 + seed).sin() * 0.5) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+
+    /// A DoRA adapter on 3 stacked experts training with dropout 0.3: the experts' gate output
+    /// (base weight plus `expert_delta`) is, expert by expert, PEFT's `W_e·x + (W'_e - W_e)·x̃_e`
+    /// (`W'_e` DoRA's weight with the norm a constant, `x̃_e` the rows' masks keyed `token·E + e`),
+    /// and so are the gradients of `x`, `A`, `B`, `m`; the masks matter (not DoRA's `W'_e·x`).
+    #[test]
+    fn expert_dora_with_dropout_is_pefts_formula() -> Result<()> {
+        let (e, r, i, o, n) = (3, 2, 5, 4, 6);
+        let (tokens, counts) = (vec![0u32, 3, 5, 1, 2, 4, 0, 5], vec![3usize, 2, 3]);
+        let (w, a, b) = (t(&[e, o, i], 0.2)?, t(&[e, r, i], 1.1)?, t(&[e, o, r], 2.3)?);
+        let m = (t(&[e, o], 3.7)?.abs()? + 0.8)?;
+        let x = t(&[tokens.len(), i], 4.9)?;
+        let rows = DropoutRows::default();
+        rows.set(Some(DropoutKey { streams: RngStreams::new(5), step: 2, rows: Arc::new((10..10 + n as u64).collect()), batch: 1, tc: n }))?;
+        let (p, s) = (0.3, 0.75);
+        for res in run_ranks(1, |g: Group| {
+            let tp = Tp::new(g, false);
+            let (av, bv, mv, xv) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?, Var::from_tensor(&m)?, Var::from_tensor(&x)?);
+            let f = Factors { a: av.as_tensor().clone(), b: bv.as_tensor().clone(), m: Some(mv.as_tensor().clone()), stream: "gate".into(), scale: s };
+            let l = MoeLora { experts: [Some(f), None, None], shared: [None, None, None], dropout: p, rows: rows.clone() };
+            let keys = l.expert_keys(&tokens, &counts, n)?.ok_or_else(|| candle_core::Error::Msg("keys expected".into()))?;
+            assert!(l.weight(0, false, &w, &tp, false)?.is_none(), "dropping: the base weight");
+            let d = l.expert_delta(0, xv.as_tensor(), &w, &counts, Some(&keys), &tp, false)?.ok_or_else(|| candle_core::Error::Msg("update expected".into()))?;
+            let y = (grouped_matmul(xv.as_tensor(), &w, &counts)? + d)?;
+            let c = t(y.dims(), 6.1)?;
+            let gy = (&y * &c)?.sum_all()?.backward()?;
+            // the reference, expert by expert on plain tensors
+            let (ar, br, mr, xr) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?, Var::from_tensor(&m)?, Var::from_tensor(&x)?);
+            let (mut outs, mut dora_only, mut row) = (Vec::new(), Vec::new(), 0);
+            for (ex, &k) in counts.iter().enumerate() {
+                let xe = xr.as_tensor().narrow(0, row, k)?;
+                let keys_e: Vec<u64> = tokens[row..row + k].iter().map(|&tk| (10 + tk as u64) * e as u64 + ex as u64).collect();
+                let keep = RngStreams::new(5).keep_mask_rows("gate", 2, &keys_e, 0..i, i, p, DType::F32, &Device::Cpu)?;
+                let we = w.get(ex)?;
+                let v = (&we + (br.as_tensor().get(ex)?.matmul(&ar.as_tensor().get(ex)?)? * s)?)?;
+                let norm = v.detach().sqr()?.sum_keepdim(D::Minus1)?.sqrt()?;
+                let wd = v.broadcast_mul(&mr.as_tensor().get(ex)?.unsqueeze(1)?.broadcast_div(&norm)?)?;
+                outs.push((xe.matmul(&we.t()?)? + (&xe * &keep)?.matmul(&(&wd - &we)?.t()?)?)?);
+                dora_only.push(xe.matmul(&wd.t()?)?);
+                row += k;
+            }
+            let want = Tensor::cat(&outs, 0)?;
+            let gr = (&want * &c)?.sum_all()?.backward()?;
+            let diff = |u: &Tensor, v: &Tensor| -> Result<f32> { (u - v)?.abs()?.max_all()?.to_scalar::<f32>() };
+            let grad = |gs: &candle_core::backprop::GradStore, v: &Var| gs.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no gradient".into()));
+            let mut errs = vec![("y", diff(&y, &want)?)];
+            for (name, (ours, theirs)) in [("x", (&xv, &xr)), ("A", (&av, &ar)), ("B", (&bv, &br)), ("m", (&mv, &mr))] {
+                errs.push((name, diff(&grad(&gy, ours)?, &grad(&gr, theirs)?)?));
+            }
+            Ok((errs, diff(&y, &Tensor::cat(&dora_only, 0)?)?))
+        }) {
+            let (errs, moved) = res?;
+            for (name, err) in errs {
+                assert!(err < 1e-5, "{name} off by {err}");
+            }
+            assert!(moved > 1e-3, "the masks move the output by only {moved}");
+        }
+        Ok(())
     }
 }

@@ -22,8 +22,18 @@
 //! without SP (`copy_to_tp_region`), by the caller with SP, as the LoRA factors' (see
 //! [`crate::lora`]).
 //!
-//! Training with dropout on the adapter's input is refused: PEFT's DoRA then runs the base
-//! weight a second time on the dropped input, which this formulation does not.
+//! Training with dropout on the adapter's input (PEFT's `lora_dropout` with `use_dora`): PEFT
+//! then runs the base weight a second time, on the dropped input `x̃`, and the layer is
+//! `y = W·x + (g - 1) ⊙ W·x̃ + g ⊙ s·B·A·x̃ = W·x + (W' - W)·x̃`. The layer computes exactly
+//! that: the plain layer with `W` on `x`, and beside it the update `(W' - W)·x̃` with
+//! [`dora_update`] (`W' - W`, formed in f32) in place of LoRA's `s·B·A`, through the layer's
+//! own collectives (a column layer's `x̃` gathered along the sequence under SP; a row layer's
+//! partial products summed before its one reduction). The graph keeps the dropped input (a
+//! column layer's sequence shard) and `W' - W` (as it keeps `W'` without dropout), no
+//! `[T, out]` tensor; the price is a third `[out, in]`-sized product in the backward (the
+//! gradient of `W' - W`, which PEFT forms from its kept `W·x̃` `[T, out]` instead): 5 products
+//! of the base's size per step against the frozen base's 2 (forward, input gradient) and
+//! PEFT's 4 (`docs/benchmarks.md`, `bench_lora`).
 
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_ops::mappings;
@@ -46,6 +56,49 @@ pub enum WeightSplit {
 /// The result has `w`'s dtype; the norms are taken in f32. Errors name the shapes.
 #[allow(clippy::too_many_arguments)]
 pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<Tensor> {
+    check_fit(w, a, b, m)?;
+    let p = tp.size();
+    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+    let (a, b, m) = match split {
+        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
+        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
+    };
+    if !w.track_op() {
+        return dora_weight_lean(w, &a, &b, &m, scale, split, tp, false);
+    }
+    let v = (w + (b.matmul(&a)? * scale)?.to_dtype(w.dtype())?)?;
+    let norm = row_norms(&v.detach(), split, tp)?;
+    let g = m.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+    v.broadcast_mul(&g.to_dtype(w.dtype())?)
+}
+
+/// `W' - W`, the update a DoRA layer adds beside its base weight when it trains with dropout
+/// (see the module doc): [`dora_weight`]'s arguments and splits, the difference formed in f32
+/// (not from a rounded `W'`) and cast to `w`'s dtype. Its gradient flows to `A`, `B`, `m` (and
+/// to `w` when `w` is in a graph: `g - 1` per row). Errors name the shapes.
+#[allow(clippy::too_many_arguments)]
+pub fn dora_update(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<Tensor> {
+    check_fit(w, a, b, m)?;
+    let p = tp.size();
+    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+    let (a, b, m) = match split {
+        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
+        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
+    };
+    if !w.track_op() {
+        return dora_weight_lean(w, &a, &b, &m, scale, split, tp, true);
+    }
+    let f = DType::F32;
+    let wf = w.to_dtype(f)?;
+    let v = (&wf + (b.to_dtype(f)?.matmul(&a.to_dtype(f)?)? * scale)?)?;
+    let norm = row_norms(&v.detach(), split, tp)?;
+    let g = m.to_dtype(f)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+    (v.broadcast_mul(&g)? - wf)?.to_dtype(w.dtype())
+}
+
+/// Refuse `W` `[.., out, in]`, `A` `[.., r, in]`, `B` `[.., out, r]`, `m` `[.., out]` that do
+/// not fit, naming the shapes.
+fn check_fit(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor) -> Result<()> {
     let (wd, ad, bd, md) = (w.dims(), a.dims(), b.dims(), m.dims());
     let n = wd.len();
     let fits = n >= 2
@@ -61,19 +114,7 @@ pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, s
     if !fits {
         bail!("DoRA: W {wd:?}, A {ad:?}, B {bd:?}, m {md:?} do not fit (W [.., out, in], A [.., r, in], B [.., out, r], m [.., out])")
     }
-    let p = tp.size();
-    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
-    let (a, b, m) = match split {
-        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
-        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
-    };
-    if !w.track_op() {
-        return dora_weight_lean(w, &a, &b, &m, scale, split, tp);
-    }
-    let v = (w + (b.matmul(&a)? * scale)?.to_dtype(w.dtype())?)?;
-    let norm = row_norms(&v.detach(), split, tp)?;
-    let g = m.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
-    v.broadcast_mul(&g.to_dtype(w.dtype())?)
+    Ok(())
 }
 
 /// `‖V‖` per output row `[.., out, 1]` in f32: over the whole row (the squares' sums
@@ -88,20 +129,33 @@ fn row_norms(v: &Tensor, split: WeightSplit, tp: &Tp) -> Result<Tensor> {
 /// `A`, `B`, `m` that keeps none of the `[out, in]` temporaries: its backward rebuilds
 /// `V = W + s·B·A` from `w` (kept anyway, as the layer's weight) and the factors. With
 /// `dW'` the output's gradient and `g = m / ‖V‖`: `dV = g ⊙ dW'`, `dA = s·Bᵀ·dV`,
-/// `dB = s·dV·Aᵀ`, `dm = Σ_in dW' ⊙ V / ‖V‖`.
-fn dora_weight_lean(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp) -> Result<Tensor> {
+/// `dB = s·dV·Aᵀ`, `dm = Σ_in dW' ⊙ V / ‖V‖`. With `minus_base` the node is `W' - W`
+/// ([`dora_update`], formed in f32), whose gradients over `A`, `B`, `m` are the same.
+#[allow(clippy::too_many_arguments)]
+fn dora_weight_lean(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, minus_base: bool) -> Result<Tensor> {
     let (wd, ad, bd, md) = (w.detach(), a.detach(), b.detach(), m.detach());
     let dt = w.dtype();
     let v_of = move |w: &Tensor, a: &Tensor, b: &Tensor| -> Result<Tensor> { w + (b.matmul(a)? * scale)?.to_dtype(dt)? };
-    let v = v_of(&wd, &ad, &bd)?;
-    let norm = row_norms(&v, split, tp)?;
-    let g = md.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
-    let out = v.broadcast_mul(&g.to_dtype(dt)?)?;
-    drop(v);
+    let (norm, g, out) = if minus_base {
+        let f = DType::F32;
+        let wf = wd.to_dtype(f)?;
+        let v = (&wf + (bd.to_dtype(f)?.matmul(&ad.to_dtype(f)?)? * scale)?)?;
+        let norm = row_norms(&v, split, tp)?;
+        let g = md.to_dtype(f)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+        let out = (v.broadcast_mul(&g)? - wf)?.to_dtype(dt)?;
+        (norm, g, out)
+    } else {
+        let v = v_of(&wd, &ad, &bd)?;
+        let norm = row_norms(&v, split, tp)?;
+        let g = md.to_dtype(DType::F32)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
+        let out = v.broadcast_mul(&g.to_dtype(dt)?)?;
+        (norm, g, out)
+    };
     let (fa, fb, fm) = (ad.dtype(), bd.dtype(), md.dtype());
     let bwd: candle_cp_ops::autograd::BackwardFn = std::sync::Arc::new(move |dw: &Tensor| {
         let f = DType::F32;
-        let v = v_of(&wd, &ad, &bd)?.to_dtype(f)?;
+        // (V as the forward formed it: in f32 for `W' - W`)
+        let v = if minus_base { (wd.to_dtype(f)? + (bd.to_dtype(f)?.matmul(&ad.to_dtype(f)?)? * scale)?)? } else { v_of(&wd, &ad, &bd)?.to_dtype(f)? };
         let dw = dw.to_dtype(f)?;
         let dm = (&dw * &v)?.sum_keepdim(D::Minus1)?.broadcast_div(&norm)?.squeeze(D::Minus1)?;
         let dv = dw.broadcast_mul(&g)?;
@@ -109,7 +163,7 @@ fn dora_weight_lean(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, 
         let db = (dv.matmul(&ad.to_dtype(f)?.t()?)? * scale)?;
         Ok(vec![Some(da.to_dtype(fa)?), Some(db.to_dtype(fb)?), Some(dm.to_dtype(fm)?)])
     });
-    candle_cp_ops::autograd::attach3("DoRA weight", a, b, m, out, bwd)
+    candle_cp_ops::autograd::attach3(if minus_base { "DoRA update" } else { "DoRA weight" }, a, b, m, out, bwd)
 }
 
 /// The magnitude `m` DoRA starts from: this rank's rows' norms `‖W‖` (`[.., out]`, f32) of its

@@ -76,7 +76,7 @@ mod shard;
 #[cfg(test)]
 mod tests;
 
-pub use dora::{dora_magnitude, dora_merge, dora_weight, WeightSplit};
+pub use dora::{dora_magnitude, dora_merge, dora_update, dora_weight, WeightSplit};
 pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};

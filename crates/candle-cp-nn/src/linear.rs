@@ -290,18 +290,28 @@ impl ColumnParallelLinear {
     }
 
     /// Each adapted part's output plus its LoRA update (computed from the input `x` as given;
-    /// a DoRA part's adapter is in its weight already).
+    /// a DoRA part's adapter is in its weight already, but while it drops, [`Self::dora_delta`]).
     fn add_lora(&self, x: &Tensor, ys: Vec<Tensor>) -> Result<Vec<Tensor>> {
         if self.lora.is_empty() {
             return Ok(ys);
         }
         ys.into_iter()
-            .zip(&self.lora)
-            .map(|(y, l)| match l {
+            .enumerate()
+            .map(|(i, y)| match self.lora(i) {
                 Some(l) if l.magnitude().is_none() => y + crate::lora::column_delta(x, l, &self.tp)?,
-                _ => Ok(y),
+                Some(_) => self.dora_delta(i, x, y, None),
+                None => Ok(y),
             })
             .collect()
+    }
+
+    /// Part `i`'s output `y` plus its DoRA adapter's update `post((W' - W)·drop(x))` while the
+    /// adapter's dropout draws masks ([`crate::dora`]); `y` otherwise.
+    fn dora_delta(&self, i: usize, x: &Tensor, y: Tensor, post: Option<&crate::PartPost>) -> Result<Tensor> {
+        match self.lora(i).filter(|l| l.dora_drops()) {
+            Some(l) => crate::lora::plus(y, crate::lora::column_dora_delta(x, l, &self.parts[i].weight, &self.tp, post)?),
+            None => Ok(y),
+        }
     }
 
     /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
@@ -327,7 +337,7 @@ impl ColumnParallelLinear {
             .map(|(i, (y, l))| match (l.as_ref().filter(|l| l.magnitude().is_none()), posts.get(i).and_then(|p| p.as_ref())) {
                 (Some(l), Some(post)) => y + crate::lora::column_delta_mapped(x, l, &self.tp, post)?,
                 (Some(l), None) => y + crate::lora::column_delta(x, l, &self.tp)?,
-                (None, _) => Ok(y),
+                (None, post) => self.dora_delta(i, x, y, post),
             })
             .collect()
     }
@@ -457,12 +467,30 @@ impl RowParallelLinear {
         Ok(out)
     }
 
-    /// `y` plus the LoRA update of input `x`, if any (a DoRA adapter's is in the weight).
+    /// `y` plus the LoRA update of input `x`, if any (a DoRA adapter's is in the weight, or
+    /// while it drops in the partial product, [`Self::partial`]).
     fn add_lora(&self, x: &Tensor, y: Tensor) -> Result<Tensor> {
         match &self.lora {
             Some(l) if l.magnitude().is_none() => y + crate::lora::row_delta(x, l, &self.tp)?,
             _ => Ok(y),
         }
+    }
+
+    /// This rank's partial product `x·Wᵀ` before the reduction, with the weight the forward
+    /// computes with ([`Self::weight_used`]); plus a DoRA adapter's `drop(x)·(W' - W)ᵀ` while it
+    /// drops ([`crate::dora`]: one reduction for both).
+    fn partial(&self, x: &Tensor) -> Result<Tensor> {
+        let y = affine(x, &self.weight_used()?, None)?;
+        match self.lora.as_ref().filter(|l| l.dora_drops()) {
+            Some(l) => crate::lora::plus(y, crate::lora::row_dora_partial(x, l, &self.weight, &self.tp)?),
+            None => Ok(y),
+        }
+    }
+
+    /// Whether the lean nodes ([`Self::forward_lean`], [`Self::forward_residual`]) give way to
+    /// [`Module::forward`]: with a bias, or a DoRA adapter that drops (two partial products).
+    fn not_lean(&self) -> bool {
+        self.bias.is_some() || self.lora.as_ref().is_some_and(|l| l.dora_drops())
     }
 
     /// The weight the forward computes with: the DoRA weight with a DoRA adapter
@@ -505,9 +533,9 @@ impl RowParallelLinear {
     /// the residual only (the residual stays alive anyway, as the next norm's input). The
     /// reduction's partial sums are not kept either. Backward: `dresidual = g`; `g` all-gathered
     /// along the sequence (SP; identity without) gives `dx = g·W`, `dW = gᵀ·x`. With a bias
-    /// this is the plain `residual + forward(x)`.
+    /// (or a DoRA adapter training with dropout) this is the plain `residual + forward(x)`.
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if self.bias.is_some() {
+        if self.not_lean() {
             return residual + self.forward(x)?;
         }
         let w = self.weight_used()?;
@@ -534,9 +562,10 @@ impl RowParallelLinear {
     /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
     /// reduction's partial sums (`[B, T, out]`, full length), which the collective's node of
     /// [`Module::forward`] keeps until the backward, are not kept. Same values and gradients
-    /// (see [`RowParallelLinear::forward_residual`]). With a bias this is `forward`.
+    /// (see [`RowParallelLinear::forward_residual`]). With a bias (or a DoRA adapter training
+    /// with dropout) this is `forward`.
     pub fn forward_lean(&self, x: &Tensor) -> Result<Tensor> {
-        if self.bias.is_some() {
+        if self.not_lean() {
             return self.forward(x);
         }
         let w = self.weight_used()?;
@@ -586,7 +615,7 @@ impl Module for RowParallelLinear {
     fn forward(&self, x: &Tensor) -> Result<Tensor> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
-        let partial = affine(x, &self.weight_used()?, None)?;
+        let partial = self.partial(x)?;
         let y = if sp {
             mappings::reduce_scatter_to_sp_region(&partial, &self.tp.group, SEQ_DIM)?
         } else {

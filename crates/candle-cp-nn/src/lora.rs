@@ -118,15 +118,26 @@ impl Lora {
     }
 
     /// This rank's slice of the DoRA weight `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` of its weight slice
-    /// `w` split as `split` ([`crate::dora::dora_weight`]); `None` for a plain LoRA adapter.
-    /// Refused while its input dropout draws masks (training with dropout, see [`crate::dora`]).
+    /// `w` split as `split` ([`crate::dora::dora_weight`]), the weight the layer computes with;
+    /// `None` for a plain LoRA adapter and while a DoRA adapter's input dropout draws masks (the
+    /// layer then computes with `w` and adds [`Lora::dora_update`]'s term, see [`crate::dora`]).
     pub(crate) fn dora_weight(&self, w: &Tensor, split: crate::WeightSplit, tp: &Tp) -> Result<Option<Tensor>> {
-        let Some(m) = &self.magnitude else { return Ok(None) };
-        if let Some(d) = self.dropout.as_ref().filter(|d| d.active()) {
-            bail!("DoRA ({}): training with dropout {} on the adapter's input is not supported; set the LoRA dropout to 0", d.name, d.p)
-        }
+        let Some(m) = self.magnitude.as_ref().filter(|_| !self.dora_drops()) else { return Ok(None) };
         // (the replicated tensors' gradients: summed over TP here without SP, by the caller with it)
         Ok(Some(crate::dora::dora_weight(w, &self.a, &self.b, m, self.scale, split, tp, !tp.sequence_parallel)?))
+    }
+
+    /// Whether this is a DoRA adapter whose input dropout draws masks now (a training forward):
+    /// the layer adds `(W' - W)·drop(x)` beside its base weight ([`crate::dora`]).
+    pub(crate) fn dora_drops(&self) -> bool {
+        self.magnitude.is_some() && self.dropout.as_ref().is_some_and(|d| d.active())
+    }
+
+    /// A DoRA adapter's update weight `W' - W` of this rank's slice `w` ([`crate::dora::dora_update`]);
+    /// `None` for a plain LoRA adapter.
+    fn dora_update(&self, w: &Tensor, split: crate::WeightSplit, tp: &Tp) -> Result<Option<Tensor>> {
+        let Some(m) = &self.magnitude else { return Ok(None) };
+        Ok(Some(crate::dora::dora_update(w, &self.a, &self.b, m, self.scale, split, tp, !tp.sequence_parallel)?))
     }
 
     /// This rank's slice of the adapted weight, detached, for inference: DoRA's weight, or
@@ -242,6 +253,37 @@ fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
         x.broadcast_matmul(&l.a.t()?)?
     };
     Ok(u)
+}
+
+/// `y + d` for an update `d` (none: `y`).
+pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
+    match d {
+        Some(d) => y + d,
+        None => Ok(y),
+    }
+}
+
+/// A column-parallel DoRA part's update while its dropout draws masks: `post((W' - W)·x̃)`
+/// ([`crate::dora`]), `x̃` the dropped input gathered along the sequence (SP) or copied into
+/// the TP region, as the layer's own input; one node that keeps the dropped shard only (the
+/// backward gathers it again, [`crate::regather`]). `w` this rank's rows of the part's base
+/// weight. `None` for a plain LoRA adapter.
+pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp, post: Option<&crate::PartPost>) -> Result<Option<Tensor>> {
+    let Some(dw) = l.dora_update(w, crate::WeightSplit::Rows, tp)? else { return Ok(None) };
+    let xd = l.drop(x, crate::lora_dropout::Input::Column, tp)?;
+    let part = crate::regather::PartRef { weight: &dw, bias: None, post: post.cloned() };
+    let mut ys = crate::regather::regathered_parts(&xd, vec![part], &tp.group, tp.sequence_parallel)?;
+    Ok(ys.pop())
+}
+
+/// A row-parallel DoRA layer's partial product `x̃·(W' - W)ᵀ` while its dropout draws masks
+/// (added to the base's partial product before the layer's one reduction; `x̃` this rank's
+/// features of the dropped input, `w` this rank's columns of the base weight). `None` for a
+/// plain LoRA adapter.
+pub(crate) fn row_dora_partial(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
+    let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };
+    let xd = l.drop(x, crate::lora_dropout::Input::Row, tp)?;
+    Ok(Some(crate::linear::affine(&xd, &dw, None)?))
 }
 
 /// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the

@@ -227,9 +227,6 @@ pub fn train_rank(
             if let (Some(dir), None) = (&resume_from, lora_saved) {
                 bail!("resume: {} holds no LoRA adapter (a run that trained every weight): resume it without lora", dir.display())
             }
-            if l.dora && l.dropout > 0.0 {
-                bail!("train: DoRA with LoRA dropout {} is not supported (PEFT's DoRA runs the base weight again on the dropped input); set the dropout to 0", l.dropout)
-            }
             mcfg.lora = Some(l.clone());
             let from = lora_saved.or(cfg.lora_init.as_ref());
             super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, from.map(|d| d.as_path()))?;

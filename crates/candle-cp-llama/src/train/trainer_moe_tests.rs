@@ -159,3 +159,35 @@ fn lora_on_experts_trains_alike_on_every_layout() -> Result<()> {
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
+
+/// DoRA with dropout 0.3 on a Qwen2-MoE's experts and shared expert (each projection trained
+/// as `W·x + (W' - W)·drop(x)`, the experts' rows keyed on (token, expert); crate::moe_lora):
+/// the dropout changes the curve; zigzag 2 × TP 2 + SP with recomputed layers, EP 2 over
+/// zigzag 2 × DP 2 with ZeRO-1, and EP 4 over ring 2 × DP 2 follow the one-device run.
+#[test]
+fn dora_with_dropout_on_experts_trains_alike_on_every_layout() -> Result<()> {
+    let mut c = moe_cfg(None, Layout::single())?;
+    let ModelSource::Init(m) = &c.model else { candle_core::bail!("init model expected") };
+    let mut moe = m.moe.clone().ok_or_else(|| candle_core::Error::Msg("moe config expected".into()))?;
+    (moe.style, moe.shared_expert_intermediate_size) = (crate::MoeStyle::Qwen2Moe, 16);
+    c.model = ModelSource::Init(m.clone().with_moe(Some(moe)));
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "gate_proj", "up_proj", "down_proj"])?.with_dora(true).with_dropout(0.3)?);
+    let one = run(&c)?;
+    let mut plain = c.clone();
+    plain.lora = plain.lora.map(|l| l.with_dropout(0.0)).transpose()?;
+    let without = run(&plain)?;
+    assert!((one[0].metrics[0].grad_norm - without[0].metrics[0].grad_norm).abs() > 1e-6, "dropout changes the first step's gradients");
+    assert!((one[0].metrics[3].loss - without[0].metrics[3].loss).abs() > 1e-6, "dropout changes the curve");
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    let runs = [
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
+        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, true),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, false),
+    ];
+    for (layout, recompute, zero1) in runs {
+        let mut cl = c.clone();
+        (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
+        assert_same_curve(&format!("MoE DoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
+    }
+    Ok(())
+}
