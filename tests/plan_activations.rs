@@ -66,6 +66,8 @@ fn retained(cfg: &LlamaConfig, layout: Layout, dtype: DType, recompute: bool) ->
         let model = Llama::new(VarBuilder::from_varmap(&vm, dtype, &dev), cfg, &ctx)?.with_recompute(recompute);
         let ids: Vec<u32> = (0..T as u32).map(|i| (i * 7 + 3) % cfg.vocab_size as u32).collect();
         let sb = shard_batch(&Tensor::from_vec(ids, (1, T), &dev)?, &ctx)?;
+        // a training forward's LoRA dropout (masks drawn; nothing without LoRA dropout)
+        model.set_lora_dropout(Some((candle_cp_nn::RngStreams::new(1), 0, 1, T)))?;
         // warm-up: thread pools and GEMM scratch buffers allocated once
         model.hidden(&sb.input_ids, &sb.positions)?.to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?;
         bar.wait();
@@ -197,5 +199,26 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         }
     }
     println!("worst |kept/planner - 1| = {worst:.4}");
+    // LoRA of rank 8 on all seven projections with dropout 0.1: a layer keeps the base layer's
+    // activations plus r-wide ones (u = x·Aᵀ per column part, gathered along the sequence under
+    // SP; the row layers' reduced v), no [T, out] update, base output or mask; bounded here by
+    // 4 · 7 · Tc · r elements per layer (Tc the CP shard's tokens). (TP without SP is not
+    // bounded here: each adapted column part copies its replicated input into the TP region,
+    // `copy_to_tp_region`, a [Tc, in] tensor the graph keeps.)
+    let (rank, targets) = (8, ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]);
+    let spec = candle_cp_llama::LoraSpec::new(rank, 16.0, &targets)?.with_dropout(0.1)?;
+    let adapted = |layers| {
+        let mut c = cfg(layers, 0);
+        c.lora = Some(spec.clone());
+        c
+    };
+    for (name, layout, cp) in [("one device", Layout::single(), 1), ("tp 2 + sp", Layout::single().with_tp(2, true), 1), ("zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), 2), ("tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), 2)] {
+        let dtype = DType::F32;
+        let base = (retained(&cfg(3, 0), layout, dtype, false)? - retained(&cfg(1, 0), layout, dtype, false)?) / 2.0;
+        let lora = (retained(&adapted(3), layout, dtype, false)? - retained(&adapted(1), layout, dtype, false)?) / 2.0;
+        let bound = (4 * targets.len() * (T / cp) * rank * dtype.size_in_bytes()) as f64;
+        println!("lora {name:27} {dtype:?}: kept {lora:>10.0} B/layer, the base layer {base:>10.0}: +{:.0} B (bound {bound:.0})", lora - base);
+        assert!(lora - base <= bound, "LoRA on {name}: a layer keeps {} bytes more than the base layer's {base}, over the r-wide bound {bound}", lora - base);
+    }
     Ok(())
 }

@@ -37,7 +37,8 @@
 use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
 use candle_cp_ops::mappings;
-use candle_cp_ops::moe::grouped_matmul;
+use candle_cp_ops::autograd::MaskFn;
+use candle_cp_ops::moe::{grouped_matmul, grouped_matmul_masked};
 use std::collections::HashMap;
 
 /// One adapted projection: this rank's factors (stacked `[E_local, r, in_local]`,
@@ -102,20 +103,30 @@ impl MoeLora {
         Ok(Some(keys))
     }
 
-    /// `x` `[R, f]` with the dropout of stream `stream` on rows keyed `keys` (a down
-    /// projection's input: this TP rank's slice of the features); `x` itself without keys.
-    fn drop(&self, x: &Tensor, stream: &str, keys: Option<&[u64]>, down: bool, tp: &Tp) -> Result<Tensor> {
-        let (Some(keys), Some(k)) = (keys, self.rows.key()) else { return Ok(x.clone()) };
+    /// The keep mask of `x` `[R, f]` under the dropout of stream `stream` on rows keyed `keys`
+    /// (a down projection's input: this TP rank's slice of the features), drawn again on each
+    /// call (the products keep `x`, not the mask or the dropped rows); `None` without keys.
+    fn mask(&self, x: &Tensor, stream: &str, keys: Option<&[u64]>, down: bool, tp: &Tp) -> Result<Option<MaskFn>> {
+        let (Some(keys), Some(k)) = (keys, self.rows.key()) else { return Ok(None) };
         if self.dropout == 0.0 {
-            return Ok(x.clone());
+            return Ok(None);
         }
         let (r, f) = x.dims2()?;
         if keys.len() != r {
             bail!("MoE LoRA dropout ({stream}): {} row keys for an input {:?}", keys.len(), x.dims())
         }
         let (col0, total) = if down { (tp.group.rank() * f, f * tp.size()) } else { (0, f) };
-        let keep = k.streams.keep_mask_rows(stream, k.step, keys, col0..col0 + f, total, self.dropout, x.dtype(), x.device())?;
-        x.mul(&keep)
+        let (stream, keys, p, dtype, dev) = (stream.to_string(), keys.to_vec(), self.dropout, x.dtype(), x.device().clone());
+        Ok(Some(std::sync::Arc::new(move || k.streams.keep_mask_rows(&stream, k.step, &keys, col0..col0 + f, total, p, dtype, &dev))))
+    }
+
+    /// `drop(x)` grouped by `counts` times `w` `[E, n, in]` ([`grouped_matmul_masked`]).
+    #[allow(clippy::too_many_arguments)]
+    fn grouped_dropped(&self, x: &Tensor, w: &Tensor, counts: &[usize], f: &Factors, keys: Option<&[u64]>, i: usize, tp: &Tp) -> Result<Tensor> {
+        match self.mask(x, &f.stream, keys, i == DOWN, tp)? {
+            Some(m) => grouped_matmul_masked(x, w, counts, &m),
+            None => grouped_matmul(x, w, counts),
+        }
     }
 
     /// Whether a replicated factor's gradient is summed over TP in the graph (copied into the
@@ -185,11 +196,10 @@ impl MoeLora {
         let Some(f) = self.experts[i].as_ref() else { return Ok(None) };
         if f.m.is_some() {
             let Some(dw) = self.dora_update(f, i, w, tp, ep)? else { return Ok(None) };
-            return Ok(Some(grouped_matmul(&self.drop(x, &f.stream, keys, i == DOWN, tp)?, &dw, counts)?));
+            return Ok(Some(self.grouped_dropped(x, &dw, counts, f, keys, i, tp)?));
         }
-        let x = self.drop(x, &f.stream, keys, i == DOWN, tp)?;
         let (a, b) = Self::in_graph(f, i, tp, ep)?;
-        let u = grouped_matmul(&x, &a, counts)?;
+        let u = self.grouped_dropped(x, &a, counts, f, keys, i, tp)?;
         Ok(Some((grouped_matmul(&u, &b, counts)? * f.scale)?))
     }
 
@@ -199,13 +209,13 @@ impl MoeLora {
     /// rank's slice of its weight (for DoRA's update while it drops).
     pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, w: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
         let Some(f) = self.shared[i].as_ref() else { return Ok(None) };
+        let mask = self.mask(x, &f.stream, tokens, i == DOWN, tp)?;
         if f.m.is_some() {
             let Some(dw) = self.dora_update(f, i, w, tp, false)? else { return Ok(None) };
-            return Ok(Some(self.drop(x, &f.stream, tokens, i == DOWN, tp)?.matmul(&dw.t()?)?));
+            return Ok(Some(candle_cp_nn::masked_matmul(x, &dw, mask.as_ref())?));
         }
-        let x = self.drop(x, &f.stream, tokens, i == DOWN, tp)?;
         let (a, b) = Self::in_graph(f, i, tp, false)?;
-        Ok(Some((x.matmul(&a.t()?)?.matmul(&b.t()?)? * f.scale)?))
+        Ok(Some((candle_cp_nn::masked_matmul(x, &a, mask.as_ref())?.matmul(&b.t()?)? * f.scale)?))
     }
 
     /// The region's global token indices when the shared expert's adapters draw masks.

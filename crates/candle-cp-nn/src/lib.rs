@@ -81,7 +81,7 @@ pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
 pub use lora::{Lora, LoraConfig};
-pub use lora_dropout::{DropoutKey, DropoutRows};
+pub use lora_dropout::{masked_matmul, DropoutKey, DropoutRows};
 pub use quant::{QuantConfig, QuantKind, QuantWeight};
 pub use norm::{
     rms_norm, rms_norm_add, rms_norm_bwd, rms_norm_bwd_with, rms_norm_fwd, rms_norm_fwd_with, rms_norm_slow, rms_norm_slow_with, rms_norm_with, LayerNorm, NormWeight, RmsNorm,

@@ -21,7 +21,7 @@
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, Module, Result, Tensor};
-use candle_cp_ops::autograd::{attach2, attach3, BackwardFn};
+use candle_cp_ops::autograd::{attach_n, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
 use std::sync::Arc;
 use candle_nn::{Init, VarBuilder};
@@ -325,32 +325,31 @@ impl ColumnParallelLinear {
             bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
         }
         let ws = self.weights()?;
-        let ys = crate::regather::regathered_parts(x, self.part_refs(&ws, posts), &self.tp.group, self.tp.sequence_parallel)?;
+        // a LoRA part's update `s·u·Bᵀ` inside its node, before its output map: the graph keeps
+        // the adapter's r-wide `u` only, no `[T, out]` update or base output beside the sum
+        let updates = (0..self.parts.len())
+            .map(|i| match self.lora(i).filter(|l| l.magnitude().is_none()) {
+                Some(l) => Ok(Some(crate::regather::PartUpdate { u: crate::lora::column_u(x, l, &self.tp)?, b: l.b().clone(), scale: l.scale() })),
+                None => Ok(None),
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let ys = crate::regather::regathered_parts(x, self.part_refs(&ws, posts, updates), &self.tp.group, self.tp.sequence_parallel)?;
         if self.lora.is_empty() {
             return Ok(ys);
         }
-        // the update through the part's output map (linear: post(y + δ) = post(y) + post(δ)),
-        // a node that keeps the adapter's r-wide activations only
-        ys.into_iter()
-            .zip(&self.lora)
-            .enumerate()
-            .map(|(i, (y, l))| match (l.as_ref().filter(|l| l.magnitude().is_none()), posts.get(i).and_then(|p| p.as_ref())) {
-                (Some(l), Some(post)) => y + crate::lora::column_delta_mapped(x, l, &self.tp, post)?,
-                (Some(l), None) => y + crate::lora::column_delta(x, l, &self.tp)?,
-                (None, post) => self.dora_delta(i, x, y, post),
-            })
-            .collect()
+        ys.into_iter().enumerate().map(|(i, y)| self.dora_delta(i, x, y, posts.get(i).and_then(|p| p.as_ref()))).collect()
     }
 
-    /// The parts for [`crate::regather::regathered_parts`] with weights `ws` ([`Self::weights`])
-    /// and `posts` (empty or one each).
-    fn part_refs<'a>(&'a self, ws: &'a [Tensor], posts: &[Option<crate::PartPost>]) -> Vec<crate::regather::PartRef<'a>> {
+    /// The parts for [`crate::regather::regathered_parts`] with weights `ws` ([`Self::weights`]),
+    /// `posts` (empty or one each) and `updates` (one each).
+    fn part_refs<'a>(&'a self, ws: &'a [Tensor], posts: &[Option<crate::PartPost>], updates: Vec<Option<crate::regather::PartUpdate>>) -> Vec<crate::regather::PartRef<'a>> {
         self
             .parts
             .iter()
             .zip(ws)
+            .zip(updates)
             .enumerate()
-            .map(|(i, (p, w))| crate::regather::PartRef { weight: w, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten() })
+            .map(|(i, ((p, w), update))| crate::regather::PartRef { weight: w, bias: p.bias.as_ref(), post: posts.get(i).cloned().flatten(), update })
             .collect()
     }
 
@@ -540,6 +539,7 @@ impl RowParallelLinear {
         }
         let w = self.weight_used()?;
         let (y, grads) = self.lean_parts(x, &w)?;
+        let up = self.lean_update(x)?;
         if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
             bail!(
                 "RowParallelLinear::forward_residual: residual {:?} ({:?}) must match the output {:?} ({:?}) of input {:?}",
@@ -550,13 +550,17 @@ impl RowParallelLinear {
                 x.dims()
             )
         }
-        let out = (residual.detach() + y)?;
+        let out = (residual.detach() + up.add_to(y)?)?;
+        let ub = up.clone();
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
             let (dx, dw) = grads(g)?;
-            Ok(vec![Some(dx), Some(dw), Some(g.clone())])
+            let mut v = vec![Some(dx), Some(dw), Some(g.clone())];
+            v.extend(ub.grads(g)?);
+            Ok(v)
         });
-        let out = attach3("RowParallelLinear::forward_residual", x, &w, residual, out, bwd)?;
-        self.add_lora(x, out)
+        let mut inputs = vec![x, &w, residual];
+        inputs.extend(up.inputs());
+        attach_n("RowParallelLinear::forward_residual", &inputs, out, bwd)
     }
 
     /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
@@ -570,12 +574,27 @@ impl RowParallelLinear {
         }
         let w = self.weight_used()?;
         let (y, grads) = self.lean_parts(x, &w)?;
+        let up = self.lean_update(x)?;
+        let y = up.add_to(y)?;
+        let ub = up.clone();
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
             let (dx, dw) = grads(g)?;
-            Ok(vec![Some(dx), Some(dw)])
+            let mut v = vec![Some(dx), Some(dw)];
+            v.extend(ub.grads(g)?);
+            Ok(v)
         });
-        let y = attach2("RowParallelLinear::forward_lean", x, &w, y, bwd)?;
-        self.add_lora(x, y)
+        let mut inputs = vec![x, &w];
+        inputs.extend(up.inputs());
+        attach_n("RowParallelLinear::forward_lean", &inputs, y, bwd)
+    }
+
+    /// The LoRA update the lean nodes add inside themselves: `v` (the adapter's reduced r-wide
+    /// activations, in the graph) and `B`, or none (no adapter, or DoRA's in the weight).
+    fn lean_update(&self, x: &Tensor) -> Result<LeanUpdate> {
+        match self.lora.as_ref().filter(|l| l.magnitude().is_none()) {
+            Some(l) => Ok(LeanUpdate(Some((crate::lora::row_v(x, l, &self.tp)?, l.b().clone(), l.scale())))),
+            None => Ok(LeanUpdate(None)),
+        }
     }
 
     /// The reduced output of `x` without a graph, and the backward of `x ↦ y` (`g` ↦ `(dx,
@@ -607,6 +626,45 @@ impl RowParallelLinear {
             Ok((dx.reshape(xd.dims())?, dw))
         };
         Ok((y, Box::new(grads)))
+    }
+}
+
+/// A LoRA update `s·v·Bᵀ` a row-parallel lean node adds inside itself (`v` `[.., r]` in the
+/// output's layout, `B` `[out, r]`): the node keeps `v` and `B`, not the `[.., out]` update or
+/// its own output beside the sum (as an add after it would).
+#[derive(Clone)]
+struct LeanUpdate(Option<(Tensor, Tensor, f64)>);
+
+impl LeanUpdate {
+    /// `y + s·v·Bᵀ` (values only; the node's backward gives the gradients).
+    fn add_to(&self, y: Tensor) -> Result<Tensor> {
+        match &self.0 {
+            Some((v, b, s)) => {
+                let d = affine(&(v.detach() * *s)?, &b.detach(), None)?;
+                if d.dims() != y.dims() {
+                    bail!("RowParallelLinear: LoRA update {:?} (v {:?}, B {:?}) does not match the output {:?}", d.dims(), v.dims(), b.dims(), y.dims())
+                }
+                let d = d.to_dtype(y.dtype())?;
+                y + d
+            }
+            None => Ok(y),
+        }
+    }
+
+    /// The node's extra inputs: `v`, `B`.
+    fn inputs(&self) -> Vec<&Tensor> {
+        self.0.as_ref().map_or_else(Vec::new, |(v, b, _)| vec![v, b])
+    }
+
+    /// The gradients of `v` and `B` from the output's gradient `g`: `dv = s·g·B`, `dB = s·gᵀ·v`.
+    fn grads(&self, g: &Tensor) -> Result<Vec<Option<Tensor>>> {
+        let Some((v, b, s)) = &self.0 else { return Ok(Vec::new()) };
+        let (o, r) = b.dims2()?;
+        let lead = g.elem_count() / o.max(1);
+        let g2 = g.reshape((lead, o))?;
+        let dv = (g2.matmul(&b.detach())? * *s)?.reshape(v.dims())?;
+        let db = (g2.t()?.matmul(&v.detach().reshape((lead, r))?)? * *s)?;
+        Ok(vec![Some(dv), Some(db)])
     }
 }
 

@@ -17,9 +17,16 @@
 //! with SP (sum it over TP, as `candle_cp_llama::reduce_gradients` does for replicated
 //! parameters under SP). A split factor's gradient is complete for its slice.
 //!
-//! A part with an output map (RoPE) takes the update through the map as a node of its own that
-//! keeps only the adapter's `r`-wide activations (the map is linear: `post(y + δ) = post(y) +
-//! post(δ)`), so the regathered path keeps no `[T, out]` tensor more than without adapters.
+//! On the training paths the update is added inside the layer's own node (before a part's
+//! output map, e.g. RoPE, in [`ColumnParallelLinear::forward_parts_regathered`]; after the
+//! reduction in [`RowParallelLinear::forward_lean`] / [`RowParallelLinear::forward_residual`]),
+//! which keeps the adapter's `r`-wide activations and `B` only: no `[T, out]` update, and no
+//! base output kept alive by an add, so an adapted layer keeps what the plain layer keeps plus
+//! `r`-wide tensors. (`Module::forward` and `forward_parts` add the update with candle's add.)
+//!
+//! [`ColumnParallelLinear::forward_parts_regathered`]: crate::ColumnParallelLinear::forward_parts_regathered
+//! [`RowParallelLinear::forward_lean`]: crate::RowParallelLinear::forward_lean
+//! [`RowParallelLinear::forward_residual`]: crate::RowParallelLinear::forward_residual
 //!
 //! The CPU reference is the dense layer with the adapter on full tensors (`tests`:
 //! [`crate::lora`] on TP 2 and 4, with and without SP, every forward path, against it).
@@ -148,12 +155,19 @@ impl Lora {
         merged_weight(w, &self.a, &self.b, self.magnitude.as_ref(), self.scale, split, tp)
     }
 
-    /// `x` through this adapter's dropout (itself without one).
-    fn drop(&self, x: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Tensor> {
+    /// The keep mask of this adapter's dropout on `x` (drawn again on each call), `None` without
+    /// dropout or while no key is set.
+    fn mask(&self, x: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Option<candle_cp_ops::autograd::MaskFn>> {
         match &self.dropout {
-            Some(d) => d.apply(x, input, tp),
-            None => Ok(x.clone()),
+            Some(d) => d.mask(x, input, tp),
+            None => Ok(None),
         }
+    }
+
+    /// `drop(x)·wᵀ` (`w` `[n, in]`, e.g. `A`): one node that keeps `x` and `w`, not the mask or
+    /// the dropped input ([`crate::masked_matmul`]).
+    fn dropped_matmul(&self, x: &Tensor, w: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Tensor> {
+        crate::masked_matmul(x, w, self.mask(x, input, tp)?.as_ref())
     }
 
     /// This rank's factors from `vb`: `lora_A.weight` `[r, in_local]` and `lora_B.weight`
@@ -218,39 +232,19 @@ pub(crate) fn column_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     (column_u(x, l, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)
 }
 
-/// [`column_delta`] through a part's output map `post` (linear, e.g. RoPE): `post(s·u·Bᵀ)`
-/// as one graph node that keeps only `u = x·Aᵀ` (`[.., T, r]`) and `B`, not the `[.., T,
-/// out_local]` update, so an adapted part with a map keeps no more than its `r`-wide
-/// activations. Backward: `g' = postᵀ(g)`, `du = s·g'·B`, `dB = s·g'ᵀ·u`.
-pub(crate) fn column_delta_mapped(x: &Tensor, l: &Lora, tp: &Tp, post: &crate::PartPost) -> Result<Tensor> {
-    let u = column_u(x, l, tp)?;
-    let (ud, bd, s) = (u.detach(), l.b.detach(), l.scale);
-    let out = (post.fwd)(&(ud.broadcast_matmul(&bd.t()?)? * s)?)?;
-    let (o, r) = bd.dims2()?;
-    let (post, udims) = (post.clone(), ud.dims().to_vec());
-    let bwd: candle_cp_ops::autograd::BackwardFn = std::sync::Arc::new(move |g: &Tensor| {
-        let lead = udims.iter().product::<usize>() / r.max(1);
-        let g2 = (post.bwd)(g)?.reshape((lead, o))?;
-        let du = (g2.matmul(&bd)? * s)?.reshape(udims.as_slice())?;
-        let db = (g2.t()?.matmul(&ud.reshape((lead, r))?)? * s)?;
-        Ok(vec![Some(du), Some(db)])
-    });
-    candle_cp_ops::autograd::attach2("LoRA update", &u, &l.b, out, bwd)
-}
-
 /// `u = x·Aᵀ` `[.., T, r]` over the whole sequence: all-gathered along it (SP), or from the
 /// input copied into the TP region with `A` copied too (no SP: `A`'s gradient summed over TP
 /// in the backward).
-fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
-    let x = &l.drop(x, crate::lora_dropout::Input::Column, tp)?;
+pub(crate) fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     let p = tp.size();
+    let col = crate::lora_dropout::Input::Column;
     let u = if p > 1 && tp.sequence_parallel {
-        mappings::gather_from_sp_region(&x.broadcast_matmul(&l.a.t()?)?, &tp.group, SEQ_DIM)?
+        mappings::gather_from_sp_region(&l.dropped_matmul(x, &l.a, col, tp)?, &tp.group, SEQ_DIM)?
     } else if p > 1 {
         let a = mappings::copy_to_tp_region(&l.a, &tp.group)?;
-        mappings::copy_to_tp_region(x, &tp.group)?.broadcast_matmul(&a.t()?)?
+        l.dropped_matmul(&mappings::copy_to_tp_region(x, &tp.group)?, &a, col, tp)?
     } else {
-        x.broadcast_matmul(&l.a.t()?)?
+        l.dropped_matmul(x, &l.a, col, tp)?
     };
     Ok(u)
 }
@@ -265,14 +259,14 @@ pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
 
 /// A column-parallel DoRA part's update while its dropout draws masks: `post((W' - W)·x̃)`
 /// ([`crate::dora`]), `x̃` the dropped input gathered along the sequence (SP) or copied into
-/// the TP region, as the layer's own input; one node that keeps the dropped shard only (the
-/// backward gathers it again, [`crate::regather`]). `w` this rank's rows of the part's base
-/// weight. `None` for a plain LoRA adapter.
+/// the TP region, as the layer's own input; one node that keeps the input shard only (the
+/// backward draws the mask and gathers the dropped shard again, [`crate::regather`]). `w`
+/// this rank's rows of the part's base weight. `None` for a plain LoRA adapter.
 pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp, post: Option<&crate::PartPost>) -> Result<Option<Tensor>> {
     let Some(dw) = l.dora_update(w, crate::WeightSplit::Rows, tp)? else { return Ok(None) };
-    let xd = l.drop(x, crate::lora_dropout::Input::Column, tp)?;
-    let part = crate::regather::PartRef { weight: &dw, bias: None, post: post.cloned() };
-    let mut ys = crate::regather::regathered_parts(&xd, vec![part], &tp.group, tp.sequence_parallel)?;
+    let mask = l.mask(x, crate::lora_dropout::Input::Column, tp)?;
+    let part = crate::regather::PartRef { weight: &dw, bias: None, post: post.cloned(), update: None };
+    let mut ys = crate::regather::regathered_parts_masked(x, mask.as_ref(), vec![part], &tp.group, tp.sequence_parallel)?;
     Ok(ys.pop())
 }
 
@@ -282,24 +276,27 @@ pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp, post:
 /// plain LoRA adapter.
 pub(crate) fn row_dora_partial(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
     let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };
-    let xd = l.drop(x, crate::lora_dropout::Input::Row, tp)?;
-    Ok(Some(crate::linear::affine(&xd, &dw, None)?))
+    Ok(Some(l.dropped_matmul(x, &dw, crate::lora_dropout::Input::Row, tp)?))
 }
 
 /// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the
 /// sequence shard under SP, replicated without), from its feature-sharded input `x`.
 pub(crate) fn row_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
-    let x = &l.drop(x, crate::lora_dropout::Input::Row, tp)?;
+    (row_v(x, l, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)
+}
+
+/// A row-parallel layer's adapter activations `v = Σ_TP drop(x)·Aᵀ` `[.., r]` in the layer's
+/// output layout (reduce-scattered along the sequence under SP, all-reduced without).
+pub(crate) fn row_v(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     let p = tp.size();
-    let v = x.broadcast_matmul(&l.a.t()?)?;
-    let v = if p == 1 {
-        v
+    let v = l.dropped_matmul(x, &l.a, crate::lora_dropout::Input::Row, tp)?;
+    if p == 1 {
+        Ok(v)
     } else if tp.sequence_parallel {
-        mappings::reduce_scatter_to_sp_region(&v, &tp.group, SEQ_DIM)?
+        mappings::reduce_scatter_to_sp_region(&v, &tp.group, SEQ_DIM)
     } else {
-        mappings::reduce_from_tp_region(&v, &tp.group)?
-    };
-    (v * l.scale)?.broadcast_matmul(&l.b.t()?)
+        mappings::reduce_from_tp_region(&v, &tp.group)
+    }
 }
 
 #[cfg(test)]

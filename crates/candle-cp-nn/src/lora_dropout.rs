@@ -8,12 +8,18 @@
 //! whole CP shard on every TP rank (the same mask on each); a row-parallel layer's input is the
 //! CP shard's rows with this rank's slice of the features.
 //!
+//! Memory: the masks are not kept for the backward, nor the dropped inputs: the adapter's
+//! product is one node over the layer's own input ([`masked_matmul`]; under SP a DoRA column
+//! layer's regathered input, `regather`), which draws the mask again in the backward, so
+//! dropout adds no `[T, in]` tensor to the graph.
+//!
 //! The model sets the token indices of its CP shard before each training forward
 //! ([`DropoutRows::set`]) and clears them for evaluation and generation (no dropout); a
 //! recomputed layer draws the same masks again.
 
 use crate::{RngStreams, Tp};
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, Result, Tensor, D};
+use candle_cp_ops::autograd::{apply_mask, attach2, BackwardFn, MaskFn};
 use std::sync::{Arc, Mutex};
 
 /// The token indices the adapters' masks are drawn for in the current forward: this rank's CP
@@ -82,10 +88,11 @@ impl AdapterDropout {
         self.rows.get().is_some()
     }
 
-    /// `x` `[B, T, f]` with its dropped elements zeroed and the kept ones scaled by `1/(1-p)`;
-    /// `x` itself when no key is set. Errors name shapes that do not fit the key.
-    pub(crate) fn apply(&self, x: &Tensor, input: Input, tp: &Tp) -> Result<Tensor> {
-        let Some(k) = self.rows.get() else { return Ok(x.clone()) };
+    /// The scaled keep mask of `x` `[B, T, f]` (0 where dropped, `1/(1-p)` where kept) as a
+    /// function that draws it again on each call from the current key (captured now): `None`
+    /// when no key is set (no dropout). Errors name shapes that do not fit the key.
+    pub(crate) fn mask(&self, x: &Tensor, input: Input, tp: &Tp) -> Result<Option<MaskFn>> {
+        let Some(k) = self.rows.get() else { return Ok(None) };
         let (b, t, f) = x.dims3()?;
         let (rank, p) = (tp.group.rank(), tp.size());
         let sp = p > 1 && tp.sequence_parallel;
@@ -102,7 +109,29 @@ impl AdapterDropout {
             Input::Column => (0, f),
             Input::Row => (rank * f, f * p),
         };
-        let keep = k.streams.keep_mask_rows(&self.name, k.step, &rows, col0..col0 + f, total, self.p, x.dtype(), x.device())?;
-        x.mul(&keep.reshape((b, t, f))?)
+        let (name, p, dtype, dev) = (self.name.clone(), self.p, x.dtype(), x.device().clone());
+        Ok(Some(Arc::new(move || k.streams.keep_mask_rows(&name, k.step, &rows, col0..col0 + f, total, p, dtype, &dev)?.reshape((b, t, f)))))
     }
+}
+
+/// `(x ⊙ mask())·wᵀ` for `x` `[.., in]`, `w` `[out, in]` (e.g. an adapter's `A` on its dropped
+/// input) as one node that keeps `x` and `w`, not the mask or the dropped input (each `[.., in]`,
+/// what `x.mul(mask)` then a matmul would keep): the backward draws the mask again,
+/// `dx = mask ⊙ (g·w)`, `dw = gᵀ·(x ⊙ mask)`. Without a mask, `x·wᵀ`.
+pub fn masked_matmul(x: &Tensor, w: &Tensor, mask: Option<&MaskFn>) -> Result<Tensor> {
+    let Some(mask) = mask else { return crate::linear::affine(x, w, None) };
+    let (xd, wd) = (x.detach(), w.detach());
+    let (o, i) = wd.dims2()?;
+    if xd.dim(D::Minus1)? != i {
+        bail!("masked_matmul: input {:?} does not match weight {:?} ([out, in])", x.dims(), w.dims())
+    }
+    let y = crate::linear::affine(&apply_mask("masked_matmul", &xd, mask)?.0, &wd, None)?;
+    let mask = mask.clone();
+    let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+        let (xm, m) = apply_mask("masked_matmul", &xd, &mask)?;
+        let lead = xd.elem_count() / i.max(1);
+        let (dx, dw) = crate::linear::affine_grads(&g.reshape((lead, o))?, &xm.reshape((lead, i))?, &wd)?;
+        Ok(vec![Some((dx.reshape(xd.dims())? * m)?), Some(dw)])
+    });
+    attach2("masked_matmul", x, w, y, bwd)
 }

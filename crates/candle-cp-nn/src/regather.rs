@@ -21,9 +21,9 @@
 //! identity for the gather and an all-reduce for the reduce-scatter (`copy_to_tp_region`'s
 //! pair), and the input is not copied.
 
-use candle_core::{bail, Result, Tensor};
+use candle_core::{bail, Result, Tensor, D};
 use candle_cp_comm::Group;
-use candle_cp_ops::autograd::{attach1, attach2, attach3, BackwardFn};
+use candle_cp_ops::autograd::{apply_mask, attach1, attach_n, BackwardFn, MaskFn};
 use crate::linear::{affine, affine_grads};
 use candle_cp_ops::mappings::SEQ_DIM;
 use std::sync::{Arc, Mutex};
@@ -46,6 +46,9 @@ pub struct PartPost {
 struct State {
     /// The input as given (sequence shard with SP), detached.
     x: Tensor,
+    /// The input's elementwise mask ([`regathered_parts_masked`]): drawn again with the first
+    /// part's backward, used by the token's.
+    mask: Option<Tensor>,
     /// The input gathered again (first part's backward until the token's).
     full: Option<Tensor>,
     /// The sum of the parts' input gradients `[.., T, in]` so far.
@@ -57,6 +60,17 @@ pub(crate) struct PartRef<'a> {
     pub(crate) weight: &'a Tensor,
     pub(crate) bias: Option<&'a Tensor>,
     pub(crate) post: Option<PartPost>,
+    /// A low-rank update added inside the part's node, before its output map.
+    pub(crate) update: Option<PartUpdate>,
+}
+
+/// A part's low-rank update `s·u·Bᵀ` (a LoRA adapter's, `u = x·Aᵀ` `[.., T, r]` over the whole
+/// sequence, `B` `[o, r]`), added inside the part's node: the graph keeps `u` and `B`, not the
+/// `[.., T, o]` base output and update that an add after the part would keep alive.
+pub(crate) struct PartUpdate {
+    pub(crate) u: Tensor,
+    pub(crate) b: Tensor,
+    pub(crate) scale: f64,
 }
 
 fn gather(x: &Tensor, group: &Group, sp: bool) -> Result<Tensor> {
@@ -70,12 +84,23 @@ fn gather(x: &Tensor, group: &Group, sp: bool) -> Result<Tensor> {
 /// The parts' outputs `post_i(gather(x)·Wᵢᵀ + bᵢ)` (see the module doc), `x` `[B, T/P, in]`
 /// (SP) or `[.., in]`.
 pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Group, sp: bool) -> Result<Vec<Tensor>> {
+    regathered_parts_masked(x, None, parts, group, sp)
+}
+
+/// [`regathered_parts`] of the input `x ⊙ mask()` (e.g. a dropout's keep mask on the shard, the
+/// same values on each call): the graph keeps `x` (and the mask function), not the masked
+/// input; the backward masks the regathered shard and the shard's gradient again.
+pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: Vec<PartRef<'_>>, group: &Group, sp: bool) -> Result<Vec<Tensor>> {
     let xd = x.detach();
-    let full = gather(&xd, group, sp)?;
+    let full = match mask {
+        Some(m) => gather(&apply_mask("ColumnParallelLinear", &xd, m)?.0, group, sp)?,
+        None => gather(&xd, group, sp)?,
+    };
+    let mask = mask.cloned();
     let in_dim = full.dim(full.rank() - 1)?;
     let lead = full.elem_count() / in_dim.max(1);
     let full_dims = full.dims().to_vec();
-    let state = Arc::new(Mutex::new(State { x: xd, full: None, dx: None }));
+    let state = Arc::new(Mutex::new(State { x: xd, mask: None, full: None, dx: None }));
     // the token: the parts' one edge to x; its backward forms x's gradient
     let token_val = Tensor::zeros(1, x.dtype(), x.device())?;
     let token = {
@@ -83,14 +108,19 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
         let bwd: BackwardFn = Arc::new(move |_: &Tensor| {
             let mut s = st.lock().unwrap_or_else(|e| e.into_inner());
             s.full = None;
+            let m = s.mask.take();
             let Some(dx) = s.dx.take() else { return Ok(vec![None]) };
             let dx = dx.reshape(full_dims.as_slice())?;
-            Ok(vec![Some(if g.size() == 1 {
+            let dx = if g.size() == 1 {
                 dx
             } else if sp {
                 g.reduce_scatter(&dx, SEQ_DIM)?
             } else {
                 g.all_reduce(&dx)?
+            };
+            Ok(vec![Some(match m {
+                Some(m) => (dx * m)?,
+                None => dx,
             })])
         });
         attach1("ColumnParallelLinear input", x, token_val.clone(), bwd)?
@@ -103,10 +133,23 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
         }
         let wd = part.weight.detach();
         let mut y = affine(&full, &wd, part.bias.map(|b| b.detach()).as_ref())?;
+        // (u, B, s) detached, for the backward
+        let upd = match &part.update {
+            Some(up) => {
+                let (ud, bd) = (up.u.detach(), up.b.detach());
+                if ud.elem_count() / ud.dim(D::Minus1)?.max(1) != lead || bd.dims2()? != (o, ud.dim(D::Minus1)?) {
+                    bail!("ColumnParallelLinear: update u {:?}, B {:?} do not fit the part's output [{lead}, {o}]", ud.dims(), bd.dims())
+                }
+                y = (y + affine(&(&ud * up.scale)?, &bd, None)?)?;
+                Some((ud, bd, up.scale))
+            }
+            None => None,
+        };
         if let Some(p) = &part.post {
             y = (p.fwd)(&y)?;
         }
-        let (st, g, post, has_bias, zero) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some(), token_val.clone());
+        let (st, g, post, has_bias, zero, mask) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some(), token_val.clone(), mask.clone());
+        let has_update = upd.is_some();
         let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
             let gy = match &post {
                 Some(p) => (p.bwd)(dy)?,
@@ -117,7 +160,14 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
             let full = match &s.full {
                 Some(f) => f.clone(),
                 None => {
-                    let f = gather(&s.x, &g, sp)?;
+                    let f = match &mask {
+                        Some(m) => {
+                            let (xm, m) = apply_mask("ColumnParallelLinear", &s.x, m)?;
+                            s.mask = Some(m);
+                            gather(&xm, &g, sp)?
+                        }
+                        None => gather(&s.x, &g, sp)?,
+                    };
                     s.full = Some(f.clone());
                     f
                 }
@@ -127,20 +177,29 @@ pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Grou
                 Some(acc) => (acc + dx)?,
                 None => dx,
             });
-            let db = if has_bias { Some(gy.sum(0)?) } else { None };
-            Ok(vec![Some(zero.clone()), Some(dw), db])
-        });
-        let out = match part.bias {
-            Some(b) => attach3("ColumnParallelLinear part", &token, part.weight, b, y, bwd)?,
-            None => {
-                let bwd2: BackwardFn = Arc::new(move |dy: &Tensor| {
-                    let mut v = bwd(dy)?;
-                    v.truncate(2);
-                    Ok(v)
-                });
-                attach2("ColumnParallelLinear part", &token, part.weight, y, bwd2)?
+            drop(s);
+            let mut grads = vec![Some(zero.clone()), Some(dw)];
+            if has_bias {
+                grads.push(Some(gy.sum(0)?));
             }
-        };
+            if let Some((ud, bd, sc)) = &upd {
+                // du = s·g·B, dB = s·gᵀ·u
+                let r = bd.dim(1)?;
+                let u2 = ud.reshape((lead, r))?;
+                grads.push(Some((gy.matmul(bd)? * *sc)?.reshape(ud.dims())?));
+                grads.push(Some((gy.t()?.matmul(&u2)? * *sc)?));
+            }
+            Ok(grads)
+        });
+        let mut inputs: Vec<&Tensor> = vec![&token, part.weight];
+        if let Some(b) = part.bias {
+            inputs.push(b);
+        }
+        if let Some(up) = &part.update {
+            inputs.extend([&up.u, &up.b]);
+        }
+        debug_assert_eq!(inputs.len(), 2 + usize::from(has_bias) + 2 * usize::from(has_update));
+        let out = attach_n("ColumnParallelLinear part", &inputs, y, bwd)?;
         outs.push(out);
     }
     Ok(outs)

@@ -13,6 +13,20 @@ use std::sync::{Arc, Mutex};
 /// optional gradient per input, in input order.
 pub type BackwardFn = Arc<dyn Fn(&Tensor) -> Result<Vec<Option<Tensor>>> + Send + Sync>;
 
+/// An elementwise factor of an op's input drawn again on each call, the same values each time
+/// (e.g. a dropout's scaled keep mask, a function of its seed): an op that takes one keeps the
+/// function, not the `[.., in]` tensor, for its backward.
+pub type MaskFn = Arc<dyn Fn() -> Result<Tensor> + Send + Sync>;
+
+/// `(x ⊙ mask(), mask())` for an op named `op`; errors name a mask of another shape than `x`.
+pub fn apply_mask(op: &str, x: &Tensor, mask: &MaskFn) -> Result<(Tensor, Tensor)> {
+    let m = mask()?;
+    if m.dims() != x.dims() {
+        candle_core::bail!("{op}: mask {:?} for an input {:?}", m.dims(), x.dims())
+    }
+    Ok(((x * &m)?, m))
+}
+
 struct Attached {
     name: &'static str,
     /// The precomputed output until the forward hands it out: taken then, so the graph node
@@ -311,10 +325,73 @@ pub fn attach3(
     a.apply_op3(b, c, Attached3(Attached::new(name, out, bwd)?))
 }
 
+/// Make `out` (computed from `inputs`) differentiable w.r.t. each of them: `bwd` returns one
+/// gradient per input, in order. Up to three inputs this is [`attach1`] to [`attach3`]; past
+/// three, the inputs from the third on enter through one token node (a `[1]` tensor, itself
+/// attached to them): the main node's backward leaves their gradients for the token's, which
+/// candle runs after it (the token is the main node's input). So a node may keep any number of
+/// small tensors without a separate op (e.g. an add) keeping its large operands alive.
+pub fn attach_n(name: &'static str, inputs: &[&Tensor], out: Tensor, bwd: BackwardFn) -> Result<Tensor> {
+    match inputs {
+        [] => candle_core::bail!("{name}: no inputs to attach"),
+        [a] => attach1(name, a, out, bwd),
+        [a, b] => attach2(name, a, b, out, bwd),
+        [a, b, c] => attach3(name, a, b, c, out, bwd),
+        [a, b, rest @ ..] => {
+            if !tracked(inputs) {
+                return Ok(out);
+            }
+            let n = rest.len();
+            let slot: Arc<Mutex<Option<Vec<Option<Tensor>>>>> = Arc::new(Mutex::new(None));
+            let token_val = Tensor::zeros(1, a.dtype(), a.device())?;
+            let s = slot.clone();
+            let token_bwd: BackwardFn = Arc::new(move |_: &Tensor| {
+                let taken = s.lock().unwrap_or_else(|e| e.into_inner()).take();
+                Ok(taken.unwrap_or_else(|| vec![None; n]))
+            });
+            let token = attach_n(name, rest, token_val.clone(), token_bwd)?;
+            let main: BackwardFn = Arc::new(move |g: &Tensor| {
+                let mut grads = bwd(g)?;
+                if grads.len() != n + 2 {
+                    candle_core::bail!("{name}: backward gave {} gradients for {} inputs", grads.len(), n + 2)
+                }
+                let tail = grads.split_off(2);
+                *slot.lock().unwrap_or_else(|e| e.into_inner()) = Some(tail);
+                grads.push(Some(token_val.zeros_like()?));
+                Ok(grads)
+            });
+            attach3(name, a, b, &token, out, main)
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use candle_core::{Device, Var};
+
+    /// Five inputs (two through the token): each gets its gradient; a second backward over the
+    /// same graph gets them again.
+    #[test]
+    fn attach_n_routes_every_gradient() -> Result<()> {
+        let vs: Vec<Var> = (0..5).map(|i| Var::new(&[i as f32 + 1.0, 2.0 * i as f32], &Device::Cpu)).collect::<Result<_>>()?;
+        // out = Σ_i (i + 1) · x_i
+        let mut val = Tensor::zeros(2, candle_core::DType::F32, &Device::Cpu)?;
+        for (i, v) in vs.iter().enumerate() {
+            val = (val + (v.as_tensor() * (i as f64 + 1.0))?)?;
+        }
+        let bwd: BackwardFn = Arc::new(|g: &Tensor| (0..5).map(|i| Ok(Some((g * (i as f64 + 1.0))?))).collect());
+        let ins: Vec<&Tensor> = vs.iter().map(|v| v.as_tensor()).collect();
+        let out = attach_n("weighted sum", &ins, val.detach(), bwd)?;
+        for _ in 0..2 {
+            let grads = (&out * 3.0)?.sum_all()?.backward()?;
+            for (i, v) in vs.iter().enumerate() {
+                let g = grads.get(v).ok_or_else(|| candle_core::Error::Msg(format!("no gradient for input {i}")))?;
+                assert_eq!(g.to_vec1::<f32>()?, vec![3.0 * (i as f32 + 1.0); 2], "input {i}");
+            }
+        }
+        Ok(())
+    }
 
     #[test]
     fn attached_backward_is_called() -> Result<()> {
