@@ -42,7 +42,7 @@ use candle_cp_ops::mappings::{self, SEQ_DIM};
 use candle_cp_comm::Group;
 use candle_cp_ops::moe::{combine, grouped_matmul, Routing};
 use candle_cp_ops::moe_ep::{dispatch_to_experts, return_from_experts, ExpertExchange};
-use crate::moe_lora::{plus, MoeLora};
+use crate::moe_lora::MoeLora;
 use std::sync::{Arc, Mutex};
 
 /// The router statistics of one forward, over its sparse layers, and the load-balancing
@@ -264,11 +264,10 @@ impl SparseMoe {
                 None => None,
             };
             let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
-                let (w, d) = match &self.lora {
-                    Some(l) => (l.weight(i, true, w, &self.tp, false)?.unwrap_or_else(|| w.clone()), l.shared_delta(i, x, w, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?),
-                    None => (w.clone(), None),
-                };
-                plus(x.matmul(&w.t()?)?, d)
+                match &self.lora {
+                    Some(l) => l.shared_proj(i, x, w, tokens.as_ref().map(|t| t.as_slice()), &self.tp),
+                    None => x.matmul(&w.t()?),
+                }
             };
             let m = self.act.gated(&proj(0, &x2, &s.gate)?, &proj(1, &x2, &s.up)?)?;
             y = (y + proj(2, &m, &s.down)?.broadcast_mul(&gate)?)?;
@@ -290,11 +289,10 @@ impl SparseMoe {
     fn experts(&self, xs: &Tensor, counts: &[usize], keys: Option<&[u64]>) -> Result<Tensor> {
         let ep = self.ep.is_some();
         let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
-            let (w, d) = match &self.lora {
-                Some(l) => (l.weight(i, false, w, &self.tp, ep)?.unwrap_or_else(|| w.clone()), l.expert_delta(i, x, w, counts, keys, &self.tp, ep)?),
-                None => (w.clone(), None),
-            };
-            plus(grouped_matmul(x, &w, counts)?, d)
+            match &self.lora {
+                Some(l) => l.expert_proj(i, x, w, counts, keys, &self.tp, ep),
+                None => grouped_matmul(x, w, counts),
+            }
         };
         let gate = proj(0, xs, &self.gate)?;
         let up = proj(1, xs, &self.up)?;

@@ -4,7 +4,9 @@
 //!
 //! The experts' adapters are stacked like their weights ([`crate::params`]): per projection
 //! `A` `[E, r, in]`, `B` `[E, out, r]` (`….experts.{gate,up,down}_proj.lora_{A,B}.weight`), and
-//! run as two grouped matmuls beside the weight's, on the rows grouped by expert:
+//! run as two grouped matmuls inside the weight's node, on the rows grouped by expert
+//! ([`candle_cp_ops::moe_update::grouped_matmul_update`]: the graph keeps `xs` and the weights,
+//! no `[M, out]` term, no dropout mask):
 //!
 //! ```text
 //!  xs [M, in] ─► grouped(xs, W)  +  s · grouped(grouped(drop(xs), A) [M, r], B)   [M, out]
@@ -31,14 +33,15 @@
 //!
 //! DoRA ([`candle_cp_nn::dora`]): a magnitude per expert and output row (`[E, out]`,
 //! `….lora_magnitude_vector`, split as `B`); the experts compute with their DoRA weights
-//! (stacked) in place of the update beside the weight, or, training with dropout, with their
-//! base weights and the update `(W'_e - W_e)·drop(x)` beside them (PEFT's second base pass).
+//! (stacked) in place of the update, or, training with dropout, with their base weights and the
+//! update `(W'_e - W_e)·drop(x)` inside the same node (PEFT's second base pass).
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
 use candle_cp_ops::mappings;
 use candle_cp_ops::autograd::MaskFn;
-use candle_cp_ops::moe::{grouped_matmul, grouped_matmul_masked};
+use candle_cp_ops::moe::grouped_matmul;
+use candle_cp_ops::moe_update::{grouped_matmul_update, GroupedUpdate};
 use std::collections::HashMap;
 
 /// One adapted projection: this rank's factors (stacked `[E_local, r, in_local]`,
@@ -120,15 +123,6 @@ impl MoeLora {
         Ok(Some(std::sync::Arc::new(move || k.streams.keep_mask_rows(&stream, k.step, &keys, col0..col0 + f, total, p, dtype, &dev))))
     }
 
-    /// `drop(x)` grouped by `counts` times `w` `[E, n, in]` ([`grouped_matmul_masked`]).
-    #[allow(clippy::too_many_arguments)]
-    fn grouped_dropped(&self, x: &Tensor, w: &Tensor, counts: &[usize], f: &Factors, keys: Option<&[u64]>, i: usize, tp: &Tp) -> Result<Tensor> {
-        match self.mask(x, &f.stream, keys, i == DOWN, tp)? {
-            Some(m) => grouped_matmul_masked(x, w, counts, &m),
-            None => grouped_matmul(x, w, counts),
-        }
-    }
-
     /// Whether a replicated factor's gradient is summed over TP in the graph (copied into the
     /// TP region): without SP and under EP; else [`crate::reduce_gradients`] sums it.
     fn sums_in_graph(tp: &Tp, ep: bool) -> bool {
@@ -186,36 +180,48 @@ impl MoeLora {
         Ok(Some(candle_cp_nn::lora::merged_weight(w, &f.a, &f.b, f.m.as_ref(), f.scale, Self::split(i), tp)?))
     }
 
-    /// The experts' update of projection `i` (0 gate, 1 up, 2 down) for rows `x` `[R, in_local]`
-    /// grouped by `counts` (this rank's experts), keyed `keys` for dropout: `[R, out_local]`, or
-    /// `None` when the projection is not adapted (or is DoRA's, in its weight). `w` this rank's
-    /// stacked weights `[E_local, out_local, in_local]` (a DoRA adapter's update while it drops,
-    /// `(W'_e - W_e)·drop(x)`). `ep`: under expert parallelism.
+    /// Projection `i` (0 gate, 1 up, 2 down) of the experts for rows `x` `[R, in_local]` grouped
+    /// by `counts` (this rank's experts), keyed `keys` for dropout, with this rank's stacked
+    /// weights `w` `[E_local, out_local, in_local]`: `[R, out_local]`. The adapter's update is
+    /// added inside the experts' node ([`grouped_matmul_update`]: LoRA's, or DoRA's
+    /// `(W'_e - W_e)·drop(x)` while it drops; the graph keeps no `[R, out]` term or mask), or is
+    /// in the weight (DoRA otherwise). `ep`: under expert parallelism.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn expert_delta(&self, i: usize, x: &Tensor, w: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Option<Tensor>> {
-        let Some(f) = self.experts[i].as_ref() else { return Ok(None) };
-        if f.m.is_some() {
-            let Some(dw) = self.dora_update(f, i, w, tp, ep)? else { return Ok(None) };
-            return Ok(Some(self.grouped_dropped(x, &dw, counts, f, keys, i, tp)?));
+    pub(crate) fn expert_proj(&self, i: usize, x: &Tensor, w: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Tensor> {
+        let Some(f) = self.experts[i].as_ref() else { return grouped_matmul(x, w, counts) };
+        if let Some(wd) = self.weight(i, false, w, tp, ep)? {
+            return grouped_matmul(x, &wd, counts);
         }
-        let (a, b) = Self::in_graph(f, i, tp, ep)?;
-        let u = self.grouped_dropped(x, &a, counts, f, keys, i, tp)?;
-        Ok(Some((grouped_matmul(&u, &b, counts)? * f.scale)?))
+        let mask = self.mask(x, &f.stream, keys, i == DOWN, tp)?;
+        grouped_matmul_update(x, w, counts, &self.update(f, i, w, tp, ep, 3)?, mask.as_ref())
     }
 
-    /// The shared expert's update of projection `i` for the region's rows `x` `[N, in_local]`
-    /// (`tokens`: their global token indices for dropout, `None` without): `[N, out_local]`,
-    /// or `None` when the projection is not adapted (or is DoRA's, in its weight); `w` this
-    /// rank's slice of its weight (for DoRA's update while it drops).
-    pub(crate) fn shared_delta(&self, i: usize, x: &Tensor, w: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Option<Tensor>> {
-        let Some(f) = self.shared[i].as_ref() else { return Ok(None) };
-        let mask = self.mask(x, &f.stream, tokens, i == DOWN, tp)?;
-        if f.m.is_some() {
-            let Some(dw) = self.dora_update(f, i, w, tp, false)? else { return Ok(None) };
-            return Ok(Some(candle_cp_nn::masked_matmul(x, &dw, mask.as_ref())?));
+    /// Projection `i` of the shared expert for the region's rows `x` `[N, in_local]` (`tokens`:
+    /// their global token indices for dropout, `None` without), this rank's weight slice `w`
+    /// `[out_local, in_local]`: `[N, out_local]`, the adapter's update inside the node as the
+    /// experts' ([`MoeLora::expert_proj`], one group of `N` rows).
+    pub(crate) fn shared_proj(&self, i: usize, x: &Tensor, w: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Tensor> {
+        let Some(f) = self.shared[i].as_ref() else { return x.matmul(&w.t()?) };
+        if let Some(wd) = self.weight(i, true, w, tp, false)? {
+            return x.matmul(&wd.t()?);
         }
-        let (a, b) = Self::in_graph(f, i, tp, false)?;
-        Ok(Some((candle_cp_nn::masked_matmul(x, &a, mask.as_ref())?.matmul(&b.t()?)? * f.scale)?))
+        let mask = self.mask(x, &f.stream, tokens, i == DOWN, tp)?;
+        let n = x.dim(0)?;
+        grouped_matmul_update(x, &w.unsqueeze(0)?, &[n], &self.update(f, i, w, tp, false, 2)?, mask.as_ref())
+    }
+
+    /// The update of projection `i`'s adapter `f` (on this rank's weight `w`, stacked `rank` 3
+    /// or 2-D for the shared expert, whose factors gain a leading axis of 1): LoRA's factors as
+    /// the graph uses them ([`MoeLora::in_graph`]), or DoRA's `W' - W` (while it drops).
+    fn update(&self, f: &Factors, i: usize, w: &Tensor, tp: &Tp, ep: bool, rank: usize) -> Result<GroupedUpdate> {
+        let lift = |t: Tensor| if rank == 2 { t.unsqueeze(0) } else { Ok(t) };
+        Ok(match self.dora_update(f, i, w, tp, ep)? {
+            Some(dw) => GroupedUpdate::Full { w: lift(dw)? },
+            None => {
+                let (a, b) = Self::in_graph(f, i, tp, ep)?;
+                GroupedUpdate::LowRank { a: lift(a)?, b: lift(b)?, scale: f.scale }
+            }
+        })
     }
 
     /// The region's global token indices when the shared expert's adapters draw masks.
@@ -227,15 +233,6 @@ impl MoeLora {
         Ok(Some(k.rows.clone()))
     }
 }
-
-/// `y + d` for an update `d` (none: `y`).
-pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
-    match d {
-        Some(d) => y + d,
-        None => Ok(y),
-    }
-}
-
 
 /// Per-expert adapter tensors as a PEFT file holds them
 /// (`….{mlp,block_sparse_moe}.experts.{e}.{proj}.lora_{A,B}.weight`, `[r, in]` / `[out, r]`)
@@ -339,7 +336,7 @@ mod tests {
     }
 
     /// A DoRA adapter on 3 stacked experts training with dropout 0.3: the experts' gate output
-    /// (base weight plus `expert_delta`) is, expert by expert, PEFT's `W_e·x + (W'_e - W_e)·x̃_e`
+    /// (`expert_proj`) is, expert by expert, PEFT's `W_e·x + (W'_e - W_e)·x̃_e`
     /// (`W'_e` DoRA's weight with the norm a constant, `x̃_e` the rows' masks keyed `token·E + e`),
     /// and so are the gradients of `x`, `A`, `B`, `m`; the masks matter (not DoRA's `W'_e·x`).
     #[test]
@@ -359,8 +356,7 @@ mod tests {
             let l = MoeLora { experts: [Some(f), None, None], shared: [None, None, None], dropout: p, rows: rows.clone() };
             let keys = l.expert_keys(&tokens, &counts, n)?.ok_or_else(|| candle_core::Error::Msg("keys expected".into()))?;
             assert!(l.weight(0, false, &w, &tp, false)?.is_none(), "dropping: the base weight");
-            let d = l.expert_delta(0, xv.as_tensor(), &w, &counts, Some(&keys), &tp, false)?.ok_or_else(|| candle_core::Error::Msg("update expected".into()))?;
-            let y = (grouped_matmul(xv.as_tensor(), &w, &counts)? + d)?;
+            let y = l.expert_proj(0, xv.as_tensor(), &w, &counts, Some(&keys), &tp, false)?;
             let c = t(y.dims(), 6.1)?;
             let gy = (&y * &c)?.sum_all()?.backward()?;
             // the reference, expert by expert on plain tensors

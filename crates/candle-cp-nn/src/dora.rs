@@ -25,12 +25,12 @@
 //! Training with dropout on the adapter's input (PEFT's `lora_dropout` with `use_dora`): PEFT
 //! then runs the base weight a second time, on the dropped input `x̃`, and the layer is
 //! `y = W·x + (g - 1) ⊙ W·x̃ + g ⊙ s·B·A·x̃ = W·x + (W' - W)·x̃`. The layer computes exactly
-//! that: the plain layer with `W` on `x`, and beside it the update `(W' - W)·x̃` with
-//! [`dora_update`] (`W' - W`, formed in f32) in place of LoRA's `s·B·A`, through the layer's
-//! own collectives (a column layer's `x̃` gathered along the sequence under SP; a row layer's
-//! partial products summed before its one reduction). The graph keeps the dropped input (a
-//! column layer's sequence shard) and `W' - W` (as it keeps `W'` without dropout), no
-//! `[T, out]` tensor; the price is a third `[out, in]`-sized product in the backward (the
+//! that: the plain layer with `W` on `x`, and inside the same node the update `(W' - W)·x̃`
+//! with [`dora_update`] (`W' - W`, formed in f32) in place of LoRA's `s·B·A` (a column part's
+//! from the input it gathers anyway, the mask drawn on the gathered shape; a row layer's partial
+//! products summed before its one reduction). The graph keeps `W' - W` (as it keeps `W'`
+//! without dropout), neither the dropped input nor its mask (drawn again in the backward) nor
+//! any `[T, out]` tensor; the price is a third `[out, in]`-sized product in the backward (the
 //! gradient of `W' - W`, which PEFT forms from its kept `W·x̃` `[T, out]` instead): 5 products
 //! of the base's size per step against the frozen base's 2 (forward, input gradient) and
 //! PEFT's 4 (`docs/benchmarks.md`, `bench_lora`).

@@ -290,7 +290,7 @@ impl ColumnParallelLinear {
     }
 
     /// Each adapted part's output plus its LoRA update (computed from the input `x` as given;
-    /// a DoRA part's adapter is in its weight already, but while it drops, [`Self::dora_delta`]).
+    /// a DoRA part's adapter is in its weight already, but while it drops its `(W' - W)·x̃`).
     fn add_lora(&self, x: &Tensor, ys: Vec<Tensor>) -> Result<Vec<Tensor>> {
         if self.lora.is_empty() {
             return Ok(ys);
@@ -299,19 +299,10 @@ impl ColumnParallelLinear {
             .enumerate()
             .map(|(i, y)| match self.lora(i) {
                 Some(l) if l.magnitude().is_none() => y + crate::lora::column_delta(x, l, &self.tp)?,
-                Some(_) => self.dora_delta(i, x, y, None),
-                None => Ok(y),
+                Some(l) if l.dora_drops() => crate::lora::plus(y, crate::lora::column_dora_delta(x, l, &self.parts[i].weight, &self.tp)?),
+                _ => Ok(y),
             })
             .collect()
-    }
-
-    /// Part `i`'s output `y` plus its DoRA adapter's update `post((W' - W)·drop(x))` while the
-    /// adapter's dropout draws masks ([`crate::dora`]); `y` otherwise.
-    fn dora_delta(&self, i: usize, x: &Tensor, y: Tensor, post: Option<&crate::PartPost>) -> Result<Tensor> {
-        match self.lora(i).filter(|l| l.dora_drops()) {
-            Some(l) => crate::lora::plus(y, crate::lora::column_dora_delta(x, l, &self.parts[i].weight, &self.tp, post)?),
-            None => Ok(y),
-        }
     }
 
     /// [`ColumnParallelLinear::forward_parts`] whose graph keeps only `x` (the sequence shard
@@ -325,19 +316,16 @@ impl ColumnParallelLinear {
             bail!("ColumnParallelLinear: {} output maps for {} parts", posts.len(), self.parts.len())
         }
         let ws = self.weights()?;
-        // a LoRA part's update `s·u·Bᵀ` inside its node, before its output map: the graph keeps
-        // the adapter's r-wide `u` only, no `[T, out]` update or base output beside the sum
+        // an adapter's update inside its part's node, before the output map, from the gathered
+        // input: LoRA's s·(x̃·Aᵀ)·Bᵀ, or DoRA's (W' - W)·x̃ while it drops; the graph keeps the
+        // adapter's weights only (no [T, out] tensor, no mask)
         let updates = (0..self.parts.len())
-            .map(|i| match self.lora(i).filter(|l| l.magnitude().is_none()) {
-                Some(l) => Ok(Some(crate::regather::PartUpdate { u: crate::lora::column_u(x, l, &self.tp)?, b: l.b().clone(), scale: l.scale() })),
+            .map(|i| match self.lora(i) {
+                Some(l) => crate::lora::column_update(x, l, &self.parts[i].weight, &self.tp),
                 None => Ok(None),
             })
             .collect::<Result<Vec<_>>>()?;
-        let ys = crate::regather::regathered_parts(x, self.part_refs(&ws, posts, updates), &self.tp.group, self.tp.sequence_parallel)?;
-        if self.lora.is_empty() {
-            return Ok(ys);
-        }
-        ys.into_iter().enumerate().map(|(i, y)| self.dora_delta(i, x, y, posts.get(i).and_then(|p| p.as_ref()))).collect()
+        crate::regather::regathered_parts(x, self.part_refs(&ws, posts, updates), &self.tp.group, self.tp.sequence_parallel)
     }
 
     /// The parts for [`crate::regather::regathered_parts`] with weights `ws` ([`Self::weights`]),
@@ -487,9 +475,9 @@ impl RowParallelLinear {
     }
 
     /// Whether the lean nodes ([`Self::forward_lean`], [`Self::forward_residual`]) give way to
-    /// [`Module::forward`]: with a bias, or a DoRA adapter that drops (two partial products).
+    /// [`Module::forward`]: with a bias.
     fn not_lean(&self) -> bool {
-        self.bias.is_some() || self.lora.as_ref().is_some_and(|l| l.dora_drops())
+        self.bias.is_some()
     }
 
     /// The weight the forward computes with: the DoRA weight with a DoRA adapter
@@ -531,14 +519,16 @@ impl RowParallelLinear {
     /// alive until the backward, which does not need it; this node keeps `x`, the weight and
     /// the residual only (the residual stays alive anyway, as the next norm's input). The
     /// reduction's partial sums are not kept either. Backward: `dresidual = g`; `g` all-gathered
-    /// along the sequence (SP; identity without) gives `dx = g·W`, `dW = gᵀ·x`. With a bias
-    /// (or a DoRA adapter training with dropout) this is the plain `residual + forward(x)`.
+    /// along the sequence (SP; identity without) gives `dx = g·W`, `dW = gᵀ·x`. An adapter's
+    /// update is added inside the node (LoRA's after the reduction, DoRA's `W' - W` on the
+    /// dropped input before it). With a bias this is the plain `residual + forward(x)`.
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
         if self.not_lean() {
             return residual + self.forward(x)?;
         }
         let w = self.weight_used()?;
-        let (y, grads) = self.lean_parts(x, &w)?;
+        let extra = self.dora_extra(x)?;
+        let (y, grads) = self.lean_parts(x, &w, extra.as_ref())?;
         let up = self.lean_update(x)?;
         if residual.dims() != y.dims() || residual.dtype() != y.dtype() {
             bail!(
@@ -553,12 +543,14 @@ impl RowParallelLinear {
         let out = (residual.detach() + up.add_to(y)?)?;
         let ub = up.clone();
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
-            let (dx, dw) = grads(g)?;
+            let (dx, dw, de) = grads(g)?;
             let mut v = vec![Some(dx), Some(dw), Some(g.clone())];
+            v.extend(de.map(Some));
             v.extend(ub.grads(g)?);
             Ok(v)
         });
         let mut inputs = vec![x, &w, residual];
+        inputs.extend(extra.as_ref().map(|(d, _)| d));
         inputs.extend(up.inputs());
         attach_n("RowParallelLinear::forward_residual", &inputs, out, bwd)
     }
@@ -566,26 +558,37 @@ impl RowParallelLinear {
     /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
     /// reduction's partial sums (`[B, T, out]`, full length), which the collective's node of
     /// [`Module::forward`] keeps until the backward, are not kept. Same values and gradients
-    /// (see [`RowParallelLinear::forward_residual`]). With a bias (or a DoRA adapter training
-    /// with dropout) this is `forward`.
+    /// (see [`RowParallelLinear::forward_residual`]). With a bias this is `forward`.
     pub fn forward_lean(&self, x: &Tensor) -> Result<Tensor> {
         if self.not_lean() {
             return self.forward(x);
         }
         let w = self.weight_used()?;
-        let (y, grads) = self.lean_parts(x, &w)?;
+        let extra = self.dora_extra(x)?;
+        let (y, grads) = self.lean_parts(x, &w, extra.as_ref())?;
         let up = self.lean_update(x)?;
         let y = up.add_to(y)?;
         let ub = up.clone();
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
-            let (dx, dw) = grads(g)?;
+            let (dx, dw, de) = grads(g)?;
             let mut v = vec![Some(dx), Some(dw)];
+            v.extend(de.map(Some));
             v.extend(ub.grads(g)?);
             Ok(v)
         });
         let mut inputs = vec![x, &w];
+        inputs.extend(extra.as_ref().map(|(d, _)| d));
         inputs.extend(up.inputs());
         attach_n("RowParallelLinear::forward_lean", &inputs, y, bwd)
+    }
+
+    /// A DoRA adapter's term the lean nodes add before their reduction while its dropout draws
+    /// masks: `W' - W` (in the graph) and the mask of this rank's input features.
+    fn dora_extra(&self, x: &Tensor) -> Result<Option<(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>> {
+        match self.lora.as_ref().filter(|l| l.dora_drops()) {
+            Some(l) => crate::lora::row_dora_update(x, l, &self.weight, &self.tp),
+            None => Ok(None),
+        }
     }
 
     /// The LoRA update the lean nodes add inside themselves: `v` (the adapter's reduced r-wide
@@ -598,13 +601,30 @@ impl RowParallelLinear {
     }
 
     /// The reduced output of `x` without a graph, and the backward of `x ↦ y` (`g` ↦ `(dx,
-    /// dW)`: `g` all-gathered along the sequence under SP, then the matrix products).
+    /// dW, dΔ)`: `g` all-gathered along the sequence under SP, then the matrix products). With
+    /// `extra` `(Δ, M)` the partial product gains `(x ⊙ M)·Δᵀ` before the one reduction (a DoRA
+    /// adapter's `W' - W` on its dropped input, the mask drawn again in the backward).
     #[allow(clippy::type_complexity)]
-    fn lean_parts(&self, x: &Tensor, w: &Tensor) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor)> + Send + Sync>)> {
+    fn lean_parts(&self, x: &Tensor, w: &Tensor, extra: Option<&(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> + Send + Sync>)> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
         let (xd, wd) = (x.detach(), w.detach());
+        let extra = extra.map(|(d, m)| (d.detach(), m.clone()));
+        // x ⊙ M (x without a mask)
+        let masked = |xd: &Tensor, m: &Option<candle_cp_ops::autograd::MaskFn>| -> Result<(Tensor, Option<Tensor>)> {
+            match m {
+                Some(m) => {
+                    let (xm, m) = candle_cp_ops::autograd::apply_mask("RowParallelLinear", xd, m)?;
+                    Ok((xm, Some(m)))
+                }
+                None => Ok((xd.clone(), None)),
+            }
+        };
         let partial = affine(&xd, &wd, None)?;
+        let partial = match &extra {
+            Some((d, m)) => (partial + affine(&masked(&xd, m)?.0, d, None)?)?,
+            None => partial,
+        };
         let group = self.tp.group.clone();
         let p = group.size();
         let y = if p == 1 {
@@ -618,12 +638,25 @@ impl RowParallelLinear {
         } else {
             group.all_reduce(&partial)?
         };
-        let grads = move |g: &Tensor| -> Result<(Tensor, Tensor)> {
+        let grads = move |g: &Tensor| -> Result<(Tensor, Tensor, Option<Tensor>)> {
             let gf = if p > 1 && sp { group.all_gather(&g.detach(), SEQ_DIM)? } else { g.detach() };
             let (o, i) = wd.dims2()?;
             let lead = gf.elem_count() / o;
-            let (dx, dw) = affine_grads(&gf.reshape((lead, o))?, &xd.reshape((lead, i))?, &wd)?;
-            Ok((dx.reshape(xd.dims())?, dw))
+            let g2 = gf.reshape((lead, o))?;
+            let (dx, dw) = affine_grads(&g2, &xd.reshape((lead, i))?, &wd)?;
+            let (dx, de) = match &extra {
+                Some((d, m)) => {
+                    let (xm, m) = masked(&xd, m)?;
+                    let (dxe, de) = affine_grads(&g2, &xm.reshape((lead, i))?, d)?;
+                    let dxe = match m {
+                        Some(m) => (dxe.reshape(xd.dims())? * m)?,
+                        None => dxe.reshape(xd.dims())?,
+                    };
+                    ((dx.reshape(xd.dims())? + dxe)?, Some(de))
+                }
+                None => (dx.reshape(xd.dims())?, None),
+            };
+            Ok((dx, dw, de))
         };
         Ok((y, Box::new(grads)))
     }

@@ -8,21 +8,24 @@
 //!
 //! | layer | `A` `[r, in]` | `B` `[out, r]` | the adapter's activations |
 //! |-------|---------------|----------------|---------------------------|
-//! | [`crate::ColumnParallelLinear`] (weight rows split) | replicated ([`crate::Shard::Replicated`]) | rows, as the part's weight ([`crate::Shard::Rows`] / `RowBlocks`) | `u = x·Aᵀ` all-gathered along the sequence (SP), or the input copied into the TP region (no SP) |
+//! | [`crate::ColumnParallelLinear`] (weight rows split) | replicated ([`crate::Shard::Replicated`]) | rows, as the part's weight ([`crate::Shard::Rows`] / `RowBlocks`) | `u = x·Aᵀ` of the layer's own gathered input, inside the part's node (none kept: formed again in the backward); on the plain paths `u` all-gathered along the sequence (SP) or from the input copied into the TP region (no SP) |
 //! | [`crate::RowParallelLinear`] (weight columns split) | columns, as the weight ([`crate::Shard::Cols`]) | replicated | `v = x·Aᵀ` partial, reduce-scattered (SP) or all-reduced (no SP), `[.., r]` |
 //!
 //! The replicated factors' gradients follow the rule of the other replicated parameters
 //! (norm weights): complete and equal on every TP rank without SP (the column's `A` enters
-//! through `copy_to_tp_region`, whose backward sums it over TP), each rank's own rows' share
-//! with SP (sum it over TP, as `candle_cp_llama::reduce_gradients` does for replicated
-//! parameters under SP). A split factor's gradient is complete for its slice.
+//! through `copy_to_tp_region`, whose backward sums it over TP), each rank's share with SP
+//! (the rank's rows, or on the column's training path its `B` rows' share; sum it over TP, as
+//! `candle_cp_llama::reduce_gradients` does for replicated parameters under SP). A split
+//! factor's gradient is complete for its slice.
 //!
-//! On the training paths the update is added inside the layer's own node (before a part's
-//! output map, e.g. RoPE, in [`ColumnParallelLinear::forward_parts_regathered`]; after the
-//! reduction in [`RowParallelLinear::forward_lean`] / [`RowParallelLinear::forward_residual`]),
-//! which keeps the adapter's `r`-wide activations and `B` only: no `[T, out]` update, and no
-//! base output kept alive by an add, so an adapted layer keeps what the plain layer keeps plus
-//! `r`-wide tensors. (`Module::forward` and `forward_parts` add the update with candle's add.)
+//! On the training paths the update is added inside the layer's own node (in each part's node
+//! before its output map, e.g. RoPE, from the input it gathers anyway, in
+//! [`ColumnParallelLinear::forward_parts_regathered`]; after the reduction in
+//! [`RowParallelLinear::forward_lean`] / [`RowParallelLinear::forward_residual`]): no `[T, out]`
+//! update, no base output kept alive by an add, no dropout mask or dropped input (drawn again
+//! in the backward), so an adapted layer keeps what the plain layer keeps plus `r`-wide tensors
+//! (`tests/plan_activations.rs` bounds it). `Module::forward` and `forward_parts` add the update
+//! with candle's ops.
 //!
 //! [`ColumnParallelLinear::forward_parts_regathered`]: crate::ColumnParallelLinear::forward_parts_regathered
 //! [`RowParallelLinear::forward_lean`]: crate::RowParallelLinear::forward_lean
@@ -164,6 +167,17 @@ impl Lora {
         }
     }
 
+    /// The keep mask of this adapter's dropout on a column layer's whole input (the gathered
+    /// sequence under SP, `[B, P·T, in]` for a shard `x` `[B, T, in]`; `x`'s shape without),
+    /// drawn again on each call; `None` without dropout or while no key is set.
+    fn full_column_mask(&self, x: &Tensor, tp: &Tp) -> Result<Option<candle_cp_ops::autograd::MaskFn>> {
+        let Some(d) = &self.dropout else { return Ok(None) };
+        let (b, t, f) = x.dims3()?;
+        let sp = tp.size() > 1 && tp.sequence_parallel;
+        let whole = Tp { sequence_parallel: false, ..tp.clone() };
+        d.mask_of((b, if sp { t * tp.size() } else { t }, f), x.dtype(), x.device(), crate::lora_dropout::Input::Column, &whole)
+    }
+
     /// `drop(x)·wᵀ` (`w` `[n, in]`, e.g. `A`): one node that keeps `x` and `w`, not the mask or
     /// the dropped input ([`crate::masked_matmul`]).
     fn dropped_matmul(&self, x: &Tensor, w: &Tensor, input: crate::lora_dropout::Input, tp: &Tp) -> Result<Tensor> {
@@ -257,17 +271,38 @@ pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
     }
 }
 
-/// A column-parallel DoRA part's update while its dropout draws masks: `post((W' - W)·x̃)`
-/// ([`crate::dora`]), `x̃` the dropped input gathered along the sequence (SP) or copied into
-/// the TP region, as the layer's own input; one node that keeps the input shard only (the
-/// backward draws the mask and gathers the dropped shard again, [`crate::regather`]). `w`
-/// this rank's rows of the part's base weight. `None` for a plain LoRA adapter.
-pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp, post: Option<&crate::PartPost>) -> Result<Option<Tensor>> {
+/// A column-parallel DoRA part's update while its dropout draws masks, on the plain graph:
+/// `(W' - W)·x̃` ([`crate::dora`]), `x̃` the dropped input gathered along the sequence (SP) or
+/// copied into the TP region. `w` this rank's rows of the part's base weight. `None` for a
+/// plain LoRA adapter. (The training path adds it inside the part's node: [`column_update`].)
+pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
     let Some(dw) = l.dora_update(w, crate::WeightSplit::Rows, tp)? else { return Ok(None) };
-    let mask = l.mask(x, crate::lora_dropout::Input::Column, tp)?;
-    let part = crate::regather::PartRef { weight: &dw, bias: None, post: post.cloned(), update: None };
-    let mut ys = crate::regather::regathered_parts_masked(x, mask.as_ref(), vec![part], &tp.group, tp.sequence_parallel)?;
-    Ok(ys.pop())
+    let xg = if tp.size() > 1 && tp.sequence_parallel {
+        mappings::gather_from_sp_region(x, &tp.group, SEQ_DIM)?
+    } else {
+        mappings::copy_to_tp_region(x, &tp.group)?
+    };
+    let mask = l.full_column_mask(x, tp)?;
+    Ok(Some(crate::masked_matmul(&xg, &dw, mask.as_ref())?))
+}
+
+/// A column-parallel part's adapter as an update inside the part's node
+/// ([`crate::regather::PartUpdate`], from the gathered input, its dropout's mask drawn on the
+/// gathered shape): LoRA's `s·(x̃·Aᵀ)·Bᵀ` (`A` copied into the TP region without SP, so that its
+/// gradient is summed over TP), DoRA's `(W' - W)·x̃` while it drops ([`crate::dora`]), none for
+/// DoRA otherwise (in the weight). `w` this rank's rows of the part's base weight.
+pub(crate) fn column_update(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<crate::regather::PartUpdate>> {
+    use crate::regather::{PartUpdate, UpdateKind};
+    let kind = if l.magnitude.is_none() {
+        let a = if tp.size() > 1 && !tp.sequence_parallel { mappings::copy_to_tp_region(&l.a, &tp.group)? } else { l.a.clone() };
+        UpdateKind::LowRank { a, b: l.b.clone(), scale: l.scale }
+    } else {
+        match l.dora_drops().then(|| l.dora_update(w, crate::WeightSplit::Rows, tp)).transpose()?.flatten() {
+            Some(dw) => UpdateKind::Full { w: dw },
+            None => return Ok(None),
+        }
+    };
+    Ok(Some(PartUpdate { kind, mask: l.full_column_mask(x, tp)? }))
 }
 
 /// A row-parallel DoRA layer's partial product `x̃·(W' - W)ᵀ` while its dropout draws masks
@@ -277,6 +312,14 @@ pub(crate) fn column_dora_delta(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp, post:
 pub(crate) fn row_dora_partial(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
     let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };
     Ok(Some(l.dropped_matmul(x, &dw, crate::lora_dropout::Input::Row, tp)?))
+}
+
+/// [`row_dora_partial`]'s weight `W' - W` (in the graph) and the dropout's mask of `x` (this
+/// rank's features), for a node that forms the product itself; `None` for a plain LoRA adapter.
+#[allow(clippy::type_complexity)]
+pub(crate) fn row_dora_update(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>> {
+    let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };
+    Ok(Some((dw, l.mask(x, crate::lora_dropout::Input::Row, tp)?)))
 }
 
 /// A row-parallel layer's update `s·(Σ_TP x·Aᵀ)·Bᵀ` in the layer's output layout (the

@@ -92,8 +92,13 @@ impl AdapterDropout {
     /// function that draws it again on each call from the current key (captured now): `None`
     /// when no key is set (no dropout). Errors name shapes that do not fit the key.
     pub(crate) fn mask(&self, x: &Tensor, input: Input, tp: &Tp) -> Result<Option<MaskFn>> {
+        self.mask_of(x.dims3()?, x.dtype(), x.device(), input, tp)
+    }
+
+    /// [`Self::mask`] of an input `[B, T, f]` = `dims` of `dtype` on `dev`.
+    pub(crate) fn mask_of(&self, dims: (usize, usize, usize), dtype: candle_core::DType, dev: &candle_core::Device, input: Input, tp: &Tp) -> Result<Option<MaskFn>> {
         let Some(k) = self.rows.get() else { return Ok(None) };
-        let (b, t, f) = x.dims3()?;
+        let (b, t, f) = dims;
         let (rank, p) = (tp.group.rank(), tp.size());
         let sp = p > 1 && tp.sequence_parallel;
         let t0 = match input {
@@ -102,14 +107,14 @@ impl AdapterDropout {
         };
         let want_t = if matches!(input, Input::Column) && sp { k.tc / p } else { k.tc };
         if b != k.batch || t != want_t {
-            bail!("LoRA dropout ({}): input {:?} does not fit the token indices of a [{}, {}] shard (TP {p}, SP {sp})", self.name, x.dims(), k.batch, k.tc)
+            bail!("LoRA dropout ({}): input {dims:?} does not fit the token indices of a [{}, {}] shard (TP {p}, SP {sp})", self.name, k.batch, k.tc)
         }
         let rows: Vec<u64> = (0..b).flat_map(|bb| k.rows[bb * k.tc + t0..bb * k.tc + t0 + t].iter().copied()).collect();
         let (col0, total) = match input {
             Input::Column => (0, f),
             Input::Row => (rank * f, f * p),
         };
-        let (name, p, dtype, dev) = (self.name.clone(), self.p, x.dtype(), x.device().clone());
+        let (name, p, dev) = (self.name.clone(), self.p, dev.clone());
         Ok(Some(Arc::new(move || k.streams.keep_mask_rows(&name, k.step, &rows, col0..col0 + f, total, p, dtype, &dev)?.reshape((b, t, f)))))
     }
 }

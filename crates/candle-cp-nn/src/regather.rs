@@ -21,7 +21,7 @@
 //! identity for the gather and an all-reduce for the reduce-scatter (`copy_to_tp_region`'s
 //! pair), and the input is not copied.
 
-use candle_core::{bail, Result, Tensor, D};
+use candle_core::{bail, Result, Tensor};
 use candle_cp_comm::Group;
 use candle_cp_ops::autograd::{apply_mask, attach1, attach_n, BackwardFn, MaskFn};
 use crate::linear::{affine, affine_grads};
@@ -46,9 +46,6 @@ pub struct PartPost {
 struct State {
     /// The input as given (sequence shard with SP), detached.
     x: Tensor,
-    /// The input's elementwise mask ([`regathered_parts_masked`]): drawn again with the first
-    /// part's backward, used by the token's.
-    mask: Option<Tensor>,
     /// The input gathered again (first part's backward until the token's).
     full: Option<Tensor>,
     /// The sum of the parts' input gradients `[.., T, in]` so far.
@@ -64,13 +61,77 @@ pub(crate) struct PartRef<'a> {
     pub(crate) update: Option<PartUpdate>,
 }
 
-/// A part's low-rank update `s·u·Bᵀ` (a LoRA adapter's, `u = x·Aᵀ` `[.., T, r]` over the whole
-/// sequence, `B` `[o, r]`), added inside the part's node: the graph keeps `u` and `B`, not the
-/// `[.., T, o]` base output and update that an add after the part would keep alive.
+/// A term a part adds inside its node, before its output map, from its gathered input `X`
+/// `[.., T, in]` through an optional elementwise mask `M` (a dropout's, on the gathered shape:
+/// `X̃ = X ⊙ M`, drawn again in the backward): the graph keeps the term's weights only, not the
+/// masked input, the term or the base output that an add after the part would keep alive.
 pub(crate) struct PartUpdate {
-    pub(crate) u: Tensor,
-    pub(crate) b: Tensor,
-    pub(crate) scale: f64,
+    pub(crate) kind: UpdateKind,
+    pub(crate) mask: Option<MaskFn>,
+}
+
+/// The term of a [`PartUpdate`].
+pub(crate) enum UpdateKind {
+    /// LoRA's `s·(X̃·Aᵀ)·Bᵀ`, `A` `[r, in]`, `B` `[o, r]` (`X̃·Aᵀ` formed again in the backward).
+    LowRank { a: Tensor, b: Tensor, scale: f64 },
+    /// `X̃·Δᵀ`, `Δ` `[o, in]` (DoRA's `W' - W` while its dropout draws masks).
+    Full { w: Tensor },
+}
+
+impl PartUpdate {
+    /// The node's inputs the term adds (`A`, `B`, or `Δ`).
+    fn inputs(&self) -> Vec<&Tensor> {
+        match &self.kind {
+            UpdateKind::LowRank { a, b, .. } => vec![a, b],
+            UpdateKind::Full { w } => vec![w],
+        }
+    }
+
+    /// `X̃` `[lead, in]` of the gathered input `full` and the mask `[lead, in]` (none without).
+    fn masked(&self, full: &Tensor, lead: usize, in_dim: usize) -> Result<(Tensor, Option<Tensor>)> {
+        match &self.mask {
+            Some(m) => {
+                let (xm, m) = apply_mask("ColumnParallelLinear", full, m)?;
+                Ok((xm.reshape((lead, in_dim))?, Some(m.reshape((lead, in_dim))?)))
+            }
+            None => Ok((full.reshape((lead, in_dim))?, None)),
+        }
+    }
+
+    /// The term `[lead, o]` of the gathered input (detached weights).
+    fn term(&self, full: &Tensor, lead: usize, in_dim: usize, o: usize) -> Result<Tensor> {
+        let (xm, _) = self.masked(full, lead, in_dim)?;
+        let t = match &self.kind {
+            UpdateKind::LowRank { a, b, scale } => xm.matmul(&a.detach().t()?)?.affine(*scale, 0.0)?.matmul(&b.detach().t()?)?,
+            UpdateKind::Full { w } => xm.matmul(&w.detach().t()?)?,
+        };
+        if t.dims() != [lead, o] {
+            bail!("ColumnParallelLinear: a part's update gives {:?} for an output [{lead}, {o}]", t.dims())
+        }
+        Ok(t)
+    }
+
+    /// The term's share of the input gradient `[lead, in]` and its weights' gradients from the
+    /// part's output gradient `gy` `[lead, o]`.
+    fn grads(&self, gy: &Tensor, full: &Tensor, lead: usize, in_dim: usize) -> Result<(Tensor, Vec<Option<Tensor>>)> {
+        let (xm, m) = self.masked(full, lead, in_dim)?;
+        let (dx, ws) = match &self.kind {
+            UpdateKind::LowRank { a, b, scale } => {
+                let (ad, bd) = (a.detach(), b.detach());
+                // du = s·g·B, dB = s·gᵀ·u, dA = duᵀ·X̃, dX̃ = du·A
+                let u = xm.matmul(&ad.t()?)?;
+                let du = gy.matmul(&bd)?.affine(*scale, 0.0)?;
+                let db = gy.t()?.matmul(&u)?.affine(*scale, 0.0)?;
+                (du.matmul(&ad)?, vec![Some(du.t()?.matmul(&xm)?), Some(db)])
+            }
+            UpdateKind::Full { w } => (gy.matmul(&w.detach())?, vec![Some(gy.t()?.matmul(&xm)?)]),
+        };
+        let dx = match m {
+            Some(m) => (dx * m)?,
+            None => dx,
+        };
+        Ok((dx, ws))
+    }
 }
 
 fn gather(x: &Tensor, group: &Group, sp: bool) -> Result<Tensor> {
@@ -84,23 +145,12 @@ fn gather(x: &Tensor, group: &Group, sp: bool) -> Result<Tensor> {
 /// The parts' outputs `post_i(gather(x)·Wᵢᵀ + bᵢ)` (see the module doc), `x` `[B, T/P, in]`
 /// (SP) or `[.., in]`.
 pub(crate) fn regathered_parts(x: &Tensor, parts: Vec<PartRef<'_>>, group: &Group, sp: bool) -> Result<Vec<Tensor>> {
-    regathered_parts_masked(x, None, parts, group, sp)
-}
-
-/// [`regathered_parts`] of the input `x ⊙ mask()` (e.g. a dropout's keep mask on the shard, the
-/// same values on each call): the graph keeps `x` (and the mask function), not the masked
-/// input; the backward masks the regathered shard and the shard's gradient again.
-pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: Vec<PartRef<'_>>, group: &Group, sp: bool) -> Result<Vec<Tensor>> {
     let xd = x.detach();
-    let full = match mask {
-        Some(m) => gather(&apply_mask("ColumnParallelLinear", &xd, m)?.0, group, sp)?,
-        None => gather(&xd, group, sp)?,
-    };
-    let mask = mask.cloned();
+    let full = gather(&xd, group, sp)?;
     let in_dim = full.dim(full.rank() - 1)?;
     let lead = full.elem_count() / in_dim.max(1);
     let full_dims = full.dims().to_vec();
-    let state = Arc::new(Mutex::new(State { x: xd, mask: None, full: None, dx: None }));
+    let state = Arc::new(Mutex::new(State { x: xd, full: None, dx: None }));
     // the token: the parts' one edge to x; its backward forms x's gradient
     let token_val = Tensor::zeros(1, x.dtype(), x.device())?;
     let token = {
@@ -108,19 +158,14 @@ pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: 
         let bwd: BackwardFn = Arc::new(move |_: &Tensor| {
             let mut s = st.lock().unwrap_or_else(|e| e.into_inner());
             s.full = None;
-            let m = s.mask.take();
             let Some(dx) = s.dx.take() else { return Ok(vec![None]) };
             let dx = dx.reshape(full_dims.as_slice())?;
-            let dx = if g.size() == 1 {
+            Ok(vec![Some(if g.size() == 1 {
                 dx
             } else if sp {
                 g.reduce_scatter(&dx, SEQ_DIM)?
             } else {
                 g.all_reduce(&dx)?
-            };
-            Ok(vec![Some(match m {
-                Some(m) => (dx * m)?,
-                None => dx,
             })])
         });
         attach1("ColumnParallelLinear input", x, token_val.clone(), bwd)?
@@ -133,23 +178,16 @@ pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: 
         }
         let wd = part.weight.detach();
         let mut y = affine(&full, &wd, part.bias.map(|b| b.detach()).as_ref())?;
-        // (u, B, s) detached, for the backward
-        let upd = match &part.update {
-            Some(up) => {
-                let (ud, bd) = (up.u.detach(), up.b.detach());
-                if ud.elem_count() / ud.dim(D::Minus1)?.max(1) != lead || bd.dims2()? != (o, ud.dim(D::Minus1)?) {
-                    bail!("ColumnParallelLinear: update u {:?}, B {:?} do not fit the part's output [{lead}, {o}]", ud.dims(), bd.dims())
-                }
-                y = (y + affine(&(&ud * up.scale)?, &bd, None)?)?;
-                Some((ud, bd, up.scale))
-            }
-            None => None,
-        };
+        if let Some(up) = &part.update {
+            y = (y.reshape((lead, o))? + up.term(&full, lead, in_dim, o)?)?.reshape(y.dims())?;
+        }
         if let Some(p) = &part.post {
             y = (p.fwd)(&y)?;
         }
-        let (st, g, post, has_bias, zero, mask) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some(), token_val.clone(), mask.clone());
-        let has_update = upd.is_some();
+        let (st, g, post, has_bias, zero) = (state.clone(), group.clone(), part.post.clone(), part.bias.is_some(), token_val.clone());
+        let n_inputs = 2 + usize::from(has_bias) + part.update.as_ref().map_or(0, |u| u.inputs().len());
+        let update = part.update.map(Arc::new);
+        let upd = update.clone();
         let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
             let gy = match &post {
                 Some(p) => (p.bwd)(dy)?,
@@ -160,19 +198,19 @@ pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: 
             let full = match &s.full {
                 Some(f) => f.clone(),
                 None => {
-                    let f = match &mask {
-                        Some(m) => {
-                            let (xm, m) = apply_mask("ColumnParallelLinear", &s.x, m)?;
-                            s.mask = Some(m);
-                            gather(&xm, &g, sp)?
-                        }
-                        None => gather(&s.x, &g, sp)?,
-                    };
+                    let f = gather(&s.x, &g, sp)?;
                     s.full = Some(f.clone());
                     f
                 }
             };
             let (dx, dw) = affine_grads(&gy, &full.reshape((lead, in_dim))?, &wd)?;
+            let (dx, dup) = match &upd {
+                Some(up) => {
+                    let (dxu, dws) = up.grads(&gy, &full, lead, in_dim)?;
+                    ((dx + dxu)?, dws)
+                }
+                None => (dx, Vec::new()),
+            };
             s.dx = Some(match s.dx.take() {
                 Some(acc) => (acc + dx)?,
                 None => dx,
@@ -182,23 +220,17 @@ pub(crate) fn regathered_parts_masked(x: &Tensor, mask: Option<&MaskFn>, parts: 
             if has_bias {
                 grads.push(Some(gy.sum(0)?));
             }
-            if let Some((ud, bd, sc)) = &upd {
-                // du = s·g·B, dB = s·gᵀ·u
-                let r = bd.dim(1)?;
-                let u2 = ud.reshape((lead, r))?;
-                grads.push(Some((gy.matmul(bd)? * *sc)?.reshape(ud.dims())?));
-                grads.push(Some((gy.t()?.matmul(&u2)? * *sc)?));
-            }
+            grads.extend(dup);
             Ok(grads)
         });
         let mut inputs: Vec<&Tensor> = vec![&token, part.weight];
         if let Some(b) = part.bias {
             inputs.push(b);
         }
-        if let Some(up) = &part.update {
-            inputs.extend([&up.u, &up.b]);
+        if let Some(up) = &update {
+            inputs.extend(up.inputs());
         }
-        debug_assert_eq!(inputs.len(), 2 + usize::from(has_bias) + 2 * usize::from(has_update));
+        debug_assert_eq!(inputs.len(), n_inputs);
         let out = attach_n("ColumnParallelLinear part", &inputs, y, bwd)?;
         outs.push(out);
     }

@@ -26,7 +26,7 @@
 //! copied down, not the `[N, E]` probabilities), the permutation that groups the pairs by
 //! expert and its inverse.
 
-use crate::autograd::{apply_mask, attach2, BackwardFn, MaskFn};
+use crate::autograd::{attach2, BackwardFn};
 use candle_core::{bail, DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -61,42 +61,13 @@ fn check(op: &str, x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<(usize, u
 /// gradient). Errors name the shapes: `x` not 2-D, `w` not 3-D, `in` that differ, counts that
 /// are not one per expert or do not sum to `M`, dtypes or devices that differ.
 pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
-    grouped(x, w, counts, None)
-}
-
-/// [`grouped_matmul`] of `x ⊙ mask()` (`mask` `[M, in]`, e.g. a dropout's scaled keep mask, the
-/// same values on each call) as one node that keeps `x` and `w`, not the mask or the masked
-/// rows: the backward draws the mask again (`dx = mask ⊙ (dy·w[e])`, `dw[e]` from the masked
-/// rows formed anew). Errors as [`grouped_matmul`]'s, and name a mask of another shape.
-pub fn grouped_matmul_masked(x: &Tensor, w: &Tensor, counts: &[usize], mask: &MaskFn) -> Result<Tensor> {
-    grouped(x, w, counts, Some(mask.clone()))
-}
-
-/// [`grouped_matmul`], of `x ⊙ mask()` with a mask.
-fn grouped(x: &Tensor, w: &Tensor, counts: &[usize], mask: Option<MaskFn>) -> Result<Tensor> {
     let (_, o, i) = check("grouped_matmul", x, w, counts)?;
     let (xd, wd) = (x.detach(), w.detach());
-    let xm = match &mask {
-        Some(m) => apply_mask("grouped_matmul", &xd, m)?.0,
-        None => xd.clone(),
-    };
-    let y = blocks(&xm, counts, o, |e, xe| xe.matmul(&wd.get(e)?.t()?))?;
-    drop(xm);
+    let y = blocks(&xd, counts, o, |e, xe| xe.matmul(&wd.get(e)?.t()?))?;
     let counts = counts.to_vec();
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let dy = dy.detach();
-        let (xd, m) = match &mask {
-            Some(m) => {
-                let (xm, m) = apply_mask("grouped_matmul", &xd, m)?;
-                (xm, Some(m))
-            }
-            None => (xd.clone(), None),
-        };
         let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
-        let dx = match m {
-            Some(m) => (dx * m)?,
-            None => dx,
-        };
         let mut dw = Vec::with_capacity(counts.len());
         let mut off = 0;
         for &n in &counts {

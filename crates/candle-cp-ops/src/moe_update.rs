@@ -1,0 +1,235 @@
+//! The experts' product with an adapter's update inside the same node:
+//!
+//! ```text
+//!   y = grouped(x, W) + U(x ⊙ M)        U: LoRA's s·grouped(grouped(·, A), B), or grouped(·, Δ)
+//! ```
+//!
+//! for rows `x` `[M, in]` grouped by expert, stacked weights `W` `[E, out, in]`, an optional
+//! elementwise mask `M` `[M, in]` (a dropout's, drawn again in the backward). The graph keeps
+//! `x` and the weights only: not the `[M, out]` base product and update that an add after two
+//! [`grouped_matmul`](crate::moe::grouped_matmul)s would keep alive, nor the mask or the
+//! masked rows (a mixture of experts' LoRA, `candle_cp_llama`'s `moe_lora`).
+//!
+//! [`grouped_matmul_update_slow`] is the same from candle's ops: the reference of the tests.
+
+use crate::autograd::{apply_mask, attach_n, BackwardFn, MaskFn};
+use crate::moe::grouped_matmul_slow;
+use candle_core::{bail, Result, Tensor};
+use std::sync::Arc;
+
+/// The update a [`grouped_matmul_update`] adds.
+#[derive(Clone)]
+pub enum GroupedUpdate {
+    /// LoRA's `s·((x·A[e]ᵀ)·B[e]ᵀ)` per expert: `A` `[E, r, in]`, `B` `[E, out, r]`.
+    LowRank {
+        /// `A` `[E, r, in]`.
+        a: Tensor,
+        /// `B` `[E, out, r]`.
+        b: Tensor,
+        /// The scale `s`.
+        scale: f64,
+    },
+    /// `x·Δ[e]ᵀ` per expert, `Δ` `[E, out, in]` (DoRA's `W' - W` while its dropout draws masks).
+    Full {
+        /// `Δ` `[E, out, in]`.
+        w: Tensor,
+    },
+}
+
+impl GroupedUpdate {
+    fn inputs(&self) -> Vec<&Tensor> {
+        match self {
+            GroupedUpdate::LowRank { a, b, .. } => vec![a, b],
+            GroupedUpdate::Full { w } => vec![w],
+        }
+    }
+
+    fn detached(&self) -> Self {
+        match self {
+            GroupedUpdate::LowRank { a, b, scale } => GroupedUpdate::LowRank { a: a.detach(), b: b.detach(), scale: *scale },
+            GroupedUpdate::Full { w } => GroupedUpdate::Full { w: w.detach() },
+        }
+    }
+}
+
+/// Refuse an update whose shapes do not fit `W` `[E, out, in]`, naming them.
+fn check(w: &Tensor, up: &GroupedUpdate) -> Result<()> {
+    let (e, o, i) = w.dims3()?;
+    let fits = match up {
+        GroupedUpdate::LowRank { a, b, .. } => match (a.dims(), b.dims()) {
+            (&[ea, r, ia], &[eb, ob, rb]) => ea == e && eb == e && ia == i && ob == o && rb == r,
+            _ => false,
+        },
+        GroupedUpdate::Full { w: d } => d.dims() == w.dims(),
+    };
+    if !fits {
+        let dims: Vec<Vec<usize>> = up.inputs().iter().map(|t| t.dims().to_vec()).collect();
+        bail!("grouped_matmul_update: update {dims:?} does not fit W {:?} (A [E, r, in], B [E, out, r], or Δ [E, out, in])", w.dims())
+    }
+    Ok(())
+}
+
+/// Expert `e`'s rows `[start, start + n)` of a `[M, ·]` tensor.
+fn rows(t: &Tensor, start: usize, n: usize) -> Result<Tensor> {
+    t.narrow(0, start, n)
+}
+
+/// `grouped(x, W) + U(x ⊙ mask())` (see the module doc) as one node over `x`, `W` and the
+/// update's weights; `counts` the rows per expert, `mask` `[M, in]` or none. Errors name the
+/// shapes.
+pub fn grouped_matmul_update(x: &Tensor, w: &Tensor, counts: &[usize], update: &GroupedUpdate, mask: Option<&MaskFn>) -> Result<Tensor> {
+    let y0 = crate::moe::grouped_matmul(&x.detach(), &w.detach(), counts)?;
+    check(w, update)?;
+    let (xd, wd, ud) = (x.detach(), w.detach(), update.detached());
+    let masked = move |xd: &Tensor, mask: Option<&MaskFn>| -> Result<(Tensor, Option<Tensor>)> {
+        match mask {
+            Some(m) => {
+                let (xm, m) = apply_mask("grouped_matmul_update", xd, m)?;
+                Ok((xm, Some(m)))
+            }
+            None => Ok((xd.clone(), None)),
+        }
+    };
+    let (xm, _) = masked(&xd, mask)?;
+    let y = (y0 + term(&xm, &ud, counts)?)?;
+    drop(xm);
+    let (counts, mask) = (counts.to_vec(), mask.cloned());
+    let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
+        let g = g.detach();
+        let (xm, m) = masked(&xd, mask.as_ref())?;
+        let i = wd.dim(2)?;
+        let (mut dx, mut dw) = (Vec::new(), Vec::new());
+        let (mut du1, mut du2) = (Vec::new(), Vec::new());
+        let mut off = 0;
+        for (e, &n) in counts.iter().enumerate() {
+            if n == 0 {
+                // an expert without rows: zero gradients for its weights
+                let z = |t: &Tensor| t.get(e)?.zeros_like();
+                dw.push(z(&wd)?);
+                match &ud {
+                    GroupedUpdate::LowRank { a, b, .. } => {
+                        du1.push(z(a)?);
+                        du2.push(z(b)?);
+                    }
+                    GroupedUpdate::Full { w: d } => du1.push(z(d)?),
+                }
+                continue;
+            }
+            let (we, ge) = (wd.get(e)?, rows(&g, off, n)?);
+            dw.push(ge.t()?.matmul(&rows(&xd, off, n)?)?);
+            let xe = rows(&xm, off, n)?;
+            // the update's input gradient (before the mask) and its weights' gradients
+            let dxu = match &ud {
+                GroupedUpdate::LowRank { a, b, scale } => {
+                    let (ae, be) = (a.get(e)?, b.get(e)?);
+                    let gb = ge.matmul(&be)?.affine(*scale, 0.0)?;
+                    let u = xe.matmul(&ae.t()?)?;
+                    du1.push(gb.t()?.matmul(&xe)?);
+                    du2.push(ge.t()?.matmul(&u)?.affine(*scale, 0.0)?);
+                    gb.matmul(&ae)?
+                }
+                GroupedUpdate::Full { w: d } => {
+                    let de = d.get(e)?;
+                    du1.push(ge.t()?.matmul(&xe)?);
+                    ge.matmul(&de)?
+                }
+            };
+            dx.push((ge.matmul(&we)?, dxu));
+            off += n;
+        }
+        let (base, upd): (Vec<Tensor>, Vec<Tensor>) = dx.into_iter().unzip();
+        let cat = |v: Vec<Tensor>| if v.is_empty() { Tensor::zeros((0, i), xd.dtype(), xd.device()) } else { Tensor::cat(&v, 0) };
+        let dxu = cat(upd)?;
+        let dxu = match m {
+            Some(m) => (dxu * m)?,
+            None => dxu,
+        };
+        let mut grads = vec![Some((cat(base)? + dxu)?), Some(Tensor::stack(&dw, 0)?), Some(Tensor::stack(&du1, 0)?)];
+        if !du2.is_empty() {
+            grads.push(Some(Tensor::stack(&du2, 0)?));
+        }
+        Ok(grads)
+    });
+    let mut inputs = vec![x, w];
+    inputs.extend(update.inputs());
+    attach_n("grouped_matmul_update", &inputs, y, bwd)
+}
+
+/// The update's term `[M, out]` of the masked rows `xm` (detached weights).
+fn term(xm: &Tensor, up: &GroupedUpdate, counts: &[usize]) -> Result<Tensor> {
+    match up {
+        GroupedUpdate::LowRank { a, b, scale } => {
+            let u = crate::moe::grouped_matmul(xm, a, counts)?;
+            crate::moe::grouped_matmul(&u, b, counts)?.affine(*scale, 0.0)
+        }
+        GroupedUpdate::Full { w } => crate::moe::grouped_matmul(xm, w, counts),
+    }
+}
+
+/// [`grouped_matmul_update`] from candle's ops ([`grouped_matmul_slow`], `mul`, `add`): the
+/// reference.
+pub fn grouped_matmul_update_slow(x: &Tensor, w: &Tensor, counts: &[usize], update: &GroupedUpdate, mask: Option<&Tensor>) -> Result<Tensor> {
+    check(w, update)?;
+    let xm = match mask {
+        Some(m) => x.mul(m)?,
+        None => x.clone(),
+    };
+    let t = match update {
+        GroupedUpdate::LowRank { a, b, scale } => (grouped_matmul_slow(&grouped_matmul_slow(&xm, a, counts)?, b, counts)? * *scale)?,
+        GroupedUpdate::Full { w: d } => grouped_matmul_slow(&xm, d, counts)?,
+    };
+    grouped_matmul_slow(x, w, counts)? + t
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::{Device, Var};
+
+    fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
+        let n: usize = shape.iter().product();
+        let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.43 + seed).sin() * 0.5) as f32).collect();
+        Tensor::from_vec(v, shape, &Device::Cpu)
+    }
+
+    /// LoRA and full updates, with and without a mask, an expert without rows: the output and
+    /// the gradients of x, W and the update's weights equal the slow reference's; bad shapes are
+    /// refused by name.
+    #[test]
+    fn update_matches_the_slow_reference() -> Result<()> {
+        let (e, i, o, r) = (3, 5, 4, 2);
+        let counts = [3usize, 0, 4];
+        let m = counts.iter().sum::<usize>();
+        let mask_t = t(&[m, i], 7.0)?.ge(0.0)?.to_dtype(candle_core::DType::F32)?.affine(1.0 / 0.7, 0.0)?;
+        for (low, masked) in [(true, false), (true, true), (false, true)] {
+            let vars: Vec<Var> = [vec![m, i], vec![e, o, i], if low { vec![e, r, i] } else { vec![e, o, i] }, vec![e, o, r]]
+                .iter()
+                .enumerate()
+                .map(|(k, s)| Var::from_tensor(&t(s, k as f64 + 0.3)?))
+                .collect::<Result<_>>()?;
+            let up = if low {
+                GroupedUpdate::LowRank { a: vars[2].as_tensor().clone(), b: vars[3].as_tensor().clone(), scale: 0.75 }
+            } else {
+                GroupedUpdate::Full { w: vars[2].as_tensor().clone() }
+            };
+            let mk = mask_t.clone();
+            let mask: MaskFn = Arc::new(move || Ok(mk.clone()));
+            let c = t(&[m, o], 9.1)?;
+            let y = grouped_matmul_update(vars[0].as_tensor(), vars[1].as_tensor(), &counts, &up, masked.then_some(&mask))?;
+            let want = grouped_matmul_update_slow(vars[0].as_tensor(), vars[1].as_tensor(), &counts, &up, masked.then_some(&mask_t))?;
+            let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+            assert!(diff(&y, &want)? < 1e-6, "low {low} masked {masked}: output");
+            let (gy, gw) = ((&y * &c)?.sum_all()?.backward()?, (&want * &c)?.sum_all()?.backward()?);
+            let n = if low { 4 } else { 3 };
+            for (k, v) in vars.iter().take(n).enumerate() {
+                let (a, b) = (gy.get(v.as_tensor()), gw.get(v.as_tensor()));
+                let (Some(a), Some(b)) = (a, b) else { candle_core::bail!("low {low} masked {masked}: input {k} has no gradient") };
+                assert!(diff(a, b)? < 1e-5, "low {low} masked {masked}: gradient of input {k} off by {}", diff(a, b)?);
+            }
+        }
+        let bad = GroupedUpdate::LowRank { a: t(&[e, r, i + 1], 0.0)?, b: t(&[e, o, r], 0.0)?, scale: 1.0 };
+        let err = grouped_matmul_update(&t(&[m, i], 0.0)?, &t(&[e, o, i], 0.0)?, &counts, &bad, None).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("[3, 2, 6]") && err.contains("[3, 4, 5]"), "{err}");
+        Ok(())
+    }
+}
