@@ -57,12 +57,7 @@ pub enum WeightSplit {
 #[allow(clippy::too_many_arguments)]
 pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<Tensor> {
     check_fit(w, a, b, m)?;
-    let p = tp.size();
-    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
-    let (a, b, m) = match split {
-        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
-        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
-    };
+    let (a, b, m) = in_graph(a, b, m, split, tp, sum_replicated)?;
     if !w.track_op() {
         return dora_weight_lean(w, &a, &b, &m, scale, split, tp, false);
     }
@@ -79,12 +74,7 @@ pub fn dora_weight(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, s
 #[allow(clippy::too_many_arguments)]
 pub fn dora_update(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<Tensor> {
     check_fit(w, a, b, m)?;
-    let p = tp.size();
-    let copy = |t: &Tensor| if p > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
-    let (a, b, m) = match split {
-        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
-        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
-    };
+    let (a, b, m) = in_graph(a, b, m, split, tp, sum_replicated)?;
     if !w.track_op() {
         return dora_weight_lean(w, &a, &b, &m, scale, split, tp, true);
     }
@@ -94,6 +84,17 @@ pub fn dora_update(w: &Tensor, a: &Tensor, b: &Tensor, m: &Tensor, scale: f64, s
     let norm = row_norms(&v.detach(), split, tp)?;
     let g = m.to_dtype(f)?.unsqueeze(D::Minus1)?.broadcast_div(&norm)?;
     (v.broadcast_mul(&g)? - wf)?.to_dtype(w.dtype())
+}
+
+/// `(A, B, m)` as the graph uses them: the replicated ones (a column split's `A`; a row
+/// split's `B` and `m`) copied into the TP region when `sum_replicated` (their gradients summed
+/// over TP in the backward).
+fn in_graph(a: &Tensor, b: &Tensor, m: &Tensor, split: WeightSplit, tp: &Tp, sum_replicated: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    let copy = |t: &Tensor| if tp.size() > 1 && sum_replicated { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+    Ok(match split {
+        WeightSplit::Rows => (copy(a)?, b.clone(), m.clone()),
+        WeightSplit::Cols => (a.clone(), copy(b)?, copy(m)?),
+    })
 }
 
 /// Refuse `W` `[.., out, in]`, `A` `[.., r, in]`, `B` `[.., out, r]`, `m` `[.., out]` that do

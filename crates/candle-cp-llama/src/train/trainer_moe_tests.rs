@@ -118,6 +118,16 @@ fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
     Ok(())
 }
 
+/// The layouts the adapter runs are checked on, `(layout, recompute, zero1)`: zigzag 2 × TP 2 +
+/// SP with recomputed layers, EP 2 over zigzag 2 × DP 2 with ZeRO-1, EP 4 over ring 2 × DP 2.
+fn adapter_layouts() -> [(Layout, bool, bool); 3] {
+    [
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
+        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, true),
+        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, false),
+    ]
+}
+
 /// LoRA on a mixture of experts: the targets adapt every expert's gate, up and down (stacked
 /// factors; crate::moe_lora) beside the attention's, with dropout 0.3 on their inputs (an
 /// expert's mask rows keyed on the (token, expert) pair). The adapters alone train (the
@@ -146,12 +156,7 @@ fn lora_on_experts_trains_alike_on_every_layout() -> Result<()> {
     let without = run(&plain)?;
     assert!((one[0].metrics[3].loss - without[0].metrics[3].loss).abs() > 1e-6, "dropout changes the curve");
     let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
-    let runs = [
-        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
-        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, true),
-        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, false),
-    ];
-    for (layout, recompute, zero1) in runs {
+    for (layout, recompute, zero1) in adapter_layouts() {
         let mut cl = c.clone();
         (cl.out, cl.layout, cl.recompute, cl.zero1) = (None, layout, recompute, zero1);
         assert_same_curve(&format!("MoE LoRA on {layout}"), &curve, &run(&cl)?[0].metrics);
@@ -179,12 +184,7 @@ fn dora_with_dropout_on_experts_trains_alike_on_every_layout() -> Result<()> {
     assert!((one[0].metrics[0].grad_norm - without[0].metrics[0].grad_norm).abs() > 1e-6, "dropout changes the first step's gradients");
     assert!((one[0].metrics[3].loss - without[0].metrics[3].loss).abs() > 1e-6, "dropout changes the curve");
     let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
-    let runs = [
-        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
-        (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, true),
-        (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, false),
-    ];
-    for (layout, recompute, zero1) in runs {
+    for (layout, recompute, zero1) in adapter_layouts() {
         let mut cl = c.clone();
         (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
         assert_same_curve(&format!("MoE DoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
