@@ -21,7 +21,7 @@
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, Module, Result, Tensor};
-use candle_cp_ops::autograd::{attach_n, BackwardFn};
+use candle_cp_ops::autograd::{attach_n, BackwardFn, MaskFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
 use std::sync::Arc;
 use candle_nn::{Init, VarBuilder};
@@ -468,8 +468,8 @@ impl RowParallelLinear {
     /// drops ([`crate::dora`]: one reduction for both).
     fn partial(&self, x: &Tensor) -> Result<Tensor> {
         let y = affine(x, &self.weight_used()?, None)?;
-        match self.lora.as_ref().filter(|l| l.dora_drops()) {
-            Some(l) => crate::lora::plus(y, crate::lora::row_dora_partial(x, l, &self.weight, &self.tp)?),
+        match self.dora_extra(x)? {
+            Some((dw, mask)) => y + crate::masked_matmul(x, &dw, mask.as_ref())?,
             None => Ok(y),
         }
     }
@@ -584,7 +584,7 @@ impl RowParallelLinear {
 
     /// A DoRA adapter's term the lean nodes add before their reduction while its dropout draws
     /// masks: `W' - W` (in the graph) and the mask of this rank's input features.
-    fn dora_extra(&self, x: &Tensor) -> Result<Option<(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>> {
+    fn dora_extra(&self, x: &Tensor) -> Result<Option<(Tensor, Option<MaskFn>)>> {
         match self.lora.as_ref().filter(|l| l.dora_drops()) {
             Some(l) => crate::lora::row_dora_update(x, l, &self.weight, &self.tp),
             None => Ok(None),
@@ -605,21 +605,13 @@ impl RowParallelLinear {
     /// `extra` `(Δ, M)` the partial product gains `(x ⊙ M)·Δᵀ` before the one reduction (a DoRA
     /// adapter's `W' - W` on its dropped input, the mask drawn again in the backward).
     #[allow(clippy::type_complexity)]
-    fn lean_parts(&self, x: &Tensor, w: &Tensor, extra: Option<&(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> + Send + Sync>)> {
+    fn lean_parts(&self, x: &Tensor, w: &Tensor, extra: Option<&(Tensor, Option<MaskFn>)>) -> Result<(Tensor, Box<dyn Fn(&Tensor) -> Result<(Tensor, Tensor, Option<Tensor>)> + Send + Sync>)> {
         let sp = self.tp.sequence_parallel;
         check_input("RowParallelLinear", x, self.weight.dim(1)?, sp)?;
         let (xd, wd) = (x.detach(), w.detach());
         let extra = extra.map(|(d, m)| (d.detach(), m.clone()));
         // x ⊙ M (x without a mask)
-        let masked = |xd: &Tensor, m: &Option<candle_cp_ops::autograd::MaskFn>| -> Result<(Tensor, Option<Tensor>)> {
-            match m {
-                Some(m) => {
-                    let (xm, m) = candle_cp_ops::autograd::apply_mask("RowParallelLinear", xd, m)?;
-                    Ok((xm, Some(m)))
-                }
-                None => Ok((xd.clone(), None)),
-            }
-        };
+        let masked = |xd: &Tensor, m: &Option<MaskFn>| candle_cp_ops::autograd::apply_mask_opt("RowParallelLinear", xd, m.as_ref());
         let partial = affine(&xd, &wd, None)?;
         let partial = match &extra {
             Some((d, m)) => (partial + affine(&masked(&xd, m)?.0, d, None)?)?,

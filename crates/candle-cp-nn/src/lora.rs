@@ -296,26 +296,19 @@ pub(crate) fn column_update(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result
     let kind = if l.magnitude.is_none() {
         let a = if tp.size() > 1 && !tp.sequence_parallel { mappings::copy_to_tp_region(&l.a, &tp.group)? } else { l.a.clone() };
         UpdateKind::LowRank { a, b: l.b.clone(), scale: l.scale }
+    } else if l.dora_drops() {
+        let Some(dw) = l.dora_update(w, crate::WeightSplit::Rows, tp)? else { return Ok(None) };
+        UpdateKind::Full { w: dw }
     } else {
-        match l.dora_drops().then(|| l.dora_update(w, crate::WeightSplit::Rows, tp)).transpose()?.flatten() {
-            Some(dw) => UpdateKind::Full { w: dw },
-            None => return Ok(None),
-        }
+        return Ok(None);
     };
     Ok(Some(PartUpdate { kind, mask: l.full_column_mask(x, tp)? }))
 }
 
-/// A row-parallel DoRA layer's partial product `x̃·(W' - W)ᵀ` while its dropout draws masks
-/// (added to the base's partial product before the layer's one reduction; `x̃` this rank's
-/// features of the dropped input, `w` this rank's columns of the base weight). `None` for a
-/// plain LoRA adapter.
-pub(crate) fn row_dora_partial(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
-    let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };
-    Ok(Some(l.dropped_matmul(x, &dw, crate::lora_dropout::Input::Row, tp)?))
-}
-
-/// [`row_dora_partial`]'s weight `W' - W` (in the graph) and the dropout's mask of `x` (this
-/// rank's features), for a node that forms the product itself; `None` for a plain LoRA adapter.
+/// A row-parallel DoRA layer's `W' - W` (in the graph; `w` this rank's columns of the base
+/// weight) and its dropout's mask of `x` (this rank's features): the partial product
+/// `x̃·(W' - W)ᵀ` is added to the base's before the layer's one reduction. `None` for a plain
+/// LoRA adapter.
 #[allow(clippy::type_complexity)]
 pub(crate) fn row_dora_update(x: &Tensor, l: &Lora, w: &Tensor, tp: &Tp) -> Result<Option<(Tensor, Option<candle_cp_ops::autograd::MaskFn>)>> {
     let Some(dw) = l.dora_update(w, crate::WeightSplit::Cols, tp)? else { return Ok(None) };

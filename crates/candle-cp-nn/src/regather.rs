@@ -23,7 +23,7 @@
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_comm::Group;
-use candle_cp_ops::autograd::{apply_mask, attach1, attach_n, BackwardFn, MaskFn};
+use candle_cp_ops::autograd::{apply_mask_opt, attach1, attach_n, BackwardFn, MaskFn};
 use crate::linear::{affine, affine_grads};
 use candle_cp_ops::mappings::SEQ_DIM;
 use std::sync::{Arc, Mutex};
@@ -57,7 +57,7 @@ pub(crate) struct PartRef<'a> {
     pub(crate) weight: &'a Tensor,
     pub(crate) bias: Option<&'a Tensor>,
     pub(crate) post: Option<PartPost>,
-    /// A low-rank update added inside the part's node, before its output map.
+    /// An adapter's update added inside the part's node, before its output map.
     pub(crate) update: Option<PartUpdate>,
 }
 
@@ -89,13 +89,8 @@ impl PartUpdate {
 
     /// `X̃` `[lead, in]` of the gathered input `full` and the mask `[lead, in]` (none without).
     fn masked(&self, full: &Tensor, lead: usize, in_dim: usize) -> Result<(Tensor, Option<Tensor>)> {
-        match &self.mask {
-            Some(m) => {
-                let (xm, m) = apply_mask("ColumnParallelLinear", full, m)?;
-                Ok((xm.reshape((lead, in_dim))?, Some(m.reshape((lead, in_dim))?)))
-            }
-            None => Ok((full.reshape((lead, in_dim))?, None)),
-        }
+        let (xm, m) = apply_mask_opt("ColumnParallelLinear", full, self.mask.as_ref())?;
+        Ok((xm.reshape((lead, in_dim))?, m.map(|m| m.reshape((lead, in_dim))).transpose()?))
     }
 
     /// The term `[lead, o]` of the gathered input (detached weights).

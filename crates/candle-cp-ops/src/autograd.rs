@@ -27,6 +27,17 @@ pub fn apply_mask(op: &str, x: &Tensor, mask: &MaskFn) -> Result<(Tensor, Tensor
     Ok(((x * &m)?, m))
 }
 
+/// [`apply_mask`] of an optional mask: `(x ⊙ mask(), Some(mask()))`, or `(x, None)` without one.
+pub fn apply_mask_opt(op: &str, x: &Tensor, mask: Option<&MaskFn>) -> Result<(Tensor, Option<Tensor>)> {
+    match mask {
+        Some(m) => {
+            let (xm, m) = apply_mask(op, x, m)?;
+            Ok((xm, Some(m)))
+        }
+        None => Ok((x.clone(), None)),
+    }
+}
+
 struct Attached {
     name: &'static str,
     /// The precomputed output until the forward hands it out: taken then, so the graph node

@@ -12,7 +12,7 @@
 //!
 //! [`grouped_matmul_update_slow`] is the same from candle's ops: the reference of the tests.
 
-use crate::autograd::{apply_mask, attach_n, BackwardFn, MaskFn};
+use crate::autograd::{apply_mask_opt, attach_n, BackwardFn, MaskFn};
 use crate::moe::grouped_matmul_slow;
 use candle_core::{bail, Result, Tensor};
 use std::sync::Arc;
@@ -81,22 +81,14 @@ pub fn grouped_matmul_update(x: &Tensor, w: &Tensor, counts: &[usize], update: &
     let y0 = crate::moe::grouped_matmul(&x.detach(), &w.detach(), counts)?;
     check(w, update)?;
     let (xd, wd, ud) = (x.detach(), w.detach(), update.detached());
-    let masked = move |xd: &Tensor, mask: Option<&MaskFn>| -> Result<(Tensor, Option<Tensor>)> {
-        match mask {
-            Some(m) => {
-                let (xm, m) = apply_mask("grouped_matmul_update", xd, m)?;
-                Ok((xm, Some(m)))
-            }
-            None => Ok((xd.clone(), None)),
-        }
-    };
-    let (xm, _) = masked(&xd, mask)?;
+    let op = "grouped_matmul_update";
+    let (xm, _) = apply_mask_opt(op, &xd, mask)?;
     let y = (y0 + term(&xm, &ud, counts)?)?;
     drop(xm);
     let (counts, mask) = (counts.to_vec(), mask.cloned());
     let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
         let g = g.detach();
-        let (xm, m) = masked(&xd, mask.as_ref())?;
+        let (xm, m) = apply_mask_opt(op, &xd, mask.as_ref())?;
         let i = wd.dim(2)?;
         let (mut dx, mut dw) = (Vec::new(), Vec::new());
         let (mut du1, mut du2) = (Vec::new(), Vec::new());
