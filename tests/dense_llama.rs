@@ -90,7 +90,18 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
     // test checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on cos and
     // sin as HF applies it; Gemma's sliding layers: their own base, unscaled
-    let global = tables(&candle_cp_llama::rope::inv_freq(cfg), t, cfg.rope_scaling.attention_factor())?;
+    // LongRoPE written out here (not through the crate): theta^(-2i/D) over the long factors
+    // when the T tokens pass the original length, the short ones otherwise, and cos, sin
+    // times sqrt(1 + ln(factor) / ln(original))
+    let global = match &cfg.rope_scaling {
+        candle_cp_llama::RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: o, factor, attention_factor: None } => {
+            let ext = if t > *o { long_factor } else { short_factor };
+            let inv: Vec<f64> = (0..d / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / d as f64) / ext[i]).collect();
+            let af = if *factor > 1.0 { (1.0 + factor.ln() / (*o as f64).ln()).sqrt() } else { 1.0 };
+            tables(&inv, t, af)?
+        }
+        _ => tables(&candle_cp_llama::rope::inv_freq(cfg), t, cfg.rope_scaling.attention_factor())?,
+    };
     let local = match &gemma {
         Some(g) => Some(tables(&(0..d / 2).map(|i| g.rope_local_base_freq.powf(-2.0 * i as f64 / d as f64)).collect::<Vec<_>>(), t, 1.0)?),
         None => None,

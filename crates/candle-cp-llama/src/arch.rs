@@ -12,6 +12,11 @@
 //! | `qwen2_moe` (`Qwen2MoeForCausalLM`) | yes           | no         | as Qwen2 (its MLPs: [`crate::config::qwen3_moe`]) |
 //! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
+//! | `phi3` (`Phi3ForCausalLM`)         | no             | no         | as Mistral                              |
+//!
+//! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
+//! `gate_up_proj` (split on load, fused on save: [`crate::config::phi3`]); its long-context
+//! models scale RoPE by LongRoPE ([`crate::RopeScaling::LongRope`]).
 //!
 //! Gemma 2 and 3 differ from a Llama in more than these columns: see [`crate::gemma2`] (its
 //! logit soft-capping) and [`crate::gemma`].
@@ -55,14 +60,16 @@ pub enum Arch {
     Gemma3,
     /// `Gemma2ForCausalLM`: see [`crate::gemma2`].
     Gemma2,
+    /// `Phi3ForCausalLM`: a Llama with fused checkpoint projections, see [`crate::config::phi3`].
+    Phi3,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 9] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2];
+    pub const ALL: [Arch; 10] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -84,6 +91,7 @@ impl Arch {
             Arch::Qwen2Moe => ("Qwen2MoeForCausalLM", "qwen2_moe"),
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
+            Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
         }
     }
 
@@ -139,7 +147,7 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -196,7 +204,7 @@ impl Arch {
                     };
                     (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(p)).collect()
                 }
-                Arch::Llama | Arch::Mistral | Arch::Mixtral => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 => vec![w.is_some(); layers],
             },
             Some(Value::Array(a)) => {
                 if a.len() != layers {
@@ -221,7 +229,7 @@ impl Arch {
         if windowed == layers {
             return Ok((w, None));
         }
-        if matches!(self, Arch::Llama | Arch::Mistral | Arch::Mixtral) {
+        if matches!(self, Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3) {
             bail!(
                 "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3, Gemma 3)",
                 w.unwrap_or(0),

@@ -16,6 +16,8 @@ pub mod gemma2;
 pub use gemma2::Gemma2;
 #[path = "qwen3_moe.rs"]
 pub mod qwen3_moe;
+#[path = "phi3.rs"]
+pub mod phi3;
 pub use qwen3_moe::{MoeConfig, MoeStyle};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
@@ -69,6 +71,27 @@ pub enum RopeScaling {
         /// Round the ramp's ends to whole dimensions (HF `truncate`, default true).
         truncate: bool,
     },
+    /// LongRoPE (HF `_compute_longrope_parameters`; Phi-3's long-context models, `type`
+    /// `longrope`, formerly `su`): frequency `i` divided by `short_factor[i]` while the
+    /// sequence fits in `original_max_position_embeddings`, by `long_factor[i]` beyond it;
+    /// cos and sin multiplied by [`RopeScaling::attention_factor`]. The sequence's length is
+    /// its largest position + 1 over the WHOLE sequence, however it is sharded
+    /// ([`crate::rope::inv_freq_at`]; [`crate::config::phi3`]).
+    LongRope {
+        /// Divisors of the `D/2` frequencies for sequences up to the original length.
+        short_factor: Vec<f64>,
+        /// Divisors of the `D/2` frequencies for longer sequences.
+        long_factor: Vec<f64>,
+        /// Context length the model was pretrained for (the scaling object's, else the
+        /// top-level key of Phi-3 configs, else `max_position_embeddings`).
+        original_max_position_embeddings: usize,
+        /// The context extension: `factor` as configured, else `max_position_embeddings /
+        /// original_max_position_embeddings` (Phi-3 configs name none).
+        factor: f64,
+        /// `attention_factor` as configured (`None`: `sqrt(1 + ln(factor) / ln(original))`, 1
+        /// for a factor <= 1).
+        attention_factor: Option<f64>,
+    },
 }
 
 impl RopeScaling {
@@ -83,6 +106,8 @@ impl RopeScaling {
                 get_mscale(*factor, *m) / get_mscale(*factor, *md)
             }
             RopeScaling::Yarn { factor, .. } => get_mscale(*factor, 1.0),
+            RopeScaling::LongRope { attention_factor: Some(a), .. } => *a,
+            RopeScaling::LongRope { factor, original_max_position_embeddings, .. } => phi3::longrope_attention_factor(*factor, *original_max_position_embeddings),
             _ => 1.0,
         }
     }
@@ -145,6 +170,9 @@ pub struct LlamaConfig {
     /// Qwen3-MoE (`model_type` `qwen3_moe`): the mixture-of-experts MLPs ([`qwen3_moe`]);
     /// `None`: every MLP is dense.
     pub moe: Option<MoeConfig>,
+    /// Phi-3 (`model_type` `phi3`): a Llama whose checkpoints fuse `qkv_proj` and
+    /// `gate_up_proj` ([`phi3`]: split on load, fused on save).
+    pub phi3: bool,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -198,8 +226,9 @@ fn token_id(m: &Map<String, Value>, k: &str) -> Option<Value> {
 }
 
 /// Parse a RoPE scaling object (legacy `rope_scaling` or `rope_parameters`); `max_pos` is
-/// config.json's `max_position_embeddings` (YaRN's default original length).
-fn parse_scaling(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeScaling> {
+/// config.json's `max_position_embeddings` (YaRN's default original length), `orig` its
+/// top-level `original_max_position_embeddings` (Phi-3's, LongRoPE's default).
+fn parse_scaling(obj: &Map<String, Value>, max_pos: usize, orig: Option<usize>) -> Result<RopeScaling> {
     let kind = obj
         .get("rope_type")
         .or_else(|| obj.get("type"))
@@ -244,7 +273,8 @@ fn parse_scaling(obj: &Map<String, Value>, max_pos: usize) -> Result<RopeScaling
                 Some(v) => bail!("config.json: yarn `truncate` must be true or false, got {v}"),
             },
         }),
-        other => bail!("config.json: unsupported rope_type `{other}` (supported: default, linear, llama3, yarn)"),
+        "longrope" | "su" => phi3::parse_longrope(obj, max_pos, orig),
+        other => bail!("config.json: unsupported rope_type `{other}` (supported: default, linear, llama3, yarn, longrope)"),
     }
 }
 
@@ -305,12 +335,12 @@ impl LlamaConfig {
                 let theta = get_f64(p, "rope_theta")?
                     .or(get_f64(m, "rope_theta")?)
                     .unwrap_or(10000.0);
-                (theta, parse_scaling(p, max_pos)?)
+                (theta, parse_scaling(p, max_pos, get_usize(m, "original_max_position_embeddings")?)?)
             }
             (None, _) => {
                 let theta = get_f64(m, "rope_theta")?.unwrap_or(10000.0);
                 let scaling = match m.get("rope_scaling") {
-                    Some(Value::Object(s)) => parse_scaling(s, max_pos)?,
+                    Some(Value::Object(s)) => parse_scaling(s, max_pos, get_usize(m, "original_max_position_embeddings")?)?,
                     None | Some(Value::Null) => RopeScaling::Default,
                     Some(other) => bail!("config.json: `rope_scaling` must be an object or null, got {other}"),
                 };
@@ -322,6 +352,7 @@ impl LlamaConfig {
                 bail!("config.json: hidden_act `{act}` not supported (only silu)")
             }
         }
+        phi3::refuse_unsupported(m, arch)?;
         let layers = need_usize(m, "num_hidden_layers")?;
         let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
         let cfg = Self {
@@ -346,6 +377,7 @@ impl LlamaConfig {
             gemma3: gemma3.map(|g| g.0),
             gemma2,
             moe,
+            phi3: arch == Arch::Phi3,
             lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
@@ -389,8 +421,16 @@ impl LlamaConfig {
             gemma3: None,
             gemma2: None,
             moe: None,
+            phi3: false,
             lora: None,
         }
+    }
+
+    /// The same config as a Phi-3 (`true`: its checkpoints fuse `qkv_proj` / `gate_up_proj`,
+    /// see [`phi3`]) or not.
+    pub fn with_phi3(mut self, on: bool) -> Self {
+        self.phi3 = on;
+        self
     }
 
     /// The same config with (`true`) or without biases on the q, k, v projections (a Qwen2
@@ -415,6 +455,9 @@ impl LlamaConfig {
         }
         if self.gemma2.is_some() {
             return Arch::Gemma2;
+        }
+        if self.phi3 {
+            return Arch::Phi3;
         }
         if let Some(m) = &self.moe {
             return match m.style {
@@ -468,6 +511,7 @@ impl LlamaConfig {
         if self.tie_word_embeddings && self.lora.as_ref().is_some_and(|l| l.modules_to_save.iter().any(|m| m == "lm_head")) {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
+        phi3::validate(self)?;
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")
@@ -569,6 +613,7 @@ impl LlamaConfig {
                     && positive(*beta_slow)
                     && attention_factor.is_none_or(positive)
                     && [mscale, mscale_all_dim].iter().all(|m| m.is_none_or(|x| x.is_finite())) => {}
+            RopeScaling::LongRope { .. } => phi3::validate_longrope(&self.rope_scaling, self.head_dim)?,
             other => bail!(
                 "LlamaConfig: rope scaling {other:?} needs finite factors > 0 (llama3: high_freq_factor > low_freq_factor, original_max_position_embeddings > 0; yarn: beta_fast, beta_slow and an attention_factor > 0)"
             ),
@@ -639,6 +684,7 @@ impl LlamaConfig {
                     rope.insert("truncate".into(), json!(false));
                 }
             }
+            RopeScaling::LongRope { .. } => phi3::write_longrope(&mut rope, &self.rope_scaling, self.max_position_embeddings),
         }
         let (arch, model_type) = self.arch().hf_names();
         let v = json!({
@@ -682,6 +728,9 @@ impl LlamaConfig {
             }
             if let Some(moe) = &self.moe {
                 qwen3_moe::write(m, moe);
+            }
+            if self.phi3 {
+                phi3::write(m, self);
             }
             if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias

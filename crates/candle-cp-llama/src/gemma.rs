@@ -136,26 +136,26 @@ pub(super) fn parse(m: &Map<String, Value>, max_pos: usize) -> Result<(Gemma3, f
                 }
             };
             let (full, local) = (of("full_attention")?, of("sliding_attention")?);
-            if parse_scaling(&local, max_pos)? != RopeScaling::Default {
+            if parse_scaling(&local, max_pos, None)? != RopeScaling::Default {
                 bail!("config.json: a scaled RoPE on Gemma 3's sliding layers (`rope_parameters.sliding_attention`) not supported")
             }
             if let Some(t) = get_f64(&local, "rope_theta")? {
                 g.rope_local_base_freq = t;
             }
-            (get_f64(&full, "rope_theta")?.unwrap_or(1_000_000.0), parse_scaling(&full, max_pos)?)
+            (get_f64(&full, "rope_theta")?.unwrap_or(1_000_000.0), parse_scaling(&full, max_pos, None)?)
         }
         Some(Value::Object(p)) => {
             if let Some(t) = get_f64(m, "rope_local_base_freq")? {
                 g.rope_local_base_freq = t;
             }
-            (get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(1_000_000.0), parse_scaling(p, max_pos)?)
+            (get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(1_000_000.0), parse_scaling(p, max_pos, None)?)
         }
         _ => {
             if let Some(t) = get_f64(m, "rope_local_base_freq")? {
                 g.rope_local_base_freq = t;
             }
             let scaling = match m.get("rope_scaling") {
-                Some(Value::Object(s)) => parse_scaling(s, max_pos)?,
+                Some(Value::Object(s)) => parse_scaling(s, max_pos, None)?,
                 None | Some(Value::Null) => RopeScaling::Default,
                 Some(other) => bail!("config.json: `rope_scaling` must be an object or null, got {other}"),
             };

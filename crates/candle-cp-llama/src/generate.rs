@@ -32,7 +32,7 @@
 use crate::attn::attend_window;
 use crate::layout::shard_tokens;
 use crate::model::{linear, Block, Llama};
-use crate::rope::{apply_rope, rope_tables};
+use crate::rope::{apply_rope, rope_tables_at};
 use crate::sampling::{Sampler, Sampling};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::vocab_parallel_embedding;
@@ -185,16 +185,19 @@ impl Llama {
         self.embed_scaled(vocab_parallel_embedding(ids, &self.embed, self.cfg.vocab_size, &self.tp_of(false))?)
     }
 
-    /// RoPE tables `(cos, sin)` `[T, D]` f32 of `positions`, and those of the local RoPE when
+    /// RoPE tables `(cos, sin)` `[T, D]` f32 of `positions` in a sequence of `seq_len`
+    /// tokens (the frequencies of a LongRoPE depend on it: transformers takes the largest
+    /// position of the call + 1, the prompt's length in a prefill, `p + 1` at decode step
+    /// `p`; the keys already cached keep their rotation), and those of the local RoPE when
     /// some layer uses it (Gemma 3's sliding layers).
     #[allow(clippy::type_complexity)]
-    fn rope_pair(&self, positions: &[u32], dev: &candle_core::Device) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
+    fn rope_pair(&self, positions: &[u32], seq_len: usize, dev: &candle_core::Device) -> Result<((Tensor, Tensor), Option<(Tensor, Tensor)>)> {
         let c = &self.cfg;
         let local = match c.local_rope() {
-            Some(local) => Some(rope_tables(&local, positions, DType::F32, dev)?),
+            Some(local) => Some(rope_tables_at(&local, positions, seq_len, DType::F32, dev)?),
             None => None,
         };
-        Ok((rope_tables(c, positions, DType::F32, dev)?, local))
+        Ok((rope_tables_at(c, positions, seq_len, DType::F32, dev)?, local))
     }
 
     /// Logits `[B, T, V]` of hidden states `[B, T, h]` replicated on the TP ranks (the
@@ -275,7 +278,7 @@ impl Llama {
         let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
         let tc = positions.len();
         let (heads, scale) = self.heads();
-        let ((cos, sin), local) = self.rope_pair(&positions, ids.device())?;
+        let ((cos, sin), local) = self.rope_pair(&positions, t, ids.device())?;
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let mut cache = KvCache {
             layers: Vec::with_capacity(self.cfg.num_hidden_layers),
@@ -332,7 +335,7 @@ impl Llama {
         let p = cache.next;
         let owner = decode_owner(p, ctx.cp.size()) == ctx.cp.rank();
         let (heads, scale) = self.heads();
-        let ((cos, sin), local) = self.rope_pair(&[p as u32], ids.device())?;
+        let ((cos, sin), local) = self.rope_pair(&[p as u32], p + 1, ids.device())?;
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
         for (blk, shard) in self.generation_blocks()?.iter().zip(cache.layers.iter_mut()) {
             let (c, s) = match (&local, blk.local_rope) {

@@ -8,6 +8,7 @@
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
+use crate::config::phi3::{fuse_checkpoint_tensors, fused_checkpoint_name, fused_rows};
 use crate::params::{checkpoint_tensors, fused_checkpoint_tensor, param_specs, varmap_tensors, ParamSpec};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
@@ -114,7 +115,19 @@ impl TextPrefix {
 /// from transformers 5's fused tensor or else from its `E` experts' tensors
 /// ([`fused_checkpoint_tensor`], [`checkpoint_tensors`]). Errors name a missing or mis-shaped
 /// tensor.
-fn param_from_checkpoint(dir: &Path, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+fn param_from_checkpoint(dir: &Path, cfg: &LlamaConfig, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+    // Phi-3: the rows of a fused qkv_proj / gate_up_proj
+    if let Some((start, len, total)) = fused_rows(cfg, &spec.name).filter(|_| cfg.phi3) {
+        let name = prefix.checkpoint_name(&fused_checkpoint_name(&spec.name).map(|f| f.0).unwrap_or_default());
+        let want = [total, spec.shape.get(1).copied().unwrap_or(0)];
+        let Some(t) = get(&name)? else {
+            bail!("{}: checkpoint has no tensor {name} (expected {want:?}, holding {} {:?})", dir.display(), spec.name, spec.shape)
+        };
+        if t.dims() != want {
+            bail!("{}: tensor {name} has shape {:?}, config implies {want:?}", dir.display(), t.dims())
+        }
+        return t.narrow(0, start, len)?.contiguous();
+    }
     if let Some((name, rows)) = fused_checkpoint_tensor(spec) {
         let name = prefix.checkpoint_name(&name);
         if let Some(t) = get(&name)? {
@@ -157,7 +170,15 @@ fn param_from_checkpoint(dir: &Path, spec: &ParamSpec, prefix: TextPrefix, mut g
 fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let specs = param_specs(cfg);
     let fused = specs.iter().filter_map(fused_checkpoint_tensor).map(|(n, _)| n);
-    let used: std::collections::HashSet<String> = specs.iter().flat_map(checkpoint_tensors).map(|(n, _)| n).chain(fused).collect();
+    let used: std::collections::HashSet<String> = specs
+        .iter()
+        .flat_map(checkpoint_tensors)
+        .map(|(n, _)| match fused_checkpoint_name(&n).filter(|_| cfg.phi3) {
+            Some((f, _)) => f,
+            None => n,
+        })
+        .chain(fused)
+        .collect();
     let mut unused: Vec<&str> = names
         .filter(|n| match prefix.param_name(n) {
             None => false,
@@ -202,7 +223,7 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
     refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        param_from_checkpoint(dir, spec, prefix, |name| match st.get(name) {
+        param_from_checkpoint(dir, &cfg, spec, prefix, |name| match st.get(name) {
             Err(_) => Ok(None),
             Ok(_) => st.load(name, &Device::Cpu).map(Some),
         })
@@ -225,7 +246,7 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
     {
         let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
-            let t = param_from_checkpoint(dir, &s, prefix, |name| Ok(tensors.get(name).cloned()))?;
+            let t = param_from_checkpoint(dir, &cfg, &s, prefix, |name| Ok(tensors.get(name).cloned()))?;
             data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
         }
     }
@@ -360,9 +381,20 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
     save_hf_tensors(dir, &named, cfg)
 }
 
-/// [`save_hf`] from a list of `(name, full tensor)`.
+/// [`save_hf`] from a list of `(name, full tensor)` (a Phi-3's q, k, v and gate, up
+/// projections written fused: [`crate::config::phi3`]).
 pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
     let dir = dir.as_ref();
+    let fused;
+    let tensors = if cfg.phi3 {
+        fused = fuse_checkpoint_tensors(cfg, tensors.to_vec())?
+            .into_iter()
+            .map(|(n, parts)| Ok((n, Tensor::cat(&parts, 0)?)))
+            .collect::<Result<Vec<_>>>()?;
+        fused.as_slice()
+    } else {
+        tensors
+    };
     std::fs::create_dir_all(dir).map_err(|e| io_err("creating", dir, e))?;
     // streamed: the file's bytes are never all in memory at once
     let file = dir.join("model.safetensors");
@@ -459,36 +491,47 @@ pub fn save_hf_sharded(
         let Some(t) = local.get(&s.name) else { bail!("save_hf_sharded: missing parameter {} {:?}", s.name, s.shape) };
         shards.push(t);
     }
-    // the checkpoint's tensors by name: (name, parameter, expert of a stacked one)
-    let mut tensors: Vec<(String, usize, Option<usize>)> =
-        specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, i, e))).collect();
+    // the checkpoint's tensors by name: (name, its parts: (parameter, expert of a stacked
+    // one)), a Phi-3's fused ones of several parameters stacked by rows
+    let named = specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, (i, e))));
+    let mut tensors = fuse_checkpoint_tensors(cfg, named.collect())?;
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let part_shape = |&(i, e): &(usize, Option<usize>)| if e.is_some() { specs[i].shape[1..].to_vec() } else { specs[i].shape.clone() };
     let entries: Vec<(String, Vec<usize>, DType)> = tensors
         .iter()
-        .map(|(n, i, e)| (n.clone(), if e.is_some() { specs[*i].shape[1..].to_vec() } else { specs[*i].shape.clone() }, shards[*i].dtype()))
+        .map(|(n, parts)| {
+            let mut shape = part_shape(&parts[0]);
+            shape[0] = parts.iter().map(|p| part_shape(p)[0]).sum();
+            (n.clone(), shape, shards[parts[0].0].dtype())
+        })
         .collect();
     // a stacked parameter is gathered once and kept until its last expert is written (its
     // experts' names interleave with the other projections' of the layer)
     let mut left: Vec<usize> = vec![0; specs.len()];
-    for (_, i, _) in &tensors {
+    for (i, _) in tensors.iter().flat_map(|(_, p)| p) {
         left[*i] += 1;
     }
     let mut held: HashMap<usize, Tensor> = HashMap::new();
     stream_safetensors(&dir.join("model.safetensors"), &entries, write, |k| {
-        let (_, i, e) = tensors[k];
-        let full = match held.remove(&i) {
-            Some(t) => t,
-            None => specs[i].gather(shards[i], ctx)?,
-        };
-        left[i] -= 1;
-        let out = match e {
-            Some(e) => full.get(e)?,
-            None => full.clone(),
-        };
-        if left[i] > 0 {
-            held.insert(i, full);
+        let mut out = Vec::with_capacity(tensors[k].1.len());
+        for &(i, e) in &tensors[k].1 {
+            let full = match held.remove(&i) {
+                Some(t) => t,
+                None => specs[i].gather(shards[i], ctx)?,
+            };
+            left[i] -= 1;
+            out.push(match e {
+                Some(e) => full.get(e)?,
+                None => full.clone(),
+            });
+            if left[i] > 0 {
+                held.insert(i, full);
+            }
         }
-        Ok(out)
+        match out.as_slice() {
+            [one] => Ok(one.clone()),
+            parts => Tensor::cat(parts, 0),
+        }
     })?;
     if !write {
         return Ok(());

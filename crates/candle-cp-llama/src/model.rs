@@ -12,7 +12,7 @@ use crate::layer_build::LayerBuilder;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::fused::{rope_post, Activation};
-use crate::rope::rope_tables;
+use crate::rope::rope_tables_at;
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::{vocab_parallel_embedding, ColumnParallelLinear, RmsNorm, RowParallelLinear, Shard, Tp};
 use candle_cp_ops::mappings;
@@ -460,6 +460,21 @@ impl Llama {
         }
     }
 
+    /// The sequence length RoPE's frequencies follow (transformers: the largest position id +
+    /// 1 of the forward's batch): over the whole CP group under LongRoPE, whose factors switch
+    /// at the original length — a shard's own largest position would give rank 0 of a
+    /// contiguous ring the short factors while the others use the long ones. No collective
+    /// for the other scalings, which do not depend on it.
+    fn rope_seq_len(&self, pos: &[Vec<u32>], dev: &candle_core::Device) -> Result<usize> {
+        let local = pos.iter().flatten().max().map_or(0, |&p| p as usize + 1);
+        if !matches!(self.cfg.rope_scaling, crate::config::RopeScaling::LongRope { .. }) || self.ctx.cp.size() == 1 {
+            return Ok(local);
+        }
+        // (lengths < 2^24 are exact in f32)
+        let all = self.ctx.cp.all_gather(&Tensor::new(&[local as f32], dev)?, 0)?;
+        Ok(all.to_vec1::<f32>()?.into_iter().fold(0f32, f32::max) as usize)
+    }
+
     /// Final hidden states of this rank's tokens (after the last norm, before the head):
     /// `[B, Ts, h]` in the weights' dtype. `input_ids`, `positions` as for [`Llama::forward`].
     pub fn hidden(&self, input_ids: &Tensor, positions: &Tensor) -> Result<Tensor> {
@@ -495,10 +510,11 @@ impl Llama {
         // one pair of tables in the activations' dtype for every layer: [Tc, D], or [B, Tc, D]
         // with a table per row
         let act = self.embed.dtype();
+        let seq_len = self.rope_seq_len(&pos, input_ids.device())?;
         let tables_of = |cfg: &LlamaConfig| -> Result<(Tensor, Tensor)> {
             let tables = pos
                 .iter()
-                .map(|p| rope_tables(cfg, p, DType::F32, input_ids.device()))
+                .map(|p| rope_tables_at(cfg, p, seq_len, DType::F32, input_ids.device()))
                 .collect::<Result<Vec<_>>>()?;
             Ok(match tables.as_slice() {
                 [(cos, sin)] => (cos.to_dtype(act)?, sin.to_dtype(act)?),

@@ -6,22 +6,37 @@ use crate::config::{LlamaConfig, RopeScaling};
 use candle_core::{DType, Device, Result, Tensor};
 use std::cmp::Ordering;
 
-/// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64.
+/// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64;
+/// a LongRoPE's for a sequence within its original length (its short factors, as
+/// transformers initialises them). See [`inv_freq_at`].
 pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
+    inv_freq_at(cfg, 0)
+}
+
+/// Inverse frequencies `[D/2]` for a sequence of `seq_len` tokens (its largest position +
+/// 1, over the whole sequence: on a CP rank, not its shard's). Only
+/// [`RopeScaling::LongRope`] depends on it: its long factors above the original length, the
+/// short ones up to it (0: the short ones).
+pub fn inv_freq_at(cfg: &LlamaConfig, seq_len: usize) -> Vec<f64> {
     let d = cfg.head_dim;
     let base: Vec<f64> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64))
         .collect();
-    match cfg.rope_scaling {
+    match &cfg.rope_scaling {
         RopeScaling::Default => base,
         RopeScaling::Linear { factor } => base.into_iter().map(|f| f / factor).collect(),
+        RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, .. } => {
+            let ext = if seq_len > *original_max_position_embeddings { long_factor } else { short_factor };
+            base.into_iter().zip(ext).map(|(f, e)| f / e).collect()
+        }
         RopeScaling::Llama3 {
             factor,
             low_freq_factor,
             high_freq_factor,
             original_max_position_embeddings,
         } => {
-            let old = original_max_position_embeddings as f64;
+            let (factor, low_freq_factor, high_freq_factor) = (*factor, *low_freq_factor, *high_freq_factor);
+            let old = *original_max_position_embeddings as f64;
             let low_wavelen = old / low_freq_factor;
             let high_wavelen = old / high_freq_factor;
             base.into_iter()
@@ -40,6 +55,8 @@ pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
                 .collect()
         }
         RopeScaling::Yarn { factor, original_max_position_embeddings, beta_fast, beta_slow, truncate, .. } => {
+            let (factor, original_max_position_embeddings, beta_fast, beta_slow, truncate) =
+                (*factor, *original_max_position_embeddings, *beta_fast, *beta_slow, *truncate);
             // the dimension whose frequency turns `rot` times over the original length
             let dim_of = |rot: f64| {
                 d as f64 * (original_max_position_embeddings as f64 / (rot * 2.0 * std::f64::consts::PI)).ln()
@@ -67,9 +84,18 @@ pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
 
 /// `cos`, `sin` tables `[T, D]` for the given global positions (`[T]`), built in f64 on the
 /// host and converted to `dtype` on `device`. Column `i` and `i + D/2` share an angle. Both
-/// are multiplied by the scaling's [`RopeScaling::attention_factor`] (YaRN's; 1 otherwise).
+/// are multiplied by the scaling's [`RopeScaling::attention_factor`] (YaRN's, LongRoPE's; 1
+/// otherwise). The sequence's length is taken as the largest of `positions` + 1, as
+/// transformers does for one call: a shard of a longer sequence passes the whole
+/// sequence's to [`rope_tables_at`].
 pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
-    let f = inv_freq(cfg);
+    let seq_len = positions.iter().max().map_or(0, |&p| p as usize + 1);
+    rope_tables_at(cfg, positions, seq_len, dtype, device)
+}
+
+/// [`rope_tables`] with the frequencies of a sequence of `seq_len` tokens ([`inv_freq_at`]).
+pub fn rope_tables_at(cfg: &LlamaConfig, positions: &[u32], seq_len: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
+    let f = inv_freq_at(cfg, seq_len);
     let scale = cfg.rope_scaling.attention_factor();
     let d = cfg.head_dim;
     let t = positions.len();

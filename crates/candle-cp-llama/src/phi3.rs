@@ -1,0 +1,249 @@
+//! Phi-3 (`model_type` `phi3`, `Phi3ForCausalLM`) and LongRoPE.
+//!
+//! A Phi-3 is a Llama (pre-norm RMSNorms, SwiGLU, RoPE by `rotate_half`, GQA, Mistral's
+//! sliding window) whose checkpoints fuse projections:
+//!
+//! ```text
+//!   self_attn.qkv_proj.weight  [(H + 2·Hkv)·D, h] = rows of q_proj [H·D] | k_proj [Hkv·D] | v_proj [Hkv·D]
+//!   mlp.gate_up_proj.weight    [2·I, h]           = rows of gate_proj [I] | up_proj [I]
+//! ```
+//!
+//! The model keeps them apart (so TP splits each by heads / columns as for any Llama):
+//! [`crate::load_hf`] / [`crate::load_hf_sharded`] read the rows of each out of the fused
+//! tensor, and every writer ([`crate::save_hf`], [`crate::save_hf_tensors`],
+//! [`crate::save_hf_sharded`], `candle-cp merge-lora`) writes the fused tensors back
+//! ([`fused_checkpoint_name`], [`fuse_checkpoint_tensors`]). LoRA adapters on the fused
+//! modules are refused (PEFT trains one adapter on `qkv_proj`, sharing its `A` between q, k
+//! and v); `o_proj` and `down_proj` may carry them.
+//!
+//! Phi-3's long-context models (`Phi-3-mini-128k`, `Phi-3.5-mini`) scale RoPE by LongRoPE
+//! ([`RopeScaling::LongRope`]): per-frequency divisors, `short_factor` for a sequence of at
+//! most `original_max_position_embeddings` tokens, `long_factor` beyond, and cos / sin
+//! multiplied by `sqrt(1 + ln(factor) / ln(original))`. Which factors apply depends on the
+//! sequence's length (transformers: its largest position id + 1), which a context-parallel
+//! rank cannot see from its own shard — rank 0 of a contiguous ring holds only the first
+//! `T/P` positions. [`crate::Llama`] takes it over the whole CP group, so every rank rotates
+//! with the factors the single device uses.
+//!
+//! Refused by name (each would be arithmetic the model does not do): `partial_rotary_factor`
+//! other than 1 (Phi-4-mini rotates 3/4 of each head), and Phi-3's dropouts
+//! (`resid_pdrop`, `embd_pdrop`, `attention_dropout`) above 0.
+
+use super::{get_f64, get_usize, Arch, LlamaConfig, RopeScaling};
+use candle_core::{bail, Result};
+use serde_json::{json, Map, Value};
+
+/// LongRoPE's default attention factor: `sqrt(1 + ln(factor) / ln(original))`, 1 for a
+/// factor <= 1 (HF `_compute_longrope_parameters`).
+pub fn longrope_attention_factor(factor: f64, original_max_position_embeddings: usize) -> f64 {
+    if factor <= 1.0 || original_max_position_embeddings <= 1 {
+        1.0
+    } else {
+        (1.0 + factor.ln() / (original_max_position_embeddings as f64).ln()).sqrt()
+    }
+}
+
+/// A LongRoPE scaling object (`type` / `rope_type` `longrope` or `su`): `short_factor`,
+/// `long_factor`, the original length (the object's, else `orig` — the config's top-level
+/// key —, else `max_pos`), `factor` (else `max_pos / original`), `attention_factor`.
+pub(crate) fn parse_longrope(obj: &Map<String, Value>, max_pos: usize, orig: Option<usize>) -> Result<RopeScaling> {
+    let list = |k: &str| -> Result<Vec<f64>> {
+        match obj.get(k) {
+            Some(Value::Array(a)) => a
+                .iter()
+                .map(|v| v.as_f64().ok_or_else(|| candle_core::Error::Msg(format!("config.json: longrope `{k}` must hold numbers, got {v}"))))
+                .collect(),
+            _ => bail!("config.json: longrope rope scaling needs `{k}` (a list of numbers, one per rotated frequency)"),
+        }
+    };
+    let original = get_usize(obj, "original_max_position_embeddings")?.or(orig).unwrap_or(max_pos);
+    if original == 0 {
+        bail!("config.json: longrope needs original_max_position_embeddings > 0")
+    }
+    Ok(RopeScaling::LongRope {
+        short_factor: list("short_factor")?,
+        long_factor: list("long_factor")?,
+        original_max_position_embeddings: original,
+        factor: get_f64(obj, "factor")?.unwrap_or(max_pos as f64 / original as f64),
+        attention_factor: get_f64(obj, "attention_factor")?,
+    })
+}
+
+/// Check a [`RopeScaling::LongRope`]: one short and one long factor per frequency (`D/2`
+/// of a head of `head_dim`), every one finite and > 0; an original length > 0; a finite
+/// factor > 0; an attention factor (if set) finite and > 0.
+pub(crate) fn validate_longrope(s: &RopeScaling, head_dim: usize) -> Result<()> {
+    let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, factor, attention_factor } = s else {
+        return Ok(());
+    };
+    let ok = |x: f64| x.is_finite() && x > 0.0;
+    for (what, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
+        if f.len() != head_dim / 2 {
+            bail!("LlamaConfig: longrope {what} has {} entries, a head of {head_dim} rotates {} frequencies", f.len(), head_dim / 2)
+        }
+        if let Some((i, x)) = f.iter().enumerate().find(|(_, &x)| !ok(x)) {
+            bail!("LlamaConfig: longrope {what}[{i}] = {x} must be finite and > 0")
+        }
+    }
+    if *original_max_position_embeddings == 0 || !ok(*factor) || attention_factor.is_some_and(|a| !ok(a)) {
+        bail!(
+            "LlamaConfig: longrope needs original_max_position_embeddings > 0 ({original_max_position_embeddings}), a finite factor > 0 ({factor}) and an attention_factor > 0 ({attention_factor:?})"
+        )
+    }
+    Ok(())
+}
+
+/// The scaling keys of a [`RopeScaling::LongRope`] into `rope` (a `rope_parameters` object):
+/// `factor` only when it is not `max_pos / original` (the value a reader derives).
+pub(crate) fn write_longrope(rope: &mut Map<String, Value>, s: &RopeScaling, max_pos: usize) {
+    let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, factor, attention_factor } = s else {
+        return;
+    };
+    rope.insert("rope_type".into(), json!("longrope"));
+    rope.insert("short_factor".into(), json!(short_factor));
+    rope.insert("long_factor".into(), json!(long_factor));
+    rope.insert("original_max_position_embeddings".into(), json!(original_max_position_embeddings));
+    let derived = max_pos as f64 / *original_max_position_embeddings as f64;
+    if (factor - derived).abs() > 1e-12 * factor.abs() {
+        rope.insert("factor".into(), json!(factor));
+    }
+    if let Some(a) = attention_factor {
+        rope.insert("attention_factor".into(), json!(a));
+    }
+}
+
+/// Refuse what no architecture here computes: a `partial_rotary_factor` other than 1 (at
+/// the top level or in `rope_parameters`), and Phi-3's dropouts above 0 (training would
+/// run without them).
+pub(crate) fn refuse_unsupported(m: &Map<String, Value>, arch: Arch) -> Result<()> {
+    let in_rope = match m.get("rope_parameters") {
+        Some(Value::Object(p)) => get_f64(p, "partial_rotary_factor")?,
+        _ => None,
+    };
+    if let Some(f) = get_f64(m, "partial_rotary_factor")?.or(in_rope).filter(|&f| f != 1.0) {
+        bail!("config.json: partial_rotary_factor {f} not supported (RoPE rotates every dimension of a head here)")
+    }
+    if arch == Arch::Phi3 {
+        for k in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
+            if let Some(p) = get_f64(m, k)?.filter(|&p| p != 0.0) {
+                bail!("config.json: `{k}` {p} not supported (training runs without that dropout: set it to 0.0)")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A Phi-3 `config.json`'s keys beside a Llama's (`m` is [`LlamaConfig::to_hf_json`]'s
+/// object): the top-level `original_max_position_embeddings` and dropouts of 0; a LongRoPE
+/// written as Phi-3's released configs hold it — `rope_scaling` `{type, short_factor,
+/// long_factor}` (transformers 4's `Phi3Config` accepts exactly these keys), no
+/// `rope_parameters`.
+pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig) {
+    let original = match &cfg.rope_scaling {
+        RopeScaling::LongRope { original_max_position_embeddings, .. } => *original_max_position_embeddings,
+        _ => cfg.max_position_embeddings,
+    };
+    m.insert("original_max_position_embeddings".into(), json!(original));
+    m.insert("resid_pdrop".into(), json!(0.0));
+    m.insert("embd_pdrop".into(), json!(0.0));
+    m.remove("mlp_bias");
+    m.remove("pretraining_tp");
+    if let RopeScaling::LongRope { .. } = cfg.rope_scaling {
+        let mut rope = Map::new();
+        write_longrope(&mut rope, &cfg.rope_scaling, cfg.max_position_embeddings);
+        rope.remove("rope_type");
+        rope.remove("original_max_position_embeddings");
+        rope.insert("type".into(), json!("longrope"));
+        m.insert("rope_scaling".into(), Value::Object(rope));
+        m.remove("rope_parameters");
+    }
+}
+
+/// The fused checkpoint tensor holding parameter `name` of a Phi-3 and the part it is:
+/// `….self_attn.{q,k,v}_proj.weight` → (`….self_attn.qkv_proj.weight`, 0 / 1 / 2),
+/// `….mlp.{gate,up}_proj.weight` → (`….mlp.gate_up_proj.weight`, 0 / 1); `None` for a
+/// parameter held under its own name.
+pub fn fused_checkpoint_name(name: &str) -> Option<(String, usize)> {
+    const PARTS: [(&str, &str, usize); 5] = [
+        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
+        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1),
+        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 2),
+        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
+        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1),
+    ];
+    PARTS.iter().find_map(|(own, fused, part)| {
+        let prefix = name.strip_suffix(own).filter(|p| p.starts_with("model.layers.") && p.ends_with('.'))?;
+        Some((format!("{prefix}{fused}"), *part))
+    })
+}
+
+/// Parameter `name`'s rows in its fused tensor (see [`fused_checkpoint_name`]): `(start,
+/// len, total)` along dim 0 — q `H·D`, k and v `Hkv·D` each; gate and up `I` each.
+pub fn fused_rows(cfg: &LlamaConfig, name: &str) -> Option<(usize, usize, usize)> {
+    let (fused, part) = fused_checkpoint_name(name)?;
+    let (q, kv, i) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
+    let sizes: &[usize] = if fused.ends_with("qkv_proj.weight") { &[q, kv, kv] } else { &[i, i] };
+    Some((sizes[..part].iter().sum(), sizes[part], sizes.iter().sum()))
+}
+
+/// Group a model's checkpoint tensors `(name, x)` (in the model's names) into those a
+/// checkpoint of `cfg` holds: for a Phi-3 the fused ones, named by
+/// [`fused_checkpoint_name`], their parts in row order; every other tensor alone, in the
+/// order given (a fused one where its first part was). Errors name a fused tensor some of
+/// whose parts are missing.
+pub fn fuse_checkpoint_tensors<T>(cfg: &LlamaConfig, tensors: Vec<(String, T)>) -> Result<Vec<(String, Vec<T>)>> {
+    let mut out: Vec<(String, Vec<(usize, T)>)> = Vec::with_capacity(tensors.len());
+    let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
+    for (name, x) in tensors {
+        match fused_checkpoint_name(&name).filter(|_| cfg.phi3) {
+            Some((fused, part)) => match at.get(&fused) {
+                Some(&i) => out[i].1.push((part, x)),
+                None => {
+                    at.insert(fused.clone(), out.len());
+                    out.push((fused, vec![(part, x)]));
+                }
+            },
+            None => out.push((name, vec![(0, x)])),
+        }
+    }
+    out.into_iter()
+        .map(|(name, mut parts)| {
+            parts.sort_by_key(|(p, _)| *p);
+            let want = if at.contains_key(&name) { if name.ends_with("qkv_proj.weight") { 3 } else { 2 } } else { 1 };
+            if parts.len() != want || parts.iter().enumerate().any(|(i, (p, _))| *p != i) {
+                bail!("checkpoint tensor {name}: {} of its {want} parts given", parts.len())
+            }
+            Ok((name, parts.into_iter().map(|(_, x)| x).collect()))
+        })
+        .collect()
+}
+
+/// A Phi-3 config's invariants: none of the other architectures' features (q, k, v biases,
+/// head norms, Gemma's, experts, a window on some layers only: its config.json could not
+/// say them), and no LoRA adapter on a fused module (q, k, v, gate or up projection; the
+/// first named).
+pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
+    if !cfg.phi3 {
+        return Ok(());
+    }
+    if cfg.qkv_bias || cfg.qk_norm || cfg.gemma2.is_some() || cfg.gemma3.is_some() || cfg.moe.is_some() || cfg.sliding_layers.is_some() {
+        bail!("LlamaConfig: a Phi-3 has no q, k, v biases, head norms, Gemma norms, experts or per-layer windows")
+    }
+    let Some(l) = cfg.lora.as_ref() else { return Ok(()) };
+    for i in 0..cfg.num_hidden_layers {
+        for p in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"] {
+            let name = format!("model.layers.{i}.{p}.weight");
+            if l.adapts_weight(&format!("model.layers.{i}.{p}")) {
+                bail!(
+                    "LlamaConfig: a LoRA adapter on {name}: a Phi-3 checkpoint fuses it into {} (PEFT trains one adapter there, its A shared by the parts), not supported; adapt o_proj / down_proj",
+                    fused_checkpoint_name(&name).map(|f| f.0).unwrap_or_default()
+                )
+            }
+        }
+    }
+    Ok(())
+}
+
+#[cfg(test)]
+#[path = "phi3_tests.rs"]
+mod tests;
