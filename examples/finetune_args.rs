@@ -149,6 +149,12 @@ pub(crate) struct Args {
     /// attention runs the pipelined kernels' capped entries (CUDA-core ones for f32).
     #[arg(long)]
     pub(crate) gemma2: bool,
+    /// Random-init Phi-3 (`Phi3ForCausalLM`: checkpoints with fused `qkv_proj` /
+    /// `gate_up_proj`) with LongRoPE over an original length of half --seq-len (so the long
+    /// factors act; `max_position_embeddings` 16 times that), the window of --sliding-window on
+    /// every layer.
+    #[arg(long)]
+    pub(crate) phi3: bool,
     /// A Qwen3-MoE model (random init): `E,K` — every layer's MLP a mixture of E experts, K
     /// per token (renormalised), each --hidden wide, with the load-balancing loss (coefficient
     /// 0.01); q, k head norms as Qwen3. Experts are split over --tp (each rank holds every

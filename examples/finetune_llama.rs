@@ -61,7 +61,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2 and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3 and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -74,8 +74,22 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.moe.is_some()].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2 and --moe (Qwen3-MoE): pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.moe.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3 and --moe (Qwen3-MoE): pick one")
+            }
+            if a.phi3 {
+                // short factors near 1, long ones growing with the wavelength, as Phi-3's
+                let (n, original) = (cfg.head_dim / 2, (a.seq_len / 2).max(1));
+                cfg = cfg.with_phi3(true).with_sliding_window(a.sliding_window);
+                cfg.max_position_embeddings = 16 * original;
+                cfg.rope_scaling = candle_cp_llama::RopeScaling::LongRope {
+                    short_factor: (0..n).map(|i| 1.0 + 0.5 * i as f64 / n as f64).collect(),
+                    long_factor: (0..n).map(|i| (1.0 + 4.0 * i as f64 / n as f64).powi(2)).collect(),
+                    original_max_position_embeddings: original,
+                    factor: 16.0,
+                    attention_factor: None,
+                };
+                cfg.validate()?;
             }
             if let Some(spec) = &a.moe {
                 let parts: Vec<usize> = spec.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<_, _>>().map_err(|e| anyhow::anyhow!("--moe {spec}: expected E,K ({e})"))?;

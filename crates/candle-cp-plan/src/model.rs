@@ -139,9 +139,9 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 17] = [
+pub const MODEL_PRESETS: [&str; 19] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
-    "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b",
+    "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
 ];
 
 impl ModelConfig {
@@ -158,7 +158,9 @@ impl ModelConfig {
     /// keys on every other layer), or Qwen3-MoE's `qwen3-30b-a3b` or `qwen3-235b-a22b` (as
     /// Qwen3, every layer a mixture of 128 experts, 8 per token, 768 / 1536 wide:
     /// [`ModelConfig::moe`]), or Mixtral's `mixtral-8x7b` (a Mistral 7B whose every MLP is 8
-    /// experts 14336 wide, 2 per token; vocabulary 32000).
+    /// experts 14336 wide, 2 per token; vocabulary 32000), or Phi-3's 128k-context
+    /// `phi3-mini` or `phi3-medium` (vocabulary 32064; head dim 96 for the mini, whose 32 KV
+    /// heads are all its heads; 10 KV heads of 128 for the medium).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -185,6 +187,9 @@ impl ModelConfig {
             "qwen3-235b-a22b" => (4096, 94, 64, 4, 12288),
             // mistralai/Mixtral-8x7B-v0.1
             "mixtral-8x7b" => (4096, 32, 32, 8, 14336),
+            // microsoft/Phi-3-{mini, medium}-128k-instruct
+            "phi3-mini" => (3072, 32, 32, 32, 8192),
+            "phi3-medium" => (5120, 40, 40, 10, 17920),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -212,6 +217,7 @@ impl ModelConfig {
                 _ if gemma3 => 262_208,
                 _ if gemma2 => 256_000,
                 _ if lower == "mixtral-8x7b" => 32000,
+                _ if lower.starts_with("phi3") => 32064,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2,
@@ -588,6 +594,11 @@ mod tests {
         // the head norms per layer); the 27B's text model 27.0B (its checkpoint's 27.4B holds
         // the vision tower too)
         assert_eq!(ModelConfig::preset("gemma3-1b")?.total_params(), 999_885_952);
+        // Phi-3 as published (microsoft/Phi-3-{mini, medium}-128k-instruct: 3,821,079,552 and
+        // 13,960,238,080 parameters)
+        let (p3, p14) = (ModelConfig::preset("phi3-mini")?, ModelConfig::preset("phi3-medium")?);
+        assert_eq!((p3.total_params(), p14.total_params()), (3_821_079_552, 13_960_238_080));
+        assert_eq!((p3.head_dim, p14.head_dim, p14.kv_heads), (96, 128, 10));
         // Gemma 2 as published (google/gemma-2-{2b, 9b, 27b}: 2,614,341,888, 9,241,705,984 and
         // 27,227,128,320 parameters)
         let g2: Vec<u64> = ["gemma2-2b", "gemma2-9b", "gemma2-27b"].iter().map(|n| ModelConfig::preset(n).map(|m| m.total_params())).collect::<Result<_>>()?;
