@@ -3,7 +3,8 @@
 //! `modules_to_save`, replacing the base's); a directory without an
 //! adapter, or whose adapter names a base that is not there, is refused (exit 2). A Mixtral's
 //! DoRA adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the
-//! file) merges into each expert's weights.
+//! file) merges into each expert's weights. A Phi-3's merged model is written with its fused
+//! `qkv_proj` / `gate_up_proj` again.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
@@ -131,5 +132,55 @@ fn merged_mixtral_equals_the_adapted_one() -> Result<()> {
         assert!(plain > 1e-3, "the adapters move the logits by only {plain}");
     }
     std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A Phi-3 base (fused `qkv_proj` / `gate_up_proj` in its file) with an adapter on o_proj and
+/// down_proj: the merged model is a Phi-3 checkpoint again, fused, whose logits are the adapted
+/// model's.
+#[test]
+fn a_phi3_merges_into_a_fused_checkpoint() -> Result<()> {
+    let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle/tiny-llama");
+    let dir = std::env::temp_dir().join(format!("candle-cp-merge-phi3-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let (vm, cfg) = candle_cp_llama::load_hf(&tiny, &Device::Cpu, DType::F32)?;
+    let cfg = cfg.with_phi3(true);
+    let mut named: Vec<(String, Tensor)> = candle_cp_llama::params::varmap_tensors(&vm)?.into_iter().collect();
+    named.sort_by(|a, b| a.0.cmp(&b.0));
+    candle_cp_llama::save_hf_tensors(&dir, &named, &cfg)?;
+    let spec = LoraSpec::new(4, 8.0, &["o_proj", "down_proj"])?;
+    let lcfg = cfg.clone().with_lora(Some(spec.clone()));
+    let mut adapters = std::collections::HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&lcfg).into_iter().filter(|s| spec.trains(&s.name)).enumerate() {
+        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(90 + i as u64, &s.shape, 0.1)?);
+    }
+    save_peft_adapter(&dir, &spec, &adapters, "tiny-phi3")?;
+    let out = dir.join("merged");
+    let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
+    assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("merged 4 weights"), "{}", String::from_utf8_lossy(&o.stdout));
+    let merged_file = candle_cp_llama::hf::load_safetensors_dir(&out, &Device::Cpu)?;
+    assert!(merged_file.contains_key("model.layers.1.self_attn.qkv_proj.weight") && !merged_file.contains_key("model.layers.1.self_attn.q_proj.weight"));
+    let ids = Tensor::new(&[[5u32, 17, 200, 3, 99, 41, 7, 300]], &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, 8, &Device::Cpu)?;
+    for e in candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(acfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
+            candle_core::bail!("no adapter")
+        };
+        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &acfg, &ctx)?;
+        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
+        assert!(mcfg.phi3 && mcfg.lora.is_none(), "{mcfg:?}");
+        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let base_only = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &base, &ctx)?;
+        let a = adapted.forward(&ids, &pos)?;
+        let moved = (&a - base_only.forward(&ids, &pos)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?;
+        Ok(((a - merged.forward(&ids, &pos)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?, moved))
+    }) {
+        let (e, moved) = e?;
+        assert!(e < 1e-5 && moved > 1e-3, "merged logits differ from the adapted model's by {e} (the adapter moved them by {moved})");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
