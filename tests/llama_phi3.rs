@@ -9,6 +9,12 @@
 //!   use the long ones; the model takes the length over the CP group.
 //! - Generation: a prompt past the original length prefills and decodes with the long
 //!   factors, the cached decode equal to the full forward; CP and TP decode the same tokens.
+//! - LoRA on the fused modules as PEFT trains it (`qkv_proj`: one `A` for q, k and v, `B`
+//!   their rows stacked): on every layout the adapted model's logits are the merged model's
+//!   `W_qkv + s·B·A` (split by rows back into q, k, v; the same for `gate_up_proj`), and the
+//!   adapters' gradients its weight gradients through the chain rule on the fused weights
+//!   (`dA = s·Bᵀ·dW_qkv`, summed over the parts); the adapter file holds PEFT's fused names and
+//!   shapes, loads back onto TP shards, and merges (`merge_adapter`) into the same weights.
 //! - Checkpoints: written with the fused tensors (`qkv_proj` = q | k | v rows, `gate_up_proj`
 //!   = gate | up), `Phi3ForCausalLM` and Phi-3's `rope_scaling`; read back bit for bit, whole
 //!   or sharded over TP 1, 2, 4; written again by the streaming TP writer byte for byte; under
@@ -21,6 +27,7 @@ use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, Tolerances};
 use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, ParallelCtx, RopeScaling};
 use candle_cp_tests::dense_llama::{max_abs, reference};
+use candle_cp_tests::lora_ref::{f64s, rel};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -152,4 +159,146 @@ fn phi3_checkpoints_fuse_the_projections() -> Result<()> {
     assert!(e.contains("4 tensor(s)") && e.contains("model.layers.0.mlp.gate_up_proj.weight"), "{e}");
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
+}
+
+const RANK: usize = 4;
+const ALPHA: f64 = 6.0;
+
+/// A fused module's parts' weight stems under layer prefix `p` (`model.layers.{i}.`), and
+/// the plain adapted modules'.
+const FUSED: [(&str, &[&str]); 2] = [("self_attn.qkv_proj", &["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"]), ("mlp.gate_up_proj", &["mlp.gate_proj", "mlp.up_proj"])];
+const PLAIN: [&str; 2] = ["self_attn.o_proj", "mlp.down_proj"];
+
+/// `(fused A, B stacked over the parts, W stacked over the parts, the parts' row counts)` of
+/// fused module `f` of layer prefix `p`, from `full` (and the weights of `w`), in f64.
+#[allow(clippy::type_complexity)]
+fn fused_view(full: &HashMap<String, Tensor>, w: &HashMap<String, Tensor>, p: &str, (f, parts): (&str, &[&str])) -> Result<(Tensor, Tensor, Tensor, Vec<usize>)> {
+    let a = f64s(&full[&format!("{p}{f}.lora_A.weight")])?;
+    let b: Vec<Tensor> = parts.iter().map(|q| f64s(&full[&format!("{p}{q}.lora_B.weight")])).collect::<Result<_>>()?;
+    let ws: Vec<Tensor> = parts.iter().map(|q| f64s(&w[&format!("{p}{q}.weight")])).collect::<Result<_>>()?;
+    let rows = ws.iter().map(|t| t.dim(0)).collect::<Result<_>>()?;
+    Ok((a, Tensor::cat(&b, 0)?, Tensor::cat(&ws, 0)?, rows))
+}
+
+/// Split `t` by rows into the parts' `rows`, named `{p}{part}{suffix}`.
+fn split_rows(out: &mut HashMap<String, Tensor>, t: &Tensor, p: &str, parts: &[&str], rows: &[usize], suffix: &str) -> Result<()> {
+    let mut at = 0;
+    for (q, &r) in parts.iter().zip(rows) {
+        out.insert(format!("{p}{q}{suffix}"), t.narrow(0, at, r)?.to_dtype(DType::F32)?);
+        at += r;
+    }
+    Ok(())
+}
+
+/// LoRA on a Phi-3's fused modules (PEFT's `qkv_proj` / `gate_up_proj`, `A` shared by the
+/// parts) and on o_proj, down_proj: on every layout the merged model's logits and loss, and
+/// the adapters' gradients by the chain rule on the fused weights; the adapter file PEFT's.
+#[test]
+fn phi3_lora_on_the_fused_modules_is_pefts_on_every_layout() -> Result<()> {
+    let (base, weights, ids) = phi3()?;
+    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(RANK, ALPHA, &candle_cp_llama::lora::TARGETS)?));
+    let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+    assert_eq!(spec.targets, ["o_proj", "down_proj", "qkv_proj", "gate_up_proj"]);
+    let mut full = weights.clone();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
+        full.insert(s.name.clone(), candle_cp_ops::oracle::randn(700 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
+    }
+    // PEFT's formula, written out on the fused weights
+    let sc = ALPHA / RANK as f64;
+    let mut merged = weights.clone();
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        for fp in FUSED {
+            let (a, b, w, rows) = fused_view(&full, &weights, &p, fp)?;
+            split_rows(&mut merged, &(w + (b.matmul(&a)? * sc)?)?, &p, fp.1, &rows, ".weight")?;
+        }
+        for m in PLAIN {
+            let (a, b) = (f64s(&full[&format!("{p}{m}.lora_A.weight")])?, f64s(&full[&format!("{p}{m}.lora_B.weight")])?);
+            merged.insert(format!("{p}{m}.weight"), (f64s(&weights[&format!("{p}{m}.weight")])? + (b.matmul(&a)? * sc)?)?.to_dtype(DType::F32)?);
+        }
+    }
+    let dense = run_layout(&merged, &base, &ids, Layout::single(), &Device::Cpu)?;
+    let dw: HashMap<String, Tensor> = dense.grads.iter().map(|(n, g)| (n.clone(), g.clone())).collect();
+    // the adapters' gradients: dA = s·Bᵀ·dW, dB = s·dW·Aᵀ on the fused (stacked) tensors
+    let mut want = HashMap::new();
+    for l in 0..cfg.num_hidden_layers {
+        let p = format!("model.layers.{l}.");
+        for fp in FUSED {
+            let (a, b, g, rows) = fused_view(&full, &dw, &p, fp)?;
+            want.insert(format!("{p}{}.lora_A.weight", fp.0), (b.t()?.matmul(&g)? * sc)?);
+            split_rows(&mut want, &(g.matmul(&a.t()?)? * sc)?, &p, fp.1, &rows, ".lora_B.weight")?;
+        }
+        for m in PLAIN {
+            let (a, b, g) = (f64s(&full[&format!("{p}{m}.lora_A.weight")])?, f64s(&full[&format!("{p}{m}.lora_B.weight")])?, f64s(&dw[&format!("{p}{m}.weight")])?);
+            want.insert(format!("{p}{m}.lora_A.weight"), (b.t()?.matmul(&g)? * sc)?);
+            want.insert(format!("{p}{m}.lora_B.weight"), (g.matmul(&a.t()?)? * sc)?);
+        }
+    }
+    assert_eq!(want.len(), 11 * cfg.num_hidden_layers);
+    for layout in [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
+        Layout::single().with_tp(4, true),
+        Layout::two_d(2, 2),
+    ] {
+        let run = run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?;
+        let e_logits = max_abs(&run.logits, &dense.logits)?;
+        let got: HashMap<&String, &Tensor> = run.grads.iter().map(|(n, g)| (n, g)).collect();
+        let (mut worst, mut at) = (0f64, String::new());
+        for (n, w) in &want {
+            let Some(g) = got.get(n) else { candle_core::bail!("{layout}: no gradient for {n}") };
+            let e = rel(g, w)?;
+            if e > worst {
+                (worst, at) = (e, n.clone());
+            }
+        }
+        println!("phi3 LoRA {layout}: logits {e_logits:.1e} loss {:.1e} adapter grads {worst:.1e} ({at}) rank spread {:.1e}", (run.loss - dense.loss).abs(), run.grad_spread);
+        assert!(e_logits < 1e-5 && (run.loss - dense.loss).abs() < 5e-6, "{layout}: logits {e_logits:.1e}, loss {} vs {}", run.loss, dense.loss);
+        assert_eq!(run.grads.len(), want.len(), "{layout}: the adapters' gradients, and only theirs");
+        assert!(worst < 1e-4 && run.grad_spread < 1e-6, "{layout}: {at} off by {worst:.1e}");
+    }
+    // the adapter file: PEFT's names and shapes (B stacked by rows), loaded back onto TP
+    // shards, merged into the weights written out above
+    let dir = std::env::temp_dir().join(format!("candle-cp-phi3-lora-{}", std::process::id()));
+    candle_cp_llama::lora::save_peft_adapter(&dir, &spec, &full, "tiny-phi3")?;
+    let file = load_safetensors_dir_named(&dir)?;
+    let (h, q, kv, i) = (cfg.hidden_size, cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
+    let pre = candle_cp_llama::lora::PEFT_PREFIX;
+    assert_eq!(file[&format!("{pre}model.layers.1.self_attn.qkv_proj.lora_A.weight")].dims(), [RANK, h]);
+    assert_eq!(file[&format!("{pre}model.layers.1.self_attn.qkv_proj.lora_B.weight")].dims(), [q + 2 * kv, RANK]);
+    assert_eq!(file[&format!("{pre}model.layers.1.mlp.gate_up_proj.lora_B.weight")].dims(), [2 * i, RANK]);
+    assert_eq!(file.len(), 8 * cfg.num_hidden_layers, "{:?}", file.keys());
+    let text = std::fs::read_to_string(dir.join("adapter_config.json"))?;
+    assert!(text.contains("\"qkv_proj\"") && text.contains("\"gate_up_proj\"") && !text.contains("\"q_proj\""), "{text}");
+    let (loaded, tensors) = candle_cp_llama::lora::load_peft_adapter(&dir)?;
+    assert_eq!(loaded.clone().with_fused(true), spec);
+    for r in run_ranks(2, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
+        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+        let vm = shard_tensors(&weights, &base, &ctx)?;
+        let Some(_) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else { candle_core::bail!("no adapter") };
+        let got = candle_cp_llama::params::varmap_tensors(&vm)?;
+        let mut worst = if got.len() == want.len() { 0.0 } else { f64::INFINITY };
+        for (k, w) in &want {
+            worst = f64::max(worst, got.get(k).map_or(Ok(f64::INFINITY), |g| max_abs(g, w))?);
+        }
+        Ok(worst)
+    }) {
+        assert_eq!(r?, 0.0, "the adapter loaded onto TP 2 differs from sharding the adapted model");
+    }
+    let mut merged_again = weights.clone();
+    assert_eq!(candle_cp_llama::lora::merge_adapter(&mut merged_again, &loaded, &tensors)?, 4 * cfg.num_hidden_layers);
+    for (k, w) in &merged {
+        assert!(max_abs(&merged_again[k], w)? < 1e-6, "merge_adapter: {k}");
+    }
+    let _ = std::fs::remove_dir_all(&dir);
+    Ok(())
+}
+
+/// The tensors of `dir/adapter_model.safetensors` by their names in the file.
+fn load_safetensors_dir_named(dir: &std::path::Path) -> Result<HashMap<String, Tensor>> {
+    candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
 }

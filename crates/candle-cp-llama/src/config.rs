@@ -512,6 +512,7 @@ impl LlamaConfig {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
         phi3::validate(self)?;
+        phi3::refuse_fused_targets(self)?;
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")

@@ -387,7 +387,7 @@ pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg:
     let dir = dir.as_ref();
     let fused;
     let tensors = if cfg.phi3 {
-        fused = fuse_checkpoint_tensors(cfg, tensors.to_vec())?
+        fused = fuse_checkpoint_tensors(true, tensors.to_vec())?
             .into_iter()
             .map(|(n, parts)| Ok((n, Tensor::cat(&parts, 0)?)))
             .collect::<Result<Vec<_>>>()?;
@@ -494,7 +494,7 @@ pub fn save_hf_sharded(
     // the checkpoint's tensors by name: (name, its parts: (parameter, expert of a stacked
     // one)), a Phi-3's fused ones of several parameters stacked by rows
     let named = specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, (i, e))));
-    let mut tensors = fuse_checkpoint_tensors(cfg, named.collect())?;
+    let mut tensors = fuse_checkpoint_tensors(cfg.phi3, named.collect())?;
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let part_shape = |&(i, e): &(usize, Option<usize>)| if e.is_some() { specs[i].shape[1..].to_vec() } else { specs[i].shape.clone() };
     let entries: Vec<(String, Vec<usize>, DType)> = tensors

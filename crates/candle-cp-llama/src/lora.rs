@@ -27,6 +27,10 @@ use std::path::{Path, PathBuf};
 /// The projections of a decoder layer LoRA may adapt (PEFT's `target_modules` names).
 pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
+/// A Phi-3's fused modules as PEFT names them (its `qkv_proj` holds q, k, v; `gate_up_proj`
+/// gate and up: [`crate::config::phi3`]), targets beside [`TARGETS`] on a Phi-3 only.
+pub const FUSED_TARGETS: [&str; 2] = ["qkv_proj", "gate_up_proj"];
+
 /// PEFT's prefix of the adapter tensors' names in `adapter_model.safetensors`.
 pub const PEFT_PREFIX: &str = "base_model.model.";
 
@@ -54,6 +58,10 @@ pub struct LoraSpec {
     /// PEFT's `target_modules` as one regular expression over the modules' whole names
     /// (`re.fullmatch`), [`LoraSpec::targets`] then every projection: see [`crate::lora_select`].
     pub target_regex: Option<String>,
+    /// The modules are a Phi-3's (set by [`crate::LlamaConfig::with_lora`] from the config):
+    /// q, k, v adapted as the parts of `qkv_proj` — one `A` shared, `B` and DoRA's magnitude
+    /// split by rows —, gate and up as those of `gate_up_proj` (see [`crate::config::phi3`]).
+    pub fused: bool,
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
@@ -63,16 +71,41 @@ impl LoraSpec {
     /// Adapters of rank `rank`, scale `alpha / rank`, on the projections `targets` (PEFT
     /// names: `q_proj`, `k_proj`, `v_proj`, `o_proj`, `gate_proj`, `up_proj`, `down_proj`).
     /// Errors name an unknown or missing target.
+    /// A Phi-3's `qkv_proj` / `gate_up_proj` ([`FUSED_TARGETS`]) are targets too.
     pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> Result<Self> {
         let config = LoraConfig::new(rank, alpha)?;
-        if let Some(t) = targets.iter().find(|t| !TARGETS.contains(t)) {
-            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?})")
+        let known = || TARGETS.iter().chain(&FUSED_TARGETS);
+        if let Some(t) = targets.iter().find(|t| !known().any(|k| k == *t)) {
+            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?}, or a Phi-3's {FUSED_TARGETS:?})")
         }
         if targets.is_empty() {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
-        let targets = TARGETS.iter().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None })
+        let targets = known().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false })
+    }
+
+    /// The same adapters on a Phi-3 (`on`: [`LoraSpec::fused`]) or another model. On a Phi-3 a
+    /// list naming all of q, k, v names `qkv_proj` instead, all of gate, up `gate_up_proj`
+    /// (PEFT's modules there; `all-linear`'s seven become its four); some of them only is left
+    /// for [`crate::LlamaConfig::validate`] to refuse.
+    pub fn with_fused(mut self, on: bool) -> Self {
+        self.fused = on;
+        // (a regular expression over the modules' names: the fused modules among the candidates)
+        if on && self.target_regex.is_some() && !self.targets.iter().any(|t| t == FUSED_TARGETS[0]) {
+            self.targets.extend(FUSED_TARGETS.iter().map(|t| t.to_string()));
+        }
+        if on && self.target_regex.is_none() {
+            for (parts, fused) in [(&["q_proj", "k_proj", "v_proj"][..], "qkv_proj"), (&["gate_proj", "up_proj"][..], "gate_up_proj")] {
+                if parts.iter().all(|p| self.targets.iter().any(|t| t == p)) {
+                    self.targets.retain(|t| !parts.contains(&t.as_str()));
+                    self.targets.push(fused.to_string());
+                }
+            }
+            let order = |t: &String| TARGETS.iter().chain(&FUSED_TARGETS).position(|k| k == t);
+            self.targets.sort_by_key(order);
+        }
+        self
     }
 
     /// The same adapters with dropout `p` on their inputs while training (PEFT's
@@ -178,7 +211,8 @@ impl std::fmt::Display for LoraSpec {
 impl crate::LlamaConfig {
     /// The same config with LoRA adapters `lora` (or none).
     pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {
-        self.lora = lora;
+        // (a Phi-3's modules are its fused ones: LoraSpec::with_fused)
+        self.lora = lora.map(|l| l.with_fused(self.phi3));
         self
     }
 }
@@ -197,6 +231,14 @@ pub const MAGNITUDE: &str = ".lora_magnitude_vector";
 pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, Tensor>, base: &str) -> Result<()> {
     // (with the modules trained whole, under their own names, as PEFT saves modules_to_save)
     let adapters: HashMap<String, Tensor> = tensors.iter().filter(|(n, _)| spec.trains(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    // (a Phi-3's parts' B and magnitudes as its fused modules', PEFT's: crate::config::phi3)
+    let adapters: HashMap<String, Tensor> = match spec.fused {
+        true => crate::config::phi3::fuse_checkpoint_tensors(true, adapters.into_iter().collect())?
+            .into_iter()
+            .map(|(n, parts)| Ok((n, Tensor::cat(&parts, 0)?)))
+            .collect::<Result<_>>()?,
+        false => adapters,
+    };
     // (a sparse layer's stacked expert factors as PEFT's per-expert tensors)
     let named: HashMap<String, Tensor> = crate::moe_lora::split_expert_adapters(&adapters)?
         .into_iter()
@@ -294,6 +336,15 @@ pub(crate) fn insert_loaded_adapter(
     device: &Device,
 ) -> Result<()> {
     let Some(spec) = &cfg.lora else { bail!("{}: inserting an adapter into a model without a LoRA spec", dir.display()) };
+    // (a Phi-3's fused B and magnitudes split into its parts')
+    let split;
+    let tensors = match cfg.phi3 {
+        true => {
+            split = crate::config::phi3::split_fused_adapters(cfg, tensors)?;
+            &split
+        }
+        false => tensors,
+    };
     let names: std::collections::HashSet<String> = crate::param_specs(cfg).into_iter().filter(|s| spec.trains(&s.name)).map(|s| s.name).collect();
     if let Some(extra) = tensors.keys().find(|n| !names.contains(*n)) {
         bail!("{}: the adapter's {extra} is not one of the {} adapter tensors of this model ({} layers)", dir.display(), names.len(), cfg.num_hidden_layers)
@@ -350,6 +401,34 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
     }
     for (name, a) in adapters.iter().filter(|(n, _)| n.ends_with(".lora_A.weight")) {
         let stem = &name[..name.len() - ".lora_A.weight".len()];
+        // a Phi-3's fused module: its parts' weights stacked by rows, merged as one, split back
+        if let Some(parts) = crate::config::phi3::fused_parts(stem).filter(|_| !weights.contains_key(&format!("{stem}.weight"))) {
+            let names: Vec<String> = parts.iter().map(|p| format!("{p}.weight")).collect();
+            let mut ws = Vec::with_capacity(names.len());
+            for n in &names {
+                let Some(w) = weights.get(n) else { bail!("merge_adapter: the model has no {n} for adapter {name}") };
+                ws.push(w.clone());
+            }
+            weights.insert(format!("{stem}.weight"), Tensor::cat(&ws, 0)?);
+            let m = merge_one(weights, spec, adapters, stem, a, name)?;
+            let fused = weights.remove(&format!("{stem}.weight")).ok_or_else(|| candle_core::Error::Msg(format!("merge_adapter: {stem}.weight vanished")))?;
+            let mut at = 0;
+            for (n, w) in names.iter().zip(&ws) {
+                let rows = w.dim(0)?;
+                weights.insert(n.clone(), fused.narrow(0, at, rows)?.contiguous()?);
+                at += rows;
+            }
+            merged += m;
+            continue;
+        }
+        merged += merge_one(weights, spec, adapters, stem, a, name)?;
+    }
+    Ok(merged)
+}
+
+/// [`merge_adapter`]'s merge of the adapter `A` (`a`, named `name`) on weight stem `stem`.
+fn merge_one(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>, stem: &str, a: &Tensor, name: &str) -> Result<usize> {
+    {
         let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
         let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
         // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
@@ -368,9 +447,8 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
             _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt)?,
         };
         weights.insert(wn, new);
-        merged += 1;
     }
-    Ok(merged)
+    Ok(1)
 }
 
 /// The adapters of a PEFT adapter directory (`adapter_model.safetensors`), by parameter name

@@ -54,6 +54,17 @@ fn peft_name(stem: &str) -> String {
     stem.to_string()
 }
 
+impl LoraSpec {
+    /// PEFT's name of the module of parameter stem `stem`: [`peft_name`]'s, a Phi-3's q, k, v
+    /// and gate, up projections as their fused module ([`LoraSpec::fused`]).
+    pub(crate) fn module_name(&self, stem: &str) -> String {
+        match crate::config::phi3::fused_checkpoint_name(&format!("{stem}.weight")).filter(|_| self.fused) {
+            Some((fused, _)) => fused.strip_suffix(".weight").unwrap_or(&fused).to_string(),
+            None => peft_name(stem),
+        }
+    }
+}
+
 /// The decoder layer of parameter stem `stem` (`model.layers.{i}.…`).
 fn layer_of(stem: &str) -> Option<usize> {
     stem.strip_prefix("model.layers.")?.split('.').next()?.parse().ok()
@@ -105,6 +116,9 @@ impl LoraSpec {
                 bail!("LoRA target_modules: '{r}' is not a regular expression ({e})")
             }
             self.targets = crate::lora::TARGETS.iter().map(|t| t.to_string()).collect();
+            if self.fused {
+                self.targets.extend(crate::lora::FUSED_TARGETS.iter().map(|t| t.to_string()));
+            }
         }
         self.target_regex = regex;
         Ok(self)
@@ -115,7 +129,11 @@ impl LoraSpec {
     /// `model.layers.1.mlp.experts.gate_proj`) gets an adapter: its projection a target, its
     /// layer among [`LoraSpec::layers`].
     pub fn adapts_weight(&self, stem: &str) -> bool {
-        let module = stem.rsplit('.').next().unwrap_or(stem);
+        let name = self.module_name(stem);
+        // (the projection as the targets name it: a Phi-3's fused module, else the stem's own —
+        // Mixtral's experts are gate_proj, up_proj, down_proj there)
+        let fused = crate::config::phi3::fused_checkpoint_name(&format!("{stem}.weight")).filter(|_| self.fused).map(|_| &name);
+        let module = fused.map_or(stem, |n| n.as_str()).rsplit('.').next().unwrap_or(stem);
         let layer_ok = match (&self.layers, layer_of(stem)) {
             (Some(ls), Some(i)) => ls.contains(&i),
             (Some(_), None) => false,
@@ -123,7 +141,7 @@ impl LoraSpec {
         };
         let regex_ok = match &self.target_regex {
             // (compiled when set)
-            Some(r) => regex::Regex::new(&format!("^(?:{r})$")).is_ok_and(|re| re.is_match(&peft_name(stem))),
+            Some(r) => regex::Regex::new(&format!("^(?:{r})$")).is_ok_and(|re| re.is_match(&name)),
             None => true,
         };
         self.adapts(module) && layer_ok && regex_ok
@@ -132,7 +150,7 @@ impl LoraSpec {
     /// The rank and scale of the adapter on weight `stem` (see [`LoraSpec::adapts_weight`]):
     /// the first matching `rank_pattern` / `alpha_pattern` key's, else [`LoraSpec::config`]'s.
     pub fn config_for(&self, stem: &str) -> LoraConfig {
-        let name = peft_name(stem);
+        let name = self.module_name(stem);
         let rank = self.rank_pattern.iter().find(|(k, _)| matches(k, &name)).map_or(self.config.rank, |(_, r)| *r);
         let alpha = self.alpha_pattern.iter().find(|(k, _)| matches(k, &name)).map_or(self.config.alpha, |(_, a)| *a);
         LoraConfig { rank, alpha, rslora: self.config.rslora }

@@ -186,7 +186,15 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
                 _ => (Shard::Replicated, shard),
             };
             let (outer, (o, i)) = (&shape[..shape.len() - 2], (shape[shape.len() - 2], shape[shape.len() - 1]));
-            out.push(ParamSpec { name: format!("{base}.lora_A.weight"), shape: [outer, &[r, i]].concat(), shard: a });
+            // a Phi-3's fused module: one A (listed after its first part), each part's B rows
+            let a_name = match crate::config::phi3::fused_checkpoint_name(&name).filter(|_| lora.as_ref().is_some_and(|l| l.fused)) {
+                Some((_, part)) if part > 0 => None,
+                Some((fused, _)) => Some(format!("{}.lora_A.weight", fused.strip_suffix(".weight").unwrap_or(&fused))),
+                None => Some(format!("{base}.lora_A.weight")),
+            };
+            if let Some(a_name) = a_name {
+                out.push(ParamSpec { name: a_name, shape: [outer, &[r, i]].concat(), shard: a });
+            }
             out.push(ParamSpec { name: format!("{base}.lora_B.weight"), shape: [outer, &[o, r]].concat(), shard: b });
             if dora {
                 // DoRA's magnitude [.., out]: split as the weight's rows, replicated with its columns

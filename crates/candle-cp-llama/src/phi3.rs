@@ -12,9 +12,18 @@
 //! [`crate::load_hf`] / [`crate::load_hf_sharded`] read the rows of each out of the fused
 //! tensor, and every writer ([`crate::save_hf`], [`crate::save_hf_tensors`],
 //! [`crate::save_hf_sharded`], `candle-cp merge-lora`) writes the fused tensors back
-//! ([`fused_checkpoint_name`], [`fuse_checkpoint_tensors`]). LoRA adapters on the fused
-//! modules are refused (PEFT trains one adapter on `qkv_proj`, sharing its `A` between q, k
-//! and v); `o_proj` and `down_proj` may carry them.
+//! ([`fused_checkpoint_name`], [`fuse_checkpoint_tensors`]).
+//!
+//! LoRA on the fused modules is PEFT's: one adapter on `qkv_proj` (`A` `[r, h]`, `B`
+//! `[(H + 2·Hkv)·D, r]`), `ΔW_qkv = s·B·A`. Its rows split as the weight's, so the model runs it
+//! as three adapters sharing one `A` (`….qkv_proj.lora_A.weight`, replicated over TP as a
+//! column layer's `A`, its gradient the sum of the three layers') with `B`'s rows of q, k and v
+//! (`….q_proj.lora_B.weight`, ...; split over TP as their weights), and one dropout mask for the
+//! three (PEFT drops the module's input once); DoRA's magnitude, one per output row, splits
+//! the same way. The adapter files hold PEFT's fused names ([`split_fused_adapters`] on load);
+//! [`crate::lora::merge_adapter`] merges on the stacked weight. A target list naming some of a
+//! fused module's parts without the others is refused ([`crate::lora::LoraSpec::with_fused`]
+//! names the fused module for all of them).
 //!
 //! Phi-3's long-context models (`Phi-3-mini-128k`, `Phi-3.5-mini`) scale RoPE by LongRoPE
 //! ([`RopeScaling::LongRope`]): per-frequency divisors, `short_factor` for a sequence of at
@@ -159,48 +168,64 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig) {
     }
 }
 
-/// The fused checkpoint tensor holding parameter `name` of a Phi-3 and the part it is:
+/// The modules of a Phi-3's fused ones: (part, fused module, part index).
+const PARTS: [(&str, &str, usize); 5] = [
+    ("self_attn.q_proj", "self_attn.qkv_proj", 0),
+    ("self_attn.k_proj", "self_attn.qkv_proj", 1),
+    ("self_attn.v_proj", "self_attn.qkv_proj", 2),
+    ("mlp.gate_proj", "mlp.gate_up_proj", 0),
+    ("mlp.up_proj", "mlp.gate_up_proj", 1),
+];
+
+/// What a fused tensor holds of each part by rows: the weight, LoRA's `B`, DoRA's magnitude
+/// (one `A` serves every part: it is the fused module's own, `….qkv_proj.lora_A.weight`).
+const ROW_SUFFIXES: [&str; 3] = [".weight", ".lora_B.weight", ".lora_magnitude_vector"];
+
+/// The fused tensor holding tensor `name` of a Phi-3 and the part it is:
 /// `….self_attn.{q,k,v}_proj.weight` → (`….self_attn.qkv_proj.weight`, 0 / 1 / 2),
-/// `….mlp.{gate,up}_proj.weight` → (`….mlp.gate_up_proj.weight`, 0 / 1); `None` for a
-/// parameter held under its own name.
+/// `….mlp.{gate,up}_proj.weight` → (`….mlp.gate_up_proj.weight`, 0 / 1); the same for their
+/// adapters' `lora_B.weight` and `lora_magnitude_vector` (rows of the fused module's); `None`
+/// for a tensor held under its own name.
 pub fn fused_checkpoint_name(name: &str) -> Option<(String, usize)> {
-    const PARTS: [(&str, &str, usize); 5] = [
-        ("self_attn.q_proj.weight", "self_attn.qkv_proj.weight", 0),
-        ("self_attn.k_proj.weight", "self_attn.qkv_proj.weight", 1),
-        ("self_attn.v_proj.weight", "self_attn.qkv_proj.weight", 2),
-        ("mlp.gate_proj.weight", "mlp.gate_up_proj.weight", 0),
-        ("mlp.up_proj.weight", "mlp.gate_up_proj.weight", 1),
-    ];
     PARTS.iter().find_map(|(own, fused, part)| {
-        let prefix = name.strip_suffix(own).filter(|p| p.starts_with("model.layers.") && p.ends_with('.'))?;
-        Some((format!("{prefix}{fused}"), *part))
+        ROW_SUFFIXES.iter().find_map(|suffix| {
+            let prefix = name.strip_suffix(&format!("{own}{suffix}")).filter(|p| p.starts_with("model.layers.") && p.ends_with('.'))?;
+            Some((format!("{prefix}{fused}{suffix}"), *part))
+        })
     })
 }
 
-/// Parameter `name`'s rows in its fused tensor (see [`fused_checkpoint_name`]): `(start,
-/// len, total)` along dim 0 — q `H·D`, k and v `Hkv·D` each; gate and up `I` each.
+/// The part stems of fused module stem `stem` (`….self_attn.qkv_proj` → its q, k, v
+/// projections' stems; `….mlp.gate_up_proj` → gate, up), in row order; `None` for another.
+pub fn fused_parts(stem: &str) -> Option<Vec<String>> {
+    let prefix = ["self_attn.qkv_proj", "mlp.gate_up_proj"].iter().find_map(|f| stem.strip_suffix(f).map(|p| (p, *f)))?;
+    Some(PARTS.iter().filter(|(_, f, _)| *f == prefix.1).map(|(own, _, _)| format!("{}{own}", prefix.0)).collect())
+}
+
+/// Tensor `name`'s rows in its fused tensor (see [`fused_checkpoint_name`]): `(start, len,
+/// total)` along dim 0 — q `H·D`, k and v `Hkv·D` each; gate and up `I` each.
 pub fn fused_rows(cfg: &LlamaConfig, name: &str) -> Option<(usize, usize, usize)> {
     let (fused, part) = fused_checkpoint_name(name)?;
     let (q, kv, i) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
-    let sizes: &[usize] = if fused.ends_with("qkv_proj.weight") { &[q, kv, kv] } else { &[i, i] };
+    let sizes: &[usize] = if fused.contains(".qkv_proj.") || fused.ends_with(".qkv_proj.lora_magnitude_vector") { &[q, kv, kv] } else { &[i, i] };
     Some((sizes[..part].iter().sum(), sizes[part], sizes.iter().sum()))
 }
 
-/// Group a model's checkpoint tensors `(name, x)` (in the model's names) into those a
-/// checkpoint of `cfg` holds: for a Phi-3 the fused ones, named by
+/// Group a model's tensors `(name, x)` (in the model's names) into those a checkpoint or a
+/// PEFT adapter holds: with `fused` (a Phi-3) the fused ones, named by
 /// [`fused_checkpoint_name`], their parts in row order; every other tensor alone, in the
 /// order given (a fused one where its first part was). Errors name a fused tensor some of
 /// whose parts are missing.
-pub fn fuse_checkpoint_tensors<T>(cfg: &LlamaConfig, tensors: Vec<(String, T)>) -> Result<Vec<(String, Vec<T>)>> {
+pub fn fuse_checkpoint_tensors<T>(fused: bool, tensors: Vec<(String, T)>) -> Result<Vec<(String, Vec<T>)>> {
     let mut out: Vec<(String, Vec<(usize, T)>)> = Vec::with_capacity(tensors.len());
     let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for (name, x) in tensors {
-        match fused_checkpoint_name(&name).filter(|_| cfg.phi3) {
-            Some((fused, part)) => match at.get(&fused) {
+        match fused_checkpoint_name(&name).filter(|_| fused) {
+            Some((f, part)) => match at.get(&f) {
                 Some(&i) => out[i].1.push((part, x)),
                 None => {
-                    at.insert(fused.clone(), out.len());
-                    out.push((fused, vec![(part, x)]));
+                    at.insert(f.clone(), out.len());
+                    out.push((f, vec![(part, x)]));
                 }
             },
             None => out.push((name, vec![(0, x)])),
@@ -209,7 +234,7 @@ pub fn fuse_checkpoint_tensors<T>(cfg: &LlamaConfig, tensors: Vec<(String, T)>) 
     out.into_iter()
         .map(|(name, mut parts)| {
             parts.sort_by_key(|(p, _)| *p);
-            let want = if at.contains_key(&name) { if name.ends_with("qkv_proj.weight") { 3 } else { 2 } } else { 1 };
+            let want = if at.contains_key(&name) { if name.contains(".qkv_proj.") { 3 } else { 2 } } else { 1 };
             if parts.len() != want || parts.iter().enumerate().any(|(i, (p, _))| *p != i) {
                 bail!("checkpoint tensor {name}: {} of its {want} parts given", parts.len())
             }
@@ -218,10 +243,34 @@ pub fn fuse_checkpoint_tensors<T>(cfg: &LlamaConfig, tensors: Vec<(String, T)>) 
         .collect()
 }
 
+/// A Phi-3 adapter's tensors by the model's names: each fused `lora_B` / DoRA magnitude
+/// (`….qkv_proj.lora_B.weight`, `….gate_up_proj.lora_magnitude_vector`, as PEFT writes them)
+/// split by rows into its parts' (`….q_proj.lora_B.weight`, ...); the rest as given. Errors
+/// name a fused tensor whose rows are not its parts'.
+pub fn split_fused_adapters(cfg: &LlamaConfig, tensors: &std::collections::HashMap<String, candle_core::Tensor>) -> Result<std::collections::HashMap<String, candle_core::Tensor>> {
+    let mut out = std::collections::HashMap::new();
+    for (name, t) in tensors {
+        let parts = [".lora_B.weight", ".lora_magnitude_vector"].iter().find_map(|suffix| Some((fused_parts(name.strip_suffix(suffix)?)?, *suffix)));
+        let Some((parts, suffix)) = parts.filter(|_| cfg.phi3) else {
+            out.insert(name.clone(), t.clone());
+            continue;
+        };
+        for p in parts {
+            let part = format!("{p}{suffix}");
+            let Some((start, len, total)) = fused_rows(cfg, &part) else { bail!("Phi-3 adapter: no rows for {part}") };
+            if t.dims().first() != Some(&total) {
+                bail!("Phi-3 adapter: {name} {:?} does not hold the {total} rows of its parts", t.dims())
+            }
+            out.insert(part, t.narrow(0, start, len)?.contiguous()?);
+        }
+    }
+    Ok(out)
+}
+
 /// A Phi-3 config's invariants: none of the other architectures' features (q, k, v biases,
 /// head norms, Gemma's, experts, a window on some layers only: its config.json could not
-/// say them), and no LoRA adapter on a fused module (q, k, v, gate or up projection; the
-/// first named).
+/// say them); a LoRA spec of its fused modules ([`crate::lora::LoraSpec::fused`]) that names
+/// no part of one alone (q, k, v, gate, up: some of a fused module's parts without the others).
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if !cfg.phi3 {
         return Ok(());
@@ -230,16 +279,23 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
         bail!("LlamaConfig: a Phi-3 has no q, k, v biases, head norms, Gemma norms, experts or per-layer windows")
     }
     let Some(l) = cfg.lora.as_ref() else { return Ok(()) };
-    for i in 0..cfg.num_hidden_layers {
-        for p in ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj"] {
-            let name = format!("model.layers.{i}.{p}.weight");
-            if l.adapts_weight(&format!("model.layers.{i}.{p}")) {
-                bail!(
-                    "LlamaConfig: a LoRA adapter on {name}: a Phi-3 checkpoint fuses it into {} (PEFT trains one adapter there, its A shared by the parts), not supported; adapt o_proj / down_proj",
-                    fused_checkpoint_name(&name).map(|f| f.0).unwrap_or_default()
-                )
-            }
+    if !l.fused {
+        bail!("LlamaConfig: a Phi-3's LoRA spec must name its fused modules (set it with LlamaConfig::with_lora)")
+    }
+    if l.target_regex.is_none() {
+        let last = |m: &str| m.rsplit('.').next().unwrap_or(m).to_string();
+        if let Some((t, fused)) = l.targets.iter().find_map(|t| PARTS.iter().find(|(own, _, _)| last(own) == *t).map(|(_, f, _)| (t, last(f)))) {
+            bail!("LlamaConfig: LoRA target {t} of a Phi-3, whose checkpoint fuses it into {fused} (PEFT adapts the fused module: name all of its parts, or {fused})")
         }
+    }
+    Ok(())
+}
+
+/// A LoRA target only a Phi-3 has ([`crate::lora::FUSED_TARGETS`]) on another model: refused.
+pub(crate) fn refuse_fused_targets(cfg: &LlamaConfig) -> Result<()> {
+    let Some(l) = cfg.lora.as_ref().filter(|l| !cfg.phi3 && l.target_regex.is_none()) else { return Ok(()) };
+    if let Some(t) = l.targets.iter().find(|t| crate::lora::FUSED_TARGETS.contains(&t.as_str())) {
+        bail!("LlamaConfig: LoRA target {t} is a Phi-3's fused module; a {} model has q_proj, k_proj, v_proj / gate_proj, up_proj", cfg.arch().hf_names().0)
     }
     Ok(())
 }

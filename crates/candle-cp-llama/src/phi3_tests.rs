@@ -93,13 +93,28 @@ fn what_phi3_configs_cannot_say_is_refused() -> Result<()> {
         let e = err(&text);
         assert!(e.contains(want), "{want}: {e}");
     }
-    // LoRA: not on the fused modules; o_proj and down_proj are fine
+    // LoRA: the fused modules, named as such or by all of their parts; some parts alone refused
     let c = LlamaConfig::from_json(&phi3_json(&lr, ""))?;
-    for t in ["q_proj", "v_proj", "gate_proj", "up_proj"] {
-        let e = c.clone().with_lora(Some(LoraSpec::new(4, 8.0, &[t])?)).validate().err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("fuses it into") && e.contains(t), "{t}: {e}");
+    for (ts, fused) in [(&["q_proj", "v_proj"][..], "qkv_proj"), (&["up_proj", "o_proj"][..], "gate_up_proj"), (&["gate_proj"][..], "gate_up_proj")] {
+        let e = c.clone().with_lora(Some(LoraSpec::new(4, 8.0, ts)?)).validate().err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("fuses it into") && e.contains(fused), "{ts:?}: {e}");
     }
-    c.clone().with_lora(Some(LoraSpec::new(4, 8.0, &["o_proj", "down_proj"])?)).validate()?;
+    let all = c.clone().with_lora(Some(LoraSpec::new(4, 8.0, &crate::lora::TARGETS)?));
+    all.validate()?;
+    assert_eq!(all.lora.as_ref().map(|l| l.targets.clone()).unwrap_or_default(), ["o_proj", "down_proj", "qkv_proj", "gate_up_proj"]);
+    let named = c.clone().with_lora(Some(LoraSpec::new(4, 8.0, &["qkv_proj", "o_proj", "gate_up_proj", "down_proj"])?));
+    assert_eq!(named, all);
+    // (the parts' adapters: one A per fused module, listed after its first part; B per part)
+    let names: Vec<String> = crate::param_specs(&all).into_iter().map(|s| s.name).filter(|n| n.starts_with("model.layers.0.") && n.contains("lora")).collect();
+    assert_eq!(names, [
+        "model.layers.0.self_attn.qkv_proj.lora_A.weight", "model.layers.0.self_attn.q_proj.lora_B.weight", "model.layers.0.self_attn.k_proj.lora_B.weight",
+        "model.layers.0.self_attn.v_proj.lora_B.weight", "model.layers.0.self_attn.o_proj.lora_A.weight", "model.layers.0.self_attn.o_proj.lora_B.weight",
+        "model.layers.0.mlp.gate_up_proj.lora_A.weight", "model.layers.0.mlp.gate_proj.lora_B.weight", "model.layers.0.mlp.up_proj.lora_B.weight",
+        "model.layers.0.mlp.down_proj.lora_A.weight", "model.layers.0.mlp.down_proj.lora_B.weight",
+    ]);
+    // another model: the fused modules are not its
+    let e = LlamaConfig::tiny(64, 64, 2, 4, 2).with_lora(Some(LoraSpec::new(4, 8.0, &["qkv_proj"])?)).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("qkv_proj is a Phi-3's fused module"), "{e}");
     // nor another architecture's features
     assert!(c.clone().with_qkv_bias(true).validate().is_err() && c.with_qk_norm(true).validate().is_err());
     Ok(())
@@ -108,23 +123,27 @@ fn what_phi3_configs_cannot_say_is_refused() -> Result<()> {
 #[test]
 fn fused_names_and_rows() -> Result<()> {
     let c = LlamaConfig::tiny(64, 64, 2, 4, 2).with_phi3(true);
+    let fused = |c: &LlamaConfig| c.phi3;
     assert_eq!(fused_checkpoint_name("model.layers.3.self_attn.k_proj.weight"), Some(("model.layers.3.self_attn.qkv_proj.weight".into(), 1)));
     assert_eq!(fused_checkpoint_name("model.layers.0.mlp.up_proj.weight"), Some(("model.layers.0.mlp.gate_up_proj.weight".into(), 1)));
-    for other in ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.up_proj.weight", "x.q_proj.weight"] {
+    assert_eq!(fused_checkpoint_name("model.layers.0.mlp.up_proj.lora_B.weight"), Some(("model.layers.0.mlp.gate_up_proj.lora_B.weight".into(), 1)));
+    assert_eq!(fused_checkpoint_name("model.layers.2.self_attn.v_proj.lora_magnitude_vector"), Some(("model.layers.2.self_attn.qkv_proj.lora_magnitude_vector".into(), 2)));
+    assert_eq!(fused_parts("model.layers.2.mlp.gate_up_proj"), Some(vec!["model.layers.2.mlp.gate_proj".to_string(), "model.layers.2.mlp.up_proj".to_string()]));
+    for other in ["model.layers.0.self_attn.o_proj.weight", "model.layers.0.self_attn.q_proj.bias", "model.layers.0.mlp.experts.up_proj.weight", "x.q_proj.weight", "model.layers.0.self_attn.q_proj.lora_A.weight"] {
         assert_eq!(fused_checkpoint_name(other), None, "{other}");
     }
     // q 4·16, k and v 2·16; gate and up 176 each
     assert_eq!(fused_rows(&c, "model.layers.1.self_attn.v_proj.weight"), Some((96, 32, 128)));
     assert_eq!(fused_rows(&c, "model.layers.1.mlp.up_proj.weight"), Some((176, 176, 352)));
     let names = ["model.layers.0.self_attn.v_proj.weight", "model.norm.weight", "model.layers.0.self_attn.q_proj.weight", "model.layers.0.self_attn.k_proj.weight"];
-    let fused = fuse_checkpoint_tensors(&c, names.iter().map(|n| (n.to_string(), *n)).collect())?;
+    let fused = fuse_checkpoint_tensors(fused(&c), names.iter().map(|n| (n.to_string(), *n)).collect())?;
     assert_eq!(fused, vec![
         ("model.layers.0.self_attn.qkv_proj.weight".to_string(), vec![names[2], names[3], names[0]]),
         ("model.norm.weight".to_string(), vec![names[1]]),
     ]);
     // not a Phi-3: nothing fused; a part missing: refused
-    assert_eq!(fuse_checkpoint_tensors(&c.clone().with_phi3(false), names.iter().map(|n| (n.to_string(), 0)).collect())?.len(), 4);
-    let e = fuse_checkpoint_tensors(&c, vec![(names[0].to_string(), 0)]).err().map(|e| e.to_string()).unwrap_or_default();
+    assert_eq!(fuse_checkpoint_tensors(false, names.iter().map(|n| (n.to_string(), 0)).collect())?.len(), 4);
+    let e = fuse_checkpoint_tensors(true, vec![(names[0].to_string(), 0)]).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("qkv_proj.weight: 1 of its 3 parts"), "{e}");
     Ok(())
 }

@@ -40,7 +40,8 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
         bail!("{} holds no LoRA adapter (adapter_config.json), this run asks for {spec}", dir.display())
     }
     let (saved, tensors) = crate::lora::load_peft_adapter(dir)?;
-    if saved.clone().with_dropout(spec.dropout)? != *spec {
+    // (a Phi-3's file names its fused modules, as the run's spec does: LoraSpec::with_fused)
+    if saved.clone().with_dropout(spec.dropout)?.with_fused(spec.fused) != *spec {
         bail!("{} holds LoRA adapters of {saved}, this run asks for {spec}", dir.display())
     }
     crate::lora::insert_loaded_adapter(dir, cfg, &tensors, varmap, ctx, dtype, device)

@@ -227,7 +227,9 @@ pub fn train_rank(
             if let (Some(dir), None) = (&resume_from, lora_saved) {
                 bail!("resume: {} holds no LoRA adapter (a run that trained every weight): resume it without lora", dir.display())
             }
-            mcfg.lora = Some(l.clone());
+            // (a Phi-3's modules named as its fused ones)
+            mcfg = mcfg.with_lora(Some(l.clone()));
+            mcfg.validate()?;
             let from = lora_saved.or(cfg.lora_init.as_ref());
             super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, from.map(|d| d.as_path()))?;
             if from.is_none() {

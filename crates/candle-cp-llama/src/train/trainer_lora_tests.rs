@@ -475,3 +475,47 @@ fn modules_to_save_train_whole_beside_the_adapters() -> Result<()> {
     }
     Ok(())
 }
+
+/// A Phi-3 (LongRoPE acting at this length: original 32 of 64 tokens) with DoRA and dropout on
+/// all of its linear layers — PEFT's `qkv_proj`, `o_proj`, `gate_up_proj`, `down_proj`, one `A`
+/// and one dropout mask per fused module: zigzag 2 × TP 2 + SP recomputed (its one KV head
+/// replicated) and ring 2 × DP 2 with ZeRO-1 follow the one-device curve; the checkpoints hold
+/// PEFT's fused adapter tensors, the base written once with its fused weights.
+#[test]
+fn phi3_dora_with_dropout_on_the_fused_modules_is_the_same_on_every_layout() -> Result<()> {
+    let d = tmpdir("phi3-dora");
+    let mut c = tiny_cfg(Some(d.clone()), Layout::single(), 2, 1);
+    let ModelSource::Init(m) = &c.model else { candle_core::bail!("init model expected") };
+    let mut m = m.clone().with_phi3(true);
+    m.max_position_embeddings = 512;
+    m.rope_scaling = crate::RopeScaling::LongRope {
+        short_factor: vec![1.0; m.head_dim / 2],
+        long_factor: (0..m.head_dim / 2).map(|i| 1.0 + 2.0 * i as f64).collect(),
+        original_max_position_embeddings: 32,
+        factor: 16.0,
+        attention_factor: None,
+    };
+    c.model = ModelSource::Init(m);
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &crate::lora::TARGETS)?.with_dora(true).with_dropout(0.1)?);
+    let one = run(&c)?;
+    let ck = d.join("checkpoints/step-000006");
+    let (saved, tensors) = crate::lora::load_peft_adapter(&ck)?;
+    assert_eq!(saved.targets, ["o_proj", "down_proj", "qkv_proj", "gate_up_proj"]);
+    for n in ["self_attn.qkv_proj.lora_A.weight", "self_attn.qkv_proj.lora_B.weight", "mlp.gate_up_proj.lora_magnitude_vector"] {
+        assert!(tensors.contains_key(&format!("model.layers.0.{n}")), "{n}: {:?}", tensors.keys());
+    }
+    assert!(!tensors.keys().any(|k| k.contains(".q_proj.") || k.contains(".up_proj.")), "{:?}", tensors.keys());
+    let base = crate::hf::load_safetensors_dir(&crate::lora::base_model_dir(&ck)?, &Device::Cpu)?;
+    assert!(base.contains_key("model.layers.0.self_attn.qkv_proj.weight") && !base.contains_key("model.layers.0.self_attn.q_proj.weight"));
+    c.out = None;
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    for (layout, recompute, zero1) in [(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false), (Layout::cp(CpKind::Ring, 2).with_dp(2), false, true)] {
+        let mut cl = c.clone();
+        (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
+        if layout.dp == 2 {
+            (cl.batch, cl.grad_accum) = (2, 1);
+        }
+        assert_same_curve(&format!("Phi-3 DoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
+    }
+    Ok(())
+}
