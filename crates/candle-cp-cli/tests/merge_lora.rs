@@ -135,9 +135,9 @@ fn merged_mixtral_equals_the_adapted_one() -> Result<()> {
     Ok(())
 }
 
-/// A Phi-3 base (fused `qkv_proj` / `gate_up_proj` in its file) with an adapter on o_proj and
-/// down_proj: the merged model is a Phi-3 checkpoint again, fused, whose logits are the adapted
-/// model's.
+/// A Phi-3 base (fused `qkv_proj` / `gate_up_proj` in its file) with PEFT's adapters on its
+/// four linear modules (the fused ones' `A` shared by their parts): the merged model is a
+/// Phi-3 checkpoint again, fused, whose logits are the adapted model's.
 #[test]
 fn a_phi3_merges_into_a_fused_checkpoint() -> Result<()> {
     let tiny = Path::new(env!("CARGO_MANIFEST_DIR")).join("../../tests/data/oracle/tiny-llama");
@@ -148,8 +148,9 @@ fn a_phi3_merges_into_a_fused_checkpoint() -> Result<()> {
     let mut named: Vec<(String, Tensor)> = candle_cp_llama::params::varmap_tensors(&vm)?.into_iter().collect();
     named.sort_by(|a, b| a.0.cmp(&b.0));
     candle_cp_llama::save_hf_tensors(&dir, &named, &cfg)?;
-    let spec = LoraSpec::new(4, 8.0, &["o_proj", "down_proj"])?;
-    let lcfg = cfg.clone().with_lora(Some(spec.clone()));
+    // every linear layer: PEFT's qkv_proj, o_proj, gate_up_proj, down_proj
+    let lcfg = cfg.clone().with_lora(Some(LoraSpec::new(4, 8.0, &TARGETS)?));
+    let Some(spec) = lcfg.lora.clone() else { candle_core::bail!("a LoRA spec") };
     let mut adapters = std::collections::HashMap::new();
     for (i, s) in candle_cp_llama::param_specs(&lcfg).into_iter().filter(|s| spec.trains(&s.name)).enumerate() {
         adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(90 + i as u64, &s.shape, 0.1)?);
@@ -158,7 +159,7 @@ fn a_phi3_merges_into_a_fused_checkpoint() -> Result<()> {
     let out = dir.join("merged");
     let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
     assert_eq!(o.status.code(), Some(0), "{}", String::from_utf8_lossy(&o.stderr));
-    assert!(String::from_utf8_lossy(&o.stdout).contains("merged 4 weights"), "{}", String::from_utf8_lossy(&o.stdout));
+    assert!(String::from_utf8_lossy(&o.stdout).contains("merged 8 weights"), "{}", String::from_utf8_lossy(&o.stdout));
     let merged_file = candle_cp_llama::hf::load_safetensors_dir(&out, &Device::Cpu)?;
     assert!(merged_file.contains_key("model.layers.1.self_attn.qkv_proj.weight") && !merged_file.contains_key("model.layers.1.self_attn.q_proj.weight"));
     let ids = Tensor::new(&[[5u32, 17, 200, 3, 99, 41, 7, 300]], &Device::Cpu)?;
