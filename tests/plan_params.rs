@@ -174,14 +174,24 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
 /// planner's adapter parameters and Adam state per GPU equal the trainer's
 /// on one device, TP 2 + SP, EP 2 over zigzag 2 and EP 2 over ring 2 × DP 2 with ZeRO-1 (the
 /// experts' adapters' state split over the ranks holding their experts, the rest over the
-/// replicas), every rank.
+/// replicas), every rank. The same for a Phi-3's adapters (one `A` per fused module) on one
+/// device, TP 2 + SP, TP 4 (KV heads replicated) and ring 2 × DP 2 with ZeRO-1.
 #[test]
 fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
     use candle_cp_llama::layout::CpKind;
     let base = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::Qwen2Moe, None)?.0;
-    let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)];
-    for (layout, dora) in layouts.into_iter().flat_map(|l| [(l, false), (l, true)]) {
+    lora_state_equals_the_trainers("qwen2-moe", &base, &layouts)?;
+    // a Phi-3: one A per fused module (qkv_proj, gate_up_proj), its KV heads replicated at TP 4
+    let phi3 = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?.with_phi3(true);
+    let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(CpKind::Ring, 2).with_dp(2)];
+    lora_state_equals_the_trainers("phi3", &phi3, &layouts)
+}
+
+/// [`planner_moe_lora_state_equals_the_trainers`] for one model on `layouts`.
+fn lora_state_equals_the_trainers(label: &str, base: &LlamaConfig, layouts: &[Layout]) -> Result<()> {
+    let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
+    for (layout, dora) in layouts.iter().flat_map(|&l| [(l, false), (l, true)]) {
         let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?.with_dora(dora)));
         let zero = (layout.dp * layout.cp > 1) as u8;
         let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, lora_dora: dora, ..PlanLayout::default() };
@@ -205,7 +215,7 @@ fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
             assert!((params as f64 - per_gpu).abs() < 1e-9 * per_gpu, "{layout} rank {r}: {params} adapter parameters, the planner says {per_gpu}");
             assert!((bytes as f64 - want).abs() < 1e-9 * want, "{layout} rank {r}: {bytes} bytes of adapter state, the planner says {want}");
         }
-        println!("qwen2-moe {layout} LoRA (DoRA {dora}): {per_gpu} adapter parameters, {want} bytes of Adam state per GPU = planner");
+        println!("{label} {layout} LoRA (DoRA {dora}): {per_gpu} adapter parameters, {want} bytes of Adam state per GPU = planner");
     }
     Ok(())
 }

@@ -391,7 +391,8 @@ pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 }
 
 /// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):
-/// `r·(in + out)` per adapted projection, split over TP as candle-cp splits them (a
+/// `r·(in + out)` per adapted projection (a Phi-3's fused module one `A` for its parts,
+/// [`ModelConfig::fused_proj`]), split over TP as candle-cp splits them (a
 /// column-parallel projection's `A` `[r, in]` replicated and `B` `[out/t, r]`; a row-parallel
 /// one's `A` `[r, in/t]` and `B` `[out, r]` replicated; K/V's `B` as their heads). The MLP's
 /// with [`Layout::lora_mlp`]: a dense layer's, and a sparse layer's shared expert's and
@@ -408,10 +409,12 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     // q, k, v: A replicated, B split; o: A split, B replicated (DoRA: a magnitude per output
     // row, split as B)
     let dora = if l.lora_dora { 1.0 } else { 0.0 };
-    let attn = r * (3.0 * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h);
+    // (a Phi-3's fused modules: one A for q, k, v and one for gate, up)
+    let (qkv_a, gate_up_a) = if m.fused_proj { (1.0, 1.0) } else { (3.0, 2.0) };
+    let attn = r * (qkv_a * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h);
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
     // gate, up: A replicated, B split; down: A split, B replicated
-    let mlp_of = |f: f64| r * (2.0 * h + 2.0 * f / t) + r * (f / t + h) + dora * (2.0 * f / t + h);
+    let mlp_of = |f: f64| r * (gate_up_a * h + 2.0 * f / t) + r * (f / t + h) + dora * (2.0 * f / t + h);
     let shared = m.moe.as_ref().filter(|x| x.shared_ffn > 0).map_or(0.0, |x| m.sparse_fraction() * mlp_of(x.shared_ffn as f64));
     let mlp = if l.lora_mlp { dense_mlp * mlp_of(f) + shared } else { 0.0 };
     attn + mlp + layer_expert_lora_params_per_gpu(m, l)

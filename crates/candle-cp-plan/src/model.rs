@@ -49,6 +49,10 @@ pub struct ModelConfig {
     /// Mixtures of experts (Qwen3-MoE, `model_type` `qwen3_moe`): the sparse layers' MLPs;
     /// `None`: every MLP dense.
     pub moe: Option<MoeShape>,
+    /// Phi-3 (`model_type` `phi3`): q, k, v fused into `qkv_proj` and gate, up into
+    /// `gate_up_proj`. The same weights; a LoRA adapter on a fused module has one `A` for its
+    /// parts ([`crate::memory::layer_lora_params_per_gpu`]).
+    pub fused_proj: bool,
 }
 
 /// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
@@ -232,6 +236,7 @@ impl ModelConfig {
                 _ => None,
             },
             sandwich_norms: gemma3 || gemma2,
+            fused_proj: lower.starts_with("phi3"),
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
@@ -414,6 +419,7 @@ impl ModelConfig {
             partial_window,
             sandwich_norms: gemma3 || gemma2,
             moe,
+            fused_proj: names("phi3", "Phi3ForCausalLM"),
         };
         cfg.validate()?;
         Ok(cfg)

@@ -162,6 +162,7 @@ mod tests {
             partial_window: None,
             sandwich_norms: false,
             moe: None,
+            fused_proj: false,
         }
     }
 
