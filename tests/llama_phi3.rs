@@ -14,7 +14,8 @@
 //!   `W_qkv + s·B·A` (split by rows back into q, k, v; the same for `gate_up_proj`), and the
 //!   adapters' gradients its weight gradients through the chain rule on the fused weights
 //!   (`dA = s·Bᵀ·dW_qkv`, summed over the parts); the adapter file holds PEFT's fused names and
-//!   shapes, loads back onto TP shards, and merges (`merge_adapter`) into the same weights.
+//!   shapes, loads back onto TP shards, and merges (`merge_adapter`, from the file's names or
+//!   the model's) into the same weights; folded in for generation it decodes the same tokens.
 //! - Checkpoints: written with the fused tensors (`qkv_proj` = q | k | v rows, `gate_up_proj`
 //!   = gate | up), `Phi3ForCausalLM` and Phi-3's `rope_scaling`; read back bit for bit, whole
 //!   or sharded over TP 1, 2, 4; written again by the streaming TP writer byte for byte; under
@@ -260,6 +261,9 @@ fn phi3_lora_on_the_fused_modules_is_pefts_on_every_layout() -> Result<()> {
         assert_eq!(run.grads.len(), want.len(), "{layout}: the adapters' gradients, and only theirs");
         assert!(worst < 1e-4 && run.grad_spread < 1e-6, "{layout}: {at} off by {worst:.1e}");
     }
+    // generation with the adapters folded into the weights decodes the adapted model's tokens
+    let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 80)?.contiguous()?, &[Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_tp(2, false)])?;
+    assert!(e < 1e-4, "merged for generation: logits off by {e:.1e}");
     // the adapter file: PEFT's names and shapes (B stacked by rows), loaded back onto TP
     // shards, merged into the weights written out above
     let dir = std::env::temp_dir().join(format!("candle-cp-phi3-lora-{}", std::process::id()));
@@ -291,8 +295,12 @@ fn phi3_lora_on_the_fused_modules_is_pefts_on_every_layout() -> Result<()> {
     }
     let mut merged_again = weights.clone();
     assert_eq!(candle_cp_llama::lora::merge_adapter(&mut merged_again, &loaded, &tensors)?, 4 * cfg.num_hidden_layers);
+    // (and from the model's names: the parts' B as the VarMap holds them)
+    let internal: HashMap<String, Tensor> = full.iter().filter(|(n, _)| candle_cp_llama::lora::is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+    let mut merged_internal = weights.clone();
+    assert_eq!(candle_cp_llama::lora::merge_adapter(&mut merged_internal, &spec, &internal)?, 4 * cfg.num_hidden_layers);
     for (k, w) in &merged {
-        assert!(max_abs(&merged_again[k], w)? < 1e-6, "merge_adapter: {k}");
+        assert!(max_abs(&merged_again[k], w)? < 1e-6 && max_abs(&merged_internal[k], w)? < 1e-6, "merge_adapter: {k}");
     }
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())

@@ -385,7 +385,8 @@ pub(crate) fn insert_adapter_shards(
 /// (W + s·B·A)`; in f32, back in `W`'s dtype) for every adapted weight in `weights` (full
 /// tensors by parameter name), the model a serving stack loads without PEFT. `adapters` by
 /// parameter name (`….lora_{A,B}.weight`, `….lora_magnitude_vector`, as
-/// [`load_peft_adapter`] gives them). Returns how many weights were merged; errors name a
+/// [`load_peft_adapter`] gives them; a Phi-3's fused modules' under PEFT's fused names or its
+/// parts' B and magnitudes under the model's, merged on the stacked weight). Returns how many weights were merged; errors name a
 /// weight an adapter has no base for, or factors that do not fit it.
 pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>) -> Result<usize> {
     let mut merged = 0;
@@ -399,6 +400,21 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
         weights.insert(name.clone(), t);
         merged += 1;
     }
+    // a Phi-3's adapters by the model's names (its parts' B and magnitudes): as PEFT's file
+    // holds them, stacked under the fused module whose A is there
+    let fused_form;
+    let adapters = match adapters.keys().any(|n| fused_part_of_adapter(adapters, n)) {
+        true => {
+            let parts: Vec<(String, Tensor)> = adapters.iter().filter(|(n, _)| fused_part_of_adapter(adapters, n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+            let mut all: HashMap<String, Tensor> = adapters.iter().filter(|(n, _)| !fused_part_of_adapter(adapters, n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+            for (n, ts) in crate::config::phi3::fuse_checkpoint_tensors(true, parts)? {
+                all.insert(n, Tensor::cat(&ts, 0)?);
+            }
+            fused_form = all;
+            &fused_form
+        }
+        false => adapters,
+    };
     for (name, a) in adapters.iter().filter(|(n, _)| n.ends_with(".lora_A.weight")) {
         let stem = &name[..name.len() - ".lora_A.weight".len()];
         // a Phi-3's fused module: its parts' weights stacked by rows, merged as one, split back
@@ -426,28 +442,35 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
     Ok(merged)
 }
 
+/// Whether adapter tensor `name` is a part of a Phi-3's fused module's `B` or magnitude
+/// (`….q_proj.lora_B.weight`) whose fused `A` is among `adapters`.
+fn fused_part_of_adapter(adapters: &HashMap<String, Tensor>, name: &str) -> bool {
+    !name.ends_with(".lora_A.weight")
+        && crate::config::phi3::fused_checkpoint_name(name).is_some_and(|(f, _)| {
+            [".lora_B.weight", MAGNITUDE].iter().any(|s| f.strip_suffix(s).is_some_and(|stem| adapters.contains_key(&format!("{stem}.lora_A.weight"))))
+        })
+}
+
 /// [`merge_adapter`]'s merge of the adapter `A` (`a`, named `name`) on weight stem `stem`.
 fn merge_one(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>, stem: &str, a: &Tensor, name: &str) -> Result<usize> {
-    {
-        let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
-        let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
-        // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
-        // factors [E, r, in] and [E, out, r]: one product per expert)
-        let wn = if !weights.contains_key(&wn) && weights.contains_key(stem) { stem.to_string() } else { wn };
-        let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
-        let (f32, dt) = (candle_core::DType::F32, w.dtype());
-        let (dw, w32) = (b.to_dtype(f32)?.matmul(&a.to_dtype(f32)?)?, w.to_dtype(f32)?);
-        if dw.dims() != w32.dims() {
-            bail!("merge_adapter: B {:?} · A {:?} does not fit {wn} {:?}", b.dims(), a.dims(), w.dims())
-        }
-        let new = match adapters.get(&format!("{stem}{MAGNITUDE}")) {
-            // DoRA: m / ‖W + s·B·A‖ ⊙ (W + s·B·A)
-            Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config_for(stem).scale())?,
-            None if spec.dora => bail!("merge_adapter: a DoRA adapter without {stem}{MAGNITUDE}"),
-            _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt)?,
-        };
-        weights.insert(wn, new);
+    let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
+    let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
+    // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
+    // factors [E, r, in] and [E, out, r]: one product per expert)
+    let wn = if !weights.contains_key(&wn) && weights.contains_key(stem) { stem.to_string() } else { wn };
+    let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
+    let (f32, dt) = (candle_core::DType::F32, w.dtype());
+    let (dw, w32) = (b.to_dtype(f32)?.matmul(&a.to_dtype(f32)?)?, w.to_dtype(f32)?);
+    if dw.dims() != w32.dims() {
+        bail!("merge_adapter: B {:?} · A {:?} does not fit {wn} {:?}", b.dims(), a.dims(), w.dims())
     }
+    let new = match adapters.get(&format!("{stem}{MAGNITUDE}")) {
+        // DoRA: m / ‖W + s·B·A‖ ⊙ (W + s·B·A)
+        Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config_for(stem).scale())?,
+        None if spec.dora => bail!("merge_adapter: a DoRA adapter without {stem}{MAGNITUDE}"),
+        _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt)?,
+    };
+    weights.insert(wn, new);
     Ok(1)
 }
 

@@ -405,16 +405,7 @@ fn dora_with_dropout_is_the_same_on_every_layout() -> Result<()> {
     assert!((one[0].metrics[0].loss - without[0].metrics[0].loss).abs() < 1e-6, "B = 0, m = ‖W‖: the base model either way");
     assert!((one[0].metrics[0].grad_norm - without[0].metrics[0].grad_norm).abs() > 1e-6, "dropout changes the first step's gradients");
     assert!((one[0].metrics[3].loss - without[0].metrics[3].loss).abs() > 1e-6, "dropout changes the curve");
-    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
-    for (layout, recompute, zero1) in [(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false), (Layout::cp(CpKind::Ring, 2).with_dp(2), false, true)] {
-        let mut cl = c.clone();
-        (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
-        if layout.dp == 2 {
-            // the same rows as one batch of 2 (two micro-batches of 1 would key other masks)
-            (cl.batch, cl.grad_accum) = (2, 1);
-        }
-        assert_same_curve(&format!("DoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
-    }
+    same_curve_with_dropout("DoRA with dropout", &c, &one[0].metrics)?;
     // from the trained adapters (B and m moved) at learning rate 0
     let (mut e1, mut e0) = (c.clone(), plain.clone());
     for e in [&mut e1, &mut e0] {
@@ -508,14 +499,21 @@ fn phi3_dora_with_dropout_on_the_fused_modules_is_the_same_on_every_layout() -> 
     let base = crate::hf::load_safetensors_dir(&crate::lora::base_model_dir(&ck)?, &Device::Cpu)?;
     assert!(base.contains_key("model.layers.0.self_attn.qkv_proj.weight") && !base.contains_key("model.layers.0.self_attn.q_proj.weight"));
     c.out = None;
-    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    same_curve_with_dropout("Phi-3 DoRA with dropout", &c, &one[0].metrics)
+}
+
+/// Run `c` (adapters with dropout) on zigzag 2 × TP 2 + SP with recomputed layers and on ring 2
+/// × DP 2 with ZeRO-1: each follows `curve`, the one-device run's.
+fn same_curve_with_dropout(what: &str, c: &TrainConfig, curve: &[StepMetrics]) -> Result<()> {
+    let curve: Vec<&StepMetrics> = curve.iter().collect();
     for (layout, recompute, zero1) in [(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false), (Layout::cp(CpKind::Ring, 2).with_dp(2), false, true)] {
         let mut cl = c.clone();
         (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
         if layout.dp == 2 {
+            // the same rows as one batch of 2 (two micro-batches of 1 would key other masks)
             (cl.batch, cl.grad_accum) = (2, 1);
         }
-        assert_same_curve(&format!("Phi-3 DoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
+        assert_same_curve(&format!("{what} on {layout}"), &curve, &run(&cl)?[0].metrics);
     }
     Ok(())
 }
