@@ -207,7 +207,7 @@ pub fn fused_parts(stem: &str) -> Option<Vec<String>> {
 pub fn fused_rows(cfg: &LlamaConfig, name: &str) -> Option<(usize, usize, usize)> {
     let (fused, part) = fused_checkpoint_name(name)?;
     let (q, kv, i) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim, cfg.intermediate_size);
-    let sizes: &[usize] = if fused.contains(".qkv_proj.") || fused.ends_with(".qkv_proj.lora_magnitude_vector") { &[q, kv, kv] } else { &[i, i] };
+    let sizes: &[usize] = if fused.contains(".qkv_proj.") { &[q, kv, kv] } else { &[i, i] };
     Some((sizes[..part].iter().sum(), sizes[part], sizes.iter().sum()))
 }
 
