@@ -8,7 +8,7 @@
 
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
-use crate::config::phi3::{fuse_checkpoint_tensors, fused_checkpoint_name, fused_rows};
+use crate::config::phi3::{fuse_checkpoint_tensors, fused_checkpoint_name, fused_parts, fused_rows};
 use crate::params::{checkpoint_tensors, fused_checkpoint_tensor, param_specs, varmap_tensors, ParamSpec};
 use candle_core::{bail, DType, Device, Result, Tensor, Var};
 use candle_nn::VarMap;
@@ -222,10 +222,19 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     let names = st.tensors();
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
     refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
+    // (a Phi-3's fused tensor is read once for its parts, which follow each other)
+    let mut last: Option<(String, Tensor)> = None;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        param_from_checkpoint(dir, &cfg, spec, prefix, |name| match st.get(name) {
-            Err(_) => Ok(None),
-            Ok(_) => st.load(name, &Device::Cpu).map(Some),
+        param_from_checkpoint(dir, &cfg, spec, prefix, |name| {
+            if let Some((_, t)) = last.as_ref().filter(|(n, _)| n == name) {
+                return Ok(Some(t.clone()));
+            }
+            let t = match st.get(name) {
+                Err(_) => return Ok(None),
+                Ok(_) => st.load(name, &Device::Cpu)?,
+            };
+            last = fused_parts(name.strip_suffix(".weight").unwrap_or(name)).filter(|_| cfg.phi3).map(|_| (name.to_string(), t.clone()));
+            Ok(Some(t))
         })
     })?;
     Ok((vm, cfg))

@@ -73,13 +73,7 @@ impl<'a> LayerBuilder<'a> {
         let (an, bn) = (format!("{module}.lora_A.weight"), format!("{stem}.lora_B.weight"));
         let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { bail!("Llama::new: no LoRA parameter spec for {an}") };
         let (a, b) = (sa.local_shape_in(&self.ctx)?, sb.local_shape_in(&self.ctx)?);
-        let cfg = l.config_for(&stem);
-        let bound = 1.0 / (sa.shape[1].max(1) as f64).sqrt();
-        let lora = candle_cp_nn::Lora::new(
-            self.vb.get_with_hints(a, &an, Init::Uniform { lo: -bound, up: bound })?,
-            self.vb.get_with_hints(b, &bn, Init::Const(0.0))?,
-            cfg.scale(),
-        )?;
+        let lora = candle_cp_nn::Lora::load_named(&self.vb, (&an, &bn), a.dims()[1], sa.shape[1], b.dims()[0], &l.config_for(&stem))?;
         let lora = lora.with_dropout(l.dropout, format!("{module}.lora_dropout"), &self.lora_rows)?;
         Ok(Some(match self.magnitude(&stem)? {
             Some(m) => lora.with_dora(m)?,

@@ -402,42 +402,50 @@ pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, ada
     }
     // a Phi-3's adapters by the model's names (its parts' B and magnitudes): as PEFT's file
     // holds them, stacked under the fused module whose A is there
+    let parts: Vec<&String> = adapters.keys().filter(|n| fused_part_of_adapter(adapters, n)).collect();
     let fused_form;
-    let adapters = match adapters.keys().any(|n| fused_part_of_adapter(adapters, n)) {
-        true => {
-            let parts: Vec<(String, Tensor)> = adapters.iter().filter(|(n, _)| fused_part_of_adapter(adapters, n)).map(|(n, t)| (n.clone(), t.clone())).collect();
-            let mut all: HashMap<String, Tensor> = adapters.iter().filter(|(n, _)| !fused_part_of_adapter(adapters, n)).map(|(n, t)| (n.clone(), t.clone())).collect();
-            for (n, ts) in crate::config::phi3::fuse_checkpoint_tensors(true, parts)? {
-                all.insert(n, Tensor::cat(&ts, 0)?);
-            }
-            fused_form = all;
-            &fused_form
+    let adapters = if parts.is_empty() {
+        adapters
+    } else {
+        let mut all = adapters.clone();
+        let taken: Vec<(String, Tensor)> = parts.iter().filter_map(|n| all.remove_entry(*n)).collect();
+        for (n, ts) in crate::config::phi3::fuse_checkpoint_tensors(true, taken)? {
+            all.insert(n, Tensor::cat(&ts, 0)?);
         }
-        false => adapters,
+        fused_form = all;
+        &fused_form
     };
     for (name, a) in adapters.iter().filter(|(n, _)| n.ends_with(".lora_A.weight")) {
         let stem = &name[..name.len() - ".lora_A.weight".len()];
-        // a Phi-3's fused module: its parts' weights stacked by rows, merged as one, split back
-        if let Some(parts) = crate::config::phi3::fused_parts(stem).filter(|_| !weights.contains_key(&format!("{stem}.weight"))) {
-            let names: Vec<String> = parts.iter().map(|p| format!("{p}.weight")).collect();
-            let mut ws = Vec::with_capacity(names.len());
-            for n in &names {
-                let Some(w) = weights.get(n) else { bail!("merge_adapter: the model has no {n} for adapter {name}") };
-                ws.push(w.clone());
+        let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
+        let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
+        let m = adapters.get(&format!("{stem}{MAGNITUDE}"));
+        match crate::config::phi3::fused_parts(stem).filter(|_| !weights.contains_key(&wn)) {
+            // a Phi-3's fused module: its parts' weights stacked by rows, merged as one, split back
+            Some(parts) => {
+                let names: Vec<String> = parts.iter().map(|p| format!("{p}.weight")).collect();
+                let ws = names
+                    .iter()
+                    .map(|n| weights.get(n).cloned().ok_or_else(|| candle_core::Error::Msg(format!("merge_adapter: the model has no {n} for adapter {name}"))))
+                    .collect::<Result<Vec<_>>>()?;
+                let new = merged_weight(&Tensor::cat(&ws, 0)?, (a, b, m), spec, stem, &wn)?;
+                let mut at = 0;
+                for (n, w) in names.into_iter().zip(&ws) {
+                    let rows = w.dim(0)?;
+                    weights.insert(n, new.narrow(0, at, rows)?.contiguous()?);
+                    at += rows;
+                }
             }
-            weights.insert(format!("{stem}.weight"), Tensor::cat(&ws, 0)?);
-            let m = merge_one(weights, spec, adapters, stem, a, name)?;
-            let fused = weights.remove(&format!("{stem}.weight")).ok_or_else(|| candle_core::Error::Msg(format!("merge_adapter: {stem}.weight vanished")))?;
-            let mut at = 0;
-            for (n, w) in names.iter().zip(&ws) {
-                let rows = w.dim(0)?;
-                weights.insert(n.clone(), fused.narrow(0, at, rows)?.contiguous()?);
-                at += rows;
+            None => {
+                // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
+                // factors [E, r, in] and [E, out, r]: one product per expert)
+                let wn = if !weights.contains_key(&wn) && weights.contains_key(stem) { stem.to_string() } else { wn };
+                let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
+                let new = merged_weight(w, (a, b, m), spec, stem, &wn)?;
+                weights.insert(wn, new);
             }
-            merged += m;
-            continue;
         }
-        merged += merge_one(weights, spec, adapters, stem, a, name)?;
+        merged += 1;
     }
     Ok(merged)
 }
@@ -451,27 +459,20 @@ fn fused_part_of_adapter(adapters: &HashMap<String, Tensor>, name: &str) -> bool
         })
 }
 
-/// [`merge_adapter`]'s merge of the adapter `A` (`a`, named `name`) on weight stem `stem`.
-fn merge_one(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>, stem: &str, a: &Tensor, name: &str) -> Result<usize> {
-    let (wn, bn) = (format!("{stem}.weight"), format!("{stem}.lora_B.weight"));
-    let Some(b) = adapters.get(&bn) else { bail!("merge_adapter: {name} has no {bn}") };
-    // a sparse layer's stacked experts are named without `.weight` ([E, out, in], the
-    // factors [E, r, in] and [E, out, r]: one product per expert)
-    let wn = if !weights.contains_key(&wn) && weights.contains_key(stem) { stem.to_string() } else { wn };
-    let Some(w) = weights.get(&wn) else { bail!("merge_adapter: the model has no {wn} for adapter {name}") };
+/// Weight `w` (named `wn`) with the adapter `(A, B, DoRA's magnitude)` of module `stem`
+/// merged in ([`merge_adapter`]'s formula), in `w`'s dtype.
+fn merged_weight(w: &Tensor, (a, b, m): (&Tensor, &Tensor, Option<&Tensor>), spec: &LoraSpec, stem: &str, wn: &str) -> Result<Tensor> {
     let (f32, dt) = (candle_core::DType::F32, w.dtype());
     let (dw, w32) = (b.to_dtype(f32)?.matmul(&a.to_dtype(f32)?)?, w.to_dtype(f32)?);
     if dw.dims() != w32.dims() {
         bail!("merge_adapter: B {:?} · A {:?} does not fit {wn} {:?}", b.dims(), a.dims(), w.dims())
     }
-    let new = match adapters.get(&format!("{stem}{MAGNITUDE}")) {
+    match m {
         // DoRA: m / ‖W + s·B·A‖ ⊙ (W + s·B·A)
-        Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config_for(stem).scale())?,
+        Some(m) if spec.dora => candle_cp_nn::dora_merge(w, a, b, m, spec.config_for(stem).scale()),
         None if spec.dora => bail!("merge_adapter: a DoRA adapter without {stem}{MAGNITUDE}"),
-        _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt)?,
-    };
-    weights.insert(wn, new);
-    Ok(1)
+        _ => (w32 + (dw * spec.config_for(stem).scale())?)?.to_dtype(dt),
+    }
 }
 
 /// The adapters of a PEFT adapter directory (`adapter_model.safetensors`), by parameter name

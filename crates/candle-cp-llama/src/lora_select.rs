@@ -58,10 +58,12 @@ impl LoraSpec {
     /// PEFT's name of the module of parameter stem `stem`: [`peft_name`]'s, a Phi-3's q, k, v
     /// and gate, up projections as their fused module ([`LoraSpec::fused`]).
     pub(crate) fn module_name(&self, stem: &str) -> String {
-        match crate::config::phi3::fused_checkpoint_name(&format!("{stem}.weight")).filter(|_| self.fused) {
-            Some((fused, _)) => fused.strip_suffix(".weight").unwrap_or(&fused).to_string(),
-            None => peft_name(stem),
-        }
+        self.fused_module(stem).unwrap_or_else(|| peft_name(stem))
+    }
+
+    /// The fused module of weight stem `stem` under a Phi-3's spec ([`LoraSpec::fused`]).
+    fn fused_module(&self, stem: &str) -> Option<String> {
+        self.fused.then(|| crate::config::phi3::fused_module(stem)).flatten().map(|(m, _)| m)
     }
 }
 
@@ -132,8 +134,8 @@ impl LoraSpec {
         let name = self.module_name(stem);
         // (the projection as the targets name it: a Phi-3's fused module, else the stem's own —
         // Mixtral's experts are gate_proj, up_proj, down_proj there)
-        let fused = crate::config::phi3::fused_checkpoint_name(&format!("{stem}.weight")).filter(|_| self.fused).map(|_| &name);
-        let module = fused.map_or(stem, |n| n.as_str()).rsplit('.').next().unwrap_or(stem);
+        let fused = self.fused_module(stem);
+        let module = fused.as_deref().unwrap_or(stem).rsplit('.').next().unwrap_or(stem);
         let layer_ok = match (&self.layers, layer_of(stem)) {
             (Some(ls), Some(i)) => ls.contains(&i),
             (Some(_), None) => false,

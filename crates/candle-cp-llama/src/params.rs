@@ -187,9 +187,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             };
             let (outer, (o, i)) = (&shape[..shape.len() - 2], (shape[shape.len() - 2], shape[shape.len() - 1]));
             // a Phi-3's fused module: one A (listed after its first part), each part's B rows
-            let a_name = match crate::config::phi3::fused_checkpoint_name(&name).filter(|_| lora.as_ref().is_some_and(|l| l.fused)) {
+            let a_name = match crate::config::phi3::fused_module(&base).filter(|_| lora.as_ref().is_some_and(|l| l.fused)) {
                 Some((_, part)) if part > 0 => None,
-                Some((fused, _)) => Some(format!("{}.lora_A.weight", fused.strip_suffix(".weight").unwrap_or(&fused))),
+                Some((fused, _)) => Some(format!("{fused}.lora_A.weight")),
                 None => Some(format!("{base}.lora_A.weight")),
             };
             if let Some(a_name) = a_name {

@@ -195,6 +195,13 @@ pub fn fused_checkpoint_name(name: &str) -> Option<(String, usize)> {
     })
 }
 
+/// The fused module of a Phi-3's weight stem `stem` (`….self_attn.k_proj` →
+/// (`….self_attn.qkv_proj`, 1)) and the part it is; `None` for a module of its own.
+pub fn fused_module(stem: &str) -> Option<(String, usize)> {
+    let (fused, part) = fused_checkpoint_name(&format!("{stem}.weight"))?;
+    Some((fused.strip_suffix(".weight").unwrap_or(&fused).to_string(), part))
+}
+
 /// The part stems of fused module stem `stem` (`….self_attn.qkv_proj` → its q, k, v
 /// projections' stems; `….mlp.gate_up_proj` → gate, up), in row order; `None` for another.
 pub fn fused_parts(stem: &str) -> Option<Vec<String>> {

@@ -189,9 +189,15 @@ impl Lora {
     /// init over the whole input, `in_dim`) and sets `B` to zero, so the adapted layer starts
     /// as the base layer.
     pub fn load(vb: &VarBuilder, in_local: usize, in_dim: usize, out_local: usize, cfg: &LoraConfig) -> Result<Self> {
+        Self::load_named(vb, ("lora_A.weight", "lora_B.weight"), in_local, in_dim, out_local, cfg)
+    }
+
+    /// [`Lora::load`] with the factors under `names` `(A, B)` in `vb` (e.g. an `A` that several
+    /// layers share: a Phi-3's `qkv_proj.lora_A.weight` for its q, k and v projections).
+    pub fn load_named(vb: &VarBuilder, (a_name, b_name): (&str, &str), in_local: usize, in_dim: usize, out_local: usize, cfg: &LoraConfig) -> Result<Self> {
         let bound = 1.0 / (in_dim.max(1) as f64).sqrt();
-        let a = vb.get_with_hints((cfg.rank, in_local), "lora_A.weight", Init::Uniform { lo: -bound, up: bound })?;
-        let b = vb.get_with_hints((out_local, cfg.rank), "lora_B.weight", Init::Const(0.0))?;
+        let a = vb.get_with_hints((cfg.rank, in_local), a_name, Init::Uniform { lo: -bound, up: bound })?;
+        let b = vb.get_with_hints((out_local, cfg.rank), b_name, Init::Const(0.0))?;
         Self::new(a, b, cfg.scale())
     }
 
