@@ -4,7 +4,7 @@
 //! `Band::from_positions`), documents + sliding window, a window over a ring step's keys
 //! (queries after the keys), `Mask::sliding_window` (`Band::from_mask`), random monotone bands
 //! with empty rows, and per-batch bands (`Band::stack`, a different band per batch row); head
-//! dims 16, 32, 64, 128, and 256 (the CUDA-core kernels alone). Per case and dtype:
+//! dims 16, 32, 64, 128, and 96 and 256 (the CUDA-core and pipelined kernels alone). Per case and dtype:
 //! - `attention_fwd_band` / `attention_bwd_band` (the ops' default kernels, `CANDLE_CP_FLASH_IMPL`)
 //!   against the CPU (backward from the CPU's out / lse);
 //! - `attention_band` (autograd: out in the input dtype, gradients of `sum(out · dout)`);
@@ -96,6 +96,8 @@ fn cases(quick: bool) -> Result<Vec<BandCase>> {
         c("batch-2 per-row random bands", 2, 2, 2, 32, Band::stack(&[random_band(90, 77, 6)?, random_band(90, 77, 7)?])?),
         // head dim 256 (Gemma 3's sliding layers): the CUDA-core and pipelined band kernels
         c("docs + window 17", 1, 2, 1, 256, Band::from_positions(&pos(0, 80), &pos(0, 80), MaskSpec { causal: true, window: Some(17), docs: Some(&Documents::from_lengths(&[30, 1, 49])?) })?),
+        // head dim 96 (Phi-3-mini's packed documents): the CUDA-core and pipelined band kernels
+        c("docs causal", 1, 3, 1, 96, Band::from_positions(&pos(0, 150), &pos(0, 150), MaskSpec { causal: true, window: None, docs: Some(&Documents::from_lengths(&[70, 3, 77])?) })?),
     ];
     if !quick {
         let long = Documents::from_lengths(&[300, 5, 420, 275])?;
@@ -226,12 +228,12 @@ pub fn check_band(rep: &mut Report, gpu: &Device) -> Result<()> {
             }
 
             // the kernel crate with an explicit family; Mma falls back to Auto's
-            // (head dim 256: the CUDA-core and pipelined kernels alone; the others refuse it by
-            // name, gpu_check.rs)
-            let wide = flash::WIDE_HEAD_DIMS.contains(&c.d);
-            let imps: &[FwdImpl] = if wide && dtype == DType::F32 {
+            // (head dims 96 and 256: the CUDA-core and pipelined kernels alone; the others refuse
+            // them by name, gpu_check.rs)
+            let partial = flash::PARTIAL_HEAD_DIMS.contains(&c.d);
+            let imps: &[FwdImpl] = if partial && dtype == DType::F32 {
                 &[FwdImpl::Simple]
-            } else if wide {
+            } else if partial {
                 &[FwdImpl::Simple, FwdImpl::Pipelined]
             } else if dtype == DType::F32 {
                 &[FwdImpl::Simple, FwdImpl::Mma]

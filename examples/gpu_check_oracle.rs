@@ -8,9 +8,9 @@
 //! `llama`: the tiny Hugging Face Llama's logits, loss and every parameter gradient on the GPU,
 //! single device and on every layout family (CP, Ulysses, TP + SP, 2-D) on virtual ranks; the
 //! same weights with Qwen2's q, k, v biases under TP 4 + SP, with Qwen3's head norms under TP 2
-//! × ring 2, and as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: f32, so the
+//! × ring 2, as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: f32, so the
 //! CUDA-core kernels; the pipelined ones at 256 run in the flash, band and random sections),
-//! against the CPU.
+//! and as Phi-3 with heads of 96 and LongRoPE on a ring of 4, against the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
@@ -133,6 +133,11 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     // step, the sliding layer's band kernels included
     let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
+    // Phi-3-mini's head dim 96: the CUDA-core kernels (f32) in every ring step, on a contiguous
+    // ring of 4 whose first rank holds positions below LongRoPE's original length (64) while the
+    // sequence (256) is past it: every rank must rotate with the long factors
+    let name = format!("llama phi3 head dim 96 (longrope past its original length) cp4 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Phi3, Layout::cp(CpKind::Ring, 4), Some(96)));
     // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
     // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
@@ -160,7 +165,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 
 /// The oracle's weights with Qwen2's q, k, v biases (seeded, std ~0.4), Qwen3's q / k head
 /// norms (weights 1 ± 0.4) or as Gemma 3 or 2 (every norm weight 0.4·sin, entering as `1 + w`;
-/// the head tied; window 40 on layer 0; Gemma 2's soft caps 1 and 2) on `layout`'s GPU virtual ranks, against the
+/// the head tied; window 40 on layer 0; Gemma 2's soft caps 1 and 2) or as Phi-3 with LongRoPE
+/// (original length 64) on `layout`'s GPU virtual ranks, against the
 /// single-device CPU run of the same model (which `tests/llama_archs.rs` holds to a float64
 /// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence. `head_dim`:
 /// 4 query / 2 KV heads of that width instead of the oracle's 8 / 2 of 16, their q, k, v, o
@@ -191,6 +197,21 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             let mut moe = candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64);
             moe.mlp_only_layers = vec![0];
             base.with_moe(Some(moe))
+        }
+        Arch::Phi3 => {
+            // LongRoPE: original length 64, the sequence 256 (the long factors act), factors
+            // for the head dim's half
+            let half = base.head_dim / 2;
+            let mut c = base.with_phi3(true);
+            c.max_position_embeddings = 1024;
+            c.rope_scaling = candle_cp_llama::RopeScaling::LongRope {
+                short_factor: (0..half).map(|i| 1.0 + 0.02 * i as f64).collect(),
+                long_factor: (0..half).map(|i| 1.0 + 0.6 * i as f64).collect(),
+                original_max_position_embeddings: 64,
+                factor: 16.0,
+                attention_factor: None,
+            };
+            c
         }
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };

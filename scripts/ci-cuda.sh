@@ -13,7 +13,8 @@
 #      link against the CUDA libraries (stubs from step 1).
 #   3. ptxas (sm_80 and sm_90a; only sm_90a for `.target sm_90a` PTX) assembles our PTX, and its
 #      ISA version must be <= 9.0 (what the GPU machine's CUDA 13.0 driver can JIT); no spills
-#      in the kernels that must not spill, and the Rust launches match the kernels' parameters.
+#      in the kernels that must not spill, and the Rust launches match the kernels' parameters;
+#      then candle-cp-kernels' unit tests (host code built with `cuda`).
 #   4. the pure-Python simulations of the tensor-core kernels' fragment indexing
 #      (candle-cp-kernels/sim/*.py, no GPU).
 #   5. the kernel source itself, compiled as host C++ by g++ under a CUDA emulation and run on the
@@ -181,6 +182,12 @@ for f in flash_fwd flash_bwd_pipe; do
 done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 echo "ci-cuda: ptxas and the launch check done after $(( $(date +%s) - start )) s"
+# the kernel crate's unit tests (launch numbers and head-dim tables in src/flash/core.rs, the probe
+# maps: host code, no device), built as the crate alone with `cuda`
+CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" LD_LIBRARY_PATH="$lib" \
+  cargo test --release -j "$JOBS" -p candle-cp-kernels --features cuda --lib >"$shim_dir/kernels-unit.log" 2>&1 \
+  || { tail -40 "$shim_dir/kernels-unit.log"; echo "ci-cuda: candle-cp-kernels' unit tests failed"; exit 1; }
+echo "ci-cuda: candle-cp-kernels unit tests: $(grep '^test result' "$shim_dir/kernels-unit.log") (after $(( $(date +%s) - start )) s)"
 bg_wait sims
 echo "ci-cuda: the fragment-indexing simulations match (candle-cp-kernels/sim/)"
 

@@ -25,8 +25,8 @@ def load(path):
 
 def main():
     bench = load(sys.argv[1])
-    # (head dim 256 rows: their own table below)
-    ours = [r for r in bench if r.get("impl") == "candle-cp" and r.get("d", 128) != 256]
+    # (head dim 256 and 96 rows: their own tables below)
+    ours = [r for r in bench if r.get("impl") == "candle-cp" and r.get("d", 128) not in (96, 256)]
     kernels = sorted({r.get("kernel", "?") for r in ours})
     ours = {(r["t"], r["causal"], r.get("kernel", "?")): r for r in ours}
     ring = [r for r in bench if r.get("impl") == "candle-cp-ring"]
@@ -79,18 +79,20 @@ def main():
         if "bwd_efficiency" in r:
             print(f"  backward: {r['ring_bwd_ms']:.1f} ms (slowest rank, from a barrier) vs single-GPU "
                   f"{r['single_bwd_ms']:.1f} ms, efficiency {r['bwd_efficiency']:.2f}")
-    wide_table([r for r in bench if r.get("impl") == "candle-cp" and r.get("d") == 256])
+    for d in (256, 96):
+        head_dim_table(d, [r for r in bench if r.get("impl") == "candle-cp" and r.get("d") == d])
     targets(ours, [r for r in bench if r.get("impl") == "candle-cp-ring-steps"])
 
 
-def wide_table(rows):
-    """Head dim 256 (Gemma 3): each family's TFLOP/s per T and mask, and the pipelined
-    tensor-core kernels' rate over the CUDA-core ones' (same run)."""
+def head_dim_table(d, rows):
+    """Head dim 256 (Gemma 3) or 96 (Phi-3-mini), which only the pipelined and CUDA-core kernels
+    take: each family's TFLOP/s per T and mask, and the pipelined tensor-core kernels' rate over
+    the CUDA-core ones' (same run)."""
     if not rows:
         return
     kernels = sorted({r.get("kernel", "?") for r in rows})
     by = {(r["t"], r["causal"], r.get("kernel", "?")): r for r in rows}
-    print("\nhead dim 256 (bf16), TFLOP/s\n")
+    print(f"\nhead dim {d} (bf16), TFLOP/s\n")
     print("| T | mask |" + "".join(f" {k} fwd | {k} bwd |" for k in kernels) + " Pipelined / Simple fwd | bwd |")
     print("|" + "---|" * (4 + 2 * len(kernels)))
     f = lambda r, k: f"{r[k]:.1f}" if r and k in r else "-"

@@ -41,8 +41,8 @@ CpTmaMap emu_tma_map_dq(const float* p, int B, int T, int H, int D);
   void flash_bwd_pipe_dq_band_##N##_d##D(float*, PBWDBC_P(TY));           \
   void flash_bwd_pipe_cap_dkdv_band_##N##_d##D(float*, float*, PBWDBC_P(TY)); \
   void flash_bwd_pipe_cap_dq_band_##N##_d##D(float*, PBWDBC_P(TY));
-#define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
-#define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 128) DECLB16_D(N, TY, 256)
+#define DECLB(N, TY) DECLB_D(N, TY, 16) DECLB_D(N, TY, 32) DECLB_D(N, TY, 64) DECLB_D(N, TY, 96) DECLB_D(N, TY, 128) DECLB_D(N, TY, 256)
+#define DECLB16(N, TY) DECLB16_D(N, TY, 16) DECLB16_D(N, TY, 32) DECLB16_D(N, TY, 64) DECLB16_D(N, TY, 96) DECLB16_D(N, TY, 128) DECLB16_D(N, TY, 256)
 #define DECLWS_D(N, TY, D)                                                     \
   void flash_fwd_wgmma_ws_band_##N##_d##D(FWDXB_P(TY));                        \
   void flash_fwd_wgmma_tma_band_##N##_d##D(FWDXB_P(TY), CpTmaMap, CpTmaMap, CpTmaMap); \
@@ -74,8 +74,8 @@ template <typename TY> using PDqB = void (*)(float*, PBWDBC_P(TY));
 
 // Entry points by (family, D): family 0 = simple (CUDA cores), 1 = pipe (tensor cores).
 #define PICK(PRE, N, D)                                                                                           \
-  (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : D == 128 ? (void*)&PRE##N##_d128 \
-                                                                                                  : (void*)&PRE##N##_d256)
+  (D == 16 ? (void*)&PRE##N##_d16 : D == 32 ? (void*)&PRE##N##_d32 : D == 64 ? (void*)&PRE##N##_d64 : D == 96 ? (void*)&PRE##N##_d96 \
+   : D == 128 ? (void*)&PRE##N##_d128 : (void*)&PRE##N##_d256)
 #define PICK_CORE(PRE, N, D) PICK(PRE, N, D)
 template <typename TY> struct Ents;
 // (void*: the pipelined backward entries take dO as TY, see PBWDB_P)
@@ -297,9 +297,10 @@ template <typename TY> void run_band(const BandCase& c, bool pipe, uint64_t seed
            dqf(dq.p, q.p, k.p, v.p, dout.p, l32.p, delta.p, B, T, S, H, Hkv, scale, cap, lo.p, hi.p, bstride, 0);
          });
   } else {
-    // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da
-    const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = D >= 128 ? 8 : 4, q_mt = D >= 128 ? 1 : 2,
-              q_bn = D == 128 ? 64 : 32;
+    // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da; d96 takes d128's tiles
+    const bool wide_q = D == 96 || D >= 128;
+    const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = wide_q ? 8 : 4, q_mt = wide_q ? 1 : 2,
+              q_bn = D == 128 || D == 96 ? 64 : 32;
     const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
     const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
     Buf<TY> do16(nq);
@@ -441,7 +442,7 @@ template <typename TY> void run_band_sm90(const BandCase& c, uint64_t seed, int 
 // Simple with f32 (and a 16-bit type), pipe with f16 and bf16; the Hopper families (wgmma,
 // wgmma_atomic, wgmma_ws, wgmma_tma) with f16 and bf16 at D 64 / 128.
 void run_all(const BandCase& c, uint64_t& seed) {
-  if (c.D == 256) {  // the CUDA-core (dynamic shared memory) and pipelined kernels alone
+  if (c.D == 96 || c.D == 256) {  // the CUDA-core and pipelined kernels alone
     run_band<float>(c, false, seed++);
     run_band<__nv_bfloat16>(c, false, seed++);
     run_band<__nv_bfloat16>(c, true, seed++);
@@ -516,6 +517,13 @@ void run_band_checks() {
     BandCase r{"ring step window 40", 1, 32, 64, 2, 2, 256, 1, {}, {}};
     band_of_positions(32, 64, 100, 50, true, 40, {}, r.lo, r.hi);
     run_all(r, seed);
+  }
+  {  // head dim 96 (Phi-3-mini's packed documents): 4 documents (one of length 1) over 2 blocks of
+     // 128 query rows and 2 dK/dV blocks of 128 keys, GQA 3:1; and soft-capped (the capped entries)
+    BandCase c{"docs causal", 1, 150, 150, 3, 1, 96, 1, {}, {}};
+    band_of_positions(150, 150, 0, 0, true, 0, {0, 40, 41, 111}, c.lo, c.hi);
+    run_all(c, seed);
+    run_band<__nv_bfloat16>(c, true, seed++, 4.f, 3.0);
   }
   {  // shared random band over batch 2, leading empty rows, d 32
     BandCase c{"random shared, leading empty rows", 2, 77, 90, 3, 1, 32, 1, {}, {}};

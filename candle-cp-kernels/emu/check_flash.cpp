@@ -40,8 +40,8 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_pipe_dq_##N##_d##D(float*, PIPEC_P(TY));                                   \
   void flash_bwd_pipe_cap_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                     \
   void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
-#define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
-// head dim 256: the pipelined entries only (no mma kernels there)
+#define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 96) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
+// head dims 96 and 256: the pipelined entries only (no mma kernels there)
 #define DECLP_D(N, TY, D)                                                                   \
   void flash_fwd_pipe_##N##_d##D(FWDC_P(TY));                                               \
   void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
@@ -51,7 +51,7 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
 #define DECL16(N, TY)                                                                       \
   DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
-  DECLP_D(N, TY, 256)                                                                       \
+  DECLP_D(N, TY, 96) DECLP_D(N, TY, 256)                                                    \
   void flash_bwd_pipe_prep_##N(const float*, const float*, float*, TY*, int, int, int, int);
 extern "C" {
 DECL(f32, float)
@@ -104,14 +104,14 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},                \
     {"flash_bwd_pipe_cap_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dkdv_##N##_d##D},    \
     {"flash_bwd_pipe_cap_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dq_##N##_d##D},
-#define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 128) REG_D(N, 256)
+#define REG(N) REG_D(N, 16) REG_D(N, 32) REG_D(N, 64) REG_D(N, 96) REG_D(N, 128) REG_D(N, 256)
 #define REGP_D(N, D) {"flash_fwd_pipe_" #N "_d" #D, (void*)&flash_fwd_pipe_##N##_d##D},       \
     {"flash_fwd_pipe_cap_" #N "_d" #D, (void*)&flash_fwd_pipe_cap_##N##_d##D},              \
     {"flash_bwd_pipe_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_dkdv_##N##_d##D},            \
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},                \
     {"flash_bwd_pipe_cap_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dkdv_##N##_d##D},    \
     {"flash_bwd_pipe_cap_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dq_##N##_d##D},
-#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 256)
+#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 96) REGP_D(N, 256)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
@@ -359,9 +359,10 @@ template <typename TY> void run_case(const Case& c, const std::vector<Impl>& imp
       };
       ok = ok && grads(0);
     } else {
-      // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da
-      const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = D >= 128 ? 8 : 4, q_mt = D >= 128 ? 1 : 2,
-                q_bn = D == 128 ? 64 : 32;
+      // PipeCfg::of (src/flash/bwd_pipe.rs); dK/dV grid x = Hkv * D / kv_da; d96 takes d128's tiles
+      const bool wide_q = D == 96 || D >= 128;
+      const int kv_nw = 8, kv_bq = D == 256 ? 32 : 64, kv_da = D == 256 ? 128 : D, q_nw = wide_q ? 8 : 4, q_mt = wide_q ? 1 : 2,
+                q_bn = D == 128 || D == 96 ? 64 : 32;
       const int bn = 16 * kv_nw, bm = 16 * q_mt * q_nw, row = (D + 8) * 2;
       const size_t smem_kv = (size_t)(2 * bn + 4 * kv_bq) * row + 4 * kv_bq * 4, smem_q = (size_t)(2 * bm + 4 * q_bn) * row;
       auto do16p = std::make_shared<Buf<TY>>(nq);
@@ -496,6 +497,21 @@ void run_flash_checks() {
     run_case<__nv_bfloat16>(c, {Impl::Simple, Impl::Pipe}, seed++, acc);
     run_case<__half>(c, {Impl::Simple, Impl::Pipe}, seed++, acc);
   }
+  // head dim 96 (Phi-3-mini): the CUDA-core kernels (static shared memory) and the pipelined ones
+  // (the forward's rows of 12 16-byte chunks copied by 120 of its 128 threads; d128's backward
+  // tiles): 2 forward and dQ blocks of 128 rows, 3 key tiles of 64 and 2 dK/dV blocks of 128 keys
+  // with a ragged end and GQA; a ring block whose queries come after its keys with fully masked
+  // rows; a soft-capped one (the capped entries); accumulate / fold runs.
+  const Case d96{"causal gqa2:1 multi-tile", 1, 150, 150, 2, 1, 96, 1, 0, 1, 0, 1};
+  const Case d96_after{"causal q after k (q_off 40), rows fully masked (k_off 50)", 2, 24, 40, 2, 2, 96, 1, 40, 1, 50, 1};
+  const Case d96_full{"full t != s", 1, 17, 45, 1, 1, 96, 0, 0, 1, 0, 1};
+  for (const Case* cp : {&d96, &d96_after, &d96_full}) {
+    const bool acc = cp != &d96_full;
+    run_case<float>(*cp, {Impl::Simple}, seed++, acc);
+    run_case<__nv_bfloat16>(*cp, {Impl::Simple, Impl::Pipe}, seed++, acc);
+    run_case<__half>(*cp, {Impl::Simple, Impl::Pipe}, seed++, acc);
+  }
+  run_case<__nv_bfloat16>(d96_after, {Impl::Simple, Impl::Pipe}, seed++, true, 5.f, 3.0);
   {  // pipelined d256 over several blocks each way: 3 forward blocks of 64 rows, 2 dK/dV key
      // blocks of 128 (2 column slices each), query tiles of 32, causal GQA 3:1 with a ragged end
     const Case d256_big{"pipe causal gqa3:1 ragged", 1, 150, 200, 3, 1, 256, 1, 50, 1, 0, 1};

@@ -514,7 +514,7 @@ def core_smem_configs(fwd_cu, bwd_cu, core_rs, num, err):
         if kind not in rust:
             err(f"core.rs smem_bytes: no `Core::{kind} => a * d + b` arm")
             continue
-        for d in (16, 32, 64, 128, 256):
+        for d in (16, 32, 64, 96, 128, 256):
             floats = eval(expr, {}, dict(c, D=d, DP=d + 1))  # the kernel's N (integer arithmetic)
             want = rust[kind][0] * d + rust[kind][1]
             if floats != want:
@@ -568,7 +568,7 @@ def tile_configs():
         if rust_tile(d) not in (None, (nw, mt, bk)):
             err(f"flash_fwd_pipe d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile({d}) = {rust_tile(d)}")
         fam[d] = pipe_shape(d, nw, mt, bk)
-    if sorted(cu) != [16, 32, 64, 128, 256]:
+    if sorted(cu) != [16, 32, 64, 96, 128, 256]:
         err(f"flash_fwd.cu PIPES: head dims {sorted(cu)}")
     # the soft-capped entries (flash_fwd_pipe_cap{,_band}_*, PIPES_CAP): PIPES' tiles except the
     # head dim flash.rs pipe_tile_of special-cases (d128 over 32-key tiles); pipe_config_of takes
@@ -585,7 +585,7 @@ def tile_configs():
         if want not in (None, (nw, mt, bk)):
             err(f"flash_fwd_pipe_cap d{d}: kernel NW={nw} MT={mt} BK={bk} but flash.rs pipe_tile_of({d}, true) = {want}")
         fam[d] = pipe_shape(d, nw, mt, bk)
-    if sorted(cu_cap) != [16, 32, 64, 128, 256]:
+    if sorted(cu_cap) != [16, 32, 64, 96, 128, 256]:
         err(f"flash_fwd.cu PIPES_CAP: head dims {sorted(cu_cap)}")
 
     # flash_bwd_pipe.cu PipeCfg<D> (generic, KV_DA = D) and its specializations vs bwd_pipe.rs
@@ -612,7 +612,7 @@ def tile_configs():
             err(f"PipeCfg<{spec}> {dict(zip(keys, cv))} != bwd_pipe.rs PipeCfg::of {dict(zip(rk, rv))}")
     if "hkv * (d / self.kv_da)" not in bp_rs:
         err("bwd_pipe.rs kv_grid_x: expected hkv * (d / self.kv_da) (the kernel's kvh = blockIdx.x / (D / DA))")
-    for d in (16, 32, 64, 128, 256):
+    for d in (16, 32, 64, 96, 128, 256):
         c = cu_cfg.get(d) or cu_cfg.get("D") or {}
         try:
             kv_nw, kv_bq, _, q_nw, q_mt, q_bn = [int(c[k]) if c[k] != "D" else d for k in keys]
@@ -683,7 +683,7 @@ def tile_configs():
         out.setdefault("flash_fwd_mma", {})[d] = (rm[1] if rm else 0, mbq, 0)
         out.setdefault("flash_bwd_mma_dkdv", {})[d] = (thr[0] if thr else 0, keys, 0)
         out.setdefault("flash_bwd_mma_dq", {})[d] = (dthr, rows[0] if rows else 0, 0)
-    for d in (16, 32, 64, 128, 256):  # the CUDA-core kernels also take 256 (dynamic shared memory)
+    for d in (16, 32, 64, 96, 128, 256):  # the CUDA-core kernels also take 96 and 256 (dynamic shared memory at 256)
         out.setdefault("flash_fwd_simple", {})[d] = (rs[1] if rs else 0, nw * r, core_smem("Fwd", d))
         out.setdefault("flash_bwd_dkdv", {})[d] = (thr[1] if thr else 0, keys, core_smem("Dkdv", d))
         out.setdefault("flash_bwd_dq", {})[d] = (dthr, rows[1] if rows else 0, core_smem("Dq", d))

@@ -229,7 +229,7 @@ __device__ __forceinline__ void bwd_dq(const T* __restrict__ q, const T* __restr
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_dq_band_##NAME##_d##D(float* dq, BWD_BAND_ARGS) { \
     bwd_dq<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, cap, CP_BAND_OF_BLOCK, accumulate); \
   }
-#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128) ENTRIES_D(NAME, 256)
+#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 96) ENTRIES_D(NAME, 128) ENTRIES_D(NAME, 256)
 
 #define TY float
 ENTRIES(f32)

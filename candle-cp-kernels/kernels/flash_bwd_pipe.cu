@@ -48,13 +48,17 @@
 // the grid and the dynamic shared memory from them): the dK/dV kernel runs KV_NW warps x 16 keys over
 // KV_BQ-query tiles, each block owning KV_DA of the D columns of dK / dV (grid x = Hkv * D / KV_DA);
 // the dQ kernel Q_NW warps x 16 * Q_MT rows over Q_BN-key tiles. D = 128 keeps Q_MT = 1 (Q_MT = 2
-// spills there: 128 accumulator registers plus S and dP). D = 256 (Gemma 3): a warp's dK and dV
+// spills there: 128 accumulator registers plus S and dP), and so does D = 96 (Phi-3-mini: its soft-capped
+// band dQ entry spills 12-16 bytes at Q_MT = 2 over 32-key tiles). D = 256 (Gemma 3): a warp's dK and dV
 // rows of all 256 columns would take 256 accumulator registers, so each dK/dV block keeps 128
 // columns of both (two blocks per key tile, both computing the whole S^T and dP^T from the full
 // K, V, Q, dO tiles: 6 instead of 4 matrix products per pair of tiles), and query tiles of 32
 // rows keep the tiles within Hopper's 227 KiB per block (203,264 bytes; dQ 202,752).
 template <int D> struct PipeCfg {
   static constexpr int KV_NW = 8, KV_BQ = 64, KV_DA = D, Q_NW = 4, Q_MT = 2, Q_BN = 32;
+};
+template <> struct PipeCfg<96> {
+  static constexpr int KV_NW = 8, KV_BQ = 64, KV_DA = 96, Q_NW = 8, Q_MT = 1, Q_BN = 64;
 };
 template <> struct PipeCfg<128> {
   static constexpr int KV_NW = 8, KV_BQ = 64, KV_DA = 128, Q_NW = 8, Q_MT = 1, Q_BN = 64;
@@ -460,7 +464,8 @@ __device__ __forceinline__ void bwd_pipe_prep(const float* __restrict__ o, const
                                                          TY* do16, int B, int T_, int H, int D) {        \
     bwd_pipe_prep<TY>(o, dout, delta, do16, B, T_, H, D);                                                 \
   }                                                                                                       \
-  PIPE_ENTRIES_D(NAME, 16) PIPE_ENTRIES_D(NAME, 32) PIPE_ENTRIES_D(NAME, 64) PIPE_ENTRIES_D(NAME, 128) PIPE_ENTRIES_D(NAME, 256)
+  PIPE_ENTRIES_D(NAME, 16) PIPE_ENTRIES_D(NAME, 32) PIPE_ENTRIES_D(NAME, 64) PIPE_ENTRIES_D(NAME, 96) PIPE_ENTRIES_D(NAME, 128) \
+  PIPE_ENTRIES_D(NAME, 256)
 
 #define TY __half
 PIPE_ENTRIES(f16)

@@ -259,18 +259,24 @@ __device__ __forceinline__ void fwd_mma(const T* __restrict__ q, const T* __rest
 
 // Copy ROWS rows of D elements (16-bit) from global `src` (row r at src + r * rstride) into shared
 // `dst` (row stride D + 8 elements) with 16-byte cp.async; rows >= rows_valid are zero-filled.
-// Thread tid copies chunks c = tid % (D/8) of rows tid / (D/8) + i * (NTH / (D/8)).
+// Thread tid copies chunks c = tid % (D/8) of rows tid / (D/8) + i * RSTEP, RSTEP = NTH / (D/8)
+// rows per step. Where the D/8 chunks of a row do not divide NTH (D = 96: 12 chunks, 10 rows per
+// step of 128 threads) the last NTH % (D/8) threads copy nothing: each thread keeps one source
+// pointer and one shared address, as at the other head dims (a per-chunk row / column split
+// costs the d96 forward its last registers: 8-36 bytes of spill on sm_80).
 template <int ROWS, int D, int NTH, typename T>
 __device__ __forceinline__ void fwd_pipe_load(uint32_t dst, const T* __restrict__ src, size_t rstride,
                                               int r0, int rows_valid, int tid) {
-  constexpr int CH = D / 8, DP = D + 8, RSTEP = NTH / CH, ITER = (ROWS * CH + NTH - 1) / NTH;
-  static_assert(NTH % CH == 0, "threads per block must be a multiple of the 16-byte chunks per row");
+  constexpr int CH = D / 8, DP = D + 8, RSTEP = NTH / CH, ITER = (ROWS + RSTEP - 1) / RSTEP;
+  static_assert(RSTEP >= 1, "a block must copy at least one row per step");
   const int c = tid % CH, rr = tid / CH;
+  if constexpr (NTH % CH != 0)
+    if (rr >= RSTEP) return;
   const T* p = src + (size_t)(r0 + rr) * rstride + c * 8;
   dst += (uint32_t)((rr * DP + c * 8) * 2);
 #pragma unroll
   for (int i = 0; i < ITER; ++i) {
-    if ((ROWS * CH) % NTH == 0 || rr + i * RSTEP < ROWS) {
+    if (ROWS % RSTEP == 0 || rr + i * RSTEP < ROWS) {
       const bool valid = r0 + rr + i * RSTEP < rows_valid;
       cp_async16(dst + (uint32_t)(i * RSTEP * DP * 2), valid ? p + (size_t)i * RSTEP * rstride : src, valid);
     }
@@ -600,23 +606,23 @@ __device__ __forceinline__ void fwd_pipe(const T* __restrict__ q, const T* __res
 // per tile (MT * D > 128): 101,376 bytes, band entry too (the row bounds in Q's row padding:
 // sm_86 / sm_89 / sm_120's maximum per block); two blocks per Hopper SM; its O accumulators (128
 // per thread) are d128's.
-#define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 128, 4, 2, 64) \
-  PIPE(NAME, 256, 4, 1, 32)
+#define PIPES(NAME) PIPE(NAME, 16, 4, 2, 64) PIPE(NAME, 32, 4, 2, 64) PIPE(NAME, 64, 4, 2, 64) PIPE(NAME, 96, 4, 2, 64) \
+  PIPE(NAME, 128, 4, 2, 64) PIPE(NAME, 256, 4, 1, 32)
 // The soft-capped entries (Gemma 2): PIPES' tiles but d128 over 32-key tiles (BQ 128: 70,144 bytes):
 // at 64 the cap's tanh pushes it past 255 registers (ptxas: 20-136 bytes of spill). src/flash.rs
 // `pipe_tile_of(d, true)` mirrors these.
 #define PIPES_CAP(NAME) PIPE_CAP(NAME, 16, 4, 2, 64) PIPE_CAP(NAME, 32, 4, 2, 64) PIPE_CAP(NAME, 64, 4, 2, 64) \
-  PIPE_CAP(NAME, 128, 4, 2, 32) PIPE_CAP(NAME, 256, 4, 1, 32)
+  PIPE_CAP(NAME, 96, 4, 2, 64) PIPE_CAP(NAME, 128, 4, 2, 32) PIPE_CAP(NAME, 256, 4, 1, 32)
 #define TY float
-SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 128) SIMPLE(f32, 256)
+SIMPLE(f32, 16) SIMPLE(f32, 32) SIMPLE(f32, 64) SIMPLE(f32, 96) SIMPLE(f32, 128) SIMPLE(f32, 256)
 #undef TY
 #define TY __half
-SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 128) SIMPLE(f16, 256)
+SIMPLE(f16, 16) SIMPLE(f16, 32) SIMPLE(f16, 64) SIMPLE(f16, 96) SIMPLE(f16, 128) SIMPLE(f16, 256)
 MMA(f16, 16) MMA(f16, 32) MMA(f16, 64) MMA(f16, 128)
 PIPES(f16) PIPES_CAP(f16)
 #undef TY
 #define TY __nv_bfloat16
-SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 128) SIMPLE(bf16, 256)
+SIMPLE(bf16, 16) SIMPLE(bf16, 32) SIMPLE(bf16, 64) SIMPLE(bf16, 96) SIMPLE(bf16, 128) SIMPLE(bf16, 256)
 MMA(bf16, 16) MMA(bf16, 32) MMA(bf16, 64) MMA(bf16, 128)
 PIPES(bf16) PIPES_CAP(bf16)
 #undef TY

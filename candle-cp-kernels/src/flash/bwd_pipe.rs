@@ -15,7 +15,7 @@ use half::{bf16, f16};
 /// Tile shapes of `kernels/flash_bwd_pipe.cu` (its `PipeCfg<D>`; keep the two in sync): the
 /// dK/dV kernel runs `kv_nw` warps x 16 keys per block over `kv_bq`-row query tiles, each block
 /// owning `kv_da` of the d columns of dK and dV (d / kv_da blocks per key tile: 2 at d = 256, 1
-/// below), the dQ kernel `q_nw` warps x `16 * q_mt` query rows per block over `q_bn`-key tiles.
+/// below; d = 96 takes d = 128's tiles), the dQ kernel `q_nw` warps x `16 * q_mt` query rows per block over `q_bn`-key tiles.
 #[derive(Clone, Copy, Debug)]
 pub(super) struct PipeCfg {
     pub(super) kv_nw: usize,
@@ -28,7 +28,9 @@ pub(super) struct PipeCfg {
 
 impl PipeCfg {
     pub(super) fn of(d: usize) -> Self {
-        if d == 128 {
+        if d == 96 {
+            Self { kv_nw: 8, kv_bq: 64, kv_da: 96, q_nw: 8, q_mt: 1, q_bn: 64 }
+        } else if d == 128 {
             Self { kv_nw: 8, kv_bq: 64, kv_da: 128, q_nw: 8, q_mt: 1, q_bn: 64 }
         } else if d == 256 {
             Self { kv_nw: 8, kv_bq: 32, kv_da: 128, q_nw: 8, q_mt: 1, q_bn: 32 }
@@ -57,10 +59,11 @@ impl PipeCfg {
 }
 
 /// Whether the pipelined backward can run at head dim `d` on `dev`: the dynamic shared memory
-/// of both kernels (at d = 128: 140,288 bytes for dK/dV, 139,264 for dQ; at d = 64: 74,752 and
-/// 55,296; at d = 256: 203,264 and 202,752) within the device's opt-in maximum per block (sm_80:
-/// 166,912; sm_90: 232,448; sm_86, sm_89, sm_120: 101,376). Where it does not fit, `Auto` gets
-/// `Ok(false)` (the caller runs the mma kernels instead, the CUDA-core ones at d = 256) and an
+/// of both kernels (at d = 128: 140,288 bytes for dK/dV, 139,264 for dQ; at d = 96: 107,520 and
+/// 106,496; at d = 64: 74,752 and 55,296; at d = 256: 203,264 and 202,752) within the device's
+/// opt-in maximum per block (sm_80: 166,912; sm_90: 232,448; sm_86, sm_89, sm_120: 101,376).
+/// Where it does not fit, `Auto` gets `Ok(false)` (the caller runs the mma kernels instead, the
+/// CUDA-core ones at d = 96 and 256) and an
 /// explicit kernel choice an error naming the sizes.
 pub(super) fn fits(dev: &CudaDevice, d: usize, imp: FwdImpl, q: &Shape) -> Result<bool> {
     let (kv, dq) = PipeCfg::of(d).smem(d);

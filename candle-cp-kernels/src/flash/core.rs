@@ -1,21 +1,27 @@
 //! The CUDA-core kernels' launch numbers (`kernels/flash_fwd.cu` `fwd_simple`,
 //! `kernels/flash_bwd.cu` `bwd_dkdv` / `bwd_dq`, their `_band_` entries) and the head dims only
-//! some families take.
+//! some families take ([`PARTIAL_HEAD_DIMS`]: 96 and 256).
 //!
-//! Head dim 256 (Gemma 3 1B / 4B / 12B, Gemma 2) runs on two families:
+//! Head dim 96 (Phi-3-mini, Phi-3.5-mini) and 256 (Gemma 3 1B / 4B / 12B, Gemma 2) run on two
+//! families:
 //! - the CUDA-core kernels ([`FwdImpl::Simple`]; f32, and f16/bf16 where the device lacks the
-//!   pipelined kernels' shared memory): their tiles (f32 K and V of 32 keys, the block's query
-//!   rows) need about 82 KB of shared memory per block, more than a block may declare
-//!   statically, so at d = 256 they take it as dynamic shared memory (`cp_core_smem` in
-//!   `kernels/common.cuh`) and the launcher passes the size below;
-//! - the pipelined tensor-core kernels ([`FwdImpl::Pipelined`], and `Auto` for f16/bf16): the
-//!   forward with 64-row blocks over 32-key tiles (101,376 bytes: every GPU from sm_80 on), the
-//!   backward with dK/dV blocks that each keep 128 of the 256 columns (203,264 bytes) and
-//!   128-row dQ blocks (202,752): Hopper only (232,448 bytes per block), so `Auto` runs the
-//!   CUDA-core backward elsewhere.
+//!   pipelined kernels' shared memory): at d = 96 their tiles fit in a block's static shared
+//!   memory (33,024 bytes at most); at d = 256 (f32 K and V of 32 keys, the block's query rows)
+//!   they need about 82 KB per block, more than a block may declare statically, so they take it
+//!   as dynamic shared memory (`cp_core_smem` in `kernels/common.cuh`) and the launcher passes
+//!   the size below;
+//! - the pipelined tensor-core kernels ([`FwdImpl::Pipelined`], and `Auto` for f16/bf16): at
+//!   d = 96 d = 64's forward tiles (128 rows over 64-key tiles, 80,384 bytes; 12 16-byte chunks a
+//!   row, so 8 of the 128 threads copy nothing) and d = 128's backward ones (107,520 and 106,496
+//!   bytes: sm_80 and Hopper; `Auto` runs the CUDA-core backward on sm_86 / sm_89 / sm_120); at
+//!   d = 256 the forward with 64-row blocks over 32-key tiles (101,376 bytes: every GPU from
+//!   sm_80 on), the backward with dK/dV blocks that each keep 128 of the 256 columns (203,264
+//!   bytes) and 128-row dQ blocks (202,752): Hopper only (232,448 bytes per block), so `Auto`
+//!   runs the CUDA-core backward elsewhere.
 //!
-//! The mma, fused and Hopper families stop at 128; `FwdImpl::for_head_dim` maps them to `Auto`
-//! at 256, and the raw kernel functions refuse them by name.
+//! The mma, fused and Hopper families have no kernels at these head dims;
+//! `FwdImpl::for_head_dim` maps them to `Auto` there, and the raw kernel functions refuse them by
+//! name.
 
 use super::FwdImpl;
 use crate::util;
@@ -28,18 +34,19 @@ use candle_core::{CudaDevice, Result, Shape};
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
 /// Head dims only the CUDA-core ([`FwdImpl::Simple`]) and pipelined tensor-core
-/// ([`FwdImpl::Pipelined`]) kernels take; `Auto` runs one of those two.
-pub const WIDE_HEAD_DIMS: [usize; 1] = [256];
+/// ([`FwdImpl::Pipelined`]) kernels take; `Auto` runs one of those two. 96: Phi-3-mini and
+/// Phi-3.5-mini; 256: Gemma 2 and Gemma 3.
+pub const PARTIAL_HEAD_DIMS: [usize; 2] = [96, 256];
 
-/// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`WIDE_HEAD_DIMS`]).
+/// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`PARTIAL_HEAD_DIMS`]).
 pub fn head_dim_supported(d: usize) -> bool {
-    HEAD_DIMS.contains(&d) || WIDE_HEAD_DIMS.contains(&d)
+    HEAD_DIMS.contains(&d) || PARTIAL_HEAD_DIMS.contains(&d)
 }
 
 /// Whether family `imp` has kernels at head dim `d` (every family at [`HEAD_DIMS`]; `Auto`,
-/// `Simple` and `Pipelined` at [`WIDE_HEAD_DIMS`]).
+/// `Simple` and `Pipelined` at [`PARTIAL_HEAD_DIMS`]).
 pub fn family_takes(imp: FwdImpl, d: usize) -> bool {
-    HEAD_DIMS.contains(&d) || (WIDE_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
+    HEAD_DIMS.contains(&d) || (PARTIAL_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
 }
 
 /// One of the CUDA-core kernels.
@@ -88,13 +95,13 @@ pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
     Ok(())
 }
 
-/// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`WIDE_HEAD_DIMS`] head
+/// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`PARTIAL_HEAD_DIMS`] head
 /// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking that the device gives a block
 /// the CUDA-core kernels' shared memory: the launchers fall back to them where they would run the
 /// mma kernels, which have none at that head dim: `Auto` where the pipelined kernels do not fit,
 /// a forward with scale <= 0), an error naming the head dim for an explicit other family.
 pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
-    if !WIDE_HEAD_DIMS.contains(&d) {
+    if !PARTIAL_HEAD_DIMS.contains(&d) {
         return Ok(imp);
     }
     if !family_takes(imp, d) {
@@ -113,8 +120,8 @@ pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: 
 mod tests {
     use super::*;
 
-    /// The sizes the kernels' `cp_core_smem<N>` take: static (0 dynamic) up to d = 128, the
-    /// whole buffer at d = 256.
+    /// The sizes the kernels' `cp_core_smem<N>` take: static (0 dynamic) up to d = 128 (96
+    /// included), the whole buffer at d = 256.
     #[test]
     fn core_smem_static_up_to_128() {
         for d in HEAD_DIMS {
@@ -126,9 +133,15 @@ mod tests {
         assert_eq!(core_smem(Core::Fwd, 256), 82_048);
         assert_eq!(core_smem(Core::Dkdv, 256), 84_224);
         assert_eq!(core_smem(Core::Dq, 256), 82_176);
-        assert!(head_dim_supported(256) && !head_dim_supported(96) && !head_dim_supported(512));
-        assert!(family_takes(FwdImpl::Pipelined, 256) && family_takes(FwdImpl::Auto, 256) && family_takes(FwdImpl::Simple, 256));
-        assert!(!family_takes(FwdImpl::Mma, 256) && !family_takes(FwdImpl::WgmmaTma, 256) && !family_takes(FwdImpl::AtomicDq, 256));
-        assert!(family_takes(FwdImpl::WgmmaTma, 128) && !family_takes(FwdImpl::Simple, 96));
+        for k in [Core::Fwd, Core::Dkdv, Core::Dq] {
+            assert_eq!(core_smem(k, 96), 0, "{k:?} d96: {} bytes", smem_bytes(k, 96));
+        }
+        assert_eq!(smem_bytes(Core::Dkdv, 96), 33_024);
+        assert!(head_dim_supported(256) && head_dim_supported(96) && !head_dim_supported(80) && !head_dim_supported(512));
+        for d in PARTIAL_HEAD_DIMS {
+            assert!(family_takes(FwdImpl::Pipelined, d) && family_takes(FwdImpl::Auto, d) && family_takes(FwdImpl::Simple, d));
+            assert!(!family_takes(FwdImpl::Mma, d) && !family_takes(FwdImpl::WgmmaTma, d) && !family_takes(FwdImpl::AtomicDq, d));
+        }
+        assert!(family_takes(FwdImpl::WgmmaTma, 128) && !family_takes(FwdImpl::Simple, 80));
     }
 }
