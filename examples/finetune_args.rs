@@ -155,6 +155,10 @@ pub(crate) struct Args {
     /// every layer.
     #[arg(long)]
     pub(crate) phi3: bool,
+    /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
+    /// 0.75), the other dimensions passed through.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) partial_rotary: f64,
     /// A Qwen3-MoE model (random init): `E,K` — every layer's MLP a mixture of E experts, K
     /// per token (renormalised), each --hidden wide, with the load-balancing loss (coefficient
     /// 0.01); q, k head norms as Qwen3. Experts are split over --tp (each rank holds every

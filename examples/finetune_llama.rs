@@ -61,7 +61,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3 and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.partial_rotary != 1.0 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --partial-rotary and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -77,10 +77,13 @@ fn main() -> Result<()> {
             if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.moe.is_some()].iter().filter(|&&x| x).count() > 1 {
                 bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3 and --moe (Qwen3-MoE): pick one")
             }
+            if a.partial_rotary != 1.0 && !a.phi3 {
+                bail!("--partial-rotary {} needs --phi3 (only a Phi-3's RoPE is partial here)", a.partial_rotary)
+            }
             if a.phi3 {
                 // short factors near 1, long ones growing with the wavelength, as Phi-3's
-                let (n, original) = (cfg.head_dim / 2, (a.seq_len / 2).max(1));
-                cfg = cfg.with_phi3(true).with_sliding_window(a.sliding_window);
+                cfg = cfg.with_phi3(true).with_sliding_window(a.sliding_window).with_partial_rotary_factor(a.partial_rotary);
+                let (n, original) = (cfg.rope_dim() / 2, (a.seq_len / 2).max(1));
                 cfg.max_position_embeddings = 16 * original;
                 cfg.rope_scaling = candle_cp_llama::RopeScaling::LongRope {
                     short_factor: (0..n).map(|i| 1.0 + 0.5 * i as f64 / n as f64).collect(),

@@ -10,7 +10,8 @@
 //! same weights with Qwen2's q, k, v biases under TP 4 + SP, with Qwen3's head norms under TP 2
 //! × ring 2, as Gemma 3 under TP 2 + SP × zigzag 2 (also with heads of 256: f32, so the
 //! CUDA-core kernels; the pipelined ones at 256 run in the flash, band and random sections),
-//! and as Phi-3 with heads of 96 and LongRoPE on a ring of 4, against the CPU.
+//! and as Phi-3 with heads of 96, LongRoPE and Phi-4-mini's partial RoPE on a ring of 4, against
+//! the CPU.
 
 use super::{case_to, kmask, oracle_cases, report_metrics, Report};
 use crate::gpu_util;
@@ -135,8 +136,9 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
     // Phi-3-mini's head dim 96: the CUDA-core kernels (f32) in every ring step, on a contiguous
     // ring of 4 whose first rank holds positions below LongRoPE's original length (64) while the
-    // sequence (256) is past it: every rank must rotate with the long factors
-    let name = format!("llama phi3 head dim 96 (longrope past its original length) cp4 ring, first {QUICK_TOKENS} tokens vs cpu");
+    // sequence (256) is past it: every rank must rotate with the long factors; RoPE on 3/4 of
+    // each head (Phi-4-mini's partial RoPE: 72 of the 96 dimensions)
+    let name = format!("llama phi3 head dim 96 (longrope past its original length, partial rope 0.75) cp4 ring, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Phi3, Layout::cp(CpKind::Ring, 4), Some(96)));
     // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
     // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
@@ -200,9 +202,9 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
         }
         Arch::Phi3 => {
             // LongRoPE: original length 64, the sequence 256 (the long factors act), factors
-            // for the head dim's half
-            let half = base.head_dim / 2;
-            let mut c = base.with_phi3(true);
+            // for the rotated dimensions' half (Phi-4-mini's partial RoPE: 3/4 of each head)
+            let mut c = base.with_phi3(true).with_partial_rotary_factor(0.75);
+            let half = c.rope_dim() / 2;
             c.max_position_embeddings = 1024;
             c.rope_scaling = candle_cp_llama::RopeScaling::LongRope {
                 short_factor: (0..half).map(|i| 1.0 + 0.02 * i as f64).collect(),

@@ -90,13 +90,15 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     // the frequencies of the config's scaling (plain RoPE: theta^(-2i/D), which the oracle
     // test checks; YaRN's are checked by hand in `rope::tests`), and YaRN's factor on cos and
     // sin as HF applies it; Gemma's sliding layers: their own base, unscaled
-    // LongRoPE written out here (not through the crate): theta^(-2i/D) over the long factors
+    // LongRoPE written out here (not through the crate): theta^(-2i/R) over the long factors
     // when the T tokens pass the original length, the short ones otherwise, and cos, sin
-    // times sqrt(1 + ln(factor) / ln(original))
+    // times sqrt(1 + ln(factor) / ln(original)); R = int(D · partial_rotary_factor) the
+    // rotated dimensions (Phi-4-mini's partial RoPE: the others pass through)
+    let rd = (d as f64 * cfg.partial_rotary_factor) as usize;
     let global = match &cfg.rope_scaling {
         candle_cp_llama::RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: o, factor, attention_factor: None } => {
             let ext = if t > *o { long_factor } else { short_factor };
-            let inv: Vec<f64> = (0..d / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / d as f64) / ext[i]).collect();
+            let inv: Vec<f64> = (0..rd / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / rd as f64) / ext[i]).collect();
             let af = if *factor > 1.0 { (1.0 + factor.ln() / (*o as f64).ln()).sqrt() } else { 1.0 };
             tables(&inv, t, af)?
         }
@@ -137,7 +139,11 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             (Some(loc), Some(_)) => loc,
             _ => &global,
         };
-        let rope = |x: &Tensor| -> Result<Tensor> { x.broadcast_mul(cos)? + rotate_half(x)?.broadcast_mul(sin)? };
+        let rope = |x: &Tensor| -> Result<Tensor> {
+            let r = x.narrow(D::Minus1, 0, rd)?;
+            let r = (r.broadcast_mul(cos)? + rotate_half(&r)?.broadcast_mul(sin)?)?;
+            if rd == d { Ok(r) } else { Tensor::cat(&[&r, &x.narrow(D::Minus1, rd, d - rd)?], D::Minus1) }
+        };
         let hn = norm(&x, &n("input_layernorm.weight"))?;
         let heads = |s: &str, nh: usize| -> Result<Tensor> {
             linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)

@@ -7,6 +7,9 @@
 //!   LongRoPE frequencies out itself). On a contiguous ring of 4 rank 0 holds positions 0..63
 //!   only: with its own shard's length it would rotate by the short factors while the others
 //!   use the long ones; the model takes the length over the CP group.
+//! - Phi-4-mini's partial RoPE (`partial_rotary_factor` 0.75: the first 12 of 16 dimensions
+//!   rotated, the rest passed through) on every kind of layout against the reference, and in
+//!   generation.
 //! - Generation: a prompt past the original length prefills and decodes with the long
 //!   factors, the cached decode equal to the full forward; CP and TP decode the same tokens.
 //! - LoRA on the fused modules as PEFT trains it (`qkv_proj`: one `A` for q, k and v, `B`
@@ -79,6 +82,49 @@ fn phi3_with_longrope_on_every_layout_matches_the_reference() -> Result<()> {
         assert!(rep.pass(), "{layout}: {rep:?}");
     }
     Ok(())
+}
+
+/// [`phi3`] as Phi-4-mini rotates: `partial_rotary_factor` 0.75, RoPE on the first 12 of each
+/// head's 16 dimensions (6 frequencies `theta^(-2i/12)`, 6 LongRoPE factors of each kind), the
+/// last 4 passed through.
+fn phi4_mini() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    let (mut cfg, full, ids) = phi3()?;
+    cfg.partial_rotary_factor = 0.75;
+    if let RopeScaling::LongRope { short_factor, long_factor, .. } = &mut cfg.rope_scaling {
+        short_factor.truncate(6);
+        long_factor.truncate(6);
+    }
+    cfg.validate()?;
+    Ok((cfg, full, ids))
+}
+
+/// Phi-4-mini's partial RoPE on every kind of layout against the float64 reference (which
+/// rotates the first 12 dimensions itself); it acts (rotating all 16, with two more factors,
+/// moves the logits far past the tolerance); the cached decode of a prompt past the original
+/// length equals the full forward, and zigzag CP 2 and TP 2 decode the same tokens.
+#[test]
+fn phi4_mini_partial_rope_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = phi4_mini()?;
+    assert_eq!(cfg.rope_dim(), 12);
+    let want = reference(&full, &cfg, &ids)?;
+    let (whole, _, _) = phi3()?;
+    let moved = max_abs(&reference(&full, &whole, &ids)?.logits, &want.logits)?;
+    assert!(moved > 100.0 * Tolerances::default().logits_abs, "the partial RoPE moved the logits by only {moved:.1e}");
+    for layout in [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, true),
+    ] {
+        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
+        println!("phi4-mini partial rope {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert!(rep.pass(), "{layout}: {rep:?}");
+    }
+    let prompt = ids.narrow(1, 0, 80)?.contiguous()?;
+    candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &prompt, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, false)])
 }
 
 /// A prompt of 80 tokens (past the original 64): the cached decode equals the full forward,

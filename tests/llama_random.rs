@@ -14,7 +14,8 @@
 //! load-balancing loss on or off, one layer of two dense or none), half of the Qwen2 ones
 //! Qwen2-MoE (a shared expert too), a third of the other Llama ones Mixtral and a third of
 //! those left Phi-3 with LongRoPE (an original length below T or not, factors drawn: the
-//! short or long factors must be those of the whole sequence on every rank). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! short or long factors must be those of the whole sequence on every rank; half of them with
+//! Phi-4-mini's partial RoPE over half of each head). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -110,13 +111,16 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
     };
     // a third of the remaining plain Llama draws are Phi-3 with LongRoPE: an original length
     // below T or not (the long or the short factors, chosen over the whole sequence whatever
-    // each rank holds), factors drawn (a stream of its own)
+    // each rank holds), factors drawn (a stream of its own); half of those rotate half of each
+    // head only (Phi-4-mini's partial RoPE, where that half is even; a stream of its own too)
     let mut ph = rng(980_000 + seed);
     let cfg = match arch == 0 && cfg.gemma2.is_none() && cfg.moe.is_none() && ph.below(3) == 0 {
         true => {
-            let n = cfg.head_dim / 2;
+            let partial = rng(985_000 + seed).below(2) == 0 && (cfg.head_dim / 2) % 2 == 0;
+            let cfg = cfg.with_phi3(true).with_partial_rotary_factor(if partial { 0.5 } else { 1.0 });
+            let n = cfg.rope_dim() / 2;
             let original = pick(&mut ph, &[t / 4, t / 2, t, 2 * t]);
-            let mut c = cfg.with_phi3(true);
+            let mut c = cfg;
             c.max_position_embeddings = original * pick(&mut ph, &[1, 4, 16]);
             let mut factors = |top: f64| (0..n).map(|_| 1.0 + top * ph.below(1000) as f64 / 1000.0).collect::<Vec<f64>>();
             let (short_factor, long_factor) = (factors(1.0), factors(30.0));
@@ -209,7 +213,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let mut phi3 = 0;
+    let (mut phi3, mut partial) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -251,6 +255,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 moe += cfg.moe.is_some() as usize;
                 ep += (layout.ep > 1) as usize;
                 phi3 += cfg.phi3 as usize;
+                partial += (cfg.partial_rotary_factor != 1.0) as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -258,10 +263,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

@@ -50,6 +50,10 @@ pub struct LlamaConfig {
     pub rope_theta: f64,
     /// RoPE frequency scaling.
     pub rope_scaling: RopeScaling,
+    /// Share of each head that RoPE rotates (`partial_rotary_factor`; Phi-4-mini: 0.75): the
+    /// first [`LlamaConfig::rope_dim`] dimensions, in the `rotate_half` form over those alone,
+    /// the rest pass through unrotated; 1 (every other architecture): the whole head.
+    pub partial_rotary_factor: f64,
     /// `lm_head` shares the embedding matrix (no `lm_head.weight` tensor).
     pub tie_word_embeddings: bool,
     /// Longest position the checkpoint was configured for (kept for config.json round trips).
@@ -214,6 +218,7 @@ impl LlamaConfig {
             }
         }
         phi3::refuse_unsupported(m, arch)?;
+        let partial_rotary_factor = phi3::partial_rotary_factor(m, arch)?;
         let layers = need_usize(m, "num_hidden_layers")?;
         let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
         let cfg = Self {
@@ -227,6 +232,7 @@ impl LlamaConfig {
             rms_norm_eps: get_f64(m, "rms_norm_eps")?.unwrap_or(1e-6),
             rope_theta,
             rope_scaling,
+            partial_rotary_factor,
             tie_word_embeddings: m.get("tie_word_embeddings").and_then(|v| v.as_bool()).unwrap_or(false),
             max_position_embeddings: max_pos,
             bos_token_id: token_id(m, "bos_token_id"),
@@ -271,6 +277,7 @@ impl LlamaConfig {
             rms_norm_eps: 1e-5,
             rope_theta: 10000.0,
             rope_scaling: RopeScaling::Default,
+            partial_rotary_factor: 1.0,
             tie_word_embeddings: false,
             max_position_embeddings: 131072,
             bos_token_id: None,
@@ -285,6 +292,19 @@ impl LlamaConfig {
             phi3: false,
             lora: None,
         }
+    }
+
+    /// Dimensions of a head that RoPE rotates: `head_dim · partial_rotary_factor`, truncated
+    /// (transformers' `int(head_dim * partial_rotary_factor)`); `head_dim` unless partial.
+    pub fn rope_dim(&self) -> usize {
+        (self.head_dim as f64 * self.partial_rotary_factor) as usize
+    }
+
+    /// The same config with RoPE on the first `head_dim · factor` dimensions of each head
+    /// ([`LlamaConfig::partial_rotary_factor`]; a Phi-3 config only, see [`phi3`]).
+    pub fn with_partial_rotary_factor(mut self, factor: f64) -> Self {
+        self.partial_rotary_factor = factor;
+        self
     }
 
     /// The same config as a Phi-3 (`true`: its checkpoints fuse `qkv_proj` / `gate_up_proj`,
@@ -373,6 +393,7 @@ impl LlamaConfig {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
         phi3::validate(self)?;
+        phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
@@ -475,7 +496,7 @@ impl LlamaConfig {
                     && positive(*beta_slow)
                     && attention_factor.is_none_or(positive)
                     && [mscale, mscale_all_dim].iter().all(|m| m.is_none_or(|x| x.is_finite())) => {}
-            RopeScaling::LongRope { .. } => phi3::validate_longrope(&self.rope_scaling, self.head_dim)?,
+            RopeScaling::LongRope { .. } => phi3::validate_longrope(&self.rope_scaling, self.rope_dim())?,
             other => bail!(
                 "LlamaConfig: rope scaling {other:?} needs finite factors > 0 (llama3: high_freq_factor > low_freq_factor, original_max_position_embeddings > 0; yarn: beta_fast, beta_slow and an attention_factor > 0)"
             ),

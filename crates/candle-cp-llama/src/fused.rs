@@ -15,26 +15,40 @@ use std::sync::Arc;
 /// candle-cp-nn (used by its [`candle_cp_nn::RmsNorm`] layer, which the model uses).
 pub use candle_cp_nn::{rms_norm, rms_norm_slow};
 
-fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize)> {
+/// `(T, D, R)` of `x` `[B, T, H, D]` and its tables `[T, R]` / `[B, T, R]`: `R` (even, at most
+/// `D`) the rotated dimensions (`R < D`: a partial RoPE, the rest pass through).
+fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize, usize)> {
     let (b, t, _h, d) = x.dims4()?;
-    let ok = |c: &Tensor| c.dims() == [t, d] || c.dims() == [b, t, d];
-    if !ok(cos) || cos.dims() != sin.dims() || d % 2 != 0 {
+    let r = cos.dims().last().copied().unwrap_or(0);
+    let ok = |c: &Tensor| c.dims() == [t, r] || c.dims() == [b, t, r];
+    if !ok(cos) || cos.dims() != sin.dims() || r % 2 != 0 || r == 0 || r > d {
         bail!(
-            "apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, {d}] or [{b}, {t}, {d}] and even D, got {:?} / {:?}",
+            "apply_rope: x {:?} [B, T, H, D] needs cos/sin [{t}, R] or [{b}, {t}, R] with R even, 0 < R <= {d} (the rotated dimensions), got {:?} / {:?}",
             x.dims(),
             cos.dims(),
             sin.dims()
         )
     }
-    Ok((t, d))
+    Ok((t, d, r))
 }
 
-/// The tables `[T, D]` (shared by the rows) or `[B, T, D]` (one per row) as `[1|B, T, 1, D]`
+/// The tables `[T, R]` (shared by the rows) or `[B, T, R]` (one per row) as `[1|B, T, 1, R]`
 /// in `dtype` (no copy when they already are).
-fn tables4(cos: &Tensor, sin: &Tensor, t: usize, d: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
+fn tables4(cos: &Tensor, sin: &Tensor, t: usize, r: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
     let rows = if cos.rank() == 3 { cos.dim(0)? } else { 1 };
-    let f = |c: &Tensor| c.reshape((rows, t, 1, d))?.to_dtype(dtype);
+    let f = |c: &Tensor| c.reshape((rows, t, 1, r))?.to_dtype(dtype);
     Ok((f(cos)?, f(sin)?))
+}
+
+/// `f` on the first `R` (the tables' width) of `y`'s last-dim entries, the rest passed
+/// through (a partial RoPE); `f(y)` when `R` is all of them.
+fn on_rotated(y: &Tensor, r: usize, f: impl Fn(&Tensor) -> Result<Tensor>) -> Result<Tensor> {
+    let d = y.dim(D::Minus1)?;
+    if r == d {
+        return f(y);
+    }
+    let rot = f(&y.narrow(D::Minus1, 0, r)?)?;
+    Tensor::cat(&[&rot, &y.narrow(D::Minus1, r, d - r)?], D::Minus1)
 }
 
 /// `rotate_half(z) = cat(-z[.., D/2..], z[.., ..D/2])` (`transpose = false`) or its transpose
@@ -53,39 +67,44 @@ fn rotate_half(z: &Tensor, transpose: bool) -> Result<Tensor> {
 }
 
 /// RoPE in the HF `rotate_half` form, `x·cos + rotate_half(x)·sin`, for `x` `[B, T, H, D]`
-/// and tables `[T, D]` (from [`crate::rope::rope_tables`]) or `[B, T, D]` (one per row).
-/// Differentiable w.r.t. `x` (backward: `dy·cos + rotate_halfᵀ(dy·sin)`).
+/// and tables `[T, R]` (from [`crate::rope::rope_tables`]) or `[B, T, R]` (one per row):
+/// over the first `R` dimensions of each head (`R = D`, or a partial RoPE's, the others passed
+/// through). Differentiable w.r.t. `x` (backward: `dy·cos + rotate_halfᵀ(dy·sin)`).
 pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (t, d) = check_rope(x, cos, sin)?;
-    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
+    let (t, _, r) = check_rope(x, cos, sin)?;
+    let (cos, sin) = tables4(cos, sin, t, r, x.dtype())?;
     let xd = x.detach();
     let out = rope4(&xd, &cos, &sin)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(rope4_t(dy, &cos, &sin)?)]));
     attach1("apply_rope", x, out, bwd)
 }
 
-/// `y·cos + rotate_half(y)·sin` with `[1|B, T, 1, D]` tables.
+/// `y·cos + rotate_half(y)·sin` with `[1|B, T, 1, R]` tables (over `y`'s first `R`
+/// dimensions; the rest unchanged).
 fn rope4(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    y.broadcast_mul(cos)? + rotate_half(y, false)?.broadcast_mul(sin)?
+    on_rotated(y, cos.dim(D::Minus1)?, |y| y.broadcast_mul(cos)? + rotate_half(y, false)?.broadcast_mul(sin)?)
 }
 
-/// The transpose (= inverse) of [`rope4`]: `dy·cos + rotate_halfᵀ(dy·sin)`.
+/// The transpose (= inverse) of [`rope4`]: `dy·cos + rotate_halfᵀ(dy·sin)` (the passed-through
+/// dimensions' gradient unchanged).
 fn rope4_t(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    dy.broadcast_mul(cos)? + rotate_half(&dy.broadcast_mul(sin)?, true)?
+    on_rotated(dy, cos.dim(D::Minus1)?, |dy| dy.broadcast_mul(cos)? + rotate_half(&dy.broadcast_mul(sin)?, true)?)
 }
 
 /// RoPE as an output map of a column-parallel part ([`candle_cp_nn::PartPost`], used with
 /// `forward_parts_regathered`): the projection's output `[B, T, H·D]` → `[B, T, H, D]`
-/// rotated with tables `[T, D]` or `[B, T, D]` (in the activations' dtype); the transpose
-/// rotates the gradient back. `heads` is `H`, the tables give `T` and `D`.
+/// rotated with tables `[T, R]` or `[B, T, R]` (in the activations' dtype; `R` the rotated
+/// dimensions of a head, `D` unless partial); the transpose rotates the gradient back. `heads`
+/// is `H`, the tables give `T` and `R`, the output `D`.
 pub fn rope_post(heads: usize, cos: &Tensor, sin: &Tensor) -> Result<PartPost> {
-    let (t, d) = (cos.dim(cos.rank() - 2)?, cos.dim(D::Minus1)?);
-    let (c4, s4) = tables4(cos, sin, t, d, cos.dtype())?;
+    let (t, r) = (cos.dim(cos.rank() - 2)?, cos.dim(D::Minus1)?);
+    let (c4, s4) = tables4(cos, sin, t, r, cos.dtype())?;
     let (cb, sb) = (c4.clone(), s4.clone());
     let fwd: PartMap = Arc::new(move |y: &Tensor| {
         let (b, ty, o) = y.dims3()?;
-        if ty != t || o != heads * d {
-            bail!("rope: projection output {:?} does not fit {heads} heads of {d} over {t} positions", y.dims())
+        let d = o / heads.max(1);
+        if ty != t || heads == 0 || o != heads * d || d < r {
+            bail!("rope: projection output {:?} does not fit {heads} heads of at least {r} over {t} positions", y.dims())
         }
         let y4 = y.reshape((b, t, heads, d))?;
         rope4(&y4, &c4, &s4)
@@ -194,11 +213,11 @@ pub fn qk_norm_rope(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor
 /// [`qk_norm_rope`] with the norm's weight applied as `form` says (Gemma 3's head norms:
 /// [`NormWeight::UnitOffset`]).
 pub fn qk_norm_rope_with(x: &Tensor, w: &Tensor, eps: f64, cos: &Tensor, sin: &Tensor, form: NormWeight) -> Result<Tensor> {
-    let (t, d) = check_rope(x, cos, sin)?;
+    let (t, d, r) = check_rope(x, cos, sin)?;
     if w.dims() != [d] {
         bail!("qk_norm_rope: weight {:?} must be [{d}] for x {:?}", w.dims(), x.dims())
     }
-    let (c4, s4) = tables4(cos, sin, t, d, x.dtype())?;
+    let (c4, s4) = tables4(cos, sin, t, r, x.dtype())?;
     let (xd, wd) = (x.detach(), w.detach());
     let (n, r) = candle_cp_nn::rms_norm_fwd_with(&xd, &wd, eps, form)?;
     let out = rope4(&n, &c4, &s4)?;
@@ -233,8 +252,8 @@ pub fn swiglu_slow(gate: &Tensor, up: &Tensor) -> Result<Tensor> {
 
 /// Reference RoPE from plain candle ops (same math as [`apply_rope`]).
 pub fn apply_rope_slow(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
-    let (t, d) = check_rope(x, cos, sin)?;
-    let (cos, sin) = tables4(cos, sin, t, d, x.dtype())?;
+    let (t, _, r) = check_rope(x, cos, sin)?;
+    let (cos, sin) = tables4(cos, sin, t, r, x.dtype())?;
     rope4(x, &cos, &sin)
 }
 
@@ -268,6 +287,49 @@ mod tests {
         assert!(max_rel(a, b)? < 1e-6);
         assert!(apply_rope(x.as_tensor(), &cos.narrow(0, 0, 4)?, &sin).is_err());
         Ok(())
+    }
+
+    /// A partial RoPE (tables 8 wide on heads of 16, Phi-4-mini's form): dimension `i < 4` pairs
+    /// with `i + 4` (not `i + 8`), dimensions 8.. pass through, values (a hand-computed pair)
+    /// and gradients (the transpose: a rotation back, the passed part's gradient unchanged), and
+    /// `rope_post` gives the same.
+    #[test]
+    fn partial_rope_rotates_the_first_dims_only() -> Result<()> {
+        let dev = Device::Cpu;
+        let cfg = crate::config::LlamaConfig::tiny(16, 32, 1, 2, 1).with_phi3(true).with_partial_rotary_factor(0.5);
+        let pos: Vec<u32> = vec![5, 900, 0];
+        let (cos, sin) = crate::rope::rope_tables(&cfg, &pos, DType::F64, &dev)?;
+        assert_eq!(cos.dims(), [3, 8]);
+        let x = Var::randn(0f64, 1.0, (1, 3, 2, 16), &dev)?;
+        let y = apply_rope(x.as_tensor(), &cos, &sin)?;
+        let (xs, ys): (Vec<f64>, Vec<f64>) = (x.flatten_all()?.to_vec1()?, y.flatten_all()?.to_vec1()?);
+        let at = |v: &Vec<f64>, t: usize, h: usize, i: usize| v[(t * 2 + h) * 16 + i];
+        for (t, h, i) in [(0, 0, 8), (1, 1, 15), (2, 0, 11)] {
+            assert_eq!(at(&ys, t, h, i), at(&xs, t, h, i), "passed-through ({t}, {h}, {i})");
+        }
+        // position 5, frequency 0 (theta^0 = 1): the pair (0, 4) turned by 5 radians
+        let (c, s_) = (5f64.cos(), 5f64.sin());
+        let want0 = at(&xs, 0, 1, 0) * c - at(&xs, 0, 1, 4) * s_;
+        let want4 = at(&xs, 0, 1, 4) * c + at(&xs, 0, 1, 0) * s_;
+        assert!((at(&ys, 0, 1, 0) - want0).abs() < 1e-12 && (at(&ys, 0, 1, 4) - want4).abs() < 1e-12);
+        // the gradient of sum(y·dy) is the rotation back of dy; the passed part's is dy
+        let dy = Tensor::randn(0f64, 1.0, (1, 3, 2, 16), &dev)?;
+        let g = (&y * &dy)?.sum_all()?.backward()?;
+        let gx = g.get(x.as_tensor()).ok_or_else(|| candle_core::Error::Msg("no grad".into()))?;
+        assert_eq!(gx.narrow(3, 8, 8)?.flatten_all()?.to_vec1::<f64>()?, dy.narrow(3, 8, 8)?.flatten_all()?.to_vec1::<f64>()?);
+        let back = apply_rope(gx, &cos, &sin)?;
+        assert!(max_rel_f64(&back, &dy)? < 1e-12);
+        // rope_post (the projection's output map) rotates the same, forward and back
+        let post = rope_post(2, &cos, &sin)?;
+        let y3 = (post.fwd)(&x.as_tensor().reshape((1, 3, 32))?)?;
+        assert!(max_rel_f64(&y3, &y)? < 1e-15);
+        assert!(max_rel_f64(&(post.bwd)(&dy)?, gx)? < 1e-15);
+        Ok(())
+    }
+
+    fn max_rel_f64(a: &Tensor, b: &Tensor) -> Result<f64> {
+        let d = (a - b)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        Ok(d / b.abs()?.max_all()?.to_scalar::<f64>()?.max(1e-300))
     }
 
     /// Gradients of `sum(y·dy)` w.r.t. `vars`, for the fused and the reference op.

@@ -34,9 +34,15 @@
 //! `T/P` positions. [`crate::Llama`] takes it over the whole CP group, so every rank rotates
 //! with the factors the single device uses.
 //!
+//! Phi-4-mini (`Phi3ForCausalLM` too) rotates only part of each head:
+//! `partial_rotary_factor` 0.75 ([`LlamaConfig::partial_rotary_factor`]): RoPE in the
+//! `rotate_half` form over the first [`LlamaConfig::rope_dim`] = `int(head_dim · factor)`
+//! dimensions (frequencies `theta^(-2i / rope_dim)`, LongRoPE's factors one per pair of those),
+//! the others passed through, as transformers' Phi-3 does.
+//!
 //! Refused by name (each would be arithmetic the model does not do): `partial_rotary_factor`
-//! other than 1 (Phi-4-mini rotates 3/4 of each head), and Phi-3's dropouts
-//! (`resid_pdrop`, `embd_pdrop`, `attention_dropout`) above 0.
+//! other than 1 on the other architectures, and Phi-3's dropouts (`resid_pdrop`, `embd_pdrop`,
+//! `attention_dropout`) above 0.
 
 use super::{get_f64, get_usize, Arch, LlamaConfig, RopeScaling};
 use candle_core::{bail, Result};
@@ -81,14 +87,14 @@ pub(crate) fn parse_longrope(obj: &Map<String, Value>, max_pos: usize, orig: Opt
 /// Check a [`RopeScaling::LongRope`]: one short and one long factor per frequency (`D/2`
 /// of a head of `head_dim`), every one finite and > 0; an original length > 0; a finite
 /// factor > 0; an attention factor (if set) finite and > 0.
-pub(crate) fn validate_longrope(s: &RopeScaling, head_dim: usize) -> Result<()> {
+pub(crate) fn validate_longrope(s: &RopeScaling, rope_dim: usize) -> Result<()> {
     let RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings, factor, attention_factor } = s else {
         return Ok(());
     };
     let ok = |x: f64| x.is_finite() && x > 0.0;
     for (what, f) in [("short_factor", short_factor), ("long_factor", long_factor)] {
-        if f.len() != head_dim / 2 {
-            bail!("LlamaConfig: longrope {what} has {} entries, a head of {head_dim} rotates {} frequencies", f.len(), head_dim / 2)
+        if f.len() != rope_dim / 2 {
+            bail!("LlamaConfig: longrope {what} has {} entries, RoPE over {rope_dim} dimensions of a head rotates {} frequencies", f.len(), rope_dim / 2)
         }
         if let Some((i, x)) = f.iter().enumerate().find(|(_, &x)| !ok(x)) {
             bail!("LlamaConfig: longrope {what}[{i}] = {x} must be finite and > 0")
@@ -121,17 +127,37 @@ pub(crate) fn write_longrope(rope: &mut Map<String, Value>, s: &RopeScaling, max
     }
 }
 
-/// Refuse what no architecture here computes: a `partial_rotary_factor` other than 1 (at
-/// the top level or in `rope_parameters`), and Phi-3's dropouts above 0 (training would
-/// run without them).
-pub(crate) fn refuse_unsupported(m: &Map<String, Value>, arch: Arch) -> Result<()> {
+/// The config's `partial_rotary_factor` (at the top level or in `rope_parameters`; 1 when
+/// absent): a Phi-3's (Phi-4-mini: 0.75); another architecture's must be 1 (refused by name:
+/// their partial RoPE is not this one).
+pub(crate) fn partial_rotary_factor(m: &Map<String, Value>, arch: Arch) -> Result<f64> {
     let in_rope = match m.get("rope_parameters") {
         Some(Value::Object(p)) => get_f64(p, "partial_rotary_factor")?,
         _ => None,
     };
-    if let Some(f) = get_f64(m, "partial_rotary_factor")?.or(in_rope).filter(|&f| f != 1.0) {
-        bail!("config.json: partial_rotary_factor {f} not supported (RoPE rotates every dimension of a head here)")
+    let f = get_f64(m, "partial_rotary_factor")?.or(in_rope).unwrap_or(1.0);
+    if f != 1.0 && arch != Arch::Phi3 {
+        bail!("config.json: partial_rotary_factor {f} not supported on a {} model (RoPE rotates every dimension of its heads here; only Phi-3's partial RoPE is)", arch.hf_names().0)
     }
+    Ok(f)
+}
+
+/// [`LlamaConfig::partial_rotary_factor`]'s invariants: in (0, 1], rotating an even number of
+/// a head's dimensions, at least 2.
+pub(crate) fn validate_partial_rotary(cfg: &LlamaConfig) -> Result<()> {
+    let (f, r) = (cfg.partial_rotary_factor, cfg.rope_dim());
+    if !(f > 0.0 && f <= 1.0) || r < 2 || r % 2 != 0 {
+        bail!("LlamaConfig: partial_rotary_factor {f} must be in (0, 1] and rotate an even number (>= 2) of a head's {} dimensions, got {r}", cfg.head_dim)
+    }
+    if f != 1.0 && !cfg.phi3 {
+        bail!("LlamaConfig: partial_rotary_factor {f} on a {} model (only a Phi-3's RoPE is partial here)", cfg.arch().hf_names().0)
+    }
+    Ok(())
+}
+
+/// Refuse what no architecture here computes: Phi-3's dropouts above 0 (training would run
+/// without them).
+pub(crate) fn refuse_unsupported(m: &Map<String, Value>, arch: Arch) -> Result<()> {
     if arch == Arch::Phi3 {
         for k in ["resid_pdrop", "embd_pdrop", "attention_dropout"] {
             if let Some(p) = get_f64(m, k)?.filter(|&p| p != 0.0) {
@@ -157,6 +183,9 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig) {
     m.insert("embd_pdrop".into(), json!(0.0));
     m.remove("mlp_bias");
     m.remove("pretraining_tp");
+    if cfg.partial_rotary_factor != 1.0 {
+        m.insert("partial_rotary_factor".into(), json!(cfg.partial_rotary_factor));
+    }
     if let RopeScaling::LongRope { .. } = cfg.rope_scaling {
         let mut rope = Map::new();
         write_longrope(&mut rope, &cfg.rope_scaling, cfg.max_position_embeddings);

@@ -79,13 +79,45 @@ fn longrope_frequencies_follow_the_sequence_length() -> Result<()> {
     Ok(())
 }
 
+/// Phi-4-mini's partial RoPE (`partial_rotary_factor` 0.75 of heads of 16: 12 dimensions, 6
+/// frequencies `theta^(-2i / 12)` divided by LongRoPE's 6 factors); read, written back, and
+/// the tables 12 wide.
+#[test]
+fn a_partial_rotary_phi3_config() -> Result<()> {
+    let (short6, long6) = ("[1.0, 1.0, 1.1, 1.2, 1.5, 2.0]", "[1.0, 1.5, 2.0, 4.0, 8.0, 16.0]");
+    let rope = format!(r#""type": "longrope", "short_factor": {short6}, "long_factor": {long6}"#);
+    let c = LlamaConfig::from_json(&phi3_json(&rope, r#", "partial_rotary_factor": 0.75"#))?;
+    assert_eq!((c.partial_rotary_factor, c.rope_dim(), c.head_dim), (0.75, 12, 16));
+    let back = LlamaConfig::from_json(&c.to_hf_json("float32"))?;
+    assert_eq!(back, c);
+    assert!(c.to_hf_json("float32").contains(r#""partial_rotary_factor": 0.75"#));
+    assert!(!LlamaConfig::from_json(&phi3_json(&longrope("longrope"), ""))?.to_hf_json("float32").contains("partial_rotary_factor"));
+    let long = [1.0, 1.5, 2.0, 4.0, 8.0, 16.0];
+    let got = inv_freq_at(&c, 65);
+    assert_eq!(got.len(), 6);
+    for (i, (g, l)) in got.iter().zip(long).enumerate() {
+        let want = 1.0 / 10000f64.powf(2.0 * i as f64 / 12.0) / l;
+        assert!((g - want).abs() <= 1e-15 * want, "frequency {i}: {g} vs {want}");
+    }
+    let (cos, sin) = crate::rope::rope_tables(&c, &[0, 5, 70], candle_core::DType::F64, &candle_core::Device::Cpu)?;
+    assert_eq!((cos.dims(), sin.dims()), (&[3, 12][..], &[3, 12][..]));
+    // a partial factor on a Phi-3 only (the builder's config validated too)
+    assert!(LlamaConfig::tiny(32, 64, 1, 4, 2).with_partial_rotary_factor(0.5).validate().is_err());
+    assert!(LlamaConfig::tiny(32, 64, 1, 4, 2).with_phi3(true).with_partial_rotary_factor(0.5).validate().is_ok());
+    Ok(())
+}
+
 #[test]
 fn what_phi3_configs_cannot_say_is_refused() -> Result<()> {
     let lr = longrope("longrope");
     for (text, want) in [
-        (phi3_json(&lr, r#", "partial_rotary_factor": 0.75"#), "partial_rotary_factor 0.75"),
+        // (a partial RoPE's factors: one per pair of the rotated dimensions, 12 of the 16)
+        (phi3_json(&lr, r#", "partial_rotary_factor": 0.75"#), "short_factor has 8 entries, RoPE over 12 dimensions of a head rotates 6"),
+        (phi3_json(&lr, r#", "partial_rotary_factor": 0.1"#), "rotate an even number (>= 2) of a head's 16 dimensions, got 1"),
+        (phi3_json(&lr, r#", "partial_rotary_factor": 1.5"#), "must be in (0, 1]"),
+        (phi3_json(&lr, "").replace("Phi3ForCausalLM", "LlamaForCausalLM").replace(r#""phi3""#, r#""llama""#).replace(r#", "rope_scaling": {"#, r#", "partial_rotary_factor": 0.5, "rope_scaling": {"#), "partial_rotary_factor 0.5 not supported on a LlamaForCausalLM"),
         (phi3_json(&lr, r#", "resid_pdrop": 0.1"#).replace(r#""resid_pdrop": 0.0, "#, ""), "`resid_pdrop` 0.1"),
-        (phi3_json(&lr.replace(SHORT, "[1.0, 2.0]"), ""), "short_factor has 2 entries, a head of 16 rotates 8"),
+        (phi3_json(&lr.replace(SHORT, "[1.0, 2.0]"), ""), "short_factor has 2 entries, RoPE over 16 dimensions of a head rotates 8"),
         (phi3_json(&lr.replace(LONG, "[1.0, 1.5, 2.0, 4.0, 8.0, 16.0, 24.0, -1.0]"), ""), "long_factor[7] = -1"),
         (phi3_json(r#""type": "longrope", "short_factor": [1.0]"#, ""), "needs `long_factor`"),
         (phi3_json(&lr, "").replace(r#""original_max_position_embeddings": 64"#, r#""original_max_position_embeddings": 0"#), "original_max_position_embeddings > 0"),

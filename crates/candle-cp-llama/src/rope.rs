@@ -1,24 +1,27 @@
 //! Rotary position embedding in the HF `rotate_half` form: dimension `i` pairs with
-//! `i + D/2`. Angles are computed on the host in f64 from each token's GLOBAL position, so
-//! every sharding layout rotates a token exactly as the single-device model does.
+//! `i + R/2` over the first `R` = [`LlamaConfig::rope_dim`] dimensions of a head (`R = D`
+//! unless the config's RoPE is partial, Phi-4-mini's; the others pass through). Angles are
+//! computed on the host in f64 from each token's GLOBAL position, so every sharding layout
+//! rotates a token exactly as the single-device model does.
 
 use crate::config::{LlamaConfig, RopeScaling};
 use candle_core::{DType, Device, Result, Tensor};
 use std::cmp::Ordering;
 
-/// Inverse frequencies `[D/2]` of the config (theta, then the configured scaling), in f64;
+/// Inverse frequencies `[R/2]` (`R` = [`LlamaConfig::rope_dim`]) of the config (theta, then the configured scaling), in f64;
 /// a LongRoPE's for a sequence within its original length (its short factors, as
 /// transformers initialises them). See [`inv_freq_at`].
 pub fn inv_freq(cfg: &LlamaConfig) -> Vec<f64> {
     inv_freq_at(cfg, 0)
 }
 
-/// Inverse frequencies `[D/2]` for a sequence of `seq_len` tokens (its largest position +
+/// Inverse frequencies `[R/2]` for a sequence of `seq_len` tokens (its largest position +
 /// 1, over the whole sequence: on a CP rank, not its shard's). Only
 /// [`RopeScaling::LongRope`] depends on it: its long factors above the original length, the
 /// short ones up to it (0: the short ones).
 pub fn inv_freq_at(cfg: &LlamaConfig, seq_len: usize) -> Vec<f64> {
-    let d = cfg.head_dim;
+    // (a partial RoPE's frequencies over its rotated dimensions, as transformers' `dim`)
+    let d = cfg.rope_dim();
     let base: Vec<f64> = (0..d / 2)
         .map(|i| 1.0 / cfg.rope_theta.powf((2 * i) as f64 / d as f64))
         .collect();
@@ -82,8 +85,9 @@ pub fn inv_freq_at(cfg: &LlamaConfig, seq_len: usize) -> Vec<f64> {
     }
 }
 
-/// `cos`, `sin` tables `[T, D]` for the given global positions (`[T]`), built in f64 on the
-/// host and converted to `dtype` on `device`. Column `i` and `i + D/2` share an angle. Both
+/// `cos`, `sin` tables `[T, R]` (`R` = [`LlamaConfig::rope_dim`], the head dim `D` unless
+/// partial) for the given global positions (`[T]`), built in f64 on the host and converted to
+/// `dtype` on `device`. Column `i` and `i + R/2` share an angle. Both
 /// are multiplied by the scaling's [`RopeScaling::attention_factor`] (YaRN's, LongRoPE's; 1
 /// otherwise). The sequence's length is taken as the largest of `positions` + 1, as
 /// transformers does for one call: a shard of a longer sequence passes the whole
@@ -97,7 +101,7 @@ pub fn rope_tables(cfg: &LlamaConfig, positions: &[u32], dtype: DType, device: &
 pub fn rope_tables_at(cfg: &LlamaConfig, positions: &[u32], seq_len: usize, dtype: DType, device: &Device) -> Result<(Tensor, Tensor)> {
     let f = inv_freq_at(cfg, seq_len);
     let scale = cfg.rope_scaling.attention_factor();
-    let d = cfg.head_dim;
+    let d = cfg.rope_dim();
     let t = positions.len();
     let mut cos = Vec::with_capacity(t * d);
     let mut sin = Vec::with_capacity(t * d);

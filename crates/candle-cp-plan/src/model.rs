@@ -143,9 +143,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 19] = [
+pub const MODEL_PRESETS: [&str; 20] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
+    "phi4-mini",
 ];
 
 impl ModelConfig {
@@ -164,7 +165,9 @@ impl ModelConfig {
     /// [`ModelConfig::moe`]), or Mixtral's `mixtral-8x7b` (a Mistral 7B whose every MLP is 8
     /// experts 14336 wide, 2 per token; vocabulary 32000), or Phi-3's 128k-context
     /// `phi3-mini` or `phi3-medium` (vocabulary 32064; head dim 96 for the mini, whose 32 KV
-    /// heads are all its heads; 10 KV heads of 128 for the medium).
+    /// heads are all its heads; 10 KV heads of 128 for the medium), or Phi-4's `phi4-mini`
+    /// (`Phi3ForCausalLM` too: vocabulary 200064, tied head, 24 heads of 128 over 8 KV heads;
+    /// its partial RoPE changes no count).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -194,6 +197,8 @@ impl ModelConfig {
             // microsoft/Phi-3-{mini, medium}-128k-instruct
             "phi3-mini" => (3072, 32, 32, 32, 8192),
             "phi3-medium" => (5120, 40, 40, 10, 17920),
+            // microsoft/Phi-4-mini-instruct
+            "phi4-mini" => (3072, 32, 24, 8, 8192),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -202,6 +207,7 @@ impl ModelConfig {
         let (qwen2, qwen3, gemma3) = (lower.starts_with("qwen2"), lower.starts_with("qwen3"), lower.starts_with("gemma3"));
         let gemma2 = lower.starts_with("gemma2");
         let one_b = lower == "gemma3-1b";
+        let phi = lower.starts_with("phi3") || lower.starts_with("phi4");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -222,9 +228,10 @@ impl ModelConfig {
                 _ if gemma2 => 256_000,
                 _ if lower == "mixtral-8x7b" => 32000,
                 _ if lower.starts_with("phi3") => 32064,
+                _ if lower.starts_with("phi4") => 200_064,
                 _ => 128256,
             },
-            tie_embeddings: gemma3 || gemma2,
+            tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini",
             sliding_window: None,
             qkv_bias: qwen2,
             qk_norm: qwen3 || gemma3,
@@ -236,7 +243,7 @@ impl ModelConfig {
                 _ => None,
             },
             sandwich_norms: gemma3 || gemma2,
-            fused_proj: lower.starts_with("phi3"),
+            fused_proj: phi,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
@@ -566,237 +573,5 @@ impl ModelConfig {
 }
 
 #[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn presets_have_published_sizes() -> Result<()> {
-        // Llama 3.1 model cards: 8.03B, 70.6B, 405.9B parameters.
-        let b =
-            |n: &str| -> Result<f64> { Ok(ModelConfig::preset(n)?.total_params() as f64 / 1e9) };
-        assert!((b("llama3-8b")? - 8.03).abs() < 0.01, "{}", b("llama3-8b")?);
-        assert!(
-            (b("llama3-70b")? - 70.55).abs() < 0.05,
-            "{}",
-            b("llama3-70b")?
-        );
-        assert!(
-            (b("llama3-405b")? - 405.85).abs() < 0.1,
-            "{}",
-            b("llama3-405b")?
-        );
-        let m = ModelConfig::preset("llama3-405b")?;
-        assert_eq!((m.head_dim, m.q_dim(), m.kv_dim()), (128, 16384, 1024));
-        // Qwen2.5 model cards: 7.61B and 72.7B parameters (with the q, k, v biases)
-        let q7 = ModelConfig::preset("qwen2.5-7b")?;
-        assert_eq!(q7.total_params(), 7_615_616_512);
-        assert!((b("qwen2.5-72b")? - 72.7).abs() < 0.05, "{}", b("qwen2.5-72b")?);
-        assert!(q7.qkv_bias && q7.head_dim == 128 && !m.qkv_bias);
-        // Qwen3 model cards: 8.2B and 32.8B parameters (with the head norms)
-        let (q8, q32) = (ModelConfig::preset("qwen3-8b")?, ModelConfig::preset("qwen3-32b")?);
-        assert_eq!((q8.total_params(), q32.total_params()), (8_190_735_360, 32_762_123_264));
-        assert!(q32.qk_norm && q32.q_dim() == 8192 && q32.hidden == 5120);
-        // Gemma 3: google/gemma-3-1b-pt has 999,885,952 parameters (tied head, four norms and
-        // the head norms per layer); the 27B's text model 27.0B (its checkpoint's 27.4B holds
-        // the vision tower too)
-        assert_eq!(ModelConfig::preset("gemma3-1b")?.total_params(), 999_885_952);
-        // Phi-3 as published (microsoft/Phi-3-{mini, medium}-128k-instruct: 3,821,079,552 and
-        // 13,960,238,080 parameters)
-        let (p3, p14) = (ModelConfig::preset("phi3-mini")?, ModelConfig::preset("phi3-medium")?);
-        assert_eq!((p3.total_params(), p14.total_params()), (3_821_079_552, 13_960_238_080));
-        assert_eq!((p3.head_dim, p14.head_dim, p14.kv_heads), (96, 128, 10));
-        // Gemma 2 as published (google/gemma-2-{2b, 9b, 27b}: 2,614,341,888, 9,241,705,984 and
-        // 27,227,128,320 parameters)
-        let g2: Vec<u64> = ["gemma2-2b", "gemma2-9b", "gemma2-27b"].iter().map(|n| ModelConfig::preset(n).map(|m| m.total_params())).collect::<Result<_>>()?;
-        assert_eq!(g2, vec![2_614_341_888, 9_241_705_984, 27_227_128_320]);
-        let g9 = ModelConfig::preset("gemma2-9b")?;
-        assert_eq!((g9.head_dim, g9.partial_window, g9.sandwich_norms, g9.qk_norm), (256, Some((4096, 21)), true, false));
-        assert!((b("gemma3-27b")? - 27.01).abs() < 0.01, "{}", b("gemma3-27b")?);
-        // Qwen3-MoE: Qwen/Qwen3-30B-A3B's 30,532,122,624 parameters (3.3B activated), the
-        // 235B-A22B's 235.09B (22.2B activated), from their config.json arithmetic
-        let (a3, a22) = (ModelConfig::preset("qwen3-30b-a3b")?, ModelConfig::preset("qwen3-235b-a22b")?);
-        assert_eq!((a3.total_params(), a3.active_params()), (30_532_122_624, 3_353_032_704));
-        assert_eq!((a22.total_params(), a22.active_params()), (235_093_634_560, 22_190_763_520));
-        assert!(a3.qk_norm && a3.head_dim == 128 && a3.sparse_fraction() == 1.0);
-        // the published config reads as the preset
-        let text = r#"{"architectures":["Qwen3MoeForCausalLM"],"model_type":"qwen3_moe","hidden_size":2048,"num_hidden_layers":48,
-            "num_attention_heads":32,"num_key_value_heads":4,"head_dim":128,"intermediate_size":6144,"vocab_size":151936,
-            "moe_intermediate_size":768,"num_experts":128,"norm_topk_prob":true,"num_experts_per_tok":8,"decoder_sparse_step":1,"mlp_only_layers":[],
-            "tie_word_embeddings":false,"use_sliding_window":false,"sliding_window":null,"max_window_layers":48}"#;
-        assert_eq!(ModelConfig::from_hf_json(text, "qwen3-30b-a3b")?, a3);
-        // two of its 48 layers dense: 2 · (3·h·f − router − experts) fewer parameters
-        let some = ModelConfig::from_hf_json(&text.replace(r#""mlp_only_layers":[]"#, r#""mlp_only_layers":[0, 47]"#), "m")?;
-        assert_eq!(some.moe.as_ref().map(|m| m.sparse_layers), Some(46));
-        assert_eq!(a3.total_params() - some.total_params(), 2 * (128 * 2048 + 3 * 2048 * 768 * 128 - 3 * 2048 * 6144));
-        // Qwen/Qwen1.5-MoE-A2.7B (q, k, v biases, a shared expert 5632 wide): 14.3B, 2.7B active
-        let q15 = ModelConfig::from_hf_json(
-            r#"{"architectures":["Qwen2MoeForCausalLM"],"model_type":"qwen2_moe","hidden_size":2048,"intermediate_size":5632,
-                "num_attention_heads":16,"num_hidden_layers":24,"num_key_value_heads":16,"vocab_size":151936,"moe_intermediate_size":1408,
-                "num_experts":60,"num_experts_per_tok":4,"shared_expert_intermediate_size":5632,"tie_word_embeddings":false}"#,
-            "q15",
-        )?;
-        assert_eq!((q15.total_params(), q15.active_params()), (14_315_784_192, 2_689_173_504));
-        assert!(q15.qkv_bias && !q15.qk_norm && q15.moe.as_ref().is_some_and(|m| m.shared_ffn == 5632));
-        let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v3"), "m").unwrap_err();
-        assert!(e.0.contains("'deepseek_v3'"), "{e}");
-        // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
-        let mx = ModelConfig::preset("mixtral-8x7b")?;
-        assert_eq!((mx.total_params(), mx.active_params()), (46_702_792_704, 12_879_925_248));
-        let text = r#"{"architectures":["MixtralForCausalLM"],"model_type":"mixtral","hidden_size":4096,"intermediate_size":14336,
-            "num_attention_heads":32,"num_experts_per_tok":2,"num_hidden_layers":32,"num_key_value_heads":8,"num_local_experts":8,
-            "sliding_window":null,"tie_word_embeddings":false,"vocab_size":32000}"#;
-        assert_eq!(ModelConfig::from_hf_json(text, "mixtral-8x7b")?, mx);
-        Ok(())
-    }
-
-    #[test]
-    fn unknown_preset_is_an_error() {
-        let e = ModelConfig::from_name_or_path("llama3-7b").unwrap_err();
-        assert!(e.0.contains("unknown model preset 'llama3-7b'"), "{e}");
-    }
-
-    #[test]
-    fn hf_config_parses_and_matches_preset() -> Result<()> {
-        let text = r#"{"architectures":["LlamaForCausalLM"],"hidden_size":4096,
-            "num_hidden_layers":32,"num_attention_heads":32,"num_key_value_heads":8,
-            "intermediate_size":14336,"vocab_size":128256,"tie_word_embeddings":false}"#;
-        let m = ModelConfig::from_hf_json(text, "cfg")?;
-        let p = ModelConfig::preset("llama3-8b")?;
-        assert_eq!(m.total_params(), p.total_params());
-        assert_eq!((m.kv_heads, m.head_dim), (8, 128));
-        Ok(())
-    }
-
-    #[test]
-    fn bad_hf_configs_are_errors() {
-        let e = ModelConfig::from_hf_json("{not json", "x.json").unwrap_err();
-        assert!(e.0.contains("not valid JSON"), "{e}");
-        let e = ModelConfig::from_hf_json(r#"{"hidden_size":64}"#, "x.json").unwrap_err();
-        assert!(e.0.contains("missing field 'num_hidden_layers'"), "{e}");
-        let t = r#"{"hidden_size":64,"num_hidden_layers":2,"num_attention_heads":4,
-            "num_key_value_heads":3,"intermediate_size":128,"vocab_size":10}"#;
-        let e = ModelConfig::from_hf_json(t, "x.json").unwrap_err();
-        assert!(
-            e.0.contains("num_key_value_heads 3 must divide num_attention_heads 4"),
-            "{e}"
-        );
-        let t = r#"{"hidden_size":-1}"#;
-        assert!(ModelConfig::from_hf_json(t, "x.json")
-            .unwrap_err()
-            .0
-            .contains("positive integer"));
-        let e = ModelConfig::from_name_or_path("/nonexistent/config.json").unwrap_err();
-        assert!(e.0.contains("cannot read model config"), "{e}");
-    }
-
-    #[test]
-    fn hf_sliding_window() -> Result<()> {
-        let base = r#""hidden_size":4096,"num_hidden_layers":32,"num_attention_heads":32,
-            "num_key_value_heads":8,"intermediate_size":14336,"vocab_size":32000"#;
-        let parse = |extra: &str| ModelConfig::from_hf_json(&format!("{{{base}{extra}}}"), "m");
-        assert_eq!(parse("")?.sliding_window, None);
-        assert_eq!(parse(r#","sliding_window":null"#)?.sliding_window, None);
-        assert_eq!(
-            parse(r#","sliding_window":4096"#)?.sliding_window,
-            Some(4096)
-        );
-        // Qwen2 style: the window is off unless use_sliding_window is true.
-        let off = r#","use_sliding_window":false,"sliding_window":4096"#;
-        assert_eq!(parse(off)?.sliding_window, None);
-        let on = r#","use_sliding_window":true,"sliding_window":4096"#;
-        assert_eq!(parse(on)?.sliding_window, Some(4096));
-        let e = parse(r#","sliding_window":0"#).unwrap_err();
-        assert!(
-            e.0.contains("'sliding_window' must be a positive integer, got 0"),
-            "{e}"
-        );
-        let e = parse(r#","sliding_window":"4k""#).unwrap_err();
-        assert!(
-            e.0.contains("'sliding_window' must be a positive integer"),
-            "{e}"
-        );
-        // Qwen2: q, k, v biases; use_sliding_window false when absent; the window on the
-        // layers from max_window_layers (default 28) on: all (0), none (>= 32), else some
-        // (`partial_window`, planned as full attention)
-        let q = |extra: &str| parse(&format!(r#","model_type":"qwen2","sliding_window":4096{extra}"#));
-        assert!(q("")?.qkv_bias && !parse("")?.qkv_bias);
-        assert_eq!(q("")?.sliding_window, None);
-        assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":0"#)?.sliding_window, Some(4096));
-        assert_eq!(q(r#","use_sliding_window":true,"max_window_layers":32"#)?.sliding_window, None);
-        let some = q(r#","use_sliding_window":true"#)?;
-        assert_eq!((some.sliding_window, some.partial_window), (None, Some((4096, 4))));
-        // layer_types decide when given (any architecture): all, none, some
-        let types = |t: &[&str]| format!(r#","sliding_window":64,"num_hidden_layers":{},"layer_types":{}"#, t.len(), serde_json::json!(t));
-        let short = |t: &[&str]| ModelConfig::from_hf_json(&format!("{{{}{}}}", base.replace(r#""num_hidden_layers":32,"#, ""), types(t)), "m");
-        let (s, f) = ("sliding_attention", "full_attention");
-        assert_eq!((short(&[s, s])?.sliding_window, short(&[s, s])?.partial_window), (Some(64), None));
-        assert_eq!((short(&[f, f])?.sliding_window, short(&[f, f])?.partial_window), (None, None));
-        assert_eq!((short(&[f, s, s])?.sliding_window, short(&[f, s, s])?.partial_window), (None, Some((64, 2))));
-        assert!(short(&[s, "chunked_attention"]).unwrap_err().0.contains("chunked_attention"));
-        let e = ModelConfig::from_hf_json(&format!("{{{base}{}}}", r#","sliding_window":64,"layer_types":["full_attention"]"#), "m").unwrap_err();
-        assert!(e.0.contains("a list of 32 entries"), "{e}");
-        // Gemma 3 (text): head norms, a tied head, head dim 256, five sliding layers of six
-        // (window 4096 unless given)
-        let g = ModelConfig::from_hf_json(
-            r#"{"model_type":"gemma3_text","hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
-                "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window":512}"#,
-            "g",
-        )?;
-        assert!(g.qk_norm && g.tie_embeddings && !g.qkv_bias && g.sandwich_norms);
-        assert_eq!(g.layer_norm_params(), 4 * 1152);
-        assert_eq!((g.head_dim, g.sliding_window, g.partial_window), (256, None, Some((512, 22))));
-        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-1b")? });
-        // the 12B's and 27B's published text_config (google/gemma-3-{12b,27b}-it)
-        let mm = |t: &str| ModelConfig::from_hf_json(&format!(r#"{{"model_type":"gemma3","text_config":{{"model_type":"gemma3_text",{t}}}}}"#), "g");
-        let g12 = mm(r#""hidden_size":3840,"intermediate_size":15360,"num_attention_heads":16,"num_hidden_layers":48,"num_key_value_heads":8,"sliding_window":1024"#)?;
-        assert_eq!(g12, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-12b")? });
-        let g27 = mm(r#""head_dim":128,"hidden_size":5376,"intermediate_size":21504,"num_attention_heads":32,"num_hidden_layers":62,"num_key_value_heads":16,"query_pre_attn_scalar":168,"sliding_window":1024"#)?;
-        assert_eq!(g27, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-27b")? });
-        assert_eq!(g27.partial_window, Some((1024, 52)));
-        let g = ModelConfig::from_hf_json(
-            r#"{"architectures":["Gemma3ForCausalLM"],"hidden_size":1152,"num_hidden_layers":26,"num_attention_heads":4,
-                "num_key_value_heads":1,"intermediate_size":6912,"vocab_size":262144,"sliding_window_pattern":2}"#,
-            "g",
-        )?;
-        assert_eq!(g.partial_window, Some((4096, 13)));
-        // Gemma 2 (google/gemma-2-27b's config.json, its shape keys): the window on every
-        // other layer, no head norms, the two extra norms
-        let g = ModelConfig::from_hf_json(
-            r#"{"architectures":["Gemma2ForCausalLM"],"model_type":"gemma2","head_dim":128,"hidden_size":4608,"intermediate_size":36864,
-                "num_attention_heads":32,"num_hidden_layers":46,"num_key_value_heads":16,"vocab_size":256000,"sliding_window":4096,
-                "attn_logit_softcapping":50.0,"final_logit_softcapping":30.0,"query_pre_attn_scalar":144}"#,
-            "g",
-        )?;
-        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma2-27b")? });
-        assert!(g.sandwich_norms && !g.qk_norm && g.tie_embeddings && g.partial_window == Some((4096, 23)));
-        // a multimodal one (google/gemma-3-4b-it's text_config): its text model, defaults filled
-        let g = ModelConfig::from_hf_json(
-            r#"{"architectures":["Gemma3ForConditionalGeneration"],"model_type":"gemma3","text_config":{"hidden_size":2560,
-                "intermediate_size":10240,"model_type":"gemma3_text","num_hidden_layers":34,"sliding_window":1024},
-                "vision_config":{"hidden_size":1152}}"#,
-            "g",
-        )?;
-        assert!(g.sandwich_norms && g.qk_norm && g.tie_embeddings);
-        assert_eq!((g.hidden, g.layers, g.heads, g.kv_heads, g.head_dim, g.vocab), (2560, 34, 8, 4, 256, 262208));
-        assert_eq!(g.partial_window, Some((1024, 29)));
-        assert_eq!(g, ModelConfig { name: "g".into(), ..ModelConfig::preset("gemma3-4b")? });
-        let e = ModelConfig::from_hf_json(r#"{"model_type":"gemma3"}"#, "g").unwrap_err();
-        assert!(e.0.contains("text_config"), "{e}");
-        // the biases: a·d + 2·a_kv·d = 4096 + 2·1024 more per layer
-        assert_eq!(q("")?.layer_params() - parse("")?.layer_params(), 6144);
-        let e = parse(r#","use_sliding_window":"yes""#).unwrap_err();
-        assert!(
-            e.0.contains("'use_sliding_window' must be true or false"),
-            "{e}"
-        );
-        assert_eq!(ModelConfig::preset("llama3-8b")?.sliding_window, None);
-        let mut m = ModelConfig::preset("llama3-8b")?;
-        m.sliding_window = Some(0);
-        assert!(m
-            .validate()
-            .unwrap_err()
-            .0
-            .contains("sliding window must be at least 1"));
-        Ok(())
-    }
-}
+#[path = "model_tests.rs"]
+mod tests;
