@@ -183,9 +183,15 @@ done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 echo "ci-cuda: ptxas and the launch check done after $(( $(date +%s) - start )) s"
 # the kernel crate's unit tests (launch numbers and head-dim tables in src/flash/core.rs, the probe
-# maps: host code, no device), built as the crate alone with `cuda`
-CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" LD_LIBRARY_PATH="$lib" \
-  cargo test --release -j "$JOBS" -p candle-cp-kernels --features cuda --lib >"$shim_dir/kernels-unit.log" 2>&1 \
+# maps: host code, no device): built with the features the build above gave candle-core (cuda,
+# nccl) and its environment, so that only the test harness compiles, then run (the shim's
+# libraries for the CUDA ones it links)
+CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" \
+  cargo test --release -j "$JOBS" -p candle-cp-kernels --features cuda,candle-core/nccl --lib --no-run >"$shim_dir/kernels-unit.log" 2>&1 \
+  || { tail -40 "$shim_dir/kernels-unit.log"; echo "ci-cuda: candle-cp-kernels' unit tests did not build"; exit 1; }
+unit_bin=$(sed -n 's/.*Executable unittests src\/lib.rs (\(.*\))$/\1/p' "$shim_dir/kernels-unit.log" | tail -1)
+[ -n "$unit_bin" ] || { cat "$shim_dir/kernels-unit.log"; echo "ci-cuda: no unit-test binary of candle-cp-kernels"; exit 1; }
+LD_LIBRARY_PATH="$lib" "$unit_bin" >>"$shim_dir/kernels-unit.log" 2>&1 \
   || { tail -40 "$shim_dir/kernels-unit.log"; echo "ci-cuda: candle-cp-kernels' unit tests failed"; exit 1; }
 echo "ci-cuda: candle-cp-kernels unit tests: $(grep '^test result' "$shim_dir/kernels-unit.log") (after $(( $(date +%s) - start )) s)"
 bg_wait sims
