@@ -67,19 +67,25 @@ fn phi3_with_longrope_on_every_layout_matches_the_reference() -> Result<()> {
     }
     let moved = max_abs(&reference(&full, &short, &ids)?.logits, &want.logits)?;
     assert!(moved > 100.0 * Tolerances::default().logits_abs, "the long factors moved the logits by only {moved:.1e}");
-    for layout in [
+    on_layouts("phi3 + longrope", (&full, &cfg, &ids, &want), &[Layout::cp(CpKind::Ring, 2).with_tp(2, true)])
+}
+
+/// Single, ring 4, zigzag 4, Ulysses 2, 2-D 2 × 2, TP 2 + SP and `more` give `want`'s logits,
+/// loss and every parameter's gradient.
+fn on_layouts(label: &str, (full, cfg, ids, want): (&HashMap<String, Tensor>, &LlamaConfig, &Tensor, &candle_cp_llama::verify::Reference), more: &[Layout]) -> Result<()> {
+    let every = [
         Layout::single(),
         Layout::cp(CpKind::Ring, 4),
         Layout::cp(CpKind::Zigzag, 4),
         Layout::cp(CpKind::Ulysses, 2),
         Layout::two_d(2, 2),
         Layout::single().with_tp(2, true),
-        Layout::cp(CpKind::Ring, 2).with_tp(2, true),
-    ] {
-        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
-        println!("phi3 + longrope {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert!(rep.pass(), "{layout}: {rep:?}");
+    ];
+    for &layout in every.iter().chain(more) {
+        let rep = compare(&run_layout(full, cfg, ids, layout, &Device::Cpu)?, want, Tolerances::default())?;
+        println!("{label} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
+        assert!(rep.pass(), "{label} {layout}: {rep:?}");
     }
     Ok(())
 }
@@ -110,19 +116,7 @@ fn phi4_mini_partial_rope_on_every_layout_matches_the_reference() -> Result<()> 
     let (whole, _, _) = phi3()?;
     let moved = max_abs(&reference(&full, &whole, &ids)?.logits, &want.logits)?;
     assert!(moved > 100.0 * Tolerances::default().logits_abs, "the partial RoPE moved the logits by only {moved:.1e}");
-    for layout in [
-        Layout::single(),
-        Layout::cp(CpKind::Ring, 4),
-        Layout::cp(CpKind::Zigzag, 4),
-        Layout::cp(CpKind::Ulysses, 2),
-        Layout::two_d(2, 2),
-        Layout::single().with_tp(2, true),
-    ] {
-        let rep = compare(&run_layout(&full, &cfg, &ids, layout, &Device::Cpu)?, &want, Tolerances::default())?;
-        println!("phi4-mini partial rope {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e}", rep.logits_abs, rep.loss_abs, rep.grad_rel_max);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert!(rep.pass(), "{layout}: {rep:?}");
-    }
+    on_layouts("phi4-mini partial rope", (&full, &cfg, &ids, &want), &[])?;
     let prompt = ids.narrow(1, 0, 80)?.contiguous()?;
     candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &prompt, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, false)])
 }
