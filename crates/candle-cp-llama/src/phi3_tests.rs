@@ -107,6 +107,34 @@ fn a_partial_rotary_phi3_config() -> Result<()> {
     Ok(())
 }
 
+/// Phi-4-mini-instruct's config.json as released (its keys; the 48 factors of each kind
+/// stand-ins of the same count): a tied Phi-3 with heads of 128, 96 of them rotated.
+#[test]
+fn phi4_mini_instruct_config_json() -> Result<()> {
+    let f = |top: f64| format!("[{}]", (0..48).map(|i| format!("{}", 1.0 + top * i as f64 / 47.0)).collect::<Vec<_>>().join(", "));
+    let text = format!(
+        r#"{{"architectures": ["Phi3ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+        "auto_map": {{"AutoConfig": "configuration_phi3.Phi3Config", "AutoModelForCausalLM": "modeling_phi3.Phi3ForCausalLM",
+        "AutoTokenizer": "Xenova/gpt-4o"}}, "bos_token_id": 199999, "embd_pdrop": 0.0, "eos_token_id": 199999,
+        "full_attn_mod": 1, "hidden_act": "silu", "hidden_size": 3072, "initializer_range": 0.02, "intermediate_size": 8192,
+        "interpolate_factor": 1, "lm_head_bias": false, "max_position_embeddings": 131072, "mlp_bias": false,
+        "model_type": "phi3", "num_attention_heads": 24, "num_hidden_layers": 32, "num_key_value_heads": 8,
+        "original_max_position_embeddings": 4096, "pad_token_id": 199999, "partial_rotary_factor": 0.75,
+        "resid_pdrop": 0.0, "rms_norm_eps": 1e-05, "rope_scaling": {{"long_factor": {}, "short_factor": {}, "type": "longrope"}},
+        "rope_theta": 10000.0, "sliding_window": 262144, "tie_word_embeddings": true, "torch_dtype": "bfloat16",
+        "transformers_version": "4.45.0", "use_cache": true, "vocab_size": 200064}}"#,
+        f(30.0),
+        f(0.2)
+    );
+    let c = LlamaConfig::from_json(&text)?;
+    assert_eq!((c.arch(), c.head_dim, c.rope_dim(), c.partial_rotary_factor), (Arch::Phi3, 128, 96, 0.75));
+    assert!(c.phi3 && c.tie_word_embeddings && !c.qkv_bias);
+    let RopeScaling::LongRope { long_factor, original_max_position_embeddings, factor, .. } = &c.rope_scaling else { panic!("{:?}", c.rope_scaling) };
+    assert_eq!((long_factor.len(), *original_max_position_embeddings, *factor), (48, 4096, 32.0));
+    assert_eq!(LlamaConfig::from_json(&c.to_hf_json("bfloat16"))?, c);
+    Ok(())
+}
+
 #[test]
 fn what_phi3_configs_cannot_say_is_refused() -> Result<()> {
     let lr = longrope("longrope");
