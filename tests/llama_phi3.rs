@@ -106,8 +106,9 @@ fn phi4_mini() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
 
 /// Phi-4-mini's partial RoPE on every kind of layout against the float64 reference (which
 /// rotates the first 12 dimensions itself); it acts (rotating all 16, with two more factors,
-/// moves the logits far past the tolerance); the cached decode of a prompt past the original
-/// length equals the full forward, and zigzag CP 2 and TP 2 decode the same tokens.
+/// moves the logits far past the tolerance); its tied checkpoint (no `lm_head`) round-trips; the
+/// cached decode of a prompt past the original length equals the full forward, and zigzag CP 2
+/// and TP 2 decode the same tokens.
 #[test]
 fn phi4_mini_partial_rope_on_every_layout_matches_the_reference() -> Result<()> {
     let (cfg, full, ids) = phi4_mini()?;
@@ -117,6 +118,24 @@ fn phi4_mini_partial_rope_on_every_layout_matches_the_reference() -> Result<()> 
     let moved = max_abs(&reference(&full, &whole, &ids)?.logits, &want.logits)?;
     assert!(moved > 100.0 * Tolerances::default().logits_abs, "the partial RoPE moved the logits by only {moved:.1e}");
     on_layouts("phi4-mini partial rope", (&full, &cfg, &ids, &want), &[])?;
+    // tied as Phi-4-mini is: the checkpoint has no lm_head, fused projections, and reads back
+    // the same config and tensors
+    let tied = LlamaConfig { tie_word_embeddings: true, ..cfg.clone() };
+    let mut tensors: Vec<(String, Tensor)> = full.iter().filter(|(k, _)| *k != "lm_head.weight").map(|(k, t)| (k.clone(), t.clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    let dir = std::env::temp_dir().join(format!("candle-cp-phi4-{}", std::process::id()));
+    save_hf_tensors(&dir, &tensors, &tied)?;
+    let file = load_safetensors_dir(&dir, &Device::Cpu)?;
+    assert!(!file.contains_key("lm_head.weight") && file.contains_key("model.layers.1.self_attn.qkv_proj.weight"), "{:?}", file.keys());
+    let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back, tied);
+    let read = candle_cp_llama::params::varmap_tensors(&vm)?;
+    assert_eq!(read.len(), tensors.len());
+    for (k, t) in read {
+        let want_t = &tensors.iter().find(|(n, _)| *n == k).ok_or_else(|| candle_core::Error::Msg(format!("{k} read, not written")))?.1;
+        assert_eq!(max_abs(&t, want_t)?, 0.0, "{k}");
+    }
+    std::fs::remove_dir_all(&dir)?;
     let prompt = ids.narrow(1, 0, 80)?.contiguous()?;
     candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &prompt, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, false)])
 }
