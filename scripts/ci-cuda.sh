@@ -298,6 +298,17 @@ for kern in flash_fwd_wgmma_tma_band_bf16_d64 flash_bwd_wgmma_tma_band_bf16_d64;
   grep -q "launch $kern " "$shim_log" || { echo "ci-cuda: the wgmma-tma fine-tune did not launch $kern"; exit 1; }
 done
 same_loss "$shim_dir/ft-cpu-packed-ws/metrics.jsonl" "$shim_dir/ft-cuda-packed-ws/metrics.jsonl" 2e-3 "CP 4 ring, packed documents + window 40, bf16 d64, cuda wgmma-tma band kernels (shim)"
+# a Phi-4-mini-style model in bf16 with heads of 96 (Phi-3-mini's width): LongRoPE past its
+# original length, RoPE on 3/4 of each head, zigzag CP 2: Auto runs the pipelined d96 kernels
+# (checked in the trace)
+ftf=(--phi3 --partial-rotary 0.75 --hidden 192 --heads 2 --kv-heads 1 --cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype bf16)
+shim_step "finetune_llama cpu phi3 bf16 d96" env LD_LIBRARY_PATH="$lib" "$ft_bin" --device cpu "${ftf[@]}" --out "$shim_dir/ft-cpu-phi3"
+shim_step "finetune_llama cuda phi3 bf16 d96" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftf[@]}" --out "$shim_dir/ft-cuda-phi3"
+for kern in flash_fwd_pipe_bf16_d96 flash_bwd_pipe_dkdv_bf16_d96 flash_bwd_pipe_dq_bf16_d96; do
+  grep -q "launch $kern " "$shim_log" || { echo "ci-cuda: the Phi-3 d96 fine-tune did not launch $kern"; exit 1; }
+done
+same_loss "$shim_dir/ft-cpu-phi3/metrics.jsonl" "$shim_dir/ft-cuda-phi3/metrics.jsonl" 2e-3 "CP 2 zigzag, Phi-4-mini-style (partial RoPE, LongRoPE) bf16 d96, cuda pipelined kernels (shim)"
 ft=(--cp 2 --cp-kind zigzag --seq-len 128 --steps 3 --save-every 0 --dtype f32 --device cuda --comm nccl)
 # (with --recompute: the layers rerun in backward, NCCL collectives included; with
 # --overlap-grad-sync each layer's gradient all-reduce starts on a second communicator
