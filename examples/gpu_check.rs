@@ -168,9 +168,9 @@ fn cases() -> Vec<Case> {
     v.push(c(2, 70, 70, 4, 2, 256, causal, "causal-gqa"));
     v.push(c(1, 40, 64, 2, 1, 256, Mask::causal_offsets(64, 0), "offset-below"));
     v.push(c(1, 150, 200, 3, 1, 256, Mask::causal_offsets(50, 0), "ragged-causal-gqa3"));
-    // head dim 96 (Phi-3-mini, Phi-3.5-mini): the CUDA-core kernels and the pipelined ones (the
-    // forward's 12 chunks a row over 120 of its 128 threads; d128's backward tiles); full, causal
-    // over several key tiles, a ring block below the diagonal, ragged blocks with GQA.
+    // head dim 96 (Phi-3-mini, Phi-3.5-mini): the CUDA-core, mma and pipelined kernels (the
+    // pipelined forward's 12 chunks a row over 120 of its 128 threads; d128's backward tiles);
+    // full, causal over several key tiles, a ring block below the diagonal, ragged blocks with GQA.
     v.push(c(1, 45, 77, 2, 2, 96, Mask::Full, "full"));
     v.push(c(2, 150, 150, 4, 2, 96, causal, "causal-gqa"));
     v.push(c(1, 40, 64, 2, 1, 96, Mask::causal_offsets(64, 0), "offset-below"));
@@ -205,10 +205,14 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             let (o_ref, l_ref) = attention_fwd(&q, &k, &v, &c.mask, scale)?;
             let (gq, gk, gv) = (q.to_device(gpu)?, k.to_device(gpu)?, v.to_device(gpu)?);
             let tag = format!("{} d{} {dtype:?} [b{} t{} s{} h{} kv{}]", c.label, c.d, c.b, c.t, c.s, c.h, c.hkv);
-            // head dims 96 and 256: the CUDA-core and pipelined kernels alone
+            // head dims 96 and 256: some families alone (the CUDA-core and pipelined kernels; mma at 96)
             let partial = flash::PARTIAL_HEAD_DIMS.contains(&c.d);
             let all: &[FwdImpl] = if dtype == DType::F32 {
                 &[FwdImpl::Simple]
+            } else if partial && c.d == 96 {
+                // (Auto: the pipelined kernels, or the mma ones where the device lacks their
+                // shared memory)
+                &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined, FwdImpl::Auto]
             } else if partial {
                 // (Auto: the pipelined kernels, or the CUDA-core ones where the device lacks
                 // their shared memory)
@@ -300,12 +304,14 @@ fn lacks_smem(imp: FwdImpl, e: &candle_core::Error) -> bool {
     imp == FwdImpl::Pipelined && allows.is_some_and(|a| a < 232_448)
 }
 
-/// At a head dim only the CUDA-core and pipelined kernels take (96, 256), the raw kernel functions
-/// refuse the mma, fused and Hopper families by name (one check per family: an error naming the
-/// head dim), and `Auto` runs (on the pipelined kernels where the device has their shared memory).
+/// At a head dim only some families take (96, 256), the raw kernel functions refuse the others
+/// (the fused and Hopper families; mma at 256) by name (one check per family: an error naming
+/// the head dim), and `Auto` runs (on the pipelined kernels where the device has their shared
+/// memory).
 fn check_partial_refused(rep: &mut Report, tag: &str, (q, k, v): (&Tensor, &Tensor, &Tensor), mask: KMask, scale: f32) {
-    let head_dim = format!("head dim {}", q.dim(3).unwrap_or(0));
-    for imp in [FwdImpl::Mma, FwdImpl::AtomicDq, FwdImpl::WgmmaTma] {
+    let d = q.dim(3).unwrap_or(0);
+    let head_dim = format!("head dim {d}");
+    for imp in [FwdImpl::Mma, FwdImpl::AtomicDq, FwdImpl::WgmmaTma].into_iter().filter(|&i| !flash::family_takes(i, d)) {
         let name = format!("flash_fwd {imp:?} {tag} refused");
         match flash::fwd(q, k, v, mask, scale, imp) {
             Err(e) if e.to_string().contains(&head_dim) => {

@@ -41,7 +41,7 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_pipe_cap_dkdv_##N##_d##D(float*, float*, PIPEC_P(TY));                     \
   void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
 #define DECL(N, TY) DECL_D(N, TY, 16) DECL_D(N, TY, 32) DECL_D(N, TY, 64) DECL_D(N, TY, 96) DECL_D(N, TY, 128) DECL_D(N, TY, 256)
-// head dims 96 and 256: the pipelined entries only (no mma kernels there)
+// head dim 256: the pipelined entries only (no mma kernels there; at 96 DECL16_D's, mma included)
 #define DECLP_D(N, TY, D)                                                                   \
   void flash_fwd_pipe_##N##_d##D(FWDC_P(TY));                                               \
   void flash_fwd_pipe_cap_##N##_d##D(FWDC_P(TY));                                           \
@@ -51,7 +51,7 @@ struct alignas(64) CpTmaMap {
   void flash_bwd_pipe_cap_dq_##N##_d##D(float*, PIPEC_P(TY));
 #define DECL16(N, TY)                                                                       \
   DECL16_D(N, TY, 16) DECL16_D(N, TY, 32) DECL16_D(N, TY, 64) DECL16_D(N, TY, 128)           \
-  DECLP_D(N, TY, 96) DECLP_D(N, TY, 256)                                                    \
+  DECL16_D(N, TY, 96) DECLP_D(N, TY, 256)                                                   \
   void flash_bwd_pipe_prep_##N(const float*, const float*, float*, TY*, int, int, int, int);
 extern "C" {
 DECL(f32, float)
@@ -111,7 +111,7 @@ void flash_bwd_wgmma_ws_bf16_d128(float*, float*, float*, PIPE_P(__nv_bfloat16))
     {"flash_bwd_pipe_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_dq_##N##_d##D},                \
     {"flash_bwd_pipe_cap_dkdv_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dkdv_##N##_d##D},    \
     {"flash_bwd_pipe_cap_dq_" #N "_d" #D, (void*)&flash_bwd_pipe_cap_dq_##N##_d##D},
-#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REGP_D(N, 96) REGP_D(N, 256)
+#define REG16(N) REG16_D(N, 16) REG16_D(N, 32) REG16_D(N, 64) REG16_D(N, 128) REG16_D(N, 96) REGP_D(N, 256)
 
 // float64 attention forward + backward (the backward from this forward's out / lse).
 Ref reference(const Case& c, const std::vector<double>& q, const std::vector<double>& k, const std::vector<double>& v,
@@ -508,8 +508,8 @@ void run_flash_checks() {
   for (const Case* cp : {&d96, &d96_after, &d96_full}) {
     const bool acc = cp != &d96_full;
     run_case<float>(*cp, {Impl::Simple}, seed++, acc);
-    run_case<__nv_bfloat16>(*cp, {Impl::Simple, Impl::Pipe}, seed++, acc);
-    run_case<__half>(*cp, {Impl::Simple, Impl::Pipe}, seed++, acc);
+    run_case<__nv_bfloat16>(*cp, {Impl::Simple, Impl::Mma, Impl::Pipe}, seed++, acc);
+    run_case<__half>(*cp, {Impl::Simple, Impl::Mma, Impl::Pipe}, seed++, acc);
   }
   run_case<__nv_bfloat16>(d96_after, {Impl::Simple, Impl::Pipe}, seed++, true, 5.f, 3.0);
   {  // pipelined d256 over several blocks each way: 3 forward blocks of 64 rows, 2 dK/dV key

@@ -679,7 +679,7 @@ def tile_configs():
         err(f"bwd simple dkdv: flash/bwd.rs threads {thr[1]} != flash_bwd.cu NW*32 = {kv[0] * 32}")
     if dthr is not None and mdq and (dthr != dq[0] * 32 or dthr != mdq // 16 * 32):
         err(f"bwd dq: flash/bwd.rs threads {dthr}, flash_bwd.cu NW*32 = {dq[0] * 32}, flash_bwd_mma.cu BQ/16*32 = {mdq // 16 * 32}")
-    for d in (16, 32, 64, 128):
+    for d in (16, 32, 64, 96, 128):  # (the mma kernels also take 96, not 256)
         out.setdefault("flash_fwd_mma", {})[d] = (rm[1] if rm else 0, mbq, 0)
         out.setdefault("flash_bwd_mma_dkdv", {})[d] = (thr[0] if thr else 0, keys, 0)
         out.setdefault("flash_bwd_mma_dq", {})[d] = (dthr, rows[0] if rows else 0, 0)

@@ -258,7 +258,7 @@ __device__ __forceinline__ void bwd_dq_mma(const T* __restrict__ q, const T* __r
   extern "C" __global__ void __launch_bounds__(128) flash_bwd_mma_dq_##NAME##_d##D(float* dq, BWD_ARGS_COMMON) { \
     bwd_dq_mma<TY, D>(q, k, v, dout, lse, delta, dq, B, T_, S, H, Hkv, scale, MASK, accumulate);                 \
   }
-#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 128)
+#define ENTRIES(NAME) ENTRIES_D(NAME, 16) ENTRIES_D(NAME, 32) ENTRIES_D(NAME, 64) ENTRIES_D(NAME, 96) ENTRIES_D(NAME, 128)
 
 #define TY __half
 ENTRIES(f16)

@@ -3,8 +3,9 @@
 //!
 //! Shapes: q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (f32, f16 or bf16, same dtype), out f32
 //! `[B, T, H, D]`, lse f32 `[B, H, T]` (natural log). `T`, `S` are local lengths; the mask
-//! carries global positions. Head dims 16, 32, 64 and 128 on every family, 96 (Phi-3-mini) and 256
-//! (Gemma) on the CUDA-core and pipelined tensor-core kernels (module `core`). Query head `h` reads KV head `h / (H/Hkv)`.
+//! carries global positions. Head dims 16, 32, 64 and 128 on every family, 96 (Phi-3-mini) on the
+//! CUDA-core, mma and pipelined kernels, 256 (Gemma) on the CUDA-core and pipelined ones (module
+//! `core`). Query head `h` reads KV head `h / (H/Hkv)`.
 //! Band masks (one key interval per query row): [`fwd_band`], [`bwd_band`] (module `band`).
 
 use crate::{ptx, util};
@@ -147,7 +148,7 @@ pub enum FwdImpl {
     /// Tensor-core kernels with `cp.async` double-buffered K/V tiles and `ldmatrix` fragment
     /// loads (FlashAttention-2 pipeline); f16/bf16 only. Forward: `flash_fwd_pipe_*`, 128 query
     /// rows per block (64 at head dim 256), tile j+1 of K and V copied while tile j is used; a
-    /// scale <= 0 runs the `Mma` forward instead (the `Simple` one at head dims 96 and 256).
+    /// scale <= 0 runs the `Mma` forward instead (the `Simple` one at head dim 256).
     Pipelined,
     /// EXPERIMENTAL, Hopper only, opt-in (`CANDLE_CP_FLASH_IMPL=wgmma`; `Auto` never picks it):
     /// warpgroup MMA (`wgmma.mma_async`, PTX for sm_90a), f16/bf16 and head dims 64/128 only;
@@ -229,10 +230,10 @@ impl FwdImpl {
 
     /// The family a whole-model setting (`CANDLE_CP_FLASH_IMPL`, through the attention ops)
     /// runs at head dim `d`: itself where it has kernels at `d` ([`family_takes`]), else `Auto`
-    /// (at [`PARTIAL_HEAD_DIMS`], 96 and 256, the mma, fused and Hopper families run `Auto`: the
-    /// pipelined kernels for f16/bf16 where the device has their shared memory, the CUDA-core ones
-    /// otherwise). The raw kernel functions do not do this: there such a family at 96 or 256 is an
-    /// error.
+    /// (at [`PARTIAL_HEAD_DIMS`], 96 and 256, the fused and Hopper families, and the mma one at
+    /// 256, run `Auto`: the pipelined kernels for f16/bf16 where the device has their shared
+    /// memory, else the mma ones at 96 and the CUDA-core ones at 256). The raw kernel functions do
+    /// not do this: there such a family at 96 or 256 is an error.
     pub fn for_head_dim(self, d: usize) -> Self {
         if family_takes(self, d) || !head_dim_supported(d) {
             self
@@ -276,7 +277,7 @@ fn check_dims(op: &str, q: &Shape, k: &Shape, v: &Shape) -> Result<Dims> {
         candle_core::bail!("{op}: expected q [B, T, H, D], k/v [B, S, Hkv, D] with H % Hkv == 0, got q {q:?}, k {k:?}, v {v:?}")
     }
     if !head_dim_supported(d) {
-        candle_core::bail!("{op}: head dim {d} not supported by the CUDA kernels (16, 32, 64, 128; 96 and 256 on the CUDA-core and pipelined kernels); q {q:?}")
+        candle_core::bail!("{op}: head dim {d} not supported by the CUDA kernels (16, 32, 64, 128; 96 on the CUDA-core, mma and pipelined kernels, 256 on the CUDA-core and pipelined ones); q {q:?}")
     }
     if h > 65_535 || b > 65_535 || hkv > 65_535 {
         candle_core::bail!("{op}: too many heads or batches for the launch grid; q {q:?}, k {k:?}")
@@ -486,7 +487,7 @@ fn fwd_t<T: CudaDType + DeviceRepr>(
         FwdImpl::Mma => FwdKernel::Mma,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if scale > 0.0 => FwdKernel::Pipelined,
         // The pipelined kernel takes row maxima before scaling, which needs scale > 0.
-        // (the CUDA-core kernels where the mma ones have no kernel: head dims 96 and 256)
+        // (the CUDA-core kernels where the mma ones have no kernel: head dim 256)
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq if !family_takes(FwdImpl::Mma, d) => FwdKernel::Simple,
         FwdImpl::Auto | FwdImpl::Pipelined | FwdImpl::AtomicDq => FwdKernel::Mma,
     };

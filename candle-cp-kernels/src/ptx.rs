@@ -2,14 +2,14 @@
 //! nvcc), and the module names under which `CudaDevice::get_or_load_custom_func` caches them.
 
 /// `kernels/flash_fwd.cu`: `flash_fwd_simple_{f32,f16,bf16}_d*`, `flash_fwd_mma_{f16,bf16}_d*`,
-/// `flash_fwd_pipe_{f16,bf16}_d*` (cp.async + ldmatrix pipeline, dynamic shared memory) (d 16, 32, 64, 128;
-/// the simple and pipe entries also 96 and 256),
+/// `flash_fwd_pipe_{f16,bf16}_d*` (cp.async + ldmatrix pipeline, dynamic shared memory) (d 16, 32, 64, 96,
+/// 128; the simple and pipe entries also 256),
 /// and the band-mask entries `flash_fwd_simple_band_*`, `flash_fwd_pipe_band_*` (`flash::fwd_band`).
 pub const FLASH_FWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_fwd.ptx"));
 /// `kernels/flash_bwd.cu`: `flash_bwd_delta_f32`, `flash_bwd_{dkdv,dq}_{f32,f16,bf16}_d{16,32,64,96,128,256}`,
 /// `flash_bwd_{dkdv,dq}_band_*` (band masks, `flash::bwd_band`).
 pub const FLASH_BWD: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd.ptx"));
-/// `kernels/flash_bwd_mma.cu`: `flash_bwd_mma_{dkdv,dq}_{f16,bf16}_d{16,32,64,128}` (tensor cores).
+/// `kernels/flash_bwd_mma.cu`: `flash_bwd_mma_{dkdv,dq}_{f16,bf16}_d{16,32,64,96,128}` (tensor cores).
 pub const FLASH_BWD_MMA: &str = include_str!(concat!(env!("OUT_DIR"), "/flash_bwd_mma.ptx"));
 /// `kernels/flash_bwd_pipe.cu`: `flash_bwd_pipe_prep_{f16,bf16}`,
 /// `flash_bwd_pipe_{dkdv,dq}_{f16,bf16}_d{16,32,64,96,128,256}` (cp.async + ldmatrix pipeline),

@@ -248,7 +248,7 @@ pub(super) fn bwd_prepared_to(
     }
     // Auto runs the mma kernels where the pipelined ones need more shared memory per block than
     // the device allows (d = 128 on sm_86/sm_89/sm_120); an explicit choice is an error there.
-    // (At head dims 96 and 256, which have no mma kernels, the CUDA-core ones.)
+    // (At head dim 256, which has no mma kernels, the CUDA-core ones.)
     // (a soft cap: never the mma kernels, which take none)
     let (use_mma, pipe) = if pipe && !bwd_pipe::fits(&dev, d, imp, q.shape())? { (family_takes(FwdImpl::Mma, d) && cap == 0.0, false) } else { (use_mma, pipe) };
     if b * t * h == 0 || s == 0 {

@@ -63,7 +63,7 @@ impl PipeCfg {
 /// 106,496; at d = 64: 74,752 and 55,296; at d = 256: 203,264 and 202,752) within the device's
 /// opt-in maximum per block (sm_80: 166,912; sm_90: 232,448; sm_86, sm_89, sm_120: 101,376).
 /// Where it does not fit, `Auto` gets `Ok(false)` (the caller runs the mma kernels instead, the
-/// CUDA-core ones at d = 96 and 256) and an
+/// CUDA-core ones at d = 256) and an
 /// explicit kernel choice an error naming the sizes.
 pub(super) fn fits(dev: &CudaDevice, d: usize, imp: FwdImpl, q: &Shape) -> Result<bool> {
     let (kv, dq) = PipeCfg::of(d).smem(d);

@@ -3,23 +3,25 @@
 //! some families take ([`PARTIAL_HEAD_DIMS`]: 96 and 256).
 //!
 //! Head dim 96 (Phi-3-mini, Phi-3.5-mini) and 256 (Gemma 3 1B / 4B / 12B, Gemma 2) run on two
-//! families:
+//! families, and 96 on the mma kernels too:
 //! - the CUDA-core kernels ([`FwdImpl::Simple`]; f32, and f16/bf16 where the device lacks the
-//!   pipelined kernels' shared memory): at d = 96 their tiles fit in a block's static shared
+//!   tensor-core kernels' shared memory): at d = 96 their tiles fit in a block's static shared
 //!   memory (33,024 bytes at most); at d = 256 (f32 K and V of 32 keys, the block's query rows)
 //!   they need about 82 KB per block, more than a block may declare statically, so they take it
 //!   as dynamic shared memory (`cp_core_smem` in `kernels/common.cuh`) and the launcher passes
 //!   the size below;
 //! - the pipelined tensor-core kernels ([`FwdImpl::Pipelined`], and `Auto` for f16/bf16): at
-//!   d = 96 d = 64's forward tiles (128 rows over 64-key tiles, 80,384 bytes; 12 16-byte chunks a
-//!   row, so 8 of the 128 threads copy nothing) and d = 128's backward ones (107,520 and 106,496
-//!   bytes: sm_80 and Hopper; `Auto` runs the CUDA-core backward on sm_86 / sm_89 / sm_120); at
-//!   d = 256 the forward with 64-row blocks over 32-key tiles (101,376 bytes: every GPU from
-//!   sm_80 on), the backward with dK/dV blocks that each keep 128 of the 256 columns (203,264
-//!   bytes) and 128-row dQ blocks (202,752): Hopper only (232,448 bytes per block), so `Auto`
-//!   runs the CUDA-core backward elsewhere.
+//!   d = 96 d = 64's forward tiles (128 rows over 64-key tiles, 80,384 bytes; 12 chunks of 16
+//!   bytes a row, so 8 of the 128 threads copy nothing) and d = 128's backward ones (107,520 and
+//!   106,496 bytes: sm_80 and Hopper); at d = 256 the forward with 64-row blocks over 32-key
+//!   tiles (101,376 bytes: every GPU from sm_80 on), the backward with dK/dV blocks that each
+//!   keep 128 of the 256 columns (203,264 bytes) and 128-row dQ blocks (202,752): Hopper only
+//!   (232,448 bytes per block);
+//! - at d = 96 the mma kernels ([`FwdImpl::Mma`]; static shared memory): `Auto`'s backward where
+//!   the pipelined one does not fit (sm_86 / sm_89 / sm_120), as up to 128. At d = 256 `Auto`
+//!   runs the CUDA-core backward there.
 //!
-//! The mma, fused and Hopper families have no kernels at these head dims;
+//! The fused and Hopper families have no kernels at these head dims, nor the mma ones at 256;
 //! `FwdImpl::for_head_dim` maps them to `Auto` there, and the raw kernel functions refuse them by
 //! name.
 
@@ -33,9 +35,9 @@ use candle_core::{CudaDevice, Result, Shape};
 /// Head dims every kernel family takes.
 pub const HEAD_DIMS: [usize; 4] = [16, 32, 64, 128];
 
-/// Head dims only the CUDA-core ([`FwdImpl::Simple`]) and pipelined tensor-core
-/// ([`FwdImpl::Pipelined`]) kernels take; `Auto` runs one of those two. 96: Phi-3-mini and
-/// Phi-3.5-mini; 256: Gemma 2 and Gemma 3.
+/// Head dims only some families take: 96 (Phi-3-mini and Phi-3.5-mini: the CUDA-core
+/// [`FwdImpl::Simple`], pipelined [`FwdImpl::Pipelined`] and [`FwdImpl::Mma`] kernels) and 256
+/// (Gemma 2 and Gemma 3: the CUDA-core and pipelined kernels); `Auto` runs one of those.
 pub const PARTIAL_HEAD_DIMS: [usize; 2] = [96, 256];
 
 /// Whether some kernel family takes head dim `d` ([`HEAD_DIMS`] or [`PARTIAL_HEAD_DIMS`]).
@@ -44,9 +46,11 @@ pub fn head_dim_supported(d: usize) -> bool {
 }
 
 /// Whether family `imp` has kernels at head dim `d` (every family at [`HEAD_DIMS`]; `Auto`,
-/// `Simple` and `Pipelined` at [`PARTIAL_HEAD_DIMS`]).
+/// `Simple` and `Pipelined` at [`PARTIAL_HEAD_DIMS`], `Mma` at 96 too).
 pub fn family_takes(imp: FwdImpl, d: usize) -> bool {
-    HEAD_DIMS.contains(&d) || (PARTIAL_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
+    HEAD_DIMS.contains(&d)
+        || (PARTIAL_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
+        || (d == 96 && imp == FwdImpl::Mma)
 }
 
 /// One of the CUDA-core kernels.
@@ -96,16 +100,22 @@ pub(super) fn opt_in(func: &CudaFunction, smem: u32) -> Result<()> {
 }
 
 /// The family a call at head dim `d` runs: `imp` for [`HEAD_DIMS`]; at a [`PARTIAL_HEAD_DIMS`] head
-/// dim `imp` for `Auto`, `Simple` and `Pipelined` (after checking that the device gives a block
-/// the CUDA-core kernels' shared memory: the launchers fall back to them where they would run the
-/// mma kernels, which have none at that head dim: `Auto` where the pipelined kernels do not fit,
-/// a forward with scale <= 0), an error naming the head dim for an explicit other family.
+/// dim `imp` for a family that takes it ([`family_takes`]: `Auto`, `Simple`, `Pipelined`, and
+/// `Mma` at 96), after checking that the device gives a block the CUDA-core kernels' shared
+/// memory (at 256 the launchers fall back to them where they would run the mma kernels, which
+/// have none there: `Auto` where the pipelined kernels do not fit, a forward with scale <= 0);
+/// an error naming the head dim for an explicit other family.
 pub(super) fn family_for(dev: &CudaDevice, imp: FwdImpl, d: usize, op: &str, q: &Shape) -> Result<FwdImpl> {
     if !PARTIAL_HEAD_DIMS.contains(&d) {
         return Ok(imp);
     }
     if !family_takes(imp, d) {
-        candle_core::bail!("{op}: head dim {d} runs on the CUDA-core and pipelined kernels only (FwdImpl::Simple, Pipelined or Auto), not {imp:?}; q {q:?}")
+        let fams = if family_takes(FwdImpl::Mma, d) {
+            "the CUDA-core, mma and pipelined kernels only (FwdImpl::Simple, Mma, Pipelined or Auto)"
+        } else {
+            "the CUDA-core and pipelined kernels only (FwdImpl::Simple, Pipelined or Auto)"
+        };
+        candle_core::bail!("{op}: head dim {d} runs on {fams}, not {imp:?}; q {q:?}")
     }
     let need = [Core::Fwd, Core::Dkdv, Core::Dq].into_iter().map(|k| smem_bytes(k, d)).max().unwrap_or(0);
     let optin = util::smem_optin(dev)?;
@@ -140,8 +150,9 @@ mod tests {
         assert!(head_dim_supported(256) && head_dim_supported(96) && !head_dim_supported(80) && !head_dim_supported(512));
         for d in PARTIAL_HEAD_DIMS {
             assert!(family_takes(FwdImpl::Pipelined, d) && family_takes(FwdImpl::Auto, d) && family_takes(FwdImpl::Simple, d));
-            assert!(!family_takes(FwdImpl::Mma, d) && !family_takes(FwdImpl::WgmmaTma, d) && !family_takes(FwdImpl::AtomicDq, d));
+            assert!(!family_takes(FwdImpl::WgmmaTma, d) && !family_takes(FwdImpl::AtomicDq, d));
         }
+        assert!(family_takes(FwdImpl::Mma, 96) && !family_takes(FwdImpl::Mma, 256));
         assert!(family_takes(FwdImpl::WgmmaTma, 128) && !family_takes(FwdImpl::Simple, 80));
     }
 }

@@ -24,15 +24,15 @@ use candle_core::{CudaStorage, DType, Device, Layout, Result, Shape, Storage, Te
 use candle_cp_kernels::flash::{self, FwdImpl, KBand, KMask, Logits};
 
 /// Head dims the CUDA kernels take (others: use the host-copy fallback or get an error):
-/// `candle_cp_kernels::flash::head_dim_supported` (16, 32, 64, 128, and 96 and 256 on the
-/// CUDA-core and pipelined kernels).
+/// `candle_cp_kernels::flash::head_dim_supported` (16, 32, 64, 128, and 96 and 256 on some
+/// families: `flash::family_takes`).
 pub(crate) fn supported(head_dim: usize) -> bool {
     flash::head_dim_supported(head_dim)
 }
 
 /// The kernel family for q `[B, T, H, D]`: `CANDLE_CP_FLASH_IMPL`'s, or `Auto` where that family
-/// has no kernels at the head dim (`FwdImpl::for_head_dim`: the mma, fused and Hopper families at
-/// 96 and 256).
+/// has no kernels at the head dim (`FwdImpl::for_head_dim`: the fused and Hopper families at 96
+/// and 256, the mma one at 256).
 fn imp(q: &Tensor) -> FwdImpl {
     imp_of_dims(q.dims())
 }
