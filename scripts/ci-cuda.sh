@@ -183,13 +183,14 @@ done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 echo "ci-cuda: ptxas and the launch check done after $(( $(date +%s) - start )) s"
 # the kernel crate's unit tests (launch numbers and head-dim tables in src/flash/core.rs, the probe
-# maps: host code, no device): built with the features the build above gave candle-core (cuda,
-# nccl) and its environment, so that only the test harness compiles, then run (the shim's
-# libraries for the CUDA ones it links)
+# maps: host code, no device): built beside the packages and features of the build above (so that
+# every dependency resolves as there and is reused: only the test harnesses compile), then run
+# (the shim's libraries for the CUDA ones it links)
 CANDLE_CP_REAL_NVCC="$CUDA_ROOT/bin/nvcc" NVCC="$ci_tk/bin/nvcc" \
-  cargo test --release -j "$JOBS" -p candle-cp-kernels --features cuda,candle-core/nccl --lib --no-run >"$shim_dir/kernels-unit.log" 2>&1 \
+  cargo test --release -j "$JOBS" -p candle-cp-kernels -p candle-cp-examples -p candle-cp-cli \
+  --features candle-cp-examples/nccl,candle-cp-cli/cuda,candle-cp-kernels/cuda --lib --no-run >"$shim_dir/kernels-unit.log" 2>&1 \
   || { tail -40 "$shim_dir/kernels-unit.log"; echo "ci-cuda: candle-cp-kernels' unit tests did not build"; exit 1; }
-unit_bin=$(sed -n 's/.*Executable unittests src\/lib.rs (\(.*\))$/\1/p' "$shim_dir/kernels-unit.log" | tail -1)
+unit_bin=$(sed -n 's/.*Executable unittests src\/lib.rs (\(.*candle_cp_kernels-[0-9a-f]*\))$/\1/p' "$shim_dir/kernels-unit.log" | tail -1)
 [ -n "$unit_bin" ] || { cat "$shim_dir/kernels-unit.log"; echo "ci-cuda: no unit-test binary of candle-cp-kernels"; exit 1; }
 LD_LIBRARY_PATH="$lib" "$unit_bin" >>"$shim_dir/kernels-unit.log" 2>&1 \
   || { tail -40 "$shim_dir/kernels-unit.log"; echo "ci-cuda: candle-cp-kernels' unit tests failed"; exit 1; }
