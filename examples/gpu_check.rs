@@ -209,18 +209,15 @@ fn check_flash(rep: &mut Report, gpu: &Device) -> Result<()> {
             let partial = flash::PARTIAL_HEAD_DIMS.contains(&c.d);
             let all: &[FwdImpl] = if dtype == DType::F32 {
                 &[FwdImpl::Simple]
-            } else if partial && c.d == 96 {
-                // (Auto: the pipelined kernels, or the mma ones where the device lacks their
-                // shared memory)
-                &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined, FwdImpl::Auto]
             } else if partial {
-                // (Auto: the pipelined kernels, or the CUDA-core ones where the device lacks
-                // their shared memory)
-                &[FwdImpl::Simple, FwdImpl::Pipelined, FwdImpl::Auto]
+                // the families that take the head dim (flash::family_takes), and Auto: the
+                // pipelined kernels, or where the device lacks their shared memory the mma ones
+                // (96) or the CUDA-core ones (256)
+                &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined, FwdImpl::Auto]
             } else {
                 &[FwdImpl::Simple, FwdImpl::Mma, FwdImpl::Pipelined]
             };
-            let mut imps: Vec<FwdImpl> = all.iter().copied().filter(|&i| rep.wants(i)).collect();
+            let mut imps: Vec<FwdImpl> = all.iter().copied().filter(|&i| rep.wants(i) && flash::family_takes(i, c.d)).collect();
             if dtype != DType::F32 && matches!(c.d, 64 | 128) && rep.named(FwdImpl::Wgmma) {
                 imps.push(FwdImpl::Wgmma);
             }

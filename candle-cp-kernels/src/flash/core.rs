@@ -45,12 +45,16 @@ pub fn head_dim_supported(d: usize) -> bool {
     HEAD_DIMS.contains(&d) || PARTIAL_HEAD_DIMS.contains(&d)
 }
 
-/// Whether family `imp` has kernels at head dim `d` (every family at [`HEAD_DIMS`]; `Auto`,
-/// `Simple` and `Pipelined` at [`PARTIAL_HEAD_DIMS`], `Mma` at 96 too).
+/// Whether family `imp` has kernels at head dim `d`: every family at [`HEAD_DIMS`]; at
+/// [`PARTIAL_HEAD_DIMS`] `Auto`, `Simple`, `Pipelined`, and `Mma` at 96.
 pub fn family_takes(imp: FwdImpl, d: usize) -> bool {
-    HEAD_DIMS.contains(&d)
-        || (PARTIAL_HEAD_DIMS.contains(&d) && matches!(imp, FwdImpl::Auto | FwdImpl::Simple | FwdImpl::Pipelined))
-        || (d == 96 && imp == FwdImpl::Mma)
+    use FwdImpl::{Auto, Mma, Pipelined, Simple};
+    match d {
+        _ if HEAD_DIMS.contains(&d) => true,
+        96 => matches!(imp, Auto | Simple | Pipelined | Mma),
+        256 => matches!(imp, Auto | Simple | Pipelined),
+        _ => false,
+    }
 }
 
 /// One of the CUDA-core kernels.
