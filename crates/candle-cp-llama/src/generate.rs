@@ -218,7 +218,7 @@ impl Llama {
         let c = &self.cfg;
         let tp = self.ctx.layout.tp;
         (
-            (c.num_attention_heads / tp, (c.num_key_value_heads / tp).max(1), c.head_dim),
+            (c.num_attention_heads / tp, candle_cp_nn::blocks_per_rank(c.num_key_value_heads, tp), c.head_dim),
             c.attn_scores(),
         )
     }

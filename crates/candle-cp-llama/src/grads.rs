@@ -10,6 +10,7 @@
 //! | replicated (norms; embeddings and head of a vocabulary smaller than tp), no SP | DP × CP (TP ranks already hold identical full gradients) |
 //! | replicated, with SP               | DP × CP × TP (each TP rank saw other tokens) |
 //! | k/v with fewer KV heads than TP ranks | DP × CP × the TP ranks holding the same KV head (each saw other query heads) |
+//! | k/v with KV heads neither dividing nor divided by TP (10 over 4) | each KV head's copies summed over TP ([`candle_cp_nn::Shard::fold_copies`]: a rank may hold a head twice, or share it with a neighbour), then DP × CP |
 //! | stacked experts under expert parallelism (`ep > 1`) | the DP × CP ranks holding the same experts ([`ParallelCtx::ep_dp`]; the EP exchange's backward brought the EP group's tokens) |
 //!
 //! Gradients are packed into f32 buffers of up to 2^26 elements per group (one all-reduce
@@ -113,6 +114,16 @@ fn reduce_with_buckets(
             }
             left.push(s.name);
             continue;
+        }
+        if shard.mixed_copies(ctx.layout.tp) {
+            // KV-head copies mixed over the TP ranks: sum each block's copies over `tp` first
+            // (collective over tp, in param_specs order), then over dp_cp like any slice
+            let var = vars[&s.name].as_tensor();
+            let g = match grads.get(var) {
+                Some(g) => g.clone(),
+                None => var.zeros_like()?,
+            };
+            grads.insert(var, shard.fold_copies(&g, &ctx.tp)?);
         }
         let key = (shard == Shard::Replicated, shard.copies(ctx.layout.tp), expert);
         match per_group.iter_mut().find(|(k, _, _)| *k == key) {

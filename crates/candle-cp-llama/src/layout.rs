@@ -250,19 +250,19 @@ impl Layout {
     }
 
     /// Check the degrees against each other ([`Layout::check_degrees`]) and the model
-    /// (`heads`, `kv_heads`): `tp` must divide `heads`, and divide `kv_heads` or be a multiple
-    /// of it (fewer KV heads than TP ranks: each KV head is replicated on `tp / kv_heads`
-    /// adjacent TP ranks, see [`ParallelCtx::grad_group`]).
+    /// (`heads`, `kv_heads`): `tp` must divide `heads`, and `kv_heads` divide `heads`. When
+    /// `tp` does not divide `kv_heads` each KV head is copied `lcm(kv_heads, tp) / kv_heads`
+    /// times and each TP rank holds `lcm(kv_heads, tp) / tp` of the copies, those its query
+    /// heads use: with fewer KV heads than ranks, one on `tp / kv_heads` adjacent ranks; with
+    /// 10 KV heads over 4 ranks (Phi-3-medium, Phi-4), 5 copies of 3 distinct heads each, one
+    /// head shared with a neighbour ([`candle_cp_nn::Shard::RowBlocks`], [`ParallelCtx::grad_group`]).
     pub fn validate(&self, heads: usize, kv_heads: usize) -> Result<()> {
         self.check_degrees()?;
         if !heads.is_multiple_of(self.tp) {
             bail!("layout {self}: tp = {} must divide heads ({heads})", self.tp)
         }
-        if kv_heads == 0 || !(kv_heads.is_multiple_of(self.tp) || self.tp.is_multiple_of(kv_heads)) {
-            bail!(
-                "layout {self}: tp = {} must divide kv heads ({kv_heads}) or be a multiple of it (each KV head then replicated on tp / kv heads ranks)",
-                self.tp
-            )
+        if kv_heads == 0 || !heads.is_multiple_of(kv_heads) {
+            bail!("layout {self}: kv heads ({kv_heads}) must divide heads ({heads})")
         }
         let lh = heads / self.tp;
         if self.ulysses > 1 && !lh.is_multiple_of(self.ulysses) {
@@ -395,6 +395,7 @@ impl ParallelCtx {
     /// | [`Shard::Rows`], [`Shard::Cols`], [`Shard::RowBlocks`] with one copy | `dp_cp` |
     /// | [`Shard::Replicated`] (and [`Shard::RowsPadded`] with `V < tp`) | `dp_cp`, or `world` under sequence parallelism |
     /// | [`Shard::RowBlocks`]`(n)`, `n < tp` (KV heads replicated over `tp/n` TP ranks) | `dp_cp` × the `tp/n` TP ranks holding the block |
+    /// | [`Shard::RowBlocks`]`(n)`, [`Shard::mixed_copies`] (10 KV heads over `tp = 4`) | `dp_cp`, after [`Shard::fold_copies`] over `tp` has summed each block's copies |
     ///
     /// The last group is made on first use, by a collective over `world` (every rank must ask
     /// for it at the same point, as [`crate::reduce_gradients`] does), and kept for reuse.
@@ -406,6 +407,9 @@ impl ParallelCtx {
         }
         if shard == Shard::Replicated {
             return Ok(self.world.clone());
+        }
+        if shard.mixed_copies(self.layout.tp) {
+            return Ok(self.dp_cp.clone());
         }
         let mut cache = self
             .block_groups
@@ -421,8 +425,10 @@ impl ParallelCtx {
         Ok(g)
     }
 
-    /// Whether [`ParallelCtx::grad_group`] of `shard` is `dp_cp` (the ZeRO-1 replica group,
-    /// whose sum a reduce-scatter can do: [`crate::train::AdamW::reduce_scatter_grads`]).
+    /// Whether the sum of `shard`'s gradient shares is exactly one over `dp_cp` (the ZeRO-1
+    /// replica group, whose sum a reduce-scatter can do:
+    /// [`crate::train::AdamW::reduce_scatter_grads`]). Not for mixed KV-head copies, whose
+    /// [`ParallelCtx::grad_group`] is `dp_cp` but after a fold over `tp`.
     pub fn grad_group_is_dp_cp(&self, shard: Shard) -> bool {
         let shard = shard.resolve(self.layout.tp);
         match shard {

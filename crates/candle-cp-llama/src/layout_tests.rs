@@ -109,10 +109,11 @@ fn ep_groups_hold_consecutive_replicas() -> Result<()> {
 #[test]
 fn bad_degrees_are_errors() {
     assert!(Layout::cp(CpKind::Ulysses, 3).validate(8, 2).is_err());
-    // TP 4 over 2 KV heads replicates them; TP 3 over 2 neither divides nor replicates
+    // TP 4 over 2 KV heads replicates them; TP 3 over 2 copies each 3 times (2 per rank)
     assert!(Layout::single().with_tp(4, true).validate(8, 2).is_ok());
-    let e = Layout::single().with_tp(3, true).validate(6, 2).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("tp = 3") && e.contains("kv heads (2)"), "{e}");
+    assert!(Layout::single().with_tp(3, true).validate(6, 2).is_ok());
+    let e = Layout::single().with_tp(3, true).validate(6, 4).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("kv heads (4) must divide heads (6)"), "{e}");
     assert!(Layout::single().with_tp(4, true).validate(6, 2).is_err());
     assert!(Layout::cp(CpKind::Ulysses, 4).validate(8, 2).is_ok());
     // a zero degree is refused before any model is known (the examples' flag check)

@@ -498,8 +498,8 @@ impl Llama {
         }
         let cfg = &self.cfg;
         let (tp, d) = (self.ctx.layout.tp, cfg.head_dim);
-        // fewer KV heads than TP ranks: each rank holds one (replicated) KV head
-        let (hl, hkvl) = (cfg.num_attention_heads / tp, (cfg.num_key_value_heads / tp).max(1));
+        // the KV heads (copies) this TP rank's query heads use: lcm(Hkv, tp) / tp
+        let (hl, hkvl) = (cfg.num_attention_heads / tp, candle_cp_nn::blocks_per_rank(cfg.num_key_value_heads, tp));
         let mut pos = self.cp_positions(positions)?;
         if pos.is_empty() {
             bail!("Llama::hidden_packed: empty batch (input_ids {:?})", input_ids.dims())

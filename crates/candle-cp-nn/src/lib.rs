@@ -87,7 +87,7 @@ pub use norm::{
     rms_norm, rms_norm_add, rms_norm_bwd, rms_norm_bwd_with, rms_norm_fwd, rms_norm_fwd_with, rms_norm_slow, rms_norm_slow_with, rms_norm_with, LayerNorm, NormWeight, RmsNorm,
 };
 pub use regather::{PartMap, PartPost};
-pub use shard::{padded_rows, shard_for_tp, Shard};
+pub use shard::{blocks_per_rank, padded_rows, shard_for_tp, Shard};
 
 /// Who sums, over the TP group, the gradient of a replicated parameter that each rank
 /// applies to its own sequence shard (norm weights, row-parallel bias; SP on only).

@@ -18,6 +18,17 @@
 //! copies = P / blocks = 2 (a block's gradient shares are summed over its copies)
 //! ```
 //!
+//! When the blocks neither divide nor are divided by `P` (10 KV heads over `P = 4`: Phi-3-medium,
+//! Phi-4), each block is copied `f = lcm(n, P)/n` times and rank `r` holds copies
+//! `[r·L/P, (r+1)·L/P)` of the `L = lcm(n, P)`, in order ([`Shard::row_blocks`]); no two ranks
+//! hold the same slice, a rank may hold a block twice, and a block's gradient shares are summed
+//! by [`Shard::fold_copies`] over the whole TP group. For 3 blocks over `P = 2`:
+//!
+//! ```text
+//! full k_proj [3·D, in]     copies (f = 2)        TP rank 0        TP rank 1
+//!   blocks 0, 1, 2   ──▶   0 0 1 1 2 2   ──▶   blocks 0, 0, 1   blocks 1, 2, 2
+//! ```
+//!
 //! [`Shard::RowsPadded`] splits a vocabulary that `P` does not divide, as Megatron does, by
 //! padding it: every rank holds `⌈V/P⌉` rows, the rows past `V` are zeros that no token id
 //! reaches and that the loss masks out. For `V = 5` over `P = 4` (2 rows each):
@@ -46,7 +57,9 @@ pub enum Shard {
     /// divides `n` this is [`Shard::Rows`] (rank `r` holds blocks `[r·n/P, (r+1)·n/P)`).
     /// When `n` divides `P` (fewer blocks than ranks) rank `r` holds the single block
     /// `⌊r·n/P⌋`, so each block is held by `P/n` adjacent ranks ([`Shard::copies`]): the
-    /// K/V projection of a GQA model with fewer KV heads than the TP size.
+    /// K/V projection of a GQA model with fewer KV heads than the TP size. Otherwise each
+    /// block is copied `lcm(n, P)/n` times and rank `r` holds `lcm(n, P)/P` consecutive copies
+    /// ([`Shard::row_blocks`], [`Shard::mixed_copies`]).
     RowBlocks(usize),
     /// Dim 0 of length `n` split into `P` slices of `⌈n/P⌉` rows: rank `r` holds rows
     /// `[r·⌈n/P⌉, (r+1)·⌈n/P⌉)`, zero rows where that passes `n` (the vocabulary-parallel
@@ -62,6 +75,18 @@ pub enum Shard {
 /// `⌈n/p⌉`: the rows each of `p` ranks holds of a [`Shard::RowsPadded`]`(n)` tensor.
 pub fn padded_rows(n: usize, p: usize) -> usize {
     n.div_ceil(p.max(1))
+}
+
+fn gcd(a: usize, b: usize) -> usize {
+    if b == 0 { a } else { gcd(b, a % b) }
+}
+
+/// `lcm(n, p) / p`: the blocks (copies counted) each of `p` ranks holds of a
+/// [`Shard::RowBlocks`]`(n)` tensor — a TP rank's KV heads for `n` KV heads (`n/p` when `p`
+/// divides `n`, 1 when `n` divides `p`, 5 for 10 KV heads over `p = 4`: 3 distinct heads, two
+/// of them twice). 0 when `n` or `p` is.
+pub fn blocks_per_rank(n: usize, p: usize) -> usize {
+    if n == 0 || p == 0 { 0 } else { n / gcd(n, p) }
 }
 
 impl Shard {
@@ -90,21 +115,49 @@ impl Shard {
         }
     }
 
-    /// How many of `size` ranks hold each slice: `size` for [`Shard::Replicated`], `size/n`
-    /// for [`Shard::RowBlocks`]`(n)` with `n < size`, else 1. A gradient computed on one copy
-    /// is that copy's share: the true gradient is the sum over the copies.
+    /// How many copies of each slice (of each block, for [`Shard::RowBlocks`]) the `size`
+    /// ranks hold: `size` for [`Shard::Replicated`], `lcm(n, size)/n` for
+    /// [`Shard::RowBlocks`]`(n)` (`size/n` when `n` divides `size`; 1 when `size` divides `n`),
+    /// else 1. A gradient computed on one copy is that copy's share: the true gradient is the
+    /// sum over the copies.
     pub fn copies(&self, size: usize) -> usize {
         match self.resolve(size) {
             Shard::Replicated => size,
-            Shard::RowBlocks(n) if n > 0 && n < size && size.is_multiple_of(n) => size / n,
+            Shard::RowBlocks(n) if n > 0 => size / gcd(n, size),
             _ => 1,
+        }
+    }
+
+    /// Whether this is a [`Shard::RowBlocks`]`(n)` whose `n` neither divides nor is divided by
+    /// `size` (10 KV heads over 4 TP ranks): the ranks then hold different mixes of blocks
+    /// and copies ([`Shard::row_blocks`]), no two the same slice, so the copies' gradient
+    /// shares are summed by [`Shard::fold_copies`] over the whole group rather than by an
+    /// all-reduce over the ranks holding a slice.
+    pub fn mixed_copies(&self, size: usize) -> bool {
+        matches!(*self, Shard::RowBlocks(n) if n > 0 && size > 0 && !n.is_multiple_of(size) && !size.is_multiple_of(n))
+    }
+
+    /// The blocks rank `rank` of `size` holds of a [`Shard::RowBlocks`]`(n)` tensor, in order:
+    /// copies `[rank·b, (rank+1)·b)` of the `lcm(n, size)`, `b = lcm(n, size)/size`, copy `c`
+    /// being block `c / copies` (`None` for the other splits).
+    pub fn row_blocks(&self, size: usize, rank: usize) -> Option<Vec<usize>> {
+        match *self {
+            Shard::RowBlocks(n) if n > 0 && size > 0 => {
+                let (f, b) = (self.copies(size), blocks_per_rank(n, size));
+                Some((rank * b..(rank + 1) * b).map(|c| c / f).collect())
+            }
+            _ => None,
         }
     }
 
     /// Which copy group rank `rank` of `size` belongs to: ranks holding the same slice get the
     /// same index (`0..size/copies`). Rank `r` of a [`Shard::RowBlocks`]`(n)` with `n < size`
-    /// holds block `r·n/size`.
+    /// holds block `r·n/size`. With [`Shard::mixed_copies`] no two ranks hold the same slice:
+    /// `rank` itself.
     pub fn slice_index(&self, size: usize, rank: usize) -> usize {
+        if self.mixed_copies(size) {
+            return rank;
+        }
         rank / self.copies(size).max(1)
     }
 
@@ -126,13 +179,7 @@ impl Shard {
             if s.is_empty() || n == 0 || size == 0 || !s[0].is_multiple_of(n) {
                 bail!("{self:?} shard of a tensor {full:?}: dim 0 is not {n} equal blocks")
             }
-            if n.is_multiple_of(size) {
-                s[0] /= size;
-            } else if size.is_multiple_of(n) {
-                s[0] /= n;
-            } else {
-                bail!("{self:?} shard of a tensor {full:?}: {n} blocks neither divisible by nor dividing the TP size {size}")
-            }
+            s[0] = s[0] / n * blocks_per_rank(n, size);
             return Ok(Shape::from(s));
         }
         if let Some(d) = self.dim() {
@@ -150,6 +197,12 @@ impl Shard {
         let local = self.local_shape(full.dims(), size)?;
         if rank >= size {
             bail!("{self:?} shard of a tensor {:?}: rank {rank} out of range for TP size {size}", full.dims())
+        }
+        if let (true, Some(blocks), Shard::RowBlocks(n)) = (self.mixed_copies(size), self.row_blocks(size, rank), *self) {
+            // the rank's blocks, in order (a block may come twice)
+            let blk = full.dim(0)? / n;
+            let parts = blocks.iter().map(|&j| full.detach().narrow(0, j * blk, blk)).collect::<Result<Vec<_>>>()?;
+            return Tensor::cat(&parts, 0)?.contiguous();
         }
         match self.resolve(size).dim() {
             None => Ok(full.clone()),
@@ -182,13 +235,17 @@ impl Shard {
         let Some(first) = parts.first() else { bail!("{self:?}: no parts to assemble") };
         let resolved = self.resolve(size);
         let Some(d) = resolved.dim() else { return Ok(first.clone()) };
-        let copies = resolved.copies(size);
-        let keep: Vec<Tensor> = parts.iter().step_by(copies.max(1)).cloned().collect();
-        if keep.iter().any(|t| t.dims() != first.dims()) {
+        if parts.iter().any(|t| t.dims() != first.dims()) {
             bail!("{self:?}: parts of different shapes {:?}", parts.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>())
         }
-        let all = Tensor::cat(&keep, d)?;
+        let all = Tensor::cat(parts, d)?;
         match resolved {
+            // lcm(n, size) copies in order, `copies` of each block: keep each block's first
+            Shard::RowBlocks(n) => {
+                let (f, blk) = (resolved.copies(size), all.dim(0)? / (n * resolved.copies(size)).max(1));
+                let keep = (0..n).map(|j| all.narrow(0, j * f * blk, blk)).collect::<Result<Vec<_>>>()?;
+                Tensor::cat(&keep, 0)
+            }
             Shard::RowsPadded(n) if all.dim(0)? >= n => all.narrow(0, 0, n),
             Shard::RowsPadded(n) => bail!("{self:?}: parts {:?} hold fewer than {n} rows", parts.iter().map(|t| t.dims().to_vec()).collect::<Vec<_>>()),
             _ => Ok(all),
@@ -215,6 +272,33 @@ impl Shard {
             return Ok(all);
         }
         self.assemble(&all.chunk(size, d)?)
+    }
+}
+
+impl Shard {
+    /// Sum the gradient shares of a block's copies: `local` is this rank's share of its
+    /// [`Shard::row_blocks`] (`[lcm(n, P)/P · rows, ...]`); returns the same blocks, each the
+    /// sum of all its copies' shares over `group` (the TP group; collective: every rank calls
+    /// it). Summed in f32 (one all-gather of the f32 shares), returned in `local`'s dtype.
+    /// Without copies (`P` divides `n`, or not [`Shard::RowBlocks`]) `local` as it is.
+    pub fn fold_copies(&self, local: &Tensor, group: &Group) -> Result<Tensor> {
+        let size = group.size();
+        let Shard::RowBlocks(n) = self.resolve(size) else { return Ok(local.clone()) };
+        let f = self.copies(size);
+        if f == 1 {
+            return Ok(local.clone());
+        }
+        let b = blocks_per_rank(n, size);
+        let dims = local.dims().to_vec();
+        if dims.is_empty() || !dims[0].is_multiple_of(b) {
+            bail!("{self:?}::fold_copies: local {dims:?} is not {b} equal blocks (the rank's share over {size} ranks)")
+        }
+        let all = group.all_gather(&local.to_dtype(candle_core::DType::F32)?.contiguous()?, 0)?;
+        let mut full = dims.clone();
+        full[0] = dims[0] / b * n;
+        let per_block = all.elem_count() / (n * f);
+        let summed = all.reshape((n, f, per_block))?.sum(1)?.reshape(full)?;
+        self.slice(&summed, size, group.rank())?.to_dtype(local.dtype())
     }
 }
 
@@ -272,10 +356,69 @@ mod tests {
         }
         // 4 blocks over 8 ranks: each 1-row block twice
         assert_eq!(Shard::RowBlocks(4).slice(&full, 8, 5)?.to_vec2::<f32>()?, full.narrow(0, 2, 1)?.to_vec2::<f32>()?);
-        let e = Shard::RowBlocks(2).slice(&full, 3, 0).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains("[4, 6]") && e.contains("TP size 3"), "{e}");
-        assert!(Shard::RowBlocks(3).local_shape(&[4, 6], 3).is_err());
+        let e = Shard::RowBlocks(3).local_shape(&[4, 6], 3).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[4, 6]") && e.contains("3 equal blocks"), "{e}");
         assert!(Shard::RowBlocks(2).slice(&full, 4, 4).is_err());
+        Ok(())
+    }
+
+    /// Blocks that neither divide nor are divided by the ranks: 2 over 3 (copies 0 0 | 0 1 |
+    /// 1 1), 3 over 2 (0 0 1 | 1 2 2), 10 over 4 (Phi-3-medium's KV heads: 0 0 1 1 2 | 2 3 3 4
+    /// 4 | ...), 6 over 4.
+    #[test]
+    fn mixed_row_blocks_copy_each_block_lcm_over_n_times() -> Result<()> {
+        let b = Shard::RowBlocks(3);
+        assert!(b.mixed_copies(2) && !b.mixed_copies(3) && !b.mixed_copies(6) && !Shard::Rows.mixed_copies(2));
+        assert_eq!((b.copies(2), blocks_per_rank(3, 2), b.slice_index(2, 1)), (2, 3, 1));
+        assert_eq!((b.row_blocks(2, 0), b.row_blocks(2, 1)), (Some(vec![0, 0, 1]), Some(vec![1, 2, 2])));
+        assert_eq!(Shard::RowBlocks(2).row_blocks(3, 1), Some(vec![0, 1]));
+        assert_eq!(Shard::RowBlocks(10).row_blocks(4, 1), Some(vec![2, 3, 3, 4, 4]));
+        assert_eq!((Shard::RowBlocks(10).copies(4), Shard::RowBlocks(10).copies(8), blocks_per_rank(10, 8)), (2, 4, 5));
+        assert_eq!(Shard::Rows.row_blocks(2, 0), None);
+        // 3 blocks of 2 rows over 2 ranks
+        let full = Tensor::arange(0f32, 36., &Device::Cpu)?.reshape((6, 6))?;
+        assert_eq!(b.local_shape(&[6, 6], 2)?.dims(), [6, 6]);
+        let rows = |js: &[usize]| -> Result<Vec<Vec<f32>>> {
+            Tensor::cat(&js.iter().map(|&j| full.narrow(0, 2 * j, 2)).collect::<Result<Vec<_>>>()?, 0)?.to_vec2::<f32>()
+        };
+        assert_eq!(b.slice(&full, 2, 0)?.to_vec2::<f32>()?, rows(&[0, 0, 1])?);
+        assert_eq!(b.slice(&full, 2, 1)?.to_vec2::<f32>()?, rows(&[1, 2, 2])?);
+        for (blocks, p, n_rows) in [(3usize, 2usize, 6usize), (2, 3, 4), (6, 4, 12), (10, 4, 20), (10, 8, 10)] {
+            let full = Tensor::arange(0f32, (n_rows * 3) as f32, &Device::Cpu)?.reshape((n_rows, 3))?;
+            let s = Shard::RowBlocks(blocks);
+            let parts = (0..p).map(|r| s.slice(&full, p, r)).collect::<Result<Vec<_>>>()?;
+            assert_eq!(s.assemble(&parts)?.to_vec2::<f32>()?, full.to_vec2::<f32>()?, "assemble {blocks} over {p}");
+            // gather drops the copies; fold sums each block's copies (here shares of ones:
+            // each block's copy count, wherever the copies are)
+            type Rows = Vec<Vec<f32>>;
+            for r in candle_cp_comm::run_ranks(p, |g| -> Result<(Rows, Rows)> {
+                let local = s.slice(&full, p, g.rank())?;
+                let folded = s.fold_copies(&local.ones_like()?.to_dtype(candle_core::DType::BF16)?, &g)?;
+                Ok((s.gather(&local, &g)?.to_vec2::<f32>()?, folded.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?))
+            }) {
+                let (gathered, folded) = r?;
+                assert_eq!(gathered, full.to_vec2::<f32>()?, "gather {blocks} over {p}");
+                assert!(folded.iter().flatten().all(|&x| x == s.copies(p) as f32), "fold {blocks} over {p}: {folded:?}");
+            }
+        }
+        // a share of distinct values: each block's copies summed, then sliced back
+        let got = candle_cp_comm::run_ranks(2, |g| -> Result<Vec<Vec<f32>>> {
+            let local = (b.slice(&full, 2, g.rank())? * (g.rank() + 1) as f64)?;
+            b.fold_copies(&local, &g)?.to_vec2::<f32>()
+        });
+        // block 0: copies on rank 0 twice (1 + 1); block 1: one on each (1 + 2); block 2: rank 1 twice (2 + 2)
+        let want = |r: usize| -> Result<Vec<Vec<f32>>> {
+            let scale = [2.0, 3.0, 4.0];
+            let blocks = b.row_blocks(2, r).unwrap_or_default();
+            Tensor::cat(&blocks.iter().map(|&j| full.narrow(0, 2 * j, 2)? * scale[j]).collect::<Result<Vec<_>>>()?, 0)?.to_vec2::<f32>()
+        };
+        for (r, got) in got.into_iter().enumerate() {
+            assert_eq!(got?, want(r)?, "rank {r}");
+        }
+        for r in candle_cp_comm::run_ranks(2, |g| b.fold_copies(&Tensor::zeros((5, 6), candle_core::DType::F32, &Device::Cpu)?, &g).map(|_| ())) {
+            let e = r.err().map(|e| e.to_string()).unwrap_or_default();
+            assert!(e.contains("[5, 6]") && e.contains("3 equal blocks"), "{e}");
+        }
         Ok(())
     }
 

@@ -286,10 +286,13 @@ impl Layout {
         self.tp * self.cp * self.pp * self.dp
     }
 
-    /// KV heads each TP rank holds: `a_kv / t`, or 1 (replicated `t / a_kv` times) when
-    /// `t > a_kv`.
+    /// KV heads (copies counted) each TP rank holds: `lcm(a_kv, t) / t` — `a_kv / t` when `t`
+    /// divides them, 1 (each replicated `t / a_kv` times) when `a_kv` divides `t`, else the
+    /// copies its query heads use (10 KV heads over `t = 4`: 5, each head copied twice;
+    /// candle-cp's `Shard::RowBlocks`).
     pub fn kv_heads_per_tp_rank(&self, m: &ModelConfig) -> usize {
-        (m.kv_heads / self.tp).max(1)
+        let (k, t) = (m.kv_heads.max(1), self.tp.max(1));
+        k / gcd(k, t)
     }
 
     /// Query heads per TP rank `a / t`.
@@ -316,7 +319,8 @@ impl Layout {
     }
 
     /// Checks the layout against the model and the global sequence length `seq`:
-    /// degrees positive, `cp | seq`, `t | a`, `t | a_kv` or `a_kv | t`, `pp <= L`,
+    /// degrees positive, `cp | seq`, `t | a`, `a_kv | a` (any `t` then fits the KV heads:
+    /// [`Layout::kv_heads_per_tp_rank`]), `pp <= L`,
     /// Ulysses degree divides the per-TP-rank query heads (the KV heads are split or
     /// replicated to fit, [`kv_copies_per_ulysses_rank`]), 2-D: `ulysses | cp`.
     pub fn validate(&self, m: &ModelConfig, seq: usize) -> Result<()> {
@@ -365,13 +369,8 @@ impl Layout {
                 m.name
             )
         }
-        if !m.kv_heads.is_multiple_of(self.tp) && !self.tp.is_multiple_of(m.kv_heads) {
-            plan_bail!(
-                "TP degree {} neither divides nor is a multiple of the {} KV heads of {}",
-                self.tp,
-                m.kv_heads,
-                m.name
-            )
+        if m.kv_heads == 0 || !m.heads.is_multiple_of(m.kv_heads) {
+            plan_bail!("the {} KV heads of {} do not divide its {} attention heads", m.kv_heads, m.name, m.heads)
         }
         if self.pp > m.layers {
             plan_bail!(

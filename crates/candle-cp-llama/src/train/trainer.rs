@@ -276,10 +276,16 @@ pub fn train_rank(
         let data = crate::params::lock_vars(&varmap)?;
         data.iter().filter(|(k, _)| trainable.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect()
     };
-    // how many TP ranks hold each parameter's gradient (for the global norm)
+    // how many TP ranks hold each parameter's gradient (for the global norm); KV-head copies
+    // mixed over the TP ranks (a rank may hold a head twice) as slices scaled by 1/√copies
     let copies: HashMap<String, usize> = param_specs(&mcfg)
         .into_iter()
         .map(|s| (s.name, s.shard.copies(ctx.layout.tp)))
+        .collect();
+    let mixed: std::collections::HashSet<String> = param_specs(&mcfg)
+        .into_iter()
+        .filter(|s| s.shard.mixed_copies(ctx.layout.tp))
+        .map(|s| s.name)
         .collect();
     // DP and CP replicas hold identical optimizer states (same reduced gradients, same
     // updates): one file per TP rank, written by the replica with dp = cp = 0. With ZeRO-1
@@ -452,7 +458,13 @@ pub fn train_rank(
             grad_steps.after_backward(&mut acc, g, &opt)?;
         }
         let super::grad_step::Summed { whole: mut named, slices } = grad_steps.finish(acc, &opt)?;
-        let item = |(n, g): (&String, &Tensor)| (g.clone(), copies.get(n).copied().unwrap_or(ctx.layout.tp));
+        let item = |(n, g): (&String, &Tensor)| -> Result<(Tensor, usize)> {
+            let c = copies.get(n).copied().unwrap_or(ctx.layout.tp);
+            Ok(match mixed.contains(n) {
+                true => ((g.to_dtype(candle_core::DType::F32)? / (c as f64).sqrt())?, 1),
+                false => (g.clone(), c),
+            })
+        };
         let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
         full_items.sort_by(|a, b| a.0.cmp(b.0));
         // the experts' whole gradients under EP: one item, their norm over the EP group (with
@@ -466,9 +478,9 @@ pub fn train_rank(
         };
         let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();
         slice_items.sort_by(|a, b| a.0.cmp(b.0));
-        let mut full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect();
+        let mut full_items: Vec<(Tensor, usize)> = full_items.into_iter().map(item).collect::<Result<_>>()?;
         full_items.extend(expert_item);
-        let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect();
+        let slice_items: Vec<(Tensor, usize)> = slice_items.into_iter().map(item).collect::<Result<_>>()?;
         let inv_accum = 1.0 / cfg.grad_accum as f64;
         let zero_group = opt.is_sharded().then_some(&ctx.dp_cp);
         let norm = global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))? * inv_accum;
