@@ -5,7 +5,8 @@
 //! shapes too: hidden width, depth, query and KV heads (MHA, GQA, MQA), a sliding window or
 //! none, batch and length, then a layout that fits them: ring (contiguous), zigzag, striped,
 //! all-gather, Ulysses or 2-D CP of degree 2 or 4, optionally with TP 2 or 4 (with or without
-//! SP; TP above the KV-head count replicates KV heads; a vocabulary of 37 is padded over TP) or DP 2,
+//! SP; TP above the KV-head count replicates KV heads; one model in six has 12 query heads over 3 KV
+//! heads, which TP 2 and 4 copy `lcm(3, tp)/3` times; a vocabulary of 37 is padded over TP) or DP 2,
 //! Ulysses and 2-D half the time with the head layout regathered in the backward, a third of
 //! the models with Qwen2's q, k, v biases, Qwen3's q / k head norms and Gemma 3 a quarter
 //! each (their window on one of two layers only in most of the draws that can have one), a
@@ -45,7 +46,11 @@ struct Draw {
 }
 
 fn draw(d: &mut Rng, seed: u64) -> Draw {
-    let (heads, kv_heads) = pick(d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
+    let drawn = pick(d, &[(4, 4), (4, 2), (4, 1), (8, 2), (2, 2), (2, 1)]);
+    // one model in six: 12 query heads over 3 KV heads, which TP 2 and 4 neither divide nor
+    // are divided by (each rank holds 3 KV-head copies; a stream of its own, so the other
+    // draws of every seed stay what they were)
+    let (heads, kv_heads) = if rng(990_000 + seed).below(6) == 0 { (12, 3) } else { drawn };
     let hidden = heads * pick(d, &[4, 8]);
     let layers = pick(d, &[1, 2]);
     let vocab = pick(d, &[37, 64]);
@@ -154,6 +159,11 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         1 => layout = layout.with_dp(2),
         _ => {}
     }
+    // the 12 / 3-head models: half of those without TP get TP 2 or 4 (a stream of its own)
+    let mut mixed = rng(995_000 + seed);
+    if heads == 12 && layout.tp == 1 && mixed.below(2) == 0 {
+        layout = layout.with_tp(pick(&mut mixed, &[2, 4]), mixed.below(2) == 0);
+    }
     // Ulysses / 2-D: half of them with the head layout regathered in the backward (a stream
     // of its own, so the other draws of every seed stay what they were)
     if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && rng(900_000 + seed).below(2) == 0 {
@@ -213,7 +223,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial) = (0, 0);
+    let (mut phi3, mut partial, mut mixed) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -242,7 +252,8 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 );
                 checked += 1;
                 tp += (layout.tp > 1) as usize;
-                kv_copies += (layout.tp > kv_heads) as usize;
+                kv_copies += (layout.tp > kv_heads && layout.tp.is_multiple_of(kv_heads)) as usize;
+                mixed += (layout.tp > 1 && !kv_heads.is_multiple_of(layout.tp) && !layout.tp.is_multiple_of(kv_heads)) as usize;
                 padded += (layout.tp > 1 && !vocab.is_multiple_of(layout.tp)) as usize;
                 dp += (layout.dp > 1) as usize;
                 windowed += window.is_some() as usize;
@@ -263,11 +274,11 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1)),
-        "{checked} checked, {tp} TP ({kv_copies} with KV copies, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
+            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1)),
+        "{checked} checked, {tp} TP ({kv_copies} with KV copies, {mixed} mixed, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())
 }

@@ -66,12 +66,12 @@ fn three_kv_heads_over_tp_2_and_4_equal_one_device() -> Result<()> {
     )
 }
 
-/// Phi-3-medium's 10 KV heads (here of 20 query heads) over TP 4 (5 copies of 20 each, KV
-/// heads 2 and 7 on two ranks) and 40 query heads over TP 8 (5 of 40 each, every head on
-/// four copies, two ranks).
+/// Phi-3-medium's 10 KV heads (here of 20 query heads, with Qwen2's q, k, v biases, whose k / v
+/// biases are copied like the weights) over TP 4 (5 copies of 20 each, KV heads 2 and 7 on two
+/// ranks) and 40 query heads over TP 8 (5 of 40 each, every head on four copies, two ranks).
 #[test]
 fn ten_kv_heads_over_tp_4_and_8_equal_one_device() -> Result<()> {
-    check(&LlamaConfig::tiny(64, 80, 1, 20, 10), &[Layout::single().with_tp(4, true), Layout::cp(CpKind::Zigzag, 2).with_tp(4, true)], 8)?;
+    check(&LlamaConfig::tiny(64, 80, 1, 20, 10).with_qkv_bias(true), &[Layout::single().with_tp(4, true), Layout::cp(CpKind::Zigzag, 2).with_tp(4, true)], 8)?;
     check(&LlamaConfig::tiny(64, 160, 1, 40, 10), &[Layout::single().with_tp(8, false)], 9)
 }
 

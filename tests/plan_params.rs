@@ -1,6 +1,7 @@
 //! The planner's parameter count per GPU (`candle_cp_plan::memory::params_per_gpu`) equals
 //! what the Llama model actually holds on each rank, exactly, for every TP degree: Q/O and
-//! the MLP split over TP, K/V split by KV head or replicated when TP exceeds the KV heads,
+//! the MLP split over TP, K/V split by KV head, replicated when TP exceeds the KV heads, or
+//! copied `lcm(Hkv, tp)/Hkv` times when neither divides the other,
 //! the embedding and head split by vocabulary (padded when TP does not divide it), norms
 //! replicated, Qwen2's q, k, v biases split like their weights, Qwen3's head norms replicated, Qwen3-MoE's router replicated and every expert's slice on each TP rank (one layer of two dense). The planner's memory figures
 //! (weights, gradients, optimizer states) are therefore about the model we run, not an ideal.
@@ -47,9 +48,12 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let mixtral = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48)));
     // Qwen2-MoE: a shared expert 64 wide and its gate beside 8 experts, q, k, v biases
     let qwen2_moe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64)));
+    // 12 heads / 3 KV heads with q, k, v biases: at TP 2 and 4 each rank holds 3 KV-head
+    // copies (of 6, of 12; Phi-3-medium's 10 KV heads at TP 4 hold 5), their biases too
+    let mixed = LlamaConfig::tiny(64, 48, 2, 12, 3).with_qkv_bias(true);
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {
