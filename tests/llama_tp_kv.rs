@@ -89,6 +89,30 @@ fn lora_on_mixed_kv_copies_equals_one_device() -> Result<()> {
     check(&cfg, &layouts, 12)
 }
 
+/// QLoRA: the frozen base quantized (NF4, blocks of 4) by each rank from its shards, KV-head
+/// copies included, equals the one-device quantized run on TP 2 + SP and TP 4 × zigzag CP 2
+/// (each copy quantizes to the same codes as its head on one device).
+#[test]
+fn qlora_on_mixed_kv_copies_equals_one_device() -> Result<()> {
+    use candle_cp_llama::verify::run_layout_quantized;
+    use candle_cp_nn::{QuantConfig, QuantKind};
+    let cfg = LlamaConfig::tiny(64, 48, 1, 12, 3).with_lora(Some(LoraSpec::new(4, 6.0, &candle_cp_llama::lora::TARGETS)?));
+    let mut full: HashMap<String, Tensor> = varmap_tensors(&init_params(&cfg, 4, DType::F32, &Device::Cpu)?)?;
+    for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        full.insert(s.name, candle_cp_ops::oracle::randn(400 + i as u64, &s.shape, 0.2)?.to_dtype(DType::F32)?);
+    }
+    let ids = ids(2, 32, cfg.vocab_size)?;
+    let q = QuantConfig::new(QuantKind::Nf4, 4)?;
+    let want = reference(&run_layout_quantized(&full, &cfg, &ids, Layout::single(), &Device::Cpu, false, q)?, &ids);
+    let tol = Tolerances { logits_abs: 2e-5, loss_abs: 2e-5, grad_rel: 1e-4 };
+    for layout in [Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_tp(4, true)] {
+        let rep = compare(&run_layout_quantized(&full, &cfg, &ids, layout, &Device::Cpu, false, q)?, &want, tol)?;
+        println!("QLoRA {layout}: logits {:.1e} grad {:.1e} ({})", rep.logits_abs, rep.grad_rel_max, rep.worst_param);
+        assert!(rep.pass() && rep.rank_spread <= 1e-6 && rep.grad_rel.len() == want.grads.len(), "{layout}: {rep:?}");
+    }
+    Ok(())
+}
+
 /// The layouts the model cannot split are refused by name: TP not dividing the query heads,
 /// KV heads not dividing them.
 #[test]

@@ -153,9 +153,12 @@ impl ColumnParallelLinear {
     /// [`Self::new_fused`] with each part's own row split: [`Shard::Rows`], or
     /// [`Shard::RowBlocks`]`(n)` for a part made of `n` heads, which replicates each head over
     /// `P/n` ranks when there are fewer heads than ranks (K/V of a GQA model with fewer KV
-    /// heads than the TP size). Part `i` then takes `weight` `[out_i/P, in]` or, replicated,
-    /// `[out_i/n, in]`. A replicated part's weight (and bias) gradient is this copy's share:
-    /// sum it over the ranks holding the same block ([`Shard::copies`], [`Shard::slice_index`]).
+    /// heads than the TP size), and copies each `lcm(n, P)/n` times when neither divides the
+    /// other. Part `i` then takes `weight` `[out_i/P, in]` or, with copies,
+    /// `[out_i/n · lcm(n, P)/P, in]` ([`crate::blocks_per_rank`]). A copied part's weight (and
+    /// bias) gradient is this copy's share: sum it over the ranks holding the same block
+    /// ([`Shard::copies`], [`Shard::slice_index`]) or, with [`Shard::mixed_copies`], by
+    /// [`Shard::fold_copies`].
     pub fn new_fused_sharded(vbs: &[(VarBuilder, usize, Shard)], in_dim: usize, cfg: LinearConfig, tp: &Tp) -> Result<Self> {
         if vbs.is_empty() {
             bail!("ColumnParallelLinear: no parts given")

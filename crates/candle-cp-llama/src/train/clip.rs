@@ -6,7 +6,9 @@
 //! heads than TP ranks) is held by `c` of the ranks. The global squared norm is therefore
 //! `Σ_replicated ‖g‖² + all_reduce_tp(Σ_sliced ‖g‖² / c)`: replicated gradients are counted
 //! once, slices are summed over the group, each block once. Every rank gets the same norm
-//! and the same scale.
+//! and the same scale. (KV-head copies mixed over the TP ranks — a rank may hold a head twice,
+//! `candle_cp_nn::Shard::mixed_copies` — are passed by the trainer as slices scaled by
+//! `1/√c`, copies 1.)
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
