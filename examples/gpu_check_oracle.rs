@@ -133,13 +133,18 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     // Gemma 3's head dim 256 (its 1B / 4B / 12B): the CUDA-core kernels (f32) in every ring
     // step, the sliding layer's band kernels included
     let name = format!("llama gemma3 head dim 256 (window on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some(256)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Some((4, 2, 256))));
     // Phi-3-mini's head dim 96: the CUDA-core kernels (f32) in every ring step, on a contiguous
     // ring of 4 whose first rank holds positions below LongRoPE's original length (64) while the
     // sequence (256) is past it: every rank must rotate with the long factors; RoPE on 3/4 of
     // each head (Phi-4-mini's partial RoPE: 72 of the 96 dimensions)
     let name = format!("llama phi3 head dim 96 (longrope past its original length, partial rope 0.75) cp4 ring, first {QUICK_TOKENS} tokens vs cpu");
-    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Phi3, Layout::cp(CpKind::Ring, 4), Some(96)));
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Phi3, Layout::cp(CpKind::Ring, 4), Some((4, 2, 96))));
+    // Phi-3-medium's 4 query heads per KV head with KV heads TP neither divides nor is divided
+    // by: 12 / 3 heads at TP 4 (each rank 3 KV-head copies of 12; the copies' gradients summed
+    // over TP by one all-gather), beside zigzag CP 2
+    let name = format!("llama 12 / 3 heads (kv-head copies mixed over tp) tp4 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Llama, Layout::cp(CpKind::Zigzag, 2).with_tp(4, true), Some((12, 3, 16))));
     // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
     // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
@@ -170,15 +175,15 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 /// the head tied; window 40 on layer 0; Gemma 2's soft caps 1 and 2) or as Phi-3 with LongRoPE
 /// (original length 64) on `layout`'s GPU virtual ranks, against the
 /// single-device CPU run of the same model (which `tests/llama_archs.rs` holds to a float64
-/// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence. `head_dim`:
-/// 4 query / 2 KV heads of that width instead of the oracle's 8 / 2 of 16, their q, k, v, o
-/// projections drawn (seeded, 5× the init's scale so that the attention is far from uniform).
-fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout, head_dim: Option<usize>) -> candle_core::Result<candle_cp_llama::verify::Report> {
+/// reference), on the first [`QUICK_TOKENS`] tokens of the oracle's sequence. `heads`:
+/// `(H, Hkv, D)` instead of the oracle's 8 / 2 of 16, their q, k, v, o projections drawn
+/// (seeded, 5× the init's scale so that the attention is far from uniform).
+fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout, heads: Option<(usize, usize, usize)>) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
     use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
     let mut base = LlamaConfig::from_file(format!("{dir}/config.json"))?;
-    if let Some(d) = head_dim {
-        (base.num_attention_heads, base.num_key_value_heads, base.head_dim) = (4, 2, d);
+    if let Some(h) = heads {
+        (base.num_attention_heads, base.num_key_value_heads, base.head_dim) = h;
     }
     let cfg = match arch {
         Arch::Gemma3 => base.with_gemma3(true).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])),
@@ -234,7 +239,7 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
         } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe) && (k.contains(".experts.") || k.ends_with(".gate.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             full.insert(k.clone(), if k.ends_with(".gate.weight") { (t * 5.0)? } else { t });
-        } else if head_dim.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
+        } else if heads.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
             full.insert(k, (t * 5.0)?);
         } else if matches!(arch, Arch::Gemma3 | Arch::Gemma2) && t.rank() == 1 {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
