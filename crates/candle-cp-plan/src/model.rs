@@ -143,10 +143,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 20] = [
+pub const MODEL_PRESETS: [&str; 21] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini",
+    "phi4-mini", "phi4",
 ];
 
 impl ModelConfig {
@@ -167,7 +167,9 @@ impl ModelConfig {
     /// `phi3-mini` or `phi3-medium` (vocabulary 32064; head dim 96 for the mini, whose 32 KV
     /// heads are all its heads; 10 KV heads of 128 for the medium), or Phi-4's `phi4-mini`
     /// (`Phi3ForCausalLM` too: vocabulary 200064, tied head, 24 heads of 128 over 8 KV heads;
-    /// its partial RoPE changes no count).
+    /// its partial RoPE changes no count) or `phi4` (Phi-4 14B: Phi-3-medium's shape,
+    /// vocabulary 100352; its 10 KV heads fit TP 4 or 8 by copies, see
+    /// [`crate::Layout::kv_heads_per_tp_rank`]).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -197,8 +199,9 @@ impl ModelConfig {
             // microsoft/Phi-3-{mini, medium}-128k-instruct
             "phi3-mini" => (3072, 32, 32, 32, 8192),
             "phi3-medium" => (5120, 40, 40, 10, 17920),
-            // microsoft/Phi-4-mini-instruct
+            // microsoft/Phi-4-mini-instruct, microsoft/phi-4 (16k context; Phi-3-medium's shape)
             "phi4-mini" => (3072, 32, 24, 8, 8192),
+            "phi4" => (5120, 40, 40, 10, 17920),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -228,6 +231,7 @@ impl ModelConfig {
                 _ if gemma2 => 256_000,
                 _ if lower == "mixtral-8x7b" => 32000,
                 _ if lower.starts_with("phi3") => 32064,
+                _ if lower == "phi4" => 100_352,
                 _ if lower.starts_with("phi4") => 200_064,
                 _ => 128256,
             },

@@ -40,6 +40,9 @@ fn presets_have_published_sizes() -> Result<()> {
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
     assert_eq!((p4.total_params(), p4.head_dim, p4.kv_heads, p4.tie_embeddings, p4.fused_proj), (3_836_021_760, 128, 8, true, true));
+    // Phi-4 (microsoft/phi-4, "14.7B"): Phi-3-medium with a 100352-token vocabulary, untied
+    let p14b = ModelConfig::preset("phi4")?;
+    assert_eq!((p14b.total_params(), p14b.kv_heads, p14b.tie_embeddings, p14b.fused_proj), (14_659_507_200, 10, false, true));
     // Gemma 2 as published (google/gemma-2-{2b, 9b, 27b}: 2,614,341,888, 9,241,705,984 and
     // 27,227,128,320 parameters)
     let g2: Vec<u64> = ["gemma2-2b", "gemma2-9b", "gemma2-27b"].iter().map(|n| ModelConfig::preset(n).map(|m| m.total_params())).collect::<Result<_>>()?;
