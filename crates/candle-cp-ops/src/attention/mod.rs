@@ -21,6 +21,7 @@ mod blas;
 mod call;
 #[cfg(feature = "cuda")]
 mod cuda;
+mod docs;
 mod kernel;
 mod merge;
 mod op;
@@ -31,6 +32,8 @@ mod slow;
 mod window;
 
 pub use band::Band;
+pub(crate) use docs::check_docs;
+pub use docs::{attention_docs, attention_docs_mask, attention_docs_mask_with};
 pub use merge::merge;
 pub use op::AttentionOp;
 pub use prep::BwdPrep;
@@ -41,7 +44,6 @@ pub(crate) use call::{fwd_packed, BwdCall, CallMask};
 pub(crate) use call::fwd_fold_cuda;
 pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
 
-use crate::packing::Documents;
 use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};
 
@@ -511,96 +513,6 @@ pub fn attention_band_with(q: &Tensor, k: &Tensor, v: &Tensor, band: &Band, scal
     let out = q.apply_op3(&k, &v, op)?;
     let lse = op::read_lse(&slot, "attention_band")?;
     Ok((out, lse))
-}
-
-/// Check that q `[B, T, H, D]` and k/v `[B, T, Hkv, D]` have the same length `T` and that
-/// `docs` covers it; errors name the shapes.
-pub(crate) fn check_docs(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, docs: &Documents) -> Result<usize> {
-    check_qkv(op, q, k, v, &Mask::Full)?;
-    let (t, s) = (q.dim(1)?, k.dim(1)?);
-    if t != s {
-        candle_core::bail!(
-            "{op}: a packed sequence attends to itself: q {:?} and k {:?} must have the same length T",
-            q.shape(),
-            k.shape()
-        )
-    }
-    docs.check_len(&format!("{op} (q {:?})", q.shape()), t)?;
-    Ok(t)
-}
-
-/// Autograd attention over a packed sequence of documents (single device): q `[B, T, H, D]`,
-/// k/v `[B, T, Hkv, D]`, `docs` covering `T` (the same for every batch row). A query sees
-/// only the keys of its own document (causal within it when `causal`). Returns out
-/// `[B, T, H, D]` in q's dtype (differentiable w.r.t. q, k, v) and lse f32 `[B, H, T]`.
-/// One [`attention`] call per document: no pair across documents is ever computed.
-pub fn attention_docs(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    docs: &Documents,
-    causal: bool,
-    scale: impl Into<Scores>,
-) -> Result<(Tensor, Tensor)> {
-    let scale: Scores = scale.into();
-    scale.check("attention_docs")?;
-    let mask = if causal { Mask::causal() } else { Mask::Full };
-    attention_docs_mask(q, k, v, docs, &mask, scale)
-}
-
-/// [`attention_docs`] with any mask applied inside each document, in positions relative to
-/// the document's start: `Mask::Full`, `Mask::causal()` or `Mask::sliding_window(w)` (a
-/// sliding window within each document).
-pub fn attention_docs_mask(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    docs: &Documents,
-    mask: &Mask,
-    scale: impl Into<Scores>,
-) -> Result<(Tensor, Tensor)> {
-    let scale: Scores = scale.into();
-    scale.check("attention_docs_mask")?;
-    attention_docs_mask_with(q, k, v, docs, mask, scale, RowSums::Output)
-}
-
-/// [`attention_docs_mask`] with the backward's row sums taken as `row_sums` says
-/// ([`attention_with`]).
-pub fn attention_docs_mask_with(
-    q: &Tensor,
-    k: &Tensor,
-    v: &Tensor,
-    docs: &Documents,
-    mask: &Mask,
-    scale: impl Into<Scores>,
-    row_sums: RowSums,
-) -> Result<(Tensor, Tensor)> {
-    let scale: Scores = scale.into();
-    scale.check("attention_docs_mask_with")?;
-    let t = check_docs("attention_docs", q, k, v, docs)?;
-    if docs.count() == 1 {
-        return attention_with(q, k, v, mask, scale, row_sums);
-    }
-    if band_kernels(q) {
-        let (causal, window) = match *mask {
-            Mask::Full => (false, None),
-            Mask::Causal { .. } if *mask == Mask::causal() => (true, None),
-            Mask::Window { window, .. } if *mask == Mask::sliding_window(window) => (true, Some(window)),
-            _ => candle_core::bail!("attention_docs: the mask inside documents must be Full, Mask::causal() or Mask::sliding_window(w), got {mask:?} (q {:?})", q.shape()),
-        };
-        let band = Band::documents(t, std::slice::from_ref(docs), causal, window)?;
-        return attention_band_with(q, k, v, &band, scale, row_sums);
-    }
-    let mut outs = Vec::with_capacity(docs.count());
-    let mut lses = Vec::with_capacity(docs.count());
-    for d in 0..docs.count() {
-        let (a, b) = docs.range(d);
-        let r = |x: &Tensor| x.narrow(1, a, b - a);
-        let (o, l) = attention_with(&r(q)?, &r(k)?, &r(v)?, mask, scale, row_sums)?;
-        outs.push(o);
-        lses.push(l);
-    }
-    Ok((Tensor::cat(&outs, 1)?, Tensor::cat(&lses, 2)?))
 }
 
 /// [`attention`] for a window mask: the decomposed forward (module `window`) on detached
