@@ -25,7 +25,7 @@ pub(crate) fn check_docs(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, docs: &Do
 /// k/v `[B, T, Hkv, D]`, `docs` covering `T` (the same for every batch row). A query sees
 /// only the keys of its own document (causal within it when `causal`). Returns out
 /// `[B, T, H, D]` in q's dtype (differentiable w.r.t. q, k, v) and lse f32 `[B, H, T]`.
-/// One [`attention`] call per document: no pair across documents is ever computed.
+/// One [`super::attention`] call per document: no pair across documents is ever computed.
 pub fn attention_docs(
     q: &Tensor,
     k: &Tensor,
@@ -57,7 +57,7 @@ pub fn attention_docs_mask(
 }
 
 /// [`attention_docs_mask`] with the backward's row sums taken as `row_sums` says
-/// ([`attention_with`]).
+/// ([`super::attention_with`]).
 pub fn attention_docs_mask_with(
     q: &Tensor,
     k: &Tensor,
