@@ -248,3 +248,43 @@ fn mixed_kv_copies_generate_like_one_device() -> Result<()> {
     }
     Ok(())
 }
+
+/// Checkpoints: a Phi-3 with 12 / 3 heads (fused `qkv_proj` in the file) loaded sharded at TP 2
+/// and 4 (each rank reading its KV-head copies from the file) equals sharding the whole model,
+/// and streamed back from the shards (`save_hf_sharded`: one copy of each KV head) gives the
+/// same bytes as the whole model's file.
+#[test]
+fn mixed_kv_copies_load_and_save_checkpoints_sharded() -> Result<()> {
+    use candle_cp_comm::run_ranks;
+    use candle_cp_llama::hf::{load_hf_sharded, save_hf_sharded, save_hf_tensors};
+    use candle_cp_llama::layout::ParallelCtx;
+    use candle_cp_llama::shard_tensors;
+    let cfg = LlamaConfig::tiny(64, 48, 2, 12, 3).with_phi3(true);
+    let full: HashMap<String, Tensor> = varmap_tensors(&init_params(&cfg, 3, DType::F32, &Device::Cpu)?)?;
+    let root = std::env::temp_dir().join(format!("candle-cp-tp-kv-ckpt-{}", std::process::id()));
+    let dir = root.join("whole");
+    let mut tensors: Vec<(String, Tensor)> = full.iter().map(|(k, t)| (k.clone(), t.clone())).collect();
+    tensors.sort_by(|a, b| a.0.cmp(&b.0));
+    save_hf_tensors(&dir, &tensors, &cfg)?;
+    let bytes = std::fs::read(dir.join("model.safetensors"))?;
+    for tp in [2usize, 4] {
+        let streamed = root.join(format!("tp{tp}"));
+        for r in run_ranks(tp, |g| -> Result<f32> {
+            let ctx = ParallelCtx::new(g, Layout::single().with_tp(tp, true))?;
+            let want = varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
+            let got = varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
+            save_hf_sharded(&streamed, &got, &cfg, &ctx, ctx.tp.rank() == 0)?;
+            assert_eq!(got.len(), want.len(), "tp {tp}");
+            let mut worst = 0f32;
+            for (k, w) in &want {
+                worst = worst.max((&got[k] - w)?.abs()?.max_all()?.to_scalar::<f32>()?);
+            }
+            Ok(worst)
+        }) {
+            assert_eq!(r?, 0.0, "tp {tp}: the sharded load differs from sharding the whole model");
+        }
+        assert!(bytes == std::fs::read(streamed.join("model.safetensors"))?, "tp {tp}: the streamed checkpoint differs");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}
