@@ -3,7 +3,8 @@
 //!
 //! `candle-cp-llama`'s trainer tests pin one option at a time (ZeRO-1, ZeRO-2, the overlapped
 //! gradient sync, the overlapped parameter gather, recompute, TP beyond the KV heads, DP and
-//! accumulation); this draws them together: the model (depth, query / KV heads, a sliding
+//! accumulation); this draws them together: the model (depth, query / KV heads — 12 / 3 in one
+//! model of five, which TP 2 holds as KV-head copies mixed over its ranks — a sliding
 //! window), the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), the batch
 //! split (rows per step, micro-batches), ZeRO 0 / 1 / 2, recompute, `overlap_grad_sync` (with
 //! recompute), `overlap_param_gather` (with ZeRO), the answer-only objective, and packed
@@ -91,11 +92,14 @@ fn draw_layout(d: &mut Rng) -> Layout {
 fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
     let mut task = KvRecall::new(64)?;
     (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
-    let (heads, kv_heads) = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
+    let drawn = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
+    // one model in five (a stream of its own): 12 query heads over 3 KV heads, which TP 2
+    // neither divides nor is divided by (each TP rank holds 3 KV-head copies of 6)
+    let (heads, kv_heads) = if rng(959_000 + seed).below(5) == 0 { (12, 3) } else { drawn };
     let layers = pick(d, &[1, 2]);
     let window = (d.below(4) == 0).then(|| 1 + d.below(70));
     let arch = rng(919_000 + seed).below(4);
-    let model = LlamaConfig::tiny(task.vocab_needed(), 32, layers, heads, kv_heads)
+    let model = LlamaConfig::tiny(task.vocab_needed(), hidden_for(heads), layers, heads, kv_heads)
         .with_sliding_window(window)
         .with_qkv_bias(arch == 1)
         .with_qk_norm(arch == 2)
@@ -115,6 +119,11 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
         false => model,
     };
     Ok((task, model, (heads, kv_heads, layers, window)))
+}
+
+/// The models' width: 32, or 48 for 12 heads (of 4 dimensions each).
+fn hidden_for(heads: usize) -> usize {
+    if heads == 12 { 48 } else { 32 }
 }
 
 /// `cfg` with Gemma 2's soft caps `(attention, output)` (`cfg` must be Gemma 2), or as it is.
@@ -216,6 +225,8 @@ fn packed_corpus() -> Result<PackedStream> {
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
+    // TP over KV heads it neither divides nor is divided by (12 / 3 heads at TP 2)
+    let mut mixed = 0;
     // EP draws whose ZeRO splits the experts' state over the ranks holding them (ep < dp·cp)
     let mut ep_zero = 0;
     let range = seeds(CONFIGS)?;
@@ -225,7 +236,11 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     for seed in range {
         let mut d = rng(9000 + seed);
         let (task, model, (heads, kv_heads, layers, window)) = draw_model(&mut d, seed)?;
-        let (layout, batch, grad_accum, opts) = draw_run(&mut d);
+        let (mut layout, batch, grad_accum, opts) = draw_run(&mut d);
+        // the 12 / 3-head models: half of those without TP get TP 2 + SP (a stream of its own)
+        if heads == 12 && layout.tp == 1 && rng(969_000 + seed).below(2) == 0 {
+            layout = layout.with_tp(2, true);
+        }
         let (with_tp, with_dp) = (layout.tp > 1, layout.dp > 1);
         let Options { stage, recompute, overlap_grad_sync, overlap_param_gather } = opts;
         let mut long_range_only = d.below(3) == 0;
@@ -237,7 +252,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             base.data = DataSource::Packed(corpus.clone());
             let caps = model.gemma2.as_ref().and_then(|g| Some((g.attn_logit_softcapping?, g.final_logit_softcapping?)));
             base.model = ModelSource::Init(with_caps(
-                LlamaConfig::tiny(128, 32, layers, heads, kv_heads)
+                LlamaConfig::tiny(128, hidden_for(heads), layers, heads, kv_heads)
                     .with_sliding_window(window)
                     .with_qkv_bias(model.qkv_bias)
                     .with_qk_norm(model.qk_norm)
@@ -289,6 +304,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 zero += (stage > 0) as usize;
                 overlaps += (overlap_grad_sync || overlap_param_gather) as usize;
                 tp += with_tp as usize;
+                mixed += (with_tp && kv_heads == 3) as usize;
                 dp += with_dp as usize;
                 accum += (grad_accum > 1) as usize;
                 packs += packed as usize;
@@ -303,9 +319,9 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP, {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
+        checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
     );
     Ok(())
