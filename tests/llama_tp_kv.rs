@@ -166,8 +166,9 @@ mod training {
     }
 
     /// 4 clipped AdamW steps of a model with 12 query / 3 KV heads on TP 2 + SP × zigzag CP 2,
-    /// TP 4 × DP 2 with ZeRO-1, and TP 2 stopped after step 3 and resumed on one device (its
-    /// two per-TP-rank optimizer files resharded) follow the one-device run: losses to 1e-5,
+    /// TP 4 × DP 2 with ZeRO-1, TP 2 stopped after step 3 and resumed on one device, and TP 4
+    /// (3 copies of 12 per rank) resumed on TP 2 × zigzag CP 2 (3 of 6: the per-TP-rank
+    /// optimizer files resharded from one set of copies to another) follow the one-device run: losses to 1e-5,
     /// gradient norms to 1e-4 (the norm counts each KV head once, however many copies), and
     /// the final checkpoints hold the same weights (each KV head's copies stayed equal).
     #[test]
@@ -175,20 +176,21 @@ mod training {
         let d1 = tmp("one");
         let one = run(&config(Layout::single(), Some(d1.clone()))?)?;
         let want = weights(&d1)?;
-        for (i, layout, zero1, resume_single) in [
-            (0, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), false, false),
-            (1, Layout::single().with_tp(4, false).with_dp(2), true, false),
-            (2, Layout::single().with_tp(2, true), false, true),
+        for (i, layout, zero1, resume_on) in [
+            (0, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), false, None),
+            (1, Layout::single().with_tp(4, false).with_dp(2), true, None),
+            (2, Layout::single().with_tp(2, true), false, Some(Layout::single())),
+            (3, Layout::single().with_tp(4, true), false, Some(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))),
         ] {
             let d = tmp(&format!("l{i}"));
             let mut c = config(layout, Some(d.clone()))?;
             c.zero1 = zero1;
-            let mut got = if resume_single {
+            let mut got = if let Some(next) = resume_on {
                 c.stop_after = Some(3);
                 let first = run(&c)?;
-                (c.layout, c.resume, c.stop_after) = (Layout::single(), true, None);
+                (c.layout, c.resume, c.stop_after) = (next, true, None);
                 let rest = run(&c)?;
-                assert_eq!((rest[0].start_step, rest[0].optimizer_resharded_from), (2, Some(2)), "{layout}");
+                assert!(rest.iter().all(|r| (r.start_step, r.optimizer_resharded_from) == (2, Some(layout.tp))), "{layout} -> {next}");
                 first[0].metrics[..2].iter().chain(&rest[0].metrics).cloned().collect::<Vec<_>>()
             } else {
                 let out = run(&c)?;
