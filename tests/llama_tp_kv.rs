@@ -78,15 +78,21 @@ fn ten_kv_heads_over_tp_4_and_8_equal_one_device() -> Result<()> {
 /// LoRA on every projection (`B` drawn): the k / v adapters' `B` rows are KV-head copies
 /// like their weights, their gradients summed over the copies; logits and every adapter
 /// gradient equal the single device's on TP 2 + SP, TP 4 × ring CP 2 and TP 2 × Ulysses 2.
+/// DoRA too: the k / v magnitudes (one per row) are copied and folded like `B`.
 #[test]
-fn lora_on_mixed_kv_copies_equals_one_device() -> Result<()> {
-    let cfg = LlamaConfig::tiny(64, 48, 2, 12, 3).with_lora(Some(LoraSpec::new(4, 6.0, &candle_cp_llama::lora::TARGETS)?));
+fn lora_and_dora_on_mixed_kv_copies_equal_one_device() -> Result<()> {
     let layouts = [
         Layout::single().with_tp(2, true),
         Layout::cp(CpKind::Ring, 2).with_tp(4, true),
         Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
     ];
-    check(&cfg, &layouts, 12)
+    for dora in [false, true] {
+        let spec = LoraSpec::new(4, 6.0, &candle_cp_llama::lora::TARGETS)?.with_dora(dora);
+        let cfg = LlamaConfig::tiny(64, 48, 2, 12, 3).with_lora(Some(spec));
+        assert_eq!(param_specs(&cfg).iter().any(|s| s.name.ends_with("k_proj.lora_magnitude_vector")), dora);
+        check(&cfg, &layouts, 12)?;
+    }
+    Ok(())
 }
 
 /// QLoRA: the frozen base quantized (NF4, blocks of 4) by each rank from its shards, KV-head

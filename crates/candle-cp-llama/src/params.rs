@@ -6,7 +6,7 @@
 //! | `model.embed_tokens.weight`                 | `[V, h]`         | rows (vocabulary), `⌈V/tp⌉` per rank, zero padding past `V` ([`Shard::RowsPadded`]) |
 //! | `model.layers.{i}.{input,post_attention}_layernorm.weight`, `model.norm.weight` | `[h]` | replicated |
 //! | `self_attn.q_proj.weight`                   | `[H·D, h]`       | rows (heads)    |
-//! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks ([`Shard::RowBlocks`]) |
+//! | `self_attn.{k,v}_proj.weight`               | `[Hkv·D, h]`     | rows (KV heads); with `Hkv < tp` one KV head per rank, each on `tp/Hkv` ranks; when neither divides the other `lcm(Hkv, tp)/tp` KV-head copies per rank ([`Shard::RowBlocks`]) |
 //! | `self_attn.{q,k,v}_proj.bias` (Qwen2, [`LlamaConfig::qkv_bias`]) | `[H·D]`, `[Hkv·D]` | as the weight's rows |
 //! | `self_attn.{q,k}_norm.weight` (Qwen3, Gemma 3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
 //! | `{pre,post}_feedforward_layernorm.weight` (Gemma 3, [`LlamaConfig::gemma3`]; its `post_attention_layernorm` follows the attention) | `[h]` | replicated |
@@ -162,7 +162,8 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         RowParallelLinear::WEIGHT_SHARD,
         RmsNorm::WEIGHT_SHARD,
     );
-    // K/V rows split by KV head: like `col` when tp divides Hkv, else one head per rank
+    // K/V rows split by KV head: like `col` when tp divides Hkv, else one head per rank (Hkv
+    // dividing tp) or lcm(Hkv, tp)/tp copies (neither dividing the other)
     let kv = Shard::RowBlocks(cfg.num_key_value_heads);
     let mut out = Vec::new();
     let lora = cfg.lora.clone();
