@@ -242,7 +242,11 @@ impl Shard {
         match resolved {
             // lcm(n, size) copies in order, `copies` of each block: keep each block's first
             Shard::RowBlocks(n) => {
-                let (f, blk) = (resolved.copies(size), all.dim(0)? / (n * resolved.copies(size)).max(1));
+                let (f, rows) = (resolved.copies(size), all.dim(0)?);
+                if n == 0 || !rows.is_multiple_of(n * f) {
+                    bail!("{self:?}: the {size} parts {:?} are not {} copies of {n} equal blocks", first.dims(), n * f)
+                }
+                let blk = rows / (n * f);
                 let keep = (0..n).map(|j| all.narrow(0, j * f * blk, blk)).collect::<Result<Vec<_>>>()?;
                 Tensor::cat(&keep, 0)
             }
@@ -273,9 +277,7 @@ impl Shard {
         }
         self.assemble(&all.chunk(size, d)?)
     }
-}
 
-impl Shard {
     /// Sum the gradient shares of a block's copies: `local` is this rank's share of its
     /// [`Shard::row_blocks`] (`[lcm(n, P)/P · rows, ...]`); returns the same blocks, each the
     /// sum of all its copies' shares over `group` (the TP group; collective: every rank calls
@@ -401,6 +403,10 @@ mod tests {
                 assert!(folded.iter().flatten().all(|&x| x == s.copies(p) as f32), "fold {blocks} over {p}: {folded:?}");
             }
         }
+        // parts that are not the copies of 3 blocks over 2 ranks are refused, not cut
+        let odd = Tensor::zeros((5, 6), candle_core::DType::F32, &Device::Cpu)?;
+        let e = b.assemble(&[odd.clone(), odd]).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("[5, 6]") && e.contains("6 copies of 3 equal blocks"), "{e}");
         // a share of distinct values: each block's copies summed, then sliced back
         let got = candle_cp_comm::run_ranks(2, |g| -> Result<Vec<Vec<f32>>> {
             let local = (b.slice(&full, 2, g.rank())? * (g.rank() + 1) as f64)?;
