@@ -139,10 +139,10 @@ impl Shard {
 
     /// The blocks rank `rank` of `size` holds of a [`Shard::RowBlocks`]`(n)` tensor, in order:
     /// copies `[rank·b, (rank+1)·b)` of the `lcm(n, size)`, `b = lcm(n, size)/size`, copy `c`
-    /// being block `c / copies` (`None` for the other splits).
+    /// being block `c / copies` (`None` for the other splits, or `rank >= size`).
     pub fn row_blocks(&self, size: usize, rank: usize) -> Option<Vec<usize>> {
         match *self {
-            Shard::RowBlocks(n) if n > 0 && size > 0 => {
+            Shard::RowBlocks(n) if n > 0 && rank < size => {
                 let (f, b) = (self.copies(size), blocks_per_rank(n, size));
                 Some((rank * b..(rank + 1) * b).map(|c| c / f).collect())
             }
@@ -376,7 +376,7 @@ mod tests {
         assert_eq!(Shard::RowBlocks(2).row_blocks(3, 1), Some(vec![0, 1]));
         assert_eq!(Shard::RowBlocks(10).row_blocks(4, 1), Some(vec![2, 3, 3, 4, 4]));
         assert_eq!((Shard::RowBlocks(10).copies(4), Shard::RowBlocks(10).copies(8), blocks_per_rank(10, 8)), (2, 4, 5));
-        assert_eq!(Shard::Rows.row_blocks(2, 0), None);
+        assert_eq!((Shard::Rows.row_blocks(2, 0), b.row_blocks(2, 2)), (None, None));
         // 3 blocks of 2 rows over 2 ranks
         let full = Tensor::arange(0f32, 36., &Device::Cpu)?.reshape((6, 6))?;
         assert_eq!(b.local_shape(&[6, 6], 2)?.dims(), [6, 6]);
