@@ -62,7 +62,7 @@ pub fn reference(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor
     Ok(reference_routed(full, cfg, ids)?.0)
 }
 
-/// [`reference`], and the smallest gap between a token's `K`-th and `K+1`-th router
+/// [`reference()`], and the smallest gap between a token's `K`-th and `K+1`-th router
 /// probability over the sparse layers (infinite without experts): a routing whose gap is far
 /// above float32 rounding routes the same in float32, on every layout.
 pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor) -> Result<(Reference, f64)> {
