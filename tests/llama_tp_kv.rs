@@ -174,7 +174,8 @@ mod training {
     /// 4 clipped AdamW steps of a model with 12 query / 3 KV heads on TP 2 + SP × zigzag CP 2,
     /// TP 4 × DP 2 with ZeRO-1, TP 2 stopped after step 3 and resumed on one device, and TP 4
     /// (3 copies of 12 per rank) resumed on TP 2 × zigzag CP 2 (3 of 6: the per-TP-rank
-    /// optimizer files resharded from one set of copies to another) follow the one-device run: losses to 1e-5,
+    /// optimizer files resharded from one set of copies to another), and TP 2 × zigzag CP 2 ×
+    /// DP 2 with ZeRO-2, recompute and both overlaps follow the one-device run: losses to 1e-5,
     /// gradient norms to 1e-4 (the norm counts each KV head once, however many copies), and
     /// the final checkpoints hold the same weights (each KV head's copies stayed equal).
     #[test]
@@ -182,15 +183,21 @@ mod training {
         let d1 = tmp("one");
         let one = run(&config(Layout::single(), Some(d1.clone()))?)?;
         let want = weights(&d1)?;
-        for (i, layout, zero1, resume_on) in [
-            (0, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), false, None),
-            (1, Layout::single().with_tp(4, false).with_dp(2), true, None),
-            (2, Layout::single().with_tp(2, true), false, Some(Layout::single())),
-            (3, Layout::single().with_tp(4, true), false, Some(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))),
+        for (i, layout, zero, resume_on) in [
+            (0, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), 0, None),
+            (1, Layout::single().with_tp(4, false).with_dp(2), 1, None),
+            (2, Layout::single().with_tp(2, true), 0, Some(Layout::single())),
+            (3, Layout::single().with_tp(4, true), 0, Some(Layout::cp(CpKind::Zigzag, 2).with_tp(2, true))),
+            (4, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_dp(2), 2, None),
         ] {
             let d = tmp(&format!("l{i}"));
             let mut c = config(layout, Some(d.clone()))?;
-            c.zero1 = zero1;
+            c.zero1 = zero == 1;
+            if zero == 2 {
+                // ZeRO-2 with recompute and both overlaps: the copies' fold beside the
+                // replicas' layer-by-layer sums and the parameter gathers
+                (c.zero2, c.recompute, c.overlap_grad_sync, c.overlap_param_gather) = (true, true, true, true);
+            }
             let mut got = if let Some(next) = resume_on {
                 c.stop_after = Some(3);
                 let first = run(&c)?;
