@@ -21,6 +21,19 @@ pub(super) fn notes(input: &PlanInput, ring: &RingComm, sliding: Option<&Sliding
     if l.sp && l.tp == 1 {
         n.push("--sp has no effect with --tp 1".into());
     }
+    let kv_t = l.kv_heads_per_tp_rank(m);
+    if l.tp > 1 && !m.kv_heads.is_multiple_of(l.tp) && !l.tp.is_multiple_of(m.kv_heads) {
+        n.push(format!(
+            "TP {} over {} KV heads: each GPU holds {kv_t} KV-head copies (lcm({}, {}) / {}), the KV heads its {} query heads use; K/V projections, activations and ring bytes are counted for {kv_t} heads ({:.2}x an even split), and each step sums the copies' weight gradients with one all-gather over TP",
+            l.tp,
+            m.kv_heads,
+            m.kv_heads,
+            l.tp,
+            l.tp,
+            m.heads / l.tp,
+            kv_t as f64 * l.tp as f64 / m.kv_heads as f64
+        ));
+    }
     if l.lora_rank > 0 {
         n.push(format!(
             "LoRA rank {} on q, k, v, o{}: {:.1} M adapter parameters per GPU hold the gradients and the Adam state; the other weights are frozen (their e bytes only); activations as full fine-tuning keeps them",

@@ -227,3 +227,30 @@ fn collectives_on_the_sync_link_shrink_its_overlap() -> Result<()> {
     Ok(())
 }
 
+
+/// Phi-3-medium's 10 KV heads: TP 4 and 8 are planned with 5 KV-head copies per GPU (named in
+/// a note, K/V weights counted for 5 heads), TP 2 and TP 10 (an even split, one head each) without
+/// the note; 40 query heads over TP 16 are refused.
+#[test]
+fn kv_heads_tp_does_not_divide_are_planned_as_copies() -> Result<()> {
+    let m = ModelConfig::preset("phi3-medium")?;
+    let at = |tp: usize| -> Result<Plan> {
+        plan(&PlanInput::new(m.clone(), Hardware::preset("h200")?, Layout { tp, sp: true, cp: 2, ..Layout::default() }, 131072))
+    };
+    for tp in [4usize, 8] {
+        let p = at(tp)?;
+        assert_eq!(p.input.layout.kv_heads_per_tp_rank(&m), 5);
+        assert!(p.notes.iter().any(|n| n.contains(&format!("TP {tp} over 10 KV heads: each GPU holds 5 KV-head copies"))), "{:?}", p.notes);
+    }
+    for tp in [2usize, 10] {
+        let p = at(tp)?;
+        assert_eq!(p.input.layout.kv_heads_per_tp_rank(&m), 10 / tp);
+        assert!(!p.notes.iter().any(|n| n.contains("KV-head copies")), "{:?}", p.notes);
+    }
+    // the copies' K/V weights: 5 heads' rows where an even split would hold 2.5
+    let (p4, p2) = (memory::params_per_gpu(&m, &at(4)?.input.layout), memory::params_per_gpu(&m, &at(2)?.input.layout));
+    let kv_rows = |heads: f64| 2.0 * heads * 128.0 * 5120.0 * 40.0;
+    assert!((p4 - (p2 - kv_rows(5.0)) / 2.0 - kv_rows(5.0)).abs() < 1e3 * 5120.0, "{p4} vs {p2}");
+    assert!(at(16).is_err());
+    Ok(())
+}
