@@ -76,8 +76,9 @@ struct Args {
     /// With --temperature: seed of the sampler (the same on every rank and on one device).
     #[arg(long, default_value_t = 0)]
     sample_seed: u64,
-    /// Tensor-parallel degree (must divide the query heads; divides the KV heads or is a
-    /// multiple of them, replicating each KV head). World = cp · tp threads.
+    /// Tensor-parallel degree (must divide the query heads; each rank keeps lcm(KV heads, tp)/tp
+    /// KV heads, copies counted: its share, one replicated head, or the copies its query heads
+    /// use). World = cp · tp threads.
     #[arg(long, default_value_t = 1)]
     tp: usize,
     /// Sequence parallelism on the TP group (as the model was trained; decoding runs it off).
@@ -250,7 +251,7 @@ fn main() -> anyhow::Result<()> {
         max_rank as f64 / s.cache_bytes.max(1) as f64,
         s.cache_bytes,
         1.0 / layout.cp as f64,
-        (cfg.num_key_value_heads / layout.tp).max(1),
+        candle_cp_nn::blocks_per_rank(cfg.num_key_value_heads, layout.tp),
         cfg.num_key_value_heads,
         1.0 / layout.dp as f64
     );
