@@ -145,10 +145,11 @@ fn assert_layout_matches(cfg: &LlamaConfig, layout: Layout, want: &Generation) -
     let p = layout.cp;
     // one decoded token's k, v over all layers: 2 · L · B · Hkv · D · 4 bytes
     let per_token = 2 * cfg.num_hidden_layers * 2 * cfg.num_key_value_heads * cfg.head_dim * 4;
-    // a TP rank caches its KV heads: Hkv / tp of them, or the one it holds when tp > Hkv
+    // a TP rank caches its KV heads: lcm(Hkv, tp) / tp of them (Hkv / tp, or the one it holds
+    // when tp > Hkv)
     let hkv = cfg.num_key_value_heads;
     // and a DP replica caches its B / dp rows
-    let own = |bytes: usize| bytes * (hkv / layout.tp).max(1) / hkv / layout.dp;
+    let own = |bytes: usize| bytes * candle_cp_nn::blocks_per_rank(hkv, layout.tp) / hkv / layout.dp;
     let mut worst = 0f32;
     let rank0 = Tensor::cat(&gens[0].logits, 0)?
         .flatten_all()?
