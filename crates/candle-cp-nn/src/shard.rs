@@ -198,8 +198,8 @@ impl Shard {
         if rank >= size {
             bail!("{self:?} shard of a tensor {:?}: rank {rank} out of range for TP size {size}", full.dims())
         }
-        if let (true, Some(blocks), Shard::RowBlocks(n)) = (self.mixed_copies(size), self.row_blocks(size, rank), *self) {
-            // the rank's blocks, in order (a block may come twice)
+        // copied blocks (fewer than the ranks, or mixed): the rank's blocks, in order
+        if let (Shard::RowBlocks(n), Some(blocks)) = (self.resolve(size), self.row_blocks(size, rank)) {
             let blk = full.dim(0)? / n;
             let parts = blocks.iter().map(|&j| full.detach().narrow(0, j * blk, blk)).collect::<Result<Vec<_>>>()?;
             return Tensor::cat(&parts, 0)?.contiguous();
