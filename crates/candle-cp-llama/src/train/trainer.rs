@@ -276,17 +276,8 @@ pub fn train_rank(
         let data = crate::params::lock_vars(&varmap)?;
         data.iter().filter(|(k, _)| trainable.contains(*k)).map(|(k, v)| (k.clone(), v.clone())).collect()
     };
-    // how many TP ranks hold each parameter's gradient (for the global norm); KV-head copies
-    // mixed over the TP ranks (a rank may hold a head twice) as slices scaled by 1/√copies
-    let copies: HashMap<String, usize> = param_specs(&mcfg)
-        .into_iter()
-        .map(|s| (s.name, s.shard.copies(ctx.layout.tp)))
-        .collect();
-    let mixed: std::collections::HashSet<String> = param_specs(&mcfg)
-        .into_iter()
-        .filter(|s| s.shard.mixed_copies(ctx.layout.tp))
-        .map(|s| s.name)
-        .collect();
+    // each parameter's split over TP: how many TP ranks hold its gradient (for the global norm)
+    let shards: HashMap<String, crate::params::Shard> = param_specs(&mcfg).into_iter().map(|s| (s.name, s.shard)).collect();
     // DP and CP replicas hold identical optimizer states (same reduced gradients, same
     // updates): one file per TP rank, written by the replica with dp = cp = 0. With ZeRO-1
     // each replica keeps 1/(dp·cp) of it; the file is gathered and identical.
@@ -458,11 +449,14 @@ pub fn train_rank(
             grad_steps.after_backward(&mut acc, g, &opt)?;
         }
         let super::grad_step::Summed { whole: mut named, slices } = grad_steps.finish(acc, &opt)?;
+        // (KV-head copies mixed over the TP ranks — a rank may hold a head twice — as slices
+        // scaled by 1/√copies)
         let item = |(n, g): (&String, &Tensor)| -> Result<(Tensor, usize)> {
-            let c = copies.get(n).copied().unwrap_or(ctx.layout.tp);
-            Ok(match mixed.contains(n) {
-                true => ((g.to_dtype(candle_core::DType::F32)? / (c as f64).sqrt())?, 1),
-                false => (g.clone(), c),
+            let tp = ctx.layout.tp;
+            Ok(match shards.get(n) {
+                Some(s) if s.mixed_copies(tp) => ((g.to_dtype(candle_core::DType::F32)? / (s.copies(tp) as f64).sqrt())?, 1),
+                Some(s) => (g.clone(), s.copies(tp)),
+                None => (g.clone(), tp),
             })
         };
         let mut full_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| !experts.contains(*n)).collect();
