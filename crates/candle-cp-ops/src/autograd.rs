@@ -290,11 +290,24 @@ pub fn attach3_from_f32_with(
     keep_residual: bool,
     bwd: BackwardFromF32,
 ) -> Result<Tensor> {
+    attach_n_from_f32(name, &[a, b, c], out32, dtype, keep_residual, bwd)
+}
+
+/// [`attach3_from_f32_with`] over any number of inputs ([`attach_n`]): `bwd` returns one
+/// gradient per input, in order (e.g. q, k, v and an attention's sink logits).
+pub fn attach_n_from_f32(
+    name: &'static str,
+    inputs: &[&Tensor],
+    out32: Tensor,
+    dtype: candle_core::DType,
+    keep_residual: bool,
+    bwd: BackwardFromF32,
+) -> Result<Tensor> {
     let out = out32.to_dtype(dtype)?;
     let kept = KeptOutput::new(&out32, &out, keep_residual)?;
     drop(out32);
     let k = kept.clone();
-    let out = attach3(name, a, b, c, out, Arc::new(move |g: &Tensor| bwd(&k.f32()?, g)))?;
+    let out = attach_n(name, inputs, out, Arc::new(move |g: &Tensor| bwd(&k.f32()?, g)))?;
     kept.set(&out);
     Ok(out)
 }

@@ -34,8 +34,9 @@
 //! sends dQ, dK, dV back; the two all-to-all functions above remain separate autograd ops
 //! for models that put their own attention between them.
 
-use crate::attention::{self, Mask, RowSums, Scores};
-use crate::autograd::{attach1, attach3, BackwardFn};
+use crate::attention::sinks::{apply_sinks, pad_heads, sinks_grad};
+use crate::attention::{self, Mask, RowSums, Scores, Sinks};
+use crate::autograd::{attach1, attach_n, BackwardFn};
 use crate::cp::Layout;
 use crate::packing::Documents;
 use candle_core::{Result, Tensor};
@@ -235,6 +236,10 @@ pub struct UlyssesOpts {
     /// [`RowSums::F32`] a 16-bit output's bf16 rounding residual is kept in the head layout,
     /// `[B, T, H/P, D]`, in either head layout mode).
     pub row_sums: RowSums,
+    /// Attention sinks, one logit per query head of the local q (`[H]`, see
+    /// [`attention::sinks`]): rank `r` applies heads `[r·H/P, (r+1)·H/P)` to its finished
+    /// head-layout rows; their gradient is zero outside that slice. `None`: no sinks.
+    pub sinks: Option<Sinks>,
 }
 
 impl UlyssesOpts {
@@ -250,7 +255,14 @@ impl UlyssesOpts {
             window: None,
             head_layout: HeadLayout::Kept,
             row_sums: RowSums::Output,
+            sinks: None,
         }
+    }
+
+    /// Same options with attention sinks (see [`UlyssesOpts::sinks`]; `None`: none).
+    pub fn with_sinks(mut self, sinks: Option<Sinks>) -> Self {
+        self.sinks = sinks;
+        self
     }
 
     /// Same options with the logits soft-capped at `cap` (`None`: uncapped; see
@@ -406,6 +418,15 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let (_, t_local, h, hkv, _) = check_qkv("ulysses_attention", q, k, v)?;
     let p = group.size();
     let spread = kv_spread(h, hkv, p)?;
+    // the sinks of this rank's heads in the head layout, [r·H/P, (r+1)·H/P)
+    let h0 = group.rank() * (h / p);
+    let sinks_h = match &opts.sinks {
+        Some(z) => {
+            z.check("ulysses_attention", q)?;
+            Some(z.narrow(h0, h / p)?)
+        }
+        None => None,
+    };
     let t = t_local * p;
     let mut vis = Visibility::new(opts, q.dim(0)?, t, q.dims())?;
     if let Visibility::Band(band) = &mut vis {
@@ -436,6 +457,10 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     };
     let heads = HeadQkv::gather(q, k, v, spread, group, &nat)?;
     let (out32, lse_h) = vis.fwd(&heads.q, &heads.k, &heads.v, opts.scores())?;
+    let (out32, lse_h) = match &sinks_h {
+        Some(z) => apply_sinks(&out32, &lse_h, z.tensor())?,
+        None => (out32, lse_h),
+    };
     let out_h = out32.to_dtype(q.dtype())?;
     let residual = match opts.row_sums {
         RowSums::F32 => crate::autograd::rounding_residual(&out32, &out_h)?,
@@ -445,6 +470,7 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
     let out = head_to_seq_raw(&gat(out_h.clone(), 1)?, group)?;
     let lse = lse_head_to_seq(&gat(lse_h.clone(), 2)?, group)?;
     let (g, scale, qdt, kdt) = (group.clone(), opts.scores(), q.dtype(), k.dtype());
+    let (hq, z_full) = (h, opts.sinks.as_ref().map(|z| z.tensor().detach()));
     let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
     let slot = kept.slot();
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
@@ -456,11 +482,22 @@ pub fn ulysses_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, opts
         };
         let dh = nat(seq_to_head_raw(&dout.to_dtype(qdt)?, &g)?)?;
         let (dq, dk, dv) = vis.bwd(&h.q, &h.k, &h.v, &out_h, &lse_h, &dh, scale)?;
+        let dz = match (&sinks_h, &z_full) {
+            (Some(z), Some(full)) => Some(pad_heads(&sinks_grad(&out_h, &lse_h, &dh, z.tensor())?, h0, hq, full.dtype())?),
+            _ => None,
+        };
         let dq = head_to_seq_raw(&gat(dq.to_dtype(qdt)?, 1)?, &g)?;
         let kv_back = |x: Tensor| kv_grad_head_to_seq(gat(x, 1)?, spread, &g, kdt);
-        Ok(vec![Some(dq), Some(kv_back(dk)?), Some(kv_back(dv)?)])
+        let mut grads = vec![Some(dq), Some(kv_back(dk)?), Some(kv_back(dv)?)];
+        if dz.is_some() {
+            grads.push(dz);
+        }
+        Ok(grads)
     });
-    let out = attach3("ulysses_attention", q, k, v, out, bwd)?;
+    let out = match &opts.sinks {
+        Some(z) => attach_n("ulysses_attention", &[q, k, v, z.tensor()], out, bwd)?,
+        None => attach_n("ulysses_attention", &[q, k, v], out, bwd)?,
+    };
     if let Some(slot) = slot {
         slot.set(&out);
     }

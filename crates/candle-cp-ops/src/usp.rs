@@ -33,11 +33,12 @@
 //! ring backward between the conjugate all-to-alls (one attached op: dK/dV stay f32 until the
 //! copies are summed).
 
-use crate::attention::RowSums;
+use crate::attention::sinks::{pad_heads, sinks_grad};
+use crate::attention::{RowSums, Sinks};
 use crate::cp::{self, CpOpts, CpRun, Layout};
 use crate::oracle::{AttnCase, AttnOutputs};
 use crate::packing::Documents;
-use crate::autograd::{add_residual, attach3, rounding_residual, BackwardFn};
+use crate::autograd::{add_residual, attach_n, rounding_residual, BackwardFn};
 use crate::ulysses::{
     check_qkv, head_to_seq_raw, kv_grad_head_to_seq, kv_spread, lse_head_to_seq, seq_to_head_raw, ulysses_attention,
     HeadLayout, HeadQkv, Kept, UlyssesOpts,
@@ -106,6 +107,10 @@ pub struct UspOpts {
     /// Where the ring backward's row sums take the output from (default [`RowSums::F32`], as
     /// [`CpOpts::row_sums`]).
     pub row_sums: RowSums,
+    /// Attention sinks, one logit per query head of the local q (`[H]`, see
+    /// [`crate::attention::sinks`]): the ring of Ulysses rank `u` applies heads
+    /// `[u·H/U, (u+1)·H/U)` to its finished rows. `None`: no sinks.
+    pub sinks: Option<Sinks>,
 }
 
 impl UspOpts {
@@ -121,7 +126,14 @@ impl UspOpts {
             window: None,
             head_layout: HeadLayout::Kept,
             row_sums: RowSums::F32,
+            sinks: None,
         }
+    }
+
+    /// Same options with attention sinks (see [`UspOpts::sinks`]; `None`: none).
+    pub fn with_sinks(mut self, sinks: Option<Sinks>) -> Self {
+        self.sinks = sinks;
+        self
     }
 
     /// Same options with the logits soft-capped at `cap` (`None`: uncapped).
@@ -204,16 +216,27 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let spread = kv_spread(h, hkv, groups.u())?;
     let uly = &groups.ulysses;
     let same = |x: Tensor| Ok(x);
+    // the sinks of this Ulysses rank's heads, [u·H/U, (u+1)·H/U), for its ring
+    let h0 = uly.rank() * (h / groups.u());
+    let sinks_h = match &opts.sinks {
+        Some(z) => {
+            z.check("usp_attention", q)?;
+            Some(z.narrow(h0, h / groups.u())?)
+        }
+        None => None,
+    };
     let heads = HeadQkv::gather(q, k, v, spread, uly, &same)?;
     let cp_opts = CpOpts {
         documents: opts.documents.clone(),
         row_documents: opts.row_documents.clone(),
         window: opts.window,
+        sinks: sinks_h.clone(),
         ..CpOpts::new(opts.ring_layout, opts.causal).with_scale(opts.scale).with_softcap(opts.softcap)
     };
+    let z_full = opts.sinks.as_ref().map(|z| (z.tensor().clone(), h0, h));
     if cp::halo::applies(&cp_opts, groups.r(), heads.q.dim(1)? * groups.r()) {
         // a window within one chunk of the ring part: its halo exchange, not the ring
-        return usp_halo((q, k, v), heads, spread, groups, &cp_opts);
+        return usp_halo((q, k, v), heads, spread, groups, cp_opts, z_full);
     }
     let (out32, lse_h, _) = cp::ring_attention_fwd_raw(&heads.q, &heads.k, &heads.v, &groups.ring, &cp_opts)?;
     let out_h = out32.to_dtype(q.dtype())?;
@@ -230,6 +253,7 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
     let kept = Kept::new(opts.head_layout, heads, out_h, q, k, v);
     let slot = kept.slot();
     let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
+    let zt = z_full.as_ref().map(|z| z.0.detach());
     // The ring's f32 dK/dV go back through the all-to-all as kv_grad_head_to_seq says (f32 and
     // summed before rounding when the KV heads were replicated), dQ in q's dtype.
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
@@ -237,13 +261,17 @@ pub fn usp_attention(q: &Tensor, k: &Tensor, v: &Tensor, groups: &UspGroups, opt
         let out32 = add_residual(&o, residual.as_ref())?;
         let dh = seq_to_head_raw(&dout.to_dtype(qdt)?, &g.ulysses)?;
         let (dq, dk, dv, _) = cp::ring_attention_bwd_raw(&h.q, &h.k, &h.v, &out32, &lse_h, &dh, &g.ring, &cp_opts)?;
-        Ok(vec![
+        let mut grads = vec![
             Some(head_to_seq_raw(&dq.to_dtype(qdt)?, &g.ulysses)?),
             Some(kv_grad_head_to_seq(dk, spread, &g.ulysses, kdt)?),
             Some(kv_grad_head_to_seq(dv, spread, &g.ulysses, kdt)?),
-        ])
+        ];
+        if let (Some(z), Some(zf)) = (&cp_opts.sinks, &zt) {
+            grads.push(Some(pad_heads(&sinks_grad(&out32, &lse_h, &dh, z.tensor())?, h0, zf.dim(0)?, zf.dtype())?));
+        }
+        Ok(grads)
     });
-    let out = attach3("usp_attention", q, k, v, out, bwd)?;
+    let out = attach_sinks("usp_attention", q, k, v, z_full.as_ref().map(|z| &z.0), out, bwd)?;
     if let Some(slot) = slot {
         slot.set(&out);
     }
@@ -259,14 +287,25 @@ fn usp_halo(
     heads: HeadQkv,
     spread: crate::ulysses::KvSpread,
     groups: &UspGroups,
-    cp_opts: &CpOpts,
+    mut cp_opts: CpOpts,
+    z_full: Option<(Tensor, usize, usize)>,
 ) -> Result<(Tensor, Tensor)> {
+    // the head slice's sinks as a leaf of the inner graph, so that its backward gives dz
+    let zv = match &cp_opts.sinks {
+        Some(z) => Some(Var::from_tensor(z.tensor())?),
+        None => None,
+    };
+    if let Some(zv) = &zv {
+        cp_opts.sinks = Some(Sinks::new(zv.as_tensor())?);
+    }
+    let cp_opts = &cp_opts;
     let dims = cp::check_inputs("usp_attention", &heads.q, &heads.k, &heads.v, &groups.ring, cp_opts)?;
     let (qv, kv, vv) = (Var::from_tensor(&heads.q)?, Var::from_tensor(&heads.k)?, Var::from_tensor(&heads.v)?);
     let (out_h, lse_h) = cp::halo::halo_attention(qv.as_tensor(), kv.as_tensor(), vv.as_tensor(), &groups.ring, cp_opts, &dims)?;
     let out = head_to_seq_raw(&out_h.detach(), &groups.ulysses)?;
     let lse = lse_head_to_seq(&lse_h, &groups.ulysses)?;
     let (g, qdt, kdt) = (groups.clone(), q.dtype(), k.dtype());
+    let zt = z_full.as_ref().map(|(z, h0, h)| (z.detach(), *h0, *h));
     let bwd: BackwardFn = Arc::new(move |dout: &Tensor| {
         let dh = seq_to_head_raw(&dout.to_dtype(qdt)?, &g.ulysses)?;
         let grads = (&out_h * &dh)?.sum_all()?.backward()?;
@@ -274,14 +313,26 @@ fn usp_halo(
             grads.get(x.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg(format!("usp_attention (halo): no gradient for {n}")))
         };
         let f32 = candle_core::DType::F32;
-        Ok(vec![
+        let mut out = vec![
             Some(head_to_seq_raw(&grad(&qv, "q")?.to_dtype(qdt)?, &g.ulysses)?),
             Some(kv_grad_head_to_seq(grad(&kv, "k")?.to_dtype(f32)?, spread, &g.ulysses, kdt)?),
             Some(kv_grad_head_to_seq(grad(&vv, "v")?.to_dtype(f32)?, spread, &g.ulysses, kdt)?),
-        ])
+        ];
+        if let (Some(zv), Some((z, h0, h))) = (&zv, &zt) {
+            out.push(Some(pad_heads(&grad(zv, "sinks")?.to_dtype(f32)?, *h0, *h, z.dtype())?));
+        }
+        Ok(out)
     });
-    let out = attach3("usp_attention", q, k, v, out, bwd)?;
+    let out = attach_sinks("usp_attention", q, k, v, z_full.as_ref().map(|z| &z.0), out, bwd)?;
     Ok((out, lse))
+}
+
+/// [`attach_n`] over q, k, v and, when there are sinks, the sinks `[H]` as a fourth input.
+fn attach_sinks(name: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, sinks: Option<&Tensor>, out: Tensor, bwd: BackwardFn) -> Result<Tensor> {
+    match sinks {
+        Some(z) => attach_n(name, &[q, k, v, z], out, bwd),
+        None => attach_n(name, &[q, k, v], out, bwd),
+    }
 }
 
 /// Run an oracle case on thread ranks (forward + autograd backward of `sum(out · dout)`) and

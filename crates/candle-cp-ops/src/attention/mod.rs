@@ -28,6 +28,7 @@ mod op;
 mod prep;
 mod row_sums;
 mod scores;
+pub mod sinks;
 mod slow;
 mod window;
 
@@ -42,7 +43,8 @@ pub use scores::Scores;
 pub(crate) use call::{fwd_packed, BwdCall, CallMask};
 #[cfg(feature = "cuda")]
 pub(crate) use call::fwd_fold_cuda;
-pub use slow::{attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_slow};
+pub use sinks::{apply_sinks, attention_band_sinks, attention_sinks, sinks_grad, Sinks};
+pub use slow::{attention_band_sinks_slow, attention_band_slow, attention_docs_mask_slow, attention_docs_slow, attention_sinks_slow, attention_slow};
 
 use std::sync::Arc;
 use candle_core::{DType, Device, Result, Tensor};

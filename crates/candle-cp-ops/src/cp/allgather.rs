@@ -23,7 +23,7 @@ use super::shard::{shard, split_shards, unshard, Segment};
 use super::state::{Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{attention_fwd, attention_fwd_band, Band, BwdCall, BwdPrep, CallMask, Mask};
-use crate::autograd::{attach3_from_f32_with, BackwardFromF32};
+use crate::attention::sinks::{self, RawBwd};
 use crate::Group;
 use candle_core::{Device, Result, Tensor};
 use std::time::Instant;
@@ -205,6 +205,10 @@ pub fn allgather_attention_stats(
     let kv = gather_kv(k, v, group, opts)?;
     st.wait = t0.elapsed();
     let (o, l) = fwd(q, &kv, group.rank(), group.size(), opts, &dims, &mut st)?;
+    let (o, l) = match &opts.sinks {
+        Some(z) => crate::attention::apply_sinks(&o, &l, z.tensor())?,
+        None => (o, l),
+    };
     let bytes = (k.elem_count() * 2 * k.dtype().size_in_bytes()) as u64;
     Ok((
         o,
@@ -285,20 +289,12 @@ pub fn allgather_attention(
     // The global K/V are not kept for the backward (that would hold O(T) memory per layer
     // until the backward runs): the backward all-gathers them again.
     drop(kv);
-    let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
-    let (qdt, kdt) = (q.dtype(), k.dtype());
-    // the backward gets the f32 output back from the returned one (+ a bf16 residual, unless
-    // opts.row_sums is RowSums::Output)
-    let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
+    let (g, o) = (group.clone(), opts.clone());
+    // the backward gets the f32 output (sinks applied) back from the returned one (+ a bf16
+    // residual, unless opts.row_sums is RowSums::Output) and the lse (sinks included)
+    let bwd_fn: RawBwd = Box::new(move |out32: &Tensor, lse: &Tensor, dout: &Tensor| {
         let kv = gather_kv(&kd, &vd, &g, &o)?;
-        let (dq, dk, dv) = bwd(&qd, &kv, out32, &ls, dout, &g, &o, &dims, Residency::Auto)?;
-        Ok(vec![
-            Some(dq.to_dtype(qdt)?),
-            Some(dk.to_dtype(kdt)?),
-            Some(dv.to_dtype(kdt)?),
-        ])
+        bwd(&qd, &kv, out32, lse, dout, &g, &o, &dims, Residency::Auto)
     });
-    let keep = opts.row_sums == crate::attention::RowSums::F32;
-    let out = attach3_from_f32_with("allgather_attention", q, k, v, out32, q.dtype(), keep, bwd_fn)?;
-    Ok((out, lse))
+    sinks::attach("allgather_attention", q, k, v, opts.sinks.as_ref(), out32, lse, opts.row_sums, bwd_fn)
 }

@@ -15,7 +15,7 @@
 //! memory per GPU, and per token only the tiny partial results travel (not K/V). New tokens'
 //! entries go round-robin ([`decode_owner`]) so the shards stay balanced.
 
-use crate::attention::Scores;
+use crate::attention::{apply_sinks, Scores, Sinks};
 use crate::attention::{attention_fwd, merge, Mask};
 use crate::Group;
 use candle_core::{bail, DType, Result, Tensor};
@@ -216,7 +216,24 @@ pub fn sharded_decode_attention(
     scale: impl Into<Scores>,
     window: Option<usize>,
 ) -> Result<(Tensor, Tensor)> {
+    sharded_decode_attention_sinks(q, q_positions, shard, group, scale, window, None)
+}
+
+/// [`sharded_decode_attention`] with attention sinks (`[H]`, one per query head of q; see
+/// [`crate::attention::sinks`]), applied once to the merged result of every rank's partial.
+pub fn sharded_decode_attention_sinks(
+    q: &Tensor,
+    q_positions: &[usize],
+    shard: &KvShard,
+    group: &Group,
+    scale: impl Into<Scores>,
+    window: Option<usize>,
+    sinks: Option<&Sinks>,
+) -> Result<(Tensor, Tensor)> {
     let scale: Scores = scale.into();
+    if let Some(z) = sinks {
+        z.check("sharded_decode_attention", q)?;
+    }
     scale.check("sharded_decode_attention")?;
     let (b, tq, h, d) = match q.dims() {
         &[b, tq, h, d] => (b, tq, h, d),
@@ -255,7 +272,14 @@ pub fn sharded_decode_attention(
         });
     }
     match acc {
-        Some((o, l)) => Ok((o.to_dtype(q.dtype())?, l)),
+        Some((o, l)) => {
+            // the sinks join each row's finished softmax once, after every rank's part
+            let (o, l) = match sinks {
+                Some(z) => apply_sinks(&o, &l, z.tensor())?,
+                None => (o, l),
+            };
+            Ok((o.to_dtype(q.dtype())?, l))
+        }
         None => bail!("sharded_decode_attention: empty group"),
     }
 }

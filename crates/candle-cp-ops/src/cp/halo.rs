@@ -180,5 +180,10 @@ pub(crate) fn halo_attention(q: &Tensor, k: &Tensor, v: &Tensor, group: &Group, 
         (d, None) => vec![d.as_ref()],
     };
     let band = band(&parts, tl, s, m, w, &docs)?;
-    attention_band_with(q, &kx, &vx, &band, super::scale_of(opts, dims.d), opts.row_sums)
+    let scores = super::scale_of(opts, dims.d);
+    match &opts.sinks {
+        // every row's keys are all here: its result is finished, the sinks apply to it
+        Some(z) => crate::attention::attention_band_sinks(q, &kx, &vx, z, &band, scores, opts.row_sums),
+        None => attention_band_with(q, &kx, &vx, &band, scores, opts.row_sums),
+    }
 }

@@ -30,7 +30,7 @@ pub mod verify;
 
 pub use allgather::{allgather_attention, allgather_attention_bwd_raw, allgather_attention_stats};
 pub use balance::{balance, balance_docs, balance_mask, best_layout, BalanceReport};
-pub use decode::{decode_owner, sharded_decode_attention, KvShard};
+pub use decode::{decode_owner, sharded_decode_attention, sharded_decode_attention_sinks, KvShard};
 pub use ring::{ring_attention, ring_attention_bwd_raw, ring_attention_fwd_raw, MaskSpec};
 pub use ring_comm::{RingStats, StepStats};
 pub use shard::{gather, position_ids, positions, shard, unshard, Layout, Segment};
@@ -38,7 +38,7 @@ pub use verify::{run_case_cp, run_case_cp_on, run_case_cp_with, CpMethod, CpRun,
 
 use crate::packing::Documents;
 use crate::Group;
-use crate::attention::{RowSums, Scores};
+use crate::attention::{RowSums, Scores, Sinks};
 use candle_core::{bail, DType, Device, Result, Tensor};
 
 /// Options of the context-parallel attention ops.
@@ -94,6 +94,10 @@ pub struct CpOpts {
     /// output element for a 16-bit output; [`RowSums::Output`]: the returned output alone,
     /// as FlashAttention and the single-device op by default, nothing kept).
     pub row_sums: RowSums,
+    /// Attention sinks, one logit per query head of the local q (`[H]`, gpt-oss's
+    /// `self_attn.sinks`, see [`crate::attention::sinks`]), applied once to each row's finished
+    /// result; the ops return their gradient (this rank's rows' share). `None`: no sinks.
+    pub sinks: Option<Sinks>,
 }
 
 /// Query rows per attention call on the CPU when [`CpOpts::block_rows`] is `0` (automatic).
@@ -116,6 +120,7 @@ impl Default for CpOpts {
             window: None,
             halo: true,
             row_sums: RowSums::F32,
+            sinks: None,
         }
     }
 }
@@ -182,6 +187,11 @@ impl CpOpts {
     /// [`CpOpts::softcap`]).
     pub fn with_softcap(mut self, cap: Option<f64>) -> Self {
         self.softcap = cap;
+        self
+    }
+    /// Same options with attention sinks ([`CpOpts::sinks`]; `None`: none).
+    pub fn with_sinks(mut self, sinks: Option<Sinks>) -> Self {
+        self.sinks = sinks;
         self
     }
     /// Query rows per attention call for tensors on `device`: [`CpOpts::block_rows`] when it
@@ -326,8 +336,16 @@ pub(crate) fn check_inputs(
         Some(w) if !opts.causal => bail!("{name}: a sliding window ({w}) needs the causal mask (q {:?})", q.shape()),
         _ => {}
     }
+    if let Some(z) = &opts.sinks {
+        z.check(name, q)?;
+    }
     if p > 1 && opts.check_ranks {
         let mine = [b, tl, h, hkv, d].map(|x| x as f32);
+        // sinks: none = 0, else 1 and the sum of their values (the same parameter everywhere)
+        let sinks = match &opts.sinks {
+            Some(z) => [1.0, z.tensor().to_dtype(DType::F32)?.sum_all()?.to_scalar::<f32>()?],
+            None => [0.0, 0.0],
+        };
         // documents: none, or their fingerprint in four exact 16-bit pieces
         let fp = match (&opts.documents, &opts.row_documents) {
             (Some(x), _) => x.fingerprint(),
@@ -348,6 +366,8 @@ pub(crate) fn check_inputs(
             opts.window.map_or(0.0, |w| ((w >> 16) & 0xffff) as f32),
             scores.scale as f32,
             scores.softcap.map_or(0.0, |c| c as f32),
+            sinks[0],
+            sinks[1],
         ];
         let row: Vec<f32> = mine.iter().chain(extra.iter()).copied().collect();
         let n = row.len();
@@ -367,7 +387,7 @@ pub(crate) fn check_inputs(
                 )
             }
             if other[5..] != extra[..] {
-                bail!("{name}: ranks disagree on dtype, layout, causal flag, packed documents, sliding window, scale or soft cap (rank {} vs rank {r}, {})", group.rank(), group.describe())
+                bail!("{name}: ranks disagree on dtype, layout, causal flag, packed documents, sliding window, scale, soft cap or attention sinks (rank {} vs rank {r}, {})", group.rank(), group.describe())
             }
         }
     }

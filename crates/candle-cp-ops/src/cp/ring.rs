@@ -65,7 +65,7 @@ use super::ring_comm::{InFlight, Ring, RingStats, StepStats};
 use super::state::{LocalState, Residency, RowAccum};
 use super::{check_bwd_inputs, check_inputs, scale_of, CpOpts, Dims};
 use crate::attention::{BwdCall, BwdPrep};
-use crate::autograd::{attach3_from_f32_with, BackwardFromF32};
+use crate::attention::sinks::{self, RawBwd};
 use crate::Group;
 use candle_core::{Result, Tensor};
 use std::time::{Duration, Instant};
@@ -214,8 +214,8 @@ impl<'a> KeyRows<'a> {
 }
 
 /// Forward ring without autograd: local shards in, f32 `out [B, T/P, H, D]` and f32
-/// `lse [B, H, T/P]` of the *global* attention for this rank's queries out, plus timings.
-/// Collective over `group`.
+/// `lse [B, H, T/P]` of the *global* attention for this rank's queries out (with
+/// `opts.sinks` applied to the merged rows), plus timings. Collective over `group`.
 pub fn ring_attention_fwd_raw(
     q: &Tensor,
     k: &Tensor,
@@ -225,7 +225,12 @@ pub fn ring_attention_fwd_raw(
 ) -> Result<(Tensor, Tensor, RingStats)> {
     let dims = check_inputs("ring_attention", q, k, v, group, opts)?;
     let plan = StepPlan::new(group, opts, &dims, q.device())?;
-    fwd(q, k, v, group, opts, &dims, &plan, Residency::Auto)
+    let (out, lse, stats) = fwd(q, k, v, group, opts, &dims, &plan, Residency::Auto)?;
+    let (out, lse) = match &opts.sinks {
+        Some(z) => crate::attention::apply_sinks(&out, &lse, z.tensor())?,
+        None => (out, lse),
+    };
+    Ok((out, lse, stats))
 }
 
 /// The forward ring, making the calls of `plan` ([`StepPlan::new`] with the same group, options
@@ -491,22 +496,14 @@ pub fn ring_attention(
     let (qd, kd, vd) = (q.detach(), k.detach(), v.detach());
     let plan = StepPlan::new(group, opts, &dims, q.device())?;
     let (out32, lse, _) = fwd(&qd, &kd, &vd, group, opts, &dims, &plan, Residency::Auto)?;
-    let (g, o, ls) = (group.clone(), opts.clone(), lse.clone());
-    let (qdt, kdt) = (q.dtype(), k.dtype());
-    // the backward gets the f32 output back from the returned one (+ a bf16 residual, unless
-    // opts.row_sums is RowSums::Output)
-    let bwd_fn: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
-        let auto = Residency::Auto;
-        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, out32, &ls, dout, &g, &o, &dims, &plan, auto)?;
-        Ok(vec![
-            Some(dq.to_dtype(qdt)?),
-            Some(dk.to_dtype(kdt)?),
-            Some(dv.to_dtype(kdt)?),
-        ])
+    let (g, o) = (group.clone(), opts.clone());
+    // the backward gets the f32 output (sinks applied) back from the returned one (+ a bf16
+    // residual, unless opts.row_sums is RowSums::Output) and the lse (sinks included)
+    let bwd_fn: RawBwd = Box::new(move |out32: &Tensor, lse: &Tensor, dout: &Tensor| {
+        let (dq, dk, dv, _) = bwd(&qd, &kd, &vd, out32, lse, dout, &g, &o, &dims, &plan, Residency::Auto)?;
+        Ok((dq, dk, dv))
     });
-    let keep = opts.row_sums == crate::attention::RowSums::F32;
-    let out = attach3_from_f32_with("ring_attention", q, k, v, out32, q.dtype(), keep, bwd_fn)?;
-    Ok((out, lse))
+    sinks::attach("ring_attention", q, k, v, opts.sinks.as_ref(), out32, lse, opts.row_sums, bwd_fn)
 }
 
 #[cfg(test)]

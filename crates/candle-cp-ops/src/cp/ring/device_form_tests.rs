@@ -102,6 +102,7 @@ fn check_docs(
         window,
         halo: true,
         row_sums: crate::attention::RowSums::F32,
+        sinks: None,
     };
     let what = format!("{} {method} P={p} block_rows={rows}", case.name);
     let res = run_ranks(p, |g: Group| {
