@@ -161,9 +161,16 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         };
         let (k, v) = (rep(k)?, rep(v)?);
         let s = cap((q.matmul(&k.t()?)? * scale)?, attn_cap)?.broadcast_add(&mask(window)?)?;
-        let a = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?;
+        let a = if cfg.gpt_oss {
+            // gpt-oss: each head's sink logit one more softmax column, dropped before V
+            let col = p(&n("self_attn.sinks"))?.reshape((1, hh, 1, 1))?.broadcast_as((b, hh, t, 1))?.contiguous()?;
+            candle_nn::ops::softmax(&Tensor::cat(&[&s, &col], 3)?, D::Minus1)?.narrow(3, 0, t)?.matmul(&v)?
+        } else {
+            candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?
+        };
         let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
-        let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, None)?;
+        let o_bias = if cfg.gpt_oss { Some(p(&n("self_attn.o_proj.bias"))?) } else { None };
+        let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, o_bias)?;
         let (pre_mlp, o) = match gemma_like {
             true => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
             false => ("post_attention_layernorm.weight", o),
@@ -175,7 +182,9 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 let (e, k, rn) = (mc.num_experts, mc.num_experts_per_tok, b * t);
                 let x2 = hn.reshape((rn, h))?;
                 let module = mc.module();
-                let probs = candle_nn::ops::softmax(&linear(&x2, p(&n(&format!("{module}.gate.weight")))?, None)?, D::Minus1)?;
+                let router = |s: &str| p(&n(&format!("{module}.{}.{s}", mc.router())));
+                let rb = if mc.biases() { Some(router("bias")?) } else { None };
+                let probs = candle_nn::ops::softmax(&linear(&x2, router("weight")?, rb)?, D::Minus1)?;
                 let mut chosen = vec![0f64; rn * e];
                 for (i, row) in probs.to_vec2::<f64>()?.iter().enumerate() {
                     let mut idx: Vec<usize> = (0..e).collect();
@@ -201,9 +210,18 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;
                 for ex in 0..e {
                     let w_of = |s: &str| -> Result<Tensor> { p(&n(&format!("{module}.experts.{s}")))?.get(ex) };
-                    let g = linear(&x2, &w_of("gate_proj")?, None)?;
-                    let u = linear(&x2, &w_of("up_proj")?, None)?;
-                    let ye = linear(&(g.silu()? * u)?, &w_of("down_proj")?, None)?;
+                    // gpt-oss: each expert's biases
+                    let b_of = |s: &str| -> Result<Option<Tensor>> { if mc.biases() { w_of(&format!("{s}.bias")).map(Some) } else { Ok(None) } };
+                    let g = linear(&x2, &w_of("gate_proj")?, b_of("gate_proj")?.as_ref())?;
+                    let u = linear(&x2, &w_of("up_proj")?, b_of("up_proj")?.as_ref())?;
+                    let act = if cfg.gpt_oss {
+                        // (clamp(u, ±7) + 1) · g · σ(1.702·g), g = min(gate, 7), as GptOssExperts
+                        let gc = g.minimum(7.0)?;
+                        ((u.clamp(-7.0, 7.0)? + 1.0)? * (&gc * candle_nn::ops::sigmoid(&(&gc * 1.702)?)?)?)?
+                    } else {
+                        (g.silu()? * u)?
+                    };
+                    let ye = linear(&act, &w_of("down_proj")?, b_of("down_proj")?.as_ref())?;
                     y = (y + ye.broadcast_mul(&w.narrow(1, ex, 1)?)?)?;
                 }
                 if mc.shared_expert_intermediate_size > 0 {

@@ -8,8 +8,10 @@ use std::collections::HashMap;
 
 /// The tiny Llama as a `style` mixture of 8 experts, top 2, expert width 48 (Qwen3-MoE: a dense
 /// first layer and normalised top-K; Mixtral: both layers sparse, a window of 40; Qwen2-MoE: a
-/// dense first layer and a shared expert of width 64), the load-balancing loss at `coef`; its
-/// config and full weights.
+/// dense first layer and a shared expert of width 64; gpt-oss: both layers sparse, a window of
+/// 40 on layer 0, YaRN over 64 positions, sinks around 3, biases everywhere, gate and up biases
+/// of std 3 so that the clamps act), the load-balancing loss at `coef`; its config and full
+/// weights.
 pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let dir = crate::oracle_dir("tiny-llama");
     let base = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -25,12 +27,27 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
             m.mlp_only_layers = vec![0];
             m
         }
+        MoeStyle::GptOss => MoeConfig::gpt_oss(8, 2, 48),
     };
     moe.output_router_logits = coef.is_some();
     moe.router_aux_loss_coef = coef.unwrap_or(0.0);
     let mut cfg = base.with_moe(Some(moe));
     if style == MoeStyle::Mixtral {
         cfg = cfg.with_sliding_window(Some(40));
+    }
+    if style == MoeStyle::GptOss {
+        // a window of 40 on layer 0 only (gpt-oss slides every other layer), YaRN acting at T = 256
+        cfg = cfg.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]));
+        cfg.rope_scaling = candle_cp_llama::RopeScaling::Yarn {
+            factor: 4.0,
+            original_max_position_embeddings: 64,
+            beta_fast: 32.0,
+            beta_slow: 1.0,
+            attention_factor: None,
+            mscale: None,
+            mscale_all_dim: None,
+            truncate: false,
+        };
     }
     cfg.validate()?;
     let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
@@ -41,8 +58,16 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
             t.clone()
         } else if name.contains("self_attn") && name.ends_with("_norm.weight") {
             ((crate::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?
-        } else if name.ends_with(".gate.weight") {
+        } else if name.ends_with(".gate.weight") || name.ends_with(".router.weight") {
             (crate::rand_t(if style == MoeStyle::Mixtral { 43 } else { 37 }, name, &spec.shape)? * 0.1)?
+        } else if name.ends_with(".sinks") {
+            // gpt-oss: sinks worth a row's mass (ln of the keys a row sees is 0..5.5)
+            ((crate::rand_t(47, name, &spec.shape)? * 1.5)? + 3.0)?
+        } else if name.ends_with("experts.gate_proj.bias") || name.ends_with("experts.up_proj.bias") {
+            // gpt-oss: wide enough that some gates and ups pass the clamps at 7 (and ±7)
+            (crate::rand_t(53, name, &spec.shape)? * 3.0)?
+        } else if name.ends_with(".bias") {
+            (crate::rand_t(59, name, &spec.shape)? * 0.3)?
         } else {
             (crate::rand_t(41, name, &spec.shape)? * 0.08)?
         };

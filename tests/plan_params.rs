@@ -48,12 +48,15 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let mixtral = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48)));
     // Qwen2-MoE: a shared expert 64 wide and its gate beside 8 experts, q, k, v biases
     let qwen2_moe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64)));
+    // gpt-oss: sinks (split by head), an o_proj bias (replicated), a router bias, the experts'
+    // biases (gate / up split as their rows, down by columns of h)
+    let gpt_oss = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 48)));
     // 12 heads / 3 KV heads with q, k, v biases: at TP 2 and 4 each rank holds 3 KV-head
     // copies (of 6, of 12; Phi-3-medium's 10 KV heads at TP 4 hold 5), their biases too
     let mixed = LlamaConfig::tiny(64, 48, 2, 12, 3).with_qkv_bias(true);
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {
@@ -82,13 +85,14 @@ fn planner_params_per_gpu_equal_the_model_shards_under_expert_parallelism() -> R
     experts.mlp_only_layers = vec![0];
     let qwen3_moe = oracle.clone().with_moe(Some(experts));
     let mixtral = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48)));
+    let gpt_oss = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 48)));
     let layouts = [
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_ep(2),
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_ep(4),
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_dp(2).with_ep(2),
         Layout::cp(candle_cp_llama::CpKind::Zigzag, 2).with_tp(2, true).with_ep(2),
     ];
-    for cfg in [&qwen3_moe, &mixtral] {
+    for cfg in [&qwen3_moe, &mixtral, &gpt_oss] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for layout in layouts {

@@ -13,6 +13,7 @@
 //! | `gemma2` (`Gemma2ForCausalLM`)     | no             | no         | the layers `layer_types` names, else every other one from layer 0 |
 //! | `gemma3_text` (`Gemma3ForCausalLM`) | no            | yes (`1 + w`) | the layers `layer_types` names, else all but every `sliding_window_pattern`-th (default 6) |
 //! | `phi3` (`Phi3ForCausalLM`)         | no             | no         | as Mistral                              |
+//! | `gpt_oss` (`GptOssForCausalLM`)    | yes, and o_proj's | no      | the layers `layer_types` names, else every other one from layer 0 (sinks, MLPs: [`crate::config::gpt_oss`]) |
 //!
 //! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
 //! `gate_up_proj` (split on load, fused on save: [`crate::config::phi3`]); its long-context
@@ -62,14 +63,17 @@ pub enum Arch {
     Gemma2,
     /// `Phi3ForCausalLM`: a Llama with fused checkpoint projections, see [`crate::config::phi3`].
     Phi3,
+    /// `GptOssForCausalLM`: attention sinks, biases, a mixture of experts on every layer, see
+    /// [`crate::config::gpt_oss`].
+    GptOss,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 10] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3];
+    pub const ALL: [Arch; 11] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3, Arch::GptOss];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -92,6 +96,7 @@ impl Arch {
             Arch::Gemma3 => ("Gemma3ForCausalLM", "gemma3_text"),
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
             Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
+            Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
         }
     }
 
@@ -147,6 +152,8 @@ impl Arch {
         match self {
             // Qwen2Attention: bias=True on q/k/v, False on o_proj, whatever attention_bias says
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
+            // GptOssConfig forces attention_bias on (q, k, v and o_proj)
+            Arch::GptOss => Ok(true),
             Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
@@ -191,8 +198,8 @@ impl Arch {
                     };
                     (0..layers).map(|i| w.is_some() && i >= from).collect()
                 }
-                // Gemma2Config: layer i slides iff (i + 1) % 2 != 0 (layers 0, 2, 4, ...)
-                Arch::Gemma2 => (0..layers).map(|i| w.is_some() && i % 2 == 0).collect(),
+                // Gemma2Config, GptOssConfig: layer i slides iff (i + 1) % 2 != 0 (layers 0, 2, 4, ...)
+                Arch::Gemma2 | Arch::GptOss => (0..layers).map(|i| w.is_some() && i % 2 == 0).collect(),
                 Arch::Gemma3 => {
                     // transformers before `layer_types`: layer i slides iff (i + 1) % pattern
                     let p = match m.get("sliding_window_pattern") {

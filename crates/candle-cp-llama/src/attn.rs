@@ -17,7 +17,7 @@
 
 use crate::layout::{CpKind, ParallelCtx};
 use candle_core::{bail, Result, Tensor};
-use candle_cp_ops::attention::{attention_band_with, attention_docs_mask_with, attention_with, Band, Mask, Scores};
+use candle_cp_ops::attention::{attention_band_sinks, attention_band_with, attention_docs_mask_with, attention_sinks, attention_with, Band, Mask, Scores, Sinks};
 use candle_cp_ops::cp::{allgather_attention, ring_attention, CpOpts};
 use candle_cp_ops::packing::Documents;
 use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
@@ -26,7 +26,7 @@ use candle_cp_ops::ulysses::{ulysses_attention, UlyssesOpts};
 /// [`Scores`] may carry; see the module doc).
 pub fn attend(q: &Tensor, k: &Tensor, v: &Tensor, ctx: &ParallelCtx, scale: impl Into<Scores>) -> Result<Tensor> {
     let scale: Scores = scale.into();
-    attend_one(q, k, v, ctx, scale, None, None)
+    attend_one(q, k, v, ctx, scale, None, None, None)
 }
 
 /// [`attend`] inside packed documents: `docs` `None` (each row one sequence, as [`attend`]),
@@ -57,17 +57,34 @@ pub fn attend_window(
     docs: Option<&[Documents]>,
     window: Option<usize>,
 ) -> Result<Tensor> {
+    attend_sinks(q, k, v, ctx, scale, docs, window, None)
+}
+
+/// [`attend_window`] with attention sinks (gpt-oss: one logit per query head of this TP rank,
+/// `[Hl]`, [`Sinks`]) when given: every layout applies them once to each finished row and
+/// returns their gradient ([`candle_cp_ops::attention::sinks`]).
+#[allow(clippy::too_many_arguments)]
+pub fn attend_sinks(
+    q: &Tensor,
+    k: &Tensor,
+    v: &Tensor,
+    ctx: &ParallelCtx,
+    scale: impl Into<Scores>,
+    docs: Option<&[Documents]>,
+    window: Option<usize>,
+    sinks: Option<&Sinks>,
+) -> Result<Tensor> {
     let scale: Scores = scale.into();
     if window == Some(0) {
         bail!("attend: a sliding window must hold at least 1 key (q {:?})", q.dims())
     }
     let Some(docs) = docs else {
-        return attend_one(q, k, v, ctx, scale, None, window);
+        return attend_one(q, k, v, ctx, scale, None, window, sinks);
     };
     let b = q.dim(0)?;
     match docs {
-        [_] => attend_one(q, k, v, ctx, scale, Some(docs), window),
-        rows if rows.len() == b && b > 1 => attend_one(q, k, v, ctx, scale, Some(rows), window),
+        [_] => attend_one(q, k, v, ctx, scale, Some(docs), window, sinks),
+        rows if rows.len() == b && b > 1 => attend_one(q, k, v, ctx, scale, Some(rows), window, sinks),
         _ => bail!(
             "attend: {} Documents for q {:?}: pass one shared by every row or one per row ({b})",
             docs.len(),
@@ -78,7 +95,8 @@ pub fn attend_window(
 
 /// One attention call for the whole batch: `docs` none, one [`Documents`] shared by every
 /// row, or one per row (`B` entries: one band per row inside the same call / ring pass),
-/// within the sliding `window` when given.
+/// within the sliding `window` when given, with `sinks` when given.
+#[allow(clippy::too_many_arguments)]
 fn attend_one(
     q: &Tensor,
     k: &Tensor,
@@ -87,6 +105,7 @@ fn attend_one(
     scale: Scores,
     docs: Option<&[Documents]>,
     window: Option<usize>,
+    sinks: Option<&Sinks>,
 ) -> Result<Tensor> {
     let l = &ctx.layout;
     for d in docs.unwrap_or_default() {
@@ -101,6 +120,15 @@ fn attend_one(
     if l.cp == 1 {
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
         let rs = l.effective_row_sums();
+        if let Some(z) = sinks {
+            // one band for documents (shared or per row) and the window
+            let t = q.dim(1)?;
+            return Ok(match (shared, rows) {
+                (Some(d), _) => attention_band_sinks(q, k, v, z, &Band::documents(t, &[d], true, window)?, scale, rs)?.0,
+                (None, Some(rows)) => attention_band_sinks(q, k, v, z, &Band::documents(t, &rows, true, window)?, scale, rs)?.0,
+                (None, None) => attention_sinks(q, k, v, z, &mask, scale, rs)?.0,
+            });
+        }
         return Ok(match (&shared, &rows) {
             (Some(d), _) => attention_docs_mask_with(q, k, v, d, &mask, scale, rs)?.0,
             (None, Some(rows)) => attention_band_with(q, k, v, &Band::documents(q.dim(1)?, rows, true, window)?, scale, rs)?.0,
@@ -112,7 +140,8 @@ fn attend_one(
         row_documents: rows.clone(),
         window,
         ..CpOpts::new(l.cp_kind.seq_layout(), true).with_scale(scale.scale).with_softcap(scale.softcap).with_row_sums(l.effective_row_sums())
-    };
+    }
+    .with_sinks(sinks.cloned());
     let (out, _lse) = match l.cp_kind {
         CpKind::Ring | CpKind::Zigzag | CpKind::Striped => ring_attention(q, k, v, &ctx.cp, &opts)?,
         CpKind::AllGather => allgather_attention(q, k, v, &ctx.cp, &opts)?,
@@ -122,10 +151,11 @@ fn attend_one(
                 row_documents: rows,
                 window,
                 ..UlyssesOpts::new(true, scale.scale).with_softcap(scale.softcap).with_head_layout(l.head_layout).with_row_sums(l.effective_row_sums())
-            };
+            }
+            .with_sinks(sinks.cloned());
             ulysses_attention(q, k, v, &ctx.cp, &uo)?
         }
-        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, shared, rows, window),
+        CpKind::TwoD => return crate::attn2d::attend_2d(q, k, v, ctx, scale, shared, rows, window, sinks),
     };
     Ok(out)
 }

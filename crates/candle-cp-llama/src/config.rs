@@ -18,6 +18,8 @@ pub use gemma2::Gemma2;
 pub mod qwen3_moe;
 #[path = "phi3.rs"]
 pub mod phi3;
+#[path = "gpt_oss.rs"]
+pub mod gpt_oss;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
 #[path = "config_json.rs"]
@@ -93,6 +95,9 @@ pub struct LlamaConfig {
     /// Phi-3 (`model_type` `phi3`): a Llama whose checkpoints fuse `qkv_proj` and
     /// `gate_up_proj` ([`phi3`]: split on load, fused on save).
     pub phi3: bool,
+    /// gpt-oss (`model_type` `gpt_oss`): attention sinks and an o_proj bias in every layer,
+    /// and its mixture of experts ([`MoeStyle::GptOss`]); see [`gpt_oss`].
+    pub gpt_oss: bool,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -155,7 +160,7 @@ impl LlamaConfig {
         // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
         let text = match gemma::text_config(m)? {
             Some(t) => Some(t),
-            None => gemma2::with_defaults(m),
+            None => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -193,6 +198,7 @@ impl LlamaConfig {
             Arch::Qwen3Moe => Some(qwen3_moe::parse(m)?),
             Arch::Mixtral => Some(qwen3_moe::parse_mixtral(m, need_usize(m, "intermediate_size")?)?),
             Arch::Qwen2Moe => Some(qwen3_moe::parse_qwen2(m)?),
+            Arch::GptOss => Some(qwen3_moe::parse_gpt_oss(m, need_usize(m, "intermediate_size")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -220,6 +226,9 @@ impl LlamaConfig {
             }
         }
         phi3::refuse_unsupported(m, arch)?;
+        if arch == Arch::GptOss {
+            gpt_oss::refuse_unsupported(m)?;
+        }
         let partial_rotary_factor = phi3::partial_rotary_factor(m, arch)?;
         let layers = need_usize(m, "num_hidden_layers")?;
         let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
@@ -247,6 +256,7 @@ impl LlamaConfig {
             gemma2,
             moe,
             phi3: arch == Arch::Phi3,
+            gpt_oss: arch == Arch::GptOss,
             lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
@@ -292,6 +302,7 @@ impl LlamaConfig {
             gemma2: None,
             moe: None,
             phi3: false,
+            gpt_oss: false,
             lora: None,
         }
     }
@@ -342,11 +353,15 @@ impl LlamaConfig {
         if self.phi3 {
             return Arch::Phi3;
         }
+        if self.gpt_oss {
+            return Arch::GptOss;
+        }
         if let Some(m) = &self.moe {
             return match m.style {
                 MoeStyle::Qwen3Moe => Arch::Qwen3Moe,
                 MoeStyle::Mixtral => Arch::Mixtral,
                 MoeStyle::Qwen2Moe => Arch::Qwen2Moe,
+                MoeStyle::GptOss => Arch::GptOss,
             };
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
@@ -397,6 +412,7 @@ impl LlamaConfig {
         phi3::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
+        gpt_oss::refuse_expert_lora(self)?;
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")
@@ -418,7 +434,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",
@@ -451,7 +467,9 @@ impl LlamaConfig {
             }
             gemma2::validate(g)?;
         }
-        if let Some(m) = &self.moe {
+        if self.gpt_oss || self.moe.as_ref().is_some_and(|m| m.style == MoeStyle::GptOss) {
+            gpt_oss_validate(self)?;
+        } else if let Some(m) = &self.moe {
             let mixtral = m.style == MoeStyle::Mixtral;
             let (norms, biases) = (m.style == MoeStyle::Qwen3Moe, m.style == MoeStyle::Qwen2Moe);
             if self.qk_norm != norms || self.qkv_bias != biases || self.is_gemma() || (m.shared_expert_intermediate_size > 0) != biases {
@@ -505,6 +523,30 @@ impl LlamaConfig {
         }
         Ok(())
     }
+}
+
+/// A gpt-oss config's invariants: every layer a [`MoeStyle::GptOss`] mixture of experts
+/// `intermediate_size` wide, q, k, v biases, no head norms, no other architecture's options.
+fn gpt_oss_validate(c: &LlamaConfig) -> Result<()> {
+    let Some(m) = c.moe.as_ref().filter(|m| m.style == MoeStyle::GptOss && c.gpt_oss) else {
+        bail!("LlamaConfig: gpt-oss (gpt_oss {}) goes with its own mixture of experts on every layer (MoeStyle::GptOss, {:?})", c.gpt_oss, c.moe.as_ref().map(|m| m.style))
+    };
+    if !c.qkv_bias || c.qk_norm || c.is_gemma() || c.phi3 {
+        bail!("LlamaConfig: gpt-oss has q, k, v (and o) biases, no head norms, no Gemma or Phi-3 options (qkv_bias {}, qk_norm {})", c.qkv_bias, c.qk_norm)
+    }
+    if m.moe_intermediate_size != c.intermediate_size || !m.mlp_only_layers.is_empty() || m.decoder_sparse_step != 1 || !m.norm_topk_prob || m.shared_expert_intermediate_size > 0 {
+        bail!(
+            "LlamaConfig: gpt-oss's experts are intermediate_size ({}) wide ({} given) on every layer (mlp_only_layers {:?}, decoder_sparse_step {}), top-K renormalised, no shared expert",
+            c.intermediate_size,
+            m.moe_intermediate_size,
+            m.mlp_only_layers,
+            m.decoder_sparse_step
+        )
+    }
+    if m.output_router_logits {
+        bail!("LlamaConfig: gpt-oss's load-balancing loss (output_router_logits) is not supported")
+    }
+    qwen3_moe::validate(m, c.num_hidden_layers)
 }
 
 #[cfg(test)]

@@ -142,6 +142,9 @@ pub enum Activation {
     Silu,
     /// GELU, tanh approximation (Gemma: `hidden_activation` `gelu_pytorch_tanh`), [`geglu`].
     GeluTanh,
+    /// gpt-oss's experts: `(clamp(up) + 1) · g · σ(1.702·g)`, `g = min(gate, 7)`
+    /// ([`crate::config::gpt_oss::clamped_swiglu`]).
+    ClampedSwiglu,
 }
 
 impl Activation {
@@ -150,6 +153,7 @@ impl Activation {
         match self {
             Activation::Silu => swiglu(gate, up),
             Activation::GeluTanh => geglu(gate, up),
+            Activation::ClampedSwiglu => crate::config::gpt_oss::clamped_swiglu(gate, up),
         }
     }
 
@@ -158,6 +162,7 @@ impl Activation {
         match self {
             Activation::Silu => swiglu_slow(gate, up),
             Activation::GeluTanh => geglu_slow(gate, up),
+            Activation::ClampedSwiglu => crate::config::gpt_oss::clamped_swiglu_slow(gate, up),
         }
     }
 }

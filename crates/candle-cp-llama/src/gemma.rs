@@ -223,11 +223,13 @@ impl LlamaConfig {
         self.gemma3.is_some() || self.gemma2.is_some()
     }
 
-    /// The activation of the gated MLP (GELU-tanh for Gemma 2 and 3, else SiLU).
+    /// The activation of the gated MLP (GELU-tanh for Gemma 2 and 3, gpt-oss's clamped SwiGLU,
+    /// else SiLU).
     pub fn activation(&self) -> crate::fused::Activation {
-        match self.is_gemma() {
-            true => crate::fused::Activation::GeluTanh,
-            false => crate::fused::Activation::Silu,
+        match (self.is_gemma(), self.gpt_oss) {
+            (true, _) => crate::fused::Activation::GeluTanh,
+            (false, true) => crate::fused::Activation::ClampedSwiglu,
+            (false, false) => crate::fused::Activation::Silu,
         }
     }
 

@@ -29,14 +29,15 @@
 //! generates its `B / dp` rows against its own cache, and [`Llama::generate`] shares the
 //! logits over the DP group so every rank returns all rows.
 
-use crate::attn::attend_window;
+use crate::attn::attend_sinks;
+use candle_cp_ops::attention::Sinks;
 use crate::layout::shard_tokens;
 use crate::model::{linear, Block, Llama};
 use crate::rope::{apply_rope, rope_tables_at};
 use crate::sampling::{Sampler, Sampling};
 use candle_core::{bail, DType, Module, Result, Tensor};
 use candle_cp_nn::vocab_parallel_embedding;
-use candle_cp_ops::cp::{decode_owner, sharded_decode_attention, KvShard};
+use candle_cp_ops::cp::{decode_owner, sharded_decode_attention_sinks, KvShard};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -295,7 +296,8 @@ impl Llama {
             let mut shard = KvShard::new();
             shard.append(&k.detach(), &v.detach(), &rows)?;
             cache.layers.push(shard);
-            let a = attend_window(&q, &k, &v, ctx, scale, None, blk.window)?;
+            let sinks = blk.sinks.as_ref().map(Sinks::new).transpose()?;
+            let a = attend_sinks(&q, &k, &v, ctx, scale, None, blk.window, sinks.as_ref())?;
             x = blk
                 .finish(&x, &a.reshape((b, tc, heads.0 * heads.2))?)?
                 .detach();
@@ -317,7 +319,7 @@ impl Llama {
     /// of the replica; `Bd = B` without DP) at global position
     /// `p = cache.next_position()` go through the model on every rank (replicated compute);
     /// each layer appends their k, v to the cache of rank [`decode_owner`]`(p, P)` first, then
-    /// attends over the whole sharded cache ([`sharded_decode_attention`], sliding window
+    /// attends over the whole sharded cache ([`sharded_decode_attention_sinks`], sliding window
     /// honoured). Returns f32 logits `[B, V]` of position `p`, bitwise the same on every rank.
     /// Collective over the CP and TP groups.
     pub fn decode_step(&self, cache: &mut KvCache, tokens: &Tensor) -> Result<Tensor> {
@@ -346,8 +348,8 @@ impl Llama {
             if owner {
                 shard.append(&k.detach(), &v.detach(), &[p])?;
             }
-            let (a, _lse) =
-                sharded_decode_attention(&q, &[p], shard, &ctx.cp, scale, blk.window)?;
+            let sinks = blk.sinks.as_ref().map(Sinks::new).transpose()?;
+            let (a, _lse) = sharded_decode_attention_sinks(&q, &[p], shard, &ctx.cp, scale, blk.window, sinks.as_ref())?;
             // a sliding window never looks back past p + 2 - w again: drop those rows once
             // they are half of the shard (amortised: each row is copied O(1) times)
             if let Some(w) = blk.window {

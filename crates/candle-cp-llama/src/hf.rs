@@ -6,7 +6,7 @@
 //! each file written to a temporary name in the target directory and renamed into place, so
 //! a crash never leaves a half-written `model.safetensors` or `config.json`.
 
-use crate::config::LlamaConfig;
+use crate::config::{gpt_oss, LlamaConfig};
 use crate::layout::ParallelCtx;
 use crate::config::phi3::{fuse_checkpoint_tensors, fused_checkpoint_name, fused_parts, fused_rows};
 use crate::params::{checkpoint_tensors, fused_checkpoint_tensor, param_specs, varmap_tensors, ParamSpec};
@@ -116,6 +116,19 @@ impl TextPrefix {
 /// ([`fused_checkpoint_tensor`], [`checkpoint_tensors`]). Errors name a missing or mis-shaped
 /// tensor.
 fn param_from_checkpoint(dir: &Path, cfg: &LlamaConfig, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+    // gpt-oss: its experts' interleaved gate_up_proj, transposed down_proj (or MXFP4), biases
+    if cfg.gpt_oss {
+        let mut g = |n: &str| get(&prefix.checkpoint_name(n));
+        if let Some(t) = gpt_oss::from_checkpoint(&spec.name, &spec.shape, &mut g).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
+            return Ok(t);
+        }
+        let name = prefix.checkpoint_name(&spec.name);
+        let Some(t) = get(&name)? else { bail!("{}: checkpoint has no tensor {name} (expected {:?})", dir.display(), spec.shape) };
+        if t.dims() != spec.shape.as_slice() {
+            bail!("{}: tensor {name} has shape {:?}, config implies {:?}", dir.display(), t.dims(), spec.shape)
+        }
+        return Ok(t);
+    }
     // Phi-3: the rows of a fused qkv_proj / gate_up_proj
     if let Some((start, len, total)) = fused_rows(cfg, &spec.name).filter(|_| cfg.phi3) {
         let name = prefix.checkpoint_name(&fused_checkpoint_name(&spec.name).map(|f| f.0).unwrap_or_default());
@@ -169,6 +182,10 @@ fn param_from_checkpoint(dir: &Path, cfg: &LlamaConfig, spec: &ParamSpec, prefix
 /// 3's vision tower and projector ([`TextPrefix`]).
 fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let specs = param_specs(cfg);
+    if cfg.gpt_oss {
+        let used: std::collections::HashSet<String> = specs.iter().flat_map(|s| gpt_oss::checkpoint_names(&s.name)).collect();
+        return refuse_names(dir, cfg, prefix, names, |p| used.contains(p));
+    }
     let fused = specs.iter().filter_map(fused_checkpoint_tensor).map(|(n, _)| n);
     let used: std::collections::HashSet<String> = specs
         .iter()
@@ -179,10 +196,15 @@ fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: i
         })
         .chain(fused)
         .collect();
+    refuse_names(dir, cfg, prefix, names, |p| used.contains(p))
+}
+
+/// [`refuse_unused`] with the checkpoint's parameter names `used` says the model reads.
+fn refuse_names<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>, used: impl Fn(&str) -> bool) -> Result<()> {
     let mut unused: Vec<&str> = names
         .filter(|n| match prefix.param_name(n) {
             None => false,
-            Some(p) => !(used.contains(&p) || p.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && p == "lm_head.weight")),
+            Some(p) => !(used(&p) || p.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && p == "lm_head.weight")),
         })
         .collect();
     if unused.is_empty() {
@@ -380,7 +402,9 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
                 s.shape
             )
         }
-        for (name, expert) in checkpoint_tensors(&s) {
+        // (gpt-oss: by the model's names, converted by save_hf_tensors)
+        let parts = if cfg.gpt_oss { vec![(s.name.clone(), None)] } else { checkpoint_tensors(&s) };
+        for (name, expert) in parts {
             named.push((name, match expert {
                 Some(e) => t.get(e)?,
                 None => t.clone(),
@@ -391,11 +415,15 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
 }
 
 /// [`save_hf`] from a list of `(name, full tensor)` (a Phi-3's q, k, v and gate, up
-/// projections written fused: [`crate::config::phi3`]).
+/// projections written fused: [`crate::config::phi3`]; a gpt-oss's experts by the model's
+/// names, written in its checkpoint layout: [`crate::config::gpt_oss`]).
 pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
     let dir = dir.as_ref();
     let fused;
-    let tensors = if cfg.phi3 {
+    let tensors = if cfg.gpt_oss {
+        fused = gpt_oss::group(tensors.to_vec())?.into_iter().map(|(n, parts)| Ok((n.clone(), gpt_oss::combine(&n, &parts)?))).collect::<Result<Vec<_>>>()?;
+        fused.as_slice()
+    } else if cfg.phi3 {
         fused = fuse_checkpoint_tensors(true, tensors.to_vec())?
             .into_iter()
             .map(|(n, parts)| Ok((n, Tensor::cat(&parts, 0)?)))
@@ -502,15 +530,24 @@ pub fn save_hf_sharded(
     }
     // the checkpoint's tensors by name: (name, its parts: (parameter, expert of a stacked
     // one)), a Phi-3's fused ones of several parameters stacked by rows
-    let named = specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, (i, e))));
-    let mut tensors = fuse_checkpoint_tensors(cfg.phi3, named.collect())?;
+    let mut tensors = if cfg.gpt_oss {
+        gpt_oss::group(specs.iter().enumerate().map(|(i, s)| (s.name.clone(), (i, None))).collect())?
+    } else {
+        let named = specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, (i, e))));
+        fuse_checkpoint_tensors(cfg.phi3, named.collect())?
+    };
     tensors.sort_by(|a, b| a.0.cmp(&b.0));
     let part_shape = |&(i, e): &(usize, Option<usize>)| if e.is_some() { specs[i].shape[1..].to_vec() } else { specs[i].shape.clone() };
     let entries: Vec<(String, Vec<usize>, DType)> = tensors
         .iter()
         .map(|(n, parts)| {
-            let mut shape = part_shape(&parts[0]);
-            shape[0] = parts.iter().map(|p| part_shape(p)[0]).sum();
+            let shape = if cfg.gpt_oss {
+                gpt_oss::combined_shape(n, &parts.iter().map(part_shape).collect::<Vec<_>>())
+            } else {
+                let mut shape = part_shape(&parts[0]);
+                shape[0] = parts.iter().map(|p| part_shape(p)[0]).sum();
+                shape
+            };
             (n.clone(), shape, shards[parts[0].0].dtype())
         })
         .collect();
@@ -538,6 +575,7 @@ pub fn save_hf_sharded(
             }
         }
         match out.as_slice() {
+            parts if cfg.gpt_oss => gpt_oss::combine(&tensors[k].0, parts),
             [one] => Ok(one.clone()),
             parts => Tensor::cat(parts, 0),
         }

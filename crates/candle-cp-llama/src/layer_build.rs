@@ -134,10 +134,19 @@ impl<'a> LayerBuilder<'a> {
             Some(m) if cfg.is_moe_layer(i) => {
                 let p = |s: &str| format!("model.layers.{i}.{}.{s}", m.module());
                 Mlp::Sparse(SparseMoe {
-                    router: self.get(&p("gate.weight"))?,
+                    router: self.get(&p(&format!("{}.weight", m.router())))?,
                     gate: self.get(&p("experts.gate_proj"))?,
                     up: self.get(&p("experts.up_proj"))?,
                     down: self.get(&p("experts.down_proj"))?,
+                    biases: match m.biases() {
+                        false => None,
+                        true => Some(crate::moe::MoeBiases {
+                            router: self.get(&p(&format!("{}.bias", m.router())))?,
+                            gate: self.get(&p("experts.gate_proj.bias"))?,
+                            up: self.get(&p("experts.up_proj.bias"))?,
+                            down: self.get(&p("experts.down_proj.bias"))?,
+                        }),
+                    },
                     top_k: m.num_experts_per_tok,
                     norm_topk: m.norm_topk_prob,
                     tp: self.tp.clone(),
@@ -170,7 +179,11 @@ impl<'a> LayerBuilder<'a> {
             }
         };
         let ap = format!("model.layers.{i}.self_attn");
-        let mut o = RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &self.tp)?;
+        // gpt-oss: an o_proj bias, replicated, its TP shares summed by reduce_gradients (as a norm's)
+        let mut o = match cfg.gpt_oss {
+            false => RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &self.tp)?,
+            true => RowParallelLinear::new(va.pp("o_proj"), qd, h, LinearConfig::new(true).with_init(init), &self.tp)?.with_grad_sync(GradSync::Deferred),
+        };
         if let Some(l) = self.lora_for(&ap, "o_proj")? {
             o = o.with_lora(l)?;
         }
@@ -200,6 +213,10 @@ impl<'a> LayerBuilder<'a> {
             },
             act: cfg.activation(),
             local_rope: cfg.layer_rope_is_local(i),
+            sinks: match cfg.gpt_oss {
+                false => None,
+                true => Some(self.get(&format!("{ap}.sinks"))?),
+            },
         })
     }
 }

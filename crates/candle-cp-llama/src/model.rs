@@ -7,7 +7,8 @@
 //! `Hkvl = Hkv / tp` heads of its TP shard):
 //! ids `[B, Ts]` → hidden `[B, Ts, h]` → (TP region `[B, Tc, ·]`) → logits `[B, Ts, V]`.
 
-use crate::attn::attend_window;
+use crate::attn::attend_sinks;
+use candle_cp_ops::attention::Sinks;
 use crate::layer_build::LayerBuilder;
 use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
@@ -73,6 +74,8 @@ pub(crate) struct Block {
     pub(crate) act: Activation,
     /// Whether the layer rotates by the local RoPE tables ([`LlamaConfig::layer_rope_is_local`]).
     pub(crate) local_rope: bool,
+    /// gpt-oss's attention sinks, this TP rank's heads `[Hl]` ([`LlamaConfig::gpt_oss`]).
+    pub(crate) sinks: Option<Tensor>,
 }
 
 /// A layer's MLP.
@@ -169,6 +172,7 @@ impl Block {
             sandwich: self.sandwich.clone(),
             act: self.act,
             local_rope: self.local_rope,
+            sinks: self.sinks.clone(),
         }
     }
 
@@ -206,7 +210,8 @@ impl Block {
             }
         };
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
-        let a = attend_window(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window)?.reshape((b, tc, hl * d))?;
+        let sinks = self.sinks.as_ref().map(Sinks::new).transpose()?;
+        let a = attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, sinks.as_ref())?.reshape((b, tc, hl * d))?;
         let x = match &self.sandwich {
             None => self.o.forward_residual(&a, x)?,
             // Gemma 3: x + norm(o(a)), one node keeping o(a) and the statistic

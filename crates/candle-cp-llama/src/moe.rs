@@ -162,6 +162,23 @@ pub(crate) struct SparseMoe {
     pub(crate) ep: Option<Group>,
     /// LoRA adapters on the experts and the shared expert ([`crate::moe_lora`]).
     pub(crate) lora: Option<Box<MoeLora>>,
+    /// gpt-oss's router and expert biases.
+    pub(crate) biases: Option<MoeBiases>,
+}
+
+/// gpt-oss's biases of a sparse layer (this rank's slices; under expert parallelism its
+/// experts').
+#[derive(Clone)]
+pub(crate) struct MoeBiases {
+    /// `[E]`, replicated (its gradient summed over TP as the router's).
+    pub(crate) router: Tensor,
+    /// `[E, Ie/tp]`, added to the gate projection's rows.
+    pub(crate) gate: Tensor,
+    /// `[E, Ie/tp]`, added to the up projection's rows.
+    pub(crate) up: Tensor,
+    /// `[E, h/tp]`: TP rank `r` adds it to columns `[r·h/tp, (r+1)·h/tp)` of its partial sums,
+    /// so the TP sum adds each column once.
+    pub(crate) down: Tensor,
 }
 
 /// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a
@@ -219,7 +236,11 @@ impl SparseMoe {
         let x2 = xf.reshape((n, h))?;
         // without SP the router's TP shares are summed here (with SP: reduce_gradients)
         let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
-        let logits = x2.matmul(&router.t()?)?;
+        let mut logits = x2.matmul(&router.t()?)?;
+        if let Some(b) = &self.biases {
+            let rb = if p > 1 && !sp { mappings::copy_to_tp_region(&b.router, g)? } else { b.router.clone() };
+            logits = logits.broadcast_add(&rb)?;
+        }
         let probs = router_probs(&logits, self.log.as_ref())?;
         let routing = Routing::top_k(&probs, self.top_k)?;
         if let Some(log) = &self.log {
@@ -294,9 +315,20 @@ impl SparseMoe {
                 None => grouped_matmul(x, w, counts),
             }
         };
-        let gate = proj(0, xs, &self.gate)?;
-        let up = proj(1, xs, &self.up)?;
-        proj(2, &self.act.gated(&gate, &up)?, &self.down)
+        let (mut gate, mut up) = (proj(0, xs, &self.gate)?, proj(1, xs, &self.up)?);
+        let Some(b) = &self.biases else {
+            return proj(2, &self.act.gated(&gate, &up)?, &self.down);
+        };
+        // gpt-oss: each row's expert's biases (the rows are grouped by expert, `counts`)
+        let ids: Vec<u32> = counts.iter().enumerate().flat_map(|(e, &n)| std::iter::repeat_n(e as u32, n)).collect();
+        let ids = Tensor::from_vec(ids, xs.dim(0)?, xs.device())?;
+        let rows = |t: &Tensor| t.index_select(&ids, 0);
+        gate = (gate + rows(&b.gate)?)?;
+        up = (up + rows(&b.up)?)?;
+        let y = proj(2, &self.act.gated(&gate, &up)?, &self.down)?;
+        // this TP rank's columns of the down bias, the others zero
+        let (h, hl, r) = (y.dim(1)?, b.down.dim(1)?, self.tp.group.rank());
+        y + rows(&b.down)?.pad_with_zeros(1, r * hl, h - (r + 1) * hl)?
     }
 }
 

@@ -11,6 +11,8 @@
 //! | `self_attn.{q,k}_norm.weight` (Qwen3, Gemma 3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
 //! | `{pre,post}_feedforward_layernorm.weight` (Gemma 3, [`LlamaConfig::gemma3`]; its `post_attention_layernorm` follows the attention) | `[h]` | replicated |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
+//! | `self_attn.o_proj.bias` (gpt-oss)           | `[h]`            | replicated (added after the sum) |
+//! | `self_attn.sinks` (gpt-oss)                 | `[H]`            | rows (heads)    |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
 //! | `mlp.down_proj.weight`                      | `[h, I]`         | columns         |
 //!
@@ -22,6 +24,9 @@
 //! | `m.gate.weight`                             | `[E, h]`         | replicated (the router) |
 //! | `m.experts.{gate,up}_proj`                  | `[E, Ie, h]`     | dim 1 (each expert's rows, [`Shard::Dim`]) |
 //! | `m.experts.down_proj`                       | `[E, h, Ie]`     | dim 2 (each expert's columns) |
+//! | `mlp.router.bias` (gpt-oss, whose router is `mlp.router`) | `[E]`  | replicated      |
+//! | `mlp.experts.{gate,up}_proj.bias` (gpt-oss) | `[E, Ie]`        | dim 1           |
+//! | `mlp.experts.down_proj.bias` (gpt-oss)      | `[E, h]`         | dim 1 (each TP rank adds its columns to its partial sums) |
 //! | `mlp.shared_expert.{gate,up}_proj.weight` (Qwen2-MoE) | `[Is, h]` | rows            |
 //! | `mlp.shared_expert.down_proj.weight` (Qwen2-MoE) | `[h, Is]`   | columns         |
 //! | `mlp.shared_expert_gate.weight` (Qwen2-MoE) | `[1, h]`         | replicated      |
@@ -107,6 +112,10 @@ impl ParamSpec {
     /// (`….lora_{A,B}.weight`, see [`crate::lora`]), split over the EP group along dim 0 under
     /// expert parallelism ([`crate::Layout::ep`]).
     pub fn is_expert(&self) -> bool {
+        // gpt-oss's expert biases `….experts.{gate,up,down}_proj.bias` [E, ·]
+        if let Some(stem) = self.name.strip_suffix(".bias").filter(|_| self.shape.len() == 2) {
+            return ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| stem.ends_with(s));
+        }
         let magnitude = self.name.strip_suffix(crate::lora::MAGNITUDE);
         let stem = magnitude.or_else(|| self.name.strip_suffix(".lora_A.weight")).or_else(|| self.name.strip_suffix(".lora_B.weight")).unwrap_or(&self.name);
         // (a stacked DoRA magnitude is [E, out])
@@ -221,6 +230,11 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             add(p("self_attn.k_norm.weight"), vec![cfg.head_dim], norm);
         }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
+        if cfg.gpt_oss {
+            // gpt-oss: the o_proj bias (added after the row-parallel sum) and a sink per head
+            add(p("self_attn.o_proj.bias"), vec![h], norm);
+            add(p("self_attn.sinks"), vec![cfg.num_attention_heads], col);
+        }
         add(p("post_attention_layernorm.weight"), vec![h], norm);
         if cfg.is_gemma() {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
@@ -230,10 +244,20 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             Some(m) if cfg.is_moe_layer(l) => {
                 let (e, ie) = (m.num_experts, m.moe_intermediate_size);
                 let q = |s: &str| p(&format!("{}.{s}", m.module()));
-                add(q("gate.weight"), vec![e, h], norm);
+                add(q(&format!("{}.weight", m.router())), vec![e, h], norm);
+                if m.biases() {
+                    add(q(&format!("{}.bias", m.router())), vec![e], norm);
+                }
                 add(q("experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
+                if m.biases() {
+                    // gpt-oss: each expert's biases, split as its weights' output rows (the
+                    // down bias by columns of h: each TP rank adds its slice to its partial sums)
+                    add(q("experts.gate_proj.bias"), vec![e, ie], Shard::Dim(1));
+                    add(q("experts.up_proj.bias"), vec![e, ie], Shard::Dim(1));
+                    add(q("experts.down_proj.bias"), vec![e, h], Shard::Dim(1));
+                }
                 let is = m.shared_expert_intermediate_size;
                 if is > 0 {
                     add(q("shared_expert.gate_proj.weight"), vec![is, h], col);

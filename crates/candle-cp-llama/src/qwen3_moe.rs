@@ -33,6 +33,9 @@ pub enum MoeStyle {
     /// Qwen2-MoE: Qwen3-MoE's names, and a shared expert (`mlp.shared_expert.{gate,up,down}_proj`,
     /// `mlp.shared_expert_gate`).
     Qwen2Moe,
+    /// gpt-oss: `mlp.router` (with a bias), the experts with biases and the clamped SwiGLU,
+    /// stored fused (`mlp.experts.gate_up_proj`, see [`crate::config::gpt_oss`]).
+    GptOss,
 }
 
 /// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
@@ -91,12 +94,33 @@ impl MoeConfig {
         Self { style: MoeStyle::Mixtral, norm_topk_prob: true, ..Self::new(num_experts, top_k, width) }
     }
 
+    /// A gpt-oss mixture of `E` experts, `K` per token, each `width` wide (= the config's
+    /// `intermediate_size`): the top-`K` logits' softmax (renormalised), biases, the clamped
+    /// SwiGLU ([`crate::config::gpt_oss`]).
+    pub fn gpt_oss(num_experts: usize, top_k: usize, width: usize) -> Self {
+        Self { style: MoeStyle::GptOss, norm_topk_prob: true, router_aux_loss_coef: 0.9, ..Self::new(num_experts, top_k, width) }
+    }
+
     /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
     pub fn module(&self) -> &'static str {
         match self.style {
-            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe => "mlp",
+            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss => "mlp",
             MoeStyle::Mixtral => "block_sparse_moe",
         }
+    }
+
+    /// The router's name in the module: `gate` (`{module}.gate.weight`), gpt-oss's `router`
+    /// (`mlp.router.weight`, `mlp.router.bias`).
+    pub fn router(&self) -> &'static str {
+        match self.style {
+            MoeStyle::GptOss => "router",
+            _ => "gate",
+        }
+    }
+
+    /// Whether the router and the experts carry biases (gpt-oss).
+    pub fn biases(&self) -> bool {
+        self.style == MoeStyle::GptOss
     }
 }
 
@@ -115,6 +139,21 @@ pub(super) fn parse_mixtral(m: &Map<String, Value>, width: usize) -> Result<MoeC
     }
     if get_f64(m, "router_jitter_noise")?.is_some_and(|j| j != 0.0) {
         bail!("config.json: `router_jitter_noise` other than 0 not supported (the router's training noise)")
+    }
+    Ok(c)
+}
+
+/// The keys of a `gpt_oss` config (its defaults filled by `gpt_oss::with_defaults`; the expert
+/// width is `intermediate_size`; `experts_per_token`, openai's spelling, read when
+/// `num_experts_per_tok` is absent).
+pub(super) fn parse_gpt_oss(m: &Map<String, Value>, width: usize) -> Result<MoeConfig> {
+    let k = match get_usize(m, "num_experts_per_tok")? {
+        Some(k) => k,
+        None => get_usize(m, "experts_per_token")?.unwrap_or(4),
+    };
+    let mut c = MoeConfig::gpt_oss(get_usize(m, "num_local_experts")?.unwrap_or(128), k, width);
+    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
+        c.router_aux_loss_coef = x;
     }
     Ok(c)
 }
@@ -202,6 +241,14 @@ pub(super) fn validate(c: &MoeConfig, layers: usize) -> Result<()> {
 
 /// The mixture-of-experts keys `to_hf_json` adds (Qwen3-MoE's, or Mixtral's).
 pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
+    if c.style == MoeStyle::GptOss {
+        m.insert("num_local_experts".into(), json!(c.num_experts));
+        m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
+        m.insert("experts_per_token".into(), json!(c.num_experts_per_tok));
+        m.insert("router_aux_loss_coef".into(), json!(c.router_aux_loss_coef));
+        m.insert("output_router_logits".into(), json!(false));
+        return;
+    }
     if c.style == MoeStyle::Mixtral {
         m.insert("num_local_experts".into(), json!(c.num_experts));
         m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
@@ -232,6 +279,7 @@ impl LlamaConfig {
             Some((MoeStyle::Qwen3Moe, _)) => self.qk_norm = true,
             Some((MoeStyle::Qwen2Moe, _)) => (self.qk_norm, self.qkv_bias) = (false, true),
             Some((MoeStyle::Mixtral, w)) => (self.qk_norm, self.intermediate_size) = (false, w),
+            Some((MoeStyle::GptOss, w)) => (self.qk_norm, self.qkv_bias, self.intermediate_size, self.gpt_oss) = (false, true, w, true),
             None => {}
         }
         self.moe = moe;

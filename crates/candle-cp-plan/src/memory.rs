@@ -355,13 +355,17 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
-    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64;
+    // gpt-oss: its sinks split by head, the o_proj bias replicated
+    let sinks = if m.gpt_oss { m.heads as f64 / t + h } else { 0.0 };
+    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64 + sinks;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
         Some(x) => {
             let shared = if x.shared_ffn > 0 { 3.0 * h * x.shared_ffn as f64 / t + h } else { 0.0 };
             let ep = l.ep.max(1) as f64;
-            dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / (t * ep) - 3.0 * h * f / t + shared)
+            // gpt-oss: the router's bias (replicated), the experts' split as their weights
+            let biases = if m.gpt_oss { x.experts as f64 + (x.experts * (2 * x.expert_ffn + m.hidden)) as f64 / (t * ep) } else { 0.0 };
+            dense + m.sparse_fraction() * (x.experts as f64 * h + 3.0 * h * (x.expert_ffn * x.experts) as f64 / (t * ep) - 3.0 * h * f / t + shared + biases)
         }
         None => dense,
     }
@@ -372,7 +376,11 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 /// a dense model.
 pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     match &m.moe {
-        Some(x) => m.sparse_fraction() * 3.0 * m.hidden as f64 * (x.expert_ffn * x.experts) as f64 / (l.tp * l.ep.max(1)) as f64,
+        Some(x) => {
+            // (gpt-oss: the experts' biases split with them)
+            let biases = if m.gpt_oss { (x.experts * (2 * x.expert_ffn + m.hidden)) as f64 } else { 0.0 };
+            m.sparse_fraction() * (3.0 * m.hidden as f64 * (x.expert_ffn * x.experts) as f64 + biases) / (l.tp * l.ep.max(1)) as f64
+        }
         None => 0.0,
     }
 }

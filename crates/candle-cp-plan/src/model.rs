@@ -53,6 +53,10 @@ pub struct ModelConfig {
     /// `gate_up_proj`. The same weights; a LoRA adapter on a fused module has one `A` for its
     /// parts ([`crate::memory::layer_lora_params_per_gpu`]).
     pub fused_proj: bool,
+    /// gpt-oss (`model_type` `gpt_oss`): per layer an o_proj bias `[h]` and a sink per head
+    /// `[a]` (besides [`ModelConfig::qkv_bias`]); its mixture of experts' router and experts
+    /// carry biases (`E` and `E·(2·f_e + h)` per sparse layer).
+    pub gpt_oss: bool,
 }
 
 /// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
@@ -116,6 +120,32 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(t))
 }
 
+/// A gpt-oss config (`model_type` `gpt_oss` or `GptOssForCausalLM`) with `GptOssConfig`'s
+/// defaults for the shape keys it leaves out (the 120B's); other configs as they are.
+fn gpt_oss_defaults(v: serde_json::Value) -> serde_json::Value {
+    let is = v.get("model_type").and_then(|x| x.as_str()) == Some("gpt_oss")
+        || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|x| x.as_str() == Some("GptOssForCausalLM")));
+    let serde_json::Value::Object(mut t) = v else { return v };
+    if is {
+        for (k, d) in [
+            ("num_hidden_layers", 36),
+            ("num_local_experts", 128),
+            ("vocab_size", 201_088),
+            ("hidden_size", 2880),
+            ("intermediate_size", 2880),
+            ("head_dim", 64),
+            ("num_attention_heads", 64),
+            ("num_key_value_heads", 8),
+            ("sliding_window", 128),
+        ] {
+            if t.get(k).is_none_or(|x| x.is_null()) {
+                t.insert(k.into(), d.into());
+            }
+        }
+    }
+    serde_json::Value::Object(t)
+}
+
 /// The mixture-of-experts keys of a `qwen3_moe` config (`Qwen3MoeConfig`'s defaults: 128
 /// experts, 8 per token, 768 wide, every layer sparse unless `mlp_only_layers` /
 /// `decoder_sparse_step` say otherwise).
@@ -143,10 +173,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 21] = [
+pub const MODEL_PRESETS: [&str; 23] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini", "phi4",
+    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b",
 ];
 
 impl ModelConfig {
@@ -169,7 +199,10 @@ impl ModelConfig {
     /// (`Phi3ForCausalLM` too: vocabulary 200064, tied head, 24 heads of 128 over 8 KV heads;
     /// its partial RoPE changes no count) or `phi4` (Phi-4 14B: Phi-3-medium's shape,
     /// vocabulary 100352; its 10 KV heads fit TP 4 or 8 by copies, see
-    /// [`crate::Layout::kv_heads_per_tp_rank`]).
+    /// [`crate::Layout::kv_heads_per_tp_rank`]), or gpt-oss's `gpt-oss-20b` or `gpt-oss-120b`
+    /// (2880 wide, 64 heads of 64 over 8 KV heads, vocabulary 201088; every layer a mixture of
+    /// 32 / 128 experts 2880 wide, 4 per token; a window of 128 keys on every other layer;
+    /// [`ModelConfig::gpt_oss`]'s sinks and biases).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -202,6 +235,9 @@ impl ModelConfig {
             // microsoft/Phi-4-mini-instruct, microsoft/phi-4 (16k context; Phi-3-medium's shape)
             "phi4-mini" => (3072, 32, 24, 8, 8192),
             "phi4" => (5120, 40, 40, 10, 17920),
+            // openai/gpt-oss-{20b, 120b}
+            "gpt-oss-20b" => (2880, 24, 64, 8, 2880),
+            "gpt-oss-120b" => (2880, 36, 64, 8, 2880),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -211,6 +247,7 @@ impl ModelConfig {
         let gemma2 = lower.starts_with("gemma2");
         let one_b = lower == "gemma3-1b";
         let phi = lower.starts_with("phi3") || lower.starts_with("phi4");
+        let gpt_oss = lower.starts_with("gpt-oss");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -219,6 +256,7 @@ impl ModelConfig {
             kv_heads,
             head_dim: match () {
                 _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" => 128,
+                _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
             },
@@ -233,25 +271,31 @@ impl ModelConfig {
                 _ if lower.starts_with("phi3") => 32064,
                 _ if lower == "phi4" => 100_352,
                 _ if lower.starts_with("phi4") => 200_064,
+                _ if gpt_oss => 201_088,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini",
             sliding_window: None,
-            qkv_bias: qwen2,
+            qkv_bias: qwen2 || gpt_oss,
             qk_norm: qwen3 || gemma3,
             // a window of 1024 keys (512 for the 1B) on all but every sixth layer
             partial_window: match () {
                 _ if gemma3 => Some((if one_b { 512 } else { 1024 }, layers - layers / 6)),
                 // 4096 keys on layers 0, 2, 4, ...
                 _ if gemma2 => Some((4096, layers.div_ceil(2))),
+                // 128 keys on layers 0, 2, 4, ...
+                _ if gpt_oss => Some((128, layers.div_ceil(2))),
                 _ => None,
             },
             sandwich_norms: gemma3 || gemma2,
             fused_proj: phi,
+            gpt_oss,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 _ => None,
             },
         };
@@ -290,6 +334,7 @@ impl ModelConfig {
         let v: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| PlanError(format!("model config {name} is not valid JSON: {e}")))?;
         let v = gemma3_text(v, name)?;
+        let v = gpt_oss_defaults(v);
         let get = |key: &str| -> Result<Option<usize>> {
             match v.get(key) {
                 None | Some(serde_json::Value::Null) => Ok(None),
@@ -339,14 +384,22 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "deepseek_v3", "llama4", "gpt_oss"] {
+        for other in ["deepseek_v2", "deepseek_v3", "llama4"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe and mixtral are)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral and gpt_oss are)")
             }
         }
+        let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
         // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
         let mixtral = names("mixtral", "MixtralForCausalLM");
-        let moe = if qwen3_moe || qwen2_moe {
+        let moe = if gpt_oss {
+            let experts = get("num_local_experts")?.unwrap_or(128);
+            let top_k = get("num_experts_per_tok")?.or(get("experts_per_token")?).unwrap_or(4);
+            if top_k > experts {
+                plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
+            }
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 })
+        } else if qwen3_moe || qwen2_moe {
             Some(moe_shape(&v, layers, name, qwen2_moe)?)
         } else if mixtral {
             let experts = get("num_local_experts")?.unwrap_or(8);
@@ -390,7 +443,7 @@ impl ModelConfig {
                 let p = get("sliding_window_pattern")?.unwrap_or(6);
                 (0..layers).map(|i| !(i + 1).is_multiple_of(p)).collect()
             }
-            None | Some(serde_json::Value::Null) if gemma2 => (0..layers).map(|i| i % 2 == 0).collect(),
+            None | Some(serde_json::Value::Null) if gemma2 || gpt_oss => (0..layers).map(|i| i % 2 == 0).collect(),
             None | Some(serde_json::Value::Null) => vec![true; layers],
             Some(serde_json::Value::Array(a)) if a.len() == layers => {
                 let mut out = Vec::with_capacity(layers);
@@ -425,12 +478,13 @@ impl ModelConfig {
             vocab,
             tie_embeddings,
             sliding_window,
-            qkv_bias: qwen2,
+            qkv_bias: qwen2 || gpt_oss,
             qk_norm: qwen3 || gemma3,
             partial_window,
             sandwich_norms: gemma3 || gemma2,
             moe,
             fused_proj: names("phi3", "Phi3ForCausalLM"),
+            gpt_oss,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -479,7 +533,25 @@ impl ModelConfig {
     fn sparse_mlp_extra(&self) -> f64 {
         let Some(m) = &self.moe else { return 0.0 };
         let h = self.hidden as f64;
-        (m.experts as f64) * h + 3.0 * h * (m.expert_ffn * m.experts) as f64 - 3.0 * h * self.ffn as f64 + Self::shared_params(m, h)
+        (m.experts as f64) * h + 3.0 * h * (m.expert_ffn * m.experts) as f64 - 3.0 * h * self.ffn as f64 + Self::shared_params(m, h) + self.moe_bias_params()
+    }
+
+    /// gpt-oss's biases of a sparse layer: the router's `E` and the experts' `E·(2·f_e + h)`
+    /// (0 otherwise).
+    pub fn moe_bias_params(&self) -> f64 {
+        match &self.moe {
+            Some(m) if self.gpt_oss => (m.experts * (1 + 2 * m.expert_ffn + self.hidden)) as f64,
+            _ => 0.0,
+        }
+    }
+
+    /// gpt-oss's o_proj bias and sinks of one layer: `h + a` (0 otherwise).
+    pub fn sink_and_o_bias_params(&self) -> u64 {
+        if self.gpt_oss {
+            (self.hidden + self.heads) as u64
+        } else {
+            0
+        }
     }
 
     /// The shared expert and its gate, `3·h·f_s + h` (0 without one).
@@ -523,7 +595,7 @@ impl ModelConfig {
     /// [`ModelConfig::qkv_bias`] the q, k, v biases (`a·d + 2·a_kv·d`) and with
     /// [`ModelConfig::qk_norm`] the head norms (`2·d`).
     pub fn layer_params(&self) -> u64 {
-        self.layer_matrix_params() + self.layer_norm_params() + self.qkv_bias_params() + self.qk_norm_params()
+        self.layer_matrix_params() + self.layer_norm_params() + self.qkv_bias_params() + self.qk_norm_params() + self.sink_and_o_bias_params()
     }
 
     /// The norm weights of one layer: `2h` (before the attention and the MLP), Gemma 3's `4h`

@@ -43,6 +43,20 @@ fn presets_have_published_sizes() -> Result<()> {
     // Phi-4 (microsoft/phi-4, "14.7B"): Phi-3-medium with a 100352-token vocabulary, untied
     let p14b = ModelConfig::preset("phi4")?;
     assert_eq!((p14b.total_params(), p14b.kv_heads, p14b.tie_embeddings, p14b.fused_proj), (14_659_507_200, 10, false, true));
+    // gpt-oss as published (openai/gpt-oss-{20b, 120b}: 20,914,757,184 and 116,829,156,672
+    // parameters: sinks, o_proj and q, k, v biases, the router's and the experts' biases); a
+    // token goes through 4 experts of 32 / 128
+    let (o20, o120) = (ModelConfig::preset("gpt-oss-20b")?, ModelConfig::preset("gpt-oss-120b")?);
+    assert_eq!((o20.total_params(), o120.total_params()), (20_914_757_184, 116_829_156_672));
+    assert_eq!((o20.head_dim, o20.kv_heads, o20.partial_window, o20.qkv_bias), (64, 8, Some((128, 12)), true));
+    // active: the published 3.61B and 5.13B leave the embedding matrix out (the head counts)
+    let active = |m: &ModelConfig| ((m.active_params() - m.embedding_params()) as f64 / 1e7).round();
+    assert_eq!((active(&o20), active(&o120)), (361.0, 513.0));
+    // openai/gpt-oss-20b's config.json reads to the preset's shape
+    let cfg = r#"{"architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss", "hidden_size": 2880, "intermediate_size": 2880,
+        "num_hidden_layers": 24, "num_attention_heads": 64, "num_key_value_heads": 8, "head_dim": 64, "num_local_experts": 32,
+        "experts_per_token": 4, "num_experts_per_tok": 4, "sliding_window": 128, "vocab_size": 201088, "tie_word_embeddings": false}"#;
+    assert_eq!(ModelConfig { name: "gpt-oss-20b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, o20);
     // Gemma 2 as published (google/gemma-2-{2b, 9b, 27b}: 2,614,341,888, 9,241,705,984 and
     // 27,227,128,320 parameters)
     let g2: Vec<u64> = ["gemma2-2b", "gemma2-9b", "gemma2-27b"].iter().map(|n| ModelConfig::preset(n).map(|m| m.total_params())).collect::<Result<_>>()?;
