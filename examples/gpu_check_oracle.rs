@@ -167,6 +167,13 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Qwen3Moe, Layout::cp(CpKind::Zigzag, 4).with_ep(4), None));
     let name = format!("llama mixtral expert parallel ep2 x tp2 + sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Mixtral, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None));
+    // gpt-oss: attention sinks applied once to each ring's merged rows (and to each Ulysses
+    // rank's head slice), o_proj and expert biases (the down bias by TP columns), the clamped
+    // SwiGLU, on the GPU
+    let name = format!("llama gpt-oss (sinks, biases, 8 experts top 2, window 40 on layer 0) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GptOss, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    let name = format!("llama gpt-oss (sinks on each rank's heads) ulysses 4 x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GptOss, Layout::cp(CpKind::Ulysses, 4).with_ep(2), None));
     Ok(())
 }
 
@@ -200,6 +207,7 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             base.with_moe(Some(moe))
         }
         Arch::Mixtral => base.with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 48))).with_sliding_window(Some(40)),
+        Arch::GptOss => base.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 48))).with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])),
         Arch::Qwen2Moe => {
             let mut moe = candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 48, 64);
             moe.mlp_only_layers = vec![0];
@@ -236,9 +244,13 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
     for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
         if k.ends_with(".bias") {
             full.insert(k, (t * 20.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe) && (k.contains(".experts.") || k.ends_with(".gate.weight")) {
+        } else if k.ends_with(".sinks") {
+            // (gpt-oss: sinks around 3, worth a share of a row's mass)
+            full.insert(k, ((t * 50.0)? + 3.0)?);
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
-            full.insert(k.clone(), if k.ends_with(".gate.weight") { (t * 5.0)? } else { t });
+            let router = k.ends_with(".gate.weight") || k.ends_with(".router.weight");
+            full.insert(k.clone(), if router { (t * 5.0)? } else { t });
         } else if heads.is_some() && k.contains("self_attn") && k.ends_with("_proj.weight") {
             full.insert(k, (t * 5.0)?);
         } else if matches!(arch, Arch::Gemma3 | Arch::Gemma2) && t.rank() == 1 {

@@ -283,3 +283,114 @@ fn gpt_oss_config_reads_round_trips_and_refuses() -> Result<()> {
     assert!(e.contains("gate_proj") && e.contains("gpt-oss"), "{e}");
     lora(&["q_proj", "k_proj", "v_proj", "o_proj"])?.validate()
 }
+
+mod training {
+    use super::*;
+    use candle_cp_llama::train::{train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, TrainConfig, TrainOutcome, WarmupCosine};
+    use candle_cp_llama::{LoraSpec, MoeConfig};
+    use std::path::PathBuf;
+
+    const STEPS: usize = 4;
+
+    /// A small gpt-oss (64 wide, 2 layers, 8 / 2 heads, 4 experts of 32, top 2, a window of 16
+    /// on layer 0) learning key-value recall over 64 tokens.
+    fn config(layout: Layout, out: Option<PathBuf>, lora: Option<LoraSpec>) -> Result<TrainConfig> {
+        let mut task = KvRecall::new(64)?;
+        (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
+        let vocab = task.vocab_needed();
+        let model = LlamaConfig::tiny(vocab, 64, 2, 8, 2)
+            .with_moe(Some(MoeConfig::gpt_oss(4, 2, 32)))
+            .with_sliding_window(Some(16))
+            .with_sliding_layers(Some(vec![true, false]));
+        model.validate()?;
+        Ok(TrainConfig {
+            batch: 2,
+            grad_accum: 1,
+            schedule: WarmupCosine { peak: 1e-2, warmup: 1, total: STEPS, min_ratio: 0.1 },
+            adamw: AdamWConfig { weight_decay: 0.01, ..AdamWConfig::default() },
+            clip: 0.5,
+            seed: 5,
+            out,
+            save_every: 2,
+            lora,
+            ..TrainConfig::new(layout, ModelSource::Init(model), DataSource::Recall(task), 64, STEPS)
+        })
+    }
+
+    fn run(cfg: &TrainConfig) -> Result<Vec<TrainOutcome>> {
+        run_ranks(cfg.layout.world_size(), |g| train_rank(g, cfg, &|_| {})).into_iter().collect()
+    }
+
+    fn tmp(tag: &str) -> PathBuf {
+        let d = std::env::temp_dir().join(format!("cp-gpt-oss-{tag}-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&d);
+        d
+    }
+
+    /// The last checkpoint's tensors (a LoRA run's: its adapter's).
+    fn weights(dir: &std::path::Path) -> Result<HashMap<String, Tensor>> {
+        let d = dir.join(format!("checkpoints/step-{STEPS:06}"));
+        match d.join("adapter_model.safetensors") {
+            a if a.exists() => Ok(candle_core::safetensors::load(a, &Device::Cpu)?),
+            _ => load_safetensors_dir(&d, &Device::Cpu),
+        }
+    }
+
+    /// `got`'s losses, gradient norms and final checkpoint follow `one`'s.
+    fn follows(what: &str, one: &[TrainOutcome], d1: &std::path::Path, got: &[TrainOutcome], d: &std::path::Path) -> Result<()> {
+        assert!(got.iter().all(|r| r.metrics.len() == STEPS), "{what}");
+        for (x, y) in one[0].metrics.iter().zip(&got[0].metrics) {
+            assert!((x.loss - y.loss).abs() < 1e-5, "{what} step {}: loss {} vs {}", x.step, x.loss, y.loss);
+            assert!((x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0), "{what} step {}: norm {} vs {}", x.step, x.grad_norm, y.grad_norm);
+        }
+        let (want, w) = (weights(d1)?, weights(d)?);
+        assert_eq!(w.len(), want.len(), "{what}");
+        for (name, t) in &want {
+            // (the experts' weights 5e-4: Adam moves each element by about the learning rate
+            // whatever its gradient's size, and an expert's gradient element summed over few
+            // routed tokens can cancel to float32 noise, which then decides its step; 1.9e-4
+            // measured on zigzag CP 2 × TP 2 × EP 2, 1.0e-4 on zigzag CP 2 alone)
+            let tol = if name.contains(".experts.") { 5e-4 } else { 1e-4 };
+            let e = max_abs(&w[name], t)?;
+            assert!(e < tol, "{what}: {name} differs by {e}");
+        }
+        Ok(())
+    }
+
+    /// 4 clipped AdamW steps of a gpt-oss model (every parameter: sinks, biases, experts) on
+    /// zigzag CP 2 × TP 2 + SP with ZeRO-1, on zigzag CP 2 × TP 2 + SP × EP 2 with ZeRO-2,
+    /// recomputed layers and both overlaps, and on Ulysses 2 × DP 2, and LoRA on its attention
+    /// (q, k, v, o) on ring 2 × TP 2: the losses (1e-5), gradient norms (1e-4) and final
+    /// checkpoints (1e-4; the experts' 5e-4) follow the one-device runs.
+    #[test]
+    fn gpt_oss_trains_like_one_device() -> Result<()> {
+        let d1 = tmp("one");
+        let one = run(&config(Layout::single(), Some(d1.clone()), None)?)?;
+        assert!(one[0].metrics[STEPS - 1].loss < one[0].metrics[0].loss, "the loss falls");
+        for (i, layout, zero) in [
+            (0, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), 1),
+            (1, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), 2),
+            (2, Layout::cp(CpKind::Ulysses, 2).with_dp(2), 0),
+        ] {
+            let d = tmp(&format!("l{i}"));
+            let mut c = config(layout, Some(d.clone()), None)?;
+            c.zero1 = zero == 1;
+            if zero == 2 {
+                (c.zero2, c.recompute, c.overlap_grad_sync, c.overlap_param_gather) = (true, true, true, true);
+            }
+            follows(&format!("{layout} zero {zero}"), &one, &d1, &run(&c)?, &d)?;
+            std::fs::remove_dir_all(&d).ok();
+        }
+        std::fs::remove_dir_all(&d1).ok();
+        // LoRA on the attention projections
+        let spec = || LoraSpec::new(4, 8.0, &["q_proj", "k_proj", "v_proj", "o_proj"]);
+        let (d1, d) = (tmp("lora-one"), tmp("lora"));
+        let one = run(&config(Layout::single(), Some(d1.clone()), Some(spec()?))?)?;
+        let got = run(&config(Layout::cp(CpKind::Ring, 2).with_tp(2, true), Some(d.clone()), Some(spec()?))?)?;
+        follows("LoRA ring 2 x tp 2", &one, &d1, &got, &d)?;
+        for dir in [d1, d] {
+            std::fs::remove_dir_all(&dir).ok();
+        }
+        Ok(())
+    }
+}
