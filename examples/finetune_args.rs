@@ -165,6 +165,12 @@ pub(crate) struct Args {
     /// expert's slice); each CP rank routes its own tokens.
     #[arg(long, value_name = "E,K")]
     pub(crate) moe: Option<String>,
+    /// A gpt-oss model (random init): `E,K` — every layer's MLP E experts, K per token, each
+    /// --hidden wide, with biases on the router and the experts and the clamped SwiGLU; biases
+    /// on q, k, v and o; attention sinks (one logit per head, applied once to each row on every
+    /// CP layout); with --sliding-window, the window on every other layer (0, 2, 4, ...).
+    #[arg(long, value_name = "E,K")]
+    pub(crate) gpt_oss: Option<String>,
     /// LoRA fine-tuning: `R,ALPHA` — adapters of rank R (scale ALPHA/R) on --lora-targets,
     /// every other weight frozen (no gradient, no optimizer state); checkpoints hold a PEFT
     /// adapter (adapter_model.safetensors, adapter_config.json) naming the base model: --model,

@@ -10,6 +10,7 @@
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
 //! cargo run --release --example finetune_llama -- --moe 8,2      # Qwen3-MoE: 8 experts, 2 per token
+//! cargo run --release --example finetune_llama -- --gpt-oss 8,2  # gpt-oss: sinks, biases, 8 experts
 //! cargo run --release --example finetune_llama -- --resume         # continue runs/finetune
 //! # 4 GPUs, NCCL, one process (a thread per GPU):
 //! cargo run --release --features nccl --example finetune_llama -- --device cuda --comm nccl --gpus 4
@@ -61,7 +62,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.partial_rotary != 1.0 || a.moe.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --partial-rotary and --moe shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -74,8 +75,8 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.moe.is_some()].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3 and --moe (Qwen3-MoE): pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --moe (Qwen3-MoE) and --gpt-oss: pick one")
             }
             if a.partial_rotary != 1.0 && !a.phi3 {
                 bail!("--partial-rotary {} needs --phi3 (only a Phi-3's RoPE is partial here)", a.partial_rotary)
@@ -102,6 +103,13 @@ fn main() -> Result<()> {
                 moe.output_router_logits = true;
                 moe.router_aux_loss_coef = 0.01;
                 cfg = cfg.with_moe(Some(moe));
+                cfg.validate()?;
+            }
+            if let Some(spec) = &a.gpt_oss {
+                let parts: Vec<usize> = spec.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<_, _>>().map_err(|e| anyhow::anyhow!("--gpt-oss {spec}: expected E,K ({e})"))?;
+                let [e, k] = parts.as_slice() else { bail!("--gpt-oss {spec}: expected E,K (experts, experts per token)") };
+                let every_other = (0..a.layers).map(|i| i % 2 == 0).collect();
+                cfg = cfg.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(*e, *k, a.hidden))).with_sliding_window(a.sliding_window).with_sliding_layers(a.sliding_window.map(|_| every_other));
                 cfg.validate()?;
             }
             if a.gemma2 {
