@@ -40,7 +40,7 @@ use candle_cp_nn::Tp;
 use candle_cp_ops::autograd::{attach1, BackwardFn};
 use candle_cp_ops::mappings::{self, SEQ_DIM};
 use candle_cp_comm::Group;
-use candle_cp_ops::moe::{combine, grouped_matmul, Routing};
+use candle_cp_ops::moe::{combine, grouped_matmul, grouped_matmul_bias, Routing};
 use candle_cp_ops::moe_ep::{dispatch_to_experts, return_from_experts, ExpertExchange};
 use crate::moe_lora::MoeLora;
 use std::sync::{Arc, Mutex};
@@ -315,20 +315,20 @@ impl SparseMoe {
                 None => grouped_matmul(x, w, counts),
             }
         };
-        let (mut gate, mut up) = (proj(0, xs, &self.gate)?, proj(1, xs, &self.up)?);
         let Some(b) = &self.biases else {
+            let gate = proj(0, xs, &self.gate)?;
+            let up = proj(1, xs, &self.up)?;
             return proj(2, &self.act.gated(&gate, &up)?, &self.down);
         };
-        // gpt-oss: each row's expert's biases (the rows are grouped by expert, `counts`)
-        let ids: Vec<u32> = counts.iter().enumerate().flat_map(|(e, &n)| std::iter::repeat_n(e as u32, n)).collect();
-        let ids = Tensor::from_vec(ids, xs.dim(0)?, xs.device())?;
-        let rows = |t: &Tensor| t.index_select(&ids, 0);
-        gate = (gate + rows(&b.gate)?)?;
-        up = (up + rows(&b.up)?)?;
-        let y = proj(2, &self.act.gated(&gate, &up)?, &self.down)?;
-        // this TP rank's columns of the down bias, the others zero
-        let (h, hl, r) = (y.dim(1)?, b.down.dim(1)?, self.tp.group.rank());
-        y + rows(&b.down)?.pad_with_zeros(1, r * hl, h - (r + 1) * hl)?
+        // gpt-oss: each row's expert's biases inside the grouped matmuls' nodes (no [rows, ·]
+        // bias tensor kept); the down bias: this TP rank's columns of h
+        if self.lora.is_some() {
+            bail!("SparseMoe: adapters on experts with biases (gpt-oss) are not supported")
+        }
+        let gate = grouped_matmul_bias(xs, &self.gate, &b.gate, 0, counts)?;
+        let up = grouped_matmul_bias(xs, &self.up, &b.up, 0, counts)?;
+        let r = self.tp.group.rank();
+        grouped_matmul_bias(&self.act.gated(&gate, &up)?, &self.down, &b.down, r * b.down.dim(1)?, counts)
     }
 }
 

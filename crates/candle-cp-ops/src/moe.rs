@@ -26,7 +26,7 @@
 //! copied down, not the `[N, E]` probabilities), the permutation that groups the pairs by
 //! expert and its inverse.
 
-use crate::autograd::{attach2, BackwardFn};
+use crate::autograd::{attach2, attach3, BackwardFn};
 use candle_core::{bail, DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -80,6 +80,64 @@ pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor
         Ok(vec![Some(dx), Some(Tensor::stack(&dw, 0)?)])
     });
     attach2("grouped_matmul", x, w, y, bwd)
+}
+
+/// [`grouped_matmul`] plus each row's expert's bias (gpt-oss): `bias` `[E, nb]` is added to
+/// columns `[col0, col0 + nb)` of its expert's rows (all of them when `nb = out`; a TP rank's
+/// slice of a row-parallel projection's bias otherwise, so that the TP sum adds each column
+/// once). One graph node keeping `x`, `w` and `bias` (no `[M, out]` tensor besides the
+/// output): its backward adds `dbias[e]`, the sum of expert `e`'s rows of the output's
+/// gradient over those columns. Errors name the shapes. Reference: [`grouped_matmul_bias_slow`].
+pub fn grouped_matmul_bias(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
+    let (e, o, i) = check("grouped_matmul_bias", x, w, counts)?;
+    let nb = check_bias("grouped_matmul_bias", w, bias, col0, e, o)?;
+    let (xd, wd, bd) = (x.detach(), w.detach(), bias.detach());
+    let y = blocks(&xd, counts, o, |e, xe| {
+        let b = bd.get(e)?.unsqueeze(0)?.pad_with_zeros(1, col0, o - col0 - nb)?;
+        xe.matmul(&wd.get(e)?.t()?)?.broadcast_add(&b)
+    })?;
+    let counts = counts.to_vec();
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let dy = dy.detach();
+        let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
+        let (mut dw, mut db) = (Vec::with_capacity(counts.len()), Vec::with_capacity(counts.len()));
+        let mut off = 0;
+        for &n in &counts {
+            match n {
+                0 => {
+                    dw.push(Tensor::zeros((o, i), wd.dtype(), wd.device())?);
+                    db.push(Tensor::zeros(nb, bd.dtype(), bd.device())?);
+                }
+                _ => {
+                    let g = dy.narrow(0, off, n)?;
+                    dw.push(g.t()?.matmul(&xd.narrow(0, off, n)?)?);
+                    db.push(g.narrow(1, col0, nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bd.dtype())?);
+                }
+            }
+            off += n;
+        }
+        Ok(vec![Some(dx), Some(Tensor::stack(&dw, 0)?), Some(Tensor::stack(&db, 0)?)])
+    });
+    attach3("grouped_matmul_bias", x, w, bias, y, bwd)
+}
+
+/// `bias` `[E, nb]` fits `w` `[E, out, ·]` at column `col0` (`col0 + nb <= out`), its dtype
+/// and device: returns `nb`.
+fn check_bias(op: &str, w: &Tensor, bias: &Tensor, col0: usize, e: usize, o: usize) -> Result<usize> {
+    match bias.dims() {
+        &[be, nb] if be == e && nb > 0 && col0 + nb <= o && bias.dtype() == w.dtype() && bias.device().same_device(w.device()) => Ok(nb),
+        d => bail!("{op}: bias {d:?} {:?} must be [E, nb] = [{e}, nb] with col0 {col0} + nb <= out = {o}, in w's dtype {:?} and device (w {:?})", bias.dtype(), w.dtype(), w.dims()),
+    }
+}
+
+/// [`grouped_matmul_bias`] from candle's ops (the bias rows gathered by `index_select`,
+/// padded, added; candle's backward): the reference.
+pub fn grouped_matmul_bias_slow(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
+    let (e, o, _) = check("grouped_matmul_bias_slow", x, w, counts)?;
+    let nb = check_bias("grouped_matmul_bias_slow", w, bias, col0, e, o)?;
+    let ids: Vec<u32> = counts.iter().enumerate().flat_map(|(e, &n)| std::iter::repeat_n(e as u32, n)).collect();
+    let ids = Tensor::from_vec(ids, x.dim(0)?, x.device())?;
+    grouped_matmul_slow(x, w, counts)? + bias.index_select(&ids, 0)?.pad_with_zeros(1, col0, o - col0 - nb)?
 }
 
 /// `f(e, rows of expert e)` for each expert with rows, concatenated: `[M, width]`.
@@ -317,6 +375,32 @@ mod tests {
                 assert_eq!(dw.abs()?.sum_all()?.to_scalar::<f32>()?, 0.0);
             }
         }
+        Ok(())
+    }
+
+    /// With biases (all columns, and a column slice as a TP rank adds it): the op and its
+    /// reference agree in the forward and in the three gradients, empty experts included.
+    #[test]
+    fn grouped_matmul_bias_matches_slow() -> Result<()> {
+        let dev = Device::Cpu;
+        for (counts, col0, nb) in [(vec![3usize, 0, 5, 1], 0, 5), (vec![2, 2, 0, 2], 2, 2), (vec![0, 0, 9, 0], 1, 3)] {
+            let m: usize = counts.iter().sum();
+            let x = Var::from_tensor(&Tensor::randn(0f32, 1., (m, 6), &dev)?)?;
+            let w = Var::from_tensor(&Tensor::randn(0f32, 1., (4, 5, 6), &dev)?)?;
+            let b = Var::from_tensor(&Tensor::randn(0f32, 1., (4, nb), &dev)?)?;
+            let dy = Tensor::randn(0f32, 1., (m, 5), &dev)?;
+            let y = grouped_matmul_bias(x.as_tensor(), w.as_tensor(), b.as_tensor(), col0, &counts)?;
+            let ys = grouped_matmul_bias_slow(x.as_tensor(), w.as_tensor(), b.as_tensor(), col0, &counts)?;
+            assert!(max_diff(&y, &ys)? < 1e-5);
+            let (g, gs) = ((&y * &dy)?.sum_all()?.backward()?, (&ys * &dy)?.sum_all()?.backward()?);
+            for v in [&x, &w, &b] {
+                let (p, q) = (g.get(v.as_tensor()).expect("grad"), gs.get(v.as_tensor()).expect("grad"));
+                assert!(max_diff(p, q)? < 1e-5, "{counts:?} col0 {col0}");
+            }
+        }
+        let (x, w) = (Tensor::zeros((4, 6), DType::F32, &dev)?, Tensor::zeros((2, 5, 6), DType::F32, &dev)?);
+        let e = grouped_matmul_bias(&x, &w, &Tensor::zeros((2, 4), DType::F32, &dev)?, 2, &[2, 2]).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("col0 2 + nb <= out = 5"), "{e}");
         Ok(())
     }
 
