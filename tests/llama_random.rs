@@ -104,6 +104,13 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         }
         false => cfg,
     };
+    // half of the remaining plain Qwen2 draws are gpt-oss (attention sinks, biases on o, the
+    // router and the experts, the clamped SwiGLU; a stream of its own)
+    let mut go = rng(990_000 + seed);
+    let cfg = match arch == 1 && cfg.moe.is_none() && go.below(2) == 0 {
+        true => cfg.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(pick(&mut go, &[4, 8]), 1 + go.below(2), pick(&mut go, &[8, 16])))),
+        false => cfg,
+    };
     // a third of the remaining Llama draws are Mixtral (its window, if drawn, on every layer)
     let mut mx = rng(960_000 + seed);
     let cfg = match arch == 0 && cfg.gemma2.is_none() && mx.below(3) == 0 {
@@ -223,7 +230,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial, mut mixed) = (0, 0, 0);
+    let (mut phi3, mut partial, mut mixed, mut gpt_oss) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -232,7 +239,11 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
         let Draw { cfg, layout, b, t, window, what } = draw(&mut rng(1000 + seed), seed);
         let (kv_heads, vocab) = (cfg.num_key_value_heads, cfg.vocab_size);
 
-        let full = varmap_tensors(&init_params(&cfg, seed + 1, DType::F32, &Device::Cpu)?)?;
+        let mut full = varmap_tensors(&init_params(&cfg, seed + 1, DType::F32, &Device::Cpu)?)?;
+        // gpt-oss: sinks around 2 (the init's are near 0, where a misplaced sink hides)
+        for (k, t) in full.iter_mut().filter(|(k, _)| k.ends_with(".sinks")) {
+            *t = ((&*t * 100.0)? + 2.0).map_err(|e| candle_core::Error::Msg(format!("{k}: {e}")))?;
+        }
         let ids = token_ids(b, t, vocab, seed)?;
         let single = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
         let reference = Reference {
@@ -267,6 +278,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 ep += (layout.ep > 1) as usize;
                 phi3 += cfg.phi3 as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
+                gpt_oss += cfg.gpt_oss as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -274,10 +286,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {mixed} mixed, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

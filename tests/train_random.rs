@@ -32,11 +32,17 @@ const STEPS: usize = 3;
 /// The trainer's configuration for `layout` and the drawn options; the rest as the trainer
 /// tests set it (KvRecall data, 64 tokens, AdamW with clipping).
 fn config(layout: Layout, model: LlamaConfig, task: KvRecall, batch: usize, grad_accum: usize, seed: u64) -> TrainConfig {
+    // gpt-oss: AdamW's epsilon 1e-6. A freshly drawn gpt-oss's router gradients sit near 1e-8,
+    // where `g / (|g| + 1e-8)` turns float32 summation noise into weight steps of 4e-5 after one
+    // step, and a top-K routing flip by step 3 (config 111 of `24..724`: loss 7.4e-4 off at step
+    // 3; the same model measured 9.4e-5 / 4.8e-3 (loss / grad norm) off on every layout, DP 2
+    // included, with 1e-8, and 2.4e-7 / 6.5e-8 with 1e-6). Both sides run the same optimizer.
+    let eps = if model.gpt_oss { 1e-6 } else { AdamWConfig::default().eps };
     TrainConfig {
         batch,
         grad_accum,
         schedule: WarmupCosine { peak: 1e-2, warmup: 1, total: STEPS, min_ratio: 0.1 },
-        adamw: AdamWConfig { weight_decay: 0.01, ..AdamWConfig::default() },
+        adamw: AdamWConfig { weight_decay: 0.01, eps, ..AdamWConfig::default() },
         clip: 0.5,
         seed,
         ..TrainConfig::new(layout, ModelSource::Init(model), DataSource::Recall(task), 64, STEPS)
@@ -116,6 +122,12 @@ fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, 
             (moe.norm_topk_prob, moe.output_router_logits, moe.router_aux_loss_coef) = (true, true, 0.1);
             model.with_moe(Some(moe))
         }
+        false => model,
+    };
+    // a third of the Qwen2 seeds are gpt-oss instead (sinks, biases on o, the router and the
+    // experts, the clamped SwiGLU; a stream of its own)
+    let model = match arch == 1 && rng(949_000 + seed).below(3) == 0 {
+        true => model.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, 16))),
         false => model,
     };
     Ok((task, model, (heads, kv_heads, layers, window)))
@@ -225,6 +237,7 @@ fn packed_corpus() -> Result<PackedStream> {
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
+    let mut gpt_oss = 0;
     // TP over KV heads it neither divides nor is divided by (12 / 3 heads at TP 2)
     let mut mixed = 0;
     // EP draws whose ZeRO splits the experts' state over the ranks holding them (ep < dp·cp)
@@ -310,6 +323,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 packs += packed as usize;
                 gemma2 += model.gemma2.is_some() as usize;
                 moe += model.moe.is_some() as usize;
+                gpt_oss += model.gpt_oss as usize;
                 ep += (layout.ep > 1) as usize;
                 ep_zero += (layout.ep > 1 && stage > 0 && layout.ep < layout.dp * layout.cp) as usize;
             }
@@ -319,7 +333,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE, {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state), {refused} refused");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE or gpt-oss ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"

@@ -186,30 +186,7 @@ pub fn checkpoint_names(name: &str) -> Vec<String> {
 /// alone under its own, in the order given (a group where its first part was). Errors name a
 /// group missing a part.
 pub fn group<T>(tensors: Vec<(String, T)>) -> Result<Vec<(String, Vec<T>)>> {
-    let mut out: Vec<(String, Vec<(usize, T)>)> = Vec::with_capacity(tensors.len());
-    let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
-    for (name, x) in tensors {
-        match checkpoint_part(&name) {
-            Some((ck, part)) => match at.get(&ck) {
-                Some(&i) => out[i].1.push((part, x)),
-                None => {
-                    at.insert(ck.clone(), out.len());
-                    out.push((ck, vec![(part, x)]));
-                }
-            },
-            None => out.push((name, vec![(0, x)])),
-        }
-    }
-    out.into_iter()
-        .map(|(name, mut parts)| {
-            parts.sort_by_key(|(p, _)| *p);
-            let want = if name.contains("gate_up_proj") { 2 } else { 1 };
-            if parts.len() != want || parts.iter().enumerate().any(|(i, (p, _))| *p != i) {
-                bail!("gpt-oss checkpoint tensor {name}: {} of its {want} parts given", parts.len())
-            }
-            Ok((name, parts.into_iter().map(|(_, x)| x).collect()))
-        })
-        .collect()
+    super::phi3::group_parts(tensors, checkpoint_part, |ck| if ck.contains("gate_up_proj") { 2 } else { 1 })
 }
 
 /// The checkpoint tensor `ck` from the model's `parts` (full tensors, in part order): gate and

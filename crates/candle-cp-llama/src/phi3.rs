@@ -253,10 +253,21 @@ pub fn fused_rows(cfg: &LlamaConfig, name: &str) -> Option<(usize, usize, usize)
 /// order given (a fused one where its first part was). Errors name a fused tensor some of
 /// whose parts are missing.
 pub fn fuse_checkpoint_tensors<T>(fused: bool, tensors: Vec<(String, T)>) -> Result<Vec<(String, Vec<T>)>> {
+    let parts = |name: &str| if name.contains(".qkv_proj.") { 3 } else { 2 };
+    group_parts(tensors, |name| fused_checkpoint_name(name).filter(|_| fused), parts)
+}
+
+/// Group tensors `(name, x)` by the checkpoint tensor each is part of: `part_of(name)` is
+/// `Some((checkpoint name, part))` for a part (`parts(checkpoint name)` of them, in part order)
+/// and `None` for a tensor held alone under its own name; groups in the order given (a group
+/// where its first part was). Errors name a group missing a part. Phi-3's fused projections
+/// ([`fuse_checkpoint_tensors`]) and gpt-oss's interleaved experts
+/// ([`super::gpt_oss::group`]).
+pub(crate) fn group_parts<T>(tensors: Vec<(String, T)>, part_of: impl Fn(&str) -> Option<(String, usize)>, parts: impl Fn(&str) -> usize) -> Result<Vec<(String, Vec<T>)>> {
     let mut out: Vec<(String, Vec<(usize, T)>)> = Vec::with_capacity(tensors.len());
     let mut at: std::collections::HashMap<String, usize> = std::collections::HashMap::new();
     for (name, x) in tensors {
-        match fused_checkpoint_name(&name).filter(|_| fused) {
+        match part_of(&name) {
             Some((f, part)) => match at.get(&f) {
                 Some(&i) => out[i].1.push((part, x)),
                 None => {
@@ -268,13 +279,13 @@ pub fn fuse_checkpoint_tensors<T>(fused: bool, tensors: Vec<(String, T)>) -> Res
         }
     }
     out.into_iter()
-        .map(|(name, mut parts)| {
-            parts.sort_by_key(|(p, _)| *p);
-            let want = if at.contains_key(&name) { if name.contains(".qkv_proj.") { 3 } else { 2 } } else { 1 };
-            if parts.len() != want || parts.iter().enumerate().any(|(i, (p, _))| *p != i) {
-                bail!("checkpoint tensor {name}: {} of its {want} parts given", parts.len())
+        .map(|(name, mut parts_of)| {
+            parts_of.sort_by_key(|(p, _)| *p);
+            let want = if at.contains_key(&name) { parts(&name) } else { 1 };
+            if parts_of.len() != want || parts_of.iter().enumerate().any(|(i, (p, _))| *p != i) {
+                bail!("checkpoint tensor {name}: {} of its {want} parts given", parts_of.len())
             }
-            Ok((name, parts.into_iter().map(|(_, x)| x).collect()))
+            Ok((name, parts_of.into_iter().map(|(_, x)| x).collect()))
         })
         .collect()
 }
