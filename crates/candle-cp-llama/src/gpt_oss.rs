@@ -19,7 +19,7 @@
 //! `[E, 2·I]` (interleaved), `down_proj` `[E, I, h]`, `down_proj_bias` `[E, h]`. The model holds
 //! the experts stacked as the other mixtures of experts do (`experts.{gate,up}_proj` `[E, I, h]`,
 //! `experts.down_proj` `[E, h, I]`) with biases `experts.{gate,up,down}_proj.bias`: converted
-//! on load and save ([`from_checkpoint`], [`to_checkpoint`]). openai's own release stores the
+//! on load and save ([`from_checkpoint`]; [`group`] and [`combine`] on save). openai's own release stores the
 //! experts as MXFP4 (`*_blocks`, `*_scales`): those are dequantized on load ([`dequant_mxfp4`])
 //! and saved back in bf16 layout as above (transformers reads both).
 
