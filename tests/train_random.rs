@@ -414,7 +414,13 @@ const BF16_CONFIGS: u64 = 16;
 
 /// Bounds on the `(loss, grad norm)` gaps of a bf16 run on a layout to the bf16 single-device
 /// run, at the first step and later ones (see the comment in the test).
-const BF16_FIRST_STEP: (f64, f64) = (3e-4, 2e-3);
+///
+/// The step-1 grad norm bound is 3e-3 since session 45: over `0..300` two draws passed 2e-3,
+/// a 12 / 3-head Gemma 3 on zigzag 2 × TP 2 × DP 2 (2.50e-3 of 1.78; the same at session 44's
+/// code: KV-head copies mixed over TP, each copy's gradient a bf16 share summed in f32) and a
+/// gpt-oss on all-gather 4 × TP 2 × DP 2 (2.37e-3 of 1.06; its sinks' gradients are sums of
+/// each rank's bf16 share too).
+const BF16_FIRST_STEP: (f64, f64) = (3e-4, 3e-3);
 const BF16_LATER_STEPS: (f64, f64) = (1.5e-2, 0.12);
 
 /// bf16 weights and activations (f32 master weights and optimizer state, as the trainer keeps
