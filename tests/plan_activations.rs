@@ -101,13 +101,16 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             4 => c.with_moe(Some(candle_cp_llama::MoeConfig::mixtral(8, 2, 64))),
             // 5 Qwen2-MoE (a shared expert 96 wide, q, k, v biases)
             5 => c.with_moe(Some(candle_cp_llama::MoeConfig::qwen2_moe(8, 2, 64, 96))),
+            // 6 gpt-oss (sinks, biases on q, k, v, o, the router and the experts, the clamped
+            // SwiGLU; its experts 64 wide = intermediate_size)
+            6 => c.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 64))),
             _ => c,
         }
     };
     let model = |arch| {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
-    let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?);
+    let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?);
     assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some());
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
@@ -170,12 +173,20 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("qwen2-moe: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
         ("qwen2-moe: tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
     ];
+    let gpt_oss_cases = [
+        ("gpt-oss: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("gpt-oss: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("gpt-oss: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+        ("gpt-oss: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+    ];
     let (n_plain, n_qwen3, n_gemma3, n_moe, n_mixtral) = (cases.len(), qwen3_cases.len(), gemma3_cases.len(), moe_cases.len(), mixtral_cases.len());
+    let n_qwen2_moe = qwen2_moe_cases.len();
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
     cases.extend(mixtral_cases);
     cases.extend(qwen2_moe_cases);
+    cases.extend(gpt_oss_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -184,7 +195,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 => (2, &gemma3),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe => (3, &qwen3_moe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral => (4, &mixtral),
-            _ => (5, &qwen2_moe),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe => (5, &qwen2_moe),
+            _ => (6, &gpt_oss),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

@@ -104,10 +104,21 @@ impl RowParallelLinear {
         }
     }
 
-    /// Whether the lean nodes ([`Self::forward_lean`], [`Self::forward_residual`]) give way to
-    /// [`Module::forward`]: with a bias.
-    fn not_lean(&self) -> bool {
-        self.bias.is_some()
+    /// The bias as the lean nodes add it (after the reduction), and its gradient from the
+    /// output's `g`: the sum over the rows, summed over TP in the backward under SP with
+    /// [`GradSync::InBackward`] (each rank saw its rows), else this rank's share.
+    #[allow(clippy::type_complexity)]
+    fn lean_bias(&self) -> Option<(Tensor, Arc<dyn Fn(&Tensor) -> Result<Tensor> + Send + Sync>)> {
+        let b = self.bias.clone()?;
+        let (group, sum_tp) = (self.tp.group.clone(), self.tp.sequence_parallel && self.sync == GradSync::InBackward && self.tp.group.size() > 1);
+        let dt = b.dtype();
+        let grad = move |g: &Tensor| -> Result<Tensor> {
+            let n = g.dim(candle_core::D::Minus1)?;
+            let db = g.to_dtype(candle_core::DType::F32)?.reshape(((), n))?.sum(0)?;
+            let db = if sum_tp { group.all_reduce(&db)? } else { db };
+            db.to_dtype(dt)
+        };
+        Some((b, Arc::new(grad)))
     }
 
     /// The weight the forward computes with: the DoRA weight with a DoRA adapter
@@ -151,11 +162,9 @@ impl RowParallelLinear {
     /// reduction's partial sums are not kept either. Backward: `dresidual = g`; `g` all-gathered
     /// along the sequence (SP; identity without) gives `dx = g·W`, `dW = gᵀ·x`. An adapter's
     /// update is added inside the node (LoRA's after the reduction, DoRA's `W' - W` on the
-    /// dropped input before it). With a bias this is the plain `residual + forward(x)`.
+    /// dropped input before it). A bias is added inside the node too (its gradient the output
+    /// gradient's row sums, summed over TP under SP as [`Module::forward`] sums it).
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
-        if self.not_lean() {
-            return residual + self.forward(x)?;
-        }
         let w = self.weight_used()?;
         let extra = self.dora_extra(x)?;
         let (y, grads) = self.lean_parts(x, &w, extra.as_ref())?;
@@ -170,45 +179,60 @@ impl RowParallelLinear {
                 x.dims()
             )
         }
-        let out = (residual.detach() + up.add_to(y)?)?;
+        let mut out = (residual.detach() + up.add_to(y)?)?;
+        let bias = self.lean_bias();
+        if let Some((b, _)) = &bias {
+            out = out.broadcast_add(b)?;
+        }
         let ub = up.clone();
+        let b_grad = bias.as_ref().map(|(_, f)| f.clone());
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
             let (dx, dw, de) = grads(g)?;
             let mut v = vec![Some(dx), Some(dw), Some(g.clone())];
             v.extend(de.map(Some));
             v.extend(ub.grads(g)?);
+            if let Some(f) = &b_grad {
+                v.push(Some(f(g)?));
+            }
             Ok(v)
         });
         let mut inputs = vec![x, &w, residual];
         inputs.extend(extra.as_ref().map(|(d, _)| d));
         inputs.extend(up.inputs());
+        inputs.extend(bias.as_ref().map(|(b, _)| b));
         attach_n("RowParallelLinear::forward_residual", &inputs, out, bwd)
     }
 
     /// `self.forward(x)` as one graph node that keeps `x` and the weight only: the SP / TP
     /// reduction's partial sums (`[B, T, out]`, full length), which the collective's node of
     /// [`Module::forward`] keeps until the backward, are not kept. Same values and gradients
-    /// (see [`RowParallelLinear::forward_residual`]). With a bias this is `forward`.
+    /// (see [`RowParallelLinear::forward_residual`]); a bias is added inside the node.
     pub fn forward_lean(&self, x: &Tensor) -> Result<Tensor> {
-        if self.not_lean() {
-            return self.forward(x);
-        }
         let w = self.weight_used()?;
         let extra = self.dora_extra(x)?;
         let (y, grads) = self.lean_parts(x, &w, extra.as_ref())?;
         let up = self.lean_update(x)?;
-        let y = up.add_to(y)?;
+        let mut y = up.add_to(y)?;
+        let bias = self.lean_bias();
+        if let Some((b, _)) = &bias {
+            y = y.broadcast_add(b)?;
+        }
         let ub = up.clone();
+        let b_grad = bias.as_ref().map(|(_, f)| f.clone());
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
             let (dx, dw, de) = grads(g)?;
             let mut v = vec![Some(dx), Some(dw)];
             v.extend(de.map(Some));
             v.extend(ub.grads(g)?);
+            if let Some(f) = &b_grad {
+                v.push(Some(f(g)?));
+            }
             Ok(v)
         });
         let mut inputs = vec![x, &w];
         inputs.extend(extra.as_ref().map(|(d, _)| d));
         inputs.extend(up.inputs());
+        inputs.extend(bias.as_ref().map(|(b, _)| b));
         attach_n("RowParallelLinear::forward_lean", &inputs, y, bwd)
     }
 

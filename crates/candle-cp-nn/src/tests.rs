@@ -206,44 +206,54 @@ fn replicated_row_blocks_match_the_dense_layer() -> Result<()> {
 }
 
 /// `RowParallelLinear::forward_residual` (one graph node), and `residual + forward_lean(x)`,
-/// give the values and the gradients (input, weight shard, residual) of `residual +
-/// forward(x)`, on 1 and 2 ranks with and without sequence parallelism; a residual of another
-/// shape is an error naming both shapes.
+/// give the values and the gradients (input, weight shard, residual, and a bias summed over TP
+/// in the backward or left as each rank's share, [`GradSync`]) of `residual + forward(x)`, on 1
+/// and 2 ranks with and without sequence parallelism; a residual of another shape is an error
+/// naming both shapes.
 #[test]
 fn forward_residual_equals_forward_plus_residual() -> Result<()> {
-    let w = t(&[6, 8], 0.4)?;
-    for p in [1usize, 2] {
-        for sp in [false, true] {
-            for r in run_ranks(p, |g: Group| {
-                let tp = Tp::new(g.clone(), sp);
-                let (layer, vm) = with_shards(
-                    |vb| RowParallelLinear::new(vb.pp("o"), 8, 6, LinearConfig::new(false), &tp),
-                    &[("o.weight", shard_for_tp(&w, RowParallelLinear::WEIGHT_SHARD, &tp)?)],
-                )?;
-                let wv = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?["o.weight"].clone();
-                let x = candle_core::Var::from_tensor(&t(&[2, 4, 8 / p], 0.3 + g.rank() as f64)?)?;
-                let rows = if sp { 4 / p } else { 4 };
-                let res = candle_core::Var::from_tensor(&t(&[2, rows, 6], 0.7 + g.rank() as f64)?)?;
-                let dy = t(&[2, rows, 6], 0.9)?;
-                let mut outs = Vec::new();
-                for mode in 0..3 {
-                    let y = match mode {
-                        0 => (res.as_tensor() + layer.forward(x.as_tensor())?)?,
-                        1 => layer.forward_residual(x.as_tensor(), res.as_tensor())?,
-                        _ => (res.as_tensor() + layer.forward_lean(x.as_tensor())?)?,
-                    };
-                    let gr = (&y * &dy)?.sum_all()?.backward()?;
-                    let get = |v: &candle_core::Var| gr.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
-                    outs.push([y, get(&x)?, get(&wv)?, get(&res)?]);
+    let (w, b) = (t(&[6, 8], 0.4)?, t(&[6], 0.5)?);
+    use crate::GradSync;
+    for (bias, sync) in [(false, GradSync::InBackward), (true, GradSync::InBackward), (true, GradSync::Deferred)] {
+        for p in [1usize, 2] {
+            for sp in [false, true] {
+                for r in run_ranks(p, |g: Group| {
+                    let tp = Tp::new(g.clone(), sp);
+                    let mut shards = vec![("o.weight", shard_for_tp(&w, RowParallelLinear::WEIGHT_SHARD, &tp)?)];
+                    if bias {
+                        shards.push(("o.bias", b.clone()));
+                    }
+                    let (layer, vm) = with_shards(|vb| Ok(RowParallelLinear::new(vb.pp("o"), 8, 6, LinearConfig::new(bias), &tp)?.with_grad_sync(sync)), &shards)?;
+                    let vars = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.clone();
+                    let (wv, bv) = (vars["o.weight"].clone(), vars.get("o.bias").cloned());
+                    let x = candle_core::Var::from_tensor(&t(&[2, 4, 8 / p], 0.3 + g.rank() as f64)?)?;
+                    let rows = if sp { 4 / p } else { 4 };
+                    let res = candle_core::Var::from_tensor(&t(&[2, rows, 6], 0.7 + g.rank() as f64)?)?;
+                    let dy = t(&[2, rows, 6], 0.9)?;
+                    let mut outs = Vec::new();
+                    for mode in 0..3 {
+                        let y = match mode {
+                            0 => (res.as_tensor() + layer.forward(x.as_tensor())?)?,
+                            1 => layer.forward_residual(x.as_tensor(), res.as_tensor())?,
+                            _ => (res.as_tensor() + layer.forward_lean(x.as_tensor())?)?,
+                        };
+                        let gr = (&y * &dy)?.sum_all()?.backward()?;
+                        let get = |v: &candle_core::Var| gr.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
+                        let db = match &bv {
+                            Some(v) => get(v)?,
+                            None => Tensor::zeros(1, DType::F32, &Device::Cpu)?,
+                        };
+                        outs.push([y, get(&x)?, get(&wv)?, get(&res)?, db]);
+                    }
+                    let worst = (0..5).map(|i| Ok(max_abs(&outs[0][i], &outs[1][i])?.max(max_abs(&outs[0][i], &outs[2][i])?))).collect::<Result<Vec<f32>>>()?;
+                    let bad = layer.forward_residual(x.as_tensor(), &t(&[2, rows, 5], 0.1)?).unwrap_err().to_string();
+                    Ok((worst, bad))
+                }) {
+                    let (worst, bad) = r?;
+                    assert!(worst.iter().all(|&e| e < 1e-5), "bias {bias} {sync:?} p {p} sp {sp}: {worst:?}");
+                    assert!(bad.contains("[2, 4, 8]") || bad.contains(&format!("[2, 4, {}]", 8 / p)), "{bad}");
+                    assert!(bad.contains(", 5]"), "{bad}");
                 }
-                let worst = (0..4).map(|i| Ok(max_abs(&outs[0][i], &outs[1][i])?.max(max_abs(&outs[0][i], &outs[2][i])?))).collect::<Result<Vec<f32>>>()?;
-                let bad = layer.forward_residual(x.as_tensor(), &t(&[2, rows, 5], 0.1)?).unwrap_err().to_string();
-                Ok((worst, bad))
-            }) {
-                let (worst, bad) = r?;
-                assert!(worst.iter().all(|&e| e < 1e-5), "p {p} sp {sp}: {worst:?}");
-                assert!(bad.contains("[2, 4, 8]") || bad.contains(&format!("[2, 4, {}]", 8 / p)), "{bad}");
-                assert!(bad.contains(", 5]"), "{bad}");
             }
         }
     }
