@@ -16,7 +16,7 @@
 //! causal mask, heads that do not split), never with a panic.
 
 use candle_core::{Result, Tensor};
-use candle_cp_ops::attention::{attention_docs_mask_slow, attention_docs_mask_with, Mask, RowSums, Scores};
+use candle_cp_ops::attention::{attention_band_sinks, attention_band_sinks_slow, attention_docs_mask_slow, attention_docs_mask_with, Band, Mask, RowSums, Scores, Sinks};
 use candle_cp_ops::cp::{run_case_cp_with, CpMethod, CpOpts, Layout};
 use candle_cp_ops::oracle::AttnTol;
 use candle_cp_ops::packing::Documents;
@@ -42,7 +42,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     // corners that the checked configurations must have reached
     let (mut len_one, mut one_doc, mut windowed, mut full, mut ulysses, mut usp, mut allgather, mut per_row) = (0, 0, 0, 0, 0, 0, 0, 0);
-    let (mut regathered, mut f32_rows, mut out_rows, mut capped) = (0, 0, 0, 0);
+    let (mut regathered, mut f32_rows, mut out_rows, mut capped, mut sunk) = (0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -85,18 +85,24 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
         };
         // a third of them with a logit soft cap (own stream), small enough to bend the logits
         let softcap = (rng(720_000 + seed).below(3) == 0).then(|| pick(&mut rng(730_000 + seed), &[0.5, 1.0, 2.5]));
+        // a quarter of them with attention sinks around ln T (gpt-oss; own stream)
+        let sinks = match rng(740_000 + seed).below(4) == 0 {
+            true => Some(Sinks::new(&(candle_cp_ops::oracle::randn(750_000 + seed, &[h], 1.5)? + (t as f64).ln())?)?),
+            false => None,
+        };
         let ranks = match method {
             Method::Usp { u, r } => format!("U {u} x R {r} ranks"),
             _ => format!("P {p}"),
         };
         let what = format!(
-            "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}, softcap {softcap:?}",
+            "config {seed}: {method:?} {ranks}{}{}, B {b} T {t} H {h} Hkv {hkv} D {hd}, causal {causal}, window {window:?}, documents {lens:?} (row 1: {row_lens:?}), block_rows {block_rows}, softcap {softcap:?}, sinks {}",
             if heads == HeadLayout::Regathered { " heads regathered" } else { "" },
             match (&method, row_sums) {
                 (Method::Ulysses(_), RowSums::F32) => " f32 row sums",
                 (Method::Cp(_), RowSums::Output) => " output row sums",
                 _ => "",
-            }
+            },
+            sinks.is_some()
         );
 
         let mut case = random_case(what.clone(), seed, [b, t, h, hkv, hd], causal, Ok)?;
@@ -115,7 +121,12 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             let mut outs = vec![];
             let mut lses = vec![];
             for (i, row_docs) in rows.iter().enumerate() {
-                let (o, l) = attention_docs_mask_slow(&q.narrow(0, i, 1)?, &k.narrow(0, i, 1)?, &v.narrow(0, i, 1)?, row_docs, &mask, scores)?;
+                let r = |x: &Tensor| x.narrow(0, i, 1);
+                let (o, l) = match &sinks {
+                    // with sinks: the row's documents, mask and window as one band
+                    Some(z) => attention_band_sinks_slow(&r(q)?, &r(k)?, &r(v)?, z.tensor(), &Band::documents(t, std::slice::from_ref(row_docs), causal, window)?, scores)?,
+                    None => attention_docs_mask_slow(&r(q)?, &r(k)?, &r(v)?, row_docs, &mask, scores)?,
+                };
                 outs.push(o);
                 lses.push(l);
             }
@@ -124,7 +135,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
 
         let run = match method {
             Method::Cp(m) => {
-                let opts = CpOpts { block_rows, ..CpOpts::default() }.with_row_sums(row_sums).with_softcap(softcap);
+                let opts = CpOpts { block_rows, ..CpOpts::default() }.with_row_sums(row_sums).with_softcap(softcap).with_sinks(sinks.clone());
                 let mut opts = match row_lens {
                     Some(_) => opts.with_row_documents(rows.clone()),
                     None => opts.with_documents(docs.clone()),
@@ -138,14 +149,17 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
             Method::Ulysses(l) => {
                 let o = UlyssesOpts { documents: Some(docs.clone()), window, ..UlyssesOpts::new(case.causal, case.scale).with_softcap(softcap) };
                 if row_sums == RowSums::F32 {
-                    let single = fwd_bwd(&case, &|q, k, v| attention_docs_mask_with(q, k, v, &docs, &mask, scores, RowSums::F32))?;
+                    let single = fwd_bwd(&case, &|q, k, v| match &sinks {
+                        Some(z) => attention_band_sinks(q, k, v, z, &Band::documents(t, std::slice::from_ref(&docs), causal, window)?, scores, RowSums::F32),
+                        None => attention_docs_mask_with(q, k, v, &docs, &mask, scores, RowSums::F32),
+                    })?;
                     check(&single, &case.reference, &tol, &format!("{what}, single-device op with f32 row sums"))?;
                 }
-                run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads).with_row_sums(row_sums))
+                run_case_ulysses_opts(&case, p, l, TIMEOUT, o.with_head_layout(heads).with_row_sums(row_sums).with_sinks(sinks.clone()))
             }
             Method::Usp { u, r } => {
                 let o = UspOpts { documents: Some(docs.clone()), window, ..UspOpts::new(case.causal, case.scale).with_softcap(softcap) };
-                run_case_usp_opts(&case, u, r, TIMEOUT, o.with_head_layout(heads))
+                run_case_usp_opts(&case, u, r, TIMEOUT, o.with_head_layout(heads).with_sinks(sinks.clone()))
             }
         };
         match run {
@@ -164,6 +178,7 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
                 f32_rows += matches!(method, Method::Ulysses(_) if row_sums == RowSums::F32) as usize;
                 out_rows += matches!(method, Method::Cp(_) if row_sums == RowSums::Output) as usize;
                 capped += softcap.is_some() as usize;
+                sunk += sinks.is_some() as usize;
             }
             Err(e) => {
                 let msg = e.to_string();
@@ -175,10 +190,10 @@ fn random_configurations_match_the_dense_reference() -> Result<()> {
     }
     // the draws must mostly produce configurations the methods accept
     println!(
-        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}, ring / all-gather with output row sums {out_rows}, soft cap {capped}"
+        "{checked} configurations checked, {refused} refused; length-1 documents {len_one}, one document {one_doc}, window {windowed}, full mask {full}, ulysses {ulysses}, 2-D {usp}, all-gather {allgather}, documents per row {per_row}, heads regathered {regathered}, f32 row sums {f32_rows}, ring / all-gather with output row sums {out_rows}, soft cap {capped}, sinks {sunk}"
     );
     assert!(checked >= n_configs as usize / 2, "only {checked} of {n_configs} configurations ran ({refused} refused)");
-    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows), ("output row sums", out_rows), ("soft cap", capped)] {
+    for (corner, n) in [("length-1 documents", len_one), ("one document", one_doc), ("window", windowed), ("full mask", full), ("ulysses", ulysses), ("2-D", usp), ("all-gather", allgather), ("documents per row", per_row), ("heads regathered", regathered), ("f32 row sums", f32_rows), ("output row sums", out_rows), ("soft cap", capped), ("sinks", sunk)] {
         assert!(!corners || n >= 3, "only {n} checked configurations with {corner}");
     }
     Ok(())
