@@ -55,6 +55,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
+    let mut oss = 0;
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -69,6 +70,10 @@ fn random_generation_equals_single_device() -> Result<()> {
         let new = 1 + d.below(6);
         let window = (d.below(3) == 0).then(|| 1 + d.below(t + new + 4));
         let cfg = LlamaConfig::tiny(vocab, hidden, layers, heads, kv_heads).with_sliding_window(window);
+        // a fifth of the models are gpt-oss (sinks, biases, 4 experts of its width, top 2; a
+        // stream of its own, so every seed's other draws stay what they were)
+        let gpt_oss = rng(7500 + seed).below(5) == 0;
+        let cfg = if gpt_oss { cfg.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, hidden))) } else { cfg };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -90,9 +95,13 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, {sampling:?}"
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, {sampling:?}"
         );
-        let full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
+        let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
+        // gpt-oss: sinks around 2 (the init's are near 0)
+        for t in full.iter_mut().filter(|(k, _)| k.ends_with(".sinks")).map(|(_, t)| t) {
+            *t = ((&*t * 100.0)? + 2.0)?;
+        }
         let toks: Vec<u32> = (0..b * t).map(|i| ((i * 11 + seed as usize * 17 + i * i * 3) % vocab) as u32).collect();
         let ids = Tensor::from_vec(toks, (b, t), &Device::Cpu)?;
         let one = generate(&full, &cfg, Layout::single(), &ids, new, sampling)?.remove(0);
@@ -131,14 +140,15 @@ fn random_generation_equals_single_device() -> Result<()> {
             }
         }
         checked += 1;
+        oss += gpt_oss as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss; {parted} parted on a tie), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3)),
+        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"
     );
     Ok(())
