@@ -211,7 +211,7 @@ fn gpt_oss_checkpoints() -> Result<()> {
             let exps: Vec<u8> = (0..e * out * g).map(|k| 120 + ((k as u64 * 40_503 + seed) % 8) as u8).collect();
             let blocks = Tensor::from_vec(codes, (e, out, g, 16), &Device::Cpu)?;
             let scales = Tensor::from_vec(exps, (e, out, g), &Device::Cpu)?;
-            let w = candle_cp_llama::config::gpt_oss::dequant_mxfp4(&blocks, &scales)?; // [E, out, in]
+            let w = candle_cp_llama::config::gpt_oss::dequant_mxfp4(&blocks, &scales)?.to_dtype(DType::F32)?; // [E, out, in]
             tensors.remove(&format!("{p}{ck}"));
             tensors.insert(format!("{p}{ck}_blocks"), blocks);
             tensors.insert(format!("{p}{ck}_scales"), scales);

@@ -224,7 +224,24 @@ pub fn combined_shape(ck: &str, parts: &[Vec<usize>]) -> Vec<usize> {
 /// dequantized from MXFP4) and its bias, the transposed `down_proj`; `Ok(None)` for a
 /// parameter held under its own name. Errors name a missing or mis-shaped tensor.
 pub fn from_checkpoint(name: &str, shape: &[usize], get: &mut dyn FnMut(&str) -> Result<Option<Tensor>>) -> Result<Option<Tensor>> {
+    from_checkpoint_cached(name, shape, get, &mut None)
+}
+
+/// [`from_checkpoint`] keeping the last whole `gate_up_proj` it read (dequantized, for MXFP4)
+/// in `cache`, so that the up projection after the gate reads and dequantizes it once.
+pub fn from_checkpoint_cached(name: &str, shape: &[usize], get: &mut dyn FnMut(&str) -> Result<Option<Tensor>>, cache: &mut Option<(String, Tensor)>) -> Result<Option<Tensor>> {
     let Some((ck, part)) = checkpoint_part(name) else { return Ok(None) };
+    // the whole tensor `n` from the cache or from `read` (then cached)
+    let mut whole = |n: &str, read: &mut dyn FnMut() -> Result<Option<Tensor>>| -> Result<Option<Tensor>> {
+        if let Some((_, t)) = cache.as_ref().filter(|(c, _)| c == n) {
+            return Ok(Some(t.clone()));
+        }
+        let t = read()?;
+        if let Some(t) = &t {
+            *cache = Some((n.to_string(), t.clone()));
+        }
+        Ok(t)
+    };
     let half = |t: &Tensor, dim: usize| -> Result<Tensor> {
         // columns `part`, `part + 2`, … of dim `dim` (the last)
         let mut d = t.dims().to_vec();
@@ -248,7 +265,7 @@ pub fn from_checkpoint(name: &str, shape: &[usize], get: &mut dyn FnMut(&str) ->
             check(&t, shape, &ck)?;
             t
         }
-    } else if let Some(t) = get(&ck)? {
+    } else if let Some(t) = whole(&ck, &mut || get(&ck))? {
         // bf16 layout: [E, in, out]
         let (e, out, inp) = (shape[0], shape[1], shape[2]);
         if ck.ends_with("gate_up_proj") {
@@ -261,10 +278,15 @@ pub fn from_checkpoint(name: &str, shape: &[usize], get: &mut dyn FnMut(&str) ->
     } else {
         // openai's MXFP4: [E, out, in] after dequantization
         let (bn, sn) = (format!("{ck}_blocks"), format!("{ck}_scales"));
-        let (Some(blocks), Some(scales)) = (get(&bn)?, get(&sn)?) else {
+        let mut read = || -> Result<Option<Tensor>> {
+            match (get(&bn)?, get(&sn)?) {
+                (Some(blocks), Some(scales)) => dequant_mxfp4(&blocks, &scales).map(Some),
+                _ => Ok(None),
+            }
+        };
+        let Some(w) = whole(&bn, &mut read)? else {
             bail!("gpt-oss checkpoint has neither {ck} nor {bn} / {sn} (for {name} {shape:?})")
         };
-        let w = dequant_mxfp4(&blocks, &scales)?;
         if ck.ends_with("gate_up_proj") {
             check(&w, &[shape[0], 2 * shape[1], shape[2]], &bn)?;
             let (e, o2, i) = w.dims3()?;
@@ -282,7 +304,9 @@ const FP4: [f32; 16] = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0
 
 /// MXFP4 (openai's checkpoint layout, as transformers' `convert_moe_packed_tensors` reads it):
 /// `blocks` u8 `[.., G, 16]` (two FP4 codes per byte, the low nibble first) and `scales` u8
-/// `[.., G]` (a power-of-two exponent per block of 32 values, biased by 127) to f32 `[.., G·32]`.
+/// `[.., G]` (a power-of-two exponent per block of 32 values, biased by 127) to bf16
+/// `[.., G·32]` (exact: an FP4 value times a power of two within bf16's exponent range, as
+/// transformers dequantizes them; half the host memory of f32).
 pub fn dequant_mxfp4(blocks: &Tensor, scales: &Tensor) -> Result<Tensor> {
     let bd = blocks.dims();
     if blocks.dtype() != DType::U8 || scales.dtype() != DType::U8 || bd.len() < 2 || bd[bd.len() - 1] != 16 || scales.dims() != &bd[..bd.len() - 1] {
@@ -294,8 +318,8 @@ pub fn dequant_mxfp4(blocks: &Tensor, scales: &Tensor) -> Result<Tensor> {
     for (g, &e) in s.iter().enumerate() {
         let m = 2f32.powi(e as i32 - 127);
         for &x in &b[g * 16..(g + 1) * 16] {
-            out.push(FP4[(x & 0x0f) as usize] * m);
-            out.push(FP4[(x >> 4) as usize] * m);
+            out.push(half::bf16::from_f32(FP4[(x & 0x0f) as usize] * m));
+            out.push(half::bf16::from_f32(FP4[(x >> 4) as usize] * m));
         }
     }
     let mut shape = bd[..bd.len() - 1].to_vec();
@@ -387,7 +411,7 @@ mod tests {
         bytes[16] = 0x9c; // codes 12 (-2.0), 9 (-0.5)
         let blocks = Tensor::from_vec(bytes, (1, 2, 16), &dev)?;
         let scales = Tensor::from_vec(vec![127u8, 129], (1, 2), &dev)?;
-        let w = dequant_mxfp4(&blocks, &scales)?.to_vec2::<f32>()?;
+        let w = dequant_mxfp4(&blocks, &scales)?.to_dtype(DType::F32)?.to_vec2::<f32>()?;
         assert_eq!(&w[0][..4], &[0.5, 1.0, 6.0, -6.0]);
         assert_eq!(&w[0][32..34], &[-8.0, -2.0]);
         assert!(w[0][4..32].iter().chain(&w[0][34..]).all(|&x| x == 0.0));
@@ -404,8 +428,17 @@ mod tests {
         };
         let g = from_checkpoint("mlp.experts.gate_proj", &[1, 1, 32], &mut get)?.expect("gate");
         let u = from_checkpoint("mlp.experts.up_proj", &[1, 1, 32], &mut get)?.expect("up");
-        assert!(g.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 1.0));
-        assert!(u.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 2.0));
+        assert!(g.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 1.0));
+        assert!(u.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?.iter().all(|&x| x == 2.0));
+        // cached: the gate and then the up projection read (and dequantize) the blocks once
+        let (mut reads, mut cache) = (0, None);
+        let mut counted = |n: &str| -> Result<Option<Tensor>> {
+            reads += n.ends_with("_blocks") as usize;
+            get(n)
+        };
+        from_checkpoint_cached("mlp.experts.gate_proj", &[1, 1, 32], &mut counted, &mut cache)?;
+        let u2 = from_checkpoint_cached("mlp.experts.up_proj", &[1, 1, 32], &mut counted, &mut cache)?.expect("up");
+        assert_eq!((reads, u2.to_dtype(DType::F32)?.flatten_all()?.to_vec1::<f32>()?), (1, vec![2.0; 32]));
         Ok(())
     }
 }

@@ -115,11 +115,18 @@ impl TextPrefix {
 /// from transformers 5's fused tensor or else from its `E` experts' tensors
 /// ([`fused_checkpoint_tensor`], [`checkpoint_tensors`]). Errors name a missing or mis-shaped
 /// tensor.
-fn param_from_checkpoint(dir: &Path, cfg: &LlamaConfig, spec: &ParamSpec, prefix: TextPrefix, mut get: impl FnMut(&str) -> Result<Option<Tensor>>) -> Result<Tensor> {
+fn param_from_checkpoint(
+    dir: &Path,
+    cfg: &LlamaConfig,
+    spec: &ParamSpec,
+    prefix: TextPrefix,
+    cache: &mut Option<(String, Tensor)>,
+    mut get: impl FnMut(&str) -> Result<Option<Tensor>>,
+) -> Result<Tensor> {
     // gpt-oss: its experts' interleaved gate_up_proj, transposed down_proj (or MXFP4), biases
     if cfg.gpt_oss {
         let mut g = |n: &str| get(&prefix.checkpoint_name(n));
-        if let Some(t) = gpt_oss::from_checkpoint(&spec.name, &spec.shape, &mut g).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
+        if let Some(t) = gpt_oss::from_checkpoint_cached(&spec.name, &spec.shape, &mut g, cache).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
             return Ok(t);
         }
         let name = prefix.checkpoint_name(&spec.name);
@@ -244,10 +251,12 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     let names = st.tensors();
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
     refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
-    // (a Phi-3's fused tensor is read once for its parts, which follow each other)
+    // (a Phi-3's fused tensor is read once for its parts, which follow each other; a
+    // gpt-oss's gate_up_proj, dequantized if MXFP4, once for its gate and up: `whole`)
     let mut last: Option<(String, Tensor)> = None;
+    let mut whole = None;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
-        param_from_checkpoint(dir, &cfg, spec, prefix, |name| {
+        param_from_checkpoint(dir, &cfg, spec, prefix, &mut whole, |name| {
             if let Some((_, t)) = last.as_ref().filter(|(n, _)| n == name) {
                 return Ok(Some(t.clone()));
             }
@@ -274,10 +283,11 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
     let prefix = TextPrefix::detect(&cfg, tensors.keys().map(|k| k.as_str()));
     refuse_unused(dir, &cfg, prefix, tensors.keys().map(|k| k.as_str()))?;
     let vm = VarMap::new();
+    let mut whole = None;
     {
         let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
-            let t = param_from_checkpoint(dir, &cfg, &s, prefix, |name| Ok(tensors.get(name).cloned()))?;
+            let t = param_from_checkpoint(dir, &cfg, &s, prefix, &mut whole, |name| Ok(tensors.get(name).cloned()))?;
             data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
         }
     }
