@@ -26,7 +26,7 @@
 //! copied down, not the `[N, E]` probabilities), the permutation that groups the pairs by
 //! expert and its inverse.
 
-use crate::autograd::{attach2, attach3, BackwardFn};
+use crate::autograd::{attach2, attach_n, BackwardFn};
 use candle_core::{bail, DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -62,24 +62,7 @@ fn check(op: &str, x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<(usize, u
 /// are not one per expert or do not sum to `M`, dtypes or devices that differ.
 pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let (_, o, i) = check("grouped_matmul", x, w, counts)?;
-    let (xd, wd) = (x.detach(), w.detach());
-    let y = blocks(&xd, counts, o, |e, xe| xe.matmul(&wd.get(e)?.t()?))?;
-    let counts = counts.to_vec();
-    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
-        let dy = dy.detach();
-        let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
-        let mut dw = Vec::with_capacity(counts.len());
-        let mut off = 0;
-        for &n in &counts {
-            dw.push(match n {
-                0 => Tensor::zeros((o, i), wd.dtype(), wd.device())?,
-                _ => dy.narrow(0, off, n)?.t()?.matmul(&xd.narrow(0, off, n)?)?,
-            });
-            off += n;
-        }
-        Ok(vec![Some(dx), Some(Tensor::stack(&dw, 0)?)])
-    });
-    attach2("grouped_matmul", x, w, y, bwd)
+    grouped("grouped_matmul", x, w, None, counts, o, i)
 }
 
 /// [`grouped_matmul`] plus each row's expert's bias (gpt-oss): `bias` `[E, nb]` is added to
@@ -90,35 +73,54 @@ pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor
 /// gradient over those columns. Errors name the shapes. Reference: [`grouped_matmul_bias_slow`].
 pub fn grouped_matmul_bias(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
     let (e, o, i) = check("grouped_matmul_bias", x, w, counts)?;
-    let nb = check_bias("grouped_matmul_bias", w, bias, col0, e, o)?;
-    let (xd, wd, bd) = (x.detach(), w.detach(), bias.detach());
+    check_bias("grouped_matmul_bias", w, bias, col0, e, o)?;
+    grouped("grouped_matmul_bias", x, w, Some((bias, col0)), counts, o, i)
+}
+
+/// The grouped product node of [`grouped_matmul`] and [`grouped_matmul_bias`] (checked): the
+/// forward block by block, the backward `dx` block by block, `dW` (and `dbias`) expert by
+/// expert, an expert without rows getting zeros.
+fn grouped(name: &'static str, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize], o: usize, i: usize) -> Result<Tensor> {
+    let (xd, wd) = (x.detach(), w.detach());
+    let bias_d = bias.map(|(b, c)| (b.detach(), c, b.dim(1).unwrap_or(0)));
     let y = blocks(&xd, counts, o, |e, xe| {
-        let b = bd.get(e)?.unsqueeze(0)?.pad_with_zeros(1, col0, o - col0 - nb)?;
-        xe.matmul(&wd.get(e)?.t()?)?.broadcast_add(&b)
+        let y = xe.matmul(&wd.get(e)?.t()?)?;
+        match &bias_d {
+            Some((bd, col0, nb)) => y.broadcast_add(&bd.get(e)?.unsqueeze(0)?.pad_with_zeros(1, *col0, o - col0 - nb)?),
+            None => Ok(y),
+        }
     })?;
     let counts = counts.to_vec();
+    let b_back = bias_d.clone();
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let dy = dy.detach();
         let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
         let (mut dw, mut db) = (Vec::with_capacity(counts.len()), Vec::with_capacity(counts.len()));
         let mut off = 0;
         for &n in &counts {
-            match n {
-                0 => {
-                    dw.push(Tensor::zeros((o, i), wd.dtype(), wd.device())?);
-                    db.push(Tensor::zeros(nb, bd.dtype(), bd.device())?);
-                }
-                _ => {
-                    let g = dy.narrow(0, off, n)?;
-                    dw.push(g.t()?.matmul(&xd.narrow(0, off, n)?)?);
-                    db.push(g.narrow(1, col0, nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bd.dtype())?);
-                }
+            let g = (n > 0).then(|| dy.narrow(0, off, n)).transpose()?;
+            dw.push(match &g {
+                None => Tensor::zeros((o, i), wd.dtype(), wd.device())?,
+                Some(g) => g.t()?.matmul(&xd.narrow(0, off, n)?)?,
+            });
+            if let Some((bd, col0, nb)) = &b_back {
+                db.push(match &g {
+                    None => Tensor::zeros(*nb, bd.dtype(), bd.device())?,
+                    Some(g) => g.narrow(1, *col0, *nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bd.dtype())?,
+                });
             }
             off += n;
         }
-        Ok(vec![Some(dx), Some(Tensor::stack(&dw, 0)?), Some(Tensor::stack(&db, 0)?)])
+        let mut grads = vec![Some(dx), Some(Tensor::stack(&dw, 0)?)];
+        if b_back.is_some() {
+            grads.push(Some(Tensor::stack(&db, 0)?));
+        }
+        Ok(grads)
     });
-    attach3("grouped_matmul_bias", x, w, bias, y, bwd)
+    match bias {
+        Some((b, _)) => attach_n(name, &[x, w, b], y, bwd),
+        None => attach_n(name, &[x, w], y, bwd),
+    }
 }
 
 /// `bias` `[E, nb]` fits `w` `[E, out, ·]` at column `col0` (`col0 + nb <= out`), its dtype

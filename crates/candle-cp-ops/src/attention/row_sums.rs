@@ -13,8 +13,7 @@
 //! nothing is rounded and both modes give the same values.
 
 use super::Scores;
-use super::{attention_bwd, attention_bwd_band, attention_fwd, attention_fwd_band, Band, Mask};
-use crate::autograd::{attach3_from_f32, BackwardFromF32};
+use super::{Band, Mask};
 use candle_core::{Result, Tensor};
 
 /// Where the backward's row sums `rowsum(dO ∘ O)` take the output `O` from, when the output is
@@ -40,37 +39,17 @@ impl std::fmt::Display for RowSums {
     }
 }
 
-/// The three input gradients in the inputs' dtypes.
-fn cast3(g: (Tensor, Tensor, Tensor), qdt: candle_core::DType, kdt: candle_core::DType) -> Result<Vec<Option<Tensor>>> {
-    Ok(vec![Some(g.0.to_dtype(qdt)?), Some(g.1.to_dtype(kdt)?), Some(g.2.to_dtype(kdt)?)])
-}
-
 /// [`super::attention`] with [`RowSums::F32`] (shapes already checked): the raw forward on
-/// detached inputs (f32 output), the raw backward attached with the rebuilt f32 output.
+/// detached inputs (f32 output), the raw backward attached with the rebuilt f32 output
+/// ([`super::sinks::attach_mask`], no sinks).
 pub(super) fn attention_f32(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: Scores) -> Result<(Tensor, Tensor)> {
-    // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
-    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out32, lse) = attention_fwd(&qd, &kd, &vd, mask, scale)?;
-    let (m, l, qdt, kdt) = (*mask, lse.clone(), q.dtype(), k.dtype());
-    let bwd: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
-        cast3(attention_bwd(&qd, &kd, &vd, out32, &l, dout, &m, scale)?, qdt, kdt)
-    });
-    let out = attach3_from_f32("attention (f32 row sums)", q, k, v, out32, q.dtype(), bwd)?;
-    Ok((out, lse))
+    super::sinks::attach_mask("attention (f32 row sums)", q, k, v, None, mask, scale, RowSums::F32)
 }
 
 /// [`super::attention_band`] with [`RowSums::F32`] (checked; `band` holds its device copy
 /// where the kernels want one).
 pub(super) fn attention_band_f32(q: &Tensor, k: &Tensor, v: &Tensor, band: Band, scale: Scores) -> Result<(Tensor, Tensor)> {
-    // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
-    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out32, lse) = attention_fwd_band(&qd, &kd, &vd, &band, scale)?;
-    let (l, qdt, kdt) = (lse.clone(), q.dtype(), k.dtype());
-    let bwd: BackwardFromF32 = Box::new(move |out32: &Tensor, dout: &Tensor| {
-        cast3(attention_bwd_band(&qd, &kd, &vd, out32, &l, dout, &band, scale)?, qdt, kdt)
-    });
-    let out = attach3_from_f32("attention_band (f32 row sums)", q, k, v, out32, q.dtype(), bwd)?;
-    Ok((out, lse))
+    super::sinks::attach_band("attention_band (f32 row sums)", q, k, v, None, band, scale, RowSums::F32)
 }
 
 #[cfg(test)]

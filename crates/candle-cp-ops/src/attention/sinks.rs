@@ -186,11 +186,30 @@ pub fn attention_sinks(q: &Tensor, k: &Tensor, v: &Tensor, sinks: &Sinks, mask: 
     scale.check("attention_sinks")?;
     check_qkv("attention_sinks", q, k, v, mask)?;
     sinks.check("attention_sinks", q)?;
+    attach_mask("attention_sinks", q, k, v, Some(sinks), mask, scale, row_sums)
+}
+
+/// The raw single-device forward under `mask` on detached q, k, v, attached through
+/// [`attach`] with its raw backward (the sinks, if any, applied): what [`attention_sinks`] and
+/// the f32-row-sums attention (`row_sums::attention_f32`) run, shapes checked by the caller.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attach_mask(name: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, sinks: Option<&Sinks>, mask: &Mask, scale: Scores, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+    // (contiguous as the op's inputs are; views of q, k, v, which the graph keeps anyway)
     let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
     let (out32, lse) = attention_fwd(&qd, &kd, &vd, mask, scale)?;
     let m = *mask;
     let bwd: RawBwd = Box::new(move |o: &Tensor, l: &Tensor, dout: &Tensor| attention_bwd(&qd, &kd, &vd, o, l, dout, &m, scale));
-    attach("attention_sinks", q, k, v, Some(sinks), out32, lse, row_sums, bwd)
+    attach(name, q, k, v, sinks, out32, lse, row_sums, bwd)
+}
+
+/// [`attach_mask`] under a [`Band`] (checked, holding its device copy where the kernels want
+/// one).
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn attach_band(name: &'static str, q: &Tensor, k: &Tensor, v: &Tensor, sinks: Option<&Sinks>, band: Band, scale: Scores, row_sums: RowSums) -> Result<(Tensor, Tensor)> {
+    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
+    let (out32, lse) = attention_fwd_band(&qd, &kd, &vd, &band, scale)?;
+    let bwd: RawBwd = Box::new(move |o: &Tensor, l: &Tensor, dout: &Tensor| attention_bwd_band(&qd, &kd, &vd, o, l, dout, &band, scale));
+    attach(name, q, k, v, sinks, out32, lse, row_sums, bwd)
 }
 
 /// [`attention_sinks`] under a [`Band`] (per-row key intervals: packed documents, windows).
@@ -204,10 +223,7 @@ pub fn attention_band_sinks(q: &Tensor, k: &Tensor, v: &Tensor, sinks: &Sinks, b
     if band.device_bounds(q.device()).is_none() {
         Band::upload_all([&mut band], q.device())?;
     }
-    let (qd, kd, vd) = (q.detach().contiguous()?, k.detach().contiguous()?, v.detach().contiguous()?);
-    let (out32, lse) = attention_fwd_band(&qd, &kd, &vd, &band, scale)?;
-    let bwd: RawBwd = Box::new(move |o: &Tensor, l: &Tensor, dout: &Tensor| attention_bwd_band(&qd, &kd, &vd, o, l, dout, &band, scale));
-    attach("attention_band_sinks", q, k, v, Some(sinks), out32, lse, row_sums, bwd)
+    attach_band("attention_band_sinks", q, k, v, Some(sinks), band, scale, row_sums)
 }
 
 #[cfg(test)]
