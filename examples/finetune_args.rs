@@ -222,6 +222,11 @@ pub(crate) struct Args {
     /// The projections --lora adapts (PEFT names, comma-separated; `all-linear`: all seven).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,
+    /// Expert parameters --lora adapts beside --lora-targets (PEFT's target_parameters,
+    /// comma-separated): gpt-oss's `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or one
+    /// layer's (`7.mlp.experts.down_proj`); rank R per expert, no dropout or DoRA.
+    #[arg(long, value_name = "P,..", requires = "lora")]
+    pub(crate) lora_target_parameters: Option<String>,
     /// Random-init vocabulary size: at least what the data needs (the default); larger
     /// leaves unused tokens, as fine-tuning does when it adds special tokens. A size --tp does
     /// not divide (e.g. 99 at --tp 4) pads the vocabulary-parallel tables.

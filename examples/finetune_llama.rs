@@ -211,7 +211,8 @@ fn main() -> Result<()> {
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
                 let saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();
-                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_rslora(a.rslora).with_dora(a.dora).with_modules_to_save(&saved)?)
+                let params: Vec<&str> = a.lora_target_parameters.as_deref().map(|p| p.split(',').map(|p| p.trim()).collect()).unwrap_or_default();
+                Some(candle_cp_llama::LoraSpec::new(r, alpha, &targets)?.with_target_parameters(&params)?.with_rslora(a.rslora).with_dora(a.dora).with_modules_to_save(&saved)?)
             }
         }
         .map(|l| match a.lora_dropout {
@@ -324,7 +325,7 @@ fn main() -> Result<()> {
     }
     if let Some(l) = &cfg.lora {
         say!(
-            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer{}{}; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
+            "lora     : rank {}, alpha {} (scale {:.3}{}) on {} of every layer{}{}{}; every other weight frozen; checkpoints hold a PEFT adapter naming the base",
             l.config.rank,
             l.config.alpha,
             l.config.scale(),
@@ -338,6 +339,7 @@ fn main() -> Result<()> {
                 Some(m) if ["gate_proj", "up_proj", "down_proj"].iter().any(|t| l.adapts(t)) => format!(" (in a sparse layer each of the {} experts' too)", m.num_experts),
                 _ => String::new(),
             },
+            if l.target_parameters.is_empty() { String::new() } else { format!(", and the expert parameters {} (rank {} per expert)", l.target_parameters.join(", "), l.config.rank) },
             if l.modules_to_save.is_empty() { String::new() } else { format!("; {} trained whole (modules_to_save)", l.modules_to_save.join(", ")) }
         );
     }

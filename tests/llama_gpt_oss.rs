@@ -25,7 +25,8 @@
 //!   as their dequantized values.
 //! - openai/gpt-oss-20b's `config.json` reads (24 layers, 32 experts, top 4, the window on the
 //!   even layers, YaRN with `truncate: false`) and round-trips; what transformers would compute
-//!   otherwise (`swiglu_limit` other than 7, `output_router_logits`) and LoRA on the experts
+//!   otherwise (`swiglu_limit` other than 7, `output_router_logits`) and the experts as LoRA
+//!   target modules (they are parameters: `target_parameters`, `tests/llama_gpt_oss_lora.rs`)
 //!   are refused by name.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -280,11 +281,13 @@ fn gpt_oss_config_reads_round_trips_and_refuses() -> Result<()> {
         let e = err(&text);
         assert!(e.contains(want), "{want}: {e:?}");
     }
-    // LoRA on the experts (parameters, not modules, in PEFT) is refused; on attention it builds
+    // the experts as target modules (parameters, not modules, in PEFT: target_parameters adapt
+    // them, tests/llama_gpt_oss_lora.rs) are refused; on attention, and all-linear, it builds
     let (cfg, _) = gpt_oss()?;
     let lora = |targets: &[&str]| -> Result<LlamaConfig> { Ok(cfg.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, targets)?))) };
     let e = lora(&["q_proj", "gate_proj"])?.validate().err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("gate_proj") && e.contains("gpt-oss"), "{e}");
+    assert!(e.contains("gate_proj") && e.contains("gpt-oss") && e.contains("target_parameters"), "{e}");
+    lora(&candle_cp_llama::lora::TARGETS)?.validate()?;
     lora(&["q_proj", "k_proj", "v_proj", "o_proj"])?.validate()
 }
 

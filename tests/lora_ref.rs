@@ -41,6 +41,20 @@ pub fn adapter_grads(cfg: &LlamaConfig, full: &HashMap<String, Tensor>, dw: &Has
     for spec in param_specs(cfg) {
         let Some(stem) = spec.name.strip_suffix(".lora_A.weight") else { continue };
         let s = lora.config_for(stem).scale();
+        // gpt-oss's experts' gate_up_proj: one A for gate and up, `dA = s·Σ_part B_partᵀ·dW_part`
+        if let Some(prefix) = stem.strip_suffix("experts.gate_up_proj") {
+            let a = f64s(&full[&spec.name])?;
+            let mut da = a.zeros_like()?;
+            for part in ["gate_proj", "up_proj"] {
+                let part = format!("{prefix}experts.{part}");
+                let Some(g) = dw.get(&part) else { bail!("no weight gradient for {part}") };
+                let (g, b) = (f64s(g)?, f64s(&full[&format!("{part}.lora_B.weight")])?);
+                da = (da + b.t()?.contiguous()?.matmul(&g)?)?;
+                out.insert(format!("{part}.lora_B.weight"), (g.matmul(&a.t()?.contiguous()?)? * s)?);
+            }
+            out.insert(spec.name.clone(), (da * s)?);
+            continue;
+        }
         let (wn, g) = match (dw.get(&format!("{stem}.weight")), dw.get(stem)) {
             (Some(g), _) => (format!("{stem}.weight"), f64s(g)?),
             (None, Some(g)) => (stem.to_string(), f64s(g)?),

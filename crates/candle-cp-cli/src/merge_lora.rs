@@ -48,13 +48,18 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     let (vm, cfg) = candle_cp_llama::load_hf(&base, &Device::Cpu, DType::F32)?;
     let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
+    // (gpt-oss's experts are parameters: PEFT's wrappers as the model's factors)
+    let spec = spec.with_expert_params(cfg.gpt_oss);
+    let adapters = candle_cp_llama::lora::model_adapters(&cfg, adapters)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;
     let mut named: Vec<(String, candle_core::Tensor)> = Vec::new();
     for s in candle_cp_llama::param_specs(&cfg) {
         let Some(t) = weights.remove(&s.name) else { anyhow::bail!("merge-lora: the checkpoint has no {}", s.name) };
         let t = t.to_dtype(dtype)?;
-        // a sparse layer's stacked experts written per expert, as checkpoints hold them
-        for (name, expert) in candle_cp_llama::params::checkpoint_tensors(&s) {
+        // a sparse layer's stacked experts written per expert, as checkpoints hold them (gpt-oss:
+        // by the model's names, fused and interleaved by save_hf_tensors)
+        let parts = if cfg.gpt_oss { vec![(s.name.clone(), None)] } else { candle_cp_llama::params::checkpoint_tensors(&s) };
+        for (name, expert) in parts {
             named.push((name, match expert {
                 Some(e) => t.get(e)?,
                 None => t.clone(),
@@ -62,12 +67,6 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
         }
     }
     candle_cp_llama::save_hf_tensors(&a.out, &named, &cfg)?;
-    println!(
-        "merged {n} weights (LoRA rank {}, alpha {}, {}) into {}",
-        spec.config.rank,
-        spec.config.alpha,
-        spec.targets.join(", "),
-        a.out.display()
-    );
+    println!("merged {n} weights (LoRA {spec}) into {}", a.out.display());
     Ok(true)
 }

@@ -185,3 +185,55 @@ fn a_phi3_merges_into_a_fused_checkpoint() -> Result<()> {
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }
+
+/// A gpt-oss (4 experts, top 2) with adapters on q_proj and on its expert parameters (PEFT's
+/// `target_parameters`: `lora_A` `[r·E, in]`, `lora_B` `[out, r·E]` wrappers in the file): the
+/// merged checkpoint, the experts fused and interleaved again (`mlp.experts.gate_up_proj`), gives
+/// the adapted model's logits; the expert adapters move them.
+#[test]
+fn a_gpt_oss_merges_its_expert_parameter_adapters() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("candle-cp-merge-gpt-oss-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base_cfg = candle_cp_llama::LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, 16)));
+    candle_cp_llama::save_hf(&dir, &candle_cp_llama::init_params(&base_cfg, 5, DType::F32, &Device::Cpu)?, &base_cfg)?;
+    let spec = LoraSpec::new(2, 4.0, &["q_proj"])?.with_target_parameters(&["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])?;
+    let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
+    let mut adapters = std::collections::HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(270 + i as u64, &s.shape, 0.3)?);
+    }
+    save_peft_adapter(&dir, &spec, &adapters, "tiny-gpt-oss")?;
+    let out = dir.join("merged");
+    let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    // 2 layers: q and the experts' gate, up, down
+    assert!(text.contains("merged 8 weights") && text.contains("mlp.experts.gate_up_proj"), "{text}");
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(out.join("model.safetensors"))? };
+    let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).filter(|n| n.starts_with("model.layers.1.mlp.")).collect();
+    assert!(st.get("model.layers.1.mlp.experts.gate_up_proj").is_ok(), "the fused experts in the merged checkpoint: {names:?}");
+    let ids = Tensor::new(&[[5u32, 17, 60, 3, 9, 41, 7, 30, 11, 2]], &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, 10, &Device::Cpu)?;
+    let diffs = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
+            candle_core::bail!("no adapter")
+        };
+        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
+        let attn_only = lcfg.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj"])?));
+        let q_only = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &attn_only, &ctx)?;
+        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
+        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let a = adapted.forward(&ids, &pos)?;
+        let d = |x: &Tensor| -> Result<f32> { (&a - x)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+        Ok((d(&merged.forward(&ids, &pos)?)?, d(&q_only.forward(&ids, &pos)?)?))
+    });
+    for x in diffs {
+        let (merged, q_only) = x?;
+        assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
+        assert!(q_only > 1e-3, "the expert adapters move the logits by only {q_only}");
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -97,7 +97,9 @@ impl<'a> LayerBuilder<'a> {
     fn moe_lora(&self, module: &str) -> Result<Option<Box<crate::moe_lora::MoeLora>>> {
         let Some(l) = self.cfg.lora.as_ref() else { return Ok(None) };
         let factors = |stem: String| -> Result<Option<crate::moe_lora::Factors>> {
-            let (an, bn) = (format!("{stem}.lora_A.weight"), format!("{stem}.lora_B.weight"));
+            // (gpt-oss's gate and up: gate_up_proj's one A, the same Var for both)
+            let a_of = l.shared_a(&stem).map_or_else(|| stem.clone(), |(m, _)| m);
+            let (an, bn) = (format!("{a_of}.lora_A.weight"), format!("{stem}.lora_B.weight"));
             let (Some(sa), Some(sb)) = (self.specs.get(&an), self.specs.get(&bn)) else { return Ok(None) };
             // a fresh VarMap: A uniform in ±1/√in (PEFT's init), B zero
             let bound = 1.0 / (sa.shape.last().copied().unwrap_or(1).max(1) as f64).sqrt();

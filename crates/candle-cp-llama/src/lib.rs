@@ -58,6 +58,7 @@ pub mod arch;
 pub mod attn;
 mod attn2d;
 pub mod config;
+mod expert_params;
 pub mod fused;
 pub mod generate;
 pub mod grads;

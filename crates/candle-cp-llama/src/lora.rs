@@ -62,6 +62,14 @@ pub struct LoraSpec {
     /// q, k, v adapted as the parts of `qkv_proj` — one `A` shared, `B` and DoRA's magnitude
     /// split by rows —, gate and up as those of `gate_up_proj` (see [`crate::config::phi3`]).
     pub fused: bool,
+    /// PEFT's `target_parameters`: keys naming gpt-oss's expert parameters
+    /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or one layer's, `7.mlp.experts.down_proj`),
+    /// sorted; see [`crate::expert_params`].
+    pub target_parameters: Vec<String>,
+    /// The experts are parameters (set by [`crate::LlamaConfig::with_lora`] on gpt-oss): only
+    /// [`LoraSpec::target_parameters`] adapts them, `target_modules` do not (as in PEFT, where
+    /// they are not linear modules).
+    pub expert_params: bool,
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
@@ -82,7 +90,41 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = known().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false, target_parameters: Vec::new(), expert_params: false })
+    }
+
+    /// Adapters of rank `rank`, scale `alpha / rank`, on the expert parameters `keys` alone
+    /// (PEFT's `target_parameters` without `target_modules`; see
+    /// [`LoraSpec::with_target_parameters`]). Errors as those two do.
+    pub fn on_parameters(rank: usize, alpha: f64, keys: &[&str]) -> Result<Self> {
+        let mut s = Self::new(rank, alpha, &["q_proj"])?;
+        s.targets.clear();
+        s.with_target_parameters(keys)
+    }
+
+    /// The same adapters also on the expert parameters `keys` (PEFT's `target_parameters`):
+    /// gpt-oss's `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, a key naming a
+    /// parameter whose name equals it or ends in `.` + it (`7.mlp.experts.down_proj`: layer 7's).
+    /// PEFT's ranks: `r` per expert (its factors are `[r·E, in]`, `[out, r·E]`), a
+    /// `rank_pattern` key matching the parameter's name. Errors name a key that can name no
+    /// expert parameter; [`crate::LlamaConfig::validate`] refuses them with dropout or DoRA
+    /// (PEFT does) and on a model whose experts are modules.
+    pub fn with_target_parameters(mut self, keys: &[&str]) -> Result<Self> {
+        for k in keys {
+            crate::expert_params::check_key(k)?;
+        }
+        let mut keys: Vec<String> = keys.iter().map(|k| k.to_string()).collect();
+        keys.sort();
+        keys.dedup();
+        self.target_parameters = keys;
+        Ok(self)
+    }
+
+    /// The same adapters on a model whose experts are parameters (`on`: gpt-oss,
+    /// [`LoraSpec::expert_params`]) or modules.
+    pub fn with_expert_params(mut self, on: bool) -> Self {
+        self.expert_params = on;
+        self
     }
 
     /// The same adapters on a Phi-3 (`on`: [`LoraSpec::fused`]) or another model. On a Phi-3 a
@@ -159,7 +201,7 @@ impl LoraSpec {
     /// PEFT's `adapter_config.json` for these adapters on the model at `base` (a name or a
     /// path, as `base_model_name_or_path`).
     pub fn peft_config_json(&self, base: &str) -> serde_json::Value {
-        serde_json::json!({
+        let mut v = serde_json::json!({
             "peft_type": "LORA",
             "task_type": "CAUSAL_LM",
             "base_model_name_or_path": base,
@@ -171,6 +213,7 @@ impl LoraSpec {
             "bias": "none",
             "target_modules": match &self.target_regex {
                 Some(r) => serde_json::json!(r),
+                None if self.targets.is_empty() => serde_json::Value::Null,
                 None => serde_json::json!(self.targets),
             },
             "fan_in_fan_out": false,
@@ -180,7 +223,12 @@ impl LoraSpec {
             "rank_pattern": self.rank_pattern.iter().map(|(k, r)| (k.clone(), serde_json::json!(r))).collect::<serde_json::Map<_, _>>(),
             "alpha_pattern": self.alpha_pattern.iter().map(|(k, a)| (k.clone(), serde_json::json!(a))).collect::<serde_json::Map<_, _>>(),
             "inference_mode": false,
-        })
+        });
+        // (written only when set: PEFT before 0.17 has no such field)
+        if !self.target_parameters.is_empty() {
+            v["target_parameters"] = serde_json::json!(self.target_parameters);
+        }
+        v
     }
 }
 
@@ -204,6 +252,11 @@ impl std::fmt::Display for LoraSpec {
             Some(r) => format!("the modules matching '{r}'"),
             None => self.targets.join(", "),
         };
+        let on = match (self.target_parameters.is_empty(), on.is_empty()) {
+            (true, _) => on,
+            (false, true) => format!("the parameters {}", self.target_parameters.join(", ")),
+            (false, false) => format!("{on} and the parameters {}", self.target_parameters.join(", ")),
+        };
         write!(f, "rank {}, alpha {}{rs}{drop} on {on}", self.config.rank, self.config.alpha)
     }
 }
@@ -212,7 +265,7 @@ impl crate::LlamaConfig {
     /// The same config with LoRA adapters `lora` (or none).
     pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {
         // (a Phi-3's modules are its fused ones: LoraSpec::with_fused)
-        self.lora = lora.map(|l| l.with_fused(self.phi3));
+        self.lora = lora.map(|l| l.with_fused(self.phi3).with_expert_params(self.gpt_oss));
         self
     }
 }
@@ -239,6 +292,9 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
             .collect::<Result<_>>()?,
         false => adapters,
     };
+    // (gpt-oss's experts as PEFT's parameter wrappers: crate::expert_params)
+    let params = spec.expert_params || !spec.target_parameters.is_empty();
+    let adapters = if params { crate::expert_params::to_peft(adapters)? } else { adapters };
     // (a sparse layer's stacked expert factors as PEFT's per-expert tensors)
     let named: HashMap<String, Tensor> = crate::moe_lora::split_expert_adapters(&adapters)?
         .into_iter()
@@ -253,7 +309,7 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
     let cfg = dir.join("adapter_config.json");
     let mut json = spec.peft_config_json(base);
     // Mixtral's experts are w1, w3, w2 to PEFT
-    if spec.target_regex.is_none() {
+    if spec.target_regex.is_none() && !spec.targets.is_empty() {
         json["target_modules"] = serde_json::json!(crate::moe_lora::peft_target_names(&spec.targets, named.keys()));
     }
     let text = serde_json::to_string_pretty(&json).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -336,6 +392,9 @@ pub(crate) fn insert_loaded_adapter(
     device: &Device,
 ) -> Result<()> {
     let Some(spec) = &cfg.lora else { bail!("{}: inserting an adapter into a model without a LoRA spec", dir.display()) };
+    // (gpt-oss's expert wrappers as the model's factors)
+    let converted = model_adapters(cfg, tensors.clone()).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))?;
+    let tensors = &converted;
     // (a Phi-3's fused B and magnitudes split into its parts')
     let split;
     let tensors = match cfg.phi3 {
@@ -361,6 +420,17 @@ pub(crate) fn insert_loaded_adapter(
         data.insert(s.name.clone(), candle_core::Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
     }
     Ok(())
+}
+
+/// The adapter tensors of a PEFT file (`tensors`, as [`load_peft_adapter`] gives them) by the
+/// parameter names of model `cfg`: on gpt-oss, PEFT's wrappers of its expert parameters as the
+/// model's factors ([`crate::expert_params`]); on another model they are as they were. Errors
+/// name wrappers whose factors are not gpt-oss's.
+pub fn model_adapters(cfg: &crate::LlamaConfig, tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    match (&cfg.moe, cfg.gpt_oss) {
+        (Some(m), true) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size),
+        _ => Ok(tensors),
+    }
 }
 
 /// Insert this rank's shard of each of `cfg`'s adapters into `varmap`, the full tensor from
@@ -390,6 +460,9 @@ pub(crate) fn insert_adapter_shards(
 /// weight an adapter has no base for, or factors that do not fit it.
 pub fn merge_adapter(weights: &mut HashMap<String, Tensor>, spec: &LoraSpec, adapters: &HashMap<String, Tensor>) -> Result<usize> {
     let mut merged = 0;
+    // (gpt-oss's gate_up_proj: its one A merged with each part's B)
+    let untied = crate::expert_params::untie(adapters);
+    let adapters = &untied;
     // the modules trained whole: their tensors replace the base's
     for (name, t) in adapters.iter().filter(|(n, _)| spec.saved_param(n)) {
         let Some(w) = weights.get(name) else { bail!("merge_adapter: the model has no {name} for the adapter's module trained whole") };
@@ -483,7 +556,14 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     let v = read_adapter_config(dir)?;
     let rank = v.get("r").and_then(|x| x.as_u64()).ok_or_else(|| candle_core::Error::Msg(format!("{}: no rank 'r'", cfg_path.display())))? as usize;
     let alpha = v.get("lora_alpha").and_then(|x| x.as_f64()).unwrap_or(rank as f64);
+    let params: Vec<String> = match v.get("target_parameters") {
+        None | Some(serde_json::Value::Null) => Vec::new(),
+        Some(serde_json::Value::Array(a)) => a.iter().map(|x| x.as_str().map(String::from).ok_or_else(|| candle_core::Error::Msg(format!("{}: 'target_parameters' holds {x}, not a parameter name", cfg_path.display())))).collect::<Result<_>>()?,
+        Some(other) => bail!("{}: 'target_parameters' must be a list of parameter names, got {other}", cfg_path.display()),
+    };
     let (targets, regex): (Vec<String>, Option<String>) = match v.get("target_modules") {
+        // the expert parameters alone (PEFT allows no target_modules beside target_parameters)
+        None | Some(serde_json::Value::Null) if !params.is_empty() => (Vec::new(), None),
         Some(serde_json::Value::Array(a)) => (a.iter().filter_map(|x| x.as_str().map(String::from)).collect(), None),
         // PEFT's shorthand for every linear layer but the output head
         Some(serde_json::Value::String(s)) if s == "all-linear" => (TARGETS.iter().map(|t| t.to_string()).collect(), None),
@@ -502,7 +582,11 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
     let dropout = v.get("lora_dropout").and_then(|x| x.as_f64()).unwrap_or(0.0);
     // (Mixtral's expert modules w1, w3, w2 are our gate_proj, up_proj, down_proj)
     let targets: Vec<&str> = targets.iter().map(|s| crate::moe_lora::target_from_peft(s)).collect();
-    let spec = LoraSpec::new(rank, alpha, &targets)?
+    let spec = match targets.is_empty() {
+        true => LoraSpec::on_parameters(rank, alpha, &params.iter().map(|s| s.as_str()).collect::<Vec<_>>()),
+        false => LoraSpec::new(rank, alpha, &targets).and_then(|s| s.with_target_parameters(&params.iter().map(|s| s.as_str()).collect::<Vec<_>>())),
+    }
+    .map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))?
         .with_rslora(rslora)
         .with_dropout(dropout)?
         .with_dora(dora)

@@ -58,7 +58,27 @@ impl LoraSpec {
     /// PEFT's name of the module of parameter stem `stem`: [`peft_name`]'s, a Phi-3's q, k, v
     /// and gate, up projections as their fused module ([`LoraSpec::fused`]).
     pub(crate) fn module_name(&self, stem: &str) -> String {
+        if let Some((param, _)) = self.expert_param(stem) {
+            return param;
+        }
         self.fused_module(stem).unwrap_or_else(|| peft_name(stem))
+    }
+
+    /// gpt-oss's expert parameter of stacked expert stem `stem` and its part
+    /// (`….experts.up_proj` → (`….experts.gate_up_proj`, 1); [`LoraSpec::expert_params`]).
+    fn expert_param(&self, stem: &str) -> Option<(String, usize)> {
+        self.expert_params.then(|| crate::expert_params::param_of(stem)).flatten()
+    }
+
+    /// The module whose one `A` weight stem `stem` shares with its other parts, and its part:
+    /// a Phi-3's fused module ([`LoraSpec::fused`]), gpt-oss's `….experts.gate_up_proj` for the
+    /// experts' gate and up; `None` for an adapter of its own.
+    pub(crate) fn shared_a(&self, stem: &str) -> Option<(String, usize)> {
+        match self.expert_param(stem) {
+            Some((param, part)) if !param.ends_with("down_proj") => Some((param, part)),
+            Some(_) => None,
+            None => self.fused.then(|| crate::config::phi3::fused_module(stem)).flatten(),
+        }
     }
 
     /// The fused module of weight stem `stem` under a Phi-3's spec ([`LoraSpec::fused`]).
@@ -131,6 +151,11 @@ impl LoraSpec {
     /// `model.layers.1.mlp.experts.gate_proj`) gets an adapter: its projection a target, its
     /// layer among [`LoraSpec::layers`].
     pub fn adapts_weight(&self, stem: &str) -> bool {
+        // gpt-oss's experts: by target_parameters alone, on every layer (PEFT's; not by
+        // target_modules, layers_to_transform or a target regex)
+        if let Some((param, _)) = self.expert_param(stem) {
+            return self.target_parameters.iter().any(|k| crate::expert_params::key_matches(k, &param));
+        }
         let name = self.module_name(stem);
         // (the projection as the targets name it: a Phi-3's fused module, else the stem's own —
         // Mixtral's experts are gate_proj, up_proj, down_proj there)

@@ -309,26 +309,26 @@ impl SparseMoe {
     /// their adapters' updates (`keys`: the rows' dropout keys, crate::moe_lora).
     fn experts(&self, xs: &Tensor, counts: &[usize], keys: Option<&[u64]>) -> Result<Tensor> {
         let ep = self.ep.is_some();
-        let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
-            match &self.lora {
-                Some(l) => l.expert_proj(i, x, w, counts, keys, &self.tp, ep),
-                None => grouped_matmul(x, w, counts),
-            }
-        };
-        let Some(b) = &self.biases else {
-            let gate = proj(0, xs, &self.gate)?;
-            let up = proj(1, xs, &self.up)?;
-            return proj(2, &self.act.gated(&gate, &up)?, &self.down);
-        };
         // gpt-oss: each row's expert's biases inside the grouped matmuls' nodes (no [rows, ·]
         // bias tensor kept); the down bias: this TP rank's columns of h
-        if self.lora.is_some() {
-            bail!("SparseMoe: adapters on experts with biases (gpt-oss) are not supported")
-        }
-        let gate = grouped_matmul_bias(xs, &self.gate, &b.gate, 0, counts)?;
-        let up = grouped_matmul_bias(xs, &self.up, &b.up, 0, counts)?;
-        let r = self.tp.group.rank();
-        grouped_matmul_bias(&self.act.gated(&gate, &up)?, &self.down, &b.down, r * b.down.dim(1)?, counts)
+        let bias = |i: usize| -> Result<Option<(&Tensor, usize)>> {
+            let Some(b) = &self.biases else { return Ok(None) };
+            Ok(Some(match i {
+                0 => (&b.gate, 0),
+                1 => (&b.up, 0),
+                _ => (&b.down, self.tp.group.rank() * b.down.dim(1)?),
+            }))
+        };
+        let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
+            match (&self.lora, bias(i)?) {
+                (Some(l), b) => l.expert_proj(i, x, w, b, counts, keys, &self.tp, ep),
+                (None, Some((b, col0))) => grouped_matmul_bias(x, w, b, col0, counts),
+                (None, None) => grouped_matmul(x, w, counts),
+            }
+        };
+        let gate = proj(0, xs, &self.gate)?;
+        let up = proj(1, xs, &self.up)?;
+        proj(2, &self.act.gated(&gate, &up)?, &self.down)
     }
 }
 

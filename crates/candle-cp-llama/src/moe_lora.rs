@@ -40,8 +40,8 @@ use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
 use candle_cp_ops::mappings;
 use candle_cp_ops::autograd::MaskFn;
-use candle_cp_ops::moe::grouped_matmul;
-use candle_cp_ops::moe_update::{grouped_matmul_update, GroupedUpdate};
+use candle_cp_ops::moe::{grouped_matmul, grouped_matmul_bias};
+use candle_cp_ops::moe_update::{grouped_matmul_update, grouped_matmul_update_bias, GroupedUpdate};
 use std::collections::HashMap;
 
 /// One adapted projection: this rank's factors (stacked `[E_local, r, in_local]`,
@@ -186,14 +186,24 @@ impl MoeLora {
     /// added inside the experts' node ([`grouped_matmul_update`]: LoRA's, or DoRA's
     /// `(W'_e - W_e)·drop(x)` while it drops; the graph keeps no `[R, out]` term or mask), or is
     /// in the weight (DoRA otherwise). `ep`: under expert parallelism.
+    /// `bias`: the experts' biases and the first column they add to (gpt-oss; see
+    /// [`candle_cp_ops::moe::grouped_matmul_bias`]), inside the same node.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn expert_proj(&self, i: usize, x: &Tensor, w: &Tensor, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Tensor> {
-        let Some(f) = self.experts[i].as_ref() else { return grouped_matmul(x, w, counts) };
+    pub(crate) fn expert_proj(&self, i: usize, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize], keys: Option<&[u64]>, tp: &Tp, ep: bool) -> Result<Tensor> {
+        let plain = |w: &Tensor| match bias {
+            Some((b, col0)) => grouped_matmul_bias(x, w, b, col0, counts),
+            None => grouped_matmul(x, w, counts),
+        };
+        let Some(f) = self.experts[i].as_ref() else { return plain(w) };
         if let Some(wd) = self.weight(i, false, w, tp, ep)? {
-            return grouped_matmul(x, &wd, counts);
+            return plain(&wd);
         }
         let mask = self.mask(x, &f.stream, keys, i == DOWN, tp)?;
-        grouped_matmul_update(x, w, counts, &self.update(f, i, w, tp, ep, 3)?, mask.as_ref())
+        let update = self.update(f, i, w, tp, ep, 3)?;
+        match bias {
+            Some((b, col0)) => grouped_matmul_update_bias(x, w, b, col0, counts, &update, mask.as_ref()),
+            None => grouped_matmul_update(x, w, counts, &update, mask.as_ref()),
+        }
     }
 
     /// Projection `i` of the shared expert for the region's rows `x` `[N, in_local]` (`tokens`:
@@ -356,7 +366,7 @@ mod tests {
             let l = MoeLora { experts: [Some(f), None, None], shared: [None, None, None], dropout: p, rows: rows.clone() };
             let keys = l.expert_keys(&tokens, &counts, n)?.ok_or_else(|| candle_core::Error::Msg("keys expected".into()))?;
             assert!(l.weight(0, false, &w, &tp, false)?.is_none(), "dropping: the base weight");
-            let y = l.expert_proj(0, xv.as_tensor(), &w, &counts, Some(&keys), &tp, false)?;
+            let y = l.expert_proj(0, xv.as_tensor(), &w, None, &counts, Some(&keys), &tp, false)?;
             let c = t(y.dims(), 6.1)?;
             let gy = (&y * &c)?.sum_all()?.backward()?;
             // the reference, expert by expert on plain tensors

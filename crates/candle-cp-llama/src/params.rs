@@ -120,7 +120,8 @@ impl ParamSpec {
         let stem = magnitude.or_else(|| self.name.strip_suffix(".lora_A.weight")).or_else(|| self.name.strip_suffix(".lora_B.weight")).unwrap_or(&self.name);
         // (a stacked DoRA magnitude is [E, out])
         let rank = if magnitude.is_some() { 2 } else { 3 };
-        self.shape.len() == rank && ["experts.gate_proj", "experts.up_proj", "experts.down_proj"].iter().any(|s| stem.ends_with(s))
+        // (gpt-oss's gate and up share `….experts.gate_up_proj.lora_A.weight`: crate::expert_params)
+        self.shape.len() == rank && ["experts.gate_proj", "experts.up_proj", "experts.down_proj", "experts.gate_up_proj"].iter().any(|s| stem.ends_with(s))
     }
 
     /// The shape this rank of `ctx` holds: [`ParamSpec::local_shape`] of its TP degree, and
@@ -196,8 +197,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
                 _ => (Shard::Replicated, shard),
             };
             let (outer, (o, i)) = (&shape[..shape.len() - 2], (shape[shape.len() - 2], shape[shape.len() - 1]));
-            // a Phi-3's fused module: one A (listed after its first part), each part's B rows
-            let a_name = match crate::config::phi3::fused_module(&base).filter(|_| lora.as_ref().is_some_and(|l| l.fused)) {
+            // a Phi-3's fused module, gpt-oss's experts' gate_up_proj: one A (listed after its
+            // first part), each part's B rows
+            let a_name = match lora.as_ref().and_then(|l| l.shared_a(&base)) {
                 Some((_, part)) if part > 0 => None,
                 Some((fused, _)) => Some(format!("{fused}.lora_A.weight")),
                 None => Some(format!("{base}.lora_A.weight")),

@@ -78,10 +78,28 @@ fn rows(t: &Tensor, start: usize, n: usize) -> Result<Tensor> {
 /// update's weights; `counts` the rows per expert, `mask` `[M, in]` or none. Errors name the
 /// shapes.
 pub fn grouped_matmul_update(x: &Tensor, w: &Tensor, counts: &[usize], update: &GroupedUpdate, mask: Option<&MaskFn>) -> Result<Tensor> {
-    let y0 = crate::moe::grouped_matmul(&x.detach(), &w.detach(), counts)?;
+    update_node(x, w, None, counts, update, mask)
+}
+
+/// [`grouped_matmul_update`] plus each row's expert's bias (gpt-oss's experts with LoRA):
+/// `bias` `[E, nb]` added to columns `[col0, col0 + nb)` of its expert's rows, as
+/// [`crate::moe::grouped_matmul_bias`] adds it, inside the same node (its backward adds
+/// `dbias[e]`, the sum of expert `e`'s rows of the output's gradient over those columns).
+/// Errors name the shapes. Reference: [`grouped_matmul_update_bias_slow`].
+pub fn grouped_matmul_update_bias(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize], update: &GroupedUpdate, mask: Option<&MaskFn>) -> Result<Tensor> {
+    update_node(x, w, Some((bias, col0)), counts, update, mask)
+}
+
+/// The node of [`grouped_matmul_update`] and [`grouped_matmul_update_bias`].
+fn update_node(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize], update: &GroupedUpdate, mask: Option<&MaskFn>) -> Result<Tensor> {
+    let y0 = match bias {
+        Some((b, col0)) => crate::moe::grouped_matmul_bias(&x.detach(), &w.detach(), &b.detach(), col0, counts)?,
+        None => crate::moe::grouped_matmul(&x.detach(), &w.detach(), counts)?,
+    };
     check(w, update)?;
     let (xd, wd, ud) = (x.detach(), w.detach(), update.detached());
-    let op = "grouped_matmul_update";
+    let bias_d = bias.map(|(b, c)| (b.detach(), c));
+    let op = if bias.is_some() { "grouped_matmul_update_bias" } else { "grouped_matmul_update" };
     let (xm, _) = apply_mask_opt(op, &xd, mask)?;
     let y = (y0 + term(&xm, &ud, counts)?)?;
     drop(xm);
@@ -91,9 +109,16 @@ pub fn grouped_matmul_update(x: &Tensor, w: &Tensor, counts: &[usize], update: &
         let (xm, m) = apply_mask_opt(op, &xd, mask.as_ref())?;
         let i = wd.dim(2)?;
         let (mut dx, mut dw) = (Vec::new(), Vec::new());
-        let (mut du1, mut du2) = (Vec::new(), Vec::new());
+        let (mut du1, mut du2, mut db) = (Vec::new(), Vec::new(), Vec::new());
         let mut off = 0;
         for (e, &n) in counts.iter().enumerate() {
+            if let Some((bd, col0)) = &bias_d {
+                let nb = bd.dim(1)?;
+                db.push(match n {
+                    0 => bd.get(e)?.zeros_like()?,
+                    _ => rows(&g, off, n)?.narrow(1, *col0, nb)?.to_dtype(candle_core::DType::F32)?.sum(0)?.to_dtype(bd.dtype())?,
+                });
+            }
             if n == 0 {
                 // an expert without rows: zero gradients for its weights
                 let z = |t: &Tensor| t.get(e)?.zeros_like();
@@ -140,11 +165,25 @@ pub fn grouped_matmul_update(x: &Tensor, w: &Tensor, counts: &[usize], update: &
         if !du2.is_empty() {
             grads.push(Some(Tensor::stack(&du2, 0)?));
         }
+        if !db.is_empty() {
+            grads.push(Some(Tensor::stack(&db, 0)?));
+        }
         Ok(grads)
     });
     let mut inputs = vec![x, w];
     inputs.extend(update.inputs());
-    attach_n("grouped_matmul_update", &inputs, y, bwd)
+    if let Some((b, _)) = bias {
+        inputs.push(b);
+    }
+    attach_n(op, &inputs, y, bwd)
+}
+
+/// [`grouped_matmul_update_bias`] from candle's ops ([`crate::moe::grouped_matmul_bias_slow`]
+/// and [`grouped_matmul_update_slow`]'s update): the reference.
+pub fn grouped_matmul_update_bias_slow(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize], update: &GroupedUpdate, mask: Option<&Tensor>) -> Result<Tensor> {
+    let base = crate::moe::grouped_matmul_slow(x, w, counts)?;
+    let with_bias = crate::moe::grouped_matmul_bias_slow(x, w, bias, col0, counts)?;
+    grouped_matmul_update_slow(x, w, counts, update, mask)? + (with_bias - base)?
 }
 
 /// The update's term `[M, out]` of the masked rows `xm` (detached weights).
@@ -222,6 +261,40 @@ mod tests {
         let bad = GroupedUpdate::LowRank { a: t(&[e, r, i + 1], 0.0)?, b: t(&[e, o, r], 0.0)?, scale: 1.0 };
         let err = grouped_matmul_update(&t(&[m, i], 0.0)?, &t(&[e, o, i], 0.0)?, &counts, &bad, None).err().map(|e| e.to_string()).unwrap_or_default();
         assert!(err.contains("[3, 2, 6]") && err.contains("[3, 4, 5]"), "{err}");
+        Ok(())
+    }
+
+    /// With the experts' biases (a whole row's and a TP rank's column slice), a LoRA update,
+    /// an expert without rows: the output and the gradients of x, W, A, B and the bias equal
+    /// the slow reference's; the bias's gradient is not zero (it is computed, not dropped).
+    #[test]
+    fn update_with_bias_matches_the_slow_reference() -> Result<()> {
+        let (e, i, o, r) = (3, 5, 6, 2);
+        let counts = [2usize, 0, 4];
+        let m = counts.iter().sum::<usize>();
+        for (col0, nb) in [(0, o), (2, 3)] {
+            let vars: Vec<Var> = [vec![m, i], vec![e, o, i], vec![e, r, i], vec![e, o, r], vec![e, nb]]
+                .iter()
+                .enumerate()
+                .map(|(k, s)| Var::from_tensor(&t(s, k as f64 + 1.7)?))
+                .collect::<Result<_>>()?;
+            let up = GroupedUpdate::LowRank { a: vars[2].as_tensor().clone(), b: vars[3].as_tensor().clone(), scale: 1.5 };
+            let c = t(&[m, o], 3.3)?;
+            let (x, w, b) = (vars[0].as_tensor(), vars[1].as_tensor(), vars[4].as_tensor());
+            let y = grouped_matmul_update_bias(x, w, b, col0, &counts, &up, None)?;
+            let want = grouped_matmul_update_bias_slow(x, w, b, col0, &counts, &up, None)?;
+            let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+            assert!(diff(&y, &want)? < 1e-6, "col0 {col0}: output");
+            let (gy, gw) = ((&y * &c)?.sum_all()?.backward()?, (&want * &c)?.sum_all()?.backward()?);
+            for (k, v) in vars.iter().enumerate() {
+                let (Some(a), Some(b)) = (gy.get(v.as_tensor()), gw.get(v.as_tensor())) else { candle_core::bail!("col0 {col0}: input {k} has no gradient") };
+                assert!(diff(a, b)? < 1e-5, "col0 {col0}: gradient of input {k} off by {}", diff(a, b)?);
+            }
+            let db = gy.get(b).map(|g| g.abs()?.sum_all()?.to_scalar::<f32>()).transpose()?.unwrap_or(0.0);
+            assert!(db > 1e-3, "col0 {col0}: the bias's gradient is {db}");
+        }
+        let err = grouped_matmul_update_bias(&t(&[m, i], 0.0)?, &t(&[e, o, i], 0.0)?, &t(&[e, o + 1], 0.0)?, 0, &counts, &GroupedUpdate::Full { w: t(&[e, o, i], 0.0)? }, None).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("[3, 7]"), "{err}");
         Ok(())
     }
 }

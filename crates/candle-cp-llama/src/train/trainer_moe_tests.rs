@@ -191,3 +191,55 @@ fn dora_with_dropout_on_experts_trains_alike_on_every_layout() -> Result<()> {
     }
     Ok(())
 }
+
+/// LoRA on gpt-oss's experts as PEFT adapts them (`target_parameters`: its experts are
+/// parameters; crate::expert_params) beside q_proj's: gate and up share one `A` (the fused
+/// `gate_up_proj`'s), trained with the experts' biases inside the same nodes. The checkpoint's
+/// PEFT file holds the wrappers (`….mlp.experts.lora_*` down, `….mlp.experts.base_layer.lora_*`
+/// gate_up, `[r·E, in]` / `[out, r·E]`) and `target_parameters`, B moved off zero for every
+/// expert; it reads back as the run's spec; zigzag 2 × TP 2 + SP with recomputed layers, EP 2
+/// over zigzag 2 × DP 2 with ZeRO-1, and EP 4 over ring 2 × DP 2 follow the one-device run;
+/// the experts' adapters change the curve.
+#[test]
+fn lora_on_gpt_oss_expert_parameters_trains_alike_on_every_layout() -> Result<()> {
+    let d = tmpdir("gpt-oss-lora");
+    let mut c = tiny_cfg(Some(d.clone()), Layout::single(), 2, 1);
+    let ModelSource::Init(m) = &c.model else { candle_core::bail!("init model expected") };
+    let m = m.clone().with_moe(Some(crate::MoeConfig::gpt_oss(4, 2, 16)));
+    c.model = ModelSource::Init(m.clone());
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj"])?.with_target_parameters(&["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])?);
+    let one = run(&c)?;
+    let step = d.join("checkpoints/step-000006");
+    let text = std::fs::read_to_string(step.join("adapter_config.json")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert!(text.contains("\"target_parameters\""), "{text}");
+    let (spec, _) = crate::lora::load_peft_adapter(&step)?;
+    assert_eq!(Some(&spec.with_expert_params(true)), c.lora.as_ref().map(|l| l.clone().with_expert_params(true)).as_ref());
+    let file = candle_core::safetensors::load(step.join("adapter_model.safetensors"), &candle_core::Device::Cpu)?;
+    let experts: Vec<(&String, &Tensor)> = file.iter().filter(|(n, _)| n.contains(".experts.")).collect();
+    // one layer: 2 wrappers × A, B
+    assert_eq!(experts.len(), 4, "{:?}", experts.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    let f = |n: &str| file.get(&format!("base_model.model.model.layers.0.mlp.experts.{n}")).map(|t| t.dims().to_vec());
+    let (h, i, e, r) = (m.hidden_size, 16, 4, 4);
+    assert_eq!((f("base_layer.lora_A.weight"), f("base_layer.lora_B.weight")), (Some(vec![r * e, h]), Some(vec![2 * i, r * e])));
+    assert_eq!((f("lora_A.weight"), f("lora_B.weight")), (Some(vec![r * e, i]), Some(vec![h, r * e])));
+    for (n, t) in experts.iter().filter(|(n, _)| n.ends_with("lora_B.weight")) {
+        // column j·E + e is expert e's
+        let t = t.reshape((t.dim(0)?, r, e))?;
+        for ex in 0..e {
+            let m = t.narrow(2, ex, 1)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(m > 0.0, "{n}: expert {ex}'s B did not train");
+        }
+    }
+    let mut attn_only = c.clone();
+    (attn_only.out, attn_only.lora) = (None, Some(crate::LoraSpec::new(4, 8.0, &["q_proj"])?));
+    let without = run(&attn_only)?;
+    assert!((one[0].metrics[3].loss - without[0].metrics[3].loss).abs() > 1e-6, "the experts' adapters change the curve");
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    for (layout, recompute, zero1) in adapter_layouts() {
+        let mut cl = c.clone();
+        (cl.out, cl.layout, cl.recompute, cl.zero1) = (None, layout, recompute, zero1);
+        assert_same_curve(&format!("gpt-oss expert LoRA on {layout}"), &curve, &run(&cl)?[0].metrics);
+    }
+    std::fs::remove_dir_all(&d).ok();
+    Ok(())
+}

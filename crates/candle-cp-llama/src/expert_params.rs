@@ -1,0 +1,199 @@
+//! LoRA on gpt-oss's experts as PEFT adapts them: its experts are parameters, not linear
+//! modules (`mlp.experts.gate_up_proj` `[E, h, 2·I]`, gate and up columns interleaved;
+//! `mlp.experts.down_proj` `[E, I, h]`), so PEFT targets them by parameter name
+//! (`target_parameters`, e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`, or
+//! `"7.mlp.experts.down_proj"` for one layer) and wraps each in a `ParamWrapper` whose factors
+//! hold every expert at once:
+//!
+//! ```text
+//!   lora_A.weight [r·E, in]     row    e·r + j   = expert e's A row j
+//!   lora_B.weight [out, r·E]    column j·E + e   = expert e's B column j
+//!   ΔW[e] [in, out] = s · (B_e · A_e)ᵀ            (PEFT: einsum("o r e, e r i -> e i o"))
+//! ```
+//!
+//! with `r` the per-expert rank (`s = alpha / r`), no dropout (PEFT refuses it there), no DoRA.
+//! The model holds the same adapters as its other experts' ([`crate::moe_lora`]): `A` `[E, r, in]`,
+//! `B` `[E, out, r]`; gate and up are the two parts of `gate_up_proj`, so they share one `A`
+//! (`….experts.gate_up_proj.lora_A.weight`, its gradient the sum of both uses) and each holds
+//! its rows of `B` (`….experts.{gate,up}_proj.lora_B.weight`, the even and odd rows of the
+//! fused one). [`to_peft`] and [`from_peft`] convert at the file's boundary.
+//!
+//! In the file, the two wrappers on one `experts` module nest: PEFT wraps the parameters in
+//! the order the module registers them (`gate_up_proj` before `down_proj`), so `down_proj`'s
+//! factors are `….mlp.experts.lora_{A,B}.weight` and `gate_up_proj`'s
+//! `….mlp.experts.base_layer.lora_{A,B}.weight` (one targeted alone: `….mlp.experts.lora_*`).
+//! Reading, the shapes decide which is which (`B` has `2·I` rows for `gate_up_proj`, `h` for
+//! `down_proj`), so another nesting reads too.
+
+use candle_core::{bail, Result, Tensor};
+use std::collections::HashMap;
+
+/// The fused parameter of an expert projection stem and its part: `….mlp.experts.gate_proj`
+/// → (`….mlp.experts.gate_up_proj`, 0), `up_proj` → 1, `….mlp.experts.down_proj` → itself, 0;
+/// `None` for another stem.
+pub(crate) fn param_of(stem: &str) -> Option<(String, usize)> {
+    for (proj, part) in [("gate_proj", 0), ("up_proj", 1)] {
+        if let Some(prefix) = stem.strip_suffix(&format!("mlp.experts.{proj}")) {
+            return Some((format!("{prefix}mlp.experts.gate_up_proj"), part));
+        }
+    }
+    stem.ends_with("mlp.experts.down_proj").then(|| (stem.to_string(), 0))
+}
+
+/// Whether PEFT's `target_parameters` key `key` names parameter `name` (its whole name, or its
+/// tail after a dot: PEFT's `key == name or name.endswith("." + key)`).
+pub(crate) fn key_matches(key: &str, name: &str) -> bool {
+    name == key || name.ends_with(&format!(".{key}"))
+}
+
+/// Refuse a `target_parameters` key that cannot name an expert parameter of gpt-oss.
+pub(crate) fn check_key(key: &str) -> Result<()> {
+    if !["experts.gate_up_proj", "experts.down_proj"].iter().any(|p| key == *p || key.ends_with(&format!(".{p}"))) {
+        bail!("LoRA target_parameters: '{key}' names no expert parameter (gpt-oss's are `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, optionally after a layer: `7.mlp.experts.down_proj`)")
+    }
+    Ok(())
+}
+
+/// The model's adapter tensors of gpt-oss's experts (full, by parameter name: the shared
+/// `….experts.gate_up_proj.lora_A.weight` `[E, r, h]`, `….experts.{gate,up}_proj.lora_B.weight`
+/// `[E, I, r]`, `….experts.down_proj.lora_{A,B}.weight` `[E, r, I]` / `[E, h, r]`) as PEFT's
+/// wrappers hold them (see the module doc); other tensors pass as they are. Errors name parts
+/// that do not fit together.
+pub(crate) fn to_peft(tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    // the experts modules' prefixes (`….mlp.`) whose parameters are adapted
+    let (mut gate_up, mut down) = (HashMap::new(), HashMap::new());
+    for (name, t) in tensors {
+        if let Some(p) = name.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
+            gate_up.entry(p.to_string()).or_insert([None, None, None])[0] = Some(t);
+        } else if let Some(p) = name.strip_suffix("mlp.experts.gate_proj.lora_B.weight") {
+            gate_up.entry(p.to_string()).or_insert([None, None, None])[1] = Some(t);
+        } else if let Some(p) = name.strip_suffix("mlp.experts.up_proj.lora_B.weight") {
+            gate_up.entry(p.to_string()).or_insert([None, None, None])[2] = Some(t);
+        } else if let Some(p) = name.strip_suffix("mlp.experts.down_proj.lora_A.weight") {
+            down.entry(p.to_string()).or_insert([None, None])[0] = Some(t);
+        } else if let Some(p) = name.strip_suffix("mlp.experts.down_proj.lora_B.weight") {
+            down.entry(p.to_string()).or_insert([None, None])[1] = Some(t);
+        } else {
+            out.insert(name, t);
+        }
+    }
+    let missing = |p: &str, what: &str| candle_core::Error::Msg(format!("LoRA adapter: {p}mlp.experts.gate_up_proj has no {what}"));
+    let mut wrappers: Vec<(String, &str, Tensor, Tensor)> = Vec::new();
+    for (p, [a, bg, bu]) in gate_up {
+        let (a, bg, bu) = (a.ok_or_else(|| missing(&p, "A"))?, bg.ok_or_else(|| missing(&p, "gate B"))?, bu.ok_or_else(|| missing(&p, "up B"))?);
+        if bg.dims() != bu.dims() || bg.rank() != 3 || a.rank() != 3 || bg.dim(0)? != a.dim(0)? || bg.dim(2)? != a.dim(1)? {
+            bail!("LoRA adapter: {p}mlp.experts gate_up_proj: A {:?}, gate B {:?}, up B {:?} do not fit ([E, r, h], [E, I, r] twice)", a.dims(), bg.dims(), bu.dims())
+        }
+        // gate and up rows interleaved, as the fused parameter's columns: [E, 2I, r]
+        let (e, i, r) = bg.dims3()?;
+        let b = Tensor::stack(&[&bg, &bu], 2)?.reshape((e, 2 * i, r))?;
+        wrappers.push((p, "gate_up_proj", a, b));
+    }
+    for (p, [a, b]) in down {
+        let missing = |w: &str| candle_core::Error::Msg(format!("LoRA adapter: {p}mlp.experts.down_proj has no {w}"));
+        wrappers.push((p.clone(), "down_proj", a.ok_or_else(|| missing("A"))?, b.ok_or_else(|| missing("B"))?));
+    }
+    let both: std::collections::HashSet<String> = wrappers.iter().filter(|w| w.1 == "down_proj").map(|w| w.0.clone()).collect();
+    for (p, param, a, b) in wrappers {
+        let (e, r, i) = a.dims3()?;
+        let (eb, o, rb) = b.dims3()?;
+        if (eb, rb) != (e, r) {
+            bail!("LoRA adapter: {p}mlp.experts.{param}: A {:?} and B {:?} do not fit ([E, r, in], [E, out, r])", a.dims(), b.dims())
+        }
+        // gate_up_proj is the inner wrapper when down_proj is adapted too (see the module doc)
+        let at = if param == "gate_up_proj" && both.contains(&p) { "mlp.experts.base_layer" } else { "mlp.experts" };
+        out.insert(format!("{p}{at}.lora_A.weight"), a.reshape((e * r, i))?);
+        // [E, out, r] → [out, r, E] → [out, r·E]: column j·E + e
+        out.insert(format!("{p}{at}.lora_B.weight"), b.permute((1, 2, 0))?.contiguous()?.reshape((o, r * e))?);
+    }
+    Ok(out)
+}
+
+/// PEFT's wrapper factors of gpt-oss's experts in `tensors` (names without the
+/// `base_model.model.` prefix: `….mlp.experts[.base_layer]*.lora_{A,B}.weight`) as the model's
+/// (the reverse of [`to_peft`]); other tensors pass as they are. `experts`, `hidden`, `inter`:
+/// the model's `E`, `h`, `I`; `E` splits `r·E`, and the shapes say which wrapper is which
+/// (`gate_up_proj`: in `h`, out `2·I`; `down_proj`: in `I`, out `h`; never both). Errors name a
+/// wrapper whose factors are neither.
+pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden: usize, inter: usize) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    // experts module prefix (`….mlp.`) → (nesting depth → (A, B))
+    let mut mods: HashMap<String, HashMap<usize, [Option<Tensor>; 2]>> = HashMap::new();
+    for (name, t) in tensors {
+        let split = ["lora_A.weight", "lora_B.weight"].iter().enumerate().find_map(|(k, f)| Some((k, name.strip_suffix(&format!(".{f}"))?)));
+        let Some((k, stem)) = split else {
+            out.insert(name, t);
+            continue;
+        };
+        let (mut head, mut depth) = (stem, 0);
+        while let Some(h) = head.strip_suffix(".base_layer") {
+            head = h;
+            depth += 1;
+        }
+        match head.strip_suffix("mlp.experts") {
+            Some(p) => mods.entry(p.to_string()).or_default().entry(depth).or_insert([None, None])[k] = Some(t),
+            None => {
+                out.insert(name, t);
+            }
+        }
+    }
+    for (p, wrappers) in mods {
+        let mut fs = Vec::new();
+        for (depth, [a, b]) in wrappers {
+            let (Some(a), Some(b)) = (a, b) else { bail!("LoRA adapter: {p}mlp.experts (wrapper {depth}) has lora_A without lora_B or the reverse") };
+            let ((ra, i), (o, rb)) = (a.dims2()?, b.dims2()?);
+            if ra != rb || experts == 0 || !ra.is_multiple_of(experts) {
+                bail!("LoRA adapter: {p}mlp.experts: lora_A {:?} and lora_B {:?} are not [r·E, in] and [out, r·E] with E = {experts}", a.dims(), b.dims())
+            }
+            fs.push((a, b, ra / experts, i, o));
+        }
+        for (a, b, r, i, o) in fs {
+            let a = a.reshape((experts, r, i))?;
+            // [out, r·E] → [out, r, E] → [E, out, r]
+            let b = b.reshape((o, r, experts))?.permute((2, 0, 1))?.contiguous()?;
+            let gate_up = (i, o) == (hidden, 2 * inter);
+            if !gate_up && (i, o) != (inter, hidden) {
+                bail!("LoRA adapter: {p}mlp.experts: lora_A {:?} / lora_B {:?} are neither gate_up_proj's ([r·E, {hidden}] / [{}, r·E]) nor down_proj's ([r·E, {inter}] / [{hidden}, r·E])", [r * experts, i], [o, r * experts], 2 * inter)
+            }
+            let a_name = format!("{p}mlp.experts.{}.lora_A.weight", if gate_up { "gate_up_proj" } else { "down_proj" });
+            if out.contains_key(&a_name) {
+                bail!("LoRA adapter: {p}mlp.experts wraps {a_name} twice")
+            }
+            if gate_up {
+                out.insert(a_name, a);
+                let b = b.reshape((experts, o / 2, 2, r))?;
+                out.insert(format!("{p}mlp.experts.gate_proj.lora_B.weight"), b.narrow(2, 0, 1)?.squeeze(2)?.contiguous()?);
+                out.insert(format!("{p}mlp.experts.up_proj.lora_B.weight"), b.narrow(2, 1, 1)?.squeeze(2)?.contiguous()?);
+            } else {
+                out.insert(a_name, a);
+                out.insert(format!("{p}mlp.experts.down_proj.lora_B.weight"), b);
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The shared `A` of gate_up_proj's parts given to each part
+/// (`….experts.{gate,up}_proj.lora_A.weight`), for merging the parts one at a time; other
+/// tensors pass as they are.
+pub(crate) fn untie(adapters: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
+    let mut out = HashMap::new();
+    for (n, t) in adapters {
+        match n.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
+            Some(p) => {
+                for part in ["gate_proj", "up_proj"] {
+                    out.insert(format!("{p}mlp.experts.{part}.lora_A.weight"), t.clone());
+                }
+            }
+            None => {
+                out.insert(n.clone(), t.clone());
+            }
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+#[path = "expert_params_tests.rs"]
+mod tests;

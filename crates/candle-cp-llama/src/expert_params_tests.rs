@@ -1,0 +1,117 @@
+//! The file layout of gpt-oss's expert adapters: PEFT's wrapper factors, their nesting, and the
+//! update PEFT computes from them.
+
+use super::*;
+use candle_core::{DType, Device};
+
+fn t(shape: &[usize], seed: f64) -> Result<Tensor> {
+    let n: usize = shape.iter().product();
+    let v: Vec<f32> = (0..n).map(|i| ((i as f64 * 0.37 + seed).sin() * 0.5) as f32).collect();
+    Tensor::from_vec(v, shape, &Device::Cpu)
+}
+
+/// PEFT's `get_delta_weight` of a 3-D parameter `[E, in, out]`, written from its einsum
+/// `"o r e, e r i -> e i o"` on the file's factors `A` `[r·E, in]`, `B` `[out, r·E]`, element by
+/// element (no reshapes shared with the code under test).
+fn peft_delta(a: &Tensor, b: &Tensor, e: usize, scale: f64) -> Result<Vec<Vec<Vec<f64>>>> {
+    let (a, b) = (a.to_dtype(DType::F64)?.to_vec2::<f64>()?, b.to_dtype(DType::F64)?.to_vec2::<f64>()?);
+    let (re, i, o) = (a.len(), a[0].len(), b.len());
+    let r = re / e;
+    // weight_A.reshape(E, r, in)[e][j] = A[e·r + j]; weight_B.reshape(out, r, E)[o][j][e] = B[o][j·E + e]
+    Ok((0..e).map(|ex| (0..i).map(|ii| (0..o).map(|oo| scale * (0..r).map(|j| b[oo][j * e + ex] * a[ex * r + j][ii]).sum::<f64>()).collect()).collect()).collect())
+}
+
+/// The model's factors written as PEFT's wrappers: `down_proj` outer, `gate_up_proj` inner
+/// (`base_layer`), flattened as PEFT's `[r·E, in]` / `[out, r·E]`; the update PEFT computes from
+/// them is, expert by expert, gate's `B_e·A_e` in the even columns of `gate_up_proj` and up's in
+/// the odd ones (its `[E, h, 2·I]` layout), down's `(B_e·A_e)ᵀ`; reading gives the model's
+/// factors back, from either nesting and for one wrapper alone; bad shapes are refused by name.
+#[test]
+fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
+    let (e, r, h, i) = (3, 2, 5, 4);
+    let p = "model.layers.1.";
+    let model: HashMap<String, Tensor> = [
+        ("mlp.experts.gate_up_proj.lora_A.weight", t(&[e, r, h], 0.1)?),
+        ("mlp.experts.gate_proj.lora_B.weight", t(&[e, i, r], 1.3)?),
+        ("mlp.experts.up_proj.lora_B.weight", t(&[e, i, r], 2.9)?),
+        ("mlp.experts.down_proj.lora_A.weight", t(&[e, r, i], 4.1)?),
+        ("mlp.experts.down_proj.lora_B.weight", t(&[e, h, r], 5.7)?),
+        ("self_attn.q_proj.lora_A.weight", t(&[r, h], 6.2)?),
+    ]
+    .into_iter()
+    .map(|(n, t)| (format!("{p}{n}"), t))
+    .collect();
+    let file = to_peft(model.clone())?;
+    let mut names: Vec<&String> = file.keys().collect();
+    names.sort();
+    let want = ["mlp.experts.base_layer.lora_A.weight", "mlp.experts.base_layer.lora_B.weight", "mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight", "self_attn.q_proj.lora_A.weight"];
+    assert_eq!(names, want.iter().map(|n| format!("{p}{n}")).collect::<Vec<_>>().iter().collect::<Vec<_>>());
+    let f = |n: &str| file[&format!("{p}{n}")].clone();
+    assert_eq!(f("mlp.experts.base_layer.lora_A.weight").dims(), &[r * e, h]);
+    assert_eq!(f("mlp.experts.base_layer.lora_B.weight").dims(), &[2 * i, r * e]);
+    assert_eq!(f("mlp.experts.lora_A.weight").dims(), &[r * e, i]);
+    assert_eq!(f("mlp.experts.lora_B.weight").dims(), &[h, r * e]);
+    // PEFT's update against the model's per-expert products
+    let m = |n: &str| model[&format!("{p}{n}")].clone();
+    let gate_up = peft_delta(&f("mlp.experts.base_layer.lora_A.weight"), &f("mlp.experts.base_layer.lora_B.weight"), e, 1.0)?;
+    let down = peft_delta(&f("mlp.experts.lora_A.weight"), &f("mlp.experts.lora_B.weight"), e, 1.0)?;
+    let a = m("mlp.experts.gate_up_proj.lora_A.weight");
+    let mut worst: f64 = 0.0;
+    for ex in 0..e {
+        let g = m("mlp.experts.gate_proj.lora_B.weight").get(ex)?.matmul(&a.get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?; // [I, h]
+        let u = m("mlp.experts.up_proj.lora_B.weight").get(ex)?.matmul(&a.get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?;
+        let d = m("mlp.experts.down_proj.lora_B.weight").get(ex)?.matmul(&m("mlp.experts.down_proj.lora_A.weight").get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?; // [h, I]
+        for c in 0..i {
+            for k in 0..h {
+                worst = worst.max((gate_up[ex][k][2 * c] - g[c][k]).abs()).max((gate_up[ex][k][2 * c + 1] - u[c][k]).abs());
+                worst = worst.max((down[ex][c][k] - d[k][c]).abs());
+            }
+        }
+    }
+    assert!(worst < 1e-6, "PEFT's update differs from the model's by {worst}");
+    // reading back, from this nesting and from the other one
+    let same = |got: &HashMap<String, Tensor>| -> Result<()> {
+        assert_eq!(got.len(), model.len());
+        for (n, t) in &model {
+            let g = got.get(n).ok_or_else(|| candle_core::Error::Msg(format!("{n} not read back")))?;
+            assert_eq!(g.dims(), t.dims(), "{n}");
+            assert_eq!((g - t)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "{n}");
+        }
+        Ok(())
+    };
+    same(&from_peft(file.clone(), e, h, i)?)?;
+    let swapped: HashMap<String, Tensor> = file.iter().map(|(n, t)| (n.replace("experts.base_layer.", "experts.X.").replace("experts.lora", "experts.base_layer.lora").replace("experts.X.", "experts."), t.clone())).collect();
+    assert!(swapped.contains_key(&format!("{p}mlp.experts.base_layer.lora_B.weight")));
+    same(&from_peft(swapped, e, h, i)?)?;
+    // one wrapper alone (gate_up_proj, not nested)
+    let alone: HashMap<String, Tensor> = model.iter().filter(|(n, _)| !n.contains("down_proj")).map(|(n, t)| (n.clone(), t.clone())).collect();
+    let file1 = to_peft(alone.clone())?;
+    assert!(file1.contains_key(&format!("{p}mlp.experts.lora_A.weight")) && !file1.keys().any(|n| n.contains("base_layer")));
+    assert_eq!(from_peft(file1.clone(), e, h, i)?.len(), alone.len());
+    // refusals: another expert count, a wrapper of neither shape, A without B
+    let err = |r: Result<HashMap<String, Tensor>>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err(from_peft(file1.clone(), 4, h, i)).contains("E = 4"));
+    let e1 = err(from_peft(file1.clone(), e, h + 1, i));
+    assert!(e1.contains("neither gate_up_proj's"), "{e1}");
+    let mut half = file1;
+    half.remove(&format!("{p}mlp.experts.lora_B.weight"));
+    assert!(err(from_peft(half, e, h, i)).contains("without lora_B"));
+    let mut broken = model.clone();
+    broken.remove(&format!("{p}mlp.experts.up_proj.lora_B.weight"));
+    assert!(err(to_peft(broken)).contains("no up B"));
+    Ok(())
+}
+
+/// Keys: a whole name or its tail after a dot; names that cannot be an expert parameter are
+/// refused; the parts of gate_up_proj share it, down_proj is its own.
+#[test]
+fn keys_and_parameters() -> Result<()> {
+    assert!(key_matches("mlp.experts.gate_up_proj", "model.layers.7.mlp.experts.gate_up_proj"));
+    assert!(key_matches("7.mlp.experts.down_proj", "model.layers.7.mlp.experts.down_proj"));
+    assert!(!key_matches("7.mlp.experts.down_proj", "model.layers.17.mlp.experts.down_proj"));
+    assert!(check_key("experts.gate_up_proj").is_ok() && check_key("mlp.experts.gate_proj").is_err() && check_key("q_proj").is_err());
+    assert_eq!(param_of("model.layers.0.mlp.experts.up_proj"), Some(("model.layers.0.mlp.experts.gate_up_proj".into(), 1)));
+    assert_eq!(param_of("model.layers.0.mlp.experts.down_proj"), Some(("model.layers.0.mlp.experts.down_proj".into(), 0)));
+    assert_eq!(param_of("model.layers.0.mlp.down_proj"), None);
+    Ok(())
+}
