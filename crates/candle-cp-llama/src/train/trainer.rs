@@ -466,8 +466,16 @@ pub fn train_rank(
         // with the others)
         let mut expert_items: Vec<(&String, &Tensor)> = named.iter().filter(|(n, _)| experts.contains(*n)).collect();
         expert_items.sort_by(|a, b| a.0.cmp(b.0));
+        // (an expert tensor every TP rank holds whole — a LoRA factor of the experts replicated
+        // over TP — scaled by 1/√copies: the TP sum of the item counts it once)
+        let expert_grad = |(n, g): &(&String, &Tensor)| -> Result<Tensor> {
+            match shards.get(*n).map(|s| s.copies(ctx.layout.tp)).filter(|&c| c > 1) {
+                Some(c) => g.to_dtype(candle_core::DType::F32)? / (c as f64).sqrt(),
+                None => Ok((*g).clone()),
+            }
+        };
         let expert_item = match &ctx.ep {
-            Some(ep) if !opt.splits_experts() => Some((super::clip::group_norm_item(&expert_items.iter().map(|(_, g)| (*g).clone()).collect::<Vec<_>>(), ep)?, 1)),
+            Some(ep) if !opt.splits_experts() => Some((super::clip::group_norm_item(&expert_items.iter().map(expert_grad).collect::<Result<Vec<_>>>()?, ep)?, 1)),
             _ => None,
         };
         let mut slice_items: Vec<(&String, &Tensor)> = slices.iter().collect();

@@ -119,12 +119,15 @@ fn expert_parallel_trains_like_one_device_and_resumes() -> Result<()> {
 }
 
 /// The layouts the adapter runs are checked on, `(layout, recompute, zero1)`: zigzag 2 × TP 2 +
-/// SP with recomputed layers, EP 2 over zigzag 2 × DP 2 with ZeRO-1, EP 4 over ring 2 × DP 2.
-fn adapter_layouts() -> [(Layout, bool, bool); 3] {
+/// SP with recomputed layers, EP 2 over zigzag 2 × DP 2 with ZeRO-1, EP 4 over ring 2 × DP 2,
+/// EP 2 over ring 2 × TP 2 + SP (the factors every TP rank holds whole — gate's and up's `A`,
+/// down's `B` — counted once in the clipped norm, not once per TP rank).
+fn adapter_layouts() -> [(Layout, bool, bool); 4] {
     [
         (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true, false),
         (Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false, true),
         (Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(4), false, false),
+        (Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), false, false),
     ]
 }
 
@@ -199,7 +202,8 @@ fn dora_with_dropout_on_experts_trains_alike_on_every_layout() -> Result<()> {
 /// gate_up, `[r·E, in]` / `[out, r·E]`) and `target_parameters`, B moved off zero for every
 /// expert; it reads back as the run's spec; zigzag 2 × TP 2 + SP with recomputed layers, EP 2
 /// over zigzag 2 × DP 2 with ZeRO-1, and EP 4 over ring 2 × DP 2 follow the one-device run;
-/// the experts' adapters change the curve.
+/// the experts' adapters change the curve. Started from that file (`lora_init`), ring 2 × TP 2
+/// + SP × EP 2 follows the one-device run started from it.
 #[test]
 fn lora_on_gpt_oss_expert_parameters_trains_alike_on_every_layout() -> Result<()> {
     let d = tmpdir("gpt-oss-lora");
@@ -240,6 +244,13 @@ fn lora_on_gpt_oss_expert_parameters_trains_alike_on_every_layout() -> Result<()
         (cl.out, cl.layout, cl.recompute, cl.zero1) = (None, layout, recompute, zero1);
         assert_same_curve(&format!("gpt-oss expert LoRA on {layout}"), &curve, &run(&cl)?[0].metrics);
     }
+    // started from the file (read into each rank's shards over TP and EP): the one-device curve
+    let mut from = c.clone();
+    (from.out, from.lora_init) = (None, Some(step.clone()));
+    let want = run(&from)?;
+    assert!((want[0].metrics[0].loss - one[0].metrics[0].loss).abs() > 1e-6, "the file's adapters act from step 1");
+    from.layout = Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2);
+    assert_same_curve("gpt-oss expert LoRA from its file on ring 2 x TP 2 + SP x EP 2", &want[0].metrics.iter().collect::<Vec<_>>(), &run(&from)?[0].metrics);
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
