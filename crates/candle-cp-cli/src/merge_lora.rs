@@ -48,9 +48,11 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     let (vm, cfg) = candle_cp_llama::load_hf(&base, &Device::Cpu, DType::F32)?;
     let mut weights = candle_cp_llama::params::varmap_tensors(&vm)?;
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
-    // (gpt-oss's experts are parameters: PEFT's wrappers as the model's factors)
-    let spec = spec.with_expert_params(cfg.gpt_oss);
-    let adapters = candle_cp_llama::lora::model_adapters(&cfg, adapters)?;
+    // (experts held as parameters — gpt-oss's, or named by target_parameters —: PEFT's wrappers
+    // as the model's factors)
+    let acfg = cfg.clone().with_lora(Some(spec));
+    let Some(spec) = acfg.lora.clone() else { anyhow::bail!("merge-lora: no LoRA spec (internal error)") };
+    let adapters = candle_cp_llama::lora::model_adapters(&acfg, adapters)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;
     let mut named: Vec<(String, candle_core::Tensor)> = Vec::new();
     for s in candle_cp_llama::param_specs(&cfg) {

@@ -202,7 +202,7 @@ fn a_gpt_oss_merges_its_expert_parameter_adapters() -> Result<()> {
     for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(270 + i as u64, &s.shape, 0.3)?);
     }
-    save_peft_adapter(&dir, &spec, &adapters, "tiny-gpt-oss")?;
+    save_peft_adapter(&dir, cfg.lora.as_ref().unwrap_or(&spec), &adapters, "tiny-gpt-oss")?;
     let out = dir.join("merged");
     let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
     let text = String::from_utf8_lossy(&o.stdout).to_string();

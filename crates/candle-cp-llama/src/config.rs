@@ -412,7 +412,7 @@ impl LlamaConfig {
         phi3::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
-        gpt_oss::check_expert_lora(self)?;
+        crate::expert_params::check(self)?;
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")

@@ -1,6 +1,8 @@
-//! LoRA on gpt-oss's experts as PEFT adapts them: its experts are parameters, not linear
-//! modules (`mlp.experts.gate_up_proj` `[E, h, 2·I]`, gate and up columns interleaved;
-//! `mlp.experts.down_proj` `[E, I, h]`), so PEFT targets them by parameter name
+//! LoRA on experts held as parameters, as PEFT adapts them: gpt-oss's experts are parameters,
+//! not linear modules (`mlp.experts.gate_up_proj` `[E, h, 2·I]`, gate and up columns
+//! interleaved; `mlp.experts.down_proj` `[E, I, h]`), and so are transformers 5's Qwen3-MoE's
+//! and Qwen2-MoE's (`gate_up_proj` `[E, 2·I, h]`, gate's rows then up's; `down_proj` `[E, h, I]`:
+//! [`crate::lora::GateUp`]), so PEFT targets them by parameter name
 //! (`target_parameters`, e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`, or
 //! `"7.mlp.experts.down_proj"` for one layer) and wraps each in a `ParamWrapper` whose factors
 //! hold every expert at once:
@@ -8,23 +10,25 @@
 //! ```text
 //!   lora_A.weight [r·E, in]     row    e·r + j   = expert e's A row j
 //!   lora_B.weight [out, r·E]    column j·E + e   = expert e's B column j
-//!   ΔW[e] [in, out] = s · (B_e · A_e)ᵀ            (PEFT: einsum("o r e, e r i -> e i o"))
+//!   ΔW[e] = s · (B_e · A_e)ᵀ  [in, out]  (gpt-oss: einsum("o r e, e r i -> e i o"))
+//!   ΔW[e] = s ·  B_e · A_e    [out, in]  (transformers 5's others: "... -> e o i")
 //! ```
 //!
 //! with `r` the per-expert rank (`s = alpha / r`), no dropout (PEFT refuses it there), no DoRA.
 //! The model holds the same adapters as its other experts' ([`crate::moe_lora`]): `A` `[E, r, in]`,
 //! `B` `[E, out, r]`; gate and up are the two parts of `gate_up_proj`, so they share one `A`
 //! (`….experts.gate_up_proj.lora_A.weight`, its gradient the sum of both uses) and each holds
-//! its rows of `B` (`….experts.{gate,up}_proj.lora_B.weight`, the even and odd rows of the
-//! fused one). [`to_peft`] and [`from_peft`] convert at the file's boundary.
+//! its rows of `B` (`….experts.{gate,up}_proj.lora_B.weight`: the even and odd rows of the
+//! fused one, or its halves). [`to_peft`] and [`from_peft`] convert at the file's boundary.
 //!
 //! In the file, the two wrappers on one `experts` module nest: PEFT wraps the parameters in
-//! the order the module registers them (`gate_up_proj` before `down_proj`), so `down_proj`'s
+//! the order the module registers them (`gate_up_proj` before `down_proj`, in both models), so `down_proj`'s
 //! factors are `….mlp.experts.lora_{A,B}.weight` and `gate_up_proj`'s
 //! `….mlp.experts.base_layer.lora_{A,B}.weight` (one targeted alone: `….mlp.experts.lora_*`).
 //! Reading, the shapes decide which is which (`B` has `2·I` rows for `gate_up_proj`, `h` for
 //! `down_proj`), so another nesting reads too.
 
+use crate::lora::GateUp;
 use candle_core::{bail, Result, Tensor};
 use std::collections::HashMap;
 
@@ -46,20 +50,58 @@ pub(crate) fn key_matches(key: &str, name: &str) -> bool {
     name == key || name.ends_with(&format!(".{key}"))
 }
 
-/// Refuse a `target_parameters` key that cannot name an expert parameter of gpt-oss.
+/// Refuse a `target_parameters` key that cannot name an expert parameter.
 pub(crate) fn check_key(key: &str) -> Result<()> {
     if !["experts.gate_up_proj", "experts.down_proj"].iter().any(|p| key == *p || key.ends_with(&format!(".{p}"))) {
-        bail!("LoRA target_parameters: '{key}' names no expert parameter (gpt-oss's are `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, optionally after a layer: `7.mlp.experts.down_proj`)")
+        bail!("LoRA target_parameters: '{key}' names no expert parameter (they are `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, optionally after a layer: `7.mlp.experts.down_proj`)")
     }
     Ok(())
 }
 
-/// The model's adapter tensors of gpt-oss's experts (full, by parameter name: the shared
-/// `….experts.gate_up_proj.lora_A.weight` `[E, r, h]`, `….experts.{gate,up}_proj.lora_B.weight`
-/// `[E, I, r]`, `….experts.down_proj.lora_{A,B}.weight` `[E, r, I]` / `[E, h, r]`) as PEFT's
-/// wrappers hold them (see the module doc); other tensors pass as they are. Errors name parts
+/// Errors for LoRA on expert parameters (PEFT's `target_parameters`,
+/// [`crate::expert_params`]) where PEFT refuses them or this model does not hold them: with
+/// dropout or DoRA (PEFT's parameter wrappers take neither), on a model without experts under
+/// `mlp.experts` (a dense model; Mixtral, whose experts are `block_sparse_moe` modules here), or
+/// keys that name no parameter of this model's sparse layers (PEFT: "no parameter was matched").
+///
+/// On gpt-oss, target modules `gate_proj`, `up_proj`, `down_proj` adapt nothing (PEFT's
+/// `all-linear` names every projection, and gpt-oss's experts are not linear modules): a list
+/// naming some of them but not every projection is refused as a likely mistake.
+pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
+    if let Some(l) = cfg.lora.as_ref().filter(|l| cfg.gpt_oss && l.target_regex.is_none()) {
+        let all = crate::lora::TARGETS.iter().all(|t| l.adapts(t));
+        if let Some(t) = ["gate_proj", "up_proj", "down_proj"].iter().find(|t| l.adapts(t) && !all) {
+            bail!("LlamaConfig: LoRA target module {t} on gpt-oss, whose experts are parameters (PEFT's target_parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj), not modules")
+        }
+    }
+    let Some(l) = cfg.lora.as_ref().filter(|l| !l.target_parameters.is_empty()) else { return Ok(()) };
+    let keys = l.target_parameters.join(", ");
+    if cfg.moe.as_ref().is_none_or(|m| m.module() != "mlp") {
+        bail!("LlamaConfig: LoRA target_parameters [{keys}] on a model without experts under mlp.experts (a Mixtral's are block_sparse_moe modules here: adapt them with target_modules w1, w3, w2)")
+    }
+    if l.dropout > 0.0 {
+        bail!("LlamaConfig: LoRA target_parameters [{keys}] with lora_dropout {}: PEFT takes no dropout on parameters (it cannot be factored out of the weight)", l.dropout)
+    }
+    if l.dora {
+        bail!("LlamaConfig: LoRA target_parameters [{keys}] with DoRA: PEFT adapts parameters with plain LoRA only")
+    }
+    let names: Vec<String> = (0..cfg.num_hidden_layers)
+        .filter(|&i| cfg.is_moe_layer(i))
+        .flat_map(|i| ["gate_up_proj", "down_proj"].map(|p| format!("model.layers.{i}.mlp.experts.{p}")))
+        .collect();
+    if let Some(k) = l.target_parameters.iter().find(|k| !names.iter().any(|n| key_matches(k, n))) {
+        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter of the {} sparse layers", names.len() / 2)
+    }
+    Ok(())
+}
+
+/// The model's adapter tensors of experts held as parameters (full, by parameter name: the
+/// shared `….experts.gate_up_proj.lora_A.weight` `[E, r, h]`,
+/// `….experts.{gate,up}_proj.lora_B.weight` `[E, I, r]`, `….experts.down_proj.lora_{A,B}.weight`
+/// `[E, r, I]` / `[E, h, r]`) as PEFT's wrappers hold them (see the module doc), gate's and up's
+/// `B` joined as `layout` joins their outputs; other tensors pass as they are. Errors name parts
 /// that do not fit together.
-pub(crate) fn to_peft(tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+pub(crate) fn to_peft(tensors: HashMap<String, Tensor>, layout: GateUp) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     // the experts modules' prefixes (`….mlp.`) whose parameters are adapted
     let (mut gate_up, mut down) = (HashMap::new(), HashMap::new());
@@ -85,9 +127,12 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>) -> Result<HashMap<String
         if bg.dims() != bu.dims() || bg.rank() != 3 || a.rank() != 3 || bg.dim(0)? != a.dim(0)? || bg.dim(2)? != a.dim(1)? {
             bail!("LoRA adapter: {p}mlp.experts gate_up_proj: A {:?}, gate B {:?}, up B {:?} do not fit ([E, r, h], [E, I, r] twice)", a.dims(), bg.dims(), bu.dims())
         }
-        // gate and up rows interleaved, as the fused parameter's columns: [E, 2I, r]
+        // gate's and up's rows joined as the fused parameter joins them: [E, 2I, r]
         let (e, i, r) = bg.dims3()?;
-        let b = Tensor::stack(&[&bg, &bu], 2)?.reshape((e, 2 * i, r))?;
+        let b = match layout {
+            GateUp::Interleaved => Tensor::stack(&[&bg, &bu], 2)?.reshape((e, 2 * i, r))?,
+            GateUp::Concatenated => Tensor::cat(&[&bg, &bu], 1)?,
+        };
         wrappers.push((p, "gate_up_proj", a, b));
     }
     for (p, [a, b]) in down {
@@ -110,13 +155,13 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>) -> Result<HashMap<String
     Ok(out)
 }
 
-/// PEFT's wrapper factors of gpt-oss's experts in `tensors` (names without the
+/// PEFT's wrapper factors of experts held as parameters in `tensors` (names without the
 /// `base_model.model.` prefix: `….mlp.experts[.base_layer]*.lora_{A,B}.weight`) as the model's
 /// (the reverse of [`to_peft`]); other tensors pass as they are. `experts`, `hidden`, `inter`:
 /// the model's `E`, `h`, `I`; `E` splits `r·E`, and the shapes say which wrapper is which
 /// (`gate_up_proj`: in `h`, out `2·I`; `down_proj`: in `I`, out `h`; never both). Errors name a
-/// wrapper whose factors are neither.
-pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden: usize, inter: usize) -> Result<HashMap<String, Tensor>> {
+/// wrapper whose factors are neither. `layout`: how gate_up_proj's `B` joins gate's and up's.
+pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden: usize, inter: usize, layout: GateUp) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     // experts module prefix (`….mlp.`) → (nesting depth → (A, B))
     let mut mods: HashMap<String, HashMap<usize, [Option<Tensor>; 2]>> = HashMap::new();
@@ -162,9 +207,15 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
             }
             if gate_up {
                 out.insert(a_name, a);
-                let b = b.reshape((experts, o / 2, 2, r))?;
-                out.insert(format!("{p}mlp.experts.gate_proj.lora_B.weight"), b.narrow(2, 0, 1)?.squeeze(2)?.contiguous()?);
-                out.insert(format!("{p}mlp.experts.up_proj.lora_B.weight"), b.narrow(2, 1, 1)?.squeeze(2)?.contiguous()?);
+                let (gate, up) = match layout {
+                    GateUp::Interleaved => {
+                        let b = b.reshape((experts, inter, 2, r))?;
+                        (b.narrow(2, 0, 1)?.squeeze(2)?, b.narrow(2, 1, 1)?.squeeze(2)?)
+                    }
+                    GateUp::Concatenated => (b.narrow(1, 0, inter)?, b.narrow(1, inter, inter)?),
+                };
+                out.insert(format!("{p}mlp.experts.gate_proj.lora_B.weight"), gate.contiguous()?);
+                out.insert(format!("{p}mlp.experts.up_proj.lora_B.weight"), up.contiguous()?);
             } else {
                 out.insert(a_name, a);
                 out.insert(format!("{p}mlp.experts.down_proj.lora_B.weight"), b);

@@ -23,11 +23,20 @@ fn peft_delta(a: &Tensor, b: &Tensor, e: usize, scale: f64) -> Result<Vec<Vec<Ve
 
 /// The model's factors written as PEFT's wrappers: `down_proj` outer, `gate_up_proj` inner
 /// (`base_layer`), flattened as PEFT's `[r·E, in]` / `[out, r·E]`; the update PEFT computes from
-/// them is, expert by expert, gate's `B_e·A_e` in the even columns of `gate_up_proj` and up's in
-/// the odd ones (its `[E, h, 2·I]` layout), down's `(B_e·A_e)ᵀ`; reading gives the model's
-/// factors back, from either nesting and for one wrapper alone; bad shapes are refused by name.
+/// them is, expert by expert, gpt-oss's gate's `B_e·A_e` in the even columns of `gate_up_proj`
+/// and up's in the odd ones (its `[E, h, 2·I]` layout), down's `(B_e·A_e)ᵀ`; transformers 5's
+/// (`[E, 2·I, h]`, einsum `"o r e, e r i -> e o i"`) gate's in the first `I` rows, up's in the
+/// next, down's `B_e·A_e`; reading gives the model's factors back, from either nesting and for
+/// one wrapper alone; bad shapes are refused by name.
 #[test]
 fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
+    for layout in [GateUp::Interleaved, GateUp::Concatenated] {
+        wrappers_in(layout)?;
+    }
+    Ok(())
+}
+
+fn wrappers_in(layout: GateUp) -> Result<()> {
     let (e, r, h, i) = (3, 2, 5, 4);
     let p = "model.layers.1.";
     let model: HashMap<String, Tensor> = [
@@ -41,7 +50,7 @@ fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
     .into_iter()
     .map(|(n, t)| (format!("{p}{n}"), t))
     .collect();
-    let file = to_peft(model.clone())?;
+    let file = to_peft(model.clone(), layout)?;
     let mut names: Vec<&String> = file.keys().collect();
     names.sort();
     let want = ["mlp.experts.base_layer.lora_A.weight", "mlp.experts.base_layer.lora_B.weight", "mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight", "self_attn.q_proj.lora_A.weight"];
@@ -61,9 +70,15 @@ fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
         let g = m("mlp.experts.gate_proj.lora_B.weight").get(ex)?.matmul(&a.get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?; // [I, h]
         let u = m("mlp.experts.up_proj.lora_B.weight").get(ex)?.matmul(&a.get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?;
         let d = m("mlp.experts.down_proj.lora_B.weight").get(ex)?.matmul(&m("mlp.experts.down_proj.lora_A.weight").get(ex)?)?.to_dtype(DType::F64)?.to_vec2::<f64>()?; // [h, I]
+        // (PEFT's [E, in, out] read as the parameter holds it: gpt-oss's [E, h, 2·I] as it is;
+        // transformers 5's [E, 2·I, h] swaps in and out, so the same array is its transpose)
         for c in 0..i {
             for k in 0..h {
-                worst = worst.max((gate_up[ex][k][2 * c] - g[c][k]).abs()).max((gate_up[ex][k][2 * c + 1] - u[c][k]).abs());
+                let (gc, uc) = match layout {
+                    GateUp::Interleaved => (2 * c, 2 * c + 1),
+                    GateUp::Concatenated => (c, i + c),
+                };
+                worst = worst.max((gate_up[ex][k][gc] - g[c][k]).abs()).max((gate_up[ex][k][uc] - u[c][k]).abs());
                 worst = worst.max((down[ex][c][k] - d[k][c]).abs());
             }
         }
@@ -79,26 +94,26 @@ fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
         }
         Ok(())
     };
-    same(&from_peft(file.clone(), e, h, i)?)?;
+    same(&from_peft(file.clone(), e, h, i, layout)?)?;
     let swapped: HashMap<String, Tensor> = file.iter().map(|(n, t)| (n.replace("experts.base_layer.", "experts.X.").replace("experts.lora", "experts.base_layer.lora").replace("experts.X.", "experts."), t.clone())).collect();
     assert!(swapped.contains_key(&format!("{p}mlp.experts.base_layer.lora_B.weight")));
-    same(&from_peft(swapped, e, h, i)?)?;
+    same(&from_peft(swapped, e, h, i, layout)?)?;
     // one wrapper alone (gate_up_proj, not nested)
     let alone: HashMap<String, Tensor> = model.iter().filter(|(n, _)| !n.contains("down_proj")).map(|(n, t)| (n.clone(), t.clone())).collect();
-    let file1 = to_peft(alone.clone())?;
+    let file1 = to_peft(alone.clone(), layout)?;
     assert!(file1.contains_key(&format!("{p}mlp.experts.lora_A.weight")) && !file1.keys().any(|n| n.contains("base_layer")));
-    assert_eq!(from_peft(file1.clone(), e, h, i)?.len(), alone.len());
+    assert_eq!(from_peft(file1.clone(), e, h, i, layout)?.len(), alone.len());
     // refusals: another expert count, a wrapper of neither shape, A without B
     let err = |r: Result<HashMap<String, Tensor>>| r.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err(from_peft(file1.clone(), 4, h, i)).contains("E = 4"));
-    let e1 = err(from_peft(file1.clone(), e, h + 1, i));
+    assert!(err(from_peft(file1.clone(), 4, h, i, layout)).contains("E = 4"));
+    let e1 = err(from_peft(file1.clone(), e, h + 1, i, layout));
     assert!(e1.contains("neither gate_up_proj's"), "{e1}");
     let mut half = file1;
     half.remove(&format!("{p}mlp.experts.lora_B.weight"));
-    assert!(err(from_peft(half, e, h, i)).contains("without lora_B"));
+    assert!(err(from_peft(half, e, h, i, layout)).contains("without lora_B"));
     let mut broken = model.clone();
     broken.remove(&format!("{p}mlp.experts.up_proj.lora_B.weight"));
-    assert!(err(to_peft(broken)).contains("no up B"));
+    assert!(err(to_peft(broken, layout)).contains("no up B"));
     Ok(())
 }
 

@@ -126,40 +126,6 @@ pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>
     Some(t)
 }
 
-/// Errors for LoRA on expert parameters (PEFT's `target_parameters`,
-/// [`crate::expert_params`]) where PEFT refuses them or this model does not hold them: with
-/// dropout or DoRA (PEFT's parameter wrappers take neither), on a model other than gpt-oss
-/// (whose experts this model adapts as PEFT's per-expert modules, `target_modules`), or keys
-/// that name no parameter of this model (PEFT: "no parameter was matched").
-///
-/// On gpt-oss, target modules `gate_proj`, `up_proj`, `down_proj` adapt nothing (PEFT's
-/// `all-linear` names every projection, and gpt-oss's experts are not linear modules): a list
-/// naming some of them but not every projection is refused as a likely mistake.
-pub(crate) fn check_expert_lora(cfg: &super::LlamaConfig) -> Result<()> {
-    if let Some(l) = cfg.lora.as_ref().filter(|l| cfg.gpt_oss && l.target_regex.is_none()) {
-        let all = crate::lora::TARGETS.iter().all(|t| l.adapts(t));
-        if let Some(t) = ["gate_proj", "up_proj", "down_proj"].iter().find(|t| l.adapts(t) && !all) {
-            bail!("LlamaConfig: LoRA target module {t} on gpt-oss, whose experts are parameters (PEFT's target_parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj), not modules")
-        }
-    }
-    let Some(l) = cfg.lora.as_ref().filter(|l| !l.target_parameters.is_empty()) else { return Ok(()) };
-    let keys = l.target_parameters.join(", ");
-    if !cfg.gpt_oss {
-        bail!("LlamaConfig: LoRA target_parameters [{keys}] on a model whose experts are modules: adapt them with target_modules (gate_proj, up_proj, down_proj)")
-    }
-    if l.dropout > 0.0 {
-        bail!("LlamaConfig: LoRA target_parameters [{keys}] with lora_dropout {}: PEFT takes no dropout on parameters (it cannot be factored out of the weight)", l.dropout)
-    }
-    if l.dora {
-        bail!("LlamaConfig: LoRA target_parameters [{keys}] with DoRA: PEFT adapts parameters with plain LoRA only")
-    }
-    let names: Vec<String> = (0..cfg.num_hidden_layers).flat_map(|i| ["gate_up_proj", "down_proj"].map(|p| format!("model.layers.{i}.mlp.experts.{p}"))).collect();
-    if let Some(k) = l.target_parameters.iter().find(|k| !names.iter().any(|n| crate::expert_params::key_matches(k, n))) {
-        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter of the {} layers", cfg.num_hidden_layers)
-    }
-    Ok(())
-}
-
 /// Turn the keys `to_hf_json` wrote into a gpt-oss config: `attention_bias`, the clamp,
 /// `layer_types` (the mixture of experts' keys come from `qwen3_moe::write`).
 pub(crate) fn write(m: &mut Map<String, Value>, cfg: &super::LlamaConfig) {

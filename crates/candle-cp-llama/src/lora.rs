@@ -66,10 +66,22 @@ pub struct LoraSpec {
     /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or one layer's, `7.mlp.experts.down_proj`),
     /// sorted; see [`crate::expert_params`].
     pub target_parameters: Vec<String>,
-    /// The experts are parameters (set by [`crate::LlamaConfig::with_lora`] on gpt-oss): only
-    /// [`LoraSpec::target_parameters`] adapts them, `target_modules` do not (as in PEFT, where
-    /// they are not linear modules).
-    pub expert_params: bool,
+    /// The experts are parameters, their fused `gate_up_proj` in this layout (set by
+    /// [`crate::LlamaConfig::with_lora`]: gpt-oss's always, interleaved; a Qwen3-MoE's or
+    /// Qwen2-MoE's when [`LoraSpec::target_parameters`] are given, as transformers 5 holds
+    /// them): only target_parameters adapt them, `target_modules` do not (as in PEFT, where
+    /// they are not linear modules). `None`: the experts are modules (transformers 4's
+    /// `mlp.experts.{e}.gate_proj`), adapted by `target_modules`.
+    pub expert_params: Option<GateUp>,
+}
+
+/// How a fused `mlp.experts.gate_up_proj` holds gate's and up's outputs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum GateUp {
+    /// Alternating columns, gate first (gpt-oss's `[E, h, 2·I]`).
+    Interleaved,
+    /// Gate's `I` rows, then up's (transformers 5's Qwen3-MoE / Qwen2-MoE `[E, 2·I, h]`).
+    Concatenated,
 }
 
 /// The modules [`LoraSpec::modules_to_save`] may name, and their parameters.
@@ -90,7 +102,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = known().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false, target_parameters: Vec::new(), expert_params: false })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false, target_parameters: Vec::new(), expert_params: None })
     }
 
     /// Adapters of rank `rank`, scale `alpha / rank`, on the expert parameters `keys` alone
@@ -120,10 +132,10 @@ impl LoraSpec {
         Ok(self)
     }
 
-    /// The same adapters on a model whose experts are parameters (`on`: gpt-oss,
-    /// [`LoraSpec::expert_params`]) or modules.
-    pub fn with_expert_params(mut self, on: bool) -> Self {
-        self.expert_params = on;
+    /// The same adapters on a model whose experts are parameters held in layout `layout`
+    /// ([`LoraSpec::expert_params`]) or modules (`None`).
+    pub fn with_expert_params(mut self, layout: Option<GateUp>) -> Self {
+        self.expert_params = layout;
         self
     }
 
@@ -265,7 +277,16 @@ impl crate::LlamaConfig {
     /// The same config with LoRA adapters `lora` (or none).
     pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {
         // (a Phi-3's modules are its fused ones: LoraSpec::with_fused)
-        self.lora = lora.map(|l| l.with_fused(self.phi3).with_expert_params(self.gpt_oss));
+        // (the experts as parameters: gpt-oss's always; another mixture's when the spec names them)
+        let layout = |l: &LoraSpec| match (self.gpt_oss, self.moe.is_some() && !l.target_parameters.is_empty()) {
+            (true, _) => Some(GateUp::Interleaved),
+            (false, true) => Some(GateUp::Concatenated),
+            (false, false) => None,
+        };
+        self.lora = lora.map(|l| {
+            let g = layout(&l);
+            l.with_fused(self.phi3).with_expert_params(g)
+        });
         self
     }
 }
@@ -293,8 +314,11 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
         false => adapters,
     };
     // (gpt-oss's experts as PEFT's parameter wrappers: crate::expert_params)
-    let params = spec.expert_params || !spec.target_parameters.is_empty();
-    let adapters = if params { crate::expert_params::to_peft(adapters)? } else { adapters };
+    let adapters = match spec.expert_params {
+        Some(layout) => crate::expert_params::to_peft(adapters, layout)?,
+        None if !spec.target_parameters.is_empty() => bail!("save_peft_adapter: target_parameters on a spec that does not say how the experts are held (take it from LlamaConfig::with_lora)"),
+        None => adapters,
+    };
     // (a sparse layer's stacked expert factors as PEFT's per-expert tensors)
     let named: HashMap<String, Tensor> = crate::moe_lora::split_expert_adapters(&adapters)?
         .into_iter()
@@ -427,8 +451,8 @@ pub(crate) fn insert_loaded_adapter(
 /// model's factors ([`crate::expert_params`]); on another model they are as they were. Errors
 /// name wrappers whose factors are not gpt-oss's.
 pub fn model_adapters(cfg: &crate::LlamaConfig, tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
-    match (&cfg.moe, cfg.gpt_oss) {
-        (Some(m), true) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size),
+    match (&cfg.moe, cfg.lora.as_ref().and_then(|l| l.expert_params)) {
+        (Some(m), Some(layout)) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size, layout),
         _ => Ok(tensors),
     }
 }

@@ -67,7 +67,7 @@ impl LoraSpec {
     /// gpt-oss's expert parameter of stacked expert stem `stem` and its part
     /// (`….experts.up_proj` → (`….experts.gate_up_proj`, 1); [`LoraSpec::expert_params`]).
     fn expert_param(&self, stem: &str) -> Option<(String, usize)> {
-        self.expert_params.then(|| crate::expert_params::param_of(stem)).flatten()
+        self.expert_params.and_then(|_| crate::expert_params::param_of(stem))
     }
 
     /// The module whose one `A` weight stem `stem` shares with its other parts, and its part:

@@ -217,7 +217,7 @@ fn lora_on_gpt_oss_expert_parameters_trains_alike_on_every_layout() -> Result<()
     let text = std::fs::read_to_string(step.join("adapter_config.json")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     assert!(text.contains("\"target_parameters\""), "{text}");
     let (spec, _) = crate::lora::load_peft_adapter(&step)?;
-    assert_eq!(Some(&spec.with_expert_params(true)), c.lora.as_ref().map(|l| l.clone().with_expert_params(true)).as_ref());
+    assert_eq!(Some(&spec.with_expert_params(Some(crate::lora::GateUp::Interleaved))), c.lora.as_ref().map(|l| l.clone().with_expert_params(Some(crate::lora::GateUp::Interleaved))).as_ref());
     let file = candle_core::safetensors::load(step.join("adapter_model.safetensors"), &candle_core::Device::Cpu)?;
     let experts: Vec<(&String, &Tensor)> = file.iter().filter(|(n, _)| n.contains(".experts.")).collect();
     // one layer: 2 wrappers × A, B
