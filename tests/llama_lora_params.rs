@@ -19,6 +19,7 @@
 //! - An adapter configured as PEFT's gpt-oss recipes write them (`target_modules:
 //!   "all-linear"`, `target_parameters` on one layer's experts) reads: the attention adapted on
 //!   every layer, the experts of that layer only.
+//! - Generation with the adapters folded into the weights decodes the adapted model's tokens.
 //! - Refused by name: dropout, DoRA, expert parameters on a model whose experts are modules
 //!   here (Mixtral's `block_sparse_moe`), a key that matches no parameter of a sparse layer, a
 //!   key that names no expert parameter, gpt-oss's experts as target modules.
@@ -331,5 +332,19 @@ fn a_recipe_style_gpt_oss_adapter_reads() -> Result<()> {
     let b = run_layout_recompute(&back, &rcfg, &ids, Layout::single(), &Device::Cpu, false)?;
     assert_eq!((&a.logits - &b.logits)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
     std::fs::remove_dir_all(&dir).ok();
+    Ok(())
+}
+
+/// Generation with the expert-parameter adapters folded into the weights (what
+/// `Llama::with_adapters_merged` runs) decodes the adapted model's tokens on one device, TP 2 +
+/// SP and EP 2 over zigzag 2, for both models.
+#[test]
+fn expert_parameter_adapters_generate_alike() -> Result<()> {
+    for style in STYLES {
+        let (_, cfg, full) = adapted(style)?;
+        let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
+        let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids(64)?, &layouts)?;
+        println!("{style:?}: merged adapters decode alike, logits within {e:.1e}");
+    }
     Ok(())
 }

@@ -254,3 +254,32 @@ fn lora_on_gpt_oss_expert_parameters_trains_alike_on_every_layout() -> Result<()
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
+
+/// LoRA on a Qwen3-MoE's expert parameters (transformers 5's fused `gate_up_proj`, PEFT's
+/// `target_parameters`) beside v_proj's: the adapters alone train, the checkpoint's PEFT file
+/// holds the wrappers and reads back as the run's spec, and every adapter layout follows the
+/// one-device run.
+#[test]
+fn lora_on_qwen3_moe_expert_parameters_trains_alike_on_every_layout() -> Result<()> {
+    let d = tmpdir("qwen-params-lora");
+    let mut c = moe_cfg(Some(d.clone()), Layout::single())?;
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["v_proj"])?.with_target_parameters(&["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])?);
+    let one = run(&c)?;
+    let step = d.join("checkpoints/step-000006");
+    let (spec, _) = crate::lora::load_peft_adapter(&step)?;
+    let layout = Some(crate::lora::GateUp::Concatenated);
+    assert_eq!(Some(spec.with_expert_params(layout)), c.lora.clone().map(|l| l.with_expert_params(layout)));
+    let file = candle_core::safetensors::load(step.join("adapter_model.safetensors"), &candle_core::Device::Cpu)?;
+    let mut experts: Vec<&String> = file.keys().filter(|n| n.contains(".experts.")).collect();
+    experts.sort();
+    assert_eq!(experts.len(), 4, "{experts:?}");
+    assert!(experts[0].ends_with("mlp.experts.base_layer.lora_A.weight"), "{experts:?}");
+    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+    for (layout, recompute, zero1) in adapter_layouts() {
+        let mut cl = c.clone();
+        (cl.out, cl.layout, cl.recompute, cl.zero1) = (None, layout, recompute, zero1);
+        assert_same_curve(&format!("Qwen3-MoE expert-parameter LoRA on {layout}"), &curve, &run(&cl)?[0].metrics);
+    }
+    std::fs::remove_dir_all(&d).ok();
+    Ok(())
+}
