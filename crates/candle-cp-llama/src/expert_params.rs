@@ -15,11 +15,12 @@
 //! ```
 //!
 //! with `r` the per-expert rank (`s = alpha / r`), no dropout (PEFT refuses it there), no DoRA.
-//! The model holds the same adapters as its other experts' ([`crate::moe_lora`]): `A` `[E, r, in]`,
+//! The model holds the same adapters as its other experts' (`moe_lora.rs`): `A` `[E, r, in]`,
 //! `B` `[E, out, r]`; gate and up are the two parts of `gate_up_proj`, so they share one `A`
 //! (`….experts.gate_up_proj.lora_A.weight`, its gradient the sum of both uses) and each holds
 //! its rows of `B` (`….experts.{gate,up}_proj.lora_B.weight`: the even and odd rows of the
-//! fused one, or its halves). [`to_peft`] and [`from_peft`] convert at the file's boundary.
+//! fused one, or its halves). `to_peft` and `from_peft` convert at the file's boundary
+//! ([`crate::lora::save_peft_adapter`], [`crate::lora::model_adapters`]).
 //!
 //! In the file, the two wrappers on one `experts` module nest: PEFT wraps the parameters in
 //! the order the module registers them (`gate_up_proj` before `down_proj`, in both models), so `down_proj`'s
