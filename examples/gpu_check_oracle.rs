@@ -174,6 +174,11 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GptOss, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama gpt-oss (sinks on each rank's heads) ulysses 4 x ep2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GptOss, Layout::cp(CpKind::Ulysses, 4).with_ep(2), None));
+    // LoRA on gpt-oss's expert parameters (PEFT's target_parameters): the experts' updates and
+    // biases inside one grouped node, gate and up sharing one A, over TP and EP, on the GPU
+    let name = format!("llama gpt-oss LoRA on q_proj and the expert parameters ring 2 x tp2 + sp x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    let spec = candle_cp_llama::LoraSpec::new(2, 4.0, &["q_proj"]).and_then(|s| s.with_target_parameters(&["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]));
+    report_llama(rep, &name, spec.and_then(|s| arch_vs_cpu_with(gpu, dir, Arch::GptOss, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None, Some(s))));
     Ok(())
 }
 
@@ -186,6 +191,19 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 /// `(H, Hkv, D)` instead of the oracle's 8 / 2 of 16, their q, k, v, o projections drawn
 /// (seeded, 5× the init's scale so that the attention is far from uniform).
 fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::layout::Layout, heads: Option<(usize, usize, usize)>) -> candle_core::Result<candle_cp_llama::verify::Report> {
+    arch_vs_cpu_with(gpu, dir, arch, layout, heads, None)
+}
+
+/// [`arch_vs_cpu`] with LoRA adapters `lora` (seeded factors, `B ≠ 0`): the adapters'
+/// gradients compared.
+fn arch_vs_cpu_with(
+    gpu: &Device,
+    dir: &str,
+    arch: Arch,
+    layout: candle_cp_llama::layout::Layout,
+    heads: Option<(usize, usize, usize)>,
+    lora: Option<candle_cp_llama::LoraSpec>,
+) -> candle_core::Result<candle_cp_llama::verify::Report> {
     use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_on, LayoutRankBody, Reference, Tolerances};
     use candle_cp_llama::{hf::load_safetensors_dir, init_params, params::varmap_tensors, LlamaConfig};
     let mut base = LlamaConfig::from_file(format!("{dir}/config.json"))?;
@@ -262,6 +280,16 @@ fn arch_vs_cpu(gpu: &Device, dir: &str, arch: Arch, layout: candle_cp_llama::lay
             full.entry(k).or_insert(t);
         }
     }
+    let cfg = match lora {
+        Some(spec) => {
+            let cfg = cfg.with_lora(Some(spec));
+            for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+                full.insert(s.name.clone(), candle_cp_ops::oracle::randn(900 + i as u64, &s.shape, 0.1)?.to_dtype(candle_core::DType::F32)?);
+            }
+            cfg
+        }
+        None => cfg,
+    };
     let ids = load_reference(format!("{dir}/reference.safetensors"))?.input_ids.narrow(1, 0, QUICK_TOKENS)?.contiguous()?;
     let cpu = run_layout(&full, &cfg, &ids, candle_cp_llama::layout::Layout::single(), &Device::Cpu)?;
     let reference = Reference { input_ids: ids.clone(), logits: cpu.logits.clone(), loss: cpu.loss, grads: cpu.grads.iter().cloned().collect() };
