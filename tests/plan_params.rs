@@ -183,24 +183,34 @@ fn planner_lora_state_equals_the_trainers() -> Result<()> {
 /// on one device, TP 2 + SP, EP 2 over zigzag 2 and EP 2 over ring 2 × DP 2 with ZeRO-1 (the
 /// experts' adapters' state split over the ranks holding their experts, the rest over the
 /// replicas), every rank. The same for a Phi-3's adapters (one `A` per fused module) on one
-/// device, TP 2 + SP, TP 4 (KV heads replicated) and ring 2 × DP 2 with ZeRO-1.
+/// device, TP 2 + SP, TP 4 (KV heads replicated) and ring 2 × DP 2 with ZeRO-1; and for
+/// gpt-oss's (its experts adapted as parameters, one `A` for gate and up) on one device, TP 2 +
+/// SP and ring 2 × TP 2 + SP × EP 2.
 #[test]
 fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
     use candle_cp_llama::layout::CpKind;
     let base = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::Qwen2Moe, None)?.0;
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2), Layout::cp(CpKind::Ring, 2).with_dp(2).with_ep(2)];
-    lora_state_equals_the_trainers("qwen2-moe", &base, &layouts)?;
+    lora_state_equals_the_trainers("qwen2-moe", &base, &layouts, &[false, true])?;
+    // gpt-oss: its experts adapted as parameters (PEFT's target_parameters), one A for gate and
+    // up; over TP + SP and EP too
+    let gpt_oss = candle_cp_tests::moe_model::moe_model(candle_cp_llama::MoeStyle::GptOss, None)?.0;
+    let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2)];
+    lora_state_equals_the_trainers("gpt-oss", &gpt_oss, &layouts, &[false])?;
     // a Phi-3: one A per fused module (qkv_proj, gate_up_proj), its KV heads replicated at TP 4
     let phi3 = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?.with_phi3(true);
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(CpKind::Ring, 2).with_dp(2)];
-    lora_state_equals_the_trainers("phi3", &phi3, &layouts)
+    lora_state_equals_the_trainers("phi3", &phi3, &layouts, &[false, true])
 }
 
 /// [`planner_moe_lora_state_equals_the_trainers`] for one model on `layouts`.
-fn lora_state_equals_the_trainers(label: &str, base: &LlamaConfig, layouts: &[Layout]) -> Result<()> {
+/// (gpt-oss: every projection and both expert parameters, PEFT's `target_parameters`.)
+fn lora_state_equals_the_trainers(label: &str, base: &LlamaConfig, layouts: &[Layout], doras: &[bool]) -> Result<()> {
     let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
-    for (layout, dora) in layouts.iter().flat_map(|&l| [(l, false), (l, true)]) {
-        let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?.with_dora(dora)));
+    let params: &[&str] = if base.gpt_oss { &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] } else { &[] };
+    for (layout, dora) in layouts.iter().flat_map(|&l| doras.iter().map(move |&d| (l, d))) {
+        let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?.with_target_parameters(params)?.with_dora(dora)));
+        cfg.validate()?;
         let zero = (layout.dp * layout.cp > 1) as u8;
         let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, lora_dora: dora, ..PlanLayout::default() };
         let per_gpu = candle_cp_plan::memory::layers_per_stage(&m, &plan) as f64 * candle_cp_plan::memory::layer_lora_params_per_gpu(&m, &plan);

@@ -49,7 +49,8 @@ pub struct CommonArgs {
     /// fine-tuning.
     #[arg(long, value_name = "R", default_value_t = 0)]
     pub lora: usize,
-    /// With --lora: the MLP projections (gate, up, down) too.
+    /// With --lora: the MLP projections (gate, up, down) too (gpt-oss: its experts as PEFT's
+    /// target_parameters adapt them, gate and up sharing one A).
     #[arg(long)]
     pub lora_mlp: bool,
     /// With --lora: DoRA (finetune_llama --dora): a magnitude per output row, and each adapted

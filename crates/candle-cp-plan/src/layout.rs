@@ -164,7 +164,8 @@ pub struct Layout {
     /// other weights frozen: gradients and Adam state for the adapters only
     /// ([`crate::memory::layer_lora_params_per_gpu`]). 0: every weight trained.
     pub lora_rank: usize,
-    /// LoRA on the MLP projections too (PEFT's "all linear" targets).
+    /// LoRA on the MLP projections too (PEFT's "all linear" targets; gpt-oss's experts as PEFT's
+    /// `target_parameters` adapt them, one `A` for gate and up).
     pub lora_mlp: bool,
     /// DoRA (candle-cp's `LoraSpec::dora`): a magnitude per adapted weight's output row beside
     /// the factors, and each adapted weight's DoRA copy `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)` built in

@@ -430,14 +430,18 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 
 /// The experts' share of [`layer_lora_params_per_gpu`] (averaged over the layers, as
 /// [`layer_expert_params_per_gpu`]): with [`Layout::lora_mlp`] each of the `E/ep` experts a GPU
-/// holds has a dense MLP's adapters of width `f_e` (`r·(3h + 3f_e/t)`); 0 otherwise. Split over
-/// EP like the experts, so ZeRO splits their state over the `dp·cp/ep` ranks holding them.
+/// holds has a dense MLP's adapters of width `f_e` (`r·(3h + 3f_e/t)`; gpt-oss's experts,
+/// parameters adapted as PEFT's `target_parameters` do, one `A` for gate and up:
+/// `r·(2h + 3f_e/t)`, no DoRA); 0 otherwise. Split over EP like the experts, so ZeRO splits
+/// their state over the `dp·cp/ep` ranks holding them.
 pub fn layer_expert_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let (r, t, h) = (l.lora_rank as f64, l.tp as f64, m.hidden as f64);
     match &m.moe {
         Some(x) if l.lora_mlp && r > 0.0 => {
-            let dora = if l.lora_dora { 2.0 * x.expert_ffn as f64 / t + h } else { 0.0 };
-            let per_expert = r * (3.0 * h + 3.0 * x.expert_ffn as f64 / t) + dora;
+            let dora = if l.lora_dora && !m.gpt_oss { 2.0 * x.expert_ffn as f64 / t + h } else { 0.0 };
+            // (gpt-oss: gate_up_proj's one A)
+            let a_h = if m.gpt_oss { 2.0 } else { 3.0 };
+            let per_expert = r * (a_h * h + 3.0 * x.expert_ffn as f64 / t) + dora;
             m.sparse_fraction() * per_expert * x.experts as f64 / l.ep.max(1) as f64
         }
         _ => 0.0,
