@@ -207,7 +207,7 @@ fn main() -> Result<()> {
                 let alpha: f64 = alpha.trim().parse().map_err(|e| anyhow::anyhow!("--lora {spec}: alpha ({e})"))?;
                 // (PEFT's "all-linear": the seven projections)
                 let targets: Vec<&str> = match a.lora_targets.trim() {
-                    "all-linear" => candle_cp_llama::lora::TARGETS.to_vec(),
+                    "all-linear" => candle_cp_llama::lora::ALL_LINEAR.to_vec(),
                     t => t.split(',').map(|t| t.trim()).collect(),
                 };
                 let saved: Vec<&str> = a.lora_modules_to_save.as_deref().map(|m| m.split(',').map(|m| m.trim()).collect()).unwrap_or_default();

@@ -303,7 +303,7 @@ fn refusals() -> Result<()> {
 fn a_recipe_style_gpt_oss_adapter_reads() -> Result<()> {
     let (base, mut full) = moe_model(MoeStyle::GptOss, None)?;
     let one_layer = ["1.mlp.experts.gate_up_proj", "1.mlp.experts.down_proj"];
-    let cfg = base.clone().with_lora(Some(LoraSpec::new(2, 4.0, &candle_cp_llama::lora::TARGETS)?.with_target_parameters(&one_layer)?));
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(2, 4.0, &candle_cp_llama::lora::ALL_LINEAR)?.with_target_parameters(&one_layer)?));
     let specs: Vec<_> = param_specs(&cfg).into_iter().filter(|s| s.is_lora()).collect();
     assert!(specs.iter().all(|s| !s.name.starts_with("model.layers.0.mlp")), "layer 0's experts are not adapted");
     assert_eq!(specs.iter().filter(|s| s.name.contains(".experts.")).count(), 5);

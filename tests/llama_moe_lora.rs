@@ -3,7 +3,8 @@
 //! against references they must equal:
 //!
 //! - The adapted model is the model with merged weights `W_e + s·B_e·A_e` (every expert's, the
-//!   shared expert's, the dense ones'): its logits and loss are the float64 reference's of the
+//!   shared expert's, the dense ones', the routers' — PEFT's `all-linear` adapts `gate` and
+//!   `shared_expert_gate` too —): its logits and loss are the float64 reference's of the
 //!   merged weights, the adapters' gradients follow from its weight gradients by the chain rule
 //!   (`dA_e = s·B_eᵀ·dW_e`, `dB_e = s·dW_e·A_eᵀ`), on one device, TP with and without SP, TP ×
 //!   CP, and expert parallelism (alone, with TP + SP, across DP replicas); the three styles
@@ -18,7 +19,7 @@
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::layout::{CpKind, Layout};
-use candle_cp_llama::lora::{is_lora_name, load_peft_adapter, merge_adapter, save_peft_adapter, TARGETS};
+use candle_cp_llama::lora::{is_lora_name, load_peft_adapter, merge_adapter, save_peft_adapter, ALL_LINEAR, TARGETS};
 use candle_cp_llama::verify::{load_reference, run_layout_recompute, LayoutRun};
 use candle_cp_llama::{param_specs, LlamaConfig, LoraSpec, MoeStyle};
 use candle_cp_tests::dense_llama::{reference_rows, reference_routed};
@@ -39,7 +40,9 @@ fn ids(t: usize) -> Result<Tensor> {
 /// With `dora`, DoRA's magnitudes off the rows' norms ([`candle_cp_tests::lora_ref::set_magnitudes`]).
 fn adapted(style: MoeStyle, dora: bool) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
     let (base, mut full) = moe_model(style, None)?;
-    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &TARGETS)?.with_dora(dora)));
+    // (PEFT's all-linear: the routers too; DoRA, which they do not take, on the projections)
+    let targets: &[&str] = if dora { &TARGETS } else { &ALL_LINEAR };
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, targets)?.with_dora(dora)));
     for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         full.insert(s.name.clone(), candle_cp_ops::oracle::randn(1300 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
@@ -80,7 +83,9 @@ fn check(what: &str, run: &LayoutRun, logits: &Tensor, loss: f64, want: &HashMap
 fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let ids = ids(T)?;
     let two = Tensor::cat(&[&ids, &ids], 0)?;
-    let runs = [(MoeStyle::Qwen3Moe, 14, false), (MoeStyle::Mixtral, 14, false), (MoeStyle::Qwen2Moe, 17, false), (MoeStyle::Qwen3Moe, 14, true), (MoeStyle::Qwen2Moe, 17, true)];
+    // (weights merged: q, k, v, o, and the MLP's or the experts' gate, up, down on 2 layers; the
+    // routers without DoRA: Qwen3-MoE's 1, Mixtral's 2, Qwen2-MoE's router and shared gate)
+    let runs = [(MoeStyle::Qwen3Moe, 15, false), (MoeStyle::Mixtral, 16, false), (MoeStyle::Qwen2Moe, 19, false), (MoeStyle::Qwen3Moe, 14, true), (MoeStyle::Qwen2Moe, 17, true)];
     for (style, merged_n, dora) in runs {
         let (base, cfg, full) = adapted(style, dora)?;
         let specs = param_specs(&cfg);
@@ -123,8 +128,10 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
 }
 
 /// A PEFT adapter of a mixture of experts holds each expert's factors under its own name (and
-/// Mixtral's module names, `w1`, `w3`, `w2`, in its target modules); reading it gives the
-/// stacked factors back bit for bit and the same model; an expert missing is refused by name.
+/// Mixtral's module names, `w1`, `w3`, `w2`, in its target modules; its router's as
+/// `block_sparse_moe.gate`); reading it gives the
+/// stacked factors back bit for bit and the same model; an expert missing is refused by name;
+/// DoRA on a router is refused by name.
 #[test]
 fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
     let root = std::env::temp_dir().join(format!("candle-cp-moe-lora-{}", std::process::id()));
@@ -139,13 +146,18 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let targets: Vec<&str> = json["target_modules"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
         let (module, gate, expected_targets) = match style {
-            MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2"]),
+            MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate", "shared_expert_gate"]),
             _ => ("mlp", "gate_proj", TARGETS.to_vec()),
         };
         assert_eq!(targets, expected_targets, "{style:?}: PEFT's target modules");
         let per_expert = format!("base_model.model.model.layers.1.{module}.experts.7.{gate}.lora_A.weight");
         assert_eq!(file.get(&per_expert).map(|t| t.dims().to_vec()), Some(vec![RANK, cfg.hidden_size]), "{style:?}: {per_expert}");
         assert!(file.keys().all(|n| !n.contains("experts.gate_proj")), "{style:?}: no stacked tensor on disk");
+        if style == MoeStyle::Mixtral {
+            // the router's adapter (PEFT's all-linear adapts `block_sparse_moe.gate`) under its name
+            let router = "base_model.model.model.layers.1.block_sparse_moe.gate.lora_B.weight";
+            assert_eq!(file.get(router).map(|t| t.dims().to_vec()), Some(vec![8, RANK]), "{router}");
+        }
         if spec.dora {
             let m = format!("base_model.model.model.layers.1.{module}.experts.7.down_proj.lora_magnitude_vector");
             assert_eq!(file.get(&m).map(|t| t.dims().to_vec()), Some(vec![cfg.hidden_size]), "{style:?}: {m}");
@@ -167,6 +179,10 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         assert!(e.contains("experts") && e.contains("expert 4 where expert 3"), "{style:?}: {e}");
     }
     let _ = std::fs::remove_dir_all(&root);
+    // DoRA on a router is refused by name (the routers take plain LoRA)
+    let (base, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
+    let e = base.with_lora(Some(LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_dora(true))).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("DoRA") && e.contains("(gate)"), "{e}");
     Ok(())
 }
 

@@ -209,7 +209,9 @@ fn lora_state_equals_the_trainers(label: &str, base: &LlamaConfig, layouts: &[La
     let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     let params: &[&str] = if base.gpt_oss { &["mlp.experts.gate_up_proj", "mlp.experts.down_proj"] } else { &[] };
     for (layout, dora) in layouts.iter().flat_map(|&l| doras.iter().map(move |&d| (l, d))) {
-        let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?.with_target_parameters(params)?.with_dora(dora)));
+        // (PEFT's all-linear: the routers too, but not with DoRA, which they do not take)
+        let targets: &[&str] = if dora { &candle_cp_llama::lora::TARGETS } else { &candle_cp_llama::lora::ALL_LINEAR };
+        let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, targets)?.with_target_parameters(params)?.with_dora(dora)));
         cfg.validate()?;
         let zero = (layout.dp * layout.cp > 1) as u8;
         let plan = PlanLayout { tp: layout.tp, sp: layout.sp, cp: layout.cp, dp: layout.dp, ep: layout.ep, zero, lora_rank: 4, lora_mlp: true, lora_dora: dora, ..PlanLayout::default() };
@@ -252,7 +254,7 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
     let dense_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
     let moe_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::cp(candle_cp_llama::layout::CpKind::Zigzag, 2).with_ep(2)];
     for (base, layouts) in [(oracle, dense_layouts), (moe, moe_layouts)] {
-    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::TARGETS)?));
+    let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::ALL_LINEAR)?));
     let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     for (kind, bits, double) in [(candle_cp_nn::QuantKind::Nf4, 4, None), (candle_cp_nn::QuantKind::Int8, 8, None), (candle_cp_nn::QuantKind::Nf4, 4, Some(4))] {
         let q = candle_cp_nn::QuantConfig::new(kind, 8)?;

@@ -92,8 +92,8 @@ impl<'a> LayerBuilder<'a> {
     }
 
     /// The adapters of a sparse layer whose MLP is under `module` (`model.layers.{i}.mlp.`,
-    /// with the dot): its experts' stacked factors and its shared expert's (crate::moe_lora),
-    /// `None` when no expert projection is a target.
+    /// with the dot): its experts' stacked factors, its shared expert's and its routers'
+    /// (crate::moe_lora), `None` when none of them is a target.
     fn moe_lora(&self, module: &str) -> Result<Option<Box<crate::moe_lora::MoeLora>>> {
         let Some(l) = self.cfg.lora.as_ref() else { return Ok(None) };
         let factors = |stem: String| -> Result<Option<crate::moe_lora::Factors>> {
@@ -111,10 +111,13 @@ impl<'a> LayerBuilder<'a> {
             Ok([factors(format!("{module}{part}.gate_proj"))?, factors(format!("{module}{part}.up_proj"))?, factors(format!("{module}{part}.down_proj"))?])
         };
         let (experts, shared) = (of("experts")?, of("shared_expert")?);
-        if experts.iter().chain(&shared).all(|f| f.is_none()) {
+        // the routers (transformers 4's linear `gate` / `shared_expert_gate`)
+        let router = self.cfg.moe.as_ref().map_or("gate", |m| m.router());
+        let routers = [factors(format!("{module}{router}"))?, factors(format!("{module}shared_expert_gate"))?];
+        if experts.iter().chain(&shared).chain(&routers).all(|f| f.is_none()) {
             return Ok(None);
         }
-        Ok(Some(Box::new(crate::moe_lora::MoeLora { experts, shared, dropout: l.dropout, rows: self.lora_rows.clone() })))
+        Ok(Some(Box::new(crate::moe_lora::MoeLora { experts, shared, routers, dropout: l.dropout, rows: self.lora_rows.clone() })))
     }
 
     /// Decoder layer `i`.

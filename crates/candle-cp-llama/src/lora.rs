@@ -27,6 +27,15 @@ use std::path::{Path, PathBuf};
 /// The projections of a decoder layer LoRA may adapt (PEFT's `target_modules` names).
 pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"];
 
+/// A mixture of experts' routers as PEFT names them (transformers 4's linear modules
+/// `mlp.gate` / Mixtral's `block_sparse_moe.gate` `[E, h]`, Qwen2-MoE's `mlp.shared_expert_gate`
+/// `[1, h]`): targets beside [`TARGETS`] (gpt-oss's `mlp.router` is no linear module in PEFT).
+pub const ROUTER_TARGETS: [&str; 2] = ["gate", "shared_expert_gate"];
+
+/// PEFT's `all-linear`: every projection ([`TARGETS`]) and the routers ([`ROUTER_TARGETS`]),
+/// the head excepted.
+pub const ALL_LINEAR: [&str; 9] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"];
+
 /// A Phi-3's fused modules as PEFT names them (its `qkv_proj` holds q, k, v; `gate_up_proj`
 /// gate and up: [`crate::config::phi3`]), targets beside [`TARGETS`] on a Phi-3 only.
 pub const FUSED_TARGETS: [&str; 2] = ["qkv_proj", "gate_up_proj"];
@@ -94,9 +103,9 @@ impl LoraSpec {
     /// A Phi-3's `qkv_proj` / `gate_up_proj` ([`FUSED_TARGETS`]) are targets too.
     pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> Result<Self> {
         let config = LoraConfig::new(rank, alpha)?;
-        let known = || TARGETS.iter().chain(&FUSED_TARGETS);
+        let known = || TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS);
         if let Some(t) = targets.iter().find(|t| !known().any(|k| k == *t)) {
-            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?}, or a Phi-3's {FUSED_TARGETS:?})")
+            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?}, a mixture's routers {ROUTER_TARGETS:?}, or a Phi-3's {FUSED_TARGETS:?})")
         }
         if targets.is_empty() {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
@@ -156,7 +165,7 @@ impl LoraSpec {
                     self.targets.push(fused.to_string());
                 }
             }
-            let order = |t: &String| TARGETS.iter().chain(&FUSED_TARGETS).position(|k| k == t);
+            let order = |t: &String| TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS).position(|k| k == t);
             self.targets.sort_by_key(order);
         }
         self
@@ -493,9 +502,9 @@ pub fn load_peft_adapter(dir: &Path) -> Result<(LoraSpec, HashMap<String, Tensor
         None | Some(serde_json::Value::Null) if !params.is_empty() => (Vec::new(), None),
         Some(serde_json::Value::Array(a)) => (a.iter().filter_map(|x| x.as_str().map(String::from)).collect(), None),
         // PEFT's shorthand for every linear layer but the output head
-        Some(serde_json::Value::String(s)) if s == "all-linear" => (TARGETS.iter().map(|t| t.to_string()).collect(), None),
+        Some(serde_json::Value::String(s)) if s == "all-linear" => (ALL_LINEAR.iter().map(|t| t.to_string()).collect(), None),
         // one regular expression over the modules' whole names
-        Some(serde_json::Value::String(s)) => (TARGETS.iter().map(|t| t.to_string()).collect(), Some(s.clone())),
+        Some(serde_json::Value::String(s)) => (ALL_LINEAR.iter().map(|t| t.to_string()).collect(), Some(s.clone())),
         _ => bail!("{}: 'target_modules' must be a list of module names, \"all-linear\" or a regular expression", cfg_path.display()),
     };
     refuse_unsupported(&v, &cfg_path)?;

@@ -137,7 +137,7 @@ impl LoraSpec {
             if let Err(e) = regex::Regex::new(&format!("^(?:{r})$")) {
                 bail!("LoRA target_modules: '{r}' is not a regular expression ({e})")
             }
-            self.targets = crate::lora::TARGETS.iter().map(|t| t.to_string()).collect();
+            self.targets = crate::lora::ALL_LINEAR.iter().map(|t| t.to_string()).collect();
             if self.fused {
                 self.targets.extend(crate::lora::FUSED_TARGETS.iter().map(|t| t.to_string()));
             }
@@ -212,7 +212,7 @@ mod tests {
         assert!(s.with_rank_pattern(vec![("q_proj".into(), 0)]).is_err());
         // target_modules as one regular expression over whole names (experts as expert 0)
         let r = LoraSpec::new(8, 16.0, &["q_proj"])?.with_target_regex(Some(r".*\.layers\.1\..*(v_proj|experts\.\d+\.w2)".into()))?;
-        assert_eq!(r.targets.len(), 7);
+        assert_eq!(r.targets.len(), 9);
         assert!(r.adapts_weight("model.layers.1.self_attn.v_proj") && !r.adapts_weight("model.layers.0.self_attn.v_proj"));
         assert!(!r.adapts_weight("model.layers.1.self_attn.q_proj"), "a whole-name match");
         assert!(r.adapts_weight("model.layers.1.block_sparse_moe.experts.down_proj") && !r.adapts_weight("model.layers.1.block_sparse_moe.experts.up_proj"));

@@ -207,11 +207,13 @@ impl SparseMoe {
     pub(crate) fn with_adapters_merged(&self) -> Result<SparseMoe> {
         let Some(l) = &self.lora else { return Ok(self.clone()) };
         let m = |i: usize, shared: bool, w: &Tensor| -> Result<Tensor> { Ok(l.merged(i, shared, w, &self.tp)?.unwrap_or_else(|| w.clone())) };
+        // (the routers: replicated, merged whole)
+        let r = |i: usize, w: &Tensor| -> Result<Tensor> { Ok(l.merged_router(i, w)?.unwrap_or_else(|| w.clone())) };
         let shared = match &self.shared {
-            Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: s.weight.clone() }),
+            Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: r(1, &s.weight)? }),
             None => None,
         };
-        Ok(SparseMoe { gate: m(0, false, &self.gate)?, up: m(1, false, &self.up)?, down: m(2, false, &self.down)?, shared, lora: None, ..self.clone() })
+        Ok(SparseMoe { gate: m(0, false, &self.gate)?, up: m(1, false, &self.up)?, down: m(2, false, &self.down)?, router: r(0, &self.router)?, shared, lora: None, ..self.clone() })
     }
 
     /// `x` `[B, Ts, h]` (the post-attention norm's output; the sequence shard under SP) →
@@ -236,7 +238,15 @@ impl SparseMoe {
         let x2 = xf.reshape((n, h))?;
         // without SP the router's TP shares are summed here (with SP: reduce_gradients)
         let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
-        let mut logits = x2.matmul(&router.t()?)?;
+        // (the region's token indices when an adapter on the routers or the shared expert drops)
+        let tokens = match &self.lora {
+            Some(l) => l.shared_tokens(n)?,
+            None => None,
+        };
+        let mut logits = match &self.lora {
+            Some(l) => l.router_logits(0, &x2, &router, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
+            None => x2.matmul(&router.t()?)?,
+        };
         if let Some(b) = &self.biases {
             let rb = if p > 1 && !sp { mappings::copy_to_tp_region(&b.router, g)? } else { b.router.clone() };
             logits = logits.broadcast_add(&rb)?;
@@ -278,12 +288,12 @@ impl SparseMoe {
         if let Some(s) = &self.shared {
             // sigmoid(x·wᵀ) from elementwise ops (every backend), times this rank's partial sums
             let sw = if p > 1 && !sp { mappings::copy_to_tp_region(&s.weight, g)? } else { s.weight.clone() };
-            let gate = (x2.matmul(&sw.t()?)?.neg()?.exp()? + 1.0)?.recip()?;
-            // (with the adapters' updates on this rank's slices, crate::moe_lora)
-            let tokens = match &self.lora {
-                Some(l) => l.shared_tokens(n)?,
-                None => None,
+            let gate_logits = match &self.lora {
+                Some(l) => l.router_logits(1, &x2, &sw, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
+                None => x2.matmul(&sw.t()?)?,
             };
+            let gate = (gate_logits.neg()?.exp()? + 1.0)?.recip()?;
+            // (with the adapters' updates on this rank's slices, crate::moe_lora)
             let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
                 match &self.lora {
                     Some(l) => l.shared_proj(i, x, w, tokens.as_ref().map(|t| t.as_slice()), &self.tp),

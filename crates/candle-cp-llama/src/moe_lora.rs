@@ -1,6 +1,9 @@
-//! LoRA adapters on a sparse layer's experts and on its shared expert: PEFT adapts every linear
-//! whose name a target gives, so `gate_proj`, `up_proj`, `down_proj` (Mixtral's `w1`, `w3`,
-//! `w2`) adapt each expert's projections, and Qwen2-MoE's shared expert's.
+//! LoRA adapters on a sparse layer's experts, on its shared expert and on its routers: PEFT
+//! adapts every linear whose name a target gives, so `gate_proj`, `up_proj`, `down_proj`
+//! (Mixtral's `w1`, `w3`, `w2`) adapt each expert's projections, and Qwen2-MoE's shared
+//! expert's; `gate` the router and `shared_expert_gate` Qwen2-MoE's shared expert's gate (PEFT's
+//! `all-linear` includes them: [`crate::lora::ROUTER_TARGETS`]), replicated like the router,
+//! their update inside the logits' node ([`MoeLora::router_logits`]), dropout keyed on the token.
 //!
 //! The experts' adapters are stacked like their weights ([`crate::params`]): per projection
 //! `A` `[E, r, in]`, `B` `[E, out, r]` (`….experts.{gate,up,down}_proj.lora_{A,B}.weight`), and
@@ -66,6 +69,9 @@ pub(crate) struct MoeLora {
     pub(crate) experts: [Option<Factors>; 3],
     /// The shared expert's `[gate, up, down]`.
     pub(crate) shared: [Option<Factors>; 3],
+    /// The routers' (PEFT's `gate`, `shared_expert_gate`: [`crate::lora::ROUTER_TARGETS`]):
+    /// `[router, shared expert's gate]`, each `A` `[r, h]`, `B` `[E or 1, r]`, replicated.
+    pub(crate) routers: [Option<Factors>; 2],
     /// Dropout on the adapters' inputs while training.
     pub(crate) dropout: f64,
     /// The model's token indices of the current forward (`None` inside: no dropout).
@@ -234,13 +240,40 @@ impl MoeLora {
         })
     }
 
-    /// The region's global token indices when the shared expert's adapters draw masks.
+    /// The region's global token indices when the shared expert's or the routers' adapters
+    /// draw masks.
     pub(crate) fn shared_tokens(&self, region_rows: usize) -> Result<Option<std::sync::Arc<Vec<u64>>>> {
-        let Some(k) = self.rows.key().filter(|_| self.dropout > 0.0 && self.shared.iter().any(|f| f.is_some())) else { return Ok(None) };
+        let some = self.shared.iter().chain(&self.routers).any(|f| f.is_some());
+        let Some(k) = self.rows.key().filter(|_| self.dropout > 0.0 && some) else { return Ok(None) };
         if k.rows.len() != region_rows {
             bail!("MoE LoRA dropout: {} token indices for a region of {region_rows} rows", k.rows.len())
         }
         Ok(Some(k.rows.clone()))
+    }
+}
+
+impl MoeLora {
+    /// Router `i`'s logits (0 the router, 1 the shared expert's gate) for the region's rows `x`
+    /// `[N, h]` (`tokens`: their global token indices for dropout, `None` without), its weight
+    /// `w` `[E, h]` as the graph uses it (copied into the TP region without SP): `x·wᵀ` plus
+    /// the adapter's update inside the same node, as the shared expert's
+    /// ([`MoeLora::shared_proj`]). The router is replicated over TP and every TP rank routes the
+    /// same rows, so its factors' gradients, partial per rank like the router's, are summed as
+    /// its are: copied into the TP region without SP, by `reduce_gradients` with it.
+    pub(crate) fn router_logits(&self, i: usize, x: &Tensor, w: &Tensor, tokens: Option<&[u64]>, tp: &Tp) -> Result<Tensor> {
+        let Some(f) = self.routers[i].as_ref() else { return x.matmul(&w.t()?) };
+        let copy = |t: &Tensor| if tp.size() > 1 && !tp.sequence_parallel { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
+        let mask = self.mask(x, &f.stream, tokens, false, tp)?;
+        let update = GroupedUpdate::LowRank { a: copy(&f.a)?.unsqueeze(0)?, b: copy(&f.b)?.unsqueeze(0)?, scale: f.scale };
+        grouped_matmul_update(x, &w.unsqueeze(0)?, &[x.dim(0)?], &update, mask.as_ref())
+    }
+
+    /// Router `i`'s weight (the whole of it, replicated) with its adapter merged, detached, for
+    /// inference; `None` when not adapted.
+    pub(crate) fn merged_router(&self, i: usize, w: &Tensor) -> Result<Option<Tensor>> {
+        let Some(f) = self.routers[i].as_ref() else { return Ok(None) };
+        let dw = f.b.to_dtype(candle_core::DType::F32)?.matmul(&f.a.to_dtype(candle_core::DType::F32)?)?;
+        Ok(Some((w.to_dtype(candle_core::DType::F32)? + (dw * f.scale)?)?.to_dtype(w.dtype())?.detach()))
     }
 }
 
@@ -363,7 +396,7 @@ mod tests {
             let tp = Tp::new(g, false);
             let (av, bv, mv, xv) = (Var::from_tensor(&a)?, Var::from_tensor(&b)?, Var::from_tensor(&m)?, Var::from_tensor(&x)?);
             let f = Factors { a: av.as_tensor().clone(), b: bv.as_tensor().clone(), m: Some(mv.as_tensor().clone()), stream: "gate".into(), scale: s };
-            let l = MoeLora { experts: [Some(f), None, None], shared: [None, None, None], dropout: p, rows: rows.clone() };
+            let l = MoeLora { experts: [Some(f), None, None], shared: [None, None, None], routers: [None, None], dropout: p, rows: rows.clone() };
             let keys = l.expert_keys(&tokens, &counts, n)?.ok_or_else(|| candle_core::Error::Msg("keys expected".into()))?;
             assert!(l.weight(0, false, &w, &tp, false)?.is_none(), "dropping: the base weight");
             let y = l.expert_proj(0, xv.as_tensor(), &w, None, &counts, Some(&keys), &tp, false)?;

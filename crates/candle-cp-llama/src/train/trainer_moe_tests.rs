@@ -132,8 +132,9 @@ fn adapter_layouts() -> [(Layout, bool, bool); 4] {
 }
 
 /// LoRA on a mixture of experts: the targets adapt every expert's gate, up and down (stacked
-/// factors; crate::moe_lora) beside the attention's, with dropout 0.3 on their inputs (an
-/// expert's mask rows keyed on the (token, expert) pair). The adapters alone train (the
+/// factors; crate::moe_lora) and the router (PEFT's `gate`) beside the attention's, with
+/// dropout 0.3 on their inputs (an expert's mask rows keyed on the (token, expert) pair, the
+/// router's on the token). The adapters alone train (the
 /// checkpoint's PEFT file holds each expert's factors, B moved off zero for every one); zigzag
 /// 2 × TP 2 + SP with recomputed layers, EP 2 over zigzag 2 × DP 2 with ZeRO-1, and EP 4 over
 /// ring 2 × DP 2 follow the one-device run for 6 clipped steps; the dropout changes the curve.
@@ -141,13 +142,15 @@ fn adapter_layouts() -> [(Layout, bool, bool); 4] {
 fn lora_on_experts_trains_alike_on_every_layout() -> Result<()> {
     let d = tmpdir("moe-lora");
     let mut c = moe_cfg(Some(d.clone()), Layout::single())?;
-    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj"])?.with_dropout(0.3)?);
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "v_proj", "gate_proj", "up_proj", "down_proj", "gate"])?.with_dropout(0.3)?);
     let one = run(&c)?;
     let (spec, adapters) = crate::lora::load_peft_adapter(&d.join("checkpoints/step-000006"))?;
     assert_eq!(Some(&spec), c.lora.as_ref());
     let experts: Vec<(&String, &Tensor)> = adapters.iter().filter(|(n, _)| n.contains(".experts.")).collect();
     // 1 sparse layer: gate, up, down × A, B, stacked over 4 experts
     assert_eq!(experts.len(), 6, "{:?}", experts.iter().map(|(n, _)| n).collect::<Vec<_>>());
+    let router = adapters.get("model.layers.0.mlp.gate.lora_B.weight").map(|t| t.abs()?.max_all()?.to_scalar::<f32>()).transpose()?;
+    assert!(router.is_some_and(|m| m > 0.0), "the router's B trained: {router:?}");
     for (n, t) in experts.iter().filter(|(n, _)| n.ends_with("lora_B.weight")) {
         for e in 0..4 {
             let m = t.get(e)?.abs()?.max_all()?.to_scalar::<f32>()?;
