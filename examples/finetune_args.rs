@@ -219,7 +219,8 @@ pub(crate) struct Args {
     /// --pack-docs and separator); the whole --data corpus then trains (no --eval-fraction).
     #[arg(long, value_name = "FILE")]
     pub(crate) eval_data: Option<PathBuf>,
-    /// The projections --lora adapts (PEFT names, comma-separated; `all-linear`: all seven).
+    /// The projections --lora adapts (PEFT names, comma-separated; `all-linear`: all seven, and
+    /// a mixture's routers `gate` / `shared_expert_gate` as PEFT's all-linear adapts them).
     #[arg(long, default_value = "q_proj,k_proj,v_proj,o_proj")]
     pub(crate) lora_targets: String,
     /// Expert parameters --lora adapts beside --lora-targets (PEFT's target_parameters,

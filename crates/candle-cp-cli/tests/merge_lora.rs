@@ -110,27 +110,9 @@ fn merged_mixtral_equals_the_adapted_one() -> Result<()> {
     assert!(text.contains("merged 14 weights") && text.contains("gate_proj"), "{text}");
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(out.join("model.safetensors"))? };
     assert!(st.get("model.layers.1.block_sparse_moe.experts.3.w1.weight").is_ok(), "per-expert names in the merged checkpoint");
-    let ids = Tensor::new(&[[5u32, 17, 60, 3, 9, 41, 7, 30, 11, 2]], &Device::Cpu)?;
-    let pos = Tensor::arange(0u32, 10, &Device::Cpu)?;
-    let diffs = candle_cp_comm::run_ranks(1, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single())?;
-        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
-        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
-            candle_core::bail!("no adapter")
-        };
-        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
-        let plain = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &base, &ctx)?;
-        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
-        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        let a = adapted.forward(&ids, &pos)?;
-        let d = |x: &Tensor| -> Result<f32> { (&a - x)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
-        Ok((d(&merged.forward(&ids, &pos)?)?, d(&plain.forward(&ids, &pos)?)?))
-    });
-    for x in diffs {
-        let (merged, plain) = x?;
-        assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
-        assert!(plain > 1e-3, "the adapters move the logits by only {plain}");
-    }
+    let (merged, plain) = merged_and_other_logits(&dir, &out, |_, base| Ok(base.clone()))?;
+    assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
+    assert!(plain > 1e-3, "the adapters move the logits by only {plain}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
@@ -212,28 +194,35 @@ fn a_gpt_oss_merges_its_expert_parameter_adapters() -> Result<()> {
     let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(out.join("model.safetensors"))? };
     let names: Vec<String> = st.tensors().into_iter().map(|(n, _)| n).filter(|n| n.starts_with("model.layers.1.mlp.")).collect();
     assert!(st.get("model.layers.1.mlp.experts.gate_up_proj").is_ok(), "the fused experts in the merged checkpoint: {names:?}");
-    let ids = Tensor::new(&[[5u32, 17, 60, 3, 9, 41, 7, 30, 11, 2]], &Device::Cpu)?;
-    let pos = Tensor::arange(0u32, 10, &Device::Cpu)?;
-    let diffs = candle_cp_comm::run_ranks(1, |g| {
-        let ctx = ParallelCtx::new(g, Layout::single())?;
-        let (vm, base) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
-        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
-            candle_core::bail!("no adapter")
-        };
-        let adapted = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
-        let attn_only = lcfg.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj"])?));
-        let q_only = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &attn_only, &ctx)?;
-        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(&out, &ctx, &Device::Cpu, DType::F32)?;
-        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        let a = adapted.forward(&ids, &pos)?;
-        let d = |x: &Tensor| -> Result<f32> { (&a - x)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
-        Ok((d(&merged.forward(&ids, &pos)?)?, d(&q_only.forward(&ids, &pos)?)?))
-    });
-    for x in diffs {
-        let (merged, q_only) = x?;
-        assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
-        assert!(q_only > 1e-3, "the expert adapters move the logits by only {q_only}");
-    }
+    let (merged, q_only) = merged_and_other_logits(&dir, &out, |adapted, _| Ok(adapted.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj"])?))))?;
+    assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
+    assert!(q_only > 1e-3, "the expert adapters move the logits by only {q_only}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
+}
+
+/// The adapted model of checkpoint `dir` (its base and adapter) on one device: how far the merged
+/// model in `out` and the model `other(adapted config, base config)` builds over the same weights
+/// are from its logits on a fixed 10-token sequence.
+fn merged_and_other_logits(
+    dir: &Path,
+    out: &Path,
+    other: impl Fn(&candle_cp_llama::LlamaConfig, &candle_cp_llama::LlamaConfig) -> Result<candle_cp_llama::LlamaConfig> + Sync,
+) -> Result<(f32, f32)> {
+    let ids = Tensor::new(&[[5u32, 17, 60, 3, 9, 41, 7, 30, 11, 2]], &Device::Cpu)?;
+    let pos = Tensor::arange(0u32, 10, &Device::Cpu)?;
+    let mut diffs = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::new(g, Layout::single())?;
+        let (vm, base) = candle_cp_llama::load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?;
+        let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(dir, &base, &vm, &ctx, DType::F32, &Device::Cpu)? else {
+            candle_core::bail!("no adapter")
+        };
+        let build = |c: &candle_cp_llama::LlamaConfig| candle_cp_llama::Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), c, &ctx);
+        let a = build(&lcfg)?.forward(&ids, &pos)?;
+        let (mvm, mcfg) = candle_cp_llama::load_hf_sharded(out, &ctx, &Device::Cpu, DType::F32)?;
+        let merged = candle_cp_llama::Llama::new(VarBuilder::from_varmap(&mvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let d = |x: &Tensor| -> Result<f32> { (&a - x)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>() };
+        Ok((d(&merged.forward(&ids, &pos)?)?, d(&build(&other(&lcfg, &base)?)?.forward(&ids, &pos)?)?))
+    });
+    diffs.pop().unwrap_or_else(|| candle_core::bail!("no rank ran"))
 }

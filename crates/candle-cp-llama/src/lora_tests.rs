@@ -74,7 +74,7 @@ fn rslora_round_trips_and_scales_by_the_root_of_the_rank() -> Result<()> {
     Ok(())
 }
 
-/// `all-linear` adapts the seven projections; `lora_dropout` is read; a pattern, and each option that would change the
+/// `all-linear` adapts the seven projections and a mixture's routers; `lora_dropout` is read; a pattern, and each option that would change the
 /// adapter's computation, is refused naming the key; a tensor the spec does not give the model
 /// is refused naming it.
 #[test]
@@ -85,7 +85,7 @@ fn peft_options_the_model_does_not_implement_are_refused() -> Result<()> {
     let dir = tmp("options");
     save_peft_adapter(&dir, &spec, &ad, "base")?;
     edit(&dir, |v| v["target_modules"] = serde_json::json!("all-linear"))?;
-    assert_eq!(load_peft_adapter(&dir)?.0.targets, TARGETS.to_vec());
+    assert_eq!(load_peft_adapter(&dir)?.0.targets, crate::lora::ALL_LINEAR.to_vec());
     // a regular expression over whole names (crate::lora_select), written back as it is
     edit(&dir, |v| v["target_modules"] = serde_json::json!(".*layers\\.0\\..*q_proj"))?;
     let s = load_peft_adapter(&dir)?.0;
