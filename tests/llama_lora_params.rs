@@ -22,7 +22,9 @@
 //! - Generation with the adapters folded into the weights decodes the adapted model's tokens.
 //! - Refused by name: dropout, DoRA, expert parameters on a model whose experts are modules
 //!   here (Mixtral's `block_sparse_moe`), a key that matches no parameter of a sparse layer, a
-//!   key that names no expert parameter, gpt-oss's experts as target modules.
+//!   key that names no expert parameter, gpt-oss's experts as target modules, the router as a
+//!   target module beside expert parameters (transformers 5's router is a parameter; all-linear
+//!   leaves it out there).
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::layout::{CpKind, Layout};
@@ -286,8 +288,15 @@ fn refusals() -> Result<()> {
     assert!(e5.contains("'mlp.experts.gate_proj'"), "{e5}");
     // Qwen3-MoE's layer 0 is dense: no expert parameter there
     let (qwen, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
-    let e6 = err(qwen.with_lora(Some(LoraSpec::on_parameters(2, 4.0, &["0.mlp.experts.down_proj"])?)));
+    let e6 = err(qwen.clone().with_lora(Some(LoraSpec::on_parameters(2, 4.0, &["0.mlp.experts.down_proj"])?)));
     assert!(e6.contains("'0.mlp.experts.down_proj'") && e6.contains("1 sparse layers"), "{e6}");
+    // transformers 5's router is a parameter too: all-linear leaves it out beside
+    // target_parameters, naming it is refused
+    let all = qwen.clone().with_lora(Some(LoraSpec::new(2, 4.0, &candle_cp_llama::lora::ALL_LINEAR)?.with_target_parameters(&PARAMS)?));
+    all.validate()?;
+    assert!(param_specs(&all).iter().all(|s| !s.name.contains("mlp.gate.lora")), "no router adapter beside the expert parameters");
+    let e8 = err(qwen.with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj", "gate"])?.with_target_parameters(&PARAMS)?)));
+    assert!(e8.contains("router") && e8.contains("parameter"), "{e8}");
     // gpt-oss's experts named as target modules (they are parameters)
     let e7 = err(with(LoraSpec::new(2, 4.0, &["q_proj", "down_proj"]))?);
     assert!(e7.contains("down_proj") && e7.contains("target_parameters"), "{e7}");

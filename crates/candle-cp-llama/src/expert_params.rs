@@ -67,12 +67,21 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
 ///
 /// On gpt-oss, target modules `gate_proj`, `up_proj`, `down_proj` adapt nothing (PEFT's
 /// `all-linear` names every projection, and gpt-oss's experts are not linear modules): a list
-/// naming some of them but not every projection is refused as a likely mistake.
+/// naming some of them but not every projection is refused as a likely mistake; so is the
+/// router (`gate`) named on a model whose experts are parameters (transformers 5's routers are
+/// parameters too).
 pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
     if let Some(l) = cfg.lora.as_ref().filter(|l| cfg.gpt_oss && l.target_regex.is_none()) {
         let all = crate::lora::TARGETS.iter().all(|t| l.adapts(t));
         if let Some(t) = ["gate_proj", "up_proj", "down_proj"].iter().find(|t| l.adapts(t) && !all) {
             bail!("LlamaConfig: LoRA target module {t} on gpt-oss, whose experts are parameters (PEFT's target_parameters: mlp.experts.gate_up_proj, mlp.experts.down_proj), not modules")
+        }
+    }
+    // (the same for a router named on a model whose experts are parameters: transformers 5's
+    // routers are parameters too, which PEFT refuses to adapt; all-linear leaves them out)
+    if let Some(l) = cfg.lora.as_ref().filter(|l| l.expert_params.is_some() && l.target_regex.is_none() && l.adapts("gate")) {
+        if !crate::lora::ALL_LINEAR.iter().all(|t| l.adapts(t)) {
+            bail!("LlamaConfig: LoRA target module gate (the router) on a model whose experts are parameters (target_parameters): its router is a parameter too, not a linear module")
         }
     }
     let Some(l) = cfg.lora.as_ref().filter(|l| !l.target_parameters.is_empty()) else { return Ok(()) };

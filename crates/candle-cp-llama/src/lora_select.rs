@@ -156,6 +156,11 @@ impl LoraSpec {
         if let Some((param, _)) = self.expert_param(stem) {
             return self.target_parameters.iter().any(|k| crate::expert_params::key_matches(k, &param));
         }
+        // (with its experts as parameters — transformers 5's layout — a router is a parameter
+        // too, `Qwen3MoeTopKRouter`, not a linear module: no target adapts it)
+        if self.expert_params.is_some() && stem.ends_with(".mlp.gate") {
+            return false;
+        }
         let name = self.module_name(stem);
         // (the projection as the targets name it: a Phi-3's fused module, else the stem's own —
         // Mixtral's experts are gate_proj, up_proj, down_proj there)
