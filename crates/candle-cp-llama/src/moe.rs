@@ -22,7 +22,9 @@
 //! same `1/tp` slice of their experts; every TP rank routes alike, so the exchanges agree.
 //!
 //! LoRA / DoRA adapters on the experts and the shared expert (PEFT's `gate_proj`, `up_proj`,
-//! `down_proj` targets) run beside their grouped matmuls: `moe_lora.rs`.
+//! `down_proj` targets, or the experts as parameters, `target_parameters`: `expert_params.rs`)
+//! run beside their grouped matmuls, and LoRA on the routers (`gate`, `shared_expert_gate`)
+//! inside the logits' node: `moe_lora.rs`.
 //!
 //! The load-balancing loss (transformers' `load_balancing_loss_func`, with
 //! `output_router_logits`) is `E · Σ_e f_e · P_e` over every token of the global batch and
