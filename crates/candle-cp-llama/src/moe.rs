@@ -210,7 +210,7 @@ impl SparseMoe {
         let Some(l) = &self.lora else { return Ok(self.clone()) };
         let m = |i: usize, shared: bool, w: &Tensor| -> Result<Tensor> { Ok(l.merged(i, shared, w, &self.tp)?.unwrap_or_else(|| w.clone())) };
         // (the routers: replicated, merged whole)
-        let r = |i: usize, w: &Tensor| -> Result<Tensor> { Ok(l.merged_router(i, w)?.unwrap_or_else(|| w.clone())) };
+        let r = |i: usize, w: &Tensor| -> Result<Tensor> { Ok(l.merged_router(i, w, &self.tp)?.unwrap_or_else(|| w.clone())) };
         let shared = match &self.shared {
             Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: r(1, &s.weight)? }),
             None => None,
@@ -242,7 +242,7 @@ impl SparseMoe {
         let router = if p > 1 && !sp { mappings::copy_to_tp_region(&self.router, g)? } else { self.router.clone() };
         // (the region's token indices when an adapter on the routers or the shared expert drops)
         let tokens = match &self.lora {
-            Some(l) => l.shared_tokens(n)?,
+            Some(l) => l.region_tokens(n)?,
             None => None,
         };
         let mut logits = match &self.lora {

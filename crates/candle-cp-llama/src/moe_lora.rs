@@ -242,7 +242,7 @@ impl MoeLora {
 
     /// The region's global token indices when the shared expert's or the routers' adapters
     /// draw masks.
-    pub(crate) fn shared_tokens(&self, region_rows: usize) -> Result<Option<std::sync::Arc<Vec<u64>>>> {
+    pub(crate) fn region_tokens(&self, region_rows: usize) -> Result<Option<std::sync::Arc<Vec<u64>>>> {
         let some = self.shared.iter().chain(&self.routers).any(|f| f.is_some());
         let Some(k) = self.rows.key().filter(|_| self.dropout > 0.0 && some) else { return Ok(None) };
         if k.rows.len() != region_rows {
@@ -269,11 +269,10 @@ impl MoeLora {
     }
 
     /// Router `i`'s weight (the whole of it, replicated) with its adapter merged, detached, for
-    /// inference; `None` when not adapted.
-    pub(crate) fn merged_router(&self, i: usize, w: &Tensor) -> Result<Option<Tensor>> {
+    /// inference (as [`MoeLora::merged`] merges the others); `None` when not adapted.
+    pub(crate) fn merged_router(&self, i: usize, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
         let Some(f) = self.routers[i].as_ref() else { return Ok(None) };
-        let dw = f.b.to_dtype(candle_core::DType::F32)?.matmul(&f.a.to_dtype(candle_core::DType::F32)?)?;
-        Ok(Some((w.to_dtype(candle_core::DType::F32)? + (dw * f.scale)?)?.to_dtype(w.dtype())?.detach()))
+        Ok(Some(candle_cp_nn::lora::merged_weight(w, &f.a, &f.b, None, f.scale, candle_cp_nn::WeightSplit::Rows, tp)?))
     }
 }
 

@@ -103,11 +103,8 @@ fn grouped(name: &'static str, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, us
                 None => Tensor::zeros((o, i), wd.dtype(), wd.device())?,
                 Some(g) => g.t()?.matmul(&xd.narrow(0, off, n)?)?,
             });
-            if let Some((bd, col0, nb)) = &b_back {
-                db.push(match &g {
-                    None => Tensor::zeros(*nb, bd.dtype(), bd.device())?,
-                    Some(g) => g.narrow(1, *col0, *nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bd.dtype())?,
-                });
+            if let Some((bd, col0, _)) = &b_back {
+                db.push(bias_grad(g.as_ref(), bd, *col0)?);
             }
             off += n;
         }
@@ -120,6 +117,17 @@ fn grouped(name: &'static str, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, us
     match bias {
         Some((b, _)) => attach_n(name, &[x, w, b], y, bwd),
         None => attach_n(name, &[x, w], y, bwd),
+    }
+}
+
+/// One expert's bias gradient `[nb]` (of `bias` `[E, nb]`, added at column `col0`): its rows
+/// `g` of the output's gradient summed over those columns in f32, or zeros for an expert
+/// without rows.
+pub(crate) fn bias_grad(g: Option<&Tensor>, bias: &Tensor, col0: usize) -> Result<Tensor> {
+    let nb = bias.dim(1)?;
+    match g {
+        None => Tensor::zeros(nb, bias.dtype(), bias.device()),
+        Some(g) => g.narrow(1, col0, nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bias.dtype()),
     }
 }
 

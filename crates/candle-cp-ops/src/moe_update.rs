@@ -113,11 +113,7 @@ fn update_node(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &
         let mut off = 0;
         for (e, &n) in counts.iter().enumerate() {
             if let Some((bd, col0)) = &bias_d {
-                let nb = bd.dim(1)?;
-                db.push(match n {
-                    0 => bd.get(e)?.zeros_like()?,
-                    _ => rows(&g, off, n)?.narrow(1, *col0, nb)?.to_dtype(candle_core::DType::F32)?.sum(0)?.to_dtype(bd.dtype())?,
-                });
+                db.push(crate::moe::bias_grad((n > 0).then(|| rows(&g, off, n)).transpose()?.as_ref(), bd, *col0)?);
             }
             if n == 0 {
                 // an expert without rows: zero gradients for its weights
