@@ -8,7 +8,7 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "flash_bwd_pipe", "flash_bwd_fused", "merge", "layout", "quant", "moe", "dropout", "probe"];
+const KERNELS: &[&str] = &["flash_fwd", "flash_bwd", "flash_bwd_mma", "flash_bwd_pipe", "flash_bwd_fused", "merge", "layout", "quant", "moe", "grouped_gemm", "dropout", "probe"];
 /// Kernels that use Hopper-only instructions (wgmma): PTX for `compute_90a` (`.target sm_90a`),
 /// loadable only on compute capability 9.x; the launchers check the device before loading them.
 const KERNELS_SM90A: &[&str] = &["flash_fwd_sm90", "flash_fwd_sm90_ws", "flash_bwd_sm90", "flash_bwd_sm90_ws", "probe_sm90"];

@@ -8,8 +8,11 @@
 //! cargo run --release --features cuda -p candle-cp-examples --example gpu_bench -- \
 //!     [--t 4096,8192,16384,32768] [--heads 16] [--batch 1] [--d 128] [--iters 3] \
 //!     [--impl auto|simple|mma|pipelined|wgmma|wgmma-atomic|wgmma-ws|wgmma-tma|wgmma-tma-wide|atomic[,...]] [--ring-t 16384] [--ring-p 4] [--budget-s 240]
-//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384] [--window 1024] [--softcap 50]
+//!     [--mem 0|1] [--bwd 1|0] [--docs 128,1024] [--docs-t 16384] [--window 1024] [--softcap 50] [--moe 0|1|2]
 //! ```
+//! `--moe 1`: a mixture of experts' grouped products, the grouped kernel against one cuBLAS
+//! GEMM per expert (`gpu_bench_moe.rs`; `"impl":"candle-cp-grouped"` lines); `--moe 2`: the
+//! same at a tiny size (the CPU shim's runs).
 //! `--softcap C`: each family's line is followed by the same calls with Gemma 2's logit soft cap
 //! `C` (`flash::Logits`: the pipelined forward's capped entries, the CUDA-core backward), in the
 //! same run (`"impl":"candle-cp-softcap"`; `fwd_vs_plain` / `bwd_vs_plain` = capped time /
@@ -31,6 +34,8 @@
 mod gpu_add_dq;
 #[path = "gpu_bench_mem.rs"]
 mod mem;
+#[path = "gpu_bench_moe.rs"]
+mod moe;
 use mem::{band_docs, mem_kernels};
 
 use anyhow::Result;
@@ -53,6 +58,8 @@ struct Args {
     ring_p: usize,
     budget: Duration,
     mem: bool,
+    /// Time the experts' grouped products (`--moe`: 0 no (default), 1 yes, 2 at a tiny size).
+    moe: usize,
     /// Time the backward too (`--bwd`, default 1).
     bwd: bool,
     /// Packed-document lengths for the band benchmark (`--docs`, none by default).
@@ -69,7 +76,7 @@ fn parse() -> Result<Args> {
     let a: Vec<String> = std::env::args().collect();
     candle_cp_examples::check_flags(
         &a,
-        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t", "--window", "--softcap"],
+        &["--t", "--heads", "--batch", "--d", "--iters", "--impl", "--ring-t", "--ring-p", "--budget-s", "--mem", "--bwd", "--docs", "--docs-t", "--window", "--softcap", "--moe"],
         &[],
     )?;
     let get = |f: &str| a.iter().position(|x| x == f).and_then(|i| a.get(i + 1)).cloned();
@@ -96,6 +103,7 @@ fn parse() -> Result<Args> {
         ring_p: num("--ring-p", 4)?,
         budget: Duration::from_secs(num("--budget-s", 240)? as u64),
         mem: num("--mem", 0)? != 0,
+        moe: num("--moe", 0)?,
         bwd: num("--bwd", 1)? != 0,
         docs: match get("--docs") {
             Some(s) => s.split(',').map(|x| x.trim().parse()).collect::<std::result::Result<Vec<usize>, _>>()?,
@@ -136,6 +144,9 @@ fn main() -> Result<()> {
     let scale = 1.0 / (d as f32).sqrt();
     if a.mem {
         mem_kernels(&a, &dev)?;
+    }
+    if a.moe > 0 {
+        moe::moe_products(&a, &dev, start)?;
     }
     if !a.docs.is_empty() {
         band_docs(&a, &dev)?;

@@ -159,7 +159,7 @@ for ptx in "$CARGO_TARGET_DIR"/release/build/candle-cp-kernels-*/out/*.ptx; do
   done
   n=$((n + 1))
 done
-[ "$n" -ge 10 ] || { echo "ci-cuda: expected 10 PTX files from candle-cp-kernels, found $n"; exit 1; }
+[ "$n" -ge 11 ] || { echo "ci-cuda: expected 11 PTX files from candle-cp-kernels, found $n"; exit 1; }
 # the probe kernels (issue 6) must be among the PTX assembled above
 for f in probe probe_sm90; do
   [ -f "$ptxas_out/$f.sm_90a.txt" ] || { echo "ci-cuda: $f.ptx (candle-cp-kernels/kernels/$f.cu) was not built"; exit 1; }
@@ -179,6 +179,11 @@ for f in flash_fwd flash_bwd_pipe; do
     spills=$(awk -v pre="^${f%_pipe}_pipe" '/Function properties for/ {f=$NF} / bytes spill stores/ && f ~ pre && $5 != "0" {print f}' "$ptxas_out/$f.$arch.txt")
     [ -z "$spills" ] || { echo "ci-cuda: $f.cu spills registers on $arch in: $spills"; exit 1; }
   done
+done
+# the experts' grouped products (grouped_gemm.cu) do not spill on either arch
+for arch in sm_80 sm_90a; do
+  [ -f "$ptxas_out/grouped_gemm.$arch.txt" ] || { echo "ci-cuda: grouped_gemm.ptx was not built"; exit 1; }
+  if grep -E '[1-9][0-9]* bytes spill' "$ptxas_out/grouped_gemm.$arch.txt"; then echo "ci-cuda: grouped_gemm.cu spills registers on $arch"; exit 1; fi
 done
 python3 candle-cp-kernels/emu/check_launch_args.py --ptx-dir "$CARGO_TARGET_DIR/release/build" || { echo "ci-cuda: a Rust kernel launch does not match its kernel (candle-cp-kernels/emu/check_launch_args.py)"; exit 1; }
 echo "ci-cuda: ptxas and the launch check done after $(( $(date +%s) - start )) s"
@@ -209,7 +214,7 @@ shim_step() {  # shim_step NAME CMD...: run, keep the output in $shim_log, show 
 # the benchmark binary the GPU check runs (every kernel family, the zigzag ring steps, the
 # memory-bound kernels) and its table, at a tiny size: that they run, not what they measure
 shim_step gpu_bench env LD_LIBRARY_PATH="$lib" timeout 300 "$CARGO_TARGET_DIR/release/examples/gpu_bench" --t 256 --heads 4 --d 128 \
-  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --budget-s 200
+  --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --moe 2 --budget-s 200
 grep '^{' "$shim_log" >"$shim_dir/bench.jsonl"
 rows=$(grep -c '"impl":"candle-cp"' "$shim_dir/bench.jsonl" || true)
 [ "$rows" = 14 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench under the shim printed $rows kernel rows, expected 14 (7 families x causal, full)"; exit 1; }
@@ -217,6 +222,8 @@ band_rows=$(grep -c '"impl":"candle-cp-band"' "$shim_dir/bench.jsonl" || true)
 [ "$band_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --docs under the shim printed $band_rows band rows, expected 1"; exit 1; }
 halo_rows=$(grep -c '"impl":"candle-cp-halo".*"halo":true' "$shim_dir/bench.jsonl" || true)
 [ "$halo_rows" = 1 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --window under the shim printed $halo_rows halo rows, expected 1"; exit 1; }
+grouped_rows=$(grep -c '"impl":"candle-cp-grouped"' "$shim_dir/bench.jsonl" || true)
+[ "$grouped_rows" = 6 ] || { cat "$shim_log"; echo "ci-cuda: gpu_bench --moe 2 under the shim printed $grouped_rows grouped-product rows, expected 6 (2 token counts x 3 products)"; exit 1; }
 : >"$shim_dir/sdpa.jsonl"
 shim_step gpu_table.py python3 scripts/gpu_table.py "$shim_dir/bench.jsonl" "$shim_dir/sdpa.jsonl"
 echo "ci-cuda: gpu_bench + gpu_table.py ran under the shim ($rows kernel rows; timings meaningless on the CPU)"

@@ -164,26 +164,26 @@ run() {
   step 20 $keep "$out/check-oracle.log" add -- env CANDLE_CP_FLASH_IMPL=wgmma-tma "$bin/gpu_check" --sections random
   echo "== 5/7 benchmarks: candle-cp kernels (bf16, D = 128; D = 256 and 96: pipelined vs CUDA-core, and with Gemma 2's soft cap), then PyTorch SDPA on the same GPU"
   : > "$out/bench.jsonl"
-  local item imp ring want mem reserve docs bwd auto window softcap d ts heads
+  local item imp ring want mem moe reserve docs bwd auto window softcap d ts heads
   # (family, limit, reserve for what follows): each family its own process, so a hang or fault
   # in one leaves the others' numbers. (`families:d` items: at head dim d)
   for item in pipelined wgmma,wgmma-atomic wgmma-ws wgmma-tma wgmma-tma-wide atomic pipelined,simple:256 pipelined,simple:96; do
     imp=${item%%:*}
-    ring=0 mem=0 docs="" window="" softcap="" bwd=1 auto=() d=128 ts=4096,8192,16384,32768 heads=16
+    ring=0 mem=0 moe=0 docs="" window="" softcap="" bwd=1 auto=() d=128 ts=4096,8192,16384,32768 heads=16
     case $item in
       pipelined) ring=4 docs=128,1024 window=1024 want=65 reserve=205 ;;  # reserve: 30 wgmma + 20 wgmma-ws + 20 wgmma-tma + 20 wide + 35 d256 + 20 d96 + 60 SDPA; docs: band vs per-document calls
       wgmma,wgmma-atomic) docs=128,1024 want=55 reserve=175 ;;  # docs: the wgmma band kernels
       wgmma-ws) docs=128,1024 want=50 reserve=155 ;;  # docs: its band kernels
       wgmma-tma) ring=4 docs=128,1024 want=55 reserve=135 auto=(CANDLE_CP_FLASH_IMPL=wgmma-tma) ;;  # the warp-specialized kernels with TMA loads; its ring steps, and the whole ring on them (Auto)
       wgmma-tma-wide) bwd=0 want=25 reserve=115 ;;  # its forward's 176-key tiles (full, causal); the backward is wgmma-tma's
-      atomic) mem=1 want=40 reserve=115 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s
+      atomic) mem=1 moe=1 want=45 reserve=115 ;;  # + the memory-bound kernels (merge, cast, layout) in GB/s, and the experts' grouped products (kernel vs per-expert cuBLAS)
       pipelined,simple:256) d=256 ts=4096,16384 heads=8 softcap=50 want=35 reserve=80 ;;  # head dim 256 (Gemma 2 / 3): the pipelined kernels vs the CUDA-core ones, and Gemma 2's soft cap on each
       pipelined,simple:96) d=96 ts=4096,16384 heads=32 want=25 reserve=60 ;;  # head dim 96 (Phi-3-mini: 32 heads): the pipelined kernels vs the CUDA-core ones
     esac
     local lim=$((budget - (SECONDS - t0) - reserve))
     [ "$lim" -gt "$want" ] && lim=$want
     step "$want" "$reserve" "$out/bench.jsonl" add -- env "${auto[@]}" "$bin/gpu_bench" --t "$ts" --heads "$heads" --d "$d" --iters 3 \
-      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" ${docs:+--docs "$docs" --docs-t 16384} ${window:+--window "$window"} ${softcap:+--softcap "$softcap"} --budget-s $((lim > 20 ? lim - 10 : 10))
+      --impl "$imp" --bwd "$bwd" --ring-t 16384 --ring-p "$ring" --mem "$mem" --moe "$moe" ${docs:+--docs "$docs" --docs-t 16384} ${window:+--window "$window"} ${softcap:+--softcap "$softcap"} --budget-s $((lim > 20 ? lim - 10 : 10))
   done
   step 60 0 "$out/sdpa.jsonl" new -- python3 scripts/sdpa_bench.py --t 4096,8192,16384,32768 --heads 16 --d 128 --iters 3
   python3 scripts/gpu_table.py "$out/bench.jsonl" "$out/sdpa.jsonl" | tee "$out/table.md" || rc=1
@@ -238,7 +238,7 @@ preflight() {
     || { grep -v '^PASS' "$out/check.log" | tail -40; echo "gpu-check preflight: gpu_check failed ($out/check.log)"; return 1; }
   grep '^gpu_check:' "$out/check.log"
   "$bin/gpu_bench" --t 256 --heads 4 --d 128 --iters 1 --impl pipelined,wgmma,wgmma-atomic,wgmma-ws,wgmma-tma,wgmma-tma-wide,atomic \
-    --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
+    --ring-t 512 --ring-p 4 --mem 1 --docs 64 --docs-t 256 --window 33 --moe 2 --budget-s 200 >"$out/bench.jsonl" 2>"$out/bench.err" \
     || { tail -20 "$out/bench.err"; echo "gpu-check preflight: gpu_bench failed"; return 1; }
   # step 5's head-dim-256 line
   "$bin/gpu_bench" --t 128 --heads 2 --d 256 --iters 1 --impl pipelined,simple --bwd 1 --softcap 50 --ring-t 16384 --ring-p 0 --mem 0 --budget-s 60 \

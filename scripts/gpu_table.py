@@ -73,6 +73,14 @@ def main():
                if "bwd_ms" in r else "")
         print(f"soft cap {r['cap']:g} (Gemma 2), {r['kernel']}, D = {r['d']}, T = {r['t']}, {'causal' if r['causal'] else 'full'}: "
               f"forward {r['fwd_ms']:.2f} ms ({r['fwd_tflops']:.0f} TFLOP/s, {r['fwd_vs_plain']:.2f}x the uncapped){bwd}")
+    grouped = [r for r in bench if r.get("impl") == "candle-cp-grouped"]
+    if grouped:
+        print("\nexperts' grouped products (bf16): the grouped kernel vs one cuBLAS GEMM per expert\n")
+        print("| experts | tokens | rows/expert | op | kernel ms | per-expert ms | speedup | kernel TFLOP/s | per-expert TFLOP/s |")
+        print("|---|---|---|---|---|---|---|---|---|")
+        for r in grouped:
+            print(f"| {r['moe']} ({r['experts']} x [{r['out']}, {r['in']}], top {r['top_k']}) | {r['tokens']} | {r['rows_per_expert']} | {r['op']} "
+                  f"| {r['kernel_ms']:.3f} | {r['per_expert_ms']:.3f} | {r['speedup']:.2f}x | {r['kernel_tflops']:.1f} | {r['per_expert_tflops']:.1f} |")
     for r in ring:
         print(f"\nzigzag ring, P = {r['p']} virtual ranks, T = {r['t']} (ring on {r.get('kernel', 'Auto')}): {r['ring_ms']:.1f} ms "
               f"vs single-GPU kernel ({r.get('single_kernel', '?')}) {r['single_ms']:.1f} ms, efficiency {r['efficiency']:.2f}")

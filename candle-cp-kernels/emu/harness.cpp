@@ -1,6 +1,6 @@
 // Runs the real kernel source (kernels/*.cu compiled as host C++ under emu.h) on the CPU through
 // the same extern "C" entry points and launch configurations as the Rust launchers
-// (src/flash.rs, src/flash/bwd_pipe.rs, src/merge.rs, src/layout.rs, src/quant.rs, src/moe.rs, src/dropout.rs), and compares the results
+// (src/flash.rs, src/flash/bwd_pipe.rs, src/merge.rs, src/layout.rs, src/quant.rs, src/moe.rs, src/grouped_gemm.rs, src/dropout.rs), and compares the results
 // with a float64 reference. One PASS/FAIL line per check; exit status 1 on any failure.
 // Usage: harness [substring filter of check names]. Built and run by emu/run.sh.
 #include "harness.h"
@@ -186,6 +186,7 @@ int main(int argc, char** argv) {
       run_misc_checks();
       run_quant_checks();
       run_moe_checks();
+      run_grouped_checks();
       run_dropout_checks();
       run_fused_checks();
       run_probe_checks();

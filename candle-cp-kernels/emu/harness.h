@@ -38,6 +38,7 @@ void run_probe_checks();  // check_probe.cpp (probe.cu, probe_sm90.cu)
 void run_band_checks();   // check_band.cpp (the `_band_` entries: band masks)
 void run_quant_checks();  // check_quant.cpp (quant.cu: int8 / NF4 dequantization)
 void run_moe_checks();    // check_moe.cpp (moe.cu: top-K routing)
+void run_grouped_checks();  // check_grouped.cpp (grouped_gemm.cu: the experts' grouped products)
 void run_dropout_checks();  // check_dropout.cpp (dropout.cu: keep masks)
 
 // Element conversions.

@@ -35,6 +35,7 @@ srcs+=(emu/emu_async.cpp)  # cp.async, async-proxy view (emu.h)
 srcs+=(emu/check_band.cpp)  # band masks (the `_band_` entries)
 srcs+=(kernels/quant.cu emu/check_quant.cpp)  # int8 / NF4 dequantization
 srcs+=(kernels/moe.cu emu/check_moe.cpp)  # top-K routing
+srcs+=(kernels/grouped_gemm.cu emu/check_grouped.cpp)  # the experts' grouped products
 srcs+=(kernels/dropout.cu emu/check_dropout.cpp)  # dropout keep masks
 start=$(date +%s)
 objs=()

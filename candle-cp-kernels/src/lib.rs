@@ -11,6 +11,7 @@
 //! - `layout`: zigzag / striped shard and unshard along the sequence, all-to-all pack/unpack;
 //! - `dropout`: dropout keep masks from counter-based streams (SP and LoRA dropout);
 //! - `moe`: each token's top K experts on the device (mixture-of-experts routing);
+//! - `grouped_gemm`: the experts' grouped products (forward, dx, dW) in one launch each;
 //! - `quant`: dequantization of int8 / NF4 frozen weights (a LoRA run's quantized base);
 //! - `probe`: probe kernels that check (and diagnose) our reading of the PTX ISA for mma.sync,
 //!   ldmatrix, cp.async and wgmma on the GPU (`probe_map` / `probe_diag`, their host-side layouts
@@ -27,6 +28,8 @@
 pub mod dropout;
 #[cfg(feature = "cuda")]
 pub mod flash;
+#[cfg(feature = "cuda")]
+pub mod grouped_gemm;
 #[cfg(feature = "cuda")]
 pub mod layout;
 #[cfg(feature = "cuda")]

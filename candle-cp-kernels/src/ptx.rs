@@ -44,6 +44,9 @@ pub const LAYOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/layout.ptx"));
 pub const QUANT: &str = include_str!(concat!(env!("OUT_DIR"), "/quant.ptx"));
 /// `kernels/moe.cu`: `moe_top_k_{f32,f16,bf16}` (each token's top K experts, see [`crate::moe`]).
 pub const MOE: &str = include_str!(concat!(env!("OUT_DIR"), "/moe.ptx"));
+/// `kernels/grouped_gemm.cu`: `grouped_gemm_{nt,nn,tn}_{f32,f16,bf16}` (a mixture of experts'
+/// grouped products, forward and backward, see [`crate::grouped_gemm`]).
+pub const GROUPED_GEMM: &str = include_str!(concat!(env!("OUT_DIR"), "/grouped_gemm.ptx"));
 /// `kernels/dropout.cu`: `dropout_keep_{f32,f16,bf16}` (dropout keep masks from counter-based
 /// streams, see [`crate::dropout`]).
 pub const DROPOUT: &str = include_str!(concat!(env!("OUT_DIR"), "/dropout.ptx"));
@@ -81,6 +84,8 @@ pub const LAYOUT_MODULE: &str = "candle_cp_layout";
 pub const QUANT_MODULE: &str = "candle_cp_quant";
 /// See [`FLASH_FWD_MODULE`].
 pub const MOE_MODULE: &str = "candle_cp_moe";
+/// See [`FLASH_FWD_MODULE`].
+pub const GROUPED_GEMM_MODULE: &str = "candle_cp_grouped_gemm";
 /// See [`FLASH_FWD_MODULE`].
 pub const DROPOUT_MODULE: &str = "candle_cp_dropout";
 /// See [`FLASH_FWD_MODULE`].

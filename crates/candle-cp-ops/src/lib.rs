@@ -21,6 +21,7 @@ pub mod cp;
 pub mod mappings;
 pub mod moe;
 pub mod moe_ep;
+pub mod moe_gemm;
 pub mod moe_update;
 pub mod oracle;
 pub mod packing;

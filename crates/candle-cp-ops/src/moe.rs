@@ -27,6 +27,7 @@
 //! expert and its inverse.
 
 use crate::autograd::{attach2, attach_n, BackwardFn};
+use crate::moe_gemm;
 use candle_core::{bail, DType, Result, Tensor};
 use std::sync::Arc;
 
@@ -61,8 +62,8 @@ fn check(op: &str, x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<(usize, u
 /// gradient). Errors name the shapes: `x` not 2-D, `w` not 3-D, `in` that differ, counts that
 /// are not one per expert or do not sum to `M`, dtypes or devices that differ.
 pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
-    let (_, o, i) = check("grouped_matmul", x, w, counts)?;
-    grouped("grouped_matmul", x, w, None, counts, o, i)
+    check("grouped_matmul", x, w, counts)?;
+    grouped("grouped_matmul", x, w, None, counts)
 }
 
 /// [`grouped_matmul`] plus each row's expert's bias (gpt-oss): `bias` `[E, nb]` is added to
@@ -72,62 +73,30 @@ pub fn grouped_matmul(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor
 /// output): its backward adds `dbias[e]`, the sum of expert `e`'s rows of the output's
 /// gradient over those columns. Errors name the shapes. Reference: [`grouped_matmul_bias_slow`].
 pub fn grouped_matmul_bias(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
-    let (e, o, i) = check("grouped_matmul_bias", x, w, counts)?;
+    let (e, o, _) = check("grouped_matmul_bias", x, w, counts)?;
     check_bias("grouped_matmul_bias", w, bias, col0, e, o)?;
-    grouped("grouped_matmul_bias", x, w, Some((bias, col0)), counts, o, i)
+    grouped("grouped_matmul_bias", x, w, Some((bias, col0)), counts)
 }
 
 /// The grouped product node of [`grouped_matmul`] and [`grouped_matmul_bias`] (checked): the
-/// forward block by block, the backward `dx` block by block, `dW` (and `dbias`) expert by
-/// expert, an expert without rows getting zeros.
-fn grouped(name: &'static str, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize], o: usize, i: usize) -> Result<Tensor> {
+/// forward, `dx`, `dW` (and `dbias`) from [`crate::moe_gemm`] (the grouped kernel on CUDA, per
+/// expert elsewhere), an expert without rows getting zero gradients.
+fn grouped(name: &'static str, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize]) -> Result<Tensor> {
     let (xd, wd) = (x.detach(), w.detach());
-    let bias_d = bias.map(|(b, c)| (b.detach(), c, b.dim(1).unwrap_or(0)));
-    let y = blocks(&xd, counts, o, |e, xe| {
-        let y = xe.matmul(&wd.get(e)?.t()?)?;
-        match &bias_d {
-            Some((bd, col0, nb)) => y.broadcast_add(&bd.get(e)?.unsqueeze(0)?.pad_with_zeros(1, *col0, o - col0 - nb)?),
-            None => Ok(y),
-        }
-    })?;
+    let bias_d = bias.map(|(b, c)| (b.detach(), c));
+    let y = moe_gemm::gmm(&xd, &wd, bias_d.as_ref().map(|(b, c)| (b, *c)), counts)?;
     let counts = counts.to_vec();
-    let b_back = bias_d.clone();
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
         let dy = dy.detach();
-        let dx = blocks(&dy, &counts, i, |e, ge| ge.matmul(&wd.get(e)?))?;
-        let (mut dw, mut db) = (Vec::with_capacity(counts.len()), Vec::with_capacity(counts.len()));
-        let mut off = 0;
-        for &n in &counts {
-            let g = (n > 0).then(|| dy.narrow(0, off, n)).transpose()?;
-            dw.push(match &g {
-                None => Tensor::zeros((o, i), wd.dtype(), wd.device())?,
-                Some(g) => g.t()?.matmul(&xd.narrow(0, off, n)?)?,
-            });
-            if let Some((bd, col0, _)) = &b_back {
-                db.push(bias_grad(g.as_ref(), bd, *col0)?);
-            }
-            off += n;
-        }
-        let mut grads = vec![Some(dx), Some(Tensor::stack(&dw, 0)?)];
-        if b_back.is_some() {
-            grads.push(Some(Tensor::stack(&db, 0)?));
+        let mut grads = vec![Some(moe_gemm::gmm_dx(&dy, &wd, &counts)?), Some(moe_gemm::gmm_dw(&dy, &xd, &counts)?)];
+        if let Some((bd, col0)) = &bias_d {
+            grads.push(Some(moe_gemm::gmm_dbias(&dy, bd, *col0, &counts)?));
         }
         Ok(grads)
     });
     match bias {
         Some((b, _)) => attach_n(name, &[x, w, b], y, bwd),
         None => attach_n(name, &[x, w], y, bwd),
-    }
-}
-
-/// One expert's bias gradient `[nb]` (of `bias` `[E, nb]`, added at column `col0`): its rows
-/// `g` of the output's gradient summed over those columns in f32, or zeros for an expert
-/// without rows.
-pub(crate) fn bias_grad(g: Option<&Tensor>, bias: &Tensor, col0: usize) -> Result<Tensor> {
-    let nb = bias.dim(1)?;
-    match g {
-        None => Tensor::zeros(nb, bias.dtype(), bias.device()),
-        Some(g) => g.narrow(1, col0, nb)?.to_dtype(DType::F32)?.sum(0)?.to_dtype(bias.dtype()),
     }
 }
 
@@ -150,27 +119,11 @@ pub fn grouped_matmul_bias_slow(x: &Tensor, w: &Tensor, bias: &Tensor, col0: usi
     grouped_matmul_slow(x, w, counts)? + bias.index_select(&ids, 0)?.pad_with_zeros(1, col0, o - col0 - nb)?
 }
 
-/// `f(e, rows of expert e)` for each expert with rows, concatenated: `[M, width]`.
-fn blocks(x: &Tensor, counts: &[usize], width: usize, f: impl Fn(usize, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
-    let mut parts = Vec::with_capacity(counts.len());
-    let mut off = 0;
-    for (e, &n) in counts.iter().enumerate() {
-        if n > 0 {
-            parts.push(f(e, &x.narrow(0, off, n)?)?);
-        }
-        off += n;
-    }
-    match parts.len() {
-        0 => Tensor::zeros((0, width), x.dtype(), x.device()),
-        _ => Tensor::cat(&parts, 0),
-    }
-}
-
 /// [`grouped_matmul`] from candle's ops (`narrow`, `matmul`, `cat`; candle's backward): the
 /// reference.
 pub fn grouped_matmul_slow(x: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let (_, o, _) = check("grouped_matmul_slow", x, w, counts)?;
-    blocks(x, counts, o, |e, xe| xe.matmul(&w.get(e)?.t()?))
+    moe_gemm::blocks(x, counts, o, |e, xe| xe.matmul(&w.get(e)?.t()?))
 }
 
 /// `y[n] = Σ_k w[n, k] · ys[inverse[n·K + k]]`: each token's `K` expert rows, `ys` `[N·K, h]`

@@ -14,6 +14,7 @@
 
 use crate::autograd::{apply_mask_opt, attach_n, BackwardFn, MaskFn};
 use crate::moe::grouped_matmul_slow;
+use crate::moe_gemm::{gmm, gmm_dbias, gmm_dw, gmm_dx};
 use candle_core::{bail, Result, Tensor};
 use std::sync::Arc;
 
@@ -69,11 +70,6 @@ fn check(w: &Tensor, up: &GroupedUpdate) -> Result<()> {
     Ok(())
 }
 
-/// Expert `e`'s rows `[start, start + n)` of a `[M, ·]` tensor.
-fn rows(t: &Tensor, start: usize, n: usize) -> Result<Tensor> {
-    t.narrow(0, start, n)
-}
-
 /// `grouped(x, W) + U(x ⊙ mask())` (see the module doc) as one node over `x`, `W` and the
 /// update's weights; `counts` the rows per expert, `mask` `[M, in]` or none. Errors name the
 /// shapes.
@@ -107,62 +103,26 @@ fn update_node(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &
     let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
         let g = g.detach();
         let (xm, m) = apply_mask_opt(op, &xd, mask.as_ref())?;
-        let i = wd.dim(2)?;
-        let (mut dx, mut dw) = (Vec::new(), Vec::new());
-        let (mut du1, mut du2, mut db) = (Vec::new(), Vec::new(), Vec::new());
-        let mut off = 0;
-        for (e, &n) in counts.iter().enumerate() {
-            if let Some((bd, col0)) = &bias_d {
-                db.push(crate::moe::bias_grad((n > 0).then(|| rows(&g, off, n)).transpose()?.as_ref(), bd, *col0)?);
+        let c = &counts;
+        // the update's input gradient (before the mask) and its weights' gradients
+        let (dxu, du) = match &ud {
+            GroupedUpdate::LowRank { a, b, scale } => {
+                let gb = gmm_dx(&g, b, c)?.affine(*scale, 0.0)?;
+                let u = gmm(&xm, a, None, c)?;
+                let da = gmm_dw(&gb, &xm, c)?;
+                let db = gmm_dw(&g, &u, c)?.affine(*scale, 0.0)?;
+                (gmm_dx(&gb, a, c)?, vec![da, db])
             }
-            if n == 0 {
-                // an expert without rows: zero gradients for its weights
-                let z = |t: &Tensor| t.get(e)?.zeros_like();
-                dw.push(z(&wd)?);
-                match &ud {
-                    GroupedUpdate::LowRank { a, b, .. } => {
-                        du1.push(z(a)?);
-                        du2.push(z(b)?);
-                    }
-                    GroupedUpdate::Full { w: d } => du1.push(z(d)?),
-                }
-                continue;
-            }
-            let (we, ge) = (wd.get(e)?, rows(&g, off, n)?);
-            dw.push(ge.t()?.matmul(&rows(&xd, off, n)?)?);
-            let xe = rows(&xm, off, n)?;
-            // the update's input gradient (before the mask) and its weights' gradients
-            let dxu = match &ud {
-                GroupedUpdate::LowRank { a, b, scale } => {
-                    let (ae, be) = (a.get(e)?, b.get(e)?);
-                    let gb = ge.matmul(&be)?.affine(*scale, 0.0)?;
-                    let u = xe.matmul(&ae.t()?)?;
-                    du1.push(gb.t()?.matmul(&xe)?);
-                    du2.push(ge.t()?.matmul(&u)?.affine(*scale, 0.0)?);
-                    gb.matmul(&ae)?
-                }
-                GroupedUpdate::Full { w: d } => {
-                    let de = d.get(e)?;
-                    du1.push(ge.t()?.matmul(&xe)?);
-                    ge.matmul(&de)?
-                }
-            };
-            dx.push((ge.matmul(&we)?, dxu));
-            off += n;
-        }
-        let (base, upd): (Vec<Tensor>, Vec<Tensor>) = dx.into_iter().unzip();
-        let cat = |v: Vec<Tensor>| if v.is_empty() { Tensor::zeros((0, i), xd.dtype(), xd.device()) } else { Tensor::cat(&v, 0) };
-        let dxu = cat(upd)?;
+            GroupedUpdate::Full { w: d } => (gmm_dx(&g, d, c)?, vec![gmm_dw(&g, &xm, c)?]),
+        };
         let dxu = match m {
             Some(m) => (dxu * m)?,
             None => dxu,
         };
-        let mut grads = vec![Some((cat(base)? + dxu)?), Some(Tensor::stack(&dw, 0)?), Some(Tensor::stack(&du1, 0)?)];
-        if !du2.is_empty() {
-            grads.push(Some(Tensor::stack(&du2, 0)?));
-        }
-        if !db.is_empty() {
-            grads.push(Some(Tensor::stack(&db, 0)?));
+        let mut grads = vec![Some((gmm_dx(&g, &wd, c)? + dxu)?), Some(gmm_dw(&g, &xd, c)?)];
+        grads.extend(du.into_iter().map(Some));
+        if let Some((bd, col0)) = &bias_d {
+            grads.push(Some(gmm_dbias(&g, bd, *col0, c)?));
         }
         Ok(grads)
     });
@@ -186,10 +146,10 @@ pub fn grouped_matmul_update_bias_slow(x: &Tensor, w: &Tensor, bias: &Tensor, co
 fn term(xm: &Tensor, up: &GroupedUpdate, counts: &[usize]) -> Result<Tensor> {
     match up {
         GroupedUpdate::LowRank { a, b, scale } => {
-            let u = crate::moe::grouped_matmul(xm, a, counts)?;
-            crate::moe::grouped_matmul(&u, b, counts)?.affine(*scale, 0.0)
+            let u = gmm(xm, a, None, counts)?;
+            gmm(&u, b, None, counts)?.affine(*scale, 0.0)
         }
-        GroupedUpdate::Full { w } => crate::moe::grouped_matmul(xm, w, counts),
+        GroupedUpdate::Full { w } => gmm(xm, w, None, counts),
     }
 }
 

@@ -1,0 +1,279 @@
+//! A mixture of experts' grouped products on CUDA, every expert in one launch
+//! (`kernels/grouped_gemm.cu`). CPU reference: the per-expert path of
+//! `candle_cp_ops::moe_gemm` (candle matmuls, `candle_cp_ops::moe::grouped_matmul_slow`); caller:
+//! the same module on a CUDA device.
+//!
+//! The rows of `x` `[M, in]` are grouped by expert, `counts[e]` rows each, in expert order:
+//!
+//! ```text
+//!   forward  y  [M, out]      = x_e · w[e]ᵀ (+ bias[e] on columns col0 .. col0 + nb)   w [E, out, in]
+//!   dx       dx [M, in]       = dy_e · w[e]
+//!   dw       dw [E, out, in]  = dy_eᵀ · x_e       (zeros for an expert without rows)
+//! ```
+//!
+//! f32 accumulation, one rounding into the dtype (f32, f16, bf16; f16 / bf16 on tensor cores).
+//! The per-expert path launches one GEMM per expert (and copies the parts together); these are
+//! one launch each, whatever the number of experts.
+
+use crate::{ptx, util};
+use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKernelArg};
+use candle_core::cuda_backend::{CudaDType, WrapErr};
+use candle_core::{CudaDevice, DType, Device, Layout, Result, Storage, Tensor};
+use half::{bf16, f16};
+use std::sync::RwLockReadGuard;
+
+/// Rows and columns of one block's output tile, and its threads (`GG_BM`, `GG_BN`,
+/// `GG_THREADS` in `kernels/grouped_gemm.cu`).
+const TILE: usize = 64;
+const THREADS: u32 = 128;
+
+/// The row offsets (`E + 1`) and, for the row-tiled products, the tile list (expert, first row;
+/// 64 rows at most) on the device, and the number of tiles.
+struct Groups {
+    offs: Tensor,
+    tiles: Option<(Tensor, u32)>,
+}
+
+impl Groups {
+    fn new(counts: &[usize], dev: &Device, tiled: bool) -> Result<Self> {
+        let mut offs = Vec::with_capacity(counts.len() + 1);
+        let mut tiles = Vec::new();
+        let mut at = 0u32;
+        offs.push(0u32);
+        for (e, &n) in counts.iter().enumerate() {
+            let n = u32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("grouped_gemm: {n} rows of expert {e} do not fit 32 bits")))?;
+            if tiled {
+                for r in (at..at + n).step_by(TILE) {
+                    tiles.extend([e as u32, r]);
+                }
+            }
+            at = at.checked_add(n).ok_or_else(|| candle_core::Error::Msg(format!("grouped_gemm: row counts {counts:?} sum past 32 bits")))?;
+            offs.push(at);
+        }
+        let offs = Tensor::from_vec(offs, counts.len() + 1, dev)?;
+        let tiles = if tiled {
+            let nt = u32::try_from(tiles.len() / 2).map_err(|_| candle_core::Error::Msg("grouped_gemm: too many row tiles".into()))?;
+            Some((Tensor::from_vec(tiles, nt as usize * 2, dev)?, nt))
+        } else {
+            None
+        };
+        Ok(Self { offs, tiles })
+    }
+}
+
+/// A contiguous CUDA tensor's storage guard and layout, and whether its start offset is a
+/// multiple of `ve` elements (the 16-byte loads' alignment).
+struct Arg {
+    t: Tensor,
+}
+
+impl Arg {
+    fn new(t: &Tensor) -> Result<Self> {
+        Ok(Self { t: t.contiguous()? })
+    }
+    fn aligned(&self, ve: usize) -> bool {
+        self.t.layout().start_offset().is_multiple_of(ve)
+    }
+    fn guard(&self) -> (RwLockReadGuard<'_, Storage>, &Layout) {
+        self.t.storage_and_layout()
+    }
+}
+
+fn view<'a, T: CudaDType>(g: &'a (RwLockReadGuard<'a, Storage>, &'a Layout), what: &str) -> Result<CudaView<'a, T>> {
+    util::view::<T>(util::storage(&g.0, what)?, g.1, what)
+}
+
+/// Shapes and devices of a grouped product: `a` `[M, ·]`, `counts` one per expert summing to
+/// `M`, every tensor on `a`'s CUDA device in `a`'s dtype (f32, f16 or bf16).
+fn check_common(op: &str, ts: &[(&str, &Tensor)], m: usize, counts: &[usize]) -> Result<CudaDevice> {
+    let (name0, t0) = ts[0];
+    let dev = util::cuda_device(t0, &format!("grouped_gemm::{op}: {name0}"))?;
+    for (name, t) in ts {
+        if t.dtype() != t0.dtype() || !t.device().same_device(t0.device()) {
+            candle_core::bail!("grouped_gemm::{op}: {name} {:?} {:?} and {name0} {:?} {:?} differ in dtype or device", t.dims(), t.dtype(), t0.dims(), t0.dtype())
+        }
+    }
+    if !matches!(t0.dtype(), DType::F32 | DType::F16 | DType::BF16) {
+        candle_core::bail!("grouped_gemm::{op}: dtype {:?} of {name0} {:?} (f32, f16, bf16)", t0.dtype(), t0.dims())
+    }
+    if counts.is_empty() || counts.len() > 65_535 || counts.iter().sum::<usize>() != m {
+        candle_core::bail!("grouped_gemm::{op}: row counts {counts:?} must be one per expert (1..=65535 of them) and sum to M = {m} ({name0} {:?})", t0.dims())
+    }
+    Ok(dev)
+}
+
+fn dims2(op: &str, what: &str, t: &Tensor) -> Result<(usize, usize)> {
+    match t.dims() {
+        &[a, b] => Ok((a, b)),
+        d => candle_core::bail!("grouped_gemm::{op}: {what} must be 2-D, got shape {d:?}"),
+    }
+}
+
+fn dims3(op: &str, what: &str, t: &Tensor) -> Result<(usize, usize, usize)> {
+    match t.dims() {
+        &[a, b, c] => Ok((a, b, c)),
+        d => candle_core::bail!("grouped_gemm::{op}: {what} must be [E, out, in], got shape {d:?}"),
+    }
+}
+
+/// `ve` elements in a 16-byte vector of `dt`.
+fn ve(dt: DType) -> usize {
+    16 / dt.size_in_bytes()
+}
+
+/// `y` `[M, out]`: rows `x_e` `[counts[e], in]` of `x` `[M, in]` times `w[e]ᵀ` (`w` `[E, out,
+/// in]`), plus `bias` `[E, nb]` on columns `[col0, col0 + nb)` of its expert's rows when given.
+/// One launch. Errors name the shapes.
+pub fn forward(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize]) -> Result<Tensor> {
+    let (m, i) = dims2("forward", "x", x)?;
+    let (e, o, wi) = dims3("forward", "w", w)?;
+    let mut ts = vec![("x", x), ("w", w)];
+    if let Some((b, _)) = bias {
+        ts.push(("bias", b));
+    }
+    let dev = check_common("forward", &ts, m, counts)?;
+    if wi != i || counts.len() != e {
+        candle_core::bail!("grouped_gemm::forward: x {:?}, w {:?} ([E, out, in]) and {} row counts disagree", x.dims(), w.dims(), counts.len())
+    }
+    let (col0, nb) = match bias {
+        None => (0, 0),
+        Some((b, col0)) => match b.dims() {
+            &[be, nb] if be == e && nb > 0 && col0 + nb <= o => (col0, nb),
+            d => candle_core::bail!("grouped_gemm::forward: bias {d:?} must be [E, nb] = [{e}, nb] with col0 {col0} + nb <= out = {o}"),
+        },
+    };
+    if m == 0 || o == 0 {
+        return Tensor::zeros((m, o), x.dtype(), x.device());
+    }
+    let (ni, ki, c0, nbi) = (util::to_i32(o, "out")?, util::to_i32(i, "in")?, util::to_i32(col0, "col0")?, util::to_i32(nb, "nb")?);
+    util::to_i32(m, "M")?;
+    let g = Groups::new(counts, x.device(), true)?;
+    let (xa, wa) = (Arg::new(x)?, Arg::new(w)?);
+    let ba = bias.map(|(b, _)| Arg::new(b)).transpose()?;
+    let v = ve(x.dtype());
+    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && xa.aligned(v) && wa.aligned(v));
+    let (nt, tl) = match &g.tiles {
+        Some((t, n)) => (*n, t),
+        None => candle_core::bail!("grouped_gemm::forward: no tile list"),
+    };
+    let cfg = LaunchConfig { grid_dim: (nt, o.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (xg, wg, og, tg) = (xa.guard(), wa.guard(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let bg = ba.as_ref().map(|b| b.guard());
+    let offs = view::<u32>(&og, "offsets")?;
+    let tiles = view::<u32>(&tg, "tiles")?;
+    macro_rules! go {
+        ($ty:ty, $name:literal) => {{
+            let xv = view::<$ty>(&xg, "x")?;
+            let wv = view::<$ty>(&wg, "w")?;
+            // without a bias the kernel reads none (nb = 0): w stands in for the pointer
+            let bv = match &bg {
+                Some(b) => view::<$ty>(b, "bias")?,
+                None => view::<$ty>(&wg, "w")?,
+            };
+            // SAFETY: the kernel writes every element of y (each row is in one tile, each column
+            // in one block of the grid's y).
+            let mut y = unsafe { dev.alloc::<$ty>(m * o)? };
+            let func = dev.get_or_load_custom_func($name, ptx::GROUPED_GEMM_MODULE, ptx::GROUPED_GEMM)?;
+            let mut bld = func.builder();
+            bld.arg(&xv).arg(&wv).arg(&bv).arg(&mut y).arg(&offs).arg(&tiles).arg(&ni).arg(&ki).arg(&c0).arg(&nbi).arg(&vec);
+            // SAFETY: matches GG_ENTRIES' grouped_gemm_nt in kernels/grouped_gemm.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+            util::to_tensor(y, &dev, (m, o))
+        }};
+    }
+    Ok(match x.dtype() {
+        DType::F32 => go!(f32, "grouped_gemm_nt_f32"),
+        DType::F16 => go!(f16, "grouped_gemm_nt_f16"),
+        _ => go!(bf16, "grouped_gemm_nt_bf16"),
+    })
+}
+
+/// `dx` `[M, in]`: rows `dy_e` of `dy` `[M, out]` times `w[e]` (`w` `[E, out, in]`). One
+/// launch. Errors name the shapes.
+pub fn dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let (m, o) = dims2("dx", "dy", dy)?;
+    let (e, wo, i) = dims3("dx", "w", w)?;
+    let dev = check_common("dx", &[("dy", dy), ("w", w)], m, counts)?;
+    if wo != o || counts.len() != e {
+        candle_core::bail!("grouped_gemm::dx: dy {:?}, w {:?} ([E, out, in]) and {} row counts disagree", dy.dims(), w.dims(), counts.len())
+    }
+    if m == 0 || i == 0 || o == 0 {
+        return Tensor::zeros((m, i), dy.dtype(), dy.device());
+    }
+    let (ni, ki) = (util::to_i32(i, "in")?, util::to_i32(o, "out")?);
+    util::to_i32(m, "M")?;
+    let g = Groups::new(counts, dy.device(), true)?;
+    let (da, wa) = (Arg::new(dy)?, Arg::new(w)?);
+    let v = ve(dy.dtype());
+    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && wa.aligned(v));
+    let (nt, tl) = match &g.tiles {
+        Some((t, n)) => (*n, t),
+        None => candle_core::bail!("grouped_gemm::dx: no tile list"),
+    };
+    let cfg = LaunchConfig { grid_dim: (nt, i.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (dg, wg, og, tg) = (da.guard(), wa.guard(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let offs = view::<u32>(&og, "offsets")?;
+    let tiles = view::<u32>(&tg, "tiles")?;
+    macro_rules! go {
+        ($ty:ty, $name:literal) => {{
+            let dv = view::<$ty>(&dg, "dy")?;
+            let wv = view::<$ty>(&wg, "w")?;
+            // SAFETY: the kernel writes every element of dx.
+            let mut out = unsafe { dev.alloc::<$ty>(m * i)? };
+            let func = dev.get_or_load_custom_func($name, ptx::GROUPED_GEMM_MODULE, ptx::GROUPED_GEMM)?;
+            let mut bld = func.builder();
+            bld.arg(&dv).arg(&wv).arg(&mut out).arg(&offs).arg(&tiles).arg(&ni).arg(&ki).arg(&vec);
+            // SAFETY: matches GG_ENTRIES' grouped_gemm_nn in kernels/grouped_gemm.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+            util::to_tensor(out, &dev, (m, i))
+        }};
+    }
+    Ok(match dy.dtype() {
+        DType::F32 => go!(f32, "grouped_gemm_nn_f32"),
+        DType::F16 => go!(f16, "grouped_gemm_nn_f16"),
+        _ => go!(bf16, "grouped_gemm_nn_bf16"),
+    })
+}
+
+/// `dw` `[E, out, in]`: expert `e`'s rows of `dy` `[M, out]`, transposed, times its rows of
+/// `x` `[M, in]`; zeros for an expert without rows. One launch. Errors name the shapes.
+pub fn dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    let (m, o) = dims2("dw", "dy", dy)?;
+    let (xm, i) = dims2("dw", "x", x)?;
+    let dev = check_common("dw", &[("dy", dy), ("x", x)], m, counts)?;
+    if xm != m {
+        candle_core::bail!("grouped_gemm::dw: dy {:?} and x {:?} differ in rows", dy.dims(), x.dims())
+    }
+    let e = counts.len();
+    if o == 0 || i == 0 {
+        return Tensor::zeros((e, o, i), dy.dtype(), dy.device());
+    }
+    let (mi, ni) = (util::to_i32(o, "out")?, util::to_i32(i, "in")?);
+    util::to_i32(m, "M")?;
+    let g = Groups::new(counts, dy.device(), false)?;
+    let (da, xa) = (Arg::new(dy)?, Arg::new(x)?);
+    let v = ve(dy.dtype());
+    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && xa.aligned(v));
+    let cfg = LaunchConfig { grid_dim: (i.div_ceil(TILE) as u32, o.div_ceil(TILE) as u32, e as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
+    let (dg, xg, og) = (da.guard(), xa.guard(), g.offs.storage_and_layout());
+    let offs = view::<u32>(&og, "offsets")?;
+    macro_rules! go {
+        ($ty:ty, $name:literal) => {{
+            let dv = view::<$ty>(&dg, "dy")?;
+            let xv = view::<$ty>(&xg, "x")?;
+            // SAFETY: the kernel writes every element of dw (zeros where an expert has no rows).
+            let mut out = unsafe { dev.alloc::<$ty>(e * o * i)? };
+            let func = dev.get_or_load_custom_func($name, ptx::GROUPED_GEMM_MODULE, ptx::GROUPED_GEMM)?;
+            let mut bld = func.builder();
+            bld.arg(&dv).arg(&xv).arg(&mut out).arg(&offs).arg(&mi).arg(&ni).arg(&vec);
+            // SAFETY: matches GG_ENTRIES' grouped_gemm_tn in kernels/grouped_gemm.cu.
+            unsafe { bld.launch(cfg) }.w()?;
+            util::to_tensor(out, &dev, (e, o, i))
+        }};
+    }
+    Ok(match dy.dtype() {
+        DType::F32 => go!(f32, "grouped_gemm_tn_f32"),
+        DType::F16 => go!(f16, "grouped_gemm_tn_f16"),
+        _ => go!(bf16, "grouped_gemm_tn_bf16"),
+    })
+}
