@@ -14,7 +14,7 @@
 // One block computes a 64 x 64 tile of C over k steps of 32, 128 threads: a step loads the A tile
 // (64 rows x 32 k) and the B tile (64 columns x 32 k) into shared memory, k contiguous in both
 // (sources with the k dimension strided are transposed on the way in), then f16 / bf16 run
-// mma.sync m16n8k16 (4 warps as 2 x 2, 32 x 32 each: 2 x 4 tiles of 16 x 8) and f32 runs on CUDA
+// mma.sync m16n8k16 on ldmatrix fragments (4 warps as 2 x 2, 32 x 32 each: 2 x 4 tiles of 16 x 8) and f32 runs on CUDA
 // cores (a thread: rows tr + 8i, columns tc + 16j, tr = tid / 16, tc = tid % 16). f32 accumulation,
 // one rounding into the output type (the bias added before it).
 // nt and nn blocks walk a tile list (blockIdx.x: tiles[2b] = expert, tiles[2b + 1] = first row,
@@ -79,18 +79,6 @@ __device__ __forceinline__ void gg_load(T (*s)[GgLd<T>::LD], const T* src, long 
   }
 }
 
-// Two consecutive 16-bit elements of shared memory as one 32-bit register (the lower index in
-// the low half, as mma.sync takes them); p 4-byte aligned.
-template <typename T> __device__ __forceinline__ uint32_t gg_ld2(const T* p) {
-#ifdef CP_HOST_EMU
-  uint32_t r;
-  std::memcpy(&r, p, 4);  // (no type punning under g++'s strict aliasing)
-  return r;
-#else
-  return *reinterpret_cast<const uint32_t*>(p);
-#endif
-}
-
 // The accumulators of one thread: 32 floats (mma: [mi][ni][4] of 2 x 4 tiles; CUDA cores: [i][j]
 // of rows tr + 8i, columns tc + 16j).
 struct GgAcc {
@@ -116,26 +104,26 @@ __device__ __forceinline__ void gg_step(GgAcc& acc, const T (*as)[GgLd<T>::LD], 
         for (int j = 0; j < 4; ++j) acc.v[i * 4 + j] = fmaf(a[i], b[j], acc.v[i * 4 + j]);
     }
   } else {
-    const int lane = tid % 32, w = tid / 32, g = lane / 4, t = lane % 4;
+    // fragments by ldmatrix.x4 (rows of 80 bytes: the 8 rows of a matrix hit 32 distinct banks):
+    // A's 16 x 16 tile as matrices (rows +0 / +8) x (k +0 / +8) = a[0..3]; B's two 8-column
+    // tiles ni, ni + 1 as (k +0 / +8) x (columns +0 / +8) = b0, b1 of ni, then of ni + 1. Lane l
+    // gives row l % 8 of matrix l / 8.
+    const int lane = tid % 32, w = tid / 32, mat = lane / 8, row = lane % 8;
     const int m0 = (w / 2) * 32, n0 = (w % 2) * 32;
 #pragma unroll
     for (int kk = 0; kk < GG_BK; kk += 16) {
       uint32_t a[2][4];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) {
-        const int r = m0 + mi * 16 + g;
-        a[mi][0] = gg_ld2(&as[r][kk + 2 * t]);
-        a[mi][1] = gg_ld2(&as[r + 8][kk + 2 * t]);
-        a[mi][2] = gg_ld2(&as[r][kk + 2 * t + 8]);
-        a[mi][3] = gg_ld2(&as[r + 8][kk + 2 * t + 8]);
-      }
+      for (int mi = 0; mi < 2; ++mi) cp_ldsm_x4(a[mi], cp_smem_u32(&as[m0 + mi * 16 + (mat % 2) * 8 + row][kk + (mat / 2) * 8]));
 #pragma unroll
-      for (int ni = 0; ni < 4; ++ni) {
-        const int c = n0 + ni * 8 + g;
-        const uint32_t b0 = gg_ld2(&bs[c][kk + 2 * t]);
-        const uint32_t b1 = gg_ld2(&bs[c][kk + 2 * t + 8]);
+      for (int np = 0; np < 2; ++np) {
+        uint32_t b[4];
+        cp_ldsm_x4(b, cp_smem_u32(&bs[n0 + np * 16 + (mat / 2) * 8 + row][kk + (mat % 2) * 8]));
 #pragma unroll
-        for (int mi = 0; mi < 2; ++mi) cp_mma16816<T>(&acc.v[(mi * 4 + ni) * 4], a[mi], b0, b1);
+        for (int mi = 0; mi < 2; ++mi) {
+          cp_mma16816<T>(&acc.v[(mi * 4 + 2 * np) * 4], a[mi], b[0], b[1]);
+          cp_mma16816<T>(&acc.v[(mi * 4 + 2 * np + 1) * 4], a[mi], b[2], b[3]);
+        }
       }
     }
   }
