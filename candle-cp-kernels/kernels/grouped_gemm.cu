@@ -178,7 +178,7 @@ __device__ __forceinline__ void gg_tile(GgAcc& acc, const T* a, long long lda, c
 
 // Forward: y[r, :] = x[r, :] w[e]^T (+ bias). Grid (tiles, ceil(n / 64)).
 template <typename T>
-__device__ __forceinline__ void gg_nt(const T* x, const T* w, const T* bias, T* y, const unsigned* offs, const unsigned* tiles,
+__device__ __forceinline__ void gg_nt(const T* x, const T* w, const T* bias, T* y, const uint32_t* offs, const uint32_t* tiles,
                                       int n, int k, int col0, int nb, int vec) {
   const int e = (int)tiles[2 * blockIdx.x];
   const long long r0 = tiles[2 * blockIdx.x + 1];
@@ -200,7 +200,7 @@ __device__ __forceinline__ void gg_nt(const T* x, const T* w, const T* bias, T* 
 // dx[r, :] = dy[r, :] w[e]: A = dy (k = out contiguous), B(k, n) = w[e][k][n] (n contiguous).
 // Grid (tiles, ceil(n / 64)), n = in, k = out.
 template <typename T>
-__device__ __forceinline__ void gg_nn(const T* dy, const T* w, T* dx, const unsigned* offs, const unsigned* tiles, int n, int k,
+__device__ __forceinline__ void gg_nn(const T* dy, const T* w, T* dx, const uint32_t* offs, const uint32_t* tiles, int n, int k,
                                       int vec) {
   const int e = (int)tiles[2 * blockIdx.x];
   const long long r0 = tiles[2 * blockIdx.x + 1];
@@ -216,7 +216,7 @@ __device__ __forceinline__ void gg_nn(const T* dy, const T* w, T* dx, const unsi
 // dw[e] = dy_e^T x_e: A(m, k) = dy[offs[e] + k][m] (m = out contiguous), B(k, n) = x[offs[e] + k][n]
 // (n = in contiguous). Grid (ceil(n / 64), ceil(m / 64), E).
 template <typename T>
-__device__ __forceinline__ void gg_tn(const T* dy, const T* x, T* dw, const unsigned* offs, int m, int n, int vec) {
+__device__ __forceinline__ void gg_tn(const T* dy, const T* x, T* dw, const uint32_t* offs, int m, int n, int vec) {
   const int e = blockIdx.z;
   const long long r0 = offs[e];
   const int k_len = (int)((long long)offs[e + 1] - r0);
@@ -231,17 +231,17 @@ __device__ __forceinline__ void gg_tn(const T* dy, const T* x, T* dw, const unsi
 // grouped_gemm_{nt,nn,tn}_{f32,f16,bf16}. Block 128 threads; grids as above.
 #define GG_ENTRIES(NAME, TY)                                                                                          \
   extern "C" __global__ void __launch_bounds__(GG_THREADS)                                                          \
-      grouped_gemm_nt_##NAME(const TY* x, const TY* w, const TY* bias, TY* y, const unsigned* offs,                   \
-                             const unsigned* tiles, int n, int k, int col0, int nb, int vec) {                      \
+      grouped_gemm_nt_##NAME(const TY* x, const TY* w, const TY* bias, TY* y, const uint32_t* offs,                   \
+                             const uint32_t* tiles, int n, int k, int col0, int nb, int vec) {                      \
     gg_nt<TY>(x, w, bias, y, offs, tiles, n, k, col0, nb, vec);                                                      \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(GG_THREADS)                                                          \
-      grouped_gemm_nn_##NAME(const TY* dy, const TY* w, TY* dx, const unsigned* offs, const unsigned* tiles, int n, \
+      grouped_gemm_nn_##NAME(const TY* dy, const TY* w, TY* dx, const uint32_t* offs, const uint32_t* tiles, int n, \
                              int k, int vec) {                                                                       \
     gg_nn<TY>(dy, w, dx, offs, tiles, n, k, vec);                                                                    \
   }                                                                                                                  \
   extern "C" __global__ void __launch_bounds__(GG_THREADS)                                                          \
-      grouped_gemm_tn_##NAME(const TY* dy, const TY* x, TY* dw, const unsigned* offs, int m, int n, int vec) {      \
+      grouped_gemm_tn_##NAME(const TY* dy, const TY* x, TY* dw, const uint32_t* offs, int m, int n, int vec) {      \
     gg_tn<TY>(dy, x, dw, offs, m, n, vec);                                                                           \
   }
 GG_ENTRIES(f32, float)

@@ -151,7 +151,7 @@ pub fn forward(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &
     let (xa, wa) = (Arg::new(x)?, Arg::new(w)?);
     let ba = bias.map(|(b, _)| Arg::new(b)).transpose()?;
     let v = ve(x.dtype());
-    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && xa.aligned(v) && wa.aligned(v));
+    let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && xa.aligned(v) && wa.aligned(v)) as i32;
     let (nt, tl) = match &g.tiles {
         Some((t, n)) => (*n, t),
         None => candle_core::bail!("grouped_gemm::forward: no tile list"),
@@ -205,7 +205,7 @@ pub fn dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let g = Groups::new(counts, dy.device(), true)?;
     let (da, wa) = (Arg::new(dy)?, Arg::new(w)?);
     let v = ve(dy.dtype());
-    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && wa.aligned(v));
+    let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && wa.aligned(v)) as i32;
     let (nt, tl) = match &g.tiles {
         Some((t, n)) => (*n, t),
         None => candle_core::bail!("grouped_gemm::dx: no tile list"),
@@ -253,7 +253,7 @@ pub fn dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let g = Groups::new(counts, dy.device(), false)?;
     let (da, xa) = (Arg::new(dy)?, Arg::new(x)?);
     let v = ve(dy.dtype());
-    let vec = i32::from(i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && xa.aligned(v));
+    let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && xa.aligned(v)) as i32;
     let cfg = LaunchConfig { grid_dim: (i.div_ceil(TILE) as u32, o.div_ceil(TILE) as u32, e as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
     let (dg, xg, og) = (da.guard(), xa.guard(), g.offs.storage_and_layout());
     let offs = view::<u32>(&og, "offsets")?;
