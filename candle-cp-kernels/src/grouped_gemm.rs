@@ -20,7 +20,6 @@ use candle_core::cuda_backend::cudarc::driver::{CudaView, LaunchConfig, PushKern
 use candle_core::cuda_backend::{CudaDType, WrapErr};
 use candle_core::{CudaDevice, DType, Device, Layout, Result, Storage, Tensor};
 use half::{bf16, f16};
-use std::sync::RwLockReadGuard;
 
 /// Rows and columns of one block's output tile, and its threads (`GG_BM`, `GG_BN`,
 /// `GG_THREADS` in `kernels/grouped_gemm.cu`).
@@ -61,8 +60,8 @@ impl Groups {
     }
 }
 
-/// A contiguous CUDA tensor's storage guard and layout, and whether its start offset is a
-/// multiple of `ve` elements (the 16-byte loads' alignment).
+/// A kernel input made contiguous, and whether its start offset is a multiple of `ve` elements
+/// (the 16-byte loads' alignment).
 struct Arg {
     t: Tensor,
 }
@@ -74,13 +73,11 @@ impl Arg {
     fn aligned(&self, ve: usize) -> bool {
         self.t.layout().start_offset().is_multiple_of(ve)
     }
-    fn guard(&self) -> (RwLockReadGuard<'_, Storage>, &Layout) {
-        self.t.storage_and_layout()
-    }
 }
 
-fn view<'a, T: CudaDType>(g: &'a (RwLockReadGuard<'a, Storage>, &'a Layout), what: &str) -> Result<CudaView<'a, T>> {
-    util::view::<T>(util::storage(&g.0, what)?, g.1, what)
+/// The contiguous device view of a tensor's storage and layout.
+fn view<'a, T: CudaDType>(s: &'a Storage, l: &Layout, what: &str) -> Result<CudaView<'a, T>> {
+    util::view::<T>(util::storage(s, what)?, l, what)
 }
 
 /// Shapes and devices of a grouped product: `a` `[M, ·]`, `counts` one per expert summing to
@@ -157,18 +154,18 @@ pub fn forward(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &
         None => candle_core::bail!("grouped_gemm::forward: no tile list"),
     };
     let cfg = LaunchConfig { grid_dim: (nt, o.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (xg, wg, og, tg) = (xa.guard(), wa.guard(), g.offs.storage_and_layout(), tl.storage_and_layout());
-    let bg = ba.as_ref().map(|b| b.guard());
-    let offs = view::<u32>(&og, "offsets")?;
-    let tiles = view::<u32>(&tg, "tiles")?;
+    let (xg, wg, og, tg) = (xa.t.storage_and_layout(), wa.t.storage_and_layout(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let bg = ba.as_ref().map(|b| b.t.storage_and_layout());
+    let offs = view::<u32>(&og.0, og.1, "offsets")?;
+    let tiles = view::<u32>(&tg.0, tg.1, "tiles")?;
     macro_rules! go {
         ($ty:ty, $name:literal) => {{
-            let xv = view::<$ty>(&xg, "x")?;
-            let wv = view::<$ty>(&wg, "w")?;
+            let xv = view::<$ty>(&xg.0, xg.1, "x")?;
+            let wv = view::<$ty>(&wg.0, wg.1, "w")?;
             // without a bias the kernel reads none (nb = 0): w stands in for the pointer
             let bv = match &bg {
-                Some(b) => view::<$ty>(b, "bias")?,
-                None => view::<$ty>(&wg, "w")?,
+                Some(b) => view::<$ty>(&b.0, b.1, "bias")?,
+                None => view::<$ty>(&wg.0, wg.1, "w")?,
             };
             // SAFETY: the kernel writes every element of y (each row is in one tile, each column
             // in one block of the grid's y).
@@ -211,13 +208,13 @@ pub fn dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
         None => candle_core::bail!("grouped_gemm::dx: no tile list"),
     };
     let cfg = LaunchConfig { grid_dim: (nt, i.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (dg, wg, og, tg) = (da.guard(), wa.guard(), g.offs.storage_and_layout(), tl.storage_and_layout());
-    let offs = view::<u32>(&og, "offsets")?;
-    let tiles = view::<u32>(&tg, "tiles")?;
+    let (dg, wg, og, tg) = (da.t.storage_and_layout(), wa.t.storage_and_layout(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let offs = view::<u32>(&og.0, og.1, "offsets")?;
+    let tiles = view::<u32>(&tg.0, tg.1, "tiles")?;
     macro_rules! go {
         ($ty:ty, $name:literal) => {{
-            let dv = view::<$ty>(&dg, "dy")?;
-            let wv = view::<$ty>(&wg, "w")?;
+            let dv = view::<$ty>(&dg.0, dg.1, "dy")?;
+            let wv = view::<$ty>(&wg.0, wg.1, "w")?;
             // SAFETY: the kernel writes every element of dx.
             let mut out = unsafe { dev.alloc::<$ty>(m * i)? };
             let func = dev.get_or_load_custom_func($name, ptx::GROUPED_GEMM_MODULE, ptx::GROUPED_GEMM)?;
@@ -255,12 +252,12 @@ pub fn dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
     let v = ve(dy.dtype());
     let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && xa.aligned(v)) as i32;
     let cfg = LaunchConfig { grid_dim: (i.div_ceil(TILE) as u32, o.div_ceil(TILE) as u32, e as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (dg, xg, og) = (da.guard(), xa.guard(), g.offs.storage_and_layout());
-    let offs = view::<u32>(&og, "offsets")?;
+    let (dg, xg, og) = (da.t.storage_and_layout(), xa.t.storage_and_layout(), g.offs.storage_and_layout());
+    let offs = view::<u32>(&og.0, og.1, "offsets")?;
     macro_rules! go {
         ($ty:ty, $name:literal) => {{
-            let dv = view::<$ty>(&dg, "dy")?;
-            let xv = view::<$ty>(&xg, "x")?;
+            let dv = view::<$ty>(&dg.0, dg.1, "dy")?;
+            let xv = view::<$ty>(&xg.0, xg.1, "x")?;
             // SAFETY: the kernel writes every element of dw (zeros where an expert has no rows).
             let mut out = unsafe { dev.alloc::<$ty>(e * o * i)? };
             let func = dev.get_or_load_custom_func($name, ptx::GROUPED_GEMM_MODULE, ptx::GROUPED_GEMM)?;
