@@ -98,7 +98,7 @@ fn check_grouped(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let x = big.narrow(0, start, m)?;
                 let xg = bg.narrow(0, start, m)?;
                 let tag = format!("{counts:?} in {i} out {o} {dtype:?} x at row {start}");
-                let runs: [(&str, Result<Tensor>, Result<Tensor>); 4] = [
+                let runs: [(&str, candle_core::Result<Tensor>, candle_core::Result<Tensor>); 4] = [
                     ("forward", gg::forward(&xg, &wg, None, counts), moe_gemm::gmm(&x, &w, None, counts)),
                     ("forward + bias at column 3", gg::forward(&xg, &wg, Some((&biasg, 3)), counts), moe_gemm::gmm(&x, &w, Some((&bias, 3)), counts)),
                     ("dx", gg::dx(&dyg, &wg, counts), moe_gemm::gmm_dx(&dy, &w, counts)),
@@ -118,8 +118,7 @@ fn check_grouped(rep: &mut Report, gpu: &Device) -> Result<()> {
         let (x, w, bias) = (rand_tensor(&[m, i], seed + 4)?, rand_tensor(&[e, o, i], seed + 5)?, rand_tensor(&[e, o - 3], seed + 6)?);
         let c = rand_tensor(&[m, o], seed + 7)?;
         let run = |dev: &Device| -> Result<Vec<Tensor>> {
-            let vars = [x.to_device(dev)?, w.to_device(dev)?, bias.to_device(dev)?].map(candle_core::Var::from_tensor);
-            let vars = vars.into_iter().collect::<candle_core::Result<Vec<_>>>()?;
+            let vars = [&x, &w, &bias].into_iter().map(|t| candle_core::Var::from_tensor(&t.to_device(dev)?)).collect::<candle_core::Result<Vec<_>>>()?;
             let y = candle_cp_ops::moe::grouped_matmul_bias(vars[0].as_tensor(), vars[1].as_tensor(), vars[2].as_tensor(), 3, counts)?;
             let g = (&y * c.to_device(dev)?)?.sum_all()?.backward()?;
             let mut out = vec![y];

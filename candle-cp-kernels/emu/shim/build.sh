@@ -27,7 +27,7 @@ k=candle-cp-kernels
 flags=(-std=c++17 "$OPT" -g1 -pthread -fPIC -DCP_HOST_EMU -I"$CUDA_ROOT/include" -I$k/kernels -I$k/emu -I$k/emu/shim
        -Wall -Wno-psabi -Wno-unknown-pragmas -Wno-unused-function -Wno-unused-variable)
 ours=(flash_fwd flash_fwd_sm90 flash_fwd_sm90_ws flash_bwd flash_bwd_mma flash_bwd_pipe flash_bwd_fused flash_bwd_sm90
-      flash_bwd_sm90_ws merge layout quant moe dropout probe probe_sm90)
+      flash_bwd_sm90_ws merge layout quant moe grouped_gemm dropout probe probe_sm90)
 core=(emu/emu.cpp emu/emu_ops.cpp emu/emu_sync.cpp emu/emu_wgmma.cpp emu/emu_async.cpp
       emu/shim/registry.cpp emu/shim/driver.cpp emu/shim/memory.cpp emu/shim/blas.cpp emu/shim/rand.cpp emu/shim/nccl.cpp emu/shim/nccl_files.cpp)
 candle_srcs=()
