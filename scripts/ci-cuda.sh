@@ -279,6 +279,7 @@ shim_step "finetune_llama cpu moe lora" env LD_LIBRARY_PATH="$lib" "$ft_bin" --d
 shim_step "finetune_llama cuda moe lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
   "$ft_bin" --device cuda --gpus 2 "${ftm[@]}" --out "$shim_dir/ft-cuda-moe-lora"
 grep -q 'launch moe_top_k' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch moe_top_k (kernels/moe.cu)"; exit 1; }
+grep -q 'launch grouped_gemm_tn_f32' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch grouped_gemm_tn_f32 (kernels/grouped_gemm.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora/metrics.jsonl" 1e-5 "CP 2 zigzag x EP 2, MoE with LoRA on every expert and dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
 # DoRA on every projection with LoRA dropout 0.1 (training: the base on x plus (W' - W) on the
 # dropped input, W' - W one graph node whose backward rebuilds W + sBA; the held-out pass at
