@@ -11,16 +11,17 @@
 //   nt (forward):  y[r, o]     = sum_i x[r, i] * w[e(r), o, i]  (+ bias[e(r), o - col0])   w [E, out, in]
 //   nn (dx):       dx[r, i]    = sum_o dy[r, o] * w[e(r), o, i]
 //   tn (dW):       dw[e, o, i] = sum_{r of e} dy[r, o] * x[r, i]   (0 for an expert without rows)
-// One block computes a 64 x 64 tile of C over k steps of 32, 128 threads: a step loads the A tile
-// (64 rows x 32 k) and the B tile (64 columns x 32 k) into shared memory, k contiguous in both
-// (sources with the k dimension strided are transposed on the way in), then f16 / bf16 run
-// mma.sync m16n8k16 on ldmatrix fragments (4 warps as 2 x 2, 32 x 32 each: 2 x 4 tiles of 16 x 8) and f32 runs on CUDA
-// cores (a thread: rows tr + 8i, columns tc + 16j, tr = tid / 16, tc = tid % 16). f32 accumulation,
-// one rounding into the output type (the bias added before it).
+// One block computes a 64 x 64 tile of C over k steps of 32, 128 threads, two shared-memory
+// stages: step s + 1's A tile (64 rows x 32 k) and B tile (64 columns x 32 k) load while step s
+// computes, each laid out as its source lies (k contiguous or rows contiguous: straight copies,
+// cp.async for 16-bit); f16 / bf16 run mma.sync m16n8k16 on ldmatrix fragments (.trans for the
+// row-contiguous layouts; 4 warps as 2 x 2, 32 x 32 each: 2 x 4 tiles of 16 x 8), f32 runs on
+// CUDA cores (a thread: rows tr + 8i, columns tc + 16j, tr = tid / 16, tc = tid % 16). f32
+// accumulation, one rounding into the output type (the bias added before it).
 // nt and nn blocks walk a tile list (blockIdx.x: tiles[2b] = expert, tiles[2b + 1] = first row,
 // 64 rows per tile at most, built on the host from the counts); tn blocks take blockIdx.z = expert
 // and run k over its rows. `vec` (host-checked: in, out and every base offset multiples of
-// 16 / sizeof(T) elements): global loads as 16-byte vectors, else element by element.
+// 16 / sizeof(T) elements): global loads as 16-byte chunks, else element by element.
 #include "common.cuh"
 
 constexpr int GG_BM = 64;       // tile rows (C's m)
@@ -28,22 +29,33 @@ constexpr int GG_BN = 64;       // tile columns (C's n)
 constexpr int GG_BK = 32;       // k per step
 constexpr int GG_THREADS = 128;
 
-// Shared row length: f32 33 (odd: the CUDA-core reads of 16 consecutive rows hit 16 banks);
-// 16-bit 40 (even, for 32-bit fragment reads; 20 words a row: the 8 rows x 4 pairs of an mma
-// fragment hit 32 banks).
-template <typename T> struct GgLd {
-  static constexpr int LD = sizeof(T) == 4 ? GG_BK + 1 : GG_BK + 8;
+// Shared layout of one operand's tile (64 rows x 32 k), as its source lies: KC (k contiguous in
+// global memory) [64 r][LDK], else [32 k][LDR] (r contiguous), so every global load is a straight
+// copy (cp.async for 16-bit). 16-bit rows of 80 / 144 bytes: multiples of 16 (cp.async, ldmatrix
+// row addresses), and an ldmatrix phase's 8 rows fall in 32 distinct banks (20 / 36 words apart).
+// f32 rows of 33 / 65 floats (odd: the CUDA-core reads of 16 consecutive rows or columns hit 16
+// banks).
+template <typename T, bool KC> struct GgOp {
+  static constexpr int LDK = sizeof(T) == 4 ? GG_BK + 1 : GG_BK + 8;
+  static constexpr int LDR = sizeof(T) == 4 ? GG_BM + 1 : GG_BM + 8;
+  static __device__ __forceinline__ int at(int r, int k) { return KC ? r * LDK + k : k * LDR + r; }
+};
+// Elements of one stage's operand buffer: the larger layout (16-bit 2560 / 2304, f32 2112 / 2080).
+template <typename T> struct GgSz {
+  static constexpr int N = sizeof(T) == 4 ? GG_BM * (GG_BK + 1) : GG_BM * (GG_BK + 8);
 };
 
-// s[r][k] = source element (r, k) for r < 64, k < 32: src[r * ld + k] when KC (k contiguous),
-// else src[k * ld + r]; r >= r_lim or k >= k_lim read as 0. vec: 16-byte loads (r_lim, or k_lim
-// and ld, multiples of the vector where the loads run, and src aligned: the host's check).
+// One operand tile into s (layout GgOp<T, KC>): element (r, k), r < 64, k < 32, is src[r * ld + k]
+// when KC, else src[k * ld + r]; r >= r_lim or k >= k_lim is 0. vec: 16-byte chunks along the
+// contiguous dimension (the host's check: widths, ld and src aligned to the vector), as cp.async
+// for 16-bit (zero-filled past the limits; the caller commits and waits), as loads and stores for
+// f32; else element by element (plain loads and stores).
 template <typename T, bool KC>
-__device__ __forceinline__ void gg_load(T (*s)[GgLd<T>::LD], const T* src, long long ld, int r_lim, int k_lim, int vec) {
-  constexpr int VE = 16 / sizeof(T);  // elements in a 16-byte vector
+__device__ __forceinline__ void gg_load(T* s, const T* src, long long ld, int r_lim, int k_lim, int vec) {
+  constexpr int VE = 16 / sizeof(T);  // elements in a 16-byte chunk
   const int tid = threadIdx.x;
   if (vec) {
-    // GG_BM * GG_BK / VE vectors, consecutive threads along the contiguous dimension
+    // GG_BM * GG_BK / VE chunks, consecutive threads along the contiguous dimension
     for (int v = tid; v < GG_BM * GG_BK / VE; v += GG_THREADS) {
       int r, k;
       if (KC) {
@@ -53,19 +65,18 @@ __device__ __forceinline__ void gg_load(T (*s)[GgLd<T>::LD], const T* src, long 
         r = (v % (GG_BM / VE)) * VE;
         k = v / (GG_BM / VE);
       }
-      union {
-        uint4 u;
-        T t[VE];
-      } val;  // (a union: the host emulation's g++ keeps strict aliasing)
-      val.u = make_uint4(0u, 0u, 0u, 0u);  // all-zero bits: 0 in every dtype
-      if (r < r_lim && k < k_lim) {
-        const T* p = KC ? src + (long long)r * ld + k : src + (long long)k * ld + r;
-        val.u = *reinterpret_cast<const uint4*>(p);
-      }
+      const bool ok = r < r_lim && k < k_lim;
+      const T* p = ok ? (KC ? src + (long long)r * ld + k : src + (long long)k * ld + r) : src;
+      if constexpr (sizeof(T) == 2) {
+        cp_async16(cp_smem_u32(s + GgOp<T, KC>::at(r, k)), p, ok);
+      } else {
+        union {
+          uint4 u;
+          T t[VE];
+        } val;  // (a union: the host emulation's g++ keeps strict aliasing)
+        val.u = ok ? *reinterpret_cast<const uint4*>(p) : make_uint4(0u, 0u, 0u, 0u);
 #pragma unroll
-      for (int j = 0; j < VE; ++j) {
-        if (KC) s[r][k + j] = val.t[j];
-        else s[r + j][k] = val.t[j];
+        for (int j = 0; j < VE; ++j) s[KC ? GgOp<T, KC>::at(r, k + j) : GgOp<T, KC>::at(r + j, k)] = val.t[j];
       }
     }
   } else {
@@ -74,7 +85,7 @@ __device__ __forceinline__ void gg_load(T (*s)[GgLd<T>::LD], const T* src, long 
       const int k = KC ? idx % GG_BK : idx / GG_BM;
       T val = cp_from_f32<T>(0.f);
       if (r < r_lim && k < k_lim) val = KC ? src[(long long)r * ld + k] : src[(long long)k * ld + r];
-      s[r][k] = val;
+      s[GgOp<T, KC>::at(r, k)] = val;
     }
   }
 }
@@ -85,9 +96,10 @@ struct GgAcc {
   float v[32];
 };
 
-// acc += A_s * B_s^T over one 32-k step (A_s [64 m][32 k], B_s [64 n][32 k]).
-template <typename T>
-__device__ __forceinline__ void gg_step(GgAcc& acc, const T (*as)[GgLd<T>::LD], const T (*bs)[GgLd<T>::LD]) {
+// acc += A * B^T over one 32-k step: A(m, k) in as (layout GgOp<T, AKC>), B's element (n, k) in bs
+// (GgOp<T, BKC>).
+template <typename T, bool AKC, bool BKC>
+__device__ __forceinline__ void gg_step(GgAcc& acc, const T* as, const T* bs) {
   const int tid = threadIdx.x;
   if constexpr (sizeof(T) == 4) {
     const int tr = tid / 16, tc = tid % 16;
@@ -95,30 +107,36 @@ __device__ __forceinline__ void gg_step(GgAcc& acc, const T (*as)[GgLd<T>::LD], 
     for (int k = 0; k < GG_BK; ++k) {
       float a[8], b[4];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) a[i] = cp_to_f32(as[tr + 8 * i][k]);
+      for (int i = 0; i < 8; ++i) a[i] = as[GgOp<T, AKC>::at(tr + 8 * i, k)];
 #pragma unroll
-      for (int j = 0; j < 4; ++j) b[j] = cp_to_f32(bs[tc + 16 * j][k]);
+      for (int j = 0; j < 4; ++j) b[j] = bs[GgOp<T, BKC>::at(tc + 16 * j, k)];
 #pragma unroll
       for (int i = 0; i < 8; ++i)
 #pragma unroll
         for (int j = 0; j < 4; ++j) acc.v[i * 4 + j] = fmaf(a[i], b[j], acc.v[i * 4 + j]);
     }
   } else {
-    // fragments by ldmatrix.x4 (rows of 80 bytes: the 8 rows of a matrix hit 32 distinct banks):
-    // A's 16 x 16 tile as matrices (rows +0 / +8) x (k +0 / +8) = a[0..3]; B's two 8-column
-    // tiles ni, ni + 1 as (k +0 / +8) x (columns +0 / +8) = b0, b1 of ni, then of ni + 1. Lane l
-    // gives row l % 8 of matrix l / 8.
+    // Fragments by ldmatrix.x4; lane l gives row l % 8 of 8 x 8 matrix l / 8. A's 16 x 16 tile:
+    // matrices (m +0 / +8) x (k +0 / +8) = a[0..3]; from [m][k] rows directly, from [k][m] rows
+    // transposed (.trans). B's two 8-column tiles ni, ni + 1: matrices (k +0 / +8) x (n +0 / +8)
+    // = b0, b1 of ni, then of ni + 1; from [n][k] or, transposed, [k][n].
     const int lane = tid % 32, w = tid / 32, mat = lane / 8, row = lane % 8;
     const int m0 = (w / 2) * 32, n0 = (w % 2) * 32;
 #pragma unroll
     for (int kk = 0; kk < GG_BK; kk += 16) {
       uint32_t a[2][4];
 #pragma unroll
-      for (int mi = 0; mi < 2; ++mi) cp_ldsm_x4(a[mi], cp_smem_u32(&as[m0 + mi * 16 + (mat % 2) * 8 + row][kk + (mat / 2) * 8]));
+      for (int mi = 0; mi < 2; ++mi) {
+        const int mb = m0 + mi * 16 + (mat % 2) * 8, kb = kk + (mat / 2) * 8;
+        if (AKC) cp_ldsm_x4(a[mi], cp_smem_u32(as + GgOp<T, true>::at(mb + row, kb)));
+        else cp_ldsm_x4_trans(a[mi], cp_smem_u32(as + GgOp<T, false>::at(mb, kb + row)));
+      }
 #pragma unroll
       for (int np = 0; np < 2; ++np) {
         uint32_t b[4];
-        cp_ldsm_x4(b, cp_smem_u32(&bs[n0 + np * 16 + (mat / 2) * 8 + row][kk + (mat % 2) * 8]));
+        const int nb = n0 + np * 16 + (mat / 2) * 8, kb = kk + (mat % 2) * 8;
+        if (BKC) cp_ldsm_x4(b, cp_smem_u32(bs + GgOp<T, true>::at(nb + row, kb)));
+        else cp_ldsm_x4_trans(b, cp_smem_u32(bs + GgOp<T, false>::at(nb, kb + row)));
 #pragma unroll
         for (int mi = 0; mi < 2; ++mi) {
           cp_mma16816<T>(&acc.v[(mi * 4 + 2 * np) * 4], a[mi], b[0], b[1]);
@@ -157,21 +175,35 @@ template <typename T, typename F> __device__ __forceinline__ void gg_each(const 
 
 // C tile [64 m][64 n] = sum over k < k_len of A(m, k) * B(k, n): A(m, k) from a (k contiguous
 // when AKC, row / k stride lda), B(k, n) = b's element (n, k) (k contiguous when BKC, stride
-// ldb); m < m_lim and n < n_lim are the tile's valid rows / columns.
+// ldb); m < m_lim and n < n_lim are the tile's valid rows / columns. Two stages: step s + 1's
+// tiles load (cp.async for 16-bit with vec) while step s computes.
+//
+//   load(0) commit | load(1) commit  wait<1> sync  mma(0) sync | load(2) commit wait<1> sync mma(1) sync | ...
 template <typename T, bool AKC, bool BKC>
 __device__ __forceinline__ void gg_tile(GgAcc& acc, const T* a, long long lda, const T* b, long long ldb, int m_lim, int n_lim,
                                         int k_len, int vec) {
-  __shared__ __align__(16) T as[GG_BM][GgLd<T>::LD];
-  __shared__ __align__(16) T bs[GG_BN][GgLd<T>::LD];
+  __shared__ __align__(16) T as[2][GgSz<T>::N];
+  __shared__ __align__(16) T bs[2][GgSz<T>::N];
   CP_EMU_POISON(as, bs);
 #pragma unroll
   for (int j = 0; j < 32; ++j) acc.v[j] = 0.f;
-  for (int k0 = 0; k0 < k_len; k0 += GG_BK) {
+  const int steps = (k_len + GG_BK - 1) / GG_BK;
+  auto load = [&](int st, int k0) {
     const int kl = min(GG_BK, k_len - k0);
-    gg_load<T, AKC>(as, AKC ? a + k0 : a + (long long)k0 * lda, lda, m_lim, kl, vec);
-    gg_load<T, BKC>(bs, BKC ? b + k0 : b + (long long)k0 * ldb, ldb, n_lim, kl, vec);
+    gg_load<T, AKC>(as[st], AKC ? a + k0 : a + (long long)k0 * lda, lda, m_lim, kl, vec);
+    gg_load<T, BKC>(bs[st], BKC ? b + k0 : b + (long long)k0 * ldb, ldb, n_lim, kl, vec);
+    cp_async_commit();
+  };
+  if (steps > 0) load(0, 0);
+  for (int s = 0; s < steps; ++s) {
+    if (s + 1 < steps) {
+      load((s + 1) & 1, (s + 1) * GG_BK);
+      cp_async_wait<1>();
+    } else {
+      cp_async_wait<0>();
+    }
     __syncthreads();
-    gg_step<T>(acc, as, bs);
+    gg_step<T, AKC, BKC>(acc, as[s & 1], bs[s & 1]);
     __syncthreads();
   }
 }
