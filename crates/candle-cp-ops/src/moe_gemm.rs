@@ -38,12 +38,25 @@ pub enum GroupedImpl {
 }
 
 impl GroupedImpl {
-    /// From `CANDLE_CP_GROUPED_GEMM` (`kernel`, `per-expert`; anything else: `Auto`).
+    /// From `CANDLE_CP_GROUPED_GEMM` = `kernel` | `per-expert` | `auto` | unset or empty
+    /// (`Auto`). Any other value also runs `Auto`, and the first such call says so on stderr (a
+    /// misspelt path must not pass for a measurement of it).
     pub fn from_env() -> Self {
-        match std::env::var("CANDLE_CP_GROUPED_GEMM").unwrap_or_default().as_str() {
-            "kernel" => GroupedImpl::Kernel,
-            "per-expert" => GroupedImpl::PerExpert,
-            _ => GroupedImpl::Auto,
+        let v = std::env::var("CANDLE_CP_GROUPED_GEMM").unwrap_or_default();
+        Self::from_name(&v).unwrap_or_else(|| {
+            static SAID: std::sync::Once = std::sync::Once::new();
+            SAID.call_once(|| eprintln!("candle-cp: CANDLE_CP_GROUPED_GEMM={v:?} is not a path (kernel, per-expert, auto); running auto"));
+            GroupedImpl::Auto
+        })
+    }
+
+    /// The path named `kernel`, `per-expert` or `auto` (empty: `auto`), or `None`.
+    pub fn from_name(name: &str) -> Option<Self> {
+        match name.trim() {
+            "kernel" => Some(GroupedImpl::Kernel),
+            "per-expert" => Some(GroupedImpl::PerExpert),
+            "auto" | "" => Some(GroupedImpl::Auto),
+            _ => None,
         }
     }
 
@@ -214,13 +227,17 @@ mod tests {
     }
 
     /// CPU tensors never take the kernel; `Auto` takes it up to `AUTO_ROWS` rows per expert
-    /// with rows on average.
+    /// with rows on average; the names the environment variable takes.
     #[test]
     fn the_kernel_runs_only_on_cuda_and_for_few_rows() -> Result<()> {
         let x = t(&[4, 2], 0.0)?;
         for imp in [GroupedImpl::Auto, GroupedImpl::Kernel, GroupedImpl::PerExpert] {
             assert!(!imp.kernel_for(&x, &[4]));
         }
+        assert_eq!(GroupedImpl::from_name(" kernel"), Some(GroupedImpl::Kernel));
+        assert_eq!(GroupedImpl::from_name("per-expert"), Some(GroupedImpl::PerExpert));
+        assert_eq!(GroupedImpl::from_name(""), Some(GroupedImpl::Auto));
+        assert_eq!(GroupedImpl::from_name("cublas"), None);
         assert!(few_rows(&[AUTO_ROWS, 0, AUTO_ROWS]));
         assert!(few_rows(&[0, 0]));
         assert!(!few_rows(&[AUTO_ROWS + 1, 0]));
