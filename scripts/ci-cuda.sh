@@ -281,6 +281,11 @@ shim_step "finetune_llama cuda moe lora" env CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LI
 grep -q 'launch moe_top_k' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch moe_top_k (kernels/moe.cu)"; exit 1; }
 grep -q 'launch grouped_gemm_tn_f32' "$shim_log" || { grep -v '^PASS' "$shim_log" | tail -20; echo "ci-cuda: the MoE LoRA fine-tune did not launch grouped_gemm_tn_f32 (kernels/grouped_gemm.cu)"; exit 1; }
 same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora/metrics.jsonl" 1e-5 "CP 2 zigzag x EP 2, MoE with LoRA on every expert and dropout 0.1, cuda f32 (shim, thread ranks on 2 devices)"
+# the same on the per-expert path (one cuBLAS GEMM per expert: what `auto` runs for many rows per expert)
+shim_step "finetune_llama cuda moe lora per-expert" env CANDLE_CP_GROUPED_GEMM=per-expert CPEMU_TRACE=1 CPEMU_DEVICES=2 LD_LIBRARY_PATH="$lib" timeout 600 \
+  "$ft_bin" --device cuda --gpus 2 "${ftm[@]}" --out "$shim_dir/ft-cuda-moe-lora-pe"
+if grep -q 'launch grouped_gemm_' "$shim_log"; then echo "ci-cuda: CANDLE_CP_GROUPED_GEMM=per-expert still launched the grouped kernel"; exit 1; fi
+same_loss "$shim_dir/ft-cpu-moe-lora/metrics.jsonl" "$shim_dir/ft-cuda-moe-lora-pe/metrics.jsonl" 1e-5 "the same on the per-expert path (CANDLE_CP_GROUPED_GEMM=per-expert)"
 # DoRA on every projection with LoRA dropout 0.1 (training: the base on x plus (W' - W) on the
 # dropped input, W' - W one graph node whose backward rebuilds W + sBA; the held-out pass at
 # step 3: W' = m/|W + sBA| (W + sBA) in place of W), TP 2 + SP: the same losses
