@@ -41,12 +41,13 @@ impl Groups {
         offs.push(0u32);
         for (e, &n) in counts.iter().enumerate() {
             let n = u32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("grouped_gemm: {n} rows of expert {e} do not fit 32 bits")))?;
+            let end = at.checked_add(n).ok_or_else(|| candle_core::Error::Msg(format!("grouped_gemm: row counts {counts:?} sum past 32 bits")))?;
             if tiled {
-                for r in (at..at + n).step_by(TILE) {
+                for r in (at..end).step_by(TILE) {
                     tiles.extend([e as u32, r]);
                 }
             }
-            at = at.checked_add(n).ok_or_else(|| candle_core::Error::Msg(format!("grouped_gemm: row counts {counts:?} sum past 32 bits")))?;
+            at = end;
             offs.push(at);
         }
         let offs = Tensor::from_vec(offs, counts.len() + 1, dev)?;
