@@ -1,7 +1,8 @@
 //! `gpu_bench --moe 1`: a mixture of experts' grouped products, the grouped kernel
-//! (`candle_cp_kernels::grouped_gemm`, one launch) against the per-expert path (one cuBLAS GEMM
-//! per expert and the copies that join them: `candle_cp_ops::moe_gemm` with
-//! `GroupedImpl::PerExpert`), on the same bf16 inputs in the same run. Shapes: a Qwen3-30B-A3B
+//! (`GroupedImpl::Kernel`: `candle_cp_kernels::grouped_gemm`, one launch) against the per-expert
+//! path (`GroupedImpl::PerExpert`: one cuBLAS GEMM per expert and the copies that join them),
+//! both through `candle_cp_ops::moe_gemm` as the model runs them, on the same bf16 inputs in the
+//! same run. Shapes: a Qwen3-30B-A3B
 //! expert projection (h 2048 -> I 768, 128 experts, top 8) and a Mixtral-8x7B one (h 4096 ->
 //! I 14336, 8 experts, top 2) over token counts from decoding-sized to training-sized; the rows
 //! are spread over the experts unevenly (a fixed pseudo-random routing). One JSON line per
@@ -13,7 +14,7 @@
 use super::{randn_bf16, time, Args};
 use anyhow::Result;
 use candle_core::{Device, Tensor};
-use candle_cp_kernels::grouped_gemm as gg;
+use candle_cp_ops::moe_gemm::{self, GroupedImpl};
 use std::time::Instant;
 
 /// Row counts of `n` tokens routed to `k` of `e` experts: each expert's share drawn from a
@@ -38,30 +39,12 @@ fn counts(n: usize, k: usize, e: usize) -> Vec<usize> {
     c
 }
 
-/// The per-expert path's three products (what `GroupedImpl::PerExpert` runs on a GPU).
-fn per_expert(op: &str, x: &Tensor, w: &Tensor, dy: &Tensor, c: &[usize]) -> candle_core::Result<Tensor> {
-    let mut parts = Vec::new();
-    let mut off = 0;
+/// One of the three products on the path `imp` (`candle_cp_ops::moe_gemm`'s, as the model runs them).
+fn product(imp: GroupedImpl, op: &str, x: &Tensor, w: &Tensor, dy: &Tensor, c: &[usize]) -> candle_core::Result<Tensor> {
     match op {
-        "dw" => {
-            for &n in c {
-                parts.push(dy.narrow(0, off, n)?.t()?.matmul(&x.narrow(0, off, n)?)?);
-                off += n;
-            }
-            Tensor::stack(&parts, 0)
-        }
-        _ => {
-            for (e, &n) in c.iter().enumerate() {
-                if n > 0 {
-                    parts.push(match op {
-                        "forward" => x.narrow(0, off, n)?.matmul(&w.get(e)?.t()?)?,
-                        _ => dy.narrow(0, off, n)?.matmul(&w.get(e)?)?,
-                    });
-                }
-                off += n;
-            }
-            Tensor::cat(&parts, 0)
-        }
+        "forward" => moe_gemm::gmm_using(imp, x, w, None, c),
+        "dx" => moe_gemm::gmm_dx_using(imp, dy, w, c),
+        _ => moe_gemm::gmm_dw_using(imp, dy, x, c),
     }
 }
 
@@ -85,15 +68,8 @@ pub(crate) fn moe_products(a: &Args, dev: &Device, start: Instant) -> Result<()>
             let flops = 2.0 * (m * h * inter) as f64;
             let active = c.iter().filter(|&&r| r > 0).count().max(1);
             for op in ["forward", "dx", "dw"] {
-                let kern = time(dev, a.iters, || {
-                    match op {
-                        "forward" => gg::forward(&x, &w, None, &c),
-                        "dx" => gg::dx(&dy, &w, &c),
-                        _ => gg::dw(&dy, &x, &c),
-                    }
-                    .map(|_| ())
-                })?;
-                let per = time(dev, a.iters, || per_expert(op, &x, &w, &dy, &c).map(|_| ()))?;
+                let kern = time(dev, a.iters, || product(GroupedImpl::Kernel, op, &x, &w, &dy, &c).map(|_| ()))?;
+                let per = time(dev, a.iters, || product(GroupedImpl::PerExpert, op, &x, &w, &dy, &c).map(|_| ()))?;
                 println!(
                     "{{\"impl\":\"candle-cp-grouped\",\"moe\":\"{name}\",\"op\":\"{op}\",\"tokens\":{n},\"experts\":{e},\"top_k\":{k},\"in\":{h},\"out\":{inter},\"rows_per_expert\":{},\"kernel_ms\":{:.4},\"per_expert_ms\":{:.4},\"speedup\":{:.3},\"kernel_tflops\":{:.2},\"per_expert_tflops\":{:.2}}}",
                     m / active,

@@ -6,7 +6,8 @@
 //! E past the kernel's 1024 taken by the host loop; bad shapes refused by the launcher.
 //!
 //! Then the experts' grouped products (`kernels/grouped_gemm.cu`, `candle_cp_kernels::grouped_gemm`:
-//! forward with and without the experts' biases, dx, dW) against the per-expert path of
+//! forward with and without the experts' biases, dx, dW), and the per-expert path on the device
+//! (`GroupedImpl::PerExpert`: cuBLAS per expert), against the per-expert path of
 //! `candle_cp_ops::moe_gemm` on the host: f32 / f16 / bf16, an expert past one row tile, experts
 //! without rows, odd widths (element loads) and multiples of 8 (16-byte loads), inputs that are
 //! views at an offset; `grouped_matmul_bias`'s node on the device (the kernel under `Auto`)
@@ -76,7 +77,7 @@ fn rel(a: &Tensor, b: &Tensor) -> Result<f64> {
 /// The grouped kernels against the host's per-expert path, and `grouped_matmul_bias`'s node.
 fn check_grouped(rep: &mut Report, gpu: &Device) -> Result<()> {
     use candle_cp_kernels::grouped_gemm as gg;
-    use candle_cp_ops::moe_gemm;
+    use candle_cp_ops::moe_gemm::{self, GroupedImpl};
     let cases: [(&[usize], usize, usize); 4] = [(&[70, 0, 5], 40, 72), (&[3, 66, 0, 1], 13, 10), (&[9, 31, 0, 140, 2, 0, 17, 64], 128, 96), (&[0, 0, 4], 24, 16)];
     for (ci, &(counts, i, o)) in cases.iter().enumerate() {
         let (m, e) = (counts.iter().sum::<usize>(), counts.len());
@@ -98,11 +99,17 @@ fn check_grouped(rep: &mut Report, gpu: &Device) -> Result<()> {
                 let x = big.narrow(0, start, m)?;
                 let xg = bg.narrow(0, start, m)?;
                 let tag = format!("{counts:?} in {i} out {o} {dtype:?} x at row {start}");
-                let runs: [(&str, candle_core::Result<Tensor>, candle_core::Result<Tensor>); 4] = [
+                let pe = GroupedImpl::PerExpert;
+                let runs: [(&str, candle_core::Result<Tensor>, candle_core::Result<Tensor>); 8] = [
                     ("forward", gg::forward(&xg, &wg, None, counts), moe_gemm::gmm(&x, &w, None, counts)),
                     ("forward + bias at column 3", gg::forward(&xg, &wg, Some((&biasg, 3)), counts), moe_gemm::gmm(&x, &w, Some((&bias, 3)), counts)),
                     ("dx", gg::dx(&dyg, &wg, counts), moe_gemm::gmm_dx(&dy, &w, counts)),
                     ("dw", gg::dw(&dyg, &xg, counts), moe_gemm::gmm_dw(&dy, &x, counts)),
+                    // the per-expert path on the device (cuBLAS per expert), the same references
+                    ("per-expert forward", moe_gemm::gmm_using(pe, &xg, &wg, None, counts), moe_gemm::gmm(&x, &w, None, counts)),
+                    ("per-expert forward + bias at column 3", moe_gemm::gmm_using(pe, &xg, &wg, Some((&biasg, 3)), counts), moe_gemm::gmm(&x, &w, Some((&bias, 3)), counts)),
+                    ("per-expert dx", moe_gemm::gmm_dx_using(pe, &dyg, &wg, counts), moe_gemm::gmm_dx(&dy, &w, counts)),
+                    ("per-expert dw", moe_gemm::gmm_dw_using(pe, &dyg, &xg, counts), moe_gemm::gmm_dw(&dy, &x, counts)),
                 ];
                 for (what, got, want) in runs {
                     let name = format!("grouped_gemm {what} {tag}");

@@ -79,11 +79,6 @@ fn few_rows(counts: &[usize]) -> bool {
     counts.iter().sum::<usize>() <= AUTO_ROWS * active
 }
 
-#[cfg(feature = "cuda")]
-fn kernel(t: &Tensor, counts: &[usize]) -> bool {
-    GroupedImpl::from_env().kernel_for(t, counts)
-}
-
 /// `f(e, rows of expert e)` for each expert with rows, concatenated: `[M, width]`.
 pub(crate) fn blocks(x: &Tensor, counts: &[usize], width: usize, f: impl Fn(usize, &Tensor) -> Result<Tensor>) -> Result<Tensor> {
     let mut parts = Vec::with_capacity(counts.len());
@@ -108,12 +103,20 @@ fn check_counts(op: &str, t: &Tensor, counts: &[usize], e: usize) -> Result<()> 
 }
 
 /// `y` `[M, out]` = each expert's rows of `x` `[M, in]` times `w[e]ᵀ` (`w` `[E, out, in]`),
-/// plus `bias` `[E, nb]` on columns `[col0, col0 + nb)` when given (the caller checked its shape).
+/// plus `bias` `[E, nb]` on columns `[col0, col0 + nb)` when given (the caller checked its shape);
+/// the path `CANDLE_CP_GROUPED_GEMM` picks ([`gmm_using`] names it).
 pub fn gmm(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize]) -> Result<Tensor> {
+    gmm_using(GroupedImpl::from_env(), x, w, bias, counts)
+}
+
+/// [`gmm`] on the path `imp` picks (the kernel only for CUDA tensors of f32, f16, bf16).
+pub fn gmm_using(imp: GroupedImpl, x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usize]) -> Result<Tensor> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = imp;
     let (e, o, _) = w.dims3()?;
     check_counts("gmm", x, counts, e)?;
     #[cfg(feature = "cuda")]
-    if kernel(x, counts) {
+    if imp.kernel_for(x, counts) {
         return candle_cp_kernels::grouped_gemm::forward(x, w, bias, counts);
     }
     blocks(x, counts, o, |e, xe| {
@@ -130,10 +133,17 @@ pub fn gmm(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &[usi
 
 /// `dx` `[M, in]` = each expert's rows of `dy` `[M, out]` times `w[e]` (`w` `[E, out, in]`).
 pub fn gmm_dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    gmm_dx_using(GroupedImpl::from_env(), dy, w, counts)
+}
+
+/// [`gmm_dx`] on the path `imp` picks.
+pub fn gmm_dx_using(imp: GroupedImpl, dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = imp;
     let (e, _, i) = w.dims3()?;
     check_counts("gmm_dx", dy, counts, e)?;
     #[cfg(feature = "cuda")]
-    if kernel(dy, counts) {
+    if imp.kernel_for(dy, counts) {
         return candle_cp_kernels::grouped_gemm::dx(dy, w, counts);
     }
     blocks(dy, counts, i, |e, ge| ge.matmul(&w.get(e)?))
@@ -142,10 +152,17 @@ pub fn gmm_dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
 /// `dw` `[E, out, in]`: expert `e`'s rows of `dy` `[M, out]`, transposed, times its rows of `x`
 /// `[M, in]`; zeros for an expert without rows.
 pub fn gmm_dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    gmm_dw_using(GroupedImpl::from_env(), dy, x, counts)
+}
+
+/// [`gmm_dw`] on the path `imp` picks.
+pub fn gmm_dw_using(imp: GroupedImpl, dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = imp;
     let (o, i) = (dy.dim(1)?, x.dim(1)?);
     check_counts("gmm_dw", dy, counts, counts.len())?;
     #[cfg(feature = "cuda")]
-    if kernel(dy, counts) {
+    if imp.kernel_for(dy, counts) {
         return candle_cp_kernels::grouped_gemm::dw(dy, x, counts);
     }
     let mut dw = Vec::with_capacity(counts.len());
@@ -164,10 +181,17 @@ pub fn gmm_dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
 /// `[M, out]` summed over those columns in f32 (zeros for an expert without rows), in `bias`'s
 /// dtype. On the kernel path one grouped `dw` against a column of ones.
 pub fn gmm_dbias(dy: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
+    gmm_dbias_using(GroupedImpl::from_env(), dy, bias, col0, counts)
+}
+
+/// [`gmm_dbias`] on the path `imp` picks.
+pub fn gmm_dbias_using(imp: GroupedImpl, dy: &Tensor, bias: &Tensor, col0: usize, counts: &[usize]) -> Result<Tensor> {
+    #[cfg(not(feature = "cuda"))]
+    let _ = imp;
     let nb = bias.dim(1)?;
     check_counts("gmm_dbias", dy, counts, bias.dim(0)?)?;
     #[cfg(feature = "cuda")]
-    if kernel(dy, counts) {
+    if imp.kernel_for(dy, counts) {
         let g = dy.narrow(1, col0, nb)?.to_dtype(DType::F32)?;
         let ones = Tensor::ones((dy.dim(0)?, 1), DType::F32, dy.device())?;
         return candle_cp_kernels::grouped_gemm::dw(&g, &ones, counts)?.reshape((counts.len(), nb))?.to_dtype(bias.dtype());
