@@ -717,6 +717,21 @@ def tile_configs():
     return out
 
 
+def fixed_blocks():
+    """Entries launched with one block size whatever their shapes ({name regex: threads}): the
+    grouped products (grouped_gemm.rs THREADS, which must equal grouped_gemm.cu GG_THREADS)."""
+    with open(os.path.join(SRC, "grouped_gemm.rs")) as f:
+        rs = re.search(r"const THREADS: u32 = (\d+);", f.read())
+    with open(os.path.join(KERN, "grouped_gemm.cu")) as f:
+        cu = re.search(r"constexpr int GG_THREADS = (\d+);", f.read())
+    if not rs or not cu:
+        err("grouped_gemm: THREADS (src/grouped_gemm.rs) or GG_THREADS (kernels/grouped_gemm.cu) not found")
+        return {}
+    if int(rs.group(1)) != int(cu.group(1)):
+        err(f"grouped_gemm: launcher THREADS {rs.group(1)} != kernel GG_THREADS {cu.group(1)}")
+    return {r"^grouped_gemm_(nt|nn|tn)_(f32|f16|bf16)$": int(rs.group(1))}
+
+
 def main():
     ptx_dir = None
     if "--ptx-dir" in sys.argv:
@@ -725,6 +740,7 @@ def main():
     unlaunched = sorted(set(cents) - launched)
     nptx = nbounds = 0
     cfgs = tile_configs()
+    fixed = fixed_blocks()
     if ptx_dir:
         pents, files = ptx_entries(ptx_dir)
         if len(files) < 10:
@@ -739,7 +755,13 @@ def main():
                 err(f"{name}: PTX {pfile} param widths {widths} != C widths {cw}")
             nptx += 1
             fam = re.match(r"^(\w+?)_(?:f32|f16|bf16)_d(\d+)$", name)
-            if maxnt is not None:
+            fb = next((t for pat, t in fixed.items() if re.match(pat, name)), None)
+            if maxnt is not None and fb is not None:
+                if fb != maxnt:
+                    err(f"{name}: launcher block {fb} threads != __launch_bounds__ {maxnt}")
+                else:
+                    nbounds += 1
+            elif maxnt is not None:
                 cfg = cfgs.get(fam.group(1), {}).get(int(fam.group(2))) if fam else None
                 if cfg is None:
                     err(f"{name}: has __launch_bounds__ ({maxnt}) but no launch shape in tile_configs()")
