@@ -33,23 +33,29 @@ struct Groups {
     tiles: Option<(Tensor, u32)>,
 }
 
+/// The row offsets (`E + 1`: expert `e`'s rows are `offs[e] .. offs[e + 1]`) and the flattened
+/// tile list (expert, first row; a tile every 64 rows of an expert, the last one shorter) of
+/// `counts`; errors when the rows do not fit 32 bits.
+fn tile_list(counts: &[usize]) -> Result<(Vec<u32>, Vec<u32>)> {
+    let mut offs = Vec::with_capacity(counts.len() + 1);
+    let mut tiles = Vec::new();
+    let mut at = 0u32;
+    offs.push(0u32);
+    for (e, &n) in counts.iter().enumerate() {
+        let n = u32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("grouped_gemm: {n} rows of expert {e} do not fit 32 bits")))?;
+        let end = at.checked_add(n).ok_or_else(|| candle_core::Error::Msg(format!("grouped_gemm: row counts {counts:?} sum past 32 bits")))?;
+        for r in (at..end).step_by(TILE) {
+            tiles.extend([e as u32, r]);
+        }
+        at = end;
+        offs.push(at);
+    }
+    Ok((offs, tiles))
+}
+
 impl Groups {
     fn new(counts: &[usize], dev: &Device, tiled: bool) -> Result<Self> {
-        let mut offs = Vec::with_capacity(counts.len() + 1);
-        let mut tiles = Vec::new();
-        let mut at = 0u32;
-        offs.push(0u32);
-        for (e, &n) in counts.iter().enumerate() {
-            let n = u32::try_from(n).map_err(|_| candle_core::Error::Msg(format!("grouped_gemm: {n} rows of expert {e} do not fit 32 bits")))?;
-            let end = at.checked_add(n).ok_or_else(|| candle_core::Error::Msg(format!("grouped_gemm: row counts {counts:?} sum past 32 bits")))?;
-            if tiled {
-                for r in (at..end).step_by(TILE) {
-                    tiles.extend([e as u32, r]);
-                }
-            }
-            at = end;
-            offs.push(at);
-        }
+        let (offs, tiles) = tile_list(counts)?;
         let offs = Tensor::from_vec(offs, counts.len() + 1, dev)?;
         let tiles = if tiled {
             let nt = u32::try_from(tiles.len() / 2).map_err(|_| candle_core::Error::Msg("grouped_gemm: too many row tiles".into()))?;
@@ -274,4 +280,22 @@ pub fn dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
         DType::F16 => go!(f16, "grouped_gemm_tn_f16"),
         _ => go!(bf16, "grouped_gemm_tn_bf16"),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Offsets and tiles: an expert past one tile, experts without rows (no tile), the last
+    /// expert's short tile; counts past 32 bits refused.
+    #[test]
+    fn tile_list_covers_each_experts_rows_once() -> Result<()> {
+        let (offs, tiles) = tile_list(&[70, 0, 5, 128, 0])?;
+        assert_eq!(offs, [0, 70, 70, 75, 203, 203]);
+        assert_eq!(tiles, [0, 0, 0, 64, 2, 70, 3, 75, 3, 139]);
+        assert_eq!(tile_list(&[0, 0])?, (vec![0, 0, 0], vec![]));
+        let err = tile_list(&[u32::MAX as usize, 1]).err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(err.contains("sum past 32 bits"), "{err}");
+        Ok(())
+    }
 }
