@@ -14,7 +14,8 @@
 //!   back stacked bit for bit (DoRA's magnitudes too, one per expert); an expert missing from
 //!   the file is refused by name.
 //! - DoRA (`use_dora`): the same against the merged model `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, the
-//!   magnitudes' gradients by DoRA's chain rule (Qwen3-MoE, Qwen2-MoE, eight layouts each).
+//!   magnitudes' gradients by DoRA's chain rule (Qwen3-MoE, Qwen2-MoE, eight layouts each; the
+//!   routers too, with all-linear).
 //! - Generation: the cached decode equals the full forward; CP, TP and EP decode alike.
 
 use candle_core::{DType, Device, Result, Tensor};
@@ -40,9 +41,8 @@ fn ids(t: usize) -> Result<Tensor> {
 /// With `dora`, DoRA's magnitudes off the rows' norms ([`candle_cp_tests::lora_ref::set_magnitudes`]).
 fn adapted(style: MoeStyle, dora: bool) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
     let (base, mut full) = moe_model(style, None)?;
-    // (PEFT's all-linear: the routers too; DoRA, which they do not take, on the projections)
-    let targets: &[&str] = if dora { &TARGETS } else { &ALL_LINEAR };
-    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, targets)?.with_dora(dora)));
+    // (PEFT's all-linear: the routers too, with DoRA's magnitudes when `dora`)
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_dora(dora)));
     for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         full.insert(s.name.clone(), candle_cp_ops::oracle::randn(1300 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
@@ -84,8 +84,8 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let ids = ids(T)?;
     let two = Tensor::cat(&[&ids, &ids], 0)?;
     // (weights merged: q, k, v, o, and the MLP's or the experts' gate, up, down on 2 layers; the
-    // routers without DoRA: Qwen3-MoE's 1, Mixtral's 2, Qwen2-MoE's router and shared gate)
-    let runs = [(MoeStyle::Qwen3Moe, 15, false), (MoeStyle::Mixtral, 16, false), (MoeStyle::Qwen2Moe, 19, false), (MoeStyle::Qwen3Moe, 14, true), (MoeStyle::Qwen2Moe, 17, true)];
+    // routers, with DoRA too: Qwen3-MoE's 1, Mixtral's 2, Qwen2-MoE's router and shared gate)
+    let runs = [(MoeStyle::Qwen3Moe, 15, false), (MoeStyle::Mixtral, 16, false), (MoeStyle::Qwen2Moe, 19, false), (MoeStyle::Qwen3Moe, 15, true), (MoeStyle::Qwen2Moe, 19, true)];
     for (style, merged_n, dora) in runs {
         let (base, cfg, full) = adapted(style, dora)?;
         let specs = param_specs(&cfg);
@@ -131,7 +131,7 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
 /// Mixtral's module names, `w1`, `w3`, `w2`, in its target modules; its router's as
 /// `block_sparse_moe.gate`); reading it gives the
 /// stacked factors back bit for bit and the same model; an expert missing is refused by name;
-/// DoRA on a router is refused by name.
+/// with DoRA the routers take magnitudes too.
 #[test]
 fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
     let root = std::env::temp_dir().join(format!("candle-cp-moe-lora-{}", std::process::id()));
@@ -147,7 +147,7 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         let targets: Vec<&str> = json["target_modules"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
         let (module, gate, expected_targets) = match style {
             MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate", "shared_expert_gate"]),
-            _ => ("mlp", "gate_proj", TARGETS.to_vec()),
+            _ => ("mlp", "gate_proj", ALL_LINEAR.to_vec()),
         };
         assert_eq!(targets, expected_targets, "{style:?}: PEFT's target modules");
         let per_expert = format!("base_model.model.model.layers.1.{module}.experts.7.{gate}.lora_A.weight");
@@ -179,10 +179,12 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         assert!(e.contains("experts") && e.contains("expert 4 where expert 3"), "{style:?}: {e}");
     }
     let _ = std::fs::remove_dir_all(&root);
-    // DoRA on a router is refused by name (the routers take plain LoRA)
+    // DoRA with all-linear: the routers take magnitudes too (PEFT's `gate` [E, h]: one per expert)
     let (base, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
-    let e = base.with_lora(Some(LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_dora(true))).validate().err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("DoRA") && e.contains("(gate)"), "{e}");
+    let cfg = base.with_lora(Some(LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_dora(true)));
+    cfg.validate()?;
+    let gate_m = param_specs(&cfg).into_iter().find(|s| s.name == "model.layers.1.mlp.gate.lora_magnitude_vector");
+    assert_eq!(gate_m.map(|s| s.shape), Some(vec![cfg.moe.as_ref().map_or(0, |m| m.num_experts)]), "the router's DoRA magnitude");
     Ok(())
 }
 

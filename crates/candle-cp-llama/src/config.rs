@@ -413,9 +413,6 @@ impl LlamaConfig {
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
-        if let Some(t) = self.lora.as_ref().filter(|l| l.dora && self.moe.is_some()).and_then(|l| crate::lora::ROUTER_TARGETS.iter().find(|t| l.adapts(t))) {
-            bail!("LlamaConfig: DoRA on a mixture's router ({t}) is not supported: target it with plain LoRA, or leave it out")
-        }
         let (h, kv) = (self.num_attention_heads, self.num_key_value_heads);
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")

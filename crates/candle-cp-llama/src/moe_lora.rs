@@ -37,7 +37,9 @@
 //! DoRA ([`candle_cp_nn::dora`]): a magnitude per expert and output row (`[E, out]`,
 //! `….lora_magnitude_vector`, split as `B`); the experts compute with their DoRA weights
 //! (stacked) in place of the update, or, training with dropout, with their base weights and the
-//! update `(W'_e - W_e)·drop(x)` inside the same node (PEFT's second base pass).
+//! update `(W'_e - W_e)·drop(x)` inside the same node (PEFT's second base pass). The routers'
+//! DoRA (a magnitude per expert, `[E]`; the router whole on every rank, so its rows' norms are
+//! local) always takes the second form, inside the logits' node.
 
 use candle_core::{bail, Result, Tensor};
 use candle_cp_nn::{DropoutRows, Tp};
@@ -264,7 +266,15 @@ impl MoeLora {
         let Some(f) = self.routers[i].as_ref() else { return x.matmul(&w.t()?) };
         let copy = |t: &Tensor| if tp.size() > 1 && !tp.sequence_parallel { mappings::copy_to_tp_region(t, &tp.group) } else { Ok(t.clone()) };
         let mask = self.mask(x, &f.stream, tokens, false, tp)?;
-        let update = GroupedUpdate::LowRank { a: copy(&f.a)?.unsqueeze(0)?, b: copy(&f.b)?.unsqueeze(0)?, scale: f.scale };
+        let update = match &f.m {
+            // DoRA (PEFT's formula, with or without dropout): x·Wᵀ + drop(x)·(W' - W)ᵀ, the
+            // router whole on every rank (its rows' norms local: WeightSplit::Rows, no sum)
+            Some(m) => {
+                let d = candle_cp_nn::dora_update(w, &copy(&f.a)?, &copy(&f.b)?, &copy(m)?, f.scale, candle_cp_nn::WeightSplit::Rows, tp, false)?;
+                GroupedUpdate::Full { w: d.unsqueeze(0)? }
+            }
+            None => GroupedUpdate::LowRank { a: copy(&f.a)?.unsqueeze(0)?, b: copy(&f.b)?.unsqueeze(0)?, scale: f.scale },
+        };
         grouped_matmul_update(x, &w.unsqueeze(0)?, &[x.dim(0)?], &update, mask.as_ref())
     }
 
@@ -272,7 +282,7 @@ impl MoeLora {
     /// inference (as [`MoeLora::merged`] merges the others); `None` when not adapted.
     pub(crate) fn merged_router(&self, i: usize, w: &Tensor, tp: &Tp) -> Result<Option<Tensor>> {
         let Some(f) = self.routers[i].as_ref() else { return Ok(None) };
-        Ok(Some(candle_cp_nn::lora::merged_weight(w, &f.a, &f.b, None, f.scale, candle_cp_nn::WeightSplit::Rows, tp)?))
+        Ok(Some(candle_cp_nn::lora::merged_weight(w, &f.a, &f.b, f.m.as_ref(), f.scale, candle_cp_nn::WeightSplit::Rows, tp)?))
     }
 }
 

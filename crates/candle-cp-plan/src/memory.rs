@@ -406,7 +406,7 @@ pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 /// with [`Layout::lora_mlp`]: a dense layer's, and a sparse layer's shared expert's and
 /// experts' ([`layer_expert_lora_params_per_gpu`]), as PEFT's targets `gate_proj`, `up_proj`,
 /// `down_proj` adapt them, and its routers' (PEFT's `all-linear`: `gate`, `shared_expert_gate`;
-/// not with DoRA).
+/// with DoRA a magnitude per expert too).
 pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let r = l.lora_rank as f64;
     if r == 0.0 {
@@ -426,10 +426,14 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let mlp_of = |f: f64| r * (gate_up_a * h + 2.0 * f / t) + r * (f / t + h) + dora * (2.0 * f / t + h);
     let shared = m.moe.as_ref().filter(|x| x.shared_ffn > 0).map_or(0.0, |x| m.sparse_fraction() * mlp_of(x.shared_ffn as f64));
     // a sparse layer's routers (PEFT's all-linear adapts them: `gate` [E, h], Qwen2-MoE's
-    // `shared_expert_gate` [1, h]; gpt-oss's router is no linear module; not with DoRA, which
-    // candle-cp refuses on them), replicated
+    // `shared_expert_gate` [1, h]; gpt-oss's router is no linear module; DoRA: a magnitude per
+    // output row), replicated
     let routers = match &m.moe {
-        Some(x) if !m.gpt_oss && !l.lora_dora => m.sparse_fraction() * (r * (h + x.experts as f64) + if x.shared_ffn > 0 { r * (h + 1.0) } else { 0.0 }),
+        Some(x) if !m.gpt_oss => {
+            let e = x.experts as f64;
+            let shared_gate = if x.shared_ffn > 0 { r * (h + 1.0) + dora } else { 0.0 };
+            m.sparse_fraction() * (r * (h + e) + dora * e + shared_gate)
+        }
         _ => 0.0,
     };
     let mlp = if l.lora_mlp { dense_mlp * mlp_of(f) + shared + routers } else { 0.0 };

@@ -57,7 +57,8 @@ pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &Para
         return Ok(());
     }
     let tp = candle_cp_nn::Tp::new(ctx.tp.clone(), false);
-    for s in param_specs(cfg).into_iter().filter(|s| s.name.ends_with(crate::lora::MAGNITUDE)) {
+    let specs = param_specs(cfg);
+    for s in specs.iter().filter(|s| s.name.ends_with(crate::lora::MAGNITUDE)) {
         let stem = &s.name[..s.name.len() - crate::lora::MAGNITUDE.len()];
         let (w, var) = {
             let vars = lock_vars(varmap)?;
@@ -69,7 +70,11 @@ pub(crate) fn set_dora_magnitudes(varmap: &VarMap, cfg: &LlamaConfig, ctx: &Para
             Some(q) if crate::quant::is_quantized_weight(&format!("{stem}.weight")) || crate::quant::is_quantized_weight(stem) => crate::quant::as_dequantized(&w, q)?,
             _ => w,
         };
-        let split = if s.shard == candle_cp_nn::Shard::Replicated { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
+        // a replicated magnitude beside a column-split weight (a row-parallel projection): its
+        // rows' norms summed over TP; a weight held whole on every rank (a mixture's router) or
+        // split by rows: its local rows' norms
+        let whole = specs.iter().find(|w| w.name == format!("{stem}.weight") || w.name == stem).is_some_and(|w| w.shard == candle_cp_nn::Shard::Replicated);
+        let split = if s.shard == candle_cp_nn::Shard::Replicated && !whole { candle_cp_nn::WeightSplit::Cols } else { candle_cp_nn::WeightSplit::Rows };
         var.set(&candle_cp_nn::dora_magnitude(&w, split, &tp)?.to_dtype(var.dtype())?)?;
     }
     Ok(())

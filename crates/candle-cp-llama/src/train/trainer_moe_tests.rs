@@ -171,8 +171,8 @@ fn lora_on_experts_trains_alike_on_every_layout() -> Result<()> {
     Ok(())
 }
 
-/// DoRA with dropout 0.3 on a Qwen2-MoE's experts and shared expert (each projection trained
-/// as `W·x + (W' - W)·drop(x)`, the experts' rows keyed on (token, expert); crate::moe_lora):
+/// DoRA with dropout 0.3 on a Qwen2-MoE's experts, shared expert and routers (each projection
+/// trained as `W·x + (W' - W)·drop(x)`, the experts' rows keyed on (token, expert); crate::moe_lora):
 /// the dropout changes the curve; zigzag 2 × TP 2 + SP with recomputed layers, EP 2 over
 /// zigzag 2 × DP 2 with ZeRO-1, and EP 4 over ring 2 × DP 2 follow the one-device run.
 #[test]
@@ -182,7 +182,8 @@ fn dora_with_dropout_on_experts_trains_alike_on_every_layout() -> Result<()> {
     let mut moe = m.moe.clone().ok_or_else(|| candle_core::Error::Msg("moe config expected".into()))?;
     (moe.style, moe.shared_expert_intermediate_size) = (crate::MoeStyle::Qwen2Moe, 16);
     c.model = ModelSource::Init(m.clone().with_moe(Some(moe)));
-    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "gate_proj", "up_proj", "down_proj"])?.with_dora(true).with_dropout(0.3)?);
+    // (the routers too: PEFT's `gate` and Qwen2-MoE's `shared_expert_gate`, DoRA as the others)
+    c.lora = Some(crate::LoraSpec::new(4, 8.0, &["q_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"])?.with_dora(true).with_dropout(0.3)?);
     let one = run(&c)?;
     let mut plain = c.clone();
     plain.lora = plain.lora.map(|l| l.with_dropout(0.0)).transpose()?;
