@@ -5,7 +5,7 @@
 //   grouped_matmul_update's node).
 // CPU reference: the same functions' per-expert path (candle matmuls of each expert's rows),
 //   candle_cp_ops::moe::grouped_matmul_slow; emu/check_grouped.cpp (float64 reference),
-//   gpu_check --sections grouped.
+//   gpu_check --sections moe.
 //
 // The rows of x [Mrows, in] are grouped by expert: expert e owns rows offs[e] .. offs[e + 1].
 //   nt (forward):  y[r, o]     = sum_i x[r, i] * w[e(r), o, i]  (+ bias[e(r), o - col0])   w [E, out, in]
