@@ -16,7 +16,7 @@
 //! GEMM launch per expert on a GPU; the path on every device), and on CUDA (f32, f16, bf16) the
 //! **grouped kernel** of `candle_cp_kernels::grouped_gemm`, one launch whatever the number of
 //! experts. [`GroupedImpl`] picks: `CANDLE_CP_GROUPED_GEMM=kernel|per-expert|auto` (default
-//! `auto`: the kernel where an expert's rows are few — at most [`AUTO_ROWS`] a expert on
+//! `auto`: the kernel where an expert's rows are few — at most [`AUTO_ROWS`] per expert on
 //! average — the per-expert GEMMs otherwise).
 
 use candle_core::{bail, DType, Result, Tensor};
