@@ -15,9 +15,9 @@
 //! Two paths: **per expert** (candle's matmul on each expert's rows, then `cat` / `stack`: one
 //! GEMM launch per expert on a GPU; the path on every device), and on CUDA (f32, f16, bf16) the
 //! **grouped kernel** of `candle_cp_kernels::grouped_gemm`, one launch whatever the number of
-//! experts. [`GroupedImpl`] picks: `CANDLE_CP_GROUPED_GEMM=kernel|per-expert|auto` (default
-//! `auto`: the kernel where an expert's rows are few — at most [`AUTO_ROWS`] per expert on
-//! average — the per-expert GEMMs otherwise).
+//! experts. [`GroupedImpl`] picks: `CANDLE_CP_GROUPED_GEMM=kernel|per-expert|auto|auto:N`
+//! (default `auto`: the kernel where an expert's rows are few — at most [`AUTO_ROWS`], or `N`,
+//! per expert on average — the per-expert GEMMs otherwise).
 
 use candle_core::{bail, DType, Result, Tensor};
 
@@ -31,6 +31,9 @@ pub const AUTO_ROWS: usize = 256;
 pub enum GroupedImpl {
     /// The kernel for few rows per expert (at most [`AUTO_ROWS`] on average), else per expert.
     Auto,
+    /// `Auto` with another bound on the mean rows per expert (`auto:N`: the crossover
+    /// `gpu_bench --moe 1` measured on this GPU).
+    AutoBelow(usize),
     /// Always the grouped kernel (CUDA, f32 / f16 / bf16).
     Kernel,
     /// Always one candle matmul per expert.
@@ -38,25 +41,26 @@ pub enum GroupedImpl {
 }
 
 impl GroupedImpl {
-    /// From `CANDLE_CP_GROUPED_GEMM` = `kernel` | `per-expert` | `auto` | unset or empty
-    /// (`Auto`). Any other value also runs `Auto`, and the first such call says so on stderr (a
+    /// From `CANDLE_CP_GROUPED_GEMM` = `kernel` | `per-expert` | `auto` | `auto:N` | unset or
+    /// empty (`Auto`). Any other value also runs `Auto`, and the first such call says so on stderr (a
     /// misspelt path must not pass for a measurement of it).
     pub fn from_env() -> Self {
         let v = std::env::var("CANDLE_CP_GROUPED_GEMM").unwrap_or_default();
         Self::from_name(&v).unwrap_or_else(|| {
             static SAID: std::sync::Once = std::sync::Once::new();
-            SAID.call_once(|| eprintln!("candle-cp: CANDLE_CP_GROUPED_GEMM={v:?} is not a path (kernel, per-expert, auto); running auto"));
+            SAID.call_once(|| eprintln!("candle-cp: CANDLE_CP_GROUPED_GEMM={v:?} is not a path (kernel, per-expert, auto, auto:N); running auto"));
             GroupedImpl::Auto
         })
     }
 
-    /// The path named `kernel`, `per-expert` or `auto` (empty: `auto`), or `None`.
+    /// The path named `kernel`, `per-expert`, `auto` (empty: `auto`) or `auto:N` (N rows per
+    /// expert), or `None`.
     pub fn from_name(name: &str) -> Option<Self> {
         match name.trim() {
             "kernel" => Some(GroupedImpl::Kernel),
             "per-expert" => Some(GroupedImpl::PerExpert),
             "auto" | "" => Some(GroupedImpl::Auto),
-            _ => None,
+            n => n.strip_prefix("auto:").and_then(|r| r.trim().parse().ok()).map(GroupedImpl::AutoBelow),
         }
     }
 
@@ -68,15 +72,16 @@ impl GroupedImpl {
         match self {
             GroupedImpl::Kernel => true,
             GroupedImpl::PerExpert => false,
-            GroupedImpl::Auto => few_rows(counts),
+            GroupedImpl::Auto => few_rows(counts, AUTO_ROWS),
+            GroupedImpl::AutoBelow(rows) => few_rows(counts, rows),
         }
     }
 }
 
-/// `Auto`'s rule: at most [`AUTO_ROWS`] rows per expert on average over the experts with rows.
-fn few_rows(counts: &[usize]) -> bool {
+/// `Auto`'s rule: at most `rows` rows per expert on average over the experts with rows.
+fn few_rows(counts: &[usize], rows: usize) -> bool {
     let active = counts.iter().filter(|&&n| n > 0).count().max(1);
-    counts.iter().sum::<usize>() <= AUTO_ROWS * active
+    counts.iter().sum::<usize>() <= rows.saturating_mul(active)
 }
 
 /// `f(e, rows of expert e)` for each expert with rows, concatenated: `[M, width]`.
@@ -262,10 +267,15 @@ mod tests {
         assert_eq!(GroupedImpl::from_name("per-expert"), Some(GroupedImpl::PerExpert));
         assert_eq!(GroupedImpl::from_name(""), Some(GroupedImpl::Auto));
         assert_eq!(GroupedImpl::from_name("cublas"), None);
-        assert!(few_rows(&[AUTO_ROWS, 0, AUTO_ROWS]));
-        assert!(few_rows(&[0, 0]));
-        assert!(!few_rows(&[AUTO_ROWS + 1, 0]));
-        assert!(!few_rows(&[2 * AUTO_ROWS, 0, 0, 0]) && few_rows(&[2 * AUTO_ROWS - 1, 1]));
+        assert_eq!(GroupedImpl::from_name("auto:512"), Some(GroupedImpl::AutoBelow(512)));
+        assert_eq!(GroupedImpl::from_name("auto:"), None);
+        assert_eq!(GroupedImpl::from_name("auto:-1"), None);
+        let r = AUTO_ROWS;
+        assert!(few_rows(&[r, 0, r], r));
+        assert!(few_rows(&[0, 0], r));
+        assert!(!few_rows(&[r + 1, 0], r));
+        assert!(!few_rows(&[2 * r, 0, 0, 0], r) && few_rows(&[2 * r - 1, 1], r));
+        assert!(few_rows(&[r + 1, 0], r + 1) && !few_rows(&[1], 0));
         Ok(())
     }
 }
