@@ -26,13 +26,6 @@ use half::{bf16, f16};
 const TILE: usize = 64;
 const THREADS: u32 = 128;
 
-/// The row offsets (`E + 1`) and, for the row-tiled products, the tile list (expert, first row;
-/// 64 rows at most) on the device, and the number of tiles.
-struct Groups {
-    offs: Tensor,
-    tiles: Option<(Tensor, u32)>,
-}
-
 /// The row offsets (`E + 1`: expert `e`'s rows are `offs[e] .. offs[e + 1]`) and the flattened
 /// tile list (expert, first row; a tile every 64 rows of an expert, the last one shorter) of
 /// `counts`; errors when the rows do not fit 32 bits.
@@ -53,18 +46,18 @@ fn tile_list(counts: &[usize]) -> Result<(Vec<u32>, Vec<u32>)> {
     Ok((offs, tiles))
 }
 
-impl Groups {
-    fn new(counts: &[usize], dev: &Device, tiled: bool) -> Result<Self> {
-        let (offs, tiles) = tile_list(counts)?;
-        let offs = Tensor::from_vec(offs, counts.len() + 1, dev)?;
-        let tiles = if tiled {
-            let nt = u32::try_from(tiles.len() / 2).map_err(|_| candle_core::Error::Msg("grouped_gemm: too many row tiles".into()))?;
-            Some((Tensor::from_vec(tiles, nt as usize * 2, dev)?, nt))
-        } else {
-            None
-        };
-        Ok(Self { offs, tiles })
-    }
+/// The row offsets on the device, `[E + 1]` u32 (what every product reads).
+fn offsets_on(counts: &[usize], dev: &Device) -> Result<Tensor> {
+    let (offs, _) = tile_list(counts)?;
+    Tensor::from_vec(offs, counts.len() + 1, dev)
+}
+
+/// The row offsets and the tile list on the device, and the number of tiles (the row-tiled
+/// products: forward and dx).
+fn tiles_on(counts: &[usize], dev: &Device) -> Result<(Tensor, Tensor, u32)> {
+    let (offs, tiles) = tile_list(counts)?;
+    let nt = u32::try_from(tiles.len() / 2).map_err(|_| candle_core::Error::Msg("grouped_gemm: too many row tiles".into()))?;
+    Ok((Tensor::from_vec(offs, counts.len() + 1, dev)?, Tensor::from_vec(tiles, nt as usize * 2, dev)?, nt))
 }
 
 /// A kernel input made contiguous, and whether its start offset is a multiple of `ve` elements
@@ -151,17 +144,13 @@ pub fn forward(x: &Tensor, w: &Tensor, bias: Option<(&Tensor, usize)>, counts: &
     }
     let (ni, ki, c0, nbi) = (util::to_i32(o, "out")?, util::to_i32(i, "in")?, util::to_i32(col0, "col0")?, util::to_i32(nb, "nb")?);
     util::to_i32(m, "M")?;
-    let g = Groups::new(counts, x.device(), true)?;
+    let (ot, tl, nt) = tiles_on(counts, x.device())?;
     let (xa, wa) = (Arg::new(x)?, Arg::new(w)?);
     let ba = bias.map(|(b, _)| Arg::new(b)).transpose()?;
     let v = ve(x.dtype());
     let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && xa.aligned(v) && wa.aligned(v)) as i32;
-    let (nt, tl) = match &g.tiles {
-        Some((t, n)) => (*n, t),
-        None => candle_core::bail!("grouped_gemm::forward: no tile list"),
-    };
     let cfg = LaunchConfig { grid_dim: (nt, o.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (xg, wg, og, tg) = (xa.t.storage_and_layout(), wa.t.storage_and_layout(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let (xg, wg, og, tg) = (xa.t.storage_and_layout(), wa.t.storage_and_layout(), ot.storage_and_layout(), tl.storage_and_layout());
     let bg = ba.as_ref().map(|b| b.t.storage_and_layout());
     let offs = view::<u32>(&og.0, og.1, "offsets")?;
     let tiles = view::<u32>(&tg.0, tg.1, "tiles")?;
@@ -206,16 +195,12 @@ pub fn dx(dy: &Tensor, w: &Tensor, counts: &[usize]) -> Result<Tensor> {
     }
     let (ni, ki) = (util::to_i32(i, "in")?, util::to_i32(o, "out")?);
     util::to_i32(m, "M")?;
-    let g = Groups::new(counts, dy.device(), true)?;
+    let (ot, tl, nt) = tiles_on(counts, dy.device())?;
     let (da, wa) = (Arg::new(dy)?, Arg::new(w)?);
     let v = ve(dy.dtype());
     let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && wa.aligned(v)) as i32;
-    let (nt, tl) = match &g.tiles {
-        Some((t, n)) => (*n, t),
-        None => candle_core::bail!("grouped_gemm::dx: no tile list"),
-    };
     let cfg = LaunchConfig { grid_dim: (nt, i.div_ceil(TILE) as u32, 1), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (dg, wg, og, tg) = (da.t.storage_and_layout(), wa.t.storage_and_layout(), g.offs.storage_and_layout(), tl.storage_and_layout());
+    let (dg, wg, og, tg) = (da.t.storage_and_layout(), wa.t.storage_and_layout(), ot.storage_and_layout(), tl.storage_and_layout());
     let offs = view::<u32>(&og.0, og.1, "offsets")?;
     let tiles = view::<u32>(&tg.0, tg.1, "tiles")?;
     macro_rules! go {
@@ -254,12 +239,12 @@ pub fn dw(dy: &Tensor, x: &Tensor, counts: &[usize]) -> Result<Tensor> {
     }
     let (mi, ni) = (util::to_i32(o, "out")?, util::to_i32(i, "in")?);
     util::to_i32(m, "M")?;
-    let g = Groups::new(counts, dy.device(), false)?;
+    let ot = offsets_on(counts, dy.device())?;
     let (da, xa) = (Arg::new(dy)?, Arg::new(x)?);
     let v = ve(dy.dtype());
     let vec = (i.is_multiple_of(v) && o.is_multiple_of(v) && da.aligned(v) && xa.aligned(v)) as i32;
     let cfg = LaunchConfig { grid_dim: (i.div_ceil(TILE) as u32, o.div_ceil(TILE) as u32, e as u32), block_dim: (THREADS, 1, 1), shared_mem_bytes: 0 };
-    let (dg, xg, og) = (da.t.storage_and_layout(), xa.t.storage_and_layout(), g.offs.storage_and_layout());
+    let (dg, xg, og) = (da.t.storage_and_layout(), xa.t.storage_and_layout(), ot.storage_and_layout());
     let offs = view::<u32>(&og.0, og.1, "offsets")?;
     macro_rules! go {
         ($ty:ty, $name:literal) => {{
