@@ -1,7 +1,8 @@
 //! LoRA on experts held as parameters, as PEFT adapts them (`target_parameters`,
 //! `candle_cp_llama::LoraSpec::with_target_parameters`): gpt-oss's (`mlp.experts.gate_up_proj`
 //! `[E, h, 2·I]`, gate and up interleaved; `down_proj` `[E, I, h]`) and transformers 5's
-//! Qwen3-MoE's (`[E, 2·I, h]`, gate's rows then up's; `[E, h, I]`), one adapter of per-expert
+//! Qwen3-MoE's and Mixtral's (`[E, 2·I, h]`, gate's rows then up's; `[E, h, I]`; a Mixtral's
+//! sparse layer is `mlp` in transformers 5, `block_sparse_moe` here), one adapter of per-expert
 //! rank `r` over all experts (`lora_A` `[r·E, in]`, `lora_B` `[out, r·E]` in the file; gate and up
 //! one `A`).
 //!
@@ -20,8 +21,8 @@
 //!   "all-linear"`, `target_parameters` on one layer's experts) reads: the attention adapted on
 //!   every layer, the experts of that layer only.
 //! - Generation with the adapters folded into the weights decodes the adapted model's tokens.
-//! - Refused by name: dropout, DoRA, expert parameters on a model whose experts are modules
-//!   here (Mixtral's `block_sparse_moe`), a key that matches no parameter of a sparse layer, a
+//! - Refused by name: dropout, DoRA, expert parameters on a dense model, a key that matches no
+//!   parameter of a sparse layer, a
 //!   key that names no expert parameter, gpt-oss's experts as target modules, the router as a
 //!   target module beside expert parameters (transformers 5's router is a parameter; all-linear
 //!   leaves it out there).
@@ -44,9 +45,15 @@ fn ids(t: usize) -> Result<Tensor> {
     load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, t)?.contiguous()
 }
 
-/// The two models whose experts are parameters: gpt-oss (both layers sparse), Qwen3-MoE
-/// (layer 1 sparse).
-const STYLES: [MoeStyle; 2] = [MoeStyle::GptOss, MoeStyle::Qwen3Moe];
+/// The models whose experts are parameters: gpt-oss (both layers sparse), Qwen3-MoE (layer 1
+/// sparse) and Mixtral (both layers sparse; transformers 5's `mlp.experts.*`, `block_sparse_moe`
+/// here) as transformers 5 holds them.
+const STYLES: [MoeStyle; 3] = [MoeStyle::GptOss, MoeStyle::Qwen3Moe, MoeStyle::Mixtral];
+
+/// The model's name of `cfg`'s sparse layers (`mlp`, a Mixtral's `block_sparse_moe`).
+fn module(cfg: &LlamaConfig) -> &'static str {
+    cfg.moe.as_ref().map_or("mlp", |m| m.module())
+}
 
 /// `style` with adapters on q_proj and both expert parameters (rank 2, down_proj's 3 by
 /// `rank_pattern`, alpha 6), the factors seeded (`B ≠ 0`): (base config, adapted config, full
@@ -93,8 +100,9 @@ fn on_every_layout(style: MoeStyle) -> Result<()> {
     let experts: Vec<(&str, &[usize])> = specs.iter().filter(|s| s.is_lora() && s.is_expert()).map(|s| (s.name.as_str(), s.shape.as_slice())).collect();
     // per sparse layer: gate_up's A, gate's and up's B, down's A and B (rank 3 by the pattern)
     assert_eq!(experts.len(), 5 * cfg.moe_layers(), "{experts:?}");
-    assert!(experts.contains(&("model.layers.1.mlp.experts.gate_up_proj.lora_A.weight", &[8, 2, 128][..])), "{experts:?}");
-    assert!(experts.contains(&("model.layers.1.mlp.experts.down_proj.lora_A.weight", &[8, 3, 48][..])), "{experts:?}");
+    let m = module(&cfg);
+    assert!(experts.contains(&(format!("model.layers.1.{m}.experts.gate_up_proj.lora_A.weight").as_str(), &[8, 2, 128][..])), "{experts:?}");
+    assert!(experts.contains(&(format!("model.layers.1.{m}.experts.down_proj.lora_A.weight").as_str(), &[8, 3, 48][..])), "{experts:?}");
     let (adapters, weights) = split(&full);
     let spec = cfg.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
     let mut merged = weights.clone();
@@ -203,7 +211,7 @@ fn peft_merged(style: MoeStyle, base: &LlamaConfig, weights: &HashMap<String, Te
         out.insert(name.clone(), q_merged(l, &weights[&name])?);
     }
     for &l in &sparse {
-        let p = |w: &str| format!("model.layers.{l}.mlp.experts.{w}");
+        let p = |w: &str| format!("model.layers.{l}.{}.experts.{w}", module(base));
         // transformers 5's [E, out, in]: einsum "o r e, e r i -> e o i", the transpose of
         // peft_delta's [E, in, out]
         let gate_up = Tensor::cat(&[&weights[&p("gate_proj")], &weights[&p("up_proj")]], 1)?.to_dtype(DType::F64)?;
@@ -254,7 +262,8 @@ fn file_of(style: MoeStyle) -> Result<()> {
     println!("{style:?}: PEFT's merge of the file vs merge_adapter: {worst:.1e}");
     assert!(worst < 1e-6, "{style:?}: PEFT's merge differs by {worst}");
     // ... and the update matters at this size
-    let moved = (f64s(&pefts["model.layers.1.mlp.experts.up_proj"])? - f64s(&weights["model.layers.1.mlp.experts.up_proj"])?)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    let up = format!("model.layers.1.{}.experts.up_proj", module(&base));
+    let moved = (f64s(&pefts[&up])? - f64s(&weights[&up])?)?.abs()?.max_all()?.to_scalar::<f64>()?;
     assert!(moved > 1e-3, "{style:?}: the update moves up_proj by {moved}");
     // read back: the spec and the model's factors, bit for bit
     let (back, tensors) = load_peft_adapter(&adir)?;
@@ -281,13 +290,12 @@ fn refusals() -> Result<()> {
     assert!(e2.contains("DoRA"), "{e2}");
     let e3 = err(with(LoraSpec::on_parameters(2, 4.0, &["9.mlp.experts.down_proj"]))?);
     assert!(e3.contains("'9.mlp.experts.down_proj'") && e3.contains("matches no"), "{e3}");
-    let (mixtral, _) = moe_model(MoeStyle::Mixtral, None)?;
-    let e4 = err(mixtral.with_lora(Some(LoraSpec::on_parameters(2, 4.0, &PARAMS)?)));
-    assert!(e4.contains("block_sparse_moe"), "{e4}");
+    let (qwen, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
+    let e4 = err(qwen.clone().with_moe(None).with_lora(Some(LoraSpec::on_parameters(2, 4.0, &PARAMS)?)));
+    assert!(e4.contains("dense model"), "{e4}");
     let e5 = LoraSpec::on_parameters(2, 4.0, &["mlp.experts.gate_proj"]).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e5.contains("'mlp.experts.gate_proj'"), "{e5}");
     // Qwen3-MoE's layer 0 is dense: no expert parameter there
-    let (qwen, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
     let e6 = err(qwen.clone().with_lora(Some(LoraSpec::on_parameters(2, 4.0, &["0.mlp.experts.down_proj"])?)));
     assert!(e6.contains("'0.mlp.experts.down_proj'") && e6.contains("1 sparse layers"), "{e6}");
     // transformers 5's router is a parameter too: all-linear leaves it out beside

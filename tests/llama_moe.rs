@@ -21,7 +21,9 @@
 //! - Mixtral (no head norms, every layer sparse, a window of 40 on every layer, the top 2 of 8
 //!   renormalised, the load-balancing loss on): six layouts, DP and recomputed layers give the
 //!   reference's results; its checkpoint names (`block_sparse_moe.experts.{e}.{w1,w3,w2}`) round
-//!   trip whole and sharded.
+//!   trip whole and sharded; transformers 5's Mixtral layout (`mlp.gate.weight`,
+//!   `mlp.experts.gate_up_proj`, `mlp.experts.down_proj`) reads the same, whole, over TP 2 and
+//!   over EP 2, and is written back in the published layout, byte for byte.
 //! - Qwen2-MoE (q, k, v biases, a shared expert 64 wide behind its sigmoid gate): six layouts,
 //!   DP and recomputed layers give the reference's results; the shared expert binds; its
 //!   checkpoint round-trips whole and over TP 2.
@@ -266,8 +268,38 @@ fn mixtral_checkpoints() -> Result<()> {
     for (ckpt, p) in [("w1", "gate_proj"), ("w3", "up_proj"), ("w2", "down_proj")] {
         assert_eq!(max_abs(&names[&format!("model.layers.0.block_sparse_moe.experts.3.{ckpt}.weight")], &stacked(p)?)?, 0.0, "{ckpt}");
     }
-    assert!(std::fs::read_to_string(dir.join("config.json"))?.contains("MixtralForCausalLM"));
+    let config = std::fs::read_to_string(dir.join("config.json"))?;
+    assert!(config.contains("MixtralForCausalLM"));
     sharded_load_matches(&dir, &full, &cfg, Layout::single().with_tp(2, true))?;
+    // transformers 5's Mixtral (save_original_format=False): the sparse layer is `mlp`, its
+    // router `mlp.gate.weight`, its experts fused, w1's rows then w3's in gate_up_proj
+    let fused_dir = dir.join("fused");
+    std::fs::create_dir_all(&fused_dir)?;
+    let mut fused: HashMap<String, Tensor> = HashMap::new();
+    for (k, t) in &full {
+        let v5 = k.replace(".block_sparse_moe.", ".mlp.");
+        if let Some(p) = k.strip_suffix("block_sparse_moe.experts.gate_proj") {
+            fused.insert(format!("{p}mlp.experts.gate_up_proj"), Tensor::cat(&[t, &full[&format!("{p}block_sparse_moe.experts.up_proj")]], 1)?);
+        } else if !k.ends_with("experts.up_proj") {
+            fused.insert(v5, t.clone());
+        }
+    }
+    assert!(fused.contains_key("model.layers.1.mlp.gate.weight") && fused.contains_key("model.layers.1.mlp.experts.down_proj"));
+    assert!(!fused.keys().any(|k| k.contains("block_sparse_moe")));
+    candle_core::safetensors::save(&fused, fused_dir.join("model.safetensors"))?;
+    std::fs::write(fused_dir.join("config.json"), &config)?;
+    let got = candle_cp_llama::params::varmap_tensors(&load_hf(&fused_dir, &Device::Cpu, DType::F32)?.0)?;
+    assert_eq!(got.len(), full.len());
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "transformers 5's layout: {k}");
+    }
+    sharded_load_matches(&fused_dir, &full, &cfg, Layout::single().with_tp(2, true))?;
+    sharded_load_matches(&fused_dir, &full, &cfg, Layout::cp(CpKind::Zigzag, 2).with_ep(2))?;
+    // and written back in the published layout, the bytes of the first checkpoint
+    let again = dir.join("again");
+    let vm = load_hf(&fused_dir, &Device::Cpu, DType::F32)?.0;
+    save_hf(&again, &vm, &cfg)?;
+    assert!(std::fs::read(again.join("model.safetensors"))? == std::fs::read(dir.join("model.safetensors"))?, "transformers 5's layout written back differs");
     let _ = std::fs::remove_dir_all(&dir);
     Ok(())
 }

@@ -3,8 +3,9 @@
 //! `modules_to_save`, replacing the base's); a directory without an
 //! adapter, or whose adapter names a base that is not there, is refused (exit 2). A Mixtral's
 //! DoRA adapter (every expert's projections adapted, `block_sparse_moe.experts.{e}.w1` in the
-//! file) merges into each expert's weights. A Phi-3's merged model is written with its fused
-//! `qkv_proj` / `gate_up_proj` again.
+//! file) merges into each expert's weights, and so does a transformers 5 Mixtral's adapter on its
+//! expert parameters (`mlp.experts.gate_up_proj`, its base in transformers 5's layout too). A
+//! Phi-3's merged model is written with its fused `qkv_proj` / `gate_up_proj` again.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::lora::{save_peft_adapter, TARGETS};
@@ -197,6 +198,56 @@ fn a_gpt_oss_merges_its_expert_parameter_adapters() -> Result<()> {
     let (merged, q_only) = merged_and_other_logits(&dir, &out, |adapted, _| Ok(adapted.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj"])?))))?;
     assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
     assert!(q_only > 1e-3, "the expert adapters move the logits by only {q_only}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A Mixtral as transformers 5 writes it with `save_original_format=False` (the sparse layer
+/// `mlp`: `mlp.gate.weight`, `mlp.experts.gate_up_proj` `[E, 2·I, h]` w1's rows then w3's,
+/// `mlp.experts.down_proj`) with PEFT's adapters on those expert parameters (`target_parameters`,
+/// wrappers under `mlp.experts` in the file): the merged checkpoint, written in the published
+/// layout (`block_sparse_moe.experts.{e}.w1`), gives the adapted model's logits; the expert
+/// adapters move them.
+#[test]
+fn a_transformers_5_mixtral_merges_its_expert_parameter_adapters() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("candle-cp-merge-mixtral-v5-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let base_cfg = candle_cp_llama::LlamaConfig::tiny(64, 32, 2, 4, 2).with_moe(Some(candle_cp_llama::MoeConfig::mixtral(4, 2, 16)));
+    candle_cp_llama::save_hf(&dir, &candle_cp_llama::init_params(&base_cfg, 7, DType::F32, &Device::Cpu)?, &base_cfg)?;
+    // the published layout rewritten as transformers 5's
+    let file = dir.join("model.safetensors");
+    let published = candle_core::safetensors::load(&file, &Device::Cpu)?;
+    let mut v5 = std::collections::HashMap::new();
+    for l in 0..2 {
+        let p = format!("model.layers.{l}.block_sparse_moe.");
+        let experts = |w: &str| -> Result<Tensor> { Tensor::stack(&(0..4).map(|e| published[&format!("{p}experts.{e}.{w}.weight")].clone()).collect::<Vec<_>>(), 0) };
+        v5.insert(format!("model.layers.{l}.mlp.experts.gate_up_proj"), Tensor::cat(&[experts("w1")?, experts("w3")?], 1)?);
+        v5.insert(format!("model.layers.{l}.mlp.experts.down_proj"), experts("w2")?);
+        v5.insert(format!("model.layers.{l}.mlp.gate.weight"), published[&format!("{p}gate.weight")].clone());
+    }
+    v5.extend(published.iter().filter(|(n, _)| !n.contains("block_sparse_moe")).map(|(n, t)| (n.clone(), t.clone())));
+    candle_core::safetensors::save(&v5, &file)?;
+    let spec = LoraSpec::new(2, 4.0, &["v_proj"])?.with_target_parameters(&["mlp.experts.gate_up_proj", "mlp.experts.down_proj"])?;
+    let cfg = base_cfg.clone().with_lora(Some(spec.clone()));
+    let mut adapters = std::collections::HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+        adapters.insert(s.name.clone(), candle_cp_ops::oracle::randn(370 + i as u64, &s.shape, 0.3)?);
+    }
+    assert!(adapters.contains_key("model.layers.1.block_sparse_moe.experts.gate_up_proj.lora_A.weight"), "{:?}", adapters.keys());
+    save_peft_adapter(&dir, cfg.lora.as_ref().unwrap_or(&spec), &adapters, "tiny-mixtral-v5")?;
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(dir.join("adapter_model.safetensors"))? };
+    assert!(st.get("base_model.model.model.layers.1.mlp.experts.base_layer.lora_A.weight").is_ok(), "transformers 5's names in the adapter file");
+    let out = dir.join("merged");
+    let o = candle_cp(&["merge-lora", "--checkpoint", dir.to_str().unwrap_or(""), "--out", out.to_str().unwrap_or("")]);
+    let text = String::from_utf8_lossy(&o.stdout).to_string();
+    assert_eq!(o.status.code(), Some(0), "{text}{}", String::from_utf8_lossy(&o.stderr));
+    // 2 layers: v and the experts' gate, up, down
+    assert!(text.contains("merged 8 weights") && text.contains("mlp.experts.gate_up_proj"), "{text}");
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(out.join("model.safetensors"))? };
+    assert!(st.get("model.layers.1.block_sparse_moe.experts.3.w3.weight").is_ok(), "the published layout in the merged checkpoint");
+    let (merged, v_only) = merged_and_other_logits(&dir, &out, |adapted, _| Ok(adapted.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["v_proj"])?))))?;
+    assert!(merged < 1e-5, "merged logits differ from the adapted model's by {merged}");
+    assert!(v_only > 1e-3, "the expert adapters move the logits by only {v_only}");
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }

@@ -1,8 +1,10 @@
 //! LoRA on experts held as parameters, as PEFT adapts them: gpt-oss's experts are parameters,
 //! not linear modules (`mlp.experts.gate_up_proj` `[E, h, 2·I]`, gate and up columns
-//! interleaved; `mlp.experts.down_proj` `[E, I, h]`), and so are transformers 5's Qwen3-MoE's
-//! and Qwen2-MoE's (`gate_up_proj` `[E, 2·I, h]`, gate's rows then up's; `down_proj` `[E, h, I]`:
-//! [`crate::lora::GateUp`]), so PEFT targets them by parameter name
+//! interleaved; `mlp.experts.down_proj` `[E, I, h]`), and so are transformers 5's Qwen3-MoE's,
+//! Qwen2-MoE's and Mixtral's (`gate_up_proj` `[E, 2·I, h]`, gate's rows then up's; `down_proj`
+//! `[E, h, I]`: [`crate::lora::GateUp`]; transformers 5 names a Mixtral's sparse layer `mlp`, the
+//! model here `block_sparse_moe`: [`peft_param`] at the file's boundary and for the keys), so
+//! PEFT targets them by parameter name
 //! (`target_parameters`, e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`, or
 //! `"7.mlp.experts.down_proj"` for one layer) and wraps each in a `ParamWrapper` whose factors
 //! hold every expert at once:
@@ -35,14 +37,30 @@ use std::collections::HashMap;
 
 /// The fused parameter of an expert projection stem and its part: `….mlp.experts.gate_proj`
 /// → (`….mlp.experts.gate_up_proj`, 0), `up_proj` → 1, `….mlp.experts.down_proj` → itself, 0;
-/// `None` for another stem.
+/// a Mixtral's `….block_sparse_moe.experts.*` alike, under its own module (the model's name:
+/// [`peft_param`] gives transformers 5's); `None` for another stem.
 pub(crate) fn param_of(stem: &str) -> Option<(String, usize)> {
-    for (proj, part) in [("gate_proj", 0), ("up_proj", 1)] {
-        if let Some(prefix) = stem.strip_suffix(&format!("mlp.experts.{proj}")) {
-            return Some((format!("{prefix}mlp.experts.gate_up_proj"), part));
+    for module in ["mlp", "block_sparse_moe"] {
+        for (proj, part) in [("gate_proj", 0), ("up_proj", 1)] {
+            if let Some(prefix) = stem.strip_suffix(&format!("{module}.experts.{proj}")) {
+                return Some((format!("{prefix}{module}.experts.gate_up_proj"), part));
+            }
+        }
+        if stem.ends_with(&format!("{module}.experts.down_proj")) {
+            return Some((stem.to_string(), 0));
         }
     }
-    stem.ends_with("mlp.experts.down_proj").then(|| (stem.to_string(), 0))
+    None
+}
+
+/// An expert parameter's name as transformers 5 and PEFT name it: a Mixtral's sparse layer is
+/// `mlp` there (`….block_sparse_moe.experts.gate_up_proj` → `….mlp.experts.gate_up_proj`);
+/// other names as they are.
+pub(crate) fn peft_param(name: &str) -> String {
+    match name.split_once(".block_sparse_moe.experts.") {
+        Some((layer, rest)) => format!("{layer}.mlp.experts.{rest}"),
+        None => name.to_string(),
+    }
 }
 
 /// Whether PEFT's `target_parameters` key `key` names parameter `name` (its whole name, or its
@@ -61,9 +79,9 @@ pub(crate) fn check_key(key: &str) -> Result<()> {
 
 /// Errors for LoRA on expert parameters (PEFT's `target_parameters`,
 /// [`crate::expert_params`]) where PEFT refuses them or this model does not hold them: with
-/// dropout or DoRA (PEFT's parameter wrappers take neither), on a model without experts under
-/// `mlp.experts` (a dense model; Mixtral, whose experts are `block_sparse_moe` modules here), or
-/// keys that name no parameter of this model's sparse layers (PEFT: "no parameter was matched").
+/// dropout or DoRA (PEFT's parameter wrappers take neither), on a dense model, or keys that
+/// name no parameter of this model's sparse layers (PEFT: "no parameter was matched"; a
+/// Mixtral's under transformers 5's names, `mlp.experts.*`).
 ///
 /// On gpt-oss, target modules `gate_proj`, `up_proj`, `down_proj` adapt nothing (PEFT's
 /// `all-linear` names every projection, and gpt-oss's experts are not linear modules): a list
@@ -86,8 +104,8 @@ pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
     }
     let Some(l) = cfg.lora.as_ref().filter(|l| !l.target_parameters.is_empty()) else { return Ok(()) };
     let keys = l.target_parameters.join(", ");
-    if cfg.moe.as_ref().is_none_or(|m| m.module() != "mlp") {
-        bail!("LlamaConfig: LoRA target_parameters [{keys}] on a model without experts under mlp.experts (a Mixtral's are block_sparse_moe modules here: adapt them with target_modules w1, w3, w2)")
+    if cfg.moe.is_none() {
+        bail!("LlamaConfig: LoRA target_parameters [{keys}] on a dense model (they name a mixture's experts, mlp.experts.gate_up_proj / down_proj)")
     }
     if l.dropout > 0.0 {
         bail!("LlamaConfig: LoRA target_parameters [{keys}] with lora_dropout {}: PEFT takes no dropout on parameters (it cannot be factored out of the weight)", l.dropout)
@@ -116,6 +134,9 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>, layout: GateUp) -> Resul
     // the experts modules' prefixes (`….mlp.`) whose parameters are adapted
     let (mut gate_up, mut down) = (HashMap::new(), HashMap::new());
     for (name, t) in tensors {
+        // (a Mixtral's under transformers 5's names: `….mlp.experts.*`)
+        let v5 = ["gate_up_proj.lora_A", "gate_proj.lora_B", "up_proj.lora_B", "down_proj.lora_A", "down_proj.lora_B"].iter().any(|f| name.ends_with(&format!(".block_sparse_moe.experts.{f}.weight")));
+        let name = if v5 { peft_param(&name) } else { name };
         if let Some(p) = name.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
             gate_up.entry(p.to_string()).or_insert([None, None, None])[0] = Some(t);
         } else if let Some(p) = name.strip_suffix("mlp.experts.gate_proj.lora_B.weight") {
@@ -170,8 +191,9 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>, layout: GateUp) -> Resul
 /// (the reverse of [`to_peft`]); other tensors pass as they are. `experts`, `hidden`, `inter`:
 /// the model's `E`, `h`, `I`; `E` splits `r·E`, and the shapes say which wrapper is which
 /// (`gate_up_proj`: in `h`, out `2·I`; `down_proj`: in `I`, out `h`; never both). Errors name a
-/// wrapper whose factors are neither. `layout`: how gate_up_proj's `B` joins gate's and up's.
-pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden: usize, inter: usize, layout: GateUp) -> Result<HashMap<String, Tensor>> {
+/// wrapper whose factors are neither. `layout`: how gate_up_proj's `B` joins gate's and up's;
+/// `module`: the model's name of the sparse layer (`mlp`, a Mixtral's `block_sparse_moe`).
+pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden: usize, inter: usize, layout: GateUp, module: &str) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
     // experts module prefix (`….mlp.`) → (nesting depth → (A, B))
     let mut mods: HashMap<String, HashMap<usize, [Option<Tensor>; 2]>> = HashMap::new();
@@ -211,7 +233,7 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
             if !gate_up && (i, o) != (inter, hidden) {
                 bail!("LoRA adapter: {p}mlp.experts: lora_A {:?} / lora_B {:?} are neither gate_up_proj's ([r·E, {hidden}] / [{}, r·E]) nor down_proj's ([r·E, {inter}] / [{hidden}, r·E])", [r * experts, i], [o, r * experts], 2 * inter)
             }
-            let a_name = format!("{p}mlp.experts.{}.lora_A.weight", if gate_up { "gate_up_proj" } else { "down_proj" });
+            let a_name = format!("{p}{module}.experts.{}.lora_A.weight", if gate_up { "gate_up_proj" } else { "down_proj" });
             if out.contains_key(&a_name) {
                 bail!("LoRA adapter: {p}mlp.experts wraps {a_name} twice")
             }
@@ -224,11 +246,11 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
                     }
                     GateUp::Concatenated => (b.narrow(1, 0, inter)?, b.narrow(1, inter, inter)?),
                 };
-                out.insert(format!("{p}mlp.experts.gate_proj.lora_B.weight"), gate.contiguous()?);
-                out.insert(format!("{p}mlp.experts.up_proj.lora_B.weight"), up.contiguous()?);
+                out.insert(format!("{p}{module}.experts.gate_proj.lora_B.weight"), gate.contiguous()?);
+                out.insert(format!("{p}{module}.experts.up_proj.lora_B.weight"), up.contiguous()?);
             } else {
                 out.insert(a_name, a);
-                out.insert(format!("{p}mlp.experts.down_proj.lora_B.weight"), b);
+                out.insert(format!("{p}{module}.experts.down_proj.lora_B.weight"), b);
             }
         }
     }
@@ -241,10 +263,10 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
 pub(crate) fn untie(adapters: &HashMap<String, Tensor>) -> HashMap<String, Tensor> {
     let mut out = HashMap::new();
     for (n, t) in adapters {
-        match n.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
+        match n.strip_suffix("experts.gate_up_proj.lora_A.weight") {
             Some(p) => {
                 for part in ["gate_proj", "up_proj"] {
-                    out.insert(format!("{p}mlp.experts.{part}.lora_A.weight"), t.clone());
+                    out.insert(format!("{p}experts.{part}.lora_A.weight"), t.clone());
                 }
             }
             None => {

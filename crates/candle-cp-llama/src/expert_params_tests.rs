@@ -94,23 +94,23 @@ fn wrappers_in(layout: GateUp) -> Result<()> {
         }
         Ok(())
     };
-    same(&from_peft(file.clone(), e, h, i, layout)?)?;
+    same(&from_peft(file.clone(), e, h, i, layout, "mlp")?)?;
     let swapped: HashMap<String, Tensor> = file.iter().map(|(n, t)| (n.replace("experts.base_layer.", "experts.X.").replace("experts.lora", "experts.base_layer.lora").replace("experts.X.", "experts."), t.clone())).collect();
     assert!(swapped.contains_key(&format!("{p}mlp.experts.base_layer.lora_B.weight")));
-    same(&from_peft(swapped, e, h, i, layout)?)?;
+    same(&from_peft(swapped, e, h, i, layout, "mlp")?)?;
     // one wrapper alone (gate_up_proj, not nested)
     let alone: HashMap<String, Tensor> = model.iter().filter(|(n, _)| !n.contains("down_proj")).map(|(n, t)| (n.clone(), t.clone())).collect();
     let file1 = to_peft(alone.clone(), layout)?;
     assert!(file1.contains_key(&format!("{p}mlp.experts.lora_A.weight")) && !file1.keys().any(|n| n.contains("base_layer")));
-    assert_eq!(from_peft(file1.clone(), e, h, i, layout)?.len(), alone.len());
+    assert_eq!(from_peft(file1.clone(), e, h, i, layout, "mlp")?.len(), alone.len());
     // refusals: another expert count, a wrapper of neither shape, A without B
     let err = |r: Result<HashMap<String, Tensor>>| r.err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(err(from_peft(file1.clone(), 4, h, i, layout)).contains("E = 4"));
-    let e1 = err(from_peft(file1.clone(), e, h + 1, i, layout));
+    assert!(err(from_peft(file1.clone(), 4, h, i, layout, "mlp")).contains("E = 4"));
+    let e1 = err(from_peft(file1.clone(), e, h + 1, i, layout, "mlp"));
     assert!(e1.contains("neither gate_up_proj's"), "{e1}");
     let mut half = file1;
     half.remove(&format!("{p}mlp.experts.lora_B.weight"));
-    assert!(err(from_peft(half, e, h, i, layout)).contains("without lora_B"));
+    assert!(err(from_peft(half, e, h, i, layout, "mlp")).contains("without lora_B"));
     let mut broken = model.clone();
     broken.remove(&format!("{p}mlp.experts.up_proj.lora_B.weight"));
     assert!(err(to_peft(broken, layout)).contains("no up B"));
@@ -128,5 +128,45 @@ fn keys_and_parameters() -> Result<()> {
     assert_eq!(param_of("model.layers.0.mlp.experts.up_proj"), Some(("model.layers.0.mlp.experts.gate_up_proj".into(), 1)));
     assert_eq!(param_of("model.layers.0.mlp.experts.down_proj"), Some(("model.layers.0.mlp.experts.down_proj".into(), 0)));
     assert_eq!(param_of("model.layers.0.mlp.down_proj"), None);
+    // a Mixtral's, under its module here and transformers 5's `mlp` in PEFT's names
+    assert_eq!(param_of("model.layers.2.block_sparse_moe.experts.gate_proj"), Some(("model.layers.2.block_sparse_moe.experts.gate_up_proj".into(), 0)));
+    assert_eq!(param_of("model.layers.2.block_sparse_moe.experts.down_proj"), Some(("model.layers.2.block_sparse_moe.experts.down_proj".into(), 0)));
+    assert_eq!(param_of("model.layers.2.block_sparse_moe.gate"), None);
+    assert_eq!(peft_param("model.layers.2.block_sparse_moe.experts.gate_up_proj"), "model.layers.2.mlp.experts.gate_up_proj");
+    assert_eq!(peft_param("model.layers.2.mlp.experts.down_proj"), "model.layers.2.mlp.experts.down_proj");
+    Ok(())
+}
+
+/// A Mixtral's expert factors (`block_sparse_moe` here) go to the file under transformers 5's
+/// names (`….mlp.experts[.base_layer].lora_*`: PEFT adapts its `mlp.experts` parameters) and
+/// come back under the model's, bit for bit; its other adapters keep their names.
+#[test]
+fn mixtral_wrappers_take_transformers_5_names() -> Result<()> {
+    let (e, r, h, i) = (4, 2, 6, 3);
+    let p = "model.layers.0.";
+    let model: HashMap<String, Tensor> = [
+        ("block_sparse_moe.experts.gate_up_proj.lora_A.weight", t(&[e, r, h], 0.3)?),
+        ("block_sparse_moe.experts.gate_proj.lora_B.weight", t(&[e, i, r], 1.1)?),
+        ("block_sparse_moe.experts.up_proj.lora_B.weight", t(&[e, i, r], 2.3)?),
+        ("block_sparse_moe.experts.down_proj.lora_A.weight", t(&[e, r, i], 3.7)?),
+        ("block_sparse_moe.experts.down_proj.lora_B.weight", t(&[e, h, r], 4.9)?),
+        ("self_attn.v_proj.lora_B.weight", t(&[h, r], 5.3)?),
+    ]
+    .into_iter()
+    .map(|(n, t)| (format!("{p}{n}"), t))
+    .collect();
+    let file = to_peft(model.clone(), GateUp::Concatenated)?;
+    let mut names: Vec<String> = file.keys().map(|n| n.trim_start_matches(p).to_string()).collect();
+    names.sort();
+    assert_eq!(names, ["mlp.experts.base_layer.lora_A.weight", "mlp.experts.base_layer.lora_B.weight", "mlp.experts.lora_A.weight", "mlp.experts.lora_B.weight", "self_attn.v_proj.lora_B.weight"]);
+    let back = from_peft(file.clone(), e, h, i, GateUp::Concatenated, "block_sparse_moe")?;
+    assert_eq!(back.len(), model.len());
+    for (n, t) in &model {
+        let g = back.get(n).ok_or_else(|| candle_core::Error::Msg(format!("{n} not read back")))?;
+        assert_eq!((g - t)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "{n}");
+    }
+    // and read for a Qwen-style model, the same factors under `mlp`
+    let qwen = from_peft(file, e, h, i, GateUp::Concatenated, "mlp")?;
+    assert!(qwen.contains_key(&format!("{p}mlp.experts.gate_up_proj.lora_A.weight")) && !qwen.keys().any(|n| n.contains("block_sparse_moe")));
     Ok(())
 }

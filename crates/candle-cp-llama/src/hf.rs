@@ -251,8 +251,9 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
     let names = st.tensors();
     let prefix = TextPrefix::detect(&cfg, names.iter().map(|(n, _)| n.as_str()));
     refuse_unused(dir, &cfg, prefix, names.iter().map(|(n, _)| n.as_str()))?;
-    // (a Phi-3's fused tensor is read once for its parts, which follow each other; a
-    // gpt-oss's gate_up_proj, dequantized if MXFP4, once for its gate and up: `whole`)
+    // (a Phi-3's fused tensor is read once for its parts, which follow each other, and so is
+    // transformers 5's experts' gate_up_proj; a gpt-oss's gate_up_proj, dequantized if MXFP4,
+    // once for its gate and up: `whole`)
     let mut last: Option<(String, Tensor)> = None;
     let mut whole = None;
     let vm = crate::params::sharded_params(&cfg, ctx, dtype, device, |spec| {
@@ -264,7 +265,8 @@ pub fn load_hf_sharded(dir: impl AsRef<Path>, ctx: &ParallelCtx, device: &Device
                 Err(_) => return Ok(None),
                 Ok(_) => st.load(name, &Device::Cpu)?,
             };
-            last = fused_parts(name.strip_suffix(".weight").unwrap_or(name)).filter(|_| cfg.phi3).map(|_| (name.to_string(), t.clone()));
+            let parts = fused_parts(name.strip_suffix(".weight").unwrap_or(name)).is_some() && cfg.phi3;
+            last = (parts || name.ends_with("mlp.experts.gate_up_proj")).then(|| (name.to_string(), t.clone()));
             Ok(Some(t))
         })
     })?;

@@ -71,13 +71,13 @@ pub struct LoraSpec {
     /// q, k, v adapted as the parts of `qkv_proj` — one `A` shared, `B` and DoRA's magnitude
     /// split by rows —, gate and up as those of `gate_up_proj` (see [`crate::config::phi3`]).
     pub fused: bool,
-    /// PEFT's `target_parameters`: keys naming gpt-oss's expert parameters
+    /// PEFT's `target_parameters`: keys naming expert parameters as transformers names them
     /// (`mlp.experts.gate_up_proj`, `mlp.experts.down_proj`, or one layer's, `7.mlp.experts.down_proj`),
     /// sorted; see [`crate::expert_params`].
     pub target_parameters: Vec<String>,
     /// The experts are parameters, their fused `gate_up_proj` in this layout (set by
-    /// [`crate::LlamaConfig::with_lora`]: gpt-oss's always, interleaved; a Qwen3-MoE's or
-    /// Qwen2-MoE's when [`LoraSpec::target_parameters`] are given, as transformers 5 holds
+    /// [`crate::LlamaConfig::with_lora`]: gpt-oss's always, interleaved; a Qwen3-MoE's,
+    /// Qwen2-MoE's or Mixtral's when [`LoraSpec::target_parameters`] are given, as transformers 5 holds
     /// them): only target_parameters adapt them, `target_modules` do not (as in PEFT, where
     /// they are not linear modules). `None`: the experts are modules (transformers 4's
     /// `mlp.experts.{e}.gate_proj`), adapted by `target_modules`.
@@ -461,7 +461,7 @@ pub(crate) fn insert_loaded_adapter(
 /// name wrappers whose factors are not gpt-oss's.
 pub fn model_adapters(cfg: &crate::LlamaConfig, tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
     match (&cfg.moe, cfg.lora.as_ref().and_then(|l| l.expert_params)) {
-        (Some(m), Some(layout)) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size, layout),
+        (Some(m), Some(layout)) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size, layout, m.module()),
         _ => Ok(tensors),
     }
 }

@@ -59,7 +59,7 @@ impl LoraSpec {
     /// and gate, up projections as their fused module ([`LoraSpec::fused`]).
     pub(crate) fn module_name(&self, stem: &str) -> String {
         if let Some((param, _)) = self.expert_param(stem) {
-            return param;
+            return crate::expert_params::peft_param(&param);
         }
         self.fused_module(stem).unwrap_or_else(|| peft_name(stem))
     }
@@ -154,11 +154,12 @@ impl LoraSpec {
         // gpt-oss's experts: by target_parameters alone, on every layer (PEFT's; not by
         // target_modules, layers_to_transform or a target regex)
         if let Some((param, _)) = self.expert_param(stem) {
+            let param = crate::expert_params::peft_param(&param);
             return self.target_parameters.iter().any(|k| crate::expert_params::key_matches(k, &param));
         }
         // (with its experts as parameters — transformers 5's layout — a router is a parameter
         // too, `Qwen3MoeTopKRouter`, not a linear module: no target adapts it)
-        if self.expert_params.is_some() && stem.ends_with(".mlp.gate") {
+        if self.expert_params.is_some() && (stem.ends_with(".mlp.gate") || stem.ends_with(".block_sparse_moe.gate")) {
             return false;
         }
         let name = self.module_name(stem);

@@ -317,15 +317,24 @@ pub fn checkpoint_tensors(spec: &ParamSpec) -> Vec<(String, Option<usize>)> {
 /// The name and the rows `(start, len)` along dim 1 of a stacked expert parameter in
 /// transformers 5's fused layout (`mlp.experts.gate_up_proj` `[E, 2·Ie, h]`, gate then up;
 /// `mlp.experts.down_proj` `[E, h, Ie]` whole: `None`), or `None` for another parameter.
+/// transformers 5 names a Mixtral's sparse layer `mlp` too: its `block_sparse_moe.experts.*`
+/// are read from `mlp.experts.*` and its router `block_sparse_moe.gate.weight` from
+/// `mlp.gate.weight` (whole), where a checkpoint holds those names (`save_pretrained` with
+/// `save_original_format=False`, and models released in that layout).
 pub fn fused_checkpoint_tensor(spec: &ParamSpec) -> Option<(String, Option<(usize, usize)>)> {
     let ie = spec.shape.get(1).copied().unwrap_or(0);
-    if let Some(prefix) = spec.name.strip_suffix("mlp.experts.gate_proj") {
-        return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((0, ie))));
+    for module in ["mlp", "block_sparse_moe"] {
+        if let Some(prefix) = spec.name.strip_suffix(&format!("{module}.experts.gate_proj")) {
+            return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((0, ie))));
+        }
+        if let Some(prefix) = spec.name.strip_suffix(&format!("{module}.experts.up_proj")) {
+            return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((ie, ie))));
+        }
+        if let Some(prefix) = spec.name.strip_suffix(&format!("{module}.experts.down_proj")) {
+            return Some((format!("{prefix}mlp.experts.down_proj"), None));
+        }
     }
-    if let Some(prefix) = spec.name.strip_suffix("mlp.experts.up_proj") {
-        return Some((format!("{prefix}mlp.experts.gate_up_proj"), Some((ie, ie))));
-    }
-    spec.name.ends_with("mlp.experts.down_proj").then(|| (spec.name.clone(), None))
+    spec.name.strip_suffix("block_sparse_moe.gate.weight").map(|prefix| (format!("{prefix}mlp.gate.weight"), None))
 }
 
 /// The forward-order group of parameter `name` of a model with `layers` decoder layers, for
