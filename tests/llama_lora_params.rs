@@ -16,7 +16,9 @@
 //!   fused parameters by PEFT's einsum (`"o r e, e r i -> e i o"` for gpt-oss's, `"… -> e o i"`
 //!   for transformers 5's; written here element by element), give the weights `merge_adapter`
 //!   gives (gpt-oss's through its checkpoint file, read back); the file reads back as the
-//!   model's factors bit for bit and the same spec.
+//!   model's factors bit for bit and the same spec; so does the same update with its factors in
+//!   PEFT 0.18's order (`lora_A` `[r·E, out]`, `lora_B` `[in, r·E]`), whose merge by PEFT 0.18's
+//!   formula (`"… -> e i o"` on the parameter as it is) gives the same weights.
 //! - An adapter configured as PEFT's gpt-oss recipes write them (`target_modules:
 //!   "all-linear"`, `target_parameters` on one layer's experts) reads: the attention adapted on
 //!   every layer, the experts of that layer only.
@@ -171,7 +173,9 @@ fn peft_delta(a: &Tensor, b: &Tensor, e: usize, s: f64) -> Result<Tensor> {
 /// model's names), back in the model's names: q_proj's `W + s·B·A`; the expert parameters'
 /// `+ ΔW` (PEFT's einsum) on the fused tensors — gpt-oss's in its checkpoint file (written,
 /// merged there, read back), transformers 5's `[E, 2·I, h]` / `[E, h, I]` joined here.
-fn peft_merged(style: MoeStyle, base: &LlamaConfig, weights: &HashMap<String, Tensor>, adir: &std::path::Path, root: &std::path::Path) -> Result<HashMap<String, Tensor>> {
+/// `old`: the file holds PEFT 0.18's order (transformers 5's models only: the parameter
+/// `[E, d1, d2]` read as `[E, in, out]`, its update `"… -> e i o"` on the parameter as it is).
+fn peft_merged(style: MoeStyle, base: &LlamaConfig, weights: &HashMap<String, Tensor>, adir: &std::path::Path, root: &std::path::Path, old: bool) -> Result<HashMap<String, Tensor>> {
     let file = candle_core::safetensors::load(adir.join("adapter_model.safetensors"), &Device::Cpu)?;
     let f = |l: usize, w: &str| file.get(&format!("base_model.model.model.layers.{l}.mlp.experts.{w}.weight")).cloned().ok_or_else(|| candle_core::Error::Msg(format!("the file has no layer {l} {w}")));
     let (e, scale_gu, scale_d, layers) = (8, 6.0 / 2.0, 6.0 / 3.0, base.num_hidden_layers);
@@ -213,13 +217,17 @@ fn peft_merged(style: MoeStyle, base: &LlamaConfig, weights: &HashMap<String, Te
     for &l in &sparse {
         let p = |w: &str| format!("model.layers.{l}.{}.experts.{w}", module(base));
         // transformers 5's [E, out, in]: einsum "o r e, e r i -> e o i", the transpose of
-        // peft_delta's [E, in, out]
+        // peft_delta's [E, in, out] (PEFT 0.18: "… -> e i o" on [E, d1, d2] as it is)
+        let delta = |a: &str, b: &str, s: f64| -> Result<Tensor> {
+            let d = peft_delta(&f(l, a)?, &f(l, b)?, e, s)?;
+            if old { Ok(d) } else { d.transpose(1, 2) }
+        };
         let gate_up = Tensor::cat(&[&weights[&p("gate_proj")], &weights[&p("up_proj")]], 1)?.to_dtype(DType::F64)?;
-        let gate_up = (gate_up + peft_delta(&f(l, "base_layer.lora_A")?, &f(l, "base_layer.lora_B")?, e, scale_gu)?.transpose(1, 2)?)?.to_dtype(DType::F32)?;
+        let gate_up = (gate_up + delta("base_layer.lora_A", "base_layer.lora_B", scale_gu)?)?.to_dtype(DType::F32)?;
         let i = gate_up.dim(1)? / 2;
         out.insert(p("gate_proj"), gate_up.narrow(1, 0, i)?.contiguous()?);
         out.insert(p("up_proj"), gate_up.narrow(1, i, i)?.contiguous()?);
-        let down = (weights[&p("down_proj")].to_dtype(DType::F64)? + peft_delta(&f(l, "lora_A")?, &f(l, "lora_B")?, e, scale_d)?.transpose(1, 2)?)?;
+        let down = (weights[&p("down_proj")].to_dtype(DType::F64)? + delta("lora_A", "lora_B", scale_d)?)?;
         out.insert(p("down_proj"), down.to_dtype(DType::F32)?);
     }
     Ok(out)
@@ -243,11 +251,11 @@ fn file_of(style: MoeStyle) -> Result<()> {
     let adir = root.join("adapter");
     save_peft_adapter(&adir, &spec, &adapters, "base")?;
     let text = std::fs::read_to_string(adir.join("adapter_config.json")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let mut json: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     assert_eq!(json["target_parameters"], serde_json::json!(["mlp.experts.down_proj", "mlp.experts.gate_up_proj"]));
     assert_eq!(json["target_modules"], serde_json::json!(["q_proj"]));
     assert_eq!(json["lora_dropout"], serde_json::json!(0.0));
-    let pefts = peft_merged(style, &base, &weights, &adir, &root)?;
+    let pefts = peft_merged(style, &base, &weights, &adir, &root, false)?;
     let mut merged = weights.clone();
     merge_adapter(&mut merged, &spec, &adapters)?;
     let mut worst = 0f64;
@@ -275,8 +283,65 @@ fn file_of(style: MoeStyle) -> Result<()> {
     for (n, t) in &adapters {
         assert_eq!((&tensors[n] - t)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "{n}");
     }
+    // the same update in PEFT 0.18's order of the factors (gpt-oss: PEFT 0.19.0's) reads as the
+    // same factors; on transformers 5's models PEFT 0.18's own merge of it gives merge_adapter's
+    let odir = root.join("peft-0.18");
+    std::fs::create_dir_all(&odir).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let file = candle_core::safetensors::load(adir.join("adapter_model.safetensors"), &Device::Cpu)?;
+    candle_core::safetensors::save(&peft_018(&file, 8)?, odir.join("adapter_model.safetensors"))?;
+    json["peft_version"] = serde_json::json!("0.18.1");
+    std::fs::write(odir.join("adapter_config.json"), json.to_string()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let (_, old) = load_peft_adapter(&odir)?;
+    let old = model_adapters(&cfg, old)?;
+    assert_eq!(old.len(), adapters.len());
+    for (n, t) in &adapters {
+        assert_eq!((&old[n] - t)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "PEFT 0.18's order: {n}");
+    }
+    if style != MoeStyle::GptOss {
+        let pefts = peft_merged(style, &base, &weights, &odir, &root, true)?;
+        let worst = merged.iter().map(|(n, t)| Ok((f64s(&pefts[n])? - f64s(t)?)?.abs()?.max_all()?.to_scalar::<f64>()?)).collect::<Result<Vec<f64>>>()?.into_iter().fold(0f64, f64::max);
+        println!("{style:?}: PEFT 0.18's merge of its file vs merge_adapter: {worst:.1e}");
+        assert!(worst < 1e-6, "{style:?}: PEFT 0.18's merge differs by {worst}");
+    }
     std::fs::remove_dir_all(&root).ok();
     Ok(())
+}
+
+/// `file`'s expert wrappers (`lora_A` `[r·E, in]`, `lora_B` `[out, r·E]`) as PEFT 0.18 writes
+/// the same update on transformers 5's models (`[r·E, out]`, `[in, r·E]`):
+/// `A'[e·r + j][o] = B[o][j·E + e]`, `B'[i][j·E + e] = A[e·r + j][i]`, element by element; other
+/// tensors as they are.
+fn peft_018(file: &HashMap<String, Tensor>, e: usize) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (n, t) in file {
+        let wrapper = |f: &str| n.ends_with(&format!("experts.{f}.weight")) || n.ends_with(&format!("experts.base_layer.{f}.weight"));
+        if wrapper("lora_B") {
+            continue;
+        }
+        let Some(stem) = n.strip_suffix(".lora_A.weight").filter(|_| wrapper("lora_A")) else {
+            out.insert(n.clone(), t.clone());
+            continue;
+        };
+        let a = t.to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let b = file[&format!("{stem}.lora_B.weight")].to_dtype(DType::F32)?.to_vec2::<f32>()?;
+        let (re, i, o) = (a.len(), a[0].len(), b.len());
+        let r = re / e;
+        let mut a2 = vec![0f32; re * o];
+        let mut b2 = vec![0f32; i * re];
+        for ex in 0..e {
+            for j in 0..r {
+                for (oo, row) in b.iter().enumerate() {
+                    a2[(ex * r + j) * o + oo] = row[j * e + ex];
+                }
+                for ii in 0..i {
+                    b2[ii * re + j * e + ex] = a[ex * r + j][ii];
+                }
+            }
+        }
+        out.insert(format!("{stem}.lora_A.weight"), Tensor::from_vec(a2, (re, o), &Device::Cpu)?);
+        out.insert(format!("{stem}.lora_B.weight"), Tensor::from_vec(b2, (i, re), &Device::Cpu)?);
+    }
+    Ok(out)
 }
 
 /// Misuse refused by name.

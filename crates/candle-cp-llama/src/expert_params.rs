@@ -24,6 +24,15 @@
 //! fused one, or its halves). `to_peft` and `from_peft` convert at the file's boundary
 //! ([`crate::lora::save_peft_adapter`], [`crate::lora::model_adapters`]).
 //!
+//! PEFT before 0.19.1 (and 0.19.0 on gpt-oss) read a parameter `[E, d1, d2]` as `[E, in, out]`
+//! whichever way the model holds it, so a transformers 5 adapter written by PEFT 0.18 has its
+//! factors the other way round: `lora_A` `[r·E, out]`, `lora_B` `[in, r·E]`, `ΔW_e = s·(B_e·A_e)ᵀ`
+//! (transformers' own patch of PEFT wrote the current layout with those versions too). Reading,
+//! the shapes tell the two apart and a swapped file becomes the model's factors (`B_e = A_eᵀ`,
+//! `A_e = B_eᵀ`: the same update); where a parameter's input and output widths are equal
+//! (`h = 2·I` for gate_up_proj, `h = I` for down_proj) they cannot, and the file is read as PEFT
+//! ≥ 0.19.1 writes it. Writing, the layout is PEFT ≥ 0.19.1's.
+//!
 //! In the file, the two wrappers on one `experts` module nest: PEFT wraps the parameters in
 //! the order the module registers them (`gate_up_proj` before `down_proj`, in both models), so `down_proj`'s
 //! factors are `….mlp.experts.lora_{A,B}.weight` and `gate_up_proj`'s
@@ -229,10 +238,17 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
             let a = a.reshape((experts, r, i))?;
             // [out, r·E] → [out, r, E] → [E, out, r]
             let b = b.reshape((o, r, experts))?.permute((2, 0, 1))?.contiguous()?;
-            let gate_up = (i, o) == (hidden, 2 * inter);
-            if !gate_up && (i, o) != (inter, hidden) {
-                bail!("LoRA adapter: {p}mlp.experts: lora_A {:?} / lora_B {:?} are neither gate_up_proj's ([r·E, {hidden}] / [{}, r·E]) nor down_proj's ([r·E, {inter}] / [{hidden}, r·E])", [r * experts, i], [o, r * experts], 2 * inter)
-            }
+            // (in, out) as PEFT ≥ 0.19.1 writes them, or swapped (see the module doc)
+            let (gate_up, down) = ((hidden, 2 * inter), (inter, hidden));
+            let swapped = |(x, y): (usize, usize)| (y, x);
+            let (a, b, gate_up) = if (i, o) == gate_up || (i, o) == down {
+                (a, b, (i, o) == gate_up)
+            } else if (i, o) == swapped(gate_up) || (i, o) == swapped(down) {
+                // ΔW_e = (B_e·A_e)ᵀ = A_eᵀ·B_eᵀ: A_eᵀ is the model's B_e, B_eᵀ its A_e
+                (b.transpose(1, 2)?.contiguous()?, a.transpose(1, 2)?.contiguous()?, (i, o) == swapped(gate_up))
+            } else {
+                bail!("LoRA adapter: {p}mlp.experts: lora_A {:?} / lora_B {:?} are neither gate_up_proj's ([r·E, {hidden}] / [{}, r·E], or PEFT 0.18's [r·E, {}] / [{hidden}, r·E]) nor down_proj's ([r·E, {inter}] / [{hidden}, r·E], or [r·E, {hidden}] / [{inter}, r·E])", [r * experts, i], [o, r * experts], 2 * inter, 2 * inter)
+            };
             let a_name = format!("{p}{module}.experts.{}.lora_A.weight", if gate_up { "gate_up_proj" } else { "down_proj" });
             if out.contains_key(&a_name) {
                 bail!("LoRA adapter: {p}mlp.experts wraps {a_name} twice")

@@ -21,13 +21,36 @@ fn peft_delta(a: &Tensor, b: &Tensor, e: usize, scale: f64) -> Result<Vec<Vec<Ve
     Ok((0..e).map(|ex| (0..i).map(|ii| (0..o).map(|oo| scale * (0..r).map(|j| b[oo][j * e + ex] * a[ex * r + j][ii]).sum::<f64>()).collect()).collect()).collect())
 }
 
+/// `file`'s wrappers (`lora_A` `[r·E, in]`, `lora_B` `[out, r·E]`) as PEFT 0.18 writes the same
+/// update: `A'[e·r + j][o] = B[o][j·E + e]`, `B'[i][j·E + e] = A[e·r + j][i]`, element by element.
+fn peft_018(file: &HashMap<String, Tensor>, e: usize) -> Result<HashMap<String, Tensor>> {
+    let mut out = HashMap::new();
+    for (n, t) in file {
+        let Some(stem) = n.strip_suffix(".lora_A.weight").filter(|s| s.ends_with("experts") || s.ends_with("base_layer")) else {
+            if !n.ends_with("experts.lora_B.weight") && !n.ends_with("base_layer.lora_B.weight") {
+                out.insert(n.clone(), t.clone());
+            }
+            continue;
+        };
+        let a = t.to_vec2::<f32>()?;
+        let b = file[&format!("{stem}.lora_B.weight")].to_vec2::<f32>()?;
+        let (re, i, o) = (a.len(), a[0].len(), b.len());
+        let r = re / e;
+        let a2: Vec<f32> = (0..re).flat_map(|row| { let (ex, j) = (row / r, row % r); let b = &b; (0..o).map(move |oo| b[oo][j * e + ex]) }).collect();
+        let b2: Vec<f32> = (0..i).flat_map(|ii| { let a = &a; (0..re).map(move |col| { let (j, ex) = (col / e, col % e); a[ex * r + j][ii] }) }).collect();
+        out.insert(format!("{stem}.lora_A.weight"), Tensor::from_vec(a2, (re, o), &Device::Cpu)?);
+        out.insert(format!("{stem}.lora_B.weight"), Tensor::from_vec(b2, (i, re), &Device::Cpu)?);
+    }
+    Ok(out)
+}
+
 /// The model's factors written as PEFT's wrappers: `down_proj` outer, `gate_up_proj` inner
 /// (`base_layer`), flattened as PEFT's `[r·E, in]` / `[out, r·E]`; the update PEFT computes from
 /// them is, expert by expert, gpt-oss's gate's `B_e·A_e` in the even columns of `gate_up_proj`
 /// and up's in the odd ones (its `[E, h, 2·I]` layout), down's `(B_e·A_e)ᵀ`; transformers 5's
 /// (`[E, 2·I, h]`, einsum `"o r e, e r i -> e o i"`) gate's in the first `I` rows, up's in the
-/// next, down's `B_e·A_e`; reading gives the model's factors back, from either nesting and for
-/// one wrapper alone; bad shapes are refused by name.
+/// next, down's `B_e·A_e`; reading gives the model's factors back, from either nesting, from
+/// PEFT 0.18's order of the factors and for one wrapper alone; bad shapes are refused by name.
 #[test]
 fn wrappers_round_trip_and_give_pefts_update() -> Result<()> {
     for layout in [GateUp::Interleaved, GateUp::Concatenated] {
@@ -98,6 +121,12 @@ fn wrappers_in(layout: GateUp) -> Result<()> {
     let swapped: HashMap<String, Tensor> = file.iter().map(|(n, t)| (n.replace("experts.base_layer.", "experts.X.").replace("experts.lora", "experts.base_layer.lora").replace("experts.X.", "experts."), t.clone())).collect();
     assert!(swapped.contains_key(&format!("{p}mlp.experts.base_layer.lora_B.weight")));
     same(&from_peft(swapped, e, h, i, layout, "mlp")?)?;
+    // PEFT 0.18's order (lora_A [r·E, out], lora_B [in, r·E], ΔW_e = (B_e·A_e)ᵀ): the same
+    // factors
+    let old = peft_018(&file, e)?;
+    assert_eq!(old[&format!("{p}mlp.experts.base_layer.lora_A.weight")].dims(), &[r * e, 2 * i]);
+    assert_eq!(old[&format!("{p}mlp.experts.lora_B.weight")].dims(), &[i, r * e]);
+    same(&from_peft(old, e, h, i, layout, "mlp")?)?;
     // one wrapper alone (gate_up_proj, not nested)
     let alone: HashMap<String, Tensor> = model.iter().filter(|(n, _)| !n.contains("down_proj")).map(|(n, t)| (n.clone(), t.clone())).collect();
     let file1 = to_peft(alone.clone(), layout)?;
