@@ -299,7 +299,7 @@ fn file_of(style: MoeStyle) -> Result<()> {
     }
     if style != MoeStyle::GptOss {
         let pefts = peft_merged(style, &base, &weights, &odir, &root, true)?;
-        let worst = merged.iter().map(|(n, t)| Ok((f64s(&pefts[n])? - f64s(t)?)?.abs()?.max_all()?.to_scalar::<f64>()?)).collect::<Result<Vec<f64>>>()?.into_iter().fold(0f64, f64::max);
+        let worst = merged.iter().map(|(n, t)| (f64s(&pefts[n])? - f64s(t)?)?.abs()?.max_all()?.to_scalar::<f64>()).collect::<Result<Vec<f64>>>()?.into_iter().fold(0f64, f64::max);
         println!("{style:?}: PEFT 0.18's merge of its file vs merge_adapter: {worst:.1e}");
         assert!(worst < 1e-6, "{style:?}: PEFT 0.18's merge differs by {worst}");
     }
