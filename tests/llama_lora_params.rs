@@ -22,6 +22,11 @@
 //! - An adapter configured as PEFT's gpt-oss recipes write them (`target_modules:
 //!   "all-linear"`, `target_parameters` on one layer's experts) reads: the attention adapted on
 //!   every layer, the experts of that layer only.
+//! - A transformers 4 adapter (per-expert modules and the router) as PEFT converts it for
+//!   transformers 5 (`target_parameters` `gate_up_proj`, `down_proj`, `gate.weight`; gate_up_proj
+//!   of rank `2r` with a block-diagonal `B`, by `rank_pattern` / `alpha_pattern`), written here
+//!   from the formula, reads as the same model (Qwen3-MoE, Mixtral: merged weights, logits and
+//!   loss on three layouts) and is written back tensor for tensor.
 //! - Generation with the adapters folded into the weights decodes the adapted model's tokens.
 //! - Refused by name: dropout, DoRA, expert parameters on a dense model, a key that matches no
 //!   parameter of a sparse layer, a
@@ -353,6 +358,9 @@ fn refusals() -> Result<()> {
     assert!(e1.contains("lora_dropout 0.1"), "{e1}");
     let e2 = err(with(LoraSpec::on_parameters(2, 4.0, &PARAMS).map(|s| s.with_dora(true)))?);
     assert!(e2.contains("DoRA"), "{e2}");
+    // gpt-oss's router is `mlp.router`, no `gate.weight`
+    let e9 = err(with(LoraSpec::on_parameters(2, 4.0, &["gate.weight"]))?);
+    assert!(e9.contains("'gate.weight'") && e9.contains("matches no"), "{e9}");
     let e3 = err(with(LoraSpec::on_parameters(2, 4.0, &["9.mlp.experts.down_proj"]))?);
     assert!(e3.contains("'9.mlp.experts.down_proj'") && e3.contains("matches no"), "{e3}");
     let (qwen, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
@@ -428,5 +436,133 @@ fn expert_parameter_adapters_generate_alike() -> Result<()> {
         let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids(64)?, &layouts)?;
         println!("{style:?}: merged adapters decode alike, logits within {e:.1e}");
     }
+    Ok(())
+}
+
+/// A transformers 4 adapter (every expert's `gate_proj`, `up_proj`, `down_proj` and the router
+/// `gate` as modules, rank 2, alpha 6) as PEFT converts it for transformers 5's fused experts
+/// and writes it again: `target_parameters` `gate_up_proj`, `down_proj`, `gate.weight` (bare, as
+/// the conversion names them); gate_up_proj's wrapper of rank 4 (`rank_pattern` /
+/// `alpha_pattern` `.*\.gate_up_proj`: 4 / 12, the same scale), its `A` gate's rows then up's
+/// per expert and its `B` block-diagonal; down_proj's stacked; the router's as it was. Written
+/// here element by element from the transformers 4 adapter's factors; read back, it is the same
+/// model: merged weights within 1e-6, logits and loss on one device and over zigzag 2 × TP 2 +
+/// SP and EP 2 equal the transformers 4 adapter's.
+#[test]
+fn a_transformers_4_adapter_converted_by_peft_reads_as_the_same_model() -> Result<()> {
+    for style in [MoeStyle::Qwen3Moe, MoeStyle::Mixtral] {
+        converted_by_peft(style)?;
+    }
+    Ok(())
+}
+
+fn converted_by_peft(style: MoeStyle) -> Result<()> {
+    let (base, mut full) = moe_model(style, None)?;
+    let m = module(&base);
+    // (Qwen3-MoE's dense layer 0 left out: PEFT's conversion moves gate_proj, up_proj, down_proj
+    // to the experts' parameters, so a dense layer's would not be adapted after it)
+    let layers = (style == MoeStyle::Qwen3Moe).then(|| vec![1]);
+    let spec4 = LoraSpec::new(2, 6.0, &["q_proj", "gate", "gate_proj", "up_proj", "down_proj"])?.with_layers(layers.clone());
+    let cfg4 = base.clone().with_lora(Some(spec4.clone()));
+    for (i, s) in param_specs(&cfg4).into_iter().filter(|s| s.is_lora()).enumerate() {
+        full.insert(s.name.clone(), candle_cp_ops::oracle::randn(4300 + i as u64, &s.shape, if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 })?.to_dtype(DType::F32)?);
+    }
+    let (adapters4, weights) = split(&full);
+    // PEFT's converted file, from the stacked transformers 4 factors
+    let v = |n: &str| -> Result<Vec<Vec<Vec<f32>>>> { adapters4[n].to_vec3::<f32>() };
+    let (e, r) = (8usize, 2usize);
+    let mut file: HashMap<String, Tensor> = HashMap::new();
+    let sparse: Vec<usize> = (0..base.num_hidden_layers).filter(|&l| base.is_moe_layer(l)).collect();
+    for &l in &sparse {
+        let p = format!("model.layers.{l}.{m}.experts.");
+        let (ag, au, bg, bu) = (v(&format!("{p}gate_proj.lora_A.weight"))?, v(&format!("{p}up_proj.lora_A.weight"))?, v(&format!("{p}gate_proj.lora_B.weight"))?, v(&format!("{p}up_proj.lora_B.weight"))?);
+        let (h, i) = (ag[0][0].len(), bg[0].len());
+        // gate_up_proj: A [2r·E, h], row e·2r + j (gate's j < r, up's after); B [2I, 2r·E], column j·E + e
+        let mut a = vec![0f32; 2 * r * e * h];
+        let mut b = vec![0f32; 2 * i * 2 * r * e];
+        for ex in 0..e {
+            for j in 0..2 * r {
+                let src = if j < r { &ag[ex][j] } else { &au[ex][j - r] };
+                a[(ex * 2 * r + j) * h..(ex * 2 * r + j + 1) * h].copy_from_slice(src);
+                for o in 0..i {
+                    let (row, val) = if j < r { (o, bg[ex][o][j]) } else { (i + o, bu[ex][o][j - r]) };
+                    b[row * 2 * r * e + j * e + ex] = val;
+                }
+            }
+        }
+        let q = format!("model.layers.{l}.mlp.experts.");
+        file.insert(format!("{q}base_layer.lora_A.weight"), Tensor::from_vec(a, (2 * r * e, h), &Device::Cpu)?);
+        file.insert(format!("{q}base_layer.lora_B.weight"), Tensor::from_vec(b, (2 * i, 2 * r * e), &Device::Cpu)?);
+        // down_proj: A [r·E, I] row e·r + j; B [h, r·E] column j·E + e
+        let (ad, bd) = (v(&format!("{p}down_proj.lora_A.weight"))?, v(&format!("{p}down_proj.lora_B.weight"))?);
+        let a: Vec<f32> = (0..e).flat_map(|ex| (0..r).flat_map(|j| ad[ex][j].clone()).collect::<Vec<_>>()).collect();
+        let b: Vec<f32> = (0..h).flat_map(|o| (0..r).flat_map(|j| (0..e).map(|ex| bd[ex][o][j]).collect::<Vec<_>>()).collect::<Vec<_>>()).collect();
+        file.insert(format!("{q}lora_A.weight"), Tensor::from_vec(a, (r * e, i), &Device::Cpu)?);
+        file.insert(format!("{q}lora_B.weight"), Tensor::from_vec(b, (h, r * e), &Device::Cpu)?);
+        // the router: transformers 5's `mlp.gate`
+        for f in ["lora_A", "lora_B"] {
+            file.insert(format!("model.layers.{l}.mlp.gate.{f}.weight"), adapters4[&format!("model.layers.{l}.{m}.gate.{f}.weight")].clone());
+        }
+    }
+    for (n, t) in adapters4.iter().filter(|(n, _)| n.contains("self_attn.")) {
+        file.insert(n.clone(), t.clone());
+    }
+    let dir = std::env::temp_dir().join(format!("candle-cp-lora-converted-{style:?}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    let named: HashMap<String, Tensor> = file.into_iter().map(|(n, t)| (format!("base_model.model.{n}"), t)).collect();
+    candle_core::safetensors::save(&named, dir.join("adapter_model.safetensors"))?;
+    let config = serde_json::json!({
+        "peft_type": "LORA", "peft_version": "0.19.1", "r": 2, "lora_alpha": 6, "lora_dropout": 0.0,
+        "target_modules": ["q_proj"], "target_parameters": ["down_proj", "gate.weight", "gate_up_proj"],
+        "rank_pattern": {".*\\.gate_up_proj": 4}, "alpha_pattern": {".*\\.gate_up_proj": 12},
+        "layers_to_transform": layers, "base_model_name_or_path": "base", "use_dora": false, "use_rslora": false,
+    });
+    std::fs::write(dir.join("adapter_config.json"), config.to_string()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    // read as this model holds it
+    let (spec5, tensors) = load_peft_adapter(&dir)?;
+    let cfg5 = base.clone().with_lora(Some(spec5.clone()));
+    cfg5.validate()?;
+    let adapters5 = model_adapters(&cfg5, tensors)?;
+    let names5: Vec<String> = param_specs(&cfg5).into_iter().filter(|s| s.is_lora()).map(|s| s.name).collect();
+    assert_eq!(names5.len(), adapters5.len(), "{style:?}: {names5:?}");
+    assert!(adapters5.contains_key(&format!("model.layers.{}.{m}.gate.lora_A.weight", sparse[0])), "{style:?}: the router's adapter");
+    assert_eq!(adapters5[&format!("model.layers.{}.{m}.experts.gate_up_proj.lora_A.weight", sparse[0])].dims(), &[8, 4, 128]);
+    // merged: the same weights
+    let spec5 = cfg5.lora.clone().ok_or_else(|| candle_core::Error::Msg("a LoRA config".into()))?;
+    // written again: PEFT's file, tensor for tensor
+    let again = dir.join("again");
+    save_peft_adapter(&again, &spec5, &adapters5, "base")?;
+    let (a, b) = (candle_core::safetensors::load(again.join("adapter_model.safetensors"), &Device::Cpu)?, candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?);
+    let mut keys: Vec<&String> = a.keys().collect();
+    keys.sort();
+    let mut want: Vec<&String> = b.keys().collect();
+    want.sort();
+    assert_eq!(keys, want, "{style:?}: the names written again");
+    for (n, t) in &a {
+        assert_eq!((t - &b[n])?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0, "{style:?}: {n} written again");
+    }
+    let (mut m4, mut m5) = (weights.clone(), weights.clone());
+    let n4 = merge_adapter(&mut m4, &spec4, &adapters4)?;
+    let n5 = merge_adapter(&mut m5, &spec5, &adapters5)?;
+    assert_eq!(n4, n5, "{style:?}: merged weights");
+    let mut worst = 0f64;
+    for (n, t) in &m4 {
+        worst = worst.max((f64s(&m5[n])? - f64s(t)?)?.abs()?.max_all()?.to_scalar::<f64>()?);
+    }
+    assert!(worst < 1e-6, "{style:?}: the converted adapter merges {worst} away");
+    let moved = (f64s(&m4[&format!("model.layers.{}.{m}.gate.weight", sparse[0])])? - f64s(&weights[&format!("model.layers.{}.{m}.gate.weight", sparse[0])])?)?.abs()?.max_all()?.to_scalar::<f64>()?;
+    assert!(moved > 1e-3, "{style:?}: the router's adapter moves it by only {moved}");
+    // run: the same logits and loss
+    let mut full5 = weights.clone();
+    full5.extend(adapters5);
+    let ids = ids(64)?;
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), Layout::cp(CpKind::Ring, 2).with_ep(2)] {
+        let a = run_layout_recompute(&full, &cfg4, &ids, layout, &Device::Cpu, false)?;
+        let b = run_layout_recompute(&full5, &cfg5, &ids, layout, &Device::Cpu, false)?;
+        let d = (f64s(&a.logits)? - f64s(&b.logits)?)?.abs()?.max_all()?.to_scalar::<f64>()?;
+        println!("{style:?} {layout}: PEFT's converted adapter vs the transformers 4 one: logits {d:.1e}, loss {:.1e}", (a.loss - b.loss).abs());
+        assert!(d < 1e-5 && (a.loss - b.loss).abs() < 1e-6, "{style:?} {layout}: logits {d}, loss {} vs {}", a.loss, b.loss);
+    }
+    std::fs::remove_dir_all(&dir).ok();
     Ok(())
 }

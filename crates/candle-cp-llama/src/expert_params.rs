@@ -3,7 +3,7 @@
 //! interleaved; `mlp.experts.down_proj` `[E, I, h]`), and so are transformers 5's Qwen3-MoE's,
 //! Qwen2-MoE's and Mixtral's (`gate_up_proj` `[E, 2·I, h]`, gate's rows then up's; `down_proj`
 //! `[E, h, I]`: [`crate::lora::GateUp`]; transformers 5 names a Mixtral's sparse layer `mlp`, the
-//! model here `block_sparse_moe`: [`peft_param`] at the file's boundary and for the keys), so
+//! model here `block_sparse_moe`: `peft_param` at the file's boundary and for the keys), so
 //! PEFT targets them by parameter name
 //! (`target_parameters`, e.g. `["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]`, or
 //! `"7.mlp.experts.down_proj"` for one layer) and wraps each in a `ParamWrapper` whose factors
@@ -17,6 +17,12 @@
 //! ```
 //!
 //! with `r` the per-expert rank (`s = alpha / r`), no dropout (PEFT refuses it there), no DoRA.
+//! transformers 5's routers are parameters too (`mlp.gate.weight`, `router_param`): a key
+//! naming it adapts the router with a plain `[r, h]` / `[E, r]` pair under `….mlp.gate`, as a
+//! linear router's adapter. PEFT's conversion of a transformers 4 adapter (per-expert modules)
+//! writes `target_parameters` `gate_up_proj`, `down_proj`, `gate.weight` with gate_up_proj's
+//! rank `2r` (`rank_pattern`, `alpha_pattern` `.*\.gate_up_proj`), its `A` gate's rows then up's
+//! and its `B` block-diagonal: one shared `A` here, read as it is.
 //! The model holds the same adapters as its other experts' (`moe_lora.rs`): `A` `[E, r, in]`,
 //! `B` `[E, out, r]`; gate and up are the two parts of `gate_up_proj`, so they share one `A`
 //! (`….experts.gate_up_proj.lora_A.weight`, its gradient the sum of both uses) and each holds
@@ -47,7 +53,7 @@ use std::collections::HashMap;
 /// The fused parameter of an expert projection stem and its part: `….mlp.experts.gate_proj`
 /// → (`….mlp.experts.gate_up_proj`, 0), `up_proj` → 1, `….mlp.experts.down_proj` → itself, 0;
 /// a Mixtral's `….block_sparse_moe.experts.*` alike, under its own module (the model's name:
-/// [`peft_param`] gives transformers 5's); `None` for another stem.
+/// `peft_param` gives transformers 5's); `None` for another stem.
 pub(crate) fn param_of(stem: &str) -> Option<(String, usize)> {
     for module in ["mlp", "block_sparse_moe"] {
         for (proj, part) in [("gate_proj", 0), ("up_proj", 1)] {
@@ -78,10 +84,22 @@ pub(crate) fn key_matches(key: &str, name: &str) -> bool {
     name == key || name.ends_with(&format!(".{key}"))
 }
 
-/// Refuse a `target_parameters` key that cannot name an expert parameter.
+/// The router's weight of a sparse layer whose router stem is `stem` (`….mlp.gate`, a Mixtral's
+/// `….block_sparse_moe.gate`) as a `target_parameters` key names it: transformers 5's
+/// `….mlp.gate.weight` (its routers, `Qwen3MoeTopKRouter` and the like, hold a parameter, not a
+/// linear module; PEFT's conversion of a transformers 4 adapter maps target module `gate` to
+/// `gate.weight`); `None` for another stem.
+pub(crate) fn router_param(stem: &str) -> Option<String> {
+    ["mlp.gate", "block_sparse_moe.gate"].iter().find_map(|m| stem.strip_suffix(m)).filter(|p| p.is_empty() || p.ends_with('.')).map(|p| format!("{p}mlp.gate.weight"))
+}
+
+/// Refuse a `target_parameters` key that cannot name an expert parameter or a router's weight:
+/// it ends in `gate_up_proj` or `down_proj` (bare, as PEFT's conversion of transformers 4
+/// adapters writes them, or after a module path: `mlp.experts.down_proj`, `7.mlp.experts.down_proj`)
+/// or in `gate.weight`.
 pub(crate) fn check_key(key: &str) -> Result<()> {
-    if !["experts.gate_up_proj", "experts.down_proj"].iter().any(|p| key == *p || key.ends_with(&format!(".{p}"))) {
-        bail!("LoRA target_parameters: '{key}' names no expert parameter (they are `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, optionally after a layer: `7.mlp.experts.down_proj`)")
+    if !["gate_up_proj", "down_proj", "gate.weight"].iter().any(|p| key == *p || key.ends_with(&format!(".{p}"))) {
+        bail!("LoRA target_parameters: '{key}' names no expert parameter or router weight (they are `mlp.experts.gate_up_proj`, `mlp.experts.down_proj` and `mlp.gate.weight`, or their last parts, optionally after a layer: `7.mlp.experts.down_proj`)")
     }
     Ok(())
 }
@@ -108,7 +126,7 @@ pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
     // routers are parameters too, which PEFT refuses to adapt; all-linear leaves them out)
     if let Some(l) = cfg.lora.as_ref().filter(|l| l.expert_params.is_some() && l.target_regex.is_none() && l.adapts("gate")) {
         if !crate::lora::ALL_LINEAR.iter().all(|t| l.adapts(t)) {
-            bail!("LlamaConfig: LoRA target module gate (the router) on a model whose experts are parameters (target_parameters): its router is a parameter too, not a linear module")
+            bail!("LlamaConfig: LoRA target module gate (the router) on a model whose experts are parameters (target_parameters): its router is a parameter too, not a linear module (target_parameters gate.weight adapts it)")
         }
     }
     let Some(l) = cfg.lora.as_ref().filter(|l| !l.target_parameters.is_empty()) else { return Ok(()) };
@@ -122,12 +140,12 @@ pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
     if l.dora {
         bail!("LlamaConfig: LoRA target_parameters [{keys}] with DoRA: PEFT adapts parameters with plain LoRA only")
     }
-    let names: Vec<String> = (0..cfg.num_hidden_layers)
-        .filter(|&i| cfg.is_moe_layer(i))
-        .flat_map(|i| ["gate_up_proj", "down_proj"].map(|p| format!("model.layers.{i}.mlp.experts.{p}")))
-        .collect();
+    // (the routers: transformers 5's `mlp.gate.weight`; gpt-oss's is `mlp.router`, not one)
+    let params: &[&str] = if cfg.gpt_oss { &["experts.gate_up_proj", "experts.down_proj"] } else { &["experts.gate_up_proj", "experts.down_proj", "gate.weight"] };
+    let sparse = (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).count();
+    let names: Vec<String> = (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).flat_map(|i| params.iter().map(move |p| format!("model.layers.{i}.mlp.{p}"))).collect();
     if let Some(k) = l.target_parameters.iter().find(|k| !names.iter().any(|n| key_matches(k, n))) {
-        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter of the {} sparse layers", names.len() / 2)
+        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter or router weight of the {sparse} sparse layers")
     }
     Ok(())
 }
@@ -146,6 +164,11 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>, layout: GateUp) -> Resul
         // (a Mixtral's under transformers 5's names: `….mlp.experts.*`)
         let v5 = ["gate_up_proj.lora_A", "gate_proj.lora_B", "up_proj.lora_B", "down_proj.lora_A", "down_proj.lora_B"].iter().any(|f| name.ends_with(&format!(".block_sparse_moe.experts.{f}.weight")));
         let name = if v5 { peft_param(&name) } else { name };
+        // (and its router's, transformers 5's `….mlp.gate`)
+        let name = match ["lora_A.weight", "lora_B.weight"].iter().find_map(|f| Some((name.strip_suffix(&format!(".block_sparse_moe.gate.{f}"))?, f))) {
+            Some((layer, f)) => format!("{layer}.mlp.gate.{f}"),
+            None => name,
+        };
         if let Some(p) = name.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
             gate_up.entry(p.to_string()).or_insert([None, None, None])[0] = Some(t);
         } else if let Some(p) = name.strip_suffix("mlp.experts.gate_proj.lora_B.weight") {
@@ -212,6 +235,11 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
             out.insert(name, t);
             continue;
         };
+        // (a router's adapter, transformers 5's `….mlp.gate`, under the model's module)
+        if let Some(layer) = stem.strip_suffix(".mlp.gate").filter(|_| module != "mlp") {
+            out.insert(format!("{layer}.{module}.gate.{}", if k == 0 { "lora_A.weight" } else { "lora_B.weight" }), t);
+            continue;
+        }
         let (mut head, mut depth) = (stem, 0);
         while let Some(h) = head.strip_suffix(".base_layer") {
             head = h;

@@ -154,6 +154,15 @@ fn keys_and_parameters() -> Result<()> {
     assert!(key_matches("7.mlp.experts.down_proj", "model.layers.7.mlp.experts.down_proj"));
     assert!(!key_matches("7.mlp.experts.down_proj", "model.layers.17.mlp.experts.down_proj"));
     assert!(check_key("experts.gate_up_proj").is_ok() && check_key("mlp.experts.gate_proj").is_err() && check_key("q_proj").is_err());
+    // PEFT's conversion of transformers 4 adapters: bare names, the router's weight
+    assert!(check_key("gate_up_proj").is_ok() && check_key("down_proj").is_ok() && check_key("gate.weight").is_ok() && check_key("3.mlp.gate.weight").is_ok());
+    assert!(check_key("gate").is_err() && check_key("mlp.gate_proj").is_err() && check_key("router.weight").is_err());
+    assert!(key_matches("gate_up_proj", "model.layers.1.mlp.experts.gate_up_proj") && key_matches("gate.weight", "model.layers.1.mlp.gate.weight"));
+    assert!(!key_matches("gate.weight", "model.layers.1.mlp.shared_expert_gate.weight"));
+    assert_eq!(router_param("model.layers.4.mlp.gate").as_deref(), Some("model.layers.4.mlp.gate.weight"));
+    assert_eq!(router_param("model.layers.4.block_sparse_moe.gate").as_deref(), Some("model.layers.4.mlp.gate.weight"));
+    assert_eq!(router_param("model.layers.4.mlp.shared_expert_gate"), None);
+    assert_eq!(router_param("model.layers.4.mlp.router"), None);
     assert_eq!(param_of("model.layers.0.mlp.experts.up_proj"), Some(("model.layers.0.mlp.experts.gate_up_proj".into(), 1)));
     assert_eq!(param_of("model.layers.0.mlp.experts.down_proj"), Some(("model.layers.0.mlp.experts.down_proj".into(), 0)));
     assert_eq!(param_of("model.layers.0.mlp.down_proj"), None);

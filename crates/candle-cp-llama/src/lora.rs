@@ -124,8 +124,10 @@ impl LoraSpec {
     }
 
     /// The same adapters also on the expert parameters `keys` (PEFT's `target_parameters`):
-    /// gpt-oss's `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, a key naming a
-    /// parameter whose name equals it or ends in `.` + it (`7.mlp.experts.down_proj`: layer 7's).
+    /// `mlp.experts.gate_up_proj` and `mlp.experts.down_proj`, and transformers 5's routers'
+    /// `mlp.gate.weight` (not gpt-oss's), a key naming a parameter whose name equals it or ends
+    /// in `.` + it (`7.mlp.experts.down_proj`: layer 7's; `gate_up_proj`, `gate.weight`: every
+    /// sparse layer's, as PEFT's conversion of a transformers 4 adapter names them).
     /// PEFT's ranks: `r` per expert (its factors are `[r·E, in]`, `[out, r·E]`), a
     /// `rank_pattern` key matching the parameter's name. Errors name a key that can name no
     /// expert parameter; [`crate::LlamaConfig::validate`] refuses them with dropout or DoRA

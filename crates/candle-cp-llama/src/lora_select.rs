@@ -61,6 +61,9 @@ impl LoraSpec {
         if let Some((param, _)) = self.expert_param(stem) {
             return crate::expert_params::peft_param(&param);
         }
+        if let Some(param) = self.router_param(stem) {
+            return param;
+        }
         self.fused_module(stem).unwrap_or_else(|| peft_name(stem))
     }
 
@@ -68,6 +71,13 @@ impl LoraSpec {
     /// (`….experts.up_proj` → (`….experts.gate_up_proj`, 1); [`LoraSpec::expert_params`]).
     fn expert_param(&self, stem: &str) -> Option<(String, usize)> {
         self.expert_params.and_then(|_| crate::expert_params::param_of(stem))
+    }
+
+    /// The router's weight as PEFT's `target_parameters` name it (`….mlp.gate.weight`) when the
+    /// experts are parameters ([`LoraSpec::expert_params`]) and `stem` is a sparse layer's router
+    /// (not gpt-oss's `mlp.router`).
+    fn router_param(&self, stem: &str) -> Option<String> {
+        self.expert_params.and_then(|_| crate::expert_params::router_param(stem))
     }
 
     /// The module whose one `A` weight stem `stem` shares with its other parts, and its part:
@@ -158,9 +168,10 @@ impl LoraSpec {
             return self.target_parameters.iter().any(|k| crate::expert_params::key_matches(k, &param));
         }
         // (with its experts as parameters — transformers 5's layout — a router is a parameter
-        // too, `Qwen3MoeTopKRouter`, not a linear module: no target adapts it)
-        if self.expert_params.is_some() && (stem.ends_with(".mlp.gate") || stem.ends_with(".block_sparse_moe.gate")) {
-            return false;
+        // too, `Qwen3MoeTopKRouter`, not a linear module: no target module adapts it, a
+        // target_parameters key naming its weight does)
+        if let Some(param) = self.router_param(stem) {
+            return self.target_parameters.iter().any(|k| crate::expert_params::key_matches(k, &param));
         }
         let name = self.module_name(stem);
         // (the projection as the targets name it: a Phi-3's fused module, else the stem's own —
