@@ -6,7 +6,9 @@
 //!   layout against the float64 plain-candle reference (`dense_llama.rs`, which writes the
 //!   LongRoPE frequencies out itself). On a contiguous ring of 4 rank 0 holds positions 0..63
 //!   only: with its own shard's length it would rotate by the short factors while the others
-//!   use the long ones; the model takes the length over the CP group.
+//!   use the long ones; the model takes the length over the CP group. Over packed rows the
+//!   length is each row's: a row of four 64-token documents keeps the short factors beside a
+//!   256-token row, its logits those of the row alone, on DP 2, ring 2 × DP 2 and zigzag 2.
 //! - Phi-4-mini's partial RoPE (`partial_rotary_factor` 0.75: the first 12 of 16 dimensions
 //!   rotated, the rest passed through) on every kind of layout against the reference, and in
 //!   generation.
@@ -368,4 +370,45 @@ fn phi3_lora_on_the_fused_modules_is_pefts_on_every_layout() -> Result<()> {
 /// The tensors of `dir/adapter_model.safetensors` by their names in the file.
 fn load_safetensors_dir_named(dir: &std::path::Path) -> Result<HashMap<String, Tensor>> {
     candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)
+}
+
+/// LongRoPE over packed rows: the factors follow each row's length (its largest position id +
+/// 1, over the CP group), not the batch's. Row 0 is one document of 256 tokens (the long
+/// factors), row 1 four of 64 (its positions stop at 63: the short ones). Row 1's logits in the
+/// two-row batch equal those of row 1 alone, and DP 2 (each replica one row), ring 2 × DP 2
+/// and zigzag 2 give the single device's logits, per-token losses, loss and gradients — with
+/// the batch's largest position instead, DP's replica of row 1 alone would pick other factors
+/// than the single device (a drawn configuration of `llama_random` caught that).
+#[test]
+fn phi3_longrope_over_packed_rows_follows_each_row() -> Result<()> {
+    use candle_cp_llama::Documents;
+    use candle_cp_tests::packed_run::{max_diff, run_packed};
+    let (cfg, full, ids) = phi3()?;
+    let two = Tensor::cat(&[&ids, &ids.flip(&[1])?], 0)?;
+    let docs = vec![Documents::from_lengths(&[T])?, Documents::from_lengths(&[64, 64, 64, 64])?];
+    let both = run_packed(&full, &cfg, &two, &docs, Layout::single(), false)?;
+    let alone = run_packed(&full, &cfg, &two.narrow(0, 1, 1)?, &docs[1..], Layout::single(), false)?;
+    let v = cfg.vocab_size;
+    let d = max_diff(&both.logits[T * v..], &alone.logits);
+    assert!(d <= 1e-6, "row 1's logits depend on row 0 by {d:.1e}");
+    // (the short factors act on row 1: with the long ones its logits move)
+    let mut long = cfg.clone();
+    if let RopeScaling::LongRope { short_factor, long_factor, .. } = &mut long.rope_scaling {
+        *short_factor = long_factor.clone();
+    }
+    let moved = max_diff(&run_packed(&full, &long, &two.narrow(0, 1, 1)?, &docs[1..], Layout::single(), false)?.logits, &alone.logits);
+    assert!(moved > 1e-3, "the short factors moved row 1's logits by only {moved:.1e}");
+    for layout in [Layout::single().with_dp(2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::cp(CpKind::Zigzag, 2)] {
+        let run = run_packed(&full, &cfg, &two, &docs, layout, false)?;
+        let (dl, dn, dloss) = (max_diff(&run.logits, &both.logits), max_diff(&run.nll, &both.nll), (run.loss - both.loss).abs());
+        let mut worst = 0f64;
+        for ((n, g), (_, w)) in run.grads.iter().zip(&both.grads) {
+            let e = rel(g, w)?;
+            assert!(e < 1e-4, "{layout}: {n} off by {e:.1e}");
+            worst = worst.max(e);
+        }
+        println!("phi3 packed rows {layout}: logits {dl:.1e}, nll {dn:.1e}, loss {dloss:.1e}, gradients {worst:.1e}");
+        assert!(dl <= 2e-5 && dn <= 2e-5 && dloss <= 2e-5 && run.spread <= 1e-6, "{layout}: logits {dl:.1e} nll {dn:.1e} loss {dloss:.1e}");
+    }
+    Ok(())
 }

@@ -465,19 +465,23 @@ impl Llama {
         }
     }
 
-    /// The sequence length RoPE's frequencies follow (transformers: the largest position id +
-    /// 1 of the forward's batch): over the whole CP group under LongRoPE, whose factors switch
-    /// at the original length — a shard's own largest position would give rank 0 of a
-    /// contiguous ring the short factors while the others use the long ones. No collective
-    /// for the other scalings, which do not depend on it.
-    fn rope_seq_len(&self, pos: &[Vec<u32>], dev: &candle_core::Device) -> Result<usize> {
-        let local = pos.iter().flatten().max().map_or(0, |&p| p as usize + 1);
+    /// The sequence length RoPE's frequencies follow, per row of `pos` (transformers: the
+    /// largest position id + 1 of the forward's batch): over the whole CP group under
+    /// LongRoPE, whose factors switch at the original length — a shard's own largest position
+    /// would give rank 0 of a contiguous ring the short factors while the others use the long
+    /// ones. Per row, not per batch: unpacked rows share their positions (the batch's value),
+    /// and a packed row's choice (its longest document's) does not depend on the rows beside
+    /// it, so splitting the batch over DP replicas or micro-batches changes nothing. No
+    /// collective for the other scalings, which do not depend on it.
+    fn rope_seq_lens(&self, pos: &[Vec<u32>], dev: &candle_core::Device) -> Result<Vec<usize>> {
+        let local: Vec<usize> = pos.iter().map(|p| p.iter().max().map_or(0, |&m| m as usize + 1)).collect();
         if !matches!(self.cfg.rope_scaling, crate::config::RopeScaling::LongRope { .. }) || self.ctx.cp.size() == 1 {
             return Ok(local);
         }
-        // (lengths < 2^24 are exact in f32)
-        let all = self.ctx.cp.all_gather(&Tensor::new(&[local as f32], dev)?, 0)?;
-        Ok(all.to_vec1::<f32>()?.into_iter().fold(0f32, f32::max) as usize)
+        // (lengths < 2^24 are exact in f32; every CP rank holds the same rows)
+        let mine: Vec<f32> = local.iter().map(|&l| l as f32).collect();
+        let all = self.ctx.cp.all_gather(&Tensor::from_vec(mine, (1, local.len()), dev)?, 0)?;
+        Ok(all.max(0)?.to_vec1::<f32>()?.into_iter().map(|l| l as usize).collect())
     }
 
     /// Final hidden states of this rank's tokens (after the last norm, before the head):
@@ -509,17 +513,20 @@ impl Llama {
         if pos.is_empty() {
             bail!("Llama::hidden_packed: empty batch (input_ids {:?})", input_ids.dims())
         }
-        if pos.iter().all(|p| *p == pos[0]) {
+        // (each row's length over the CP group before rows are merged: the ranks hold the same rows)
+        let mut seq_lens = self.rope_seq_lens(&pos, input_ids.device())?;
+        if pos.iter().zip(&seq_lens).all(|(p, l)| *p == pos[0] && *l == seq_lens[0]) {
             pos.truncate(1);
+            seq_lens.truncate(1);
         }
         // one pair of tables in the activations' dtype for every layer: [Tc, D], or [B, Tc, D]
         // with a table per row
         let act = self.embed.dtype();
-        let seq_len = self.rope_seq_len(&pos, input_ids.device())?;
         let tables_of = |cfg: &LlamaConfig| -> Result<(Tensor, Tensor)> {
             let tables = pos
                 .iter()
-                .map(|p| rope_tables_at(cfg, p, seq_len, DType::F32, input_ids.device()))
+                .zip(&seq_lens)
+                .map(|(p, &seq_len)| rope_tables_at(cfg, p, seq_len, DType::F32, input_ids.device()))
                 .collect::<Result<Vec<_>>>()?;
             Ok(match tables.as_slice() {
                 [(cos, sin)] => (cos.to_dtype(act)?, sin.to_dtype(act)?),

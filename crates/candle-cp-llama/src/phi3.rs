@@ -32,7 +32,8 @@
 //! sequence's length (transformers: its largest position id + 1), which a context-parallel
 //! rank cannot see from its own shard — rank 0 of a contiguous ring holds only the first
 //! `T/P` positions. [`crate::Llama`] takes it over the whole CP group, so every rank rotates
-//! with the factors the single device uses.
+//! with the factors the single device uses; per row, so a packed row's (its longest
+//! document's) does not depend on the rows beside it, nor on how DP splits the batch.
 //!
 //! Phi-4-mini (`Phi3ForCausalLM` too) rotates only part of each head:
 //! `partial_rotary_factor` 0.75 ([`LlamaConfig::partial_rotary_factor`]): RoPE in the
