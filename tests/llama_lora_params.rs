@@ -67,7 +67,7 @@ fn module(cfg: &LlamaConfig) -> &'static str {
 /// weights and factors).
 fn adapted(style: MoeStyle) -> Result<(LlamaConfig, LlamaConfig, HashMap<String, Tensor>)> {
     let (base, mut full) = moe_model(style, None)?;
-    let spec = LoraSpec::new(2, 6.0, &["q_proj"])?.with_target_parameters(&PARAMS)?.with_rank_pattern(vec![("experts.down_proj".into(), 3)])?;
+    let spec = LoraSpec::new(2, 6.0, &["q_proj"])?.with_target_parameters(&PARAMS)?.with_rank_pattern(vec![("mlp.experts.down_proj".into(), 3)])?;
     let cfg = base.clone().with_lora(Some(spec));
     for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };

@@ -59,12 +59,19 @@ impl LoraSpec {
     /// and gate, up projections as their fused module ([`LoraSpec::fused`]).
     pub(crate) fn module_name(&self, stem: &str) -> String {
         if let Some((param, _)) = self.expert_param(stem) {
-            return crate::expert_params::peft_param(&param);
-        }
-        if let Some(param) = self.router_param(stem) {
             return param;
         }
         self.fused_module(stem).unwrap_or_else(|| peft_name(stem))
+    }
+
+    /// The name `rank_pattern` / `alpha_pattern` keys match for weight `stem`: PEFT's key of
+    /// an adapted parameter (`….mlp.experts.gate_up_proj`, a Mixtral's under transformers 5's
+    /// `mlp`; a router's `….mlp.gate.weight`), else [`LoraSpec::module_name`]'s.
+    fn pattern_name(&self, stem: &str) -> String {
+        if let Some((param, _)) = self.expert_param(stem) {
+            return crate::expert_params::peft_param(&param);
+        }
+        self.router_param(stem).unwrap_or_else(|| self.module_name(stem))
     }
 
     /// gpt-oss's expert parameter of stacked expert stem `stem` and its part
@@ -194,7 +201,7 @@ impl LoraSpec {
     /// The rank and scale of the adapter on weight `stem` (see [`LoraSpec::adapts_weight`]):
     /// the first matching `rank_pattern` / `alpha_pattern` key's, else [`LoraSpec::config`]'s.
     pub fn config_for(&self, stem: &str) -> LoraConfig {
-        let name = self.module_name(stem);
+        let name = self.pattern_name(stem);
         let rank = self.rank_pattern.iter().find(|(k, _)| matches(k, &name)).map_or(self.config.rank, |(_, r)| *r);
         let alpha = self.alpha_pattern.iter().find(|(k, _)| matches(k, &name)).map_or(self.config.alpha, |(_, a)| *a);
         LoraConfig { rank, alpha, rslora: self.config.rslora }
