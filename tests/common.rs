@@ -6,6 +6,7 @@ pub mod dense_llama;
 pub mod moe_model;
 pub mod lora_ref;
 pub mod draws;
+pub mod train_draws;
 pub mod packed_run;
 
 /// `tests/data/oracle/<sub>` (`sub` = `attn`, `tiny-llama`, or a file below them).

@@ -17,225 +17,13 @@
 //! `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B` (in both tests).
 
 use candle_core::Result;
-use candle_cp_comm::run_ranks;
-use candle_cp_llama::layout::{CpKind, HeadLayout, Layout};
-use candle_cp_llama::train::{
-    train_rank, AdamWConfig, DataSource, KvRecall, ModelSource, PackedStream, Rng, StepMetrics, TrainConfig, TrainOutcome,
-    WarmupCosine,
-};
-use candle_cp_llama::{LlamaConfig, RowSums};
+use candle_cp_llama::layout::Layout;
+use candle_cp_llama::train::{DataSource, ModelSource, Rng, TrainConfig};
+use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
+use candle_cp_tests::train_draws::*;
 
 const CONFIGS: u64 = 24;
-const STEPS: usize = 3;
-
-/// The trainer's configuration for `layout` and the drawn options; the rest as the trainer
-/// tests set it (KvRecall data, 64 tokens, AdamW with clipping).
-fn config(layout: Layout, model: LlamaConfig, task: KvRecall, batch: usize, grad_accum: usize, seed: u64) -> TrainConfig {
-    // AdamW's epsilon 1e-6 (the default is 1e-8). Gradients near 1e-8 — a freshly drawn
-    // gpt-oss's router's, some of a Gemma 3's on packed documents — sit where `g / (|g| + 1e-8)`
-    // turns float32 summation noise into weight steps of up to the learning rate: gpt-oss's
-    // config 111 of `24..724` was 7.4e-4 off in the loss at step 3 (a top-K routing flip; 9.4e-5 /
-    // 4.8e-3 loss / grad norm on every layout, DP 2 included, with 1e-8, 2.4e-7 / 6.5e-8 with
-    // 1e-6), and config 789 of `124..1124` (Gemma 3, packed documents, CP 4 × TP 2 of any kind)
-    // 1.7e-4 at step 3 with 1e-8 — 1.4e-6 without clipping, 3.2e-7 with 1e-6, and the same data
-    // at a learning rate of 0 within 5e-7. Both sides run the same optimizer; a layout's error
-    // in a gradient shows far above 1e-6.
-    let eps = 1e-6;
-    TrainConfig {
-        batch,
-        grad_accum,
-        schedule: WarmupCosine { peak: 1e-2, warmup: 1, total: STEPS, min_ratio: 0.1 },
-        adamw: AdamWConfig { weight_decay: 0.01, eps, ..AdamWConfig::default() },
-        clip: 0.5,
-        seed,
-        ..TrainConfig::new(layout, ModelSource::Init(model), DataSource::Recall(task), 64, STEPS)
-    }
-}
-
-/// Bounds on `(loss, grad norm)` gaps to the single-device run at the first step (the same
-/// weights on both sides) and at later ones (see the comment in the first test).
-const FIRST_STEP: (f64, f64) = (1e-5, 1e-4);
-const LATER_STEPS: (f64, f64) = (1e-4, 1e-3);
-
-/// A layout of the draws: every CP kind, CP 2 or 4 (2-D: Ulysses 2 × ring `cp/2`; Ulysses and
-/// 2-D at CP 4 with the head layout regathered, Ulysses at CP 2 with f32 row sums, all-gather
-/// and 2-D at CP 4 with the output's), TP 2 with or without SP in a third of the
-/// draws, DP 2 in half.
-fn draw_layout(d: &mut Rng) -> Layout {
-    let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
-    let cp = pick(d, &[2, 4]);
-    let mut layout = match kind {
-        CpKind::TwoD => Layout::two_d(2, cp / 2),
-        k => Layout::cp(k, cp),
-    };
-    // Ulysses / 2-D at CP 4: the head layout regathered in the backward (no draw of its own,
-    // so every seed's other draws stay what they were)
-    if matches!(kind, CpKind::Ulysses | CpKind::TwoD) && cp == 4 {
-        layout = layout.with_head_layout(HeadLayout::Regathered);
-    }
-    // Ulysses at CP 2: the backward's row sums from the f32 output (the same in f32; in bf16
-    // the residual is kept and read)
-    if kind == CpKind::Ulysses && cp == 2 {
-        layout = layout.with_row_sums(RowSums::F32);
-    }
-    // all-gather and 2-D at CP 4: the row sums from the returned output (no residual kept)
-    if matches!(kind, CpKind::AllGather | CpKind::TwoD) && cp == 4 {
-        layout = layout.with_row_sums(RowSums::Output);
-    }
-    let (with_tp, with_dp) = (d.below(3) == 0, d.below(2) == 0);
-    if with_tp {
-        layout = layout.with_tp(2, d.below(2) == 0);
-    }
-    if with_dp {
-        layout = layout.with_dp(2);
-    }
-    layout
-}
-
-/// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
-/// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
-/// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
-/// they were), Gemma 2 in a third of the rest (another stream); with those numbers
-/// `(heads, kv_heads, layers, window)`.
-#[allow(clippy::type_complexity)]
-fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
-    let mut task = KvRecall::new(64)?;
-    (task.n_keys, task.n_values, task.n_queries, task.fused) = (8, 8, 8, true);
-    let drawn = pick(d, &[(2, 1), (2, 2), (4, 2), (4, 1)]);
-    // one model in five (a stream of its own): 12 query heads over 3 KV heads, which TP 2
-    // neither divides nor is divided by (each TP rank holds 3 KV-head copies of 6)
-    let (heads, kv_heads) = if rng(959_000 + seed).below(5) == 0 { (12, 3) } else { drawn };
-    let layers = pick(d, &[1, 2]);
-    let window = (d.below(4) == 0).then(|| 1 + d.below(70));
-    let arch = rng(919_000 + seed).below(4);
-    let model = LlamaConfig::tiny(task.vocab_needed(), hidden_for(heads), layers, heads, kv_heads)
-        .with_sliding_window(window)
-        .with_qkv_bias(arch == 1)
-        .with_qk_norm(arch == 2)
-        .with_gemma3(arch == 3);
-    // a third of the Llama seeds are Gemma 2 instead (soft caps 1 in attention, 3 on the output)
-    let model = match arch == 0 && rng(929_000 + seed).below(3) == 0 {
-        true => with_caps(model.with_gemma2(true), Some((1.0, 3.0))),
-        false => model,
-    };
-    // half of the Qwen3 seeds are Qwen3-MoE instead
-    let model = match arch == 2 && rng(939_000 + seed).below(2) == 0 {
-        true => {
-            let mut moe = candle_cp_llama::MoeConfig::new(4, 2, 16);
-            (moe.norm_topk_prob, moe.output_router_logits, moe.router_aux_loss_coef) = (true, true, 0.1);
-            model.with_moe(Some(moe))
-        }
-        false => model,
-    };
-    // a third of the Qwen2 seeds are gpt-oss instead (sinks, biases on o, the router and the
-    // experts, the clamped SwiGLU; a stream of its own)
-    let model = match arch == 1 && rng(949_000 + seed).below(3) == 0 {
-        true => model.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, 16))),
-        false => model,
-    };
-    Ok((task, model, (heads, kv_heads, layers, window)))
-}
-
-/// The models' width: 32, or 48 for 12 heads (of 4 dimensions each).
-fn hidden_for(heads: usize) -> usize {
-    if heads == 12 { 48 } else { 32 }
-}
-
-/// `cfg` with Gemma 2's soft caps `(attention, output)` (`cfg` must be Gemma 2), or as it is.
-fn with_caps(mut cfg: LlamaConfig, caps: Option<(f64, f64)>) -> LlamaConfig {
-    if let (Some(g), Some((a, f))) = (cfg.gemma2.as_mut(), caps) {
-        (g.attn_logit_softcapping, g.final_logit_softcapping) = (Some(a), Some(f));
-    }
-    cfg
-}
-
-/// A run of the draws on one layout: the layout, rows per step (1 or 2 per DP replica),
-/// micro-batches (1 or 2) and the trainer options.
-fn draw_run(d: &mut Rng) -> (Layout, usize, usize, Options) {
-    let layout = draw_layout(d);
-    let batch = layout.dp * pick(d, &[1, 2]);
-    let grad_accum = pick(d, &[1, 2]);
-    (layout, batch, grad_accum, Options::draw(d))
-}
-
-/// The trainer options of the draws: ZeRO 0 / 1 / 2, recompute, the overlapped gradient sync
-/// (with recompute) and parameter gather (with ZeRO).
-#[derive(Debug, Clone, Copy)]
-struct Options {
-    stage: usize,
-    recompute: bool,
-    overlap_grad_sync: bool,
-    overlap_param_gather: bool,
-}
-
-impl Options {
-    fn draw(d: &mut Rng) -> Self {
-        let stage = pick(d, &[0, 1, 2]);
-        let recompute = d.below(2) == 0;
-        let overlap_grad_sync = recompute && d.below(2) == 0;
-        let overlap_param_gather = stage > 0 && d.below(2) == 0;
-        Self { stage, recompute, overlap_grad_sync, overlap_param_gather }
-    }
-
-    fn apply(self, cfg: &mut TrainConfig) {
-        (cfg.zero1, cfg.zero2) = (self.stage == 1, self.stage == 2);
-        (cfg.recompute, cfg.overlap_grad_sync, cfg.overlap_param_gather) =
-            (self.recompute, self.overlap_grad_sync, self.overlap_param_gather);
-    }
-}
-
-/// A refusal must name its reason (a degree that does not divide, a size it needs), not panic.
-fn assert_explained(what: &str, e: &candle_core::Error) {
-    let msg = e.to_string();
-    let explained = ["divisible", "must divide", "needs"].iter().any(|k| msg.contains(k));
-    assert!(explained && !msg.contains("panicked"), "{what}: refused for an unexpected reason: {msg}");
-}
-
-fn run(cfg: &TrainConfig) -> Result<Vec<TrainOutcome>> {
-    run_ranks(cfg.layout.world_size(), |g| train_rank(g, cfg, &|_| {})).into_iter().collect()
-}
-
-/// How far two runs' curves are apart at each step: `(loss, grad norm)` differences, the loss
-/// the larger of the next-token loss's and the objective's, the grad norm's relative above 1.
-fn gaps(a: &[StepMetrics], b: &[StepMetrics]) -> Vec<(f64, f64)> {
-    a.iter()
-        .zip(b)
-        .map(|(x, y)| {
-            let dl = (x.loss - y.loss).abs().max((x.train_loss - y.train_loss).abs());
-            (dl, (x.grad_norm - y.grad_norm).abs() / x.grad_norm.max(1.0))
-        })
-        .collect()
-}
-
-/// Where `got` leaves `want`: the first step whose loss or gradient norm differs by more than
-/// the step's bound, `(loss, grad norm)` of `bounds`.
-fn diverges(want: &[StepMetrics], got: &[StepMetrics], bounds: &[(f64, f64)]) -> Option<String> {
-    if want.len() != got.len() {
-        return Some(format!("{} steps vs {}", got.len(), want.len()));
-    }
-    for ((x, (dl, dg)), (bl, bg)) in want.iter().zip(gaps(want, got)).zip(bounds) {
-        if dl > *bl || dg > *bg {
-            return Some(format!(
-                "step {}: loss and objective off by {dl:.2e} (bound {bl:.1e}), grad norm by {dg:.2e} (bound {bg:.1e}) of {}",
-                x.step, x.grad_norm
-            ));
-        }
-    }
-    None
-}
-
-/// A byte corpus of 40 short documents of uneven lengths, packed into each sequence.
-fn packed_corpus() -> Result<PackedStream> {
-    let mut r = Rng::new(17);
-    let mut text = Vec::new();
-    for _ in 0..40 {
-        let len = 3 + r.below(25);
-        text.extend((0..len).map(|_| b'a' + r.below(16) as u8));
-        text.extend_from_slice(b"\n\n");
-    }
-    PackedStream::from_bytes(&text, b"\n\n")
-}
 
 #[test]
 fn random_training_configurations_follow_one_device() -> Result<()> {
@@ -428,8 +216,11 @@ const BF16_CONFIGS: u64 = 16;
 /// `1000..3087` two gpt-oss draws passed 3e-4 (config 1086, all-gather 2 × TP 2 + SP × DP 2:
 /// 4.1e-4; config 1163, ring 2 × TP 2 × DP 2: 3.4e-4, its bf16 run 2.9e-4 from the f32
 /// single-device run where the bf16 single-device run is 5.0e-5 from it — a TP rank's partial
-/// sums rounded to bf16 before the sum; the same layouts in f32 are within 2.4e-7).
-const BF16_FIRST_STEP: (f64, f64) = (1e-3, 3e-3);
+/// sums rounded to bf16 before the sum; the same layouts in f32 are within 2.4e-7). Measured
+/// against the f32 run, the step-1 grad norm bound is 5e-3: config 2103 (a 12 / 3-head Gemma 3
+/// on ring 4 × TP 2 + SP, KV-head copies mixed over TP) is 3.65e-3 from it (2.78e-3 from the
+/// bf16 single-device run, which is 8.7e-4 from the f32 one; in f32 7.8e-9).
+const BF16_FIRST_STEP: (f64, f64) = (1e-3, 5e-3);
 /// After step 1 the grad-norm bound is 0.25 since session 48 (0.12 before): two trajectories in
 /// bf16 part by more than a gradient's rounding from step 2 on, and over `0..3163` three draws
 /// passed 0.12 at step 3 while their loss stayed within 2e-3 and the same layouts in f32
