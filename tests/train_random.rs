@@ -217,10 +217,12 @@ const BF16_CONFIGS: u64 = 16;
 /// 4.1e-4; config 1163, ring 2 × TP 2 × DP 2: 3.4e-4, its bf16 run 2.9e-4 from the f32
 /// single-device run where the bf16 single-device run is 5.0e-5 from it — a TP rank's partial
 /// sums rounded to bf16 before the sum; the same layouts in f32 are within 2.4e-7). Measured
-/// against the f32 run, the step-1 grad norm bound is 5e-3: config 2103 (a 12 / 3-head Gemma 3
-/// on ring 4 × TP 2 + SP, KV-head copies mixed over TP) is 3.65e-3 from it (2.78e-3 from the
-/// bf16 single-device run, which is 8.7e-4 from the f32 one; in f32 7.8e-9).
-const BF16_FIRST_STEP: (f64, f64) = (1e-3, 5e-3);
+/// against the f32 run, the step-1 grad norm bound is 1e-2: configs 2103 and 2650 (12 / 3-head
+/// Gemma 3s on ring and striped 4 × TP 2 + SP) are 3.65e-3 and 5.12e-3 from it (2103: 2.78e-3
+/// from the bf16 single-device run, which is 8.7e-4 from the f32 one; in f32 7.8e-9). bf16
+/// leaves every gradient ~2% off (a 12 / 3-head Gemma 3's, on one device and on TP 2 + SP,
+/// CP 4 alike), each run's norm a few 1e-3 below the f32 norm.
+const BF16_FIRST_STEP: (f64, f64) = (1e-3, 1e-2);
 /// After step 1 the grad-norm bound is 0.25 since session 48 (0.12 before): two trajectories in
 /// bf16 part by more than a gradient's rounding from step 2 on, and over `0..3163` three draws
 /// passed 0.12 at step 3 while their loss stayed within 2e-3 and the same layouts in f32
