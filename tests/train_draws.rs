@@ -200,7 +200,8 @@ pub fn diverges(want: &[StepMetrics], got: &[StepMetrics], bounds: &[(f64, f64)]
         return Some(format!("{} steps vs {}", got.len(), want.len()));
     }
     for ((x, (dl, dg)), (bl, bg)) in want.iter().zip(gaps(want, got)).zip(bounds) {
-        if dl > *bl || dg > *bg {
+        // (a NaN gap is a divergence too)
+        if !(dl <= *bl && dg <= *bg) {
             return Some(format!(
                 "step {}: loss and objective off by {dl:.2e} (bound {bl:.1e}), grad norm by {dg:.2e} (bound {bg:.1e}) of {}",
                 x.step, x.grad_norm

@@ -220,13 +220,15 @@ const BF16_CONFIGS: u64 = 16;
 /// 4.1e-4 and 3.4e-4 from the bf16 single-device run). The same layouts in f32 stay within
 /// 2.4e-7 / 7.8e-9.
 const BF16_FIRST_STEP: (f64, f64) = (4e-3, 1e-2);
-/// After step 1 the grad-norm bound is 0.25 since session 48 (0.12 before): two trajectories in
-/// bf16 part by more than a gradient's rounding from step 2 on, and over `0..3163` three draws
-/// passed 0.12 at step 3 while their loss stayed within 2e-3 and the same layouts in f32
-/// within 4e-6 (config 418, Qwen3 12 / 3 heads on CP 4: 0.126–0.143 of 0.875, the bf16
+/// After step 1 the grad-norm bound is 0.5 (relative) since session 48 (0.12 before): two
+/// trajectories in bf16 part by more than a gradient's rounding from step 2 on, and the grad
+/// norm of a few updates later is chaotic while the loss is not. Over `0..8375` four draws
+/// passed 0.12 at step 3 with their losses within 2e-3 of the f32 run's and the same layouts
+/// in f32 within 4e-6 (config 418, Qwen3 12 / 3 heads on CP 4: 0.126–0.143 of 0.875, the bf16
 /// single-device run itself 0.33 from the f32 run; config 3077, Gemma 3 on 2-D 2 × TP 2 × DP 2:
-/// 0.158 of 0.887).
-const BF16_LATER_STEPS: (f64, f64) = (1.5e-2, 0.25);
+/// 0.158 of 0.887; config 5893, a 12 / 3-head Gemma 2 on striped 2 × TP 2: 0.276 of 1.74, the
+/// loss 6.4e-4 off). The loss keeps its bound.
+const BF16_LATER_STEPS: (f64, f64) = (1.5e-2, 0.5);
 
 /// bf16 weights and activations (f32 master weights and optimizer state, as the trainer keeps
 /// them) on drawn layouts and options follow the single-device run as closely as bf16 lets the
