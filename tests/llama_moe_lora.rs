@@ -255,3 +255,65 @@ fn per_module_ranks_and_layers_equal_the_merged_model() -> Result<()> {
     }
     Ok(())
 }
+
+/// A transformers 5 adapter on a mixture: its routed experts and routers are parameters, so
+/// PEFT's `target_modules` (here `all-linear`'s list as PEFT writes it) adapt the attention, a
+/// dense layer's MLP and a shared expert only, and the file holds no expert's tensor. Read by
+/// [`candle_cp_llama::lora::load_adapter_sharded`] (generation) and `merge-lora`'s path
+/// (`expert_params::transformers_5_spec`), it is that model (Qwen2-MoE: layer 0 dense, a shared
+/// expert and its gate; Qwen3-MoE: layer 0 dense): the same logits as the model built with its
+/// experts as parameters, the adapters moving them; the same file read as a transformers 4
+/// adapter (`load_peft_adapter`'s spec as it is) is refused for the experts' missing tensors.
+#[test]
+fn a_transformers_5_adapter_without_expert_tensors_reads() -> Result<()> {
+    use candle_cp_llama::lora::GateUp;
+    let root = std::env::temp_dir().join(format!("candle-cp-moe-lora-v5-{}", std::process::id()));
+    for style in [MoeStyle::Qwen2Moe, MoeStyle::Qwen3Moe] {
+        let (base, mut full) = moe_model(style, None)?;
+        let spec = LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?;
+        let cfg5 = base.clone().with_lora(Some(spec.clone().with_expert_params(Some(GateUp::Concatenated))));
+        cfg5.validate()?;
+        let specs: Vec<_> = param_specs(&cfg5).into_iter().filter(|s| s.is_lora()).collect();
+        assert!(specs.iter().all(|s| !s.name.contains(".experts.") && !s.name.contains("mlp.gate.")), "{style:?}: no expert or router adapter");
+        assert!(specs.iter().any(|s| s.name.starts_with("model.layers.0.mlp.down_proj")), "{style:?}: the dense layer's MLP");
+        for (i, s) in specs.iter().enumerate() {
+            full.insert(s.name.clone(), candle_cp_ops::oracle::randn(5300 + i as u64, &s.shape, if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 })?.to_dtype(DType::F32)?);
+        }
+        let adapters: HashMap<String, Tensor> = full.iter().filter(|(n, _)| is_lora_name(n)).map(|(n, t)| (n.clone(), t.clone())).collect();
+        let dir = root.join(format!("{style:?}"));
+        candle_cp_llama::save_hf(&dir, &{
+            let vm = candle_nn::VarMap::new();
+            let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+            for (k, t) in full.iter().filter(|(n, _)| !is_lora_name(n)) {
+                data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+            }
+            drop(data);
+            vm
+        }, &base)?;
+        save_peft_adapter(&dir, cfg5.lora.as_ref().unwrap_or(&spec), &adapters, "base")?;
+        // read as a transformers 4 adapter: the experts' tensors are missing
+        let (read, tensors) = load_peft_adapter(&dir)?;
+        assert_eq!(read.expert_params, None);
+        let missing: Vec<String> = param_specs(&base.clone().with_lora(Some(read.clone()))).into_iter().filter(|s| s.is_lora() && !tensors.contains_key(&s.name)).map(|s| s.name).collect();
+        assert!(missing.iter().any(|n| n.contains(".experts.")), "{style:?}: {missing:?}");
+        // read for generation: transformers 5's model
+        let ids = ids(64)?;
+        let want = run_layout_recompute(&full, &cfg5, &ids, Layout::single(), &Device::Cpu, false)?;
+        let plain = run_layout_recompute(&full, &base, &ids, Layout::single(), &Device::Cpu, false)?;
+        let mut got = candle_cp_comm::run_ranks(1, |g| {
+            let ctx = candle_cp_llama::ParallelCtx::new(g, Layout::single())?;
+            let (vm, bcfg) = candle_cp_llama::load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?;
+            let Some(lcfg) = candle_cp_llama::lora::load_adapter_sharded(&dir, &bcfg, &vm, &ctx, DType::F32, &Device::Cpu)? else { candle_core::bail!("no adapter") };
+            assert_eq!(lcfg.lora, cfg5.lora, "{style:?}: the spec read for generation");
+            let model = candle_cp_llama::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &lcfg, &ctx)?;
+            model.forward(&ids, &Tensor::arange(0u32, 64, &Device::Cpu)?)?.to_dtype(DType::F32)
+        });
+        let logits = got.pop().unwrap_or_else(|| candle_core::bail!("no rank"))?;
+        let d = (f64s(&logits)? - f64s(&want.logits.reshape(logits.dims())?)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        let moved = (f64s(&want.logits)? - f64s(&plain.logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
+        println!("{style:?}: a transformers 5 adapter read for generation: logits {d:.1e} (the adapters move them {moved:.1e})");
+        assert!(d < 1e-5 && moved > 1e-3, "{style:?}: logits {d}, moved {moved}");
+    }
+    let _ = std::fs::remove_dir_all(&root);
+    Ok(())
+}

@@ -301,6 +301,24 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
     Ok(out)
 }
 
+/// `spec`, read from a PEFT file holding `tensors` (by the model's names), for model `cfg`: with
+/// its experts as parameters (transformers 5's layout, [`GateUp::Concatenated`]) when `cfg` is
+/// a mixture (not gpt-oss, whose experts always are), the spec names no `target_parameters`,
+/// its `target_modules` name MLP projections, and the file holds no expert's adapter — a
+/// transformers 5 adapter, whose routed experts are parameters no target module reaches (its
+/// `gate_proj` / `up_proj` / `down_proj` adapt the dense layers and a shared expert, its
+/// routers, parameters too, nothing). Read as a transformers 4 adapter it would be refused for
+/// the experts' missing tensors. Otherwise `spec` as it is.
+pub fn transformers_5_spec(cfg: &crate::LlamaConfig, spec: crate::LoraSpec, tensors: &HashMap<String, Tensor>) -> crate::LoraSpec {
+    let mlp = ["gate_proj", "up_proj", "down_proj"].iter().any(|t| spec.adapts(t));
+    let experts = tensors.keys().any(|n| n.contains(".experts."));
+    let fused = cfg.moe.is_some() && !cfg.gpt_oss && spec.target_parameters.is_empty() && spec.expert_params.is_none() && spec.target_regex.is_none();
+    match fused && mlp && !experts {
+        true => spec.with_expert_params(Some(GateUp::Concatenated)),
+        false => spec,
+    }
+}
+
 /// The shared `A` of gate_up_proj's parts given to each part
 /// (`….experts.{gate,up}_proj.lora_A.weight`), for merging the parts one at a time; other
 /// tensors pass as they are.

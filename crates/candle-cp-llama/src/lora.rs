@@ -289,10 +289,11 @@ impl crate::LlamaConfig {
     pub fn with_lora(mut self, lora: Option<LoraSpec>) -> Self {
         // (a Phi-3's modules are its fused ones: LoraSpec::with_fused)
         // (the experts as parameters: gpt-oss's always; another mixture's when the spec names them)
+        // (or when the spec says so, on a mixture: `expert_params::transformers_5_spec`)
         let layout = |l: &LoraSpec| match (self.gpt_oss, self.moe.is_some() && !l.target_parameters.is_empty()) {
             (true, _) => Some(GateUp::Interleaved),
             (false, true) => Some(GateUp::Concatenated),
-            (false, false) => None,
+            (false, false) => l.expert_params.filter(|_| self.moe.is_some()),
         };
         self.lora = lora.map(|l| {
             let g = layout(&l);
@@ -409,7 +410,7 @@ pub fn load_adapter_sharded(dir: &Path, cfg: &crate::LlamaConfig, varmap: &candl
         return Ok(None);
     }
     let (spec, tensors) = load_peft_adapter(dir)?;
-    let cfg = cfg.clone().with_lora(Some(spec));
+    let cfg = cfg.clone().with_lora(Some(crate::expert_params::transformers_5_spec(cfg, spec, &tensors)));
     insert_loaded_adapter(dir, &cfg, &tensors, varmap, ctx, dtype, device)?;
     Ok(Some(cfg))
 }
