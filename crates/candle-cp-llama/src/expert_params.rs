@@ -142,10 +142,10 @@ pub(crate) fn check(cfg: &crate::LlamaConfig) -> Result<()> {
     }
     // (the routers: transformers 5's `mlp.gate.weight`; gpt-oss's is `mlp.router`, not one)
     let params: &[&str] = if cfg.gpt_oss { &["experts.gate_up_proj", "experts.down_proj"] } else { &["experts.gate_up_proj", "experts.down_proj", "gate.weight"] };
-    let sparse = (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).count();
-    let names: Vec<String> = (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).flat_map(|i| params.iter().map(move |p| format!("model.layers.{i}.mlp.{p}"))).collect();
+    let sparse: Vec<usize> = (0..cfg.num_hidden_layers).filter(|&i| cfg.is_moe_layer(i)).collect();
+    let names: Vec<String> = sparse.iter().flat_map(|i| params.iter().map(move |p| format!("model.layers.{i}.mlp.{p}"))).collect();
     if let Some(k) = l.target_parameters.iter().find(|k| !names.iter().any(|n| key_matches(k, n))) {
-        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter or router weight of the {sparse} sparse layers")
+        bail!("LlamaConfig: LoRA target_parameters key '{k}' matches no expert parameter or router weight of the {} sparse layers", sparse.len())
     }
     Ok(())
 }
@@ -161,14 +161,9 @@ pub(crate) fn to_peft(tensors: HashMap<String, Tensor>, layout: GateUp) -> Resul
     // the experts modules' prefixes (`….mlp.`) whose parameters are adapted
     let (mut gate_up, mut down) = (HashMap::new(), HashMap::new());
     for (name, t) in tensors {
-        // (a Mixtral's under transformers 5's names: `….mlp.experts.*`)
-        let v5 = ["gate_up_proj.lora_A", "gate_proj.lora_B", "up_proj.lora_B", "down_proj.lora_A", "down_proj.lora_B"].iter().any(|f| name.ends_with(&format!(".block_sparse_moe.experts.{f}.weight")));
-        let name = if v5 { peft_param(&name) } else { name };
-        // (and its router's, transformers 5's `….mlp.gate`)
-        let name = match ["lora_A.weight", "lora_B.weight"].iter().find_map(|f| Some((name.strip_suffix(&format!(".block_sparse_moe.gate.{f}"))?, f))) {
-            Some((layer, f)) => format!("{layer}.mlp.gate.{f}"),
-            None => name,
-        };
+        // (a Mixtral's under transformers 5's names, its sparse layer `mlp`: with the experts as
+        // parameters its only adapters there are the experts' and the router's)
+        let name = name.replace(".block_sparse_moe.", ".mlp.");
         if let Some(p) = name.strip_suffix("mlp.experts.gate_up_proj.lora_A.weight") {
             gate_up.entry(p.to_string()).or_insert([None, None, None])[0] = Some(t);
         } else if let Some(p) = name.strip_suffix("mlp.experts.gate_proj.lora_B.weight") {
