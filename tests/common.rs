@@ -5,6 +5,7 @@ use std::path::PathBuf;
 pub mod dense_llama;
 pub mod moe_model;
 pub mod lora_ref;
+pub mod peft_files;
 pub mod draws;
 pub mod train_draws;
 pub mod packed_run;

@@ -42,6 +42,7 @@ use candle_cp_llama::{param_specs, save_hf, LlamaConfig, LoraSpec, MoeStyle};
 use candle_cp_tests::dense_llama::{reference_routed, reference_rows};
 use candle_cp_tests::lora_ref::{f64s, rel};
 use candle_cp_tests::moe_model::moe_model;
+use candle_cp_tests::peft_files::{peft_converted, write_adapter};
 use std::collections::HashMap;
 
 const T: usize = 128;
@@ -469,55 +470,16 @@ fn converted_by_peft(style: MoeStyle) -> Result<()> {
     }
     let (adapters4, weights) = split(&full);
     // PEFT's converted file, from the stacked transformers 4 factors
-    let v = |n: &str| -> Result<Vec<Vec<Vec<f32>>>> { adapters4[n].to_vec3::<f32>() };
-    let (e, r) = (8usize, 2usize);
-    let mut file: HashMap<String, Tensor> = HashMap::new();
     let sparse: Vec<usize> = (0..base.num_hidden_layers).filter(|&l| base.is_moe_layer(l)).collect();
-    for &l in &sparse {
-        let p = format!("model.layers.{l}.{m}.experts.");
-        let (ag, au, bg, bu) = (v(&format!("{p}gate_proj.lora_A.weight"))?, v(&format!("{p}up_proj.lora_A.weight"))?, v(&format!("{p}gate_proj.lora_B.weight"))?, v(&format!("{p}up_proj.lora_B.weight"))?);
-        let (h, i) = (ag[0][0].len(), bg[0].len());
-        // gate_up_proj: A [2r·E, h], row e·2r + j (gate's j < r, up's after); B [2I, 2r·E], column j·E + e
-        let mut a = vec![0f32; 2 * r * e * h];
-        let mut b = vec![0f32; 2 * i * 2 * r * e];
-        for ex in 0..e {
-            for j in 0..2 * r {
-                let src = if j < r { &ag[ex][j] } else { &au[ex][j - r] };
-                a[(ex * 2 * r + j) * h..(ex * 2 * r + j + 1) * h].copy_from_slice(src);
-                for o in 0..i {
-                    let (row, val) = if j < r { (o, bg[ex][o][j]) } else { (i + o, bu[ex][o][j - r]) };
-                    b[row * 2 * r * e + j * e + ex] = val;
-                }
-            }
-        }
-        let q = format!("model.layers.{l}.mlp.experts.");
-        file.insert(format!("{q}base_layer.lora_A.weight"), Tensor::from_vec(a, (2 * r * e, h), &Device::Cpu)?);
-        file.insert(format!("{q}base_layer.lora_B.weight"), Tensor::from_vec(b, (2 * i, 2 * r * e), &Device::Cpu)?);
-        // down_proj: A [r·E, I] row e·r + j; B [h, r·E] column j·E + e
-        let (ad, bd) = (v(&format!("{p}down_proj.lora_A.weight"))?, v(&format!("{p}down_proj.lora_B.weight"))?);
-        let a: Vec<f32> = (0..e).flat_map(|ex| (0..r).flat_map(|j| ad[ex][j].clone()).collect::<Vec<_>>()).collect();
-        let b: Vec<f32> = (0..h).flat_map(|o| (0..r).flat_map(|j| (0..e).map(|ex| bd[ex][o][j]).collect::<Vec<_>>()).collect::<Vec<_>>()).collect();
-        file.insert(format!("{q}lora_A.weight"), Tensor::from_vec(a, (r * e, i), &Device::Cpu)?);
-        file.insert(format!("{q}lora_B.weight"), Tensor::from_vec(b, (h, r * e), &Device::Cpu)?);
-        // the router: transformers 5's `mlp.gate`
-        for f in ["lora_A", "lora_B"] {
-            file.insert(format!("model.layers.{l}.mlp.gate.{f}.weight"), adapters4[&format!("model.layers.{l}.{m}.gate.{f}.weight")].clone());
-        }
-    }
-    for (n, t) in adapters4.iter().filter(|(n, _)| n.contains("self_attn.")) {
-        file.insert(n.clone(), t.clone());
-    }
+    let file = peft_converted(&base, &adapters4, 2)?;
     let dir = std::env::temp_dir().join(format!("candle-cp-lora-converted-{style:?}-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    let named: HashMap<String, Tensor> = file.into_iter().map(|(n, t)| (format!("base_model.model.{n}"), t)).collect();
-    candle_core::safetensors::save(&named, dir.join("adapter_model.safetensors"))?;
     let config = serde_json::json!({
         "peft_type": "LORA", "peft_version": "0.19.1", "r": 2, "lora_alpha": 6, "lora_dropout": 0.0,
         "target_modules": ["q_proj"], "target_parameters": ["down_proj", "gate.weight", "gate_up_proj"],
         "rank_pattern": {".*\\.gate_up_proj": 4}, "alpha_pattern": {".*\\.gate_up_proj": 12},
         "layers_to_transform": layers, "base_model_name_or_path": "base", "use_dora": false, "use_rslora": false,
     });
-    std::fs::write(dir.join("adapter_config.json"), config.to_string()).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    write_adapter(&dir, file, &config)?;
     // read as this model holds it
     let (spec5, tensors) = load_peft_adapter(&dir)?;
     let cfg5 = base.clone().with_lora(Some(spec5.clone()));

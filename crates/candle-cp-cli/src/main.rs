@@ -3,6 +3,7 @@
 //!
 //! Exit codes: 0 PASS (or success), 1 FAIL, 2 bad input (message on stderr).
 
+mod convert_lora;
 mod merge_lora;
 mod plan;
 mod search;
@@ -30,6 +31,9 @@ enum Cmd {
     Search(search::SearchArgs),
     /// A LoRA checkpoint (base model + PEFT adapter) as one merged Hugging Face model.
     MergeLora(merge_lora::MergeArgs),
+    /// A PEFT adapter on a mixture's expert parameters (transformers 5) as the same adapter on
+    /// per-expert modules (transformers 4), for serving stacks that read only those.
+    ConvertLora(convert_lora::ConvertArgs),
 }
 
 #[derive(Subcommand)]
@@ -58,6 +62,7 @@ fn main() -> ExitCode {
         Cmd::Plan(a) => plan::run(a),
         Cmd::Search(a) => search::run(a),
         Cmd::MergeLora(a) => merge_lora::run(a),
+        Cmd::ConvertLora(a) => convert_lora::run(a),
     };
     match res {
         Ok(true) => ExitCode::SUCCESS,

@@ -67,6 +67,7 @@ pub mod hf;
 pub mod layout;
 mod layer_build;
 pub mod lora;
+pub mod lora_convert;
 mod lora_merge;
 pub mod loss;
 pub mod model;
