@@ -194,7 +194,9 @@ pub(crate) struct Args {
     pub(crate) lora_modules_to_save: Option<String>,
     /// Start the LoRA adapters from this PEFT adapter directory (adapter_config.json,
     /// adapter_model.safetensors; e.g. one published for --model) instead of drawing them; its
-    /// rank, alpha and targets are the run's (with --lora too, they must agree).
+    /// rank, alpha and targets are the run's (with --lora too, they must agree). A transformers 5
+    /// adapter on a mixture (experts as parameters: target_parameters, or target modules that
+    /// reach no expert) trains as transformers 5's model and is written in its layout.
     #[arg(long, value_name = "DIR")]
     pub(crate) lora_from: Option<PathBuf>,
     /// Hold the LoRA run's frozen base quantized (QLoRA-style): `int8` or `nf4`, optionally

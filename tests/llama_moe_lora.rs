@@ -313,7 +313,29 @@ fn a_transformers_5_adapter_without_expert_tensors_reads() -> Result<()> {
         let moved = (f64s(&want.logits)? - f64s(&plain.logits)?)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f64>()?;
         println!("{style:?}: a transformers 5 adapter read for generation: logits {d:.1e} (the adapters move them {moved:.1e})");
         assert!(d < 1e-5 && moved > 1e-3, "{style:?}: logits {d}, moved {moved}");
+        // a fine-tune started from it (finetune_llama's --lora-from: the trainer's lora_init with
+        // the file's own spec) reads it alike: at learning rate 0 its step-1 checkpoint is the
+        // file, tensor for tensor (refused before for the experts' missing tensors)
+        let out = root.join(format!("{style:?}-run"));
+        let mut c = candle_cp_llama::train::TrainConfig::new(Layout::single().with_tp(2, true), candle_cp_llama::train::ModelSource::Hf(dir.clone()), candle_cp_llama::train::DataSource::Recall(candle_cp_llama::train::KvRecall::new(64)?), 64, 1);
+        (c.lora, c.lora_init, c.out, c.save_every) = (Some(read), Some(dir.clone()), Some(out.clone()), 1);
+        c.schedule.peak = 0.0;
+        candle_cp_tests::train_draws::run(&c)?;
+        let (a, b) = (candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?, candle_core::safetensors::load(out.join("checkpoints/step-000001/adapter_model.safetensors"), &Device::Cpu)?);
+        assert_eq!(a.len(), b.len(), "{style:?}: the run's adapter file");
+        for (n, t) in &a {
+            assert_eq!((t - &b[n])?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()?, 0.0, "{style:?}: {n} after a step at learning rate 0");
+        }
     }
+    // (a transformers 4 adapter whose layers hold no expert it adapts — layer 0 of Qwen3-MoE is
+    // dense — stays one; a regular expression over transformers 4's names that reaches the
+    // experts, with no expert tensor in the file, reads as transformers 5's model)
+    let (base, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
+    let none = HashMap::new();
+    let dense = LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_layers(Some(vec![0]));
+    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, dense.clone(), &none), dense);
+    let regex = LoraSpec::new(RANK, ALPHA, &["q_proj"])?.with_target_regex(Some(r".*\.(q_proj|down_proj)".into()))?;
+    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, regex, &none).expert_params, Some(candle_cp_llama::lora::GateUp::Concatenated));
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }

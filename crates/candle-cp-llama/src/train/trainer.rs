@@ -227,10 +227,18 @@ pub fn train_rank(
             if let (Some(dir), None) = (&resume_from, lora_saved) {
                 bail!("resume: {} holds no LoRA adapter (a run that trained every weight): resume it without lora", dir.display())
             }
-            // (a Phi-3's modules named as its fused ones)
-            mcfg = mcfg.with_lora(Some(l.clone()));
-            mcfg.validate()?;
             let from = lora_saved.or(cfg.lora_init.as_ref());
+            // (a transformers 5 adapter holding no expert tensor, its target modules naming MLP
+            // projections: read as transformers 5's model, its experts parameters no target module
+            // reaches — expert_params::transformers_5_spec; a run started from one writes such
+            // checkpoints, read alike when resumed)
+            let l = match from.filter(|d| crate::lora::has_adapter(d)) {
+                Some(dir) => crate::expert_params::transformers_5_spec(&mcfg, l.clone(), &crate::lora::load_peft_adapter(dir)?.1),
+                None => l.clone(),
+            };
+            // (a Phi-3's modules named as its fused ones)
+            mcfg = mcfg.with_lora(Some(l));
+            mcfg.validate()?;
             super::lora::add_adapters(&varmap, &mcfg, &ctx, cfg.seed, cfg.dtype, &dev, from.map(|d| d.as_path()))?;
             if from.is_none() {
                 // DoRA's magnitudes from the base weights the model computes with
