@@ -14,6 +14,12 @@
 //!   for bit (the zero columns left out, rank `r` again).
 //! - Refused by name: gpt-oss (its experts are parameters in every transformers version), an
 //!   adapter whose experts are modules already.
+//! - Drawn adapters (`random_adapters_convert_to_the_same_model`): the mixture, target modules
+//!   (none, attention, MLP, all-linear, a regular expression), target parameters (the experts',
+//!   one layer's, the router's, bare keys), rank, alpha, rsLoRA, `layers_to_transform`, rank and
+//!   alpha patterns, the head trained whole, and zero columns in gate's and up's `B`: the same
+//!   merged weights and logits, the PEFT file read back bit for bit.
+//!   `CANDLE_CP_RANDOM_SEEDS=A..B` draws configurations `A..B`.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::layout::{CpKind, Layout};
@@ -21,6 +27,9 @@ use candle_cp_llama::lora::{is_lora_name, load_peft_adapter, merge_adapter, mode
 use candle_cp_llama::lora_convert::per_expert_adapter;
 use candle_cp_llama::verify::{load_reference, run_layout_recompute};
 use candle_cp_llama::{param_specs, LlamaConfig, LoraSpec, MoeStyle};
+use candle_cp_llama::lora::ALL_LINEAR;
+use candle_cp_llama::train::Rng;
+use candle_cp_tests::draws::{pick, rng, seeds};
 use candle_cp_tests::lora_ref::f64s;
 use candle_cp_tests::moe_model::moe_model;
 use candle_cp_tests::peft_files::{peft_converted, write_adapter};
@@ -31,10 +40,11 @@ fn ids(t: usize) -> Result<Tensor> {
     load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, t)?.contiguous()
 }
 
-/// `cfg`'s adapters drawn from `seed` (`B ≠ 0`).
+/// `cfg`'s adapters (and the modules it trains whole) drawn from `seed` (`B ≠ 0`).
 fn seeded(cfg: &LlamaConfig, seed: u64) -> Result<HashMap<String, Tensor>> {
     let mut out = HashMap::new();
-    for (i, s) in param_specs(cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
+    let saved = |n: &str| cfg.lora.as_ref().is_some_and(|l| l.saved_param(n));
+    for (i, s) in param_specs(cfg).into_iter().filter(|s| s.is_lora() || saved(&s.name)).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         out.insert(s.name.clone(), candle_cp_ops::oracle::randn(seed + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
     }
@@ -177,5 +187,113 @@ fn refusals() -> Result<()> {
     let e = per_expert_adapter(&cfg, &a).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("down_proj.lora_B.weight") && e.contains("[8, 128, 3]"), "{e}");
     assert!(w.keys().all(|n| !is_lora_name(n)));
+    Ok(())
+}
+
+/// A transformers 5 adapter spec on a mixture (see the module doc).
+fn draw_spec(d: &mut Rng) -> Result<LoraSpec> {
+    let attention: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj"];
+    let targets: &[&str] = pick(d, &[&[][..], &["q_proj"], &["q_proj", "v_proj"], attention, &["gate_proj", "up_proj", "down_proj"], &["o_proj", "down_proj"], &ALL_LINEAR]);
+    let keys = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj", "gate.weight", "1.mlp.experts.down_proj", "gate_up_proj", "mlp.gate.weight"];
+    let mut params: Vec<&str> = keys.iter().copied().filter(|_| d.below(3) == 0).collect();
+    if params.is_empty() {
+        params.push(pick(d, &keys));
+    }
+    let (rank, alpha) = (pick(d, &[1, 2, 4]), pick(d, &[1.0, 4.0, 8.0]));
+    let mut spec = match targets.is_empty() {
+        true => LoraSpec::on_parameters(rank, alpha, &params)?,
+        false => LoraSpec::new(rank, alpha, targets)?.with_target_parameters(&params)?,
+    };
+    spec = spec.with_rslora(d.below(4) == 0);
+    if !targets.is_empty() && d.below(4) == 0 {
+        spec = spec.with_layers(Some(vec![d.below(2)]));
+    }
+    if !targets.is_empty() && d.below(6) == 0 {
+        spec = spec.with_target_regex(Some(pick(d, &[r".*\.layers\.1\..*(q_proj|v_proj)", r".*(o_proj|down_proj)", r".*\.mlp\..*"]).to_string()))?;
+    }
+    let pattern_keys = ["mlp.experts.down_proj", "gate_up_proj", "q_proj", "mlp.gate.weight", "down_proj", r".*\.experts\..*"];
+    if d.below(3) == 0 {
+        spec = spec.with_rank_pattern(vec![(pick(d, &pattern_keys).to_string(), 2 * rank)])?;
+    }
+    if d.below(3) == 0 {
+        spec = spec.with_alpha_pattern(vec![(pick(d, &pattern_keys).to_string(), alpha + 3.0)])?;
+    }
+    if d.below(8) == 0 {
+        spec = spec.with_modules_to_save(&["lm_head"])?;
+    }
+    Ok(spec)
+}
+
+/// Drawn transformers 5 adapters convert to per-expert adapters that are the same model (see
+/// the module doc).
+#[test]
+fn random_adapters_convert_to_the_same_model() -> Result<()> {
+    let range = seeds(24)?;
+    let n = range.end - range.start;
+    let (mut checked, mut refused, mut compacted, mut regex, mut patterns) = (0, 0, 0, 0, 0);
+    let ids = ids(32)?;
+    for seed in range {
+        let mut d = rng(47_000 + seed);
+        let style = pick(&mut d, &[MoeStyle::Qwen3Moe, MoeStyle::Mixtral, MoeStyle::Qwen2Moe]);
+        let spec5 = draw_spec(&mut d)?;
+        let what = format!("config {seed}: {style:?}, LoRA {spec5}");
+        let (base, weights) = moe_model(style, None)?;
+        let cfg5 = base.clone().with_lora(Some(spec5));
+        if let Err(e) = cfg5.validate() {
+            // (a key naming no parameter of this mixture, the router as a target module beside
+            // expert parameters)
+            let e = e.to_string();
+            assert!(e.contains("target_parameters key") || e.contains("router"), "{what}: refused for {e}");
+            refused += 1;
+            continue;
+        }
+        let mut adapters5 = seeded(&cfg5, 7000 + 100 * seed)?;
+        // zero columns in gate's and up's B (every expert's): left out by the conversion
+        let zeroing = d.below(2) == 0;
+        // (in the names' order: the draws reproducible)
+        let mut parts: Vec<String> = adapters5.keys().filter(|n| zeroing && (n.ends_with("experts.gate_proj.lora_B.weight") || n.ends_with("experts.up_proj.lora_B.weight"))).cloned().collect();
+        parts.sort();
+        for name in parts {
+            let Some(t) = adapters5.get_mut(&name) else { continue };
+            let r = t.dim(2)?;
+            let keep: Vec<f32> = (0..r).map(|_| if d.below(2) == 0 { 0.0 } else { 1.0 }).collect();
+            *t = t.broadcast_mul(&Tensor::new(keep.as_slice(), &Device::Cpu)?.reshape((1, 1, r))?)?;
+        }
+        let (spec4, adapters4) = per_expert_adapter(&cfg5, &adapters5).map_err(|e| candle_core::Error::Msg(format!("{what}: {e}")))?;
+        let cfg4 = base.clone().with_lora(Some(spec4.clone()));
+        let spec5 = cfg5.lora.clone().ok_or_else(|| candle_core::Error::Msg("a spec".into()))?;
+        let (mut m5, mut m4) = (weights.clone(), weights.clone());
+        let (n5, n4) = (merge_adapter(&mut m5, &spec5, &adapters5)?, merge_adapter(&mut m4, &spec4, &adapters4)?);
+        assert_eq!(n5, n4, "{what}: merged weights ({spec4})");
+        for (name, t) in &m5 {
+            let e = max_diff(t, &m4[name])?;
+            assert!(e < 1e-7, "{what}: {name} merges {e} apart ({spec4})");
+        }
+        let (mut full5, mut full4) = (weights.clone(), weights.clone());
+        full5.extend(adapters5.clone());
+        full4.extend(adapters4.clone());
+        let a = run_layout_recompute(&full5, &cfg5, &ids, Layout::single(), &Device::Cpu, false)?;
+        let b = run_layout_recompute(&full4, &cfg4, &ids, Layout::single(), &Device::Cpu, false)?;
+        let e = max_diff(&a.logits, &b.logits)?;
+        assert!(e < 1e-5, "{what}: logits {e} apart ({spec4})");
+        // the file read back
+        let dir = tmp(&format!("random-{seed}"));
+        save_peft_adapter(&dir, &spec4, &adapters4, "base")?;
+        let (read, tensors) = load_peft_adapter(&dir)?;
+        let rcfg = base.clone().with_lora(Some(candle_cp_llama::expert_params::transformers_5_spec(&base, read, &tensors)));
+        assert_eq!(rcfg.lora, cfg4.lora, "{what}: the spec read back");
+        let tensors = model_adapters(&rcfg, tensors)?;
+        assert_eq!(tensors.len(), adapters4.len(), "{what}: the tensors read back");
+        for (name, t) in &adapters4 {
+            assert_eq!(max_diff(t, &tensors[name])?, 0.0, "{what}: {name} read back");
+        }
+        std::fs::remove_dir_all(&dir).ok();
+        checked += 1;
+        compacted += zeroing as usize;
+        regex += spec4.target_regex.is_some() as usize;
+        patterns += (!spec4.rank_pattern.is_empty() || !spec4.alpha_pattern.is_empty()) as usize;
+    }
+    println!("{checked} adapters converted ({compacted} with zero B columns, {regex} as a regular expression, {patterns} with patterns), {refused} refused");
+    assert!(checked >= n as usize / 2, "{checked} of {n} checked");
     Ok(())
 }

@@ -31,11 +31,12 @@ fn edit(dir: &Path, f: impl FnOnce(&mut serde_json::Value)) -> Result<()> {
 
 /// rsLoRA: saved as `use_rslora`, read back, and the model built from the file computes
 /// `W + (alpha / √r)·B·A` (its logits equal the merged model's; with the plain `alpha / r` they
-/// would not).
+/// would not). An alpha that is no short decimal (`convert-lora`'s `s·√r'`) reads back to the
+/// bit (serde_json's default parser was one unit in the last place off on 3.7416573867739418).
 #[test]
 fn rslora_round_trips_and_scales_by_the_root_of_the_rank() -> Result<()> {
     let base = LlamaConfig::tiny(64, 32, 1, 2, 1);
-    let spec = LoraSpec::new(4, 8.0, &["q_proj", "down_proj"])?.with_rslora(true);
+    let spec = LoraSpec::new(4, 8.0, &["q_proj", "down_proj"])?.with_rslora(true).with_alpha_pattern(vec![("down_proj".into(), 8.0)])?;
     assert_eq!(spec.config.scale(), 4.0);
     let cfg = base.clone().with_lora(Some(spec.clone()));
     let ad = adapters(&cfg, 11)?;
@@ -44,6 +45,9 @@ fn rslora_round_trips_and_scales_by_the_root_of_the_rank() -> Result<()> {
     assert_eq!(read_adapter_config(&dir)?["use_rslora"], serde_json::json!(true));
     let (got, _) = load_peft_adapter(&dir)?;
     assert_eq!(got, spec);
+    let odd = spec.clone().with_alpha_pattern(vec![("down_proj".into(), 3.7416573867739418)])?;
+    save_peft_adapter(&dir.join("odd"), &odd, &ad, "base")?;
+    assert_eq!(load_peft_adapter(&dir.join("odd"))?.0, odd, "an alpha read back to the bit");
     let weights = crate::params::varmap_tensors(&crate::init_params(&base, 5, DType::F32, &Device::Cpu)?)?;
     let mut merged = weights.clone();
     assert_eq!(merge_adapter(&mut merged, &spec, &ad)?, 2);
