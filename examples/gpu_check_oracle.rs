@@ -147,6 +147,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Llama, Layout::cp(CpKind::Zigzag, 2).with_tp(4, true), Some((12, 3, 16))));
     // Gemma 2: its logit soft caps (attention 1, output 2: they bind on this model) in every ring
     // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
+    let name = format!("llama smollm3 (layer 1 without RoPE) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::SmolLM3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -246,6 +248,8 @@ fn arch_vs_cpu_with(
             };
             c
         }
+        // SmolLM3: layer 1 attends without RoPE
+        Arch::SmolLM3 => base.with_nope_layers(Some(vec![false, true])),
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;

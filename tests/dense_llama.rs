@@ -12,6 +12,7 @@
 //!   `x / √(mean(x²) + eps) · (1 + w)`; `x + norm(attn(..))` and `x + norm(mlp(..))`;
 //!   `gelu_tanh(gate)·up`; scale `query_pre_attn_scalar^-1/2`; sliding layers rotate by
 //!   `rope_local_base_freq^(-2i/D)`, unscaled.
+//! - SmolLM3: no RoPE on its NoPE layers (`LlamaConfig::layer_rotates`).
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
@@ -140,6 +141,10 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             _ => &global,
         };
         let rope = |x: &Tensor| -> Result<Tensor> {
+            // SmolLM3's NoPE layers: q and k as projected
+            if !cfg.layer_rotates(l) {
+                return Ok(x.clone());
+            }
             let r = x.narrow(D::Minus1, 0, rd)?;
             let r = (r.broadcast_mul(cos)? + rotate_half(&r)?.broadcast_mul(sin)?)?;
             if rd == d { Ok(r) } else { Tensor::cat(&[&r, &x.narrow(D::Minus1, rd, d - rd)?], D::Minus1) }

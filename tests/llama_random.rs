@@ -16,7 +16,8 @@
 //! Qwen2-MoE (a shared expert too), a third of the other Llama ones Mixtral and a third of
 //! those left Phi-3 with LongRoPE (an original length below T or not, factors drawn: the
 //! short or long factors must be those of the whole sequence on every rank; half of them with
-//! Phi-4-mini's partial RoPE over half of each head). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
+//! without RoPE drawn, at least one). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -147,6 +148,17 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         }
         false => cfg,
     };
+    // a quarter of the remaining plain Llama draws are SmolLM3: each layer without RoPE with
+    // probability 1/2, at least one (a stream of its own)
+    let mut nope = rng(975_000 + seed);
+    let cfg = match arch == 0 && cfg.gemma2.is_none() && cfg.moe.is_none() && !cfg.phi3 && nope.below(4) == 0 {
+        true => {
+            let mut n: Vec<bool> = (0..layers).map(|_| nope.below(2) == 0).collect();
+            n[nope.below(layers)] = true;
+            cfg.with_nope_layers(Some(n))
+        }
+        false => cfg,
+    };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
@@ -232,7 +244,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial, mut mixed, mut gpt_oss) = (0, 0, 0, 0);
+    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3) = (0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -279,6 +291,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 moe += cfg.moe.is_some() as usize;
                 ep += (layout.ep > 1) as usize;
                 phi3 += cfg.phi3 as usize;
+                smollm3 += cfg.nope_layers.is_some() as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
                 gpt_oss += cfg.gpt_oss as usize;
             }
@@ -288,10 +301,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE)), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {mixed} mixed, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

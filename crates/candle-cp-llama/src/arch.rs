@@ -66,14 +66,17 @@ pub enum Arch {
     /// `GptOssForCausalLM`: attention sinks, biases, a mixture of experts on every layer, see
     /// [`crate::config::gpt_oss`].
     GptOss,
+    /// `SmolLM3ForCausalLM`: a Llama with layers that attend without RoPE, see
+    /// [`crate::config::smollm3`].
+    SmolLM3,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 11] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3, Arch::GptOss];
+    pub const ALL: [Arch; 12] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3, Arch::GptOss, Arch::SmolLM3];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -97,6 +100,7 @@ impl Arch {
             Arch::Gemma2 => ("Gemma2ForCausalLM", "gemma2"),
             Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
+            Arch::SmolLM3 => ("SmolLM3ForCausalLM", "smollm3"),
         }
     }
 
@@ -154,7 +158,7 @@ impl Arch {
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
             // GptOssConfig forces attention_bias on (q, k, v and o_proj)
             Arch::GptOss => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -182,6 +186,8 @@ impl Arch {
             (_, Some(false)) => None,
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, None) => None,
+            // SmolLM3Config: use_sliding_window defaults to false too
+            (Arch::SmolLM3, None) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
@@ -212,6 +218,8 @@ impl Arch {
                     (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(p)).collect()
                 }
                 Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 => vec![w.is_some(); layers],
+                // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
+                Arch::SmolLM3 => vec![false; layers],
             },
             Some(Value::Array(a)) => {
                 if a.len() != layers {

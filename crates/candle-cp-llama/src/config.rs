@@ -20,6 +20,8 @@ pub mod qwen3_moe;
 pub mod phi3;
 #[path = "gpt_oss.rs"]
 pub mod gpt_oss;
+#[path = "smollm3.rs"]
+pub mod smollm3;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
 #[path = "config_json.rs"]
@@ -98,6 +100,10 @@ pub struct LlamaConfig {
     /// gpt-oss (`model_type` `gpt_oss`): attention sinks and an o_proj bias in every layer,
     /// and its mixture of experts ([`MoeStyle::GptOss`]); see [`gpt_oss`].
     pub gpt_oss: bool,
+    /// SmolLM3 (`model_type` `smollm3`): the layers that attend without RoPE (NoPE; one entry per
+    /// layer, `true`: no rotation), see [`smollm3`]; `None` for the other architectures (every
+    /// layer rotates). [`LlamaConfig::layer_rotates`].
+    pub nope_layers: Option<Vec<bool>>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -158,9 +164,10 @@ impl LlamaConfig {
             bail!("config.json: top level is not an object")
         };
         // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
+        let smol = smollm3::with_defaults(m)?;
         let text = match gemma::text_config(m)? {
             Some(t) => Some(t),
-            None => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)),
+            None => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or(smol),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -232,6 +239,10 @@ impl LlamaConfig {
         let partial_rotary_factor = phi3::partial_rotary_factor(m, arch)?;
         let layers = need_usize(m, "num_hidden_layers")?;
         let (sliding_window, sliding_layers) = arch.window(m, parse_window(m)?, layers)?;
+        let nope_layers = match arch {
+            Arch::SmolLM3 => Some(smollm3::parse(m, layers)?),
+            _ => None,
+        };
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -257,6 +268,7 @@ impl LlamaConfig {
             moe,
             phi3: arch == Arch::Phi3,
             gpt_oss: arch == Arch::GptOss,
+            nope_layers,
             lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
@@ -303,6 +315,7 @@ impl LlamaConfig {
             moe: None,
             phi3: false,
             gpt_oss: false,
+            nope_layers: None,
             lora: None,
         }
     }
@@ -341,6 +354,18 @@ impl LlamaConfig {
         self
     }
 
+    /// The same config with the layers `nope` attending without RoPE (SmolLM3's NoPE layers,
+    /// one entry per layer; `None`: every layer rotates). See [`smollm3`].
+    pub fn with_nope_layers(mut self, nope: Option<Vec<bool>>) -> Self {
+        self.nope_layers = nope;
+        self
+    }
+
+    /// Whether layer `layer` rotates its q and k by RoPE (all but SmolLM3's NoPE layers).
+    pub fn layer_rotates(&self, layer: usize) -> bool {
+        !self.nope_layers.as_ref().is_some_and(|n| n.get(layer).copied().unwrap_or(false))
+    }
+
     /// The architecture [`LlamaConfig::to_hf_json`] writes: Qwen3 with q, k norms, Qwen2
     /// with q, k, v biases, else Mistral with a sliding window, else Llama.
     pub fn arch(&self) -> Arch {
@@ -363,6 +388,9 @@ impl LlamaConfig {
                 MoeStyle::Qwen2Moe => Arch::Qwen2Moe,
                 MoeStyle::GptOss => Arch::GptOss,
             };
+        }
+        if self.nope_layers.is_some() {
+            return Arch::SmolLM3;
         }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
@@ -410,6 +438,7 @@ impl LlamaConfig {
             bail!("LlamaConfig: LoRA modules_to_save names lm_head, which this model ties to embed_tokens (tie_word_embeddings): name embed_tokens")
         }
         phi3::validate(self)?;
+        smollm3::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
@@ -434,7 +463,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss | Arch::SmolLM3) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",

@@ -118,6 +118,9 @@ impl LlamaConfig {
             if self.gpt_oss {
                 gpt_oss::write(m, self);
             }
+            if let Some(n) = &self.nope_layers {
+                smollm3::write(m, self, n);
+            }
             if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias
                 // (attention_bias false); the window on every layer

@@ -140,7 +140,11 @@ impl Block {
             Some(n) => n.apply(&q, &k)?,
             None => (q, k),
         };
-        Ok((rope(&q)?, rope(&k)?, v.reshape((b, t, hkv, d))?))
+        // (SmolLM3's NoPE layers: q and k as projected)
+        match self.rotates {
+            true => Ok((rope(&q)?, rope(&k)?, v.reshape((b, t, hkv, d))?)),
+            false => Ok((q, k, v.reshape((b, t, hkv, d))?)),
+        }
     }
 
     /// The rest of the layer after attention `a [B, T, H·D]`: o_proj, residual, MLP, residual

@@ -218,6 +218,7 @@ impl<'a> LayerBuilder<'a> {
             },
             act: cfg.activation(),
             local_rope: cfg.layer_rope_is_local(i),
+            rotates: cfg.layer_rotates(i),
             sinks: match cfg.gpt_oss {
                 false => None,
                 true => Some(self.get(&format!("{ap}.sinks"))?),

@@ -74,6 +74,9 @@ pub(crate) struct Block {
     pub(crate) act: Activation,
     /// Whether the layer rotates by the local RoPE tables ([`LlamaConfig::layer_rope_is_local`]).
     pub(crate) local_rope: bool,
+    /// Whether the layer rotates q and k at all (SmolLM3's NoPE layers do not,
+    /// [`LlamaConfig::layer_rotates`]).
+    pub(crate) rotates: bool,
     /// gpt-oss's attention sinks, this TP rank's heads `[Hl]` ([`LlamaConfig::gpt_oss`]).
     pub(crate) sinks: Option<Tensor>,
 }
@@ -172,6 +175,7 @@ impl Block {
             sandwich: self.sandwich.clone(),
             act: self.act,
             local_rope: self.local_rope,
+            rotates: self.rotates,
             sinks: self.sinks.clone(),
         }
     }
@@ -196,13 +200,18 @@ impl Block {
         };
         // TP region [B, Tc, ·] between the column- and row-parallel layers
         let posts = match self.qk_norm {
-            None => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
-            // Qwen3: the head norms come between the projection and RoPE
-            Some(_) => [None, None, None],
+            None if self.rotates => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
+            // Qwen3: the head norms come between the projection and RoPE; SmolLM3's NoPE layers
+            // keep q and k as projected
+            _ => [None, None, None],
         };
         let qkv = self.qkv.forward_parts_regathered(&self.input_norm.forward(x)?, &posts)?;
         let (q, k) = match &self.qk_norm {
+            // (rope_post gave [B, Tc, H, D]; a NoPE layer's are as projected)
+            None if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),
             None => (qkv[0].clone(), qkv[1].clone()),
+            // (NoPE with head norms is refused by LlamaConfig::validate)
+            Some(_) if !self.rotates => bail!("Block: a NoPE layer with q, k head norms (no architecture has both)"),
             Some(n) => {
                 let l = env.ctx.layout;
                 let tp = (l.tp > 1 && !l.seq_parallel()).then_some(&env.ctx.tp);
