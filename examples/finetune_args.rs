@@ -155,6 +155,11 @@ pub(crate) struct Args {
     /// every layer.
     #[arg(long)]
     pub(crate) phi3: bool,
+    /// Random-init SmolLM3 (`SmolLM3ForCausalLM`): every fourth layer (3, 7, ...; the last one
+    /// with fewer than four) attends without RoPE (NoPE), a tied head; the window of
+    /// --sliding-window on the NoPE layers.
+    #[arg(long)]
+    pub(crate) smollm3: bool,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -75,8 +75,15 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --moe (Qwen3-MoE) and --gpt-oss: pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.smollm3, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --smollm3, --moe (Qwen3-MoE) and --gpt-oss: pick one")
+            }
+            if a.smollm3 {
+                // SmolLM3's NoPE layers: every fourth (the last one of a shallower model)
+                let nope: Vec<bool> = (0..a.layers).map(|i| (i + 1) % 4 == 0 || (a.layers < 4 && i + 1 == a.layers)).collect();
+                cfg = cfg.with_nope_layers(Some(nope.clone())).with_sliding_window(a.sliding_window).with_sliding_layers(a.sliding_window.map(|_| nope));
+                cfg.tie_word_embeddings = true;
+                cfg.validate()?;
             }
             if a.partial_rotary != 1.0 && !a.phi3 {
                 bail!("--partial-rotary {} needs --phi3 (only a Phi-3's RoPE is partial here)", a.partial_rotary)
@@ -405,6 +412,11 @@ fn main() -> Result<()> {
         (None, _) => String::new(),
         (Some(w), None) => format!(", sliding window {w}"),
         (Some(w), Some(l)) => format!(", sliding window {w} on {} of {} layers", l.iter().filter(|&&s| s).count(), l.len()),
+    };
+    // (SmolLM3's NoPE layers)
+    let window = match &c.nope_layers {
+        Some(n) => format!("{window}, no RoPE on layers {:?}", (0..n.len()).filter(|&i| n[i]).collect::<Vec<_>>()),
+        None => window,
     };
     println!(
         "model    : {} {} params (hidden {}, {} layers, {} heads / {} kv heads, vocab {}{window})",
