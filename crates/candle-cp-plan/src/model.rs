@@ -173,10 +173,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 23] = [
+pub const MODEL_PRESETS: [&str; 24] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b",
+    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b",
 ];
 
 impl ModelConfig {
@@ -202,7 +202,8 @@ impl ModelConfig {
     /// [`crate::Layout::kv_heads_per_tp_rank`]), or gpt-oss's `gpt-oss-20b` or `gpt-oss-120b`
     /// (2880 wide, 64 heads of 64 over 8 KV heads, vocabulary 201088; every layer a mixture of
     /// 32 / 128 experts 2880 wide, 4 per token; a window of 128 keys on every other layer;
-    /// [`ModelConfig::gpt_oss`]'s sinks and biases).
+    /// [`ModelConfig::gpt_oss`]'s sinks and biases), or `smollm3-3b` (SmolLM3-3B: 36 layers
+    /// 2048 wide, 16 heads of 128 over 4 KV heads, vocabulary 128256, tied head).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -238,6 +239,8 @@ impl ModelConfig {
             // openai/gpt-oss-{20b, 120b}
             "gpt-oss-20b" => (2880, 24, 64, 8, 2880),
             "gpt-oss-120b" => (2880, 36, 64, 8, 2880),
+            // HuggingFaceTB/SmolLM3-3B (its NoPE layers change no count)
+            "smollm3-3b" => (2048, 36, 16, 4, 11008),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -274,7 +277,7 @@ impl ModelConfig {
                 _ if gpt_oss => 201_088,
                 _ => 128256,
             },
-            tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini",
+            tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b",
             sliding_window: None,
             qkv_bias: qwen2 || gpt_oss,
             qk_norm: qwen3 || gemma3,
@@ -377,10 +380,13 @@ impl ModelConfig {
                 hidden / heads
             }
         };
+        // SmolLM3: a tied head by default, the window (with use_sliding_window) on its NoPE
+        // layers, every `no_rope_layer_interval`-th (4) unless `no_rope_layers` lists them
+        let smollm3 = names("smollm3", "SmolLM3ForCausalLM");
         let tie_embeddings = v
             .get("tie_word_embeddings")
             .and_then(|x| x.as_bool())
-            .unwrap_or(gemma3 || gemma2);
+            .unwrap_or(gemma3 || gemma2 || smollm3);
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
@@ -413,7 +419,7 @@ impl ModelConfig {
         };
         let use_window = match v.get("use_sliding_window") {
             // Qwen2Config / Qwen3Config: use_sliding_window defaults to false
-            None | Some(serde_json::Value::Null) => !(qwen2 || qwen3),
+            None | Some(serde_json::Value::Null) => !(qwen2 || qwen3 || smollm3),
             Some(x) => match x.as_bool() {
                 Some(b) => b,
                 None => plan_bail!(
@@ -444,6 +450,13 @@ impl ModelConfig {
                 (0..layers).map(|i| !(i + 1).is_multiple_of(p)).collect()
             }
             None | Some(serde_json::Value::Null) if gemma2 || gpt_oss => (0..layers).map(|i| i % 2 == 0).collect(),
+            None | Some(serde_json::Value::Null) if smollm3 => match v.get("no_rope_layers").and_then(|x| x.as_array()) {
+                Some(a) => (0..layers).map(|i| a.get(i).and_then(|x| x.as_u64()) == Some(0)).collect(),
+                None => {
+                    let every = get("no_rope_layer_interval")?.unwrap_or(4);
+                    (0..layers).map(|i| (i + 1).is_multiple_of(every)).collect()
+                }
+            },
             None | Some(serde_json::Value::Null) => vec![true; layers],
             Some(serde_json::Value::Array(a)) if a.len() == layers => {
                 let mut out = Vec::with_capacity(layers);

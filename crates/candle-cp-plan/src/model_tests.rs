@@ -36,6 +36,16 @@ fn presets_have_published_sizes() -> Result<()> {
     let (p3, p14) = (ModelConfig::preset("phi3-mini")?, ModelConfig::preset("phi3-medium")?);
     assert_eq!((p3.total_params(), p14.total_params()), (3_821_079_552, 13_960_238_080));
     assert_eq!((p3.head_dim, p14.head_dim, p14.kv_heads), (96, 128, 10));
+    // SmolLM3-3B (HuggingFaceTB/SmolLM3-3B, "3B"): 3,075,098,624 from its config.json
+    // arithmetic (tied head); its config.json reads to the preset's shape, and with
+    // use_sliding_window its window sits on the NoPE layers (9 of 36)
+    let sm = ModelConfig::preset("smollm3-3b")?;
+    assert_eq!((sm.total_params(), sm.head_dim, sm.kv_heads, sm.tie_embeddings), (3_075_098_624, 128, 4, true));
+    let cfg = r#"{"architectures": ["SmolLM3ForCausalLM"], "model_type": "smollm3", "hidden_size": 2048, "intermediate_size": 11008,
+        "num_hidden_layers": 36, "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 128256, "sliding_window": 4096"#;
+    assert_eq!(ModelConfig { name: "smollm3-3b".into(), ..ModelConfig::from_hf_json(&format!("{cfg}}}"), "x")? }, sm);
+    let w = ModelConfig::from_hf_json(&format!(r#"{cfg}, "use_sliding_window": true}}"#), "x")?;
+    assert_eq!((w.sliding_window, w.partial_window), (None, Some((4096, 9))));
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
