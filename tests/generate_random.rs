@@ -2,7 +2,8 @@
 //! over the CP ranks and give the single-device tokens and logits.
 //!
 //! `llama_generate.rs` pins the oracle checkpoint and one prompt; this draws the model (width,
-//! depth, query / KV heads, vocabulary, a sliding window), the prompt (batch, length), the
+//! depth, query / KV heads, vocabulary, a sliding window; gpt-oss in a fifth of the models,
+//! SmolLM3's layers without RoPE in a quarter of the others), the prompt (batch, length), the
 //! number of new tokens, the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2)
 //! and the sampling (greedy, or temperature / top-k / top-p from a seed). Every rank must
 //! return the same tokens and logits bit for bit, and those must be the single device's: the
@@ -55,7 +56,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let mut oss = 0;
+    let (mut oss, mut smol) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -74,6 +75,18 @@ fn random_generation_equals_single_device() -> Result<()> {
         // stream of its own, so every seed's other draws stay what they were)
         let gpt_oss = rng(7500 + seed).below(5) == 0;
         let cfg = if gpt_oss { cfg.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, hidden))) } else { cfg };
+        // a quarter of the others are SmolLM3: each layer without RoPE with probability 1/2, at
+        // least one (a stream of its own)
+        let mut nope = rng(7700 + seed);
+        let smollm3 = !gpt_oss && nope.below(4) == 0;
+        let cfg = match smollm3 {
+            true => {
+                let mut n: Vec<bool> = (0..layers).map(|_| nope.below(2) == 0).collect();
+                n[nope.below(layers)] = true;
+                cfg.with_nope_layers(Some(n))
+            }
+            false => cfg,
+        };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -95,7 +108,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, {sampling:?}"
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {sampling:?}", cfg.nope_layers
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // gpt-oss: sinks around 2 (the init's are near 0)
@@ -141,14 +154,15 @@ fn random_generation_equals_single_device() -> Result<()> {
         }
         checked += 1;
         oss += gpt_oss as usize;
+        smol += smollm3 as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3; {parted} parted on a tie), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1)),
+        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"
     );
     Ok(())
