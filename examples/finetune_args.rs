@@ -160,6 +160,10 @@ pub(crate) struct Args {
     /// --sliding-window on the NoPE layers.
     #[arg(long)]
     pub(crate) smollm3: bool,
+    /// Random-init Granite (`GraniteForCausalLM`) with granite-3.x's multipliers: the embedding
+    /// times 12, the softmax scale 1/head_dim, each residual branch times 0.22, the logits / 16.
+    #[arg(long)]
+    pub(crate) granite: bool,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

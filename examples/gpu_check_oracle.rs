@@ -149,6 +149,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     // step's kernels and in the chunked head loss, Ulysses 4 (the head layout's attention calls)
     let name = format!("llama smollm3 (layer 1 without RoPE) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::SmolLM3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    let name = format!("llama granite (embedding, attention, residual and logit multipliers) tp2 + sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Granite, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -250,6 +252,8 @@ fn arch_vs_cpu_with(
         }
         // SmolLM3: layer 1 attends without RoPE
         Arch::SmolLM3 => base.with_nope_layers(Some(vec![false, true])),
+        // Granite: its four multipliers (each residual branch scaled inside the row-parallel node)
+        Arch::Granite => base.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 3.0, attention_multiplier: 0.125, residual_multiplier: 0.5, logits_scaling: 4.0 })),
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;

@@ -13,6 +13,9 @@
 //!   `gelu_tanh(gate)·up`; scale `query_pre_attn_scalar^-1/2`; sliding layers rotate by
 //!   `rope_local_base_freq^(-2i/D)`, unscaled.
 //! - SmolLM3: no RoPE on its NoPE layers (`LlamaConfig::layer_rotates`).
+//! - Granite: the embedding times `embedding_multiplier`, the softmax scale
+//!   `attention_multiplier`, `x + r·attn(..)` and `x + r·mlp(..)` (`residual_multiplier`), the
+//!   logits divided by `logits_scaling`.
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
@@ -115,11 +118,15 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         let m: Vec<f64> = (0..t * t).map(|i| if i % t > i / t || i / t - i % t >= w { f64::NEG_INFINITY } else { 0.0 }).collect();
         Tensor::from_vec(m, (t, t), &Device::Cpu)
     };
-    let scale = match (&gemma, &gemma2) {
-        (Some(g), _) => g.query_pre_attn_scalar.powf(-0.5),
-        (None, Some(g)) => g.query_pre_attn_scalar.powf(-0.5),
-        (None, None) => (d as f64).powf(-0.5),
+    let scale = match (&gemma, &gemma2, &cfg.granite) {
+        (Some(g), _, _) => g.query_pre_attn_scalar.powf(-0.5),
+        (None, Some(g), _) => g.query_pre_attn_scalar.powf(-0.5),
+        // Granite: attention_multiplier
+        (None, None, Some(g)) => g.attention_multiplier,
+        (None, None, None) => (d as f64).powf(-0.5),
     };
+    // Granite: embedding_multiplier, residual_multiplier, logits_scaling
+    let (embed_mul, residual_mul, logits_div) = cfg.granite.as_ref().map_or((1.0, 1.0, 1.0), |g| (g.embedding_multiplier, g.residual_multiplier, g.logits_scaling));
     // the router's statistics (load-balancing loss) and the smallest top-K margin
     let mut margin = f64::INFINITY;
     let e_n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
@@ -130,6 +137,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     if gemma_like {
         x = (x * ((h as f64).sqrt() as f32) as f64)?;
     }
+    x = (x * embed_mul)?;
     for l in 0..cfg.num_hidden_layers {
         let n = |s: &str| format!("model.layers.{l}.{s}");
         let bias = |s: &str| -> Result<Option<&Tensor>> {
@@ -180,7 +188,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             true => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
             false => ("post_attention_layernorm.weight", o),
         };
-        x = (x + o)?;
+        x = (x + (o * residual_mul)?)?;
         let hn = norm(&x, &n(pre_mlp))?;
         let m = match &cfg.moe {
             Some(mc) if cfg.is_moe_layer(l) => {
@@ -246,10 +254,10 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             }
         };
         let m = if gemma_like { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
-        x = (x + m)?;
+        x = (x + (m * residual_mul)?)?;
     }
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };
-    let logits = cap(linear(&norm(&x, "model.norm.weight")?, p(head)?, None)?, final_cap)?;
+    let logits = cap((linear(&norm(&x, "model.norm.weight")?, p(head)?, None)? / logits_div)?, final_cap)?;
     let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
     let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
     let mut loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
@@ -303,6 +311,25 @@ pub fn cached_generation_agrees(cfg: &LlamaConfig, full: &HashMap<String, Tensor
                 assert!(max_abs(a, b)? < 1e-4, "{layout} rank {r}");
             }
         }
+    }
+    Ok(())
+}
+
+
+/// A model and its reference: full weights, config, input ids, the reference's results.
+pub type Case<'a> = (&'a HashMap<String, Tensor>, &'a LlamaConfig, &'a Tensor, &'a candle_cp_llama::verify::Reference);
+
+/// The model `(full, cfg)` on `ids` on each of `layouts` against `want` within the oracle's
+/// tolerances, every parameter compared, `count` of them those `extra` names (the
+/// architecture's own).
+pub fn on_layouts(label: &str, (full, cfg, ids, want): Case<'_>, layouts: &[candle_cp_llama::Layout], (extra, count): (&dyn Fn(&str) -> bool, usize)) -> Result<()> {
+    use candle_cp_llama::verify::{compare, run_layout, Tolerances};
+    for &layout in layouts {
+        let rep = compare(&run_layout(full, cfg, ids, layout, &Device::Cpu)?, want, Tolerances::default())?;
+        println!("{label} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
+        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| extra(k)).count(), count, "{label} {layout}");
+        assert!(rep.pass(), "{label} {layout}: {rep:?}");
     }
     Ok(())
 }

@@ -36,7 +36,7 @@
 //!   the tensors (before: loaded and ignored, a silently different model).
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_cp_tests::dense_llama::{max_abs, reference, reference_rows};
+use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_rows};
 use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::{load_safetensors_dir, save_hf_tensors};
 use candle_cp_llama::layout::{CpKind, Layout};
@@ -188,21 +188,6 @@ fn gemma3_on_every_layout_matches_the_reference() -> Result<()> {
     let extra = |k: &str| k.ends_with("feedforward_layernorm.weight");
     on_layouts("gemma3", (&full, &cfg, &ids, &want), &layouts, (&extra, 2 * cfg.num_hidden_layers))?;
     on_layouts("gemma3", (&full, &cfg, &Tensor::cat(&[&ids, &ids], 0)?, &reference_rows(&want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], (&extra, 2 * cfg.num_hidden_layers))
-}
-
-/// The model `(full, cfg)` on `ids` on each of `layouts` against `want` within the oracle's
-/// tolerances, every parameter compared, `count` of them those `extra` names (the
-/// architecture's own).
-type Case<'a> = (&'a HashMap<String, Tensor>, &'a LlamaConfig, &'a Tensor, &'a Reference);
-fn on_layouts(label: &str, (full, cfg, ids, want): Case<'_>, layouts: &[Layout], (extra, count): (&dyn Fn(&str) -> bool, usize)) -> Result<()> {
-    for &layout in layouts {
-        let rep = compare(&run_layout(full, cfg, ids, layout, &Device::Cpu)?, want, Tolerances::default())?;
-        println!("{label} {layout}: logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
-        assert_eq!(rep.grad_rel.iter().filter(|(k, _)| extra(k)).count(), count, "{label} {layout}");
-        assert!(rep.pass(), "{label} {layout}: {rep:?}");
-    }
-    Ok(())
 }
 
 /// Cached decoding of Gemma 3 equals its full forward; CP and TP decode the same tokens.

@@ -17,7 +17,8 @@
 //! those left Phi-3 with LongRoPE (an original length below T or not, factors drawn: the
 //! short or long factors must be those of the whole sequence on every rank; half of them with
 //! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
-//! without RoPE drawn, at least one). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! without RoPE drawn, at least one) and the rest without a window Granite (its
+//! multipliers drawn). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -159,6 +160,20 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         }
         false => cfg,
     };
+    // the remaining plain Llama draws without a window are Granite (about 2%: none may fall in
+    // the suite's draws; tests/llama_granite.rs pins it): its four multipliers drawn (a
+    // stream of its own)
+    let mut gr = rng(977_000 + seed);
+    // (GraniteConfig has no window)
+    let cfg = match arch == 0 && window.is_none() && cfg.gemma2.is_none() && cfg.moe.is_none() && !cfg.phi3 && cfg.nope_layers.is_none() {
+        true => cfg.with_granite(Some(candle_cp_llama::Granite {
+            embedding_multiplier: pick(&mut gr, &[1.0, 3.0, 12.0]),
+            attention_multiplier: pick(&mut gr, &[0.05, 0.2, 0.5]),
+            residual_multiplier: pick(&mut gr, &[0.22, 0.5, 1.0]),
+            logits_scaling: pick(&mut gr, &[1.0, 4.0, 16.0]),
+        })),
+        false => cfg,
+    };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
@@ -244,7 +259,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3) = (0, 0, 0, 0, 0);
+    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite) = (0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -292,6 +307,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 ep += (layout.ep > 1) as usize;
                 phi3 += cfg.phi3 as usize;
                 smollm3 += cfg.nope_layers.is_some() as usize;
+                granite += cfg.granite.is_some() as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
                 gpt_oss += cfg.gpt_oss as usize;
             }
@@ -301,7 +317,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1)),

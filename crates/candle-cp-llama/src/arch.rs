@@ -69,14 +69,17 @@ pub enum Arch {
     /// `SmolLM3ForCausalLM`: a Llama with layers that attend without RoPE, see
     /// [`crate::config::smollm3`].
     SmolLM3,
+    /// `GraniteForCausalLM`: a Llama with embedding, attention, residual and logit multipliers,
+    /// see [`crate::config::granite`].
+    Granite,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 12] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3, Arch::GptOss, Arch::SmolLM3];
+    pub const ALL: [Arch; 13] = [Arch::Llama, Arch::Mistral, Arch::Qwen2, Arch::Qwen3, Arch::Qwen3Moe, Arch::Mixtral, Arch::Qwen2Moe, Arch::Gemma3, Arch::Gemma2, Arch::Phi3, Arch::GptOss, Arch::SmolLM3, Arch::Granite];
 
     fn of_model_type(t: &str) -> Option<Arch> {
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
@@ -101,6 +104,7 @@ impl Arch {
             Arch::Phi3 => ("Phi3ForCausalLM", "phi3"),
             Arch::GptOss => ("GptOssForCausalLM", "gpt_oss"),
             Arch::SmolLM3 => ("SmolLM3ForCausalLM", "smollm3"),
+            Arch::Granite => ("GraniteForCausalLM", "granite"),
         }
     }
 
@@ -158,7 +162,7 @@ impl Arch {
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
             // GptOssConfig forces attention_bias on (q, k, v and o_proj)
             Arch::GptOss => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -217,7 +221,7 @@ impl Arch {
                     };
                     (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(p)).collect()
                 }
-                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite => vec![w.is_some(); layers],
                 // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
                 Arch::SmolLM3 => vec![false; layers],
             },
@@ -244,7 +248,7 @@ impl Arch {
         if windowed == layers {
             return Ok((w, None));
         }
-        if matches!(self, Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3) {
+        if matches!(self, Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite) {
             bail!(
                 "config.json: a sliding window ({}) on {windowed} of {layers} layers (layers {:?} attend fully): a {self:?} model has one window for every layer (per-layer windows: Qwen2, Qwen3, Gemma 3)",
                 w.unwrap_or(0),

@@ -22,6 +22,9 @@ pub mod phi3;
 pub mod gpt_oss;
 #[path = "smollm3.rs"]
 pub mod smollm3;
+#[path = "granite.rs"]
+pub mod granite;
+pub use granite::Granite;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
 #[path = "config_json.rs"]
@@ -104,6 +107,9 @@ pub struct LlamaConfig {
     /// layer, `true`: no rotation), see [`smollm3`]; `None` for the other architectures (every
     /// layer rotates). [`LlamaConfig::layer_rotates`].
     pub nope_layers: Option<Vec<bool>>,
+    /// Granite (`model_type` `granite`): its embedding, attention, residual and logit
+    /// multipliers ([`granite`]); `None` for the other architectures.
+    pub granite: Option<Granite>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -243,6 +249,10 @@ impl LlamaConfig {
             Arch::SmolLM3 => Some(smollm3::parse(m, layers)?),
             _ => None,
         };
+        let granite = match arch {
+            Arch::Granite => Some(granite::parse(m)?),
+            _ => None,
+        };
         let cfg = Self {
             vocab_size: need_usize(m, "vocab_size")?,
             hidden_size,
@@ -269,6 +279,7 @@ impl LlamaConfig {
             phi3: arch == Arch::Phi3,
             gpt_oss: arch == Arch::GptOss,
             nope_layers,
+            granite,
             lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
@@ -316,6 +327,7 @@ impl LlamaConfig {
             phi3: false,
             gpt_oss: false,
             nope_layers: None,
+            granite: None,
             lora: None,
         }
     }
@@ -392,6 +404,9 @@ impl LlamaConfig {
         if self.nope_layers.is_some() {
             return Arch::SmolLM3;
         }
+        if self.granite.is_some() {
+            return Arch::Granite;
+        }
         match (self.qk_norm, self.qkv_bias, self.sliding_window) {
             (true, _, _) => Arch::Qwen3,
             (false, true, _) => Arch::Qwen2,
@@ -439,6 +454,7 @@ impl LlamaConfig {
         }
         phi3::validate(self)?;
         smollm3::validate(self)?;
+        granite::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;

@@ -241,8 +241,13 @@ impl LlamaConfig {
         }
     }
 
-    /// The softmax scale: `head_dim^-1/2`, Gemma's `query_pre_attn_scalar^-1/2`.
+    /// The softmax scale: `head_dim^-1/2`, Gemma's `query_pre_attn_scalar^-1/2`, Granite's
+    /// `attention_multiplier`.
     pub fn attn_scale(&self) -> f64 {
+        // Granite: its attention_multiplier
+        if let Some(g) = &self.granite {
+            return g.attention_multiplier;
+        }
         match (&self.gemma3, &self.gemma2) {
             (Some(g), _) => 1.0 / g.query_pre_attn_scalar.sqrt(),
             (None, Some(g)) => 1.0 / g.query_pre_attn_scalar.sqrt(),
@@ -263,8 +268,12 @@ impl LlamaConfig {
     }
 
     /// The factor on the embedding output for weights of `dtype` (Gemma 2 and 3: `√h` rounded
-    /// to `dtype`, as transformers casts it; `None`: none).
+    /// to `dtype`, as transformers casts it; Granite's `embedding_multiplier`; `None`: none).
     pub fn embed_scale(&self, dtype: candle_core::DType) -> Result<Option<f64>> {
+        // Granite: its embedding_multiplier, a Python float on the embedding (not rounded)
+        if let Some(g) = self.granite.as_ref().filter(|g| g.embedding_multiplier != 1.0) {
+            return Ok(Some(g.embedding_multiplier));
+        }
         if !self.is_gemma() {
             return Ok(None);
         }

@@ -153,6 +153,8 @@ impl Block {
         let branch = |i: usize, y: Tensor| -> Result<Tensor> {
             match &self.sandwich {
                 Some(n) => if i == 0 { n.0.forward(&y) } else { n.1.forward(&y) },
+                // (Granite: each branch times its residual multiplier)
+                None if self.residual_scale != 1.0 => y.affine(self.residual_scale, 0.0),
                 None => Ok(y),
             }
         };
@@ -310,7 +312,7 @@ impl Llama {
         let v = self.cfg.vocab_size;
         let local = match rows.iter().position(|&p| p == t - 1) {
             Some(i) => {
-                let h = self.norm.forward(&x.narrow(1, i, 1)?)?;
+                let h = self.final_norm(&x.narrow(1, i, 1)?)?;
                 self.logits_whole(&h)?.reshape((b, v))?.to_dtype(DType::F32)?
             }
             None => Tensor::zeros((b, v), DType::F32, x.device())?,
@@ -367,7 +369,7 @@ impl Llama {
                 .detach();
         }
         cache.next += 1;
-        let h = self.norm.forward(&x)?;
+        let h = self.final_norm(&x)?;
         Ok(self
             .logits_whole(&h)?
             .reshape((b, self.cfg.vocab_size))?

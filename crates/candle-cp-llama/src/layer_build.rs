@@ -219,6 +219,7 @@ impl<'a> LayerBuilder<'a> {
             act: cfg.activation(),
             local_rope: cfg.layer_rope_is_local(i),
             rotates: cfg.layer_rotates(i),
+            residual_scale: cfg.residual_scale(),
             sinks: match cfg.gpt_oss {
                 false => None,
                 true => Some(self.get(&format!("{ap}.sinks"))?),

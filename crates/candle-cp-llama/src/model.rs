@@ -77,6 +77,8 @@ pub(crate) struct Block {
     /// Whether the layer rotates q and k at all (SmolLM3's NoPE layers do not,
     /// [`LlamaConfig::layer_rotates`]).
     pub(crate) rotates: bool,
+    /// The factor on each residual branch ([`LlamaConfig::residual_scale`]: Granite's).
+    pub(crate) residual_scale: f64,
     /// gpt-oss's attention sinks, this TP rank's heads `[Hl]` ([`LlamaConfig::gpt_oss`]).
     pub(crate) sinks: Option<Tensor>,
 }
@@ -176,6 +178,7 @@ impl Block {
             act: self.act,
             local_rope: self.local_rope,
             rotates: self.rotates,
+            residual_scale: self.residual_scale,
             sinks: self.sinks.clone(),
         }
     }
@@ -221,8 +224,9 @@ impl Block {
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
         let sinks = self.sinks.as_ref().map(Sinks::new).transpose()?;
         let a = attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, sinks.as_ref())?.reshape((b, tc, hl * d))?;
+        let r = self.residual_scale;
         let x = match &self.sandwich {
-            None => self.o.forward_residual(&a, x)?,
+            None => self.o.forward_residual_scaled(&a, x, r)?,
             // Gemma 3: x + norm(o(a)), one node keeping o(a) and the statistic
             Some((after_attn, _)) => after_attn.forward_add(x, &self.o.forward_lean(&a)?)?,
         };
@@ -232,13 +236,14 @@ impl Block {
                 let gu = gate_up.forward_parts_regathered(&xn, &[])?;
                 let m = self.act.gated(&gu[0], &gu[1])?;
                 match &self.sandwich {
-                    None => down.forward_residual(&m, &x),
+                    None => down.forward_residual_scaled(&m, &x, r),
                     Some((_, after_mlp)) => after_mlp.forward_add(&x, &down.forward_lean(&m)?),
                 }
             }
             Mlp::Sparse(moe) => {
                 let y = moe.forward(&xn)?;
                 match &self.sandwich {
+                    None if r != 1.0 => x + y.affine(r, 0.0)?,
                     None => x + y,
                     Some((_, after_mlp)) => after_mlp.forward_add(&x, &y),
                 }
@@ -596,7 +601,7 @@ impl Llama {
             };
         }
         params_ready(1 + n)?;
-        self.norm.forward(&x)
+        self.final_norm(&x)
     }
 }
 

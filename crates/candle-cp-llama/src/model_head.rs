@@ -64,6 +64,16 @@ impl Llama {
         }
     }
 
+    /// The final norm of `x` `[B, T, h]`, times Granite's `1 / logits_scaling` (the head's
+    /// input scaled: its logits divided, [`LlamaConfig::head_input_scale`]).
+    pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        let h = self.norm.forward(x)?;
+        match self.cfg.head_input_scale() {
+            Some(s) => h.affine(s, 0.0),
+            None => Ok(h),
+        }
+    }
+
     /// The TP group with sequence parallelism `sp`.
     pub(crate) fn tp_of(&self, sp: bool) -> Tp {
         Tp::new(self.ctx.tp.clone(), sp)

@@ -165,6 +165,13 @@ impl RowParallelLinear {
     /// dropped input before it). A bias is added inside the node too (its gradient the output
     /// gradient's row sums, summed over TP under SP as [`Module::forward`] sums it).
     pub fn forward_residual(&self, x: &Tensor, residual: &Tensor) -> Result<Tensor> {
+        self.forward_residual_scaled(x, residual, 1.0)
+    }
+
+    /// `residual + scale · self.forward(x)` as one graph node (Granite's `residual_multiplier`
+    /// on each branch): [`RowParallelLinear::forward_residual`] with the branch scaled, its
+    /// gradients from `scale · g` (the residual's `g`).
+    pub fn forward_residual_scaled(&self, x: &Tensor, residual: &Tensor, scale: f64) -> Result<Tensor> {
         let w = self.weight_used()?;
         let extra = self.dora_extra(x)?;
         let (y, grads) = self.lean_parts(x, &w, extra.as_ref())?;
@@ -179,20 +186,35 @@ impl RowParallelLinear {
                 x.dims()
             )
         }
-        let mut out = (residual.detach() + up.add_to(y)?)?;
         let bias = self.lean_bias();
-        if let Some((b, _)) = &bias {
-            out = out.broadcast_add(b)?;
-        }
+        let out = match scale == 1.0 {
+            // (the residual, the branch, then the bias: the unscaled node's order, kept)
+            true => {
+                let out = (residual.detach() + up.add_to(y)?)?;
+                match &bias {
+                    Some((b, _)) => out.broadcast_add(b)?,
+                    None => out,
+                }
+            }
+            false => {
+                let branch = up.add_to(y)?;
+                let branch = match &bias {
+                    Some((b, _)) => branch.broadcast_add(b)?,
+                    None => branch,
+                };
+                (residual.detach() + branch.affine(scale, 0.0)?)?
+            }
+        };
         let ub = up.clone();
         let b_grad = bias.as_ref().map(|(_, f)| f.clone());
         let bwd: BackwardFn = Arc::new(move |g: &Tensor| {
-            let (dx, dw, de) = grads(g)?;
+            let gs = if scale == 1.0 { g.clone() } else { g.affine(scale, 0.0)? };
+            let (dx, dw, de) = grads(&gs)?;
             let mut v = vec![Some(dx), Some(dw), Some(g.clone())];
             v.extend(de.map(Some));
-            v.extend(ub.grads(g)?);
+            v.extend(ub.grads(&gs)?);
             if let Some(f) = &b_grad {
-                v.push(Some(f(g)?));
+                v.push(Some(f(&gs)?));
             }
             Ok(v)
         });

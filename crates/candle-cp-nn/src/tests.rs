@@ -206,7 +206,7 @@ fn replicated_row_blocks_match_the_dense_layer() -> Result<()> {
 }
 
 /// `RowParallelLinear::forward_residual` (one graph node), and `residual + forward_lean(x)`,
-/// give the values and the gradients (input, weight shard, residual, and a bias summed over TP
+/// (and `forward_residual_scaled`, `residual + s·forward(x)`) give the values and the gradients (input, weight shard, residual, and a bias summed over TP
 /// in the backward or left as each rank's share, [`GradSync`]) of `residual + forward(x)`, on 1
 /// and 2 ranks with and without sequence parallelism; a residual of another shape is an error
 /// naming both shapes.
@@ -231,11 +231,14 @@ fn forward_residual_equals_forward_plus_residual() -> Result<()> {
                     let res = candle_core::Var::from_tensor(&t(&[2, rows, 6], 0.7 + g.rank() as f64)?)?;
                     let dy = t(&[2, rows, 6], 0.9)?;
                     let mut outs = Vec::new();
-                    for mode in 0..3 {
+                    for mode in 0..5 {
                         let y = match mode {
                             0 => (res.as_tensor() + layer.forward(x.as_tensor())?)?,
                             1 => layer.forward_residual(x.as_tensor(), res.as_tensor())?,
-                            _ => (res.as_tensor() + layer.forward_lean(x.as_tensor())?)?,
+                            2 => (res.as_tensor() + layer.forward_lean(x.as_tensor())?)?,
+                            // Granite's residual multiplier: residual + 0.3 · forward(x)
+                            3 => (res.as_tensor() + layer.forward(x.as_tensor())?.affine(0.3, 0.0)?)?,
+                            _ => layer.forward_residual_scaled(x.as_tensor(), res.as_tensor(), 0.3)?,
                         };
                         let gr = (&y * &dy)?.sum_all()?.backward()?;
                         let get = |v: &candle_core::Var| gr.get(v.as_tensor()).cloned().ok_or_else(|| candle_core::Error::Msg("no grad".into()));
@@ -245,7 +248,10 @@ fn forward_residual_equals_forward_plus_residual() -> Result<()> {
                         };
                         outs.push([y, get(&x)?, get(&wv)?, get(&res)?, db]);
                     }
-                    let worst = (0..5).map(|i| Ok(max_abs(&outs[0][i], &outs[1][i])?.max(max_abs(&outs[0][i], &outs[2][i])?))).collect::<Result<Vec<f32>>>()?;
+                    let mut worst = (0..5).map(|i| Ok(max_abs(&outs[0][i], &outs[1][i])?.max(max_abs(&outs[0][i], &outs[2][i])?))).collect::<Result<Vec<f32>>>()?;
+                    worst.extend((0..5).map(|i| max_abs(&outs[3][i], &outs[4][i])).collect::<Result<Vec<f32>>>()?);
+                    // (the scale binds: the scaled node's input gradient is not the plain one's)
+                    worst.push(if max_abs(&outs[0][1], &outs[4][1])? > 1e-3 { 0.0 } else { 1.0 });
                     let bad = layer.forward_residual(x.as_tensor(), &t(&[2, rows, 5], 0.1)?).unwrap_err().to_string();
                     Ok((worst, bad))
                 }) {
