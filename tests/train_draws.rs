@@ -119,6 +119,19 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         true => model.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, 16))),
         false => model,
     };
+    // of the remaining Llama seeds (a stream of their own): a quarter SmolLM3 (its last layer
+    // without RoPE), a quarter of those without a window Granite (granite-3.x's multipliers,
+    // the softmax scale 1/head_dim)
+    let mut other = rng(969_000 + seed);
+    let plain = arch == 0 && model.gemma2.is_none();
+    let model = match (plain, other.below(4), window) {
+        (true, 0, _) => model.with_nope_layers(Some((0..layers).map(|i| i + 1 == layers).collect())),
+        (true, 1, None) => {
+            let d = model.head_dim as f64;
+            model.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 1.0 / d, residual_multiplier: 0.22, logits_scaling: 16.0 }))
+        }
+        _ => model,
+    };
     Ok((task, model, (heads, kv_heads, layers, window)))
 }
 
