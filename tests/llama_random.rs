@@ -161,7 +161,7 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         false => cfg,
     };
     // the remaining plain Llama draws without a window are Granite (about 2%: none may fall in
-    // the suite's draws; tests/llama_granite.rs pins it): its four multipliers drawn (a
+    // the suite's draws; tests/llama_smollm3_granite.rs pins it): its four multipliers drawn (a
     // stream of its own)
     let mut gr = rng(977_000 + seed);
     // (GraniteConfig has no window)

@@ -29,6 +29,9 @@ impl Default for Granite {
     }
 }
 
+/// [`LlamaConfig::features`]' name of Granite's.
+pub(crate) const GRANITE: &str = "Granite's multipliers";
+
 const KEYS: [&str; 4] = ["embedding_multiplier", "attention_multiplier", "residual_multiplier", "logits_scaling"];
 
 impl Granite {
@@ -70,17 +73,7 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
             bail!("LlamaConfig: Granite {k} must be finite and > 0, got {x}")
         }
     }
-    let other = [
-        ("q, k, v biases", cfg.qkv_bias),
-        ("q, k head norms", cfg.qk_norm),
-        ("Gemma 3", cfg.gemma3.is_some()),
-        ("Gemma 2", cfg.gemma2.is_some()),
-        ("a mixture of experts", cfg.moe.is_some()),
-        ("Phi-3", cfg.phi3),
-        ("gpt-oss", cfg.gpt_oss),
-        ("NoPE layers", cfg.nope_layers.is_some()),
-    ];
-    if let Some((what, _)) = other.iter().find(|(_, on)| *on) {
+    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != GRANITE) {
         bail!("LlamaConfig: Granite with {what}: no architecture this model writes has both")
     }
     // (GraniteConfig has no window: a checkpoint would load without it)

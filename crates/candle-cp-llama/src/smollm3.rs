@@ -99,19 +99,32 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if n.len() != cfg.num_hidden_layers {
         bail!("LlamaConfig: nope_layers has {} entries for {} layers", n.len(), cfg.num_hidden_layers)
     }
-    let other = [
-        ("q, k, v biases", cfg.qkv_bias),
-        ("q, k head norms", cfg.qk_norm),
-        ("Gemma 3", cfg.gemma3.is_some()),
-        ("Gemma 2", cfg.gemma2.is_some()),
-        ("a mixture of experts", cfg.moe.is_some()),
-        ("Phi-3", cfg.phi3),
-        ("gpt-oss", cfg.gpt_oss),
-    ];
-    if let Some((what, _)) = other.iter().find(|(_, on)| *on) {
+    if let Some(what) = cfg.features().into_iter().find(|(w, on)| *on && *w != NOPE).map(|(w, _)| w) {
         bail!("LlamaConfig: NoPE layers (SmolLM3) with {what}: no architecture this model writes has both")
     }
     Ok(())
+}
+
+/// [`LlamaConfig::features`]' name of SmolLM3's.
+pub(crate) const NOPE: &str = "NoPE layers";
+
+impl LlamaConfig {
+    /// What the config has beyond a Llama, by name, each on or off: q, k, v biases, head norms,
+    /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers (the
+    /// architectures that exclude the others refuse them by these names).
+    pub(crate) fn features(&self) -> [(&'static str, bool); 9] {
+        [
+            ("q, k, v biases", self.qkv_bias),
+            ("q, k head norms", self.qk_norm),
+            ("Gemma 3", self.gemma3.is_some()),
+            ("Gemma 2", self.gemma2.is_some()),
+            ("a mixture of experts", self.moe.is_some()),
+            ("Phi-3", self.phi3),
+            ("gpt-oss", self.gpt_oss),
+            (NOPE, self.nope_layers.is_some()),
+            (crate::config::granite::GRANITE, self.granite.is_some()),
+        ]
+    }
 }
 
 #[cfg(test)]
