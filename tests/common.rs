@@ -6,6 +6,7 @@ pub mod dense_llama;
 pub mod moe_model;
 pub mod lora_ref;
 pub mod peft_files;
+pub mod multimodal;
 pub mod draws;
 pub mod train_draws;
 pub mod packed_run;

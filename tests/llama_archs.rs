@@ -202,58 +202,38 @@ fn gemma3_generation() -> Result<()> {
 /// config under `text_config`, its tensors under `language_model.model.*` or, transformers
 /// 4.52 on, `model.language_model.*`, beside a vision tower and projector): the text model
 /// loads whole and sharded over TP 2 bit for bit as from its own checkpoint, and saves as
-/// `Gemma3ForCausalLM`; a tensor of the text model it would not read is still refused.
+/// `Gemma3ForCausalLM`; a tensor of the text model it would not read is still refused
+/// (`candle_cp_tests::multimodal`).
 #[test]
 fn gemma3_text_model_of_a_multimodal_checkpoint() -> Result<()> {
     let (cfg, full) = gemma3()?;
-    let root = std::env::temp_dir().join(format!("candle-cp-gemma3-mm-{}", std::process::id()));
     let text: serde_json::Value = serde_json::from_str(&cfg.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     let config = serde_json::json!({
         "architectures": ["Gemma3ForConditionalGeneration"], "model_type": "gemma3",
         "text_config": text, "vision_config": {"model_type": "siglip_vision_model", "hidden_size": 8},
         "mm_tokens_per_image": 256,
     });
-    for (layout, towers) in [("old", "vision_tower.vision_model.embeddings.patch_embedding.weight"), ("new", "model.vision_tower.vision_model.embeddings.patch_embedding.weight")] {
-        let text_prefix = |n: &str| if layout == "old" { format!("language_model.{n}") } else { n.replacen("model.", "model.language_model.", 1) };
-        let dir = root.join(layout);
-        std::fs::create_dir_all(&dir)?;
-        let mut tensors: HashMap<String, Tensor> = full.iter().map(|(k, t)| (text_prefix(k), t.clone())).collect();
-        tensors.insert(towers.to_string(), Tensor::ones((4, 4), DType::F32, &Device::Cpu)?);
-        tensors.insert(towers.replace("vision_tower.vision_model.embeddings.patch_embedding", "multi_modal_projector.mm_input_projection"), Tensor::ones((2, 2), DType::F32, &Device::Cpu)?);
-        candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
-        std::fs::write(dir.join("config.json"), config.to_string())?;
-        let (vm, back) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-        assert_eq!(back, cfg, "{layout}");
-        let got = candle_cp_llama::params::varmap_tensors(&vm)?;
-        assert_eq!(got.len(), full.len(), "{layout}");
-        for (k, t) in &full {
-            assert_eq!(max_abs(&got[k], t)?, 0.0, "{layout}: {k}");
-        }
-        for r in run_ranks(2, |g| {
-            let ctx = ParallelCtx::new(g, Layout::single().with_tp(2, true))?;
-            let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-            let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-            let mut same = want.len() == got.len();
-            for (k, w) in &want {
-                same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-            }
-            Ok(same)
-        }) {
-            assert!(r?, "{layout}: the sharded load differs");
-        }
-        // saved back: the text model as a causal LM
-        let out = root.join(format!("{layout}-saved"));
-        save_hf(&out, &vm, &back)?;
-        let saved = std::fs::read_to_string(out.join("config.json"))?;
-        assert!(saved.contains("Gemma3ForCausalLM") && saved.contains("\"gemma3_text\""), "{saved}");
-        // a text-model tensor the model would not read: refused, by its checkpoint name
-        tensors.insert(text_prefix("model.layers.0.self_attn.o_proj.bias"), Tensor::ones(128, DType::F32, &Device::Cpu)?);
-        candle_core::safetensors::save(&tensors, dir.join("model.safetensors"))?;
-        let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
-        assert!(e.contains(&text_prefix("model.layers.0.self_attn.o_proj.bias")) && e.contains("1 tensor(s)"), "{layout}: {e}");
-    }
-    let _ = std::fs::remove_dir_all(&root);
-    Ok(())
+    candle_cp_tests::multimodal::text_model_loads(&cfg, &full, &config, ("Gemma3ForCausalLM", "gemma3_text"))
+}
+
+/// A Mistral 3 checkpoint (`Mistral3ForConditionalGeneration`, Mistral Small 3.1 / 3.2: a
+/// Mistral text model under `text_config` beside a Pixtral vision tower, its head untied —
+/// `language_model.lm_head.weight`, or transformers 4.52 on the top-level `lm_head.weight`): the
+/// same as Gemma 3's, saved as `MistralForCausalLM`.
+#[test]
+fn mistral3_text_model_of_a_multimodal_checkpoint() -> Result<()> {
+    let (cfg, full, _) = oracle()?;
+    let cfg = cfg.with_sliding_window(Some(40));
+    assert!(full.contains_key("lm_head.weight"), "an untied head");
+    let mut text: serde_json::Value = serde_json::from_str(&cfg.to_hf_json("float32")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    // (Mistral Small 3.1's text_config names no architectures)
+    text.as_object_mut().map(|t| t.remove("architectures"));
+    let config = serde_json::json!({
+        "architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3",
+        "text_config": text, "vision_config": {"model_type": "pixtral", "hidden_size": 8},
+        "image_token_index": 10, "spatial_merge_size": 2, "projector_hidden_act": "gelu",
+    });
+    candle_cp_tests::multimodal::text_model_loads(&cfg, &full, &config, ("MistralForCausalLM", "mistral"))
 }
 
 /// The reference itself: the PyTorch oracle's logits, loss and gradients (no biases),

@@ -24,6 +24,8 @@ pub mod gpt_oss;
 pub mod smollm3;
 #[path = "granite.rs"]
 pub mod granite;
+#[path = "multimodal.rs"]
+pub mod multimodal;
 pub use granite::Granite;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
@@ -171,9 +173,9 @@ impl LlamaConfig {
         };
         // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
         let smol = smollm3::with_defaults(m)?;
-        let text = match gemma::text_config(m)? {
-            Some(t) => Some(t),
-            None => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or(smol),
+        let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
+            (Some(t), _) | (None, Some(t)) => Some(t),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or(smol),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;

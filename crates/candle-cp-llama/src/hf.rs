@@ -66,12 +66,9 @@ enum TextPrefix {
 }
 
 impl TextPrefix {
-    /// The layout of a checkpoint with tensors `names` for `cfg` (only Gemma 3 looks inside a
-    /// multimodal checkpoint).
-    fn detect<'a>(cfg: &LlamaConfig, names: impl Iterator<Item = &'a str>) -> Self {
-        if cfg.gemma3.is_none() {
-            return TextPrefix::Plain;
-        }
+    /// The layout of a checkpoint with tensors `names` (a multimodal one's text model: Gemma 3's,
+    /// Mistral 3's, [`crate::config::multimodal`]).
+    fn detect<'a>(_cfg: &LlamaConfig, names: impl Iterator<Item = &'a str>) -> Self {
         for n in names {
             match n {
                 "language_model.model.embed_tokens.weight" => return TextPrefix::LanguageModel,

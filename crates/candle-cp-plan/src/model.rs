@@ -120,6 +120,26 @@ fn gemma3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
     Ok(serde_json::Value::Object(t))
 }
 
+/// The text model's config of a Mistral 3 `config.json` (`model_type` `mistral3`,
+/// `Mistral3ForConditionalGeneration`: Mistral Small 3.1 / 3.2): its `text_config`, a Mistral;
+/// other configs as they are.
+fn mistral3_text(v: serde_json::Value, name: &str) -> Result<serde_json::Value> {
+    let is = v.get("model_type").and_then(|x| x.as_str()) == Some("mistral3")
+        || v.get("architectures").and_then(|a| a.as_array()).is_some_and(|a| a.iter().any(|x| x.as_str() == Some("Mistral3ForConditionalGeneration")));
+    if !is {
+        return Ok(v);
+    }
+    match v.get("text_config") {
+        Some(serde_json::Value::Object(t)) => {
+            let mut t = t.clone();
+            t.entry("model_type").or_insert("mistral".into());
+            t.remove("architectures");
+            Ok(serde_json::Value::Object(t))
+        }
+        _ => plan_bail!("model config {name}: a Mistral 3 config (model_type 'mistral3') without a 'text_config' object"),
+    }
+}
+
 /// A gpt-oss config (`model_type` `gpt_oss` or `GptOssForCausalLM`) with `GptOssConfig`'s
 /// defaults for the shape keys it leaves out (the 120B's); other configs as they are.
 fn gpt_oss_defaults(v: serde_json::Value) -> serde_json::Value {
@@ -173,10 +193,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 24] = [
+pub const MODEL_PRESETS: [&str; 25] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b",
+    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b",
 ];
 
 impl ModelConfig {
@@ -203,7 +223,9 @@ impl ModelConfig {
     /// (2880 wide, 64 heads of 64 over 8 KV heads, vocabulary 201088; every layer a mixture of
     /// 32 / 128 experts 2880 wide, 4 per token; a window of 128 keys on every other layer;
     /// [`ModelConfig::gpt_oss`]'s sinks and biases), or `smollm3-3b` (SmolLM3-3B: 36 layers
-    /// 2048 wide, 16 heads of 128 over 4 KV heads, vocabulary 128256, tied head).
+    /// 2048 wide, 16 heads of 128 over 4 KV heads, vocabulary 128256, tied head), or
+    /// `mistral-small-24b` (Mistral Small 3.1 / 3.2's text model: 40 layers 5120 wide, 32 heads
+    /// of 128 over 8 KV heads, MLP 32768, vocabulary 131072).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -241,6 +263,8 @@ impl ModelConfig {
             "gpt-oss-120b" => (2880, 36, 64, 8, 2880),
             // HuggingFaceTB/SmolLM3-3B (its NoPE layers change no count)
             "smollm3-3b" => (2048, 36, 16, 4, 11008),
+            // mistralai/Mistral-Small-3.1-24B-Instruct-2503's text model (head dim 128)
+            "mistral-small-24b" => (5120, 40, 32, 8, 32768),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -258,7 +282,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -271,6 +295,7 @@ impl ModelConfig {
                 _ if gemma3 => 262_208,
                 _ if gemma2 => 256_000,
                 _ if lower == "mixtral-8x7b" => 32000,
+                _ if lower == "mistral-small-24b" => 131_072,
                 _ if lower.starts_with("phi3") => 32064,
                 _ if lower == "phi4" => 100_352,
                 _ if lower.starts_with("phi4") => 200_064,
@@ -337,6 +362,7 @@ impl ModelConfig {
         let v: serde_json::Value = serde_json::from_str(text)
             .map_err(|e| PlanError(format!("model config {name} is not valid JSON: {e}")))?;
         let v = gemma3_text(v, name)?;
+        let v = mistral3_text(v, name)?;
         let v = gpt_oss_defaults(v);
         let get = |key: &str| -> Result<Option<usize>> {
             match v.get(key) {

@@ -46,6 +46,15 @@ fn presets_have_published_sizes() -> Result<()> {
     assert_eq!(ModelConfig { name: "smollm3-3b".into(), ..ModelConfig::from_hf_json(&format!("{cfg}}}"), "x")? }, sm);
     let w = ModelConfig::from_hf_json(&format!(r#"{cfg}, "use_sliding_window": true}}"#), "x")?;
     assert_eq!((w.sliding_window, w.partial_window), (None, Some((4096, 9))));
+    // Mistral Small 3.1's text model ("24B" with its vision tower): 23,572,403,200 from its
+    // config.json arithmetic; the multimodal config.json reads to the preset's shape
+    let ms = ModelConfig::preset("mistral-small-24b")?;
+    assert_eq!((ms.total_params(), ms.head_dim, ms.kv_heads, ms.tie_embeddings), (23_572_403_200, 128, 8, false));
+    let cfg = r#"{"architectures": ["Mistral3ForConditionalGeneration"], "model_type": "mistral3", "text_config": {"head_dim": 128,
+        "hidden_size": 5120, "intermediate_size": 32768, "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 40,
+        "num_key_value_heads": 8, "sliding_window": null, "vocab_size": 131072}, "vision_config": {"model_type": "pixtral"}}"#;
+    assert_eq!(ModelConfig { name: "mistral-small-24b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, ms);
+    assert!(ModelConfig::from_hf_json(r#"{"model_type": "mistral3"}"#, "x").is_err());
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
