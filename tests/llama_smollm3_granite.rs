@@ -147,3 +147,22 @@ fn smollm3_and_granite_checkpoints_round_trip() -> Result<()> {
     let (cfg, full, _) = granite()?;
     round_trips(&cfg, &full, "GraniteForCausalLM", "residual_multiplier")
 }
+
+/// Granite's `Llama::hidden` is the final norm's output, as for every model (the logits'
+/// division is the head's): its logits are `hidden · lm_headᵀ / logits_scaling`.
+#[test]
+fn granite_hidden_states_are_the_final_norms() -> Result<()> {
+    let (cfg, full, ids) = granite()?;
+    let ids = ids.narrow(1, 0, 16)?.contiguous()?;
+    let pos = Tensor::arange(0u32, 16, &Device::Cpu)?;
+    let mut out = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = candle_cp_llama::ParallelCtx::new(g, Layout::single())?;
+        let model = candle_cp_llama::Llama::new(candle_nn::VarBuilder::from_tensors(full.clone(), candle_core::DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        let h = model.hidden(&ids, &pos)?;
+        let want = (h.broadcast_matmul(&full["lm_head.weight"].t()?)? / multipliers().logits_scaling)?;
+        max_abs(&model.forward(&ids, &pos)?, &want)
+    });
+    let d = out.pop().unwrap_or_else(|| candle_core::bail!("no rank"))?;
+    assert!(d < 1e-5, "logits vs hidden · lm_headᵀ / logits_scaling: {d}");
+    Ok(())
+}

@@ -601,7 +601,7 @@ impl Llama {
             };
         }
         params_ready(1 + n)?;
-        self.final_norm(&x)
+        self.norm.forward(&x)
     }
 }
 

@@ -16,7 +16,7 @@ impl Llama {
 
     /// [`Llama::forward`] with optional packed documents.
     pub(crate) fn forward_with(&self, input_ids: &Tensor, positions: &Tensor, docs: Option<&[Documents]>) -> Result<Tensor> {
-        let h = self.hidden_with(input_ids, positions, docs)?;
+        let h = self.head_input(self.hidden_with(input_ids, positions, docs)?)?;
         self.cap_logits(self.logits_of(&h)?)
     }
 
@@ -64,14 +64,18 @@ impl Llama {
         }
     }
 
-    /// The final norm of `x` `[B, T, h]`, times Granite's `1 / logits_scaling` (the head's
-    /// input scaled: its logits divided, [`LlamaConfig::head_input_scale`]).
-    pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
-        let h = self.norm.forward(x)?;
+    /// The head's input from final hidden states `h` `[B, T, h]`: times Granite's
+    /// `1 / logits_scaling` (its logits divided, [`LlamaConfig::head_input_scale`]), else `h`.
+    pub(crate) fn head_input(&self, h: Tensor) -> Result<Tensor> {
         match self.cfg.head_input_scale() {
             Some(s) => h.affine(s, 0.0),
             None => Ok(h),
         }
+    }
+
+    /// The final norm of `x` `[B, T, h]` as the head reads it ([`Llama::head_input`]).
+    pub(crate) fn final_norm(&self, x: &Tensor) -> Result<Tensor> {
+        self.head_input(self.norm.forward(x)?)
     }
 
     /// The TP group with sequence parallelism `sp`.
@@ -108,7 +112,7 @@ impl Llama {
         positions: &Tensor,
         docs: Option<&[Documents]>,
     ) -> Result<Tensor> {
-        let h = self.hidden_with(input_ids, positions, docs)?;
+        let h = self.head_input(self.hidden_with(input_ids, positions, docs)?)?;
         let (b, ts, hd) = h.dims3()?;
         if labels.dims() != [b, ts] {
             bail!(
