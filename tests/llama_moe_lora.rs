@@ -331,11 +331,11 @@ fn a_transformers_5_adapter_without_expert_tensors_reads() -> Result<()> {
     // dense — stays one; a regular expression over transformers 4's names that reaches the
     // experts, with no expert tensor in the file, reads as transformers 5's model)
     let (base, _) = moe_model(MoeStyle::Qwen3Moe, None)?;
-    let none = HashMap::new();
+    let none: [&str; 0] = [];
     let dense = LoraSpec::new(RANK, ALPHA, &ALL_LINEAR)?.with_layers(Some(vec![0]));
-    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, dense.clone(), &none), dense);
+    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, dense.clone(), none), dense);
     let regex = LoraSpec::new(RANK, ALPHA, &["q_proj"])?.with_target_regex(Some(r".*\.(q_proj|down_proj)".into()))?;
-    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, regex, &none).expert_params, Some(candle_cp_llama::lora::GateUp::Concatenated));
+    assert_eq!(candle_cp_llama::expert_params::transformers_5_spec(&base, regex, none).expert_params, Some(candle_cp_llama::lora::GateUp::Concatenated));
     let _ = std::fs::remove_dir_all(&root);
     Ok(())
 }

@@ -44,16 +44,14 @@ pub fn run(a: ConvertArgs) -> crate::Outcome {
     };
     let cfg = LlamaConfig::from_file(base.join("config.json"))?;
     let (spec, tensors) = load_peft_adapter(&a.checkpoint)?;
-    let acfg = cfg.clone().with_lora(Some(candle_cp_llama::expert_params::transformers_5_spec(&cfg, spec, &tensors)));
+    let acfg = cfg.clone().with_lora(Some(candle_cp_llama::expert_params::transformers_5_spec(&cfg, spec, tensors.keys())));
     acfg.validate()?;
     let adapters = model_adapters(&acfg, tensors)?;
     let (spec, adapters) = match a.to {
         Target::PerExpert => per_expert_adapter(&acfg, &adapters)?,
     };
     // (the same base model named)
-    let path = a.checkpoint.join("adapter_config.json");
-    let text = std::fs::read_to_string(&path).map_err(|e| anyhow::anyhow!("reading {}: {e}", path.display()))?;
-    let json: serde_json::Value = serde_json::from_str(&text).map_err(|e| anyhow::anyhow!("{}: {e}", path.display()))?;
+    let json = candle_cp_llama::lora::read_adapter_config(&a.checkpoint)?;
     let name = json.get("base_model_name_or_path").and_then(|b| b.as_str()).unwrap_or_default();
     save_peft_adapter(&a.out, &spec, &adapters, name)?;
     println!("wrote the adapter on per-expert modules (LoRA {spec}) into {}", a.out.display());

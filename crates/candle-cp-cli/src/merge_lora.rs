@@ -50,7 +50,7 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
     let (spec, adapters) = load_peft_adapter(&a.checkpoint)?;
     // (experts held as parameters — gpt-oss's, or named by target_parameters —: PEFT's wrappers
     // as the model's factors)
-    let acfg = cfg.clone().with_lora(Some(candle_cp_llama::expert_params::transformers_5_spec(&cfg, spec, &adapters)));
+    let acfg = cfg.clone().with_lora(Some(candle_cp_llama::expert_params::transformers_5_spec(&cfg, spec, adapters.keys())));
     let Some(spec) = acfg.lora.clone() else { anyhow::bail!("merge-lora: no LoRA spec (internal error)") };
     let adapters = candle_cp_llama::lora::model_adapters(&acfg, adapters)?;
     let n = merge_adapter(&mut weights, &spec, &adapters)?;

@@ -296,7 +296,7 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
     Ok(out)
 }
 
-/// `spec`, read from a PEFT file holding `tensors` (by the model's names), for model `cfg`: with
+/// `spec`, read from a PEFT file holding the tensors `names`, for model `cfg`: with
 /// its experts as parameters (transformers 5's layout, [`GateUp::Concatenated`]) when `cfg` is
 /// a mixture (not gpt-oss, whose experts always are), the spec names no `target_parameters`,
 /// read as a transformers 4 adapter it adapts experts (its `target_modules` name MLP
@@ -306,14 +306,14 @@ pub(crate) fn from_peft(tensors: HashMap<String, Tensor>, experts: usize, hidden
 /// too, nothing). Read as a transformers 4 adapter it would be refused for the experts' missing
 /// tensors. Otherwise `spec` as it is (a transformers 4 adapter whose layers hold no expert it
 /// adapts stays one).
-pub fn transformers_5_spec(cfg: &crate::LlamaConfig, spec: crate::LoraSpec, tensors: &HashMap<String, Tensor>) -> crate::LoraSpec {
+pub fn transformers_5_spec(cfg: &crate::LlamaConfig, spec: crate::LoraSpec, names: impl IntoIterator<Item = impl AsRef<str>>) -> crate::LoraSpec {
     let fused = cfg.moe.is_some() && !cfg.gpt_oss && spec.target_parameters.is_empty() && spec.expert_params.is_none();
     if !fused {
         return spec;
     }
     let v4 = cfg.clone().with_lora(Some(spec.clone()));
     let adapts_experts = crate::param_specs(&v4).iter().any(|s| s.is_lora() && s.name.contains(".experts."));
-    let experts = tensors.keys().any(|n| n.contains(".experts."));
+    let experts = names.into_iter().any(|n| n.as_ref().contains(".experts."));
     match adapts_experts && !experts {
         true => spec.with_expert_params(Some(GateUp::Concatenated)),
         false => spec,

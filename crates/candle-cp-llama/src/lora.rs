@@ -394,8 +394,16 @@ pub fn base_model_dir(dir: &Path) -> Result<PathBuf> {
     }
 }
 
+/// The tensor names of the PEFT adapter in `dir` (`adapter_model.safetensors`, `base_model.model.`
+/// prefix removed), from the file's header alone.
+pub fn adapter_tensor_names(dir: &Path) -> Result<Vec<String>> {
+    // SAFETY: mapped read-only for this call; adapter files are not rewritten in place
+    let st = unsafe { candle_core::safetensors::MmapedSafetensors::new(dir.join("adapter_model.safetensors"))? };
+    Ok(st.tensors().into_iter().map(|(n, _)| n.strip_prefix(PEFT_PREFIX).map(String::from).unwrap_or(n)).collect())
+}
+
 /// `dir/adapter_config.json` as JSON.
-fn read_adapter_config(dir: &Path) -> Result<serde_json::Value> {
+pub fn read_adapter_config(dir: &Path) -> Result<serde_json::Value> {
     let cfg_path = dir.join("adapter_config.json");
     let text = std::fs::read_to_string(&cfg_path).map_err(|e| candle_core::Error::Msg(format!("reading {}: {e}", cfg_path.display())))?;
     serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", cfg_path.display())))
@@ -410,7 +418,7 @@ pub fn load_adapter_sharded(dir: &Path, cfg: &crate::LlamaConfig, varmap: &candl
         return Ok(None);
     }
     let (spec, tensors) = load_peft_adapter(dir)?;
-    let cfg = cfg.clone().with_lora(Some(crate::expert_params::transformers_5_spec(cfg, spec, &tensors)));
+    let cfg = cfg.clone().with_lora(Some(crate::expert_params::transformers_5_spec(cfg, spec, tensors.keys())));
     insert_loaded_adapter(dir, &cfg, &tensors, varmap, ctx, dtype, device)?;
     Ok(Some(cfg))
 }

@@ -233,7 +233,7 @@ pub fn train_rank(
             // reaches — expert_params::transformers_5_spec; a run started from one writes such
             // checkpoints, read alike when resumed)
             let l = match from.filter(|d| crate::lora::has_adapter(d)) {
-                Some(dir) => crate::expert_params::transformers_5_spec(&mcfg, l.clone(), &crate::lora::load_peft_adapter(dir)?.1),
+                Some(dir) => crate::expert_params::transformers_5_spec(&mcfg, l.clone(), crate::lora::adapter_tensor_names(dir)?),
                 None => l.clone(),
             };
             // (a Phi-3's modules named as its fused ones)
