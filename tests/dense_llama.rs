@@ -16,6 +16,10 @@
 //! - Granite: the embedding times `embedding_multiplier`, the softmax scale
 //!   `attention_multiplier`, `x + r·attn(..)` and `x + r·mlp(..)` (`residual_multiplier`), the
 //!   logits divided by `logits_scaling`.
+//! - OLMo 2 and 3: no norm before the attention or the MLP; `x + rms(attn(x))` and
+//!   `x + rms(mlp(x))`; q and k normalised over the whole projection (`H·D`, `Hkv·D`
+//!   features of a token) before the split into heads and RoPE; OLMo 3's sliding layers
+//!   rotate unscaled when the config scales RoPE.
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
@@ -108,8 +112,12 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         }
         _ => tables(&candle_cp_llama::rope::inv_freq(cfg), t, cfg.rope_scaling.attention_factor())?,
     };
+    let olmo = cfg.olmo.is_some();
+    let olmo3_scaled = cfg.olmo == Some(candle_cp_llama::Olmo::Olmo3) && cfg.rope_scaling != candle_cp_llama::RopeScaling::Default;
     let local = match &gemma {
         Some(g) => Some(tables(&(0..d / 2).map(|i| g.rope_local_base_freq.powf(-2.0 * i as f64 / d as f64)).collect::<Vec<_>>(), t, 1.0)?),
+        // OLMo 3 with a scaled RoPE: its sliding layers by theta^(-2i/D), unscaled
+        None if olmo3_scaled => Some(tables(&(0..d / 2).map(|i| cfg.rope_theta.powf(-2.0 * i as f64 / d as f64)).collect::<Vec<_>>(), t, 1.0)?),
         None => None,
     };
     // causal, within the layer's window if it has one: query i sees key j iff i - w < j <= i
@@ -157,9 +165,16 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             let r = (r.broadcast_mul(cos)? + rotate_half(&r)?.broadcast_mul(sin)?)?;
             if rd == d { Ok(r) } else { Tensor::cat(&[&r, &x.narrow(D::Minus1, rd, d - rd)?], D::Minus1) }
         };
-        let hn = norm(&x, &n("input_layernorm.weight"))?;
+        let hn = if olmo { x.clone() } else { norm(&x, &n("input_layernorm.weight"))? };
         let heads = |s: &str, nh: usize| -> Result<Tensor> {
-            linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?.reshape((b, t, nh, d))?.transpose(1, 2)
+            let y = linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?;
+            // OLMo: q and k normalised over the whole projection, then split
+            let y = match (olmo, s) {
+                (true, "q_proj") => norm(&y, &n("self_attn.q_norm.weight"))?,
+                (true, "k_proj") => norm(&y, &n("self_attn.k_norm.weight"))?,
+                _ => y,
+            };
+            y.reshape((b, t, nh, d))?.transpose(1, 2)
         };
         let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
         if cfg.qk_norm {
@@ -184,12 +199,16 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
         let o_bias = if cfg.gpt_oss { Some(p(&n("self_attn.o_proj.bias"))?) } else { None };
         let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, o_bias)?;
-        let (pre_mlp, o) = match gemma_like {
-            true => ("pre_feedforward_layernorm.weight", norm(&o, &n("post_attention_layernorm.weight"))?),
-            false => ("post_attention_layernorm.weight", o),
+        let (pre_mlp, o) = match (gemma_like, olmo) {
+            (true, _) => (Some("pre_feedforward_layernorm.weight"), norm(&o, &n("post_attention_layernorm.weight"))?),
+            (false, true) => (None, norm(&o, &n("post_attention_layernorm.weight"))?),
+            (false, false) => (Some("post_attention_layernorm.weight"), o),
         };
         x = (x + (o * residual_mul)?)?;
-        let hn = norm(&x, &n(pre_mlp))?;
+        let hn = match pre_mlp {
+            Some(w) => norm(&x, &n(w))?,
+            None => x.clone(),
+        };
         let m = match &cfg.moe {
             Some(mc) if cfg.is_moe_layer(l) => {
                 let (e, k, rn) = (mc.num_experts, mc.num_experts_per_tok, b * t);
@@ -253,7 +272,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?
             }
         };
-        let m = if gemma_like { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
+        let m = if gemma_like || olmo { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
         x = (x + (m * residual_mul)?)?;
     }
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };

@@ -27,6 +27,9 @@ pub mod granite;
 #[path = "multimodal.rs"]
 pub mod multimodal;
 pub use granite::Granite;
+#[path = "olmo.rs"]
+pub mod olmo;
+pub use olmo::Olmo;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
 #[path = "config_json.rs"]
@@ -112,6 +115,10 @@ pub struct LlamaConfig {
     /// Granite (`model_type` `granite`): its embedding, attention, residual and logit
     /// multipliers ([`granite`]); `None` for the other architectures.
     pub granite: Option<Granite>,
+    /// OLMo 2 or 3 (`model_type` `olmo2`, `olmo3`): norms after the attention and the MLP
+    /// instead of before, q and k norms over the whole projection ([`olmo`]); `None` for the
+    /// other architectures.
+    pub olmo: Option<Olmo>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -175,7 +182,7 @@ impl LlamaConfig {
         let smol = smollm3::with_defaults(m)?;
         let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
             (Some(t), _) | (None, Some(t)) => Some(t),
-            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or(smol),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or(smol),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -282,6 +289,11 @@ impl LlamaConfig {
             gpt_oss: arch == Arch::GptOss,
             nope_layers,
             granite,
+            olmo: match arch {
+                Arch::Olmo2 => Some(Olmo::Olmo2),
+                Arch::Olmo3 => Some(Olmo::Olmo3),
+                _ => None,
+            },
             lora: None,
         };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
@@ -330,6 +342,7 @@ impl LlamaConfig {
             gpt_oss: false,
             nope_layers: None,
             granite: None,
+            olmo: None,
             lora: None,
         }
     }
@@ -395,6 +408,12 @@ impl LlamaConfig {
         if self.gpt_oss {
             return Arch::GptOss;
         }
+        if let Some(o) = self.olmo {
+            return match o {
+                Olmo::Olmo2 => Arch::Olmo2,
+                Olmo::Olmo3 => Arch::Olmo3,
+            };
+        }
         if let Some(m) = &self.moe {
             return match m.style {
                 MoeStyle::Qwen3Moe => Arch::Qwen3Moe,
@@ -457,6 +476,7 @@ impl LlamaConfig {
         phi3::validate(self)?;
         smollm3::validate(self)?;
         granite::validate(self)?;
+        olmo::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
@@ -481,7 +501,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss | Arch::SmolLM3) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss | Arch::SmolLM3 | Arch::Olmo3) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",

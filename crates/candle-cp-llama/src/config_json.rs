@@ -124,6 +124,9 @@ impl LlamaConfig {
             if let Some(g) = &self.granite {
                 granite::write(m, g);
             }
+            if let Some(o) = self.olmo {
+                olmo::write(m, self, o);
+            }
             if matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe) {
                 // Qwen2Config has no bias keys (q, k, v always biased), Qwen3Config no mlp_bias
                 // (attention_bias false); the window on every layer

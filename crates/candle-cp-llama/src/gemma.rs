@@ -233,11 +233,14 @@ impl LlamaConfig {
         }
     }
 
-    /// How every RMSNorm applies its weight (Gemma 2 and 3: `x̂ · (1 + w)`).
+    /// How every RMSNorm applies its weight (Gemma 2 and 3: `x̂ · (1 + w)`; OLMo: `x̂ · w` in
+    /// f32).
     pub fn norm_weight(&self) -> candle_cp_nn::NormWeight {
-        match self.is_gemma() {
-            true => candle_cp_nn::NormWeight::UnitOffset,
-            false => candle_cp_nn::NormWeight::Scale,
+        match (self.is_gemma(), self.olmo.is_some()) {
+            (true, _) => candle_cp_nn::NormWeight::UnitOffset,
+            // OLMo: x̂ · w in f32, cast last
+            (false, true) => candle_cp_nn::NormWeight::ScaleF32,
+            (false, false) => candle_cp_nn::NormWeight::Scale,
         }
     }
 
@@ -292,11 +295,16 @@ impl LlamaConfig {
     }
 
     /// The RoPE config of the layers that rotate by the local RoPE (Gemma 3's sliding layers:
-    /// base `rope_local_base_freq`, unscaled), when some layer does.
+    /// base `rope_local_base_freq`, unscaled; OLMo 3's with a scaled RoPE: `rope_theta`,
+    /// unscaled), when some layer does.
     pub fn local_rope(&self) -> Option<LlamaConfig> {
-        let g = self.gemma3.as_ref()?;
+        let theta = match (&self.gemma3, self.olmo) {
+            (Some(g), _) => g.rope_local_base_freq,
+            (None, Some(super::Olmo::Olmo3)) => self.rope_theta,
+            _ => return None,
+        };
         (0..self.num_hidden_layers).any(|i| self.layer_rope_is_local(i)).then(|| LlamaConfig {
-            rope_theta: g.rope_local_base_freq,
+            rope_theta: theta,
             rope_scaling: RopeScaling::Default,
             gemma3: None,
             gemma2: None,
@@ -306,7 +314,8 @@ impl LlamaConfig {
 
     /// Whether layer `layer` rotates by the local RoPE ([`LlamaConfig::layer_rope`]).
     pub fn layer_rope_is_local(&self, layer: usize) -> bool {
-        self.gemma3.is_some() && self.layer_window(layer).is_some()
+        let olmo3_scaled = self.olmo == Some(super::Olmo::Olmo3) && self.rope_scaling != RopeScaling::Default;
+        (self.gemma3.is_some() || olmo3_scaled) && self.layer_window(layer).is_some()
     }
 }
 

@@ -126,13 +126,22 @@ impl Block {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, hkv, d) = heads;
-        let qkv = self.qkv.forward_parts(&self.input_norm.forward(x)?)?;
+        let xn = match &self.input_norm {
+            Some(n) => n.forward(x)?,
+            None => x.clone(),
+        };
+        let qkv = self.qkv.forward_parts(&xn)?;
         let [q, k, v] = qkv.as_slice() else {
             bail!(
                 "generate: fused qkv gave {} parts for x {:?}",
                 qkv.len(),
                 x.dims()
             )
+        };
+        // OLMo: the norms over the whole projection (the statistic summed over TP)
+        let (q, k) = match &self.flat_qk_norm {
+            Some(n) => n.apply(q, k)?,
+            None => (q.clone(), k.clone()),
         };
         let (q, k) = (q.reshape((b, t, h, d))?, k.reshape((b, t, hkv, d))?);
         // Qwen3: the head norms before RoPE (no backward here: the weights as they are)
@@ -159,7 +168,10 @@ impl Block {
             }
         };
         let x = (x + branch(0, self.o.forward(a)?)?)?;
-        let xn = self.post_norm.forward(&x)?;
+        let xn = match &self.post_norm {
+            Some(n) => n.forward(&x)?,
+            None => x.clone(),
+        };
         let y = match &self.mlp {
             crate::model::Mlp::Dense { gate_up, down } => {
                 let gu = gate_up.forward_parts(&xn)?;

@@ -45,6 +45,14 @@ impl<'a> LayerBuilder<'a> {
         self.vb.get_with_hints(s.local_shape_in(&self.ctx)?, name, INIT)
     }
 
+    /// Parameter `name` with this rank's local shape, `init` in a fresh `VarMap`.
+    fn get_init(&self, name: &str, init: Init) -> Result<Tensor> {
+        let Some(s) = self.specs.get(name) else {
+            bail!("Llama::new: no parameter spec for {name}")
+        };
+        self.vb.get_with_hints(s.local_shape_in(&self.ctx)?, name, init)
+    }
+
     /// The RMSNorm whose weight is under `vb` (weights: ones in a fresh VarMap, or Gemma's
     /// zeros, which its `1 + w` makes ones).
     pub(crate) fn norm(&self, vb: VarBuilder) -> Result<RmsNorm> {
@@ -193,13 +201,18 @@ impl<'a> LayerBuilder<'a> {
             o = o.with_lora(l)?;
         }
         let qkv_lora = vec![self.lora_for(&ap, "q_proj")?, self.lora_for(&ap, "k_proj")?, self.lora_for(&ap, "v_proj")?];
+        let olmo = cfg.olmo.is_some();
         Ok(Block {
-            input_norm: self.norm(vl.pp("input_layernorm"))?,
+            // OLMo: no norm before the attention or the MLP (its norms follow each branch)
+            input_norm: if olmo { None } else { Some(self.norm(vl.pp("input_layernorm"))?) },
             qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &self.tp)?.with_lora(qkv_lora)?,
             o,
             // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
             // `post_attention_layernorm` is the one after the attention)
-            post_norm: self.norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?,
+            post_norm: match olmo {
+                true => None,
+                false => Some(self.norm(vl.pp(if gemma { "pre_feedforward_layernorm" } else { "post_attention_layernorm" }))?),
+            },
             mlp,
             qk_norm: match cfg.qk_norm {
                 false => None,
@@ -211,8 +224,19 @@ impl<'a> LayerBuilder<'a> {
                     form,
                 }),
             },
+            flat_qk_norm: match olmo {
+                false => None,
+                // (ones in a fresh VarMap)
+                true => Some(crate::config::olmo::FlatQkNorm {
+                    q: self.get_init(&format!("{ap}.q_norm.weight"), Init::Const(1.0))?,
+                    k: self.get_init(&format!("{ap}.k_norm.weight"), Init::Const(1.0))?,
+                    widths: (qd, kd),
+                    eps,
+                    tp: (self.ctx.tp.size() > 1).then(|| self.ctx.tp.clone()),
+                }),
+            },
             window: cfg.layer_window(i),
-            sandwich: match gemma {
+            sandwich: match gemma || olmo {
                 false => None,
                 true => Some((self.norm(vl.pp("post_attention_layernorm"))?, self.norm(vl.pp("post_feedforward_layernorm"))?)),
             },

@@ -56,8 +56,11 @@ pub use crate::loss::{global_mean, local_nll};
 /// output reductions, norm weights on sequence shards).
 #[derive(Clone)]
 pub(crate) struct Block {
-    pub(crate) input_norm: RmsNorm,
-    pub(crate) post_norm: RmsNorm,
+    /// The norm before the attention (`input_layernorm`; OLMo has none).
+    pub(crate) input_norm: Option<RmsNorm>,
+    /// The norm before the MLP (`post_attention_layernorm`, Gemma's
+    /// `pre_feedforward_layernorm`; OLMo has none).
+    pub(crate) post_norm: Option<RmsNorm>,
     /// `q_proj`, `k_proj`, `v_proj` fused: one input gather (SP) for the three.
     pub(crate) qkv: ColumnParallelLinear,
     pub(crate) o: RowParallelLinear,
@@ -65,10 +68,13 @@ pub(crate) struct Block {
     pub(crate) mlp: Mlp,
     /// Qwen3's q and k head norms: weights `[D]` and epsilon ([`LlamaConfig::qk_norm`]).
     pub(crate) qk_norm: Option<QkNorm>,
+    /// OLMo's q and k norms over the whole projection ([`crate::config::olmo`]).
+    pub(crate) flat_qk_norm: Option<crate::config::olmo::FlatQkNorm>,
     /// The sliding window this layer attends within ([`LlamaConfig::layer_window`]).
     pub(crate) window: Option<usize>,
-    /// Gemma 3's norms after the attention and after the MLP (`post_attention_layernorm`,
-    /// `post_feedforward_layernorm`), each on its branch before the residual add.
+    /// Gemma's and OLMo's norms after the attention and after the MLP
+    /// (`post_attention_layernorm`, `post_feedforward_layernorm`), each on its branch before
+    /// the residual add.
     pub(crate) sandwich: Option<(RmsNorm, RmsNorm)>,
     /// The gated MLP's activation.
     pub(crate) act: Activation,
@@ -173,6 +179,7 @@ impl Block {
             o: self.o.clone().with_sequence_parallel(false),
             mlp: self.mlp.without_sp(),
             qk_norm: self.qk_norm.clone(),
+            flat_qk_norm: self.flat_qk_norm.clone(),
             window: self.window,
             sandwich: self.sandwich.clone(),
             act: self.act,
@@ -202,14 +209,29 @@ impl Block {
             _ => &env.rope,
         };
         // TP region [B, Tc, ·] between the column- and row-parallel layers
-        let posts = match self.qk_norm {
-            None if self.rotates => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
-            // Qwen3: the head norms come between the projection and RoPE; SmolLM3's NoPE layers
-            // keep q and k as projected
+        let posts = match (&self.qk_norm, &self.flat_qk_norm) {
+            (None, None) if self.rotates => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
+            // Qwen3, OLMo: the norms come between the projection and RoPE; SmolLM3's NoPE
+            // layers keep q and k as projected
             _ => [None, None, None],
         };
-        let qkv = self.qkv.forward_parts_regathered(&self.input_norm.forward(x)?, &posts)?;
+        let xn = match &self.input_norm {
+            Some(n) => n.forward(x)?,
+            None => x.clone(),
+        };
+        let qkv = self.qkv.forward_parts_regathered(&xn, &posts)?;
         let (q, k) = match &self.qk_norm {
+            // OLMo: the norms over the whole projection (this TP rank's heads, the statistic
+            // over all), then RoPE
+            None if self.flat_qk_norm.is_some() => {
+                let Some(n) = &self.flat_qk_norm else { bail!("Block: no OLMo norms") };
+                let (q, k) = n.apply(&qkv[0], &qkv[1])?;
+                let (q, k) = (q.reshape((b, tc, hl, d))?, k.reshape((b, tc, hkvl, d))?);
+                match self.rotates {
+                    true => (crate::fused::apply_rope(&q, cos, sin)?, crate::fused::apply_rope(&k, cos, sin)?),
+                    false => (q, k),
+                }
+            }
             // (rope_post gave [B, Tc, H, D]; a NoPE layer's are as projected)
             None if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),
             None => (qkv[0].clone(), qkv[1].clone()),
@@ -227,10 +249,13 @@ impl Block {
         let r = self.residual_scale;
         let x = match &self.sandwich {
             None => self.o.forward_residual_scaled(&a, x, r)?,
-            // Gemma 3: x + norm(o(a)), one node keeping o(a) and the statistic
+            // Gemma 3, OLMo: x + norm(o(a)), one node keeping o(a) and the statistic
             Some((after_attn, _)) => after_attn.forward_add(x, &self.o.forward_lean(&a)?)?,
         };
-        let xn = self.post_norm.forward(&x)?;
+        let xn = match &self.post_norm {
+            Some(n) => n.forward(&x)?,
+            None => x.clone(),
+        };
         match &self.mlp {
             Mlp::Dense { gate_up, down } => {
                 let gu = gate_up.forward_parts_regathered(&xn, &[])?;
@@ -383,6 +408,7 @@ impl Llama {
                 _ => {}
             }
         }
+        crate::config::olmo::check_tp(cfg, ctx.layout.tp)?;
         let tp_size = ctx.layout.tp;
         if ctx.tp.size() != tp_size {
             bail!(

@@ -10,6 +10,7 @@
 //! | `self_attn.{q,k,v}_proj.bias` (Qwen2, [`LlamaConfig::qkv_bias`]) | `[H·D]`, `[Hkv·D]` | as the weight's rows |
 //! | `self_attn.{q,k}_norm.weight` (Qwen3, Gemma 3, [`LlamaConfig::qk_norm`]) | `[D]` | replicated (each TP rank's heads give part of the gradient: summed over TP) |
 //! | `{pre,post}_feedforward_layernorm.weight` (Gemma 3, [`LlamaConfig::gemma3`]; its `post_attention_layernorm` follows the attention) | `[h]` | replicated |
+//! | OLMo ([`LlamaConfig::olmo`]): `self_attn.q_norm.weight`, `self_attn.k_norm.weight`; `post_feedforward_layernorm.weight` (its `post_attention_layernorm` follows the attention; no `input_layernorm`) | `[H·D]`, `[Hkv·D]`; `[h]` | as q_proj's, k_proj's rows; replicated |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
 //! | `self_attn.o_proj.bias` (gpt-oss)           | `[h]`            | replicated (added after the sum) |
 //! | `self_attn.sinks` (gpt-oss)                 | `[H]`            | rows (heads)    |
@@ -220,7 +221,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     add("model.embed_tokens.weight".into(), vec![v, h], vocab);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        add(p("input_layernorm.weight"), vec![h], norm);
+        // (OLMo: no norm before the attention)
+        if cfg.olmo.is_none() {
+            add(p("input_layernorm.weight"), vec![h], norm);
+        }
         for (proj, rows, shard) in [("q_proj", qd, col), ("k_proj", kd, kv), ("v_proj", kd, kv)] {
             add(p(&format!("self_attn.{proj}.weight")), vec![rows, h], shard);
             if cfg.qkv_bias {
@@ -231,6 +235,11 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             add(p("self_attn.q_norm.weight"), vec![cfg.head_dim], norm);
             add(p("self_attn.k_norm.weight"), vec![cfg.head_dim], norm);
         }
+        if cfg.olmo.is_some() {
+            // OLMo: norms over the whole q and k projections, split as their rows
+            add(p("self_attn.q_norm.weight"), vec![qd], col);
+            add(p("self_attn.k_norm.weight"), vec![kd], kv);
+        }
         add(p("self_attn.o_proj.weight"), vec![h, qd], row);
         if cfg.gpt_oss {
             // gpt-oss: the o_proj bias (added after the row-parallel sum) and a sink per head
@@ -240,6 +249,8 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         add(p("post_attention_layernorm.weight"), vec![h], norm);
         if cfg.is_gemma() {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
+        }
+        if cfg.is_gemma() || cfg.olmo.is_some() {
             add(p("post_feedforward_layernorm.weight"), vec![h], norm);
         }
         match &cfg.moe {

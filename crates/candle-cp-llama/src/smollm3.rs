@@ -110,9 +110,9 @@ pub(crate) const NOPE: &str = "NoPE layers";
 
 impl LlamaConfig {
     /// What the config has beyond a Llama, by name, each on or off: q, k, v biases, head norms,
-    /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers (the
-    /// architectures that exclude the others refuse them by these names).
-    pub(crate) fn features(&self) -> [(&'static str, bool); 9] {
+    /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers, OLMo's
+    /// norms (the architectures that exclude the others refuse them by these names).
+    pub(crate) fn features(&self) -> [(&'static str, bool); 10] {
         [
             ("q, k, v biases", self.qkv_bias),
             ("q, k head norms", self.qk_norm),
@@ -123,6 +123,7 @@ impl LlamaConfig {
             ("gpt-oss", self.gpt_oss),
             (NOPE, self.nope_layers.is_some()),
             (crate::config::granite::GRANITE, self.granite.is_some()),
+            (crate::config::olmo::OLMO, self.olmo.is_some()),
         ]
     }
 }

@@ -15,7 +15,8 @@
 //!
 //! Statistics are computed in f32 whatever the input dtype (HF form for RMSNorm: the
 //! normalised value is cast back to the input dtype, then multiplied by the weight; Gemma's
-//! form, [`NormWeight::UnitOffset`], multiplies by `1 + w` in f32 and casts last).
+//! form, [`NormWeight::UnitOffset`], multiplies by `1 + w` in f32 and casts last; OLMo's,
+//! [`NormWeight::ScaleF32`], by `w` in f32 and casts last).
 
 use crate::{GradSync, Shard, Tp};
 use candle_core::{bail, DType, Module, Result, Tensor, D};
@@ -34,6 +35,9 @@ pub enum NormWeight {
     /// Gemma: `x̂ · (1 + w)` in f32, then cast to `x`'s dtype (weights start at zeros; a
     /// 16-bit `w` is widened before the 1 is added, so `1 + w` is not rounded).
     UnitOffset,
+    /// OLMo 2 and 3: `x̂ · w` in f32, then cast to `x`'s dtype (weights start at ones; the
+    /// same numbers as [`NormWeight::Scale`] in f32, one rounding fewer in 16 bits).
+    ScaleF32,
 }
 
 /// RMSNorm `x · rsqrt(mean(x²) + eps) · w` (HF form: statistics in f32, the normalised
@@ -77,6 +81,7 @@ pub fn rms_norm_fwd_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) -> 
     let out = match form {
         NormWeight::Scale => x32.broadcast_mul(&r)?.to_dtype(x.dtype())?.broadcast_mul(w)?,
         NormWeight::UnitOffset => x32.broadcast_mul(&r)?.broadcast_mul(&(w.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(x.dtype())?,
+        NormWeight::ScaleF32 => x32.broadcast_mul(&r)?.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?,
     };
     Ok((out, r))
 }
@@ -98,6 +103,7 @@ pub fn rms_norm_bwd_with(x: &Tensor, r: &Tensor, w: &Tensor, dy: &Tensor, form: 
     let (xh, w32) = match form {
         NormWeight::Scale => (xhat.to_dtype(dt)?.to_dtype(DType::F32)?, w.to_dtype(DType::F32)?),
         NormWeight::UnitOffset => (xhat.clone(), (w.to_dtype(DType::F32)? + 1.0)?),
+        NormWeight::ScaleF32 => (xhat.clone(), w.to_dtype(DType::F32)?),
     };
     let lead: usize = dy32.elem_count() / h;
     let dw = (dy32.broadcast_mul(&xh)?).reshape((lead, h))?.sum(0)?.to_dtype(w.dtype())?;
@@ -152,6 +158,11 @@ pub fn rms_norm_slow_with(x: &Tensor, w: &Tensor, eps: f64, form: NormWeight) ->
             let x32 = x.to_dtype(DType::F32)?;
             let xn = x32.broadcast_div(&(x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?)?;
             xn.broadcast_mul(&(w.to_dtype(DType::F32)? + 1.0)?)?.to_dtype(x.dtype())
+        }
+        NormWeight::ScaleF32 => {
+            let x32 = x.to_dtype(DType::F32)?;
+            let xn = x32.broadcast_div(&(x32.sqr()?.mean_keepdim(D::Minus1)? + eps)?.sqrt()?)?;
+            xn.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
         }
     }
 }
@@ -401,6 +412,34 @@ mod tests {
         }) {
             assert!(r? < 1e-6);
         }
+        Ok(())
+    }
+
+    /// OLMo's `x̂ · w` in f32, cast last: values and gradients equal the plain-op reference
+    /// in f32 (where it equals the scale form) and in bf16 (one rounding: the scale form
+    /// rounds `x̂` before the product and differs).
+    #[test]
+    fn scale_f32_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
+        let w = Var::randn(1f32, 0.3, 24, &dev)?;
+        let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
+        let f = NormWeight::ScaleF32;
+        let y = rms_norm_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        let ys = rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        assert!(max_rel(&y, &ys)? < 1e-6 && max_rel(&y, &rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?)? < 1e-6);
+        let g = (&y * &dy)?.sum_all()?.backward()?;
+        let gs = (&ys * &dy)?.sum_all()?.backward()?;
+        for v in [&x, &w] {
+            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
+            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
+        }
+        let (xb, wb) = (x.as_tensor().to_dtype(DType::BF16)?, w.as_tensor().to_dtype(DType::BF16)?);
+        let yb = rms_norm_with(&xb, &wb, 1e-6, f)?.to_dtype(DType::F32)?;
+        let want = rms_norm_slow_with(&xb.to_dtype(DType::F32)?, &wb.to_dtype(DType::F32)?, 1e-6, f)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
+        assert_eq!((&yb - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        let scale = rms_norm(&xb, &wb, 1e-6)?.to_dtype(DType::F32)?;
+        assert!((yb - scale)?.abs()?.max_all()?.to_scalar::<f32>()? > 0.0, "bf16: the two forms round alike");
         Ok(())
     }
 }

@@ -1,0 +1,168 @@
+//! OLMo 2 and OLMo 3 (`model_type` `olmo2`, `olmo3`; AllenAI's fully open models, whose
+//! training data and code are public too): a Llama with three differences ([`Olmo`]).
+//!
+//! - **Norms after the branches, none before**: `x + norm(attn(x))`, then `x + norm(mlp(x))`
+//!   (`post_attention_layernorm`, `post_feedforward_layernorm`); the attention and the MLP read
+//!   the residual stream as it is (no `input_layernorm`, no norm before the MLP). Every RMSNorm
+//!   multiplies by its weight in f32 and casts last ([`candle_cp_nn::NormWeight::ScaleF32`]).
+//! - **q and k norms over the whole projection**: `q = rms(q_proj(x))·w_q` over all `H·D`
+//!   features of a token (weights `[H·D]`, `[Hkv·D]`), before the split into heads and RoPE —
+//!   not per head as Qwen3's. Under tensor parallelism each rank holds its heads' features:
+//!   the weights split as the heads ([`crate::params`]) and each token's sum of squares is
+//!   all-reduced over the TP group in the forward, its gradient in the backward
+//!   ([`FlatQkNorm`]; a KV head replicated over TP ranks would be counted twice, so TP beyond
+//!   the KV heads is refused). Under Ulysses, ring or zigzag CP the norm runs on the rank's
+//!   tokens before any exchange, so those layouts need nothing more.
+//! - OLMo 3 only: a **sliding window** (`sliding_window`, default 4096) on the layers
+//!   `layer_types` names (by default three of every four, all but layers 3, 7, ...); when the
+//!   config scales RoPE (OLMo 3's long-context models: YaRN) the sliding layers rotate by the
+//!   unscaled frequencies and the full-attention layers by the scaled ones, as OLMo-core
+//!   trains them and transformers computes them since its fix of the per-layer-type rotary
+//!   embedding (some 4.x releases scaled every layer) — [`crate::LlamaConfig::local_rope`].
+//!
+//! `attention_bias: true` (biases on q, k, v and o) is refused by name, as for a Llama.
+
+use crate::LlamaConfig;
+use candle_core::{bail, DType, Result, Tensor, D};
+use candle_cp_comm::Group;
+use serde_json::{json, Map, Value};
+
+/// Which OLMo ([`crate::LlamaConfig::olmo`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Olmo {
+    /// `Olmo2ForCausalLM`: post-branch norms, whole-projection q, k norms.
+    Olmo2,
+    /// `Olmo3ForCausalLM`: OLMo 2 with sliding-window layers.
+    Olmo3,
+}
+
+/// [`LlamaConfig::features`]' name of OLMo's.
+pub(crate) const OLMO: &str = "OLMo's norms";
+
+/// `sliding_window` of an `Olmo3Config` that leaves it out.
+pub const OLMO3_WINDOW: usize = 4096;
+
+/// Whether `m` is an OLMo 3 config (by `model_type` or `architectures`).
+fn model_type(m: &Map<String, Value>) -> Option<Olmo> {
+    let class = m.get("architectures").and_then(|a| a.as_array()).and_then(|a| a.first()).and_then(|c| c.as_str());
+    match (m.get("model_type").and_then(|t| t.as_str()), class) {
+        (Some("olmo2"), _) | (None, Some("Olmo2ForCausalLM")) => Some(Olmo::Olmo2),
+        (Some("olmo3"), _) | (None, Some("Olmo3ForCausalLM")) => Some(Olmo::Olmo3),
+        _ => None,
+    }
+}
+
+/// An OLMo config with transformers' defaults filled in where it leaves them out: `rms_norm_eps`
+/// 1e-5 (both), `sliding_window` 4096 (OLMo 3; its `layer_types` default is
+/// [`crate::Arch::window`]'s). `None` for other configs.
+pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>> {
+    let o = model_type(m)?;
+    let mut m = m.clone();
+    m.entry("rms_norm_eps").or_insert(json!(1e-5));
+    if o == Olmo::Olmo3 {
+        m.entry("sliding_window").or_insert(json!(OLMO3_WINDOW));
+    }
+    Some(m)
+}
+
+/// OLMo's keys of config.json: no `mlp_bias` / `pretraining_tp`; OLMo 2 without
+/// `sliding_window`; OLMo 3 with `layer_types` for every layer (written even when none slides,
+/// so that the default three-in-four does not come back) and its window.
+pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
+    m.remove("mlp_bias");
+    m.remove("pretraining_tp");
+    match o {
+        Olmo::Olmo2 => {
+            m.remove("sliding_window");
+        }
+        Olmo::Olmo3 => {
+            let types: Vec<&str> = (0..cfg.num_hidden_layers)
+                .map(|i| if cfg.layer_window(i).is_some() { "sliding_attention" } else { "full_attention" })
+                .collect();
+            m.insert("layer_types".into(), json!(types));
+            m.insert("sliding_window".into(), json!(cfg.sliding_window.unwrap_or(OLMO3_WINDOW)));
+        }
+    }
+}
+
+/// OLMo with no other architecture's features (biases, per-head norms, Gemma, a mixture,
+/// Phi-3, gpt-oss, NoPE layers, Granite's multipliers); OLMo 2 without a window (`Olmo2Config`
+/// has none: a checkpoint would load without it).
+pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
+    let Some(o) = cfg.olmo else { return Ok(()) };
+    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != OLMO) {
+        bail!("LlamaConfig: {o:?} with {what}: no architecture this model writes has both")
+    }
+    if let (Olmo::Olmo2, Some(w)) = (o, cfg.sliding_window) {
+        bail!("LlamaConfig: OLMo 2 with a sliding window ({w}): Olmo2Config has none (OLMo 3 has: Olmo::Olmo3)")
+    }
+    Ok(())
+}
+
+/// The TP degree an OLMo model runs on: at most its KV heads (the k norm's statistic sums
+/// each KV head once; a head replicated over ranks would be summed on each).
+pub(crate) fn check_tp(cfg: &LlamaConfig, tp: usize) -> Result<()> {
+    if cfg.olmo.is_some() && tp > cfg.num_key_value_heads {
+        bail!(
+            "Llama::new: OLMo's k norm spans all {} KV heads; tp = {tp} would replicate KV heads over ranks (use tp <= {})",
+            cfg.num_key_value_heads,
+            cfg.num_key_value_heads
+        )
+    }
+    Ok(())
+}
+
+impl LlamaConfig {
+    /// The same config as OLMo 2 or 3 (or not). OLMo 3's window is set apart
+    /// ([`LlamaConfig::with_sliding_window`], [`LlamaConfig::with_sliding_layers`]).
+    pub fn with_olmo(mut self, o: Option<Olmo>) -> Self {
+        self.olmo = o;
+        self
+    }
+}
+
+/// OLMo's q and k norms over this TP rank's part of each token's projection: weights
+/// `[H_local·D]`, `[Hkv_local·D]` (the full `[H·D]`, `[Hkv·D]` split as the heads), the
+/// statistic over the full width (`tp`: the group whose ranks hold the other heads; `None` on
+/// one rank).
+#[derive(Clone)]
+pub(crate) struct FlatQkNorm {
+    pub(crate) q: Tensor,
+    pub(crate) k: Tensor,
+    /// The full widths `H·D`, `Hkv·D`.
+    pub(crate) widths: (usize, usize),
+    pub(crate) eps: f64,
+    pub(crate) tp: Option<Group>,
+}
+
+impl FlatQkNorm {
+    /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised (differentiable; under TP
+    /// the statistic's sum is an all-reduce forward and backward).
+    pub(crate) fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
+        Ok((flat_rms(q, &self.q, self.widths.0, self.eps, self.tp.as_ref())?, flat_rms(k, &self.k, self.widths.1, self.eps, self.tp.as_ref())?))
+    }
+}
+
+/// `x · rsqrt(Σ x² / width + eps) · w` in f32, cast last, the sum over the last dim of `x`
+/// `[.., n]` and, with `tp`, over the TP group's ranks (`width` the summed features: `n` times
+/// the group's size). The sum goes through `reduce_from_tp_region` (all-reduce forward) and
+/// `copy_to_tp_region` (all-reduce backward): every rank's statistic depends on every rank's
+/// features.
+pub(crate) fn flat_rms(x: &Tensor, w: &Tensor, width: usize, eps: f64, tp: Option<&Group>) -> Result<Tensor> {
+    let n = x.dim(D::Minus1)?;
+    let ranks = tp.map_or(1, |g| g.size());
+    if w.dims() != [n] || n * ranks != width {
+        bail!("OLMo q/k norm: input {:?} and weight {:?} on {ranks} TP ranks must span the {width} features of a token", x.dims(), w.dims())
+    }
+    let x32 = x.to_dtype(DType::F32)?;
+    let mut ss = x32.sqr()?.sum_keepdim(D::Minus1)?;
+    if let Some(g) = tp.filter(|g| g.size() > 1) {
+        ss = candle_cp_ops::mappings::copy_to_tp_region(&candle_cp_ops::mappings::reduce_from_tp_region(&ss, g)?, g)?;
+    }
+    let r = ((ss / width as f64)? + eps)?.sqrt()?.recip()?;
+    x32.broadcast_mul(&r)?.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
+}
+
+#[cfg(test)]
+#[path = "olmo_tests.rs"]
+mod tests;

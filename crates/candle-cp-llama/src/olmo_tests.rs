@@ -1,0 +1,66 @@
+use super::*;
+use crate::Arch;
+
+const BASE: &str = r#""vocab_size": 512, "hidden_size": 128, "intermediate_size": 352,
+    "num_hidden_layers": 8, "num_attention_heads": 8, "num_key_value_heads": 2"#;
+
+fn parse(extra: &str) -> Result<LlamaConfig> {
+    LlamaConfig::from_json(&format!("{{{BASE}{extra}}}"))
+}
+
+/// OLMo 2 and 3 configs as transformers reads them: defaults (eps 1e-5; OLMo 3's window 4096
+/// on three layers of four), `layer_types`, refusals; written back and read again as the same
+/// config.
+#[test]
+fn olmo_configs() -> Result<()> {
+    let o2 = parse(r#", "model_type": "olmo2", "rope_theta": 500000"#)?;
+    assert_eq!((o2.olmo, o2.arch(), o2.rms_norm_eps, o2.sliding_window), (Some(Olmo::Olmo2), Arch::Olmo2, 1e-5, None));
+    assert_eq!(o2.norm_weight(), candle_cp_nn::NormWeight::ScaleF32);
+    // Olmo2Config has no window: the key is ignored, as transformers does
+    assert_eq!(parse(r#", "model_type": "olmo2", "sliding_window": 64"#)?.sliding_window, None);
+    let o3 = parse(r#", "architectures": ["Olmo3ForCausalLM"], "rms_norm_eps": 1e-6"#)?;
+    assert_eq!((o3.olmo, o3.rms_norm_eps, o3.sliding_window), (Some(Olmo::Olmo3), 1e-6, Some(OLMO3_WINDOW)));
+    assert_eq!((0..8).map(|i| o3.layer_window(i).is_some()).collect::<Vec<_>>(), [true, true, true, false, true, true, true, false]);
+    // no scaling: one RoPE for every layer
+    assert!(o3.local_rope().is_none());
+    let types = r#", "layer_types": ["full_attention", "sliding_attention", "full_attention", "full_attention", "full_attention", "full_attention", "full_attention", "sliding_attention"], "sliding_window": 16"#;
+    let yarn = r#", "rope_scaling": {"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192}"#;
+    let o3y = parse(&format!(r#", "model_type": "olmo3"{types}{yarn}"#))?;
+    assert_eq!((o3y.sliding_window, o3y.layer_window(1), o3y.layer_window(0)), (Some(16), Some(16), None));
+    // YaRN: the sliding layers rotate unscaled, the full ones scaled
+    assert!(o3y.layer_rope_is_local(1) && !o3y.layer_rope_is_local(0));
+    let local = o3y.local_rope().ok_or_else(|| candle_core::Error::Msg("no local RoPE".into()))?;
+    assert_eq!((local.rope_scaling.clone(), local.rope_theta), (crate::RopeScaling::Default, o3y.rope_theta));
+    for (c, class) in [(&o2, "Olmo2ForCausalLM"), (&o3, "Olmo3ForCausalLM"), (&o3y, "Olmo3ForCausalLM")] {
+        let text = c.to_hf_json("float32");
+        assert!(text.contains(class) && !text.contains("mlp_bias"), "{text}");
+        assert_eq!(&LlamaConfig::from_json(&text)?, c);
+    }
+    // OLMo 3 with no sliding layer writes its layer types (the default would bring three back)
+    let full = o3.clone().with_sliding_window(None).with_sliding_layers(None);
+    assert_eq!(LlamaConfig::from_json(&full.to_hf_json("float32"))?, full);
+    // refusals, by name
+    let err = |r: Result<LlamaConfig>| r.err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(err(parse(r#", "model_type": "olmo2", "attention_bias": true"#)).contains("attention_bias"));
+    let e = o2.clone().with_qk_norm(true).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("q, k head norms"), "{e}");
+    let e = o2.clone().with_sliding_window(Some(8)).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("OLMo 2 with a sliding window"), "{e}");
+    assert!(check_tp(&o2, 2).is_ok() && check_tp(&o2, 4).err().map(|e| e.to_string()).unwrap_or_default().contains("2 KV heads"));
+    Ok(())
+}
+
+/// The whole-projection norm on one rank equals the plain RMSNorm over the last dim (with
+/// OLMo's f32 weight product) and refuses a weight of another width.
+#[test]
+fn flat_norm_is_rms_over_the_projection() -> Result<()> {
+    let dev = candle_core::Device::Cpu;
+    let x = Tensor::randn(0f32, 2.0, (2, 5, 24), &dev)?;
+    let w = Tensor::randn(1f32, 0.2, 24, &dev)?;
+    let y = flat_rms(&x, &w, 24, 1e-6, None)?;
+    let want = candle_cp_nn::rms_norm_slow_with(&x, &w, 1e-6, candle_cp_nn::NormWeight::ScaleF32)?;
+    assert!((y - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
+    let e = flat_rms(&x, &w.narrow(0, 0, 16)?, 24, 1e-6, None).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("[16]") && e.contains("24"), "{e}");
+    Ok(())
+}

@@ -1,0 +1,167 @@
+//! OLMo 2 and OLMo 3 (`model_type` `olmo2`, `olmo3`): norms after the attention and the MLP
+//! instead of before, q and k RMSNorms over the whole projection (`[H·D]`, `[Hkv·D]`), OLMo 3's
+//! sliding layers (which rotate unscaled when the config scales RoPE).
+//!
+//! The tiny-llama oracle's weights as OLMo's (no `input_layernorm`; its
+//! `post_attention_layernorm` now after the attention; `q_norm`, `k_norm` and
+//! `post_feedforward_layernorm` drawn away from ones so that each binds) on every kind of
+//! layout — ring, zigzag, striped, Ulysses, 2-D, TP with and without SP (the q / k norms'
+//! statistic summed over the TP ranks' heads, forward and backward), TP × CP, DP — give the
+//! float64 reference's logits, loss and every gradient (`dense_llama.rs`) within the oracle's
+//! tolerances; cached decode equals the full forward and CP / TP decode the same tokens;
+//! checkpoints save as `Olmo2ForCausalLM` / `Olmo3ForCausalLM` and load back as the same config
+//! and weights; TP beyond the KV heads is refused by name.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_llama::hf::load_safetensors_dir;
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::verify::{load_reference, Reference, Tolerances};
+use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig, Olmo, RopeScaling};
+use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_rows};
+use std::collections::HashMap;
+
+const T: usize = 256;
+
+/// `n` values `1 + 0.4·sin(0.7·i + phase)`: a norm weight away from ones.
+fn wavy(n: usize, phase: f64) -> Result<Tensor> {
+    Tensor::from_vec((0..n).map(|i| (1.0 + 0.4 * (0.7 * i as f64 + phase).sin()) as f32).collect::<Vec<_>>(), n, &Device::Cpu)
+}
+
+/// The oracle as OLMo `o` (`f` shapes its config further): its weights without the input
+/// norms, with the whole-projection q / k norms and the norm after the MLP; its input ids.
+fn olmo(o: Olmo, f: impl Fn(LlamaConfig) -> LlamaConfig) -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    let cfg = f(LlamaConfig::from_file(dir.join("config.json"))?.with_olmo(Some(o)));
+    cfg.validate()?;
+    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let mut full = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("model.layers.{l}.{s}");
+        full.remove(&n("input_layernorm.weight"));
+        full.insert(n("self_attn.q_norm.weight"), wavy(qd, l as f64)?);
+        full.insert(n("self_attn.k_norm.weight"), wavy(kd, 2.0 + l as f64)?);
+        full.insert(n("post_feedforward_layernorm.weight"), wavy(cfg.hidden_size, 4.0 + l as f64)?);
+    }
+    Ok((cfg, full, ids))
+}
+
+/// OLMo 3 with layer 0 sliding (window 40) and layer 1 full, its RoPE scaled by YaRN (layer 0
+/// rotates unscaled).
+fn olmo3() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    olmo(Olmo::Olmo3, |c| {
+        let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
+        LlamaConfig { rope_scaling: yarn, ..c }.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]))
+    })
+}
+
+/// Every kind of layout (TP at most the 2 KV heads), and DP on two rows, against `want`.
+fn on_every_layout(label: &str, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, want: &Reference) -> Result<()> {
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Striped, 2),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+        Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
+    ];
+    let olmo_norms = |n: &str| n.contains("q_norm") || n.contains("k_norm") || n.contains("post_feedforward_layernorm");
+    let extra: (&dyn Fn(&str) -> bool, usize) = (&olmo_norms, 3 * cfg.num_hidden_layers);
+    on_layouts(label, (full, cfg, ids, want), &layouts, extra)?;
+    on_layouts(label, (full, cfg, &Tensor::cat(&[ids, ids], 0)?, &reference_rows(want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], extra)
+}
+
+/// OLMo 2 on every kind of layout: the reference; the norms after the branches and the
+/// whole-projection norms each move the logits.
+#[test]
+fn olmo2_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = olmo(Olmo::Olmo2, |c| c)?;
+    assert_eq!(cfg.arch(), Arch::Olmo2);
+    let want = reference(&full, &cfg, &ids)?;
+    for (what, name) in [("q_norm", "model.layers.0.self_attn.q_norm.weight"), ("k_norm", "model.layers.1.self_attn.k_norm.weight"), ("post_feedforward_layernorm", "model.layers.0.post_feedforward_layernorm.weight")] {
+        let mut other = full.clone();
+        other.insert(name.to_string(), Tensor::ones(full[name].dims(), DType::F32, &Device::Cpu)?);
+        let moved = max_abs(&reference(&other, &cfg, &ids)?.logits, &want.logits)?;
+        assert!(moved > 100.0 * Tolerances::default().logits_abs, "{what} moves the logits by only {moved:.1e}");
+    }
+    on_every_layout("olmo2", &full, &cfg, &ids, &want)
+}
+
+/// OLMo 3 (a sliding layer that rotates unscaled beside a full one under YaRN) on every kind
+/// of layout: the reference.
+#[test]
+fn olmo3_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = olmo3()?;
+    assert_eq!(cfg.arch(), Arch::Olmo3);
+    assert!(cfg.layer_rope_is_local(0) && !cfg.layer_rope_is_local(1));
+    let want = reference(&full, &cfg, &ids)?;
+    on_every_layout("olmo3", &full, &cfg, &ids, &want)
+}
+
+/// Cached decoding equals the full forward; CP and TP decode the same tokens (TP 2: the norms'
+/// statistic all-reduced in every decode step).
+#[test]
+fn olmo_generation() -> Result<()> {
+    for (cfg, full, ids) in [olmo(Olmo::Olmo2, |c| c)?, olmo3()?] {
+        let ids = ids.narrow(1, 0, 32)?.contiguous()?;
+        candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, false), Layout::cp(CpKind::Ring, 2).with_tp(2, true)])?;
+    }
+    Ok(())
+}
+
+/// Checkpoints save as `Olmo2ForCausalLM` / `Olmo3ForCausalLM` (its `layer_types`) and load
+/// back as the same config and weights.
+#[test]
+fn olmo_checkpoints_round_trip() -> Result<()> {
+    for ((cfg, full, _), class, key) in [(olmo(Olmo::Olmo2, |c| c)?, "Olmo2ForCausalLM", "olmo2"), (olmo3()?, "Olmo3ForCausalLM", "layer_types")] {
+        let dir = std::env::temp_dir().join(format!("candle-cp-{class}-{}", std::process::id()));
+        let vm = candle_nn::VarMap::new();
+        for (k, t) in &full {
+            vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+        save_hf(&dir, &vm, &cfg)?;
+        let text = std::fs::read_to_string(dir.join("config.json"))?;
+        assert!(text.contains(class) && text.contains(key) && !text.contains("input_layernorm"), "{text}");
+        let (back, bcfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+        assert_eq!(bcfg, cfg);
+        let data = back.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
+        assert_eq!(data.len(), full.len());
+        for (k, t) in &full {
+            let Some(got) = data.get(k) else { candle_core::bail!("{k} not loaded") };
+            assert_eq!(max_abs(got.as_tensor(), t)?, 0.0, "{k}");
+        }
+        drop(data);
+        std::fs::remove_dir_all(&dir).ok();
+    }
+    Ok(())
+}
+
+/// TP beyond the KV heads (the k norm would count a replicated head twice) is refused, naming
+/// the heads; a checkpoint with an input norm is refused as a tensor the model does not use.
+#[test]
+fn olmo_refusals() -> Result<()> {
+    let (cfg, full, _) = olmo(Olmo::Olmo2, |c| c)?;
+    let layout = Layout::single().with_tp(4, false);
+    let errs = candle_cp_comm::run_ranks(4, |g| {
+        let ctx = candle_cp_llama::ParallelCtx::new(g, layout)?;
+        let vm = candle_cp_llama::shard_tensors(&full, &cfg, &ctx)?;
+        candle_cp_llama::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx).map(|_| ())
+    });
+    for e in errs {
+        let e = e.err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("2 KV heads") && e.contains("tp = 4"), "{e}");
+    }
+    let mut extra = full.clone();
+    extra.insert("model.layers.0.input_layernorm.weight".into(), Tensor::ones(cfg.hidden_size, DType::F32, &Device::Cpu)?);
+    let dir = std::env::temp_dir().join(format!("candle-cp-olmo-extra-{}", std::process::id()));
+    let named: Vec<(String, Tensor)> = extra.into_iter().collect();
+    candle_cp_llama::save_hf_tensors(&dir, &named, &cfg)?;
+    let e = load_hf(&dir, &Device::Cpu, DType::F32).err().map(|e| e.to_string()).unwrap_or_default();
+    std::fs::remove_dir_all(&dir).ok();
+    assert!(e.contains("input_layernorm"), "{e}");
+    Ok(())
+}
