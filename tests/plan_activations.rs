@@ -88,7 +88,7 @@ fn retained(cfg: &LlamaConfig, layout: Layout, dtype: DType, recompute: bool) ->
 fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     // the architecture: 0 Llama, 1 Qwen3 (head norms), 2 Gemma 3 (head norms, norms after
     // attention and MLP, GELU, scaled embedding; no window here)
-    // 3 Qwen3-MoE (8 experts, 2 per token, 64 wide, renormalised)
+    // 3 Qwen3-MoE (8 experts, 2 per token, 64 wide, renormalised); 7 OLMo 2
     let moe = || {
         let mut m = candle_cp_llama::MoeConfig::new(8, 2, 64);
         m.norm_topk_prob = true;
@@ -104,14 +104,16 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             // 6 gpt-oss (sinks, biases on q, k, v, o, the router and the experts, the clamped
             // SwiGLU; its experts 64 wide = intermediate_size)
             6 => c.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 64))),
+            // 7 OLMo 2 (norms after the branches only, q / k norms over the whole projections)
+            7 => c.with_olmo(Some(candle_cp_llama::Olmo::Olmo2)),
             _ => c,
         }
     };
     let model = |arch| {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
-    let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?);
-    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some());
+    let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
+    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some() && olmo2.olmo && olmo2.sandwich_norms);
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
     let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };
@@ -179,14 +181,23 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("gpt-oss: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
         ("gpt-oss: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
     ];
+    // OLMo 2 (the model and the planner with `olmo`; TP at most the 2 KV heads)
+    let olmo2_cases = [
+        ("olmo2: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("olmo2: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("olmo2: tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
+        ("olmo2: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+        ("olmo2: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+    ];
     let (n_plain, n_qwen3, n_gemma3, n_moe, n_mixtral) = (cases.len(), qwen3_cases.len(), gemma3_cases.len(), moe_cases.len(), mixtral_cases.len());
-    let n_qwen2_moe = qwen2_moe_cases.len();
+    let (n_qwen2_moe, n_gpt_oss) = (qwen2_moe_cases.len(), gpt_oss_cases.len());
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
     cases.extend(mixtral_cases);
     cases.extend(qwen2_moe_cases);
     cases.extend(gpt_oss_cases);
+    cases.extend(olmo2_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -196,7 +207,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe => (3, &qwen3_moe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral => (4, &mixtral),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe => (5, &qwen2_moe),
-            _ => (6, &gpt_oss),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss => (6, &gpt_oss),
+            _ => (7, &olmo2),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

@@ -34,7 +34,7 @@ fn check_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<(usize, usize, u
 
 /// The tables `[T, R]` (shared by the rows) or `[B, T, R]` (one per row) as `[1|B, T, 1, R]`
 /// in `dtype` (no copy when they already are).
-fn tables4(cos: &Tensor, sin: &Tensor, t: usize, r: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
+pub(crate) fn tables4(cos: &Tensor, sin: &Tensor, t: usize, r: usize, dtype: DType) -> Result<(Tensor, Tensor)> {
     let rows = if cos.rank() == 3 { cos.dim(0)? } else { 1 };
     let f = |c: &Tensor| c.reshape((rows, t, 1, r))?.to_dtype(dtype);
     Ok((f(cos)?, f(sin)?))
@@ -81,13 +81,13 @@ pub fn apply_rope(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
 
 /// `y·cos + rotate_half(y)·sin` with `[1|B, T, 1, R]` tables (over `y`'s first `R`
 /// dimensions; the rest unchanged).
-fn rope4(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub(crate) fn rope4(y: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     on_rotated(y, cos.dim(D::Minus1)?, |y| y.broadcast_mul(cos)? + rotate_half(y, false)?.broadcast_mul(sin)?)
 }
 
 /// The transpose (= inverse) of [`rope4`]: `dy·cos + rotate_halfᵀ(dy·sin)` (the passed-through
 /// dimensions' gradient unchanged).
-fn rope4_t(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+pub(crate) fn rope4_t(dy: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
     on_rotated(dy, cos.dim(D::Minus1)?, |dy| dy.broadcast_mul(cos)? + rotate_half(&dy.broadcast_mul(sin)?, true)?)
 }
 

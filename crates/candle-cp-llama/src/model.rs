@@ -225,12 +225,7 @@ impl Block {
             // over all), then RoPE
             None if self.flat_qk_norm.is_some() => {
                 let Some(n) = &self.flat_qk_norm else { bail!("Block: no OLMo norms") };
-                let (q, k) = n.apply(&qkv[0], &qkv[1])?;
-                let (q, k) = (q.reshape((b, tc, hl, d))?, k.reshape((b, tc, hkvl, d))?);
-                match self.rotates {
-                    true => (crate::fused::apply_rope(&q, cos, sin)?, crate::fused::apply_rope(&k, cos, sin)?),
-                    false => (q, k),
-                }
+                n.apply_with_rope(&qkv[0], &qkv[1], cos, sin, d)?
             }
             // (rope_post gave [B, Tc, H, D]; a NoPE layer's are as projected)
             None if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),

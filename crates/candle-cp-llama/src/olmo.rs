@@ -136,11 +136,67 @@ pub(crate) struct FlatQkNorm {
 }
 
 impl FlatQkNorm {
-    /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised (differentiable; under TP
-    /// the statistic's sum is an all-reduce forward and backward).
+    /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised (plain ops, as
+    /// [`flat_rms`]; generation's decode steps).
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
         Ok((flat_rms(q, &self.q, self.widths.0, self.eps, self.tp.as_ref())?, flat_rms(k, &self.k, self.widths.1, self.eps, self.tp.as_ref())?))
     }
+
+    /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised and rotated by `cos`, `sin`
+    /// into `[B, T, H_local, D]`, `[B, T, Hkv_local, D]`, each one graph node
+    /// ([`flat_norm_rope`]).
+    pub(crate) fn apply_with_rope(&self, q: &Tensor, k: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
+        let f = |x: &Tensor, w: &Tensor, width: usize| flat_norm_rope(x, w, width, self.eps, (d, cos, sin), self.tp.as_ref());
+        Ok((f(q, &self.q, self.widths.0)?, f(k, &self.k, self.widths.1)?))
+    }
+}
+
+/// OLMo's whole-projection norm then RoPE as one graph node: `x [B, T, n]` (this TP rank's
+/// `n = H_local·D` features of each token's `width`), weight `w [n]`, heads of `d` rotated by
+/// `cos`, `sin` (as [`crate::fused::apply_rope`]'s) → `[B, T, n/d, d]`. The same values as
+/// [`flat_rms`] then `apply_rope` (reference: those two, differentiated by candle), but the
+/// node keeps only `x` and the f32 statistic `[B, T, 1]`. Under TP (`tp` of more than one rank)
+/// the sum of squares is all-reduced in the forward and, in the backward, the sum
+/// `Σ dŷ·w·x̂` over the features, which every rank's input gradient needs.
+pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d, cos, sin): (usize, &Tensor, &Tensor), tp: Option<&Group>) -> Result<Tensor> {
+    let (b, t, n) = x.dims3()?;
+    let ranks = tp.map_or(1, |g| g.size());
+    if w.dims() != [n] || n * ranks != width || d == 0 || n % d != 0 {
+        bail!("OLMo q/k norm: input {:?} and weight {:?} on {ranks} TP ranks must span the {width} features of a token in heads of {d}", x.dims(), w.dims())
+    }
+    let heads = n / d;
+    let r = cos.dims().last().copied().unwrap_or(0);
+    if !(cos.dims() == [t, r] || cos.dims() == [b, t, r]) || cos.dims() != sin.dims() || r == 0 || r % 2 != 0 || r > d {
+        bail!("OLMo q/k norm: x {:?} in heads of {d} needs cos/sin [{t}, R] or [{b}, {t}, R], R even, 0 < R <= {d}, got {:?} / {:?}", x.dims(), cos.dims(), sin.dims())
+    }
+    let (c4, s4) = crate::fused::tables4(cos, sin, t, r, x.dtype())?;
+    let tp = tp.filter(|g| g.size() > 1).cloned();
+    let (xd, wd) = (x.detach(), w.detach());
+    let x32 = xd.to_dtype(DType::F32)?;
+    let mut ss = x32.sqr()?.sum_keepdim(D::Minus1)?;
+    if let Some(g) = &tp {
+        ss = g.all_reduce(&ss)?;
+    }
+    let rs = ((ss / width as f64)? + eps)?.sqrt()?.recip()?;
+    let z = x32.broadcast_mul(&rs)?.broadcast_mul(&wd.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+    drop(x32);
+    let out = crate::fused::rope4(&z.reshape((b, t, heads, d))?, &c4, &s4)?;
+    drop(z);
+    let bwd: candle_cp_ops::autograd::BackwardFn = std::sync::Arc::new(move |dy: &Tensor| {
+        // RoPE's transpose gives the norm's output gradient; then the norm's backward with
+        // the statistic over every rank's features
+        let dz = crate::fused::rope4_t(dy, &c4, &s4)?.reshape((b, t, n))?.to_dtype(DType::F32)?;
+        let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&rs)?;
+        let dw = (&dz * &xhat)?.reshape((b * t, n))?.sum(0)?.to_dtype(wd.dtype())?;
+        let g = dz.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
+        let mut m = (&g * &xhat)?.sum_keepdim(D::Minus1)?;
+        if let Some(grp) = &tp {
+            m = grp.all_reduce(&m)?;
+        }
+        let dx = (g - xhat.broadcast_mul(&(m / width as f64)?)?)?.broadcast_mul(&rs)?.to_dtype(xd.dtype())?;
+        Ok(vec![Some(dx), Some(dw)])
+    });
+    candle_cp_ops::autograd::attach2("olmo_qk_norm_rope", x, w, out, bwd)
 }
 
 /// `x · rsqrt(Σ x² / width + eps) · w` in f32, cast last, the sum over the last dim of `x`

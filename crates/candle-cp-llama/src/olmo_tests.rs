@@ -64,3 +64,55 @@ fn flat_norm_is_rms_over_the_projection() -> Result<()> {
     assert!(e.contains("[16]") && e.contains("24"), "{e}");
     Ok(())
 }
+
+/// The fused norm + RoPE node equals the plain ops (`flat_rms`, then `apply_rope_slow`) in
+/// values and both gradients, on one rank and with the features split over 2 TP ranks (each
+/// rank's slice of the output and of the gradients), tables shared or per row; bad shapes
+/// are refused by name.
+#[test]
+fn flat_norm_rope_matches_the_plain_ops_on_tp_ranks() -> Result<()> {
+    use candle_core::{Device, Var};
+    let dev = Device::Cpu;
+    let (b, t, heads, d) = (2, 5, 4, 8);
+    let n = heads * d;
+    let x = Tensor::randn(0f32, 1.5, (b, t, n), &dev)?;
+    let w = Tensor::randn(1f32, 0.3, n, &dev)?;
+    let dy = Tensor::randn(0f32, 1.0, (b, t, heads, d), &dev)?;
+    let cfg = LlamaConfig::tiny(16, 32, 1, 4, 2);
+    let (c1, s1) = crate::rope::rope_tables(&cfg, &[3, 9, 17, 40, 0], DType::F32, &dev)?;
+    let (c2, s2) = crate::rope::rope_tables(&cfg, &[0, 1, 2, 3, 4], DType::F32, &dev)?;
+    let rows = (Tensor::stack(&[&c1, &c2], 0)?, Tensor::stack(&[&s1, &s2], 0)?);
+    for (cos, sin) in [(c1.clone(), s1.clone()), rows] {
+        // the reference on one rank, plain ops
+        let (xv, wv) = (Var::from_tensor(&x)?, Var::from_tensor(&w)?);
+        let want = crate::fused::apply_rope_slow(&flat_rms(xv.as_tensor(), wv.as_tensor(), n, 1e-6, None)?.reshape((b, t, heads, d))?, &cos, &sin)?;
+        let g = (&want * &dy)?.sum_all()?.backward()?;
+        let (gx, gw) = (g.get(xv.as_tensor()).cloned(), g.get(wv.as_tensor()).cloned());
+        let (Some(gx), Some(gw)) = (gx, gw) else { candle_core::bail!("no reference gradient") };
+        for ranks in [1usize, 2] {
+            let part = n / ranks;
+            let out = candle_cp_comm::run_ranks(ranks, |grp| {
+                let r = grp.rank();
+                let xv = Var::from_tensor(&x.narrow(2, r * part, part)?)?;
+                let wv = Var::from_tensor(&w.narrow(0, r * part, part)?)?;
+                let y = flat_norm_rope(xv.as_tensor(), wv.as_tensor(), n, 1e-6, (d, &cos, &sin), Some(&grp))?;
+                let hp = part / d;
+                let gs = (&y * dy.narrow(2, r * hp, hp)?)?.sum_all()?.backward()?;
+                let diff = |a: &Tensor, b: &Tensor| -> Result<f32> { (a - b)?.abs()?.max_all()?.to_scalar::<f32>() };
+                let e_y = diff(&y, &want.narrow(2, r * hp, hp)?)?;
+                let e_x = diff(gs.get(xv.as_tensor()).ok_or_else(|| candle_core::Error::Msg("no dx".into()))?, &gx.narrow(2, r * part, part)?)?;
+                let e_w = diff(gs.get(wv.as_tensor()).ok_or_else(|| candle_core::Error::Msg("no dw".into()))?, &gw.narrow(0, r * part, part)?)?;
+                Ok([e_y, e_x, e_w])
+            });
+            for e in out {
+                let e = e?;
+                assert!(e.iter().all(|&v| v < 1e-5), "{ranks} ranks: |Δy|, |Δdx|, |Δdw| = {e:?}");
+            }
+        }
+    }
+    let e = flat_norm_rope(&x, &w, n, 1e-6, (d, &c1.narrow(0, 0, 3)?, &s1.narrow(0, 0, 3)?), None).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("[3, 8]"), "{e}");
+    let e = flat_norm_rope(&x, &w, n, 1e-6, (6, &c1, &s1), None).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("heads of 6"), "{e}");
+    Ok(())
+}

@@ -107,7 +107,8 @@ pub fn korthikanti_per_gpu(
 
 /// Exact Llama count per GPU for one layer (`c = s/cp` tokens, `a_kv,t` KV heads per TP
 /// rank):
-/// - replicated unless SP: `c·b·e·4h` (two RMSNorm inputs, QKV input, MLP input);
+/// - replicated unless SP: `c·b·e·4h` (two RMSNorm inputs, QKV input, MLP input; OLMo,
+///   without those norms, `c·b·e·2h`);
 /// - `c·b·e·2·a·d / t` (Q after RoPE, attention output O);
 /// - `c·b·e·2·a_kv,t·d` (K after RoPE, V; replicated heads count on every rank);
 /// - `c·b·e·3f / t` (gate and up outputs, down-projection input); a sparse layer (mixture of
@@ -136,7 +137,8 @@ pub fn llama_per_gpu(
         return terms.full_recompute();
     }
     let cbe = c * bf * ef;
-    let replicated = cbe * 4.0 * h / sp_div;
+    // (OLMo: no norm before the attention or the MLP, so no norm input)
+    let replicated = cbe * if m.olmo { 2.0 } else { 4.0 } * h / sp_div;
     let q_o = cbe * 2.0 * m.q_dim() as f64 / t;
     let k_v = cbe * 2.0 * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let dense_mlp = cbe * 3.0 * m.ffn as f64 / t;
@@ -169,7 +171,11 @@ pub fn llama_per_gpu(
 /// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node
 ///   into one node with the norm, which keeps q and k before the norm, in the activations'
 ///   dtype, and each head's f32 statistic: `c·b·(a_t + kv_t)·(d·e + 4)`.
-/// - Gemma's norms after the attention and the MLP ([`ModelConfig::sandwich_norms`]): each norm and
+/// - OLMo's q and k norms over the whole projection ([`ModelConfig::olmo`]): one node with
+///   RoPE, keeping q and k before the norm and a token's f32 statistic for each:
+///   `c·b·((a_t + kv_t)·d·e + 8)`; OLMo has no norm before the attention or the MLP (no
+///   statistics term above).
+/// - Gemma's and OLMo's norms after the attention and the MLP ([`ModelConfig::sandwich_norms`]): each norm and
 ///   its residual add are one node, which keeps the projection's output (`[B, c/sp_div, h]`)
 ///   and the f32 statistic: `2·c·b·(h·e + 4) / sp_div`.
 /// - a sparse layer (averaged over the layers, [`ModelConfig::sparse_fraction`]): the router's
@@ -194,7 +200,8 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let a_t = l.heads_per_tp_rank(m) as f64;
     let kv_t = l.kv_heads_per_tp_rank(m);
     let lse = 4.0 * a_t * c * bf;
-    let norms = 8.0 * c * bf / sp_div;
+    // (OLMo has no norm before the attention or the MLP: its norms are the sandwich term's)
+    let norms = if m.olmo { 0.0 } else { 8.0 * c * bf / sp_div };
     let u = l.ulysses_degree();
     let kv_u = crate::layout::kv_copies_per_ulysses_rank(kv_t, u) as f64;
     let head_kv = 2.0 * u as f64 * kv_u * d;
@@ -206,7 +213,12 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         _ => 0.0,
     };
     let attention = head_layout + residual;
-    let qk_norm = if m.qk_norm { c * bf * (a_t + kv_t as f64) * (d * ef + 4.0) } else { 0.0 };
+    let qk_norm = match (m.qk_norm, m.olmo) {
+        (true, _) => c * bf * (a_t + kv_t as f64) * (d * ef + 4.0),
+        // OLMo: q and k before the norm and one f32 statistic per token each
+        (false, true) => c * bf * ((a_t + kv_t as f64) * d * ef + 8.0),
+        (false, false) => 0.0,
+    };
     let sandwich = if m.sandwich_norms { 2.0 * c * bf * (m.hidden as f64 * ef + 4.0) / sp_div } else { 0.0 };
     let moe = match &m.moe {
         None => 0.0,
@@ -357,7 +369,9 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let bias = if m.qkv_bias { q / t + 2.0 * kv } else { 0.0 };
     // gpt-oss: its sinks split by head, the o_proj bias replicated
     let sinks = if m.gpt_oss { m.heads as f64 / t + h } else { 0.0 };
-    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + m.qk_norm_params() as f64 + sinks;
+    // (OLMo's q and k norms split as their projections' rows; Qwen3's replicated)
+    let qk_norms = if m.olmo { q / t + kv } else { m.qk_norm_params() as f64 };
+    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + qk_norms + sinks;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
         Some(x) => {

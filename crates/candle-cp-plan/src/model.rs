@@ -57,6 +57,11 @@ pub struct ModelConfig {
     /// `[a]` (besides [`ModelConfig::qkv_bias`]); its mixture of experts' router and experts
     /// carry biases (`E` and `E·(2·f_e + h)` per sparse layer).
     pub gpt_oss: bool,
+    /// OLMo 2 and 3 (`model_type` `olmo2`, `olmo3`): the norms after the attention and the MLP
+    /// ([`ModelConfig::sandwich_norms`]) and none before them, q and k RMSNorms over the whole
+    /// projection (weights `[a·d]`, `[a_kv·d]`); what the layer keeps:
+    /// [`crate::memory::candle_cp_extra_per_gpu`].
+    pub olmo: bool,
 }
 
 /// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
@@ -193,10 +198,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 25] = [
+pub const MODEL_PRESETS: [&str; 28] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b",
+    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b",
 ];
 
 impl ModelConfig {
@@ -225,7 +230,11 @@ impl ModelConfig {
     /// [`ModelConfig::gpt_oss`]'s sinks and biases), or `smollm3-3b` (SmolLM3-3B: 36 layers
     /// 2048 wide, 16 heads of 128 over 4 KV heads, vocabulary 128256, tied head), or
     /// `mistral-small-24b` (Mistral Small 3.1 / 3.2's text model: 40 layers 5120 wide, 32 heads
-    /// of 128 over 8 KV heads, MLP 32768, vocabulary 131072).
+    /// of 128 over 8 KV heads, MLP 32768, vocabulary 131072), or OLMo's `olmo2-7b` (32 layers
+    /// 4096 wide, 32 heads of 128 and as many KV heads, MLP 11008, vocabulary 100352),
+    /// `olmo3-7b` (its shape, vocabulary 100278, a window of 4096 keys on three layers of
+    /// four) or `olmo3-32b` (64 layers 5120 wide, 40 heads of 128 over 8 KV heads, MLP
+    /// 27648, vocabulary 100278, the window as the 7B's) — [`ModelConfig::olmo`].
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -265,6 +274,9 @@ impl ModelConfig {
             "smollm3-3b" => (2048, 36, 16, 4, 11008),
             // mistralai/Mistral-Small-3.1-24B-Instruct-2503's text model (head dim 128)
             "mistral-small-24b" => (5120, 40, 32, 8, 32768),
+            // allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B, allenai/Olmo-3-1125-32B
+            "olmo2-7b" | "olmo3-7b" => (4096, 32, 32, 32, 11008),
+            "olmo3-32b" => (5120, 64, 40, 8, 27648),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -275,6 +287,7 @@ impl ModelConfig {
         let one_b = lower == "gemma3-1b";
         let phi = lower.starts_with("phi3") || lower.starts_with("phi4");
         let gpt_oss = lower.starts_with("gpt-oss");
+        let (olmo, olmo3) = (lower.starts_with("olmo"), lower.starts_with("olmo3"));
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -282,7 +295,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -300,6 +313,8 @@ impl ModelConfig {
                 _ if lower == "phi4" => 100_352,
                 _ if lower.starts_with("phi4") => 200_064,
                 _ if gpt_oss => 201_088,
+                _ if olmo3 => 100_278,
+                _ if olmo => 100_352,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b",
@@ -313,11 +328,14 @@ impl ModelConfig {
                 _ if gemma2 => Some((4096, layers.div_ceil(2))),
                 // 128 keys on layers 0, 2, 4, ...
                 _ if gpt_oss => Some((128, layers.div_ceil(2))),
+                // 4096 keys on all but every fourth layer
+                _ if olmo3 => Some((4096, layers - layers / 4)),
                 _ => None,
             },
-            sandwich_norms: gemma3 || gemma2,
+            sandwich_norms: gemma3 || gemma2 || olmo,
             fused_proj: phi,
             gpt_oss,
+            olmo,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
@@ -422,6 +440,8 @@ impl ModelConfig {
             }
         }
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
+        // OLMo 2 (no window) and 3 (4096 keys by default on all but every fourth layer)
+        let (olmo2, olmo3) = (names("olmo2", "Olmo2ForCausalLM"), names("olmo3", "Olmo3ForCausalLM"));
         // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
         let mixtral = names("mixtral", "MixtralForCausalLM");
         let moe = if gpt_oss {
@@ -454,7 +474,8 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (true, None) if gemma3 || gemma2 => Some(4096),
+            (_, _) if olmo2 => None,
+            (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
         };
@@ -476,6 +497,7 @@ impl ModelConfig {
                 (0..layers).map(|i| !(i + 1).is_multiple_of(p)).collect()
             }
             None | Some(serde_json::Value::Null) if gemma2 || gpt_oss => (0..layers).map(|i| i % 2 == 0).collect(),
+            None | Some(serde_json::Value::Null) if olmo3 => (0..layers).map(|i| !(i + 1).is_multiple_of(4)).collect(),
             None | Some(serde_json::Value::Null) if smollm3 => match v.get("no_rope_layers").and_then(|x| x.as_array()) {
                 Some(a) => (0..layers).map(|i| a.get(i).and_then(|x| x.as_u64()) == Some(0)).collect(),
                 None => {
@@ -520,10 +542,11 @@ impl ModelConfig {
             qkv_bias: qwen2 || gpt_oss,
             qk_norm: qwen3 || gemma3,
             partial_window,
-            sandwich_norms: gemma3 || gemma2,
+            sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3,
             moe,
             fused_proj: names("phi3", "Phi3ForCausalLM"),
             gpt_oss,
+            olmo: olmo2 || olmo3,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -637,18 +660,19 @@ impl ModelConfig {
         self.layer_matrix_params() + self.layer_norm_params() + self.qkv_bias_params() + self.qk_norm_params() + self.sink_and_o_bias_params()
     }
 
-    /// The norm weights of one layer: `2h` (before the attention and the MLP), Gemma 3's `4h`
-    /// (and after each).
+    /// The norm weights of one layer: `2h` (before the attention and the MLP; OLMo's after
+    /// them), Gemma's `4h` (before and after each).
     pub fn layer_norm_params(&self) -> u64 {
-        (if self.sandwich_norms { 4 } else { 2 }) * self.hidden as u64
+        (if self.sandwich_norms && !self.olmo { 4 } else { 2 }) * self.hidden as u64
     }
 
-    /// Qwen3's q and k head-norm weights of one layer: `2·d`, or 0 without them.
+    /// The q and k norm weights of one layer: Qwen3's head norms `2·d`, OLMo's whole-projection
+    /// ones `a·d + a_kv·d`, or 0 without them.
     pub fn qk_norm_params(&self) -> u64 {
-        if self.qk_norm {
-            2 * self.head_dim as u64
-        } else {
-            0
+        match (self.qk_norm, self.olmo) {
+            (true, _) => 2 * self.head_dim as u64,
+            (false, true) => (self.q_dim() + self.kv_dim()) as u64,
+            (false, false) => 0,
         }
     }
 

@@ -55,6 +55,22 @@ fn presets_have_published_sizes() -> Result<()> {
         "num_key_value_heads": 8, "sliding_window": null, "vocab_size": 131072}, "vision_config": {"model_type": "pixtral"}}"#;
     assert_eq!(ModelConfig { name: "mistral-small-24b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, ms);
     assert!(ModelConfig::from_hf_json(r#"{"model_type": "mistral3"}"#, "x").is_err());
+    // OLMo 3 (allenai/Olmo-3-1025-7B "7B", Olmo-3-1125-32B "32B"): 7,298,011,136 and
+    // 32,233,522,176 from their config.json arithmetic (untied head; q / k norms [a·d],
+    // [a_kv·d] and the two norms after the branches per layer); the 32B's config.json reads to
+    // the preset's shape (window 4096 on 48 of its 64 layers: 3 of every 4)
+    let (o7, o32) = (ModelConfig::preset("olmo3-7b")?, ModelConfig::preset("olmo3-32b")?);
+    assert_eq!((o7.total_params(), o32.total_params()), (7_298_011_136, 32_233_522_176));
+    assert_eq!((o32.kv_heads, o32.head_dim, o32.partial_window, o32.olmo, o32.sandwich_norms, o32.qk_norm), (8, 128, Some((4096, 48)), true, true, false));
+    let cfg = r#"{"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 5120, "intermediate_size": 27648,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 100278, "sliding_window": 4096}"#;
+    assert_eq!(ModelConfig { name: "olmo3-32b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, o32);
+    // OLMo 2 7B (allenai/OLMo-2-1124-7B): 7,298,617,344; no window whatever the config says
+    let o2 = ModelConfig::preset("olmo2-7b")?;
+    assert_eq!((o2.total_params(), o2.partial_window, o2.sliding_window), (7_298_617_344, None, None));
+    let cfg = r#"{"model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
+        "num_attention_heads": 32, "vocab_size": 100352, "sliding_window": 4096}"#;
+    assert_eq!(ModelConfig { name: "olmo2-7b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, o2);
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;

@@ -163,6 +163,7 @@ mod tests {
             sandwich_norms: false,
             moe: None,
             fused_proj: false,
+            olmo: false,
             gpt_oss: false,
         }
     }
