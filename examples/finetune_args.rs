@@ -164,6 +164,12 @@ pub(crate) struct Args {
     /// times 12, the softmax scale 1/head_dim, each residual branch times 0.22, the logits / 16.
     #[arg(long)]
     pub(crate) granite: bool,
+    /// Random-init OLMo 3 (`Olmo3ForCausalLM`): norms after the attention and the MLP (none
+    /// before), q and k norms over the whole projections (their statistic all-reduced over
+    /// --tp); the window of --sliding-window on three layers of four (all but 3, 7, ...), none
+    /// without it.
+    #[arg(long)]
+    pub(crate) olmo3: bool,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

@@ -151,6 +151,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::SmolLM3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama granite (embedding, attention, residual and logit multipliers) tp2 + sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Granite, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
+    let name = format!("llama olmo3 (norms after the branches, q/k norms over the projections all-reduced over TP, layer 0 sliding 40, unscaled beside YaRN) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmo3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -254,11 +256,20 @@ fn arch_vs_cpu_with(
         Arch::SmolLM3 => base.with_nope_layers(Some(vec![false, true])),
         // Granite: its four multipliers (each residual branch scaled inside the row-parallel node)
         Arch::Granite => base.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 3.0, attention_multiplier: 0.125, residual_multiplier: 0.5, logits_scaling: 4.0 })),
+        // OLMo 3: layer 0 sliding (unscaled RoPE) beside a full layer under YaRN
+        Arch::Olmo3 => {
+            let yarn = candle_cp_llama::RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
+            candle_cp_llama::LlamaConfig { rope_scaling: yarn, ..base.with_olmo(Some(candle_cp_llama::Olmo::Olmo3)) }.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]))
+        }
         _ => base.with_qkv_bias(arch == Arch::Qwen2).with_qk_norm(arch == Arch::Qwen3),
     };
     let mut full = load_safetensors_dir(std::path::Path::new(dir), &Device::Cpu)?;
     if cfg.tie_word_embeddings {
         full.remove("lm_head.weight");
+    }
+    if cfg.olmo.is_some() {
+        // (OLMo has no norm before the attention)
+        full.retain(|k, _| !k.ends_with("input_layernorm.weight"));
     }
     // the architecture's parameters: the seeded biases (N(0, 0.02²)) times 20, head norm
     // weights 1 + 0.4·sin(i + name length) (init_params draws them as ones), Gemma's norm

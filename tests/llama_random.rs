@@ -18,7 +18,8 @@
 //! short or long factors must be those of the whole sequence on every rank; half of them with
 //! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
 //! without RoPE drawn, at least one) and the rest without a window Granite (its
-//! multipliers drawn). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! multipliers drawn); a third of the dense Qwen3 draws are OLMo (OLMo 3 with a window, half of
+//! those with YaRN, whose sliding layers rotate unscaled). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -174,6 +175,22 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         })),
         false => cfg,
     };
+    // a third of the dense Qwen3 draws are OLMo (norms after the branches only, q / k norms
+    // over the whole projections): OLMo 3 with a window, half of those with YaRN (the sliding
+    // layers rotate unscaled), else OLMo 2 (a stream of its own)
+    let mut ol = rng(987_000 + seed);
+    let cfg = match arch == 2 && cfg.moe.is_none() && ol.below(3) == 0 {
+        true => {
+            let o = if window.is_some() { candle_cp_llama::Olmo::Olmo3 } else { candle_cp_llama::Olmo::Olmo2 };
+            let mut c = cfg.with_qk_norm(false).with_olmo(Some(o));
+            if window.is_some() && ol.below(2) == 0 {
+                let original = pick(&mut ol, &[t / 4, t / 2]);
+                c.rope_scaling = candle_cp_llama::RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: original, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
+            }
+            c
+        }
+        false => cfg,
+    };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have
     // it (a stream of its own)
     let mut per_layer = rng(920_000 + seed);
@@ -260,6 +277,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
     let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite) = (0, 0, 0, 0, 0, 0);
+    let mut olmo = 0;
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -308,6 +326,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 phi3 += cfg.phi3 as usize;
                 smollm3 += cfg.nope_layers.is_some() as usize;
                 granite += cfg.granite.is_some() as usize;
+                olmo += cfg.olmo.is_some() as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
                 gpt_oss += cfg.gpt_oss as usize;
             }
@@ -317,10 +336,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite, {olmo} OLMo), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
-            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1)),
+            && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),
         "{checked} checked, {tp} TP ({kv_copies} with KV copies, {mixed} mixed, {padded} padded vocabularies), {dp} DP, {windowed} window ({some_layers} on one layer of two), {regathered} regathered, {biased} biased, {normed} with head norms"
     );
     Ok(())

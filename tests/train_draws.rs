@@ -81,7 +81,8 @@ pub fn draw_layout(d: &mut Rng) -> Layout {
 /// The recall task and a tiny model of the draws: query / KV heads, 1 or 2 layers, a sliding
 /// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
 /// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
-/// they were), Gemma 2 in a third of the rest (another stream); with those numbers
+/// they were), Gemma 2 in a third of the rest (another stream), OLMo in a third of the dense
+/// Qwen3 ones; with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -131,6 +132,12 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
             model.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 1.0 / d, residual_multiplier: 0.22, logits_scaling: 16.0 }))
         }
         _ => model,
+    };
+    // a third of the dense Qwen3 seeds are OLMo (norms after the branches only, q / k norms
+    // over the whole projections; OLMo 3 with a window; a stream of its own)
+    let model = match arch == 2 && model.moe.is_none() && rng(989_000 + seed).below(3) == 0 {
+        true => model.with_qk_norm(false).with_olmo(Some(if window.is_some() { candle_cp_llama::Olmo::Olmo3 } else { candle_cp_llama::Olmo::Olmo2 })),
+        false => model,
     };
     Ok((task, model, (heads, kv_heads, layers, window)))
 }

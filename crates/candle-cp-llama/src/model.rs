@@ -403,7 +403,6 @@ impl Llama {
                 _ => {}
             }
         }
-        crate::config::olmo::check_tp(cfg, ctx.layout.tp)?;
         let tp_size = ctx.layout.tp;
         if ctx.tp.size() != tp_size {
             bail!(

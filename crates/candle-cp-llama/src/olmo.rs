@@ -10,9 +10,12 @@
 //!   not per head as Qwen3's. Under tensor parallelism each rank holds its heads' features:
 //!   the weights split as the heads ([`crate::params`]) and each token's sum of squares is
 //!   all-reduced over the TP group in the forward, its gradient in the backward
-//!   ([`FlatQkNorm`]; a KV head replicated over TP ranks would be counted twice, so TP beyond
-//!   the KV heads is refused). Under Ulysses, ring or zigzag CP the norm runs on the rank's
-//!   tokens before any exchange, so those layouts need nothing more.
+//!   ([`FlatQkNorm`]). KV heads replicated over TP ranks (TP beyond the KV heads) or copied
+//!   (neither dividing the other) are counted once per copy, and every KV head has as many
+//!   copies: the mean over all the features the ranks hold, copies included, is the mean over
+//!   the distinct ones, and the copies' gradients, summed as their weights' are, give each
+//!   head's. Under Ulysses, ring or zigzag CP the norm runs on the rank's tokens before any
+//!   exchange, so those layouts need nothing more.
 //! - OLMo 3 only: a **sliding window** (`sliding_window`, default 4096) on the layers
 //!   `layer_types` names (by default three of every four, all but layers 3, 7, ...); when the
 //!   config scales RoPE (OLMo 3's long-context models: YaRN) the sliding layers rotate by the
@@ -99,19 +102,6 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     Ok(())
 }
 
-/// The TP degree an OLMo model runs on: at most its KV heads (the k norm's statistic sums
-/// each KV head once; a head replicated over ranks would be summed on each).
-pub(crate) fn check_tp(cfg: &LlamaConfig, tp: usize) -> Result<()> {
-    if cfg.olmo.is_some() && tp > cfg.num_key_value_heads {
-        bail!(
-            "Llama::new: OLMo's k norm spans all {} KV heads; tp = {tp} would replicate KV heads over ranks (use tp <= {})",
-            cfg.num_key_value_heads,
-            cfg.num_key_value_heads
-        )
-    }
-    Ok(())
-}
-
 impl LlamaConfig {
     /// The same config as OLMo 2 or 3 (or not). OLMo 3's window is set apart
     /// ([`LlamaConfig::with_sliding_window`], [`LlamaConfig::with_sliding_layers`]).
@@ -122,17 +112,29 @@ impl LlamaConfig {
 }
 
 /// OLMo's q and k norms over this TP rank's part of each token's projection: weights
-/// `[H_local·D]`, `[Hkv_local·D]` (the full `[H·D]`, `[Hkv·D]` split as the heads), the
-/// statistic over the full width (`tp`: the group whose ranks hold the other heads; `None` on
-/// one rank).
+/// `[H_local·D]`, `[Hkv_local·D]` (the full `[H·D]`, `[Hkv·D]` split as the heads, KV heads
+/// with their copies), the statistic over every rank's features (`tp`: the group whose ranks
+/// hold the other heads; `None` on one rank).
 #[derive(Clone)]
 pub(crate) struct FlatQkNorm {
     pub(crate) q: Tensor,
     pub(crate) k: Tensor,
-    /// The full widths `H·D`, `Hkv·D`.
+    /// The full widths `H·D`, `Hkv·D` (each rank's features times the ranks must be a
+    /// multiple: the KV heads' copies).
     pub(crate) widths: (usize, usize),
     pub(crate) eps: f64,
     pub(crate) tp: Option<Group>,
+}
+
+/// The features summed over the ranks, `n · ranks`, checked against the weight `[n]` and the
+/// full width (`n · ranks` a multiple of it: every head held the same number of times).
+fn held_features(op: &str, x: &Tensor, w: &Tensor, width: usize, tp: Option<&Group>) -> Result<(usize, usize)> {
+    let n = x.dim(D::Minus1)?;
+    let ranks = tp.map_or(1, |g| g.size());
+    if w.dims() != [n] || width == 0 || !(n * ranks).is_multiple_of(width) {
+        bail!("{op}: input {:?} and weight {:?} on {ranks} TP ranks must hold each of the {width} features of a token as often", x.dims(), w.dims())
+    }
+    Ok((n, n * ranks))
 }
 
 impl FlatQkNorm {
@@ -157,12 +159,13 @@ impl FlatQkNorm {
 /// [`flat_rms`] then `apply_rope` (reference: those two, differentiated by candle), but the
 /// node keeps only `x` and the f32 statistic `[B, T, 1]`. Under TP (`tp` of more than one rank)
 /// the sum of squares is all-reduced in the forward and, in the backward, the sum
-/// `Σ dŷ·w·x̂` over the features, which every rank's input gradient needs.
+/// `Σ dŷ·w·x̂` over the features, which every rank's input gradient needs; both are means over
+/// the `n · ranks` features the ranks hold (copied heads as often as each other).
 pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d, cos, sin): (usize, &Tensor, &Tensor), tp: Option<&Group>) -> Result<Tensor> {
-    let (b, t, n) = x.dims3()?;
-    let ranks = tp.map_or(1, |g| g.size());
-    if w.dims() != [n] || n * ranks != width || d == 0 || n % d != 0 {
-        bail!("OLMo q/k norm: input {:?} and weight {:?} on {ranks} TP ranks must span the {width} features of a token in heads of {d}", x.dims(), w.dims())
+    let (b, t, _) = x.dims3()?;
+    let (n, held) = held_features("OLMo q/k norm", x, w, width, tp)?;
+    if d == 0 || n % d != 0 {
+        bail!("OLMo q/k norm: input {:?} is not in heads of {d}", x.dims())
     }
     let heads = n / d;
     let r = cos.dims().last().copied().unwrap_or(0);
@@ -177,7 +180,7 @@ pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d,
     if let Some(g) = &tp {
         ss = g.all_reduce(&ss)?;
     }
-    let rs = ((ss / width as f64)? + eps)?.sqrt()?.recip()?;
+    let rs = ((ss / held as f64)? + eps)?.sqrt()?.recip()?;
     let z = x32.broadcast_mul(&rs)?.broadcast_mul(&wd.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
     drop(x32);
     let out = crate::fused::rope4(&z.reshape((b, t, heads, d))?, &c4, &s4)?;
@@ -193,29 +196,25 @@ pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d,
         if let Some(grp) = &tp {
             m = grp.all_reduce(&m)?;
         }
-        let dx = (g - xhat.broadcast_mul(&(m / width as f64)?)?)?.broadcast_mul(&rs)?.to_dtype(xd.dtype())?;
+        let dx = (g - xhat.broadcast_mul(&(m / held as f64)?)?)?.broadcast_mul(&rs)?.to_dtype(xd.dtype())?;
         Ok(vec![Some(dx), Some(dw)])
     });
     candle_cp_ops::autograd::attach2("olmo_qk_norm_rope", x, w, out, bwd)
 }
 
-/// `x · rsqrt(Σ x² / width + eps) · w` in f32, cast last, the sum over the last dim of `x`
-/// `[.., n]` and, with `tp`, over the TP group's ranks (`width` the summed features: `n` times
-/// the group's size). The sum goes through `reduce_from_tp_region` (all-reduce forward) and
-/// `copy_to_tp_region` (all-reduce backward): every rank's statistic depends on every rank's
-/// features.
+/// `x · rsqrt(mean(x²) + eps) · w` in f32, cast last, the mean over the last dim of `x`
+/// `[.., n]` and, with `tp`, over the TP group's ranks (`n · ranks` features, a multiple of the
+/// token's `width`: copied heads count as often as each other). The sum goes through
+/// `reduce_from_tp_region` (all-reduce forward) and `copy_to_tp_region` (all-reduce backward):
+/// every rank's statistic depends on every rank's features.
 pub(crate) fn flat_rms(x: &Tensor, w: &Tensor, width: usize, eps: f64, tp: Option<&Group>) -> Result<Tensor> {
-    let n = x.dim(D::Minus1)?;
-    let ranks = tp.map_or(1, |g| g.size());
-    if w.dims() != [n] || n * ranks != width {
-        bail!("OLMo q/k norm: input {:?} and weight {:?} on {ranks} TP ranks must span the {width} features of a token", x.dims(), w.dims())
-    }
+    let (_, held) = held_features("OLMo q/k norm", x, w, width, tp)?;
     let x32 = x.to_dtype(DType::F32)?;
     let mut ss = x32.sqr()?.sum_keepdim(D::Minus1)?;
     if let Some(g) = tp.filter(|g| g.size() > 1) {
         ss = candle_cp_ops::mappings::copy_to_tp_region(&candle_cp_ops::mappings::reduce_from_tp_region(&ss, g)?, g)?;
     }
-    let r = ((ss / width as f64)? + eps)?.sqrt()?.recip()?;
+    let r = ((ss / held as f64)? + eps)?.sqrt()?.recip()?;
     x32.broadcast_mul(&r)?.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
 }
 

@@ -46,7 +46,6 @@ fn olmo_configs() -> Result<()> {
     assert!(e.contains("q, k head norms"), "{e}");
     let e = o2.clone().with_sliding_window(Some(8)).validate().err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("OLMo 2 with a sliding window"), "{e}");
-    assert!(check_tp(&o2, 2).is_ok() && check_tp(&o2, 4).err().map(|e| e.to_string()).unwrap_or_default().contains("2 KV heads"));
     Ok(())
 }
 
@@ -61,7 +60,7 @@ fn flat_norm_is_rms_over_the_projection() -> Result<()> {
     let want = candle_cp_nn::rms_norm_slow_with(&x, &w, 1e-6, candle_cp_nn::NormWeight::ScaleF32)?;
     assert!((y - want)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-6);
     let e = flat_rms(&x, &w.narrow(0, 0, 16)?, 24, 1e-6, None).err().map(|e| e.to_string()).unwrap_or_default();
-    assert!(e.contains("[16]") && e.contains("24"), "{e}");
+    assert!(e.contains("[16]") && e.contains("24 features"), "{e}");
     Ok(())
 }
 
