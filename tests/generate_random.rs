@@ -3,7 +3,8 @@
 //!
 //! `llama_generate.rs` pins the oracle checkpoint and one prompt; this draws the model (width,
 //! depth, query / KV heads, vocabulary, a sliding window; gpt-oss in a fifth of the models,
-//! SmolLM3's layers without RoPE in a quarter of the others), the prompt (batch, length), the
+//! SmolLM3's layers without RoPE in a quarter of the others, OLMo 2 / 3 in a quarter of the
+//! rest), the prompt (batch, length), the
 //! number of new tokens, the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2)
 //! and the sampling (greedy, or temperature / top-k / top-p from a seed). Every rank must
 //! return the same tokens and logits bit for bit, and those must be the single device's: the
@@ -56,7 +57,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let (mut oss, mut smol) = (0, 0);
+    let (mut oss, mut smol, mut olmos) = (0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -87,6 +88,15 @@ fn random_generation_equals_single_device() -> Result<()> {
             }
             false => cfg,
         };
+        // a quarter of the rest are OLMo: norms after the branches only, q / k norms over the
+        // whole projections (their statistic all-reduced over TP in every decode step); OLMo 3
+        // with a window (a stream of its own)
+        let olmo = !gpt_oss && !smollm3 && rng(7800 + seed).below(4) == 0;
+        let cfg = match (olmo, window) {
+            (true, Some(_)) => cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmo3)),
+            (true, None) => cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmo2)),
+            (false, _) => cfg,
+        };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -108,7 +118,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {sampling:?}", cfg.nope_layers
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, {sampling:?}", cfg.nope_layers, cfg.olmo
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // gpt-oss: sinks around 2 (the init's are near 0)
@@ -155,14 +165,15 @@ fn random_generation_equals_single_device() -> Result<()> {
         checked += 1;
         oss += gpt_oss as usize;
         smol += smollm3 as usize;
+        olmos += olmo as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo; {parted} parted on a tie), {refused} refused");
     assert!(
-        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1)),
+        checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"
     );
     Ok(())
