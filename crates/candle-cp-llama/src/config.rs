@@ -224,8 +224,14 @@ impl LlamaConfig {
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
+        let olmo3_rope = match arch {
+            Arch::Olmo3 => olmo::layer_type_rope(m, max_pos, get_usize(m, "original_max_position_embeddings")?)?,
+            _ => None,
+        };
         let (rope_theta, rope_scaling) = match (&gemma3, m.get("rope_parameters")) {
             (Some((_, theta, scaling)), _) => (*theta, scaling.clone()),
+            // OLMo 3 in transformers 5's form: one RoPE per layer type
+            (None, _) if olmo3_rope.is_some() => olmo3_rope.unwrap_or((olmo::OLMO3_THETA, RopeScaling::Default)),
             (None, Some(Value::Object(p))) => {
                 let theta = get_f64(p, "rope_theta")?
                     .or(get_f64(m, "rope_theta")?)

@@ -25,7 +25,7 @@
 //!
 //! `attention_bias: true` (biases on q, k, v and o) is refused by name, as for a Llama.
 
-use crate::LlamaConfig;
+use super::{get_f64, parse_scaling, LlamaConfig, RopeScaling};
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_comm::Group;
 use serde_json::{json, Map, Value};
@@ -55,22 +55,58 @@ fn model_type(m: &Map<String, Value>) -> Option<Olmo> {
     }
 }
 
+/// `rope_theta` of an `Olmo3Config` that names none (transformers 5's; some 4.x releases had
+/// 10000, but every published OLMo 3 config names its 500000).
+pub const OLMO3_THETA: f64 = 500_000.0;
+
 /// An OLMo config with transformers' defaults filled in where it leaves them out: `rms_norm_eps`
-/// 1e-5 (both), `sliding_window` 4096 (OLMo 3; its `layer_types` default is
-/// [`crate::Arch::window`]'s). `None` for other configs.
+/// 1e-5 (both), `sliding_window` 4096 and `rope_theta` 500000 (OLMo 3; its `layer_types`
+/// default is [`crate::Arch::window`]'s). `None` for other configs.
 pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>> {
     let o = model_type(m)?;
     let mut m = m.clone();
     m.entry("rms_norm_eps").or_insert(json!(1e-5));
     if o == Olmo::Olmo3 {
         m.entry("sliding_window").or_insert(json!(OLMO3_WINDOW));
+        m.entry("rope_theta").or_insert(json!(OLMO3_THETA));
     }
     Some(m)
 }
 
+/// OLMo 3's RoPE from `rope_parameters` keyed by layer type (transformers 5's form:
+/// `full_attention` the full layers' base and scaling, a legacy `rope_scaling` merged into it as
+/// transformers does; `sliding_attention` unscaled, of the same base), or `None` when the config
+/// has the other forms (read as every other config's: the scaling is the full layers'). Errors
+/// for a scaled or differently based RoPE on the sliding layers, which this model does not
+/// compute.
+pub(crate) fn layer_type_rope(m: &Map<String, Value>, max_pos: usize, orig: Option<usize>) -> Result<Option<(f64, RopeScaling)>> {
+    let Some(Value::Object(p)) = m.get("rope_parameters") else { return Ok(None) };
+    if !(p.contains_key("full_attention") || p.contains_key("sliding_attention")) {
+        return Ok(None);
+    }
+    let of = |k: &str| -> Result<Map<String, Value>> {
+        match p.get(k) {
+            Some(Value::Object(o)) => Ok(o.clone()),
+            None | Some(Value::Null) => Ok(Map::new()),
+            Some(v) => bail!("config.json: `rope_parameters.{k}` must be an object, got {v}"),
+        }
+    };
+    let (mut full, sliding) = (of("full_attention")?, of("sliding_attention")?);
+    if let Some(Value::Object(legacy)) = m.get("rope_scaling") {
+        full.extend(legacy.clone());
+    }
+    let theta = get_f64(&full, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(OLMO3_THETA);
+    let local = get_f64(&sliding, "rope_theta")?.unwrap_or(theta);
+    if parse_scaling(&sliding, max_pos, orig)? != RopeScaling::Default || local != theta {
+        bail!("config.json: OLMo 3's sliding layers rotate unscaled by the full layers' base ({theta}); `rope_parameters.sliding_attention` {sliding:?} not supported")
+    }
+    Ok(Some((theta, parse_scaling(&full, max_pos, orig)?)))
+}
+
 /// OLMo's keys of config.json: no `mlp_bias` / `pretraining_tp`; OLMo 2 without
 /// `sliding_window`; OLMo 3 with `layer_types` for every layer (written even when none slides,
-/// so that the default three-in-four does not come back) and its window.
+/// so that the default three-in-four does not come back), its window and `rope_parameters` by
+/// layer type ([`layer_type_rope`]).
 pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
     m.remove("mlp_bias");
     m.remove("pretraining_tp");
@@ -79,6 +115,12 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
             m.remove("sliding_window");
         }
         Olmo::Olmo3 => {
+            // transformers 5 reads `rope_parameters` by layer type (a flat one would leave the
+            // full layers unscaled); the legacy `rope_theta` / `rope_scaling` stay for 4.x
+            if let Some(Value::Object(full)) = m.get("rope_parameters").cloned() {
+                let sliding = json!({"rope_type": "default", "rope_theta": cfg.rope_theta});
+                m.insert("rope_parameters".into(), json!({"full_attention": full, "sliding_attention": sliding}));
+            }
             let types: Vec<&str> = (0..cfg.num_hidden_layers)
                 .map(|i| if cfg.layer_window(i).is_some() { "sliding_attention" } else { "full_attention" })
                 .collect();

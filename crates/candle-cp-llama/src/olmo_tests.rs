@@ -13,6 +13,7 @@ fn parse(extra: &str) -> Result<LlamaConfig> {
 /// config.
 #[test]
 fn olmo_configs() -> Result<()> {
+    let err = |r: Result<LlamaConfig>| r.err().map(|e| e.to_string()).unwrap_or_default();
     let o2 = parse(r#", "model_type": "olmo2", "rope_theta": 500000"#)?;
     assert_eq!((o2.olmo, o2.arch(), o2.rms_norm_eps, o2.sliding_window), (Some(Olmo::Olmo2), Arch::Olmo2, 1e-5, None));
     assert_eq!(o2.norm_weight(), candle_cp_nn::NormWeight::ScaleF32);
@@ -36,11 +37,27 @@ fn olmo_configs() -> Result<()> {
         assert!(text.contains(class) && !text.contains("mlp_bias"), "{text}");
         assert_eq!(&LlamaConfig::from_json(&text)?, c);
     }
+    // transformers 5's form: rope_parameters by layer type (a legacy rope_scaling merged into
+    // the full layers'); the written config has it, and reads back the same
+    let v5 = format!(
+        r#", "model_type": "olmo3"{types}, "rope_parameters": {{"full_attention": {{"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192, "rope_theta": 500000}}, "sliding_attention": {{"rope_type": "default", "rope_theta": 500000}}}}"#
+    );
+    let c5 = parse(&v5)?;
+    assert!(matches!(c5.rope_scaling, crate::RopeScaling::Yarn { factor: 8.0, original_max_position_embeddings: 8192, .. }) && c5.rope_theta == 500000.0, "{:?}", c5.rope_scaling);
+    assert!(c5.layer_rope_is_local(1) && !c5.layer_rope_is_local(0));
+    let text = c5.to_hf_json("float32");
+    let written: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert_eq!(written["rope_parameters"]["full_attention"]["rope_type"], "yarn");
+    assert_eq!(written["rope_parameters"]["sliding_attention"]["rope_type"], "default");
+    assert_eq!(LlamaConfig::from_json(&text)?, c5);
+    // Olmo3Config's default base where the config names none
+    assert_eq!(parse(r#", "model_type": "olmo3""#)?.rope_theta, OLMO3_THETA);
+    let e = err(parse(&v5.replace(r#""sliding_attention": {"rope_type": "default", "rope_theta": 500000}"#, r#""sliding_attention": {"rope_type": "default", "rope_theta": 10000}"#)));
+    assert!(e.contains("sliding_attention"), "{e}");
     // OLMo 3 with no sliding layer writes its layer types (the default would bring three back)
     let full = o3.clone().with_sliding_window(None).with_sliding_layers(None);
     assert_eq!(LlamaConfig::from_json(&full.to_hf_json("float32"))?, full);
     // refusals, by name
-    let err = |r: Result<LlamaConfig>| r.err().map(|e| e.to_string()).unwrap_or_default();
     assert!(err(parse(r#", "model_type": "olmo2", "attention_bias": true"#)).contains("attention_bias"));
     let e = o2.clone().with_qk_norm(true).validate().err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("q, k head norms"), "{e}");
