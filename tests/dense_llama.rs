@@ -19,7 +19,8 @@
 //! - OLMo 2 and 3: no norm before the attention or the MLP; `x + rms(attn(x))` and
 //!   `x + rms(mlp(x))`; q and k normalised over the whole projection (`H·D`, `Hkv·D`
 //!   features of a token) before the split into heads and RoPE; OLMo 3's sliding layers
-//!   rotate unscaled when the config scales RoPE.
+//!   rotate unscaled when the config scales RoPE. OLMoE: a Llama with those q and k norms and
+//!   Qwen3-MoE's experts.
 //! - Gemma 2: Gemma 3's norms, embedding factor, MLP and scale without the head norms and
 //!   the local RoPE; attention logits `c·tanh(s/c)` (`attn_logit_softcapping`) before the
 //!   mask, output logits `c·tanh(l/c)` (`final_logit_softcapping`) before the loss.
@@ -112,7 +113,9 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         }
         _ => tables(&candle_cp_llama::rope::inv_freq(cfg), t, cfg.rope_scaling.attention_factor())?,
     };
-    let olmo = cfg.olmo.is_some();
+    // OLMo 2 and 3: norms after the branches only; every OLMo (OLMoE too): q / k norms over the
+    // whole projections
+    let (olmo, flat_qk) = (cfg.post_norms_only(), cfg.olmo.is_some());
     let olmo3_scaled = cfg.olmo == Some(candle_cp_llama::Olmo::Olmo3) && cfg.rope_scaling != candle_cp_llama::RopeScaling::Default;
     let local = match &gemma {
         Some(g) => Some(tables(&(0..d / 2).map(|i| g.rope_local_base_freq.powf(-2.0 * i as f64 / d as f64)).collect::<Vec<_>>(), t, 1.0)?),
@@ -169,7 +172,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         let heads = |s: &str, nh: usize| -> Result<Tensor> {
             let y = linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?;
             // OLMo: q and k normalised over the whole projection, then split
-            let y = match (olmo, s) {
+            let y = match (flat_qk, s) {
                 (true, "q_proj") => norm(&y, &n("self_attn.q_norm.weight"))?,
                 (true, "k_proj") => norm(&y, &n("self_attn.k_norm.weight"))?,
                 _ => y,

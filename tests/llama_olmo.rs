@@ -12,13 +12,18 @@
 //! checkpoints save as `Olmo2ForCausalLM` / `Olmo3ForCausalLM` and load back as the same config
 //! and weights. TP 4 over the 2 KV heads (each replicated on two ranks, counted twice in the
 //! k norm's all-reduced sum, as every head is) gives the reference too.
+//!
+//! OLMoE (`olmoe`: the norms before the branches, the same q / k norms, 8 experts 48 wide, top
+//! 2 not renormalised, on both layers, the load-balancing loss on) gives the reference on every
+//! kind of layout and under expert parallelism, decodes the same tokens, and round-trips as
+//! `OlmoeForCausalLM` with its experts per expert.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{load_reference, Reference, Tolerances};
-use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig, Olmo, RopeScaling};
-use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_rows};
+use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig, MoeConfig, Olmo, RopeScaling};
+use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_routed, reference_rows};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -54,6 +59,31 @@ fn olmo3() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
         let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
         LlamaConfig { rope_scaling: yarn, ..c }.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]))
     })
+}
+
+/// The oracle's shape as OLMoE: both MLPs 8 experts 48 wide, top 2 (not renormalised, as
+/// OlmoeConfig's default), the load-balancing loss at 0.3; the oracle's attention weights, the
+/// rest seeded (the router's weights far from a tie).
+fn olmoe() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    let mut moe = MoeConfig::new(8, 2, 48);
+    (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.3);
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?.with_moe(Some(moe)).with_olmo(Some(Olmo::Olmoe));
+    cfg.validate()?;
+    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let mut full = HashMap::new();
+    for spec in candle_cp_llama::param_specs(&cfg) {
+        let name = &spec.name;
+        let t = match oracle.get(name) {
+            Some(t) => t.clone(),
+            None if name.ends_with("_norm.weight") => ((candle_cp_tests::rand_t(23, name, &spec.shape)? * 0.5)? + 1.0)?,
+            None if name.ends_with(".gate.weight") => (candle_cp_tests::rand_t(37, name, &spec.shape)? * 0.1)?,
+            None => (candle_cp_tests::rand_t(41, name, &spec.shape)? * 0.08)?,
+        };
+        full.insert(name.clone(), t);
+    }
+    Ok((cfg, full, ids))
 }
 
 /// Every kind of layout (TP 4 replicating the 2 KV heads), and DP on two rows, against `want`.
@@ -105,11 +135,33 @@ fn olmo3_on_every_layout_matches_the_reference() -> Result<()> {
     on_every_layout("olmo3", &full, &cfg, &ids, &want)
 }
 
+/// OLMoE on every kind of layout, with its experts split over EP ranks too: the reference,
+/// routed far from a tie.
+#[test]
+fn olmoe_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = olmoe()?;
+    assert_eq!(cfg.arch(), Arch::Olmoe);
+    let (want, margin) = reference_routed(&full, &cfg, &ids)?;
+    assert!(margin > 1e-5, "a near tie in the routing ({margin:.1e}): float32 could route otherwise");
+    let layouts = [
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4).with_ep(4),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2).with_ep(2),
+        Layout::single().with_tp(2, true),
+        Layout::single().with_tp(4, false),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2),
+    ];
+    let norms = |n: &str| n.contains("q_norm") || n.contains("k_norm");
+    on_layouts("olmoe", (&full, &cfg, &ids, &want), &layouts, (&norms, 2 * cfg.num_hidden_layers))
+}
+
 /// Cached decoding equals the full forward; CP and TP decode the same tokens (TP: the norms'
 /// statistic all-reduced in every decode step; TP 4 replicating the KV heads).
 #[test]
 fn olmo_generation() -> Result<()> {
-    for (cfg, full, ids) in [olmo(Olmo::Olmo2, |c| c)?, olmo3()?] {
+    for (cfg, full, ids) in [olmo(Olmo::Olmo2, |c| c)?, olmo3()?, olmoe()?] {
         let ids = ids.narrow(1, 0, 32)?.contiguous()?;
         candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false), Layout::cp(CpKind::Ring, 2).with_tp(2, true)])?;
     }
@@ -120,7 +172,7 @@ fn olmo_generation() -> Result<()> {
 /// back as the same config and weights.
 #[test]
 fn olmo_checkpoints_round_trip() -> Result<()> {
-    for ((cfg, full, _), class, key) in [(olmo(Olmo::Olmo2, |c| c)?, "Olmo2ForCausalLM", "olmo2"), (olmo3()?, "Olmo3ForCausalLM", "layer_types")] {
+    for ((cfg, full, _), class, key) in [(olmo(Olmo::Olmo2, |c| c)?, "Olmo2ForCausalLM", "olmo2"), (olmo3()?, "Olmo3ForCausalLM", "layer_types"), (olmoe()?, "OlmoeForCausalLM", "clip_qkv")] {
         let dir = std::env::temp_dir().join(format!("candle-cp-{class}-{}", std::process::id()));
         let vm = candle_nn::VarMap::new();
         for (k, t) in &full {
@@ -128,7 +180,11 @@ fn olmo_checkpoints_round_trip() -> Result<()> {
         }
         save_hf(&dir, &vm, &cfg)?;
         let text = std::fs::read_to_string(dir.join("config.json"))?;
-        assert!(text.contains(class) && text.contains(key) && !text.contains("input_layernorm"), "{text}");
+        assert!(text.contains(class) && text.contains(key), "{text}");
+        // (OLMo 2 and 3 have no input norm; OLMoE's experts are written one by one)
+        let names = load_safetensors_dir(&dir, &Device::Cpu)?;
+        assert_eq!(names.keys().any(|k| k.contains("input_layernorm")), cfg.olmo == Some(Olmo::Olmoe));
+        assert_eq!(names.contains_key("model.layers.1.mlp.experts.7.down_proj.weight"), cfg.olmo == Some(Olmo::Olmoe));
         let (back, bcfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
         assert_eq!(bcfg, cfg);
         let data = back.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;

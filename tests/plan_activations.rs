@@ -106,6 +106,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             6 => c.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(8, 2, 64))),
             // 7 OLMo 2 (norms after the branches only, q / k norms over the whole projections)
             7 => c.with_olmo(Some(candle_cp_llama::Olmo::Olmo2)),
+            // 8 OLMoE (those q / k norms, a Llama's norms, the experts of 3 on every layer)
+            8 => c.with_moe(Some(candle_cp_llama::MoeConfig::new(8, 2, 64))).with_olmo(Some(candle_cp_llama::Olmo::Olmoe)),
             _ => c,
         }
     };
@@ -113,7 +115,9 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
     let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
-    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some() && olmo2.olmo && olmo2.sandwich_norms);
+    let olmoe = model(8)?;
+    assert!(olmoe.qk_norm_flat && !olmoe.post_norms && olmoe.moe.is_some());
+    assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some() && olmo2.post_norms && olmo2.qk_norm_flat && olmo2.sandwich_norms);
     let plan = |tp: usize, sp: bool, cp: usize, kind: PlanCp, ulysses: usize| PlanLayout { tp, sp, cp, cp_kind: kind, ulysses, ..PlanLayout::default() };
     let regathered = |l: PlanLayout| PlanLayout { regather_heads: true, ..l };
     let f32_rows = |l: PlanLayout| PlanLayout { f32_row_sums: Some(true), ..l };
@@ -181,7 +185,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("gpt-oss: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
         ("gpt-oss: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
     ];
-    // OLMo 2 (the model and the planner with `olmo`; TP at most the 2 KV heads)
+    // OLMo 2 (the model and the planner with `post_norms` and `qk_norm_flat`)
     let olmo2_cases = [
         ("olmo2: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
         ("olmo2: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
@@ -189,8 +193,13 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("olmo2: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
         ("olmo2: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
     ];
+    let olmoe_cases = [
+        ("olmoe: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("olmoe: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("olmoe: zigzag ring 2", Layout::cp(CpKind::Zigzag, 2), plan(1, false, 2, PlanCp::Ring, 1), false),
+    ];
     let (n_plain, n_qwen3, n_gemma3, n_moe, n_mixtral) = (cases.len(), qwen3_cases.len(), gemma3_cases.len(), moe_cases.len(), mixtral_cases.len());
-    let (n_qwen2_moe, n_gpt_oss) = (qwen2_moe_cases.len(), gpt_oss_cases.len());
+    let (n_qwen2_moe, n_gpt_oss, n_olmo2) = (qwen2_moe_cases.len(), gpt_oss_cases.len(), olmo2_cases.len());
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
@@ -198,6 +207,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     cases.extend(qwen2_moe_cases);
     cases.extend(gpt_oss_cases);
     cases.extend(olmo2_cases);
+    cases.extend(olmoe_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -208,7 +218,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral => (4, &mixtral),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe => (5, &qwen2_moe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss => (6, &gpt_oss),
-            _ => (7, &olmo2),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 => (7, &olmo2),
+            _ => (8, &olmoe),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

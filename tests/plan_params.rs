@@ -55,11 +55,13 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     // copies (of 6, of 12; Phi-3-medium's 10 KV heads at TP 4 hold 5), their biases too
     let mixed = LlamaConfig::tiny(64, 48, 2, 12, 3).with_qkv_bias(true);
     // OLMo 2: q / k norms over the whole projections (split as their rows), the norms after
-    // the branches and none before; TP at most the 2 KV heads
+    // the branches and none before
     let olmo2 = oracle.clone().with_olmo(Some(candle_cp_llama::Olmo::Olmo2));
+    // OLMoE: those q / k norms with a Llama's norms and 8 experts 48 wide on both layers
+    let olmoe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::new(8, 2, 48))).with_olmo(Some(candle_cp_llama::Olmo::Olmoe));
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 1, 2])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

@@ -16,6 +16,7 @@
 //! | `gpt_oss` (`GptOssForCausalLM`)    | yes, and o_proj's | no      | the layers `layer_types` names, else every other one from layer 0 (sinks, MLPs: [`crate::config::gpt_oss`]) |
 //! | `olmo2` (`Olmo2ForCausalLM`)       | no             | over the whole projection, norms after the branches ([`crate::config::olmo`]) | none |
 //! | `olmo3` (`Olmo3ForCausalLM`)       | no             | as OLMo 2  | the layers `layer_types` names, else all but every fourth (window default 4096) |
+//! | `olmoe` (`OlmoeForCausalLM`)       | no             | over the whole projection (norms before the branches, as a Llama) | none (MLPs: experts on every layer, [`crate::config::olmo`]) |
 //!
 //! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
 //! `gate_up_proj` (split on load, fused on save: [`crate::config::phi3`]); its long-context
@@ -79,14 +80,17 @@ pub enum Arch {
     Olmo2,
     /// `Olmo3ForCausalLM`: OLMo 2 with sliding-window layers, see [`crate::config::olmo`].
     Olmo3,
+    /// `OlmoeForCausalLM`: a Llama with OLMo's q and k norms and a mixture of experts on every
+    /// layer, see [`crate::config::olmo`].
+    Olmoe,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 15] = [
+    pub const ALL: [Arch; 16] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -102,6 +106,7 @@ impl Arch {
         Arch::Granite,
         Arch::Olmo2,
         Arch::Olmo3,
+        Arch::Olmoe,
     ];
 
     fn of_model_type(t: &str) -> Option<Arch> {
@@ -130,6 +135,7 @@ impl Arch {
             Arch::Granite => ("GraniteForCausalLM", "granite"),
             Arch::Olmo2 => ("Olmo2ForCausalLM", "olmo2"),
             Arch::Olmo3 => ("Olmo3ForCausalLM", "olmo3"),
+            Arch::Olmoe => ("OlmoeForCausalLM", "olmoe"),
         }
     }
 
@@ -187,7 +193,7 @@ impl Arch {
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
             // GptOssConfig forces attention_bias on (q, k, v and o_proj)
             Arch::GptOss => Ok(true),
-            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite | Arch::Olmo2 | Arch::Olmo3 => {
+            Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite | Arch::Olmo2 | Arch::Olmo3 | Arch::Olmoe => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
                         "config.json: `attention_bias: true` not supported (biases on q, k, v and o_proj; the q, k, v biases alone are Qwen2's, model_type `qwen2`)"
@@ -217,8 +223,8 @@ impl Arch {
             (Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe, None) => None,
             // SmolLM3Config: use_sliding_window defaults to false too
             (Arch::SmolLM3, None) => None,
-            // Olmo2Config has no window (transformers ignores the keys)
-            (Arch::Olmo2, _) => None,
+            // Olmo2Config and OlmoeConfig have no window (transformers ignores the keys)
+            (Arch::Olmo2 | Arch::Olmoe, _) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
@@ -250,7 +256,7 @@ impl Arch {
                 }
                 // Olmo3Config: layer i slides iff (i + 1) % 4 != 0
                 Arch::Olmo3 => (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(4)).collect(),
-                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe => vec![w.is_some(); layers],
                 // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
                 Arch::SmolLM3 => vec![false; layers],
             },

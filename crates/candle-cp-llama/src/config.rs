@@ -221,6 +221,7 @@ impl LlamaConfig {
             Arch::Mixtral => Some(qwen3_moe::parse_mixtral(m, need_usize(m, "intermediate_size")?)?),
             Arch::Qwen2Moe => Some(qwen3_moe::parse_qwen2(m)?),
             Arch::GptOss => Some(qwen3_moe::parse_gpt_oss(m, need_usize(m, "intermediate_size")?)?),
+            Arch::Olmoe => Some(olmo::parse_moe(m, need_usize(m, "intermediate_size")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -256,6 +257,9 @@ impl LlamaConfig {
         phi3::refuse_unsupported(m, arch)?;
         if arch == Arch::GptOss {
             gpt_oss::refuse_unsupported(m)?;
+        }
+        if arch == Arch::Olmoe {
+            olmo::refuse_unsupported(m)?;
         }
         let partial_rotary_factor = phi3::partial_rotary_factor(m, arch)?;
         let layers = need_usize(m, "num_hidden_layers")?;
@@ -298,6 +302,7 @@ impl LlamaConfig {
             olmo: match arch {
                 Arch::Olmo2 => Some(Olmo::Olmo2),
                 Arch::Olmo3 => Some(Olmo::Olmo3),
+                Arch::Olmoe => Some(Olmo::Olmoe),
                 _ => None,
             },
             lora: None,
@@ -418,6 +423,7 @@ impl LlamaConfig {
             return match o {
                 Olmo::Olmo2 => Arch::Olmo2,
                 Olmo::Olmo3 => Arch::Olmo3,
+                Olmo::Olmoe => Arch::Olmoe,
             };
         }
         if let Some(m) = &self.moe {
@@ -544,7 +550,8 @@ impl LlamaConfig {
             gpt_oss_validate(self)?;
         } else if let Some(m) = &self.moe {
             let mixtral = m.style == MoeStyle::Mixtral;
-            let (norms, biases) = (m.style == MoeStyle::Qwen3Moe, m.style == MoeStyle::Qwen2Moe);
+            // (OLMoE: Qwen3-MoE's experts with OLMo's q, k norms instead of the head norms)
+            let (norms, biases) = (m.style == MoeStyle::Qwen3Moe && self.olmo.is_none(), m.style == MoeStyle::Qwen2Moe);
             if self.qk_norm != norms || self.qkv_bias != biases || self.is_gemma() || (m.shared_expert_intermediate_size > 0) != biases {
                 bail!(
                     "LlamaConfig: a mixture of experts is a Qwen3-MoE model (q, k head norms), a Qwen2-MoE (q, k, v biases, a shared expert) or a Mixtral (neither), no Gemma (qk_norm {}, qkv_bias {}, {:?})",

@@ -201,7 +201,8 @@ impl<'a> LayerBuilder<'a> {
             o = o.with_lora(l)?;
         }
         let qkv_lora = vec![self.lora_for(&ap, "q_proj")?, self.lora_for(&ap, "k_proj")?, self.lora_for(&ap, "v_proj")?];
-        let olmo = cfg.olmo.is_some();
+        // (OLMo 2 and 3: norms after the branches only; every OLMo: whole-projection q, k norms)
+        let (olmo, flat) = (cfg.post_norms_only(), cfg.olmo.is_some());
         Ok(Block {
             // OLMo: no norm before the attention or the MLP (its norms follow each branch)
             input_norm: if olmo { None } else { Some(self.norm(vl.pp("input_layernorm"))?) },
@@ -224,7 +225,7 @@ impl<'a> LayerBuilder<'a> {
                     form,
                 }),
             },
-            flat_qk_norm: match olmo {
+            flat_qk_norm: match flat {
                 false => None,
                 // (ones in a fresh VarMap)
                 true => Some(crate::config::olmo::FlatQkNorm {
@@ -232,6 +233,7 @@ impl<'a> LayerBuilder<'a> {
                     k: self.get_init(&format!("{ap}.k_norm.weight"), Init::Const(1.0))?,
                     widths: (qd, kd),
                     eps,
+                    form: if olmo { candle_cp_nn::NormWeight::ScaleF32 } else { candle_cp_nn::NormWeight::Scale },
                     tp: (self.ctx.tp.size() > 1).then(|| self.ctx.tp.clone()),
                 }),
             },

@@ -23,11 +23,20 @@
 //!   trains them and transformers computes them since its fix of the per-layer-type rotary
 //!   embedding (some 4.x releases scaled every layer) — [`crate::LlamaConfig::local_rope`].
 //!
-//! `attention_bias: true` (biases on q, k, v and o) is refused by name, as for a Llama.
+//!
+//! OLMoE (`model_type` `olmoe`, `OlmoeForCausalLM`: OLMoE-1B-7B) is a Llama with the norms
+//! before the branches as usual (transformers' `LlamaRMSNorm`), the same whole-projection q and k
+//! norms, and a mixture of experts on every layer, named as Qwen3-MoE's (`mlp.gate`,
+//! `mlp.experts.{e}.{gate,up,down}_proj`, or transformers 5's fused experts) with the experts
+//! `intermediate_size` wide ([`Olmo::Olmoe`]).
+//!
+//! `attention_bias: true` (biases on q, k, v and o) and OLMoE's `clip_qkv` (a clamp of q, k, v,
+//! null in the published configs) are refused by name.
 
 use super::{get_f64, parse_scaling, LlamaConfig, RopeScaling};
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_comm::Group;
+use candle_cp_nn::NormWeight;
 use serde_json::{json, Map, Value};
 
 /// Which OLMo ([`crate::LlamaConfig::olmo`]).
@@ -37,6 +46,17 @@ pub enum Olmo {
     Olmo2,
     /// `Olmo3ForCausalLM`: OLMo 2 with sliding-window layers.
     Olmo3,
+    /// `OlmoeForCausalLM`: a pre-norm Llama with whole-projection q, k norms and a mixture of
+    /// experts on every layer.
+    Olmoe,
+}
+
+impl Olmo {
+    /// Whether the layers normalise after each branch and not before (OLMo 2 and 3; OLMoE
+    /// normalises before, as a Llama).
+    pub fn post_norms(self) -> bool {
+        matches!(self, Olmo::Olmo2 | Olmo::Olmo3)
+    }
 }
 
 /// [`LlamaConfig::features`]' name of OLMo's.
@@ -45,12 +65,13 @@ pub(crate) const OLMO: &str = "OLMo's norms";
 /// `sliding_window` of an `Olmo3Config` that leaves it out.
 pub const OLMO3_WINDOW: usize = 4096;
 
-/// Whether `m` is an OLMo 3 config (by `model_type` or `architectures`).
+/// Which OLMo `m` is a config of (by `model_type` or `architectures`).
 fn model_type(m: &Map<String, Value>) -> Option<Olmo> {
     let class = m.get("architectures").and_then(|a| a.as_array()).and_then(|a| a.first()).and_then(|c| c.as_str());
     match (m.get("model_type").and_then(|t| t.as_str()), class) {
         (Some("olmo2"), _) | (None, Some("Olmo2ForCausalLM")) => Some(Olmo::Olmo2),
         (Some("olmo3"), _) | (None, Some("Olmo3ForCausalLM")) => Some(Olmo::Olmo3),
+        (Some("olmoe"), _) | (None, Some("OlmoeForCausalLM")) => Some(Olmo::Olmoe),
         _ => None,
     }
 }
@@ -60,7 +81,7 @@ fn model_type(m: &Map<String, Value>) -> Option<Olmo> {
 pub const OLMO3_THETA: f64 = 500_000.0;
 
 /// An OLMo config with transformers' defaults filled in where it leaves them out: `rms_norm_eps`
-/// 1e-5 (both), `sliding_window` 4096 and `rope_theta` 500000 (OLMo 3; its `layer_types`
+/// 1e-5 (all three), `sliding_window` 4096 and `rope_theta` 500000 (OLMo 3; its `layer_types`
 /// default is [`crate::Arch::window`]'s). `None` for other configs.
 pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>> {
     let o = model_type(m)?;
@@ -71,6 +92,38 @@ pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>
         m.entry("rope_theta").or_insert(json!(OLMO3_THETA));
     }
     Some(m)
+}
+
+/// OLMoE's keys this model does not compute, refused by name: `clip_qkv` (a clamp of q, k, v).
+pub(crate) fn refuse_unsupported(m: &Map<String, Value>) -> Result<()> {
+    match m.get("clip_qkv") {
+        None | Some(Value::Null) => Ok(()),
+        Some(v) => bail!("config.json: OLMoE `clip_qkv: {v}` not supported (a clamp of q, k and v; null in the published configs)"),
+    }
+}
+
+/// OLMoE's mixture of experts: `num_experts` (64), `num_experts_per_tok` (8), each expert
+/// `intermediate_size` (`width`) wide, `norm_topk_prob` (false), the load-balancing loss's keys
+/// (`router_aux_loss_coef` 0.01), every layer sparse.
+pub(crate) fn parse_moe(m: &Map<String, Value>, width: usize) -> Result<crate::MoeConfig> {
+    let mut c = crate::MoeConfig::new(64, 8, width);
+    c.router_aux_loss_coef = 0.01;
+    for (k, slot) in [("num_experts", &mut c.num_experts), ("num_experts_per_tok", &mut c.num_experts_per_tok)] {
+        if let Some(v) = super::get_usize(m, k)? {
+            *slot = v;
+        }
+    }
+    for (k, slot) in [("norm_topk_prob", &mut c.norm_topk_prob), ("output_router_logits", &mut c.output_router_logits)] {
+        match m.get(k) {
+            None | Some(Value::Null) => {}
+            Some(Value::Bool(b)) => *slot = *b,
+            Some(v) => bail!("config.json: `{k}` must be true or false, got {v}"),
+        }
+    }
+    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
+        c.router_aux_loss_coef = x;
+    }
+    Ok(c)
 }
 
 /// OLMo 3's RoPE from `rope_parameters` keyed by layer type (transformers 5's form:
@@ -103,8 +156,8 @@ pub(crate) fn layer_type_rope(m: &Map<String, Value>, max_pos: usize, orig: Opti
     Ok(Some((theta, parse_scaling(&full, max_pos, orig)?)))
 }
 
-/// OLMo's keys of config.json: no `mlp_bias` / `pretraining_tp`; OLMo 2 without
-/// `sliding_window`; OLMo 3 with `layer_types` for every layer (written even when none slides,
+/// OLMo's keys of config.json: no `mlp_bias` / `pretraining_tp`; OLMo 2 and OLMoE without
+/// `sliding_window` (OLMoE's experts `intermediate_size` wide, `clip_qkv` null); OLMo 3 with `layer_types` for every layer (written even when none slides,
 /// so that the default three-in-four does not come back), its window and `rope_parameters` by
 /// layer type ([`layer_type_rope`]).
 pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
@@ -113,6 +166,16 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
     match o {
         Olmo::Olmo2 => {
             m.remove("sliding_window");
+        }
+        Olmo::Olmoe => {
+            // (OlmoeConfig: the experts `intermediate_size` wide, every layer sparse)
+            for k in ["sliding_window", "moe_intermediate_size", "decoder_sparse_step", "mlp_only_layers"] {
+                m.remove(k);
+            }
+            if let Some(moe) = &cfg.moe {
+                m.insert("intermediate_size".into(), json!(moe.moe_intermediate_size));
+            }
+            m.insert("clip_qkv".into(), Value::Null);
         }
         Olmo::Olmo3 => {
             // transformers 5 reads `rope_parameters` by layer type (a flat one would leave the
@@ -130,26 +193,52 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, o: Olmo) {
     }
 }
 
-/// OLMo with no other architecture's features (biases, per-head norms, Gemma, a mixture,
-/// Phi-3, gpt-oss, NoPE layers, Granite's multipliers); OLMo 2 without a window (`Olmo2Config`
-/// has none: a checkpoint would load without it).
+/// OLMo with no other architecture's features (biases, per-head norms, Gemma, a mixture
+/// (OLMoE: its own, below), Phi-3, gpt-oss, NoPE layers, Granite's multipliers); OLMo 2 and
+/// OLMoE without a window (their configs have none: a checkpoint would load without it); OLMoE
+/// with a Qwen3-MoE-style mixture on every layer, its experts `intermediate_size` wide.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     let Some(o) = cfg.olmo else { return Ok(()) };
-    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != OLMO) {
+    let moe = crate::config::qwen3_moe::MOE;
+    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != OLMO && !(o == Olmo::Olmoe && *w == moe)) {
         bail!("LlamaConfig: {o:?} with {what}: no architecture this model writes has both")
     }
-    if let (Olmo::Olmo2, Some(w)) = (o, cfg.sliding_window) {
-        bail!("LlamaConfig: OLMo 2 with a sliding window ({w}): Olmo2Config has none (OLMo 3 has: Olmo::Olmo3)")
+    if let (Olmo::Olmo2 | Olmo::Olmoe, Some(w)) = (o, cfg.sliding_window) {
+        bail!("LlamaConfig: {o:?} with a sliding window ({w}): its config has none (OLMo 3's has: Olmo::Olmo3)")
+    }
+    if o == Olmo::Olmoe {
+        match &cfg.moe {
+            Some(m) if m.style == crate::MoeStyle::Qwen3Moe && m.mlp_only_layers.is_empty() && m.decoder_sparse_step == 1 && m.moe_intermediate_size == cfg.intermediate_size => {}
+            m => bail!(
+                "LlamaConfig: OLMoE has a mixture of experts on every layer, named as Qwen3-MoE's, each intermediate_size ({}) wide (got {:?})",
+                cfg.intermediate_size,
+                m.as_ref().map(|m| (m.style, m.mlp_only_layers.clone(), m.decoder_sparse_step, m.moe_intermediate_size))
+            ),
+        }
     }
     Ok(())
 }
 
 impl LlamaConfig {
-    /// The same config as OLMo 2 or 3 (or not). OLMo 3's window is set apart
-    /// ([`LlamaConfig::with_sliding_window`], [`LlamaConfig::with_sliding_layers`]).
+    /// The same config as OLMo 2, 3 or OLMoE (or not): its q and k norms replace a Qwen3's per-head
+    /// ones. OLMo 3's window is set apart ([`LlamaConfig::with_sliding_window`],
+    /// [`LlamaConfig::with_sliding_layers`]), OLMoE's experts too ([`LlamaConfig::with_moe`]
+    /// first).
     pub fn with_olmo(mut self, o: Option<Olmo>) -> Self {
+        if o.is_some() {
+            self.qk_norm = false;
+        }
+        // (OLMoE's experts are intermediate_size wide)
+        if let (Some(Olmo::Olmoe), Some(m)) = (o, &self.moe) {
+            self.intermediate_size = m.moe_intermediate_size;
+        }
         self.olmo = o;
         self
+    }
+
+    /// Whether the layers normalise after each branch only ([`Olmo::post_norms`]).
+    pub fn post_norms_only(&self) -> bool {
+        self.olmo.is_some_and(Olmo::post_norms)
     }
 }
 
@@ -165,7 +254,19 @@ pub(crate) struct FlatQkNorm {
     /// multiple: the KV heads' copies).
     pub(crate) widths: (usize, usize),
     pub(crate) eps: f64,
+    /// How the weights apply: OLMo 2 and 3's `x̂ · w` in f32 ([`NormWeight::ScaleF32`]),
+    /// OLMoE's `x̂` cast first ([`NormWeight::Scale`]).
+    pub(crate) form: NormWeight,
     pub(crate) tp: Option<Group>,
+}
+
+/// The normalised `x̂ = x·r` (f32) times `w` as `form` says, in `dtype`.
+fn scaled(xhat: &Tensor, w: &Tensor, form: NormWeight, dtype: DType) -> Result<Tensor> {
+    match form {
+        NormWeight::ScaleF32 => xhat.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(dtype),
+        NormWeight::Scale => xhat.to_dtype(dtype)?.broadcast_mul(&w.to_dtype(dtype)?),
+        NormWeight::UnitOffset => bail!("OLMo q/k norm: weight form {form:?} not supported (Scale, ScaleF32)"),
+    }
 }
 
 /// The features summed over the ranks, `n · ranks`, checked against the weight `[n]` and the
@@ -183,14 +284,15 @@ impl FlatQkNorm {
     /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised (plain ops, as
     /// [`flat_rms`]; generation's decode steps).
     pub(crate) fn apply(&self, q: &Tensor, k: &Tensor) -> Result<(Tensor, Tensor)> {
-        Ok((flat_rms(q, &self.q, self.widths.0, self.eps, self.tp.as_ref())?, flat_rms(k, &self.k, self.widths.1, self.eps, self.tp.as_ref())?))
+        let f = |x: &Tensor, w: &Tensor, width: usize| flat_rms(x, w, width, (self.eps, self.form), self.tp.as_ref());
+        Ok((f(q, &self.q, self.widths.0)?, f(k, &self.k, self.widths.1)?))
     }
 
     /// `q [B, T, H_local·D]`, `k [B, T, Hkv_local·D]` normalised and rotated by `cos`, `sin`
     /// into `[B, T, H_local, D]`, `[B, T, Hkv_local, D]`, each one graph node
     /// ([`flat_norm_rope`]).
     pub(crate) fn apply_with_rope(&self, q: &Tensor, k: &Tensor, cos: &Tensor, sin: &Tensor, d: usize) -> Result<(Tensor, Tensor)> {
-        let f = |x: &Tensor, w: &Tensor, width: usize| flat_norm_rope(x, w, width, self.eps, (d, cos, sin), self.tp.as_ref());
+        let f = |x: &Tensor, w: &Tensor, width: usize| flat_norm_rope(x, w, width, (self.eps, self.form), (d, cos, sin), self.tp.as_ref());
         Ok((f(q, &self.q, self.widths.0)?, f(k, &self.k, self.widths.1)?))
     }
 }
@@ -203,7 +305,7 @@ impl FlatQkNorm {
 /// the sum of squares is all-reduced in the forward and, in the backward, the sum
 /// `Σ dŷ·w·x̂` over the features, which every rank's input gradient needs; both are means over
 /// the `n · ranks` features the ranks hold (copied heads as often as each other).
-pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d, cos, sin): (usize, &Tensor, &Tensor), tp: Option<&Group>) -> Result<Tensor> {
+pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, (eps, form): (f64, NormWeight), (d, cos, sin): (usize, &Tensor, &Tensor), tp: Option<&Group>) -> Result<Tensor> {
     let (b, t, _) = x.dims3()?;
     let (n, held) = held_features("OLMo q/k norm", x, w, width, tp)?;
     if d == 0 || n % d != 0 {
@@ -223,7 +325,7 @@ pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d,
         ss = g.all_reduce(&ss)?;
     }
     let rs = ((ss / held as f64)? + eps)?.sqrt()?.recip()?;
-    let z = x32.broadcast_mul(&rs)?.broadcast_mul(&wd.to_dtype(DType::F32)?)?.to_dtype(x.dtype())?;
+    let z = scaled(&x32.broadcast_mul(&rs)?, &wd, form, x.dtype())?;
     drop(x32);
     let out = crate::fused::rope4(&z.reshape((b, t, heads, d))?, &c4, &s4)?;
     drop(z);
@@ -232,7 +334,12 @@ pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d,
         // the statistic over every rank's features
         let dz = crate::fused::rope4_t(dy, &c4, &s4)?.reshape((b, t, n))?.to_dtype(DType::F32)?;
         let xhat = xd.to_dtype(DType::F32)?.broadcast_mul(&rs)?;
-        let dw = (&dz * &xhat)?.reshape((b * t, n))?.sum(0)?.to_dtype(wd.dtype())?;
+        // (the weight multiplies x̂ as the forward rounded it: cast first in the Scale form)
+        let xw = match form {
+            NormWeight::Scale => xhat.to_dtype(xd.dtype())?.to_dtype(DType::F32)?,
+            _ => xhat.clone(),
+        };
+        let dw = (&dz * &xw)?.reshape((b * t, n))?.sum(0)?.to_dtype(wd.dtype())?;
         let g = dz.broadcast_mul(&wd.to_dtype(DType::F32)?)?;
         let mut m = (&g * &xhat)?.sum_keepdim(D::Minus1)?;
         if let Some(grp) = &tp {
@@ -244,12 +351,12 @@ pub(crate) fn flat_norm_rope(x: &Tensor, w: &Tensor, width: usize, eps: f64, (d,
     candle_cp_ops::autograd::attach2("olmo_qk_norm_rope", x, w, out, bwd)
 }
 
-/// `x · rsqrt(mean(x²) + eps) · w` in f32, cast last, the mean over the last dim of `x`
+/// `x · rsqrt(mean(x²) + eps) · w` (in f32, cast last, or cast before `w`: `form`), the mean over the last dim of `x`
 /// `[.., n]` and, with `tp`, over the TP group's ranks (`n · ranks` features, a multiple of the
 /// token's `width`: copied heads count as often as each other). The sum goes through
 /// `reduce_from_tp_region` (all-reduce forward) and `copy_to_tp_region` (all-reduce backward):
 /// every rank's statistic depends on every rank's features.
-pub(crate) fn flat_rms(x: &Tensor, w: &Tensor, width: usize, eps: f64, tp: Option<&Group>) -> Result<Tensor> {
+pub(crate) fn flat_rms(x: &Tensor, w: &Tensor, width: usize, (eps, form): (f64, NormWeight), tp: Option<&Group>) -> Result<Tensor> {
     let (_, held) = held_features("OLMo q/k norm", x, w, width, tp)?;
     let x32 = x.to_dtype(DType::F32)?;
     let mut ss = x32.sqr()?.sum_keepdim(D::Minus1)?;
@@ -257,7 +364,7 @@ pub(crate) fn flat_rms(x: &Tensor, w: &Tensor, width: usize, eps: f64, tp: Optio
         ss = candle_cp_ops::mappings::copy_to_tp_region(&candle_cp_ops::mappings::reduce_from_tp_region(&ss, g)?, g)?;
     }
     let r = ((ss / held as f64)? + eps)?.sqrt()?.recip()?;
-    x32.broadcast_mul(&r)?.broadcast_mul(&w.to_dtype(DType::F32)?)?.to_dtype(x.dtype())
+    scaled(&x32.broadcast_mul(&r)?, w, form, x.dtype())
 }
 
 #[cfg(test)]

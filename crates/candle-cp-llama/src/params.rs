@@ -221,8 +221,8 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
     add("model.embed_tokens.weight".into(), vec![v, h], vocab);
     for l in 0..cfg.num_hidden_layers {
         let p = |s: &str| format!("model.layers.{l}.{s}");
-        // (OLMo: no norm before the attention)
-        if cfg.olmo.is_none() {
+        // (OLMo 2 and 3: no norm before the attention)
+        if !cfg.post_norms_only() {
             add(p("input_layernorm.weight"), vec![h], norm);
         }
         for (proj, rows, shard) in [("q_proj", qd, col), ("k_proj", kd, kv), ("v_proj", kd, kv)] {
@@ -250,7 +250,7 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         if cfg.is_gemma() {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
         }
-        if cfg.is_gemma() || cfg.olmo.is_some() {
+        if cfg.is_gemma() || cfg.post_norms_only() {
             add(p("post_feedforward_layernorm.weight"), vec![h], norm);
         }
         match &cfg.moe {

@@ -22,6 +22,9 @@ use super::{get_f64, get_usize, LlamaConfig};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
+/// [`LlamaConfig::features`]' name of a mixture's.
+pub(crate) const MOE: &str = "a mixture of experts";
+
 /// Whose mixture of experts: the checkpoint names and config keys differ.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum MoeStyle {

@@ -118,7 +118,7 @@ impl LlamaConfig {
             ("q, k head norms", self.qk_norm),
             ("Gemma 3", self.gemma3.is_some()),
             ("Gemma 2", self.gemma2.is_some()),
-            ("a mixture of experts", self.moe.is_some()),
+            (crate::config::qwen3_moe::MOE, self.moe.is_some()),
             ("Phi-3", self.phi3),
             ("gpt-oss", self.gpt_oss),
             (NOPE, self.nope_layers.is_some()),

@@ -138,7 +138,7 @@ pub fn llama_per_gpu(
     }
     let cbe = c * bf * ef;
     // (OLMo: no norm before the attention or the MLP, so no norm input)
-    let replicated = cbe * if m.olmo { 2.0 } else { 4.0 } * h / sp_div;
+    let replicated = cbe * if m.post_norms { 2.0 } else { 4.0 } * h / sp_div;
     let q_o = cbe * 2.0 * m.q_dim() as f64 / t;
     let k_v = cbe * 2.0 * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let dense_mlp = cbe * 3.0 * m.ffn as f64 / t;
@@ -171,10 +171,10 @@ pub fn llama_per_gpu(
 /// - Qwen3's head norms ([`ModelConfig::qk_norm`]): RoPE comes out of the projection's node
 ///   into one node with the norm, which keeps q and k before the norm, in the activations'
 ///   dtype, and each head's f32 statistic: `c·b·(a_t + kv_t)·(d·e + 4)`.
-/// - OLMo's q and k norms over the whole projection ([`ModelConfig::olmo`]): one node with
+/// - OLMo's q and k norms over the whole projection ([`ModelConfig::qk_norm_flat`]): one node with
 ///   RoPE, keeping q and k before the norm and a token's f32 statistic for each:
-///   `c·b·((a_t + kv_t)·d·e + 8)`; OLMo has no norm before the attention or the MLP (no
-///   statistics term above).
+///   `c·b·((a_t + kv_t)·d·e + 8)`; OLMo 2 and 3 have no norm before the attention or the MLP
+///   ([`ModelConfig::post_norms`]: no statistics term above).
 /// - Gemma's and OLMo's norms after the attention and the MLP ([`ModelConfig::sandwich_norms`]): each norm and
 ///   its residual add are one node, which keeps the projection's output (`[B, c/sp_div, h]`)
 ///   and the f32 statistic: `2·c·b·(h·e + 4) / sp_div`.
@@ -201,7 +201,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
     let kv_t = l.kv_heads_per_tp_rank(m);
     let lse = 4.0 * a_t * c * bf;
     // (OLMo has no norm before the attention or the MLP: its norms are the sandwich term's)
-    let norms = if m.olmo { 0.0 } else { 8.0 * c * bf / sp_div };
+    let norms = if m.post_norms { 0.0 } else { 8.0 * c * bf / sp_div };
     let u = l.ulysses_degree();
     let kv_u = crate::layout::kv_copies_per_ulysses_rank(kv_t, u) as f64;
     let head_kv = 2.0 * u as f64 * kv_u * d;
@@ -213,7 +213,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         _ => 0.0,
     };
     let attention = head_layout + residual;
-    let qk_norm = match (m.qk_norm, m.olmo) {
+    let qk_norm = match (m.qk_norm, m.qk_norm_flat) {
         (true, _) => c * bf * (a_t + kv_t as f64) * (d * ef + 4.0),
         // OLMo: q and k before the norm and one f32 statistic per token each
         (false, true) => c * bf * ((a_t + kv_t as f64) * d * ef + 8.0),
@@ -370,7 +370,7 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     // gpt-oss: its sinks split by head, the o_proj bias replicated
     let sinks = if m.gpt_oss { m.heads as f64 / t + h } else { 0.0 };
     // (OLMo's q and k norms split as their projections' rows; Qwen3's replicated)
-    let qk_norms = if m.olmo { q / t + kv } else { m.qk_norm_params() as f64 };
+    let qk_norms = if m.qk_norm_flat { q / t + kv } else { m.qk_norm_params() as f64 };
     let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + qk_norms + sinks;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP

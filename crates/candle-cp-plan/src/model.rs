@@ -58,10 +58,12 @@ pub struct ModelConfig {
     /// carry biases (`E` and `E·(2·f_e + h)` per sparse layer).
     pub gpt_oss: bool,
     /// OLMo 2 and 3 (`model_type` `olmo2`, `olmo3`): the norms after the attention and the MLP
-    /// ([`ModelConfig::sandwich_norms`]) and none before them, q and k RMSNorms over the whole
-    /// projection (weights `[a·d]`, `[a_kv·d]`); what the layer keeps:
+    /// ([`ModelConfig::sandwich_norms`]) and none before them; what the layer keeps:
     /// [`crate::memory::candle_cp_extra_per_gpu`].
-    pub olmo: bool,
+    pub post_norms: bool,
+    /// OLMo 2, 3 and OLMoE (`olmoe`): q and k RMSNorms over the whole projection (weights
+    /// `[a·d]`, `[a_kv·d]`, split as the projections' rows) instead of per head.
+    pub qk_norm_flat: bool,
 }
 
 /// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
@@ -198,10 +200,10 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 28] = [
+pub const MODEL_PRESETS: [&str; 29] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
-    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b",
+    "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
 ];
 
 impl ModelConfig {
@@ -234,7 +236,9 @@ impl ModelConfig {
     /// 4096 wide, 32 heads of 128 and as many KV heads, MLP 11008, vocabulary 100352),
     /// `olmo3-7b` (its shape, vocabulary 100278, a window of 4096 keys on three layers of
     /// four) or `olmo3-32b` (64 layers 5120 wide, 40 heads of 128 over 8 KV heads, MLP
-    /// 27648, vocabulary 100278, the window as the 7B's) — [`ModelConfig::olmo`].
+    /// 27648, vocabulary 100278, the window as the 7B's) — [`ModelConfig::post_norms`] — or
+    /// `olmoe-1b-7b` (OLMoE-1B-7B: 16 layers 2048 wide, 16 heads of 128, every layer 64
+    /// experts 1024 wide, 8 per token, vocabulary 50304; [`ModelConfig::qk_norm_flat`]).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -277,6 +281,8 @@ impl ModelConfig {
             // allenai/OLMo-2-1124-7B, allenai/Olmo-3-1025-7B, allenai/Olmo-3-1125-32B
             "olmo2-7b" | "olmo3-7b" => (4096, 32, 32, 32, 11008),
             "olmo3-32b" => (5120, 64, 40, 8, 27648),
+            // allenai/OLMoE-1B-7B-0924 (intermediate_size: each expert's width)
+            "olmoe-1b-7b" => (2048, 16, 16, 16, 1024),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -287,7 +293,8 @@ impl ModelConfig {
         let one_b = lower == "gemma3-1b";
         let phi = lower.starts_with("phi3") || lower.starts_with("phi4");
         let gpt_oss = lower.starts_with("gpt-oss");
-        let (olmo, olmo3) = (lower.starts_with("olmo"), lower.starts_with("olmo3"));
+        let (olmoe, olmo3) = (lower.starts_with("olmoe"), lower.starts_with("olmo3"));
+        let olmo = lower.starts_with("olmo") && !olmoe;
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -295,7 +302,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -315,6 +322,7 @@ impl ModelConfig {
                 _ if gpt_oss => 201_088,
                 _ if olmo3 => 100_278,
                 _ if olmo => 100_352,
+                _ if olmoe => 50_304,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b",
@@ -335,13 +343,15 @@ impl ModelConfig {
             sandwich_norms: gemma3 || gemma2 || olmo,
             fused_proj: phi,
             gpt_oss,
-            olmo,
+            post_norms: olmo,
+            qk_norm_flat: olmo || olmoe,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0 }),
                 _ => None,
             },
         };
@@ -442,6 +452,8 @@ impl ModelConfig {
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
         // OLMo 2 (no window) and 3 (4096 keys by default on all but every fourth layer)
         let (olmo2, olmo3) = (names("olmo2", "Olmo2ForCausalLM"), names("olmo3", "Olmo3ForCausalLM"));
+        // OLMoE: every layer 'num_experts' (64) experts 'intermediate_size' wide, 8 per token
+        let olmoe = names("olmoe", "OlmoeForCausalLM");
         // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
         let mixtral = names("mixtral", "MixtralForCausalLM");
         let moe = if gpt_oss {
@@ -453,6 +465,14 @@ impl ModelConfig {
             Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 })
         } else if qwen3_moe || qwen2_moe {
             Some(moe_shape(&v, layers, name, qwen2_moe)?)
+        } else if olmoe {
+            let experts = get("num_experts")?.unwrap_or(64);
+            let top_k = get("num_experts_per_tok")?.unwrap_or(8);
+            if top_k > experts {
+                plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_experts {experts}")
+            }
+            let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0 })
         } else if mixtral {
             let experts = get("num_local_experts")?.unwrap_or(8);
             let top_k = get("num_experts_per_tok")?.unwrap_or(2);
@@ -474,7 +494,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (_, _) if olmo2 => None,
+            (_, _) if olmo2 || olmoe => None,
             (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
@@ -546,7 +566,8 @@ impl ModelConfig {
             moe,
             fused_proj: names("phi3", "Phi3ForCausalLM"),
             gpt_oss,
-            olmo: olmo2 || olmo3,
+            post_norms: olmo2 || olmo3,
+            qk_norm_flat: olmo2 || olmo3 || olmoe,
         };
         cfg.validate()?;
         Ok(cfg)
@@ -663,13 +684,13 @@ impl ModelConfig {
     /// The norm weights of one layer: `2h` (before the attention and the MLP; OLMo's after
     /// them), Gemma's `4h` (before and after each).
     pub fn layer_norm_params(&self) -> u64 {
-        (if self.sandwich_norms && !self.olmo { 4 } else { 2 }) * self.hidden as u64
+        (if self.sandwich_norms && !self.post_norms { 4 } else { 2 }) * self.hidden as u64
     }
 
     /// The q and k norm weights of one layer: Qwen3's head norms `2·d`, OLMo's whole-projection
     /// ones `a·d + a_kv·d`, or 0 without them.
     pub fn qk_norm_params(&self) -> u64 {
-        match (self.qk_norm, self.olmo) {
+        match (self.qk_norm, self.qk_norm_flat) {
             (true, _) => 2 * self.head_dim as u64,
             (false, true) => (self.q_dim() + self.kv_dim()) as u64,
             (false, false) => 0,

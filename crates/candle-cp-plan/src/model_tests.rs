@@ -61,7 +61,7 @@ fn presets_have_published_sizes() -> Result<()> {
     // the preset's shape (window 4096 on 48 of its 64 layers: 3 of every 4)
     let (o7, o32) = (ModelConfig::preset("olmo3-7b")?, ModelConfig::preset("olmo3-32b")?);
     assert_eq!((o7.total_params(), o32.total_params()), (7_298_011_136, 32_233_522_176));
-    assert_eq!((o32.kv_heads, o32.head_dim, o32.partial_window, o32.olmo, o32.sandwich_norms, o32.qk_norm), (8, 128, Some((4096, 48)), true, true, false));
+    assert_eq!((o32.kv_heads, o32.head_dim, o32.partial_window, o32.post_norms, o32.qk_norm_flat, o32.sandwich_norms, o32.qk_norm), (8, 128, Some((4096, 48)), true, true, true, false));
     let cfg = r#"{"architectures": ["Olmo3ForCausalLM"], "model_type": "olmo3", "hidden_size": 5120, "intermediate_size": 27648,
         "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "vocab_size": 100278, "sliding_window": 4096}"#;
     assert_eq!(ModelConfig { name: "olmo3-32b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, o32);
@@ -71,6 +71,14 @@ fn presets_have_published_sizes() -> Result<()> {
     let cfg = r#"{"model_type": "olmo2", "hidden_size": 4096, "intermediate_size": 11008, "num_hidden_layers": 32,
         "num_attention_heads": 32, "vocab_size": 100352, "sliding_window": 4096}"#;
     assert_eq!(ModelConfig { name: "olmo2-7b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, o2);
+    // OLMoE-1B-7B (allenai/OLMoE-1B-7B-0924, "6.9B total, 1.3B active"): 6,919,161,856 from its
+    // config.json arithmetic; its config.json reads to the preset's shape
+    let oe = ModelConfig::preset("olmoe-1b-7b")?;
+    assert_eq!((oe.total_params(), oe.post_norms, oe.qk_norm_flat, oe.sandwich_norms), (6_919_161_856, false, true, false));
+    let cfg = r#"{"architectures": ["OlmoeForCausalLM"], "model_type": "olmoe", "hidden_size": 2048, "intermediate_size": 1024,
+        "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
+        "norm_topk_prob": false, "vocab_size": 50304, "clip_qkv": null}"#;
+    assert_eq!(ModelConfig { name: "olmoe-1b-7b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, oe);
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;

@@ -163,7 +163,8 @@ mod tests {
             sandwich_norms: false,
             moe: None,
             fused_proj: false,
-            olmo: false,
+            post_norms: false,
+            qk_norm_flat: false,
             gpt_oss: false,
         }
     }
