@@ -170,6 +170,10 @@ pub(crate) struct Args {
     /// without it.
     #[arg(long)]
     pub(crate) olmo3: bool,
+    /// With --moe: an OLMoE (`OlmoeForCausalLM`) instead of a Qwen3-MoE: OLMo's q and k norms over
+    /// the whole projections in place of the head norms, the top-K not renormalised.
+    #[arg(long)]
+    pub(crate) olmoe: bool,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -97,6 +97,9 @@ fn main() -> Result<()> {
                 cfg.tie_word_embeddings = true;
                 cfg.validate()?;
             }
+            if a.olmoe && a.moe.is_none() {
+                bail!("--olmoe shapes the experts of --moe E,K: add --moe")
+            }
             if a.partial_rotary != 1.0 && !a.phi3 {
                 bail!("--partial-rotary {} needs --phi3 (only a Phi-3's RoPE is partial here)", a.partial_rotary)
             }
@@ -118,10 +121,13 @@ fn main() -> Result<()> {
                 let parts: Vec<usize> = spec.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<_, _>>().map_err(|e| anyhow::anyhow!("--moe {spec}: expected E,K ({e})"))?;
                 let [e, k] = parts.as_slice() else { bail!("--moe {spec}: expected E,K (experts, experts per token)") };
                 let mut moe = candle_cp_llama::MoeConfig::new(*e, *k, a.hidden);
-                moe.norm_topk_prob = true;
+                moe.norm_topk_prob = !a.olmoe;
                 moe.output_router_logits = true;
                 moe.router_aux_loss_coef = 0.01;
                 cfg = cfg.with_moe(Some(moe));
+                if a.olmoe {
+                    cfg = cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmoe));
+                }
                 cfg.validate()?;
             }
             if let Some(spec) = &a.gpt_oss {

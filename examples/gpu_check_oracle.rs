@@ -153,6 +153,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Granite, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
     let name = format!("llama olmo3 (norms after the branches, q/k norms over the projections all-reduced over TP, layer 0 sliding 40, unscaled beside YaRN) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmo3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    let name = format!("llama olmoe (q/k norms over the projections, 8 experts on every layer) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmoe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -256,6 +258,12 @@ fn arch_vs_cpu_with(
         Arch::SmolLM3 => base.with_nope_layers(Some(vec![false, true])),
         // Granite: its four multipliers (each residual branch scaled inside the row-parallel node)
         Arch::Granite => base.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 3.0, attention_multiplier: 0.125, residual_multiplier: 0.5, logits_scaling: 4.0 })),
+        // OLMoE: 8 experts 48 wide on both layers, top 2 (not renormalised), the loss on
+        Arch::Olmoe => {
+            let mut moe = candle_cp_llama::MoeConfig::new(8, 2, 48);
+            (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.5);
+            base.with_moe(Some(moe)).with_olmo(Some(candle_cp_llama::Olmo::Olmoe))
+        }
         // OLMo 3: layer 0 sliding (unscaled RoPE) beside a full layer under YaRN
         Arch::Olmo3 => {
             let yarn = candle_cp_llama::RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
@@ -267,8 +275,8 @@ fn arch_vs_cpu_with(
     if cfg.tie_word_embeddings {
         full.remove("lm_head.weight");
     }
-    if cfg.olmo.is_some() {
-        // (OLMo has no norm before the attention)
+    if cfg.post_norms_only() {
+        // (OLMo 2 and 3 have no norm before the attention)
         full.retain(|k, _| !k.ends_with("input_layernorm.weight"));
     }
     // the architecture's parameters: the seeded biases (N(0, 0.02²)) times 20, head norm
@@ -284,7 +292,7 @@ fn arch_vs_cpu_with(
         } else if k.ends_with(".sinks") {
             // (gpt-oss: sinks around 3, worth a share of a row's mass)
             full.insert(k, ((t * 50.0)? + 3.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             let router = k.ends_with(".gate.weight") || k.ends_with(".router.weight");
             full.insert(k.clone(), if router { (t * 5.0)? } else { t });

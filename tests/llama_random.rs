@@ -19,7 +19,8 @@
 //! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
 //! without RoPE drawn, at least one) and the rest without a window Granite (its
 //! multipliers drawn); a third of the dense Qwen3 draws are OLMo (OLMo 3 with a window, half of
-//! those with YaRN, whose sliding layers rotate unscaled). Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
+//! those with YaRN, whose sliding layers rotate unscaled), a third of the Qwen3-MoE ones
+//! without a window or a dense layer OLMoE. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
 //! The second test runs the same draws on packed documents (`packed_run::run_packed`) against
@@ -189,6 +190,12 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
             }
             c
         }
+        false => cfg,
+    };
+    // a third of the Qwen3-MoE draws with every layer sparse and no window are OLMoE (OLMo's
+    // q / k norms in place of the head norms; a stream of its own)
+    let cfg = match arch == 2 && window.is_none() && cfg.moe.as_ref().is_some_and(|m| m.mlp_only_layers.is_empty()) && rng(988_000 + seed).below(3) == 0 {
+        true => cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmoe)),
         false => cfg,
     };
     // Qwen's window on one of two layers only, in three quarters of the draws that can have

@@ -82,7 +82,7 @@ pub fn draw_layout(d: &mut Rng) -> Layout {
 /// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
 /// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
 /// they were), Gemma 2 in a third of the rest (another stream), OLMo in a third of the dense
-/// Qwen3 ones; with those numbers
+/// Qwen3 ones, OLMoE in a third of the Qwen3-MoE ones without a window; with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -137,6 +137,11 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
     // over the whole projections; OLMo 3 with a window; a stream of its own)
     let model = match arch == 2 && model.moe.is_none() && rng(989_000 + seed).below(3) == 0 {
         true => model.with_qk_norm(false).with_olmo(Some(if window.is_some() { candle_cp_llama::Olmo::Olmo3 } else { candle_cp_llama::Olmo::Olmo2 })),
+        false => model,
+    };
+    // a third of the Qwen3-MoE seeds without a window are OLMoE (a stream of its own)
+    let model = match arch == 2 && window.is_none() && model.moe.is_some() && rng(989_500 + seed).below(3) == 0 {
+        true => model.with_olmo(Some(candle_cp_llama::Olmo::Olmoe)),
         false => model,
     };
     Ok((task, model, (heads, kv_heads, layers, window)))

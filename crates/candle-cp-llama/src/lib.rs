@@ -22,7 +22,7 @@
 //! Architectures: Llama, Mistral, Qwen2, Qwen3 and Gemma 3 (`model_type` `llama`, `mistral`,
 //! `qwen2`, `qwen3`, `gemma3_text`; Qwen2's biases on the q, k, v projections,
 //! [`LlamaConfig::qkv_bias`]; Qwen3's q, k head norms, [`LlamaConfig::qk_norm`]; Gemma 3,
-//! [`LlamaConfig::gemma3`] and [`gemma`]; OLMo 2 and 3, [`LlamaConfig::olmo`] and [`olmo`];
+//! [`LlamaConfig::gemma3`] and [`gemma`]; OLMo 2, 3 and OLMoE, [`LlamaConfig::olmo`] and [`olmo`];
 //! and the others [`arch`] lists); any other config, and any
 //! checkpoint tensor the model would not use, is refused by name ([`arch`]).
 //!
