@@ -115,9 +115,9 @@ pub struct LlamaConfig {
     /// Granite (`model_type` `granite`): its embedding, attention, residual and logit
     /// multipliers ([`granite`]); `None` for the other architectures.
     pub granite: Option<Granite>,
-    /// OLMo 2 or 3 (`model_type` `olmo2`, `olmo3`): norms after the attention and the MLP
-    /// instead of before, q and k norms over the whole projection ([`olmo`]); `None` for the
-    /// other architectures.
+    /// OLMo 2, 3 or OLMoE (`model_type` `olmo2`, `olmo3`, `olmoe`): q and k norms over the whole
+    /// projection; OLMo 2 and 3 normalise after the attention and the MLP instead of before,
+    /// OLMoE's MLPs are experts ([`olmo`]); `None` for the other architectures.
     pub olmo: Option<Olmo>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
