@@ -338,6 +338,28 @@ pub fn cached_generation_agrees(cfg: &LlamaConfig, full: &HashMap<String, Tensor
 }
 
 
+/// Every kind of layout the architecture tests run: one device, ring 4, zigzag 4, striped 2,
+/// Ulysses 2, 2-D, TP 2 without and with SP, zigzag 2 × TP 2 + SP, then `more`; and DP 2 over
+/// two rows (ring 2). `label`'s model `(full, cfg)` on `ids` against `want` on each
+/// ([`on_layouts`], `extra` its own parameters).
+pub fn on_every_layout(label: &str, (full, cfg, ids, want): Case<'_>, more: &[candle_cp_llama::Layout], extra: (&dyn Fn(&str) -> bool, usize)) -> Result<()> {
+    use candle_cp_llama::{CpKind, Layout};
+    let mut layouts = vec![
+        Layout::single(),
+        Layout::cp(CpKind::Ring, 4),
+        Layout::cp(CpKind::Zigzag, 4),
+        Layout::cp(CpKind::Striped, 2),
+        Layout::cp(CpKind::Ulysses, 2),
+        Layout::two_d(2, 2),
+        Layout::single().with_tp(2, false),
+        Layout::single().with_tp(2, true),
+        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
+    ];
+    layouts.extend_from_slice(more);
+    on_layouts(label, (full, cfg, ids, want), &layouts, extra)?;
+    on_layouts(label, (full, cfg, &Tensor::cat(&[ids, ids], 0)?, &reference_rows(want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], extra)
+}
+
 /// A model and its reference: full weights, config, input ids, the reference's results.
 pub type Case<'a> = (&'a HashMap<String, Tensor>, &'a LlamaConfig, &'a Tensor, &'a candle_cp_llama::verify::Reference);
 

@@ -23,7 +23,7 @@ use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{load_reference, Reference, Tolerances};
 use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig, MoeConfig, Olmo, RopeScaling};
-use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_routed, reference_rows};
+use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_routed};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -86,26 +86,12 @@ fn olmoe() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
     Ok((cfg, full, ids))
 }
 
-/// Every kind of layout (TP 4 replicating the 2 KV heads), and DP on two rows, against `want`.
+/// Every kind of layout (TP 4 replicating the 2 KV heads too), and DP on two rows, against
+/// `want`; OLMo's norms compared.
 fn on_every_layout(label: &str, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, want: &Reference) -> Result<()> {
-    let layouts = [
-        Layout::single(),
-        Layout::cp(CpKind::Ring, 4),
-        Layout::cp(CpKind::Zigzag, 4),
-        Layout::cp(CpKind::Striped, 2),
-        Layout::cp(CpKind::Ulysses, 2),
-        Layout::two_d(2, 2),
-        Layout::single().with_tp(2, false),
-        Layout::single().with_tp(2, true),
-        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
-        Layout::cp(CpKind::Ulysses, 2).with_tp(2, false),
-        Layout::single().with_tp(4, true),
-        Layout::cp(CpKind::Zigzag, 2).with_tp(4, false),
-    ];
+    let more = [Layout::cp(CpKind::Ulysses, 2).with_tp(2, false), Layout::single().with_tp(4, true), Layout::cp(CpKind::Zigzag, 2).with_tp(4, false)];
     let olmo_norms = |n: &str| n.contains("q_norm") || n.contains("k_norm") || n.contains("post_feedforward_layernorm");
-    let extra: (&dyn Fn(&str) -> bool, usize) = (&olmo_norms, 3 * cfg.num_hidden_layers);
-    on_layouts(label, (full, cfg, ids, want), &layouts, extra)?;
-    on_layouts(label, (full, cfg, &Tensor::cat(&[ids, ids], 0)?, &reference_rows(want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], extra)
+    candle_cp_tests::dense_llama::on_every_layout(label, (full, cfg, ids, want), &more, (&olmo_norms, 3 * cfg.num_hidden_layers))
 }
 
 /// OLMo 2 on every kind of layout: the reference; the norms after the branches and the

@@ -18,7 +18,7 @@ use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{load_reference, Reference, Tolerances};
 use candle_cp_llama::{load_hf, save_hf, Arch, Granite, LlamaConfig};
-use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference, reference_rows};
+use candle_cp_tests::dense_llama::{max_abs, on_layouts, reference};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -51,21 +51,8 @@ fn granite() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
 
 /// `label`'s model on every kind of layout, and DP on two rows, against `want`.
 fn on_every_layout(label: &str, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: &Tensor, want: &Reference) -> Result<()> {
-    let layouts = [
-        Layout::single(),
-        Layout::cp(CpKind::Ring, 4),
-        Layout::cp(CpKind::Zigzag, 4),
-        Layout::cp(CpKind::Striped, 2),
-        Layout::cp(CpKind::Ulysses, 2),
-        Layout::two_d(2, 2),
-        Layout::single().with_tp(2, false),
-        Layout::single().with_tp(2, true),
-        Layout::cp(CpKind::Zigzag, 2).with_tp(2, true),
-    ];
     let nothing = |_: &str| false;
-    let none: (&dyn Fn(&str) -> bool, usize) = (&nothing, 0);
-    on_layouts(label, (full, cfg, ids, want), &layouts, none)?;
-    on_layouts(label, (full, cfg, &Tensor::cat(&[ids, ids], 0)?, &reference_rows(want)?), &[Layout::cp(CpKind::Ring, 2).with_dp(2)], none)
+    candle_cp_tests::dense_llama::on_every_layout(label, (full, cfg, ids, want), &[], (&nothing, 0))
 }
 
 /// A checkpoint of `(cfg, full)` names `class` and `key` in its config.json and reads back as

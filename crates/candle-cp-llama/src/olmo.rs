@@ -104,26 +104,9 @@ pub(crate) fn refuse_unsupported(m: &Map<String, Value>) -> Result<()> {
 
 /// OLMoE's mixture of experts: `num_experts` (64), `num_experts_per_tok` (8), each expert
 /// `intermediate_size` (`width`) wide, `norm_topk_prob` (false), the load-balancing loss's keys
-/// (`router_aux_loss_coef` 0.01), every layer sparse.
+/// (`router_aux_loss_coef` 0.01), every layer sparse (Qwen3-MoE's keys otherwise).
 pub(crate) fn parse_moe(m: &Map<String, Value>, width: usize) -> Result<crate::MoeConfig> {
-    let mut c = crate::MoeConfig::new(64, 8, width);
-    c.router_aux_loss_coef = 0.01;
-    for (k, slot) in [("num_experts", &mut c.num_experts), ("num_experts_per_tok", &mut c.num_experts_per_tok)] {
-        if let Some(v) = super::get_usize(m, k)? {
-            *slot = v;
-        }
-    }
-    for (k, slot) in [("norm_topk_prob", &mut c.norm_topk_prob), ("output_router_logits", &mut c.output_router_logits)] {
-        match m.get(k) {
-            None | Some(Value::Null) => {}
-            Some(Value::Bool(b)) => *slot = *b,
-            Some(v) => bail!("config.json: `{k}` must be true or false, got {v}"),
-        }
-    }
-    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
-        c.router_aux_loss_coef = x;
-    }
-    Ok(c)
+    super::qwen3_moe::parse_with(m, crate::MoeConfig { router_aux_loss_coef: 0.01, ..crate::MoeConfig::new(64, 8, width) })
 }
 
 /// OLMo 3's RoPE from `rope_parameters` keyed by layer type (transformers 5's form:

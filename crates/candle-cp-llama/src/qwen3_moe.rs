@@ -179,8 +179,8 @@ pub(super) fn parse_qwen2(m: &Map<String, Value>) -> Result<MoeConfig> {
     Ok(c)
 }
 
-/// The keys Qwen2-MoE and Qwen3-MoE share, over the defaults `c`.
-fn parse_with(m: &Map<String, Value>, mut c: MoeConfig) -> Result<MoeConfig> {
+/// The keys Qwen2-MoE, Qwen3-MoE and OLMoE share, over the defaults `c`.
+pub(super) fn parse_with(m: &Map<String, Value>, mut c: MoeConfig) -> Result<MoeConfig> {
     for (k, slot) in [
         ("num_experts", &mut c.num_experts),
         ("num_experts_per_tok", &mut c.num_experts_per_tok),

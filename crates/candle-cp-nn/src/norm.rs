@@ -369,29 +369,38 @@ mod tests {
     /// Gemma's `x̂ · (1 + w)`: values and gradients equal the plain-op reference (f32, and
     /// bf16 where `1 + w` must not be rounded to bf16: a bf16 `1 + w` would be off by up to
     /// 2^-8), and differ from the scale form.
-    #[test]
-    fn unit_offset_matches_slow_values_and_grads() -> Result<()> {
+    /// The weight form `f` with weights around `w_mean`: values and both gradients equal the
+    /// plain-op reference in f32, and in bf16 the output is the f32 arithmetic on the bf16
+    /// values rounded once; `(x, w, dy)` for the caller's own checks.
+    fn form_matches_slow(f: NormWeight, w_mean: f32, w_std: f32) -> Result<(Var, Var, Tensor)> {
         let dev = Device::Cpu;
         let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
-        let w = Var::randn(0f32, 0.05, 24, &dev)?;
+        let w = Var::randn(w_mean, w_std, 24, &dev)?;
         let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
-        let f = NormWeight::UnitOffset;
         let y = rms_norm_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
         let ys = rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
         assert!(max_rel(&y, &ys)? < 1e-6);
-        let plain = rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?;
-        assert!(max_rel(&plain, &ys)? > 0.5, "the offset changed nothing");
         let g = (&y * &dy)?.sum_all()?.backward()?;
         let gs = (&ys * &dy)?.sum_all()?.backward()?;
         for v in [&x, &w] {
             let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
             assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
         }
-        // bf16: the same as the f32 arithmetic on the bf16 values, rounded once
         let (xb, wb) = (x.as_tensor().to_dtype(DType::BF16)?, w.as_tensor().to_dtype(DType::BF16)?);
         let yb = rms_norm_with(&xb, &wb, 1e-6, f)?.to_dtype(DType::F32)?;
         let want = rms_norm_slow_with(&xb.to_dtype(DType::F32)?, &wb.to_dtype(DType::F32)?, 1e-6, f)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
         assert_eq!((yb - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        Ok((x, w, dy))
+    }
+
+    #[test]
+    fn unit_offset_matches_slow_values_and_grads() -> Result<()> {
+        let dev = Device::Cpu;
+        let f = NormWeight::UnitOffset;
+        let (x, w, dy) = form_matches_slow(f, 0.0, 0.05)?;
+        let ys = rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
+        let plain = rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?;
+        assert!(max_rel(&plain, &ys)? > 0.5, "the offset changed nothing");
         // `residual + norm(y)` as one node: the two ops' values and gradients
         let r = Var::randn(0f32, 1.0, (2, 7, 24), &dev)?;
         let fused = rms_norm_add(r.as_tensor(), x.as_tensor(), w.as_tensor(), 1e-6, f)?;
@@ -420,24 +429,11 @@ mod tests {
     /// rounds `x̂` before the product and differs).
     #[test]
     fn scale_f32_matches_slow_values_and_grads() -> Result<()> {
-        let dev = Device::Cpu;
-        let x = Var::randn(0.5f32, 2.0, (2, 7, 24), &dev)?;
-        let w = Var::randn(1f32, 0.3, 24, &dev)?;
-        let dy = Tensor::randn(0f32, 1.0, (2, 7, 24), &dev)?;
-        let f = NormWeight::ScaleF32;
-        let y = rms_norm_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
-        let ys = rms_norm_slow_with(x.as_tensor(), w.as_tensor(), 1e-6, f)?;
-        assert!(max_rel(&y, &ys)? < 1e-6 && max_rel(&y, &rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?)? < 1e-6);
-        let g = (&y * &dy)?.sum_all()?.backward()?;
-        let gs = (&ys * &dy)?.sum_all()?.backward()?;
-        for v in [&x, &w] {
-            let (a, b) = (g.get(v.as_tensor()).unwrap(), gs.get(v.as_tensor()).unwrap());
-            assert!(max_rel(a, b)? < 1e-5, "{:?}", max_rel(a, b));
-        }
+        let (x, w, _) = form_matches_slow(NormWeight::ScaleF32, 1.0, 0.3)?;
+        let y = rms_norm_with(x.as_tensor(), w.as_tensor(), 1e-6, NormWeight::ScaleF32)?;
+        assert!(max_rel(&y, &rms_norm(x.as_tensor(), w.as_tensor(), 1e-6)?)? < 1e-6);
         let (xb, wb) = (x.as_tensor().to_dtype(DType::BF16)?, w.as_tensor().to_dtype(DType::BF16)?);
-        let yb = rms_norm_with(&xb, &wb, 1e-6, f)?.to_dtype(DType::F32)?;
-        let want = rms_norm_slow_with(&xb.to_dtype(DType::F32)?, &wb.to_dtype(DType::F32)?, 1e-6, f)?.to_dtype(DType::BF16)?.to_dtype(DType::F32)?;
-        assert_eq!((&yb - want)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        let yb = rms_norm_with(&xb, &wb, 1e-6, NormWeight::ScaleF32)?.to_dtype(DType::F32)?;
         let scale = rms_norm(&xb, &wb, 1e-6)?.to_dtype(DType::F32)?;
         assert!((yb - scale)?.abs()?.max_all()?.to_scalar::<f32>()? > 0.0, "bf16: the two forms round alike");
         Ok(())
