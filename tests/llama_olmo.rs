@@ -13,6 +13,10 @@
 //! and weights. TP 4 over the 2 KV heads (each replicated on two ranks, counted twice in the
 //! k norm's all-reduced sum, as every head is) gives the reference too.
 //!
+//! EXAONE 4 (`exaone4`: OLMo 2's norms after the branches with Qwen3's head norms; here layer 0
+//! sliding with a window of 40, layer 1 global without RoPE) gives the reference on every kind
+//! of layout, decodes the same tokens and round-trips as `Exaone4ForCausalLM`.
+//!
 //! OLMoE (`olmoe`: the norms before the branches, the same q / k norms, 8 experts 48 wide, top
 //! 2 not renormalised, on both layers, the load-balancing loss on) gives the reference on every
 //! kind of layout and under expert parallelism, decodes the same tokens, and round-trips as
@@ -59,6 +63,24 @@ fn olmo3() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
         let yarn = RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };
         LlamaConfig { rope_scaling: yarn, ..c }.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false]))
     })
+}
+
+/// The oracle as EXAONE 4: no input norms, the norms after the branches, head norms `[D]`
+/// (seeded away from ones), layer 0 sliding (40), layer 1 global and NoPE.
+fn exaone4() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true);
+    cfg.validate()?;
+    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let mut full = load_safetensors_dir(&dir, &Device::Cpu)?;
+    for l in 0..cfg.num_hidden_layers {
+        let n = |s: &str| format!("model.layers.{l}.{s}");
+        full.remove(&n("input_layernorm.weight"));
+        full.insert(n("self_attn.q_norm.weight"), wavy(cfg.head_dim, l as f64)?);
+        full.insert(n("self_attn.k_norm.weight"), wavy(cfg.head_dim, 2.0 + l as f64)?);
+        full.insert(n("post_feedforward_layernorm.weight"), wavy(cfg.hidden_size, 4.0 + l as f64)?);
+    }
+    Ok((cfg, full, ids))
 }
 
 /// The oracle's shape as OLMoE: both MLPs 8 experts 48 wide, top 2 (not renormalised, as
@@ -121,6 +143,18 @@ fn olmo3_on_every_layout_matches_the_reference() -> Result<()> {
     on_every_layout("olmo3", &full, &cfg, &ids, &want)
 }
 
+/// EXAONE 4 on every kind of layout: the reference; the global layer's NoPE moves the logits.
+#[test]
+fn exaone4_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = exaone4()?;
+    assert_eq!((cfg.arch(), cfg.layer_rotates(0), cfg.layer_rotates(1)), (Arch::Exaone4, true, false));
+    let want = reference(&full, &cfg, &ids)?;
+    let rotating = reference(&full, &cfg.clone().with_nope_layers(None), &ids)?;
+    let moved = max_abs(&rotating.logits, &want.logits)?;
+    assert!(moved > 100.0 * Tolerances::default().logits_abs, "NoPE moves the logits by only {moved:.1e}");
+    on_every_layout("exaone4", &full, &cfg, &ids, &want)
+}
+
 /// OLMoE on every kind of layout, with its experts split over EP ranks too: the reference,
 /// routed far from a tie.
 #[test]
@@ -147,7 +181,7 @@ fn olmoe_on_every_layout_matches_the_reference() -> Result<()> {
 /// statistic all-reduced in every decode step; TP 4 replicating the KV heads).
 #[test]
 fn olmo_generation() -> Result<()> {
-    for (cfg, full, ids) in [olmo(Olmo::Olmo2, |c| c)?, olmo3()?, olmoe()?] {
+    for (cfg, full, ids) in [olmo(Olmo::Olmo2, |c| c)?, olmo3()?, olmoe()?, exaone4()?] {
         let ids = ids.narrow(1, 0, 32)?.contiguous()?;
         candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(4, false), Layout::cp(CpKind::Ring, 2).with_tp(2, true)])?;
     }
@@ -158,7 +192,7 @@ fn olmo_generation() -> Result<()> {
 /// back as the same config and weights.
 #[test]
 fn olmo_checkpoints_round_trip() -> Result<()> {
-    for ((cfg, full, _), class, key) in [(olmo(Olmo::Olmo2, |c| c)?, "Olmo2ForCausalLM", "olmo2"), (olmo3()?, "Olmo3ForCausalLM", "layer_types"), (olmoe()?, "OlmoeForCausalLM", "clip_qkv")] {
+    for ((cfg, full, _), class, key) in [(olmo(Olmo::Olmo2, |c| c)?, "Olmo2ForCausalLM", "olmo2"), (olmo3()?, "Olmo3ForCausalLM", "layer_types"), (olmoe()?, "OlmoeForCausalLM", "clip_qkv"), (exaone4()?, "Exaone4ForCausalLM", "sliding_window_pattern")] {
         let dir = std::env::temp_dir().join(format!("candle-cp-{class}-{}", std::process::id()));
         let vm = candle_nn::VarMap::new();
         for (k, t) in &full {
@@ -169,7 +203,7 @@ fn olmo_checkpoints_round_trip() -> Result<()> {
         assert!(text.contains(class) && text.contains(key), "{text}");
         // (OLMo 2 and 3 have no input norm; OLMoE's experts are written one by one)
         let names = load_safetensors_dir(&dir, &Device::Cpu)?;
-        assert_eq!(names.keys().any(|k| k.contains("input_layernorm")), cfg.olmo == Some(Olmo::Olmoe));
+        assert_eq!(names.keys().any(|k| k.contains("input_layernorm")), !cfg.post_norms_only());
         assert_eq!(names.contains_key("model.layers.1.mlp.experts.7.down_proj.weight"), cfg.olmo == Some(Olmo::Olmoe));
         let (back, bcfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
         assert_eq!(bcfg, cfg);

@@ -29,6 +29,8 @@ pub mod multimodal;
 pub use granite::Granite;
 #[path = "olmo.rs"]
 pub mod olmo;
+#[path = "exaone4.rs"]
+pub mod exaone4;
 pub use olmo::Olmo;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
@@ -119,6 +121,9 @@ pub struct LlamaConfig {
     /// projection; OLMo 2 and 3 normalise after the attention and the MLP instead of before,
     /// OLMoE's MLPs are experts ([`olmo`]); `None` for the other architectures.
     pub olmo: Option<Olmo>,
+    /// EXAONE 4 (`model_type` `exaone4`): OLMo 2's norms after the branches with Qwen3's head
+    /// norms, and NoPE on the global layers of a windowed model ([`exaone4`]).
+    pub exaone4: bool,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -180,9 +185,10 @@ impl LlamaConfig {
         };
         // Gemma 3: the text model's config (a multimodal one's `text_config`), defaults filled
         let smol = smollm3::with_defaults(m)?;
+        let exa = exaone4::with_defaults(m)?;
         let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
             (Some(t), _) | (None, Some(t)) => Some(t),
-            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or(smol),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or(smol).or(exa),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -305,8 +311,11 @@ impl LlamaConfig {
                 Arch::Olmoe => Some(Olmo::Olmoe),
                 _ => None,
             },
+            exaone4: arch == Arch::Exaone4,
             lora: None,
         };
+        // EXAONE 4: NoPE on the global layers of a windowed model
+        let cfg = if cfg.exaone4 { Self { nope_layers: exaone4::nope_layers(&cfg), ..cfg } } else { cfg };
         // every invariant the model needs, named (vocab 0, theta 0, a negative epsilon, ...)
         cfg.validate().map_err(|e| candle_core::Error::Msg(format!("config.json: {e}")))?;
         Ok(cfg)
@@ -354,6 +363,7 @@ impl LlamaConfig {
             nope_layers: None,
             granite: None,
             olmo: None,
+            exaone4: false,
             lora: None,
         }
     }
@@ -418,6 +428,9 @@ impl LlamaConfig {
         }
         if self.gpt_oss {
             return Arch::GptOss;
+        }
+        if self.exaone4 {
+            return Arch::Exaone4;
         }
         if let Some(o) = self.olmo {
             return match o {
@@ -489,6 +502,7 @@ impl LlamaConfig {
         smollm3::validate(self)?;
         granite::validate(self)?;
         olmo::validate(self)?;
+        exaone4::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
@@ -513,7 +527,7 @@ impl LlamaConfig {
             if self.sliding_window.is_none() {
                 bail!("LlamaConfig: sliding_layers {l:?} without a sliding_window")
             }
-            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss | Arch::SmolLM3 | Arch::Olmo3) {
+            if !matches!(self.arch(), Arch::Qwen2 | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Qwen2Moe | Arch::Gemma3 | Arch::Gemma2 | Arch::GptOss | Arch::SmolLM3 | Arch::Olmo3 | Arch::Exaone4) {
                 bail!(
                     "LlamaConfig: a window on some layers only ({} of {n}) is a Qwen2 or Qwen3 model (q, k, v biases or q, k norms): \
                      a {:?} config.json has one window for every layer, so a saved checkpoint would load as a different model",

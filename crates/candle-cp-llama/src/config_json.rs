@@ -118,8 +118,11 @@ impl LlamaConfig {
             if self.gpt_oss {
                 gpt_oss::write(m, self);
             }
-            if let Some(n) = &self.nope_layers {
+            if let Some(n) = self.nope_layers.as_ref().filter(|_| !self.exaone4) {
                 smollm3::write(m, self, n);
+            }
+            if self.exaone4 {
+                exaone4::write(m, self);
             }
             if let Some(g) = &self.granite {
                 granite::write(m, g);

@@ -236,7 +236,7 @@ impl LlamaConfig {
     /// How every RMSNorm applies its weight (Gemma 2 and 3: `x̂ · (1 + w)`; OLMo 2 and 3: `x̂ · w`
     /// in f32).
     pub fn norm_weight(&self) -> candle_cp_nn::NormWeight {
-        match (self.is_gemma(), self.post_norms_only()) {
+        match (self.is_gemma(), self.olmo.is_some_and(super::Olmo::post_norms)) {
             (true, _) => candle_cp_nn::NormWeight::UnitOffset,
             // OLMo: x̂ · w in f32, cast last
             (false, true) => candle_cp_nn::NormWeight::ScaleF32,

@@ -138,17 +138,21 @@ impl QkNorm {
         Ok((n(q, &self.q)?, n(k, &self.k)?))
     }
 
-    /// `q`, `k` normalised and rotated by the tables `cos`, `sin`, each one graph node
-    /// ([`crate::fused::qk_norm_rope`]: keeps the input and the statistic). `tp`: the
+    /// `q`, `k` normalised and rotated by the tables `(cos, sin)` (`None`: not rotated, a NoPE
+    /// layer), each one graph node ([`crate::fused::qk_norm_rope`]: keeps the input and the
+    /// statistic; without tables candle-cp-nn's RMSNorm node). `tp`: the
     /// weights' gradients, partial on each TP rank (its own heads), are summed over the TP
     /// group in the backward (`copy_to_tp_region`); `None` leaves them partial (under sequence
     /// parallelism, where [`crate::reduce_gradients`] sums replicated weights over the world).
-    pub(crate) fn apply_with_rope(&self, q: &Tensor, k: &Tensor, cos: &Tensor, sin: &Tensor, tp: Option<&candle_cp_comm::Group>) -> Result<(Tensor, Tensor)> {
+    pub(crate) fn apply_with_rope(&self, q: &Tensor, k: &Tensor, rope: Option<(&Tensor, &Tensor)>, tp: Option<&candle_cp_comm::Group>) -> Result<(Tensor, Tensor)> {
         let w = |w: &Tensor| match tp {
             Some(g) => candle_cp_ops::mappings::copy_to_tp_region(w, g),
             None => Ok(w.clone()),
         };
-        let f = |x: &Tensor, wt: &Tensor| crate::fused::qk_norm_rope_with(x, wt, self.eps, cos, sin, self.form);
+        let f = |x: &Tensor, wt: &Tensor| match rope {
+            Some((cos, sin)) => crate::fused::qk_norm_rope_with(x, wt, self.eps, cos, sin, self.form),
+            None => candle_cp_nn::rms_norm_with(x, wt, self.eps, self.form),
+        };
         Ok((f(q, &w(&self.q)?)?, f(k, &w(&self.k)?)?))
     }
 }
@@ -230,12 +234,12 @@ impl Block {
             // (rope_post gave [B, Tc, H, D]; a NoPE layer's are as projected)
             None if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),
             None => (qkv[0].clone(), qkv[1].clone()),
-            // (NoPE with head norms is refused by LlamaConfig::validate)
-            Some(_) if !self.rotates => bail!("Block: a NoPE layer with q, k head norms (no architecture has both)"),
+            // (EXAONE 4's NoPE layers: the head norms without the rotation)
             Some(n) => {
                 let l = env.ctx.layout;
                 let tp = (l.tp > 1 && !l.seq_parallel()).then_some(&env.ctx.tp);
-                n.apply_with_rope(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, cos, sin, tp)?
+                let rope = self.rotates.then_some((cos, sin));
+                n.apply_with_rope(&qkv[0].reshape((b, tc, hl, d))?, &qkv[1].reshape((b, tc, hkvl, d))?, rope, tp)?
             }
         };
         let v = qkv[2].reshape((b, tc, hkvl, d))?;

@@ -219,9 +219,10 @@ impl LlamaConfig {
         self
     }
 
-    /// Whether the layers normalise after each branch only ([`Olmo::post_norms`]).
+    /// Whether the layers normalise after each branch only ([`Olmo::post_norms`], and EXAONE 4:
+    /// [`crate::config::exaone4`]).
     pub fn post_norms_only(&self) -> bool {
-        self.olmo.is_some_and(Olmo::post_norms)
+        self.olmo.is_some_and(Olmo::post_norms) || self.exaone4
     }
 }
 

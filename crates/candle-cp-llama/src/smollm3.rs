@@ -95,7 +95,8 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, nope: &[bool]
 /// features (biases, head norms, Gemma, a mixture, Phi-3, gpt-oss), and their list must have
 /// one entry per layer.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
-    let Some(n) = &cfg.nope_layers else { return Ok(()) };
+    // (EXAONE 4's NoPE layers: crate::config::exaone4::validate)
+    let Some(n) = cfg.nope_layers.as_ref().filter(|_| !cfg.exaone4) else { return Ok(()) };
     if n.len() != cfg.num_hidden_layers {
         bail!("LlamaConfig: nope_layers has {} entries for {} layers", n.len(), cfg.num_hidden_layers)
     }
@@ -111,8 +112,9 @@ pub(crate) const NOPE: &str = "NoPE layers";
 impl LlamaConfig {
     /// What the config has beyond a Llama, by name, each on or off: q, k, v biases, head norms,
     /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers, OLMo's
-    /// norms (the architectures that exclude the others refuse them by these names).
-    pub(crate) fn features(&self) -> [(&'static str, bool); 10] {
+    /// norms, EXAONE 4's attention (the architectures that exclude the others refuse them by
+    /// these names).
+    pub(crate) fn features(&self) -> [(&'static str, bool); 11] {
         [
             ("q, k, v biases", self.qkv_bias),
             ("q, k head norms", self.qk_norm),
@@ -124,6 +126,7 @@ impl LlamaConfig {
             (NOPE, self.nope_layers.is_some()),
             (crate::config::granite::GRANITE, self.granite.is_some()),
             (crate::config::olmo::OLMO, self.olmo.is_some()),
+            (crate::config::exaone4::EXAONE4, self.exaone4),
         ]
     }
 }

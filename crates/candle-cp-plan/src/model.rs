@@ -57,8 +57,9 @@ pub struct ModelConfig {
     /// `[a]` (besides [`ModelConfig::qkv_bias`]); its mixture of experts' router and experts
     /// carry biases (`E` and `E·(2·f_e + h)` per sparse layer).
     pub gpt_oss: bool,
-    /// OLMo 2 and 3 (`model_type` `olmo2`, `olmo3`): the norms after the attention and the MLP
-    /// ([`ModelConfig::sandwich_norms`]) and none before them; what the layer keeps:
+    /// OLMo 2 and 3 (`model_type` `olmo2`, `olmo3`) and EXAONE 4 (`exaone4`): the norms after
+    /// the attention and the MLP ([`ModelConfig::sandwich_norms`]) and none before them; what
+    /// the layer keeps:
     /// [`crate::memory::candle_cp_extra_per_gpu`].
     pub post_norms: bool,
     /// OLMo 2, 3 and OLMoE (`olmoe`): q and k RMSNorms over the whole projection (weights
@@ -454,6 +455,9 @@ impl ModelConfig {
         let (olmo2, olmo3) = (names("olmo2", "Olmo2ForCausalLM"), names("olmo3", "Olmo3ForCausalLM"));
         // OLMoE: every layer 'num_experts' (64) experts 'intermediate_size' wide, 8 per token
         let olmoe = names("olmoe", "OlmoeForCausalLM");
+        // EXAONE 4: OLMo 2's norms with head norms; the window on all but every
+        // 'sliding_window_pattern'-th layer (4, or a string of L and G, the last layer global)
+        let exaone4 = names("exaone4", "Exaone4ForCausalLM");
         // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
         let mixtral = names("mixtral", "MixtralForCausalLM");
         let moe = if gpt_oss {
@@ -518,6 +522,16 @@ impl ModelConfig {
             }
             None | Some(serde_json::Value::Null) if gemma2 || gpt_oss => (0..layers).map(|i| i % 2 == 0).collect(),
             None | Some(serde_json::Value::Null) if olmo3 => (0..layers).map(|i| !(i + 1).is_multiple_of(4)).collect(),
+            None | Some(serde_json::Value::Null) if exaone4 => match v.get("sliding_window_pattern") {
+                Some(serde_json::Value::String(p)) if !p.is_empty() => {
+                    let p: Vec<char> = p.chars().collect();
+                    (0..layers).map(|i| p[i % p.len()] == 'L' && i + 1 != layers).collect()
+                }
+                _ => {
+                    let every = get("sliding_window_pattern")?.unwrap_or(4);
+                    (0..layers).map(|i| !(i + 1).is_multiple_of(every)).collect()
+                }
+            },
             None | Some(serde_json::Value::Null) if smollm3 => match v.get("no_rope_layers").and_then(|x| x.as_array()) {
                 Some(a) => (0..layers).map(|i| a.get(i).and_then(|x| x.as_u64()) == Some(0)).collect(),
                 None => {
@@ -560,13 +574,13 @@ impl ModelConfig {
             tie_embeddings,
             sliding_window,
             qkv_bias: qwen2 || gpt_oss,
-            qk_norm: qwen3 || gemma3,
+            qk_norm: qwen3 || gemma3 || exaone4,
             partial_window,
-            sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3,
+            sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3 || exaone4,
             moe,
             fused_proj: names("phi3", "Phi3ForCausalLM"),
             gpt_oss,
-            post_norms: olmo2 || olmo3,
+            post_norms: olmo2 || olmo3 || exaone4,
             qk_norm_flat: olmo2 || olmo3 || olmoe,
         };
         cfg.validate()?;

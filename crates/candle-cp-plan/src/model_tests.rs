@@ -79,6 +79,14 @@ fn presets_have_published_sizes() -> Result<()> {
         "num_hidden_layers": 16, "num_attention_heads": 16, "num_key_value_heads": 16, "num_experts": 64, "num_experts_per_tok": 8,
         "norm_topk_prob": false, "vocab_size": 50304, "clip_qkv": null}"#;
     assert_eq!(ModelConfig { name: "olmoe-1b-7b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, oe);
+    // EXAONE 4.0 (a 32B-shaped config.json, "LLLG"): OLMo 2's norms with head norms, the
+    // window on 48 of 64 layers
+    let cfg = r#"{"architectures": ["Exaone4ForCausalLM"], "model_type": "exaone4", "hidden_size": 5120, "intermediate_size": 27392,
+        "num_hidden_layers": 64, "num_attention_heads": 40, "num_key_value_heads": 8, "head_dim": 128, "vocab_size": 102400,
+        "sliding_window": 4096, "sliding_window_pattern": "LLLG"}"#;
+    let ex = ModelConfig::from_hf_json(cfg, "x")?;
+    assert_eq!((ex.post_norms, ex.qk_norm, ex.qk_norm_flat, ex.sandwich_norms, ex.partial_window), (true, true, false, true, Some((4096, 48))));
+    assert_eq!(ex.layer_norm_params() + ex.qk_norm_params(), 2 * 5120 + 2 * 128);
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
