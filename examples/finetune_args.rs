@@ -170,6 +170,11 @@ pub(crate) struct Args {
     /// without it.
     #[arg(long)]
     pub(crate) olmo3: bool,
+    /// Random-init EXAONE 4 (`Exaone4ForCausalLM`): norms after the attention and the MLP (none
+    /// before), q and k head norms; with --sliding-window, the window on three layers of four
+    /// (all but 3, 7, ...; the last layer always global), the global layers without RoPE.
+    #[arg(long)]
+    pub(crate) exaone4: bool,
     /// With --moe: an OLMoE (`OlmoeForCausalLM`) instead of a Qwen3-MoE: OLMo's q and k norms over
     /// the whole projections in place of the head norms, the top-K not renormalised.
     #[arg(long)]

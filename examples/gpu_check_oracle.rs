@@ -153,6 +153,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Granite, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
     let name = format!("llama olmo3 (norms after the branches, q/k norms over the projections all-reduced over TP, layer 0 sliding 40, unscaled beside YaRN) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmo3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    let name = format!("llama exaone4 (norms after the branches, head norms, layer 0 sliding 40, layer 1 global without RoPE) tp2 + sp x cp2 ring, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Exaone4, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
     let name = format!("llama olmoe (q/k norms over the projections, 8 experts on every layer) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmoe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
@@ -264,6 +266,8 @@ fn arch_vs_cpu_with(
             (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.5);
             base.with_moe(Some(moe)).with_olmo(Some(candle_cp_llama::Olmo::Olmoe))
         }
+        // EXAONE 4: layer 0 sliding, layer 1 global and NoPE
+        Arch::Exaone4 => base.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true),
         // OLMo 3: layer 0 sliding (unscaled RoPE) beside a full layer under YaRN
         Arch::Olmo3 => {
             let yarn = candle_cp_llama::RopeScaling::Yarn { factor: 4.0, original_max_position_embeddings: 64, beta_fast: 32.0, beta_slow: 1.0, attention_factor: None, mscale: None, mscale_all_dim: None, truncate: true };

@@ -4,7 +4,7 @@
 //! `llama_generate.rs` pins the oracle checkpoint and one prompt; this draws the model (width,
 //! depth, query / KV heads, vocabulary, a sliding window; gpt-oss in a fifth of the models,
 //! SmolLM3's layers without RoPE in a quarter of the others, OLMo 2 / 3 in a quarter of the
-//! rest), the prompt (batch, length), the
+//! rest, EXAONE 4 in a quarter of those left), the prompt (batch, length), the
 //! number of new tokens, the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2)
 //! and the sampling (greedy, or temperature / top-k / top-p from a seed). Every rank must
 //! return the same tokens and logits bit for bit, and those must be the single device's: the
@@ -57,7 +57,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let (mut oss, mut smol, mut olmos) = (0, 0, 0);
+    let (mut oss, mut smol, mut olmos, mut exaones) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -97,6 +97,14 @@ fn random_generation_equals_single_device() -> Result<()> {
             (true, None) => cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmo2)),
             (false, _) => cfg,
         };
+        // a quarter of the rest are EXAONE 4, its window (if any) on layer 0 of two, the global
+        // layers without RoPE (a stream of its own)
+        let exaone = !gpt_oss && !smollm3 && !olmo && rng(7900 + seed).below(4) == 0;
+        let cfg = match (exaone, window, layers) {
+            (true, Some(_), 2) => cfg.with_sliding_layers(Some(vec![true, false])).with_exaone4(true),
+            (true, _, _) => cfg.with_exaone4(true),
+            (false, _, _) => cfg,
+        };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -118,7 +126,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, {sampling:?}", cfg.nope_layers, cfg.olmo
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, {sampling:?}", cfg.nope_layers, cfg.olmo
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // gpt-oss: sinks around 2 (the init's are near 0)
@@ -166,12 +174,13 @@ fn random_generation_equals_single_device() -> Result<()> {
         oss += gpt_oss as usize;
         smol += smollm3 as usize;
         olmos += olmo as usize;
+        exaones += exaone as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

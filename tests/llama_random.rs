@@ -19,7 +19,8 @@
 //! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
 //! without RoPE drawn, at least one) and the rest without a window Granite (its
 //! multipliers drawn); a third of the dense Qwen3 draws are OLMo (OLMo 3 with a window, half of
-//! those with YaRN, whose sliding layers rotate unscaled), a third of the Qwen3-MoE ones
+//! those with YaRN, whose sliding layers rotate unscaled), a quarter of the other dense Qwen3
+//! ones EXAONE 4 (NoPE on the layers without the window), a third of the Qwen3-MoE ones
 //! without a window or a dense layer OLMoE. Draws the model cannot split (heads that TP or Ulysses do not divide, lengths the
 //! layout cannot shard) are refused with an error that says why, never a panic.
 //!
@@ -205,6 +206,12 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         (Some(_), 1..=3, 2, 1..) => cfg.with_sliding_layers(Some(if per_layer.below(2) == 0 { vec![true, false] } else { vec![false, true] })),
         _ => cfg,
     };
+    // a quarter of the remaining dense Qwen3 draws are EXAONE 4 (OLMo 2's norms with the head
+    // norms; with a window, NoPE on the layers without it; a stream of its own)
+    let cfg = match arch == 2 && cfg.qk_norm && cfg.moe.is_none() && rng(986_000 + seed).below(4) == 0 {
+        true => cfg.with_exaone4(true),
+        false => cfg,
+    };
     let cp = pick(d, &[2, 4]);
     let kind = pick(d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
     let mut layout = match kind {
@@ -284,7 +291,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
     let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite) = (0, 0, 0, 0, 0, 0);
-    let mut olmo = 0;
+    let (mut olmo, mut exaone) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -334,6 +341,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 smollm3 += cfg.nope_layers.is_some() as usize;
                 granite += cfg.granite.is_some() as usize;
                 olmo += cfg.olmo.is_some() as usize;
+                exaone += cfg.exaone4 as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
                 gpt_oss += cfg.gpt_oss as usize;
             }
@@ -343,7 +351,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite, {olmo} OLMo), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),

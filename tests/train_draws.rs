@@ -82,7 +82,8 @@ pub fn draw_layout(d: &mut Rng) -> Layout {
 /// window in a quarter of the draws, Qwen2's q, k, v biases, Qwen3's q / k head norms and
 /// Gemma 3 in a quarter of the seeds each (a stream of its own, so the other draws stay what
 /// they were), Gemma 2 in a third of the rest (another stream), OLMo in a third of the dense
-/// Qwen3 ones, OLMoE in a third of the Qwen3-MoE ones without a window; with those numbers
+/// Qwen3 ones, EXAONE 4 in a quarter of the rest, OLMoE in a third of the Qwen3-MoE ones
+/// without a window; with those numbers
 /// `(heads, kv_heads, layers, window)`.
 #[allow(clippy::type_complexity)]
 pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usize, usize, usize, Option<usize>))> {
@@ -137,6 +138,14 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
     // over the whole projections; OLMo 3 with a window; a stream of its own)
     let model = match arch == 2 && model.moe.is_none() && rng(989_000 + seed).below(3) == 0 {
         true => model.with_qk_norm(false).with_olmo(Some(if window.is_some() { candle_cp_llama::Olmo::Olmo3 } else { candle_cp_llama::Olmo::Olmo2 })),
+        false => model,
+    };
+    // a quarter of the remaining dense Qwen3 seeds are EXAONE 4 (OLMo 2's norms with the head
+    // norms; with two layers and a window, layer 0 slides and layer 1 is global and NoPE; a
+    // stream of its own)
+    let model = match arch == 2 && model.qk_norm && model.moe.is_none() && rng(989_700 + seed).below(4) == 0 {
+        true if window.is_some() && layers == 2 => model.with_sliding_layers(Some(vec![true, false])).with_exaone4(true),
+        true => model.with_exaone4(true),
         false => model,
     };
     // a third of the Qwen3-MoE seeds without a window are OLMoE (a stream of its own)

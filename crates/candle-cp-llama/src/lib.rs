@@ -23,6 +23,7 @@
 //! `qwen2`, `qwen3`, `gemma3_text`; Qwen2's biases on the q, k, v projections,
 //! [`LlamaConfig::qkv_bias`]; Qwen3's q, k head norms, [`LlamaConfig::qk_norm`]; Gemma 3,
 //! [`LlamaConfig::gemma3`] and [`gemma`]; OLMo 2, 3 and OLMoE, [`LlamaConfig::olmo`] and [`olmo`];
+//! EXAONE 4, [`LlamaConfig::exaone4`];
 //! and the others [`arch`] lists); any other config, and any
 //! checkpoint tensor the model would not use, is refused by name ([`arch`]).
 //!
@@ -83,7 +84,7 @@ pub mod sampling;
 pub mod train;
 pub mod verify;
 
-pub use config::{gemma, gemma2, olmo, phi3, qwen3_moe, Arch, Gemma2, Gemma3, Granite, LlamaConfig, MoeConfig, MoeStyle, Olmo, RopeScaling};
+pub use config::{exaone4, gemma, gemma2, olmo, phi3, qwen3_moe, Arch, Gemma2, Gemma3, Granite, LlamaConfig, MoeConfig, MoeStyle, Olmo, RopeScaling};
 pub use generate::{Generation, KvCache};
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};
