@@ -10,7 +10,7 @@
 //!   not per head as Qwen3's. Under tensor parallelism each rank holds its heads' features:
 //!   the weights split as the heads ([`crate::params`]) and each token's sum of squares is
 //!   all-reduced over the TP group in the forward, its gradient in the backward
-//!   ([`FlatQkNorm`]). KV heads replicated over TP ranks (TP beyond the KV heads) or copied
+//!   (`FlatQkNorm`, `flat_norm_rope`). KV heads replicated over TP ranks (TP beyond the KV heads) or copied
 //!   (neither dividing the other) are counted once per copy, and every KV head has as many
 //!   copies: the mean over all the features the ranks hold, copies included, is the mean over
 //!   the distinct ones, and the copies' gradients, summed as their weights' are, give each
