@@ -1,5 +1,6 @@
-//! OLMo 2 and OLMo 3 (`model_type` `olmo2`, `olmo3`; AllenAI's fully open models, whose
-//! training data and code are public too): a Llama with three differences ([`Olmo`]).
+//! OLMo 2, OLMo 3 and OLMoE (`model_type` `olmo2`, `olmo3`, `olmoe`; AllenAI's fully open
+//! models, whose training data and code are public too). OLMo 2 and 3 are a Llama with three
+//! differences ([`Olmo`]):
 //!
 //! - **Norms after the branches, none before**: `x + norm(attn(x))`, then `x + norm(mlp(x))`
 //!   (`post_attention_layernorm`, `post_feedforward_layernorm`); the attention and the MLP read
@@ -10,11 +11,11 @@
 //!   not per head as Qwen3's. Under tensor parallelism each rank holds its heads' features:
 //!   the weights split as the heads ([`crate::params`]) and each token's sum of squares is
 //!   all-reduced over the TP group in the forward, its gradient in the backward
-//!   (`FlatQkNorm`, `flat_norm_rope`). KV heads replicated over TP ranks (TP beyond the KV heads) or copied
-//!   (neither dividing the other) are counted once per copy, and every KV head has as many
-//!   copies: the mean over all the features the ranks hold, copies included, is the mean over
-//!   the distinct ones, and the copies' gradients, summed as their weights' are, give each
-//!   head's. Under Ulysses, ring or zigzag CP the norm runs on the rank's tokens before any
+//!   (`FlatQkNorm`, `flat_norm_rope`). KV heads replicated over TP ranks (TP beyond the KV
+//!   heads) or copied (neither dividing the other) are counted once per copy, and every KV head
+//!   has as many copies: the mean over all the features the ranks hold, copies included, is the
+//!   mean over the distinct ones, and the copies' gradients, summed as their weights' are, give
+//!   each head's. Under Ulysses, ring or zigzag CP the norm runs on the rank's tokens before any
 //!   exchange, so those layouts need nothing more.
 //! - OLMo 3 only: a **sliding window** (`sliding_window`, default 4096) on the layers
 //!   `layer_types` names (by default three of every four, all but layers 3, 7, ...); when the
@@ -22,7 +23,6 @@
 //!   unscaled frequencies and the full-attention layers by the scaled ones, as OLMo-core
 //!   trains them and transformers computes them since its fix of the per-layer-type rotary
 //!   embedding (some 4.x releases scaled every layer) — [`crate::LlamaConfig::local_rope`].
-//!
 //!
 //! OLMoE (`model_type` `olmoe`, `OlmoeForCausalLM`: OLMoE-1B-7B) is a Llama with the norms
 //! before the branches as usual (transformers' `LlamaRMSNorm`), the same whole-projection q and k
