@@ -79,6 +79,7 @@ pub mod lora_select;
 pub mod packed;
 pub mod params;
 pub mod quant;
+mod qk_norm;
 pub mod rope;
 pub mod sampling;
 pub mod train;
