@@ -37,23 +37,30 @@ fn wavy(n: usize, phase: f64) -> Result<Tensor> {
     Tensor::from_vec((0..n).map(|i| (1.0 + 0.4 * (0.7 * i as f64 + phase).sin()) as f32).collect::<Vec<_>>(), n, &Device::Cpu)
 }
 
+/// The oracle's weights for `cfg` (a config of its shape): the tensors `cfg` has, without those
+/// it lacks (the input norms of a model normalising after its branches), with the norms it adds
+/// (q / k norms, the norm after the MLP) drawn away from ones; its input ids.
+fn oracle_as(cfg: LlamaConfig) -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    cfg.validate()?;
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
+    let mut oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let mut full = HashMap::new();
+    for (i, s) in candle_cp_llama::param_specs(&cfg).into_iter().enumerate() {
+        let t = match oracle.remove(&s.name) {
+            Some(t) => t,
+            None if s.shape.len() == 1 => wavy(s.shape[0], i as f64)?,
+            None => candle_core::bail!("oracle_as: no oracle tensor for {} {:?}", s.name, s.shape),
+        };
+        full.insert(s.name, t);
+    }
+    Ok((cfg, full, ids))
+}
+
 /// The oracle as OLMo `o` (`f` shapes its config further): its weights without the input
 /// norms, with the whole-projection q / k norms and the norm after the MLP; its input ids.
 fn olmo(o: Olmo, f: impl Fn(LlamaConfig) -> LlamaConfig) -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
-    let dir = candle_cp_tests::oracle_dir("tiny-llama");
-    let cfg = f(LlamaConfig::from_file(dir.join("config.json"))?.with_olmo(Some(o)));
-    cfg.validate()?;
-    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
-    let mut full = load_safetensors_dir(&dir, &Device::Cpu)?;
-    let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
-    for l in 0..cfg.num_hidden_layers {
-        let n = |s: &str| format!("model.layers.{l}.{s}");
-        full.remove(&n("input_layernorm.weight"));
-        full.insert(n("self_attn.q_norm.weight"), wavy(qd, l as f64)?);
-        full.insert(n("self_attn.k_norm.weight"), wavy(kd, 2.0 + l as f64)?);
-        full.insert(n("post_feedforward_layernorm.weight"), wavy(cfg.hidden_size, 4.0 + l as f64)?);
-    }
-    Ok((cfg, full, ids))
+    oracle_as(f(LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?.with_olmo(Some(o))))
 }
 
 /// OLMo 3 with layer 0 sliding (window 40) and layer 1 full, its RoPE scaled by YaRN (layer 0
@@ -68,19 +75,8 @@ fn olmo3() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
 /// The oracle as EXAONE 4: no input norms, the norms after the branches, head norms `[D]`
 /// (seeded away from ones), layer 0 sliding (40), layer 1 global and NoPE.
 fn exaone4() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
-    let dir = candle_cp_tests::oracle_dir("tiny-llama");
-    let cfg = LlamaConfig::from_file(dir.join("config.json"))?.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true);
-    cfg.validate()?;
-    let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
-    let mut full = load_safetensors_dir(&dir, &Device::Cpu)?;
-    for l in 0..cfg.num_hidden_layers {
-        let n = |s: &str| format!("model.layers.{l}.{s}");
-        full.remove(&n("input_layernorm.weight"));
-        full.insert(n("self_attn.q_norm.weight"), wavy(cfg.head_dim, l as f64)?);
-        full.insert(n("self_attn.k_norm.weight"), wavy(cfg.head_dim, 2.0 + l as f64)?);
-        full.insert(n("post_feedforward_layernorm.weight"), wavy(cfg.hidden_size, 4.0 + l as f64)?);
-    }
-    Ok((cfg, full, ids))
+    let base = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?;
+    oracle_as(base.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true))
 }
 
 /// The oracle's shape as OLMoE: both MLPs 8 experts 48 wide, top 2 (not renormalised, as

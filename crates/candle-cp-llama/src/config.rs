@@ -39,7 +39,7 @@ mod to_json;
 #[path = "config_validate.rs"]
 mod validate;
 pub use rope_scaling::RopeScaling;
-use rope_scaling::parse_scaling;
+use rope_scaling::{parse_scaling, rope_by_layer_type};
 pub use qwen3_moe::{MoeConfig, MoeStyle};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
@@ -237,17 +237,17 @@ impl LlamaConfig {
             Arch::Olmo3 => olmo::layer_type_rope(m, max_pos, get_usize(m, "original_max_position_embeddings")?)?,
             _ => None,
         };
-        let (rope_theta, rope_scaling) = match (&gemma3, m.get("rope_parameters")) {
-            (Some((_, theta, scaling)), _) => (*theta, scaling.clone()),
+        let (rope_theta, rope_scaling) = match (&gemma3, olmo3_rope, m.get("rope_parameters")) {
+            (Some((_, theta, scaling)), _, _) => (*theta, scaling.clone()),
             // OLMo 3 in transformers 5's form: one RoPE per layer type
-            (None, _) if olmo3_rope.is_some() => olmo3_rope.unwrap_or((olmo::OLMO3_THETA, RopeScaling::Default)),
-            (None, Some(Value::Object(p))) => {
+            (None, Some(rope), _) => rope,
+            (None, None, Some(Value::Object(p))) => {
                 let theta = get_f64(p, "rope_theta")?
                     .or(get_f64(m, "rope_theta")?)
                     .unwrap_or(10000.0);
                 (theta, parse_scaling(p, max_pos, get_usize(m, "original_max_position_embeddings")?)?)
             }
-            (None, _) => {
+            (None, None, _) => {
                 let theta = get_f64(m, "rope_theta")?.unwrap_or(10000.0);
                 let scaling = match m.get("rope_scaling") {
                     Some(Value::Object(s)) => parse_scaling(s, max_pos, get_usize(m, "original_max_position_embeddings")?)?,

@@ -24,7 +24,7 @@
 //! Refused by name: logit soft-capping (`final_logit_softcapping`, `attn_logit_softcapping`;
 //! Gemma 2's), bidirectional attention, another activation.
 
-use super::{get_f64, parse_scaling, Gemma2, LlamaConfig, RopeScaling};
+use super::{get_f64, parse_scaling, rope_by_layer_type, Gemma2, LlamaConfig, RopeScaling};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
@@ -125,17 +125,13 @@ pub(super) fn parse(m: &Map<String, Value>, max_pos: usize) -> Result<(Gemma3, f
     if let Some(s) = get_f64(m, "query_pre_attn_scalar")? {
         g.query_pre_attn_scalar = s;
     }
-    let (theta, scaling) = match m.get("rope_parameters") {
-        Some(Value::Object(p)) if p.contains_key("full_attention") || p.contains_key("sliding_attention") => {
-            // transformers 5: one RoPE per layer type
-            let of = |k: &str| -> Result<Map<String, Value>> {
-                match p.get(k) {
-                    Some(Value::Object(o)) => Ok(o.clone()),
-                    None | Some(Value::Null) => Ok(Map::new()),
-                    Some(v) => bail!("config.json: `rope_parameters.{k}` must be an object, got {v}"),
-                }
-            };
-            let (full, local) = (of("full_attention")?, of("sliding_attention")?);
+    let by_type = match m.get("rope_parameters") {
+        Some(Value::Object(p)) => rope_by_layer_type(p)?,
+        _ => None,
+    };
+    let (theta, scaling) = match (by_type, m.get("rope_parameters")) {
+        // transformers 5: one RoPE per layer type
+        (Some((full, local)), _) => {
             if parse_scaling(&local, max_pos, None)? != RopeScaling::Default {
                 bail!("config.json: a scaled RoPE on Gemma 3's sliding layers (`rope_parameters.sliding_attention`) not supported")
             }
@@ -144,13 +140,13 @@ pub(super) fn parse(m: &Map<String, Value>, max_pos: usize) -> Result<(Gemma3, f
             }
             (get_f64(&full, "rope_theta")?.unwrap_or(1_000_000.0), parse_scaling(&full, max_pos, None)?)
         }
-        Some(Value::Object(p)) => {
+        (None, Some(Value::Object(p))) => {
             if let Some(t) = get_f64(m, "rope_local_base_freq")? {
                 g.rope_local_base_freq = t;
             }
             (get_f64(p, "rope_theta")?.or(get_f64(m, "rope_theta")?).unwrap_or(1_000_000.0), parse_scaling(p, max_pos, None)?)
         }
-        _ => {
+        (None, _) => {
             if let Some(t) = get_f64(m, "rope_local_base_freq")? {
                 g.rope_local_base_freq = t;
             }

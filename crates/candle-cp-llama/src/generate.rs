@@ -126,10 +126,7 @@ impl Block {
     ) -> Result<(Tensor, Tensor, Tensor)> {
         let (b, t, _) = x.dims3()?;
         let (h, hkv, d) = heads;
-        let xn = match &self.input_norm {
-            Some(n) => n.forward(x)?,
-            None => x.clone(),
-        };
+        let xn = self.normed_input(x)?;
         let qkv = self.qkv.forward_parts(&xn)?;
         let [q, k, v] = qkv.as_slice() else {
             bail!(
@@ -168,10 +165,7 @@ impl Block {
             }
         };
         let x = (x + branch(0, self.o.forward(a)?)?)?;
-        let xn = match &self.post_norm {
-            Some(n) => n.forward(&x)?,
-            None => x.clone(),
-        };
+        let xn = self.normed_mlp_input(&x)?;
         let y = match &self.mlp {
             crate::model::Mlp::Dense { gate_up, down } => {
                 let gu = gate_up.forward_parts(&xn)?;

@@ -233,7 +233,7 @@ impl<'a> LayerBuilder<'a> {
                     k: self.get_init(&format!("{ap}.k_norm.weight"), Init::Const(1.0))?,
                     widths: (qd, kd),
                     eps,
-                    form: if olmo { candle_cp_nn::NormWeight::ScaleF32 } else { candle_cp_nn::NormWeight::Scale },
+                    form,
                     tp: (self.ctx.tp.size() > 1).then(|| self.ctx.tp.clone()),
                 }),
             },

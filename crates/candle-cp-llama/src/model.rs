@@ -137,6 +137,23 @@ struct BlockEnv {
 }
 
 impl Block {
+    /// The attention's input: `x` through the norm before it (`x` itself where the layer has
+    /// none: OLMo 2 / 3, EXAONE 4).
+    pub(crate) fn normed_input(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.input_norm {
+            Some(n) => n.forward(x),
+            None => Ok(x.clone()),
+        }
+    }
+
+    /// The MLP's input: `x` through the norm before it (or `x`, as [`Block::normed_input`]).
+    pub(crate) fn normed_mlp_input(&self, x: &Tensor) -> Result<Tensor> {
+        match &self.post_norm {
+            Some(n) => n.forward(x),
+            None => Ok(x.clone()),
+        }
+    }
+
     /// The same layer (same weights) with sequence parallelism off: its input and output are
     /// the whole sequence, replicated on the TP ranks (generation, whose one-token decode
     /// steps cannot be split along the sequence).
@@ -184,23 +201,18 @@ impl Block {
             // layers keep q and k as projected
             _ => [None, None, None],
         };
-        let xn = match &self.input_norm {
-            Some(n) => n.forward(x)?,
-            None => x.clone(),
-        };
+        let xn = self.normed_input(x)?;
         let qkv = self.qkv.forward_parts_regathered(&xn, &posts)?;
-        let (q, k) = match &self.qk_norm {
+        let (q, k) = match (&self.qk_norm, &self.flat_qk_norm) {
             // OLMo: the norms over the whole projection (this TP rank's heads, the statistic
             // over all), then RoPE
-            None if self.flat_qk_norm.is_some() => {
-                let Some(n) = &self.flat_qk_norm else { bail!("Block: no OLMo norms") };
-                n.apply_with_rope(&qkv[0], &qkv[1], cos, sin, d)?
-            }
+            (None, Some(n)) => n.apply_with_rope(&qkv[0], &qkv[1], cos, sin, d)?,
             // (rope_post gave [B, Tc, H, D]; a NoPE layer's are as projected)
-            None if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),
-            None => (qkv[0].clone(), qkv[1].clone()),
+            (None, None) if !self.rotates => (qkv[0].reshape((b, tc, hl, d))?, qkv[1].reshape((b, tc, hkvl, d))?),
+            (None, None) => (qkv[0].clone(), qkv[1].clone()),
+            (Some(_), Some(_)) => bail!("Block: head norms and whole-projection q, k norms together (no architecture has both)"),
             // (EXAONE 4's NoPE layers: the head norms without the rotation)
-            Some(n) => {
+            (Some(n), None) => {
                 let l = env.ctx.layout;
                 let tp = (l.tp > 1 && !l.seq_parallel()).then_some(&env.ctx.tp);
                 let rope = self.rotates.then_some((cos, sin));
@@ -216,10 +228,7 @@ impl Block {
             // Gemma 3, OLMo: x + norm(o(a)), one node keeping o(a) and the statistic
             Some((after_attn, _)) => after_attn.forward_add(x, &self.o.forward_lean(&a)?)?,
         };
-        let xn = match &self.post_norm {
-            Some(n) => n.forward(&x)?,
-            None => x.clone(),
-        };
+        let xn = self.normed_mlp_input(&x)?;
         match &self.mlp {
             Mlp::Dense { gate_up, down } => {
                 let gu = gate_up.forward_parts_regathered(&xn, &[])?;

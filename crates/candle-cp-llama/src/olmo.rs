@@ -33,7 +33,7 @@
 //! `attention_bias: true` (biases on q, k, v and o) and OLMoE's `clip_qkv` (a clamp of q, k, v,
 //! null in the published configs) are refused by name.
 
-use super::{get_f64, parse_scaling, LlamaConfig, RopeScaling};
+use super::{get_f64, parse_scaling, rope_by_layer_type, LlamaConfig, RopeScaling};
 use candle_core::{bail, DType, Result, Tensor, D};
 use candle_cp_comm::Group;
 use candle_cp_nn::NormWeight;
@@ -117,17 +117,7 @@ pub(crate) fn parse_moe(m: &Map<String, Value>, width: usize) -> Result<crate::M
 /// compute.
 pub(crate) fn layer_type_rope(m: &Map<String, Value>, max_pos: usize, orig: Option<usize>) -> Result<Option<(f64, RopeScaling)>> {
     let Some(Value::Object(p)) = m.get("rope_parameters") else { return Ok(None) };
-    if !(p.contains_key("full_attention") || p.contains_key("sliding_attention")) {
-        return Ok(None);
-    }
-    let of = |k: &str| -> Result<Map<String, Value>> {
-        match p.get(k) {
-            Some(Value::Object(o)) => Ok(o.clone()),
-            None | Some(Value::Null) => Ok(Map::new()),
-            Some(v) => bail!("config.json: `rope_parameters.{k}` must be an object, got {v}"),
-        }
-    };
-    let (mut full, sliding) = (of("full_attention")?, of("sliding_attention")?);
+    let Some((mut full, sliding)) = rope_by_layer_type(p)? else { return Ok(None) };
     if let Some(Value::Object(legacy)) = m.get("rope_scaling") {
         full.extend(legacy.clone());
     }

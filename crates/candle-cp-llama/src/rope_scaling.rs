@@ -95,6 +95,24 @@ impl RopeScaling {
     }
 }
 
+/// transformers 5's `rope_parameters` keyed by layer type (Gemma 3, OLMo 3): the
+/// `full_attention` and `sliding_attention` objects (an absent one empty), or `None` when `p`
+/// is not keyed so. Errors name an entry that is not an object.
+#[allow(clippy::type_complexity)]
+pub(super) fn rope_by_layer_type(p: &Map<String, Value>) -> Result<Option<(Map<String, Value>, Map<String, Value>)>> {
+    if !(p.contains_key("full_attention") || p.contains_key("sliding_attention")) {
+        return Ok(None);
+    }
+    let of = |k: &str| -> Result<Map<String, Value>> {
+        match p.get(k) {
+            Some(Value::Object(o)) => Ok(o.clone()),
+            None | Some(Value::Null) => Ok(Map::new()),
+            Some(v) => bail!("config.json: `rope_parameters.{k}` must be an object, got {v}"),
+        }
+    };
+    Ok(Some((of("full_attention")?, of("sliding_attention")?)))
+}
+
 /// Parse a RoPE scaling object (legacy `rope_scaling` or `rope_parameters`); `max_pos` is
 /// config.json's `max_position_embeddings` (YaRN's default original length), `orig` its
 /// top-level `original_max_position_embeddings` (Phi-3's, LongRoPE's default).
