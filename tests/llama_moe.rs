@@ -253,6 +253,40 @@ fn moe_generation() -> Result<()> {
     candle_cp_tests::dense_llama::cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
 }
 
+/// `Llama::expert_counts` holds the last forward's routing only: a prefill's `B · T · K`
+/// choices per sparse layer, then each decode step's `B · K` (the log does not grow with the
+/// tokens generated), on one device and on each CP rank of zigzag 2 × EP 2 (its own tokens:
+/// the ranks' prefill counts sum to the single device's).
+#[test]
+fn expert_counts_follow_the_last_forward() -> Result<()> {
+    let (cfg, full) = qwen3_moe(None)?;
+    let (k, layers) = (cfg.moe.as_ref().map_or(0, |m| m.num_experts_per_tok), cfg.moe_layers());
+    let prompt = ids(32)?;
+    let (b, t) = prompt.dims2()?;
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_ep(2)] {
+        let prefills = run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_tensors(&full, &cfg, &ctx)?;
+            let m = candle_cp_llama::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+            let (mut cache, _) = m.prefill(&prompt)?;
+            let prefill = m.expert_counts();
+            for step in 0..3 {
+                m.decode_step(&mut cache, &Tensor::new(&[3u32, 5][..b], &Device::Cpu)?)?;
+                let c = m.expert_counts();
+                assert!(c.len() == layers && c.iter().all(|l| l.iter().sum::<usize>() == b * k), "{layout}: decode step {step}: {c:?}");
+            }
+            Ok(prefill)
+        })
+        .into_iter()
+        .collect::<Result<Vec<_>>>()?;
+        for l in 0..layers {
+            let sum: usize = prefills.iter().map(|p| p[l].iter().sum::<usize>()).sum();
+            assert_eq!(sum, b * t * k, "{layout}: layer {l}'s prefill counts");
+        }
+    }
+    Ok(())
+}
+
 /// A Mixtral's experts go to a checkpoint under Mixtral's names and come back, whole and
 /// sharded over TP 2.
 #[test]

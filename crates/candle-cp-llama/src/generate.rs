@@ -298,6 +298,7 @@ impl Llama {
             batch: b,
             next: t,
         };
+        self.router_log.clear();
         let mut x = self.embed_whole(ids)?;
         for blk in &self.generation_blocks()? {
             let (c, s) = match (&local, blk.local_rope) {
@@ -350,6 +351,8 @@ impl Llama {
         let owner = decode_owner(p, ctx.cp.size()) == ctx.cp.rank();
         let (heads, scale) = self.heads();
         let ((cos, sin), local) = self.rope_pair(&[p as u32], p + 1, ids.device())?;
+        // (the router log holds this step's routing only)
+        self.router_log.clear();
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
         for (blk, shard) in self.generation_blocks()?.iter().zip(cache.layers.iter_mut()) {
             let (c, s) = match (&local, blk.local_rope) {

@@ -164,7 +164,8 @@ impl<'a> LayerBuilder<'a> {
                     norm_topk: m.norm_topk_prob,
                     tp: self.tp.clone(),
                     act: cfg.activation(),
-                    log: m.output_router_logits.then(|| self.router_log.clone()),
+                    log: self.router_log.clone(),
+                    load_balancing: m.output_router_logits,
                     shared: match m.shared_expert_intermediate_size {
                         0 => None,
                         _ => Some(crate::moe::SharedExpert {

@@ -184,6 +184,17 @@ impl Llama {
         self.router_log.load()
     }
 
+    /// How the last forward (training forward, [`Llama::prefill`] or [`Llama::decode_step`])
+    /// routed this rank's tokens: for each sparse layer in run order, each expert's number of
+    /// (token, slot) choices `[E]` (all `E` experts, whichever EP rank holds them; a layer's
+    /// counts sum to its tokens times `K`). No communication: sum over the DP × CP ranks for
+    /// the global batch (TP ranks route the same tokens). Read it after the forward and before
+    /// the backward: a recomputing model routes its layers again in the backward and logs them
+    /// again. Empty for a dense model.
+    pub fn expert_counts(&self) -> Vec<Vec<usize>> {
+        self.router_log.layer_counts().iter().map(|l| l.iter().map(|&c| c as usize).collect()).collect()
+    }
+
     /// Qwen3-MoE's load-balancing term of the last training forward (`output_router_logits`):
     /// `router_aux_loss_coef · E · Σ_e f_e P_e` over every token of the global batch and every
     /// sparse layer (see `moe.rs`), a scalar f32 equal on every rank; `None` without

@@ -78,7 +78,9 @@ impl RouterLog {
         *self.lock() = LogState::default();
     }
 
-    fn record(&self, counts: &[usize], prob_sums: &[f32], rows: usize) {
+    /// Log a sparse layer's routing: each expert's (token, slot) choices `[E]`, the
+    /// probability sums `[E]` (with the load-balancing term) and the rows routed.
+    fn record(&self, counts: &[usize], prob_sums: Option<&[f32]>, rows: usize) {
         let mut s = self.lock();
         if s.counts.len() != counts.len() {
             s.counts = vec![0.0; counts.len()];
@@ -88,7 +90,7 @@ impl RouterLog {
             *a += c as f64;
         }
         s.layer_counts.push(counts.iter().map(|&c| c as f64).collect());
-        for (a, &p) in s.prob_sums.iter_mut().zip(prob_sums) {
+        for (a, &p) in s.prob_sums.iter_mut().zip(prob_sums.unwrap_or_default()) {
             *a += p as f64;
         }
         s.rows += rows;
@@ -154,9 +156,12 @@ pub(crate) struct SparseMoe {
     pub(crate) norm_topk: bool,
     pub(crate) tp: Tp,
     pub(crate) act: Activation,
-    /// The model's router statistics, when its loss has the load-balancing term
-    /// (`output_router_logits`); `None`: nothing is logged (no probability sums copied down).
-    pub(crate) log: Option<RouterLog>,
+    /// The model's router statistics: every forward logs its expert counts; the probability
+    /// sums and the term's derivative only with `load_balancing`.
+    pub(crate) log: RouterLog,
+    /// Whether the model's loss has the load-balancing term (`output_router_logits`): the
+    /// probability sums are copied down and the term's derivative reaches the router.
+    pub(crate) load_balancing: bool,
     /// Qwen2-MoE's shared expert.
     pub(crate) shared: Option<SharedExpert>,
     /// The expert-parallel group (`ep > 1`): `gate`, `up`, `down` hold this EP rank's
@@ -253,12 +258,13 @@ impl SparseMoe {
             let rb = if p > 1 && !sp { mappings::copy_to_tp_region(&b.router, g)? } else { b.router.clone() };
             logits = logits.broadcast_add(&rb)?;
         }
-        let probs = router_probs(&logits, self.log.as_ref())?;
+        let probs = router_probs(&logits, self.load_balancing.then_some(&self.log))?;
         let routing = Routing::top_k(&probs, self.top_k)?;
-        if let Some(log) = &self.log {
-            let sums: Vec<f32> = probs.detach().sum(0)?.to_vec1()?;
-            log.record(&routing.counts, &sums, n);
-        }
+        let sums: Option<Vec<f32>> = match self.load_balancing {
+            true => Some(probs.detach().sum(0)?.to_vec1()?),
+            false => None,
+        };
+        self.log.record(&routing.counts, sums.as_deref(), n);
         let dev = x.device();
         let k = self.top_k;
         let chosen = Tensor::from_vec(routing.experts.clone(), (n, k), dev)?;

@@ -40,6 +40,13 @@ pub struct StepMetrics {
     /// balanced); absent without the load-balancing term.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub expert_load: Option<f64>,
+    /// How a mixture of experts routed the step's tokens: for each sparse layer, each expert's
+    /// (token, slot) choices over the global batch and all micro-batches (`[layers][E]`, a
+    /// layer's counts sum to the step's tokens times `K`; [`crate::Llama::expert_counts`]
+    /// summed over the DP × CP ranks). An expert at 0 is one no token chose. Absent for a
+    /// dense model.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub expert_counts: Option<Vec<Vec<u64>>>,
     /// Mean loss over all targets of the held-out rows after this step's update
     /// ([`crate::train::TrainConfig::eval`]); absent on the steps that do not evaluate.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -146,6 +153,7 @@ mod tests {
             peak_rss_mib: Some(10.0),
             router_aux_loss: step.is_multiple_of(3).then_some(0.02),
             expert_load: step.is_multiple_of(3).then_some(1.25),
+            expert_counts: step.is_multiple_of(3).then(|| vec![vec![3, 0, 5], vec![1, 6, 1]]),
             eval_loss: step.is_multiple_of(2).then_some(0.75),
             eval_long_range_loss: None,
         }

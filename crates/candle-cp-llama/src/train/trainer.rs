@@ -398,6 +398,8 @@ pub fn train_rank(
         let mut objective = 0f64;
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
+        // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
+        let mut counts: Vec<Vec<usize>> = Vec::new();
         for micro in 0..cfg.grad_accum {
             let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
             // LoRA dropout: this forward's masks (keyed on the micro-batch's global number)
@@ -421,6 +423,13 @@ pub fn train_rank(
                 None => model.token_nll(&ids_d, &labels_d, &pos_d)?,
             };
             param_gather.check_forward_done()?;
+            // (read before the backward, which routes recomputed layers again)
+            for (i, l) in model.expert_counts().into_iter().enumerate() {
+                match counts.get_mut(i) {
+                    Some(a) => a.iter_mut().zip(&l).for_each(|(a, c)| *a += c),
+                    None => counts.push(l),
+                }
+            }
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let train: Vec<f32> = labels
@@ -497,19 +506,32 @@ pub fn train_rank(
         named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
         param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
-        // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank order).
-        let row_t = Tensor::new(&[terms.map(|x| x as f32)], &host)?;
+        // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank
+        // order), the expert counts beside them (every rank has the same sparse layers).
+        // (TP ranks route the same tokens: the first one's counts, zeros from the others
+        // when the token group spans TP under SP)
+        let own = !ctx.layout.seq_parallel() || ctx.tp.rank() == 0;
+        let row: Vec<f64> = terms.iter().copied().chain(counts.iter().flatten().map(|&c| if own { c as f64 } else { 0.0 })).collect();
+        let row_t = Tensor::from_vec(row, (1, 4 + counts.iter().map(Vec::len).sum::<usize>()), &host)?;
         let rows = if token_group.size() > 1 {
             token_group.all_gather(&row_t, 0)?
         } else {
             row_t
         };
         let mut tot = [0f64; 4];
-        for r in rows.to_vec2::<f32>()? {
-            for (a, x) in tot.iter_mut().zip(r) {
-                *a += x as f64;
+        let mut all_counts = vec![0u64; rows.dim(1)? - 4];
+        for r in rows.to_vec2::<f64>()? {
+            for (a, x) in tot.iter_mut().zip(&r) {
+                *a += x;
+            }
+            for (a, x) in all_counts.iter_mut().zip(&r[4..]) {
+                *a += *x as u64;
             }
         }
+        let expert_counts = match counts.first() {
+            Some(l) if !l.is_empty() => Some(all_counts.chunks(l.len()).map(<[u64]>::to_vec).collect()),
+            _ => None,
+        };
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
         // held-out loss after this update (its time not in the step's tokens/s)
@@ -538,6 +560,7 @@ pub fn train_rank(
             peak_rss_mib: peak_rss_bytes().map(|b| b as f64 / (1 << 20) as f64),
             router_aux_loss: aux_sum.map(|a| a * inv_accum),
             expert_load: load_sum.map(|a| a * inv_accum),
+            expert_counts,
             eval_loss,
             eval_long_range_loss,
         };

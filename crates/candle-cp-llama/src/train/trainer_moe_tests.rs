@@ -287,3 +287,43 @@ fn lora_on_qwen3_moe_expert_parameters_trains_alike_on_every_layout() -> Result<
     std::fs::remove_dir_all(&d).ok();
     Ok(())
 }
+
+/// Every step of a mixture of experts reports how its layers routed the global batch
+/// (`expert_counts`, with or without the load-balancing term): per sparse layer, counts that
+/// sum to the step's tokens times K, the same on one device and on DP 2 × CP 2 or zigzag CP 2 ×
+/// TP 2 + SP × EP 2 with recomputed layers (their second routing in the backward not counted)
+/// and 2 micro-batches; written to the metrics file and read back. A dense model has none.
+#[test]
+fn expert_counts_are_the_global_batch_routing() -> Result<()> {
+    let mut base = tiny_cfg(None, Layout::single(), 2, 2);
+    base.steps = 2;
+    assert!(run(&base)?[0].metrics.iter().all(|m| m.expert_counts.is_none()), "a dense model routes nothing");
+    let ModelSource::Init(m) = &base.model else { candle_core::bail!("init model expected") };
+    let mut m = m.clone().with_moe(Some(crate::MoeConfig::new(4, 2, 16)));
+    m.num_hidden_layers = 2;
+    base.model = ModelSource::Init(m);
+    let one = run(&base)?;
+    let tokens = (base.batch * base.seq_len * base.grad_accum) as u64;
+    for s in &one[0].metrics {
+        let c = s.expert_counts.as_ref().expect("counts of a mixture of experts");
+        assert_eq!(c.len(), 2, "step {}: two sparse layers, got {c:?}", s.step);
+        assert!(c.iter().all(|l| l.len() == 4 && l.iter().sum::<u64>() == tokens * 2), "step {}: {c:?} for {tokens} tokens, top 2", s.step);
+    }
+    let dir = tmpdir("expert-counts");
+    for (layout, recompute) in [
+        (Layout::cp(CpKind::Ring, 2).with_dp(2), false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), true),
+    ] {
+        let mut c = TrainConfig { layout, out: Some(dir.clone()), ..base.clone() };
+        c.recompute = recompute;
+        let outs = run(&c)?;
+        for (r, o) in outs.iter().enumerate() {
+            // (the first step runs the same weights; the rest may part by rounding only)
+            assert_eq!(o.metrics[0].expert_counts, one[0].metrics[0].expert_counts, "{layout}: rank {r}");
+        }
+        let text = std::fs::read_to_string(dir.join("metrics.jsonl"))?;
+        let rows: Vec<StepMetrics> = text.lines().map(serde_json::from_str).collect::<std::result::Result<_, _>>().map_err(candle_core::Error::wrap)?;
+        assert_eq!(rows.iter().map(|m| m.expert_counts.clone()).collect::<Vec<_>>(), outs[0].metrics.iter().map(|m| m.expert_counts.clone()).collect::<Vec<_>>(), "{layout}: the metrics file");
+    }
+    Ok(())
+}
