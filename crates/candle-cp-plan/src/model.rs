@@ -94,10 +94,11 @@ pub struct MoeShape {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 29] = [
+pub const MODEL_PRESETS: [&str; 30] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
+    "exaone4-32b",
 ];
 
 impl ModelConfig {
@@ -132,7 +133,11 @@ impl ModelConfig {
     /// four) or `olmo3-32b` (64 layers 5120 wide, 40 heads of 128 over 8 KV heads, MLP
     /// 27648, vocabulary 100278, the window as the 7B's) — [`ModelConfig::post_norms`] — or
     /// `olmoe-1b-7b` (OLMoE-1B-7B: 16 layers 2048 wide, 16 heads of 128, every layer 64
-    /// experts 1024 wide, 8 per token, vocabulary 50304; [`ModelConfig::qk_norm_flat`]).
+    /// experts 1024 wide, 8 per token, vocabulary 50304; [`ModelConfig::qk_norm_flat`]), or
+    /// `exaone4-32b` (EXAONE 4.0 32B: 64 layers 5120 wide, 40 heads of 128 over 8 KV heads,
+    /// MLP 27392, vocabulary 102400, untied; OLMo 2's norms after the branches with per-head q
+    /// / k norms, a window of 4096 keys on three layers of four; its NoPE global layers change
+    /// no count).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -177,6 +182,8 @@ impl ModelConfig {
             "olmo3-32b" => (5120, 64, 40, 8, 27648),
             // allenai/OLMoE-1B-7B-0924 (intermediate_size: each expert's width)
             "olmoe-1b-7b" => (2048, 16, 16, 16, 1024),
+            // LGAI-EXAONE/EXAONE-4.0-32B
+            "exaone4-32b" => (5120, 64, 40, 8, 27392),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -189,6 +196,7 @@ impl ModelConfig {
         let gpt_oss = lower.starts_with("gpt-oss");
         let (olmoe, olmo3) = (lower.starts_with("olmoe"), lower.starts_with("olmo3"));
         let olmo = lower.starts_with("olmo") && !olmoe;
+        let exaone4 = lower.starts_with("exaone4");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -196,7 +204,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -217,12 +225,13 @@ impl ModelConfig {
                 _ if olmo3 => 100_278,
                 _ if olmo => 100_352,
                 _ if olmoe => 50_304,
+                _ if exaone4 => 102_400,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b",
             sliding_window: None,
             qkv_bias: qwen2 || gpt_oss,
-            qk_norm: qwen3 || gemma3,
+            qk_norm: qwen3 || gemma3 || exaone4,
             // a window of 1024 keys (512 for the 1B) on all but every sixth layer
             partial_window: match () {
                 _ if gemma3 => Some((if one_b { 512 } else { 1024 }, layers - layers / 6)),
@@ -231,13 +240,13 @@ impl ModelConfig {
                 // 128 keys on layers 0, 2, 4, ...
                 _ if gpt_oss => Some((128, layers.div_ceil(2))),
                 // 4096 keys on all but every fourth layer
-                _ if olmo3 => Some((4096, layers - layers / 4)),
+                _ if olmo3 || exaone4 => Some((4096, layers - layers / 4)),
                 _ => None,
             },
-            sandwich_norms: gemma3 || gemma2 || olmo,
+            sandwich_norms: gemma3 || gemma2 || olmo || exaone4,
             fused_proj: phi,
             gpt_oss,
-            post_norms: olmo,
+            post_norms: olmo || exaone4,
             qk_norm_flat: olmo || olmoe,
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),

@@ -87,6 +87,12 @@ fn presets_have_published_sizes() -> Result<()> {
     let ex = ModelConfig::from_hf_json(cfg, "x")?;
     assert_eq!((ex.post_norms, ex.qk_norm, ex.qk_norm_flat, ex.sandwich_norms, ex.partial_window), (true, true, false, true, Some((4096, 48))));
     assert_eq!(ex.layer_norm_params() + ex.qk_norm_params(), 2 * 5120 + 2 * 128);
+    // ... which is the preset's (LGAI-EXAONE/EXAONE-4.0-32B, "30.95B without embeddings"):
+    // 32,003,216,384 from its config.json arithmetic, 30,954,640,384 without the embedding and
+    // the untied head
+    let e32 = ModelConfig::preset("exaone4-32b")?;
+    assert_eq!(ModelConfig { name: "exaone4-32b".into(), ..ex }, e32);
+    assert_eq!((e32.total_params(), e32.total_params() - 2 * 102_400 * 5120), (32_003_216_384, 30_954_640_384));
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
