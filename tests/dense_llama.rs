@@ -238,8 +238,14 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                     None => s,
                 });
                 rows += rn;
-                let mut w = (&probs * Tensor::from_vec(chosen, (rn, e), &Device::Cpu)?)?;
-                if mc.norm_topk_prob {
+                let mask = Tensor::from_vec(chosen, (rn, e), &Device::Cpu)?;
+                let mut w = (&probs * &mask)?;
+                if mc.style == candle_cp_llama::MoeStyle::GraniteMoe {
+                    // GraniteMoeTopKGating: the softmax of the top-K logits
+                    let logits = linear(&x2, router("weight")?, rb)?;
+                    let ex = (logits.broadcast_sub(&logits.max_keepdim(1)?)?.exp()? * &mask)?;
+                    w = ex.broadcast_div(&ex.sum_keepdim(1)?)?;
+                } else if mc.norm_topk_prob {
                     w = w.broadcast_div(&w.sum_keepdim(1)?)?;
                 }
                 let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;

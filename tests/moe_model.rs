@@ -10,8 +10,8 @@ use std::collections::HashMap;
 /// first layer and normalised top-K; Mixtral: both layers sparse, a window of 40; Qwen2-MoE: a
 /// dense first layer and a shared expert of width 64; gpt-oss: both layers sparse, a window of
 /// 40 on layer 0, YaRN over 64 positions, sinks around 3, biases everywhere, gate and up biases
-/// of std 3 so that the clamps act), the load-balancing loss at `coef`; its config and full
-/// weights.
+/// of std 3 so that the clamps act; GraniteMoE: both layers sparse, Granite's multipliers 3,
+/// 1/8, 0.5 and 4), the load-balancing loss at `coef`; its config and full weights.
 pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let dir = crate::oracle_dir("tiny-llama");
     let base = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -28,10 +28,14 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
             m
         }
         MoeStyle::GptOss => MoeConfig::gpt_oss(8, 2, 48),
+        MoeStyle::GraniteMoe => MoeConfig::granite_moe(8, 2, 48),
     };
     moe.output_router_logits = coef.is_some();
     moe.router_aux_loss_coef = coef.unwrap_or(0.0);
     let mut cfg = base.with_moe(Some(moe));
+    if style == MoeStyle::GraniteMoe {
+        cfg = cfg.with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 3.0, attention_multiplier: 0.125, residual_multiplier: 0.5, logits_scaling: 4.0 }));
+    }
     if style == MoeStyle::Mixtral {
         cfg = cfg.with_sliding_window(Some(40));
     }

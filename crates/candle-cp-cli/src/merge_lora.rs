@@ -60,7 +60,7 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
         let t = t.to_dtype(dtype)?;
         // a sparse layer's stacked experts written per expert, as checkpoints hold them (gpt-oss:
         // by the model's names, fused and interleaved by save_hf_tensors)
-        let parts = if cfg.gpt_oss { vec![(s.name.clone(), None)] } else { candle_cp_llama::params::checkpoint_tensors(&s) };
+        let parts = if candle_cp_llama::hf::converts_checkpoint(&cfg) { vec![(s.name.clone(), None)] } else { candle_cp_llama::params::checkpoint_tensors(&s) };
         for (name, expert) in parts {
             named.push((name, match expert {
                 Some(e) => t.get(e)?,

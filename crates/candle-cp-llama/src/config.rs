@@ -24,6 +24,8 @@ pub mod gpt_oss;
 pub mod smollm3;
 #[path = "granite.rs"]
 pub mod granite;
+#[path = "granite_moe.rs"]
+pub mod granite_moe;
 #[path = "multimodal.rs"]
 pub mod multimodal;
 pub use granite::Granite;
@@ -230,6 +232,7 @@ impl LlamaConfig {
             Arch::Qwen2Moe => Some(qwen3_moe::parse_qwen2(m)?),
             Arch::GptOss => Some(qwen3_moe::parse_gpt_oss(m, need_usize(m, "intermediate_size")?)?),
             Arch::Olmoe => Some(olmo::parse_moe(m, need_usize(m, "intermediate_size")?)?),
+            Arch::GraniteMoe => Some(granite_moe::parse(m, need_usize(m, "intermediate_size")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -277,7 +280,7 @@ impl LlamaConfig {
             _ => None,
         };
         let granite = match arch {
-            Arch::Granite => Some(granite::parse(m)?),
+            Arch::Granite | Arch::GraniteMoe => Some(granite::parse(m)?),
             _ => None,
         };
         let cfg = Self {
@@ -447,6 +450,7 @@ impl LlamaConfig {
                 MoeStyle::Mixtral => Arch::Mixtral,
                 MoeStyle::Qwen2Moe => Arch::Qwen2Moe,
                 MoeStyle::GptOss => Arch::GptOss,
+                MoeStyle::GraniteMoe => Arch::GraniteMoe,
             };
         }
         if self.nope_layers.is_some() {

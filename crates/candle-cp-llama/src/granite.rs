@@ -73,9 +73,12 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
             bail!("LlamaConfig: Granite {k} must be finite and > 0, got {x}")
         }
     }
-    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != GRANITE) {
+    // (GraniteMoE: Granite's multipliers with its own mixture, crate::config::granite_moe)
+    let granite_moe = cfg.moe.as_ref().is_some_and(|m| m.style == crate::MoeStyle::GraniteMoe);
+    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && *w != GRANITE && !(granite_moe && *w == crate::config::qwen3_moe::MOE)) {
         bail!("LlamaConfig: Granite with {what}: no architecture this model writes has both")
     }
+    super::granite_moe::validate(cfg)?;
     // (GraniteConfig has no window: a checkpoint would load without it)
     if let Some(w) = cfg.sliding_window {
         bail!("LlamaConfig: Granite with a sliding window ({w}): GraniteConfig has none, so a saved checkpoint would load as another model")

@@ -6,7 +6,7 @@
 //! each file written to a temporary name in the target directory and renamed into place, so
 //! a crash never leaves a half-written `model.safetensors` or `config.json`.
 
-use crate::config::{gpt_oss, LlamaConfig};
+use crate::config::LlamaConfig;
 use crate::layout::ParallelCtx;
 use crate::config::phi3::{fuse_checkpoint_tensors, fused_checkpoint_name, fused_parts, fused_rows};
 use crate::params::{checkpoint_tensors, fused_checkpoint_tensor, param_specs, varmap_tensors, ParamSpec};
@@ -15,6 +15,11 @@ use candle_nn::VarMap;
 use std::collections::{BTreeMap, HashMap};
 use std::io::Write;
 use std::path::Path;
+
+#[path = "hf_convert.rs"]
+mod convert;
+use convert::Converted;
+pub use convert::converts_checkpoint;
 
 fn io_err(what: &str, p: &Path, e: impl std::fmt::Display) -> candle_core::Error {
     candle_core::Error::Msg(format!("{what} {}: {e}", p.display()))
@@ -120,10 +125,11 @@ fn param_from_checkpoint(
     cache: &mut Option<(String, Tensor)>,
     mut get: impl FnMut(&str) -> Result<Option<Tensor>>,
 ) -> Result<Tensor> {
-    // gpt-oss: its experts' interleaved gate_up_proj, transposed down_proj (or MXFP4), biases
-    if cfg.gpt_oss {
+    // gpt-oss: its experts' interleaved gate_up_proj, transposed down_proj (or MXFP4), biases;
+    // GraniteMoE: its router's name, its experts' input_linear / output_linear
+    if let Some(conv) = Converted::of(cfg) {
         let mut g = |n: &str| get(&prefix.checkpoint_name(n));
-        if let Some(t) = gpt_oss::from_checkpoint_cached(&spec.name, &spec.shape, &mut g, cache).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
+        if let Some(t) = conv.from_checkpoint_cached(&spec.name, &spec.shape, &mut g, cache).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
             return Ok(t);
         }
         let name = prefix.checkpoint_name(&spec.name);
@@ -186,8 +192,8 @@ fn param_from_checkpoint(
 /// 3's vision tower and projector ([`TextPrefix`]).
 fn refuse_unused<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: impl Iterator<Item = &'a str>) -> Result<()> {
     let specs = param_specs(cfg);
-    if cfg.gpt_oss {
-        let used: std::collections::HashSet<String> = specs.iter().flat_map(|s| gpt_oss::checkpoint_names(&s.name)).collect();
+    if let Some(conv) = Converted::of(cfg) {
+        let used: std::collections::HashSet<String> = specs.iter().flat_map(|s| conv.checkpoint_names(&s.name)).collect();
         return refuse_names(dir, cfg, prefix, names, |p| used.contains(p));
     }
     let fused = specs.iter().filter_map(fused_checkpoint_tensor).map(|(n, _)| n);
@@ -411,8 +417,8 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
                 s.shape
             )
         }
-        // (gpt-oss: by the model's names, converted by save_hf_tensors)
-        let parts = if cfg.gpt_oss { vec![(s.name.clone(), None)] } else { checkpoint_tensors(&s) };
+        // (gpt-oss, GraniteMoE: by the model's names, converted by save_hf_tensors)
+        let parts = if converts_checkpoint(cfg) { vec![(s.name.clone(), None)] } else { checkpoint_tensors(&s) };
         for (name, expert) in parts {
             named.push((name, match expert {
                 Some(e) => t.get(e)?,
@@ -425,12 +431,13 @@ pub fn save_hf(dir: impl AsRef<Path>, varmap: &VarMap, cfg: &LlamaConfig) -> Res
 
 /// [`save_hf`] from a list of `(name, full tensor)` (a Phi-3's q, k, v and gate, up
 /// projections written fused: [`crate::config::phi3`]; a gpt-oss's experts by the model's
-/// names, written in its checkpoint layout: [`crate::config::gpt_oss`]).
+/// names, written in its checkpoint layout: [`crate::config::gpt_oss`]; a GraniteMoE's
+/// experts fused as [`crate::config::granite_moe`] says).
 pub fn save_hf_tensors(dir: impl AsRef<Path>, tensors: &[(String, Tensor)], cfg: &LlamaConfig) -> Result<()> {
     let dir = dir.as_ref();
     let fused;
-    let tensors = if cfg.gpt_oss {
-        fused = gpt_oss::group(tensors.to_vec())?.into_iter().map(|(n, parts)| Ok((n.clone(), gpt_oss::combine(&n, &parts)?))).collect::<Result<Vec<_>>>()?;
+    let tensors = if let Some(conv) = Converted::of(cfg) {
+        fused = conv.group(tensors.to_vec())?.into_iter().map(|(n, parts)| Ok((n.clone(), conv.combine(&n, &parts)?))).collect::<Result<Vec<_>>>()?;
         fused.as_slice()
     } else if cfg.phi3 {
         fused = fuse_checkpoint_tensors(true, tensors.to_vec())?
@@ -539,8 +546,9 @@ pub fn save_hf_sharded(
     }
     // the checkpoint's tensors by name: (name, its parts: (parameter, expert of a stacked
     // one)), a Phi-3's fused ones of several parameters stacked by rows
-    let mut tensors = if cfg.gpt_oss {
-        gpt_oss::group(specs.iter().enumerate().map(|(i, s)| (s.name.clone(), (i, None))).collect())?
+    let conv = Converted::of(cfg);
+    let mut tensors = if let Some(conv) = conv {
+        conv.group(specs.iter().enumerate().map(|(i, s)| (s.name.clone(), (i, None))).collect())?
     } else {
         let named = specs.iter().enumerate().flat_map(|(i, s)| checkpoint_tensors(s).into_iter().map(move |(n, e)| (n, (i, e))));
         fuse_checkpoint_tensors(cfg.phi3, named.collect())?
@@ -550,8 +558,8 @@ pub fn save_hf_sharded(
     let entries: Vec<(String, Vec<usize>, DType)> = tensors
         .iter()
         .map(|(n, parts)| {
-            let shape = if cfg.gpt_oss {
-                gpt_oss::combined_shape(n, &parts.iter().map(part_shape).collect::<Vec<_>>())
+            let shape = if let Some(conv) = conv {
+                conv.combined_shape(n, &parts.iter().map(part_shape).collect::<Vec<_>>())
             } else {
                 let mut shape = part_shape(&parts[0]);
                 shape[0] = parts.iter().map(|p| part_shape(p)[0]).sum();
@@ -583,10 +591,10 @@ pub fn save_hf_sharded(
                 held.insert(i, full);
             }
         }
-        match out.as_slice() {
-            parts if cfg.gpt_oss => gpt_oss::combine(&tensors[k].0, parts),
-            [one] => Ok(one.clone()),
-            parts => Tensor::cat(parts, 0),
+        match (conv, out.as_slice()) {
+            (Some(c), parts) => c.combine(&tensors[k].0, parts),
+            (None, [one]) => Ok(one.clone()),
+            (None, parts) => Tensor::cat(parts, 0),
         }
     })?;
     if !write {

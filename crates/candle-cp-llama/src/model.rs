@@ -241,13 +241,21 @@ impl Block {
             Mlp::Sparse(moe) => {
                 let y = moe.forward(&xn)?;
                 match &self.sandwich {
-                    None if r != 1.0 => x + y.affine(r, 0.0)?,
+                    None if r != 1.0 => add_scaled(&x, &y, r),
                     None => x + y,
                     Some((_, after_mlp)) => after_mlp.forward_add(&x, &y),
                 }
             }
         }
     }
+}
+
+/// `x + r·y` as one graph node (GraniteMoE's residual add after its mixture): the memory of
+/// `x + y`, where `x + y.affine(r)` would keep `r·y` as well (one more `[B, T, h]` per layer).
+fn add_scaled(x: &Tensor, y: &Tensor, r: f64) -> Result<Tensor> {
+    let out = (x.detach() + y.detach().affine(r, 0.0)?)?;
+    let bwd: candle_cp_ops::autograd::BackwardFn = Arc::new(move |dy: &Tensor| Ok(vec![Some(dy.clone()), Some(dy.affine(r, 0.0)?)]));
+    candle_cp_ops::autograd::attach2("residual_add_scaled", x, y, out, bwd)
 }
 
 /// A Llama-style causal LM on one rank of a [`ParallelCtx`]. Weights are this rank's

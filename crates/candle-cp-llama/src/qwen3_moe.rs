@@ -39,6 +39,10 @@ pub enum MoeStyle {
     /// gpt-oss: `mlp.router` (with a bias), the experts with biases and the clamped SwiGLU,
     /// stored fused (`mlp.experts.gate_up_proj`, see [`crate::config::gpt_oss`]).
     GptOss,
+    /// GraniteMoE: Mixtral's routing (the top-`K` logits' softmax) under Granite's
+    /// multipliers, stored as `block_sparse_moe.router.layer` and the experts fused
+    /// (`block_sparse_moe.input_linear`, `output_linear`; see [`crate::config::granite_moe`]).
+    GraniteMoe,
 }
 
 /// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
@@ -104,11 +108,17 @@ impl MoeConfig {
         Self { style: MoeStyle::GptOss, norm_topk_prob: true, router_aux_loss_coef: 0.9, ..Self::new(num_experts, top_k, width) }
     }
 
+    /// A GraniteMoE mixture of `E` experts, `K` per token, each `width` wide (= the config's
+    /// `intermediate_size`), renormalised, `GraniteMoeConfig`'s defaults otherwise.
+    pub fn granite_moe(num_experts: usize, top_k: usize, width: usize) -> Self {
+        Self { style: MoeStyle::GraniteMoe, norm_topk_prob: true, ..Self::new(num_experts, top_k, width) }
+    }
+
     /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
     pub fn module(&self) -> &'static str {
         match self.style {
             MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss => "mlp",
-            MoeStyle::Mixtral => "block_sparse_moe",
+            MoeStyle::Mixtral | MoeStyle::GraniteMoe => "block_sparse_moe",
         }
     }
 
@@ -252,6 +262,13 @@ pub(super) fn write(m: &mut Map<String, Value>, c: &MoeConfig) {
         m.insert("output_router_logits".into(), json!(false));
         return;
     }
+    if c.style == MoeStyle::GraniteMoe {
+        m.insert("num_local_experts".into(), json!(c.num_experts));
+        m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
+        m.insert("router_aux_loss_coef".into(), json!(c.router_aux_loss_coef));
+        m.insert("output_router_logits".into(), json!(c.output_router_logits));
+        return;
+    }
     if c.style == MoeStyle::Mixtral {
         m.insert("num_local_experts".into(), json!(c.num_experts));
         m.insert("num_experts_per_tok".into(), json!(c.num_experts_per_tok));
@@ -283,6 +300,11 @@ impl LlamaConfig {
             Some((MoeStyle::Qwen2Moe, _)) => (self.qk_norm, self.qkv_bias) = (false, true),
             Some((MoeStyle::Mixtral, w)) => (self.qk_norm, self.intermediate_size) = (false, w),
             Some((MoeStyle::GptOss, w)) => (self.qk_norm, self.qkv_bias, self.intermediate_size, self.gpt_oss) = (false, true, w, true),
+            // (Granite's multipliers, 1 unless set)
+            Some((MoeStyle::GraniteMoe, w)) => {
+                (self.qk_norm, self.qkv_bias, self.intermediate_size) = (false, false, w);
+                self.granite.get_or_insert_with(Default::default);
+            }
             None => {}
         }
         self.moe = moe;

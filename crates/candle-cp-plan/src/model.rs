@@ -94,11 +94,11 @@ pub struct MoeShape {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 30] = [
+pub const MODEL_PRESETS: [&str; 32] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
-    "exaone4-32b",
+    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m",
 ];
 
 impl ModelConfig {
@@ -137,7 +137,10 @@ impl ModelConfig {
     /// `exaone4-32b` (EXAONE 4.0 32B: 64 layers 5120 wide, 40 heads of 128 over 8 KV heads,
     /// MLP 27392, vocabulary 102400, untied; OLMo 2's norms after the branches with per-head q
     /// / k norms, a window of 4096 keys on three layers of four; its NoPE global layers change
-    /// no count).
+    /// no count), or GraniteMoE's `granite3-1b-a400m` (24 layers 1024 wide, 16 heads of 64 over
+    /// 8 KV heads, every layer 32 experts 512 wide, 8 per token) or `granite3-3b-a800m` (32
+    /// layers 1536 wide, 24 heads of 64 over 8 KV heads, 40 experts 512 wide, 8 per token; both
+    /// vocabulary 49155, tied head; Granite's multipliers change no count).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -184,6 +187,10 @@ impl ModelConfig {
             "olmoe-1b-7b" => (2048, 16, 16, 16, 1024),
             // LGAI-EXAONE/EXAONE-4.0-32B
             "exaone4-32b" => (5120, 64, 40, 8, 27392),
+            // ibm-granite/granite-3.1-{1b-a400m, 3b-a800m} (intermediate_size: each expert's
+            // width)
+            "granite3-1b-a400m" => (1024, 24, 16, 8, 512),
+            "granite3-3b-a800m" => (1536, 32, 24, 8, 512),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -197,6 +204,7 @@ impl ModelConfig {
         let (olmoe, olmo3) = (lower.starts_with("olmoe"), lower.starts_with("olmo3"));
         let olmo = lower.starts_with("olmo") && !olmoe;
         let exaone4 = lower.starts_with("exaone4");
+        let granite_moe = lower.starts_with("granite3-");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -226,9 +234,10 @@ impl ModelConfig {
                 _ if olmo => 100_352,
                 _ if olmoe => 50_304,
                 _ if exaone4 => 102_400,
+                _ if granite_moe => 49_155,
                 _ => 128256,
             },
-            tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b",
+            tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b" || granite_moe,
             sliding_window: None,
             qkv_bias: qwen2 || gpt_oss,
             qk_norm: qwen3 || gemma3 || exaone4,
@@ -255,6 +264,8 @@ impl ModelConfig {
                 "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0 }),
+                "granite3-1b-a400m" => Some(MoeShape { experts: 32, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "granite3-3b-a800m" => Some(MoeShape { experts: 40, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
                 _ => None,
             },
         };

@@ -191,9 +191,9 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "deepseek_v3", "llama4"] {
+        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral and gpt_oss are)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe and granitemoe are)")
             }
         }
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
@@ -204,8 +204,9 @@ impl ModelConfig {
         // EXAONE 4: OLMo 2's norms with head norms; the window on all but every
         // 'sliding_window_pattern'-th layer (4, or a string of L and G, the last layer global)
         let exaone4 = names("exaone4", "Exaone4ForCausalLM");
-        // Mixtral: every MLP 'num_local_experts' experts 'intermediate_size' wide
-        let mixtral = names("mixtral", "MixtralForCausalLM");
+        // Mixtral and GraniteMoE: every MLP 'num_local_experts' experts 'intermediate_size'
+        // wide (8, 2 per token by default; GraniteMoE's multipliers change no count)
+        let mixtral = names("mixtral", "MixtralForCausalLM") || names("granitemoe", "GraniteMoeForCausalLM");
         let moe = if gpt_oss {
             let experts = get("num_local_experts")?.unwrap_or(128);
             let top_k = get("num_experts_per_tok")?.or(get("experts_per_token")?).unwrap_or(4);

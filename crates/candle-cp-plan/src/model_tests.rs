@@ -93,6 +93,22 @@ fn presets_have_published_sizes() -> Result<()> {
     let e32 = ModelConfig::preset("exaone4-32b")?;
     assert_eq!(ModelConfig { name: "exaone4-32b".into(), ..ex }, e32);
     assert_eq!((e32.total_params(), e32.total_params() - 2 * 102_400 * 5120), (32_003_216_384, 30_954_640_384));
+    // GraniteMoE (ibm-granite/granite-3.1-1b-a400m, -3b-a800m: "1.3B" and "3.3B" total, "400M"
+    // and "800M" active): 1,334,628,352 and 3,298,793,472 from their config.json arithmetic
+    // (tied head), 378M and 807M active without the embedding; the 3B's config.json reads to
+    // the preset's shape
+    let (g1, g3) = (ModelConfig::preset("granite3-1b-a400m")?, ModelConfig::preset("granite3-3b-a800m")?);
+    assert_eq!((g1.total_params(), g3.total_params()), (1_334_628_352, 3_298_793_472));
+    let active = |m: &ModelConfig| ((m.active_params() - m.embedding_params()) as f64 / 1e6).round();
+    assert_eq!((active(&g1), active(&g3)), (378.0, 807.0));
+    let cfg = r#"{"architectures": ["GraniteMoeForCausalLM"], "model_type": "granitemoe", "hidden_size": 1536, "intermediate_size": 512,
+        "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "num_local_experts": 40, "num_experts_per_tok": 8,
+        "vocab_size": 49155, "tie_word_embeddings": true, "embedding_multiplier": 12.0}"#;
+    assert_eq!(ModelConfig { name: "granite3-3b-a800m".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, g3);
+    for t in ["granitemoeshared", "granitemoehybrid"] {
+        let e = ModelConfig::from_hf_json(&format!(r#"{{"model_type": "{t}", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}}"#), "x").err().map(|e| e.to_string()).unwrap_or_default();
+        assert!(e.contains("not planned"), "{t}: {e}");
+    }
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
