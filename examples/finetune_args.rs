@@ -162,6 +162,8 @@ pub(crate) struct Args {
     pub(crate) smollm3: bool,
     /// Random-init Granite (`GraniteForCausalLM`) with granite-3.x's multipliers: the embedding
     /// times 12, the softmax scale 1/head_dim, each residual branch times 0.22, the logits / 16.
+    /// With --moe E,K: GraniteMoE (`GraniteMoeForCausalLM`), those multipliers over E experts
+    /// --hidden wide on every layer, the top K renormalised.
     #[arg(long)]
     pub(crate) granite: bool,
     /// Random-init OLMo 3 (`Olmo3ForCausalLM`): norms after the attention and the MLP (none

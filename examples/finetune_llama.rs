@@ -75,8 +75,12 @@ fn main() -> Result<()> {
                 None => needed,
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.smollm3, a.granite, a.olmo3, a.exaone4, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --exaone4, --moe (Qwen3-MoE) and --gpt-oss: pick one")
+            // (--granite with --moe: a GraniteMoE)
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.smollm3, a.granite && a.moe.is_none(), a.olmo3, a.exaone4, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --exaone4, --moe (Qwen3-MoE; with --granite GraniteMoE) and --gpt-oss: pick one")
+            }
+            if a.granite && a.olmoe {
+                bail!("--granite with --moe is a GraniteMoE, --olmoe an OLMoE: pick one")
             }
             if a.exaone4 {
                 // EXAONE 4's window on all but every fourth layer and the last
@@ -126,7 +130,10 @@ fn main() -> Result<()> {
             if let Some(spec) = &a.moe {
                 let parts: Vec<usize> = spec.split(',').map(|x| x.trim().parse::<usize>()).collect::<std::result::Result<_, _>>().map_err(|e| anyhow::anyhow!("--moe {spec}: expected E,K ({e})"))?;
                 let [e, k] = parts.as_slice() else { bail!("--moe {spec}: expected E,K (experts, experts per token)") };
-                let mut moe = candle_cp_llama::MoeConfig::new(*e, *k, a.hidden);
+                let mut moe = match a.granite {
+                    true => candle_cp_llama::MoeConfig::granite_moe(*e, *k, a.hidden),
+                    false => candle_cp_llama::MoeConfig::new(*e, *k, a.hidden),
+                };
                 moe.norm_topk_prob = !a.olmoe;
                 moe.output_router_logits = true;
                 moe.router_aux_loss_coef = 0.01;

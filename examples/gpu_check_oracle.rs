@@ -157,6 +157,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Exaone4, Layout::cp(CpKind::Ring, 2).with_tp(2, true), None));
     let name = format!("llama olmoe (q/k norms over the projections, 8 experts on every layer) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmoe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
+    let name = format!("llama granitemoe (multipliers, 8 experts on every layer, the scaled residual add after them) tp2 + sp x cp2 ring x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GraniteMoe, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -265,6 +267,12 @@ fn arch_vs_cpu_with(
             let mut moe = candle_cp_llama::MoeConfig::new(8, 2, 48);
             (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.5);
             base.with_moe(Some(moe)).with_olmo(Some(candle_cp_llama::Olmo::Olmoe))
+        }
+        // GraniteMoE: Granite's multipliers over 8 experts 48 wide on both layers, top 2, the loss on
+        Arch::GraniteMoe => {
+            let mut moe = candle_cp_llama::MoeConfig::granite_moe(8, 2, 48);
+            (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.5);
+            base.with_moe(Some(moe)).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 3.0, attention_multiplier: 0.125, residual_multiplier: 0.5, logits_scaling: 4.0 }))
         }
         // EXAONE 4: layer 0 sliding, layer 1 global and NoPE
         Arch::Exaone4 => base.with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true),

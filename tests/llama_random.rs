@@ -13,8 +13,8 @@
 //! third of the rest Gemma 2 (logit soft caps in attention and on the output), half of the
 //! Qwen3 ones Qwen3-MoE (4 or 8 experts, 1 to 3 per token, renormalised or not, the
 //! load-balancing loss on or off, one layer of two dense or none), half of the Qwen2 ones
-//! Qwen2-MoE (a shared expert too), a third of the other Llama ones Mixtral and a third of
-//! those left Phi-3 with LongRoPE (an original length below T or not, factors drawn: the
+//! Qwen2-MoE (a shared expert too), a third of the other Llama ones Mixtral (half of those
+//! without a window GraniteMoE, its multipliers drawn) and a third of those left Phi-3 with LongRoPE (an original length below T or not, factors drawn: the
 //! short or long factors must be those of the whole sequence on every rank; half of them with
 //! Phi-4-mini's partial RoPE over half of each head), a quarter of those left SmolLM3 (layers
 //! without RoPE drawn, at least one) and the rest without a window Granite (its
@@ -176,6 +176,22 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
             logits_scaling: pick(&mut gr, &[1.0, 4.0, 16.0]),
         })),
         false => cfg,
+    };
+    // half of the Mixtral draws without a window are GraniteMoE: the same experts under
+    // Granite's multipliers, drawn (a stream of its own)
+    let mut gm = rng(978_000 + seed);
+    let cfg = match cfg.moe.clone().filter(|m| m.style == candle_cp_llama::MoeStyle::Mixtral && window.is_none() && gm.below(2) == 0) {
+        Some(m) => {
+            let mut g = candle_cp_llama::MoeConfig::granite_moe(m.num_experts, m.num_experts_per_tok, m.moe_intermediate_size);
+            (g.output_router_logits, g.router_aux_loss_coef) = (m.output_router_logits, m.router_aux_loss_coef);
+            cfg.with_moe(Some(g)).with_granite(Some(candle_cp_llama::Granite {
+                embedding_multiplier: pick(&mut gm, &[1.0, 3.0, 12.0]),
+                attention_multiplier: pick(&mut gm, &[0.05, 0.2, 0.5]),
+                residual_multiplier: pick(&mut gm, &[0.22, 0.5, 1.0]),
+                logits_scaling: pick(&mut gm, &[1.0, 4.0, 16.0]),
+            }))
+        }
+        None => cfg,
     };
     // a third of the dense Qwen3 draws are OLMo (norms after the branches only, q / k norms
     // over the whole projections): OLMo 3 with a window, half of those with YaRN (the sliding
@@ -351,7 +367,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),

@@ -5,8 +5,9 @@
 //! `llama_lora*.rs` pin the LoRA features one at a time against float64 references; this draws
 //! them together over `train_random`'s models, layouts and options (`train_draws.rs`: every CP
 //! kind, TP with and without SP, DP, micro-batches, ZeRO 0 / 1 / 2, recompute and both overlaps;
-//! Llama, Qwen2, Qwen3, Gemma 2 / 3, Qwen3-MoE, gpt-oss): the targets (attention, the MLP,
-//! PEFT's all-linear with a mixture's routers, or a mix), rank and alpha, rsLoRA, DoRA, dropout
+//! Llama, Qwen2, Qwen3, Gemma 2 / 3, Qwen3-MoE, gpt-oss, GraniteMoE): the targets (attention,
+//! the MLP, PEFT's all-linear with a mixture's routers, or a mix; GraniteMoE's attention only),
+//! rank and alpha, rsLoRA, DoRA, dropout
 //! on the adapters' inputs (a mask keyed by each token's global position, so every layout draws
 //! the single device's), `layers_to_transform`, a `rank_pattern`, the head or the embedding
 //! trained whole (`modules_to_save`), a mixture's experts as PEFT's `target_parameters`, and a quantized base
@@ -30,9 +31,12 @@ const CONFIGS: u64 = 24;
 fn draw_lora(d: &mut Rng, model: &LlamaConfig) -> Result<(LoraSpec, Option<QuantConfig>, String)> {
     let moe = model.moe.is_some();
     // a mixture's experts as parameters (PEFT's target_parameters) in a third of the mixtures
-    let params = moe && d.below(3) == 0;
+    // (GraniteMoE: adapters on its attention only, no experts as parameters)
+    let granite_moe = model.moe.as_ref().is_some_and(|m| m.style == candle_cp_llama::MoeStyle::GraniteMoe);
+    let params = moe && d.below(3) == 0 && !granite_moe;
     let attention: &[&str] = &["q_proj", "k_proj", "v_proj", "o_proj"];
     let choices: Vec<&[&str]> = match (model.gpt_oss, params) {
+        _ if granite_moe => vec![&["q_proj", "v_proj"], attention],
         // gpt-oss's MLP projections are parameters: all of them named, or none
         (true, _) | (false, true) => vec![&["q_proj", "v_proj"], attention, &ALL_LINEAR],
         (false, false) => vec![&["q_proj", "v_proj"], attention, &ALL_LINEAR, &TARGETS[4..], &["o_proj", "down_proj"]],

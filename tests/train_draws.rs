@@ -134,6 +134,16 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         }
         _ => model,
     };
+    // a third of the Granite seeds are GraniteMoE (its multipliers over 4 experts 16 wide, 2
+    // per token, the load-balancing loss on; a stream of its own)
+    let model = match model.granite.is_some() && rng(989_900 + seed).below(3) == 0 {
+        true => {
+            let mut moe = candle_cp_llama::MoeConfig::granite_moe(4, 2, 16);
+            (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.1);
+            model.with_moe(Some(moe))
+        }
+        false => model,
+    };
     // a third of the dense Qwen3 seeds are OLMo (norms after the branches only, q / k norms
     // over the whole projections; OLMo 3 with a window; a stream of its own)
     let model = match arch == 2 && model.moe.is_none() && rng(989_000 + seed).below(3) == 0 {

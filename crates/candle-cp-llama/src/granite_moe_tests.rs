@@ -53,7 +53,9 @@ fn granite_moe_configs() -> Result<()> {
         assert!(e.contains("LoRA on GraniteMoE's") && e.contains("block_sparse_moe"), "{t}: {e}");
     }
     let mut other = tiny.clone();
-    other.moe.as_mut().map(|m| m.norm_topk_prob = false);
+    if let Some(m) = other.moe.as_mut() {
+        m.norm_topk_prob = false;
+    }
     let e = other.validate().err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("renormalised"), "{e}");
     let e = tiny.with_qk_norm(true).validate().err().map(|e| e.to_string()).unwrap_or_default();

@@ -129,7 +129,7 @@ fn param_from_checkpoint(
     // GraniteMoE: its router's name, its experts' input_linear / output_linear
     if let Some(conv) = Converted::of(cfg) {
         let mut g = |n: &str| get(&prefix.checkpoint_name(n));
-        if let Some(t) = conv.from_checkpoint_cached(&spec.name, &spec.shape, &mut g, cache).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
+        if let Some(t) = conv.read_param(&spec.name, &spec.shape, &mut g, cache).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", dir.display())))? {
             return Ok(t);
         }
         let name = prefix.checkpoint_name(&spec.name);

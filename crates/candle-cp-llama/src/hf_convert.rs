@@ -58,7 +58,7 @@ impl Converted {
 
     /// Parameter `name` (full shape `shape`) from the checkpoint (`get`), `Ok(None)` for a
     /// parameter held under its own name; `cache` keeps the last fused tensor read.
-    pub(crate) fn from_checkpoint_cached(self, name: &str, shape: &[usize], get: &mut dyn FnMut(&str) -> Result<Option<Tensor>>, cache: &mut Option<(String, Tensor)>) -> Result<Option<Tensor>> {
+    pub(crate) fn read_param(self, name: &str, shape: &[usize], get: &mut dyn FnMut(&str) -> Result<Option<Tensor>>, cache: &mut Option<(String, Tensor)>) -> Result<Option<Tensor>> {
         match self {
             Converted::GptOss => gpt_oss::from_checkpoint_cached(name, shape, get, cache),
             Converted::GraniteMoe => granite_moe::from_checkpoint_cached(name, shape, get, cache),
