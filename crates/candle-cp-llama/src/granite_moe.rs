@@ -21,7 +21,7 @@
 //! under another name.
 
 use super::qwen3_moe::{MoeConfig, MoeStyle};
-use super::{get_f64, get_usize, LlamaConfig};
+use super::{get_usize, LlamaConfig};
 use candle_core::{bail, Result, Tensor};
 use serde_json::{Map, Value};
 
@@ -34,23 +34,14 @@ const PARTS: [(&str, &str, usize); 4] = [
     ("block_sparse_moe.experts.down_proj", "block_sparse_moe.output_linear.weight", 0),
 ];
 
-/// The keys of a `granitemoe` config (`GraniteMoeConfig`'s defaults: 8 experts, 2 per token,
-/// the expert width `intermediate_size`, coefficient 0.001).
+/// The keys of a `granitemoe` config: Mixtral's (`GraniteMoeConfig`'s defaults are
+/// `MixtralConfig`'s: 8 experts, 2 per token, the expert width `intermediate_size`).
 pub(super) fn parse(m: &Map<String, Value>, width: usize) -> Result<MoeConfig> {
-    let mut c = MoeConfig::granite_moe(get_usize(m, "num_local_experts")?.unwrap_or(8), get_usize(m, "num_experts_per_tok")?.unwrap_or(2), width);
-    match m.get("output_router_logits") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => c.output_router_logits = *b,
-        Some(v) => bail!("config.json: `output_router_logits` must be true or false, got {v}"),
-    }
-    if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
-        c.router_aux_loss_coef = x;
-    }
     // (granitemoeshared's shared MLP: another model_type, refused by name before this)
     if get_usize(m, "shared_intermediate_size")?.is_some_and(|s| s > 0) {
         bail!("config.json: `shared_intermediate_size` (GraniteMoeShared's shared MLP) not supported")
     }
-    Ok(c)
+    Ok(MoeConfig { style: MoeStyle::GraniteMoe, ..super::qwen3_moe::parse_mixtral(m, width)? })
 }
 
 /// A GraniteMoE config's invariants: its mixture on every layer, `intermediate_size` wide,
