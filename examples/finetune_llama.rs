@@ -412,6 +412,9 @@ fn main() -> Result<()> {
             .map_or(String::new(), |x| format!("  long-range {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
+        // (experts no token chose this step, over every sparse layer)
+        let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));
+        let aux = aux + &if idle.0 > 0 { format!("  idle experts {} of {}", idle.0, idle.1) } else { String::new() };
         let all = if (m.train_loss - m.loss).abs() > 1e-6 {
             format!("  all {:.3}", m.loss)
         } else {
