@@ -136,7 +136,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} Qwen3-MoE or gpt-oss ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
