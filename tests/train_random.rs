@@ -305,3 +305,31 @@ fn random_bf16_training_follows_one_device() -> Result<()> {
     );
     Ok(())
 }
+
+/// `parted_on_tie` and `diverges`: runs whose expert counts part after step 1 by a few choices
+/// are compared up to that step (a loss apart there passes, one apart before fails); counts
+/// apart at step 1, or by many choices, are no tie (the loss gap fails).
+#[test]
+fn a_tie_is_a_small_routing_difference_after_the_first_step() -> Result<()> {
+    let row = |step: usize, loss: f64, counts: &str| -> Result<candle_cp_llama::train::StepMetrics> {
+        serde_json::from_str(&format!(r#"{{"step":{step},"train_loss":{loss},"loss":{loss},"lr":0.01,"grad_norm":1.0,"tokens_per_s":1.0,"elapsed_s":1.0,"expert_counts":{counts}}}"#))
+            .map_err(candle_core::Error::wrap)
+    };
+    let bounds = [FIRST_STEP, LATER_STEPS, LATER_STEPS];
+    let want = [row(1, 4.0, "[[10,10],[12,8]]")?, row(2, 3.9, "[[10,10],[12,8]]")?, row(3, 3.8, "[[9,11],[12,8]]")?];
+    // one token of layer 0 to the other expert at step 3, the loss 3e-4 away there
+    let tie = [row(1, 4.0, "[[10,10],[12,8]]")?, row(2, 3.9, "[[10,10],[12,8]]")?, row(3, 3.8003, "[[10,10],[12,8]]")?];
+    assert_eq!(parted_on_tie(&want, &tie), Some(3));
+    assert_eq!(diverges(&want, &tie, &bounds), None);
+    // ... but a loss apart at step 2, before the tie, still fails
+    let early = [row(1, 4.0, "[[10,10],[12,8]]")?, row(2, 3.9003, "[[10,10],[12,8]]")?, row(3, 3.8003, "[[10,10],[12,8]]")?];
+    assert!(diverges(&want, &early, &bounds).is_some_and(|e| e.starts_with("step 2")));
+    // counts apart at step 1 (the same weights) or by many choices: no tie
+    let first = [row(1, 4.0003, "[[9,11],[12,8]]")?, row(2, 3.9, "[[10,10],[12,8]]")?, row(3, 3.8, "[[9,11],[12,8]]")?];
+    assert_eq!(parted_on_tie(&want, &first), None);
+    assert!(diverges(&want, &first, &bounds).is_some_and(|e| e.starts_with("step 1")));
+    let far = [row(1, 4.0, "[[10,10],[12,8]]")?, row(2, 3.9, "[[10,10],[12,8]]")?, row(3, 3.8003, "[[1,19],[12,8]]")?];
+    assert_eq!(parted_on_tie(&want, &far), None);
+    assert!(diverges(&want, &far, &bounds).is_some_and(|e| e.starts_with("step 3")));
+    Ok(())
+}
