@@ -85,6 +85,8 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     let (eps, gemma, gemma2) = (cfg.rms_norm_eps, cfg.gemma3.clone(), cfg.gemma2.clone());
     // Gemma 2 and 3 alike: `1 + w` norms, sandwich norms, GELU, the embedding factor
     let gemma_like = gemma.is_some() || gemma2.is_some();
+    // a norm before and one after each branch: Gemma's, and GLM-4's (in a Llama's form)
+    let sandwich = gemma_like || cfg.glm4;
     let norm = |x: &Tensor, name: &str| rms(x, p(name)?, eps, gemma_like);
     let (attn_cap, final_cap) = match &gemma2 {
         Some(g) => (g.attn_logit_softcapping, g.final_logit_softcapping),
@@ -165,7 +167,18 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 return Ok(x.clone());
             }
             let r = x.narrow(D::Minus1, 0, rd)?;
-            let r = (r.broadcast_mul(cos)? + rotate_half(&r)?.broadcast_mul(sin)?)?;
+            let r = if cfg.glm4 {
+                // GLM-4 (x in its checkpoints' order): pairs (2i, 2i + 1) rotated by frequency i
+                let (bb, nh, tt, _) = r.dims4()?;
+                let pairs = r.reshape((bb, nh, tt, rd / 2, 2))?;
+                let (xe, xo) = (pairs.narrow(4, 0, 1)?.squeeze(4)?, pairs.narrow(4, 1, 1)?.squeeze(4)?);
+                let (c, s) = (cos.narrow(1, 0, rd / 2)?, sin.narrow(1, 0, rd / 2)?);
+                let ye = (xe.broadcast_mul(&c)? - xo.broadcast_mul(&s)?)?;
+                let yo = (xo.broadcast_mul(&c)? + xe.broadcast_mul(&s)?)?;
+                Tensor::stack(&[ye, yo], 4)?.reshape((bb, nh, tt, rd))?
+            } else {
+                (r.broadcast_mul(cos)? + rotate_half(&r)?.broadcast_mul(sin)?)?
+            };
             if rd == d { Ok(r) } else { Tensor::cat(&[&r, &x.narrow(D::Minus1, rd, d - rd)?], D::Minus1) }
         };
         let hn = if olmo { x.clone() } else { norm(&x, &n("input_layernorm.weight"))? };
@@ -185,6 +198,14 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             q = norm(&q, &n("self_attn.q_norm.weight"))?;
             k = norm(&k, &n("self_attn.k_norm.weight"))?;
         }
+        // GLM-4: q and k back in its checkpoints' order (the model holds each head's rotated rows
+        // permuted, crate::config::glm4: row i < R/2 is the checkpoint's 2i, row R/2 + i its
+        // 2i + 1), so that `rope` rotates them as Glm4Attention does
+        if cfg.glm4 {
+            let idx: Vec<u32> = (0..d).map(|j| (if j >= rd { j } else if j % 2 == 0 { j / 2 } else { rd / 2 + j / 2 }) as u32).collect();
+            let idx = Tensor::from_vec(idx, d, &Device::Cpu)?;
+            (q, k) = (q.contiguous()?.index_select(&idx, 3)?, k.contiguous()?.index_select(&idx, 3)?);
+        }
         let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
         // GQA: query head j uses KV head j / (H / Hkv)
         let rep = |x: Tensor| -> Result<Tensor> {
@@ -202,7 +223,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
         let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
         let o_bias = if cfg.gpt_oss { Some(p(&n("self_attn.o_proj.bias"))?) } else { None };
         let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, o_bias)?;
-        let (pre_mlp, o) = match (gemma_like, olmo) {
+        let (pre_mlp, o) = match (sandwich, olmo) {
             (true, _) => (Some("pre_feedforward_layernorm.weight"), norm(&o, &n("post_attention_layernorm.weight"))?),
             (false, true) => (None, norm(&o, &n("post_attention_layernorm.weight"))?),
             (false, false) => (Some("post_attention_layernorm.weight"), o),
@@ -281,7 +302,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 linear(&(act * u)?, p(&n("mlp.down_proj.weight"))?, None)?
             }
         };
-        let m = if gemma_like || olmo { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
+        let m = if sandwich || olmo { norm(&m, &n("post_feedforward_layernorm.weight"))? } else { m };
         x = (x + (m * residual_mul)?)?;
     }
     let head = if cfg.tie_word_embeddings { "model.embed_tokens.weight" } else { "lm_head.weight" };

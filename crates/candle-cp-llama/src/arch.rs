@@ -19,6 +19,7 @@
 //! | `exaone4` (`Exaone4ForCausalLM`)   | no             | yes (norms after the branches, as OLMo 2) | the layers `layer_types` names, else by `sliding_window_pattern` (NoPE on the others: [`crate::config::exaone4`]) |
 //! | `olmoe` (`OlmoeForCausalLM`)       | no             | over the whole projection (norms before the branches, as a Llama) | none (MLPs: experts on every layer, [`crate::config::olmo`]) |
 //! | `granitemoe` (`GraniteMoeForCausalLM`) | no         | no         | none (Granite's multipliers; MLPs: experts on every layer, [`crate::config::granite_moe`]) |
+//! | `glm4` (`Glm4ForCausalLM`)         | `attention_bias` (default on) | no | none (norms before and after each branch, interleaved partial RoPE: [`crate::config::glm4`]) |
 //!
 //! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
 //! `gate_up_proj` (split on load, fused on save: [`crate::config::phi3`]); its long-context
@@ -91,14 +92,17 @@ pub enum Arch {
     /// `GraniteMoeForCausalLM`: Granite's multipliers and a mixture of experts on every layer,
     /// see [`crate::config::granite_moe`].
     GraniteMoe,
+    /// `Glm4ForCausalLM`: norms before and after each branch, q, k, v biases, interleaved
+    /// partial RoPE, see [`crate::config::glm4`].
+    Glm4,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe, glm4";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 18] = [
+    pub const ALL: [Arch; 19] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -117,6 +121,7 @@ impl Arch {
         Arch::Olmoe,
         Arch::Exaone4,
         Arch::GraniteMoe,
+        Arch::Glm4,
     ];
 
     fn of_model_type(t: &str) -> Option<Arch> {
@@ -148,6 +153,7 @@ impl Arch {
             Arch::Olmoe => ("OlmoeForCausalLM", "olmoe"),
             Arch::Exaone4 => ("Exaone4ForCausalLM", "exaone4"),
             Arch::GraniteMoe => ("GraniteMoeForCausalLM", "granitemoe"),
+            Arch::Glm4 => ("Glm4ForCausalLM", "glm4"),
         }
     }
 
@@ -205,6 +211,8 @@ impl Arch {
             Arch::Qwen2 | Arch::Qwen2Moe => Ok(true),
             // GptOssConfig forces attention_bias on (q, k, v and o_proj)
             Arch::GptOss => Ok(true),
+            // Glm4Attention: attention_bias on q, k, v (default true: glm4::with_defaults), none on o_proj
+            Arch::Glm4 => Ok(m.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(true)),
             Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite | Arch::Olmo2 | Arch::Olmo3 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
@@ -238,7 +246,7 @@ impl Arch {
             // Olmo2Config and OlmoeConfig have no window (transformers ignores the keys)
             (Arch::Olmo2 | Arch::Olmoe, _) => None,
             // GraniteMoeConfig has no window either
-            (Arch::GraniteMoe, _) => None,
+            (Arch::GraniteMoe | Arch::Glm4, _) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
@@ -270,7 +278,7 @@ impl Arch {
                 }
                 // Olmo3Config: layer i slides iff (i + 1) % 4 != 0
                 Arch::Olmo3 => (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(4)).collect(),
-                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe | Arch::Glm4 => vec![w.is_some(); layers],
                 // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
                 Arch::SmolLM3 => vec![false; layers],
             },

@@ -26,6 +26,8 @@ pub mod smollm3;
 pub mod granite;
 #[path = "granite_moe.rs"]
 pub mod granite_moe;
+#[path = "glm4.rs"]
+pub mod glm4;
 #[path = "multimodal.rs"]
 pub mod multimodal;
 pub use granite::Granite;
@@ -128,6 +130,9 @@ pub struct LlamaConfig {
     /// EXAONE 4 (`model_type` `exaone4`): OLMo 2's norms after the branches with Qwen3's head
     /// norms, and NoPE on the global layers of a windowed model ([`exaone4`]).
     pub exaone4: bool,
+    /// GLM-4 (`model_type` `glm4`): norms before and after each branch, interleaved partial
+    /// RoPE in its checkpoints ([`glm4`]).
+    pub glm4: bool,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -192,7 +197,7 @@ impl LlamaConfig {
         let exa = exaone4::with_defaults(m)?;
         let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
             (Some(t), _) | (None, Some(t)) => Some(t),
-            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or(smol).or(exa),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or_else(|| glm4::with_defaults(m)).or(smol).or(exa),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -317,6 +322,7 @@ impl LlamaConfig {
                 _ => None,
             },
             exaone4: arch == Arch::Exaone4,
+            glm4: arch == Arch::Glm4,
             lora: None,
         };
         // EXAONE 4: NoPE on the global layers of a windowed model
@@ -369,6 +375,7 @@ impl LlamaConfig {
             granite: None,
             olmo: None,
             exaone4: false,
+            glm4: false,
             lora: None,
         }
     }
@@ -436,6 +443,9 @@ impl LlamaConfig {
         }
         if self.exaone4 {
             return Arch::Exaone4;
+        }
+        if self.glm4 {
+            return Arch::Glm4;
         }
         if let Some(o) = self.olmo {
             return match o {

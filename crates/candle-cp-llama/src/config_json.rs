@@ -124,6 +124,9 @@ impl LlamaConfig {
             if self.exaone4 {
                 exaone4::write(m, self);
             }
+            if self.glm4 {
+                glm4::write(m, self);
+            }
             if let Some(g) = &self.granite {
                 granite::write(m, g);
             }

@@ -18,6 +18,7 @@ impl LlamaConfig {
         granite::validate(self)?;
         olmo::validate(self)?;
         exaone4::validate(self)?;
+        glm4::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;

@@ -1,8 +1,9 @@
 //! Models whose checkpoint tensors are combinations of the model's parameters: gpt-oss's
-//! experts ([`crate::config::gpt_oss`]) and GraniteMoE's ([`crate::config::granite_moe`]),
-//! read, grouped and written through their modules' functions by [`crate::hf`].
+//! experts ([`crate::config::gpt_oss`]), GraniteMoE's ([`crate::config::granite_moe`]) and
+//! GLM-4's norms, fused MLP and q / k rows ([`crate::config::glm4`]), read, grouped and written
+//! through their modules' functions by [`crate::hf`].
 
-use crate::config::{gpt_oss, granite_moe};
+use crate::config::{glm4, gpt_oss, granite_moe};
 use crate::{LlamaConfig, MoeStyle};
 use candle_core::{Result, Tensor};
 
@@ -11,6 +12,8 @@ use candle_core::{Result, Tensor};
 pub(crate) enum Converted {
     GptOss,
     GraniteMoe,
+    /// GLM-4: `(head_dim, R)`, the rows per head and the rotated ones of q_proj and k_proj.
+    Glm4((usize, usize)),
 }
 
 impl Converted {
@@ -20,6 +23,7 @@ impl Converted {
         match () {
             _ if cfg.gpt_oss => Some(Converted::GptOss),
             _ if cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::GraniteMoe) => Some(Converted::GraniteMoe),
+            _ if cfg.glm4 => cfg.interleaved_rope().map(Converted::Glm4),
             _ => None,
         }
     }
@@ -29,6 +33,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::checkpoint_names(name),
             Converted::GraniteMoe => vec![granite_moe::checkpoint_part(name).map_or_else(|| name.to_string(), |(ck, _)| ck)],
+            Converted::Glm4(_) => vec![glm4::checkpoint_part(name).map_or_else(|| name.to_string(), |(ck, _)| ck)],
         }
     }
 
@@ -37,6 +42,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::group(tensors),
             Converted::GraniteMoe => granite_moe::group(tensors),
+            Converted::Glm4(_) => glm4::group(tensors),
         }
     }
 
@@ -45,6 +51,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::combine(ck, parts),
             Converted::GraniteMoe => granite_moe::combine(ck, parts),
+            Converted::Glm4(dr) => glm4::combine(ck, parts, dr),
         }
     }
 
@@ -53,6 +60,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::combined_shape(ck, parts),
             Converted::GraniteMoe => granite_moe::combined_shape(ck, parts),
+            Converted::Glm4(_) => glm4::combined_shape(ck, parts),
         }
     }
 
@@ -62,12 +70,13 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::from_checkpoint_cached(name, shape, get, cache),
             Converted::GraniteMoe => granite_moe::from_checkpoint_cached(name, shape, get, cache),
+            Converted::Glm4(dr) => glm4::read_param(name, shape, dr, get, cache),
         }
     }
 }
 
 /// Whether `cfg`'s checkpoints hold tensors combined from its parameters (gpt-oss's and
-/// GraniteMoE's experts): pass [`crate::save_hf_tensors`] the model's parameters by their own
+/// GraniteMoE's experts, GLM-4's fused MLP and permuted q / k rows): pass [`crate::save_hf_tensors`] the model's parameters by their own
 /// names (stacked experts whole), not [`crate::params::checkpoint_tensors`]' per-expert ones.
 pub fn converts_checkpoint(cfg: &LlamaConfig) -> bool {
     Converted::of(cfg).is_some()

@@ -134,7 +134,8 @@ impl<'a> LayerBuilder<'a> {
         let (h, eps, init) = (cfg.hidden_size, cfg.rms_norm_eps, INIT);
         let (qd, kd) = (cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim);
         let lin = LinearConfig::new(false).with_init(init);
-        let (form, gemma, norm_init) = (cfg.norm_weight(), cfg.is_gemma(), self.norm_init());
+        // (Gemma 2 / 3 and GLM-4: a norm before and one after each branch)
+        let (form, gemma, norm_init) = (cfg.norm_weight(), cfg.pre_and_post_norms(), self.norm_init());
         let vl = self.vb.pp(format!("model.layers.{i}"));
         let (va, vm) = (vl.pp("self_attn"), vl.pp("mlp"));
         let kv = Shard::RowBlocks(cfg.num_key_value_heads);

@@ -82,6 +82,11 @@ pub struct LoraSpec {
     /// they are not linear modules). `None`: the experts are modules (transformers 4's
     /// `mlp.experts.{e}.gate_proj`), adapted by `target_modules`.
     pub expert_params: Option<GateUp>,
+    /// GLM-4's `(head_dim, R)` (set by [`crate::LlamaConfig::with_lora`]): its PEFT files hold
+    /// q_proj's and k_proj's `lora_B` rows and DoRA magnitudes in the checkpoint's interleaved
+    /// order, which [`save_peft_adapter`] writes and [`model_adapters`] reads
+    /// ([`crate::config::glm4`]). `None` for the other models.
+    pub interleaved_rope: Option<(usize, usize)>,
 }
 
 /// How a fused `mlp.experts.gate_up_proj` holds gate's and up's outputs.
@@ -111,7 +116,7 @@ impl LoraSpec {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
         }
         let targets = known().filter(|t| targets.contains(t)).map(|t| t.to_string()).collect();
-        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false, target_parameters: Vec::new(), expert_params: None })
+        Ok(Self { config, targets, dropout: 0.0, dora: false, modules_to_save: Vec::new(), layers: None, rank_pattern: Vec::new(), alpha_pattern: Vec::new(), target_regex: None, fused: false, target_parameters: Vec::new(), expert_params: None, interleaved_rope: None })
     }
 
     /// Adapters of rank `rank`, scale `alpha / rank`, on the expert parameters `keys` alone
@@ -147,6 +152,13 @@ impl LoraSpec {
     /// ([`LoraSpec::expert_params`]) or modules (`None`).
     pub fn with_expert_params(mut self, layout: Option<GateUp>) -> Self {
         self.expert_params = layout;
+        self
+    }
+
+    /// The same adapters on a GLM-4 of `(head_dim, R)` ([`LoraSpec::interleaved_rope`]) or
+    /// another model (`None`).
+    pub fn with_interleaved_rope(mut self, dr: Option<(usize, usize)>) -> Self {
+        self.interleaved_rope = dr;
         self
     }
 
@@ -297,7 +309,7 @@ impl crate::LlamaConfig {
         };
         self.lora = lora.map(|l| {
             let g = layout(&l);
-            l.with_fused(self.phi3).with_expert_params(g)
+            l.with_fused(self.phi3).with_expert_params(g).with_interleaved_rope(self.interleaved_rope())
         });
         self
     }
@@ -324,6 +336,11 @@ pub fn save_peft_adapter(dir: &Path, spec: &LoraSpec, tensors: &HashMap<String, 
             .map(|(n, parts)| Ok((n, Tensor::cat(&parts, 0)?)))
             .collect::<Result<_>>()?,
         false => adapters,
+    };
+    // (GLM-4's q / k rows in its checkpoints' interleaved order: crate::config::glm4)
+    let adapters: HashMap<String, Tensor> = match spec.interleaved_rope {
+        Some(dr) => adapters.into_iter().map(|(n, t)| Ok((n.clone(), if crate::config::glm4::permutes_rows(&n) { crate::config::glm4::permute_rows(&t, dr, true)? } else { t }))).collect::<Result<_>>()?,
+        None => adapters,
     };
     // (gpt-oss's experts as PEFT's parameter wrappers: crate::expert_params)
     let adapters = match spec.expert_params {
@@ -471,6 +488,10 @@ pub(crate) fn insert_loaded_adapter(
 /// model's factors ([`crate::expert_params`]); on another model they are as they were. Errors
 /// name wrappers whose factors are not gpt-oss's.
 pub fn model_adapters(cfg: &crate::LlamaConfig, tensors: HashMap<String, Tensor>) -> Result<HashMap<String, Tensor>> {
+    // (GLM-4: q / k rows from its checkpoints' interleaved order, crate::config::glm4)
+    if let Some(dr) = cfg.interleaved_rope() {
+        return tensors.into_iter().map(|(n, t)| Ok((n.clone(), if crate::config::glm4::permutes_rows(&n) { crate::config::glm4::permute_rows(&t, dr, false)? } else { t }))).collect();
+    }
     match (&cfg.moe, cfg.lora.as_ref().and_then(|l| l.expert_params)) {
         (Some(m), Some(layout)) => crate::expert_params::from_peft(tensors, m.num_experts, cfg.hidden_size, m.moe_intermediate_size, layout, m.module()),
         _ => Ok(tensors),

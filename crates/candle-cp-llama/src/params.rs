@@ -247,10 +247,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             add(p("self_attn.sinks"), vec![cfg.num_attention_heads], col);
         }
         add(p("post_attention_layernorm.weight"), vec![h], norm);
-        if cfg.is_gemma() {
+        if cfg.pre_and_post_norms() {
             add(p("pre_feedforward_layernorm.weight"), vec![h], norm);
         }
-        if cfg.is_gemma() || cfg.post_norms_only() {
+        if cfg.pre_and_post_norms() || cfg.post_norms_only() {
             add(p("post_feedforward_layernorm.weight"), vec![h], norm);
         }
         match &cfg.moe {

@@ -112,9 +112,9 @@ pub(crate) const NOPE: &str = "NoPE layers";
 impl LlamaConfig {
     /// What the config has beyond a Llama, by name, each on or off: q, k, v biases, head norms,
     /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers, OLMo's
-    /// norms, EXAONE 4's attention (the architectures that exclude the others refuse them by
-    /// these names).
-    pub(crate) fn features(&self) -> [(&'static str, bool); 11] {
+    /// norms, EXAONE 4's attention, GLM-4's norms and RoPE (the architectures that exclude the
+    /// others refuse them by these names).
+    pub(crate) fn features(&self) -> [(&'static str, bool); 12] {
         [
             ("q, k, v biases", self.qkv_bias),
             ("q, k head norms", self.qk_norm),
@@ -127,6 +127,7 @@ impl LlamaConfig {
             (crate::config::granite::GRANITE, self.granite.is_some()),
             (crate::config::olmo::OLMO, self.olmo.is_some()),
             (crate::config::exaone4::EXAONE4, self.exaone4),
+            (crate::config::glm4::GLM4, self.glm4),
         ]
     }
 }

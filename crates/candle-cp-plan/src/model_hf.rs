@@ -199,6 +199,9 @@ impl ModelConfig {
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
         // OLMo 2 (no window) and 3 (4096 keys by default on all but every fourth layer)
         let (olmo2, olmo3) = (names("olmo2", "Olmo2ForCausalLM"), names("olmo3", "Olmo3ForCausalLM"));
+        // GLM-4: norms before and after each branch, q, k, v biases unless attention_bias is
+        // false, no window (its partial, interleaved RoPE changes no count)
+        let glm4 = names("glm4", "Glm4ForCausalLM");
         // OLMoE: every layer 'num_experts' (64) experts 'intermediate_size' wide, 8 per token
         let olmoe = names("olmoe", "OlmoeForCausalLM");
         // EXAONE 4: OLMo 2's norms with head norms; the window on all but every
@@ -245,7 +248,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (_, _) if olmo2 || olmoe => None,
+            (_, _) if olmo2 || olmoe || glm4 => None,
             (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
@@ -320,10 +323,10 @@ impl ModelConfig {
             vocab,
             tie_embeddings,
             sliding_window,
-            qkv_bias: qwen2 || gpt_oss,
+            qkv_bias: qwen2 || gpt_oss || (glm4 && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(true)),
             qk_norm: qwen3 || gemma3 || exaone4,
             partial_window,
-            sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3 || exaone4,
+            sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3 || exaone4 || glm4,
             moe,
             fused_proj: names("phi3", "Phi3ForCausalLM"),
             gpt_oss,

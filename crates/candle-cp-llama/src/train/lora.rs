@@ -42,7 +42,7 @@ pub(crate) fn add_adapters(varmap: &VarMap, cfg: &LlamaConfig, ctx: &ParallelCtx
     let (saved, tensors) = crate::lora::load_peft_adapter(dir)?;
     // (a Phi-3's file names its fused modules, as the run's spec does: LoraSpec::with_fused;
     // gpt-oss's experts are parameters: LoraSpec::with_expert_params)
-    if saved.clone().with_dropout(spec.dropout)?.with_fused(spec.fused).with_expert_params(spec.expert_params) != *spec {
+    if saved.clone().with_dropout(spec.dropout)?.with_fused(spec.fused).with_expert_params(spec.expert_params).with_interleaved_rope(spec.interleaved_rope) != *spec {
         bail!("{} holds LoRA adapters of {saved}, this run asks for {spec}", dir.display())
     }
     crate::lora::insert_loaded_adapter(dir, cfg, &tensors, varmap, ctx, dtype, device)
