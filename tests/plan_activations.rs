@@ -110,6 +110,9 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             8 => c.with_moe(Some(candle_cp_llama::MoeConfig::new(8, 2, 64))).with_olmo(Some(candle_cp_llama::Olmo::Olmoe)),
             // 9 EXAONE 4 (OLMo 2's norms with head norms; no window here, so every layer rotates)
             9 => c.with_exaone4(true),
+            // 11 GLM-4 (norms before and after each branch, q, k, v biases, RoPE on half of
+            // each head)
+            11 => c.with_glm4(true),
             // 10 GraniteMoE (Mixtral's experts under Granite's multipliers)
             10 => c.with_moe(Some(candle_cp_llama::MoeConfig::granite_moe(8, 2, 64))).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 0.015625, residual_multiplier: 0.22, logits_scaling: 6.0 })),
             _ => c,
@@ -119,7 +122,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
     let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
-    let (olmoe, exaone4, granite_moe) = (model(8)?, model(9)?, model(10)?);
+    let (olmoe, exaone4, granite_moe, glm4) = (model(8)?, model(9)?, model(10)?, model(11)?);
+    assert!(glm4.sandwich_norms && glm4.qkv_bias && !glm4.post_norms);
     assert!(granite_moe.moe.as_ref().is_some_and(|m| m.experts == 8 && m.top_k == 2 && m.expert_ffn == 64));
     assert!(olmoe.qk_norm_flat && !olmoe.post_norms && olmoe.moe.is_some() && exaone4.post_norms && exaone4.qk_norm);
     assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some() && olmo2.post_norms && olmo2.qk_norm_flat && olmo2.sandwich_norms);
@@ -214,6 +218,11 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     ];
     let (n_qwen2_moe, n_gpt_oss, n_olmo2, n_olmoe) = (qwen2_moe_cases.len(), gpt_oss_cases.len(), olmo2_cases.len(), olmoe_cases.len());
     let n_exaone4 = exaone4_cases.len();
+    let glm4_cases = [
+        ("glm4: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("glm4: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
+    ];
+    let n_granite_moe = granite_moe_cases.len();
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
@@ -224,6 +233,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     cases.extend(olmoe_cases);
     cases.extend(exaone4_cases);
     cases.extend(granite_moe_cases);
+    cases.extend(glm4_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -237,7 +247,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 => (7, &olmo2),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe => (8, &olmoe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 => (9, &exaone4),
-            _ => (10, &granite_moe),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe => (10, &granite_moe),
+            _ => (11, &glm4),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

@@ -61,11 +61,13 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     // EXAONE 4: OLMo 2's norms with head norms `[D]` (replicated), a window on layer 0
     let exaone4 = oracle.clone().with_sliding_window(Some(40)).with_sliding_layers(Some(vec![true, false])).with_exaone4(true);
     let olmoe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::new(8, 2, 48))).with_olmo(Some(candle_cp_llama::Olmo::Olmoe));
+    // GLM-4: q, k, v biases and four norms per layer
+    let glm4 = oracle.clone().with_glm4(true);
     // GraniteMoE: Mixtral's experts under Granite's multipliers (no parameters of their own)
     let granite_moe = oracle.clone().with_moe(Some(candle_cp_llama::MoeConfig::granite_moe(8, 2, 48))).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, ..Default::default() }));
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8]), (&glm4, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

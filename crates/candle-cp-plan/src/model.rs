@@ -94,11 +94,11 @@ pub struct MoeShape {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 32] = [
+pub const MODEL_PRESETS: [&str; 33] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
-    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m",
+    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b",
 ];
 
 impl ModelConfig {
@@ -140,7 +140,10 @@ impl ModelConfig {
     /// no count), or GraniteMoE's `granite3-1b-a400m` (24 layers 1024 wide, 16 heads of 64 over
     /// 8 KV heads, every layer 32 experts 512 wide, 8 per token) or `granite3-3b-a800m` (32
     /// layers 1536 wide, 24 heads of 64 over 8 KV heads, 40 experts 512 wide, 8 per token; both
-    /// vocabulary 49155, tied head; Granite's multipliers change no count).
+    /// vocabulary 49155, tied head; Granite's multipliers change no count), or `glm4-9b`
+    /// (GLM-4-9B-0414: 40 layers 4096 wide, 32 heads of 128 over 2 KV heads, MLP 13696, q, k,
+    /// v biases, norms before and after each branch, vocabulary 151552, untied; its partial,
+    /// interleaved RoPE changes no count).
     pub fn preset(name: &str) -> Result<Self> {
         let lower = name.to_ascii_lowercase();
         // Gemma 3: the published configs (google/gemma-3-{1b-pt, 4b-it, 12b-it, 27b-it} with
@@ -191,6 +194,8 @@ impl ModelConfig {
             // width)
             "granite3-1b-a400m" => (1024, 24, 16, 8, 512),
             "granite3-3b-a800m" => (1536, 32, 24, 8, 512),
+            // THUDM/GLM-4-9B-0414
+            "glm4-9b" => (4096, 40, 32, 2, 13696),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -205,6 +210,7 @@ impl ModelConfig {
         let olmo = lower.starts_with("olmo") && !olmoe;
         let exaone4 = lower.starts_with("exaone4");
         let granite_moe = lower.starts_with("granite3-");
+        let glm4 = lower.starts_with("glm4");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -212,7 +218,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 || glm4 => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -235,11 +241,12 @@ impl ModelConfig {
                 _ if olmoe => 50_304,
                 _ if exaone4 => 102_400,
                 _ if granite_moe => 49_155,
+                _ if glm4 => 151_552,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b" || granite_moe,
             sliding_window: None,
-            qkv_bias: qwen2 || gpt_oss,
+            qkv_bias: qwen2 || gpt_oss || glm4,
             qk_norm: qwen3 || gemma3 || exaone4,
             // a window of 1024 keys (512 for the 1B) on all but every sixth layer
             partial_window: match () {
@@ -252,7 +259,7 @@ impl ModelConfig {
                 _ if olmo3 || exaone4 => Some((4096, layers - layers / 4)),
                 _ => None,
             },
-            sandwich_norms: gemma3 || gemma2 || olmo || exaone4,
+            sandwich_norms: gemma3 || gemma2 || olmo || exaone4 || glm4,
             fused_proj: phi,
             gpt_oss,
             post_norms: olmo || exaone4,

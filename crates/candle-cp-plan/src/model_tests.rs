@@ -109,6 +109,15 @@ fn presets_have_published_sizes() -> Result<()> {
         let e = ModelConfig::from_hf_json(&format!(r#"{{"model_type": "{t}", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}}"#), "x").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("not planned"), "{t}: {e}");
     }
+    // GLM-4-9B-0414 ("9.4B" on its model page): 9,400,279,040 from its config.json arithmetic
+    // (q, k, v biases, four norms per layer, untied head); its config.json reads to the preset
+    let g4 = ModelConfig::preset("glm4-9b")?;
+    assert_eq!(g4.total_params(), 9_400_279_040);
+    let cfg = r#"{"architectures": ["Glm4ForCausalLM"], "model_type": "glm4", "attention_bias": true, "head_dim": 128, "hidden_size": 4096,
+        "intermediate_size": 13696, "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 2, "partial_rotary_factor": 0.5,
+        "tie_word_embeddings": false, "vocab_size": 151552}"#;
+    assert_eq!(ModelConfig { name: "glm4-9b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, g4);
+    assert_eq!((g4.qkv_bias, g4.sandwich_norms, g4.post_norms, g4.kv_heads), (true, true, false, 2));
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
