@@ -177,6 +177,10 @@ pub(crate) struct Args {
     /// (all but 3, 7, ...; the last layer always global), the global layers without RoPE.
     #[arg(long)]
     pub(crate) exaone4: bool,
+    /// Random-init GLM-4 (`Glm4ForCausalLM`): norms before and after the attention and the MLP,
+    /// q, k, v biases, RoPE on half of each head (interleaved in its checkpoints).
+    #[arg(long)]
+    pub(crate) glm4: bool,
     /// With --moe: an OLMoE (`OlmoeForCausalLM`) instead of a Qwen3-MoE: OLMo's q and k norms over
     /// the whole projections in place of the head norms, the top-K not renormalised.
     #[arg(long)]

@@ -159,6 +159,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Olmoe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama granitemoe (multipliers, 8 experts on every layer, the scaled residual add after them) tp2 + sp x cp2 ring x ep2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GraniteMoe, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None));
+    let name = format!("llama glm4 (norms before and after each branch, q/k/v biases, rope on half of each head) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Glm4, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -268,6 +270,9 @@ fn arch_vs_cpu_with(
             (moe.output_router_logits, moe.router_aux_loss_coef) = (true, 0.5);
             base.with_moe(Some(moe)).with_olmo(Some(candle_cp_llama::Olmo::Olmoe))
         }
+        // GLM-4: the norms before and after each branch, q, k, v biases, RoPE on half of each
+        // head (8 of 16 dimensions; interleaved in its checkpoints, the half form here)
+        Arch::Glm4 => base.with_glm4(true),
         // GraniteMoE: Granite's multipliers over 8 experts 48 wide on both layers, top 2, the loss on
         Arch::GraniteMoe => {
             let mut moe = candle_cp_llama::MoeConfig::granite_moe(8, 2, 48);
@@ -304,7 +309,7 @@ fn arch_vs_cpu_with(
         } else if k.ends_with(".sinks") {
             // (gpt-oss: sinks around 3, worth a share of a row's mass)
             full.insert(k, ((t * 50.0)? + 3.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe | Arch::GraniteMoe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             let router = k.ends_with(".gate.weight") || k.ends_with(".router.weight");
             full.insert(k.clone(), if router { (t * 5.0)? } else { t });
@@ -312,7 +317,8 @@ fn arch_vs_cpu_with(
             full.insert(k, (t * 5.0)?);
         } else if matches!(arch, Arch::Gemma3 | Arch::Gemma2) && t.rank() == 1 {
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
-        } else if k.contains("self_attn") && k.ends_with("_norm.weight") {
+        } else if (k.contains("self_attn") && k.ends_with("_norm.weight")) || (arch == Arch::Glm4 && k.ends_with("feedforward_layernorm.weight")) {
+            // (and GLM-4's norms before and after the MLP)
             full.insert(k.clone(), sin(&k, t.dim(0)?, 1.0)?);
         } else {
             // (Qwen2-MoE's shared expert and its gate: the init's draw)

@@ -4,8 +4,8 @@
 //! `llama_generate.rs` pins the oracle checkpoint and one prompt; this draws the model (width,
 //! depth, query / KV heads, vocabulary, a sliding window; gpt-oss in a fifth of the models,
 //! SmolLM3's layers without RoPE in a quarter of the others, OLMo 2 / 3 in a quarter of the
-//! rest, EXAONE 4 in a quarter of those left, GraniteMoE in a quarter of the rest without a
-//! window), the prompt (batch, length), the
+//! rest, EXAONE 4 in a quarter of those left, GraniteMoE and then GLM-4 in a quarter of the
+//! rest without a window each), the prompt (batch, length), the
 //! number of new tokens, the layout (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2)
 //! and the sampling (greedy, or temperature / top-k / top-p from a seed). Every rank must
 //! return the same tokens and logits bit for bit, and those must be the single device's: the
@@ -58,7 +58,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let (mut oss, mut smol, mut olmos, mut exaones, mut granites) = (0, 0, 0, 0, 0);
+    let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s) = (0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -118,6 +118,10 @@ fn random_generation_equals_single_device() -> Result<()> {
             })),
             false => cfg,
         };
+        // a quarter of the rest without a window are GLM-4 (norms before and after each branch,
+        // q, k, v biases, RoPE on half of each head where that half is even; a stream of its own)
+        let glm4 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && window.is_none() && (hidden / heads / 2) % 2 == 0 && rng(7970 + seed).below(4) == 0;
+        let cfg = if glm4 { cfg.with_glm4(true) } else { cfg };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -139,7 +143,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, {sampling:?}", cfg.nope_layers, cfg.olmo
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM-4 {glm4}, {sampling:?}", cfg.nope_layers, cfg.olmo
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // gpt-oss: sinks around 2 (the init's are near 0)
@@ -189,12 +193,13 @@ fn random_generation_equals_single_device() -> Result<()> {
         olmos += olmo as usize;
         exaones += exaone as usize;
         granites += granite_moe as usize;
+        glm4s += glm4 as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM-4; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

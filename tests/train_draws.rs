@@ -121,6 +121,12 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         true => model.with_moe(Some(candle_cp_llama::MoeConfig::gpt_oss(4, 2, 16))),
         false => model,
     };
+    // a third of the remaining Qwen2 seeds without a window are GLM-4 (norms before and after
+    // each branch, RoPE on half of each head, where that half is even; a stream of its own)
+    let model = match arch == 1 && model.moe.is_none() && window.is_none() && (model.head_dim / 2) % 2 == 0 && rng(989_950 + seed).below(3) == 0 {
+        true => model.with_glm4(true),
+        false => model,
+    };
     // of the remaining Llama seeds (a stream of their own): a quarter SmolLM3 (its last layer
     // without RoPE), a quarter of those without a window Granite (granite-3.x's multipliers,
     // the softmax scale 1/head_dim)

@@ -9,7 +9,8 @@
 //! split (rows per step, micro-batches), ZeRO 0 / 1 / 2, recompute, `overlap_grad_sync` (with
 //! recompute), `overlap_param_gather` (with ZeRO), the answer-only objective, and packed
 //! documents instead of the recall task; half of the Qwen3 models are Qwen3-MoE (4 experts, 2
-//! per token, the load-balancing loss on), a third of the Granite ones GraniteMoE. Every run the trainer accepts must give the
+//! per token, the load-balancing loss on), a third of the Granite ones GraniteMoE, a third of
+//! the dense Qwen2 ones without a window GLM-4. Every run the trainer accepts must give the
 //! single-device losses (to 1e-5) and gradient norms (to 1e-4 relative) at the first step,
 //! 10x those after updates (see `bounds`), on every rank; a run it refuses must be refused
 //! for a reason the draw explains, never with a panic. The second test stops a drawn run and
@@ -29,7 +30,7 @@ const CONFIGS: u64 = 24;
 fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
-    let (mut gpt_oss, mut smollm3, mut granite, mut olmo, mut exaone, mut granite_moe) = (0, 0, 0, 0, 0, 0);
+    let (mut gpt_oss, mut smollm3, mut granite, mut olmo, mut exaone, mut granite_moe, mut glm4) = (0, 0, 0, 0, 0, 0, 0);
     // TP over KV heads it neither divides nor is divided by (12 / 3 heads at TP 2)
     let mut mixed = 0;
     // EP draws whose ZeRO splits the experts' state over the ranks holding them (ep < dp·cp)
@@ -65,7 +66,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                     .with_qk_norm(model.qk_norm)
                     .with_gemma3(model.gemma3.is_some())
                     .with_gemma2(model.gemma2.is_some())
-                    .with_moe(model.moe.clone()),
+                    .with_moe(model.moe.clone())
+                    .with_glm4(model.glm4),
                 caps,
             ));
             long_range_only = false;
@@ -125,6 +127,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 smollm3 += model.nope_layers.is_some() as usize;
                 granite += model.granite.is_some() as usize;
                 granite_moe += (model.granite.is_some() && model.moe.is_some()) as usize;
+                glm4 += model.glm4 as usize;
                 olmo += model.olmo.is_some() as usize;
                 exaone += model.exaone4 as usize;
                 ep += (layout.ep > 1) as usize;
@@ -136,7 +139,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM-4, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
