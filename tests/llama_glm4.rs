@@ -17,12 +17,11 @@
 //!   (as PEFT trains them) reads back as the model's, and is written back the same.
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout_recompute, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, Arch, LlamaConfig, ParallelCtx};
-use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, on_every_layout, reference};
+use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig};
+use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, on_every_layout, reference, sharded_load_and_save};
 use std::collections::HashMap;
 
 const T: usize = 256;
@@ -135,20 +134,7 @@ fn glm4_checkpoints() -> Result<()> {
     let bytes = std::fs::read(saved.join("model.safetensors")).map_err(io)?;
     let layout = Layout::single().with_tp(2, true);
     let out = tmp("sharded");
-    for r in run_ranks(layout.world_size(), |g| {
-        let ctx = ParallelCtx::new(g, layout)?;
-        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&hand_dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-        let mut same = want.len() == got.len();
-        for (k, w) in &want {
-            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-        }
-        save_hf_sharded(&out, &want, &cfg, &ctx, ctx.world.rank() == 0)?;
-        Ok(same)
-    }) {
-        assert!(r?, "TP 2: the sharded load differs from sharding the whole model");
-    }
-    assert!(std::fs::read(out.join("model.safetensors")).map_err(io)? == bytes, "the sharded writer's bytes differ from save_hf's");
+    sharded_load_and_save(&hand_dir, &full, &cfg, layout, &out, &bytes)?;
     for d in [hand_dir, saved, out] {
         let _ = std::fs::remove_dir_all(d);
     }

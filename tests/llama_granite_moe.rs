@@ -18,12 +18,11 @@
 //!   GraniteMoE config is refused by name.
 
 use candle_core::{DType, Device, Result, Tensor};
-use candle_cp_comm::run_ranks;
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout_recompute, Tolerances};
-use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, Arch, Granite, MoeStyle, ParallelCtx};
-use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, reference, reference_routed, reference_rows};
+use candle_cp_llama::{load_hf, save_hf, Arch, Granite, MoeStyle};
+use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, reference, reference_routed, reference_rows, sharded_load_and_save};
 use candle_cp_tests::moe_model::moe_model;
 use std::collections::HashMap;
 
@@ -151,20 +150,7 @@ fn granite_moe_checkpoints() -> Result<()> {
     let bytes = std::fs::read(dir.join("model.safetensors")).map_err(io)?;
     for layout in [Layout::single().with_tp(2, true), Layout::cp(CpKind::Zigzag, 2).with_ep(2)] {
         let out = tmp(&format!("sharded-{}", layout.world_size()));
-        for r in run_ranks(layout.world_size(), |g| {
-            let ctx = ParallelCtx::new(g, layout)?;
-            let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(&full, &cfg, &ctx)?)?;
-            let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(&hand_dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-            let mut same = want.len() == got.len();
-            for (k, w) in &want {
-                same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-            }
-            save_hf_sharded(&out, &want, &cfg, &ctx, ctx.world.rank() == 0)?;
-            Ok(same)
-        }) {
-            assert!(r?, "{layout}: the sharded load differs from sharding the whole model");
-        }
-        assert!(std::fs::read(out.join("model.safetensors")).map_err(io)? == bytes, "{layout}: the sharded writer's bytes differ from save_hf's");
+        sharded_load_and_save(&hand_dir, &full, &cfg, layout, &out, &bytes)?;
         let _ = std::fs::remove_dir_all(&out);
     }
     // Mixtral's per-expert names under a GraniteMoE config: refused by name

@@ -146,6 +146,13 @@ pub fn permute_rows(t: &Tensor, (d, r): (usize, usize), to_checkpoint: bool) -> 
     t.index_select(&Tensor::from_vec(idx, n, t.device())?, 0)
 }
 
+/// Adapter tensors (by the model's names) with q_proj's and k_proj's `lora_B` rows and DoRA
+/// magnitudes ([`permutes_rows`]) to the checkpoint's interleaved order (`to_checkpoint`) or
+/// from it; the others as they are.
+pub fn permute_adapters(tensors: std::collections::HashMap<String, Tensor>, dr: (usize, usize), to_checkpoint: bool) -> Result<std::collections::HashMap<String, Tensor>> {
+    tensors.into_iter().map(|(n, t)| Ok((n.clone(), if permutes_rows(&n) { permute_rows(&t, dr, to_checkpoint)? } else { t }))).collect()
+}
+
 /// The checkpoint's tensors of the model's `tensors` (by the model's names): each
 /// [`checkpoint_part`]'s parts grouped under its checkpoint name in part order, every other
 /// tensor alone under its own.

@@ -56,6 +56,33 @@ pub struct StepMetrics {
     pub eval_long_range_loss: Option<f64>,
 }
 
+/// A step's sums over the ranks of `group` (those holding distinct tokens): the four loss
+/// terms (f64, added in rank order) and each sparse layer's expert counts (`counts`, this
+/// rank's, summed over its micro-batches; zeros where `own` is false — a TP rank other than the
+/// first under SP, routing the same tokens), gathered in one all-gather on the host. `None` for
+/// the counts of a dense model.
+#[allow(clippy::type_complexity)]
+pub(crate) fn step_sums(terms: [f64; 4], counts: &[Vec<usize>], own: bool, group: &candle_cp_comm::Group, host: &candle_core::Device) -> candle_core::Result<([f64; 4], Option<Vec<Vec<u64>>>)> {
+    let row: Vec<f64> = terms.iter().copied().chain(counts.iter().flatten().map(|&c| if own { c as f64 } else { 0.0 })).collect();
+    let row_t = candle_core::Tensor::from_vec(row, (1, 4 + counts.iter().map(Vec::len).sum::<usize>()), host)?;
+    let rows = if group.size() > 1 { group.all_gather(&row_t, 0)? } else { row_t };
+    let mut tot = [0f64; 4];
+    let mut all_counts = vec![0u64; rows.dim(1)? - 4];
+    for r in rows.to_vec2::<f64>()? {
+        for (a, x) in tot.iter_mut().zip(&r) {
+            *a += x;
+        }
+        for (a, x) in all_counts.iter_mut().zip(&r[4..]) {
+            *a += *x as u64;
+        }
+    }
+    let per_layer = match counts.first() {
+        Some(l) if !l.is_empty() => Some(all_counts.chunks(l.len()).map(<[u64]>::to_vec).collect()),
+        _ => None,
+    };
+    Ok((tot, per_layer))
+}
+
 /// Append-only JSON-lines metrics file.
 pub struct MetricsLog {
     path: PathBuf,

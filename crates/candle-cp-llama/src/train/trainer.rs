@@ -506,32 +506,10 @@ pub fn train_rank(
         named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
         param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
-        // Losses over all ranks holding distinct tokens (f64 sums gathered, added in rank
-        // order), the expert counts beside them (every rank has the same sparse layers).
-        // (TP ranks route the same tokens: the first one's counts, zeros from the others
-        // when the token group spans TP under SP)
+        // the losses and expert counts over the ranks holding distinct tokens (TP ranks under
+        // SP route the same tokens: the first one's counts)
         let own = !ctx.layout.seq_parallel() || ctx.tp.rank() == 0;
-        let row: Vec<f64> = terms.iter().copied().chain(counts.iter().flatten().map(|&c| if own { c as f64 } else { 0.0 })).collect();
-        let row_t = Tensor::from_vec(row, (1, 4 + counts.iter().map(Vec::len).sum::<usize>()), &host)?;
-        let rows = if token_group.size() > 1 {
-            token_group.all_gather(&row_t, 0)?
-        } else {
-            row_t
-        };
-        let mut tot = [0f64; 4];
-        let mut all_counts = vec![0u64; rows.dim(1)? - 4];
-        for r in rows.to_vec2::<f64>()? {
-            for (a, x) in tot.iter_mut().zip(&r) {
-                *a += x;
-            }
-            for (a, x) in all_counts.iter_mut().zip(&r[4..]) {
-                *a += *x as u64;
-            }
-        }
-        let expert_counts = match counts.first() {
-            Some(l) if !l.is_empty() => Some(all_counts.chunks(l.len()).map(<[u64]>::to_vec).collect()),
-            _ => None,
-        };
+        let (tot, expert_counts) = super::metrics::step_sums(terms, &counts, own, &token_group, &host)?;
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
         // held-out loss after this update (its time not in the step's tokens/s)
