@@ -120,7 +120,7 @@ fn random_generation_equals_single_device() -> Result<()> {
         };
         // a quarter of the rest without a window are GLM-4 (norms before and after each branch,
         // q, k, v biases, RoPE on half of each head where that half is even; a stream of its own)
-        let glm4 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && window.is_none() && (hidden / heads / 2) % 2 == 0 && rng(7970 + seed).below(4) == 0;
+        let glm4 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && window.is_none() && (hidden / heads / 2).is_multiple_of(2) && rng(7970 + seed).below(4) == 0;
         let cfg = if glm4 { cfg.with_glm4(true) } else { cfg };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);

@@ -119,7 +119,7 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
     };
     // half of the remaining plain Qwen2 draws without a window are GLM-4 (norms before and
     // after each branch, RoPE on half of each head; where that half is even; a stream of its own)
-    let cfg = match arch == 1 && cfg.moe.is_none() && window.is_none() && (cfg.head_dim / 2) % 2 == 0 && rng(995_000 + seed).below(2) == 0 {
+    let cfg = match arch == 1 && cfg.moe.is_none() && window.is_none() && (cfg.head_dim / 2).is_multiple_of(2) && rng(995_000 + seed).below(2) == 0 {
         true => cfg.with_glm4(true),
         false => cfg,
     };

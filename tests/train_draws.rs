@@ -123,7 +123,7 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
     };
     // a third of the remaining Qwen2 seeds without a window are GLM-4 (norms before and after
     // each branch, RoPE on half of each head, where that half is even; a stream of its own)
-    let model = match arch == 1 && model.moe.is_none() && window.is_none() && (model.head_dim / 2) % 2 == 0 && rng(989_950 + seed).below(3) == 0 {
+    let model = match arch == 1 && model.moe.is_none() && window.is_none() && (model.head_dim / 2).is_multiple_of(2) && rng(989_950 + seed).below(3) == 0 {
         true => model.with_glm4(true),
         false => model,
     };
