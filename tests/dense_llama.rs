@@ -420,11 +420,10 @@ pub fn reference_rows(r: &Reference) -> Result<Reference> {
     })
 }
 
-/// The checkpoint in `dir` read sharded on `layout` gives each rank exactly its shards of
-/// `full`, and those shards written by the sharded writer into `out` are `bytes` (save_hf's
-/// file of `full`), byte for byte.
-pub fn sharded_load_and_save(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: candle_cp_llama::Layout, out: &std::path::Path, bytes: &[u8]) -> Result<()> {
-    use candle_cp_llama::{load_hf_sharded, save_hf_sharded, shard_tensors, ParallelCtx};
+/// The checkpoint in `dir` read sharded on `layout` ([`candle_cp_llama::load_hf_sharded`])
+/// gives each rank exactly its shards of `full`.
+pub fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: candle_cp_llama::Layout) -> Result<()> {
+    use candle_cp_llama::{load_hf_sharded, shard_tensors, ParallelCtx};
     for r in candle_cp_comm::run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
         let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(full, cfg, &ctx)?)?;
@@ -433,10 +432,24 @@ pub fn sharded_load_and_save(dir: &std::path::Path, full: &HashMap<String, Tenso
         for (k, w) in &want {
             same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
         }
-        save_hf_sharded(out, &want, cfg, &ctx, ctx.world.rank() == 0)?;
         Ok(same)
     }) {
-        assert!(r?, "{layout}: the sharded load of {} differs from sharding the whole model", dir.display());
+        assert!(r?, "{}, {layout}: the sharded load differs from sharding the whole model", dir.display());
+    }
+    Ok(())
+}
+
+/// [`sharded_load_matches`], and `full`'s shards on `layout` written by the sharded writer into
+/// `out` are `bytes` (save_hf's file of `full`), byte for byte.
+pub fn sharded_load_and_save(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: candle_cp_llama::Layout, out: &std::path::Path, bytes: &[u8]) -> Result<()> {
+    use candle_cp_llama::{save_hf_sharded, shard_tensors, ParallelCtx};
+    sharded_load_matches(dir, full, cfg, layout)?;
+    for r in candle_cp_comm::run_ranks(layout.world_size(), |g| {
+        let ctx = ParallelCtx::new(g, layout)?;
+        let mine = candle_cp_llama::params::varmap_tensors(&shard_tensors(full, cfg, &ctx)?)?;
+        save_hf_sharded(out, &mine, cfg, &ctx, ctx.world.rank() == 0)
+    }) {
+        r?;
     }
     let written = std::fs::read(out.join("model.safetensors")).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     assert!(written == bytes, "{layout}: the sharded writer's bytes differ from save_hf's");

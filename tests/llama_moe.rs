@@ -42,7 +42,7 @@ use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout, run_layout_recompute, LayoutRun, Reference, Tolerances};
 use candle_cp_llama::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, shard_tensors, LlamaConfig, MoeStyle, ParallelCtx};
-use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows};
+use candle_cp_tests::dense_llama::{max_abs, reference, reference_routed, reference_rows, sharded_load_matches};
 use candle_cp_tests::moe_model::moe_model;
 use std::collections::HashMap;
 
@@ -169,24 +169,6 @@ fn save_and_reload(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &
         assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
     }
     load_safetensors_dir(dir, &Device::Cpu)
-}
-
-/// The checkpoint in `dir` read sharded over TP `tp` ([`load_hf_sharded`]) gives each rank
-/// exactly its shards of `full`.
-fn sharded_load_matches(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig, layout: Layout) -> Result<()> {
-    for r in run_ranks(layout.world_size(), |g| {
-        let ctx = ParallelCtx::new(g, layout)?;
-        let want = candle_cp_llama::params::varmap_tensors(&shard_tensors(full, cfg, &ctx)?)?;
-        let got = candle_cp_llama::params::varmap_tensors(&load_hf_sharded(dir, &ctx, &Device::Cpu, DType::F32)?.0)?;
-        let mut same = want.len() == got.len();
-        for (k, w) in &want {
-            same &= got.get(k).map(|g| max_abs(g, w).map(|e| e == 0.0)).transpose()? == Some(true);
-        }
-        Ok(same)
-    }) {
-        assert!(r?, "{}, {layout}: the sharded load differs from sharding the whole model", dir.display());
-    }
-    Ok(())
 }
 
 /// The model of `style` (load-balancing loss at 0.5) on `layouts`, then zigzag 2 × TP 2 + SP
