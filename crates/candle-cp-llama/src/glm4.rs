@@ -120,7 +120,7 @@ const PARTS: [(&str, &str, usize); 5] = [
 /// parameter held under its own name (q_proj and k_proj too: their rows are permuted, see
 /// [`permutes_rows`]).
 pub fn checkpoint_part(name: &str) -> Option<(String, usize)> {
-    PARTS.iter().find_map(|(suffix, ck, part)| name.strip_suffix(suffix).map(|prefix| (format!("{prefix}{ck}"), *part)))
+    super::phi3::part_by_suffix(&PARTS, name)
 }
 
 /// Whether tensor `name` (a parameter, an adapter's `lora_B` or DoRA magnitude) holds q_proj's

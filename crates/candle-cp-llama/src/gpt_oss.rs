@@ -153,7 +153,7 @@ const PARTS: [(&str, &str, usize); 6] = [
 /// The checkpoint tensor gpt-oss parameter `name` is part of, and which part (see the module
 /// doc); `None` for a parameter held under its own name.
 pub fn checkpoint_part(name: &str) -> Option<(String, usize)> {
-    PARTS.iter().find_map(|(suffix, ck, part)| name.strip_suffix(suffix).map(|prefix| (format!("{prefix}{ck}"), *part)))
+    super::phi3::part_by_suffix(&PARTS, name)
 }
 
 /// Every checkpoint tensor name a gpt-oss parameter may be read from: its part's tensor and,

@@ -82,7 +82,7 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
 /// The checkpoint tensor GraniteMoE parameter `name` is part of, and which part (see the
 /// module doc); `None` for a parameter held under its own name.
 pub fn checkpoint_part(name: &str) -> Option<(String, usize)> {
-    PARTS.iter().find_map(|(suffix, ck, part)| name.strip_suffix(suffix).map(|prefix| (format!("{prefix}{ck}"), *part)))
+    super::phi3::part_by_suffix(&PARTS, name)
 }
 
 /// The checkpoint's tensors of the model's `tensors` (by the model's names): the parts of each

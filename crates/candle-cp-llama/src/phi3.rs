@@ -258,6 +258,13 @@ pub fn fuse_checkpoint_tensors<T>(fused: bool, tensors: Vec<(String, T)>) -> Res
     group_parts(tensors, |name| fused_checkpoint_name(name).filter(|_| fused), parts)
 }
 
+/// The checkpoint tensor that parameter `name` is (part of) by a table of `(parameter suffix,
+/// checkpoint suffix, part)` rows (gpt-oss's, GraniteMoE's, GLM-4's): the first row whose
+/// suffix ends `name`, its prefix kept; `None` for a parameter held under its own name.
+pub(crate) fn part_by_suffix(table: &[(&str, &str, usize)], name: &str) -> Option<(String, usize)> {
+    table.iter().find_map(|(suffix, ck, part)| name.strip_suffix(suffix).map(|prefix| (format!("{prefix}{ck}"), *part)))
+}
+
 /// Group tensors `(name, x)` by the checkpoint tensor each is part of: `part_of(name)` is
 /// `Some((checkpoint name, part))` for a part (`parts(checkpoint name)` of them, in part order)
 /// and `None` for a tensor held alone under its own name; groups in the order given (a group
