@@ -181,6 +181,10 @@ pub(crate) struct Args {
     /// q, k, v biases, RoPE on half of each head (interleaved in its checkpoints).
     #[arg(long)]
     pub(crate) glm4: bool,
+    /// Random-init GLM (`GlmForCausalLM`, GLM-4-9B-chat-hf's): GLM-4's q, k, v biases and
+    /// interleaved RoPE on half of each head with a Llama's norms.
+    #[arg(long)]
+    pub(crate) glm: bool,
     /// With --moe: an OLMoE (`OlmoeForCausalLM`) instead of a Qwen3-MoE: OLMo's q and k norms over
     /// the whole projections in place of the head norms, the top-K not renormalised.
     #[arg(long)]

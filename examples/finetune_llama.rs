@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.exaone4 || a.glm4 || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --exaone4, --glm4, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.exaone4 || a.glm4 || a.glm || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --exaone4, --glm4, --glm, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -76,14 +76,14 @@ fn main() -> Result<()> {
             };
             let mut cfg = LlamaConfig::tiny(vocab, a.hidden, a.layers, a.heads, a.kv_heads).with_qkv_bias(a.qkv_bias).with_qk_norm(a.qk_norm);
             // (--granite with --moe: a GraniteMoE)
-            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.smollm3, a.granite && a.moe.is_none(), a.olmo3, a.exaone4, a.glm4, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
-                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --exaone4, --glm4, --moe (Qwen3-MoE; with --granite GraniteMoE) and --gpt-oss: pick one")
+            if [a.qkv_bias, a.qk_norm, a.gemma3, a.gemma2, a.phi3, a.smollm3, a.granite && a.moe.is_none(), a.olmo3, a.exaone4, a.glm4, a.glm, a.moe.is_some(), a.gpt_oss.is_some()].iter().filter(|&&x| x).count() > 1 {
+                bail!("--qkv-bias (Qwen2), --qk-norm (Qwen3), --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --exaone4, --glm4, --glm, --moe (Qwen3-MoE; with --granite GraniteMoE) and --gpt-oss: pick one")
             }
             if a.granite && a.olmoe {
                 bail!("--granite with --moe is a GraniteMoE, --olmoe an OLMoE: pick one")
             }
-            if a.glm4 {
-                cfg = cfg.with_glm4(true);
+            if a.glm4 || a.glm {
+                cfg = cfg.with_glm(Some(if a.glm4 { candle_cp_llama::Glm::Glm4 } else { candle_cp_llama::Glm::Glm }));
                 cfg.validate()?;
             }
             if a.exaone4 {

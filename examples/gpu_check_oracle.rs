@@ -273,6 +273,9 @@ fn arch_vs_cpu_with(
         // GLM-4: the norms before and after each branch, q, k, v biases, RoPE on half of each
         // head (8 of 16 dimensions; interleaved in its checkpoints, the half form here)
         Arch::Glm4 => base.with_glm4(true),
+        // GLM: GLM-4's biases and RoPE with a Llama's norms (no row of its own above: its layer
+        // runs GLM-4's kernels less two norms)
+        Arch::Glm => base.with_glm(Some(candle_cp_llama::Glm::Glm)),
         // GraniteMoE: Granite's multipliers over 8 experts 48 wide on both layers, top 2, the loss on
         Arch::GraniteMoe => {
             let mut moe = candle_cp_llama::MoeConfig::granite_moe(8, 2, 48);

@@ -86,7 +86,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     // Gemma 2 and 3 alike: `1 + w` norms, sandwich norms, GELU, the embedding factor
     let gemma_like = gemma.is_some() || gemma2.is_some();
     // a norm before and one after each branch: Gemma's, and GLM-4's (in a Llama's form)
-    let sandwich = gemma_like || cfg.glm4;
+    let sandwich = gemma_like || cfg.is_glm4();
     let norm = |x: &Tensor, name: &str| rms(x, p(name)?, eps, gemma_like);
     let (attn_cap, final_cap) = match &gemma2 {
         Some(g) => (g.attn_logit_softcapping, g.final_logit_softcapping),
@@ -167,8 +167,8 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 return Ok(x.clone());
             }
             let r = x.narrow(D::Minus1, 0, rd)?;
-            let r = if cfg.glm4 {
-                // GLM-4 (x in its checkpoints' order): pairs (2i, 2i + 1) rotated by frequency i
+            let r = if cfg.glm.is_some() {
+                // GLM, GLM-4 (x in its checkpoints' order): pairs (2i, 2i + 1) rotated by frequency i
                 let (bb, nh, tt, _) = r.dims4()?;
                 let pairs = r.reshape((bb, nh, tt, rd / 2, 2))?;
                 let (xe, xo) = (pairs.narrow(4, 0, 1)?.squeeze(4)?, pairs.narrow(4, 1, 1)?.squeeze(4)?);
@@ -198,10 +198,10 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             q = norm(&q, &n("self_attn.q_norm.weight"))?;
             k = norm(&k, &n("self_attn.k_norm.weight"))?;
         }
-        // GLM-4: q and k back in its checkpoints' order (the model holds each head's rotated rows
-        // permuted, crate::config::glm4: row i < R/2 is the checkpoint's 2i, row R/2 + i its
-        // 2i + 1), so that `rope` rotates them as Glm4Attention does
-        if cfg.glm4 {
+        // GLM, GLM-4: q and k back in its checkpoints' order (the model holds each head's rotated
+        // rows permuted, crate::config::glm4: row i < R/2 is the checkpoint's 2i, row R/2 + i its
+        // 2i + 1), so that `rope` rotates them as GlmAttention and Glm4Attention do
+        if cfg.glm.is_some() {
             let idx: Vec<u32> = (0..d).map(|j| (if j >= rd { j } else if j % 2 == 0 { j / 2 } else { rd / 2 + j / 2 }) as u32).collect();
             let idx = Tensor::from_vec(idx, d, &Device::Cpu)?;
             (q, k) = (q.contiguous()?.index_select(&idx, 3)?, k.contiguous()?.index_select(&idx, 3)?);

@@ -121,7 +121,8 @@ fn random_generation_equals_single_device() -> Result<()> {
         // a quarter of the rest without a window are GLM-4 (norms before and after each branch,
         // q, k, v biases, RoPE on half of each head where that half is even; a stream of its own)
         let glm4 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && window.is_none() && (hidden / heads / 2).is_multiple_of(2) && rng(7970 + seed).below(4) == 0;
-        let cfg = if glm4 { cfg.with_glm4(true) } else { cfg };
+        // (a third of them GLM: GLM-4's RoPE with a Llama's norms)
+        let cfg = if glm4 { cfg.with_glm(Some(if rng(7971 + seed).below(3) == 0 { candle_cp_llama::Glm::Glm } else { candle_cp_llama::Glm::Glm4 })) } else { cfg };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -143,7 +144,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM-4 {glm4}, {sampling:?}", cfg.nope_layers, cfg.olmo
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM {:?}, {sampling:?}", cfg.nope_layers, cfg.olmo, cfg.glm
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // gpt-oss: sinks around 2 (the init's are near 0)
@@ -199,7 +200,7 @@ fn random_generation_equals_single_device() -> Result<()> {
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM-4; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

@@ -15,12 +15,15 @@
 //!   2; `save_hf` writes it back byte for byte and the sharded writer the same bytes.
 //! - LoRA: an adapter written with q_proj's / k_proj's `lora_B` rows in the checkpoint's order
 //!   (as PEFT trains them) reads back as the model's, and is written back the same.
+//! - GLM (`model_type` `glm`, GLM-4's attention and MLP with a Llama's norms): the same
+//!   reference on one device, zigzag, Ulysses, 2-D and TP × CP; generation over CP and TP; its
+//!   checkpoints (no norm renamed, `mlp.gate_up_proj`, q / k rows interleaved) read and written.
 
 use candle_core::{DType, Device, Result, Tensor};
 use candle_cp_llama::hf::load_safetensors_dir;
 use candle_cp_llama::layout::{CpKind, Layout};
 use candle_cp_llama::verify::{compare, load_reference, run_layout_recompute, Tolerances};
-use candle_cp_llama::{load_hf, save_hf, Arch, LlamaConfig};
+use candle_cp_llama::{load_hf, save_hf, Arch, Glm, LlamaConfig};
 use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, on_every_layout, reference, sharded_load_and_save};
 use std::collections::HashMap;
 
@@ -33,8 +36,13 @@ fn io<E: std::fmt::Display>(e: E) -> candle_core::Error {
 /// The oracle as GLM-4: its weights, the q, k, v biases (N(0, 0.3²)-like) and the norms before
 /// the MLP and after it drawn; its input ids.
 fn glm4() -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
+    glm_model(Glm::Glm4)
+}
+
+/// The oracle as `g` (GLM: its weights and the biases drawn).
+fn glm_model(g: Glm) -> Result<(LlamaConfig, HashMap<String, Tensor>, Tensor)> {
     let dir = candle_cp_tests::oracle_dir("tiny-llama");
-    let cfg = LlamaConfig::from_file(dir.join("config.json"))?.with_glm4(true);
+    let cfg = LlamaConfig::from_file(dir.join("config.json"))?.with_glm(Some(g));
     cfg.validate()?;
     let ids = load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, T)?.contiguous()?;
     let mut oracle = load_safetensors_dir(&dir, &Device::Cpu)?;
@@ -71,6 +79,24 @@ fn glm4_on_every_layout_matches_the_reference() -> Result<()> {
     Ok(())
 }
 
+/// GLM on one device, zigzag 4, Ulysses 2, 2-D and zigzag 2 × TP 2 + SP gives the reference's
+/// results (GLM-4's rotation, a Llama's norms); the biases move the logits.
+#[test]
+fn glm_on_layouts_matches_the_reference() -> Result<()> {
+    let (cfg, full, ids) = glm_model(Glm::Glm)?;
+    assert_eq!((cfg.arch(), cfg.rope_dim(), cfg.pre_and_post_norms(), cfg.interleaved_rope()), (Arch::Glm, 8, false, Some((16, 8))));
+    assert!(!full.keys().any(|k| k.contains("feedforward_layernorm")));
+    let want = reference(&full, &cfg, &ids)?;
+    let mut other = full.clone();
+    let name = "model.layers.1.self_attn.k_proj.bias";
+    other.insert(name.to_string(), (&full[name] * 0.5)?);
+    let moved = max_abs(&reference(&other, &cfg, &ids)?.logits, &want.logits)?;
+    assert!(moved > 1e-3, "k_proj's bias moves the logits by only {moved:.1e}");
+    let layouts = [Layout::single(), Layout::cp(CpKind::Zigzag, 4), Layout::cp(CpKind::Ulysses, 2), Layout::two_d(2, 2), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)];
+    candle_cp_tests::dense_llama::on_layouts("glm", (&full, &cfg, &ids, &want), &layouts, (&|k: &str| k.ends_with("_proj.bias"), 3 * 2))?;
+    cached_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 32)?.contiguous()?, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true)])
+}
+
 /// Cached decoding equals the full forward; CP and TP decode the single device's tokens.
 #[test]
 fn glm4_generation() -> Result<()> {
@@ -78,9 +104,9 @@ fn glm4_generation() -> Result<()> {
     cached_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 32)?.contiguous()?, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Ulysses, 2).with_tp(2, false)])
 }
 
-/// The model's tensors in GLM-4's checkpoint layout, built here (the permutation written out
-/// again, not through the crate): row `2i` of a head's rotated rows is the model's row `i`,
-/// row `2i + 1` its row `R/2 + i`.
+/// The model's tensors in GLM-4's (or GLM's: no norm renamed) checkpoint layout, built here
+/// (the permutation written out again, not through the crate): row `2i` of a head's rotated
+/// rows is the model's row `i`, row `2i + 1` its row `R/2 + i`.
 fn by_hand(full: &HashMap<String, Tensor>, cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
     let (d, r) = (cfg.head_dim, cfg.rope_dim());
     let to_checkpoint = |t: &Tensor| -> Result<Tensor> {
@@ -91,7 +117,7 @@ fn by_hand(full: &HashMap<String, Tensor>, cfg: &LlamaConfig) -> Result<HashMap<
     let mut out = HashMap::new();
     for (k, t) in full {
         let rename = [("post_attention_layernorm.weight", "post_self_attn_layernorm.weight"), ("pre_feedforward_layernorm.weight", "post_attention_layernorm.weight"), ("post_feedforward_layernorm.weight", "post_mlp_layernorm.weight")];
-        if let Some((p, ck)) = rename.iter().find_map(|(m, ck)| Some((k.strip_suffix(m)?, ck))) {
+        if let Some((p, ck)) = rename.iter().filter(|_| cfg.is_glm4()).find_map(|(m, ck)| Some((k.strip_suffix(m)?, ck))) {
             out.insert(format!("{p}{ck}"), t.clone());
         } else if let Some(p) = k.strip_suffix("mlp.gate_proj.weight") {
             out.insert(format!("{p}mlp.gate_up_proj.weight"), Tensor::cat(&[t, &full[&format!("{p}mlp.up_proj.weight")]], 0)?);
@@ -109,8 +135,19 @@ fn by_hand(full: &HashMap<String, Tensor>, cfg: &LlamaConfig) -> Result<HashMap<
 /// `save_hf` writes that file's tensors, and the sharded writer the same bytes.
 #[test]
 fn glm4_checkpoints() -> Result<()> {
-    let (cfg, full, _) = glm4()?;
-    let tmp = |tag: &str| std::env::temp_dir().join(format!("candle-cp-glm4-{tag}-{}", std::process::id()));
+    checkpoints(Glm::Glm4, "Glm4ForCausalLM")
+}
+
+/// [`glm4_checkpoints`] for GLM: its `post_attention_layernorm` is the norm before the MLP, as
+/// a Llama's; the fused MLP and the interleaved q / k rows as GLM-4's.
+#[test]
+fn glm_checkpoints() -> Result<()> {
+    checkpoints(Glm::Glm, "GlmForCausalLM")
+}
+
+fn checkpoints(g: Glm, class: &str) -> Result<()> {
+    let (cfg, full, _) = glm_model(g)?;
+    let tmp = |tag: &str| std::env::temp_dir().join(format!("candle-cp-{g:?}-{tag}-{}", std::process::id()));
     let hand_dir = tmp("by-hand");
     std::fs::create_dir_all(&hand_dir).map_err(io)?;
     let hand = by_hand(&full, &cfg)?;
@@ -126,11 +163,12 @@ fn glm4_checkpoints() -> Result<()> {
     save_hf(&saved, &back, &cfg)?;
     let names = load_safetensors_dir(&saved, &Device::Cpu)?;
     assert_eq!(names.len(), hand.len());
+    assert_eq!(names.keys().filter(|k| k.ends_with("layernorm.weight")).count(), if g == Glm::Glm4 { 4 } else { 2 } * cfg.num_hidden_layers);
     for (k, t) in &hand {
         assert_eq!(names.get(k).map(|s| max_abs(s, t)).transpose()?, Some(0.0), "save_hf's {k}");
     }
     let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(saved.join("config.json")).map_err(io)?).map_err(io)?;
-    assert_eq!((config["architectures"][0].as_str(), config["partial_rotary_factor"].as_f64()), (Some("Glm4ForCausalLM"), Some(0.5)));
+    assert_eq!((config["architectures"][0].as_str(), config["partial_rotary_factor"].as_f64()), (Some(class), Some(0.5)));
     let bytes = std::fs::read(saved.join("model.safetensors")).map_err(io)?;
     let layout = Layout::single().with_tp(2, true);
     let out = tmp("sharded");

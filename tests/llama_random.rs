@@ -118,9 +118,10 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         false => cfg,
     };
     // half of the remaining plain Qwen2 draws without a window are GLM-4 (norms before and
-    // after each branch, RoPE on half of each head; where that half is even; a stream of its own)
+    // after each branch, RoPE on half of each head; where that half is even; a stream of its own),
+    // a third of those GLM (GLM-4's RoPE with a Llama's norms)
     let cfg = match arch == 1 && cfg.moe.is_none() && window.is_none() && (cfg.head_dim / 2).is_multiple_of(2) && rng(995_000 + seed).below(2) == 0 {
-        true => cfg.with_glm4(true),
+        true => cfg.with_glm(Some(if rng(995_500 + seed).below(3) == 0 { candle_cp_llama::Glm::Glm } else { candle_cp_llama::Glm::Glm4 })),
         false => cfg,
     };
     // a third of the remaining Llama draws are Mixtral (its window, if drawn, on every layer)
@@ -313,7 +314,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite, mut glm4) = (0, 0, 0, 0, 0, 0, 0);
+    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite, mut glm4, mut glm) = (0, 0, 0, 0, 0, 0, 0, 0);
     let (mut olmo, mut exaone) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
@@ -363,7 +364,8 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 phi3 += cfg.phi3 as usize;
                 smollm3 += cfg.nope_layers.is_some() as usize;
                 granite += cfg.granite.is_some() as usize;
-                glm4 += cfg.glm4 as usize;
+                glm4 += cfg.is_glm4() as usize;
+                glm += (cfg.arch() == candle_cp_llama::Arch::Glm) as usize;
                 olmo += cfg.olmo.is_some() as usize;
                 exaone += cfg.exaone4 as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
@@ -375,7 +377,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {glm} GLM, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),

@@ -38,7 +38,7 @@ fn draw_lora(d: &mut Rng, model: &LlamaConfig) -> Result<(LoraSpec, Option<Quant
     let choices: Vec<&[&str]> = match (model.gpt_oss, params) {
         _ if granite_moe => vec![&["q_proj", "v_proj"], attention],
         // (GLM-4: its gate and up are one module to PEFT; adapters on them are refused)
-        _ if model.glm4 => vec![&["q_proj", "v_proj"], attention, &["o_proj", "down_proj"]],
+        _ if model.glm.is_some() => vec![&["q_proj", "v_proj"], attention, &["o_proj", "down_proj"]],
         // gpt-oss's MLP projections are parameters: all of them named, or none
         (true, _) | (false, true) => vec![&["q_proj", "v_proj"], attention, &ALL_LINEAR],
         (false, false) => vec![&["q_proj", "v_proj"], attention, &ALL_LINEAR, &TARGETS[4..], &["o_proj", "down_proj"]],

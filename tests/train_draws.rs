@@ -122,9 +122,10 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         false => model,
     };
     // a third of the remaining Qwen2 seeds without a window are GLM-4 (norms before and after
-    // each branch, RoPE on half of each head, where that half is even; a stream of its own)
+    // each branch, RoPE on half of each head, where that half is even; a stream of its own), a
+    // third of those GLM (GLM-4's RoPE with a Llama's norms)
     let model = match arch == 1 && model.moe.is_none() && window.is_none() && (model.head_dim / 2).is_multiple_of(2) && rng(989_950 + seed).below(3) == 0 {
-        true => model.with_glm4(true),
+        true => model.with_glm(Some(if rng(989_960 + seed).below(3) == 0 { candle_cp_llama::Glm::Glm } else { candle_cp_llama::Glm::Glm4 })),
         false => model,
     };
     // of the remaining Llama seeds (a stream of their own): a quarter SmolLM3 (its last layer

@@ -67,7 +67,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                     .with_gemma3(model.gemma3.is_some())
                     .with_gemma2(model.gemma2.is_some())
                     .with_moe(model.moe.clone())
-                    .with_glm4(model.glm4),
+                    .with_glm(model.glm),
                 caps,
             ));
             long_range_only = false;
@@ -127,7 +127,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 smollm3 += model.nope_layers.is_some() as usize;
                 granite += model.granite.is_some() as usize;
                 granite_moe += (model.granite.is_some() && model.moe.is_some()) as usize;
-                glm4 += model.glm4 as usize;
+                glm4 += model.glm.is_some() as usize;
                 olmo += model.olmo.is_some() as usize;
                 exaone += model.exaone4 as usize;
                 ep += (layout.ep > 1) as usize;
@@ -139,7 +139,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM-4, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"

@@ -36,6 +36,7 @@ pub mod olmo;
 #[path = "exaone4.rs"]
 pub mod exaone4;
 pub use olmo::Olmo;
+pub use glm4::Glm;
 #[path = "rope_scaling.rs"]
 mod rope_scaling;
 #[path = "config_json.rs"]
@@ -130,9 +131,10 @@ pub struct LlamaConfig {
     /// EXAONE 4 (`model_type` `exaone4`): OLMo 2's norms after the branches with Qwen3's head
     /// norms, and NoPE on the global layers of a windowed model ([`exaone4`]).
     pub exaone4: bool,
-    /// GLM-4 (`model_type` `glm4`): norms before and after each branch, interleaved partial
-    /// RoPE in its checkpoints ([`glm4`]).
-    pub glm4: bool,
+    /// GLM or GLM-4 (`model_type` `glm`, `glm4`): q, k, v biases, interleaved partial RoPE in
+    /// its checkpoints, GLM-4's norms before and after each branch ([`glm4`]); `None` for the
+    /// other architectures.
+    pub glm: Option<glm4::Glm>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -322,7 +324,11 @@ impl LlamaConfig {
                 _ => None,
             },
             exaone4: arch == Arch::Exaone4,
-            glm4: arch == Arch::Glm4,
+            glm: match arch {
+                Arch::Glm => Some(glm4::Glm::Glm),
+                Arch::Glm4 => Some(glm4::Glm::Glm4),
+                _ => None,
+            },
             lora: None,
         };
         // EXAONE 4: NoPE on the global layers of a windowed model
@@ -375,7 +381,7 @@ impl LlamaConfig {
             granite: None,
             olmo: None,
             exaone4: false,
-            glm4: false,
+            glm: None,
             lora: None,
         }
     }
@@ -444,8 +450,8 @@ impl LlamaConfig {
         if self.exaone4 {
             return Arch::Exaone4;
         }
-        if self.glm4 {
-            return Arch::Glm4;
+        if let Some(g) = self.glm {
+            return g.arch();
         }
         if let Some(o) = self.olmo {
             return match o {

@@ -124,7 +124,7 @@ impl LlamaConfig {
             if self.exaone4 {
                 exaone4::write(m, self);
             }
-            if self.glm4 {
+            if self.glm.is_some() {
                 glm4::write(m, self);
             }
             if let Some(g) = &self.granite {

@@ -16,7 +16,7 @@ const GLM4_9B: &str = r#"{
 #[test]
 fn glm4_configs() -> Result<()> {
     let c = LlamaConfig::from_json(GLM4_9B)?;
-    assert_eq!((c.arch(), c.glm4, c.qkv_bias, c.qk_norm, c.rope_dim(), c.pre_and_post_norms()), (Arch::Glm4, true, true, false, 64, true));
+    assert_eq!((c.arch(), c.glm, c.qkv_bias, c.qk_norm, c.rope_dim(), c.pre_and_post_norms()), (Arch::Glm4, Some(Glm::Glm4), true, false, 64, true));
     assert_eq!((c.interleaved_rope(), c.norm_weight(), c.sliding_window), (Some((128, 64)), candle_cp_nn::NormWeight::Scale, None));
     let text = c.to_hf_json("bfloat16");
     let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
@@ -45,6 +45,49 @@ fn glm4_configs() -> Result<()> {
     tiny.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["q_proj", "k_proj", "v_proj", "o_proj", "down_proj"])?)).validate()?;
     let e = LlamaConfig::from_json(&format!(r#"{{{base}, "partial_rotary_factor": 0.5, "model_type": "llama"}}"#)).err().map(|e| e.to_string()).unwrap_or_default();
     assert!(e.contains("partial_rotary_factor"), "{e}");
+    Ok(())
+}
+
+/// GLM-4-9B-chat-hf's config (`GlmForCausalLM`).
+const GLM_9B_CHAT: &str = r#"{
+  "architectures": ["GlmForCausalLM"], "model_type": "glm", "attention_bias": true, "attention_dropout": 0.0,
+  "eos_token_id": [151329, 151336, 151338], "head_dim": 128, "hidden_act": "silu", "hidden_size": 4096,
+  "initializer_range": 0.02, "intermediate_size": 13696, "max_position_embeddings": 131072,
+  "num_attention_heads": 32, "num_hidden_layers": 40, "num_key_value_heads": 2, "pad_token_id": 151329,
+  "partial_rotary_factor": 0.5, "rms_norm_eps": 1.5625e-07, "rope_theta": 10000.0,
+  "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 151552
+}"#;
+
+/// GLM reads as GLM-4's attention and MLP with a Llama's norms, writes back as `GlmForCausalLM`
+/// and reads again the same; GlmConfig's defaults; its refusals name GLM; its checkpoint names
+/// the fused MLP only (no norm renamed).
+#[test]
+fn glm_configs() -> Result<()> {
+    let c = LlamaConfig::from_json(GLM_9B_CHAT)?;
+    assert_eq!((c.arch(), c.glm, c.qkv_bias, c.rope_dim(), c.pre_and_post_norms(), c.interleaved_rope()), (Arch::Glm, Some(Glm::Glm), true, 64, false, Some((128, 64))));
+    assert!(!c.is_glm4() && c.gemma3.is_none() && c.olmo.is_none());
+    let text = c.to_hf_json("bfloat16");
+    let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert_eq!((v["model_type"].as_str(), v["architectures"][0].as_str(), v["partial_rotary_factor"].as_f64()), (Some("glm"), Some("GlmForCausalLM"), Some(0.5)));
+    assert_eq!(LlamaConfig::from_json(&text)?, c);
+    let d = LlamaConfig::from_json(r#"{"model_type": "glm", "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4, "sliding_window": 8}"#)?;
+    assert_eq!((d.partial_rotary_factor, d.qkv_bias, d.sliding_window, d.rms_norm_eps), (0.5, true, None, 1.5625e-7));
+    let tiny = LlamaConfig::tiny(64, 32, 2, 4, 2).with_glm(Some(Glm::Glm));
+    assert_eq!((tiny.arch(), tiny.qkv_bias, tiny.rope_dim()), (Arch::Glm, true, 4));
+    tiny.validate()?;
+    let e = tiny.clone().with_qk_norm(true).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("GLM with q, k head norms"), "{e}");
+    let e = tiny.clone().with_lora(Some(LoraSpec::new(2, 4.0, &["up_proj"])?)).validate().err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("GLM's fused gate_up_proj"), "{e}");
+    // names: GLM renames no norm; GLM-4 does
+    let norm = "model.layers.0.post_attention_layernorm.weight";
+    assert_eq!((checkpoint_part(Glm::Glm, norm), checkpoint_part(Glm::Glm4, norm).map(|p| p.0)), (None, Some("model.layers.0.post_self_attn_layernorm.weight".to_string())));
+    for g in [Glm::Glm, Glm::Glm4] {
+        assert_eq!(checkpoint_part(g, "model.layers.3.mlp.up_proj.weight"), Some(("model.layers.3.mlp.gate_up_proj.weight".to_string(), 1)));
+    }
+    // a GLM checkpoint is no GLM-4 one: the same tensor names, the other architecture refused
+    let e = LlamaConfig::from_json(r#"{"model_type": "glm", "architectures": ["Glm4ForCausalLM"], "vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4}"#).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("model_type `glm` but architectures `Glm4ForCausalLM`"), "{e}");
     Ok(())
 }
 
@@ -101,7 +144,7 @@ fn checkpoint_round_trip() -> Result<()> {
         })
     };
     let mut cache = None;
-    let mut read = |n: &str, shape: &[usize]| read_param(&format!("{p}{n}"), shape, (d, r), &mut get, &mut cache);
+    let mut read = |n: &str, shape: &[usize]| read_param(Glm::Glm4, &format!("{p}{n}"), shape, (d, r), &mut get, &mut cache);
     let g = read("mlp.gate_proj.weight", &[i, h])?.expect("gate");
     let u = read("mlp.up_proj.weight", &[i, h])?.expect("up");
     let qm = read("self_attn.q_proj.weight", &[2 * d, h])?.expect("q");
@@ -119,7 +162,7 @@ fn checkpoint_round_trip() -> Result<()> {
     assert_eq!(combine(&ck, &[g.clone(), u.clone()], (d, r))?.to_vec2::<f32>()?, gate_up.to_vec2::<f32>()?);
     assert_eq!(combined_shape(&ck, &[g.dims().to_vec(), u.dims().to_vec()]), gate_up.dims());
     assert_eq!(combine(&format!("{p}self_attn.q_proj.weight"), &[qm], (d, r))?.to_vec2::<f32>()?, q.to_vec2::<f32>()?);
-    let groups = group(vec![(format!("{p}post_attention_layernorm.weight"), 0), (format!("{p}pre_feedforward_layernorm.weight"), 1), (format!("{p}mlp.gate_proj.weight"), 2), (format!("{p}mlp.up_proj.weight"), 3)])?;
+    let groups = group(Glm::Glm4, vec![(format!("{p}post_attention_layernorm.weight"), 0), (format!("{p}pre_feedforward_layernorm.weight"), 1), (format!("{p}mlp.gate_proj.weight"), 2), (format!("{p}mlp.up_proj.weight"), 3)])?;
     let names: Vec<(String, Vec<i32>)> = groups.into_iter().map(|(n, v)| (n.strip_prefix(p).unwrap_or(&n).to_string(), v)).collect();
     assert_eq!(names, vec![("post_self_attn_layernorm.weight".to_string(), vec![0]), ("post_attention_layernorm.weight".to_string(), vec![1]), ("mlp.gate_up_proj.weight".to_string(), vec![2, 3])]);
     Ok(())

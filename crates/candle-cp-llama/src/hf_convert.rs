@@ -1,6 +1,6 @@
 //! Models whose checkpoint tensors are combinations of the model's parameters: gpt-oss's
 //! experts ([`crate::config::gpt_oss`]), GraniteMoE's ([`crate::config::granite_moe`]) and
-//! GLM-4's norms, fused MLP and q / k rows ([`crate::config::glm4`]), read, grouped and written
+//! GLM's and GLM-4's fused MLP and q / k rows, GLM-4's norms ([`crate::config::glm4`]), read, grouped and written
 //! through their modules' functions by [`crate::hf`].
 
 use crate::config::{glm4, gpt_oss, granite_moe};
@@ -12,8 +12,9 @@ use candle_core::{Result, Tensor};
 pub(crate) enum Converted {
     GptOss,
     GraniteMoe,
-    /// GLM-4: `(head_dim, R)`, the rows per head and the rotated ones of q_proj and k_proj.
-    Glm4((usize, usize)),
+    /// GLM or GLM-4, and `(head_dim, R)`: the rows per head and the rotated ones of q_proj and
+    /// k_proj.
+    Glm(glm4::Glm, (usize, usize)),
 }
 
 impl Converted {
@@ -23,8 +24,7 @@ impl Converted {
         match () {
             _ if cfg.gpt_oss => Some(Converted::GptOss),
             _ if cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::GraniteMoe) => Some(Converted::GraniteMoe),
-            _ if cfg.glm4 => cfg.interleaved_rope().map(Converted::Glm4),
-            _ => None,
+            _ => cfg.glm.zip(cfg.interleaved_rope()).map(|(g, dr)| Converted::Glm(g, dr)),
         }
     }
 
@@ -33,7 +33,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::checkpoint_names(name),
             Converted::GraniteMoe => vec![granite_moe::checkpoint_part(name).map_or_else(|| name.to_string(), |(ck, _)| ck)],
-            Converted::Glm4(_) => vec![glm4::checkpoint_part(name).map_or_else(|| name.to_string(), |(ck, _)| ck)],
+            Converted::Glm(g, _) => vec![glm4::checkpoint_part(g, name).map_or_else(|| name.to_string(), |(ck, _)| ck)],
         }
     }
 
@@ -42,7 +42,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::group(tensors),
             Converted::GraniteMoe => granite_moe::group(tensors),
-            Converted::Glm4(_) => glm4::group(tensors),
+            Converted::Glm(g, _) => glm4::group(g, tensors),
         }
     }
 
@@ -51,7 +51,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::combine(ck, parts),
             Converted::GraniteMoe => granite_moe::combine(ck, parts),
-            Converted::Glm4(dr) => glm4::combine(ck, parts, dr),
+            Converted::Glm(_, dr) => glm4::combine(ck, parts, dr),
         }
     }
 
@@ -60,7 +60,7 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::combined_shape(ck, parts),
             Converted::GraniteMoe => granite_moe::combined_shape(ck, parts),
-            Converted::Glm4(_) => glm4::combined_shape(ck, parts),
+            Converted::Glm(..) => glm4::combined_shape(ck, parts),
         }
     }
 
@@ -70,13 +70,13 @@ impl Converted {
         match self {
             Converted::GptOss => gpt_oss::from_checkpoint_cached(name, shape, get, cache),
             Converted::GraniteMoe => granite_moe::from_checkpoint_cached(name, shape, get, cache),
-            Converted::Glm4(dr) => glm4::read_param(name, shape, dr, get, cache),
+            Converted::Glm(g, dr) => glm4::read_param(g, name, shape, dr, get, cache),
         }
     }
 }
 
 /// Whether `cfg`'s checkpoints hold tensors combined from its parameters (gpt-oss's and
-/// GraniteMoE's experts, GLM-4's fused MLP and permuted q / k rows): pass [`crate::save_hf_tensors`] the model's parameters by their own
+/// GraniteMoE's experts, GLM's fused MLP and permuted q / k rows): pass [`crate::save_hf_tensors`] the model's parameters by their own
 /// names (stacked experts whole), not [`crate::params::checkpoint_tensors`]' per-expert ones.
 pub fn converts_checkpoint(cfg: &LlamaConfig) -> bool {
     Converted::of(cfg).is_some()

@@ -127,7 +127,7 @@ impl LlamaConfig {
             (crate::config::granite::GRANITE, self.granite.is_some()),
             (crate::config::olmo::OLMO, self.olmo.is_some()),
             (crate::config::exaone4::EXAONE4, self.exaone4),
-            (crate::config::glm4::GLM4, self.glm4),
+            (crate::config::glm4::GLM4, self.glm.is_some()),
         ]
     }
 }

@@ -191,7 +191,7 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid"] {
+        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid", "glm4_moe"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
                 plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe and granitemoe are)")
             }
@@ -202,6 +202,8 @@ impl ModelConfig {
         // GLM-4: norms before and after each branch, q, k, v biases unless attention_bias is
         // false, no window (its partial, interleaved RoPE changes no count)
         let glm4 = names("glm4", "Glm4ForCausalLM");
+        // GLM (GLM-4-9B-chat-hf): GLM-4's q, k, v biases with a Llama's norms, no window
+        let glm = names("glm", "GlmForCausalLM");
         // OLMoE: every layer 'num_experts' (64) experts 'intermediate_size' wide, 8 per token
         let olmoe = names("olmoe", "OlmoeForCausalLM");
         // EXAONE 4: OLMo 2's norms with head norms; the window on all but every
@@ -248,7 +250,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (_, _) if olmo2 || olmoe || glm4 => None,
+            (_, _) if olmo2 || olmoe || glm4 || glm => None,
             (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
@@ -323,7 +325,7 @@ impl ModelConfig {
             vocab,
             tie_embeddings,
             sliding_window,
-            qkv_bias: qwen2 || gpt_oss || (glm4 && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(true)),
+            qkv_bias: qwen2 || gpt_oss || ((glm4 || glm) && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(true)),
             qk_norm: qwen3 || gemma3 || exaone4,
             partial_window,
             sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3 || exaone4 || glm4,

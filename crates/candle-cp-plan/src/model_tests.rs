@@ -105,7 +105,7 @@ fn presets_have_published_sizes() -> Result<()> {
         "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "num_local_experts": 40, "num_experts_per_tok": 8,
         "vocab_size": 49155, "tie_word_embeddings": true, "embedding_multiplier": 12.0}"#;
     assert_eq!(ModelConfig { name: "granite3-3b-a800m".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, g3);
-    for t in ["granitemoeshared", "granitemoehybrid"] {
+    for t in ["granitemoeshared", "granitemoehybrid", "glm4_moe"] {
         let e = ModelConfig::from_hf_json(&format!(r#"{{"model_type": "{t}", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}}"#), "x").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("not planned"), "{t}: {e}");
     }
@@ -118,6 +118,10 @@ fn presets_have_published_sizes() -> Result<()> {
         "tie_word_embeddings": false, "vocab_size": 151552}"#;
     assert_eq!(ModelConfig { name: "glm4-9b".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, g4);
     assert_eq!((g4.qkv_bias, g4.sandwich_norms, g4.post_norms, g4.kv_heads), (true, true, false, 2));
+    // GLM-4-9B-chat-hf (model_type glm): the same shapes with a Llama's two norms per layer,
+    // 2 · 40 · 4096 = 327,680 fewer parameters; its biases default on
+    let glm = ModelConfig::from_hf_json(&cfg.replace("Glm4ForCausalLM", "GlmForCausalLM").replace("\"glm4\"", "\"glm\"").replace(r#""attention_bias": true, "#, ""), "x")?;
+    assert_eq!((glm.total_params(), glm.qkv_bias, glm.sandwich_norms, glm.sliding_window), (9_400_279_040 - 327_680, true, false, None));
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
