@@ -189,6 +189,12 @@ pub(crate) struct Args {
     /// the whole projections in place of the head norms, the top-K not renormalised.
     #[arg(long)]
     pub(crate) olmoe: bool,
+    /// With --moe: a GLM-4.5 (`Glm4MoeForCausalLM`) instead of a Qwen3-MoE: sigmoid router
+    /// scores chosen with a correction bias, scaled by 2.5, one shared expert, the first layer
+    /// dense, q, k, v biases with the head norms, RoPE on half of each head; no load-balancing
+    /// loss.
+    #[arg(long)]
+    pub(crate) glm4_moe: bool,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

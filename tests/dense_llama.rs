@@ -145,6 +145,8 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     let e_n = cfg.moe.as_ref().map_or(0, |m| m.num_experts);
     let mut counts = vec![0f64; e_n];
     let mut prob_sums: Option<Tensor> = None;
+    // (0 · the GLM-4.5 correction biases: their zero gradients)
+    let mut zero_grads = Tensor::new(0f64, &Device::Cpu)?;
     let mut rows = 0usize;
     let mut x = p("model.embed_tokens.weight")?.index_select(&ids.flatten_all()?, 0)?.reshape((b, t, h))?;
     if gemma_like {
@@ -240,9 +242,42 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 let module = mc.module();
                 let router = |s: &str| p(&n(&format!("{module}.{}.{s}", mc.router())));
                 let rb = if mc.biases() { Some(router("bias")?) } else { None };
-                let probs = candle_nn::ops::softmax(&linear(&x2, router("weight")?, rb)?, D::Minus1)?;
+                let sigmoid = mc.sigmoid_scores();
+                let probs = match sigmoid {
+                    // GLM-4.5: sigmoid scores
+                    true => candle_nn::ops::sigmoid(&linear(&x2, router("weight")?, None)?)?,
+                    false => candle_nn::ops::softmax(&linear(&x2, router("weight")?, rb)?, D::Minus1)?,
+                };
+                // GLM-4.5: the experts chosen by the scores plus the correction bias, within the
+                // best groups (a group's score the sum of its two best; the others' set to 0)
+                let choice = match sigmoid {
+                    false => probs.to_vec2::<f64>()?,
+                    true => {
+                        let cb = router(candle_cp_llama::params::CORRECTION_BIAS)?;
+                        // (a zero gradient, as the model's: the bias only chooses; times a zero
+                        // tensor, as candle prunes a scalar factor of 0 from the graph)
+                        zero_grads = (zero_grads + cb.sum_all()?.mul(&Tensor::new(0f64, &Device::Cpu)?)?)?;
+                        let (g, keep) = mc.groups;
+                        let per = e / g;
+                        let mut rows_c = probs.broadcast_add(cb)?.to_vec2::<f64>()?;
+                        for row in rows_c.iter_mut() {
+                            let mut score: Vec<(usize, f64)> = (0..g)
+                                .map(|gi| {
+                                    let mut v = row[gi * per..(gi + 1) * per].to_vec();
+                                    v.sort_by(|a, b| b.total_cmp(a));
+                                    (gi, v[0] + if per > 1 { v[1] } else { 0.0 })
+                                })
+                                .collect();
+                            score.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+                            for &(gi, _) in &score[keep.min(g)..] {
+                                row[gi * per..(gi + 1) * per].iter_mut().for_each(|x| *x = 0.0);
+                            }
+                        }
+                        rows_c
+                    }
+                };
                 let mut chosen = vec![0f64; rn * e];
-                for (i, row) in probs.to_vec2::<f64>()?.iter().enumerate() {
+                for (i, row) in choice.iter().enumerate() {
                     let mut idx: Vec<usize> = (0..e).collect();
                     idx.sort_by(|&a, &c| row[c].total_cmp(&row[a]));
                     for &j in &idx[..k] {
@@ -269,6 +304,9 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 } else if mc.norm_topk_prob {
                     w = w.broadcast_div(&w.sum_keepdim(1)?)?;
                 }
+                if sigmoid {
+                    w = (w * mc.routed_scaling_factor)?;
+                }
                 let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;
                 for ex in 0..e {
                     let w_of = |s: &str| -> Result<Tensor> { p(&n(&format!("{module}.experts.{s}")))?.get(ex) };
@@ -287,11 +325,14 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                     y = (y + ye.broadcast_mul(&w.narrow(1, ex, 1)?)?)?;
                 }
                 if mc.shared_expert_intermediate_size > 0 {
-                    // Qwen2-MoE: + sigmoid(x·w_g) · shared(x)
-                    let sh = |s: &str| p(&n(&format!("{module}.shared_expert.{s}.weight")));
+                    // Qwen2-MoE: + sigmoid(x·w_g) · shared(x); GLM-4.5: + shared(x)
+                    let sh = |s: &str| p(&n(&format!("{module}.{}.{s}.weight", mc.shared_module())));
                     let m = (linear(&x2, sh("gate_proj")?, None)?.silu()? * linear(&x2, sh("up_proj")?, None)?)?;
-                    let gate = candle_nn::ops::sigmoid(&linear(&x2, p(&n(&format!("{module}.shared_expert_gate.weight")))?, None)?)?;
-                    y = (y + linear(&m, sh("down_proj")?, None)?.broadcast_mul(&gate)?)?;
+                    let out = linear(&m, sh("down_proj")?, None)?;
+                    y = match mc.shared_gate() {
+                        true => (y + out.broadcast_mul(&candle_nn::ops::sigmoid(&linear(&x2, p(&n(&format!("{module}.shared_expert_gate.weight")))?, None)?)?)?)?,
+                        false => (y + out)?,
+                    };
                 }
                 y.reshape((b, t, h))?
             }
@@ -309,7 +350,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     let logits = cap((linear(&norm(&x, "model.norm.weight")?, p(head)?, None)? / logits_div)?, final_cap)?;
     let lp = candle_nn::ops::log_softmax(&logits.narrow(1, 0, t - 1)?, D::Minus1)?;
     let targets = ids.narrow(1, 1, t - 1)?.contiguous()?.unsqueeze(2)?;
-    let mut loss = (lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))?;
+    let mut loss = ((lp.gather(&targets, 2)?.sum_all()? / -((b * (t - 1)) as f64))? + zero_grads)?;
     if let (Some(mc), Some(s)) = (&cfg.moe, &prob_sums) {
         if mc.output_router_logits {
             let c = Tensor::from_vec(counts, e_n, &Device::Cpu)?;

@@ -8,7 +8,8 @@
 //!   merged weights, the adapters' gradients follow from its weight gradients by the chain rule
 //!   (`dA_e = s·B_eᵀ·dW_e`, `dB_e = s·dW_e·A_eᵀ`), on one device, TP with and without SP, TP ×
 //!   CP, and expert parallelism (alone, with TP + SP, across DP replicas); the three styles
-//!   (Qwen3-MoE, Mixtral's `block_sparse_moe` names, Qwen2-MoE's shared expert).
+//!   (Qwen3-MoE, Mixtral's `block_sparse_moe` names, Qwen2-MoE's shared expert, GLM-4.5's
+//!   sigmoid router and ungated shared experts).
 //! - PEFT files hold one factor per expert (`mlp.experts.{e}.gate_proj.lora_A.weight`, Mixtral's
 //!   `block_sparse_moe.experts.{e}.w1`, with target modules `w1`, `w3`, `w2`): written and read
 //!   back stacked bit for bit (DoRA's magnitudes too, one per expert); an expert missing from
@@ -85,7 +86,8 @@ fn expert_adapters_equal_the_merged_model_on_every_layout() -> Result<()> {
     let two = Tensor::cat(&[&ids, &ids], 0)?;
     // (weights merged: q, k, v, o, and the MLP's or the experts' gate, up, down on 2 layers; the
     // routers, with DoRA too: Qwen3-MoE's 1, Mixtral's 2, Qwen2-MoE's router and shared gate)
-    let runs = [(MoeStyle::Qwen3Moe, 15, false), (MoeStyle::Mixtral, 16, false), (MoeStyle::Qwen2Moe, 19, false), (MoeStyle::Qwen3Moe, 15, true), (MoeStyle::Qwen2Moe, 19, true)];
+    // (GLM-4.5: its router and ungated shared experts, 18)
+    let runs = [(MoeStyle::Qwen3Moe, 15, false), (MoeStyle::Mixtral, 16, false), (MoeStyle::Qwen2Moe, 19, false), (MoeStyle::Glm4Moe, 18, false), (MoeStyle::Qwen3Moe, 15, true), (MoeStyle::Qwen2Moe, 19, true)];
     for (style, merged_n, dora) in runs {
         let (base, cfg, full) = adapted(style, dora)?;
         let specs = param_specs(&cfg);

@@ -11,7 +11,10 @@ use std::collections::HashMap;
 /// dense first layer and a shared expert of width 64; gpt-oss: both layers sparse, a window of
 /// 40 on layer 0, YaRN over 64 positions, sinks around 3, biases everywhere, gate and up biases
 /// of std 3 so that the clamps act; GraniteMoE: both layers sparse, Granite's multipliers 3,
-/// 1/8, 0.5 and 4), the load-balancing loss at `coef`; its config and full weights.
+/// 1/8, 0.5 and 4; GLM-4.5: a dense first layer, a shared expert 48 wide, sigmoid scores in 4
+/// groups of which 2 are kept, scaled by 2.5, q, k, v biases with head norms, RoPE on half of
+/// each head, correction biases of std 0.3), the load-balancing loss at `coef`; its config and
+/// full weights.
 pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
     let dir = crate::oracle_dir("tiny-llama");
     let base = LlamaConfig::from_file(dir.join("config.json"))?;
@@ -29,6 +32,11 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
         }
         MoeStyle::GptOss => MoeConfig::gpt_oss(8, 2, 48),
         MoeStyle::GraniteMoe => MoeConfig::granite_moe(8, 2, 48),
+        MoeStyle::Glm4Moe => {
+            let mut m = MoeConfig::glm4_moe(8, 2, 48, 1, 2.5);
+            (m.mlp_only_layers, m.groups) = (vec![0], (4, 2));
+            m
+        }
     };
     moe.output_router_logits = coef.is_some();
     moe.router_aux_loss_coef = coef.unwrap_or(0.0);
@@ -38,6 +46,9 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
     }
     if style == MoeStyle::Mixtral {
         cfg = cfg.with_sliding_window(Some(40));
+    }
+    if style == MoeStyle::Glm4Moe {
+        cfg = cfg.with_qkv_bias(true).with_qk_norm(true);
     }
     if style == MoeStyle::GptOss {
         // a window of 40 on layer 0 only (gpt-oss slides every other layer), YaRN acting at T = 256
@@ -70,6 +81,8 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
         } else if name.ends_with("experts.gate_proj.bias") || name.ends_with("experts.up_proj.bias") {
             // gpt-oss: wide enough that some gates and ups pass the clamps at 7 (and ±7)
             (crate::rand_t(53, name, &spec.shape)? * 3.0)?
+        } else if name.ends_with(candle_cp_llama::params::CORRECTION_BIAS) {
+            (crate::rand_t(61, name, &spec.shape)? * 0.3)?
         } else if name.ends_with(".bias") {
             (crate::rand_t(59, name, &spec.shape)? * 0.3)?
         } else {

@@ -20,6 +20,7 @@
 //! | `olmoe` (`OlmoeForCausalLM`)       | no             | over the whole projection (norms before the branches, as a Llama) | none (MLPs: experts on every layer, [`crate::config::olmo`]) |
 //! | `granitemoe` (`GraniteMoeForCausalLM`) | no         | no         | none (Granite's multipliers; MLPs: experts on every layer, [`crate::config::granite_moe`]) |
 //! | `glm4` (`Glm4ForCausalLM`)         | `attention_bias` (default on) | no | none (norms before and after each branch, interleaved partial RoPE: [`crate::config::glm4`]) |
+//! | `glm4_moe` (`Glm4MoeForCausalLM`)  | `attention_bias` | `use_qk_norm` | none (its MLPs: experts with sigmoid scores from layer `first_k_dense_replace` on, [`crate::config::glm4_moe`]) |
 //! | `glm` (`GlmForCausalLM`)           | `attention_bias` (default on) | no | none (GLM-4's RoPE and fused MLP with a Llama's norms: [`crate::config::glm4`]) |
 //!
 //! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
@@ -99,14 +100,17 @@ pub enum Arch {
     /// `GlmForCausalLM`: GLM-4's q, k, v biases and interleaved partial RoPE with a Llama's
     /// norms, see [`crate::config::glm4`].
     Glm,
+    /// `Glm4MoeForCausalLM` (GLM-4.5): a mixture of experts with sigmoid scores and shared
+    /// experts, see [`crate::config::glm4_moe`].
+    Glm4Moe,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe, glm4, glm";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe, glm4, glm, glm4_moe";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 20] = [
+    pub const ALL: [Arch; 21] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -127,6 +131,7 @@ impl Arch {
         Arch::GraniteMoe,
         Arch::Glm4,
         Arch::Glm,
+        Arch::Glm4Moe,
     ];
 
     fn of_model_type(t: &str) -> Option<Arch> {
@@ -160,6 +165,7 @@ impl Arch {
             Arch::GraniteMoe => ("GraniteMoeForCausalLM", "granitemoe"),
             Arch::Glm4 => ("Glm4ForCausalLM", "glm4"),
             Arch::Glm => ("GlmForCausalLM", "glm"),
+            Arch::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
         }
     }
 
@@ -220,6 +226,8 @@ impl Arch {
             // Glm4Attention, GlmAttention: attention_bias on q, k, v (default true:
             // glm4::with_defaults), none on o_proj
             Arch::Glm | Arch::Glm4 => Ok(m.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(true)),
+            // Glm4MoeAttention: attention_bias on q, k, v (default false), none on o_proj
+            Arch::Glm4Moe => Ok(m.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false)),
             Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite | Arch::Olmo2 | Arch::Olmo3 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
@@ -253,7 +261,7 @@ impl Arch {
             // Olmo2Config and OlmoeConfig have no window (transformers ignores the keys)
             (Arch::Olmo2 | Arch::Olmoe, _) => None,
             // GraniteMoeConfig has no window either
-            (Arch::GraniteMoe | Arch::Glm | Arch::Glm4, _) => None,
+            (Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe, _) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
@@ -285,7 +293,7 @@ impl Arch {
                 }
                 // Olmo3Config: layer i slides iff (i + 1) % 4 != 0
                 Arch::Olmo3 => (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(4)).collect(),
-                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe | Arch::Glm | Arch::Glm4 => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe => vec![w.is_some(); layers],
                 // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
                 Arch::SmolLM3 => vec![false; layers],
             },

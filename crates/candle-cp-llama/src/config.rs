@@ -28,6 +28,8 @@ pub mod granite;
 pub mod granite_moe;
 #[path = "glm4.rs"]
 pub mod glm4;
+#[path = "glm4_moe.rs"]
+pub mod glm4_moe;
 #[path = "multimodal.rs"]
 pub mod multimodal;
 pub use granite::Granite;
@@ -199,7 +201,7 @@ impl LlamaConfig {
         let exa = exaone4::with_defaults(m)?;
         let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
             (Some(t), _) | (None, Some(t)) => Some(t),
-            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or_else(|| glm4::with_defaults(m)).or(smol).or(exa),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or_else(|| glm4::with_defaults(m)).or_else(|| glm4_moe::with_defaults(m)).or(smol).or(exa),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -240,6 +242,7 @@ impl LlamaConfig {
             Arch::GptOss => Some(qwen3_moe::parse_gpt_oss(m, need_usize(m, "intermediate_size")?)?),
             Arch::Olmoe => Some(olmo::parse_moe(m, need_usize(m, "intermediate_size")?)?),
             Arch::GraniteMoe => Some(granite_moe::parse(m, need_usize(m, "intermediate_size")?)?),
+            Arch::Glm4Moe => Some(glm4_moe::parse(m, need_usize(m, "num_hidden_layers")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -309,7 +312,7 @@ impl LlamaConfig {
             sliding_window,
             sliding_layers,
             qkv_bias: arch.qkv_bias(m)?,
-            qk_norm: arch.qk_norm(),
+            qk_norm: arch.qk_norm() || (arch == Arch::Glm4Moe && glm4_moe::qk_norm(m)?),
             gemma3: gemma3.map(|g| g.0),
             gemma2,
             moe,
@@ -467,6 +470,7 @@ impl LlamaConfig {
                 MoeStyle::Qwen2Moe => Arch::Qwen2Moe,
                 MoeStyle::GptOss => Arch::GptOss,
                 MoeStyle::GraniteMoe => Arch::GraniteMoe,
+                MoeStyle::Glm4Moe => Arch::Glm4Moe,
             };
         }
         if self.nope_layers.is_some() {

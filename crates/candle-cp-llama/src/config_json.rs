@@ -110,7 +110,10 @@ impl LlamaConfig {
                 gemma2::write(m, self, g);
             }
             if let Some(moe) = &self.moe {
-                qwen3_moe::write(m, moe);
+                match moe.style {
+                    MoeStyle::Glm4Moe => glm4_moe::write(m, self, moe),
+                    _ => qwen3_moe::write(m, moe),
+                }
             }
             if self.phi3 {
                 phi3::write(m, self);

@@ -19,6 +19,7 @@ impl LlamaConfig {
         olmo::validate(self)?;
         exaone4::validate(self)?;
         glm4::validate(self)?;
+        glm4_moe::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
@@ -52,7 +53,7 @@ impl LlamaConfig {
                 )
             }
         }
-        if self.qkv_bias && self.qk_norm {
+        if self.qkv_bias && self.qk_norm && self.arch() != Arch::Glm4Moe {
             bail!("LlamaConfig: q, k, v biases (Qwen2) and q, k norms (Qwen3) together are no architecture this model writes")
         }
         if let Some(g) = &self.gemma3 {
@@ -78,7 +79,7 @@ impl LlamaConfig {
         }
         if self.gpt_oss || self.moe.as_ref().is_some_and(|m| m.style == MoeStyle::GptOss) {
             gpt_oss_validate(self)?;
-        } else if let Some(m) = &self.moe {
+        } else if let Some(m) = self.moe.as_ref().filter(|m| m.style != MoeStyle::Glm4Moe) {
             let mixtral = m.style == MoeStyle::Mixtral;
             // (OLMoE: Qwen3-MoE's experts with OLMo's q, k norms instead of the head norms)
             let (norms, biases) = (m.style == MoeStyle::Qwen3Moe && self.olmo.is_none(), m.style == MoeStyle::Qwen2Moe);
@@ -99,6 +100,9 @@ impl LlamaConfig {
                     m.decoder_sparse_step
                 )
             }
+            qwen3_moe::validate(m, self.num_hidden_layers)?;
+        }
+        if let Some(m) = self.moe.as_ref().filter(|m| m.style == MoeStyle::Glm4Moe) {
             qwen3_moe::validate(m, self.num_hidden_layers)?;
         }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits

@@ -214,7 +214,7 @@ fn refuse_names<'a>(dir: &Path, cfg: &LlamaConfig, prefix: TextPrefix, names: im
     let mut unused: Vec<&str> = names
         .filter(|n| match prefix.param_name(n) {
             None => false,
-            Some(p) => !(used(&p) || p.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && p == "lm_head.weight")),
+            Some(p) => !(used(&p) || p.ends_with(".rotary_emb.inv_freq") || (cfg.tie_word_embeddings && p == "lm_head.weight") || crate::config::glm4_moe::is_next_token_layer(cfg, &p)),
         })
         .collect();
     if unused.is_empty() {
@@ -293,7 +293,7 @@ pub fn load_hf(dir: impl AsRef<Path>, device: &Device, dtype: DType) -> Result<(
         let mut data = crate::params::lock_vars(&vm)?;
         for s in param_specs(&cfg) {
             let t = param_from_checkpoint(dir, &cfg, &s, prefix, &mut whole, |name| Ok(tensors.get(name).cloned()))?;
-            data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(dtype)?)?);
+            data.insert(s.name.clone(), Var::from_tensor(&t.to_dtype(s.dtype_in(dtype))?)?);
         }
     }
     Ok((vm, cfg))

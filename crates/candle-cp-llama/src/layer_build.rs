@@ -45,6 +45,14 @@ impl<'a> LayerBuilder<'a> {
         self.vb.get_with_hints(s.local_shape_in(&self.ctx)?, name, INIT)
     }
 
+    /// Parameter `name` in f32 ([`crate::ParamSpec::keeps_f32`]), this rank's local shape.
+    fn get_f32(&self, name: &str) -> Result<Tensor> {
+        let Some(s) = self.specs.get(name) else {
+            bail!("Llama::new: no parameter spec for {name}")
+        };
+        self.vb.get_with_hints_dtype(s.local_shape_in(&self.ctx)?, name, Init::Const(0.0), candle_core::DType::F32)
+    }
+
     /// Parameter `name` with this rank's local shape, `init` in a fresh `VarMap`.
     fn get_init(&self, name: &str, init: Init) -> Result<Tensor> {
         let Some(s) = self.specs.get(name) else {
@@ -118,9 +126,10 @@ impl<'a> LayerBuilder<'a> {
         let of = |part: &str| -> Result<[Option<crate::moe_lora::Factors>; 3]> {
             Ok([factors(format!("{module}{part}.gate_proj"))?, factors(format!("{module}{part}.up_proj"))?, factors(format!("{module}{part}.down_proj"))?])
         };
-        let (experts, shared) = (of("experts")?, of("shared_expert")?);
+        let moe = self.cfg.moe.as_ref();
+        let (experts, shared) = (of("experts")?, of(moe.map_or("shared_expert", |m| m.shared_module()))?);
         // the routers (transformers 4's linear `gate` / `shared_expert_gate`)
-        let router = self.cfg.moe.as_ref().map_or("gate", |m| m.router());
+        let router = moe.map_or("gate", |m| m.router());
         let routers = [factors(format!("{module}{router}"))?, factors(format!("{module}shared_expert_gate"))?];
         if experts.iter().chain(&shared).chain(&routers).all(|f| f.is_none()) {
             return Ok(None);
@@ -170,11 +179,20 @@ impl<'a> LayerBuilder<'a> {
                     shared: match m.shared_expert_intermediate_size {
                         0 => None,
                         _ => Some(crate::moe::SharedExpert {
-                            gate: self.get(&p("shared_expert.gate_proj.weight"))?,
-                            up: self.get(&p("shared_expert.up_proj.weight"))?,
-                            down: self.get(&p("shared_expert.down_proj.weight"))?,
-                            weight: self.get(&p("shared_expert_gate.weight"))?,
+                            gate: self.get(&p(&format!("{}.gate_proj.weight", m.shared_module())))?,
+                            up: self.get(&p(&format!("{}.up_proj.weight", m.shared_module())))?,
+                            down: self.get(&p(&format!("{}.down_proj.weight", m.shared_module())))?,
+                            weight: m.shared_gate().then(|| self.get(&p("shared_expert_gate.weight"))).transpose()?,
                         }),
+                    },
+                    // (GLM-4.5: sigmoid scores, the experts chosen with the correction bias, f32)
+                    scoring: match m.sigmoid_scores() {
+                        false => crate::moe::Scoring::Softmax,
+                        true => crate::moe::Scoring::Sigmoid {
+                            bias: self.get_f32(&p(&format!("{}.{}", m.router(), crate::params::CORRECTION_BIAS)))?,
+                            scale: m.routed_scaling_factor,
+                            groups: m.groups,
+                        },
                     },
                     ep: self.ctx.ep.clone(),
                     lora: self.moe_lora(&p(""))?,

@@ -26,6 +26,10 @@
 //! run beside their grouped matmuls, and LoRA on the routers (`gate`, `shared_expert_gate`)
 //! inside the logits' node: `moe_lora.rs`.
 //!
+//! GLM-4.5's router ([`Scoring::Sigmoid`], [`crate::config::glm4_moe`]) scores by sigmoid, chooses
+//! by the scores plus a correction bias (within the best expert groups), and weights the chosen
+//! experts by their scores renormalised and scaled; its shared experts have no gate.
+//!
 //! The load-balancing loss (transformers' `load_balancing_loss_func`, with
 //! `output_router_logits`) is `E · Σ_e f_e · P_e` over every token of the global batch and
 //! every sparse layer (`f_e` the fraction of (token, slot) choices of expert `e` per token,
@@ -171,6 +175,23 @@ pub(crate) struct SparseMoe {
     pub(crate) lora: Option<Box<MoeLora>>,
     /// gpt-oss's router and expert biases.
     pub(crate) biases: Option<MoeBiases>,
+    /// How the router scores the experts: a softmax, or GLM-4.5's sigmoid.
+    pub(crate) scoring: Scoring,
+}
+
+/// How a router scores and chooses the experts.
+#[derive(Clone)]
+pub(crate) enum Scoring {
+    /// `softmax(logits)`, the top `K` (renormalised with `norm_topk`).
+    Softmax,
+    /// GLM-4.5's: `s = sigmoid(logits)`, the top `K` of `s + bias` within the best `groups.1`
+    /// of `groups.0` expert groups, weighted by `s` (renormalised with `norm_topk`) · `scale`.
+    Sigmoid {
+        /// `[E]` f32, replicated: chooses, no more (its gradient is zero).
+        bias: Tensor,
+        scale: f64,
+        groups: (usize, usize),
+    },
 }
 
 /// gpt-oss's biases of a sparse layer (this rank's slices; under expert parallelism its
@@ -190,7 +211,7 @@ pub(crate) struct MoeBiases {
 
 /// Qwen2-MoE's shared expert: a SwiGLU every token goes through (this TP rank's slice, as a
 /// dense MLP's), weighted by `sigmoid(x·wᵀ)` (`w` `[1, h]`, replicated; its gradient summed
-/// over TP like the router's).
+/// over TP like the router's); GLM-4.5's shared experts: the same without the weight.
 #[derive(Clone)]
 pub(crate) struct SharedExpert {
     /// `[Is/tp, h]`.
@@ -199,8 +220,8 @@ pub(crate) struct SharedExpert {
     pub(crate) up: Tensor,
     /// `[h, Is/tp]`.
     pub(crate) down: Tensor,
-    /// `[1, h]`.
-    pub(crate) weight: Tensor,
+    /// `[1, h]`; `None`: no gate (GLM-4.5).
+    pub(crate) weight: Option<Tensor>,
 }
 
 impl SparseMoe {
@@ -217,7 +238,7 @@ impl SparseMoe {
         // (the routers: replicated, merged whole)
         let r = |i: usize, w: &Tensor| -> Result<Tensor> { Ok(l.merged_router(i, w, &self.tp)?.unwrap_or_else(|| w.clone())) };
         let shared = match &self.shared {
-            Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: r(1, &s.weight)? }),
+            Some(s) => Some(SharedExpert { gate: m(0, true, &s.gate)?, up: m(1, true, &s.up)?, down: m(2, true, &s.down)?, weight: s.weight.as_ref().map(|w| r(1, w)).transpose()? }),
             None => None,
         };
         Ok(SparseMoe { gate: m(0, false, &self.gate)?, up: m(1, false, &self.up)?, down: m(2, false, &self.down)?, router: r(0, &self.router)?, shared, lora: None, ..self.clone() })
@@ -258,8 +279,18 @@ impl SparseMoe {
             let rb = if p > 1 && !sp { mappings::copy_to_tp_region(&b.router, g)? } else { b.router.clone() };
             logits = logits.broadcast_add(&rb)?;
         }
-        let probs = router_probs(&logits, self.load_balancing.then_some(&self.log))?;
-        let routing = Routing::top_k(&probs, self.top_k)?;
+        let (probs, routing) = match &self.scoring {
+            Scoring::Softmax => {
+                let probs = router_probs(&logits, self.load_balancing.then_some(&self.log))?;
+                let routing = Routing::top_k(&probs, self.top_k)?;
+                (probs, routing)
+            }
+            Scoring::Sigmoid { bias, groups, .. } => {
+                let s = router_sigmoid(&logits, bias)?;
+                let choice = s.detach().broadcast_add(&bias.detach().to_device(s.device())?)?;
+                (s, Routing::top_k(&within_groups(&choice, *groups)?, self.top_k)?)
+            }
+        };
         let sums: Option<Vec<f32>> = match self.load_balancing {
             true => Some(probs.detach().sum(0)?.to_vec1()?),
             false => None,
@@ -271,6 +302,9 @@ impl SparseMoe {
         let mut w = probs.gather(&chosen, 1)?;
         if self.norm_topk {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
+        }
+        if let Scoring::Sigmoid { scale, .. } = &self.scoring {
+            w = (w * *scale)?;
         }
         let w = w.to_dtype(x.dtype())?;
         let sorted = routing.sorted_tokens();
@@ -295,12 +329,17 @@ impl SparseMoe {
         let mut y = combine(&ys, &w, &routing.inverse)?;
         if let Some(s) = &self.shared {
             // sigmoid(x·wᵀ) from elementwise ops (every backend), times this rank's partial sums
-            let sw = if p > 1 && !sp { mappings::copy_to_tp_region(&s.weight, g)? } else { s.weight.clone() };
-            let gate_logits = match &self.lora {
-                Some(l) => l.router_logits(1, &x2, &sw, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
-                None => x2.matmul(&sw.t()?)?,
+            let gate = match &s.weight {
+                None => None,
+                Some(weight) => {
+                    let sw = if p > 1 && !sp { mappings::copy_to_tp_region(weight, g)? } else { weight.clone() };
+                    let gate_logits = match &self.lora {
+                        Some(l) => l.router_logits(1, &x2, &sw, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
+                        None => x2.matmul(&sw.t()?)?,
+                    };
+                    Some((gate_logits.neg()?.exp()? + 1.0)?.recip()?)
+                }
             };
-            let gate = (gate_logits.neg()?.exp()? + 1.0)?.recip()?;
             // (with the adapters' updates on this rank's slices, crate::moe_lora)
             let proj = |i: usize, x: &Tensor, w: &Tensor| -> Result<Tensor> {
                 match &self.lora {
@@ -309,7 +348,11 @@ impl SparseMoe {
                 }
             };
             let m = self.act.gated(&proj(0, &x2, &s.gate)?, &proj(1, &x2, &s.up)?)?;
-            y = (y + proj(2, &m, &s.down)?.broadcast_mul(&gate)?)?;
+            let out = proj(2, &m, &s.down)?;
+            y = match gate {
+                Some(gate) => (y + out.broadcast_mul(&gate)?)?,
+                None => (y + out)?,
+            };
         }
         let y = y.reshape((b, t, h))?;
         if sp {
@@ -374,10 +417,68 @@ fn router_probs(logits: &Tensor, log: Option<&RouterLog>) -> Result<Tensor> {
     attach1("router_probs", logits, probs, bwd)
 }
 
+/// GLM-4.5's scores `sigmoid(logits)` `[N, E]` in f32, one node that keeps only `logits`;
+/// `bias` (`[E]`, which chooses the experts from the scores and nothing else) gets a zero
+/// gradient through it.
+fn router_sigmoid(logits: &Tensor, bias: &Tensor) -> Result<Tensor> {
+    let sig = |l: &Tensor| -> Result<Tensor> { (l.to_dtype(DType::F32)?.neg()?.exp()? + 1.0)?.recip() };
+    let s = sig(&logits.detach())?;
+    let (kept, b) = (logits.detach(), bias.detach());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let s = sig(&kept)?;
+        let dl = (dy * (&s * (1.0 - &s)?)?)?;
+        Ok(vec![Some(dl.to_dtype(kept.dtype())?), Some(b.zeros_like()?)])
+    });
+    candle_cp_ops::autograd::attach2("router_sigmoid", logits, bias, s, bwd)
+}
+
+/// `choice` `[N, E]` (f32) with the experts outside each row's best `topk_group` of `n_group`
+/// groups (a group's score: the sum of its two best) set to 0, as GLM-4.5's router (and
+/// DeepSeek-V3's) masks them; itself with one group or every group kept.
+pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize)) -> Result<Tensor> {
+    if groups <= 1 || keep >= groups {
+        return Ok(choice.clone());
+    }
+    let (n, e) = choice.dims2()?;
+    if !e.is_multiple_of(groups) || e / groups < 2 {
+        bail!("expert groups: {groups} groups of the {e} experts of scores {:?} (each needs two or more)", choice.dims())
+    }
+    let per = e / groups;
+    let mut c: Vec<f32> = choice.to_dtype(DType::F32)?.flatten_all()?.to_vec1()?;
+    for row in c.chunks_mut(e) {
+        let score = |g: usize| -> f32 {
+            let mut v: Vec<f32> = row[g * per..(g + 1) * per].to_vec();
+            v.sort_by(|a, b| b.total_cmp(a));
+            v[0] + v[1]
+        };
+        let mut order: Vec<(usize, f32)> = (0..groups).map(|g| (g, score(g))).collect();
+        // (best first; ties: the lower group)
+        order.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        for &(g, _) in &order[keep..] {
+            row[g * per..(g + 1) * per].fill(0.0);
+        }
+    }
+    Tensor::from_vec(c, (n, e), choice.device())
+}
+
 #[cfg(test)]
 mod tests {
     /// Balanced counts give 1, a layer whose busiest expert has twice the mean 2: their mean
     /// 1.5; a layer that routed nothing is left out; no layers, no figure.
+    /// Groups of two: a row keeps the experts of its best groups (a group's score the sum of its
+    /// two), the others at 0; one group, or every group kept, leaves the row as it is.
+    #[test]
+    fn within_groups_by_hand() -> candle_core::Result<()> {
+        let c = candle_core::Tensor::new(&[[0.9f32, 0.1, 0.5, 0.4, 0.3, 0.3], [0.0, 1.0, 0.6, 0.6, 0.2, 0.1]], &candle_core::Device::Cpu)?;
+        let got = super::within_groups(&c, (3, 1))?.to_vec2::<f32>()?;
+        assert_eq!(got, vec![vec![0.9, 0.1, 0.0, 0.0, 0.0, 0.0], vec![0.0, 0.0, 0.6, 0.6, 0.0, 0.0]]);
+        let two = super::within_groups(&c, (3, 2))?.to_vec2::<f32>()?;
+        assert_eq!(two[0], vec![0.9, 0.1, 0.5, 0.4, 0.0, 0.0]);
+        assert_eq!(super::within_groups(&c, (1, 1))?.to_vec2::<f32>()?, c.to_vec2::<f32>()?);
+        assert!(super::within_groups(&c, (6, 1)).is_err());
+        Ok(())
+    }
+
     #[test]
     fn load_balance_by_hand() {
         let layers = vec![vec![2.0, 2.0, 2.0, 2.0], vec![4.0, 0.0, 2.0, 2.0], vec![0.0; 4]];

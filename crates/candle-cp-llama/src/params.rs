@@ -31,6 +31,8 @@
 //! | `mlp.shared_expert.{gate,up}_proj.weight` (Qwen2-MoE) | `[Is, h]` | rows            |
 //! | `mlp.shared_expert.down_proj.weight` (Qwen2-MoE) | `[h, Is]`   | columns         |
 //! | `mlp.shared_expert_gate.weight` (Qwen2-MoE) | `[1, h]`         | replicated      |
+//! | `mlp.gate.e_score_correction_bias` (GLM-4.5, f32, [`ParamSpec::keeps_f32`]) | `[E]` | replicated |
+//! | `mlp.shared_experts.{gate,up,down}_proj.weight` (GLM-4.5) | as Qwen2-MoE's shared expert | as it |
 //!
 //! and the model ends with `lm_head.weight` `[V, h]` (absent when tied), rows (vocabulary) as
 //! the embedding.
@@ -63,7 +65,21 @@ pub struct ParamSpec {
     pub shard: Shard,
 }
 
+/// GLM-4.5's router bias that chooses the experts (`….gate.e_score_correction_bias`).
+pub const CORRECTION_BIAS: &str = "e_score_correction_bias";
+
 impl ParamSpec {
+    /// Whether the parameter is held in f32 whatever the model's dtype: GLM-4.5's correction
+    /// bias ([`crate::config::glm4_moe`]), which transformers keeps in f32 too.
+    pub fn keeps_f32(&self) -> bool {
+        self.name.ends_with(CORRECTION_BIAS)
+    }
+
+    /// The dtype the parameter is held in within a model of `dtype`.
+    pub fn dtype_in(&self, dtype: DType) -> DType {
+        if self.keeps_f32() { DType::F32 } else { dtype }
+    }
+
     /// Whether this is a LoRA adapter factor ([`crate::lora`]).
     pub fn is_lora(&self) -> bool {
         crate::lora::is_lora_name(&self.name)
@@ -261,6 +277,10 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
                 if m.biases() {
                     add(q(&format!("{}.bias", m.router())), vec![e], norm);
                 }
+                if m.sigmoid_scores() {
+                    // GLM-4.5: the bias that chooses the experts (a zero gradient; f32)
+                    add(q(&format!("{}.{CORRECTION_BIAS}", m.router())), vec![e], norm);
+                }
                 add(q("experts.gate_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.up_proj"), vec![e, ie, h], Shard::Dim(1));
                 add(q("experts.down_proj"), vec![e, h, ie], Shard::Dim(2));
@@ -273,10 +293,13 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
                 }
                 let is = m.shared_expert_intermediate_size;
                 if is > 0 {
-                    add(q("shared_expert.gate_proj.weight"), vec![is, h], col);
-                    add(q("shared_expert.up_proj.weight"), vec![is, h], col);
-                    add(q("shared_expert.down_proj.weight"), vec![h, is], row);
-                    add(q("shared_expert_gate.weight"), vec![1, h], norm);
+                    let s = m.shared_module();
+                    add(q(&format!("{s}.gate_proj.weight")), vec![is, h], col);
+                    add(q(&format!("{s}.up_proj.weight")), vec![is, h], col);
+                    add(q(&format!("{s}.down_proj.weight")), vec![h, is], row);
+                    if m.shared_gate() {
+                        add(q("shared_expert_gate.weight"), vec![1, h], norm);
+                    }
                 }
             }
             _ => {
@@ -406,7 +429,7 @@ pub fn init_params(cfg: &LlamaConfig, seed: u64, dtype: DType, device: &Device) 
             let t = init_tensor(&s, seed, cfg)?;
             data.insert(
                 s.name.clone(),
-                Var::from_tensor(&t.to_dtype(dtype)?.to_device(device)?)?,
+                Var::from_tensor(&t.to_dtype(s.dtype_in(dtype))?.to_device(device)?)?,
             );
         }
     }
@@ -426,8 +449,9 @@ pub fn trainable_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
 /// The full f32 host tensor [`init_params`] draws for `spec`.
 pub(crate) fn init_tensor(spec: &ParamSpec, seed: u64, cfg: &LlamaConfig) -> Result<Tensor> {
     let n: usize = spec.shape.iter().product();
-    if spec.name.ends_with(".lora_B.weight") {
-        // B starts at zero: the adapted model starts as the base model
+    if spec.name.ends_with(".lora_B.weight") || spec.keeps_f32() {
+        // B starts at zero: the adapted model starts as the base model (GLM-4.5's correction
+        // bias at zero too, as transformers starts it)
         return Tensor::zeros(spec.shape.as_slice(), DType::F32, &Device::Cpu);
     }
     if spec.shape.len() == 1 && !spec.name.ends_with(".bias") {
@@ -480,7 +504,7 @@ pub(crate) fn sharded_params(
         let mut data = lock_vars(&vm)?;
         for s in param_specs(cfg) {
             let local = s.slice_for(&full_of(&s)?, ctx)?;
-            data.insert(s.name.clone(), Var::from_tensor(&local.to_dtype(dtype)?.to_device(device)?)?);
+            data.insert(s.name.clone(), Var::from_tensor(&local.to_dtype(s.dtype_in(dtype))?.to_device(device)?)?);
         }
     }
     Ok(vm)

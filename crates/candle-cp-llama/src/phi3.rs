@@ -137,8 +137,8 @@ pub(crate) fn partial_rotary_factor(m: &Map<String, Value>, arch: Arch) -> Resul
         _ => None,
     };
     let f = get_f64(m, "partial_rotary_factor")?.or(in_rope).unwrap_or(1.0);
-    if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::Glm | Arch::Glm4) {
-        bail!("config.json: partial_rotary_factor {f} not supported on a {} model (RoPE rotates every dimension of its heads here; only Phi-3's and GLM's partial RoPE are)", arch.hf_names().0)
+    if f != 1.0 && !matches!(arch, Arch::Phi3 | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe) {
+        bail!("config.json: partial_rotary_factor {f} not supported on a {} model (RoPE rotates every dimension of its heads here; only Phi-3's, GLM's and GLM-4.5's partial RoPE are)", arch.hf_names().0)
     }
     Ok(f)
 }
@@ -150,8 +150,8 @@ pub(crate) fn validate_partial_rotary(cfg: &LlamaConfig) -> Result<()> {
     if !(f > 0.0 && f <= 1.0) || r < 2 || r % 2 != 0 {
         bail!("LlamaConfig: partial_rotary_factor {f} must be in (0, 1] and rotate an even number (>= 2) of a head's {} dimensions, got {r}", cfg.head_dim)
     }
-    if f != 1.0 && !cfg.phi3 && cfg.glm.is_none() {
-        bail!("LlamaConfig: partial_rotary_factor {f} on a {} model (only a Phi-3's or GLM's RoPE is partial here)", cfg.arch().hf_names().0)
+    if f != 1.0 && !cfg.phi3 && cfg.glm.is_none() && cfg.arch() != Arch::Glm4Moe {
+        bail!("LlamaConfig: partial_rotary_factor {f} on a {} model (only a Phi-3's, GLM's or GLM-4.5's RoPE is partial here)", cfg.arch().hf_names().0)
     }
     Ok(())
 }

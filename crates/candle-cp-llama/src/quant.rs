@@ -28,7 +28,8 @@ use std::sync::Arc;
 /// projection weight (`model.layers.{i}.self_attn.{q,k,v,o}_proj.weight`,
 /// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`), a sparse layer's stacked experts
 /// (`model.layers.{i}.{mlp,block_sparse_moe}.experts.{gate,up,down}_proj`) or its shared
-/// expert's projections (`model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight`).
+/// expert's projections (`model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight`,
+/// GLM-4.5's `shared_experts`).
 pub fn is_quantized_weight(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("model.layers.") else { return false };
     let Some((_, tail)) = rest.split_once('.') else { return false };
@@ -37,6 +38,7 @@ pub fn is_quantized_weight(name: &str) -> bool {
         || PROJ.iter().any(|p| {
             tail == format!("mlp.{p}.weight")
                 || tail == format!("mlp.shared_expert.{p}.weight")
+                || tail == format!("mlp.shared_experts.{p}.weight")
                 || tail == format!("mlp.experts.{p}")
                 || tail == format!("block_sparse_moe.experts.{p}")
         })

@@ -43,6 +43,10 @@ pub enum MoeStyle {
     /// multipliers, stored as `block_sparse_moe.router.layer` and the experts fused
     /// (`block_sparse_moe.input_linear`, `output_linear`; see [`crate::config::granite_moe`]).
     GraniteMoe,
+    /// GLM-4.5 (`Glm4MoeForCausalLM`): sigmoid scores chosen with a correction bias
+    /// (`mlp.gate.e_score_correction_bias`), scaled by `routed_scaling_factor`, and shared experts
+    /// without a gate (`mlp.shared_experts.{gate,up,down}_proj`; see [`crate::config::glm4_moe`]).
+    Glm4Moe,
 }
 
 /// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
@@ -67,8 +71,14 @@ pub struct MoeConfig {
     /// Whether the training loss includes the load-balancing loss (`output_router_logits`,
     /// default false, as in transformers).
     pub output_router_logits: bool,
-    /// The shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`); 0: none.
+    /// The shared expert's width (Qwen2-MoE's `shared_expert_intermediate_size`; GLM-4.5's
+    /// `n_shared_experts · moe_intermediate_size`); 0: none.
     pub shared_expert_intermediate_size: usize,
+    /// The chosen experts' weights' factor (GLM-4.5's `routed_scaling_factor`; 1 for the others).
+    pub routed_scaling_factor: f64,
+    /// GLM-4.5's expert groups `(n_group, topk_group)`: a token chooses among the experts of the
+    /// `topk_group` groups whose two best scores sum highest; `(1, 1)`: no limit.
+    pub groups: (usize, usize),
 }
 
 impl MoeConfig {
@@ -86,6 +96,8 @@ impl MoeConfig {
             router_aux_loss_coef: 0.001,
             output_router_logits: false,
             shared_expert_intermediate_size: 0,
+            routed_scaling_factor: 1.0,
+            groups: (1, 1),
         }
     }
 
@@ -114,10 +126,17 @@ impl MoeConfig {
         Self { style: MoeStyle::GraniteMoe, norm_topk_prob: true, ..Self::new(num_experts, top_k, width) }
     }
 
+    /// A GLM-4.5 mixture of `E` experts, `K` per token, each `width` wide, with `shared` shared
+    /// experts as wide (one SwiGLU `shared · width` wide), the top-`K` sigmoid scores
+    /// renormalised and scaled by `scale`; no load-balancing loss ([`crate::config::glm4_moe`]).
+    pub fn glm4_moe(num_experts: usize, top_k: usize, width: usize, shared: usize, scale: f64) -> Self {
+        Self { style: MoeStyle::Glm4Moe, norm_topk_prob: true, shared_expert_intermediate_size: shared * width, routed_scaling_factor: scale, router_aux_loss_coef: 0.0, ..Self::new(num_experts, top_k, width) }
+    }
+
     /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
     pub fn module(&self) -> &'static str {
         match self.style {
-            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss => "mlp",
+            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss | MoeStyle::Glm4Moe => "mlp",
             MoeStyle::Mixtral | MoeStyle::GraniteMoe => "block_sparse_moe",
         }
     }
@@ -134,6 +153,27 @@ impl MoeConfig {
     /// Whether the router and the experts carry biases (gpt-oss).
     pub fn biases(&self) -> bool {
         self.style == MoeStyle::GptOss
+    }
+
+    /// The shared expert's module in the sparse layer's: Qwen2-MoE's `shared_expert` (gated by
+    /// `shared_expert_gate`), GLM-4.5's `shared_experts` (no gate).
+    pub fn shared_module(&self) -> &'static str {
+        match self.style {
+            MoeStyle::Glm4Moe => "shared_experts",
+            _ => "shared_expert",
+        }
+    }
+
+    /// Whether the shared expert's output is weighted by `sigmoid(x·w)` (Qwen2-MoE's
+    /// `shared_expert_gate`).
+    pub fn shared_gate(&self) -> bool {
+        self.style != MoeStyle::Glm4Moe
+    }
+
+    /// Whether the router scores by sigmoid with a correction bias choosing the experts
+    /// (GLM-4.5's `mlp.gate.e_score_correction_bias`) instead of a softmax.
+    pub fn sigmoid_scores(&self) -> bool {
+        self.style == MoeStyle::Glm4Moe
     }
 }
 
@@ -305,6 +345,9 @@ impl LlamaConfig {
                 (self.qk_norm, self.qkv_bias, self.intermediate_size) = (false, false, w);
                 self.granite.get_or_insert_with(Default::default);
             }
+            // (GLM-4.5: q, k, v biases and head norms as its config says; RoPE on half of each
+            // head by default, in the half form)
+            Some((MoeStyle::Glm4Moe, _)) => self.partial_rotary_factor = 0.5,
             None => {}
         }
         self.moe = moe;
