@@ -58,7 +58,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s) = (0, 0, 0, 0, 0, 0);
+    let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s, mut glm45s) = (0, 0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -123,6 +123,14 @@ fn random_generation_equals_single_device() -> Result<()> {
         let glm4 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && window.is_none() && (hidden / heads / 2).is_multiple_of(2) && rng(7970 + seed).below(4) == 0;
         // (a third of them GLM: GLM-4's RoPE with a Llama's norms)
         let cfg = if glm4 { cfg.with_glm(Some(if rng(7971 + seed).below(3) == 0 { candle_cp_llama::Glm::Glm } else { candle_cp_llama::Glm::Glm4 })) } else { cfg };
+        // a quarter of the rest without a window are GLM-4.5: 4 experts of its width in 2 groups
+        // of which 1 is kept, top 2, scaled by 2.5, a shared expert as wide, q, k, v biases and
+        // head norms, RoPE on half of each head where that half is even (a stream of its own)
+        let glm45 = !gpt_oss && !smollm3 && !olmo && !exaone && !granite_moe && !glm4 && window.is_none() && (hidden / heads).is_multiple_of(4) && rng(7980 + seed).below(4) == 0;
+        let cfg = match glm45 {
+            true => cfg.with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(4, 2, hidden, 1, 2.5) })).with_qkv_bias(true).with_qk_norm(true),
+            false => cfg,
+        };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -144,9 +152,13 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM {:?}, {sampling:?}", cfg.nope_layers, cfg.olmo, cfg.glm
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM {:?}, GLM-4.5 {glm45}, {sampling:?}", cfg.nope_layers, cfg.olmo, cfg.glm
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
+        // GLM-4.5: correction biases of std 0.3 (the init's are 0)
+        for (k, t) in full.iter_mut().filter(|(k, _)| k.ends_with(candle_cp_llama::params::CORRECTION_BIAS)) {
+            *t = (candle_cp_tests::rand_t(seed + 3, k, t.dims())? * 0.3)?;
+        }
         // gpt-oss: sinks around 2 (the init's are near 0)
         for t in full.iter_mut().filter(|(k, _)| k.ends_with(".sinks")).map(|(_, t)| t) {
             *t = ((&*t * 100.0)? + 2.0)?;
@@ -195,12 +207,13 @@ fn random_generation_equals_single_device() -> Result<()> {
         exaones += exaone as usize;
         granites += granite_moe as usize;
         glm4s += glm4 as usize;
+        glm45s += glm45 as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

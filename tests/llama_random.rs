@@ -110,6 +110,26 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
         }
         false => cfg,
     };
+    // a third of the Qwen2-MoE draws without a window are GLM-4.5 (sigmoid scores chosen with a
+    // correction bias within expert groups, scaled; ungated shared experts, 1 or 2 wide; the
+    // first layer dense or not; head norms or not; RoPE on half of each head, where that half is
+    // even; a stream of its own)
+    let mut g45 = rng(996_000 + seed);
+    let cfg = match cfg.moe.clone().filter(|m| m.style == candle_cp_llama::MoeStyle::Qwen2Moe && window.is_none() && cfg.head_dim.is_multiple_of(4) && g45.below(3) == 0) {
+        Some(m) => {
+            let (e, k) = (m.num_experts, m.num_experts_per_tok);
+            let mut g = candle_cp_llama::MoeConfig::glm4_moe(e, k, m.moe_intermediate_size, 1 + g45.below(2), pick(&mut g45, &[1.0, 2.5]));
+            // groups of 2 or 4 experts, enough kept for K
+            let groups: Vec<(usize, usize)> = [(1, 1), (2, 1), (2, 2), (4, 2), (4, 3)].into_iter().filter(|&(n, keep)| e.is_multiple_of(n) && e / n >= 2 && k <= keep * (e / n)).collect();
+            g.groups = groups[g45.below(groups.len())];
+            g.norm_topk_prob = g45.below(2) == 0;
+            if layers == 2 && g45.below(2) == 0 {
+                g.mlp_only_layers = vec![0];
+            }
+            cfg.with_moe(Some(g)).with_qk_norm(g45.below(2) == 0)
+        }
+        None => cfg,
+    };
     // half of the remaining plain Qwen2 draws are gpt-oss (attention sinks, biases on o, the
     // router and the experts, the clamped SwiGLU; a stream of its own)
     let mut go = rng(990_000 + seed);
@@ -314,7 +334,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut checked, mut refused, mut tp, mut dp, mut windowed) = (0, 0, 0, 0, 0);
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
-    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite, mut glm4, mut glm) = (0, 0, 0, 0, 0, 0, 0, 0);
+    let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite, mut glm4, mut glm, mut glm45) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
     let (mut olmo, mut exaone) = (0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
@@ -328,6 +348,10 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
         // gpt-oss: sinks around 2 (the init's are near 0, where a misplaced sink hides)
         for (k, t) in full.iter_mut().filter(|(k, _)| k.ends_with(".sinks")) {
             *t = ((&*t * 100.0)? + 2.0).map_err(|e| candle_core::Error::Msg(format!("{k}: {e}")))?;
+        }
+        // GLM-4.5: correction biases of std 0.3 (the init's are 0, where they choose nothing)
+        for (k, t) in full.iter_mut().filter(|(k, _)| k.ends_with(candle_cp_llama::params::CORRECTION_BIAS)) {
+            *t = (candle_cp_tests::rand_t(seed + 3, k, t.dims())? * 0.3)?;
         }
         let ids = token_ids(b, t, vocab, seed)?;
         let single = run_layout(&full, &cfg, &ids, Layout::single(), &Device::Cpu)?;
@@ -366,6 +390,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 granite += cfg.granite.is_some() as usize;
                 glm4 += cfg.is_glm4() as usize;
                 glm += (cfg.arch() == candle_cp_llama::Arch::Glm) as usize;
+                glm45 += (cfg.arch() == candle_cp_llama::Arch::Glm4Moe) as usize;
                 olmo += cfg.olmo.is_some() as usize;
                 exaone += cfg.exaone4 as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
@@ -377,7 +402,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {glm} GLM, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {glm} GLM, {glm45} GLM-4.5, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),

@@ -115,6 +115,22 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         }
         false => model,
     };
+    // a quarter of the Qwen3-MoE seeds without a window are GLM-4.5 instead (sigmoid scores
+    // chosen with a correction bias in 2 groups of 2, one or both kept, scaled by 2.5; a shared
+    // expert 16 wide; layer 0 dense with two layers or more; q, k, v biases or not beside the
+    // head norms; RoPE on half of each head, where that half is even; a stream of its own)
+    let mut g45 = rng(939_500 + seed);
+    let model = match model.moe.is_some() && arch == 2 && window.is_none() && model.head_dim.is_multiple_of(4) && g45.below(4) == 0 {
+        true => {
+            let mut moe = candle_cp_llama::MoeConfig::glm4_moe(4, 2, 16, 1, 2.5);
+            moe.groups = (2, 1 + g45.below(2));
+            if layers >= 2 {
+                moe.mlp_only_layers = vec![0];
+            }
+            model.with_moe(Some(moe)).with_qkv_bias(g45.below(2) == 0)
+        }
+        false => model,
+    };
     // a third of the Qwen2 seeds are gpt-oss instead (sinks, biases on o, the router and the
     // experts, the clamped SwiGLU; a stream of its own)
     let model = match arch == 1 && rng(949_000 + seed).below(3) == 0 {

@@ -375,7 +375,12 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
         Some(x) => {
-            let shared = if x.shared_ffn > 0 { 3.0 * h * x.shared_ffn as f64 / t + h } else { 0.0 };
+            // (its gate replicated; GLM-4.5's: none, the router's correction bias replicated)
+            let shared = match (x.shared_ffn, x.sigmoid_router) {
+                (0, false) => 0.0,
+                (_, true) => 3.0 * h * x.shared_ffn as f64 / t + x.experts as f64,
+                (_, false) => 3.0 * h * x.shared_ffn as f64 / t + h,
+            };
             let ep = l.ep.max(1) as f64;
             // gpt-oss: the router's bias (replicated), the experts' split as their weights
             let biases = if m.gpt_oss { x.experts as f64 + (x.experts * (2 * x.expert_ffn + m.hidden)) as f64 / (t * ep) } else { 0.0 };
@@ -445,7 +450,7 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let routers = match &m.moe {
         Some(x) if !m.gpt_oss => {
             let e = x.experts as f64;
-            let shared_gate = if x.shared_ffn > 0 { r * (h + 1.0) + dora } else { 0.0 };
+            let shared_gate = if x.shared_ffn > 0 && !x.sigmoid_router { r * (h + 1.0) + dora } else { 0.0 };
             m.sparse_fraction() * (r * (h + e) + dora * e + shared_gate)
         }
         _ => 0.0,

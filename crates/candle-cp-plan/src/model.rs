@@ -89,16 +89,20 @@ pub struct MoeShape {
     /// The top `K` probabilities renormalised to sum 1 (`norm_topk_prob`).
     pub norm_topk: bool,
     /// Qwen2-MoE's shared expert's width `f_s` (`shared_expert_intermediate_size`; 0: none): a
-    /// SwiGLU every token goes through, weighted by a sigmoid gate `[1, h]`.
+    /// SwiGLU every token goes through, weighted by a sigmoid gate `[1, h]`; GLM-4.5's
+    /// `n_shared_experts · moe_intermediate_size`, ungated).
     pub shared_ffn: usize,
+    /// GLM-4.5's router: sigmoid scores, a correction bias `[E]` per sparse layer, the shared
+    /// expert without a gate.
+    pub sigmoid_router: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 33] = [
+pub const MODEL_PRESETS: [&str; 35] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
-    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b",
+    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b", "glm4.5-air", "glm4.5",
 ];
 
 impl ModelConfig {
@@ -196,6 +200,9 @@ impl ModelConfig {
             "granite3-3b-a800m" => (1536, 32, 24, 8, 512),
             // THUDM/GLM-4-9B-0414
             "glm4-9b" => (4096, 40, 32, 2, 13696),
+            // zai-org/GLM-4.5-Air, zai-org/GLM-4.5 (intermediate_size: the dense first layers')
+            "glm4.5-air" => (4096, 46, 96, 8, 10944),
+            "glm4.5" => (5120, 92, 96, 8, 12288),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -210,7 +217,7 @@ impl ModelConfig {
         let olmo = lower.starts_with("olmo") && !olmoe;
         let exaone4 = lower.starts_with("exaone4");
         let granite_moe = lower.starts_with("granite3-");
-        let glm4 = lower.starts_with("glm4");
+        let (glm4, glm45) = (lower == "glm4-9b", lower.starts_with("glm4.5"));
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -218,7 +225,7 @@ impl ModelConfig {
             heads,
             kv_heads,
             head_dim: match () {
-                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 || glm4 => 128,
+                _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 || glm4 || glm45 => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
                 _ => hidden / heads,
@@ -241,13 +248,14 @@ impl ModelConfig {
                 _ if olmoe => 50_304,
                 _ if exaone4 => 102_400,
                 _ if granite_moe => 49_155,
-                _ if glm4 => 151_552,
+                _ if glm4 || glm45 => 151_552,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b" || granite_moe,
             sliding_window: None,
-            qkv_bias: qwen2 || gpt_oss || glm4,
-            qk_norm: qwen3 || gemma3 || exaone4,
+            qkv_bias: qwen2 || gpt_oss || glm4 || glm45,
+            // (GLM-4.5's head norms; the Air has none)
+            qk_norm: qwen3 || gemma3 || exaone4 || lower == "glm4.5",
             // a window of 1024 keys (512 for the 1B) on all but every sixth layer
             partial_window: match () {
                 _ if gemma3 => Some((if one_b { 512 } else { 1024 }, layers - layers / 6)),
@@ -265,14 +273,17 @@ impl ModelConfig {
             post_norms: olmo || exaone4,
             qk_norm_flat: olmo || olmoe,
             moe: match lower.as_str() {
-                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0 }),
-                "granite3-1b-a400m" => Some(MoeShape { experts: 32, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
-                "granite3-3b-a800m" => Some(MoeShape { experts: 40, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 }),
+                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0, sigmoid_router: false }),
+                "granite3-1b-a400m" => Some(MoeShape { experts: 32, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "granite3-3b-a800m" => Some(MoeShape { experts: 40, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                // (the first layer dense, the 4.5's first three; one shared expert as wide)
+                "glm4.5-air" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1408, sparse_layers: layers - 1, norm_topk: true, shared_ffn: 1408, sigmoid_router: true }),
+                "glm4.5" => Some(MoeShape { experts: 160, top_k: 8, expert_ffn: 1536, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 1536, sigmoid_router: true }),
                 _ => None,
             },
         };
@@ -355,12 +366,13 @@ impl ModelConfig {
         }
     }
 
-    /// The shared expert and its gate, `3·h·f_s + h` (0 without one).
+    /// The shared expert and its gate, `3·h·f_s + h` (0 without one); GLM-4.5's: `3·h·f_s` and
+    /// the router's correction bias `E`.
     fn shared_params(m: &MoeShape, h: f64) -> f64 {
-        if m.shared_ffn > 0 {
-            3.0 * h * m.shared_ffn as f64 + h
-        } else {
-            0.0
+        match (m.shared_ffn, m.sigmoid_router) {
+            (0, false) => 0.0,
+            (_, true) => 3.0 * h * m.shared_ffn as f64 + m.experts as f64,
+            (_, false) => 3.0 * h * m.shared_ffn as f64 + h,
         }
     }
 

@@ -112,7 +112,7 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
     let dense: Vec<u64> = v.get("mlp_only_layers").and_then(|x| x.as_array()).map(|a| a.iter().filter_map(|i| i.as_u64()).collect()).unwrap_or_default();
     let sparse_layers = (0..layers).filter(|&i| !dense.contains(&(i as u64)) && (i + 1).is_multiple_of(step)).count();
     let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
-    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk, shared_ffn })
+    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk, shared_ffn, sigmoid_router: false })
 }
 
 
@@ -191,7 +191,7 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid", "glm4_moe"] {
+        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
                 plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe and granitemoe are)")
             }
@@ -204,6 +204,10 @@ impl ModelConfig {
         let glm4 = names("glm4", "Glm4ForCausalLM");
         // GLM (GLM-4-9B-chat-hf): GLM-4's q, k, v biases with a Llama's norms, no window
         let glm = names("glm", "GlmForCausalLM");
+        // GLM-4.5: experts from layer 'first_k_dense_replace' (1) on, 'n_routed_experts' (128)
+        // 'moe_intermediate_size' (1408) wide, 8 per token, 'n_shared_experts' (1) as wide;
+        // q, k, v biases with 'attention_bias' (false), head norms with 'use_qk_norm' (false)
+        let glm45 = names("glm4_moe", "Glm4MoeForCausalLM");
         // OLMoE: every layer 'num_experts' (64) experts 'intermediate_size' wide, 8 per token
         let olmoe = names("olmoe", "OlmoeForCausalLM");
         // EXAONE 4: OLMo 2's norms with head norms; the window on all but every
@@ -218,7 +222,7 @@ impl ModelConfig {
             if top_k > experts {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
             }
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false })
         } else if qwen3_moe || qwen2_moe {
             Some(moe_shape(&v, layers, name, qwen2_moe)?)
         } else if olmoe {
@@ -228,14 +232,25 @@ impl ModelConfig {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_experts {experts}")
             }
             let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0 })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0, sigmoid_router: false })
+        } else if glm45 {
+            let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(128);
+            let top_k = get("num_experts_per_tok")?.unwrap_or(8);
+            let width = get("moe_intermediate_size")?.unwrap_or(1408);
+            let dense = get("first_k_dense_replace")?.unwrap_or(1);
+            if top_k > experts || dense >= layers {
+                plan_bail!("model config {name}: num_experts_per_tok {top_k} > n_routed_experts {experts}, or first_k_dense_replace {dense} >= num_hidden_layers {layers}")
+            }
+            let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(true);
+            let shared_ffn = get("n_shared_experts")?.unwrap_or(1) * width;
+            Some(MoeShape { experts, top_k, expert_ffn: width, sparse_layers: layers - dense, norm_topk, shared_ffn, sigmoid_router: true })
         } else if mixtral {
             let experts = get("num_local_experts")?.unwrap_or(8);
             let top_k = get("num_experts_per_tok")?.unwrap_or(2);
             if top_k > experts {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
             }
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0 })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false })
         } else {
             None
         };
@@ -250,7 +265,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (_, _) if olmo2 || olmoe || glm4 || glm => None,
+            (_, _) if olmo2 || olmoe || glm4 || glm || glm45 => None,
             (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
@@ -325,8 +340,8 @@ impl ModelConfig {
             vocab,
             tie_embeddings,
             sliding_window,
-            qkv_bias: qwen2 || gpt_oss || ((glm4 || glm) && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(true)),
-            qk_norm: qwen3 || gemma3 || exaone4,
+            qkv_bias: qwen2 || gpt_oss || ((glm4 || glm) && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(true)) || (glm45 && v.get("attention_bias").and_then(|x| x.as_bool()).unwrap_or(false)),
+            qk_norm: qwen3 || gemma3 || exaone4 || (glm45 && v.get("use_qk_norm").and_then(|x| x.as_bool()).unwrap_or(false)),
             partial_window,
             sandwich_norms: gemma3 || gemma2 || olmo2 || olmo3 || exaone4 || glm4,
             moe,

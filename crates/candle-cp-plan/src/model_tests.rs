@@ -105,7 +105,7 @@ fn presets_have_published_sizes() -> Result<()> {
         "num_hidden_layers": 32, "num_attention_heads": 24, "num_key_value_heads": 8, "num_local_experts": 40, "num_experts_per_tok": 8,
         "vocab_size": 49155, "tie_word_embeddings": true, "embedding_multiplier": 12.0}"#;
     assert_eq!(ModelConfig { name: "granite3-3b-a800m".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, g3);
-    for t in ["granitemoeshared", "granitemoehybrid", "glm4_moe"] {
+    for t in ["granitemoeshared", "granitemoehybrid"] {
         let e = ModelConfig::from_hf_json(&format!(r#"{{"model_type": "{t}", "hidden_size": 64, "intermediate_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "vocab_size": 10}}"#), "x").err().map(|e| e.to_string()).unwrap_or_default();
         assert!(e.contains("not planned"), "{t}: {e}");
     }
@@ -122,6 +122,21 @@ fn presets_have_published_sizes() -> Result<()> {
     // 2 · 40 · 4096 = 327,680 fewer parameters; its biases default on
     let glm = ModelConfig::from_hf_json(&cfg.replace("Glm4ForCausalLM", "GlmForCausalLM").replace("\"glm4\"", "\"glm\"").replace(r#""attention_bias": true, "#, ""), "x")?;
     assert_eq!((glm.total_params(), glm.qkv_bias, glm.sandwich_norms, glm.sliding_window), (9_400_279_040 - 327_680, true, false, None));
+    // GLM-4.5-Air ("106B total, 12B active"): 106,852,251,264 from its config.json arithmetic
+    // (layer 0 dense, 45 layers of 128 experts 1408 wide with one shared, each router's [E, h]
+    // and correction bias [E], q, k, v biases, untied head; the multi-token-prediction layer
+    // not counted); its config.json reads to the preset. GLM-4.5 ("355B", 32B active, with that
+    // layer): 352,797,829,024 (3 dense layers, 160 experts 1536 wide, head norms)
+    let air = ModelConfig::preset("glm4.5-air")?;
+    assert_eq!((air.total_params(), air.qkv_bias, air.qk_norm, air.sandwich_norms), (106_852_251_264, true, false, false));
+    let cfg = r#"{"architectures": ["Glm4MoeForCausalLM"], "model_type": "glm4_moe", "attention_bias": true, "head_dim": 128, "hidden_size": 4096,
+        "intermediate_size": 10944, "moe_intermediate_size": 1408, "norm_topk_prob": true, "num_attention_heads": 96, "n_group": 1, "topk_group": 1,
+        "n_routed_experts": 128, "n_shared_experts": 1, "routed_scaling_factor": 1.0, "num_experts_per_tok": 8, "first_k_dense_replace": 1,
+        "num_hidden_layers": 46, "num_key_value_heads": 8, "partial_rotary_factor": 0.5, "num_nextn_predict_layers": 1, "tie_word_embeddings": false,
+        "use_qk_norm": false, "vocab_size": 151552}"#;
+    assert_eq!(ModelConfig { name: "glm4.5-air".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, air);
+    let g45 = ModelConfig::preset("glm4.5")?;
+    assert_eq!((g45.total_params(), g45.qk_norm, g45.moe.as_ref().map(|m| m.sparse_layers)), (352_797_829_024, true, Some(89)));
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
