@@ -161,6 +161,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::GraniteMoe, Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama glm4 (norms before and after each branch, q/k/v biases, rope on half of each head) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Glm4, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
+    let name = format!("llama glm4_moe (sigmoid router, correction bias, 4 expert groups, shared expert, head norms + biases, half rope) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Glm4Moe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -276,6 +278,12 @@ fn arch_vs_cpu_with(
         // GLM: GLM-4's biases and RoPE with a Llama's norms (no row of its own above: its layer
         // runs GLM-4's kernels less two norms)
         Arch::Glm => base.with_glm(Some(candle_cp_llama::Glm::Glm)),
+        // GLM-4.5: layer 1 sparse, 8 experts 48 wide in 4 groups of which 2 are kept, top 2,
+        // scaled by 2.5, a shared expert 48 wide; q, k, v biases and head norms; half RoPE
+        Arch::Glm4Moe => {
+            let moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], groups: (4, 2), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 48, 1, 2.5) };
+            base.with_moe(Some(moe)).with_qkv_bias(true).with_qk_norm(true)
+        }
         // GraniteMoE: Granite's multipliers over 8 experts 48 wide on both layers, top 2, the loss on
         Arch::GraniteMoe => {
             let mut moe = candle_cp_llama::MoeConfig::granite_moe(8, 2, 48);
@@ -312,7 +320,10 @@ fn arch_vs_cpu_with(
         } else if k.ends_with(".sinks") {
             // (gpt-oss: sinks around 3, worth a share of a row's mass)
             full.insert(k, ((t * 50.0)? + 3.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe | Arch::GraniteMoe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
+        } else if k.ends_with(candle_cp_llama::params::CORRECTION_BIAS) {
+            // (GLM-4.5's correction biases: 0.4·sin(..), choosing among near experts)
+            full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe | Arch::GraniteMoe | Arch::Glm4Moe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             let router = k.ends_with(".gate.weight") || k.ends_with(".router.weight");
             full.insert(k.clone(), if router { (t * 5.0)? } else { t });

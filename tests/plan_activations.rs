@@ -113,6 +113,11 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             // 11 GLM-4 (norms before and after each branch, q, k, v biases, RoPE on half of
             // each head)
             11 => c.with_glm4(true),
+            // 12 GLM-4.5 (sigmoid scores chosen with a correction bias in 2 groups, a shared
+            // expert 64 wide without a gate, q, k, v biases and head norms, RoPE on half of
+            // each head; every layer sparse here, so that one layer and three differ by sparse
+            // layers)
+            12 => c.with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 64, 1, 2.5) })).with_qkv_bias(true).with_qk_norm(true),
             // 10 GraniteMoE (Mixtral's experts under Granite's multipliers)
             10 => c.with_moe(Some(candle_cp_llama::MoeConfig::granite_moe(8, 2, 64))).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 0.015625, residual_multiplier: 0.22, logits_scaling: 6.0 })),
             _ => c,
@@ -122,8 +127,9 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
     let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
-    let (olmoe, exaone4, granite_moe, glm4) = (model(8)?, model(9)?, model(10)?, model(11)?);
+    let (olmoe, exaone4, granite_moe, glm4, glm45) = (model(8)?, model(9)?, model(10)?, model(11)?, model(12)?);
     assert!(glm4.sandwich_norms && glm4.qkv_bias && !glm4.post_norms);
+    assert!(glm45.qkv_bias && glm45.qk_norm && glm45.moe.as_ref().is_some_and(|m| m.sigmoid_router && m.shared_ffn == 64 && m.sparse_layers == 1));
     assert!(granite_moe.moe.as_ref().is_some_and(|m| m.experts == 8 && m.top_k == 2 && m.expert_ffn == 64));
     assert!(olmoe.qk_norm_flat && !olmoe.post_norms && olmoe.moe.is_some() && exaone4.post_norms && exaone4.qk_norm);
     assert!(qwen3.qk_norm && !m.qk_norm && gemma3.sandwich_norms && gemma3.qk_norm && qwen3_moe.moe.is_some() && olmo2.post_norms && olmo2.qk_norm_flat && olmo2.sandwich_norms);
@@ -223,6 +229,11 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("glm4: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
     ];
     let n_granite_moe = granite_moe_cases.len();
+    let glm45_cases = [
+        ("glm4.5: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("glm4.5: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
+    ];
+    let n_glm4 = glm4_cases.len();
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
@@ -234,6 +245,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     cases.extend(exaone4_cases);
     cases.extend(granite_moe_cases);
     cases.extend(glm4_cases);
+    cases.extend(glm45_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -248,7 +260,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe => (8, &olmoe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 => (9, &exaone4),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe => (10, &granite_moe),
-            _ => (11, &glm4),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 => (11, &glm4),
+            _ => (12, &glm45),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

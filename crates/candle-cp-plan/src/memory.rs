@@ -184,7 +184,9 @@ pub fn llama_per_gpu(
 ///   pair indices `12·c·b·K`, the MLP output before the residual add `c·b·h·e / sp_div`; with
 ///   `t > 1` the gathered (or copied) input and the partial output `2·c·b·h·e` (the input is
 ///   not regathered in the backward as the dense MLP's is), without SP the router's copy
-///   `E·h·e`.
+///   `E·h·e`; GLM-4.5's sigmoid router ([`crate::MoeShape::sigmoid_router`]) the same, its
+///   weights scaled once more (`4·c·b·K`), its shared expert ungated: the output and the routed
+///   experts' sum beside it (`2·c·b·h·e`).
 ///
 /// The column-parallel inputs are kept as the sequence shards (gathered again in the
 /// backward, as Megatron-LM does), so TP and SP add no term. Full recompute adds nothing
@@ -225,16 +227,19 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         Some(x) => {
             let (n, k, ex, h) = (c * bf, x.top_k as f64, x.experts as f64, m.hidden as f64);
             let router = n * ex * (ef + 4.0);
-            let weights = 8.0 * n * k + if x.norm_topk { 4.0 * n * (k + 1.0) } else { 0.0 } + if e < 4 { n * k * ef } else { 0.0 };
+            let scaled = if x.sigmoid_router { 4.0 * n * k } else { 0.0 };
+            let weights = 8.0 * n * k + if x.norm_topk { 4.0 * n * (k + 1.0) } else { 0.0 } + if e < 4 { n * k * ef } else { 0.0 } + scaled;
             let pairs = 12.0 * n * k;
             let out = n * h * ef / sp_div;
             let tp = if l.tp > 1 { 2.0 * n * h * ef + if l.sp { 0.0 } else { ex * h * ef } } else { 0.0 };
             // Qwen2-MoE's shared expert: its gate's logit through the sigmoid's four steps and the
             // gate (five `[N, 1]`), its output, the product and the routed experts' sum beside it
             // (three `[N, h]`); without SP its gate weight's copy
-            let shared = match x.shared_ffn {
-                0 => 0.0,
-                _ => n * ef * (3.0 * h + 5.0) + if l.tp > 1 && !l.sp { h * ef } else { 0.0 },
+            let shared = match (x.shared_ffn, x.sigmoid_router) {
+                (0, _) => 0.0,
+                // (GLM-4.5's, ungated: its output and the routed experts' sum)
+                (_, true) => 2.0 * n * h * ef,
+                (_, false) => n * ef * (3.0 * h + 5.0) + if l.tp > 1 && !l.sp { h * ef } else { 0.0 },
             };
             m.sparse_fraction() * (router + weights + pairs + out + tp + shared)
         }

@@ -237,7 +237,14 @@ impl ModelConfig {
             let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(128);
             let top_k = get("num_experts_per_tok")?.unwrap_or(8);
             let width = get("moe_intermediate_size")?.unwrap_or(1408);
-            let dense = get("first_k_dense_replace")?.unwrap_or(1);
+            // (0: every layer sparse)
+            let dense = match v.get("first_k_dense_replace") {
+                None | Some(serde_json::Value::Null) => 1,
+                Some(x) => match x.as_u64() {
+                    Some(n) => n as usize,
+                    None => plan_bail!("model config {name}: 'first_k_dense_replace' must be a non-negative integer, got {x}"),
+                },
+            };
             if top_k > experts || dense >= layers {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > n_routed_experts {experts}, or first_k_dense_replace {dense} >= num_hidden_layers {layers}")
             }
