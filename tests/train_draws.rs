@@ -182,7 +182,7 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         false => model,
     };
     // a third of the Qwen3-MoE seeds without a window are OLMoE (a stream of its own)
-    let model = match arch == 2 && window.is_none() && model.moe.is_some() && rng(989_500 + seed).below(3) == 0 {
+    let model = match arch == 2 && window.is_none() && model.moe.as_ref().is_some_and(|m| m.style == candle_cp_llama::MoeStyle::Qwen3Moe) && rng(989_500 + seed).below(3) == 0 {
         true => model.with_olmo(Some(candle_cp_llama::Olmo::Olmoe)),
         false => model,
     };
