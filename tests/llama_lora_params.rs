@@ -54,9 +54,10 @@ fn ids(t: usize) -> Result<Tensor> {
 }
 
 /// The models whose experts are parameters: gpt-oss (both layers sparse), Qwen3-MoE (layer 1
-/// sparse) and Mixtral (both layers sparse; transformers 5's `mlp.experts.*`, `block_sparse_moe`
-/// here) as transformers 5 holds them.
-const STYLES: [MoeStyle; 3] = [MoeStyle::GptOss, MoeStyle::Qwen3Moe, MoeStyle::Mixtral];
+/// sparse), Mixtral (both layers sparse; transformers 5's `mlp.experts.*`, `block_sparse_moe`
+/// here) and GLM-4.5 (layer 1 sparse, its router sigmoid, its shared expert beside) as
+/// transformers 5 holds them.
+const STYLES: [MoeStyle; 4] = [MoeStyle::GptOss, MoeStyle::Qwen3Moe, MoeStyle::Mixtral, MoeStyle::Glm4Moe];
 
 /// The model's name of `cfg`'s sparse layers (`mlp`, a Mixtral's `block_sparse_moe`).
 fn module(cfg: &LlamaConfig) -> &'static str {
