@@ -76,6 +76,18 @@ pub fn rand_t(seed: u64, name: &str, shape: &[usize]) -> candle_core::Result<can
     (u * 2.0)? - 1.0
 }
 
+/// `full`'s tensors as the variables of a `VarMap`, under their names.
+pub fn varmap_of<'a>(full: impl IntoIterator<Item = (&'a String, &'a candle_core::Tensor)>) -> candle_core::Result<candle_nn::VarMap> {
+    let vm = candle_nn::VarMap::new();
+    {
+        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("VarMap lock poisoned".into()))?;
+        for (k, t) in full {
+            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
+        }
+    }
+    Ok(vm)
+}
+
 /// The gradient of `v` in `g`, or an error naming `what`.
 pub fn grad(g: &candle_core::backprop::GradStore, v: &candle_core::Tensor, what: &str) -> candle_core::Result<candle_core::Tensor> {
     g.get(v).cloned().ok_or_else(|| candle_core::Error::Msg(format!("no gradient for {what}")))

@@ -117,14 +117,7 @@ fn glm4_moe_checkpoints() -> Result<()> {
     let (e, i, h) = (8usize, 48usize, cfg.hidden_size);
     let tmp = |tag: &str| std::env::temp_dir().join(format!("candle-cp-glm4-moe-{tag}-{}", std::process::id()));
     let dir = tmp("saved");
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(io)?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(&dir, &vm, &cfg)?;
+    save_hf(&dir, &candle_cp_tests::varmap_of(&full)?, &cfg)?;
     let mut names = load_safetensors_dir(&dir, &Device::Cpu)?;
     let p = "model.layers.1.mlp.";
     for (k, shape) in [("gate.weight", vec![e, h]), (&format!("gate.{CORRECTION_BIAS}"), vec![e]), ("experts.7.down_proj.weight", vec![h, i]), ("shared_experts.gate_proj.weight", vec![i, h])] {

@@ -122,14 +122,7 @@ fn gpt_oss_generation() -> Result<()> {
 
 /// `full` as a `VarMap`.
 fn varmap(full: &HashMap<String, Tensor>) -> Result<candle_nn::VarMap> {
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    Ok(vm)
+    candle_cp_tests::varmap_of(full)
 }
 
 /// The model's tensors read back from `dir` whole equal `full` bit for bit, and the config.

@@ -105,14 +105,7 @@ fn granite_moe_checkpoints() -> Result<()> {
     let (e, i, h) = (8usize, 48usize, cfg.hidden_size);
     let tmp = |tag: &str| std::env::temp_dir().join(format!("candle-cp-granite-moe-{tag}-{}", std::process::id()));
     let dir = tmp("saved");
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(io)?;
-        for (k, t) in &full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(&dir, &vm, &cfg)?;
+    save_hf(&dir, &candle_cp_tests::varmap_of(&full)?, &cfg)?;
     let names = load_safetensors_dir(&dir, &Device::Cpu)?;
     let p = "model.layers.1.block_sparse_moe.";
     for (k, shape) in [("router.layer.weight", vec![e, h]), ("input_linear.weight", vec![e, 2 * i, h]), ("output_linear.weight", vec![e, h, i])] {

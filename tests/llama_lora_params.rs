@@ -80,13 +80,7 @@ fn adapted(style: MoeStyle) -> Result<(LlamaConfig, LlamaConfig, HashMap<String,
 
 /// `full` as a `VarMap`.
 fn varmap(full: &HashMap<String, Tensor>) -> Result<candle_nn::VarMap> {
-    let vm = candle_nn::VarMap::new();
-    let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-    for (k, t) in full {
-        data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-    }
-    drop(data);
-    Ok(vm)
+    candle_cp_tests::varmap_of(full)
 }
 
 fn split(full: &HashMap<String, Tensor>) -> (HashMap<String, Tensor>, HashMap<String, Tensor>) {

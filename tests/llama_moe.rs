@@ -153,14 +153,7 @@ fn qwen2_moe_on_every_layout_matches_the_reference() -> Result<()> {
 /// `full` saved as a HF checkpoint in `dir` ([`save_hf`]) and read back whole: the same config
 /// and every tensor bit for bit. Returns the checkpoint's tensors by their names.
 fn save_and_reload(dir: &std::path::Path, full: &HashMap<String, Tensor>, cfg: &LlamaConfig) -> Result<HashMap<String, Tensor>> {
-    let vm = candle_nn::VarMap::new();
-    {
-        let mut data = vm.data().lock().map_err(|_| candle_core::Error::Msg("lock".into()))?;
-        for (k, t) in full {
-            data.insert(k.clone(), candle_core::Var::from_tensor(t)?);
-        }
-    }
-    save_hf(dir, &vm, cfg)?;
+    save_hf(dir, &candle_cp_tests::varmap_of(full)?, cfg)?;
     let (back, back_cfg) = load_hf(dir, &Device::Cpu, DType::F32)?;
     assert_eq!(&back_cfg, cfg);
     let got = candle_cp_llama::params::varmap_tensors(&back)?;
