@@ -195,6 +195,12 @@ pub(crate) struct Args {
     /// loss.
     #[arg(long)]
     pub(crate) glm4_moe: bool,
+    /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias): after each step
+    /// every sparse layer's bias moves by RATE · sign(mean − count) of the step's global expert
+    /// counts (Megatron-Core's moe_router_bias_update_rate, 1e-3 there). Without it the bias stays
+    /// as loaded.
+    #[arg(long, value_name = "RATE")]
+    pub(crate) expert_bias_update: Option<f64>,
     /// With --phi3: RoPE on this share of each head only (`partial_rotary_factor`; Phi-4-mini:
     /// 0.75), the other dimensions passed through.
     #[arg(long, default_value_t = 1.0)]

@@ -241,6 +241,7 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
+        expert_bias_update: a.expert_bias_update,
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
         lora_init: a.lora_from.clone(),

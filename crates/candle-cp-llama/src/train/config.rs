@@ -89,6 +89,11 @@ pub struct TrainConfig {
     /// Train on the long-range targets only (the other labels are set to [`crate::IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
+    /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias; Megatron-Core's
+    /// `moe_router_bias_update_rate`, 1e-3 there): after each step every sparse layer's bias
+    /// moves by `rate · sign(mean − count)` of the step's global expert counts
+    /// (`crate::train::expert_bias`). `None`: the bias stays as loaded.
+    pub expert_bias_update: Option<f64>,
     /// Free-form arguments stored in every checkpoint's `train_state.json`.
     pub args: serde_json::Value,
     /// Causal sliding window (keys per query) overriding the model config's own
@@ -145,6 +150,7 @@ impl TrainConfig {
             overlap_grad_sync: false,
             overlap_param_gather: false,
             long_range_only: false,
+            expert_bias_update: None,
             args: serde_json::Value::Null,
             sliding_window: None,
             lora: None,

@@ -8,6 +8,7 @@
 pub mod checkpoint;
 pub mod clip;
 mod config;
+mod expert_bias;
 pub mod data;
 pub mod eval;
 mod grad_step;

@@ -255,6 +255,9 @@ pub fn train_rank(
         (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed)?),
         _ => None,
     };
+    if let Some(rate) = cfg.expert_bias_update {
+        super::expert_bias::check(rate, &mcfg, cfg.lora.is_some())?;
+    }
     cfg.layout
         .validate(mcfg.num_attention_heads, mcfg.num_key_value_heads)?;
     if let Some(e) = &cfg.eval {
@@ -505,11 +508,15 @@ pub fn train_rank(
         let norm = global_norm_zero1(&full_items, &slice_items, zero_group, Some(&ctx.tp))? * inv_accum;
         named.extend(slices);
         let factor = clip_factor(norm, cfg.clip);
-        param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
         // the losses and expert counts over the ranks holding distinct tokens (TP ranks under
         // SP route the same tokens: the first one's counts)
         let own = !ctx.layout.seq_parallel() || ctx.tp.rank() == 0;
         let (tot, expert_counts) = super::metrics::step_sums(terms, &counts, own, &token_group, &host)?;
+        // (GLM-4.5's correction biases moved by the step's counts, before the optimizer reads them)
+        if let (Some(rate), Some(c)) = (cfg.expert_bias_update, &expert_counts) {
+            super::expert_bias::update(&varmap, &mcfg, c, rate)?;
+        }
+        param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
         // held-out loss after this update (its time not in the step's tokens/s)

@@ -327,3 +327,55 @@ fn expert_counts_are_the_global_batch_routing() -> Result<()> {
     }
     Ok(())
 }
+
+/// GLM-4.5's loss-free balancing: each step moves the correction bias by `rate · sign(mean −
+/// count)` of the step's global counts (from 0: the first step's bias is that alone); DP × CP,
+/// TP + SP × EP with recompute, and ZeRO-1 with the overlapped parameter gather give the single
+/// device's first-step bias and losses; without the update the bias stays 0 through AdamW (its
+/// gradient is zero); a Qwen3-MoE or a LoRA run refuses the update by name.
+#[test]
+fn expert_bias_update_moves_the_correction_bias() -> Result<()> {
+    let mut base = tiny_cfg(None, Layout::single(), 2, 2);
+    base.steps = 2;
+    let ModelSource::Init(m) = &base.model else { candle_core::bail!("init model expected") };
+    let mut m = m.clone().with_moe(Some(crate::MoeConfig { mlp_only_layers: vec![0], ..crate::MoeConfig::glm4_moe(4, 2, 16, 1, 2.5) }));
+    m.num_hidden_layers = 2;
+    base.model = ModelSource::Init(m.clone());
+    let bias = |dir: &std::path::Path, step: usize| -> Result<Vec<f32>> {
+        let t = crate::hf::load_safetensors_dir(&dir.join(format!("checkpoints/step-{step:06}")), &candle_core::Device::Cpu)?;
+        let b = t.get(&format!("model.layers.1.mlp.gate.{}", crate::params::CORRECTION_BIAS)).ok_or_else(|| candle_core::Error::Msg("no bias".into()))?;
+        assert_eq!(b.dtype(), DType::F32);
+        b.to_vec1::<f32>()
+    };
+    let rate = 0.01;
+    let moved = |out: PathBuf, layout: Layout, zero: bool, recompute: bool, update: Option<f64>| -> Result<(Vec<TrainOutcome>, Vec<f32>, Vec<f32>)> {
+        let mut c = TrainConfig { layout, out: Some(out.clone()), save_every: 1, expert_bias_update: update, ..base.clone() };
+        (c.zero1, c.overlap_param_gather, c.recompute) = (zero, zero, recompute);
+        let outs = run(&c)?;
+        Ok((outs, bias(&out, 1)?, bias(&out, 2)?))
+    };
+    let (one, b1, b2) = moved(tmpdir("bias-one"), Layout::single(), false, false, Some(rate))?;
+    let step = |prev: &[f32], counts: &[u64]| -> Vec<f32> {
+        let mean = counts.iter().sum::<u64>() as f64 / counts.len() as f64;
+        prev.iter().zip(counts).map(|(&b, &c)| b + (rate * if (c as f64) < mean { 1.0 } else if (c as f64) > mean { -1.0 } else { 0.0 }) as f32).collect()
+    };
+    let counts = |s: usize| -> Vec<u64> { one[0].metrics[s].expert_counts.as_ref().map(|c| c[0].clone()).unwrap_or_default() };
+    assert_eq!(b1, step(&[0.0; 4], &counts(0)), "step 1 from 0, counts {:?}", counts(0));
+    assert_eq!(b2, step(&b1, &counts(1)), "step 2, counts {:?}", counts(1));
+    assert!(b1.iter().any(|&b| b != 0.0), "the routing was balanced at step 1 ({:?}): nothing moved", counts(0));
+    for (layout, zero, recompute) in [(Layout::cp(CpKind::Ring, 2).with_dp(2), true, false), (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), false, true)] {
+        let (outs, l1, _) = moved(tmpdir("bias-layout"), layout, zero, recompute, Some(rate))?;
+        assert_eq!(l1, b1, "{layout}: the first step's bias");
+        assert_same_curve(&format!("{layout} with the bias update"), &one[0].metrics.iter().collect::<Vec<_>>(), &outs[0].metrics);
+    }
+    let (_, f1, f2) = moved(tmpdir("bias-off"), Layout::cp(CpKind::Ring, 2).with_dp(2), true, false, None)?;
+    assert_eq!((f1, f2), (vec![0.0; 4], vec![0.0; 4]), "without the update the bias stays as loaded");
+    // a softmax router has no bias to move; a LoRA run's bias is frozen
+    let qwen = TrainConfig { model: ModelSource::Init(m.clone().with_moe(Some(crate::MoeConfig::new(4, 2, 16))).with_qk_norm(true).with_partial_rotary_factor(1.0)), expert_bias_update: Some(rate), ..base.clone() };
+    let e = run(&qwen).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("expert_bias_update") && e.contains("Qwen3MoeForCausalLM"), "{e}");
+    let lora = TrainConfig { lora: Some(crate::LoraSpec::new(2, 4.0, &["q_proj"])?), expert_bias_update: Some(rate), ..base.clone() };
+    let e = run(&lora).err().map(|e| e.to_string()).unwrap_or_default();
+    assert!(e.contains("frozen base weight"), "{e}");
+    Ok(())
+}
