@@ -184,7 +184,7 @@ pub fn llama_per_gpu(
 ///   pair indices `12·c·b·K`, the MLP output before the residual add `c·b·h·e / sp_div`; with
 ///   `t > 1` the gathered (or copied) input and the partial output `2·c·b·h·e` (the input is
 ///   not regathered in the backward as the dense MLP's is), without SP the router's copy
-///   `E·h·e`; GLM-4.5's sigmoid router ([`crate::MoeShape::sigmoid_router`]) the same, its
+///   `E·h·e`; GLM-4.5's sigmoid router ([`crate::model::MoeShape::sigmoid_router`]) the same, its
 ///   weights scaled once more (`4·c·b·K`), its shared expert ungated: the output and the routed
 ///   experts' sum beside it (`2·c·b·h·e`).
 ///
