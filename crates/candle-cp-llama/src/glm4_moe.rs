@@ -5,7 +5,7 @@
 //! ([`MoeStyle::Glm4Moe`]):
 //!
 //! ```text
-//!  s = sigmoid(x·Wrᵀ)  [N, E] (f32)            scores
+//!  s = sigmoid(x·Wrᵀ)  [N, E] (x, Wr cast to f32, as transformers does)   scores
 //!  c = s + b                                   b: mlp.gate.e_score_correction_bias [E] (f32)
 //!  groups: c split into n_group groups of E/n_group; a group's score the sum of its two best;
 //!          the topk_group best groups kept, the others' c set to 0

@@ -271,8 +271,13 @@ impl SparseMoe {
             Some(l) => l.region_tokens(n)?,
             None => None,
         };
+        // (GLM-4.5's sigmoid router takes its logits in f32, as transformers' Glm4MoeTopkRouter
+        // does: in bf16 they would move near-tied choices; an adapter on it adds its update to
+        // the model dtype's logits)
+        let f32_logits = matches!(self.scoring, Scoring::Sigmoid { .. }) && x2.dtype() != DType::F32;
         let mut logits = match &self.lora {
             Some(l) => l.router_logits(0, &x2, &router, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
+            None if f32_logits => logits_f32(&x2, &router)?,
             None => x2.matmul(&router.t()?)?,
         };
         if let Some(b) = &self.biases {
@@ -417,6 +422,21 @@ fn router_probs(logits: &Tensor, log: Option<&RouterLog>) -> Result<Tensor> {
     attach1("router_probs", logits, probs, bwd)
 }
 
+/// `x·wᵀ` in f32 (`x` `[N, h]`, `w` `[E, h]` in a 16-bit dtype), one node keeping `x` and `w`
+/// as they are (the backward casts them again), not f32 copies of them.
+fn logits_f32(x: &Tensor, w: &Tensor) -> Result<Tensor> {
+    let f = |t: &Tensor| t.to_dtype(DType::F32);
+    let out = f(&x.detach())?.matmul(&f(&w.detach())?.t()?)?;
+    let (xk, wk) = (x.detach(), w.detach());
+    let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
+        let dy = dy.to_dtype(DType::F32)?;
+        let dx = dy.matmul(&f(&wk)?)?.to_dtype(xk.dtype())?;
+        let dw = dy.t()?.matmul(&f(&xk)?)?.to_dtype(wk.dtype())?;
+        Ok(vec![Some(dx), Some(dw)])
+    });
+    candle_cp_ops::autograd::attach2("router_logits_f32", x, w, out, bwd)
+}
+
 /// GLM-4.5's scores `sigmoid(logits)` `[N, E]` in f32, one node that keeps only `logits`;
 /// `bias` (`[E]`, which chooses the experts from the scores and nothing else) gets a zero
 /// gradient through it.
@@ -465,6 +485,28 @@ pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize)) -> 
 mod tests {
     /// Balanced counts give 1, a layer whose busiest expert has twice the mean 2: their mean
     /// 1.5; a layer that routed nothing is left out; no layers, no figure.
+    /// The f32 router logits of bf16 inputs: the product of the inputs cast to f32, and the
+    /// gradients of the same product taken through casts by candle's autograd.
+    #[test]
+    fn f32_logits_of_bf16_inputs() -> candle_core::Result<()> {
+        use candle_core::{DType, Device, Tensor, Var};
+        let dev = Device::Cpu;
+        let x = Var::from_tensor(&Tensor::randn(0f32, 1.0, (5, 8), &dev)?.to_dtype(DType::BF16)?)?;
+        let w = Var::from_tensor(&Tensor::randn(0f32, 1.0, (3, 8), &dev)?.to_dtype(DType::BF16)?)?;
+        let dy = Tensor::randn(0f32, 1.0, (5, 3), &dev)?;
+        let got = super::logits_f32(x.as_tensor(), w.as_tensor())?;
+        let want = x.as_tensor().to_dtype(DType::F32)?.matmul(&w.as_tensor().to_dtype(DType::F32)?.t()?)?;
+        assert_eq!((got.dtype(), (&got - &want)?.abs()?.max_all()?.to_scalar::<f32>()?), (DType::F32, 0.0));
+        let g = (got * &dy)?.sum_all()?.backward()?;
+        let h = (want * &dy)?.sum_all()?.backward()?;
+        for v in [&x, &w] {
+            let (a, b) = (g.get(v.as_tensor()).expect("grad"), h.get(v.as_tensor()).expect("grad"));
+            assert_eq!(a.dtype(), DType::BF16);
+            assert_eq!((a.to_dtype(DType::F32)? - b.to_dtype(DType::F32)?)?.abs()?.max_all()?.to_scalar::<f32>()?, 0.0);
+        }
+        Ok(())
+    }
+
     /// Groups of two: a row keeps the experts of its best groups (a group's score the sum of its
     /// two), the others at 0; one group, or every group kept, leaves the row as it is.
     #[test]

@@ -184,7 +184,8 @@ pub fn llama_per_gpu(
 ///   pair indices `12·c·b·K`, the MLP output before the residual add `c·b·h·e / sp_div`; with
 ///   `t > 1` the gathered (or copied) input and the partial output `2·c·b·h·e` (the input is
 ///   not regathered in the backward as the dense MLP's is), without SP the router's copy
-///   `E·h·e`; GLM-4.5's sigmoid router ([`crate::model::MoeShape::sigmoid_router`]) the same, its
+///   `E·h·e`; GLM-4.5's sigmoid router ([`crate::model::MoeShape::sigmoid_router`]) the same with
+///   its logits in f32 (`8·c·b·E`), its
 ///   weights scaled once more (`4·c·b·K`), its shared expert ungated: the output and the routed
 ///   experts' sum beside it (`2·c·b·h·e`).
 ///
@@ -226,7 +227,8 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
         None => 0.0,
         Some(x) => {
             let (n, k, ex, h) = (c * bf, x.top_k as f64, x.experts as f64, m.hidden as f64);
-            let router = n * ex * (ef + 4.0);
+            // (GLM-4.5's logits in f32)
+            let router = n * ex * (if x.sigmoid_router { 4.0 } else { ef } + 4.0);
             let scaled = if x.sigmoid_router { 4.0 * n * k } else { 0.0 };
             let weights = 8.0 * n * k + if x.norm_topk { 4.0 * n * (k + 1.0) } else { 0.0 } + if e < 4 { n * k * ef } else { 0.0 } + scaled;
             let pairs = 12.0 * n * k;
