@@ -37,6 +37,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     let mut ep_zero = 0;
     // runs that routed a token differently from one device by a tie, compared up to it
     let mut ties = 0;
+    // GLM-4.5 runs with the loss-free balancing of their correction biases
+    let mut balanced = 0;
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -73,6 +75,12 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             long_range_only = false;
         }
         base.long_range_only = long_range_only;
+        // half of the GLM-4.5 models move their correction biases by the step's counts too
+        // (loss-free balancing; a stream of its own)
+        let bias_update = model.moe.as_ref().is_some_and(|m| m.sigmoid_scores()) && rng(949_500 + seed).below(2) == 0;
+        if bias_update {
+            base.expert_bias_update = Some(0.01);
+        }
         let mut cfg = base.clone();
         cfg.layout = layout;
         opts.apply(&mut cfg);
@@ -129,6 +137,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 granite_moe += (model.granite.is_some() && model.moe.is_some()) as usize;
                 glm4 += model.glm.is_some() as usize;
                 glm45 += model.moe.as_ref().is_some_and(|m| m.style == candle_cp_llama::MoeStyle::Glm4Moe) as usize;
+                balanced += bias_update as usize;
                 olmo += model.olmo.is_some() as usize;
                 exaone += model.exaone4 as usize;
                 ep += (layout.ep > 1) as usize;
@@ -140,7 +149,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5 ({balanced} moving their correction biases), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
