@@ -162,6 +162,14 @@ fn get_f64(m: &Map<String, Value>, k: &str) -> Result<Option<f64>> {
     }
 }
 
+fn get_bool(m: &Map<String, Value>, k: &str) -> Result<Option<bool>> {
+    match m.get(k) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::Bool(b)) => Ok(Some(*b)),
+        Some(v) => bail!("config.json: `{k}` must be true or false, got {v}"),
+    }
+}
+
 fn need_usize(m: &Map<String, Value>, k: &str) -> Result<usize> {
     match get_usize(m, k)? {
         Some(x) => Ok(x),

@@ -102,9 +102,6 @@ impl LlamaConfig {
             }
             qwen3_moe::validate(m, self.num_hidden_layers)?;
         }
-        if let Some(m) = self.moe.as_ref().filter(|m| m.style == MoeStyle::Glm4Moe) {
-            qwen3_moe::validate(m, self.num_hidden_layers)?;
-        }
         // (a theta of 0 or below, or a negative epsilon, gives NaN angles or norms: NaN logits
         // from the first step, with no error)
         if !(self.rope_theta.is_finite() && self.rope_theta > 0.0) {

@@ -28,7 +28,7 @@
 //! read them, and a saved checkpoint has none (`num_nextn_predict_layers: 0`).
 
 use super::qwen3_moe::{MoeConfig, MoeStyle};
-use super::{get_f64, get_usize, Arch, LlamaConfig};
+use super::{get_bool, get_f64, get_usize, Arch, LlamaConfig};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
@@ -64,12 +64,10 @@ pub(super) fn parse(m: &Map<String, Value>, layers: usize) -> Result<MoeConfig> 
     c.groups = (get_usize(m, "n_group")?.unwrap_or(1), get_usize(m, "topk_group")?.unwrap_or(1));
     let dense = get_usize(m, "first_k_dense_replace")?.unwrap_or(1);
     c.mlp_only_layers = (0..dense.min(layers)).collect();
-    match m.get("norm_topk_prob") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => c.norm_topk_prob = *b,
-        Some(v) => bail!("config.json: `norm_topk_prob` must be true or false, got {v}"),
+    if let Some(b) = get_bool(m, "norm_topk_prob")? {
+        c.norm_topk_prob = b;
     }
-    if m.get("output_router_logits").and_then(|v| v.as_bool()) == Some(true) {
+    if get_bool(m, "output_router_logits")? == Some(true) {
         bail!("config.json: `output_router_logits: true` on a glm4_moe model: transformers computes no load-balancing loss for its sigmoid router, nor does this model")
     }
     Ok(c)
@@ -77,11 +75,7 @@ pub(super) fn parse(m: &Map<String, Value>, layers: usize) -> Result<MoeConfig> 
 
 /// Whether the config's `use_qk_norm` is on.
 pub(super) fn qk_norm(m: &Map<String, Value>) -> Result<bool> {
-    match m.get("use_qk_norm") {
-        None | Some(Value::Null) => Ok(false),
-        Some(Value::Bool(b)) => Ok(*b),
-        Some(v) => bail!("config.json: `use_qk_norm` must be true or false, got {v}"),
-    }
+    Ok(get_bool(m, "use_qk_norm")?.unwrap_or(false))
 }
 
 /// Whether checkpoint tensor `name` belongs to a GLM-4.5 model's multi-token-prediction layers
@@ -151,7 +145,7 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if m.output_router_logits {
         bail!("LlamaConfig: GLM-4.5 with the load-balancing loss (output_router_logits): its sigmoid router has none")
     }
-    Ok(())
+    super::qwen3_moe::validate(m, cfg.num_hidden_layers)
 }
 
 #[cfg(test)]

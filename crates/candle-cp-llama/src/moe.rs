@@ -292,7 +292,7 @@ impl SparseMoe {
             }
             Scoring::Sigmoid { bias, groups, .. } => {
                 let s = router_sigmoid(&logits, bias)?;
-                let choice = s.detach().broadcast_add(&bias.detach().to_device(s.device())?)?;
+                let choice = s.detach().broadcast_add(&bias.detach())?;
                 (s, Routing::top_k(&within_groups(&choice, *groups)?, self.top_k)?)
             }
         };
@@ -483,8 +483,6 @@ pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize)) -> 
 
 #[cfg(test)]
 mod tests {
-    /// Balanced counts give 1, a layer whose busiest expert has twice the mean 2: their mean
-    /// 1.5; a layer that routed nothing is left out; no layers, no figure.
     /// The f32 router logits of bf16 inputs: the product of the inputs cast to f32, and the
     /// gradients of the same product taken through casts by candle's autograd.
     #[test]
@@ -521,6 +519,8 @@ mod tests {
         Ok(())
     }
 
+    /// Balanced counts give 1, a layer whose busiest expert has twice the mean 2: their mean
+    /// 1.5; a layer that routed nothing is left out; no layers, no figure.
     #[test]
     fn load_balance_by_hand() {
         let layers = vec![vec![2.0, 2.0, 2.0, 2.0], vec![4.0, 0.0, 2.0, 2.0], vec![0.0; 4]];

@@ -18,7 +18,7 @@
 //! load-balancing loss of transformers' `load_balancing_loss_func` over every token of the
 //! global batch and every sparse layer ([`crate::Llama::loss`]).
 
-use super::{get_f64, get_usize, LlamaConfig};
+use super::{get_bool, get_f64, get_usize, LlamaConfig};
 use candle_core::{bail, Result};
 use serde_json::{json, Map, Value};
 
@@ -182,10 +182,8 @@ impl MoeConfig {
 /// draw).
 pub(super) fn parse_mixtral(m: &Map<String, Value>, width: usize) -> Result<MoeConfig> {
     let mut c = MoeConfig::mixtral(get_usize(m, "num_local_experts")?.unwrap_or(8), get_usize(m, "num_experts_per_tok")?.unwrap_or(2), width);
-    match m.get("output_router_logits") {
-        None | Some(Value::Null) => {}
-        Some(Value::Bool(b)) => c.output_router_logits = *b,
-        Some(v) => bail!("config.json: `output_router_logits` must be true or false, got {v}"),
+    if let Some(b) = get_bool(m, "output_router_logits")? {
+        c.output_router_logits = b;
     }
     if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
         c.router_aux_loss_coef = x;
@@ -242,10 +240,8 @@ pub(super) fn parse_with(m: &Map<String, Value>, mut c: MoeConfig) -> Result<Moe
         }
     }
     for (k, slot) in [("norm_topk_prob", &mut c.norm_topk_prob), ("output_router_logits", &mut c.output_router_logits)] {
-        match m.get(k) {
-            None | Some(Value::Null) => {}
-            Some(Value::Bool(b)) => *slot = *b,
-            Some(v) => bail!("config.json: `{k}` must be true or false, got {v}"),
+        if let Some(b) = get_bool(m, k)? {
+            *slot = b;
         }
     }
     if let Some(x) = get_f64(m, "router_aux_loss_coef")? {
