@@ -4,6 +4,7 @@ use std::path::PathBuf;
 
 pub mod dense_llama;
 pub mod moe_model;
+pub mod mla_ref;
 pub mod lora_ref;
 pub mod peft_files;
 pub mod multimodal;

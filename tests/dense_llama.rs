@@ -105,7 +105,8 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
     // when the T tokens pass the original length, the short ones otherwise, and cos, sin
     // times sqrt(1 + ln(factor) / ln(original)); R = int(D · partial_rotary_factor) the
     // rotated dimensions (Phi-4-mini's partial RoPE: the others pass through)
-    let rd = (d as f64 * cfg.partial_rotary_factor) as usize;
+    // (DeepSeek-V3: its RoPE width, `qk_rope_head_dim`)
+    let rd = cfg.mla.map_or((d as f64 * cfg.partial_rotary_factor) as usize, |a| a.qk_rope_head_dim);
     let global = match &cfg.rope_scaling {
         candle_cp_llama::RopeScaling::LongRope { short_factor, long_factor, original_max_position_embeddings: o, factor, attention_factor: None } => {
             let ext = if t > *o { long_factor } else { short_factor };
@@ -184,47 +185,53 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
             if rd == d { Ok(r) } else { Tensor::cat(&[&r, &x.narrow(D::Minus1, rd, d - rd)?], D::Minus1) }
         };
         let hn = if olmo { x.clone() } else { norm(&x, &n("input_layernorm.weight"))? };
-        let heads = |s: &str, nh: usize| -> Result<Tensor> {
-            let y = linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?;
-            // OLMo: q and k normalised over the whole projection, then split
-            let y = match (flat_qk, s) {
-                (true, "q_proj") => norm(&y, &n("self_attn.q_norm.weight"))?,
-                (true, "k_proj") => norm(&y, &n("self_attn.k_norm.weight"))?,
-                _ => y,
-            };
-            y.reshape((b, t, nh, d))?.transpose(1, 2)
+        let o = match &cfg.mla {
+            // DeepSeek-V3: the latent attention (mla_ref.rs)
+            Some(_) => crate::mla_ref::attention(&p, cfg, l, &hn, (cos, sin), &mask(window)?)?,
+            None => {
+                let heads = |s: &str, nh: usize| -> Result<Tensor> {
+                    let y = linear(&hn, p(&n(&format!("self_attn.{s}.weight")))?, bias(s)?)?;
+                    // OLMo: q and k normalised over the whole projection, then split
+                    let y = match (flat_qk, s) {
+                        (true, "q_proj") => norm(&y, &n("self_attn.q_norm.weight"))?,
+                        (true, "k_proj") => norm(&y, &n("self_attn.k_norm.weight"))?,
+                        _ => y,
+                    };
+                    y.reshape((b, t, nh, d))?.transpose(1, 2)
+                };
+                let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
+                if cfg.qk_norm {
+                    // Qwen3, Gemma 3: each head's D features normalised before RoPE
+                    q = norm(&q, &n("self_attn.q_norm.weight"))?;
+                    k = norm(&k, &n("self_attn.k_norm.weight"))?;
+                }
+                // GLM, GLM-4: q and k back in its checkpoints' order (the model holds each head's rotated
+                // rows permuted, crate::config::glm4: row i < R/2 is the checkpoint's 2i, row R/2 + i its
+                // 2i + 1), so that `rope` rotates them as GlmAttention and Glm4Attention do
+                if cfg.glm.is_some() {
+                    let idx: Vec<u32> = (0..d).map(|j| (if j >= rd { j } else if j % 2 == 0 { j / 2 } else { rd / 2 + j / 2 }) as u32).collect();
+                    let idx = Tensor::from_vec(idx, d, &Device::Cpu)?;
+                    (q, k) = (q.contiguous()?.index_select(&idx, 3)?, k.contiguous()?.index_select(&idx, 3)?);
+                }
+                let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
+                // GQA: query head j uses KV head j / (H / Hkv)
+                let rep = |x: Tensor| -> Result<Tensor> {
+                    x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
+                };
+                let (k, v) = (rep(k)?, rep(v)?);
+                let s = cap((q.matmul(&k.t()?)? * scale)?, attn_cap)?.broadcast_add(&mask(window)?)?;
+                let a = if cfg.gpt_oss {
+                    // gpt-oss: each head's sink logit one more softmax column, dropped before V
+                    let col = p(&n("self_attn.sinks"))?.reshape((1, hh, 1, 1))?.broadcast_as((b, hh, t, 1))?.contiguous()?;
+                    candle_nn::ops::softmax(&Tensor::cat(&[&s, &col], 3)?, D::Minus1)?.narrow(3, 0, t)?.matmul(&v)?
+                } else {
+                    candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?
+                };
+                let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
+                let o_bias = if cfg.gpt_oss { Some(p(&n("self_attn.o_proj.bias"))?) } else { None };
+                linear(&a, p(&n("self_attn.o_proj.weight"))?, o_bias)?
+            }
         };
-        let (mut q, mut k) = (heads("q_proj", hh)?, heads("k_proj", hkv)?);
-        if cfg.qk_norm {
-            // Qwen3, Gemma 3: each head's D features normalised before RoPE
-            q = norm(&q, &n("self_attn.q_norm.weight"))?;
-            k = norm(&k, &n("self_attn.k_norm.weight"))?;
-        }
-        // GLM, GLM-4: q and k back in its checkpoints' order (the model holds each head's rotated
-        // rows permuted, crate::config::glm4: row i < R/2 is the checkpoint's 2i, row R/2 + i its
-        // 2i + 1), so that `rope` rotates them as GlmAttention and Glm4Attention do
-        if cfg.glm.is_some() {
-            let idx: Vec<u32> = (0..d).map(|j| (if j >= rd { j } else if j % 2 == 0 { j / 2 } else { rd / 2 + j / 2 }) as u32).collect();
-            let idx = Tensor::from_vec(idx, d, &Device::Cpu)?;
-            (q, k) = (q.contiguous()?.index_select(&idx, 3)?, k.contiguous()?.index_select(&idx, 3)?);
-        }
-        let (q, k, v) = (rope(&q)?, rope(&k)?, heads("v_proj", hkv)?);
-        // GQA: query head j uses KV head j / (H / Hkv)
-        let rep = |x: Tensor| -> Result<Tensor> {
-            x.unsqueeze(2)?.broadcast_as((b, hkv, hh / hkv, t, d))?.reshape((b, hh, t, d))
-        };
-        let (k, v) = (rep(k)?, rep(v)?);
-        let s = cap((q.matmul(&k.t()?)? * scale)?, attn_cap)?.broadcast_add(&mask(window)?)?;
-        let a = if cfg.gpt_oss {
-            // gpt-oss: each head's sink logit one more softmax column, dropped before V
-            let col = p(&n("self_attn.sinks"))?.reshape((1, hh, 1, 1))?.broadcast_as((b, hh, t, 1))?.contiguous()?;
-            candle_nn::ops::softmax(&Tensor::cat(&[&s, &col], 3)?, D::Minus1)?.narrow(3, 0, t)?.matmul(&v)?
-        } else {
-            candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v)?
-        };
-        let a = a.transpose(1, 2)?.reshape((b, t, hh * d))?;
-        let o_bias = if cfg.gpt_oss { Some(p(&n("self_attn.o_proj.bias"))?) } else { None };
-        let o = linear(&a, p(&n("self_attn.o_proj.weight"))?, o_bias)?;
         let (pre_mlp, o) = match (sandwich, olmo) {
             (true, _) => (Some("pre_feedforward_layernorm.weight"), norm(&o, &n("post_attention_layernorm.weight"))?),
             (false, true) => (None, norm(&o, &n("post_attention_layernorm.weight"))?),

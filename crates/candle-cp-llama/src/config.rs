@@ -30,6 +30,8 @@ pub mod granite_moe;
 pub mod glm4;
 #[path = "glm4_moe.rs"]
 pub mod glm4_moe;
+#[path = "deepseek.rs"]
+pub mod deepseek;
 #[path = "multimodal.rs"]
 pub mod multimodal;
 pub use granite::Granite;
@@ -137,6 +139,9 @@ pub struct LlamaConfig {
     /// its checkpoints, GLM-4's norms before and after each branch ([`glm4`]); `None` for the
     /// other architectures.
     pub glm: Option<glm4::Glm>,
+    /// DeepSeek-V3 (`model_type` `deepseek_v3`): multi-head latent attention in every layer
+    /// ([`deepseek`], the layer [`crate::mla`]); `None` for the other architectures.
+    pub mla: Option<deepseek::Mla>,
     /// LoRA adapters for fine-tuning ([`crate::lora`]; not part of `config.json`): the
     /// listed projections gain adapters, which a LoRA run trains alone.
     pub lora: Option<crate::lora::LoraSpec>,
@@ -209,7 +214,7 @@ impl LlamaConfig {
         let exa = exaone4::with_defaults(m)?;
         let text = match (gemma::text_config(m)?, multimodal::text_config(m)?) {
             (Some(t), _) | (None, Some(t)) => Some(t),
-            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or_else(|| glm4::with_defaults(m)).or_else(|| glm4_moe::with_defaults(m)).or(smol).or(exa),
+            (None, None) => gemma2::with_defaults(m).or_else(|| gpt_oss::with_defaults(m)).or_else(|| olmo::with_defaults(m)).or_else(|| glm4::with_defaults(m)).or_else(|| glm4_moe::with_defaults(m)).or_else(|| deepseek::with_defaults(m)).or(smol).or(exa),
         };
         let m = text.as_ref().unwrap_or(m);
         let hidden_size = need_usize(m, "hidden_size")?;
@@ -250,7 +255,7 @@ impl LlamaConfig {
             Arch::GptOss => Some(qwen3_moe::parse_gpt_oss(m, need_usize(m, "intermediate_size")?)?),
             Arch::Olmoe => Some(olmo::parse_moe(m, need_usize(m, "intermediate_size")?)?),
             Arch::GraniteMoe => Some(granite_moe::parse(m, need_usize(m, "intermediate_size")?)?),
-            Arch::Glm4Moe => Some(glm4_moe::parse(m, need_usize(m, "num_hidden_layers")?)?),
+            Arch::Glm4Moe | Arch::DeepseekV3 => Some(glm4_moe::parse(m, need_usize(m, "num_hidden_layers")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -340,7 +345,13 @@ impl LlamaConfig {
                 Arch::Glm4 => Some(glm4::Glm::Glm4),
                 _ => None,
             },
+            mla: None,
             lora: None,
+        };
+        // DeepSeek-V3: the latent attention sets the head width the attention runs at
+        let cfg = match arch {
+            Arch::DeepseekV3 => cfg.with_mla(Some(deepseek::parse(m)?)),
+            _ => cfg,
         };
         // EXAONE 4: NoPE on the global layers of a windowed model
         let cfg = if cfg.exaone4 { Self { nope_layers: exaone4::nope_layers(&cfg), ..cfg } } else { cfg };
@@ -393,6 +404,7 @@ impl LlamaConfig {
             olmo: None,
             exaone4: false,
             glm: None,
+            mla: None,
             lora: None,
         }
     }
@@ -400,6 +412,10 @@ impl LlamaConfig {
     /// Dimensions of a head that RoPE rotates: `head_dim · partial_rotary_factor`, truncated
     /// (transformers' `int(head_dim * partial_rotary_factor)`); `head_dim` unless partial.
     pub fn rope_dim(&self) -> usize {
+        // (DeepSeek-V3: the RoPE part of each q, k head)
+        if let Some(a) = &self.mla {
+            return a.qk_rope_head_dim;
+        }
         (self.head_dim as f64 * self.partial_rotary_factor) as usize
     }
 
@@ -463,6 +479,9 @@ impl LlamaConfig {
         }
         if let Some(g) = self.glm {
             return g.arch();
+        }
+        if self.mla.is_some() {
+            return Arch::DeepseekV3;
         }
         if let Some(o) = self.olmo {
             return match o {

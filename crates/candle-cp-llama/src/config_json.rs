@@ -115,6 +115,9 @@ impl LlamaConfig {
                     _ => qwen3_moe::write(m, moe),
                 }
             }
+            if let Some(a) = &self.mla {
+                deepseek::write(m, a);
+            }
             if self.phi3 {
                 phi3::write(m, self);
             }

@@ -20,6 +20,7 @@ impl LlamaConfig {
         exaone4::validate(self)?;
         glm4::validate(self)?;
         glm4_moe::validate(self)?;
+        deepseek::validate(self)?;
         phi3::validate_partial_rotary(self)?;
         phi3::refuse_fused_targets(self)?;
         crate::expert_params::check(self)?;
@@ -27,7 +28,8 @@ impl LlamaConfig {
         if h == 0 || kv == 0 || h % kv != 0 {
             bail!("LlamaConfig: num_attention_heads ({h}) must be a positive multiple of num_key_value_heads ({kv})")
         }
-        if self.head_dim == 0 || !self.head_dim.is_multiple_of(2) {
+        // (latent attention: its RoPE width is checked even, the attention's may be odd)
+        if self.head_dim == 0 || (!self.head_dim.is_multiple_of(2) && self.mla.is_none()) {
             bail!("LlamaConfig: head_dim ({}) must be even and > 0", self.head_dim)
         }
         if self.vocab_size == 0 || self.hidden_size == 0 || self.intermediate_size == 0 {

@@ -247,6 +247,10 @@ impl LlamaConfig {
         if let Some(g) = &self.granite {
             return g.attention_multiplier;
         }
+        // DeepSeek-V3: (nope + rope)^-1/2, YaRN's mscale² on it
+        if let Some(a) = &self.mla {
+            return a.softmax_scale(&self.rope_scaling);
+        }
         match (&self.gemma3, &self.gemma2) {
             (Some(g), _) => 1.0 / g.query_pre_attn_scalar.sqrt(),
             (None, Some(g)) => 1.0 / g.query_pre_attn_scalar.sqrt(),

@@ -127,6 +127,10 @@ impl Block {
         let (b, t, _) = x.dims3()?;
         let (h, hkv, d) = heads;
         let xn = self.normed_input(x)?;
+        // DeepSeek-V3: from the latents (crate::mla), RoPE on the rotated parts
+        if let Some(m) = &self.mla {
+            return m.qkv(&xn, &self.qkv, h, &rope, false);
+        }
         let qkv = self.qkv.forward_parts(&xn)?;
         let [q, k, v] = qkv.as_slice() else {
             bail!(
@@ -164,7 +168,12 @@ impl Block {
                 None => Ok(y),
             }
         };
-        let x = (x + branch(0, self.o.forward(a)?)?)?;
+        // (DeepSeek-V3: each head's first v dimensions)
+        let a = match &self.mla {
+            Some(m) => m.attn_out(a, a.dim(2)? / m.dims.attn_dim())?,
+            None => a.clone(),
+        };
+        let x = (x + branch(0, self.o.forward(&a)?)?)?;
         let xn = self.normed_mlp_input(&x)?;
         let y = match &self.mlp {
             crate::model::Mlp::Dense { gate_up, down } => {

@@ -81,7 +81,7 @@ pub(super) fn qk_norm(m: &Map<String, Value>) -> Result<bool> {
 /// Whether checkpoint tensor `name` belongs to a GLM-4.5 model's multi-token-prediction layers
 /// (`model.layers.{i}.*` from `i = num_hidden_layers` on), which the model does not read.
 pub(crate) fn is_next_token_layer(cfg: &LlamaConfig, name: &str) -> bool {
-    cfg.arch() == Arch::Glm4Moe
+    matches!(cfg.arch(), Arch::Glm4Moe | Arch::DeepseekV3)
         && name.strip_prefix("model.layers.").and_then(|r| r.split_once('.')).and_then(|(i, _)| i.parse::<usize>().ok()).is_some_and(|i| i >= cfg.num_hidden_layers)
 }
 
@@ -115,12 +115,13 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, c: &MoeConfig
 /// choose from, no window, no load-balancing term, nothing of another architecture.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     let Some(m) = cfg.moe.as_ref().filter(|m| m.style == MoeStyle::Glm4Moe) else { return Ok(()) };
-    let own = [super::qwen3_moe::MOE, "q, k, v biases", "q, k head norms"];
+    // (DeepSeek-V3: this mixture beside the latent attention)
+    let own = [super::qwen3_moe::MOE, "q, k, v biases", "q, k head norms", super::deepseek::MLA];
     if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && !own.contains(w)) {
         bail!("LlamaConfig: GLM-4.5 with {what}: no architecture this model writes has both")
     }
     if let Some(w) = cfg.sliding_window {
-        bail!("LlamaConfig: GLM-4.5 with a sliding window ({w}): Glm4MoeConfig has none, so a saved checkpoint would load as another model")
+        bail!("LlamaConfig: GLM-4.5 / DeepSeek-V3 with a sliding window ({w}): Glm4MoeConfig has none, so a saved checkpoint would load as another model")
     }
     let k = m.mlp_only_layers.len();
     if m.decoder_sparse_step != 1 || m.mlp_only_layers != (0..k).collect::<Vec<_>>() || k >= cfg.num_hidden_layers.max(1) {

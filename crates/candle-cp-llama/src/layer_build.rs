@@ -212,21 +212,28 @@ impl<'a> LayerBuilder<'a> {
             }
         };
         let ap = format!("model.layers.{i}.self_attn");
+        // DeepSeek-V3: the query's up-projection in place of q, k, v; o_proj H·v wide
+        let (qkv, o_in, mla) = match &cfg.mla {
+            Some(a) => self.mla(i, a)?,
+            None => {
+                let qkv_lora = vec![self.lora_for(&ap, "q_proj")?, self.lora_for(&ap, "k_proj")?, self.lora_for(&ap, "v_proj")?];
+                (ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &self.tp)?.with_lora(qkv_lora)?, qd, None)
+            }
+        };
         // gpt-oss: an o_proj bias, replicated, its TP shares summed by reduce_gradients (as a norm's)
         let mut o = match cfg.gpt_oss {
-            false => RowParallelLinear::new(va.pp("o_proj"), qd, h, lin, &self.tp)?,
-            true => RowParallelLinear::new(va.pp("o_proj"), qd, h, LinearConfig::new(true).with_init(init), &self.tp)?.with_grad_sync(GradSync::Deferred),
+            false => RowParallelLinear::new(va.pp("o_proj"), o_in, h, lin, &self.tp)?,
+            true => RowParallelLinear::new(va.pp("o_proj"), o_in, h, LinearConfig::new(true).with_init(init), &self.tp)?.with_grad_sync(GradSync::Deferred),
         };
         if let Some(l) = self.lora_for(&ap, "o_proj")? {
             o = o.with_lora(l)?;
         }
-        let qkv_lora = vec![self.lora_for(&ap, "q_proj")?, self.lora_for(&ap, "k_proj")?, self.lora_for(&ap, "v_proj")?];
         // (OLMo 2 and 3: norms after the branches only; every OLMo: whole-projection q, k norms)
         let (olmo, flat) = (cfg.post_norms_only(), cfg.olmo.is_some());
         Ok(Block {
             // OLMo: no norm before the attention or the MLP (its norms follow each branch)
             input_norm: if olmo { None } else { Some(self.norm(vl.pp("input_layernorm"))?) },
-            qkv: ColumnParallelLinear::new_fused_sharded(&qkv, h, LinearConfig::new(cfg.qkv_bias).with_init(init), &self.tp)?.with_lora(qkv_lora)?,
+            qkv,
             o,
             // the norm before the MLP: Gemma 3's `pre_feedforward_layernorm` (its
             // `post_attention_layernorm` is the one after the attention)
@@ -270,6 +277,30 @@ impl<'a> LayerBuilder<'a> {
                 false => None,
                 true => Some(self.get(&format!("{ap}.sinks"))?),
             },
+            mla,
         })
+    }
+
+    /// DeepSeek-V3's latent attention of layer `i`: the query's up-projection (`q_b_proj`, or
+    /// `q_proj`), o_proj's input width `H·v` and the layer's [`crate::mla::MlaAttn`].
+    fn mla(&self, i: usize, a: &crate::config::deepseek::Mla) -> Result<(ColumnParallelLinear, usize, Option<Box<crate::mla::MlaAttn>>)> {
+        let cfg = &self.cfg;
+        let (h, heads, eps) = (cfg.hidden_size, cfg.num_attention_heads, cfg.rms_norm_eps);
+        let ap = format!("model.layers.{i}.self_attn");
+        let va = self.vb.pp(&ap);
+        let lin = LinearConfig::new(false).with_init(INIT);
+        // (the latents' norms: ones in a fresh VarMap; their TP shares summed as a norm's)
+        let norm = |name: &str| -> Result<RmsNorm> {
+            let w = self.get_init(&format!("{ap}.{name}.weight"), Init::Const(1.0))?;
+            Ok(RmsNorm::from_weight(&w, eps, &self.tp)?.with_grad_sync(GradSync::Deferred).with_form(cfg.norm_weight()))
+        };
+        let (q_name, q_in, q_down) = match a.q_lora_rank {
+            Some(rq) => ("q_b_proj", rq, Some((self.get(&format!("{ap}.q_a_proj.weight"))?, norm("q_a_layernorm")?))),
+            None => ("q_proj", h, None),
+        };
+        let q_up = ColumnParallelLinear::new(va.pp(q_name), q_in, heads * a.qk_head_dim(), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, q_name)?])?;
+        let kv_up = ColumnParallelLinear::new(va.pp("kv_b_proj"), a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, "kv_b_proj")?])?;
+        let m = crate::mla::MlaAttn { q_down, kv_down: self.get(&format!("{ap}.kv_a_proj_with_mqa.weight"))?, kv_norm: norm("kv_a_layernorm")?, kv_up, dims: *a, tp: self.tp.clone() };
+        Ok((q_up, heads * a.v_head_dim, Some(Box::new(m))))
     }
 }

@@ -88,6 +88,9 @@ pub(crate) struct Block {
     pub(crate) residual_scale: f64,
     /// gpt-oss's attention sinks, this TP rank's heads `[Hl]` ([`LlamaConfig::gpt_oss`]).
     pub(crate) sinks: Option<Tensor>,
+    /// DeepSeek-V3's latent attention ([`crate::mla`]; `qkv` is then its query's
+    /// up-projection alone).
+    pub(crate) mla: Option<Box<crate::mla::MlaAttn>>,
 }
 
 /// A layer's MLP.
@@ -106,7 +109,8 @@ impl Block {
             Mlp::Dense { gate_up, down } => Mlp::Dense { gate_up: gate_up.with_adapters_merged()?, down: down.with_adapters_merged()? },
             Mlp::Sparse(s) => Mlp::Sparse(s.with_adapters_merged()?),
         };
-        Ok(Block { qkv: self.qkv.with_adapters_merged()?, o: self.o.with_adapters_merged()?, mlp, ..self.clone() })
+        let mla = self.mla.as_ref().map(|m| m.with_adapters_merged().map(Box::new)).transpose()?;
+        Ok(Block { qkv: self.qkv.with_adapters_merged()?, o: self.o.with_adapters_merged()?, mlp, mla, ..self.clone() })
     }
 }
 
@@ -173,6 +177,7 @@ impl Block {
             rotates: self.rotates,
             residual_scale: self.residual_scale,
             sinks: self.sinks.clone(),
+            mla: self.mla.as_ref().map(|m| Box::new(m.without_sp())),
         }
     }
 
@@ -189,11 +194,27 @@ impl Block {
     /// [`RowParallelLinear::forward_lean`]). `tests/plan_activations.rs` compares what stays
     /// alive with the planner's count.
     fn forward(&self, x: &Tensor, env: &BlockEnv) -> Result<Tensor> {
-        let [b, tc, hl, hkvl, d] = env.dims;
+        let hl = env.dims[2];
         let (cos, sin) = match (&env.rope_local, self.local_rope) {
             (Some(local), true) => local,
             _ => &env.rope,
         };
+        let a = match &self.mla {
+            // DeepSeek-V3: q, k, v from the latents (crate::mla), RoPE on their rotated parts
+            Some(m) => {
+                let rope = |t: &Tensor| crate::fused::apply_rope(t, cos, sin);
+                let (q, k, v) = m.qkv(&self.normed_input(x)?, &self.qkv, hl, &rope, true)?;
+                m.attn_out(&attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, None)?, hl)?
+            }
+            None => self.attention(x, env, cos, sin)?,
+        };
+        self.finish_train(x, &a)
+    }
+
+    /// The attention branch of [`Block::forward`] for q, k, v projections: `x` `[B, Ts, h]` →
+    /// the attention's output `[B, Tc, Hl·D]` (o_proj's input).
+    fn attention(&self, x: &Tensor, env: &BlockEnv, cos: &Tensor, sin: &Tensor) -> Result<Tensor> {
+        let [b, tc, hl, hkvl, d] = env.dims;
         // TP region [B, Tc, ·] between the column- and row-parallel layers
         let posts = match (&self.qk_norm, &self.flat_qk_norm) {
             (None, None) if self.rotates => [Some(rope_post(hl, cos, sin)?), Some(rope_post(hkvl, cos, sin)?), None],
@@ -221,7 +242,13 @@ impl Block {
         };
         let v = qkv[2].reshape((b, tc, hkvl, d))?;
         let sinks = self.sinks.as_ref().map(Sinks::new).transpose()?;
-        let a = attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, sinks.as_ref())?.reshape((b, tc, hl * d))?;
+        attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, sinks.as_ref())?.reshape((b, tc, hl * d))
+    }
+
+    /// The rest of [`Block::forward`] after the attention's output `a` `[B, Tc, ·]`: o_proj and
+    /// the residual, the MLP and its residual.
+    fn finish_train(&self, x: &Tensor, a: &Tensor) -> Result<Tensor> {
+        let a = a.clone();
         let r = self.residual_scale;
         let x = match &self.sandwich {
             None => self.o.forward_residual_scaled(&a, x, r)?,

@@ -12,6 +12,8 @@
 //! | `{pre,post}_feedforward_layernorm.weight` (Gemma 3, [`LlamaConfig::gemma3`]; its `post_attention_layernorm` follows the attention) | `[h]` | replicated |
 //! | OLMo ([`LlamaConfig::olmo`]): `self_attn.q_norm.weight`, `self_attn.k_norm.weight`; `post_feedforward_layernorm.weight` (its `post_attention_layernorm` follows the attention; no `input_layernorm`) | `[H·D]`, `[Hkv·D]`; `[h]` | as q_proj's, k_proj's rows; replicated |
 //! | `self_attn.o_proj.weight`                   | `[h, H·D]`       | columns (heads) |
+//! | DeepSeek-V3 instead of q, k, v, o ([`crate::config::deepseek`]): `self_attn.{q_a_proj,q_a_layernorm,kv_a_proj_with_mqa,kv_a_layernorm}.weight` | `[rq, h]`, `[rq]`, `[rkv + rope, h]`, `[rkv]` | replicated (its TP ranks' gradients summed under SP) |
+//! | `self_attn.{q_b_proj,q_proj,kv_b_proj}.weight`, `self_attn.o_proj.weight` (DeepSeek-V3) | `[H·(nope + rope), rq \| h]`, `[H·(nope + v), rkv]`, `[h, H·v]` | rows (heads); columns (heads) |
 //! | `self_attn.o_proj.bias` (gpt-oss)           | `[h]`            | replicated (added after the sum) |
 //! | `self_attn.sinks` (gpt-oss)                 | `[H]`            | rows (heads)    |
 //! | `mlp.{gate,up}_proj.weight`                 | `[I, h]`         | rows            |
@@ -241,7 +243,13 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
         if !cfg.post_norms_only() {
             add(p("input_layernorm.weight"), vec![h], norm);
         }
-        for (proj, rows, shard) in [("q_proj", qd, col), ("k_proj", kd, kv), ("v_proj", kd, kv)] {
+        // DeepSeek-V3: the latent attention's projections and norms instead of q, k, v, o
+        if let Some(a) = &cfg.mla {
+            for (name, shape, shard) in crate::config::deepseek::attention_specs(cfg, a, l) {
+                add(name, shape, shard);
+            }
+        }
+        for (proj, rows, shard) in [("q_proj", qd, col), ("k_proj", kd, kv), ("v_proj", kd, kv)].into_iter().filter(|_| cfg.mla.is_none()) {
             add(p(&format!("self_attn.{proj}.weight")), vec![rows, h], shard);
             if cfg.qkv_bias {
                 add(p(&format!("self_attn.{proj}.bias")), vec![rows], shard);
@@ -256,7 +264,9 @@ pub fn param_specs(cfg: &LlamaConfig) -> Vec<ParamSpec> {
             add(p("self_attn.q_norm.weight"), vec![qd], col);
             add(p("self_attn.k_norm.weight"), vec![kd], kv);
         }
-        add(p("self_attn.o_proj.weight"), vec![h, qd], row);
+        if cfg.mla.is_none() {
+            add(p("self_attn.o_proj.weight"), vec![h, qd], row);
+        }
         if cfg.gpt_oss {
             // gpt-oss: the o_proj bias (added after the row-parallel sum) and a sink per head
             add(p("self_attn.o_proj.bias"), vec![h], norm);

@@ -114,7 +114,7 @@ impl LlamaConfig {
     /// Gemma 3, Gemma 2, a mixture, Phi-3, gpt-oss, NoPE layers, Granite's multipliers, OLMo's
     /// norms, EXAONE 4's attention, GLM-4's norms and RoPE (the architectures that exclude the
     /// others refuse them by these names).
-    pub(crate) fn features(&self) -> [(&'static str, bool); 12] {
+    pub(crate) fn features(&self) -> [(&'static str, bool); 13] {
         [
             ("q, k, v biases", self.qkv_bias),
             ("q, k head norms", self.qk_norm),
@@ -128,6 +128,7 @@ impl LlamaConfig {
             (crate::config::olmo::OLMO, self.olmo.is_some()),
             (crate::config::exaone4::EXAONE4, self.exaone4),
             (crate::config::glm4::GLM4, self.glm.is_some()),
+            (crate::config::deepseek::MLA, self.mla.is_some()),
         ]
     }
 }

@@ -1,0 +1,235 @@
+//! DeepSeek-V3 (`model_type` `deepseek_v3`, `DeepseekV3ForCausalLM`: DeepSeek-V3, V3.1, R1,
+//! Kimi K2 and Moonlight in its format): multi-head latent attention ([`Mla`], the layer in
+//! [`crate::mla`]) in every layer, GLM-4.5's mixture of experts ([`MoeStyle::Glm4Moe`]: sigmoid
+//! scores, a correction bias choosing within the best expert groups, renormalised and scaled
+//! weights, shared experts) from layer `first_k_dense_replace` on.
+//!
+//! ```text
+//!  q  = q_b_proj(rms(q_a_proj(x)))            [H, nope + rope]   (q_lora_rank null: q_proj(x))
+//!  c, kr = kv_a_proj_with_mqa(x)               [kv_lora_rank], [rope]: one RoPE key for every head
+//!  k_nope, v = kv_b_proj(rms(c))               [H, nope], [H, v_head_dim]
+//!  k  = [k_nope, RoPE(kr)] per head,  q = [q_nope, RoPE(q_rot)]
+//!  attention scale (nope + rope)^-1/2 · mscale²  (YaRN with `mscale_all_dim`)
+//! ```
+//!
+//! `rope_interleave` (the default): the RoPE dimensions arrive in pairs `(2i, 2i + 1)` and
+//! are reordered to `rotate_half`'s halves before the rotation, as transformers does. The
+//! config's `head_dim` is transformers' (the RoPE width, `qk_rope_head_dim`); the model's
+//! [`LlamaConfig::head_dim`] is the width the attention runs at, `max(nope + rope, v)`.
+//! The multi-token-prediction layers (`num_nextn_predict_layers`) are skipped on load, as for
+//! GLM-4.5.
+
+use super::qwen3_moe::MoeStyle;
+use super::{get_bool, get_usize, Arch, LlamaConfig, RopeScaling};
+use candle_core::{bail, Result};
+use serde_json::{json, Map, Value};
+
+/// The feature name of multi-head latent attention in errors.
+pub(crate) const MLA: &str = "multi-head latent attention";
+
+/// DeepSeek's multi-head latent attention: the ranks of the compressed query and key/value and
+/// the widths of each head's parts.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Mla {
+    /// Rank of the compressed query (`q_a_proj` `[rq, h]`, `q_b_proj` `[H·(nope + rope), rq]`);
+    /// `None`: one `q_proj` `[H·(nope + rope), h]` (DeepSeek-V2-Lite's form).
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the compressed key/value (`kv_a_proj_with_mqa` `[rkv + rope, h]`, `kv_b_proj`
+    /// `[H·(nope + v), rkv]`).
+    pub kv_lora_rank: usize,
+    /// Each query and key head's dimensions without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Each query and key head's rotated dimensions (the key's shared by every head).
+    pub qk_rope_head_dim: usize,
+    /// Each value head's dimensions.
+    pub v_head_dim: usize,
+    /// The rotated dimensions arrive interleaved (pairs `(2i, 2i + 1)`), transformers' default.
+    pub rope_interleave: bool,
+}
+
+impl Mla {
+    /// DeepSeek-V3's: rq 1536, rkv 512, nope 128, rope 64, v 128, interleaved.
+    pub fn deepseek_v3() -> Self {
+        Self { q_lora_rank: Some(1536), kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128, rope_interleave: true }
+    }
+
+    /// A query's or key's head width, `nope + rope`.
+    pub fn qk_head_dim(&self) -> usize {
+        self.qk_nope_head_dim + self.qk_rope_head_dim
+    }
+
+    /// The head width the attention runs at: `max(nope + rope, v)` (the narrower side padded
+    /// with zeros, which change neither the scores nor the output).
+    pub fn attn_dim(&self) -> usize {
+        self.qk_head_dim().max(self.v_head_dim)
+    }
+
+    /// The softmax scale: `(nope + rope)^-1/2`, times `mscale²` under YaRN with
+    /// `mscale_all_dim` (`0.1·mscale_all_dim·ln(factor) + 1`), as `DeepseekV3Attention`.
+    pub fn softmax_scale(&self, scaling: &RopeScaling) -> f64 {
+        let s = 1.0 / (self.qk_head_dim() as f64).sqrt();
+        match scaling {
+            RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } if *m != 0.0 && *factor > 1.0 => {
+                let ms = 0.1 * m * factor.ln() + 1.0;
+                s * ms * ms
+            }
+            _ => s,
+        }
+    }
+}
+
+/// A `deepseek_v3` config with `DeepseekV3Config`'s defaults where it leaves them out (its
+/// `head_dim` is the RoPE width); `None` for another architecture.
+pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>> {
+    if Arch::of_config(m).ok() != Some(Arch::DeepseekV3) {
+        return None;
+    }
+    let mut t = m.clone();
+    for (k, v) in [
+        ("vocab_size", json!(129280)),
+        ("hidden_size", json!(7168)),
+        ("intermediate_size", json!(18432)),
+        ("moe_intermediate_size", json!(2048)),
+        ("num_hidden_layers", json!(61)),
+        ("num_attention_heads", json!(128)),
+        ("n_shared_experts", json!(1)),
+        ("n_routed_experts", json!(256)),
+        ("routed_scaling_factor", json!(2.5)),
+        ("kv_lora_rank", json!(512)),
+        ("q_lora_rank", json!(1536)),
+        ("qk_rope_head_dim", json!(64)),
+        ("v_head_dim", json!(128)),
+        ("qk_nope_head_dim", json!(128)),
+        ("n_group", json!(8)),
+        ("topk_group", json!(4)),
+        ("num_experts_per_tok", json!(8)),
+        ("first_k_dense_replace", json!(3)),
+        ("norm_topk_prob", json!(true)),
+        ("rms_norm_eps", json!(1e-6)),
+        ("rope_interleave", json!(true)),
+        ("attention_bias", json!(false)),
+    ] {
+        t.entry(k).or_insert(v);
+    }
+    // DeepseekV3Config: num_key_value_heads defaults to num_attention_heads
+    let heads = t.get("num_attention_heads").cloned().unwrap_or(json!(128));
+    t.entry("num_key_value_heads").or_insert(heads);
+    // transformers' head_dim is the RoPE width (the model's is set from the parts)
+    let rope = t.get("qk_rope_head_dim").cloned().unwrap_or(json!(64));
+    t.insert("head_dim".into(), rope);
+    Some(t)
+}
+
+/// The attention's keys of a `deepseek_v3` config (defaults filled by [`with_defaults`]).
+pub(super) fn parse(m: &Map<String, Value>) -> Result<Mla> {
+    let need = |k: &str| -> Result<usize> { get_usize(m, k)?.ok_or_else(|| candle_core::Error::Msg(format!("config.json: deepseek_v3 needs `{k}`"))) };
+    if get_bool(m, "attention_bias")? == Some(true) {
+        bail!("config.json: `attention_bias: true` on a deepseek_v3 model (biases on q_a_proj, kv_a_proj_with_mqa and o_proj) not supported")
+    }
+    Ok(Mla {
+        // (null: one q_proj)
+        q_lora_rank: get_usize(m, "q_lora_rank")?,
+        kv_lora_rank: need("kv_lora_rank")?,
+        qk_nope_head_dim: need("qk_nope_head_dim")?,
+        qk_rope_head_dim: need("qk_rope_head_dim")?,
+        v_head_dim: need("v_head_dim")?,
+        rope_interleave: get_bool(m, "rope_interleave")?.unwrap_or(true),
+    })
+}
+
+/// DeepSeek-V3's keys of config.json (after GLM-4.5's mixture keys, [`super::glm4_moe::write`]).
+pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla) {
+    // (GLM-4.5's attention keys, which DeepseekV3Config does not have)
+    for k in ["partial_rotary_factor", "use_qk_norm"] {
+        m.remove(k);
+    }
+    for (k, v) in [
+        ("q_lora_rank", json!(a.q_lora_rank)),
+        ("kv_lora_rank", json!(a.kv_lora_rank)),
+        ("qk_nope_head_dim", json!(a.qk_nope_head_dim)),
+        ("qk_rope_head_dim", json!(a.qk_rope_head_dim)),
+        ("v_head_dim", json!(a.v_head_dim)),
+        ("rope_interleave", json!(a.rope_interleave)),
+        ("head_dim", json!(a.qk_rope_head_dim)),
+        ("attention_bias", json!(false)),
+    ] {
+        m.insert(k.into(), v);
+    }
+}
+
+/// A DeepSeek-V3 config's invariants: every head's parts non-empty, an even RoPE width,
+/// `head_dim` the attention's width, as many KV heads as query heads, GLM-4.5's mixture (its
+/// own checks, [`super::glm4_moe::validate`]) or every layer dense, nothing of another
+/// architecture, no LoRA on the replicated down-projections.
+pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
+    let Some(a) = cfg.mla else { return Ok(()) };
+    let own = [super::qwen3_moe::MOE, MLA];
+    if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && !own.contains(w)) {
+        bail!("LlamaConfig: DeepSeek-V3's latent attention with {what}: no architecture this model writes has both")
+    }
+    if a.kv_lora_rank == 0 || a.qk_nope_head_dim == 0 || a.v_head_dim == 0 || a.qk_rope_head_dim == 0 || !a.qk_rope_head_dim.is_multiple_of(2) || a.q_lora_rank == Some(0) {
+        bail!("LlamaConfig: latent attention needs kv_lora_rank, qk_nope_head_dim, v_head_dim > 0, q_lora_rank > 0 or null and an even qk_rope_head_dim > 0 (got {a:?})")
+    }
+    if cfg.head_dim != a.attn_dim() || cfg.num_key_value_heads != cfg.num_attention_heads || cfg.partial_rotary_factor != 1.0 {
+        bail!(
+            "LlamaConfig: latent attention runs at head_dim = max(qk_nope_head_dim + qk_rope_head_dim, v_head_dim) = {} with as many KV heads as heads and no partial_rotary_factor (head_dim {}, heads {}, KV heads {}, factor {})",
+            a.attn_dim(),
+            cfg.head_dim,
+            cfg.num_attention_heads,
+            cfg.num_key_value_heads,
+            cfg.partial_rotary_factor
+        )
+    }
+    if let Some(w) = cfg.sliding_window {
+        bail!("LlamaConfig: DeepSeek-V3 with a sliding window ({w}): DeepseekV3Config has none")
+    }
+    if let Some(m) = cfg.moe.as_ref().filter(|m| m.style != MoeStyle::Glm4Moe) {
+        bail!("LlamaConfig: DeepSeek-V3's experts are GLM-4.5's (sigmoid scores, correction bias), got {:?}", m.style)
+    }
+    if let Some(l) = &cfg.lora {
+        for stem in ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"] {
+            if (0..cfg.num_hidden_layers).any(|i| l.adapts_weight(&format!("model.layers.{i}.{stem}"))) {
+                bail!("LlamaConfig: LoRA on {stem} (a replicated down-projection) is not supported; target q_b_proj, kv_b_proj, o_proj or the MLPs")
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The attention parameters of layer `l` (`model.layers.{l}.self_attn.*`): name, full shape,
+/// TP split. The down-projections and their norms are replicated (each TP rank applies them to
+/// its sequence shard under SP, their gradient summed over TP as a norm's), the up-projections
+/// split by heads, o_proj by its columns.
+pub(crate) fn attention_specs(cfg: &LlamaConfig, a: &Mla, l: usize) -> Vec<(String, Vec<usize>, candle_cp_nn::Shard)> {
+    use candle_cp_nn::{ColumnParallelLinear, RmsNorm, RowParallelLinear};
+    let (h, heads) = (cfg.hidden_size, cfg.num_attention_heads);
+    let (col, row, rep) = (ColumnParallelLinear::WEIGHT_SHARD, RowParallelLinear::WEIGHT_SHARD, RmsNorm::WEIGHT_SHARD);
+    let p = |s: &str| format!("model.layers.{l}.self_attn.{s}.weight");
+    let mut out = Vec::new();
+    match a.q_lora_rank {
+        Some(rq) => {
+            out.push((p("q_a_proj"), vec![rq, h], rep));
+            out.push((p("q_a_layernorm"), vec![rq], rep));
+            out.push((p("q_b_proj"), vec![heads * a.qk_head_dim(), rq], col));
+        }
+        None => out.push((p("q_proj"), vec![heads * a.qk_head_dim(), h], col)),
+    }
+    out.push((p("kv_a_proj_with_mqa"), vec![a.kv_lora_rank + a.qk_rope_head_dim, h], rep));
+    out.push((p("kv_a_layernorm"), vec![a.kv_lora_rank], rep));
+    out.push((p("kv_b_proj"), vec![heads * (a.qk_nope_head_dim + a.v_head_dim), a.kv_lora_rank], col));
+    out.push((p("o_proj"), vec![h, heads * a.v_head_dim], row));
+    out
+}
+
+impl LlamaConfig {
+    /// The same config with DeepSeek's latent attention `a` (`head_dim` set to its
+    /// [`Mla::attn_dim`], KV heads to the heads), or without (`None`: `head_dim` left as it is).
+    pub fn with_mla(mut self, a: Option<Mla>) -> Self {
+        if let Some(a) = &a {
+            self.head_dim = a.attn_dim();
+            self.num_key_value_heads = self.num_attention_heads;
+        }
+        self.mla = a;
+        self
+    }
+}

@@ -1,0 +1,165 @@
+//! DeepSeek-V3 (`model_type` `deepseek_v3`): multi-head latent attention in every layer and
+//! GLM-4.5's mixture of experts on layer 1.
+//!
+//! - The tiny DeepSeek-V3 (`mla_ref.rs`: 8 heads, q rank 32, KV rank 24, nope 12, RoPE 8
+//!   interleaved, v 10, YaRN with mscale_all_dim) against the float64 reference written from
+//!   `DeepseekV3Attention` (`mla_ref.rs`, called by `dense_llama.rs`): one device, ring,
+//!   zigzag, striped, Ulysses, 2-D, TP with and without SP, zigzag × TP + SP with recomputed
+//!   layers, expert parallelism, DP — logits, loss and every gradient within the oracle's
+//!   tolerances. Values wider than the query (`v = 24`), one `q_proj` (`q_lora_rank` null) and
+//!   RoPE without interleaving on layouts too; the interleaving, the mscale and the latent
+//!   norms each bind.
+//! - Generation: cached decoding equals the full forward; CP, TP and EP decode the single
+//!   device's tokens.
+//! - Checkpoints: DeepSeek-V3's names and config.json written, read back bit for bit, whole and
+//!   over TP 2; the multi-token-prediction layer skipped on load.
+
+use candle_core::{DType, Device, Result, Tensor};
+use candle_cp_llama::config::deepseek::Mla;
+use candle_cp_llama::hf::load_safetensors_dir;
+use candle_cp_llama::layout::{CpKind, Layout};
+use candle_cp_llama::verify::{compare, load_reference, run_layout_recompute, Tolerances};
+use candle_cp_llama::{load_hf, save_hf, Arch};
+use candle_cp_tests::dense_llama::{cached_generation_agrees, max_abs, reference, reference_rows, sharded_load_and_save};
+use candle_cp_tests::mla_ref::deepseek_model;
+
+const T: usize = 64;
+
+/// The tests' latent attention: q rank 32, KV rank 24, nope 12, RoPE 8 interleaved, v 10.
+const MLA: Mla = Mla { q_lora_rank: Some(32), kv_lora_rank: 24, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope_interleave: true };
+
+fn ids(t: usize) -> Result<Tensor> {
+    let dir = candle_cp_tests::oracle_dir("tiny-llama");
+    load_reference(dir.join("reference.safetensors"))?.input_ids.narrow(1, 0, t)?.contiguous()
+}
+
+fn io<E: std::fmt::Display>(e: E) -> candle_core::Error {
+    candle_core::Error::Msg(e.to_string())
+}
+
+/// `(label, layout, recompute)` on `ids` against `want`: every parameter compared, all pass.
+fn check_layouts(label: &str, full: &std::collections::HashMap<String, Tensor>, cfg: &candle_cp_llama::LlamaConfig, layouts: &[(Layout, bool)]) -> Result<()> {
+    let ids = ids(T)?;
+    let want = reference(full, cfg, &ids)?;
+    for &(layout, recompute) in layouts {
+        let rep = compare(&run_layout_recompute(full, cfg, &ids, layout, &Device::Cpu, recompute)?, &want, Tolerances::default())?;
+        println!("{label} {layout} (recompute {recompute}): logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
+        assert!(rep.pass(), "{label} {layout}: {rep:?}");
+    }
+    Ok(())
+}
+
+/// Every kind of layout, recomputed layers, expert parallelism and DP give the reference's
+/// results; the interleaving, the mscale and the latent norms each move them.
+#[test]
+fn deepseek_v3_on_every_layout_matches_the_reference() -> Result<()> {
+    let (cfg, full) = deepseek_model(MLA)?;
+    assert_eq!((cfg.arch(), cfg.head_dim, cfg.rope_dim(), cfg.num_key_value_heads, cfg.moe_layers()), (Arch::DeepseekV3, 20, 8, 8, 1));
+    let ids = ids(T)?;
+    let want = reference(&full, &cfg, &ids)?;
+    // each part binds: the reference without it moves the logits
+    let mut flat_norm = full.clone();
+    let kvn = "model.layers.0.self_attn.kv_a_layernorm.weight";
+    flat_norm.insert(kvn.into(), full[kvn].ones_like()?);
+    let mut plain = cfg.clone();
+    plain.rope_scaling = candle_cp_llama::RopeScaling::Default;
+    let no_interleave = cfg.clone().with_mla(Some(Mla { rope_interleave: false, ..MLA }));
+    for (what, c, f) in [("the interleaved RoPE order", &no_interleave, &full), ("YaRN and its mscale", &plain, &full), ("kv_a_layernorm", &cfg, &flat_norm)] {
+        let moved = max_abs(&reference(f, c, &ids)?.logits, &want.logits)?;
+        assert!(moved > 1e-3, "{what} moves the logits by only {moved:.1e}");
+    }
+    let layouts = [
+        (Layout::single(), false),
+        (Layout::cp(CpKind::Ring, 4), false),
+        (Layout::cp(CpKind::Zigzag, 4), false),
+        (Layout::cp(CpKind::Striped, 2), false),
+        (Layout::cp(CpKind::Ulysses, 2), false),
+        (Layout::two_d(2, 2), false),
+        (Layout::single().with_tp(2, false), false),
+        (Layout::single().with_tp(4, true), false),
+        (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true),
+        (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false),
+        (Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), true),
+    ];
+    for (layout, recompute) in layouts {
+        let rep = compare(&run_layout_recompute(&full, &cfg, &ids, layout, &Device::Cpu, recompute)?, &want, Tolerances::default())?;
+        println!("deepseek_v3 {layout} (recompute {recompute}): logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
+        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
+        assert!(rep.pass(), "deepseek_v3 {layout}: {rep:?}");
+    }
+    // DP 2 over two rows
+    let two = Tensor::cat(&[&ids, &ids], 0)?;
+    let rows_want = reference_rows(&want)?;
+    let layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2);
+    let rep = compare(&run_layout_recompute(&full, &cfg, &two, layout, &Device::Cpu, false)?, &rows_want, Tolerances::default())?;
+    assert!(rep.pass(), "deepseek_v3 {layout}: {rep:?}");
+    Ok(())
+}
+
+/// The other forms: values wider than the query and key (the query and key padded), one
+/// `q_proj` (`q_lora_rank` null) with RoPE not interleaved.
+#[test]
+fn deepseek_v3_forms_on_layouts() -> Result<()> {
+    let wide_v = Mla { v_head_dim: 24, ..MLA };
+    let (cfg, full) = deepseek_model(wide_v)?;
+    assert_eq!(cfg.head_dim, 24);
+    check_layouts("deepseek_v3 v 24", &full, &cfg, &[(Layout::single(), false), (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), false), (Layout::cp(CpKind::Ulysses, 2), false)])?;
+    let (cfg, full) = deepseek_model(Mla { q_lora_rank: None, rope_interleave: false, ..MLA })?;
+    assert!(full.contains_key("model.layers.1.self_attn.q_proj.weight") && !full.contains_key("model.layers.1.self_attn.q_a_proj.weight"));
+    check_layouts("deepseek_v3 q_proj", &full, &cfg, &[(Layout::single(), false), (Layout::two_d(2, 2), false), (Layout::single().with_tp(2, false), false)])
+}
+
+/// Cached decoding equals the full forward; CP, TP and EP decode the single device's tokens.
+#[test]
+fn deepseek_v3_generation() -> Result<()> {
+    let (cfg, full) = deepseek_model(MLA)?;
+    let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2)];
+    cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
+}
+
+/// Checkpoints in DeepSeek-V3's names and config.json: written, read back bit for bit (config
+/// included), a multi-token-prediction layer beside them skipped, whole and over TP 2.
+#[test]
+fn deepseek_v3_checkpoints() -> Result<()> {
+    let (cfg, full) = deepseek_model(MLA)?;
+    let h = cfg.hidden_size;
+    let tmp = |tag: &str| std::env::temp_dir().join(format!("candle-cp-deepseek-{tag}-{}", std::process::id()));
+    let dir = tmp("saved");
+    save_hf(&dir, &candle_cp_tests::varmap_of(&full)?, &cfg)?;
+    let mut names = load_safetensors_dir(&dir, &Device::Cpu)?;
+    let p = "model.layers.1.self_attn.";
+    for (k, shape) in [("q_a_proj.weight", vec![32, h]), ("q_a_layernorm.weight", vec![32]), ("q_b_proj.weight", vec![8 * 20, 32]), ("kv_a_proj_with_mqa.weight", vec![24 + 8, h]), ("kv_a_layernorm.weight", vec![24]), ("kv_b_proj.weight", vec![8 * 22, 24]), ("o_proj.weight", vec![h, 8 * 10])] {
+        assert_eq!(names.get(&format!("{p}{k}")).map(|t| t.dims().to_vec()), Some(shape), "{k}");
+    }
+    assert!(!names.keys().any(|k| k.contains("k_proj") || k.contains("v_proj.")), "no k_proj / v_proj");
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(io)?).map_err(io)?;
+    assert_eq!(
+        (config["architectures"][0].as_str(), config["model_type"].as_str(), config["head_dim"].as_u64(), config["kv_lora_rank"].as_u64(), config["q_lora_rank"].as_u64(), config["v_head_dim"].as_u64(), config["rope_interleave"].as_bool()),
+        (Some("DeepseekV3ForCausalLM"), Some("deepseek_v3"), Some(8), Some(24), Some(32), Some(10), Some(true))
+    );
+    assert!(config.get("use_qk_norm").is_none() && config.get("partial_rotary_factor").is_none());
+    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    assert_eq!(got.len(), full.len());
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    // a multi-token-prediction layer after the last one (layer 2 of 2): skipped
+    let mtp = tmp("mtp");
+    std::fs::create_dir_all(&mtp).map_err(io)?;
+    names.insert("model.layers.2.eh_proj.weight".into(), Tensor::zeros((h, 2 * h), DType::F32, &Device::Cpu)?);
+    names.insert("model.layers.2.self_attn.kv_b_proj.weight".into(), Tensor::zeros((8 * 22, 24), DType::F32, &Device::Cpu)?);
+    candle_core::safetensors::save(&names, mtp.join("model.safetensors"))?;
+    std::fs::copy(dir.join("config.json"), mtp.join("config.json")).map_err(io)?;
+    let (back, _) = load_hf(&mtp, &Device::Cpu, DType::F32)?;
+    assert_eq!(candle_cp_llama::params::varmap_tensors(&back)?.len(), full.len());
+    let bytes = std::fs::read(dir.join("model.safetensors")).map_err(io)?;
+    let out = tmp("sharded");
+    sharded_load_and_save(&mtp, &full, &cfg, Layout::single().with_tp(2, true), &out, &bytes)?;
+    for d in [dir, mtp, out] {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    Ok(())
+}
