@@ -126,6 +126,24 @@ pub(super) fn parse(m: &Map<String, Value>) -> Result<Mla> {
     if get_bool(m, "attention_bias")? == Some(true) {
         bail!("config.json: `attention_bias: true` on a deepseek_v3 model (biases on q_a_proj, kv_a_proj_with_mqa and o_proj) not supported")
     }
+    let (heads, kv) = (get_usize(m, "num_attention_heads")?, get_usize(m, "num_key_value_heads")?);
+    if kv != heads {
+        bail!("config.json: deepseek_v3 with num_key_value_heads {kv:?} and num_attention_heads {heads:?}: latent attention has as many KV heads as heads (kv_b_proj's)")
+    }
+    // DeepSeek's original keys: the router transformers' DeepseekV3 implements, on every layer
+    // from first_k_dense_replace on
+    for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
+        if let Some(v) = m.get(k).filter(|v| !v.is_null() && v.as_str() != Some(want)) {
+            bail!("config.json: deepseek_v3 with `{k}` {v}: only {want} (DeepSeek-V3's router) is supported")
+        }
+    }
+    if let Some(f) = get_usize(m, "moe_layer_freq")?.filter(|&f| f != 1) {
+        bail!("config.json: deepseek_v3 with `moe_layer_freq` {f}: transformers' DeepseekV3 puts experts on every layer from first_k_dense_replace on (1)")
+    }
+    // the published weights are FP8 with per-block scales (`weight_scale_inv`)
+    if let Some(q) = m.get("quantization_config").filter(|q| !q.is_null()) {
+        bail!("config.json: a quantized deepseek_v3 checkpoint ({q}): convert it to bf16 first (its FP8 weights times their `weight_scale_inv` blocks) and drop `quantization_config`")
+    }
     Ok(Mla {
         // (null: one q_proj)
         q_lora_rank: get_usize(m, "q_lora_rank")?,
@@ -160,7 +178,7 @@ pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla) {
 /// A DeepSeek-V3 config's invariants: every head's parts non-empty, an even RoPE width,
 /// `head_dim` the attention's width, as many KV heads as query heads, GLM-4.5's mixture (its
 /// own checks, [`super::glm4_moe::validate`]) or every layer dense, nothing of another
-/// architecture, no LoRA on the replicated down-projections.
+/// architecture, no DoRA on the replicated down-projections.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     let Some(a) = cfg.mla else { return Ok(()) };
     let own = [super::qwen3_moe::MOE, MLA];
@@ -186,10 +204,10 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if let Some(m) = cfg.moe.as_ref().filter(|m| m.style != MoeStyle::Glm4Moe) {
         bail!("LlamaConfig: DeepSeek-V3's experts are GLM-4.5's (sigmoid scores, correction bias), got {:?}", m.style)
     }
-    if let Some(l) = &cfg.lora {
+    if let Some(l) = cfg.lora.as_ref().filter(|l| l.dora) {
         for stem in ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"] {
             if (0..cfg.num_hidden_layers).any(|i| l.adapts_weight(&format!("model.layers.{i}.{stem}"))) {
-                bail!("LlamaConfig: LoRA on {stem} (a replicated down-projection) is not supported; target q_b_proj, kv_b_proj, o_proj or the MLPs")
+                bail!("LlamaConfig: DoRA on {stem} (a replicated down-projection) is not supported; LoRA is, and DoRA on q_b_proj, kv_b_proj, o_proj and the MLPs")
             }
         }
     }
@@ -223,13 +241,19 @@ pub(crate) fn attention_specs(cfg: &LlamaConfig, a: &Mla, l: usize) -> Vec<(Stri
 
 impl LlamaConfig {
     /// The same config with DeepSeek's latent attention `a` (`head_dim` set to its
-    /// [`Mla::attn_dim`], KV heads to the heads), or without (`None`: `head_dim` left as it is).
+    /// [`Mla::attn_dim`], KV heads to the heads, RoPE on `qk_rope_head_dim` alone), or without
+    /// (`None`: `head_dim` left as it is).
     pub fn with_mla(mut self, a: Option<Mla>) -> Self {
         if let Some(a) = &a {
             self.head_dim = a.attn_dim();
             self.num_key_value_heads = self.num_attention_heads;
+            self.partial_rotary_factor = 1.0;
         }
         self.mla = a;
         self
     }
 }
+
+#[cfg(test)]
+#[path = "deepseek_tests.rs"]
+mod tests;

@@ -295,12 +295,12 @@ impl<'a> LayerBuilder<'a> {
             Ok(RmsNorm::from_weight(&w, eps, &self.tp)?.with_grad_sync(GradSync::Deferred).with_form(cfg.norm_weight()))
         };
         let (q_name, q_in, q_down) = match a.q_lora_rank {
-            Some(rq) => ("q_b_proj", rq, Some((self.get(&format!("{ap}.q_a_proj.weight"))?, norm("q_a_layernorm")?))),
+            Some(rq) => ("q_b_proj", rq, Some((self.get(&format!("{ap}.q_a_proj.weight"))?, self.lora_for(&ap, "q_a_proj")?, norm("q_a_layernorm")?))),
             None => ("q_proj", h, None),
         };
         let q_up = ColumnParallelLinear::new(va.pp(q_name), q_in, heads * a.qk_head_dim(), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, q_name)?])?;
         let kv_up = ColumnParallelLinear::new(va.pp("kv_b_proj"), a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, "kv_b_proj")?])?;
-        let m = crate::mla::MlaAttn { q_down, kv_down: self.get(&format!("{ap}.kv_a_proj_with_mqa.weight"))?, kv_norm: norm("kv_a_layernorm")?, kv_up, dims: *a, tp: self.tp.clone() };
+        let m = crate::mla::MlaAttn { q_down, kv_down: self.get(&format!("{ap}.kv_a_proj_with_mqa.weight"))?, kv_down_lora: self.lora_for(&ap, "kv_a_proj_with_mqa")?, kv_norm: norm("kv_a_layernorm")?, kv_up, dims: *a, tp: self.tp.clone() };
         Ok((q_up, heads * a.v_head_dim, Some(Box::new(m))))
     }
 }

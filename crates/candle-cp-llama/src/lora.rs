@@ -32,9 +32,13 @@ pub const TARGETS: [&str; 7] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_pr
 /// `[1, h]`): targets beside [`TARGETS`] (gpt-oss's `mlp.router` is no linear module in PEFT).
 pub const ROUTER_TARGETS: [&str; 2] = ["gate", "shared_expert_gate"];
 
-/// PEFT's `all-linear`: every projection ([`TARGETS`]) and the routers ([`ROUTER_TARGETS`]),
-/// the head excepted.
-pub const ALL_LINEAR: [&str; 9] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate"];
+/// DeepSeek-V3's latent attention's projections ([`crate::config::deepseek`]): targets beside
+/// [`TARGETS`] (its `q_proj` when `q_lora_rank` is null, and `o_proj`, are among those).
+pub const MLA_TARGETS: [&str; 4] = ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"];
+
+/// PEFT's `all-linear`: every projection ([`TARGETS`], [`MLA_TARGETS`]) and the routers
+/// ([`ROUTER_TARGETS`]), the head excepted.
+pub const ALL_LINEAR: [&str; 13] = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "gate", "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"];
 
 /// A Phi-3's fused modules as PEFT names them (its `qkv_proj` holds q, k, v; `gate_up_proj`
 /// gate and up: [`crate::config::phi3`]), targets beside [`TARGETS`] on a Phi-3 only.
@@ -108,9 +112,9 @@ impl LoraSpec {
     /// A Phi-3's `qkv_proj` / `gate_up_proj` ([`FUSED_TARGETS`]) are targets too.
     pub fn new(rank: usize, alpha: f64, targets: &[&str]) -> Result<Self> {
         let config = LoraConfig::new(rank, alpha)?;
-        let known = || TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS);
+        let known = || TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS).chain(&MLA_TARGETS);
         if let Some(t) = targets.iter().find(|t| !known().any(|k| k == *t)) {
-            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?}, a mixture's routers {ROUTER_TARGETS:?}, or a Phi-3's {FUSED_TARGETS:?})")
+            bail!("LoRA: unknown target module '{t}' (one of {TARGETS:?}, a mixture's routers {ROUTER_TARGETS:?}, a Phi-3's {FUSED_TARGETS:?} or DeepSeek-V3's {MLA_TARGETS:?})")
         }
         if targets.is_empty() {
             bail!("LoRA: no target modules (some of {TARGETS:?})")
@@ -179,7 +183,7 @@ impl LoraSpec {
                     self.targets.push(fused.to_string());
                 }
             }
-            let order = |t: &String| TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS).position(|k| k == t);
+            let order = |t: &String| TARGETS.iter().chain(&FUSED_TARGETS).chain(&ROUTER_TARGETS).chain(&MLA_TARGETS).position(|k| k == t);
             self.targets.sort_by_key(order);
         }
         self

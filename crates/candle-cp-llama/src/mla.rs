@@ -24,17 +24,20 @@
 use crate::config::deepseek::Mla;
 use crate::model::linear;
 use candle_core::{bail, Module, Result, Tensor, D};
-use candle_cp_nn::{ColumnParallelLinear, RmsNorm, Tp};
+use candle_cp_nn::{ColumnParallelLinear, Lora, RmsNorm, Tp};
 use candle_cp_ops::mappings;
 
 /// The latent attention's own weights of one layer (the query's up-projection is the block's
 /// `qkv` linear, o_proj its `o`).
 #[derive(Clone)]
 pub(crate) struct MlaAttn {
-    /// `q_a_proj` `[rq, h]` (replicated) and `q_a_layernorm` (`None`: `q_proj` from `x`).
-    pub(crate) q_down: Option<(Tensor, RmsNorm)>,
+    /// `q_a_proj` `[rq, h]` (replicated), its LoRA adapter if a target, and `q_a_layernorm`
+    /// (`None`: `q_proj` from `x`).
+    pub(crate) q_down: Option<(Tensor, Option<Lora>, RmsNorm)>,
     /// `kv_a_proj_with_mqa` `[rkv + rope, h]` (replicated).
     pub(crate) kv_down: Tensor,
+    /// `kv_a_proj_with_mqa`'s LoRA adapter, if a target.
+    pub(crate) kv_down_lora: Option<Lora>,
     /// `kv_a_layernorm` `[rkv]`.
     pub(crate) kv_norm: RmsNorm,
     /// `kv_b_proj`, this rank's heads `[Hl·(nope + v), rkv]`.
@@ -51,9 +54,28 @@ impl MlaAttn {
         MlaAttn { kv_up: self.kv_up.clone().with_sequence_parallel(false), tp: Tp::new(self.tp.group.clone(), false), ..self.clone() }
     }
 
-    /// The same layer with `kv_b_proj`'s adapter merged into its weight.
+    /// The same layer with every adapter merged into its weight (`W + s·B·A`, detached).
     pub(crate) fn with_adapters_merged(&self) -> Result<MlaAttn> {
-        Ok(MlaAttn { kv_up: self.kv_up.with_adapters_merged()?, ..self.clone() })
+        let merge = |w: &Tensor, l: &Option<Lora>| -> Result<Tensor> {
+            match l {
+                Some(l) => candle_cp_nn::lora::merged_weight(w, l.a(), l.b(), None, l.scale(), candle_cp_nn::WeightSplit::Rows, &self.tp),
+                None => Ok(w.clone()),
+            }
+        };
+        let q_down = match &self.q_down {
+            Some((w, l, n)) => Some((merge(w, l)?, None, n.clone())),
+            None => None,
+        };
+        Ok(MlaAttn { q_down, kv_down: merge(&self.kv_down, &self.kv_down_lora)?, kv_down_lora: None, kv_up: self.kv_up.with_adapters_merged()?, ..self.clone() })
+    }
+
+    /// A replicated down-projection of the rows `x` this rank holds, with its adapter's update.
+    fn down(&self, x: &Tensor, w: &Tensor, lora: &Option<Lora>) -> Result<Tensor> {
+        let y = linear(x, w)?;
+        match lora {
+            Some(l) => y + candle_cp_nn::replicated_delta(x, l, &self.tp)?,
+            None => Ok(y),
+        }
     }
 
     /// q, k, v `[B, Tc, Hl, D]` (`D` = [`Mla::attn_dim`]) of the normed input `x` `[B, Ts, h]`
@@ -75,12 +97,12 @@ impl MlaAttn {
             }
         };
         let q = match &self.q_down {
-            Some((w, norm)) => up(q_up, &norm.forward(&linear(x, w)?)?)?,
+            Some((w, lora, norm)) => up(q_up, &norm.forward(&self.down(x, w, lora)?)?)?,
             None => up(q_up, x)?,
         };
         let tc = q.dim(1)?;
         let q = q.reshape((b, tc, heads, a.qk_head_dim()))?;
-        let ckv = linear(x, &self.kv_down)?;
+        let ckv = self.down(x, &self.kv_down, &self.kv_down_lora)?;
         let kv = up(&self.kv_up, &self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?)?.reshape((b, tc, heads, nope + dv))?;
         // the key's RoPE part: the whole CP shard on every TP rank (gathered under SP; without
         // SP each rank's heads give part of its gradient, summed in the backward)

@@ -343,7 +343,9 @@ impl LlamaConfig {
             }
             // (GLM-4.5: q, k, v biases and head norms as its config says; RoPE on half of each
             // head by default, in the half form)
-            Some((MoeStyle::Glm4Moe, _)) => self.partial_rotary_factor = 0.5,
+            // (DeepSeek-V3's latent attention: its own RoPE width)
+            Some((MoeStyle::Glm4Moe, _)) if self.mla.is_none() => self.partial_rotary_factor = 0.5,
+            Some((MoeStyle::Glm4Moe, _)) => {}
             None => {}
         }
         self.moe = moe;

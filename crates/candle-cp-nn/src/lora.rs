@@ -269,6 +269,17 @@ pub(crate) fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     Ok(u)
 }
 
+/// A replicated linear's update `s·(drop(x)·Aᵀ)·Bᵀ` `[.., T, out]` on the rows this rank holds
+/// (`x` its sequence shard under SP, replicated without; the dropout's mask drawn for those
+/// rows), without a collective: `A` and `B` replicated, their gradient that of this rank's rows
+/// (under SP the caller sums it over TP, as a norm's). DoRA is refused.
+pub fn replicated_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    if l.magnitude.is_some() {
+        candle_core::bail!("LoRA: DoRA on a replicated linear (x {:?}) is not supported", x.dims())
+    }
+    (l.dropped_matmul(x, &l.a, crate::lora_dropout::Input::Column, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)
+}
+
 /// `y + d` for an update `d` (none: `y`).
 pub(crate) fn plus(y: Tensor, d: Option<Tensor>) -> Result<Tensor> {
     match d {
