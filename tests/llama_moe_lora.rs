@@ -148,7 +148,7 @@ fn expert_adapters_round_trip_through_peft_files() -> Result<()> {
         let json: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("adapter_config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
         let targets: Vec<&str> = json["target_modules"].as_array().map(|a| a.iter().filter_map(|v| v.as_str()).collect()).unwrap_or_default();
         let (module, gate, expected_targets) = match style {
-            MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate", "shared_expert_gate"]),
+            MoeStyle::Mixtral => ("block_sparse_moe", "w1", vec!["q_proj", "k_proj", "v_proj", "o_proj", "w1", "w3", "w2", "gate", "shared_expert_gate", "q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"]),
             _ => ("mlp", "gate_proj", ALL_LINEAR.to_vec()),
         };
         assert_eq!(targets, expected_targets, "{style:?}: PEFT's target modules");

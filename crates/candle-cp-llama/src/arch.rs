@@ -383,7 +383,7 @@ mod tests {
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
             (r#", "model_type": "deepseek_v2""#, "model_type `deepseek_v2` not supported"),
-            (r#", "architectures": ["DeepseekV3ForCausalLM"]"#, "architecture `DeepseekV3ForCausalLM` not supported"),
+            (r#", "architectures": ["DeepseekV2ForCausalLM"]"#, "architecture `DeepseekV2ForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),

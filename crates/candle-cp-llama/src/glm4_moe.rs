@@ -121,7 +121,7 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
         bail!("LlamaConfig: GLM-4.5 with {what}: no architecture this model writes has both")
     }
     if let Some(w) = cfg.sliding_window {
-        bail!("LlamaConfig: GLM-4.5 / DeepSeek-V3 with a sliding window ({w}): Glm4MoeConfig has none, so a saved checkpoint would load as another model")
+        bail!("LlamaConfig: GLM-4.5 with a sliding window ({w}): Glm4MoeConfig has none, so a saved checkpoint would load as another model")
     }
     let k = m.mlp_only_layers.len();
     if m.decoder_sparse_step != 1 || m.mlp_only_layers != (0..k).collect::<Vec<_>>() || k >= cfg.num_hidden_layers.max(1) {

@@ -236,7 +236,7 @@ mod tests {
         assert!(s.with_rank_pattern(vec![("q_proj".into(), 0)]).is_err());
         // target_modules as one regular expression over whole names (experts as expert 0)
         let r = LoraSpec::new(8, 16.0, &["q_proj"])?.with_target_regex(Some(r".*\.layers\.1\..*(v_proj|experts\.\d+\.w2)".into()))?;
-        assert_eq!(r.targets.len(), 9);
+        assert_eq!(r.targets.len(), crate::lora::ALL_LINEAR.len());
         assert!(r.adapts_weight("model.layers.1.self_attn.v_proj") && !r.adapts_weight("model.layers.0.self_attn.v_proj"));
         assert!(!r.adapts_weight("model.layers.1.self_attn.q_proj"), "a whole-name match");
         assert!(r.adapts_weight("model.layers.1.block_sparse_moe.experts.down_proj") && !r.adapts_weight("model.layers.1.block_sparse_moe.experts.up_proj"));

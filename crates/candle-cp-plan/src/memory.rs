@@ -378,7 +378,12 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let sinks = if m.gpt_oss { m.heads as f64 / t + h } else { 0.0 };
     // (OLMo's q and k norms split as their projections' rows; Qwen3's replicated)
     let qk_norms = if m.qk_norm_flat { q / t + kv } else { m.qk_norm_params() as f64 };
-    let dense = 2.0 * h * q / t + 2.0 * h * kv + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + qk_norms + sinks;
+    // (DeepSeek-V3: the down-projections replicated, the up-projections and o_proj split)
+    let attn = match &m.mla {
+        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
+        None => 2.0 * h * q / t + 2.0 * h * kv,
+    };
+    let dense = attn + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + qk_norms + sinks;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
         Some(x) => {

@@ -69,6 +69,55 @@ pub struct ModelConfig {
     /// OLMo 2, 3 and OLMoE (`olmoe`): q and k RMSNorms over the whole projection (weights
     /// `[a·d]`, `[a_kv·d]`, split as the projections' rows) instead of per head.
     pub qk_norm_flat: bool,
+    /// DeepSeek-V3's multi-head latent attention (`model_type` `deepseek_v3`) instead of q, k,
+    /// v, o projections; [`ModelConfig::head_dim`] is then the width the attention runs at,
+    /// `max(nope + rope, v)` (candle-cp pads the narrower side), with as many KV heads as heads.
+    pub mla: Option<MlaShape>,
+}
+
+/// DeepSeek's multi-head latent attention ([`ModelConfig::mla`]): replicated down-projections
+/// `q_a_proj` `[rq, h]` (none with `q_lora_rank` null), `kv_a_proj_with_mqa` `[rkv + rope, h]`
+/// and their norms; up-projections `q_b_proj` `[a·(nope + rope), rq]` (or `q_proj` from `h`),
+/// `kv_b_proj` `[a·(nope + v), rkv]` and `o_proj` `[h, a·v]` split over TP by heads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+pub struct MlaShape {
+    /// Rank of the compressed query (`None`: one `q_proj`).
+    pub q_lora_rank: Option<usize>,
+    /// Rank of the compressed key and value.
+    pub kv_lora_rank: usize,
+    /// Each q, k head's dimensions without RoPE.
+    pub qk_nope_head_dim: usize,
+    /// Each q, k head's rotated dimensions (the key's shared by the heads).
+    pub qk_rope_head_dim: usize,
+    /// Each value head's dimensions.
+    pub v_head_dim: usize,
+}
+
+impl MlaShape {
+    /// DeepSeek-V3's: rq 1536, rkv 512, nope 128, rope 64, v 128.
+    pub const DEEPSEEK_V3: MlaShape = MlaShape { q_lora_rank: Some(1536), kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128 };
+
+    /// The width the attention runs at, `max(nope + rope, v)`.
+    pub fn attn_dim(&self) -> usize {
+        (self.qk_nope_head_dim + self.qk_rope_head_dim).max(self.v_head_dim)
+    }
+
+    /// The replicated matrices of one layer: `h·rq + h·(rkv + rope)`.
+    pub fn down_params(&self, h: usize) -> u64 {
+        (h * self.q_lora_rank.unwrap_or(0) + h * (self.kv_lora_rank + self.qk_rope_head_dim)) as u64
+    }
+
+    /// The matrices split over TP by heads, of one layer with `a` heads: the query's
+    /// up-projection `(rq or h)·a·(nope + rope)`, `rkv·a·(nope + v)` and o_proj's `a·v·h`.
+    pub fn up_params(&self, h: usize, a: usize) -> u64 {
+        let q_in = self.q_lora_rank.unwrap_or(h);
+        (q_in * a * (self.qk_nope_head_dim + self.qk_rope_head_dim) + self.kv_lora_rank * a * (self.qk_nope_head_dim + self.v_head_dim) + a * self.v_head_dim * h) as u64
+    }
+
+    /// The latents' norm weights of one layer: `rq + rkv`.
+    pub fn norm_params(&self) -> u64 {
+        (self.q_lora_rank.unwrap_or(0) + self.kv_lora_rank) as u64
+    }
 }
 
 /// The mixture-of-experts MLPs of a model ([`ModelConfig::moe`]): on each of
@@ -98,11 +147,11 @@ pub struct MoeShape {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 35] = [
+pub const MODEL_PRESETS: [&str; 36] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
-    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b", "glm4.5-air", "glm4.5",
+    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b", "glm4.5-air", "glm4.5", "deepseek-v3",
 ];
 
 impl ModelConfig {
@@ -203,6 +252,9 @@ impl ModelConfig {
             // zai-org/GLM-4.5-Air, zai-org/GLM-4.5 (intermediate_size: the dense first layers')
             "glm4.5-air" => (4096, 46, 96, 8, 10944),
             "glm4.5" => (5120, 92, 96, 8, 12288),
+            // deepseek-ai/DeepSeek-V3 (V3.1, R1: the same shape; intermediate_size: the dense
+            // first layers'; its KV heads: the latent attention's 128)
+            "deepseek-v3" => (7168, 61, 128, 128, 18432),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -218,6 +270,7 @@ impl ModelConfig {
         let exaone4 = lower.starts_with("exaone4");
         let granite_moe = lower.starts_with("granite3-");
         let (glm4, glm45) = (lower == "glm4-9b", lower.starts_with("glm4.5"));
+        let deepseek = lower == "deepseek-v3";
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -228,6 +281,7 @@ impl ModelConfig {
                 _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 || glm4 || glm45 => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
+                _ if deepseek => MlaShape::DEEPSEEK_V3.attn_dim(),
                 _ => hidden / heads,
             },
             ffn,
@@ -249,6 +303,7 @@ impl ModelConfig {
                 _ if exaone4 => 102_400,
                 _ if granite_moe => 49_155,
                 _ if glm4 || glm45 => 151_552,
+                _ if deepseek => 129_280,
                 _ => 128256,
             },
             tie_embeddings: gemma3 || gemma2 || lower == "phi4-mini" || lower == "smollm3-3b" || granite_moe,
@@ -272,6 +327,7 @@ impl ModelConfig {
             gpt_oss,
             post_norms: olmo || exaone4,
             qk_norm_flat: olmo || olmoe,
+            mla: deepseek.then_some(MlaShape::DEEPSEEK_V3),
             moe: match lower.as_str() {
                 "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
                 "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
@@ -284,6 +340,8 @@ impl ModelConfig {
                 // (the first layer dense, the 4.5's first three; one shared expert as wide)
                 "glm4.5-air" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1408, sparse_layers: layers - 1, norm_topk: true, shared_ffn: 1408, sigmoid_router: true }),
                 "glm4.5" => Some(MoeShape { experts: 160, top_k: 8, expert_ffn: 1536, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 1536, sigmoid_router: true }),
+                // (GLM-4.5's router; the first three layers dense, one shared expert)
+                "deepseek-v3" => Some(MoeShape { experts: 256, top_k: 8, expert_ffn: 2048, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 2048, sigmoid_router: true }),
                 _ => None,
             },
         };
@@ -401,7 +459,12 @@ impl ModelConfig {
         let q = self.q_dim() as u64;
         let kv = self.kv_dim() as u64;
         let f = self.ffn as u64;
-        h * q + 2 * h * kv + q * h + 3 * h * f
+        // (DeepSeek-V3: the latent attention's down- and up-projections and o_proj)
+        let attn = match &self.mla {
+            Some(a) => a.down_params(self.hidden) + a.up_params(self.hidden, self.heads),
+            None => h * q + 2 * h * kv + q * h,
+        };
+        attn + 3 * h * f
     }
 
     /// Parameters in one layer: matrices plus the two RMSNorm weights (`2·h`), with
@@ -414,7 +477,8 @@ impl ModelConfig {
     /// The norm weights of one layer: `2h` (before the attention and the MLP; OLMo's after
     /// them), Gemma's `4h` (before and after each).
     pub fn layer_norm_params(&self) -> u64 {
-        (if self.sandwich_norms && !self.post_norms { 4 } else { 2 }) * self.hidden as u64
+        // (DeepSeek-V3: the latents' norms too)
+        (if self.sandwich_norms && !self.post_norms { 4 } else { 2 }) * self.hidden as u64 + self.mla.map_or(0, |a| a.norm_params())
     }
 
     /// The q and k norm weights of one layer: Qwen3's head norms `2·d`, OLMo's whole-projection

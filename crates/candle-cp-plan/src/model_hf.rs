@@ -1,7 +1,7 @@
 //! [`ModelConfig`] from a Hugging Face `config.json`: the text model of a multimodal config,
 //! each architecture's defaults, its mixture of experts and its sliding-window layers.
 
-use super::{ModelConfig, MoeShape};
+use super::{MlaShape, ModelConfig, MoeShape};
 use crate::{plan_bail, PlanError, Result};
 
 /// The text model's config of a Gemma 3 `config.json` with `Gemma3TextConfig`'s defaults for
@@ -191,11 +191,32 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "deepseek_v3", "llama4", "granitemoeshared", "granitemoehybrid"] {
+        for other in ["deepseek_v2", "llama4", "granitemoeshared", "granitemoehybrid"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe and granitemoe are)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe and deepseek_v3 are)")
             }
         }
+        // DeepSeek-V3: latent attention (DeepseekV3Config's defaults), GLM-4.5's experts with
+        // DeepSeek's defaults (256 experts 2048 wide, the first 3 layers dense)
+        let deepseek = names("deepseek_v3", "DeepseekV3ForCausalLM");
+        let mla = match deepseek {
+            false => None,
+            true => Some(MlaShape {
+                // (null: one q_proj)
+                q_lora_rank: match v.get("q_lora_rank") {
+                    Some(serde_json::Value::Null) => None,
+                    _ => Some(get("q_lora_rank")?.unwrap_or(1536)),
+                },
+                kv_lora_rank: get("kv_lora_rank")?.unwrap_or(512),
+                qk_nope_head_dim: get("qk_nope_head_dim")?.unwrap_or(128),
+                qk_rope_head_dim: get("qk_rope_head_dim")?.unwrap_or(64),
+                v_head_dim: get("v_head_dim")?.unwrap_or(128),
+            }),
+        };
+        let (head_dim, kv_heads) = match &mla {
+            Some(a) => (a.attn_dim(), heads),
+            None => (head_dim, kv_heads),
+        };
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");
         // OLMo 2 (no window) and 3 (4096 keys by default on all but every fourth layer)
         let (olmo2, olmo3) = (names("olmo2", "Olmo2ForCausalLM"), names("olmo3", "Olmo3ForCausalLM"));
@@ -233,13 +254,13 @@ impl ModelConfig {
             }
             let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
             Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0, sigmoid_router: false })
-        } else if glm45 {
-            let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(128);
+        } else if glm45 || deepseek {
+            let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(if deepseek { 256 } else { 128 });
             let top_k = get("num_experts_per_tok")?.unwrap_or(8);
-            let width = get("moe_intermediate_size")?.unwrap_or(1408);
+            let width = get("moe_intermediate_size")?.unwrap_or(if deepseek { 2048 } else { 1408 });
             // (0: every layer sparse)
             let dense = match v.get("first_k_dense_replace") {
-                None | Some(serde_json::Value::Null) => 1,
+                None | Some(serde_json::Value::Null) => if deepseek { 3 } else { 1 },
                 Some(x) => match x.as_u64() {
                     Some(n) => n as usize,
                     None => plan_bail!("model config {name}: 'first_k_dense_replace' must be a non-negative integer, got {x}"),
@@ -272,7 +293,7 @@ impl ModelConfig {
             },
         };
         let mut sliding_window = match (use_window, v.get("sliding_window")) {
-            (_, _) if olmo2 || olmoe || glm4 || glm || glm45 => None,
+            (_, _) if olmo2 || olmoe || glm4 || glm || glm45 || deepseek => None,
             (true, None) if gemma3 || gemma2 || olmo3 => Some(4096),
             (true, _) => get("sliding_window")?,
             (false, _) => None,
@@ -356,6 +377,7 @@ impl ModelConfig {
             gpt_oss,
             post_norms: olmo2 || olmo3 || exaone4,
             qk_norm_flat: olmo2 || olmo3 || olmoe,
+            mla,
         };
         cfg.validate()?;
         Ok(cfg)

@@ -137,6 +137,22 @@ fn presets_have_published_sizes() -> Result<()> {
     assert_eq!(ModelConfig { name: "glm4.5-air".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, air);
     let g45 = ModelConfig::preset("glm4.5")?;
     assert_eq!((g45.total_params(), g45.qk_norm, g45.moe.as_ref().map(|m| m.sparse_layers)), (352_797_829_024, true, Some(89)));
+    // DeepSeek-V3 ("671B", 37B active; its multi-token-prediction layer not counted):
+    // 671,026,419,200 from its config.json arithmetic (per layer the latent attention's
+    // 187,105,280 matrix parameters and 2,048 latent norm weights; 3 dense layers, 58 of 256
+    // experts 2048 wide with one shared, the routers' correction biases); the attention runs at
+    // head dim 192 over 128 KV heads; its config.json (defaults for what it leaves out) reads
+    // to the preset
+    let ds = ModelConfig::preset("deepseek-v3")?;
+    assert_eq!((ds.total_params(), ds.head_dim, ds.kv_heads, ds.qkv_bias, ds.moe.as_ref().map(|m| m.sparse_layers)), (671_026_419_200, 192, 128, false, Some(58)));
+    assert_eq!(ds.mla.map(|a| a.down_params(7168) + a.up_params(7168, 128)), Some(187_105_280));
+    assert!((37.0e9..38.0e9).contains(&(ds.active_params() as f64)), "{}", ds.active_params());
+    let cfg = r#"{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_intermediate_size": 2048,
+        "n_routed_experts": 256, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 3, "num_attention_heads": 128,
+        "num_key_value_heads": 128, "num_hidden_layers": 61, "num_nextn_predict_layers": 1, "vocab_size": 129280, "tie_word_embeddings": false}"#;
+    assert_eq!(ModelConfig { name: "deepseek-v3".into(), ..ModelConfig::from_hf_json(cfg, "x")? }, ds);
+    assert_eq!(ModelConfig { name: "deepseek-v3".into(), ..ModelConfig::from_hf_json(r#"{"model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432, "num_attention_heads": 128, "num_hidden_layers": 61, "vocab_size": 129280}"#, "x")? }, ds);
     // Phi-4-mini (microsoft/Phi-4-mini-instruct, "3.8B"): 3,836,021,760 from its config.json
     // arithmetic (tied head)
     let p4 = ModelConfig::preset("phi4-mini")?;
@@ -190,8 +206,8 @@ fn presets_have_published_sizes() -> Result<()> {
     )?;
     assert_eq!((q15.total_params(), q15.active_params()), (14_315_784_192, 2_689_173_504));
     assert!(q15.qkv_bias && !q15.qk_norm && q15.moe.as_ref().is_some_and(|m| m.shared_ffn == 5632));
-    let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v3"), "m").unwrap_err();
-    assert!(e.0.contains("'deepseek_v3'"), "{e}");
+    let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v2"), "m").unwrap_err();
+    assert!(e.0.contains("'deepseek_v2'"), "{e}");
     // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
     let mx = ModelConfig::preset("mixtral-8x7b")?;
     assert_eq!((mx.total_params(), mx.active_params()), (46_702_792_704, 12_879_925_248));

@@ -166,6 +166,7 @@ mod tests {
             post_norms: false,
             qk_norm_flat: false,
             gpt_oss: false,
+            mla: None,
         }
     }
 
