@@ -195,6 +195,11 @@ pub(crate) struct Args {
     /// loss.
     #[arg(long)]
     pub(crate) glm4_moe: bool,
+    /// With --moe: a DeepSeek-V3 (`DeepseekV3ForCausalLM`): GLM-4.5's experts (without its
+    /// biases and head norms) under multi-head latent attention — q rank hidden/2, KV rank
+    /// hidden/4, per head 64 dimensions without RoPE, 32 with (interleaved), values 64 wide.
+    #[arg(long)]
+    pub(crate) deepseek: bool,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias): after each step
     /// every sparse layer's bias moves by RATE · sign(mean − count) of the step's global expert
     /// counts (Megatron-Core's moe_router_bias_update_rate, 1e-3 there). Without it the bias stays

@@ -62,7 +62,7 @@ fn main() -> Result<()> {
     };
     let model = match &a.model {
         Some(_) if a.vocab.is_some() => bail!("--vocab sizes a random-init model; a --model checkpoint has its own"),
-        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.exaone4 || a.glm4 || a.glm || a.glm4_moe || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --exaone4, --glm4, --glm, --glm4-moe, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
+        Some(_) if a.qkv_bias || a.qk_norm || a.gemma3 || a.gemma2 || a.phi3 || a.smollm3 || a.granite || a.olmo3 || a.olmoe || a.exaone4 || a.glm4 || a.glm || a.glm4_moe || a.deepseek || a.partial_rotary != 1.0 || a.moe.is_some() || a.gpt_oss.is_some() => bail!("--qkv-bias, --qk-norm, --gemma3, --gemma2, --phi3, --smollm3, --granite, --olmo3, --olmoe, --exaone4, --glm4, --glm, --glm4-moe, --deepseek, --partial-rotary, --moe and --gpt-oss shape a random-init model; a --model checkpoint's config.json says what it has"),
         Some(dir) => ModelSource::Hf(dir.clone()),
         None => {
             let needed = data
@@ -111,11 +111,11 @@ fn main() -> Result<()> {
                 cfg.tie_word_embeddings = true;
                 cfg.validate()?;
             }
-            if (a.olmoe || a.glm4_moe) && a.moe.is_none() {
-                bail!("--olmoe and --glm4-moe shape the experts of --moe E,K: add --moe")
+            if (a.olmoe || a.glm4_moe || a.deepseek) && a.moe.is_none() {
+                bail!("--olmoe, --glm4-moe and --deepseek shape the experts of --moe E,K: add --moe")
             }
-            if [a.granite, a.olmoe, a.glm4_moe].iter().filter(|&&x| x).count() > 1 && a.moe.is_some() {
-                bail!("--granite, --olmoe and --glm4-moe with --moe are three models: pick one")
+            if [a.granite, a.olmoe, a.glm4_moe, a.deepseek].iter().filter(|&&x| x).count() > 1 && a.moe.is_some() {
+                bail!("--granite, --olmoe, --glm4-moe and --deepseek with --moe are four models: pick one")
             }
             if a.partial_rotary != 1.0 && !a.phi3 {
                 bail!("--partial-rotary {} needs --phi3 (only a Phi-3's RoPE is partial here)", a.partial_rotary)
@@ -144,8 +144,8 @@ fn main() -> Result<()> {
                 moe.norm_topk_prob = !a.olmoe;
                 moe.output_router_logits = true;
                 moe.router_aux_loss_coef = 0.01;
-                if a.glm4_moe {
-                    // (GLM-4.5: layer 0 dense; its router has no load-balancing loss)
+                if a.glm4_moe || a.deepseek {
+                    // (GLM-4.5, DeepSeek-V3: layer 0 dense; the router has no load-balancing loss)
                     moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], ..candle_cp_llama::MoeConfig::glm4_moe(*e, *k, a.hidden, 1, 2.5) };
                 }
                 cfg = cfg.with_moe(Some(moe));
@@ -154,6 +154,10 @@ fn main() -> Result<()> {
                 }
                 if a.olmoe {
                     cfg = cfg.with_olmo(Some(candle_cp_llama::Olmo::Olmoe));
+                }
+                if a.deepseek {
+                    let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(a.hidden / 2), kv_lora_rank: a.hidden / 4, qk_nope_head_dim: 64, qk_rope_head_dim: 32, v_head_dim: 64, rope_interleave: true };
+                    cfg = cfg.with_mla(Some(mla));
                 }
                 cfg.validate()?;
             }

@@ -118,6 +118,12 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             // each head; every layer sparse here, so that one layer and three differ by sparse
             // layers)
             12 => c.with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 64, 1, 2.5) })).with_qkv_bias(true).with_qk_norm(true),
+            // 13 DeepSeek-V3 (latent attention: q rank 96, KV rank 64, 32 + 16 interleaved
+            // RoPE dimensions per q / k head, values 24 wide, padded to 48; GLM-4.5's experts
+            // on every layer)
+            13 => c
+                .with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 64, 1, 2.5) }))
+                .with_mla(Some(candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(96), kv_lora_rank: 64, qk_nope_head_dim: 32, qk_rope_head_dim: 16, v_head_dim: 24, rope_interleave: true })),
             // 10 GraniteMoE (Mixtral's experts under Granite's multipliers)
             10 => c.with_moe(Some(candle_cp_llama::MoeConfig::granite_moe(8, 2, 64))).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 0.015625, residual_multiplier: 0.22, logits_scaling: 6.0 })),
             _ => c,
@@ -127,7 +133,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ModelConfig::from_hf_json(&cfg(1, arch).to_hf_json("float32"), "tiny").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))
     };
     let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
-    let (olmoe, exaone4, granite_moe, glm4, glm45) = (model(8)?, model(9)?, model(10)?, model(11)?, model(12)?);
+    let (olmoe, exaone4, granite_moe, glm4, glm45, deepseek) = (model(8)?, model(9)?, model(10)?, model(11)?, model(12)?, model(13)?);
+    assert!(deepseek.mla.is_some_and(|a| a.attn_dim() == 48 && a.rope_interleave) && deepseek.head_dim == 48 && deepseek.kv_heads == 8);
     assert!(glm4.sandwich_norms && glm4.qkv_bias && !glm4.post_norms);
     assert!(glm45.qkv_bias && glm45.qk_norm && glm45.moe.as_ref().is_some_and(|m| m.sigmoid_router && m.shared_ffn == 64 && m.sparse_layers == 1));
     assert!(granite_moe.moe.as_ref().is_some_and(|m| m.experts == 8 && m.top_k == 2 && m.expert_ffn == 64));
@@ -234,6 +241,14 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("glm4.5: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
     ];
     let n_glm4 = glm4_cases.len();
+    let deepseek_cases = [
+        ("deepseek-v3: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("deepseek-v3: tp 2 + sp", Layout::single().with_tp(2, true), plan(2, true, 1, PlanCp::Ring, 1), false),
+        ("deepseek-v3: tp 2, no sp", Layout::single().with_tp(2, false), plan(2, false, 1, PlanCp::Ring, 1), false),
+        ("deepseek-v3: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
+        ("deepseek-v3: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
+    ];
+    let n_glm45 = glm45_cases.len();
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
     cases.extend(moe_cases);
@@ -246,6 +261,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     cases.extend(granite_moe_cases);
     cases.extend(glm4_cases);
     cases.extend(glm45_cases);
+    cases.extend(deepseek_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -261,7 +277,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 => (9, &exaone4),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe => (10, &granite_moe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 => (11, &glm4),
-            _ => (12, &glm45),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 + n_glm45 => (12, &glm45),
+            _ => (13, &deepseek),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

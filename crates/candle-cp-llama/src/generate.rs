@@ -116,20 +116,21 @@ pub struct Generation {
 }
 
 impl Block {
-    /// Input norm, fused q/k/v projection and RoPE (`rope`) of `x [B, T, h]` (whole sequence,
+    /// Input norm, fused q/k/v projection and RoPE (tables `cos`, `sin`) of `x [B, T, h]` (whole sequence,
     /// SP off): q `[B, T, H_local, D]`, k, v `[B, T, Hkv_local, D]` (this TP rank's heads).
     fn qkv_rope(
         &self,
         x: &Tensor,
         heads: (usize, usize, usize),
-        rope: impl Fn(&Tensor) -> Result<Tensor>,
+        tables: (&Tensor, &Tensor),
     ) -> Result<(Tensor, Tensor, Tensor)> {
+        let rope = |x: &Tensor| apply_rope(x, tables.0, tables.1);
         let (b, t, _) = x.dims3()?;
         let (h, hkv, d) = heads;
         let xn = self.normed_input(x)?;
         // DeepSeek-V3: from the latents (crate::mla), RoPE on the rotated parts
         if let Some(m) = &self.mla {
-            return m.qkv(&xn, &self.qkv, h, &rope, false);
+            return m.qkv(&xn, &self.qkv, h, tables, false);
         }
         let qkv = self.qkv.forward_parts(&xn)?;
         let [q, k, v] = qkv.as_slice() else {
@@ -314,7 +315,7 @@ impl Llama {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
             };
-            let (q, k, v) = blk.qkv_rope(&x, heads, |x: &Tensor| apply_rope(x, c, s))?;
+            let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;
             let mut shard = KvShard::new();
             shard.append(&k.detach(), &v.detach(), &rows)?;
             cache.layers.push(shard);
@@ -368,7 +369,7 @@ impl Llama {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
             };
-            let (q, k, v) = blk.qkv_rope(&x, heads, |x: &Tensor| apply_rope(x, c, s))?;
+            let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;
             if owner {
                 shard.append(&k.detach(), &v.detach(), &[p])?;
             }

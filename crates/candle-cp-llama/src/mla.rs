@@ -23,8 +23,10 @@
 
 use crate::config::deepseek::Mla;
 use crate::model::linear;
-use candle_core::{bail, Module, Result, Tensor, D};
-use candle_cp_nn::{ColumnParallelLinear, Lora, RmsNorm, Tp};
+use candle_core::{bail, DType, Module, Result, Tensor, D};
+use candle_cp_nn::{ColumnParallelLinear, Lora, PartMap, PartPost, RmsNorm, Tp};
+use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
+use std::sync::Arc;
 use candle_cp_ops::mappings;
 
 /// The latent attention's own weights of one layer (the query's up-projection is the block's
@@ -79,31 +81,58 @@ impl MlaAttn {
     }
 
     /// q, k, v `[B, Tc, Hl, D]` (`D` = [`Mla::attn_dim`]) of the normed input `x` `[B, Ts, h]`
-    /// with `q_up` the query's up-projection (`q_b_proj`, or `q_proj` from `x`) and `rope` the
-    /// rotation of a `[B, Tc, ·, rope]` tensor at the CP shard's positions. `regather`: the
-    /// column-parallel layers keep only their input's shard for the backward (training).
-    pub(crate) fn qkv(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, rope: &dyn Fn(&Tensor) -> Result<Tensor>, regather: bool) -> Result<(Tensor, Tensor, Tensor)> {
-        let a = &self.dims;
-        let (nope, dr, dv, r) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank);
+    /// with `q_up` the query's up-projection (`q_b_proj`, or `q_proj` from `x`) and RoPE tables
+    /// `cos`, `sin` `[Tc, rope]` (or `[B, Tc, rope]`) of the CP shard's positions. `regather`
+    /// (training): the column-parallel layers keep only their input's shard for the backward.
+    ///
+    /// What the graph keeps (a candle node keeps its inputs): the latents and their norms'
+    /// outputs (`[B, Ts, ·]`), `kv_b_proj`'s output, the key's rotated part `[B, Tc, 1, rope]`
+    /// and q, k, v. The query is rotated, reordered and padded inside `q_up`'s node
+    /// ([`candle_cp_nn::PartPost`]: its output is not kept), k and v are one node each over
+    /// `kv_b_proj`'s output, with hand-written transposes.
+    pub(crate) fn qkv(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor), regather: bool) -> Result<(Tensor, Tensor, Tensor)> {
+        let a = self.dims;
+        let (nope, dr, dv, r, d) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.attn_dim());
         let (b, _, hidden) = x.dims3()?;
         if self.kv_down.dims() != [r + dr, hidden] {
             bail!("latent attention: x {:?} does not fit kv_a_proj_with_mqa {:?} ([{} + {dr}, h])", x.dims(), self.kv_down.dims(), r)
         }
-        let up = |lin: &ColumnParallelLinear, x: &Tensor| -> Result<Tensor> {
-            let mut parts = if regather { lin.forward_parts_regathered(x, &[])? } else { lin.forward_parts(x)? };
+        let tc = cos.dim(cos.rank() - 2)?;
+        let (c4, s4) = crate::fused::tables4(cos, sin, tc, dr, x.dtype())?;
+        let up = |lin: &ColumnParallelLinear, x: &Tensor, post: Option<PartPost>| -> Result<Tensor> {
+            let mut parts = match (regather, &post) {
+                (true, _) => lin.forward_parts_regathered(x, &[post.clone()])?,
+                // (no backward: the map on the output)
+                (false, Some(p)) => lin.forward_parts(x)?.iter().map(|y| (p.fwd)(y)).collect::<Result<Vec<_>>>()?,
+                (false, None) => lin.forward_parts(x)?,
+            };
             match parts.len() {
                 1 => Ok(parts.remove(0)),
                 n => bail!("latent attention: an up-projection of {n} parts (x {:?})", x.dims()),
             }
         };
+        // the query: [nope | RoPE(rope)] per head, padded to D, inside q_up's node
+        let (cf, sf, cb, sb) = (c4.clone(), s4.clone(), c4, s4);
+        let fwd: PartMap = Arc::new(move |y: &Tensor| {
+            let (yb, yt, o) = y.dims3()?;
+            if o != heads * a.qk_head_dim() || yt != tc {
+                bail!("latent attention: q projection {:?} does not fit {heads} heads of {} over {tc} positions", y.dims(), a.qk_head_dim())
+            }
+            let q = y.reshape((yb, yt, heads, a.qk_head_dim()))?;
+            let rot = crate::fused::rope4(&rope_order(&q.narrow(3, nope, dr)?, a.rope_interleave, false)?, &cf, &sf)?;
+            pad(Tensor::cat(&[&q.narrow(3, 0, nope)?, &rot], 3)?, d)
+        });
+        let bwd: PartMap = Arc::new(move |dq: &Tensor| {
+            let rot = rope_order(&crate::fused::rope4_t(&dq.narrow(3, nope, dr)?, &cb, &sb)?, a.rope_interleave, true)?;
+            Tensor::cat(&[&dq.narrow(3, 0, nope)?, &rot], 3)
+        });
+        let post = PartPost { fwd, bwd };
         let q = match &self.q_down {
-            Some((w, lora, norm)) => up(q_up, &norm.forward(&self.down(x, w, lora)?)?)?,
-            None => up(q_up, x)?,
+            Some((w, lora, norm)) => up(q_up, &norm.forward(&self.down(x, w, lora)?)?, Some(post))?,
+            None => up(q_up, x, Some(post))?,
         };
-        let tc = q.dim(1)?;
-        let q = q.reshape((b, tc, heads, a.qk_head_dim()))?;
         let ckv = self.down(x, &self.kv_down, &self.kv_down_lora)?;
-        let kv = up(&self.kv_up, &self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?)?.reshape((b, tc, heads, nope + dv))?;
+        let kv = up(&self.kv_up, &self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?, None)?.reshape((b, tc, heads, nope + dv))?;
         // the key's RoPE part: the whole CP shard on every TP rank (gathered under SP; without
         // SP each rank's heads give part of its gradient, summed in the backward)
         let kr = ckv.narrow(2, r, dr)?;
@@ -112,32 +141,23 @@ impl MlaAttn {
             (true, true) => mappings::gather_from_sp_region(&kr.contiguous()?, &self.tp.group, mappings::SEQ_DIM)?,
             (true, false) => mappings::copy_to_tp_region(&kr, &self.tp.group)?,
         };
-        let kr = rope(&self.rope_order(&kr.reshape((b, tc, 1, dr))?)?)?;
-        let q_rot = rope(&self.rope_order(&q.narrow(3, nope, dr)?)?)?;
-        let q = Tensor::cat(&[&q.narrow(3, 0, nope)?, &q_rot], 3)?;
-        let k = Tensor::cat(&[&kv.narrow(3, 0, nope)?, &kr.broadcast_as((b, tc, heads, dr))?.contiguous()?], 3)?;
-        let v = kv.narrow(3, nope, dv)?;
-        let d = a.attn_dim();
-        let pad = |t: Tensor| -> Result<Tensor> {
-            let w = t.dim(D::Minus1)?;
-            if w == d {
-                return t.contiguous();
-            }
-            let (tb, tt, th, _) = t.dims4()?;
-            Tensor::cat(&[&t, &Tensor::zeros((tb, tt, th, d - w), t.dtype(), t.device())?], 3)
-        };
-        Ok((pad(q)?, pad(k)?, pad(v)?))
-    }
-
-    /// `x` `[.., rope]` in `rotate_half`'s order: the interleaved pairs `(2i, 2i + 1)` split into
-    /// the even then the odd dimensions (`rope_interleave`, as transformers reorders them), or
-    /// `x` as it is.
-    fn rope_order(&self, x: &Tensor) -> Result<Tensor> {
-        if !self.dims.rope_interleave {
-            return Ok(x.clone());
-        }
-        let (b, t, h, dr) = x.dims4()?;
-        x.contiguous()?.reshape((b, t, h, dr / 2, 2))?.transpose(3, 4)?.contiguous()?.reshape((b, t, h, dr))
+        let kr = crate::fused::apply_rope(&rope_order(&kr.reshape((b, tc, 1, dr))?, a.rope_interleave, false)?, cos, sin)?;
+        // k = [k_nope | kr for every head], v: each padded to D, one node each over kv
+        let (kvd, krd) = (kv.detach(), kr.detach());
+        let k = pad(Tensor::cat(&[&kvd.narrow(3, 0, nope)?, &krd.broadcast_as((b, tc, heads, dr))?], 3)?, d)?;
+        let k_bwd: BackwardFn = Arc::new(move |dk: &Tensor| {
+            let dkv = Tensor::cat(&[&dk.narrow(3, 0, nope)?, &Tensor::zeros((b, tc, heads, dv), dk.dtype(), dk.device())?], 3)?;
+            // (the key's shared part: its heads' gradients summed, in f32)
+            let dkr = dk.narrow(3, nope, dr)?.to_dtype(DType::F32)?.sum_keepdim(2)?.to_dtype(dk.dtype())?;
+            Ok(vec![Some(dkv), Some(dkr)])
+        });
+        let k = attach2("mla_key", &kv, &kr, k, k_bwd)?;
+        let v = pad(kvd.narrow(3, nope, dv)?, d)?;
+        let v_bwd: BackwardFn = Arc::new(move |dvv: &Tensor| {
+            Ok(vec![Some(Tensor::cat(&[&Tensor::zeros((b, tc, heads, nope), dvv.dtype(), dvv.device())?, &dvv.narrow(3, 0, dv)?], 3)?)])
+        });
+        let v = attach1("mla_value", &kv, v, v_bwd)?;
+        Ok((q, k, v))
     }
 
     /// The attention's output `[B, T, Hl, D]` (or `[B, T, Hl·D]`) → o_proj's input
@@ -149,4 +169,29 @@ impl MlaAttn {
         let a = if dv == d { a } else { a.narrow(3, 0, dv)?.contiguous()? };
         a.reshape((b, t, heads * dv))
     }
+}
+
+/// `t` `[.., w]` padded with zeros to `[.., d]` (contiguous).
+fn pad(t: Tensor, d: usize) -> Result<Tensor> {
+    let w = t.dim(D::Minus1)?;
+    if w == d {
+        return t.contiguous();
+    }
+    let mut shape = t.dims().to_vec();
+    if let Some(last) = shape.last_mut() {
+        *last = d - w;
+    }
+    Tensor::cat(&[&t, &Tensor::zeros(shape, t.dtype(), t.device())?], D::Minus1)
+}
+
+/// `x` `[B, T, H, rope]` in `rotate_half`'s order when `interleaved`: the pairs `(2i, 2i + 1)`
+/// split into the even then the odd dimensions, as transformers reorders them (`inverse`: back
+/// to the pairs); `x` as it is otherwise.
+fn rope_order(x: &Tensor, interleaved: bool, inverse: bool) -> Result<Tensor> {
+    if !interleaved {
+        return Ok(x.clone());
+    }
+    let (b, t, h, dr) = x.dims4()?;
+    let (rows, cols) = if inverse { (2, dr / 2) } else { (dr / 2, 2) };
+    x.contiguous()?.reshape((b, t, h, rows, cols))?.transpose(3, 4)?.contiguous()?.reshape((b, t, h, dr))
 }

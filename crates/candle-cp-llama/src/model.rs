@@ -202,8 +202,7 @@ impl Block {
         let a = match &self.mla {
             // DeepSeek-V3: q, k, v from the latents (crate::mla), RoPE on their rotated parts
             Some(m) => {
-                let rope = |t: &Tensor| crate::fused::apply_rope(t, cos, sin);
-                let (q, k, v) = m.qkv(&self.normed_input(x)?, &self.qkv, hl, &rope, true)?;
+                let (q, k, v) = m.qkv(&self.normed_input(x)?, &self.qkv, hl, (cos, sin), true)?;
                 m.attn_out(&attend_sinks(&q, &k, &v, &env.ctx, env.scale, env.docs.as_deref(), self.window, None)?, hl)?
             }
             None => self.attention(x, env, cos, sin)?,

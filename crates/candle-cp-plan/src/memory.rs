@@ -246,7 +246,24 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
             m.sparse_fraction() * (router + weights + pairs + out + tp + shared)
         }
     };
-    lse + norms + attention + qk_norm + sandwich + moe
+    // DeepSeek-V3's latent attention (q, k, v at the padded width and the output are the Llama
+    // count's, with as many KV heads as heads): the latents, their norms' outputs and f32
+    // statistics on the rank's own tokens; kv_b_proj's output; the key's rotated part (the
+    // shard before the gather under SP, the whole CP shard, its reordered copy, rotated); the
+    // output's first v dimensions copied for o_proj when v < D
+    let mla = match &m.mla {
+        None => 0.0,
+        Some(x) => {
+            let (st, rq, rkv, dr) = (c * bf / sp_div, x.q_lora_rank.unwrap_or(0) as f64, x.kv_lora_rank as f64, x.qk_rope_head_dim as f64);
+            let (nope, v) = (x.qk_nope_head_dim as f64, x.v_head_dim as f64);
+            let latents = st * (2.0 * rq + 2.0 * rkv + dr) * ef + 4.0 * st * if x.q_lora_rank.is_some() { 2.0 } else { 1.0 };
+            let kv = c * bf * a_t * (nope + v) * ef;
+            let rot = (if l.tp > 1 && l.sp { st } else { 0.0 } + c * bf * if x.rope_interleave { 3.0 } else { 2.0 }) * dr * ef;
+            let out = if x.v_head_dim < x.attn_dim() { c * bf * a_t * v * ef } else { 0.0 };
+            latents + kv + rot + out
+        }
+    };
+    lse + norms + attention + qk_norm + sandwich + moe + mla
 }
 
 /// [`llama_per_gpu`] plus [`candle_cp_extra_per_gpu`]: what candle-cp's Llama keeps per

@@ -91,11 +91,14 @@ pub struct MlaShape {
     pub qk_rope_head_dim: usize,
     /// Each value head's dimensions.
     pub v_head_dim: usize,
+    /// The rotated dimensions arrive interleaved (`rope_interleave`, the default): reordered
+    /// once more on the key's shared part (one more `[c, rope]` the layer keeps).
+    pub rope_interleave: bool,
 }
 
 impl MlaShape {
     /// DeepSeek-V3's: rq 1536, rkv 512, nope 128, rope 64, v 128.
-    pub const DEEPSEEK_V3: MlaShape = MlaShape { q_lora_rank: Some(1536), kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128 };
+    pub const DEEPSEEK_V3: MlaShape = MlaShape { q_lora_rank: Some(1536), kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128, rope_interleave: true };
 
     /// The width the attention runs at, `max(nope + rope, v)`.
     pub fn attn_dim(&self) -> usize {

@@ -211,6 +211,7 @@ impl ModelConfig {
                 qk_nope_head_dim: get("qk_nope_head_dim")?.unwrap_or(128),
                 qk_rope_head_dim: get("qk_rope_head_dim")?.unwrap_or(64),
                 v_head_dim: get("v_head_dim")?.unwrap_or(128),
+                rope_interleave: v.get("rope_interleave").and_then(|x| x.as_bool()).unwrap_or(true),
             }),
         };
         let (head_dim, kv_heads) = match &mla {
