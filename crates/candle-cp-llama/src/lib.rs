@@ -73,7 +73,7 @@ pub mod lora_convert;
 mod lora_merge;
 pub mod loss;
 pub mod model;
-mod mla;
+pub mod mla;
 mod moe;
 mod moe_lora;
 pub mod lora_select;

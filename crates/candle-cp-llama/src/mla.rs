@@ -101,7 +101,7 @@ impl MlaAttn {
         let (c4, s4) = crate::fused::tables4(cos, sin, tc, dr, x.dtype())?;
         let up = |lin: &ColumnParallelLinear, x: &Tensor, post: Option<PartPost>| -> Result<Tensor> {
             let mut parts = match (regather, &post) {
-                (true, _) => lin.forward_parts_regathered(x, &[post.clone()])?,
+                (true, _) => lin.forward_parts_regathered(x, std::slice::from_ref(&post))?,
                 // (no backward: the map on the output)
                 (false, Some(p)) => lin.forward_parts(x)?.iter().map(|y| (p.fwd)(y)).collect::<Result<Vec<_>>>()?,
                 (false, None) => lin.forward_parts(x)?,
