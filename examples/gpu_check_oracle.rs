@@ -163,6 +163,8 @@ pub fn check_llama(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Glm4, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), None));
     let name = format!("llama glm4_moe (sigmoid router, correction bias, 4 expert groups, shared expert, head norms + biases, half rope) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Glm4Moe, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
+    let name = format!("llama deepseek_v3 (latent attention at 192 per head, run at 256 on the GPU; GLM-4.5's experts) tp2 + sp x cp2 zigzag x ep2, first {QUICK_TOKENS} tokens vs cpu");
+    report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::DeepseekV3, Layout::cp(CpKind::Zigzag, 2).with_tp(2, true).with_ep(2), None));
     let name = format!("llama gemma2 (soft caps, window on layer 0) ulysses 4 (KV heads replicated), first {QUICK_TOKENS} tokens vs cpu");
     report_llama(rep, &name, arch_vs_cpu(gpu, dir, Arch::Gemma2, Layout::cp(CpKind::Ulysses, 4), None));
     let name = format!("llama gemma2 (soft caps) tp2 + sp x cp2 zigzag, first {QUICK_TOKENS} tokens vs cpu");
@@ -284,6 +286,14 @@ fn arch_vs_cpu_with(
             let moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], groups: (4, 2), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 48, 1, 2.5) };
             base.with_moe(Some(moe)).with_qkv_bias(true).with_qk_norm(true)
         }
+        // DeepSeek-V3: latent attention at DeepSeek-V3's 128 + 64 = 192 dimensions per q / k head
+        // (the GPU runs it at 256, padded: candle_cp_ops::attention::kernel_head_dim), values
+        // 128, q rank 64, KV rank 32, interleaved RoPE; GLM-4.5's experts on layer 1
+        Arch::DeepseekV3 => {
+            let moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], groups: (4, 2), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 48, 1, 2.5) };
+            let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(64), kv_lora_rank: 32, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128, rope_interleave: true };
+            base.with_moe(Some(moe)).with_mla(Some(mla))
+        }
         // GraniteMoE: Granite's multipliers over 8 experts 48 wide on both layers, top 2, the loss on
         Arch::GraniteMoe => {
             let mut moe = candle_cp_llama::MoeConfig::granite_moe(8, 2, 48);
@@ -315,7 +325,10 @@ fn arch_vs_cpu_with(
         candle_core::Tensor::from_vec(w, n, &Device::Cpu)
     };
     for (k, t) in varmap_tensors(&init_params(&cfg, 7, candle_core::DType::F32, &Device::Cpu)?)? {
-        if k.ends_with(".bias") {
+        if cfg.mla.is_some() && k.contains(".self_attn.") {
+            // (DeepSeek-V3's attention: its own matrices, 5x the init's scale; latent norms ones)
+            full.insert(k, if t.rank() == 2 { (t * 5.0)? } else { t });
+        } else if k.ends_with(".bias") {
             full.insert(k, (t * 20.0)?);
         } else if k.ends_with(".sinks") {
             // (gpt-oss: sinks around 3, worth a share of a row's mass)
@@ -323,7 +336,7 @@ fn arch_vs_cpu_with(
         } else if k.ends_with(candle_cp_llama::params::CORRECTION_BIAS) {
             // (GLM-4.5's correction biases: 0.4·sin(..), choosing among near experts)
             full.insert(k.clone(), sin(&k, t.dim(0)?, 0.0)?);
-        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe | Arch::GraniteMoe | Arch::Glm4Moe) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
+        } else if matches!(arch, Arch::Qwen3Moe | Arch::Mixtral | Arch::Qwen2Moe | Arch::GptOss | Arch::Olmoe | Arch::GraniteMoe | Arch::Glm4Moe | Arch::DeepseekV3) && (k.contains(".experts.") || k.ends_with(".gate.weight") || k.ends_with(".router.weight")) {
             // (the router 5x the init's scale: probabilities far from uniform, no near ties)
             let router = k.ends_with(".gate.weight") || k.ends_with(".router.weight");
             full.insert(k.clone(), if router { (t * 5.0)? } else { t });

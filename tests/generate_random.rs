@@ -58,7 +58,7 @@ fn top2_gap(row: &[f32]) -> f32 {
 #[test]
 fn random_generation_equals_single_device() -> Result<()> {
     let (mut checked, mut refused, mut parted, mut sampled, mut windowed, mut tp, mut dp) = (0, 0, 0, 0, 0, 0, 0);
-    let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s, mut glm45s) = (0, 0, 0, 0, 0, 0, 0);
+    let (mut oss, mut smol, mut olmos, mut exaones, mut granites, mut glm4s, mut glm45s, mut deepseeks) = (0, 0, 0, 0, 0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     let corners = n_configs >= CONFIGS;
@@ -131,6 +131,24 @@ fn random_generation_equals_single_device() -> Result<()> {
             true => cfg.with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(4, 2, hidden, 1, 2.5) })).with_qkv_bias(true).with_qk_norm(true),
             false => cfg,
         };
+        // half of them DeepSeek-V3: its latent attention in place of q, k, v (one q_proj or a q
+        // rank of half the width, values narrower or wider than q / k, RoPE interleaved or not)
+        let mut ds = rng(7990 + seed);
+        let deepseek = glm45 && ds.below(2) == 0;
+        let cfg = match deepseek {
+            true => {
+                let mla = candle_cp_llama::config::deepseek::Mla {
+                    q_lora_rank: pick(&mut ds, &[None, Some(hidden / 2)]),
+                    kv_lora_rank: pick(&mut ds, &[8, 16]),
+                    qk_nope_head_dim: pick(&mut ds, &[4, 8]),
+                    qk_rope_head_dim: pick(&mut ds, &[2, 4]),
+                    v_head_dim: pick(&mut ds, &[4, 16]),
+                    rope_interleave: ds.below(2) == 0,
+                };
+                cfg.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla))
+            }
+            false => cfg,
+        };
         let cp = pick(&mut d, &[2, 4]);
         let kind = pick(&mut d, &[CpKind::Ring, CpKind::Zigzag, CpKind::Striped, CpKind::AllGather, CpKind::Ulysses, CpKind::TwoD]);
         let mut layout = match kind {
@@ -152,7 +170,7 @@ fn random_generation_equals_single_device() -> Result<()> {
             },
         };
         let what = format!(
-            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM {:?}, GLM-4.5 {glm45}, {sampling:?}", cfg.nope_layers, cfg.olmo, cfg.glm
+            "config {seed}: {layout}, prompt [{b}, {t}] + {new}, vocab {vocab} hidden {hidden} layers {layers} heads {heads}/{kv_heads} window {window:?}, gpt-oss {gpt_oss}, NoPE layers {:?}, {:?}, EXAONE 4 {exaone}, GraniteMoE {granite_moe}, GLM {:?}, GLM-4.5 {glm45}, DeepSeek-V3 {:?}, {sampling:?}", cfg.nope_layers, cfg.olmo, cfg.glm, cfg.mla
         );
         let mut full = varmap_tensors(&init_params(&cfg, seed + 5, DType::F32, &Device::Cpu)?)?;
         // GLM-4.5: correction biases of std 0.3 (the init's are 0)
@@ -207,13 +225,14 @@ fn random_generation_equals_single_device() -> Result<()> {
         exaones += exaone as usize;
         granites += granite_moe as usize;
         glm4s += glm4 as usize;
-        glm45s += glm45 as usize;
+        glm45s += (glm45 && !deepseek) as usize;
+        deepseeks += deepseek as usize;
         sampled += (sampling != Sampling::Greedy) as usize;
         windowed += window.is_some() as usize;
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5, {deepseeks} DeepSeek-V3; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

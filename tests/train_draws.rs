@@ -131,6 +131,24 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
         }
         false => model,
     };
+    // a third of those are DeepSeek-V3: its latent attention in place of q, k, v (a q rank or
+    // one q_proj, values 8 or 24 wide beside q / k of 12, RoPE interleaved or not; a stream of
+    // its own)
+    let mut ds = rng(939_700 + seed);
+    let model = match model.arch() == candle_cp_llama::Arch::Glm4Moe && ds.below(3) == 0 {
+        true => {
+            let mla = candle_cp_llama::config::deepseek::Mla {
+                q_lora_rank: pick(&mut ds, &[None, Some(16)]),
+                kv_lora_rank: 8,
+                qk_nope_head_dim: 8,
+                qk_rope_head_dim: 4,
+                v_head_dim: pick(&mut ds, &[8, 24]),
+                rope_interleave: ds.below(2) == 0,
+            };
+            model.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla))
+        }
+        false => model,
+    };
     // a third of the Qwen2 seeds are gpt-oss instead (sinks, biases on o, the router and the
     // experts, the clamped SwiGLU; a stream of its own)
     let model = match arch == 1 && rng(949_000 + seed).below(3) == 0 {

@@ -31,6 +31,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
     let (mut checked, mut refused) = (0, 0);
     let (mut zero, mut overlaps, mut tp, mut dp, mut accum, mut packs, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
     let (mut gpt_oss, mut smollm3, mut granite, mut olmo, mut exaone, mut granite_moe, mut glm4, mut glm45) = (0, 0, 0, 0, 0, 0, 0, 0);
+    let mut deepseek = 0;
     // TP over KV heads it neither divides nor is divided by (12 / 3 heads at TP 2)
     let mut mixed = 0;
     // EP draws whose ZeRO splits the experts' state over the ranks holding them (ep < dp·cp)
@@ -137,6 +138,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 granite_moe += (model.granite.is_some() && model.moe.is_some()) as usize;
                 glm4 += model.glm.is_some() as usize;
                 glm45 += model.moe.as_ref().is_some_and(|m| m.style == candle_cp_llama::MoeStyle::Glm4Moe) as usize;
+                deepseek += model.mla.is_some() as usize;
                 balanced += bias_update as usize;
                 olmo += model.olmo.is_some() as usize;
                 exaone += model.exaone4 as usize;
@@ -149,7 +151,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5 ({balanced} moving their correction biases), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5 ({deepseek} of them DeepSeek-V3; {balanced} moving their correction biases), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"

@@ -171,7 +171,7 @@ impl Block {
         };
         // (DeepSeek-V3: each head's first v dimensions)
         let a = match &self.mla {
-            Some(m) => m.attn_out(a, a.dim(2)? / m.dims.attn_dim())?,
+            Some(m) => m.attn_out(a, m.heads)?,
             None => a.clone(),
         };
         let x = (x + branch(0, self.o.forward(&a)?)?)?;
@@ -299,7 +299,6 @@ impl Llama {
         };
         let b = ids.dim(0)?; // this DP replica's rows
         let positions = pos.to_dtype(DType::U32)?.to_vec1::<u32>()?;
-        let tc = positions.len();
         let (heads, scale) = self.heads();
         let ((cos, sin), local) = self.rope_pair(&positions, t, ids.device())?;
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
@@ -322,7 +321,7 @@ impl Llama {
             let sinks = blk.sinks.as_ref().map(Sinks::new).transpose()?;
             let a = attend_sinks(&q, &k, &v, ctx, scale, None, blk.window, sinks.as_ref())?;
             x = blk
-                .finish(&x, &a.reshape((b, tc, heads.0 * heads.2))?)?
+                .finish(&x, &a.flatten_from(2)?)?
                 .detach();
         }
         // the next token's logits: on the rank holding position T-1, zeros elsewhere, summed
@@ -384,7 +383,7 @@ impl Llama {
                 }
             }
             x = blk
-                .finish(&x, &a.reshape((b, 1, heads.0 * heads.2))?)?
+                .finish(&x, &a.flatten_from(2)?)?
                 .detach();
         }
         cache.next += 1;

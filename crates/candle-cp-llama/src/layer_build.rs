@@ -300,7 +300,7 @@ impl<'a> LayerBuilder<'a> {
         };
         let q_up = ColumnParallelLinear::new(va.pp(q_name), q_in, heads * a.qk_head_dim(), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, q_name)?])?;
         let kv_up = ColumnParallelLinear::new(va.pp("kv_b_proj"), a.kv_lora_rank, heads * (a.qk_nope_head_dim + a.v_head_dim), lin, &self.tp)?.with_lora(vec![self.lora_for(&ap, "kv_b_proj")?])?;
-        let m = crate::mla::MlaAttn { q_down, kv_down: self.get(&format!("{ap}.kv_a_proj_with_mqa.weight"))?, kv_down_lora: self.lora_for(&ap, "kv_a_proj_with_mqa")?, kv_norm: norm("kv_a_layernorm")?, kv_up, dims: *a, tp: self.tp.clone() };
+        let m = crate::mla::MlaAttn { q_down, kv_down: self.get(&format!("{ap}.kv_a_proj_with_mqa.weight"))?, kv_down_lora: self.lora_for(&ap, "kv_a_proj_with_mqa")?, kv_norm: norm("kv_a_layernorm")?, kv_up, dims: *a, heads: heads / self.tp.size().max(1), tp: self.tp.clone() };
         Ok((q_up, heads * a.v_head_dim, Some(Box::new(m))))
     }
 }

@@ -46,6 +46,8 @@ pub(crate) struct MlaAttn {
     pub(crate) kv_up: ColumnParallelLinear,
     /// The widths.
     pub(crate) dims: Mla,
+    /// This TP rank's heads `Hl`.
+    pub(crate) heads: usize,
     /// The TP group and whether SP is on.
     pub(crate) tp: Tp,
 }
@@ -92,7 +94,9 @@ impl MlaAttn {
     /// `kv_b_proj`'s output, with hand-written transposes.
     pub(crate) fn qkv(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor), regather: bool) -> Result<(Tensor, Tensor, Tensor)> {
         let a = self.dims;
-        let (nope, dr, dv, r, d) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank, a.attn_dim());
+        // (on CUDA a width the kernels take: 192 runs at 256)
+        let d = candle_cp_ops::attention::kernel_head_dim(a.attn_dim(), x.device());
+        let (nope, dr, dv, r) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank);
         let (b, _, hidden) = x.dims3()?;
         if self.kv_down.dims() != [r + dr, hidden] {
             bail!("latent attention: x {:?} does not fit kv_a_proj_with_mqa {:?} ([{} + {dr}, h])", x.dims(), self.kv_down.dims(), r)
@@ -160,11 +164,14 @@ impl MlaAttn {
         Ok((q, k, v))
     }
 
-    /// The attention's output `[B, T, Hl, D]` (or `[B, T, Hl·D]`) → o_proj's input
-    /// `[B, T, Hl·v]` (each head's first `v` dimensions).
+    /// The attention's output `[B, T, Hl, D]` (or `[B, T, Hl·D]`; `D` the width it ran at,
+    /// [`MlaAttn::qkv`]'s) → o_proj's input `[B, T, Hl·v]` (each head's first `v` dimensions).
     pub(crate) fn attn_out(&self, a: &Tensor, heads: usize) -> Result<Tensor> {
-        let (dv, d) = (self.dims.v_head_dim, self.dims.attn_dim());
         let (b, t) = (a.dim(0)?, a.dim(1)?);
+        let (dv, d) = (self.dims.v_head_dim, a.elem_count() / (b * t * heads).max(1));
+        if d < dv || a.elem_count() != b * t * heads * d {
+            bail!("latent attention: output {:?} is not {heads} heads of at least {dv}", a.dims())
+        }
         let a = a.reshape((b, t, heads, d))?;
         let a = if dv == d { a } else { a.narrow(3, 0, dv)?.contiguous()? };
         a.reshape((b, t, heads * dv))

@@ -30,6 +30,11 @@ pub(crate) fn supported(head_dim: usize) -> bool {
     flash::head_dim_supported(head_dim)
 }
 
+/// The smallest head dim at least `d` that the CUDA kernels take (`d` itself when none does).
+pub(crate) fn width_at_least(d: usize) -> usize {
+    flash::HEAD_DIMS.iter().chain(&flash::PARTIAL_HEAD_DIMS).copied().filter(|&w| w >= d).min().unwrap_or(d)
+}
+
 /// The kernel family for q `[B, T, H, D]`: `CANDLE_CP_FLASH_IMPL`'s, or `Auto` where that family
 /// has no kernels at the head dim (`FwdImpl::for_head_dim`: the fused and Hopper families at 96
 /// and 256, the mma one at 256).

@@ -135,6 +135,20 @@ pub struct AttnDims {
     pub d: usize,
 }
 
+/// The head dim to run an attention of head dim `d` at on `device`: on CUDA the smallest one
+/// at least `d` that the kernels take (16, 32, 64, 96, 128, 256; `d` above 256), so that a
+/// caller free to pad its heads with zeros (which change neither the scores nor the output:
+/// DeepSeek-V3's 192 runs at 256) stays on the GPU kernels rather than their host-copy
+/// fallback; `d` elsewhere (the CPU kernel takes every head dim).
+pub fn kernel_head_dim(d: usize, device: &candle_core::Device) -> usize {
+    #[cfg(feature = "cuda")]
+    if device.is_cuda() {
+        return cuda::width_at_least(d);
+    }
+    let _ = device;
+    d
+}
+
 /// Validate q `[B, T, H, D]`, k/v `[B, S, Hkv, D]` (same dtype f32/bf16/f16, same device,
 /// `H % Hkv == 0`) and the mask (strides >= 1). Errors name the shapes.
 pub fn check_qkv(op: &str, q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask) -> Result<AttnDims> {
