@@ -257,22 +257,31 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 };
                 // GLM-4.5: the experts chosen by the scores plus the correction bias, within the
                 // best groups (a group's score the sum of its two best; the others' set to 0)
-                let choice = match sigmoid {
+                // DeepSeek-V2: the softmax scores chosen within the best groups (a group's score
+                // its best expert's), scaled, not renormalised
+                let v2 = mc.style == candle_cp_llama::MoeStyle::DeepseekV2;
+                let choice = match sigmoid || v2 {
                     false => probs.to_vec2::<f64>()?,
                     true => {
-                        let cb = router(candle_cp_llama::params::CORRECTION_BIAS)?;
-                        // (a zero gradient, as the model's: the bias only chooses; times a zero
-                        // tensor, as candle prunes a scalar factor of 0 from the graph)
-                        zero_grads = (zero_grads + cb.sum_all()?.mul(&Tensor::new(0f64, &Device::Cpu)?)?)?;
+                        let choice_of = match sigmoid {
+                            true => {
+                                let cb = router(candle_cp_llama::params::CORRECTION_BIAS)?;
+                                // (a zero gradient, as the model's: the bias only chooses; times a
+                                // zero tensor, as candle prunes a scalar factor of 0 from the graph)
+                                zero_grads = (zero_grads + cb.sum_all()?.mul(&Tensor::new(0f64, &Device::Cpu)?)?)?;
+                                probs.broadcast_add(cb)?
+                            }
+                            false => probs.clone(),
+                        };
                         let (g, keep) = mc.groups;
                         let per = e / g;
-                        let mut rows_c = probs.broadcast_add(cb)?.to_vec2::<f64>()?;
+                        let mut rows_c = choice_of.to_vec2::<f64>()?;
                         for row in rows_c.iter_mut() {
                             let mut score: Vec<(usize, f64)> = (0..g)
                                 .map(|gi| {
                                     let mut v = row[gi * per..(gi + 1) * per].to_vec();
                                     v.sort_by(|a, b| b.total_cmp(a));
-                                    (gi, v[0] + if per > 1 { v[1] } else { 0.0 })
+                                    (gi, v[0] + if per > 1 && !v2 { v[1] } else { 0.0 })
                                 })
                                 .collect();
                             score.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
@@ -311,7 +320,7 @@ pub fn reference_routed(full: &HashMap<String, Tensor>, cfg: &LlamaConfig, ids: 
                 } else if mc.norm_topk_prob {
                     w = w.broadcast_div(&w.sum_keepdim(1)?)?;
                 }
-                if sigmoid {
+                if sigmoid || v2 {
                     w = (w * mc.routed_scaling_factor)?;
                 }
                 let mut y = Tensor::zeros((rn, h), DType::F64, &Device::Cpu)?;

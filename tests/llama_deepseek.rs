@@ -220,3 +220,48 @@ fn deepseek_v3_lora_equals_the_merged_model() -> Result<()> {
     assert!(e < 1e-4, "{e}");
     Ok(())
 }
+
+/// DeepSeek-V2 (`deepseek_v2`): the same latent attention (RoPE on interleaved pairs, the scale
+/// without YaRN's mscale) with its softmax router chosen within groups by their best expert,
+/// scaled and not renormalised — against the float64 reference on one device, zigzag 4, Ulysses
+/// 2, TP 2 + SP × zigzag 2 (recomputed), EP 4; the group rule and the scale bind; generation on
+/// CP and TP; its checkpoint and config.json round trip.
+#[test]
+fn deepseek_v2_on_layouts_and_checkpoints() -> Result<()> {
+    use candle_cp_tests::mla_ref::deepseek_v2_model;
+    let (cfg, full) = deepseek_v2_model(Mla { q_lora_rank: None, ..MLA })?;
+    assert_eq!(cfg.arch(), Arch::DeepseekV2);
+    assert!(!full.keys().any(|k| k.ends_with(candle_cp_llama::params::CORRECTION_BIAS)));
+    let ids = ids(T)?;
+    let want = reference(&full, &cfg, &ids)?;
+    let m = cfg.moe.clone().ok_or_else(|| io("no experts"))?;
+    let greedy = cfg.clone().with_moe(Some(candle_cp_llama::MoeConfig { groups: (1, 1), ..m.clone() }));
+    let unscaled = cfg.clone().with_moe(Some(candle_cp_llama::MoeConfig { routed_scaling_factor: 1.0, ..m }));
+    for (what, c) in [("the groups", &greedy), ("routed_scaling_factor", &unscaled)] {
+        let moved = max_abs(&reference(&full, c, &ids)?.logits, &want.logits)?;
+        assert!(moved > 1e-3, "{what} moves the logits by only {moved:.1e}");
+    }
+    check_layouts(
+        "deepseek_v2",
+        &full,
+        &cfg,
+        &[(Layout::single(), false), (Layout::cp(CpKind::Zigzag, 4), false), (Layout::cp(CpKind::Ulysses, 2), false), (Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), true), (Layout::cp(CpKind::Ring, 4).with_ep(4), false)],
+    )?;
+    cached_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 32)?.contiguous()?, &[Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true)])?;
+    let dir = std::env::temp_dir().join(format!("candle-cp-deepseek-v2-{}", std::process::id()));
+    save_hf(&dir, &candle_cp_tests::varmap_of(&full)?, &cfg)?;
+    let config: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(dir.join("config.json")).map_err(io)?).map_err(io)?;
+    assert_eq!(
+        (config["architectures"][0].as_str(), config["topk_method"].as_str(), config["n_group"].as_u64(), config["q_lora_rank"].is_null(), config.get("rope_interleave").is_none()),
+        (Some("DeepseekV2ForCausalLM"), Some("group_limited_greedy"), Some(4), true, true)
+    );
+    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    assert_eq!(got.len(), full.len());
+    for (k, t) in &full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
+    Ok(())
+}

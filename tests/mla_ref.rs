@@ -53,9 +53,11 @@ pub fn attention<'a>(p: &dyn Fn(&str) -> Result<&'a Tensor>, cfg: &LlamaConfig, 
     let q = Tensor::cat(&[&q_pass, &q_rot], 3)?;
     let k = Tensor::cat(&[&k_pass, &k_rot], 3)?;
     // DeepseekV3Attention.scaling: qk_head_dim^-1/2, times mscale² with YaRN's mscale_all_dim
+    // (DeepseekV2Attention's: without it)
     let mut scale = (qk as f64).powf(-0.5);
+    let v2 = cfg.arch() == candle_cp_llama::Arch::DeepseekV2;
     if let RopeScaling::Yarn { factor, mscale_all_dim: Some(m), .. } = cfg.rope_scaling {
-        if m != 0.0 && factor > 1.0 {
+        if m != 0.0 && factor > 1.0 && !v2 {
             let ms = 0.1 * m * factor.ln() + 1.0;
             scale *= ms * ms;
         }
@@ -63,6 +65,21 @@ pub fn attention<'a>(p: &dyn Fn(&str) -> Result<&'a Tensor>, cfg: &LlamaConfig, 
     let s = (q.matmul(&k.t()?)? * scale)?.broadcast_add(mask)?;
     let o = candle_nn::ops::softmax(&s, D::Minus1)?.matmul(&v.contiguous()?)?;
     lin(&o.transpose(1, 2)?.reshape((b, t, heads * dv))?, "o_proj")
+}
+
+/// [`deepseek_model`] as DeepSeek-V2 (`a` interleaved): its softmax router over the same 8
+/// experts in 4 groups, 1 kept (a group's score its best expert's; with 2 kept the top 2 would be
+/// the plain top 2), top 2 scaled by 2.5 and not
+/// renormalised, a shared expert 48 wide, layer 0 dense; the softmax scale without YaRN's
+/// mscale (as transformers' DeepseekV2Attention).
+pub fn deepseek_v2_model(a: Mla) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
+    let (cfg, mut full) = deepseek_model(Mla { rope_interleave: true, ..a })?;
+    let moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], groups: (4, 1), ..candle_cp_llama::MoeConfig::deepseek_v2(8, 2, 48, 1, 2.5) };
+    let cfg = cfg.with_moe(Some(moe));
+    cfg.validate()?;
+    let names: std::collections::HashSet<String> = candle_cp_llama::param_specs(&cfg).into_iter().map(|s| s.name).collect();
+    full.retain(|k, _| names.contains(k));
+    Ok((cfg, full))
 }
 
 /// The tiny GLM-4.5 of [`crate::moe_model::moe_model`] (dense layer 0, 8 experts in 4 groups on

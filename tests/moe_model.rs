@@ -32,6 +32,7 @@ pub fn moe_model(style: MoeStyle, coef: Option<f64>) -> Result<(LlamaConfig, Has
         }
         MoeStyle::GptOss => MoeConfig::gpt_oss(8, 2, 48),
         MoeStyle::GraniteMoe => MoeConfig::granite_moe(8, 2, 48),
+        MoeStyle::DeepseekV2 => candle_core::bail!("moe_model: DeepSeek-V2's experts come with its latent attention (mla_ref::deepseek_v2_model)"),
         MoeStyle::Glm4Moe => {
             let mut m = MoeConfig::glm4_moe(8, 2, 48, 1, 2.5);
             (m.mlp_only_layers, m.groups) = (vec![0], (4, 2));

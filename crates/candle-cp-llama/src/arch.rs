@@ -23,6 +23,7 @@
 //! | `glm4_moe` (`Glm4MoeForCausalLM`)  | `attention_bias` | `use_qk_norm` | none (its MLPs: experts with sigmoid scores from layer `first_k_dense_replace` on, [`crate::config::glm4_moe`]) |
 //! | `glm` (`GlmForCausalLM`)           | `attention_bias` (default on) | no | none (GLM-4's RoPE and fused MLP with a Llama's norms: [`crate::config::glm4`]) |
 //! | `deepseek_v3` (`DeepseekV3ForCausalLM`) | no (latent attention: [`crate::config::deepseek`]) | the latents' norms | none (GLM-4.5's experts from layer `first_k_dense_replace` on) |
+//! | `deepseek_v2` (`DeepseekV2ForCausalLM`) | no (the same attention) | the latents' norms | none (a softmax router, [`crate::MoeStyle::DeepseekV2`]) |
 //!
 //! Phi-3 is a Llama whose checkpoints fuse q, k, v into `qkv_proj` and gate, up into
 //! `gate_up_proj` (split on load, fused on save: [`crate::config::phi3`]); its long-context
@@ -107,14 +108,17 @@ pub enum Arch {
     /// `DeepseekV3ForCausalLM`: multi-head latent attention and GLM-4.5's mixture of experts,
     /// see [`crate::config::deepseek`].
     DeepseekV3,
+    /// `DeepseekV2ForCausalLM`: DeepSeek-V3's latent attention with a softmax router, see
+    /// [`crate::config::deepseek`].
+    DeepseekV2,
 }
 
 impl Arch {
     /// The supported `model_type` values, as listed in errors.
-    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe, glm4, glm, glm4_moe, deepseek_v3";
+    pub const SUPPORTED: &'static str = "llama, mistral, qwen2, qwen3, qwen3_moe, mixtral, qwen2_moe, gemma3_text, gemma2, phi3, gpt_oss, smollm3, granite, olmo2, olmo3, olmoe, exaone4, granitemoe, glm4, glm, glm4_moe, deepseek_v3, deepseek_v2";
 
     /// Every architecture, in [`Arch::SUPPORTED`]'s order.
-    pub const ALL: [Arch; 22] = [
+    pub const ALL: [Arch; 23] = [
         Arch::Llama,
         Arch::Mistral,
         Arch::Qwen2,
@@ -137,6 +141,7 @@ impl Arch {
         Arch::Glm,
         Arch::Glm4Moe,
         Arch::DeepseekV3,
+        Arch::DeepseekV2,
     ];
 
     fn of_model_type(t: &str) -> Option<Arch> {
@@ -172,6 +177,7 @@ impl Arch {
             Arch::Glm => ("GlmForCausalLM", "glm"),
             Arch::Glm4Moe => ("Glm4MoeForCausalLM", "glm4_moe"),
             Arch::DeepseekV3 => ("DeepseekV3ForCausalLM", "deepseek_v3"),
+            Arch::DeepseekV2 => ("DeepseekV2ForCausalLM", "deepseek_v2"),
         }
     }
 
@@ -236,7 +242,7 @@ impl Arch {
             Arch::Glm4Moe => Ok(m.get("attention_bias").and_then(|v| v.as_bool()).unwrap_or(false)),
             // DeepseekV3Attention: no q, k, v projections (attention_bias refused by
             // config::deepseek::parse)
-            Arch::DeepseekV3 => Ok(false),
+            Arch::DeepseekV3 | Arch::DeepseekV2 => Ok(false),
             Arch::Llama | Arch::Mistral | Arch::Qwen3 | Arch::Qwen3Moe | Arch::Mixtral | Arch::Gemma3 | Arch::Gemma2 | Arch::Phi3 | Arch::SmolLM3 | Arch::Granite | Arch::Olmo2 | Arch::Olmo3 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe => {
                 if m.get("attention_bias").and_then(|v| v.as_bool()) == Some(true) {
                     bail!(
@@ -270,7 +276,7 @@ impl Arch {
             // Olmo2Config and OlmoeConfig have no window (transformers ignores the keys)
             (Arch::Olmo2 | Arch::Olmoe, _) => None,
             // GraniteMoeConfig has no window either
-            (Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe | Arch::DeepseekV3, _) => None,
+            (Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe | Arch::DeepseekV3 | Arch::DeepseekV2, _) => None,
             _ => window,
         };
         let per_layer: Vec<bool> = match m.get("layer_types") {
@@ -302,7 +308,7 @@ impl Arch {
                 }
                 // Olmo3Config: layer i slides iff (i + 1) % 4 != 0
                 Arch::Olmo3 => (0..layers).map(|i| w.is_some() && !(i + 1).is_multiple_of(4)).collect(),
-                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe | Arch::DeepseekV3 => vec![w.is_some(); layers],
+                Arch::Llama | Arch::Mistral | Arch::Mixtral | Arch::Phi3 | Arch::Granite | Arch::Olmo2 | Arch::Olmoe | Arch::Exaone4 | Arch::GraniteMoe | Arch::Glm | Arch::Glm4 | Arch::Glm4Moe | Arch::DeepseekV3 | Arch::DeepseekV2 => vec![w.is_some(); layers],
                 // (smollm3::with_defaults writes `layer_types`: the window on the NoPE layers)
                 Arch::SmolLM3 => vec![false; layers],
             },
@@ -382,8 +388,8 @@ mod tests {
         assert!(LlamaConfig::tiny(64, 32, 1, 4, 2).with_qk_norm(true).with_qkv_bias(true).validate().is_err());
         // refused by name: other architectures, disagreeing keys, biases the model lacks
         for (extra, want) in [
-            (r#", "model_type": "deepseek_v2""#, "model_type `deepseek_v2` not supported"),
-            (r#", "architectures": ["DeepseekV2ForCausalLM"]"#, "architecture `DeepseekV2ForCausalLM` not supported"),
+            (r#", "model_type": "deepseek_vl_v2""#, "model_type `deepseek_vl_v2` not supported"),
+            (r#", "architectures": ["DeepseekVLV2ForCausalLM"]"#, "architecture `DeepseekVLV2ForCausalLM` not supported"),
             (r#", "architectures": ["LlamaForSequenceClassification"]"#, "LlamaForSequenceClassification"),
             (r#", "model_type": "llama", "architectures": ["Qwen2ForCausalLM"]"#, "model_type `llama` but architectures `Qwen2ForCausalLM`"),
             (r#", "model_type": 3"#, "`model_type` must be a string"),

@@ -256,6 +256,7 @@ impl LlamaConfig {
             Arch::Olmoe => Some(olmo::parse_moe(m, need_usize(m, "intermediate_size")?)?),
             Arch::GraniteMoe => Some(granite_moe::parse(m, need_usize(m, "intermediate_size")?)?),
             Arch::Glm4Moe | Arch::DeepseekV3 => Some(glm4_moe::parse(m, need_usize(m, "num_hidden_layers")?)?),
+            Arch::DeepseekV2 => Some(deepseek::parse_v2_moe(m, need_usize(m, "num_hidden_layers")?)?),
             _ => None,
         };
         // rope: `rope_parameters` (new) wins over legacy `rope_theta` / `rope_scaling`.
@@ -350,7 +351,7 @@ impl LlamaConfig {
         };
         // DeepSeek-V3: the latent attention sets the head width the attention runs at
         let cfg = match arch {
-            Arch::DeepseekV3 => cfg.with_mla(Some(deepseek::parse(m)?)),
+            Arch::DeepseekV3 | Arch::DeepseekV2 => cfg.with_mla(Some(deepseek::parse(m)?)),
             _ => cfg,
         };
         // EXAONE 4: NoPE on the global layers of a windowed model
@@ -481,7 +482,10 @@ impl LlamaConfig {
             return g.arch();
         }
         if self.mla.is_some() {
-            return Arch::DeepseekV3;
+            return match self.moe.as_ref().map(|m| m.style) {
+                Some(MoeStyle::DeepseekV2) => Arch::DeepseekV2,
+                _ => Arch::DeepseekV3,
+            };
         }
         if let Some(o) = self.olmo {
             return match o {
@@ -498,6 +502,7 @@ impl LlamaConfig {
                 MoeStyle::GptOss => Arch::GptOss,
                 MoeStyle::GraniteMoe => Arch::GraniteMoe,
                 MoeStyle::Glm4Moe => Arch::Glm4Moe,
+                MoeStyle::DeepseekV2 => Arch::DeepseekV2,
             };
         }
         if self.nope_layers.is_some() {

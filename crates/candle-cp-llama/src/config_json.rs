@@ -111,12 +111,12 @@ impl LlamaConfig {
             }
             if let Some(moe) = &self.moe {
                 match moe.style {
-                    MoeStyle::Glm4Moe => glm4_moe::write(m, self, moe),
+                    MoeStyle::Glm4Moe | MoeStyle::DeepseekV2 => glm4_moe::write(m, self, moe),
                     _ => qwen3_moe::write(m, moe),
                 }
             }
             if let Some(a) = &self.mla {
-                deepseek::write(m, a);
+                deepseek::write(m, a, self.moe.as_ref());
             }
             if self.phi3 {
                 phi3::write(m, self);

@@ -81,7 +81,7 @@ impl LlamaConfig {
         }
         if self.gpt_oss || self.moe.as_ref().is_some_and(|m| m.style == MoeStyle::GptOss) {
             gpt_oss_validate(self)?;
-        } else if let Some(m) = self.moe.as_ref().filter(|m| m.style != MoeStyle::Glm4Moe) {
+        } else if let Some(m) = self.moe.as_ref().filter(|m| !matches!(m.style, MoeStyle::Glm4Moe | MoeStyle::DeepseekV2)) {
             let mixtral = m.style == MoeStyle::Mixtral;
             // (OLMoE: Qwen3-MoE's experts with OLMo's q, k norms instead of the head norms)
             let (norms, biases) = (m.style == MoeStyle::Qwen3Moe && self.olmo.is_none(), m.style == MoeStyle::Qwen2Moe);

@@ -78,14 +78,34 @@ impl Mla {
     }
 }
 
-/// A `deepseek_v3` config with `DeepseekV3Config`'s defaults where it leaves them out (its
-/// `head_dim` is the RoPE width); `None` for another architecture.
+/// A `deepseek_v3` or `deepseek_v2` config with `DeepseekV3Config`'s / `DeepseekV2Config`'s
+/// defaults where it leaves them out (its `head_dim` is the RoPE width); `None` for another
+/// architecture.
 pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>> {
-    if Arch::of_config(m).ok() != Some(Arch::DeepseekV3) {
-        return None;
-    }
+    let arch = Arch::of_config(m).ok().filter(|a| matches!(a, Arch::DeepseekV3 | Arch::DeepseekV2))?;
     let mut t = m.clone();
-    for (k, v) in [
+    let v2 = [
+        ("vocab_size", json!(32000)),
+        ("hidden_size", json!(4096)),
+        ("intermediate_size", json!(11008)),
+        ("num_hidden_layers", json!(32)),
+        ("num_attention_heads", json!(32)),
+        ("moe_intermediate_size", json!(1407)),
+        ("n_routed_experts", json!(64)),
+        ("n_shared_experts", json!(2)),
+        ("first_k_dense_replace", json!(0)),
+        ("kv_lora_rank", json!(512)),
+        ("q_lora_rank", json!(1536)),
+        ("qk_nope_head_dim", json!(128)),
+        ("qk_rope_head_dim", json!(64)),
+        ("v_head_dim", json!(128)),
+        ("routed_scaling_factor", json!(1.0)),
+        ("topk_method", json!("greedy")),
+        ("norm_topk_prob", json!(false)),
+        ("rms_norm_eps", json!(1e-6)),
+        ("attention_bias", json!(false)),
+    ];
+    let v3 = [
         ("vocab_size", json!(129280)),
         ("hidden_size", json!(7168)),
         ("intermediate_size", json!(18432)),
@@ -108,8 +128,10 @@ pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>
         ("rms_norm_eps", json!(1e-6)),
         ("rope_interleave", json!(true)),
         ("attention_bias", json!(false)),
-    ] {
-        t.entry(k).or_insert(v);
+    ];
+    let defaults: &[(&str, Value)] = if arch == Arch::DeepseekV2 { &v2 } else { &v3 };
+    for (k, v) in defaults {
+        t.entry(*k).or_insert(v.clone());
     }
     // DeepseekV3Config: num_key_value_heads defaults to num_attention_heads
     let heads = t.get("num_attention_heads").cloned().unwrap_or(json!(128));
@@ -120,29 +142,33 @@ pub(crate) fn with_defaults(m: &Map<String, Value>) -> Option<Map<String, Value>
     Some(t)
 }
 
-/// The attention's keys of a `deepseek_v3` config (defaults filled by [`with_defaults`]).
+/// The attention's keys of a `deepseek_v3` or `deepseek_v2` config (defaults filled by
+/// [`with_defaults`]); DeepSeek-V2's RoPE is always on interleaved pairs (its complex form).
 pub(super) fn parse(m: &Map<String, Value>) -> Result<Mla> {
-    let need = |k: &str| -> Result<usize> { get_usize(m, k)?.ok_or_else(|| candle_core::Error::Msg(format!("config.json: deepseek_v3 needs `{k}`"))) };
+    let v2 = Arch::of_config(m)? == Arch::DeepseekV2;
+    let t = if v2 { "deepseek_v2" } else { "deepseek_v3" };
+    let need = |k: &str| -> Result<usize> { get_usize(m, k)?.ok_or_else(|| candle_core::Error::Msg(format!("config.json: {t} needs `{k}`"))) };
     if get_bool(m, "attention_bias")? == Some(true) {
-        bail!("config.json: `attention_bias: true` on a deepseek_v3 model (biases on q_a_proj, kv_a_proj_with_mqa and o_proj) not supported")
+        bail!("config.json: `attention_bias: true` on a {t} model (biases on q_a_proj, kv_a_proj_with_mqa and o_proj) not supported")
     }
     let (heads, kv) = (get_usize(m, "num_attention_heads")?, get_usize(m, "num_key_value_heads")?);
     if kv != heads {
-        bail!("config.json: deepseek_v3 with num_key_value_heads {kv:?} and num_attention_heads {heads:?}: latent attention has as many KV heads as heads (kv_b_proj's)")
+        bail!("config.json: {t} with num_key_value_heads {kv:?} and num_attention_heads {heads:?}: latent attention has as many KV heads as heads (kv_b_proj's)")
     }
-    // DeepSeek's original keys: the router transformers' DeepseekV3 implements, on every layer
-    // from first_k_dense_replace on
-    for (k, want) in [("scoring_func", "sigmoid"), ("topk_method", "noaux_tc")] {
-        if let Some(v) = m.get(k).filter(|v| !v.is_null() && v.as_str() != Some(want)) {
-            bail!("config.json: deepseek_v3 with `{k}` {v}: only {want} (DeepSeek-V3's router) is supported")
+    // DeepSeek's original keys: the router transformers implements, on every layer from
+    // first_k_dense_replace on
+    let routers: &[(&str, &[&str])] = if v2 { &[("scoring_func", &["softmax"]), ("topk_method", &["greedy", "group_limited_greedy"])] } else { &[("scoring_func", &["sigmoid"]), ("topk_method", &["noaux_tc"])] };
+    for (k, want) in routers {
+        if let Some(v) = m.get(*k).filter(|v| !v.is_null() && !v.as_str().is_some_and(|s| want.contains(&s))) {
+            bail!("config.json: {t} with `{k}` {v}: only {} (transformers' {t} router) is supported", want.join(" or "))
         }
     }
     if let Some(f) = get_usize(m, "moe_layer_freq")?.filter(|&f| f != 1) {
-        bail!("config.json: deepseek_v3 with `moe_layer_freq` {f}: transformers' DeepseekV3 puts experts on every layer from first_k_dense_replace on (1)")
+        bail!("config.json: {t} with `moe_layer_freq` {f}: transformers puts experts on every layer from first_k_dense_replace on (1)")
     }
-    // the published weights are FP8 with per-block scales (`weight_scale_inv`)
+    // DeepSeek-V3's published weights are FP8 with per-block scales (`weight_scale_inv`)
     if let Some(q) = m.get("quantization_config").filter(|q| !q.is_null()) {
-        bail!("config.json: a quantized deepseek_v3 checkpoint ({q}): convert it to bf16 first (its FP8 weights times their `weight_scale_inv` blocks) and drop `quantization_config`")
+        bail!("config.json: a quantized {t} checkpoint ({q}): convert it to bf16 first (its FP8 weights times their `weight_scale_inv` blocks) and drop `quantization_config`")
     }
     Ok(Mla {
         // (null: one q_proj)
@@ -151,15 +177,56 @@ pub(super) fn parse(m: &Map<String, Value>) -> Result<Mla> {
         qk_nope_head_dim: need("qk_nope_head_dim")?,
         qk_rope_head_dim: need("qk_rope_head_dim")?,
         v_head_dim: need("v_head_dim")?,
-        rope_interleave: get_bool(m, "rope_interleave")?.unwrap_or(true),
+        rope_interleave: v2 || get_bool(m, "rope_interleave")?.unwrap_or(true),
     })
 }
 
-/// DeepSeek-V3's keys of config.json (after GLM-4.5's mixture keys, [`super::glm4_moe::write`]).
-pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla) {
+/// The mixture of a `deepseek_v2` config ([`MoeStyle::DeepseekV2`]; defaults filled by
+/// [`with_defaults`]): `num_experts_per_tok` (DeepseekV2Config has no default), the groups of
+/// `group_limited_greedy` (`greedy`: one), the first `first_k_dense_replace` layers dense.
+/// `norm_topk_prob: true` is refused: transformers' DeepSeek-V2 does not renormalise (the
+/// original code does), so the two would differ.
+pub(super) fn parse_v2_moe(m: &Map<String, Value>, layers: usize) -> Result<super::qwen3_moe::MoeConfig> {
+    let need = |k: &str| -> Result<usize> { get_usize(m, k)?.ok_or_else(|| candle_core::Error::Msg(format!("config.json: deepseek_v2 needs `{k}`"))) };
+    let shared = match m.get("n_shared_experts") {
+        Some(Value::Null) => bail!("config.json: deepseek_v2 with `n_shared_experts` null: transformers' DeepseekV2Moe always adds its shared experts"),
+        _ => need("n_shared_experts")?,
+    };
+    let scale = super::get_f64(m, "routed_scaling_factor")?.unwrap_or(1.0);
+    let mut c = super::qwen3_moe::MoeConfig::deepseek_v2(need("n_routed_experts")?, need("num_experts_per_tok")?, need("moe_intermediate_size")?, shared, scale);
+    c.groups = match m.get("topk_method").and_then(|v| v.as_str()) {
+        Some("group_limited_greedy") => (need("n_group")?, need("topk_group")?),
+        _ => (1, 1),
+    };
+    c.mlp_only_layers = (0..need("first_k_dense_replace")?.min(layers)).collect();
+    if get_bool(m, "norm_topk_prob")? == Some(true) {
+        bail!("config.json: deepseek_v2 with `norm_topk_prob: true`: transformers' DeepSeek-V2 does not renormalise the chosen scores (DeepSeek's own code does); refused rather than run either")
+    }
+    if get_bool(m, "output_router_logits")? == Some(true) {
+        bail!("config.json: `output_router_logits: true` on a deepseek_v2 model: transformers computes no load-balancing loss for it, nor does this model")
+    }
+    Ok(c)
+}
+
+/// DeepSeek-V3's or -V2's keys of config.json (after GLM-4.5's mixture keys,
+/// [`super::glm4_moe::write`]).
+pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla, moe: Option<&super::qwen3_moe::MoeConfig>) {
     // (GLM-4.5's attention keys, which DeepseekV3Config does not have)
     for k in ["partial_rotary_factor", "use_qk_norm"] {
         m.remove(k);
+    }
+    if let Some(c) = moe.filter(|c| c.style == MoeStyle::DeepseekV2) {
+        // (DeepseekV2Config: no interleave key or prediction layers; its router's method)
+        for k in ["rope_interleave", "num_nextn_predict_layers"] {
+            m.remove(k);
+        }
+        let method = if c.groups.0 > 1 { "group_limited_greedy" } else { "greedy" };
+        m.insert("topk_method".into(), json!(method));
+        m.insert("norm_topk_prob".into(), json!(false));
+        for (k, v) in [("q_lora_rank", json!(a.q_lora_rank)), ("kv_lora_rank", json!(a.kv_lora_rank)), ("qk_nope_head_dim", json!(a.qk_nope_head_dim)), ("qk_rope_head_dim", json!(a.qk_rope_head_dim)), ("v_head_dim", json!(a.v_head_dim)), ("head_dim", json!(a.qk_rope_head_dim)), ("attention_bias", json!(false))] {
+            m.insert(k.into(), v);
+        }
+        return;
     }
     for (k, v) in [
         ("q_lora_rank", json!(a.q_lora_rank)),
@@ -180,6 +247,9 @@ pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla) {
 /// own checks, [`super::glm4_moe::validate`]) or every layer dense, nothing of another
 /// architecture, no DoRA on the replicated down-projections.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
+    if cfg.mla.is_none() && cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::DeepseekV2) {
+        bail!("LlamaConfig: DeepSeek-V2's experts without its latent attention (with_mla): no architecture this model writes")
+    }
     let Some(a) = cfg.mla else { return Ok(()) };
     let own = [super::qwen3_moe::MOE, MLA];
     if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && !own.contains(w)) {
@@ -201,8 +271,11 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if let Some(w) = cfg.sliding_window {
         bail!("LlamaConfig: DeepSeek-V3 with a sliding window ({w}): DeepseekV3Config has none")
     }
-    if let Some(m) = cfg.moe.as_ref().filter(|m| m.style != MoeStyle::Glm4Moe) {
-        bail!("LlamaConfig: DeepSeek-V3's experts are GLM-4.5's (sigmoid scores, correction bias), got {:?}", m.style)
+    if let Some(m) = cfg.moe.as_ref().filter(|m| !matches!(m.style, MoeStyle::Glm4Moe | MoeStyle::DeepseekV2)) {
+        bail!("LlamaConfig: DeepSeek-V3's experts are GLM-4.5's (sigmoid scores, correction bias), DeepSeek-V2's its own, got {:?}", m.style)
+    }
+    if cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::DeepseekV2) && !a.rope_interleave {
+        bail!("LlamaConfig: DeepSeek-V2 rotates interleaved pairs (its config has no rope_interleave key)")
     }
     if let Some(l) = cfg.lora.as_ref().filter(|l| l.dora) {
         for stem in ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"] {

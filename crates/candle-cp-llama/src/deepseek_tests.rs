@@ -84,3 +84,54 @@ fn deepseek_v3_defaults_and_refusals() -> Result<()> {
     assert!(e.contains("DoRA on self_attn.kv_a_proj_with_mqa"), "{e}");
     Ok(())
 }
+
+/// DeepSeek-V2-Lite's config.json (its keys as published).
+const DEEPSEEK_V2_LITE: &str = r#"{
+  "architectures": ["DeepseekV2ForCausalLM"], "attention_bias": false, "attention_dropout": 0.0,
+  "aux_loss_alpha": 0.001, "bos_token_id": 100000, "eos_token_id": 100001, "first_k_dense_replace": 1,
+  "hidden_act": "silu", "hidden_size": 2048, "initializer_range": 0.02, "intermediate_size": 10944,
+  "kv_lora_rank": 512, "max_position_embeddings": 163840, "model_type": "deepseek_v2",
+  "moe_intermediate_size": 1408, "moe_layer_freq": 1, "n_group": 1, "n_routed_experts": 64,
+  "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16, "num_experts_per_tok": 6,
+  "num_hidden_layers": 27, "num_key_value_heads": 16, "pretraining_tp": 1, "q_lora_rank": null,
+  "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "rms_norm_eps": 1e-06,
+  "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 0.707, "mscale_all_dim": 0.707, "original_max_position_embeddings": 4096, "type": "yarn"},
+  "rope_theta": 10000, "routed_scaling_factor": 1.0, "scoring_func": "softmax", "seq_aux": true,
+  "tie_word_embeddings": false, "topk_group": 1, "topk_method": "greedy", "torch_dtype": "bfloat16",
+  "transformers_version": "4.39.3", "use_cache": true, "v_head_dim": 128, "vocab_size": 102400
+}"#;
+
+/// DeepSeek-V2-Lite reads as DeepSeek-V2 (one q_proj, interleaved RoPE, the scale 192^-1/2
+/// without YaRN's mscale as transformers' DeepseekV2Attention, 64 experts 6 per token, 2 shared,
+/// greedy, unscaled, layer 0 dense), writes back and reads again the same; the refusals by name.
+#[test]
+fn deepseek_v2_configs() -> Result<()> {
+    let c = LlamaConfig::from_json(DEEPSEEK_V2_LITE)?;
+    assert_eq!((c.arch(), c.head_dim, c.rope_dim(), c.num_key_value_heads), (Arch::DeepseekV2, 192, 64, 16));
+    assert_eq!(c.mla, Some(Mla { q_lora_rank: None, ..Mla::deepseek_v3() }));
+    assert!((c.attn_scale() - 1.0 / 192f64.sqrt()).abs() < 1e-15, "{}", c.attn_scale());
+    let m = c.moe.clone().ok_or_else(|| candle_core::Error::Msg("no experts".into()))?;
+    assert_eq!(
+        (m.style, m.num_experts, m.num_experts_per_tok, m.shared_expert_intermediate_size, m.routed_scaling_factor, m.groups, m.mlp_only_layers.clone(), m.norm_topk_prob),
+        (MoeStyle::DeepseekV2, 64, 6, 2816, 1.0, (1, 1), vec![0], false)
+    );
+    let text = c.to_hf_json("bfloat16");
+    let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
+    assert_eq!((v["model_type"].as_str(), v["topk_method"].as_str(), v["q_lora_rank"].is_null()), (Some("deepseek_v2"), Some("greedy"), true));
+    assert_eq!(LlamaConfig::from_json(&text)?, c);
+    let grouped = DEEPSEEK_V2_LITE.replace(r#""topk_method": "greedy""#, r#""topk_method": "group_limited_greedy""#).replace(r#""n_group": 1"#, r#""n_group": 8"#).replace(r#""topk_group": 1"#, r#""topk_group": 3"#);
+    let g = LlamaConfig::from_json(&grouped)?;
+    assert_eq!(g.moe.as_ref().map(|m| m.groups), Some((8, 3)));
+    assert_eq!(LlamaConfig::from_json(&g.to_hf_json("bfloat16"))?, g);
+    for (from, to, want) in [
+        (r#""norm_topk_prob": false"#, r#""norm_topk_prob": true"#, "norm_topk_prob"),
+        (r#""scoring_func": "softmax""#, r#""scoring_func": "sigmoid""#, "scoring_func"),
+        (r#""topk_method": "greedy""#, r#""topk_method": "noaux_tc""#, "topk_method"),
+        (r#""num_experts_per_tok": 6,"#, "", "num_experts_per_tok"),
+        (r#""n_shared_experts": 2"#, r#""n_shared_experts": null"#, "n_shared_experts"),
+    ] {
+        let e = err(&DEEPSEEK_V2_LITE.replace(from, to));
+        assert!(e.contains(want), "{to}: {e}");
+    }
+    Ok(())
+}

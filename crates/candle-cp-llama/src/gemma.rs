@@ -248,8 +248,10 @@ impl LlamaConfig {
             return g.attention_multiplier;
         }
         // DeepSeek-V3: (nope + rope)^-1/2, YaRN's mscale² on it
+        // (DeepSeek-V2's as transformers writes it: no mscale)
         if let Some(a) = &self.mla {
-            return a.softmax_scale(&self.rope_scaling);
+            let v2 = self.moe.as_ref().is_some_and(|m| m.style == crate::MoeStyle::DeepseekV2);
+            return a.softmax_scale(if v2 { &RopeScaling::Default } else { &self.rope_scaling });
         }
         match (&self.gemma3, &self.gemma2) {
             (Some(g), _) => 1.0 / g.query_pre_attn_scalar.sqrt(),

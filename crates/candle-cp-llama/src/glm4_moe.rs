@@ -114,7 +114,11 @@ pub(crate) fn write(m: &mut Map<String, Value>, cfg: &LlamaConfig, c: &MoeConfig
 /// experts a whole number of experts wide, groups that divide the experts and leave `K` to
 /// choose from, no window, no load-balancing term, nothing of another architecture.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
-    let Some(m) = cfg.moe.as_ref().filter(|m| m.style == MoeStyle::Glm4Moe) else { return Ok(()) };
+    // (DeepSeek-V2's mixture: the same keys and checks, a softmax router never renormalised)
+    let Some(m) = cfg.moe.as_ref().filter(|m| matches!(m.style, MoeStyle::Glm4Moe | MoeStyle::DeepseekV2)) else { return Ok(()) };
+    if m.style == MoeStyle::DeepseekV2 && m.norm_topk_prob {
+        bail!("LlamaConfig: DeepSeek-V2's chosen scores are not renormalised (norm_topk_prob), as transformers runs it")
+    }
     // (DeepSeek-V3: this mixture beside the latent attention)
     let own = [super::qwen3_moe::MOE, "q, k, v biases", "q, k head norms", super::deepseek::MLA];
     if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && !own.contains(w)) {

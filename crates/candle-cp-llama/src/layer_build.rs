@@ -187,6 +187,8 @@ impl<'a> LayerBuilder<'a> {
                     },
                     // (GLM-4.5: sigmoid scores, the experts chosen with the correction bias, f32)
                     scoring: match m.sigmoid_scores() {
+                        // (DeepSeek-V2: softmax scores chosen within groups, scaled)
+                        false if m.style == crate::MoeStyle::DeepseekV2 => crate::moe::Scoring::SoftmaxGroups { scale: m.routed_scaling_factor, groups: m.groups },
                         false => crate::moe::Scoring::Softmax,
                         true => crate::moe::Scoring::Sigmoid {
                             bias: self.get_f32(&p(&format!("{}.{}", m.router(), crate::params::CORRECTION_BIAS)))?,

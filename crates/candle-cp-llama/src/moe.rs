@@ -192,6 +192,10 @@ pub(crate) enum Scoring {
         scale: f64,
         groups: (usize, usize),
     },
+    /// DeepSeek-V2's: `p = softmax(logits)` (f32 logits), the top `K` of `p` within the best
+    /// `groups.1` of `groups.0` expert groups (a group's score its best expert's), weighted by
+    /// `p · scale` (not renormalised).
+    SoftmaxGroups { scale: f64, groups: (usize, usize) },
 }
 
 /// gpt-oss's biases of a sparse layer (this rank's slices; under expert parallelism its
@@ -274,7 +278,7 @@ impl SparseMoe {
         // (GLM-4.5's sigmoid router takes its logits in f32, as transformers' Glm4MoeTopkRouter
         // does: in bf16 they would move near-tied choices; an adapter on it adds its update to
         // the model dtype's logits)
-        let f32_logits = matches!(self.scoring, Scoring::Sigmoid { .. }) && x2.dtype() != DType::F32;
+        let f32_logits = matches!(self.scoring, Scoring::Sigmoid { .. } | Scoring::SoftmaxGroups { .. }) && x2.dtype() != DType::F32;
         let mut logits = match &self.lora {
             Some(l) => l.router_logits(0, &x2, &router, tokens.as_ref().map(|t| t.as_slice()), &self.tp)?,
             None if f32_logits => logits_f32(&x2, &router)?,
@@ -293,7 +297,12 @@ impl SparseMoe {
             Scoring::Sigmoid { bias, groups, .. } => {
                 let s = router_sigmoid(&logits, bias)?;
                 let choice = s.detach().broadcast_add(&bias.detach())?;
-                (s, Routing::top_k(&within_groups(&choice, *groups)?, self.top_k)?)
+                (s, Routing::top_k(&within_groups(&choice, *groups, 2)?, self.top_k)?)
+            }
+            Scoring::SoftmaxGroups { groups, .. } => {
+                let probs = router_probs(&logits, None)?;
+                let routing = Routing::top_k(&within_groups(&probs.detach(), *groups, 1)?, self.top_k)?;
+                (probs, routing)
             }
         };
         let sums: Option<Vec<f32>> = match self.load_balancing {
@@ -308,7 +317,7 @@ impl SparseMoe {
         if self.norm_topk {
             w = w.broadcast_div(&w.sum_keepdim(1)?)?;
         }
-        if let Scoring::Sigmoid { scale, .. } = &self.scoring {
+        if let Scoring::Sigmoid { scale, .. } | Scoring::SoftmaxGroups { scale, .. } = &self.scoring {
             w = (w * *scale)?;
         }
         let w = w.to_dtype(x.dtype())?;
@@ -453,9 +462,10 @@ fn router_sigmoid(logits: &Tensor, bias: &Tensor) -> Result<Tensor> {
 }
 
 /// `choice` `[N, E]` (f32) with the experts outside each row's best `topk_group` of `n_group`
-/// groups (a group's score: the sum of its two best) set to 0, as GLM-4.5's router (and
-/// DeepSeek-V3's) masks them; itself with one group or every group kept.
-pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize)) -> Result<Tensor> {
+/// groups (a group's score: the sum of its `best` best experts — two for GLM-4.5's router and
+/// DeepSeek-V3's, one for DeepSeek-V2's `group_limited_greedy`) set to 0, as those routers mask
+/// them; itself with one group or every group kept.
+pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize), best: usize) -> Result<Tensor> {
     if groups <= 1 || keep >= groups {
         return Ok(choice.clone());
     }
@@ -469,7 +479,7 @@ pub(crate) fn within_groups(choice: &Tensor, (groups, keep): (usize, usize)) -> 
         let score = |g: usize| -> f32 {
             let mut v: Vec<f32> = row[g * per..(g + 1) * per].to_vec();
             v.sort_by(|a, b| b.total_cmp(a));
-            v[0] + v[1]
+            v.iter().take(best).sum::<f32>()
         };
         let mut order: Vec<(usize, f32)> = (0..groups).map(|g| (g, score(g))).collect();
         // (best first; ties: the lower group)
@@ -510,12 +520,12 @@ mod tests {
     #[test]
     fn within_groups_by_hand() -> candle_core::Result<()> {
         let c = candle_core::Tensor::new(&[[0.9f32, 0.1, 0.5, 0.4, 0.3, 0.3], [0.0, 1.0, 0.6, 0.6, 0.2, 0.1]], &candle_core::Device::Cpu)?;
-        let got = super::within_groups(&c, (3, 1))?.to_vec2::<f32>()?;
+        let got = super::within_groups(&c, (3, 1), 2)?.to_vec2::<f32>()?;
         assert_eq!(got, vec![vec![0.9, 0.1, 0.0, 0.0, 0.0, 0.0], vec![0.0, 0.0, 0.6, 0.6, 0.0, 0.0]]);
-        let two = super::within_groups(&c, (3, 2))?.to_vec2::<f32>()?;
+        let two = super::within_groups(&c, (3, 2), 2)?.to_vec2::<f32>()?;
         assert_eq!(two[0], vec![0.9, 0.1, 0.5, 0.4, 0.0, 0.0]);
-        assert_eq!(super::within_groups(&c, (1, 1))?.to_vec2::<f32>()?, c.to_vec2::<f32>()?);
-        assert!(super::within_groups(&c, (6, 1)).is_err());
+        assert_eq!(super::within_groups(&c, (1, 1), 2)?.to_vec2::<f32>()?, c.to_vec2::<f32>()?);
+        assert!(super::within_groups(&c, (6, 1), 2).is_err());
         Ok(())
     }
 

@@ -47,6 +47,12 @@ pub enum MoeStyle {
     /// (`mlp.gate.e_score_correction_bias`), scaled by `routed_scaling_factor`, and shared experts
     /// without a gate (`mlp.shared_experts.{gate,up,down}_proj`; see [`crate::config::glm4_moe`]).
     Glm4Moe,
+    /// DeepSeek-V2 (`DeepseekV2ForCausalLM`): softmax scores (f32), the top `K` within the best
+    /// `topk_group` of `n_group` expert groups (a group's score its best expert's:
+    /// `group_limited_greedy`; `greedy`: one group), weighted by the scores times
+    /// `routed_scaling_factor` (not renormalised), and shared experts without a gate
+    /// (`mlp.shared_experts.*`; see [`crate::config::deepseek`]).
+    DeepseekV2,
 }
 
 /// The mixture-of-experts keys of a Qwen3-MoE or Mixtral config (see the module doc).
@@ -133,10 +139,18 @@ impl MoeConfig {
         Self { style: MoeStyle::Glm4Moe, norm_topk_prob: true, shared_expert_intermediate_size: shared * width, routed_scaling_factor: scale, router_aux_loss_coef: 0.0, ..Self::new(num_experts, top_k, width) }
     }
 
+    /// A DeepSeek-V2 mixture of `E` experts, `K` per token, each `width` wide, with `shared`
+    /// shared experts as wide, the top-`K` softmax scores (within the expert groups,
+    /// [`MoeConfig::groups`]) times `scale`; no load-balancing loss
+    /// ([`crate::config::deepseek`]).
+    pub fn deepseek_v2(num_experts: usize, top_k: usize, width: usize, shared: usize, scale: f64) -> Self {
+        Self { style: MoeStyle::DeepseekV2, norm_topk_prob: false, shared_expert_intermediate_size: shared * width, routed_scaling_factor: scale, router_aux_loss_coef: 0.0, ..Self::new(num_experts, top_k, width) }
+    }
+
     /// The module of a sparse layer's MLP in checkpoint names: `mlp` or `block_sparse_moe`.
     pub fn module(&self) -> &'static str {
         match self.style {
-            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss | MoeStyle::Glm4Moe => "mlp",
+            MoeStyle::Qwen3Moe | MoeStyle::Qwen2Moe | MoeStyle::GptOss | MoeStyle::Glm4Moe | MoeStyle::DeepseekV2 => "mlp",
             MoeStyle::Mixtral | MoeStyle::GraniteMoe => "block_sparse_moe",
         }
     }
@@ -159,7 +173,7 @@ impl MoeConfig {
     /// `shared_expert_gate`), GLM-4.5's `shared_experts` (no gate).
     pub fn shared_module(&self) -> &'static str {
         match self.style {
-            MoeStyle::Glm4Moe => "shared_experts",
+            MoeStyle::Glm4Moe | MoeStyle::DeepseekV2 => "shared_experts",
             _ => "shared_expert",
         }
     }
@@ -167,7 +181,13 @@ impl MoeConfig {
     /// Whether the shared expert's output is weighted by `sigmoid(x·w)` (Qwen2-MoE's
     /// `shared_expert_gate`).
     pub fn shared_gate(&self) -> bool {
-        self.style != MoeStyle::Glm4Moe
+        !matches!(self.style, MoeStyle::Glm4Moe | MoeStyle::DeepseekV2)
+    }
+
+    /// Whether the router's logits are taken in f32 from 16-bit inputs (GLM-4.5's and the
+    /// DeepSeek routers, as transformers casts them).
+    pub fn f32_logits(&self) -> bool {
+        matches!(self.style, MoeStyle::Glm4Moe | MoeStyle::DeepseekV2)
     }
 
     /// Whether the router scores by sigmoid with a correction bias choosing the experts
@@ -346,6 +366,7 @@ impl LlamaConfig {
             // (DeepSeek-V3's latent attention: its own RoPE width)
             Some((MoeStyle::Glm4Moe, _)) if self.mla.is_none() => self.partial_rotary_factor = 0.5,
             Some((MoeStyle::Glm4Moe, _)) => {}
+            Some((MoeStyle::DeepseekV2, _)) => {}
             None => {}
         }
         self.moe = moe;
