@@ -218,6 +218,20 @@ fn deepseek_v3_lora_equals_the_merged_model() -> Result<()> {
     }
     let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 32)?.contiguous()?, &[Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)])?;
     assert!(e < 1e-4, "{e}");
+    // a PEFT adapter file: the latent projections' factors under PEFT's names, read back bit for bit
+    let dir = std::env::temp_dir().join(format!("candle-cp-deepseek-lora-{}", std::process::id()));
+    candle_cp_llama::lora::save_peft_adapter(&dir, &spec, &adapters, "base")?;
+    let file = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
+    for m in ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"] {
+        let k = format!("base_model.model.model.layers.0.self_attn.{m}.lora_A.weight");
+        assert!(file.contains_key(&k), "{k}");
+    }
+    let (read_spec, read) = candle_cp_llama::lora::load_peft_adapter(&dir)?;
+    assert_eq!((read_spec.targets.clone(), read.len()), (spec.targets.clone(), adapters.len()));
+    for (k, t) in &adapters {
+        assert_eq!(max_abs(&read[k], t)?, 0.0, "{k}");
+    }
+    let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }
 
