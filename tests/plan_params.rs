@@ -216,7 +216,13 @@ fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
     // a Phi-3: one A per fused module (qkv_proj, gate_up_proj), its KV heads replicated at TP 4
     let phi3 = LlamaConfig::from_file(candle_cp_tests::oracle_dir("tiny-llama").join("config.json"))?.with_phi3(true);
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(CpKind::Ring, 2).with_dp(2)];
-    lora_state_equals_the_trainers("phi3", &phi3, &layouts, &[false, true])
+    lora_state_equals_the_trainers("phi3", &phi3, &layouts, &[false, true])?;
+    // DeepSeek-V3: the latent projections' adapters (the down-projections' replicated), o_proj's,
+    // the experts', the shared experts' and the router's
+    let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(32), kv_lora_rank: 24, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope_interleave: true };
+    let deepseek = candle_cp_tests::mla_ref::deepseek_model(mla)?.0;
+    let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
+    lora_state_equals_the_trainers("deepseek-v3", &deepseek, &layouts, &[false])
 }
 
 /// [`planner_moe_lora_state_equals_the_trainers`] for one model on `layouts`.
@@ -272,7 +278,11 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
     // quantized too) on TP 1, TP 2 + SP, and EP 2 over zigzag 2
     let dense_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false)];
     let moe_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::cp(candle_cp_llama::layout::CpKind::Zigzag, 2).with_ep(2)];
-    for (base, layouts) in [(oracle, dense_layouts), (moe, moe_layouts)] {
+    // DeepSeek-V3: the latent projections quantized (the replicated ones whole on every rank)
+    let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(32), kv_lora_rank: 24, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope_interleave: true };
+    let deepseek = candle_cp_tests::mla_ref::deepseek_model(mla)?.0;
+    let ds_layouts = vec![Layout::single(), Layout::single().with_tp(2, true), Layout::cp(candle_cp_llama::layout::CpKind::Zigzag, 2).with_ep(2)];
+    for (base, layouts) in [(oracle, dense_layouts), (moe, moe_layouts), (deepseek, ds_layouts)] {
     let cfg = base.clone().with_lora(Some(candle_cp_llama::LoraSpec::new(4, 8.0, &candle_cp_llama::lora::ALL_LINEAR)?));
     let m = ModelConfig::from_hf_json(&base.to_hf_json("float32"), "test").map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
     for (kind, bits, double) in [(candle_cp_nn::QuantKind::Nf4, 4, None), (candle_cp_nn::QuantKind::Int8, 8, None), (candle_cp_nn::QuantKind::Nf4, 4, Some(4))] {
@@ -298,7 +308,7 @@ fn planner_quantized_base_equals_the_trainers() -> Result<()> {
                 let b = b? as f64;
                 assert!((b - want).abs() < 1e-9 * want, "{kind} {layout} rank {r}: {b} bytes of weights, the planner says {want}");
             }
-            println!("{} {q} {layout}: {want} bytes of weights per GPU = planner", if base.moe.is_some() { "qwen2-moe" } else { "llama" });
+            println!("{} {q} {layout}: {want} bytes of weights per GPU = planner", base.arch().hf_names().1);
         }
     }
     }

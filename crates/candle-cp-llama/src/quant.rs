@@ -29,12 +29,13 @@ use std::sync::Arc;
 /// `model.layers.{i}.mlp.{gate,up,down}_proj.weight`), a sparse layer's stacked experts
 /// (`model.layers.{i}.{mlp,block_sparse_moe}.experts.{gate,up,down}_proj`) or its shared
 /// expert's projections (`model.layers.{i}.mlp.shared_expert.{gate,up,down}_proj.weight`,
-/// GLM-4.5's `shared_experts`).
+/// GLM-4.5's `shared_experts`); DeepSeek's latent projections
+/// (`self_attn.{q_a_proj,q_b_proj,kv_a_proj_with_mqa,kv_b_proj}.weight`).
 pub fn is_quantized_weight(name: &str) -> bool {
     let Some(rest) = name.strip_prefix("model.layers.") else { return false };
     let Some((_, tail)) = rest.split_once('.') else { return false };
     const PROJ: [&str; 3] = ["gate_proj", "up_proj", "down_proj"];
-    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj"].iter().any(|m| tail == format!("{m}.weight"))
+    ["self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "self_attn.q_a_proj", "self_attn.q_b_proj", "self_attn.kv_a_proj_with_mqa", "self_attn.kv_b_proj"].iter().any(|m| tail == format!("{m}.weight"))
         || PROJ.iter().any(|p| {
             tail == format!("mlp.{p}.weight")
                 || tail == format!("mlp.shared_expert.{p}.weight")

@@ -443,7 +443,12 @@ pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
     let shared = m.moe.as_ref().map_or(0.0, |x| m.sparse_fraction() * 3.0 * h * x.shared_ffn as f64 / t);
-    2.0 * h * q / t + 2.0 * h * kv + dense_mlp * 3.0 * h * f / t + layer_expert_params_per_gpu(m, l) + shared
+    // (DeepSeek-V3: the replicated down-projections whole, the up-projections and o_proj split)
+    let attn = match &m.mla {
+        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
+        None => 2.0 * h * q / t + 2.0 * h * kv,
+    };
+    attn + dense_mlp * 3.0 * h * f / t + layer_expert_params_per_gpu(m, l) + shared
 }
 
 /// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):
@@ -468,7 +473,22 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let dora = if l.lora_dora { 1.0 } else { 0.0 };
     // (a Phi-3's fused modules: one A for q, k, v and one for gate, up)
     let (qkv_a, gate_up_a) = if m.fused_proj { (1.0, 1.0) } else { (3.0, 2.0) };
-    let attn = r * (qkv_a * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h);
+    let attn = match &m.mla {
+        // DeepSeek-V3: the latent attention's projections (PEFT's q_a_proj, q_b_proj — or
+        // q_proj —, kv_a_proj_with_mqa, kv_b_proj) and o_proj: the down-projections' A and B
+        // replicated, the up-projections' A replicated and B split, o_proj's A split; DoRA's
+        // magnitudes on the up-projections and o_proj (none on the down-projections)
+        Some(x) => {
+            let (a, qk, nv) = (m.heads as f64, (x.qk_nope_head_dim + x.qk_rope_head_dim) as f64, (x.qk_nope_head_dim + x.v_head_dim) as f64);
+            let (rkv, dr, v) = (x.kv_lora_rank as f64, x.qk_rope_head_dim as f64, x.v_head_dim as f64);
+            let q = match x.q_lora_rank {
+                Some(rq) => r * (h + rq as f64) + r * (rq as f64 + a * qk / t),
+                None => r * (h + a * qk / t),
+            };
+            q + r * (h + rkv + dr) + r * (rkv + a * nv / t) + r * (a * v / t + h) + dora * (a * qk / t + a * nv / t + h)
+        }
+        None => r * (qkv_a * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h),
+    };
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
     // gate, up: A replicated, B split; down: A split, B replicated
     let mlp_of = |f: f64| r * (gate_up_a * h + 2.0 * f / t) + r * (f / t + h) + dora * (2.0 * f / t + h);
