@@ -171,14 +171,29 @@ fn deepseek_v3_checkpoints() -> Result<()> {
 /// merged for generation they decode the adapted model's tokens.
 #[test]
 fn deepseek_v3_lora_equals_the_merged_model() -> Result<()> {
+    lora_equals_the_merged_model(false)
+}
+
+/// [`deepseek_v3_lora_equals_the_merged_model`] with DoRA (a magnitude per output row, the
+/// replicated down-projections' whole on each rank): against the merged model
+/// `m / ‖W + s·B·A‖ ⊙ (W + s·B·A)`, the magnitudes' gradients by DoRA's chain rule.
+#[test]
+fn deepseek_v3_dora_equals_the_merged_model() -> Result<()> {
+    lora_equals_the_merged_model(true)
+}
+
+fn lora_equals_the_merged_model(dora: bool) -> Result<()> {
     use candle_cp_llama::lora::{is_lora_name, merge_adapter, ALL_LINEAR};
     use candle_cp_llama::{param_specs, LoraSpec};
     use candle_cp_tests::lora_ref::rel;
     let (base, mut full) = deepseek_model(MLA)?;
-    let cfg = base.clone().with_lora(Some(LoraSpec::new(4, 6.0, &ALL_LINEAR)?));
+    let cfg = base.clone().with_lora(Some(LoraSpec::new(4, 6.0, &ALL_LINEAR)?.with_dora(dora)));
     for (i, s) in param_specs(&cfg).into_iter().filter(|s| s.is_lora()).enumerate() {
         let sd = if s.name.ends_with("lora_B.weight") { 0.05 } else { 0.2 };
         full.insert(s.name.clone(), candle_cp_ops::oracle::randn(2300 + i as u64, &s.shape, sd)?.to_dtype(DType::F32)?);
+    }
+    if dora {
+        candle_cp_tests::lora_ref::set_magnitudes(&cfg, &mut full, 2900)?;
     }
     let adapted: Vec<String> = param_specs(&cfg).iter().filter_map(|s| s.name.strip_suffix(".lora_A.weight").map(String::from)).filter(|n| n.starts_with("model.layers.0.self_attn.")).collect();
     assert_eq!(adapted.len(), 5, "q_a, q_b, kv_a, kv_b, o: {adapted:?}");
@@ -212,14 +227,14 @@ fn deepseek_v3_lora_equals_the_merged_model() -> Result<()> {
                 worst = (e, n.clone());
             }
         }
-        println!("deepseek_v3 LoRA {layout} (recompute {recompute}): logits {e_logits:.1e} loss {:.1e} adapter grads {:.1e} ({}) spread {:.1e}", (run.loss - want.loss).abs(), worst.0, worst.1, run.grad_spread);
+        println!("deepseek_v3 LoRA (DoRA {dora}) {layout} (recompute {recompute}): logits {e_logits:.1e} loss {:.1e} adapter grads {:.1e} ({}) spread {:.1e}", (run.loss - want.loss).abs(), worst.0, worst.1, run.grad_spread);
         assert_eq!(run.grads.len(), want_g.len(), "{layout}: every adapter's gradient, and only theirs");
         assert!(e_logits < 2e-5 && (run.loss - want.loss).abs() < 5e-6 && worst.0 < 2e-4 && run.grad_spread < 1e-6, "{layout}");
     }
     let e = candle_cp_tests::lora_ref::merged_generation_agrees(&cfg, &full, &ids.narrow(1, 0, 32)?.contiguous()?, &[Layout::single(), Layout::cp(CpKind::Zigzag, 2).with_tp(2, true)])?;
     assert!(e < 1e-4, "{e}");
     // a PEFT adapter file: the latent projections' factors under PEFT's names, read back bit for bit
-    let dir = std::env::temp_dir().join(format!("candle-cp-deepseek-lora-{}", std::process::id()));
+    let dir = std::env::temp_dir().join(format!("candle-cp-deepseek-lora-{dora}-{}", std::process::id()));
     candle_cp_llama::lora::save_peft_adapter(&dir, &spec, &adapters, "base")?;
     let file = candle_core::safetensors::load(dir.join("adapter_model.safetensors"), &Device::Cpu)?;
     for m in ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj"] {

@@ -222,7 +222,7 @@ fn planner_moe_lora_state_equals_the_trainers() -> Result<()> {
     let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(32), kv_lora_rank: 24, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope_interleave: true };
     let deepseek = candle_cp_tests::mla_ref::deepseek_model(mla)?.0;
     let layouts = [Layout::single(), Layout::single().with_tp(2, true), Layout::single().with_tp(4, false), Layout::cp(CpKind::Zigzag, 2).with_ep(2)];
-    lora_state_equals_the_trainers("deepseek-v3", &deepseek, &layouts, &[false])
+    lora_state_equals_the_trainers("deepseek-v3", &deepseek, &layouts, &[false, true])
 }
 
 /// [`planner_moe_lora_state_equals_the_trainers`] for one model on `layouts`.

@@ -245,7 +245,7 @@ pub(crate) fn write(m: &mut Map<String, Value>, a: &Mla, moe: Option<&super::qwe
 /// A DeepSeek-V3 config's invariants: every head's parts non-empty, an even RoPE width,
 /// `head_dim` the attention's width, as many KV heads as query heads, GLM-4.5's mixture (its
 /// own checks, [`super::glm4_moe::validate`]) or every layer dense, nothing of another
-/// architecture, no DoRA on the replicated down-projections.
+/// architecture.
 pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if cfg.mla.is_none() && cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::DeepseekV2) {
         bail!("LlamaConfig: DeepSeek-V2's experts without its latent attention (with_mla): no architecture this model writes")
@@ -276,13 +276,6 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     }
     if cfg.moe.as_ref().is_some_and(|m| m.style == MoeStyle::DeepseekV2) && !a.rope_interleave {
         bail!("LlamaConfig: DeepSeek-V2 rotates interleaved pairs (its config has no rope_interleave key)")
-    }
-    if let Some(l) = cfg.lora.as_ref().filter(|l| l.dora) {
-        for stem in ["self_attn.q_a_proj", "self_attn.kv_a_proj_with_mqa"] {
-            if (0..cfg.num_hidden_layers).any(|i| l.adapts_weight(&format!("model.layers.{i}.{stem}"))) {
-                bail!("LlamaConfig: DoRA on {stem} (a replicated down-projection) is not supported; LoRA is, and DoRA on q_b_proj, kv_b_proj, o_proj and the MLPs")
-            }
-        }
     }
     Ok(())
 }

@@ -62,7 +62,7 @@ impl MlaAttn {
     pub(crate) fn with_adapters_merged(&self) -> Result<MlaAttn> {
         let merge = |w: &Tensor, l: &Option<Lora>| -> Result<Tensor> {
             match l {
-                Some(l) => candle_cp_nn::lora::merged_weight(w, l.a(), l.b(), None, l.scale(), candle_cp_nn::WeightSplit::Rows, &self.tp),
+                Some(l) => candle_cp_nn::lora::merged_weight(w, l.a(), l.b(), l.magnitude(), l.scale(), candle_cp_nn::WeightSplit::Rows, &self.tp),
                 None => Ok(w.clone()),
             }
         };
@@ -73,12 +73,12 @@ impl MlaAttn {
         Ok(MlaAttn { q_down, kv_down: merge(&self.kv_down, &self.kv_down_lora)?, kv_down_lora: None, kv_up: self.kv_up.with_adapters_merged()?, ..self.clone() })
     }
 
-    /// A replicated down-projection of the rows `x` this rank holds, with its adapter's update.
+    /// A replicated down-projection of the rows `x` this rank holds, with its adapter
+    /// (LoRA or DoRA, [`candle_cp_nn::replicated_forward`]).
     fn down(&self, x: &Tensor, w: &Tensor, lora: &Option<Lora>) -> Result<Tensor> {
-        let y = linear(x, w)?;
         match lora {
-            Some(l) => y + candle_cp_nn::replicated_delta(x, l, &self.tp)?,
-            None => Ok(y),
+            Some(l) => candle_cp_nn::replicated_forward(x, w, l, &self.tp),
+            None => linear(x, w),
         }
     }
 

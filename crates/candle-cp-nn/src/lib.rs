@@ -80,7 +80,7 @@ pub use dora::{dora_magnitude, dora_merge, dora_update, dora_weight, WeightSplit
 pub use dropout::{Dropout, Region, RngStreams};
 pub use embedding::{vocab_parallel_embedding, vocab_parallel_embedding_slow};
 pub use linear::{ColumnParallelLinear, LinearConfig, RowParallelLinear};
-pub use lora::{replicated_delta, Lora, LoraConfig};
+pub use lora::{replicated_forward, Lora, LoraConfig};
 pub use lora_dropout::{masked_matmul, DropoutKey, DropoutRows};
 pub use quant::{QuantConfig, QuantKind, QuantWeight};
 pub use norm::{

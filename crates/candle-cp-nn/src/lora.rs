@@ -269,15 +269,22 @@ pub(crate) fn column_u(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
     Ok(u)
 }
 
-/// A replicated linear's update `s·(drop(x)·Aᵀ)·Bᵀ` `[.., T, out]` on the rows this rank holds
-/// (`x` its sequence shard under SP, replicated without; the dropout's mask drawn for those
-/// rows), without a collective: `A` and `B` replicated, their gradient that of this rank's rows
-/// (under SP the caller sums it over TP, as a norm's). DoRA is refused.
-pub fn replicated_delta(x: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
-    if l.magnitude.is_some() {
-        candle_core::bail!("LoRA: DoRA on a replicated linear (x {:?}) is not supported", x.dims())
+/// A replicated linear `x·Wᵀ` `[.., T, out]` with its adapter, on the rows this rank holds (`x`
+/// its sequence shard under SP, replicated without; the dropout's mask drawn for those rows),
+/// without a collective: `W`, `A`, `B` (and DoRA's `m`) replicated, their gradients those of
+/// this rank's rows (under SP the caller sums them over TP, as a norm's). LoRA adds
+/// `s·(drop(x)·Aᵀ)·Bᵀ`; DoRA computes with its weight `W'` (each row's norm is this rank's:
+/// the weight is whole), or adds `drop(x)·(W' − W)ᵀ` while its dropout draws masks.
+pub fn replicated_forward(x: &Tensor, w: &Tensor, l: &Lora, tp: &Tp) -> Result<Tensor> {
+    let base = |w: &Tensor| crate::linear::affine(x, w, None);
+    match &l.magnitude {
+        None => base(w)? + (l.dropped_matmul(x, &l.a, crate::lora_dropout::Input::Column, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)?,
+        Some(m) if l.dora_drops() => {
+            let dw = crate::dora::dora_update(w, &l.a, &l.b, m, l.scale, crate::WeightSplit::Rows, tp, false)?;
+            base(w)? + crate::masked_matmul(x, &dw, l.mask(x, crate::lora_dropout::Input::Column, tp)?.as_ref())?
+        }
+        Some(m) => base(&crate::dora::dora_weight(w, &l.a, &l.b, m, l.scale, crate::WeightSplit::Rows, tp, false)?),
     }
-    (l.dropped_matmul(x, &l.a, crate::lora_dropout::Input::Column, tp)? * l.scale)?.broadcast_matmul(&l.b.t()?)
 }
 
 /// `y + d` for an update `d` (none: `y`).

@@ -477,7 +477,7 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
         // DeepSeek-V3: the latent attention's projections (PEFT's q_a_proj, q_b_proj — or
         // q_proj —, kv_a_proj_with_mqa, kv_b_proj) and o_proj: the down-projections' A and B
         // replicated, the up-projections' A replicated and B split, o_proj's A split; DoRA's
-        // magnitudes on the up-projections and o_proj (none on the down-projections)
+        // magnitudes as each B (the down-projections' replicated)
         Some(x) => {
             let (a, qk, nv) = (m.heads as f64, (x.qk_nope_head_dim + x.qk_rope_head_dim) as f64, (x.qk_nope_head_dim + x.v_head_dim) as f64);
             let (rkv, dr, v) = (x.kv_lora_rank as f64, x.qk_rope_head_dim as f64, x.v_head_dim as f64);
@@ -485,7 +485,8 @@ pub fn layer_lora_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
                 Some(rq) => r * (h + rq as f64) + r * (rq as f64 + a * qk / t),
                 None => r * (h + a * qk / t),
             };
-            q + r * (h + rkv + dr) + r * (rkv + a * nv / t) + r * (a * v / t + h) + dora * (a * qk / t + a * nv / t + h)
+            let q_down = x.q_lora_rank.map_or(0.0, |rq| rq as f64);
+            q + r * (h + rkv + dr) + r * (rkv + a * nv / t) + r * (a * v / t + h) + dora * (q_down + a * qk / t + rkv + dr + a * nv / t + h)
         }
         None => r * (qkv_a * h + q / t + 2.0 * kv) + r * (q / t + h) + dora * (q / t + 2.0 * kv + h),
     };

@@ -382,8 +382,8 @@ fn expert_bias_update_moves_the_correction_bias() -> Result<()> {
 
 /// A tiny DeepSeek-V3 (latent attention: q rank 16, KV rank 12, nope 6, RoPE 4, v 8; GLM-4.5's
 /// experts, 4 in 2 groups, on its one layer) trains alike on every layout, all its weights and
-/// then LoRA with dropout 0.3 on every projection (the replicated down-projections' masks keyed
-/// on the tokens each rank holds): zigzag 2 × TP 2 + SP with recomputed layers, EP 2 over zigzag 2
+/// then LoRA and DoRA with dropout 0.3 on every projection (the replicated down-projections'
+/// masks keyed on the tokens each rank holds): zigzag 2 × TP 2 + SP with recomputed layers, EP 2 over zigzag 2
 /// × DP 2 with ZeRO-1, EP 4 over ring 2 × DP 2, ring 2 × TP 2 + SP × EP 2 follow the one-device
 /// run; the dropout changes the curve.
 #[test]
@@ -401,17 +401,20 @@ fn deepseek_v3_trains_alike_on_every_layout() -> Result<()> {
         (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
         assert_same_curve(&format!("DeepSeek-V3 on {layout}"), &curve, &run(&cl)?[0].metrics);
     }
-    c.lora = Some(crate::LoraSpec::new(4, 8.0, &crate::lora::ALL_LINEAR)?.with_dropout(0.3)?);
-    let one = run(&c)?;
-    let mut plain = c.clone();
-    plain.lora = plain.lora.map(|l| l.with_dropout(0.0)).transpose()?;
-    let without = run(&plain)?;
-    assert!((one[0].metrics[0].grad_norm - without[0].metrics[0].grad_norm).abs() > 1e-6, "dropout changes the first step's gradients");
-    let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
-    for (layout, recompute, zero1) in adapter_layouts() {
-        let mut cl = c.clone();
-        (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
-        assert_same_curve(&format!("DeepSeek-V3 LoRA with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
+    // (then DoRA with dropout: the down-projections' (W' - W)·drop(x) on each rank's rows)
+    for dora in [false, true] {
+        c.lora = Some(crate::LoraSpec::new(4, 8.0, &crate::lora::ALL_LINEAR)?.with_dropout(0.3)?.with_dora(dora));
+        let one = run(&c)?;
+        let mut plain = c.clone();
+        plain.lora = plain.lora.map(|l| l.with_dropout(0.0)).transpose()?;
+        let without = run(&plain)?;
+        assert!((one[0].metrics[0].grad_norm - without[0].metrics[0].grad_norm).abs() > 1e-6, "dropout changes the first step's gradients");
+        let curve: Vec<&StepMetrics> = one[0].metrics.iter().collect();
+        for (layout, recompute, zero1) in adapter_layouts() {
+            let mut cl = c.clone();
+            (cl.layout, cl.recompute, cl.zero1) = (layout, recompute, zero1);
+            assert_same_curve(&format!("DeepSeek-V3 LoRA (DoRA {dora}) with dropout on {layout}"), &curve, &run(&cl)?[0].metrics);
+        }
     }
     Ok(())
 }
