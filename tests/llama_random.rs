@@ -144,7 +144,15 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
                 v_head_dim: pick(&mut ds, &[4, 8, 16, 24]),
                 rope_interleave: ds.below(2) == 0,
             };
-            cfg.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla))
+            let cfg = cfg.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla));
+            // half of them DeepSeek-V2: its softmax router over the same experts and groups
+            // (a group's score its best expert's), scaled, never renormalised; RoPE interleaved
+            match (ds.below(2) == 0, cfg.moe.clone()) {
+                (true, Some(m)) => cfg
+                    .with_mla(Some(candle_cp_llama::config::deepseek::Mla { rope_interleave: true, ..mla }))
+                    .with_moe(Some(candle_cp_llama::MoeConfig { style: candle_cp_llama::MoeStyle::DeepseekV2, norm_topk_prob: false, ..m })),
+                _ => cfg,
+            }
         }
         false => cfg,
     };
@@ -353,7 +361,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
     let (mut kv_copies, mut padded, mut regathered, mut biased, mut normed) = (0, 0, 0, 0, 0);
     let (mut some_layers, mut gemma, mut gemma2, mut moe, mut ep) = (0, 0, 0, 0, 0);
     let (mut phi3, mut partial, mut mixed, mut gpt_oss, mut smollm3, mut granite, mut glm4, mut glm, mut glm45) = (0, 0, 0, 0, 0, 0, 0, 0, 0);
-    let (mut olmo, mut exaone, mut deepseek) = (0, 0, 0);
+    let (mut olmo, mut exaone, mut deepseek, mut deepseek_v2) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     // (the corners are asserted for draws at least as many as the suite's)
@@ -410,6 +418,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
                 glm += (cfg.arch() == candle_cp_llama::Arch::Glm) as usize;
                 glm45 += (cfg.arch() == candle_cp_llama::Arch::Glm4Moe) as usize;
                 deepseek += cfg.mla.is_some() as usize;
+                deepseek_v2 += (cfg.arch() == candle_cp_llama::Arch::DeepseekV2) as usize;
                 olmo += cfg.olmo.is_some() as usize;
                 exaone += cfg.exaone4 as usize;
                 partial += (cfg.partial_rotary_factor != 1.0) as usize;
@@ -421,7 +430,7 @@ fn random_shapes_and_layouts_equal_single_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {glm} GLM, {glm45} GLM-4.5, {deepseek} DeepSeek-V3, {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
+    println!("{checked} configurations checked ({tp} with TP, {kv_copies} of them with replicated KV heads, {mixed} with KV-head copies mixed over the TP ranks, {padded} with a padded vocabulary, {dp} with DP, {windowed} with a window ({some_layers} on one layer of two), {regathered} Ulysses / 2-D with the head layout regathered, {biased} with q, k, v biases, {normed} with q / k head norms, {gemma} of them Gemma 3, {gemma2} Gemma 2, {moe} mixtures of experts (Qwen3-MoE, Qwen2-MoE, Mixtral, gpt-oss: {gpt_oss}), {ep} with expert parallelism, {phi3} Phi-3 with LongRoPE ({partial} with a partial RoPE), {smollm3} SmolLM3 with NoPE layers, {granite} Granite or GraniteMoE, {glm4} GLM-4, {glm} GLM, {glm45} GLM-4.5, {deepseek} DeepSeek-V3 or -V2 ({deepseek_v2} V2), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2
             && (!corners || (tp >= 3 && kv_copies >= 2 && mixed >= 1 && padded >= 2 && dp >= 3 && windowed >= 3 && some_layers >= 2 && regathered >= 3 && biased >= 3 && normed >= 3 && gemma >= 3 && gemma2 >= 3 && moe >= 3 && phi3 >= 2 && partial >= 1 && gpt_oss >= 1 && smollm3 >= 1 && olmo >= 1)),
