@@ -124,6 +124,11 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             13 => c
                 .with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::glm4_moe(8, 2, 64, 1, 2.5) }))
                 .with_mla(Some(candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(96), kv_lora_rank: 64, qk_nope_head_dim: 32, qk_rope_head_dim: 16, v_head_dim: 24, rope_interleave: true })),
+            // 14 DeepSeek-V2 (13's attention, interleaved; its softmax router in 2 groups, 1 kept,
+            // scaled, not renormalised; a shared expert 64 wide)
+            14 => c
+                .with_moe(Some(candle_cp_llama::MoeConfig { groups: (2, 1), ..candle_cp_llama::MoeConfig::deepseek_v2(8, 2, 64, 1, 2.5) }))
+                .with_mla(Some(candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(96), kv_lora_rank: 64, qk_nope_head_dim: 32, qk_rope_head_dim: 16, v_head_dim: 24, rope_interleave: true })),
             // 10 GraniteMoE (Mixtral's experts under Granite's multipliers)
             10 => c.with_moe(Some(candle_cp_llama::MoeConfig::granite_moe(8, 2, 64))).with_granite(Some(candle_cp_llama::Granite { embedding_multiplier: 12.0, attention_multiplier: 0.015625, residual_multiplier: 0.22, logits_scaling: 6.0 })),
             _ => c,
@@ -134,6 +139,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     };
     let (m, qwen3, gemma3, qwen3_moe, mixtral, qwen2_moe, gpt_oss, olmo2) = (model(0)?, model(1)?, model(2)?, model(3)?, model(4)?, model(5)?, model(6)?, model(7)?);
     let (olmoe, exaone4, granite_moe, glm4, glm45, deepseek) = (model(8)?, model(9)?, model(10)?, model(11)?, model(12)?, model(13)?);
+    let deepseek_v2 = model(14)?;
+    assert!(deepseek_v2.moe.as_ref().is_some_and(|m| m.sigmoid_router && !m.correction_bias && !m.norm_topk));
     assert!(deepseek.mla.is_some_and(|a| a.attn_dim() == 48 && a.rope_interleave) && deepseek.head_dim == 48 && deepseek.kv_heads == 8);
     assert!(glm4.sandwich_norms && glm4.qkv_bias && !glm4.post_norms);
     assert!(glm45.qkv_bias && glm45.qk_norm && glm45.moe.as_ref().is_some_and(|m| m.sigmoid_router && m.shared_ffn == 64 && m.sparse_layers == 1));
@@ -248,6 +255,11 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
         ("deepseek-v3: ulysses 2", Layout::cp(CpKind::Ulysses, 2), plan(1, false, 2, PlanCp::Ulysses, 2), false),
         ("deepseek-v3: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
     ];
+    let n_deepseek = deepseek_cases.len();
+    let deepseek_v2_cases = [
+        ("deepseek-v2: one device", Layout::single(), plan(1, false, 1, PlanCp::Ring, 1), false),
+        ("deepseek-v2: tp 2 + sp, zigzag 2", Layout::cp(CpKind::Zigzag, 2).with_tp(2, true), plan(2, true, 2, PlanCp::Ring, 1), false),
+    ];
     let n_glm45 = glm45_cases.len();
     cases.extend(qwen3_cases);
     cases.extend(gemma3_cases);
@@ -262,6 +274,7 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
     cases.extend(glm4_cases);
     cases.extend(glm45_cases);
     cases.extend(deepseek_cases);
+    cases.extend(deepseek_v2_cases);
     let mut worst = 0f64;
     for (i, (name, layout, pl, rc)) in cases.iter().enumerate() {
         let (arch, m) = match i {
@@ -278,7 +291,8 @@ fn planner_activations_equal_what_the_model_keeps() -> Result<()> {
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe => (10, &granite_moe),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 => (11, &glm4),
             i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 + n_glm45 => (12, &glm45),
-            _ => (13, &deepseek),
+            i if i < n_plain + n_qwen3 + n_gemma3 + n_moe + n_mixtral + n_qwen2_moe + n_gpt_oss + n_olmo2 + n_olmoe + n_exaone4 + n_granite_moe + n_glm4 + n_glm45 + n_deepseek => (13, &deepseek),
+            _ => (14, &deepseek_v2),
         };
         for dtype in [DType::F32, DType::BF16] {
             let per_layer = (retained(&cfg(3, arch), *layout, dtype, *rc)? - retained(&cfg(1, arch), *layout, dtype, *rc)?) / 2.0;

@@ -70,9 +70,11 @@ fn planner_params_per_gpu_equal_the_model_shards() -> Result<()> {
     let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(32), kv_lora_rank: 24, qk_nope_head_dim: 12, qk_rope_head_dim: 8, v_head_dim: 10, rope_interleave: true };
     let deepseek = candle_cp_tests::mla_ref::deepseek_model(mla)?.0;
     let lite = deepseek.clone().with_mla(Some(candle_cp_llama::config::deepseek::Mla { q_lora_rank: None, v_head_dim: 24, ..mla }));
+    // DeepSeek-V2: its softmax router without a correction bias, the shared expert ungated
+    let v2 = candle_cp_tests::mla_ref::deepseek_v2_model(mla)?.0;
     // (config, TP degrees): 8 heads / 2 KV heads (V = 512), MQA with a tied head (V = 64),
     // V = 37, and the first with biases (Qwen2) and with head norms (Qwen3)
-    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8]), (&glm4, [1, 2, 4, 8]), (&deepseek, [1, 2, 4, 8]), (&lite, [1, 2, 8, 8])] {
+    for (cfg, tps) in [(&mixed, [1usize, 2, 4, 6]), (&oracle, [1usize, 2, 4, 8]), (&tied, [1, 2, 4, 8]), (&odd, [1, 2, 4, 8]), (&qwen2, [1, 2, 4, 8]), (&qwen3, [1, 2, 4, 8]), (&qwen3_moe, [1, 2, 4, 8]), (&mixtral, [1, 2, 4, 8]), (&qwen2_moe, [1, 2, 4, 8]), (&gpt_oss, [1, 2, 4, 8]), (&olmo2, [1, 2, 4, 8]), (&olmoe, [1, 2, 4, 8]), (&exaone4, [1, 2, 4, 8]), (&granite_moe, [1, 2, 4, 8]), (&glm4, [1, 2, 4, 8]), (&deepseek, [1, 2, 4, 8]), (&lite, [1, 2, 8, 8]), (&v2, [1, 2, 4, 8])] {
         let m = ModelConfig::from_hf_json(&cfg.to_hf_json("float32"), "test")
             .map_err(|e| candle_core::Error::Msg(format!("planner config: {e:?}")))?;
         for tp in tps {

@@ -407,7 +407,7 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
             // (its gate replicated; GLM-4.5's: none, the router's correction bias replicated)
             let shared = match (x.shared_ffn, x.sigmoid_router) {
                 (0, false) => 0.0,
-                (_, true) => 3.0 * h * x.shared_ffn as f64 / t + x.experts as f64,
+                (_, true) => 3.0 * h * x.shared_ffn as f64 / t + if x.correction_bias { x.experts as f64 } else { 0.0 },
                 (_, false) => 3.0 * h * x.shared_ffn as f64 / t + h,
             };
             let ep = l.ep.max(1) as f64;

@@ -144,9 +144,13 @@ pub struct MoeShape {
     /// SwiGLU every token goes through, weighted by a sigmoid gate `[1, h]`; GLM-4.5's
     /// `n_shared_experts · moe_intermediate_size`, ungated).
     pub shared_ffn: usize,
-    /// GLM-4.5's router: sigmoid scores, a correction bias `[E]` per sparse layer, the shared
-    /// expert without a gate.
+    /// GLM-4.5's and the DeepSeek routers: logits in f32, the chosen weights scaled
+    /// (`routed_scaling_factor`), the shared experts without a gate (GLM-4.5's and DeepSeek-V3's
+    /// scores by sigmoid, DeepSeek-V2's by softmax: the same bytes).
     pub sigmoid_router: bool,
+    /// A correction bias `[E]` per sparse layer choosing the experts (GLM-4.5's and
+    /// DeepSeek-V3's `e_score_correction_bias`; not DeepSeek-V2's).
+    pub correction_bias: bool,
 }
 
 /// Names accepted by [`ModelConfig::preset`].
@@ -332,19 +336,19 @@ impl ModelConfig {
             qk_norm_flat: olmo || olmoe,
             mla: deepseek.then_some(MlaShape::DEEPSEEK_V3),
             moe: match lower.as_str() {
-                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0, sigmoid_router: false }),
-                "granite3-1b-a400m" => Some(MoeShape { experts: 32, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
-                "granite3-3b-a800m" => Some(MoeShape { experts: 40, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false }),
+                "qwen3-30b-a3b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 768, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "qwen3-235b-a22b" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1536, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "mixtral-8x7b" => Some(MoeShape { experts: 8, top_k: 2, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "gpt-oss-20b" => Some(MoeShape { experts: 32, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "gpt-oss-120b" => Some(MoeShape { experts: 128, top_k: 4, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "olmoe-1b-7b" => Some(MoeShape { experts: 64, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: false, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "granite3-1b-a400m" => Some(MoeShape { experts: 32, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
+                "granite3-3b-a800m" => Some(MoeShape { experts: 40, top_k: 8, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false }),
                 // (the first layer dense, the 4.5's first three; one shared expert as wide)
-                "glm4.5-air" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1408, sparse_layers: layers - 1, norm_topk: true, shared_ffn: 1408, sigmoid_router: true }),
-                "glm4.5" => Some(MoeShape { experts: 160, top_k: 8, expert_ffn: 1536, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 1536, sigmoid_router: true }),
+                "glm4.5-air" => Some(MoeShape { experts: 128, top_k: 8, expert_ffn: 1408, sparse_layers: layers - 1, norm_topk: true, shared_ffn: 1408, sigmoid_router: true, correction_bias: true }),
+                "glm4.5" => Some(MoeShape { experts: 160, top_k: 8, expert_ffn: 1536, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 1536, sigmoid_router: true, correction_bias: true }),
                 // (GLM-4.5's router; the first three layers dense, one shared expert)
-                "deepseek-v3" => Some(MoeShape { experts: 256, top_k: 8, expert_ffn: 2048, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 2048, sigmoid_router: true }),
+                "deepseek-v3" => Some(MoeShape { experts: 256, top_k: 8, expert_ffn: 2048, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 2048, sigmoid_router: true, correction_bias: true }),
                 _ => None,
             },
         };
@@ -428,11 +432,12 @@ impl ModelConfig {
     }
 
     /// The shared expert and its gate, `3·h·f_s + h` (0 without one); GLM-4.5's: `3·h·f_s` and
-    /// the router's correction bias `E`.
+    /// the router's correction bias `E` (DeepSeek-V2: no bias).
     fn shared_params(m: &MoeShape, h: f64) -> f64 {
+        let bias = if m.correction_bias { m.experts as f64 } else { 0.0 };
         match (m.shared_ffn, m.sigmoid_router) {
             (0, false) => 0.0,
-            (_, true) => 3.0 * h * m.shared_ffn as f64 + m.experts as f64,
+            (_, true) => 3.0 * h * m.shared_ffn as f64 + bias,
             (_, false) => 3.0 * h * m.shared_ffn as f64 + h,
         }
     }

@@ -112,7 +112,7 @@ fn moe_shape(v: &serde_json::Value, layers: usize, name: &str, qwen2: bool) -> R
     let dense: Vec<u64> = v.get("mlp_only_layers").and_then(|x| x.as_array()).map(|a| a.iter().filter_map(|i| i.as_u64()).collect()).unwrap_or_default();
     let sparse_layers = (0..layers).filter(|&i| !dense.contains(&(i as u64)) && (i + 1).is_multiple_of(step)).count();
     let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
-    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk, shared_ffn, sigmoid_router: false })
+    Ok(MoeShape { experts, top_k, expert_ffn, sparse_layers, norm_topk, shared_ffn, sigmoid_router: false, correction_bias: false })
 }
 
 
@@ -191,15 +191,17 @@ impl ModelConfig {
         let qwen3_moe = names("qwen3_moe", "Qwen3MoeForCausalLM");
         let qwen2_moe = names("qwen2_moe", "Qwen2MoeForCausalLM");
         let (qwen2, qwen3) = (names("qwen2", "Qwen2ForCausalLM") || qwen2_moe, names("qwen3", "Qwen3ForCausalLM") || qwen3_moe);
-        for other in ["deepseek_v2", "llama4", "granitemoeshared", "granitemoehybrid"] {
+        for other in ["llama4", "granitemoeshared", "granitemoehybrid"] {
             if v.get("model_type").and_then(|x| x.as_str()) == Some(other) {
-                let why = if other == "deepseek_v2" { "DeepSeek-V2's softmax router beside ungated shared experts, which candle-cp-llama runs but the planner does not count yet" } else { "a mixture of experts of another kind" };
-                plan_bail!("model config {name}: model_type '{other}' ({why}) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe and deepseek_v3 are)")
+                plan_bail!("model config {name}: model_type '{other}' (a mixture of experts of another kind) is not planned (qwen3_moe, qwen2_moe, mixtral, gpt_oss, olmoe, granitemoe, glm4_moe, deepseek_v3 and deepseek_v2 are)")
             }
         }
         // DeepSeek-V3: latent attention (DeepseekV3Config's defaults), GLM-4.5's experts with
-        // DeepSeek's defaults (256 experts 2048 wide, the first 3 layers dense)
-        let deepseek = names("deepseek_v3", "DeepseekV3ForCausalLM");
+        // DeepSeek's defaults (256 experts 2048 wide, the first 3 layers dense); DeepSeek-V2: the
+        // same attention, its softmax router (no correction bias, never renormalised) over
+        // DeepseekV2Config's defaults (64 experts 1407 wide, 2 shared, every layer sparse)
+        let deepseek_v2 = names("deepseek_v2", "DeepseekV2ForCausalLM");
+        let deepseek = names("deepseek_v3", "DeepseekV3ForCausalLM") || deepseek_v2;
         let mla = match deepseek {
             false => None,
             true => Some(MlaShape {
@@ -212,7 +214,7 @@ impl ModelConfig {
                 qk_nope_head_dim: get("qk_nope_head_dim")?.unwrap_or(128),
                 qk_rope_head_dim: get("qk_rope_head_dim")?.unwrap_or(64),
                 v_head_dim: get("v_head_dim")?.unwrap_or(128),
-                rope_interleave: v.get("rope_interleave").and_then(|x| x.as_bool()).unwrap_or(true),
+                rope_interleave: deepseek_v2 || v.get("rope_interleave").and_then(|x| x.as_bool()).unwrap_or(true),
             }),
         };
         let (head_dim, kv_heads) = match &mla {
@@ -245,7 +247,7 @@ impl ModelConfig {
             if top_k > experts {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
             }
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false })
         } else if qwen3_moe || qwen2_moe {
             Some(moe_shape(&v, layers, name, qwen2_moe)?)
         } else if olmoe {
@@ -255,14 +257,18 @@ impl ModelConfig {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_experts {experts}")
             }
             let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(false);
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0, sigmoid_router: false })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk, shared_ffn: 0, sigmoid_router: false, correction_bias: false })
         } else if glm45 || deepseek {
-            let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(if deepseek { 256 } else { 128 });
-            let top_k = get("num_experts_per_tok")?.unwrap_or(8);
-            let width = get("moe_intermediate_size")?.unwrap_or(if deepseek { 2048 } else { 1408 });
+            let experts = get("n_routed_experts")?.or(get("num_experts")?).unwrap_or(if deepseek_v2 { 64 } else if deepseek { 256 } else { 128 });
+            let top_k = match (get("num_experts_per_tok")?, deepseek_v2) {
+                (Some(k), _) => k,
+                (None, false) => 8,
+                (None, true) => plan_bail!("model config {name}: deepseek_v2 needs 'num_experts_per_tok' (DeepseekV2Config has no default)"),
+            };
+            let width = get("moe_intermediate_size")?.unwrap_or(if deepseek_v2 { 1407 } else if deepseek { 2048 } else { 1408 });
             // (0: every layer sparse)
             let dense = match v.get("first_k_dense_replace") {
-                None | Some(serde_json::Value::Null) => if deepseek { 3 } else { 1 },
+                None | Some(serde_json::Value::Null) => if deepseek_v2 { 0 } else if deepseek { 3 } else { 1 },
                 Some(x) => match x.as_u64() {
                     Some(n) => n as usize,
                     None => plan_bail!("model config {name}: 'first_k_dense_replace' must be a non-negative integer, got {x}"),
@@ -271,16 +277,16 @@ impl ModelConfig {
             if top_k > experts || dense >= layers {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > n_routed_experts {experts}, or first_k_dense_replace {dense} >= num_hidden_layers {layers}")
             }
-            let norm_topk = v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(true);
-            let shared_ffn = get("n_shared_experts")?.unwrap_or(1) * width;
-            Some(MoeShape { experts, top_k, expert_ffn: width, sparse_layers: layers - dense, norm_topk, shared_ffn, sigmoid_router: true })
+            let norm_topk = !deepseek_v2 && v.get("norm_topk_prob").and_then(|x| x.as_bool()).unwrap_or(true);
+            let shared_ffn = get("n_shared_experts")?.unwrap_or(if deepseek_v2 { 2 } else { 1 }) * width;
+            Some(MoeShape { experts, top_k, expert_ffn: width, sparse_layers: layers - dense, norm_topk, shared_ffn, sigmoid_router: true, correction_bias: !deepseek_v2 })
         } else if mixtral {
             let experts = get("num_local_experts")?.unwrap_or(8);
             let top_k = get("num_experts_per_tok")?.unwrap_or(2);
             if top_k > experts {
                 plan_bail!("model config {name}: num_experts_per_tok {top_k} > num_local_experts {experts}")
             }
-            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false })
+            Some(MoeShape { experts, top_k, expert_ffn: ffn, sparse_layers: layers, norm_topk: true, shared_ffn: 0, sigmoid_router: false, correction_bias: false })
         } else {
             None
         };

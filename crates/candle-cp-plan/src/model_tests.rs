@@ -206,8 +206,21 @@ fn presets_have_published_sizes() -> Result<()> {
     )?;
     assert_eq!((q15.total_params(), q15.active_params()), (14_315_784_192, 2_689_173_504));
     assert!(q15.qkv_bias && !q15.qk_norm && q15.moe.as_ref().is_some_and(|m| m.shared_ffn == 5632));
-    let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "deepseek_v2"), "m").unwrap_err();
-    assert!(e.0.contains("'deepseek_v2'"), "{e}");
+    let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "llama4"), "m").unwrap_err();
+    assert!(e.0.contains("'llama4'"), "{e}");
+    // DeepSeek-V2-Lite ("16B", 2.4B active): 15,706,484,224 from its config.json arithmetic (one
+    // q_proj; layer 0 dense, 26 of 64 experts 1408 wide, 6 per token, two shared, no correction
+    // bias)
+    let lite = ModelConfig::from_hf_json(
+        r#"{"architectures": ["DeepseekV2ForCausalLM"], "model_type": "deepseek_v2", "first_k_dense_replace": 1, "hidden_size": 2048,
+            "intermediate_size": 10944, "kv_lora_rank": 512, "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 64,
+            "n_shared_experts": 2, "norm_topk_prob": false, "num_attention_heads": 16, "num_experts_per_tok": 6, "num_hidden_layers": 27,
+            "num_key_value_heads": 16, "q_lora_rank": null, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "tie_word_embeddings": false,
+            "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400}"#,
+        "v2-lite",
+    )?;
+    assert_eq!((lite.total_params(), lite.head_dim, lite.mla.map(|a| a.q_lora_rank)), (15_706_484_224, 192, Some(None)));
+    assert!(lite.moe.as_ref().is_some_and(|m| m.sigmoid_router && !m.correction_bias && !m.norm_topk && m.shared_ffn == 2816 && m.sparse_layers == 26));
     // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
     let mx = ModelConfig::preset("mixtral-8x7b")?;
     assert_eq!((mx.total_params(), mx.active_params()), (46_702_792_704, 12_879_925_248));
