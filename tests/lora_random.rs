@@ -85,7 +85,7 @@ fn random_lora_runs_follow_one_device() -> Result<()> {
     let (mut dora, mut dropout, mut params, mut quant, mut tp, mut zero, mut saved) = (0, 0, 0, 0, 0, 0, 0);
     // (SmolLM3's and Granite's models: the residual multiplier scales the adapted o_proj's and
     // down_proj's branch inside their nodes)
-    let (mut smollm3, mut granite, mut glm45) = (0, 0, 0);
+    let (mut smollm3, mut granite, mut glm45, mut deepseek) = (0, 0, 0, 0);
     let range = seeds(CONFIGS)?;
     let n_configs = range.end - range.start;
     for seed in range {
@@ -95,6 +95,7 @@ fn random_lora_runs_follow_one_device() -> Result<()> {
         let (spec, q, lora) = draw_lora(&mut rng(39_500 + seed), &model)?;
         let arch = model.arch().hf_names().0;
         let is_glm45 = model.arch() == candle_cp_llama::Arch::Glm4Moe;
+        let is_deepseek = model.mla.is_some();
         let (cfg_model_nope, cfg_model_granite) = (model.nope_layers.is_some(), model.granite.is_some());
         let one = TrainConfig { lora: Some(spec.clone()), quantize_base: q, ..config(Layout::single(), model, task, batch, grad_accum, seed) };
         let mut cfg = TrainConfig { layout, ..one.clone() };
@@ -120,6 +121,7 @@ fn random_lora_runs_follow_one_device() -> Result<()> {
                 smollm3 += cfg_model_nope as usize;
                 granite += cfg_model_granite as usize;
                 glm45 += is_glm45 as usize;
+                deepseek += is_deepseek as usize;
             }
             Err(e) => {
                 assert_explained(&what, &e);
@@ -127,7 +129,7 @@ fn random_lora_runs_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} LoRA configurations checked ({dora} DoRA, {dropout} with dropout, {params} with expert parameters, {quant} over a quantized base, {saved} with the head trained whole, {tp} with TP, {zero} with ZeRO, {smollm3} SmolLM3, {granite} Granite, {glm45} GLM-4.5), {refused} refused");
+    println!("{checked} LoRA configurations checked ({dora} DoRA, {dropout} with dropout, {params} with expert parameters, {quant} over a quantized base, {saved} with the head trained whole, {tp} with TP, {zero} with ZeRO, {smollm3} SmolLM3, {granite} Granite, {glm45} GLM-4.5, {deepseek} DeepSeek-V3), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && (n_configs < CONFIGS || (dora >= 2 && dropout >= 2 && quant >= 2 && tp >= 2)),
         "{checked} checked, {refused} refused; {dora} DoRA, {dropout} dropout, {quant} quantized, {tp} TP"
