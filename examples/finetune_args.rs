@@ -200,6 +200,10 @@ pub(crate) struct Args {
     /// hidden/4, per head 64 dimensions without RoPE, 32 with (interleaved), values 64 wide.
     #[arg(long)]
     pub(crate) deepseek: bool,
+    /// With --deepseek: DeepSeek-V2 (`DeepseekV2ForCausalLM`) instead: its softmax router
+    /// (scaled by 2.5, not renormalised) in place of the sigmoid one, the same attention.
+    #[arg(long)]
+    pub(crate) deepseek_v2: bool,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias): after each step
     /// every sparse layer's bias moves by RATE · sign(mean − count) of the step's global expert
     /// counts (Megatron-Core's moe_router_bias_update_rate, 1e-3 there). Without it the bias stays

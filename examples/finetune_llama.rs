@@ -158,6 +158,14 @@ fn main() -> Result<()> {
                 if a.deepseek {
                     let mla = candle_cp_llama::config::deepseek::Mla { q_lora_rank: Some(a.hidden / 2), kv_lora_rank: a.hidden / 4, qk_nope_head_dim: 64, qk_rope_head_dim: 32, v_head_dim: 64, rope_interleave: true };
                     cfg = cfg.with_mla(Some(mla));
+                    if a.deepseek_v2 {
+                        // (DeepSeek-V2's router over the same experts: softmax, scaled, layer 0 dense)
+                        let m = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], ..candle_cp_llama::MoeConfig::deepseek_v2(*e, *k, a.hidden, 1, 2.5) };
+                        cfg = cfg.with_moe(Some(m));
+                    }
+                }
+                if a.deepseek_v2 && !a.deepseek {
+                    bail!("--deepseek-v2 goes with --deepseek (DeepSeek-V2's router under the latent attention)")
                 }
                 cfg.validate()?;
             }

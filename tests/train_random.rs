@@ -137,7 +137,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                 granite += model.granite.is_some() as usize;
                 granite_moe += (model.granite.is_some() && model.moe.is_some()) as usize;
                 glm4 += model.glm.is_some() as usize;
-                glm45 += model.moe.as_ref().is_some_and(|m| m.style == candle_cp_llama::MoeStyle::Glm4Moe) as usize;
+                glm45 += model.moe.as_ref().is_some_and(|m| matches!(m.style, candle_cp_llama::MoeStyle::Glm4Moe | candle_cp_llama::MoeStyle::DeepseekV2)) as usize;
                 deepseek += model.mla.is_some() as usize;
                 balanced += bias_update as usize;
                 olmo += model.olmo.is_some() as usize;
@@ -151,7 +151,7 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5 ({deepseek} of them DeepSeek-V3; {balanced} moving their correction biases), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
+    println!("{checked} training configurations checked ({zero} with ZeRO, {overlaps} with an overlap, {tp} with TP ({mixed} over KV-head copies mixed over the TP ranks), {dp} with DP, {accum} with micro-batches, {packs} on packed documents, {gemma2} Gemma 2, {moe} mixtures of experts ({gpt_oss} gpt-oss), {ep} of them with expert parallelism, {ep_zero} of those with ZeRO splitting the experts' state, {smollm3} SmolLM3, {granite} Granite ({granite_moe} GraniteMoE), {glm4} GLM or GLM-4, {glm45} GLM-4.5 or DeepSeek ({deepseek} of them DeepSeek-V3 or -V2; {balanced} moving their correction biases), {olmo} OLMo, {exaone} EXAONE 4), {refused} refused; {ties} parted on a routing tie");
     assert!(
         checked >= n_configs as usize / 2 && (!corners || (zero >= 3 && overlaps >= 3 && tp >= 2 && mixed >= 1 && dp >= 3 && accum >= 3 && packs >= 3 && gemma2 >= 1 && moe >= 1)),
         "{checked} checked, {refused} refused; {zero} ZeRO, {overlaps} overlaps, {tp} TP, {dp} DP, {accum} micro-batches"
