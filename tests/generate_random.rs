@@ -239,7 +239,7 @@ fn random_generation_equals_single_device() -> Result<()> {
         tp += (layout.tp > 1) as usize;
         dp += (layout.dp > 1) as usize;
     }
-    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5, {deepseeks} DeepSeek-V3; {parted} parted on a tie), {refused} refused");
+    println!("{checked} generations checked ({sampled} sampled, {windowed} with a window, {tp} with TP, {dp} with DP, {oss} gpt-oss, {smol} SmolLM3, {olmos} OLMo, {exaones} EXAONE 4, {granites} GraniteMoE, {glm4s} GLM or GLM-4, {glm45s} GLM-4.5, {deepseeks} DeepSeek-V3 or -V2; {parted} parted on a tie), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && parted * 50 <= checked && (!corners || (sampled >= 3 && windowed >= 3 && tp >= 3 && dp >= 3 && oss >= 1 && smol >= 1 && olmos >= 1)),
         "{checked} checked, {refused} refused, {parted} parted; {sampled} sampled, {windowed} window, {tp} TP, {dp} DP"

@@ -129,7 +129,7 @@ fn random_lora_runs_follow_one_device() -> Result<()> {
             }
         }
     }
-    println!("{checked} LoRA configurations checked ({dora} DoRA, {dropout} with dropout, {params} with expert parameters, {quant} over a quantized base, {saved} with the head trained whole, {tp} with TP, {zero} with ZeRO, {smollm3} SmolLM3, {granite} Granite, {glm45} GLM-4.5, {deepseek} DeepSeek-V3), {refused} refused");
+    println!("{checked} LoRA configurations checked ({dora} DoRA, {dropout} with dropout, {params} with expert parameters, {quant} over a quantized base, {saved} with the head trained whole, {tp} with TP, {zero} with ZeRO, {smollm3} SmolLM3, {granite} Granite, {glm45} GLM-4.5, {deepseek} DeepSeek-V3 or -V2), {refused} refused");
     assert!(
         checked >= n_configs as usize / 2 && (n_configs < CONFIGS || (dora >= 2 && dropout >= 2 && quant >= 2 && tp >= 2)),
         "{checked} checked, {refused} refused; {dora} DoRA, {dropout} dropout, {quant} quantized, {tp} TP"
