@@ -17,17 +17,19 @@
 //! with the norms'. Without SP the column-parallel inputs and the shared key part go through
 //! `copy_to_tp_region`, so every TP rank holds the whole gradient, as a norm's there.
 //!
-//! The attention runs at `D = max(nope + rope, v)`: the narrower of the value or the query
-//! and key is padded with zeros (they change neither the scores nor the output), the output's
-//! first `v` dimensions kept — transformers' padding for flash attention.
+//! The attention runs at `D = max(nope + rope, v)` (on CUDA the next head dim the kernels take,
+//! [`candle_cp_ops::attention::kernel_head_dim`]: DeepSeek's 192 at 256): the narrower of the
+//! value or the query and key is padded with zeros (they change neither the scores nor the
+//! output), the output's first `v` dimensions kept — transformers' padding for flash attention.
+//! Generation caches k and v at that width.
 
 use crate::config::deepseek::Mla;
 use crate::model::linear;
 use candle_core::{bail, DType, Module, Result, Tensor, D};
 use candle_cp_nn::{ColumnParallelLinear, Lora, PartMap, PartPost, RmsNorm, Tp};
 use candle_cp_ops::autograd::{attach1, attach2, BackwardFn};
-use std::sync::Arc;
 use candle_cp_ops::mappings;
+use std::sync::Arc;
 
 /// The latent attention's own weights of one layer (the query's up-projection is the block's
 /// `qkv` linear, o_proj its `o`).
