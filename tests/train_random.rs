@@ -70,7 +70,8 @@ fn random_training_configurations_follow_one_device() -> Result<()> {
                     .with_gemma3(model.gemma3.is_some())
                     .with_gemma2(model.gemma2.is_some())
                     .with_moe(model.moe.clone())
-                    .with_glm(model.glm),
+                    .with_glm(model.glm)
+                    .with_mla(model.mla),
                 caps,
             ));
             long_range_only = false;
