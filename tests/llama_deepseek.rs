@@ -37,6 +37,18 @@ fn io<E: std::fmt::Display>(e: E) -> candle_core::Error {
     candle_core::Error::Msg(e.to_string())
 }
 
+/// The checkpoint in `dir` reads back as `cfg` with `full`'s tensors, bit for bit.
+fn reads_back(dir: &std::path::Path, full: &std::collections::HashMap<String, Tensor>, cfg: &candle_cp_llama::LlamaConfig) -> Result<()> {
+    let (back, back_cfg) = load_hf(dir, &Device::Cpu, DType::F32)?;
+    assert_eq!(&back_cfg, cfg);
+    let got = candle_cp_llama::params::varmap_tensors(&back)?;
+    assert_eq!(got.len(), full.len());
+    for (k, t) in full {
+        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
+    }
+    Ok(())
+}
+
 /// `(label, layout, recompute)` on `ids` against `want`: every parameter compared, all pass.
 fn check_layouts(label: &str, full: &std::collections::HashMap<String, Tensor>, cfg: &candle_cp_llama::LlamaConfig, layouts: &[(Layout, bool)]) -> Result<()> {
     let ids = ids(T)?;
@@ -139,13 +151,7 @@ fn deepseek_v3_checkpoints() -> Result<()> {
         (Some("DeepseekV3ForCausalLM"), Some("deepseek_v3"), Some(8), Some(24), Some(32), Some(10), Some(true))
     );
     assert!(config.get("use_qk_norm").is_none() && config.get("partial_rotary_factor").is_none());
-    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back_cfg, cfg);
-    let got = candle_cp_llama::params::varmap_tensors(&back)?;
-    assert_eq!(got.len(), full.len());
-    for (k, t) in &full {
-        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
-    }
+    reads_back(&dir, &full, &cfg)?;
     // a multi-token-prediction layer after the last one (layer 2 of 2): skipped
     let mtp = tmp("mtp");
     std::fs::create_dir_all(&mtp).map_err(io)?;
@@ -284,13 +290,7 @@ fn deepseek_v2_on_layouts_and_checkpoints() -> Result<()> {
         (config["architectures"][0].as_str(), config["topk_method"].as_str(), config["n_group"].as_u64(), config["q_lora_rank"].is_null(), config.get("rope_interleave").is_none()),
         (Some("DeepseekV2ForCausalLM"), Some("group_limited_greedy"), Some(4), true, true)
     );
-    let (back, back_cfg) = load_hf(&dir, &Device::Cpu, DType::F32)?;
-    assert_eq!(back_cfg, cfg);
-    let got = candle_cp_llama::params::varmap_tensors(&back)?;
-    assert_eq!(got.len(), full.len());
-    for (k, t) in &full {
-        assert_eq!(max_abs(&got[k], t)?, 0.0, "{k}");
-    }
+    reads_back(&dir, &full, &cfg)?;
     let _ = std::fs::remove_dir_all(dir);
     Ok(())
 }

@@ -147,12 +147,7 @@ fn draw(d: &mut Rng, seed: u64) -> Draw {
             let cfg = cfg.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla));
             // half of them DeepSeek-V2: its softmax router over the same experts and groups
             // (a group's score its best expert's), scaled, never renormalised; RoPE interleaved
-            match (ds.below(2) == 0, cfg.moe.clone()) {
-                (true, Some(m)) => cfg
-                    .with_mla(Some(candle_cp_llama::config::deepseek::Mla { rope_interleave: true, ..mla }))
-                    .with_moe(Some(candle_cp_llama::MoeConfig { style: candle_cp_llama::MoeStyle::DeepseekV2, norm_topk_prob: false, ..m })),
-                _ => cfg,
-            }
+            if ds.below(2) == 0 { candle_cp_tests::mla_ref::as_deepseek_v2(cfg) } else { cfg }
         }
         false => cfg,
     };

@@ -67,15 +67,26 @@ pub fn attention<'a>(p: &dyn Fn(&str) -> Result<&'a Tensor>, cfg: &LlamaConfig, 
     lin(&o.transpose(1, 2)?.reshape((b, t, heads * dv))?, "o_proj")
 }
 
+/// `cfg` (a DeepSeek-V3) as DeepSeek-V2: its softmax router over the same experts and groups
+/// (never renormalised), RoPE on interleaved pairs; `cfg` itself without experts.
+pub fn as_deepseek_v2(cfg: LlamaConfig) -> LlamaConfig {
+    match (cfg.mla, cfg.moe.clone()) {
+        (Some(a), Some(m)) => cfg.with_mla(Some(Mla { rope_interleave: true, ..a })).with_moe(Some(candle_cp_llama::MoeConfig { style: MoeStyle::DeepseekV2, norm_topk_prob: false, ..m })),
+        _ => cfg,
+    }
+}
+
 /// [`deepseek_model`] as DeepSeek-V2 (`a` interleaved): its softmax router over the same 8
 /// experts in 4 groups, 1 kept (a group's score its best expert's; with 2 kept the top 2 would be
 /// the plain top 2), top 2 scaled by 2.5 and not
 /// renormalised, a shared expert 48 wide, layer 0 dense; the softmax scale without YaRN's
 /// mscale (as transformers' DeepseekV2Attention).
 pub fn deepseek_v2_model(a: Mla) -> Result<(LlamaConfig, HashMap<String, Tensor>)> {
-    let (cfg, mut full) = deepseek_model(Mla { rope_interleave: true, ..a })?;
-    let moe = candle_cp_llama::MoeConfig { mlp_only_layers: vec![0], groups: (4, 1), ..candle_cp_llama::MoeConfig::deepseek_v2(8, 2, 48, 1, 2.5) };
-    let cfg = cfg.with_moe(Some(moe));
+    let (cfg, mut full) = deepseek_model(a)?;
+    let cfg = as_deepseek_v2(cfg);
+    let m = cfg.moe.clone().ok_or_else(|| candle_core::Error::Msg("deepseek_v2_model: no experts".into()))?;
+    // (one group kept: with two the top 2 would be the plain top 2, the groups idle)
+    let cfg = cfg.with_moe(Some(candle_cp_llama::MoeConfig { groups: (4, 1), norm_topk_prob: false, ..m }));
     cfg.validate()?;
     let names: std::collections::HashSet<String> = candle_cp_llama::param_specs(&cfg).into_iter().map(|s| s.name).collect();
     full.retain(|k, _| names.contains(k));

@@ -148,12 +148,7 @@ pub fn draw_model(d: &mut Rng, seed: u64) -> Result<(KvRecall, LlamaConfig, (usi
             let model = model.with_qkv_bias(false).with_qk_norm(false).with_mla(Some(mla));
             // (half of them DeepSeek-V2: its softmax router over the same experts and groups,
             // not renormalised; RoPE interleaved)
-            match (ds.below(2) == 0, model.moe.clone()) {
-                (true, Some(m)) => model
-                    .with_mla(Some(candle_cp_llama::config::deepseek::Mla { rope_interleave: true, ..mla }))
-                    .with_moe(Some(candle_cp_llama::MoeConfig { style: candle_cp_llama::MoeStyle::DeepseekV2, norm_topk_prob: false, ..m })),
-                _ => model,
-            }
+            if ds.below(2) == 0 { crate::mla_ref::as_deepseek_v2(model) } else { model }
         }
         false => model,
     };
