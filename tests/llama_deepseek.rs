@@ -122,12 +122,23 @@ fn deepseek_v3_forms_on_layouts() -> Result<()> {
     check_layouts("deepseek_v3 q_proj", &full, &cfg, &[(Layout::single(), false), (Layout::two_d(2, 2), false), (Layout::single().with_tp(2, false), false)])
 }
 
-/// Cached decoding equals the full forward; CP, TP and EP decode the single device's tokens.
+/// Cached decoding (the latent rows cached, the absorbed query) equals the full forward; CP,
+/// TP and EP decode the single device's tokens; the cache holds `rkv + rope` values per token
+/// and layer.
 #[test]
 fn deepseek_v3_generation() -> Result<()> {
     let (cfg, full) = deepseek_model(MLA)?;
     let layouts = [Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, true), Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2)];
-    cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)
+    cached_generation_agrees(&cfg, &full, &ids(32)?, &layouts)?;
+    let bytes = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = candle_cp_llama::ParallelCtx::new(g, Layout::single())?;
+        let vm = candle_cp_tests::varmap_of(&full)?;
+        let m = candle_cp_llama::Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &cfg, &ctx)?;
+        Ok(m.prefill(&ids(32)?)?.0.bytes())
+    });
+    // 2 layers, B = 1, 32 rows of [c | kr] = 24 + 8 values, as k and as v, f32
+    assert_eq!(bytes.into_iter().collect::<Result<Vec<_>>>()?, vec![2 * 2 * 32 * (24 + 8) * 4]);
+    Ok(())
 }
 
 /// Checkpoints in DeepSeek-V3's names and config.json: written, read back bit for bit (config

@@ -21,7 +21,12 @@
 //! [`candle_cp_ops::attention::kernel_head_dim`]: DeepSeek's 192 at 256): the narrower of the
 //! value or the query and key is padded with zeros (they change neither the scores nor the
 //! output), the output's first `v` dimensions kept — transformers' padding for flash attention.
-//! Generation caches k and v at that width.
+//!
+//! Generation caches the latent rows instead of k and v ([`MlaAttn::latent_rows`]:
+//! `rkv + rope` values per token, shared by the heads) and decodes in DeepSeek's absorbed form
+//! ([`MlaAttn::absorbed_query`], [`MlaAttn::absorbed_out`]): every query head attends to the one
+//! latent "KV head" at width `rkv + rope`, `W_uk` folded into the query and `W_uv` applied to the
+//! output.
 
 use crate::config::deepseek::Mla;
 use crate::model::linear;
@@ -164,6 +169,56 @@ impl MlaAttn {
         });
         let v = attach1("mla_value", &kv, v, v_bwd)?;
         Ok((q, k, v))
+    }
+
+    /// Generation's cache rows of the latent attention: `[c | RoPE(kr)]` `[B, T, 1, rkv + rope]`
+    /// of the normed input `x` `[B, T, h]` (the whole sequence, SP off) at the positions of
+    /// `cos`, `sin` — one row for every head, the same on every TP rank: DeepSeek-V3's 576 values
+    /// per token and layer where k and v at the padded width would be `2·H·256`.
+    pub(crate) fn latent_rows(&self, x: &Tensor, (cos, sin): (&Tensor, &Tensor)) -> Result<Tensor> {
+        let (r, dr) = (self.dims.kv_lora_rank, self.dims.qk_rope_head_dim);
+        let (b, t, _) = x.dims3()?;
+        let ckv = self.down(x, &self.kv_down, &self.kv_down_lora)?;
+        let c = self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?.reshape((b, t, 1, r))?;
+        let kr = crate::fused::apply_rope(&rope_order(&ckv.narrow(2, r, dr)?.reshape((b, t, 1, dr))?, self.dims.rope_interleave, false)?, cos, sin)?;
+        Tensor::cat(&[&c, &kr], 3)
+    }
+
+    /// Generation's decode query against [`MlaAttn::latent_rows`] (DeepSeek's absorbed form:
+    /// `q·k = (W_ukᵀ·q_nope)·c + q_rot·kr`): `[W_ukᵀ·q_nope | RoPE(q_rot)]` `[B, T, Hl, rkv +
+    /// rope]` of the normed input `x`, and `W_uv` `[Hl, v, rkv]` (this rank's heads of
+    /// `kv_b_proj`, adapters merged) for [`MlaAttn::absorbed_out`].
+    pub(crate) fn absorbed_query(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+        let a = self.dims;
+        let (nope, dr, dv, r) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank);
+        let q_in = match &self.q_down {
+            Some((w, lora, norm)) => norm.forward(&self.down(x, w, lora)?)?,
+            None => x.clone(),
+        };
+        let mut parts = q_up.forward_parts(&q_in)?;
+        if parts.len() != 1 {
+            bail!("latent attention: a query projection of {} parts (x {:?})", parts.len(), x.dims())
+        }
+        let q = parts.remove(0);
+        let (b, t, _) = q.dims3()?;
+        let q = q.reshape((b, t, heads, a.qk_head_dim()))?;
+        let q_rot = crate::fused::apply_rope(&rope_order(&q.narrow(3, nope, dr)?, a.rope_interleave, false)?, cos, sin)?;
+        let w = self.kv_up.with_adapters_merged()?.weight().reshape((heads, nope + dv, r))?;
+        let (w_uk, w_uv) = (w.narrow(1, 0, nope)?.contiguous()?, w.narrow(1, nope, dv)?.contiguous()?);
+        // per head: q_nope [B·T, nope] · W_uk [nope, rkv]
+        let qn = q.narrow(3, 0, nope)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((heads, b * t, nope))?;
+        let q_lat = qn.matmul(&w_uk)?.reshape((heads, b, t, r))?.permute((1, 2, 0, 3))?.contiguous()?;
+        Ok((Tensor::cat(&[&q_lat, &q_rot], 3)?, w_uv))
+    }
+
+    /// The decode attention's output `[B, T, Hl, rkv + rope]` over the latent rows → o_proj's
+    /// input `[B, T, Hl·v]`: each head's first `rkv` values (its weighted `c`) through its
+    /// `W_uv` ([`MlaAttn::absorbed_query`]'s).
+    pub(crate) fn absorbed_out(&self, a: &Tensor, w_uv: &Tensor) -> Result<Tensor> {
+        let (r, dv) = (self.dims.kv_lora_rank, self.dims.v_head_dim);
+        let (b, t, h, _) = a.dims4()?;
+        let o_lat = a.narrow(3, 0, r)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((h, b * t, r))?;
+        o_lat.matmul(&w_uv.transpose(1, 2)?.contiguous()?)?.reshape((h, b, t, dv))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((b, t, h * dv))
     }
 
     /// The attention's output `[B, T, Hl, D]` (or `[B, T, Hl·D]`; `D` the width it ran at,

@@ -1,0 +1,140 @@
+use super::*;
+use crate::layout::{CpKind, Layout, ParallelCtx};
+use crate::params::{init_params, shard_params};
+use crate::LlamaConfig;
+use candle_core::Device;
+use candle_cp_comm::run_ranks;
+use candle_nn::VarBuilder;
+
+fn model(cfg: &LlamaConfig, ctx: &ParallelCtx) -> Result<Llama> {
+    let vm = shard_params(&init_params(cfg, 5, DType::F32, &Device::Cpu)?, cfg, ctx)?;
+    Llama::new(
+        VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu),
+        cfg,
+        ctx,
+    )
+}
+
+/// Decode logits equal the full forward's last row on the grown sequence (single device,
+/// random init, B = 2), and zigzag CP = 2 gives the same tokens, logits within 1e-5 and
+/// ranks that agree bitwise.
+#[test]
+fn cached_decode_equals_full_forward() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    let prompt = Tensor::arange(0u32, 32, &Device::Cpu)?.reshape((2, 16))?;
+    let single = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let m = model(&cfg, &ctx)?;
+        let gen = m.generate_greedy(&prompt, 4)?;
+        // oracle: full forward on the prompt + generated tokens so far
+        let mut seq = prompt.clone();
+        for (i, l) in gen.logits.iter().enumerate() {
+            let t = seq.dim(1)?;
+            let full = m.forward(&seq, &Tensor::arange(0u32, t as u32, &Device::Cpu)?)?;
+            let want = full.narrow(1, t - 1, 1)?.squeeze(1)?;
+            let e = (l - want)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(e < 1e-5, "step {i}: {e}");
+            let toks: Vec<u32> = gen.tokens.iter().map(|r| r[i]).collect();
+            seq = Tensor::cat(&[seq, Tensor::new(toks, &Device::Cpu)?.unsqueeze(1)?], 1)?;
+        }
+        Ok(gen)
+    });
+    let single = single
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| Err(candle_core::Error::Msg("no rank".into())))?;
+    assert_eq!(single.cache_rows, 16 + 3);
+    let cp = run_ranks(2, |g| {
+        model(&cfg, &ParallelCtx::new(g, Layout::cp(CpKind::Zigzag, 2))?)?
+            .generate_greedy(&prompt, 4)
+    });
+    let mut first: Option<Vec<f32>> = None;
+    for r in cp {
+        let g = r?;
+        assert_eq!(g.tokens, single.tokens);
+        for (a, b) in g.logits.iter().zip(&single.logits) {
+            assert!((a - b)?.abs()?.max_all()?.to_scalar::<f32>()? < 1e-5);
+        }
+        let bits = Tensor::cat(&g.logits, 0)?.flatten_all()?.to_vec1::<f32>()?;
+        match &first {
+            None => first = Some(bits),
+            Some(f) => assert_eq!(f, &bits, "ranks differ"),
+        }
+    }
+    Ok(())
+}
+
+/// bf16 weights: the cache is bf16 (half the f32 bytes), CP ranks agree bitwise and
+/// follow the single-device bf16 tokens' logits closely.
+#[test]
+fn bf16_cache_is_half_the_bytes() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    let prompt = Tensor::arange(0u32, 16, &Device::Cpu)?.reshape((1, 16))?;
+    let mut bytes = Vec::new();
+    for dt in [DType::F32, DType::BF16] {
+        let gen = |layout: Layout| -> Result<Vec<Generation>> {
+            run_ranks(layout.world_size(), |g| {
+                let ctx = ParallelCtx::new(g, layout)?;
+                let vm = shard_params(&init_params(&cfg, 5, dt, &Device::Cpu)?, &cfg, &ctx)?;
+                Llama::new(VarBuilder::from_varmap(&vm, dt, &Device::Cpu), &cfg, &ctx)?
+                    .generate_greedy(&prompt, 3)
+            })
+            .into_iter()
+            .collect()
+        };
+        let single = gen(Layout::single())?;
+        let cp = gen(Layout::cp(CpKind::Ring, 2))?;
+        let bits = |g: &Generation| -> Result<Vec<f32>> {
+            Tensor::cat(&g.logits, 0)?.flatten_all()?.to_vec1::<f32>()
+        };
+        assert_eq!(bits(&cp[0])?, bits(&cp[1])?, "{dt:?}: ranks differ");
+        for (a, b) in cp[0].logits.iter().zip(&single[0].logits) {
+            let e = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+            assert!(
+                e < if dt == DType::F32 { 1e-5 } else { 5e-2 },
+                "{dt:?}: {e}"
+            );
+        }
+        bytes.push(single[0].cache_bytes);
+    }
+    assert_eq!(bytes[0], 2 * bytes[1]);
+    Ok(())
+}
+
+/// A batch that DP does not divide, a bad token id or decode shape is an error naming it.
+#[test]
+fn bad_input_is_an_error() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    let prompt = Tensor::arange(0u32, 16, &Device::Cpu)?.reshape((1, 16))?;
+    for r in run_ranks(2, |g| {
+        let m = model(&cfg, &ParallelCtx::new(g, Layout::single().with_dp(2))?)?;
+        Ok(m.generate_greedy(&prompt, 2).err().map(|e| e.to_string()))
+    }) {
+        let e = r?.unwrap_or_default();
+        assert!(e.contains("not divisible by dp = 2") && e.contains("[1, 16]"), "{e}");
+    }
+    let r = run_ranks(1, |g| {
+        let m = model(&cfg, &ParallelCtx::single(g)?)?;
+        let bad = Tensor::new(&[[3u32, 64]], &Device::Cpu)?;
+        let e1 = m
+            .prefill(&bad)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        let (mut cache, _) = m.prefill(&prompt)?;
+        let e2 = m
+            .decode_step(&mut cache, &Tensor::new(&[1u32, 2], &Device::Cpu)?)
+            .err()
+            .map(|e| e.to_string())
+            .unwrap_or_default();
+        Ok((e1, e2, cache.next_position()))
+    });
+    let (e1, e2, next) = r
+        .into_iter()
+        .next()
+        .unwrap_or_else(|| Err(candle_core::Error::Msg("no rank".into())))?;
+    assert!(e1.contains("token id 64"), "{e1}");
+    assert!(e2.contains("[2]") && e2.contains("[1]"), "{e2}");
+    assert_eq!(next, 16, "a failed step does not advance the cache");
+    Ok(())
+}
