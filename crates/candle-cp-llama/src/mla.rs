@@ -22,11 +22,10 @@
 //! value or the query and key is padded with zeros (they change neither the scores nor the
 //! output), the output's first `v` dimensions kept — transformers' padding for flash attention.
 //!
-//! Generation caches the latent rows instead of k and v ([`MlaAttn::latent_rows`]:
-//! `rkv + rope` values per token, shared by the heads) and decodes in DeepSeek's absorbed form
-//! ([`MlaAttn::absorbed_query`], [`MlaAttn::absorbed_out`]): every query head attends to the one
-//! latent "KV head" at width `rkv + rope`, `W_uk` folded into the query and `W_uv` applied to the
-//! output.
+//! Generation caches the latent rows instead of k and v (`MlaAttn::latent_rows`: `rkv + rope`
+//! values per token, shared by the heads) and decodes in DeepSeek's absorbed form
+//! (`MlaAttn::absorbed_query`, `absorbed_out`): every query head attends to the one latent "KV
+//! head" at width `rkv + rope`, `W_uk` folded into the query and `W_uv` applied to the output.
 
 use crate::config::deepseek::Mla;
 use crate::model::linear;
