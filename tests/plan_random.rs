@@ -37,7 +37,7 @@ fn bad_numbers(v: &Value, path: &str, out: &mut Vec<String>) {
         Value::Array(a) => a.iter().enumerate().for_each(|(i, x)| bad_numbers(x, &format!("{path}/{i}"), out)),
         // serde_json writes NaN and infinities as null: only options may be null
         Value::Null => {
-            let optional = ["window", "sliding_window", "partial_window", "moe", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows", "base_quant"];
+            let optional = ["window", "sliding_window", "partial_window", "moe", "mla", "doc_len", "f32_row_sums", "micro_batches", "min_cp_that_fits", "attn_rates", "exposed_gather_only_s", "exposed_gather_overlapped_s", "sliding", "halo_rows", "base_quant"];
             if !optional.iter().any(|k| path.ends_with(&format!("/{k}"))) {
                 out.push(format!("{path} = null"));
             }
