@@ -375,7 +375,7 @@ pub fn activation_totals(
 #[path = "memory/params.rs"]
 mod params;
 pub use params::{
-    layer_adapted_params_per_gpu, layer_expert_lora_params_per_gpu, layer_expert_params_per_gpu, layer_lora_params_per_gpu, layer_params_per_gpu, layer_quantized_params_per_gpu, lora_saved_params_per_gpu, params_per_gpu,
+    attn_matrix_params_per_gpu, layer_adapted_params_per_gpu, layer_expert_lora_params_per_gpu, layer_expert_params_per_gpu, layer_lora_params_per_gpu, layer_params_per_gpu, layer_quantized_params_per_gpu, lora_saved_params_per_gpu, params_per_gpu,
     vocab_rows_per_gpu,
 };
 

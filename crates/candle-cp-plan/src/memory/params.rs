@@ -18,6 +18,21 @@ pub fn vocab_rows_per_gpu(m: &ModelConfig, l: &Layout) -> usize {
     }
 }
 
+/// The attention's matrix parameters of one layer on one GPU: q and o over `t`, k and v over
+/// `a_kv/t` (replicated when `t > a_kv`); DeepSeek's latent attention: the down-projections
+/// whole, the up-projections and o_proj over `t`.
+pub fn attn_matrix_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
+    let t = l.tp as f64;
+    let (h, q) = (m.hidden as f64, m.q_dim() as f64);
+    match &m.mla {
+        // DeepSeek's latent attention: the down-projections replicated, the up-projections and
+        // o_proj split by heads
+        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
+        // q and o split by heads, k and v by KV heads (copies where TP exceeds them)
+        None => 2.0 * h * q / t + 2.0 * h * (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64,
+    }
+}
+
 /// Parameters of one layer on one GPU: matrices over `t` (KV projections over `a_kv/t`,
 /// replicated when `t > a_kv`), the q, k, v biases split the same way, and the two norms
 /// and Qwen3's head norms (replicated; Gemma 3's four norms).
@@ -30,11 +45,7 @@ pub fn layer_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let sinks = if m.gpt_oss { m.heads as f64 / t + h } else { 0.0 };
     // (OLMo's q and k norms split as their projections' rows; Qwen3's replicated)
     let qk_norms = if m.qk_norm_flat { q / t + kv } else { m.qk_norm_params() as f64 };
-    // (DeepSeek-V3: the down-projections replicated, the up-projections and o_proj split)
-    let attn = match &m.mla {
-        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
-        None => 2.0 * h * q / t + 2.0 * h * kv,
-    };
+    let attn = attn_matrix_params_per_gpu(m, l);
     let dense = attn + 3.0 * h * f / t + m.layer_norm_params() as f64 + bias + qk_norms + sinks;
     match &m.moe {
         // a sparse layer: the router (replicated) and every expert's 1/t slice for the dense MLP
@@ -74,16 +85,10 @@ pub fn layer_expert_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
 /// counts them); not the norms, biases or router.
 pub fn layer_quantized_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     let t = l.tp as f64;
-    let (h, q, f) = (m.hidden as f64, m.q_dim() as f64, m.ffn as f64);
-    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
+    let (h, f) = (m.hidden as f64, m.ffn as f64);
     let dense_mlp = if m.moe.is_some() { 1.0 - m.sparse_fraction() } else { 1.0 };
     let shared = m.moe.as_ref().map_or(0.0, |x| m.sparse_fraction() * 3.0 * h * x.shared_ffn as f64 / t);
-    // (DeepSeek-V3: the replicated down-projections whole, the up-projections and o_proj split)
-    let attn = match &m.mla {
-        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
-        None => 2.0 * h * q / t + 2.0 * h * kv,
-    };
-    attn + dense_mlp * 3.0 * h * f / t + layer_expert_params_per_gpu(m, l) + shared
+    attn_matrix_params_per_gpu(m, l) + dense_mlp * 3.0 * h * f / t + layer_expert_params_per_gpu(m, l) + shared
 }
 
 /// LoRA adapter parameters of one layer on one GPU ([`Layout::lora_rank`] `r`; 0 without):
@@ -171,19 +176,11 @@ pub fn layer_adapted_params_per_gpu(m: &ModelConfig, l: &Layout) -> f64 {
     if l.lora_rank == 0 {
         return 0.0;
     }
-    let t = l.tp as f64;
-    let (h, q) = (m.hidden as f64, m.q_dim() as f64);
-    let kv = (l.kv_heads_per_tp_rank(m) * m.head_dim) as f64;
-    // (DeepSeek-V3: the latent attention's projections and o_proj)
-    let attn = match &m.mla {
-        Some(a) => a.down_params(m.hidden) as f64 + a.up_params(m.hidden, m.heads) as f64 / t,
-        None => 2.0 * h * q / t + 2.0 * h * kv,
-    };
     if l.lora_mlp {
         // the quantized base's projections are exactly these
         layer_quantized_params_per_gpu(m, l)
     } else {
-        attn
+        attn_matrix_params_per_gpu(m, l)
     }
 }
 
