@@ -119,18 +119,23 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     if m.style == MoeStyle::DeepseekV2 && m.norm_topk_prob {
         bail!("LlamaConfig: DeepSeek-V2's chosen scores are not renormalised (norm_topk_prob), as transformers runs it")
     }
-    // (DeepSeek-V3: this mixture beside the latent attention)
+    // (DeepSeek-V3: this mixture beside the latent attention; the errors name the model)
+    let who = match cfg.arch() {
+        Arch::DeepseekV3 => "DeepSeek-V3",
+        Arch::DeepseekV2 => "DeepSeek-V2",
+        _ => "GLM-4.5",
+    };
     let own = [super::qwen3_moe::MOE, "q, k, v biases", "q, k head norms", super::deepseek::MLA];
     if let Some((what, _)) = cfg.features().into_iter().find(|(w, on)| *on && !own.contains(w)) {
-        bail!("LlamaConfig: GLM-4.5 with {what}: no architecture this model writes has both")
+        bail!("LlamaConfig: {who} with {what}: no architecture this model writes has both")
     }
     if let Some(w) = cfg.sliding_window {
-        bail!("LlamaConfig: GLM-4.5 with a sliding window ({w}): Glm4MoeConfig has none, so a saved checkpoint would load as another model")
+        bail!("LlamaConfig: {who} with a sliding window ({w}): its config has none, so a saved checkpoint would load as another model")
     }
     let k = m.mlp_only_layers.len();
     if m.decoder_sparse_step != 1 || m.mlp_only_layers != (0..k).collect::<Vec<_>>() || k >= cfg.num_hidden_layers.max(1) {
         bail!(
-            "LlamaConfig: GLM-4.5's dense layers are its first first_k_dense_replace ones, fewer than its {} layers, every later one sparse (mlp_only_layers {:?}, decoder_sparse_step {})",
+            "LlamaConfig: {who}'s dense layers are its first first_k_dense_replace ones, fewer than its {} layers, every later one sparse (mlp_only_layers {:?}, decoder_sparse_step {})",
             cfg.num_hidden_layers,
             m.mlp_only_layers,
             m.decoder_sparse_step
@@ -138,17 +143,17 @@ pub(crate) fn validate(cfg: &LlamaConfig) -> Result<()> {
     }
     let (is, ie) = (m.shared_expert_intermediate_size, m.moe_intermediate_size);
     if ie == 0 || !is.is_multiple_of(ie) {
-        bail!("LlamaConfig: GLM-4.5's shared experts are n_shared_experts · moe_intermediate_size wide: {is} is not a multiple of {ie}")
+        bail!("LlamaConfig: {who}'s shared experts are n_shared_experts · moe_intermediate_size wide: {is} is not a multiple of {ie}")
     }
     let ((g, tg), e, kk) = (m.groups, m.num_experts, m.num_experts_per_tok);
     if g == 0 || tg == 0 || tg > g || !e.is_multiple_of(g) || (g > 1 && e / g < 2) || kk > tg * (e / g) {
-        bail!("LlamaConfig: GLM-4.5's expert groups: n_group {g} must divide the {e} experts (two or more per group with several), 1 <= topk_group {tg} <= n_group, and the kept groups hold num_experts_per_tok {kk}")
+        bail!("LlamaConfig: {who}'s expert groups: n_group {g} must divide the {e} experts (two or more per group with several), 1 <= topk_group {tg} <= n_group, and the kept groups hold num_experts_per_tok {kk}")
     }
     if !(m.routed_scaling_factor.is_finite() && m.routed_scaling_factor > 0.0) {
         bail!("LlamaConfig: routed_scaling_factor must be finite and > 0, got {}", m.routed_scaling_factor)
     }
     if m.output_router_logits {
-        bail!("LlamaConfig: GLM-4.5 with the load-balancing loss (output_router_logits): its sigmoid router has none")
+        bail!("LlamaConfig: {who} with the load-balancing loss (output_router_logits): its router has none")
     }
     super::qwen3_moe::validate(m, cfg.num_hidden_layers)
 }
