@@ -49,12 +49,17 @@ fn reads_back(dir: &std::path::Path, full: &std::collections::HashMap<String, Te
     Ok(())
 }
 
-/// `(label, layout, recompute)` on `ids` against `want`: every parameter compared, all pass.
+/// The model on the first `T` oracle ids on each `(layout, recompute)` against the float64
+/// reference: every parameter compared, all pass.
 fn check_layouts(label: &str, full: &std::collections::HashMap<String, Tensor>, cfg: &candle_cp_llama::LlamaConfig, layouts: &[(Layout, bool)]) -> Result<()> {
     let ids = ids(T)?;
-    let want = reference(full, cfg, &ids)?;
+    check_layouts_against(label, full, cfg, &ids, &reference(full, cfg, &ids)?, layouts)
+}
+
+/// [`check_layouts`] on `ids` against `want`.
+fn check_layouts_against(label: &str, full: &std::collections::HashMap<String, Tensor>, cfg: &candle_cp_llama::LlamaConfig, ids: &Tensor, want: &candle_cp_llama::verify::Reference, layouts: &[(Layout, bool)]) -> Result<()> {
     for &(layout, recompute) in layouts {
-        let rep = compare(&run_layout_recompute(full, cfg, &ids, layout, &Device::Cpu, recompute)?, &want, Tolerances::default())?;
+        let rep = compare(&run_layout_recompute(full, cfg, ids, layout, &Device::Cpu, recompute)?, want, Tolerances::default())?;
         println!("{label} {layout} (recompute {recompute}): logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
         assert_eq!(rep.grad_rel.len(), want.grads.len(), "{label} {layout}: every parameter compared");
         assert!(rep.pass(), "{label} {layout}: {rep:?}");
@@ -94,19 +99,10 @@ fn deepseek_v3_on_every_layout_matches_the_reference() -> Result<()> {
         (Layout::cp(CpKind::Zigzag, 4).with_ep(4), false),
         (Layout::cp(CpKind::Ring, 2).with_tp(2, true).with_ep(2), true),
     ];
-    for (layout, recompute) in layouts {
-        let rep = compare(&run_layout_recompute(&full, &cfg, &ids, layout, &Device::Cpu, recompute)?, &want, Tolerances::default())?;
-        println!("deepseek_v3 {layout} (recompute {recompute}): logits {:.1e} loss {:.1e} grad rel {:.1e} ({})", rep.logits_abs, rep.loss_abs, rep.grad_rel_max, rep.worst_param);
-        assert_eq!(rep.grad_rel.len(), want.grads.len(), "{layout}: every parameter compared");
-        assert!(rep.pass(), "deepseek_v3 {layout}: {rep:?}");
-    }
+    check_layouts_against("deepseek_v3", &full, &cfg, &ids, &want, &layouts)?;
     // DP 2 over two rows
     let two = Tensor::cat(&[&ids, &ids], 0)?;
-    let rows_want = reference_rows(&want)?;
-    let layout = Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2);
-    let rep = compare(&run_layout_recompute(&full, &cfg, &two, layout, &Device::Cpu, false)?, &rows_want, Tolerances::default())?;
-    assert!(rep.pass(), "deepseek_v3 {layout}: {rep:?}");
-    Ok(())
+    check_layouts_against("deepseek_v3", &full, &cfg, &two, &reference_rows(&want)?, &[(Layout::cp(CpKind::Zigzag, 2).with_dp(2).with_ep(2), false)])
 }
 
 /// The other forms: values wider than the query and key (the query and key padded), one
