@@ -24,7 +24,9 @@
 //!
 //! DeepSeek's latent attention caches its latent rows (`rkv + rope` values per token, shared by
 //! the heads and the TP ranks) and decodes in the absorbed form ([`crate::mla`]): DeepSeek-V3's
-//! 576 values per token and layer instead of k and v's `2 · 128 · 192`.
+//! 576 values per token and layer (held once, keys and values at once) instead of k and v's
+//! `2 · 128 · 192`. The prefill computes the rows from the projection it runs anyway and the
+//! absorbed weights once for the whole generation.
 //!
 //! Memory: each rank's cache holds `~(T + generated) / P` tokens (`P` = CP degree), i.e.
 //! `2 · L · B · Hkv_local · D · dtype bytes` per token ([`KvCache::bytes`]); the cache is
@@ -46,13 +48,17 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// This rank's KV cache: one [`KvShard`] per decoder layer, each `k, v [B, S_r, Hkv_local, D]`
-/// (DeepSeek's latent attention: its latent rows as both, `[B, S_r, 1, rkv + rope]`, `crate::mla`)
+/// (DeepSeek's latent attention: its latent rows `[B, S_r, 1, rkv + rope]`, one buffer that is
+/// keys and values, [`KvShard::append_shared`], `crate::mla`)
 /// (this TP rank's KV heads, in the weights' dtype) with the global position of each of its `S_r` rows. After a CP
 /// prefill of `T` prompt tokens `S_r = T / P` (the rank's CP shard), then decoded tokens are
 /// added round-robin ([`decode_owner`]). Per-rank bytes: [`KvCache::bytes`].
 #[derive(Clone, Debug, Default)]
 pub struct KvCache {
     layers: Vec<KvShard>,
+    /// Per layer, a latent attention's absorbed weights (`crate::mla`), made by the prefill
+    /// from the weights it ran with; `None` for other layers.
+    absorbed: Vec<Option<crate::mla::Absorbed>>,
     /// Batch rows `B` (fixed by the prefill).
     batch: usize,
     /// Global position of the next token to decode (`T` after the prefill).
@@ -89,16 +95,10 @@ impl KvCache {
     }
 
     /// Bytes of this rank's cache: `Σ_layers 2 · B · S_r · Hkv_local · D · dtype size`
-    /// (DeepSeek's latent rows: `Hkv_local = 1`, `D = rkv + rope`).
+    /// (DeepSeek's latent rows, keys and values at once: `B · S_r · (rkv + rope) · dtype
+    /// size`). Rows in use; the absorbed weights are not counted.
     pub fn bytes(&self) -> usize {
-        self.layers
-            .iter()
-            .filter_map(|l| l.kv())
-            .map(|(k, v)| {
-                k.elem_count() * k.dtype().size_in_bytes()
-                    + v.elem_count() * v.dtype().size_in_bytes()
-            })
-            .sum()
+        self.layers.iter().map(KvShard::bytes).sum()
     }
 }
 
@@ -310,6 +310,7 @@ impl Llama {
         let rows: Vec<usize> = positions.iter().map(|&p| p as usize).collect();
         let mut cache = KvCache {
             layers: Vec::with_capacity(self.cfg.num_hidden_layers),
+            absorbed: Vec::with_capacity(self.cfg.num_hidden_layers),
             batch: b,
             next: t,
         };
@@ -320,16 +321,23 @@ impl Llama {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
             };
-            let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;
             let mut shard = KvShard::new();
-            match &blk.mla {
-                // DeepSeek: the latent rows, k and v of one KV head (crate::mla)
+            let (q, k, v) = match &blk.mla {
+                // DeepSeek: the latent rows, keys and values of one KV head, cached once, and
+                // the absorbed decode's weights (crate::mla)
                 Some(m) => {
-                    let rows_l = m.latent_rows(&blk.normed_input(&x)?, (c, s))?.detach();
-                    shard.append(&rows_l, &rows_l, &rows)?;
+                    let (q, k, v, latent) = m.qkv_rows(&blk.normed_input(&x)?, &blk.qkv, heads.0, (c, s))?;
+                    shard.append_shared(&latent.detach(), &rows)?;
+                    cache.absorbed.push(Some(m.absorbed_weights(heads.0)?));
+                    (q, k, v)
                 }
-                None => shard.append(&k.detach(), &v.detach(), &rows)?,
-            }
+                None => {
+                    let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;
+                    shard.append(&k.detach(), &v.detach(), &rows)?;
+                    cache.absorbed.push(None);
+                    (q, k, v)
+                }
+            };
             cache.layers.push(shard);
             let sinks = blk.sinks.as_ref().map(Sinks::new).transpose()?;
             let a = attend_sinks(&q, &k, &v, ctx, scale, None, blk.window, sinks.as_ref())?;
@@ -360,7 +368,7 @@ impl Llama {
     pub fn decode_step(&self, cache: &mut KvCache, tokens: &Tensor) -> Result<Tensor> {
         let ctx = &self.ctx;
         let b = cache.batch;
-        if tokens.dims() != [b] || cache.layers.len() != self.cfg.num_hidden_layers {
+        if tokens.dims() != [b] || cache.layers.len() != self.cfg.num_hidden_layers || cache.absorbed.len() != cache.layers.len() {
             bail!(
                 "Llama::decode_step: tokens {:?} must be [{b}] for a cache of B = {b} and {} layers ({} in the model)",
                 tokens.dims(),
@@ -376,7 +384,7 @@ impl Llama {
         // (the router log holds this step's routing only)
         self.router_log.clear();
         let mut x = self.embed_whole(&ids.reshape((b, 1))?)?;
-        for (blk, shard) in self.generation_blocks()?.iter().zip(cache.layers.iter_mut()) {
+        for ((blk, shard), absorbed) in self.generation_blocks()?.iter().zip(cache.layers.iter_mut()).zip(&cache.absorbed) {
             let (c, s) = match (&local, blk.local_rope) {
                 (Some((c, s)), true) => (c, s),
                 _ => (&cos, &sin),
@@ -384,13 +392,16 @@ impl Llama {
             if let Some(m) = &blk.mla {
                 // DeepSeek: the latent row appended, the absorbed query over the latent cache
                 let xn = blk.normed_input(&x)?;
+                let Some(w) = absorbed else {
+                    bail!("Llama::decode_step: layer of latent attention without its absorbed weights (a cache from another model?)")
+                };
                 if owner {
                     let row = m.latent_rows(&xn, (c, s))?.detach();
-                    shard.append(&row, &row, &[p])?;
+                    shard.append_shared(&row, &[p])?;
                 }
-                let (qa, w_uv) = m.absorbed_query(&xn, &blk.qkv, heads.0, (c, s))?;
+                let qa = m.absorbed_query(&xn, &blk.qkv, heads.0, (c, s), w)?;
                 let (a, _lse) = sharded_decode_attention_sinks(&qa, &[p], shard, &ctx.cp, scale, None, None)?;
-                x = blk.finish(&x, &m.absorbed_out(&a, &w_uv)?)?.detach();
+                x = blk.finish(&x, &m.absorbed_out(&a, w)?)?.detach();
                 continue;
             }
             let (q, k, v) = blk.qkv_rope(&x, heads, (c, s))?;

@@ -98,7 +98,23 @@ impl MlaAttn {
     /// and q, k, v. The query is rotated, reordered and padded inside `q_up`'s node
     /// ([`candle_cp_nn::PartPost`]: its output is not kept), k and v are one node each over
     /// `kv_b_proj`'s output, with hand-written transposes.
-    pub(crate) fn qkv(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor), regather: bool) -> Result<(Tensor, Tensor, Tensor)> {
+    pub(crate) fn qkv(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, tables: (&Tensor, &Tensor), regather: bool) -> Result<(Tensor, Tensor, Tensor)> {
+        let (q, k, v, _) = self.qkv_inner(x, q_up, heads, tables, regather, false)?;
+        Ok((q, k, v))
+    }
+
+    /// Generation's prefill: [`MlaAttn::qkv`] (no regathering) and the latent rows of the same
+    /// input (what [`MlaAttn::latent_rows`] returns for it) from the same `kv_a_proj_with_mqa`
+    /// output, which runs once. The rows are part of the graph; detach them to keep them.
+    pub(crate) fn qkv_rows(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, tables: (&Tensor, &Tensor)) -> Result<(Tensor, Tensor, Tensor, Tensor)> {
+        match self.qkv_inner(x, q_up, heads, tables, false, true)? {
+            (q, k, v, Some(rows)) => Ok((q, k, v, rows)),
+            (q, k, v, None) => Ok((q, k, v, self.latent_rows(x, tables)?)),
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn qkv_inner(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor), regather: bool, rows: bool) -> Result<(Tensor, Tensor, Tensor, Option<Tensor>)> {
         let a = self.dims;
         // (on CUDA a width the kernels take: 192 runs at 256)
         let d = candle_cp_ops::attention::kernel_head_dim(a.attn_dim(), x.device());
@@ -142,7 +158,8 @@ impl MlaAttn {
             None => up(q_up, x, Some(post))?,
         };
         let ckv = self.down(x, &self.kv_down, &self.kv_down_lora)?;
-        let kv = up(&self.kv_up, &self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?, None)?.reshape((b, tc, heads, nope + dv))?;
+        let c = self.kv_norm.forward(&ckv.narrow(2, 0, r)?)?;
+        let kv = up(&self.kv_up, &c, None)?.reshape((b, tc, heads, nope + dv))?;
         // the key's RoPE part: the whole CP shard on every TP rank (gathered under SP; without
         // SP each rank's heads give part of its gradient, summed in the backward)
         let kr = ckv.narrow(2, r, dr)?;
@@ -167,7 +184,13 @@ impl MlaAttn {
             Ok(vec![Some(Tensor::cat(&[&Tensor::zeros((b, tc, heads, nope), dvv.dtype(), dvv.device())?, &dvv.narrow(3, 0, dv)?], 3)?)])
         });
         let v = attach1("mla_value", &kv, v, v_bwd)?;
-        Ok((q, k, v))
+        // the latent rows from the same c and kr (not under SP: c is the rank's sequence shard
+        // there, kr the gathered CP shard; qkv_rows makes them afresh)
+        let rows = match (rows && !(self.tp.size() > 1 && self.tp.sequence_parallel), c.dims3()?) {
+            (true, (cb, ct, _)) => Some(Tensor::cat(&[&c.reshape((cb, ct, 1, r))?, &kr], 3)?),
+            (false, _) => None,
+        };
+        Ok((q, k, v, rows))
     }
 
     /// Generation's cache rows of the latent attention: `[c | RoPE(kr)]` `[B, T, 1, rkv + rope]`
@@ -183,13 +206,27 @@ impl MlaAttn {
         Tensor::cat(&[&c, &kr], 3)
     }
 
+    /// The absorbed form's weights: this rank's heads of `kv_b_proj` (adapters merged) split
+    /// into `W_uk` `[Hl, nope, rkv]` and `W_uvᵀ` `[Hl, rkv, v]` (contiguous), for
+    /// [`MlaAttn::absorbed_query`] and [`MlaAttn::absorbed_out`]; made once per generation
+    /// (its prefill), not per decode step.
+    pub(crate) fn absorbed_weights(&self, heads: usize) -> Result<Absorbed> {
+        let a = self.dims;
+        let (nope, dv, r) = (a.qk_nope_head_dim, a.v_head_dim, a.kv_lora_rank);
+        let w = self.kv_up.with_adapters_merged()?.weight().detach();
+        if w.elem_count() != heads * (nope + dv) * r {
+            bail!("latent attention: kv_b_proj {:?} is not {heads} heads of [{nope} + {dv}, {r}]", w.dims())
+        }
+        let w = w.reshape((heads, nope + dv, r))?;
+        Ok(Absorbed { w_uk: w.narrow(1, 0, nope)?.contiguous()?, w_uv_t: w.narrow(1, nope, dv)?.transpose(1, 2)?.contiguous()? })
+    }
+
     /// Generation's decode query against [`MlaAttn::latent_rows`] (DeepSeek's absorbed form:
     /// `q·k = (W_ukᵀ·q_nope)·c + q_rot·kr`): `[W_ukᵀ·q_nope | RoPE(q_rot)]` `[B, T, Hl, rkv +
-    /// rope]` of the normed input `x`, and `W_uv` `[Hl, v, rkv]` (this rank's heads of
-    /// `kv_b_proj`, adapters merged) for [`MlaAttn::absorbed_out`].
-    pub(crate) fn absorbed_query(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor)) -> Result<(Tensor, Tensor)> {
+    /// rope]` of the normed input `x`, `W_uk` from [`MlaAttn::absorbed_weights`].
+    pub(crate) fn absorbed_query(&self, x: &Tensor, q_up: &ColumnParallelLinear, heads: usize, (cos, sin): (&Tensor, &Tensor), w: &Absorbed) -> Result<Tensor> {
         let a = self.dims;
-        let (nope, dr, dv, r) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim, a.kv_lora_rank);
+        let (nope, dr, r) = (a.qk_nope_head_dim, a.qk_rope_head_dim, a.kv_lora_rank);
         let q_in = match &self.q_down {
             Some((w, lora, norm)) => norm.forward(&self.down(x, w, lora)?)?,
             None => x.clone(),
@@ -202,22 +239,26 @@ impl MlaAttn {
         let (b, t, _) = q.dims3()?;
         let q = q.reshape((b, t, heads, a.qk_head_dim()))?;
         let q_rot = crate::fused::apply_rope(&rope_order(&q.narrow(3, nope, dr)?, a.rope_interleave, false)?, cos, sin)?;
-        let w = self.kv_up.with_adapters_merged()?.weight().reshape((heads, nope + dv, r))?;
-        let (w_uk, w_uv) = (w.narrow(1, 0, nope)?.contiguous()?, w.narrow(1, nope, dv)?.contiguous()?);
+        if w.w_uk.dims() != [heads, nope, r] {
+            bail!("latent attention: W_uk {:?} does not fit {heads} heads of [{nope}, {r}] (x {:?})", w.w_uk.dims(), x.dims())
+        }
         // per head: q_nope [B·T, nope] · W_uk [nope, rkv]
         let qn = q.narrow(3, 0, nope)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((heads, b * t, nope))?;
-        let q_lat = qn.matmul(&w_uk)?.reshape((heads, b, t, r))?.permute((1, 2, 0, 3))?.contiguous()?;
-        Ok((Tensor::cat(&[&q_lat, &q_rot], 3)?, w_uv))
+        let q_lat = qn.matmul(&w.w_uk)?.reshape((heads, b, t, r))?.permute((1, 2, 0, 3))?.contiguous()?;
+        Tensor::cat(&[&q_lat, &q_rot], 3)
     }
 
     /// The decode attention's output `[B, T, Hl, rkv + rope]` over the latent rows → o_proj's
     /// input `[B, T, Hl·v]`: each head's first `rkv` values (its weighted `c`) through its
-    /// `W_uv` ([`MlaAttn::absorbed_query`]'s).
-    pub(crate) fn absorbed_out(&self, a: &Tensor, w_uv: &Tensor) -> Result<Tensor> {
+    /// `W_uv` ([`MlaAttn::absorbed_weights`]).
+    pub(crate) fn absorbed_out(&self, a: &Tensor, w: &Absorbed) -> Result<Tensor> {
         let (r, dv) = (self.dims.kv_lora_rank, self.dims.v_head_dim);
         let (b, t, h, _) = a.dims4()?;
+        if w.w_uv_t.dims() != [h, r, dv] {
+            bail!("latent attention: W_uvᵀ {:?} does not fit {h} heads of [{r}, {dv}] (output {:?})", w.w_uv_t.dims(), a.dims())
+        }
         let o_lat = a.narrow(3, 0, r)?.permute((2, 0, 1, 3))?.contiguous()?.reshape((h, b * t, r))?;
-        o_lat.matmul(&w_uv.transpose(1, 2)?.contiguous()?)?.reshape((h, b, t, dv))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((b, t, h * dv))
+        o_lat.matmul(&w.w_uv_t)?.reshape((h, b, t, dv))?.permute((1, 2, 0, 3))?.contiguous()?.reshape((b, t, h * dv))
     }
 
     /// The attention's output `[B, T, Hl, D]` (or `[B, T, Hl·D]`; `D` the width it ran at,
@@ -232,6 +273,15 @@ impl MlaAttn {
         let a = if dv == d { a } else { a.narrow(3, 0, dv)?.contiguous()? };
         a.reshape((b, t, heads * dv))
     }
+}
+
+/// The absorbed decode's weights of one layer ([`MlaAttn::absorbed_weights`]).
+#[derive(Clone, Debug)]
+pub(crate) struct Absorbed {
+    /// `W_uk` `[Hl, nope, rkv]`: folded into the query.
+    pub(crate) w_uk: Tensor,
+    /// `W_uvᵀ` `[Hl, rkv, v]`: applied to the attention's latent output.
+    pub(crate) w_uv_t: Tensor,
 }
 
 /// `t` `[.., w]` padded with zeros to `[.., d]` (contiguous).

@@ -259,7 +259,7 @@ pub fn candle_cp_extra_per_gpu(m: &ModelConfig, l: &Layout, s: usize, b: usize, 
             let latents = st * (2.0 * rq + 2.0 * rkv + dr) * ef + 4.0 * st * if x.q_lora_rank.is_some() { 2.0 } else { 1.0 };
             let kv = c * bf * a_t * (nope + v) * ef;
             let rot = (if l.tp > 1 && l.sp { st } else { 0.0 } + c * bf * if x.rope_interleave { 3.0 } else { 2.0 }) * dr * ef;
-            let out = if x.v_head_dim < x.attn_dim() { c * bf * a_t * v * ef } else { 0.0 };
+            let out = if x.v_head_dim < m.head_dim { c * bf * a_t * v * ef } else { 0.0 };
             latents + kv + rot + out
         }
     };

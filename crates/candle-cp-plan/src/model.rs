@@ -70,9 +70,20 @@ pub struct ModelConfig {
     /// `[a·d]`, `[a_kv·d]`, split as the projections' rows) instead of per head.
     pub qk_norm_flat: bool,
     /// DeepSeek-V3's multi-head latent attention (`model_type` `deepseek_v3`) instead of q, k,
-    /// v, o projections; [`ModelConfig::head_dim`] is then the width the attention runs at,
-    /// `max(nope + rope, v)` (candle-cp pads the narrower side), with as many KV heads as heads.
+    /// v, o projections; [`ModelConfig::head_dim`] is then the width the attention runs at on
+    /// a GPU, [`MlaShape::cuda_attn_dim`] (candle-cp pads the narrower of `nope + rope` and `v`
+    /// with zeros, then up to a width its CUDA kernels take: DeepSeek-V3's 192 at 256), with as
+    /// many KV heads as heads.
     pub mla: Option<MlaShape>,
+}
+
+/// The head dims candle-cp's CUDA attention kernels take (`candle_cp_kernels::flash`'s
+/// `HEAD_DIMS` and `PARTIAL_HEAD_DIMS`; the planner does not depend on the kernel crate).
+pub const CUDA_HEAD_DIMS: [usize; 6] = [16, 32, 64, 96, 128, 256];
+
+/// The smallest of [`CUDA_HEAD_DIMS`] at least `d` (`d` itself above 256).
+pub fn cuda_head_dim(d: usize) -> usize {
+    CUDA_HEAD_DIMS.iter().copied().find(|&w| w >= d).unwrap_or(d)
 }
 
 /// DeepSeek's multi-head latent attention ([`ModelConfig::mla`]): replicated down-projections
@@ -100,9 +111,18 @@ impl MlaShape {
     /// DeepSeek-V3's: rq 1536, rkv 512, nope 128, rope 64, v 128.
     pub const DEEPSEEK_V3: MlaShape = MlaShape { q_lora_rank: Some(1536), kv_lora_rank: 512, qk_nope_head_dim: 128, qk_rope_head_dim: 64, v_head_dim: 128, rope_interleave: true };
 
-    /// The width the attention runs at, `max(nope + rope, v)`.
+    /// The width the attention runs at on the CPU, `max(nope + rope, v)` (the narrower side
+    /// padded with zeros).
     pub fn attn_dim(&self) -> usize {
         (self.qk_nope_head_dim + self.qk_rope_head_dim).max(self.v_head_dim)
+    }
+
+    /// The width the attention runs at on a GPU, what the planner plans with
+    /// ([`ModelConfig::head_dim`]): [`MlaShape::attn_dim`] rounded up to the next head dim
+    /// candle-cp's CUDA kernels take ([`CUDA_HEAD_DIMS`]; DeepSeek's 192 runs at 256, as
+    /// `candle_cp_ops::attention::kernel_head_dim` pads it), itself above 256.
+    pub fn cuda_attn_dim(&self) -> usize {
+        cuda_head_dim(self.attn_dim())
     }
 
     /// The replicated matrices of one layer: `h·rq + h·(rkv + rope)`.
@@ -288,7 +308,7 @@ impl ModelConfig {
                 _ if qwen3 || lower == "gemma3-27b" || lower == "gemma2-27b" || lower == "mistral-small-24b" || olmo || olmoe || exaone4 || glm4 || glm45 => 128,
                 _ if gpt_oss => 64,
                 _ if gemma3 || gemma2 => 256,
-                _ if deepseek => MlaShape::DEEPSEEK_V3.attn_dim(),
+                _ if deepseek => MlaShape::DEEPSEEK_V3.cuda_attn_dim(),
                 _ => hidden / heads,
             },
             ffn,
@@ -385,6 +405,18 @@ impl ModelConfig {
             )
         }
         Ok(())
+    }
+
+    /// The share of the attention's FLOPs (at [`ModelConfig::head_dim`], what the kernels
+    /// compute) that the model asks for: 1, but for a latent attention, whose `QKᵀ` is
+    /// `nope + rope` wide and `PV` `v` wide where the kernels run both at the padded width,
+    /// `(nope + rope + v) / (2·d)` (DeepSeek-V3 on a GPU: 320 / 512). Model FLOPs (MFU) count
+    /// this share; the step's time counts them all.
+    pub fn attn_model_fraction(&self) -> f64 {
+        match &self.mla {
+            Some(a) if self.head_dim > 0 => (a.qk_nope_head_dim + a.qk_rope_head_dim + a.v_head_dim) as f64 / (2 * self.head_dim) as f64,
+            _ => 1.0,
+        }
     }
 
     /// Query width `a·d` (equals `h` for Llama).

@@ -218,7 +218,8 @@ impl ModelConfig {
             }),
         };
         let (head_dim, kv_heads) = match &mla {
-            Some(a) => (a.attn_dim(), heads),
+            // (the width on a GPU: DeepSeek's 192 at 256)
+            Some(a) => (a.cuda_attn_dim(), heads),
             None => (head_dim, kv_heads),
         };
         let gpt_oss = names("gpt_oss", "GptOssForCausalLM");

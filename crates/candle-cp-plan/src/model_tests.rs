@@ -141,10 +141,14 @@ fn presets_have_published_sizes() -> Result<()> {
     // 671,026,419,200 from its config.json arithmetic (per layer the latent attention's
     // 187,105,280 matrix parameters and 2,048 latent norm weights; 3 dense layers, 58 of 256
     // experts 2048 wide with one shared, the routers' correction biases); the attention runs at
-    // head dim 192 over 128 KV heads; its config.json (defaults for what it leaves out) reads
-    // to the preset
+    // head dim 192 (256 on a GPU, the planner's) over 128 KV heads; its config.json (defaults
+    // for what it leaves out) reads to the preset
     let ds = ModelConfig::preset("deepseek-v3")?;
-    assert_eq!((ds.total_params(), ds.head_dim, ds.kv_heads, ds.qkv_bias, ds.moe.as_ref().map(|m| m.sparse_layers)), (671_026_419_200, 192, 128, false, Some(58)));
+    assert_eq!((ds.total_params(), ds.head_dim, ds.kv_heads, ds.qkv_bias, ds.moe.as_ref().map(|m| m.sparse_layers)), (671_026_419_200, 256, 128, false, Some(58)));
+    assert_eq!(ds.mla.map(|a| (a.attn_dim(), a.cuda_attn_dim())), Some((192, 256)));
+    // (its model FLOPs: QKᵀ at 192 and PV at 128 of the kernels' 2 × 256)
+    assert_eq!((ds.attn_model_fraction(), ModelConfig::preset("llama3-8b")?.attn_model_fraction()), (0.625, 1.0));
+    assert_eq!([15, 16, 33, 80, 96, 100, 192, 257, 576].map(crate::model::cuda_head_dim), [16, 16, 64, 96, 96, 128, 256, 257, 576]);
     assert_eq!(ds.mla.map(|a| a.down_params(7168) + a.up_params(7168, 128)), Some(187_105_280));
     assert_eq!(ds.active_params(), 37_552_297_472);
     let cfg = r#"{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": 7168, "intermediate_size": 18432,
@@ -219,7 +223,7 @@ fn presets_have_published_sizes() -> Result<()> {
             "topk_group": 1, "topk_method": "greedy", "v_head_dim": 128, "vocab_size": 102400}"#,
         "v2-lite",
     )?;
-    assert_eq!((lite.total_params(), lite.head_dim, lite.mla.map(|a| a.q_lora_rank)), (15_706_484_224, 192, Some(None)));
+    assert_eq!((lite.total_params(), lite.head_dim, lite.mla.map(|a| a.q_lora_rank)), (15_706_484_224, 256, Some(None)));
     assert!(lite.moe.as_ref().is_some_and(|m| m.sigmoid_router && !m.correction_bias && !m.norm_topk && m.shared_ffn == 2816 && m.sparse_layers == 26));
     // Mixtral 8x7B: 46.7B parameters, 12.9B active (its config.json's arithmetic)
     let mx = ModelConfig::preset("mixtral-8x7b")?;

@@ -380,7 +380,8 @@ pub fn plan(input: &PlanInput) -> Result<Plan> {
         stage_layers,
         layer_s: layer_time.total_s,
         head_s: head_model_flops / (l.tp * l.cp) as f64 / input.linear_flops,
-        layer_model_flops: f.linear_fwd + f.linear_bwd + f.attention_fwd + f.attention_bwd,
+        // (a latent attention's padding is work the GPU does, not the model's)
+        layer_model_flops: f.linear_fwd + f.linear_bwd + (f.attention_fwd + f.attention_bwd) * m.attn_model_fraction(),
         head_model_flops,
         tokens: s as f64 * b as f64,
         peak_flops: hw.peak_flops,

@@ -19,6 +19,7 @@
 mod band;
 mod blas;
 mod call;
+mod dense;
 #[cfg(feature = "cuda")]
 mod cuda;
 mod docs;
@@ -269,7 +270,12 @@ pub fn attention_fwd(q: &Tensor, k: &Tensor, v: &Tensor, mask: &Mask, scale: imp
         return cuda::fwd(q, k, v, mask, scale);
     }
     if !q.device().is_cpu() {
-        // Devices without a kernel for this head dim: the CPU kernel on host copies.
+        // Devices without a kernel for this head dim: an unmasked call with a small score
+        // matrix (a decode step) from candle ops on the device (module dense), else the CPU
+        // kernel on host copies.
+        if *mask == Mask::Full && dense::fits(dims) {
+            return dense::fwd(q, k, v, scale, dims);
+        }
         let cpu = |x: &Tensor| x.to_device(&Device::Cpu);
         let (out, lse) = attention_fwd(&cpu(q)?, &cpu(k)?, &cpu(v)?, mask, scale)?;
         return Ok((out.to_device(q.device())?, lse.to_device(q.device())?));

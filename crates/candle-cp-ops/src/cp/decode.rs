@@ -25,10 +25,15 @@ use candle_core::{bail, DType, Result, Tensor};
 ///
 /// Rows live in buffers with spare capacity along `S` (doubled when full), written in place
 /// ([`Tensor::slice_set`]): appending one decoded token copies one row, not the shard.
+///
+/// A shard filled through [`KvShard::append_shared`] holds one buffer that is both the keys
+/// and the values (DeepSeek's latent rows, which every head attends to as key and value):
+/// half the bytes of the same rows given twice to [`KvShard::append`].
 #[derive(Clone, Debug, Default)]
 pub struct KvShard {
-    /// `k, v [B, capacity, Hkv, D]`; rows `0..positions.len()` are in use.
-    buf: Option<(Tensor, Tensor)>,
+    /// `k [B, capacity, Hkv, D]` and `v` alike (`None`: the values are the keys, shared
+    /// rows); rows `0..positions.len()` are in use.
+    buf: Option<(Tensor, Option<Tensor>)>,
     positions: Vec<usize>,
 }
 
@@ -41,31 +46,46 @@ impl KvShard {
     /// Rows `k, v [B, n, Hkv, D]` at global `positions` (`n` of them) appended to the shard
     /// (the first append fixes `B`, `Hkv`, `D`, dtype and device). Errors name the shapes.
     pub fn append(&mut self, k: &Tensor, v: &Tensor, positions: &[usize]) -> Result<()> {
+        if k.shape() != v.shape() {
+            bail!("KvShard::append: k {:?} and v {:?} must match ({} positions)", k.shape(), v.shape(), positions.len())
+        }
+        self.append_rows(k, Some(v), positions, "KvShard::append")
+    }
+
+    /// Rows `[B, n, Hkv, D]` at global `positions` appended as keys that are also the values
+    /// (one buffer, [`KvShard::kv`] returns it twice). A shard takes one kind of append:
+    /// shared rows into a shard of separate k, v (or the reverse) are an error.
+    pub fn append_shared(&mut self, rows: &Tensor, positions: &[usize]) -> Result<()> {
+        self.append_rows(rows, None, positions, "KvShard::append_shared")
+    }
+
+    fn append_rows(&mut self, k: &Tensor, v: Option<&Tensor>, positions: &[usize], what: &str) -> Result<()> {
         let n = match k.dims() {
             [_, n, _, _] => *n,
-            _ => bail!("KvShard::append: k must be [B, n, Hkv, D], got {:?}", k.shape()),
+            _ => bail!("{what}: rows must be [B, n, Hkv, D], got {:?}", k.shape()),
         };
-        if k.shape() != v.shape() || n != positions.len() {
-            bail!(
-                "KvShard::append: k {:?} and v {:?} must match and hold one row per position ({} positions)",
-                k.shape(),
-                v.shape(),
-                positions.len()
-            )
+        if n != positions.len() {
+            bail!("{what}: rows {:?} must hold one row per position ({} positions)", k.shape(), positions.len())
+        }
+        if let Some((_, vb)) = &self.buf {
+            if vb.is_some() != v.is_some() {
+                let kinds = if v.is_some() { "separate k, v into a shard of shared rows" } else { "shared rows into a shard of separate k, v" };
+                bail!("{what}: {kinds} (rows {:?}, {} cached)", k.shape(), self.positions.len())
+            }
         }
         if n == 0 {
             // nothing to append (a rank that holds no row of this prefill)
             return Ok(());
         }
-        candle_cp_comm::ensure_nonempty("KvShard::append", "k", k)?;
+        candle_cp_comm::ensure_nonempty(what, "k", k)?;
         let len = self.positions.len();
         let (kb, vb) = match self.buf.take() {
-            None => (k.contiguous()?.copy()?, v.contiguous()?.copy()?),
+            None => (k.contiguous()?.copy()?, v.map(|v| v.contiguous()?.copy()).transpose()?),
             Some((kb, vb)) => {
                 let (cd, nd) = (kb.dims(), k.dims());
                 if cd[0] != nd[0] || cd[2..] != nd[2..] || kb.dtype() != k.dtype() || !kb.device().same_device(k.device()) {
                     let e = format!(
-                        "KvShard::append: rows k {:?} ({:?}) do not match the cache [{}, {len}, {}, {}] ({:?})",
+                        "{what}: rows k {:?} ({:?}) do not match the cache [{}, {len}, {}, {}] ({:?})",
                         k.shape(),
                         k.dtype(),
                         cd[0],
@@ -79,12 +99,14 @@ impl KvShard {
                 let cap = kb.dim(1)?;
                 let (kb, vb) = if len + n > cap {
                     let new_cap = (2 * cap).max(len + n);
-                    (grow(&kb, len, new_cap)?, grow(&vb, len, new_cap)?)
+                    (grow(&kb, len, new_cap)?, vb.map(|vb| grow(&vb, len, new_cap)).transpose()?)
                 } else {
                     (kb, vb)
                 };
                 kb.slice_set(&k.contiguous()?, 1, len)?;
-                vb.slice_set(&v.contiguous()?, 1, len)?;
+                if let (Some(vb), Some(v)) = (&vb, v) {
+                    vb.slice_set(&v.contiguous()?, 1, len)?;
+                }
                 (kb, vb)
             }
         };
@@ -108,16 +130,35 @@ impl KvShard {
         &self.positions
     }
 
-    /// The cached `k, v [B, S_r, Hkv, D]` (views of the rows in use; `None` when empty).
+    /// The cached `k, v [B, S_r, Hkv, D]` (views of the rows in use, the same view twice for
+    /// shared rows; `None` when empty).
     pub fn kv(&self) -> Option<(Tensor, Tensor)> {
         let (kb, vb) = self.buf.as_ref()?;
         let n = self.positions.len();
-        Some((kb.narrow(1, 0, n).ok()?, vb.narrow(1, 0, n).ok()?))
+        let k = kb.narrow(1, 0, n).ok()?;
+        let v = match vb {
+            Some(vb) => vb.narrow(1, 0, n).ok()?,
+            None => k.clone(),
+        };
+        Some((k, v))
     }
 
-    /// Bytes of the buffers (rows in use plus spare capacity).
+    /// Do the keys double as the values ([`KvShard::append_shared`])?
+    pub fn shared(&self) -> bool {
+        matches!(self.buf, Some((_, None)))
+    }
+
+    /// Bytes of the rows in use (k and v; shared rows once).
+    pub fn bytes(&self) -> usize {
+        self.buf.as_ref().map_or(0, |(k, v)| {
+            let row = k.elem_count() / k.dim(1).unwrap_or(1).max(1) * k.dtype().size_in_bytes();
+            row * self.positions.len() * if v.is_some() { 2 } else { 1 }
+        })
+    }
+
+    /// Bytes of the buffers (rows in use plus spare capacity; shared rows once).
     pub fn allocated_bytes(&self) -> usize {
-        self.buf.as_ref().map_or(0, |(k, v)| (k.elem_count() + v.elem_count()) * k.dtype().size_in_bytes())
+        self.buf.as_ref().map_or(0, |(k, v)| (k.elem_count() + v.as_ref().map_or(0, |v| v.elem_count())) * k.dtype().size_in_bytes())
     }
 
     /// Number of cached rows at positions before `pos`.
@@ -133,10 +174,13 @@ impl KvShard {
         if dropped == 0 {
             return Ok(0);
         }
+        let shared = self.shared();
         self.buf = match (self.kv(), keep.is_empty()) {
             (Some((k, v)), false) => {
                 let idx = Tensor::new(keep.as_slice(), k.device())?;
-                Some((k.contiguous()?.index_select(&idx, 1)?, v.contiguous()?.index_select(&idx, 1)?))
+                let k = k.contiguous()?.index_select(&idx, 1)?;
+                let v = if shared { None } else { Some(v.contiguous()?.index_select(&idx, 1)?) };
+                Some((k, v))
             }
             _ => None,
         };
@@ -377,6 +421,48 @@ mod tests {
         assert_eq!(s.len(), 5);
         assert_eq!(s.evict_before(100)?, 5);
         assert!(s.is_empty() && s.kv().is_none());
+        Ok(())
+    }
+
+    /// Shared rows (keys that are the values): one buffer, half the bytes of the same rows
+    /// appended as k and v, the same views and the same attention; eviction keeps them
+    /// shared; the two kinds of append do not mix.
+    #[test]
+    fn shared_rows_are_one_buffer() -> Result<()> {
+        let k = randn(1, &[2, 9, 1, 6], 1.0)?;
+        let (mut two, mut one) = (KvShard::new(), KvShard::new());
+        two.append(&k.narrow(1, 0, 3)?, &k.narrow(1, 0, 3)?, &[0, 1, 2])?;
+        one.append_shared(&k.narrow(1, 0, 3)?, &[0, 1, 2])?;
+        for i in 3..9 {
+            two.append(&k.narrow(1, i, 1)?, &k.narrow(1, i, 1)?, &[i])?;
+            one.append_shared(&k.narrow(1, i, 1)?, &[i])?;
+        }
+        assert!(one.shared() && !two.shared());
+        assert_eq!(one.bytes() * 2, two.bytes());
+        assert_eq!(one.bytes(), 2 * 9 * 6 * 4);
+        assert_eq!(one.allocated_bytes() * 2, two.allocated_bytes());
+        let flat = |x: &Tensor| x.flatten_all()?.to_vec1::<f32>();
+        let ((k1, v1), (k2, v2)) = (one.kv().expect("rows"), two.kv().expect("rows"));
+        assert_eq!(flat(&k1)?, flat(&k2)?);
+        assert_eq!(flat(&v1)?, flat(&v2)?);
+        let q = randn(2, &[2, 1, 3, 6], 1.0)?;
+        let res = run_ranks(1, |g: Group| {
+            let a = sharded_decode_attention(&q, &[9], &one, &g, 0.4, Some(5))?;
+            let b = sharded_decode_attention(&q, &[9], &two, &g, 0.4, Some(5))?;
+            Ok((flat(&a.0)?, flat(&b.0)?))
+        });
+        for r in res {
+            let (a, b) = r?;
+            assert_eq!(a, b);
+        }
+        assert_eq!(one.evict_before(4)?, 4);
+        assert!(one.shared());
+        assert_eq!(flat(&one.kv().expect("rows").1)?, flat(&k.narrow(1, 4, 5)?)?);
+        let e = one.append(&k.narrow(1, 0, 1)?, &k.narrow(1, 0, 1)?, &[9]).unwrap_err().to_string();
+        assert!(e.contains("into a shard of shared rows"), "{e}");
+        let e = two.append_shared(&k.narrow(1, 0, 1)?, &[9]).unwrap_err().to_string();
+        assert!(e.contains("shared rows into a shard of separate k, v"), "{e}");
+        assert_eq!((one.len(), two.len()), (5, 9));
         Ok(())
     }
 
