@@ -16,6 +16,7 @@
 //! cargo run --release --example generate -- --cp 2 --tp 4 --sp   # TP 4 > the 2 KV heads
 //! cargo run --release --example generate -- --cp 2 --dp 2 --batch 2
 //! cargo run --release --example generate -- --temperature 0.8 --top-p 0.9 --sample-seed 3
+//! cargo run --release --example generate -- --stop-at-eos --new-tokens 256
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! ```
 
@@ -91,6 +92,14 @@ struct Args {
     /// every thread rank on GPU 0 (virtual ranks).
     #[arg(long, default_value = "cpu")]
     device: String,
+    /// End each row at its first token among these ids (kept; at most --new-tokens per row);
+    /// generation ends when every row has stopped.
+    #[arg(long, value_delimiter = ',', value_name = "ID[,ID...]")]
+    stop: Vec<u32>,
+    /// Stop at the checkpoint's end-of-sequence ids too (`eos_token_id` of its
+    /// generation_config.json, else of its config.json).
+    #[arg(long)]
+    stop_at_eos: bool,
 }
 
 /// Seeded random ids `[b, t]` below `vocab` (the training SplitMix64 `Rng`).
@@ -112,6 +121,7 @@ fn run(
     prompt: &Tensor,
     new: usize,
     sampling: Sampling,
+    stop: &[u32],
 ) -> anyhow::Result<Vec<Generation>> {
     let res = run_ranks(layout.world_size(), |g| {
         let ctx = ParallelCtx::new(g, layout)?;
@@ -132,7 +142,7 @@ fn run(
             (Some(q), Some(lc)) => Llama::new_quantized(&candle_cp_llama::quant::QuantBase::from_varmap(&vm, lc, q)?, DType::F32, dev, lc, &ctx)?,
             (Some(_), None) => candle_core::bail!("--quantize-base runs an adapter over a quantized base: give --adapter (or a LoRA run's checkpoint as --model)"),
         };
-        m.generate(prompt, new, sampling)
+        m.generate_until(prompt, new, sampling, stop)
     });
     res.into_iter()
         .enumerate()
@@ -141,7 +151,8 @@ fn run(
 }
 
 /// (prefill ms per prompt token, decode ms per generated token) of the slowest rank.
-fn per_token_ms(gens: &[Generation], t: usize, new: usize) -> (f64, f64, f64) {
+fn per_token_ms(gens: &[Generation], t: usize) -> (f64, f64, f64) {
+    let new = gens.iter().map(|g| g.logits.len()).max().unwrap_or(0);
     let pre = gens
         .iter()
         .map(|g| g.prefill_time.as_secs_f64())
@@ -222,18 +233,26 @@ fn main() -> anyhow::Result<()> {
         Some(temperature) => Sampling::Sample { temperature, top_k: a.top_k, top_p: a.top_p, seed: a.sample_seed },
     };
     println!("sampling: {sampling:?}");
+    let mut stop = a.stop.clone();
+    if a.stop_at_eos {
+        stop.extend(candle_cp_llama::stop_tokens(&dir)?);
+    }
+    if !stop.is_empty() {
+        println!("stop tokens: {stop:?}");
+    }
     if let Some(ad) = &adapter {
         println!("adapter: {} (PEFT LoRA, over the model{})", ad.display(), quant.map(|q| format!(" quantized {q}")).unwrap_or_default());
     }
-    let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), &prompt, new, sampling)
+    let single = run(&dev, &dir, adapter.as_deref(), quant, &cfg, Layout::single(), &prompt, new, sampling, &stop)
         .with_context(|| format!("weights of {}", dir.display()))?;
-    let cp = run(&dev, &dir, adapter.as_deref(), quant, &cfg, layout, &prompt, new, sampling)?;
+    let cp = run(&dev, &dir, adapter.as_deref(), quant, &cfg, layout, &prompt, new, sampling, &stop)?;
     let s = &single[0];
     for (name, gens) in [("single device", &single), (&*format!("{layout}"), &cp)] {
-        let (pre, pre_tok, dec_tok) = per_token_ms(gens, t, new);
+        let (pre, pre_tok, dec_tok) = per_token_ms(gens, t);
         println!("\n{name}:");
         for (i, row) in gens[0].tokens.iter().enumerate() {
-            println!("  tokens[{i}]    {row:?}");
+            let end = if gens[0].stopped.get(i) == Some(&true) { " (stopped)" } else { "" };
+            println!("  tokens[{i}]    {row:?}{end}");
         }
         println!("  prefill      {pre:.1} ms ({pre_tok:.3} ms / prompt token)");
         println!("  decode       {dec_tok:.2} ms / token");

@@ -117,8 +117,11 @@ pub struct Generation {
     pub cache_rows: usize,
     /// Wall time of the prefill (prompt forward, cache fill, first token's logits).
     pub prefill_time: Duration,
-    /// Wall time of all decode steps (`new_tokens - 1` of them).
+    /// Wall time of all decode steps (`new_tokens - 1` of them, fewer when every row stopped).
     pub decode_time: Duration,
+    /// Per row: did it end at one of [`Llama::generate_until`]'s stop tokens (its last token),
+    /// rather than at the token limit.
+    pub stopped: Vec<bool>,
 }
 
 impl Block {
@@ -450,6 +453,20 @@ impl Llama {
     /// Every rank holds the same logits and the same generator, so every rank draws the same
     /// tokens, and a single device with the same seed draws them too.
     pub fn generate(&self, prompt: &Tensor, new_tokens: usize, sampling: Sampling) -> Result<Generation> {
+        self.generate_until(prompt, new_tokens, sampling, &[])
+    }
+
+    /// [`Llama::generate`] that ends each row at its first token in `stop` (kept as the row's
+    /// last token; an end-of-sequence id, [`stop_tokens`] reads a checkpoint's), at most
+    /// `max_new_tokens` per row. Rows that stopped go on through the decode steps with their
+    /// stop token (their cache rows are never read for them again) until every row has
+    /// stopped, then generation ends: `logits` holds one `[B, V]` per step taken, as many as the
+    /// longest row's tokens. Every rank holds all rows' tokens, so every rank stops at the same
+    /// step (no collective). Errors name a stop id outside the vocabulary.
+    pub fn generate_until(&self, prompt: &Tensor, max_new_tokens: usize, sampling: Sampling, stop: &[u32]) -> Result<Generation> {
+        if let Some(&bad) = stop.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
+            bail!("Llama::generate_until: stop token {bad} out of range for vocab {} (stop {stop:?})", self.cfg.vocab_size)
+        }
         let mut sampler = Sampler::new(sampling)?;
         let t0 = Instant::now();
         let (mut cache, local) = self.prefill(prompt)?;
@@ -467,30 +484,62 @@ impl Llama {
         let (b, bd) = (logits.dim(0)?, cache.batch);
         let first_row = dp.rank() * bd;
         let mut out = Generation {
-            tokens: vec![Vec::with_capacity(new_tokens); b],
-            logits: Vec::with_capacity(new_tokens),
+            tokens: vec![Vec::with_capacity(max_new_tokens); b],
+            logits: Vec::with_capacity(max_new_tokens),
             cache_bytes: 0,
             cache_rows: 0,
             prefill_time,
             decode_time: Duration::ZERO,
+            stopped: vec![false; b],
         };
         let t1 = Instant::now();
-        for i in 0..new_tokens {
+        for i in 0..max_new_tokens {
             let next = sampler.next(&logits)?;
-            for (row, &tok) in out.tokens.iter_mut().zip(next.to_vec1::<u32>()?.iter()) {
-                row.push(tok);
+            let mut feed = next.to_vec1::<u32>()?;
+            for ((row, done), tok) in out.tokens.iter_mut().zip(out.stopped.iter_mut()).zip(feed.iter_mut()) {
+                match (*done, row.last()) {
+                    // (a stopped row: its stop token again, its draw discarded)
+                    (true, Some(&last)) => *tok = last,
+                    _ => {
+                        row.push(*tok);
+                        *done = stop.contains(tok);
+                    }
+                }
             }
             out.logits.push(logits);
-            if i + 1 == new_tokens {
+            if i + 1 == max_new_tokens || out.stopped.iter().all(|&d| d) {
                 break;
             }
-            logits = all_rows(self.decode_step(&mut cache, &next.narrow(0, first_row, bd)?)?)?;
+            let feed = Tensor::from_vec(feed, b, next.device())?;
+            logits = all_rows(self.decode_step(&mut cache, &feed.narrow(0, first_row, bd)?)?)?;
         }
         out.decode_time = t1.elapsed();
         out.cache_bytes = cache.bytes();
         out.cache_rows = cache.len();
         Ok(out)
     }
+}
+
+/// The end-of-sequence ids of the checkpoint in `dir`, for [`Llama::generate_until`]:
+/// `eos_token_id` (one id or a list) of its `generation_config.json` if it has one (what
+/// transformers' `generate` stops at), else of its `config.json`; empty when neither names one.
+/// Errors name the file and the value when it is not an id or a list of ids.
+pub fn stop_tokens(dir: &std::path::Path) -> Result<Vec<u32>> {
+    for name in ["generation_config.json", "config.json"] {
+        let path = dir.join(name);
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+        let ids = match v.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(a)) => a.iter().map(|x| x.as_u64()).collect::<Option<Vec<_>>>(),
+            Some(x) => x.as_u64().map(|x| vec![x]),
+        };
+        match ids {
+            Some(ids) if ids.iter().all(|&x| x <= u32::MAX as u64) => return Ok(ids.into_iter().map(|x| x as u32).collect()),
+            _ => bail!("{}: eos_token_id {} is not a token id or a list of them", path.display(), v["eos_token_id"]),
+        }
+    }
+    Ok(Vec::new())
 }
 
 #[cfg(test)]

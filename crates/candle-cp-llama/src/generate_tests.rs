@@ -138,3 +138,78 @@ fn bad_input_is_an_error() -> Result<()> {
     assert_eq!(next, 16, "a failed step does not advance the cache");
     Ok(())
 }
+
+/// Stop tokens: each row ends at its first stop token (kept), its tokens before it those of the
+/// run without stops (greedy and sampled: the same draws); generation ends when every row has
+/// stopped (one `[B, V]` of logits per step taken); the same rows on a CP, a TP and a DP layout;
+/// a stop id outside the vocabulary is an error naming it.
+#[test]
+fn generation_stops_at_stop_tokens() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    let prompt = Tensor::arange(0u32, 32, &Device::Cpu)?.reshape((2, 16))?;
+    let sampled = Sampling::Sample { temperature: 1.5, top_k: 0, top_p: 1.0, seed: 7 };
+    for sampling in [Sampling::Greedy, sampled] {
+        let free = run_ranks(1, |g| model(&cfg, &ParallelCtx::single(g)?)?.generate(&prompt, 12, sampling))
+            .remove(0)?;
+        assert!(free.stopped.iter().all(|&s| !s));
+        // stop at row 0's fifth token and row 1's third (each row at its first token of the
+        // set, at most those): every row stops, generation ends after at most 5 steps
+        let stop = [63, free.tokens[0][4], free.tokens[1][2]];
+        let cut = |row: &[u32]| -> Vec<u32> {
+            match row.iter().position(|t| stop.contains(t)) {
+                Some(i) => row[..=i].to_vec(),
+                None => row.to_vec(),
+            }
+        };
+        let want: Vec<Vec<u32>> = free.tokens.iter().map(|r| cut(r)).collect();
+        let steps = want.iter().map(Vec::len).max().unwrap_or(0);
+        assert!(steps <= 5 && want[0].len() <= 5 && want[1].len() <= 3, "{want:?}");
+        for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2), Layout::single().with_tp(2, false), Layout::cp(CpKind::Ring, 2).with_dp(2)] {
+            for (r, g) in run_ranks(layout.world_size(), |g| {
+                model(&cfg, &ParallelCtx::new(g, layout)?)?.generate_until(&prompt, 12, sampling, &stop)
+            })
+            .into_iter()
+            .enumerate()
+            {
+                let g = g?;
+                assert_eq!(g.tokens, want, "{sampling:?} {layout} rank {r}");
+                assert_eq!(g.logits.len(), steps, "{sampling:?} {layout} rank {r}");
+                assert_eq!(g.stopped, vec![true, true]);
+                // a row's logits up to its last token are the free run's (a stopped row's later
+                // ones follow its stop token, not its free draw)
+                for (j, (a, b)) in g.logits.iter().zip(&free.logits).enumerate() {
+                    for (i, w) in want.iter().enumerate().filter(|(_, w)| j < w.len()) {
+                        let e = (a.get(i)? - b.get(i)?)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                        assert!(e < 1e-5, "{sampling:?} {layout} step {j} row {i} ({} tokens): {e}", w.len());
+                    }
+                }
+            }
+        }
+    }
+    let e = run_ranks(1, |g| model(&cfg, &ParallelCtx::single(g)?)?.generate_until(&prompt, 4, Sampling::Greedy, &[64]).map(|_| ()))
+        .remove(0)
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("stop token 64") && e.contains("vocab 64"), "{e}");
+    Ok(())
+}
+
+/// The checkpoint's end-of-sequence ids: generation_config.json's first (one id or a list),
+/// then config.json's; none; a value that is not an id is an error naming the file.
+#[test]
+fn stop_tokens_of_a_checkpoint() -> Result<()> {
+    let dir = std::env::temp_dir().join(format!("candle-cp-stop-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    assert!(stop_tokens(&dir)?.is_empty());
+    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#)?;
+    assert_eq!(stop_tokens(&dir)?, vec![2]);
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [128001, 128008, 128009]}"#)?;
+    assert_eq!(stop_tokens(&dir)?, vec![128001, 128008, 128009]);
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": null}"#)?;
+    assert_eq!(stop_tokens(&dir)?, vec![2]);
+    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "</s>"}"#)?;
+    let e = stop_tokens(&dir).unwrap_err().to_string();
+    assert!(e.contains("generation_config.json") && e.contains("</s>"), "{e}");
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
