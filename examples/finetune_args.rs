@@ -91,6 +91,15 @@ pub(crate) struct Args {
     /// Needs --data (the synthetic task is one sequence per row).
     #[arg(long)]
     pub(crate) pack_docs: bool,
+    /// --data (and --eval-data) is prompt / completion JSON lines (`{"prompt": ..., "completion":
+    /// ...}`, TRL's form): each example one packed document (attention and RoPE per example,
+    /// no padding), the loss on the completion tokens (default --loss-on completion), each
+    /// completion ended by --eos (default: --model's first `eos_token_id`, with --tokenizer).
+    #[arg(long)]
+    pub(crate) sft: bool,
+    /// The token id appended to every --sft completion (overrides --model's end-of-sequence id).
+    #[arg(long)]
+    pub(crate) eos: Option<u32>,
     /// Document separator for --pack-docs (`\n` means a newline).
     #[arg(long, default_value = "\\n\\n")]
     pub(crate) doc_separator: String,
@@ -303,9 +312,11 @@ pub(crate) struct Args {
     /// much more slowly) instead of one fused token.
     #[arg(long)]
     pub(crate) unfused: bool,
-    /// Training objective: `all` next-token targets, or `long-range` targets only (answer-only
-    /// loss). Default: long-range for the synthetic task, all for --data. With long-range,
-    /// the progress line also shows the (untrained) all-target loss as `all`.
+    /// Training objective: `all` next-token targets, or the marked targets only: `long-range`
+    /// (the synthetic task's answers) or `completion` (--sft's completion tokens; the same
+    /// selection). Default: long-range for the synthetic task, completion with --sft, all for
+    /// --data. With a selection, the progress line also shows the (untrained) all-target loss
+    /// as `all`.
     #[arg(long)]
     pub(crate) loss_on: Option<String>,
     /// Compute device of the ranks: cpu, or cuda (build with `--features cuda`; with --comm
@@ -384,6 +395,9 @@ pub(crate) fn layout(a: &Args) -> Result<Layout> {
 }
 
 pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
+    if a.sft && a.data.is_none() {
+        bail!("--sft reads prompt / completion examples: give them as --data FILE.jsonl")
+    }
     if a.pack_docs && a.data.is_none() {
         bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
     }
@@ -410,6 +424,9 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
 /// --tokenizer, packed documents with --pack-docs; and its description.
 pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
+    if a.sft {
+        return sft_source(a, path, &bytes, flag);
+    }
     if a.pack_docs {
         return packed_source(a, path, &bytes);
     }
@@ -434,6 +451,38 @@ pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Res
         if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
     );
     Ok((DataSource::Text(stream), desc))
+}
+
+/// `--sft`: the prompt / completion examples of `bytes` (JSON lines), byte-level or through
+/// --tokenizer, each completion ended by --eos or the model's end-of-sequence id.
+fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Result<(DataSource, String)> {
+    let text = std::str::from_utf8(bytes).with_context(|| format!("{flag} {}: not UTF-8 text", path.display()))?;
+    let eos = match (a.eos, &a.model, &a.tokenizer) {
+        (Some(id), _, _) => Some(id),
+        (None, Some(dir), Some(_)) => candle_cp_llama::stop_tokens(dir)?.first().copied(),
+        _ => None,
+    };
+    let stream = match &a.tokenizer {
+        None => candle_cp_llama::train::sft::prompt_completion_stream(text, &candle_cp_llama::train::sft::bytes_of, eos)?,
+        Some(tp) => {
+            let tok = tokenizers::Tokenizer::from_file(tp)
+                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let encode = |s: &str| -> candle_core::Result<Vec<u32>> {
+                tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+            };
+            candle_cp_llama::train::sft::prompt_completion_stream(text, &encode, eos)?
+        }
+    };
+    let desc = format!(
+        "{} ({} prompt / completion examples, {} tokens, {} of them completion targets, EOS {}, {}), packed",
+        path.display(),
+        stream.count(),
+        stream.len(),
+        stream.target_count(),
+        eos.map_or("none".to_string(), |e| e.to_string()),
+        if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
+    );
+    Ok((DataSource::Packed(stream), desc))
 }
 
 /// `--pack-docs`: the documents of `bytes`, byte-level or through --tokenizer (each

@@ -6,6 +6,7 @@
 //! cargo run --release --example finetune_llama -- --model tests/data/oracle/tiny-llama --data notes.txt
 //! # documents (separated by blank lines) packed into each sequence, masked from each other:
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
+//! cargo run --release --example finetune_llama -- --data sft.jsonl --sft --tokenizer tok.json --model DIR  # prompt / completion
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
@@ -202,10 +203,10 @@ fn main() -> Result<()> {
         .batch
         .unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
-        None => a.data.is_none(),
+        None => a.data.is_none() || a.sft,
         Some("all") => false,
-        Some("long-range") => true,
-        Some(o) => bail!("--loss-on {o}: expected all or long-range"),
+        Some("long-range" | "completion") => true,
+        Some(o) => bail!("--loss-on {o}: expected all, long-range or completion"),
     };
     if a.sliding_window == Some(0) {
         bail!("--sliding-window 0: a window holds at least 1 token (the query itself)")
@@ -324,7 +325,9 @@ fn main() -> Result<()> {
     );
     say!(
         "objective: mean cross-entropy over {} targets",
-        if long_range_only {
+        if long_range_only && a.sft {
+            "the completion"
+        } else if long_range_only {
             "the long-range"
         } else {
             "all next-token"
@@ -430,13 +433,15 @@ fn main() -> Result<()> {
     let t0 = Instant::now();
     let steps = a.steps;
     let ranks_here = launch.ranks_here(world);
+    // (the marked targets: the synthetic task's long-range answers, or --sft's completions)
+    let marked = if a.sft { "completion" } else { "long-range" };
     let on_step = move |m: &StepMetrics| {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
         let bar: String = "#".repeat(filled) + &".".repeat(width - filled);
         let lr_loss = m
             .long_range_loss
-            .map_or(String::new(), |x| format!("  long-range {x:.3}"));
+            .map_or(String::new(), |x| format!("  {marked} {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
@@ -448,7 +453,7 @@ fn main() -> Result<()> {
             String::new()
         };
         let all = all + &m.eval_loss.map_or(String::new(), |x| format!("  held-out {x:.3}"));
-        let all = all + &m.eval_long_range_loss.map_or(String::new(), |x| format!(" (long-range {x:.3})"));
+        let all = all + &m.eval_long_range_loss.map_or(String::new(), |x| format!(" ({marked} {x:.3})"));
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!(
                 "{:.0} MiB/rank ({:.0} MiB process)",
@@ -511,7 +516,7 @@ fn main() -> Result<()> {
     if let (Some(first), Some(last)) = (o.metrics.first(), o.metrics.last()) {
         let fmt = |x: Option<f64>| x.map_or("-".to_string(), |v| format!("{v:.3}"));
         println!(
-            "summary  : steps {}..{}  loss {:.3} -> {:.3}  long-range loss {} -> {}  (all-target loss {:.3} -> {:.3})",
+            "summary  : steps {}..{}  loss {:.3} -> {:.3}  {marked} loss {} -> {}  (all-target loss {:.3} -> {:.3})",
             first.step,
             last.step,
             first.train_loss,

@@ -69,6 +69,11 @@ pub fn run(a: MergeArgs) -> crate::Outcome {
         }
     }
     candle_cp_llama::save_hf_tensors(&a.out, &named, &cfg)?;
+    // the base's tokenizer, generation defaults and special token ids beside the weights
+    let carried = candle_cp_llama::hf_files::carry_model_files(&base, &a.out)?;
     println!("merged {n} weights (LoRA {spec}) into {}", a.out.display());
+    if !carried.is_empty() {
+        println!("carried from {}: {}", base.display(), carried.join(", "));
+    }
     Ok(true)
 }

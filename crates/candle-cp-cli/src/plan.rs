@@ -13,7 +13,7 @@ use candle_cp_plan::{
 pub struct CommonArgs {
     /// Model: llama3-8b, llama3-70b, llama3-405b, qwen2.5-7b, qwen2.5-72b, qwen3-8b, qwen3-32b,
     /// gemma3-1b, gemma3-4b, gemma3-12b, gemma3-27b, gemma2-2b, gemma2-9b, gemma2-27b,
-    /// qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, phi3-mini, phi3-medium, phi4-mini, phi4, gpt-oss-20b, gpt-oss-120b, smollm3-3b, mistral-small-24b, olmo2-7b, olmo3-7b, olmo3-32b, olmoe-1b-7b, exaone4-32b, granite3-1b-a400m, granite3-3b-a800m, glm4-9b, glm4.5-air, glm4.5, deepseek-v3, or the path of a Hugging Face config.json
+    /// qwen3-30b-a3b, qwen3-235b-a22b, mixtral-8x7b, phi3-mini, phi3-medium, phi4-mini, phi4, gpt-oss-20b, gpt-oss-120b, smollm3-3b, mistral-small-24b, olmo2-7b, olmo3-7b, olmo3-32b, olmoe-1b-7b, exaone4-32b, granite3-1b-a400m, granite3-3b-a800m, glm4-9b, glm4.5-air, glm4.5, deepseek-v3, kimi-k2, or the path of a Hugging Face config.json
     /// (the architectures candle-cp-llama reads: Llama, Mistral, Qwen2 / 3, the MoEs, Gemma 2 / 3, Phi-3, gpt-oss, SmolLM3, Granite, OLMo, EXAONE 4, GLM, DeepSeek-V3 / V2).
     #[arg(long)]
     pub model: String,

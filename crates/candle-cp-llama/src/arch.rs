@@ -144,7 +144,11 @@ impl Arch {
         Arch::DeepseekV2,
     ];
 
+    /// The architecture a `model_type` names: [`Arch::hf_names`]' own, or an alias
+    /// ([`crate::hf_files::MODEL_TYPE_ALIASES`]: Kimi K2's `kimi_k2`, a DeepSeek-V3, kept
+    /// when its checkpoints are written).
     fn of_model_type(t: &str) -> Option<Arch> {
+        let t = crate::hf_files::MODEL_TYPE_ALIASES.iter().find(|(alias, _)| *alias == t).map_or(t, |(_, written)| *written);
         Arch::ALL.into_iter().find(|a| a.hf_names().1 == t)
     }
 

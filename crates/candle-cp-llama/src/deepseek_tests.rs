@@ -54,6 +54,39 @@ fn deepseek_v3_configs() -> Result<()> {
     Ok(())
 }
 
+/// Kimi K2's config.json (`model_type` `kimi_k2` over `DeepseekV3ForCausalLM`, its keys as
+/// published, without `quantization_config`: a bf16 conversion's) reads as DeepSeek-V3 at its
+/// shape (64 heads, 384 experts in one group, one dense layer, YaRN 32 over 4096); its FP8
+/// release's `quantization_config` is refused by name.
+#[test]
+fn kimi_k2_configs() -> Result<()> {
+    let k2 = DEEPSEEK_V3
+        .replace(r#""model_type": "deepseek_v3""#, r#""model_type": "kimi_k2""#)
+        .replace(r#""num_attention_heads": 128"#, r#""num_attention_heads": 64"#)
+        .replace(r#""num_key_value_heads": 128"#, r#""num_key_value_heads": 64"#)
+        .replace(r#""n_routed_experts": 256"#, r#""n_routed_experts": 384"#)
+        .replace(r#""n_group": 8"#, r#""n_group": 1"#)
+        .replace(r#""topk_group": 4"#, r#""topk_group": 1"#)
+        .replace(r#""first_k_dense_replace": 3"#, r#""first_k_dense_replace": 1"#)
+        .replace(r#""routed_scaling_factor": 2.5"#, r#""routed_scaling_factor": 2.827"#)
+        .replace(r#""vocab_size": 129280"#, r#""vocab_size": 163840"#)
+        .replace(r#""factor": 40"#, r#""factor": 32"#)
+        .replace(r#""rope_theta": 10000"#, r#""rope_theta": 50000.0"#)
+        .replace(r#""bos_token_id": 0, "eos_token_id": 1"#, r#""bos_token_id": 163584, "eos_token_id": 163585"#);
+    assert!(k2.contains("kimi_k2") && k2.contains("384") && k2.contains("163585"));
+    let c = LlamaConfig::from_json(&k2)?;
+    assert_eq!((c.arch(), c.num_attention_heads, c.head_dim, c.vocab_size), (Arch::DeepseekV3, 64, 192, 163840));
+    let m = c.moe.clone().ok_or_else(|| candle_core::Error::Msg("no experts".into()))?;
+    assert_eq!((m.num_experts, m.groups, m.routed_scaling_factor, m.mlp_only_layers.clone()), (384, (1, 1), 2.827, vec![0]));
+    assert_eq!(c.moe_layers(), 60);
+    let fp8 = k2.replacen('{', r#"{"quantization_config": {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]},"#, 1);
+    assert!(err(&fp8).contains("fp8"), "{}", err(&fp8));
+    // (a model_type that names another architecture than `architectures` still disagrees)
+    let e = err(&k2.replace("DeepseekV3ForCausalLM", "DeepseekV2ForCausalLM"));
+    assert!(e.contains("but architectures"), "{e}");
+    Ok(())
+}
+
 /// DeepseekV3Config's defaults where the keys are absent; the refusals, by name.
 #[test]
 fn deepseek_v3_defaults_and_refusals() -> Result<()> {

@@ -66,6 +66,7 @@ pub mod generate;
 pub mod grads;
 pub mod head_loss;
 pub mod hf;
+pub mod hf_files;
 pub mod layout;
 mod layer_build;
 pub mod lora;

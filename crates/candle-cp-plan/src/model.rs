@@ -174,11 +174,11 @@ pub struct MoeShape {
 }
 
 /// Names accepted by [`ModelConfig::preset`].
-pub const MODEL_PRESETS: [&str; 36] = [
+pub const MODEL_PRESETS: [&str; 37] = [
     "llama3-8b", "llama3-70b", "llama3-405b", "qwen2.5-7b", "qwen2.5-72b", "qwen3-8b", "qwen3-32b", "gemma3-1b", "gemma3-4b", "gemma3-12b", "gemma3-27b",
     "gemma2-2b", "gemma2-9b", "gemma2-27b", "qwen3-30b-a3b", "qwen3-235b-a22b", "mixtral-8x7b", "phi3-mini", "phi3-medium",
     "phi4-mini", "phi4", "gpt-oss-20b", "gpt-oss-120b", "smollm3-3b", "mistral-small-24b", "olmo2-7b", "olmo3-7b", "olmo3-32b", "olmoe-1b-7b",
-    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b", "glm4.5-air", "glm4.5", "deepseek-v3",
+    "exaone4-32b", "granite3-1b-a400m", "granite3-3b-a800m", "glm4-9b", "glm4.5-air", "glm4.5", "deepseek-v3", "kimi-k2",
 ];
 
 impl ModelConfig {
@@ -282,6 +282,9 @@ impl ModelConfig {
             // deepseek-ai/DeepSeek-V3 (V3.1, R1: the same shape; intermediate_size: the dense
             // first layers'; its KV heads: the latent attention's 128)
             "deepseek-v3" => (7168, 61, 128, 128, 18432),
+            // moonshotai/Kimi-K2-Instruct (K2-Base, K2-Thinking: the same shape; DeepSeek-V3's
+            // with 64 heads, 384 experts and one dense layer)
+            "kimi-k2" => (7168, 61, 64, 64, 18432),
             _ => plan_bail!(
                 "unknown model preset '{name}' (known: {}; or pass the path of a Hugging Face config.json)",
                 MODEL_PRESETS.join(", ")
@@ -297,7 +300,7 @@ impl ModelConfig {
         let exaone4 = lower.starts_with("exaone4");
         let granite_moe = lower.starts_with("granite3-");
         let (glm4, glm45) = (lower == "glm4-9b", lower.starts_with("glm4.5"));
-        let deepseek = lower == "deepseek-v3";
+        let (kimi, deepseek) = (lower == "kimi-k2", lower == "deepseek-v3" || lower == "kimi-k2");
         let cfg = Self {
             name: lower.clone(),
             hidden,
@@ -330,6 +333,7 @@ impl ModelConfig {
                 _ if exaone4 => 102_400,
                 _ if granite_moe => 49_155,
                 _ if glm4 || glm45 => 151_552,
+                _ if kimi => 163_840,
                 _ if deepseek => 129_280,
                 _ => 128256,
             },
@@ -369,6 +373,8 @@ impl ModelConfig {
                 "glm4.5" => Some(MoeShape { experts: 160, top_k: 8, expert_ffn: 1536, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 1536, sigmoid_router: true, correction_bias: true }),
                 // (GLM-4.5's router; the first three layers dense, one shared expert)
                 "deepseek-v3" => Some(MoeShape { experts: 256, top_k: 8, expert_ffn: 2048, sparse_layers: layers - 3, norm_topk: true, shared_ffn: 2048, sigmoid_router: true, correction_bias: true }),
+                // (the first layer dense)
+                "kimi-k2" => Some(MoeShape { experts: 384, top_k: 8, expert_ffn: 2048, sparse_layers: layers - 1, norm_topk: true, shared_ffn: 2048, sigmoid_router: true, correction_bias: true }),
                 _ => None,
             },
         };

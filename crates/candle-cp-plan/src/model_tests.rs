@@ -212,6 +212,16 @@ fn presets_have_published_sizes() -> Result<()> {
     assert!(q15.qkv_bias && !q15.qk_norm && q15.moe.as_ref().is_some_and(|m| m.shared_ffn == 5632));
     let e = ModelConfig::from_hf_json(&text.replace("qwen3_moe", "llama4"), "m").unwrap_err();
     assert!(e.0.contains("'llama4'"), "{e}");
+    // Kimi K2 ("1T" total, "32B" activated on its card; moonshotai/Kimi-K2-Instruct's config.json
+    // arithmetic, its MTP layer not counted as DeepSeek-V3's): DeepSeek-V3's attention with 64
+    // heads, 60 sparse layers of 384 experts 2048 wide and one shared, vocabulary 163840
+    let k2 = ModelConfig::preset("kimi-k2")?;
+    assert_eq!((k2.total_params(), k2.active_params(), k2.head_dim, k2.kv_heads), (1_026_408_232_448, 32_861_500_928, 256, 64));
+    let k2_json = r#"{"architectures": ["DeepseekV3ForCausalLM"], "model_type": "kimi_k2", "hidden_size": 7168, "intermediate_size": 18432,
+        "kv_lora_rank": 512, "q_lora_rank": 1536, "qk_nope_head_dim": 128, "qk_rope_head_dim": 64, "v_head_dim": 128, "moe_intermediate_size": 2048,
+        "n_routed_experts": 384, "n_shared_experts": 1, "num_experts_per_tok": 8, "first_k_dense_replace": 1, "num_attention_heads": 64,
+        "num_key_value_heads": 64, "num_hidden_layers": 61, "n_group": 1, "topk_group": 1, "vocab_size": 163840, "tie_word_embeddings": false}"#;
+    assert_eq!(ModelConfig { name: "kimi-k2".into(), ..ModelConfig::from_hf_json(k2_json, "x")? }, k2);
     // DeepSeek-V2-Lite ("16B", 2.4B active): 15,706,484,224 from its config.json arithmetic (one
     // q_proj; layer 0 dense, 26 of 64 experts 1408 wide, 6 per token, two shared, no correction
     // bias)

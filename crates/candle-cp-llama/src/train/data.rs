@@ -15,9 +15,12 @@ use candle_cp_ops::packing::Documents;
 pub struct Sample {
     /// Token ids, length `T`.
     pub tokens: Vec<u32>,
-    /// `long_range[t]` (t ≥ 1) marks token `t` as a long-range target: it is predicted from
-    /// position `t - 1` and can only be predicted by attending to tokens at least `T/4`
-    /// positions earlier. `long_range[0]` is always false. Length `T`.
+    /// `long_range[t]` (t ≥ 1) marks token `t` as a target of the selective loss
+    /// ([`crate::train::TrainConfig::long_range_only`]), predicted from position `t - 1`: in the
+    /// recall task a long-range target (only predictable by attending to tokens at least `T/4`
+    /// positions earlier), in prompt / completion data a completion token
+    /// ([`super::PackedStream::from_examples`]). `long_range[0]` is false for the recall task.
+    /// Length `T`.
     pub long_range: Vec<bool>,
     /// Packed documents of the sequence (boundaries covering `T`), or `None` for one
     /// sequence. A trainer shards rows with documents with
@@ -313,7 +316,7 @@ impl DataSource {
                 if held >= n {
                     bail!("held-out split: {n} documents, {held} held out leave none to train on")
                 }
-                let docs = |r: std::ops::Range<usize>| -> Result<DataSource> { Ok(DataSource::Packed(PackedStream::from_documents(r.map(|i| s.document(i).to_vec()).collect())?)) };
+                let docs = |r: std::ops::Range<usize>| -> Result<DataSource> { Ok(DataSource::Packed(s.subset(r)?)) };
                 Ok((docs(0..n - held)?, docs(n - held..n)?))
             }
         }

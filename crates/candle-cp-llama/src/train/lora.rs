@@ -149,6 +149,9 @@ pub(crate) struct BaseModel {
     pub(crate) path: PathBuf,
     /// Written by [`BaseModel::write_once`] before the first checkpoint.
     pending: Cell<bool>,
+    /// The model directory the base weights came from, whose tokenizer and generation files
+    /// a written base carries ([`crate::hf_files::carry_model_files`]).
+    source: Option<PathBuf>,
 }
 
 impl BaseModel {
@@ -157,9 +160,10 @@ impl BaseModel {
     /// the run kept its config (`config_changed` false), else `<out>/base`, to be written.
     pub(crate) fn new(out: &Path, source: Option<&Path>, config_changed: bool) -> Result<Self> {
         let abs = |p: &Path| std::path::absolute(p).map_err(|e| candle_core::Error::Msg(format!("LoRA base: {}: {e}", p.display())));
+        let source_dir = source.map(Path::to_path_buf);
         match source {
-            Some(src) if !config_changed => Ok(Self { path: abs(src)?, pending: Cell::new(false) }),
-            _ => Ok(Self { path: abs(&out.join("base"))?, pending: Cell::new(true) }),
+            Some(src) if !config_changed => Ok(Self { path: abs(src)?, pending: Cell::new(false), source: source_dir }),
+            _ => Ok(Self { path: abs(&out.join("base"))?, pending: Cell::new(true), source: source_dir }),
         }
     }
 
@@ -183,6 +187,9 @@ impl BaseModel {
         let base_cfg = LlamaConfig { lora: None, ..cfg.clone() };
         crate::save_hf_sharded(&tmp, &crate::params::varmap_tensors(varmap)?, &base_cfg, ctx, write)?;
         if write {
+            if let Some(src) = &self.source {
+                crate::hf_files::carry_model_files(src, &tmp)?;
+            }
             if self.path.exists() {
                 std::fs::remove_dir_all(&self.path).map_err(|e| io("replacing", &self.path, e))?;
             }

@@ -20,6 +20,7 @@ mod param_gather;
 pub mod plot;
 pub mod rng;
 pub mod schedule;
+pub mod sft;
 pub mod trainer;
 mod overlap;
 mod zero;

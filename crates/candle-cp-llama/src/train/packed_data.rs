@@ -2,7 +2,9 @@
 //! consecutive documents into `T` tokens (the last one cut) and carries their boundaries
 //! ([`Documents`]), so the model keeps attention inside each document, restarts RoPE
 //! positions per document and trains no target across a boundary
-//! ([`crate::packed::shard_batch_packed`]).
+//! ([`crate::packed::shard_batch_packed`]). A stream of prompt / completion examples
+//! ([`PackedStream::from_examples`], module [`super::sft`]) also marks each token that is a
+//! target of the supervised loss (the completions'), carried into the samples.
 
 use super::data::Sample;
 use super::rng::Rng;
@@ -16,6 +18,9 @@ pub struct PackedStream {
     tokens: Vec<u32>,
     /// Document boundaries in `tokens`: `[0, c1, .., tokens.len()]` (every document non-empty).
     cu: Vec<usize>,
+    /// Per token of `tokens`: is it a target of the supervised loss ([`Sample::long_range`]'s
+    /// marks; `None`: none marked, every target counts under an all-target loss).
+    targets: Option<Vec<bool>>,
 }
 
 impl PackedStream {
@@ -30,7 +35,48 @@ impl PackedStream {
         if cu.len() < 2 {
             bail!("PackedStream: the corpus has no non-empty document")
         }
-        Ok(Self { tokens, cu })
+        Ok(Self { tokens, cu, targets: None })
+    }
+
+    /// From prompt / completion examples, in order: each one document `prompt ++ completion`
+    /// whose completion tokens are marked as the supervised targets (predicted from the token
+    /// before each: the last prompt token predicts the first completion token); empty examples
+    /// are dropped. Errors if none is left.
+    pub fn from_examples(examples: Vec<(Vec<u32>, Vec<u32>)>) -> Result<Self> {
+        let (mut tokens, mut targets, mut cu) = (Vec::new(), Vec::new(), vec![0]);
+        for (prompt, completion) in examples.into_iter().filter(|(p, c)| !(p.is_empty() && c.is_empty())) {
+            targets.extend(std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())));
+            tokens.extend(prompt);
+            tokens.extend(completion);
+            cu.push(tokens.len());
+        }
+        if cu.len() < 2 {
+            bail!("PackedStream: no non-empty prompt / completion example")
+        }
+        Ok(Self { tokens, cu, targets: Some(targets) })
+    }
+
+    /// Documents `range` of the stream as a stream of their own (their targets kept).
+    pub fn subset(&self, range: std::ops::Range<usize>) -> Result<Self> {
+        if range.start >= range.end || range.end > self.count() {
+            bail!("PackedStream::subset: documents {range:?} of {}", self.count())
+        }
+        let (a, b) = (self.cu[range.start], self.cu[range.end]);
+        Ok(Self {
+            tokens: self.tokens[a..b].to_vec(),
+            cu: self.cu[range.start..=range.end].iter().map(|c| c - a).collect(),
+            targets: self.targets.as_ref().map(|t| t[a..b].to_vec()),
+        })
+    }
+
+    /// Does the stream mark supervised targets ([`PackedStream::from_examples`])?
+    pub fn has_targets(&self) -> bool {
+        self.targets.is_some()
+    }
+
+    /// Number of tokens marked as supervised targets.
+    pub fn target_count(&self) -> usize {
+        self.targets.as_ref().map_or(0, |t| t.iter().filter(|&&x| x).count())
     }
 
     /// Byte-level documents (vocabulary 256) of `text` split on `separator` (e.g. `b"\n\n"`,
@@ -72,7 +118,8 @@ impl PackedStream {
     /// Draw one sequence of `seq_len` tokens: start at a random document (at a random offset
     /// inside it if it alone is longer than `seq_len`), then append the following documents
     /// (wrapping around the corpus) until `seq_len` tokens; the last one is cut. The sample's
-    /// `documents` are the pieces' boundaries. Errors if the corpus is shorter than `seq_len`.
+    /// `documents` are the pieces' boundaries, its `long_range` the pieces' target marks (all
+    /// false without them). Errors if the corpus is shorter than `seq_len`.
     pub fn sample(&self, seq_len: usize, rng: &mut Rng) -> Result<Sample> {
         if self.tokens.len() < seq_len || seq_len < 2 {
             bail!(
@@ -89,18 +136,23 @@ impl PackedStream {
             start = rng.below(first.len() - seq_len + 1);
         }
         let mut tokens = Vec::with_capacity(seq_len);
+        let mut marks = Vec::with_capacity(seq_len);
         let mut lengths = Vec::new();
         while tokens.len() < seq_len {
-            let doc = &self.document(d)[start..];
-            let take = doc.len().min(seq_len - tokens.len());
-            tokens.extend_from_slice(&doc[..take]);
+            let at = self.cu[d] + start;
+            let take = (self.cu[d + 1] - at).min(seq_len - tokens.len());
+            tokens.extend_from_slice(&self.tokens[at..at + take]);
+            match &self.targets {
+                Some(t) => marks.extend_from_slice(&t[at..at + take]),
+                None => marks.extend(std::iter::repeat_n(false, take)),
+            }
             lengths.push(take);
             d = (d + 1) % self.count();
             start = 0;
         }
         Ok(Sample {
             tokens,
-            long_range: vec![false; seq_len],
+            long_range: marks,
             documents: Some(Documents::from_lengths(&lengths)?),
         })
     }

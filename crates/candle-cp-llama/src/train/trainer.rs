@@ -366,7 +366,14 @@ pub fn train_rank(
                 base.write_once(&varmap, &mcfg, &ctx, &world, is_main)?;
                 super::lora::save_adapters(&tmp, &varmap, &mcfg, &ctx, is_main, &base.path.display().to_string())?;
             }
-            None => save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?,
+            None => {
+                save_hf_sharded(&tmp, &crate::params::varmap_tensors(&varmap)?, &mcfg, &ctx, is_main)?;
+                // the tokenizer, generation defaults and special token ids of the model the run
+                // started from (or of the checkpoint it resumed, which carried them)
+                if let (Some(from), true) = (base_dir.as_ref().or(resume_from.as_ref()), is_main) {
+                    crate::hf_files::carry_model_files(from, &tmp)?;
+                }
+            }
         }
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
@@ -613,3 +620,7 @@ mod lora_tests;
 #[cfg(test)]
 #[path = "trainer_eval_tests.rs"]
 mod eval_tests;
+
+#[cfg(test)]
+#[path = "trainer_sft_tests.rs"]
+mod sft_tests;

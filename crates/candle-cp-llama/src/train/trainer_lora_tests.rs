@@ -152,10 +152,13 @@ fn lora_checkpoints_name_their_base_model() -> Result<()> {
     let dw = tmpdir("lora-hf-window");
     let mut cw = c.clone();
     (cw.out, cw.sliding_window, cw.steps, cw.save_every) = (Some(dw.clone()), Some(4), 1, 1);
+    std::fs::write(hf.join("tokenizer_config.json"), "{}")?;
     run(&cw)?;
     let wbase = crate::lora::base_model_dir(&dw.join("checkpoints/step-000001"))?;
     assert_eq!(wbase, std::path::absolute(dw.join("base"))?);
     assert_eq!(crate::LlamaConfig::from_file(wbase.join("config.json"))?.sliding_window, Some(4));
+    // (carrying the HF model's tokenizer files)
+    assert_eq!(std::fs::read_to_string(wbase.join("tokenizer_config.json"))?, "{}");
     // drawn weights, then the run directory moved: the base found beside the checkpoints
     let (da, moved) = (tmpdir("lora-move"), tmpdir("lora-moved"));
     let mut ca = lora_cfg(Some(da.clone()), Layout::single())?;
