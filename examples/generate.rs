@@ -17,6 +17,7 @@
 //! cargo run --release --example generate -- --cp 2 --dp 2 --batch 2
 //! cargo run --release --example generate -- --temperature 0.8 --top-p 0.9 --sample-seed 3
 //! cargo run --release --example generate -- --stop-at-eos --new-tokens 256
+//! cargo run --release --example generate -- --model DIR --prompt "The capital of France is" --stop-at-eos
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! ```
 
@@ -50,9 +51,18 @@ struct Args {
     /// ring | zigzag | striped | allgather | ulysses | 2d (2d: ulysses 2 × ring cp/2).
     #[arg(long, default_value = "zigzag")]
     cp_kind: String,
-    /// Prompt length T (must suit the layout, e.g. a multiple of 2·cp for zigzag).
+    /// Prompt length T of the seeded random prompt (any length: the longest prefix that suits
+    /// the layout is prefilled, the rest decoded).
     #[arg(long, default_value_t = 1024)]
     prompt_len: usize,
+    /// Generate from this text instead (every --batch row the same), tokenised by --tokenizer;
+    /// the tokens generated are printed as text too.
+    #[arg(long)]
+    prompt: Option<String>,
+    /// HF tokenizer.json for --prompt (default: the model's own tokenizer.json; bytes when it
+    /// has none).
+    #[arg(long)]
+    tokenizer: Option<PathBuf>,
     /// Tokens to generate.
     #[arg(long, default_value_t = 16)]
     new_tokens: usize,
@@ -211,10 +221,36 @@ fn main() -> anyhow::Result<()> {
     .with_tp(a.tp, a.sp)
     .with_dp(a.dp);
     layout.validate(cfg.num_attention_heads, cfg.num_key_value_heads)?;
-    let (t, new) = (a.prompt_len, a.new_tokens);
-    let prompt = random_prompt(a.batch, t, cfg.vocab_size, a.seed)?;
+    let new = a.new_tokens;
+    // --prompt: through the tokenizer (or bytes); else a seeded random prompt
+    let tok_path = a.tokenizer.clone().or_else(|| Some(dir.join("tokenizer.json")).filter(|p| p.exists()));
+    let tokenizer = match (&a.prompt, &tok_path) {
+        (Some(_), Some(p)) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading tokenizer {}: {e}", p.display()))?),
+        _ => None,
+    };
+    let prompt = match &a.prompt {
+        Some(text) => {
+            let ids: Vec<u32> = match &tokenizer {
+                Some(tk) => tk.encode(text.as_str(), true).map_err(|e| anyhow::anyhow!("tokenizing --prompt: {e}"))?.get_ids().to_vec(),
+                None => text.bytes().map(u32::from).collect(),
+            };
+            if ids.is_empty() || ids.iter().any(|&i| i as usize >= cfg.vocab_size) {
+                bail!("--prompt: {} tokens {:?}: needs at least one, each below the vocabulary {}", ids.len(), &ids[..ids.len().min(8)], cfg.vocab_size)
+            }
+            let t = ids.len();
+            Tensor::from_vec(ids.repeat(a.batch), (a.batch, t), &Device::Cpu)?
+        }
+        None => random_prompt(a.batch, a.prompt_len, cfg.vocab_size, a.seed)?,
+    };
+    let t = prompt.dim(1)?;
+    let as_text = |row: &[u32]| -> String {
+        match &tokenizer {
+            Some(tk) => tk.decode(row, false).unwrap_or_else(|e| format!("<undecodable: {e}>")),
+            None => String::from_utf8_lossy(&row.iter().map(|&x| x as u8).collect::<Vec<_>>()).into_owned(),
+        }
+    };
     println!(
-        "model {} ({} {} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}{}; prompt [{}, {t}] (seed {}), {new} new tokens",
+        "model {} ({} {} layers, hidden {}, {} heads / {} kv, vocab {}), window {:?}{}; prompt [{}, {t}] ({}), {new} new tokens",
         dir.display(),
         cfg.arch().hf_names().0,
         cfg.num_hidden_layers,
@@ -225,7 +261,11 @@ fn main() -> anyhow::Result<()> {
         cfg.sliding_window,
         cfg.sliding_layers.as_ref().map_or(String::new(), |l| format!(" on {} of the layers", l.iter().filter(|&&s| s).count())),
         a.batch,
-        a.seed
+        match (&a.prompt, &tok_path) {
+            (Some(_), Some(p)) => format!("--prompt through {}", p.display()),
+            (Some(_), None) => "--prompt as bytes".to_string(),
+            (None, _) => format!("seed {}", a.seed),
+        }
     );
 
     let sampling = match a.temperature {
@@ -253,6 +293,9 @@ fn main() -> anyhow::Result<()> {
         for (i, row) in gens[0].tokens.iter().enumerate() {
             let end = if gens[0].stopped.get(i) == Some(&true) { " (stopped)" } else { "" };
             println!("  tokens[{i}]    {row:?}{end}");
+            if a.prompt.is_some() {
+                println!("  text[{i}]      {:?}", as_text(row));
+            }
         }
         println!("  prefill      {pre:.1} ms ({pre_tok:.3} ms / prompt token)");
         println!("  decode       {dec_tok:.2} ms / token");

@@ -316,24 +316,28 @@ fn bad_layouts_and_lengths_are_errors() -> Result<()> {
         let e = r?.unwrap_or_default();
         assert!(e.contains("dp = 4") && e.contains("[2, 64]"), "dp = 4 must be refused for B = 2: {e}");
     }
-    // T = 60 is not a multiple of 2·4 (zigzag 4), T = 62 of 4 (ring shards of 2-D 2×2 / ulysses 2)
+    // T = 60 is not a multiple of 2·4 (zigzag 4), T = 62 of 8 (2-D 2×2: zigzag ring shards
+    // split over ulysses 2), T = 63 of 2 (ring 2): the prefill refuses them naming T;
+    // generation prefills the longest prefix that suits and decodes the rest, the tokens of
+    // one device
     for (t, layout) in [
         (60, Layout::cp(CpKind::Zigzag, 4)),
         (62, Layout::two_d(2, 2)),
         (63, Layout::cp(CpKind::Ring, 2)),
     ] {
         let short = ids.narrow(1, 0, t)?;
+        let one = run_ranks(1, |g| model(cfg, &ParallelCtx::single(g)?)?.generate_greedy(&short, 3)).remove(0)?;
         for r in run_ranks(layout.world_size(), |g| {
-            Ok(model(cfg, &ParallelCtx::new(g, layout)?)?
-                .generate_greedy(&short, 2)
-                .err()
-                .map(|e| e.to_string()))
+            let m = model(cfg, &ParallelCtx::new(g, layout)?)?;
+            Ok((m.prefill(&short).err().map(|e| e.to_string()), m.generate_greedy(&short, 3)?))
         }) {
-            let e = r?.unwrap_or_default();
+            let (e, gen) = r?;
+            let e = e.unwrap_or_default();
             assert!(
                 e.contains(&format!("T = {t}")),
-                "{layout}, T = {t} must be refused naming T: {e}"
+                "{layout}, T = {t} must be refused by the prefill naming T: {e}"
             );
+            assert_eq!(gen.tokens, one.tokens, "{layout}, T = {t}");
         }
     }
     Ok(())

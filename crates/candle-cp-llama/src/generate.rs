@@ -435,9 +435,8 @@ impl Llama {
     }
 
     /// Greedy decoding of `new_tokens` tokens after `prompt` (global u32 ids `[B, T]`, the
-    /// same on every rank; `T` must suit the layout as for [`crate::shard_batch`]):
-    /// [`Llama::prefill`], then `new_tokens - 1` [`Llama::decode_step`]s, each token the
-    /// argmax of its logits. Every rank returns the same tokens. Collective over the world
+    /// same on every rank; any `T ≥ 1`: see [`Llama::generate_until`]): [`Llama::prefill`],
+    /// then `new_tokens - 1` [`Llama::decode_step`]s, each token the argmax of its logits. Every rank returns the same tokens. Collective over the world
     /// (CP, TP and DP groups).
     ///
     /// With DP each replica prefills and decodes its `B / dp` rows (its own KV cache); the
@@ -456,21 +455,70 @@ impl Llama {
         self.generate_until(prompt, new_tokens, sampling, &[])
     }
 
+    /// The multiple of which a prompt's length `T` suits this layout's prefill (sequence
+    /// parallelism off): `2·cp` for zigzag, all-gather and 2-D (whose ring shards split over
+    /// Ulysses: `2·ring·ulysses`), `cp` for ring, striped and Ulysses, 1 without CP.
+    /// [`Llama::generate_until`] takes any `T`: it prefills the longest prefix of such a length
+    /// and feeds the rest through decode steps.
+    pub fn prompt_multiple(&self) -> usize {
+        let l = &self.ctx.layout;
+        let (outer, inner) = if l.cp_kind == crate::CpKind::TwoD { (l.ring, l.ulysses) } else { (l.cp, 1) };
+        if outer <= 1 {
+            return inner.max(1);
+        }
+        l.cp_kind.seq_layout().divisor(outer) * inner
+    }
+
+    /// An empty cache of `bd` rows (this DP replica's) for decoding from position 0, with the
+    /// latent attention's absorbed weights.
+    fn empty_cache(&self, bd: usize) -> Result<KvCache> {
+        let (heads, _) = self.heads();
+        let blocks = self.generation_blocks()?;
+        let absorbed = blocks.iter().map(|b| b.mla.as_ref().map(|m| m.absorbed_weights(heads.0)).transpose()).collect::<Result<Vec<_>>>()?;
+        Ok(KvCache { layers: vec![KvShard::new(); blocks.len()], absorbed, batch: bd, next: 0 })
+    }
+
     /// [`Llama::generate`] that ends each row at its first token in `stop` (kept as the row's
     /// last token; an end-of-sequence id, [`stop_tokens`] reads a checkpoint's), at most
     /// `max_new_tokens` per row. Rows that stopped go on through the decode steps with their
     /// stop token (their cache rows are never read for them again) until every row has
     /// stopped, then generation ends: `logits` holds one `[B, V]` per step taken, as many as the
     /// longest row's tokens. Every rank holds all rows' tokens, so every rank stops at the same
-    /// step (no collective). Errors name a stop id outside the vocabulary.
+    /// step (no collective). The prompt may have any length `T ≥ 1`: the longest prefix whose
+    /// length suits the layout ([`Llama::prompt_multiple`]) is prefilled on it, the rest goes
+    /// through decode steps (its predictions unused; the cache then holds every prompt token,
+    /// the same as a whole prefill up to rounding). Errors name a stop id outside the
+    /// vocabulary.
     pub fn generate_until(&self, prompt: &Tensor, max_new_tokens: usize, sampling: Sampling, stop: &[u32]) -> Result<Generation> {
         if let Some(&bad) = stop.iter().find(|&&t| t as usize >= self.cfg.vocab_size) {
             bail!("Llama::generate_until: stop token {bad} out of range for vocab {} (stop {stop:?})", self.cfg.vocab_size)
         }
+        let (bp, t) = match prompt.dims() {
+            &[b, t] if b > 0 && t > 0 => (b, t),
+            _ => bail!("Llama::generate_until: prompt must be [B, T] token ids with B, T >= 1, got {:?}", prompt.dims()),
+        };
         let mut sampler = Sampler::new(sampling)?;
         let t0 = Instant::now();
-        let (mut cache, local) = self.prefill(prompt)?;
+        let whole = t - t % self.prompt_multiple();
         let dp = &self.ctx.dp;
+        let (mut cache, mut local) = match whole {
+            0 => {
+                if !bp.is_multiple_of(dp.size()) {
+                    bail!("Llama::generate_until: batch {bp} (prompt {:?}) not divisible by dp = {}", prompt.dims(), dp.size())
+                }
+                (self.empty_cache(bp / dp.size())?, None)
+            }
+            _ => {
+                let (c, l) = self.prefill(&prompt.narrow(1, 0, whole)?)?;
+                (c, Some(l))
+            }
+        };
+        // the prompt's tail, one token per decode step (this replica's rows)
+        let rows = prompt.narrow(0, dp.rank() * cache.batch, cache.batch)?;
+        for i in whole..t {
+            local = Some(self.decode_step(&mut cache, &rows.narrow(1, i, 1)?.squeeze(1)?.contiguous()?)?);
+        }
+        let Some(local) = local else { bail!("Llama::generate_until: internal error (no logits for prompt {:?})", prompt.dims()) };
         // every row's logits on every rank: [B, V]
         let all_rows = |l: Tensor| -> Result<Tensor> {
             if dp.size() > 1 {

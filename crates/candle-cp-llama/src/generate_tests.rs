@@ -213,3 +213,35 @@ fn stop_tokens_of_a_checkpoint() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// A prompt whose length does not suit the layout: the longest suitable prefix prefilled, the
+/// rest decoded (none prefilled when it is shorter than the layout's multiple); the tokens and
+/// logits of one device (which prefills it whole) on zigzag CP 2 (multiple 4), 2-D (8) and
+/// ring CP 2 × DP 2, sampled; the multiples.
+#[test]
+fn any_prompt_length_on_every_layout() -> Result<()> {
+    let cfg = LlamaConfig::tiny(64, 32, 2, 4, 2);
+    let sampling = Sampling::Sample { temperature: 1.2, top_k: 0, top_p: 1.0, seed: 3 };
+    for t in [3usize, 7, 13] {
+        let prompt = Tensor::arange(0u32, 2 * t as u32, &Device::Cpu)?.reshape((2, t))?;
+        let one = run_ranks(1, |g| model(&cfg, &ParallelCtx::single(g)?)?.generate(&prompt, 5, sampling)).remove(0)?;
+        for (layout, multiple) in [(Layout::cp(CpKind::Zigzag, 2), 4), (Layout::two_d(2, 2), 8), (Layout::cp(CpKind::Ring, 2).with_dp(2), 2)] {
+            for (r, g) in run_ranks(layout.world_size(), |g| {
+                let m = model(&cfg, &ParallelCtx::new(g, layout)?)?;
+                assert_eq!(m.prompt_multiple(), multiple, "{layout}");
+                m.generate(&prompt, 5, sampling)
+            })
+            .into_iter()
+            .enumerate()
+            {
+                let g = g?;
+                assert_eq!(g.tokens, one.tokens, "T = {t} {layout} rank {r}");
+                for (a, b) in g.logits.iter().zip(&one.logits) {
+                    let e = (a - b)?.abs()?.max_all()?.to_scalar::<f32>()?;
+                    assert!(e < 1e-5, "T = {t} {layout} rank {r}: {e}");
+                }
+            }
+        }
+    }
+    Ok(())
+}
