@@ -479,7 +479,7 @@ impl Llama {
     }
 
     /// [`Llama::generate`] that ends each row at its first token in `stop` (kept as the row's
-    /// last token; an end-of-sequence id, [`stop_tokens`] reads a checkpoint's), at most
+    /// last token; an end-of-sequence id, [`crate::stop_tokens`] reads a checkpoint's), at most
     /// `max_new_tokens` per row. Rows that stopped go on through the decode steps with their
     /// stop token (their cache rows are never read for them again) until every row has
     /// stopped, then generation ends: `logits` holds one `[B, V]` per step taken, as many as the
@@ -566,28 +566,6 @@ impl Llama {
         out.cache_rows = cache.len();
         Ok(out)
     }
-}
-
-/// The end-of-sequence ids of the checkpoint in `dir`, for [`Llama::generate_until`]:
-/// `eos_token_id` (one id or a list) of its `generation_config.json` if it has one (what
-/// transformers' `generate` stops at), else of its `config.json`; empty when neither names one.
-/// Errors name the file and the value when it is not an id or a list of ids.
-pub fn stop_tokens(dir: &std::path::Path) -> Result<Vec<u32>> {
-    for name in ["generation_config.json", "config.json"] {
-        let path = dir.join(name);
-        let Ok(text) = std::fs::read_to_string(&path) else { continue };
-        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
-        let ids = match v.get("eos_token_id") {
-            None | Some(serde_json::Value::Null) => continue,
-            Some(serde_json::Value::Array(a)) => a.iter().map(|x| x.as_u64()).collect::<Option<Vec<_>>>(),
-            Some(x) => x.as_u64().map(|x| vec![x]),
-        };
-        match ids {
-            Some(ids) if ids.iter().all(|&x| x <= u32::MAX as u64) => return Ok(ids.into_iter().map(|x| x as u32).collect()),
-            _ => bail!("{}: eos_token_id {} is not a token id or a list of them", path.display(), v["eos_token_id"]),
-        }
-    }
-    Ok(Vec::new())
 }
 
 #[cfg(test)]

@@ -194,26 +194,6 @@ fn generation_stops_at_stop_tokens() -> Result<()> {
     Ok(())
 }
 
-/// The checkpoint's end-of-sequence ids: generation_config.json's first (one id or a list),
-/// then config.json's; none; a value that is not an id is an error naming the file.
-#[test]
-fn stop_tokens_of_a_checkpoint() -> Result<()> {
-    let dir = std::env::temp_dir().join(format!("candle-cp-stop-{}", std::process::id()));
-    std::fs::create_dir_all(&dir)?;
-    assert!(stop_tokens(&dir)?.is_empty());
-    std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#)?;
-    assert_eq!(stop_tokens(&dir)?, vec![2]);
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [128001, 128008, 128009]}"#)?;
-    assert_eq!(stop_tokens(&dir)?, vec![128001, 128008, 128009]);
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": null}"#)?;
-    assert_eq!(stop_tokens(&dir)?, vec![2]);
-    std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "</s>"}"#)?;
-    let e = stop_tokens(&dir).unwrap_err().to_string();
-    assert!(e.contains("generation_config.json") && e.contains("</s>"), "{e}");
-    std::fs::remove_dir_all(&dir)?;
-    Ok(())
-}
-
 /// A prompt whose length does not suit the layout: the longest suitable prefix prefilled, the
 /// rest decoded (none prefilled when it is shorter than the layout's multiple); the tokens and
 /// logits of one device (which prefills it whole) on zigzag CP 2 (multiple 4), 2-D (8) and

@@ -5,7 +5,7 @@
 //! original did, and its `config.json` keeps the original's special token ids
 //! ([`crate::LlamaConfig`] holds `bos_token_id` / `eos_token_id`, not `pad_token_id`) and
 //! `model_type` where the original's is an alias of the same architecture (Kimi K2's
-//! `kimi_k2` for `deepseek_v3`).
+//! `kimi_k2` for `deepseek_v3`). [`stop_tokens`] reads a directory's end-of-sequence ids.
 
 use candle_core::{bail, Result};
 use serde_json::{Map, Value};
@@ -91,6 +91,28 @@ pub fn carry_model_files(from: &Path, to: &Path) -> Result<Vec<String>> {
     Ok(carried)
 }
 
+/// The end-of-sequence ids of the checkpoint in `dir`, for [`crate::Llama::generate_until`]:
+/// `eos_token_id` (one id or a list) of its `generation_config.json` if it has one (what
+/// transformers' `generate` stops at), else of its `config.json`; empty when neither names one.
+/// Errors name the file and the value when it is not an id or a list of ids.
+pub fn stop_tokens(dir: &std::path::Path) -> Result<Vec<u32>> {
+    for name in ["generation_config.json", "config.json"] {
+        let path = dir.join(name);
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+        let ids = match v.get("eos_token_id") {
+            None | Some(serde_json::Value::Null) => continue,
+            Some(serde_json::Value::Array(a)) => a.iter().map(|x| x.as_u64()).collect::<Option<Vec<_>>>(),
+            Some(x) => x.as_u64().map(|x| vec![x]),
+        };
+        match ids {
+            Some(ids) if ids.iter().all(|&x| x <= u32::MAX as u64) => return Ok(ids.into_iter().map(|x| x as u32).collect()),
+            _ => bail!("{}: eos_token_id {} is not a token id or a list of them", path.display(), v["eos_token_id"]),
+        }
+    }
+    Ok(Vec::new())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -130,6 +152,26 @@ mod tests {
         let e = carry_model_files(&from, &to).unwrap_err().to_string();
         assert!(e.contains("not a JSON object") && e.contains("config.json"), "{e}");
         std::fs::remove_dir_all(&root)?;
+        Ok(())
+    }
+
+    /// The checkpoint's end-of-sequence ids: generation_config.json's first (one id or a list),
+    /// then config.json's; none; a value that is not an id is an error naming the file.
+    #[test]
+    fn stop_tokens_of_a_checkpoint() -> Result<()> {
+        let dir = std::env::temp_dir().join(format!("candle-cp-stop-{}", std::process::id()));
+        std::fs::create_dir_all(&dir)?;
+        assert!(stop_tokens(&dir)?.is_empty());
+        std::fs::write(dir.join("config.json"), r#"{"eos_token_id": 2}"#)?;
+        assert_eq!(stop_tokens(&dir)?, vec![2]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": [128001, 128008, 128009]}"#)?;
+        assert_eq!(stop_tokens(&dir)?, vec![128001, 128008, 128009]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": null}"#)?;
+        assert_eq!(stop_tokens(&dir)?, vec![2]);
+        std::fs::write(dir.join("generation_config.json"), r#"{"eos_token_id": "</s>"}"#)?;
+        let e = stop_tokens(&dir).unwrap_err().to_string();
+        assert!(e.contains("generation_config.json") && e.contains("</s>"), "{e}");
+        std::fs::remove_dir_all(&dir)?;
         Ok(())
     }
 }

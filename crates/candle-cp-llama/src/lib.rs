@@ -88,7 +88,8 @@ pub mod train;
 pub mod verify;
 
 pub use config::{exaone4, gemma, gemma2, olmo, phi3, qwen3_moe, Arch, Gemma2, Gemma3, Glm, Granite, LlamaConfig, MoeConfig, MoeStyle, Olmo, RopeScaling};
-pub use generate::{stop_tokens, Generation, KvCache};
+pub use generate::{Generation, KvCache};
+pub use hf_files::stop_tokens;
 pub use sampling::Sampling;
 pub use grads::{named_grads, reduce_gradients, reduce_gradients_except_dp_cp};
 pub use hf::{load_hf, load_hf_sharded, save_hf, save_hf_sharded, save_hf_tensors};

@@ -577,39 +577,3 @@ fn bad_hyperparameters_are_refused() {
         assert!(e.contains(key), "{key}: {e:?}");
     }
 }
-
-/// A full fine-tune from a Hugging Face model writes checkpoints that carry the model's
-/// tokenizer, generation defaults and special token ids (`pad_token_id` too, which the model's
-/// config does not hold; and a run resumed from one of them carries them on), so a checkpoint
-/// loads in transformers as the model did.
-#[test]
-fn full_checkpoints_carry_the_models_files() -> Result<()> {
-    let c0 = tiny_cfg(None, Layout::cp(CpKind::Ring, 2), 1, 1);
-    let ModelSource::Init(mcfg) = &c0.model else { candle_core::bail!("init model expected") };
-    let hf = tmpdir("carry-hf");
-    crate::save_hf(&hf, &init_params(mcfg, c0.seed, DType::F32, &candle_core::Device::Cpu)?, mcfg)?;
-    std::fs::write(hf.join("tokenizer.json"), "{\"model\": {}}")?;
-    std::fs::write(hf.join("generation_config.json"), "{\"eos_token_id\": 5}")?;
-    let mut hcfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(hf.join("config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-    (hcfg["bos_token_id"], hcfg["eos_token_id"], hcfg["pad_token_id"]) = (4.into(), 5.into(), 6.into());
-    std::fs::write(hf.join("config.json"), hcfg.to_string())?;
-    let d = tmpdir("carry-run");
-    let mut c = tiny_cfg(Some(d.clone()), Layout::cp(CpKind::Ring, 2), 1, 1);
-    (c.model, c.stop_after) = (ModelSource::Hf(hf.clone()), Some(3));
-    run(&c)?;
-    (c.stop_after, c.resume) = (None, true);
-    run(&c)?;
-    for step in ["step-000003", "step-000006"] {
-        let ck = d.join("checkpoints").join(step);
-        assert_eq!(std::fs::read_to_string(ck.join("tokenizer.json"))?, "{\"model\": {}}", "{step}");
-        assert_eq!(std::fs::read_to_string(ck.join("generation_config.json"))?, "{\"eos_token_id\": 5}", "{step}");
-        let cfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(ck.join("config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
-        assert_eq!((cfg["bos_token_id"].as_u64(), cfg["eos_token_id"].as_u64(), cfg["pad_token_id"].as_u64()), (Some(4), Some(5), Some(6)), "{step}");
-        // (and it still reads as the model's config)
-        let want = LlamaConfig { bos_token_id: Some(4.into()), eos_token_id: Some(5.into()), ..mcfg.clone() };
-        assert_eq!(LlamaConfig::from_file(ck.join("config.json"))?, want);
-    }
-    std::fs::remove_dir_all(&hf).ok();
-    std::fs::remove_dir_all(&d).ok();
-    Ok(())
-}
