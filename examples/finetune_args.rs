@@ -81,7 +81,8 @@ pub(crate) struct Args {
     /// Text file to fine-tune on (byte-level tokens unless --tokenizer).
     #[arg(long)]
     pub(crate) data: Option<PathBuf>,
-    /// HF tokenizer.json for --data.
+    /// HF tokenizer.json for --data (also written beside each checkpoint's weights, unless
+    /// --model's own tokenizer is carried there).
     #[arg(long)]
     pub(crate) tokenizer: Option<PathBuf>,
     /// Pack documents: split --data into documents on --doc-separator (blank lines) and fill

@@ -255,6 +255,8 @@ fn main() -> Result<()> {
         zero2: a.zero2,
         long_range_only,
         expert_bias_update: a.expert_bias_update,
+        // (the --tokenizer the data went through, beside each checkpoint's weights)
+        tokenizer: a.tokenizer.clone(),
         args: serde_json::json!(format!("{a:?}")),
         sliding_window: a.sliding_window,
         lora_init: a.lora_from.clone(),

@@ -91,6 +91,18 @@ pub fn carry_model_files(from: &Path, to: &Path) -> Result<Vec<String>> {
     Ok(carried)
 }
 
+/// Copy `tokenizer` (a `tokenizer.json`) into `to` as `tokenizer.json` unless `to` holds one
+/// already (carried from the model's directory). Returns whether it was copied; errors name the
+/// file.
+pub fn write_tokenizer(tokenizer: &Path, to: &Path) -> Result<bool> {
+    let dst = to.join("tokenizer.json");
+    if dst.exists() {
+        return Ok(false);
+    }
+    std::fs::copy(tokenizer, &dst).map_err(|e| candle_core::Error::Msg(format!("copying the tokenizer {} into {}: {e}", tokenizer.display(), to.display())))?;
+    Ok(true)
+}
+
 /// The end-of-sequence ids of the checkpoint in `dir`, for [`crate::Llama::generate_until`]:
 /// `eos_token_id` (one id or a list) of its `generation_config.json` if it has one (what
 /// transformers' `generate` stops at), else of its `config.json`; empty when neither names one.

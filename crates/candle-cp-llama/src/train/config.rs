@@ -94,6 +94,11 @@ pub struct TrainConfig {
     /// moves by `rate · sign(mean − count)` of the step's global expert counts
     /// (`crate::train::expert_bias`). `None`: the bias stays as loaded.
     pub expert_bias_update: Option<f64>,
+    /// A `tokenizer.json` (the one the data was tokenised with) written into each full
+    /// checkpoint and a LoRA run's written base, unless the model's own directory gave one
+    /// ([`crate::hf_files::carry_model_files`]): a run from random weights saves checkpoints that
+    /// generate from text.
+    pub tokenizer: Option<std::path::PathBuf>,
     /// Free-form arguments stored in every checkpoint's `train_state.json`.
     pub args: serde_json::Value,
     /// Causal sliding window (keys per query) overriding the model config's own
@@ -151,6 +156,7 @@ impl TrainConfig {
             overlap_param_gather: false,
             long_range_only: false,
             expert_bias_update: None,
+            tokenizer: None,
             args: serde_json::Value::Null,
             sliding_window: None,
             lora: None,

@@ -152,6 +152,9 @@ pub(crate) struct BaseModel {
     /// The model directory the base weights came from, whose tokenizer and generation files
     /// a written base carries ([`crate::hf_files::carry_model_files`]).
     source: Option<PathBuf>,
+    /// A `tokenizer.json` a written base holds where its source gave none
+    /// ([`crate::train::TrainConfig::tokenizer`]).
+    tokenizer: Option<PathBuf>,
 }
 
 impl BaseModel {
@@ -162,9 +165,15 @@ impl BaseModel {
         let abs = |p: &Path| std::path::absolute(p).map_err(|e| candle_core::Error::Msg(format!("LoRA base: {}: {e}", p.display())));
         let source_dir = source.map(Path::to_path_buf);
         match source {
-            Some(src) if !config_changed => Ok(Self { path: abs(src)?, pending: Cell::new(false), source: source_dir }),
-            _ => Ok(Self { path: abs(&out.join("base"))?, pending: Cell::new(true), source: source_dir }),
+            Some(src) if !config_changed => Ok(Self { path: abs(src)?, pending: Cell::new(false), source: source_dir, tokenizer: None }),
+            _ => Ok(Self { path: abs(&out.join("base"))?, pending: Cell::new(true), source: source_dir, tokenizer: None }),
         }
+    }
+
+    /// The same base, writing `tokenizer` (a `tokenizer.json`) beside its weights when it
+    /// writes them and its source gave none.
+    pub(crate) fn with_tokenizer(self, tokenizer: Option<PathBuf>) -> Self {
+        Self { tokenizer, ..self }
     }
 
     /// Write the frozen base (the varmap's weights other than the adapters, as `cfg` without
@@ -189,6 +198,9 @@ impl BaseModel {
         if write {
             if let Some(src) = &self.source {
                 crate::hf_files::carry_model_files(src, &tmp)?;
+            }
+            if let Some(tk) = &self.tokenizer {
+                crate::hf_files::write_tokenizer(tk, &tmp)?;
             }
             if self.path.exists() {
                 std::fs::remove_dir_all(&self.path).map_err(|e| io("replacing", &self.path, e))?;

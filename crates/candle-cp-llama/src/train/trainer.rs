@@ -252,7 +252,7 @@ pub fn train_rank(
     // a LoRA run's checkpoints name the frozen base (written once when there is no model
     // directory to name)
     let lora_base = match (&cfg.lora, &cfg.out) {
-        (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed)?),
+        (Some(_), Some(out)) => Some(super::lora::BaseModel::new(out, base_dir.as_deref(), window_changed)?.with_tokenizer(cfg.tokenizer.clone())),
         _ => None,
     };
     if let Some(rate) = cfg.expert_bias_update {
@@ -372,6 +372,10 @@ pub fn train_rank(
                 // started from (or of the checkpoint it resumed, which carried them)
                 if let (Some(from), true) = (base_dir.as_ref().or(resume_from.as_ref()), is_main) {
                     crate::hf_files::carry_model_files(from, &tmp)?;
+                }
+                // (the tokenizer the data was tokenised with, where the model gave none)
+                if let (Some(tk), true) = (&cfg.tokenizer, is_main) {
+                    crate::hf_files::write_tokenizer(tk, &tmp)?;
                 }
             }
         }

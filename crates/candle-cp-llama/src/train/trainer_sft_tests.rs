@@ -72,7 +72,8 @@ fn completion_only_loss_on_every_layout() -> Result<()> {
 /// A full fine-tune from a Hugging Face model writes checkpoints that carry the model's
 /// tokenizer, generation defaults and special token ids (`pad_token_id` too, which the model's
 /// config does not hold; and a run resumed from one of them carries them on), so a checkpoint
-/// loads in transformers as the model did.
+/// loads in transformers as the model did; the run's own tokenizer goes beside the weights of
+/// a run from random weights, not over the model's.
 #[test]
 fn full_checkpoints_carry_the_models_files() -> Result<()> {
     let c0 = tiny_cfg(None, Layout::cp(CpKind::Ring, 2), 1, 1);
@@ -84,9 +85,12 @@ fn full_checkpoints_carry_the_models_files() -> Result<()> {
     let mut hcfg: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(hf.join("config.json"))?).map_err(|e| candle_core::Error::Msg(e.to_string()))?;
     (hcfg["bos_token_id"], hcfg["eos_token_id"], hcfg["pad_token_id"]) = (4.into(), 5.into(), 6.into());
     std::fs::write(hf.join("config.json"), hcfg.to_string())?;
+    // (a --tokenizer of the run's own: the model's wins where it has one)
+    let tok = hf.join("run-tokenizer.json");
+    std::fs::write(&tok, "{\"run\": 1}")?;
     let d = tmpdir("carry-run");
     let mut c = tiny_cfg(Some(d.clone()), Layout::cp(CpKind::Ring, 2), 1, 1);
-    (c.model, c.stop_after) = (ModelSource::Hf(hf.clone()), Some(3));
+    (c.model, c.stop_after, c.tokenizer) = (ModelSource::Hf(hf.clone()), Some(3), Some(tok.clone()));
     run(&c)?;
     (c.stop_after, c.resume) = (None, true);
     run(&c)?;
@@ -100,7 +104,14 @@ fn full_checkpoints_carry_the_models_files() -> Result<()> {
         let want = LlamaConfig { bos_token_id: Some(4.into()), eos_token_id: Some(5.into()), ..mcfg.clone() };
         assert_eq!(LlamaConfig::from_file(ck.join("config.json"))?, want);
     }
-    std::fs::remove_dir_all(&hf).ok();
-    std::fs::remove_dir_all(&d).ok();
+    // from random weights: the run's tokenizer beside the weights
+    let dr = tmpdir("carry-init");
+    let mut ci = tiny_cfg(Some(dr.clone()), Layout::single(), 1, 1);
+    (ci.steps, ci.save_every, ci.tokenizer) = (1, 1, Some(tok));
+    run(&ci)?;
+    assert_eq!(std::fs::read_to_string(dr.join("checkpoints/step-000001/tokenizer.json"))?, "{\"run\": 1}");
+    for x in [&hf, &d, &dr] {
+        std::fs::remove_dir_all(x).ok();
+    }
     Ok(())
 }
