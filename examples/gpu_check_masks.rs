@@ -20,7 +20,9 @@
 //!
 //! `decode`: a prompt's K/V sharded zigzag over P = 2 and 4 virtual ranks plus decoded tokens
 //! appended round-robin; `sharded_decode_attention` of the next tokens (f32 and bf16, with and
-//! without a window) against the CPU's causal attention of the whole sequence.
+//! without a window) against the CPU's causal attention of the whole sequence; then DeepSeek's
+//! latent rows (576 wide, one buffer as keys and values), which no kernel takes: the dense
+//! path on the device.
 
 use super::{case_to, oracle_cases, report_metrics, Report};
 use crate::gpu_util::{max_abs, rel};
@@ -235,6 +237,47 @@ pub fn check_decode(rep: &mut Report, gpu: &Device) -> Result<()> {
                         Err(e) => rep.error(&format!("{name} rank {r}"), e),
                     }
                 }
+            }
+        }
+    }
+    check_latent_decode(rep, gpu, (b, t))
+}
+
+/// DeepSeek's absorbed decode: every query head against one latent row per token, 576 wide,
+/// held once as keys and values (`KvShard::append_shared`); no kernel takes that width, so
+/// `attention_fwd` runs it from candle ops on the device (`attention/dense.rs`), not on host
+/// copies. Against the CPU reference on 2 virtual ranks, f32 and bf16.
+fn check_latent_decode(rep: &mut Report, gpu: &Device, (b, t): (usize, usize)) -> Result<()> {
+    use candle_cp_ops::attention::attention_slow;
+    use candle_cp_ops::cp::{decode_owner, positions, shard, sharded_decode_attention, KvShard};
+    let (h, d, p, total) = (8usize, 576usize, 2usize, t + 2);
+    let q = crate::gpu_util::rand_tensor(&[b, total, h, d], 86)?;
+    let rows = crate::gpu_util::rand_tensor(&[b, total, 1, d], 87)?;
+    let scale = 1.0 / 192f64.sqrt();
+    let (want, _) = attention_slow(&q, &rows, &rows, &Mask::causal(), scale)?;
+    for dtype in [DType::F32, DType::BF16] {
+        let cast = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> { x.to_dtype(dtype)?.to_device(gpu) };
+        let (qg, cg) = (cast(&q)?, cast(&rows)?);
+        let name = format!("decode latent rows (576, shared as k and v, dense on the device) {dtype:?} P{p} virtual ranks");
+        let res = candle_cp_comm::run_ranks(p, |g: candle_cp_ops::Group| {
+            let r = g.rank();
+            let layout = Layout::Zigzag;
+            let mut cache = KvShard::new();
+            cache.append_shared(&shard(&cg.narrow(1, 0, t)?, layout, r, p, 1)?, &positions(layout, r, p, t)?)?;
+            let mut outs = Vec::new();
+            for qp in [t, t + 1] {
+                if decode_owner(qp, p) == r {
+                    cache.append_shared(&cg.narrow(1, qp, 1)?, &[qp])?;
+                }
+                outs.push(sharded_decode_attention(&qg.narrow(1, qp, 1)?, &[qp], &cache, &g, scale, None)?.0);
+            }
+            candle_core::Tensor::cat(&outs, 1)
+        });
+        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+        for (r, x) in res.into_iter().enumerate() {
+            match x {
+                Ok(o) => rep.check(&format!("{name} rank {r} out"), max_abs(&o, &want.narrow(1, t, 2)?)?, tol),
+                Err(e) => rep.error(&format!("{name} rank {r}"), e),
             }
         }
     }
