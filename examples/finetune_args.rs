@@ -434,8 +434,7 @@ pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Res
     let stream = match &a.tokenizer {
         None => TokenStream::from_bytes(&bytes),
         Some(tp) => {
-            let tok = tokenizers::Tokenizer::from_file(tp)
-                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let tok = load_tokenizer(tp)?;
             let text = String::from_utf8_lossy(&bytes);
             let enc = tok
                 .encode(text.as_ref(), false)
@@ -454,6 +453,11 @@ pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Res
     Ok((DataSource::Text(stream), desc))
 }
 
+/// The --tokenizer at `tp`; the error names the file.
+fn load_tokenizer(tp: &std::path::Path) -> Result<tokenizers::Tokenizer> {
+    tokenizers::Tokenizer::from_file(tp).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))
+}
+
 /// `--sft`: the prompt / completion examples of `bytes` (JSON lines), byte-level or through
 /// --tokenizer, each completion ended by --eos or the model's end-of-sequence id.
 fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Result<(DataSource, String)> {
@@ -466,8 +470,7 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
     let stream = match &a.tokenizer {
         None => candle_cp_llama::train::sft::prompt_completion_stream(text, &candle_cp_llama::train::sft::bytes_of, eos)?,
         Some(tp) => {
-            let tok = tokenizers::Tokenizer::from_file(tp)
-                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let tok = load_tokenizer(tp)?;
             let encode = |s: &str| -> candle_core::Result<Vec<u32>> {
                 tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
             };
@@ -493,8 +496,7 @@ fn packed_source(a: &Args, path: &std::path::Path, bytes: &[u8]) -> Result<(Data
     let stream = match &a.tokenizer {
         None => PackedStream::from_bytes(bytes, sep.as_bytes())?,
         Some(tp) => {
-            let tok = tokenizers::Tokenizer::from_file(tp)
-                .map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))?;
+            let tok = load_tokenizer(tp)?;
             let docs = candle_cp_llama::train::packed_data::split_documents(bytes, sep.as_bytes())?
                 .into_iter()
                 .map(|d| {

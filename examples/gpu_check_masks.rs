@@ -201,7 +201,6 @@ pub fn check_window(rep: &mut Report, gpu: &Device, dir: &str) -> Result<()> {
 /// The `decode` section (see the module docs).
 pub fn check_decode(rep: &mut Report, gpu: &Device) -> Result<()> {
     use candle_cp_ops::attention::attention_slow;
-    use candle_cp_ops::cp::{decode_owner, positions, shard, sharded_decode_attention, KvShard};
     let (b, h, hkv, d, t) = (2usize, 8usize, 2usize, 64usize, 96usize);
     let total = t + 2;
     let mk = |shape: &[usize], seed: u64| crate::gpu_util::rand_tensor(shape, seed);
@@ -211,74 +210,69 @@ pub fn check_decode(rep: &mut Report, gpu: &Device) -> Result<()> {
         let mask = window.map_or(Mask::causal(), Mask::sliding_window);
         let (want, _) = attention_slow(&q, &k, &v, &mask, scale)?;
         for dtype in [DType::F32, DType::BF16] {
-            let cast = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> { x.to_dtype(dtype)?.to_device(gpu) };
-            let (qg, kg, vg) = (cast(&q)?, cast(&k)?, cast(&v)?);
             for p in [2usize, 4] {
                 let name = format!("decode {dtype:?} window {window:?} P{p} virtual ranks");
-                let res = candle_cp_comm::run_ranks(p, |g: candle_cp_ops::Group| {
-                    let r = g.rank();
-                    let layout = Layout::Zigzag;
-                    let mut cache = KvShard::new();
-                    let sh = |x: &candle_core::Tensor| shard(&x.narrow(1, 0, t)?, layout, r, p, 1);
-                    cache.append(&sh(&kg)?, &sh(&vg)?, &positions(layout, r, p, t)?)?;
-                    let mut outs = Vec::new();
-                    for qp in [t, t + 1] {
-                        if decode_owner(qp, p) == r {
-                            cache.append(&kg.narrow(1, qp, 1)?, &vg.narrow(1, qp, 1)?, &[qp])?;
-                        }
-                        outs.push(sharded_decode_attention(&qg.narrow(1, qp, 1)?, &[qp], &cache, &g, scale, window)?.0);
-                    }
-                    candle_core::Tensor::cat(&outs, 1)
-                });
-                let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-                for (r, x) in res.into_iter().enumerate() {
-                    match x {
-                        Ok(o) => rep.check(&format!("{name} rank {r} out"), max_abs(&o, &want.narrow(1, t, 2)?)?, tol),
-                        Err(e) => rep.error(&format!("{name} rank {r}"), e),
-                    }
-                }
+                decode_on_ranks(rep, &name, gpu, (&q, &k, Some(&v)), (dtype, p, t, scale, window), &want)?;
             }
         }
     }
-    check_latent_decode(rep, gpu, (b, t))
-}
-
-/// DeepSeek's absorbed decode: every query head against one latent row per token, 576 wide,
-/// held once as keys and values (`KvShard::append_shared`); no kernel takes that width, so
-/// `attention_fwd` runs it from candle ops on the device (`attention/dense.rs`), not on host
-/// copies. Against the CPU reference on 2 virtual ranks, f32 and bf16.
-fn check_latent_decode(rep: &mut Report, gpu: &Device, (b, t): (usize, usize)) -> Result<()> {
-    use candle_cp_ops::attention::attention_slow;
-    use candle_cp_ops::cp::{decode_owner, positions, shard, sharded_decode_attention, KvShard};
-    let (h, d, p, total) = (8usize, 576usize, 2usize, t + 2);
-    let q = crate::gpu_util::rand_tensor(&[b, total, h, d], 86)?;
-    let rows = crate::gpu_util::rand_tensor(&[b, total, 1, d], 87)?;
+    // DeepSeek's absorbed decode: every query head against one latent row per token, 576
+    // wide, held once as keys and values (`KvShard::append_shared`); no kernel takes that
+    // width, so `attention_fwd` runs it from candle ops on the device (`attention/dense.rs`),
+    // not on host copies
+    let (q, rows) = (mk(&[b, total, h, 576], 86)?, mk(&[b, total, 1, 576], 87)?);
     let scale = 1.0 / 192f64.sqrt();
     let (want, _) = attention_slow(&q, &rows, &rows, &Mask::causal(), scale)?;
     for dtype in [DType::F32, DType::BF16] {
-        let cast = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> { x.to_dtype(dtype)?.to_device(gpu) };
-        let (qg, cg) = (cast(&q)?, cast(&rows)?);
-        let name = format!("decode latent rows (576, shared as k and v, dense on the device) {dtype:?} P{p} virtual ranks");
-        let res = candle_cp_comm::run_ranks(p, |g: candle_cp_ops::Group| {
-            let r = g.rank();
-            let layout = Layout::Zigzag;
-            let mut cache = KvShard::new();
-            cache.append_shared(&shard(&cg.narrow(1, 0, t)?, layout, r, p, 1)?, &positions(layout, r, p, t)?)?;
-            let mut outs = Vec::new();
-            for qp in [t, t + 1] {
-                if decode_owner(qp, p) == r {
-                    cache.append_shared(&cg.narrow(1, qp, 1)?, &[qp])?;
-                }
-                outs.push(sharded_decode_attention(&qg.narrow(1, qp, 1)?, &[qp], &cache, &g, scale, None)?.0);
+        let name = format!("decode latent rows (576, shared as k and v, dense on the device) {dtype:?} P2 virtual ranks");
+        decode_on_ranks(rep, &name, gpu, (&q, &rows, None), (dtype, 2, t, scale, None), &want)?;
+    }
+    Ok(())
+}
+
+/// The first `t` rows of k, v (`v` `None`: `k` is keys and values at once, one buffer) sharded
+/// zigzag over `p` virtual ranks on `gpu` in `dtype`, then positions `t` and `t + 1` decoded
+/// one at a time (each row appended to its owner first): the output rows against `want`'s.
+fn decode_on_ranks(
+    rep: &mut Report,
+    name: &str,
+    gpu: &Device,
+    (q, k, v): (&candle_core::Tensor, &candle_core::Tensor, Option<&candle_core::Tensor>),
+    (dtype, p, t, scale, window): (DType, usize, usize, f64, Option<usize>),
+    want: &candle_core::Tensor,
+) -> Result<()> {
+    use candle_cp_ops::cp::{decode_owner, positions, shard, sharded_decode_attention, KvShard};
+    let cast = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> { x.to_dtype(dtype)?.to_device(gpu) };
+    let (qg, kg, vg) = (cast(q)?, cast(k)?, v.map(cast).transpose()?);
+    let res = candle_cp_comm::run_ranks(p, |g: candle_cp_ops::Group| {
+        let r = g.rank();
+        let layout = Layout::Zigzag;
+        let mut cache = KvShard::new();
+        let append = |cache: &mut KvShard, rows: std::ops::Range<usize>, pos: &[usize]| -> candle_core::Result<()> {
+            let part = |x: &candle_core::Tensor| -> candle_core::Result<candle_core::Tensor> {
+                let x = x.narrow(1, rows.start, rows.len())?;
+                if rows.start == 0 { shard(&x, layout, r, p, 1) } else { Ok(x) }
+            };
+            match &vg {
+                Some(vg) => cache.append(&part(&kg)?, &part(vg)?, pos),
+                None => cache.append_shared(&part(&kg)?, pos),
             }
-            candle_core::Tensor::cat(&outs, 1)
-        });
-        let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
-        for (r, x) in res.into_iter().enumerate() {
-            match x {
-                Ok(o) => rep.check(&format!("{name} rank {r} out"), max_abs(&o, &want.narrow(1, t, 2)?)?, tol),
-                Err(e) => rep.error(&format!("{name} rank {r}"), e),
+        };
+        append(&mut cache, 0..t, &positions(layout, r, p, t)?)?;
+        let mut outs = Vec::new();
+        for qp in [t, t + 1] {
+            if decode_owner(qp, p) == r {
+                append(&mut cache, qp..qp + 1, &[qp])?;
             }
+            outs.push(sharded_decode_attention(&qg.narrow(1, qp, 1)?, &[qp], &cache, &g, scale, window)?.0);
+        }
+        candle_core::Tensor::cat(&outs, 1)
+    });
+    let tol = if dtype == DType::F32 { 1e-5 } else { 2e-2 };
+    for (r, x) in res.into_iter().enumerate() {
+        match x {
+            Ok(o) => rep.check(&format!("{name} rank {r} out"), max_abs(&o, &want.narrow(1, t, 2)?)?, tol),
+            Err(e) => rep.error(&format!("{name} rank {r}"), e),
         }
     }
     Ok(())
