@@ -3,6 +3,7 @@
 
 use anyhow::{bail, Context, Result};
 use candle_cp_llama::train::{DataSource, KvRecall, PackedStream, TokenStream};
+use candle_cp_llama::chat::ChatTemplate;
 use candle_cp_llama::{CpKind, HeadLayout, Layout, RowSums};
 use clap::Parser;
 use std::path::PathBuf;
@@ -92,12 +93,20 @@ pub(crate) struct Args {
     /// Needs --data (the synthetic task is one sequence per row).
     #[arg(long)]
     pub(crate) pack_docs: bool,
-    /// --data (and --eval-data) is prompt / completion JSON lines (`{"prompt": ..., "completion":
-    /// ...}`, TRL's form): each example one packed document (attention and RoPE per example,
-    /// no padding), the loss on the completion tokens (default --loss-on completion), each
-    /// completion ended by --eos (default: --model's first `eos_token_id`, with --tokenizer).
+    /// --data (and --eval-data) is supervised JSON lines in TRL's forms: prompt / completion
+    /// (`{"prompt": ..., "completion": ...}`, each completion ended by --eos, default: --model's
+    /// first `eos_token_id`, with --tokenizer) or conversations (`{"messages": [{"role": ...,
+    /// "content": ...}, ...]}`, or prompt and completion as lists of messages) rendered through
+    /// --chat-template; each example one packed document (attention and RoPE per example, no
+    /// padding), the loss on the completion tokens or the assistant turns (default --loss-on
+    /// completion).
     #[arg(long)]
     pub(crate) sft: bool,
+    /// The chat template of --sft conversations: llama3, chatml, gemma, phi3, granite or
+    /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
+    /// tokenizer_config.json).
+    #[arg(long, value_name = "NAME")]
+    pub(crate) chat_template: Option<String>,
     /// The token id appended to every --sft completion (overrides --model's end-of-sequence id).
     #[arg(long)]
     pub(crate) eos: Option<u32>,
@@ -314,7 +323,7 @@ pub(crate) struct Args {
     #[arg(long)]
     pub(crate) unfused: bool,
     /// Training objective: `all` next-token targets, or the marked targets only: `long-range`
-    /// (the synthetic task's answers) or `completion` (--sft's completion tokens; the same
+    /// (the synthetic task's answers) or `completion` (--sft's completion tokens or assistant turns; the same
     /// selection). Default: long-range for the synthetic task, completion with --sft, all for
     /// --data. With a selection, the progress line also shows the (untrained) all-target loss
     /// as `all`.
@@ -397,7 +406,10 @@ pub(crate) fn layout(a: &Args) -> Result<Layout> {
 
 pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.sft && a.data.is_none() {
-        bail!("--sft reads prompt / completion examples: give them as --data FILE.jsonl")
+        bail!("--sft reads prompt / completion examples or conversations: give them as --data FILE.jsonl")
+    }
+    if a.chat_template.is_some() && !a.sft {
+        bail!("--chat-template renders --sft conversations: add --sft")
     }
     if a.pack_docs && a.data.is_none() {
         bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
@@ -458,8 +470,9 @@ fn load_tokenizer(tp: &std::path::Path) -> Result<tokenizers::Tokenizer> {
     tokenizers::Tokenizer::from_file(tp).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))
 }
 
-/// `--sft`: the prompt / completion examples of `bytes` (JSON lines), byte-level or through
-/// --tokenizer, each completion ended by --eos or the model's end-of-sequence id.
+/// `--sft`: the supervised examples of `bytes` (JSON lines), byte-level or through
+/// --tokenizer: prompt / completion pairs, each completion ended by --eos or the model's
+/// end-of-sequence id, and conversations through --chat-template or the model's own.
 fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Result<(DataSource, String)> {
     let text = std::str::from_utf8(bytes).with_context(|| format!("{flag} {}: not UTF-8 text", path.display()))?;
     let eos = match (a.eos, &a.model, &a.tokenizer) {
@@ -467,23 +480,43 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         (None, Some(dir), Some(_)) => candle_cp_llama::stop_tokens(dir)?.first().copied(),
         _ => None,
     };
+    // the template: named, else the model's own (its error kept for a conversation's)
+    let (chat, chat_err) = match (&a.chat_template, &a.model) {
+        (Some(name), _) => (Some(ChatTemplate::from_name(name)?), None),
+        (None, Some(dir)) => match ChatTemplate::of_model_dir(dir) {
+            Ok(t) => (Some(t), None),
+            Err(e) => (None, Some(e)),
+        },
+        (None, None) => (None, None),
+    };
+    let read = |tokenize: &dyn Fn(&str) -> candle_core::Result<Vec<u32>>| -> Result<PackedStream> {
+        let r = candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat);
+        match r {
+            Err(e) if chat.is_none() && e.to_string().contains("needs a chat template") => {
+                let why = chat_err.as_ref().map_or("no --model to take one from".to_string(), |w| w.to_string());
+                bail!("{flag} {}: {e}: give --chat-template NAME ({why})", path.display())
+            }
+            r => r.with_context(|| format!("{flag} {}", path.display())),
+        }
+    };
     let stream = match &a.tokenizer {
-        None => candle_cp_llama::train::sft::prompt_completion_stream(text, &candle_cp_llama::train::sft::bytes_of, eos)?,
+        None => read(&candle_cp_llama::train::sft::bytes_of)?,
         Some(tp) => {
             let tok = load_tokenizer(tp)?;
             let encode = |s: &str| -> candle_core::Result<Vec<u32>> {
                 tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
             };
-            candle_cp_llama::train::sft::prompt_completion_stream(text, &encode, eos)?
+            read(&encode)?
         }
     };
     let desc = format!(
-        "{} ({} prompt / completion examples, {} tokens, {} of them completion targets, EOS {}, {}), packed",
+        "{} ({} supervised examples, {} tokens, {} of them targets, EOS {}, chat template {}, {}), packed",
         path.display(),
         stream.count(),
         stream.len(),
         stream.target_count(),
         eos.map_or("none".to_string(), |e| e.to_string()),
+        chat.map_or("none", |t| t.name()),
         if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
     );
     Ok((DataSource::Packed(stream), desc))

@@ -19,6 +19,7 @@
 //! cargo run --release --example generate -- --stop-at-eos --new-tokens 256
 //! cargo run --release --example generate -- --model DIR --prompt "The capital of France is" --stop-at-eos
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
+//! cargo run --release --example generate -- --model DIR --chat --system "Be brief." --prompt "Hi?" --stop-at-eos
 //! ```
 
 use anyhow::{bail, Context};
@@ -27,6 +28,7 @@ use candle_cp_comm::run_ranks;
 use candle_cp_llama::{
     load_hf_sharded, CpKind, Generation, Layout, Llama, LlamaConfig, ParallelCtx, Sampling,
 };
+use candle_cp_llama::chat::{ChatTemplate, Message};
 use candle_nn::VarBuilder;
 use clap::Parser;
 use std::path::{Path, PathBuf};
@@ -59,6 +61,18 @@ struct Args {
     /// the tokens generated are printed as text too.
     #[arg(long)]
     prompt: Option<String>,
+    /// Send --prompt as a user's turn through the chat template (--chat-template, else the
+    /// model's own), the assistant's header after it; the template's end-of-turn token is a stop
+    /// token when the tokenizer holds it as one token.
+    #[arg(long)]
+    chat: bool,
+    /// The chat template of --chat: llama3, chatml, gemma, phi3, granite or deepseek (default:
+    /// the family of the model's chat_template.jinja / tokenizer_config.json).
+    #[arg(long, value_name = "NAME")]
+    chat_template: Option<String>,
+    /// A system turn before --chat's user turn.
+    #[arg(long)]
+    system: Option<String>,
     /// HF tokenizer.json for --prompt (default: the model's own tokenizer.json; bytes when it
     /// has none).
     #[arg(long)]
@@ -228,11 +242,35 @@ fn main() -> anyhow::Result<()> {
         (Some(_), Some(p)) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading tokenizer {}: {e}", p.display()))?),
         _ => None,
     };
+    if (a.chat || a.system.is_some() || a.chat_template.is_some()) && !(a.chat && a.prompt.is_some()) {
+        bail!("--chat sends --prompt through a chat template (--chat-template, --system go with it): give --chat --prompt TEXT")
+    }
+    let chat = match (a.chat, &a.chat_template) {
+        (false, _) => None,
+        (true, Some(name)) => Some(ChatTemplate::from_name(name)?),
+        (true, None) => Some(ChatTemplate::of_model_dir(&dir)?),
+    };
+    // the template's text carries its own BOS: no special tokens added then
+    let encode = |text: &str| -> anyhow::Result<Vec<u32>> {
+        Ok(match &tokenizer {
+            Some(tk) => tk.encode(text, chat.is_none()).map_err(|e| anyhow::anyhow!("tokenizing --prompt: {e}"))?.get_ids().to_vec(),
+            None => text.bytes().map(u32::from).collect(),
+        })
+    };
+    let mut chat_stop = Vec::new();
     let prompt = match &a.prompt {
         Some(text) => {
-            let ids: Vec<u32> = match &tokenizer {
-                Some(tk) => tk.encode(text.as_str(), true).map_err(|e| anyhow::anyhow!("tokenizing --prompt: {e}"))?.get_ids().to_vec(),
-                None => text.bytes().map(u32::from).collect(),
+            let ids = match chat {
+                None => encode(text)?,
+                Some(t) => {
+                    let turns: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).chain([Message::new("user", text)]).collect();
+                    let rendered = t.render_text(&turns, true)?;
+                    println!("chat template {}: {rendered:?}", t.name());
+                    if let [id] = encode(t.end_of_turn())?[..] {
+                        chat_stop.push(id);
+                    }
+                    encode(&rendered)?
+                }
             };
             if ids.is_empty() || ids.iter().any(|&i| i as usize >= cfg.vocab_size) {
                 bail!("--prompt: {} tokens {:?}: needs at least one, each below the vocabulary {}", ids.len(), &ids[..ids.len().min(8)], cfg.vocab_size)
@@ -274,6 +312,7 @@ fn main() -> anyhow::Result<()> {
     };
     println!("sampling: {sampling:?}");
     let mut stop = a.stop.clone();
+    stop.extend(chat_stop);
     if a.stop_at_eos {
         stop.extend(candle_cp_llama::stop_tokens(&dir)?);
     }

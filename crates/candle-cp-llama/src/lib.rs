@@ -58,6 +58,7 @@
 
 pub mod arch;
 pub mod attn;
+pub mod chat;
 mod attn2d;
 pub mod config;
 pub mod expert_params;

@@ -3,7 +3,7 @@
 //! ([`Documents`]), so the model keeps attention inside each document, restarts RoPE
 //! positions per document and trains no target across a boundary
 //! ([`crate::packed::shard_batch_packed`]). A stream of prompt / completion examples
-//! ([`PackedStream::from_examples`], module [`super::sft`]) also marks each token that is a
+//! ([`PackedStream::from_examples`], [`PackedStream::from_marked`], module [`super::sft`]) also marks each token that is a
 //! target of the supervised loss (the completions'), carried into the samples.
 
 use super::data::Sample;
@@ -43,15 +43,32 @@ impl PackedStream {
     /// before each: the last prompt token predicts the first completion token); empty examples
     /// are dropped. Errors if none is left.
     pub fn from_examples(examples: Vec<(Vec<u32>, Vec<u32>)>) -> Result<Self> {
+        Self::from_marked(
+            examples
+                .into_iter()
+                .map(|(p, c)| {
+                    let marks = std::iter::repeat_n(false, p.len()).chain(std::iter::repeat_n(true, c.len())).collect();
+                    ([p, c].concat(), marks)
+                })
+                .collect(),
+        )
+    }
+
+    /// From documents with a mark per token (is it a target of the supervised loss, predicted
+    /// from the token before it), in order; empty ones are dropped. Errors if none is left or
+    /// a document's marks are not one per token.
+    pub fn from_marked(docs: Vec<(Vec<u32>, Vec<bool>)>) -> Result<Self> {
         let (mut tokens, mut targets, mut cu) = (Vec::new(), Vec::new(), vec![0]);
-        for (prompt, completion) in examples.into_iter().filter(|(p, c)| !(p.is_empty() && c.is_empty())) {
-            targets.extend(std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())));
-            tokens.extend(prompt);
-            tokens.extend(completion);
+        for (i, (doc, marks)) in docs.into_iter().enumerate().filter(|(_, (d, _))| !d.is_empty()) {
+            if marks.len() != doc.len() {
+                bail!("PackedStream: document {i} has {} tokens but {} target marks", doc.len(), marks.len())
+            }
+            tokens.extend(doc);
+            targets.extend(marks);
             cu.push(tokens.len());
         }
         if cu.len() < 2 {
-            bail!("PackedStream: no non-empty prompt / completion example")
+            bail!("PackedStream: no non-empty supervised example")
         }
         Ok(Self { tokens, cu, targets: Some(targets) })
     }

@@ -1,49 +1,100 @@
-//! Supervised fine-tuning data: prompt / completion examples (TRL's "prompt-completion"
-//! form, one JSON object per line: `{"prompt": "...", "completion": "..."}`), each tokenised
-//! into one document whose completion tokens are the loss's targets. The examples are packed
-//! into the training sequences ([`PackedStream::from_examples`]: attention and RoPE per
-//! document, the CP shards cutting them anywhere) and a run with
-//! [`super::TrainConfig::long_range_only`] trains on the completions alone — a long-context
-//! SFT run without padding.
+//! Supervised fine-tuning data: prompt / completion examples and conversations (TRL's
+//! "prompt-completion" and "conversational" forms, one JSON object per line:
+//! `{"prompt": "...", "completion": "..."}`, `{"messages": [{"role": .., "content": ..}, ..]}`),
+//! each tokenised into one document whose completion tokens, or assistant turns rendered
+//! through the model's chat template ([`crate::chat`]), are the loss's targets. The examples
+//! are packed into the training sequences ([`PackedStream::from_marked`]: attention and RoPE
+//! per document, the CP shards cutting them anywhere) and a run with
+//! [`super::TrainConfig::long_range_only`] trains on the targets alone — a long-context SFT
+//! run without padding.
 
 use super::PackedStream;
+use crate::chat::{parse_messages, ChatTemplate, Message};
 use candle_core::{bail, Result};
 use serde_json::Value;
 
-/// The prompt / completion examples of JSON lines `text` (blank lines skipped), each part
-/// tokenised by `tokenize` (the prompt, then the completion, apart: the completion's first
-/// token starts its own word), `eos` appended to every completion when given (the model then
-/// learns to stop). Errors name the line: not a JSON object, `prompt` or `completion` missing or
-/// not a string, a tokeniser error.
-pub fn read_prompt_completion(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>) -> Result<Vec<(Vec<u32>, Vec<u32>)>> {
+/// One supervised example: its tokens and, per token, whether it is a target of the loss.
+pub type MarkedTokens = (Vec<u32>, Vec<bool>);
+
+/// The supervised examples of JSON lines `text` (blank lines skipped), each line one of TRL's
+/// dataset forms:
+///
+/// - `{"prompt": "...", "completion": "..."}`: the prompt, then the completion, tokenised
+///   apart by `tokenize` (the completion's first token starts its own word), `eos` appended
+///   to the completion when given (the model then learns to stop); the targets are the
+///   completion's tokens.
+/// - `{"messages": [{"role": .., "content": ..}, ..]}` (conversational): rendered through
+///   `chat` ([`ChatTemplate::render`]), each segment tokenised apart; the targets are every
+///   assistant turn's content and end-of-turn marker (TRL's `assistant_only_loss`).
+/// - `{"prompt": [messages], "completion": [messages]}` (conversational prompt /
+///   completion): the two lists as one conversation; the targets are the completion's
+///   assistant turns.
+///
+/// Errors name the line: not a JSON object, a field missing or of the wrong type, a
+/// conversation without `chat` or without a trained assistant turn, a template's or the
+/// tokeniser's error.
+pub fn read_sft(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Vec<MarkedTokens>> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let n = i + 1;
-        let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("prompt / completion data, line {n}: {e}")))?;
-        let field = |k: &str| -> Result<&str> {
-            match v.get(k) {
-                Some(Value::String(s)) => Ok(s),
-                Some(other) => bail!("prompt / completion data, line {n}: `{k}` must be a string, got {other}"),
-                None if v.is_object() => bail!("prompt / completion data, line {n}: no `{k}` (expected {{\"prompt\": ..., \"completion\": ...}})"),
-                None => bail!("prompt / completion data, line {n}: expected a JSON object, got {v}"),
-            }
-        };
-        let (p, c) = (field("prompt")?, field("completion")?);
-        let wrap = |e: candle_core::Error| candle_core::Error::Msg(format!("prompt / completion data, line {n}: {e}"));
-        let prompt = tokenize(p).map_err(wrap)?;
-        let mut completion = tokenize(c).map_err(wrap)?;
-        completion.extend(eos);
-        out.push((prompt, completion));
+        let wrap = |e: candle_core::Error| candle_core::Error::Msg(format!("supervised data, line {n}: {e}"));
+        let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("supervised data, line {n}: {e}")))?;
+        out.push(read_line(&v, tokenize, eos, chat).map_err(wrap)?);
     }
     if out.is_empty() {
-        bail!("prompt / completion data: no example")
+        bail!("supervised data: no example")
     }
     Ok(out)
 }
 
-/// [`read_prompt_completion`] packed into a stream ([`PackedStream::from_examples`]).
-pub fn prompt_completion_stream(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>) -> Result<PackedStream> {
-    PackedStream::from_examples(read_prompt_completion(text, tokenize, eos)?)
+/// One line of [`read_sft`] (errors without the line number).
+fn read_line(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
+    if !v.is_object() {
+        bail!("expected a JSON object, got {v}")
+    }
+    let conversation = |messages: Vec<Message>, first_trained: usize| -> Result<MarkedTokens> {
+        let Some(t) = chat else {
+            bail!("a conversation needs a chat template (name one, or take the model's own)")
+        };
+        let segments = t.render(&messages, &|i| i >= first_trained, false)?;
+        if !segments.iter().any(|(_, target)| *target) {
+            bail!("the conversation has no assistant turn to train on")
+        }
+        let (mut tokens, mut marks) = (Vec::new(), Vec::new());
+        for (text, target) in segments {
+            let ids = tokenize(&text)?;
+            marks.extend(std::iter::repeat_n(target, ids.len()));
+            tokens.extend(ids);
+        }
+        Ok((tokens, marks))
+    };
+    match (v.get("messages"), v.get("prompt"), v.get("completion")) {
+        (Some(m), None, None) => conversation(parse_messages(m, "`messages`")?, 0),
+        (Some(_), _, _) => bail!("`messages` and `prompt` / `completion` in one example; give one form"),
+        (None, Some(Value::String(p)), Some(Value::String(c))) => {
+            let prompt = tokenize(p)?;
+            let mut completion = tokenize(c)?;
+            completion.extend(eos);
+            let marks = std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())).collect();
+            Ok(([prompt, completion].concat(), marks))
+        }
+        (None, Some(p @ Value::Array(_)), Some(c @ Value::Array(_))) => {
+            let mut messages = parse_messages(p, "`prompt`")?;
+            let first = messages.len();
+            messages.extend(parse_messages(c, "`completion`")?);
+            conversation(messages, first)
+        }
+        (None, Some(p), Some(c)) => bail!("`prompt` and `completion` must both be strings or both lists of messages, got {p} and {c}"),
+        (None, _, _) => {
+            let missing = if v.get("prompt").is_none() { "prompt" } else { "completion" };
+            bail!("no `{missing}` (expected {{\"prompt\": .., \"completion\": ..}} or {{\"messages\": [..]}})")
+        }
+    }
+}
+
+/// [`read_sft`] packed into a stream ([`PackedStream::from_marked`]).
+pub fn sft_stream(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<PackedStream> {
+    PackedStream::from_marked(read_sft(text, tokenize, eos, chat)?)
 }
 
 /// Byte-level tokens of `s` (vocabulary 256), the tokeniser without a tokenizer.json.
@@ -62,10 +113,10 @@ mod tests {
     #[test]
     fn completions_are_the_marked_targets() -> Result<()> {
         let text = "{\"prompt\": \"ab\", \"completion\": \"XYZ\"}\n\n{\"prompt\": \"cde\", \"completion\": \"W\", \"id\": 3}\n{\"prompt\": \"\", \"completion\": \"QR\"}\n";
-        let ex = read_prompt_completion(text, &bytes_of, Some(1))?;
+        let ex = read_sft(text, &bytes_of, Some(1), None)?;
         assert_eq!(ex.len(), 3);
-        assert_eq!(ex[0], (b"ab".iter().map(|&b| b as u32).collect(), vec![88, 89, 90, 1]));
-        let s = PackedStream::from_examples(ex)?;
+        assert_eq!(ex[0], (vec![97, 98, 88, 89, 90, 1], vec![false, false, true, true, true, true]));
+        let s = PackedStream::from_marked(ex)?;
         assert_eq!((s.count(), s.len(), s.target_count(), s.has_targets()), (3, 6 + 5 + 3, 4 + 2 + 3, true));
         let upper = |t: u32| t == 1 || (65..=90).contains(&t);
         for seed in 0..30 {
@@ -81,17 +132,64 @@ mod tests {
         // the errors, by line
         for (bad, want) in [
             ("{\"prompt\": \"a\"}", "line 1: no `completion`"),
-            ("\n{\"prompt\": 3, \"completion\": \"b\"}", "line 2: `prompt` must be a string"),
+            ("\n{\"prompt\": 3, \"completion\": \"b\"}", "line 2: `prompt` and `completion` must both be strings or both lists"),
             ("[1, 2]", "line 1: expected a JSON object"),
             ("{\"prompt\": \"a\", \"completion\": \"b\"", "line 1:"),
             ("\n\n", "no example"),
         ] {
-            let e = read_prompt_completion(bad, &bytes_of, None).unwrap_err().to_string();
+            let e = read_sft(bad, &bytes_of, None, None).unwrap_err().to_string();
             assert!(e.contains(want), "{bad:?}: {e}");
         }
         let fails = |_: &str| -> Result<Vec<u32>> { bail!("no such token") };
-        let e = read_prompt_completion("{\"prompt\": \"a\", \"completion\": \"b\"}", &fails, None).unwrap_err().to_string();
+        let e = read_sft("{\"prompt\": \"a\", \"completion\": \"b\"}", &fails, None, None).unwrap_err().to_string();
         assert!(e.contains("line 1: no such token"), "{e}");
+        Ok(())
+    }
+
+    /// Conversations (`messages`, and prompt / completion lists of messages) beside plain
+    /// examples in one file: the marks are exactly the trained assistant turns' contents and
+    /// end-of-turn markers, through every family's template; no EOS added to a conversation;
+    /// the errors name the line.
+    #[test]
+    fn conversations_train_on_the_assistant_turns() -> Result<()> {
+        let text = concat!(
+            r#"{"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "u2"}, {"role": "assistant", "content": "A2"}]}"#,
+            "\n",
+            r#"{"prompt": [{"role": "system", "content": "S"}, {"role": "user", "content": "u1"}, {"role": "assistant", "content": "A1"}, {"role": "user", "content": "u2"}], "completion": [{"role": "assistant", "content": "A2"}]}"#,
+            "\n",
+            r#"{"prompt": "p", "completion": "C"}"#,
+        );
+        let text_of = |ids: &[u32]| String::from_utf8(ids.iter().map(|&t| t as u8).collect()).map_err(|e| candle_core::Error::Msg(e.to_string()));
+        for (_, t) in crate::chat::CHAT_TEMPLATES {
+            let ex = read_sft(text, &bytes_of, Some(7), Some(t))?;
+            let eot = t.end_of_turn();
+            let marked = |(ids, marks): &MarkedTokens| -> Result<String> {
+                let kept: Vec<u32> = ids.iter().zip(marks).filter(|(_, m)| **m).map(|(i, _)| *i).collect();
+                text_of(&kept)
+            };
+            assert_eq!(marked(&ex[0])?, format!("A1{eot}A2{eot}"), "{}", t.name());
+            assert_eq!(marked(&ex[1])?, format!("A2{eot}"), "{}", t.name());
+            assert_eq!(ex[2], (vec![112, 67, 7], vec![false, true, true]));
+            // the whole text is the template's, with no EOS appended
+            let m = crate::chat::parse_messages(&serde_json::from_str::<Value>(text.lines().next().unwrap_or_default()).map_err(|e| candle_core::Error::Msg(e.to_string()))?["messages"], "m")?;
+            assert_eq!(text_of(&ex[0].0)?, t.render_text(&m, false)?, "{}", t.name());
+            assert_eq!(ex[0].0, ex[1].0, "{}: the two forms render the same text", t.name());
+            let s = sft_stream(text, &bytes_of, Some(7), Some(t))?;
+            assert_eq!((s.count(), s.target_count()), (3, 2 * (2 + eot.len()) + (2 + eot.len()) + 2), "{}", t.name());
+        }
+        for (bad, chat, want) in [
+            (r#"{"messages": [{"role": "user", "content": "u"}]}"#, Some(ChatTemplate::ChatMl), "line 1: the conversation has no assistant turn"),
+            (r#"{"prompt": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}], "completion": []}"#, Some(ChatTemplate::ChatMl), "no assistant turn"),
+            (r#"{"messages": [{"role": "assistant", "content": "a"}]}"#, None, "line 1: a conversation needs a chat template"),
+            (r#"{"messages": [], "prompt": "p"}"#, Some(ChatTemplate::ChatMl), "give one form"),
+            (r#"{"prompt": "p", "completion": [{"role": "assistant", "content": "a"}]}"#, Some(ChatTemplate::ChatMl), "must both be strings or both lists"),
+            (r#"{"messages": [{"role": "bot", "content": "a"}]}"#, Some(ChatTemplate::ChatMl), "has role \"bot\""),
+            (r#"{"messages": [{"role": "user"}]}"#, Some(ChatTemplate::ChatMl), "`messages`[0]: no `content`"),
+            (r#"{"text": "t"}"#, None, "line 1: no `prompt`"),
+        ] {
+            let e = read_sft(bad, &bytes_of, None, chat).unwrap_err().to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
         Ok(())
     }
 }

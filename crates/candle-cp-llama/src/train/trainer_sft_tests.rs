@@ -17,7 +17,23 @@ fn sft_stream() -> Result<crate::train::PackedStream> {
         let c: String = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
         lines.push_str(&format!("{{\"prompt\": \"{p}\", \"completion\": \"{c}\"}}\n"));
     }
-    crate::train::sft::prompt_completion_stream(&lines, &crate::train::sft::bytes_of, Some(2))
+    crate::train::sft::sft_stream(&lines, &crate::train::sft::bytes_of, Some(2), None)
+}
+
+/// Byte-level conversations in ChatML: a system turn, then two exchanges of a user's digits
+/// and the assistant's letters `A..P`.
+fn chat_stream() -> Result<crate::train::PackedStream> {
+    let mut rng = crate::train::Rng::new(29);
+    let mut lines = String::new();
+    let mut turn = |role: &str, first: u8| {
+        let text: String = (0..2 + rng.below(6)).map(|_| (first + rng.below(if first == b'0' { 10 } else { 16 }) as u8) as char).collect();
+        format!("{{\"role\": \"{role}\", \"content\": \"{text}\"}}")
+    };
+    for _ in 0..30 {
+        let m = [turn("system", b'0'), turn("user", b'0'), turn("assistant", b'A'), turn("user", b'0'), turn("assistant", b'A')];
+        lines.push_str(&format!("{{\"messages\": [{}]}}\n", m.join(", ")));
+    }
+    crate::train::sft::sft_stream(&lines, &crate::train::sft::bytes_of, None, Some(crate::chat::ChatTemplate::ChatMl))
 }
 
 /// A prompt / completion run trains on the completion tokens alone: step 1's objective is
@@ -27,8 +43,25 @@ fn sft_stream() -> Result<crate::train::PackedStream> {
 /// CP 2, ring CP 2 × DP 2 and TP 2 + SP as on one device.
 #[test]
 fn completion_only_loss_on_every_layout() -> Result<()> {
+    let completion = |t: u32| t == 2 || (65..=80).contains(&t);
+    marked_loss_on_layouts(sft_stream()?, &completion, &[Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)])
+}
+
+/// A conversation run trains on the assistant turns alone (their letters and the
+/// `<|im_end|>` closing each; never the digits of the system and user turns): step 1's
+/// objective by hand as above, the same run on zigzag CP 2 and Ulysses 2 as on one device.
+#[test]
+fn assistant_only_loss_on_cp_layouts() -> Result<()> {
+    let assistant = |t: u32| (65..=80).contains(&t) || b"<|im_end>".contains(&(t as u8));
+    marked_loss_on_layouts(chat_stream()?, &assistant, &[Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ulysses, 2)])
+}
+
+/// Step 1's objective over `stream`'s marked targets (each marked token satisfying
+/// `marked_kind`) equals the mean cross-entropy of those targets by hand; the run on each of
+/// `layouts` matches the single-device one.
+fn marked_loss_on_layouts(stream: crate::train::PackedStream, marked_kind: &(dyn Fn(u32) -> bool + Sync), layouts: &[Layout]) -> Result<()> {
     let mut c1 = tiny_cfg(None, Layout::single(), 2, 1);
-    (c1.data, c1.model, c1.steps, c1.long_range_only) = (DataSource::Packed(sft_stream()?), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), 3, true);
+    (c1.data, c1.model, c1.steps, c1.long_range_only) = (DataSource::Packed(stream), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), 3, true);
     let (ids, mask, docs) = global_batch(&c1, 0, 0, &Device::Cpu)?;
     let docs = docs.expect("packed rows carry documents");
     let one = run(&c1)?;
@@ -40,13 +73,13 @@ fn completion_only_loss_on_every_layout() -> Result<()> {
         let p = crate::packed::shard_batch_packed(&ids, &docs, &ctx)?;
         let nll: Vec<f32> = m.token_nll_packed(&p.input_ids, &p.labels, &p.positions, &p.documents)?.flatten_all()?.to_vec1()?;
         let (labels, ids_h, marks): (Vec<u32>, Vec<u32>, Vec<u32>) = (p.labels.flatten_all()?.to_vec1()?, ids.flatten_all()?.to_vec1()?, mask.flatten_all()?.to_vec1()?);
-        // target i is token i + 1 of the row: counted when that token is a completion's (a
-        // capital letter or the EOS) and the label is not cut at a document's end
+        // target i is token i + 1 of the row: counted when that token is marked (a
+        // completion's or an assistant turn's) and the label is not cut at a document's end
         let t = ids.dim(1)?;
         let picked: Vec<f64> = (0..labels.len())
             .filter(|&i| i % t + 1 < t && labels[i] != crate::IGNORE && marks[i + 1] == 1)
             .map(|i| {
-                assert!(ids_h[i + 1] == 2 || (65..=80).contains(&ids_h[i + 1]), "token {} marked", ids_h[i + 1]);
+                assert!(marked_kind(ids_h[i + 1]), "token {} marked", ids_h[i + 1]);
                 nll[i] as f64
             })
             .collect();
@@ -60,7 +93,7 @@ fn completion_only_loss_on_every_layout() -> Result<()> {
     assert!((m0.loss - all).abs() < 2e-6, "all-target loss {} vs {all}", m0.loss);
     assert!((completion - all).abs() > 1e-4, "completion {completion} vs all {all}: no selection");
     assert!(m0.long_range_loss.is_some_and(|x| (x - m0.train_loss).abs() < 1e-6));
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+    for &layout in layouts {
         let mut c = c1.clone();
         c.layout = layout;
         let other = run(&c)?;

@@ -1,0 +1,318 @@
+//! Chat templates: a conversation (`[{"role": .., "content": ..}, ..]`, the `messages` of
+//! TRL's conversational data) rendered as the text a model family was instruction-tuned on,
+//! cut into segments that say which text is a target of the supervised loss (each trained
+//! assistant turn's content and its end-of-turn marker; never the role headers, the user's
+//! or the system's text).
+//!
+//! The families' templates are written here in Rust (candle-cp has no Jinja engine): the
+//! plain conversation form of each — system, user and assistant turns; no tool calls, no
+//! default system prompt (Qwen 2.5's "You are Qwen..." and Granite's dated one are not
+//! inserted: give a system turn to have one), no date lines, no reasoning blocks.
+//! [`ChatTemplate::detect`] recognises the family from the model's own Jinja source
+//! (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` / `.json`:
+//! [`ChatTemplate::of_model_dir`]); a template it does not know is an error naming the
+//! choices, never a silent guess.
+//!
+//! ```text
+//! llama3    <|begin_of_text|><|start_header_id|>user<|end_header_id|>\n\n{u}<|eot_id|>
+//!           <|start_header_id|>assistant<|end_header_id|>\n\n[{a}<|eot_id|>]
+//! chatml    <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[{a}<|im_end|>]\n
+//! gemma     <bos><start_of_turn>user\n{u}<end_of_turn>\n<start_of_turn>model\n[{a}<end_of_turn>]\n
+//! phi3      <|user|>\n{u}<|end|>\n<|assistant|>\n[{a}<|end|>]\n<|endoftext|>
+//! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
+//!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
+//! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! ```
+//! (`[..]`: the targets of a trained assistant turn.)
+
+use candle_core::{bail, Result};
+use serde_json::Value;
+use std::path::Path;
+
+/// One turn of a conversation.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Message {
+    /// `system`, `user` or `assistant`.
+    pub role: String,
+    /// The turn's text.
+    pub content: String,
+}
+
+impl Message {
+    /// A turn of `role` saying `content`.
+    pub fn new(role: &str, content: &str) -> Self {
+        Self { role: role.to_string(), content: content.to_string() }
+    }
+}
+
+/// The roles a conversation may hold.
+pub const ROLES: [&str; 3] = ["system", "user", "assistant"];
+
+/// A model family's chat template ([module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChatTemplate {
+    /// Llama 3 / 3.1 / 3.2 / 3.3 Instruct.
+    Llama3,
+    /// ChatML: Qwen 2 / 2.5 / 3, SmolLM, many fine-tunes.
+    ChatMl,
+    /// Gemma 2 / 3 (the assistant is `model`; a system turn's text and a blank line are put
+    /// before the first user turn's text, as Gemma 3's template does).
+    Gemma,
+    /// Phi-3 / Phi-3.5.
+    Phi3,
+    /// Granite 3.
+    Granite,
+    /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
+    /// `<｜Assistant｜>` turns.
+    DeepSeek,
+}
+
+/// Every template by its name (`--chat-template NAME`).
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 6] = [
+    ("llama3", ChatTemplate::Llama3),
+    ("chatml", ChatTemplate::ChatMl),
+    ("gemma", ChatTemplate::Gemma),
+    ("phi3", ChatTemplate::Phi3),
+    ("granite", ChatTemplate::Granite),
+    ("deepseek", ChatTemplate::DeepSeek),
+];
+
+/// A rendered conversation: its text in order, each piece with whether it is a target.
+pub type Segments = Vec<(String, bool)>;
+
+impl ChatTemplate {
+    /// The template named `name` ([`CHAT_TEMPLATES`]); the error lists the names.
+    pub fn from_name(name: &str) -> Result<Self> {
+        match CHAT_TEMPLATES.iter().find(|(n, _)| *n == name) {
+            Some((_, t)) => Ok(*t),
+            None => bail!("unknown chat template {name:?}: expected one of {}", names()),
+        }
+    }
+
+    /// Its name in [`CHAT_TEMPLATES`].
+    pub fn name(self) -> &'static str {
+        CHAT_TEMPLATES.iter().find(|(_, t)| *t == self).map_or("?", |(n, _)| n)
+    }
+
+    /// The family of a Jinja chat template's source, from the markers it writes; `None` when it
+    /// writes none of the known families' markers.
+    pub fn detect(jinja: &str) -> Option<Self> {
+        let has = |m: &str| jinja.contains(m);
+        if has("<|start_header_id|>") {
+            Some(Self::Llama3)
+        } else if has("<|im_start|>") {
+            Some(Self::ChatMl)
+        } else if has("<start_of_turn>") {
+            Some(Self::Gemma)
+        } else if has("<|start_of_role|>") {
+            Some(Self::Granite)
+        } else if has("<｜User｜>") {
+            Some(Self::DeepSeek)
+        } else if has("<|assistant|>") && has("<|end|>") {
+            Some(Self::Phi3)
+        } else {
+            None
+        }
+    }
+
+    /// The template of the model in `dir`: its Jinja source from `chat_template.jinja`, else
+    /// `chat_template.json`'s or `tokenizer_config.json`'s `chat_template` (a string, or a
+    /// list of `{name, template}` whose `default` one is taken), recognised by
+    /// [`ChatTemplate::detect`]. Errors name the file, or say that the directory has no
+    /// template or one of an unknown family (pass a name instead).
+    pub fn of_model_dir(dir: &Path) -> Result<Self> {
+        let (src, jinja) = template_source(dir)?;
+        match Self::detect(&jinja) {
+            Some(t) => Ok(t),
+            None => bail!(
+                "the chat template of {} is of a family candle-cp does not know (none of its markers); name one of {} instead",
+                src,
+                names()
+            ),
+        }
+    }
+
+    /// The text a turn ends with (its end-of-turn token when the tokenizer has it as a special
+    /// token: the stop token of a chat generation).
+    pub fn end_of_turn(self) -> &'static str {
+        match self {
+            Self::Llama3 => "<|eot_id|>",
+            Self::ChatMl => "<|im_end|>",
+            Self::Gemma => "<end_of_turn>",
+            Self::Phi3 => "<|end|>",
+            Self::Granite => "<|end_of_text|>",
+            Self::DeepSeek => "<｜end▁of▁sentence｜>",
+        }
+    }
+
+    /// `messages` rendered as segments: targets are the content and end-of-turn marker of each
+    /// assistant turn `i` with `train(i)`. With `generation_prompt`, the header of a next
+    /// assistant turn is appended (the prompt of a chat generation). Errors (naming the turn):
+    /// an empty conversation, a role not in [`ROLES`], a system turn after the first (Gemma,
+    /// DeepSeek put it first), Gemma's roles not alternating user / assistant.
+    pub fn render(self, messages: &[Message], train: &dyn Fn(usize) -> bool, generation_prompt: bool) -> Result<Segments> {
+        if messages.is_empty() {
+            bail!("chat template {}: the conversation has no message", self.name())
+        }
+        for (i, m) in messages.iter().enumerate() {
+            if !ROLES.contains(&m.role.as_str()) {
+                bail!("chat template {}: message {i} has role {:?}, expected one of {ROLES:?}", self.name(), m.role)
+            }
+            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek) {
+                bail!("chat template {}: message {i} is a system turn; only the first message may be one", self.name())
+            }
+        }
+        let mut out: Segments = Vec::new();
+        let mut push = |s: String, target: bool| {
+            if s.is_empty() {
+                return;
+            }
+            match out.last_mut() {
+                Some((last, t)) if *t == target => last.push_str(&s),
+                _ => out.push((s, target)),
+            }
+        };
+        let eot = self.end_of_turn();
+        match self {
+            Self::Llama3 => {
+                push("<|begin_of_text|>".into(), false);
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("<|start_header_id|>{}<|end_header_id|>\n\n", m.role), false);
+                    push(format!("{}{eot}", m.content.trim()), is_target(m, i, train));
+                }
+                if generation_prompt {
+                    push("<|start_header_id|>assistant<|end_header_id|>\n\n".into(), false);
+                }
+            }
+            Self::ChatMl | Self::Phi3 | Self::Granite => {
+                let (open, close) = match self {
+                    Self::ChatMl => ("<|im_start|>", "\n"),
+                    Self::Phi3 => ("<|", "|>\n"),
+                    _ => ("<|start_of_role|>", "<|end_of_role|>"),
+                };
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("{open}{}{close}", m.role), false);
+                    push(format!("{}{eot}", m.content), is_target(m, i, train));
+                    push("\n".into(), false);
+                }
+                if generation_prompt {
+                    push(format!("{open}assistant{close}"), false);
+                } else if self == Self::Phi3 {
+                    push("<|endoftext|>".into(), false);
+                }
+            }
+            Self::Gemma => {
+                push("<bos>".into(), false);
+                let (system, rest) = match messages.split_first() {
+                    Some((m, rest)) if m.role == "system" => (Some(m.content.as_str()), rest),
+                    _ => (None, messages),
+                };
+                let offset = messages.len() - rest.len();
+                for (j, m) in rest.iter().enumerate() {
+                    let want = if j % 2 == 0 { "user" } else { "assistant" };
+                    if m.role != want {
+                        bail!(
+                            "chat template gemma: message {} is a {} turn; Gemma's turns alternate user / assistant, starting with user (after an optional system turn)",
+                            j + offset,
+                            m.role
+                        )
+                    }
+                    let role = if m.role == "assistant" { "model" } else { "user" };
+                    push(format!("<start_of_turn>{role}\n"), false);
+                    let text = match (j, system) {
+                        (0, Some(s)) => format!("{s}\n\n{}", m.content.trim()),
+                        _ => m.content.trim().to_string(),
+                    };
+                    push(format!("{text}{eot}"), is_target(m, j + offset, train));
+                    push("\n".into(), false);
+                }
+                if generation_prompt {
+                    push("<start_of_turn>model\n".into(), false);
+                }
+            }
+            Self::DeepSeek => {
+                push("<｜begin▁of▁sentence｜>".into(), false);
+                for (i, m) in messages.iter().enumerate() {
+                    match m.role.as_str() {
+                        "system" => push(m.content.clone(), false),
+                        "user" => push(format!("<｜User｜>{}", m.content), false),
+                        _ => {
+                            push("<｜Assistant｜>".into(), false);
+                            push(format!("{}{eot}", m.content), is_target(m, i, train));
+                        }
+                    }
+                }
+                if generation_prompt {
+                    push("<｜Assistant｜>".into(), false);
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The whole text of [`ChatTemplate::render`] (no targets), e.g. a chat generation's prompt.
+    pub fn render_text(self, messages: &[Message], generation_prompt: bool) -> Result<String> {
+        Ok(self.render(messages, &|_| false, generation_prompt)?.into_iter().map(|(s, _)| s).collect())
+    }
+}
+
+/// Is turn `i` a target: an assistant turn that `train` selects.
+fn is_target(m: &Message, i: usize, train: &dyn Fn(usize) -> bool) -> bool {
+    m.role == "assistant" && train(i)
+}
+
+/// The template names, for errors.
+fn names() -> String {
+    CHAT_TEMPLATES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")
+}
+
+/// The Jinja source of the chat template in `dir` and the file it came from.
+fn template_source(dir: &Path) -> Result<(String, String)> {
+    let jinja = dir.join("chat_template.jinja");
+    if let Ok(s) = std::fs::read_to_string(&jinja) {
+        return Ok((jinja.display().to_string(), s));
+    }
+    for name in ["chat_template.json", "tokenizer_config.json"] {
+        let path = dir.join(name);
+        let Ok(text) = std::fs::read_to_string(&path) else { continue };
+        let v: Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+        match v.get("chat_template") {
+            None | Some(Value::Null) => continue,
+            Some(Value::String(s)) => return Ok((path.display().to_string(), s.clone())),
+            Some(Value::Array(list)) => {
+                let default = list.iter().find(|t| t.get("name").and_then(Value::as_str) == Some("default"));
+                match default.and_then(|t| t.get("template")).and_then(Value::as_str) {
+                    Some(s) => return Ok((path.display().to_string(), s.to_string())),
+                    None => bail!("{}: chat_template is a list without a `default` {{name, template}} entry", path.display()),
+                }
+            }
+            Some(other) => bail!("{}: chat_template must be a string or a list of {{name, template}}, got {other}", path.display()),
+        }
+    }
+    bail!(
+        "{} has no chat template (chat_template.jinja, or `chat_template` in chat_template.json / tokenizer_config.json); name one of {}",
+        dir.display(),
+        names()
+    )
+}
+
+/// The conversation of a JSON array of `{"role": .., "content": ..}` objects; errors say what
+/// is wrong with which message (`what` names the array, e.g. "`messages`").
+pub fn parse_messages(v: &Value, what: &str) -> Result<Vec<Message>> {
+    let Some(list) = v.as_array() else { bail!("{what} must be a list of {{\"role\": .., \"content\": ..}} messages, got {v}") };
+    list.iter()
+        .enumerate()
+        .map(|(i, m)| {
+            let field = |k: &str| match m.get(k) {
+                Some(Value::String(s)) => Ok(s.clone()),
+                Some(other) => bail!("{what}[{i}]: `{k}` must be a string, got {other}"),
+                None => bail!("{what}[{i}]: no `{k}` (a message is {{\"role\": .., \"content\": ..}})"),
+            };
+            Ok(Message { role: field("role")?, content: field("content")? })
+        })
+        .collect()
+}
+
+#[cfg(test)]
+#[path = "chat_tests.rs"]
+mod tests;

@@ -1,0 +1,154 @@
+use super::*;
+
+fn conv() -> Vec<Message> {
+    vec![
+        Message::new("system", "Be brief."),
+        Message::new("user", " Hi? "),
+        Message::new("assistant", "Hello."),
+        Message::new("user", "Name?"),
+        Message::new("assistant", "Bob"),
+    ]
+}
+
+/// The targets of a render: the concatenated target text.
+fn targets(s: &Segments) -> String {
+    s.iter().filter(|(_, t)| *t).map(|(s, _)| s.as_str()).collect()
+}
+
+/// Each family's text, written out from its Jinja template by hand, and its targets: the
+/// assistant turns' contents and end-of-turn markers, the first one left out when `train`
+/// says so; the generation prompt appended.
+#[test]
+fn every_family_renders_its_text_and_targets() -> Result<()> {
+    let want = [
+        (
+            ChatTemplate::Llama3,
+            "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nHi?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nHello.<|eot_id|><|start_header_id|>user<|end_header_id|>\n\nName?<|eot_id|><|start_header_id|>assistant<|end_header_id|>\n\nBob<|eot_id|>",
+            "<|start_header_id|>assistant<|end_header_id|>\n\n",
+        ),
+        (
+            ChatTemplate::ChatMl,
+            "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n Hi? <|im_end|>\n<|im_start|>assistant\nHello.<|im_end|>\n<|im_start|>user\nName?<|im_end|>\n<|im_start|>assistant\nBob<|im_end|>\n",
+            "<|im_start|>assistant\n",
+        ),
+        (
+            ChatTemplate::Gemma,
+            "<bos><start_of_turn>user\nBe brief.\n\nHi?<end_of_turn>\n<start_of_turn>model\nHello.<end_of_turn>\n<start_of_turn>user\nName?<end_of_turn>\n<start_of_turn>model\nBob<end_of_turn>\n",
+            "<start_of_turn>model\n",
+        ),
+        (
+            ChatTemplate::Phi3,
+            "<|system|>\nBe brief.<|end|>\n<|user|>\n Hi? <|end|>\n<|assistant|>\nHello.<|end|>\n<|user|>\nName?<|end|>\n<|assistant|>\nBob<|end|>\n<|endoftext|>",
+            "<|assistant|>\n",
+        ),
+        (
+            ChatTemplate::Granite,
+            "<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n<|start_of_role|>user<|end_of_role|> Hi? <|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>Hello.<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Name?<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>Bob<|end_of_text|>\n",
+            "<|start_of_role|>assistant<|end_of_role|>",
+        ),
+        (
+            ChatTemplate::DeepSeek,
+            "<｜begin▁of▁sentence｜>Be brief.<｜User｜> Hi? <｜Assistant｜>Hello.<｜end▁of▁sentence｜><｜User｜>Name?<｜Assistant｜>Bob<｜end▁of▁sentence｜>",
+            "<｜Assistant｜>",
+        ),
+    ];
+    for (t, text, gen) in want {
+        assert_eq!(ChatTemplate::from_name(t.name())?, t);
+        let all = t.render(&conv(), &|_| true, false)?;
+        let joined: String = all.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(joined, text, "{}", t.name());
+        let eot = t.end_of_turn();
+        assert_eq!(targets(&all), format!("Hello.{eot}Bob{eot}"), "{}", t.name());
+        // neighbours differ in kind (merged)
+        assert!(all.windows(2).all(|w| w[0].1 != w[1].1), "{}: {all:?}", t.name());
+        let last = t.render(&conv(), &|i| i == 4, false)?;
+        assert_eq!(targets(&last), format!("Bob{eot}"), "{}", t.name());
+        let joined: String = last.iter().map(|(s, _)| s.as_str()).collect();
+        assert_eq!(joined, text, "{}", t.name());
+        // a generation prompt after the user's turn
+        let p = t.render_text(&conv()[..4], true)?;
+        assert!(p.ends_with(gen), "{}: {p:?}", t.name());
+        let upto = t.render_text(&conv()[..4], false)?;
+        let upto = upto.strip_suffix("<|endoftext|>").unwrap_or(&upto);
+        assert_eq!(p, format!("{upto}{gen}"), "{}", t.name());
+        assert!(text.starts_with(&p), "{}: the prompt is the conversation's prefix", t.name());
+    }
+    Ok(())
+}
+
+/// The errors: empty conversation, unknown role, a late system turn where the family puts it
+/// first, Gemma's alternation; unknown names list the choices.
+#[test]
+fn bad_conversations_are_errors_naming_the_turn() {
+    let e = |t: ChatTemplate, m: &[Message]| t.render(m, &|_| true, false).unwrap_err().to_string();
+    assert!(e(ChatTemplate::ChatMl, &[]).contains("no message"));
+    let tool = [Message::new("user", "a"), Message::new("tool", "b")];
+    assert!(e(ChatTemplate::Llama3, &tool).contains("message 1 has role \"tool\""));
+    let late = [Message::new("user", "a"), Message::new("system", "b")];
+    assert!(e(ChatTemplate::Gemma, &late).contains("message 1 is a system turn"));
+    assert!(e(ChatTemplate::DeepSeek, &late).contains("message 1 is a system turn"));
+    assert!(ChatTemplate::ChatMl.render(&late, &|_| true, false).is_ok());
+    let twice = [Message::new("system", "s"), Message::new("user", "a"), Message::new("user", "b")];
+    assert!(e(ChatTemplate::Gemma, &twice).contains("message 2 is a user turn"), "{}", e(ChatTemplate::Gemma, &twice));
+    let first = [Message::new("assistant", "a")];
+    assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
+    let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, granite, deepseek"), "{n}");
+}
+
+/// The family from each model's own Jinja source (abridged from the released templates),
+/// and from a model directory: `chat_template.jinja` first, `tokenizer_config.json`'s string
+/// or named list; no template, an unknown family and a bad value are errors.
+#[test]
+fn detects_the_family_from_the_models_template() -> Result<()> {
+    let sources = [
+        ("{% set content = '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n' %}", Some(ChatTemplate::Llama3)),
+        ("{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}", Some(ChatTemplate::ChatMl)),
+        ("{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}", Some(ChatTemplate::Gemma)),
+        ("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}", Some(ChatTemplate::Phi3)),
+        ("{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' }}", Some(ChatTemplate::Granite)),
+        ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
+        ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
+        ("{{ '<|user|>\\n' + message['content'] + eos_token }}", None),
+    ];
+    for (src, want) in sources {
+        assert_eq!(ChatTemplate::detect(src), want, "{src}");
+    }
+    let dir = std::env::temp_dir().join(format!("candle-cp-chat-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("has no chat template") && e.contains("llama3"), "{e}");
+    let cfg = dir.join("tokenizer_config.json");
+    std::fs::write(&cfg, r#"{"bos_token": "<s>", "chat_template": "{{'<|im_start|>'}}"}"#)?;
+    assert_eq!(ChatTemplate::of_model_dir(&dir)?, ChatTemplate::ChatMl);
+    std::fs::write(&cfg, r#"{"chat_template": [{"name": "tool_use", "template": "<|im_start|>"}, {"name": "default", "template": "<start_of_turn>"}]}"#)?;
+    assert_eq!(ChatTemplate::of_model_dir(&dir)?, ChatTemplate::Gemma);
+    std::fs::write(&cfg, r#"{"chat_template": [{"name": "tool_use", "template": "<|im_start|>"}]}"#)?;
+    assert!(ChatTemplate::of_model_dir(&dir).unwrap_err().to_string().contains("without a `default`"));
+    std::fs::write(&cfg, r#"{"chat_template": 3}"#)?;
+    assert!(ChatTemplate::of_model_dir(&dir).unwrap_err().to_string().contains("must be a string"));
+    std::fs::write(&cfg, r#"{"chat_template": "[INST]"}"#)?;
+    let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("tokenizer_config.json") && e.contains("does not know"), "{e}");
+    std::fs::write(dir.join("chat_template.jinja"), "{{ '<|start_header_id|>' }}")?;
+    assert_eq!(ChatTemplate::of_model_dir(&dir)?, ChatTemplate::Llama3);
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// Messages from JSON; the errors name the message and the field.
+#[test]
+fn parses_messages_and_names_the_bad_one() -> Result<()> {
+    let json = |s: &str| serde_json::from_str::<Value>(s).map_err(|e| candle_core::Error::Msg(e.to_string()));
+    let v = json(r#"[{"role": "user", "content": "a", "name": "x"}, {"role": "assistant", "content": "b"}]"#)?;
+    assert_eq!(parse_messages(&v, "`messages`")?, vec![Message::new("user", "a"), Message::new("assistant", "b")]);
+    for (bad, want) in [
+        (r#"{"role": "user"}"#, "`messages` must be a list"),
+        (r#"[{"role": "user"}]"#, "`messages`[0]: no `content`"),
+        (r#"[{"role": "user", "content": "a"}, {"role": 1, "content": "b"}]"#, "`messages`[1]: `role` must be a string"),
+    ] {
+        let e = parse_messages(&json(bad)?, "`messages`").unwrap_err().to_string();
+        assert!(e.contains(want), "{bad}: {e}");
+    }
+    Ok(())
+}

@@ -1,0 +1,81 @@
+//! Conversations through a Hugging Face tokenizer: each chat template's markers are the
+//! tokenizer's special tokens, one id each, recognised inside the rendered text as the
+//! trainer and `generate --chat` encode it (`encode(text, false)`: the template writes its own
+//! BOS); the supervised marks are exactly the assistant turns' ids and end-of-turn ids.
+
+use anyhow::{anyhow, Result};
+use candle_cp_llama::chat::{ChatTemplate, Message, CHAT_TEMPLATES};
+use candle_cp_llama::train::sft::read_sft;
+use tokenizers::Tokenizer;
+
+/// Every template's markers (the special tokens of the families' tokenizers).
+const MARKERS: [&str; 20] = [
+    "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
+    "<|im_start|>", "<|im_end|>",
+    "<bos>", "<start_of_turn>", "<end_of_turn>",
+    "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>",
+    "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>",
+    "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+];
+
+/// A character-level tokenizer (printable ASCII and `\n`, one id per character) whose added
+/// special tokens are [`MARKERS`] and DeepSeek's end of sentence, ids 0.. in order.
+fn tokenizer() -> Result<Tokenizer> {
+    let mut specials: Vec<&str> = MARKERS.to_vec();
+    specials.push("<｜end▁of▁sentence｜>");
+    let added: Vec<serde_json::Value> = specials
+        .iter()
+        .enumerate()
+        .map(|(i, s)| serde_json::json!({"id": i, "content": s, "single_word": false, "lstrip": false, "rstrip": false, "normalized": false, "special": true}))
+        .collect();
+    let mut vocab = serde_json::Map::new();
+    for (i, s) in specials.iter().enumerate() {
+        vocab.insert(s.to_string(), i.into());
+    }
+    vocab.insert("<unk>".into(), specials.len().into());
+    for c in (b' '..=b'~').chain([b'\n']) {
+        let id = vocab.len();
+        vocab.insert((c as char).to_string(), id.into());
+    }
+    let json = serde_json::json!({
+        "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
+        "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(?s)."}, "behavior": "Isolated", "invert": false},
+        "post_processor": null, "decoder": null,
+        "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
+    });
+    Tokenizer::from_bytes(serde_json::to_vec(&json)?).map_err(|e| anyhow!("{e}"))
+}
+
+#[test]
+fn templates_tokenise_their_markers_as_special_tokens() -> Result<()> {
+    let tok = tokenizer()?;
+    let encode = |s: &str| -> candle_core::Result<Vec<u32>> { tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(e.to_string())) };
+    let unk = MARKERS.len() as u32 + 1;
+    let line = r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name?"}, {"role": "assistant", "content": "Bob"}]}"#;
+    for (_, t) in CHAT_TEMPLATES {
+        // the end-of-turn marker is one token: generate --chat's stop token
+        let eot = encode(t.end_of_turn())?;
+        assert!(eot.len() == 1 && eot[0] < unk, "{}: {eot:?}", t.name());
+        let ex = read_sft(line, &encode, None, Some(t))?;
+        let (ids, marks) = &ex[0];
+        assert!(!ids.contains(&unk), "{}: an unknown token in {ids:?}", t.name());
+        // segment by segment = the whole rendered text at once
+        let m: Vec<Message> = ["system:Be brief.", "user:Hi?", "assistant:Hello.", "user:Name?", "assistant:Bob"]
+            .iter()
+            .map(|s| s.split_once(':').map(|(r, c)| Message::new(r, c)).ok_or_else(|| anyhow!("turn")))
+            .collect::<Result<_>>()?;
+        assert_eq!(ids, &encode(&t.render_text(&m, false)?)?, "{}", t.name());
+        // the marked ids spell the assistant turns, each ended by its end-of-turn id
+        let marked: Vec<u32> = ids.iter().zip(marks).filter(|(_, m)| **m).map(|(i, _)| *i).collect();
+        let want: Vec<u32> = [encode("Hello.")?, eot.clone(), encode("Bob")?, eot.clone()].concat();
+        assert_eq!(marked, want, "{}", t.name());
+        // every special token of the text is one id below the characters'
+        let specials = ids.iter().filter(|&&i| i < unk).count();
+        assert!(specials >= 4, "{}: {specials} special ids in {ids:?}", t.name());
+        // a chat generation's prompt is the training text's prefix, ids and all
+        let prompt = encode(&t.render_text(&m[..4], true)?)?;
+        assert!(ids.starts_with(&prompt), "{}", t.name());
+        assert_eq!(ChatTemplate::from_name(t.name())?, t);
+    }
+    Ok(())
+}
