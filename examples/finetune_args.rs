@@ -102,7 +102,7 @@ pub(crate) struct Args {
     /// completion).
     #[arg(long)]
     pub(crate) sft: bool,
-    /// The chat template of --sft conversations: llama3, chatml, gemma, phi3, granite or
+    /// The chat template of --sft conversations: llama3, chatml, gemma, phi3, phi4, granite or
     /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).
     #[arg(long, value_name = "NAME")]

@@ -19,6 +19,7 @@
 //! chatml    <|im_start|>user\n{u}<|im_end|>\n<|im_start|>assistant\n[{a}<|im_end|>]\n
 //! gemma     <bos><start_of_turn>user\n{u}<end_of_turn>\n<start_of_turn>model\n[{a}<end_of_turn>]\n
 //! phi3      <|user|>\n{u}<|end|>\n<|assistant|>\n[{a}<|end|>]\n<|endoftext|>
+//! phi4      <|user|>{u}<|end|><|assistant|>[{a}<|end|>]<|endoftext|>
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
@@ -58,8 +59,10 @@ pub enum ChatTemplate {
     /// Gemma 2 / 3 (the assistant is `model`; a system turn's text and a blank line are put
     /// before the first user turn's text, as Gemma 3's template does).
     Gemma,
-    /// Phi-3 / Phi-3.5.
+    /// Phi-3 / Phi-3.5 (a newline after each role marker and turn).
     Phi3,
+    /// Phi-4-mini (Phi-3's markers, no newlines).
+    Phi4,
     /// Granite 3.
     Granite,
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
@@ -68,11 +71,12 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 6] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 7] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
     ("phi3", ChatTemplate::Phi3),
+    ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
 ];
@@ -109,7 +113,8 @@ impl ChatTemplate {
         } else if has("<｜User｜>") {
             Some(Self::DeepSeek)
         } else if has("<|assistant|>") && has("<|end|>") {
-            Some(Self::Phi3)
+            // Phi-3 writes `'<|user|>\n'` (or `'|>' + '\n'`), Phi-4-mini no newline
+            Some(if has("|>\\n") || has("|>' + '\\n'") { Self::Phi3 } else { Self::Phi4 })
         } else {
             None
         }
@@ -139,7 +144,7 @@ impl ChatTemplate {
             Self::Llama3 => "<|eot_id|>",
             Self::ChatMl => "<|im_end|>",
             Self::Gemma => "<end_of_turn>",
-            Self::Phi3 => "<|end|>",
+            Self::Phi3 | Self::Phi4 => "<|end|>",
             Self::Granite => "<|end_of_text|>",
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
         }
@@ -184,20 +189,21 @@ impl ChatTemplate {
                     push("<|start_header_id|>assistant<|end_header_id|>\n\n".into(), false);
                 }
             }
-            Self::ChatMl | Self::Phi3 | Self::Granite => {
-                let (open, close) = match self {
-                    Self::ChatMl => ("<|im_start|>", "\n"),
-                    Self::Phi3 => ("<|", "|>\n"),
-                    _ => ("<|start_of_role|>", "<|end_of_role|>"),
+            Self::ChatMl | Self::Phi3 | Self::Phi4 | Self::Granite => {
+                let (open, close, after) = match self {
+                    Self::ChatMl => ("<|im_start|>", "\n", "\n"),
+                    Self::Phi3 => ("<|", "|>\n", "\n"),
+                    Self::Phi4 => ("<|", "|>", ""),
+                    _ => ("<|start_of_role|>", "<|end_of_role|>", "\n"),
                 };
                 for (i, m) in messages.iter().enumerate() {
                     push(format!("{open}{}{close}", m.role), false);
                     push(format!("{}{eot}", m.content), is_target(m, i, train));
-                    push("\n".into(), false);
+                    push(after.into(), false);
                 }
                 if generation_prompt {
                     push(format!("{open}assistant{close}"), false);
-                } else if self == Self::Phi3 {
+                } else if matches!(self, Self::Phi3 | Self::Phi4) {
                     push("<|endoftext|>".into(), false);
                 }
             }

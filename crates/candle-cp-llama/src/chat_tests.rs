@@ -42,6 +42,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|assistant|>\n",
         ),
         (
+            ChatTemplate::Phi4,
+            "<|system|>Be brief.<|end|><|user|> Hi? <|end|><|assistant|>Hello.<|end|><|user|>Name?<|end|><|assistant|>Bob<|end|><|endoftext|>",
+            "<|assistant|>",
+        ),
+        (
             ChatTemplate::Granite,
             "<|start_of_role|>system<|end_of_role|>Be brief.<|end_of_text|>\n<|start_of_role|>user<|end_of_role|> Hi? <|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>Hello.<|end_of_text|>\n<|start_of_role|>user<|end_of_role|>Name?<|end_of_text|>\n<|start_of_role|>assistant<|end_of_role|>Bob<|end_of_text|>\n",
             "<|start_of_role|>assistant<|end_of_role|>",
@@ -93,7 +98,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, granite, deepseek"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -106,6 +111,8 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{'<|im_start|>' + message['role'] + '\\n' + message['content'] + '<|im_end|>' + '\\n'}}", Some(ChatTemplate::ChatMl)),
         ("{{ '<start_of_turn>' + role + '\\n' + (first_user_prefix if loop.first else \"\") }}", Some(ChatTemplate::Gemma)),
         ("{{'<|user|>' + '\\n' + message['content'] + '<|end|>' + '\\n' + '<|assistant|>' + '\\n'}}", Some(ChatTemplate::Phi3)),
+        ("{{'<|system|>\\n' + message['content'] + '<|end|>\\n'}}{% if add_generation_prompt %}{{ '<|assistant|>\\n' }}", Some(ChatTemplate::Phi3)),
+        ("{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% if add_generation_prompt %}{{ '<|assistant|>' }}", Some(ChatTemplate::Phi4)),
         ("{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' }}", Some(ChatTemplate::Granite)),
         ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
         ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
