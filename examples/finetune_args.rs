@@ -2,7 +2,7 @@
 //! Included by `finetune_llama.rs` with `#[path]`.
 
 use anyhow::{bail, Context, Result};
-use candle_cp_llama::train::{DataSource, KvRecall, PackedStream, TokenStream};
+use candle_cp_llama::train::{DataSource, KvRecall, PackedStream, PreferenceSet, TokenStream};
 use candle_cp_llama::chat::ChatTemplate;
 use candle_cp_llama::{CpKind, HeadLayout, Layout, RowSums};
 use clap::Parser;
@@ -102,7 +102,19 @@ pub(crate) struct Args {
     /// completion).
     #[arg(long)]
     pub(crate) sft: bool,
-    /// The chat template of --sft conversations: llama3, chatml, gemma, phi3, phi4, granite or
+    /// Train by DPO: --data is preference JSON lines in TRL's forms (`{"prompt": ...,
+    /// "chosen": ..., "rejected": ...}`, strings or lists of messages through --chat-template;
+    /// or conversations `{"chosen": [...], "rejected": [...]}` sharing their leading turns), each
+    /// pair packed whole; the reference is the model as the run starts.
+    #[arg(long)]
+    pub(crate) dpo: bool,
+    /// DPO's β (how far the policy may move from the reference).
+    #[arg(long, default_value_t = 0.1)]
+    pub(crate) beta: f64,
+    /// DPO's label smoothing ε (conservative DPO: the chance a pair's labels are flipped).
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) dpo_label_smoothing: f64,
+    /// The chat template of --sft / --dpo conversations: llama3, chatml, gemma, phi3, phi4, granite or
     /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).
     #[arg(long, value_name = "NAME")]
@@ -408,8 +420,14 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.sft && a.data.is_none() {
         bail!("--sft reads prompt / completion examples or conversations: give them as --data FILE.jsonl")
     }
-    if a.chat_template.is_some() && !a.sft {
-        bail!("--chat-template renders --sft conversations: add --sft")
+    if a.dpo && (a.sft || a.pack_docs) {
+        bail!("--dpo reads preference pairs: without --sft or --pack-docs")
+    }
+    if a.dpo && a.data.is_none() {
+        bail!("--dpo trains on preference pairs: give them as --data FILE.jsonl")
+    }
+    if a.chat_template.is_some() && !(a.sft || a.dpo) {
+        bail!("--chat-template renders --sft / --dpo conversations: add --sft or --dpo")
     }
     if a.pack_docs && a.data.is_none() {
         bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
@@ -437,7 +455,7 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
 /// --tokenizer, packed documents with --pack-docs; and its description.
 pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
-    if a.sft {
+    if a.sft || a.dpo {
         return sft_source(a, path, &bytes, flag);
     }
     if a.pack_docs {
@@ -489,8 +507,11 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         },
         (None, None) => (None, None),
     };
-    let read = |tokenize: &dyn Fn(&str) -> candle_core::Result<Vec<u32>>| -> Result<PackedStream> {
-        let r = candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat);
+    let read = |tokenize: &dyn Fn(&str) -> candle_core::Result<Vec<u32>>| -> Result<DataSource> {
+        let r = match a.dpo {
+            true => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
+            false => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
+        };
         match r {
             Err(e) if chat.is_none() && e.to_string().contains("needs a chat template") => {
                 let why = chat_err.as_ref().map_or("no --model to take one from".to_string(), |w| w.to_string());
@@ -509,17 +530,19 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
             read(&encode)?
         }
     };
+    let (what, count, tokens, targets) = match &stream {
+        DataSource::Preference(p) => ("preference pairs", p.len(), p.token_count(), p.target_count()),
+        DataSource::Packed(p) => ("supervised examples", p.count(), p.len(), p.target_count()),
+        _ => bail!("{flag}: supervised data expected"),
+    };
     let desc = format!(
-        "{} ({} supervised examples, {} tokens, {} of them targets, EOS {}, chat template {}, {}), packed",
+        "{} ({count} {what}, {tokens} tokens, {targets} of them targets, EOS {}, chat template {}, {}), packed",
         path.display(),
-        stream.count(),
-        stream.len(),
-        stream.target_count(),
         eos.map_or("none".to_string(), |e| e.to_string()),
         chat.map_or("none", |t| t.name()),
         if a.tokenizer.is_some() { "tokenizer.json" } else { "byte-level" }
     );
-    Ok((DataSource::Packed(stream), desc))
+    Ok((stream, desc))
 }
 
 /// `--pack-docs`: the documents of `bytes`, byte-level or through --tokenizer (each

@@ -7,6 +7,7 @@
 //! # documents (separated by blank lines) packed into each sequence, masked from each other:
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --data sft.jsonl --sft --tokenizer tok.json --model DIR  # prompt / completion
+//! cargo run --release --example finetune_llama -- --data pairs.jsonl --dpo --beta 0.1 --model DIR --lora 16,32  # preference pairs
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
@@ -203,7 +204,7 @@ fn main() -> Result<()> {
         .batch
         .unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
-        None => a.data.is_none() || a.sft,
+        None => a.data.is_none() || a.sft || a.dpo,
         Some("all") => false,
         Some("long-range" | "completion") => true,
         Some(o) => bail!("--loss-on {o}: expected all, long-range or completion"),
@@ -254,6 +255,7 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
+        dpo: a.dpo.then_some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing }),
         expert_bias_update: a.expert_bias_update,
         // (the --tokenizer the data went through, beside each checkpoint's weights)
         tokenizer: a.tokenizer.clone(),
@@ -306,10 +308,11 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
+            DataSource::Preference(s) => format!("{} preference pairs", s.len()),
         };
         say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch);
     }
-    if let DataSource::Packed(_) = &cfg.data {
+    if let DataSource::Packed(_) | DataSource::Preference(_) = &cfg.data {
         // the first step's rows (batches are a pure function of (seed, step, row))
         let rows = cfg.data.rows(cfg.seed, 0, 0, batch, a.seq_len)?;
         let counts: Vec<usize> = rows
@@ -325,6 +328,14 @@ fn main() -> Result<()> {
         a.seq_len,
         a.grad_accum
     );
+    if let Some(d) = &cfg.dpo {
+        say!(
+            "objective: DPO, beta {}{}, against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})",
+            d.beta,
+            if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() },
+            a.out.join("dpo_reference.json").display()
+        );
+    } else {
     say!(
         "objective: mean cross-entropy over {} targets",
         if long_range_only && a.sft {
@@ -335,6 +346,7 @@ fn main() -> Result<()> {
             "all next-token"
         }
     );
+    }
     let replicas = layout.dp * layout.cp;
     say!(
         "memory   : layers {}; loss through the chunked head (no logits); optimizer state {}",
@@ -436,7 +448,7 @@ fn main() -> Result<()> {
     let steps = a.steps;
     let ranks_here = launch.ranks_here(world);
     // (the marked targets: the synthetic task's long-range answers, or --sft's completions)
-    let marked = if a.sft { "completion" } else { "long-range" };
+    let marked = if a.dpo { "answers' CE" } else if a.sft { "completion" } else { "long-range" };
     let on_step = move |m: &StepMetrics| {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
@@ -445,6 +457,7 @@ fn main() -> Result<()> {
             .long_range_loss
             .map_or(String::new(), |x| format!("  {marked} {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
+        let aux = aux + &m.dpo_accuracy.zip(m.dpo_margin).map_or(String::new(), |(acc, mg)| format!("  acc {acc:.2}  margin {mg:.3}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

@@ -89,6 +89,11 @@ pub struct TrainConfig {
     /// Train on the long-range targets only (the other labels are set to [`crate::IGNORE`], like an
     /// answer-only SFT loss). The reported `loss` is still the mean over ALL targets.
     pub long_range_only: bool,
+    /// Train by DPO on preference pairs ([`super::DataSource::Preference`], [`super::dpo`]):
+    /// the objective is DPO's loss against the model as the run starts (its reference
+    /// log-probabilities computed before the first step and kept in `out/dpo_reference.json`
+    /// for a resumed run). `None`: next-token cross-entropy.
+    pub dpo: Option<super::dpo::DpoConfig>,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias; Megatron-Core's
     /// `moe_router_bias_update_rate`, 1e-3 there): after each step every sparse layer's bias
     /// moves by `rate · sign(mean − count)` of the step's global expert counts
@@ -155,6 +160,7 @@ impl TrainConfig {
             overlap_grad_sync: false,
             overlap_param_gather: false,
             long_range_only: false,
+            dpo: None,
             expert_bias_update: None,
             tokenizer: None,
             args: serde_json::Value::Null,

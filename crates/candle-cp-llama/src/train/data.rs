@@ -6,6 +6,7 @@
 //! therefore just the step number, and resuming reproduces the exact same batches.
 
 use super::packed_data::PackedStream;
+use super::preference::{PreferenceRow, PreferenceSet};
 use super::rng::Rng;
 use candle_core::{bail, Result};
 use candle_cp_ops::packing::Documents;
@@ -253,6 +254,9 @@ pub enum DataSource {
     /// Consecutive documents of a corpus packed into each sequence (samples carry their
     /// [`Documents`]).
     Packed(PackedStream),
+    /// Preference pairs packed whole into each sequence, for DPO
+    /// ([`super::TrainConfig::dpo`], [`super::preference`]).
+    Preference(PreferenceSet),
 }
 
 impl DataSource {
@@ -285,6 +289,7 @@ impl DataSource {
                     }
                     DataSource::Text(s) => s.sample(seq_len, &mut rng),
                     DataSource::Packed(s) => s.sample(seq_len, &mut rng),
+                    DataSource::Preference(s) => Ok(s.sample(seq_len, &mut rng)?.0),
                 }
             })
             .collect()
@@ -319,6 +324,14 @@ impl DataSource {
                 let docs = |r: std::ops::Range<usize>| -> Result<DataSource> { Ok(DataSource::Packed(s.subset(r)?)) };
                 Ok((docs(0..n - held)?, docs(n - held..n)?))
             }
+            DataSource::Preference(s) => {
+                let n = s.len();
+                let held = ((n as f64 * fraction).round() as usize).max(1);
+                if held >= n {
+                    bail!("held-out split: {n} preference pairs, {held} held out leave none to train on")
+                }
+                Ok((DataSource::Preference(s.subset(0..n - held)?), DataSource::Preference(s.subset(n - held..n)?)))
+            }
         }
     }
 
@@ -328,7 +341,15 @@ impl DataSource {
             DataSource::Recall(t) => t.vocab_needed(),
             DataSource::Text(s) => s.vocab_needed(),
             DataSource::Packed(s) => s.vocab_needed(),
+            DataSource::Preference(s) => s.vocab_needed(),
         }
+    }
+
+    /// [`DataSource::rows`] of preference pairs with each row's documents' answer indices
+    /// (the same rows); errors for other data.
+    pub fn preference_rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<PreferenceRow>> {
+        let DataSource::Preference(s) = self else { bail!("preference rows: the data holds no preference pairs") };
+        (first_row..first_row + count).map(|row| s.sample(seq_len, &mut Rng::derive(seed, &[step as u64, row as u64]))).collect()
     }
 }
 

@@ -54,6 +54,13 @@ pub struct StepMetrics {
     /// The same over the held-out rows' long-range targets (absent when they have none).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub eval_long_range_loss: Option<f64>,
+    /// A DPO run's fraction of pairs whose chosen answer's reward beats the rejected one's
+    /// (this step's pairs; [`crate::train::dpo::DpoTerms::accuracy`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo_accuracy: Option<f64>,
+    /// A DPO run's mean reward margin (chosen − rejected) over this step's pairs.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub dpo_margin: Option<f64>,
 }
 
 /// A step's sums over the ranks of `group` (those holding distinct tokens): the four loss
@@ -183,6 +190,8 @@ mod tests {
             expert_counts: step.is_multiple_of(3).then(|| vec![vec![3, 0, 5], vec![1, 6, 1]]),
             eval_loss: step.is_multiple_of(2).then_some(0.75),
             eval_long_range_loss: None,
+            dpo_accuracy: step.is_multiple_of(4).then_some(0.5),
+            dpo_margin: step.is_multiple_of(4).then_some(-0.25),
         }
     }
 

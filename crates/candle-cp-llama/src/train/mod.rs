@@ -1,6 +1,6 @@
 //! Training utilities for the fine-tuning example and for users' own training loops:
 //! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), packed
-//! documents ([`packed_data`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
+//! documents ([`packed_data`]), supervised and preference data ([`sft`], [`preference`]) and DPO ([`dpo`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
 //! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
 //! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
 //! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
@@ -10,6 +10,7 @@ pub mod clip;
 mod config;
 mod expert_bias;
 pub mod data;
+pub mod dpo;
 pub mod eval;
 mod grad_step;
 pub(crate) mod lora;
@@ -18,6 +19,7 @@ pub mod optim;
 pub mod packed_data;
 mod param_gather;
 pub mod plot;
+pub mod preference;
 pub mod rng;
 pub mod schedule;
 pub mod sft;
@@ -33,6 +35,8 @@ pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 pub use optim::{AdamW, AdamWConfig};
 pub use zero::PendingParams;
 pub use packed_data::PackedStream;
+pub use dpo::DpoConfig;
+pub use preference::PreferenceSet;
 pub use rng::Rng;
 pub use schedule::WarmupCosine;
 pub use trainer::{plot_metrics, train_rank, ModelSource, TrainConfig, TrainOutcome};

@@ -52,44 +52,65 @@ fn read_line(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option
     if !v.is_object() {
         bail!("expected a JSON object, got {v}")
     }
-    let conversation = |messages: Vec<Message>, first_trained: usize| -> Result<MarkedTokens> {
-        let Some(t) = chat else {
-            bail!("a conversation needs a chat template (name one, or take the model's own)")
-        };
-        let segments = t.render(&messages, &|i| i >= first_trained, false)?;
-        if !segments.iter().any(|(_, target)| *target) {
-            bail!("the conversation has no assistant turn to train on")
-        }
-        let (mut tokens, mut marks) = (Vec::new(), Vec::new());
-        for (text, target) in segments {
-            let ids = tokenize(&text)?;
-            marks.extend(std::iter::repeat_n(target, ids.len()));
-            tokens.extend(ids);
-        }
-        Ok((tokens, marks))
-    };
     match (v.get("messages"), v.get("prompt"), v.get("completion")) {
-        (Some(m), None, None) => conversation(parse_messages(m, "`messages`")?, 0),
+        (Some(m), None, None) => conversation_tokens(&parse_messages(m, "`messages`")?, 0, tokenize, chat),
         (Some(_), _, _) => bail!("`messages` and `prompt` / `completion` in one example; give one form"),
-        (None, Some(Value::String(p)), Some(Value::String(c))) => {
+        (None, Some(p), Some(c)) => completion_tokens(p, c, "completion", tokenize, eos, chat),
+        (None, _, _) => {
+            let missing = if v.get("prompt").is_none() { "prompt" } else { "completion" };
+            bail!("no `{missing}` (expected {{\"prompt\": .., \"completion\": ..}} or {{\"messages\": [..]}})")
+        }
+    }
+}
+
+/// A prompt and its completion (`name`: the completion's field, in errors) as one example:
+/// two strings (tokenised apart, `eos` after the completion; the completion's tokens the
+/// targets), or two lists of messages (one conversation through `chat`; the completion's
+/// assistant turns the targets).
+pub(crate) fn completion_tokens(
+    prompt: &Value,
+    completion: &Value,
+    name: &str,
+    tokenize: &dyn Fn(&str) -> Result<Vec<u32>>,
+    eos: Option<u32>,
+    chat: Option<ChatTemplate>,
+) -> Result<MarkedTokens> {
+    match (prompt, completion) {
+        (Value::String(p), Value::String(c)) => {
             let prompt = tokenize(p)?;
             let mut completion = tokenize(c)?;
             completion.extend(eos);
             let marks = std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())).collect();
             Ok(([prompt, completion].concat(), marks))
         }
-        (None, Some(p @ Value::Array(_)), Some(c @ Value::Array(_))) => {
+        (p @ Value::Array(_), c @ Value::Array(_)) => {
             let mut messages = parse_messages(p, "`prompt`")?;
             let first = messages.len();
-            messages.extend(parse_messages(c, "`completion`")?);
-            conversation(messages, first)
+            messages.extend(parse_messages(c, &format!("`{name}`"))?);
+            conversation_tokens(&messages, first, tokenize, chat)
         }
-        (None, Some(p), Some(c)) => bail!("`prompt` and `completion` must both be strings or both lists of messages, got {p} and {c}"),
-        (None, _, _) => {
-            let missing = if v.get("prompt").is_none() { "prompt" } else { "completion" };
-            bail!("no `{missing}` (expected {{\"prompt\": .., \"completion\": ..}} or {{\"messages\": [..]}})")
-        }
+        (p, c) => bail!("`prompt` and `{name}` must both be strings or both lists of messages, got {p} and {c}"),
     }
+}
+
+/// A conversation rendered through `chat` and tokenised segment by segment; the targets are
+/// the assistant turns from message `first_trained` on. Errors without `chat`, or when no
+/// turn is trained.
+pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
+    let Some(t) = chat else {
+        bail!("a conversation needs a chat template (name one, or take the model's own)")
+    };
+    let segments = t.render(messages, &|i| i >= first_trained, false)?;
+    if !segments.iter().any(|(_, target)| *target) {
+        bail!("the conversation has no assistant turn to train on")
+    }
+    let (mut tokens, mut marks) = (Vec::new(), Vec::new());
+    for (text, target) in segments {
+        let ids = tokenize(&text)?;
+        marks.extend(std::iter::repeat_n(target, ids.len()));
+        tokens.extend(ids);
+    }
+    Ok((tokens, marks))
 }
 
 /// [`read_sft`] packed into a stream ([`PackedStream::from_marked`]).

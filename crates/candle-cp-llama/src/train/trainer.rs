@@ -338,6 +338,8 @@ pub fn train_rank(
     };
 
     let is_main = rank == 0;
+    // DPO: the reference log-probabilities of the model as the run starts (read back on resume)
+    let dpo = super::dpo::prepare(cfg, &model, &ctx, &dev, start_step > 0, is_main)?;
     let metrics_path = cfg.out.as_ref().map(|o| o.join("metrics.jsonl"));
     let log = match (&metrics_path, is_main) {
         (Some(p), true) => {
@@ -410,6 +412,7 @@ pub fn train_rank(
         let mut acc = super::grad_step::StepGrads::default();
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
+        let mut dpo_sums = [0f64; 2];
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
@@ -454,7 +457,15 @@ pub fn train_rank(
             let n_train = train.iter().filter(|&&x| x > 0.0).count();
             let nll = nll.flatten_all()?;
             let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
-            let loss = global_mean(&selected, n_train, &token_group)?;
+            let loss = match &dpo {
+                Some((dc, reference)) => {
+                    let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, reference, dc, &ctx, &token_group)?;
+                    (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
+                    l
+                }
+                None => global_mean(&selected, n_train, &token_group)?,
+            };
             // Qwen3-MoE's load-balancing term (a constant here; its derivative reaches the
             // routers through the sparse layers' backward)
             let loss = match model.router_aux_loss()? {
@@ -559,6 +570,8 @@ pub fn train_rank(
             expert_counts,
             eval_loss,
             eval_long_range_loss,
+            dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
+            dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
         };
         if let Some(log) = &log {
             log.append(&row)
@@ -628,3 +641,7 @@ mod eval_tests;
 #[cfg(test)]
 #[path = "trainer_sft_tests.rs"]
 mod sft_tests;
+
+#[cfg(test)]
+#[path = "trainer_dpo_tests.rs"]
+mod dpo_tests;

@@ -1,0 +1,303 @@
+//! Direct preference optimisation (DPO, Rafailov et al. 2023) on every layout: the policy's
+//! summed log-probability of each answer ([`super::preference`]'s documents) against the
+//! reference model's, per pair
+//!
+//! ```text
+//! z = β · ((log π(chosen) − log π_ref(chosen)) − (log π(rejected) − log π_ref(rejected)))
+//! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
+//! ```
+//!
+//! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
+//! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
+//! the ranks holding distinct tokens (one small all-gather per micro-batch), and each rank
+//! back-propagates the linearised loss `Σ_t w_t · nll_t` with `w_t = −∂loss/∂log π(answer of t)`
+//! — whose gradients, summed over the ranks as the trainer sums every loss's, are exactly
+//! DPO's. The reference log-probabilities are computed once, before the first step, by the
+//! model as it starts (the reference: the loaded weights; a LoRA run's adapters start at
+//! zero), over every pair in order ([`reference_logps`]); a resumed run reads them from its
+//! output directory (`dpo_reference.json`).
+
+use super::preference::{PreferenceRow, PreferenceSet};
+use crate::{packed::shard_batch_packed, shard_batch, Llama, ParallelCtx, IGNORE};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use candle_cp_comm::Group;
+
+/// DPO's settings.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct DpoConfig {
+    /// β: how far the policy may move from the reference (TRL's default 0.1).
+    pub beta: f64,
+    /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO).
+    pub label_smoothing: f64,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self { beta: 0.1, label_smoothing: 0.0 }
+    }
+}
+
+impl DpoConfig {
+    /// Errors unless `beta > 0` and `0 ≤ label_smoothing < 0.5`.
+    pub fn validate(&self) -> Result<()> {
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            bail!("dpo: beta must be a positive number, got {}", self.beta)
+        }
+        if !(0.0..0.5).contains(&self.label_smoothing) {
+            bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
+        }
+        Ok(())
+    }
+}
+
+/// The loss of a batch of pairs and what it reports.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DpoTerms {
+    /// Mean loss over the pairs.
+    pub loss: f64,
+    /// Fraction of pairs whose chosen reward exceeds the rejected one (`z > 0`).
+    pub accuracy: f64,
+    /// Mean reward margin `z` (chosen reward − rejected reward).
+    pub margin: f64,
+    /// `∂loss / ∂log π(answer)` per answer, in the order of the log-probabilities given.
+    pub d_logp: Vec<f64>,
+}
+
+/// `softplus(x) = ln(1 + eˣ)`, without overflow.
+fn softplus(x: f64) -> f64 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `σ(x)`.
+fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// DPO over `pairs` (indices of the chosen and the rejected answer into `policy` and
+/// `reference`, the answers' summed log-probabilities).
+pub fn dpo_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> DpoTerms {
+    let n = pairs.len().max(1) as f64;
+    let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
+    let mut d_logp = vec![0.0; policy.len()];
+    let eps = cfg.label_smoothing;
+    for &(c, r) in pairs {
+        let z = cfg.beta * ((policy[c] - reference[c]) - (policy[r] - reference[r]));
+        loss += (1.0 - eps) * softplus(-z) + eps * softplus(z);
+        right += (z > 0.0) as u8 as f64;
+        margin += z;
+        let dz = -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z);
+        d_logp[c] += cfg.beta * dz / n;
+        d_logp[r] -= cfg.beta * dz / n;
+    }
+    DpoTerms { loss: loss / n, accuracy: right / n, margin: margin / n, d_logp }
+}
+
+/// One micro-batch of preference rows as the trainer feeds it: ids and target marks
+/// `[B, T]`, the rows' documents, and per token `slot + 1` of its answer (0: padding) with the
+/// answers' indices in the set per slot.
+pub(crate) struct DpoBatch {
+    pub ids: Tensor,
+    pub marks: Tensor,
+    pub documents: Vec<candle_cp_ops::packing::Documents>,
+    slots: Tensor,
+    answers: Vec<usize>,
+}
+
+impl DpoBatch {
+    /// From sampled rows (all `seq_len` long).
+    pub(crate) fn new(rows: &[PreferenceRow], seq_len: usize) -> Result<Self> {
+        let (mut ids, mut marks, mut slots, mut docs, mut answers) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        for (sample, doc_ids) in rows {
+            let d = sample.documents.clone().ok_or_else(|| candle_core::Error::Msg("dpo: a preference row without documents".into()))?;
+            for (len, id) in d.lengths().into_iter().zip(doc_ids) {
+                let slot = match id {
+                    Some(a) => {
+                        answers.push(*a);
+                        answers.len() as u32
+                    }
+                    None => 0,
+                };
+                slots.extend(std::iter::repeat_n(slot, len));
+            }
+            ids.extend_from_slice(&sample.tokens);
+            marks.extend(sample.long_range.iter().map(|&m| m as u32));
+            docs.push(d);
+        }
+        let shape = (rows.len(), seq_len);
+        Ok(Self {
+            ids: Tensor::from_vec(ids, shape, &Device::Cpu)?,
+            marks: Tensor::from_vec(marks, shape, &Device::Cpu)?,
+            documents: docs,
+            slots: Tensor::from_vec(slots, shape, &Device::Cpu)?,
+            answers,
+        })
+    }
+
+    /// The answers' summed log-probabilities over the whole batch, per slot: this rank's
+    /// per-token losses `nll` (its shard, flattened; `labels` its labels) summed per answer,
+    /// then over `group`. Also returns each local target's slot + 1 (0: not scored).
+    fn logps(&self, nll: &[f32], labels: &[u32], ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
+        // (each target's mark and answer are those of the token it predicts: the shards'
+        // labels of the marks and slots, as the trainer's selection reads the marks)
+        let marks: Vec<u32> = shard_batch(&self.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
+        let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
+        if marks.len() != nll.len() || labels.len() != nll.len() {
+            bail!("dpo: {} per-token losses for {} labels and {} marks", nll.len(), labels.len(), marks.len())
+        }
+        let mut part = vec![0f64; self.answers.len()];
+        let scored: Vec<u32> = (0..nll.len())
+            .map(|i| {
+                let s = slots[i];
+                if labels[i] != IGNORE && marks[i] == 1 && s > 0 {
+                    part[s as usize - 1] -= nll[i] as f64;
+                    s
+                } else {
+                    0
+                }
+            })
+            .collect();
+        Ok((sum_over(&part, group)?, scored))
+    }
+
+    /// Pairs as (chosen slot, rejected slot).
+    fn pairs(&self) -> Result<Vec<(usize, usize)>> {
+        let mut out = Vec::new();
+        for (i, &a) in self.answers.iter().enumerate() {
+            if a % 2 == 0 {
+                match self.answers.get(i + 1) {
+                    Some(&r) if r == a + 1 => out.push((i, i + 1)),
+                    _ => bail!("dpo: answer {a} (a chosen one) is not followed by its rejected answer in the batch"),
+                }
+            }
+        }
+        Ok(out)
+    }
+
+    /// The micro-batch's loss node: `Σ_t w_t · nll_t` over this rank's scored targets (`nll`
+    /// its per-token losses, flattened, on the compute device; `labels` its labels), shifted by
+    /// a constant so that its value is the DPO loss; and the terms. `reference` holds every
+    /// answer's reference log-probability, by the answer's index in the set.
+    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], reference: &[f64], cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
+        let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
+        let (policy, scored) = self.logps(&values, labels, ctx, group)?;
+        let refs: Vec<f64> = self.answers.iter().map(|&a| reference.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no reference log-probability for answer {a}")))).collect::<Result<_>>()?;
+        let terms = dpo_terms(&policy, &refs, &self.pairs()?, cfg);
+        // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
+        let w: Vec<f32> = scored.iter().map(|&s| if s == 0 { 0.0 } else { -terms.d_logp[s as usize - 1] as f32 }).collect();
+        let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
+        let gv = graph.to_scalar::<f32>()? as f64;
+        Ok(((graph + (terms.loss - gv))?, terms))
+    }
+}
+
+/// `v` summed element-wise over `group` (f64 through two f32 words each).
+fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
+    if group.size() == 1 || v.is_empty() {
+        return Ok(v.to_vec());
+    }
+    let words: Vec<f32> = v.iter().flat_map(|&x| [x as f32, (x - x as f32 as f64) as f32]).collect();
+    let rows = group.all_gather(&Tensor::from_vec(words, (1, 2 * v.len()), &Device::Cpu)?, 0)?.to_vec2::<f32>()?;
+    Ok((0..v.len()).map(|i| rows.iter().map(|r| r[2 * i] as f64 + r[2 * i + 1] as f64).sum()).collect())
+}
+
+/// Every answer's summed log-probability under `model` (the reference: the model as the run
+/// starts), by answer index: the pairs in order, `batch` rows of `seq_len` per forward (the
+/// last batch padded with empty rows), on the run's layout.
+pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+    let mut rows = set.in_order(seq_len)?;
+    let pad = || -> Result<PreferenceRow> {
+        let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(candle_cp_ops::packing::Documents::single(seq_len)?) };
+        Ok((s, vec![None]))
+    };
+    while !rows.len().is_multiple_of(batch) {
+        rows.push(pad()?);
+    }
+    let mut out = vec![f64::NAN; 2 * set.len()];
+    model.set_lora_dropout(None)?;
+    for chunk in rows.chunks(batch) {
+        let b = DpoBatch::new(chunk, seq_len)?;
+        let sb = shard_batch_packed(&b.ids, &b.documents, ctx)?;
+        let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
+        let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let (logp, _) = b.logps(&values, &labels, ctx, ctx.token_group())?;
+        for (slot, &a) in b.answers.iter().enumerate() {
+            out[a] = logp[slot];
+        }
+    }
+    if let Some(a) = out.iter().position(|x| !x.is_finite()) {
+        bail!("dpo: the reference log-probability of answer {a} is {}", out[a])
+    }
+    Ok(out)
+}
+
+/// A run's DPO settings and reference log-probabilities (`None` without
+/// [`super::TrainConfig::dpo`]): computed by `model` before the first step (written to
+/// `out/dpo_reference.json` by the main rank), read back from there by a resumed run.
+/// Errors: DPO without preference data or the reverse, a pair longer than a row, a held-out
+/// evaluation (not computed for DPO yet).
+pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx, dev: &Device, resumed: bool, is_main: bool) -> Result<Option<(DpoConfig, Vec<f64>)>> {
+    let (dc, set) = match (&cfg.dpo, &cfg.data) {
+        (None, super::DataSource::Preference(_)) => bail!("train: preference pairs train by DPO: set dpo"),
+        (None, _) => return Ok(None),
+        (Some(dc), super::DataSource::Preference(set)) => (dc, set),
+        (Some(_), _) => bail!("train: dpo trains on preference pairs (DataSource::Preference)"),
+    };
+    dc.validate()?;
+    if cfg.eval.is_some() {
+        bail!("train: a held-out evaluation of a DPO run is not implemented (its loss needs the held-out pairs' reference log-probabilities): run without eval")
+    }
+    set.check_fits(cfg.seq_len)?;
+    let path = cfg.out.as_ref().map(|o| o.join("dpo_reference.json"));
+    let reference = match (&path, resumed) {
+        (Some(p), true) => read_reference(p, set)?,
+        _ => {
+            let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;
+            if let (Some(p), true) = (&path, is_main) {
+                if let Some(dir) = p.parent() {
+                    std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
+                }
+                write_reference(p, set, &r)?;
+            }
+            r
+        }
+    };
+    Ok(Some((*dc, reference)))
+}
+
+/// The reference log-probabilities as the run's output directory keeps them (JSON: the pairs'
+/// count and the answers' values), so that a resumed run compares with the same reference.
+pub fn write_reference(path: &std::path::Path, set: &PreferenceSet, logps: &[f64]) -> Result<()> {
+    let v = serde_json::json!({"pairs": set.len(), "tokens": set.token_count(), "logps": logps});
+    std::fs::write(path, v.to_string()).map_err(|e| candle_core::Error::Msg(format!("writing {}: {e}", path.display())))
+}
+
+/// [`write_reference`]'s file read back; errors name the file, or say that it was written for
+/// other data.
+pub fn read_reference(path: &std::path::Path, set: &PreferenceSet) -> Result<Vec<f64>> {
+    let text = std::fs::read_to_string(path).map_err(|e| candle_core::Error::Msg(format!("reading the DPO reference {}: {e} (a resumed DPO run reads the reference log-probabilities its first start wrote)", path.display())))?;
+    let v: serde_json::Value = serde_json::from_str(&text).map_err(|e| candle_core::Error::Msg(format!("{}: {e}", path.display())))?;
+    let (pairs, tokens) = (v["pairs"].as_u64(), v["tokens"].as_u64());
+    if pairs != Some(set.len() as u64) || tokens != Some(set.token_count() as u64) {
+        bail!(
+            "{}: written for {pairs:?} pairs of {tokens:?} tokens, the data has {} pairs of {} tokens: resume with the data the run started with",
+            path.display(),
+            set.len(),
+            set.token_count()
+        )
+    }
+    let logps: Option<Vec<f64>> = v["logps"].as_array().and_then(|a| a.iter().map(|x| x.as_f64()).collect());
+    match logps {
+        Some(l) if l.len() == 2 * set.len() => Ok(l),
+        _ => bail!("{}: `logps` must be {} numbers", path.display(), 2 * set.len()),
+    }
+}
+
+#[cfg(test)]
+#[path = "dpo_tests.rs"]
+pub(crate) mod tests;

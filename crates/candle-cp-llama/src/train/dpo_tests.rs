@@ -1,0 +1,168 @@
+use super::*;
+use crate::train::sft::bytes_of;
+use crate::train::Rng;
+use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
+use candle_cp_comm::run_ranks;
+use candle_nn::VarBuilder;
+
+/// Byte-level pairs: a prompt of lowercase letters; chosen: the letters reversed in capitals
+/// (+ EOS 2), rejected: random capitals of the same length (+ EOS).
+pub(crate) fn pairs_text(n: usize, seed: u64) -> String {
+    let mut rng = Rng::new(seed);
+    let mut out = String::new();
+    for _ in 0..n {
+        let p: String = (0..2 + rng.below(6)).map(|_| (b'a' + rng.below(12) as u8) as char).collect();
+        let c: String = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
+        let r: String = (0..p.len()).map(|_| (b'A' + rng.below(12) as u8) as char).collect();
+        out.push_str(&format!("{{\"prompt\": \"{p}=\", \"chosen\": \"{c}\", \"rejected\": \"{r}\"}}\n"));
+    }
+    out
+}
+
+fn model_cfg() -> LlamaConfig {
+    LlamaConfig::tiny(128, 32, 2, 4, 2)
+}
+
+/// The loss in closed form, its accuracy and margin, and its derivatives against central
+/// differences, with and without label smoothing.
+#[test]
+fn terms_match_the_formula_and_finite_differences() {
+    let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.5];
+    let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0];
+    let pairs = [(0, 1), (2, 3), (4, 5)];
+    for eps in [0.0, 0.2] {
+        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps };
+        let t = dpo_terms(&policy, &reference, &pairs, &cfg);
+        let zs: Vec<f64> = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).collect();
+        let want: f64 = zs.iter().map(|&z| -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln()).sum::<f64>() / 3.0;
+        assert!((t.loss - want).abs() < 1e-12, "{} vs {want}", t.loss);
+        assert_eq!(t.accuracy, zs.iter().filter(|&&z| z > 0.0).count() as f64 / 3.0);
+        assert!((t.margin - zs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
+        for i in 0..policy.len() {
+            let h = 1e-5;
+            let (mut a, mut b) = (policy, policy);
+            a[i] += h;
+            b[i] -= h;
+            let fd = (dpo_terms(&a, &reference, &pairs, &cfg).loss - dpo_terms(&b, &reference, &pairs, &cfg).loss) / (2.0 * h);
+            assert!((fd - t.d_logp[i]).abs() < 1e-8, "eps {eps} answer {i}: {fd} vs {}", t.d_logp[i]);
+        }
+    }
+    assert!(softplus(800.0).is_finite() && softplus(-800.0) >= 0.0 && (sigmoid(-800.0)).abs() < 1e-300);
+    assert!(DpoConfig { beta: 0.0, label_smoothing: 0.0 }.validate().is_err());
+    assert!(DpoConfig { beta: 0.1, label_smoothing: 0.5 }.validate().is_err());
+}
+
+/// On one device, the linearised loss node's gradients equal autograd's gradients of DPO's
+/// loss written with candle ops (log-probabilities summed per answer by a one-hot product),
+/// against a reference that differs from the policy; and its value is the loss.
+#[test]
+fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
+    let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
+    let (seq, batch) = (64, 2);
+    let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
+    let mcfg = model_cfg();
+    let cfg = DpoConfig { beta: 0.3, label_smoothing: 0.1 };
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let b = DpoBatch::new(&rows, seq)?;
+        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let mut rng = Rng::new(9);
+        let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
+        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+        // the linearised node
+        let (loss, terms) = b.loss(&nll()?, &labels, &reference, &cfg, &ctx, ctx.token_group())?;
+        let g1 = loss.backward()?;
+        // DPO by candle ops
+        let n1 = nll()?;
+        let values: Vec<f32> = n1.to_vec1()?;
+        let (_, scored) = b.logps(&values, &labels, &ctx, ctx.token_group())?;
+        let slots = b.answers.len();
+        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
+        let onehot = Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?;
+        let logp = n1.neg()?.unsqueeze(0)?.matmul(&onehot)?.squeeze(0)?; // [slots]
+        let refs = Tensor::from_vec(b.answers.iter().map(|&a| reference[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu)?;
+        let ratio = (logp - refs)?;
+        let pairs = b.pairs()?;
+        let idx = |f: fn(&(usize, usize)) -> usize| Tensor::from_vec(pairs.iter().map(|p| f(p) as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
+        let z = ((ratio.index_select(&idx(|p| p.0)?, 0)? - ratio.index_select(&idx(|p| p.1)?, 0)?)? * cfg.beta)?;
+        let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
+        let direct = ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?;
+        let lv = direct.to_scalar::<f32>()? as f64;
+        assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
+        assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
+        assert!(terms.margin.abs() > 0.1 && pairs.len() >= 2, "{terms:?}");
+        let g2 = direct.backward()?;
+        let vars = crate::params::lock_vars(&vm)?;
+        let mut worst = 0f64;
+        for (name, v) in vars.iter() {
+            let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
+            let (Some(a), Some(b)) = (a, b) else { bail!("{name}: a gradient is missing") };
+            let scale = b.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+            let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+            assert!(scale > 0.0, "{name}: zero gradient");
+            worst = worst.max(diff / scale);
+        }
+        Ok(worst)
+    });
+    let worst = out.into_iter().next().expect("one rank")?;
+    assert!(worst < 1e-4, "gradients differ by {worst} relative");
+    Ok(())
+}
+
+/// The reference pass: each answer's summed log-probability equals that of its document run
+/// alone (the packing isolates documents), on one device and on zigzag CP 2 (its tokens on
+/// two ranks, the partial sums added over them).
+#[test]
+fn reference_logps_are_per_document_on_every_layout() -> Result<()> {
+    let set = PreferenceSet::read(&pairs_text(7, 4), &bytes_of, Some(2), None)?;
+    let mcfg = model_cfg();
+    let by_layout = |layout: Layout| -> Result<Vec<f64>> {
+        let out = run_ranks(layout.world_size(), |g| {
+            let ctx = ParallelCtx::new(g, layout)?;
+            let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+            reference_logps(&m, &set, 2, 48, &ctx, &Device::Cpu)
+        });
+        let mut all = out.into_iter().collect::<Result<Vec<_>>>()?;
+        for r in &all[1..] {
+            assert_eq!(r, &all[0], "{layout}: ranks agree");
+        }
+        Ok(all.remove(0))
+    };
+    let one = by_layout(Layout::single())?;
+    let alone = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        (0..2 * set.len())
+            .map(|d| {
+                let (t, marks) = set.document(d);
+                let ids = Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?;
+                let sb = shard_batch(&ids, &ctx)?;
+                let nll: Vec<f32> = m.token_nll(&sb.input_ids, &sb.labels, &sb.positions)?.flatten_all()?.to_vec1()?;
+                Ok((0..t.len() - 1).filter(|&i| marks[i + 1]).map(|i| -(nll[i] as f64)).sum())
+            })
+            .collect::<Result<Vec<f64>>>()
+    });
+    let alone = alone.into_iter().next().expect("one rank")?;
+    for (d, (a, b)) in one.iter().zip(&alone).enumerate() {
+        assert!((a - b).abs() < 1e-4, "answer {d}: packed {a} vs alone {b}");
+    }
+    let cp = by_layout(Layout::cp(CpKind::Zigzag, 2))?;
+    for (d, (a, b)) in one.iter().zip(&cp).enumerate() {
+        assert!((a - b).abs() < 1e-4, "answer {d}: one device {a} vs zigzag 2 {b}");
+    }
+    // the file round trip, and a file of other data refused
+    let dir = std::env::temp_dir().join(format!("candle-cp-dpo-ref-{}", std::process::id()));
+    std::fs::create_dir_all(&dir)?;
+    let path = dir.join("dpo_reference.json");
+    write_reference(&path, &set, &one)?;
+    assert_eq!(read_reference(&path, &set)?, one);
+    let other = set.subset(0..3)?;
+    assert!(read_reference(&path, &other).unwrap_err().to_string().contains("resume with the data"));
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}

@@ -1,0 +1,288 @@
+//! Preference data for DPO ([`super::dpo`]): pairs of a chosen and a rejected answer to one
+//! prompt (TRL's preference forms, one JSON object per line), each answer one document
+//! `prompt ++ answer` whose answer tokens are the targets its log-probability sums over.
+//!
+//! A training row packs WHOLE pairs (a pair's two documents side by side, never cut: DPO
+//! compares the two answers' summed log-probabilities), then pads the rest of the row with a
+//! document of token 0 that holds no target:
+//!
+//! ```text
+//! row of T:  | prompt₇ chosen₇ | prompt₇ rejected₇ | prompt₈ chosen₈ | prompt₈ rejected₈ | pad… |
+//! docs:        2·7               2·7 + 1             2·8               2·8 + 1             none
+//! ```
+//!
+//! The documents are packed as [`super::PackedStream`]'s are (attention and RoPE per
+//! document), so a document's log-probability does not depend on its neighbours: the
+//! reference model's is computed once per pair ([`PreferenceSet::in_order`]).
+
+use super::data::Sample;
+use super::rng::Rng;
+use super::sft::{completion_tokens, conversation_tokens, MarkedTokens};
+use crate::chat::{parse_messages, ChatTemplate};
+use candle_core::{bail, Result};
+use candle_cp_ops::packing::Documents;
+use serde_json::Value;
+
+/// Preference pairs, tokenised: document `2·p` is pair `p`'s chosen answer, `2·p + 1` its
+/// rejected one.
+#[derive(Debug, Clone)]
+pub struct PreferenceSet {
+    docs: Vec<MarkedTokens>,
+}
+
+/// A sampled row and, per document of the row, its index in the set (`2·p` chosen, `2·p + 1`
+/// rejected; `None` for the padding).
+pub type PreferenceRow = (Sample, Vec<Option<usize>>);
+
+impl PreferenceSet {
+    /// From (chosen, rejected) documents with their target marks. Errors if there is no pair,
+    /// a document's marks are not one per token, or a document has no target.
+    pub fn from_pairs(pairs: Vec<(MarkedTokens, MarkedTokens)>) -> Result<Self> {
+        if pairs.is_empty() {
+            bail!("preference data: no pair")
+        }
+        let mut docs = Vec::with_capacity(2 * pairs.len());
+        for (p, (chosen, rejected)) in pairs.into_iter().enumerate() {
+            for (name, (t, m)) in [("chosen", &chosen), ("rejected", &rejected)] {
+                if t.len() != m.len() {
+                    bail!("preference pair {p}: the {name} document has {} tokens but {} target marks", t.len(), m.len())
+                }
+                if !m.iter().any(|&x| x) {
+                    bail!("preference pair {p}: the {name} answer has no token to score")
+                }
+            }
+            docs.push(chosen);
+            docs.push(rejected);
+        }
+        Ok(Self { docs })
+    }
+
+    /// The pairs of JSON lines `text` (blank lines skipped), each line one of TRL's preference
+    /// forms:
+    ///
+    /// - `{"prompt": "...", "chosen": "...", "rejected": "..."}`: prompt and answers tokenised
+    ///   apart by `tokenize`, `eos` after each answer; the targets are the answers' tokens.
+    /// - `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: each answer
+    ///   a conversation through `chat`, its assistant turns the targets.
+    /// - `{"chosen": [messages], "rejected": [messages]}` (implicit prompt): the messages the
+    ///   two share from the start are the prompt.
+    ///
+    /// Errors name the line.
+    pub fn read(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
+        let mut pairs = Vec::new();
+        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
+            let n = i + 1;
+            let wrap = |e: candle_core::Error| candle_core::Error::Msg(format!("preference data, line {n}: {e}"));
+            let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("preference data, line {n}: {e}")))?;
+            let pair = read_pair(&v, tokenize, eos, chat).map_err(wrap)?;
+            for (name, (_, m)) in [("chosen", &pair.0), ("rejected", &pair.1)] {
+                if !m.iter().any(|&x| x) {
+                    bail!("preference data, line {n}: the {name} answer has no token to score")
+                }
+            }
+            pairs.push(pair);
+        }
+        Self::from_pairs(pairs)
+    }
+
+    /// Number of pairs.
+    pub fn len(&self) -> usize {
+        self.docs.len() / 2
+    }
+
+    /// Whether the set has no pair (never true for a constructed set).
+    pub fn is_empty(&self) -> bool {
+        self.docs.is_empty()
+    }
+
+    /// Document `i` (`2·p` chosen, `2·p + 1` rejected) with its target marks.
+    pub fn document(&self, i: usize) -> &MarkedTokens {
+        &self.docs[i]
+    }
+
+    /// Tokens of pair `p` (both documents).
+    pub fn pair_len(&self, p: usize) -> usize {
+        self.docs[2 * p].0.len() + self.docs[2 * p + 1].0.len()
+    }
+
+    /// Errors naming the longest pair when it does not fit in a row of `seq_len` tokens.
+    pub fn check_fits(&self, seq_len: usize) -> Result<()> {
+        let (p, len) = (0..self.len()).map(|p| (p, self.pair_len(p))).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
+        if len > seq_len {
+            bail!(
+                "preference pair {p} has {} + {} tokens, more than a row of seq_len {seq_len}: a pair is never cut (raise the sequence length or shorten the pair)",
+                self.docs[2 * p].0.len(),
+                self.docs[2 * p + 1].0.len()
+            )
+        }
+        Ok(())
+    }
+
+    /// Number of tokens scored (the answers' targets) over the set.
+    pub fn target_count(&self) -> usize {
+        self.docs.iter().map(|(_, m)| m.iter().filter(|&&x| x).count()).sum()
+    }
+
+    /// Total tokens of the set.
+    pub fn token_count(&self) -> usize {
+        self.docs.iter().map(|(t, _)| t.len()).sum()
+    }
+
+    /// Largest token id + 1.
+    pub fn vocab_needed(&self) -> usize {
+        self.docs.iter().flat_map(|(t, _)| t.iter()).max().map_or(0, |&m| m as usize + 1)
+    }
+
+    /// Pairs `range` as a set of their own (a held-out split).
+    pub fn subset(&self, range: std::ops::Range<usize>) -> Result<Self> {
+        if range.start >= range.end || range.end > self.len() {
+            bail!("PreferenceSet::subset: pairs {range:?} of {}", self.len())
+        }
+        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec() })
+    }
+
+    /// One row of `seq_len` tokens: whole pairs from a random one on (in order, wrapping
+    /// around, each pair at most once), as many as fit, then the padding. Errors if the first
+    /// pair does not fit ([`PreferenceSet::check_fits`]).
+    pub fn sample(&self, seq_len: usize, rng: &mut Rng) -> Result<PreferenceRow> {
+        let first = rng.below(self.len());
+        let pairs: Vec<usize> = (0..self.len()).map(|i| (first + i) % self.len()).collect();
+        let (row, used) = self.pack(&pairs, seq_len)?;
+        if used == 0 {
+            self.check_fits(seq_len)?;
+        }
+        Ok(row)
+    }
+
+    /// Every pair once, in order, packed into rows of `seq_len` (the reference pass).
+    pub fn in_order(&self, seq_len: usize) -> Result<Vec<PreferenceRow>> {
+        self.check_fits(seq_len)?;
+        let mut rows = Vec::new();
+        let mut next = 0;
+        while next < self.len() {
+            let (row, used) = self.pack(&(next..self.len()).collect::<Vec<_>>(), seq_len)?;
+            rows.push(row);
+            next += used;
+        }
+        Ok(rows)
+    }
+
+    /// A row of the leading pairs of `pairs` that fit in `seq_len`, and how many were taken.
+    fn pack(&self, pairs: &[usize], seq_len: usize) -> Result<(PreferenceRow, usize)> {
+        let (mut tokens, mut marks, mut lengths, mut ids) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len), Vec::new(), Vec::new());
+        let mut used = 0;
+        for &p in pairs {
+            if tokens.len() + self.pair_len(p) > seq_len {
+                break;
+            }
+            for d in [2 * p, 2 * p + 1] {
+                let (t, m) = &self.docs[d];
+                tokens.extend_from_slice(t);
+                marks.extend_from_slice(m);
+                lengths.push(t.len());
+                ids.push(Some(d));
+            }
+            used += 1;
+        }
+        if tokens.len() < seq_len {
+            let pad = seq_len - tokens.len();
+            tokens.extend(std::iter::repeat_n(0, pad));
+            marks.extend(std::iter::repeat_n(false, pad));
+            lengths.push(pad);
+            ids.push(None);
+        }
+        let sample = Sample { tokens, long_range: marks, documents: Some(Documents::from_lengths(&lengths)?) };
+        Ok(((sample, ids), used))
+    }
+}
+
+/// One line of [`PreferenceSet::read`] (errors without the line number).
+fn read_pair(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<(MarkedTokens, MarkedTokens)> {
+    if !v.is_object() {
+        bail!("expected a JSON object, got {v}")
+    }
+    let (Some(chosen), Some(rejected)) = (v.get("chosen"), v.get("rejected")) else {
+        let missing = if v.get("chosen").is_none() { "chosen" } else { "rejected" };
+        bail!("no `{missing}` (expected {{\"prompt\": .., \"chosen\": .., \"rejected\": ..}})")
+    };
+    match v.get("prompt") {
+        Some(p) => Ok((completion_tokens(p, chosen, "chosen", tokenize, eos, chat)?, completion_tokens(p, rejected, "rejected", tokenize, eos, chat)?)),
+        None => {
+            // implicit prompt: the messages both lists start with
+            let (c, r) = (parse_messages(chosen, "`chosen`")?, parse_messages(rejected, "`rejected`")?);
+            let shared = c.iter().zip(&r).take_while(|(a, b)| a == b).count();
+            if shared == c.len() || shared == r.len() {
+                bail!("`chosen` and `rejected` share all of their {shared} leading messages: nothing to compare")
+            }
+            Ok((conversation_tokens(&c, shared, tokenize, chat)?, conversation_tokens(&r, shared, tokenize, chat)?))
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::train::sft::bytes_of;
+
+    /// The three forms read; rows hold whole pairs side by side and pad the rest; every pair
+    /// comes out of the ordered pass exactly once; bad lines and pairs too long are errors.
+    #[test]
+    fn reads_pairs_and_packs_them_whole() -> Result<()> {
+        let text = concat!(
+            r#"{"prompt": "ab", "chosen": "XY", "rejected": "Z"}"#,
+            "\n",
+            r#"{"prompt": [{"role": "user", "content": "q"}], "chosen": [{"role": "assistant", "content": "A"}], "rejected": [{"role": "assistant", "content": "B"}]}"#,
+            "\n",
+            r#"{"chosen": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "C"}], "rejected": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "DE"}]}"#,
+            "\n"
+        );
+        let s = PreferenceSet::read(text, &bytes_of, Some(1), Some(ChatTemplate::ChatMl))?;
+        assert_eq!(s.len(), 3);
+        assert_eq!(s.document(0), &(vec![97, 98, 88, 89, 1], vec![false, false, true, true, true]));
+        assert_eq!(s.document(1), &(vec![97, 98, 90, 1], vec![false, false, true, true]));
+        let marked = |d: usize| -> String { s.document(d).0.iter().zip(&s.document(d).1).filter(|(_, m)| **m).map(|(t, _)| *t as u8 as char).collect() };
+        assert_eq!((marked(2), marked(3), marked(4), marked(5)), ("A<|im_end|>".into(), "B<|im_end|>".into(), "C<|im_end|>".into(), "DE<|im_end|>".into()));
+        // the explicit and implicit conversational prompts render alike
+        assert_eq!(&s.document(2).0[..s.document(2).0.len() - 12], &s.document(4).0[..s.document(4).0.len() - 12]);
+        let seq = s.pair_len(1) + s.pair_len(2) + 3;
+        for seed in 0..20 {
+            let (row, ids) = s.sample(seq, &mut Rng::new(seed))?;
+            assert_eq!((row.tokens.len(), row.long_range.len()), (seq, seq));
+            let docs = row.documents.as_ref().expect("documents");
+            let lens = docs.lengths();
+            assert_eq!(lens.len(), ids.len());
+            let mut at = 0;
+            for (len, id) in lens.iter().zip(&ids) {
+                match id {
+                    Some(d) => {
+                        assert_eq!(&row.tokens[at..at + len], &s.document(*d).0[..], "seed {seed}");
+                        assert_eq!(&row.long_range[at..at + len], &s.document(*d).1[..]);
+                    }
+                    None => assert!(row.tokens[at..at + len].iter().all(|&t| t == 0) && !row.long_range[at..at + len].iter().any(|&m| m)),
+                }
+                at += len;
+            }
+            // pairs whole: each chosen followed by its rejected
+            let real: Vec<usize> = ids.iter().flatten().copied().collect();
+            assert!(!real.is_empty() && real.chunks(2).all(|c| c.len() == 2 && c[0] % 2 == 0 && c[1] == c[0] + 1), "{ids:?}");
+        }
+        let rows = s.in_order(seq)?;
+        let all: Vec<usize> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().copied()).collect();
+        assert_eq!(all, (0..6).collect::<Vec<_>>());
+        let e = s.in_order(s.pair_len(1) - 1).unwrap_err().to_string();
+        assert!(e.contains("preference pair") && e.contains("never cut"), "{e}");
+        assert!(s.sample(s.pair_len(0) - 1, &mut Rng::new(0)).is_err() || s.pair_len(0) > s.pair_len(1));
+        assert_eq!(s.subset(1..3)?.len(), 2);
+        for (bad, want) in [
+            (r#"{"prompt": "a", "chosen": "b"}"#, "line 1: no `rejected`"),
+            (r#"{"prompt": "a", "chosen": "b", "rejected": [{"role": "assistant", "content": "c"}]}"#, "`prompt` and `rejected` must both be strings"),
+            (r#"{"chosen": [{"role": "user", "content": "q"}], "rejected": [{"role": "user", "content": "q"}]}"#, "nothing to compare"),
+            (r#"{"prompt": "a", "chosen": "", "rejected": "c"}"#, "line 1: the chosen answer has no token"),
+            ("\n", "no pair"),
+        ] {
+            let e = PreferenceSet::read(bad, &bytes_of, None, Some(ChatTemplate::ChatMl)).unwrap_err().to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        Ok(())
+    }
+}

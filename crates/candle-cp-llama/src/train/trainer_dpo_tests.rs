@@ -1,0 +1,71 @@
+//! Trainer tests of DPO ([`crate::train::dpo`]) on preference pairs.
+use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
+use super::*;
+use crate::train::{DpoConfig, PreferenceSet};
+use crate::{CpKind, Layout, LlamaConfig};
+use std::path::PathBuf;
+
+/// A DPO run of `steps` on `layout`: 16 byte-level pairs (`dpo_tests::pairs_text`), rows of
+/// 96 tokens, β 0.5.
+fn dpo_cfg(out: Option<PathBuf>, layout: Layout, steps: usize) -> Result<TrainConfig> {
+    let set = PreferenceSet::read(&crate::train::dpo::tests::pairs_text(16, 11), &crate::train::sft::bytes_of, Some(2), None)?;
+    let mut c = tiny_cfg(out, layout, 2, 1);
+    (c.data, c.model, c.seq_len, c.steps) = (DataSource::Preference(set), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), 96, steps);
+    c.schedule.total = steps;
+    c.dpo = Some(DpoConfig { beta: 0.5, label_smoothing: 0.0 });
+    Ok(c)
+}
+
+/// Step 1 compares the policy with itself (the reference is the starting model): loss ln 2,
+/// margin 0; the run learns (the loss falls below ln 2, most pairs ranked right); zigzag CP 2,
+/// ring CP 2 × DP 2 and TP 2 + SP follow the single-device curve, objective included.
+#[test]
+fn dpo_starts_at_ln2_learns_and_matches_on_every_layout() -> Result<()> {
+    let one = run(&dpo_cfg(None, Layout::single(), 12)?)?;
+    let m = &one[0].metrics;
+    assert!((m[0].train_loss - std::f64::consts::LN_2).abs() < 1e-5, "step 1: {}", m[0].train_loss);
+    assert!(m[0].dpo_margin.is_some_and(|x| x.abs() < 1e-4), "{:?}", m[0].dpo_margin);
+    let last = m.last().expect("steps");
+    assert!(last.train_loss < std::f64::consts::LN_2 - 0.05, "step 12: {}", last.train_loss);
+    assert!(last.dpo_accuracy.is_some_and(|a| a > 0.5) && last.dpo_margin.is_some_and(|x| x > 0.0), "{last:?}");
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+        let other = run(&dpo_cfg(None, layout, 12).map(|mut c| {
+            c.stop_after = Some(4);
+            c
+        })?)?;
+        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
+        for (a, b) in want.iter().zip(&other[0].metrics) {
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: DPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
+        }
+    }
+    // the settings' errors
+    let mut bad = dpo_cfg(None, Layout::single(), 2)?;
+    bad.seq_len = 8;
+    assert!(run(&bad).unwrap_err().to_string().contains("never cut"));
+    let mut bad = dpo_cfg(None, Layout::single(), 2)?;
+    bad.dpo = None;
+    assert!(run(&bad).unwrap_err().to_string().contains("train by DPO"));
+    Ok(())
+}
+
+/// A DPO run killed after step 4 and resumed from its step-3 checkpoint reads the reference
+/// its first start wrote and reproduces the uninterrupted run.
+#[test]
+fn resumed_dpo_reads_its_reference() -> Result<()> {
+    let layout = Layout::cp(CpKind::Zigzag, 2);
+    let (da, db) = (tmpdir("dpo-a"), tmpdir("dpo-b"));
+    let a = run(&dpo_cfg(Some(da.clone()), layout, 6)?)?;
+    let mut cb = dpo_cfg(Some(db.clone()), layout, 6)?;
+    cb.stop_after = Some(4);
+    run(&cb)?;
+    assert!(db.join("dpo_reference.json").exists());
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 3);
+    let tail: Vec<(usize, f64)> = a[0].metrics[3..].iter().map(|m| (m.step, m.train_loss)).collect();
+    assert_eq!(tail, b[0].metrics.iter().map(|m| (m.step, m.train_loss)).collect::<Vec<_>>());
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    Ok(())
+}
