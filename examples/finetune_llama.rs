@@ -308,9 +308,12 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
-            DataSource::Preference(s) => format!("{} preference pairs", s.len()),
+            DataSource::Preference(s) => format!("{} preference pairs{}", s.len(), if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }),
         };
-        say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch);
+        match &e.data {
+            DataSource::Preference(_) => say!("eval     : every {} steps, DPO loss and reward accuracy over all {what}", e.every),
+            _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
+        }
     }
     if let DataSource::Packed(_) | DataSource::Preference(_) = &cfg.data {
         // the first step's rows (batches are a pure function of (seed, step, row))
@@ -469,6 +472,7 @@ fn main() -> Result<()> {
         };
         let all = all + &m.eval_loss.map_or(String::new(), |x| format!("  held-out {x:.3}"));
         let all = all + &m.eval_long_range_loss.map_or(String::new(), |x| format!(" ({marked} {x:.3})"));
+        let all = all + &m.eval_dpo_accuracy.map_or(String::new(), |x| format!(" (acc {x:.2})"));
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!(
                 "{:.0} MiB/rank ({:.0} MiB process)",

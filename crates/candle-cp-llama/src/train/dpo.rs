@@ -236,12 +236,34 @@ pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len
     Ok(out)
 }
 
+/// A DPO run's settings and reference log-probabilities, and its held-out pairs' (with
+/// [`super::TrainConfig::eval`]).
+#[derive(Debug, Clone)]
+pub(crate) struct DpoRun {
+    pub cfg: DpoConfig,
+    pub reference: Vec<f64>,
+    /// The held-out pairs and their reference log-probabilities.
+    pub eval: Option<(PreferenceSet, Vec<f64>)>,
+}
+
+impl DpoRun {
+    /// DPO's terms over every held-out pair under `model` as it is now (its log-probabilities
+    /// of the answers by [`reference_logps`], against the held-out reference); `None` without
+    /// held-out pairs. Collective over the world.
+    pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
+        let Some((set, reference)) = &self.eval else { return Ok(None) };
+        let policy = reference_logps(model, set, batch, seq_len, ctx, dev)?;
+        let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
+        Ok(Some(dpo_terms(&policy, reference, &pairs, &self.cfg)))
+    }
+}
+
 /// A run's DPO settings and reference log-probabilities (`None` without
 /// [`super::TrainConfig::dpo`]): computed by `model` before the first step (written to
-/// `out/dpo_reference.json` by the main rank), read back from there by a resumed run.
-/// Errors: DPO without preference data or the reverse, a pair longer than a row, a held-out
-/// evaluation (not computed for DPO yet).
-pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx, dev: &Device, resumed: bool, is_main: bool) -> Result<Option<(DpoConfig, Vec<f64>)>> {
+/// `out/dpo_reference.json`, and the held-out pairs' to `out/dpo_reference_eval.json`, by the
+/// main rank), read back from there by a resumed run. Errors: DPO without preference data
+/// (training or held-out) or the reverse, a pair longer than a row.
+pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx, dev: &Device, resumed: bool, is_main: bool) -> Result<Option<DpoRun>> {
     let (dc, set) = match (&cfg.dpo, &cfg.data) {
         (None, super::DataSource::Preference(_)) => bail!("train: preference pairs train by DPO: set dpo"),
         (None, _) => return Ok(None),
@@ -249,25 +271,39 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
         (Some(_), _) => bail!("train: dpo trains on preference pairs (DataSource::Preference)"),
     };
     dc.validate()?;
-    if cfg.eval.is_some() {
-        bail!("train: a held-out evaluation of a DPO run is not implemented (its loss needs the held-out pairs' reference log-probabilities): run without eval")
-    }
-    set.check_fits(cfg.seq_len)?;
-    let path = cfg.out.as_ref().map(|o| o.join("dpo_reference.json"));
-    let reference = match (&path, resumed) {
-        (Some(p), true) => read_reference(p, set)?,
-        _ => {
-            let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;
-            if let (Some(p), true) = (&path, is_main) {
-                if let Some(dir) = p.parent() {
-                    std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
+    let eval_set = match &cfg.eval {
+        None => None,
+        Some(e) => match &e.data {
+            super::DataSource::Preference(s) => Some(s),
+            _ => bail!("train: a DPO run's held-out data must be preference pairs too"),
+        },
+    };
+    let reference = |set: &PreferenceSet, name: &str| -> Result<Vec<f64>> {
+        set.check_fits(cfg.seq_len)?;
+        let path = cfg.out.as_ref().map(|o| o.join(name));
+        match (&path, resumed) {
+            (Some(p), true) => read_reference(p, set),
+            _ => {
+                let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;
+                if let (Some(p), true) = (&path, is_main) {
+                    if let Some(dir) = p.parent() {
+                        std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
+                    }
+                    write_reference(p, set, &r)?;
                 }
-                write_reference(p, set, &r)?;
+                Ok(r)
             }
-            r
         }
     };
-    Ok(Some((*dc, reference)))
+    let run = DpoRun {
+        cfg: *dc,
+        reference: reference(set, "dpo_reference.json")?,
+        eval: match eval_set {
+            Some(s) => Some((s.clone(), reference(s, "dpo_reference_eval.json")?)),
+            None => None,
+        },
+    };
+    Ok(Some(run))
 }
 
 /// The reference log-probabilities as the run's output directory keeps them (JSON: the pairs'

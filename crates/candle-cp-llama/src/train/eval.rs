@@ -6,7 +6,8 @@
 //! ([`EVAL_SALT`]): the same rows at every evaluation (so the curve compares steps), never the
 //! training rows' streams. For a corpus, give the held-out part of it as `data` (finetune_llama
 //! keeps the end of the file out of training: `--eval-fraction`); the synthetic recall task
-//! draws fresh samples.
+//! draws fresh samples. A DPO run evaluates its held-out preference pairs: their DPO loss and
+//! reward accuracy against their own reference log-probabilities ([`super::dpo`]).
 
 use super::data::DataSource;
 use super::trainer::{batch_of, nll_terms};
@@ -44,6 +45,29 @@ impl EvalConfig {
             bail!("eval: the held-out data uses {} token ids, the model's vocabulary is {vocab}", self.data.vocab_needed())
         }
         Ok(())
+    }
+}
+
+/// A run's held-out evaluation: (loss, long-range loss, DPO reward accuracy) — [`evaluate`]'s
+/// losses, or a DPO run's held-out DPO loss and reward accuracy over all its held-out pairs
+/// ([`super::dpo`]).
+pub(crate) fn evaluate_run(
+    model: &Llama,
+    cfg: &TrainConfig,
+    eval: &EvalConfig,
+    dpo: Option<&super::dpo::DpoRun>,
+    ctx: &ParallelCtx,
+    dev: &Device,
+) -> Result<(Option<f64>, Option<f64>, Option<f64>)> {
+    match dpo {
+        Some(d) => match d.evaluate(model, cfg.batch, cfg.seq_len, ctx, dev)? {
+            Some(t) => Ok((Some(t.loss), None, Some(t.accuracy))),
+            None => bail!("train: a DPO run's evaluation without held-out pairs"),
+        },
+        None => {
+            let (all, lr) = evaluate(model, cfg, eval, ctx, dev)?;
+            Ok((Some(all), lr, None))
+        }
     }
 }
 

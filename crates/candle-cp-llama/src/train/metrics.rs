@@ -61,6 +61,10 @@ pub struct StepMetrics {
     /// A DPO run's mean reward margin (chosen − rejected) over this step's pairs.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dpo_margin: Option<f64>,
+    /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
+    /// that evaluate; `eval_loss` is then their DPO loss).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_dpo_accuracy: Option<f64>,
 }
 
 /// A step's sums over the ranks of `group` (those holding distinct tokens): the four loss
@@ -192,6 +196,7 @@ mod tests {
             eval_long_range_loss: None,
             dpo_accuracy: step.is_multiple_of(4).then_some(0.5),
             dpo_margin: step.is_multiple_of(4).then_some(-0.25),
+            eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }
 

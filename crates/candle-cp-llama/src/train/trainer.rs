@@ -458,9 +458,9 @@ pub fn train_rank(
             let nll = nll.flatten_all()?;
             let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
             let loss = match &dpo {
-                Some((dc, reference)) => {
+                Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, reference, dc, &ctx, &token_group)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &d.reference, &d.cfg, &ctx, &token_group)?;
                     (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
                     l
                 }
@@ -542,14 +542,13 @@ pub fn train_rank(
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
         // held-out loss after this update (its time not in the step's tokens/s)
-        let (eval_loss, eval_long_range_loss) = match &cfg.eval {
+        let (eval_loss, eval_long_range_loss, eval_dpo_accuracy) = match &cfg.eval {
             Some(e) if e.due(step + 1, cfg.steps) => {
                 param_gather.finish()?;
                 model.set_lora_dropout(None)?;
-                let (all, lr) = super::eval::evaluate(&model, cfg, e, &ctx, &dev)?;
-                (Some(all), lr)
+                super::eval::evaluate_run(&model, cfg, e, dpo.as_ref(), &ctx, &dev)?
             }
-            _ => (None, None),
+            _ => (None, None, None),
         };
         let row = StepMetrics {
             step: step + 1,
@@ -572,6 +571,7 @@ pub fn train_rank(
             eval_long_range_loss,
             dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
             dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
+            eval_dpo_accuracy,
         };
         if let Some(log) = &log {
             log.append(&row)

@@ -69,3 +69,38 @@ fn resumed_dpo_reads_its_reference() -> Result<()> {
     std::fs::remove_dir_all(&db)?;
     Ok(())
 }
+
+/// Held-out pairs: every evaluation reports their DPO loss (ln 2 for the starting model,
+/// whose log-probabilities are the reference) and reward accuracy, the same on zigzag CP 2 as
+/// on one device; held-out data that is not preference pairs is refused.
+#[test]
+fn held_out_pairs_are_evaluated_on_every_layout() -> Result<()> {
+    let with_eval = |layout: Layout, steps: usize| -> Result<TrainConfig> {
+        let mut c = dpo_cfg(None, layout, steps)?;
+        let (train, held) = c.data.split_held_out(0.25, c.seq_len)?;
+        c.data = train;
+        c.eval = Some(crate::train::EvalConfig { data: held, every: 2, batches: 1 });
+        Ok(c)
+    };
+    // (zero steps of learning: the evaluation of the starting model)
+    let mut frozen = with_eval(Layout::single(), 2)?;
+    frozen.schedule.peak = 0.0;
+    let f = run(&frozen)?;
+    let e = f[0].metrics[1].eval_loss.expect("evaluated at step 2");
+    assert!((e - std::f64::consts::LN_2).abs() < 1e-5, "held-out DPO loss of the reference itself: {e}");
+    let one = run(&with_eval(Layout::single(), 6)?)?;
+    let cp = run(&with_eval(Layout::cp(CpKind::Zigzag, 2), 6)?)?;
+    for (a, b) in one[0].metrics.iter().zip(&cp[0].metrics) {
+        assert_eq!(a.eval_loss.is_some(), a.step % 2 == 0, "step {}", a.step);
+        assert_eq!(a.eval_loss.is_some(), a.eval_dpo_accuracy.is_some());
+        if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
+            assert!((x - y).abs() < 1e-5, "step {}: held-out {x} vs {y}", a.step);
+            assert_eq!(a.eval_dpo_accuracy, b.eval_dpo_accuracy);
+        }
+    }
+    assert!(one[0].metrics[5].eval_loss.is_some_and(|x| x.is_finite() && (x - std::f64::consts::LN_2).abs() > 1e-4));
+    let mut bad = with_eval(Layout::single(), 2)?;
+    bad.eval = Some(crate::train::EvalConfig { data: DataSource::Recall(crate::train::KvRecall::new(96)?), every: 1, batches: 1 });
+    assert!(run(&bad).unwrap_err().to_string().contains("held-out data must be preference pairs"));
+    Ok(())
+}
