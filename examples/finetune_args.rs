@@ -114,6 +114,9 @@ pub(crate) struct Args {
     /// DPO's label smoothing ε (conservative DPO: the chance a pair's labels are flipped).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) dpo_label_smoothing: f64,
+    /// DPO's loss of a pair: sigmoid (DPO's), ipo or hinge.
+    #[arg(long, default_value = "sigmoid")]
+    pub(crate) dpo_loss: String,
     /// The chat template of --sft / --dpo conversations: llama3, chatml, gemma, phi3, phi4, granite or
     /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).

@@ -255,7 +255,10 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
-        dpo: a.dpo.then_some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing }),
+        dpo: match a.dpo {
+            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()? }),
+            false => None,
+        },
         expert_bias_update: a.expert_bias_update,
         // (the --tokenizer the data went through, beside each checkpoint's weights)
         tokenizer: a.tokenizer.clone(),
@@ -333,7 +336,8 @@ fn main() -> Result<()> {
     );
     if let Some(d) = &cfg.dpo {
         say!(
-            "objective: DPO, beta {}{}, against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})",
+            "objective: DPO ({} loss), beta {}{}, against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})",
+            d.loss.name(),
             d.beta,
             if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() },
             a.out.join("dpo_reference.json").display()

@@ -7,6 +7,8 @@
 //! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
 //! ```
 //!
+//! (or IPO's `(z/β − 1/(2β))²`, or the hinge `max(0, 1 − z)`: [`DpoLoss`]).
+//!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
 //! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
 //! the ranks holding distinct tokens (one small all-gather per micro-batch), and each rank
@@ -22,29 +24,72 @@ use crate::{packed::shard_batch_packed, shard_batch, Llama, ParallelCtx, IGNORE}
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
 
+/// The loss of a pair as a function of `h = (log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))`
+/// (TRL's `loss_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DpoLoss {
+    /// DPO's: `(1 − ε)·softplus(−β·h) + ε·softplus(β·h)` (ε: label smoothing).
+    #[default]
+    Sigmoid,
+    /// IPO's (Azar et al.): `(h − 1/(2β))²`.
+    Ipo,
+    /// SLiC's hinge: `max(0, 1 − β·h)`.
+    Hinge,
+}
+
+impl DpoLoss {
+    /// Its name (`sigmoid`, `ipo`, `hinge`), as parsed.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Sigmoid => "sigmoid",
+            Self::Ipo => "ipo",
+            Self::Hinge => "hinge",
+        }
+    }
+}
+
+impl std::str::FromStr for DpoLoss {
+    type Err = candle_core::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match s {
+            "sigmoid" => Ok(Self::Sigmoid),
+            "ipo" => Ok(Self::Ipo),
+            "hinge" => Ok(Self::Hinge),
+            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo or hinge"),
+        }
+    }
+}
+
 /// DPO's settings.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct DpoConfig {
     /// β: how far the policy may move from the reference (TRL's default 0.1).
     pub beta: f64,
-    /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO).
+    /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO;
+    /// the sigmoid loss only).
     pub label_smoothing: f64,
+    /// The loss of a pair.
+    pub loss: DpoLoss,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0 }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid }
     }
 }
 
 impl DpoConfig {
-    /// Errors unless `beta > 0` and `0 ≤ label_smoothing < 0.5`.
+    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5`, and label smoothing goes with
+    /// the sigmoid loss.
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
         }
         if !(0.0..0.5).contains(&self.label_smoothing) {
             bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
+        }
+        if self.label_smoothing > 0.0 && self.loss != DpoLoss::Sigmoid {
+            bail!("dpo: label smoothing is the sigmoid loss's; the {:?} loss takes none", self.loss)
         }
         Ok(())
     }
@@ -85,14 +130,21 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], cf
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
     let eps = cfg.label_smoothing;
+    let beta = cfg.beta;
     for &(c, r) in pairs {
-        let z = cfg.beta * ((policy[c] - reference[c]) - (policy[r] - reference[r]));
-        loss += (1.0 - eps) * softplus(-z) + eps * softplus(z);
+        let h = (policy[c] - reference[c]) - (policy[r] - reference[r]);
+        let z = beta * h;
+        // (the pair's loss and its derivative in h)
+        let (l, dh) = match cfg.loss {
+            DpoLoss::Sigmoid => ((1.0 - eps) * softplus(-z) + eps * softplus(z), beta * (-(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z))),
+            DpoLoss::Ipo => ((h - 0.5 / beta).powi(2), 2.0 * (h - 0.5 / beta)),
+            DpoLoss::Hinge => ((1.0 - z).max(0.0), if z < 1.0 { -beta } else { 0.0 }),
+        };
+        loss += l;
         right += (z > 0.0) as u8 as f64;
         margin += z;
-        let dz = -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z);
-        d_logp[c] += cfg.beta * dz / n;
-        d_logp[r] -= cfg.beta * dz / n;
+        d_logp[c] += dh / n;
+        d_logp[r] -= dh / n;
     }
     DpoTerms { loss: loss / n, accuracy: right / n, margin: margin / n, d_logp }
 }

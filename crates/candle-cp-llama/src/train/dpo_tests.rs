@@ -26,15 +26,25 @@ fn model_cfg() -> LlamaConfig {
 /// The loss in closed form, its accuracy and margin, and its derivatives against central
 /// differences, with and without label smoothing.
 #[test]
-fn terms_match_the_formula_and_finite_differences() {
+fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.5];
     let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0];
     let pairs = [(0, 1), (2, 3), (4, 5)];
-    for eps in [0.0, 0.2] {
-        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps };
+    for (eps, loss) in [(0.0, DpoLoss::Sigmoid), (0.2, DpoLoss::Sigmoid), (0.0, DpoLoss::Ipo), (0.0, DpoLoss::Hinge)] {
+        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss };
+        cfg.validate().expect("valid");
+        assert_eq!(loss.name().parse::<DpoLoss>()?, loss);
         let t = dpo_terms(&policy, &reference, &pairs, &cfg);
         let zs: Vec<f64> = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).collect();
-        let want: f64 = zs.iter().map(|&z| -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln()).sum::<f64>() / 3.0;
+        let want: f64 = zs
+            .iter()
+            .map(|&z| match loss {
+                DpoLoss::Sigmoid => -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln(),
+                DpoLoss::Ipo => (z / 0.5 - 1.0).powi(2),
+                DpoLoss::Hinge => (1.0 - z).max(0.0),
+            })
+            .sum::<f64>()
+            / 3.0;
         assert!((t.loss - want).abs() < 1e-12, "{} vs {want}", t.loss);
         assert_eq!(t.accuracy, zs.iter().filter(|&&z| z > 0.0).count() as f64 / 3.0);
         assert!((t.margin - zs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
@@ -44,12 +54,16 @@ fn terms_match_the_formula_and_finite_differences() {
             a[i] += h;
             b[i] -= h;
             let fd = (dpo_terms(&a, &reference, &pairs, &cfg).loss - dpo_terms(&b, &reference, &pairs, &cfg).loss) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-8, "eps {eps} answer {i}: {fd} vs {}", t.d_logp[i]);
+            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{loss:?} eps {eps} answer {i}: {fd} vs {}", t.d_logp[i]);
         }
     }
     assert!(softplus(800.0).is_finite() && softplus(-800.0) >= 0.0 && (sigmoid(-800.0)).abs() < 1e-300);
-    assert!(DpoConfig { beta: 0.0, label_smoothing: 0.0 }.validate().is_err());
-    assert!(DpoConfig { beta: 0.1, label_smoothing: 0.5 }.validate().is_err());
+    assert!(DpoConfig { beta: 0.0, ..DpoConfig::default() }.validate().is_err());
+    assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
+    assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
+    assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
+    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo or hinge"));
+    Ok(())
 }
 
 /// On one device, the linearised loss node's gradients equal autograd's gradients of DPO's
@@ -61,7 +75,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let (seq, batch) = (64, 2);
     let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
     let mcfg = model_cfg();
-    let cfg = DpoConfig { beta: 0.3, label_smoothing: 0.1 };
+    let cfg = DpoConfig { beta: 0.3, label_smoothing: 0.1, loss: DpoLoss::Sigmoid };
     let out = run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
         let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;

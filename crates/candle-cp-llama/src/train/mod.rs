@@ -35,7 +35,7 @@ pub use metrics::{peak_rss_bytes, MetricsLog, StepMetrics};
 pub use optim::{AdamW, AdamWConfig};
 pub use zero::PendingParams;
 pub use packed_data::PackedStream;
-pub use dpo::DpoConfig;
+pub use dpo::{DpoConfig, DpoLoss};
 pub use preference::PreferenceSet;
 pub use rng::Rng;
 pub use schedule::WarmupCosine;

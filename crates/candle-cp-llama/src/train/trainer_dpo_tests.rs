@@ -12,7 +12,7 @@ fn dpo_cfg(out: Option<PathBuf>, layout: Layout, steps: usize) -> Result<TrainCo
     let mut c = tiny_cfg(out, layout, 2, 1);
     (c.data, c.model, c.seq_len, c.steps) = (DataSource::Preference(set), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), 96, steps);
     c.schedule.total = steps;
-    c.dpo = Some(DpoConfig { beta: 0.5, label_smoothing: 0.0 });
+    c.dpo = Some(DpoConfig { beta: 0.5, ..DpoConfig::default() });
     Ok(c)
 }
 
