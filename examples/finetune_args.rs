@@ -114,9 +114,16 @@ pub(crate) struct Args {
     /// DPO's label smoothing ε (conservative DPO: the chance a pair's labels are flipped).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) dpo_label_smoothing: f64,
-    /// DPO's loss of a pair: sigmoid (DPO's), ipo or hinge.
+    /// DPO's loss of a pair: sigmoid (DPO's), ipo, hinge or simpo (reference-free, the answers'
+    /// mean log-probabilities, margin --simpo-gamma).
     #[arg(long, default_value = "sigmoid")]
     pub(crate) dpo_loss: String,
+    /// SimPO's target margin γ (--dpo-loss simpo).
+    #[arg(long, default_value_t = 0.5)]
+    pub(crate) simpo_gamma: f64,
+    /// RPO's α: α × the chosen answers' mean cross-entropy added to the DPO loss.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) rpo_alpha: f64,
     /// The chat template of --sft / --dpo conversations: llama3, chatml, gemma, phi3, phi4, granite or
     /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).

@@ -256,7 +256,7 @@ fn main() -> Result<()> {
         zero2: a.zero2,
         long_range_only,
         dpo: match a.dpo {
-            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()? }),
+            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()?, simpo_gamma: a.simpo_gamma, rpo_alpha: a.rpo_alpha }),
             false => None,
         },
         expert_bias_update: a.expert_bias_update,
@@ -336,11 +336,15 @@ fn main() -> Result<()> {
     );
     if let Some(d) = &cfg.dpo {
         say!(
-            "objective: DPO ({} loss), beta {}{}, against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})",
+            "objective: DPO ({} loss), beta {}{}{}, {}",
             d.loss.name(),
             d.beta,
             if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() },
-            a.out.join("dpo_reference.json").display()
+            if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
+            match d.loss {
+                candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),
+                _ => format!("against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})", a.out.join("dpo_reference.json").display()),
+            }
         );
     } else {
     say!(

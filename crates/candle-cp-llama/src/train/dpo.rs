@@ -35,6 +35,10 @@ pub enum DpoLoss {
     Ipo,
     /// SLiC's hinge: `max(0, 1 − β·h)`.
     Hinge,
+    /// SimPO's (Meng et al.), without a reference: `softplus(γ − β·h̄)` with label smoothing as
+    /// the sigmoid loss's, `h̄` the difference of the answers' MEAN log-probabilities per
+    /// scored token, γ [`DpoConfig::simpo_gamma`]. No reference pass.
+    Simpo,
 }
 
 impl DpoLoss {
@@ -44,6 +48,7 @@ impl DpoLoss {
             Self::Sigmoid => "sigmoid",
             Self::Ipo => "ipo",
             Self::Hinge => "hinge",
+            Self::Simpo => "simpo",
         }
     }
 }
@@ -55,7 +60,8 @@ impl std::str::FromStr for DpoLoss {
             "sigmoid" => Ok(Self::Sigmoid),
             "ipo" => Ok(Self::Ipo),
             "hinge" => Ok(Self::Hinge),
-            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo or hinge"),
+            "simpo" => Ok(Self::Simpo),
+            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge or simpo"),
         }
     }
 }
@@ -70,17 +76,22 @@ pub struct DpoConfig {
     pub label_smoothing: f64,
     /// The loss of a pair.
     pub loss: DpoLoss,
+    /// SimPO's target margin γ (TRL's `simpo_gamma`, 0.5 there).
+    pub simpo_gamma: f64,
+    /// α of RPO (Pang et al.; TRL's `rpo_alpha`): `α ×` the chosen answers' mean cross-entropy
+    /// per scored token added to the loss (0: none).
+    pub rpo_alpha: f64,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0 }
     }
 }
 
 impl DpoConfig {
-    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5`, and label smoothing goes with
-    /// the sigmoid loss.
+    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (with the sigmoid or simpo loss),
+    /// `rpo_alpha ≥ 0`.
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
@@ -88,8 +99,11 @@ impl DpoConfig {
         if !(0.0..0.5).contains(&self.label_smoothing) {
             bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
         }
-        if self.label_smoothing > 0.0 && self.loss != DpoLoss::Sigmoid {
-            bail!("dpo: label smoothing is the sigmoid loss's; the {:?} loss takes none", self.loss)
+        if self.label_smoothing > 0.0 && !matches!(self.loss, DpoLoss::Sigmoid | DpoLoss::Simpo) {
+            bail!("dpo: label smoothing is the sigmoid and simpo losses'; the {} loss takes none", self.loss.name())
+        }
+        if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
+            bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
         }
         Ok(())
     }
@@ -100,9 +114,9 @@ impl DpoConfig {
 pub struct DpoTerms {
     /// Mean loss over the pairs.
     pub loss: f64,
-    /// Fraction of pairs whose chosen reward exceeds the rejected one (`z > 0`).
+    /// Fraction of pairs whose chosen reward exceeds the rejected one (`h > 0`).
     pub accuracy: f64,
-    /// Mean reward margin `z` (chosen reward − rejected reward).
+    /// Mean reward margin `β·h` (chosen reward − rejected reward).
     pub margin: f64,
     /// `∂loss / ∂log π(answer)` per answer, in the order of the log-probabilities given.
     pub d_logp: Vec<f64>,
@@ -123,30 +137,50 @@ fn sigmoid(x: f64) -> f64 {
     }
 }
 
-/// DPO over `pairs` (indices of the chosen and the rejected answer into `policy` and
-/// `reference`, the answers' summed log-probabilities).
-pub fn dpo_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> DpoTerms {
+/// DPO over `pairs` (indices of the chosen and the rejected answer into `policy`,
+/// `reference` — the answers' summed log-probabilities — and `lengths`, their scored tokens).
+pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> DpoTerms {
     let n = pairs.len().max(1) as f64;
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
-    let eps = cfg.label_smoothing;
-    let beta = cfg.beta;
+    let (eps, beta) = (cfg.label_smoothing, cfg.beta);
+    let smoothed = |z: f64| ((1.0 - eps) * softplus(-z) + eps * softplus(z), -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z));
     for &(c, r) in pairs {
-        let h = (policy[c] - reference[c]) - (policy[r] - reference[r]);
+        // h: the difference of the log-ratios (SimPO: of the mean log-probabilities); its
+        // derivatives in the two answers' summed log-probabilities
+        let (h, dc, dr) = match cfg.loss {
+            DpoLoss::Simpo => (policy[c] / lengths[c] - policy[r] / lengths[r], 1.0 / lengths[c], -1.0 / lengths[r]),
+            _ => ((policy[c] - reference[c]) - (policy[r] - reference[r]), 1.0, -1.0),
+        };
         let z = beta * h;
         // (the pair's loss and its derivative in h)
         let (l, dh) = match cfg.loss {
-            DpoLoss::Sigmoid => ((1.0 - eps) * softplus(-z) + eps * softplus(z), beta * (-(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z))),
+            DpoLoss::Sigmoid => {
+                let (l, dz) = smoothed(z);
+                (l, beta * dz)
+            }
+            DpoLoss::Simpo => {
+                let (l, dz) = smoothed(z - cfg.simpo_gamma);
+                (l, beta * dz)
+            }
             DpoLoss::Ipo => ((h - 0.5 / beta).powi(2), 2.0 * (h - 0.5 / beta)),
             DpoLoss::Hinge => ((1.0 - z).max(0.0), if z < 1.0 { -beta } else { 0.0 }),
         };
-        loss += l;
-        right += (z > 0.0) as u8 as f64;
+        loss += l / n;
+        right += (h > 0.0) as u8 as f64;
         margin += z;
-        d_logp[c] += dh / n;
-        d_logp[r] -= dh / n;
+        d_logp[c] += dh * dc / n;
+        d_logp[r] += dh * dr / n;
     }
-    DpoTerms { loss: loss / n, accuracy: right / n, margin: margin / n, d_logp }
+    // RPO: α × the chosen answers' mean cross-entropy per scored token
+    if cfg.rpo_alpha > 0.0 {
+        let tokens: f64 = pairs.iter().map(|&(c, _)| lengths[c]).sum::<f64>().max(1.0);
+        for &(c, _) in pairs {
+            loss -= cfg.rpo_alpha * policy[c] / tokens;
+            d_logp[c] -= cfg.rpo_alpha / tokens;
+        }
+    }
+    DpoTerms { loss, accuracy: right / n, margin: margin / n, d_logp }
 }
 
 /// One micro-batch of preference rows as the trainer feeds it: ids and target marks
@@ -232,13 +266,15 @@ impl DpoBatch {
 
     /// The micro-batch's loss node: `Σ_t w_t · nll_t` over this rank's scored targets (`nll`
     /// its per-token losses, flattened, on the compute device; `labels` its labels), shifted by
-    /// a constant so that its value is the DPO loss; and the terms. `reference` holds every
-    /// answer's reference log-probability, by the answer's index in the set.
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], reference: &[f64], cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
+    /// a constant so that its value is the DPO loss; and the terms. `answers` holds every
+    /// answer's reference log-probability and scored tokens, by the answer's index in the set.
+    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let (policy, scored) = self.logps(&values, labels, ctx, group)?;
-        let refs: Vec<f64> = self.answers.iter().map(|&a| reference.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no reference log-probability for answer {a}")))).collect::<Result<_>>()?;
-        let terms = dpo_terms(&policy, &refs, &self.pairs()?, cfg);
+        let of = |v: &[f64], what: &str| -> Result<Vec<f64>> {
+            self.answers.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
+        };
+        let terms = dpo_terms(&policy, &of(&answers.reference, "reference log-probability")?, &of(&answers.lengths, "length")?, &self.pairs()?, cfg);
         // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
         let w: Vec<f32> = scored.iter().map(|&s| if s == 0 { 0.0 } else { -terms.d_logp[s as usize - 1] as f32 }).collect();
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
@@ -288,14 +324,23 @@ pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len
     Ok(out)
 }
 
-/// A DPO run's settings and reference log-probabilities, and its held-out pairs' (with
+/// What the loss knows of each answer of a set, by answer index.
+#[derive(Debug, Clone)]
+pub(crate) struct Answers {
+    /// The reference's summed log-probability (zeros for SimPO, which has no reference).
+    pub reference: Vec<f64>,
+    /// Scored tokens ([`PreferenceSet::scored_lengths`]).
+    pub lengths: Vec<f64>,
+}
+
+/// A DPO run's settings and its answers', and its held-out pairs' (with
 /// [`super::TrainConfig::eval`]).
 #[derive(Debug, Clone)]
 pub(crate) struct DpoRun {
     pub cfg: DpoConfig,
-    pub reference: Vec<f64>,
-    /// The held-out pairs and their reference log-probabilities.
-    pub eval: Option<(PreferenceSet, Vec<f64>)>,
+    pub answers: Answers,
+    /// The held-out pairs and their answers'.
+    pub eval: Option<(PreferenceSet, Answers)>,
 }
 
 impl DpoRun {
@@ -303,10 +348,10 @@ impl DpoRun {
     /// of the answers by [`reference_logps`], against the held-out reference); `None` without
     /// held-out pairs. Collective over the world.
     pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
-        let Some((set, reference)) = &self.eval else { return Ok(None) };
+        let Some((set, answers)) = &self.eval else { return Ok(None) };
         let policy = reference_logps(model, set, batch, seq_len, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
-        Ok(Some(dpo_terms(&policy, reference, &pairs, &self.cfg)))
+        Ok(Some(dpo_terms(&policy, &answers.reference, &answers.lengths, &pairs, &self.cfg)))
     }
 }
 
@@ -331,9 +376,9 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
         },
     };
     let reference = |set: &PreferenceSet, name: &str| -> Result<Vec<f64>> {
-        set.check_fits(cfg.seq_len)?;
         let path = cfg.out.as_ref().map(|o| o.join(name));
         match (&path, resumed) {
+            _ if dc.loss == DpoLoss::Simpo => Ok(vec![0.0; 2 * set.len()]),
             (Some(p), true) => read_reference(p, set),
             _ => {
                 let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;
@@ -347,11 +392,15 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             }
         }
     };
+    let answers = |set: &PreferenceSet, name: &str| -> Result<Answers> {
+        set.check_fits(cfg.seq_len)?;
+        Ok(Answers { reference: reference(set, name)?, lengths: set.scored_lengths() })
+    };
     let run = DpoRun {
         cfg: *dc,
-        reference: reference(set, "dpo_reference.json")?,
+        answers: answers(set, "dpo_reference.json")?,
         eval: match eval_set {
-            Some(s) => Some((s.clone(), reference(s, "dpo_reference_eval.json")?)),
+            Some(s) => Some((s.clone(), answers(s, "dpo_reference_eval.json")?)),
             None => None,
         },
     };

@@ -24,37 +24,57 @@ fn model_cfg() -> LlamaConfig {
 }
 
 /// The loss in closed form, its accuracy and margin, and its derivatives against central
-/// differences, with and without label smoothing.
+/// differences: every loss, with and without label smoothing, with RPO's term.
 #[test]
 fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.5];
     let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0];
+    let lengths = [3.0, 5.0, 2.0, 2.0, 6.0, 4.0];
     let pairs = [(0, 1), (2, 3), (4, 5)];
-    for (eps, loss) in [(0.0, DpoLoss::Sigmoid), (0.2, DpoLoss::Sigmoid), (0.0, DpoLoss::Ipo), (0.0, DpoLoss::Hinge)] {
-        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss };
+    let cases = [
+        (0.0, DpoLoss::Sigmoid, 0.0),
+        (0.2, DpoLoss::Sigmoid, 0.0),
+        (0.0, DpoLoss::Sigmoid, 0.7),
+        (0.0, DpoLoss::Ipo, 0.0),
+        (0.0, DpoLoss::Hinge, 0.3),
+        (0.0, DpoLoss::Simpo, 0.0),
+        (0.1, DpoLoss::Simpo, 0.2),
+    ];
+    for (eps, loss, rpo_alpha) in cases {
+        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha };
         cfg.validate().expect("valid");
         assert_eq!(loss.name().parse::<DpoLoss>()?, loss);
-        let t = dpo_terms(&policy, &reference, &pairs, &cfg);
-        let zs: Vec<f64> = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).collect();
-        let want: f64 = zs
+        let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg);
+        let hs: Vec<f64> = pairs
             .iter()
-            .map(|&z| match loss {
-                DpoLoss::Sigmoid => -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln(),
-                DpoLoss::Ipo => (z / 0.5 - 1.0).powi(2),
-                DpoLoss::Hinge => (1.0 - z).max(0.0),
+            .map(|&(c, r)| match loss {
+                DpoLoss::Simpo => policy[c] / lengths[c] - policy[r] / lengths[r],
+                _ => (policy[c] - reference[c]) - (policy[r] - reference[r]),
+            })
+            .collect();
+        let smoothed = |z: f64| -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln();
+        let dpo: f64 = hs
+            .iter()
+            .map(|&h| match loss {
+                DpoLoss::Sigmoid => smoothed(0.5 * h),
+                DpoLoss::Simpo => smoothed(0.5 * h - 0.3),
+                DpoLoss::Ipo => (h - 1.0).powi(2),
+                DpoLoss::Hinge => (1.0 - 0.5 * h).max(0.0),
             })
             .sum::<f64>()
             / 3.0;
-        assert!((t.loss - want).abs() < 1e-12, "{} vs {want}", t.loss);
-        assert_eq!(t.accuracy, zs.iter().filter(|&&z| z > 0.0).count() as f64 / 3.0);
-        assert!((t.margin - zs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
+        let chosen_ce = -(policy[0] + policy[2] + policy[4]) / (lengths[0] + lengths[2] + lengths[4]);
+        let want = dpo + rpo_alpha * chosen_ce;
+        assert!((t.loss - want).abs() < 1e-12, "{loss:?}: {} vs {want}", t.loss);
+        assert_eq!(t.accuracy, hs.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0);
+        assert!((t.margin - 0.5 * hs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
         for i in 0..policy.len() {
             let h = 1e-5;
             let (mut a, mut b) = (policy, policy);
             a[i] += h;
             b[i] -= h;
-            let fd = (dpo_terms(&a, &reference, &pairs, &cfg).loss - dpo_terms(&b, &reference, &pairs, &cfg).loss) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{loss:?} eps {eps} answer {i}: {fd} vs {}", t.d_logp[i]);
+            let fd = (dpo_terms(&a, &reference, &lengths, &pairs, &cfg).loss - dpo_terms(&b, &reference, &lengths, &pairs, &cfg).loss) / (2.0 * h);
+            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{loss:?} eps {eps} rpo {rpo_alpha} answer {i}: {fd} vs {}", t.d_logp[i]);
         }
     }
     assert!(softplus(800.0).is_finite() && softplus(-800.0) >= 0.0 && (sigmoid(-800.0)).abs() < 1e-300);
@@ -62,67 +82,91 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo or hinge"));
+    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge or simpo"));
+    assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Simpo, ..DpoConfig::default() }.validate().is_ok());
+    assert!(DpoConfig { rpo_alpha: -1.0, ..DpoConfig::default() }.validate().is_err());
     Ok(())
 }
 
-/// On one device, the linearised loss node's gradients equal autograd's gradients of DPO's
-/// loss written with candle ops (log-probabilities summed per answer by a one-hot product),
-/// against a reference that differs from the policy; and its value is the loss.
+/// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
+/// written with candle ops (log-probabilities summed per answer by a one-hot product) —
+/// DPO with label smoothing and RPO's term against a reference that differs from the policy,
+/// and SimPO — and its value is the loss; the scored tokens per answer are the set's lengths.
 #[test]
 fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
     let (seq, batch) = (64, 2);
     let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
     let mcfg = model_cfg();
-    let cfg = DpoConfig { beta: 0.3, label_smoothing: 0.1, loss: DpoLoss::Sigmoid };
-    let out = run_ranks(1, |g| {
-        let ctx = ParallelCtx::single(g)?;
-        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        let b = DpoBatch::new(&rows, seq)?;
-        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
-        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let mut rng = Rng::new(9);
-        let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
-        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
-        // the linearised node
-        let (loss, terms) = b.loss(&nll()?, &labels, &reference, &cfg, &ctx, ctx.token_group())?;
-        let g1 = loss.backward()?;
-        // DPO by candle ops
-        let n1 = nll()?;
-        let values: Vec<f32> = n1.to_vec1()?;
-        let (_, scored) = b.logps(&values, &labels, &ctx, ctx.token_group())?;
-        let slots = b.answers.len();
-        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
-        let onehot = Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?;
-        let logp = n1.neg()?.unsqueeze(0)?.matmul(&onehot)?.squeeze(0)?; // [slots]
-        let refs = Tensor::from_vec(b.answers.iter().map(|&a| reference[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu)?;
-        let ratio = (logp - refs)?;
-        let pairs = b.pairs()?;
-        let idx = |f: fn(&(usize, usize)) -> usize| Tensor::from_vec(pairs.iter().map(|p| f(p) as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
-        let z = ((ratio.index_select(&idx(|p| p.0)?, 0)? - ratio.index_select(&idx(|p| p.1)?, 0)?)? * cfg.beta)?;
-        let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
-        let direct = ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?;
-        let lv = direct.to_scalar::<f32>()? as f64;
-        assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
-        assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
-        assert!(terms.margin.abs() > 0.1 && pairs.len() >= 2, "{terms:?}");
-        let g2 = direct.backward()?;
-        let vars = crate::params::lock_vars(&vm)?;
-        let mut worst = 0f64;
-        for (name, v) in vars.iter() {
-            let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
-            let (Some(a), Some(b)) = (a, b) else { bail!("{name}: a gradient is missing") };
-            let scale = b.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-            let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-            assert!(scale > 0.0, "{name}: zero gradient");
-            worst = worst.max(diff / scale);
-        }
-        Ok(worst)
-    });
-    let worst = out.into_iter().next().expect("one rank")?;
-    assert!(worst < 1e-4, "gradients differ by {worst} relative");
+    let sigmoid_rpo = DpoConfig { beta: 0.3, label_smoothing: 0.1, rpo_alpha: 0.4, ..DpoConfig::default() };
+    let simpo = DpoConfig { beta: 2.0, loss: DpoLoss::Simpo, simpo_gamma: 0.5, ..DpoConfig::default() };
+    for cfg in [sigmoid_rpo, simpo] {
+        let out = run_ranks(1, |g| {
+            let ctx = ParallelCtx::single(g)?;
+            let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+            let b = DpoBatch::new(&rows, seq)?;
+            let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
+            let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+            let mut rng = Rng::new(9);
+            let reference: Vec<f64> = match cfg.loss {
+                DpoLoss::Simpo => vec![0.0; 2 * set.len()],
+                _ => (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect(),
+            };
+            let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths() };
+            let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+            // the linearised node
+            let (loss, terms) = b.loss(&nll()?, &labels, &answers, &cfg, &ctx, ctx.token_group())?;
+            let g1 = loss.backward()?;
+            // the loss by candle ops
+            let n1 = nll()?;
+            let values: Vec<f32> = n1.to_vec1()?;
+            let (_, scored) = b.logps(&values, &labels, &ctx, ctx.token_group())?;
+            let slots = b.answers.len();
+            for (j, &a) in b.answers.iter().enumerate() {
+                assert_eq!(scored.iter().filter(|&&s| s as usize == j + 1).count() as f64, answers.lengths[a], "answer {a}'s scored tokens");
+            }
+            let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
+            let onehot = Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?;
+            let logp = n1.neg()?.unsqueeze(0)?.matmul(&onehot)?.squeeze(0)?; // [slots]
+            let per_slot = |v: &[f64]| Tensor::from_vec(b.answers.iter().map(|&a| v[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
+            let ratio = match cfg.loss {
+                DpoLoss::Simpo => (&logp / per_slot(&answers.lengths)?)?,
+                _ => (&logp - per_slot(&reference)?)?,
+            };
+            let pairs = b.pairs()?;
+            let idx = |f: fn(&(usize, usize)) -> usize| Tensor::from_vec(pairs.iter().map(|p| f(p) as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
+            let mut z = ((ratio.index_select(&idx(|p| p.0)?, 0)? - ratio.index_select(&idx(|p| p.1)?, 0)?)? * cfg.beta)?;
+            if cfg.loss == DpoLoss::Simpo {
+                z = (z - cfg.simpo_gamma)?;
+            }
+            let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
+            let mut direct = ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?;
+            if cfg.rpo_alpha > 0.0 {
+                let chosen = logp.index_select(&idx(|p| p.0)?, 0)?.sum_all()?;
+                let tokens: f64 = pairs.iter().map(|p| answers.lengths[b.answers[p.0]]).sum();
+                direct = (direct - (chosen * (cfg.rpo_alpha / tokens))?)?;
+            }
+            let lv = direct.to_scalar::<f32>()? as f64;
+            assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
+            assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
+            assert!(terms.margin.abs() > 0.01 && pairs.len() >= 2, "{terms:?}");
+            let g2 = direct.backward()?;
+            let vars = crate::params::lock_vars(&vm)?;
+            let mut worst = 0f64;
+            for (name, v) in vars.iter() {
+                let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
+                let (Some(a), Some(b)) = (a, b) else { bail!("{name}: a gradient is missing") };
+                let scale = b.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+                let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+                assert!(scale > 0.0, "{name}: zero gradient");
+                worst = worst.max(diff / scale);
+            }
+            Ok(worst)
+        });
+        let worst = out.into_iter().next().expect("one rank")?;
+        assert!(worst < 1e-4, "{cfg:?}: gradients differ by {worst} relative");
+    }
     Ok(())
 }
 

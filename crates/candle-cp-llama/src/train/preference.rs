@@ -47,8 +47,8 @@ impl PreferenceSet {
                 if t.len() != m.len() {
                     bail!("preference pair {p}: the {name} document has {} tokens but {} target marks", t.len(), m.len())
                 }
-                if !m.iter().any(|&x| x) {
-                    bail!("preference pair {p}: the {name} answer has no token to score")
+                if !m.iter().skip(1).any(|&x| x) {
+                    bail!("preference pair {p}: the {name} answer has no token to score (its document's first token is never scored)")
                 }
             }
             docs.push(chosen);
@@ -76,8 +76,8 @@ impl PreferenceSet {
             let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("preference data, line {n}: {e}")))?;
             let pair = read_pair(&v, tokenize, eos, chat).map_err(wrap)?;
             for (name, (_, m)) in [("chosen", &pair.0), ("rejected", &pair.1)] {
-                if !m.iter().any(|&x| x) {
-                    bail!("preference data, line {n}: the {name} answer has no token to score")
+                if !m.iter().skip(1).any(|&x| x) {
+                    bail!("preference data, line {n}: the {name} answer has no token to score (an empty prompt leaves its first token unscored)")
                 }
             }
             pairs.push(pair);
@@ -120,7 +120,13 @@ impl PreferenceSet {
 
     /// Number of tokens scored (the answers' targets) over the set.
     pub fn target_count(&self) -> usize {
-        self.docs.iter().map(|(_, m)| m.iter().filter(|&&x| x).count()).sum()
+        self.scored_lengths().iter().sum::<f64>() as usize
+    }
+
+    /// Each answer's scored tokens, by answer index: its marked tokens after the document's
+    /// first (which nothing in the document predicts).
+    pub fn scored_lengths(&self) -> Vec<f64> {
+        self.docs.iter().map(|(_, m)| m.iter().skip(1).filter(|&&x| x).count() as f64).collect()
     }
 
     /// Total tokens of the set.

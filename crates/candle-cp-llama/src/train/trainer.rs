@@ -460,7 +460,7 @@ pub fn train_rank(
             let loss = match &dpo {
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &d.reference, &d.cfg, &ctx, &token_group)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &d.answers, &d.cfg, &ctx, &token_group)?;
                     (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
                     l
                 }

@@ -104,3 +104,26 @@ fn held_out_pairs_are_evaluated_on_every_layout() -> Result<()> {
     assert!(run(&bad).unwrap_err().to_string().contains("held-out data must be preference pairs"));
     Ok(())
 }
+
+/// SimPO with RPO's term: no reference pass (no reference file written), step 1's loss is
+/// `softplus(γ − β·h̄) + α·CE(chosen)` of the starting model, not ln 2; zigzag CP 2 follows the
+/// single-device curve.
+#[test]
+fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
+    let cfg = |out: Option<PathBuf>, layout: Layout| -> Result<TrainConfig> {
+        let mut c = dpo_cfg(out, layout, 4)?;
+        c.dpo = Some(DpoConfig { beta: 2.0, loss: crate::train::DpoLoss::Simpo, simpo_gamma: 0.5, rpo_alpha: 0.5, ..DpoConfig::default() });
+        Ok(c)
+    };
+    let dir = tmpdir("simpo");
+    let one = run(&cfg(Some(dir.clone()), Layout::single())?)?;
+    assert!(!dir.join("dpo_reference.json").exists());
+    let m = &one[0].metrics;
+    assert!((m[0].train_loss - std::f64::consts::LN_2).abs() > 0.1 && m[3].train_loss < m[0].train_loss, "{:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
+    let cp = run(&cfg(None, Layout::cp(CpKind::Zigzag, 2))?)?;
+    for (a, b) in m.iter().zip(&cp[0].metrics) {
+        assert!((a.train_loss - b.train_loss).abs() < 1e-5, "step {}: {} vs {}", a.step, a.train_loss, b.train_loss);
+    }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
