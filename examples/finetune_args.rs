@@ -114,8 +114,10 @@ pub(crate) struct Args {
     /// DPO's label smoothing ε (conservative DPO: the chance a pair's labels are flipped).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) dpo_label_smoothing: f64,
-    /// DPO's loss of a pair: sigmoid (DPO's), ipo, hinge or simpo (reference-free, the answers'
-    /// mean log-probabilities, margin --simpo-gamma).
+    /// DPO's loss of a pair: sigmoid (DPO's), ipo, hinge, simpo (reference-free, the answers'
+    /// mean log-probabilities, margin --simpo-gamma) or orpo (reference-free, the log odds
+    /// ratio of the answers' mean probabilities, times --beta, plus the chosen answers'
+    /// cross-entropy).
     #[arg(long, default_value = "sigmoid")]
     pub(crate) dpo_loss: String,
     /// SimPO's target margin γ (--dpo-loss simpo).

@@ -343,6 +343,7 @@ fn main() -> Result<()> {
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),
+                candle_cp_llama::train::DpoLoss::Orpo => "no reference (the log odds ratio of the answers' mean probabilities, plus the chosen answers' cross-entropy)".to_string(),
                 _ => format!("against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})", a.out.join("dpo_reference.json").display()),
             }
         );

@@ -1,7 +1,7 @@
 //! Seeded random DPO runs: a few optimizer steps of preference tuning on a drawn layout
 //! (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage,
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
-//! smoothing, IPO, hinge, reference-free SimPO; RPO's term or not) follow the single-device run
+//! smoothing, IPO, hinge, reference-free SimPO and ORPO; RPO's term or not) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -34,12 +34,15 @@ fn pairs(seed: u64) -> Result<PreferenceSet> {
 
 /// A DPO objective: the loss, label smoothing where it applies, RPO's α.
 fn draw_objective(d: &mut Rng) -> DpoConfig {
-    let loss = pick(d, &[DpoLoss::Sigmoid, DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Simpo]);
+    let loss = pick(d, &[DpoLoss::Sigmoid, DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Simpo, DpoLoss::Orpo]);
     let smoothing = match loss {
         DpoLoss::Sigmoid | DpoLoss::Simpo => pick(d, &[0.0, 0.1]),
         _ => 0.0,
     };
-    let beta = if loss == DpoLoss::Simpo { 2.0 } else { pick(d, &[0.1, 0.5]) };
+    let beta = match loss {
+        DpoLoss::Simpo => 2.0,
+        _ => pick(d, &[0.1, 0.5]),
+    };
     DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]) }
 }
 

@@ -7,7 +7,8 @@
 //! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
 //! ```
 //!
-//! (or IPO's `(z/β − 1/(2β))²`, or the hinge `max(0, 1 − z)`: [`DpoLoss`]).
+//! (or IPO's `(z/β − 1/(2β))²`, the hinge `max(0, 1 − z)`, or the reference-free SimPO and
+//! ORPO: [`DpoLoss`]).
 //!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
 //! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
@@ -39,6 +40,11 @@ pub enum DpoLoss {
     /// the sigmoid loss's, `h̄` the difference of the answers' MEAN log-probabilities per
     /// scored token, γ [`DpoConfig::simpo_gamma`]. No reference pass.
     Simpo,
+    /// ORPO's (Hong et al.), without a reference: `β·softplus(−log_odds)` plus the chosen
+    /// answers' mean cross-entropy (weight 1, beside any [`DpoConfig::rpo_alpha`]), `log_odds`
+    /// the log odds ratio of the answers' mean probabilities per token
+    /// (`log(p/(1 − p))` of `p = exp(mean log-probability)`). No reference pass.
+    Orpo,
 }
 
 impl DpoLoss {
@@ -49,6 +55,7 @@ impl DpoLoss {
             Self::Ipo => "ipo",
             Self::Hinge => "hinge",
             Self::Simpo => "simpo",
+            Self::Orpo => "orpo",
         }
     }
 }
@@ -61,7 +68,8 @@ impl std::str::FromStr for DpoLoss {
             "ipo" => Ok(Self::Ipo),
             "hinge" => Ok(Self::Hinge),
             "simpo" => Ok(Self::Simpo),
-            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge or simpo"),
+            "orpo" => Ok(Self::Orpo),
+            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge, simpo or orpo"),
         }
     }
 }
@@ -90,6 +98,11 @@ impl Default for DpoConfig {
 }
 
 impl DpoConfig {
+    /// Whether the loss needs no reference model (SimPO, ORPO): no reference pass.
+    pub fn reference_free(&self) -> bool {
+        matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo)
+    }
+
     /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (with the sigmoid or simpo loss),
     /// `rpo_alpha ≥ 0`.
     pub fn validate(&self) -> Result<()> {
@@ -150,6 +163,16 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
         // derivatives in the two answers' summed log-probabilities
         let (h, dc, dr) = match cfg.loss {
             DpoLoss::Simpo => (policy[c] / lengths[c] - policy[r] / lengths[r], 1.0 / lengths[c], -1.0 / lengths[r]),
+            DpoLoss::Orpo => {
+                // log(p/(1 − p)) of p = exp(ā) and its derivative 1/(1 − p) in ā (ā < 0: a
+                // mean log-probability; 1 − p as −expm1(ā), exact near 0)
+                let odds = |a: f64| -> (f64, f64) {
+                    let q = -(a.min(-1e-12)).exp_m1();
+                    (a - q.ln(), 1.0 / q)
+                };
+                let ((oc, gc), (or, gr)) = (odds(policy[c] / lengths[c]), odds(policy[r] / lengths[r]));
+                (oc - or, gc / lengths[c], -gr / lengths[r])
+            }
             _ => ((policy[c] - reference[c]) - (policy[r] - reference[r]), 1.0, -1.0),
         };
         let z = beta * h;
@@ -163,6 +186,7 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
                 let (l, dz) = smoothed(z - cfg.simpo_gamma);
                 (l, beta * dz)
             }
+            DpoLoss::Orpo => (beta * softplus(-h), -beta * sigmoid(-h)),
             DpoLoss::Ipo => ((h - 0.5 / beta).powi(2), 2.0 * (h - 0.5 / beta)),
             DpoLoss::Hinge => ((1.0 - z).max(0.0), if z < 1.0 { -beta } else { 0.0 }),
         };
@@ -172,12 +196,13 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
         d_logp[c] += dh * dc / n;
         d_logp[r] += dh * dr / n;
     }
-    // RPO: α × the chosen answers' mean cross-entropy per scored token
-    if cfg.rpo_alpha > 0.0 {
+    // RPO: α × the chosen answers' mean cross-entropy per scored token (ORPO's own: 1 ×)
+    let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
+    if alpha > 0.0 {
         let tokens: f64 = pairs.iter().map(|&(c, _)| lengths[c]).sum::<f64>().max(1.0);
         for &(c, _) in pairs {
-            loss -= cfg.rpo_alpha * policy[c] / tokens;
-            d_logp[c] -= cfg.rpo_alpha / tokens;
+            loss -= alpha * policy[c] / tokens;
+            d_logp[c] -= alpha / tokens;
         }
     }
     DpoTerms { loss, accuracy: right / n, margin: margin / n, d_logp }
@@ -327,7 +352,7 @@ pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len
 /// What the loss knows of each answer of a set, by answer index.
 #[derive(Debug, Clone)]
 pub(crate) struct Answers {
-    /// The reference's summed log-probability (zeros for SimPO, which has no reference).
+    /// The reference's summed log-probability (zeros for SimPO and ORPO, which have none).
     pub reference: Vec<f64>,
     /// Scored tokens ([`PreferenceSet::scored_lengths`]).
     pub lengths: Vec<f64>,
@@ -378,7 +403,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
     let reference = |set: &PreferenceSet, name: &str| -> Result<Vec<f64>> {
         let path = cfg.out.as_ref().map(|o| o.join(name));
         match (&path, resumed) {
-            _ if dc.loss == DpoLoss::Simpo => Ok(vec![0.0; 2 * set.len()]),
+            _ if dc.reference_free() => Ok(vec![0.0; 2 * set.len()]),
             (Some(p), true) => read_reference(p, set),
             _ => {
                 let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;

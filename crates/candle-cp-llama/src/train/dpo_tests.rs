@@ -39,6 +39,8 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         (0.0, DpoLoss::Hinge, 0.3),
         (0.0, DpoLoss::Simpo, 0.0),
         (0.1, DpoLoss::Simpo, 0.2),
+        (0.0, DpoLoss::Orpo, 0.0),
+        (0.0, DpoLoss::Orpo, 0.3),
     ];
     for (eps, loss, rpo_alpha) in cases {
         let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha };
@@ -49,6 +51,10 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
             .iter()
             .map(|&(c, r)| match loss {
                 DpoLoss::Simpo => policy[c] / lengths[c] - policy[r] / lengths[r],
+                DpoLoss::Orpo => {
+                    let odds = |a: f64| a - (1.0 - a.exp()).ln();
+                    odds(policy[c] / lengths[c]) - odds(policy[r] / lengths[r])
+                }
                 _ => (policy[c] - reference[c]) - (policy[r] - reference[r]),
             })
             .collect();
@@ -60,11 +66,13 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                 DpoLoss::Simpo => smoothed(0.5 * h - 0.3),
                 DpoLoss::Ipo => (h - 1.0).powi(2),
                 DpoLoss::Hinge => (1.0 - 0.5 * h).max(0.0),
+                DpoLoss::Orpo => -0.5 * (1.0 / (1.0 + (-h).exp())).ln(),
             })
             .sum::<f64>()
             / 3.0;
         let chosen_ce = -(policy[0] + policy[2] + policy[4]) / (lengths[0] + lengths[2] + lengths[4]);
-        let want = dpo + rpo_alpha * chosen_ce;
+        let nll_weight = rpo_alpha + if loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
+        let want = dpo + nll_weight * chosen_ce;
         assert!((t.loss - want).abs() < 1e-12, "{loss:?}: {} vs {want}", t.loss);
         assert_eq!(t.accuracy, hs.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0);
         assert!((t.margin - 0.5 * hs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
@@ -82,7 +90,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge or simpo"));
+    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge, simpo or orpo"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Simpo, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { rpo_alpha: -1.0, ..DpoConfig::default() }.validate().is_err());
     Ok(())
@@ -91,7 +99,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
 /// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
 /// written with candle ops (log-probabilities summed per answer by a one-hot product) —
 /// DPO with label smoothing and RPO's term against a reference that differs from the policy,
-/// and SimPO — and its value is the loss; the scored tokens per answer are the set's lengths.
+/// SimPO and ORPO — and its value is the loss; the scored tokens per answer are the set's lengths.
 #[test]
 fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
@@ -100,7 +108,8 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let mcfg = model_cfg();
     let sigmoid_rpo = DpoConfig { beta: 0.3, label_smoothing: 0.1, rpo_alpha: 0.4, ..DpoConfig::default() };
     let simpo = DpoConfig { beta: 2.0, loss: DpoLoss::Simpo, simpo_gamma: 0.5, ..DpoConfig::default() };
-    for cfg in [sigmoid_rpo, simpo] {
+    let orpo = DpoConfig { beta: 0.5, loss: DpoLoss::Orpo, ..DpoConfig::default() };
+    for cfg in [sigmoid_rpo, simpo, orpo] {
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
@@ -110,7 +119,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let mut rng = Rng::new(9);
             let reference: Vec<f64> = match cfg.loss {
-                DpoLoss::Simpo => vec![0.0; 2 * set.len()],
+                DpoLoss::Simpo | DpoLoss::Orpo => vec![0.0; 2 * set.len()],
                 _ => (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect(),
             };
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths() };
@@ -132,6 +141,11 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let per_slot = |v: &[f64]| Tensor::from_vec(b.answers.iter().map(|&a| v[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
             let ratio = match cfg.loss {
                 DpoLoss::Simpo => (&logp / per_slot(&answers.lengths)?)?,
+                DpoLoss::Orpo => {
+                    // log odds of the mean log-probability ā: ā − ln(1 − e^ā)
+                    let mean = (&logp / per_slot(&answers.lengths)?)?;
+                    (&mean - (mean.exp()?.neg()? + 1.0)?.log()?)?
+                }
                 _ => (&logp - per_slot(&reference)?)?,
             };
             let pairs = b.pairs()?;
@@ -141,11 +155,15 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
                 z = (z - cfg.simpo_gamma)?;
             }
             let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
-            let mut direct = ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?;
-            if cfg.rpo_alpha > 0.0 {
+            let mut direct = match cfg.loss {
+                DpoLoss::Orpo => (softplus(&(&z / cfg.beta)?.neg()?)?.mean_all()? * cfg.beta)?,
+                _ => ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?,
+            };
+            let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
+            if alpha > 0.0 {
                 let chosen = logp.index_select(&idx(|p| p.0)?, 0)?.sum_all()?;
                 let tokens: f64 = pairs.iter().map(|p| answers.lengths[b.answers[p.0]]).sum();
-                direct = (direct - (chosen * (cfg.rpo_alpha / tokens))?)?;
+                direct = (direct - (chosen * (alpha / tokens))?)?;
             }
             let lv = direct.to_scalar::<f32>()? as f64;
             assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
