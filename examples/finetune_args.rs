@@ -519,7 +519,7 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         },
         (None, None) => (None, None),
     };
-    let read = |tokenize: &dyn Fn(&str) -> candle_core::Result<Vec<u32>>| -> Result<DataSource> {
+    let read = |tokenize: candle_cp_llama::train::sft::Tokenize| -> Result<DataSource> {
         let r = match a.dpo {
             true => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
             false => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
@@ -536,8 +536,8 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         None => read(&candle_cp_llama::train::sft::bytes_of)?,
         Some(tp) => {
             let tok = load_tokenizer(tp)?;
-            let encode = |s: &str| -> candle_core::Result<Vec<u32>> {
-                tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
+            let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> {
+                tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(format!("tokenizing: {e}")))
             };
             read(&encode)?
         }
@@ -558,7 +558,8 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
 }
 
 /// `--pack-docs`: the documents of `bytes`, byte-level or through --tokenizer (each
-/// document tokenised on its own).
+/// document tokenised on its own, with the tokenizer's special tokens: a BOS per document where
+/// the tokenizer adds one).
 fn packed_source(a: &Args, path: &std::path::Path, bytes: &[u8]) -> Result<(DataSource, String)> {
     let sep = a.doc_separator.replace("\\n", "\n");
     let stream = match &a.tokenizer {
@@ -569,7 +570,7 @@ fn packed_source(a: &Args, path: &std::path::Path, bytes: &[u8]) -> Result<(Data
                 .into_iter()
                 .map(|d| {
                     let enc = tok
-                        .encode(String::from_utf8_lossy(d).as_ref(), false)
+                        .encode(String::from_utf8_lossy(d).as_ref(), true)
                         .map_err(|e| anyhow::anyhow!("tokenizing: {e}"))?;
                     Ok(enc.get_ids().to_vec())
                 })

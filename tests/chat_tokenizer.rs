@@ -1,7 +1,8 @@
 //! Conversations through a Hugging Face tokenizer: each chat template's markers are the
 //! tokenizer's special tokens, one id each, recognised inside the rendered text as the
 //! trainer and `generate --chat` encode it (`encode(text, false)`: the template writes its own
-//! BOS); the supervised marks are exactly the assistant turns' ids and end-of-turn ids.
+//! BOS); the supervised marks are exactly the assistant turns' ids and end-of-turn ids. A
+//! prompt / completion pair's prompt gets the tokenizer's BOS, its completion none.
 
 use anyhow::{anyhow, Result};
 use candle_cp_llama::chat::{ChatTemplate, Message, CHAT_TEMPLATES};
@@ -18,8 +19,12 @@ const MARKERS: [&str; 20] = [
     "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
 ];
 
+/// Gemma's `<bos>`, [`MARKERS`]' id 6: the BOS the tokenizer adds with its special tokens.
+const BOS: u32 = 6;
+
 /// A character-level tokenizer (printable ASCII and `\n`, one id per character) whose added
-/// special tokens are [`MARKERS`] and DeepSeek's end of sentence, ids 0.. in order.
+/// special tokens are [`MARKERS`] and DeepSeek's end of sentence, ids 0.. in order, and which
+/// adds [`BOS`] before a text encoded with special tokens.
 fn tokenizer() -> Result<Tokenizer> {
     let mut specials: Vec<&str> = MARKERS.to_vec();
     specials.push("<｜end▁of▁sentence｜>");
@@ -40,7 +45,14 @@ fn tokenizer() -> Result<Tokenizer> {
     let json = serde_json::json!({
         "version": "1.0", "truncation": null, "padding": null, "added_tokens": added, "normalizer": null,
         "pre_tokenizer": {"type": "Split", "pattern": {"Regex": "(?s)."}, "behavior": "Isolated", "invert": false},
-        "post_processor": null, "decoder": null,
+        // a BOS before every encoded text with special tokens, as Llama's and Gemma's tokenizers
+        "post_processor": {
+            "type": "TemplateProcessing",
+            "single": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}],
+            "pair": [{"SpecialToken": {"id": "<bos>", "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}, {"Sequence": {"id": "B", "type_id": 1}}],
+            "special_tokens": {"<bos>": {"id": "<bos>", "ids": [BOS], "tokens": ["<bos>"]}}
+        },
+        "decoder": null,
         "model": {"type": "WordLevel", "vocab": vocab, "unk_token": "<unk>"}
     });
     Tokenizer::from_bytes(serde_json::to_vec(&json)?).map_err(|e| anyhow!("{e}"))
@@ -49,12 +61,13 @@ fn tokenizer() -> Result<Tokenizer> {
 #[test]
 fn templates_tokenise_their_markers_as_special_tokens() -> Result<()> {
     let tok = tokenizer()?;
-    let encode = |s: &str| -> candle_core::Result<Vec<u32>> { tok.encode(s, false).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(e.to_string())) };
+    let encode = |s: &str, special: bool| -> candle_core::Result<Vec<u32>> { tok.encode(s, special).map(|e| e.get_ids().to_vec()).map_err(|e| candle_core::Error::Msg(e.to_string())) };
+    let text = |s: &str| encode(s, false);
     let unk = MARKERS.len() as u32 + 1;
     let line = r#"{"messages": [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Name?"}, {"role": "assistant", "content": "Bob"}]}"#;
     for (_, t) in CHAT_TEMPLATES {
         // the end-of-turn marker is one token: generate --chat's stop token
-        let eot = encode(t.end_of_turn())?;
+        let eot = text(t.end_of_turn())?;
         assert!(eot.len() == 1 && eot[0] < unk, "{}: {eot:?}", t.name());
         let ex = read_sft(line, &encode, None, Some(t))?;
         let (ids, marks) = &ex[0];
@@ -64,18 +77,24 @@ fn templates_tokenise_their_markers_as_special_tokens() -> Result<()> {
             .iter()
             .map(|s| s.split_once(':').map(|(r, c)| Message::new(r, c)).ok_or_else(|| anyhow!("turn")))
             .collect::<Result<_>>()?;
-        assert_eq!(ids, &encode(&t.render_text(&m, false)?)?, "{}", t.name());
+        assert_eq!(ids, &text(&t.render_text(&m, false)?)?, "{}", t.name());
         // the marked ids spell the assistant turns, each ended by its end-of-turn id
         let marked: Vec<u32> = ids.iter().zip(marks).filter(|(_, m)| **m).map(|(i, _)| *i).collect();
-        let want: Vec<u32> = [encode("Hello.")?, eot.clone(), encode("Bob")?, eot.clone()].concat();
+        let want: Vec<u32> = [text("Hello.")?, eot.clone(), text("Bob")?, eot.clone()].concat();
         assert_eq!(marked, want, "{}", t.name());
         // every special token of the text is one id below the characters'
         let specials = ids.iter().filter(|&&i| i < unk).count();
         assert!(specials >= 4, "{}: {specials} special ids in {ids:?}", t.name());
         // a chat generation's prompt is the training text's prefix, ids and all
-        let prompt = encode(&t.render_text(&m[..4], true)?)?;
+        let prompt = text(&t.render_text(&m[..4], true)?)?;
         assert!(ids.starts_with(&prompt), "{}", t.name());
         assert_eq!(ChatTemplate::from_name(t.name())?, t);
+        // (the template's text carries its own BOS: none added, none doubled)
+        assert!(ids.iter().filter(|&&i| i == BOS).count() == (t == ChatTemplate::Gemma) as usize, "{}: {ids:?}", t.name());
     }
+    // a prompt / completion pair: the prompt with the tokenizer's BOS, the completion without
+    let (ids, marks) = read_sft(r#"{"prompt": "ab", "completion": "C"}"#, &encode, Some(1), None)?.remove(0);
+    assert_eq!(ids, [vec![BOS], text("abC")?, vec![1]].concat());
+    assert_eq!(marks, [false, false, false, true, true]);
     Ok(())
 }

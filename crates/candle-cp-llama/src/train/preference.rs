@@ -17,7 +17,7 @@
 
 use super::data::Sample;
 use super::rng::Rng;
-use super::sft::{completion_tokens, conversation_tokens, MarkedTokens};
+use super::sft::{completion_tokens, conversation_tokens, MarkedTokens, Tokenize};
 use crate::chat::{parse_messages, ChatTemplate};
 use candle_core::{bail, Result};
 use candle_cp_ops::packing::Documents;
@@ -60,15 +60,16 @@ impl PreferenceSet {
     /// The pairs of JSON lines `text` (blank lines skipped), each line one of TRL's preference
     /// forms:
     ///
-    /// - `{"prompt": "...", "chosen": "...", "rejected": "..."}`: prompt and answers tokenised
-    ///   apart by `tokenize`, `eos` after each answer; the targets are the answers' tokens.
+    /// - `{"prompt": "...", "chosen": "...", "rejected": "..."}`: prompt (with the tokenizer's
+    ///   special tokens) and answers tokenised apart by `tokenize`, `eos` after each answer; the
+    ///   targets are the answers' tokens.
     /// - `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: each answer
     ///   a conversation through `chat`, its assistant turns the targets.
     /// - `{"chosen": [messages], "rejected": [messages]}` (implicit prompt): the messages the
     ///   two share from the start are the prompt.
     ///
     /// Errors name the line.
-    pub fn read(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
+    pub fn read(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
         let mut pairs = Vec::new();
         for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
             let n = i + 1;
@@ -203,7 +204,7 @@ impl PreferenceSet {
 }
 
 /// One line of [`PreferenceSet::read`] (errors without the line number).
-fn read_pair(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<(MarkedTokens, MarkedTokens)> {
+fn read_pair(v: &Value, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<(MarkedTokens, MarkedTokens)> {
     if !v.is_object() {
         bail!("expected a JSON object, got {v}")
     }

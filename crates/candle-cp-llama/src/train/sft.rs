@@ -16,6 +16,10 @@ use serde_json::Value;
 /// One supervised example: its tokens and, per token, whether it is a target of the loss.
 pub type MarkedTokens = (Vec<u32>, Vec<bool>);
 
+/// A tokeniser: the tokens of a text, with the tokenizer's special tokens added (a BOS, as a
+/// Hugging Face tokenizer's `add_special_tokens`) when the flag says the text starts a document.
+pub type Tokenize<'a> = &'a dyn Fn(&str, bool) -> Result<Vec<u32>>;
+
 /// The supervised examples of JSON lines `text` (blank lines skipped), each line one of TRL's
 /// dataset forms:
 ///
@@ -33,7 +37,7 @@ pub type MarkedTokens = (Vec<u32>, Vec<bool>);
 /// Errors name the line: not a JSON object, a field missing or of the wrong type, a
 /// conversation without `chat` or without a trained assistant turn, a template's or the
 /// tokeniser's error.
-pub fn read_sft(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Vec<MarkedTokens>> {
+pub fn read_sft(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Vec<MarkedTokens>> {
     let mut out = Vec::new();
     for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
         let n = i + 1;
@@ -48,7 +52,7 @@ pub fn read_sft(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Op
 }
 
 /// One line of [`read_sft`] (errors without the line number).
-fn read_line(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
+fn read_line(v: &Value, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
     if !v.is_object() {
         bail!("expected a JSON object, got {v}")
     }
@@ -64,21 +68,22 @@ fn read_line(v: &Value, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option
 }
 
 /// A prompt and its completion (`name`: the completion's field, in errors) as one example:
-/// two strings (tokenised apart, `eos` after the completion; the completion's tokens the
-/// targets), or two lists of messages (one conversation through `chat`; the completion's
+/// two strings (tokenised apart, the prompt with the tokenizer's special tokens, `eos` after the
+/// completion; the completion's tokens the targets), or two lists of messages (one conversation through `chat`; the completion's
 /// assistant turns the targets).
 pub(crate) fn completion_tokens(
     prompt: &Value,
     completion: &Value,
     name: &str,
-    tokenize: &dyn Fn(&str) -> Result<Vec<u32>>,
+    tokenize: Tokenize,
     eos: Option<u32>,
     chat: Option<ChatTemplate>,
 ) -> Result<MarkedTokens> {
     match (prompt, completion) {
         (Value::String(p), Value::String(c)) => {
-            let prompt = tokenize(p)?;
-            let mut completion = tokenize(c)?;
+            // (the prompt starts the document: its special tokens, as TRL tokenises it)
+            let prompt = tokenize(p, true)?;
+            let mut completion = tokenize(c, false)?;
             completion.extend(eos);
             let marks = std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())).collect();
             Ok(([prompt, completion].concat(), marks))
@@ -96,7 +101,7 @@ pub(crate) fn completion_tokens(
 /// A conversation rendered through `chat` and tokenised segment by segment; the targets are
 /// the assistant turns from message `first_trained` on. Errors without `chat`, or when no
 /// turn is trained.
-pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
+pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, tokenize: Tokenize, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
     let Some(t) = chat else {
         bail!("a conversation needs a chat template (name one, or take the model's own)")
     };
@@ -106,7 +111,8 @@ pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, to
     }
     let (mut tokens, mut marks) = (Vec::new(), Vec::new());
     for (text, target) in segments {
-        let ids = tokenize(&text)?;
+        // (the template writes its own BOS)
+        let ids = tokenize(&text, false)?;
         marks.extend(std::iter::repeat_n(target, ids.len()));
         tokens.extend(ids);
     }
@@ -114,12 +120,13 @@ pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, to
 }
 
 /// [`read_sft`] packed into a stream ([`PackedStream::from_marked`]).
-pub fn sft_stream(text: &str, tokenize: &dyn Fn(&str) -> Result<Vec<u32>>, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<PackedStream> {
+pub fn sft_stream(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<PackedStream> {
     PackedStream::from_marked(read_sft(text, tokenize, eos, chat)?)
 }
 
-/// Byte-level tokens of `s` (vocabulary 256), the tokeniser without a tokenizer.json.
-pub fn bytes_of(s: &str) -> Result<Vec<u32>> {
+/// Byte-level tokens of `s` (vocabulary 256), the tokeniser without a tokenizer.json (no
+/// special tokens: the flag is ignored).
+pub fn bytes_of(s: &str, _special: bool) -> Result<Vec<u32>> {
     Ok(s.bytes().map(u32::from).collect())
 }
 
@@ -161,7 +168,7 @@ mod tests {
             let e = read_sft(bad, &bytes_of, None, None).unwrap_err().to_string();
             assert!(e.contains(want), "{bad:?}: {e}");
         }
-        let fails = |_: &str| -> Result<Vec<u32>> { bail!("no such token") };
+        let fails = |_: &str, _: bool| -> Result<Vec<u32>> { bail!("no such token") };
         let e = read_sft("{\"prompt\": \"a\", \"completion\": \"b\"}", &fails, None, None).unwrap_err().to_string();
         assert!(e.contains("line 1: no such token"), "{e}");
         Ok(())
