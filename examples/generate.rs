@@ -20,6 +20,7 @@
 //! cargo run --release --example generate -- --model DIR --prompt "The capital of France is" --stop-at-eos
 //! cargo run --release --example generate -- --model /path/to/hf/llama --prompt-len 4096
 //! cargo run --release --example generate -- --model DIR --chat --system "Be brief." --prompt "Hi?" --stop-at-eos
+//! cargo run --release --example generate -- --model DIR --chat --messages conversation.json --prompt "And then?"
 //! ```
 
 use anyhow::{bail, Context};
@@ -73,6 +74,11 @@ struct Args {
     /// A system turn before --chat's user turn.
     #[arg(long)]
     system: Option<String>,
+    /// With --chat: the conversation so far, a JSON file holding a list of {"role", "content"}
+    /// messages (or an object with them as `messages`: a line of TRL's data); --prompt, when
+    /// given, is the user's next turn after them.
+    #[arg(long, value_name = "FILE.json")]
+    messages: Option<PathBuf>,
     /// HF tokenizer.json for --prompt (default: the model's own tokenizer.json; bytes when it
     /// has none).
     #[arg(long)]
@@ -124,6 +130,15 @@ struct Args {
     /// generation_config.json, else of its config.json).
     #[arg(long)]
     stop_at_eos: bool,
+}
+
+/// The messages of `--messages FILE`: a JSON list of {"role", "content"}, or an object holding
+/// it as `messages`; errors name the file.
+fn read_messages(path: &Path) -> anyhow::Result<Vec<Message>> {
+    let text = std::fs::read_to_string(path).with_context(|| format!("reading --messages {}", path.display()))?;
+    let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("--messages {}", path.display()))?;
+    let list = v.get("messages").unwrap_or(&v);
+    Ok(candle_cp_llama::chat::parse_messages(list, "--messages").with_context(|| format!("--messages {}", path.display()))?)
 }
 
 /// Seeded random ids `[b, t]` below `vocab` (the training SplitMix64 `Rng`).
@@ -238,13 +253,17 @@ fn main() -> anyhow::Result<()> {
     let new = a.new_tokens;
     // --prompt: through the tokenizer (or bytes); else a seeded random prompt
     let tok_path = a.tokenizer.clone().or_else(|| Some(dir.join("tokenizer.json")).filter(|p| p.exists()));
-    let tokenizer = match (&a.prompt, &tok_path) {
-        (Some(_), Some(p)) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading tokenizer {}: {e}", p.display()))?),
+    if (a.system.is_some() || a.chat_template.is_some() || a.messages.is_some()) && !a.chat {
+        bail!("--system, --chat-template and --messages go with --chat")
+    }
+    if a.chat && a.prompt.is_none() && a.messages.is_none() {
+        bail!("--chat sends a conversation through a chat template: give --prompt TEXT (the user's turn) and / or --messages FILE.json")
+    }
+    let from_text = a.prompt.is_some() || a.messages.is_some();
+    let tokenizer = match (from_text, &tok_path) {
+        (true, Some(p)) => Some(tokenizers::Tokenizer::from_file(p).map_err(|e| anyhow::anyhow!("loading tokenizer {}: {e}", p.display()))?),
         _ => None,
     };
-    if (a.chat || a.system.is_some() || a.chat_template.is_some()) && !(a.chat && a.prompt.is_some()) {
-        bail!("--chat sends --prompt through a chat template (--chat-template, --system go with it): give --chat --prompt TEXT")
-    }
     let chat = match (a.chat, &a.chat_template) {
         (false, _) => None,
         (true, Some(name)) => Some(ChatTemplate::from_name(name)?),
@@ -258,12 +277,23 @@ fn main() -> anyhow::Result<()> {
         })
     };
     let mut chat_stop = Vec::new();
-    let prompt = match &a.prompt {
-        Some(text) => {
-            let ids = match chat {
-                None => encode(text)?,
-                Some(t) => {
-                    let turns: Vec<Message> = a.system.iter().map(|s| Message::new("system", s)).chain([Message::new("user", text)]).collect();
+    let prompt = match from_text {
+        true => {
+            let ids = match (chat, &a.prompt) {
+                (None, Some(text)) => encode(text)?,
+                (None, None) => bail!("--messages goes with --chat"),
+                (Some(t), _) => {
+                    let earlier = match &a.messages {
+                        Some(f) => read_messages(f)?,
+                        None => Vec::new(),
+                    };
+                    let turns: Vec<Message> = a
+                        .system
+                        .iter()
+                        .map(|s| Message::new("system", s))
+                        .chain(earlier)
+                        .chain(a.prompt.iter().map(|p| Message::new("user", p)))
+                        .collect();
                     let rendered = t.render_text(&turns, true)?;
                     println!("chat template {}: {rendered:?}", t.name());
                     if let [id] = encode(t.end_of_turn())?[..] {
@@ -278,7 +308,7 @@ fn main() -> anyhow::Result<()> {
             let t = ids.len();
             Tensor::from_vec(ids.repeat(a.batch), (a.batch, t), &Device::Cpu)?
         }
-        None => random_prompt(a.batch, a.prompt_len, cfg.vocab_size, a.seed)?,
+        false => random_prompt(a.batch, a.prompt_len, cfg.vocab_size, a.seed)?,
     };
     let t = prompt.dim(1)?;
     let as_text = |row: &[u32]| -> String {
@@ -299,10 +329,10 @@ fn main() -> anyhow::Result<()> {
         cfg.sliding_window,
         cfg.sliding_layers.as_ref().map_or(String::new(), |l| format!(" on {} of the layers", l.iter().filter(|&&s| s).count())),
         a.batch,
-        match (&a.prompt, &tok_path) {
-            (Some(_), Some(p)) => format!("--prompt through {}", p.display()),
-            (Some(_), None) => "--prompt as bytes".to_string(),
-            (None, _) => format!("seed {}", a.seed),
+        match (from_text, &tok_path) {
+            (true, Some(p)) => format!("text through {}", p.display()),
+            (true, None) => "text as bytes".to_string(),
+            (false, _) => format!("seed {}", a.seed),
         }
     );
 
@@ -332,7 +362,7 @@ fn main() -> anyhow::Result<()> {
         for (i, row) in gens[0].tokens.iter().enumerate() {
             let end = if gens[0].stopped.get(i) == Some(&true) { " (stopped)" } else { "" };
             println!("  tokens[{i}]    {row:?}{end}");
-            if a.prompt.is_some() {
+            if from_text {
                 println!("  text[{i}]      {:?}", as_text(row));
             }
         }
