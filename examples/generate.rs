@@ -138,7 +138,7 @@ fn read_messages(path: &Path) -> anyhow::Result<Vec<Message>> {
     let text = std::fs::read_to_string(path).with_context(|| format!("reading --messages {}", path.display()))?;
     let v: serde_json::Value = serde_json::from_str(&text).with_context(|| format!("--messages {}", path.display()))?;
     let list = v.get("messages").unwrap_or(&v);
-    Ok(candle_cp_llama::chat::parse_messages(list, "--messages").with_context(|| format!("--messages {}", path.display()))?)
+    candle_cp_llama::chat::parse_messages(list, "--messages").with_context(|| format!("--messages {}", path.display()))
 }
 
 /// Seeded random ids `[b, t]` below `vocab` (the training SplitMix64 `Rng`).
