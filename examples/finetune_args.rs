@@ -123,6 +123,10 @@ pub(crate) struct Args {
     /// SimPO's target margin γ (--dpo-loss simpo).
     #[arg(long, default_value_t = 0.5)]
     pub(crate) simpo_gamma: f64,
+    /// DPO's reference model, a Hugging Face checkpoint directory (default: the model as the
+    /// run starts), loaded for the reference pass before step 1 only.
+    #[arg(long, value_name = "DIR")]
+    pub(crate) ref_model: Option<PathBuf>,
     /// RPO's α: α × the chosen answers' mean cross-entropy added to the DPO loss.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) rpo_alpha: f64,

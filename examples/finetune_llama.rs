@@ -256,7 +256,7 @@ fn main() -> Result<()> {
         zero2: a.zero2,
         long_range_only,
         dpo: match a.dpo {
-            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()?, simpo_gamma: a.simpo_gamma, rpo_alpha: a.rpo_alpha }),
+            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()?, simpo_gamma: a.simpo_gamma, rpo_alpha: a.rpo_alpha, reference_model: a.ref_model.clone() }),
             false => None,
         },
         expert_bias_update: a.expert_bias_update,
@@ -344,7 +344,11 @@ fn main() -> Result<()> {
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),
                 candle_cp_llama::train::DpoLoss::Orpo => "no reference (the log odds ratio of the answers' mean probabilities, plus the chosen answers' cross-entropy)".to_string(),
-                _ => format!("against the model as the run starts (its log-probabilities of every answer computed before step 1, kept in {})", a.out.join("dpo_reference.json").display()),
+                _ => format!(
+                    "against {} (its log-probabilities of every answer computed before step 1, kept in {})",
+                    d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),
+                    a.out.join("dpo_reference.json").display()
+                ),
             }
         );
     } else {

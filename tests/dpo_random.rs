@@ -43,7 +43,7 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         DpoLoss::Simpo => 2.0,
         _ => pick(d, &[0.1, 0.5]),
     };
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]) }
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None }
 }
 
 #[test]
@@ -56,7 +56,7 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
         let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
         let base = |layout: Layout| -> Result<TrainConfig> {
             let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed)?), 64, 3);
-            (c.batch, c.grad_accum, c.seed, c.dpo) = (batch, grad_accum, seed, Some(dpo));
+            (c.batch, c.grad_accum, c.seed, c.dpo) = (batch, grad_accum, seed, Some(dpo.clone()));
             c.schedule.peak = 5e-3;
             Ok(c)
         };

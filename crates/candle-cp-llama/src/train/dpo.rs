@@ -17,7 +17,7 @@
 //! — whose gradients, summed over the ranks as the trainer sums every loss's, are exactly
 //! DPO's. The reference log-probabilities are computed once, before the first step, by the
 //! model as it starts (the reference: the loaded weights; a LoRA run's adapters start at
-//! zero), over every pair in order ([`reference_logps`]); a resumed run reads them from its
+//! zero) or by a checkpoint of its own ([`DpoConfig::reference_model`]), over every pair in order ([`reference_logps`]); a resumed run reads them from its
 //! output directory (`dpo_reference.json`).
 
 use super::preference::{PreferenceRow, PreferenceSet};
@@ -75,7 +75,7 @@ impl std::str::FromStr for DpoLoss {
 }
 
 /// DPO's settings.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, PartialEq)]
 pub struct DpoConfig {
     /// β: how far the policy may move from the reference (TRL's default 0.1).
     pub beta: f64,
@@ -89,11 +89,15 @@ pub struct DpoConfig {
     /// α of RPO (Pang et al.; TRL's `rpo_alpha`): `α ×` the chosen answers' mean cross-entropy
     /// per scored token added to the loss (0: none).
     pub rpo_alpha: f64,
+    /// The reference model: a Hugging Face checkpoint directory (TRL's `ref_model`; e.g. the SFT
+    /// model when the policy starts elsewhere), loaded on the run's layout for the reference
+    /// pass only. `None`: the model as the run starts.
+    pub reference_model: Option<std::path::PathBuf>,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0 }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None }
     }
 }
 
@@ -114,6 +118,9 @@ impl DpoConfig {
         }
         if self.label_smoothing > 0.0 && !matches!(self.loss, DpoLoss::Sigmoid | DpoLoss::Simpo) {
             bail!("dpo: label smoothing is the sigmoid and simpo losses'; the {} loss takes none", self.loss.name())
+        }
+        if self.reference_free() && self.reference_model.is_some() {
+            bail!("dpo: the {} loss takes no reference model", self.loss.name())
         }
         if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
             bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
@@ -381,7 +388,8 @@ impl DpoRun {
 }
 
 /// A run's DPO settings and reference log-probabilities (`None` without
-/// [`super::TrainConfig::dpo`]): computed by `model` before the first step (written to
+/// [`super::TrainConfig::dpo`]): computed by `model` (or [`DpoConfig::reference_model`]) before
+/// the first step (written to
 /// `out/dpo_reference.json`, and the held-out pairs' to `out/dpo_reference_eval.json`, by the
 /// main rank), read back from there by a resumed run. Errors: DPO without preference data
 /// (training or held-out) or the reverse, a pair longer than a row.
@@ -400,13 +408,30 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             _ => bail!("train: a DPO run's held-out data must be preference pairs too"),
         },
     };
+    // a reference model of its own, for the reference pass only (not on resume: the file)
+    let reference_model = match (&dc.reference_model, resumed && cfg.out.is_some()) {
+        (Some(dir), false) => {
+            let (vm, mut rc) = crate::load_hf_sharded(dir, ctx, dev, cfg.dtype)?;
+            if set.vocab_needed() > rc.vocab_size {
+                bail!("dpo: the data uses {} token ids, the reference model {} has a vocabulary of {}", set.vocab_needed(), dir.display(), rc.vocab_size)
+            }
+            if cfg.sliding_window.is_some() {
+                rc.sliding_window = cfg.sliding_window;
+            }
+            Some(Llama::new(candle_nn::VarBuilder::from_varmap(&vm, cfg.dtype, dev), &rc, ctx)?)
+        }
+        _ => None,
+    };
     let reference = |set: &PreferenceSet, name: &str| -> Result<Vec<f64>> {
         let path = cfg.out.as_ref().map(|o| o.join(name));
         match (&path, resumed) {
             _ if dc.reference_free() => Ok(vec![0.0; 2 * set.len()]),
             (Some(p), true) => read_reference(p, set),
             _ => {
-                let r = reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?;
+                let r = match &reference_model {
+                    Some(m) => reference_logps(m, set, cfg.batch, cfg.seq_len, ctx, dev)?,
+                    None => reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?,
+                };
                 if let (Some(p), true) = (&path, is_main) {
                     if let Some(dir) = p.parent() {
                         std::fs::create_dir_all(dir).map_err(|e| candle_core::Error::Msg(format!("creating {}: {e}", dir.display())))?;
@@ -422,7 +447,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
         Ok(Answers { reference: reference(set, name)?, lengths: set.scored_lengths() })
     };
     let run = DpoRun {
-        cfg: *dc,
+        cfg: dc.clone(),
         answers: answers(set, "dpo_reference.json")?,
         eval: match eval_set {
             Some(s) => Some((s.clone(), answers(s, "dpo_reference_eval.json")?)),

@@ -43,7 +43,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         (0.0, DpoLoss::Orpo, 0.3),
     ];
     for (eps, loss, rpo_alpha) in cases {
-        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha };
+        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha, reference_model: None };
         cfg.validate().expect("valid");
         assert_eq!(loss.name().parse::<DpoLoss>()?, loss);
         let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg);

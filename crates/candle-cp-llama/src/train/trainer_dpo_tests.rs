@@ -3,6 +3,7 @@ use super::tests::{assert_same_curve, run, tiny_cfg, tmpdir};
 use super::*;
 use crate::train::{DpoConfig, PreferenceSet};
 use crate::{CpKind, Layout, LlamaConfig};
+use candle_core::DType;
 use std::path::PathBuf;
 
 /// A DPO run of `steps` on `layout`: 16 byte-level pairs (`dpo_tests::pairs_text`), rows of
@@ -124,6 +125,49 @@ fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
     for (a, b) in m.iter().zip(&cp[0].metrics) {
         assert!((a.train_loss - b.train_loss).abs() < 1e-5, "step {}: {} vs {}", a.step, a.train_loss, b.train_loss);
     }
+    std::fs::remove_dir_all(&dir)?;
+    Ok(())
+}
+
+/// A reference model of its own (another checkpoint): step 1's loss is DPO's between the
+/// starting policy and that model, computed from the two models' answer log-probabilities by
+/// hand, on one device and on zigzag CP 2; a reference-free loss refuses one.
+#[test]
+fn a_reference_model_of_its_own() -> Result<()> {
+    use crate::train::dpo::{dpo_terms, reference_logps};
+    let dir = tmpdir("dpo-ref-model");
+    let c0 = dpo_cfg(None, Layout::single(), 2)?;
+    let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
+    crate::save_hf(&dir, &crate::init_params(mcfg, 99, DType::F32, &Device::Cpu)?, mcfg)?;
+    let DataSource::Preference(set) = &c0.data else { bail!("pairs") };
+    // the answers' log-probabilities under the policy (seed c0.seed) and the reference (seed 99)
+    let logps = |seed: u64| -> Result<Vec<f64>> {
+        let out = candle_cp_comm::run_ranks(1, |g| {
+            let ctx = ParallelCtx::single(g)?;
+            let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
+            let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
+            reference_logps(&m, set, c0.batch, c0.seq_len, &ctx, &Device::Cpu)
+        });
+        out.into_iter().next().expect("one rank")
+    };
+    let (policy, reference) = (logps(c0.seed)?, logps(99)?);
+    let d = DpoConfig { beta: 0.5, reference_model: Some(dir.clone()), ..DpoConfig::default() };
+    let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
+    let all = dpo_terms(&policy, &reference, &set.scored_lengths(), &pairs, &d);
+    assert!((all.loss - std::f64::consts::LN_2).abs() > 1e-3, "{}", all.loss);
+    // step 1's rows: the pairs of its batch
+    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
+    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let want = dpo_terms(&policy, &reference, &set.scored_lengths(), &step1, &d).loss;
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2)] {
+        let mut c = dpo_cfg(None, layout, 2)?;
+        c.dpo = Some(d.clone());
+        let got = run(&c)?[0].metrics[0].train_loss;
+        assert!((got - want).abs() < 1e-5, "{layout}: step 1 {got} vs by hand {want}");
+    }
+    let mut bad = dpo_cfg(None, Layout::single(), 2)?;
+    bad.dpo = Some(DpoConfig { loss: crate::train::DpoLoss::Simpo, ..d.clone() });
+    assert!(run(&bad).unwrap_err().to_string().contains("takes no reference model"));
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
