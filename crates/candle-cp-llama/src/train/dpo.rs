@@ -17,7 +17,7 @@
 //! — whose gradients, summed over the ranks as the trainer sums every loss's, are exactly
 //! DPO's. The reference log-probabilities are computed once, before the first step, by the
 //! model as it starts (the reference: the loaded weights; a LoRA run's adapters start at
-//! zero) or by a checkpoint of its own ([`DpoConfig::reference_model`]), over every pair in order ([`reference_logps`]); a resumed run reads them from its
+//! zero) or by a checkpoint of its own ([`DpoConfig::reference_model`]), over every pair in order ([`answer_logps`]); a resumed run reads them from its
 //! output directory (`dpo_reference.json`).
 
 use super::preference::{PreferenceRow, PreferenceSet};
@@ -257,12 +257,12 @@ impl DpoBatch {
     }
 
     /// The answers' summed log-probabilities over the whole batch, per slot: this rank's
-    /// per-token losses `nll` (its shard, flattened; `labels` its labels) summed per answer,
-    /// then over `group`. Also returns each local target's slot + 1 (0: not scored).
-    fn logps(&self, nll: &[f32], labels: &[u32], ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
-        // (each target's mark and answer are those of the token it predicts: the shards'
-        // labels of the marks and slots, as the trainer's selection reads the marks)
-        let marks: Vec<u32> = shard_batch(&self.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
+    /// per-token losses `nll` (its shard, flattened; `labels` its labels, `marks` the shard's
+    /// labels of [`DpoBatch::marks`]) summed per answer, then over `group`. Also returns each
+    /// local target's slot + 1 (0: not scored).
+    fn logps(&self, nll: &[f32], labels: &[u32], marks: &[u32], ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
+        // (each target's mark and answer are those of the token it predicts: the shard's labels
+        // of the marks and slots, as the trainer's selection reads the marks)
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
         if marks.len() != nll.len() || labels.len() != nll.len() {
             bail!("dpo: {} per-token losses for {} labels and {} marks", nll.len(), labels.len(), marks.len())
@@ -297,12 +297,14 @@ impl DpoBatch {
     }
 
     /// The micro-batch's loss node: `Σ_t w_t · nll_t` over this rank's scored targets (`nll`
-    /// its per-token losses, flattened, on the compute device; `labels` its labels), shifted by
+    /// its per-token losses, flattened, on the compute device; `labels` its labels, `marks` the
+    /// shard's labels of [`DpoBatch::marks`], as the trainer has them), shifted by
     /// a constant so that its value is the DPO loss; and the terms. `answers` holds every
     /// answer's reference log-probability and scored tokens, by the answer's index in the set.
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
-        let (policy, scored) = self.logps(&values, labels, ctx, group)?;
+        let (policy, scored) = self.logps(&values, labels, marks, ctx, group)?;
         let of = |v: &[f64], what: &str| -> Result<Vec<f64>> {
             self.answers.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
         };
@@ -315,20 +317,20 @@ impl DpoBatch {
     }
 }
 
-/// `v` summed element-wise over `group` (f64 through two f32 words each).
+/// `v` summed element-wise over `group` (an f64 all-gather on the host, added in rank order,
+/// as `metrics::step_sums` adds the loss terms).
 fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
     if group.size() == 1 || v.is_empty() {
         return Ok(v.to_vec());
     }
-    let words: Vec<f32> = v.iter().flat_map(|&x| [x as f32, (x - x as f32 as f64) as f32]).collect();
-    let rows = group.all_gather(&Tensor::from_vec(words, (1, 2 * v.len()), &Device::Cpu)?, 0)?.to_vec2::<f32>()?;
-    Ok((0..v.len()).map(|i| rows.iter().map(|r| r[2 * i] as f64 + r[2 * i + 1] as f64).sum()).collect())
+    let rows = group.all_gather(&Tensor::from_slice(v, (1, v.len()), &Device::Cpu)?, 0)?.to_vec2::<f64>()?;
+    Ok((0..v.len()).map(|i| rows.iter().map(|r| r[i]).sum()).collect())
 }
 
-/// Every answer's summed log-probability under `model` (the reference: the model as the run
-/// starts), by answer index: the pairs in order, `batch` rows of `seq_len` per forward (the
+/// Every answer's summed log-probability under `model` (the reference pass; a held-out
+/// evaluation's policy), by answer index: the pairs in order, `batch` rows of `seq_len` per forward (the
 /// last batch padded with empty rows), on the run's layout.
-pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
     let mut rows = set.in_order(seq_len)?;
     let pad = || -> Result<PreferenceRow> {
         let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(candle_cp_ops::packing::Documents::single(seq_len)?) };
@@ -345,7 +347,8 @@ pub fn reference_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len
         let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
         let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let (logp, _) = b.logps(&values, &labels, ctx, ctx.token_group())?;
+        let marks: Vec<u32> = shard_batch(&b.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
+        let (logp, _) = b.logps(&values, &labels, &marks, ctx, ctx.token_group())?;
         for (slot, &a) in b.answers.iter().enumerate() {
             out[a] = logp[slot];
         }
@@ -377,11 +380,11 @@ pub(crate) struct DpoRun {
 
 impl DpoRun {
     /// DPO's terms over every held-out pair under `model` as it is now (its log-probabilities
-    /// of the answers by [`reference_logps`], against the held-out reference); `None` without
+    /// of the answers by [`answer_logps`], against the held-out reference); `None` without
     /// held-out pairs. Collective over the world.
     pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
         let Some((set, answers)) = &self.eval else { return Ok(None) };
-        let policy = reference_logps(model, set, batch, seq_len, ctx, dev)?;
+        let policy = answer_logps(model, set, batch, seq_len, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
         Ok(Some(dpo_terms(&policy, &answers.reference, &answers.lengths, &pairs, &self.cfg)))
     }
@@ -429,8 +432,8 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             (Some(p), true) => read_reference(p, set),
             _ => {
                 let r = match &reference_model {
-                    Some(m) => reference_logps(m, set, cfg.batch, cfg.seq_len, ctx, dev)?,
-                    None => reference_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?,
+                    Some(m) => answer_logps(m, set, cfg.batch, cfg.seq_len, ctx, dev)?,
+                    None => answer_logps(model, set, cfg.batch, cfg.seq_len, ctx, dev)?,
                 };
                 if let (Some(p), true) = (&path, is_main) {
                     if let Some(dir) = p.parent() {

@@ -125,12 +125,13 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths() };
             let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
             // the linearised node
-            let (loss, terms) = b.loss(&nll()?, &labels, &answers, &cfg, &ctx, ctx.token_group())?;
+            let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
+            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group())?;
             let g1 = loss.backward()?;
             // the loss by candle ops
             let n1 = nll()?;
             let values: Vec<f32> = n1.to_vec1()?;
-            let (_, scored) = b.logps(&values, &labels, &ctx, ctx.token_group())?;
+            let (_, scored) = b.logps(&values, &labels, &marks, &ctx, ctx.token_group())?;
             let slots = b.answers.len();
             for (j, &a) in b.answers.iter().enumerate() {
                 assert_eq!(scored.iter().filter(|&&s| s as usize == j + 1).count() as f64, answers.lengths[a], "answer {a}'s scored tokens");
@@ -200,7 +201,7 @@ fn reference_logps_are_per_document_on_every_layout() -> Result<()> {
             let ctx = ParallelCtx::new(g, layout)?;
             let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
             let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-            reference_logps(&m, &set, 2, 48, &ctx, &Device::Cpu)
+            answer_logps(&m, &set, 2, 48, &ctx, &Device::Cpu)
         });
         let mut all = out.into_iter().collect::<Result<Vec<_>>>()?;
         for r in &all[1..] {

@@ -17,7 +17,7 @@
 
 use super::data::Sample;
 use super::rng::Rng;
-use super::sft::{completion_tokens, conversation_tokens, MarkedTokens, Tokenize};
+use super::sft::{completion_tokens, conversation_tokens, json_lines, MarkedTokens, Tokenize};
 use crate::chat::{parse_messages, ChatTemplate};
 use candle_core::{bail, Result};
 use candle_cp_ops::packing::Documents;
@@ -70,19 +70,15 @@ impl PreferenceSet {
     ///
     /// Errors name the line.
     pub fn read(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
-        let mut pairs = Vec::new();
-        for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-            let n = i + 1;
-            let wrap = |e: candle_core::Error| candle_core::Error::Msg(format!("preference data, line {n}: {e}"));
-            let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("preference data, line {n}: {e}")))?;
-            let pair = read_pair(&v, tokenize, eos, chat).map_err(wrap)?;
+        let pairs = json_lines(text, "preference data", |v| {
+            let pair = read_pair(v, tokenize, eos, chat)?;
             for (name, (_, m)) in [("chosen", &pair.0), ("rejected", &pair.1)] {
                 if !m.iter().skip(1).any(|&x| x) {
-                    bail!("preference data, line {n}: the {name} answer has no token to score (an empty prompt leaves its first token unscored)")
+                    bail!("the {name} answer has no token to score (an empty prompt leaves its first token unscored)")
                 }
             }
-            pairs.push(pair);
-        }
+            Ok(pair)
+        })?;
         Self::from_pairs(pairs)
     }
 

@@ -38,17 +38,24 @@ pub type Tokenize<'a> = &'a dyn Fn(&str, bool) -> Result<Vec<u32>>;
 /// conversation without `chat` or without a trained assistant turn, a template's or the
 /// tokeniser's error.
 pub fn read_sft(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Vec<MarkedTokens>> {
-    let mut out = Vec::new();
-    for (i, line) in text.lines().enumerate().filter(|(_, l)| !l.trim().is_empty()) {
-        let n = i + 1;
-        let wrap = |e: candle_core::Error| candle_core::Error::Msg(format!("supervised data, line {n}: {e}"));
-        let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("supervised data, line {n}: {e}")))?;
-        out.push(read_line(&v, tokenize, eos, chat).map_err(wrap)?);
-    }
+    let out = json_lines(text, "supervised data", |v| read_line(v, tokenize, eos, chat))?;
     if out.is_empty() {
         bail!("supervised data: no example")
     }
     Ok(out)
+}
+
+/// `read` of every non-blank line of JSON lines `text`, parsed; errors (a line that is not
+/// JSON, or `read`'s) name `what` and the line.
+pub(crate) fn json_lines<T>(text: &str, what: &str, read: impl Fn(&Value) -> Result<T>) -> Result<Vec<T>> {
+    text.lines()
+        .enumerate()
+        .filter(|(_, l)| !l.trim().is_empty())
+        .map(|(i, line)| {
+            let v: Value = serde_json::from_str(line).map_err(|e| candle_core::Error::Msg(format!("{what}, line {}: {e}", i + 1)))?;
+            read(&v).map_err(|e| candle_core::Error::Msg(format!("{what}, line {}: {e}", i + 1)))
+        })
+        .collect()
 }
 
 /// One line of [`read_sft`] (errors without the line number).

@@ -449,22 +449,25 @@ pub fn train_rank(
             }
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
-            let train: Vec<f32> = labels
-                .iter()
-                .zip(&lr_mask)
-                .map(|(&l, &m)| (l != IGNORE && (!cfg.long_range_only || m == 1)) as u8 as f32)
-                .collect();
-            let n_train = train.iter().filter(|&&x| x > 0.0).count();
             let nll = nll.flatten_all()?;
-            let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
             let loss = match &dpo {
+                // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &d.answers, &d.cfg, &ctx, &token_group)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group)?;
                     (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
                     l
                 }
-                None => global_mean(&selected, n_train, &token_group)?,
+                None => {
+                    let train: Vec<f32> = labels
+                        .iter()
+                        .zip(&lr_mask)
+                        .map(|(&l, &m)| (l != IGNORE && (!cfg.long_range_only || m == 1)) as u8 as f32)
+                        .collect();
+                    let n_train = train.iter().filter(|&&x| x > 0.0).count();
+                    let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
+                    global_mean(&selected, n_train, &token_group)?
+                }
             };
             // Qwen3-MoE's load-balancing term (a constant here; its derivative reaches the
             // routers through the sparse layers' backward)

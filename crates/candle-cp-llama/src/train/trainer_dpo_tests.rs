@@ -134,7 +134,7 @@ fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
 /// hand, on one device and on zigzag CP 2; a reference-free loss refuses one.
 #[test]
 fn a_reference_model_of_its_own() -> Result<()> {
-    use crate::train::dpo::{dpo_terms, reference_logps};
+    use crate::train::dpo::{answer_logps, dpo_terms};
     let dir = tmpdir("dpo-ref-model");
     let c0 = dpo_cfg(None, Layout::single(), 2)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
@@ -146,7 +146,7 @@ fn a_reference_model_of_its_own() -> Result<()> {
             let ctx = ParallelCtx::single(g)?;
             let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
             let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-            reference_logps(&m, set, c0.batch, c0.seq_len, &ctx, &Device::Cpu)
+            answer_logps(&m, set, c0.batch, c0.seq_len, &ctx, &Device::Cpu)
         });
         out.into_iter().next().expect("one rank")
     };
