@@ -504,9 +504,10 @@ fn load_tokenizer(tp: &std::path::Path) -> Result<tokenizers::Tokenizer> {
     tokenizers::Tokenizer::from_file(tp).map_err(|e| anyhow::anyhow!("loading --tokenizer {}: {e}", tp.display()))
 }
 
-/// `--sft`: the supervised examples of `bytes` (JSON lines), byte-level or through
-/// --tokenizer: prompt / completion pairs, each completion ended by --eos or the model's
-/// end-of-sequence id, and conversations through --chat-template or the model's own.
+/// `--sft` / `--dpo`: the supervised examples or preference pairs of `bytes` (JSON lines),
+/// byte-level or through --tokenizer: prompts with completions or answers, each ended by --eos
+/// or the model's end-of-sequence id, and conversations through --chat-template or the model's
+/// own.
 fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Result<(DataSource, String)> {
     let text = std::str::from_utf8(bytes).with_context(|| format!("{flag} {}: not UTF-8 text", path.display()))?;
     let eos = match (a.eos, &a.model, &a.tokenizer) {
