@@ -130,7 +130,20 @@ pub(crate) struct Args {
     /// RPO's α: α × the chosen answers' mean cross-entropy added to the DPO loss.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) rpo_alpha: f64,
-    /// The chat template of --sft / --dpo conversations: llama3, chatml, gemma, phi3, phi4, granite or
+    /// Train by KTO on unpaired examples: --data is JSON lines `{"prompt": ..., "completion":
+    /// ..., "label": true | false}` (strings, or lists of messages through --chat-template), or
+    /// preference pairs (each gives a desirable and an undesirable example); each example is
+    /// packed beside its KL document (its prompt with another example's completion). --beta,
+    /// --ref-model as DPO's.
+    #[arg(long)]
+    pub(crate) kto: bool,
+    /// KTO's weight of a desirable example's loss (λ_D).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) desirable_weight: f64,
+    /// KTO's weight of an undesirable example's loss (λ_U).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) undesirable_weight: f64,
+    /// The chat template of --sft / --dpo / --kto conversations: llama3, chatml, gemma, phi3, phi4, granite or
     /// deepseek (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).
     #[arg(long, value_name = "NAME")]
@@ -402,6 +415,13 @@ pub(crate) struct Args {
     pub(crate) timeout: u64,
 }
 
+impl Args {
+    /// Whether the run trains on preference data (--dpo or --kto).
+    pub(crate) fn preference(&self) -> bool {
+        self.dpo || self.kto
+    }
+}
+
 pub(crate) fn layout(a: &Args) -> Result<Layout> {
     let kind: CpKind = a.cp_kind.parse()?;
     let l = match kind {
@@ -436,14 +456,21 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.sft && a.data.is_none() {
         bail!("--sft reads prompt / completion examples or conversations: give them as --data FILE.jsonl")
     }
-    if a.dpo && (a.sft || a.pack_docs) {
-        bail!("--dpo reads preference pairs: without --sft or --pack-docs")
+    if a.dpo && a.kto {
+        bail!("--dpo and --kto: give one objective")
     }
-    if a.dpo && a.data.is_none() {
-        bail!("--dpo trains on preference pairs: give them as --data FILE.jsonl")
+    let flag = if a.kto { "--kto" } else { "--dpo" };
+    if a.preference() && (a.sft || a.pack_docs) {
+        bail!("{flag} reads preference data: without --sft or --pack-docs")
     }
-    if a.chat_template.is_some() && !(a.sft || a.dpo) {
-        bail!("--chat-template renders --sft / --dpo conversations: add --sft or --dpo")
+    if a.preference() && a.data.is_none() {
+        bail!("{flag} trains on preference data: give it as --data FILE.jsonl")
+    }
+    if !a.kto && (a.desirable_weight != 1.0 || a.undesirable_weight != 1.0) {
+        bail!("--desirable-weight / --undesirable-weight are KTO's: add --kto")
+    }
+    if a.chat_template.is_some() && !(a.sft || a.preference()) {
+        bail!("--chat-template renders --sft / --dpo / --kto conversations: add one of them")
     }
     if a.pack_docs && a.data.is_none() {
         bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
@@ -471,7 +498,7 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
 /// --tokenizer, packed documents with --pack-docs; and its description.
 pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
-    if a.sft || a.dpo {
+    if a.sft || a.preference() {
         return sft_source(a, path, &bytes, flag);
     }
     if a.pack_docs {
@@ -525,9 +552,10 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         (None, None) => (None, None),
     };
     let read = |tokenize: candle_cp_llama::train::sft::Tokenize| -> Result<DataSource> {
-        let r = match a.dpo {
-            true => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
-            false => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
+        let r = match (a.kto, a.dpo) {
+            (true, _) => PreferenceSet::read_unpaired(text, tokenize, eos, chat).map(DataSource::Preference),
+            (false, true) => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
+            (false, false) => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
         };
         match r {
             Err(e) if chat.is_none() && e.to_string().contains("needs a chat template") => {
@@ -548,8 +576,14 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         }
     };
     let (what, count, tokens, targets) = match &stream {
-        DataSource::Preference(p) => ("preference pairs", p.len(), p.token_count(), p.target_count()),
-        DataSource::Packed(p) => ("supervised examples", p.count(), p.len(), p.target_count()),
+        DataSource::Preference(p) => match p.desirable() {
+            Some(d) => {
+                let good = d.iter().filter(|&&x| x).count();
+                (format!("unpaired examples ({good} desirable, {} not) with their KL documents", d.len() - good), p.len(), p.token_count(), p.target_count())
+            }
+            None => ("preference pairs".to_string(), p.len(), p.token_count(), p.target_count()),
+        },
+        DataSource::Packed(p) => ("supervised examples".to_string(), p.count(), p.len(), p.target_count()),
         _ => bail!("{flag}: supervised data expected"),
     };
     let desc = format!(

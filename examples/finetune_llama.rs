@@ -8,6 +8,7 @@
 //! cargo run --release --example finetune_llama -- --data notes.txt --pack-docs --seq-len 1024
 //! cargo run --release --example finetune_llama -- --data sft.jsonl --sft --tokenizer tok.json --model DIR  # prompt / completion
 //! cargo run --release --example finetune_llama -- --data pairs.jsonl --dpo --beta 0.1 --model DIR --lora 16,32  # preference pairs
+//! cargo run --release --example finetune_llama -- --data examples.jsonl --kto --beta 0.1 --model DIR  # unpaired examples, labelled
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
@@ -204,7 +205,7 @@ fn main() -> Result<()> {
         .batch
         .unwrap_or(if a.data.is_none() { 4 * a.dp } else { a.dp });
     let long_range_only = match a.loss_on.as_deref() {
-        None => a.data.is_none() || a.sft || a.dpo,
+        None => a.data.is_none() || a.sft || a.preference(),
         Some("all") => false,
         Some("long-range" | "completion") => true,
         Some(o) => bail!("--loss-on {o}: expected all, long-range or completion"),
@@ -255,8 +256,22 @@ fn main() -> Result<()> {
         zero1: a.zero1,
         zero2: a.zero2,
         long_range_only,
-        dpo: match a.dpo {
-            true => Some(candle_cp_llama::train::DpoConfig { beta: a.beta, label_smoothing: a.dpo_label_smoothing, loss: a.dpo_loss.parse()?, simpo_gamma: a.simpo_gamma, rpo_alpha: a.rpo_alpha, reference_model: a.ref_model.clone() }),
+        dpo: match a.preference() {
+            true => Some(candle_cp_llama::train::DpoConfig {
+                beta: a.beta,
+                label_smoothing: a.dpo_label_smoothing,
+                loss: match (a.kto, a.dpo_loss.as_str()) {
+                    (true, "sigmoid") => candle_cp_llama::train::DpoLoss::Kto,
+                    (true, l) => bail!("--kto takes no --dpo-loss ({l})"),
+                    (false, "kto") => bail!("--dpo-loss kto: train by --kto (unpaired examples)"),
+                    (false, l) => l.parse()?,
+                },
+                simpo_gamma: a.simpo_gamma,
+                rpo_alpha: a.rpo_alpha,
+                reference_model: a.ref_model.clone(),
+                desirable_weight: a.desirable_weight,
+                undesirable_weight: a.undesirable_weight,
+            }),
             false => None,
         },
         expert_bias_update: a.expert_bias_update,
@@ -311,10 +326,15 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
-            DataSource::Preference(s) => format!("{} preference pairs{}", s.len(), if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }),
+            DataSource::Preference(s) => format!(
+                "{} {}{}",
+                s.len(),
+                if a.kto { "unpaired examples" } else { "preference pairs" },
+                if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }
+            ),
         };
         match &e.data {
-            DataSource::Preference(_) => say!("eval     : every {} steps, DPO loss and reward accuracy over all {what}", e.every),
+            DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else { "DPO" }),
             _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
         }
     }
@@ -334,7 +354,18 @@ fn main() -> Result<()> {
         a.seq_len,
         a.grad_accum
     );
-    if let Some(d) = &cfg.dpo {
+    if let (Some(d), DataSource::Preference(set)) = (cfg.dpo.as_ref().filter(|d| d.loss == candle_cp_llama::train::DpoLoss::Kto), &cfg.data) {
+        let good = set.desirable().map_or(0, |d| d.iter().filter(|&&x| x).count()) as f64;
+        let ratio = d.desirable_weight * good / (d.undesirable_weight * (set.len() as f64 - good));
+        say!(
+            "objective: KTO, beta {}, weights {} desirable / {} undesirable (weighted ratio {ratio:.2}{}), KL estimate from each micro-batch's KL documents, against {}",
+            d.beta,
+            d.desirable_weight,
+            d.undesirable_weight,
+            if (1.0..=4.0 / 3.0).contains(&ratio) { "" } else { "; the KTO paper advises 1 to 4/3: set --desirable-weight / --undesirable-weight" },
+            d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),
+        );
+    } else if let Some(d) = &cfg.dpo {
         say!(
             "objective: DPO ({} loss), beta {}{}{}, {}",
             d.loss.name(),
@@ -464,7 +495,7 @@ fn main() -> Result<()> {
     let steps = a.steps;
     let ranks_here = launch.ranks_here(world);
     // (the marked targets: the synthetic task's long-range answers, or --sft's completions)
-    let marked = if a.dpo { "answers' CE" } else if a.sft { "completion" } else { "long-range" };
+    let marked = if a.preference() { "answers' CE" } else if a.sft { "completion" } else { "long-range" };
     let on_step = move |m: &StepMetrics| {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
@@ -474,6 +505,7 @@ fn main() -> Result<()> {
             .map_or(String::new(), |x| format!("  {marked} {x:.3}"));
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
         let aux = aux + &m.dpo_accuracy.zip(m.dpo_margin).map_or(String::new(), |(acc, mg)| format!("  acc {acc:.2}  margin {mg:.3}"));
+        let aux = aux + &m.kto_kl.map_or(String::new(), |k| format!("  kl {k:.3}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

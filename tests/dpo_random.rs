@@ -1,7 +1,8 @@
 //! Seeded random DPO runs: a few optimizer steps of preference tuning on a drawn layout
 //! (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage,
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
-//! smoothing, IPO, hinge, reference-free SimPO and ORPO; RPO's term or not) follow the single-device run
+//! smoothing, IPO, hinge, reference-free SimPO and ORPO; RPO's term or not; KTO on the pairs
+//! unpaired, λ_U 1 or 1.5) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -19,8 +20,9 @@ use candle_cp_tests::train_draws::{assert_explained, draw_run, run};
 const CONFIGS: u64 = 16;
 
 /// Byte-level pairs drawn from `seed`: a prompt of letters, the chosen answer its reverse in
-/// capitals, the rejected one random capitals (lengths drawn apart), each ended by EOS 2.
-fn pairs(seed: u64) -> Result<PreferenceSet> {
+/// capitals, the rejected one random capitals (lengths drawn apart), each ended by EOS 2;
+/// `unpaired`: as KTO's examples (the chosen desirable, the rejected not).
+fn pairs(seed: u64, unpaired: bool) -> Result<PreferenceSet> {
     let mut r = Rng::new(seed);
     let mut text = String::new();
     for _ in 0..12 {
@@ -29,12 +31,16 @@ fn pairs(seed: u64) -> Result<PreferenceSet> {
         let rej: String = (0..1 + r.below(7)).map(|_| (b'A' + r.below(12) as u8) as char).collect();
         text.push_str(&format!("{{\"prompt\": \"{p}=\", \"chosen\": \"{c}\", \"rejected\": \"{rej}\"}}\n"));
     }
-    PreferenceSet::read(&text, &bytes_of, Some(2), None)
+    match unpaired {
+        true => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None),
+        false => PreferenceSet::read(&text, &bytes_of, Some(2), None),
+    }
 }
 
-/// A DPO objective: the loss, label smoothing where it applies, RPO's α.
+/// A DPO objective: the loss, label smoothing where it applies, RPO's α (KTO: its weight of
+/// the undesirable examples instead).
 fn draw_objective(d: &mut Rng) -> DpoConfig {
-    let loss = pick(d, &[DpoLoss::Sigmoid, DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Simpo, DpoLoss::Orpo]);
+    let loss = pick(d, &[DpoLoss::Sigmoid, DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Simpo, DpoLoss::Orpo, DpoLoss::Kto]);
     let smoothing = match loss {
         DpoLoss::Sigmoid | DpoLoss::Simpo => pick(d, &[0.0, 0.1]),
         _ => 0.0,
@@ -43,7 +49,10 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         DpoLoss::Simpo => 2.0,
         _ => pick(d, &[0.1, 0.5]),
     };
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None }
+    if loss == DpoLoss::Kto {
+        return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() };
+    }
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, ..DpoConfig::default() }
 }
 
 #[test]
@@ -55,7 +64,7 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
         let dpo = draw_objective(&mut d);
         let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
         let base = |layout: Layout| -> Result<TrainConfig> {
-            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed)?), 64, 3);
+            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed, dpo.loss == DpoLoss::Kto)?), 64, 3);
             (c.batch, c.grad_accum, c.seed, c.dpo) = (batch, grad_accum, seed, Some(dpo.clone()));
             c.schedule.peak = 5e-3;
             Ok(c)

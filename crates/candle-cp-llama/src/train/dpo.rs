@@ -7,8 +7,8 @@
 //! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
 //! ```
 //!
-//! (or IPO's `(z/β − 1/(2β))²`, the hinge `max(0, 1 − z)`, or the reference-free SimPO and
-//! ORPO: [`DpoLoss`]).
+//! (or IPO's `(z/β − 1/(2β))²`, the hinge `max(0, 1 − z)`, the reference-free SimPO and
+//! ORPO: [`DpoLoss`]; or KTO over unpaired examples: [`super::kto`]).
 //!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
 //! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
@@ -45,6 +45,10 @@ pub enum DpoLoss {
     /// the log odds ratio of the answers' mean probabilities per token
     /// (`log(p/(1 − p))` of `p = exp(mean log-probability)`). No reference pass.
     Orpo,
+    /// KTO's (Ethayarajh et al.; TRL's `KTOTrainer`): unpaired examples labelled desirable or
+    /// not ([`super::PreferenceSet::from_unpaired`]), each against a KL baseline:
+    /// [`super::kto`].
+    Kto,
 }
 
 impl DpoLoss {
@@ -56,6 +60,7 @@ impl DpoLoss {
             Self::Hinge => "hinge",
             Self::Simpo => "simpo",
             Self::Orpo => "orpo",
+            Self::Kto => "kto",
         }
     }
 }
@@ -69,7 +74,8 @@ impl std::str::FromStr for DpoLoss {
             "hinge" => Ok(Self::Hinge),
             "simpo" => Ok(Self::Simpo),
             "orpo" => Ok(Self::Orpo),
-            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge, simpo or orpo"),
+            "kto" => Ok(Self::Kto),
+            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge, simpo, orpo or kto"),
         }
     }
 }
@@ -93,11 +99,15 @@ pub struct DpoConfig {
     /// model when the policy starts elsewhere), loaded on the run's layout for the reference
     /// pass only. `None`: the model as the run starts.
     pub reference_model: Option<std::path::PathBuf>,
+    /// KTO's λ_D, the weight of a desirable example's loss (TRL's `desirable_weight`, 1).
+    pub desirable_weight: f64,
+    /// KTO's λ_U, the weight of an undesirable example's loss (TRL's `undesirable_weight`, 1).
+    pub undesirable_weight: f64,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0 }
     }
 }
 
@@ -108,7 +118,7 @@ impl DpoConfig {
     }
 
     /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (with the sigmoid or simpo loss),
-    /// `rpo_alpha ≥ 0`.
+    /// `rpo_alpha ≥ 0` (none with KTO), KTO's weights `> 0`.
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
@@ -125,6 +135,12 @@ impl DpoConfig {
         if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
             bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
         }
+        if self.loss == DpoLoss::Kto && self.rpo_alpha > 0.0 {
+            bail!("dpo: the kto loss takes no rpo_alpha (its examples are not pairs)")
+        }
+        if !(self.desirable_weight > 0.0 && self.desirable_weight.is_finite() && self.undesirable_weight > 0.0 && self.undesirable_weight.is_finite()) {
+            bail!("dpo: KTO's desirable and undesirable weights must be positive numbers, got {} and {}", self.desirable_weight, self.undesirable_weight)
+        }
         Ok(())
     }
 }
@@ -136,8 +152,10 @@ pub struct DpoTerms {
     pub loss: f64,
     /// Fraction of pairs whose chosen reward exceeds the rejected one (`h > 0`).
     pub accuracy: f64,
-    /// Mean reward margin `β·h` (chosen reward − rejected reward).
+    /// Mean reward margin `β·h` (chosen reward − rejected reward; KTO: [`super::kto::kto_terms`]).
     pub margin: f64,
+    /// KTO's KL estimate `z₀` (`None` for pairs).
+    pub kl: Option<f64>,
     /// `∂loss / ∂log π(answer)` per answer, in the order of the log-probabilities given.
     pub d_logp: Vec<f64>,
 }
@@ -159,7 +177,15 @@ fn sigmoid(x: f64) -> f64 {
 
 /// DPO over `pairs` (indices of the chosen and the rejected answer into `policy`,
 /// `reference` — the answers' summed log-probabilities — and `lengths`, their scored tokens).
-pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> DpoTerms {
+/// Errors for [`DpoLoss::Kto`] (unpaired examples: [`super::kto::kto_terms`]) and for an
+/// answer index out of range.
+pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> Result<DpoTerms> {
+    if cfg.loss == DpoLoss::Kto {
+        bail!("dpo_terms: the kto loss scores unpaired examples (kto_terms)")
+    }
+    if let Some(&(c, r)) = pairs.iter().find(|&&(c, r)| c.max(r) >= policy.len().min(reference.len()).min(lengths.len())) {
+        bail!("dpo_terms: answer {} of {} log-probabilities ({} reference, {} lengths)", c.max(r), policy.len(), reference.len(), lengths.len())
+    }
     let n = pairs.len().max(1) as f64;
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
@@ -196,6 +222,7 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
             DpoLoss::Orpo => (beta * softplus(-h), -beta * sigmoid(-h)),
             DpoLoss::Ipo => ((h - 0.5 / beta).powi(2), 2.0 * (h - 0.5 / beta)),
             DpoLoss::Hinge => ((1.0 - z).max(0.0), if z < 1.0 { -beta } else { 0.0 }),
+            DpoLoss::Kto => (f64::NAN, f64::NAN), // (refused above)
         };
         loss += l / n;
         right += (h > 0.0) as u8 as f64;
@@ -212,7 +239,27 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
             d_logp[c] -= alpha / tokens;
         }
     }
-    DpoTerms { loss, accuracy: right / n, margin: margin / n, d_logp }
+    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, d_logp })
+}
+
+/// [`dpo_terms`] over pairs, or [`super::kto::kto_terms`] over unpaired examples: `policy` per
+/// slot, `of` each slot's answer index into `answers`, `pairs` of slots (an example's first).
+/// Errors when the loss and the data disagree.
+fn terms(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig) -> Result<DpoTerms> {
+    let pick = |v: &[f64], what: &str| -> Result<Vec<f64>> {
+        of.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
+    };
+    let (reference, lengths) = (pick(&answers.reference, "reference log-probability")?, pick(&answers.lengths, "length")?);
+    match (&answers.desirable, cfg.loss) {
+        (Some(d), DpoLoss::Kto) => {
+            let label = |e: usize| d.get(of[e] / 2).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no label for example {}", of[e] / 2)));
+            let labels: Vec<bool> = pairs.iter().map(|&(e, _)| label(e)).collect::<Result<_>>()?;
+            super::kto::kto_terms(policy, &reference, pairs, &labels, cfg)
+        }
+        (None, DpoLoss::Kto) => bail!("dpo: the kto loss trains on unpaired examples (PreferenceSet::from_unpaired, --kto data), not pairs"),
+        (Some(_), l) => bail!("dpo: unpaired (KTO) examples train by the kto loss, not {}", l.name()),
+        (None, _) => dpo_terms(policy, &reference, &lengths, pairs, cfg),
+    }
 }
 
 /// One micro-batch of preference rows as the trainer feeds it: ids and target marks
@@ -305,10 +352,7 @@ impl DpoBatch {
     pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let (policy, scored) = self.logps(&values, labels, marks, ctx, group)?;
-        let of = |v: &[f64], what: &str| -> Result<Vec<f64>> {
-            self.answers.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
-        };
-        let terms = dpo_terms(&policy, &of(&answers.reference, "reference log-probability")?, &of(&answers.lengths, "length")?, &self.pairs()?, cfg);
+        let terms = terms(&policy, answers, &self.answers, &self.pairs()?, cfg)?;
         // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
         let w: Vec<f32> = scored.iter().map(|&s| if s == 0 { 0.0 } else { -terms.d_logp[s as usize - 1] as f32 }).collect();
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
@@ -366,6 +410,8 @@ pub(crate) struct Answers {
     pub reference: Vec<f64>,
     /// Scored tokens ([`PreferenceSet::scored_lengths`]).
     pub lengths: Vec<f64>,
+    /// KTO: each example's label, by example ([`PreferenceSet::desirable`]); `None` for pairs.
+    pub desirable: Option<Vec<bool>>,
 }
 
 /// A DPO run's settings and its answers', and its held-out pairs' (with
@@ -386,7 +432,8 @@ impl DpoRun {
         let Some((set, answers)) = &self.eval else { return Ok(None) };
         let policy = answer_logps(model, set, batch, seq_len, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
-        Ok(Some(dpo_terms(&policy, &answers.reference, &answers.lengths, &pairs, &self.cfg)))
+        let all: Vec<usize> = (0..2 * set.len()).collect();
+        Ok(Some(terms(&policy, answers, &all, &pairs, &self.cfg)?))
     }
 }
 
@@ -404,10 +451,21 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
         (Some(_), _) => bail!("train: dpo trains on preference pairs (DataSource::Preference)"),
     };
     dc.validate()?;
+    let agree = |s: &PreferenceSet, what: &str| -> Result<()> {
+        match (s.desirable().is_some(), dc.loss == DpoLoss::Kto) {
+            (true, false) => bail!("train: the {what} are unpaired (KTO) examples: train them by the kto loss, not {}", dc.loss.name()),
+            (false, true) => bail!("train: the kto loss trains on unpaired examples (PreferenceSet::from_unpaired); the {what} are preference pairs"),
+            _ => Ok(()),
+        }
+    };
+    agree(set, "training data")?;
     let eval_set = match &cfg.eval {
         None => None,
         Some(e) => match &e.data {
-            super::DataSource::Preference(s) => Some(s),
+            super::DataSource::Preference(s) => {
+                agree(s, "held-out data")?;
+                Some(s)
+            }
             _ => bail!("train: a DPO run's held-out data must be preference pairs too"),
         },
     };
@@ -447,7 +505,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
     };
     let answers = |set: &PreferenceSet, name: &str| -> Result<Answers> {
         set.check_fits(cfg.seq_len)?;
-        Ok(Answers { reference: reference(set, name)?, lengths: set.scored_lengths() })
+        Ok(Answers { reference: reference(set, name)?, lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) })
     };
     let run = DpoRun {
         cfg: dc.clone(),

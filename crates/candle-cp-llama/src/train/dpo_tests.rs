@@ -43,10 +43,10 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         (0.0, DpoLoss::Orpo, 0.3),
     ];
     for (eps, loss, rpo_alpha) in cases {
-        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha, reference_model: None };
+        let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, simpo_gamma: 0.3, rpo_alpha, reference_model: None, ..DpoConfig::default() };
         cfg.validate().expect("valid");
         assert_eq!(loss.name().parse::<DpoLoss>()?, loss);
-        let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg);
+        let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg)?;
         let hs: Vec<f64> = pairs
             .iter()
             .map(|&(c, r)| match loss {
@@ -67,6 +67,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                 DpoLoss::Ipo => (h - 1.0).powi(2),
                 DpoLoss::Hinge => (1.0 - 0.5 * h).max(0.0),
                 DpoLoss::Orpo => -0.5 * (1.0 / (1.0 + (-h).exp())).ln(),
+                DpoLoss::Kto => f64::NAN, // (not among the cases: kto_terms)
             })
             .sum::<f64>()
             / 3.0;
@@ -81,7 +82,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
             let (mut a, mut b) = (policy, policy);
             a[i] += h;
             b[i] -= h;
-            let fd = (dpo_terms(&a, &reference, &lengths, &pairs, &cfg).loss - dpo_terms(&b, &reference, &lengths, &pairs, &cfg).loss) / (2.0 * h);
+            let fd = (dpo_terms(&a, &reference, &lengths, &pairs, &cfg)?.loss - dpo_terms(&b, &reference, &lengths, &pairs, &cfg)?.loss) / (2.0 * h);
             assert!((fd - t.d_logp[i]).abs() < 1e-8, "{loss:?} eps {eps} rpo {rpo_alpha} answer {i}: {fd} vs {}", t.d_logp[i]);
         }
     }
@@ -90,7 +91,9 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("kto".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge, simpo or orpo"));
+    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge, simpo, orpo or kto"));
+    assert!(dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: DpoLoss::Kto, ..DpoConfig::default() }).is_err());
+    assert!(dpo_terms(&policy, &reference, &lengths[..5], &pairs, &DpoConfig::default()).unwrap_err().to_string().contains("answer 5"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Simpo, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { rpo_alpha: -1.0, ..DpoConfig::default() }.validate().is_err());
     Ok(())
@@ -122,7 +125,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
                 DpoLoss::Simpo | DpoLoss::Orpo => vec![0.0; 2 * set.len()],
                 _ => (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect(),
             };
-            let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths() };
+            let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
             let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
             // the linearised node
             let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
@@ -170,22 +173,82 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
             assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
             assert!(terms.margin.abs() > 0.01 && pairs.len() >= 2, "{terms:?}");
-            let g2 = direct.backward()?;
-            let vars = crate::params::lock_vars(&vm)?;
-            let mut worst = 0f64;
-            for (name, v) in vars.iter() {
-                let (a, b) = (g1.get(v.as_tensor()), g2.get(v.as_tensor()));
-                let (Some(a), Some(b)) = (a, b) else { bail!("{name}: a gradient is missing") };
-                let scale = b.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-                let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
-                assert!(scale > 0.0, "{name}: zero gradient");
-                worst = worst.max(diff / scale);
-            }
-            Ok(worst)
+            worst_difference(&vm, &g1, &direct.backward()?)
         });
         let worst = out.into_iter().next().expect("one rank")?;
         assert!(worst < 1e-4, "{cfg:?}: gradients differ by {worst} relative");
     }
+    Ok(())
+}
+
+/// The largest difference between two sets of gradients of `vm`'s parameters, relative to
+/// each parameter's largest gradient in `g2`; errors when a gradient is missing.
+fn worst_difference(vm: &candle_nn::VarMap, g1: &candle_core::backprop::GradStore, g2: &candle_core::backprop::GradStore) -> Result<f64> {
+    let mut worst = 0f64;
+    for (name, v) in crate::params::lock_vars(vm)?.iter() {
+        let (Some(a), Some(b)) = (g1.get(v.as_tensor()), g2.get(v.as_tensor())) else { bail!("{name}: a gradient is missing") };
+        let scale = b.abs()?.max_keepdim(0)?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        let diff = (a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+        assert!(scale > 0.0, "{name}: zero gradient");
+        worst = worst.max(diff / scale);
+    }
+    Ok(worst)
+}
+
+/// KTO (unpaired examples, λ_U = 1.5, a reference that puts the KL estimate above 0): the
+/// linearised node's value is the loss and its gradients equal autograd's gradients of KTO
+/// written with candle ops, the KL estimate a constant (detached, as TRL's); the KL documents'
+/// tokens take no weight.
+#[test]
+fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
+    let set = PreferenceSet::read_unpaired(&pairs_text(8, 3), &bytes_of, Some(2), None)?;
+    let (seq, batch) = (64, 2);
+    let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
+    let mcfg = model_cfg();
+    let cfg = DpoConfig { beta: 0.3, loss: DpoLoss::Kto, undesirable_weight: 1.5, ..DpoConfig::default() };
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let b = DpoBatch::new(&rows, seq)?;
+        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+        // the reference: the policy's own log-probabilities moved by −1..1 (examples) and
+        // −2..0 (KL documents: the estimate ≈ 1)
+        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, &labels, &marks, &ctx, ctx.token_group())?;
+        let mut rng = Rng::new(9);
+        let mut reference = vec![0.0; 2 * set.len()];
+        for (slot, &a) in b.answers.iter().enumerate() {
+            let u = rng.below(1000) as f64 / 1000.0;
+            reference[a] = policy[slot] - if a % 2 == 0 { 2.0 * u - 1.0 } else { 2.0 * u };
+        }
+        let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
+        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group())?;
+        let g1 = loss.backward()?;
+        let kl = terms.kl.expect("kl");
+        assert!(kl > 0.2, "{terms:?}");
+        // KTO by candle ops
+        let n1 = nll()?;
+        let slots = b.answers.len();
+        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
+        let logp = n1.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)?;
+        let pairs = b.pairs()?;
+        let examples = Tensor::from_vec(pairs.iter().map(|p| p.0 as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu)?;
+        let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(pairs.iter().map(|p| f(b.answers[p.0]) as f32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
+        let sign = |a: usize| if set.desirable().expect("labels")[a / 2] { 1.0 } else { -1.0 };
+        let weight = |a: usize| if sign(a) > 0.0 { 1.0 } else { 1.5 };
+        // x = ±β·(r − z₀), loss = mean of λ·σ(−x) = λ / (1 + eˣ)
+        let r = (logp.index_select(&examples, 0)? - per_example(&|a| reference[a] + kl)?)?;
+        let x = ((r * per_example(&sign)?)? * cfg.beta)?;
+        let direct = (per_example(&weight)? / (x.exp()? + 1.0)?)?.mean_all()?;
+        let lv = direct.to_scalar::<f32>()? as f64;
+        assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
+        worst_difference(&vm, &g1, &direct.backward()?)
+    });
+    let worst = out.into_iter().next().expect("one rank")?;
+    assert!(worst < 1e-4, "gradients differ by {worst} relative");
     Ok(())
 }
 

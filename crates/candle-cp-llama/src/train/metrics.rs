@@ -58,9 +58,13 @@ pub struct StepMetrics {
     /// (this step's pairs; [`crate::train::dpo::DpoTerms::accuracy`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dpo_accuracy: Option<f64>,
-    /// A DPO run's mean reward margin (chosen − rejected) over this step's pairs.
+    /// A DPO run's mean reward margin (chosen − rejected) over this step's pairs (KTO: the
+    /// mean reward on the label's side of the KL baseline, [`crate::train::kto::kto_terms`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub dpo_margin: Option<f64>,
+    /// A KTO run's KL estimate `z₀` (mean over the step's micro-batches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub kto_kl: Option<f64>,
     /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
     /// that evaluate; `eval_loss` is then their DPO loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -196,6 +200,7 @@ mod tests {
             eval_long_range_loss: None,
             dpo_accuracy: step.is_multiple_of(4).then_some(0.5),
             dpo_margin: step.is_multiple_of(4).then_some(-0.25),
+            kto_kl: step.is_multiple_of(8).then_some(0.125),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }

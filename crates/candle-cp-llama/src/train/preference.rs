@@ -1,4 +1,4 @@
-//! Preference data for DPO ([`super::dpo`]): pairs of a chosen and a rejected answer to one
+//! Preference data for DPO ([`super::dpo`]) and KTO: pairs of a chosen and a rejected answer to one
 //! prompt (TRL's preference forms, one JSON object per line), each answer one document
 //! `prompt ++ answer` whose answer tokens are the targets its log-probability sums over.
 //!
@@ -14,6 +14,10 @@
 //! The documents are packed as [`super::PackedStream`]'s are (attention and RoPE per
 //! document), so a document's log-probability does not depend on its neighbours: the
 //! reference model's is computed once per pair ([`PreferenceSet::in_order`]).
+//!
+//! KTO's unpaired examples ([`PreferenceSet::from_unpaired`], [`super::kto`]) take the same
+//! rows: each example beside its KL document (its prompt with another example's completion),
+//! whose log-probability ratio estimates the KL term and takes no gradient.
 
 use super::data::Sample;
 use super::rng::Rng;
@@ -24,10 +28,14 @@ use candle_cp_ops::packing::Documents;
 use serde_json::Value;
 
 /// Preference pairs, tokenised: document `2·p` is pair `p`'s chosen answer, `2·p + 1` its
-/// rejected one.
+/// rejected one. Or KTO's unpaired examples ([`PreferenceSet::from_unpaired`]): document `2·p`
+/// is example `p` (its prompt and completion, desirable or not), `2·p + 1` its KL document
+/// (the same prompt with ANOTHER example's completion), packed side by side as pairs are.
 #[derive(Debug, Clone)]
 pub struct PreferenceSet {
     docs: Vec<MarkedTokens>,
+    /// KTO: per example, whether its completion is desirable (`None`: DPO pairs).
+    desirable: Option<Vec<bool>>,
 }
 
 /// A sampled row and, per document of the row, its index in the set (`2·p` chosen, `2·p + 1`
@@ -54,7 +62,90 @@ impl PreferenceSet {
             docs.push(chosen);
             docs.push(rejected);
         }
-        Ok(Self { docs })
+        Ok(Self { docs, desirable: None })
+    }
+
+    /// KTO's unpaired examples (each a document with its target marks and whether its
+    /// completion is desirable), each followed by its KL document: example `p`'s prompt (its
+    /// tokens before the first target) with the completion (tokens from the first target on)
+    /// of the nearest earlier example, wrapping around, whose prompt differs (skipping the run
+    /// of consecutive examples that share `p`'s prompt, as an unpaired preference set has);
+    /// the previous example's when every prompt is the same. TRL pairs an example with another
+    /// completion of its batch (`_get_kl_dataset`); here the pairing is fixed, so the reference
+    /// model scores every KL document once. Errors: fewer than two examples, an example
+    /// without a target or a prompt, marks not one per token.
+    pub fn from_unpaired(examples: Vec<(MarkedTokens, bool)>) -> Result<Self> {
+        if examples.len() < 2 {
+            bail!("unpaired (KTO) data: {} example(s); the KL estimate pairs each prompt with another example's completion, so at least 2 are needed", examples.len())
+        }
+        let mut split = Vec::with_capacity(examples.len());
+        for (i, ((t, m), _)) in examples.iter().enumerate() {
+            if t.len() != m.len() {
+                bail!("example {i}: {} tokens but {} target marks", t.len(), m.len())
+            }
+            match m.iter().position(|&x| x) {
+                Some(0) => bail!("example {i}: no prompt (its first token is a target, and nothing predicts it)"),
+                Some(at) => split.push(at),
+                None => bail!("example {i}: the completion has no token to score"),
+            }
+        }
+        let n = examples.len();
+        let prompt = |p: usize| &examples[p].0 .0[..split[p]];
+        // the first example of each run of consecutive examples with one prompt
+        let mut run_start = vec![0; n];
+        for p in 1..n {
+            run_start[p] = if prompt(p) == prompt(p - 1) { run_start[p - 1] } else { p };
+        }
+        let mut docs = Vec::with_capacity(2 * n);
+        for p in 0..n {
+            // the nearest earlier example (wrapping around) with another prompt, else the previous one
+            let mut q = (run_start[p] + n - 1) % n;
+            if prompt(q) == prompt(p) {
+                q = (run_start[q] + n - 1) % n;
+            }
+            if prompt(q) == prompt(p) || q == p {
+                q = (p + n - 1) % n;
+            }
+            let ((t, m), _) = &examples[p];
+            let ((ot, om), _) = &examples[q];
+            let (a, b) = (split[p], split[q]);
+            let kl = ([&t[..a], &ot[b..]].concat(), [&m[..a], &om[b..]].concat());
+            docs.push((t.clone(), m.clone()));
+            docs.push(kl);
+        }
+        Ok(Self { docs, desirable: Some(examples.iter().map(|(_, d)| *d).collect()) })
+    }
+
+    /// KTO's unpaired examples of JSON lines `text` (blank lines skipped), each line one of
+    /// TRL's forms: `{"prompt": .., "completion": .., "label": true | false}` (strings, or
+    /// lists of messages through `chat`, as [`PreferenceSet::read`] reads a pair's answer), or
+    /// a preference pair in any of [`PreferenceSet::read`]'s forms, which gives two examples
+    /// (the chosen answer desirable, the rejected one not: TRL's `unpair_preference_dataset`).
+    /// Then [`PreferenceSet::from_unpaired`]. Errors name the line.
+    pub fn read_unpaired(text: &str, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatTemplate>) -> Result<Self> {
+        let lines = json_lines(text, "unpaired (KTO) data", |v| {
+            if !v.is_object() {
+                bail!("expected a JSON object, got {v}")
+            }
+            match (v.get("completion"), v.get("label")) {
+                (Some(c), Some(l)) => {
+                    let Some(p) = v.get("prompt") else { bail!("no `prompt` (expected {{\"prompt\": .., \"completion\": .., \"label\": ..}})") };
+                    let Some(label) = l.as_bool() else { bail!("`label` must be true or false, got {l}") };
+                    Ok(vec![(completion_tokens(p, c, "completion", tokenize, eos, chat)?, label)])
+                }
+                (Some(_), None) => bail!("no `label` (true: a desirable completion, false: an undesirable one)"),
+                _ => {
+                    let (c, r) = read_pair(v, tokenize, eos, chat)?;
+                    Ok(vec![(c, true), (r, false)])
+                }
+            }
+        })?;
+        Self::from_unpaired(lines.into_iter().flatten().collect())
+    }
+
+    /// KTO: whether each example's completion is desirable, by example; `None` for DPO pairs.
+    pub fn desirable(&self) -> Option<&[bool]> {
+        self.desirable.as_deref()
     }
 
     /// The pairs of JSON lines `text` (blank lines skipped), each line one of TRL's preference
@@ -82,7 +173,7 @@ impl PreferenceSet {
         Self::from_pairs(pairs)
     }
 
-    /// Number of pairs.
+    /// Number of pairs (KTO: of examples).
     pub fn len(&self) -> usize {
         self.docs.len() / 2
     }
@@ -105,9 +196,10 @@ impl PreferenceSet {
     /// Errors naming the longest pair when it does not fit in a row of `seq_len` tokens.
     pub fn check_fits(&self, seq_len: usize) -> Result<()> {
         let (p, len) = (0..self.len()).map(|p| (p, self.pair_len(p))).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
+        let what = if self.desirable.is_some() { "KTO example (and its KL document)" } else { "preference pair" };
         if len > seq_len {
             bail!(
-                "preference pair {p} has {} + {} tokens, more than a row of seq_len {seq_len}: a pair is never cut (raise the sequence length or shorten the pair)",
+                "{what} {p} has {} + {} tokens, more than a row of seq_len {seq_len}: a pair is never cut (raise the sequence length or shorten the pair)",
                 self.docs[2 * p].0.len(),
                 self.docs[2 * p + 1].0.len()
             )
@@ -141,7 +233,7 @@ impl PreferenceSet {
         if range.start >= range.end || range.end > self.len() {
             bail!("PreferenceSet::subset: pairs {range:?} of {}", self.len())
         }
-        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec() })
+        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec(), desirable: self.desirable.as_ref().map(|d| d[range].to_vec()) })
     }
 
     /// One row of `seq_len` tokens: whole pairs from a random one on (in order, wrapping
@@ -284,6 +376,57 @@ mod tests {
             ("\n", "no pair"),
         ] {
             let e = PreferenceSet::read(bad, &bytes_of, None, Some(ChatTemplate::ChatMl)).unwrap_err().to_string();
+            assert!(e.contains(want), "{bad}: {e}");
+        }
+        Ok(())
+    }
+
+    /// KTO's forms read (labelled strings, labelled conversations, a pair unpaired into a
+    /// desirable and an undesirable example); each example is followed by its KL document: its
+    /// own prompt with the completion of the nearest earlier example of another prompt; bad
+    /// lines are errors naming the line.
+    #[test]
+    fn reads_unpaired_examples_with_their_kl_documents() -> Result<()> {
+        let text = concat!(
+            r#"{"prompt": "ab", "completion": "XY", "label": true}"#,
+            "\n",
+            r#"{"prompt": "cd", "chosen": "Z", "rejected": "WV"}"#,
+            "\n",
+            r#"{"prompt": [{"role": "user", "content": "q"}], "completion": [{"role": "assistant", "content": "A"}], "label": false}"#,
+            "\n"
+        );
+        let s = PreferenceSet::read_unpaired(text, &bytes_of, Some(1), Some(ChatTemplate::ChatMl))?;
+        assert_eq!(s.len(), 4);
+        assert_eq!(s.desirable(), Some(&[true, true, false, false][..]));
+        assert_eq!(s.document(0), &(vec![97, 98, 88, 89, 1], vec![false, false, true, true, true]));
+        assert_eq!(s.document(2), &(vec![99, 100, 90, 1], vec![false, false, true, true]));
+        assert_eq!(s.document(4), &(vec![99, 100, 87, 86, 1], vec![false, false, true, true, true]));
+        // KL documents: example 0 takes the last example's completion (another prompt); examples
+        // 1 and 2 share the prompt "cd", so both take example 0's; example 3 takes example 2's
+        let (conv, conv_marks) = s.document(6).clone();
+        let at = conv_marks.iter().position(|&m| m).expect("a target");
+        let kl = |p: usize| s.document(2 * p + 1).clone();
+        assert_eq!(kl(0), ([&[97, 98][..], &conv[at..]].concat(), [&[false, false][..], &conv_marks[at..]].concat()));
+        assert_eq!(kl(1), (vec![99, 100, 88, 89, 1], vec![false, false, true, true, true]));
+        assert_eq!(kl(2), (vec![99, 100, 88, 89, 1], vec![false, false, true, true, true]));
+        assert_eq!(kl(3), ([&conv[..at], &[87, 86, 1][..]].concat(), [&conv_marks[..at], &[true, true, true][..]].concat()));
+        // one prompt throughout: the previous example's completion
+        let same = PreferenceSet::read_unpaired("{\"prompt\": \"a\", \"completion\": \"B\", \"label\": true}\n{\"prompt\": \"a\", \"completion\": \"CD\", \"label\": false}\n", &bytes_of, None, None)?;
+        assert_eq!((same.document(1).0.clone(), same.document(3).0.clone()), (vec![97, 67, 68], vec![97, 66]));
+        // rows hold examples beside their KL documents; the subset keeps the labels
+        let (row, ids) = s.sample(64, &mut Rng::new(3))?;
+        assert!(row.tokens.len() == 64 && ids.iter().flatten().copied().collect::<Vec<_>>().chunks(2).all(|c| c.len() == 2 && c[1] == c[0] + 1));
+        assert_eq!(s.subset(1..3)?.desirable(), Some(&[true, false][..]));
+        assert!(PreferenceSet::read(text, &bytes_of, None, Some(ChatTemplate::ChatMl)).is_err());
+        for (bad, want) in [
+            (r#"{"prompt": "a", "completion": "b"}"#, "line 1: no `label`"),
+            (r#"{"prompt": "a", "completion": "b", "label": 1}"#, "`label` must be true or false"),
+            (r#"{"completion": "b", "label": true}"#, "no `prompt`"),
+            ("{\"prompt\": \"a\", \"completion\": \"b\", \"label\": true}\n", "1 example(s)"),
+            ("{\"prompt\": \"\", \"completion\": \"b\", \"label\": true}\n{\"prompt\": \"a\", \"completion\": \"b\", \"label\": true}", "example 0: no prompt"),
+            ("{\"prompt\": \"a\", \"completion\": \"\", \"label\": true}\n{\"prompt\": \"a\", \"completion\": \"b\", \"label\": true}", "example 0: the completion has no token"),
+        ] {
+            let e = PreferenceSet::read_unpaired(bad, &bytes_of, None, None).unwrap_err().to_string();
             assert!(e.contains(want), "{bad}: {e}");
         }
         Ok(())

@@ -412,7 +412,7 @@ pub fn train_rank(
         let mut acc = super::grad_step::StepGrads::default();
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
-        let mut dpo_sums = [0f64; 2];
+        let mut dpo_sums = [0f64; 3];
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
@@ -455,7 +455,7 @@ pub fn train_rank(
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
                     let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group)?;
-                    (dpo_sums[0], dpo_sums[1]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin);
+                    (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
                     l
                 }
                 None => {
@@ -574,6 +574,7 @@ pub fn train_rank(
             eval_long_range_loss,
             dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
             dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
+            kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {
@@ -648,3 +649,7 @@ mod sft_tests;
 #[cfg(test)]
 #[path = "trainer_dpo_tests.rs"]
 mod dpo_tests;
+
+#[cfg(test)]
+#[path = "trainer_kto_tests.rs"]
+mod kto_tests;

@@ -153,12 +153,12 @@ fn a_reference_model_of_its_own() -> Result<()> {
     let (policy, reference) = (logps(c0.seed)?, logps(99)?);
     let d = DpoConfig { beta: 0.5, reference_model: Some(dir.clone()), ..DpoConfig::default() };
     let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
-    let all = dpo_terms(&policy, &reference, &set.scored_lengths(), &pairs, &d);
+    let all = dpo_terms(&policy, &reference, &set.scored_lengths(), &pairs, &d)?;
     assert!((all.loss - std::f64::consts::LN_2).abs() > 1e-3, "{}", all.loss);
     // step 1's rows: the pairs of its batch
     let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
     let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
-    let want = dpo_terms(&policy, &reference, &set.scored_lengths(), &step1, &d).loss;
+    let want = dpo_terms(&policy, &reference, &set.scored_lengths(), &step1, &d)?.loss;
     for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2)] {
         let mut c = dpo_cfg(None, layout, 2)?;
         c.dpo = Some(d.clone());

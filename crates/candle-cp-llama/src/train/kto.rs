@@ -1,0 +1,130 @@
+//! KTO (Ethayarajh et al. 2024, "Model Alignment as Prospect Theoretic Optimization") on
+//! every layout: unpaired examples, each a prompt with ONE completion labelled desirable or
+//! undesirable ([`super::PreferenceSet::from_unpaired`]), trained through the same rows,
+//! per-answer log-probability sums and linearised loss node as DPO ([`super::dpo`]):
+//!
+//! ```text
+//! r   = log π(y|x) − log π_ref(y|x)                       (the example's log-ratio)
+//! z₀  = max(0, mean over the batch's KL documents of (log π(y'|x) − log π_ref(y'|x)))
+//! loss(desirable)   = λ_D · (1 − σ(β·(r − z₀)))
+//! loss(undesirable) = λ_U · (1 − σ(β·(z₀ − r)))
+//! loss = mean over the batch's examples
+//! ```
+//!
+//! as TRL's `KTOTrainer` (`loss_type="kto"`): `y'` is another example's completion (each
+//! example's KL document sits beside it in the row), `z₀` is detached (no gradient reaches the
+//! KL documents) and taken over the whole micro-batch — over every data-parallel rank, as TRL
+//! gathers it across processes, so DP = one device. λ_D, λ_U: [`super::DpoConfig::desirable_weight`],
+//! [`super::DpoConfig::undesirable_weight`] (the paper advises `λ_D·n_D / (λ_U·n_U)` in
+//! `[1, 4/3]`).
+//!
+//! Cost against TRL: the KL documents go through the backward with zero weight (TRL runs them
+//! in a separate forward without gradients), so a KTO row holds about twice the tokens of its
+//! examples, forward and backward.
+
+use super::dpo::{DpoConfig, DpoLoss, DpoTerms};
+use candle_core::{bail, Result};
+
+/// `σ(x)`, without overflow.
+fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// KTO over `pairs` (indices of each example's document and of its KL document into `policy`
+/// and `reference`, the answers' summed log-probabilities), `desirable[i]` pair `i`'s label.
+///
+/// [`DpoTerms`] here: `loss` the mean loss; `accuracy` the fraction of examples on their
+/// label's side of the KL baseline (`r > z₀` desirable, `r < z₀` undesirable); `margin` the
+/// mean of `±β·(r − z₀)` (+ desirable, − undesirable); `kl` = `z₀`; `d_logp` the derivatives in
+/// the examples' log-probabilities (zero for the KL documents: `z₀` is detached). Errors
+/// unless `cfg.loss` is [`DpoLoss::Kto`] and there is one label per pair.
+pub fn kto_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], desirable: &[bool], cfg: &DpoConfig) -> Result<DpoTerms> {
+    if cfg.loss != DpoLoss::Kto {
+        bail!("kto_terms: the {} loss scores preference pairs (dpo_terms)", cfg.loss.name())
+    }
+    if desirable.len() != pairs.len() {
+        bail!("kto_terms: {} labels for {} examples", desirable.len(), pairs.len())
+    }
+    if let Some(&(e, k)) = pairs.iter().find(|&&(e, k)| e.max(k) >= policy.len().min(reference.len())) {
+        bail!("kto_terms: answer {} of {} log-probabilities ({} reference)", e.max(k), policy.len(), reference.len())
+    }
+    let n = pairs.len().max(1) as f64;
+    let kl = (pairs.iter().map(|&(_, k)| policy[k] - reference[k]).sum::<f64>() / n).max(0.0);
+    let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
+    let mut d_logp = vec![0.0; policy.len()];
+    let beta = cfg.beta;
+    for (&(e, _), &good) in pairs.iter().zip(desirable) {
+        let r = policy[e] - reference[e];
+        // x = β·(r − z₀) for a desirable example, β·(z₀ − r) for an undesirable one:
+        // loss λ·(1 − σ(x)) = λ·σ(−x), ∂/∂r = ∓ λ·β·σ(x)·σ(−x)
+        let (sign, weight) = if good { (1.0, cfg.desirable_weight) } else { (-1.0, cfg.undesirable_weight) };
+        let x = sign * beta * (r - kl);
+        loss += weight * sigmoid(-x) / n;
+        d_logp[e] -= sign * weight * beta * sigmoid(x) * sigmoid(-x) / n;
+        right += (x > 0.0) as u8 as f64;
+        margin += x;
+    }
+    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: Some(kl), d_logp })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The loss, accuracy, margin and KL estimate in closed form (with the clamp at 0 taken
+    /// and not), the derivatives against central differences in the examples' log-probabilities
+    /// (z₀ held: detached), and the KL documents' derivatives zero.
+    #[test]
+    fn terms_match_the_formula_and_finite_differences() -> Result<()> {
+        let reference = [-4.0, -6.0, -2.5, -3.0, -7.0, -5.0];
+        let pairs = [(0, 1), (2, 3), (4, 5)];
+        let desirable = [true, false, true];
+        let cfg = DpoConfig { beta: 0.5, loss: DpoLoss::Kto, desirable_weight: 1.0, undesirable_weight: 1.5, ..DpoConfig::default() };
+        cfg.validate()?;
+        // KL documents above and below their reference: z₀ = 0.5, and clamped to 0
+        for (kl_docs, z0) in [([-5.0, -2.0, -5.5], 0.5), ([-7.0, -4.0, -5.5], 0.0)] {
+            let policy = [-3.0, kl_docs[0], -2.0, kl_docs[1], -7.5, kl_docs[2]];
+            let t = kto_terms(&policy, &reference, &pairs, &desirable, &cfg)?;
+            assert!((t.kl.expect("kl") - z0).abs() < 1e-12, "{:?}", t.kl);
+            let s = |x: f64| 1.0 / (1.0 + (-x).exp());
+            let xs: Vec<f64> = pairs.iter().zip(desirable).map(|(&(e, _), d)| if d { 0.5 * (policy[e] - reference[e] - z0) } else { 0.5 * (z0 - policy[e] + reference[e]) }).collect();
+            let want = (1.0 - s(xs[0]) + 1.5 * (1.0 - s(xs[1])) + 1.0 - s(xs[2])) / 3.0;
+            assert!((t.loss - want).abs() < 1e-12, "{} vs {want}", t.loss);
+            assert!((t.margin - xs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
+            assert_eq!(t.accuracy, xs.iter().filter(|&&x| x > 0.0).count() as f64 / 3.0);
+            for &(e, k) in &pairs {
+                let h = 1e-6;
+                let (mut a, mut b) = (policy, policy);
+                a[e] += h;
+                b[e] -= h;
+                let fd = (kto_terms(&a, &reference, &pairs, &desirable, &cfg)?.loss - kto_terms(&b, &reference, &pairs, &desirable, &cfg)?.loss) / (2.0 * h);
+                assert!((fd - t.d_logp[e]).abs() < 1e-9, "answer {e}: {fd} vs {}", t.d_logp[e]);
+                assert!(t.d_logp[e] != 0.0 && t.d_logp[k] == 0.0);
+                // a desirable example's loss falls as its log-probability rises, an undesirable one's rises
+                assert_eq!(t.d_logp[e] < 0.0, desirable[e / 2]);
+            }
+        }
+        // at the start (policy = reference): z₀ = 0, every example's loss λ/2
+        let t = kto_terms(&reference, &reference, &pairs, &desirable, &cfg)?;
+        assert!((t.loss - (0.5 + 0.75 + 0.5) / 3.0).abs() < 1e-12 && t.kl == Some(0.0) && t.accuracy == 0.0);
+        // refusals
+        assert!(kto_terms(&reference, &reference, &pairs, &desirable[..2], &cfg).unwrap_err().to_string().contains("2 labels for 3 examples"));
+        assert!(kto_terms(&reference, &reference, &[(0, 6)], &[true], &cfg).is_err());
+        assert!(kto_terms(&reference, &reference, &pairs, &desirable, &DpoConfig::default()).unwrap_err().to_string().contains("sigmoid"));
+        for bad in [
+            DpoConfig { loss: DpoLoss::Kto, desirable_weight: 0.0, ..DpoConfig::default() },
+            DpoConfig { loss: DpoLoss::Kto, undesirable_weight: f64::NAN, ..DpoConfig::default() },
+            DpoConfig { loss: DpoLoss::Kto, rpo_alpha: 0.5, ..DpoConfig::default() },
+            DpoConfig { loss: DpoLoss::Kto, label_smoothing: 0.1, ..DpoConfig::default() },
+        ] {
+            assert!(bad.validate().is_err(), "{bad:?}");
+        }
+        assert_eq!("kto".parse::<DpoLoss>()?, DpoLoss::Kto);
+        Ok(())
+    }
+}
