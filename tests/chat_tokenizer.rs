@@ -10,13 +10,14 @@ use candle_cp_llama::train::sft::read_sft;
 use tokenizers::Tokenizer;
 
 /// Every template's markers (the special tokens of the families' tokenizers).
-const MARKERS: [&str; 20] = [
+const MARKERS: [&str; 26] = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>",
     "<bos>", "<start_of_turn>", "<end_of_turn>",
     "<|system|>", "<|user|>", "<|assistant|>", "<|end|>", "<|endoftext|>",
     "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>",
     "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
+    "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]",
 ];
 
 /// Gemma's `<bos>`, [`MARKERS`]' id 6: the BOS the tokenizer adds with its special tokens.

@@ -23,7 +23,13 @@
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! mistral-v7  <s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{u}[/INST][{a}</s>]
 //! ```
+//!
+//! Mistral's older `[INST]` templates (Mistral-7B-Instruct v0.1–v0.3, Mixtral, Nemo) are not
+//! among them: their SentencePiece tokenizers put a word-start marker before each separately
+//! encoded piece, so the segment-by-segment tokenisation here would not be the rendered
+//! text's; they are refused by name.
 //! (`[..]`: the targets of a trained assistant turn.)
 
 use candle_core::{bail, Result};
@@ -68,10 +74,15 @@ pub enum ChatTemplate {
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
     /// `<｜Assistant｜>` turns.
     DeepSeek,
+    /// Mistral's V7 (tekken) template: Mistral Small 3 / 3.1 / 3.2, Magistral, Devstral. A
+    /// system turn anywhere, in `[SYSTEM_PROMPT]` markers where it stands (the released
+    /// template's dated default system prompt is not inserted); no generation header (the
+    /// answer follows `[/INST]`).
+    MistralV7,
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 7] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 8] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -79,6 +90,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 7] = [
     ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
+    ("mistral-v7", ChatTemplate::MistralV7),
 ];
 
 /// A rendered conversation: its text in order, each piece with whether it is a target.
@@ -102,7 +114,9 @@ impl ChatTemplate {
     /// writes none of the known families' markers.
     pub fn detect(jinja: &str) -> Option<Self> {
         let has = |m: &str| jinja.contains(m);
-        if has("<|start_header_id|>") {
+        if has("[SYSTEM_PROMPT]") && has("[INST]") {
+            Some(Self::MistralV7)
+        } else if has("<|start_header_id|>") {
             Some(Self::Llama3)
         } else if has("<|im_start|>") {
             Some(Self::ChatMl)
@@ -129,6 +143,9 @@ impl ChatTemplate {
         let (src, jinja) = template_source(dir)?;
         match Self::detect(&jinja) {
             Some(t) => Ok(t),
+            None if jinja.contains("[INST]") => bail!(
+                "the chat template of {src} is one of Mistral's [INST] templates (Mistral-7B-Instruct v0.1-v0.3, Mixtral, Nemo), which candle-cp does not render (their SentencePiece tokenizers need the whole text tokenised at once); of Mistral's, mistral-v7 (Mistral Small 3, Magistral, Devstral) is known"
+            ),
             None => bail!(
                 "the chat template of {} is of a family candle-cp does not know (none of its markers); name one of {} instead",
                 src,
@@ -147,6 +164,7 @@ impl ChatTemplate {
             Self::Phi3 | Self::Phi4 => "<|end|>",
             Self::Granite => "<|end_of_text|>",
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
+            Self::MistralV7 => "</s>",
         }
     }
 
@@ -250,6 +268,16 @@ impl ChatTemplate {
                 }
                 if generation_prompt {
                     push("<｜Assistant｜>".into(), false);
+                }
+            }
+            Self::MistralV7 => {
+                push("<s>".into(), false);
+                for (i, m) in messages.iter().enumerate() {
+                    match m.role.as_str() {
+                        "system" => push(format!("[SYSTEM_PROMPT]{}[/SYSTEM_PROMPT]", m.content), false),
+                        "user" => push(format!("[INST]{}[/INST]", m.content), false),
+                        _ => push(format!("{}{eot}", m.content), is_target(m, i, train)),
+                    }
                 }
             }
         }

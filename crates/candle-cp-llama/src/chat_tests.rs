@@ -56,6 +56,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<｜begin▁of▁sentence｜>Be brief.<｜User｜> Hi? <｜Assistant｜>Hello.<｜end▁of▁sentence｜><｜User｜>Name?<｜Assistant｜>Bob<｜end▁of▁sentence｜>",
             "<｜Assistant｜>",
         ),
+        (
+            ChatTemplate::MistralV7,
+            "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST] Hi? [/INST]Hello.</s>[INST]Name?[/INST]Bob</s>",
+            "",
+        ),
     ];
     for (t, text, gen) in want {
         assert_eq!(ChatTemplate::from_name(t.name())?, t);
@@ -93,12 +98,14 @@ fn bad_conversations_are_errors_naming_the_turn() {
     assert!(e(ChatTemplate::Gemma, &late).contains("message 1 is a system turn"));
     assert!(e(ChatTemplate::DeepSeek, &late).contains("message 1 is a system turn"));
     assert!(ChatTemplate::ChatMl.render(&late, &|_| true, false).is_ok());
+    // Mistral V7 writes a later system turn where it stands
+    assert_eq!(ChatTemplate::MistralV7.render_text(&late, false).expect("renders"), "<s>[INST]a[/INST][SYSTEM_PROMPT]b[/SYSTEM_PROMPT]");
     let twice = [Message::new("system", "s"), Message::new("user", "a"), Message::new("user", "b")];
     assert!(e(ChatTemplate::Gemma, &twice).contains("message 2 is a user turn"), "{}", e(ChatTemplate::Gemma, &twice));
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -115,6 +122,7 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{ '<|' + message['role'] + '|>' + message['content'] + '<|end|>' }}{% if add_generation_prompt %}{{ '<|assistant|>' }}", Some(ChatTemplate::Phi4)),
         ("{{- '<|start_of_role|>' + message['role'] + '<|end_of_role|>' }}", Some(ChatTemplate::Granite)),
         ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
+        ("{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- for message in loop_messages %}{{- '[INST]' + message['content'] + '[/INST]' }}", Some(ChatTemplate::MistralV7)),
         ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
         ("{{ '<|user|>\\n' + message['content'] + eos_token }}", None),
     ];
@@ -135,6 +143,9 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
     std::fs::write(&cfg, r#"{"chat_template": 3}"#)?;
     assert!(ChatTemplate::of_model_dir(&dir).unwrap_err().to_string().contains("must be a string"));
     std::fs::write(&cfg, r#"{"chat_template": "[INST]"}"#)?;
+    let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
+    assert!(e.contains("tokenizer_config.json") && e.contains("Mistral's [INST] templates") && e.contains("mistral-v7"), "{e}");
+    std::fs::write(&cfg, r#"{"chat_template": "{{ '<|user|>' + eos_token }}"}"#)?;
     let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
     assert!(e.contains("tokenizer_config.json") && e.contains("does not know"), "{e}");
     std::fs::write(dir.join("chat_template.jinja"), "{{ '<|start_header_id|>' }}")?;
