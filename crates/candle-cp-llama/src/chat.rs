@@ -23,13 +23,15 @@
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
+//! mistral-v3  <s>[INST] {u₁}[/INST][ {a}</s>][INST] {system}\n\n{u_last}[/INST]..
 //! mistral-v7  <s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{u}[/INST][{a}</s>]
 //! ```
 //!
-//! Mistral's older `[INST]` templates (Mistral-7B-Instruct v0.1–v0.3, Mixtral, Nemo) are not
-//! among them: their SentencePiece tokenizers put a word-start marker before each separately
-//! encoded piece, so the segment-by-segment tokenisation here would not be the rendered
-//! text's; they are refused by name.
+//! The trainer tokenises the rendered text whole (`train::sft`), so a SentencePiece
+//! tokenizer's word-start markers (Mistral's, Phi-3's) come out as at inference. Mistral's
+//! first template (`[INST] ` without the leading space) and Nemo's (`[INST]` without the
+//! trailing one) are refused by name.
 //! (`[..]`: the targets of a trained assistant turn.)
 
 use candle_core::{bail, Result};
@@ -74,6 +76,13 @@ pub enum ChatTemplate {
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
     /// `<｜Assistant｜>` turns.
     DeepSeek,
+    /// Mistral's updated V1 template: Mistral-7B-Instruct v0.1 / v0.2, Mixtral-8x7B-Instruct (a
+    /// system turn's text before the FIRST user turn's; turns alternate user / assistant).
+    MistralV1,
+    /// Mistral's V3 template: Mistral-7B-Instruct v0.3, Mixtral-8x22B-Instruct, Codestral (a
+    /// system turn's text before the LAST user turn's, as mistral-common encodes it; answers
+    /// trimmed; turns alternate user / assistant).
+    MistralV3,
     /// Mistral's V7 (tekken) template: Mistral Small 3 / 3.1 / 3.2, Magistral, Devstral. A
     /// system turn anywhere, in `[SYSTEM_PROMPT]` markers where it stands (the released
     /// template's dated default system prompt is not inserted); no generation header (the
@@ -82,7 +91,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 8] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 10] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -90,6 +99,8 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 8] = [
     ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
+    ("mistral-v1", ChatTemplate::MistralV1),
+    ("mistral-v3", ChatTemplate::MistralV3),
     ("mistral-v7", ChatTemplate::MistralV7),
 ];
 
@@ -116,6 +127,10 @@ impl ChatTemplate {
         let has = |m: &str| jinja.contains(m);
         if has("[SYSTEM_PROMPT]") && has("[INST]") {
             Some(Self::MistralV7)
+        } else if has("' [INST] '") || has("\" [INST] \"") {
+            Some(Self::MistralV1)
+        } else if (has("\"[INST] \"") || has("'[INST] '")) && !has(" [/INST]") {
+            Some(Self::MistralV3)
         } else if has("<|start_header_id|>") {
             Some(Self::Llama3)
         } else if has("<|im_start|>") {
@@ -144,7 +159,7 @@ impl ChatTemplate {
         match Self::detect(&jinja) {
             Some(t) => Ok(t),
             None if jinja.contains("[INST]") => bail!(
-                "the chat template of {src} is one of Mistral's [INST] templates (Mistral-7B-Instruct v0.1-v0.3, Mixtral, Nemo), which candle-cp does not render (their SentencePiece tokenizers need the whole text tokenised at once); of Mistral's, mistral-v7 (Mistral Small 3, Magistral, Devstral) is known"
+                "the chat template of {src} is a Mistral [INST] template of none of the known forms (Mistral's first template, or Nemo's `[INST]` without a space); name one of mistral-v1, mistral-v3 or mistral-v7 if the model was tuned on it"
             ),
             None => bail!(
                 "the chat template of {} is of a family candle-cp does not know (none of its markers); name one of {} instead",
@@ -164,7 +179,7 @@ impl ChatTemplate {
             Self::Phi3 | Self::Phi4 => "<|end|>",
             Self::Granite => "<|end_of_text|>",
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
-            Self::MistralV7 => "</s>",
+            Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
         }
     }
 
@@ -181,7 +196,7 @@ impl ChatTemplate {
             if !ROLES.contains(&m.role.as_str()) {
                 bail!("chat template {}: message {i} has role {:?}, expected one of {ROLES:?}", self.name(), m.role)
             }
-            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek) {
+            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek | Self::MistralV1 | Self::MistralV3) {
                 bail!("chat template {}: message {i} is a system turn; only the first message may be one", self.name())
             }
         }
@@ -232,15 +247,8 @@ impl ChatTemplate {
                     _ => (None, messages),
                 };
                 let offset = messages.len() - rest.len();
+                self.check_alternation(rest, offset)?;
                 for (j, m) in rest.iter().enumerate() {
-                    let want = if j % 2 == 0 { "user" } else { "assistant" };
-                    if m.role != want {
-                        bail!(
-                            "chat template gemma: message {} is a {} turn; Gemma's turns alternate user / assistant, starting with user (after an optional system turn)",
-                            j + offset,
-                            m.role
-                        )
-                    }
                     let role = if m.role == "assistant" { "model" } else { "user" };
                     push(format!("<start_of_turn>{role}\n"), false);
                     let text = match (j, system) {
@@ -270,6 +278,29 @@ impl ChatTemplate {
                     push("<｜Assistant｜>".into(), false);
                 }
             }
+            Self::MistralV1 | Self::MistralV3 => {
+                let (system, rest) = match messages.split_first() {
+                    Some((m, rest)) if m.role == "system" => (Some(m.content.as_str()), rest),
+                    _ => (None, messages),
+                };
+                let offset = messages.len() - rest.len();
+                self.check_alternation(rest, offset)?;
+                let last_user = rest.iter().rposition(|m| m.role == "user");
+                push("<s>".into(), false);
+                for (j, m) in rest.iter().enumerate() {
+                    if m.role == "user" {
+                        let here = if self == Self::MistralV1 { j == 0 } else { Some(j) == last_user };
+                        let text = match (here, system) {
+                            (true, Some(s)) => format!("{s}\n\n{}", m.content),
+                            _ => m.content.clone(),
+                        };
+                        push(if self == Self::MistralV1 { format!(" [INST] {text} [/INST]") } else { format!("[INST] {text}[/INST]") }, false);
+                    } else {
+                        let answer = if self == Self::MistralV1 { m.content.as_str() } else { m.content.trim() };
+                        push(format!(" {answer}{eot}"), is_target(m, j + offset, train));
+                    }
+                }
+            }
             Self::MistralV7 => {
                 push("<s>".into(), false);
                 for (i, m) in messages.iter().enumerate() {
@@ -282,6 +313,22 @@ impl ChatTemplate {
             }
         }
         Ok(out)
+    }
+
+    /// Errors unless `rest` (messages `offset..`) alternate user / assistant from a user turn.
+    fn check_alternation(self, rest: &[Message], offset: usize) -> Result<()> {
+        for (j, m) in rest.iter().enumerate() {
+            let want = if j % 2 == 0 { "user" } else { "assistant" };
+            if m.role != want {
+                bail!(
+                    "chat template {}: message {} is a {} turn; its turns alternate user / assistant, starting with user (after an optional system turn)",
+                    self.name(),
+                    j + offset,
+                    m.role
+                )
+            }
+        }
+        Ok(())
     }
 
     /// The whole text of [`ChatTemplate::render`] (no targets), e.g. a chat generation's prompt.

@@ -57,6 +57,16 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<｜Assistant｜>",
         ),
         (
+            ChatTemplate::MistralV1,
+            "<s> [INST] Be brief.\n\n Hi?  [/INST] Hello.</s> [INST] Name? [/INST] Bob</s>",
+            "",
+        ),
+        (
+            ChatTemplate::MistralV3,
+            "<s>[INST]  Hi? [/INST] Hello.</s>[INST] Be brief.\n\nName?[/INST] Bob</s>",
+            "",
+        ),
+        (
             ChatTemplate::MistralV7,
             "<s>[SYSTEM_PROMPT]Be brief.[/SYSTEM_PROMPT][INST] Hi? [/INST]Hello.</s>[INST]Name?[/INST]Bob</s>",
             "",
@@ -68,11 +78,12 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         let joined: String = all.iter().map(|(s, _)| s.as_str()).collect();
         assert_eq!(joined, text, "{}", t.name());
         let eot = t.end_of_turn();
-        assert_eq!(targets(&all), format!("Hello.{eot}Bob{eot}"), "{}", t.name());
+        let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
+        assert_eq!(targets(&all), format!("{sp}Hello.{eot}{sp}Bob{eot}"), "{}", t.name());
         // neighbours differ in kind (merged)
         assert!(all.windows(2).all(|w| w[0].1 != w[1].1), "{}: {all:?}", t.name());
         let last = t.render(&conv(), &|i| i == 4, false)?;
-        assert_eq!(targets(&last), format!("Bob{eot}"), "{}", t.name());
+        assert_eq!(targets(&last), format!("{sp}Bob{eot}"), "{}", t.name());
         let joined: String = last.iter().map(|(s, _)| s.as_str()).collect();
         assert_eq!(joined, text, "{}", t.name());
         // a generation prompt after the user's turn
@@ -96,6 +107,9 @@ fn bad_conversations_are_errors_naming_the_turn() {
     assert!(e(ChatTemplate::Llama3, &tool).contains("message 1 has role \"tool\""));
     let late = [Message::new("user", "a"), Message::new("system", "b")];
     assert!(e(ChatTemplate::Gemma, &late).contains("message 1 is a system turn"));
+    assert!(e(ChatTemplate::MistralV3, &late).contains("message 1 is a system turn"));
+    let twice_v1 = [Message::new("user", "a"), Message::new("user", "b")];
+    assert!(e(ChatTemplate::MistralV1, &twice_v1).contains("mistral-v1: message 1 is a user turn"));
     assert!(e(ChatTemplate::DeepSeek, &late).contains("message 1 is a system turn"));
     assert!(ChatTemplate::ChatMl.render(&late, &|_| true, false).is_ok());
     // Mistral V7 writes a later system turn where it stands
@@ -105,7 +119,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -124,6 +138,10 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
         ("{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- for message in loop_messages %}{{- '[INST]' + message['content'] + '[/INST]' }}", Some(ChatTemplate::MistralV7)),
         ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
+        ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
+        ("{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{{- \" \" + message[\"content\"]|trim + eos_token}}", Some(ChatTemplate::MistralV3)),
+        ("{{ '[INST] ' + message['content'] + ' [/INST]' }}{{ message['content'] + eos_token}}", None),
+        ("{{- \"[INST]\" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}", None),
         ("{{ '<|user|>\\n' + message['content'] + eos_token }}", None),
     ];
     for (src, want) in sources {
@@ -144,7 +162,7 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
     assert!(ChatTemplate::of_model_dir(&dir).unwrap_err().to_string().contains("must be a string"));
     std::fs::write(&cfg, r#"{"chat_template": "[INST]"}"#)?;
     let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
-    assert!(e.contains("tokenizer_config.json") && e.contains("Mistral's [INST] templates") && e.contains("mistral-v7"), "{e}");
+    assert!(e.contains("tokenizer_config.json") && e.contains("Mistral [INST] template of none") && e.contains("mistral-v3"), "{e}");
     std::fs::write(&cfg, r#"{"chat_template": "{{ '<|user|>' + eos_token }}"}"#)?;
     let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
     assert!(e.contains("tokenizer_config.json") && e.contains("does not know"), "{e}");

@@ -105,9 +105,14 @@ pub(crate) fn completion_tokens(
     }
 }
 
-/// A conversation rendered through `chat` and tokenised segment by segment; the targets are
-/// the assistant turns from message `first_trained` on. Errors without `chat`, or when no
-/// turn is trained.
+/// A conversation rendered through `chat`; the targets are the assistant turns from message
+/// `first_trained` on. The rendered text is tokenised whole, as inference (`generate --chat`)
+/// and TRL tokenise it — a SentencePiece tokenizer's word-start marker before each piece
+/// between special tokens comes out as there, which tokenising the segments apart would add
+/// at every segment's start —, and each token takes the mark of its segment: the tokens of
+/// the text up to a segment's end (tokenised alone) that the whole text's ids start with
+/// belong to it and the segments before; a token straddling a boundary, to the later segment.
+/// Errors without `chat`, or when no turn is trained.
 pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, tokenize: Tokenize, chat: Option<ChatTemplate>) -> Result<MarkedTokens> {
     let Some(t) = chat else {
         bail!("a conversation needs a chat template (name one, or take the model's own)")
@@ -116,12 +121,21 @@ pub(crate) fn conversation_tokens(messages: &[Message], first_trained: usize, to
     if !segments.iter().any(|(_, target)| *target) {
         bail!("the conversation has no assistant turn to train on")
     }
-    let (mut tokens, mut marks) = (Vec::new(), Vec::new());
-    for (text, target) in segments {
-        // (the template writes its own BOS)
-        let ids = tokenize(&text, false)?;
-        marks.extend(std::iter::repeat_n(target, ids.len()));
-        tokens.extend(ids);
+    let text: String = segments.iter().map(|(s, _)| s.as_str()).collect();
+    // (the template writes its own BOS)
+    let tokens = tokenize(&text, false)?;
+    let mut marks = vec![false; tokens.len()];
+    let (mut end, mut done) = (0, 0);
+    for (k, (s, target)) in segments.iter().enumerate() {
+        end += s.len();
+        let upto = match k + 1 == segments.len() {
+            true => tokens.len(),
+            false => tokenize(&text[..end], false)?.iter().zip(&tokens).take_while(|(a, b)| a == b).count(),
+        };
+        if upto > done {
+            marks[done..upto].iter_mut().for_each(|m| *m = *target);
+            done = upto;
+        }
     }
     Ok((tokens, marks))
 }
