@@ -111,13 +111,15 @@ pub(crate) struct Args {
     /// DPO's β (how far the policy may move from the reference).
     #[arg(long, default_value_t = 0.1)]
     pub(crate) beta: f64,
-    /// DPO's label smoothing ε (conservative DPO: the chance a pair's labels are flipped).
+    /// DPO's label smoothing ε (conservative DPO, robust DPO and EXO: the chance a pair's labels
+    /// are flipped).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) dpo_label_smoothing: f64,
-    /// DPO's loss of a pair: sigmoid (DPO's), ipo, hinge, simpo (reference-free, the answers'
-    /// mean log-probabilities, margin --simpo-gamma) or orpo (reference-free, the log odds
-    /// ratio of the answers' mean probabilities, times --beta, plus the chosen answers'
-    /// cross-entropy).
+    /// DPO's loss of a pair (TRL's loss_type names): sigmoid (DPO's), robust, exo_pair (needs
+    /// --dpo-label-smoothing > 0), ipo (per-token log-ratios), hinge, nca_pair, sppo_hard,
+    /// apo_zero, apo_down, simpo (reference-free, the answers' mean log-probabilities, margin
+    /// --simpo-gamma) or orpo (reference-free, the log odds ratio of the answers' mean
+    /// probabilities, times --beta, plus the chosen answers' cross-entropy).
     #[arg(long, default_value = "sigmoid")]
     pub(crate) dpo_loss: String,
     /// SimPO's target margin γ (--dpo-loss simpo).

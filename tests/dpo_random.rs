@@ -1,8 +1,8 @@
 //! Seeded random DPO runs: a few optimizer steps of preference tuning on a drawn layout
 //! (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage,
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
-//! smoothing, IPO, hinge, reference-free SimPO and ORPO; RPO's term or not; KTO on the pairs
-//! unpaired, λ_U 1 or 1.5) follow the single-device run
+//! smoothing, robust, EXO, IPO, hinge, NCA, SPPO, APO-zero / -down, reference-free SimPO and
+//! ORPO; RPO's term or not; KTO on the pairs unpaired, λ_U 1 or 1.5) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -40,9 +40,10 @@ fn pairs(seed: u64, unpaired: bool) -> Result<PreferenceSet> {
 /// A DPO objective: the loss, label smoothing where it applies, RPO's α (KTO: its weight of
 /// the undesirable examples instead).
 fn draw_objective(d: &mut Rng) -> DpoConfig {
-    let loss = pick(d, &[DpoLoss::Sigmoid, DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Simpo, DpoLoss::Orpo, DpoLoss::Kto]);
+    let loss = pick(d, &candle_cp_llama::train::dpo_loss::DPO_LOSSES.map(|(_, l)| l));
     let smoothing = match loss {
-        DpoLoss::Sigmoid | DpoLoss::Simpo => pick(d, &[0.0, 0.1]),
+        DpoLoss::Sigmoid | DpoLoss::Simpo | DpoLoss::Robust => pick(d, &[0.0, 0.1]),
+        DpoLoss::ExoPair => pick(d, &[1e-3, 0.1]),
         _ => 0.0,
     };
     let beta = match loss {

@@ -7,8 +7,8 @@
 //! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
 //! ```
 //!
-//! (or IPO's `(z/β − 1/(2β))²`, the hinge `max(0, 1 − z)`, the reference-free SimPO and
-//! ORPO: [`DpoLoss`]; or KTO over unpaired examples: [`super::kto`]).
+//! (or robust DPO, EXO, IPO, the hinge, NCA, SPPO, APO-zero / -down, the reference-free SimPO
+//! and ORPO: [`DpoLoss`], [`super::dpo_loss`]; or KTO over unpaired examples: [`super::kto`]).
 //!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
 //! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
@@ -25,60 +25,8 @@ use crate::{packed::shard_batch_packed, shard_batch, Llama, ParallelCtx, IGNORE}
 use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
 
-/// The loss of a pair as a function of `h = (log π(c) − log π_ref(c)) − (log π(r) − log π_ref(r))`
-/// (TRL's `loss_type`).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DpoLoss {
-    /// DPO's: `(1 − ε)·softplus(−β·h) + ε·softplus(β·h)` (ε: label smoothing).
-    #[default]
-    Sigmoid,
-    /// IPO's (Azar et al.): `(h − 1/(2β))²`.
-    Ipo,
-    /// SLiC's hinge: `max(0, 1 − β·h)`.
-    Hinge,
-    /// SimPO's (Meng et al.), without a reference: `softplus(γ − β·h̄)` with label smoothing as
-    /// the sigmoid loss's, `h̄` the difference of the answers' MEAN log-probabilities per
-    /// scored token, γ [`DpoConfig::simpo_gamma`]. No reference pass.
-    Simpo,
-    /// ORPO's (Hong et al.), without a reference: `β·softplus(−log_odds)` plus the chosen
-    /// answers' mean cross-entropy (weight 1, beside any [`DpoConfig::rpo_alpha`]), `log_odds`
-    /// the log odds ratio of the answers' mean probabilities per token
-    /// (`log(p/(1 − p))` of `p = exp(mean log-probability)`). No reference pass.
-    Orpo,
-    /// KTO's (Ethayarajh et al.; TRL's `KTOTrainer`): unpaired examples labelled desirable or
-    /// not ([`super::PreferenceSet::from_unpaired`]), each against a KL baseline:
-    /// [`super::kto`].
-    Kto,
-}
-
-impl DpoLoss {
-    /// Its name (`sigmoid`, `ipo`, `hinge`), as parsed.
-    pub fn name(self) -> &'static str {
-        match self {
-            Self::Sigmoid => "sigmoid",
-            Self::Ipo => "ipo",
-            Self::Hinge => "hinge",
-            Self::Simpo => "simpo",
-            Self::Orpo => "orpo",
-            Self::Kto => "kto",
-        }
-    }
-}
-
-impl std::str::FromStr for DpoLoss {
-    type Err = candle_core::Error;
-    fn from_str(s: &str) -> Result<Self> {
-        match s {
-            "sigmoid" => Ok(Self::Sigmoid),
-            "ipo" => Ok(Self::Ipo),
-            "hinge" => Ok(Self::Hinge),
-            "simpo" => Ok(Self::Simpo),
-            "orpo" => Ok(Self::Orpo),
-            "kto" => Ok(Self::Kto),
-            _ => bail!("DPO loss {s:?}: expected sigmoid, ipo, hinge, simpo, orpo or kto"),
-        }
-    }
-}
+pub use super::dpo_loss::DpoLoss;
+use super::dpo_loss::pair_loss;
 
 /// DPO's settings.
 #[derive(Debug, Clone, PartialEq)]
@@ -126,8 +74,11 @@ impl DpoConfig {
         if !(0.0..0.5).contains(&self.label_smoothing) {
             bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
         }
-        if self.label_smoothing > 0.0 && !matches!(self.loss, DpoLoss::Sigmoid | DpoLoss::Simpo) {
-            bail!("dpo: label smoothing is the sigmoid and simpo losses'; the {} loss takes none", self.loss.name())
+        if self.label_smoothing > 0.0 && !self.loss.takes_label_smoothing() {
+            bail!("dpo: label smoothing is the sigmoid, robust, exo_pair and simpo losses'; the {} loss takes none", self.loss.name())
+        }
+        if self.loss == DpoLoss::ExoPair && self.label_smoothing <= 0.0 {
+            bail!("dpo: the exo_pair loss needs label_smoothing in (0, 0.5) (its log ε; TRL advises 1e-3)")
         }
         if self.reference_free() && self.reference_model.is_some() {
             bail!("dpo: the {} loss takes no reference model", self.loss.name())
@@ -160,21 +111,6 @@ pub struct DpoTerms {
     pub d_logp: Vec<f64>,
 }
 
-/// `softplus(x) = ln(1 + eˣ)`, without overflow.
-fn softplus(x: f64) -> f64 {
-    x.max(0.0) + (-x.abs()).exp().ln_1p()
-}
-
-/// `σ(x)`.
-fn sigmoid(x: f64) -> f64 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
-}
-
 /// DPO over `pairs` (indices of the chosen and the rejected answer into `policy`,
 /// `reference` — the answers' summed log-probabilities — and `lengths`, their scored tokens).
 /// Errors for [`DpoLoss::Kto`] (unpaired examples: [`super::kto::kto_terms`]) and for an
@@ -189,46 +125,13 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
     let n = pairs.len().max(1) as f64;
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
-    let (eps, beta) = (cfg.label_smoothing, cfg.beta);
-    let smoothed = |z: f64| ((1.0 - eps) * softplus(-z) + eps * softplus(z), -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z));
     for &(c, r) in pairs {
-        // h: the difference of the log-ratios (SimPO: of the mean log-probabilities); its
-        // derivatives in the two answers' summed log-probabilities
-        let (h, dc, dr) = match cfg.loss {
-            DpoLoss::Simpo => (policy[c] / lengths[c] - policy[r] / lengths[r], 1.0 / lengths[c], -1.0 / lengths[r]),
-            DpoLoss::Orpo => {
-                // log(p/(1 − p)) of p = exp(ā) and its derivative 1/(1 − p) in ā (ā < 0: a
-                // mean log-probability; 1 − p as −expm1(ā), exact near 0)
-                let odds = |a: f64| -> (f64, f64) {
-                    let q = -(a.min(-1e-12)).exp_m1();
-                    (a - q.ln(), 1.0 / q)
-                };
-                let ((oc, gc), (or, gr)) = (odds(policy[c] / lengths[c]), odds(policy[r] / lengths[r]));
-                (oc - or, gc / lengths[c], -gr / lengths[r])
-            }
-            _ => ((policy[c] - reference[c]) - (policy[r] - reference[r]), 1.0, -1.0),
-        };
-        let z = beta * h;
-        // (the pair's loss and its derivative in h)
-        let (l, dh) = match cfg.loss {
-            DpoLoss::Sigmoid => {
-                let (l, dz) = smoothed(z);
-                (l, beta * dz)
-            }
-            DpoLoss::Simpo => {
-                let (l, dz) = smoothed(z - cfg.simpo_gamma);
-                (l, beta * dz)
-            }
-            DpoLoss::Orpo => (beta * softplus(-h), -beta * sigmoid(-h)),
-            DpoLoss::Ipo => ((h - 0.5 / beta).powi(2), 2.0 * (h - 0.5 / beta)),
-            DpoLoss::Hinge => ((1.0 - z).max(0.0), if z < 1.0 { -beta } else { 0.0 }),
-            DpoLoss::Kto => (f64::NAN, f64::NAN), // (refused above)
-        };
+        let (h, l, gc, gr) = pair_loss(cfg, policy[c], policy[r], reference[c], reference[r], lengths[c], lengths[r]);
         loss += l / n;
         right += (h > 0.0) as u8 as f64;
-        margin += z;
-        d_logp[c] += dh * dc / n;
-        d_logp[r] += dh * dr / n;
+        margin += cfg.beta * h;
+        d_logp[c] += gc / n;
+        d_logp[r] += gr / n;
     }
     // RPO: α × the chosen answers' mean cross-entropy per scored token (ORPO's own: 1 ×)
     let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };

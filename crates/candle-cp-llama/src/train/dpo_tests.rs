@@ -1,4 +1,5 @@
 use super::*;
+use crate::train::dpo_loss::{sigmoid, softplus};
 use crate::train::sft::bytes_of;
 use crate::train::Rng;
 use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
@@ -35,8 +36,15 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         (0.0, DpoLoss::Sigmoid, 0.0),
         (0.2, DpoLoss::Sigmoid, 0.0),
         (0.0, DpoLoss::Sigmoid, 0.7),
+        (0.2, DpoLoss::Robust, 0.0),
+        (1e-3, DpoLoss::ExoPair, 0.0),
+        (0.2, DpoLoss::ExoPair, 0.3),
         (0.0, DpoLoss::Ipo, 0.0),
         (0.0, DpoLoss::Hinge, 0.3),
+        (0.0, DpoLoss::NcaPair, 0.0),
+        (0.0, DpoLoss::SppoHard, 0.0),
+        (0.0, DpoLoss::ApoZero, 0.2),
+        (0.0, DpoLoss::ApoDown, 0.0),
         (0.0, DpoLoss::Simpo, 0.0),
         (0.1, DpoLoss::Simpo, 0.2),
         (0.0, DpoLoss::Orpo, 0.0),
@@ -51,6 +59,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
             .iter()
             .map(|&(c, r)| match loss {
                 DpoLoss::Simpo => policy[c] / lengths[c] - policy[r] / lengths[r],
+                DpoLoss::Ipo => (policy[c] - reference[c]) / lengths[c] - (policy[r] - reference[r]) / lengths[r],
                 DpoLoss::Orpo => {
                     let odds = |a: f64| a - (1.0 - a.exp()).ln();
                     odds(policy[c] / lengths[c]) - odds(policy[r] / lengths[r])
@@ -58,16 +67,29 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                 _ => (policy[c] - reference[c]) - (policy[r] - reference[r]),
             })
             .collect();
-        let smoothed = |z: f64| -(1.0 - eps) * (1.0 / (1.0 + (-z).exp())).ln() - eps * (1.0 / (1.0 + z.exp())).ln();
+        // (written from TRL's formulas with σ and ln σ, β = 0.5)
+        let s = |z: f64| 1.0 / (1.0 + (-z).exp());
+        let ls = |z: f64| s(z).ln();
+        let smoothed = |z: f64| -(1.0 - eps) * ls(z) - eps * ls(-z);
         let dpo: f64 = hs
             .iter()
-            .map(|&h| match loss {
-                DpoLoss::Sigmoid => smoothed(0.5 * h),
-                DpoLoss::Simpo => smoothed(0.5 * h - 0.3),
-                DpoLoss::Ipo => (h - 1.0).powi(2),
-                DpoLoss::Hinge => (1.0 - 0.5 * h).max(0.0),
-                DpoLoss::Orpo => -0.5 * (1.0 / (1.0 + (-h).exp())).ln(),
-                DpoLoss::Kto => f64::NAN, // (not among the cases: kto_terms)
+            .zip(&pairs)
+            .map(|(&h, &(c, r))| {
+                let (a, b) = (policy[c] - reference[c], policy[r] - reference[r]);
+                match loss {
+                    DpoLoss::Sigmoid => smoothed(0.5 * h),
+                    DpoLoss::Robust => (-(1.0 - eps) * ls(0.5 * h) + eps * ls(-0.5 * h)) / (1.0 - 2.0 * eps),
+                    DpoLoss::ExoPair => s(0.5 * h) * (ls(0.5 * h) - (1.0 - eps).ln()) + s(-0.5 * h) * (ls(-0.5 * h) - eps.ln()),
+                    DpoLoss::Simpo => smoothed(0.5 * h - 0.3),
+                    DpoLoss::Ipo => (h - 1.0).powi(2),
+                    DpoLoss::Hinge => (1.0 - 0.5 * h).max(0.0),
+                    DpoLoss::NcaPair => -ls(0.5 * a) - 0.5 * ls(-0.5 * a) - 0.5 * ls(-0.5 * b),
+                    DpoLoss::SppoHard => (a - 1.0).powi(2) + (b + 1.0).powi(2),
+                    DpoLoss::ApoZero => (1.0 - s(0.5 * a)) + s(0.5 * b),
+                    DpoLoss::ApoDown => s(0.5 * a) + (1.0 - s(0.5 * (a - b))),
+                    DpoLoss::Orpo => -0.5 * ls(h),
+                    DpoLoss::Kto => f64::NAN, // (not among the cases: kto_terms)
+                }
             })
             .sum::<f64>()
             / 3.0;
@@ -91,7 +113,13 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, ipo, hinge, simpo, orpo or kto"));
+    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, simpo, orpo, kto"));
+    assert!(DpoConfig { loss: DpoLoss::ExoPair, ..DpoConfig::default() }.validate().unwrap_err().to_string().contains("exo_pair loss needs label_smoothing"));
+    assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Robust, ..DpoConfig::default() }.validate().is_ok());
+    assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::NcaPair, ..DpoConfig::default() }.validate().is_err());
+    for (name, l) in crate::train::dpo_loss::DPO_LOSSES {
+        assert_eq!((name.parse::<DpoLoss>()?, l.name()), (l, name));
+    }
     assert!(dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: DpoLoss::Kto, ..DpoConfig::default() }).is_err());
     assert!(dpo_terms(&policy, &reference, &lengths[..5], &pairs, &DpoConfig::default()).unwrap_err().to_string().contains("answer 5"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Simpo, ..DpoConfig::default() }.validate().is_ok());

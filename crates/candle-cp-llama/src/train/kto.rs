@@ -23,17 +23,8 @@
 //! examples, forward and backward.
 
 use super::dpo::{DpoConfig, DpoLoss, DpoTerms};
+use super::dpo_loss::sigmoid;
 use candle_core::{bail, Result};
-
-/// `σ(x)`, without overflow.
-fn sigmoid(x: f64) -> f64 {
-    if x >= 0.0 {
-        1.0 / (1.0 + (-x).exp())
-    } else {
-        let e = x.exp();
-        e / (1.0 + e)
-    }
-}
 
 /// KTO over `pairs` (indices of each example's document and of its KL document into `policy`
 /// and `reference`, the answers' summed log-probabilities), `desirable[i]` pair `i`'s label.

@@ -11,6 +11,7 @@ mod config;
 mod expert_bias;
 pub mod data;
 pub mod dpo;
+pub mod dpo_loss;
 pub mod eval;
 pub mod kto;
 mod grad_step;

@@ -1,0 +1,176 @@
+//! The losses of a preference pair ([`DpoLoss`], TRL's `loss_type`), each with its derivatives
+//! in the two answers' summed log-probabilities ([`pair_loss`]). With `a = log π(c) − log
+//! π_ref(c)` and `b = log π(r) − log π_ref(r)` the answers' log-ratios and `h = a − b`:
+//!
+//! ```text
+//! sigmoid    (1 − ε)·softplus(−βh) + ε·softplus(βh)
+//! robust     ((1 − ε)·softplus(−βh) − ε·softplus(βh)) / (1 − 2ε)
+//! exo_pair   σ(βh)·(log σ(βh) − log(1 − ε)) + σ(−βh)·(log σ(−βh) − log ε)
+//! hinge      max(0, 1 − βh)
+//! ipo        (h̄ − 1/(2β))²          h̄: a and b per scored token (TRL averages IPO's log-probabilities)
+//! nca_pair   softplus(−βa) + ½·softplus(βa) + ½·softplus(βb)
+//! sppo_hard  (a − 1/(2β))² + (b + 1/(2β))²
+//! apo_zero   σ(−βa) + σ(βb)
+//! apo_down   σ(βa) + σ(−βh)
+//! simpo      (1 − ε)·softplus(γ − βh̄) + ε·softplus(βh̄ − γ)   h̄ of the mean log-probabilities, no reference
+//! orpo       β·softplus(−log_odds) (+ the chosen answers' CE)        no reference
+//! ```
+
+use super::dpo::DpoConfig;
+use candle_core::{bail, Result};
+
+/// The loss of a pair (TRL's `loss_type`; formulas in the [module docs](self)).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DpoLoss {
+    /// DPO's: `(1 − ε)·softplus(−β·h) + ε·softplus(β·h)` (ε: label smoothing).
+    #[default]
+    Sigmoid,
+    /// Robust DPO (Chowdhury et al.): the sigmoid loss unbiased for labels flipped with
+    /// probability ε.
+    Robust,
+    /// EXO's (Ji et al.) for pairs; needs `0 < ε < 0.5` (TRL advises 1e-3).
+    ExoPair,
+    /// IPO's (Azar et al.): `(h̄ − 1/(2β))²`, `h̄` the difference of the answers' log-ratios per
+    /// scored token (as TRL computes it).
+    Ipo,
+    /// SLiC's hinge: `max(0, 1 − β·h)`.
+    Hinge,
+    /// NCA's (Chen et al.) for pairs: each answer's own reward, not only their difference.
+    NcaPair,
+    /// SPPO's (Wu et al.) hard-label form.
+    SppoHard,
+    /// APO-zero (D'Oosterlinck et al.): the chosen answer's likelihood up, the rejected one's
+    /// down, each against the reference.
+    ApoZero,
+    /// APO-down: both answers' likelihoods down, the rejected one's more.
+    ApoDown,
+    /// SimPO's (Meng et al.), without a reference: `softplus(γ − β·h̄)` with label smoothing as
+    /// the sigmoid loss's, `h̄` the difference of the answers' MEAN log-probabilities per
+    /// scored token, γ [`DpoConfig::simpo_gamma`]. No reference pass.
+    Simpo,
+    /// ORPO's (Hong et al.), without a reference: `β·softplus(−log_odds)` plus the chosen
+    /// answers' mean cross-entropy (weight 1, beside any [`DpoConfig::rpo_alpha`]), `log_odds`
+    /// the log odds ratio of the answers' mean probabilities per token
+    /// (`log(p/(1 − p))` of `p = exp(mean log-probability)`). No reference pass.
+    Orpo,
+    /// KTO's (Ethayarajh et al.; TRL's `KTOTrainer`): unpaired examples labelled desirable or
+    /// not ([`super::PreferenceSet::from_unpaired`]), each against a KL baseline:
+    /// [`super::kto`].
+    Kto,
+}
+
+/// Every loss by its name (TRL's `loss_type` names).
+pub const DPO_LOSSES: [(&str, DpoLoss); 12] = [
+    ("sigmoid", DpoLoss::Sigmoid),
+    ("robust", DpoLoss::Robust),
+    ("exo_pair", DpoLoss::ExoPair),
+    ("ipo", DpoLoss::Ipo),
+    ("hinge", DpoLoss::Hinge),
+    ("nca_pair", DpoLoss::NcaPair),
+    ("sppo_hard", DpoLoss::SppoHard),
+    ("apo_zero", DpoLoss::ApoZero),
+    ("apo_down", DpoLoss::ApoDown),
+    ("simpo", DpoLoss::Simpo),
+    ("orpo", DpoLoss::Orpo),
+    ("kto", DpoLoss::Kto),
+];
+
+impl DpoLoss {
+    /// Its name in [`DPO_LOSSES`], as parsed.
+    pub fn name(self) -> &'static str {
+        DPO_LOSSES.iter().find(|(_, l)| *l == self).map_or("?", |(n, _)| n)
+    }
+
+    /// Whether label smoothing ε applies to it (sigmoid, robust, exo_pair, simpo).
+    pub fn takes_label_smoothing(self) -> bool {
+        matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Simpo)
+    }
+}
+
+impl std::str::FromStr for DpoLoss {
+    type Err = candle_core::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        match DPO_LOSSES.iter().find(|(n, _)| *n == s) {
+            Some((_, l)) => Ok(*l),
+            None => bail!("DPO loss {s:?}: expected one of {}", DPO_LOSSES.iter().map(|(n, _)| *n).collect::<Vec<_>>().join(", ")),
+        }
+    }
+}
+
+/// `softplus(x) = ln(1 + eˣ)`, without overflow.
+pub(crate) fn softplus(x: f64) -> f64 {
+    x.max(0.0) + (-x.abs()).exp().ln_1p()
+}
+
+/// `σ(x)`, without overflow.
+pub(crate) fn sigmoid(x: f64) -> f64 {
+    if x >= 0.0 {
+        1.0 / (1.0 + (-x).exp())
+    } else {
+        let e = x.exp();
+        e / (1.0 + e)
+    }
+}
+
+/// One pair's loss (not [`DpoLoss::Kto`]'s: `NaN`) from the chosen and rejected answers'
+/// summed log-probabilities under the policy (`pc`, `pr`) and the reference (`rc`, `rr`) and
+/// their scored tokens (`lc`, `lr`): `(h, loss, ∂loss/∂pc, ∂loss/∂pr)`, `h` the difference the
+/// reward accuracy and margin read (the log-ratios' — IPO's and SimPO's per token, ORPO's log
+/// odds).
+pub(crate) fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, lr: f64) -> (f64, f64, f64, f64) {
+    let (eps, beta) = (cfg.label_smoothing, cfg.beta);
+    let (a, b) = (pc - rc, pr - rr);
+    let h = a - b;
+    // a loss of z = β·h: (its value, its derivative in z) → (h, loss, ∂/∂pc, ∂/∂pr)
+    let of_h = |(l, dz): (f64, f64)| (h, l, beta * dz, -beta * dz);
+    let smoothed = |z: f64| ((1.0 - eps) * softplus(-z) + eps * softplus(z), -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z));
+    // σ(x)·σ(−x): the derivative of σ
+    let ds = |x: f64| sigmoid(x) * sigmoid(-x);
+    let z = beta * h;
+    match cfg.loss {
+        DpoLoss::Sigmoid => of_h(smoothed(z)),
+        DpoLoss::Robust => {
+            let k = 1.0 - 2.0 * eps;
+            of_h((((1.0 - eps) * softplus(-z) - eps * softplus(z)) / k, (-(1.0 - eps) * sigmoid(-z) - eps * sigmoid(z)) / k))
+        }
+        DpoLoss::ExoPair => {
+            let (lw, ll) = ((-eps).ln_1p(), eps.ln());
+            let (qw, ql) = (sigmoid(z), sigmoid(-z));
+            of_h((qw * (-softplus(-z) - lw) + ql * (-softplus(z) - ll), qw * ql * (z - lw + ll)))
+        }
+        DpoLoss::Hinge => of_h(((1.0 - z).max(0.0), if z < 1.0 { -1.0 } else { 0.0 })),
+        DpoLoss::Ipo => {
+            let hm = a / lc - b / lr;
+            let d = 2.0 * (hm - 0.5 / beta);
+            (hm, (hm - 0.5 / beta).powi(2), d / lc, -d / lr)
+        }
+        DpoLoss::NcaPair => {
+            let (x, y) = (beta * a, beta * b);
+            (h, softplus(-x) + 0.5 * softplus(x) + 0.5 * softplus(y), beta * (-sigmoid(-x) + 0.5 * sigmoid(x)), 0.5 * beta * sigmoid(y))
+        }
+        DpoLoss::SppoHard => {
+            let (u, v) = (a - 0.5 / beta, b + 0.5 / beta);
+            (h, u * u + v * v, 2.0 * u, 2.0 * v)
+        }
+        DpoLoss::ApoZero => (h, sigmoid(-beta * a) + sigmoid(beta * b), -beta * ds(beta * a), beta * ds(beta * b)),
+        DpoLoss::ApoDown => (h, sigmoid(beta * a) + sigmoid(-z), beta * ds(beta * a) - beta * ds(z), beta * ds(z)),
+        DpoLoss::Simpo => {
+            let hm = pc / lc - pr / lr;
+            let (l, dz) = smoothed(beta * hm - cfg.simpo_gamma);
+            (hm, l, beta * dz / lc, -beta * dz / lr)
+        }
+        DpoLoss::Orpo => {
+            // log(p/(1 − p)) of p = exp(ā) and its derivative 1/(1 − p) in ā (ā < 0: a mean
+            // log-probability; 1 − p as −expm1(ā), exact near 0)
+            let odds = |x: f64| -> (f64, f64) {
+                let q = -(x.min(-1e-12)).exp_m1();
+                (x - q.ln(), 1.0 / q)
+            };
+            let ((oc, gc), (or, gr)) = (odds(pc / lc), odds(pr / lr));
+            let ho = oc - or;
+            let dh = -beta * sigmoid(-ho);
+            (ho, beta * softplus(-ho), dh * gc / lc, -dh * gr / lr)
+        }
+        DpoLoss::Kto => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+    }
+}
