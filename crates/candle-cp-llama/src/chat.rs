@@ -23,6 +23,7 @@
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
 //! mistral-v3  <s>[INST] {u₁}[/INST][ {a}</s>][INST] {system}\n\n{u_last}[/INST]..
 //! mistral-v7  <s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{u}[/INST][{a}</s>]
@@ -76,6 +77,9 @@ pub enum ChatTemplate {
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
     /// `<｜Assistant｜>` turns.
     DeepSeek,
+    /// OLMo 2 Instruct's (Tulu 3's template with OLMo's `<|endoftext|>` as BOS and EOS): a
+    /// newline after each turn but the last.
+    Olmo2,
     /// Mistral's updated V1 template: Mistral-7B-Instruct v0.1 / v0.2, Mixtral-8x7B-Instruct (a
     /// system turn's text before the FIRST user turn's; turns alternate user / assistant).
     MistralV1,
@@ -91,7 +95,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 10] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 11] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -99,6 +103,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 10] = [
     ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
+    ("olmo2", ChatTemplate::Olmo2),
     ("mistral-v1", ChatTemplate::MistralV1),
     ("mistral-v3", ChatTemplate::MistralV3),
     ("mistral-v7", ChatTemplate::MistralV7),
@@ -144,6 +149,10 @@ impl ChatTemplate {
         } else if has("<|assistant|>") && has("<|end|>") {
             // Phi-3 writes `'<|user|>\n'` (or `'|>' + '\n'`), Phi-4-mini no newline
             Some(if has("|>\\n") || has("|>' + '\\n'") { Self::Phi3 } else { Self::Phi4 })
+        } else if has("<|user|>\\n") && has("<|assistant|>\\n") && has("eos_token") && has("bos_token") {
+            // Tulu 3's form with the BOS written: OLMo 2's (Llama-3.1-Tulu-3's writes none and
+            // ends turns with Llama's <|end_of_text|>: not this one)
+            Some(Self::Olmo2)
         } else {
             None
         }
@@ -180,6 +189,7 @@ impl ChatTemplate {
             Self::Granite => "<|end_of_text|>",
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
+            Self::Olmo2 => "<|endoftext|>",
         }
     }
 
@@ -276,6 +286,24 @@ impl ChatTemplate {
                 }
                 if generation_prompt {
                     push("<｜Assistant｜>".into(), false);
+                }
+            }
+            Self::Olmo2 => {
+                push(eot.into(), false);
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("<|{}|>\n", m.role), false);
+                    match m.role.as_str() {
+                        "assistant" => {
+                            push(format!("{}{eot}", m.content), is_target(m, i, train));
+                            if i + 1 < messages.len() {
+                                push("\n".into(), false);
+                            }
+                        }
+                        _ => push(format!("{}\n", m.content), false),
+                    }
+                }
+                if generation_prompt {
+                    push("<|assistant|>\n".into(), false);
                 }
             }
             Self::MistralV1 | Self::MistralV3 => {

@@ -57,6 +57,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<｜Assistant｜>",
         ),
         (
+            ChatTemplate::Olmo2,
+            "<|endoftext|><|system|>\nBe brief.\n<|user|>\n Hi? \n<|assistant|>\nHello.<|endoftext|>\n<|user|>\nName?\n<|assistant|>\nBob<|endoftext|>",
+            "<|assistant|>\n",
+        ),
+        (
             ChatTemplate::MistralV1,
             "<s> [INST] Be brief.\n\n Hi?  [/INST] Hello.</s> [INST] Name? [/INST] Bob</s>",
             "",
@@ -119,7 +124,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -141,6 +146,8 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
         ("{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{{- \" \" + message[\"content\"]|trim + eos_token}}", Some(ChatTemplate::MistralV3)),
         ("{{ '[INST] ' + message['content'] + ' [/INST]' }}{{ message['content'] + eos_token}}", None),
+        ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\\n'  + message['content'] + eos_token + '\\n' }}", Some(ChatTemplate::Olmo2)),
+        ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}", None),
         ("{{- \"[INST]\" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}", None),
         ("{{ '<|user|>\\n' + message['content'] + eos_token }}", None),
     ];
