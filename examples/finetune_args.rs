@@ -132,6 +132,10 @@ pub(crate) struct Args {
     /// RPO's α: α × the chosen answers' mean cross-entropy added to the DPO loss.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) rpo_alpha: f64,
+    /// DPO without a reference (TRL's reference_free): the reference log-probabilities taken
+    /// as 0, no reference pass; with --rpo-alpha 1, CPO's objective.
+    #[arg(long)]
+    pub(crate) reference_free: bool,
     /// Train by KTO on unpaired examples: --data is JSON lines `{"prompt": ..., "completion":
     /// ..., "label": true | false}` (strings, or lists of messages through --chat-template), or
     /// preference pairs (each gives a desirable and an undesirable example); each example is

@@ -271,6 +271,7 @@ fn main() -> Result<()> {
                 reference_model: a.ref_model.clone(),
                 desirable_weight: a.desirable_weight,
                 undesirable_weight: a.undesirable_weight,
+                reference_free: a.reference_free,
             }),
             false => None,
         },
@@ -375,6 +376,7 @@ fn main() -> Result<()> {
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),
                 candle_cp_llama::train::DpoLoss::Orpo => "no reference (the log odds ratio of the answers' mean probabilities, plus the chosen answers' cross-entropy)".to_string(),
+                _ if d.reference_free => "no reference (--reference-free: the reference log-probabilities taken as 0)".to_string(),
                 _ => format!(
                     "against {} (its log-probabilities of every answer computed before step 1, kept in {})",
                     d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),

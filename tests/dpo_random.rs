@@ -2,7 +2,8 @@
 //! (every CP kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage,
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
 //! smoothing, robust, EXO, IPO, hinge, NCA, SPPO, APO-zero / -down, reference-free SimPO and
-//! ORPO; RPO's term or not; KTO on the pairs unpaired, λ_U 1 or 1.5) follow the single-device run
+//! ORPO; RPO's term or not; one in three of the others reference-free; KTO on the pairs
+//! unpaired, λ_U 1 or 1.5) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -53,7 +54,8 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
     if loss == DpoLoss::Kto {
         return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() };
     }
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, ..DpoConfig::default() }
+    let reference_free = !matches!(loss, DpoLoss::Simpo | DpoLoss::Orpo) && pick(d, &[false, false, true]);
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, ..DpoConfig::default() }
 }
 
 #[test]

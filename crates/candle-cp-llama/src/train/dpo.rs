@@ -51,18 +51,23 @@ pub struct DpoConfig {
     pub desirable_weight: f64,
     /// KTO's λ_U, the weight of an undesirable example's loss (TRL's `undesirable_weight`, 1).
     pub undesirable_weight: f64,
+    /// No reference model (TRL's `reference_free`): the reference log-probabilities taken as
+    /// 0, no reference pass. With the sigmoid loss and [`DpoConfig::rpo_alpha`] 1 this is CPO's
+    /// objective (TRL's `CPOTrainer`). Not with KTO or a reference model.
+    pub reference_free: bool,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0 }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false }
     }
 }
 
 impl DpoConfig {
-    /// Whether the loss needs no reference model (SimPO, ORPO): no reference pass.
-    pub fn reference_free(&self) -> bool {
-        matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo)
+    /// Whether the run has no reference (SimPO, ORPO, or [`DpoConfig::reference_free`]): no
+    /// reference pass.
+    pub fn without_reference(&self) -> bool {
+        self.reference_free || matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo)
     }
 
     /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (with the sigmoid or simpo loss),
@@ -80,8 +85,14 @@ impl DpoConfig {
         if self.loss == DpoLoss::ExoPair && self.label_smoothing <= 0.0 {
             bail!("dpo: the exo_pair loss needs label_smoothing in (0, 0.5) (its log ε; TRL advises 1e-3)")
         }
-        if self.reference_free() && self.reference_model.is_some() {
-            bail!("dpo: the {} loss takes no reference model", self.loss.name())
+        if self.without_reference() && self.reference_model.is_some() {
+            match self.reference_free {
+                true => bail!("dpo: reference_free and a reference model: give one"),
+                false => bail!("dpo: the {} loss takes no reference model", self.loss.name()),
+            }
+        }
+        if self.reference_free && self.loss == DpoLoss::Kto {
+            bail!("dpo: the kto loss needs its reference (the KL estimate): not reference_free")
         }
         if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
             bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
@@ -389,7 +400,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
     let reference = |set: &PreferenceSet, name: &str| -> Result<Vec<f64>> {
         let path = cfg.out.as_ref().map(|o| o.join(name));
         match (&path, resumed) {
-            _ if dc.reference_free() => Ok(vec![0.0; 2 * set.len()]),
+            _ if dc.without_reference() => Ok(vec![0.0; 2 * set.len()]),
             (Some(p), true) => read_reference(p, set),
             _ => {
                 let r = match &reference_model {

@@ -112,6 +112,7 @@ mod tests {
             DpoConfig { loss: DpoLoss::Kto, undesirable_weight: f64::NAN, ..DpoConfig::default() },
             DpoConfig { loss: DpoLoss::Kto, rpo_alpha: 0.5, ..DpoConfig::default() },
             DpoConfig { loss: DpoLoss::Kto, label_smoothing: 0.1, ..DpoConfig::default() },
+            DpoConfig { loss: DpoLoss::Kto, reference_free: true, ..DpoConfig::default() },
         ] {
             assert!(bad.validate().is_err(), "{bad:?}");
         }

@@ -131,7 +131,8 @@ fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
 
 /// A reference model of its own (another checkpoint): step 1's loss is DPO's between the
 /// starting policy and that model, computed from the two models' answer log-probabilities by
-/// hand, on one device and on zigzag CP 2; a reference-free loss refuses one.
+/// hand, on one device and on zigzag CP 2; a reference-free loss refuses one. Reference-free
+/// DPO with RPO's α 1 (CPO): no reference file, step 1 by hand from the policy's alone.
 #[test]
 fn a_reference_model_of_its_own() -> Result<()> {
     use crate::train::dpo::{answer_logps, dpo_terms};
@@ -168,6 +169,24 @@ fn a_reference_model_of_its_own() -> Result<()> {
     let mut bad = dpo_cfg(None, Layout::single(), 2)?;
     bad.dpo = Some(DpoConfig { loss: crate::train::DpoLoss::Simpo, ..d.clone() });
     assert!(run(&bad).unwrap_err().to_string().contains("takes no reference model"));
+    bad.dpo = Some(DpoConfig { reference_free: true, ..d.clone() });
+    assert!(run(&bad).unwrap_err().to_string().contains("reference_free and a reference model"));
+    // reference-free with RPO's α 1 (CPO): no reference pass; step 1 by hand from the policy's
+    // log-probabilities against zeros, plus the chosen answers' mean cross-entropy
+    let cpo = DpoConfig { beta: 0.5, reference_free: true, rpo_alpha: 1.0, ..DpoConfig::default() };
+    let want = dpo_terms(&policy, &vec![0.0; policy.len()], &set.scored_lengths(), &step1, &cpo)?.loss;
+    let by_formula: f64 = step1.iter().map(|&(c, r)| (1.0 + (-0.5 * (policy[c] - policy[r])).exp()).ln()).sum::<f64>() / step1.len() as f64
+        - step1.iter().map(|&(c, _)| policy[c]).sum::<f64>() / step1.iter().map(|&(c, _)| set.scored_lengths()[c]).sum::<f64>();
+    assert!((want - by_formula).abs() < 1e-9, "{want} vs {by_formula}");
+    let out = tmpdir("cpo");
+    for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2)] {
+        let mut c = dpo_cfg(Some(out.clone()), layout, 2)?;
+        c.dpo = Some(cpo.clone());
+        let got = run(&c)?[0].metrics[0].train_loss;
+        assert!((got - want).abs() < 1e-5, "{layout}: CPO step 1 {got} vs by hand {want}");
+        assert!(!out.join("dpo_reference.json").exists());
+    }
+    std::fs::remove_dir_all(&out)?;
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
