@@ -351,6 +351,13 @@ impl DataSource {
         let DataSource::Preference(s) = self else { bail!("preference rows: the data holds no preference pairs") };
         (first_row..first_row + count).map(|row| s.sample(seq_len, &mut Rng::derive(seed, &[step as u64, row as u64]))).collect()
     }
+
+    /// KTO: the rows of KL documents matching [`DataSource::rows`]' rows of examples (the
+    /// second row of [`PreferenceSet::sample_split`]); errors for other data.
+    pub fn kl_rows(&self, seed: u64, step: usize, first_row: usize, count: usize, seq_len: usize) -> Result<Vec<PreferenceRow>> {
+        let DataSource::Preference(s) = self else { bail!("KL rows: the data holds no unpaired examples") };
+        (first_row..first_row + count).map(|row| Ok(s.sample_split(seq_len, &mut Rng::derive(seed, &[step as u64, row as u64]))?.1)).collect()
+    }
 }
 
 #[cfg(test)]

@@ -243,6 +243,18 @@ impl DpoBatch {
         Ok((sum_over(&part, group)?, scored))
     }
 
+    /// Every answer's summed log-probability under `model`, by slot: a forward of the batch on
+    /// the run's layout, no graph kept (the reference pass, KTO's KL rows). Collective over
+    /// the world.
+    fn forward_logps(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+        let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
+        let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
+        let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&self.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
+        Ok(self.logps(&values, &labels, &marks, ctx, ctx.token_group())?.0)
+    }
+
     /// Pairs as (chosen slot, rejected slot).
     fn pairs(&self) -> Result<Vec<(usize, usize)>> {
         let mut out = Vec::new();
@@ -262,17 +274,43 @@ impl DpoBatch {
     /// shard's labels of [`DpoBatch::marks`], as the trainer has them), shifted by
     /// a constant so that its value is the DPO loss; and the terms. `answers` holds every
     /// answer's reference log-probability and scored tokens, by the answer's index in the set.
+    /// KTO: `kl`, the policy's log-probabilities of the batch's examples' KL documents
+    /// ([`KlLogps`]), each example paired with its own.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group) -> Result<(Tensor, DpoTerms)> {
+    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let (policy, scored) = self.logps(&values, labels, marks, ctx, group)?;
-        let terms = terms(&policy, answers, &self.answers, &self.pairs()?, cfg)?;
+        let terms = match kl {
+            None => terms(&policy, answers, &self.answers, &self.pairs()?, cfg)?,
+            Some(k) => {
+                // (the KL documents' slots after the examples': example j with its KL document)
+                let n = self.answers.len();
+                let of_kl = |j: usize, a: usize| k.answers.iter().position(|&b| b == a + 1).map(|i| (j, n + i));
+                let pairs: Vec<(usize, usize)> = self
+                    .answers
+                    .iter()
+                    .enumerate()
+                    .map(|(j, &a)| of_kl(j, a).ok_or_else(|| candle_core::Error::Msg(format!("kto: example {} without its KL document in the micro-batch", a / 2))))
+                    .collect::<Result<_>>()?;
+                let all: Vec<f64> = policy.iter().chain(&k.logps).copied().collect();
+                let of: Vec<usize> = self.answers.iter().chain(&k.answers).copied().collect();
+                terms(&all, answers, &of, &pairs, cfg)?
+            }
+        };
         // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
         let w: Vec<f32> = scored.iter().map(|&s| if s == 0 { 0.0 } else { -terms.d_logp[s as usize - 1] as f32 }).collect();
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
         let gv = graph.to_scalar::<f32>()? as f64;
         Ok(((graph + (terms.loss - gv))?, terms))
     }
+}
+
+/// KTO's KL documents of a micro-batch under the policy: their answer indices and summed
+/// log-probabilities ([`DpoRun::kl_logps`]).
+#[derive(Debug, Clone)]
+pub(crate) struct KlLogps {
+    answers: Vec<usize>,
+    logps: Vec<f64>,
 }
 
 /// `v` summed element-wise over `group` (an f64 all-gather on the host, added in rank order,
@@ -301,14 +339,8 @@ pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: u
     model.set_lora_dropout(None)?;
     for chunk in rows.chunks(batch) {
         let b = DpoBatch::new(chunk, seq_len)?;
-        let sb = shard_batch_packed(&b.ids, &b.documents, ctx)?;
-        let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
-        let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
-        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let marks: Vec<u32> = shard_batch(&b.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
-        let (logp, _) = b.logps(&values, &labels, &marks, ctx, ctx.token_group())?;
-        for (slot, &a) in b.answers.iter().enumerate() {
-            out[a] = logp[slot];
+        for (slot, logp) in b.forward_logps(model, ctx, dev)?.into_iter().enumerate() {
+            out[b.answers[slot]] = logp;
         }
     }
     if let Some(a) = out.iter().position(|x| !x.is_finite()) {
@@ -339,6 +371,19 @@ pub(crate) struct DpoRun {
 }
 
 impl DpoRun {
+    /// KTO: the policy's log-probabilities of the KL documents of micro-batch `micro` of
+    /// `step` ([`super::DataSource::kl_rows`]), a forward of their rows without a backward (as
+    /// TRL scores them); `None` for the other losses. Collective over the world.
+    pub(crate) fn kl_logps(&self, model: &Llama, cfg: &super::TrainConfig, step: usize, micro: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<KlLogps>> {
+        if self.cfg.loss != DpoLoss::Kto {
+            return Ok(None);
+        }
+        let rows = cfg.data.kl_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
+        let b = DpoBatch::new(&rows, cfg.seq_len)?;
+        let logps = b.forward_logps(model, ctx, dev)?;
+        Ok(Some(KlLogps { answers: b.answers, logps }))
+    }
+
     /// DPO's terms over every held-out pair under `model` as it is now (its log-probabilities
     /// of the answers by [`answer_logps`], against the held-out reference); `None` without
     /// held-out pairs. Collective over the world.

@@ -157,7 +157,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
             // the linearised node
             let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
-            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group())?;
+            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None)?;
             let g1 = loss.backward()?;
             // the loss by candle ops
             let n1 = nll()?;
@@ -224,14 +224,16 @@ fn worst_difference(vm: &candle_nn::VarMap, g1: &candle_core::backprop::GradStor
 }
 
 /// KTO (unpaired examples, λ_U = 1.5, a reference that puts the KL estimate above 0): the
-/// linearised node's value is the loss and its gradients equal autograd's gradients of KTO
-/// written with candle ops, the KL estimate a constant (detached, as TRL's); the KL documents'
-/// tokens take no weight.
+/// examples' row and their KL documents' row sampled together; the KL estimate from the KL
+/// rows' forward equals the one by hand; the linearised node's value is the loss and its
+/// gradients equal autograd's gradients of KTO written with candle ops, the KL estimate a
+/// constant (detached, as TRL's).
 #[test]
 fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
     let set = PreferenceSet::read_unpaired(&pairs_text(8, 3), &bytes_of, Some(2), None)?;
     let (seq, batch) = (64, 2);
-    let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
+    let split: Vec<(PreferenceRow, PreferenceRow)> = (0..batch).map(|r| set.sample_split(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
+    let (rows, kl_rows): (Vec<PreferenceRow>, Vec<PreferenceRow>) = split.into_iter().unzip();
     let mcfg = model_cfg();
     let cfg = DpoConfig { beta: 0.3, loss: DpoLoss::Kto, undesirable_weight: 1.5, ..DpoConfig::default() };
     let out = run_ranks(1, |g| {
@@ -243,17 +245,24 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
         let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
         let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+        // the KL rows' forward (the same examples' KL documents)
+        let bk = DpoBatch::new(&kl_rows, seq)?;
+        let kl_logps = KlLogps { answers: bk.answers.clone(), logps: bk.forward_logps(&m, &ctx, &Device::Cpu)? };
+        assert_eq!(bk.answers, b.answers.iter().map(|a| a + 1).collect::<Vec<_>>());
         // the reference: the policy's own log-probabilities moved by −1..1 (examples) and
         // −2..0 (KL documents: the estimate ≈ 1)
         let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, &labels, &marks, &ctx, ctx.token_group())?;
         let mut rng = Rng::new(9);
         let mut reference = vec![0.0; 2 * set.len()];
-        for (slot, &a) in b.answers.iter().enumerate() {
+        for ((&a, &p), (&k, &q)) in b.answers.iter().zip(&policy).zip(kl_logps.answers.iter().zip(&kl_logps.logps)) {
             let u = rng.below(1000) as f64 / 1000.0;
-            reference[a] = policy[slot] - if a % 2 == 0 { 2.0 * u - 1.0 } else { 2.0 * u };
+            reference[a] = p - (2.0 * u - 1.0);
+            reference[k] = q - 2.0 * u;
         }
         let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
-        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group())?;
+        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps))?;
+        // (without the KL rows the examples have no partner)
+        assert!(b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None).is_err());
         let g1 = loss.backward()?;
         let kl = terms.kl.expect("kl");
         assert!(kl > 0.2, "{terms:?}");
@@ -262,9 +271,11 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         let slots = b.answers.len();
         let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
         let logp = n1.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)?;
-        let pairs = b.pairs()?;
-        let examples = Tensor::from_vec(pairs.iter().map(|p| p.0 as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu)?;
-        let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(pairs.iter().map(|p| f(b.answers[p.0]) as f32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
+        // z₀ by hand from the KL documents
+        let z0 = (kl_logps.answers.iter().zip(&kl_logps.logps).map(|(&k, &q)| q - reference[k]).sum::<f64>() / slots as f64).max(0.0);
+        assert!((z0 - kl).abs() < 1e-9, "{z0} vs {kl}");
+        let examples = Tensor::from_vec((0..slots as u32).collect::<Vec<_>>(), slots, &Device::Cpu)?;
+        let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(b.answers.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
         let sign = |a: usize| if set.desirable().expect("labels")[a / 2] { 1.0 } else { -1.0 };
         let weight = |a: usize| if sign(a) > 0.0 { 1.0 } else { 1.5 };
         // x = ±β·(r − z₀), loss = mean of λ·σ(−x) = λ / (1 + eˣ)

@@ -1,7 +1,7 @@
 //! KTO (Ethayarajh et al. 2024, "Model Alignment as Prospect Theoretic Optimization") on
 //! every layout: unpaired examples, each a prompt with ONE completion labelled desirable or
-//! undesirable ([`super::PreferenceSet::from_unpaired`]), trained through the same rows,
-//! per-answer log-probability sums and linearised loss node as DPO ([`super::dpo`]):
+//! undesirable ([`super::PreferenceSet::from_unpaired`]), trained through the same per-answer
+//! log-probability sums and linearised loss node as DPO ([`super::dpo`]):
 //!
 //! ```text
 //! r   = log π(y|x) − log π_ref(y|x)                       (the example's log-ratio)
@@ -12,15 +12,16 @@
 //! ```
 //!
 //! as TRL's `KTOTrainer` (`loss_type="kto"`): `y'` is another example's completion (each
-//! example's KL document sits beside it in the row), `z₀` is detached (no gradient reaches the
-//! KL documents) and taken over the whole micro-batch — over every data-parallel rank, as TRL
+//! example's KL document, [`super::PreferenceSet::sample_split`]'s second row), `z₀` is
+//! detached and taken over the whole micro-batch — over every data-parallel rank, as TRL
 //! gathers it across processes, so DP = one device. λ_D, λ_U: [`super::DpoConfig::desirable_weight`],
 //! [`super::DpoConfig::undesirable_weight`] (the paper advises `λ_D·n_D / (λ_U·n_U)` in
 //! `[1, 4/3]`).
 //!
-//! Cost against TRL: the KL documents go through the backward with zero weight (TRL runs them
-//! in a separate forward without gradients), so a KTO row holds about twice the tokens of its
-//! examples, forward and backward.
+//! The KL documents lie in rows of their own, scored by a forward without a backward before
+//! the examples' forward ([`super::dpo::DpoRun::kl_logps`]), as TRL scores them under
+//! `no_grad`: a micro-batch costs one more forward, and its activations are freed before the
+//! examples' forward starts.
 
 use super::dpo::{DpoConfig, DpoLoss, DpoTerms};
 use super::dpo_loss::sigmoid;

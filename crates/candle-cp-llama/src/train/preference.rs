@@ -15,9 +15,10 @@
 //! document), so a document's log-probability does not depend on its neighbours: the
 //! reference model's is computed once per pair ([`PreferenceSet::in_order`]).
 //!
-//! KTO's unpaired examples ([`PreferenceSet::from_unpaired`], [`super::kto`]) take the same
-//! rows: each example beside its KL document (its prompt with another example's completion),
-//! whose log-probability ratio estimates the KL term and takes no gradient.
+//! KTO's unpaired examples ([`PreferenceSet::from_unpaired`], [`super::kto`]) come in two rows
+//! ([`PreferenceSet::sample_split`]): the examples, and their KL documents (each example's
+//! prompt with another example's completion), whose log-probability ratios estimate the KL
+//! term in a forward without a backward.
 
 use super::data::Sample;
 use super::rng::Rng;
@@ -30,7 +31,7 @@ use serde_json::Value;
 /// Preference pairs, tokenised: document `2·p` is pair `p`'s chosen answer, `2·p + 1` its
 /// rejected one. Or KTO's unpaired examples ([`PreferenceSet::from_unpaired`]): document `2·p`
 /// is example `p` (its prompt and completion, desirable or not), `2·p + 1` its KL document
-/// (the same prompt with ANOTHER example's completion), packed side by side as pairs are.
+/// (the same prompt with ANOTHER example's completion), sampled in a row of their own.
 #[derive(Debug, Clone)]
 pub struct PreferenceSet {
     docs: Vec<MarkedTokens>,
@@ -193,13 +194,21 @@ impl PreferenceSet {
         self.docs[2 * p].0.len() + self.docs[2 * p + 1].0.len()
     }
 
-    /// Errors naming the longest pair when it does not fit in a row of `seq_len` tokens.
+    /// Errors naming the longest pair (KTO: the longest example or KL document, each of which
+    /// takes a row of its own) when it does not fit in a row of `seq_len` tokens.
     pub fn check_fits(&self, seq_len: usize) -> Result<()> {
+        if self.desirable.is_some() {
+            let (d, len) = self.docs.iter().enumerate().map(|(d, (t, _))| (d, t.len())).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
+            if len > seq_len {
+                let which = if d % 2 == 0 { "" } else { "'s KL document" };
+                bail!("KTO example {}{which} has {len} tokens, more than a row of seq_len {seq_len}: a document is never cut (raise the sequence length or shorten the example)", d / 2)
+            }
+            return Ok(());
+        }
         let (p, len) = (0..self.len()).map(|p| (p, self.pair_len(p))).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
-        let what = if self.desirable.is_some() { "KTO example (and its KL document)" } else { "preference pair" };
         if len > seq_len {
             bail!(
-                "{what} {p} has {} + {} tokens, more than a row of seq_len {seq_len}: a pair is never cut (raise the sequence length or shorten the pair)",
+                "preference pair {p} has {} + {} tokens, more than a row of seq_len {seq_len}: a pair is never cut (raise the sequence length or shorten the pair)",
                 self.docs[2 * p].0.len(),
                 self.docs[2 * p + 1].0.len()
             )
@@ -237,9 +246,13 @@ impl PreferenceSet {
     }
 
     /// One row of `seq_len` tokens: whole pairs from a random one on (in order, wrapping
-    /// around, each pair at most once), as many as fit, then the padding. Errors if the first
-    /// pair does not fit ([`PreferenceSet::check_fits`]).
+    /// around, each pair at most once), as many as fit, then the padding (KTO: the examples'
+    /// row of [`PreferenceSet::sample_split`]). Errors if the first pair does not fit
+    /// ([`PreferenceSet::check_fits`]).
     pub fn sample(&self, seq_len: usize, rng: &mut Rng) -> Result<PreferenceRow> {
+        if self.desirable.is_some() {
+            return Ok(self.sample_split(seq_len, rng)?.0);
+        }
         let first = rng.below(self.len());
         let pairs: Vec<usize> = (0..self.len()).map(|i| (first + i) % self.len()).collect();
         let (row, used) = self.pack(&pairs, seq_len)?;
@@ -249,9 +262,49 @@ impl PreferenceSet {
         Ok(row)
     }
 
-    /// Every pair once, in order, packed into rows of `seq_len` (the reference pass).
+    /// KTO: a row of examples and a row of their KL documents — the same examples, from a
+    /// random one on (in order, wrapping around, each at most once), as many as both rows
+    /// fit —, each padded. The trainer scores the KL row in a forward of its own, without
+    /// a backward ([`super::kto`]). Errors for pairs, or when the first example does not fit.
+    pub fn sample_split(&self, seq_len: usize, rng: &mut Rng) -> Result<(PreferenceRow, PreferenceRow)> {
+        if self.desirable.is_none() {
+            bail!("PreferenceSet::sample_split: preference pairs are sampled whole (sample)")
+        }
+        let first = rng.below(self.len());
+        let (mut examples, mut kl, mut a, mut b) = (Vec::new(), Vec::new(), 0, 0);
+        for i in 0..self.len() {
+            let p = (first + i) % self.len();
+            let (x, y) = (self.docs[2 * p].0.len(), self.docs[2 * p + 1].0.len());
+            if a + x > seq_len || b + y > seq_len {
+                break;
+            }
+            (a, b) = (a + x, b + y);
+            examples.push(2 * p);
+            kl.push(2 * p + 1);
+        }
+        if examples.is_empty() {
+            self.check_fits(seq_len)?;
+        }
+        Ok((self.pack_docs(&examples, seq_len)?, self.pack_docs(&kl, seq_len)?))
+    }
+
+    /// Every pair once, in order, packed into rows of `seq_len` (the reference pass; KTO's
+    /// documents one by one, each example and KL document in the first row with room).
     pub fn in_order(&self, seq_len: usize) -> Result<Vec<PreferenceRow>> {
         self.check_fits(seq_len)?;
+        if self.desirable.is_some() {
+            let (mut rows, mut row, mut len) = (Vec::new(), Vec::new(), 0);
+            for (d, (t, _)) in self.docs.iter().enumerate() {
+                if len + t.len() > seq_len {
+                    rows.push(self.pack_docs(&row, seq_len)?);
+                    (row, len) = (Vec::new(), 0);
+                }
+                row.push(d);
+                len += t.len();
+            }
+            rows.push(self.pack_docs(&row, seq_len)?);
+            return Ok(rows);
+        }
         let mut rows = Vec::new();
         let mut next = 0;
         while next < self.len() {
@@ -264,20 +317,29 @@ impl PreferenceSet {
 
     /// A row of the leading pairs of `pairs` that fit in `seq_len`, and how many were taken.
     fn pack(&self, pairs: &[usize], seq_len: usize) -> Result<(PreferenceRow, usize)> {
-        let (mut tokens, mut marks, mut lengths, mut ids) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len), Vec::new(), Vec::new());
-        let mut used = 0;
+        let (mut docs, mut len) = (Vec::new(), 0);
         for &p in pairs {
-            if tokens.len() + self.pair_len(p) > seq_len {
+            if len + self.pair_len(p) > seq_len {
                 break;
             }
-            for d in [2 * p, 2 * p + 1] {
-                let (t, m) = &self.docs[d];
-                tokens.extend_from_slice(t);
-                marks.extend_from_slice(m);
-                lengths.push(t.len());
-                ids.push(Some(d));
-            }
-            used += 1;
+            len += self.pair_len(p);
+            docs.extend([2 * p, 2 * p + 1]);
+        }
+        Ok((self.pack_docs(&docs, seq_len)?, docs.len() / 2))
+    }
+
+    /// A row of documents `docs` (which fit in `seq_len`) side by side, then the padding.
+    fn pack_docs(&self, docs: &[usize], seq_len: usize) -> Result<PreferenceRow> {
+        let (mut tokens, mut marks, mut lengths, mut ids) = (Vec::with_capacity(seq_len), Vec::with_capacity(seq_len), Vec::new(), Vec::new());
+        for &d in docs {
+            let (t, m) = &self.docs[d];
+            tokens.extend_from_slice(t);
+            marks.extend_from_slice(m);
+            lengths.push(t.len());
+            ids.push(Some(d));
+        }
+        if tokens.len() > seq_len {
+            bail!("PreferenceSet: {} tokens of documents for a row of {seq_len}", tokens.len())
         }
         if tokens.len() < seq_len {
             let pad = seq_len - tokens.len();
@@ -286,8 +348,7 @@ impl PreferenceSet {
             lengths.push(pad);
             ids.push(None);
         }
-        let sample = Sample { tokens, long_range: marks, documents: Some(Documents::from_lengths(&lengths)?) };
-        Ok(((sample, ids), used))
+        Ok((Sample { tokens, long_range: marks, documents: Some(Documents::from_lengths(&lengths)?) }, ids))
     }
 }
 
@@ -383,8 +444,8 @@ mod tests {
 
     /// KTO's forms read (labelled strings, labelled conversations, a pair unpaired into a
     /// desirable and an undesirable example); each example is followed by its KL document: its
-    /// own prompt with the completion of the nearest earlier example of another prompt; bad
-    /// lines are errors naming the line.
+    /// own prompt with the completion of the nearest earlier example of another prompt; rows
+    /// of examples come with rows of their KL documents; bad lines are errors naming the line.
     #[test]
     fn reads_unpaired_examples_with_their_kl_documents() -> Result<()> {
         let text = concat!(
@@ -413,9 +474,24 @@ mod tests {
         // one prompt throughout: the previous example's completion
         let same = PreferenceSet::read_unpaired("{\"prompt\": \"a\", \"completion\": \"B\", \"label\": true}\n{\"prompt\": \"a\", \"completion\": \"CD\", \"label\": false}\n", &bytes_of, None, None)?;
         assert_eq!((same.document(1).0.clone(), same.document(3).0.clone()), (vec![97, 67, 68], vec![97, 66]));
-        // rows hold examples beside their KL documents; the subset keeps the labels
-        let (row, ids) = s.sample(64, &mut Rng::new(3))?;
-        assert!(row.tokens.len() == 64 && ids.iter().flatten().copied().collect::<Vec<_>>().chunks(2).all(|c| c.len() == 2 && c[1] == c[0] + 1));
+        // a row of examples and a row of their KL documents, the same examples in order; the
+        // examples' row is what `sample` gives
+        let longest = (0..s.len()).map(|p| s.document(2 * p).0.len().max(s.document(2 * p + 1).0.len())).max().unwrap_or(0);
+        for seed in 0..10 {
+            for seq in [longest, longest + 20, 3 * longest] {
+                let ((ex, ex_ids), (kl, kl_ids)) = s.sample_split(seq, &mut Rng::new(seed))?;
+                assert_eq!((ex.tokens.len(), kl.tokens.len()), (seq, seq));
+                let (e, k): (Vec<usize>, Vec<usize>) = (ex_ids.iter().flatten().copied().collect(), kl_ids.iter().flatten().copied().collect());
+                assert!(!e.is_empty() && e.iter().all(|d| d % 2 == 0) && k == e.iter().map(|d| d + 1).collect::<Vec<_>>(), "{e:?} {k:?}");
+                assert_eq!(s.sample(seq, &mut Rng::new(seed))?.1, ex_ids);
+            }
+        }
+        assert!(s.sample_split(longest - 1, &mut Rng::new(0)).unwrap_err().to_string().contains("a document is never cut"));
+        assert!(PreferenceSet::read(&crate::train::dpo::tests::pairs_text(2, 1), &bytes_of, None, None)?.sample_split(64, &mut Rng::new(0)).is_err());
+        // the reference pass: every document once, in order, one by one
+        let all: Vec<usize> = s.in_order(longest)?.iter().flat_map(|(_, ids)| ids.iter().flatten().copied()).collect();
+        assert_eq!(all, (0..8).collect::<Vec<_>>());
+        // the subset keeps the labels
         assert_eq!(s.subset(1..3)?.desirable(), Some(&[true, false][..]));
         assert!(PreferenceSet::read(text, &bytes_of, None, Some(ChatTemplate::ChatMl)).is_err());
         for (bad, want) in [

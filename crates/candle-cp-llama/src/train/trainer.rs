@@ -421,6 +421,11 @@ pub fn train_rank(
             let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
             // LoRA dropout: this forward's masks (keyed on the micro-batch's global number)
             model.set_lora_dropout(Some((candle_cp_nn::RngStreams::new(cfg.seed), (step * cfg.grad_accum + micro) as u64, cfg.batch, cfg.seq_len)))?;
+            // KTO: the KL documents' forward first, without a backward
+            let kl = match &dpo {
+                Some(d) => d.kl_logps(&model, cfg, step, micro, &ctx, &dev)?,
+                None => None,
+            };
             // packed rows: labels IGNORE at document ends, RoPE positions per document,
             // attention inside documents
             let sb = match &docs {
@@ -454,7 +459,7 @@ pub fn train_rank(
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref())?;
                     (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
                     l
                 }
