@@ -117,7 +117,7 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
 /// their scored tokens (`lc`, `lr`): `(h, loss, ∂loss/∂pc, ∂loss/∂pr)`, `h` the difference the
 /// reward accuracy and margin read (the log-ratios' — IPO's and SimPO's per token, ORPO's log
 /// odds).
-pub(crate) fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, lr: f64) -> (f64, f64, f64, f64) {
+pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, lr: f64) -> (f64, f64, f64, f64) {
     let (eps, beta) = (cfg.label_smoothing, cfg.beta);
     let (a, b) = (pc - rc, pr - rr);
     let h = a - b;

@@ -19,7 +19,7 @@
 //! `[1, 4/3]`).
 //!
 //! The KL documents lie in rows of their own, scored by a forward without a backward before
-//! the examples' forward ([`super::dpo::DpoRun::kl_logps`]), as TRL scores them under
+//! the examples' forward (the trainer's `DpoRun::kl_logps`), as TRL scores them under
 //! `no_grad`: a micro-batch costs one more forward, and its activations are freed before the
 //! examples' forward starts.
 
