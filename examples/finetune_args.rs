@@ -117,7 +117,7 @@ pub(crate) struct Args {
     pub(crate) dpo_label_smoothing: f64,
     /// DPO's loss of a pair (TRL's loss_type names): sigmoid (DPO's), robust, exo_pair (needs
     /// --dpo-label-smoothing > 0), ipo (per-token log-ratios), hinge, nca_pair, sppo_hard,
-    /// apo_zero, apo_down, simpo (reference-free, the answers' mean log-probabilities, margin
+    /// apo_zero, apo_down, discopop (--discopop-tau), simpo (reference-free, the answers' mean log-probabilities, margin
     /// --simpo-gamma) or orpo (reference-free, the log odds ratio of the answers' mean
     /// probabilities, times --beta, plus the chosen answers' cross-entropy).
     #[arg(long, default_value = "sigmoid")]
@@ -132,6 +132,9 @@ pub(crate) struct Args {
     /// RPO's α: α × the chosen answers' mean cross-entropy added to the DPO loss.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) rpo_alpha: f64,
+    /// DiscoPOP's temperature τ (--dpo-loss discopop).
+    #[arg(long, default_value_t = 0.05)]
+    pub(crate) discopop_tau: f64,
     /// DPO without a reference (TRL's reference_free): the reference log-probabilities taken
     /// as 0, no reference pass; with --rpo-alpha 1, CPO's objective.
     #[arg(long)]

@@ -272,6 +272,7 @@ fn main() -> Result<()> {
                 desirable_weight: a.desirable_weight,
                 undesirable_weight: a.undesirable_weight,
                 reference_free: a.reference_free,
+                discopop_tau: a.discopop_tau,
             }),
             false => None,
         },

@@ -7,7 +7,7 @@
 //! loss = mean over pairs of (1 − ε) · softplus(−z) + ε · softplus(z)      (ε: label smoothing)
 //! ```
 //!
-//! (or robust DPO, EXO, IPO, the hinge, NCA, SPPO, APO-zero / -down, the reference-free SimPO
+//! (or robust DPO, EXO, IPO, the hinge, NCA, SPPO, APO-zero / -down, DiscoPOP, the reference-free SimPO
 //! and ORPO: [`DpoLoss`], [`super::dpo_loss`]; or KTO over unpaired examples: [`super::kto`]).
 //!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
@@ -55,11 +55,13 @@ pub struct DpoConfig {
     /// 0, no reference pass. With the sigmoid loss and [`DpoConfig::rpo_alpha`] 1 this is CPO's
     /// objective (TRL's `CPOTrainer`). Not with KTO or a reference model.
     pub reference_free: bool,
+    /// DiscoPOP's temperature τ (TRL's `discopop_tau`, 0.05).
+    pub discopop_tau: f64,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05 }
     }
 }
 
@@ -90,6 +92,9 @@ impl DpoConfig {
                 true => bail!("dpo: reference_free and a reference model: give one"),
                 false => bail!("dpo: the {} loss takes no reference model", self.loss.name()),
             }
+        }
+        if !(self.discopop_tau > 0.0 && self.discopop_tau.is_finite()) {
+            bail!("dpo: discopop_tau must be a positive number, got {}", self.discopop_tau)
         }
         if self.reference_free && self.loss == DpoLoss::Kto {
             bail!("dpo: the kto loss needs its reference (the KL estimate): not reference_free")

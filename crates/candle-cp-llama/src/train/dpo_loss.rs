@@ -12,6 +12,7 @@
 //! sppo_hard  (a − 1/(2β))² + (b + 1/(2β))²
 //! apo_zero   σ(−βa) + σ(βb)
 //! apo_down   σ(βa) + σ(−βh)
+//! discopop   (1 − σ(βh/τ))·softplus(−βh) + σ(βh/τ)·e^(−βh)          τ: DpoConfig::discopop_tau
 //! simpo      (1 − ε)·softplus(γ − βh̄) + ε·softplus(βh̄ − γ)   h̄ of the mean log-probabilities, no reference
 //! orpo       β·softplus(−log_odds) (+ the chosen answers' CE)        no reference
 //! ```
@@ -44,6 +45,9 @@ pub enum DpoLoss {
     ApoZero,
     /// APO-down: both answers' likelihoods down, the rejected one's more.
     ApoDown,
+    /// DiscoPOP's (Chris Lu et al.; log-ratio modulated): the sigmoid loss blended into an
+    /// exponential one as `βh` grows, with temperature τ ([`DpoConfig::discopop_tau`]).
+    DiscoPop,
     /// SimPO's (Meng et al.), without a reference: `softplus(γ − β·h̄)` with label smoothing as
     /// the sigmoid loss's, `h̄` the difference of the answers' MEAN log-probabilities per
     /// scored token, γ [`DpoConfig::simpo_gamma`]. No reference pass.
@@ -60,7 +64,7 @@ pub enum DpoLoss {
 }
 
 /// Every loss by its name (TRL's `loss_type` names).
-pub const DPO_LOSSES: [(&str, DpoLoss); 12] = [
+pub const DPO_LOSSES: [(&str, DpoLoss); 13] = [
     ("sigmoid", DpoLoss::Sigmoid),
     ("robust", DpoLoss::Robust),
     ("exo_pair", DpoLoss::ExoPair),
@@ -70,6 +74,7 @@ pub const DPO_LOSSES: [(&str, DpoLoss); 12] = [
     ("sppo_hard", DpoLoss::SppoHard),
     ("apo_zero", DpoLoss::ApoZero),
     ("apo_down", DpoLoss::ApoDown),
+    ("discopop", DpoLoss::DiscoPop),
     ("simpo", DpoLoss::Simpo),
     ("orpo", DpoLoss::Orpo),
     ("kto", DpoLoss::Kto),
@@ -154,6 +159,16 @@ pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, l
         }
         DpoLoss::ApoZero => (h, sigmoid(-beta * a) + sigmoid(beta * b), -beta * ds(beta * a), beta * ds(beta * b)),
         DpoLoss::ApoDown => (h, sigmoid(beta * a) + sigmoid(-z), beta * ds(beta * a) - beta * ds(z), beta * ds(z)),
+        DpoLoss::DiscoPop => {
+            // m = σ(z/τ); e^(−z)·m and e^(−z)·m' in log space (e^(−z) overflows where m is 0)
+            let tau = cfg.discopop_tau;
+            let m = sigmoid(z / tau);
+            let em = (-z - softplus(-z / tau)).exp();
+            let em_d = (-z - softplus(-z / tau) - softplus(z / tau)).exp() / tau;
+            let l = softplus(-z) * (1.0 - m) + em;
+            let dz = -sigmoid(-z) * (1.0 - m) - em + em_d - softplus(-z) * ds(z / tau) / tau;
+            of_h((l, dz))
+        }
         DpoLoss::Simpo => {
             let hm = pc / lc - pr / lr;
             let (l, dz) = smoothed(beta * hm - cfg.simpo_gamma);

@@ -45,6 +45,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         (0.0, DpoLoss::SppoHard, 0.0),
         (0.0, DpoLoss::ApoZero, 0.2),
         (0.0, DpoLoss::ApoDown, 0.0),
+        (0.0, DpoLoss::DiscoPop, 0.0),
         (0.0, DpoLoss::Simpo, 0.0),
         (0.1, DpoLoss::Simpo, 0.2),
         (0.0, DpoLoss::Orpo, 0.0),
@@ -87,6 +88,10 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                     DpoLoss::SppoHard => (a - 1.0).powi(2) + (b + 1.0).powi(2),
                     DpoLoss::ApoZero => (1.0 - s(0.5 * a)) + s(0.5 * b),
                     DpoLoss::ApoDown => s(0.5 * a) + (1.0 - s(0.5 * (a - b))),
+                    DpoLoss::DiscoPop => {
+                        let (z, m) = (0.5 * h, s(0.5 * h / 0.05));
+                        -ls(z) * (1.0 - m) + (-z).exp() * m
+                    }
                     DpoLoss::Orpo => -0.5 * ls(h),
                     DpoLoss::Kto => f64::NAN, // (not among the cases: kto_terms)
                 }
@@ -113,10 +118,14 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, simpo, orpo, kto"));
+    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto"));
     assert!(DpoConfig { loss: DpoLoss::ExoPair, ..DpoConfig::default() }.validate().unwrap_err().to_string().contains("exo_pair loss needs label_smoothing"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Robust, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::NcaPair, ..DpoConfig::default() }.validate().is_err());
+    assert!(DpoConfig { discopop_tau: 0.0, ..DpoConfig::default() }.validate().is_err());
+    // DiscoPOP far from 0: no overflow of e^(−βh)
+    let far = dpo_terms(&[-3000.0, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[(0, 1)], &DpoConfig { loss: DpoLoss::DiscoPop, ..DpoConfig::default() })?;
+    assert!(far.loss.is_finite() && far.d_logp.iter().all(|x| x.is_finite()), "{far:?}");
     for (name, l) in crate::train::dpo_loss::DPO_LOSSES {
         assert_eq!((name.parse::<DpoLoss>()?, l.name()), (l, name));
     }

@@ -422,10 +422,7 @@ pub fn train_rank(
             // LoRA dropout: this forward's masks (keyed on the micro-batch's global number)
             model.set_lora_dropout(Some((candle_cp_nn::RngStreams::new(cfg.seed), (step * cfg.grad_accum + micro) as u64, cfg.batch, cfg.seq_len)))?;
             // KTO: the KL documents' forward first, without a backward
-            let kl = match &dpo {
-                Some(d) => d.kl_logps(&model, cfg, step, micro, &ctx, &dev)?,
-                None => None,
-            };
+            let kl = dpo.as_ref().map(|d| d.kl_logps(&model, cfg, step, micro, &ctx, &dev)).transpose()?.flatten();
             // packed rows: labels IGNORE at document ends, RoPE positions per document,
             // attention inside documents
             let sb = match &docs {
