@@ -23,6 +23,7 @@
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! glm4      [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
 //! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
 //! mistral-v3  <s>[INST] {u₁}[/INST][ {a}</s>][INST] {system}\n\n{u_last}[/INST]..
@@ -77,6 +78,13 @@ pub enum ChatTemplate {
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
     /// `<｜Assistant｜>` turns.
     DeepSeek,
+    /// GLM-4-9B-chat's and GLM-4-0414's (`[gMASK]<sop>`, `<|role|>\n` before each turn, no
+    /// end-of-turn marker: an answer ends where the next turn's marker starts). As GLM's own
+    /// fine-tuning code does, the targets are what follows `<|assistant|>` — the newline, the
+    /// answer — and the token after it: the next turn's marker (`<|user|>`, a stop token of
+    /// the model), or after the last turn an `<|endoftext|>` the rendered text ends with.
+    /// Reasoning templates (GLM-4.5, GLM-Z1: `<think>`) are not this one.
+    Glm4,
     /// OLMo 2 Instruct's (Tulu 3's template with OLMo's `<|endoftext|>` as BOS and EOS): a
     /// newline after each turn but the last.
     Olmo2,
@@ -95,7 +103,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 11] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 12] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -103,6 +111,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 11] = [
     ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
+    ("glm4", ChatTemplate::Glm4),
     ("olmo2", ChatTemplate::Olmo2),
     ("mistral-v1", ChatTemplate::MistralV1),
     ("mistral-v3", ChatTemplate::MistralV3),
@@ -132,6 +141,8 @@ impl ChatTemplate {
         let has = |m: &str| jinja.contains(m);
         if has("[SYSTEM_PROMPT]") && has("[INST]") {
             Some(Self::MistralV7)
+        } else if has("[gMASK]<sop>") && !has("think") {
+            Some(Self::Glm4)
         } else if has("' [INST] '") || has("\" [INST] \"") {
             Some(Self::MistralV1)
         } else if (has("\"[INST] \"") || has("'[INST] '")) && !has(" [/INST]") {
@@ -190,6 +201,7 @@ impl ChatTemplate {
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
+            Self::Glm4 => "<|user|>",
         }
     }
 
@@ -206,7 +218,7 @@ impl ChatTemplate {
             if !ROLES.contains(&m.role.as_str()) {
                 bail!("chat template {}: message {i} has role {:?}, expected one of {ROLES:?}", self.name(), m.role)
             }
-            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek | Self::MistralV1 | Self::MistralV3) {
+            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek | Self::MistralV1 | Self::MistralV3 | Self::Glm4) {
                 bail!("chat template {}: message {i} is a system turn; only the first message may be one", self.name())
             }
         }
@@ -286,6 +298,21 @@ impl ChatTemplate {
                 }
                 if generation_prompt {
                     push("<｜Assistant｜>".into(), false);
+                }
+            }
+            Self::Glm4 => {
+                push("[gMASK]<sop>".into(), false);
+                // (whether the turn before was a trained answer: the marker after it is a target)
+                let mut after_answer = false;
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("<|{}|>", m.role), after_answer);
+                    after_answer = is_target(m, i, train);
+                    push(format!("\n{}", m.content), after_answer);
+                }
+                if generation_prompt {
+                    push("<|assistant|>".into(), false);
+                } else {
+                    push("<|endoftext|>".into(), after_answer);
                 }
             }
             Self::Olmo2 => {

@@ -57,6 +57,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<｜Assistant｜>",
         ),
         (
+            ChatTemplate::Glm4,
+            "[gMASK]<sop><|system|>\nBe brief.<|user|>\n Hi? <|assistant|>\nHello.<|user|>\nName?<|assistant|>\nBob<|endoftext|>",
+            "<|assistant|>",
+        ),
+        (
             ChatTemplate::Olmo2,
             "<|endoftext|><|system|>\nBe brief.\n<|user|>\n Hi? \n<|assistant|>\nHello.<|endoftext|>\n<|user|>\nName?\n<|assistant|>\nBob<|endoftext|>",
             "<|assistant|>\n",
@@ -84,11 +89,13 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         assert_eq!(joined, text, "{}", t.name());
         let eot = t.end_of_turn();
         let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
-        assert_eq!(targets(&all), format!("{sp}Hello.{eot}{sp}Bob{eot}"), "{}", t.name());
+        // (GLM: the newline after the marker, and the last answer ended by <|endoftext|>)
+        let (sp, last_eot) = if t == ChatTemplate::Glm4 { ("\n", "<|endoftext|>") } else { (sp, eot) };
+        assert_eq!(targets(&all), format!("{sp}Hello.{eot}{sp}Bob{last_eot}"), "{}", t.name());
         // neighbours differ in kind (merged)
         assert!(all.windows(2).all(|w| w[0].1 != w[1].1), "{}: {all:?}", t.name());
         let last = t.render(&conv(), &|i| i == 4, false)?;
-        assert_eq!(targets(&last), format!("{sp}Bob{eot}"), "{}", t.name());
+        assert_eq!(targets(&last), format!("{sp}Bob{last_eot}"), "{}", t.name());
         let joined: String = last.iter().map(|(s, _)| s.as_str()).collect();
         assert_eq!(joined, text, "{}", t.name());
         // a generation prompt after the user's turn
@@ -96,6 +103,7 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         assert!(p.ends_with(gen), "{}: {p:?}", t.name());
         let upto = t.render_text(&conv()[..4], false)?;
         let upto = upto.strip_suffix("<|endoftext|>").unwrap_or(&upto);
+        assert!(!p.ends_with("<|endoftext|>"), "{}: a generation prompt ends open", t.name());
         assert_eq!(p, format!("{upto}{gen}"), "{}", t.name());
         assert!(text.starts_with(&p), "{}: the prompt is the conversation's prefix", t.name());
     }
@@ -124,7 +132,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, glm4, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -143,6 +151,8 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
         ("{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- for message in loop_messages %}{{- '[INST]' + message['content'] + '[/INST]' }}", Some(ChatTemplate::MistralV7)),
         ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
+        ("[gMASK]<sop>{% for item in messages %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}", Some(ChatTemplate::Glm4)),
+        ("[gMASK]<sop>{%- set visible = content.split('</think>')[-1].strip() %}{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}", None),
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
         ("{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{{- \" \" + message[\"content\"]|trim + eos_token}}", Some(ChatTemplate::MistralV3)),
         ("{{ '[INST] ' + message['content'] + ' [/INST]' }}{{ message['content'] + eos_token}}", None),
