@@ -28,8 +28,9 @@ pub type Tokenize<'a> = &'a dyn Fn(&str, bool) -> Result<Vec<u32>>;
 ///   to the completion when given (the model then learns to stop); the targets are the
 ///   completion's tokens.
 /// - `{"messages": [{"role": .., "content": ..}, ..]}` (conversational): rendered through
-///   `chat` ([`ChatTemplate::render`]), each segment tokenised apart; the targets are every
-///   assistant turn's content and end-of-turn marker (TRL's `assistant_only_loss`).
+///   `chat` ([`ChatTemplate::render`]) and tokenised whole, each token marked as its segment
+///   is; the targets are every assistant turn's content and end-of-turn
+///   marker (TRL's `assistant_only_loss`).
 /// - `{"prompt": [messages], "completion": [messages]}` (conversational prompt /
 ///   completion): the two lists as one conversation; the targets are the completion's
 ///   assistant turns.
