@@ -10,7 +10,7 @@ use candle_cp_llama::train::sft::read_sft;
 use tokenizers::Tokenizer;
 
 /// Every template's markers (the special tokens of the families' tokenizers).
-const MARKERS: [&str; 28] = [
+const MARKERS: [&str; 32] = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>",
     "<bos>", "<start_of_turn>", "<end_of_turn>",
@@ -19,6 +19,7 @@ const MARKERS: [&str; 28] = [
     "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
     "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]",
     "[gMASK]", "<sop>",
+    "<|start|>", "<|message|>", "<|channel|>", "<|return|>",
 ];
 
 /// Gemma's `<bos>`, [`MARKERS`]' id 6: the BOS the tokenizer adds with its special tokens.
@@ -104,6 +105,7 @@ fn check_templates(legacy: bool) -> Result<()> {
         let want = match t {
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
             ChatTemplate::Glm4 => "\nHello.<|user|>\nBob<|endoftext|>".to_string(),
+            ChatTemplate::Harmony => "Hello.<|end|>Bob<|return|>".to_string(),
             _ => format!("Hello.{0}Bob{0}", t.end_of_turn()),
         };
         assert_eq!(spelled(&marked), spelled(&want), "{} (legacy {legacy})", t.name());

@@ -23,6 +23,8 @@
 //! granite   <|start_of_role|>user<|end_of_role|>{u}<|end_of_text|>\n
 //!           <|start_of_role|>assistant<|end_of_role|>[{a}<|end_of_text|>]\n
 //! deepseek  <｜begin▁of▁sentence｜>{system}<｜User｜>{u}<｜Assistant｜>[{a}<｜end▁of▁sentence｜>]
+//! harmony   <|start|>system<|message|>{gpt-oss's system block}<|end|><|start|>developer<|message|># Instructions\n\n{system}<|end|>
+//!           <|start|>user<|message|>{u}<|end|><|start|>assistant<|channel|>final<|message|>[{a}<|end|>]..[{a_last}<|return|>]
 //! glm4      [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
 //! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
@@ -78,6 +80,13 @@ pub enum ChatTemplate {
     /// DeepSeek-V3 (and Kimi K2's predecessor form): system text first, then `<｜User｜>` /
     /// `<｜Assistant｜>` turns.
     DeepSeek,
+    /// gpt-oss's harmony format, its released template's plain conversation: the system block
+    /// (model identity, knowledge cutoff, `Current date:` today's UTC date as the template's
+    /// `strftime_now`, reasoning effort medium, the valid channels), a system turn as the
+    /// developer's instructions, answers on the `final` channel, each ended by `<|end|>` but a
+    /// closing one by `<|return|>` (the token the model learns to stop with). No analysis
+    /// channel (reasoning), no tools.
+    Harmony,
     /// GLM-4-9B-chat's and GLM-4-0414's (`[gMASK]<sop>`, `<|role|>\n` before each turn, no
     /// end-of-turn marker: an answer ends where the next turn's marker starts). As GLM's own
     /// fine-tuning code does, the targets are what follows `<|assistant|>` — the newline, the
@@ -103,7 +112,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 12] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 13] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -111,6 +120,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 12] = [
     ("phi4", ChatTemplate::Phi4),
     ("granite", ChatTemplate::Granite),
     ("deepseek", ChatTemplate::DeepSeek),
+    ("harmony", ChatTemplate::Harmony),
     ("glm4", ChatTemplate::Glm4),
     ("olmo2", ChatTemplate::Olmo2),
     ("mistral-v1", ChatTemplate::MistralV1),
@@ -141,6 +151,8 @@ impl ChatTemplate {
         let has = |m: &str| jinja.contains(m);
         if has("[SYSTEM_PROMPT]") && has("[INST]") {
             Some(Self::MistralV7)
+        } else if has("<|channel|>") && has("<|return|>") && has("<|start|>") {
+            Some(Self::Harmony)
         } else if has("[gMASK]<sop>") && !has("think") {
             Some(Self::Glm4)
         } else if has("' [INST] '") || has("\" [INST] \"") {
@@ -202,6 +214,7 @@ impl ChatTemplate {
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
             Self::Glm4 => "<|user|>",
+            Self::Harmony => "<|return|>",
         }
     }
 
@@ -218,7 +231,7 @@ impl ChatTemplate {
             if !ROLES.contains(&m.role.as_str()) {
                 bail!("chat template {}: message {i} has role {:?}, expected one of {ROLES:?}", self.name(), m.role)
             }
-            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek | Self::MistralV1 | Self::MistralV3 | Self::Glm4) {
+            if m.role == "system" && i > 0 && matches!(self, Self::Gemma | Self::DeepSeek | Self::MistralV1 | Self::MistralV3 | Self::Glm4 | Self::Harmony) {
                 bail!("chat template {}: message {i} is a system turn; only the first message may be one", self.name())
             }
         }
@@ -298,6 +311,30 @@ impl ChatTemplate {
                 }
                 if generation_prompt {
                     push("<｜Assistant｜>".into(), false);
+                }
+            }
+            Self::Harmony => {
+                push(
+                    format!(
+                        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: {}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|>",
+                        today()
+                    ),
+                    false,
+                );
+                for (i, m) in messages.iter().enumerate() {
+                    match m.role.as_str() {
+                        "system" if !m.content.is_empty() => push(format!("<|start|>developer<|message|># Instructions\n\n{}<|end|>", m.content), false),
+                        "system" => {}
+                        "user" => push(format!("<|start|>user<|message|>{}<|end|>", m.content), false),
+                        _ => {
+                            push("<|start|>assistant<|channel|>final<|message|>".into(), false);
+                            let end = if i + 1 == messages.len() && !generation_prompt { eot } else { "<|end|>" };
+                            push(format!("{}{end}", m.content), is_target(m, i, train));
+                        }
+                    }
+                }
+                if generation_prompt {
+                    push("<|start|>assistant".into(), false);
                 }
             }
             Self::Glm4 => {
@@ -390,6 +427,25 @@ impl ChatTemplate {
     pub fn render_text(self, messages: &[Message], generation_prompt: bool) -> Result<String> {
         Ok(self.render(messages, &|_| false, generation_prompt)?.into_iter().map(|(s, _)| s).collect())
     }
+}
+
+/// Today's UTC date, `YYYY-MM-DD` (harmony's `Current date`, as its template's `strftime_now`).
+fn today() -> String {
+    let days = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() / 86_400);
+    let (y, m, d) = civil_date(days as i64);
+    format!("{y:04}-{m:02}-{d:02}")
+}
+
+/// The proleptic Gregorian date `days` after 1970-01-01 (H. Hinnant's `civil_from_days`).
+fn civil_date(days: i64) -> (i64, i64, i64) {
+    let z = days + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let (d, m) = (doy - (153 * mp + 2) / 5 + 1, if mp < 10 { mp + 3 } else { mp - 9 });
+    (yoe + era * 400 + (m <= 2) as i64, m, d)
 }
 
 /// Is turn `i` a target: an assistant turn that `train` selects.

@@ -82,6 +82,12 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "",
         ),
     ];
+    // (gpt-oss's harmony carries today's date)
+    let harmony = format!(
+        "<|start|>system<|message|>You are ChatGPT, a large language model trained by OpenAI.\nKnowledge cutoff: 2024-06\nCurrent date: {}\n\nReasoning: medium\n\n# Valid channels: analysis, commentary, final. Channel must be included for every message.<|end|><|start|>developer<|message|># Instructions\n\nBe brief.<|end|><|start|>user<|message|> Hi? <|end|><|start|>assistant<|channel|>final<|message|>Hello.<|end|><|start|>user<|message|>Name?<|end|><|start|>assistant<|channel|>final<|message|>Bob<|return|>",
+        today()
+    );
+    let want: Vec<(ChatTemplate, &str, &str)> = want.into_iter().chain([(ChatTemplate::Harmony, harmony.as_str(), "<|start|>assistant")]).collect();
     for (t, text, gen) in want {
         assert_eq!(ChatTemplate::from_name(t.name())?, t);
         let all = t.render(&conv(), &|_| true, false)?;
@@ -91,7 +97,9 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
         // (GLM: the newline after the marker, and the last answer ended by <|endoftext|>)
         let (sp, last_eot) = if t == ChatTemplate::Glm4 { ("\n", "<|endoftext|>") } else { (sp, eot) };
-        assert_eq!(targets(&all), format!("{sp}Hello.{eot}{sp}Bob{last_eot}"), "{}", t.name());
+        // (harmony: an answer before the last ends with <|end|>)
+        let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
+        assert_eq!(targets(&all), format!("{sp}Hello.{mid}{sp}Bob{last_eot}"), "{}", t.name());
         // neighbours differ in kind (merged)
         assert!(all.windows(2).all(|w| w[0].1 != w[1].1), "{}: {all:?}", t.name());
         let last = t.render(&conv(), &|i| i == 4, false)?;
@@ -108,6 +116,14 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         assert!(text.starts_with(&p), "{}: the prompt is the conversation's prefix", t.name());
     }
     Ok(())
+}
+
+/// Dates as harmony's system block writes them.
+#[test]
+fn civil_dates() {
+    assert_eq!((civil_date(0), civil_date(-1), civil_date(11_016), civil_date(20_794)), ((1970, 1, 1), (1969, 12, 31), (2000, 2, 29), (2026, 12, 7)));
+    let t = today();
+    assert!(t.len() == 10 && t.as_bytes()[4] == b'-' && t.as_bytes()[7] == b'-' && t.as_str() >= "2026-01-01", "{t}");
 }
 
 /// The errors: empty conversation, unknown role, a late system turn where the family puts it
@@ -132,7 +148,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, glm4, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -151,6 +167,7 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{'<｜User｜>' + message['content']}}", Some(ChatTemplate::DeepSeek)),
         ("{{- '[SYSTEM_PROMPT]' + system_message + '[/SYSTEM_PROMPT]' }}{%- for message in loop_messages %}{{- '[INST]' + message['content'] + '[/INST]' }}", Some(ChatTemplate::MistralV7)),
         ("{% for message in messages %}[INST] {{ message['content'] }} [/INST]{% endfor %}", None),
+        ("{{- \"<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>\" }}", Some(ChatTemplate::Harmony)),
         ("[gMASK]<sop>{% for item in messages %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}", Some(ChatTemplate::Glm4)),
         ("[gMASK]<sop>{%- set visible = content.split('</think>')[-1].strip() %}{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}", None),
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),

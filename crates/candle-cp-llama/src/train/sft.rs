@@ -221,7 +221,9 @@ mod tests {
             let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
             let (sp, last) = if t == ChatTemplate::Glm4 { ("\n", "<|endoftext|>") } else { (sp, eot) };
-            assert_eq!(marked(&ex[0])?, format!("{sp}A1{eot}{sp}A2{last}"), "{}", t.name());
+            // (harmony: an answer before the last ends with <|end|>)
+            let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
+            assert_eq!(marked(&ex[0])?, format!("{sp}A1{mid}{sp}A2{last}"), "{}", t.name());
             assert_eq!(marked(&ex[1])?, format!("{sp}A2{last}"), "{}", t.name());
             assert_eq!(ex[2], (vec![112, 67, 7], vec![false, true, true]));
             // the whole text is the template's, with no EOS appended
@@ -229,7 +231,7 @@ mod tests {
             assert_eq!(text_of(&ex[0].0)?, t.render_text(&m, false)?, "{}", t.name());
             assert_eq!(ex[0].0, ex[1].0, "{}: the two forms render the same text", t.name());
             let s = sft_stream(text, &bytes_of, Some(7), Some(t))?;
-            assert_eq!((s.count(), s.target_count()), (3, 3 * (sp.len() + 2) + eot.len() + 2 * last.len() + 2), "{}", t.name());
+            assert_eq!((s.count(), s.target_count()), (3, 3 * (sp.len() + 2) + mid.len() + 2 * last.len() + 2), "{}", t.name());
         }
         for (bad, chat, want) in [
             (r#"{"messages": [{"role": "user", "content": "u"}]}"#, Some(ChatTemplate::ChatMl), "line 1: the conversation has no assistant turn"),
