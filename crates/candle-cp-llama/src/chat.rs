@@ -7,7 +7,8 @@
 //! The families' templates are written here in Rust (candle-cp has no Jinja engine): the
 //! plain conversation form of each — system, user and assistant turns; no tool calls, no
 //! default system prompt (Qwen 2.5's "You are Qwen..." and Granite's dated one are not
-//! inserted: give a system turn to have one), no date lines, no reasoning blocks.
+//! inserted: give a system turn to have one), no date lines (but in harmony's structural
+//! system block), no reasoning blocks.
 //! [`ChatTemplate::detect`] recognises the family from the model's own Jinja source
 //! (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` / `.json`:
 //! [`ChatTemplate::of_model_dir`]); a template it does not know is an error naming the
