@@ -124,12 +124,19 @@ fn check_templates(legacy: bool) -> Result<()> {
         // (the template's text carries its own BOS: none added, none doubled)
         assert!(ids.iter().filter(|&&i| i == BOS).count() == (t == ChatTemplate::Gemma) as usize, "{}: {ids:?}", t.name());
     }
-    if legacy {
-        return Ok(());
+    // a prompt / completion pair: tokenised whole, with the tokenizer's BOS; the completion's
+    // ids (and the EOS appended) the targets
+    let (ids, marks) = read_sft(r#"{"prompt": "ab", "completion": " C"}"#, &encode, Some(1), None)?.remove(0);
+    assert_eq!(ids, [encode("ab C", true)?, vec![1]].concat());
+    let n = ids.len();
+    assert_eq!(ids[0], BOS);
+    match legacy {
+        // (BOS ▁ a b | ▁ C EOS: tokenised alone, " C" would be ▁ ▁ C)
+        true => {
+            assert_eq!(marks, [false, false, false, false, true, true, true]);
+            assert_eq!(encode(" C", false)?.len(), 3);
+        }
+        false => assert_eq!(marks, [vec![false; 3], vec![true; n - 3]].concat()),
     }
-    // a prompt / completion pair: the prompt with the tokenizer's BOS, the completion without
-    let (ids, marks) = read_sft(r#"{"prompt": "ab", "completion": "C"}"#, &encode, Some(1), None)?.remove(0);
-    assert_eq!(ids, [vec![BOS], text("abC")?, vec![1]].concat());
-    assert_eq!(marks, [false, false, false, true, true]);
     Ok(())
 }

@@ -152,9 +152,9 @@ impl PreferenceSet {
     /// The pairs of JSON lines `text` (blank lines skipped), each line one of TRL's preference
     /// forms:
     ///
-    /// - `{"prompt": "...", "chosen": "...", "rejected": "..."}`: prompt (with the tokenizer's
-    ///   special tokens) and answers tokenised apart by `tokenize`, `eos` after each answer; the
-    ///   targets are the answers' tokens.
+    /// - `{"prompt": "...", "chosen": "...", "rejected": "..."}`: each `prompt ++ answer`
+    ///   tokenised whole by `tokenize` (with the tokenizer's special tokens), `eos` after each
+    ///   answer; the targets are the answer's tokens (those after the prompt's).
     /// - `{"prompt": [messages], "chosen": [messages], "rejected": [messages]}`: each answer
     ///   a conversation through `chat`, its assistant turns the targets.
     /// - `{"chosen": [messages], "rejected": [messages]}` (implicit prompt): the messages the

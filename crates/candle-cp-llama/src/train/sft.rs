@@ -76,8 +76,10 @@ fn read_line(v: &Value, tokenize: Tokenize, eos: Option<u32>, chat: Option<ChatT
 }
 
 /// A prompt and its completion (`name`: the completion's field, in errors) as one example:
-/// two strings (tokenised apart, the prompt with the tokenizer's special tokens, `eos` after the
-/// completion; the completion's tokens the targets), or two lists of messages (one conversation through `chat`; the completion's
+/// two strings (`prompt ++ completion` tokenised whole with the tokenizer's special tokens, as
+/// TRL's SFT and KTO trainers tokenise it; the targets the ids after those the prompt
+/// tokenised alone shares with it — a token straddling the boundary a target —, `eos` appended
+/// and a target), or two lists of messages (one conversation through `chat`; the completion's
 /// assistant turns the targets).
 pub(crate) fn completion_tokens(
     prompt: &Value,
@@ -89,12 +91,14 @@ pub(crate) fn completion_tokens(
 ) -> Result<MarkedTokens> {
     match (prompt, completion) {
         (Value::String(p), Value::String(c)) => {
-            // (the prompt starts the document: its special tokens, as TRL tokenises it)
+            // (the whole text, as inference continues the prompt: a SentencePiece tokenizer's
+            // word-start marker is not put before the completion as tokenising it alone would)
             let prompt = tokenize(p, true)?;
-            let mut completion = tokenize(c, false)?;
-            completion.extend(eos);
-            let marks = std::iter::repeat_n(false, prompt.len()).chain(std::iter::repeat_n(true, completion.len())).collect();
-            Ok(([prompt, completion].concat(), marks))
+            let mut tokens = tokenize(&format!("{p}{c}"), true)?;
+            let split = prompt.iter().zip(&tokens).take_while(|(a, b)| a == b).count();
+            tokens.extend(eos);
+            let marks = (0..tokens.len()).map(|i| i >= split).collect();
+            Ok((tokens, marks))
         }
         (p @ Value::Array(_), c @ Value::Array(_)) => {
             let mut messages = parse_messages(p, "`prompt`")?;
