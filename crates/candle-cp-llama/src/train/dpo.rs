@@ -34,7 +34,7 @@ pub struct DpoConfig {
     /// β: how far the policy may move from the reference (TRL's default 0.1).
     pub beta: f64,
     /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO;
-    /// the sigmoid loss only).
+    /// the sigmoid, robust, exo_pair and simpo losses).
     pub label_smoothing: f64,
     /// The loss of a pair.
     pub loss: DpoLoss,
@@ -72,8 +72,10 @@ impl DpoConfig {
         self.reference_free || matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo)
     }
 
-    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (with the sigmoid or simpo loss),
-    /// `rpo_alpha ≥ 0` (none with KTO), KTO's weights `> 0`.
+    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (only with the losses that take it,
+    /// [`DpoLoss::takes_label_smoothing`]; above 0 with exo_pair), `rpo_alpha ≥ 0` (none with
+    /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
+    /// reference-free loss and `reference_model` (KTO never reference-free).
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)

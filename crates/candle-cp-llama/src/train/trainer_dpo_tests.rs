@@ -129,29 +129,32 @@ fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
     Ok(())
 }
 
+/// Every answer's log-probability of `set` under the model `mcfg` drawn from `seed`, on one
+/// device, in rows of `c`'s batch and sequence length ([`crate::train::dpo::answer_logps`]).
+pub(super) fn logps_of(mcfg: &LlamaConfig, seed: u64, set: &PreferenceSet, c: &TrainConfig) -> Result<Vec<f64>> {
+    let out = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
+        let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
+        crate::train::dpo::answer_logps(&m, set, c.batch, c.seq_len, &ctx, &Device::Cpu)
+    });
+    out.into_iter().next().expect("one rank")
+}
+
 /// A reference model of its own (another checkpoint): step 1's loss is DPO's between the
 /// starting policy and that model, computed from the two models' answer log-probabilities by
 /// hand, on one device and on zigzag CP 2; a reference-free loss refuses one. Reference-free
 /// DPO with RPO's α 1 (CPO): no reference file, step 1 by hand from the policy's alone.
 #[test]
 fn a_reference_model_of_its_own() -> Result<()> {
-    use crate::train::dpo::{answer_logps, dpo_terms};
+    use crate::train::dpo::dpo_terms;
     let dir = tmpdir("dpo-ref-model");
     let c0 = dpo_cfg(None, Layout::single(), 2)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
     crate::save_hf(&dir, &crate::init_params(mcfg, 99, DType::F32, &Device::Cpu)?, mcfg)?;
     let DataSource::Preference(set) = &c0.data else { bail!("pairs") };
     // the answers' log-probabilities under the policy (seed c0.seed) and the reference (seed 99)
-    let logps = |seed: u64| -> Result<Vec<f64>> {
-        let out = candle_cp_comm::run_ranks(1, |g| {
-            let ctx = ParallelCtx::single(g)?;
-            let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
-            let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-            answer_logps(&m, set, c0.batch, c0.seq_len, &ctx, &Device::Cpu)
-        });
-        out.into_iter().next().expect("one rank")
-    };
-    let (policy, reference) = (logps(c0.seed)?, logps(99)?);
+    let (policy, reference) = (logps_of(mcfg, c0.seed, set, &c0)?, logps_of(mcfg, 99, set, &c0)?);
     let d = DpoConfig { beta: 0.5, reference_model: Some(dir.clone()), ..DpoConfig::default() };
     let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
     let all = dpo_terms(&policy, &reference, &set.scored_lengths(), &pairs, &d)?;

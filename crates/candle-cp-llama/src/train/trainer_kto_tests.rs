@@ -80,23 +80,14 @@ fn kto_starts_at_one_half_learns_and_matches_on_every_layout() -> Result<()> {
 /// zigzag CP 2 and ring CP 2 × DP 2.
 #[test]
 fn kto_step1_by_hand_against_a_reference_model() -> Result<()> {
-    use crate::train::dpo::answer_logps;
     use crate::train::kto::kto_terms;
+    use crate::train::trainer::dpo_tests::logps_of;
     let dir = tmpdir("kto-ref-model");
     let c0 = kto_cfg(Layout::single(), 2, 1.5)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
     crate::save_hf(&dir, &crate::init_params(mcfg, 6, DType::F32, &Device::Cpu)?, mcfg)?;
     let DataSource::Preference(set) = &c0.data else { bail!("examples") };
-    let logps = |seed: u64| -> Result<Vec<f64>> {
-        let out = candle_cp_comm::run_ranks(1, |g| {
-            let ctx = ParallelCtx::single(g)?;
-            let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
-            let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-            answer_logps(&m, set, c0.batch, c0.seq_len, &ctx, &Device::Cpu)
-        });
-        out.into_iter().next().expect("one rank")
-    };
-    let (policy, reference) = (logps(c0.seed)?, logps(6)?);
+    let (policy, reference) = (logps_of(mcfg, c0.seed, set, &c0)?, logps_of(mcfg, 6, set, &c0)?);
     let mut d = c0.dpo.clone().expect("kto");
     d.reference_model = Some(dir.clone());
     let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
