@@ -70,6 +70,12 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
             let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed, dpo.loss == DpoLoss::Kto)?), 64, 3);
             (c.batch, c.grad_accum, c.seed, c.dpo) = (batch, grad_accum, seed, Some(dpo.clone()));
             c.schedule.peak = 5e-3;
+            // (AdamW's epsilon 1e-6, as `train_draws::config` sets it: DiscoPOP's τ = 0.05 curves
+            // its loss sharply near h = 0, and at step 1, policy = reference, gradients near 1e-8
+            // turn float32 noise into steps of up to the learning rate with 1e-8 — config 731 of
+            // `300..1000`, ring 2 × DP 2 with ZeRO-1 and recompute, was 1.6e-4 off at step 2, the
+            // gradient 1.1e-6 apart at step 1, with the default)
+            c.adamw.eps = 1e-6;
             Ok(c)
         };
         let mut cfg = base(layout)?;
