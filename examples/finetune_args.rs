@@ -117,7 +117,8 @@ pub(crate) struct Args {
     pub(crate) dpo_label_smoothing: f64,
     /// DPO's loss of a pair (TRL's loss_type names): sigmoid (DPO's), robust, exo_pair (needs
     /// --dpo-label-smoothing > 0), ipo (per-token log-ratios), hinge, nca_pair, sppo_hard,
-    /// apo_zero, apo_down, discopop (--discopop-tau), simpo (reference-free, the answers' mean log-probabilities, margin
+    /// apo_zero, apo_down, discopop (--discopop-tau), bco_pair (each answer's reward against a
+    /// running mean reward), simpo (reference-free, the answers' mean log-probabilities, margin
     /// --simpo-gamma) or orpo (reference-free, the log odds ratio of the answers' mean
     /// probabilities, times --beta, plus the chosen answers' cross-entropy).
     #[arg(long, default_value = "sigmoid")]
@@ -146,13 +147,18 @@ pub(crate) struct Args {
     /// --ref-model as DPO's.
     #[arg(long)]
     pub(crate) kto: bool,
+    /// Train by BCO (TRL's BCOTrainer) on unpaired examples: --data as --kto's, without KL
+    /// documents; each reward against a running mean reward δ (kept in the checkpoints). --beta,
+    /// --ref-model as DPO's.
+    #[arg(long)]
+    pub(crate) bco: bool,
     /// KTO's weight of a desirable example's loss (λ_D).
     #[arg(long, default_value_t = 1.0)]
     pub(crate) desirable_weight: f64,
     /// KTO's weight of an undesirable example's loss (λ_U).
     #[arg(long, default_value_t = 1.0)]
     pub(crate) undesirable_weight: f64,
-    /// The chat template of --sft / --dpo / --kto conversations: llama3, chatml, gemma, phi3, phi4, granite,
+    /// The chat template of --sft / --dpo / --kto / --bco conversations: llama3, chatml, gemma, phi3, phi4, granite,
     /// deepseek, harmony (gpt-oss), glm4, olmo2, mistral-v1, mistral-v3 or mistral-v7 (default: the family of --model's own template, from its chat_template.jinja or
     /// tokenizer_config.json).
     #[arg(long, value_name = "NAME")]
@@ -425,9 +431,25 @@ pub(crate) struct Args {
 }
 
 impl Args {
-    /// Whether the run trains on preference data (--dpo or --kto).
+    /// Whether the run trains on preference data (--dpo, --kto or --bco).
     pub(crate) fn preference(&self) -> bool {
-        self.dpo || self.kto
+        self.dpo || self.unpaired()
+    }
+
+    /// Whether the run trains on unpaired examples (--kto or --bco).
+    pub(crate) fn unpaired(&self) -> bool {
+        self.kto || self.bco
+    }
+
+    /// The preference objective's flag.
+    pub(crate) fn objective_flag(&self) -> &'static str {
+        if self.kto {
+            "--kto"
+        } else if self.bco {
+            "--bco"
+        } else {
+            "--dpo"
+        }
     }
 }
 
@@ -465,10 +487,10 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.sft && a.data.is_none() {
         bail!("--sft reads prompt / completion examples or conversations: give them as --data FILE.jsonl")
     }
-    if a.dpo && a.kto {
-        bail!("--dpo and --kto: give one objective")
+    if [a.dpo, a.kto, a.bco].iter().filter(|&&x| x).count() > 1 {
+        bail!("--dpo, --kto and --bco are objectives: give one")
     }
-    let flag = if a.kto { "--kto" } else { "--dpo" };
+    let flag = a.objective_flag();
     if a.preference() && (a.sft || a.pack_docs) {
         bail!("{flag} reads preference data: without --sft or --pack-docs")
     }
@@ -479,7 +501,7 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
         bail!("--desirable-weight / --undesirable-weight are KTO's: add --kto")
     }
     if a.chat_template.is_some() && !(a.sft || a.preference()) {
-        bail!("--chat-template renders --sft / --dpo / --kto conversations: add one of them")
+        bail!("--chat-template renders --sft / --dpo / --kto / --bco conversations: add one of them")
     }
     if a.pack_docs && a.data.is_none() {
         bail!("--pack-docs packs the documents of a text corpus: give --data FILE (documents separated by blank lines, or --doc-separator)")
@@ -561,7 +583,8 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         (None, None) => (None, None),
     };
     let read = |tokenize: candle_cp_llama::train::sft::Tokenize| -> Result<DataSource> {
-        let r = match (a.kto, a.dpo) {
+        let r = match (a.unpaired(), a.dpo) {
+            (true, _) if a.bco => PreferenceSet::read_unpaired(text, tokenize, eos, chat).and_then(PreferenceSet::without_kl_documents).map(DataSource::Preference),
             (true, _) => PreferenceSet::read_unpaired(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, true) => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, false) => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
@@ -588,7 +611,8 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
         DataSource::Preference(p) => match p.desirable() {
             Some(d) => {
                 let good = d.iter().filter(|&&x| x).count();
-                (format!("unpaired examples ({good} desirable, {} not) with their KL documents", d.len() - good), p.len(), p.token_count(), p.target_count())
+                let kl = if p.has_kl_documents() { " with their KL documents" } else { "" };
+                (format!("unpaired examples ({good} desirable, {} not){kl}", d.len() - good), p.len(), p.token_count(), p.target_count())
             }
             None => ("preference pairs".to_string(), p.len(), p.token_count(), p.target_count()),
         },

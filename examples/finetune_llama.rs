@@ -9,6 +9,7 @@
 //! cargo run --release --example finetune_llama -- --data sft.jsonl --sft --tokenizer tok.json --model DIR  # prompt / completion
 //! cargo run --release --example finetune_llama -- --data pairs.jsonl --dpo --beta 0.1 --model DIR --lora 16,32  # preference pairs
 //! cargo run --release --example finetune_llama -- --data examples.jsonl --kto --beta 0.1 --model DIR  # unpaired examples, labelled
+//! cargo run --release --example finetune_llama -- --data examples.jsonl --bco --model DIR     # the same by BCO
 //! cargo run --release --example finetune_llama -- --sliding-window 128   # Mistral-style window
 //! cargo run --release --example finetune_llama -- --qkv-bias    # Qwen2-style q, k, v biases
 //! cargo run --release --example finetune_llama -- --qk-norm     # Qwen3-style q / k head norms
@@ -260,10 +261,11 @@ fn main() -> Result<()> {
             true => Some(candle_cp_llama::train::DpoConfig {
                 beta: a.beta,
                 label_smoothing: a.dpo_label_smoothing,
-                loss: match (a.kto, a.dpo_loss.as_str()) {
+                loss: match (a.unpaired(), a.dpo_loss.as_str()) {
+                    (true, "sigmoid") if a.bco => candle_cp_llama::train::DpoLoss::Bco,
                     (true, "sigmoid") => candle_cp_llama::train::DpoLoss::Kto,
-                    (true, l) => bail!("--kto takes no --dpo-loss ({l})"),
-                    (false, "kto") => bail!("--dpo-loss kto: train by --kto (unpaired examples)"),
+                    (true, l) => bail!("{} takes no --dpo-loss ({l})", a.objective_flag()),
+                    (false, l @ ("kto" | "bco")) => bail!("--dpo-loss {l}: train by --{l} (unpaired examples)"),
                     (false, l) => l.parse()?,
                 },
                 simpo_gamma: a.simpo_gamma,
@@ -331,12 +333,12 @@ fn main() -> Result<()> {
             DataSource::Preference(s) => format!(
                 "{} {}{}",
                 s.len(),
-                if a.kto { "unpaired examples" } else { "preference pairs" },
+                if a.unpaired() { "unpaired examples" } else { "preference pairs" },
                 if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }
             ),
         };
         match &e.data {
-            DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else { "DPO" }),
+            DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else if a.bco { "BCO" } else { "DPO" }),
             _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
         }
     }
@@ -365,6 +367,12 @@ fn main() -> Result<()> {
             d.desirable_weight,
             d.undesirable_weight,
             if (1.0..=4.0 / 3.0).contains(&ratio) { "" } else { "; the KTO paper advises 1 to 4/3: set --desirable-weight / --undesirable-weight" },
+            d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),
+        );
+    } else if let Some(d) = cfg.dpo.as_ref().filter(|d| d.loss == candle_cp_llama::train::DpoLoss::Bco) {
+        say!(
+            "objective: BCO, beta {}, each example's reward against the running mean reward (updated by every micro-batch, kept in the checkpoints), against {}",
+            d.beta,
             d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),
         );
     } else if let Some(d) = &cfg.dpo {
@@ -509,6 +517,7 @@ fn main() -> Result<()> {
         let aux = m.router_aux_loss.map_or(String::new(), |x| format!("  aux {x:.4}"));
         let aux = aux + &m.dpo_accuracy.zip(m.dpo_margin).map_or(String::new(), |(acc, mg)| format!("  acc {acc:.2}  margin {mg:.3}"));
         let aux = aux + &m.kto_kl.map_or(String::new(), |k| format!("  kl {k:.3}"));
+        let aux = aux + &m.bco_delta.map_or(String::new(), |d| format!("  delta {d:.3}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

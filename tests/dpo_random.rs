@@ -3,7 +3,8 @@
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
 //! smoothing, robust, EXO, IPO, hinge, NCA, SPPO, APO-zero / -down, reference-free SimPO and
 //! ORPO; RPO's term or not; one in three of the others reference-free; KTO on the pairs
-//! unpaired, λ_U 1 or 1.5) follow the single-device run
+//! unpaired, λ_U 1 or 1.5; BCO on them unpaired without KL documents; bco_pair, whose running
+//! mean reward δ crosses micro-batches) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -22,8 +23,9 @@ const CONFIGS: u64 = 16;
 
 /// Byte-level pairs drawn from `seed`: a prompt of letters, the chosen answer its reverse in
 /// capitals, the rejected one random capitals (lengths drawn apart), each ended by EOS 2;
-/// `unpaired`: as KTO's examples (the chosen desirable, the rejected not).
-fn pairs(seed: u64, unpaired: bool) -> Result<PreferenceSet> {
+/// unpaired: as KTO's and BCO's examples (the chosen desirable, the rejected not; BCO's without
+/// KL documents).
+fn pairs(seed: u64, loss: DpoLoss) -> Result<PreferenceSet> {
     let mut r = Rng::new(seed);
     let mut text = String::new();
     for _ in 0..12 {
@@ -32,9 +34,10 @@ fn pairs(seed: u64, unpaired: bool) -> Result<PreferenceSet> {
         let rej: String = (0..1 + r.below(7)).map(|_| (b'A' + r.below(12) as u8) as char).collect();
         text.push_str(&format!("{{\"prompt\": \"{p}=\", \"chosen\": \"{c}\", \"rejected\": \"{rej}\"}}\n"));
     }
-    match unpaired {
-        true => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None),
-        false => PreferenceSet::read(&text, &bytes_of, Some(2), None),
+    match loss {
+        DpoLoss::Kto => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None),
+        DpoLoss::Bco => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None)?.without_kl_documents(),
+        _ => PreferenceSet::read(&text, &bytes_of, Some(2), None),
     }
 }
 
@@ -51,8 +54,10 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         DpoLoss::Simpo => 2.0,
         _ => pick(d, &[0.1, 0.5]),
     };
-    if loss == DpoLoss::Kto {
-        return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() };
+    match loss {
+        DpoLoss::Kto => return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() },
+        DpoLoss::Bco => return DpoConfig { beta, loss, ..DpoConfig::default() },
+        _ => {}
     }
     let reference_free = !matches!(loss, DpoLoss::Simpo | DpoLoss::Orpo) && pick(d, &[false, false, true]);
     DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, ..DpoConfig::default() }
@@ -67,7 +72,7 @@ fn random_dpo_runs_follow_one_device() -> Result<()> {
         let dpo = draw_objective(&mut d);
         let model = LlamaConfig::tiny(128, 32, pick(&mut d, &[1, 2]), 4, 2);
         let base = |layout: Layout| -> Result<TrainConfig> {
-            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed, dpo.loss == DpoLoss::Kto)?), 64, 3);
+            let mut c = TrainConfig::new(layout, ModelSource::Init(model.clone()), DataSource::Preference(pairs(seed, dpo.loss)?), 64, 3);
             (c.batch, c.grad_accum, c.seed, c.dpo) = (batch, grad_accum, seed, Some(dpo.clone()));
             c.schedule.peak = 5e-3;
             // (AdamW's epsilon 1e-6, as `train_draws::config` sets it: DiscoPOP's τ = 0.05 curves

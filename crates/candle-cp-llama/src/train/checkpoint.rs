@@ -38,6 +38,10 @@ pub struct TrainState {
     pub layout: String,
     /// Free-form run arguments, for the record.
     pub args: serde_json::Value,
+    /// BCO's running mean reward δ at this step ([`super::bco`]; absent for other runs and in
+    /// older checkpoints, which then resume from 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bco_mean: Option<super::bco::RunningMean>,
 }
 
 impl TrainState {
@@ -289,6 +293,7 @@ mod tests {
             world_size: 4,
             layout: "zigzag cp=4".into(),
             args: serde_json::json!({"lr": 1e-3}),
+            bco_mean: (step == 20).then_some(super::super::bco::RunningMean { mean: -0.25, count: 3.0 }),
         };
         assert_eq!(latest_checkpoint(&root)?, None);
         for step in [10, 20, 30] {
@@ -310,6 +315,10 @@ mod tests {
             .map(|(s, _)| s)
             .collect();
         assert_eq!(steps, [20, 30]);
+        // BCO's running mean round-trips; a state without one writes no key for it
+        let at20 = root.join(checkpoint_name(20)).join("train_state.json");
+        assert_eq!(TrainState::load(&at20)?, state(20));
+        assert!(!std::fs::read_to_string(latest.join("train_state.json"))?.contains("bco_mean"));
         std::fs::remove_dir_all(&root)?;
         Ok(())
     }

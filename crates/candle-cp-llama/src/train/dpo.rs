@@ -8,7 +8,8 @@
 //! ```
 //!
 //! (or robust DPO, EXO, IPO, the hinge, NCA, SPPO, APO-zero / -down, DiscoPOP, the reference-free SimPO
-//! and ORPO: [`DpoLoss`], [`super::dpo_loss`]; or KTO over unpaired examples: [`super::kto`]).
+//! and ORPO: [`DpoLoss`], [`super::dpo_loss`]; BCO's pair loss against a running mean reward:
+//! [`super::bco`]; or KTO and BCO over unpaired examples: [`super::kto`], [`super::bco`]).
 //!
 //! An answer's tokens lie on several ranks (CP cuts the row anywhere, DP holds other rows):
 //! each rank sums its tokens' log-probabilities per answer, the partial sums are added over
@@ -26,6 +27,7 @@ use candle_core::{bail, DType, Device, Result, Tensor};
 use candle_cp_comm::Group;
 
 pub use super::dpo_loss::DpoLoss;
+use super::bco::{Delta, RunningMean};
 use super::dpo_loss::pair_loss;
 
 /// DPO's settings.
@@ -47,13 +49,14 @@ pub struct DpoConfig {
     /// model when the policy starts elsewhere), loaded on the run's layout for the reference
     /// pass only. `None`: the model as the run starts.
     pub reference_model: Option<std::path::PathBuf>,
-    /// KTO's λ_D, the weight of a desirable example's loss (TRL's `desirable_weight`, 1).
+    /// KTO's λ_D, the weight of a desirable example's loss (TRL's `desirable_weight`, 1; 1 for
+    /// the other losses).
     pub desirable_weight: f64,
     /// KTO's λ_U, the weight of an undesirable example's loss (TRL's `undesirable_weight`, 1).
     pub undesirable_weight: f64,
     /// No reference model (TRL's `reference_free`): the reference log-probabilities taken as
     /// 0, no reference pass. With the sigmoid loss and [`DpoConfig::rpo_alpha`] 1 this is CPO's
-    /// objective (TRL's `CPOTrainer`). Not with KTO or a reference model.
+    /// objective (TRL's `CPOTrainer`). Not with KTO, BCO or a reference model.
     pub reference_free: bool,
     /// DiscoPOP's temperature τ (TRL's `discopop_tau`, 0.05).
     pub discopop_tau: f64,
@@ -75,7 +78,8 @@ impl DpoConfig {
     /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (only with the losses that take it,
     /// [`DpoLoss::takes_label_smoothing`]; above 0 with exo_pair), `rpo_alpha ≥ 0` (none with
     /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
-    /// reference-free loss and `reference_model` (KTO never reference-free).
+    /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
+    /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples).
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
@@ -98,14 +102,17 @@ impl DpoConfig {
         if !(self.discopop_tau > 0.0 && self.discopop_tau.is_finite()) {
             bail!("dpo: discopop_tau must be a positive number, got {}", self.discopop_tau)
         }
-        if self.reference_free && self.loss == DpoLoss::Kto {
-            bail!("dpo: the kto loss needs its reference (the KL estimate): not reference_free")
+        if self.reference_free && self.loss.unpaired() {
+            bail!("dpo: the {} loss needs its reference (its rewards against a baseline): not reference_free", self.loss.name())
         }
         if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
             bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
         }
-        if self.loss == DpoLoss::Kto && self.rpo_alpha > 0.0 {
-            bail!("dpo: the kto loss takes no rpo_alpha (its examples are not pairs)")
+        if self.loss.unpaired() && self.rpo_alpha > 0.0 {
+            bail!("dpo: the {} loss takes no rpo_alpha (its examples are not pairs)", self.loss.name())
+        }
+        if self.loss != DpoLoss::Kto && (self.desirable_weight != 1.0 || self.undesirable_weight != 1.0) {
+            bail!("dpo: desirable_weight and undesirable_weight are the kto loss's, not {}'s (got {} and {})", self.loss.name(), self.desirable_weight, self.undesirable_weight)
         }
         if !(self.desirable_weight > 0.0 && self.desirable_weight.is_finite() && self.undesirable_weight > 0.0 && self.undesirable_weight.is_finite()) {
             bail!("dpo: KTO's desirable and undesirable weights must be positive numbers, got {} and {}", self.desirable_weight, self.undesirable_weight)
@@ -123,19 +130,25 @@ pub struct DpoTerms {
     pub accuracy: f64,
     /// Mean reward margin `β·h` (chosen reward − rejected reward; KTO: [`super::kto::kto_terms`]).
     pub margin: f64,
-    /// KTO's KL estimate `z₀` (`None` for pairs).
+    /// KTO's KL estimate `z₀` (`None` for the other losses).
     pub kl: Option<f64>,
+    /// BCO's running mean reward δ as the loss used it ([`super::bco`]; `None` for the other
+    /// losses).
+    pub delta: Option<f64>,
     /// `∂loss / ∂log π(answer)` per answer, in the order of the log-probabilities given.
     pub d_logp: Vec<f64>,
 }
 
 /// DPO over `pairs` (indices of the chosen and the rejected answer into `policy`,
 /// `reference` — the answers' summed log-probabilities — and `lengths`, their scored tokens).
-/// Errors for [`DpoLoss::Kto`] (unpaired examples: [`super::kto::kto_terms`]) and for an
-/// answer index out of range.
+/// Errors for [`DpoLoss::Kto`], [`DpoLoss::Bco`] and [`DpoLoss::BcoPair`] (which need more than
+/// the pairs: [`super::kto::kto_terms`], [`super::bco::bco_terms`]) and for an answer index out
+/// of range.
 pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig) -> Result<DpoTerms> {
-    if cfg.loss == DpoLoss::Kto {
-        bail!("dpo_terms: the kto loss scores unpaired examples (kto_terms)")
+    match cfg.loss {
+        DpoLoss::Kto => bail!("dpo_terms: the kto loss scores unpaired examples (kto_terms)"),
+        l if l.running_mean() => bail!("dpo_terms: the {} loss scores against a running mean reward (bco_terms)", l.name()),
+        _ => {}
     }
     if let Some(&(c, r)) = pairs.iter().find(|&&(c, r)| c.max(r) >= policy.len().min(reference.len()).min(lengths.len())) {
         bail!("dpo_terms: answer {} of {} log-probabilities ({} reference, {} lengths)", c.max(r), policy.len(), reference.len(), lengths.len())
@@ -151,34 +164,45 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
         d_logp[c] += gc / n;
         d_logp[r] += gr / n;
     }
-    // RPO: α × the chosen answers' mean cross-entropy per scored token (ORPO's own: 1 ×)
+    add_rpo(policy, lengths, pairs, cfg, &mut loss, &mut d_logp);
+    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp })
+}
+
+/// RPO's term added to a pairs' loss and its derivatives: α × the chosen answers' mean
+/// cross-entropy per scored token (α [`DpoConfig::rpo_alpha`], plus ORPO's own 1).
+pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig, loss: &mut f64, d_logp: &mut [f64]) {
     let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
     if alpha > 0.0 {
         let tokens: f64 = pairs.iter().map(|&(c, _)| lengths[c]).sum::<f64>().max(1.0);
         for &(c, _) in pairs {
-            loss -= alpha * policy[c] / tokens;
+            *loss -= alpha * policy[c] / tokens;
             d_logp[c] -= alpha / tokens;
         }
     }
-    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, d_logp })
 }
 
-/// [`dpo_terms`] over pairs, or [`super::kto::kto_terms`] over unpaired examples: `policy` per
+/// [`dpo_terms`] over pairs, [`super::kto::kto_terms`] over unpaired examples or
+/// [`super::bco::bco_terms`] over either (with `delta`, BCO's running mean): `policy` per
 /// slot, `of` each slot's answer index into `answers`, `pairs` of slots (an example's first).
 /// Errors when the loss and the data disagree.
-fn terms(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig) -> Result<DpoTerms> {
+fn terms(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'_>>) -> Result<DpoTerms> {
     let pick = |v: &[f64], what: &str| -> Result<Vec<f64>> {
         of.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
     };
     let (reference, lengths) = (pick(&answers.reference, "reference log-probability")?, pick(&answers.lengths, "length")?);
+    let delta = || delta.ok_or_else(|| candle_core::Error::Msg(format!("dpo: the {} loss scores against its running mean reward, and none was given", cfg.loss.name())));
     match (&answers.desirable, cfg.loss) {
-        (Some(d), DpoLoss::Kto) => {
+        (Some(d), l) if l.unpaired() => {
             let label = |e: usize| d.get(of[e] / 2).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no label for example {}", of[e] / 2)));
             let labels: Vec<bool> = pairs.iter().map(|&(e, _)| label(e)).collect::<Result<_>>()?;
-            super::kto::kto_terms(policy, &reference, pairs, &labels, cfg)
+            match l {
+                DpoLoss::Kto => super::kto::kto_terms(policy, &reference, pairs, &labels, cfg),
+                _ => super::bco::bco_terms(policy, &reference, &lengths, pairs, Some(&labels), delta()?, cfg),
+            }
         }
-        (None, DpoLoss::Kto) => bail!("dpo: the kto loss trains on unpaired examples (PreferenceSet::from_unpaired, --kto data), not pairs"),
-        (Some(_), l) => bail!("dpo: unpaired (KTO) examples train by the kto loss, not {}", l.name()),
+        (None, l) if l.unpaired() => bail!("dpo: the {} loss trains on unpaired examples (PreferenceSet::from_unpaired, --kto / --bco data), not pairs", l.name()),
+        (Some(_), l) => bail!("dpo: unpaired examples train by the kto or bco loss, not {}", l.name()),
+        (None, DpoLoss::BcoPair) => super::bco::bco_terms(policy, &reference, &lengths, pairs, None, delta()?, cfg),
         (None, _) => dpo_terms(policy, &reference, &lengths, pairs, cfg),
     }
 }
@@ -262,8 +286,12 @@ impl DpoBatch {
         Ok(self.logps(&values, &labels, &marks, ctx, ctx.token_group())?.0)
     }
 
-    /// Pairs as (chosen slot, rejected slot).
-    fn pairs(&self) -> Result<Vec<(usize, usize)>> {
+    /// Pairs as (chosen slot, rejected slot); BCO's unpaired examples (`unpaired`) as (slot,
+    /// slot).
+    fn pairs(&self, unpaired: bool) -> Result<Vec<(usize, usize)>> {
+        if unpaired {
+            return Ok((0..self.answers.len()).map(|i| (i, i)).collect());
+        }
         let mut out = Vec::new();
         for (i, &a) in self.answers.iter().enumerate() {
             if a % 2 == 0 {
@@ -282,13 +310,15 @@ impl DpoBatch {
     /// a constant so that its value is the DPO loss; and the terms. `answers` holds every
     /// answer's reference log-probability and scored tokens, by the answer's index in the set.
     /// KTO: `kl`, the policy's log-probabilities of the batch's examples' KL documents
-    /// ([`KlLogps`]), each example paired with its own.
+    /// ([`KlLogps`]), each example paired with its own. BCO: `running`, δ, updated by the
+    /// micro-batch's mean reward before the loss.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>) -> Result<(Tensor, DpoTerms)> {
+    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>, running: &mut RunningMean) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let (policy, scored) = self.logps(&values, labels, marks, ctx, group)?;
         let terms = match kl {
-            None => terms(&policy, answers, &self.answers, &self.pairs()?, cfg)?,
+            None if cfg.loss == DpoLoss::Kto => bail!("kto: the micro-batch's KL documents were not scored (DpoRun::kl_logps)"),
+            None => terms(&policy, answers, &self.answers, &self.pairs(cfg.loss.unpaired())?, cfg, Some(Delta::Update(running)))?,
             Some(k) => {
                 // (the KL documents' slots after the examples': example j with its KL document)
                 let n = self.answers.len();
@@ -301,7 +331,7 @@ impl DpoBatch {
                     .collect::<Result<_>>()?;
                 let all: Vec<f64> = policy.iter().chain(&k.logps).copied().collect();
                 let of: Vec<usize> = self.answers.iter().chain(&k.answers).copied().collect();
-                terms(&all, answers, &of, &pairs, cfg)?
+                terms(&all, answers, &of, &pairs, cfg, None)?
             }
         };
         // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
@@ -342,7 +372,8 @@ pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: u
     while !rows.len().is_multiple_of(batch) {
         rows.push(pad()?);
     }
-    let mut out = vec![f64::NAN; 2 * set.len()];
+    // (a KL document the set never scores, BCO's: 0)
+    let mut out: Vec<f64> = (0..2 * set.len()).map(|d| if set.is_scored(d) { f64::NAN } else { 0.0 }).collect();
     model.set_lora_dropout(None)?;
     for chunk in rows.chunks(batch) {
         let b = DpoBatch::new(chunk, seq_len)?;
@@ -363,7 +394,8 @@ pub(crate) struct Answers {
     pub reference: Vec<f64>,
     /// Scored tokens ([`PreferenceSet::scored_lengths`]).
     pub lengths: Vec<f64>,
-    /// KTO: each example's label, by example ([`PreferenceSet::desirable`]); `None` for pairs.
+    /// KTO and BCO: each example's label, by example ([`PreferenceSet::desirable`]); `None` for
+    /// pairs.
     pub desirable: Option<Vec<bool>>,
 }
 
@@ -375,6 +407,9 @@ pub(crate) struct DpoRun {
     pub answers: Answers,
     /// The held-out pairs and their answers'.
     pub eval: Option<(PreferenceSet, Answers)>,
+    /// BCO's running mean reward δ ([`super::bco`]; unused by the other losses): from a
+    /// resumed checkpoint's [`super::TrainState::bco_mean`], else from 0.
+    pub running: RunningMean,
 }
 
 impl DpoRun {
@@ -392,14 +427,14 @@ impl DpoRun {
     }
 
     /// DPO's terms over every held-out pair under `model` as it is now (its log-probabilities
-    /// of the answers by [`answer_logps`], against the held-out reference); `None` without
-    /// held-out pairs. Collective over the world.
+    /// of the answers by [`answer_logps`], against the held-out reference; BCO's against δ as it
+    /// is, not updated); `None` without held-out pairs. Collective over the world.
     pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
         let Some((set, answers)) = &self.eval else { return Ok(None) };
         let policy = answer_logps(model, set, batch, seq_len, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
         let all: Vec<usize> = (0..2 * set.len()).collect();
-        Ok(Some(terms(&policy, answers, &all, &pairs, &self.cfg)?))
+        Ok(Some(terms(&policy, answers, &all, &pairs, &self.cfg, Some(Delta::Hold(self.running.mean)))?))
     }
 }
 
@@ -418,9 +453,11 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
     };
     dc.validate()?;
     let agree = |s: &PreferenceSet, what: &str| -> Result<()> {
-        match (s.desirable().is_some(), dc.loss == DpoLoss::Kto) {
-            (true, false) => bail!("train: the {what} are unpaired (KTO) examples: train them by the kto loss, not {}", dc.loss.name()),
-            (false, true) => bail!("train: the kto loss trains on unpaired examples (PreferenceSet::from_unpaired); the {what} are preference pairs"),
+        match (s.desirable().is_some(), dc.loss) {
+            (true, l) if !l.unpaired() => bail!("train: the {what} are unpaired examples: train them by the kto or bco loss, not {}", l.name()),
+            (false, l) if l.unpaired() => bail!("train: the {} loss trains on unpaired examples (PreferenceSet::from_unpaired); the {what} are preference pairs", l.name()),
+            (true, DpoLoss::Kto) if !s.has_kl_documents() => bail!("train: the kto loss needs the {what}'s KL documents (PreferenceSet::from_unpaired keeps them; not without_kl_documents)"),
+            (true, DpoLoss::Bco) if s.has_kl_documents() => bail!("train: the bco loss has no KL term: drop the {what}'s KL documents (PreferenceSet::without_kl_documents), which would take room in every row and a reference pass"),
             _ => Ok(()),
         }
     };
@@ -480,6 +517,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             Some(s) => Some((s.clone(), answers(s, "dpo_reference_eval.json")?)),
             None => None,
         },
+        running: RunningMean::default(),
     };
     Ok(Some(run))
 }

@@ -15,6 +15,7 @@
 //! discopop   (1 − σ(βh/τ))·softplus(−βh) + σ(βh/τ)·e^(−βh)          τ: DpoConfig::discopop_tau
 //! simpo      (1 − ε)·softplus(γ − βh̄) + ε·softplus(βh̄ − γ)   h̄ of the mean log-probabilities, no reference
 //! orpo       β·softplus(−log_odds) (+ the chosen answers' CE)        no reference
+//! bco_pair   softplus(−(βa − δ)) + softplus(βb − δ)     δ: the running mean reward (super::bco)
 //! ```
 
 use super::dpo::DpoConfig;
@@ -61,10 +62,18 @@ pub enum DpoLoss {
     /// not ([`super::PreferenceSet::from_unpaired`]), each against a KL baseline:
     /// [`super::kto`].
     Kto,
+    /// BCO's for pairs (TRL's `bco_pair`): each answer's reward `β·(log π − log π_ref)` against
+    /// δ, the running mean of the micro-batches' mean rewards ([`super::bco`]).
+    BcoPair,
+    /// BCO's (Jung et al. 2024, "Binary Classifier Optimization"; TRL's `BCOTrainer`):
+    /// unpaired examples labelled desirable or not, without KL documents
+    /// ([`super::PreferenceSet::without_kl_documents`]), each reward classified against δ:
+    /// [`super::bco`].
+    Bco,
 }
 
 /// Every loss by its name (TRL's `loss_type` names).
-pub const DPO_LOSSES: [(&str, DpoLoss); 13] = [
+pub const DPO_LOSSES: [(&str, DpoLoss); 15] = [
     ("sigmoid", DpoLoss::Sigmoid),
     ("robust", DpoLoss::Robust),
     ("exo_pair", DpoLoss::ExoPair),
@@ -78,6 +87,8 @@ pub const DPO_LOSSES: [(&str, DpoLoss); 13] = [
     ("simpo", DpoLoss::Simpo),
     ("orpo", DpoLoss::Orpo),
     ("kto", DpoLoss::Kto),
+    ("bco_pair", DpoLoss::BcoPair),
+    ("bco", DpoLoss::Bco),
 ];
 
 impl DpoLoss {
@@ -89,6 +100,16 @@ impl DpoLoss {
     /// Whether label smoothing ε applies to it (sigmoid, robust, exo_pair, simpo).
     pub fn takes_label_smoothing(self) -> bool {
         matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Simpo)
+    }
+
+    /// Whether it trains on unpaired examples (KTO, BCO) rather than preference pairs.
+    pub fn unpaired(self) -> bool {
+        matches!(self, Self::Kto | Self::Bco)
+    }
+
+    /// Whether it keeps a running mean reward across micro-batches (BCO's δ, [`super::bco`]).
+    pub fn running_mean(self) -> bool {
+        matches!(self, Self::Bco | Self::BcoPair)
     }
 }
 
@@ -117,7 +138,8 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
     }
 }
 
-/// One pair's loss (not [`DpoLoss::Kto`]'s: `NaN`) from the chosen and rejected answers'
+/// One pair's loss (not those of [`DpoLoss::Kto`], [`DpoLoss::Bco`] and [`DpoLoss::BcoPair`],
+/// which need the batch: `NaN`) from the chosen and rejected answers'
 /// summed log-probabilities under the policy (`pc`, `pr`) and the reference (`rc`, `rr`) and
 /// their scored tokens (`lc`, `lr`): `(h, loss, ∂loss/∂pc, ∂loss/∂pr)`, `h` the difference the
 /// reward accuracy and margin read (the log-ratios' — IPO's and SimPO's per token, ORPO's log
@@ -186,6 +208,6 @@ pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, l
             let dh = -beta * sigmoid(-ho);
             (ho, beta * softplus(-ho), dh * gc / lc, -dh * gr / lr)
         }
-        DpoLoss::Kto => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+        DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
     }
 }

@@ -93,7 +93,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                         -ls(z) * (1.0 - m) + (-z).exp() * m
                     }
                     DpoLoss::Orpo => -0.5 * ls(h),
-                    DpoLoss::Kto => f64::NAN, // (not among the cases: kto_terms)
+                    DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair => f64::NAN, // (not among the cases: kto_terms, bco_terms)
                 }
             })
             .sum::<f64>()
@@ -118,7 +118,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("bco".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto"));
+    assert!("bcx".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto, bco_pair, bco"));
     assert!(DpoConfig { loss: DpoLoss::ExoPair, ..DpoConfig::default() }.validate().unwrap_err().to_string().contains("exo_pair loss needs label_smoothing"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Robust, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::NcaPair, ..DpoConfig::default() }.validate().is_err());
@@ -139,7 +139,8 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
 /// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
 /// written with candle ops (log-probabilities summed per answer by a one-hot product) —
 /// DPO with label smoothing and RPO's term against a reference that differs from the policy,
-/// SimPO and ORPO — and its value is the loss; the scored tokens per answer are the set's lengths.
+/// SimPO, ORPO and bco_pair (δ, the first micro-batch's mean reward, a constant) — and its value
+/// is the loss; the scored tokens per answer are the set's lengths.
 #[test]
 fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
@@ -149,7 +150,8 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let sigmoid_rpo = DpoConfig { beta: 0.3, label_smoothing: 0.1, rpo_alpha: 0.4, ..DpoConfig::default() };
     let simpo = DpoConfig { beta: 2.0, loss: DpoLoss::Simpo, simpo_gamma: 0.5, ..DpoConfig::default() };
     let orpo = DpoConfig { beta: 0.5, loss: DpoLoss::Orpo, ..DpoConfig::default() };
-    for cfg in [sigmoid_rpo, simpo, orpo] {
+    let bco_pair = DpoConfig { beta: 0.5, loss: DpoLoss::BcoPair, rpo_alpha: 0.2, ..DpoConfig::default() };
+    for cfg in [sigmoid_rpo, simpo, orpo, bco_pair] {
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
@@ -166,7 +168,9 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
             // the linearised node
             let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
-            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None)?;
+            let mut running = crate::train::bco::RunningMean::default();
+            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            assert_eq!(terms.delta, cfg.loss.running_mean().then_some(running.mean));
             let g1 = loss.backward()?;
             // the loss by candle ops
             let n1 = nll()?;
@@ -189,7 +193,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
                 }
                 _ => (&logp - per_slot(&reference)?)?,
             };
-            let pairs = b.pairs()?;
+            let pairs = b.pairs(false)?;
             let idx = |f: fn(&(usize, usize)) -> usize| Tensor::from_vec(pairs.iter().map(|p| f(p) as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
             let mut z = ((ratio.index_select(&idx(|p| p.0)?, 0)? - ratio.index_select(&idx(|p| p.1)?, 0)?)? * cfg.beta)?;
             if cfg.loss == DpoLoss::Simpo {
@@ -198,6 +202,15 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
             let mut direct = match cfg.loss {
                 DpoLoss::Orpo => (softplus(&(&z / cfg.beta)?.neg()?)?.mean_all()? * cfg.beta)?,
+                DpoLoss::BcoPair => {
+                    // δ: the batch's mean reward over both answers of every pair (fresh running mean)
+                    let rewards = (&ratio * cfg.beta)?;
+                    let delta = rewards.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum::<f64>() / slots as f64;
+                    assert!((terms.delta.expect("delta") - delta).abs() < 1e-5 * delta.abs().max(1.0), "{terms:?} vs {delta}");
+                    let x = (rewards.index_select(&idx(|p| p.0)?, 0)? - delta)?;
+                    let y = (rewards.index_select(&idx(|p| p.1)?, 0)? - delta)?;
+                    (softplus(&x.neg()?)? + softplus(&y)?)?.mean_all()?
+                }
                 _ => ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?,
             };
             let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
@@ -269,9 +282,11 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
             reference[k] = q - 2.0 * u;
         }
         let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
-        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps))?;
+        let mut running = crate::train::bco::RunningMean::default();
+        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps), &mut running)?;
         // (without the KL rows the examples have no partner)
-        assert!(b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None).is_err());
+        assert!(b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
+        assert_eq!(running, crate::train::bco::RunningMean::default(), "KTO keeps no running mean");
         let g1 = loss.backward()?;
         let kl = terms.kl.expect("kl");
         assert!(kl > 0.2, "{terms:?}");
@@ -291,6 +306,62 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         let r = (logp.index_select(&examples, 0)? - per_example(&|a| reference[a] + kl)?)?;
         let x = ((r * per_example(&sign)?)? * cfg.beta)?;
         let direct = (per_example(&weight)? / (x.exp()? + 1.0)?)?.mean_all()?;
+        let lv = direct.to_scalar::<f32>()? as f64;
+        assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
+        worst_difference(&vm, &g1, &direct.backward()?)
+    });
+    let worst = out.into_iter().next().expect("one rank")?;
+    assert!(worst < 1e-4, "gradients differ by {worst} relative");
+    Ok(())
+}
+
+/// BCO (unpaired examples without KL documents, a reference that differs from the policy, a
+/// running mean that has seen two earlier micro-batches): rows pack examples only; the
+/// linearised node's value is the loss and its gradients equal autograd's gradients of BCO
+/// written with candle ops, δ (updated by this micro-batch's mean reward) a constant.
+#[test]
+fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
+    let set = PreferenceSet::read_unpaired(&pairs_text(8, 3), &bytes_of, Some(2), None)?.without_kl_documents()?;
+    let (seq, batch) = (64, 2);
+    let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
+    assert!(rows.iter().all(|(_, ids)| ids.iter().flatten().all(|d| d % 2 == 0)), "examples only");
+    let mcfg = model_cfg();
+    let cfg = DpoConfig { beta: 0.3, loss: DpoLoss::Bco, ..DpoConfig::default() };
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let b = DpoBatch::new(&rows, seq)?;
+        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, &labels, &marks, &ctx, ctx.token_group())?;
+        // the reference: the policy's own log-probabilities moved by −1..1
+        let mut rng = Rng::new(9);
+        let mut reference = vec![0.0; 2 * set.len()];
+        for (&a, &p) in b.answers.iter().zip(&policy) {
+            reference[a] = p - (2.0 * rng.below(1000) as f64 / 1000.0 - 1.0);
+        }
+        let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
+        let mut running = crate::train::bco::RunningMean::default();
+        running.update(0.4);
+        running.update(-0.1);
+        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+        let g1 = loss.backward()?;
+        let slots = b.answers.len();
+        let sign = |a: usize| if set.desirable().expect("labels")[a / 2] { 1.0 } else { -1.0 };
+        let rewards: Vec<f64> = b.answers.iter().zip(&policy).map(|(&a, &p)| cfg.beta * (p - reference[a])).collect();
+        let delta = (0.4 - 0.1 + rewards.iter().sum::<f64>() / slots as f64) / 3.0;
+        assert!((terms.delta.expect("delta") - delta).abs() < 1e-9 && running.mean == terms.delta.expect("delta"), "{terms:?} vs {delta}");
+        assert!(b.answers.iter().any(|&a| sign(a) > 0.0) && b.answers.iter().any(|&a| sign(a) < 0.0), "both labels in the batch");
+        // BCO by candle ops: x = ±(β·(log π − log π_ref) − δ), loss = mean of softplus(−x)
+        let n1 = nll()?;
+        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
+        let logp = n1.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)?;
+        let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(b.answers.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
+        let x = ((((logp - per_example(&|a| reference[a])?)? * cfg.beta)? - delta)? * per_example(&sign)?)?;
+        let direct = (x.neg()?.exp()? + 1.0)?.log()?.mean_all()?;
         let lv = direct.to_scalar::<f32>()? as f64;
         assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
         worst_difference(&vm, &g1, &direct.backward()?)

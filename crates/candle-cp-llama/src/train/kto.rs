@@ -61,7 +61,7 @@ pub fn kto_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], de
         right += (x > 0.0) as u8 as f64;
         margin += x;
     }
-    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: Some(kl), d_logp })
+    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: Some(kl), delta: None, d_logp })
 }
 
 #[cfg(test)]

@@ -65,6 +65,9 @@ pub struct StepMetrics {
     /// A KTO run's KL estimate `z₀` (mean over the step's micro-batches).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub kto_kl: Option<f64>,
+    /// A BCO run's running mean reward δ after the step's last micro-batch ([`crate::train::bco`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bco_delta: Option<f64>,
     /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
     /// that evaluate; `eval_loss` is then their DPO loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -201,6 +204,7 @@ mod tests {
             dpo_accuracy: step.is_multiple_of(4).then_some(0.5),
             dpo_margin: step.is_multiple_of(4).then_some(-0.25),
             kto_kl: step.is_multiple_of(8).then_some(0.125),
+            bco_delta: step.is_multiple_of(8).then_some(-0.375),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }

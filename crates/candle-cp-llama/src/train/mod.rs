@@ -1,6 +1,6 @@
 //! Training utilities for the fine-tuning example and for users' own training loops:
 //! seedable RNG ([`rng`]), synthetic long-range data and text streams ([`data`]), packed
-//! documents ([`packed_data`]), supervised and preference data ([`sft`], [`preference`]) and DPO and its variants ([`dpo`], KTO: [`kto`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
+//! documents ([`packed_data`]), supervised and preference data ([`sft`], [`preference`]) and DPO and its variants ([`dpo`], KTO: [`kto`], BCO: [`bco`]), AdamW with ZeRO-1 (bucketed reduce-scatter and all-gather) and
 //! saveable state ([`optim`]), warmup + cosine schedule ([`schedule`]), global-norm gradient
 //! clipping across ranks ([`clip`]), metrics log and peak memory ([`metrics`]), PNG loss plots
 //! ([`plot`]) and atomic checkpoints ([`checkpoint`]).
@@ -9,6 +9,7 @@ pub mod checkpoint;
 pub mod clip;
 mod config;
 mod expert_bias;
+pub mod bco;
 pub mod data;
 pub mod dpo;
 pub mod dpo_loss;

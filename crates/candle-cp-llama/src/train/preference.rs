@@ -37,6 +37,9 @@ pub struct PreferenceSet {
     docs: Vec<MarkedTokens>,
     /// KTO: per example, whether its completion is desirable (`None`: DPO pairs).
     desirable: Option<Vec<bool>>,
+    /// Unpaired examples: whether their KL documents are sampled and scored (KTO's; BCO
+    /// needs none: [`PreferenceSet::without_kl_documents`]).
+    kl: bool,
 }
 
 /// A sampled row and, per document of the row, its index in the set (`2·p` chosen, `2·p + 1`
@@ -63,7 +66,7 @@ impl PreferenceSet {
             docs.push(chosen);
             docs.push(rejected);
         }
-        Ok(Self { docs, desirable: None })
+        Ok(Self { docs, desirable: None, kl: false })
     }
 
     /// KTO's unpaired examples (each a document with its target marks and whether its
@@ -114,7 +117,7 @@ impl PreferenceSet {
             docs.push((t.clone(), m.clone()));
             docs.push(kl);
         }
-        Ok(Self { docs, desirable: Some(examples.iter().map(|(_, d)| *d).collect()) })
+        Ok(Self { docs, desirable: Some(examples.iter().map(|(_, d)| *d).collect()), kl: true })
     }
 
     /// KTO's unpaired examples of JSON lines `text` (blank lines skipped), each line one of
@@ -147,6 +150,29 @@ impl PreferenceSet {
     /// KTO: whether each example's completion is desirable, by example; `None` for DPO pairs.
     pub fn desirable(&self) -> Option<&[bool]> {
         self.desirable.as_deref()
+    }
+
+    /// Unpaired examples whose KL documents are never sampled nor scored (BCO's, which has no
+    /// KL term, [`super::bco`]): rows pack examples only, the reference pass scores examples
+    /// only (a KL document keeps its index `2·p + 1`, unused). Errors for preference pairs.
+    pub fn without_kl_documents(mut self) -> Result<Self> {
+        if self.desirable.is_none() {
+            bail!("PreferenceSet::without_kl_documents: preference pairs have no KL documents (unpaired examples do)")
+        }
+        self.kl = false;
+        Ok(self)
+    }
+
+    /// Whether the set's KL documents are sampled and scored (unpaired examples as
+    /// [`PreferenceSet::from_unpaired`] builds them; not after
+    /// [`PreferenceSet::without_kl_documents`], nor for pairs).
+    pub fn has_kl_documents(&self) -> bool {
+        self.desirable.is_some() && self.kl
+    }
+
+    /// Whether document `d` is ever sampled and scored (all but an unused KL document).
+    pub fn is_scored(&self, d: usize) -> bool {
+        self.desirable.is_none() || self.kl || d.is_multiple_of(2)
     }
 
     /// The pairs of JSON lines `text` (blank lines skipped), each line one of TRL's preference
@@ -198,7 +224,7 @@ impl PreferenceSet {
     /// takes a row of its own) when it does not fit in a row of `seq_len` tokens.
     pub fn check_fits(&self, seq_len: usize) -> Result<()> {
         if self.desirable.is_some() {
-            let (d, len) = self.docs.iter().enumerate().map(|(d, (t, _))| (d, t.len())).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
+            let (d, len) = self.docs.iter().enumerate().filter(|&(d, _)| self.is_scored(d)).map(|(d, (t, _))| (d, t.len())).max_by_key(|&(_, l)| l).unwrap_or((0, 0));
             if len > seq_len {
                 let which = if d % 2 == 0 { "" } else { "'s KL document" };
                 bail!("KTO example {}{which} has {len} tokens, more than a row of seq_len {seq_len}: a document is never cut (raise the sequence length or shorten the example)", d / 2)
@@ -216,9 +242,10 @@ impl PreferenceSet {
         Ok(())
     }
 
-    /// Number of tokens scored (the answers' targets) over the set.
+    /// Number of tokens scored (the answers' targets) over the set (not an unused KL
+    /// document's).
     pub fn target_count(&self) -> usize {
-        self.scored_lengths().iter().sum::<f64>() as usize
+        self.scored_lengths().iter().enumerate().filter(|&(d, _)| self.is_scored(d)).map(|(_, l)| l).sum::<f64>() as usize
     }
 
     /// Each answer's scored tokens, by answer index: its marked tokens after the document's
@@ -227,9 +254,9 @@ impl PreferenceSet {
         self.docs.iter().map(|(_, m)| m.iter().skip(1).filter(|&&x| x).count() as f64).collect()
     }
 
-    /// Total tokens of the set.
+    /// Total tokens of the set (not an unused KL document's).
     pub fn token_count(&self) -> usize {
-        self.docs.iter().map(|(t, _)| t.len()).sum()
+        self.docs.iter().enumerate().filter(|&(d, _)| self.is_scored(d)).map(|(_, (t, _))| t.len()).sum()
     }
 
     /// Largest token id + 1.
@@ -242,16 +269,32 @@ impl PreferenceSet {
         if range.start >= range.end || range.end > self.len() {
             bail!("PreferenceSet::subset: pairs {range:?} of {}", self.len())
         }
-        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec(), desirable: self.desirable.as_ref().map(|d| d[range].to_vec()) })
+        Ok(Self { docs: self.docs[2 * range.start..2 * range.end].to_vec(), desirable: self.desirable.as_ref().map(|d| d[range].to_vec()), kl: self.kl })
     }
 
     /// One row of `seq_len` tokens: whole pairs from a random one on (in order, wrapping
     /// around, each pair at most once), as many as fit, then the padding (KTO: the examples'
-    /// row of [`PreferenceSet::sample_split`]). Errors if the first pair does not fit
-    /// ([`PreferenceSet::check_fits`]).
+    /// row of [`PreferenceSet::sample_split`]; without KL documents, whole examples as pairs
+    /// are). Errors if the first pair does not fit ([`PreferenceSet::check_fits`]).
     pub fn sample(&self, seq_len: usize, rng: &mut Rng) -> Result<PreferenceRow> {
-        if self.desirable.is_some() {
+        if self.has_kl_documents() {
             return Ok(self.sample_split(seq_len, rng)?.0);
+        }
+        if self.desirable.is_some() {
+            let first = rng.below(self.len());
+            let (mut docs, mut len) = (Vec::new(), 0);
+            for i in 0..self.len() {
+                let d = 2 * ((first + i) % self.len());
+                if len + self.docs[d].0.len() > seq_len {
+                    break;
+                }
+                len += self.docs[d].0.len();
+                docs.push(d);
+            }
+            if docs.is_empty() {
+                self.check_fits(seq_len)?;
+            }
+            return self.pack_docs(&docs, seq_len);
         }
         let first = rng.below(self.len());
         let pairs: Vec<usize> = (0..self.len()).map(|i| (first + i) % self.len()).collect();
@@ -265,10 +308,14 @@ impl PreferenceSet {
     /// KTO: a row of examples and a row of their KL documents — the same examples, from a
     /// random one on (in order, wrapping around, each at most once), as many as both rows
     /// fit —, each padded. The trainer scores the KL row in a forward of its own, without
-    /// a backward ([`super::kto`]). Errors for pairs, or when the first example does not fit.
+    /// a backward ([`super::kto`]). Errors for pairs or a set without KL documents, or when
+    /// the first example does not fit.
     pub fn sample_split(&self, seq_len: usize, rng: &mut Rng) -> Result<(PreferenceRow, PreferenceRow)> {
         if self.desirable.is_none() {
             bail!("PreferenceSet::sample_split: preference pairs are sampled whole (sample)")
+        }
+        if !self.kl {
+            bail!("PreferenceSet::sample_split: the set's KL documents are not used (without_kl_documents): sample its examples alone (sample)")
         }
         let first = rng.below(self.len());
         let (mut examples, mut kl, mut a, mut b) = (Vec::new(), Vec::new(), 0, 0);
@@ -289,12 +336,13 @@ impl PreferenceSet {
     }
 
     /// Every pair once, in order, packed into rows of `seq_len` (the reference pass; KTO's
-    /// documents one by one, each example and KL document in the first row with room).
+    /// documents one by one, each example and KL document in the next row with room; without
+    /// KL documents, the examples alone).
     pub fn in_order(&self, seq_len: usize) -> Result<Vec<PreferenceRow>> {
         self.check_fits(seq_len)?;
         if self.desirable.is_some() {
             let (mut rows, mut row, mut len) = (Vec::new(), Vec::new(), 0);
-            for (d, (t, _)) in self.docs.iter().enumerate() {
+            for (d, (t, _)) in self.docs.iter().enumerate().filter(|&(d, _)| self.is_scored(d)) {
                 if len + t.len() > seq_len {
                     rows.push(self.pack_docs(&row, seq_len)?);
                     (row, len) = (Vec::new(), 0);
@@ -491,6 +539,31 @@ mod tests {
         // the reference pass: every document once, in order, one by one
         let all: Vec<usize> = s.in_order(longest)?.iter().flat_map(|(_, ids)| ids.iter().flatten().copied()).collect();
         assert_eq!(all, (0..8).collect::<Vec<_>>());
+        // without KL documents (BCO's): rows of examples alone, as many as fit; the reference
+        // pass, the counts and the fit check over examples only
+        let b = s.clone().without_kl_documents()?;
+        assert!(s.has_kl_documents() && !b.has_kl_documents() && (0..8).all(|d| b.is_scored(d) == (d % 2 == 0)));
+        let examples: Vec<usize> = (0..s.len()).map(|p| s.document(2 * p).0.len()).collect();
+        assert_eq!(b.token_count(), examples.iter().sum::<usize>());
+        assert_eq!(b.target_count(), (0..s.len()).map(|p| s.scored_lengths()[2 * p]).sum::<f64>() as usize);
+        let widest = *examples.iter().max().expect("examples");
+        for seed in 0..10 {
+            for seq in [widest, widest + 5, 2 * widest + 3] {
+                let (row, ids) = b.sample(seq, &mut Rng::new(seed))?;
+                let got: Vec<usize> = ids.iter().flatten().copied().collect();
+                assert!(!got.is_empty() && got.iter().all(|d| d % 2 == 0) && row.tokens.len() == seq, "{got:?}");
+                // as many as fit: the next example in order would not
+                let used: usize = got.iter().map(|&d| examples[d / 2]).sum();
+                let next = (got[got.len() - 1] / 2 + 1) % s.len();
+                assert!(got.len() == s.len() || used + examples[next] > seq, "{got:?} in {seq}");
+            }
+        }
+        let all: Vec<usize> = b.in_order(widest)?.iter().flat_map(|(_, ids)| ids.iter().flatten().copied()).collect();
+        assert_eq!(all, [0, 2, 4, 6]);
+        assert!(b.check_fits(widest).is_ok() && b.check_fits(widest - 1).is_err());
+        assert!(b.sample_split(3 * widest, &mut Rng::new(0)).unwrap_err().to_string().contains("not used"));
+        assert!(!b.subset(1..3)?.has_kl_documents());
+        assert!(PreferenceSet::read(&crate::train::dpo::tests::pairs_text(2, 1), &bytes_of, None, None)?.without_kl_documents().is_err());
         // the subset keeps the labels
         assert_eq!(s.subset(1..3)?.desirable(), Some(&[true, false][..]));
         assert!(PreferenceSet::read(text, &bytes_of, None, Some(ChatTemplate::ChatMl)).is_err());

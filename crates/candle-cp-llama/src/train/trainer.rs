@@ -339,7 +339,11 @@ pub fn train_rank(
 
     let is_main = rank == 0;
     // DPO: the reference log-probabilities of the model as the run starts (read back on resume)
-    let dpo = super::dpo::prepare(cfg, &model, &ctx, &dev, start_step > 0, is_main)?;
+    let mut dpo = super::dpo::prepare(cfg, &model, &ctx, &dev, start_step > 0, is_main)?;
+    // BCO: the running mean reward as the resumed checkpoint left it
+    if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
+        d.running = m;
+    }
     let metrics_path = cfg.out.as_ref().map(|o| o.join("metrics.jsonl"));
     let log = match (&metrics_path, is_main) {
         (Some(p), true) => {
@@ -352,7 +356,7 @@ pub fn train_rank(
         _ => None,
     };
 
-    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64| -> Result<()> {
+    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, bco_mean: Option<super::bco::RunningMean>| -> Result<()> {
         let Some(root) = &ckpt_root else {
             return Ok(());
         };
@@ -393,6 +397,7 @@ pub fn train_rank(
                 world_size: world.size(),
                 layout: cfg.layout.to_string(),
                 args: cfg.args.clone(),
+                bco_mean,
             };
             st.save(tmp.join("train_state.json"))
                 .map_err(|e| ioe("writing", &tmp, e))?;
@@ -452,11 +457,11 @@ pub fn train_rank(
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let nll = nll.flatten_all()?;
-            let loss = match &dpo {
+            let loss = match &mut dpo {
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref())?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref(), &mut d.running)?;
                     (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
                     l
                 }
@@ -577,6 +582,7 @@ pub fn train_rank(
             dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
             dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
             kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
+            bco_delta: dpo.as_ref().filter(|d| d.cfg.loss.running_mean()).map(|d| d.running.mean),
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {
@@ -609,6 +615,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
+                dpo.as_ref().filter(|d| d.cfg.loss.running_mean()).map(|d| d.running),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;
@@ -655,3 +662,7 @@ mod dpo_tests;
 #[cfg(test)]
 #[path = "trainer_kto_tests.rs"]
 mod kto_tests;
+
+#[cfg(test)]
+#[path = "trainer_bco_tests.rs"]
+mod bco_tests;

@@ -66,7 +66,7 @@ fn kto_starts_at_one_half_learns_and_matches_on_every_layout() -> Result<()> {
     // the loss and the data must agree
     let mut bad = kto_cfg(Layout::single(), 2, 1.0)?;
     bad.dpo = Some(DpoConfig::default());
-    assert!(run(&bad).unwrap_err().to_string().contains("train them by the kto loss"));
+    assert!(run(&bad).unwrap_err().to_string().contains("train them by the kto or bco loss"));
     let mut bad = kto_cfg(Layout::single(), 2, 1.0)?;
     bad.data = DataSource::Preference(PreferenceSet::read(&crate::train::dpo::tests::pairs_text(4, 1), &crate::train::sft::bytes_of, Some(2), None)?);
     assert!(run(&bad).unwrap_err().to_string().contains("are preference pairs"));
