@@ -17,7 +17,7 @@
 //! with a count of `P`; over equal per-process batches the running mean is the same as here,
 //! where the micro-batch's mean is over every DP rank's rows at once (DP = one device).
 //!
-//! δ is the run's state: the trainer carries it in [`super::DpoRun`], writes it into each
+//! δ is the run's state: the trainer carries it in its `DpoRun`, writes it into each
 //! checkpoint's `train_state.json` ([`super::TrainState::bco_mean`]) and a resumed run reads
 //! it back. Held-out evaluation scores against δ as it is, without updating it (as TRL's
 //! BCO evaluation; its DPO `bco_pair` updates δ in evaluation too).

@@ -18,7 +18,8 @@
 //! KTO's unpaired examples ([`PreferenceSet::from_unpaired`], [`super::kto`]) come in two rows
 //! ([`PreferenceSet::sample_split`]): the examples, and their KL documents (each example's
 //! prompt with another example's completion), whose log-probability ratios estimate the KL
-//! term in a forward without a backward.
+//! term in a forward without a backward. BCO's ([`super::bco`]) are KTO's without the KL
+//! documents ([`PreferenceSet::without_kl_documents`]): rows of examples alone.
 
 use super::data::Sample;
 use super::rng::Rng;
