@@ -118,11 +118,17 @@ pub(crate) struct Args {
     /// DPO's loss of a pair (TRL's loss_type names): sigmoid (DPO's), robust, exo_pair (needs
     /// --dpo-label-smoothing > 0), ipo (per-token log-ratios), hinge, nca_pair, sppo_hard,
     /// apo_zero, apo_down, discopop (--discopop-tau), bco_pair (each answer's reward against a
-    /// running mean reward), simpo (reference-free, the answers' mean log-probabilities, margin
+    /// running mean reward), aot_pair / aot (sorted over the batch), sft (the chosen answers'
+    /// cross-entropy), simpo (reference-free, the answers' mean log-probabilities, margin
     /// --simpo-gamma) or orpo (reference-free, the log odds ratio of the answers' mean
-    /// probabilities, times --beta, plus the chosen answers' cross-entropy).
+    /// probabilities, times --beta, plus the chosen answers' cross-entropy). Several, comma
+    /// separated, mix (TRL's loss_type list; MPO: sigmoid,bco_pair,sft with --dpo-loss-weights
+    /// 0.8,0.2,1).
     #[arg(long, default_value = "sigmoid")]
     pub(crate) dpo_loss: String,
+    /// The weights of a --dpo-loss mix, comma separated (default: 1 each).
+    #[arg(long, value_name = "W,..")]
+    pub(crate) dpo_loss_weights: Option<String>,
     /// SimPO's target margin γ (--dpo-loss simpo).
     #[arg(long, default_value_t = 0.5)]
     pub(crate) simpo_gamma: f64,
@@ -451,6 +457,26 @@ impl Args {
             "--dpo"
         }
     }
+}
+
+/// `--dpo-loss A,B,..` with `--dpo-loss-weights`: the losses mixed and their weights (empty for
+/// one loss without weights).
+pub(crate) fn dpo_mix(a: &Args) -> Result<Vec<(candle_cp_llama::train::DpoLoss, f64)>> {
+    let names: Vec<&str> = a.dpo_loss.split(',').map(str::trim).collect();
+    if names.len() == 1 && a.dpo_loss_weights.is_none() {
+        return Ok(Vec::new());
+    }
+    if !a.dpo {
+        bail!("--dpo-loss {} / --dpo-loss-weights mix DPO's pair losses: add --dpo", a.dpo_loss)
+    }
+    let weights: Vec<f64> = match &a.dpo_loss_weights {
+        None => vec![1.0; names.len()],
+        Some(w) => w.split(',').map(|x| x.trim().parse::<f64>().map_err(|e| anyhow::anyhow!("--dpo-loss-weights {w}: {x:?}: {e}"))).collect::<Result<_>>()?,
+    };
+    if weights.len() != names.len() {
+        bail!("--dpo-loss {} names {} losses, --dpo-loss-weights gives {} weights", a.dpo_loss, names.len(), weights.len())
+    }
+    names.iter().zip(weights).map(|(n, w)| Ok((n.parse::<candle_cp_llama::train::DpoLoss>()?, w))).collect()
 }
 
 pub(crate) fn layout(a: &Args) -> Result<Layout> {

@@ -41,7 +41,7 @@ use candle_cp_llama::train::{
 };
 use candle_cp_llama::{CpKind, LlamaConfig, RowSums};
 use clap::Parser;
-use args::{corpus_source, data_source, layout, Args};
+use args::{corpus_source, data_source, dpo_mix, layout, Args};
 use launch::Launch;
 use std::time::{Duration, Instant};
 
@@ -223,6 +223,7 @@ fn main() -> Result<()> {
     if a.overlap_param_gather && !(a.zero1 || a.zero2) {
         bail!("--overlap-param-gather overlaps ZeRO's all-gather of the updated parameters: add --zero1 or --zero2")
     }
+    let mix = dpo_mix(&a)?;
     let cfg = TrainConfig {
         layout,
         model,
@@ -261,13 +262,17 @@ fn main() -> Result<()> {
             true => Some(candle_cp_llama::train::DpoConfig {
                 beta: a.beta,
                 label_smoothing: a.dpo_label_smoothing,
-                loss: match (a.unpaired(), a.dpo_loss.as_str()) {
-                    (true, "sigmoid") if a.bco => candle_cp_llama::train::DpoLoss::Bco,
-                    (true, "sigmoid") => candle_cp_llama::train::DpoLoss::Kto,
-                    (true, l) => bail!("{} takes no --dpo-loss ({l})", a.objective_flag()),
-                    (false, l @ ("kto" | "bco")) => bail!("--dpo-loss {l}: train by --{l} (unpaired examples)"),
-                    (false, l) => l.parse()?,
+                loss: match mix.first() {
+                    Some(&(l, _)) => l,
+                    None => match (a.unpaired(), a.dpo_loss.as_str()) {
+                        (true, "sigmoid") if a.bco => candle_cp_llama::train::DpoLoss::Bco,
+                        (true, "sigmoid") => candle_cp_llama::train::DpoLoss::Kto,
+                        (true, l) => bail!("{} takes no --dpo-loss ({l})", a.objective_flag()),
+                        (false, l @ ("kto" | "bco")) => bail!("--dpo-loss {l}: train by --{l} (unpaired examples)"),
+                        (false, l) => l.parse()?,
+                    },
                 },
+                mix: mix.clone(),
                 simpo_gamma: a.simpo_gamma,
                 rpo_alpha: a.rpo_alpha,
                 reference_model: a.ref_model.clone(),
@@ -377,8 +382,11 @@ fn main() -> Result<()> {
         );
     } else if let Some(d) = &cfg.dpo {
         say!(
-            "objective: DPO ({} loss), beta {}{}{}, {}",
-            d.loss.name(),
+            "objective: DPO ({}), beta {}{}{}, {}",
+            match d.mix.is_empty() {
+                true => format!("{} loss", d.loss.name()),
+                false => d.mix.iter().map(|(l, w)| format!("{w} x {}", l.name())).collect::<Vec<_>>().join(" + "),
+            },
             d.beta,
             if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() },
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
@@ -386,6 +394,7 @@ fn main() -> Result<()> {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),
                 candle_cp_llama::train::DpoLoss::Orpo => "no reference (the log odds ratio of the answers' mean probabilities, plus the chosen answers' cross-entropy)".to_string(),
                 _ if d.reference_free => "no reference (--reference-free: the reference log-probabilities taken as 0)".to_string(),
+                _ if d.without_reference() => "no reference (the chosen answers' cross-entropy alone)".to_string(),
                 _ => format!(
                     "against {} (its log-probabilities of every answer computed before step 1, kept in {})",
                     d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),

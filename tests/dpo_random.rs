@@ -4,7 +4,8 @@
 //! smoothing, robust, EXO, IPO, hinge, NCA, SPPO, APO-zero / -down, reference-free SimPO and
 //! ORPO; RPO's term or not; one in three of the others reference-free; KTO on the pairs
 //! unpaired, λ_U 1 or 1.5; BCO on them unpaired without KL documents; bco_pair, whose running
-//! mean reward δ crosses micro-batches) follow the single-device run
+//! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
+//! quarter of the pair losses mixed with bco_pair and sft as MPO) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -46,7 +47,7 @@ fn pairs(seed: u64, loss: DpoLoss) -> Result<PreferenceSet> {
 fn draw_objective(d: &mut Rng) -> DpoConfig {
     let loss = pick(d, &candle_cp_llama::train::dpo_loss::DPO_LOSSES.map(|(_, l)| l));
     let smoothing = match loss {
-        DpoLoss::Sigmoid | DpoLoss::Simpo | DpoLoss::Robust => pick(d, &[0.0, 0.1]),
+        DpoLoss::Sigmoid | DpoLoss::Simpo | DpoLoss::Robust | DpoLoss::AotPair | DpoLoss::Aot => pick(d, &[0.0, 0.1]),
         DpoLoss::ExoPair => pick(d, &[1e-3, 0.1]),
         _ => 0.0,
     };
@@ -60,7 +61,12 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         _ => {}
     }
     let reference_free = !matches!(loss, DpoLoss::Simpo | DpoLoss::Orpo) && pick(d, &[false, false, true]);
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, ..DpoConfig::default() }
+    // one in four of the mixable losses mixed with bco_pair and sft, as MPO (weights drawn)
+    let mix = match !matches!(loss, DpoLoss::Simpo | DpoLoss::Orpo | DpoLoss::BcoPair | DpoLoss::Sft) && pick(d, &[false, false, false, true]) {
+        true => vec![(loss, pick(d, &[0.8, 1.0])), (DpoLoss::BcoPair, pick(d, &[0.2, 0.5])), (DpoLoss::Sft, pick(d, &[0.5, 1.0]))],
+        false => Vec::new(),
+    };
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, mix, ..DpoConfig::default() }
 }
 
 #[test]

@@ -28,98 +28,9 @@ use candle_cp_comm::Group;
 
 pub use super::dpo_loss::DpoLoss;
 use super::bco::{Delta, RunningMean};
-use super::dpo_loss::pair_loss;
+use super::dpo_loss::{aot_loss, pair_loss};
 
-/// DPO's settings.
-#[derive(Debug, Clone, PartialEq)]
-pub struct DpoConfig {
-    /// β: how far the policy may move from the reference (TRL's default 0.1).
-    pub beta: f64,
-    /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO;
-    /// the sigmoid, robust, exo_pair and simpo losses).
-    pub label_smoothing: f64,
-    /// The loss of a pair.
-    pub loss: DpoLoss,
-    /// SimPO's target margin γ (TRL's `simpo_gamma`, 0.5 there).
-    pub simpo_gamma: f64,
-    /// α of RPO (Pang et al.; TRL's `rpo_alpha`): `α ×` the chosen answers' mean cross-entropy
-    /// per scored token added to the loss (0: none).
-    pub rpo_alpha: f64,
-    /// The reference model: a Hugging Face checkpoint directory (TRL's `ref_model`; e.g. the SFT
-    /// model when the policy starts elsewhere), loaded on the run's layout for the reference
-    /// pass only. `None`: the model as the run starts.
-    pub reference_model: Option<std::path::PathBuf>,
-    /// KTO's λ_D, the weight of a desirable example's loss (TRL's `desirable_weight`, 1; 1 for
-    /// the other losses).
-    pub desirable_weight: f64,
-    /// KTO's λ_U, the weight of an undesirable example's loss (TRL's `undesirable_weight`, 1).
-    pub undesirable_weight: f64,
-    /// No reference model (TRL's `reference_free`): the reference log-probabilities taken as
-    /// 0, no reference pass. With the sigmoid loss and [`DpoConfig::rpo_alpha`] 1 this is CPO's
-    /// objective (TRL's `CPOTrainer`). Not with KTO, BCO or a reference model.
-    pub reference_free: bool,
-    /// DiscoPOP's temperature τ (TRL's `discopop_tau`, 0.05).
-    pub discopop_tau: f64,
-}
-
-impl Default for DpoConfig {
-    fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05 }
-    }
-}
-
-impl DpoConfig {
-    /// Whether the run has no reference (SimPO, ORPO, or [`DpoConfig::reference_free`]): no
-    /// reference pass.
-    pub fn without_reference(&self) -> bool {
-        self.reference_free || matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo)
-    }
-
-    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (only with the losses that take it,
-    /// [`DpoLoss::takes_label_smoothing`]; above 0 with exo_pair), `rpo_alpha ≥ 0` (none with
-    /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
-    /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
-    /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples).
-    pub fn validate(&self) -> Result<()> {
-        if !(self.beta > 0.0 && self.beta.is_finite()) {
-            bail!("dpo: beta must be a positive number, got {}", self.beta)
-        }
-        if !(0.0..0.5).contains(&self.label_smoothing) {
-            bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
-        }
-        if self.label_smoothing > 0.0 && !self.loss.takes_label_smoothing() {
-            bail!("dpo: label smoothing is the sigmoid, robust, exo_pair and simpo losses'; the {} loss takes none", self.loss.name())
-        }
-        if self.loss == DpoLoss::ExoPair && self.label_smoothing <= 0.0 {
-            bail!("dpo: the exo_pair loss needs label_smoothing in (0, 0.5) (its log ε; TRL advises 1e-3)")
-        }
-        if self.without_reference() && self.reference_model.is_some() {
-            match self.reference_free {
-                true => bail!("dpo: reference_free and a reference model: give one"),
-                false => bail!("dpo: the {} loss takes no reference model", self.loss.name()),
-            }
-        }
-        if !(self.discopop_tau > 0.0 && self.discopop_tau.is_finite()) {
-            bail!("dpo: discopop_tau must be a positive number, got {}", self.discopop_tau)
-        }
-        if self.reference_free && self.loss.unpaired() {
-            bail!("dpo: the {} loss needs its reference (its rewards against a baseline): not reference_free", self.loss.name())
-        }
-        if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
-            bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
-        }
-        if self.loss.unpaired() && self.rpo_alpha > 0.0 {
-            bail!("dpo: the {} loss takes no rpo_alpha (its examples are not pairs)", self.loss.name())
-        }
-        if self.loss != DpoLoss::Kto && (self.desirable_weight != 1.0 || self.undesirable_weight != 1.0) {
-            bail!("dpo: desirable_weight and undesirable_weight are the kto loss's, not {}'s (got {} and {})", self.loss.name(), self.desirable_weight, self.undesirable_weight)
-        }
-        if !(self.desirable_weight > 0.0 && self.desirable_weight.is_finite() && self.undesirable_weight > 0.0 && self.undesirable_weight.is_finite()) {
-            bail!("dpo: KTO's desirable and undesirable weights must be positive numbers, got {} and {}", self.desirable_weight, self.undesirable_weight)
-        }
-        Ok(())
-    }
-}
+pub use super::dpo_config::DpoConfig;
 
 /// The loss of a batch of pairs and what it reports.
 #[derive(Debug, Clone, PartialEq)]
@@ -156,22 +67,36 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
     let n = pairs.len().max(1) as f64;
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
-    for &(c, r) in pairs {
-        let (h, l, gc, gr) = pair_loss(cfg, policy[c], policy[r], reference[c], reference[r], lengths[c], lengths[r]);
-        loss += l / n;
-        right += (h > 0.0) as u8 as f64;
-        margin += cfg.beta * h;
-        d_logp[c] += gc / n;
-        d_logp[r] += gr / n;
+    match cfg.loss {
+        // (rewards 0: no accuracy, no margin; its term is RPO's with α 1, below)
+        DpoLoss::Sft => {}
+        DpoLoss::AotPair | DpoLoss::Aot => {
+            (loss, d_logp) = aot_loss(cfg, cfg.loss, policy, reference, pairs).ok_or_else(|| candle_core::Error::Msg("dpo_terms: not an aot loss".into()))?;
+            for &(c, r) in pairs {
+                let h = (policy[c] - reference[c]) - (policy[r] - reference[r]);
+                right += (h > 0.0) as u8 as f64;
+                margin += cfg.beta * h;
+            }
+        }
+        _ => {
+            for &(c, r) in pairs {
+                let (h, l, gc, gr) = pair_loss(cfg, policy[c], policy[r], reference[c], reference[r], lengths[c], lengths[r]);
+                loss += l / n;
+                right += (h > 0.0) as u8 as f64;
+                margin += cfg.beta * h;
+                d_logp[c] += gc / n;
+                d_logp[r] += gr / n;
+            }
+        }
     }
     add_rpo(policy, lengths, pairs, cfg, &mut loss, &mut d_logp);
     Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp })
 }
 
 /// RPO's term added to a pairs' loss and its derivatives: α × the chosen answers' mean
-/// cross-entropy per scored token (α [`DpoConfig::rpo_alpha`], plus ORPO's own 1).
+/// cross-entropy per scored token (α [`DpoConfig::rpo_alpha`], plus ORPO's and sft's own 1).
 pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig, loss: &mut f64, d_logp: &mut [f64]) {
-    let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
+    let alpha = cfg.rpo_alpha + if matches!(cfg.loss, DpoLoss::Orpo | DpoLoss::Sft) { 1.0 } else { 0.0 };
     if alpha > 0.0 {
         let tokens: f64 = pairs.iter().map(|&(c, _)| lengths[c]).sum::<f64>().max(1.0);
         for &(c, _) in pairs {
@@ -185,26 +110,58 @@ pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)],
 /// [`super::bco::bco_terms`] over either (with `delta`, BCO's running mean): `policy` per
 /// slot, `of` each slot's answer index into `answers`, `pairs` of slots (an example's first).
 /// Errors when the loss and the data disagree.
-fn terms(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'_>>) -> Result<DpoTerms> {
+fn terms<'a>(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'a>>) -> Result<DpoTerms> {
     let pick = |v: &[f64], what: &str| -> Result<Vec<f64>> {
         of.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
     };
     let (reference, lengths) = (pick(&answers.reference, "reference log-probability")?, pick(&answers.lengths, "length")?);
-    let delta = || delta.ok_or_else(|| candle_core::Error::Msg(format!("dpo: the {} loss scores against its running mean reward, and none was given", cfg.loss.name())));
+    let given = delta;
+    let delta = |d: Option<Delta<'a>>| d.ok_or_else(|| candle_core::Error::Msg(format!("dpo: the {} loss scores against its running mean reward, and none was given", cfg.loss.name())));
     match (&answers.desirable, cfg.loss) {
         (Some(d), l) if l.unpaired() => {
             let label = |e: usize| d.get(of[e] / 2).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no label for example {}", of[e] / 2)));
             let labels: Vec<bool> = pairs.iter().map(|&(e, _)| label(e)).collect::<Result<_>>()?;
             match l {
                 DpoLoss::Kto => super::kto::kto_terms(policy, &reference, pairs, &labels, cfg),
-                _ => super::bco::bco_terms(policy, &reference, &lengths, pairs, Some(&labels), delta()?, cfg),
+                _ => super::bco::bco_terms(policy, &reference, &lengths, pairs, Some(&labels), delta(given)?, cfg),
             }
         }
         (None, l) if l.unpaired() => bail!("dpo: the {} loss trains on unpaired examples (PreferenceSet::from_unpaired, --kto / --bco data), not pairs", l.name()),
         (Some(_), l) => bail!("dpo: unpaired examples train by the kto or bco loss, not {}", l.name()),
-        (None, DpoLoss::BcoPair) => super::bco::bco_terms(policy, &reference, &lengths, pairs, None, delta()?, cfg),
+        (None, _) if !cfg.mix.is_empty() => mixed_terms(policy, &reference, &lengths, pairs, cfg, given),
+        (None, DpoLoss::BcoPair) => super::bco::bco_terms(policy, &reference, &lengths, pairs, None, delta(given)?, cfg),
         (None, _) => dpo_terms(policy, &reference, &lengths, pairs, cfg),
     }
+}
+
+/// [`DpoConfig::mix`]'s objective over pairs: `Σ wᵢ·lossᵢ` and its derivatives (bco_pair's with
+/// `delta`), RPO's term once; `margin` the weighted sum of the losses' margins and `accuracy`
+/// the first loss's other than sft (TRL adds the losses' rewards weighted, sft's being 0),
+/// `delta` bco_pair's.
+pub fn mixed_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig, mut delta: Option<Delta<'_>>) -> Result<DpoTerms> {
+    let mut out = DpoTerms { loss: 0.0, accuracy: 0.0, margin: 0.0, kl: None, delta: None, d_logp: vec![0.0; policy.len()] };
+    let mut accuracy = None;
+    for (l, w) in cfg.losses() {
+        let one = DpoConfig { loss: l, rpo_alpha: 0.0, mix: Vec::new(), ..cfg.clone() };
+        let t = match l {
+            DpoLoss::BcoPair => {
+                let d = delta.take().ok_or_else(|| candle_core::Error::Msg("dpo: the bco_pair loss scores against its running mean reward, and none was given".into()))?;
+                super::bco::bco_terms(policy, reference, lengths, pairs, None, d, &one)?
+            }
+            _ => dpo_terms(policy, reference, lengths, pairs, &one)?,
+        };
+        out.loss += w * t.loss;
+        out.margin += w * t.margin;
+        out.delta = out.delta.or(t.delta);
+        if l != DpoLoss::Sft {
+            accuracy = accuracy.or(Some(t.accuracy));
+        }
+        out.d_logp.iter_mut().zip(&t.d_logp).for_each(|(a, b)| *a += w * b);
+    }
+    out.accuracy = accuracy.unwrap_or(0.0);
+    let rpo = DpoConfig { loss: DpoLoss::Sigmoid, ..cfg.clone() };
+    add_rpo(policy, lengths, pairs, &rpo, &mut out.loss, &mut out.d_logp);
+    Ok(out)
 }
 
 /// One micro-batch of preference rows as the trainer feeds it: ids and target marks

@@ -16,7 +16,14 @@
 //! simpo      (1 − ε)·softplus(γ − βh̄) + ε·softplus(βh̄ − γ)   h̄ of the mean log-probabilities, no reference
 //! orpo       β·softplus(−log_odds) (+ the chosen answers' CE)        no reference
 //! bco_pair   softplus(−(βa − δ)) + softplus(βb − δ)     δ: the running mean reward (super::bco)
+//! aot_pair   the sigmoid loss of β·(a₍ₖ₎ − b₍ₖ₎)        a₍ₖ₎, b₍ₖ₎: the k-th smallest over the batch
+//! aot        the sigmoid loss of β·(l₍ₖ₎ − l̃₍ₖ₎)        l = pc − pr, l̃ = rc − rr, each sorted
+//! sft        the chosen answers' mean cross-entropy per scored token (no preference)
 //! ```
+//!
+//! bco_pair, aot_pair, aot and sft need the whole batch ([`super::dpo::dpo_terms`],
+//! [`super::bco`]); the others are per pair. Losses mix as TRL's `loss_type` lists with
+//! `loss_weights` do ([`super::DpoConfig::mix`]; MPO: sigmoid 0.8, bco_pair 0.2, sft 1).
 
 use super::dpo::DpoConfig;
 use candle_core::{bail, Result};
@@ -70,10 +77,20 @@ pub enum DpoLoss {
     /// ([`super::PreferenceSet::without_kl_documents`]), each reward classified against δ:
     /// [`super::bco`].
     Bco,
+    /// AOT's (Melnyk et al. 2024, "Distributional Preference Alignment of LLMs via Optimal
+    /// Transport") for paired data: the batch's chosen log-ratios and rejected log-ratios each
+    /// sorted, the sigmoid loss (with label smoothing) of `β·(a₍ₖ₎ − b₍ₖ₎)` per rank `k`.
+    AotPair,
+    /// AOT's for unpaired data: the batch's policy log-odds `pc − pr` and reference log-odds
+    /// `rc − rr` each sorted, the sigmoid loss of `β·(l₍ₖ₎ − l̃₍ₖ₎)` per rank `k`.
+    Aot,
+    /// The chosen answers' mean cross-entropy per scored token (TRL's `sft` loss type: MPO's
+    /// generation term in a [`super::DpoConfig::mix`]); no preference, rewards 0.
+    Sft,
 }
 
 /// Every loss by its name (TRL's `loss_type` names).
-pub const DPO_LOSSES: [(&str, DpoLoss); 15] = [
+pub const DPO_LOSSES: [(&str, DpoLoss); 18] = [
     ("sigmoid", DpoLoss::Sigmoid),
     ("robust", DpoLoss::Robust),
     ("exo_pair", DpoLoss::ExoPair),
@@ -89,6 +106,9 @@ pub const DPO_LOSSES: [(&str, DpoLoss); 15] = [
     ("kto", DpoLoss::Kto),
     ("bco_pair", DpoLoss::BcoPair),
     ("bco", DpoLoss::Bco),
+    ("aot_pair", DpoLoss::AotPair),
+    ("aot", DpoLoss::Aot),
+    ("sft", DpoLoss::Sft),
 ];
 
 impl DpoLoss {
@@ -97,9 +117,16 @@ impl DpoLoss {
         DPO_LOSSES.iter().find(|(_, l)| *l == self).map_or("?", |(n, _)| n)
     }
 
-    /// Whether label smoothing ε applies to it (sigmoid, robust, exo_pair, simpo).
+    /// Whether label smoothing ε applies to it (sigmoid, robust, exo_pair, simpo, aot_pair,
+    /// aot).
     pub fn takes_label_smoothing(self) -> bool {
-        matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Simpo)
+        matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Simpo | Self::AotPair | Self::Aot)
+    }
+
+    /// Whether a pair's loss depends on the other pairs of the batch (bco_pair, aot_pair, aot,
+    /// sft): [`pair_loss`] gives `NaN` for these.
+    pub fn batch_wide(self) -> bool {
+        matches!(self, Self::BcoPair | Self::AotPair | Self::Aot | Self::Sft)
     }
 
     /// Whether it trains on unpaired examples (KTO, BCO) rather than preference pairs.
@@ -138,7 +165,54 @@ pub(crate) fn sigmoid(x: f64) -> f64 {
     }
 }
 
-/// One pair's loss (not those of [`DpoLoss::Kto`], [`DpoLoss::Bco`] and [`DpoLoss::BcoPair`],
+/// AOT's loss over `pairs` (chosen, rejected answer indices into `policy` and `reference`):
+/// [`DpoLoss::AotPair`] or [`DpoLoss::Aot`], the mean over sorted ranks `k` of the sigmoid loss
+/// (label smoothing ε) of `β·δ₍ₖ₎`, and its derivatives by answer index (each rank's through the
+/// pair that holds the k-th smallest value; ties in pair order, as a stable sort). `None` for
+/// another loss.
+pub(crate) fn aot_loss(cfg: &DpoConfig, loss: DpoLoss, policy: &[f64], reference: &[f64], pairs: &[(usize, usize)]) -> Option<(f64, Vec<f64>)> {
+    let (eps, beta) = (cfg.label_smoothing, cfg.beta);
+    let n = pairs.len().max(1) as f64;
+    let sorted = |v: Vec<f64>| -> (Vec<f64>, Vec<usize>) {
+        let mut idx: Vec<usize> = (0..v.len()).collect();
+        idx.sort_by(|&i, &j| v[i].total_cmp(&v[j]).then(i.cmp(&j)));
+        (idx.iter().map(|&i| v[i]).collect(), idx)
+    };
+    let (c, r) = (|p: &(usize, usize)| p.0, |p: &(usize, usize)| p.1);
+    let ratio = |f: &dyn Fn(&(usize, usize)) -> usize| -> Vec<f64> { pairs.iter().map(|p| policy[f(p)] - reference[f(p)]).collect() };
+    // (x sorted, its pairs' order; y sorted, its pairs' order; whether y's order is x's: aot)
+    let ((x, ix), (y, iy)) = match loss {
+        DpoLoss::AotPair => (sorted(ratio(&c)), sorted(ratio(&r))),
+        DpoLoss::Aot => {
+            let policy_odds = pairs.iter().map(|&(a, b)| policy[a] - policy[b]).collect();
+            let reference_odds = pairs.iter().map(|&(a, b)| reference[a] - reference[b]).collect();
+            (sorted(policy_odds), sorted(reference_odds))
+        }
+        _ => return None,
+    };
+    let (mut total, mut d) = (0.0, vec![0.0; policy.len()]);
+    for k in 0..pairs.len() {
+        let z = beta * (x[k] - y[k]);
+        total += ((1.0 - eps) * softplus(-z) + eps * softplus(z)) / n;
+        let dz = beta * (-(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z)) / n;
+        let (pc, pr) = pairs[ix[k]];
+        match loss {
+            // x: the chosen log-ratios, y: the rejected ones (through the pair at y's rank)
+            DpoLoss::AotPair => {
+                d[pc] += dz;
+                d[pairs[iy[k]].1] -= dz;
+            }
+            // x: the policy's log-odds pc − pr; y: the reference's, a constant
+            _ => {
+                d[pc] += dz;
+                d[pr] -= dz;
+            }
+        }
+    }
+    Some((total, d))
+}
+
+/// One pair's loss (not those of the unpaired losses and of [`DpoLoss::batch_wide`] ones,
 /// which need the batch: `NaN`) from the chosen and rejected answers'
 /// summed log-probabilities under the policy (`pc`, `pr`) and the reference (`rc`, `rr`) and
 /// their scored tokens (`lc`, `lr`): `(h, loss, ∂loss/∂pc, ∂loss/∂pr)`, `h` the difference the
@@ -208,6 +282,6 @@ pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, l
             let dh = -beta * sigmoid(-ho);
             (ho, beta * softplus(-ho), dh * gc / lc, -dh * gr / lr)
         }
-        DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+        DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
     }
 }

@@ -93,7 +93,8 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                         -ls(z) * (1.0 - m) + (-z).exp() * m
                     }
                     DpoLoss::Orpo => -0.5 * ls(h),
-                    DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair => f64::NAN, // (not among the cases: kto_terms, bco_terms)
+                    // (not among the cases: kto_terms, bco_terms, batch_losses_match_trls_formulas)
+                    DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => f64::NAN,
                 }
             })
             .sum::<f64>()
@@ -118,7 +119,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("bcx".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto, bco_pair, bco"));
+    assert!("bcx".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto, bco_pair, bco, aot_pair, aot, sft"));
     assert!(DpoConfig { loss: DpoLoss::ExoPair, ..DpoConfig::default() }.validate().unwrap_err().to_string().contains("exo_pair loss needs label_smoothing"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Robust, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::NcaPair, ..DpoConfig::default() }.validate().is_err());
@@ -136,11 +137,118 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     Ok(())
 }
 
+/// The losses over the whole batch against TRL's formulas written out — aot_pair and aot
+/// (each of the two sequences sorted on its own, with label smoothing), sft (the chosen answers'
+/// mean cross-entropy, rewards 0) — and a mix (MPO's sigmoid 0.8 + bco_pair 0.2 + sft 1, with
+/// RPO's α once) as the weighted sum of its losses; derivatives against central differences
+/// (bco_pair's δ held); the mix's refusals.
+#[test]
+fn batch_losses_match_trls_formulas() -> Result<()> {
+    use crate::train::bco::{Delta, RunningMean};
+    let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.6, -4.0, -4.2];
+    let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0, -3.0, -5.0];
+    let lengths = [3.0, 5.0, 2.0, 2.0, 6.0, 4.0, 3.0, 1.0];
+    let pairs = [(0, 1), (2, 3), (4, 5), (6, 7)];
+    let ls = |z: f64| -softplus(-z);
+    let sorted = |mut v: Vec<f64>| {
+        v.sort_by(f64::total_cmp);
+        v
+    };
+    let a: Vec<f64> = pairs.iter().map(|&(c, _)| policy[c] - reference[c]).collect();
+    let b: Vec<f64> = pairs.iter().map(|&(_, r)| policy[r] - reference[r]).collect();
+    let chosen_ce = -(policy[0] + policy[2] + policy[4] + policy[6]) / (lengths[0] + lengths[2] + lengths[4] + lengths[6]);
+    let fd_check = |cfg: &DpoConfig, t: &DpoTerms, held: f64| -> Result<()> {
+        let at = |p: &[f64]| -> Result<f64> {
+            Ok(match cfg.mix.is_empty() {
+                true => dpo_terms(p, &reference, &lengths, &pairs, cfg)?.loss,
+                false => super::mixed_terms(p, &reference, &lengths, &pairs, cfg, Some(Delta::Hold(held)))?.loss,
+            })
+        };
+        for i in 0..policy.len() {
+            let h = 1e-6;
+            let (mut x, mut y) = (policy, policy);
+            x[i] += h;
+            y[i] -= h;
+            let fd = (at(&x)? - at(&y)?) / (2.0 * h);
+            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{cfg:?} answer {i}: {fd} vs {}", t.d_logp[i]);
+        }
+        Ok(())
+    };
+    for eps in [0.0, 0.2] {
+        for loss in [DpoLoss::AotPair, DpoLoss::Aot] {
+            let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, ..DpoConfig::default() };
+            cfg.validate()?;
+            let delta: Vec<f64> = match loss {
+                DpoLoss::AotPair => sorted(a.clone()).iter().zip(sorted(b.clone())).map(|(x, y)| x - y).collect(),
+                _ => {
+                    let l = sorted(pairs.iter().map(|&(c, r)| policy[c] - policy[r]).collect());
+                    let lr = sorted(pairs.iter().map(|&(c, r)| reference[c] - reference[r]).collect());
+                    l.iter().zip(lr).map(|(x, y)| x - y).collect()
+                }
+            };
+            let want = delta.iter().map(|&d| -ls(0.5 * d) * (1.0 - eps) - ls(-0.5 * d) * eps).sum::<f64>() / 4.0;
+            let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg)?;
+            assert!((t.loss - want).abs() < 1e-12, "{loss:?} eps {eps}: {} vs {want}", t.loss);
+            let hs: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
+            assert_eq!(t.accuracy, hs.iter().filter(|&&h| h > 0.0).count() as f64 / 4.0);
+            assert!((t.margin - 0.5 * hs.iter().sum::<f64>() / 4.0).abs() < 1e-12);
+            fd_check(&cfg, &t, 0.0)?;
+        }
+    }
+    // (the sorted order differs from the pairs' order here, so sorting is what is checked)
+    assert_ne!(sorted(a.clone()), a);
+    let sft = DpoConfig { loss: DpoLoss::Sft, ..DpoConfig::default() };
+    sft.validate()?;
+    assert!(sft.without_reference());
+    let t = dpo_terms(&policy, &reference, &lengths, &pairs, &sft)?;
+    assert!((t.loss - chosen_ce).abs() < 1e-12 && t.accuracy == 0.0 && t.margin == 0.0, "{t:?}");
+    fd_check(&sft, &t, 0.0)?;
+    // MPO: 0.8 sigmoid + 0.2 bco_pair + 1 sft, RPO's α 0.3 once
+    let mpo = DpoConfig { beta: 0.5, loss: DpoLoss::Sigmoid, rpo_alpha: 0.3, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], ..DpoConfig::default() };
+    mpo.validate()?;
+    assert!(mpo.keeps_running_mean() && !mpo.without_reference());
+    let mut running = RunningMean::default();
+    running.update(0.25);
+    let t = super::mixed_terms(&policy, &reference, &lengths, &pairs, &mpo, Some(Delta::Update(&mut running)))?;
+    let d = (0.25 + 0.5 * (a.iter().sum::<f64>() + b.iter().sum::<f64>()) / 8.0) / 2.0;
+    assert!((t.delta.expect("delta") - d).abs() < 1e-12 && running.mean == t.delta.expect("delta"));
+    let sig = a.iter().zip(&b).map(|(x, y)| -ls(0.5 * (x - y))).sum::<f64>() / 4.0;
+    let bco = a.iter().zip(&b).map(|(x, y)| -ls(0.5 * x - d) - ls(-(0.5 * y - d))).sum::<f64>() / 4.0;
+    let want = 0.8 * sig + 0.2 * bco + chosen_ce + 0.3 * chosen_ce;
+    assert!((t.loss - want).abs() < 1e-12, "MPO {} vs {want}", t.loss);
+    assert_eq!(t.accuracy, a.iter().zip(&b).filter(|(x, y)| x > y).count() as f64 / 4.0);
+    fd_check(&mpo, &t, d)?;
+    // the mix's rules
+    let mix = |mix: Vec<(DpoLoss, f64)>| DpoConfig { loss: mix[0].0, mix, ..DpoConfig::default() };
+    for (bad, why) in [
+        (DpoConfig { loss: DpoLoss::Hinge, ..mpo.clone() }, "starts with sigmoid"),
+        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Kto, 1.0)]), "does not mix"),
+        (mix(vec![(DpoLoss::Simpo, 1.0), (DpoLoss::Sigmoid, 1.0)]), "does not mix"),
+        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Sigmoid, 0.5)]), "twice"),
+        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Hinge, 0.0)]), "positive number"),
+        (DpoConfig { label_smoothing: 0.1, ..mix(vec![(DpoLoss::Hinge, 1.0), (DpoLoss::Sft, 1.0)]) }, "none is in the mix"),
+        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::ExoPair, 1.0)]), "exo_pair loss needs label_smoothing"),
+    ] {
+        let e = bad.validate().unwrap_err().to_string();
+        assert!(e.contains(why), "{bad:?}: {e}");
+    }
+    // label smoothing reaches the entries that take it only
+    let smoothed = DpoConfig { label_smoothing: 0.1, ..mix(vec![(DpoLoss::Hinge, 1.0), (DpoLoss::Sigmoid, 0.5)]) };
+    smoothed.validate()?;
+    let t = super::mixed_terms(&policy, &reference, &lengths, &pairs, &smoothed, None)?;
+    let one = |l: DpoLoss, e: f64| dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: l, label_smoothing: e, ..DpoConfig::default() }).map(|t| t.loss);
+    assert!((t.loss - one(DpoLoss::Hinge, 0.0)? - 0.5 * one(DpoLoss::Sigmoid, 0.1)?).abs() < 1e-12);
+    // bco_pair in a mix needs δ
+    assert!(super::mixed_terms(&policy, &reference, &lengths, &pairs, &mpo, None).unwrap_err().to_string().contains("running mean"));
+    Ok(())
+}
+
 /// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
 /// written with candle ops (log-probabilities summed per answer by a one-hot product) —
 /// DPO with label smoothing and RPO's term against a reference that differs from the policy,
-/// SimPO, ORPO and bco_pair (δ, the first micro-batch's mean reward, a constant) — and its value
-/// is the loss; the scored tokens per answer are the set's lengths.
+/// SimPO, ORPO, bco_pair (δ, the first micro-batch's mean reward, a constant), aot_pair (each
+/// sequence sorted by its values, as torch.sort) and MPO's mix — and its value is the loss; the
+/// scored tokens per answer are the set's lengths.
 #[test]
 fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
@@ -151,7 +259,9 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let simpo = DpoConfig { beta: 2.0, loss: DpoLoss::Simpo, simpo_gamma: 0.5, ..DpoConfig::default() };
     let orpo = DpoConfig { beta: 0.5, loss: DpoLoss::Orpo, ..DpoConfig::default() };
     let bco_pair = DpoConfig { beta: 0.5, loss: DpoLoss::BcoPair, rpo_alpha: 0.2, ..DpoConfig::default() };
-    for cfg in [sigmoid_rpo, simpo, orpo, bco_pair] {
+    let aot_pair = DpoConfig { beta: 0.5, loss: DpoLoss::AotPair, label_smoothing: 0.1, ..DpoConfig::default() };
+    let mpo = DpoConfig { beta: 0.5, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], ..DpoConfig::default() };
+    for cfg in [sigmoid_rpo, simpo, orpo, bco_pair, aot_pair, mpo] {
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
             let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
@@ -170,7 +280,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
             let mut running = crate::train::bco::RunningMean::default();
             let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
-            assert_eq!(terms.delta, cfg.loss.running_mean().then_some(running.mean));
+            assert_eq!(terms.delta, cfg.keeps_running_mean().then_some(running.mean));
             let g1 = loss.backward()?;
             // the loss by candle ops
             let n1 = nll()?;
@@ -200,24 +310,39 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
                 z = (z - cfg.simpo_gamma)?;
             }
             let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
-            let mut direct = match cfg.loss {
-                DpoLoss::Orpo => (softplus(&(&z / cfg.beta)?.neg()?)?.mean_all()? * cfg.beta)?,
-                DpoLoss::BcoPair => {
-                    // δ: the batch's mean reward over both answers of every pair (fresh running mean)
-                    let rewards = (&ratio * cfg.beta)?;
-                    let delta = rewards.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum::<f64>() / slots as f64;
-                    assert!((terms.delta.expect("delta") - delta).abs() < 1e-5 * delta.abs().max(1.0), "{terms:?} vs {delta}");
-                    let x = (rewards.index_select(&idx(|p| p.0)?, 0)? - delta)?;
-                    let y = (rewards.index_select(&idx(|p| p.1)?, 0)? - delta)?;
-                    (softplus(&x.neg()?)? + softplus(&y)?)?.mean_all()?
-                }
-                _ => ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(&z)? * cfg.label_smoothing)?)?.mean_all()?,
-            };
-            let alpha = cfg.rpo_alpha + if cfg.loss == DpoLoss::Orpo { 1.0 } else { 0.0 };
-            if alpha > 0.0 {
-                let chosen = logp.index_select(&idx(|p| p.0)?, 0)?.sum_all()?;
+            let sigmoid_of = |z: &Tensor| -> Result<Tensor> { ((softplus(&z.neg()?)? * (1.0 - cfg.label_smoothing))? + (softplus(z)? * cfg.label_smoothing)?)?.mean_all() };
+            let chosen_ce = || -> Result<Tensor> {
                 let tokens: f64 = pairs.iter().map(|p| answers.lengths[b.answers[p.0]]).sum();
-                direct = (direct - (chosen * (alpha / tokens))?)?;
+                logp.index_select(&idx(|p| p.0)?, 0)?.sum_all()? * (-1.0 / tokens)
+            };
+            // (a tensor's entries in increasing order: the permutation from its values, as torch.sort)
+            let sorted = |t: &Tensor| -> Result<Tensor> {
+                let v = t.to_vec1::<f32>()?;
+                let mut order: Vec<u32> = (0..v.len() as u32).collect();
+                order.sort_by(|&x, &y| v[x as usize].total_cmp(&v[y as usize]).then(x.cmp(&y)));
+                t.index_select(&Tensor::new(order.as_slice(), &Device::Cpu)?, 0)
+            };
+            let mut direct = (chosen_ce()? * cfg.rpo_alpha)?;
+            for (l, w) in cfg.losses() {
+                let one = match l {
+                    DpoLoss::Orpo => ((softplus(&(&z / cfg.beta)?.neg()?)?.mean_all()? * cfg.beta)? + chosen_ce()?)?,
+                    DpoLoss::BcoPair => {
+                        // δ: the batch's mean reward over both answers of every pair (fresh running mean)
+                        let rewards = (&ratio * cfg.beta)?;
+                        let delta = rewards.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum::<f64>() / slots as f64;
+                        assert!((terms.delta.expect("delta") - delta).abs() < 1e-5 * delta.abs().max(1.0), "{terms:?} vs {delta}");
+                        let x = (rewards.index_select(&idx(|p| p.0)?, 0)? - delta)?;
+                        let y = (rewards.index_select(&idx(|p| p.1)?, 0)? - delta)?;
+                        (softplus(&x.neg()?)? + softplus(&y)?)?.mean_all()?
+                    }
+                    DpoLoss::AotPair => {
+                        let (chosen, rejected) = (sorted(&ratio.index_select(&idx(|p| p.0)?, 0)?)?, sorted(&ratio.index_select(&idx(|p| p.1)?, 0)?)?);
+                        sigmoid_of(&((chosen - rejected)? * cfg.beta)?)?
+                    }
+                    DpoLoss::Sft => chosen_ce()?,
+                    _ => sigmoid_of(&z)?,
+                };
+                direct = (direct + (one * w)?)?;
             }
             let lv = direct.to_scalar::<f32>()? as f64;
             assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);

@@ -12,6 +12,7 @@ mod expert_bias;
 pub mod bco;
 pub mod data;
 pub mod dpo;
+mod dpo_config;
 pub mod dpo_loss;
 pub mod eval;
 pub mod kto;

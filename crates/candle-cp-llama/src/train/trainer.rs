@@ -582,7 +582,7 @@ pub fn train_rank(
             dpo_accuracy: dpo.as_ref().map(|_| dpo_sums[0] * inv_accum),
             dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
             kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
-            bco_delta: dpo.as_ref().filter(|d| d.cfg.loss.running_mean()).map(|d| d.running.mean),
+            bco_delta: dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running.mean),
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {
@@ -615,7 +615,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
-                dpo.as_ref().filter(|d| d.cfg.loss.running_mean()).map(|d| d.running),
+                dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;

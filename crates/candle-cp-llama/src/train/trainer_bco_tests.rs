@@ -122,3 +122,48 @@ fn bco_step1_by_hand_against_a_reference_model() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+/// MPO's mix (sigmoid 0.8 + bco_pair 0.2 + sft 1) and aot_pair: step 1's objective is the mix
+/// over step 1's pairs by hand (the policy its own reference: `1.2·ln 2` plus the chosen
+/// answers' cross-entropy), δ included; zigzag CP 2, ring CP 2 × DP 2 (aot_pair sorts over
+/// both DP ranks' pairs) and TP 2 + SP follow the single-device curve.
+#[test]
+fn mixed_losses_and_aot_match_on_every_layout() -> Result<()> {
+    use crate::train::dpo::mixed_terms;
+    use crate::train::trainer::dpo_tests::logps_of;
+    let mpo = vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)];
+    for (loss, mix) in [(DpoLoss::Sigmoid, mpo), (DpoLoss::AotPair, Vec::new())] {
+        let cfg = |layout: Layout| -> Result<TrainConfig> {
+            let mut c = bco_cfg(None, layout, 4, DpoLoss::BcoPair)?;
+            c.dpo = Some(DpoConfig { beta: 0.5, loss, mix: mix.clone(), ..DpoConfig::default() });
+            Ok(c)
+        };
+        let c0 = cfg(Layout::single())?;
+        let one = run(&c0)?;
+        let m = &one[0].metrics;
+        if !mix.is_empty() {
+            let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
+            let DataSource::Preference(set) = &c0.data else { bail!("pairs") };
+            let policy = logps_of(mcfg, c0.seed, set, &c0)?;
+            let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
+            let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+            let want = mixed_terms(&policy, &policy, &set.scored_lengths(), &step1, c0.dpo.as_ref().expect("dpo"), Some(Delta::Update(&mut RunningMean::default())))?;
+            let tokens: f64 = step1.iter().map(|&(c, _)| set.scored_lengths()[c]).sum();
+            let chosen_ce = -step1.iter().map(|&(c, _)| policy[c]).sum::<f64>() / tokens;
+            assert!((want.loss - 1.2 * LN_2 - chosen_ce).abs() < 1e-9, "{want:?}");
+            assert!((m[0].train_loss - want.loss).abs() < 1e-5 && m[0].bco_delta.is_some_and(|d| d.abs() < 1e-5), "step 1 {:?} vs by hand {}", m[0], want.loss);
+        } else {
+            assert!((m[0].train_loss - LN_2).abs() < 1e-5 && m[0].bco_delta.is_none(), "{:?}", m[0]);
+        }
+        assert!(m[3].train_loss < m[0].train_loss, "{loss:?} {mix:?}: {:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
+        let want: Vec<&StepMetrics> = m.iter().collect();
+        for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+            let other = run(&cfg(layout)?)?;
+            assert_same_curve(&format!("{loss:?} {mix:?} {layout}"), &want, &other[0].metrics);
+            for (a, b) in want.iter().zip(&other[0].metrics) {
+                assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{loss:?} {layout} step {}: {} vs {}", a.step, a.train_loss, b.train_loss);
+            }
+        }
+    }
+    Ok(())
+}

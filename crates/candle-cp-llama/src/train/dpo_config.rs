@@ -1,0 +1,140 @@
+//! DPO's settings ([`DpoConfig`]): β, the loss (or a mix of losses), label smoothing, RPO's α,
+//! the reference, KTO's weights, and the rules [`DpoConfig::validate`] holds them to.
+
+use super::dpo_loss::DpoLoss;
+use candle_core::{bail, Result};
+
+/// DPO's settings.
+#[derive(Debug, Clone, PartialEq)]
+pub struct DpoConfig {
+    /// β: how far the policy may move from the reference (TRL's default 0.1).
+    pub beta: f64,
+    /// ε: the probability that a pair's labels are flipped (conservative DPO; 0: plain DPO;
+    /// the sigmoid, robust, exo_pair and simpo losses).
+    pub label_smoothing: f64,
+    /// The loss of a pair.
+    pub loss: DpoLoss,
+    /// SimPO's target margin γ (TRL's `simpo_gamma`, 0.5 there).
+    pub simpo_gamma: f64,
+    /// α of RPO (Pang et al.; TRL's `rpo_alpha`): `α ×` the chosen answers' mean cross-entropy
+    /// per scored token added to the loss (0: none).
+    pub rpo_alpha: f64,
+    /// The reference model: a Hugging Face checkpoint directory (TRL's `ref_model`; e.g. the SFT
+    /// model when the policy starts elsewhere), loaded on the run's layout for the reference
+    /// pass only. `None`: the model as the run starts.
+    pub reference_model: Option<std::path::PathBuf>,
+    /// KTO's λ_D, the weight of a desirable example's loss (TRL's `desirable_weight`, 1; 1 for
+    /// the other losses).
+    pub desirable_weight: f64,
+    /// KTO's λ_U, the weight of an undesirable example's loss (TRL's `undesirable_weight`, 1).
+    pub undesirable_weight: f64,
+    /// No reference model (TRL's `reference_free`): the reference log-probabilities taken as
+    /// 0, no reference pass. With the sigmoid loss and [`DpoConfig::rpo_alpha`] 1 this is CPO's
+    /// objective (TRL's `CPOTrainer`). Not with KTO, BCO or a reference model.
+    pub reference_free: bool,
+    /// DiscoPOP's temperature τ (TRL's `discopop_tau`, 0.05).
+    pub discopop_tau: f64,
+    /// Losses mixed (TRL's `loss_type` list with its `loss_weights`; MPO: sigmoid 0.8,
+    /// bco_pair 0.2, sft 1): the objective is `Σ wᵢ·lossᵢ` over the pairs, `loss` then its
+    /// first entry's. Empty: `loss` alone. Pair losses only (not kto, bco, simpo or orpo), each
+    /// once, weights > 0.
+    pub mix: Vec<(DpoLoss, f64)>,
+}
+
+impl Default for DpoConfig {
+    fn default() -> Self {
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new() }
+    }
+}
+
+impl DpoConfig {
+    /// Whether the run has no reference (SimPO, ORPO, or [`DpoConfig::reference_free`]): no
+    /// reference pass.
+    pub fn without_reference(&self) -> bool {
+        self.reference_free || matches!(self.loss, DpoLoss::Simpo | DpoLoss::Orpo | DpoLoss::Sft) && self.mix.is_empty()
+    }
+
+    /// The losses and their weights: [`DpoConfig::mix`], or `loss` with weight 1.
+    pub fn losses(&self) -> Vec<(DpoLoss, f64)> {
+        match self.mix.is_empty() {
+            true => vec![(self.loss, 1.0)],
+            false => self.mix.clone(),
+        }
+    }
+
+    /// Whether the objective keeps BCO's running mean reward (bco or bco_pair, alone or mixed).
+    pub fn keeps_running_mean(&self) -> bool {
+        self.losses().iter().any(|(l, _)| l.running_mean())
+    }
+
+    /// Errors unless `beta > 0`, `0 ≤ label_smoothing < 0.5` (only with the losses that take it,
+    /// [`DpoLoss::takes_label_smoothing`]; above 0 with exo_pair), `rpo_alpha ≥ 0` (none with
+    /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
+    /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
+    /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples).
+    pub fn validate(&self) -> Result<()> {
+        if !(self.beta > 0.0 && self.beta.is_finite()) {
+            bail!("dpo: beta must be a positive number, got {}", self.beta)
+        }
+        if let Some(&(first, _)) = self.mix.first() {
+            if first != self.loss {
+                bail!("dpo: the mix starts with {}, the loss is {}: set loss to the mix's first", first.name(), self.loss.name())
+            }
+            for (i, &(l, w)) in self.mix.iter().enumerate() {
+                if l.unpaired() || matches!(l, DpoLoss::Simpo | DpoLoss::Orpo) {
+                    bail!("dpo: the {} loss does not mix (kto and bco train unpaired examples; simpo and orpo have no reference): train it alone", l.name())
+                }
+                if self.mix[..i].iter().any(|&(m, _)| m == l) {
+                    bail!("dpo: the {} loss is in the mix twice", l.name())
+                }
+                if !(w > 0.0 && w.is_finite()) {
+                    bail!("dpo: the {} loss's weight in the mix must be a positive number, got {w}", l.name())
+                }
+            }
+            let mixed = DpoConfig { mix: Vec::new(), ..self.clone() };
+            for &(l, _) in &self.mix {
+                // each as if alone, but label smoothing may be some entries' only
+                let smoothing = if l.takes_label_smoothing() { mixed.label_smoothing } else { 0.0 };
+                DpoConfig { loss: l, label_smoothing: smoothing, ..mixed.clone() }.validate()?;
+            }
+            if self.label_smoothing > 0.0 && !self.mix.iter().any(|(l, _)| l.takes_label_smoothing()) {
+                bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; none is in the mix")
+            }
+            return Ok(());
+        }
+        if !(0.0..0.5).contains(&self.label_smoothing) {
+            bail!("dpo: label_smoothing must be in [0, 0.5), got {}", self.label_smoothing)
+        }
+        if self.label_smoothing > 0.0 && !self.loss.takes_label_smoothing() {
+            bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; the {} loss takes none", self.loss.name())
+        }
+        if self.loss == DpoLoss::ExoPair && self.label_smoothing <= 0.0 {
+            bail!("dpo: the exo_pair loss needs label_smoothing in (0, 0.5) (its log ε; TRL advises 1e-3)")
+        }
+        if self.without_reference() && self.reference_model.is_some() {
+            match self.reference_free {
+                true => bail!("dpo: reference_free and a reference model: give one"),
+                false => bail!("dpo: the {} loss takes no reference model", self.loss.name()),
+            }
+        }
+        if !(self.discopop_tau > 0.0 && self.discopop_tau.is_finite()) {
+            bail!("dpo: discopop_tau must be a positive number, got {}", self.discopop_tau)
+        }
+        if self.reference_free && self.loss.unpaired() {
+            bail!("dpo: the {} loss needs its reference (its rewards against a baseline): not reference_free", self.loss.name())
+        }
+        if !(self.rpo_alpha >= 0.0 && self.rpo_alpha.is_finite() && self.simpo_gamma.is_finite()) {
+            bail!("dpo: rpo_alpha must be ≥ 0 and simpo_gamma a number, got {} and {}", self.rpo_alpha, self.simpo_gamma)
+        }
+        if self.loss.unpaired() && self.rpo_alpha > 0.0 {
+            bail!("dpo: the {} loss takes no rpo_alpha (its examples are not pairs)", self.loss.name())
+        }
+        if self.loss != DpoLoss::Kto && (self.desirable_weight != 1.0 || self.undesirable_weight != 1.0) {
+            bail!("dpo: desirable_weight and undesirable_weight are the kto loss's, not {}'s (got {} and {})", self.loss.name(), self.desirable_weight, self.undesirable_weight)
+        }
+        if !(self.desirable_weight > 0.0 && self.desirable_weight.is_finite() && self.undesirable_weight > 0.0 && self.undesirable_weight.is_finite()) {
+            bail!("dpo: KTO's desirable and undesirable weights must be positive numbers, got {} and {}", self.desirable_weight, self.undesirable_weight)
+        }
+        Ok(())
+    }
+}
