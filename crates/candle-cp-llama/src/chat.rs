@@ -28,6 +28,7 @@
 //!           <|start|>user<|message|>{u}<|end|><|start|>assistant<|channel|>final<|message|>[{a}<|end|>]..[{a_last}<|return|>]
 //! glm4      [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
 //! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
+//! tulu      <|user|>\n{u}\n<|assistant|>\n[{a}<|end_of_text|>]\n<|user|>..
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
 //! mistral-v3  <s>[INST] {u₁}[/INST][ {a}</s>][INST] {system}\n\n{u_last}[/INST]..
 //! mistral-v7  <s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{u}[/INST][{a}</s>]
@@ -98,6 +99,10 @@ pub enum ChatTemplate {
     /// OLMo 2 Instruct's (Tulu 3's template with OLMo's `<|endoftext|>` as BOS and EOS): a
     /// newline after each turn but the last.
     Olmo2,
+    /// Llama-3.1-Tulu-3's: OLMo 2's form without a BOS (its template writes none, and the
+    /// rendered text is tokenised without special tokens, as transformers'
+    /// `apply_chat_template` does) and Llama 3.1's `<|end_of_text|>` as EOS.
+    Tulu,
     /// Mistral's updated V1 template: Mistral-7B-Instruct v0.1 / v0.2, Mixtral-8x7B-Instruct (a
     /// system turn's text before the FIRST user turn's; turns alternate user / assistant).
     MistralV1,
@@ -113,7 +118,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 13] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 14] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -124,6 +129,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 13] = [
     ("harmony", ChatTemplate::Harmony),
     ("glm4", ChatTemplate::Glm4),
     ("olmo2", ChatTemplate::Olmo2),
+    ("tulu", ChatTemplate::Tulu),
     ("mistral-v1", ChatTemplate::MistralV1),
     ("mistral-v3", ChatTemplate::MistralV3),
     ("mistral-v7", ChatTemplate::MistralV7),
@@ -174,9 +180,12 @@ impl ChatTemplate {
             // Phi-3 writes `'<|user|>\n'` (or `'|>' + '\n'`), Phi-4-mini no newline
             Some(if has("|>\\n") || has("|>' + '\\n'") { Self::Phi3 } else { Self::Phi4 })
         } else if has("<|user|>\\n") && has("<|assistant|>\\n") && has("eos_token") && has("bos_token") {
-            // Tulu 3's form with the BOS written: OLMo 2's (Llama-3.1-Tulu-3's writes none and
-            // ends turns with Llama's <|end_of_text|>: not this one)
+            // Tulu 3's form with the BOS written: OLMo 2's
             Some(Self::Olmo2)
+        } else if has("<|user|>\\n' + message['content'] + '\\n'") && has("<|assistant|>\\n") && has("eos_token") {
+            // Tulu 3's form without it (a user turn ends with a newline, not EOS as Zephyr's):
+            // Llama-3.1-Tulu-3's, EOS <|end_of_text|> (ChatTemplate::of_model_dir checks it)
+            Some(Self::Tulu)
         } else {
             None
         }
@@ -190,6 +199,14 @@ impl ChatTemplate {
     pub fn of_model_dir(dir: &Path) -> Result<Self> {
         let (src, jinja) = template_source(dir)?;
         match Self::detect(&jinja) {
+            // (Tulu 3's form writes `eos_token`: Llama 3.1's, or another model's of the form)
+            Some(Self::Tulu) => match eos_token(dir) {
+                Some(e) if e != Self::Tulu.end_of_turn() => bail!(
+                    "the chat template of {src} is Tulu 3's form, but the tokenizer's EOS is {e:?}, not Llama-3.1-Tulu-3's {:?}: candle-cp's tulu template writes the latter",
+                    Self::Tulu.end_of_turn()
+                ),
+                _ => Ok(Self::Tulu),
+            },
             Some(t) => Ok(t),
             None if jinja.contains("[INST]") => bail!(
                 "the chat template of {src} is a Mistral [INST] template of none of the known forms (Mistral's first template, or Nemo's `[INST]` without a space); name one of mistral-v1, mistral-v3 or mistral-v7 if the model was tuned on it"
@@ -214,6 +231,7 @@ impl ChatTemplate {
             Self::DeepSeek => "<｜end▁of▁sentence｜>",
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
+            Self::Tulu => "<|end_of_text|>",
             Self::Glm4 => "<|user|>",
             Self::Harmony => "<|return|>",
         }
@@ -353,8 +371,10 @@ impl ChatTemplate {
                     push("<|endoftext|>".into(), after_answer);
                 }
             }
-            Self::Olmo2 => {
-                push(eot.into(), false);
+            Self::Olmo2 | Self::Tulu => {
+                if self == Self::Olmo2 {
+                    push(eot.into(), false);
+                }
                 for (i, m) in messages.iter().enumerate() {
                     push(format!("<|{}|>\n", m.role), false);
                     match m.role.as_str() {
@@ -460,6 +480,16 @@ fn names() -> String {
 }
 
 /// The Jinja source of the chat template in `dir` and the file it came from.
+/// `tokenizer_config.json`'s `eos_token` in `dir` (a string, or an added token's `content`),
+/// if it says one.
+fn eos_token(dir: &Path) -> Option<String> {
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?).ok()?;
+    match v.get("eos_token")? {
+        Value::String(s) => Some(s.clone()),
+        t => t.get("content").and_then(Value::as_str).map(str::to_string),
+    }
+}
+
 fn template_source(dir: &Path) -> Result<(String, String)> {
     let jinja = dir.join("chat_template.jinja");
     if let Ok(s) = std::fs::read_to_string(&jinja) {

@@ -67,6 +67,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|assistant|>\n",
         ),
         (
+            ChatTemplate::Tulu,
+            "<|system|>\nBe brief.\n<|user|>\n Hi? \n<|assistant|>\nHello.<|end_of_text|>\n<|user|>\nName?\n<|assistant|>\nBob<|end_of_text|>",
+            "<|assistant|>\n",
+        ),
+        (
             ChatTemplate::MistralV1,
             "<s> [INST] Be brief.\n\n Hi?  [/INST] Hello.</s> [INST] Name? [/INST] Bob</s>",
             "",
@@ -148,7 +153,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, olmo2, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, olmo2, tulu, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -174,7 +179,9 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{{- \" \" + message[\"content\"]|trim + eos_token}}", Some(ChatTemplate::MistralV3)),
         ("{{ '[INST] ' + message['content'] + ' [/INST]' }}{{ message['content'] + eos_token}}", None),
         ("{{ bos_token }}{% for message in messages %}{% if message['role'] == 'system' %}{{ '<|system|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{% if not loop.last %}{{ '<|assistant|>\\n'  + message['content'] + eos_token + '\\n' }}", Some(ChatTemplate::Olmo2)),
-        ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}", None),
+        ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}", Some(ChatTemplate::Tulu)),
+        // (Zephyr's: EOS after a user turn too)
+        ("{% for message in messages %}{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + eos_token + '\\n' }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n'  + message['content'] + eos_token }}", None),
         ("{{- \"[INST]\" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}", None),
         ("{{ '<|user|>\\n' + message['content'] + eos_token }}", None),
     ];
@@ -200,6 +207,15 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
     std::fs::write(&cfg, r#"{"chat_template": "{{ '<|user|>' + eos_token }}"}"#)?;
     let e = ChatTemplate::of_model_dir(&dir).unwrap_err().to_string();
     assert!(e.contains("tokenizer_config.json") && e.contains("does not know"), "{e}");
+    // Tulu 3's form: with Llama 3.1's EOS (or none said), not with another's
+    let tulu = "{% if message['role'] == 'user' %}{{ '<|user|>\\n' + message['content'] + '\\n' }}{% elif message['role'] == 'assistant' %}{{ '<|assistant|>\\n' + message['content'] + eos_token }}";
+    for (eos, ok) in [(r#""eos_token": "<|end_of_text|>","#, true), (r#""eos_token": {"content": "<|end_of_text|>"},"#, true), ("", true), (r#""eos_token": "</s>","#, false)] {
+        std::fs::write(&cfg, format!("{{{eos} \"chat_template\": {}}}", serde_json::to_string(tulu).map_err(|e| candle_core::Error::Msg(e.to_string()))?))?;
+        match ok {
+            true => assert_eq!(ChatTemplate::of_model_dir(&dir)?, ChatTemplate::Tulu, "{eos}"),
+            false => assert!(ChatTemplate::of_model_dir(&dir).unwrap_err().to_string().contains("EOS is \"</s>\""), "{eos}"),
+        }
+    }
     std::fs::write(dir.join("chat_template.jinja"), "{{ '<|start_header_id|>' }}")?;
     assert_eq!(ChatTemplate::of_model_dir(&dir)?, ChatTemplate::Llama3);
     std::fs::remove_dir_all(&dir)?;
