@@ -10,7 +10,7 @@ use candle_cp_llama::train::sft::read_sft;
 use tokenizers::Tokenizer;
 
 /// Every template's markers (the special tokens of the families' tokenizers).
-const MARKERS: [&str; 32] = [
+const MARKERS: [&str; 34] = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>",
     "<bos>", "<start_of_turn>", "<end_of_turn>",
@@ -18,7 +18,7 @@ const MARKERS: [&str; 32] = [
     "<|start_of_role|>", "<|end_of_role|>", "<|end_of_text|>",
     "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
     "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]",
-    "[gMASK]", "<sop>",
+    "[gMASK]", "<sop>", "<think>", "</think>",
     "<|start|>", "<|message|>", "<|channel|>", "<|return|>",
 ];
 
@@ -104,7 +104,7 @@ fn check_templates(legacy: bool) -> Result<()> {
         let spelled = |s: &str| s.replace([' ', '\u{2581}'], "");
         let want = match t {
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
-            ChatTemplate::Glm4 => "\nHello.<|user|>\nBob<|endoftext|>".to_string(),
+            ChatTemplate::Glm4 | ChatTemplate::Glm45 => "\nHello.<|user|>\nBob<|endoftext|>".to_string(),
             ChatTemplate::Harmony => "Hello.<|end|>Bob<|return|>".to_string(),
             _ => format!("Hello.{0}Bob{0}", t.end_of_turn()),
         };

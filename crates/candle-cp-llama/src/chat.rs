@@ -27,6 +27,7 @@
 //! harmony   <|start|>system<|message|>{gpt-oss's system block}<|end|><|start|>developer<|message|># Instructions\n\n{system}<|end|>
 //!           <|start|>user<|message|>{u}<|end|><|start|>assistant<|channel|>final<|message|>[{a}<|end|>]..[{a_last}<|return|>]
 //! glm4      [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
+//! glm4.5    [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>\n<think></think>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
 //! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
 //! tulu      <|user|>\n{u}\n<|assistant|>\n[{a}<|end_of_text|>]\n<|user|>..
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
@@ -94,8 +95,14 @@ pub enum ChatTemplate {
     /// fine-tuning code does, the targets are what follows `<|assistant|>` — the newline, the
     /// answer — and the token after it: the next turn's marker (`<|user|>`, a stop token of
     /// the model), or after the last turn an `<|endoftext|>` the rendered text ends with.
-    /// Reasoning templates (GLM-4.5, GLM-Z1: `<think>`) are not this one.
+    /// Reasoning templates (GLM-4.5's: [`ChatTemplate::Glm45`]; GLM-Z1's) are not this one.
     Glm4,
+    /// GLM-4.5's / GLM-4.6's (`glm4_moe` models) with thinking off (`enable_thinking` false): GLM-4's
+    /// turns, each answer after an empty `<think></think>` block — part of the prompt, as the
+    /// template's generation prompt writes it with thinking off — its text trimmed; the
+    /// targets as GLM-4's (the newline and answer, then the next turn's marker or a final
+    /// `<|endoftext|>`). No reasoning content, no tools.
+    Glm45,
     /// OLMo 2 Instruct's (Tulu 3's template with OLMo's `<|endoftext|>` as BOS and EOS): a
     /// newline after each turn but the last.
     Olmo2,
@@ -118,7 +125,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 14] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 15] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -128,6 +135,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 14] = [
     ("deepseek", ChatTemplate::DeepSeek),
     ("harmony", ChatTemplate::Harmony),
     ("glm4", ChatTemplate::Glm4),
+    ("glm4.5", ChatTemplate::Glm45),
     ("olmo2", ChatTemplate::Olmo2),
     ("tulu", ChatTemplate::Tulu),
     ("mistral-v1", ChatTemplate::MistralV1),
@@ -160,6 +168,9 @@ impl ChatTemplate {
             Some(Self::MistralV7)
         } else if has("<|channel|>") && has("<|return|>") && has("<|start|>") {
             Some(Self::Harmony)
+        } else if has("[gMASK]<sop>") && has("<think></think>") {
+            // GLM-4.5 / 4.6: the empty think block written for an answer without reasoning
+            Some(Self::Glm45)
         } else if has("[gMASK]<sop>") && !has("think") {
             Some(Self::Glm4)
         } else if has("' [INST] '") || has("\" [INST] \"") {
@@ -232,7 +243,7 @@ impl ChatTemplate {
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
             Self::Tulu => "<|end_of_text|>",
-            Self::Glm4 => "<|user|>",
+            Self::Glm4 | Self::Glm45 => "<|user|>",
             Self::Harmony => "<|return|>",
         }
     }
@@ -356,17 +367,29 @@ impl ChatTemplate {
                     push("<|start|>assistant".into(), false);
                 }
             }
-            Self::Glm4 => {
+            Self::Glm4 | Self::Glm45 => {
                 push("[gMASK]<sop>".into(), false);
+                // (GLM-4.5 with thinking off: an empty think block before each answer, trimmed)
+                let think = if self == Self::Glm45 { "\n<think></think>" } else { "" };
                 // (whether the turn before was a trained answer: the marker after it is a target)
                 let mut after_answer = false;
                 for (i, m) in messages.iter().enumerate() {
                     push(format!("<|{}|>", m.role), after_answer);
                     after_answer = is_target(m, i, train);
-                    push(format!("\n{}", m.content), after_answer);
+                    match m.role.as_str() {
+                        "assistant" if self == Self::Glm45 => {
+                            push(think.into(), false);
+                            let text = m.content.trim();
+                            // (an empty answer writes nothing after the block; its marker still ends it)
+                            if !text.is_empty() {
+                                push(format!("\n{text}"), after_answer);
+                            }
+                        }
+                        _ => push(format!("\n{}", m.content), after_answer),
+                    }
                 }
                 if generation_prompt {
-                    push("<|assistant|>".into(), false);
+                    push(format!("<|assistant|>{think}"), false);
                 } else {
                     push("<|endoftext|>".into(), after_answer);
                 }

@@ -62,6 +62,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|assistant|>",
         ),
         (
+            ChatTemplate::Glm45,
+            "[gMASK]<sop><|system|>\nBe brief.<|user|>\n Hi? <|assistant|>\n<think></think>\nHello.<|user|>\nName?<|assistant|>\n<think></think>\nBob<|endoftext|>",
+            "<|assistant|>\n<think></think>",
+        ),
+        (
             ChatTemplate::Olmo2,
             "<|endoftext|><|system|>\nBe brief.\n<|user|>\n Hi? \n<|assistant|>\nHello.<|endoftext|>\n<|user|>\nName?\n<|assistant|>\nBob<|endoftext|>",
             "<|assistant|>\n",
@@ -101,7 +106,7 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
         let eot = t.end_of_turn();
         let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
         // (GLM: the newline after the marker, and the last answer ended by <|endoftext|>)
-        let (sp, last_eot) = if t == ChatTemplate::Glm4 { ("\n", "<|endoftext|>") } else { (sp, eot) };
+        let (sp, last_eot) = if matches!(t, ChatTemplate::Glm4 | ChatTemplate::Glm45) { ("\n", "<|endoftext|>") } else { (sp, eot) };
         // (harmony: an answer before the last ends with <|end|>)
         let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
         assert_eq!(targets(&all), format!("{sp}Hello.{mid}{sp}Bob{last_eot}"), "{}", t.name());
@@ -153,7 +158,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, olmo2, tulu, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -175,6 +180,8 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{- \"<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>\" }}", Some(ChatTemplate::Harmony)),
         ("[gMASK]<sop>{% for item in messages %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}", Some(ChatTemplate::Glm4)),
         ("[gMASK]<sop>{%- set visible = content.split('</think>')[-1].strip() %}{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}", None),
+        // (GLM-4.5's: the empty think block of an answer without reasoning)
+        ("[gMASK]<sop>{%- if loop.index0 > ns.last_user_index and reasoning_content -%}{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}{%- else -%}{{ '\\n<think></think>' }}{%- endif -%}", Some(ChatTemplate::Glm45)),
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
         ("{{- \"[INST] \" + system_message + \"\\n\\n\" + message[\"content\"] + \"[/INST]\" }}{{- \" \" + message[\"content\"]|trim + eos_token}}", Some(ChatTemplate::MistralV3)),
         ("{{ '[INST] ' + message['content'] + ' [/INST]' }}{{ message['content'] + eos_token}}", None),
