@@ -10,7 +10,7 @@ use candle_cp_llama::train::sft::read_sft;
 use tokenizers::Tokenizer;
 
 /// Every template's markers (the special tokens of the families' tokenizers).
-const MARKERS: [&str; 34] = [
+const MARKERS: [&str; 38] = [
     "<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>",
     "<|im_start|>", "<|im_end|>",
     "<bos>", "<start_of_turn>", "<end_of_turn>",
@@ -19,6 +19,7 @@ const MARKERS: [&str; 34] = [
     "<｜begin▁of▁sentence｜>", "<｜User｜>", "<｜Assistant｜>",
     "<s>", "</s>", "[SYSTEM_PROMPT]", "[/SYSTEM_PROMPT]", "[INST]", "[/INST]",
     "[gMASK]", "<sop>", "<think>", "</think>",
+    "[|system|]", "[|user|]", "[|assistant|]", "[|endofturn|]",
     "<|start|>", "<|message|>", "<|channel|>", "<|return|>",
 ];
 

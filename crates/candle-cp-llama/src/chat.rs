@@ -30,6 +30,7 @@
 //! glm4.5    [gMASK]<sop><|system|>\n{system}<|user|>\n{u}<|assistant|>\n<think></think>[\n{a}<|user|>]\n{u₂}..[<|endoftext|>]
 //! olmo2     <|endoftext|><|user|>\n{u}\n<|assistant|>\n[{a}<|endoftext|>]\n<|user|>..
 //! tulu      <|user|>\n{u}\n<|assistant|>\n[{a}<|end_of_text|>]\n<|user|>..
+//! exaone4   [|user|]\n{u}[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\n[{a}[|endofturn|]]\n
 //! mistral-v1  <s> [INST] {system}\n\n{u₁} [/INST][ {a}</s>] [INST] {u₂} [/INST]..
 //! mistral-v3  <s>[INST] {u₁}[/INST][ {a}</s>][INST] {system}\n\n{u_last}[/INST]..
 //! mistral-v7  <s>[SYSTEM_PROMPT]{system}[/SYSTEM_PROMPT][INST]{u}[/INST][{a}</s>]
@@ -110,6 +111,11 @@ pub enum ChatTemplate {
     /// rendered text is tokenised without special tokens, as transformers'
     /// `apply_chat_template` does) and Llama 3.1's `<|end_of_text|>` as EOS.
     Tulu,
+    /// EXAONE 4.0's (`exaone4` models) with thinking off: `[|role|]\n` before each turn's
+    /// trimmed text and `[|endofturn|]\n` after it, each answer after an empty `<think>`
+    /// block — part of the prompt, as the generation prompt writes it with thinking off. No
+    /// BOS (the template writes none), no reasoning content, no tools.
+    Exaone4,
     /// Mistral's updated V1 template: Mistral-7B-Instruct v0.1 / v0.2, Mixtral-8x7B-Instruct (a
     /// system turn's text before the FIRST user turn's; turns alternate user / assistant).
     MistralV1,
@@ -125,7 +131,7 @@ pub enum ChatTemplate {
 }
 
 /// Every template by its name (`--chat-template NAME`).
-pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 15] = [
+pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 16] = [
     ("llama3", ChatTemplate::Llama3),
     ("chatml", ChatTemplate::ChatMl),
     ("gemma", ChatTemplate::Gemma),
@@ -138,6 +144,7 @@ pub const CHAT_TEMPLATES: [(&str, ChatTemplate); 15] = [
     ("glm4.5", ChatTemplate::Glm45),
     ("olmo2", ChatTemplate::Olmo2),
     ("tulu", ChatTemplate::Tulu),
+    ("exaone4", ChatTemplate::Exaone4),
     ("mistral-v1", ChatTemplate::MistralV1),
     ("mistral-v3", ChatTemplate::MistralV3),
     ("mistral-v7", ChatTemplate::MistralV7),
@@ -168,6 +175,9 @@ impl ChatTemplate {
             Some(Self::MistralV7)
         } else if has("<|channel|>") && has("<|return|>") && has("<|start|>") {
             Some(Self::Harmony)
+        } else if has("[|endofturn|]") && has("[|assistant|]") && has("<think>") {
+            // EXAONE 4.0's (3.5's, without a think block, is not this one)
+            Some(Self::Exaone4)
         } else if has("[gMASK]<sop>") && has("<think></think>") {
             // GLM-4.5 / 4.6: the empty think block written for an answer without reasoning
             Some(Self::Glm45)
@@ -243,6 +253,7 @@ impl ChatTemplate {
             Self::MistralV1 | Self::MistralV3 | Self::MistralV7 => "</s>",
             Self::Olmo2 => "<|endoftext|>",
             Self::Tulu => "<|end_of_text|>",
+            Self::Exaone4 => "[|endofturn|]",
             Self::Glm4 | Self::Glm45 => "<|user|>",
             Self::Harmony => "<|return|>",
         }
@@ -392,6 +403,25 @@ impl ChatTemplate {
                     push(format!("<|assistant|>{think}"), false);
                 } else {
                     push("<|endoftext|>".into(), after_answer);
+                }
+            }
+            Self::Exaone4 => {
+                for (i, m) in messages.iter().enumerate() {
+                    push(format!("[|{}|]\n", m.role), false);
+                    let text = m.content.trim();
+                    match m.role.as_str() {
+                        "assistant" => {
+                            if !text.is_empty() {
+                                push("<think>\n\n</think>\n\n".into(), false);
+                            }
+                            push(format!("{text}{eot}"), is_target(m, i, train));
+                        }
+                        _ => push(format!("{text}{eot}"), false),
+                    }
+                    push("\n".into(), false);
+                }
+                if generation_prompt {
+                    push("[|assistant|]\n<think>\n\n</think>\n\n".into(), false);
                 }
             }
             Self::Olmo2 | Self::Tulu => {

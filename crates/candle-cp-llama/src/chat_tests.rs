@@ -62,6 +62,11 @@ fn every_family_renders_its_text_and_targets() -> Result<()> {
             "<|assistant|>",
         ),
         (
+            ChatTemplate::Exaone4,
+            "[|system|]\nBe brief.[|endofturn|]\n[|user|]\nHi?[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\nHello.[|endofturn|]\n[|user|]\nName?[|endofturn|]\n[|assistant|]\n<think>\n\n</think>\n\nBob[|endofturn|]\n",
+            "[|assistant|]\n<think>\n\n</think>\n\n",
+        ),
+        (
             ChatTemplate::Glm45,
             "[gMASK]<sop><|system|>\nBe brief.<|user|>\n Hi? <|assistant|>\n<think></think>\nHello.<|user|>\nName?<|assistant|>\n<think></think>\nBob<|endoftext|>",
             "<|assistant|>\n<think></think>",
@@ -158,7 +163,7 @@ fn bad_conversations_are_errors_naming_the_turn() {
     let first = [Message::new("assistant", "a")];
     assert!(e(ChatTemplate::Gemma, &first).contains("message 0 is a assistant turn"));
     let n = ChatTemplate::from_name("vicuna").unwrap_err().to_string();
-    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, mistral-v1, mistral-v3, mistral-v7"), "{n}");
+    assert!(n.contains("\"vicuna\"") && n.contains("llama3, chatml, gemma, phi3, phi4, granite, deepseek, harmony, glm4, glm4.5, olmo2, tulu, exaone4, mistral-v1, mistral-v3, mistral-v7"), "{n}");
 }
 
 /// The family from each model's own Jinja source (abridged from the released templates),
@@ -180,6 +185,9 @@ fn detects_the_family_from_the_models_template() -> Result<()> {
         ("{{- \"<|start|>assistant<|channel|>final<|message|>\" + message.content + \"<|return|>\" }}", Some(ChatTemplate::Harmony)),
         ("[gMASK]<sop>{% for item in messages %}{% if item['content'] %}<|{{ item['role'] }}|>{{ item['metadata'] }}\n{{ item['content'] }}{% endif %}{% endfor %}{% if add_generation_prompt %}<|assistant|>{% endif %}", Some(ChatTemplate::Glm4)),
         ("[gMASK]<sop>{%- set visible = content.split('</think>')[-1].strip() %}{% if add_generation_prompt %}<|assistant|>\n<think>{% endif %}", None),
+        // (EXAONE 4.0's, and 3.5's without a think block)
+        ("{%- if role == 'assistant' %}{{- '[|assistant|]\\n' }}{{- '<think>\\n\\n</think>\\n\\n' }}{{- content }}{{- '[|endofturn|]\\n' }}", Some(ChatTemplate::Exaone4)),
+        ("{{ '[|system|][|endofturn|]\\n' }}{{ '[|' + message['role'] + '|]' + message['content'] }}{% if message['role'] == 'user' %}{{ '\\n' }}{% else %}{{ '[|endofturn|]\\n' }}{% endif %}{{ '[|assistant|]' }}", None),
         // (GLM-4.5's: the empty think block of an answer without reasoning)
         ("[gMASK]<sop>{%- if loop.index0 > ns.last_user_index and reasoning_content -%}{{ '\\n<think>' + reasoning_content.strip() +  '</think>'}}{%- else -%}{{ '\\n<think></think>' }}{%- endif -%}", Some(ChatTemplate::Glm45)),
         ("{{- ' [INST] ' + system_message + '\\n\\n' + message['content'] + ' [/INST]' }}{{- ' ' + message['content'] + eos_token}}", Some(ChatTemplate::MistralV1)),
