@@ -8,7 +8,7 @@
 //! plain conversation form of each — system, user and assistant turns; no tool calls, no
 //! default system prompt (Qwen 2.5's "You are Qwen..." and Granite's dated one are not
 //! inserted: give a system turn to have one), no date lines (but in harmony's structural
-//! system block), no reasoning blocks.
+//! system block), no reasoning (GLM-4.5's and EXAONE 4.0's empty think blocks, thinking off, are written).
 //! [`ChatTemplate::detect`] recognises the family from the model's own Jinja source
 //! (`tokenizer_config.json`'s `chat_template`, or `chat_template.jinja` / `.json`:
 //! [`ChatTemplate::of_model_dir`]); a template it does not know is an error naming the
