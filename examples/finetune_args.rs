@@ -126,6 +126,14 @@ pub(crate) struct Args {
     /// 0.8,0.2,1).
     #[arg(long, default_value = "sigmoid")]
     pub(crate) dpo_loss: String,
+    /// f-DPO's divergence (TRL's f_divergence_type): reverse_kl (DPO's), js_divergence or
+    /// alpha_divergence (--f-alpha-divergence-coef); the sigmoid, robust, exo_pair, hinge and
+    /// discopop losses take it.
+    #[arg(long, default_value = "reverse_kl")]
+    pub(crate) f_divergence: String,
+    /// The α-divergence's coefficient α (--f-divergence alpha_divergence).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) f_alpha_divergence_coef: f64,
     /// The weights of a --dpo-loss mix, comma separated (default: 1 each).
     #[arg(long, value_name = "W,..")]
     pub(crate) dpo_loss_weights: Option<String>,

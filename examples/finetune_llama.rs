@@ -273,6 +273,7 @@ fn main() -> Result<()> {
                     },
                 },
                 mix: mix.clone(),
+                f_divergence: candle_cp_llama::train::dpo_loss::FDivergence::parse(&a.f_divergence, a.f_alpha_divergence_coef)?,
                 simpo_gamma: a.simpo_gamma,
                 rpo_alpha: a.rpo_alpha,
                 reference_model: a.ref_model.clone(),
@@ -388,7 +389,12 @@ fn main() -> Result<()> {
                 false => d.mix.iter().map(|(l, w)| format!("{w} x {}", l.name())).collect::<Vec<_>>().join(" + "),
             },
             d.beta,
-            if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() },
+            if d.label_smoothing > 0.0 { format!(", label smoothing {}", d.label_smoothing) } else { String::new() }
+                + &match d.f_divergence {
+                    candle_cp_llama::train::dpo_loss::FDivergence::ReverseKl => String::new(),
+                    candle_cp_llama::train::dpo_loss::FDivergence::Alpha(al) => format!(", f-divergence alpha_divergence (alpha {al})"),
+                    f => format!(", f-divergence {}", f.name()),
+                },
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),

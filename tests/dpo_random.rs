@@ -5,7 +5,8 @@
 //! ORPO; RPO's term or not; one in three of the others reference-free; KTO on the pairs
 //! unpaired, λ_U 1 or 1.5; BCO on them unpaired without KL documents; bco_pair, whose running
 //! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
-//! quarter of the pair losses mixed with bco_pair and sft as MPO) follow the single-device run
+//! quarter of the pair losses mixed with bco_pair and sft as MPO; a third of the losses of `h`
+//! with f-DPO's Jensen–Shannon or α-divergence) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -15,6 +16,7 @@
 use candle_core::Result;
 use candle_cp_llama::layout::Layout;
 use candle_cp_llama::train::sft::bytes_of;
+use candle_cp_llama::train::dpo_loss::FDivergence;
 use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, Rng, TrainConfig};
 use candle_cp_llama::LlamaConfig;
 use candle_cp_tests::draws::{pick, rng, seeds};
@@ -66,7 +68,12 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         true => vec![(loss, pick(d, &[0.8, 1.0])), (DpoLoss::BcoPair, pick(d, &[0.2, 0.5])), (DpoLoss::Sft, pick(d, &[0.5, 1.0]))],
         false => Vec::new(),
     };
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, mix, ..DpoConfig::default() }
+    // f-DPO: a third of the losses that take one draw Jensen–Shannon or an α-divergence
+    let f_divergence = match loss.takes_f_divergence() {
+        true => pick(d, &[FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::JsDivergence, FDivergence::Alpha(0.5)]),
+        false => FDivergence::ReverseKl,
+    };
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, mix, f_divergence, ..DpoConfig::default() }
 }
 
 #[test]

@@ -83,6 +83,8 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
                 let (h, l, gc, gr) = pair_loss(cfg, policy[c], policy[r], reference[c], reference[r], lengths[c], lengths[r]);
                 loss += l / n;
                 right += (h > 0.0) as u8 as f64;
+                // (an f-divergence's h has the log-ratios' sign; the margin is the rewards', as TRL's)
+                let h = if cfg.loss.takes_f_divergence() { (policy[c] - reference[c]) - (policy[r] - reference[r]) } else { h };
                 margin += cfg.beta * h;
                 d_logp[c] += gc / n;
                 d_logp[r] += gr / n;

@@ -1,7 +1,8 @@
 //! DPO's settings ([`DpoConfig`]): β, the loss (or a mix of losses), label smoothing, RPO's α,
-//! the reference, KTO's weights, and the rules [`DpoConfig::validate`] holds them to.
+//! the reference, KTO's weights, the f-divergence, and the rules [`DpoConfig::validate`] holds
+//! them to.
 
-use super::dpo_loss::DpoLoss;
+use super::dpo_loss::{DpoLoss, FDivergence};
 use candle_core::{bail, Result};
 
 /// DPO's settings.
@@ -39,11 +40,16 @@ pub struct DpoConfig {
     /// first entry's. Empty: `loss` alone. Pair losses only (not kto, bco, simpo or orpo), each
     /// once, weights > 0.
     pub mix: Vec<(DpoLoss, f64)>,
+    /// The f-divergence whose difference between the answers the losses of `h` take (TRL's
+    /// `f_divergence_type`, f-DPO: Wang et al. 2023): the reverse KL (DPO's `h`, the default),
+    /// Jensen–Shannon or an α-divergence ([`FDivergence`]). Sigmoid, robust, exo_pair, hinge and
+    /// discopop only ([`DpoLoss::takes_f_divergence`]).
+    pub f_divergence: FDivergence,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new() }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl }
     }
 }
 
@@ -71,10 +77,23 @@ impl DpoConfig {
     /// [`DpoLoss::takes_label_smoothing`]; above 0 with exo_pair), `rpo_alpha ≥ 0` (none with
     /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
     /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
-    /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples).
+    /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples), an f-divergence other than the
+    /// reverse KL only with a loss that takes it (α > 0).
     pub fn validate(&self) -> Result<()> {
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
+        }
+        if let FDivergence::Alpha(a) = self.f_divergence {
+            if !(a > 0.0 && a.is_finite()) {
+                bail!("dpo: the alpha divergence's coefficient must be a positive number, got {a}")
+            }
+        }
+        if self.f_divergence != FDivergence::ReverseKl && !self.losses().iter().any(|(l, _)| l.takes_f_divergence()) {
+            bail!(
+                "dpo: the {} f-divergence changes the sigmoid, robust, exo_pair, hinge and discopop losses' h; {} has none of them",
+                self.f_divergence.name(),
+                self.losses().iter().map(|(l, _)| l.name()).collect::<Vec<_>>().join(" + ")
+            )
         }
         if let Some(&(first, _)) = self.mix.first() {
             if first != self.loss {
@@ -95,7 +114,8 @@ impl DpoConfig {
             for &(l, _) in &self.mix {
                 // each as if alone, but label smoothing may be some entries' only
                 let smoothing = if l.takes_label_smoothing() { mixed.label_smoothing } else { 0.0 };
-                DpoConfig { loss: l, label_smoothing: smoothing, ..mixed.clone() }.validate()?;
+                let f_divergence = if l.takes_f_divergence() { mixed.f_divergence } else { FDivergence::ReverseKl };
+                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ..mixed.clone() }.validate()?;
             }
             if self.label_smoothing > 0.0 && !self.mix.iter().any(|(l, _)| l.takes_label_smoothing()) {
                 bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; none is in the mix")

@@ -21,6 +21,10 @@
 //! sft        the chosen answers' mean cross-entropy per scored token (no preference)
 //! ```
 //!
+//! With an f-divergence other than the reverse KL ([`FDivergence`], TRL's `f_divergence_type`),
+//! the sigmoid, robust, exo_pair, hinge and discopop losses take `h_js = h − softplus(a) +
+//! softplus(b)` (Jensen–Shannon) or `h_α = (e^(−αb) − e^(−αa))/α` (α-divergence) for `h`.
+//!
 //! bco_pair, aot_pair, aot and sft need the whole batch ([`super::dpo::dpo_terms`],
 //! [`super::bco`]); the others are per pair. Losses mix as TRL's `loss_type` lists with
 //! `loss_weights` do ([`super::DpoConfig::mix`]; MPO: sigmoid 0.8, bco_pair 0.2, sft 1).
@@ -89,6 +93,57 @@ pub enum DpoLoss {
     Sft,
 }
 
+/// The f-divergence of f-DPO (Wang et al. 2023, "Beyond Reverse KL"; TRL's `f_divergence_type`)
+/// whose difference between the answers replaces `h` in the losses that take it
+/// ([`DpoLoss::takes_f_divergence`]).
+#[derive(Debug, Clone, Copy, PartialEq, Default)]
+pub enum FDivergence {
+    /// DPO's own: `h = a − b`.
+    #[default]
+    ReverseKl,
+    /// Jensen–Shannon: `h = (a − b) − (softplus(a) − softplus(b))`.
+    JsDivergence,
+    /// The α-divergence with coefficient α > 0 (TRL's `f_alpha_divergence_coef`, 1):
+    /// `h = (e^(−αb) − e^(−αa))/α`, each exponent capped at f64's largest (as TRL's `cap_exp`).
+    Alpha(f64),
+}
+
+impl FDivergence {
+    /// TRL's name of it (`reverse_kl`, `js_divergence`, `alpha_divergence`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::ReverseKl => "reverse_kl",
+            Self::JsDivergence => "js_divergence",
+            Self::Alpha(_) => "alpha_divergence",
+        }
+    }
+
+    /// The divergence named `name` (TRL's names; `alpha_divergence` with coefficient `alpha`).
+    pub fn parse(name: &str, alpha: f64) -> Result<Self> {
+        match name {
+            "reverse_kl" => Ok(Self::ReverseKl),
+            "js_divergence" => Ok(Self::JsDivergence),
+            "alpha_divergence" => Ok(Self::Alpha(alpha)),
+            _ => bail!("f-divergence {name:?}: expected reverse_kl, js_divergence or alpha_divergence"),
+        }
+    }
+
+    /// `h` of the answers' log-ratios `a`, `b` and its derivatives `(h, ∂h/∂a, ∂h/∂b)`.
+    pub fn h(self, a: f64, b: f64) -> (f64, f64, f64) {
+        match self {
+            Self::ReverseKl => (a - b, 1.0, -1.0),
+            Self::JsDivergence => (a - b - softplus(a) + softplus(b), 1.0 - sigmoid(a), -(1.0 - sigmoid(b))),
+            Self::Alpha(al) => {
+                // (e^x capped: its derivative 0 above the cap)
+                let cap = f64::MAX.ln();
+                let e = |x: f64| if x > cap { (cap.exp(), 0.0) } else { (x.exp(), x.exp()) };
+                let ((ea, da), (eb, db)) = (e(-al * a), e(-al * b));
+                ((eb - ea) / al, da, -db)
+            }
+        }
+    }
+}
+
 /// Every loss by its name (TRL's `loss_type` names).
 pub const DPO_LOSSES: [(&str, DpoLoss); 18] = [
     ("sigmoid", DpoLoss::Sigmoid),
@@ -121,6 +176,12 @@ impl DpoLoss {
     /// aot).
     pub fn takes_label_smoothing(self) -> bool {
         matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Simpo | Self::AotPair | Self::Aot)
+    }
+
+    /// Whether [`super::DpoConfig::f_divergence`] changes its `h` (sigmoid, robust, exo_pair,
+    /// hinge, discopop: TRL's losses of its `logits`).
+    pub fn takes_f_divergence(self) -> bool {
+        matches!(self, Self::Sigmoid | Self::Robust | Self::ExoPair | Self::Hinge | Self::DiscoPop)
     }
 
     /// Whether a pair's loss depends on the other pairs of the batch (bco_pair, aot_pair, aot,
@@ -221,9 +282,10 @@ pub(crate) fn aot_loss(cfg: &DpoConfig, loss: DpoLoss, policy: &[f64], reference
 pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, lr: f64) -> (f64, f64, f64, f64) {
     let (eps, beta) = (cfg.label_smoothing, cfg.beta);
     let (a, b) = (pc - rc, pr - rr);
-    let h = a - b;
+    // (the f-divergence's h for the losses that take it; DPO's a − b for the others)
+    let (h, ha, hb) = if cfg.loss.takes_f_divergence() { cfg.f_divergence.h(a, b) } else { (a - b, 1.0, -1.0) };
     // a loss of z = β·h: (its value, its derivative in z) → (h, loss, ∂/∂pc, ∂/∂pr)
-    let of_h = |(l, dz): (f64, f64)| (h, l, beta * dz, -beta * dz);
+    let of_h = |(l, dz): (f64, f64)| (h, l, beta * dz * ha, beta * dz * hb);
     let smoothed = |z: f64| ((1.0 - eps) * softplus(-z) + eps * softplus(z), -(1.0 - eps) * sigmoid(-z) + eps * sigmoid(z));
     // σ(x)·σ(−x): the derivative of σ
     let ds = |x: f64| sigmoid(x) * sigmoid(-x);

@@ -243,6 +243,73 @@ fn batch_losses_match_trls_formulas() -> Result<()> {
     Ok(())
 }
 
+/// f-DPO: the Jensen–Shannon and α-divergences' `h` as TRL computes its `logits` (written out
+/// with softplus and exp), through the sigmoid (with label smoothing), hinge, robust, exo_pair
+/// and discopop losses; the derivatives against central differences; the losses that do not
+/// take one refuse it, a mix takes it for its entries that do; α far out saturates as TRL's
+/// `cap_exp` instead of overflowing.
+#[test]
+fn f_divergences_match_trls_formulas() -> Result<()> {
+    use crate::train::dpo_loss::FDivergence;
+    let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.6];
+    let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0];
+    let lengths = [3.0, 5.0, 2.0, 2.0, 6.0, 4.0];
+    let pairs = [(0, 1), (2, 3), (4, 5)];
+    let sp = |x: f64| (1.0 + x.exp()).ln();
+    for f in [FDivergence::JsDivergence, FDivergence::Alpha(1.0), FDivergence::Alpha(0.3)] {
+        for (loss, eps) in [(DpoLoss::Sigmoid, 0.0), (DpoLoss::Sigmoid, 0.2), (DpoLoss::Hinge, 0.0), (DpoLoss::Robust, 0.1), (DpoLoss::ExoPair, 0.1), (DpoLoss::DiscoPop, 0.0)] {
+            let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, f_divergence: f, ..DpoConfig::default() };
+            cfg.validate()?;
+            let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg)?;
+            // TRL's logits: JS `logratios − ref_logratios − (softplus(a) − softplus(b))`, α
+            // `(cap_exp(−α·b) − cap_exp(−α·a))/α`
+            let hf: Vec<f64> = pairs
+                .iter()
+                .map(|&(c, r)| {
+                    let (a, b) = (policy[c] - reference[c], policy[r] - reference[r]);
+                    match f {
+                        FDivergence::Alpha(al) => ((-al * b).exp() - (-al * a).exp()) / al,
+                        _ => (policy[c] - policy[r]) - (reference[c] - reference[r]) - (sp(a) - sp(b)),
+                    }
+                })
+                .collect();
+            // the loss of each with DPO's h replaced: the reverse-KL loss at the same h
+            let plain = DpoConfig { f_divergence: FDivergence::ReverseKl, ..cfg.clone() };
+            let want: f64 = hf.iter().map(|&h| Ok(dpo_terms(&[h, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[(0, 1)], &plain)?.loss)).sum::<Result<f64>>()? / 3.0;
+            assert!((t.loss - want).abs() < 1e-12, "{f:?} {loss:?}: {} vs {want}", t.loss);
+            assert_eq!(t.accuracy, hf.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0, "{f:?}: h's sign is the log-ratios'");
+            let rewards = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).sum::<f64>() / 3.0;
+            assert!((t.margin - rewards).abs() < 1e-12, "{f:?}: the margin is the rewards' (TRL's)");
+            for i in 0..policy.len() {
+                let h = 1e-6;
+                let (mut x, mut y) = (policy, policy);
+                x[i] += h;
+                y[i] -= h;
+                let fd = (dpo_terms(&x, &reference, &lengths, &pairs, &cfg)?.loss - dpo_terms(&y, &reference, &lengths, &pairs, &cfg)?.loss) / (2.0 * h);
+                assert!((fd - t.d_logp[i]).abs() < 1e-8, "{f:?} {loss:?} answer {i}: {fd} vs {}", t.d_logp[i]);
+            }
+        }
+    }
+    // the losses that do not take one refuse it; a mix takes it for the entries that do
+    let js = FDivergence::JsDivergence;
+    for loss in [DpoLoss::Ipo, DpoLoss::NcaPair, DpoLoss::AotPair, DpoLoss::BcoPair, DpoLoss::Simpo] {
+        let e = DpoConfig { loss, f_divergence: js, ..DpoConfig::default() }.validate().unwrap_err().to_string();
+        assert!(e.contains("js_divergence") && e.contains(loss.name()), "{e}");
+    }
+    let mix = DpoConfig { f_divergence: js, mix: vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Sft, 0.5)], ..DpoConfig::default() };
+    mix.validate()?;
+    let got = super::mixed_terms(&policy, &reference, &lengths, &pairs, &mix, None)?.loss;
+    let one = |l: DpoLoss, f: FDivergence| dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: l, f_divergence: f, ..DpoConfig::default() }).map(|t| t.loss);
+    assert!((got - one(DpoLoss::Sigmoid, js)? - 0.5 * one(DpoLoss::Sft, FDivergence::ReverseKl)?).abs() < 1e-12);
+    assert!(DpoConfig { f_divergence: FDivergence::Alpha(0.0), ..DpoConfig::default() }.validate().is_err());
+    assert_eq!((FDivergence::parse("js_divergence", 1.0)?, FDivergence::parse("alpha_divergence", 0.5)?.name()), (js, "alpha_divergence"));
+    assert!(FDivergence::parse("kl", 1.0).is_err());
+    // α far out: e^(−α·b) saturates instead of overflowing, the loss stays a number
+    let far = dpo_terms(&[-3000.0, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[(0, 1)], &DpoConfig { f_divergence: FDivergence::Alpha(1.0), ..DpoConfig::default() })?;
+    assert!(far.loss.is_finite() && far.d_logp.iter().all(|x| x.is_finite()), "{far:?}");
+    Ok(())
+}
+
 /// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
 /// written with candle ops (log-probabilities summed per answer by a one-hot product) —
 /// DPO with label smoothing and RPO's term against a reference that differs from the policy,
