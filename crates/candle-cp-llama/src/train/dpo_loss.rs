@@ -347,3 +347,7 @@ pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, l
         DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
     }
 }
+
+#[cfg(test)]
+#[path = "dpo_loss_tests.rs"]
+mod tests;

@@ -24,6 +24,43 @@ fn model_cfg() -> LlamaConfig {
     LlamaConfig::tiny(128, 32, 2, 4, 2)
 }
 
+/// A micro-batch of `rows` under the test model (seed 5) on one device, as the trainer holds
+/// it: the model and its variables, the batch, its sharded ids, labels and marks.
+struct OneDevice {
+    vm: candle_nn::VarMap,
+    m: Llama,
+    b: DpoBatch,
+    sb: crate::ShardedBatch,
+    labels: Vec<u32>,
+    marks: Vec<u32>,
+}
+
+impl OneDevice {
+    fn new(rows: &[PreferenceRow], seq: usize, ctx: &ParallelCtx) -> Result<Self> {
+        let mcfg = model_cfg();
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, ctx)?;
+        let b = DpoBatch::new(rows, seq)?;
+        let sb = shard_batch_packed(&b.ids, &b.documents, ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&b.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
+        Ok(Self { vm, m, b, sb, labels, marks })
+    }
+
+    /// The per-token losses, flattened (a graph of their own each call).
+    fn nll(&self) -> Result<Tensor> {
+        self.m.token_nll_packed(&self.sb.input_ids, &self.sb.labels, &self.sb.positions, &self.sb.documents)?.flatten_all()
+    }
+}
+
+/// Each slot's summed log-probability `[slots]` from per-token losses `nll` by a one-hot
+/// product over the scored targets (`scored`: each target's slot + 1, 0 unscored), in candle
+/// ops (autograd's reference).
+fn slot_logps(nll: &Tensor, scored: &[u32], slots: usize) -> Result<Tensor> {
+    let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
+    nll.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)
+}
+
 /// The loss in closed form, its accuracy and margin, and its derivatives against central
 /// differences: every loss, with and without label smoothing, with RPO's term.
 #[test]
@@ -137,179 +174,6 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     Ok(())
 }
 
-/// The losses over the whole batch against TRL's formulas written out — aot_pair and aot
-/// (each of the two sequences sorted on its own, with label smoothing), sft (the chosen answers'
-/// mean cross-entropy, rewards 0) — and a mix (MPO's sigmoid 0.8 + bco_pair 0.2 + sft 1, with
-/// RPO's α once) as the weighted sum of its losses; derivatives against central differences
-/// (bco_pair's δ held); the mix's refusals.
-#[test]
-fn batch_losses_match_trls_formulas() -> Result<()> {
-    use crate::train::bco::{Delta, RunningMean};
-    let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.6, -4.0, -4.2];
-    let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0, -3.0, -5.0];
-    let lengths = [3.0, 5.0, 2.0, 2.0, 6.0, 4.0, 3.0, 1.0];
-    let pairs = [(0, 1), (2, 3), (4, 5), (6, 7)];
-    let ls = |z: f64| -softplus(-z);
-    let sorted = |mut v: Vec<f64>| {
-        v.sort_by(f64::total_cmp);
-        v
-    };
-    let a: Vec<f64> = pairs.iter().map(|&(c, _)| policy[c] - reference[c]).collect();
-    let b: Vec<f64> = pairs.iter().map(|&(_, r)| policy[r] - reference[r]).collect();
-    let chosen_ce = -(policy[0] + policy[2] + policy[4] + policy[6]) / (lengths[0] + lengths[2] + lengths[4] + lengths[6]);
-    let fd_check = |cfg: &DpoConfig, t: &DpoTerms, held: f64| -> Result<()> {
-        let at = |p: &[f64]| -> Result<f64> {
-            Ok(match cfg.mix.is_empty() {
-                true => dpo_terms(p, &reference, &lengths, &pairs, cfg)?.loss,
-                false => super::mixed_terms(p, &reference, &lengths, &pairs, cfg, Some(Delta::Hold(held)))?.loss,
-            })
-        };
-        for i in 0..policy.len() {
-            let h = 1e-6;
-            let (mut x, mut y) = (policy, policy);
-            x[i] += h;
-            y[i] -= h;
-            let fd = (at(&x)? - at(&y)?) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{cfg:?} answer {i}: {fd} vs {}", t.d_logp[i]);
-        }
-        Ok(())
-    };
-    for eps in [0.0, 0.2] {
-        for loss in [DpoLoss::AotPair, DpoLoss::Aot] {
-            let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, ..DpoConfig::default() };
-            cfg.validate()?;
-            let delta: Vec<f64> = match loss {
-                DpoLoss::AotPair => sorted(a.clone()).iter().zip(sorted(b.clone())).map(|(x, y)| x - y).collect(),
-                _ => {
-                    let l = sorted(pairs.iter().map(|&(c, r)| policy[c] - policy[r]).collect());
-                    let lr = sorted(pairs.iter().map(|&(c, r)| reference[c] - reference[r]).collect());
-                    l.iter().zip(lr).map(|(x, y)| x - y).collect()
-                }
-            };
-            let want = delta.iter().map(|&d| -ls(0.5 * d) * (1.0 - eps) - ls(-0.5 * d) * eps).sum::<f64>() / 4.0;
-            let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg)?;
-            assert!((t.loss - want).abs() < 1e-12, "{loss:?} eps {eps}: {} vs {want}", t.loss);
-            let hs: Vec<f64> = a.iter().zip(&b).map(|(x, y)| x - y).collect();
-            assert_eq!(t.accuracy, hs.iter().filter(|&&h| h > 0.0).count() as f64 / 4.0);
-            assert!((t.margin - 0.5 * hs.iter().sum::<f64>() / 4.0).abs() < 1e-12);
-            fd_check(&cfg, &t, 0.0)?;
-        }
-    }
-    // (the sorted order differs from the pairs' order here, so sorting is what is checked)
-    assert_ne!(sorted(a.clone()), a);
-    let sft = DpoConfig { loss: DpoLoss::Sft, ..DpoConfig::default() };
-    sft.validate()?;
-    assert!(sft.without_reference());
-    let t = dpo_terms(&policy, &reference, &lengths, &pairs, &sft)?;
-    assert!((t.loss - chosen_ce).abs() < 1e-12 && t.accuracy == 0.0 && t.margin == 0.0, "{t:?}");
-    fd_check(&sft, &t, 0.0)?;
-    // MPO: 0.8 sigmoid + 0.2 bco_pair + 1 sft, RPO's α 0.3 once
-    let mpo = DpoConfig { beta: 0.5, loss: DpoLoss::Sigmoid, rpo_alpha: 0.3, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], ..DpoConfig::default() };
-    mpo.validate()?;
-    assert!(mpo.keeps_running_mean() && !mpo.without_reference());
-    let mut running = RunningMean::default();
-    running.update(0.25);
-    let t = super::mixed_terms(&policy, &reference, &lengths, &pairs, &mpo, Some(Delta::Update(&mut running)))?;
-    let d = (0.25 + 0.5 * (a.iter().sum::<f64>() + b.iter().sum::<f64>()) / 8.0) / 2.0;
-    assert!((t.delta.expect("delta") - d).abs() < 1e-12 && running.mean == t.delta.expect("delta"));
-    let sig = a.iter().zip(&b).map(|(x, y)| -ls(0.5 * (x - y))).sum::<f64>() / 4.0;
-    let bco = a.iter().zip(&b).map(|(x, y)| -ls(0.5 * x - d) - ls(-(0.5 * y - d))).sum::<f64>() / 4.0;
-    let want = 0.8 * sig + 0.2 * bco + chosen_ce + 0.3 * chosen_ce;
-    assert!((t.loss - want).abs() < 1e-12, "MPO {} vs {want}", t.loss);
-    assert_eq!(t.accuracy, a.iter().zip(&b).filter(|(x, y)| x > y).count() as f64 / 4.0);
-    fd_check(&mpo, &t, d)?;
-    // the mix's rules
-    let mix = |mix: Vec<(DpoLoss, f64)>| DpoConfig { loss: mix[0].0, mix, ..DpoConfig::default() };
-    for (bad, why) in [
-        (DpoConfig { loss: DpoLoss::Hinge, ..mpo.clone() }, "starts with sigmoid"),
-        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Kto, 1.0)]), "does not mix"),
-        (mix(vec![(DpoLoss::Simpo, 1.0), (DpoLoss::Sigmoid, 1.0)]), "does not mix"),
-        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Sigmoid, 0.5)]), "twice"),
-        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Hinge, 0.0)]), "positive number"),
-        (DpoConfig { label_smoothing: 0.1, ..mix(vec![(DpoLoss::Hinge, 1.0), (DpoLoss::Sft, 1.0)]) }, "none is in the mix"),
-        (mix(vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::ExoPair, 1.0)]), "exo_pair loss needs label_smoothing"),
-    ] {
-        let e = bad.validate().unwrap_err().to_string();
-        assert!(e.contains(why), "{bad:?}: {e}");
-    }
-    // label smoothing reaches the entries that take it only
-    let smoothed = DpoConfig { label_smoothing: 0.1, ..mix(vec![(DpoLoss::Hinge, 1.0), (DpoLoss::Sigmoid, 0.5)]) };
-    smoothed.validate()?;
-    let t = super::mixed_terms(&policy, &reference, &lengths, &pairs, &smoothed, None)?;
-    let one = |l: DpoLoss, e: f64| dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: l, label_smoothing: e, ..DpoConfig::default() }).map(|t| t.loss);
-    assert!((t.loss - one(DpoLoss::Hinge, 0.0)? - 0.5 * one(DpoLoss::Sigmoid, 0.1)?).abs() < 1e-12);
-    // bco_pair in a mix needs δ
-    assert!(super::mixed_terms(&policy, &reference, &lengths, &pairs, &mpo, None).unwrap_err().to_string().contains("running mean"));
-    Ok(())
-}
-
-/// f-DPO: the Jensen–Shannon and α-divergences' `h` as TRL computes its `logits` (written out
-/// with softplus and exp), through the sigmoid (with label smoothing), hinge, robust, exo_pair
-/// and discopop losses; the derivatives against central differences; the losses that do not
-/// take one refuse it, a mix takes it for its entries that do; α far out saturates as TRL's
-/// `cap_exp` instead of overflowing.
-#[test]
-fn f_divergences_match_trls_formulas() -> Result<()> {
-    use crate::train::dpo_loss::FDivergence;
-    let policy = [-3.0, -5.5, -2.0, -1.0, -7.0, -7.6];
-    let reference = [-4.0, -4.0, -2.5, -0.5, -7.0, -7.0];
-    let lengths = [3.0, 5.0, 2.0, 2.0, 6.0, 4.0];
-    let pairs = [(0, 1), (2, 3), (4, 5)];
-    let sp = |x: f64| (1.0 + x.exp()).ln();
-    for f in [FDivergence::JsDivergence, FDivergence::Alpha(1.0), FDivergence::Alpha(0.3)] {
-        for (loss, eps) in [(DpoLoss::Sigmoid, 0.0), (DpoLoss::Sigmoid, 0.2), (DpoLoss::Hinge, 0.0), (DpoLoss::Robust, 0.1), (DpoLoss::ExoPair, 0.1), (DpoLoss::DiscoPop, 0.0)] {
-            let cfg = DpoConfig { beta: 0.5, label_smoothing: eps, loss, f_divergence: f, ..DpoConfig::default() };
-            cfg.validate()?;
-            let t = dpo_terms(&policy, &reference, &lengths, &pairs, &cfg)?;
-            // TRL's logits: JS `logratios − ref_logratios − (softplus(a) − softplus(b))`, α
-            // `(cap_exp(−α·b) − cap_exp(−α·a))/α`
-            let hf: Vec<f64> = pairs
-                .iter()
-                .map(|&(c, r)| {
-                    let (a, b) = (policy[c] - reference[c], policy[r] - reference[r]);
-                    match f {
-                        FDivergence::Alpha(al) => ((-al * b).exp() - (-al * a).exp()) / al,
-                        _ => (policy[c] - policy[r]) - (reference[c] - reference[r]) - (sp(a) - sp(b)),
-                    }
-                })
-                .collect();
-            // the loss of each with DPO's h replaced: the reverse-KL loss at the same h
-            let plain = DpoConfig { f_divergence: FDivergence::ReverseKl, ..cfg.clone() };
-            let want: f64 = hf.iter().map(|&h| Ok(dpo_terms(&[h, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[(0, 1)], &plain)?.loss)).sum::<Result<f64>>()? / 3.0;
-            assert!((t.loss - want).abs() < 1e-12, "{f:?} {loss:?}: {} vs {want}", t.loss);
-            assert_eq!(t.accuracy, hf.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0, "{f:?}: h's sign is the log-ratios'");
-            let rewards = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).sum::<f64>() / 3.0;
-            assert!((t.margin - rewards).abs() < 1e-12, "{f:?}: the margin is the rewards' (TRL's)");
-            for i in 0..policy.len() {
-                let h = 1e-6;
-                let (mut x, mut y) = (policy, policy);
-                x[i] += h;
-                y[i] -= h;
-                let fd = (dpo_terms(&x, &reference, &lengths, &pairs, &cfg)?.loss - dpo_terms(&y, &reference, &lengths, &pairs, &cfg)?.loss) / (2.0 * h);
-                assert!((fd - t.d_logp[i]).abs() < 1e-8, "{f:?} {loss:?} answer {i}: {fd} vs {}", t.d_logp[i]);
-            }
-        }
-    }
-    // the losses that do not take one refuse it; a mix takes it for the entries that do
-    let js = FDivergence::JsDivergence;
-    for loss in [DpoLoss::Ipo, DpoLoss::NcaPair, DpoLoss::AotPair, DpoLoss::BcoPair, DpoLoss::Simpo] {
-        let e = DpoConfig { loss, f_divergence: js, ..DpoConfig::default() }.validate().unwrap_err().to_string();
-        assert!(e.contains("js_divergence") && e.contains(loss.name()), "{e}");
-    }
-    let mix = DpoConfig { f_divergence: js, mix: vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Sft, 0.5)], ..DpoConfig::default() };
-    mix.validate()?;
-    let got = super::mixed_terms(&policy, &reference, &lengths, &pairs, &mix, None)?.loss;
-    let one = |l: DpoLoss, f: FDivergence| dpo_terms(&policy, &reference, &lengths, &pairs, &DpoConfig { loss: l, f_divergence: f, ..DpoConfig::default() }).map(|t| t.loss);
-    assert!((got - one(DpoLoss::Sigmoid, js)? - 0.5 * one(DpoLoss::Sft, FDivergence::ReverseKl)?).abs() < 1e-12);
-    assert!(DpoConfig { f_divergence: FDivergence::Alpha(0.0), ..DpoConfig::default() }.validate().is_err());
-    assert_eq!((FDivergence::parse("js_divergence", 1.0)?, FDivergence::parse("alpha_divergence", 0.5)?.name()), (js, "alpha_divergence"));
-    assert!(FDivergence::parse("kl", 1.0).is_err());
-    // α far out: e^(−α·b) saturates instead of overflowing, the loss stays a number
-    let far = dpo_terms(&[-3000.0, 0.0], &[0.0, 0.0], &[1.0, 1.0], &[(0, 1)], &DpoConfig { f_divergence: FDivergence::Alpha(1.0), ..DpoConfig::default() })?;
-    assert!(far.loss.is_finite() && far.d_logp.iter().all(|x| x.is_finite()), "{far:?}");
-    Ok(())
-}
-
 /// On one device, the linearised loss node's gradients equal autograd's gradients of the loss
 /// written with candle ops (log-probabilities summed per answer by a one-hot product) —
 /// DPO with label smoothing and RPO's term against a reference that differs from the policy,
@@ -321,7 +185,6 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     let set = PreferenceSet::read(&pairs_text(12, 3), &bytes_of, Some(2), None)?;
     let (seq, batch) = (64, 2);
     let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
-    let mcfg = model_cfg();
     let sigmoid_rpo = DpoConfig { beta: 0.3, label_smoothing: 0.1, rpo_alpha: 0.4, ..DpoConfig::default() };
     let simpo = DpoConfig { beta: 2.0, loss: DpoLoss::Simpo, simpo_gamma: 0.5, ..DpoConfig::default() };
     let orpo = DpoConfig { beta: 0.5, loss: DpoLoss::Orpo, ..DpoConfig::default() };
@@ -331,35 +194,29 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
     for cfg in [sigmoid_rpo, simpo, orpo, bco_pair, aot_pair, mpo] {
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
-            let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-            let b = DpoBatch::new(&rows, seq)?;
-            let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
-            let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+            let one = OneDevice::new(&rows, seq, &ctx)?;
+            let (b, labels, marks) = (&one.b, &one.labels, &one.marks);
             let mut rng = Rng::new(9);
             let reference: Vec<f64> = match cfg.loss {
                 DpoLoss::Simpo | DpoLoss::Orpo => vec![0.0; 2 * set.len()],
                 _ => (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect(),
             };
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
-            let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+            let nll = || one.nll();
             // the linearised node
-            let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
             let mut running = crate::train::bco::RunningMean::default();
-            let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
             assert_eq!(terms.delta, cfg.keeps_running_mean().then_some(running.mean));
             let g1 = loss.backward()?;
             // the loss by candle ops
             let n1 = nll()?;
             let values: Vec<f32> = n1.to_vec1()?;
-            let (_, scored) = b.logps(&values, &labels, &marks, &ctx, ctx.token_group())?;
+            let (_, scored) = b.logps(&values, labels, marks, &ctx, ctx.token_group())?;
             let slots = b.answers.len();
             for (j, &a) in b.answers.iter().enumerate() {
                 assert_eq!(scored.iter().filter(|&&s| s as usize == j + 1).count() as f64, answers.lengths[a], "answer {a}'s scored tokens");
             }
-            let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
-            let onehot = Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?;
-            let logp = n1.neg()?.unsqueeze(0)?.matmul(&onehot)?.squeeze(0)?; // [slots]
+            let logp = slot_logps(&n1, &scored, slots)?;
             let per_slot = |v: &[f64]| Tensor::from_vec(b.answers.iter().map(|&a| v[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
             let ratio = match cfg.loss {
                 DpoLoss::Simpo => (&logp / per_slot(&answers.lengths)?)?,
@@ -415,7 +272,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
             assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
             assert!(terms.margin.abs() > 0.01 && pairs.len() >= 2, "{terms:?}");
-            worst_difference(&vm, &g1, &direct.backward()?)
+            worst_difference(&one.vm, &g1, &direct.backward()?)
         });
         let worst = out.into_iter().next().expect("one rank")?;
         assert!(worst < 1e-4, "{cfg:?}: gradients differ by {worst} relative");
@@ -448,24 +305,19 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
     let (seq, batch) = (64, 2);
     let split: Vec<(PreferenceRow, PreferenceRow)> = (0..batch).map(|r| set.sample_split(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
     let (rows, kl_rows): (Vec<PreferenceRow>, Vec<PreferenceRow>) = split.into_iter().unzip();
-    let mcfg = model_cfg();
     let cfg = DpoConfig { beta: 0.3, loss: DpoLoss::Kto, undesirable_weight: 1.5, ..DpoConfig::default() };
     let out = run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
-        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        let b = DpoBatch::new(&rows, seq)?;
-        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
-        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
-        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
+        let one = OneDevice::new(&rows, seq, &ctx)?;
+        let (b, labels, marks) = (&one.b, &one.labels, &one.marks);
+        let nll = || one.nll();
         // the KL rows' forward (the same examples' KL documents)
         let bk = DpoBatch::new(&kl_rows, seq)?;
-        let kl_logps = KlLogps { answers: bk.answers.clone(), logps: bk.forward_logps(&m, &ctx, &Device::Cpu)? };
+        let kl_logps = KlLogps { answers: bk.answers.clone(), logps: bk.forward_logps(&one.m, &ctx, &Device::Cpu)? };
         assert_eq!(bk.answers, b.answers.iter().map(|a| a + 1).collect::<Vec<_>>());
         // the reference: the policy's own log-probabilities moved by −1..1 (examples) and
         // −2..0 (KL documents: the estimate ≈ 1)
-        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, &labels, &marks, &ctx, ctx.token_group())?;
+        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, labels, marks, &ctx, ctx.token_group())?;
         let mut rng = Rng::new(9);
         let mut reference = vec![0.0; 2 * set.len()];
         for ((&a, &p), (&k, &q)) in b.answers.iter().zip(&policy).zip(kl_logps.answers.iter().zip(&kl_logps.logps)) {
@@ -475,9 +327,9 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         }
         let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
         let mut running = crate::train::bco::RunningMean::default();
-        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps), &mut running)?;
+        let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps), &mut running)?;
         // (without the KL rows the examples have no partner)
-        assert!(b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
+        assert!(b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
         assert_eq!(running, crate::train::bco::RunningMean::default(), "KTO keeps no running mean");
         let g1 = loss.backward()?;
         let kl = terms.kl.expect("kl");
@@ -485,8 +337,7 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         // KTO by candle ops
         let n1 = nll()?;
         let slots = b.answers.len();
-        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
-        let logp = n1.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)?;
+        let logp = slot_logps(&n1, &scored, slots)?;
         // z₀ by hand from the KL documents
         let z0 = (kl_logps.answers.iter().zip(&kl_logps.logps).map(|(&k, &q)| q - reference[k]).sum::<f64>() / slots as f64).max(0.0);
         assert!((z0 - kl).abs() < 1e-9, "{z0} vs {kl}");
@@ -500,7 +351,7 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         let direct = (per_example(&weight)? / (x.exp()? + 1.0)?)?.mean_all()?;
         let lv = direct.to_scalar::<f32>()? as f64;
         assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
-        worst_difference(&vm, &g1, &direct.backward()?)
+        worst_difference(&one.vm, &g1, &direct.backward()?)
     });
     let worst = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");
@@ -517,18 +368,13 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
     let (seq, batch) = (64, 2);
     let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
     assert!(rows.iter().all(|(_, ids)| ids.iter().flatten().all(|d| d % 2 == 0)), "examples only");
-    let mcfg = model_cfg();
     let cfg = DpoConfig { beta: 0.3, loss: DpoLoss::Bco, ..DpoConfig::default() };
     let out = run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
-        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        let b = DpoBatch::new(&rows, seq)?;
-        let sb = shard_batch_packed(&b.ids, &b.documents, &ctx)?;
-        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
-        let marks: Vec<u32> = shard_batch(&b.marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
-        let nll = || -> Result<Tensor> { m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all() };
-        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, &labels, &marks, &ctx, ctx.token_group())?;
+        let one = OneDevice::new(&rows, seq, &ctx)?;
+        let (b, labels, marks) = (&one.b, &one.labels, &one.marks);
+        let nll = || one.nll();
+        let (policy, scored) = b.logps(&nll()?.to_vec1::<f32>()?, labels, marks, &ctx, ctx.token_group())?;
         // the reference: the policy's own log-probabilities moved by −1..1
         let mut rng = Rng::new(9);
         let mut reference = vec![0.0; 2 * set.len()];
@@ -539,7 +385,7 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
         let mut running = crate::train::bco::RunningMean::default();
         running.update(0.4);
         running.update(-0.1);
-        let (loss, terms) = b.loss(&nll()?, &labels, &marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+        let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
         let g1 = loss.backward()?;
         let slots = b.answers.len();
         let sign = |a: usize| if set.desirable().expect("labels")[a / 2] { 1.0 } else { -1.0 };
@@ -549,14 +395,13 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
         assert!(b.answers.iter().any(|&a| sign(a) > 0.0) && b.answers.iter().any(|&a| sign(a) < 0.0), "both labels in the batch");
         // BCO by candle ops: x = ±(β·(log π − log π_ref) − δ), loss = mean of softplus(−x)
         let n1 = nll()?;
-        let onehot: Vec<f32> = scored.iter().flat_map(|&s| (0..slots).map(move |j| (s as usize == j + 1) as u8 as f32)).collect();
-        let logp = n1.neg()?.unsqueeze(0)?.matmul(&Tensor::from_vec(onehot, (scored.len(), slots), &Device::Cpu)?)?.squeeze(0)?;
+        let logp = slot_logps(&n1, &scored, slots)?;
         let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(b.answers.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
         let x = ((((logp - per_example(&|a| reference[a])?)? * cfg.beta)? - delta)? * per_example(&sign)?)?;
         let direct = (x.neg()?.exp()? + 1.0)?.log()?.mean_all()?;
         let lv = direct.to_scalar::<f32>()? as f64;
         assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
-        worst_difference(&vm, &g1, &direct.backward()?)
+        worst_difference(&one.vm, &g1, &direct.backward()?)
     });
     let worst = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");
