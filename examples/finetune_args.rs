@@ -158,7 +158,8 @@ pub(crate) struct Args {
     /// ..., "label": true | false}` (strings, or lists of messages through --chat-template), or
     /// preference pairs (each gives a desirable and an undesirable example); each example is
     /// packed beside its KL document (its prompt with another example's completion). --beta,
-    /// --ref-model as DPO's.
+    /// --ref-model as DPO's; with --dpo-loss apo_zero_unpaired, TRL's KTOTrainer's APO-zero for
+    /// unpaired examples instead (no KL documents).
     #[arg(long)]
     pub(crate) kto: bool,
     /// Train by BCO (TRL's BCOTrainer) on unpaired examples: --data as --kto's, without KL
@@ -618,7 +619,7 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
     };
     let read = |tokenize: candle_cp_llama::train::sft::Tokenize| -> Result<DataSource> {
         let r = match (a.unpaired(), a.dpo) {
-            (true, _) if a.bco => PreferenceSet::read_unpaired(text, tokenize, eos, chat).and_then(PreferenceSet::without_kl_documents).map(DataSource::Preference),
+            (true, _) if a.bco || a.dpo_loss == "apo_zero_unpaired" => PreferenceSet::read_unpaired(text, tokenize, eos, chat).and_then(PreferenceSet::without_kl_documents).map(DataSource::Preference),
             (true, _) => PreferenceSet::read_unpaired(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, true) => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, false) => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),

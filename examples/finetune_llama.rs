@@ -267,8 +267,10 @@ fn main() -> Result<()> {
                     None => match (a.unpaired(), a.dpo_loss.as_str()) {
                         (true, "sigmoid") if a.bco => candle_cp_llama::train::DpoLoss::Bco,
                         (true, "sigmoid") => candle_cp_llama::train::DpoLoss::Kto,
+                        (true, "apo_zero_unpaired") if a.kto => candle_cp_llama::train::DpoLoss::ApoZeroUnpaired,
                         (true, l) => bail!("{} takes no --dpo-loss ({l})", a.objective_flag()),
                         (false, l @ ("kto" | "bco")) => bail!("--dpo-loss {l}: train by --{l} (unpaired examples)"),
+                        (false, "apo_zero_unpaired") => bail!("--dpo-loss apo_zero_unpaired: train by --kto --dpo-loss apo_zero_unpaired (unpaired examples)"),
                         (false, l) => l.parse()?,
                     },
                 },
@@ -364,11 +366,15 @@ fn main() -> Result<()> {
         a.seq_len,
         a.grad_accum
     );
-    if let (Some(d), DataSource::Preference(set)) = (cfg.dpo.as_ref().filter(|d| d.loss == candle_cp_llama::train::DpoLoss::Kto), &cfg.data) {
+    if let (Some(d), DataSource::Preference(set)) = (cfg.dpo.as_ref().filter(|d| d.loss.takes_example_weights()), &cfg.data) {
         let good = set.desirable().map_or(0, |d| d.iter().filter(|&&x| x).count()) as f64;
         let ratio = d.desirable_weight * good / (d.undesirable_weight * (set.len() as f64 - good));
+        let (name, baseline) = match d.loss {
+            candle_cp_llama::train::DpoLoss::Kto => ("KTO", "KL estimate from each micro-batch's KL documents"),
+            _ => ("APO-zero on unpaired examples", "no KL term"),
+        };
         say!(
-            "objective: KTO, beta {}, weights {} desirable / {} undesirable (weighted ratio {ratio:.2}{}), KL estimate from each micro-batch's KL documents, against {}",
+            "objective: {name}, beta {}, weights {} desirable / {} undesirable (weighted ratio {ratio:.2}{}), {baseline}, against {}",
             d.beta,
             d.desirable_weight,
             d.undesirable_weight,

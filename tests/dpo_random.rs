@@ -3,7 +3,7 @@
 //! recompute and overlaps, and a drawn objective (DPO's sigmoid loss with or without label
 //! smoothing, robust, EXO, IPO, hinge, NCA, SPPO, APO-zero / -down, reference-free SimPO and
 //! ORPO; RPO's term or not; one in three of the others reference-free; KTO on the pairs
-//! unpaired, λ_U 1 or 1.5; BCO on them unpaired without KL documents; bco_pair, whose running
+//! unpaired, λ_U 1 or 1.5; BCO and APO-zero unpaired on them without KL documents; bco_pair, whose running
 //! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
 //! quarter of the pair losses mixed with bco_pair and sft as MPO; a third of the losses of `h`
 //! with f-DPO's Jensen–Shannon or α-divergence) follow the single-device run
@@ -39,7 +39,7 @@ fn pairs(seed: u64, loss: DpoLoss) -> Result<PreferenceSet> {
     }
     match loss {
         DpoLoss::Kto => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None),
-        DpoLoss::Bco => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None)?.without_kl_documents(),
+        DpoLoss::Bco | DpoLoss::ApoZeroUnpaired => PreferenceSet::read_unpaired(&text, &bytes_of, Some(2), None)?.without_kl_documents(),
         _ => PreferenceSet::read(&text, &bytes_of, Some(2), None),
     }
 }
@@ -58,7 +58,7 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         _ => pick(d, &[0.1, 0.5]),
     };
     match loss {
-        DpoLoss::Kto => return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() },
+        DpoLoss::Kto | DpoLoss::ApoZeroUnpaired => return DpoConfig { beta, loss, undesirable_weight: pick(d, &[1.0, 1.5]), ..DpoConfig::default() },
         DpoLoss::Bco => return DpoConfig { beta, loss, ..DpoConfig::default() },
         _ => {}
     }

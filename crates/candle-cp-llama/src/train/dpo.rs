@@ -125,11 +125,12 @@ fn terms<'a>(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, u
             let labels: Vec<bool> = pairs.iter().map(|&(e, _)| label(e)).collect::<Result<_>>()?;
             match l {
                 DpoLoss::Kto => super::kto::kto_terms(policy, &reference, pairs, &labels, cfg),
+                DpoLoss::ApoZeroUnpaired => super::kto::apo_zero_unpaired_terms(policy, &reference, pairs, &labels, cfg),
                 _ => super::bco::bco_terms(policy, &reference, &lengths, pairs, Some(&labels), delta(given)?, cfg),
             }
         }
         (None, l) if l.unpaired() => bail!("dpo: the {} loss trains on unpaired examples (PreferenceSet::from_unpaired, --kto / --bco data), not pairs", l.name()),
-        (Some(_), l) => bail!("dpo: unpaired examples train by the kto or bco loss, not {}", l.name()),
+        (Some(_), l) => bail!("dpo: unpaired examples train by the kto, bco or apo_zero_unpaired loss, not {}", l.name()),
         (None, _) if !cfg.mix.is_empty() => mixed_terms(policy, &reference, &lengths, pairs, cfg, given),
         (None, DpoLoss::BcoPair) => super::bco::bco_terms(policy, &reference, &lengths, pairs, None, delta(given)?, cfg),
         (None, _) => dpo_terms(policy, &reference, &lengths, pairs, cfg),
@@ -413,10 +414,10 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
     dc.validate()?;
     let agree = |s: &PreferenceSet, what: &str| -> Result<()> {
         match (s.desirable().is_some(), dc.loss) {
-            (true, l) if !l.unpaired() => bail!("train: the {what} are unpaired examples: train them by the kto or bco loss, not {}", l.name()),
+            (true, l) if !l.unpaired() => bail!("train: the {what} are unpaired examples: train them by the kto, bco or apo_zero_unpaired loss, not {}", l.name()),
             (false, l) if l.unpaired() => bail!("train: the {} loss trains on unpaired examples (PreferenceSet::from_unpaired); the {what} are preference pairs", l.name()),
             (true, DpoLoss::Kto) if !s.has_kl_documents() => bail!("train: the kto loss needs the {what}'s KL documents (PreferenceSet::from_unpaired keeps them; not without_kl_documents)"),
-            (true, DpoLoss::Bco) if s.has_kl_documents() => bail!("train: the bco loss has no KL term: drop the {what}'s KL documents (PreferenceSet::without_kl_documents), which would take room in every row and a reference pass"),
+            (true, l @ (DpoLoss::Bco | DpoLoss::ApoZeroUnpaired)) if s.has_kl_documents() => bail!("train: the {} loss has no KL term: drop the {what}'s KL documents (PreferenceSet::without_kl_documents), which would take room in every row and a reference pass", l.name()),
             _ => Ok(()),
         }
     };

@@ -149,8 +149,8 @@ impl DpoConfig {
         if self.loss.unpaired() && self.rpo_alpha > 0.0 {
             bail!("dpo: the {} loss takes no rpo_alpha (its examples are not pairs)", self.loss.name())
         }
-        if self.loss != DpoLoss::Kto && (self.desirable_weight != 1.0 || self.undesirable_weight != 1.0) {
-            bail!("dpo: desirable_weight and undesirable_weight are the kto loss's, not {}'s (got {} and {})", self.loss.name(), self.desirable_weight, self.undesirable_weight)
+        if !self.loss.takes_example_weights() && (self.desirable_weight != 1.0 || self.undesirable_weight != 1.0) {
+            bail!("dpo: desirable_weight and undesirable_weight are the kto and apo_zero_unpaired losses', not {}'s (got {} and {})", self.loss.name(), self.desirable_weight, self.undesirable_weight)
         }
         if !(self.desirable_weight > 0.0 && self.desirable_weight.is_finite() && self.undesirable_weight > 0.0 && self.undesirable_weight.is_finite()) {
             bail!("dpo: KTO's desirable and undesirable weights must be positive numbers, got {} and {}", self.desirable_weight, self.undesirable_weight)

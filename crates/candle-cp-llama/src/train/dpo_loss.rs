@@ -91,6 +91,11 @@ pub enum DpoLoss {
     /// The chosen answers' mean cross-entropy per scored token (TRL's `sft` loss type: MPO's
     /// generation term in a [`super::DpoConfig::mix`]); no preference, rewards 0.
     Sft,
+    /// APO-zero for unpaired examples (TRL's `KTOTrainer` `loss_type="apo_zero_unpaired"`):
+    /// a desirable example costs `λ_D·(1 − σ(β·r))`, an undesirable one `λ_U·σ(β·r)`, no KL
+    /// term (the data without KL documents, [`super::PreferenceSet::without_kl_documents`]):
+    /// [`super::kto::apo_zero_unpaired_terms`].
+    ApoZeroUnpaired,
 }
 
 /// The f-divergence of f-DPO (Wang et al. 2023, "Beyond Reverse KL"; TRL's `f_divergence_type`)
@@ -145,7 +150,7 @@ impl FDivergence {
 }
 
 /// Every loss by its name (TRL's `loss_type` names).
-pub const DPO_LOSSES: [(&str, DpoLoss); 18] = [
+pub const DPO_LOSSES: [(&str, DpoLoss); 19] = [
     ("sigmoid", DpoLoss::Sigmoid),
     ("robust", DpoLoss::Robust),
     ("exo_pair", DpoLoss::ExoPair),
@@ -164,6 +169,7 @@ pub const DPO_LOSSES: [(&str, DpoLoss); 18] = [
     ("aot_pair", DpoLoss::AotPair),
     ("aot", DpoLoss::Aot),
     ("sft", DpoLoss::Sft),
+    ("apo_zero_unpaired", DpoLoss::ApoZeroUnpaired),
 ];
 
 impl DpoLoss {
@@ -190,9 +196,17 @@ impl DpoLoss {
         matches!(self, Self::BcoPair | Self::AotPair | Self::Aot | Self::Sft)
     }
 
-    /// Whether it trains on unpaired examples (KTO, BCO) rather than preference pairs.
+    /// Whether it trains on unpaired examples (KTO, BCO, APO-zero unpaired) rather than
+    /// preference pairs.
     pub fn unpaired(self) -> bool {
-        matches!(self, Self::Kto | Self::Bco)
+        matches!(self, Self::Kto | Self::Bco | Self::ApoZeroUnpaired)
+    }
+
+    /// Whether it weighs desirable and undesirable examples ([`super::DpoConfig::desirable_weight`],
+    /// [`super::DpoConfig::undesirable_weight`]: KTO and APO-zero unpaired, as TRL's
+    /// `KTOTrainer`).
+    pub fn takes_example_weights(self) -> bool {
+        matches!(self, Self::Kto | Self::ApoZeroUnpaired)
     }
 
     /// Whether it keeps a running mean reward across micro-batches (BCO's δ, [`super::bco`]).
@@ -344,7 +358,7 @@ pub fn pair_loss(cfg: &DpoConfig, pc: f64, pr: f64, rc: f64, rr: f64, lc: f64, l
             let dh = -beta * sigmoid(-ho);
             (ho, beta * softplus(-ho), dh * gc / lc, -dh * gr / lr)
         }
-        DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
+        DpoLoss::Kto | DpoLoss::Bco | DpoLoss::ApoZeroUnpaired | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => (f64::NAN, f64::NAN, f64::NAN, f64::NAN),
     }
 }
 

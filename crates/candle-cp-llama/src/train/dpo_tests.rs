@@ -131,7 +131,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
                     }
                     DpoLoss::Orpo => -0.5 * ls(h),
                     // (not among the cases: kto_terms, bco_terms, batch_losses_match_trls_formulas)
-                    DpoLoss::Kto | DpoLoss::Bco | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => f64::NAN,
+                    DpoLoss::Kto | DpoLoss::Bco | DpoLoss::ApoZeroUnpaired | DpoLoss::BcoPair | DpoLoss::AotPair | DpoLoss::Aot | DpoLoss::Sft => f64::NAN,
                 }
             })
             .sum::<f64>()
@@ -156,7 +156,7 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
     assert!(DpoConfig { label_smoothing: 0.5, ..DpoConfig::default() }.validate().is_err());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Ipo, ..DpoConfig::default() }.validate().is_err());
     assert_eq!(("ipo".parse::<DpoLoss>()?, "hinge".parse::<DpoLoss>()?, "sigmoid".parse::<DpoLoss>()?), (DpoLoss::Ipo, DpoLoss::Hinge, DpoLoss::Sigmoid));
-    assert!("bcx".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto, bco_pair, bco, aot_pair, aot, sft"));
+    assert!("bcx".parse::<DpoLoss>().unwrap_err().to_string().contains("sigmoid, robust, exo_pair, ipo, hinge, nca_pair, sppo_hard, apo_zero, apo_down, discopop, simpo, orpo, kto, bco_pair, bco, aot_pair, aot, sft, apo_zero_unpaired"));
     assert!(DpoConfig { loss: DpoLoss::ExoPair, ..DpoConfig::default() }.validate().unwrap_err().to_string().contains("exo_pair loss needs label_smoothing"));
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::Robust, ..DpoConfig::default() }.validate().is_ok());
     assert!(DpoConfig { label_smoothing: 0.1, loss: DpoLoss::NcaPair, ..DpoConfig::default() }.validate().is_err());

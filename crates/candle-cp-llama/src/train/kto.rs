@@ -64,6 +64,37 @@ pub fn kto_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], de
     Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: Some(kl), delta: None, d_logp })
 }
 
+/// APO-zero over unpaired examples (TRL's `KTOTrainer` `loss_type="apo_zero_unpaired"`): the
+/// first index of each of `pairs` into `policy` and `reference` is example `i`'s answer (the
+/// second unused), `desirable[i]` its label; a desirable example costs `λ_D·(1 − σ(β·r))`, an
+/// undesirable one `λ_U·σ(β·r)`, averaged over the examples. [`DpoTerms`] as
+/// [`kto_terms`]'s with `z₀ = 0` and no `kl`. Errors unless `cfg.loss` is
+/// [`DpoLoss::ApoZeroUnpaired`] and there is one label per example.
+pub fn apo_zero_unpaired_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], desirable: &[bool], cfg: &DpoConfig) -> Result<DpoTerms> {
+    if cfg.loss != DpoLoss::ApoZeroUnpaired {
+        bail!("apo_zero_unpaired_terms: the loss is {}", cfg.loss.name())
+    }
+    if desirable.len() != pairs.len() {
+        bail!("apo_zero_unpaired_terms: {} labels for {} examples", desirable.len(), pairs.len())
+    }
+    if let Some(&(e, _)) = pairs.iter().find(|&&(e, _)| e >= policy.len().min(reference.len())) {
+        bail!("apo_zero_unpaired_terms: answer {e} of {} log-probabilities ({} reference)", policy.len(), reference.len())
+    }
+    let n = pairs.len().max(1) as f64;
+    let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
+    let mut d_logp = vec![0.0; policy.len()];
+    for (&(e, _), &good) in pairs.iter().zip(desirable) {
+        // x = ±β·r: loss λ·σ(−x), ∂/∂r = ∓λ·β·σ(x)·σ(−x) (KTO's with z₀ = 0)
+        let (sign, weight) = if good { (1.0, cfg.desirable_weight) } else { (-1.0, cfg.undesirable_weight) };
+        let x = sign * cfg.beta * (policy[e] - reference[e]);
+        loss += weight * sigmoid(-x) / n;
+        d_logp[e] -= sign * weight * cfg.beta * sigmoid(x) * sigmoid(-x) / n;
+        right += (x > 0.0) as u8 as f64;
+        margin += x;
+    }
+    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -118,6 +149,41 @@ mod tests {
             assert!(bad.validate().is_err(), "{bad:?}");
         }
         assert_eq!("kto".parse::<DpoLoss>()?, DpoLoss::Kto);
+        Ok(())
+    }
+
+    /// APO-zero unpaired (TRL's KTOTrainer formula written out: `1 − σ(β·r)` desirable,
+    /// `σ(β·r)` undesirable, each weighted) in closed form, its derivatives against central
+    /// differences, 1/2 per example at the start, and the refusals.
+    #[test]
+    fn apo_zero_unpaired_matches_trls_formula() -> Result<()> {
+        let policy = [-3.0, 0.0, -2.0, 0.0, -7.5, 0.0];
+        let reference = [-4.0, 0.0, -2.5, 0.0, -7.0, 0.0];
+        let pairs = [(0, 0), (2, 2), (4, 4)];
+        let desirable = [true, false, false];
+        let cfg = DpoConfig { beta: 0.5, loss: DpoLoss::ApoZeroUnpaired, desirable_weight: 1.2, undesirable_weight: 0.8, ..DpoConfig::default() };
+        cfg.validate()?;
+        let s = |x: f64| 1.0 / (1.0 + (-x).exp());
+        let r = |i: usize| 0.5 * (policy[i] - reference[i]);
+        let want = (1.2 * (1.0 - s(r(0))) + 0.8 * s(r(2)) + 0.8 * s(r(4))) / 3.0;
+        let t = apo_zero_unpaired_terms(&policy, &reference, &pairs, &desirable, &cfg)?;
+        assert!((t.loss - want).abs() < 1e-12 && t.kl.is_none(), "{} vs {want}", t.loss);
+        assert_eq!(t.accuracy, [r(0) > 0.0, r(2) < 0.0, r(4) < 0.0].iter().filter(|&&x| x).count() as f64 / 3.0);
+        for i in [0, 2, 4] {
+            let h = 1e-6;
+            let (mut a, mut b) = (policy, policy);
+            a[i] += h;
+            b[i] -= h;
+            let fd = (apo_zero_unpaired_terms(&a, &reference, &pairs, &desirable, &cfg)?.loss - apo_zero_unpaired_terms(&b, &reference, &pairs, &desirable, &cfg)?.loss) / (2.0 * h);
+            assert!((fd - t.d_logp[i]).abs() < 1e-9, "example {i}: {fd} vs {}", t.d_logp[i]);
+        }
+        let start = apo_zero_unpaired_terms(&reference, &reference, &pairs, &desirable, &cfg)?;
+        assert!((start.loss - (0.6 + 0.4 + 0.4) / 3.0).abs() < 1e-12);
+        assert!(apo_zero_unpaired_terms(&policy, &reference, &pairs, &desirable[..1], &cfg).unwrap_err().to_string().contains("1 labels for 3"));
+        assert!(apo_zero_unpaired_terms(&policy, &reference, &pairs, &desirable, &DpoConfig::default()).is_err());
+        assert!(DpoConfig { loss: DpoLoss::ApoZeroUnpaired, rpo_alpha: 0.1, ..DpoConfig::default() }.validate().is_err());
+        assert!(DpoConfig { loss: DpoLoss::ApoZeroUnpaired, reference_free: true, ..DpoConfig::default() }.validate().is_err());
+        assert!(DpoConfig { loss: DpoLoss::Bco, desirable_weight: 2.0, ..DpoConfig::default() }.validate().is_err());
         Ok(())
     }
 }

@@ -66,10 +66,47 @@ fn kto_starts_at_one_half_learns_and_matches_on_every_layout() -> Result<()> {
     // the loss and the data must agree
     let mut bad = kto_cfg(Layout::single(), 2, 1.0)?;
     bad.dpo = Some(DpoConfig::default());
-    assert!(run(&bad).unwrap_err().to_string().contains("train them by the kto or bco loss"));
+    assert!(run(&bad).unwrap_err().to_string().contains("train them by the kto, bco or apo_zero_unpaired loss"));
     let mut bad = kto_cfg(Layout::single(), 2, 1.0)?;
     bad.data = DataSource::Preference(PreferenceSet::read(&crate::train::dpo::tests::pairs_text(4, 1), &crate::train::sft::bytes_of, Some(2), None)?);
     assert!(run(&bad).unwrap_err().to_string().contains("are preference pairs"));
+    Ok(())
+}
+
+/// APO-zero unpaired (the examples without KL documents, λ_U 1.5): step 1 costs 1/2 per
+/// desirable example and 3/4 per undesirable one (the policy its own reference); the run
+/// learns; zigzag CP 2 and ring CP 2 × DP 2 follow one device; the examples with their KL
+/// documents are refused for it.
+#[test]
+fn apo_zero_unpaired_learns_and_matches_on_every_layout() -> Result<()> {
+    let cfg = |layout: Layout, steps: usize| -> Result<TrainConfig> {
+        let mut c = kto_cfg(layout, steps, 1.5)?;
+        c.data = DataSource::Preference(kto_set()?.without_kl_documents()?);
+        c.dpo = Some(DpoConfig { beta: 0.5, loss: DpoLoss::ApoZeroUnpaired, undesirable_weight: 1.5, ..DpoConfig::default() });
+        Ok(c)
+    };
+    let c0 = cfg(Layout::single(), 12)?;
+    let one = run(&c0)?;
+    let m = &one[0].metrics;
+    let DataSource::Preference(set) = &c0.data else { bail!("examples") };
+    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
+    let labels: Vec<bool> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().map(|&a| set.desirable().expect("labels")[a / 2])).collect();
+    let want = labels.iter().map(|&d| if d { 0.5 } else { 0.75 }).sum::<f64>() / labels.len() as f64;
+    assert!((m[0].train_loss - want).abs() < 1e-5 && m[0].kto_kl.is_none(), "step 1: {:?} vs {want}", m[0]);
+    assert!(m.last().expect("steps").train_loss < m[0].train_loss - 0.05, "{:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2)] {
+        let mut c = cfg(layout, 12)?;
+        c.stop_after = Some(4);
+        let other = run(&c)?;
+        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
+        for (a, b) in want.iter().zip(&other[0].metrics) {
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: {} vs {}", a.step, a.train_loss, b.train_loss);
+        }
+    }
+    let mut bad = cfg(Layout::single(), 2)?;
+    bad.data = DataSource::Preference(kto_set()?);
+    assert!(run(&bad).unwrap_err().to_string().contains("apo_zero_unpaired loss has no KL term"));
     Ok(())
 }
 
