@@ -224,7 +224,7 @@ mod tests {
             // (Mistral V1 / V3 put a space before each answer)
             let sp = if matches!(t, ChatTemplate::MistralV1 | ChatTemplate::MistralV3) { " " } else { "" };
             // (GLM: the newline after the marker, the last answer ended by <|endoftext|>)
-            let (sp, last) = if t == ChatTemplate::Glm4 { ("\n", "<|endoftext|>") } else { (sp, eot) };
+            let (sp, last) = if matches!(t, ChatTemplate::Glm4 | ChatTemplate::Glm45) { ("\n", "<|endoftext|>") } else { (sp, eot) };
             // (harmony: an answer before the last ends with <|end|>)
             let mid = if t == ChatTemplate::Harmony { "<|end|>" } else { eot };
             assert_eq!(marked(&ex[0])?, format!("{sp}A1{mid}{sp}A2{last}"), "{}", t.name());
