@@ -321,6 +321,10 @@ fn main() -> Result<()> {
         })
         .transpose()?,
     };
+    // (the preference objective's rules checked before any rank starts)
+    if let Some(d) = &cfg.dpo {
+        d.validate()?;
+    }
     let world = layout.world_size();
     let launch = Launch::from_args(&a, world, cuda)?;
     let quiet = launch.quiet();

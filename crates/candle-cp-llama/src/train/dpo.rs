@@ -39,7 +39,9 @@ pub struct DpoTerms {
     pub loss: f64,
     /// Fraction of pairs whose chosen reward exceeds the rejected one (`h > 0`).
     pub accuracy: f64,
-    /// Mean reward margin `β·h` (chosen reward − rejected reward; KTO: [`super::kto::kto_terms`]).
+    /// Mean reward margin `β·h` (chosen reward − rejected reward; `h` the log-ratios' difference, per
+    /// token for IPO and SimPO, ORPO's log odds, the rewards' under an f-divergence; KTO, BCO:
+    /// [`super::kto::kto_terms`], [`super::bco::bco_terms`]).
     pub margin: f64,
     /// KTO's KL estimate `z₀` (`None` for the other losses).
     pub kl: Option<f64>,

@@ -37,7 +37,7 @@ pub struct DpoConfig {
     pub discopop_tau: f64,
     /// Losses mixed (TRL's `loss_type` list with its `loss_weights`; MPO: sigmoid 0.8,
     /// bco_pair 0.2, sft 1): the objective is `Σ wᵢ·lossᵢ` over the pairs, `loss` then its
-    /// first entry's. Empty: `loss` alone. Pair losses only (not kto, bco, simpo or orpo), each
+    /// first entry's. Empty: `loss` alone. Pair losses only (not the unpaired ones, simpo or orpo), each
     /// once, weights > 0.
     pub mix: Vec<(DpoLoss, f64)>,
     /// The f-divergence whose difference between the answers the losses of `h` take (TRL's
@@ -101,7 +101,7 @@ impl DpoConfig {
             }
             for (i, &(l, w)) in self.mix.iter().enumerate() {
                 if l.unpaired() || matches!(l, DpoLoss::Simpo | DpoLoss::Orpo) {
-                    bail!("dpo: the {} loss does not mix (kto and bco train unpaired examples; simpo and orpo have no reference): train it alone", l.name())
+                    bail!("dpo: the {} loss does not mix (kto, bco and apo_zero_unpaired train unpaired examples; simpo and orpo have no reference): train it alone", l.name())
                 }
                 if self.mix[..i].iter().any(|&(m, _)| m == l) {
                     bail!("dpo: the {} loss is in the mix twice", l.name())
