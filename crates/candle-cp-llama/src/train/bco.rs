@@ -124,7 +124,7 @@ pub fn bco_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
                 right += (x > y) as u8 as f64;
                 margin += x - y;
             }
-            super::dpo::add_rpo(policy, lengths, pairs, cfg, &mut loss, &mut d_logp);
+            super::dpo::add_rpo(policy, lengths, pairs, super::dpo::chosen_ce_weight(cfg), &mut loss, &mut d_logp);
         }
     }
     Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: Some(delta), d_logp })
@@ -133,6 +133,7 @@ pub fn bco_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::dpo_loss::assert_central_differences;
 
     /// TRL's `RunningMoments.update` on one value at a time, written out (its mean; the
     /// variance it also keeps is never read by the losses).
@@ -191,14 +192,7 @@ mod tests {
         let at = |p: &[f64], c: &DpoConfig| bco_terms(p, &reference, &lengths, &pairs, None, Delta::Hold(delta), c);
         for c in [cfg.clone(), DpoConfig { rpo_alpha: 0.7, ..cfg.clone() }] {
             let t = at(&policy, &c)?;
-            for i in 0..6 {
-                let h = 1e-6;
-                let (mut a, mut b) = (policy, policy);
-                a[i] += h;
-                b[i] -= h;
-                let fd = (at(&a, &c)?.loss - at(&b, &c)?.loss) / (2.0 * h);
-                assert!((fd - t.d_logp[i]).abs() < 1e-9, "bco_pair answer {i}: {fd} vs {}", t.d_logp[i]);
-            }
+            assert_central_differences(&|p| Ok(at(p, &c)?.loss), &policy, &t.d_logp, &[0, 1, 2, 3, 4, 5], (1e-6, 1e-9), "bco_pair")?;
             // RPO: α × the chosen answers' mean cross-entropy per scored token
             let rpo = -c.rpo_alpha * (policy[0] + policy[2] + policy[4]) / (lengths[0] + lengths[2] + lengths[4]);
             assert!((t.loss - want - rpo).abs() < 1e-12);
@@ -219,13 +213,8 @@ mod tests {
         assert!((t.margin - xs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
         assert_eq!(t.accuracy, xs.iter().filter(|&&x| x > 0.0).count() as f64 / 3.0);
         let at = |p: &[f64]| bco_terms(p, &reference, &lengths, &examples, Some(&labels), Delta::Hold(delta), &cfg);
+        assert_central_differences(&|p| Ok(at(p)?.loss), &policy, &t.d_logp, &[0, 1, 2, 3, 4, 5], (1e-6, 1e-9), "bco example")?;
         for i in 0..6 {
-            let h = 1e-6;
-            let (mut a, mut b) = (policy, policy);
-            a[i] += h;
-            b[i] -= h;
-            let fd = (at(&a)?.loss - at(&b)?.loss) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-9, "bco example slot {i}: {fd} vs {}", t.d_logp[i]);
             assert_eq!(t.d_logp[i] == 0.0, i % 2 == 1, "slot {i}");
         }
         // held: δ as given, the running mean untouched

@@ -93,14 +93,19 @@ pub fn dpo_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[(u
             }
         }
     }
-    add_rpo(policy, lengths, pairs, cfg, &mut loss, &mut d_logp);
+    add_rpo(policy, lengths, pairs, chosen_ce_weight(cfg), &mut loss, &mut d_logp);
     Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp })
 }
 
-/// RPO's term added to a pairs' loss and its derivatives: α × the chosen answers' mean
-/// cross-entropy per scored token (α [`DpoConfig::rpo_alpha`], plus ORPO's and sft's own 1).
-pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)], cfg: &DpoConfig, loss: &mut f64, d_logp: &mut [f64]) {
-    let alpha = cfg.rpo_alpha + if matches!(cfg.loss, DpoLoss::Orpo | DpoLoss::Sft) { 1.0 } else { 0.0 };
+/// The weight of the chosen answers' cross-entropy in `cfg.loss`'s objective: RPO's α
+/// ([`DpoConfig::rpo_alpha`]) plus ORPO's and sft's own 1.
+pub(crate) fn chosen_ce_weight(cfg: &DpoConfig) -> f64 {
+    cfg.rpo_alpha + if matches!(cfg.loss, DpoLoss::Orpo | DpoLoss::Sft) { 1.0 } else { 0.0 }
+}
+
+/// `alpha` × the chosen answers' mean cross-entropy per scored token (RPO's term,
+/// [`chosen_ce_weight`]) added to a pairs' loss and its derivatives.
+pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)], alpha: f64, loss: &mut f64, d_logp: &mut [f64]) {
     if alpha > 0.0 {
         let tokens: f64 = pairs.iter().map(|&(c, _)| lengths[c]).sum::<f64>().max(1.0);
         for &(c, _) in pairs {
@@ -164,8 +169,8 @@ pub fn mixed_terms(policy: &[f64], reference: &[f64], lengths: &[f64], pairs: &[
         out.d_logp.iter_mut().zip(&t.d_logp).for_each(|(a, b)| *a += w * b);
     }
     out.accuracy = accuracy.unwrap_or(0.0);
-    let rpo = DpoConfig { loss: DpoLoss::Sigmoid, ..cfg.clone() };
-    add_rpo(policy, lengths, pairs, &rpo, &mut out.loss, &mut out.d_logp);
+    // (RPO's α once; sft's own term came with its entry)
+    add_rpo(policy, lengths, pairs, cfg.rpo_alpha, &mut out.loss, &mut out.d_logp);
     Ok(out)
 }
 

@@ -287,6 +287,20 @@ pub(crate) fn aot_loss(cfg: &DpoConfig, loss: DpoLoss, policy: &[f64], reference
     Some((total, d))
 }
 
+/// Tests: the derivatives `d` of `loss` at `x` against its central differences of step `h` in
+/// the entries `which`, each within `tol`; `what` names the case in a failure.
+#[cfg(test)]
+pub(crate) fn assert_central_differences(loss: &dyn Fn(&[f64]) -> Result<f64>, x: &[f64], d: &[f64], which: &[usize], (h, tol): (f64, f64), what: &str) -> Result<()> {
+    for &i in which {
+        let (mut a, mut b) = (x.to_vec(), x.to_vec());
+        a[i] += h;
+        b[i] -= h;
+        let fd = (loss(&a)? - loss(&b)?) / (2.0 * h);
+        assert!((fd - d[i]).abs() < tol, "{what}, answer {i}: {fd} vs {}", d[i]);
+    }
+    Ok(())
+}
+
 /// One pair's loss (not those of the unpaired losses and of [`DpoLoss::batch_wide`] ones,
 /// which need the batch: `NaN`) from the chosen and rejected answers'
 /// summed log-probabilities under the policy (`pc`, `pr`) and the reference (`rc`, `rr`) and

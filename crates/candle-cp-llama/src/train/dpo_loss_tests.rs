@@ -1,7 +1,7 @@
 //! Tests of the losses over a whole batch (aot_pair, aot, sft, a mix) and of f-DPO's
 //! divergences, against TRL's formulas written out and central differences.
 use crate::train::dpo::{dpo_terms, mixed_terms, DpoConfig, DpoTerms};
-use crate::train::dpo_loss::{softplus, DpoLoss};
+use crate::train::dpo_loss::{assert_central_differences, softplus, DpoLoss};
 use candle_core::Result;
 
 /// The losses over the whole batch against TRL's formulas written out — aot_pair and aot
@@ -31,15 +31,8 @@ fn batch_losses_match_trls_formulas() -> Result<()> {
                 false => mixed_terms(p, &reference, &lengths, &pairs, cfg, Some(Delta::Hold(held)))?.loss,
             })
         };
-        for i in 0..policy.len() {
-            let h = 1e-6;
-            let (mut x, mut y) = (policy, policy);
-            x[i] += h;
-            y[i] -= h;
-            let fd = (at(&x)? - at(&y)?) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{cfg:?} answer {i}: {fd} vs {}", t.d_logp[i]);
-        }
-        Ok(())
+        let all: Vec<usize> = (0..policy.len()).collect();
+        assert_central_differences(&at, &policy, &t.d_logp, &all, (1e-6, 1e-8), &format!("{cfg:?}"))
     };
     for eps in [0.0, 0.2] {
         for loss in [DpoLoss::AotPair, DpoLoss::Aot] {
@@ -147,14 +140,8 @@ fn f_divergences_match_trls_formulas() -> Result<()> {
             assert_eq!(t.accuracy, hf.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0, "{f:?}: h's sign is the log-ratios'");
             let rewards = pairs.iter().map(|&(c, r)| 0.5 * ((policy[c] - reference[c]) - (policy[r] - reference[r]))).sum::<f64>() / 3.0;
             assert!((t.margin - rewards).abs() < 1e-12, "{f:?}: the margin is the rewards' (TRL's)");
-            for i in 0..policy.len() {
-                let h = 1e-6;
-                let (mut x, mut y) = (policy, policy);
-                x[i] += h;
-                y[i] -= h;
-                let fd = (dpo_terms(&x, &reference, &lengths, &pairs, &cfg)?.loss - dpo_terms(&y, &reference, &lengths, &pairs, &cfg)?.loss) / (2.0 * h);
-                assert!((fd - t.d_logp[i]).abs() < 1e-8, "{f:?} {loss:?} answer {i}: {fd} vs {}", t.d_logp[i]);
-            }
+            let at = |p: &[f64]| Ok(dpo_terms(p, &reference, &lengths, &pairs, &cfg)?.loss);
+            assert_central_differences(&at, &policy, &t.d_logp, &[0, 1, 2, 3, 4, 5], (1e-6, 1e-8), &format!("{f:?} {loss:?}"))?;
         }
     }
     // the losses that do not take one refuse it; a mix takes it for the entries that do

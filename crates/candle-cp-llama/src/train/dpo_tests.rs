@@ -1,5 +1,5 @@
 use super::*;
-use crate::train::dpo_loss::{sigmoid, softplus};
+use crate::train::dpo_loss::{assert_central_differences, sigmoid, softplus};
 use crate::train::sft::bytes_of;
 use crate::train::Rng;
 use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
@@ -45,6 +45,16 @@ impl OneDevice {
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
         let marks: Vec<u32> = shard_batch(&b.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
         Ok(Self { vm, m, b, sb, labels, marks })
+    }
+
+    /// The linearised node `node` (its gradients `grads`) against the loss written in candle
+    /// ops, `direct`: both values `loss` (the terms') within 1e-5 relative above 1, and the
+    /// largest relative difference of their gradients ([`worst_difference`]).
+    fn node_against(&self, node: &Tensor, grads: &candle_core::backprop::GradStore, loss: f64, direct: &Tensor) -> Result<f64> {
+        let lv = direct.to_scalar::<f32>()? as f64;
+        assert!((lv - loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {loss}");
+        assert!((node.to_scalar::<f32>()? as f64 - loss).abs() < 1e-5 * lv.abs().max(1.0), "node {node} vs {loss}");
+        worst_difference(&self.vm, grads, &direct.backward()?)
     }
 
     /// The per-token losses, flattened (a graph of their own each call).
@@ -142,14 +152,8 @@ fn terms_match_the_formula_and_finite_differences() -> Result<()> {
         assert!((t.loss - want).abs() < 1e-12, "{loss:?}: {} vs {want}", t.loss);
         assert_eq!(t.accuracy, hs.iter().filter(|&&h| h > 0.0).count() as f64 / 3.0);
         assert!((t.margin - 0.5 * hs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
-        for i in 0..policy.len() {
-            let h = 1e-5;
-            let (mut a, mut b) = (policy, policy);
-            a[i] += h;
-            b[i] -= h;
-            let fd = (dpo_terms(&a, &reference, &lengths, &pairs, &cfg)?.loss - dpo_terms(&b, &reference, &lengths, &pairs, &cfg)?.loss) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-8, "{loss:?} eps {eps} rpo {rpo_alpha} answer {i}: {fd} vs {}", t.d_logp[i]);
-        }
+        let at = |p: &[f64]| Ok(dpo_terms(p, &reference, &lengths, &pairs, &cfg)?.loss);
+        assert_central_differences(&at, &policy, &t.d_logp, &[0, 1, 2, 3, 4, 5], (1e-5, 1e-8), &format!("{loss:?} eps {eps} rpo {rpo_alpha}"))?;
     }
     assert!(softplus(800.0).is_finite() && softplus(-800.0) >= 0.0 && (sigmoid(-800.0)).abs() < 1e-300);
     assert!(DpoConfig { beta: 0.0, ..DpoConfig::default() }.validate().is_err());
@@ -268,11 +272,8 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
                 };
                 direct = (direct + (one * w)?)?;
             }
-            let lv = direct.to_scalar::<f32>()? as f64;
-            assert!((lv - terms.loss).abs() < 1e-5 * lv.abs().max(1.0), "value {lv} vs {}", terms.loss);
-            assert!((loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5 * lv.abs().max(1.0));
             assert!(terms.margin.abs() > 0.01 && pairs.len() >= 2, "{terms:?}");
-            worst_difference(&one.vm, &g1, &direct.backward()?)
+            one.node_against(&loss, &g1, terms.loss, &direct)
         });
         let worst = out.into_iter().next().expect("one rank")?;
         assert!(worst < 1e-4, "{cfg:?}: gradients differ by {worst} relative");
@@ -349,9 +350,7 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         let r = (logp.index_select(&examples, 0)? - per_example(&|a| reference[a] + kl)?)?;
         let x = ((r * per_example(&sign)?)? * cfg.beta)?;
         let direct = (per_example(&weight)? / (x.exp()? + 1.0)?)?.mean_all()?;
-        let lv = direct.to_scalar::<f32>()? as f64;
-        assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
-        worst_difference(&one.vm, &g1, &direct.backward()?)
+        one.node_against(&loss, &g1, terms.loss, &direct)
     });
     let worst = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");
@@ -399,9 +398,7 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
         let per_example = |f: &dyn Fn(usize) -> f64| Tensor::from_vec(b.answers.iter().map(|&a| f(a) as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
         let x = ((((logp - per_example(&|a| reference[a])?)? * cfg.beta)? - delta)? * per_example(&sign)?)?;
         let direct = (x.neg()?.exp()? + 1.0)?.log()?.mean_all()?;
-        let lv = direct.to_scalar::<f32>()? as f64;
-        assert!((lv - terms.loss).abs() < 1e-5 && (loss.to_scalar::<f32>()? as f64 - terms.loss).abs() < 1e-5, "value {lv} vs {}", terms.loss);
-        worst_difference(&one.vm, &g1, &direct.backward()?)
+        one.node_against(&loss, &g1, terms.loss, &direct)
     });
     let worst = out.into_iter().next().expect("one rank")?;
     assert!(worst < 1e-4, "gradients differ by {worst} relative");

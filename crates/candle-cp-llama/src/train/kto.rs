@@ -39,29 +39,44 @@ pub fn kto_terms(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], de
     if cfg.loss != DpoLoss::Kto {
         bail!("kto_terms: the {} loss scores preference pairs (dpo_terms)", cfg.loss.name())
     }
-    if desirable.len() != pairs.len() {
-        bail!("kto_terms: {} labels for {} examples", desirable.len(), pairs.len())
-    }
-    if let Some(&(e, k)) = pairs.iter().find(|&&(e, k)| e.max(k) >= policy.len().min(reference.len())) {
-        bail!("kto_terms: answer {} of {} log-probabilities ({} reference)", e.max(k), policy.len(), reference.len())
-    }
+    check_examples("kto_terms", policy, reference, pairs, desirable, true)?;
     let n = pairs.len().max(1) as f64;
     let kl = (pairs.iter().map(|&(_, k)| policy[k] - reference[k]).sum::<f64>() / n).max(0.0);
+    Ok(DpoTerms { kl: Some(kl), ..against_baseline(policy, reference, pairs, desirable, kl, cfg) })
+}
+
+/// Errors unless there is one label per example and every index used (`with_kl`: both of each
+/// pair, else the example's) is in range of `policy` and `reference`.
+fn check_examples(op: &str, policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], desirable: &[bool], with_kl: bool) -> Result<()> {
+    if desirable.len() != pairs.len() {
+        bail!("{op}: {} labels for {} examples", desirable.len(), pairs.len())
+    }
+    let used = |&(e, k): &(usize, usize)| if with_kl { e.max(k) } else { e };
+    if let Some(i) = pairs.iter().map(used).find(|&i| i >= policy.len().min(reference.len())) {
+        bail!("{op}: answer {i} of {} log-probabilities ({} reference)", policy.len(), reference.len())
+    }
+    Ok(())
+}
+
+/// KTO's loss of each example against a baseline `z₀` (its KL estimate; 0 for APO-zero):
+/// `x = ±β·(r − z₀)` (+ desirable, − undesirable), loss `λ·σ(−x)` averaged, the accuracy the
+/// fraction with `x > 0`, the margin the mean `x`, the derivatives in the examples'
+/// log-probabilities (`z₀` detached). `kl` and `delta` left `None`.
+fn against_baseline(policy: &[f64], reference: &[f64], pairs: &[(usize, usize)], desirable: &[bool], z0: f64, cfg: &DpoConfig) -> DpoTerms {
+    let n = pairs.len().max(1) as f64;
     let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
     let mut d_logp = vec![0.0; policy.len()];
     let beta = cfg.beta;
     for (&(e, _), &good) in pairs.iter().zip(desirable) {
-        let r = policy[e] - reference[e];
-        // x = β·(r − z₀) for a desirable example, β·(z₀ − r) for an undesirable one:
         // loss λ·(1 − σ(x)) = λ·σ(−x), ∂/∂r = ∓ λ·β·σ(x)·σ(−x)
         let (sign, weight) = if good { (1.0, cfg.desirable_weight) } else { (-1.0, cfg.undesirable_weight) };
-        let x = sign * beta * (r - kl);
+        let x = sign * beta * (policy[e] - reference[e] - z0);
         loss += weight * sigmoid(-x) / n;
         d_logp[e] -= sign * weight * beta * sigmoid(x) * sigmoid(-x) / n;
         right += (x > 0.0) as u8 as f64;
         margin += x;
     }
-    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: Some(kl), delta: None, d_logp })
+    DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp }
 }
 
 /// APO-zero over unpaired examples (TRL's `KTOTrainer` `loss_type="apo_zero_unpaired"`): the
@@ -74,30 +89,14 @@ pub fn apo_zero_unpaired_terms(policy: &[f64], reference: &[f64], pairs: &[(usiz
     if cfg.loss != DpoLoss::ApoZeroUnpaired {
         bail!("apo_zero_unpaired_terms: the loss is {}", cfg.loss.name())
     }
-    if desirable.len() != pairs.len() {
-        bail!("apo_zero_unpaired_terms: {} labels for {} examples", desirable.len(), pairs.len())
-    }
-    if let Some(&(e, _)) = pairs.iter().find(|&&(e, _)| e >= policy.len().min(reference.len())) {
-        bail!("apo_zero_unpaired_terms: answer {e} of {} log-probabilities ({} reference)", policy.len(), reference.len())
-    }
-    let n = pairs.len().max(1) as f64;
-    let (mut loss, mut right, mut margin) = (0.0, 0.0, 0.0);
-    let mut d_logp = vec![0.0; policy.len()];
-    for (&(e, _), &good) in pairs.iter().zip(desirable) {
-        // x = ±β·r: loss λ·σ(−x), ∂/∂r = ∓λ·β·σ(x)·σ(−x) (KTO's with z₀ = 0)
-        let (sign, weight) = if good { (1.0, cfg.desirable_weight) } else { (-1.0, cfg.undesirable_weight) };
-        let x = sign * cfg.beta * (policy[e] - reference[e]);
-        loss += weight * sigmoid(-x) / n;
-        d_logp[e] -= sign * weight * cfg.beta * sigmoid(x) * sigmoid(-x) / n;
-        right += (x > 0.0) as u8 as f64;
-        margin += x;
-    }
-    Ok(DpoTerms { loss, accuracy: right / n, margin: margin / n, kl: None, delta: None, d_logp })
+    check_examples("apo_zero_unpaired_terms", policy, reference, pairs, desirable, false)?;
+    Ok(against_baseline(policy, reference, pairs, desirable, 0.0, cfg))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::train::dpo_loss::assert_central_differences;
 
     /// The loss, accuracy, margin and KL estimate in closed form (with the clamp at 0 taken
     /// and not), the derivatives against central differences in the examples' log-probabilities
@@ -120,13 +119,8 @@ mod tests {
             assert!((t.loss - want).abs() < 1e-12, "{} vs {want}", t.loss);
             assert!((t.margin - xs.iter().sum::<f64>() / 3.0).abs() < 1e-12);
             assert_eq!(t.accuracy, xs.iter().filter(|&&x| x > 0.0).count() as f64 / 3.0);
+            assert_central_differences(&|p| Ok(kto_terms(p, &reference, &pairs, &desirable, &cfg)?.loss), &policy, &t.d_logp, &[0, 2, 4], (1e-6, 1e-9), "kto")?;
             for &(e, k) in &pairs {
-                let h = 1e-6;
-                let (mut a, mut b) = (policy, policy);
-                a[e] += h;
-                b[e] -= h;
-                let fd = (kto_terms(&a, &reference, &pairs, &desirable, &cfg)?.loss - kto_terms(&b, &reference, &pairs, &desirable, &cfg)?.loss) / (2.0 * h);
-                assert!((fd - t.d_logp[e]).abs() < 1e-9, "answer {e}: {fd} vs {}", t.d_logp[e]);
                 assert!(t.d_logp[e] != 0.0 && t.d_logp[k] == 0.0);
                 // a desirable example's loss falls as its log-probability rises, an undesirable one's rises
                 assert_eq!(t.d_logp[e] < 0.0, desirable[e / 2]);
@@ -169,14 +163,7 @@ mod tests {
         let t = apo_zero_unpaired_terms(&policy, &reference, &pairs, &desirable, &cfg)?;
         assert!((t.loss - want).abs() < 1e-12 && t.kl.is_none(), "{} vs {want}", t.loss);
         assert_eq!(t.accuracy, [r(0) > 0.0, r(2) < 0.0, r(4) < 0.0].iter().filter(|&&x| x).count() as f64 / 3.0);
-        for i in [0, 2, 4] {
-            let h = 1e-6;
-            let (mut a, mut b) = (policy, policy);
-            a[i] += h;
-            b[i] -= h;
-            let fd = (apo_zero_unpaired_terms(&a, &reference, &pairs, &desirable, &cfg)?.loss - apo_zero_unpaired_terms(&b, &reference, &pairs, &desirable, &cfg)?.loss) / (2.0 * h);
-            assert!((fd - t.d_logp[i]).abs() < 1e-9, "example {i}: {fd} vs {}", t.d_logp[i]);
-        }
+        assert_central_differences(&|p| Ok(apo_zero_unpaired_terms(p, &reference, &pairs, &desirable, &cfg)?.loss), &policy, &t.d_logp, &[0, 2, 4], (1e-6, 1e-9), "apo_zero_unpaired")?;
         let start = apo_zero_unpaired_terms(&reference, &reference, &pairs, &desirable, &cfg)?;
         assert!((start.loss - (0.6 + 0.4 + 0.4) / 3.0).abs() < 1e-12);
         assert!(apo_zero_unpaired_terms(&policy, &reference, &pairs, &desirable[..1], &cfg).unwrap_err().to_string().contains("1 labels for 3"));

@@ -282,20 +282,8 @@ impl PreferenceSet {
             return Ok(self.sample_split(seq_len, rng)?.0);
         }
         if self.desirable.is_some() {
-            let first = rng.below(self.len());
-            let (mut docs, mut len) = (Vec::new(), 0);
-            for i in 0..self.len() {
-                let d = 2 * ((first + i) % self.len());
-                if len + self.docs[d].0.len() > seq_len {
-                    break;
-                }
-                len += self.docs[d].0.len();
-                docs.push(d);
-            }
-            if docs.is_empty() {
-                self.check_fits(seq_len)?;
-            }
-            return self.pack_docs(&docs, seq_len);
+            let examples = self.fitting_examples(seq_len, rng)?;
+            return self.pack_docs(&examples.iter().map(|p| 2 * p).collect::<Vec<_>>(), seq_len);
         }
         let first = rng.below(self.len());
         let pairs: Vec<usize> = (0..self.len()).map(|i| (first + i) % self.len()).collect();
@@ -318,22 +306,30 @@ impl PreferenceSet {
         if !self.kl {
             bail!("PreferenceSet::sample_split: the set's KL documents are not used (without_kl_documents): sample its examples alone (sample)")
         }
+        let examples = self.fitting_examples(seq_len, rng)?;
+        let docs = |of: usize| examples.iter().map(|p| 2 * p + of).collect::<Vec<_>>();
+        Ok((self.pack_docs(&docs(0), seq_len)?, self.pack_docs(&docs(1), seq_len)?))
+    }
+
+    /// Unpaired examples from a random one on (in order, wrapping around, each at most once), as
+    /// many as a row of `seq_len` holds — and, with KL documents, a row of theirs too. Errors
+    /// when the first one does not fit ([`PreferenceSet::check_fits`]).
+    fn fitting_examples(&self, seq_len: usize, rng: &mut Rng) -> Result<Vec<usize>> {
         let first = rng.below(self.len());
-        let (mut examples, mut kl, mut a, mut b) = (Vec::new(), Vec::new(), 0, 0);
+        let (mut examples, mut a, mut b) = (Vec::new(), 0, 0);
         for i in 0..self.len() {
             let p = (first + i) % self.len();
-            let (x, y) = (self.docs[2 * p].0.len(), self.docs[2 * p + 1].0.len());
+            let (x, y) = (self.docs[2 * p].0.len(), if self.kl { self.docs[2 * p + 1].0.len() } else { 0 });
             if a + x > seq_len || b + y > seq_len {
                 break;
             }
             (a, b) = (a + x, b + y);
-            examples.push(2 * p);
-            kl.push(2 * p + 1);
+            examples.push(p);
         }
         if examples.is_empty() {
             self.check_fits(seq_len)?;
         }
-        Ok((self.pack_docs(&examples, seq_len)?, self.pack_docs(&kl, seq_len)?))
+        Ok(examples)
     }
 
     /// Every pair once, in order, packed into rows of `seq_len` (the reference pass; KTO's

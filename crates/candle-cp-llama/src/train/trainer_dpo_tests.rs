@@ -50,6 +50,14 @@ fn dpo_starts_at_ln2_learns_and_matches_on_every_layout() -> Result<()> {
     Ok(())
 }
 
+/// `c` with the last quarter of its preference data held out, evaluated every 2 steps.
+pub(super) fn with_held_out(mut c: TrainConfig) -> Result<TrainConfig> {
+    let (train, held) = c.data.split_held_out(0.25, c.seq_len)?;
+    c.data = train;
+    c.eval = Some(crate::train::EvalConfig { data: held, every: 2, batches: 1 });
+    Ok(c)
+}
+
 /// A DPO run killed after step 4 and resumed from its step-3 checkpoint reads the reference
 /// its first start wrote and reproduces the uninterrupted run.
 #[test]
@@ -76,13 +84,7 @@ fn resumed_dpo_reads_its_reference() -> Result<()> {
 /// on one device; held-out data that is not preference pairs is refused.
 #[test]
 fn held_out_pairs_are_evaluated_on_every_layout() -> Result<()> {
-    let with_eval = |layout: Layout, steps: usize| -> Result<TrainConfig> {
-        let mut c = dpo_cfg(None, layout, steps)?;
-        let (train, held) = c.data.split_held_out(0.25, c.seq_len)?;
-        c.data = train;
-        c.eval = Some(crate::train::EvalConfig { data: held, every: 2, batches: 1 });
-        Ok(c)
-    };
+    let with_eval = |layout: Layout, steps: usize| with_held_out(dpo_cfg(None, layout, steps)?);
     // (zero steps of learning: the evaluation of the starting model)
     let mut frozen = with_eval(Layout::single(), 2)?;
     frozen.schedule.peak = 0.0;

@@ -49,13 +49,7 @@ fn kto_starts_at_one_half_learns_and_matches_on_every_layout() -> Result<()> {
         }
     }
     // held-out examples: the starting model's held-out loss is 0.5; zigzag CP 2 = one device
-    let with_eval = |layout: Layout, steps: usize| -> Result<TrainConfig> {
-        let mut c = kto_cfg(layout, steps, 1.0)?;
-        let (train, held) = c.data.split_held_out(0.25, c.seq_len)?;
-        c.data = train;
-        c.eval = Some(crate::train::EvalConfig { data: held, every: 2, batches: 1 });
-        Ok(c)
-    };
+    let with_eval = |layout: Layout, steps: usize| crate::train::trainer::dpo_tests::with_held_out(kto_cfg(layout, steps, 1.0)?);
     let mut frozen = with_eval(Layout::single(), 2)?;
     frozen.schedule.peak = 0.0;
     let e = run(&frozen)?[0].metrics[1].eval_loss.expect("evaluated at step 2");
