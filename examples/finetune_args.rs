@@ -134,6 +134,11 @@ pub(crate) struct Args {
     /// The α-divergence's coefficient α (--f-divergence alpha_divergence).
     #[arg(long, default_value_t = 1.0)]
     pub(crate) f_alpha_divergence_coef: f64,
+    /// LD-DPO's α (TRL's ld_alpha): the policy's log-probability of an answer weighs the
+    /// tokens past the shorter answer of its pair by α (0..=1; none: plain DPO). Pair losses
+    /// other than orpo.
+    #[arg(long, value_name = "A")]
+    pub(crate) ld_alpha: Option<f64>,
     /// The weights of a --dpo-loss mix, comma separated (default: 1 each).
     #[arg(long, value_name = "W,..")]
     pub(crate) dpo_loss_weights: Option<String>,

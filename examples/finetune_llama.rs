@@ -283,6 +283,7 @@ fn main() -> Result<()> {
                 undesirable_weight: a.undesirable_weight,
                 reference_free: a.reference_free,
                 discopop_tau: a.discopop_tau,
+                ld_alpha: a.ld_alpha,
             }),
             false => None,
         },
@@ -404,7 +405,8 @@ fn main() -> Result<()> {
                     candle_cp_llama::train::dpo_loss::FDivergence::ReverseKl => String::new(),
                     candle_cp_llama::train::dpo_loss::FDivergence::Alpha(al) => format!(", f-divergence alpha_divergence (alpha {al})"),
                     f => format!(", f-divergence {}", f.name()),
-                },
+                }
+                + &d.ld_alpha.map_or(String::new(), |al| format!(", LD-DPO (the policy's tokens past the shorter answer weighed {al})")),
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),

@@ -6,7 +6,8 @@
 //! unpaired, λ_U 1 or 1.5; BCO and APO-zero unpaired on them without KL documents; bco_pair, whose running
 //! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
 //! quarter of the pair losses mixed with bco_pair and sft as MPO; a third of the losses of `h`
-//! with f-DPO's Jensen–Shannon or α-divergence) follow the single-device run
+//! with f-DPO's Jensen–Shannon or α-divergence; a quarter of the pair losses but orpo, sft and
+//! aot with LD-DPO's α ½) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -73,7 +74,16 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         true => pick(d, &[FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::ReverseKl, FDivergence::JsDivergence, FDivergence::Alpha(0.5)]),
         false => FDivergence::ReverseKl,
     };
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha: pick(d, &[0.0, 0.5]), reference_model: None, reference_free, mix, f_divergence, ..DpoConfig::default() }
+    let rpo_alpha = pick(d, &[0.0, 0.5]);
+    // LD-DPO: a quarter of the pair losses that take it weigh the longer answers' tails by ½
+    // (not aot's: at step 1 every shorter answer's weighted log-ratio is 0 up to float noise,
+    // and AOT's sort over the batch hands tied answers their places — and gradients — by that
+    // noise, which differs between layouts: seed 68, a mix with aot_pair on 2-D CP + TP)
+    let ld_alpha = match matches!(loss, DpoLoss::Orpo | DpoLoss::Sft | DpoLoss::Aot | DpoLoss::AotPair) {
+        true => None,
+        false => pick(d, &[None, None, None, Some(0.5)]),
+    };
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, ..DpoConfig::default() }
 }
 
 #[test]

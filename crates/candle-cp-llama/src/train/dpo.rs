@@ -29,6 +29,7 @@ use candle_cp_comm::Group;
 pub use super::dpo_loss::DpoLoss;
 use super::bco::{Delta, RunningMean};
 use super::dpo_loss::{aot_loss, pair_loss};
+use super::ld_dpo::terms_ld;
 
 pub use super::dpo_config::DpoConfig;
 
@@ -119,7 +120,7 @@ pub(crate) fn add_rpo(policy: &[f64], lengths: &[f64], pairs: &[(usize, usize)],
 /// [`super::bco::bco_terms`] over either (with `delta`, BCO's running mean): `policy` per
 /// slot, `of` each slot's answer index into `answers`, `pairs` of slots (an example's first).
 /// Errors when the loss and the data disagree.
-fn terms<'a>(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'a>>) -> Result<DpoTerms> {
+pub(super) fn terms<'a>(policy: &[f64], answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'a>>) -> Result<DpoTerms> {
     let pick = |v: &[f64], what: &str| -> Result<Vec<f64>> {
         of.iter().map(|&a| v.get(a).copied().ok_or_else(|| candle_core::Error::Msg(format!("dpo: no {what} for answer {a}")))).collect()
     };
@@ -183,14 +184,33 @@ pub(crate) struct DpoBatch {
     pub documents: Vec<candle_cp_ops::packing::Documents>,
     slots: Tensor,
     answers: Vec<usize>,
+    /// Per token, its rank among its answer's scored tokens (from 1; 0: not scored), `[B, T]`
+    /// ([`super::ld_dpo`]).
+    ranks: Tensor,
+    /// Per slot, LD-DPO's `l_p` ([`super::ld_dpo::public_lengths`]).
+    public: Vec<u32>,
+}
+
+/// A micro-batch's summed log-probabilities on a rank ([`DpoBatch::logps_ld`]).
+struct Scored {
+    /// Per slot, the plain sums over the batch.
+    plain: Vec<f64>,
+    /// Per slot, LD-DPO's weighted sums (with an α).
+    ld: Option<Vec<f64>>,
+    /// Per local target, its slot + 1 (0: not scored).
+    slots: Vec<u32>,
+    /// Per local target, its LD-DPO weight (1 without α, or not scored).
+    factor: Vec<f64>,
 }
 
 impl DpoBatch {
     /// From sampled rows (all `seq_len` long).
     pub(crate) fn new(rows: &[PreferenceRow], seq_len: usize) -> Result<Self> {
         let (mut ids, mut marks, mut slots, mut docs, mut answers) = (Vec::new(), Vec::new(), Vec::new(), Vec::new(), Vec::new());
+        let (mut ranks, mut counts) = (Vec::new(), Vec::new());
         for (sample, doc_ids) in rows {
             let d = sample.documents.clone().ok_or_else(|| candle_core::Error::Msg("dpo: a preference row without documents".into()))?;
+            let mut start = 0;
             for (len, id) in d.lengths().into_iter().zip(doc_ids) {
                 let slot = match id {
                     Some(a) => {
@@ -200,6 +220,18 @@ impl DpoBatch {
                     None => 0,
                 };
                 slots.extend(std::iter::repeat_n(slot, len));
+                // (an answer's scored tokens: its marked ones but the document's first, which
+                // nothing predicts — PreferenceSet::scored_lengths)
+                let mut k = 0u32;
+                for p in start..start + len {
+                    let scored = slot > 0 && p > start && sample.long_range.get(p).copied().unwrap_or(false);
+                    k += scored as u32;
+                    ranks.push(if scored { k } else { 0 });
+                }
+                if slot > 0 {
+                    counts.push(k);
+                }
+                start += len;
             }
             ids.extend_from_slice(&sample.tokens);
             marks.extend(sample.long_range.iter().map(|&m| m as u32));
@@ -211,6 +243,8 @@ impl DpoBatch {
             marks: Tensor::from_vec(marks, shape, &Device::Cpu)?,
             documents: docs,
             slots: Tensor::from_vec(slots, shape, &Device::Cpu)?,
+            ranks: Tensor::from_vec(ranks, shape, &Device::Cpu)?,
+            public: super::ld_dpo::public_lengths(&answers, &counts),
             answers,
         })
     }
@@ -219,38 +253,65 @@ impl DpoBatch {
     /// per-token losses `nll` (its shard, flattened; `labels` its labels, `marks` the shard's
     /// labels of [`DpoBatch::marks`]) summed per answer, then over `group`. Also returns each
     /// local target's slot + 1 (0: not scored).
+    #[cfg(test)]
     fn logps(&self, nll: &[f32], labels: &[u32], marks: &[u32], ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
-        // (each target's mark and answer are those of the token it predicts: the shard's labels
-        // of the marks and slots, as the trainer's selection reads the marks)
+        let s = self.logps_ld(nll, labels, marks, None, ctx, group)?;
+        Ok((s.plain, s.slots))
+    }
+
+    /// [`DpoBatch::logps`] and, with LD-DPO's `ld_alpha`, the weighted sums too (one
+    /// all-gather for both).
+    fn logps_ld(&self, nll: &[f32], labels: &[u32], marks: &[u32], ld_alpha: Option<f64>, ctx: &ParallelCtx, group: &Group) -> Result<Scored> {
+        // (each target's mark, answer and rank are those of the token it predicts: the shard's
+        // labels of the marks, slots and ranks, as the trainer's selection reads the marks)
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
         if marks.len() != nll.len() || labels.len() != nll.len() {
             bail!("dpo: {} per-token losses for {} labels and {} marks", nll.len(), labels.len(), marks.len())
         }
-        let mut part = vec![0f64; self.answers.len()];
+        let ranks: Vec<u32> = match ld_alpha {
+            Some(_) => shard_batch(&self.ranks, ctx)?.labels.flatten_all()?.to_vec1()?,
+            None => Vec::new(),
+        };
+        let n = self.answers.len();
+        // (plain sums, then the weighted ones)
+        let mut part = vec![0f64; if ld_alpha.is_some() { 2 * n } else { n }];
+        let mut factor = vec![1.0; nll.len()];
         let scored: Vec<u32> = (0..nll.len())
             .map(|i| {
                 let s = slots[i];
                 if labels[i] != IGNORE && marks[i] == 1 && s > 0 {
                     part[s as usize - 1] -= nll[i] as f64;
+                    if let Some(a) = ld_alpha {
+                        factor[i] = super::ld_dpo::factor(ranks[i], self.public[s as usize - 1], a);
+                        part[n + s as usize - 1] -= factor[i] * nll[i] as f64;
+                    }
                     s
                 } else {
                     0
                 }
             })
             .collect();
-        Ok((sum_over(&part, group)?, scored))
+        let mut plain = sum_over(&part, group)?;
+        let ld = ld_alpha.map(|_| plain.split_off(n));
+        Ok(Scored { plain, ld, slots: scored, factor })
     }
 
     /// Every answer's summed log-probability under `model`, by slot: a forward of the batch on
     /// the run's layout, no graph kept (the reference pass, KTO's KL rows). Collective over
     /// the world.
     fn forward_logps(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+        Ok(self.forward_logps_ld(model, None, ctx, dev)?.0)
+    }
+
+    /// [`DpoBatch::forward_logps`] and, with LD-DPO's `ld_alpha`, the weighted sums.
+    fn forward_logps_ld(&self, model: &Llama, ld_alpha: Option<f64>, ctx: &ParallelCtx, dev: &Device) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
         let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
         let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
         let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
         let marks: Vec<u32> = shard_batch(&self.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
-        Ok(self.logps(&values, &labels, &marks, ctx, ctx.token_group())?.0)
+        let s = self.logps_ld(&values, &labels, &marks, ld_alpha, ctx, ctx.token_group())?;
+        Ok((s.plain, s.ld))
     }
 
     /// Pairs as (chosen slot, rejected slot); BCO's unpaired examples (`unpaired`) as (slot,
@@ -282,10 +343,10 @@ impl DpoBatch {
     #[allow(clippy::too_many_arguments)]
     pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>, running: &mut RunningMean) -> Result<(Tensor, DpoTerms)> {
         let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
-        let (policy, scored) = self.logps(&values, labels, marks, ctx, group)?;
-        let terms = match kl {
+        let Scored { plain: policy, ld, slots: scored, factor } = self.logps_ld(&values, labels, marks, cfg.ld_alpha, ctx, group)?;
+        let (terms, d_plain) = match kl {
             None if cfg.loss == DpoLoss::Kto => bail!("kto: the micro-batch's KL documents were not scored (DpoRun::kl_logps)"),
-            None => terms(&policy, answers, &self.answers, &self.pairs(cfg.loss.unpaired())?, cfg, Some(Delta::Update(running)))?,
+            None => terms_ld(&policy, ld.as_deref(), answers, &self.answers, &self.pairs(cfg.loss.unpaired())?, cfg, Some(Delta::Update(running)))?,
             Some(k) => {
                 // (the KL documents' slots after the examples': example j with its KL document)
                 let n = self.answers.len();
@@ -298,11 +359,11 @@ impl DpoBatch {
                     .collect::<Result<_>>()?;
                 let all: Vec<f64> = policy.iter().chain(&k.logps).copied().collect();
                 let of: Vec<usize> = self.answers.iter().chain(&k.answers).copied().collect();
-                terms(&all, answers, &of, &pairs, cfg, None)?
+                (terms(&all, answers, &of, &pairs, cfg, None)?, vec![0.0; policy.len()])
             }
         };
-        // ∂loss/∂nll_t = −∂loss/∂log π(answer of t)
-        let w: Vec<f32> = scored.iter().map(|&s| if s == 0 { 0.0 } else { -terms.d_logp[s as usize - 1] as f32 }).collect();
+        // ∂loss/∂nll_t = −∂loss/∂log π(answer of t) (LD-DPO: −(∂loss/∂log π_LD · f_t + ∂loss/∂log π))
+        let w: Vec<f32> = scored.iter().zip(&factor).map(|(&s, &f)| if s == 0 { 0.0 } else { -(terms.d_logp[s as usize - 1] * f + d_plain[s as usize - 1]) as f32 }).collect();
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
         let gv = graph.to_scalar::<f32>()? as f64;
         Ok(((graph + (terms.loss - gv))?, terms))
@@ -331,6 +392,12 @@ fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
 /// evaluation's policy), by answer index: the pairs in order, `batch` rows of `seq_len` per forward (the
 /// last batch padded with empty rows), on the run's layout.
 pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
+    Ok(answer_logps_ld(model, set, batch, seq_len, None, ctx, dev)?.0)
+}
+
+/// [`answer_logps`] and, with LD-DPO's `ld_alpha`, the answers' weighted sums
+/// ([`super::ld_dpo`]).
+pub fn answer_logps_ld(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ld_alpha: Option<f64>, ctx: &ParallelCtx, dev: &Device) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
     let mut rows = set.in_order(seq_len)?;
     let pad = || -> Result<PreferenceRow> {
         let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(candle_cp_ops::packing::Documents::single(seq_len)?) };
@@ -341,17 +408,24 @@ pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: u
     }
     // (a KL document the set never scores, BCO's: 0)
     let mut out: Vec<f64> = (0..2 * set.len()).map(|d| if set.is_scored(d) { f64::NAN } else { 0.0 }).collect();
+    let mut weighted = ld_alpha.map(|_| out.clone());
     model.set_lora_dropout(None)?;
     for chunk in rows.chunks(batch) {
         let b = DpoBatch::new(chunk, seq_len)?;
-        for (slot, logp) in b.forward_logps(model, ctx, dev)?.into_iter().enumerate() {
+        let (plain, ld) = b.forward_logps_ld(model, ld_alpha, ctx, dev)?;
+        for (slot, logp) in plain.into_iter().enumerate() {
             out[b.answers[slot]] = logp;
         }
+        if let (Some(w), Some(ld)) = (&mut weighted, ld) {
+            for (slot, logp) in ld.into_iter().enumerate() {
+                w[b.answers[slot]] = logp;
+            }
+        }
     }
-    if let Some(a) = out.iter().position(|x| !x.is_finite()) {
-        bail!("dpo: the reference log-probability of answer {a} is {}", out[a])
+    if let Some(a) = out.iter().chain(weighted.iter().flatten()).position(|x| !x.is_finite()) {
+        bail!("dpo: the log-probability of answer {} is not finite", a % out.len())
     }
-    Ok(out)
+    Ok((out, weighted))
 }
 
 /// What the loss knows of each answer of a set, by answer index.
@@ -398,10 +472,10 @@ impl DpoRun {
     /// is, not updated); `None` without held-out pairs. Collective over the world.
     pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
         let Some((set, answers)) = &self.eval else { return Ok(None) };
-        let policy = answer_logps(model, set, batch, seq_len, ctx, dev)?;
+        let (policy, ld) = answer_logps_ld(model, set, batch, seq_len, self.cfg.ld_alpha, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
         let all: Vec<usize> = (0..2 * set.len()).collect();
-        Ok(Some(terms(&policy, answers, &all, &pairs, &self.cfg, Some(Delta::Hold(self.running.mean)))?))
+        Ok(Some(terms_ld(&policy, ld.as_deref(), answers, &all, &pairs, &self.cfg, Some(Delta::Hold(self.running.mean)))?.0))
     }
 }
 

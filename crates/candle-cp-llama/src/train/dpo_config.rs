@@ -45,11 +45,17 @@ pub struct DpoConfig {
     /// Jensen–Shannon or an α-divergence ([`FDivergence`]). Sigmoid, robust, exo_pair, hinge and
     /// discopop only ([`DpoLoss::takes_f_divergence`]).
     pub f_divergence: FDivergence,
+    /// LD-DPO's α (Liu et al. 2024, "Length Desensitization in DPO"; TRL's `ld_alpha`): the
+    /// policy's log-probability of an answer weighs its first `l_p` scored tokens by 1 and the
+    /// rest by α, `l_p` the shorter answer's scored tokens of its pair (the reference's and the
+    /// cross-entropy terms — RPO's, sft's — stay unweighted). `None`: DPO's plain sums (α 1).
+    /// Pair losses only (not the unpaired ones, orpo or sft alone), `0 ≤ α ≤ 1`.
+    pub ld_alpha: Option<f64>,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl, ld_alpha: None }
     }
 }
 
@@ -68,6 +74,16 @@ impl DpoConfig {
         }
     }
 
+    /// The weight of the objective's cross-entropy terms (RPO's α and an sft entry's weight in
+    /// the mix; an sft loss alone is 1) and the objective without them (`rpo_alpha` 0, the sft
+    /// entry out of the mix): how [`DpoConfig::ld_alpha`] keeps those terms on the plain sums.
+    pub fn split_cross_entropy(&self) -> (f64, DpoConfig) {
+        let sft: f64 = self.losses().iter().filter(|(l, _)| *l == DpoLoss::Sft).map(|(_, w)| w).sum();
+        let mix: Vec<(DpoLoss, f64)> = self.mix.iter().copied().filter(|(l, _)| *l != DpoLoss::Sft).collect();
+        let loss = mix.first().map_or(self.loss, |&(l, _)| l);
+        (self.rpo_alpha + sft, DpoConfig { rpo_alpha: 0.0, mix, loss, ..self.clone() })
+    }
+
     /// Whether the objective keeps BCO's running mean reward (bco or bco_pair, alone or mixed).
     pub fn keeps_running_mean(&self) -> bool {
         self.losses().iter().any(|(l, _)| l.running_mean())
@@ -78,8 +94,20 @@ impl DpoConfig {
     /// KTO), KTO's weights and DiscoPOP's τ `> 0`, at most one of `reference_free`, a
     /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
     /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples), an f-divergence other than the
-    /// reverse KL only with a loss that takes it (α > 0).
+    /// reverse KL only with a loss that takes it (α > 0), LD-DPO's α in `[0, 1]` with pair losses
+    /// other than orpo (and not sft alone).
     pub fn validate(&self) -> Result<()> {
+        if let Some(a) = self.ld_alpha {
+            if !(0.0..=1.0).contains(&a) {
+                bail!("dpo: ld_alpha (LD-DPO's weight of the tokens past the shorter answer's length) must be in [0, 1], got {a}")
+            }
+            if let Some((l, _)) = self.losses().into_iter().find(|(l, _)| l.unpaired() || *l == DpoLoss::Orpo) {
+                bail!("dpo: ld_alpha weighs the tokens of a pair's longer answer; the {} loss {}", l.name(), if l.unpaired() { "trains unpaired examples" } else { "compares mean log-probabilities (its odds)" })
+            }
+            if self.losses().iter().all(|(l, _)| *l == DpoLoss::Sft) {
+                bail!("dpo: ld_alpha weighs the pair losses' log-probabilities; the sft loss alone has none (its cross-entropy stays unweighted)")
+            }
+        }
         if !(self.beta > 0.0 && self.beta.is_finite()) {
             bail!("dpo: beta must be a positive number, got {}", self.beta)
         }
@@ -115,7 +143,9 @@ impl DpoConfig {
                 // each as if alone, but label smoothing may be some entries' only
                 let smoothing = if l.takes_label_smoothing() { mixed.label_smoothing } else { 0.0 };
                 let f_divergence = if l.takes_f_divergence() { mixed.f_divergence } else { FDivergence::ReverseKl };
-                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ..mixed.clone() }.validate()?;
+                // (an sft entry's cross-entropy is never LD-weighted)
+                let ld_alpha = if l == DpoLoss::Sft { None } else { mixed.ld_alpha };
+                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ld_alpha, ..mixed.clone() }.validate()?;
             }
             if self.label_smoothing > 0.0 && !self.mix.iter().any(|(l, _)| l.takes_label_smoothing()) {
                 bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; none is in the mix")

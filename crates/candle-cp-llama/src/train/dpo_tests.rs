@@ -459,3 +459,6 @@ fn reference_logps_are_per_document_on_every_layout() -> Result<()> {
     std::fs::remove_dir_all(&dir)?;
     Ok(())
 }
+
+#[path = "ld_dpo_tests.rs"]
+pub(crate) mod ld_dpo_tests;

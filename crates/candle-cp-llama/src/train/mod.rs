@@ -16,6 +16,7 @@ mod dpo_config;
 pub mod dpo_loss;
 pub mod eval;
 pub mod kto;
+pub mod ld_dpo;
 mod grad_step;
 pub(crate) mod lora;
 pub mod metrics;

@@ -457,13 +457,16 @@ pub fn train_rank(
             let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
             let lr_mask: Vec<u32> = mb.labels.flatten_all()?.to_vec1()?;
             let nll = nll.flatten_all()?;
-            let loss = match &mut dpo {
+            // (DPO: the objective in f64 from its terms, not the node's f32 value, which carries
+            // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
+            // as under an α-divergence without a reference — to float32's precision)
+            let (loss, mut exact) = match &mut dpo {
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
                     let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref(), &mut d.running)?;
                     (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
-                    l
+                    (l, Some(t.loss))
                 }
                 None => {
                     let train: Vec<f32> = labels
@@ -473,14 +476,16 @@ pub fn train_rank(
                         .collect();
                     let n_train = train.iter().filter(|&&x| x > 0.0).count();
                     let selected = (&nll * Tensor::from_vec(train, nll.shape(), &dev)?)?;
-                    global_mean(&selected, n_train, &token_group)?
+                    (global_mean(&selected, n_train, &token_group)?, None)
                 }
             };
             // Qwen3-MoE's load-balancing term (a constant here; its derivative reaches the
             // routers through the sparse layers' backward)
             let loss = match model.router_aux_loss()? {
                 Some(aux) => {
-                    *aux_sum.get_or_insert(0.0) += aux.to_scalar::<f32>()? as f64;
+                    let a = aux.to_scalar::<f32>()? as f64;
+                    *aux_sum.get_or_insert(0.0) += a;
+                    exact = exact.map(|e| e + a);
                     if let Some(l) = model.expert_load() {
                         *load_sum.get_or_insert(0.0) += l;
                     }
@@ -488,7 +493,10 @@ pub fn train_rank(
                 }
                 None => loss,
             };
-            objective += loss.to_scalar::<f32>()? as f64;
+            objective += match exact {
+                Some(e) => e,
+                None => loss.to_scalar::<f32>()? as f64,
+            };
             let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
             for (acc, x) in terms
                 .iter_mut()
