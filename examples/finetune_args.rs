@@ -139,6 +139,11 @@ pub(crate) struct Args {
     /// other than orpo.
     #[arg(long, value_name = "A")]
     pub(crate) ld_alpha: Option<f64>,
+    /// WPO (TRL's use_weighting): each pair's loss weighed by how likely the policy is to
+    /// produce its answers, min(1, exp(m_chosen + m_rejected)), m an answer's mean of log p −
+    /// log Σ p² over its tokens. Pair losses other than orpo and aot.
+    #[arg(long)]
+    pub(crate) use_weighting: bool,
     /// The weights of a --dpo-loss mix, comma separated (default: 1 each).
     #[arg(long, value_name = "W,..")]
     pub(crate) dpo_loss_weights: Option<String>,

@@ -284,6 +284,7 @@ fn main() -> Result<()> {
                 reference_free: a.reference_free,
                 discopop_tau: a.discopop_tau,
                 ld_alpha: a.ld_alpha,
+                use_weighting: a.use_weighting,
             }),
             false => None,
         },
@@ -394,7 +395,7 @@ fn main() -> Result<()> {
         );
     } else if let Some(d) = &cfg.dpo {
         say!(
-            "objective: DPO ({}), beta {}{}{}, {}",
+            "objective: DPO ({}), beta {}{}{}{}, {}",
             match d.mix.is_empty() {
                 true => format!("{} loss", d.loss.name()),
                 false => d.mix.iter().map(|(l, w)| format!("{w} x {}", l.name())).collect::<Vec<_>>().join(" + "),
@@ -407,6 +408,7 @@ fn main() -> Result<()> {
                     f => format!(", f-divergence {}", f.name()),
                 }
                 + &d.ld_alpha.map_or(String::new(), |al| format!(", LD-DPO (the policy's tokens past the shorter answer weighed {al})")),
+            if d.use_weighting { ", each pair weighed by WPO's policy weight" } else { "" },
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),

@@ -7,7 +7,7 @@
 //! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
 //! quarter of the pair losses mixed with bco_pair and sft as MPO; a third of the losses of `h`
 //! with f-DPO's Jensen–Shannon or α-divergence; a quarter of the pair losses but orpo, sft and
-//! aot with LD-DPO's α ½) follow the single-device run
+//! aot with LD-DPO's α ½, and a quarter, drawn apart, weighted by WPO) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -83,7 +83,9 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
         true => None,
         false => pick(d, &[None, None, None, Some(0.5)]),
     };
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, ..DpoConfig::default() }
+    // WPO: a quarter of the pair losses but orpo, sft and aot weigh each pair by the policy
+    let use_weighting = !matches!(loss, DpoLoss::Orpo | DpoLoss::Sft | DpoLoss::Aot | DpoLoss::AotPair) && pick(d, &[false, false, false, true]);
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, use_weighting, ..DpoConfig::default() }
 }
 
 #[test]

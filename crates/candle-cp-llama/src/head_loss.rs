@@ -142,32 +142,59 @@ fn chunked_backward(
 /// `softcap`: the logits soft-capped to `cap · tanh(l / cap)` before the softmax (Gemma 2's
 /// `final_logit_softcapping`), `None` for none.
 pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<Tensor> {
+    Ok(token_nll_stats(x, w, labels, chunk_rows, softcap, false)?.0)
+}
+
+/// [`token_nll`] and, per row, `log Σ_v p_v²` of the softmax (WPO's weight adjustment,
+/// `logsumexp(2 · log p)`), f32 `[N]`, detached, 0 where the label is [`IGNORE`]: one more
+/// pass over each chunk's logits, no more matmuls.
+pub fn token_nll_sq(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>) -> Result<(Tensor, Tensor)> {
+    let (nll, sq) = token_nll_stats(x, w, labels, chunk_rows, softcap, true)?;
+    Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("token_nll_sq: no statistics".into()))?))
+}
+
+/// `log Σ_v p_v² = logsumexp(2·l) − 2·lse` per row, `[c, 1]`, from a chunk's logits `l` and
+/// their `lse`.
+fn sq_of(l: &Tensor, lse: &Tensor) -> Result<Tensor> {
+    logsumexp_keepdim(&(l * 2.0)?, 1)? - (lse * 2.0)?
+}
+
+/// [`token_nll`], with [`token_nll_sq`]'s statistic when `want_sq`.
+fn token_nll_stats(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, softcap: Option<f64>, want_sq: bool) -> Result<(Tensor, Option<Tensor>)> {
     let (n, _, v) = check(x, w, labels, "token_nll")?;
     check_cap(softcap, "token_nll")?;
     let lab: Vec<u32> = labels.to_dtype(DType::U32)?.to_vec1()?;
     let (idx, tgt) = valid_rows(&lab, v, "token_nll")?;
     let dev = x.device().clone();
     let m = idx.len();
+    let zeros = || Tensor::zeros(n, DType::F32, &dev);
     if m == 0 {
-        return zeros_in_graph(x, w, &[n]);
+        return Ok((zeros_in_graph(x, w, &[n])?, want_sq.then(zeros).transpose()?));
     }
     let chunk = chunk_rows.max(1);
     let idx_t = Tensor::new(idx.as_slice(), &dev)?;
     let xs = x.detach().index_select(&idx_t, 0)?; // [m, h]
     let wd = w.detach();
     let tgt_t = Tensor::new(tgt.as_slice(), &dev)?.reshape((m, 1))?;
-    let (mut lse, mut nll) = (Vec::new(), Vec::new());
+    let (mut lse, mut nll, mut sq) = (Vec::new(), Vec::new(), Vec::new());
     for r0 in (0..m).step_by(chunk) {
         let c = chunk.min(m - r0);
         let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
         let s = logsumexp_keepdim(&l, 1)?; // [c, 1]
         nll.push((&s - l.gather(&tgt_t.narrow(0, r0, c)?, 1)?)?);
+        if want_sq {
+            sq.push(sq_of(&l, &s)?);
+        }
         lse.push(s);
     }
     let lse = Tensor::cat(&lse, 0)?; // [m, 1] f32
     let nll = Tensor::cat(&nll, 0)?.reshape(m)?;
     // scatter the valid rows' terms into [N] (zeros elsewhere)
-    let out = Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?;
+    let out = zeros()?.index_add(&idx_t, &nll, 0)?;
+    let sq = match want_sq {
+        true => Some(zeros()?.index_add(&idx_t, &Tensor::cat(&sq, 0)?.reshape(m)?, 0)?),
+        false => None,
+    };
     let (xs_b, w_b, x_dims) = (xs.clone(), wd.clone(), x.dims().to_vec());
     let minus_one = Tensor::full(-1f32, (m, 1), &dev)?;
     let bwd: BackwardFn = Arc::new(move |dy: &Tensor| {
@@ -176,7 +203,7 @@ pub fn token_nll(x: &Tensor, w: &Tensor, labels: &Tensor, chunk_rows: usize, sof
         let dx = Tensor::zeros(x_dims.as_slice(), dxs.dtype(), dxs.device())?.index_add(&idx_t, &dxs, 0)?;
         Ok(vec![Some(dx), dw])
     });
-    attach2("token_nll", x, w, out, bwd)
+    Ok((attach2("token_nll", x, w, out, bwd)?, sq))
 }
 
 /// [`token_nll`] with the head split by vocabulary rows over a TP group (Megatron's
@@ -209,6 +236,38 @@ pub fn token_nll_vocab_parallel(
     own_rows_only: bool,
     softcap: Option<f64>,
 ) -> Result<Tensor> {
+    Ok(token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), false)?.0)
+}
+
+/// [`token_nll_vocab_parallel`] and [`token_nll_sq`]'s statistic of the same rows, `log Σ_v
+/// p_v²` over the whole vocabulary (each rank's `logsumexp(2·l)` over its slice, merged over
+/// the group by one more all-gather), detached. Collective over `group`.
+#[allow(clippy::too_many_arguments)]
+pub fn token_nll_vocab_parallel_sq(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    vocab: usize,
+    chunk_rows: usize,
+    group: &candle_cp_comm::Group,
+    own_rows_only: bool,
+    softcap: Option<f64>,
+) -> Result<(Tensor, Tensor)> {
+    let (nll, sq) = token_nll_vocab_parallel_stats(x, w, labels, vocab, chunk_rows, group, (own_rows_only, softcap), true)?;
+    Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("token_nll_vocab_parallel_sq: no statistics".into()))?))
+}
+
+#[allow(clippy::too_many_arguments)]
+fn token_nll_vocab_parallel_stats(
+    x: &Tensor,
+    w: &Tensor,
+    labels: &Tensor,
+    vocab: usize,
+    chunk_rows: usize,
+    group: &candle_cp_comm::Group,
+    (own_rows_only, softcap): (bool, Option<f64>),
+    want_sq: bool,
+) -> Result<(Tensor, Option<Tensor>)> {
     const WHAT: &str = "token_nll_vocab_parallel";
     check_cap(softcap, WHAT)?;
     let (b, tc, hd) = x.dims3()?;
@@ -236,7 +295,7 @@ pub fn token_nll_vocab_parallel(
     };
     if m == 0 {
         // the same on every rank (labels are): no collective
-        return zeros_in_graph(x, w, &[b, ts]);
+        return Ok((zeros_in_graph(x, w, &[b, ts])?, want_sq.then(|| Tensor::zeros((b, ts), DType::F32, &dev)).transpose()?));
     }
     let chunk = chunk_rows.max(1);
     let idx_t = Tensor::new(idx.as_slice(), &dev)?;
@@ -249,25 +308,43 @@ pub fn token_nll_vocab_parallel(
     let here: Vec<f32> = mine.iter().map(|&h| if h { 1.0 } else { 0.0 }).collect();
     let col_t = Tensor::new(col.as_slice(), &dev)?.reshape((m, 1))?;
     let here_t = Tensor::new(here.as_slice(), &dev)?.reshape((m, 1))?;
+    // (with want_sq, each slice's logsumexp(2·l) beside its lse: rows [2, m])
     let (lse_r, t_r) = if real == 0 {
         // a slice of padding only: no probability mass, no target
-        (Tensor::full(f32::NEG_INFINITY, (1, m), &dev)?, Tensor::zeros(m, DType::F32, &dev)?)
+        (Tensor::full(f32::NEG_INFINITY, (1 + want_sq as usize, m), &dev)?, Tensor::zeros(m, DType::F32, &dev)?)
     } else {
-        let (mut lse_r, mut t_r) = (Vec::new(), Vec::new());
+        let (mut lse_r, mut s2_r, mut t_r) = (Vec::new(), Vec::new(), Vec::new());
         for r0 in (0..m).step_by(chunk) {
             let c = chunk.min(m - r0);
             let l = chunk_logits(&xs, &wd, r0, c, softcap)?;
             lse_r.push(logsumexp_keepdim(&l, 1)?); // [c, 1]
+            if want_sq {
+                s2_r.push(logsumexp_keepdim(&(&l * 2.0)?, 1)?);
+            }
             t_r.push((l.gather(&col_t.narrow(0, r0, c)?, 1)? * here_t.narrow(0, r0, c)?)?);
         }
-        (Tensor::cat(&lse_r, 0)?.reshape((1, m))?, Tensor::cat(&t_r, 0)?.reshape(m)?)
+        let lse_r = Tensor::cat(&lse_r, 0)?.reshape((1, m))?;
+        let lse_r = match want_sq {
+            true => Tensor::cat(&[lse_r, Tensor::cat(&s2_r, 0)?.reshape((1, m))?], 0)?,
+            false => lse_r,
+        };
+        (lse_r, Tensor::cat(&t_r, 0)?.reshape(m)?)
     };
     // merge the P slices: lse = log Σ_r exp(lse_r), target logit = the one rank's
-    let all = group.all_gather(&lse_r.contiguous()?, 0)?; // [P, m]
-    let lse = logsumexp_keepdim(&all, 0)?.reshape((m, 1))?;
+    let all = group.all_gather(&lse_r.contiguous()?, 0)?; // [P, m] ([P·2, m] with want_sq)
+    let all = all.reshape((group.size(), 1 + want_sq as usize, m))?;
+    let lse = logsumexp_keepdim(&all.narrow(1, 0, 1)?.squeeze(1)?, 0)?.reshape((m, 1))?;
     let target = group.all_reduce(&t_r.contiguous()?)?;
     let nll = (lse.reshape(m)? - target)?;
     let out = own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &nll, 0)?)?;
+    let sq = match want_sq {
+        true => {
+            let s2 = logsumexp_keepdim(&all.narrow(1, 1, 1)?.squeeze(1)?, 0)?.reshape(m)?;
+            let sq = (s2 - (lse.reshape(m)? * 2.0)?)?;
+            Some(own(&Tensor::zeros(n, DType::F32, &dev)?.index_add(&idx_t, &sq, 0)?)?)
+        }
+        false => None,
+    };
     let minus_here = here_t.neg()?;
     let (xs_b, w_b, x_dims, group) = (xs.clone(), wd.clone(), x.dims().to_vec(), group.clone());
     let w_dims = w.dims().to_vec();
@@ -294,7 +371,7 @@ pub fn token_nll_vocab_parallel(
         };
         Ok(vec![Some(dx), dw])
     });
-    attach2(WHAT, x, w, out, bwd)
+    Ok((attach2(WHAT, x, w, out, bwd)?, sq))
 }
 
 /// Reference for [`token_nll`] from plain candle ops: full logits `x · Wᵀ`, f32
@@ -442,6 +519,53 @@ mod tests {
         for bad in [0.0, -1.0, f64::NAN] {
             let e = token_nll(x.as_tensor(), w.as_tensor(), &out_of_vocab.narrow(0, 0, 1)?.repeat(3)?, 4, Some(bad)).unwrap_err().to_string();
             assert!(e.contains("soft cap"), "{e}");
+        }
+        Ok(())
+    }
+
+    /// WPO's statistic `log Σ_v p_v²` per row equals `logsumexp(2 · log_softmax(l))` of the full
+    /// logits (capped or not, 0 on ignored rows), from [`token_nll_sq`] in chunks of 1 and all
+    /// rows and from [`token_nll_vocab_parallel_sq`] over 2 and 4 ranks (vocabularies of 12 and
+    /// 5: a rank of padding only), own rows or not; the losses beside it are [`token_nll`]'s.
+    #[test]
+    fn squared_probability_statistic_matches_the_logits() -> Result<()> {
+        let (b, tc, h) = (2usize, 4usize, 5usize);
+        for (v, cap) in [(12usize, None), (5, None), (10, Some(1.5))] {
+            let lab = [[3u32, IGNORE, 0, 11], [7, 7, IGNORE, 5]].map(|r| r.map(|l| if l == IGNORE { l } else { l % v as u32 }));
+            let labels = Tensor::new(&lab, &Device::Cpu)?.flatten_all()?;
+            let x = randn(1, &[b * tc, h], 1.0)?;
+            let w = randn(2, &[v, h], 2.0)?;
+            let logits = x.matmul(&w.t()?)?;
+            let logits = match cap {
+                Some(c) => cap_logits(&logits, c)?,
+                None => logits,
+            };
+            let lsm = candle_nn::ops::log_softmax(&logits, 1)?;
+            let keep: Vec<f32> = lab.iter().flatten().map(|&l| (l != IGNORE) as u8 as f32).collect();
+            let want = (logsumexp_keepdim(&(lsm * 2.0)?, 1)?.reshape(b * tc)? * Tensor::new(keep, &Device::Cpu)?)?;
+            for chunk in [1, 64] {
+                let (nll, sq) = token_nll_sq(&x, &w, &labels, chunk, cap)?;
+                assert!(max_diff(&sq, &want)? < 2e-6 && max_diff(&nll, &token_nll(&x, &w, &labels, chunk, cap)?)? == 0.0, "V {v} chunk {chunk}");
+            }
+            assert!(want.to_vec1::<f32>()?.iter().any(|&q| q < -0.5), "a spread distribution somewhere");
+            for p in [2usize, 4] {
+                for own in [false, true] {
+                    let res = candle_cp_comm::run_ranks(p, |g| {
+                        let wl = candle_cp_nn::Shard::RowsPadded(v).slice(&w, p, g.rank())?;
+                        let x3 = x.reshape((b, tc, h))?;
+                        let labels2 = labels.reshape((b, tc))?;
+                        let (nll, sq) = token_nll_vocab_parallel_sq(&x3, &wl, &labels2, v, 3, &g, own, cap)?;
+                        let plain = token_nll_vocab_parallel(&x3, &wl, &labels2, v, 3, &g, own, cap)?;
+                        let ts = if own { tc / p } else { tc };
+                        let want = want.reshape((b, tc))?.narrow(1, if own { g.rank() * ts } else { 0 }, ts)?;
+                        Ok((max_diff(&sq, &want)?, max_diff(&nll, &plain)?))
+                    });
+                    for r in res {
+                        let (e, n) = r?;
+                        assert!(e < 2e-6 && n == 0.0, "V {v} P {p} own {own}: statistic {e}, losses {n}");
+                    }
+                }
+            }
         }
         Ok(())
     }

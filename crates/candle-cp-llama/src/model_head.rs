@@ -112,6 +112,19 @@ impl Llama {
         positions: &Tensor,
         docs: Option<&[Documents]>,
     ) -> Result<Tensor> {
+        Ok(self.token_nll_stats_with(input_ids, labels, positions, docs, false)?.0)
+    }
+
+    /// [`Llama::token_nll_with`] and, with `want_sq`, each token's `log Σ_v p_v²`
+    /// ([`crate::head_loss::token_nll_sq`]), f32 `[B, Ts]`, detached.
+    pub(crate) fn token_nll_stats_with(
+        &self,
+        input_ids: &Tensor,
+        labels: &Tensor,
+        positions: &Tensor,
+        docs: Option<&[Documents]>,
+        want_sq: bool,
+    ) -> Result<(Tensor, Option<Tensor>)> {
         let h = self.head_input(self.hidden_with(input_ids, positions, docs)?)?;
         let (b, ts, hd) = h.dims3()?;
         if labels.dims() != [b, ts] {
@@ -126,17 +139,19 @@ impl Llama {
             let labels_region = if sp { gather_labels(labels, g)? } else { labels.to_dtype(DType::U32)? };
             let v = self.cfg.vocab_size;
             let chunk = crate::head_loss::default_chunk_rows(candle_cp_nn::padded_rows(v, g.size()));
-            return crate::head_loss::token_nll_vocab_parallel(&self.head_region(&h)?, &self.lm_head, &labels_region, v, chunk, g, sp, self.cfg.final_logit_softcap());
+            let (x, cap) = (self.head_region(&h)?, self.cfg.final_logit_softcap());
+            return match want_sq {
+                true => crate::head_loss::token_nll_vocab_parallel_sq(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap).map(|(n, q)| (n, Some(q))),
+                false => Ok((crate::head_loss::token_nll_vocab_parallel(&x, &self.lm_head, &labels_region, v, chunk, g, sp, cap)?, None)),
+            };
         }
         let chunk = crate::head_loss::default_chunk_rows(self.cfg.vocab_size);
-        crate::head_loss::token_nll(
-            &h.reshape((b * ts, hd))?,
-            &self.lm_head,
-            &labels.flatten_all()?,
-            chunk,
-            self.cfg.final_logit_softcap(),
-        )?
-        .reshape((b, ts))
+        let (x, labels) = (h.reshape((b * ts, hd))?, labels.flatten_all()?);
+        let (nll, sq) = match want_sq {
+            true => crate::head_loss::token_nll_sq(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap()).map(|(n, q)| (n, Some(q)))?,
+            false => (crate::head_loss::token_nll(&x, &self.lm_head, &labels, chunk, self.cfg.final_logit_softcap())?, None),
+        };
+        Ok((nll.reshape((b, ts))?, sq.map(|q| q.reshape((b, ts))).transpose()?))
     }
 
     /// Global mean next-token cross-entropy (differentiable), identical on every rank.

@@ -142,6 +142,15 @@ impl Llama {
         self.token_nll_with(input_ids, labels, positions, Some(docs))
     }
 
+    /// [`Llama::token_nll_packed`] and each token's `log Σ_v p_v²` under the model, f32
+    /// `[B, Ts]`, detached (0 where the label is [`IGNORE`]): WPO's weight adjustment
+    /// ([`crate::head_loss::token_nll_sq`]; over a vocabulary split by TP, one more small
+    /// all-gather).
+    pub fn token_nll_packed_sq(&self, input_ids: &Tensor, labels: &Tensor, positions: &Tensor, docs: &[Documents]) -> Result<(Tensor, Tensor)> {
+        let (nll, sq) = self.token_nll_stats_with(input_ids, labels, positions, Some(docs), true)?;
+        Ok((nll, sq.ok_or_else(|| candle_core::Error::Msg("Llama::token_nll_packed_sq: no statistics".into()))?))
+    }
+
     /// [`Llama::loss`] of packed rows: `(loss, logits [B, Ts, V])`, the loss the global mean
     /// over every target (labels ≠ [`IGNORE`]) of every rank; arguments as
     /// [`Llama::token_nll_packed`].

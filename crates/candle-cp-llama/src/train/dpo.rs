@@ -29,7 +29,7 @@ use candle_cp_comm::Group;
 pub use super::dpo_loss::DpoLoss;
 use super::bco::{Delta, RunningMean};
 use super::dpo_loss::{aot_loss, pair_loss};
-use super::ld_dpo::terms_ld;
+use super::ld_dpo::shaped_terms;
 
 pub use super::dpo_config::DpoConfig;
 
@@ -189,14 +189,19 @@ pub(crate) struct DpoBatch {
     ranks: Tensor,
     /// Per slot, LD-DPO's `l_p` ([`super::ld_dpo::public_lengths`]).
     public: Vec<u32>,
+    /// Per slot, its answer's scored tokens.
+    counts: Vec<u32>,
 }
 
-/// A micro-batch's summed log-probabilities on a rank ([`DpoBatch::logps_ld`]).
+/// A micro-batch's summed log-probabilities on a rank ([`DpoBatch::scored_logps`]).
 struct Scored {
     /// Per slot, the plain sums over the batch.
     plain: Vec<f64>,
     /// Per slot, LD-DPO's weighted sums (with an α).
     ld: Option<Vec<f64>>,
+    /// Per slot, WPO's mean of `log p − log Σ_v p_v²` over the answer's scored tokens (with
+    /// the statistic).
+    wpo: Option<Vec<f64>>,
     /// Per local target, its slot + 1 (0: not scored).
     slots: Vec<u32>,
     /// Per local target, its LD-DPO weight (1 without α, or not scored).
@@ -245,6 +250,7 @@ impl DpoBatch {
             slots: Tensor::from_vec(slots, shape, &Device::Cpu)?,
             ranks: Tensor::from_vec(ranks, shape, &Device::Cpu)?,
             public: super::ld_dpo::public_lengths(&answers, &counts),
+            counts,
             answers,
         })
     }
@@ -255,26 +261,29 @@ impl DpoBatch {
     /// local target's slot + 1 (0: not scored).
     #[cfg(test)]
     fn logps(&self, nll: &[f32], labels: &[u32], marks: &[u32], ctx: &ParallelCtx, group: &Group) -> Result<(Vec<f64>, Vec<u32>)> {
-        let s = self.logps_ld(nll, labels, marks, None, ctx, group)?;
+        let s = self.scored_logps(nll, None, labels, marks, None, ctx, group)?;
         Ok((s.plain, s.slots))
     }
 
-    /// [`DpoBatch::logps`] and, with LD-DPO's `ld_alpha`, the weighted sums too (one
-    /// all-gather for both).
-    fn logps_ld(&self, nll: &[f32], labels: &[u32], marks: &[u32], ld_alpha: Option<f64>, ctx: &ParallelCtx, group: &Group) -> Result<Scored> {
+    /// [`DpoBatch::logps`] and, with LD-DPO's `ld_alpha`, the weighted sums, with WPO's
+    /// statistic `sq` (each local target's `log Σ_v p_v²`, as `nll`) the answers' mean
+    /// adjusted log-probabilities (one all-gather for all).
+    #[allow(clippy::too_many_arguments)]
+    fn scored_logps(&self, nll: &[f32], sq: Option<&[f32]>, labels: &[u32], marks: &[u32], ld_alpha: Option<f64>, ctx: &ParallelCtx, group: &Group) -> Result<Scored> {
         // (each target's mark, answer and rank are those of the token it predicts: the shard's
         // labels of the marks, slots and ranks, as the trainer's selection reads the marks)
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
-        if marks.len() != nll.len() || labels.len() != nll.len() {
-            bail!("dpo: {} per-token losses for {} labels and {} marks", nll.len(), labels.len(), marks.len())
+        if marks.len() != nll.len() || labels.len() != nll.len() || sq.is_some_and(|q| q.len() != nll.len()) {
+            bail!("dpo: {} per-token losses for {} labels, {} marks and {:?} statistics", nll.len(), labels.len(), marks.len(), sq.map(<[f32]>::len))
         }
         let ranks: Vec<u32> = match ld_alpha {
             Some(_) => shard_batch(&self.ranks, ctx)?.labels.flatten_all()?.to_vec1()?,
             None => Vec::new(),
         };
         let n = self.answers.len();
-        // (plain sums, then the weighted ones)
-        let mut part = vec![0f64; if ld_alpha.is_some() { 2 * n } else { n }];
+        // (plain sums, then the weighted ones, then WPO's)
+        let (at_ld, at_wpo) = (n, n * (1 + ld_alpha.is_some() as usize));
+        let mut part = vec![0f64; at_wpo + if sq.is_some() { n } else { 0 }];
         let mut factor = vec![1.0; nll.len()];
         let scored: Vec<u32> = (0..nll.len())
             .map(|i| {
@@ -283,7 +292,10 @@ impl DpoBatch {
                     part[s as usize - 1] -= nll[i] as f64;
                     if let Some(a) = ld_alpha {
                         factor[i] = super::ld_dpo::factor(ranks[i], self.public[s as usize - 1], a);
-                        part[n + s as usize - 1] -= factor[i] * nll[i] as f64;
+                        part[at_ld + s as usize - 1] -= factor[i] * nll[i] as f64;
+                    }
+                    if let Some(q) = sq {
+                        part[at_wpo + s as usize - 1] -= nll[i] as f64 + q[i] as f64;
                     }
                     s
                 } else {
@@ -292,26 +304,33 @@ impl DpoBatch {
             })
             .collect();
         let mut plain = sum_over(&part, group)?;
-        let ld = ld_alpha.map(|_| plain.split_off(n));
-        Ok(Scored { plain, ld, slots: scored, factor })
+        let wpo = sq.map(|_| plain.split_off(at_wpo).into_iter().zip(&self.counts).map(|(x, &c)| x / c.max(1) as f64).collect());
+        let ld = ld_alpha.map(|_| plain.split_off(at_ld));
+        Ok(Scored { plain, ld, wpo, slots: scored, factor })
     }
 
     /// Every answer's summed log-probability under `model`, by slot: a forward of the batch on
     /// the run's layout, no graph kept (the reference pass, KTO's KL rows). Collective over
     /// the world.
     fn forward_logps(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
-        Ok(self.forward_logps_ld(model, None, ctx, dev)?.0)
+        Ok(self.forward_policy(model, &DpoConfig::default(), ctx, dev)?.plain)
     }
 
-    /// [`DpoBatch::forward_logps`] and, with LD-DPO's `ld_alpha`, the weighted sums.
-    fn forward_logps_ld(&self, model: &Llama, ld_alpha: Option<f64>, ctx: &ParallelCtx, dev: &Device) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+    /// [`DpoBatch::forward_logps`] and what `cfg` asks of the policy beside the plain sums
+    /// (LD-DPO's weighted sums, WPO's means), by slot.
+    fn forward_policy(&self, model: &Llama, cfg: &DpoConfig, ctx: &ParallelCtx, dev: &Device) -> Result<PolicyLogps> {
         let sb = shard_batch_packed(&self.ids, &self.documents, ctx)?;
-        let nll = model.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?.detach();
-        let values: Vec<f32> = nll.flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
+        let (ids, labels_d, pos) = (sb.input_ids.to_device(dev)?, sb.labels.to_device(dev)?, sb.positions.to_device(dev)?);
+        let (nll, sq) = match cfg.use_weighting {
+            true => model.token_nll_packed_sq(&ids, &labels_d, &pos, &sb.documents).map(|(n, q)| (n, Some(q)))?,
+            false => (model.token_nll_packed(&ids, &labels_d, &pos, &sb.documents)?, None),
+        };
+        let host = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1() };
+        let (values, sq) = (host(&nll)?, sq.as_ref().map(host).transpose()?);
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
         let marks: Vec<u32> = shard_batch(&self.marks, ctx)?.labels.flatten_all()?.to_vec1()?;
-        let s = self.logps_ld(&values, &labels, &marks, ld_alpha, ctx, ctx.token_group())?;
-        Ok((s.plain, s.ld))
+        let s = self.scored_logps(&values, sq.as_deref(), &labels, &marks, cfg.ld_alpha, ctx, ctx.token_group())?;
+        Ok(PolicyLogps { plain: s.plain, ld: s.ld, wpo: s.wpo })
     }
 
     /// Pairs as (chosen slot, rejected slot); BCO's unpaired examples (`unpaired`) as (slot,
@@ -341,12 +360,20 @@ impl DpoBatch {
     /// ([`KlLogps`]), each example paired with its own. BCO: `running`, δ, updated by the
     /// micro-batch's mean reward before the loss.
     #[allow(clippy::too_many_arguments)]
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>, running: &mut RunningMean) -> Result<(Tensor, DpoTerms)> {
-        let values: Vec<f32> = nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?;
-        let Scored { plain: policy, ld, slots: scored, factor } = self.logps_ld(&values, labels, marks, cfg.ld_alpha, ctx, group)?;
+    pub(crate) fn loss(&self, (nll, sq): (&Tensor, Option<&Tensor>), labels: &[u32], marks: &[u32], answers: &Answers, cfg: &DpoConfig, ctx: &ParallelCtx, group: &Group, kl: Option<&KlLogps>, running: &mut RunningMean) -> Result<(Tensor, DpoTerms)> {
+        let host = |t: &Tensor| -> Result<Vec<f32>> { t.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1() };
+        let (values, sq) = (host(nll)?, sq.map(host).transpose()?);
+        if cfg.use_weighting != sq.is_some() {
+            bail!("dpo: WPO's weights need the head's log Σ p² per token (Llama::token_nll_packed_sq), and only WPO takes it")
+        }
+        let Scored { plain: policy, ld, wpo, slots: scored, factor } = self.scored_logps(&values, sq.as_deref(), labels, marks, cfg.ld_alpha, ctx, group)?;
         let (terms, d_plain) = match kl {
             None if cfg.loss == DpoLoss::Kto => bail!("kto: the micro-batch's KL documents were not scored (DpoRun::kl_logps)"),
-            None => terms_ld(&policy, ld.as_deref(), answers, &self.answers, &self.pairs(cfg.loss.unpaired())?, cfg, Some(Delta::Update(running)))?,
+            None => {
+                let pairs = self.pairs(cfg.loss.unpaired())?;
+                let weights = wpo.map(|m| super::wpo::pair_weights(&m, &pairs));
+                shaped_terms(&policy, ld.as_deref(), weights.as_deref(), answers, &self.answers, &pairs, cfg, Some(Delta::Update(running)))?
+            }
             Some(k) => {
                 // (the KL documents' slots after the examples': example j with its KL document)
                 let n = self.answers.len();
@@ -392,12 +419,24 @@ fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
 /// evaluation's policy), by answer index: the pairs in order, `batch` rows of `seq_len` per forward (the
 /// last batch padded with empty rows), on the run's layout.
 pub fn answer_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Vec<f64>> {
-    Ok(answer_logps_ld(model, set, batch, seq_len, None, ctx, dev)?.0)
+    Ok(policy_logps(model, set, batch, seq_len, &DpoConfig::default(), ctx, dev)?.plain)
 }
 
-/// [`answer_logps`] and, with LD-DPO's `ld_alpha`, the answers' weighted sums
-/// ([`super::ld_dpo`]).
-pub fn answer_logps_ld(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, ld_alpha: Option<f64>, ctx: &ParallelCtx, dev: &Device) -> Result<(Vec<f64>, Option<Vec<f64>>)> {
+/// What a DPO objective reads of the policy per answer ([`policy_logps`]).
+#[derive(Debug, Clone, PartialEq)]
+pub struct PolicyLogps {
+    /// The answers' summed log-probabilities.
+    pub plain: Vec<f64>,
+    /// LD-DPO's weighted sums ([`DpoConfig::ld_alpha`], [`super::ld_dpo`]).
+    pub ld: Option<Vec<f64>>,
+    /// WPO's mean over each answer's scored tokens of `log p − log Σ_v p_v²`
+    /// ([`DpoConfig::use_weighting`], [`super::wpo`]).
+    pub wpo: Option<Vec<f64>>,
+}
+
+/// [`answer_logps`] and what `cfg` reads of the policy beside them ([`PolicyLogps`]), by
+/// answer index. Collective over the world.
+pub fn policy_logps(model: &Llama, set: &PreferenceSet, batch: usize, seq_len: usize, cfg: &DpoConfig, ctx: &ParallelCtx, dev: &Device) -> Result<PolicyLogps> {
     let mut rows = set.in_order(seq_len)?;
     let pad = || -> Result<PreferenceRow> {
         let s = super::Sample { tokens: vec![0; seq_len], long_range: vec![false; seq_len], documents: Some(candle_cp_ops::packing::Documents::single(seq_len)?) };
@@ -408,24 +447,29 @@ pub fn answer_logps_ld(model: &Llama, set: &PreferenceSet, batch: usize, seq_len
     }
     // (a KL document the set never scores, BCO's: 0)
     let mut out: Vec<f64> = (0..2 * set.len()).map(|d| if set.is_scored(d) { f64::NAN } else { 0.0 }).collect();
-    let mut weighted = ld_alpha.map(|_| out.clone());
+    let mut weighted = cfg.ld_alpha.map(|_| out.clone());
+    let mut wpo = cfg.use_weighting.then(|| out.clone());
     model.set_lora_dropout(None)?;
-    for chunk in rows.chunks(batch) {
-        let b = DpoBatch::new(chunk, seq_len)?;
-        let (plain, ld) = b.forward_logps_ld(model, ld_alpha, ctx, dev)?;
-        for (slot, logp) in plain.into_iter().enumerate() {
-            out[b.answers[slot]] = logp;
-        }
-        if let (Some(w), Some(ld)) = (&mut weighted, ld) {
-            for (slot, logp) in ld.into_iter().enumerate() {
-                w[b.answers[slot]] = logp;
+    let place = |into: &mut Option<Vec<f64>>, from: Option<Vec<f64>>, answers: &[usize]| {
+        if let (Some(to), Some(v)) = (into, from) {
+            for (slot, x) in v.into_iter().enumerate() {
+                to[answers[slot]] = x;
             }
         }
+    };
+    for chunk in rows.chunks(batch) {
+        let b = DpoBatch::new(chunk, seq_len)?;
+        let p = b.forward_policy(model, cfg, ctx, dev)?;
+        for (slot, logp) in p.plain.into_iter().enumerate() {
+            out[b.answers[slot]] = logp;
+        }
+        place(&mut weighted, p.ld, &b.answers);
+        place(&mut wpo, p.wpo, &b.answers);
     }
-    if let Some(a) = out.iter().chain(weighted.iter().flatten()).position(|x| !x.is_finite()) {
+    if let Some(a) = out.iter().chain(weighted.iter().flatten()).chain(wpo.iter().flatten()).position(|x| !x.is_finite()) {
         bail!("dpo: the log-probability of answer {} is not finite", a % out.len())
     }
-    Ok((out, weighted))
+    Ok(PolicyLogps { plain: out, ld: weighted, wpo })
 }
 
 /// What the loss knows of each answer of a set, by answer index.
@@ -472,10 +516,11 @@ impl DpoRun {
     /// is, not updated); `None` without held-out pairs. Collective over the world.
     pub(crate) fn evaluate(&self, model: &Llama, batch: usize, seq_len: usize, ctx: &ParallelCtx, dev: &Device) -> Result<Option<DpoTerms>> {
         let Some((set, answers)) = &self.eval else { return Ok(None) };
-        let (policy, ld) = answer_logps_ld(model, set, batch, seq_len, self.cfg.ld_alpha, ctx, dev)?;
+        let p = policy_logps(model, set, batch, seq_len, &self.cfg, ctx, dev)?;
         let pairs: Vec<(usize, usize)> = (0..set.len()).map(|p| (2 * p, 2 * p + 1)).collect();
         let all: Vec<usize> = (0..2 * set.len()).collect();
-        Ok(Some(terms_ld(&policy, ld.as_deref(), answers, &all, &pairs, &self.cfg, Some(Delta::Hold(self.running.mean)))?.0))
+        let weights = p.wpo.map(|m| super::wpo::pair_weights(&m, &pairs));
+        Ok(Some(shaped_terms(&p.plain, p.ld.as_deref(), weights.as_deref(), answers, &all, &pairs, &self.cfg, Some(Delta::Hold(self.running.mean)))?.0))
     }
 }
 

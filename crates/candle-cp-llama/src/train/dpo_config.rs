@@ -51,11 +51,15 @@ pub struct DpoConfig {
     /// cross-entropy terms — RPO's, sft's — stay unweighted). `None`: DPO's plain sums (α 1).
     /// Pair losses only (not the unpaired ones, orpo or sft alone), `0 ≤ α ≤ 1`.
     pub ld_alpha: Option<f64>,
+    /// WPO (Zhou et al. 2024; TRL's `use_weighting`): each pair's loss weighed by
+    /// `min(1, exp(m_c + m_r))`, `m` an answer's mean over its scored tokens of `log p − log Σ_v
+    /// p_v²` under the policy ([`super::wpo`]). Pair losses other than orpo and the aot ones.
+    pub use_weighting: bool,
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl, ld_alpha: None }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl, ld_alpha: None, use_weighting: false }
     }
 }
 
@@ -95,8 +99,21 @@ impl DpoConfig {
     /// reference-free loss and `reference_model` (KTO and BCO never reference-free), λ_D and λ_U
     /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples), an f-divergence other than the
     /// reverse KL only with a loss that takes it (α > 0), LD-DPO's α in `[0, 1]` with pair losses
-    /// other than orpo (and not sft alone).
+    /// other than orpo (and not sft alone), WPO with pair losses other than orpo and aot (and not
+    /// sft alone).
     pub fn validate(&self) -> Result<()> {
+        if self.use_weighting {
+            if let Some((l, _)) = self.losses().into_iter().find(|(l, _)| l.unpaired() || matches!(l, DpoLoss::Orpo | DpoLoss::Aot | DpoLoss::AotPair)) {
+                bail!(
+                    "dpo: use_weighting (WPO) weighs each pair's loss; the {} loss {}",
+                    l.name(),
+                    if l.unpaired() { "trains unpaired examples" } else if l == DpoLoss::Orpo { "is not DPO's (TRL's ORPO takes no weights)" } else { "scores sorted positions, not pairs" }
+                )
+            }
+            if self.losses().iter().all(|(l, _)| *l == DpoLoss::Sft) {
+                bail!("dpo: use_weighting (WPO) weighs the pair losses; the sft loss alone has none")
+            }
+        }
         if let Some(a) = self.ld_alpha {
             if !(0.0..=1.0).contains(&a) {
                 bail!("dpo: ld_alpha (LD-DPO's weight of the tokens past the shorter answer's length) must be in [0, 1], got {a}")
@@ -143,9 +160,9 @@ impl DpoConfig {
                 // each as if alone, but label smoothing may be some entries' only
                 let smoothing = if l.takes_label_smoothing() { mixed.label_smoothing } else { 0.0 };
                 let f_divergence = if l.takes_f_divergence() { mixed.f_divergence } else { FDivergence::ReverseKl };
-                // (an sft entry's cross-entropy is never LD-weighted)
-                let ld_alpha = if l == DpoLoss::Sft { None } else { mixed.ld_alpha };
-                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ld_alpha, ..mixed.clone() }.validate()?;
+                // (an sft entry's cross-entropy is never LD-weighted; WPO weighs the whole mix)
+                let (ld_alpha, use_weighting) = if l == DpoLoss::Sft { (None, false) } else { (mixed.ld_alpha, mixed.use_weighting) };
+                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ld_alpha, use_weighting, ..mixed.clone() }.validate()?;
             }
             if self.label_smoothing > 0.0 && !self.mix.iter().any(|(l, _)| l.takes_label_smoothing()) {
                 bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; none is in the mix")

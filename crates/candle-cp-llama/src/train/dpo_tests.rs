@@ -209,7 +209,7 @@ fn linearised_loss_has_the_gradients_of_dpo() -> Result<()> {
             let nll = || one.nll();
             // the linearised node
             let mut running = crate::train::bco::RunningMean::default();
-            let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            let (loss, terms) = b.loss((&nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
             assert_eq!(terms.delta, cfg.keeps_running_mean().then_some(running.mean));
             let g1 = loss.backward()?;
             // the loss by candle ops
@@ -328,9 +328,9 @@ fn linearised_loss_has_the_gradients_of_kto() -> Result<()> {
         }
         let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: set.desirable().map(<[bool]>::to_vec) };
         let mut running = crate::train::bco::RunningMean::default();
-        let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps), &mut running)?;
+        let (loss, terms) = b.loss((&nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), Some(&kl_logps), &mut running)?;
         // (without the KL rows the examples have no partner)
-        assert!(b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
+        assert!(b.loss((&nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
         assert_eq!(running, crate::train::bco::RunningMean::default(), "KTO keeps no running mean");
         let g1 = loss.backward()?;
         let kl = terms.kl.expect("kl");
@@ -384,7 +384,7 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
         let mut running = crate::train::bco::RunningMean::default();
         running.update(0.4);
         running.update(-0.1);
-        let (loss, terms) = b.loss(&nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+        let (loss, terms) = b.loss((&nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
         let g1 = loss.backward()?;
         let slots = b.answers.len();
         let sign = |a: usize| if set.desirable().expect("labels")[a / 2] { 1.0 } else { -1.0 };
@@ -462,3 +462,6 @@ fn reference_logps_are_per_document_on_every_layout() -> Result<()> {
 
 #[path = "ld_dpo_tests.rs"]
 pub(crate) mod ld_dpo_tests;
+
+#[path = "wpo_tests.rs"]
+mod wpo_tests;

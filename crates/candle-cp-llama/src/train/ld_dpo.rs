@@ -55,16 +55,25 @@ pub(crate) fn factor(rank: u32, public: u32, alpha: f64) -> f64 {
     }
 }
 
-/// The objective's terms with LD-DPO: the pair losses over `ld` (the policy's weighted sums),
-/// the cross-entropy terms over `plain`; returns the terms (`d_logp`: ∂/∂ the weighted sums)
-/// and ∂/∂ the plain sums. Without `ld`, the objective over `plain` and zeros.
-pub(crate) fn terms_ld(plain: &[f64], ld: Option<&[f64]>, answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'_>>) -> Result<(DpoTerms, Vec<f64>)> {
+/// The objective's terms with the policy shaped: LD-DPO's pair losses over `ld` (the policy's
+/// weighted sums) and WPO's per-pair `weights` ([`super::wpo`]), the cross-entropy terms over
+/// `plain` (times the weights' mean with WPO); returns the terms (`d_logp`: ∂/∂ the sums the
+/// pair losses took) and ∂/∂ the plain sums. Without either, the objective over `plain` and
+/// zeros.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn shaped_terms(plain: &[f64], ld: Option<&[f64]>, weights: Option<&[f64]>, answers: &Answers, of: &[usize], pairs: &[(usize, usize)], cfg: &DpoConfig, delta: Option<Delta<'_>>) -> Result<(DpoTerms, Vec<f64>)> {
     let mut d_plain = vec![0.0; plain.len()];
-    let Some(ld) = ld else { return Ok((terms(plain, answers, of, pairs, cfg, delta)?, d_plain)) };
+    if ld.is_none() && weights.is_none() {
+        return Ok((terms(plain, answers, of, pairs, cfg, delta)?, d_plain));
+    }
     let (ce, rest) = cfg.split_cross_entropy();
-    let mut t = terms(ld, answers, of, pairs, &rest, delta)?;
+    let policy = ld.unwrap_or(plain);
+    let (mut t, scale) = match weights {
+        Some(w) => (super::wpo::weighted_terms(policy, answers, of, pairs, &rest, delta, w)?, w.iter().sum::<f64>() / w.len().max(1) as f64),
+        None => (terms(policy, answers, of, pairs, &rest, delta)?, 1.0),
+    };
     let lengths: Vec<f64> = of.iter().map(|&a| answers.lengths.get(a).copied().unwrap_or(0.0)).collect();
-    add_rpo(plain, &lengths, pairs, ce, &mut t.loss, &mut d_plain);
+    add_rpo(plain, &lengths, pairs, ce * scale, &mut t.loss, &mut d_plain);
     Ok((t, d_plain))
 }
 

@@ -41,9 +41,10 @@ fn weighted_logps_are_per_document_on_every_layout() -> Result<()> {
             let ctx = ParallelCtx::new(g, layout)?;
             let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
             let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-            let (plain, ld) = answer_logps_ld(&m, &set, 2, 48, Some(a), &ctx, &Device::Cpu)?;
-            assert_eq!(plain, answer_logps(&m, &set, 2, 48, &ctx, &Device::Cpu)?);
-            Ok((plain, ld.expect("weighted sums")))
+            let p = policy_logps(&m, &set, 2, 48, &DpoConfig { ld_alpha: Some(a), ..DpoConfig::default() }, &ctx, &Device::Cpu)?;
+            assert_eq!(p.plain, answer_logps(&m, &set, 2, 48, &ctx, &Device::Cpu)?);
+            assert_eq!(p.wpo, None);
+            Ok((p.plain, p.ld.expect("weighted sums")))
         });
         let mut all = out.into_iter().collect::<Result<Vec<_>>>()?;
         for r in &all[1..] {
@@ -106,7 +107,7 @@ fn linearised_loss_has_the_gradients_of_ld_dpo() -> Result<()> {
             let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
             let mut running = crate::train::bco::RunningMean::default();
-            let (loss, terms) = b.loss(&one.nll()?, labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            let (loss, terms) = b.loss((&one.nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
             let g1 = loss.backward()?;
             // the loss by candle ops: per-token weights by hand (one device: targets in order)
             let n1 = one.nll()?;
@@ -155,7 +156,7 @@ fn linearised_loss_has_the_gradients_of_ld_dpo() -> Result<()> {
                 direct = (direct + (one * w)?)?;
             }
             // (the weighting matters here: the longer answers' tails are scored)
-            let unweighted = b.loss(&one.nll()?, labels, marks, &answers, &DpoConfig { ld_alpha: None, ..cfg.clone() }, &ctx, ctx.token_group(), None, &mut crate::train::bco::RunningMean::default())?.1;
+            let unweighted = b.loss((&one.nll()?, None), labels, marks, &answers, &DpoConfig { ld_alpha: None, ..cfg.clone() }, &ctx, ctx.token_group(), None, &mut crate::train::bco::RunningMean::default())?.1;
             assert!((unweighted.loss - terms.loss).abs() > 1e-4, "{unweighted:?} vs {terms:?}");
             one.node_against(&loss, &g1, terms.loss, &direct)
         });
@@ -185,7 +186,7 @@ fn ld_alpha_is_checked_and_one_is_plain_dpo() -> Result<()> {
     let (of, pairs) = ([0, 1, 2, 3], [(0, 1), (2, 3)]);
     let cfg = DpoConfig { rpo_alpha: 0.3, mix: vec![(DpoLoss::Sigmoid, 1.0), (DpoLoss::Sft, 0.5)], ..DpoConfig::default() };
     let plain = terms(&policy, &answers, &of, &pairs, &cfg, None)?;
-    let (t, d_plain) = crate::train::ld_dpo::terms_ld(&policy, Some(&policy), &answers, &of, &pairs, &cfg, None)?;
+    let (t, d_plain) = crate::train::ld_dpo::shaped_terms(&policy, Some(&policy), None, &answers, &of, &pairs, &cfg, None)?;
     assert!((t.loss - plain.loss).abs() < 1e-12 && t.accuracy == plain.accuracy && (t.margin - plain.margin).abs() < 1e-12, "{t:?} vs {plain:?}");
     for (i, (a, b)) in t.d_logp.iter().zip(&d_plain).enumerate() {
         assert!((a + b - plain.d_logp[i]).abs() < 1e-12, "answer {i}: {a} + {b} vs {}", plain.d_logp[i]);

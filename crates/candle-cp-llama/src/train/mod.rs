@@ -29,6 +29,7 @@ pub mod rng;
 pub mod schedule;
 pub mod sft;
 pub mod trainer;
+pub mod wpo;
 mod overlap;
 mod zero;
 

@@ -442,9 +442,14 @@ pub fn train_rank(
                 sb.labels.to_device(&dev)?,
                 sb.positions.to_device(&dev)?,
             );
-            let nll = match &docs {
-                Some(_) => model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?,
-                None => model.token_nll(&ids_d, &labels_d, &pos_d)?,
+            // (WPO: each token's log Σ p² from the head beside its loss)
+            let (nll, sq) = match &docs {
+                Some(_) if dpo.as_ref().is_some_and(|d| d.cfg.use_weighting) => {
+                    let (n, q) = model.token_nll_packed_sq(&ids_d, &labels_d, &pos_d, &sb.documents)?;
+                    (n, Some(q))
+                }
+                Some(_) => (model.token_nll_packed(&ids_d, &labels_d, &pos_d, &sb.documents)?, None),
+                None => (model.token_nll(&ids_d, &labels_d, &pos_d)?, None),
             };
             param_gather.check_forward_done()?;
             // (read before the backward, which routes recomputed layers again)
@@ -464,7 +469,7 @@ pub fn train_rank(
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
-                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss(&nll, &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref(), &mut d.running)?;
+                    let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss((&nll, sq.as_ref()), &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref(), &mut d.running)?;
                     (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
                     (l, Some(t.loss))
                 }

@@ -198,7 +198,7 @@ fn a_reference_model_of_its_own() -> Result<()> {
 
 /// LD-DPO (α 0.3, pairs of unequal lengths): step 1's loss is DPO's between the starting
 /// policy's weighted sums and its plain sums (the reference, unweighted), computed by hand from
-/// [`crate::train::dpo::answer_logps_ld`]; zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP follow
+/// [`crate::train::dpo::policy_logps`]; zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP follow
 /// the single-device curve, held-out evaluations (weighted the same) included; the run learns.
 #[test]
 fn ld_dpo_matches_by_hand_and_on_every_layout() -> Result<()> {
@@ -213,11 +213,11 @@ fn ld_dpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     let c0 = with_held_out(cfg(Layout::single(), 8)?)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
     let DataSource::Preference(train) = &c0.data else { bail!("pairs") };
-    let (plain, weighted) = candle_cp_comm::run_ranks(1, |g| {
+    let crate::train::dpo::PolicyLogps { plain, ld: weighted, .. } = candle_cp_comm::run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
         let vm = crate::shard_params(&crate::init_params(mcfg, c0.seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
         let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-        crate::train::dpo::answer_logps_ld(&m, train, c0.batch, c0.seq_len, d.ld_alpha, &ctx, &Device::Cpu)
+        crate::train::dpo::policy_logps(&m, train, c0.batch, c0.seq_len, &d, &ctx, &Device::Cpu)
     })
     .into_iter()
     .next()
@@ -242,6 +242,60 @@ fn ld_dpo_matches_by_hand_and_on_every_layout() -> Result<()> {
             if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
                 assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
             }
+        }
+    }
+    Ok(())
+}
+
+/// WPO (with RPO's α 0.3): step 1's loss is `mean(w)·(ln 2 + α·CE)` — the policy is its
+/// reference — with the weights from [`crate::train::dpo::policy_logps`]'s means by hand; zigzag
+/// CP 2, ring CP 2 × DP 2 and TP 2 + SP (the head split by vocabulary: its `log Σ p²` merged
+/// over TP) follow the single-device curve, held-out evaluations (weighted the same) included.
+#[test]
+fn wpo_matches_by_hand_and_on_every_layout() -> Result<()> {
+    let d = DpoConfig { beta: 0.5, rpo_alpha: 0.3, use_weighting: true, ..DpoConfig::default() };
+    let cfg = |layout: Layout, steps: usize| -> Result<TrainConfig> {
+        let mut c = dpo_cfg(None, layout, steps)?;
+        c.dpo = Some(d.clone());
+        with_held_out(c)
+    };
+    let c0 = cfg(Layout::single(), 8)?;
+    let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
+    let DataSource::Preference(train) = &c0.data else { bail!("pairs") };
+    let p = candle_cp_comm::run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = crate::shard_params(&crate::init_params(mcfg, c0.seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
+        let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
+        crate::train::dpo::policy_logps(&m, train, c0.batch, c0.seq_len, &d, &ctx, &Device::Cpu)
+    })
+    .into_iter()
+    .next()
+    .expect("one rank")?;
+    let means = p.wpo.expect("WPO's means");
+    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
+    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let w: Vec<f64> = step1.iter().map(|&(c, r)| (means[c] + means[r]).exp().min(1.0)).collect();
+    let w_mean = w.iter().sum::<f64>() / w.len() as f64;
+    let lengths = train.scored_lengths();
+    let ce = -step1.iter().map(|&(c, _)| p.plain[c]).sum::<f64>() / step1.iter().map(|&(c, _)| lengths[c]).sum::<f64>();
+    let want = w_mean * (std::f64::consts::LN_2 + 0.3 * ce);
+    assert!(w_mean < 0.99, "{w:?}");
+    let one = run(&c0)?;
+    let m = &one[0].metrics;
+    assert!((m[0].train_loss - want).abs() < 1e-5, "step 1 {} vs by hand {want}", m[0].train_loss);
+    assert!(m[7].train_loss < m[0].train_loss, "{:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
+    let want: Vec<&StepMetrics> = m[..4].iter().collect();
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+        let mut c = cfg(layout, 8)?;
+        c.stop_after = Some(4);
+        let other = run(&c)?;
+        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
+        for (a, b) in want.iter().zip(&other[0].metrics) {
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: WPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
+            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
+                assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
+            }
+            assert_eq!(a.eval_loss.is_some(), b.eval_loss.is_some());
         }
     }
     Ok(())
