@@ -13,6 +13,7 @@ pub mod bco;
 pub mod data;
 pub mod dpo;
 mod dpo_config;
+mod dpo_run;
 pub mod dpo_loss;
 pub mod eval;
 pub mod kto;
