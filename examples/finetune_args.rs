@@ -144,6 +144,17 @@ pub(crate) struct Args {
     /// log Σ p² over its tokens. Pair losses other than orpo and aot.
     #[arg(long)]
     pub(crate) use_weighting: bool,
+    /// TR-DPO (TRL's sync_ref_model): every --ref-model-sync-steps steps the reference's
+    /// weights move to α·policy + (1 − α)·reference (--ref-model-mixup-alpha) and its
+    /// log-probabilities are computed anew. Not with --lora or a reference-free loss.
+    #[arg(long)]
+    pub(crate) sync_ref_model: bool,
+    /// TR-DPO's steps between reference updates (--sync-ref-model).
+    #[arg(long, default_value_t = 512)]
+    pub(crate) ref_model_sync_steps: usize,
+    /// TR-DPO's α, the policy's share of the updated reference (--sync-ref-model; 1: a copy).
+    #[arg(long, default_value_t = 0.6)]
+    pub(crate) ref_model_mixup_alpha: f64,
     /// The weights of a --dpo-loss mix, comma separated (default: 1 each).
     #[arg(long, value_name = "W,..")]
     pub(crate) dpo_loss_weights: Option<String>,

@@ -285,6 +285,7 @@ fn main() -> Result<()> {
                 discopop_tau: a.discopop_tau,
                 ld_alpha: a.ld_alpha,
                 use_weighting: a.use_weighting,
+                sync_ref_model: a.sync_ref_model.then_some(candle_cp_llama::train::dpo::RefSync { every: a.ref_model_sync_steps, alpha: a.ref_model_mixup_alpha }),
             }),
             false => None,
         },
@@ -408,7 +409,8 @@ fn main() -> Result<()> {
                     f => format!(", f-divergence {}", f.name()),
                 }
                 + &d.ld_alpha.map_or(String::new(), |al| format!(", LD-DPO (the policy's tokens past the shorter answer weighed {al})")),
-            if d.use_weighting { ", each pair weighed by WPO's policy weight" } else { "" },
+            if d.use_weighting { ", each pair weighed by WPO's policy weight" } else { "" }.to_string()
+                + &d.sync_ref_model.map_or(String::new(), |r| format!(", the reference moved to {} x policy + {} x reference every {} steps (TR-DPO)", r.alpha, 1.0 - r.alpha, r.every)),
             if d.rpo_alpha > 0.0 { format!(", + {} x the chosen answers' cross-entropy (RPO)", d.rpo_alpha) } else { String::new() },
             match d.loss {
                 candle_cp_llama::train::DpoLoss::Simpo => format!("gamma {}, no reference (the answers' mean log-probabilities)", d.simpo_gamma),

@@ -7,7 +7,8 @@
 //! mean reward δ crosses micro-batches; aot_pair and aot, sorted over the micro-batch; sft; a
 //! quarter of the pair losses mixed with bco_pair and sft as MPO; a third of the losses of `h`
 //! with f-DPO's Jensen–Shannon or α-divergence; a quarter of the pair losses but orpo, sft and
-//! aot with LD-DPO's α ½, and a quarter, drawn apart, weighted by WPO) follow the single-device run
+//! aot with LD-DPO's α ½, and a quarter, drawn apart, weighted by WPO; a quarter of those with
+//! a reference moving it every 1 or 2 steps, TR-DPO's α ½ or 1) follow the single-device run
 //! of the same pairs step by step: the objective to 1e-5 and the gradient norm to 1e-4
 //! (relative above 1: IPO's loss is `(h − 1/(2β))²`, 25 at β 0.1) at step 1, 10x those after
 //! updates, on every rank. A run the trainer
@@ -17,6 +18,7 @@
 use candle_core::Result;
 use candle_cp_llama::layout::Layout;
 use candle_cp_llama::train::sft::bytes_of;
+use candle_cp_llama::train::dpo::RefSync;
 use candle_cp_llama::train::dpo_loss::FDivergence;
 use candle_cp_llama::train::{DataSource, DpoConfig, DpoLoss, ModelSource, PreferenceSet, Rng, TrainConfig};
 use candle_cp_llama::LlamaConfig;
@@ -85,7 +87,13 @@ fn draw_objective(d: &mut Rng) -> DpoConfig {
     };
     // WPO: a quarter of the pair losses but orpo, sft and aot weigh each pair by the policy
     let use_weighting = !matches!(loss, DpoLoss::Orpo | DpoLoss::Sft | DpoLoss::Aot | DpoLoss::AotPair) && pick(d, &[false, false, false, true]);
-    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, use_weighting, ..DpoConfig::default() }
+    // TR-DPO: a quarter of the losses with a reference move it every 1 or 2 steps by α ½ or 1
+    let with_reference = !reference_free && !matches!(loss, DpoLoss::Simpo | DpoLoss::Orpo | DpoLoss::Sft);
+    let sync_ref_model = match with_reference && pick(d, &[false, false, false, true]) {
+        true => Some(RefSync { every: pick(d, &[1, 2]), alpha: pick(d, &[0.5, 1.0]) }),
+        false => None,
+    };
+    DpoConfig { beta, label_smoothing: smoothing, loss, simpo_gamma: 0.5, rpo_alpha, reference_model: None, reference_free, mix, f_divergence, ld_alpha, use_weighting, sync_ref_model, ..DpoConfig::default() }
 }
 
 #[test]

@@ -31,7 +31,7 @@ use super::bco::{Delta, RunningMean};
 use super::dpo_loss::{aot_loss, pair_loss};
 use super::ld_dpo::shaped_terms;
 
-pub use super::dpo_config::DpoConfig;
+pub use super::dpo_config::{DpoConfig, RefSync};
 pub use super::dpo_run::{read_reference, write_reference};
 pub(crate) use super::dpo_run::{prepare, DpoRun};
 

@@ -55,11 +55,32 @@ pub struct DpoConfig {
     /// `min(1, exp(m_c + m_r))`, `m` an answer's mean over its scored tokens of `log p − log Σ_v
     /// p_v²` under the policy ([`super::wpo`]). Pair losses other than orpo and the aot ones.
     pub use_weighting: bool,
+    /// TR-DPO (Gorbatovski et al. 2024; TRL's `sync_ref_model`, `ref_model_sync_steps`,
+    /// `ref_model_mixup_alpha`): every `every` optimizer steps the reference's weights move to
+    /// `α·policy + (1 − α)·reference` and its log-probabilities are computed anew
+    /// ([`super::tr_dpo`]). Not with LoRA (the reference is the base) or without a reference.
+    pub sync_ref_model: Option<RefSync>,
+}
+
+/// TR-DPO's reference updates ([`DpoConfig::sync_ref_model`]).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct RefSync {
+    /// Optimizer steps between updates (TRL's `ref_model_sync_steps`, 512).
+    pub every: usize,
+    /// The policy's share α of the new reference (TRL's `ref_model_mixup_alpha`, 0.6; 1: a
+    /// hard update, the policy copied).
+    pub alpha: f64,
+}
+
+impl Default for RefSync {
+    fn default() -> Self {
+        Self { every: 512, alpha: 0.6 }
+    }
 }
 
 impl Default for DpoConfig {
     fn default() -> Self {
-        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl, ld_alpha: None, use_weighting: false }
+        Self { beta: 0.1, label_smoothing: 0.0, loss: DpoLoss::Sigmoid, simpo_gamma: 0.5, rpo_alpha: 0.0, reference_model: None, desirable_weight: 1.0, undesirable_weight: 1.0, reference_free: false, discopop_tau: 0.05, mix: Vec::new(), f_divergence: FDivergence::ReverseKl, ld_alpha: None, use_weighting: false, sync_ref_model: None }
     }
 }
 
@@ -100,8 +121,16 @@ impl DpoConfig {
     /// 1 but with KTO, no RPO with KTO or BCO (unpaired examples), an f-divergence other than the
     /// reverse KL only with a loss that takes it (α > 0), LD-DPO's α in `[0, 1]` with pair losses
     /// other than orpo (and not sft alone), WPO with pair losses other than orpo and aot (and not
-    /// sft alone).
+    /// sft alone), TR-DPO's updates every ≥ 1 step with `0 < α ≤ 1` and a reference.
     pub fn validate(&self) -> Result<()> {
+        if let Some(r) = self.sync_ref_model {
+            if r.every == 0 || !(r.alpha > 0.0 && r.alpha <= 1.0) {
+                bail!("dpo: sync_ref_model (TR-DPO) needs every ≥ 1 step and 0 < alpha ≤ 1, got every {} and alpha {}", r.every, r.alpha)
+            }
+            if self.without_reference() {
+                bail!("dpo: sync_ref_model (TR-DPO) updates the reference; {} has none", if self.reference_free { "reference_free".to_string() } else { format!("the {} loss", self.loss.name()) })
+            }
+        }
         if self.use_weighting {
             if let Some((l, _)) = self.losses().into_iter().find(|(l, _)| l.unpaired() || matches!(l, DpoLoss::Orpo | DpoLoss::Aot | DpoLoss::AotPair)) {
                 bail!(
@@ -160,9 +189,13 @@ impl DpoConfig {
                 // each as if alone, but label smoothing may be some entries' only
                 let smoothing = if l.takes_label_smoothing() { mixed.label_smoothing } else { 0.0 };
                 let f_divergence = if l.takes_f_divergence() { mixed.f_divergence } else { FDivergence::ReverseKl };
-                // (an sft entry's cross-entropy is never LD-weighted; WPO weighs the whole mix)
-                let (ld_alpha, use_weighting) = if l == DpoLoss::Sft { (None, false) } else { (mixed.ld_alpha, mixed.use_weighting) };
-                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ld_alpha, use_weighting, ..mixed.clone() }.validate()?;
+                // (an sft entry's cross-entropy is never LD-weighted; WPO weighs the whole mix and
+                // TR-DPO moves the reference of the mix's other losses)
+                let (ld_alpha, use_weighting, sync_ref_model) = match l {
+                    DpoLoss::Sft => (None, false, None),
+                    _ => (mixed.ld_alpha, mixed.use_weighting, mixed.sync_ref_model),
+                };
+                DpoConfig { loss: l, label_smoothing: smoothing, f_divergence, ld_alpha, use_weighting, sync_ref_model, ..mixed.clone() }.validate()?;
             }
             if self.label_smoothing > 0.0 && !self.mix.iter().any(|(l, _)| l.takes_label_smoothing()) {
                 bail!("dpo: label smoothing is the sigmoid, robust, exo_pair, simpo, aot_pair and aot losses'; none is in the mix")

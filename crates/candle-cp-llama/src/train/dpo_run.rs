@@ -7,6 +7,7 @@ use super::bco::{Delta, RunningMean};
 use super::dpo::{policy_logps, answer_logps, Answers, DpoBatch, DpoConfig, DpoLoss, DpoTerms, KlLogps};
 use super::ld_dpo::shaped_terms;
 use super::preference::PreferenceSet;
+use super::tr_dpo::RefModel;
 use crate::{Llama, ParallelCtx};
 use candle_core::{bail, Device, Result};
 
@@ -21,9 +22,31 @@ pub(crate) struct DpoRun {
     /// BCO's running mean reward δ ([`super::bco`]; unused by the other losses): from a
     /// resumed checkpoint's [`super::TrainState::bco_mean`], else from 0.
     pub running: RunningMean,
+    /// TR-DPO's reference weights ([`super::tr_dpo`]; `None` without
+    /// [`DpoConfig::sync_ref_model`]).
+    pub reference_weights: Option<RefModel>,
 }
 
 impl DpoRun {
+    /// TR-DPO: after optimizer step `done` (from 1), when it is due, the reference's weights
+    /// mixed with the policy's `policy` (whole on this rank: ZeRO's gathers done) and every
+    /// answer's reference log-probability computed anew, the held-out pairs' too; returns
+    /// whether it was due. Collective over the world.
+    pub(crate) fn sync_reference(&mut self, done: usize, policy: &candle_nn::VarMap, cfg: &super::TrainConfig, ctx: &ParallelCtx, dev: &Device) -> Result<bool> {
+        let (Some(sync), Some(r)) = (self.cfg.sync_ref_model, &self.reference_weights) else { return Ok(false) };
+        if !done.is_multiple_of(sync.every) {
+            return Ok(false);
+        }
+        let super::DataSource::Preference(set) = &cfg.data else { bail!("tr-dpo: the run's data are not preference pairs") };
+        r.mix(policy, sync.alpha)?;
+        let m = r.model(cfg.dtype, dev, ctx)?;
+        self.answers.reference = answer_logps(&m, set, cfg.batch, cfg.seq_len, ctx, dev)?;
+        if let Some((s, a)) = &mut self.eval {
+            a.reference = answer_logps(&m, s, cfg.batch, cfg.seq_len, ctx, dev)?;
+        }
+        Ok(true)
+    }
+
     /// KTO: the policy's log-probabilities of the KL documents of micro-batch `micro` of
     /// `step` ([`super::DataSource::kl_rows`]), a forward of their rows without a backward (as
     /// TRL scores them); `None` for the other losses. Collective over the world.
@@ -56,7 +79,9 @@ impl DpoRun {
 /// `out/dpo_reference.json`, and the held-out pairs' to `out/dpo_reference_eval.json`, by the
 /// main rank), read back from there by a resumed run. Errors: DPO without preference data
 /// (training or held-out) or the reverse, a pair longer than a row.
-pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx, dev: &Device, resumed: bool, is_main: bool) -> Result<Option<DpoRun>> {
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, (policy, mcfg): (&candle_nn::VarMap, &crate::LlamaConfig), ctx: &ParallelCtx, dev: &Device, resume_dir: Option<&std::path::Path>, is_main: bool) -> Result<Option<DpoRun>> {
+    let resumed = resume_dir.is_some();
     let (dc, set) = match (&cfg.dpo, &cfg.data) {
         (None, super::DataSource::Preference(_)) => bail!("train: preference pairs train by DPO: set dpo"),
         (None, _) => return Ok(None),
@@ -84,8 +109,30 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             _ => bail!("train: a DPO run's held-out data must be preference pairs too"),
         },
     };
+    // TR-DPO: the reference's weights kept beside the policy's (a resumed run's from its
+    // checkpoint)
+    let reference_weights = match dc.sync_ref_model {
+        None => None,
+        Some(_) if cfg.lora.is_some() => bail!("train: sync_ref_model (TR-DPO) mixes the reference with the policy's weights; a LoRA run's reference is the frozen base its adapters sit on (train the model whole)"),
+        Some(_) => {
+            let r = match (resume_dir, &dc.reference_model) {
+                (Some(d), _) => {
+                    let dir = d.join("reference");
+                    if !dir.join("config.json").exists() {
+                        bail!("resume: {} holds no TR-DPO reference (reference/): resume a TR-DPO run's checkpoint with sync_ref_model", d.display())
+                    }
+                    RefModel::load(&dir, ctx, dev, cfg.dtype, cfg.sliding_window)?
+                }
+                (None, Some(dir)) => RefModel::load(dir, ctx, dev, cfg.dtype, cfg.sliding_window)?,
+                (None, None) => RefModel::copy_of(policy, mcfg)?,
+            };
+            r.check_matches(policy)?;
+            Some(r)
+        }
+    };
     // a reference model of its own, for the reference pass only (not on resume: the file)
     let reference_model = match (&dc.reference_model, resumed && cfg.out.is_some()) {
+        _ if reference_weights.is_some() => None,
         (Some(dir), false) => {
             let (vm, mut rc) = crate::load_hf_sharded(dir, ctx, dev, cfg.dtype)?;
             if set.vocab_needed() > rc.vocab_size {
@@ -102,6 +149,11 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
         let path = cfg.out.as_ref().map(|o| o.join(name));
         match (&path, resumed) {
             _ if dc.without_reference() => Ok(vec![0.0; 2 * set.len()]),
+            // (TR-DPO: always from its reference as it is, the file being the first one's)
+            _ if reference_weights.is_some() => {
+                let m = reference_weights.as_ref().map(|r| r.model(cfg.dtype, dev, ctx)).transpose()?;
+                answer_logps(m.as_ref().unwrap_or(model), set, cfg.batch, cfg.seq_len, ctx, dev)
+            }
             (Some(p), true) => read_reference(p, set),
             _ => {
                 let r = match &reference_model {
@@ -130,6 +182,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, ctx: &ParallelCtx
             None => None,
         },
         running: RunningMean::default(),
+        reference_weights,
     };
     Ok(Some(run))
 }

@@ -29,6 +29,7 @@ pub mod preference;
 pub mod rng;
 pub mod schedule;
 pub mod sft;
+pub mod tr_dpo;
 pub mod trainer;
 pub mod wpo;
 mod overlap;

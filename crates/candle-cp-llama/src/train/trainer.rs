@@ -339,7 +339,7 @@ pub fn train_rank(
 
     let is_main = rank == 0;
     // DPO: the reference log-probabilities of the model as the run starts (read back on resume)
-    let mut dpo = super::dpo::prepare(cfg, &model, &ctx, &dev, start_step > 0, is_main)?;
+    let mut dpo = super::dpo::prepare(cfg, &model, (&varmap, &mcfg), &ctx, &dev, resume_from.as_deref().filter(|_| start_step > 0), is_main)?;
     // BCO: the running mean reward as the resumed checkpoint left it
     if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
         d.running = m;
@@ -356,7 +356,7 @@ pub fn train_rank(
         _ => None,
     };
 
-    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, bco_mean: Option<super::bco::RunningMean>| -> Result<()> {
+    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, (bco_mean, reference): (Option<super::bco::RunningMean>, Option<&super::tr_dpo::RefModel>)| -> Result<()> {
         let Some(root) = &ckpt_root else {
             return Ok(());
         };
@@ -384,6 +384,10 @@ pub fn train_rank(
                     crate::hf_files::write_tokenizer(tk, &tmp)?;
                 }
             }
+        }
+        // (TR-DPO: the reference as it is, for a resumed run to go on with)
+        if let Some(r) = reference {
+            r.save(&tmp.join("reference"), &ctx, is_main)?;
         }
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
@@ -564,6 +568,12 @@ pub fn train_rank(
         param_gather.step(&mut opt, &named, lr, factor * inv_accum, mcfg.num_hidden_layers)?;
         tokens_seen += tokens_per_step;
         let dt = t0.elapsed().as_secs_f64();
+        // TR-DPO: the reference moved towards the updated policy when due (whole weights: ZeRO's
+        // gathers finished first; its time, like the evaluation's, not in the step's tokens/s)
+        if let Some(d) = dpo.as_mut().filter(|d| d.cfg.sync_ref_model.is_some_and(|r| (step + 1).is_multiple_of(r.every))) {
+            param_gather.finish()?;
+            d.sync_reference(step + 1, &varmap, cfg, &ctx, &dev)?;
+        }
         // held-out loss after this update (its time not in the step's tokens/s)
         let (eval_loss, eval_long_range_loss, eval_dpo_accuracy) = match &cfg.eval {
             Some(e) if e.due(step + 1, cfg.steps) => {
@@ -628,7 +638,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
-                dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running),
+                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref())),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;

@@ -300,3 +300,69 @@ fn wpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     }
     Ok(())
 }
+
+/// TR-DPO: with α 1 every 2 steps the reference is the policy after steps 2 and 4, so steps 3
+/// and 5 start from DPO's ln 2 with margin 0 while the others do not; with α 0.5 zigzag CP 2,
+/// ring CP 2 × DP 2 with ZeRO-1 (the update after the step's gathers) and TP 2 + SP follow the
+/// single-device curve, held-out evaluations (against the updated reference) included; a run
+/// killed after step 4 and resumed from its step-3 checkpoint (the reference of step 2 read
+/// back from it) reproduces the straight run; LoRA and a reference-free loss are refused.
+#[test]
+fn tr_dpo_syncs_its_reference_on_every_layout_and_resumes() -> Result<()> {
+    use crate::train::dpo_config::RefSync;
+    let with = |out: Option<PathBuf>, layout: Layout, alpha: f64| -> Result<TrainConfig> {
+        let mut c = dpo_cfg(out, layout, 6)?;
+        c.dpo = Some(DpoConfig { beta: 0.5, sync_ref_model: Some(RefSync { every: 2, alpha }), ..DpoConfig::default() });
+        with_held_out(c)
+    };
+    let hard = run(&with(None, Layout::single(), 1.0)?)?;
+    for m in &hard[0].metrics {
+        let synced = m.step > 1 && (m.step - 1) % 2 == 0;
+        let at_ln2 = (m.train_loss - std::f64::consts::LN_2).abs() < 1e-5 && m.dpo_margin.is_some_and(|x| x.abs() < 1e-5);
+        assert_eq!(at_ln2, m.step == 1 || synced, "step {}: {} margin {:?}", m.step, m.train_loss, m.dpo_margin);
+        // (the held-out pairs against the reference just synced: the policy itself)
+        if m.step % 2 == 0 {
+            assert!(m.eval_loss.is_some_and(|x| (x - std::f64::consts::LN_2).abs() < 1e-5), "step {}: held-out {:?}", m.step, m.eval_loss);
+        }
+    }
+    let one = run(&with(None, Layout::single(), 0.5)?)?;
+    let m = &one[0].metrics;
+    assert!((m[2].train_loss - std::f64::consts::LN_2).abs() > 1e-4, "α 0.5: step 3 {}", m[2].train_loss);
+    let want: Vec<&StepMetrics> = m.iter().collect();
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+        let mut c = with(None, layout, 0.5)?;
+        c.zero1 = layout.dp > 1;
+        let other = run(&c)?;
+        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
+        for (a, b) in want.iter().zip(&other[0].metrics) {
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: TR-DPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
+            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
+                assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
+            }
+        }
+    }
+    // killed after step 4, resumed from step 3's checkpoint
+    let layout = Layout::cp(CpKind::Zigzag, 2);
+    let (da, db) = (tmpdir("trdpo-a"), tmpdir("trdpo-b"));
+    let a = run(&with(Some(da.clone()), layout, 0.5)?)?;
+    let mut cb = with(Some(db.clone()), layout, 0.5)?;
+    cb.stop_after = Some(4);
+    run(&cb)?;
+    assert!(db.join("checkpoints").join(crate::train::checkpoint::checkpoint_name(3)).join("reference").join("config.json").exists());
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 3);
+    for (x, y) in a[0].metrics[3..].iter().zip(&b[0].metrics) {
+        assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-6, "step {}: straight {} vs resumed {}", x.step, x.train_loss, y.train_loss);
+    }
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    // the refusals
+    let mut bad = with(None, Layout::single(), 0.5)?;
+    bad.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj"])?);
+    assert!(run(&bad).unwrap_err().to_string().contains("LoRA run's reference"));
+    let mut bad = with(None, Layout::single(), 0.5)?;
+    bad.dpo = Some(DpoConfig { loss: crate::train::DpoLoss::Simpo, sync_ref_model: Some(RefSync::default()), ..DpoConfig::default() });
+    assert!(run(&bad).unwrap_err().to_string().contains("has none"));
+    Ok(())
+}
