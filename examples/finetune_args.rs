@@ -464,6 +464,8 @@ pub(crate) struct Args {
     /// Collective timeout in seconds.
     #[arg(long, default_value_t = 600)]
     pub(crate) timeout: u64,
+    #[command(flatten)]
+    pub(crate) grpo: super::grpo_args::GrpoArgs,
 }
 
 impl Args {
@@ -543,6 +545,9 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
     if a.sft && a.data.is_none() {
         bail!("--sft reads prompt / completion examples or conversations: give them as --data FILE.jsonl")
     }
+    if a.grpo.grpo && (a.data.is_none() || a.sft || a.preference() || a.pack_docs) {
+        bail!("--grpo samples completions of the prompts of --data FILE.jsonl (prompt / completion examples): without --sft, --dpo, --kto, --bco or --pack-docs")
+    }
     if [a.dpo, a.kto, a.bco].iter().filter(|&&x| x).count() > 1 {
         bail!("--dpo, --kto and --bco are objectives: give one")
     }
@@ -585,7 +590,7 @@ pub(crate) fn data_source(a: &Args) -> Result<(DataSource, String)> {
 /// --tokenizer, packed documents with --pack-docs; and its description.
 pub(crate) fn corpus_source(a: &Args, path: &std::path::Path, flag: &str) -> Result<(DataSource, String)> {
     let bytes = std::fs::read(path).with_context(|| format!("reading {flag} {}", path.display()))?;
-    if a.sft || a.preference() {
+    if a.sft || a.preference() || a.grpo.grpo {
         return sft_source(a, path, &bytes, flag);
     }
     if a.pack_docs {
@@ -643,6 +648,7 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
             (true, _) if a.bco || a.dpo_loss == "apo_zero_unpaired" => PreferenceSet::read_unpaired(text, tokenize, eos, chat).and_then(PreferenceSet::without_kl_documents).map(DataSource::Preference),
             (true, _) => PreferenceSet::read_unpaired(text, tokenize, eos, chat).map(DataSource::Preference),
             (false, true) => PreferenceSet::read(text, tokenize, eos, chat).map(DataSource::Preference),
+            (false, false) if a.grpo.grpo => candle_cp_llama::train::sft::read_sft(text, tokenize, eos, chat).and_then(candle_cp_llama::train::grpo::PromptSet::from_marked).map(DataSource::Prompts),
             (false, false) => candle_cp_llama::train::sft::sft_stream(text, tokenize, eos, chat).map(DataSource::Packed),
         };
         match r {
@@ -673,6 +679,10 @@ fn sft_source(a: &Args, path: &std::path::Path, bytes: &[u8], flag: &str) -> Res
             None => ("preference pairs".to_string(), p.len(), p.token_count(), p.target_count()),
         },
         DataSource::Packed(p) => ("supervised examples".to_string(), p.count(), p.len(), p.target_count()),
+        DataSource::Prompts(p) => {
+            let (prompt, answer) = (0..p.len()).filter_map(|i| p.get(i)).fold((0, 0), |(a, b), (x, y)| (a + x.len(), b + y.len()));
+            ("prompts with reference completions".to_string(), p.len(), prompt + answer, answer)
+        }
         _ => bail!("{flag}: supervised data expected"),
     };
     let desc = format!(

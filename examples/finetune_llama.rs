@@ -30,6 +30,8 @@
 
 #[path = "finetune_args.rs"]
 mod args;
+#[path = "finetune_grpo.rs"]
+mod grpo_args;
 #[path = "finetune_launch.rs"]
 mod launch;
 
@@ -51,6 +53,9 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     // held-out evaluation: a file of its own (--eval-data), or the end of a corpus kept out of
     // training (the synthetic task draws fresh samples)
+    if a.grpo.grpo && (a.eval_every > 0 || a.eval_data.is_some()) {
+        bail!("--grpo: a GRPO run has no held-out evaluation (--eval-every, --eval-data); its progress line shows the completions' mean reward")
+    }
     let (data, eval) = match (a.eval_every, &a.eval_data) {
         (0, Some(_)) => bail!("--eval-data is read by the held-out evaluation: give --eval-every N too"),
         (_, Some(_)) if a.data.is_none() => bail!("--eval-data holds out text: give the training corpus as --data (the synthetic task draws its own held-out samples)"),
@@ -289,6 +294,15 @@ fn main() -> Result<()> {
             }),
             false => None,
         },
+        grpo: {
+            // (completions end at the end-of-sequence id: --eos, else the model's)
+            let eos = match (a.eos, &a.model) {
+                (Some(id), _) => Some(id),
+                (None, Some(dir)) => candle_cp_llama::stop_tokens(dir)?.first().copied(),
+                (None, None) => None,
+            };
+            a.grpo.config(eos, a.seed)?
+        },
         expert_bias_update: a.expert_bias_update,
         // (the --tokenizer the data went through, beside each checkpoint's weights)
         tokenizer: a.tokenizer.clone(),
@@ -345,6 +359,7 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
+            DataSource::Prompts(s) => format!("{} prompts", s.len()),
             DataSource::Preference(s) => format!(
                 "{} {}{}",
                 s.len(),
@@ -393,6 +408,18 @@ fn main() -> Result<()> {
             "objective: BCO, beta {}, each example's reward against the running mean reward (updated by every micro-batch, kept in the checkpoints), against {}",
             d.beta,
             d.reference_model.as_ref().map_or("the model as the run starts".to_string(), |r| format!("--ref-model {}", r.display())),
+        );
+    } else if let Some(g) = &cfg.grpo {
+        say!(
+            "objective: GRPO ({} loss, advantages scaled by {:?}), {} completions of {} prompts per micro-batch sampled from the model as it is ({:?}), at most {} tokens{}, reward --reward {}",
+            g.loss_type.name(),
+            g.scale_rewards,
+            g.num_generations,
+            g.prompts,
+            g.sampling,
+            g.max_completion_length,
+            g.stop.first().map_or(String::new(), |e| format!(" (ending at {e})")),
+            a.grpo.reward
         );
     } else if let Some(d) = &cfg.dpo {
         say!(
@@ -537,7 +564,7 @@ fn main() -> Result<()> {
     let steps = a.steps;
     let ranks_here = launch.ranks_here(world);
     // (the marked targets: the synthetic task's long-range answers, or --sft's completions)
-    let marked = if a.preference() { "answers' CE" } else if a.sft { "completion" } else { "long-range" };
+    let marked = if a.preference() { "answers' CE" } else if a.sft || a.grpo.grpo { "completion" } else { "long-range" };
     let on_step = move |m: &StepMetrics| {
         let width = 20;
         let filled = (m.step * width).div_ceil(steps.max(1)).min(width);
@@ -549,6 +576,7 @@ fn main() -> Result<()> {
         let aux = aux + &m.dpo_accuracy.zip(m.dpo_margin).map_or(String::new(), |(acc, mg)| format!("  acc {acc:.2}  margin {mg:.3}"));
         let aux = aux + &m.kto_kl.map_or(String::new(), |k| format!("  kl {k:.3}"));
         let aux = aux + &m.bco_delta.map_or(String::new(), |d| format!("  delta {d:.3}"));
+        let aux = aux + &m.grpo_reward.zip(m.completion_length).map_or(String::new(), |(r, l)| format!("  reward {r:.3}  len {l:.1}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

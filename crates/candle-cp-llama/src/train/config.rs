@@ -94,6 +94,9 @@ pub struct TrainConfig {
     /// log-probabilities computed before the first step and kept in `out/dpo_reference.json`
     /// for a resumed run). `None`: next-token cross-entropy.
     pub dpo: Option<super::dpo::DpoConfig>,
+    /// GRPO ([`super::grpo`]): the data are prompts ([`super::DataSource::Prompts`]) whose
+    /// completions each micro-batch samples from the policy and rewards. `None`: offline data.
+    pub grpo: Option<super::grpo::GrpoConfig>,
     /// Loss-free load balancing of a sigmoid router (GLM-4.5's correction bias; Megatron-Core's
     /// `moe_router_bias_update_rate`, 1e-3 there): after each step every sparse layer's bias
     /// moves by `rate · sign(mean − count)` of the step's global expert counts
@@ -161,6 +164,7 @@ impl TrainConfig {
             overlap_param_gather: false,
             long_range_only: false,
             dpo: None,
+            grpo: None,
             expert_bias_update: None,
             tokenizer: None,
             args: serde_json::Value::Null,

@@ -257,6 +257,9 @@ pub enum DataSource {
     /// Preference pairs packed whole into each sequence, for DPO
     /// ([`super::TrainConfig::dpo`], [`super::preference`]).
     Preference(PreferenceSet),
+    /// Prompts and their reference answers, whose completions GRPO samples and rewards
+    /// ([`super::TrainConfig::grpo`], [`super::grpo`]).
+    Prompts(super::grpo::PromptSet),
 }
 
 impl DataSource {
@@ -290,6 +293,7 @@ impl DataSource {
                     DataSource::Text(s) => s.sample(seq_len, &mut rng),
                     DataSource::Packed(s) => s.sample(seq_len, &mut rng),
                     DataSource::Preference(s) => Ok(s.sample(seq_len, &mut rng)?.0),
+                    DataSource::Prompts(_) => bail!("prompts are not rows: GRPO samples their completions (TrainConfig::grpo)"),
                 }
             })
             .collect()
@@ -332,6 +336,14 @@ impl DataSource {
                 }
                 Ok((DataSource::Preference(s.subset(0..n - held)?), DataSource::Preference(s.subset(n - held..n)?)))
             }
+            DataSource::Prompts(s) => {
+                let n = s.len();
+                let held = ((n as f64 * fraction).round() as usize).max(1);
+                if held >= n {
+                    bail!("held-out split: {n} prompts, {held} held out leave none to train on")
+                }
+                Ok((DataSource::Prompts(s.subset(0..n - held)?), DataSource::Prompts(s.subset(n - held..n)?)))
+            }
         }
     }
 
@@ -342,6 +354,7 @@ impl DataSource {
             DataSource::Text(s) => s.vocab_needed(),
             DataSource::Packed(s) => s.vocab_needed(),
             DataSource::Preference(s) => s.vocab_needed(),
+            DataSource::Prompts(s) => s.vocab_needed(),
         }
     }
 

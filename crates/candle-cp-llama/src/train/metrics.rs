@@ -68,6 +68,12 @@ pub struct StepMetrics {
     /// A BCO run's running mean reward δ after the step's last micro-batch ([`crate::train::bco`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub bco_delta: Option<f64>,
+    /// A GRPO run's mean reward over the step's completions ([`crate::train::grpo`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpo_reward: Option<f64>,
+    /// A GRPO run's mean completion length in tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub completion_length: Option<f64>,
     /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
     /// that evaluate; `eval_loss` is then their DPO loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -205,6 +211,8 @@ mod tests {
             dpo_margin: step.is_multiple_of(4).then_some(-0.25),
             kto_kl: step.is_multiple_of(8).then_some(0.125),
             bco_delta: step.is_multiple_of(8).then_some(-0.375),
+            grpo_reward: step.is_multiple_of(8).then_some(0.625),
+            completion_length: step.is_multiple_of(8).then_some(3.5),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }

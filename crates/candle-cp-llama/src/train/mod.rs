@@ -16,6 +16,7 @@ mod dpo_config;
 mod dpo_run;
 pub mod dpo_loss;
 pub mod eval;
+pub mod grpo;
 pub mod kto;
 pub mod ld_dpo;
 mod grad_step;

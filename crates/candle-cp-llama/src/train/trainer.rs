@@ -72,7 +72,11 @@ pub(crate) fn batch_of(
     micro: usize,
     dev: &Device,
 ) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
-    let rows = data.rows(seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
+    rows_batch(&data.rows(seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?, cfg, (step, micro), dev)
+}
+
+/// `rows` as a micro-batch: ids and marks `[B, T]` on `dev`, their documents.
+fn rows_batch(rows: &[super::Sample], cfg: &TrainConfig, (step, micro): (usize, usize), dev: &Device) -> Result<(Tensor, Tensor, Option<Vec<Documents>>)> {
     let ids: Vec<u32> = rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
     let mask: Vec<u32> = rows
         .iter()
@@ -340,6 +344,26 @@ pub fn train_rank(
     let is_main = rank == 0;
     // DPO: the reference log-probabilities of the model as the run starts (read back on resume)
     let mut dpo = super::dpo::prepare(cfg, &model, (&varmap, &mcfg), &ctx, &dev, resume_from.as_deref().filter(|_| start_step > 0), is_main)?;
+    // GRPO: the prompts whose completions each micro-batch samples
+    let grpo = match (&cfg.grpo, &cfg.data) {
+        (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
+        (None, _) => None,
+        (Some(g), super::DataSource::Prompts(set)) => {
+            g.validate()?;
+            if cfg.dpo.is_some() || cfg.eval.is_some() {
+                bail!("train: a GRPO run takes no dpo and no held-out evaluation (eval)")
+            }
+            if !g.num_generations.is_multiple_of(ctx.layout.dp) {
+                bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
+            }
+            if set.vocab_needed() > mcfg.vocab_size {
+                bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)
+            }
+            g.check_fits(set, cfg.batch, cfg.seq_len)?;
+            Some((g, set))
+        }
+        (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
+    };
     // BCO: the running mean reward as the resumed checkpoint left it
     if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
         d.running = m;
@@ -422,12 +446,31 @@ pub fn train_rank(
         let mut terms = [0f64; 4];
         let mut objective = 0f64;
         let mut dpo_sums = [0f64; 3];
+        // GRPO: the step's rewards, completion tokens and completions
+        let mut grpo_sums = [0f64; 3];
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
         let mut counts: Vec<Vec<usize>> = Vec::new();
         for micro in 0..cfg.grad_accum {
-            let (ids, mask, docs) = global_batch(cfg, step, micro, &host)?;
+            // GRPO: the micro-batch's completions sampled from the policy as it is (its
+            // parameters whole first), rewarded and packed
+            let rollout = match &grpo {
+                Some((g, set)) => {
+                    param_gather.finish()?;
+                    Some(super::grpo::rollout(&model, g, set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)?)
+                }
+                None => None,
+            };
+            let (ids, mask, docs) = match &rollout {
+                Some(r) => {
+                    grpo_sums[0] += r.rewards.iter().sum::<f64>();
+                    grpo_sums[1] += r.lengths.iter().sum::<usize>() as f64;
+                    grpo_sums[2] += r.rewards.len() as f64;
+                    rows_batch(&r.rows, cfg, (step, micro), &host)?
+                }
+                None => global_batch(cfg, step, micro, &host)?,
+            };
             // LoRA dropout: this forward's masks (keyed on the micro-batch's global number)
             model.set_lora_dropout(Some((candle_cp_nn::RngStreams::new(cfg.seed), (step * cfg.grad_accum + micro) as u64, cfg.batch, cfg.seq_len)))?;
             // KTO: the KL documents' forward first, without a backward
@@ -470,6 +513,11 @@ pub fn train_rank(
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
             let (loss, mut exact) = match &mut dpo {
+                // (GRPO: the completions' tokens, marked, weighted by their advantages)
+                None if rollout.is_some() => {
+                    let r = rollout.as_ref().ok_or_else(|| candle_core::Error::Msg("grpo: no rollout".into()))?;
+                    (r.loss(&nll, &labels, &lr_mask, &ctx)?, Some(r.value()))
+                }
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
@@ -606,6 +654,8 @@ pub fn train_rank(
             dpo_margin: dpo.as_ref().map(|_| dpo_sums[1] * inv_accum),
             kto_kl: dpo.as_ref().filter(|d| d.cfg.loss == super::DpoLoss::Kto).map(|_| dpo_sums[2] * inv_accum),
             bco_delta: dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running.mean),
+            grpo_reward: grpo.as_ref().map(|_| grpo_sums[0] / grpo_sums[2].max(1.0)),
+            completion_length: grpo.as_ref().map(|_| grpo_sums[1] / grpo_sums[2].max(1.0)),
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {

@@ -1,0 +1,229 @@
+use super::*;
+use crate::train::sft::bytes_of;
+use crate::train::{DataSource, ModelSource, TrainConfig};
+use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
+use candle_cp_comm::run_ranks;
+use candle_nn::VarBuilder;
+
+/// Advantages: each group's mean out, divided by its unbiased standard deviation + 1e-4, the
+/// batch's, or nothing; a group of equal rewards has none.
+#[test]
+fn advantages_follow_trls_formula() -> Result<()> {
+    let r = [1.0, 0.0, 0.5, 0.5, 2.0, 2.0];
+    let sd = |v: &[f64]| {
+        let m = v.iter().sum::<f64>() / v.len() as f64;
+        (v.iter().map(|x| (x - m).powi(2)).sum::<f64>() / (v.len() - 1) as f64).sqrt()
+    };
+    let g = advantages(&r, 2, ScaleRewards::Group)?;
+    let s0 = sd(&r[..2]) + 1e-4;
+    assert_eq!(g, vec![0.5 / s0, -0.5 / s0, 0.0, 0.0, 0.0, 0.0]);
+    let b = advantages(&r, 3, ScaleRewards::Batch)?;
+    let (m0, m1, s) = (0.5, 1.5, sd(&r) + 1e-4);
+    for (i, (x, y)) in b.iter().zip(r).enumerate() {
+        let want = (y - if i < 3 { m0 } else { m1 }) / s;
+        assert!((x - want).abs() < 1e-12, "{i}: {x} vs {want}");
+    }
+    assert_eq!(advantages(&r, 3, ScaleRewards::None)?, vec![0.5, -0.5, 0.0, -1.0, 0.5, 0.5]);
+    assert!(advantages(&r, 4, ScaleRewards::None).is_err() && advantages(&r, 1, ScaleRewards::None).is_err());
+    Ok(())
+}
+
+/// The per-token weights and the loss's value of each normalisation: GRPO's mean of means,
+/// BNPO's token mean, Dr. GRPO's constant.
+#[test]
+fn token_weights_normalise_as_each_loss() {
+    let (adv, len) = ([1.0, -2.0, 0.5], [2usize, 4, 1]);
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::Grpo, 8);
+    assert_eq!(w, vec![1.0 / 6.0, -2.0 / 12.0, 0.5 / 3.0]);
+    assert!((v - -(1.0 - 2.0 + 0.5) / 3.0).abs() < 1e-12, "{v}");
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::Bnpo, 8);
+    assert_eq!(w, vec![1.0 / 7.0, -2.0 / 7.0, 0.5 / 7.0]);
+    assert!((v - -(2.0 - 8.0 + 0.5) / 7.0).abs() < 1e-12, "{v}");
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::DrGrpo, 8);
+    assert_eq!(w, vec![1.0 / 24.0, -2.0 / 24.0, 0.5 / 24.0]);
+    assert!((v - -(2.0 - 8.0 + 0.5) / 24.0).abs() < 1e-12, "{v}");
+}
+
+/// Prompts from prompt / completion examples, and the reward functions.
+#[test]
+fn prompts_from_examples_and_rewards() -> Result<()> {
+    let docs = crate::train::sft::read_sft("{\"prompt\": \"ab=\", \"completion\": \"BA\"}\n", &bytes_of, Some(2), None)?;
+    let set = PromptSet::from_marked(docs)?;
+    assert_eq!(set.get(0), Some((&b"ab="[..].iter().map(|&b| b as u32).collect::<Vec<_>>()[..], &[b'B' as u32, b'A' as u32, 2][..])));
+    assert!(PromptSet::new(vec![(vec![], vec![1])]).is_err() && PromptSet::new(vec![]).is_err());
+    let (e, t) = (rewards::exact_match(), rewards::token_accuracy());
+    assert_eq!((e(&[1], &[5, 6, 2], &[5, 6, 2]), e(&[1], &[5, 6], &[5, 6, 2])), (1.0, 0.0));
+    assert_eq!((t(&[1], &[5, 7, 2], &[5, 6, 2]), t(&[1], &[5, 6, 2, 9], &[5, 6, 2])), (2.0 / 3.0, 0.75));
+    Ok(())
+}
+
+/// Byte-level "reverse" prompts: `abc=` → `CBA` + EOS 2.
+fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
+    let mut rng = Rng::new(seed);
+    let mut text = String::new();
+    for _ in 0..n {
+        let p: String = (0..2 + rng.below(3)).map(|_| (b'a' + rng.below(6) as u8) as char).collect();
+        let c: String = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
+        text.push_str(&format!("{{\"prompt\": \"{p}=\", \"completion\": \"{c}\"}}\n"));
+    }
+    PromptSet::from_marked(crate::train::sft::read_sft(&text, &bytes_of, Some(2), None)?)
+}
+
+fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
+    GrpoConfig {
+        num_generations: 4,
+        prompts: 2,
+        max_completion_length: 6,
+        sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 },
+        stop: vec![2],
+        loss_type,
+        scale_rewards: scale,
+        reward: capitals(),
+    }
+}
+
+/// The test reward: the fraction of a completion's tokens that are capital letters (a random
+/// model writes some, so groups differ; the policy can learn to write more).
+fn capitals() -> RewardFn {
+    Arc::new(|_, c, _| c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64)
+}
+
+/// A rollout on one device: each completion is `generate_until`'s for its prompt (its own
+/// seeded generator), packed with its prompt as a document whose completion tokens are the
+/// marked targets; the rewards are the reward function's; the node's value is TRL's loss and
+/// its gradient that of `Σ_i w_i · Σ_{t ∈ o_i} nll_t`, each completion run alone (the packing
+/// isolates documents).
+#[test]
+fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
+    let set = reverse_prompts(6, 1)?;
+    let cfg = grpo_cfg(GrpoLoss::Bnpo, ScaleRewards::None);
+    let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let r = rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &Device::Cpu)?;
+        assert_eq!((r.rows.len(), r.rewards.len()), (2, 8));
+        // the completions again, by hand: the same prompts, generators and stops
+        let mut pick = Rng::derive(3, &[0, 0, 0x6772_706f]);
+        let mut docs = Vec::new();
+        for p in 0..2u64 {
+            let (prompt, answer) = set.get(pick.below(set.len())).expect("prompt");
+            let Sampling::Sample { temperature, top_k, top_p, seed } = cfg.sampling else { bail!("sampled") };
+            let s = Sampling::Sample { temperature, top_k, top_p, seed: Rng::derive(seed ^ 3, &[0, 0, p]).next_u64() };
+            let ids = Tensor::from_vec(prompt.repeat(4), (4, prompt.len()), &Device::Cpu)?;
+            for c in m.generate_until(&ids, 6, s, &[2])?.tokens {
+                docs.push((prompt.to_vec(), c.clone(), (cfg.reward)(prompt, &c, answer)));
+            }
+        }
+        assert_eq!(docs.iter().map(|d| d.2).collect::<Vec<_>>(), r.rewards);
+        assert!(r.rewards.iter().any(|&x| x != r.rewards[0]), "the rewards differ: {:?}", r.rewards);
+        // the rows' documents, padding left out, are the completions with their prompts in order
+        let mut packed: Vec<(Vec<u32>, Vec<bool>)> = Vec::new();
+        for s in &r.rows {
+            let d = s.documents.as_ref().expect("documents");
+            for k in 0..d.count() {
+                let (a, b) = d.range(k);
+                if s.tokens[a..b].iter().all(|&x| x == 0) {
+                    continue;
+                }
+                packed.push((s.tokens[a..b].to_vec(), s.long_range[a..b].to_vec()));
+            }
+        }
+        let want: Vec<(Vec<u32>, Vec<bool>)> = docs.iter().map(|(p, c, _)| (p.iter().chain(c).copied().collect(), p.iter().map(|_| false).chain(c.iter().map(|_| true)).collect())).collect();
+        assert_eq!(packed, want);
+        let flat: Vec<u32> = r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+        // the node
+        let rows: Vec<&Sample> = r.rows.iter().collect();
+        let ids = Tensor::from_vec(flat, (2, 48), &Device::Cpu)?;
+        let marks = Tensor::from_vec(rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect::<Vec<_>>(), (2, 48), &Device::Cpu)?;
+        let docs_t: Vec<Documents> = rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
+        let sb = crate::packed::shard_batch_packed(&ids, &docs_t, &ctx)?;
+        let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+        let marks: Vec<u32> = shard_batch(&marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
+        let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
+        let node = r.loss(&nll, &labels, &marks, &ctx)?;
+        let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
+        let (w, value) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6);
+        assert!((node.to_scalar::<f32>()? as f64 - value).abs() < 1e-6 && (r.value() - value).abs() < 1e-12);
+        let g1 = node.backward()?;
+        // each completion alone: Σ_i w_i · (its completion tokens' nll)
+        let mut direct = Tensor::zeros((), DType::F32, &Device::Cpu)?;
+        for ((p, c, _), wi) in docs.iter().zip(&w) {
+            let t: Vec<u32> = p.iter().chain(c).copied().collect();
+            let one = crate::shard_batch(&Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?, &ctx)?;
+            let nll: Tensor = m.token_nll(&one.input_ids, &one.labels, &one.positions)?.flatten_all()?;
+            let keep: Vec<f32> = (0..t.len()).map(|i| (i + 1 >= p.len() && i + 1 < t.len()) as u8 as f32).collect();
+            direct = (direct + ((nll * Tensor::from_vec(keep, t.len(), &Device::Cpu)?)?.sum_all()? * *wi)?)?;
+        }
+        let g2 = direct.backward()?;
+        let mut worst = 0f64;
+        for (name, v) in crate::params::lock_vars(&vm)?.iter() {
+            let (a, b) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
+            let scale = b.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+            worst = worst.max((a - b)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
+        }
+        Ok(worst)
+    });
+    let worst = out.into_iter().next().expect("one rank")?;
+    assert!(worst < 1e-4, "gradients differ by {worst} relative");
+    Ok(())
+}
+
+/// A GRPO run: zigzag CP 2, ring CP 2 × DP 2 (each replica generating half of each group) and
+/// TP 2 + SP follow the single-device run step by step — the same completions, rewards,
+/// objective and gradients —; the settings' errors are refused by name.
+#[test]
+fn grpo_runs_match_on_every_layout() -> Result<()> {
+    let set = reverse_prompts(8, 2)?;
+    let cfg = |layout: Layout| -> TrainConfig {
+        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 4);
+        (c.batch, c.grad_accum, c.seed) = (2, 2, 3);
+        c.schedule.peak = 1e-2;
+        c.grpo = Some(grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group));
+        c
+    };
+    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
+    let one = run(&cfg(Layout::single()))?;
+    let m = &one[0].metrics;
+    assert!(m.iter().all(|x| x.grpo_reward.is_some_and(|r| (0.0..=1.0).contains(&r)) && x.completion_length.is_some_and(|l| l >= 1.0)), "{m:?}");
+    assert!(m.iter().all(|x| x.grad_norm > 0.0 && x.train_loss.abs() < 1e-6), "grpo's value with group-scaled advantages is 0: {m:?}");
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+        let other = run(&cfg(layout))?;
+        for (a, b) in m.iter().zip(&other[0].metrics) {
+            assert_eq!((a.grpo_reward, a.completion_length), (b.grpo_reward, b.completion_length), "{layout} step {}: the same completions", a.step);
+            assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+            assert!((a.loss - b.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", a.step, b.loss, a.loss);
+        }
+    }
+    let mut bad = cfg(Layout::single());
+    bad.grpo = None;
+    assert!(run(&bad).unwrap_err().to_string().contains("train by GRPO"));
+    let mut bad = cfg(Layout::single().with_dp(3));
+    bad.batch = 3;
+    assert!(run(&bad).unwrap_err().to_string().contains("must divide num_generations"));
+    let mut bad = cfg(Layout::single());
+    bad.seq_len = 16;
+    assert!(run(&bad).unwrap_err().to_string().contains("may not fit"));
+    let mut bad = cfg(Layout::single());
+    bad.grpo = Some(GrpoConfig { sampling: Sampling::Greedy, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
+    assert!(run(&bad).unwrap_err().to_string().contains("greedy"));
+    Ok(())
+}
+
+/// GRPO learns: with the capitals reward, 40 steps on one device raise the mean reward of the
+/// last 10 steps well above the first 10's.
+#[test]
+fn grpo_raises_the_reward() -> Result<()> {
+    let set = reverse_prompts(8, 2)?;
+    let mut c = TrainConfig::new(Layout::single(), ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set), 48, 40);
+    (c.batch, c.grad_accum, c.seed) = (2, 1, 3);
+    (c.schedule.peak, c.schedule.total) = (1e-2, 40);
+    c.grpo = Some(grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group));
+    let out = run_ranks(1, |g| crate::train::train_rank(g, &c, &|_| {})).into_iter().next().expect("one rank")?;
+    let r: Vec<f64> = out.metrics.iter().map(|m| m.grpo_reward.expect("reward")).collect();
+    let (first, last) = (r[..10].iter().sum::<f64>() / 10.0, r[30..].iter().sum::<f64>() / 10.0);
+    println!("GRPO reward: first 10 steps {first:.3}, last 10 {last:.3}");
+    assert!(last > first + 0.2, "{r:?}");
+    Ok(())
+}

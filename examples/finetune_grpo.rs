@@ -1,0 +1,74 @@
+//! `finetune_llama --grpo`: GRPO's flags ([`GrpoArgs`], flattened into the example's) and the
+//! [`GrpoConfig`] they make.
+
+use anyhow::{bail, Result};
+use candle_cp_llama::sampling::Sampling;
+use candle_cp_llama::train::grpo::{rewards, GrpoConfig, GrpoLoss, ScaleRewards};
+
+/// GRPO's options (with `--grpo`).
+#[derive(clap::Args, Debug, Clone)]
+pub(crate) struct GrpoArgs {
+    /// GRPO (online RL, TRL's GRPOTrainer with one pass per generation and no KL term): --data
+    /// is prompt / completion examples (as --sft's); each micro-batch samples
+    /// --num-generations completions of --grpo-prompts prompts from the model as it is, scores
+    /// each against its example's completion (--reward) and trains on them weighted by their
+    /// advantages.
+    #[arg(long)]
+    pub(crate) grpo: bool,
+    /// Completions per prompt (TRL's num_generations; ≥ 2, divisible by --dp).
+    #[arg(long, default_value_t = 8)]
+    pub(crate) num_generations: usize,
+    /// Prompts per micro-batch (their completions are packed into --batch rows of --seq-len).
+    #[arg(long, default_value_t = 2)]
+    pub(crate) grpo_prompts: usize,
+    /// Most tokens of a completion (it ends earlier at the end-of-sequence id).
+    #[arg(long, default_value_t = 32)]
+    pub(crate) max_completion_length: usize,
+    /// Sampling temperature of the completions.
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) grpo_temperature: f64,
+    /// Sample from the top-k tokens only (0: all).
+    #[arg(long, default_value_t = 0)]
+    pub(crate) grpo_top_k: usize,
+    /// Sample from the smallest set of tokens whose probability reaches top-p (1: all).
+    #[arg(long, default_value_t = 1.0)]
+    pub(crate) grpo_top_p: f64,
+    /// The per-token normalisation: grpo (each completion's mean, then the mean), bnpo (every
+    /// token alike) or dr_grpo (a constant).
+    #[arg(long, default_value = "grpo")]
+    pub(crate) grpo_loss: String,
+    /// Advantages divided by the group's reward spread (group), the micro-batch's (batch) or
+    /// not (none).
+    #[arg(long, default_value = "group")]
+    pub(crate) scale_rewards: String,
+    /// The reward against the example's completion: exact (1 for the completion itself, else
+    /// 0) or tokens (the fraction of positions that match).
+    #[arg(long, default_value = "tokens")]
+    pub(crate) reward: String,
+}
+
+impl GrpoArgs {
+    /// The run's GRPO settings (`None` without --grpo), completions ending at `eos`.
+    pub(crate) fn config(&self, eos: Option<u32>, seed: u64) -> Result<Option<GrpoConfig>> {
+        if !self.grpo {
+            return Ok(None);
+        }
+        let reward = match self.reward.as_str() {
+            "exact" => rewards::exact_match(),
+            "tokens" => rewards::token_accuracy(),
+            r => bail!("--reward {r}: expected exact or tokens"),
+        };
+        let c = GrpoConfig {
+            num_generations: self.num_generations,
+            prompts: self.grpo_prompts,
+            max_completion_length: self.max_completion_length,
+            sampling: Sampling::Sample { temperature: self.grpo_temperature, top_k: self.grpo_top_k, top_p: self.grpo_top_p, seed },
+            stop: eos.into_iter().collect(),
+            loss_type: self.grpo_loss.parse::<GrpoLoss>()?,
+            scale_rewards: self.scale_rewards.parse::<ScaleRewards>()?,
+            reward,
+        };
+        c.validate()?;
+        Ok(Some(c))
+    }
+}
