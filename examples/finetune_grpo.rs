@@ -41,6 +41,10 @@ pub(crate) struct GrpoArgs {
     /// not (none).
     #[arg(long, default_value = "group")]
     pub(crate) scale_rewards: String,
+    /// The KL term's weight β against the model as the run starts (TRL's beta; 0: none, no
+    /// reference kept; DeepSeekMath 0.04). Not with --lora.
+    #[arg(long, default_value_t = 0.0)]
+    pub(crate) grpo_beta: f64,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0) or tokens (the fraction of positions that match).
     #[arg(long, default_value = "tokens")]
@@ -67,6 +71,7 @@ impl GrpoArgs {
             loss_type: self.grpo_loss.parse::<GrpoLoss>()?,
             scale_rewards: self.scale_rewards.parse::<ScaleRewards>()?,
             reward,
+            beta: self.grpo_beta,
         };
         c.validate()?;
         Ok(Some(c))

@@ -409,7 +409,7 @@ pub(crate) struct KlLogps {
 
 /// `v` summed element-wise over `group` (an f64 all-gather on the host, added in rank order,
 /// as `metrics::step_sums` adds the loss terms).
-fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
+pub(crate) fn sum_over(v: &[f64], group: &Group) -> Result<Vec<f64>> {
     if group.size() == 1 || v.is_empty() {
         return Ok(v.to_vec());
     }

@@ -23,6 +23,12 @@
 //! everywhere; the CP, TP and DP splits of the training forward then follow the
 //! single-device gradients as for any loss.
 //!
+//! With `beta` > 0, TRL's KL term against a reference (the model as the run starts, kept
+//! beside the policy like TR-DPO's, [`super::tr_dpo::RefModel`], and in each checkpoint's
+//! `reference/`) joins each token's loss, `β · (e^(ref − log π) − (ref − log π) − 1)` (the k3
+//! estimator), normalised as the rest: the reference scores the same rows by a forward
+//! without a graph, and each token's weight becomes `k_i·(A_i + β·(e^(ref − log π) − 1))`.
+//!
 //! Advantages (TRL's `scale_rewards`): the group's mean subtracted, then divided by the group's
 //! standard deviation (`group`, unbiased as `torch.std`), by the whole micro-batch's (`batch`)
 //! or not at all (`none`, Dr. GRPO's advice).
@@ -137,6 +143,8 @@ pub struct GrpoConfig {
     pub scale_rewards: ScaleRewards,
     /// The reward of a completion.
     pub reward: RewardFn,
+    /// The KL term's weight β (TRL's `beta`, 0: none, no reference kept; DeepSeekMath 0.04).
+    pub beta: f64,
 }
 
 impl std::fmt::Debug for GrpoConfig {
@@ -149,6 +157,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("stop", &self.stop)
             .field("loss_type", &self.loss_type)
             .field("scale_rewards", &self.scale_rewards)
+            .field("beta", &self.beta)
             .finish_non_exhaustive()
     }
 }
@@ -178,6 +187,9 @@ impl GrpoConfig {
     pub fn validate(&self) -> Result<()> {
         if self.num_generations < 2 || self.prompts == 0 || self.max_completion_length == 0 {
             bail!("grpo: num_generations must be ≥ 2 and prompts and max_completion_length ≥ 1, got {}, {} and {}", self.num_generations, self.prompts, self.max_completion_length)
+        }
+        if !(self.beta >= 0.0 && self.beta.is_finite()) {
+            bail!("grpo: beta must be ≥ 0, got {}", self.beta)
         }
         if self.sampling == Sampling::Greedy {
             bail!("grpo: greedy decoding gives each group one completion and no advantage: sample (Sampling::Sample)")
@@ -276,17 +288,24 @@ pub fn advantages(rewards: &[f64], g: usize, scale: ScaleRewards) -> Result<Vec<
         .collect())
 }
 
-/// Per completion, the weight `k_i·A_i` of each of its tokens' `nll` (`lengths`: its tokens),
-/// and the loss's value `−Σ_i A_i·|o_i|·k_i`.
-pub fn token_weights(adv: &[f64], lengths: &[usize], loss: GrpoLoss, max_len: usize) -> (Vec<f64>, f64) {
-    let n = adv.len().max(1) as f64;
+/// Per completion (`lengths`: its tokens), the normalisation `k_i` of its tokens' terms.
+pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize) -> Vec<f64> {
+    let n = lengths.len().max(1) as f64;
     let total: usize = lengths.iter().sum();
-    let k = |len: usize| match loss {
-        GrpoLoss::Grpo => 1.0 / (len.max(1) as f64 * n),
-        GrpoLoss::Bnpo => 1.0 / total.max(1) as f64,
-        GrpoLoss::DrGrpo => 1.0 / (n * max_len.max(1) as f64),
-    };
-    let w: Vec<f64> = adv.iter().zip(lengths).map(|(a, &l)| a * k(l)).collect();
+    lengths
+        .iter()
+        .map(|&len| match loss {
+            GrpoLoss::Grpo => 1.0 / (len.max(1) as f64 * n),
+            GrpoLoss::Bnpo => 1.0 / total.max(1) as f64,
+            GrpoLoss::DrGrpo => 1.0 / (n * max_len.max(1) as f64),
+        })
+        .collect()
+}
+
+/// Per completion, the weight `k_i·A_i` of each of its tokens' `nll` (`lengths`: its tokens),
+/// and the loss's value `−Σ_i A_i·|o_i|·k_i` (without the KL term).
+pub fn token_weights(adv: &[f64], lengths: &[usize], loss: GrpoLoss, max_len: usize) -> (Vec<f64>, f64) {
+    let w: Vec<f64> = adv.iter().zip(norms(lengths, loss, max_len)).map(|(a, k)| a * k).collect();
     let value = -w.iter().zip(lengths).map(|(w, &l)| w * l as f64).sum::<f64>();
     (w, value)
 }
@@ -299,6 +318,8 @@ pub(crate) struct Rollout {
     slots: Tensor,
     /// Per completion, its tokens' weight `k_i·A_i`.
     weights: Vec<f64>,
+    /// Per completion, its normalisation `k_i`.
+    norms: Vec<f64>,
     /// TRL's loss value.
     value: f64,
     /// The completions' rewards.
@@ -334,6 +355,7 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
     }
     let adv = advantages(&rewards, g, cfg.scale_rewards)?;
     let (weights, value) = token_weights(&adv, &lengths, cfg.loss_type, cfg.max_completion_length);
+    let norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length);
     // packed in order: as many documents per row as fit
     let (mut rows, mut slots) = (Vec::new(), Vec::new());
     let mut next = 0;
@@ -362,35 +384,121 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         let need: usize = docs.iter().map(|(p, c)| p.len() + c.len()).sum();
         bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
     }
-    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights, value, rewards, lengths })
+    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights, norms, value, rewards, lengths })
 }
 
 impl Rollout {
     /// The micro-batch's loss node: `Σ_t k_i·A_i·nll_t` over this rank's completion targets
     /// (`nll` its per-token losses, flattened, on the compute device; `labels` and `marks` the
-    /// shard's, as the trainer has them), shifted so that its value is TRL's loss.
-    pub(crate) fn loss(&self, nll: &Tensor, labels: &[u32], marks: &[u32], ctx: &ParallelCtx) -> Result<Tensor> {
+    /// shard's, as the trainer has them), with `beta` > 0 and the reference's per-token losses
+    /// `ref_nll` (of the same targets) the KL term's `k_i·β·(e^(ref − log π) − 1)` in each
+    /// weight, shifted so that its value is TRL's loss; also that value and the mean per-token
+    /// KL over the completions (0 without the term). Collective over `group` with the KL term
+    /// (the ranks holding distinct tokens).
+    pub(crate) fn loss(&self, nll: &Tensor, ref_nll: Option<&[f32]>, beta: f64, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<(Tensor, f64, f64)> {
         let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
-        if slots.len() != nll.elem_count() || labels.len() != slots.len() || marks.len() != slots.len() {
-            bail!("grpo: {} per-token losses for {} labels, {} marks and {} slots", nll.elem_count(), labels.len(), marks.len(), slots.len())
+        let n = slots.len();
+        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) {
+            bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots and {:?} reference losses", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len))
         }
-        let w: Vec<f32> = (0..slots.len())
+        let kl_on = beta > 0.0;
+        if kl_on && ref_nll.is_none() {
+            bail!("grpo: the KL term (beta {beta}) needs the reference's per-token losses")
+        }
+        let values: Vec<f32> = match kl_on {
+            true => nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?,
+            false => Vec::new(),
+        };
+        // (the KL sums: Σ k_i·kl_t, Σ kl_t, tokens)
+        let mut kl = [0f64; 3];
+        let w: Vec<f32> = (0..n)
             .map(|i| match slots[i] {
-                s if s > 0 && labels[i] != IGNORE && marks[i] == 1 => self.weights[s as usize - 1] as f32,
+                s if s > 0 && labels[i] != IGNORE && marks[i] == 1 => {
+                    let c = s as usize - 1;
+                    let mut w = self.weights[c];
+                    if let (true, Some(r)) = (kl_on, ref_nll) {
+                        // ref − log π = nll − ref_nll
+                        let d = values[i] as f64 - r[i] as f64;
+                        let k3 = d.exp() - d - 1.0;
+                        kl = [kl[0] + self.norms[c] * k3, kl[1] + k3, kl[2] + 1.0];
+                        w += self.norms[c] * beta * (d.exp() - 1.0);
+                    }
+                    w as f32
+                }
                 _ => 0.0,
             })
             .collect();
+        let kl = match kl_on {
+            true => super::dpo::sum_over(&kl, group)?,
+            false => kl.to_vec(),
+        };
+        let value = self.value + beta * kl[0];
         let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
-        // (the value: TRL's loss, the same on every rank; each rank's node adds its share of
-        // the gradient, and the value once per rank as every loss's)
+        // (each rank's node has the loss's value, as every loss's; its gradient is its share)
         let gv = graph.to_scalar::<f32>()? as f64;
-        graph + (self.value - gv)
+        Ok(((graph + (value - gv))?, value, kl[1] / kl[2].max(1.0)))
     }
+}
 
-    /// TRL's loss value of the micro-batch.
-    pub(crate) fn value(&self) -> f64 {
-        self.value
+/// A GRPO run beside the trainer: its settings, prompts and (with the KL term) reference.
+pub(crate) struct GrpoRun {
+    pub cfg: GrpoConfig,
+    pub set: PromptSet,
+    /// The reference's weights and model (with `beta` > 0).
+    pub reference: Option<(super::tr_dpo::RefModel, Llama)>,
+}
+
+impl GrpoRun {
+    /// The reference's per-token losses of the rows `sb` (this rank's shard, as the policy's
+    /// forward takes them), flattened; `None` without the KL term. Collective over the world.
+    pub(crate) fn reference_nll(&self, sb: &crate::ShardedBatch, dev: &Device) -> Result<Option<Vec<f32>>> {
+        let Some((_, m)) = &self.reference else { return Ok(None) };
+        let nll = m.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;
+        Ok(Some(nll.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?))
     }
+}
+
+/// A run's GRPO (`None` without [`super::TrainConfig::grpo`]): its settings checked against
+/// the data, the layout and the rows; with the KL term, the reference — this rank's copy of the
+/// model as the run starts, or a resumed run's from its checkpoint (`resume_dir/reference`).
+pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (policy, ctx, dev): (&candle_nn::VarMap, &ParallelCtx, &Device), resume_dir: Option<&std::path::Path>) -> Result<Option<GrpoRun>> {
+    let (g, set) = match (&cfg.grpo, &cfg.data) {
+        (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
+        (None, _) => return Ok(None),
+        (Some(g), super::DataSource::Prompts(set)) => (g, set),
+        (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
+    };
+    g.validate()?;
+    if cfg.dpo.is_some() || cfg.eval.is_some() {
+        bail!("train: a GRPO run takes no dpo and no held-out evaluation (eval)")
+    }
+    if !g.num_generations.is_multiple_of(ctx.layout.dp) {
+        bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
+    }
+    if set.vocab_needed() > mcfg.vocab_size {
+        bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)
+    }
+    g.check_fits(set, cfg.batch, cfg.seq_len)?;
+    let reference = match g.beta > 0.0 {
+        false => None,
+        true if cfg.lora.is_some() => bail!("train: GRPO's KL term (beta {}) keeps a copy of the model as its reference; a LoRA run's reference is its frozen base: set beta 0", g.beta),
+        true => {
+            let r = match resume_dir {
+                Some(d) => {
+                    let dir = d.join("reference");
+                    if !dir.join("config.json").exists() {
+                        bail!("resume: {} holds no GRPO reference (reference/): resume a run with the KL term's checkpoint", d.display())
+                    }
+                    super::tr_dpo::RefModel::load(&dir, ctx, dev, cfg.dtype, cfg.sliding_window)?
+                }
+                None => super::tr_dpo::RefModel::copy_of(policy, mcfg)?,
+            };
+            r.check_matches(policy)?;
+            let m = r.model(cfg.dtype, dev, ctx)?;
+            Some((r, m))
+        }
+    };
+    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference }))
 }
 
 #[cfg(test)]

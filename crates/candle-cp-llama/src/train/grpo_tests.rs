@@ -79,6 +79,7 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
         loss_type,
         scale_rewards: scale,
         reward: capitals(),
+        beta: 0.0,
     }
 }
 
@@ -91,8 +92,9 @@ fn capitals() -> RewardFn {
 /// A rollout on one device: each completion is `generate_until`'s for its prompt (its own
 /// seeded generator), packed with its prompt as a document whose completion tokens are the
 /// marked targets; the rewards are the reward function's; the node's value is TRL's loss and
-/// its gradient that of `Σ_i w_i · Σ_{t ∈ o_i} nll_t`, each completion run alone (the packing
-/// isolates documents).
+/// its gradient that of `Σ_i w_i · Σ_{t ∈ o_i} nll_t + β·Σ_i k_i·Σ_t kl_t` (the KL term, β 0.1,
+/// against another model's per-token losses), each completion run alone (the packing isolates
+/// documents).
 #[test]
 fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
     let set = reverse_prompts(6, 1)?;
@@ -102,6 +104,9 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let ctx = ParallelCtx::single(g)?;
         let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
         let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let rvm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let reference = Llama::new(VarBuilder::from_varmap(&rvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let beta = 0.1;
         let r = rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &Device::Cpu)?;
         assert_eq!((r.rows.len(), r.rewards.len()), (2, 8));
         // the completions again, by hand: the same prompts, generators and stops
@@ -142,20 +147,33 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
         let marks: Vec<u32> = shard_batch(&marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
         let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
-        let node = r.loss(&nll, &labels, &marks, &ctx)?;
+        let ref_nll: Vec<f32> = reference.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
+        let (node, value, kl) = r.loss(&nll, Some(&ref_nll), beta, (&labels, &marks), &ctx, ctx.token_group())?;
+        assert!(r.loss(&nll, None, beta, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
         let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
-        let (w, value) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6);
-        assert!((node.to_scalar::<f32>()? as f64 - value).abs() < 1e-6 && (r.value() - value).abs() < 1e-12);
+        let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6);
+        let k = norms(&r.lengths, GrpoLoss::Bnpo, 6);
         let g1 = node.backward()?;
-        // each completion alone: Σ_i w_i · (its completion tokens' nll)
+        // each completion alone: Σ_i w_i · (its completion tokens' nll) + β·k_i·Σ_t kl_t
         let mut direct = Tensor::zeros((), DType::F32, &Device::Cpu)?;
-        for ((p, c, _), wi) in docs.iter().zip(&w) {
+        let (mut kl_sum, mut kl_plain, mut kl_tokens) = (0f64, 0f64, 0f64);
+        for (((p, c, _), wi), ki) in docs.iter().zip(&w).zip(&k) {
             let t: Vec<u32> = p.iter().chain(c).copied().collect();
             let one = crate::shard_batch(&Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?, &ctx)?;
             let nll: Tensor = m.token_nll(&one.input_ids, &one.labels, &one.positions)?.flatten_all()?;
-            let keep: Vec<f32> = (0..t.len()).map(|i| (i + 1 >= p.len() && i + 1 < t.len()) as u8 as f32).collect();
-            direct = (direct + ((nll * Tensor::from_vec(keep, t.len(), &Device::Cpu)?)?.sum_all()? * *wi)?)?;
+            let ref_one = reference.token_nll(&one.input_ids, &one.labels, &one.positions)?.flatten_all()?.detach();
+            let keep = Tensor::from_vec((0..t.len()).map(|i| (i + 1 >= p.len() && i + 1 < t.len()) as u8 as f32).collect::<Vec<_>>(), t.len(), &Device::Cpu)?;
+            let d = (&nll - &ref_one)?;
+            let k3 = ((d.exp()? - &d)? - 1.0)?;
+            let k3 = (k3 * &keep)?.sum_all()?;
+            kl_sum += ki * k3.to_scalar::<f32>()? as f64;
+            kl_plain += k3.to_scalar::<f32>()? as f64;
+            kl_tokens += keep.sum_all()?.to_scalar::<f32>()? as f64;
+            direct = ((direct + ((nll * &keep)?.sum_all()? * *wi)?)? + (k3 * (beta * ki))?)?;
         }
+        let want = value_a + beta * kl_sum;
+        assert!((value - want).abs() < 1e-5 && (node.to_scalar::<f32>()? as f64 - want).abs() < 1e-5, "value {value} vs {want}");
+        assert!(kl > 0.01 && (kl - kl_plain / kl_tokens).abs() < 1e-3 * kl, "mean KL {kl}");
         let g2 = direct.backward()?;
         let mut worst = 0f64;
         for (name, v) in crate::params::lock_vars(&vm)?.iter() {
@@ -172,30 +190,57 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
 
 /// A GRPO run: zigzag CP 2, ring CP 2 × DP 2 (each replica generating half of each group) and
 /// TP 2 + SP follow the single-device run step by step — the same completions, rewards,
-/// objective and gradients —; the settings' errors are refused by name.
+/// objective and gradients —, without and with the KL term (β 0.04: step 1's KL 0, the policy
+/// being its reference, then above 0); a run with the KL term killed after step 3 and resumed
+/// from step 2's checkpoint (its reference read back from it) reproduces the straight run; the
+/// settings' errors are refused by name.
 #[test]
 fn grpo_runs_match_on_every_layout() -> Result<()> {
     let set = reverse_prompts(8, 2)?;
-    let cfg = |layout: Layout| -> TrainConfig {
+    let with = |layout: Layout, beta: f64| -> TrainConfig {
         let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 4);
         (c.batch, c.grad_accum, c.seed) = (2, 2, 3);
         c.schedule.peak = 1e-2;
-        c.grpo = Some(grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group));
+        c.grpo = Some(GrpoConfig { beta, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
         c
     };
+    let cfg = |layout: Layout| with(layout, 0.0);
     let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
-    let one = run(&cfg(Layout::single()))?;
-    let m = &one[0].metrics;
-    assert!(m.iter().all(|x| x.grpo_reward.is_some_and(|r| (0.0..=1.0).contains(&r)) && x.completion_length.is_some_and(|l| l >= 1.0)), "{m:?}");
-    assert!(m.iter().all(|x| x.grad_norm > 0.0 && x.train_loss.abs() < 1e-6), "grpo's value with group-scaled advantages is 0: {m:?}");
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
-        let other = run(&cfg(layout))?;
-        for (a, b) in m.iter().zip(&other[0].metrics) {
-            assert_eq!((a.grpo_reward, a.completion_length), (b.grpo_reward, b.completion_length), "{layout} step {}: the same completions", a.step);
-            assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
-            assert!((a.loss - b.loss).abs() < 1e-5, "{layout} step {}: loss {} vs {}", a.step, b.loss, a.loss);
+    for beta in [0.0, 0.04] {
+        let one = run(&with(Layout::single(), beta))?;
+        let m = &one[0].metrics;
+        assert!(m.iter().all(|x| x.grpo_reward.is_some_and(|r| (0.0..=1.0).contains(&r)) && x.completion_length.is_some_and(|l| l >= 1.0)), "{m:?}");
+        assert!(m.iter().all(|x| x.grad_norm > 0.0), "{m:?}");
+        match beta > 0.0 {
+            false => assert!(m.iter().all(|x| x.train_loss.abs() < 1e-6 && x.grpo_kl.is_none()), "grpo's value with group-scaled advantages is 0: {m:?}"),
+            true => assert!(m[0].grpo_kl.is_some_and(|k| k.abs() < 1e-6) && m[3].grpo_kl.is_some_and(|k| k > 1e-5) && m[3].train_loss > 1e-7, "{m:?}"),
+        }
+        for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+            let other = run(&with(layout, beta))?;
+            for (a, b) in m.iter().zip(&other[0].metrics) {
+                assert_eq!((a.grpo_reward, a.completion_length), (b.grpo_reward, b.completion_length), "{layout} β {beta} step {}: the same completions", a.step);
+                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} β {beta} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+                assert!((a.loss - b.loss).abs() < 1e-5 && (a.train_loss - b.train_loss).abs() < 1e-6, "{layout} β {beta} step {}: loss {} vs {}", a.step, b.loss, a.loss);
+            }
         }
     }
+    // killed after step 3, resumed from step 2's checkpoint
+    let dir = |tag: &str| std::env::temp_dir().join(format!("cp-grpo-{tag}-{}", std::process::id()));
+    let (da, db) = (dir("a"), dir("b"));
+    let mut ca = with(Layout::cp(CpKind::Zigzag, 2), 0.04);
+    (ca.out, ca.save_every) = (Some(da.clone()), 2);
+    let a = run(&ca)?;
+    let mut cb = ca.clone();
+    (cb.out, cb.stop_after) = (Some(db.clone()), Some(3));
+    run(&cb)?;
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 2);
+    for (x, y) in a[0].metrics[2..].iter().zip(&b[0].metrics) {
+        assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-9 && x.grpo_reward == y.grpo_reward && x.grpo_kl == y.grpo_kl, "step {}: straight {x:?} vs resumed {y:?}", x.step);
+    }
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
     let mut bad = cfg(Layout::single());
     bad.grpo = None;
     assert!(run(&bad).unwrap_err().to_string().contains("train by GRPO"));
@@ -208,6 +253,9 @@ fn grpo_runs_match_on_every_layout() -> Result<()> {
     let mut bad = cfg(Layout::single());
     bad.grpo = Some(GrpoConfig { sampling: Sampling::Greedy, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
     assert!(run(&bad).unwrap_err().to_string().contains("greedy"));
+    let mut bad = with(Layout::single(), 0.04);
+    bad.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj"])?);
+    assert!(run(&bad).unwrap_err().to_string().contains("set beta 0"));
     Ok(())
 }
 

@@ -74,6 +74,9 @@ pub struct StepMetrics {
     /// A GRPO run's mean completion length in tokens.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub completion_length: Option<f64>,
+    /// A GRPO run's mean per-token KL estimate to its reference (with `beta` > 0).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpo_kl: Option<f64>,
     /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
     /// that evaluate; `eval_loss` is then their DPO loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -213,6 +216,7 @@ mod tests {
             bco_delta: step.is_multiple_of(8).then_some(-0.375),
             grpo_reward: step.is_multiple_of(8).then_some(0.625),
             completion_length: step.is_multiple_of(8).then_some(3.5),
+            grpo_kl: step.is_multiple_of(8).then_some(0.0625),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }

@@ -344,26 +344,9 @@ pub fn train_rank(
     let is_main = rank == 0;
     // DPO: the reference log-probabilities of the model as the run starts (read back on resume)
     let mut dpo = super::dpo::prepare(cfg, &model, (&varmap, &mcfg), &ctx, &dev, resume_from.as_deref().filter(|_| start_step > 0), is_main)?;
-    // GRPO: the prompts whose completions each micro-batch samples
-    let grpo = match (&cfg.grpo, &cfg.data) {
-        (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
-        (None, _) => None,
-        (Some(g), super::DataSource::Prompts(set)) => {
-            g.validate()?;
-            if cfg.dpo.is_some() || cfg.eval.is_some() {
-                bail!("train: a GRPO run takes no dpo and no held-out evaluation (eval)")
-            }
-            if !g.num_generations.is_multiple_of(ctx.layout.dp) {
-                bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
-            }
-            if set.vocab_needed() > mcfg.vocab_size {
-                bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)
-            }
-            g.check_fits(set, cfg.batch, cfg.seq_len)?;
-            Some((g, set))
-        }
-        (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
-    };
+    // GRPO: the prompts whose completions each micro-batch samples (and, with a KL term, the
+    // reference: the model as the run started, read back from the checkpoint on resume)
+    let grpo = super::grpo::prepare(cfg, &mcfg, (&varmap, &ctx, &dev), resume_from.as_deref().filter(|_| start_step > 0))?;
     // BCO: the running mean reward as the resumed checkpoint left it
     if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
         d.running = m;
@@ -448,6 +431,7 @@ pub fn train_rank(
         let mut dpo_sums = [0f64; 3];
         // GRPO: the step's rewards, completion tokens and completions
         let mut grpo_sums = [0f64; 3];
+        let mut grpo_kl = 0f64;
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
@@ -456,9 +440,9 @@ pub fn train_rank(
             // GRPO: the micro-batch's completions sampled from the policy as it is (its
             // parameters whole first), rewarded and packed
             let rollout = match &grpo {
-                Some((g, set)) => {
+                Some(g) => {
                     param_gather.finish()?;
-                    Some(super::grpo::rollout(&model, g, set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)?)
+                    Some(super::grpo::rollout(&model, &g.cfg, &g.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)?)
                 }
                 None => None,
             };
@@ -515,8 +499,12 @@ pub fn train_rank(
             let (loss, mut exact) = match &mut dpo {
                 // (GRPO: the completions' tokens, marked, weighted by their advantages)
                 None if rollout.is_some() => {
-                    let r = rollout.as_ref().ok_or_else(|| candle_core::Error::Msg("grpo: no rollout".into()))?;
-                    (r.loss(&nll, &labels, &lr_mask, &ctx)?, Some(r.value()))
+                    let (r, g) = rollout.as_ref().zip(grpo.as_ref()).ok_or_else(|| candle_core::Error::Msg("grpo: no rollout".into()))?;
+                    // (the KL term: the reference's per-token losses of the same rows)
+                    let ref_nll = g.reference_nll(&sb, &dev)?;
+                    let (l, value, kl) = r.loss(&nll, ref_nll.as_deref(), g.cfg.beta, (&labels, &lr_mask), &ctx, &token_group)?;
+                    grpo_kl += kl;
+                    (l, Some(value))
                 }
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 Some(d) => {
@@ -656,6 +644,7 @@ pub fn train_rank(
             bco_delta: dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running.mean),
             grpo_reward: grpo.as_ref().map(|_| grpo_sums[0] / grpo_sums[2].max(1.0)),
             completion_length: grpo.as_ref().map(|_| grpo_sums[1] / grpo_sums[2].max(1.0)),
+            grpo_kl: grpo.as_ref().filter(|g| g.cfg.beta > 0.0).map(|_| grpo_kl * inv_accum),
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {
@@ -688,7 +677,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
-                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref())),
+                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref()).or(grpo.as_ref().and_then(|g| g.reference.as_ref().map(|r| &r.0)))),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;
