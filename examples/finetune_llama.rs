@@ -53,9 +53,6 @@ fn main() -> Result<()> {
     let (data, data_desc) = data_source(&a)?;
     // held-out evaluation: a file of its own (--eval-data), or the end of a corpus kept out of
     // training (the synthetic task draws fresh samples)
-    if a.grpo.grpo && (a.eval_every > 0 || a.eval_data.is_some()) {
-        bail!("--grpo: a GRPO run has no held-out evaluation (--eval-every, --eval-data); its progress line shows the completions' mean reward")
-    }
     let (data, eval) = match (a.eval_every, &a.eval_data) {
         (0, Some(_)) => bail!("--eval-data is read by the held-out evaluation: give --eval-every N too"),
         (_, Some(_)) if a.data.is_none() => bail!("--eval-data holds out text: give the training corpus as --data (the synthetic task draws its own held-out samples)"),
@@ -359,7 +356,7 @@ fn main() -> Result<()> {
             DataSource::Text(s) => format!("the corpus's last {} tokens, kept out of training", s.tokens.len()),
             DataSource::Packed(s) => format!("the corpus's last {} documents, kept out of training", s.count()),
             DataSource::Recall(_) => "fresh samples of the task".to_string(),
-            DataSource::Prompts(s) => format!("{} prompts", s.len()),
+            DataSource::Prompts(s) => format!("{} prompts{}", s.len(), if a.eval_data.is_some() { " of --eval-data" } else { ", the last of --data, kept out of training" }),
             DataSource::Preference(s) => format!(
                 "{} {}{}",
                 s.len(),
@@ -369,6 +366,7 @@ fn main() -> Result<()> {
         };
         match &e.data {
             DataSource::Preference(_) => say!("eval     : every {} steps, {} loss and reward accuracy over all {what}", e.every, if a.kto { "KTO" } else if a.bco { "BCO" } else { "DPO" }),
+            DataSource::Prompts(_) => say!("eval     : every {} steps, the mean reward of a greedy completion of each of the {what}", e.every),
             _ => say!("eval     : every {} steps, {} batches of {} rows: {what}", e.every, e.batches, cfg.batch),
         }
     }
@@ -591,6 +589,7 @@ fn main() -> Result<()> {
         let all = all + &m.eval_loss.map_or(String::new(), |x| format!("  held-out {x:.3}"));
         let all = all + &m.eval_long_range_loss.map_or(String::new(), |x| format!(" ({marked} {x:.3})"));
         let all = all + &m.eval_dpo_accuracy.map_or(String::new(), |x| format!(" (acc {x:.2})"));
+        let all = all + &m.eval_reward.map_or(String::new(), |x| format!("  held-out reward {x:.3}"));
         let mem = m.peak_rss_mib.map_or("n/a".to_string(), |x| {
             format!(
                 "{:.0} MiB/rank ({:.0} MiB process)",

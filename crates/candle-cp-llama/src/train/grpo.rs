@@ -446,9 +446,30 @@ pub(crate) struct GrpoRun {
     pub set: PromptSet,
     /// The reference's weights and model (with `beta` > 0).
     pub reference: Option<(super::tr_dpo::RefModel, Llama)>,
+    /// The held-out prompts (with [`super::TrainConfig::eval`]).
+    pub eval: Option<PromptSet>,
 }
 
 impl GrpoRun {
+    /// The held-out reward: the mean reward of one greedy completion of every held-out prompt
+    /// (at most `max_completion_length` tokens, ending at the stop tokens) under `model` as it
+    /// is; `None` without held-out prompts. Each prompt is generated as `dp` copies of itself
+    /// (every DP replica one row). Collective over the world.
+    pub(crate) fn evaluate(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Option<f64>> {
+        let Some(set) = &self.eval else { return Ok(None) };
+        model.set_lora_dropout(None)?;
+        let dp = ctx.layout.dp.max(1);
+        let mut total = 0.0;
+        for i in 0..set.len() {
+            let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no held-out prompt {i}")))?;
+            let ids = Tensor::from_vec(prompt.repeat(dp), (dp, prompt.len()), dev)?;
+            let out = model.generate_until(&ids, self.cfg.max_completion_length, Sampling::Greedy, &self.cfg.stop)?;
+            let completion = out.tokens.first().ok_or_else(|| candle_core::Error::Msg("grpo: no completion".into()))?;
+            total += (self.cfg.reward)(prompt, completion, answer);
+        }
+        Ok(Some(total / set.len().max(1) as f64))
+    }
+
     /// The reference's per-token losses of the rows `sb` (this rank's shard, as the policy's
     /// forward takes them), flattened; `None` without the KL term. Collective over the world.
     pub(crate) fn reference_nll(&self, sb: &crate::ShardedBatch, dev: &Device) -> Result<Option<Vec<f32>>> {
@@ -469,9 +490,14 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
         (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
     };
     g.validate()?;
-    if cfg.dpo.is_some() || cfg.eval.is_some() {
-        bail!("train: a GRPO run takes no dpo and no held-out evaluation (eval)")
+    if cfg.dpo.is_some() {
+        bail!("train: a GRPO run takes no dpo")
     }
+    let eval = match cfg.eval.as_ref().map(|e| &e.data) {
+        None => None,
+        Some(super::DataSource::Prompts(s)) => Some(s.clone()),
+        Some(_) => bail!("train: a GRPO run's held-out data must be prompts too"),
+    };
     if !g.num_generations.is_multiple_of(ctx.layout.dp) {
         bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
     }
@@ -498,7 +524,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
             Some((r, m))
         }
     };
-    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference }))
+    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval }))
 }
 
 #[cfg(test)]

@@ -275,3 +275,54 @@ fn grpo_raises_the_reward() -> Result<()> {
     assert!(last > first + 0.2, "{r:?}");
     Ok(())
 }
+
+/// Held-out prompts: every evaluation reports the mean reward of one greedy completion of each
+/// held-out prompt — with a learning rate of 0, that of the starting model by hand — the same
+/// on zigzag CP 2 and on ring CP 2 × DP 2 as on one device; held-out data that is not prompts is
+/// refused.
+#[test]
+fn held_out_prompts_are_evaluated_on_every_layout() -> Result<()> {
+    let set = reverse_prompts(12, 4)?;
+    let data = DataSource::Prompts(set);
+    let (train, held) = data.split_held_out(0.25, 48)?;
+    let DataSource::Prompts(held_set) = &held else { bail!("prompts") };
+    let with = |layout: Layout, peak: f64| -> TrainConfig {
+        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), train.clone(), 48, 4);
+        (c.batch, c.grad_accum, c.seed) = (2, 1, 3);
+        c.schedule.peak = peak;
+        c.grpo = Some(grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group));
+        c.eval = Some(crate::train::EvalConfig { data: held.clone(), every: 2, batches: 1 });
+        c
+    };
+    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
+    // the starting model's greedy completions, by hand
+    let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
+    let by_hand = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(&mcfg, 3, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
+        let mut total = 0.0;
+        for i in 0..held_set.len() {
+            let (p, a) = held_set.get(i).expect("prompt");
+            let out = m.generate_until(&Tensor::from_vec(p.to_vec(), (1, p.len()), &Device::Cpu)?, 6, Sampling::Greedy, &[2])?;
+            total += capitals()(p, &out.tokens[0], a);
+        }
+        Ok(total / held_set.len() as f64)
+    });
+    let by_hand = by_hand.into_iter().next().expect("one rank")?;
+    let frozen = run(&with(Layout::single(), 0.0))?;
+    let e = frozen[0].metrics[1].eval_reward.expect("evaluated at step 2");
+    assert!((e - by_hand).abs() < 1e-12, "held-out reward {e} vs by hand {by_hand}");
+    let one = run(&with(Layout::single(), 1e-2))?;
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2)] {
+        let other = run(&with(layout, 1e-2))?;
+        for (a, b) in one[0].metrics.iter().zip(&other[0].metrics) {
+            assert_eq!(a.eval_reward.is_some(), a.step % 2 == 0, "step {}", a.step);
+            assert_eq!(a.eval_reward, b.eval_reward, "{layout} step {}", a.step);
+        }
+    }
+    let mut bad = with(Layout::single(), 1e-2);
+    bad.eval = Some(crate::train::EvalConfig { data: DataSource::Recall(crate::train::KvRecall::new(48)?), every: 1, batches: 1 });
+    assert!(run(&bad).unwrap_err().to_string().contains("held-out data must be prompts"));
+    Ok(())
+}

@@ -77,6 +77,10 @@ pub struct StepMetrics {
     /// A GRPO run's mean per-token KL estimate to its reference (with `beta` > 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpo_kl: Option<f64>,
+    /// A GRPO run's held-out reward: the mean reward of a greedy completion of each held-out
+    /// prompt, where evaluated.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub eval_reward: Option<f64>,
     /// A DPO run's reward accuracy over its held-out pairs after this step's update (the steps
     /// that evaluate; `eval_loss` is then their DPO loss).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -217,6 +221,7 @@ mod tests {
             grpo_reward: step.is_multiple_of(8).then_some(0.625),
             completion_length: step.is_multiple_of(8).then_some(3.5),
             grpo_kl: step.is_multiple_of(8).then_some(0.0625),
+            eval_reward: step.is_multiple_of(8).then_some(0.4375),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }
     }

@@ -611,7 +611,14 @@ pub fn train_rank(
             d.sync_reference(step + 1, &varmap, cfg, &ctx, &dev)?;
         }
         // held-out loss after this update (its time not in the step's tokens/s)
+        let mut eval_reward = None;
         let (eval_loss, eval_long_range_loss, eval_dpo_accuracy) = match &cfg.eval {
+            // (GRPO: the held-out prompts' greedy completions' mean reward)
+            Some(e) if e.due(step + 1, cfg.steps) && grpo.is_some() => {
+                param_gather.finish()?;
+                eval_reward = grpo.as_ref().map(|g| g.evaluate(&model, &ctx, &dev)).transpose()?.flatten();
+                (None, None, None)
+            }
             Some(e) if e.due(step + 1, cfg.steps) => {
                 param_gather.finish()?;
                 model.set_lora_dropout(None)?;
@@ -645,6 +652,7 @@ pub fn train_rank(
             grpo_reward: grpo.as_ref().map(|_| grpo_sums[0] / grpo_sums[2].max(1.0)),
             completion_length: grpo.as_ref().map(|_| grpo_sums[1] / grpo_sums[2].max(1.0)),
             grpo_kl: grpo.as_ref().filter(|g| g.cfg.beta > 0.0).map(|_| grpo_kl * inv_accum),
+            eval_reward,
             eval_dpo_accuracy,
         };
         if let Some(log) = &log {
