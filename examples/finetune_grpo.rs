@@ -46,9 +46,13 @@ pub(crate) struct GrpoArgs {
     #[arg(long, default_value_t = 0.0)]
     pub(crate) grpo_beta: f64,
     /// The reward against the example's completion: exact (1 for the completion itself, else
-    /// 0) or tokens (the fraction of positions that match).
+    /// 0), tokens (the fraction of positions that match) or finished (1 when the completion
+    /// ends with the end-of-sequence id); several, comma separated, summed (--reward-weights).
     #[arg(long, default_value = "tokens")]
     pub(crate) reward: String,
+    /// The weights of a --reward list, comma separated (default: 1 each).
+    #[arg(long, value_name = "W,..")]
+    pub(crate) reward_weights: Option<String>,
 }
 
 impl GrpoArgs {
@@ -57,10 +61,30 @@ impl GrpoArgs {
         if !self.grpo {
             return Ok(None);
         }
-        let reward = match self.reward.as_str() {
-            "exact" => rewards::exact_match(),
-            "tokens" => rewards::token_accuracy(),
-            r => bail!("--reward {r}: expected exact or tokens"),
+        let names: Vec<&str> = self.reward.split(',').map(str::trim).collect();
+        let weights: Vec<f64> = match &self.reward_weights {
+            None => vec![1.0; names.len()],
+            Some(w) => w.split(',').map(|x| x.trim().parse::<f64>().map_err(|e| anyhow::anyhow!("--reward-weights {w}: {e}"))).collect::<Result<_>>()?,
+        };
+        if weights.len() != names.len() {
+            bail!("--reward-weights gives {} weights for the {} rewards of --reward {}", weights.len(), names.len(), self.reward)
+        }
+        let parts = names
+            .iter()
+            .zip(weights)
+            .map(|(&n, w)| {
+                let r = match n {
+                    "exact" => rewards::exact_match(),
+                    "tokens" => rewards::token_accuracy(),
+                    "finished" => rewards::finished(eos.into_iter().collect()),
+                    r => bail!("--reward {r}: expected exact, tokens or finished"),
+                };
+                Ok((r, w))
+            })
+            .collect::<Result<Vec<_>>>()?;
+        let reward = match parts.len() {
+            1 if parts[0].1 == 1.0 => parts.into_iter().next().map(|(r, _)| r).ok_or_else(|| anyhow::anyhow!("--reward: none"))?,
+            _ => rewards::weighted(parts),
         };
         let c = GrpoConfig {
             num_generations: self.num_generations,

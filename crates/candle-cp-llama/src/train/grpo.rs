@@ -55,6 +55,17 @@ pub mod rewards {
         Arc::new(|_, completion, answer| (completion == answer) as u8 as f64)
     }
 
+    /// `Σ w_k · r_k`: several rewards summed with their weights (TRL's `reward_funcs` with
+    /// `reward_weights`).
+    pub fn weighted(parts: Vec<(RewardFn, f64)>) -> RewardFn {
+        Arc::new(move |p, c, a| parts.iter().map(|(r, w)| w * r(p, c, a)).sum())
+    }
+
+    /// 1 when the completion ends with one of `stop` (it finished within the length), else 0.
+    pub fn finished(stop: Vec<u32>) -> RewardFn {
+        Arc::new(move |_, c, _| c.last().is_some_and(|t| stop.contains(t)) as u8 as f64)
+    }
+
     /// The fraction of the longer of the completion and the answer whose tokens match the
     /// answer's position by position (1: the answer exactly; partial credit on the way).
     pub fn token_accuracy() -> RewardFn {

@@ -54,6 +54,10 @@ fn prompts_from_examples_and_rewards() -> Result<()> {
     let (e, t) = (rewards::exact_match(), rewards::token_accuracy());
     assert_eq!((e(&[1], &[5, 6, 2], &[5, 6, 2]), e(&[1], &[5, 6], &[5, 6, 2])), (1.0, 0.0));
     assert_eq!((t(&[1], &[5, 7, 2], &[5, 6, 2]), t(&[1], &[5, 6, 2, 9], &[5, 6, 2])), (2.0 / 3.0, 0.75));
+    let f = rewards::finished(vec![2]);
+    assert_eq!((f(&[1], &[5, 2], &[]), f(&[1], &[5, 6], &[])), (1.0, 0.0));
+    let w = rewards::weighted(vec![(rewards::exact_match(), 2.0), (rewards::token_accuracy(), 0.5), (f, 1.0)]);
+    assert_eq!(w(&[1], &[5, 7, 2], &[5, 6, 2]), 0.5 * 2.0 / 3.0 + 1.0);
     Ok(())
 }
 
