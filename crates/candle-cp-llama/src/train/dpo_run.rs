@@ -116,13 +116,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, model: &Llama, (policy, mcfg): (
         Some(_) if cfg.lora.is_some() => bail!("train: sync_ref_model (TR-DPO) mixes the reference with the policy's weights; a LoRA run's reference is the frozen base its adapters sit on (train the model whole)"),
         Some(_) => {
             let r = match (resume_dir, &dc.reference_model) {
-                (Some(d), _) => {
-                    let dir = d.join("reference");
-                    if !dir.join("config.json").exists() {
-                        bail!("resume: {} holds no TR-DPO reference (reference/): resume a TR-DPO run's checkpoint with sync_ref_model", d.display())
-                    }
-                    RefModel::load(&dir, ctx, dev, cfg.dtype, cfg.sliding_window)?
-                }
+                (Some(d), _) => RefModel::resumed(d, "TR-DPO", ctx, dev, cfg.dtype, cfg.sliding_window)?,
                 (None, Some(dir)) => RefModel::load(dir, ctx, dev, cfg.dtype, cfg.sliding_window)?,
                 (None, None) => RefModel::copy_of(policy, mcfg)?,
             };

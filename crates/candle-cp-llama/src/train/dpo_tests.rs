@@ -405,6 +405,26 @@ fn linearised_loss_has_the_gradients_of_bco() -> Result<()> {
     Ok(())
 }
 
+/// Each answer of `set`, its document run alone on one device by the model `mcfg` drawn from
+/// `seed`: its scored tokens' log-probabilities, in order.
+pub(crate) fn scored_alone(set: &PreferenceSet, mcfg: &LlamaConfig, seed: u64) -> Result<Vec<Vec<f64>>> {
+    let out = run_ranks(1, |g| {
+        let ctx = ParallelCtx::single(g)?;
+        let vm = shard_params(&init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
+        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
+        (0..2 * set.len())
+            .map(|d| {
+                let (t, marks) = set.document(d);
+                let ids = Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?;
+                let sb = shard_batch(&ids, &ctx)?;
+                let nll: Vec<f32> = m.token_nll(&sb.input_ids, &sb.labels, &sb.positions)?.flatten_all()?.to_vec1()?;
+                Ok((0..t.len() - 1).filter(|&i| marks[i + 1]).map(|i| -(nll[i] as f64)).collect())
+            })
+            .collect::<Result<Vec<Vec<f64>>>>()
+    });
+    out.into_iter().next().expect("one rank")
+}
+
 /// The reference pass: each answer's summed log-probability equals that of its document run
 /// alone (the packing isolates documents), on one device and on zigzag CP 2 (its tokens on
 /// two ranks, the partial sums added over them).
@@ -426,21 +446,7 @@ fn reference_logps_are_per_document_on_every_layout() -> Result<()> {
         Ok(all.remove(0))
     };
     let one = by_layout(Layout::single())?;
-    let alone = run_ranks(1, |g| {
-        let ctx = ParallelCtx::single(g)?;
-        let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        (0..2 * set.len())
-            .map(|d| {
-                let (t, marks) = set.document(d);
-                let ids = Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?;
-                let sb = shard_batch(&ids, &ctx)?;
-                let nll: Vec<f32> = m.token_nll(&sb.input_ids, &sb.labels, &sb.positions)?.flatten_all()?.to_vec1()?;
-                Ok((0..t.len() - 1).filter(|&i| marks[i + 1]).map(|i| -(nll[i] as f64)).sum())
-            })
-            .collect::<Result<Vec<f64>>>()
-    });
-    let alone = alone.into_iter().next().expect("one rank")?;
+    let alone: Vec<f64> = scored_alone(&set, &mcfg, 6)?.iter().map(|t| t.iter().sum()).collect();
     for (d, (a, b)) in one.iter().zip(&alone).enumerate() {
         assert!((a - b).abs() < 1e-4, "answer {d}: packed {a} vs alone {b}");
     }

@@ -521,13 +521,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
         true if cfg.lora.is_some() => bail!("train: GRPO's KL term (beta {}) keeps a copy of the model as its reference; a LoRA run's reference is its frozen base: set beta 0", g.beta),
         true => {
             let r = match resume_dir {
-                Some(d) => {
-                    let dir = d.join("reference");
-                    if !dir.join("config.json").exists() {
-                        bail!("resume: {} holds no GRPO reference (reference/): resume a run with the KL term's checkpoint", d.display())
-                    }
-                    super::tr_dpo::RefModel::load(&dir, ctx, dev, cfg.dtype, cfg.sliding_window)?
-                }
+                Some(d) => super::tr_dpo::RefModel::resumed(d, "GRPO", ctx, dev, cfg.dtype, cfg.sliding_window)?,
                 None => super::tr_dpo::RefModel::copy_of(policy, mcfg)?,
             };
             r.check_matches(policy)?;

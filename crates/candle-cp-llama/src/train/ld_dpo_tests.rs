@@ -1,5 +1,6 @@
 //! LD-DPO's tests ([`crate::train::ld_dpo`]): the weighted sums against each answer scored
-//! alone, on every layout, and the linearised loss against autograd.
+//! alone, on every layout, and the settings (the linearised loss against autograd:
+//! `wpo_tests.rs`, with WPO's).
 use super::*;
 
 /// `n` byte-level pairs as `pairs_text`'s, the rejected answer 1 to 7 random capitals (most
@@ -52,22 +53,7 @@ fn weighted_logps_are_per_document_on_every_layout() -> Result<()> {
         }
         Ok(all.remove(0))
     };
-    let alone = run_ranks(1, |g| {
-        let ctx = ParallelCtx::single(g)?;
-        let vm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
-        let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
-        (0..2 * set.len())
-            .map(|d| {
-                let (t, marks) = set.document(d);
-                let ids = Tensor::from_vec(t.clone(), (1, t.len()), &Device::Cpu)?;
-                let sb = shard_batch(&ids, &ctx)?;
-                let nll: Vec<f32> = m.token_nll(&sb.input_ids, &sb.labels, &sb.positions)?.flatten_all()?.to_vec1()?;
-                let scored: Vec<f64> = (0..t.len() - 1).filter(|&i| marks[i + 1]).map(|i| -(nll[i] as f64)).collect();
-                Ok(scored.iter().zip(weights_alone(&set, d, alpha)).map(|(x, w)| x * w).sum())
-            })
-            .collect::<Result<Vec<f64>>>()
-    });
-    let alone = alone.into_iter().next().expect("one rank")?;
+    let alone: Vec<f64> = scored_alone(&set, &mcfg, 6)?.iter().enumerate().map(|(d, t)| t.iter().zip(weights_alone(&set, d, alpha)).map(|(x, w)| x * w).sum()).collect();
     let (plain, one) = by_layout(Layout::single(), alpha)?;
     for (d, (a, b)) in one.iter().zip(&alone).enumerate() {
         assert!((a - b).abs() < 1e-4, "answer {d}: packed {a} vs alone {b}");
@@ -81,88 +67,6 @@ fn weighted_logps_are_per_document_on_every_layout() -> Result<()> {
     }
     let (p, w) = by_layout(Layout::single(), 1.0)?;
     assert_eq!(p, w, "α 1: the plain sums");
-    Ok(())
-}
-
-/// On one device, the linearised node of LD-DPO (α 0.25) has autograd's gradients of the loss
-/// written with candle ops — the policy's sums weighted per token by hand (a slot's k-th scored
-/// target past its pair's shorter length weighs α), RPO's and sft's cross-entropy over the
-/// plain sums — for the sigmoid loss with RPO's α, IPO (the weighted sum per scored token) and
-/// MPO's mix (sigmoid, bco_pair, sft); its value is the loss.
-#[test]
-fn linearised_loss_has_the_gradients_of_ld_dpo() -> Result<()> {
-    let set = PreferenceSet::read(&unequal_pairs_text(12, 3), &bytes_of, Some(2), None)?;
-    let (seq, batch, alpha) = (64, 2, 0.25);
-    let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
-    let sigmoid = DpoConfig { beta: 0.3, rpo_alpha: 0.4, ld_alpha: Some(alpha), ..DpoConfig::default() };
-    let ipo = DpoConfig { beta: 0.3, loss: DpoLoss::Ipo, ld_alpha: Some(alpha), ..DpoConfig::default() };
-    let mpo = DpoConfig { beta: 0.5, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], ld_alpha: Some(alpha), ..DpoConfig::default() };
-    for cfg in [sigmoid, ipo, mpo] {
-        cfg.validate()?;
-        let out = run_ranks(1, |g| {
-            let ctx = ParallelCtx::single(g)?;
-            let one = OneDevice::new(&rows, seq, &ctx)?;
-            let (b, labels, marks) = (&one.b, &one.labels, &one.marks);
-            let mut rng = Rng::new(9);
-            let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
-            let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
-            let mut running = crate::train::bco::RunningMean::default();
-            let (loss, terms) = b.loss((&one.nll()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
-            let g1 = loss.backward()?;
-            // the loss by candle ops: per-token weights by hand (one device: targets in order)
-            let n1 = one.nll()?;
-            let (_, scored) = b.logps(&n1.to_vec1::<f32>()?, labels, marks, &ctx, ctx.token_group())?;
-            let slots = b.answers.len();
-            let lengths = set.scored_lengths();
-            let mut seen = vec![0usize; slots];
-            let weights: Vec<f32> = scored
-                .iter()
-                .map(|&s| {
-                    if s == 0 {
-                        return 0.0;
-                    }
-                    let a = b.answers[s as usize - 1];
-                    seen[s as usize - 1] += 1;
-                    if seen[s as usize - 1] as f64 <= lengths[a].min(lengths[a ^ 1]) { 1.0 } else { alpha as f32 }
-                })
-                .collect();
-            let plain = slot_logps(&n1, &scored, slots)?;
-            let weighted = slot_logps(&(&n1 * Tensor::from_vec(weights, n1.shape(), &Device::Cpu)?)?, &scored, slots)?;
-            let per_slot = |v: &[f64]| Tensor::from_vec(b.answers.iter().map(|&a| v[a] as f32).collect::<Vec<_>>(), slots, &Device::Cpu);
-            let mut ratio = (&weighted - per_slot(&reference)?)?;
-            if cfg.loss == DpoLoss::Ipo {
-                ratio = (ratio / per_slot(&lengths)?)?;
-            }
-            let pairs = b.pairs(false)?;
-            let idx = |f: fn(&(usize, usize)) -> usize| Tensor::from_vec(pairs.iter().map(|p| f(p) as u32).collect::<Vec<_>>(), pairs.len(), &Device::Cpu);
-            let h = (ratio.index_select(&idx(|p| p.0)?, 0)? - ratio.index_select(&idx(|p| p.1)?, 0)?)?;
-            let softplus = |x: &Tensor| -> Result<Tensor> { (x.exp()? + 1.0)?.log() };
-            let tokens: f64 = pairs.iter().map(|p| lengths[b.answers[p.0]]).sum();
-            let chosen_ce = (plain.index_select(&idx(|p| p.0)?, 0)?.sum_all()? * (-1.0 / tokens))?;
-            let mut direct = (&chosen_ce * cfg.rpo_alpha)?;
-            for (l, w) in cfg.losses() {
-                let one = match l {
-                    DpoLoss::Ipo => (h.clone() - 1.0 / (2.0 * cfg.beta))?.sqr()?.mean_all()?,
-                    DpoLoss::BcoPair => {
-                        let rewards = (&ratio * cfg.beta)?;
-                        let delta = rewards.to_vec1::<f32>()?.iter().map(|&x| x as f64).sum::<f64>() / slots as f64;
-                        let x = (rewards.index_select(&idx(|p| p.0)?, 0)? - delta)?;
-                        let y = (rewards.index_select(&idx(|p| p.1)?, 0)? - delta)?;
-                        (softplus(&x.neg()?)? + softplus(&y)?)?.mean_all()?
-                    }
-                    DpoLoss::Sft => chosen_ce.clone(),
-                    _ => softplus(&(&h * -cfg.beta)?)?.mean_all()?,
-                };
-                direct = (direct + (one * w)?)?;
-            }
-            // (the weighting matters here: the longer answers' tails are scored)
-            let unweighted = b.loss((&one.nll()?, None), labels, marks, &answers, &DpoConfig { ld_alpha: None, ..cfg.clone() }, &ctx, ctx.token_group(), None, &mut crate::train::bco::RunningMean::default())?.1;
-            assert!((unweighted.loss - terms.loss).abs() > 1e-4, "{unweighted:?} vs {terms:?}");
-            one.node_against(&loss, &g1, terms.loss, &direct)
-        });
-        let worst = out.into_iter().next().expect("one rank")?;
-        assert!(worst < 1e-4, "{cfg:?}: gradients differ by {worst} relative");
-    }
     Ok(())
 }
 

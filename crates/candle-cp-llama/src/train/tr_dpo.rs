@@ -62,6 +62,16 @@ impl RefModel {
         Ok(Self { vm, cfg })
     }
 
+    /// A resumed run's reference: its checkpoint `ckpt`'s `reference/` (written by
+    /// [`RefModel::save`]); errors, naming `what` kept it, when the checkpoint has none.
+    pub fn resumed(ckpt: &Path, what: &str, ctx: &ParallelCtx, dev: &Device, dtype: DType, sliding_window: Option<usize>) -> Result<Self> {
+        let dir = ckpt.join("reference");
+        if !dir.join("config.json").exists() {
+            bail!("resume: {} holds no {what} reference (reference/): resume it from a checkpoint of a run that kept one", ckpt.display())
+        }
+        Self::load(&dir, ctx, dev, dtype, sliding_window)
+    }
+
     /// The reference as a model on `ctx`'s layout.
     pub fn model(&self, dtype: DType, dev: &Device, ctx: &ParallelCtx) -> Result<Llama> {
         Llama::new(candle_nn::VarBuilder::from_varmap(&self.vm, dtype, dev), &self.cfg, ctx)

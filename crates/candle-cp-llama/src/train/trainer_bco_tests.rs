@@ -145,8 +145,7 @@ fn mixed_losses_and_aot_match_on_every_layout() -> Result<()> {
             let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
             let DataSource::Preference(set) = &c0.data else { bail!("pairs") };
             let policy = logps_of(mcfg, c0.seed, set, &c0)?;
-            let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
-            let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+            let step1 = crate::train::trainer::dpo_tests::step1_pairs(&c0)?;
             let want = mixed_terms(&policy, &policy, &set.scored_lengths(), &step1, c0.dpo.as_ref().expect("dpo"), Some(Delta::Update(&mut RunningMean::default())))?;
             let tokens: f64 = step1.iter().map(|&(c, _)| set.scored_lengths()[c]).sum();
             let chosen_ce = -step1.iter().map(|&(c, _)| policy[c]).sum::<f64>() / tokens;

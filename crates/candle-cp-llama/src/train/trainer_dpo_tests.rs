@@ -30,16 +30,11 @@ fn dpo_starts_at_ln2_learns_and_matches_on_every_layout() -> Result<()> {
     assert!(last.train_loss < std::f64::consts::LN_2 - 0.05, "step 12: {}", last.train_loss);
     assert!(last.dpo_accuracy.is_some_and(|a| a > 0.5) && last.dpo_margin.is_some_and(|x| x > 0.0), "{last:?}");
     let want: Vec<&StepMetrics> = m[..4].iter().collect();
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
-        let other = run(&dpo_cfg(None, layout, 12).map(|mut c| {
-            c.stop_after = Some(4);
-            c
-        })?)?;
-        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
-        for (a, b) in want.iter().zip(&other[0].metrics) {
-            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: DPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
-        }
-    }
+    follows_on_layouts("DPO", &want, |layout| {
+        let mut c = dpo_cfg(None, layout, 12)?;
+        c.stop_after = Some(4);
+        Ok(c)
+    })?;
     // the settings' errors
     let mut bad = dpo_cfg(None, Layout::single(), 2)?;
     bad.seq_len = 8;
@@ -47,6 +42,24 @@ fn dpo_starts_at_ln2_learns_and_matches_on_every_layout() -> Result<()> {
     let mut bad = dpo_cfg(None, Layout::single(), 2)?;
     bad.dpo = None;
     assert!(run(&bad).unwrap_err().to_string().contains("train by DPO"));
+    Ok(())
+}
+
+/// `want` (a single-device run's steps) against the same run on zigzag CP 2, ring CP 2 × DP 2
+/// and TP 2 + SP (`cfg` of each layout): the curve ([`assert_same_curve`]), the objective to
+/// 1e-5 and the held-out loss where evaluated.
+fn follows_on_layouts(what: &str, want: &[&StepMetrics], cfg: impl Fn(Layout) -> Result<TrainConfig>) -> Result<()> {
+    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+        let other = run(&cfg(layout)?)?;
+        assert_same_curve(&layout.to_string(), want, &other[0].metrics);
+        for (a, b) in want.iter().zip(&other[0].metrics) {
+            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: {what} loss {} vs {}", a.step, a.train_loss, b.train_loss);
+            assert_eq!(a.eval_loss.is_some(), b.eval_loss.is_some(), "{layout} step {}", a.step);
+            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
+                assert!((x - y).abs() < 1e-5, "{layout} step {}: {what} held-out {x} vs {y}", a.step);
+            }
+        }
+    }
     Ok(())
 }
 
@@ -134,13 +147,24 @@ fn simpo_with_rpo_needs_no_reference_and_matches_on_cp() -> Result<()> {
 /// Every answer's log-probability of `set` under the model `mcfg` drawn from `seed`, on one
 /// device, in rows of `c`'s batch and sequence length ([`crate::train::dpo::answer_logps`]).
 pub(super) fn logps_of(mcfg: &LlamaConfig, seed: u64, set: &PreferenceSet, c: &TrainConfig) -> Result<Vec<f64>> {
+    Ok(policy_of(mcfg, seed, set, c, &DpoConfig::default())?.plain)
+}
+
+/// [`logps_of`] with what `d` reads of the policy besides ([`crate::train::dpo::policy_logps`]).
+pub(super) fn policy_of(mcfg: &LlamaConfig, seed: u64, set: &PreferenceSet, c: &TrainConfig, d: &DpoConfig) -> Result<crate::train::dpo::PolicyLogps> {
     let out = candle_cp_comm::run_ranks(1, |g| {
         let ctx = ParallelCtx::single(g)?;
         let vm = crate::shard_params(&crate::init_params(mcfg, seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
         let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-        crate::train::dpo::answer_logps(&m, set, c.batch, c.seq_len, &ctx, &Device::Cpu)
+        crate::train::dpo::policy_logps(&m, set, c.batch, c.seq_len, d, &ctx, &Device::Cpu)
     });
     out.into_iter().next().expect("one rank")
+}
+
+/// The pairs of step 1's rows of `c` (its first micro-batch), as (chosen, rejected) answers.
+pub(super) fn step1_pairs(c: &TrainConfig) -> Result<Vec<(usize, usize)>> {
+    let rows = c.data.preference_rows(c.seed, 0, 0, c.batch, c.seq_len)?;
+    Ok(rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect())
 }
 
 /// A reference model of its own (another checkpoint): step 1's loss is DPO's between the
@@ -162,8 +186,7 @@ fn a_reference_model_of_its_own() -> Result<()> {
     let all = dpo_terms(&policy, &reference, &set.scored_lengths(), &pairs, &d)?;
     assert!((all.loss - std::f64::consts::LN_2).abs() > 1e-3, "{}", all.loss);
     // step 1's rows: the pairs of its batch
-    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
-    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let step1 = step1_pairs(&c0)?;
     let want = dpo_terms(&policy, &reference, &set.scored_lengths(), &step1, &d)?.loss;
     for layout in [Layout::single(), Layout::cp(CpKind::Zigzag, 2)] {
         let mut c = dpo_cfg(None, layout, 2)?;
@@ -213,17 +236,8 @@ fn ld_dpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     let c0 = with_held_out(cfg(Layout::single(), 8)?)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
     let DataSource::Preference(train) = &c0.data else { bail!("pairs") };
-    let crate::train::dpo::PolicyLogps { plain, ld: weighted, .. } = candle_cp_comm::run_ranks(1, |g| {
-        let ctx = ParallelCtx::single(g)?;
-        let vm = crate::shard_params(&crate::init_params(mcfg, c0.seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
-        let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-        crate::train::dpo::policy_logps(&m, train, c0.batch, c0.seq_len, &d, &ctx, &Device::Cpu)
-    })
-    .into_iter()
-    .next()
-    .expect("one rank")?;
-    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
-    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let crate::train::dpo::PolicyLogps { plain, ld: weighted, .. } = policy_of(mcfg, c0.seed, train, &c0, &d)?;
+    let step1 = step1_pairs(&c0)?;
     let want = dpo_terms(&weighted.expect("weighted sums"), &plain, &train.scored_lengths(), &step1, &DpoConfig { ld_alpha: None, ..d.clone() })?.loss;
     assert!((want - std::f64::consts::LN_2).abs() > 1e-3, "{want}");
     let one = run(&c0)?;
@@ -231,20 +245,11 @@ fn ld_dpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     assert!((m[0].train_loss - want).abs() < 1e-5, "step 1 {} vs by hand {want}", m[0].train_loss);
     assert!(m[7].train_loss < m[0].train_loss - 0.05, "{:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
     let want: Vec<&StepMetrics> = m[..4].iter().collect();
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+    follows_on_layouts("LD-DPO", &want, |layout| {
         let mut c = with_held_out(cfg(layout, 8)?)?;
         c.stop_after = Some(4);
-        let other = run(&c)?;
-        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
-        for (a, b) in want.iter().zip(&other[0].metrics) {
-            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: LD-DPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
-            assert_eq!(a.eval_loss.is_some(), b.eval_loss.is_some());
-            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
-                assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
-            }
-        }
-    }
-    Ok(())
+        Ok(c)
+    })
 }
 
 /// WPO (with RPO's α 0.3): step 1's loss is `mean(w)·(ln 2 + α·CE)` — the policy is its
@@ -262,18 +267,9 @@ fn wpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     let c0 = cfg(Layout::single(), 8)?;
     let ModelSource::Init(mcfg) = &c0.model else { bail!("init model") };
     let DataSource::Preference(train) = &c0.data else { bail!("pairs") };
-    let p = candle_cp_comm::run_ranks(1, |g| {
-        let ctx = ParallelCtx::single(g)?;
-        let vm = crate::shard_params(&crate::init_params(mcfg, c0.seed, DType::F32, &Device::Cpu)?, mcfg, &ctx)?;
-        let m = Llama::new(candle_nn::VarBuilder::from_varmap(&vm, DType::F32, &Device::Cpu), mcfg, &ctx)?;
-        crate::train::dpo::policy_logps(&m, train, c0.batch, c0.seq_len, &d, &ctx, &Device::Cpu)
-    })
-    .into_iter()
-    .next()
-    .expect("one rank")?;
+    let p = policy_of(mcfg, c0.seed, train, &c0, &d)?;
     let means = p.wpo.expect("WPO's means");
-    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
-    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let step1 = step1_pairs(&c0)?;
     let w: Vec<f64> = step1.iter().map(|&(c, r)| (means[c] + means[r]).exp().min(1.0)).collect();
     let w_mean = w.iter().sum::<f64>() / w.len() as f64;
     let lengths = train.scored_lengths();
@@ -285,20 +281,11 @@ fn wpo_matches_by_hand_and_on_every_layout() -> Result<()> {
     assert!((m[0].train_loss - want).abs() < 1e-5, "step 1 {} vs by hand {want}", m[0].train_loss);
     assert!(m[7].train_loss < m[0].train_loss, "{:?}", m.iter().map(|x| x.train_loss).collect::<Vec<_>>());
     let want: Vec<&StepMetrics> = m[..4].iter().collect();
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+    follows_on_layouts("WPO", &want, |layout| {
         let mut c = cfg(layout, 8)?;
         c.stop_after = Some(4);
-        let other = run(&c)?;
-        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
-        for (a, b) in want.iter().zip(&other[0].metrics) {
-            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: WPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
-            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
-                assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
-            }
-            assert_eq!(a.eval_loss.is_some(), b.eval_loss.is_some());
-        }
-    }
-    Ok(())
+        Ok(c)
+    })
 }
 
 /// TR-DPO: with α 1 every 2 steps the reference is the policy after steps 2 and 4, so steps 3
@@ -329,18 +316,11 @@ fn tr_dpo_syncs_its_reference_on_every_layout_and_resumes() -> Result<()> {
     let m = &one[0].metrics;
     assert!((m[2].train_loss - std::f64::consts::LN_2).abs() > 1e-4, "α 0.5: step 3 {}", m[2].train_loss);
     let want: Vec<&StepMetrics> = m.iter().collect();
-    for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+    follows_on_layouts("TR-DPO", &want, |layout| {
         let mut c = with(None, layout, 0.5)?;
         c.zero1 = layout.dp > 1;
-        let other = run(&c)?;
-        assert_same_curve(&layout.to_string(), &want, &other[0].metrics);
-        for (a, b) in want.iter().zip(&other[0].metrics) {
-            assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} step {}: TR-DPO loss {} vs {}", a.step, a.train_loss, b.train_loss);
-            if let (Some(x), Some(y)) = (a.eval_loss, b.eval_loss) {
-                assert!((x - y).abs() < 1e-5, "{layout} step {}: held-out {x} vs {y}", a.step);
-            }
-        }
-    }
+        Ok(c)
+    })?;
     // killed after step 4, resumed from step 3's checkpoint
     let layout = Layout::cp(CpKind::Zigzag, 2);
     let (da, db) = (tmpdir("trdpo-a"), tmpdir("trdpo-b"));

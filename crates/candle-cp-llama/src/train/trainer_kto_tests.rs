@@ -121,8 +121,7 @@ fn kto_step1_by_hand_against_a_reference_model() -> Result<()> {
     let (policy, reference) = (logps_of(mcfg, c0.seed, set, &c0)?, logps_of(mcfg, 6, set, &c0)?);
     let mut d = c0.dpo.clone().expect("kto");
     d.reference_model = Some(dir.clone());
-    let rows = c0.data.preference_rows(c0.seed, 0, 0, c0.batch, c0.seq_len)?;
-    let step1: Vec<(usize, usize)> = rows.iter().flat_map(|(_, ids)| ids.iter().flatten().filter(|&&a| a % 2 == 0).map(|&a| (a, a + 1))).collect();
+    let step1 = crate::train::trainer::dpo_tests::step1_pairs(&c0)?;
     let labels: Vec<bool> = step1.iter().map(|&(e, _)| set.desirable().expect("labels")[e / 2]).collect();
     assert!(labels.contains(&true) && labels.contains(&false), "{labels:?}");
     let want = kto_terms(&policy, &reference, &step1, &labels, &d)?;

@@ -1,22 +1,29 @@
-//! WPO's tests ([`crate::train::wpo`]) through a micro-batch: the linearised loss against
-//! autograd with the weights by hand, and the settings' rules.
+//! The policy-shaping tests through a micro-batch — LD-DPO's weighted sums
+//! ([`crate::train::ld_dpo`]) and WPO's pair weights ([`crate::train::wpo`]): the linearised
+//! loss against autograd with the weights by hand, and WPO's settings' rules.
 use super::*;
 
-/// On one device, the linearised node of WPO has autograd's gradients of the loss written with
-/// candle ops — each pair's loss times `min(1, exp(m_c + m_r))`, `m` an answer's mean of
-/// `log p − log Σ_v p_v²` over its scored tokens, `log Σ p²` from the full logits'
-/// log-softmax (the model's head by hand), detached; RPO's cross-entropy times the weights'
-/// mean — for the sigmoid loss with RPO's α, MPO's mix (sigmoid, bco_pair, sft) and IPO with
-/// LD-DPO's α 0.5; its value is the loss, and the weights are not all 1.
+/// On one device, the linearised node of LD-DPO and WPO has autograd's gradients of the loss
+/// written with candle ops — LD-DPO: the policy's sums weighted per token by hand (a slot's
+/// k-th scored target past its pair's shorter length weighs α), RPO's and sft's cross-entropy
+/// over the plain sums; WPO: each pair's loss times `min(1, exp(m_c + m_r))`, `m` an answer's
+/// mean of `log p − log Σ_v p_v²` over its scored tokens, `log Σ p²` from the full logits'
+/// log-softmax (the model's head by hand), detached, the cross-entropy terms times the
+/// weights' mean — for LD-DPO (α 0.25) with the sigmoid loss and RPO's α, IPO and MPO's mix
+/// (sigmoid, bco_pair, sft), WPO with the sigmoid loss and RPO's α and with MPO's mix, and both
+/// with IPO; its value is the loss, LD-DPO's differs from the unweighted one and WPO's weights
+/// are not all 1.
 #[test]
-fn linearised_loss_has_the_gradients_of_wpo() -> Result<()> {
+fn linearised_loss_has_the_gradients_of_ld_dpo_and_wpo() -> Result<()> {
     let set = PreferenceSet::read(&super::ld_dpo_tests::unequal_pairs_text(12, 3), &bytes_of, Some(2), None)?;
     let (seq, batch) = (64, 2);
     let rows: Vec<PreferenceRow> = (0..batch).map(|r| set.sample(seq, &mut Rng::new(40 + r as u64))).collect::<Result<_>>()?;
-    let sigmoid = DpoConfig { beta: 0.3, rpo_alpha: 0.4, use_weighting: true, ..DpoConfig::default() };
-    let mpo = DpoConfig { beta: 0.5, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], use_weighting: true, ..DpoConfig::default() };
-    let ipo_ld = DpoConfig { beta: 0.3, loss: DpoLoss::Ipo, ld_alpha: Some(0.5), use_weighting: true, ..DpoConfig::default() };
-    for cfg in [sigmoid, mpo, ipo_ld] {
+    let sigmoid = DpoConfig { beta: 0.3, rpo_alpha: 0.4, ..DpoConfig::default() };
+    let mpo = DpoConfig { beta: 0.5, mix: vec![(DpoLoss::Sigmoid, 0.8), (DpoLoss::BcoPair, 0.2), (DpoLoss::Sft, 1.0)], ..DpoConfig::default() };
+    let ipo = DpoConfig { beta: 0.3, loss: DpoLoss::Ipo, ..DpoConfig::default() };
+    let ld = |c: &DpoConfig, a: f64| DpoConfig { ld_alpha: Some(a), ..c.clone() };
+    let wpo = |c: DpoConfig| DpoConfig { use_weighting: true, ..c };
+    for cfg in [ld(&sigmoid, 0.25), ld(&ipo, 0.25), ld(&mpo, 0.25), wpo(sigmoid.clone()), wpo(mpo.clone()), wpo(ld(&ipo, 0.5))] {
         cfg.validate()?;
         let out = run_ranks(1, |g| {
             let ctx = ParallelCtx::single(g)?;
@@ -26,12 +33,17 @@ fn linearised_loss_has_the_gradients_of_wpo() -> Result<()> {
             let reference: Vec<f64> = (0..2 * set.len()).map(|_| -20.0 - 10.0 * rng.below(1000) as f64 / 1000.0).collect();
             let answers = Answers { reference: reference.clone(), lengths: set.scored_lengths(), desirable: None };
             let (nll, sq) = one.m.token_nll_packed_sq(&one.sb.input_ids, &one.sb.labels, &one.sb.positions, &one.sb.documents)?;
+            let (nll, sq) = (nll.flatten_all()?, cfg.use_weighting.then_some(&sq));
             // (the node refuses a statistic it does not take, and WPO without one)
-            let plain_cfg = DpoConfig { use_weighting: false, ..cfg.clone() };
+            let other = DpoConfig { use_weighting: !cfg.use_weighting, ..cfg.clone() };
             let mut running = crate::train::bco::RunningMean::default();
-            assert!(b.loss((&nll.flatten_all()?, Some(&sq)), labels, marks, &answers, &plain_cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
-            assert!(b.loss((&nll.flatten_all()?, None), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running).is_err());
-            let (loss, terms) = b.loss((&nll.flatten_all()?, Some(&sq)), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            assert!(b.loss((&nll, sq), labels, marks, &answers, &other, &ctx, ctx.token_group(), None, &mut running).is_err());
+            let (loss, terms) = b.loss((&nll, sq), labels, marks, &answers, &cfg, &ctx, ctx.token_group(), None, &mut running)?;
+            if cfg.ld_alpha.is_some() {
+                // (the weighting matters here: the longer answers' tails are scored)
+                let unweighted = b.loss((&nll, sq), labels, marks, &answers, &DpoConfig { ld_alpha: None, ..cfg.clone() }, &ctx, ctx.token_group(), None, &mut crate::train::bco::RunningMean::default())?.1;
+                assert!((unweighted.loss - terms.loss).abs() > 1e-4, "{unweighted:?} vs {terms:?}");
+            }
             let g1 = loss.backward()?;
             // log Σ p² by hand: the full logits of the model's forward
             let logits = one.m.forward_packed(&one.sb.input_ids, &one.sb.positions, &one.sb.documents)?.to_dtype(DType::F32)?;
@@ -47,8 +59,11 @@ fn linearised_loss_has_the_gradients_of_wpo() -> Result<()> {
             let adjusted = slot_logps(&((n1.detach() + sq_hand)? * &keep)?, &scored, slots)?;
             let means: Vec<f32> = (adjusted / per_slot(&lengths)?)?.to_vec1()?;
             let pairs = b.pairs(false)?;
-            let w: Vec<f64> = pairs.iter().map(|&(c, r)| (means[c] as f64 + means[r] as f64).exp().min(1.0)).collect();
-            assert!(w.iter().any(|&x| x < 0.99) && w.iter().all(|&x| x > 0.0 && x <= 1.0), "{w:?}");
+            let w: Vec<f64> = match cfg.use_weighting {
+                true => pairs.iter().map(|&(c, r)| (means[c] as f64 + means[r] as f64).exp().min(1.0)).collect(),
+                false => vec![1.0; pairs.len()],
+            };
+            assert!(!cfg.use_weighting || w.iter().any(|&x| x < 0.99) && w.iter().all(|&x| x > 0.0 && x <= 1.0), "{w:?}");
             let mut seen = vec![0usize; slots];
             let ld_weights: Vec<f32> = scored
                 .iter()
