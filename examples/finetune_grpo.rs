@@ -34,7 +34,8 @@ pub(crate) struct GrpoArgs {
     #[arg(long, default_value_t = 1.0)]
     pub(crate) grpo_top_p: f64,
     /// The per-token normalisation: grpo (each completion's mean, then the mean), bnpo (every
-    /// token alike) or dr_grpo (a constant).
+    /// token of a micro-batch alike), dr_grpo (a constant) or dapo (every token of the step
+    /// alike; TRL's default).
     #[arg(long, default_value = "grpo")]
     pub(crate) grpo_loss: String,
     /// Advantages divided by the group's reward spread (group), the micro-batch's (batch) or

@@ -1,6 +1,6 @@
 //! Seeded random GRPO runs: a few optimizer steps of online RL on a drawn layout (every CP
 //! kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage, recompute
-//! and overlaps, and a drawn objective (grpo, bnpo or dr_grpo; rewards scaled by the group,
+//! and overlaps, and a drawn objective (grpo, bnpo, dr_grpo or dapo; rewards scaled by the group,
 //! the batch or not; 2 or 4 completions of 1 or 2 prompts, 4 or 6 tokens at most, temperature
 //! 1 or 0.7 with or without top-k; the KL term or not) follow the single-device run of the same
 //! prompts step by step: the same completions (rewards and lengths), the objective to 1e-6 and
@@ -48,7 +48,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         max_completion_length: pick(d, &[4, 6]),
         sampling: Sampling::Sample { temperature: pick(d, &[1.0, 0.7]), top_k: pick(d, &[0, 20]), top_p: 1.0, seed: d.below(1000) as u64 },
         stop: vec![2],
-        loss_type: pick(d, &[GrpoLoss::Grpo, GrpoLoss::Bnpo, GrpoLoss::DrGrpo]),
+        loss_type: pick(d, &[GrpoLoss::Grpo, GrpoLoss::Bnpo, GrpoLoss::DrGrpo, GrpoLoss::Dapo]),
         scale_rewards: pick(d, &[ScaleRewards::Group, ScaleRewards::Batch, ScaleRewards::None]),
         reward: capitals(),
         beta: pick(d, &[0.0, 0.04]),

@@ -11,7 +11,13 @@
 //!        k_i = 1 / (|o_i| · n)         grpo     (each completion's mean, then the completions')
 //!        k_i = 1 / Σ_j |o_j|           bnpo     (every completion token alike)
 //!        k_i = 1 / (n · max_len)       dr_grpo  (Dr. GRPO: a constant)
+//!        k_i = M / Σ_step |o_j|        dapo     (every token of the step's M micro-batches alike)
 //! ```
+//!
+//! As TRL's generation batch, the step's completions are all sampled before its first
+//! micro-batch trains (the policy does not change within a step, so each micro-batch's are those
+//! it would sample itself): `dapo`'s normaliser and `batch`-scaled advantages take the whole
+//! step's.
 //!
 //! This is TRL's objective with one optimisation pass per generation (`num_iterations` 1,
 //! where the clipped ratio `π/π_old` is 1 and its gradient `∇log π`) and no KL term (`beta` 0,
@@ -86,6 +92,8 @@ pub enum GrpoLoss {
     Bnpo,
     /// A constant, `n · max_completion_length` (Dr. GRPO's).
     DrGrpo,
+    /// Every completion token of the step's micro-batches alike (TRL's `dapo`, its default).
+    Dapo,
 }
 
 impl GrpoLoss {
@@ -95,6 +103,7 @@ impl GrpoLoss {
             GrpoLoss::Grpo => "grpo",
             GrpoLoss::Bnpo => "bnpo",
             GrpoLoss::DrGrpo => "dr_grpo",
+            GrpoLoss::Dapo => "dapo",
         }
     }
 }
@@ -106,7 +115,8 @@ impl std::str::FromStr for GrpoLoss {
             "grpo" => GrpoLoss::Grpo,
             "bnpo" => GrpoLoss::Bnpo,
             "dr_grpo" => GrpoLoss::DrGrpo,
-            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo or dr_grpo)"),
+            "dapo" => GrpoLoss::Dapo,
+            _ => bail!("grpo: unknown loss type {s:?} (grpo, bnpo, dr_grpo or dapo)"),
         })
     }
 }
@@ -116,7 +126,7 @@ impl std::str::FromStr for GrpoLoss {
 pub enum ScaleRewards {
     /// Divided by the group's standard deviation (+ 1e-4).
     Group,
-    /// Divided by the whole micro-batch's standard deviation (+ 1e-4).
+    /// Divided by the whole step's standard deviation (+ 1e-4).
     Batch,
     /// Not divided.
     None,
@@ -299,8 +309,9 @@ pub fn advantages(rewards: &[f64], g: usize, scale: ScaleRewards) -> Result<Vec<
         .collect())
 }
 
-/// Per completion (`lengths`: its tokens), the normalisation `k_i` of its tokens' terms.
-pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize) -> Vec<f64> {
+/// Per completion of a micro-batch (`lengths`: its tokens), the normalisation `k_i` of its
+/// tokens' terms; `step`: the step's completion tokens and micro-batches (dapo's).
+pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize, (step_tokens, micro_batches): (usize, usize)) -> Vec<f64> {
     let n = lengths.len().max(1) as f64;
     let total: usize = lengths.iter().sum();
     lengths
@@ -309,19 +320,21 @@ pub fn norms(lengths: &[usize], loss: GrpoLoss, max_len: usize) -> Vec<f64> {
             GrpoLoss::Grpo => 1.0 / (len.max(1) as f64 * n),
             GrpoLoss::Bnpo => 1.0 / total.max(1) as f64,
             GrpoLoss::DrGrpo => 1.0 / (n * max_len.max(1) as f64),
+            GrpoLoss::Dapo => micro_batches as f64 / step_tokens.max(1) as f64,
         })
         .collect()
 }
 
 /// Per completion, the weight `k_i·A_i` of each of its tokens' `nll` (`lengths`: its tokens),
-/// and the loss's value `−Σ_i A_i·|o_i|·k_i` (without the KL term).
-pub fn token_weights(adv: &[f64], lengths: &[usize], loss: GrpoLoss, max_len: usize) -> (Vec<f64>, f64) {
-    let w: Vec<f64> = adv.iter().zip(norms(lengths, loss, max_len)).map(|(a, k)| a * k).collect();
+/// and the loss's value `−Σ_i A_i·|o_i|·k_i` (without the KL term); `step` as [`norms`].
+pub fn token_weights(adv: &[f64], lengths: &[usize], loss: GrpoLoss, max_len: usize, step: (usize, usize)) -> (Vec<f64>, f64) {
+    let w: Vec<f64> = adv.iter().zip(norms(lengths, loss, max_len, step)).map(|(a, k)| a * k).collect();
     let value = -w.iter().zip(lengths).map(|(w, &l)| w * l as f64).sum::<f64>();
     (w, value)
 }
 
-/// One micro-batch's completions, packed into rows, with their rewards and weights.
+/// One micro-batch's completions, packed into rows, with their rewards and (once the step's
+/// are all sampled, [`weigh_step`]) weights.
 pub(crate) struct Rollout {
     /// The rows, `seq_len` each.
     pub rows: Vec<Sample>,
@@ -364,9 +377,6 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
             docs.push((prompt.to_vec(), completion));
         }
     }
-    let adv = advantages(&rewards, g, cfg.scale_rewards)?;
-    let (weights, value) = token_weights(&adv, &lengths, cfg.loss_type, cfg.max_completion_length);
-    let norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length);
     // packed in order: as many documents per row as fit
     let (mut rows, mut slots) = (Vec::new(), Vec::new());
     let mut next = 0;
@@ -395,7 +405,24 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         let need: usize = docs.iter().map(|(p, c)| p.len() + c.len()).sum();
         bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
     }
-    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights, norms, value, rewards, lengths })
+    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths })
+}
+
+/// The step's micro-batches' rollouts weighed: the advantages (within each group, scaled by
+/// the group's or the whole step's spread), each completion's normalisation and weight, each
+/// micro-batch's value.
+pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<()> {
+    let all: Vec<f64> = rollouts.iter().flat_map(|r| r.rewards.iter().copied()).collect();
+    let adv = advantages(&all, cfg.num_generations, cfg.scale_rewards)?;
+    let step = (rollouts.iter().flat_map(|r| r.lengths.iter()).sum::<usize>(), rollouts.len());
+    let mut at = 0;
+    for r in rollouts.iter_mut() {
+        let a = &adv[at..at + r.rewards.len()];
+        at += r.rewards.len();
+        (r.weights, r.value) = token_weights(a, &r.lengths, cfg.loss_type, cfg.max_completion_length, step);
+        r.norms = norms(&r.lengths, cfg.loss_type, cfg.max_completion_length, step);
+    }
+    Ok(())
 }
 
 impl Rollout {

@@ -29,19 +29,26 @@ fn advantages_follow_trls_formula() -> Result<()> {
 }
 
 /// The per-token weights and the loss's value of each normalisation: GRPO's mean of means,
-/// BNPO's token mean, Dr. GRPO's constant.
+/// BNPO's token mean, Dr. GRPO's constant, DAPO's token mean over the step (here 20 tokens in 2
+/// micro-batches).
 #[test]
 fn token_weights_normalise_as_each_loss() {
     let (adv, len) = ([1.0, -2.0, 0.5], [2usize, 4, 1]);
-    let (w, v) = token_weights(&adv, &len, GrpoLoss::Grpo, 8);
+    let step = (20, 2);
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::Dapo, 8, step);
+    assert_eq!(w, vec![1.0 / 10.0, -2.0 / 10.0, 0.5 / 10.0]);
+    assert!((v - -(2.0 - 8.0 + 0.5) / 10.0).abs() < 1e-12, "{v}");
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::Grpo, 8, step);
     assert_eq!(w, vec![1.0 / 6.0, -2.0 / 12.0, 0.5 / 3.0]);
     assert!((v - -(1.0 - 2.0 + 0.5) / 3.0).abs() < 1e-12, "{v}");
-    let (w, v) = token_weights(&adv, &len, GrpoLoss::Bnpo, 8);
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::Bnpo, 8, step);
     assert_eq!(w, vec![1.0 / 7.0, -2.0 / 7.0, 0.5 / 7.0]);
     assert!((v - -(2.0 - 8.0 + 0.5) / 7.0).abs() < 1e-12, "{v}");
-    let (w, v) = token_weights(&adv, &len, GrpoLoss::DrGrpo, 8);
+    let (w, v) = token_weights(&adv, &len, GrpoLoss::DrGrpo, 8, step);
     assert_eq!(w, vec![1.0 / 24.0, -2.0 / 24.0, 0.5 / 24.0]);
     assert!((v - -(2.0 - 8.0 + 0.5) / 24.0).abs() < 1e-12, "{v}");
+    // (one micro-batch per step: DAPO is BNPO)
+    assert_eq!(token_weights(&adv, &len, GrpoLoss::Dapo, 8, (7, 1)), token_weights(&adv, &len, GrpoLoss::Bnpo, 8, step));
 }
 
 /// Prompts from prompt / completion examples, and the reward functions.
@@ -111,7 +118,9 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let rvm = shard_params(&init_params(&mcfg, 6, DType::F32, &Device::Cpu)?, &mcfg, &ctx)?;
         let reference = Llama::new(VarBuilder::from_varmap(&rvm, DType::F32, &Device::Cpu), &mcfg, &ctx)?;
         let beta = 0.1;
-        let r = rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &Device::Cpu)?;
+        let mut step = [rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &Device::Cpu)?];
+        weigh_step(&mut step, &cfg)?;
+        let [r] = step;
         assert_eq!((r.rows.len(), r.rewards.len()), (2, 8));
         // the completions again, by hand: the same prompts, generators and stops
         let mut pick = Rng::derive(3, &[0, 0, 0x6772_706f]);
@@ -155,8 +164,9 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let (node, value, kl) = r.loss(&nll, Some(&ref_nll), beta, (&labels, &marks), &ctx, ctx.token_group())?;
         assert!(r.loss(&nll, None, beta, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
         let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
-        let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6);
-        let k = norms(&r.lengths, GrpoLoss::Bnpo, 6);
+        let one_step = (r.lengths.iter().sum(), 1);
+        let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6, one_step);
+        let k = norms(&r.lengths, GrpoLoss::Bnpo, 6, one_step);
         let g1 = node.backward()?;
         // each completion alone: Σ_i w_i · (its completion tokens' nll) + β·k_i·Σ_t kl_t
         let mut direct = Tensor::zeros((), DType::F32, &Device::Cpu)?;

@@ -436,16 +436,19 @@ pub fn train_rank(
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
         let mut counts: Vec<Vec<usize>> = Vec::new();
+        // GRPO: the step's completions sampled from the policy as it is (its parameters whole
+        // first), rewarded, packed and weighed, before its first micro-batch trains
+        let mut rollouts = match &grpo {
+            Some(g) => {
+                param_gather.finish()?;
+                let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(&model, &g.cfg, &g.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)).collect::<Result<Vec<_>>>()?;
+                super::grpo::weigh_step(&mut r, &g.cfg)?;
+                r.into_iter().map(Some).collect()
+            }
+            None => Vec::new(),
+        };
         for micro in 0..cfg.grad_accum {
-            // GRPO: the micro-batch's completions sampled from the policy as it is (its
-            // parameters whole first), rewarded and packed
-            let rollout = match &grpo {
-                Some(g) => {
-                    param_gather.finish()?;
-                    Some(super::grpo::rollout(&model, &g.cfg, &g.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)?)
-                }
-                None => None,
-            };
+            let rollout = rollouts.get_mut(micro).and_then(Option::take);
             let (ids, mask, docs) = match &rollout {
                 Some(r) => {
                     grpo_sums[0] += r.rewards.iter().sum::<f64>();
