@@ -46,6 +46,10 @@ pub(crate) struct GrpoArgs {
     /// reference kept; DeepSeekMath 0.04). Not with --lora.
     #[arg(long, default_value_t = 0.0)]
     pub(crate) grpo_beta: f64,
+    /// Leave out of the loss the completions that reach --max-completion-length without the
+    /// end-of-sequence id (TRL's mask_truncated_completions).
+    #[arg(long)]
+    pub(crate) mask_truncated_completions: bool,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match) or finished (1 when the completion
     /// ends with the end-of-sequence id); several, comma separated, summed (--reward-weights).
@@ -97,6 +101,7 @@ impl GrpoArgs {
             scale_rewards: self.scale_rewards.parse::<ScaleRewards>()?,
             reward,
             beta: self.grpo_beta,
+            mask_truncated_completions: self.mask_truncated_completions,
         };
         c.validate()?;
         Ok(Some(c))

@@ -2,7 +2,7 @@
 //! kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage, recompute
 //! and overlaps, and a drawn objective (grpo, bnpo, dr_grpo or dapo; rewards scaled by the group,
 //! the batch or not; 2 or 4 completions of 1 or 2 prompts, 4 or 6 tokens at most, temperature
-//! 1 or 0.7 with or without top-k; the KL term or not) follow the single-device run of the same
+//! 1 or 0.7 with or without top-k; the KL term or not; truncated completions masked or not) follow the single-device run of the same
 //! prompts step by step: the same completions (rewards and lengths), the objective to 1e-6 and
 //! the gradient norm to 1e-4 relative above 1 (10x after updates), on every rank. Sampling
 //! draws the same tokens from logits that differ by rounding, except where a draw falls within
@@ -52,6 +52,7 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         scale_rewards: pick(d, &[ScaleRewards::Group, ScaleRewards::Batch, ScaleRewards::None]),
         reward: capitals(),
         beta: pick(d, &[0.0, 0.04]),
+        mask_truncated_completions: pick(d, &[false, true]),
     }
 }
 

@@ -166,6 +166,10 @@ pub struct GrpoConfig {
     pub reward: RewardFn,
     /// The KL term's weight β (TRL's `beta`, 0: none, no reference kept; DeepSeekMath 0.04).
     pub beta: f64,
+    /// Leave out of the loss (and of the token counts) the completions that reached
+    /// `max_completion_length` without a stop token (TRL's `mask_truncated_completions`); their
+    /// rewards still count in their groups' advantages.
+    pub mask_truncated_completions: bool,
 }
 
 impl std::fmt::Debug for GrpoConfig {
@@ -179,6 +183,7 @@ impl std::fmt::Debug for GrpoConfig {
             .field("loss_type", &self.loss_type)
             .field("scale_rewards", &self.scale_rewards)
             .field("beta", &self.beta)
+            .field("mask_truncated_completions", &self.mask_truncated_completions)
             .finish_non_exhaustive()
     }
 }
@@ -350,6 +355,8 @@ pub(crate) struct Rollout {
     pub rewards: Vec<f64>,
     /// The completions' lengths.
     pub lengths: Vec<usize>,
+    /// Per completion, whether it stopped at the length limit (no stop token).
+    pub truncated: Vec<bool>,
 }
 
 /// The completions of micro-batch `micro` of `step`: `cfg.prompts` prompts of `set` drawn
@@ -361,7 +368,7 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
     model.set_lora_dropout(None)?;
     let mut pick = Rng::derive(seed, &[step as u64, micro as u64, 0x6772_706f]);
     let g = cfg.num_generations;
-    let (mut docs, mut rewards, mut lengths) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut docs, mut rewards, mut lengths, mut truncated) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for p in 0..cfg.prompts {
         let i = pick.below(set.len());
         let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")))?;
@@ -374,6 +381,7 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         for completion in out.tokens {
             rewards.push((cfg.reward)(prompt, &completion, answer));
             lengths.push(completion.len());
+            truncated.push(!completion.last().is_some_and(|t| cfg.stop.contains(t)) && completion.len() >= cfg.max_completion_length);
             docs.push((prompt.to_vec(), completion));
         }
     }
@@ -405,7 +413,7 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         let need: usize = docs.iter().map(|(p, c)| p.len() + c.len()).sum();
         bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
     }
-    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths })
+    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths, truncated })
 }
 
 /// The step's micro-batches' rollouts weighed: the advantages (within each group, scaled by
@@ -414,13 +422,22 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
 pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<()> {
     let all: Vec<f64> = rollouts.iter().flat_map(|r| r.rewards.iter().copied()).collect();
     let adv = advantages(&all, cfg.num_generations, cfg.scale_rewards)?;
-    let step = (rollouts.iter().flat_map(|r| r.lengths.iter()).sum::<usize>(), rollouts.len());
+    // (TRL's mask_truncated_completions: a truncated completion's tokens out of the loss and
+    // of the token counts, its reward still in its group's advantages)
+    let masked = |r: &Rollout| -> Vec<usize> { r.lengths.iter().zip(&r.truncated).map(|(&l, &t)| if cfg.mask_truncated_completions && t { 0 } else { l }).collect() };
+    let step = (rollouts.iter().flat_map(masked).sum::<usize>(), rollouts.len());
     let mut at = 0;
     for r in rollouts.iter_mut() {
         let a = &adv[at..at + r.rewards.len()];
         at += r.rewards.len();
-        (r.weights, r.value) = token_weights(a, &r.lengths, cfg.loss_type, cfg.max_completion_length, step);
-        r.norms = norms(&r.lengths, cfg.loss_type, cfg.max_completion_length, step);
+        let lengths = masked(r);
+        (r.weights, r.value) = token_weights(a, &lengths, cfg.loss_type, cfg.max_completion_length, step);
+        r.norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length, step);
+        for (i, &l) in lengths.iter().enumerate() {
+            if l == 0 {
+                (r.weights[i], r.norms[i]) = (0.0, 0.0);
+            }
+        }
     }
     Ok(())
 }

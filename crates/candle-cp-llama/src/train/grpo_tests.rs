@@ -91,6 +91,7 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
         scale_rewards: scale,
         reward: capitals(),
         beta: 0.0,
+        mask_truncated_completions: false,
     }
 }
 
@@ -338,5 +339,40 @@ fn held_out_prompts_are_evaluated_on_every_layout() -> Result<()> {
     let mut bad = with(Layout::single(), 1e-2);
     bad.eval = Some(crate::train::EvalConfig { data: DataSource::Recall(crate::train::KvRecall::new(48)?), every: 1, batches: 1 });
     assert!(run(&bad).unwrap_err().to_string().contains("held-out data must be prompts"));
+    Ok(())
+}
+
+/// `mask_truncated_completions`: a completion without its stop token at the length limit gets
+/// no weight and leaves the token counts (bnpo's, dapo's over the step), its reward still in
+/// its group's advantage; off, every completion weighs.
+#[test]
+fn truncated_completions_are_masked() -> Result<()> {
+    let micro = |rewards: Vec<f64>, lengths: Vec<usize>, truncated: Vec<bool>| Rollout {
+        rows: Vec::new(),
+        slots: Tensor::zeros(1, DType::U32, &Device::Cpu).expect("slots"),
+        weights: Vec::new(),
+        norms: Vec::new(),
+        value: 0.0,
+        rewards,
+        lengths,
+        truncated,
+    };
+    for loss in [GrpoLoss::Bnpo, GrpoLoss::Dapo, GrpoLoss::Grpo] {
+        let cfg = GrpoConfig { num_generations: 2, max_completion_length: 6, mask_truncated_completions: true, ..grpo_cfg(loss, ScaleRewards::None) };
+        let mut step = [micro(vec![1.0, 0.0], vec![6, 3], vec![true, false]), micro(vec![0.5, 0.25], vec![2, 4], vec![false, false])];
+        weigh_step(&mut step, &cfg)?;
+        assert_eq!((step[0].weights[0], step[0].norms[0]), (0.0, 0.0), "{loss:?}");
+        // (the truncated completion's reward still moves its partner's advantage: −0.5)
+        let k = match loss {
+            GrpoLoss::Bnpo => 1.0 / 3.0,
+            GrpoLoss::Dapo => 2.0 / 9.0,
+            _ => 1.0 / (3.0 * 2.0),
+        };
+        assert!((step[0].weights[1] - -0.5 * k).abs() < 1e-12, "{loss:?}: {:?}", step[0].weights);
+        let unmasked = GrpoConfig { mask_truncated_completions: false, ..cfg.clone() };
+        let mut step = [micro(vec![1.0, 0.0], vec![6, 3], vec![true, false])];
+        weigh_step(&mut step, &unmasked)?;
+        assert!(step[0].weights[0] > 0.0, "{loss:?}");
+    }
     Ok(())
 }
