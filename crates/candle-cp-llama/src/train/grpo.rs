@@ -33,7 +33,9 @@
 //! beside the policy like TR-DPO's, [`super::tr_dpo::RefModel`], and in each checkpoint's
 //! `reference/`) joins each token's loss, `β · (e^(ref − log π) − (ref − log π) − 1)` (the k3
 //! estimator), normalised as the rest: the reference scores the same rows by a forward
-//! without a graph, and each token's weight becomes `k_i·(A_i + β·(e^(ref − log π) − 1))`.
+//! without a graph, and each token's weight becomes `k_i·(A_i + β·(e^(ref − log π) − 1))`. A
+//! LoRA run's reference is its frozen base: the same tensors read without the adapters (PEFT's
+//! disabled adapters), nothing copied or checkpointed.
 //!
 //! Advantages (TRL's `scale_rewards`): the group's mean subtracted, then divided by the group's
 //! standard deviation (`group`, unbiased as `torch.std`), by the whole micro-batch's (`batch`)
@@ -499,8 +501,9 @@ impl Rollout {
 pub(crate) struct GrpoRun {
     pub cfg: GrpoConfig,
     pub set: PromptSet,
-    /// The reference's weights and model (with `beta` > 0).
-    pub reference: Option<(super::tr_dpo::RefModel, Llama)>,
+    /// The reference's weights (kept in checkpoints; `None` for a LoRA run's, its frozen base)
+    /// and model (with `beta` > 0).
+    pub reference: Option<(Option<super::tr_dpo::RefModel>, Llama)>,
     /// The held-out prompts (with [`super::TrainConfig::eval`]).
     pub eval: Option<PromptSet>,
 }
@@ -562,7 +565,15 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
     g.check_fits(set, cfg.batch, cfg.seq_len)?;
     let reference = match g.beta > 0.0 {
         false => None,
-        true if cfg.lora.is_some() => bail!("train: GRPO's KL term (beta {}) keeps a copy of the model as its reference; a LoRA run's reference is its frozen base: set beta 0", g.beta),
+        // (a LoRA run's reference: its frozen base, the same tensors read without the adapters,
+        // as PEFT's disabled adapters — nothing copied, nothing to checkpoint)
+        true if cfg.lora.is_some() => {
+            if cfg.quantize_base.is_some() || mcfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty()) {
+                bail!("train: GRPO's KL term (beta {}) with LoRA takes the frozen base as its reference: not with a quantized base or modules trained whole (modules_to_save): set beta 0", g.beta)
+            }
+            let base = crate::LlamaConfig { lora: None, ..mcfg.clone() };
+            Some((None, Llama::new(super::lora::frozen_builder(policy, &base, cfg.dtype, dev)?, &base, ctx)?))
+        }
         true => {
             let r = match resume_dir {
                 Some(d) => super::tr_dpo::RefModel::resumed(d, "GRPO", ctx, dev, cfg.dtype, cfg.sliding_window)?,
@@ -570,7 +581,7 @@ pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (poli
             };
             r.check_matches(policy)?;
             let m = r.model(cfg.dtype, dev, ctx)?;
-            Some((r, m))
+            Some((Some(r), m))
         }
     };
     Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval }))

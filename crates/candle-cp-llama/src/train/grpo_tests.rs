@@ -268,9 +268,24 @@ fn grpo_runs_match_on_every_layout() -> Result<()> {
     let mut bad = cfg(Layout::single());
     bad.grpo = Some(GrpoConfig { sampling: Sampling::Greedy, ..grpo_cfg(GrpoLoss::Grpo, ScaleRewards::Group) });
     assert!(run(&bad).unwrap_err().to_string().contains("greedy"));
-    let mut bad = with(Layout::single(), 0.04);
-    bad.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj"])?);
-    assert!(run(&bad).unwrap_err().to_string().contains("set beta 0"));
+    // LoRA with the KL term: the reference is the frozen base — step 1's KL 0 (the adapters
+    // start at zero), later above; zigzag CP 2 follows one device
+    let lora = |layout: Layout| -> Result<TrainConfig> {
+        let mut c = with(layout, 0.04);
+        c.lora = Some(crate::LoraSpec::new(2, 8.0, &["q_proj", "v_proj", "down_proj"])?);
+        Ok(c)
+    };
+    let a = run(&lora(Layout::single())?)?;
+    let m = &a[0].metrics;
+    assert!(m[0].grpo_kl.is_some_and(|k| k.abs() < 1e-7) && m[3].grpo_kl.is_some_and(|k| k > 1e-7), "{m:?}");
+    let b = run(&lora(Layout::cp(CpKind::Zigzag, 2))?)?;
+    for (x, y) in m.iter().zip(&b[0].metrics) {
+        assert!(x.grpo_reward == y.grpo_reward && (x.train_loss - y.train_loss).abs() < 1e-6 && (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0), "LoRA step {}: {x:?} vs {y:?}", x.step);
+    }
+    let mut bad = lora(Layout::single())?;
+    bad.quantize_base = Some("nf4,32".parse()?);
+    let e = run(&bad).unwrap_err().to_string();
+    assert!(e.contains("set beta 0"), "{e}");
     Ok(())
 }
 

@@ -688,7 +688,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
-                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref()).or(grpo.as_ref().and_then(|g| g.reference.as_ref().map(|r| &r.0)))),
+                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref()).or(grpo.as_ref().and_then(|g| g.reference.as_ref().and_then(|r| r.0.as_ref())))),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;
