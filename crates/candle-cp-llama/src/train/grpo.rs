@@ -433,13 +433,10 @@ pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<(
         let a = &adv[at..at + r.rewards.len()];
         at += r.rewards.len();
         let lengths = masked(r);
-        (r.weights, r.value) = token_weights(a, &lengths, cfg.loss_type, cfg.max_completion_length, step);
-        r.norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length, step);
-        for (i, &l) in lengths.iter().enumerate() {
-            if l == 0 {
-                (r.weights[i], r.norms[i]) = (0.0, 0.0);
-            }
-        }
+        // (a masked completion: no weight, no KL term)
+        r.norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length, step).into_iter().zip(&lengths).map(|(k, &l)| if l == 0 { 0.0 } else { k }).collect();
+        r.weights = a.iter().zip(&r.norms).map(|(a, k)| a * k).collect();
+        r.value = -r.weights.iter().zip(&lengths).map(|(w, &l)| w * l as f64).sum::<f64>();
     }
     Ok(())
 }

@@ -499,10 +499,9 @@ pub fn train_rank(
             // (DPO: the objective in f64 from its terms, not the node's f32 value, which carries
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
-            let (loss, mut exact) = match &mut dpo {
+            let (loss, mut exact) = match (&mut dpo, rollout.as_ref().zip(grpo.as_ref())) {
                 // (GRPO: the completions' tokens, marked, weighted by their advantages)
-                None if rollout.is_some() => {
-                    let (r, g) = rollout.as_ref().zip(grpo.as_ref()).ok_or_else(|| candle_core::Error::Msg("grpo: no rollout".into()))?;
+                (None, Some((r, g))) => {
                     // (the KL term: the reference's per-token losses of the same rows)
                     let ref_nll = g.reference_nll(&sb, &dev)?;
                     let (l, value, kl) = r.loss(&nll, ref_nll.as_deref(), g.cfg.beta, (&labels, &lr_mask), &ctx, &token_group)?;
@@ -510,13 +509,13 @@ pub fn train_rank(
                     (l, Some(value))
                 }
                 // (the marks sharded above: DPO's answers are the marked tokens)
-                Some(d) => {
+                (Some(d), _) => {
                     let rows = cfg.data.preference_rows(cfg.seed, step, micro * cfg.batch, cfg.batch, cfg.seq_len)?;
                     let (l, t) = super::dpo::DpoBatch::new(&rows, cfg.seq_len)?.loss((&nll, sq.as_ref()), &labels, &lr_mask, &d.answers, &d.cfg, &ctx, &token_group, kl.as_ref(), &mut d.running)?;
                     (dpo_sums[0], dpo_sums[1], dpo_sums[2]) = (dpo_sums[0] + t.accuracy, dpo_sums[1] + t.margin, dpo_sums[2] + t.kl.unwrap_or(0.0));
                     (l, Some(t.loss))
                 }
-                None => {
+                (None, None) => {
                     let train: Vec<f32> = labels
                         .iter()
                         .zip(&lr_mask)
