@@ -3,12 +3,12 @@
 
 use anyhow::{bail, Result};
 use candle_cp_llama::sampling::Sampling;
-use candle_cp_llama::train::grpo::{rewards, GrpoConfig, GrpoLoss, ScaleRewards};
+use candle_cp_llama::train::grpo::{rewards, GrpoConfig, GrpoLoss, ImportanceLevel, ScaleRewards};
 
 /// GRPO's options (with `--grpo`).
 #[derive(clap::Args, Debug, Clone)]
 pub(crate) struct GrpoArgs {
-    /// GRPO (online RL, TRL's GRPOTrainer with one pass per generation and no KL term): --data
+    /// GRPO (online RL, TRL's GRPOTrainer): --data
     /// is prompt / completion examples (as --sft's); each micro-batch samples
     /// --num-generations completions of --grpo-prompts prompts from the model as it is, scores
     /// each against its example's completion (--reward) and trains on them weighted by their
@@ -43,13 +43,28 @@ pub(crate) struct GrpoArgs {
     #[arg(long, default_value = "group")]
     pub(crate) scale_rewards: String,
     /// The KL term's weight β against the model as the run starts (TRL's beta; 0: none, no
-    /// reference kept; DeepSeekMath 0.04). Not with --lora.
+    /// reference kept; DeepSeekMath 0.04). With --lora the reference is the frozen base (not
+    /// with --quantize-base).
     #[arg(long, default_value_t = 0.0)]
     pub(crate) grpo_beta: f64,
     /// Leave out of the loss the completions that reach --max-completion-length without the
     /// end-of-sequence id (TRL's mask_truncated_completions).
     #[arg(long)]
     pub(crate) mask_truncated_completions: bool,
+    /// Optimizer steps per generation (TRL's num_iterations): the completions sampled at a
+    /// step train it and the next steps, the ratio π/π_old clipped to [1 − ε, 1 + ε_high].
+    #[arg(long, default_value_t = 1)]
+    pub(crate) num_iterations: usize,
+    /// The clip range's lower side ε (TRL's epsilon).
+    #[arg(long, default_value_t = 0.2)]
+    pub(crate) epsilon: f64,
+    /// The clip range's upper side (TRL's epsilon_high; default --epsilon; DAPO's 0.28).
+    #[arg(long)]
+    pub(crate) epsilon_high: Option<f64>,
+    /// The ratio per token (token) or one per completion from its tokens' mean log-ratio
+    /// (sequence: GSPO).
+    #[arg(long, default_value = "token")]
+    pub(crate) importance_sampling_level: String,
     /// The reward against the example's completion: exact (1 for the completion itself, else
     /// 0), tokens (the fraction of positions that match) or finished (1 when the completion
     /// ends with the end-of-sequence id); several, comma separated, summed (--reward-weights).
@@ -102,6 +117,10 @@ impl GrpoArgs {
             reward,
             beta: self.grpo_beta,
             mask_truncated_completions: self.mask_truncated_completions,
+            num_iterations: self.num_iterations,
+            epsilon: self.epsilon,
+            epsilon_high: self.epsilon_high.unwrap_or(self.epsilon),
+            importance_sampling_level: self.importance_sampling_level.parse::<ImportanceLevel>()?,
         };
         c.validate()?;
         Ok(Some(c))

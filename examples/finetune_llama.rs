@@ -409,10 +409,14 @@ fn main() -> Result<()> {
         );
     } else if let Some(g) = &cfg.grpo {
         say!(
-            "objective: GRPO ({} loss, advantages scaled by {:?}{}), {} completions of {} prompts per micro-batch sampled from the model as it is ({:?}), at most {} tokens{}, reward --reward {}",
+            "objective: GRPO ({} loss, advantages scaled by {:?}{}{}), {} completions of {} prompts per micro-batch sampled from the model as it is ({:?}), at most {} tokens{}, reward --reward {}",
             g.loss_type.name(),
             g.scale_rewards,
             if g.beta > 0.0 { format!(", KL to the starting model x {}", g.beta) } else { String::new() },
+            match g.num_iterations {
+                1 => String::new(),
+                n => format!(", each generation trained {n} steps with the ratio to its sampler clipped to [{}, {}] per {:?}", 1.0 - g.epsilon, 1.0 + g.epsilon_high, g.importance_sampling_level),
+            },
             g.num_generations,
             g.prompts,
             g.sampling,
@@ -577,6 +581,7 @@ fn main() -> Result<()> {
         let aux = aux + &m.bco_delta.map_or(String::new(), |d| format!("  delta {d:.3}"));
         let aux = aux + &m.grpo_reward.zip(m.completion_length).map_or(String::new(), |(r, l)| format!("  reward {r:.3}  len {l:.1}"));
         let aux = aux + &m.grpo_kl.map_or(String::new(), |k| format!("  kl {k:.4}"));
+        let aux = aux + &m.grpo_clip_ratio.map_or(String::new(), |c| format!("  clipped {c:.3}"));
         let aux = aux + &m.expert_load.map_or(String::new(), |x| format!(" (load {x:.2})"));
         // (experts no token chose this step, over every sparse layer)
         let idle = m.expert_counts.as_ref().map_or((0, 0), |c| (c.iter().flatten().filter(|&&x| x == 0).count(), c.iter().map(Vec::len).sum()));

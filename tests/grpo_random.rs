@@ -2,7 +2,8 @@
 //! kind, CP 2 or 4, TP 2 with or without SP, DP 2), drawn batch split, ZeRO stage, recompute
 //! and overlaps, and a drawn objective (grpo, bnpo, dr_grpo or dapo; rewards scaled by the group,
 //! the batch or not; 2 or 4 completions of 1 or 2 prompts, 4 or 6 tokens at most, temperature
-//! 1 or 0.7 with or without top-k; the KL term or not; truncated completions masked or not) follow the single-device run of the same
+//! 1 or 0.7 with or without top-k; the KL term or not; truncated completions masked or not; 1, 2 or 3 iterations per generation,
+//! the clipped ratio per token or per sequence (GSPO), ε_high 0.2 or 0.28) follow the single-device run of the same
 //! prompts step by step: the same completions (rewards and lengths), the objective to 1e-6 and
 //! the gradient norm to 1e-4 relative above 1 (10x after updates), on every rank. Sampling
 //! draws the same tokens from logits that differ by rounding, except where a draw falls within
@@ -13,7 +14,7 @@
 use candle_core::Result;
 use candle_cp_llama::layout::Layout;
 use candle_cp_llama::sampling::Sampling;
-use candle_cp_llama::train::grpo::{GrpoConfig, GrpoLoss, PromptSet, RewardFn, ScaleRewards};
+use candle_cp_llama::train::grpo::{GrpoConfig, GrpoLoss, ImportanceLevel, PromptSet, RewardFn, ScaleRewards};
 use candle_cp_llama::train::sft::{bytes_of, read_sft};
 use candle_cp_llama::train::{DataSource, ModelSource, Rng, TrainConfig};
 use candle_cp_llama::LlamaConfig;
@@ -53,6 +54,10 @@ fn draw_objective(d: &mut Rng) -> GrpoConfig {
         reward: capitals(),
         beta: pick(d, &[0.0, 0.04]),
         mask_truncated_completions: pick(d, &[false, true]),
+        num_iterations: pick(d, &[1, 2, 3]),
+        epsilon: 0.2,
+        epsilon_high: pick(d, &[0.2, 0.28]),
+        importance_sampling_level: pick(d, &[ImportanceLevel::Token, ImportanceLevel::Sequence]),
     }
 }
 
@@ -100,7 +105,7 @@ fn random_grpo_runs_follow_one_device() -> Result<()> {
                 let k = if a.step == 1 { 1.0 } else { 10.0 };
                 assert!((a.train_loss - b.train_loss).abs() < 1e-6 * k * a.train_loss.abs().max(1.0), "{what}, rank {r} step {}: objective {} vs {}", a.step, b.train_loss, a.train_loss);
                 assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * k * a.grad_norm.max(1.0), "{what}, rank {r} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
-                assert_eq!(a.grpo_kl.is_some(), b.grpo_kl.is_some());
+                assert_eq!((a.grpo_kl.is_some(), a.grpo_clip_ratio.is_some()), (b.grpo_kl.is_some(), b.grpo_clip_ratio.is_some()));
             }
         }
         parted += apart as usize;

@@ -1,5 +1,5 @@
 //! GRPO (Shao et al. 2024, DeepSeekMath; TRL's `GRPOTrainer`) on every layout: online
-//! reinforcement learning from a reward function. Each micro-batch draws prompts, samples a
+//! reinforcement learning from a reward function. Each generation draws prompts, samples a
 //! group of `G` completions per prompt from the policy as it is (generation on the run's
 //! layout: [`crate::Llama::generate_until`]), scores them, and trains on them:
 //!
@@ -7,7 +7,9 @@
 //! prompt p ──generate──► o_1 … o_G   rewards r_1 … r_G   A_i = (r_i − mean(r)) / (std(r) + 1e-4)
 //!
 //! rows: [ p o_1 | p o_2 | … | p o_G | padding ]   (each p·o_i a document; o_i's tokens the targets)
-//! loss = Σ_i Σ_{t ∈ o_i} −A_i · log π(o_i,t) · k_i
+//! loss = Σ_i Σ_{t ∈ o_i} −min(ρ_t·A_i, clip(ρ_t, 1 − ε, 1 + ε_high)·A_i) · k_i
+//!        ρ_t = π(o_i,t) / π_old(o_i,t)   (token level; sequence level: GSPO's
+//!              ρ_i = exp(mean_t log(π/π_old)) for every token of o_i)
 //!        k_i = 1 / (|o_i| · n)         grpo     (each completion's mean, then the completions')
 //!        k_i = 1 / Σ_j |o_j|           bnpo     (every completion token alike)
 //!        k_i = 1 / (n · max_len)       dr_grpo  (Dr. GRPO: a constant)
@@ -17,25 +19,33 @@
 //! As TRL's generation batch, the step's completions are all sampled before its first
 //! micro-batch trains (the policy does not change within a step, so each micro-batch's are those
 //! it would sample itself): `dapo`'s normaliser and `batch`-scaled advantages take the whole
-//! step's.
+//! step's. With `num_iterations` μ > 1 the completions sampled at step `s` (`s` a multiple of
+//! μ) train the μ steps `s … s + μ − 1`: `π_old` is the policy that sampled them, its per-token
+//! log-probabilities those of step `s`'s own forward (the policy unchanged within the step, so
+//! the ratio is 1 there), kept for every target of the rows and, when a checkpoint falls inside
+//! the μ steps, written into it (`grpo_rollouts.json`) with the completions and rewards, so a
+//! resumed run — on any layout — goes on with them exactly.
 //!
-//! This is TRL's objective with one optimisation pass per generation (`num_iterations` 1,
-//! where the clipped ratio `π/π_old` is 1 and its gradient `∇log π`) and no KL term (`beta` 0,
-//! TRL's default): a weighted next-token loss whose weights are constants of the step — each
-//! rank back-propagates `Σ_t k_i·A_i·nll_t` over its targets, the node shifted so its value is
-//! TRL's loss (`−Σ_i A_i·|o_i|·k_i`, 0 for grpo with group-scaled rewards). Generation samples
-//! the same tokens on every rank and on one device (one seeded generator per prompt, the
-//! logits bitwise the same on every rank), so the rows, rewards and weights are the same
-//! everywhere; the CP, TP and DP splits of the training forward then follow the
-//! single-device gradients as for any loss.
+//! Each token's term is linear in its `nll = −log π` with a weight that is a constant of the
+//! step: `k_i·A_i·ρ_t` where the ratio is not clipped (`∂(−ρA)/∂nll = ρA`), 0 where it is (TRL's
+//! `min`: a positive advantage above `1 + ε_high`, a negative one below `1 − ε`); at the ratio 1
+//! (`num_iterations` 1: TRL's case, where `π_old` is the policy detached) it is `k_i·A_i`. Each
+//! rank back-propagates `Σ_t w_t·nll_t` over its targets, the node shifted so its value is
+//! TRL's loss (`−Σ_i A_i·|o_i|·k_i` at the ratio 1, 0 for grpo with group-scaled rewards); GSPO's
+//! sequence ratio `ρ_i` gives each of `o_i`'s tokens the weight `k_i·A_i·ρ_i` (the mean's
+//! derivative `1/|o_i|` times its `|o_i|` terms), its log-ratio summed over the ranks holding
+//! `o_i`'s tokens first. Generation samples the same tokens on every rank and on one device
+//! (one seeded generator per prompt, the logits bitwise the same on every rank), so the rows,
+//! rewards and weights are the same everywhere; the CP, TP and DP splits of the training
+//! forward then follow the single-device gradients as for any loss.
 //!
 //! With `beta` > 0, TRL's KL term against a reference (the model as the run starts, kept
 //! beside the policy like TR-DPO's, [`super::tr_dpo::RefModel`], and in each checkpoint's
 //! `reference/`) joins each token's loss, `β · (e^(ref − log π) − (ref − log π) − 1)` (the k3
 //! estimator), normalised as the rest: the reference scores the same rows by a forward
-//! without a graph, and each token's weight becomes `k_i·(A_i + β·(e^(ref − log π) − 1))`. A
-//! LoRA run's reference is its frozen base: the same tensors read without the adapters (PEFT's
-//! disabled adapters), nothing copied or checkpointed.
+//! without a graph, and each token's weight gains `k_i·β·(e^(ref − log π) − 1)`. A LoRA run's
+//! reference is its frozen base: the same tensors read without the adapters (PEFT's disabled
+//! adapters), nothing copied or checkpointed.
 //!
 //! Advantages (TRL's `scale_rewards`): the group's mean subtracted, then divided by the group's
 //! standard deviation (`group`, unbiased as `torch.std`), by the whole micro-batch's (`batch`)
@@ -44,8 +54,8 @@
 use super::data::Sample;
 use super::rng::Rng;
 use crate::sampling::Sampling;
-use crate::{shard_batch, Llama, ParallelCtx, IGNORE};
-use candle_core::{bail, DType, Device, Result, Tensor};
+use crate::Llama;
+use candle_core::{bail, Device, Result, Tensor};
 use candle_cp_ops::packing::Documents;
 use std::sync::Arc;
 
@@ -146,6 +156,27 @@ impl std::str::FromStr for ScaleRewards {
     }
 }
 
+/// Where the ratio `π/π_old` is taken ([`GrpoConfig::importance_sampling_level`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum ImportanceLevel {
+    /// Each token's own ratio (GRPO's, TRL's default).
+    Token,
+    /// One ratio per completion, the exponential of its tokens' mean log-ratio, clipped as a
+    /// whole (GSPO, Zheng et al. 2025).
+    Sequence,
+}
+
+impl std::str::FromStr for ImportanceLevel {
+    type Err = candle_core::Error;
+    fn from_str(s: &str) -> Result<Self> {
+        Ok(match s {
+            "token" => ImportanceLevel::Token,
+            "sequence" => ImportanceLevel::Sequence,
+            _ => bail!("grpo: unknown importance sampling level {s:?} (token or sequence)"),
+        })
+    }
+}
+
 /// GRPO's settings ([`super::TrainConfig::grpo`]).
 #[derive(Clone)]
 pub struct GrpoConfig {
@@ -172,6 +203,39 @@ pub struct GrpoConfig {
     /// `max_completion_length` without a stop token (TRL's `mask_truncated_completions`); their
     /// rewards still count in their groups' advantages.
     pub mask_truncated_completions: bool,
+    /// Optimisation steps per generation, μ (TRL's `num_iterations`, 1): the completions
+    /// sampled at a step train it and the next μ − 1 steps, under the clipped ratio.
+    pub num_iterations: usize,
+    /// The ratio's lower clip `1 − ε` (TRL's `epsilon`, 0.2).
+    pub epsilon: f64,
+    /// The ratio's upper clip `1 + ε_high` (TRL's `epsilon_high`: `epsilon` unless set; DAPO's
+    /// clip-higher 0.28).
+    pub epsilon_high: f64,
+    /// Per-token ratios or GSPO's per-sequence one (TRL's `importance_sampling_level`).
+    pub importance_sampling_level: ImportanceLevel,
+}
+
+impl GrpoConfig {
+    /// The defaults (TRL's, with its `grpo` loss and one completion token at most 32): `G` 8,
+    /// temperature 1, group-scaled rewards, no KL term, one iteration, ε 0.2.
+    pub fn new(prompts: usize, reward: RewardFn, stop: Vec<u32>, seed: u64) -> Self {
+        Self {
+            num_generations: 8,
+            prompts,
+            max_completion_length: 32,
+            sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed },
+            stop,
+            loss_type: GrpoLoss::Grpo,
+            scale_rewards: ScaleRewards::Group,
+            reward,
+            beta: 0.0,
+            mask_truncated_completions: false,
+            num_iterations: 1,
+            epsilon: 0.2,
+            epsilon_high: 0.2,
+            importance_sampling_level: ImportanceLevel::Token,
+        }
+    }
 }
 
 impl std::fmt::Debug for GrpoConfig {
@@ -186,6 +250,10 @@ impl std::fmt::Debug for GrpoConfig {
             .field("scale_rewards", &self.scale_rewards)
             .field("beta", &self.beta)
             .field("mask_truncated_completions", &self.mask_truncated_completions)
+            .field("num_iterations", &self.num_iterations)
+            .field("epsilon", &self.epsilon)
+            .field("epsilon_high", &self.epsilon_high)
+            .field("importance_sampling_level", &self.importance_sampling_level)
             .finish_non_exhaustive()
     }
 }
@@ -210,14 +278,21 @@ impl GrpoConfig {
         Ok(())
     }
 
-    /// Errors unless `G ≥ 2`, at least one prompt and one completion token, and a sampling
-    /// that draws (greedy decoding would give every group one completion, and no advantage).
+    /// Errors unless `G ≥ 2`, at least one prompt, completion token and iteration, a clip range
+    /// `0 < ε < 1`, `ε_high > 0`, and a sampling that draws (greedy decoding would give every
+    /// group one completion, and no advantage).
     pub fn validate(&self) -> Result<()> {
         if self.num_generations < 2 || self.prompts == 0 || self.max_completion_length == 0 {
             bail!("grpo: num_generations must be ≥ 2 and prompts and max_completion_length ≥ 1, got {}, {} and {}", self.num_generations, self.prompts, self.max_completion_length)
         }
         if !(self.beta >= 0.0 && self.beta.is_finite()) {
             bail!("grpo: beta must be ≥ 0, got {}", self.beta)
+        }
+        if self.num_iterations == 0 {
+            bail!("grpo: num_iterations must be ≥ 1, got 0")
+        }
+        if !(self.epsilon > 0.0 && self.epsilon < 1.0 && self.epsilon_high > 0.0 && self.epsilon_high.is_finite()) {
+            bail!("grpo: the clip range needs 0 < epsilon < 1 and epsilon_high > 0, got {} and {}", self.epsilon, self.epsilon_high)
         }
         if self.sampling == Sampling::Greedy {
             bail!("grpo: greedy decoding gives each group one completion and no advantage: sample (Sampling::Sample)")
@@ -343,22 +418,30 @@ pub fn token_weights(adv: &[f64], lengths: &[usize], loss: GrpoLoss, max_len: us
 /// One micro-batch's completions, packed into rows, with their rewards and (once the step's
 /// are all sampled, [`weigh_step`]) weights.
 pub(crate) struct Rollout {
+    /// The prompts and completions, in order.
+    pub docs: Vec<(Vec<u32>, Vec<u32>)>,
     /// The rows, `seq_len` each.
     pub rows: Vec<Sample>,
     /// Per token `1 + completion` (0: prompt or padding), `[B, T]`.
-    slots: Tensor,
+    pub(super) slots: Tensor,
+    /// Per completion, its advantage `A_i`.
+    pub(super) advantages: Vec<f64>,
     /// Per completion, its tokens' weight `k_i·A_i`.
-    weights: Vec<f64>,
+    pub(super) weights: Vec<f64>,
     /// Per completion, its normalisation `k_i`.
-    norms: Vec<f64>,
-    /// TRL's loss value.
-    value: f64,
+    pub(super) norms: Vec<f64>,
+    /// TRL's loss value at the ratio 1.
+    pub(super) value: f64,
     /// The completions' rewards.
     pub rewards: Vec<f64>,
     /// The completions' lengths.
     pub lengths: Vec<usize>,
     /// Per completion, whether it stopped at the length limit (no stop token).
     pub truncated: Vec<bool>,
+    /// `π_old`'s per-token losses (`num_iterations` > 1): per position `b·T + t` of the rows,
+    /// the loss of its target under the policy that sampled them (0 where no target is
+    /// trained); `None` until that forward recorded them ([`Rollout::record_old`]).
+    pub(super) old: Option<Vec<f32>>,
 }
 
 /// The completions of micro-batch `micro` of `step`: `cfg.prompts` prompts of `set` drawn
@@ -370,7 +453,7 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
     model.set_lora_dropout(None)?;
     let mut pick = Rng::derive(seed, &[step as u64, micro as u64, 0x6772_706f]);
     let g = cfg.num_generations;
-    let (mut docs, mut rewards, mut lengths, mut truncated) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+    let (mut docs, mut rewards) = (Vec::new(), Vec::new());
     for p in 0..cfg.prompts {
         let i = pick.below(set.len());
         let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no prompt {i}")))?;
@@ -382,40 +465,52 @@ pub(crate) fn rollout(model: &Llama, cfg: &GrpoConfig, set: &PromptSet, seed: u6
         let out = model.generate_until(&ids.to_device(dev)?, cfg.max_completion_length, sampling, &cfg.stop)?;
         for completion in out.tokens {
             rewards.push((cfg.reward)(prompt, &completion, answer));
-            lengths.push(completion.len());
-            truncated.push(!completion.last().is_some_and(|t| cfg.stop.contains(t)) && completion.len() >= cfg.max_completion_length);
             docs.push((prompt.to_vec(), completion));
         }
     }
-    // packed in order: as many documents per row as fit
-    let (mut rows, mut slots) = (Vec::new(), Vec::new());
-    let mut next = 0;
-    for _ in 0..batch {
-        let (mut tokens, mut marks, mut lens, mut row_slots) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
-        while let Some((p, c)) = docs.get(next) {
-            if tokens.len() + p.len() + c.len() > seq_len {
-                break;
+    Rollout::packed(docs, rewards, cfg, (batch, seq_len))
+}
+
+impl Rollout {
+    /// `docs` (prompt, completion) with their `rewards`, packed in order into `batch` rows of
+    /// `seq_len` (as many documents per row as fit), not yet weighed. Errors when they do not
+    /// fit.
+    pub(crate) fn packed(docs: Vec<(Vec<u32>, Vec<u32>)>, rewards: Vec<f64>, cfg: &GrpoConfig, (batch, seq_len): (usize, usize)) -> Result<Self> {
+        if docs.len() != rewards.len() {
+            bail!("grpo: {} completions with {} rewards", docs.len(), rewards.len())
+        }
+        let lengths = docs.iter().map(|(_, c)| c.len()).collect();
+        let truncated = docs.iter().map(|(_, c)| !c.last().is_some_and(|t| cfg.stop.contains(t)) && c.len() >= cfg.max_completion_length).collect();
+        let (mut rows, mut slots) = (Vec::new(), Vec::new());
+        let mut next = 0;
+        for _ in 0..batch {
+            let (mut tokens, mut marks, mut lens, mut row_slots) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
+            while let Some((p, c)) = docs.get(next) {
+                if tokens.len() + p.len() + c.len() > seq_len {
+                    break;
+                }
+                tokens.extend(p.iter().chain(c));
+                marks.extend(std::iter::repeat_n(false, p.len()).chain(std::iter::repeat_n(true, c.len())));
+                row_slots.extend(std::iter::repeat_n(next as u32 + 1, p.len() + c.len()));
+                lens.push(p.len() + c.len());
+                next += 1;
             }
-            tokens.extend(p.iter().chain(c));
-            marks.extend(std::iter::repeat_n(false, p.len()).chain(std::iter::repeat_n(true, c.len())));
-            row_slots.extend(std::iter::repeat_n(next as u32 + 1, p.len() + c.len()));
-            lens.push(p.len() + c.len());
-            next += 1;
+            if tokens.len() < seq_len {
+                lens.push(seq_len - tokens.len());
+                row_slots.extend(std::iter::repeat_n(0, seq_len - tokens.len()));
+                marks.resize(seq_len, false);
+                tokens.resize(seq_len, 0);
+            }
+            slots.extend(row_slots);
+            rows.push(Sample { tokens, long_range: marks, documents: Some(Documents::from_lengths(&lens)?) });
         }
-        if tokens.len() < seq_len {
-            lens.push(seq_len - tokens.len());
-            row_slots.extend(std::iter::repeat_n(0, seq_len - tokens.len()));
-            marks.resize(seq_len, false);
-            tokens.resize(seq_len, 0);
+        if next < docs.len() {
+            let need: usize = docs.iter().map(|(p, c)| p.len() + c.len()).sum();
+            bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
         }
-        slots.extend(row_slots);
-        rows.push(Sample { tokens, long_range: marks, documents: Some(Documents::from_lengths(&lens)?) });
+        let slots = Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?;
+        Ok(Rollout { docs, rows, slots, advantages: Vec::new(), weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths, truncated, old: None })
     }
-    if next < docs.len() {
-        let need: usize = docs.iter().map(|(p, c)| p.len() + c.len()).sum();
-        bail!("grpo: the micro-batch's {} completions ({need} tokens with their prompts) do not fit in {batch} rows of {seq_len}: raise the batch or the sequence length, or lower prompts, num_generations or max_completion_length", docs.len())
-    }
-    Ok(Rollout { rows, slots: Tensor::from_vec(slots, (batch, seq_len), &Device::Cpu)?, weights: Vec::new(), norms: Vec::new(), value: 0.0, rewards, lengths, truncated })
 }
 
 /// The step's micro-batches' rollouts weighed: the advantages (within each group, scaled by
@@ -430,158 +525,15 @@ pub(crate) fn weigh_step(rollouts: &mut [Rollout], cfg: &GrpoConfig) -> Result<(
     let step = (rollouts.iter().flat_map(masked).sum::<usize>(), rollouts.len());
     let mut at = 0;
     for r in rollouts.iter_mut() {
-        let a = &adv[at..at + r.rewards.len()];
+        r.advantages = adv[at..at + r.rewards.len()].to_vec();
         at += r.rewards.len();
         let lengths = masked(r);
         // (a masked completion: no weight, no KL term)
         r.norms = norms(&lengths, cfg.loss_type, cfg.max_completion_length, step).into_iter().zip(&lengths).map(|(k, &l)| if l == 0 { 0.0 } else { k }).collect();
-        r.weights = a.iter().zip(&r.norms).map(|(a, k)| a * k).collect();
+        r.weights = r.advantages.iter().zip(&r.norms).map(|(a, k)| a * k).collect();
         r.value = -r.weights.iter().zip(&lengths).map(|(w, &l)| w * l as f64).sum::<f64>();
     }
     Ok(())
-}
-
-impl Rollout {
-    /// The micro-batch's loss node: `Σ_t k_i·A_i·nll_t` over this rank's completion targets
-    /// (`nll` its per-token losses, flattened, on the compute device; `labels` and `marks` the
-    /// shard's, as the trainer has them), with `beta` > 0 and the reference's per-token losses
-    /// `ref_nll` (of the same targets) the KL term's `k_i·β·(e^(ref − log π) − 1)` in each
-    /// weight, shifted so that its value is TRL's loss; also that value and the mean per-token
-    /// KL over the completions (0 without the term). Collective over `group` with the KL term
-    /// (the ranks holding distinct tokens).
-    pub(crate) fn loss(&self, nll: &Tensor, ref_nll: Option<&[f32]>, beta: f64, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<(Tensor, f64, f64)> {
-        let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
-        let n = slots.len();
-        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) {
-            bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots and {:?} reference losses", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len))
-        }
-        let kl_on = beta > 0.0;
-        if kl_on && ref_nll.is_none() {
-            bail!("grpo: the KL term (beta {beta}) needs the reference's per-token losses")
-        }
-        let values: Vec<f32> = match kl_on {
-            true => nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?,
-            false => Vec::new(),
-        };
-        // (the KL sums: Σ k_i·kl_t, Σ kl_t, tokens)
-        let mut kl = [0f64; 3];
-        let w: Vec<f32> = (0..n)
-            .map(|i| match slots[i] {
-                s if s > 0 && labels[i] != IGNORE && marks[i] == 1 => {
-                    let c = s as usize - 1;
-                    let mut w = self.weights[c];
-                    if let (true, Some(r)) = (kl_on, ref_nll) {
-                        // ref − log π = nll − ref_nll
-                        let d = values[i] as f64 - r[i] as f64;
-                        let k3 = d.exp() - d - 1.0;
-                        kl = [kl[0] + self.norms[c] * k3, kl[1] + k3, kl[2] + 1.0];
-                        w += self.norms[c] * beta * (d.exp() - 1.0);
-                    }
-                    w as f32
-                }
-                _ => 0.0,
-            })
-            .collect();
-        let kl = match kl_on {
-            true => super::dpo::sum_over(&kl, group)?,
-            false => kl.to_vec(),
-        };
-        let value = self.value + beta * kl[0];
-        let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
-        // (each rank's node has the loss's value, as every loss's; its gradient is its share)
-        let gv = graph.to_scalar::<f32>()? as f64;
-        Ok(((graph + (value - gv))?, value, kl[1] / kl[2].max(1.0)))
-    }
-}
-
-/// A GRPO run beside the trainer: its settings, prompts and (with the KL term) reference.
-pub(crate) struct GrpoRun {
-    pub cfg: GrpoConfig,
-    pub set: PromptSet,
-    /// The reference's weights (kept in checkpoints; `None` for a LoRA run's, its frozen base)
-    /// and model (with `beta` > 0).
-    pub reference: Option<(Option<super::tr_dpo::RefModel>, Llama)>,
-    /// The held-out prompts (with [`super::TrainConfig::eval`]).
-    pub eval: Option<PromptSet>,
-}
-
-impl GrpoRun {
-    /// The held-out reward: the mean reward of one greedy completion of every held-out prompt
-    /// (at most `max_completion_length` tokens, ending at the stop tokens) under `model` as it
-    /// is; `None` without held-out prompts. Each prompt is generated as `dp` copies of itself
-    /// (every DP replica one row). Collective over the world.
-    pub(crate) fn evaluate(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Option<f64>> {
-        let Some(set) = &self.eval else { return Ok(None) };
-        model.set_lora_dropout(None)?;
-        let dp = ctx.layout.dp.max(1);
-        let mut total = 0.0;
-        for i in 0..set.len() {
-            let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no held-out prompt {i}")))?;
-            let ids = Tensor::from_vec(prompt.repeat(dp), (dp, prompt.len()), dev)?;
-            let out = model.generate_until(&ids, self.cfg.max_completion_length, Sampling::Greedy, &self.cfg.stop)?;
-            let completion = out.tokens.first().ok_or_else(|| candle_core::Error::Msg("grpo: no completion".into()))?;
-            total += (self.cfg.reward)(prompt, completion, answer);
-        }
-        Ok(Some(total / set.len().max(1) as f64))
-    }
-
-    /// The reference's per-token losses of the rows `sb` (this rank's shard, as the policy's
-    /// forward takes them), flattened; `None` without the KL term. Collective over the world.
-    pub(crate) fn reference_nll(&self, sb: &crate::ShardedBatch, dev: &Device) -> Result<Option<Vec<f32>>> {
-        let Some((_, m)) = &self.reference else { return Ok(None) };
-        let nll = m.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;
-        Ok(Some(nll.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?))
-    }
-}
-
-/// A run's GRPO (`None` without [`super::TrainConfig::grpo`]): its settings checked against
-/// the data, the layout and the rows; with the KL term, the reference — this rank's copy of the
-/// model as the run starts, or a resumed run's from its checkpoint (`resume_dir/reference`).
-pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (policy, ctx, dev): (&candle_nn::VarMap, &ParallelCtx, &Device), resume_dir: Option<&std::path::Path>) -> Result<Option<GrpoRun>> {
-    let (g, set) = match (&cfg.grpo, &cfg.data) {
-        (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
-        (None, _) => return Ok(None),
-        (Some(g), super::DataSource::Prompts(set)) => (g, set),
-        (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
-    };
-    g.validate()?;
-    if cfg.dpo.is_some() {
-        bail!("train: a GRPO run takes no dpo")
-    }
-    let eval = match cfg.eval.as_ref().map(|e| &e.data) {
-        None => None,
-        Some(super::DataSource::Prompts(s)) => Some(s.clone()),
-        Some(_) => bail!("train: a GRPO run's held-out data must be prompts too"),
-    };
-    if !g.num_generations.is_multiple_of(ctx.layout.dp) {
-        bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
-    }
-    if set.vocab_needed() > mcfg.vocab_size {
-        bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)
-    }
-    g.check_fits(set, cfg.batch, cfg.seq_len)?;
-    let reference = match g.beta > 0.0 {
-        false => None,
-        // (a LoRA run's reference: its frozen base, the same tensors read without the adapters,
-        // as PEFT's disabled adapters — nothing copied, nothing to checkpoint)
-        true if cfg.lora.is_some() => {
-            if cfg.quantize_base.is_some() || mcfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty()) {
-                bail!("train: GRPO's KL term (beta {}) with LoRA takes the frozen base as its reference: not with a quantized base or modules trained whole (modules_to_save): set beta 0", g.beta)
-            }
-            let base = crate::LlamaConfig { lora: None, ..mcfg.clone() };
-            Some((None, Llama::new(super::lora::frozen_builder(policy, &base, cfg.dtype, dev)?, &base, ctx)?))
-        }
-        true => {
-            let r = match resume_dir {
-                Some(d) => super::tr_dpo::RefModel::resumed(d, "GRPO", ctx, dev, cfg.dtype, cfg.sliding_window)?,
-                None => super::tr_dpo::RefModel::copy_of(policy, mcfg)?,
-            };
-            r.check_matches(policy)?;
-            let m = r.model(cfg.dtype, dev, ctx)?;
-            Some((Some(r), m))
-        }
-    };
-    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval }))
 }
 
 #[cfg(test)]

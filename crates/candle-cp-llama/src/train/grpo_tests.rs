@@ -1,7 +1,8 @@
 use super::*;
 use crate::train::sft::bytes_of;
 use crate::train::{DataSource, ModelSource, TrainConfig};
-use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
+use crate::{init_params, shard_batch, shard_params, CpKind, Layout, LlamaConfig, ParallelCtx};
+use candle_core::DType;
 use candle_cp_comm::run_ranks;
 use candle_nn::VarBuilder;
 
@@ -92,6 +93,10 @@ fn grpo_cfg(loss_type: GrpoLoss, scale: ScaleRewards) -> GrpoConfig {
         reward: capitals(),
         beta: 0.0,
         mask_truncated_completions: false,
+        num_iterations: 1,
+        epsilon: 0.2,
+        epsilon_high: 0.2,
+        importance_sampling_level: ImportanceLevel::Token,
     }
 }
 
@@ -162,8 +167,10 @@ fn rollout_packs_scores_and_weighs_completions() -> Result<()> {
         let marks: Vec<u32> = shard_batch(&marks, &ctx)?.labels.flatten_all()?.to_vec1()?;
         let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
         let ref_nll: Vec<f32> = reference.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
-        let (node, value, kl) = r.loss(&nll, Some(&ref_nll), beta, (&labels, &marks), &ctx, ctx.token_group())?;
-        assert!(r.loss(&nll, None, beta, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
+        let kl_cfg = GrpoConfig { beta, ..cfg.clone() };
+        let crate::train::grpo_run::GrpoTerms { node, value, kl, clipped } = r.loss(&nll, Some(&ref_nll), &kl_cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+        assert!(clipped.is_none(), "no ratio before π_old is recorded");
+        assert!(r.loss(&nll, None, &kl_cfg, (&labels, &marks), &ctx, ctx.token_group()).is_err(), "the KL term without the reference");
         let adv = advantages(&r.rewards, 4, ScaleRewards::None)?;
         let one_step = (r.lengths.iter().sum(), 1);
         let (w, value_a) = token_weights(&adv, &r.lengths, GrpoLoss::Bnpo, 6, one_step);
@@ -363,14 +370,17 @@ fn held_out_prompts_are_evaluated_on_every_layout() -> Result<()> {
 #[test]
 fn truncated_completions_are_masked() -> Result<()> {
     let micro = |rewards: Vec<f64>, lengths: Vec<usize>, truncated: Vec<bool>| Rollout {
+        docs: Vec::new(),
         rows: Vec::new(),
         slots: Tensor::zeros(1, DType::U32, &Device::Cpu).expect("slots"),
+        advantages: Vec::new(),
         weights: Vec::new(),
         norms: Vec::new(),
         value: 0.0,
         rewards,
         lengths,
         truncated,
+        old: None,
     };
     for loss in [GrpoLoss::Bnpo, GrpoLoss::Dapo, GrpoLoss::Grpo] {
         let cfg = GrpoConfig { num_generations: 2, max_completion_length: 6, mask_truncated_completions: true, ..grpo_cfg(loss, ScaleRewards::None) };

@@ -77,6 +77,10 @@ pub struct StepMetrics {
     /// A GRPO run's mean per-token KL estimate to its reference (with `beta` > 0).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub grpo_kl: Option<f64>,
+    /// A GRPO run's fraction of completion tokens whose ratio `π/π_old` was clipped (the steps
+    /// that train on an earlier step's completions, `num_iterations` > 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub grpo_clip_ratio: Option<f64>,
     /// A GRPO run's held-out reward: the mean reward of a greedy completion of each held-out
     /// prompt, where evaluated.
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -221,6 +225,7 @@ mod tests {
             grpo_reward: step.is_multiple_of(8).then_some(0.625),
             completion_length: step.is_multiple_of(8).then_some(3.5),
             grpo_kl: step.is_multiple_of(8).then_some(0.0625),
+            grpo_clip_ratio: step.is_multiple_of(8).then_some(0.03125),
             eval_reward: step.is_multiple_of(8).then_some(0.4375),
             eval_dpo_accuracy: step.is_multiple_of(4).then_some(0.75),
         }

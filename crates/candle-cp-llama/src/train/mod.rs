@@ -17,6 +17,7 @@ mod dpo_run;
 pub mod dpo_loss;
 pub mod eval;
 pub mod grpo;
+pub mod grpo_run;
 pub mod kto;
 pub mod ld_dpo;
 mod grad_step;

@@ -346,7 +346,7 @@ pub fn train_rank(
     let mut dpo = super::dpo::prepare(cfg, &model, (&varmap, &mcfg), &ctx, &dev, resume_from.as_deref().filter(|_| start_step > 0), is_main)?;
     // GRPO: the prompts whose completions each micro-batch samples (and, with a KL term, the
     // reference: the model as the run started, read back from the checkpoint on resume)
-    let grpo = super::grpo::prepare(cfg, &mcfg, (&varmap, &ctx, &dev), resume_from.as_deref().filter(|_| start_step > 0))?;
+    let mut grpo = super::grpo_run::prepare(cfg, &mcfg, (&varmap, &ctx, &dev), resume_from.as_deref().filter(|_| start_step > 0))?;
     // BCO: the running mean reward as the resumed checkpoint left it
     if let (Some(d), Some(m)) = (dpo.as_mut(), state.as_ref().and_then(|s| s.bco_mean)) {
         d.running = m;
@@ -363,7 +363,7 @@ pub fn train_rank(
         _ => None,
     };
 
-    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, (bco_mean, reference): (Option<super::bco::RunningMean>, Option<&super::tr_dpo::RefModel>)| -> Result<()> {
+    let save = |step: usize, opt: &AdamW, tokens_seen: u64, elapsed: f64, (bco_mean, reference, grpo): (Option<super::bco::RunningMean>, Option<&super::tr_dpo::RefModel>, Option<&super::grpo_run::GrpoRun>)| -> Result<()> {
         let Some(root) = &ckpt_root else {
             return Ok(());
         };
@@ -395,6 +395,10 @@ pub fn train_rank(
         // (TR-DPO: the reference as it is, for a resumed run to go on with)
         if let Some(r) = reference {
             r.save(&tmp.join("reference"), &ctx, is_main)?;
+        }
+        // (GRPO: the completions the next steps still train on)
+        if let Some(g) = grpo {
+            g.save(&tmp, step, is_main)?;
         }
         opt.save_from(opt_file(&tmp), opt_writer)?;
         world.barrier()?;
@@ -432,24 +436,23 @@ pub fn train_rank(
         // GRPO: the step's rewards, completion tokens and completions
         let mut grpo_sums = [0f64; 3];
         let mut grpo_kl = 0f64;
+        let mut grpo_clip: Option<f64> = None;
         let mut aux_sum: Option<f64> = None;
         let mut load_sum: Option<f64> = None;
         // each sparse layer's expert counts over this rank's tokens, summed over micro-batches
         let mut counts: Vec<Vec<usize>> = Vec::new();
         // GRPO: the step's completions sampled from the policy as it is (its parameters whole
-        // first), rewarded, packed and weighed, before its first micro-batch trains
-        let mut rollouts = match &grpo {
-            Some(g) => {
+        // first), rewarded, packed and weighed, before its first micro-batch trains — every
+        // num_iterations steps; the steps between train on the kept ones
+        if let Some(g) = grpo.as_mut() {
+            if g.samples_at(step)? {
                 param_gather.finish()?;
-                let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(&model, &g.cfg, &g.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), &dev)).collect::<Result<Vec<_>>>()?;
-                super::grpo::weigh_step(&mut r, &g.cfg)?;
-                r.into_iter().map(Some).collect()
+                g.sample(&model, cfg, step, &dev)?;
             }
-            None => Vec::new(),
-        };
+        }
         for micro in 0..cfg.grad_accum {
-            let rollout = rollouts.get_mut(micro).and_then(Option::take);
-            let (ids, mask, docs) = match &rollout {
+            let rollout = grpo.as_ref().map(|g| g.rollout(micro)).transpose()?;
+            let (ids, mask, docs) = match rollout {
                 Some(r) => {
                     grpo_sums[0] += r.rewards.iter().sum::<f64>();
                     grpo_sums[1] += r.lengths.iter().sum::<usize>() as f64;
@@ -499,14 +502,18 @@ pub fn train_rank(
             // (DPO: the objective in f64 from its terms, not the node's f32 value, which carries
             // the linearised sum `Σ w_t·nll_t` — far larger than the loss where the weights are,
             // as under an α-divergence without a reference — to float32's precision)
-            let (loss, mut exact) = match (&mut dpo, rollout.as_ref().zip(grpo.as_ref())) {
-                // (GRPO: the completions' tokens, marked, weighted by their advantages)
-                (None, Some((r, g))) => {
+            let (loss, mut exact) = match (&mut dpo, &grpo) {
+                // (GRPO: the completions' tokens, marked, weighted by their advantages and
+                // clipped ratios)
+                (None, Some(g)) => {
                     // (the KL term: the reference's per-token losses of the same rows)
                     let ref_nll = g.reference_nll(&sb, &dev)?;
-                    let (l, value, kl) = r.loss(&nll, ref_nll.as_deref(), g.cfg.beta, (&labels, &lr_mask), &ctx, &token_group)?;
-                    grpo_kl += kl;
-                    (l, Some(value))
+                    let t = g.rollout(micro)?.loss(&nll, ref_nll.as_deref(), &g.cfg, (&labels, &lr_mask), &ctx, &token_group)?;
+                    grpo_kl += t.kl;
+                    if let Some(c) = t.clipped {
+                        *grpo_clip.get_or_insert(0.0) += c;
+                    }
+                    (t.node, Some(t.value))
                 }
                 // (the marks sharded above: DPO's answers are the marked tokens)
                 (Some(d), _) => {
@@ -545,6 +552,11 @@ pub fn train_rank(
                 None => loss.to_scalar::<f32>()? as f64,
             };
             let values: Vec<f32> = nll.detach().to_device(&host)?.to_vec1()?;
+            // (GRPO with num_iterations > 1: this forward's losses are π_old's for the
+            // generation's later steps)
+            if let (Some(g), true) = (grpo.as_mut(), dpo.is_none()) {
+                g.record_old(micro, &values, &ctx, &token_group)?;
+            }
             for (acc, x) in terms
                 .iter_mut()
                 .zip(nll_terms(&values, &labels, &lr_mask))
@@ -654,6 +666,7 @@ pub fn train_rank(
             grpo_reward: grpo.as_ref().map(|_| grpo_sums[0] / grpo_sums[2].max(1.0)),
             completion_length: grpo.as_ref().map(|_| grpo_sums[1] / grpo_sums[2].max(1.0)),
             grpo_kl: grpo.as_ref().filter(|g| g.cfg.beta > 0.0).map(|_| grpo_kl * inv_accum),
+            grpo_clip_ratio: grpo_clip.map(|c| c * inv_accum),
             eval_reward,
             eval_dpo_accuracy,
         };
@@ -687,7 +700,7 @@ pub fn train_rank(
                 &opt,
                 tokens_seen,
                 prev_elapsed + t_start.elapsed().as_secs_f64(),
-                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref()).or(grpo.as_ref().and_then(|g| g.reference.as_ref().and_then(|r| r.0.as_ref())))),
+                (dpo.as_ref().filter(|d| d.cfg.keeps_running_mean()).map(|d| d.running), dpo.as_ref().and_then(|d| d.reference_weights.as_ref()).or(grpo.as_ref().and_then(|g| g.reference.as_ref().and_then(|r| r.0.as_ref()))), grpo.as_ref()),
             )?;
             if let (Some(p), Some(o), true) = (&metrics_path, &cfg.out, is_main) {
                 plot_metrics(p, &o.join("loss.png"))?;

@@ -1,0 +1,372 @@
+//! A GRPO run beside the trainer ([`super::grpo`] has the objective): the completions it trains
+//! on until the next generation (`num_iterations` steps), `π_old`'s per-token losses, the
+//! clipped loss of a micro-batch, and the completions' place in checkpoints.
+//!
+//! ```text
+//! step      s            s+1          …   s+μ−1        s+μ
+//!           sample ──►   (kept)           (kept)       sample ──► …
+//!           forward: ρ=1, records π_old's nll for every target (summed over the ranks
+//!           holding distinct tokens, so every rank keeps all of them, by b·T + t)
+//!                        ρ_t = e^(nll_old − nll)   clipped to [1 − ε, 1 + ε_high]
+//! ```
+
+use super::grpo::{GrpoConfig, ImportanceLevel, PromptSet, Rollout};
+use crate::{shard_batch, Llama, ParallelCtx, IGNORE};
+use candle_core::{bail, DType, Device, Result, Tensor};
+use serde::{Deserialize, Serialize};
+use std::path::Path;
+
+/// The clipped surrogate of one ratio `r` with advantage `a` and clip range `(ε, ε_high)`:
+/// the derivative of `−min(r·a, clip(r, 1 − ε, 1 + ε_high)·a)` with respect to `nll = −log π`
+/// (`r·a`, or 0 where the clip holds), its value, and whether it is clipped.
+pub fn clipped_surrogate(r: f64, a: f64, (lo, hi): (f64, f64)) -> (f64, f64, bool) {
+    let c = r.clamp(1.0 - lo, 1.0 + hi);
+    let clipped = (a > 0.0 && r > 1.0 + hi) || (a < 0.0 && r < 1.0 - lo);
+    (if clipped { 0.0 } else { r * a }, -(r * a).min(c * a), clipped)
+}
+
+/// What a micro-batch's GRPO loss reports ([`Rollout::loss`]).
+pub(crate) struct GrpoTerms {
+    /// The node to back-propagate (its value TRL's loss).
+    pub node: Tensor,
+    /// TRL's loss.
+    pub value: f64,
+    /// The mean per-token KL over the completions (0 without the term).
+    pub kl: f64,
+    /// The fraction of completion tokens whose ratio is clipped (`None` at the ratio 1).
+    pub clipped: Option<f64>,
+}
+
+impl Rollout {
+    /// The global index `b·T + t` of each of this rank's positions (as its per-token losses
+    /// are laid out).
+    fn positions(&self, ctx: &ParallelCtx) -> Result<Vec<u32>> {
+        let (b, t) = self.slots.dims2()?;
+        let idx = Tensor::arange(0u32, (b * t) as u32, &Device::Cpu)?.reshape((b, t))?;
+        shard_batch(&idx, ctx)?.input_ids.flatten_all()?.to_vec1()
+    }
+
+    /// Keeps this rank's per-token losses `values` (the forward of the step that sampled the
+    /// rollout) as `π_old`'s, by global position, summed over `group` (the ranks holding
+    /// distinct tokens) so that every rank has every target's. Collective over `group`.
+    pub(crate) fn record_old(&mut self, values: &[f32], ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<()> {
+        let pos = self.positions(ctx)?;
+        if pos.len() != values.len() {
+            bail!("grpo: {} per-token losses for {} positions", values.len(), pos.len())
+        }
+        let mut all = vec![0f64; self.slots.elem_count()];
+        for (&p, &v) in pos.iter().zip(values) {
+            all[p as usize] = v as f64;
+        }
+        // (each position held by one rank of the group: x + 0 + … is x exactly)
+        self.old = Some(super::dpo::sum_over(&all, group)?.into_iter().map(|x| x as f32).collect());
+        Ok(())
+    }
+
+    /// The micro-batch's loss node: `Σ_t w_t·nll_t` over this rank's completion targets (`nll`
+    /// its per-token losses, flattened, on the compute device; `labels` and `marks` the
+    /// shard's, as the trainer has them), `w_t` the clipped surrogate's derivative
+    /// `k_i·A_i·ρ` (or `k_i·A_i` before `π_old` is recorded: the ratio 1) plus, with `beta` >
+    /// 0 and the reference's per-token losses `ref_nll`, the KL term's `k_i·β·(e^(ref − log π)
+    /// − 1)`, shifted so that its value is TRL's loss. Collective over `group` (the ranks
+    /// holding distinct tokens) with the KL term or a ratio.
+    pub(crate) fn loss(&self, nll: &Tensor, ref_nll: Option<&[f32]>, cfg: &GrpoConfig, (labels, marks): (&[u32], &[u32]), ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<GrpoTerms> {
+        let slots: Vec<u32> = shard_batch(&self.slots, ctx)?.labels.flatten_all()?.to_vec1()?;
+        let n = slots.len();
+        if n != nll.elem_count() || labels.len() != n || marks.len() != n || ref_nll.is_some_and(|r| r.len() != n) {
+            bail!("grpo: {} per-token losses for {} labels, {} marks, {} slots and {:?} reference losses", nll.elem_count(), labels.len(), marks.len(), n, ref_nll.map(<[f32]>::len))
+        }
+        let beta = cfg.beta;
+        let kl_on = beta > 0.0;
+        if kl_on && ref_nll.is_none() {
+            bail!("grpo: the KL term (beta {beta}) needs the reference's per-token losses")
+        }
+        // (π_old's losses at this rank's positions)
+        let old: Option<Vec<f32>> = match &self.old {
+            Some(o) => Some(self.positions(ctx)?.iter().map(|&p| o.get(p as usize).copied().unwrap_or(0.0)).collect()),
+            None => None,
+        };
+        let values: Vec<f32> = match kl_on || old.is_some() {
+            true => nll.detach().to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?,
+            false => Vec::new(),
+        };
+        // this rank's targets: (position, completion)
+        let targets: Vec<(usize, usize)> = (0..n).filter(|&i| slots[i] > 0 && labels[i] != IGNORE && marks[i] == 1).map(|i| (i, slots[i] as usize - 1)).collect();
+        let c = self.rewards.len();
+        // GSPO: each completion's ratio from its tokens' mean log-ratio over the group
+        let seq_ratio: Option<Vec<f64>> = match (&old, cfg.importance_sampling_level) {
+            (Some(o), ImportanceLevel::Sequence) => {
+                let mut s = vec![0f64; 2 * c];
+                for &(i, k) in &targets {
+                    s[k] += o[i] as f64 - values[i] as f64;
+                    s[c + k] += 1.0;
+                }
+                let s = super::dpo::sum_over(&s, group)?;
+                Some((0..c).map(|k| (s[k] / s[c + k].max(1.0)).exp()).collect())
+            }
+            _ => None,
+        };
+        // (sums: Σ k_i·kl_t, Σ kl_t, tokens, Σ k_i·surrogate_t, clipped tokens)
+        let mut sums = [0f64; 5];
+        let mut w = vec![0f32; n];
+        // (a masked completion, k_i 0: out of the loss, the KL and the token counts, as TRL's
+        // completion mask)
+        for &(i, k) in targets.iter().filter(|&&(_, k)| self.norms[k] > 0.0) {
+            let mut wt = match (&old, &seq_ratio) {
+                (None, _) => self.weights[k],
+                (Some(o), ratios) => {
+                    let r = match ratios {
+                        Some(r) => r[k],
+                        None => (o[i] as f64 - values[i] as f64).exp(),
+                    };
+                    let (g, v, clipped) = clipped_surrogate(r, self.advantages[k], (cfg.epsilon, cfg.epsilon_high));
+                    sums[3] += self.norms[k] * v;
+                    sums[4] += clipped as u8 as f64;
+                    self.norms[k] * g
+                }
+            };
+            sums[2] += 1.0;
+            if let (true, Some(r)) = (kl_on, ref_nll) {
+                // ref − log π = nll − ref_nll
+                let d = values[i] as f64 - r[i] as f64;
+                let k3 = d.exp() - d - 1.0;
+                sums[0] += self.norms[k] * k3;
+                sums[1] += k3;
+                wt += self.norms[k] * beta * (d.exp() - 1.0);
+            }
+            w[i] = wt as f32;
+        }
+        let sums = match kl_on || old.is_some() {
+            true => super::dpo::sum_over(&sums, group)?,
+            false => sums.to_vec(),
+        };
+        let value = match old {
+            Some(_) => sums[3],
+            None => self.value,
+        } + beta * sums[0];
+        let graph = (nll.to_dtype(DType::F32)? * Tensor::from_vec(w, nll.shape(), nll.device())?)?.sum_all()?;
+        // (each rank's node has the loss's value, as every loss's; its gradient is its share)
+        let gv = graph.to_scalar::<f32>()? as f64;
+        Ok(GrpoTerms {
+            node: (graph + (value - gv))?,
+            value,
+            kl: if kl_on { sums[1] / sums[2].max(1.0) } else { 0.0 },
+            clipped: self.old.as_ref().map(|_| sums[4] / sums[2].max(1.0)),
+        })
+    }
+}
+
+/// The completions a run trains on until its next generation.
+pub(crate) struct Kept {
+    /// The step that sampled them.
+    pub at: usize,
+    /// One per micro-batch.
+    pub rollouts: Vec<Rollout>,
+}
+
+/// The file in a checkpoint that keeps the completions of a generation not yet used up.
+const KEPT_FILE: &str = "grpo_rollouts.json";
+
+/// [`Kept`] as a checkpoint holds it (floats by their bits: read back exactly).
+#[derive(Serialize, Deserialize)]
+struct SavedRollouts {
+    generated_at: usize,
+    micro_batches: Vec<SavedMicro>,
+}
+
+#[derive(Serialize, Deserialize)]
+struct SavedMicro {
+    prompts: Vec<Vec<u32>>,
+    completions: Vec<Vec<u32>>,
+    rewards: Vec<u64>,
+    old: Option<Vec<u32>>,
+}
+
+/// A GRPO run beside the trainer: its settings, prompts, (with the KL term) reference and the
+/// completions of its latest generation.
+pub(crate) struct GrpoRun {
+    pub cfg: GrpoConfig,
+    pub set: PromptSet,
+    /// The reference's weights (kept in checkpoints; `None` for a LoRA run's, its frozen base)
+    /// and model (with `beta` > 0).
+    pub reference: Option<(Option<super::tr_dpo::RefModel>, Llama)>,
+    /// The held-out prompts (with [`super::TrainConfig::eval`]).
+    pub eval: Option<PromptSet>,
+    /// The latest generation's completions (`None` before the first).
+    pub kept: Option<Kept>,
+}
+
+impl GrpoRun {
+    /// Whether step `step` samples completions (a multiple of `num_iterations`); errors when
+    /// it trains on an earlier generation's that the run does not hold (a resumed checkpoint
+    /// without them).
+    pub(crate) fn samples_at(&self, step: usize) -> Result<bool> {
+        let from = step - step % self.cfg.num_iterations;
+        match (&self.kept, from == step) {
+            (_, true) => Ok(true),
+            (Some(k), false) if k.at == from => Ok(false),
+            (k, false) => bail!("grpo: step {} trains on the completions sampled at step {} (num_iterations {}), but the run holds {}: resume from a checkpoint written with them, or with num_iterations dividing its step", step + 1, from + 1, self.cfg.num_iterations, match k {
+                Some(k) => format!("step {}'s", k.at + 1),
+                None => "none".into(),
+            }),
+        }
+    }
+
+    /// Samples, rewards and weighs step `step`'s completions (`cfg.grad_accum` micro-batches)
+    /// by `model` as it is and keeps them. Collective over the world.
+    pub(crate) fn sample(&mut self, model: &Llama, cfg: &super::TrainConfig, step: usize, dev: &Device) -> Result<()> {
+        let mut r = (0..cfg.grad_accum).map(|micro| super::grpo::rollout(model, &self.cfg, &self.set, cfg.seed, (step, micro), (cfg.batch, cfg.seq_len), dev)).collect::<Result<Vec<_>>>()?;
+        super::grpo::weigh_step(&mut r, &self.cfg)?;
+        self.kept = Some(Kept { at: step, rollouts: r });
+        Ok(())
+    }
+
+    /// Micro-batch `micro`'s rollout of the kept generation.
+    pub(crate) fn rollout(&self, micro: usize) -> Result<&Rollout> {
+        self.kept.as_ref().and_then(|k| k.rollouts.get(micro)).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no rollout for micro-batch {micro}")))
+    }
+
+    /// Keeps micro-batch `micro`'s `π_old` (this rank's per-token losses `values` of its
+    /// forward) when later steps train on it (`num_iterations` > 1) and it has none yet.
+    /// Collective over `group`.
+    pub(crate) fn record_old(&mut self, micro: usize, values: &[f32], ctx: &ParallelCtx, group: &candle_cp_comm::Group) -> Result<()> {
+        if self.cfg.num_iterations < 2 {
+            return Ok(());
+        }
+        match self.kept.as_mut().and_then(|k| k.rollouts.get_mut(micro)) {
+            Some(r) if r.old.is_none() => r.record_old(values, ctx, group),
+            _ => Ok(()),
+        }
+    }
+
+    /// Writes the kept completions into checkpoint `dir` (by `write`: the main rank) when the
+    /// step after `done` steps still trains on them.
+    pub(crate) fn save(&self, dir: &Path, done: usize, write: bool) -> Result<()> {
+        let Some(k) = self.kept.as_ref().filter(|_| write && !done.is_multiple_of(self.cfg.num_iterations)) else { return Ok(()) };
+        let saved = SavedRollouts {
+            generated_at: k.at,
+            micro_batches: k
+                .rollouts
+                .iter()
+                .map(|r| SavedMicro {
+                    prompts: r.docs.iter().map(|d| d.0.clone()).collect(),
+                    completions: r.docs.iter().map(|d| d.1.clone()).collect(),
+                    rewards: r.rewards.iter().map(|x| x.to_bits()).collect(),
+                    old: r.old.as_ref().map(|o| o.iter().map(|x| x.to_bits()).collect()),
+                })
+                .collect(),
+        };
+        let p = dir.join(KEPT_FILE);
+        let text = serde_json::to_string(&saved).map_err(|e| candle_core::Error::Msg(format!("grpo: {e}")))?;
+        std::fs::write(&p, text).map_err(|e| candle_core::Error::Msg(format!("grpo: writing {}: {e}", p.display())))
+    }
+
+    /// The completions checkpoint `dir` kept (`None` where it holds none), packed into `cfg`'s
+    /// rows and weighed again.
+    fn resumed(dir: &Path, g: &GrpoConfig, cfg: &super::TrainConfig) -> Result<Option<Kept>> {
+        let p = dir.join(KEPT_FILE);
+        if !p.exists() {
+            return Ok(None);
+        }
+        let e = |x: String| candle_core::Error::Msg(format!("grpo: reading {}: {x}", p.display()));
+        let text = std::fs::read_to_string(&p).map_err(|x| e(x.to_string()))?;
+        let saved: SavedRollouts = serde_json::from_str(&text).map_err(|x| e(x.to_string()))?;
+        if saved.micro_batches.len() != cfg.grad_accum {
+            return Err(e(format!("{} micro-batches kept, the run takes {} per step", saved.micro_batches.len(), cfg.grad_accum)));
+        }
+        let mut rollouts = Vec::new();
+        for m in saved.micro_batches {
+            if m.prompts.len() != m.completions.len() || m.old.as_ref().is_some_and(|o| o.len() != cfg.batch * cfg.seq_len) {
+                return Err(e(format!("{} prompts, {} completions and {:?} old losses for rows [{}, {}]", m.prompts.len(), m.completions.len(), m.old.as_ref().map(Vec::len), cfg.batch, cfg.seq_len)));
+            }
+            let mut r = Rollout::packed(m.prompts.into_iter().zip(m.completions).collect(), m.rewards.into_iter().map(f64::from_bits).collect(), g, (cfg.batch, cfg.seq_len))?;
+            r.old = m.old.map(|o| o.into_iter().map(f32::from_bits).collect());
+            rollouts.push(r);
+        }
+        super::grpo::weigh_step(&mut rollouts, g)?;
+        Ok(Some(Kept { at: saved.generated_at, rollouts }))
+    }
+
+    /// The held-out reward: the mean reward of one greedy completion of every held-out prompt
+    /// (at most `max_completion_length` tokens, ending at the stop tokens) under `model` as it
+    /// is; `None` without held-out prompts. Each prompt is generated as `dp` copies of itself
+    /// (every DP replica one row). Collective over the world.
+    pub(crate) fn evaluate(&self, model: &Llama, ctx: &ParallelCtx, dev: &Device) -> Result<Option<f64>> {
+        let Some(set) = &self.eval else { return Ok(None) };
+        model.set_lora_dropout(None)?;
+        let dp = ctx.layout.dp.max(1);
+        let mut total = 0.0;
+        for i in 0..set.len() {
+            let (prompt, answer) = set.get(i).ok_or_else(|| candle_core::Error::Msg(format!("grpo: no held-out prompt {i}")))?;
+            let ids = Tensor::from_vec(prompt.repeat(dp), (dp, prompt.len()), dev)?;
+            let out = model.generate_until(&ids, self.cfg.max_completion_length, crate::sampling::Sampling::Greedy, &self.cfg.stop)?;
+            let completion = out.tokens.first().ok_or_else(|| candle_core::Error::Msg("grpo: no completion".into()))?;
+            total += (self.cfg.reward)(prompt, completion, answer);
+        }
+        Ok(Some(total / set.len().max(1) as f64))
+    }
+
+    /// The reference's per-token losses of the rows `sb` (this rank's shard, as the policy's
+    /// forward takes them), flattened; `None` without the KL term. Collective over the world.
+    pub(crate) fn reference_nll(&self, sb: &crate::ShardedBatch, dev: &Device) -> Result<Option<Vec<f32>>> {
+        let Some((_, m)) = &self.reference else { return Ok(None) };
+        let nll = m.token_nll_packed(&sb.input_ids.to_device(dev)?, &sb.labels.to_device(dev)?, &sb.positions.to_device(dev)?, &sb.documents)?;
+        Ok(Some(nll.detach().flatten_all()?.to_device(&Device::Cpu)?.to_dtype(DType::F32)?.to_vec1()?))
+    }
+}
+
+/// A run's GRPO (`None` without [`super::TrainConfig::grpo`]): its settings checked against
+/// the data, the layout and the rows; with the KL term, the reference — this rank's copy of the
+/// model as the run starts, or a resumed run's from its checkpoint (`resume_dir/reference`);
+/// a resumed run's kept completions.
+pub(crate) fn prepare(cfg: &super::TrainConfig, mcfg: &crate::LlamaConfig, (policy, ctx, dev): (&candle_nn::VarMap, &ParallelCtx, &Device), resume_dir: Option<&Path>) -> Result<Option<GrpoRun>> {
+    let (g, set) = match (&cfg.grpo, &cfg.data) {
+        (None, super::DataSource::Prompts(_)) => bail!("train: prompts train by GRPO: set grpo"),
+        (None, _) => return Ok(None),
+        (Some(g), super::DataSource::Prompts(set)) => (g, set),
+        (Some(_), _) => bail!("train: GRPO samples completions of prompts (DataSource::Prompts)"),
+    };
+    g.validate()?;
+    if cfg.dpo.is_some() {
+        bail!("train: a GRPO run takes no dpo")
+    }
+    let eval = match cfg.eval.as_ref().map(|e| &e.data) {
+        None => None,
+        Some(super::DataSource::Prompts(s)) => Some(s.clone()),
+        Some(_) => bail!("train: a GRPO run's held-out data must be prompts too"),
+    };
+    if !g.num_generations.is_multiple_of(ctx.layout.dp) {
+        bail!("train: GRPO's {} completions per prompt are generated split over DP: dp = {} must divide num_generations", g.num_generations, ctx.layout.dp)
+    }
+    if set.vocab_needed() > mcfg.vocab_size {
+        bail!("train: the prompts use {} token ids, the model's vocabulary is {}", set.vocab_needed(), mcfg.vocab_size)
+    }
+    g.check_fits(set, cfg.batch, cfg.seq_len)?;
+    let reference = match g.beta > 0.0 {
+        false => None,
+        // (a LoRA run's reference: its frozen base, the same tensors read without the adapters,
+        // as PEFT's disabled adapters — nothing copied, nothing to checkpoint)
+        true if cfg.lora.is_some() => {
+            if cfg.quantize_base.is_some() || mcfg.lora.as_ref().is_some_and(|l| !l.modules_to_save.is_empty()) {
+                bail!("train: GRPO's KL term (beta {}) with LoRA takes the frozen base as its reference: not with a quantized base or modules trained whole (modules_to_save): set beta 0", g.beta)
+            }
+            let base = crate::LlamaConfig { lora: None, ..mcfg.clone() };
+            Some((None, Llama::new(super::lora::frozen_builder(policy, &base, cfg.dtype, dev)?, &base, ctx)?))
+        }
+        true => {
+            let r = match resume_dir {
+                Some(d) => super::tr_dpo::RefModel::resumed(d, "GRPO", ctx, dev, cfg.dtype, cfg.sliding_window)?,
+                None => super::tr_dpo::RefModel::copy_of(policy, mcfg)?,
+            };
+            r.check_matches(policy)?;
+            let m = r.model(cfg.dtype, dev, ctx)?;
+            Some((Some(r), m))
+        }
+    };
+    let kept = resume_dir.map(|d| GrpoRun::resumed(d, g, cfg)).transpose()?.flatten();
+    Ok(Some(GrpoRun { cfg: g.clone(), set: set.clone(), reference, eval, kept }))
+}
+
+#[cfg(test)]
+#[path = "grpo_run_tests.rs"]
+mod tests;

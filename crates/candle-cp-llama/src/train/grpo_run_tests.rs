@@ -1,0 +1,242 @@
+use super::*;
+use crate::sampling::Sampling;
+use crate::train::grpo::{GrpoLoss, ScaleRewards};
+use crate::train::sft::bytes_of;
+use crate::train::{DataSource, ModelSource, TrainConfig};
+use crate::{init_params, shard_params, CpKind, Layout, LlamaConfig};
+use candle_cp_comm::run_ranks;
+use candle_nn::VarBuilder;
+use std::sync::Arc;
+
+/// The clipped surrogate: inside the range `−r·a` with derivative `r·a` with respect to the
+/// loss; a positive advantage clipped above `1 + ε_high`, a negative one below `1 − ε` (value
+/// from the clip, derivative 0); the other sides unclipped; the derivative the finite
+/// difference of the value in `nll` (`r = e^(old − nll)`).
+#[test]
+fn clipped_surrogate_follows_trls_min() {
+    let eps = (0.2, 0.28);
+    for (r, a, clipped) in [(1.1, 2.0, false), (1.3, 2.0, true), (1.3, -2.0, false), (0.7, -1.0, true), (0.7, 1.0, false), (1.25, 0.5, false), (0.85, -0.5, false)] {
+        let (g, v, c) = clipped_surrogate(r, a, eps);
+        assert_eq!(c, clipped, "r {r} a {a}");
+        let want = -(r * a).min(r.clamp(1.0 - eps.0, 1.0 + eps.1) * a);
+        assert!((v - want).abs() < 1e-15, "r {r} a {a}: {v} vs {want}");
+        // ∂/∂nll by central differences (log r = old − nll)
+        let h = 1e-6;
+        let at = |dn: f64| clipped_surrogate(r * (-dn).exp(), a, eps).1;
+        let fd = (at(h) - at(-h)) / (2.0 * h);
+        assert!((g - fd).abs() < 1e-6, "r {r} a {a}: derivative {g} vs {fd}");
+    }
+}
+
+fn reverse_prompts(n: usize, seed: u64) -> Result<PromptSet> {
+    let mut rng = super::super::rng::Rng::new(seed);
+    let mut text = String::new();
+    for _ in 0..n {
+        let p: String = (0..2 + rng.below(3)).map(|_| (b'a' + rng.below(6) as u8) as char).collect();
+        let c: String = p.chars().rev().map(|x| x.to_ascii_uppercase()).collect();
+        text.push_str(&format!("{{\"prompt\": \"{p}=\", \"completion\": \"{c}\"}}\n"));
+    }
+    PromptSet::from_marked(crate::train::sft::read_sft(&text, &bytes_of, Some(2), None)?)
+}
+
+fn capitals() -> super::super::grpo::RewardFn {
+    Arc::new(|_, c, _| c.iter().filter(|&&t| (65..91).contains(&t)).count() as f64 / c.len().max(1) as f64)
+}
+
+fn grpo_cfg(level: ImportanceLevel, num_iterations: usize) -> GrpoConfig {
+    GrpoConfig {
+        num_generations: 4,
+        max_completion_length: 6,
+        loss_type: GrpoLoss::Bnpo,
+        scale_rewards: ScaleRewards::None,
+        num_iterations,
+        epsilon_high: 0.28,
+        importance_sampling_level: level,
+        ..GrpoConfig::new(2, capitals(), vec![2], 7)
+    }
+}
+
+/// With `π_old` recorded (here another model's per-token losses, so the ratios spread past the
+/// clip range on both sides), the node's value is TRL's clipped loss and its gradient the
+/// autograd gradient of `Σ_i k_i·Σ_t −min(ρ·A_i, clip(ρ)·A_i)` — per token, and per sequence
+/// (GSPO: `ρ_i = exp(mean_t(old − nll))`, through the mean) —, with the KL term (β 0.05); the
+/// clipped fraction is the tokens' where the clip holds; `π_old` recorded from the policy's
+/// own losses gives the ratio 1 (the loss of no ratio).
+#[test]
+fn clipped_loss_follows_autograd() -> Result<()> {
+    let set = reverse_prompts(6, 1)?;
+    let mcfg = LlamaConfig::tiny(128, 32, 1, 2, 1);
+    for level in [ImportanceLevel::Token, ImportanceLevel::Sequence] {
+        // (GSPO's clip range is narrow: a sequence's mean log-ratio moves little)
+        let (epsilon, epsilon_high) = match level {
+            ImportanceLevel::Token => (0.2, 0.28),
+            ImportanceLevel::Sequence => (0.03, 0.04),
+        };
+        let cfg = GrpoConfig { beta: 0.05, epsilon, epsilon_high, ..grpo_cfg(level, 2) };
+        let out = run_ranks(1, |g| {
+            let ctx = ParallelCtx::single(g)?;
+            let dev = Device::Cpu;
+            let vm = shard_params(&init_params(&mcfg, 5, DType::F32, &dev)?, &mcfg, &ctx)?;
+            let m = Llama::new(VarBuilder::from_varmap(&vm, DType::F32, &dev), &mcfg, &ctx)?;
+            let ovm = shard_params(&init_params(&mcfg, 6, DType::F32, &dev)?, &mcfg, &ctx)?;
+            let old_model = Llama::new(VarBuilder::from_varmap(&ovm, DType::F32, &dev), &mcfg, &ctx)?;
+            let mut step = [super::super::grpo::rollout(&m, &cfg, &set, 3, (0, 0), (2, 48), &dev)?];
+            super::super::grpo::weigh_step(&mut step, &cfg)?;
+            let [mut r] = step;
+            let ids: Vec<u32> = r.rows.iter().flat_map(|s| s.tokens.iter().copied()).collect();
+            let ids = Tensor::from_vec(ids, (2, 48), &dev)?;
+            let marks: Vec<u32> = r.rows.iter().flat_map(|s| s.long_range.iter().map(|&b| b as u32)).collect();
+            let docs: Vec<_> = r.rows.iter().map(|s| s.documents.clone().expect("documents")).collect();
+            let sb = crate::packed::shard_batch_packed(&ids, &docs, &ctx)?;
+            let labels: Vec<u32> = sb.labels.flatten_all()?.to_vec1()?;
+            let marks: Vec<u32> = shard_batch(&Tensor::from_vec(marks, (2, 48), &dev)?, &ctx)?.labels.flatten_all()?.to_vec1()?;
+            let nll = m.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?;
+            let old: Vec<f32> = old_model.token_nll_packed(&sb.input_ids, &sb.labels, &sb.positions, &sb.documents)?.flatten_all()?.to_vec1()?;
+            // (the reference: the old model too)
+            let no_ratio = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            let own: Vec<f32> = nll.to_vec1()?;
+            r.record_old(&own, &ctx, ctx.token_group())?;
+            let unit = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            assert!((unit.value - no_ratio.value).abs() < 1e-6 && unit.clipped == Some(0.0), "ratio 1: {} vs {}", unit.value, no_ratio.value);
+            r.record_old(&old, &ctx, ctx.token_group())?;
+            let t = r.loss(&nll, Some(&old), &cfg, (&labels, &marks), &ctx, ctx.token_group())?;
+            // by autograd: per position its completion (slots), A and k
+            let slots: Vec<u32> = shard_batch(&r.slots, &ctx)?.labels.flatten_all()?.to_vec1()?;
+            let n = slots.len();
+            let c = r.rewards.len();
+            let on = |i: usize| slots[i] > 0 && labels[i] != crate::IGNORE && marks[i] == 1;
+            let col = |f: &dyn Fn(usize) -> f32| Tensor::from_vec((0..n).map(f).collect::<Vec<f32>>(), n, &dev);
+            let a = col(&|i| if on(i) { r.advantages[slots[i] as usize - 1] as f32 } else { 0.0 })?;
+            let k = col(&|i| if on(i) { r.norms[slots[i] as usize - 1] as f32 } else { 0.0 })?;
+            let keep = col(&|i| on(i) as u8 as f32)?;
+            let old_t = Tensor::from_vec(old.clone(), n, &dev)?;
+            let log_ratio = ((&old_t - &nll)? * &keep)?;
+            let ratio = match level {
+                ImportanceLevel::Token => log_ratio.exp()?,
+                ImportanceLevel::Sequence => {
+                    // [n, C] one-hot of each position's completion over its length
+                    let mut onehot = vec![0f32; n * c];
+                    for i in (0..n).filter(|&i| on(i)) {
+                        let s = slots[i] as usize - 1;
+                        onehot[i * c + s] = 1.0 / r.lengths[s] as f32;
+                    }
+                    let oh = Tensor::from_vec(onehot.clone(), (n, c), &dev)?;
+                    // [1, C]: each completion's mean log-ratio
+                    let mean = log_ratio.unsqueeze(0)?.matmul(&oh)?;
+                    let back = Tensor::from_vec(onehot.iter().map(|&x| (x > 0.0) as u8 as f32).collect::<Vec<_>>(), (n, c), &dev)?;
+                    mean.exp()?.broadcast_mul(&back)?.sum(1)?
+                }
+            };
+            let ratio = ratio.reshape(n)?;
+            let clip = ratio.clamp(1.0 - cfg.epsilon, 1.0 + cfg.epsilon_high)?;
+            let surrogate = (ratio.mul(&a)?.minimum(&clip.mul(&a)?)?.neg()? * &keep)?;
+            let d = (&nll - &old_t)?;
+            let k3 = (((d.exp()? - &d)? - 1.0)? * &keep)?;
+            let direct = ((surrogate + (k3 * cfg.beta)?)? * &k)?.sum_all()?;
+            let want = direct.to_scalar::<f32>()? as f64;
+            assert!((t.value - want).abs() < 1e-5 * want.abs().max(1.0), "{level:?}: value {} vs {want}", t.value);
+            assert!((t.node.to_scalar::<f32>()? as f64 - want).abs() < 1e-5 * want.abs().max(1.0));
+            // the clipped fraction by hand
+            let (rv, av): (Vec<f32>, Vec<f32>) = (ratio.to_vec1()?, a.to_vec1()?);
+            let counted: Vec<usize> = (0..n).filter(|&i| on(i)).collect();
+            let clipped = counted.iter().filter(|&&i| (av[i] > 0.0 && rv[i] as f64 > 1.0 + cfg.epsilon_high) || (av[i] < 0.0 && (rv[i] as f64) < 1.0 - cfg.epsilon)).count() as f64 / counted.len() as f64;
+            assert!(t.clipped.is_some_and(|x| (x - clipped).abs() < 1e-12), "{level:?}: clipped {:?} vs {clipped}", t.clipped);
+            let (g1, g2) = (t.node.backward()?, direct.backward()?);
+            let mut worst = 0f64;
+            for (name, v) in crate::params::lock_vars(&vm)?.iter() {
+                let (x, y) = (g1.get(v.as_tensor()).expect(name), g2.get(v.as_tensor()).expect(name));
+                let scale = y.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64;
+                worst = worst.max((x - y)?.abs()?.flatten_all()?.max(0)?.to_scalar::<f32>()? as f64 / scale.max(1e-12));
+            }
+            Ok((worst, clipped))
+        });
+        let (worst, clipped) = out.into_iter().next().expect("one rank")?;
+        assert!(worst < 1e-4, "{level:?}: gradients differ by {worst} relative");
+        assert!(clipped > 0.0 && clipped < 1.0, "{level:?}: the ratios spread past the clip range on some tokens only: {clipped}");
+    }
+    Ok(())
+}
+
+/// `num_iterations` 2: the completions of steps 1, 3 train steps 2, 4 again (the same rewards
+/// and lengths), step 1's and 3's ratio 1 (no clip fraction), step 2's and 4's clipped ratio
+/// (a fraction reported, step 2's strictly between 0 and 1); zigzag CP 2, ring CP 2 × DP 2 and TP 2 + SP follow one device, per
+/// token and per sequence; a run killed after step 2 and resumed from step 1's checkpoint
+/// (which keeps step 1's completions and π_old) reproduces the straight run on its layout and
+/// on one device; a checkpoint without them is refused by name.
+#[test]
+fn iterations_reuse_completions_on_every_layout() -> Result<()> {
+    let set = reverse_prompts(8, 2)?;
+    let with = |layout: Layout, level: ImportanceLevel| -> TrainConfig {
+        let mut c = TrainConfig::new(layout, ModelSource::Init(LlamaConfig::tiny(128, 32, 1, 2, 1)), DataSource::Prompts(set.clone()), 48, 4);
+        (c.batch, c.grad_accum, c.seed) = (2, 2, 3);
+        c.schedule.peak = 4e-3;
+        c.grpo = Some(GrpoConfig { loss_type: GrpoLoss::Grpo, scale_rewards: ScaleRewards::Group, sampling: Sampling::Sample { temperature: 1.0, top_k: 0, top_p: 1.0, seed: 7 }, ..grpo_cfg(level, 2) });
+        c
+    };
+    let run = |c: &TrainConfig| -> Result<Vec<crate::train::TrainOutcome>> { run_ranks(c.layout.world_size(), |g| crate::train::train_rank(g, c, &|_| {})).into_iter().collect() };
+    for level in [ImportanceLevel::Token, ImportanceLevel::Sequence] {
+        let one = run(&with(Layout::single(), level))?;
+        let m = &one[0].metrics;
+        assert_eq!((m[0].grpo_reward, m[0].completion_length), (m[1].grpo_reward, m[1].completion_length), "{level:?}: step 2 trains on step 1's completions");
+        assert_eq!((m[2].grpo_reward, m[2].completion_length), (m[3].grpo_reward, m[3].completion_length));
+        assert!(m[0].grpo_clip_ratio.is_none() && m[2].grpo_clip_ratio.is_none() && m[1].grpo_clip_ratio.is_some_and(|c| c > 0.0 && c < 1.0) && m[3].grpo_clip_ratio.is_some(), "{level:?}: step 2's clip holds on some tokens: {m:?}");
+        // (after an update the ratio is no longer 1: the loss of group-scaled grpo leaves 0)
+        assert!(m[0].train_loss.abs() < 1e-6 && m[1].train_loss.abs() > 1e-6, "{m:?}");
+        for layout in [Layout::cp(CpKind::Zigzag, 2), Layout::cp(CpKind::Ring, 2).with_dp(2), Layout::single().with_tp(2, true)] {
+            let other = run(&with(layout, level))?;
+            for (a, b) in m.iter().zip(&other[0].metrics) {
+                assert_eq!((a.grpo_reward, a.completion_length), (b.grpo_reward, b.completion_length), "{layout} {level:?} step {}: the same completions", a.step);
+                assert!((a.grad_norm - b.grad_norm).abs() < 1e-4 * a.grad_norm.max(1.0), "{layout} {level:?} step {}: |g| {} vs {}", a.step, b.grad_norm, a.grad_norm);
+                assert!((a.train_loss - b.train_loss).abs() < 1e-5, "{layout} {level:?} step {}: loss {} vs {}", a.step, b.train_loss, a.train_loss);
+                assert!(a.grpo_clip_ratio.zip(b.grpo_clip_ratio).is_none_or(|(x, y)| (x - y).abs() < 0.05), "{layout} {level:?} step {}: clipped {:?} vs {:?}", a.step, b.grpo_clip_ratio, a.grpo_clip_ratio);
+            }
+        }
+    }
+    // killed after step 2, resumed from step 1's checkpoint (mid-generation)
+    let dir = |tag: &str| std::env::temp_dir().join(format!("cp-grpo-iter-{tag}-{}", std::process::id()));
+    let (da, db) = (dir("a"), dir("b"));
+    let mut ca = with(Layout::cp(CpKind::Zigzag, 2), ImportanceLevel::Token);
+    (ca.out, ca.save_every) = (Some(da.clone()), 1);
+    let a = run(&ca)?;
+    let mut cb = ca.clone();
+    (cb.out, cb.save_every, cb.stop_after) = (Some(db.clone()), 1, Some(2));
+    run(&cb)?;
+    let ckpt = |root: &std::path::Path, step: usize| root.join("checkpoints").join(super::super::checkpoint::checkpoint_name(step));
+    assert!((1..=4).all(|s| ckpt(&da, s).join(KEPT_FILE).exists() == (s % 2 == 1)), "the kept completions in the checkpoints inside a generation (steps 1, 3) only");
+    (cb.stop_after, cb.resume) = (None, true);
+    let b = run(&cb)?;
+    assert_eq!(b[0].start_step, 1);
+    for (x, y) in a[0].metrics[1..].iter().zip(&b[0].metrics) {
+        assert!(x.step == y.step && (x.train_loss - y.train_loss).abs() < 1e-9 && x.grpo_reward == y.grpo_reward && x.grpo_clip_ratio == y.grpo_clip_ratio, "step {}: straight {x:?} vs resumed {y:?}", x.step);
+    }
+    // (resumed on one device from the zigzag run's step-1 checkpoint)
+    let mut cs = with(Layout::single(), ImportanceLevel::Token);
+    (cs.out, cs.resume) = (Some(da.clone()), true);
+    // (every checkpoint after step 1's dropped: the run resumes from it)
+    let back_to_1 = |root: &std::path::Path| -> Result<()> {
+        for (step, p) in super::super::checkpoint::list_checkpoints(root.join("checkpoints"))? {
+            if step > 1 {
+                std::fs::remove_dir_all(p)?;
+            }
+        }
+        Ok(std::fs::write(root.join("checkpoints").join("latest"), super::super::checkpoint::checkpoint_name(1))?)
+    };
+    back_to_1(&da)?;
+    let s = run(&cs)?;
+    for (x, y) in a[0].metrics[1..].iter().zip(&s[0].metrics) {
+        assert!(x.grpo_reward == y.grpo_reward && (x.train_loss - y.train_loss).abs() < 1e-5 && (x.grad_norm - y.grad_norm).abs() < 1e-4 * x.grad_norm.max(1.0), "one device, step {}: {x:?} vs {y:?}", x.step);
+    }
+    // a mid-generation checkpoint without its completions
+    back_to_1(&da)?;
+    std::fs::remove_file(ckpt(&da, 1).join(KEPT_FILE))?;
+    let e = run(&cs).unwrap_err().to_string();
+    assert!(e.contains("resume from a checkpoint written with them"), "{e}");
+    std::fs::remove_dir_all(&da)?;
+    std::fs::remove_dir_all(&db)?;
+    let mut bad = with(Layout::single(), ImportanceLevel::Token);
+    bad.grpo = Some(GrpoConfig { epsilon: 1.0, ..grpo_cfg(ImportanceLevel::Token, 2) });
+    assert!(run(&bad).unwrap_err().to_string().contains("clip range"));
+    bad.grpo = Some(GrpoConfig { num_iterations: 0, ..grpo_cfg(ImportanceLevel::Token, 2) });
+    assert!(run(&bad).unwrap_err().to_string().contains("num_iterations"));
+    Ok(())
+}
